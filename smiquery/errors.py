@@ -1,0 +1,256 @@
+"""The exception tree. Every failure smiquery reports is one of these, with a message that says what to do.
+
+::
+
+    SmiqueryError
+    ├── InvalidFieldError (+ValueError)      unknown or malformed field name; never retried
+    ├── InvalidGpuIdError (+ValueError)      malformed GPU id; never retried
+    ├── ParseError (+ValueError)             a row that does not fit: lineno, raw line, field
+    ├── NvidiaSmiNotFoundError               binary missing or not executable; never retried
+    ├── NvidiaSmiTimeoutError                no answer, or no row within the stall timeout
+    └── NvidiaSmiFailedError                 non-zero exit: argv, returncode, output
+        ├── InvalidArgumentError       (2)   nvidia-smi rejected a field or option
+        ├── NotSupportedError          (3)
+        ├── InsufficientPermissionsError (4)
+        ├── NoDevicesFoundError        (6)   no GPU, or no GPU matches the id
+        ├── DriverNotLoadedError       (9)   driver not loaded or not reachable
+        ├── NvmlNotFoundError         (12)   libnvidia-ml.so missing (containers without ``utility``)
+        ├── GpuLostError              (15)   GPU fell off the bus
+        └── DriverVersionMismatchError (18)  kernel module and user-space library differ
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "DriverNotLoadedError",
+    "DriverVersionMismatchError",
+    "GpuLostError",
+    "InsufficientPermissionsError",
+    "InvalidArgumentError",
+    "InvalidFieldError",
+    "InvalidGpuIdError",
+    "NoDevicesFoundError",
+    "NotSupportedError",
+    "NvidiaSmiFailedError",
+    "NvidiaSmiNotFoundError",
+    "NvidiaSmiTimeoutError",
+    "NvmlNotFoundError",
+    "ParseError",
+    "SmiqueryError",
+    "failure_from_exit",
+]
+
+_CONTAINER_HINT = (
+    "in a container, start it with `--gpus all` (or set NVIDIA_DRIVER_CAPABILITIES=compute,utility "
+    "with the NVIDIA runtime)"
+)
+
+
+class SmiqueryError(Exception):
+    """Base of every error smiquery raises."""
+
+    retryable = False
+
+
+class InvalidFieldError(SmiqueryError, ValueError):
+    """A field name is not in the catalogue (or was rejected by nvidia-smi).
+
+    Attributes:
+        field: the offending name.
+        suggestions: the closest valid names.
+    """
+
+    def __init__(self, field: str, suggestions: Sequence[str] = (), *, detail: str | None = None) -> None:
+        self.field = field
+        self.suggestions = tuple(suggestions)
+        if detail:
+            msg = f"invalid field {field!r}: {detail}" if field else f"invalid fields: {detail}"
+        else:
+            msg = f"unknown field {field!r}"
+            if self.suggestions:
+                msg += "; did you mean " + ", ".join(repr(s) for s in self.suggestions) + "?"
+            else:
+                msg += "; run `smiquery fields` to list valid names"
+        super().__init__(msg)
+
+
+class InvalidGpuIdError(SmiqueryError, ValueError):
+    """A GPU id is neither an index, a GPU UUID, nor a PCI bus id."""
+
+    def __init__(self, gpu_id: object) -> None:
+        self.gpu_id = gpu_id
+        super().__init__(
+            f"invalid GPU id {gpu_id!r}: use an index (0), a UUID (GPU-...) or a PCI bus id (00000000:0C:00.0)"
+        )
+
+
+class ParseError(SmiqueryError, ValueError):
+    """A line of nvidia-smi output does not fit the requested fields.
+
+    Attributes:
+        lineno: 1-based line number in the input.
+        line: the raw line.
+        field: the field whose value did not fit, or None for a wrong column count.
+    """
+
+    def __init__(self, message: str, *, lineno: int, line: str, field: str | None = None) -> None:
+        self.lineno = lineno
+        self.line = line
+        self.field = field
+        shown = line if len(line) <= 200 else line[:197] + "..."
+        where = f"line {lineno}" + (f", field {field!r}" if field else "")
+        super().__init__(f"{where}: {message}: {shown!r}")
+
+
+class NvidiaSmiNotFoundError(SmiqueryError):
+    """The nvidia-smi binary is missing or cannot be executed."""
+
+    def __init__(self, message: str | None = None, *, searched: Sequence[str] = ()) -> None:
+        self.searched = tuple(searched)
+        super().__init__(
+            message
+            or "nvidia-smi not found: install the NVIDIA driver, pass nvidia_smi=PATH / --nvidia-smi PATH or set "
+            f"SMIQUERY_NVIDIA_SMI; {_CONTAINER_HINT}"
+        )
+
+
+class NvidiaSmiTimeoutError(SmiqueryError):
+    """nvidia-smi gave no answer (or no complete row) in time; the child was killed."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, argv: Sequence[str] = (), timeout: float | None = None) -> None:
+        self.argv = tuple(argv)
+        self.timeout = timeout
+        super().__init__(message)
+
+
+class NvidiaSmiFailedError(SmiqueryError):
+    """nvidia-smi exited non-zero.
+
+    Attributes:
+        argv: the command that ran.
+        returncode: its exit status (negative for a signal).
+        output: everything it printed (nvidia-smi prints its errors on stdout).
+    """
+
+    retryable = True
+    hint = "run `smiquery doctor` for a diagnosis"
+
+    def __init__(self, argv: Sequence[str], returncode: int, output: str, message: str | None = None) -> None:
+        self.argv = tuple(argv)
+        self.returncode = returncode
+        self.output = output
+        first = next((ln.strip() for ln in output.splitlines() if ln.strip()), "")
+        if len(first) > 160:
+            first = first[:157] + "..."
+        said = f": {first}" if first else ""
+        super().__init__(message or f"nvidia-smi exited with code {returncode}{said}; {self.hint}")
+
+    @property
+    def first_line(self) -> str:
+        """The first non-blank line nvidia-smi printed."""
+        return next((ln.strip() for ln in self.output.splitlines() if ln.strip()), "")
+
+
+class InvalidArgumentError(NvidiaSmiFailedError, ValueError):
+    """nvidia-smi rejected an argument (exit 2), typically a field this driver does not know."""
+
+    retryable = False
+    hint = "check the field names with `smiquery fields --supported`"
+
+
+class NotSupportedError(NvidiaSmiFailedError):
+    """The operation is not available on this GPU (exit 3)."""
+
+    retryable = False
+    hint = "choose fields this GPU supports (`smiquery fields --supported`)"
+
+
+class InsufficientPermissionsError(NvidiaSmiFailedError):
+    """nvidia-smi lacks permission (exit 4)."""
+
+    retryable = False
+    hint = "run as a user with access to /dev/nvidia*; on MIG in containers set NVIDIA_MIG_MONITOR_DEVICES=all"
+
+
+class NoDevicesFoundError(NvidiaSmiFailedError):
+    """No GPU was found, or none matches the requested id (exit 6)."""
+
+    retryable = False
+    hint = f"check the GPU ids with `nvidia-smi -L`; {_CONTAINER_HINT} and NVIDIA_VISIBLE_DEVICES=all"
+
+
+class DriverNotLoadedError(NvidiaSmiFailedError):
+    """The NVIDIA driver is not loaded or cannot be reached (exit 9)."""
+
+    hint = f"check the driver with `lsmod | grep nvidia` and `dmesg`, or reinstall it; {_CONTAINER_HINT}"
+
+
+class NvmlNotFoundError(NvidiaSmiFailedError):
+    """libnvidia-ml.so cannot be found or loaded (exit 12)."""
+
+    retryable = False
+    hint = f"{_CONTAINER_HINT}; on a host, reinstall the driver's utility libraries"
+
+
+class GpuLostError(NvidiaSmiFailedError):
+    """A GPU fell off the bus or is inaccessible (exit 15)."""
+
+    hint = "check `dmesg` for Xid 79; the GPU needs a reset or the machine a reboot"
+
+
+class DriverVersionMismatchError(NvidiaSmiFailedError):
+    """The loaded kernel module and the NVML library differ (exit 18), usually after a driver upgrade."""
+
+    retryable = False
+    hint = "reboot (or reload the nvidia kernel modules) so the loaded driver matches the installed library"
+
+
+_BY_CODE: dict[int, type[NvidiaSmiFailedError]] = {
+    2: InvalidArgumentError,
+    3: NotSupportedError,
+    4: InsufficientPermissionsError,
+    6: NoDevicesFoundError,
+    9: DriverNotLoadedError,
+    12: NvmlNotFoundError,
+    15: GpuLostError,
+    18: DriverVersionMismatchError,
+}
+
+# Message fragments seen in real output (NVIDIA-SMI.md section 5); they win over the exit code, which some
+# drivers report as 255 for the same situation.
+_BY_MESSAGE: tuple[tuple[str, type[NvidiaSmiFailedError]], ...] = (
+    ("is not a valid field to query", InvalidArgumentError),
+    ("driver/library version mismatch", DriverVersionMismatchError),
+    ("couldn't find libnvidia-ml.so", NvmlNotFoundError),
+    ("couldn't communicate with the nvidia driver", DriverNotLoadedError),
+    ("driver not loaded", DriverNotLoadedError),
+    ("gpu is lost", GpuLostError),
+    ("fallen off the bus", GpuLostError),
+    ("no devices were found", NoDevicesFoundError),
+    ("no supported gpus were found", NoDevicesFoundError),
+    ("insufficient permissions", InsufficientPermissionsError),
+)
+
+
+def failure_from_exit(argv: Sequence[str], returncode: int, output: str) -> NvidiaSmiFailedError:
+    """Map an nvidia-smi exit status and its output to the matching typed error.
+
+    The one place where exit codes and messages are interpreted.
+
+    Args:
+        argv: the command that ran.
+        returncode: its exit status.
+        output: what it printed (stdout and stderr together).
+
+    Returns:
+        The error to raise; a plain NvidiaSmiFailedError when nothing more specific fits.
+    """
+    low = output.lower()
+    for fragment, cls in _BY_MESSAGE:
+        if fragment in low:
+            return cls(argv, returncode, output)
+    return _BY_CODE.get(returncode, NvidiaSmiFailedError)(argv, returncode, output)
