@@ -13,6 +13,18 @@ from smiquery.errors import (
 )
 from smiquery.fields import CATALOGUE, PRESETS, Field, Kind, get_field, parse_help_query_gpu, resolve_fields
 from smiquery.parsing import CsvParser, parse_lines
+from smiquery.query import (
+    GpuProcess,
+    Stream,
+    StreamEvent,
+    Sweep,
+    get_gpu_status,
+    processes,
+    processes_df,
+    query,
+    query_df,
+    stream,
+)
 from smiquery.records import GpuSample
 
 __version__ = "0.1.0"
@@ -22,6 +34,7 @@ __all__ = [
     "PRESETS",
     "CsvParser",
     "Field",
+    "GpuProcess",
     "GpuSample",
     "InvalidFieldError",
     "InvalidGpuIdError",
@@ -31,9 +44,18 @@ __all__ = [
     "NvidiaSmiTimeoutError",
     "ParseError",
     "SmiqueryError",
+    "Stream",
+    "StreamEvent",
+    "Sweep",
     "__version__",
     "get_field",
+    "get_gpu_status",
     "parse_help_query_gpu",
     "parse_lines",
+    "processes",
+    "processes_df",
+    "query",
+    "query_df",
     "resolve_fields",
+    "stream",
 ]

@@ -227,8 +227,7 @@ class CsvParser:
         if self._fields:
             if tuple(f.name for f in fields) != tuple(f.name for f in self._fields):
                 raise ParseError(
-                    "header does not match the requested fields "
-                    f"({', '.join(f.name for f in self._fields)})",
+                    f"header does not match the requested fields ({', '.join(f.name for f in self._fields)})",
                     lineno=self.lineno,
                     line=line,
                 )
@@ -266,7 +265,7 @@ class CsvParser:
                     return self._reject(f"expected {self._ncols} columns, got {len(cells)}", line, None)
                 cells = alt
         try:
-            values = tuple([conv(cell) for conv, cell in zip(self._convs, cells)])  # noqa: C416
+            values = tuple([conv(cell) for conv, cell in zip(self._convs, cells)])
         except (ValueError, KeyError, TypeError, OverflowError, _NotAValue):
             return self._slow_row(line, cells)
         self._seen_row = True
@@ -305,7 +304,7 @@ class CsvParser:
         assert self.schema is not None
         return GpuSample(self.schema, tuple(values), tuple(cells), missing, lost)
 
-    def _reject(self, message: str, line: str, field: str | None) -> None:
+    def _reject(self, message: str, line: str, field: str | None) -> GpuSample | None:
         err = ParseError(message, lineno=self.lineno, line=line, field=field)
         if self.strict:
             raise err
@@ -372,6 +371,7 @@ def format_value(fld: Field, value: Value, reason: str | None = None, *, units: 
         assert isinstance(value, datetime)
         text = value.strftime("%Y/%m/%d %H:%M:%S.") + f"{value.microsecond // 1000:03d}"
     elif kind is Kind.FLOAT:
+        assert isinstance(value, (int, float))
         text = f"{value:.2f}" if fld.unit == "W" and round(float(value), 2) == value else repr(float(value))
     else:
         text = str(value)
@@ -395,4 +395,3 @@ def format_row(sample: GpuSample, fields: Sequence[Field] | None = None, *, unit
 def header_line(fields: Sequence[Field]) -> str:
     """The header nvidia-smi prints for these fields (``name [unit]`` titles)."""
     return ", ".join(f.header for f in fields)
-

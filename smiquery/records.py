@@ -137,9 +137,7 @@ class GpuSample(tuple):  # type: ignore[type-arg]
         try:
             return self._values[self._schema._by_name[name]]
         except (KeyError, TypeError):
-            raise KeyError(
-                f"{name!r} was not queried; this sample holds {', '.join(self._schema.names)}"
-            ) from None
+            raise KeyError(f"{name!r} was not queried; this sample holds {', '.join(self._schema.names)}") from None
 
     def __getattr__(self, attr: str) -> Value:
         # Only reached when normal lookup fails: the queried fields by attribute name.
@@ -156,7 +154,7 @@ class GpuSample(tuple):  # type: ignore[type-arg]
     def __contains__(self, name: object) -> bool:
         return name in self._schema._by_name
 
-    def __iter__(self) -> Iterator[str]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[str]:
         return iter(self._schema.names)
 
     def __len__(self) -> int:
@@ -189,7 +187,7 @@ class GpuSample(tuple):  # type: ignore[type-arg]
         lost = ", gpu_lost=True" if self.gpu_lost else ""
         return f"GpuSample({shown}{lost})"
 
-    def __getnewargs__(self) -> tuple[Any, ...]:  # type: ignore[override]
+    def __getnewargs__(self) -> tuple[Any, ...]:
         return (self._schema, self._values, self._raw, _get(self, 3), self.gpu_lost)
 
 

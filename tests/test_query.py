@@ -1,0 +1,256 @@
+"""query(), processes() and get_gpu_status() against the fake nvidia-smi (real processes, real pipes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+import smiquery
+from smiquery import errors
+from smiquery.query import InfoRomWarning, get_gpu_status, normalize_gpus, processes, processes_df, query, query_df
+from smiquery.runner import SubprocessRunner, find_nvidia_smi
+from smiquery.testing import fake_nvidia_smi
+from tests.leakcheck import no_leaks
+
+
+def starts(log: Path) -> list[list[str]]:
+    if not log.exists():
+        return []
+    return [json.loads(line)["argv"] for line in log.read_text().splitlines() if line.strip()]
+
+
+def test_default_query_returns_typed_records_per_gpu(fake_smi):
+    smi = fake_smi()
+    with no_leaks():
+        rows = query(nvidia_smi=smi)
+    assert [r.index for r in rows] == list(range(8))
+    r = rows[0]
+    assert isinstance(r.temperature_gpu, int)
+    assert isinstance(r.power_draw, float)
+    assert r.uuid.startswith("GPU-")
+    assert r.timestamp.tzinfo is not None
+    assert r.fields == smiquery.PRESETS["default"]
+
+
+def test_missing_values_are_none_with_reason_never_zero(fake_smi):
+    rows = query(["index", "fan.speed", "memory.used"], nvidia_smi=fake_smi())
+    for r in rows:
+        assert r.fan_speed is None  # the H100 recording has no fan
+        assert r.missing["fan.speed"] == "not_available"
+        assert isinstance(r.memory_used, int)
+
+
+def test_aliases_and_gpu_selection(fake_smi):
+    rows = query(["gpu_name", "index"], gpus=[1, "3"], nvidia_smi=fake_smi())
+    assert [r.index for r in rows] == [1, 3]
+    assert rows[0].fields == ("name", "index")
+    uuid = rows[1].get("uuid") or query(["uuid"], gpus=3, nvidia_smi=fake_smi())[0].uuid
+    assert [r.index for r in query(["index"], gpus=uuid, nvidia_smi=fake_smi())] == [3]
+
+
+def test_query_df_has_nullable_columns(fake_smi):
+    df = query_df(["index", "fan.speed", "temperature.gpu"], nvidia_smi=fake_smi())
+    assert len(df) == 8
+    assert str(df["fan_speed"].dtype) == "Int64"
+    assert df["fan_speed"].isna().all()
+    assert df.attrs["units"]["temperature_gpu"] == "C"
+
+
+@pytest.mark.parametrize(
+    ("fault", "error", "advice"),
+    [
+        ("driver-not-loaded", errors.DriverNotLoadedError, "driver"),
+        ("nvml-not-found", errors.NvmlNotFoundError, "--gpus all"),
+        ("version-mismatch", errors.DriverVersionMismatchError, "reboot"),
+        ("no-devices", errors.NoDevicesFoundError, "NVIDIA_VISIBLE_DEVICES"),
+        ("no-supported-gpus", errors.NoDevicesFoundError, "nvidia-smi -L"),
+        ("gpu-lost-start", errors.GpuLostError, "reset"),
+        ("permission", errors.InsufficientPermissionsError, "/dev/nvidia"),
+        ("not-supported", errors.NotSupportedError, "smiquery fields"),
+        ("unknown-error", errors.NvidiaSmiFailedError, "smiquery doctor"),
+        ("exit:42", errors.NvidiaSmiFailedError, "code 42"),
+    ],
+)
+def test_each_failure_is_a_typed_error_with_advice(fake_smi, fault, error, advice):
+    with no_leaks(), pytest.raises(error) as info:
+        query(nvidia_smi=fake_smi(fault=fault))
+    exc = info.value
+    assert type(exc) is error
+    assert advice in str(exc)
+    assert exc.returncode != 0
+    assert "\n" not in str(exc)
+
+
+def test_inforom_warning_returns_rows(fake_smi):
+    with pytest.warns(InfoRomWarning, match="infoROM"):
+        rows = query(nvidia_smi=fake_smi(fault="inforom"))
+    assert len(rows) == 8
+
+
+def test_hang_times_out_and_kills_the_child(fake_smi):
+    smi = fake_smi(fault="hang")
+    with no_leaks():
+        t0 = time.monotonic()
+        with pytest.raises(errors.NvidiaSmiTimeoutError, match="did not answer within 1 s"):
+            query(nvidia_smi=smi, timeout=1.0)
+        assert time.monotonic() - t0 < 1.5
+
+
+def test_hang_ignoring_sigterm_is_killed(fake_smi):
+    with no_leaks():
+        t0 = time.monotonic()
+        with pytest.raises(errors.NvidiaSmiTimeoutError):
+            query(nvidia_smi=fake_smi(fault="hang,ignore-term"), timeout=1.0)
+        assert time.monotonic() - t0 < 1.5
+
+
+@pytest.mark.parametrize("fault", ["garbage", "truncated", "wrong-columns-after:3"])
+def test_bad_output_raises_parse_error_never_half_rows(fake_smi, fault):
+    with no_leaks(), pytest.raises(errors.ParseError) as info:
+        query(nvidia_smi=fake_smi(fault=fault))
+    assert info.value.lineno >= 1
+
+
+def test_missing_binary(tmp_path):
+    with pytest.raises(errors.NvidiaSmiNotFoundError, match="not found"):
+        query(nvidia_smi=tmp_path / "nope" / "nvidia-smi")
+
+
+def test_binary_without_exec_permission(fake_smi):
+    smi = fake_smi()
+    smi.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    if os.access(smi, os.X_OK):  # root may execute anything with any x bit; we removed them all
+        pytest.skip("this user can execute files without an x bit")
+    with pytest.raises(errors.NvidiaSmiNotFoundError, match="not an executable"):
+        query(nvidia_smi=smi)
+
+
+def test_binary_resolution_order(fake_smi, tmp_path, monkeypatch):
+    smi = fake_smi()
+    monkeypatch.setenv("SMIQUERY_NVIDIA_SMI", str(smi))
+    assert find_nvidia_smi() == str(smi)
+    other = tmp_path / "other"
+    other.mkdir()
+    explicit = fake_nvidia_smi(other)
+    assert find_nvidia_smi(explicit) == str(explicit)
+    monkeypatch.delenv("SMIQUERY_NVIDIA_SMI")
+    monkeypatch.setenv("PATH", str(other))
+    assert find_nvidia_smi() == str(explicit)
+    monkeypatch.setenv("SMIQUERY_NVIDIA_SMI", str(tmp_path / "missing"))
+    with pytest.raises(errors.NvidiaSmiNotFoundError, match="SMIQUERY_NVIDIA_SMI"):
+        find_nvidia_smi()
+
+
+def test_invalid_field_and_gpu_id_rejected_before_running(fake_smi, tmp_path):
+    log = tmp_path / "calls.jsonl"
+    smi = fake_smi(log=log)
+    with pytest.raises(errors.InvalidFieldError, match="did you mean"):
+        query(["temperature.gpuu"], nvidia_smi=smi)
+    with pytest.raises(errors.InvalidFieldError):
+        query(["index;rm -rf /"], nvidia_smi=smi)
+    for bad in ["0; reboot", "-1", -1, "GPU-xyz", "../etc", "", True]:
+        with pytest.raises(errors.InvalidGpuIdError):
+            query(gpus=bad, nvidia_smi=smi)
+    assert starts(log) == []
+
+
+def test_gpu_id_forms():
+    assert normalize_gpus([0, "2,3"]) == ("0", "2", "3")
+    assert normalize_gpus("00000000:18:00.0") == ("00000000:18:00.0",)
+    assert normalize_gpus("GPU-0a1b2c3d-0000-1111-2222-333344445555") == ("GPU-0a1b2c3d-0000-1111-2222-333344445555",)
+
+
+def test_driver_rejecting_a_field_maps_to_invalid_argument(fake_smi):
+    done = SubprocessRunner().run([str(fake_smi()), "--query-gpu=device_minor", "--format=csv"], 10)
+    err = errors.failure_from_exit(done.argv, done.returncode, done.output)
+    assert isinstance(err, errors.InvalidArgumentError)
+    assert "device_minor" in str(err)
+    assert not err.retryable
+
+
+def test_processes_joined_to_gpu_index(fake_smi):
+    with no_leaks():
+        procs = processes(nvidia_smi=fake_smi())
+    assert procs, "the bundled recording has one training process per GPU"
+    assert all(p.gpu_index is not None for p in procs)
+    assert [p.gpu_index for p in procs] == sorted(p.gpu_index for p in procs)
+    assert all(isinstance(p.used_memory, int) for p in procs)
+    df = processes_df(nvidia_smi=fake_smi(), gpus=[2])
+    assert set(df["gpu_index"]) == {2}
+
+
+def test_processes_idle_machine_is_empty_not_error(fake_smi):
+    assert processes(nvidia_smi=fake_smi(apps="")) == []
+
+
+# ------------------------------------------------------------------------------------------- get_gpu_status
+
+
+def test_gpu_status_success_contract(fake_smi):
+    status = get_gpu_status(nvidia_smi=fake_smi())
+    assert status["success"] is True
+    assert len(status["data"]) == 8
+    for item in status["data"]:
+        assert set(item) == {"index", "name", "temperature_c", "gpu_util_percent", "memory_util_percent", "timestamp"}
+        assert isinstance(item["index"], int)
+        assert isinstance(item["name"], str)
+        assert item["temperature_c"] is None or isinstance(item["temperature_c"], int)
+        assert "T" in item["timestamp"]
+        assert item["timestamp"][-6] in "+-"  # ISO 8601 with offset
+
+
+def test_gpu_status_extra_fields(fake_smi):
+    status = get_gpu_status(["power.draw", "fan.speed"], nvidia_smi=fake_smi())
+    item = status["data"][0]
+    assert isinstance(item["power_draw"], float)
+    assert item["fan_speed"] is None
+
+
+@pytest.mark.parametrize(
+    ("fault", "error_type"),
+    [
+        ("driver-not-loaded", "DriverNotLoadedError"),
+        ("nvml-not-found", "NvmlNotFoundError"),
+        ("version-mismatch", "DriverVersionMismatchError"),
+        ("no-devices", "NoDevicesFoundError"),
+        ("gpu-lost-start", "GpuLostError"),
+        ("permission", "InsufficientPermissionsError"),
+        ("hang", "NvidiaSmiTimeoutError"),
+        ("hang,ignore-term", "NvidiaSmiTimeoutError"),
+        ("garbage", "ParseError"),
+        ("truncated", "ParseError"),
+        ("exit:255", "NvidiaSmiFailedError"),
+    ],
+)
+def test_gpu_status_failure_contract(fake_smi, fault, error_type):
+    with no_leaks():
+        t0 = time.monotonic()
+        status = get_gpu_status(nvidia_smi=fake_smi(fault=fault), timeout=1.0)
+        assert time.monotonic() - t0 < 1.5
+    assert status["success"] is False
+    assert status["error_type"] == error_type
+    assert status["error"] and "\n" not in status["error"]
+    assert set(status) == {"success", "error", "error_type"}
+
+
+def test_gpu_status_missing_binary(tmp_path):
+    status = get_gpu_status(nvidia_smi=tmp_path / "none")
+    assert status == {"success": False, "error": status["error"], "error_type": "NvidiaSmiNotFoundError"}
+
+
+def test_gpu_status_bad_field_is_reported_not_raised(fake_smi):
+    status = get_gpu_status(["nope"], nvidia_smi=fake_smi())
+    assert status["error_type"] == "InvalidFieldError"
+
+
+def test_inforom_does_not_warn_twice(fake_smi):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        query(nvidia_smi=fake_smi(fault="inforom"))
+    assert sum(issubclass(w.category, InfoRomWarning) for w in seen) == 1

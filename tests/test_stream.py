@@ -1,0 +1,202 @@
+"""stream(): one long-lived nvidia-smi, its fault matrix, restarts, and reaping on every path."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from smiquery import errors
+from smiquery.query import Stream, StreamEvent, stream
+from tests.leakcheck import no_leaks, wait_no_children
+
+
+def starts(log: Path) -> int:
+    return len([ln for ln in log.read_text().splitlines() if ln.strip()]) if log.exists() else 0
+
+
+def test_one_process_for_many_sweeps(fake_smi, tmp_path):
+    log = tmp_path / "calls.jsonl"
+    with no_leaks(), stream(interval=0.05, nvidia_smi=fake_smi(log=log)) as s:
+        sweeps = list(s.sweeps(count=5))
+    assert starts(log) == 1
+    argv = json.loads(log.read_text().splitlines()[0])["argv"]
+    assert "-lms" in argv and "50" in argv
+    assert [len(sw) for sw in sweeps] == [8] * 5
+    assert all([x.index for x in sw] == list(range(8)) for sw in sweeps)
+    assert s.stats.rows == 40
+
+
+def test_whole_seconds_use_dash_l(fake_smi):
+    s = stream(interval=2, nvidia_smi=fake_smi())
+    assert s.argv[-2:] == ("-l", "2")
+    s.close()
+
+
+def test_max_samples_and_duration(fake_smi):
+    with no_leaks():
+        got = list(stream(interval=0.05, nvidia_smi=fake_smi(), max_samples=11))
+        assert len(got) == 11
+        t0 = time.monotonic()
+        list(stream(interval=0.05, nvidia_smi=fake_smi(), duration=0.5))
+        assert 0.4 < time.monotonic() - t0 < 3
+
+
+def test_hang_before_first_row_retries_then_fails(fake_smi):
+    naps: list[float] = []
+    with no_leaks():
+        s = stream(
+            interval=0.05, nvidia_smi=fake_smi(fault="hang"), stall_timeout=0.3, max_attempts=3, sleep=naps.append
+        )
+        with pytest.raises(errors.NvidiaSmiTimeoutError, match="no complete line"):
+            next(iter(s))
+    assert s.stats.starts == 3
+    assert s.stats.errors["NvidiaSmiTimeoutError"] == 3
+    assert len(naps) == 2 and all(n < 1.0 for n in naps), naps  # backoff starts well under a second
+
+
+@pytest.mark.parametrize("fault", ["hang-after:16", "hang-after:16,ignore-term", "crash-after:16"])
+def test_mid_stream_failure_restarts_and_samples_resume(fake_smi, fault, tmp_path):
+    log = tmp_path / "calls.jsonl"
+    events: list[StreamEvent] = []
+    with no_leaks(reap_timeout=3), stream(
+        interval=0.05, nvidia_smi=fake_smi(fault=fault, log=log), stall_timeout=0.5, on_event=events.append
+    ) as s:
+        got = [x for _, x in zip(range(40), s)]
+    assert len(got) == 40
+    assert starts(log) >= 3
+    assert s.stats.restarts >= 2
+    assert sum(s.stats.errors.values()) >= 2
+    assert any(e.kind == "restart" for e in events)
+
+
+def test_backoff_resets_after_good_rows(fake_smi):
+    naps: list[float] = []
+    with stream(interval=0.05, nvidia_smi=fake_smi(fault="crash-after:8"), sleep=naps.append) as s:
+        for _ in zip(range(50), s):
+            pass
+    assert s.stats.restarts >= 4
+    assert naps and max(naps) <= 0.1 + 1e-9, naps  # every restart after good data waits the initial delay only
+
+
+def test_gpu_lost_mid_stream_is_visible(fake_smi):
+    events: list[StreamEvent] = []
+    with stream(interval=0.05, nvidia_smi=fake_smi(fault="gpu-lost-after:8:2"), on_event=events.append) as s:
+        sweeps = list(s.sweeps(count=3))
+    lost = sweeps[-1].by_index()[2]
+    assert lost.gpu_lost
+    assert lost.temperature_gpu is None and lost.missing["temperature.gpu"] == "gpu_lost"
+    assert not sweeps[-1].by_index()[1].gpu_lost
+    assert s.stats.lost_gpus == {2}
+    assert [e.gpu for e in events if e.kind == "gpu_lost"] == [2]
+
+
+@pytest.mark.parametrize("fault", ["garbage-after:8", "wrong-columns-after:5"])
+def test_bad_rows_are_dropped_and_counted(fake_smi, fault):
+    with stream(interval=0.05, nvidia_smi=fake_smi(fault=fault)) as s:
+        got = [x for _, x in zip(range(24), s)]
+    assert len(got) == 24
+    assert s.stats.dropped_rows >= 1
+    assert all(len(x.values) == len(s.fields) for x in got)
+
+
+def test_truncated_last_row_then_exit_is_restarted(fake_smi):
+    with stream(interval=0.05, nvidia_smi=fake_smi(fault="truncated"), max_attempts=2) as s:
+        got = [x for _, x in zip(range(20), s)]
+    assert len(got) == 20
+    assert s.stats.dropped_rows >= 1
+
+
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [("permission", errors.InsufficientPermissionsError), ("nvml-not-found", errors.NvmlNotFoundError)],
+)
+def test_never_retried_errors(fake_smi, fault, error):
+    with no_leaks():
+        s = stream(nvidia_smi=fake_smi(fault=fault), sleep=lambda _: None)
+        with pytest.raises(error):
+            list(s)
+    assert s.stats.starts == 1
+
+
+def test_retryable_error_gives_up_after_attempts(fake_smi):
+    naps: list[float] = []
+    s = stream(nvidia_smi=fake_smi(fault="driver-not-loaded"), max_attempts=4, sleep=naps.append)
+    with pytest.raises(errors.DriverNotLoadedError):
+        list(s)
+    assert s.stats.starts == 4
+    assert len(naps) == 3 and naps == sorted(naps)
+
+
+def test_abandoned_by_break_reaps_within_2s(fake_smi):
+    with no_leaks(reap_timeout=2):
+        for _ in stream(interval=0.05, nvidia_smi=fake_smi()):
+            break
+
+
+def test_abandoned_by_exception_in_consumer(fake_smi):
+    with no_leaks(reap_timeout=2), pytest.raises(ZeroDivisionError):
+        for _ in stream(interval=0.05, nvidia_smi=fake_smi()):
+            1 / 0  # noqa: B018
+
+
+def test_abandoned_by_del(fake_smi):
+    with no_leaks(reap_timeout=2):
+        s = stream(interval=0.05, nvidia_smi=fake_smi())
+        it = iter(s)
+        next(it)
+        del it, s
+        gc.collect()
+
+
+def test_keyboard_interrupt_in_consumer_reaps(fake_smi):
+    with no_leaks(reap_timeout=2), pytest.raises(KeyboardInterrupt):
+        for _ in stream(interval=0.05, nvidia_smi=fake_smi()):
+            raise KeyboardInterrupt
+
+
+def test_background_latest_is_non_blocking_and_fresh(fake_smi):
+    with no_leaks(reap_timeout=3):
+        s = Stream(interval=0.05, nvidia_smi=fake_smi()).start()
+        try:
+            assert s.latest() in ((None, None),) or s.latest()[0] is not None
+            deadline = time.monotonic() + 5
+            while s.latest()[0] is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            sweep, age = s.latest()
+            assert sweep is not None and len(sweep) == 8
+            assert age is not None and age < 1.0
+            assert s.running
+        finally:
+            s.close()
+        assert not s.running
+        other = Stream(interval=0.05, nvidia_smi=fake_smi()).start()
+        try:
+            with pytest.raises(RuntimeError, match="background"):
+                iter(other)
+        finally:
+            other.close()
+
+
+def test_stream_validates_before_running(fake_smi, tmp_path):
+    log = tmp_path / "calls.jsonl"
+    with pytest.raises(errors.InvalidFieldError):
+        stream(["bogus.field"], nvidia_smi=fake_smi(log=log))
+    with pytest.raises(errors.InvalidGpuIdError):
+        stream(gpus="nine", nvidia_smi=fake_smi(log=log))
+    with pytest.raises(ValueError, match="interval"):
+        stream(interval=0, nvidia_smi=fake_smi(log=log))
+    assert starts(log) == 0
+
+
+def test_selected_gpus_form_sweeps(fake_smi):
+    with stream(interval=0.05, gpus=[1, 5], nvidia_smi=fake_smi()) as s:
+        sweeps = list(s.sweeps(count=3))
+    assert [[x.index for x in sw] for sw in sweeps] == [[1, 5]] * 3
+
+
+def test_no_children_after_everything():
+    assert wait_no_children(2) == []
