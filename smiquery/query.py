@@ -17,9 +17,9 @@ from collections import Counter
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
 
 from smiquery.errors import (
     InvalidGpuIdError,
@@ -405,9 +405,9 @@ class Stream:
     def _retrying(self) -> Retrying:
         return Retrying(
             stop=stop_after_attempt(self.max_attempts),
-            wait=wait_exponential_jitter(
-                initial=self.backoff_initial, max=self.backoff_max, jitter=self.backoff_initial
-            ),
+            # exponential from backoff_initial, plus up to backoff_initial of jitter (spreads a fleet's restarts)
+            wait=wait_exponential(multiplier=self.backoff_initial, max=self.backoff_max)
+            + wait_random(0, self.backoff_initial),
             retry=retry_if_exception(_retryable),
             reraise=True,
             sleep=self._sleep,
@@ -460,8 +460,7 @@ class Stream:
                 except SmiqueryError as exc:
                     if self._closed:
                         return
-                    if not isinstance(exc, _ChildEndedError):
-                        self._record_error(exc)
+                    self._record_error(exc)
                     if not _retryable(exc):
                         raise
                     log.warning("smiquery: nvidia-smi failed mid-stream: %s", exc)
@@ -805,7 +804,7 @@ def processes_df(
         }
     )
     df.attrs["units"] = {"used_memory": "MiB"}
-    return df
+    return cast("pd.DataFrame", df)
 
 
 # ------------------------------------------------------------------------------------------- get_gpu_status

@@ -289,9 +289,10 @@ class LineStream:
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self.close()
+                stopping = self._stopping
+                self._release()
                 self._done = True
-                if self._stopping:
+                if stopping:
                     return
                 raise NvidiaSmiTimeoutError(
                     f"nvidia-smi printed no complete line for {self.line_timeout:g} s and was killed (hung driver?); "
@@ -326,18 +327,19 @@ class LineStream:
 
     def _finish(self) -> None:
         # Both pipes are at EOF: the child has exited (or closed its output). Reap it, then judge the exit code.
+        stopping = self._stopping
         try:
             rc = self._proc.wait(self.line_timeout)
         except subprocess.TimeoutExpired:
-            self.close()
+            self._release()
             rc = self._proc.returncode if self._proc.returncode is not None else -9
         self._done = True
         tail = self._buf
         self._buf = b""
-        self.close()
+        self._release()
         if tail.strip():
             self._lines.append(_decode(tail))
-        if rc != 0 and not self._stopping:
+        if rc != 0 and not stopping:
             output = _decode(bytes(self._out_seen)) + "\n" + _decode(bytes(self._err))
             self._lines.clear()
             if rc in (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT) and not output.strip():
@@ -357,6 +359,9 @@ class LineStream:
     def close(self) -> None:
         """Terminate, kill if needed, reap the child and close the pipes. Idempotent."""
         self._stopping = True
+        self._release()
+
+    def _release(self) -> None:
         with contextlib.suppress(Exception):
             self._sel.close()
         self._finalizer()

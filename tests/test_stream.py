@@ -62,9 +62,12 @@ def test_hang_before_first_row_retries_then_fails(fake_smi):
 def test_mid_stream_failure_restarts_and_samples_resume(fake_smi, fault, tmp_path):
     log = tmp_path / "calls.jsonl"
     events: list[StreamEvent] = []
-    with no_leaks(reap_timeout=3), stream(
-        interval=0.05, nvidia_smi=fake_smi(fault=fault, log=log), stall_timeout=0.5, on_event=events.append
-    ) as s:
+    with (
+        no_leaks(reap_timeout=3),
+        stream(
+            interval=0.05, nvidia_smi=fake_smi(fault=fault, log=log), stall_timeout=0.5, on_event=events.append
+        ) as s,
+    ):
         got = [x for _, x in zip(range(40), s)]
     assert len(got) == 40
     assert starts(log) >= 3
