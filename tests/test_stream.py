@@ -140,25 +140,31 @@ def test_abandoned_by_break_reaps_within_2s(fake_smi):
             break
 
 
+def consume(smi: Path, exc: BaseException) -> None:
+    for _ in stream(interval=0.05, nvidia_smi=smi):
+        raise exc
+
+
 def test_abandoned_by_exception_in_consumer(fake_smi):
     with no_leaks(reap_timeout=2), pytest.raises(ZeroDivisionError):
-        for _ in stream(interval=0.05, nvidia_smi=fake_smi()):
-            1 / 0  # noqa: B018
+        consume(fake_smi(), ZeroDivisionError())
 
 
 def test_abandoned_by_del(fake_smi):
-    with no_leaks(reap_timeout=2):
-        s = stream(interval=0.05, nvidia_smi=fake_smi())
-        it = iter(s)
-        next(it)
-        del it, s
-        gc.collect()
+    gc.disable()  # no reference cycle: dropping the last reference must reap at once, without the collector
+    try:
+        with no_leaks(reap_timeout=2):
+            s = stream(interval=0.05, nvidia_smi=fake_smi())
+            it = iter(s)
+            next(it)
+            del it, s
+    finally:
+        gc.enable()
 
 
 def test_keyboard_interrupt_in_consumer_reaps(fake_smi):
     with no_leaks(reap_timeout=2), pytest.raises(KeyboardInterrupt):
-        for _ in stream(interval=0.05, nvidia_smi=fake_smi()):
-            raise KeyboardInterrupt
+        consume(fake_smi(), KeyboardInterrupt())
 
 
 def test_background_latest_is_non_blocking_and_fresh(fake_smi):

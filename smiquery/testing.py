@@ -1,0 +1,1107 @@
+"""A fake ``nvidia-smi`` for tests and demos: a real executable that replays a recorded CSV and fails on demand.
+
+:func:`fake_nvidia_smi` writes the executable; :func:`main` is its entry point (also ``python -m smiquery.testing``
+and the ``smiquery-fake-nvidia-smi`` console script). Real process, real pipes, real signals: no mocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import random
+import re
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime, timedelta
+from importlib import resources
+from typing import BinaryIO, NoReturn
+
+from smiquery.errors import InvalidFieldError
+from smiquery.fields import CATALOGUE, Field, Kind, get_field
+from smiquery.parsing import missing_reason
+
+__all__ = ["ENV_VARS", "FAULTS", "fake_nvidia_smi", "main"]
+
+# What each fault does (NVIDIA-SMI.md section 5 for messages and codes; N counts data rows written, across the
+# sweeps of a loop):
+#   driver-not-loaded 9, nvml-not-found 12, version-mismatch 18, no-devices 6, no-supported-gpus 255,
+#   gpu-lost-start 15, permission 4, not-supported 3, unknown-error 255: nvidia-smi's message on stdout, that exit
+#       status, no CSV. They strike where NVML would start: after the arguments and field names are checked.
+#   exit:CODE[:MESSAGE]   exit with CODE, printing MESSAGE (if given) on stdout.
+#   inforom               normal rows, then `WARNING: infoROM is corrupted at gpu 0000:0B:00.0`, exit 14 (in a loop:
+#                         the warning once after the first sweep, and the loop goes on).
+#   hang                  print nothing, sleep forever.
+#   hang-after:N          N rows, then silence while the process keeps running.
+#   crash-after:N         N rows, then `Unable to determine the device handle for GPU ...: Unknown Error`, exit 255.
+#   gpu-lost-after:N[:I]  after N rows, every row of GPU index I (default 0) reads [GPU is lost] except timestamp,
+#                         index, uuid, pci.bus_id and name; the loop goes on.
+#   garbage               header, then lines of random bytes (invalid UTF-8, wrong cell counts), exit 0.
+#   garbage-after:N       N rows, one garbage line, then the normal rows.
+#   truncated             the last row of the (first) sweep cut in the middle, no newline, exit 0.
+#   wrong-columns-after:N N rows, then one row missing its last cell, then the normal rows.
+#   ignore-term           SIGTERM is ignored: callers have to escalate to SIGKILL.
+
+#: Fault specs understood by the fake (``N``, ``CODE`` and ``INDEX`` are integers; combine specs with commas).
+FAULTS: tuple[str, ...] = (
+    "driver-not-loaded",
+    "nvml-not-found",
+    "version-mismatch",
+    "no-devices",
+    "no-supported-gpus",
+    "gpu-lost-start",
+    "permission",
+    "not-supported",
+    "unknown-error",
+    "exit:CODE[:MESSAGE]",
+    "inforom",
+    "hang",
+    "hang-after:N",
+    "crash-after:N",
+    "gpu-lost-after:N[:INDEX]",
+    "garbage",
+    "garbage-after:N",
+    "truncated",
+    "wrong-columns-after:N",
+    "ignore-term",
+)
+
+#: Environment variables read by the fake at run time, and what they do.
+ENV_VARS: Mapping[str, str] = {
+    "SMIQUERY_FAKE_RECORDING": "recording CSV to replay (overrides the baked-in one)",
+    "SMIQUERY_FAKE_FAULT": "fault specs, comma separated (empty: no fault)",
+    "SMIQUERY_FAKE_START_DELAY": "seconds to sleep before any output",
+    "SMIQUERY_FAKE_APPS": "compute-apps CSV (empty: no processes)",
+    "SMIQUERY_FAKE_LOG": "file to append one JSON line per invocation to (empty: no log)",
+    "SMIQUERY_FAKE_SWEEP": "which sweep a one-shot query prints (modulo the sweep count); where a loop starts",
+    "SMIQUERY_FAKE_KEEP_TIME": "1: print the recorded timestamps instead of the current time",
+}
+
+# Messages and exit codes of NVIDIA-SMI.md section 5. `not-supported` has no recorded message; NVML's own error
+# string for NVML_ERROR_NOT_SUPPORTED is used.
+_STARTUP_FAULTS: dict[str, tuple[tuple[str, ...], int]] = {
+    "driver-not-loaded": (
+        (
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+            "Make sure that the latest NVIDIA driver is installed and running.",
+        ),
+        9,
+    ),
+    "nvml-not-found": (
+        (
+            "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system. Please make sure that the NVIDIA "
+            "Display Driver is properly installed and present in your system.",
+            "Please also try adding directory that contains libnvidia-ml.so to your system PATH.",
+        ),
+        12,
+    ),
+    "version-mismatch": (("Failed to initialize NVML: Driver/library version mismatch", "{nvml_line}"), 18),
+    "no-devices": (("No devices were found",), 6),
+    "no-supported-gpus": (
+        ("Failed to initialize NVML: No supported GPUs were found", "Unable to determine the number of GPUs"),
+        255,
+    ),
+    "gpu-lost-start": (
+        (
+            "Unable to determine the device handle for GPU 0000:02:00.0: GPU is lost. "
+            "Reboot the system to recover this GPU",
+        ),
+        15,
+    ),
+    "permission": (("Failed to initialize NVML: Insufficient Permissions",), 4),
+    "not-supported": (("Failed to initialize NVML: Not Supported",), 3),
+    "unknown-error": (("Failed to initialize NVML: Unknown Error",), 255),
+}
+_COUNTED_FAULTS = ("hang-after", "crash-after", "garbage-after", "wrong-columns-after")
+_FLAG_FAULTS = ("inforom", "hang", "garbage", "truncated", "ignore-term")
+
+_HELP_HINT = "Please run 'nvidia-smi -h' for help."
+_INFOROM_WARNING = "WARNING: infoROM is corrupted at gpu 0000:0B:00.0"
+_DEFAULT_DRIVER = "590.48.01"
+# CUDA version reported by `nvidia-smi --version`, by driver branch (the newest CUDA each branch supports).
+_CUDA_BY_BRANCH = {470: "11.4", 535: "12.2", 550: "12.4", 560: "12.6", 570: "12.8", 580: "13.0", 590: "13.1"}
+# On a lost GPU these cells keep their values (NVIDIA-SMI.md section 3); every other cell reads [GPU is lost].
+_SURVIVES_LOSS = frozenset({"timestamp", "index", "uuid", "pci.bus_id", "name"})
+_EX_SOFTWARE = 70  # misuse of the fake itself (bad fault spec, unreadable recording), never an nvidia-smi code
+
+
+class _FakeUsageError(Exception):
+    """The fake was set up wrongly (not a simulated nvidia-smi failure)."""
+
+
+class _Exit(Exception):
+    """Ends the fake with an exit status from deep inside the output loop."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+# --------------------------------------------------------------------------------------------------- settings
+
+
+@dataclasses.dataclass(frozen=True)
+class _Faults:
+    startup: str | None = None
+    exit_code: int | None = None
+    exit_message: str | None = None
+    inforom: bool = False
+    hang: bool = False
+    garbage: bool = False
+    truncated: bool = False
+    ignore_term: bool = False
+    hang_after: int | None = None
+    crash_after: int | None = None
+    garbage_after: int | None = None
+    wrong_columns_after: int | None = None
+    gpu_lost_after: int | None = None
+    gpu_lost_index: int = 0
+
+
+def _is_number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _nonneg(spec: str, text: str) -> int:
+    if not _is_number(text):
+        raise _FakeUsageError(f"fault {spec!r}: {text!r} is not a non-negative integer")
+    return int(text)
+
+
+def _parse_faults(spec: str | None) -> _Faults:
+    """Parse a comma-separated fault list; unknown names raise :class:`_FakeUsageError`."""
+    values: dict[str, object] = {}
+    for raw in (spec or "").split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        name, _, arg = item.partition(":")
+        if name in _STARTUP_FAULTS and not arg:
+            values.setdefault("startup", name)
+        elif name == "exit" and arg:
+            code_text, _, message = arg.partition(":")
+            code = _nonneg(item, code_text)
+            if code > 255:
+                raise _FakeUsageError(f"fault {item!r}: exit codes go up to 255")
+            values.setdefault("exit_code", code)
+            values.setdefault("exit_message", message or None)
+        elif name in _FLAG_FAULTS and not arg:
+            values[name.replace("-", "_")] = True
+        elif name in _COUNTED_FAULTS and arg:
+            values[name.replace("-", "_")] = _nonneg(item, arg)
+        elif name == "gpu-lost-after" and arg:
+            count, _, index = arg.partition(":")
+            values["gpu_lost_after"] = _nonneg(item, count)
+            values["gpu_lost_index"] = _nonneg(item, index) if index else 0
+        else:
+            raise _FakeUsageError(f"unknown fault {item!r}; known faults: {', '.join(FAULTS)}")
+    return _Faults(**values)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    recording: str | None = None
+    fault: str | None = None
+    start_delay: float = 0.0
+    apps: str | None = None
+    log: str | None = None
+
+    def with_env(self, env: Mapping[str, str]) -> _Settings:
+        """Apply the SMIQUERY_FAKE_* overrides."""
+        changes: dict[str, object] = {}
+        if env.get("SMIQUERY_FAKE_RECORDING"):
+            changes["recording"] = env["SMIQUERY_FAKE_RECORDING"]
+        if "SMIQUERY_FAKE_FAULT" in env:
+            changes["fault"] = env["SMIQUERY_FAKE_FAULT"] or None
+        if env.get("SMIQUERY_FAKE_START_DELAY"):
+            try:
+                changes["start_delay"] = float(env["SMIQUERY_FAKE_START_DELAY"])
+            except ValueError:
+                raise _FakeUsageError("SMIQUERY_FAKE_START_DELAY must be a number of seconds") from None
+        if "SMIQUERY_FAKE_APPS" in env:
+            changes["apps"] = env["SMIQUERY_FAKE_APPS"]
+        if "SMIQUERY_FAKE_LOG" in env:
+            changes["log"] = env["SMIQUERY_FAKE_LOG"] or None
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+# -------------------------------------------------------------------------------------------------- recording
+
+
+def _read_bundled(name: str) -> str:
+    return (resources.files("smiquery") / "data" / name).read_text(encoding="utf-8")
+
+
+def _split_header_cell(cell: str) -> tuple[str, str]:
+    cell = cell.strip()
+    m = re.fullmatch(r"(.*?) \[([^\]]*)\]", cell)
+    return (m.group(1), m.group(2)) if m else (cell, "")
+
+
+def _strip_unit(cell: str, unit: str) -> str:
+    cell = cell.strip()
+    if unit and cell.endswith(" " + unit):
+        return cell[: -len(unit) - 1]
+    return cell
+
+
+def _is_token(cell: str) -> bool:
+    return missing_reason(cell) is not None
+
+
+def _norm_bus_id(text: str) -> str:
+    """``0000:0b:00.0`` and ``00000000:0B:00.0`` compare equal after this."""
+    m = re.fullmatch(r"([0-9A-Fa-f]{1,8}):([0-9A-Fa-f]{1,2}):([0-9A-Fa-f]{1,2})\.([0-7])", text.strip())
+    if not m:
+        return text.strip().upper()
+    return f"{int(m.group(1), 16):08X}:{int(m.group(2), 16):02X}:{int(m.group(3), 16):02X}.{m.group(4)}"
+
+
+def _short_bus_id(bus_id: str) -> str:
+    """The 4-digit-domain form nvidia-smi uses in its error messages."""
+    norm = _norm_bus_id(bus_id)
+    return norm[4:] if re.fullmatch(r"0000[0-9A-F]{4}:.*", norm) else norm
+
+
+class _Recording:
+    """A full-field ``--format=csv`` recording: columns, unit-free cells and sweeps."""
+
+    def __init__(self, text: str, *, sidecar: pathlib.Path | None = None, source: str = "recording") -> None:
+        lines = [ln.rstrip("\r") for ln in text.splitlines()]
+        lines = [ln for ln in lines if ln.strip()]
+        if not lines:
+            raise _FakeUsageError(f"{source} is empty")
+        header = self._header(lines[0])
+        if header is not None:
+            body = lines[1:]
+        elif sidecar is not None and sidecar.is_file():
+            names = [n for n in re.split(r"[\s,]+", sidecar.read_text(encoding="utf-8")) if n]
+            header = [(n, "") for n in names]
+            body = lines
+        else:
+            raise _FakeUsageError(f"{source} has no header line (and no .fields file beside it)")
+        self.columns: list[Field] = []
+        self.units: list[str] = []
+        self.extra: dict[str, Field] = {}
+        for name, unit in header:
+            try:
+                fld = get_field(name)
+            except InvalidFieldError:
+                # a newer driver's field smiquery does not know yet: served under its own name
+                fld = Field(name, Kind.STR, unit=unit)
+                self.extra[name] = fld
+            self.columns.append(fld)
+            self.units.append(unit or fld.header_unit or "")
+        self.col: dict[str, int] = {}
+        for i, fld in enumerate(self.columns):
+            self.col.setdefault(fld.name, i)
+        ncols = len(self.columns)
+        self.rows: list[list[str]] = []
+        for line in body:
+            cells = line.split(", ")
+            if len(cells) != ncols:
+                continue  # notice lines (WARNING: ...) and damaged rows are not replayed
+            self.rows.append(cells)
+        if not self.rows:
+            raise _FakeUsageError(f"{source} has no data rows")
+        key = next((self.col[k] for k in ("index", "uuid", "pci.bus_id") if k in self.col), None)
+        self.sweeps: list[list[list[str]]] = []
+        current: list[list[str]] = []
+        seen: set[str] = set()
+        for row in self.rows:
+            k = row[key].strip() if key is not None else ""
+            if current and (key is None or k in seen):
+                self.sweeps.append(current)
+                current, seen = [], set()
+            current.append(row)
+            seen.add(k)
+        self.sweeps.append(current)
+        self.gpus = [self._identity(pos, row) for pos, row in enumerate(self.sweeps[0])]
+
+    @staticmethod
+    def _header(line: str) -> list[tuple[str, str]] | None:
+        cells = [_split_header_cell(c) for c in line.split(",")]
+        if not all(re.fullmatch(r"[A-Za-z][A-Za-z0-9_.]*", n) for n, _ in cells):
+            return None
+        known = 0
+        for name, _ in cells:
+            with contextlib.suppress(InvalidFieldError):
+                get_field(name)
+                known += 1
+        # a header names fields; a data row of plain words (`Enabled, P0`) names none of them
+        return cells if known or any(u for _, u in cells) else None
+
+    def cell(self, row: Sequence[str], name: str) -> str | None:
+        """The cell of ``name`` in ``row`` without its unit, or None when the recording lacks the column."""
+        i = self.col.get(name)
+        return _strip_unit(row[i], self.units[i]) if i is not None else None
+
+    def _identity(self, pos: int, row: Sequence[str]) -> dict[str, str]:
+        return {
+            "index": self.cell(row, "index") or str(pos),
+            "uuid": self.cell(row, "uuid") or f"GPU-00000000-0000-0000-0000-{pos:012x}",
+            "pci.bus_id": self.cell(row, "pci.bus_id") or f"00000000:{pos + 1:02X}:00.0",
+            "name": self.cell(row, "name") or "NVIDIA GPU",
+            "serial": self.cell(row, "serial") or "[N/A]",
+        }
+
+    def key_of(self, row: Sequence[str], pos: int) -> str:
+        """The GPU a row belongs to (its index, or its position in the sweep)."""
+        return self.cell(row, "index") or str(pos)
+
+    @property
+    def driver_version(self) -> str:
+        value = self.cell(self.rows[0], "driver_version")
+        return value if value and not _is_token(value) else _DEFAULT_DRIVER
+
+    def resolve(self, name: str) -> Field:
+        """The field for a queried name (catalogue names and aliases, plus unknown names the recording has)."""
+        try:
+            return get_field(name)
+        except InvalidFieldError:
+            if name in self.extra:
+                return self.extra[name]
+            raise
+
+
+def _load_recording(path: str | None) -> _Recording:
+    if not path:
+        return _Recording(_read_bundled("demo-8gpu.csv"), source="bundled demo-8gpu.csv")
+    p = pathlib.Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise _FakeUsageError(f"cannot read recording {path}: {exc}") from exc
+    return _Recording(text, sidecar=p.with_suffix(".fields"), source=str(p))
+
+
+# Compute apps: canonical names, input aliases and header units (NVIDIA-SMI.md section 4).
+_APP_FIELDS: dict[str, str] = {
+    "timestamp": "",
+    "gpu_name": "",
+    "gpu_bus_id": "",
+    "gpu_serial": "",
+    "gpu_uuid": "",
+    "pid": "",
+    "process_name": "",
+    "used_gpu_memory": "MiB",
+}
+_APP_ALIASES = {"name": "process_name", "used_memory": "used_gpu_memory"}
+_APP_HELP = {
+    "timestamp": 'The timestamp of when the query was made in format "YYYY/MM/DD HH:MM:SS.msec".',
+    "gpu_name": "Product name of the GPU the process runs on.",
+    "gpu_bus_id": 'PCI bus id of the GPU, as "domain:bus:device.function" in hex.',
+    "gpu_serial": "Board serial number of the GPU.",
+    "gpu_uuid": "Globally unique identifier of the GPU.",
+    "pid": "Process ID of the compute application",
+    "process_name": "Process name",
+    "used_gpu_memory": "GPU memory used by the process's context.",
+}
+
+
+def _load_apps(setting: str | None, rec: _Recording) -> list[dict[str, str]]:
+    if setting == "":
+        return []
+    if setting is None:
+        text = _read_bundled("demo-8gpu-apps.csv")
+    else:
+        try:
+            text = pathlib.Path(setting).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise _FakeUsageError(f"cannot read compute-apps file {setting}: {exc}") from exc
+    lines = [ln.rstrip("\r") for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return []
+    names = []
+    units = []
+    for cell in lines[0].split(","):
+        name, unit = _split_header_cell(cell)
+        names.append(_APP_ALIASES.get(name, name))
+        units.append(unit or _APP_FIELDS.get(name, ""))
+    by_uuid = {g["uuid"].lower(): g for g in rec.gpus}
+    apps: list[dict[str, str]] = []
+    for line in lines[1:]:
+        cells = line.split(", ")
+        if len(cells) > len(names) and "process_name" in names:
+            # a process name containing ", " : the surplus cells belong to it
+            at = names.index("process_name")
+            extra = len(cells) - len(names)
+            cells[at : at + extra + 1] = [", ".join(cells[at : at + extra + 1])]
+        if len(cells) != len(names):
+            continue
+        app = {n: _strip_unit(c, u) for n, c, u in zip(names, cells, units)}
+        gpu = by_uuid.get(app.get("gpu_uuid", "").lower())
+        if gpu is not None:
+            app.setdefault("gpu_name", gpu["name"])
+            app.setdefault("gpu_bus_id", gpu["pci.bus_id"])
+            app.setdefault("gpu_serial", gpu["serial"])
+        apps.append(app)
+    return apps
+
+
+# ------------------------------------------------------------------------------------------------ arguments
+
+
+@dataclasses.dataclass
+class _Options:
+    query_gpu: str | None = None
+    query_apps: str | None = None
+    fmt: str | None = None
+    ids: str | None = None
+    interval: float | None = None
+    action: str | None = None
+
+
+class _Args:
+    def __init__(self, argv: Sequence[str], out: _Output) -> None:
+        self.argv = list(argv)
+        self.pos = 0
+        self.out = out
+
+    def fail(self, message: str) -> NoReturn:
+        self.out.line(f"ERROR: {message} {_HELP_HINT}")
+        raise _Exit(255)
+
+    def value(self, option: str, inline: str | None) -> str:
+        if inline is not None:
+            if not inline:
+                self.fail(f"Option {option} is missing its value.")
+            return inline
+        if self.pos >= len(self.argv):
+            self.fail(f"Option {option} is missing its value.")
+        text = self.argv[self.pos]
+        self.pos += 1
+        return text
+
+    def optional_number(self) -> str | None:
+        if self.pos < len(self.argv) and _is_number(self.argv[self.pos]):
+            self.pos += 1
+            return self.argv[self.pos - 1]
+        return None
+
+
+def _parse_interval(args: _Args, option: str, text: str, scale: float) -> float:
+    if not _is_number(text) or int(text) <= 0:
+        args.fail(f"Invalid value {text!r} for option {option}.")
+    return int(text) * scale
+
+
+def _parse_args(argv: Sequence[str], out: _Output) -> _Options:
+    opts = _Options()
+    args = _Args(argv, out)
+    actions = {
+        "--help-query-gpu": "help-query-gpu",
+        "--help-query-compute-apps": "help-query-compute-apps",
+        "-L": "list",
+        "--list-gpus": "list",
+        "--version": "version",
+        "-h": "help",
+        "--help": "help",
+    }
+    while args.pos < len(args.argv):
+        arg = args.argv[args.pos]
+        args.pos += 1
+        name, eq, inline_text = arg.partition("=")
+        inline = inline_text if eq else None
+        if arg in actions:
+            opts.action = opts.action or actions[arg]
+        elif name == "--query-gpu":
+            opts.query_gpu = args.value(name, inline)
+        elif name == "--query-compute-apps":
+            opts.query_apps = args.value(name, inline)
+        elif name == "--format":
+            opts.fmt = args.value(name, inline)
+        elif name in ("-i", "--id"):
+            opts.ids = args.value(name, inline)
+        elif name in ("-l", "--loop"):
+            text = inline if inline is not None else args.optional_number()
+            # `-l` without a value loops every 5 seconds (manual)
+            opts.interval = _parse_interval(args, name, text, 1.0) if text is not None else 5.0
+        elif name in ("-lms", "--loop-ms"):
+            opts.interval = _parse_interval(args, name, args.value(name, inline), 0.001)
+        else:
+            args.fail(f"Option {name} is not recognized.")
+    return opts
+
+
+# --------------------------------------------------------------------------------------------------- output
+
+
+class _Output:
+    """Line output on a binary stream, the way a C program writes it."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream = stream
+
+    def line(self, text: str = "") -> None:
+        self.stream.write(text.encode("utf-8") + b"\n")
+
+    def raw(self, data: bytes) -> None:
+        self.stream.write(data)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def _hang(out: _Output) -> NoReturn:
+    out.flush()
+    while True:
+        time.sleep(3600)
+
+
+def _now_text(now: datetime) -> str:
+    return now.strftime("%Y/%m/%d %H:%M:%S.") + f"{now.microsecond // 1000:03d}"
+
+
+def _garbage_line(rng: random.Random, ncols: int) -> bytes:
+    """A line that can never pass for a row of ``ncols`` cells: random bytes, invalid UTF-8, wrong cell count."""
+    # no separators and nothing any reader could take for a line break (str.splitlines() knows eight of them)
+    alphabet = bytes(b for b in range(256) if b not in b"\n\r\x0b\x0c\x1c\x1d\x1e\x85,")
+    noise = bytes(rng.choice(alphabet) for _ in range(rng.randint(8, 60)))
+    cells = ncols + 1 + rng.randint(0, 3)
+    return b"\xff\xfe" + noise + b", \xc3(" * (cells - 1)
+
+
+class _RowWriter:
+    """Writes data rows and springs the row-counting faults (``hang-after``, ``crash-after``...)."""
+
+    def __init__(self, out: _Output, faults: _Faults, ncols: int) -> None:
+        self.out = out
+        self.faults = faults
+        self.ncols = ncols
+        self.rows = 0
+        self._garbage_done = False
+        self._wrong_done = False
+        self._rng = random.Random(20240521)
+
+    def _due(self, limit: int | None) -> bool:
+        return limit is not None and self.rows >= limit
+
+    def check_stop(self, next_bus_id: str) -> None:
+        """Hang or crash when their row count is reached."""
+        if self._due(self.faults.hang_after):
+            _hang(self.out)
+        if self._due(self.faults.crash_after):
+            bus = _short_bus_id(next_bus_id) if next_bus_id else "0000:00:00.0"
+            self.out.line(f"Unable to determine the device handle for GPU {bus}: Unknown Error")
+            self.out.flush()
+            raise _Exit(255)
+
+    def row(self, cells: list[str], *, bus_id: str = "", truncate: bool = False) -> None:
+        self.check_stop(bus_id)
+        if not self._garbage_done and self._due(self.faults.garbage_after):
+            self.out.raw(_garbage_line(self._rng, self.ncols) + b"\n")
+            self._garbage_done = True
+        if not self._wrong_done and self._due(self.faults.wrong_columns_after):
+            cells = cells[:-1]
+            self._wrong_done = True
+        data = ", ".join(cells).encode("utf-8")
+        if truncate:
+            self.out.raw(data[: max(1, len(data) // 2)])
+        else:
+            self.out.raw(data + b"\n")
+        self.rows += 1
+
+    def garbage(self, lines: int = 12) -> None:
+        for _ in range(lines):
+            self.out.raw(_garbage_line(self._rng, self.ncols) + b"\n")
+
+
+def _invalid_field(out: _Output, name: str) -> NoReturn:
+    out.line(f'Field "{name}" is not a valid field to query.')
+    out.line()
+    raise _Exit(2)
+
+
+def _format_flags(args_fmt: str | None, out: _Output) -> tuple[bool, bool]:
+    """(header, units) from ``--format``."""
+    tokens = [t.strip() for t in (args_fmt or "").split(",") if t.strip()]
+    if "csv" not in tokens or any(t not in ("csv", "noheader", "nounits") for t in tokens):
+        out.line(f"Invalid combination of input arguments. {_HELP_HINT}")
+        raise _Exit(2)
+    return "noheader" not in tokens, "nounits" not in tokens
+
+
+def _select(rec: _Recording, ids: str | None, out: _Output) -> set[str]:
+    """The keys (indices) of the GPUs that ``-i`` selects; exits 6 when an id matches nothing."""
+    if ids is None:
+        return {rec.key_of(row, pos) for pos, row in enumerate(rec.sweeps[0])}
+    wanted = [i.strip() for i in ids.split(",") if i.strip()]
+    chosen: set[str] = set()
+    for ident in wanted:
+        match = None
+        for gpu in rec.gpus:
+            if (
+                (_is_number(ident) and _is_number(gpu["index"]) and int(ident) == int(gpu["index"]))
+                or ident.lower() == gpu["uuid"].lower()
+                or _norm_bus_id(ident) == _norm_bus_id(gpu["pci.bus_id"])
+                or (gpu["serial"] not in ("[N/A]", "") and ident == gpu["serial"])
+            ):
+                match = gpu["index"]
+                break
+        if match is None:
+            out.line("No devices were found")
+            raise _Exit(6)
+        chosen.add(match)
+    if not chosen:
+        out.line("No devices were found")
+        raise _Exit(6)
+    return chosen
+
+
+def _start_sweep() -> int:
+    try:
+        return int(os.environ.get("SMIQUERY_FAKE_SWEEP", "0") or "0")
+    except ValueError:
+        raise _FakeUsageError("SMIQUERY_FAKE_SWEEP must be an integer") from None
+
+
+def _sweep_order(count: int, loop: bool) -> Iterator[int]:
+    start = _start_sweep() % count
+    if not loop:
+        yield start
+        return
+    n = start
+    while True:
+        yield n
+        n = (n + 1) % count
+
+
+def _render(fld: Field, value: str | None, units: bool) -> str:
+    if value is None:
+        return "[N/A]"
+    if units and fld.header_unit and not _is_token(value):
+        return f"{value} {fld.header_unit}"
+    return value
+
+
+def _query_gpu(opts: _Options, rec: _Recording, faults: _Faults, out: _Output) -> int:
+    assert opts.query_gpu is not None
+    fields: list[Field] = []
+    for name in opts.query_gpu.split(","):
+        try:
+            fields.append(rec.resolve(name))
+        except InvalidFieldError:
+            _invalid_field(out, name)
+    header, units = _format_flags(opts.fmt, out)
+    _startup(faults, rec, out)
+    selected = _select(rec, opts.ids, out)
+    keep_time = os.environ.get("SMIQUERY_FAKE_KEEP_TIME") == "1"
+    loop = opts.interval is not None
+    writer = _RowWriter(out, faults, len(fields))
+    if header:
+        out.line(", ".join(f.header for f in fields))
+    if faults.garbage:
+        writer.garbage()
+        out.flush()
+        return 0
+    warned = False
+    for n in _sweep_order(len(rec.sweeps), loop):
+        rows = [(rec.key_of(r, pos), r) for pos, r in enumerate(rec.sweeps[n])]
+        rows = [(key, r) for key, r in rows if key in selected]
+        now = datetime.now()
+        for i, (key, row) in enumerate(rows):
+            lost = (
+                faults.gpu_lost_after is not None
+                and writer.rows >= faults.gpu_lost_after
+                and key == str(faults.gpu_lost_index)
+            )
+            cells = []
+            for fld in fields:
+                if lost and fld.name not in _SURVIVES_LOSS:
+                    cells.append("[GPU is lost]")
+                elif fld.name == "timestamp" and not (keep_time and "timestamp" in rec.col):
+                    cells.append(_now_text(now + timedelta(milliseconds=i)))
+                else:
+                    cells.append(_render(fld, rec.cell(row, fld.name), units))
+            truncate = faults.truncated and i == len(rows) - 1
+            writer.row(cells, bus_id=rec.cell(row, "pci.bus_id") or "", truncate=truncate)
+        out.flush()
+        if faults.truncated:
+            return 0
+        if faults.inforom and not warned:
+            if not loop:
+                writer.check_stop("")
+            out.line(_INFOROM_WARNING)
+            out.flush()
+            warned = True
+            if not loop:
+                return 14
+        if loop:
+            assert opts.interval is not None
+            time.sleep(opts.interval)
+    writer.check_stop("")
+    return 0
+
+
+def _query_apps(opts: _Options, rec: _Recording, settings: _Settings, faults: _Faults, out: _Output) -> int:
+    assert opts.query_apps is not None
+    names: list[str] = []
+    for name in opts.query_apps.split(","):
+        canonical = _APP_ALIASES.get(name, name)
+        if canonical not in _APP_FIELDS:
+            _invalid_field(out, name)
+        names.append(canonical)
+    header, units = _format_flags(opts.fmt, out)
+    _startup(faults, rec, out)
+    selected = _select(rec, opts.ids, out)
+    uuids = {g["uuid"].lower() for g in rec.gpus if g["index"] in selected}
+    apps = [a for a in _load_apps(settings.apps, rec) if a.get("gpu_uuid", "").lower() in uuids or opts.ids is None]
+    writer = _RowWriter(out, faults, len(names))
+    if header:
+        out.line(", ".join(f"{n} [{_APP_FIELDS[n]}]" if _APP_FIELDS[n] else n for n in names))
+    if faults.garbage:
+        writer.garbage()
+        out.flush()
+        return 0
+    while True:
+        stamp = _now_text(datetime.now())
+        for i, app in enumerate(apps):
+            cells = []
+            for n in names:
+                value = stamp if n == "timestamp" else app.get(n)
+                if value is None:
+                    cells.append("[N/A]")
+                elif units and _APP_FIELDS[n] and not _is_token(value):
+                    cells.append(f"{value} {_APP_FIELDS[n]}")
+                else:
+                    cells.append(value)
+            writer.row(cells, bus_id=app.get("gpu_bus_id", ""), truncate=faults.truncated and i == len(apps) - 1)
+        out.flush()
+        if faults.truncated or opts.interval is None:
+            break
+        time.sleep(opts.interval)
+    writer.check_stop("")
+    return 0
+
+
+def _startup(faults: _Faults, rec: _Recording, out: _Output) -> None:
+    """Where real nvidia-smi initialises NVML: the start-up failures, and `hang`."""
+    if faults.hang:
+        _hang(out)
+    if faults.startup is not None:
+        lines, code = _STARTUP_FAULTS[faults.startup]
+        driver = rec.driver_version
+        nvml = ".".join(driver.split(".")[:2])
+        for text in lines:
+            out.line(text.format(nvml_line=f"NVML library version: {nvml}"))
+        raise _Exit(code)
+    if faults.exit_code is not None:
+        if faults.exit_message:
+            out.line(faults.exit_message)
+        raise _Exit(faults.exit_code)
+
+
+def _help_query_gpu(rec: _Recording, out: _Output) -> int:
+    out.line('List of valid properties to query for the switch "--query-gpu":')
+    present = set(rec.col) | {"timestamp"}
+    family = ""
+    for fld in CATALOGUE:
+        if fld.name not in present:
+            continue
+        group = fld.name.split(".")[0]
+        if group in ("clocks_event_reasons", "ecc", "power", "clocks") and group != family:
+            out.line()
+            out.line(f"Section about {group} properties")
+            out.line(f"Properties of the {group} group.")
+        family = group
+        out.line()
+        out.line(" or ".join(f'"{n}"' for n in (fld.name, *fld.aliases)))
+        out.line(fld.help or "No description.")
+    for fld in rec.extra.values():
+        out.line()
+        out.line(f'"{fld.name}"')
+        out.line("Listed by the driver this recording comes from.")
+    out.line()
+    return 0
+
+
+def _help_query_apps(out: _Output) -> int:
+    out.line('List of valid properties to query for the switch "--query-compute-apps":')
+    out.line()
+    out.line("Section about Active Compute Processes properties")
+    out.line("List of processes having compute context on the device.")
+    aliases = {v: k for k, v in _APP_ALIASES.items()}
+    for name, text in _APP_HELP.items():
+        out.line()
+        out.line(f'"{name}"' + (f' or "{aliases[name]}"' if name in aliases else ""))
+        out.line(text)
+    out.line()
+    return 0
+
+
+def _cuda_version(driver: str) -> str:
+    try:
+        branch = int(driver.split(".")[0])
+    except ValueError:
+        return "13.1"
+    best = max((b for b in _CUDA_BY_BRANCH if b <= branch), default=470)
+    return _CUDA_BY_BRANCH[best]
+
+
+def _version(rec: _Recording, out: _Output) -> int:
+    driver = rec.driver_version
+    out.line(f"NVIDIA-SMI version  : {driver}")
+    out.line(f"NVML version        : {'.'.join(driver.split('.')[:2])}")
+    out.line(f"DRIVER version      : {driver}")
+    out.line(f"CUDA Version        : {_cuda_version(driver)}")
+    out.line()
+    return 0
+
+
+def _list_gpus(rec: _Recording, selected: set[str], out: _Output) -> int:
+    for gpu in rec.gpus:
+        if gpu["index"] in selected:
+            out.line(f"GPU {gpu['index']}: {gpu['name']} (UUID: {gpu['uuid']})")
+    return 0
+
+
+def _table(rec: _Recording, selected: set[str], out: _Output) -> int:
+    """A short version of the default human-readable table."""
+
+    def get(row: Sequence[str], name: str, suffix: str = "") -> str:
+        value = rec.cell(row, name)
+        if value is None or _is_token(value):
+            return "N/A"
+        return value + suffix
+
+    def watts(row: Sequence[str], name: str) -> str:
+        value = get(row, name)
+        return value if value == "N/A" else f"{float(value):.0f}W"
+
+    driver = rec.driver_version
+    rule = "+" + "-" * 41 + "+" + "-" * 24 + "+" + "-" * 22 + "+"
+    out.line(time.asctime())
+    out.line("+" + "-" * 89 + "+")
+    title = f" NVIDIA-SMI {driver:<23}Driver Version: {driver:<15}CUDA Version: {_cuda_version(driver):<9}"
+    out.line(f"|{title:<89}|")
+    out.line("|" + "-" * 41 + "+" + "-" * 24 + "+" + "-" * 22 + "+")
+    out.line("| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |")
+    out.line("| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |")
+    out.line("|" + "=" * 41 + "+" + "=" * 24 + "+" + "=" * 22 + "|")
+    for pos, row in enumerate(rec.sweeps[0]):
+        key = rec.key_of(row, pos)
+        if key not in selected:
+            continue
+        pers = {"Enabled": "On", "Disabled": "Off"}.get(get(row, "persistence_mode"), "On")
+        ecc = get(row, "ecc.errors.uncorrected.volatile.total")
+        name = get(row, "name")
+        out.line(f"| {key:>3}  {name:<30.30}{pers:>3}  |{get(row, 'pci.bus_id'):>19} Off |{ecc:>21} |")
+        temp = get(row, "temperature.gpu", "C")
+        power = f"{watts(row, 'power.draw')} / {watts(row, 'power.limit'):>5}"
+        left = f" {get(row, 'fan.speed', '%'):>3} {temp:>5}    {get(row, 'pstate'):>2}{power:>24} "
+        memory = f"{get(row, 'memory.used', 'MiB')} / {get(row, 'memory.total', 'MiB'):>9}"
+        util = get(row, "utilization.gpu", "%")
+        out.line(f"|{left:<41}|{memory:>23} |{util:>8}{'Default':>13} |")
+        out.line(rule)
+    return 0
+
+
+def _usage(out: _Output) -> int:
+    out.line("smiquery fake nvidia-smi: replays a recorded CSV like NVIDIA's System Management Interface.")
+    out.line()
+    out.line("    nvidia-smi [-i ID] --query-gpu=LIST --format=csv[,noheader][,nounits] [-l SEC | -lms MS]")
+    out.line("    nvidia-smi [-i ID] --query-compute-apps=LIST --format=csv[,noheader][,nounits]")
+    out.line("    nvidia-smi --help-query-gpu | --help-query-compute-apps | -L | --version")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- entry points
+
+
+def _log_invocation(path: str, argv: Sequence[str]) -> None:
+    record = json.dumps({"pid": os.getpid(), "argv": list(argv), "time": time.time()}) + "\n"
+    # one write on an O_APPEND descriptor, so concurrent fakes never interleave their lines
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, record.encode("utf-8"))
+    finally:
+        os.close(fd)
+
+
+def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Output) -> int:
+    if settings.start_delay > 0:
+        time.sleep(settings.start_delay)
+    opts = _parse_args(argv, out)
+    rec = _load_recording(settings.recording)
+    if opts.action == "help":
+        return _usage(out)
+    if opts.action == "help-query-gpu":
+        return _help_query_gpu(rec, out)
+    if opts.action == "help-query-compute-apps":
+        return _help_query_apps(out)
+    if opts.query_gpu is not None and opts.query_apps is not None:
+        out.line(f"Invalid combination of input arguments. {_HELP_HINT}")
+        return 2
+    if opts.query_gpu is not None:
+        return _query_gpu(opts, rec, faults, out)
+    if opts.query_apps is not None:
+        return _query_apps(opts, rec, settings, faults, out)
+    if opts.fmt is not None:
+        out.line(f"Invalid combination of input arguments. {_HELP_HINT}")
+        return 2
+    _startup(faults, rec, out)
+    if opts.action == "version":
+        return _version(rec, out)
+    selected = _select(rec, opts.ids, out)
+    if opts.action == "list":
+        return _list_gpus(rec, selected, out)
+    return _table(rec, selected, out)
+
+
+def _run(argv: Sequence[str], settings: _Settings) -> int:
+    """Run the fake with signal handling like a C program: quiet on SIGINT, SIGTERM and a closed pipe."""
+    saved: dict[int, object] = {}
+    for name in ("SIGINT", "SIGPIPE", "SIGTERM"):
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            with contextlib.suppress(ValueError, OSError):  # not the main thread
+                saved[signum] = signal.signal(signum, signal.SIG_DFL)
+    stream: BinaryIO = getattr(sys.stdout, "buffer", None) or sys.stdout  # type: ignore[assignment]
+    out = _Output(stream)
+    try:
+        try:
+            settings = settings.with_env(os.environ)
+            faults = _parse_faults(settings.fault)
+            if faults.ignore_term and hasattr(signal, "SIGTERM"):
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            # logged after SIGTERM is ignored: a test that sees the line may rely on it
+            if settings.log:
+                _log_invocation(settings.log, argv)
+            code = _dispatch(argv, settings, faults, out)
+        except _Exit as exc:
+            code = exc.code
+        except _FakeUsageError as exc:
+            out.flush()
+            print(f"smiquery-fake-nvidia-smi: {exc}", file=sys.stderr)
+            return _EX_SOFTWARE
+        out.flush()
+        return code
+    except BrokenPipeError:
+        # the reader went away: end quietly, and keep Python from complaining when it flushes at exit
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    finally:
+        for signum, handler in saved.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(signum, handler)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the fake ``nvidia-smi`` with nvidia-smi's own command-line arguments.
+
+    Settings come from the ``SMIQUERY_FAKE_*`` environment variables (see :data:`ENV_VARS`); without them it
+    replays the bundled 8-GPU demo recording and fails in no way.
+
+    Args:
+        argv: the arguments after the program name; None means ``sys.argv[1:]``.
+
+    Returns:
+        The exit status nvidia-smi would return (70 when the fake itself is misconfigured).
+    """
+    return _run(sys.argv[1:] if argv is None else argv, _Settings())
+
+
+def _main_with_settings(settings: Mapping[str, object], argv: list[str] | None = None) -> int:
+    """Entry point of the scripts written by :func:`fake_nvidia_smi` (settings baked in)."""
+    delay = settings.get("start_delay") or 0.0
+    baked = _Settings(
+        recording=_opt_str(settings.get("recording")),
+        fault=_opt_str(settings.get("fault")),
+        start_delay=float(delay) if isinstance(delay, (int, float, str)) else 0.0,
+        apps=_opt_str(settings.get("apps")),
+        log=_opt_str(settings.get("log")),
+    )
+    return _run(sys.argv[1:] if argv is None else argv, baked)
+
+
+def _opt_str(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _abs(path: str | os.PathLike[str] | None) -> str | None:
+    return None if path is None else str(pathlib.Path(path).absolute())
+
+
+def _shebang(python: str) -> str:
+    # The kernel splits a #! line at whitespace and truncates it (127 bytes on older kernels): such interpreters
+    # are started through /bin/sh, with a first line that sh runs and Python reads as a string literal.
+    if python.isascii() and not re.search(r"\s", python) and len(python) < 120:
+        return f"#!{python}\n"
+    return f"#!/bin/sh\n\"true\" '''\\'\nexec {shlex.quote(python)} \"$0\" \"$@\"\n'''\n"
+
+
+def fake_nvidia_smi(
+    directory: str | os.PathLike[str],
+    *,
+    recording: str | os.PathLike[str] | None = None,
+    fault: str | None = None,
+    start_delay: float = 0.0,
+    apps: str | os.PathLike[str] | None = None,
+    log: str | os.PathLike[str] | None = None,
+    name: str = "nvidia-smi",
+) -> pathlib.Path:
+    """Write an executable fake ``nvidia-smi`` into ``directory``.
+
+    The script runs this Python interpreter (``sys.executable``) and replays ``recording`` in nvidia-smi's exact
+    CSV format, failing as ``fault`` says. The ``SMIQUERY_FAKE_*`` environment variables override these settings
+    when it runs (see :data:`ENV_VARS`).
+
+    Args:
+        directory: where to write it (created if missing).
+        recording: a ``--format=csv`` recording with header; None for the bundled 8-GPU demo.
+        fault: comma-separated fault specs from :data:`FAULTS`, e.g. ``"hang-after:8,ignore-term"``.
+        start_delay: seconds to sleep before any output (nvidia-smi's start-up cost).
+        apps: the compute-apps CSV; None for the bundled one, ``""`` for no processes.
+        log: a file to which every invocation appends one JSON line (``pid``, ``argv``, ``time``).
+        name: the file name.
+
+    Returns:
+        The path of the executable.
+
+    Raises:
+        ValueError: ``fault`` names an unknown fault or ``start_delay`` is negative.
+    """
+    try:
+        _parse_faults(fault)
+    except _FakeUsageError as exc:
+        raise ValueError(str(exc)) from None
+    if start_delay < 0:
+        raise ValueError("start_delay must not be negative")
+    settings = {
+        "recording": _abs(recording),
+        "fault": fault,
+        "start_delay": float(start_delay),
+        "apps": "" if apps == "" else _abs(apps),
+        "log": _abs(log),
+    }
+    package_parent = str(pathlib.Path(__file__).resolve().parent.parent)
+    script = (
+        _shebang(sys.executable)
+        + '"""Fake nvidia-smi written by smiquery.testing.fake_nvidia_smi(): replays a recorded CSV."""\n'
+        + "import sys\n\n"
+        + f"SETTINGS = {settings!r}\n\n"
+        + "try:\n"
+        + "    from smiquery.testing import _main_with_settings\n"
+        + "except ImportError:  # this interpreter has no smiquery installed: use the copy that wrote the script\n"
+        + f"    sys.path.insert(0, {package_parent!r})\n"
+        + "    from smiquery.testing import _main_with_settings\n\n"
+        + "sys.exit(_main_with_settings(SETTINGS))\n"
+    )
+    folder = pathlib.Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text(script, encoding="utf-8")
+    path.chmod(0o755)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

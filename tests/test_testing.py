@@ -1,0 +1,724 @@
+"""The fake nvidia-smi, driven as a real process: output format, selection, loops, signals and every fault."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from smiquery import errors
+from smiquery.fields import CATALOGUE, PRESETS, get_field, parse_help_query_gpu
+from smiquery.parsing import CsvParser, header_line
+from smiquery.records import GpuSample
+from smiquery.testing import FAULTS, fake_nvidia_smi
+
+if TYPE_CHECKING:
+    from conftest import MakeFake
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the fake is a POSIX executable")
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+DEMO = ROOT / "smiquery" / "data" / "demo-8gpu.csv"
+DEMO_APPS = ROOT / "smiquery" / "data" / "demo-8gpu-apps.csv"
+SOME = "index,uuid,name,memory.used,power.draw,temperature.gpu,fan.speed,clocks_event_reasons.active,driver_version"
+HELP = "Please run 'nvidia-smi -h' for help."
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMIQUERY_FAKE_")}
+    env.update(extra)
+    return env
+
+
+def run(exe: Path, *args: str, timeout: float = 20.0, **env: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([str(exe), *args], capture_output=True, env=child_env(**env), timeout=timeout, check=False)
+
+
+def lines_of(data: bytes) -> list[str]:
+    return data.decode("utf-8", errors="replace").splitlines()
+
+
+@cache
+def demo_rows() -> tuple[GpuSample, ...]:
+    return tuple(CsvParser().parse(DEMO.read_text(encoding="utf-8").splitlines()))
+
+
+class Child:
+    """A fake started with pipes; reads lines with deadlines; always killed and reaped on exit."""
+
+    def __init__(self, exe: Path, *args: str, **env: str) -> None:
+        self.proc = subprocess.Popen(
+            [str(exe), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env(**env)
+        )
+        assert self.proc.stdout is not None
+        self.fd = self.proc.stdout.fileno()
+        self.buf = b""
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        finally:
+            self.proc.wait(timeout=10)
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+
+    def _fill(self, deadline: float) -> bool:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+            return False
+        chunk = os.read(self.fd, 65536)
+        if not chunk:
+            raise EOFError
+        self.buf += chunk
+        return True
+
+    def readline(self, timeout: float = 5.0) -> str:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            if not self._fill(deadline):
+                raise TimeoutError(f"no line within {timeout} s")
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode("utf-8")
+
+    def readlines(self, n: int, timeout: float = 5.0) -> list[str]:
+        return [self.readline(timeout) for _ in range(n)]
+
+    def silent_for(self, seconds: float) -> bool:
+        """True when nothing at all arrives within ``seconds``."""
+        before = len(self.buf)
+        try:
+            self._fill(time.monotonic() + seconds)
+        except EOFError:
+            return True
+        return len(self.buf) == before
+
+    def stopped_within(self, seconds: float) -> bool:
+        try:
+            self.proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def stderr(self) -> bytes:
+        assert self.proc.stderr is not None and self.proc.poll() is not None
+        return self.proc.stderr.read()
+
+
+# ------------------------------------------------------------------------------------------- format, values
+
+
+def test_one_shot_matches_the_first_sweep_of_the_recording(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(), f"--query-gpu={SOME}", "--format=csv")
+    assert res.returncode == 0
+    assert res.stderr == b""
+    out = lines_of(res.stdout)
+    fields = [get_field(n) for n in SOME.split(",")]
+    assert out[0] == header_line(fields)
+    assert len(out) == 9
+    assert out[1].split(", ")[3] == "1 MiB"  # units in the values without nounits
+    samples = list(CsvParser(SOME.split(",")).parse(out))
+    for got, want in zip(samples, demo_rows()[:8], strict=True):
+        for name in SOME.split(","):
+            assert got[name] == want[name], name
+        assert got.missing == {"fan.speed": "not_available"}
+
+
+def test_nounits_noheader_in_any_order(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(), "--query-gpu=index,memory.used,power.draw,fan.speed", "--format=nounits,csv,noheader")
+    out = lines_of(res.stdout)
+    assert res.returncode == 0
+    assert len(out) == 8
+    assert out[0] == f"0, 1, {demo_rows()[0].power_draw:.2f}, [N/A]"
+    samples = list(CsvParser(["index", "memory.used", "power.draw", "fan.speed"]).parse(out))
+    assert [s.index for s in samples] == list(range(8))
+
+
+def test_query_gpu_with_a_separate_value_and_format_value(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(), "--query-gpu", "index,pstate", "--format", "csv,noheader")
+    assert lines_of(res.stdout)[:2] == ["0, P0", "1, P0"]
+
+
+def test_aliases_print_canonical_header_names(fake_smi: MakeFake) -> None:
+    query = "gpu_name,clocks.sm,gpu_uuid,clocks_throttle_reasons.hw_thermal_slowdown,gpu_bus_id,index,index"
+    out = lines_of(run(fake_smi(), f"--query-gpu={query}", "--format=csv").stdout)
+    assert out[0] == (
+        "name, clocks.current.sm [MHz], uuid, clocks_event_reasons.hw_thermal_slowdown, pci.bus_id, index, index"
+    )
+    assert out[1].endswith(", 00000000:18:00.0, 0, 0")
+
+
+def test_a_catalogue_field_missing_from_the_recording_is_na_without_unit(fake_smi: MakeFake) -> None:
+    out = lines_of(run(fake_smi(), "--query-gpu=index,clocks.max.sm,serial", "--format=csv").stdout)
+    assert out[0] == "index, clocks.max.sm [MHz], serial"
+    assert out[1] == "0, [N/A], [N/A]"
+
+
+def test_timestamps_are_rewritten_to_now_about_a_millisecond_apart(fake_smi: MakeFake) -> None:
+    before = datetime.now().replace(microsecond=0)
+    out = lines_of(run(fake_smi(), "--query-gpu=timestamp,index", "--format=csv,noheader").stdout)
+    stamps = [datetime.strptime(line.split(", ")[0], "%Y/%m/%d %H:%M:%S.%f") for line in out]
+    assert all(before <= s <= datetime.now() for s in stamps)
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(stamps)]
+    assert all(0 < g < 0.01 for g in gaps)
+
+
+def test_keep_time_and_sweep_choice(fake_smi: MakeFake) -> None:
+    exe = fake_smi()
+    out = lines_of(
+        run(
+            exe,
+            "--query-gpu=timestamp,index,power.draw",
+            "--format=csv,noheader",
+            SMIQUERY_FAKE_KEEP_TIME="1",
+            SMIQUERY_FAKE_SWEEP="2",
+        ).stdout
+    )
+    raw = DEMO.read_text(encoding="utf-8").splitlines()
+    assert [line.split(", ")[0] for line in out] == [r.split(", ")[0] for r in raw[17:25]]
+    wrapped = lines_of(run(exe, "--query-gpu=power.draw", "--format=csv,noheader", SMIQUERY_FAKE_SWEEP="601").stdout)
+    assert wrapped == [f"{s.power_draw:.2f} W" for s in demo_rows()[8:16]]
+
+
+def test_unknown_field_fails_the_whole_call_on_stdout(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(), "--query-gpu=index,device_minor,name", "--format=csv")
+    assert res.returncode == 2
+    assert res.stdout == b'Field "device_minor" is not a valid field to query.\n\n'
+    assert res.stderr == b""
+    with pytest.raises(errors.InvalidArgumentError):
+        raise errors.failure_from_exit(["nvidia-smi"], res.returncode, res.stdout.decode())
+
+
+def test_a_space_after_a_comma_is_part_of_the_name(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(), "--query-gpu=index, name", "--format=csv")
+    assert (res.returncode, lines_of(res.stdout)[0]) == (2, 'Field " name" is not a valid field to query.')
+
+
+def test_bad_options(fake_smi: MakeFake) -> None:
+    exe = fake_smi()
+    res = run(exe, "--query-gpu=index", "--format=csv", "-loop", "1")
+    assert (res.returncode, res.stdout.decode()) == (255, f"ERROR: Option -loop is not recognized. {HELP}\n")
+    res = run(exe, "--query-gpu=index", "--format=csv", "-i")
+    assert (res.returncode, res.stdout.decode()) == (255, f"ERROR: Option -i is missing its value. {HELP}\n")
+    res = run(exe, "--format=csv")
+    assert res.returncode != 0
+    assert res.stdout.decode().startswith("Invalid combination of input arguments.")
+
+
+# ---------------------------------------------------------------------------------------------- selection
+
+
+def test_select_by_index_uuid_and_bus_id_in_index_order(fake_smi: MakeFake) -> None:
+    rows = demo_rows()
+    ids = f"6,{str(rows[1].uuid).upper()},0000:3a:00.0"
+    out = lines_of(run(fake_smi(), "--query-gpu=index", "--format=csv,noheader", "-i", ids).stdout)
+    assert out == ["1", "2", "6"]
+    out = lines_of(run(fake_smi(), "--query-gpu=index", "--format=csv,noheader", "--id=7").stdout)
+    assert out == ["7"]
+
+
+@pytest.mark.parametrize("ident", ["8", "42", "GPU-00000000-0000-0000-0000-000000000000", "random,string"])
+def test_unknown_id_finds_no_devices(fake_smi: MakeFake, ident: str) -> None:
+    res = run(fake_smi(), "--query-gpu=index", "--format=csv", "-i", ident)
+    assert (res.returncode, res.stdout) == (6, b"No devices were found\n")
+
+
+def test_list_gpus_and_version(fake_smi: MakeFake) -> None:
+    exe = fake_smi()
+    listing = lines_of(run(exe, "-L").stdout)
+    assert len(listing) == 8
+    assert re.fullmatch(
+        r"GPU 0: NVIDIA H100 80GB HBM3 \(UUID: GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}\)", listing[0]
+    )
+    assert lines_of(run(exe, "--list-gpus", "-i", "5").stdout) == [listing[5]]
+    assert lines_of(run(exe, "--version").stdout) == [
+        "NVIDIA-SMI version  : 590.48.01",
+        "NVML version        : 590.48",
+        "DRIVER version      : 590.48.01",
+        "CUDA Version        : 13.1",
+        "",
+    ]
+
+
+def test_no_arguments_print_the_human_table(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(), "-i", "0,1")
+    out = lines_of(res.stdout)
+    assert res.returncode == 0
+    assert "Driver Version: 590.48.01" in out[2]
+    assert all(len(line) == 91 for line in out[1:])
+    assert sum("NVIDIA H100 80GB HBM3" in line for line in out) == 2
+
+
+# ------------------------------------------------------------------------------------------ loops, signals
+
+
+def test_loop_prints_the_header_once_then_successive_sweeps(fake_smi: MakeFake) -> None:
+    with Child(
+        fake_smi(),
+        "--query-gpu=timestamp,index,uuid,power.draw",
+        "--format=csv",
+        "-lms",
+        "20",
+        SMIQUERY_FAKE_KEEP_TIME="1",
+    ) as child:
+        header = child.readline()
+        lines = child.readlines(8 * 3)
+        child.proc.send_signal(signal.SIGTERM)
+        assert child.stopped_within(5)
+        assert child.proc.returncode == -signal.SIGTERM
+        assert child.stderr() == b""
+    assert header == "timestamp, index, uuid, power.draw [W]"
+    samples = list(CsvParser(["timestamp", "index", "uuid", "power.draw"]).parse(lines))
+    want = demo_rows()[:24]
+    assert [(s.timestamp, s.uuid, s.power_draw) for s in samples] == [(w.timestamp, w.uuid, w.power_draw) for w in want]
+
+
+def test_loop_with_l_seconds_and_selection(fake_smi: MakeFake) -> None:
+    with Child(fake_smi(), "--query-gpu=index", "--format=csv,noheader", "-l", "1", "-i", "3") as child:
+        start = time.monotonic()
+        assert child.readlines(2, timeout=5) == ["3", "3"]
+        assert 0.9 < time.monotonic() - start < 4
+
+
+def test_sigint_ends_the_loop_without_a_traceback(fake_smi: MakeFake) -> None:
+    with Child(fake_smi(), "--query-gpu=index", "--format=csv", "--loop-ms=50") as child:
+        child.readline()
+        child.proc.send_signal(signal.SIGINT)
+        assert child.stopped_within(5)
+        assert child.stderr() == b""
+
+
+def test_a_closed_pipe_ends_the_loop_quietly(fake_smi: MakeFake) -> None:
+    with Child(fake_smi(), "--query-gpu=index", "--format=csv", "-lms", "10") as child:
+        child.readline()
+        assert child.proc.stdout is not None
+        child.proc.stdout.close()
+        assert child.stopped_within(5)
+        assert child.stderr() == b""
+
+
+def test_ignore_term_needs_sigkill(fake_smi: MakeFake) -> None:
+    with Child(fake_smi(fault="ignore-term"), "--query-gpu=index", "--format=csv", "-lms", "50") as child:
+        child.readline()
+        child.proc.send_signal(signal.SIGTERM)
+        assert not child.stopped_within(0.4)
+        child.readline()  # still looping
+        child.proc.kill()
+        assert child.stopped_within(5)
+        assert child.proc.returncode == -signal.SIGKILL
+
+
+# ------------------------------------------------------------------------------------------------- faults
+
+STARTUP_FAULTS = [
+    (
+        "driver-not-loaded",
+        9,
+        [
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+            "Make sure that the latest NVIDIA driver is installed and running."
+        ],
+        errors.DriverNotLoadedError,
+    ),
+    (
+        "nvml-not-found",
+        12,
+        [
+            "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system. Please make sure that "
+            "the NVIDIA Display Driver is properly installed and present in your system.",
+            "Please also try adding directory that contains libnvidia-ml.so to your system PATH.",
+        ],
+        errors.NvmlNotFoundError,
+    ),
+    (
+        "version-mismatch",
+        18,
+        ["Failed to initialize NVML: Driver/library version mismatch", "NVML library version: 590.48"],
+        errors.DriverVersionMismatchError,
+    ),
+    ("no-devices", 6, ["No devices were found"], errors.NoDevicesFoundError),
+    (
+        "no-supported-gpus",
+        255,
+        ["Failed to initialize NVML: No supported GPUs were found", "Unable to determine the number of GPUs"],
+        errors.NoDevicesFoundError,
+    ),
+    (
+        "gpu-lost-start",
+        15,
+        [
+            "Unable to determine the device handle for GPU 0000:02:00.0: GPU is lost. "
+            "Reboot the system to recover this GPU"
+        ],
+        errors.GpuLostError,
+    ),
+    ("permission", 4, ["Failed to initialize NVML: Insufficient Permissions"], errors.InsufficientPermissionsError),
+    ("not-supported", 3, ["Failed to initialize NVML: Not Supported"], errors.NotSupportedError),
+    ("unknown-error", 255, ["Failed to initialize NVML: Unknown Error"], errors.NvidiaSmiFailedError),
+    ("exit:42", 42, [], errors.NvidiaSmiFailedError),
+    ("exit:9:Driver Not Loaded", 9, ["Driver Not Loaded"], errors.DriverNotLoadedError),
+]
+
+
+@pytest.mark.parametrize(("fault", "code", "message", "error"), STARTUP_FAULTS, ids=[f[0] for f in STARTUP_FAULTS])
+def test_startup_faults(
+    fake_smi: MakeFake, fault: str, code: int, message: list[str], error: type[errors.NvidiaSmiFailedError]
+) -> None:
+    res = run(fake_smi(fault=fault), "--query-gpu=index,name", "--format=csv")
+    assert (res.returncode, lines_of(res.stdout), res.stderr) == (code, message, b"")
+    assert type(errors.failure_from_exit(["nvidia-smi"], res.returncode, res.stdout.decode())) is error
+
+
+def test_startup_faults_hit_listing_but_not_help(fake_smi: MakeFake) -> None:
+    exe = fake_smi(fault="driver-not-loaded")
+    assert run(exe, "-L").returncode == 9
+    assert run(exe, "--help-query-gpu").returncode == 0
+
+
+def test_inforom_prints_rows_then_a_warning_and_exits_14(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(fault="inforom"), "--query-gpu=index,memory.used", "--format=csv")
+    out = lines_of(res.stdout)
+    assert res.returncode == 14
+    assert out[-1] == "WARNING: infoROM is corrupted at gpu 0000:0B:00.0"
+    parser = CsvParser(["index", "memory.used"])
+    assert len(list(parser.parse(out))) == 8
+    assert parser.notices == [out[-1]]
+
+
+def test_hang_prints_nothing_and_never_ends(fake_smi: MakeFake) -> None:
+    with Child(fake_smi(fault="hang"), "--query-gpu=index", "--format=csv") as child:
+        assert child.silent_for(0.5)
+        assert child.proc.poll() is None
+        child.proc.send_signal(signal.SIGTERM)
+        assert child.stopped_within(5)
+
+
+def test_hang_with_ignore_term_survives_sigterm(tmp_path: Path, fake_smi: MakeFake) -> None:
+    log = tmp_path / "calls.jsonl"
+    with Child(fake_smi(fault="hang,ignore-term", log=log), "--query-gpu=index", "--format=csv") as child:
+        deadline = time.monotonic() + 10
+        while not (log.exists() and log.read_text()):  # logged once SIGTERM is ignored
+            assert time.monotonic() < deadline, "the fake never started"
+            time.sleep(0.02)
+        child.proc.send_signal(signal.SIGTERM)
+        assert not child.stopped_within(0.4)
+        child.proc.kill()
+        assert child.stopped_within(5)
+        assert child.proc.returncode == -signal.SIGKILL
+
+
+def test_hang_after_n_rows(fake_smi: MakeFake) -> None:
+    with Child(fake_smi(fault="hang-after:3"), "--query-gpu=index", "--format=csv") as child:
+        assert child.readlines(4) == ["index", "0", "1", "2"]
+        assert child.silent_for(0.5)
+        assert child.proc.poll() is None
+
+
+def test_hang_after_counts_rows_across_loop_sweeps(fake_smi: MakeFake) -> None:
+    with Child(fake_smi(fault="hang-after:10"), "--query-gpu=index", "--format=csv,noheader", "-lms", "10") as child:
+        assert child.readlines(10)[-2:] == ["0", "1"]
+        assert child.silent_for(0.4)
+        assert child.proc.poll() is None
+
+
+def test_crash_after_n_rows(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(fault="crash-after:5"), "--query-gpu=index", "--format=csv,noheader")
+    out = lines_of(res.stdout)
+    assert res.returncode == 255
+    assert out == ["0", "1", "2", "3", "4", "Unable to determine the device handle for GPU 0000:AB:00.0: Unknown Error"]
+
+
+def test_crash_after_more_rows_than_a_one_shot_has_exits_normally(fake_smi: MakeFake) -> None:
+    assert run(fake_smi(fault="crash-after:9"), "--query-gpu=index", "--format=csv").returncode == 0
+
+
+def test_gpu_lost_mid_loop(fake_smi: MakeFake) -> None:
+    query = ["timestamp", "index", "uuid", "name", "pci.bus_id", "power.draw", "memory.used"]
+    with Child(
+        fake_smi(fault="gpu-lost-after:8:2"), f"--query-gpu={','.join(query)}", "--format=csv,noheader", "-lms", "10"
+    ) as child:
+        lines = child.readlines(24)
+        assert child.proc.poll() is None
+    samples = list(CsvParser(query).parse(lines))
+    lost = [(i // 8, s.index) for i, s in enumerate(samples) if s.gpu_lost]
+    assert lost == [(1, 2), (2, 2)]
+    cells = lines[10].split(", ")
+    assert cells[1:5] == ["2", demo_rows()[2].uuid, "NVIDIA H100 80GB HBM3", "00000000:3A:00.0"]
+    assert cells[5:] == ["[GPU is lost]", "[GPU is lost]"]
+
+
+def test_garbage(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(fault="garbage"), "--query-gpu=index,name,memory.used", "--format=csv")
+    assert res.returncode == 0
+    with pytest.raises(UnicodeDecodeError):
+        res.stdout.decode("utf-8")
+    parser = CsvParser(["index", "name", "memory.used"], strict=False)
+    assert list(parser.parse(lines_of(res.stdout))) == []
+    assert parser.dropped >= 10
+
+
+def test_garbage_after_n_rows_then_normal_rows(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(fault="garbage-after:3"), "--query-gpu=index,name,memory.used", "--format=csv")
+    assert res.returncode == 0
+    with pytest.raises(errors.ParseError) as info:
+        list(CsvParser().parse(lines_of(res.stdout)))
+    assert info.value.lineno == 5
+    parser = CsvParser(strict=False)
+    assert [s.index for s in parser.parse(lines_of(res.stdout))] == list(range(8))
+    assert parser.dropped == 1
+
+
+def test_truncated_last_row(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(fault="truncated"), "--query-gpu=index,uuid,memory.used", "--format=csv")
+    assert res.returncode == 0
+    assert not res.stdout.endswith(b"\n")
+    parser = CsvParser(strict=False)
+    assert len(list(parser.parse(lines_of(res.stdout)))) == 7
+    assert parser.dropped == 1
+
+
+def test_wrong_columns_after_n_rows(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(fault="wrong-columns-after:2"), "--query-gpu=index,uuid,memory.used", "--format=csv")
+    out = lines_of(res.stdout)
+    assert len(out[3].split(", ")) == 2
+    assert all(len(line.split(", ")) == 3 for line in out[:3] + out[4:])
+    with pytest.raises(errors.ParseError) as info:
+        list(CsvParser().parse(out))
+    assert info.value.lineno == 4
+
+
+def test_start_delay(fake_smi: MakeFake) -> None:
+    start = time.monotonic()
+    assert run(fake_smi(start_delay=0.3), "--query-gpu=index", "--format=csv").returncode == 0
+    assert time.monotonic() - start >= 0.3
+
+
+def test_fault_names_are_checked(tmp_path: Path, fake_smi: MakeFake) -> None:
+    with pytest.raises(ValueError, match="unknown fault"):
+        fake_nvidia_smi(tmp_path, fault="hang-after")
+    with pytest.raises(ValueError, match="unknown fault"):
+        fake_nvidia_smi(tmp_path, fault="melt")
+    res = run(fake_smi(), "-L", SMIQUERY_FAKE_FAULT="melt")
+    assert res.returncode == 70
+    assert b"unknown fault 'melt'" in res.stderr
+    assert {f.split(":")[0] for f in FAULTS} >= {"hang", "hang-after", "gpu-lost-after", "exit", "ignore-term"}
+
+
+# ------------------------------------------------------------------------------------ environment, logging
+
+
+def test_environment_overrides_baked_settings(fake_smi: MakeFake) -> None:
+    exe = fake_smi(fault="no-devices")
+    assert run(exe, "-L").returncode == 6
+    assert run(exe, "-L", SMIQUERY_FAKE_FAULT="").returncode == 0
+    assert run(exe, "-L", SMIQUERY_FAKE_FAULT="permission").returncode == 4
+    res = run(
+        exe,
+        "--query-gpu=name",
+        "--format=csv,noheader",
+        SMIQUERY_FAKE_FAULT="",
+        SMIQUERY_FAKE_RECORDING=str(FIXTURES / "t4-470-old-tokens.csv"),
+    )
+    assert lines_of(res.stdout) == ["Tesla T4", "Tesla T4"]
+
+
+def test_invocation_log_counts_starts(tmp_path: Path, fake_smi: MakeFake) -> None:
+    log = tmp_path / "calls.jsonl"
+    exe = fake_smi(log=log)
+    run(exe, "--version")
+    run(exe, "--query-gpu=index", "--format=csv")
+    run(exe, "--query-gpu=bogus", "--format=csv")
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c["argv"] for c in calls] == [
+        ["--version"],
+        ["--query-gpu=index", "--format=csv"],
+        ["--query-gpu=bogus", "--format=csv"],
+    ]
+    assert all(isinstance(c["pid"], int) and isinstance(c["time"], float) for c in calls)
+    other = tmp_path / "other.jsonl"
+    run(exe, "-L", SMIQUERY_FAKE_LOG=str(other))
+    assert len(other.read_text().splitlines()) == 1
+
+
+def test_the_script_runs_from_any_directory(tmp_path: Path, fake_smi: MakeFake) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    exe = fake_smi(recording=FIXTURES / "h100x8-590-sweep.csv")
+    res = subprocess.run([str(exe), "-L"], cwd=elsewhere, capture_output=True, env=child_env(), timeout=20, check=False)
+    assert len(lines_of(res.stdout)) == 8
+
+
+def test_interpreter_path_with_spaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    exe_path = Path(sys.executable)
+    if not exe_path.is_relative_to(sys.prefix):
+        pytest.skip("the interpreter is outside sys.prefix")
+    linked_prefix = tmp_path / "python env with spaces"
+    linked_prefix.symlink_to(sys.prefix, target_is_directory=True)
+    monkeypatch.setattr(sys, "executable", str(linked_prefix / exe_path.relative_to(sys.prefix)))
+    exe = fake_nvidia_smi(tmp_path / "bin")
+    assert exe.read_text().startswith("#!/bin/sh\n")
+    res = run(exe, "--query-gpu=index", "--format=csv,noheader", "-i", "4")
+    assert (res.returncode, res.stdout) == (0, b"4\n")
+
+
+def test_module_entry_point_and_bundled_data() -> None:
+    assert (resources.files("smiquery") / "data" / "demo-8gpu.csv").is_file()
+    assert (resources.files("smiquery") / "data" / "demo-8gpu-apps.csv").is_file()
+    res = subprocess.run(
+        [sys.executable, "-m", "smiquery.testing", "--version"],
+        capture_output=True,
+        env=child_env(),
+        timeout=20,
+        check=False,
+    )
+    assert lines_of(res.stdout)[0] == "NVIDIA-SMI version  : 590.48.01"
+
+
+# -------------------------------------------------------------------------------------------------- help
+
+
+def test_help_query_gpu_round_trips(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(), "--help-query-gpu")
+    text = res.stdout.decode()
+    assert text.startswith('List of valid properties to query for the switch "--query-gpu":\n\n')
+    entries = parse_help_query_gpu(text)
+    recorded = {get_field(cell.split(" [")[0]).name for cell in DEMO.read_text().splitlines()[0].split(", ")}
+    order = [f.name for f in CATALOGUE if f.name in recorded | {"timestamp"}]
+    assert [e.name for e in entries] == order
+    for entry in entries:
+        fld = get_field(entry.name)
+        assert entry.aliases == fld.aliases
+        assert entry.description == fld.help
+    assert set(PRESETS["health"]) <= {e.name for e in entries}
+
+
+def test_help_query_gpu_of_an_old_recording_lists_canonical_names(fake_smi: MakeFake) -> None:
+    res = run(fake_smi(recording=FIXTURES / "t4-470-old-tokens.csv"), "--help-query-gpu")
+    entries = {e.name: e for e in parse_help_query_gpu(res.stdout.decode())}
+    assert entries["clocks_event_reasons.active"].aliases == ("clocks_throttle_reasons.active",)
+    assert "compute_cap" not in entries
+
+
+# ---------------------------------------------------------------------------------------------- compute apps
+
+
+def test_compute_apps_default_and_aliases(fake_smi: MakeFake) -> None:
+    exe = fake_smi()
+    out = lines_of(run(exe, "--query-compute-apps=pid,name,gpu_uuid,used_memory", "--format=csv").stdout)
+    assert out[0] == "pid, process_name, gpu_uuid, used_gpu_memory [MiB]"
+    assert out[1:] == DEMO_APPS.read_text().splitlines()[1:]
+    out = lines_of(
+        run(
+            exe, "--query-compute-apps=gpu_bus_id,gpu_name,used_gpu_memory", "--format=csv,nounits,noheader", "-i", "2"
+        ).stdout
+    )
+    assert len(out) == 1
+    bus, name, used = out[0].split(", ")
+    assert (bus, name) == ("00000000:3A:00.0", "NVIDIA H100 80GB HBM3")
+    assert used.isdigit()
+
+
+def test_compute_apps_none(fake_smi: MakeFake) -> None:
+    exe = fake_smi(apps="")
+    res = run(exe, "--query-compute-apps=pid,used_gpu_memory", "--format=csv")
+    assert (res.returncode, res.stdout) == (0, b"pid, used_gpu_memory [MiB]\n")
+    res = run(exe, "--query-compute-apps=pid", "--format=csv,noheader")
+    assert (res.returncode, res.stdout) == (0, b"")
+    res = run(exe, "--query-compute-apps=pid,gpu_index", "--format=csv")
+    assert (res.returncode, lines_of(res.stdout)[0]) == (2, 'Field "gpu_index" is not a valid field to query.')
+
+
+def test_compute_apps_from_a_file(tmp_path: Path, fake_smi: MakeFake) -> None:
+    apps = tmp_path / "apps.csv"
+    uuid = demo_rows()[1].uuid
+    apps.write_text(f"pid, process_name, gpu_uuid, used_gpu_memory [MiB]\n77, ./gpu_burn, {uuid}, 1542 MiB\n")
+    res = run(
+        fake_smi(),
+        "--query-compute-apps=pid,process_name,used_gpu_memory",
+        "--format=csv,noheader",
+        SMIQUERY_FAKE_APPS=str(apps),
+    )
+    assert res.stdout == b"77, ./gpu_burn, 1542 MiB\n"
+
+
+# ----------------------------------------------------------------------------------- fixtures, demo data
+
+
+def fixture_files() -> Iterator[Path]:
+    yield from sorted(FIXTURES.glob("*.csv"))
+
+
+def fixture_fields(path: Path) -> list[str] | None:
+    side = path.with_suffix(".fields")
+    return side.read_text().strip().split(",") if side.exists() else None
+
+
+@pytest.mark.parametrize("path", list(fixture_files()), ids=lambda p: p.stem)
+def test_fixture_parses_and_replays(fake_smi: MakeFake, path: Path) -> None:
+    given = fixture_fields(path)
+    parser = CsvParser(given)
+    recorded = list(parser.parse(path.read_text().splitlines()))
+    assert recorded
+    names: Sequence[str] = given or [f.name for f in parser.fields]
+    res = run(fake_smi(recording=path), f"--query-gpu={','.join(names)}", "--format=csv", SMIQUERY_FAKE_KEEP_TIME="1")
+    assert res.returncode == 0
+    replayed = list(CsvParser(names).parse(lines_of(res.stdout)))
+    first_sweep = recorded[: len(replayed)]
+    assert [s.values for s in replayed] == [s.values for s in first_sweep]
+    assert [dict(s.missing) for s in replayed] == [dict(s.missing) for s in first_sweep]
+
+
+def num(sample: GpuSample, name: str) -> float:
+    value = sample[name]
+    assert isinstance(value, (int, float)), (name, value)
+    return value
+
+
+def test_demo_recording_tells_its_story() -> None:
+    rows = demo_rows()
+    assert len(rows) == 4800
+    assert DEMO.stat().st_size < 1_600_000
+    sweeps = [rows[i : i + 8] for i in range(0, 4800, 8)]
+    assert all([s.index for s in sweep] == list(range(8)) for sweep in sweeps)
+    assert all(s.fan_speed is None and s.missing["fan.speed"] == "not_available" for s in rows)
+    stall = [s for sweep in sweeps[310:380] for s in sweep]
+    assert all(num(s, "utilization.gpu") < 20 and num(s, "memory.used") > 60_000 for s in stall)
+    hot = [s for s in rows if num(s, "temperature.gpu") > 85]
+    assert {s.index for s in hot} == {5}
+    assert all(s.clocks_event_reasons_hw_thermal_slowdown is True for s in hot)
+    assert len(hot) > 120  # a few minutes
+    steady = [num(s, "temperature.gpu") for sweep in sweeps[90:300] for s in sweep]
+    assert min(steady) >= 68
+    assert max(steady) <= 80
+    assert all(isinstance(s.temperature_memory, int) for s in rows[:100])
+    reasons = {r for s in rows for r in s.missing.values()}
+    assert {"not_available", "unknown_error"} <= reasons
+
+
+def test_demo_recording_is_reproducible(tmp_path: Path) -> None:
+    script = ROOT / "scripts" / "make_demo_recording.py"
+    subprocess.run([sys.executable, str(script), "--out-dir", str(tmp_path)], check=True, timeout=60, env=child_env())
+    assert (tmp_path / "demo-8gpu.csv").read_bytes() == DEMO.read_bytes()
+    assert (tmp_path / "demo-8gpu-apps.csv").read_bytes() == DEMO_APPS.read_bytes()
