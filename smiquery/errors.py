@@ -143,7 +143,7 @@ class NvidiaSmiFailedError(SmiqueryError):
         self.argv = tuple(argv)
         self.returncode = returncode
         self.output = output
-        first = next((ln.strip() for ln in output.splitlines() if ln.strip()), "")
+        first = _message_lines(output)[0] if _message_lines(output) else ""
         if len(first) > 160:
             first = first[:157] + "..."
         said = f": {first}" if first else ""
@@ -151,8 +151,9 @@ class NvidiaSmiFailedError(SmiqueryError):
 
     @property
     def first_line(self) -> str:
-        """The first non-blank line nvidia-smi printed."""
-        return next((ln.strip() for ln in self.output.splitlines() if ln.strip()), "")
+        """The first line of nvidia-smi's message (CSV data rows it printed before failing are skipped)."""
+        lines = _message_lines(self.output)
+        return lines[0] if lines else ""
 
 
 class InvalidArgumentError(NvidiaSmiFailedError, ValueError):
@@ -236,6 +237,12 @@ _BY_MESSAGE: tuple[tuple[str, type[NvidiaSmiFailedError]], ...] = (
 )
 
 
+def _message_lines(output: str) -> list[str]:
+    # A child that failed mid-stream printed CSV rows before its message; a row (cells joined by ", ") must
+    # neither be quoted as the message nor matched: a "[GPU is lost]" cell is data, not the reason it exited.
+    return [ln.strip() for ln in output.splitlines() if ln.strip() and ", " not in ln]
+
+
 def failure_from_exit(argv: Sequence[str], returncode: int, output: str) -> NvidiaSmiFailedError:
     """Map an nvidia-smi exit status and its output to the matching typed error.
 
@@ -249,7 +256,7 @@ def failure_from_exit(argv: Sequence[str], returncode: int, output: str) -> Nvid
     Returns:
         The error to raise; a plain NvidiaSmiFailedError when nothing more specific fits.
     """
-    low = output.lower()
+    low = "\n".join(_message_lines(output)).lower()
     for fragment, cls in _BY_MESSAGE:
         if fragment in low:
             return cls(argv, returncode, output)

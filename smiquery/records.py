@@ -78,11 +78,11 @@ class GpuSample(tuple):  # type: ignore[type-arg]
 
     @property
     def _values(self) -> tuple[Value, ...]:
-        return _get(self, 1)  # type: ignore[no-any-return]
+        return _get(self, 1)
 
     @property
     def _raw(self) -> tuple[str, ...]:
-        return _get(self, 2)  # type: ignore[no-any-return]
+        return _get(self, 2)
 
     @property
     def gpu_lost(self) -> bool:
@@ -90,10 +90,15 @@ class GpuSample(tuple):  # type: ignore[type-arg]
         return _get(self, 4)  # type: ignore[no-any-return]
 
     @property
-    def index(self) -> int | None:
+    def index(self) -> int | None:  # type: ignore[override]
         """The GPU index, or None when ``index`` was not queried (or was missing)."""
         p = self._schema.pos_index
         return None if p is None else self._values[p]  # type: ignore[return-value]
+
+    @property
+    def count(self) -> int | None:  # type: ignore[override]
+        """The ``count`` field (number of GPUs), or None when not queried; shadows ``tuple.count``."""
+        return self.get("count")  # type: ignore[return-value]
 
     @property
     def uuid(self) -> str | None:

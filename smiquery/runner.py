@@ -250,7 +250,7 @@ class LineStream:
         self._lines: deque[str] = deque()
         self._buf = b""
         self._err = bytearray()
-        self._out_seen = bytearray()  # the first bytes of stdout, kept for error messages
+        self._messages: deque[str] = deque(maxlen=20)  # recent non-CSV stdout lines, for error messages
         self._open_fds = 2
         self._done = False
         self._stopping = False
@@ -316,14 +316,16 @@ class LineStream:
                     self._err += data
 
     def _take(self, data: bytes) -> None:
-        if len(self._out_seen) < 4096:
-            self._out_seen += data[: 4096 - len(self._out_seen)]
         buf = self._buf + data if self._buf else data
         if b"\n" not in buf:
             self._buf = buf
             return
         *complete, self._buf = buf.split(b"\n")
-        self._lines.extend(_decode(b) for b in complete)
+        for raw in complete:
+            line = _decode(raw)
+            self._lines.append(line)
+            if ", " not in line:
+                self._messages.append(line)
 
     def _finish(self) -> None:
         # Both pipes are at EOF: the child has exited (or closed its output). Reap it, then judge the exit code.
@@ -339,8 +341,10 @@ class LineStream:
         self._release()
         if tail.strip():
             self._lines.append(_decode(tail))
+            if b", " not in tail:
+                self._messages.append(_decode(tail))
         if rc != 0 and not stopping:
-            output = _decode(bytes(self._out_seen)) + "\n" + _decode(bytes(self._err))
+            output = "\n".join(self._messages) + "\n" + _decode(bytes(self._err))
             self._lines.clear()
             if rc in (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT) and not output.strip():
                 output = f"killed by signal {-rc}"

@@ -209,3 +209,21 @@ def test_selected_gpus_form_sweeps(fake_smi):
 
 def test_no_children_after_everything():
     assert wait_no_children(2) == []
+
+
+def test_crash_after_gpu_lost_is_not_reported_as_gpu_lost(fake_smi):
+    # the [GPU is lost] cells are data; the exit reason is the message line printed at the crash
+    events: list[StreamEvent] = []
+    s = stream(
+        interval=0.05,
+        nvidia_smi=fake_smi(fault="gpu-lost-after:4:1,crash-after:12"),
+        on_event=events.append,
+        max_attempts=1,
+    )
+    with s:
+        for _ in zip(range(30), s):
+            pass
+    errs = [e.error for e in events if e.kind == "error"]
+    assert errs
+    assert not any(isinstance(e, errors.GpuLostError) for e in errs)
+    assert all("[GPU is lost]" not in str(e) for e in errs)

@@ -1,0 +1,437 @@
+"""Alert rules (``temperature.gpu > 85 for 3``) and their evaluation over samples, per GPU.
+
+Pure: no IO and no clock of its own beyond an injectable one, so the CLI, the exporter and a Keras callback can
+share it. Also home of the small duration parser the CLI uses for ``--interval`` and ``--duration``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from smiquery.errors import InvalidFieldError, SmiqueryError
+from smiquery.fields import Field, Kind, get_field
+from smiquery.records import GpuSample, Value
+
+__all__ = [
+    "BUILTIN_RULES",
+    "AlertEvaluator",
+    "AlertEvent",
+    "InvalidRuleError",
+    "Rule",
+    "parse_duration",
+]
+
+Op = Literal[">", ">=", "<", "<=", "==", "!="]
+State = Literal["firing", "cleared"]
+
+_OPS: dict[str, Callable[[Any, Any], Any]] = {
+    ">": operator.gt,
+    ">=": operator.ge,
+    "<": operator.lt,
+    "<=": operator.le,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|sec|min|s|m|h|d)?\s*", re.IGNORECASE)
+_RULE_RE = re.compile(
+    r"""^\s*(?P<field>[A-Za-z][A-Za-z0-9_.]*)\s*
+        (?P<op>>=|<=|==|!=|>|<|=)\s*
+        (?P<value>.+?)
+        (?:\s+for(?:\s+(?P<hold>.*?))?)?\s*$""",
+    re.VERBOSE | re.IGNORECASE,
+)
+_WHILE_RE = re.compile(r"\s+while\s+|\s+while\s*$", re.IGNORECASE)
+_TRUE_WORDS = {"enabled", "yes", "active", "true", "on", "1"}
+_FALSE_WORDS = {"disabled", "no", "not active", "not_active", "false", "off", "0"}
+
+
+class InvalidRuleError(SmiqueryError, ValueError):
+    """An alert expression that cannot be parsed, or that names an unknown field.
+
+    Attributes:
+        text: the expression as given.
+    """
+
+    def __init__(self, text: str, reason: str) -> None:
+        self.text = text
+        self.reason = reason
+        super().__init__(
+            f"invalid alert {text!r}: {reason}; write FIELD OP VALUE [for N | for 30s], "
+            "e.g. 'temperature.gpu > 85 for 3'"
+        )
+
+
+#: The built-in health rules, the same as the exporter's Prometheus rules (``docker/prometheus/smiquery-rules.yml``):
+#: hot (critical and sustained), a stalled job (idle while holding memory), thermal and power-brake slowdown.
+BUILTIN_RULES: tuple[str, ...] = (
+    "temperature.gpu > 85 for 3",
+    "temperature.gpu > 80 for 5m",
+    "utilization.gpu < 20 for 30m while memory.used > 1024",
+    "clocks_event_reasons.hw_thermal_slowdown == Active for 1m",
+    "clocks_event_reasons.sw_thermal_slowdown == Active for 1m",
+    "clocks_event_reasons.hw_power_brake_slowdown == Active for 1m",
+)
+
+
+def parse_duration(text: str | float, *, what: str = "duration") -> float:
+    """Seconds from ``"250ms"``, ``"2s"``, ``"10m"``, ``"1h"``, ``"1d"`` or a plain number of seconds.
+
+    Args:
+        text: the duration; a bare number means seconds.
+        what: what the duration is for, used in the error message.
+
+    Returns:
+        The duration in seconds (always positive).
+
+    Raises:
+        ValueError: the text is not a positive duration; the message shows accepted forms.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        m = _DURATION_RE.fullmatch(str(text))
+        if not m:
+            raise ValueError(f"invalid {what} {text!r}: use seconds (1, 0.5) or a unit: 250ms, 2s, 10m, 1h")
+        seconds = float(m.group(1)) * _UNIT_SECONDS[(m.group(2) or "s").lower()]
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"invalid {what} {text!r}: must be more than 0")
+    return seconds
+
+
+def _parse_threshold(text: str, fld: Field, op: str, expr: str) -> Value:
+    word = text.strip().strip("'\"")
+    kind = fld.kind
+    if kind.is_bool:
+        low = word.lower()
+        if low in _TRUE_WORDS:
+            value: Value = True
+        elif low in _FALSE_WORDS:
+            value = False
+        else:
+            raise InvalidRuleError(expr, f"{fld.name} is {kind.value}; compare it with one of those words")
+        if op not in ("==", "!="):
+            raise InvalidRuleError(expr, f"{fld.name} is {kind.value}; use == or !=")
+        return value
+    if kind in (Kind.INT, Kind.FLOAT, Kind.HEX, Kind.BITMASK):
+        try:
+            if kind in (Kind.HEX, Kind.BITMASK) and word.lower().startswith("0x"):
+                return int(word, 16)
+            number = float(word)
+        except ValueError:
+            raise InvalidRuleError(expr, f"{word!r} is not a number ({fld.name} is {kind.value})") from None
+        return int(number) if number.is_integer() and kind is not Kind.FLOAT else number
+    if kind is Kind.TIMESTAMP:
+        raise InvalidRuleError(expr, "timestamps cannot be compared")
+    if op not in ("==", "!="):
+        raise InvalidRuleError(expr, f"{fld.name} is text; use == or !=")
+    return word
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One alert condition: ``FIELD OP VALUE [for HOLD] [while FIELD OP VALUE]...``.
+
+    ``for 3`` (or ``for 3 samples``) holds for three consecutive samples of a GPU; ``for 30s``, ``for 5m`` and
+    ``for 1h`` hold for that long by the samples' own timestamps. Without ``for`` one sample is enough.
+    ``while`` adds conditions that must hold on the same sample too (``utilization.gpu < 20 for 30m while
+    memory.used > 1024``: idle while a job holds memory); they take no hold of their own.
+
+    Attributes:
+        field: the catalogue field the rule watches (aliases are resolved).
+        op: the comparison.
+        threshold: the value compared against, typed for the field (number, bool or text).
+        hold_samples: consecutive samples needed to fire, when the hold is a count.
+        hold_seconds: seconds the condition must hold to fire, when the hold is a duration.
+        text: the expression as written.
+        when: the ``while`` conditions (rules without a hold), all of which must hold as well.
+    """
+
+    field: Field
+    op: Op
+    threshold: Value
+    hold_samples: int | None = 1
+    hold_seconds: float | None = None
+    text: str = ""
+    when: tuple[Rule, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> Rule:
+        """Parse an expression such as ``"temperature.gpu > 85 for 3"`` or ``"utilization.gpu < 20 for 5m"``.
+
+        Args:
+            text: the expression. Operators: ``> >= < <= == !=`` (``=`` means ``==``). Conditions after
+                ``while`` must hold as well (``... for 30m while memory.used > 1024``).
+
+        Returns:
+            The rule.
+
+        Raises:
+            InvalidRuleError: malformed expression, unknown field, or a value that does not fit the field.
+        """
+        main, *extra = _WHILE_RE.split(text)
+        if extra:
+            when: list[Rule] = []
+            for part in extra:
+                if not part.strip():
+                    raise InvalidRuleError(text, "'while' needs a condition, e.g. 'while memory.used > 1024'")
+                try:
+                    cond = cls.parse(part)
+                except InvalidRuleError as exc:
+                    raise InvalidRuleError(text, f"in the 'while' condition: {exc.reason}") from None
+                if cond.hold_seconds is not None or cond.hold_samples != 1 or cond.when:
+                    raise InvalidRuleError(text, "a 'while' condition takes no 'for' hold of its own")
+                when.append(cond)
+            rule = cls.parse(main)
+            return dataclasses.replace(rule, text=" ".join(text.split()), when=tuple(when))
+        m = _RULE_RE.match(text)
+        if not m:
+            raise InvalidRuleError(text, "cannot read it")
+        try:
+            fld = get_field(m.group("field"))
+        except InvalidFieldError as exc:
+            raise InvalidRuleError(text, str(exc)) from None
+        op = "==" if m.group("op") == "=" else m.group("op")
+        threshold = _parse_threshold(m.group("value"), fld, op, text)
+        hold_samples: int | None = 1
+        hold_seconds: float | None = None
+        hold = m.group("hold")
+        if hold is not None or re.search(r"\sfor\s*$", text, re.IGNORECASE):
+            words = (hold or "").split()
+            if not words:
+                raise InvalidRuleError(text, "'for' needs a hold: a number of samples or a duration")
+            count = words[0]
+            if count.isdigit() and (len(words) == 1 or (len(words) == 2 and words[1].lower() in ("sample", "samples"))):
+                hold_samples = int(count)
+                if hold_samples < 1:
+                    raise InvalidRuleError(text, "the hold must be at least 1 sample")
+            elif len(words) == 1:
+                try:
+                    hold_seconds = parse_duration(count, what="hold")
+                except ValueError as exc:
+                    raise InvalidRuleError(text, str(exc)) from None
+                hold_samples = None
+            else:
+                raise InvalidRuleError(text, f"cannot read the hold {hold!r}")
+        return cls(fld, op, threshold, hold_samples, hold_seconds, " ".join(text.split()))  # type: ignore[arg-type]
+
+    def holds(self, value: Value) -> bool | None:
+        """Whether ``value`` meets the condition; None for a missing value (which decides nothing)."""
+        if value is None:
+            return None
+        try:
+            return bool(_OPS[self.op](value, self.threshold))
+        except TypeError:
+            return None
+
+    def matches(self, sample: GpuSample) -> bool | None:
+        """Whether this sample meets the condition and its ``while`` conditions (ignoring the hold).
+
+        None when a value that decides it is missing (or not queried).
+        """
+        verdict = self.holds(sample.get(self.field.name))
+        if not verdict or not self.when:
+            return verdict
+        for cond in self.when:
+            extra = cond.holds(sample.get(cond.field.name))
+            if not extra:
+                return extra
+        return True
+
+    @property
+    def fields(self) -> tuple[Field, ...]:
+        """The fields the rule reads: its own, then those of its ``while`` conditions."""
+        return tuple({f.name: f for f in (self.field, *(c.field for c in self.when))}.values())
+
+    @property
+    def hold_text(self) -> str:
+        """The hold in words: ``"3 samples"``, ``"30 s"``."""
+        if self.hold_seconds is not None:
+            return f"{self.hold_seconds:g} s"
+        n = self.hold_samples or 1
+        return f"{n} sample{'s' if n != 1 else ''}"
+
+    def __str__(self) -> str:
+        return self.text or f"{self.field.name} {self.op} {self.threshold}"
+
+
+@dataclass(frozen=True)
+class AlertEvent:
+    """A rule that started firing or stopped firing on one GPU.
+
+    Attributes:
+        rule: the rule.
+        gpu: the GPU index (None when the samples carry no index).
+        uuid: the GPU UUID, when queried.
+        value: the value that decided the change.
+        state: ``"firing"`` or ``"cleared"``.
+        since: when the condition started to hold (the first matching sample's time).
+        at: the time of the sample that caused the event.
+        duration: seconds from ``since`` to ``at``.
+    """
+
+    rule: Rule
+    gpu: int | None
+    uuid: str | None
+    value: Value
+    state: State
+    since: datetime | float
+    at: datetime | float
+    duration: float
+
+    def message(self) -> str:
+        """One line for people, e.g. ``ALERT firing GPU 5: temperature.gpu > 85 for 3 (value 87 C, for 2.0 s)``."""
+        unit = self.rule.field.unit
+        shown = "n/a" if self.value is None else f"{self.value}{' ' + unit if unit else ''}"
+        gpu = f"GPU {self.gpu}" if self.gpu is not None else f"GPU {self.uuid or '?'}"
+        when = self.at.strftime("%Y-%m-%d %H:%M:%S") if isinstance(self.at, datetime) else ""
+        at = f" at {when}" if when else ""
+        return f"ALERT {self.state} {gpu}: {self.rule} (value {shown}, held {self.duration:.1f} s{at})"
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict."""
+
+        def t(x: datetime | float) -> object:
+            return x.isoformat() if isinstance(x, datetime) else x
+
+        return {
+            "rule": str(self.rule),
+            "field": self.rule.field.name,
+            "gpu": self.gpu,
+            "uuid": self.uuid,
+            "value": self.value,
+            "state": self.state,
+            "since": t(self.since),
+            "at": t(self.at),
+            "duration": self.duration,
+        }
+
+
+@dataclass
+class _Track:
+    count: int = 0
+    since: datetime | float | None = None
+    firing: bool = False
+
+
+class AlertEvaluator:
+    """Tracks each rule on each GPU and reports state changes.
+
+    Feed it every sample with :meth:`update`; it returns an event when a rule starts firing (its condition held
+    for the hold) and once more when it clears (the condition stopped holding). Nothing is repeated while the
+    state stays the same. A missing value neither fires nor clears: the state is kept as it was.
+
+    Time comes from the samples' ``timestamp`` when they have one, else from ``clock``.
+
+    Args:
+        rules: the rules (objects or expressions).
+        clock: seconds, used for samples without a timestamp.
+    """
+
+    def __init__(self, rules: Iterable[Rule | str], clock: Callable[[], float] = time.time) -> None:
+        self.rules: tuple[Rule, ...] = tuple(r if isinstance(r, Rule) else Rule.parse(r) for r in rules)
+        self.clock = clock
+        self._tracks: dict[tuple[int, object], _Track] = {}
+
+    @property
+    def fields(self) -> tuple[Field, ...]:
+        """The fields the rules need (``while`` conditions included), without repeats."""
+        return tuple({f.name: f for r in self.rules for f in r.fields}.values())
+
+    def update(self, sample: GpuSample) -> list[AlertEvent]:
+        """Take one sample of one GPU.
+
+        Returns:
+            The events this sample caused (usually none).
+        """
+        if not self.rules:
+            return []
+        gpu = sample.index if "index" in sample else None
+        key: object = gpu if gpu is not None else (sample.uuid if "uuid" in sample else None)
+        ts = sample.timestamp if "timestamp" in sample else None
+        now: datetime | float = ts if ts is not None else self.clock()
+        events: list[AlertEvent] = []
+        for i, rule in enumerate(self.rules):
+            value = sample.get(rule.field.name)
+            verdict = rule.matches(sample) if rule.when else rule.holds(value)
+            if verdict is None:
+                continue  # missing (or not queried): keeps the state
+            track = self._tracks.get((i, key))
+            if track is None:
+                track = self._tracks[(i, key)] = _Track()
+            if verdict:
+                if track.since is None:
+                    track.since = now
+                track.count += 1
+                if not track.firing and self._held(rule, track, now):
+                    track.firing = True
+                    events.append(self._event(rule, sample, gpu, value, "firing", track.since, now))
+            else:
+                if track.firing:
+                    assert track.since is not None
+                    events.append(self._event(rule, sample, gpu, value, "cleared", track.since, now))
+                track.count, track.since, track.firing = 0, None, False
+        return events
+
+    @staticmethod
+    def _held(rule: Rule, track: _Track, now: datetime | float) -> bool:
+        if rule.hold_seconds is not None:
+            assert track.since is not None
+            return _elapsed(track.since, now) >= rule.hold_seconds
+        return track.count >= (rule.hold_samples or 1)
+
+    @staticmethod
+    def _event(
+        rule: Rule,
+        sample: GpuSample,
+        gpu: int | None,
+        value: Value,
+        state: State,
+        since: datetime | float,
+        now: datetime | float,
+    ) -> AlertEvent:
+        uuid = sample.uuid if "uuid" in sample else None
+        return AlertEvent(rule, gpu, uuid, value, state, since, now, _elapsed(since, now))
+
+    def firing(self) -> list[tuple[Rule, int | None]]:
+        """The (rule, GPU) pairs firing now."""
+        return [
+            (self.rules[i], key if isinstance(key, int) else None) for (i, key), t in self._tracks.items() if t.firing
+        ]
+
+    def state(self, rule_index: int, gpu: object) -> Literal["firing", "pending", "ok"]:
+        """The state of one rule on one GPU: firing, pending (condition true, hold not reached yet) or ok."""
+        t = self._tracks.get((rule_index, gpu))
+        if t is None or t.since is None:
+            return "ok"
+        return "firing" if t.firing else "pending"
+
+    def cell_state(self, sample: GpuSample, field_name: str) -> Literal["firing", "pending", "ok"]:
+        """The worst state of the rules on ``field_name`` for this sample's GPU (for colouring a table cell)."""
+        gpu = sample.index if "index" in sample else None
+        key: object = gpu if gpu is not None else (sample.uuid if "uuid" in sample else None)
+        worst: Literal["firing", "pending", "ok"] = "ok"
+        for i, rule in enumerate(self.rules):
+            if rule.field.name != field_name:
+                continue
+            s = self.state(i, key)
+            if s == "firing":
+                return "firing"
+            if s == "pending":
+                worst = "pending"
+        return worst
+
+
+def _elapsed(since: datetime | float, now: datetime | float) -> float:
+    if isinstance(since, datetime) and isinstance(now, datetime):
+        return max(0.0, (now - since).total_seconds())
+    if isinstance(since, (int, float)) and isinstance(now, (int, float)):
+        return max(0.0, float(now) - float(since))
+    return 0.0

@@ -1,0 +1,556 @@
+"""Rendering samples for people and programs: aligned tables, the live in-place table, CSV, JSONL and Parquet.
+
+Writers put each row out whole (one ``write`` call, then a flush when asked), so a file or pipe that is cut off
+ends on a complete row. pandas and pyarrow are imported only by the Parquet writer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
+
+from smiquery.fields import Field, Kind, get_field
+from smiquery.parsing import format_row, format_value, header_line
+from smiquery.records import GpuSample, Value
+
+if TYPE_CHECKING:
+    from smiquery.alerts import AlertEvaluator, AlertEvent
+
+__all__ = [
+    "MISSING_MARKS",
+    "CsvWriter",
+    "JsonlWriter",
+    "LiveTable",
+    "ParquetWriter",
+    "SampleWriter",
+    "display_value",
+    "json_value",
+    "open_recorder",
+    "render_table",
+    "sample_to_json",
+    "use_color",
+]
+
+#: How a missing value shows in a table, by reason (anything else shows as ``n/a``). Never blank, never 0.
+MISSING_MARKS: dict[str, str] = {
+    "not_available": "n/a",
+    "not_supported": "n/s",
+    "gpu_lost": "LOST",
+    "gpu_requires_reset": "RESET",
+    "insufficient_permissions": "denied",
+    "unknown_error": "error",
+}
+MISSING_LEGEND = "n/a = not available, n/s = not supported"
+
+_RESET = "\x1b[0m"
+_STYLES = {"firing": "\x1b[1;31m", "pending": "\x1b[33m", "missing": "\x1b[2m", "header": "\x1b[1m", "dim": "\x1b[2m"}
+_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+CellState = Literal["firing", "pending", "ok"]
+# Wide identity columns the live table leaves out, in this order, when the terminal is too narrow.
+_DROP_FIRST = ("uuid", "pci.bus_id", "serial", "vbios_version", "driver_version", "name")
+
+
+def use_color(stream: IO[str]) -> bool:
+    """Whether to colour output on ``stream``: a terminal, ``NO_COLOR`` unset and ``TERM`` not ``dumb``."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+# ------------------------------------------------------------------------------------------------- values
+
+
+def json_value(value: Value) -> object:
+    """A value as JSON wants it: timestamps in ISO 8601, NaN/inf as null, the rest unchanged."""
+    if isinstance(value, datetime):
+        return value.isoformat(timespec="milliseconds")
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def sample_to_json(sample: GpuSample) -> dict[str, object]:
+    """One sample as a JSON-ready dict keyed by field name, plus ``"_missing": {field: reason}`` when any."""
+    out: dict[str, object] = {n: json_value(v) for n, v in zip(sample.fields, sample.values, strict=True)}
+    missing = sample.missing
+    if missing:
+        out["_missing"] = dict(missing)
+    return out
+
+
+def display_value(fld: Field, value: Value, reason: str | None = None) -> str:
+    """A value as a table shows it: nvidia-smi's spelling without units; missing as ``n/a`` (or its reason)."""
+    if value is None:
+        return MISSING_MARKS.get(reason or "not_available", "n/a")
+    if fld.kind is Kind.TIMESTAMP and isinstance(value, datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S.") + f"{value.microsecond // 1000:03d}"
+    return format_value(fld, value)
+
+
+def _right_aligned(fld: Field) -> bool:
+    return fld.kind.is_numeric
+
+
+def _title(fld: Field) -> str:
+    return f"{fld.name} [{fld.unit}]" if fld.unit else fld.name
+
+
+def _visible_len(text: str) -> int:
+    return len(_ANSI_RE.sub("", text))
+
+
+def _clip(line: str, width: int) -> str:
+    """Cut a line to ``width`` visible characters, keeping (and closing) its colour codes."""
+    if width <= 0 or _visible_len(line) <= width:
+        return line
+    out: list[str] = []
+    shown = 0
+    i = 0
+    coloured = False
+    while i < len(line) and shown < width - 1:
+        m = _ANSI_RE.match(line, i)
+        if m:
+            out.append(m.group(0))
+            coloured = True
+            i = m.end()
+            continue
+        out.append(line[i])
+        shown += 1
+        i += 1
+    out.append("…")
+    if coloured:
+        out.append(_RESET)
+    return "".join(out)
+
+
+def render_table(
+    rows: Sequence[Sequence[str]],
+    titles: Sequence[str],
+    *,
+    right: Sequence[bool] | None = None,
+    styles: Sequence[Sequence[str | None]] | None = None,
+    color: bool = False,
+) -> list[str]:
+    """Align text cells under titles (two spaces between columns).
+
+    Args:
+        rows: the cells, row by row.
+        titles: the column titles.
+        right: which columns to right-align (numbers); default none.
+        styles: per-cell style names (``"firing"``, ``"pending"``, ``"missing"``) or None, used when ``color``.
+        color: emit ANSI colour codes.
+
+    Returns:
+        The lines, title line first, without newlines.
+    """
+    ncols = len(titles)
+    widths = [len(t) for t in titles]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    align = list(right) if right is not None else [False] * ncols
+
+    def fit(text: str, i: int) -> str:
+        return text.rjust(widths[i]) if align[i] else text.ljust(widths[i])
+
+    head = "  ".join(fit(t, i) for i, t in enumerate(titles)).rstrip()
+    lines = [f"{_STYLES['header']}{head}{_RESET}" if color else head]
+    for r, row in enumerate(rows):
+        cells = []
+        for i, cell in enumerate(row):
+            text = fit(cell, i)
+            style = styles[r][i] if styles is not None else None
+            if color and style:
+                text = f"{_STYLES[style]}{text}{_RESET}"
+            cells.append(text)
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def sample_rows(
+    samples: Iterable[GpuSample],
+    fields: Sequence[Field],
+    *,
+    cell_state: Callable[[GpuSample, str], CellState] | None = None,
+) -> tuple[list[list[str]], list[list[str | None]]]:
+    """The display cells of each sample for ``fields``, and each cell's style (alert state or missing)."""
+    rows: list[list[str]] = []
+    styles: list[list[str | None]] = []
+    for s in samples:
+        missing = s.missing
+        row: list[str] = []
+        style: list[str | None] = []
+        for fld in fields:
+            value = s.get(fld.name)
+            row.append(display_value(fld, value, missing.get(fld.name)))
+            st: str | None = "missing" if value is None else None
+            if cell_state is not None and value is not None:
+                state = cell_state(s, fld.name)
+                if state != "ok":
+                    st = state
+            style.append(st)
+        rows.append(row)
+        styles.append(style)
+    return rows, styles
+
+
+def sample_table(
+    samples: Sequence[GpuSample],
+    fields: Sequence[Field] | None = None,
+    *,
+    color: bool = False,
+    cell_state: Callable[[GpuSample, str], CellState] | None = None,
+) -> list[str]:
+    """A static table of samples: one row per sample, units in the titles, missing values marked."""
+    if fields is None:
+        fields = tuple(get_field(n) for n in samples[0].fields) if samples else ()
+    rows, styles = sample_rows(samples, fields, cell_state=cell_state)
+    return render_table(
+        rows, [_title(f) for f in fields], right=[_right_aligned(f) for f in fields], styles=styles, color=color
+    )
+
+
+# ------------------------------------------------------------------------------------------------ writers
+
+
+class SampleWriter(Protocol):
+    """Something that takes samples one at a time and can be closed."""
+
+    def write(self, sample: GpuSample) -> None:
+        """Write one sample."""
+        ...
+
+    def close(self) -> None:
+        """Flush and release the output."""
+        ...
+
+
+class CsvWriter:
+    """Writes samples in nvidia-smi's own ``--format=csv`` layout: the header with units, then one line per sample.
+
+    ``smiquery.read_csv``, ``--replay`` and :class:`~smiquery.CsvParser` read the result back.
+
+    Args:
+        out: a text stream.
+        fields: the columns (must match the samples' fields, in order).
+        flush: flush after every row (for pipes and recordings).
+        owns: close ``out`` on :meth:`close`.
+    """
+
+    def __init__(self, out: IO[str], fields: Sequence[Field], *, flush: bool = True, owns: bool = False) -> None:
+        self.out = out
+        self.fields = tuple(fields)
+        self.flush = flush
+        self.owns = owns
+        self.rows = 0
+        self._header_done = False
+
+    def header(self) -> None:
+        """Write the header now (it is otherwise written with the first row)."""
+        if not self._header_done:
+            self._header_done = True
+            self.out.write(header_line(self.fields) + "\n")
+            if self.flush:
+                self.out.flush()
+
+    def write(self, sample: GpuSample) -> None:
+        """Write one sample as one complete line (a single write call)."""
+        line = format_row(sample, self.fields, units=True) + "\n"
+        if not self._header_done:
+            self._header_done = True
+            line = header_line(self.fields) + "\n" + line
+        self.out.write(line)
+        self.rows += 1
+        if self.flush:
+            self.out.flush()
+
+    def close(self) -> None:
+        """Flush (and close the file when it was opened for this writer)."""
+        try:
+            self.out.flush()
+        finally:
+            if self.owns:
+                self.out.close()
+
+
+class JsonlWriter:
+    """Writes one JSON object per sample and line: field names as keys, ISO 8601 times, null for missing.
+
+    A ``"_missing"`` object gives the reason of each missing value. :func:`smiquery.replay.replay` reads it back.
+
+    Args:
+        out: a text stream.
+        flush: flush after every row.
+        owns: close ``out`` on :meth:`close`.
+    """
+
+    def __init__(self, out: IO[str], *, flush: bool = True, owns: bool = False) -> None:
+        self.out = out
+        self.flush = flush
+        self.owns = owns
+        self.rows = 0
+
+    def write(self, sample: GpuSample) -> None:
+        """Write one sample as one complete line."""
+        self.out.write(json.dumps(sample_to_json(sample), separators=(", ", ": ")) + "\n")
+        self.rows += 1
+        if self.flush:
+            self.out.flush()
+
+    def close(self) -> None:
+        """Flush (and close the file when it was opened for this writer)."""
+        try:
+            self.out.flush()
+        finally:
+            if self.owns:
+                self.out.close()
+
+
+class ParquetWriter:
+    """Records samples to a Parquet file (pandas and pyarrow are imported on first use).
+
+    Samples are buffered and the file is rewritten (to a temporary name, then renamed over the target) every
+    ``chunk_rows`` samples or ``chunk_seconds`` seconds, and on :meth:`close`. So the file on disk is always a
+    complete, readable Parquet file, and a crash (even SIGKILL) loses at most the last unwritten chunk. Columns
+    and ``df.attrs`` are those of :func:`smiquery.frames.to_dataframe`; ``pandas.read_parquet`` restores both.
+
+    Args:
+        path: the file to write.
+        chunk_rows: samples per chunk.
+        chunk_seconds: the longest time a sample waits in the buffer.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, chunk_rows: int = 10_000, chunk_seconds: float = 60.0) -> None:
+        self.path = Path(path)
+        self.chunk_rows = chunk_rows
+        self.chunk_seconds = chunk_seconds
+        self.rows = 0
+        self._pending: list[GpuSample] = []
+        self._tables: list[Any] = []
+        self._missing: dict[str, dict[int, str]] = {}
+        self._attrs: dict[str, Any] = {}
+        self._since = time.monotonic()
+        self._closed = False
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError("writing Parquet needs pyarrow: pip install 'smiquery[parquet]'") from exc
+
+    def write(self, sample: GpuSample) -> None:
+        """Buffer one sample; writes the file when a chunk is full."""
+        self._pending.append(sample)
+        if len(self._pending) >= self.chunk_rows or time.monotonic() - self._since >= self.chunk_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every sample so far to the file (atomically)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from smiquery.frames import to_dataframe
+
+        self._since = time.monotonic()
+        if self._pending:
+            df = to_dataframe(self._pending)
+            offset = self.rows
+            for col, rows in df.attrs.get("missing", {}).items():
+                target = self._missing.setdefault(col, {})
+                for i, reason in rows.items():
+                    target[offset + int(i)] = reason
+            if not self._attrs:
+                self._attrs = {"fields": df.attrs.get("fields"), "units": df.attrs.get("units")}
+            df.attrs = {}
+            table = pa.Table.from_pandas(df, preserve_index=False)
+            if self._tables:
+                table = table.cast(self._tables[0].schema)
+            self._tables.append(table)
+            self.rows += len(self._pending)
+            self._pending = []
+        elif self._tables and self.path.exists():
+            return
+        if not self._tables:
+            return
+        whole = pa.concat_tables(self._tables) if len(self._tables) > 1 else self._tables[0]
+        self._tables = [whole]
+        attrs = {**self._attrs, "missing": {c: {str(k): v for k, v in m.items()} for c, m in self._missing.items()}}
+        meta = dict(whole.schema.metadata or {})
+        meta[b"PANDAS_ATTRS"] = json.dumps(attrs).encode("utf-8")
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        pq.write_table(whole.replace_schema_metadata(meta), tmp)
+        os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        """Write the rest and finish. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+
+
+def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> SampleWriter:
+    """A writer for ``--output PATH``, by suffix: ``.csv``, ``.jsonl``/``.ndjson`` or ``.parquet``/``.pq``.
+
+    Raises:
+        ValueError: an unknown suffix.
+        OSError: the file cannot be created.
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix == ".csv":
+        return CsvWriter(open(path, "w", encoding="utf-8", newline=""), fields, owns=True)
+    if suffix in (".jsonl", ".ndjson"):
+        return JsonlWriter(open(path, "w", encoding="utf-8", newline=""), owns=True)
+    if suffix in (".parquet", ".pq"):
+        return ParquetWriter(path)
+    raise ValueError(f"cannot tell the format of {os.fspath(path)!r}: name it .csv, .jsonl or .parquet")
+
+
+# --------------------------------------------------------------------------------------------- live table
+
+
+class LiveTable:
+    """A table of the newest sample of each GPU, redrawn in place on a terminal (ANSI, no curses).
+
+    Each frame moves the cursor home and rewrites every line, clearing what is left of the old frame, in one
+    write. A footer shows the sample age, counters and recent alerts.
+
+    Args:
+        out: the terminal.
+        fields: the columns (``timestamp`` is left out: the footer shows the age instead).
+        title: the first line (what is being watched).
+        color: colour cells past alert thresholds (red firing, yellow pending) and dim missing values.
+        evaluator: the alert evaluator, for cell colours and the firing list.
+        size: returns (columns, lines) of the terminal.
+    """
+
+    def __init__(
+        self,
+        out: IO[str],
+        fields: Sequence[Field],
+        *,
+        title: str = "",
+        color: bool = True,
+        evaluator: AlertEvaluator | None = None,
+        size: Callable[[], tuple[int, int]] | None = None,
+    ) -> None:
+        self.out = out
+        self.fields = tuple(f for f in fields if f.kind is not Kind.TIMESTAMP)
+        self.title = title
+        self.color = color
+        self.evaluator = evaluator
+        self._size = size or _terminal_size
+        self._rows: dict[object, GpuSample] = {}
+        self._received: float | None = None
+        self._last_ts: datetime | None = None
+        self._events: list[str] = []
+        self._started = False
+        self.frames = 0
+
+    def update(self, samples: Iterable[GpuSample]) -> None:
+        """Take a sweep (or any samples): the newest sample of each GPU is shown."""
+        for s in samples:
+            key = s.index if "index" in s else (s.uuid if "uuid" in s else len(self._rows))
+            self._rows[key] = s
+            ts = s.timestamp if "timestamp" in s else None
+            if ts is not None:
+                self._last_ts = ts
+        self._received = time.monotonic()
+
+    def note(self, event: AlertEvent) -> None:
+        """Remember an alert event for the footer (the newest few are shown)."""
+        self._events.append(event.message())
+        del self._events[:-4]
+
+    def frame(self, stats: Mapping[str, object] | None = None, status: str = "") -> str:
+        """The text of one frame, escape sequences included."""
+        cols, lines_avail = self._size()
+        color = self.color
+        ev = self.evaluator
+        samples = [self._rows[k] for k in sorted(self._rows, key=_sort_key)]
+        shown = list(self.fields)
+        hidden: list[str] = []
+        table: list[str] = []
+        while samples:
+            rows, styles = sample_rows(samples, shown, cell_state=ev.cell_state if ev is not None else None)
+            table = render_table(
+                rows, [_title(f) for f in shown], right=[_right_aligned(f) for f in shown], styles=styles, color=color
+            )
+            too_wide = cols > 0 and _visible_len(table[0]) > cols
+            drop = next((f for name in _DROP_FIRST for f in shown if f.name == name), None) if too_wide else None
+            if drop is None:
+                break
+            shown.remove(drop)
+            hidden.append(drop.name)
+        lines: list[str] = []
+        if self.title:
+            lines.append(f"{_STYLES['header']}{self.title}{_RESET}" if color else self.title)
+        if samples:
+            lines += table
+        else:
+            lines.append("waiting for the first sample...")
+        age = time.monotonic() - self._received if self._received is not None else None
+        parts = [f"sample age {age:.1f} s" if age is not None else "no sample yet"]
+        if self._last_ts is not None:
+            parts.append(f"sampled {self._last_ts.strftime('%H:%M:%S')}")
+        for key in ("rows", "sweeps", "restarts", "dropped_rows"):
+            if stats is not None and key in stats:
+                parts.append(f"{key.replace('_', ' ')} {stats[key]}")
+        lost = stats.get("lost_gpus") if stats is not None else None
+        if lost:
+            parts.append("lost GPUs " + ",".join(str(i) for i in sorted(lost)))  # type: ignore[call-overload]
+        lines.append("")
+        lines.append(" · ".join(parts))
+        last_error = stats.get("last_error") if stats is not None else None
+        if last_error:
+            lines.append(f"last error: {last_error}")
+        firing = ev.firing() if ev is not None else []
+        if firing:
+            text = "; ".join(f"GPU {g}: {r}" for r, g in firing)
+            lines.append(f"{_STYLES['firing']}FIRING{_RESET} {text}" if color else f"FIRING {text}")
+        for msg in self._events:
+            lines.append(f"{_STYLES['dim']}{msg}{_RESET}" if color else msg)
+        legend = MISSING_LEGEND + (f" · {status}" if status else "")
+        if hidden:
+            legend += f" · hidden (terminal too narrow): {', '.join(hidden)}"
+        legend += " · Ctrl-C to stop"
+        lines.append(f"{_STYLES['dim']}{legend}{_RESET}" if color else legend)
+        if lines_avail > 0 and len(lines) > lines_avail - 1:
+            lines = lines[: max(1, lines_avail - 1)]
+        body = "".join(_clip(line, cols) + "\x1b[K\n" for line in lines)
+        start = "" if self._started else "\x1b[?25l\x1b[2J"
+        return f"{start}\x1b[H{body}\x1b[J"
+
+    def redraw(self, stats: Mapping[str, object] | None = None, status: str = "") -> None:
+        """Draw one frame now."""
+        self.out.write(self.frame(stats, status))
+        self.out.flush()
+        self._started = True
+        self.frames += 1
+
+    def close(self) -> None:
+        """Show the cursor again (the last frame stays on screen)."""
+        if self._started:
+            try:
+                self.out.write("\x1b[?25h")
+                self.out.flush()
+            except (OSError, ValueError):
+                pass
+
+
+def _sort_key(key: object) -> tuple[int, str]:
+    return (0, f"{key:09d}") if isinstance(key, int) else (1, str(key))
+
+
+def _terminal_size() -> tuple[int, int]:
+    try:
+        size = os.get_terminal_size()
+        return size.columns, size.lines
+    except OSError:
+        return 0, 0

@@ -1,0 +1,575 @@
+"""Recordings as a sample source: CSV (nvidia-smi's format), JSONL and Parquet, paced like the original run.
+
+:func:`replay` gives the samples of a recording one by one (and :meth:`Replay.sweeps` groups them the way
+:meth:`smiquery.query.Stream.sweeps` does), so anything that consumes a live stream can consume a recording.
+CSV and JSONL are read line by line with the pure parser; pandas and pyarrow are imported only for Parquet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from smiquery.errors import InvalidFieldError, ParseError, SmiqueryError
+from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
+from smiquery.parsing import CsvParser, format_value
+from smiquery.query import GpusArg, StreamStats, Sweep, normalize_gpus
+from smiquery.records import GpuSample, Schema, Value
+
+__all__ = ["Replay", "ReplayError", "SweepGrouper", "detect_format", "replay", "sample_from_json"]
+
+RecordingFormat = Literal["csv", "jsonl", "parquet"]
+
+#: The longest pause replay makes for one gap in a recording (a stream that was stopped and restarted).
+MAX_GAP_SECONDS = 60.0
+
+_BOOL_WORDS = {"enabled": True, "disabled": False, "yes": True, "no": False, "active": True, "not active": False}
+_BY_ATTR = {f.attr: f for f in CATALOGUE}
+
+
+class ReplayError(SmiqueryError):
+    """A recording cannot be read: missing file, unknown format, no header, or fields it does not hold."""
+
+
+def detect_format(path: str | os.PathLike[str]) -> RecordingFormat:
+    """The recording format from the file name (``.csv``, ``.jsonl``/``.ndjson``, ``.parquet``/``.pq``).
+
+    An unknown suffix is sniffed: a first character ``{`` means JSONL, anything else CSV.
+
+    Raises:
+        ReplayError: the file cannot be opened.
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix in (".csv", ".txt", ".log"):
+        return "csv"
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        return "jsonl"
+    if suffix in (".parquet", ".pq"):
+        return "parquet"
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(64).lstrip()
+    except OSError as exc:
+        raise ReplayError(f"cannot read recording {os.fspath(path)}: {exc.strerror or exc}") from exc
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    return "jsonl" if head.startswith(b"{") else "csv"
+
+
+class SweepGrouper:
+    """Groups samples into sweeps exactly as :meth:`smiquery.query.Stream.sweeps` does.
+
+    A sweep is complete when it holds as many GPUs as the first complete sweep did (or ``expected``), or when a
+    GPU index repeats.
+
+    Args:
+        expected: the number of GPUs per sweep, when known in advance.
+    """
+
+    def __init__(self, expected: int = 0) -> None:
+        self.expected = expected
+        self._current: list[GpuSample] = []
+        self._seen: set[int | None] = set()
+
+    def feed(self, sample: GpuSample) -> list[Sweep]:
+        """Add one sample; returns the sweeps it completed (zero, one, or two for one-GPU sweeps)."""
+        done: list[Sweep] = []
+        idx = sample.index if "index" in sample else None
+        if idx in self._seen:
+            done.append(Sweep(self._current))
+            self.expected = self.expected or len(self._current)
+            self._current, self._seen = [], set()
+        self._current.append(sample)
+        self._seen.add(idx)
+        if self.expected and len(self._current) >= self.expected:
+            done.append(Sweep(self._current))
+            self._current, self._seen = [], set()
+        return done
+
+    def flush(self) -> Sweep | None:
+        """The unfinished sweep at the end of the input, if any."""
+        if not self._current:
+            return None
+        sweep = Sweep(self._current)
+        self._current, self._seen = [], set()
+        return sweep
+
+    @property
+    def pending(self) -> int:
+        """Samples waiting for their sweep to complete."""
+        return len(self._current)
+
+
+# ---------------------------------------------------------------------------------------------------- readers
+
+
+def _field_for(name: str) -> Field:
+    try:
+        return get_field(name)
+    except InvalidFieldError:
+        if name in _BY_ATTR:
+            return _BY_ATTR[name]
+        return Field(name, Kind.STR, help="Not in smiquery's catalogue.")
+
+
+def _typed(fld: Field, value: Any) -> Value:
+    """A JSON or pandas value converted to the Python type the catalogue gives the field."""
+    if value is None:
+        return None
+    kind = fld.kind
+    if kind is Kind.TIMESTAMP:
+        dt = value if isinstance(value, datetime) else datetime.fromisoformat(str(value).replace("/", "-"))
+        to_py = getattr(dt, "to_pydatetime", None)
+        if to_py is not None:
+            dt = to_py()
+        return dt if dt.tzinfo is not None else dt.astimezone()
+    if kind is Kind.INT:
+        if isinstance(value, str):
+            return int(value)
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{value!r} is not an integer")
+        return int(value)
+    if kind in (Kind.HEX, Kind.BITMASK):
+        return int(value, 16) if isinstance(value, str) else int(value)
+    if kind is Kind.FLOAT:
+        return float(value)
+    if kind.is_bool:
+        if isinstance(value, str):
+            low = value.strip().lower()
+            if low not in _BOOL_WORDS:
+                raise ValueError(f"{value!r} is not {kind.value}")
+            return _BOOL_WORDS[low]
+        return bool(value)
+    return str(value)
+
+
+def _build(schema: Schema, fields: Sequence[Field], values: list[Value], missing: dict[str, str]) -> GpuSample:
+    raw = tuple(format_value(f, v, missing.get(f.name)) for f, v in zip(fields, values, strict=True))
+    lost = any(r == "gpu_lost" for r in missing.values())
+    return GpuSample(schema, tuple(values), raw, missing or None, lost)
+
+
+def sample_from_json(obj: dict[str, Any], *, lineno: int = 0, line: str = "") -> GpuSample:
+    """A sample from one JSONL object as ``smiquery stream --format jsonl`` writes it.
+
+    Keys are field names (nvidia-smi names or attribute names); ``null`` is a missing value whose reason is
+    taken from the optional ``"_missing"`` object (default ``not_available``). Keys starting with ``_`` are
+    metadata and skipped.
+
+    Raises:
+        ParseError: a value does not fit its field.
+    """
+    reasons = obj.get("_missing") or {}
+    names = [k for k in obj if not k.startswith("_")]
+    fields = [_field_for(n) for n in names]
+    values: list[Value] = []
+    missing: dict[str, str] = {}
+    for key, fld in zip(names, fields, strict=True):
+        raw = obj[key]
+        if raw is None:
+            values.append(None)
+            missing[fld.name] = str(reasons.get(key) or reasons.get(fld.name) or "not_available")
+            continue
+        try:
+            values.append(_typed(fld, raw))
+        except (ValueError, TypeError):
+            raise ParseError(
+                f"{raw!r} is not a valid {fld.kind.value}", lineno=lineno, line=line, field=fld.name
+            ) from None
+    return _build(Schema(tuple(f.name for f in fields)), fields, values, missing)
+
+
+def _read_csv(fh: IO[str], source: str, on_drop: Callable[[ParseError], None]) -> Iterator[GpuSample]:
+    parser = CsvParser(None, strict=False)
+    dropped = 0
+    try:
+        for line in fh:
+            sample = parser.feed(line)
+            if parser.dropped != dropped:
+                dropped = parser.dropped
+                if parser.last_error is not None:
+                    on_drop(parser.last_error)
+            if sample is not None:
+                yield sample
+    except ParseError as exc:
+        raise ReplayError(
+            f"{source} is not a recording smiquery can read: it needs nvidia-smi's CSV header line "
+            f"(--format=csv, not noheader) ({exc})"
+        ) from None
+
+
+def _read_jsonl(fh: IO[str], on_drop: Callable[[ParseError], None]) -> Iterator[GpuSample]:
+    for lineno, line in enumerate(fh, 1):
+        text = line.strip()
+        if not text:
+            continue
+        try:
+            obj = json.loads(text)
+            if not isinstance(obj, dict):
+                raise ValueError("not an object")
+            yield sample_from_json(obj, lineno=lineno, line=text)
+        except ParseError as exc:
+            on_drop(exc)
+        except ValueError:  # includes a truncated last line (json.JSONDecodeError)
+            on_drop(ParseError("not a JSON object", lineno=lineno, line=text))
+
+
+def _read_parquet(path: str) -> Iterator[GpuSample]:
+    try:
+        import pandas as pd
+    except ImportError as exc:  # pragma: no cover - pandas is a dependency
+        raise ReplayError("reading Parquet needs pandas and pyarrow: pip install 'smiquery[parquet]'") from exc
+    try:
+        df = pd.read_parquet(path)
+    except ImportError as exc:
+        raise ReplayError("reading Parquet needs pyarrow: pip install 'smiquery[parquet]'") from exc
+    except (OSError, ValueError) as exc:
+        raise ReplayError(f"cannot read Parquet recording {path}: {exc}") from exc
+    names = list(df.columns)
+    recorded = df.attrs.get("fields")
+    if isinstance(recorded, list) and len(recorded) == len(names):
+        fields = [_field_for(str(n)) for n in recorded]
+    else:
+        fields = [_field_for(str(n)) for n in names]
+    schema = Schema(tuple(f.name for f in fields))
+    missing_attr = df.attrs.get("missing") or {}
+    columns = []
+    for col in names:
+        values = df[col].tolist()
+        columns.append([None if v is None or v is pd.NA or v is pd.NaT or v != v else v for v in values])
+    reasons_by_row: dict[int, dict[str, str]] = {}
+    for fld, col in zip(fields, names, strict=True):
+        for row, reason in (missing_attr.get(col) or missing_attr.get(fld.name) or {}).items():
+            reasons_by_row.setdefault(int(row), {})[fld.name] = str(reason)
+    for i in range(len(df)):
+        row_missing = reasons_by_row.get(i, {})
+        values_out: list[Value] = []
+        missing: dict[str, str] = {}
+        for fld, col_values in zip(fields, columns, strict=True):
+            v = col_values[i]
+            if v is None:
+                values_out.append(None)
+                missing[fld.name] = row_missing.get(fld.name, "not_available")
+            else:
+                values_out.append(_typed(fld, v))
+        yield _build(schema, fields, values_out, missing)
+
+
+# ----------------------------------------------------------------------------------------------------- replay
+
+
+class Replay:
+    """A recording played back as a stream of samples, paced by its own timestamps.
+
+    Iterate it for samples, or call :meth:`sweeps`. It offers the parts of :class:`~smiquery.query.Stream` a
+    consumer needs (``stats``, ``latest()``, ``close()``, ``fields``), so code can take either. See
+    :func:`replay` for the arguments.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        speed: float = 1.0,
+        fields: str | Sequence[str] | None = None,
+        loop: bool = False,
+        gpus: GpusArg = None,
+        fmt: RecordingFormat | None = None,
+        sleep: Callable[[float], object] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if speed < 0 or speed != speed:
+            raise ValueError("speed must be 0 (as fast as possible) or more")
+        self.path = os.fspath(path)
+        if not Path(self.path).is_file():
+            raise ReplayError(f"recording {self.path} not found; record one with `smiquery stream --output FILE`")
+        self.speed = float(speed)
+        self.loop = loop
+        self.format: RecordingFormat = fmt or detect_format(self.path)
+        self.gpus = normalize_gpus(gpus)
+        self._wanted = resolve_fields(fields) if fields is not None else None
+        if self._wanted is not None and not any(f.name == "index" for f in self._wanted):
+            self._wanted = (*resolve_fields(["index"]), *self._wanted)  # sweeps are grouped by GPU index
+        self._stop = threading.Event()
+        self._sleep = sleep if sleep is not None else self._stop.wait
+        self._clock = clock
+        self.stats = StreamStats()
+        self._lock = threading.Lock()
+        self._latest: tuple[Sweep, float] | None = None
+        self._gen: Iterator[GpuSample] | None = None
+        self._handles: list[IO[str]] = []
+        self.last_error: ParseError | None = None
+        #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
+        self.gpu_count = 0
+        first = self._peek()
+        self.recorded_fields: tuple[Field, ...] = tuple(_field_for(n) for n in first.fields) if first else ()
+        self.fields: tuple[Field, ...] = self._wanted if self._wanted is not None else self.recorded_fields
+        self._project: tuple[Schema, tuple[int, ...]] | None = None
+        if self._wanted is not None and first is not None:
+            have = {n: i for i, n in enumerate(first.fields)}
+            lacking = [f.name for f in self._wanted if f.name not in have]
+            if lacking:
+                raise ReplayError(
+                    f"recording {self.path} has no {', '.join(lacking)}; it holds {', '.join(first.fields)}"
+                )
+            names = tuple(f.name for f in self._wanted)
+            self._project = (Schema(names), tuple(have[n] for n in names))
+
+    # ---------------------------------------------------------------------------------------------- reading
+
+    def _on_drop(self, err: ParseError) -> None:
+        self.stats.dropped_rows += 1
+        self.last_error = err
+        self.stats.last_error = str(err)
+
+    def _raw_samples(self) -> Iterator[GpuSample]:
+        if self.format == "parquet":
+            yield from _read_parquet(self.path)
+            return
+        try:
+            fh = open(self.path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            raise ReplayError(f"cannot read recording {self.path}: {exc.strerror or exc}") from exc
+        self._handles.append(fh)
+        try:
+            if self.format == "jsonl":
+                yield from _read_jsonl(fh, self._on_drop)
+            else:
+                yield from _read_csv(fh, self.path, self._on_drop)
+        finally:
+            fh.close()
+            if fh in self._handles:
+                self._handles.remove(fh)
+
+    def _peek(self) -> GpuSample | None:
+        """The first sample, and the number of GPUs in the first sweep (into :attr:`gpu_count`)."""
+        gen = self._raw_samples()
+        try:
+            first: GpuSample | None = None
+            seen: set[object] = set()
+            for sample in gen:
+                if first is None:
+                    first = sample
+                if not self._select(sample):
+                    continue
+                idx = sample.index if "index" in sample else None
+                if idx is None or idx in seen or len(seen) >= 4096:
+                    break
+                seen.add(idx)
+            self.gpu_count = len(seen)
+            return first
+        finally:
+            close = getattr(gen, "close", None)
+            if close is not None:
+                close()
+            self.stats.dropped_rows = 0
+            self.stats.last_error = None
+
+    def _select(self, sample: GpuSample) -> bool:
+        if not self.gpus:
+            return True
+        keys = {str(sample.index) if "index" in sample else None}
+        if "uuid" in sample:
+            keys.add(str(sample.uuid))
+        if "pci.bus_id" in sample:
+            keys.add(str(sample.get("pci.bus_id")))
+        return any(g in keys for g in self.gpus)
+
+    def _projected(self, sample: GpuSample) -> GpuSample:
+        if self._project is None:
+            return sample
+        schema, positions = self._project
+        if sample.fields != self.recorded_fields_names:
+            have = {n: i for i, n in enumerate(sample.fields)}
+            try:
+                positions = tuple(have[n] for n in schema.names)
+            except KeyError:
+                raise ReplayError(
+                    f"recording {self.path} changes its columns mid-file and lacks {set(schema.names) - set(have)}"
+                ) from None
+        values = sample.values
+        raw = tuple(sample.raw.values())
+        missing = {n: r for n, r in sample.missing.items() if n in schema.names}
+        return GpuSample(
+            schema,
+            tuple(values[i] for i in positions),
+            tuple(raw[i] for i in positions),
+            missing or None,
+            sample.gpu_lost,
+        )
+
+    @property
+    def recorded_fields_names(self) -> tuple[str, ...]:
+        """The field names of the recording, in its column order."""
+        return tuple(f.name for f in self.recorded_fields)
+
+    def _samples(self) -> Iterator[GpuSample]:
+        lap = 0
+        shift = timedelta(0)
+        anchor: tuple[float, datetime] | None = None
+        while not self._stop.is_set():
+            first_ts: datetime | None = None
+            last_ts: datetime | None = None
+            second_ts: datetime | None = None
+            got = 0
+            for sample in self._raw_samples():
+                if self._stop.is_set():
+                    return
+                if not self._select(sample):
+                    continue
+                sample = self._projected(sample)
+                ts = sample.timestamp if "timestamp" in sample else None
+                if ts is not None:
+                    if first_ts is None:
+                        first_ts = ts
+                    elif second_ts is None and ts - first_ts >= timedelta(milliseconds=50):
+                        second_ts = ts
+                    last_ts = ts
+                    if shift:
+                        ts = ts + shift
+                        sample = _with_timestamp(sample, ts)
+                    anchor = self._pace(anchor, ts)
+                got += 1
+                self.stats.rows += 1
+                yield sample
+            lap += 1
+            if not self.loop or got == 0:
+                return
+            if first_ts is not None and last_ts is not None:
+                step = (second_ts - first_ts) if second_ts is not None else timedelta(seconds=1)
+                shift += (last_ts - first_ts) + step
+
+    def _pace(self, anchor: tuple[float, datetime] | None, ts: datetime) -> tuple[float, datetime]:
+        now = self._clock()
+        if self.speed == 0:
+            return (now, ts)
+        if anchor is None:
+            return (now, ts)
+        wall0, ts0 = anchor
+        offset = (ts - ts0).total_seconds() / self.speed
+        if offset < 0:
+            return (now, ts)  # time went backwards in the file: start pacing afresh
+        target = wall0 + offset
+        delay = target - now
+        if delay > MAX_GAP_SECONDS:
+            # a long gap (the recorder was stopped): skip it rather than freeze
+            return (now, ts)
+        if delay > 0:
+            self._sleep(delay)
+        return anchor
+
+    # ------------------------------------------------------------------------------------------ consumption
+
+    def __iter__(self) -> Iterator[GpuSample]:
+        return self
+
+    def __next__(self) -> GpuSample:
+        if self._gen is None:
+            self._gen = self._samples()
+        return next(self._gen)
+
+    def sweeps(self, count: int | None = None) -> Iterator[Sweep]:
+        """Yield whole sweeps (one sample per GPU for one instant), grouped as :meth:`Stream.sweeps` groups them.
+
+        Args:
+            count: stop after this many sweeps.
+        """
+        grouper = SweepGrouper(self.gpu_count)
+        done = 0
+        for sample in self:
+            for sweep in grouper.feed(sample):
+                self._publish(sweep)
+                yield sweep
+                done += 1
+                if count is not None and done >= count:
+                    return
+        last = grouper.flush()
+        if last is not None:
+            self._publish(last)
+            yield last
+
+    def _publish(self, sweep: Sweep) -> None:
+        self.stats.sweeps += 1
+        with self._lock:
+            self._latest = (sweep, time.monotonic())
+
+    def latest(self) -> tuple[Sweep | None, float | None]:
+        """The newest complete sweep (from :meth:`sweeps`) and its age in seconds; ``(None, None)`` before one."""
+        with self._lock:
+            got = self._latest
+        if got is None:
+            return None, None
+        return got[0], time.monotonic() - got[1]
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop: wake a paced wait and end the iteration. Safe from any thread; idempotent."""
+        self._stop.set()
+        gen = self._gen
+        if gen is not None:
+            close = getattr(gen, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except ValueError:
+                    pass  # running in another thread: it sees the stop flag at its next sample
+
+    def __enter__(self) -> Replay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _with_timestamp(sample: GpuSample, ts: datetime) -> GpuSample:
+    schema = sample.schema
+    pos = schema.pos_timestamp
+    if pos is None:
+        return sample
+    values = list(sample.values)
+    values[pos] = ts
+    raw = list(sample.raw.values())
+    raw[pos] = format_value(get_field("timestamp"), ts)
+    return GpuSample(schema, tuple(values), tuple(raw), dict(sample.missing) or None, sample.gpu_lost)
+
+
+def replay(
+    path: str | os.PathLike[str],
+    *,
+    speed: float = 1.0,
+    fields: str | Sequence[str] | None = None,
+    loop: bool = False,
+    gpus: GpusArg = None,
+    sleep: Callable[[float], object] | None = None,
+) -> Replay:
+    """Play a recording back as samples, paced by its recorded timestamps.
+
+    Example::
+
+        for sweep in replay("run.csv", speed=0).sweeps():
+            print(max(s.temperature_gpu or 0 for s in sweep))
+
+    Args:
+        path: a CSV in nvidia-smi's ``--format=csv`` format (with its header; units or not), a JSONL file as
+            written by ``smiquery stream --output x.jsonl``, or a Parquet file written by ``--output x.parquet``.
+        speed: playback speed; 2 plays twice as fast, 0 as fast as possible. Gaps longer than
+            :data:`MAX_GAP_SECONDS` (after scaling) are skipped. Recordings without timestamps are not paced.
+        fields: only these fields (a preset, ``"a,b,c"`` or names); ``index`` is always kept. None: all.
+        loop: start again at the end, shifting the timestamps so that time keeps moving forward.
+        gpus: only these GPUs (indices, UUIDs or PCI bus ids).
+        sleep: how to wait (tests inject one); default an interruptible wait that :meth:`Replay.close` ends.
+
+    Returns:
+        A :class:`Replay`: an iterator of :class:`~smiquery.GpuSample`, with :meth:`Replay.sweeps`.
+
+    Raises:
+        ReplayError: the file is missing, has no header, or lacks a requested field.
+        InvalidFieldError: an unknown field name.
+        InvalidGpuIdError: a malformed GPU id.
+    """
+    return Replay(path, speed=speed, fields=fields, loop=loop, gpus=gpus, sleep=sleep)

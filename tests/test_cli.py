@@ -1,0 +1,681 @@
+"""The command line, driven as users drive it: a real `python -m smiquery` process against the fake nvidia-smi.
+
+Every command and format, usage errors, the exit code and one-line message of each failure, Ctrl-C (exit 130,
+no child left, whole rows in the output file), doctor against every fault the fake can play, the live table
+under a pseudo-terminal, replay, alerts, and the no-pandas start-up of `query --format csv`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from smiquery import PRESETS
+from smiquery.cli import app, exit_code_for, main
+from smiquery.parsing import CsvParser
+from smiquery.records import GpuSample
+from smiquery.replay import replay
+from smiquery.testing import FAULTS
+from tests.conftest import MakeFake
+
+DEMO = Path(str(resources.files("smiquery") / "data" / "demo-8gpu.csv"))
+SAFE = ("NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_VISIBLE_DEVICES", "SMIQUERY_NVIDIA_SMI", "SMIQUERY_FAKE_")
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SAFE)}
+    # the container checks of `doctor` pass whether or not the tests run in a container
+    env.update(NO_COLOR="1", NVIDIA_DRIVER_CAPABILITIES="compute,utility", NVIDIA_VISIBLE_DEVICES="all")
+    env.update(extra)
+    return env
+
+
+def argv(*args: object, smi: Path | str | None = None) -> list[str]:
+    pre = ["--nvidia-smi", str(smi)] if smi is not None else []
+    return [sys.executable, "-m", "smiquery", *pre, *(str(a) for a in args)]
+
+
+def run(
+    *args: object, smi: Path | str | None = None, timeout: float = 60, **env: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv(*args, smi=smi), env=cli_env(**env), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str], code: int, says: str = "") -> str:
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert lines[0].startswith("smiquery: ")
+    assert says in lines[0], lines[0]
+    return lines[0]
+
+
+def csv_rows(text: str) -> list[GpuSample]:
+    return list(CsvParser().parse(text.splitlines()))
+
+
+def starts(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.exists() else []
+
+
+@pytest.fixture
+def smi(fake_smi: MakeFake) -> Path:
+    return fake_smi()
+
+
+# ------------------------------------------------------------------------------------------- help, version
+
+
+def test_help_lists_commands_exit_codes_and_examples():
+    proc = run("--help")
+    assert proc.returncode == 0
+    out = proc.stdout
+    for word in ("stream", "query", "ps", "fields", "doctor", "--nvidia-smi", "--timeout", "--version"):
+        assert word in out
+    assert "Exit codes:" in out and "130  Ctrl-C" in out and "5    nvidia-smi timed out" in out
+    assert out.index("  stream ") < out.index("  query ")
+    for cmd in ("stream", "query", "ps", "fields", "doctor"):
+        sub = run(cmd, "--help")
+        assert sub.returncode == 0 and "Examples:" in sub.stdout, cmd
+        assert f"smiquery {cmd}" in sub.stdout
+
+
+def test_version():
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("smiquery ")
+
+
+def test_no_arguments_prints_help():
+    proc = run()
+    assert proc.returncode == 0 and "Commands:" in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------------- query
+
+
+def test_query_csv_is_nvidia_smi_format(smi):
+    proc = run("query", "--format", "csv", smi=smi)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert (
+        lines[0] == "timestamp, index, name, uuid, temperature.gpu, utilization.gpu [%], utilization.memory [%], "
+        "memory.used [MiB], memory.total [MiB], power.draw [W]"
+    )
+    rows = csv_rows(proc.stdout)
+    assert [r.index for r in rows] == list(range(8))
+    assert rows[0].fields == PRESETS["default"]
+
+
+def test_query_formats(smi):
+    fields = "index,temperature.gpu,fan.speed,power.draw"
+    j = json.loads(run("query", "-f", fields, "--format", "json", smi=smi).stdout)
+    assert len(j) == 8 and j[0]["fan.speed"] is None and j[0]["_missing"] == {"fan.speed": "not_available"}
+    assert isinstance(j[0]["power.draw"], float)
+    lines = run("query", "-f", fields, "-F", "jsonl", "--gpus", "1,3", smi=smi).stdout.splitlines()
+    assert [json.loads(x)["index"] for x in lines] == [1, 3]
+    table = run("query", "-f", fields, "--format", "table", smi=smi).stdout.splitlines()
+    assert table[0].split() == ["index", "temperature.gpu", "[C]", "fan.speed", "[%]", "power.draw", "[W]"]
+    assert len(table) == 9 and all(" n/a " in row for row in table[1:])
+    assert " 0 " not in table[1].replace("    0  ", "")  # missing is never 0
+    with_time = run("query", "--format", "table", smi=smi).stdout.splitlines()
+    assert with_time[1].split()[3:6] == ["NVIDIA", "H100", "80GB"]
+
+
+def test_query_selects_gpus_by_uuid_and_bus_id(smi):
+    first = json.loads(run("query", "-f", "index,uuid,pci.bus_id", "-F", "json", smi=smi).stdout)
+    got = run("query", "-f", "index", "-F", "json", "--gpus", f"{first[2]['uuid']},{first[4]['pci.bus_id']}", smi=smi)
+    assert [x["index"] for x in json.loads(got.stdout)] == [2, 4]
+
+
+def test_query_csv_does_not_import_pandas(smi):
+    probe = (
+        "import sys, runpy\n"
+        f"sys.argv = ['smiquery', '--nvidia-smi', {str(smi)!r}, 'query', '--format', 'csv']\n"
+        "try:\n    runpy.run_module('smiquery', run_name='__main__')\n"
+        "except SystemExit as exc:\n    code = exc.code\n"
+        "heavy = sorted(m for m in ('pandas', 'pyarrow', 'numpy', 'rich', 'pydantic') if m in sys.modules)\n"
+        "sys.stderr.write('HEAVY=%s CODE=%s\\n' % (','.join(heavy), code))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], env=cli_env(), capture_output=True, text=True, check=False)
+    assert "HEAVY= CODE=0" in proc.stderr, proc.stderr
+    assert len(csv_rows(proc.stdout)) == 8
+
+
+def test_query_in_process_with_typer_runner(smi):
+    result = CliRunner().invoke(app, ["--nvidia-smi", str(smi), "query", "--format", "jsonl", "--gpus", "0"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["index"] == 0
+    bad = CliRunner().invoke(app, ["--nvidia-smi", str(smi), "query", "--fields", "temp"])
+    assert bad.exit_code == 2 and "unknown field 'temp'" in bad.stderr
+
+
+def test_main_fast_path_and_typer_path_agree(smi, capsys):
+    for args in (["query", "-F", "jsonl", "-i", "0"], ["query", "--format=jsonl", "--gpus=0", "--fields=default"]):
+        with pytest.raises(SystemExit) as info:
+            main(["--nvidia-smi", str(smi), *args])
+        assert info.value.code == 0
+        fast = capsys.readouterr().out
+        result = CliRunner().invoke(app, ["--nvidia-smi", str(smi), *args])
+        assert json.loads(fast).keys() == json.loads(result.stdout).keys()
+
+
+# ------------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["query", "--fields", "temp"], "--fields: unknown field 'temp'; did you mean"),
+        (["query", "--gpus", "GPU-nope"], "--gpus: invalid GPU id 'GPU-nope'"),
+        (["query", "--format", "xml"], "'xml' is not one of"),
+        (["query", "--bogus"], "No such option: --bogus"),
+        (["stream", "--interval", "0"], "invalid --interval '0': must be more than 0"),
+        (["stream", "-l", "fast"], "invalid --interval 'fast': use seconds (1, 0.5) or a unit: 250ms"),
+        (["stream", "--duration", "5 parsecs"], "invalid --duration"),
+        (["stream", "--alert", "temperature.gpu >"], "invalid alert"),
+        (["stream", "--alert", "temp > 85 for 3"], "unknown field 'temp'"),
+        (["stream", "--format", "json"], "use one of table, csv, jsonl"),
+        (["stream", "--output", "x.txt"], "name it .csv, .jsonl or .parquet"),
+        (["stream", "--count", "0"], "--count"),
+        (["fields", "--preset", "nope"], "unknown preset 'nope'"),
+        (["nosuch"], "No such command 'nosuch'"),
+        (["--timeout", "abc", "query"], "--timeout"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(smi, tmp_path, args, says):
+    proc = subprocess.run(
+        argv(*args, smi=smi), env=cli_env(), capture_output=True, text=True, timeout=30, check=False, cwd=tmp_path
+    )
+    line = one_line_error(proc, 2, says)
+    assert line.startswith("smiquery: usage error: ")
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("fault", "code", "says"),
+    [
+        ("driver-not-loaded", 4, "couldn't communicate with the NVIDIA driver"),
+        ("nvml-not-found", 4, "libnvidia-ml.so"),
+        ("version-mismatch", 4, "reboot"),
+        ("no-devices", 4, "No devices were found"),
+        ("gpu-lost-start", 4, "GPU is lost"),
+        ("permission", 4, "Insufficient Permissions"),
+        ("hang", 5, "did not answer within 1 s"),
+        ("unknown-error", 1, "run `smiquery doctor`"),
+        ("garbage", 1, "run `smiquery doctor`"),
+    ],
+)
+def test_each_failure_has_its_exit_code_and_one_line(fake_smi, fault, code, says):
+    proc = run("--timeout", "1", "query", smi=fake_smi(fault=fault))
+    line = one_line_error(proc, code, says)
+    assert line.startswith("smiquery: error: ")
+
+
+def test_nvidia_smi_missing_exits_3(tmp_path):
+    one_line_error(run("query", smi=tmp_path / "nvidia-smi"), 3, "nvidia-smi not found")
+    one_line_error(run("ps", smi=tmp_path / "nvidia-smi"), 3, "nvidia-smi not found")
+    one_line_error(run("stream", smi=tmp_path / "nvidia-smi"), 3, "nvidia-smi not found")
+    env_only = run("query", SMIQUERY_NVIDIA_SMI=str(tmp_path / "gone"))
+    one_line_error(env_only, 3, "$SMIQUERY_NVIDIA_SMI")
+
+
+def test_inforom_warning_is_one_line_and_rows_are_kept(fake_smi):
+    proc = run("query", "-F", "csv", smi=fake_smi(fault="inforom"))
+    assert proc.returncode == 0
+    assert proc.stderr.startswith("smiquery: warning: nvidia-smi exited 14") and proc.stderr.count("\n") == 1
+    assert len(csv_rows(proc.stdout)) == 8
+
+
+def test_debug_shows_the_traceback(fake_smi):
+    proc = run("--debug", "query", smi=fake_smi(fault="driver-not-loaded"))
+    assert proc.returncode == 4
+    assert "Traceback" in proc.stderr and "DriverNotLoadedError" in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("smiquery: error: ")
+
+
+def test_exit_code_table():
+    from smiquery import errors
+    from smiquery.alerts import InvalidRuleError
+
+    assert exit_code_for(errors.NvidiaSmiNotFoundError()) == 3
+    assert exit_code_for(errors.NvidiaSmiTimeoutError("x")) == 5
+    for cls in (
+        errors.DriverNotLoadedError,
+        errors.NvmlNotFoundError,
+        errors.DriverVersionMismatchError,
+        errors.NoDevicesFoundError,
+        errors.GpuLostError,
+        errors.InsufficientPermissionsError,
+    ):
+        assert exit_code_for(cls(["nvidia-smi"], 9, "")) == 4
+    assert exit_code_for(errors.NvidiaSmiFailedError(["nvidia-smi"], 255, "")) == 1
+    assert exit_code_for(InvalidRuleError("x", "y")) == 2
+    assert exit_code_for(errors.InvalidFieldError("x")) == 2
+    assert exit_code_for(KeyboardInterrupt()) == 130
+
+
+# ------------------------------------------------------------------------------------------------- ps, fields
+
+
+def test_ps_every_format(fake_smi):
+    smi = fake_smi()
+    rows = json.loads(run("ps", "--format", "json", smi=smi).stdout)
+    assert [r["gpu_index"] for r in rows] == list(range(8))
+    assert rows[0]["pid"] == 48213 and rows[0]["used_memory"] == 69126
+    csv = run("ps", "-F", "csv", "--gpus", "1", smi=smi).stdout.splitlines()
+    assert csv[0] == "gpu_index, gpu_uuid, pid, process_name, used_memory [MiB]"
+    assert csv[1].startswith("1, GPU-") and csv[1].endswith(" MiB") and len(csv) == 2
+    assert len(run("ps", "-F", "jsonl", smi=smi).stdout.splitlines()) == 8
+    table = run("ps", "-F", "table", smi=smi).stdout.splitlines()
+    assert table[0].split()[:3] == ["gpu", "gpu_uuid", "pid"] and len(table) == 9
+    empty = run("ps", "-F", "table", smi=fake_smi(apps="")).stdout
+    assert empty == "no compute processes\n"
+
+
+def test_fields_catalogue_presets_search_and_supported(smi):
+    table = run("fields", "--preset", "memory", "-F", "table").stdout.splitlines()
+    assert table[0].split() == ["name", "kind", "unit", "help"]
+    assert [ln.split()[0] for ln in table[1:]] == list(PRESETS["memory"])
+    found = json.loads(run("fields", "--search", "fan", "-F", "json").stdout)
+    assert "fan.speed" in [f["name"] for f in found] and found[0]["unit"] == "%"
+    sup = json.loads(run("fields", "--supported", "-F", "json", smi=smi).stdout)
+    by_name = {f["name"]: f["supported"] for f in sup}
+    assert by_name["temperature.gpu"] is True and by_name["fan.speed"] is True
+    assert by_name["clocks.max.sm"] is False  # the recording's driver does not list it
+    text = run("fields", "--supported", "--search", "clocks.max", "-F", "table", smi=smi).stdout
+    assert " NO " in text and "not supported by this driver" in text
+    assert run("fields", "-F", "csv").stdout.startswith("name, kind, unit, aliases, help\n")
+    one_line_error(run("fields", "--supported", smi=Path("/nonexistent/nvidia-smi")), 3)
+
+
+# ------------------------------------------------------------------------------------------------- doctor
+
+
+def test_doctor_passes_on_a_healthy_machine(smi):
+    proc = run("doctor", smi=smi)
+    assert proc.returncode == 0, proc.stdout
+    lines = proc.stdout.splitlines()
+    assert lines[-1] == "all checks passed"
+    names = [ln[6:].split(":")[0] for ln in lines[:-1]]
+    assert names[:4] == ["nvidia-smi found", "driver reachable", "driver/library match", "GPU count"]
+    assert {"persistence mode", "MIG mode", "container", "default fields supported"} <= set(names)
+    assert "590.48.01" in lines[0] and str(smi) in lines[0]
+    assert "8 GPUs" in proc.stdout
+    doc = json.loads(run("doctor", "--json", smi=smi).stdout)
+    assert doc["ok"] is True and doc["exit_code"] == 0
+    assert {c["verdict"] for c in doc["checks"]} <= {"ok", "skip"}
+
+
+# Every fault spec the fake knows (smiquery.testing.FAULTS), instantiated, and the doctor's exit code for it.
+DOCTOR_FAULTS = {
+    "driver-not-loaded": ("driver-not-loaded", 4, "driver reachable"),
+    "nvml-not-found": ("nvml-not-found", 4, "driver reachable"),
+    "version-mismatch": ("version-mismatch", 4, "driver/library match"),
+    "no-devices": ("no-devices", 4, "GPU count"),
+    "no-supported-gpus": ("no-supported-gpus", 4, "GPU count"),
+    "gpu-lost-start": ("gpu-lost-start", 4, "driver reachable"),
+    "permission": ("permission", 4, "driver reachable"),
+    "not-supported": ("not-supported", 1, "driver reachable"),
+    "unknown-error": ("unknown-error", 1, "driver reachable"),
+    "exit:CODE[:MESSAGE]": ("exit:9", 4, "driver reachable"),
+    "inforom": ("inforom", 1, "infoROM"),
+    "hang": ("hang", 5, "driver reachable"),
+    "hang-after:N": ("hang-after:0", 5, "driver reachable"),
+    "crash-after:N": ("crash-after:8", 1, "driver reachable"),
+    "gpu-lost-after:N[:INDEX]": ("gpu-lost-after:0:3", 4, "GPU count"),
+    "garbage": ("garbage", 1, "driver reachable"),
+    "garbage-after:N": ("garbage-after:0", 1, "driver reachable"),
+    "truncated": ("truncated", 1, "driver reachable"),
+    "wrong-columns-after:N": ("wrong-columns-after:0", 1, "driver reachable"),
+    "ignore-term": ("ignore-term", 0, None),
+}
+
+
+def test_doctor_covers_every_fault_of_the_fake():
+    assert set(DOCTOR_FAULTS) == set(FAULTS)
+
+
+@pytest.mark.parametrize("spec", sorted(DOCTOR_FAULTS))
+def test_doctor_against_each_fault(fake_smi, spec):
+    fault, code, failing = DOCTOR_FAULTS[spec]
+    proc = run("--timeout", "1", "doctor", smi=fake_smi(fault=fault), timeout=30)
+    assert proc.returncode == code, proc.stdout
+    assert proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    checks = lines[:-1]
+    assert all(ln.split()[0] in ("ok", "FAIL", "skip") for ln in checks), lines
+    fails = [ln for ln in checks if ln.startswith("FAIL")]
+    if failing is None:
+        assert not fails and lines[-1] == "all checks passed"
+        return
+    assert fails[0].startswith(f"FAIL  {failing}: "), fails
+    assert all(" -> fix: " in ln for ln in fails)
+    assert lines[-1].endswith("failed")
+    doc = json.loads(run("--timeout", "1", "doctor", "--json", smi=fake_smi(fault=fault), timeout=30).stdout)
+    assert doc["ok"] is False and doc["exit_code"] == code
+    assert next(c["name"] for c in doc["checks"] if c["verdict"] == "fail") == failing
+
+
+def test_doctor_without_nvidia_smi(tmp_path):
+    proc = run("doctor", smi=tmp_path / "nvidia-smi")
+    assert proc.returncode == 3
+    assert proc.stdout.splitlines()[0].startswith("FAIL  nvidia-smi found: nvidia-smi not found at ")
+    assert "skip  driver reachable: nvidia-smi not found" in proc.stdout
+
+
+def test_doctor_container_checks(fake_smi, monkeypatch):
+    import smiquery.cli as cli
+
+    monkeypatch.setattr(cli, "_in_container", lambda: "/.dockerenv exists")
+    monkeypatch.setenv("NVIDIA_DRIVER_CAPABILITIES", "compute")
+    monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
+    broken = {c.name: c for c in cli.doctor_checks(cli.Settings(str(fake_smi(fault="nvml-not-found")), 5))}
+    assert broken["NVIDIA_DRIVER_CAPABILITIES"].failed and "utility" in broken["NVIDIA_DRIVER_CAPABILITIES"].fix
+    assert broken["NVIDIA_VISIBLE_DEVICES"].failed
+    fine = {c.name: c for c in cli.doctor_checks(cli.Settings(str(fake_smi()), 5))}
+    assert not fine["NVIDIA_DRIVER_CAPABILITIES"].failed and not fine["NVIDIA_VISIBLE_DEVICES"].failed
+    monkeypatch.setattr(cli, "_in_container", lambda: None)
+    assert [c.detail for c in cli.doctor_checks(cli.Settings(str(fake_smi()), 5)) if c.name == "container"] == [
+        "not in a container"
+    ]
+
+
+# ------------------------------------------------------------------------------------------------- stream
+
+
+def test_stream_csv_jsonl_and_table_when_piped(smi):
+    csv = run("stream", "-l", "50ms", "--count", "3", smi=smi)
+    assert csv.returncode == 0, csv.stderr
+    rows = csv_rows(csv.stdout)
+    assert len(rows) == 24 and [r.index for r in rows[:8]] == list(range(8))
+    assert csv.stdout.splitlines()[0].startswith("timestamp, index, name, uuid")
+    jl = run("stream", "-l", "50ms", "--count", "2", "--format", "jsonl", "--gpus", "0,1", smi=smi)
+    assert [json.loads(x)["index"] for x in jl.stdout.splitlines()] == [0, 1, 0, 1]
+    tb = run("stream", "-l", "50ms", "--count", "2", "--format", "table", "-f", "index,fan.speed", smi=smi)
+    blocks = [b for b in tb.stdout.split("\n\n") if b.strip()]
+    assert len(blocks) == 2 and blocks[0].splitlines()[0].split() == ["index", "fan.speed", "[%]"]
+    assert blocks[1].count("n/a") == 8
+
+
+def test_stream_rows_are_flushed_as_they_arrive(smi):
+    # one sweep per second: the first rows must be readable long before the process ends
+    with subprocess.Popen(
+        argv("stream", "-l", "1", "--count", "3", smi=smi), env=cli_env(), stdout=subprocess.PIPE
+    ) as p:
+        assert p.stdout is not None
+        t0 = time.monotonic()
+        header = p.stdout.readline()
+        first = p.stdout.readline()
+        assert header.startswith(b"timestamp, index") and first.startswith(b"20")
+        assert p.poll() is None and time.monotonic() - t0 < 1.9
+        p.stdout.read()
+    assert p.returncode == 0
+
+
+def test_stream_duration_stops_it(smi):
+    t0 = time.monotonic()
+    proc = run("stream", "-l", "100ms", "--duration", "1s", smi=smi)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0 and 1.0 < took < 6
+    assert 16 <= len(csv_rows(proc.stdout)) <= 120
+
+
+@pytest.mark.parametrize("suffix", ["csv", "jsonl", "parquet"])
+def test_stream_output_records_while_displaying(smi, tmp_path, suffix):
+    rec = tmp_path / f"rec.{suffix}"
+    proc = run("stream", "-l", "50ms", "--count", "4", "-F", "jsonl", "--output", rec, smi=smi)
+    assert proc.returncode == 0, proc.stderr
+    shown = [json.loads(x) for x in proc.stdout.splitlines()]
+    played = list(replay(rec, speed=0))
+    assert len(played) == len(shown) == 32
+    assert [s.index for s in played] == [x["index"] for x in shown]
+    assert [s["temperature.gpu"] for s in played] == [x["temperature.gpu"] for x in shown]
+    if suffix == "csv":
+        from smiquery.frames import read_csv
+
+        assert len(read_csv(rec)) == 32
+        back = run("stream", "--replay", rec, "--speed", "0", "-F", "csv")
+        assert back.stdout == rec.read_text()
+
+
+def test_stream_replay_needs_no_nvidia_smi(tmp_path):
+    proc = run("stream", "--replay", DEMO, "--speed", "0", "--count", "5", smi=tmp_path / "absent")
+    assert proc.returncode == 0, proc.stderr
+    rows = csv_rows(proc.stdout)
+    assert len(rows) == 40 and rows[0].fields == PRESETS["default"]
+    assert proc.stdout.splitlines()[1].startswith("2026/03/14 09:30:00.117, 0, NVIDIA H100 80GB HBM3")
+    few = run("stream", "--replay", DEMO, "--speed", "0", "--count", "2", "-f", "fan.speed", "--gpus", "5")
+    assert [(r.index, r["fan.speed"]) for r in csv_rows(few.stdout)] == [(5, None), (5, None)]
+    one_line_error(run("stream", "--replay", tmp_path / "none.csv"), 1, "not found; record one")
+    one_line_error(run("stream", "--replay", DEMO, "-f", "clocks.max.sm"), 1, "has no clocks.max.sm")
+
+
+def test_alert_fires_on_the_hot_gpu_and_clears_once(tmp_path):
+    proc = run("stream", "--replay", DEMO, "--speed", "0", "--alert", "temperature.gpu > 85 for 3", "-F", "csv")
+    assert proc.returncode == 0
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("smiquery: ALERT firing GPU 5: temperature.gpu > 85 for 3 (value 8")
+    assert lines[1].startswith("smiquery: ALERT cleared GPU 5: temperature.gpu > 85 for 3")
+    assert len(csv_rows(proc.stdout)) == 4800
+
+
+def test_exit_on_alert(tmp_path):
+    rec = tmp_path / "until-alert.csv"
+    proc = run(
+        "stream", "--replay", DEMO, "--speed", "0", "-a", "temperature.gpu > 85 for 3", "--exit-on-alert", "-o", rec
+    )
+    assert proc.returncode == 6
+    assert "ALERT firing GPU 5" in proc.stderr
+    rows = csv_rows(rec.read_text())
+    assert rows[-1].index == 5 and rows[-1].temperature_gpu > 85  # type: ignore[operator]
+    assert len(rows) < 4800 and rec.read_text().endswith("\n")
+
+
+def test_alert_on_a_field_not_displayed_is_queried_too(smi):
+    proc = run("stream", "-l", "50ms", "--count", "1", "-f", "index", "-a", "power.draw > 0", smi=smi)
+    assert proc.returncode == 0
+    assert proc.stdout.splitlines()[0] == "index, power.draw [W]"
+    assert proc.stderr.count("ALERT firing") == 8
+
+
+def test_time_held_alert_on_a_replay_uses_recorded_time():
+    # `for 30s` at --speed 0 is measured by the recorded timestamps, which are queried for it
+    proc = run(
+        "stream",
+        "--replay",
+        DEMO,
+        "--speed",
+        "0",
+        "-f",
+        "index,utilization.gpu",
+        "-a",
+        "utilization.gpu < 20 for 30s while memory.used > 1024",
+        "-F",
+        "csv",
+    )
+    assert proc.returncode == 0
+    assert proc.stdout.splitlines()[0] == "index, utilization.gpu [%], timestamp, memory.used [MiB]"
+    firing = [ln for ln in proc.stderr.splitlines() if "ALERT firing" in ln]
+    assert len(firing) == 8 and "held 30." in firing[0]
+
+
+def test_stream_failure_exits_with_its_code_and_the_file_is_whole(fake_smi, tmp_path):
+    rec = tmp_path / "rec.csv"
+    proc = run("stream", "-l", "50ms", "-o", rec, smi=fake_smi(fault="permission"))
+    one_line_error(proc, 4, "Insufficient Permissions")
+    assert rec.read_text().endswith("\n") and rec.read_text().count("\n") == 1  # the header, whole
+    jl = tmp_path / "rec.jsonl"
+    # a crash mid-stream is restarted; --count still ends it with every row whole
+    proc = run("stream", "-l", "50ms", "--count", "6", "-o", jl, "-F", "jsonl", smi=fake_smi(fault="crash-after:20"))
+    assert proc.returncode == 0, proc.stderr
+    assert all(json.loads(x) for x in jl.read_text().splitlines())
+
+
+def test_stream_gives_up_after_retries_with_one_line(fake_smi):
+    # the driver failure is retried with backoff (restarts stay off stderr), then reported once
+    proc = run("stream", "-l", "50ms", smi=fake_smi(fault="driver-not-loaded"))
+    one_line_error(proc, 4, "couldn't communicate with the NVIDIA driver")
+
+
+def test_closed_pipe_ends_quietly(smi):
+    cmd = argv("stream", "-l", "50ms", smi=smi)
+    with subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
+        assert p.stdout is not None and p.stderr is not None
+        p.stdout.readline()
+        p.stdout.close()  # like `| head -1`
+        assert p.wait(10) == 0
+        assert p.stderr.read() == b""
+
+
+def _children_of(pid: int) -> list[psutil.Process]:
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("suffix", ["csv", "parquet"])
+def test_ctrl_c_exits_130_reaps_nvidia_smi_and_leaves_whole_rows(fake_smi, tmp_path, suffix):
+    log = tmp_path / "calls.jsonl"
+    rec = tmp_path / f"rec.{suffix}"
+    cmd = argv("stream", "--interval", "100ms", "--output", rec, smi=fake_smi(log=log))
+    with subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        for _ in range(20):  # header + a couple of sweeps on stdout
+            proc.stdout.readline()
+        kids = _children_of(proc.pid)
+        assert len(starts(log)) == 1 and kids
+        fake_pid = starts(log)[0]["pid"]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+    assert proc.returncode == 130, err
+    assert err == b""
+    assert not _alive(fake_pid)
+    assert not any(_alive(k.pid) for k in kids)
+    if suffix == "csv":
+        text = rec.read_text()
+        assert text.endswith("\n")
+        rows = csv_rows(text)  # strict: every row whole
+        assert len(rows) >= 16
+    else:
+        import pandas as pd
+
+        assert len(pd.read_parquet(rec)) >= 16
+
+
+def test_ctrl_c_during_replay_exits_130(tmp_path):
+    cmd = argv("stream", "--replay", DEMO, "-o", tmp_path / "r.csv")
+    with subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=10)
+    assert proc.returncode == 130
+    assert (tmp_path / "r.csv").read_text().endswith("\n")
+
+
+def test_sigterm_also_finishes_the_file(smi, tmp_path):
+    rec = tmp_path / "rec.jsonl"
+    with subprocess.Popen(argv("stream", "-l", "50ms", "-o", rec, smi=smi), env=cli_env(), stdout=subprocess.PIPE) as p:
+        assert p.stdout is not None
+        for _ in range(9):
+            p.stdout.readline()
+        p.terminate()
+        p.communicate(timeout=10)
+    assert p.returncode == 143
+    assert all(json.loads(x) for x in rec.read_text().splitlines())
+
+
+# ------------------------------------------------------------------------------------------------ terminal
+
+
+def read_pty(fd: int, seconds: float) -> bytes:
+    buf = b""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        ready, _, _ = select.select([fd], [], [], 0.05)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+    return buf
+
+
+def spawn_in_pty(args: Sequence[object], *, columns: int = 200, rows: int = 50) -> tuple[int, int]:
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: sizes its terminal, then becomes the CLI with the pty as its terminal
+        import fcntl
+        import struct
+        import termios
+
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+        os.execve(sys.executable, argv(*args), cli_env(NO_COLOR="", TERM="xterm"))
+    return pid, fd
+
+
+def finish_pty(pid: int, fd: int, out: bytes, *, interrupt: bool) -> tuple[int, bytes]:
+    try:
+        if interrupt:
+            os.kill(pid, signal.SIGINT)
+        out += read_pty(fd, 5)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), out
+
+
+def test_live_table_redraws_in_place_and_shows_missing_values(smi):
+    fields = "index,temperature.gpu,fan.speed,power.draw"
+    pid, fd = spawn_in_pty(["--nvidia-smi", smi, "stream", "-l", "100ms", "-f", fields, "-a", "power.draw > 60"])
+    code, out = finish_pty(pid, fd, read_pty(fd, 1.5), interrupt=True)
+    assert code == 130
+    text = out.decode("utf-8", "replace")
+    assert text.count("\x1b[H") >= 3  # cursor home: redrawn in place, many times
+    assert "\x1b[2J" in text and text.rstrip().endswith("\x1b[?25h")  # cleared once; cursor shown at the end
+    last = text.rsplit("\x1b[H", 1)[1]
+    assert "index  temperature.gpu [C]  fan.speed [%]  power.draw [W]" in last
+    assert last.count("n/a") >= 8  # fan.speed is missing: shown as missing, never 0 or blank
+    assert "\x1b[1;31m" in last  # power past the alert threshold, in red
+    assert "sample age" in last and "restarts 0" in last and "Ctrl-C to stop" in last
+
+
+def test_live_table_fits_a_narrow_terminal(tmp_path):
+    import re
+
+    pid, fd = spawn_in_pty(["stream", "--replay", DEMO, "--speed", "0", "--count", "30"], columns=100, rows=30)
+    code, out = finish_pty(pid, fd, read_pty(fd, 15), interrupt=False)
+    assert code == 0
+    last = out.decode("utf-8", "replace").rsplit("\x1b[H", 1)[1]
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", last)
+    assert all(len(line) <= 100 for line in plain.splitlines()), plain
+    assert "uuid" not in plain.splitlines()[1] and "temperature.gpu [C]" in plain
+    assert "sweeps 30" in plain

@@ -1,0 +1,302 @@
+"""Recordings as a sample source: CSV, JSONL and Parquet round trips, pacing, selection, sweeps."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from importlib import resources
+from itertools import islice, pairwise
+from pathlib import Path
+
+import pytest
+
+from smiquery.display import CsvWriter, JsonlWriter, ParquetWriter
+from smiquery.errors import InvalidFieldError
+from smiquery.fields import get_field
+from smiquery.parsing import CsvParser
+from smiquery.query import stream
+from smiquery.records import GpuSample, Schema
+from smiquery.replay import Replay, ReplayError, SweepGrouper, detect_format, replay, sample_from_json
+
+DEMO = Path(str(resources.files("smiquery") / "data" / "demo-8gpu.csv"))
+
+
+def head(n: int, fields: str | None = None) -> list[GpuSample]:
+    return list(islice(replay(DEMO, speed=0, fields=fields), n))
+
+
+def test_bundled_recording_plays_whole():
+    r = replay(DEMO, speed=0)
+    sweeps = list(r.sweeps())
+    assert len(sweeps) == 600
+    assert all([s.index for s in sw] == list(range(8)) for sw in sweeps)
+    assert r.stats.rows == 4800 and r.stats.sweeps == 600 and r.stats.dropped_rows == 0
+    assert r.gpu_count == 8
+    first = sweeps[0][0]
+    assert first.timestamp is not None and first.timestamp.tzinfo is not None
+    assert first["fan.speed"] is None and first.missing["fan.speed"] == "not_available"
+    hot = max((s for sw in sweeps for s in sw), key=lambda s: s.get("temperature.gpu") or 0)
+    assert hot.index == 5 and hot.temperature_gpu > 85  # type: ignore[operator]
+
+
+def test_sweeps_count_and_latest():
+    r = replay(DEMO, speed=0)
+    assert r.latest() == (None, None)
+    got = list(r.sweeps(count=3))
+    assert len(got) == 3
+    sweep, age = r.latest()
+    assert sweep == got[-1] and age is not None and age >= 0
+
+
+def test_fields_are_projected_and_index_kept():
+    rows = head(8, "temperature.gpu,fan.speed")
+    assert rows[0].fields == ("index", "temperature.gpu", "fan.speed")
+    assert rows[0].missing == {"fan.speed": "not_available"}
+    assert [s.index for s in rows] == list(range(8))
+    assert replay(DEMO, speed=0, fields="memory.used").fields[0].name == "index"
+
+
+def test_gpu_selection_by_index_and_uuid():
+    uuid = head(8)[3].uuid
+    assert {s.index for s in islice(replay(DEMO, speed=0, gpus="5"), 20)} == {5}
+    assert {s.index for s in islice(replay(DEMO, speed=0, gpus=[1, 2]), 20)} == {1, 2}
+    r = replay(DEMO, speed=0, gpus=uuid)
+    assert r.gpu_count == 1 and {s.index for s in islice(r, 5)} == {3}
+
+
+def test_errors_say_what_to_do(tmp_path):
+    with pytest.raises(ReplayError, match="not found; record one with `smiquery stream --output FILE`"):
+        replay(tmp_path / "nope.csv")
+    with pytest.raises(ReplayError, match=r"has no power\.limit; it holds index, temperature\.gpu"):
+        replay(_write_rows(tmp_path / "few.csv", head(8, "temperature.gpu")), fields="power.limit")
+    headerless = tmp_path / "noheader.csv"
+    headerless.write_text("0, 33\n1, 34\n")
+    with pytest.raises(ReplayError, match="needs nvidia-smi's CSV header"):
+        replay(headerless)
+    with pytest.raises(InvalidFieldError):
+        replay(DEMO, fields="temp")
+    with pytest.raises(ValueError, match="speed"):
+        replay(DEMO, speed=-1)
+
+
+def _write_rows(path: Path, samples: list[GpuSample]) -> Path:
+    with path.open("w", encoding="utf-8") as fh:
+        w = CsvWriter(fh, [get_field(n) for n in samples[0].fields])
+        for s in samples:
+            w.write(s)
+    return path
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.naps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.naps.append(seconds)
+        self.now += seconds
+
+
+def test_pacing_follows_the_timestamps_divided_by_speed():
+    t = FakeTime()
+    r = Replay(DEMO, speed=4, sleep=t.sleep, clock=t.clock)
+    samples = list(islice(r, 8 * 5))
+    first, last = samples[0].timestamp, samples[-1].timestamp
+    assert first is not None and last is not None
+    span = (last - first).total_seconds()
+    assert 3.9 < span < 4.1
+    assert sum(t.naps) == pytest.approx(span / 4, abs=1e-6)
+    t0 = FakeTime()
+    list(islice(Replay(DEMO, speed=0, sleep=t0.sleep, clock=t0.clock), 80))
+    assert t0.naps == []
+
+
+def test_real_pacing_is_interruptible_by_close():
+    r = replay(DEMO, speed=0.001)  # one recorded millisecond (between GPUs) takes a second
+    got: list[GpuSample] = []
+    th = threading.Thread(target=lambda: got.extend(r))
+    th.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    r.close()
+    th.join(5)
+    assert not th.is_alive() and time.monotonic() - t0 < 2
+    assert 1 <= len(got) < 8
+
+
+def test_long_gaps_are_skipped(tmp_path):
+    rows = head(16)
+    late = rows[8:]
+    shifted = [_shift(s, hours=5) for s in late]
+    path = _write_rows(tmp_path / "gap.csv", rows[:8] + shifted)
+    t = FakeTime()
+    assert len(list(Replay(path, speed=1, sleep=t.sleep, clock=t.clock))) == 16
+    assert sum(t.naps) < 1
+
+
+def _shift(s: GpuSample, hours: float) -> GpuSample:
+    from datetime import timedelta
+
+    from smiquery.replay import _with_timestamp
+
+    assert s.timestamp is not None
+    return _with_timestamp(s, s.timestamp + timedelta(hours=hours))
+
+
+def test_loop_keeps_time_moving_forward(tmp_path):
+    path = _write_rows(tmp_path / "two.csv", head(16))
+    r = replay(path, speed=0, loop=True)
+    sweeps = list(r.sweeps(count=6))
+    stamps = [sw.timestamp for sw in sweeps]
+    assert all(a is not None and b is not None and a < b for a, b in pairwise(stamps)), stamps
+    assert [s.index for s in sweeps[5]] == list(range(8))
+
+
+def test_truncated_last_line_is_dropped_and_counted(tmp_path):
+    text = "".join(DEMO.read_text().splitlines(keepends=True)[:17])
+    path = tmp_path / "cut.csv"
+    path.write_text(text + text.splitlines()[16][:40])  # a crash mid-row
+    r = replay(path, speed=0)
+    assert len(list(r)) == 16
+    assert r.stats.dropped_rows == 1
+
+
+def test_csv_round_trip_in_nvidia_smi_format(tmp_path):
+    rows = head(16)
+    path = _write_rows(tmp_path / "rec.csv", rows)
+    text = path.read_text()
+    assert text.splitlines()[0].startswith("timestamp, index, name, uuid, temperature.gpu, utilization.gpu [%]")
+    assert ", [N/A], " in text and " MiB, " in text
+    again = list(replay(path, speed=0))
+    assert [s.values for s in again] == [s.values for s in rows]
+    assert [dict(s.missing) for s in again] == [dict(s.missing) for s in rows]
+    assert len(list(CsvParser().parse(text.splitlines()))) == 16
+
+    from smiquery.frames import read_csv
+
+    df = read_csv(path)
+    assert len(df) == 16 and df["fan_speed"].isna().all()
+
+
+def test_jsonl_round_trip(tmp_path):
+    rows = head(16)
+    path = tmp_path / "rec.jsonl"
+    with path.open("w", encoding="utf-8") as fh:
+        w = JsonlWriter(fh)
+        for s in rows:
+            w.write(s)
+    assert '"fan.speed": null' in path.read_text()
+    assert '"_missing": {"fan.speed": "not_available"' in path.read_text()
+    r = replay(path, speed=0)
+    again = list(r)
+    assert r.format == "jsonl"
+    assert [s.values for s in again] == [s.values for s in rows]
+    assert [dict(s.missing) for s in again] == [dict(s.missing) for s in rows]
+    assert again[0].timestamp == rows[0].timestamp
+
+
+def test_parquet_round_trip_and_chunked_rewrites(tmp_path):
+    import pandas as pd
+
+    rows = head(16)
+    path = tmp_path / "rec.parquet"
+    w = ParquetWriter(path, chunk_rows=5)
+    for s in rows[:7]:
+        w.write(s)
+    mid = pd.read_parquet(path)  # a complete file after the first chunk, before close
+    assert len(mid) == 5
+    for s in rows[7:]:
+        w.write(s)
+    w.close()
+    w.close()
+    df = pd.read_parquet(path)
+    assert len(df) == 16
+    assert df.attrs["fields"][:3] == ["timestamp", "index", "name"]
+    assert df.attrs["units"]["memory_used"] == "MiB"
+    assert len(df.attrs["missing"]["fan_speed"]) == 16
+    again = list(replay(path, speed=0))
+    assert [s.values for s in again] == [s.values for s in rows]
+    assert [dict(s.missing) for s in again] == [dict(s.missing) for s in rows]
+
+
+def test_sample_from_json_types_values():
+    s = sample_from_json(
+        {
+            "timestamp": "2026-03-14T09:30:00.117",
+            "index": 2,
+            "pci.domain": "0x0",
+            "persistence_mode": "Enabled",
+            "power.draw": 70,
+            "fan.speed": None,
+            "_missing": {"fan.speed": "not_supported"},
+        }
+    )
+    assert s.timestamp is not None and s.timestamp.tzinfo is not None
+    assert s["pci.domain"] == 0 and s["persistence_mode"] is True
+    assert s["power.draw"] == 70.0 and isinstance(s["power.draw"], float)
+    assert s.missing == {"fan.speed": "not_supported"}
+    assert s.raw["fan.speed"] == "[Not Supported]"
+
+
+def test_bad_jsonl_lines_are_dropped(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"index": 0, "temperature.gpu": 40}\n[1]\n{"index": "x"}\n{"index": 1, "temperature.gpu": 4')
+    r = replay(path, speed=0)
+    assert [s.index for s in r] == [0]
+    assert r.stats.dropped_rows == 3
+
+
+def test_detect_format(tmp_path):
+    assert detect_format("a.CSV") == "csv"
+    assert detect_format("a.ndjson") == "jsonl"
+    assert detect_format("a.pq") == "parquet"
+    odd = tmp_path / "rec.dat"
+    odd.write_text('{"index": 0}\n')
+    assert detect_format(odd) == "jsonl"
+    odd.write_text("timestamp, index\n")
+    assert detect_format(odd) == "csv"
+
+
+# --------------------------------------------------------------------------------------------------- sweeps
+
+
+def _s(index: int) -> GpuSample:
+    return GpuSample(Schema(("index",)), (index,), (str(index),))
+
+
+def test_sweep_grouper_matches_stream_rules():
+    g = SweepGrouper()
+    done = [[s.index for s in sw] for i in [0, 1, 2, 0, 2, 0, 1, 2, 0] for sw in g.feed(_s(i))]
+    # first sweep ends when an index repeats; then 3 GPUs make a sweep, or a repeat cuts one short
+    assert done == [[0, 1, 2], [0, 2], [0, 1, 2]]
+    assert [s.index for s in g.flush() or ()] == [0]
+    assert g.flush() is None
+    one = SweepGrouper(expected=1)
+    assert [len(one.feed(_s(0))) for _ in range(3)] == [1, 1, 1]
+
+
+def test_replay_sweeps_equal_stream_sweeps(fake_smi):
+    with stream("index,temperature.gpu", interval=0.05, nvidia_smi=fake_smi()) as s:
+        live = [[x.index for x in sw] for sw in s.sweeps(count=3)]
+    played = [[x.index for x in sw] for sw in replay(DEMO, speed=0).sweeps(count=3)]
+    assert live == played
+
+
+def test_csv_writer_writes_whole_lines_in_one_call():
+    calls: list[str] = []
+
+    class Spy(io.StringIO):
+        def write(self, text: str) -> int:
+            calls.append(text)
+            return super().write(text)
+
+    rows = head(3)
+    w = CsvWriter(Spy(), [get_field(n) for n in rows[0].fields])
+    for s in rows:
+        w.write(s)
+    assert len(calls) == 3
+    assert calls[0].count("\n") == 2 and all(c.endswith("\n") for c in calls)
