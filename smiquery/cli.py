@@ -41,6 +41,7 @@ from typing import IO, TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from smiquery import __version__
+from smiquery.cli_export import register as _register_export
 from smiquery.errors import (
     DriverNotLoadedError,
     DriverVersionMismatchError,
@@ -1469,7 +1470,7 @@ def _draw(live: LiveTable, source: Stream | Replay, run: _Run) -> None:
     run.last_draw = time.monotonic()
 
 
-_ORDER = ("stream", "query", "ps", "fields", "doctor")
+_ORDER = ("stream", "query", "ps", "fields", "doctor", "export")
 
 
 def _command_rank(info: Any) -> int:
@@ -1477,6 +1478,7 @@ def _command_rank(info: Any) -> int:
     return _ORDER.index(name) if name in _ORDER else len(_ORDER)
 
 
+_register_export(app)
 app.registered_commands.sort(key=_command_rank)  # the headline command first in --help
 
 

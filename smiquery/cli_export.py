@@ -1,0 +1,227 @@
+"""``smiquery export``: serve Prometheus metrics from one background nvidia-smi loop.
+
+:func:`register` adds the command to a typer app; ``python -m smiquery.cli_export export ...`` runs it alone.
+Exit codes: 0 stopped by SIGTERM, 130 by SIGINT (Ctrl-C), 1 the port is taken (or needs root) or the exporter
+cannot run, 2 a bad option (usage error, including a --bind address that is not on this machine), 3 nvidia-smi
+not found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from enum import Enum
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, Any
+
+import typer
+
+from smiquery.errors import InvalidFieldError, InvalidGpuIdError, NvidiaSmiNotFoundError, SmiqueryError
+from smiquery.fields import resolve_fields
+from smiquery.query import normalize_gpus
+
+__all__ = ["Naming", "app", "export", "register"]
+
+_ALL_INTERFACES = {"0.0.0.0", "::", "[::]"}
+
+
+class Naming(str, Enum):
+    """Metric naming: smiquery's own (base units) or the DCGM exporter's."""
+
+    smiquery = "smiquery"
+    dcgm = "dcgm"
+
+
+def _say(message: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        print(message, file=sys.stderr, flush=True)
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    _say(f"smiquery: error: {message}")
+    return typer.Exit(code)
+
+
+def export(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 9835,
+    bind: Annotated[
+        str,
+        typer.Option(help="Address to listen on. 0.0.0.0 or :: (all interfaces) only when you say so."),
+    ] = "127.0.0.1",
+    interval: Annotated[float, typer.Option(help="Seconds between nvidia-smi samples.")] = 5.0,
+    fields: Annotated[
+        str,
+        typer.Option(help="A preset (health, default, memory, power, clocks, throttle, all) or a comma list."),
+    ] = "health",
+    gpus: Annotated[
+        str | None, typer.Option(help="Only these GPUs: indices, UUIDs or PCI bus ids, comma list.")
+    ] = None,
+    label: Annotated[
+        list[str] | None,
+        typer.Option("--label", help="Constant label key=value on every series (repeat for more)."),
+    ] = None,
+    naming: Annotated[
+        Naming,
+        typer.Option(case_sensitive=False, help="smiquery: base units; dcgm: the DCGM exporter's names and labels."),
+    ] = Naming.smiquery,
+    processes: Annotated[
+        bool, typer.Option("--processes/--no-processes", help="Also export per-process GPU memory.")
+    ] = False,
+    processes_interval: Annotated[float, typer.Option(help="Seconds between process listings.")] = 15.0,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="PEM certificate: serve HTTPS.", exists=True, dir_okay=False, readable=True)
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option(help="PEM private key of --tls-cert.", exists=True, dir_okay=False, readable=True)
+    ] = None,
+    client_ca: Annotated[
+        Path | None,
+        typer.Option(
+            help="PEM CA bundle: require client certificates signed by it.", exists=True, dir_okay=False, readable=True
+        ),
+    ] = None,
+    stale_after: Annotated[
+        float | None,
+        typer.Option(help="Seconds after which data counts as stale (default: max(3 x interval, 15))."),
+    ] = None,
+    nvidia_smi: Annotated[
+        str | None, typer.Option("--nvidia-smi", help="Path of nvidia-smi (default: the global option, PATH).")
+    ] = None,
+) -> None:
+    """Serve Prometheus metrics on /metrics (and /healthz) from ONE background nvidia-smi loop.
+
+    Scrapes read the newest sample; they never start nvidia-smi.
+    """
+    # --- validation: every bad option is a usage error (exit 2) before anything runs
+    if interval <= 0:
+        raise typer.BadParameter("must be a positive number of seconds", param_hint="'--interval'")
+    if processes_interval <= 0:
+        raise typer.BadParameter("must be a positive number of seconds", param_hint="'--processes-interval'")
+    if stale_after is not None and stale_after <= 0:
+        raise typer.BadParameter("must be a positive number of seconds", param_hint="'--stale-after'")
+    if not bind.strip():
+        raise typer.BadParameter("must be an address such as 127.0.0.1", param_hint="'--bind'")
+    try:
+        resolve_fields(fields)
+    except InvalidFieldError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--fields'") from None
+    try:
+        normalize_gpus(gpus)
+    except InvalidGpuIdError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--gpus'") from None
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter("HTTPS needs both --tls-cert and --tls-key", param_hint="'--tls-cert/--tls-key'")
+    if client_ca is not None and tls_cert is None:
+        raise typer.BadParameter(
+            "client certificates need HTTPS: add --tls-cert and --tls-key", param_hint="'--client-ca'"
+        )
+    try:
+        from smiquery import exporter as exporter_mod
+    except ImportError as exc:
+        raise _fail(str(exc), 1) from None
+    try:
+        labels = exporter_mod.parse_labels(label)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--label'") from None
+    if nvidia_smi is None:
+        nvidia_smi = getattr(ctx.obj, "nvidia_smi", None)
+
+    try:
+        exp = exporter_mod.serve(
+            port=port,
+            bind=bind,
+            interval=interval,
+            fields=fields,
+            gpus=gpus,
+            labels=labels,
+            naming="dcgm" if naming is Naming.dcgm else "smiquery",
+            processes=processes,
+            processes_interval=processes_interval,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            client_ca=client_ca,
+            nvidia_smi=nvidia_smi,
+            stale_after=stale_after,
+        )
+    except exporter_mod.PortInUseError as exc:
+        raise _fail(str(exc), 1) from None
+    except exporter_mod.ListenError as exc:
+        if exc.option == "--bind":
+            raise typer.BadParameter(str(exc), param_hint="'--bind'") from None
+        raise _fail(str(exc), 1) from None
+    except NvidiaSmiNotFoundError as exc:
+        raise _fail(str(exc), 3) from None
+    except OSError as exc:  # unreadable or mismatched TLS files (ssl.SSLError is an OSError)
+        raise typer.BadParameter(f"cannot load them: {exc}", param_hint="'--tls-cert/--tls-key/--client-ca'") from None
+    except SmiqueryError as exc:
+        raise _fail(str(exc), 1) from None
+
+    code = _run_until_signal(exp, bind)
+    raise typer.Exit(code)
+
+
+def _run_until_signal(exp: Any, bind: str) -> int:
+    """Serve until SIGTERM (exit 0) or SIGINT (exit 130); the stream is closed and nvidia-smi reaped either way."""
+    got: list[int] = []
+    wake = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        got.append(signum)
+        wake.set()
+
+    if not logging.getLogger().handlers:
+        # A long-running service: its warnings (nvidia-smi restarts, failures) go to stderr with a time stamp.
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s smiquery export: %(levelname)s: %(message)s")
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        naming = exp.collector.naming
+        _say(
+            f"smiquery export: serving {exp.url}/metrics (naming {naming}, every {exp.stream.interval:g} s); "
+            "health at /healthz; Ctrl-C or SIGTERM stops"
+        )
+        if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
+            _say("smiquery export: warning: listening on all interfaces without TLS")
+        while not wake.wait(0.5):
+            if exp.stopped:
+                break
+    except KeyboardInterrupt:
+        got.append(signal.SIGINT)
+    finally:
+        exp.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if got and got[0] == signal.SIGINT:
+        return 130
+    return 0
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``export`` command to a typer app.
+
+    Args:
+        app: the app (``smiquery.cli.app``, or a fresh ``typer.Typer()`` in tests).
+    """
+    app.command("export", context_settings={"help_option_names": ["-h", "--help"]})(export)
+
+
+app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True)
+
+
+@app.callback()
+def _root() -> None:
+    """smiquery export, runnable alone: python -m smiquery.cli_export export [OPTIONS]."""
+
+
+register(app)
+
+
+if __name__ == "__main__":
+    app()
