@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+DOCKER ?= docker
+VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 STAMP := $(VENV)/.installed
 
 .PHONY: install tools demo test lint typecheck check bench fixtures docker clean
@@ -17,10 +19,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
-# Outside tools the tests use for real (promtool and prometheus; more as issues need them). Installed where we
-# can (root with apt-get); elsewhere the tests that need them skip, except under CI=true where they fail.
-tools:
+# Outside tools the tests use for real: prometheus/promtool, buildah (+ debootstrap), hadolint, kubernetes-validate,
+# check-jsonschema. Installed where we can (root with apt-get, pip into the venv); elsewhere the tests that need
+# them skip, except under CI=true where they fail.
+tools: $(STAMP)
 	-scripts/install-prometheus
+	-scripts/install-container-tools $(VENV)
 
 test: $(STAMP) tools
 	$(PY) -m pytest
@@ -39,6 +43,11 @@ bench: $(STAMP)
 	$(PY) scripts/bench_stream.py
 	$(PY) scripts/bench_cli.py
 	$(PY) scripts/bench_exporter.py
+
+# Both images, on a host with Docker (tests build them with buildah instead; see docker/README.md).
+docker:
+	$(DOCKER) build -f docker/Dockerfile.tensorflow --build-arg SMIQUERY_VERSION=$(VERSION) -t smiquery-tensorflow:$(VERSION) -t smiquery-tensorflow:latest .
+	$(DOCKER) build -f docker/Dockerfile.exporter --build-arg SMIQUERY_VERSION=$(VERSION) -t smiquery-exporter:$(VERSION) -t smiquery-exporter:latest .
 
 fixtures:
 	scripts/record-fixtures tests/fixtures

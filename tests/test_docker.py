@@ -1,0 +1,786 @@
+"""The container artefacts in docker/: lint, schemas, and real image builds that run with a fake nvidia-smi.
+
+No Docker engine and no image registry here, so the images are built with buildah (``bud --isolation chroot
+--storage-driver vfs``) on a stand-in base made locally from Debian's packages (scripts/make-base-image: Python,
+pip and venv, no TensorFlow), offline from a folder of wheels. tests/docker/nvidia-smi (the fake, replaying the
+bundled 8-GPU recording) is bind-mounted at /usr/bin/nvidia-smi, where the NVIDIA Container Toolkit puts the
+host's. Outside tools (buildah, debootstrap, hadolint, kubernetes-validate, check-jsonschema, promtool) skip
+their tests when missing, except under ``CI=true`` where a missing tool fails (scripts/install-container-tools).
+
+The base image and the wheels are cached in $SMIQUERY_BUILDAH_ROOT (default /var/tmp/smiquery-buildah) and made
+once. Each test session builds in a storage root of its own under it (the base is copied in, in seconds), so that
+concurrent runs never share containers or tags; the whole root, with whatever buildah leaves behind, is deleted at
+the end of the session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+K8S = DOCKER / "k8s"
+HELPERS = Path(__file__).resolve().parent / "docker"
+FAKE_SMI = HELPERS / "nvidia-smi"
+IN_CI = os.environ.get("CI") == "true"
+
+CACHE_ROOT = Path(os.environ.get("SMIQUERY_BUILDAH_ROOT", "/var/tmp/smiquery-buildah"))
+STALE_SESSION_S = 6 * 3600  # a session root this old belongs to a run that died: removed by the next one
+BASE_IMAGE = "localhost/smiquery-test-base:bookworm"
+SMI_SOURCE_IMAGE = "localhost/smiquery-test-smi-source:bookworm"
+# The stand-in base is Debian bookworm: the wheels are fetched for its Python. (tensorflow/tensorflow:2.21.0-gpu
+# and distroless python3-debian12 have Python 3.11 as well.)
+BASE_PYTHON = "3.11"
+# Kubernetes versions the manifests are validated against: an older one still widely run, and the newest that
+# kubernetes-validate bundles (its default).
+K8S_VERSIONS = ("1.30.0", None)
+CONTAINER_HINT = "--gpus all"
+
+
+def _missing(what: str) -> None:
+    """Skip, or fail under CI=true, for a missing outside tool or condition."""
+    if IN_CI:
+        pytest.fail(f"{what}; CI must run this check (scripts/install-container-tools)")
+    pytest.skip(what)
+
+
+def _tool(name: str) -> str:
+    """The path of an outside tool: the virtualenv's bin first, then PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        _missing(f"{name} not found")
+        raise AssertionError("unreachable")
+    return found
+
+
+def _run(
+    argv: Sequence[str], *, timeout: float = 120, check: bool = False, **kw: Any
+) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False, **kw)
+    if check and done.returncode != 0:
+        pytest.fail(f"{' '.join(argv)} exited {done.returncode}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+    return done
+
+
+def _yaml_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+
+
+def _by_kind(docs: Sequence[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d.get("kind") == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+# ------------------------------------------------------------------------------------------------ Dockerfiles
+
+DOCKERFILES = ["Dockerfile.tensorflow", "Dockerfile.exporter"]
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_hadolint_clean(name: str) -> None:
+    hadolint = _tool("hadolint")
+    done = _run([hadolint, "--no-color", "--config", str(DOCKER / ".hadolint.yaml"), str(DOCKER / name)])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_every_ignored_hadolint_rule_is_justified(name: str) -> None:
+    lines = (DOCKER / name).read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*#\s*hadolint\s+ignore=([A-Z0-9,]+)", line)
+        if not m:
+            continue
+        above = lines[i - 1] if i else ""
+        assert above.startswith("#") and "hadolint" not in above, f"{name}:{i + 1}: no reason given above {line!r}"
+        for rule in m.group(1).split(","):
+            reason = " ".join(lines[max(0, i - 4) : i])
+            assert rule in reason, f"{name}:{i + 1}: the comment above does not say why {rule} is ignored"
+
+
+def test_hadolint_really_checks() -> None:
+    """The lint is not a no-op: a sloppy Dockerfile fails with the usual rules."""
+    hadolint = _tool("hadolint")
+    done = _run(
+        [hadolint, "--no-color", "--config", str(DOCKER / ".hadolint.yaml"), "-"],
+        input="FROM debian\nRUN apt-get update && apt-get install -y curl\n",
+    )
+    assert done.returncode != 0
+    assert "DL3006" in done.stdout and "DL3008" in done.stdout
+
+
+def test_dockerfiles_follow_the_design() -> None:
+    tf = (DOCKER / "Dockerfile.tensorflow").read_text(encoding="utf-8")
+    assert re.search(r"^ARG TF_IMAGE=tensorflow/tensorflow:[0-9.]+-gpu$", tf, re.M)
+    assert re.search(r"^ARG SMI_SOURCE_IMAGE=", tf, re.M)
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in tf and "NVIDIA_VISIBLE_DEVICES=all" in tf
+    # No COPY --from of nvidia-smi: that fails when the source lacks it (CUDA base images never have it).
+    assert not re.search(r"COPY\s+--from\S*\s+\S*nvidia-smi", tf)
+    stages = re.findall(r"^FROM \S+ AS (\S+)$", tf, re.M)
+    assert stages[-1] == "toolkit", "the default (last) stage must be the toolkit one"
+    assert {"builder", "runtime", "copied-smi"} <= set(stages)
+    exporter = (DOCKER / "Dockerfile.exporter").read_text(encoding="utf-8")
+    assert re.search(r"^EXPOSE 9835$", exporter, re.M)
+    assert re.search(r"^USER 65532:65532$", exporter, re.M)
+    # exec form everywhere (the HEALTHCHECK's CMD sits on a continuation line): nothing needs a shell
+    forms = re.findall(r"^\s*(?:ENTRYPOINT|CMD)\s+(\S)", exporter, re.M)
+    assert len(forms) == 3 and set(forms) == {"["}
+    assert re.findall(r"^\s*CMD\s+(\S)", tf, re.M) == ["["]
+
+
+# --------------------------------------------------------------------------------------------- compose file
+
+
+def test_compose_validates_against_the_compose_spec() -> None:
+    checker = _tool("check-jsonschema")
+    done = _run([checker, "--builtin-schema", "vendor.compose-spec", str(DOCKER / "compose.yaml")])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_compose_validation_really_checks(tmp_path: Path) -> None:
+    checker = _tool("check-jsonschema")
+    bad = tmp_path / "compose.yaml"
+    bad.write_text((DOCKER / "compose.yaml").read_text(encoding="utf-8").replace("count: all", "cnt: all"))
+    done = _run([checker, "--builtin-schema", "vendor.compose-spec", str(bad)])
+    assert done.returncode != 0 and "cnt" in done.stdout
+
+
+def test_compose_gpu_access() -> None:
+    services = _compose()["services"]
+    assert {"trainer", "smiquery-exporter", "prometheus", "grafana"} <= set(services)
+    trainer = services["trainer"]
+    devices = trainer["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert "utility" in devices[0]["capabilities"]
+    assert trainer["build"]["dockerfile"] == "docker/Dockerfile.tensorflow"
+    for name in ("smiquery-exporter", "gpu-doctor"):
+        svc = services[name]
+        assert "deploy" not in svc, f"{name} must not reserve a GPU"
+        assert svc["runtime"] == "nvidia"
+        assert svc["environment"]["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+        assert svc["environment"]["NVIDIA_VISIBLE_DEVICES"] == "all"
+    for name in ("prometheus", "grafana"):
+        assert "runtime" not in services[name] and "deploy" not in services[name]
+
+
+def test_compose_mounts_files_that_exist() -> None:
+    for name, svc in _compose()["services"].items():
+        for volume in svc.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("."):
+                assert (DOCKER / source).is_file(), f"service {name} mounts {source}, which is missing"
+
+
+def _compose() -> dict[str, Any]:
+    return dict(yaml.safe_load((DOCKER / "compose.yaml").read_text(encoding="utf-8")))
+
+
+def _option(argv: Sequence[str], name: str) -> str:
+    return str(argv[list(argv).index(name) + 1])
+
+
+def test_compose_prometheus_reaches_the_exporter_and_its_rules() -> None:
+    """docker/prometheus/prometheus.yml (shared with host installs) works as compose mounts it."""
+    services = _compose()["services"]
+    prom, exporter = services["prometheus"], services["smiquery-exporter"]
+    config = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text(encoding="utf-8"))
+    mounts = dict(v.split(":")[:2][::-1] for v in prom["volumes"] if v.startswith("./"))  # container -> host
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    for rule in config["rule_files"]:
+        in_container = rule if rule.startswith("/") else f"/etc/prometheus/{rule}"
+        assert in_container in mounts, f"rule file {rule} is not mounted"
+        assert (DOCKER / mounts[in_container]).is_file()
+    targets = [t for job in config["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]]
+    port = _option(exporter["command"], "--port")
+    assert f"127.0.0.1:{port}" in targets or f"smiquery-exporter:{port}" in targets, targets
+    if f"127.0.0.1:{port}" in targets:  # loopback: both must be in the same (host) network namespace
+        assert prom.get("network_mode") == exporter.get("network_mode") == "host"
+
+
+def test_grafana_provisioning_matches_compose() -> None:
+    services = _compose()["services"]
+    ds = yaml.safe_load((DOCKER / "grafana-provisioning" / "datasources.yaml").read_text(encoding="utf-8"))
+    assert ds["datasources"][0]["url"] == "http://127.0.0.1:9090"
+    assert services["grafana"]["network_mode"] == services["prometheus"]["network_mode"] == "host"
+    boards = yaml.safe_load((DOCKER / "grafana-provisioning" / "dashboards.yaml").read_text(encoding="utf-8"))
+    mounted = [v.split(":")[1] for v in services["grafana"]["volumes"] if v.endswith(".json:ro")]
+    assert mounted and all(m.startswith(boards["providers"][0]["options"]["path"] + "/") for m in mounted)
+    dashboard = json.loads((DOCKER / "grafana" / "smiquery-dashboard.json").read_text(encoding="utf-8"))
+    variables = {v["name"]: v for v in dashboard.get("templating", {}).get("list", [])}
+    uses_variable = variables.get("datasource", {}).get("type") == "datasource"
+    assert uses_variable or '"uid": "prometheus"' in json.dumps(dashboard), "the dashboard cannot find the data source"
+
+
+# ------------------------------------------------------------------------------------------------ Kubernetes
+
+CORE_MANIFESTS = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "servicemonitor.yaml")
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS, ids=lambda v: v or "newest")
+def test_kubernetes_manifests_validate(version: str | None) -> None:
+    validate = _tool("kubernetes-validate")
+    argv = [validate, "--strict"] + (["-k", version] if version else [])
+    done = _run([*argv, *(str(K8S / n) for n in CORE_MANIFESTS)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "WARN" not in done.stdout + done.stderr, done.stdout + done.stderr  # e.g. a kind it has no schema for
+    assert done.stdout.count("passed") == sum(len(_yaml_docs(K8S / n)) for n in CORE_MANIFESTS)
+
+
+def test_kubernetes_validation_really_checks(tmp_path: Path) -> None:
+    validate = _tool("kubernetes-validate")
+    bad = tmp_path / "exporter.yaml"
+    text = (K8S / "exporter.yaml").read_text(encoding="utf-8")
+    bad.write_text(text.replace("readOnlyRootFilesystem", "readOnlyRootFileSystem"))
+    done = _run([validate, "--strict", "-k", K8S_VERSIONS[0], str(bad)])
+    assert done.returncode != 0 and "readOnlyRootFileSystem" in done.stdout + done.stderr
+
+
+def _servicemonitor_errors(doc: dict[str, Any]) -> list[str]:
+    try:
+        import jsonschema
+    except ImportError:
+        _missing("jsonschema not installed (check-jsonschema brings it)")
+        raise
+    schema = json.loads((HELPERS / "servicemonitor.schema.json").read_text(encoding="utf-8"))
+    validator = jsonschema.Draft202012Validator(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def test_servicemonitor_matches_the_crd_subset() -> None:
+    """ServiceMonitor is a CRD that kubernetes-validate has no schema for: a subset of the CRD's schema instead."""
+    (doc,) = _yaml_docs(K8S / "servicemonitor.yaml")
+    assert _servicemonitor_errors(doc) == []
+    doc["spec"]["endpoints"][0]["scrapeTimout"] = "10s"
+    doc["spec"]["endpoints"][0]["interval"] = "15 seconds"
+    assert len(_servicemonitor_errors(doc)) == 2
+
+
+def test_exporter_daemonset_design() -> None:
+    docs = _yaml_docs(K8S / "exporter.yaml")
+    ds = _by_kind(docs, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    (ctr,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in ctr["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    assert pod["runtimeClassName"] == "nvidia"
+    resources = ctr["resources"]
+    assert {"cpu", "memory"} <= set(resources["requests"]) and {"cpu", "memory"} <= set(resources["limits"])
+    assert not any("nvidia.com/gpu" in r for r in resources.values()), "a GPU request would reserve a GPU"
+    prio = _by_kind(docs, "PriorityClass")
+    assert pod["priorityClassName"] == prio["metadata"]["name"] and prio["value"] >= 1_000_000
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert any(e["key"] == "nvidia.com/gpu.present" for t in terms for e in t["matchExpressions"])
+    sc, psc = ctr["securityContext"], pod["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["privileged"] is False and sc["capabilities"]["drop"] == ["ALL"]
+    assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0
+    assert not pod.get("hostPID") and not pod.get("hostNetwork")
+    assert not any("hostPath" in v for v in pod.get("volumes", []))
+    # Service -> DaemonSet pods, ServiceMonitor -> Service, by labels and port name
+    svc = _by_kind(docs, "Service")
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert svc["spec"]["ports"][0]["targetPort"] == ctr["ports"][0]["name"]
+    (mon,) = _yaml_docs(K8S / "servicemonitor.yaml")
+    assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert mon["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
+    assert mon["metadata"]["namespace"] == svc["metadata"]["namespace"] == ds["metadata"]["namespace"]
+
+
+def test_plain_prometheus_scrape_config(tmp_path: Path) -> None:
+    """promtool checks the embedded job. Debian's promtool is built without Kubernetes discovery, so the
+    kubernetes_sd_configs block is checked here by hand and swapped for a static target for promtool."""
+    promtool = _tool("promtool")
+    (cm,) = _yaml_docs(K8S / "prometheus-scrape-config.yaml")
+    config = yaml.safe_load(cm["data"]["smiquery-scrape.yml"])
+    (job,) = config["scrape_configs"]
+    (sd,) = job.pop("kubernetes_sd_configs")
+    assert sd["role"] == "pod" and sd["namespaces"]["names"] == ["gpu-monitoring"]
+    assert sd["selectors"][0]["label"] == "app.kubernetes.io/name=smiquery-exporter"
+    job["static_configs"] = [{"targets": ["127.0.0.1:9835"]}]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    done = _run([promtool, "check", "config", str(path)])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_training_job_requests_a_gpu_and_carries_the_example() -> None:
+    docs = _yaml_docs(K8S / "tensorflow-job.yaml")
+    job = _by_kind(docs, "Job")
+    (ctr,) = job["spec"]["template"]["spec"]["containers"]
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 1
+    cm = _by_kind(docs, "ConfigMap")
+    example = (DOCKER / "examples" / "keras_smiquery_train.py").read_text(encoding="utf-8")
+    assert cm["data"]["keras_smiquery_train.py"] == example, "run: python tests/docker/sync_job_configmap.py"
+    assert "GpuMonitor" in example
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_example_training_script_runs_with_a_fake_nvidia_smi(tmp_path: Path) -> None:
+    # found, not imported: the script runs in a child process
+    if importlib.util.find_spec("keras") is None or importlib.util.find_spec("tensorflow") is None:
+        _missing("keras/tensorflow not installed: pip install 'smiquery[keras]'")
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # the fake's python3
+        "SMIQUERY_NVIDIA_SMI": str(FAKE_SMI),
+        "EPOCHS": "2",
+        "STEPS": "4",
+        "GPU_SAMPLE_INTERVAL": "0.2",
+        "CSV_LOG": str(tmp_path / "train.csv"),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+    }
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # GpuMonitor watches only the GPUs CUDA sees
+    done = _run([sys.executable, str(DOCKER / "examples" / "keras_smiquery_train.py")], env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "gpu0_util_mean" in done.stdout and "gpu7_util_mean" in done.stdout, done.stdout
+    assert "gpu0_util_mean" in (tmp_path / "train.csv").read_text(encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------ buildah: build and run
+
+
+@dataclass
+class Buildah:
+    """buildah on its own storage root (vfs, chroot isolation), remembering what to clean up."""
+
+    exe: str
+    root: Path
+
+    def argv(self, *args: str) -> list[str]:
+        return [
+            self.exe,
+            "--root",
+            str(self.root / "storage"),
+            "--runroot",
+            str(self.root / "run"),
+            "--storage-driver",
+            "vfs",
+            *args,
+        ]
+
+    def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return _run(self.argv(*args), timeout=timeout, check=check)
+
+    def image_exists(self, name: str) -> bool:
+        return self("inspect", "--type", "image", name, check=False).returncode == 0
+
+    def config(self, image: str) -> dict[str, Any]:
+        data = json.loads(self("inspect", "--type", "image", image).stdout)
+        docker = data.get("Docker", {})
+        return dict(docker.get("config") or docker.get("Config") or {})
+
+    def bud(self, tag: str, dockerfile: str, log: Path, *extra: str) -> float:
+        """Build; returns the seconds it took. Fails the test with the log's tail on error."""
+        start = time.monotonic()
+        argv = self.argv(
+            "bud",
+            "--isolation",
+            "chroot",
+            "--format",
+            "docker",
+            "--layers=false",
+            "--pull=never",
+            "-f",
+            str(DOCKER / dockerfile),
+            "--ignorefile",
+            str(DOCKER / f"{dockerfile}.dockerignore"),
+            "-t",
+            tag,
+            *extra,
+            str(ROOT),
+        )
+        with log.open("w", encoding="utf-8") as out:
+            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=900, check=False)
+        if done.returncode != 0:
+            tail = "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-60:])
+            pytest.fail(f"buildah bud {dockerfile} {' '.join(extra)} exited {done.returncode}:\n{tail}")
+        return time.monotonic() - start
+
+    @contextlib.contextmanager
+    def container(self, image: str) -> Iterator[str]:
+        name = self("from", "--quiet", "--pull=never", image).stdout.strip()
+        try:
+            yield name
+        finally:
+            self("rm", name, check=False)
+
+    def run_argv(self, ctr: str, cmd: Sequence[str], *, mount_smi: Path | None) -> list[str]:
+        vol = ["-v", f"{mount_smi}:/usr/bin/nvidia-smi:ro"] if mount_smi is not None else []
+        return self.argv("run", "--isolation", "chroot", *vol, ctr, "--", *cmd)
+
+    def run(
+        self, ctr: str, cmd: Sequence[str], *, mount_smi: Path | None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        return _run(self.run_argv(ctr, cmd, mount_smi=mount_smi), timeout=timeout)
+
+
+def _clear_stale_sessions(sessions: Path) -> None:
+    now = time.time()
+    for old in sessions.glob("session-*"):
+        with contextlib.suppress(OSError):
+            if now - old.stat().st_mtime > STALE_SESSION_S:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def buildah() -> Iterator[Buildah]:
+    """buildah on a storage root of this session's own, deleted afterwards with everything in it."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("buildah builds need Linux")
+    exe = _tool("buildah")
+    _tool("debootstrap")
+    if os.geteuid() != 0:
+        _missing("the buildah tests need root (chroot isolation, debootstrap)")
+    sessions = CACHE_ROOT / "sessions"
+    sessions.mkdir(parents=True, exist_ok=True)
+    _clear_stale_sessions(sessions)
+    b = Buildah(exe, Path(tempfile.mkdtemp(prefix="session-", dir=sessions)))
+    try:
+        yield b
+    finally:
+        # RUN --mount=from=STAGE leaves build containers behind (buildah 1.28); they go with the root.
+        b("rm", "--all", check=False)
+        shutil.rmtree(b.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def base_image(buildah: Buildah) -> str:
+    """The stand-in for tensorflow/tensorflow:*-gpu: built once into the cache by scripts/make-base-image, then
+    copied into this session's storage."""
+    env = {**os.environ, "SMIQUERY_BUILDAH_ROOT": str(CACHE_ROOT)}
+    done = _run([str(ROOT / "scripts" / "make-base-image"), BASE_IMAGE], timeout=900, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cache = f"containers-storage:[vfs@{CACHE_ROOT / 'storage'}+{CACHE_ROOT / 'run'}]{BASE_IMAGE}"
+    buildah("pull", "--quiet", cache, timeout=600)
+    return BASE_IMAGE
+
+
+@pytest.fixture(scope="session")
+def smi_source_image(buildah: Buildah, base_image: str) -> str:
+    """A stand-in for a driver image that really contains /usr/bin/nvidia-smi (the fake)."""
+    ctr = buildah("from", "--quiet", "--pull=never", base_image).stdout.strip()
+    try:
+        buildah("copy", "--chmod", "0755", ctr, str(FAKE_SMI), "/usr/bin/nvidia-smi")
+        buildah("commit", "--quiet", ctr, SMI_SOURCE_IMAGE)
+    finally:
+        buildah("rm", ctr, check=False)
+    return SMI_SOURCE_IMAGE
+
+
+def _requirements() -> list[str]:
+    """smiquery's runtime requirements with the export extra, and its build backend, from pyproject.toml."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import pip._vendor.tomli as tomllib  # type: ignore[no-redef,unused-ignore]
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    reqs = [*meta["project"]["dependencies"], *meta["project"]["optional-dependencies"]["export"]]
+    return sorted({*reqs, *meta["build-system"]["requires"]})
+
+
+@pytest.fixture(scope="session")
+def wheelhouse(buildah: Buildah) -> Path:
+    """Wheels of every third-party requirement (and the build backend) for the base's Python: the builds run
+    offline (PIP_NO_INDEX=1) from this folder, given to buildah with --build-context wheelhouse=DIR. Cached by
+    requirement list; filled in a temporary folder and renamed, so that concurrent sessions never see half of it."""
+    machine = platform.machine()
+    reqs = _requirements()
+    key = hashlib.sha256(json.dumps([BASE_PYTHON, machine, reqs]).encode()).hexdigest()[:16]
+    path = CACHE_ROOT / "wheelhouse" / key
+    if path.is_dir():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=path.parent))
+    tag = BASE_PYTHON.replace(".", "")
+    argv = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(tmp)]
+    argv += ["--python-version", BASE_PYTHON, "--implementation", "cp", "--abi", f"cp{tag}"]
+    for plat in (f"manylinux2014_{machine}", f"manylinux_2_17_{machine}", f"manylinux_2_28_{machine}"):
+        argv += ["--platform", plat]
+    done = _run([*argv, *reqs], timeout=600)
+    if done.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        pytest.fail(f"pip download for the wheelhouse failed:\n{done.stdout}\n{done.stderr}")
+    (tmp / "requirements.txt").write_text("\n".join(reqs) + "\n", encoding="utf-8")
+    try:
+        tmp.rename(path)
+    except OSError:  # another session got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+@dataclass(frozen=True)
+class Built:
+    tag: str
+    seconds: float
+    log: str
+
+
+def _offline(wheelhouse: Path) -> list[str]:
+    return ["--build-arg", "PIP_NO_INDEX=1", "--build-context", f"wheelhouse={wheelhouse}"]
+
+
+@pytest.fixture(scope="session")
+def tf_image(buildah: Buildah, base_image: str, wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Built:
+    log = tmp_path_factory.mktemp("bud") / "tensorflow.log"
+    tag = "localhost/smiquery-tensorflow:test"
+    secs = buildah.bud(
+        tag,
+        "Dockerfile.tensorflow",
+        log,
+        "--build-arg",
+        f"TF_IMAGE={base_image}",
+        "--build-arg",
+        "SMIQUERY_VERSION=0.0.0-test",
+        *_offline(wheelhouse),
+    )
+    return Built(tag, secs, log.read_text(encoding="utf-8", errors="replace"))
+
+
+@pytest.fixture(scope="session")
+def exporter_image(
+    buildah: Buildah, base_image: str, wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Built:
+    log = tmp_path_factory.mktemp("bud") / "exporter.log"
+    tag = "localhost/smiquery-exporter:test"
+    secs = buildah.bud(
+        tag,
+        "Dockerfile.exporter",
+        log,
+        "--build-arg",
+        f"BUILDER_IMAGE={base_image}",
+        "--build-arg",
+        f"RUNTIME_IMAGE={base_image}",
+        *_offline(wheelhouse),
+    )
+    return Built(tag, secs, log.read_text(encoding="utf-8", errors="replace"))
+
+
+def _build_copied(buildah: Buildah, base: str, source: str, wheelhouse: Path, log: Path, tag: str) -> Built:
+    secs = buildah.bud(
+        tag,
+        "Dockerfile.tensorflow",
+        log,
+        "--target",
+        "copied-smi",
+        "--build-arg",
+        f"TF_IMAGE={base}",
+        "--build-arg",
+        f"SMI_SOURCE_IMAGE={source}",
+        *_offline(wheelhouse),
+    )
+    return Built(tag, secs, log.read_text(encoding="utf-8", errors="replace"))
+
+
+@pytest.fixture
+def fake_smi_file(tmp_path: Path) -> Path:
+    """The fake, copied with a known mode (what the toolkit mounts is the host's executable)."""
+    path = tmp_path / "nvidia-smi"
+    shutil.copyfile(FAKE_SMI, path)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tensorflow_image_config(buildah: Buildah, tf_image: Built) -> None:
+    cfg = buildah.config(tf_image.tag)
+    env = dict(e.split("=", 1) for e in cfg["Env"])
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility" and env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    labels = cfg["Labels"]
+    assert labels["org.opencontainers.image.title"] == "smiquery-tensorflow"
+    assert labels["org.opencontainers.image.version"] == "0.0.0-test"
+    assert labels["org.opencontainers.image.base.name"] == BASE_IMAGE
+    assert "NVIDIA Container Toolkit" in labels["smiquery.nvidia-smi.source"]
+    assert cfg["Healthcheck"]["Test"][0] == "CMD" and cfg["Healthcheck"]["Test"][1:3] == ["smiquery", "--timeout"]
+    assert cfg["Healthcheck"]["Test"][-1] == "doctor"
+    # built offline: the smiquery wheel came from the builder stage, built from this tree
+    assert re.search(r"Successfully installed .*\bsmiquery-[0-9]", tf_image.log)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tensorflow_image_with_injected_nvidia_smi(buildah: Buildah, tf_image: Built, fake_smi_file: Path) -> None:
+    with buildah.container(tf_image.tag) as ctr:
+        doctor = buildah.run(ctr, ["smiquery", "doctor"], mount_smi=fake_smi_file)
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        assert "all checks passed" in doctor.stdout
+        assert "in a container" in doctor.stdout and "compute,utility (includes utility)" in doctor.stdout
+        query = buildah.run(ctr, ["smiquery", "query", "--format", "json"], mount_smi=fake_smi_file)
+        assert query.returncode == 0, query.stderr
+        rows = json.loads(query.stdout)
+        assert [r["index"] for r in rows] == list(range(8))
+        assert {r["name"] for r in rows} == {"NVIDIA H100 80GB HBM3"}
+        assert rows[0]["uuid"] == "GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"
+        lspci = buildah.run(ctr, ["lspci", "--version"], mount_smi=None)
+        assert lspci.returncode == 0, lspci.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_tensorflow_image_without_injection_says_gpus_all(buildah: Buildah, tf_image: Built) -> None:
+    # a fresh container: a bind mount leaves its (empty) mount point behind in the container's root
+    with buildah.container(tf_image.tag) as ctr:
+        doctor = buildah.run(ctr, ["smiquery", "doctor"], mount_smi=None)
+        assert doctor.returncode == 3, doctor.stdout + doctor.stderr
+        assert "FAIL  nvidia-smi found" in doctor.stdout
+        assert CONTAINER_HINT in doctor.stdout
+        query = buildah.run(ctr, ["smiquery", "query"], mount_smi=None)
+        assert query.returncode == 3
+        assert CONTAINER_HINT in query.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_copied_smi_stage_copies_nvidia_smi_when_the_source_has_it(
+    buildah: Buildah, base_image: str, smi_source_image: str, wheelhouse: Path, tmp_path: Path
+) -> None:
+    built = _build_copied(
+        buildah,
+        base_image,
+        smi_source_image,
+        wheelhouse,
+        tmp_path / "bud.log",
+        "localhost/smiquery-tensorflow:test-copied",
+    )
+    assert f"copied /usr/bin/nvidia-smi from {smi_source_image}" in built.log
+    assert "copied from" in buildah.config(built.tag)["Labels"]["smiquery.nvidia-smi.source"]
+    with buildah.container(built.tag) as ctr:
+        # no mount: the copied binary (the fake) is what runs
+        doctor = buildah.run(ctr, ["smiquery", "doctor"], mount_smi=None)
+        assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+        assert "nvidia-smi found: /usr/bin/nvidia-smi" in doctor.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_copied_smi_stage_builds_cleanly_when_the_source_lacks_it(
+    buildah: Buildah, base_image: str, wheelhouse: Path, tmp_path: Path
+) -> None:
+    built = _build_copied(
+        buildah,
+        base_image,
+        base_image,
+        wheelhouse,
+        tmp_path / "bud.log",
+        "localhost/smiquery-tensorflow:test-nothing-copied",
+    )
+    assert f"{base_image} has no /usr/bin/nvidia-smi: nothing copied" in built.log
+    with buildah.container(built.tag) as ctr:
+        check = buildah.run(
+            ctr,
+            ["sh", "-c", "test ! -e /usr/bin/nvidia-smi && cat /usr/share/smiquery/nvidia-smi-source.txt"],
+            mount_smi=None,
+        )
+        assert check.returncode == 0 and "nothing copied" in check.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_exporter_image_config(buildah: Buildah, exporter_image: Built) -> None:
+    cfg = buildah.config(exporter_image.tag)
+    assert cfg["User"] == "65532:65532"
+    assert "9835/tcp" in cfg["ExposedPorts"]
+    assert cfg["Entrypoint"] == ["/opt/smiquery/bin/python", "-m", "smiquery", "export"]
+    assert cfg["Cmd"] == ["--bind", "0.0.0.0", "--port", "9835"]
+    assert cfg["Healthcheck"]["Test"][0] == "CMD", "exec form: no shell at run time"
+    env = dict(e.split("=", 1) for e in cfg["Env"])
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    assert cfg["Labels"]["org.opencontainers.image.title"] == "smiquery-exporter"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, timeout: float = 5) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status), resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return int(exc.code), exc.read().decode("utf-8", "replace")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_exporter_image_serves_metrics(
+    buildah: Buildah, exporter_image: Built, fake_smi_file: Path, tmp_path: Path
+) -> None:
+    cfg = buildah.config(exporter_image.tag)
+    port = _free_port()
+    # the image's own entry point, with the command's --bind/--port swapped: chroot isolation shares the host's
+    # network, so the test reaches it on loopback
+    argv = [*cfg["Entrypoint"], "--bind", "127.0.0.1", "--port", str(port), "--interval", "1"]
+    log = tmp_path / "exporter.log"
+    with buildah.container(exporter_image.tag) as ctr, log.open("w", encoding="utf-8") as out:
+        proc = subprocess.Popen(
+            buildah.run_argv(ctr, argv, mount_smi=fake_smi_file),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            status, body = 0, ""
+            while time.monotonic() < deadline and proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    status, body = _get(base + "/healthz")
+                    if status == 200:
+                        break
+                time.sleep(0.5)
+            assert status == 200, f"/healthz: {status} {body}\n{log.read_text(encoding='utf-8')}"
+            status, metrics = _get(base + "/metrics")
+            assert status == 200
+            temps = [ln for ln in metrics.splitlines() if ln.startswith("smiquery_temperature_gpu_celsius{")]
+            assert len(temps) == 8, metrics[:2000]
+            assert 'uuid="GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"' in metrics
+            # the image's HEALTHCHECK command, pointed at this port, as the image's (non-root) user
+            check = [a.replace(":9835/", f":{port}/") for a in cfg["Healthcheck"]["Test"][1:]]
+            health = buildah.run(ctr, check, mount_smi=None)
+            assert health.returncode == 0, health.stderr
+            whoami = buildah.run(
+                ctr, ["/opt/smiquery/bin/python", "-c", "import os; print(os.getuid())"], mount_smi=None
+            )
+            assert whoami.stdout.strip() == "65532"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=15)
+    # stopped on every path: nothing listens any more
+    with pytest.raises(urllib.error.URLError):
+        _get(f"http://127.0.0.1:{port}/healthz", timeout=2)
