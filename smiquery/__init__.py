@@ -29,6 +29,20 @@ from smiquery.records import GpuSample
 
 __version__ = "0.1.0"
 
+# pandas is imported only when these are first used: `import smiquery` stays light.
+_LAZY = {"read_csv": "smiquery.frames", "to_dataframe": "smiquery.frames", "replay": "smiquery.replay"}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'smiquery' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 __all__ = [
     "CATALOGUE",
     "PRESETS",
@@ -56,6 +70,9 @@ __all__ = [
     "processes_df",
     "query",
     "query_df",
+    "read_csv",
+    "replay",
     "resolve_fields",
     "stream",
+    "to_dataframe",
 ]

@@ -1,0 +1,452 @@
+"""smiquery.frames: records and recorded CSV files -> DataFrames with nullable, catalogue-typed columns."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import pandas as pd
+import pytest
+
+from smiquery import frames
+from smiquery.errors import ParseError
+from smiquery.fields import get_field, resolve_fields
+from smiquery.parsing import CsvParser, format_row, header_line, parse_lines
+from smiquery.records import GpuSample, Schema
+
+ROOT = Path(__file__).resolve().parents[1]
+UTC = timezone.utc
+BERLIN = ZoneInfo("Europe/Berlin")
+
+
+def _corpus_dir() -> Path:
+    path = ROOT.parent / "shared" / "nvsmi-corpus"
+    if not path.is_dir():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the nvsmi corpus is missing at {path}; CI must run with shared/ beside the checkout")
+        pytest.skip(f"the nvsmi corpus is not at {path} (it lives in shared/ beside the checkout)")
+    return path
+
+
+# Every value kind, with a unit, a large counter and a bitmask.
+KINDS = (
+    "timestamp",  # TIMESTAMP
+    "index",  # INT
+    "name",  # STR
+    "driver_version",  # VERSION
+    "compute_cap",  # MAJOR_MINOR
+    "pci.bus",  # HEX
+    "clocks_event_reasons.active",  # BITMASK
+    "power.draw",  # FLOAT, W
+    "memory.used",  # INT, MiB
+    "temperature.gpu",  # INT, C (no header unit)
+    "persistence_mode",  # ENABLED
+    "retired_pages.pending",  # YES_NO
+    "clocks_event_reasons.gpu_idle",  # ACTIVE
+    "clocks_event_reasons_counters.sw_power_cap",  # INT, us, needs 64 bits
+)
+HEADER = header_line(resolve_fields(list(KINDS)))
+ROWS = (
+    "2026/08/12 21:53:45.370, 0, NVIDIA H100 80GB HBM3, 590.48.01, 9.0, 0x0C, 0x0000000000000004, 69.85, 0, 33, "
+    "Enabled, No, Not Active, 15814595384",
+    "2026/08/12 21:53:45.372, 1, NVIDIA H100 80GB HBM3, 590.48.01, 9.0, 0x1B, 0x0000000000000000, [N/A], "
+    "[Insufficient Permissions], N/A, Disabled, [N/A], Active, 0",
+    "2026/08/12 21:53:45.375, 2, , 590.48.01, [Not Supported], 0x3, 0x00000000000001FF, [Unknown Error], 81559, 0, "
+    "[N/A], Yes, [GPU is lost], 212553937",
+)
+TEXT = HEADER + "\n" + "\n".join(ROWS) + "\n"
+DTYPES = {
+    "timestamp": "datetime64[ns, Europe/Berlin]",
+    "index": "Int64",
+    "name": "string",
+    "driver_version": "string",
+    "compute_cap": "string",
+    "pci_bus": "Int64",
+    "clocks_event_reasons_active": "Int64",
+    "power_draw": "Float64",
+    "memory_used": "Int64",
+    "temperature_gpu": "Int64",
+    "persistence_mode": "boolean",
+    "retired_pages_pending": "boolean",
+    "clocks_event_reasons_gpu_idle": "boolean",
+    "clocks_event_reasons_counters_sw_power_cap": "Int64",
+}
+MISSING = {
+    "power_draw": {1: "not_available", 2: "unknown_error"},
+    "memory_used": {1: "insufficient_permissions"},
+    "temperature_gpu": {1: "not_available"},
+    "retired_pages_pending": {1: "not_available"},
+    "persistence_mode": {2: "not_available"},
+    "name": {2: "empty"},
+    "compute_cap": {2: "not_supported"},
+    "clocks_event_reasons_gpu_idle": {2: "gpu_lost"},
+}
+
+
+def _read(text: str | bytes, *args: object, **kw: object) -> pd.DataFrame:
+    data = text.encode() if isinstance(text, str) else text
+    return frames.read_csv(io.BytesIO(data), *args, tz=kw.pop("tz", BERLIN), **kw)  # type: ignore[arg-type]
+
+
+def _no_pyarrow(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A None entry makes `import pyarrow.csv` raise ImportError, as on a machine without smiquery[fast].
+    monkeypatch.setitem(sys.modules, "pyarrow.csv", None)
+
+
+def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    pd.testing.assert_frame_equal(a, b)
+    assert a.attrs == b.attrs
+
+
+# -- to_dataframe ------------------------------------------------------------------------------------------------
+
+
+def test_dtypes_follow_the_catalogue() -> None:
+    df = frames.to_dataframe(parse_lines(TEXT, tz=BERLIN))
+    assert {c: str(t) for c, t in df.dtypes.items()} == DTYPES
+    assert list(df.columns) == [get_field(n).attr for n in KINDS]
+
+
+def test_values_are_typed_and_missing_is_na_never_zero() -> None:
+    df = frames.to_dataframe(parse_lines(TEXT, tz=BERLIN))
+    first = df.iloc[0]
+    assert first["timestamp"] == pd.Timestamp("2026-08-12 21:53:45.370", tz=BERLIN)
+    assert first["pci_bus"] == 0x0C
+    assert first["clocks_event_reasons_active"] == 4
+    assert first["memory_used"] == 0  # a real zero stays 0
+    assert first["clocks_event_reasons_counters_sw_power_cap"] == 15814595384  # > 2**31
+    for column, rows in MISSING.items():
+        for row in rows:
+            cell: Any = df.at[row, column]
+            assert pd.isna(cell), (column, row)
+    assert df["memory_used"].tolist()[1] is pd.NA
+    assert df["persistence_mode"].tolist() == [True, False, pd.NA]
+    assert df["clocks_event_reasons_gpu_idle"].tolist() == [False, True, pd.NA]
+    assert df["memory_used"].sum() == 81559  # NA is skipped, never counted as 0
+
+
+def test_attrs_units_missing_fields() -> None:
+    df = frames.to_dataframe(parse_lines(TEXT, tz=BERLIN))
+    assert df.attrs["fields"] == list(KINDS)
+    units = df.attrs["units"]
+    assert units["memory_used"] == "MiB"
+    assert units["power_draw"] == "W"
+    assert units["temperature_gpu"] == "C"
+    assert units["clocks_event_reasons_counters_sw_power_cap"] == "us"
+    assert units["name"] == ""
+    assert df.attrs["missing"] == MISSING
+
+
+def test_alias_gives_canonical_name_and_column() -> None:
+    samples = parse_lines("NVIDIA A100, 1410\n", ["gpu_name", "clocks.gr"])
+    df = frames.to_dataframe(samples)
+    assert list(df.columns) == ["name", "clocks_current_graphics"]
+    assert df.attrs["fields"] == ["name", "clocks.current.graphics"]
+
+
+def test_empty_input_gives_empty_frame() -> None:
+    df = frames.to_dataframe([])
+    assert df.empty
+    assert len(df) == 0
+    assert df.attrs["missing"] == {}
+
+
+def test_generator_input_and_mixed_queries() -> None:
+    a = parse_lines("0, 30\n", ["index", "temperature.gpu"])
+    b = parse_lines("1, 200\n", ["index", "memory.used"])
+    df = frames.to_dataframe(iter(a + b))
+    assert list(df.columns) == ["index", "temperature_gpu", "memory_used"]
+    assert df["temperature_gpu"].tolist() == [30, pd.NA]
+    assert df["memory_used"].tolist() == [pd.NA, 200]
+    assert df.attrs["missing"] == {}  # a field a sample did not query has no reason
+
+
+def test_bitmask_with_top_bit_set_becomes_uint64() -> None:
+    df = frames.to_dataframe(parse_lines("0xFFFFFFFFFFFFFFFF\n0x0000000000000001\n", ["clocks_event_reasons.active"]))
+    assert str(df["clocks_event_reasons_active"].dtype) == "UInt64"
+    assert df["clocks_event_reasons_active"].tolist() == [2**64 - 1, 1]
+
+
+def test_timestamps_keep_the_samples_zone() -> None:
+    samples = parse_lines("2026/01/02 03:04:05.006, 1.50\n", ["timestamp", "power.draw"], tz=UTC)
+    df = frames.to_dataframe(samples)
+    assert str(df["timestamp"].dtype) == "datetime64[ns, UTC]"
+    assert df["timestamp"][0] == pd.Timestamp(datetime(2026, 1, 2, 3, 4, 5, 6000, tzinfo=UTC))
+
+
+def test_to_dataframe_does_not_mutate_samples() -> None:
+    samples = parse_lines(TEXT, tz=BERLIN)
+    before = [s.to_dict() for s in samples]
+    frames.to_dataframe(samples)
+    assert [s.to_dict() for s in samples] == before
+
+
+# -- read_csv ----------------------------------------------------------------------------------------------------
+
+
+def test_read_csv_matches_to_dataframe() -> None:
+    _same(_read(TEXT), _with_notices(frames.to_dataframe(parse_lines(TEXT, tz=BERLIN))))
+
+
+def _with_notices(df: pd.DataFrame, notices: list[str] | None = None) -> pd.DataFrame:
+    df.attrs["notices"] = notices or []
+    return df
+
+
+def test_read_csv_path_and_text_buffer(tmp_path: Path) -> None:
+    path = tmp_path / "rec.csv"
+    path.write_text(TEXT)
+    expected = _read(TEXT)
+    _same(frames.read_csv(path, tz=BERLIN), expected)
+    _same(frames.read_csv(str(path), tz=BERLIN), expected)
+    _same(frames.read_csv(io.StringIO(TEXT), tz=BERLIN), expected)
+
+
+def test_read_csv_headerless_with_fields() -> None:
+    body = "\n".join(ROWS) + "\n"
+    _same(_read(body, list(KINDS)), _read(TEXT))
+    _same(_read(body, ",".join(KINDS)), _read(TEXT))
+
+
+def test_read_csv_headerless_preset() -> None:
+    line = "2026/08/12 21:53:45.370, 0, NVIDIA H100, GPU-1, 33, 5, 1, 100, 81559, 70.10"
+    df = _read(line + "\n", "default")
+    assert df.attrs["fields"] == [f.name for f in resolve_fields("default")]
+    assert df["memory_total"].tolist() == [81559]
+
+
+def test_read_csv_without_header_or_fields_fails() -> None:
+    with pytest.raises(ParseError, match="no header") as info:
+        _read("\n".join(ROWS) + "\n")
+    assert info.value.lineno == 1
+
+
+def test_read_csv_header_must_match_fields() -> None:
+    with pytest.raises(ParseError, match="header does not match"):
+        _read(TEXT, ["index"])
+
+
+def test_read_csv_crlf_and_blank_lines() -> None:
+    crlf = "\r\n" + TEXT.replace("\n", "\r\n\r\n")
+    _same(_read(crlf), _read(TEXT))
+
+
+def test_read_csv_units_in_values() -> None:
+    text = "fan.speed [%], memory.used [MiB], power.draw [W], clocks.sm [MHz]\n38 %, 214 MiB, 39.17 W, 765 MHz\n"
+    df = _read(text)
+    assert df.iloc[0].tolist() == [38, 214, 39.17, 765]
+    assert list(df.columns) == ["fan_speed", "memory_used", "power_draw", "clocks_current_sm"]
+
+
+def test_read_csv_bad_value_names_line_and_field() -> None:
+    text = TEXT + ROWS[0].replace(" 33,", " hot,") + "\n"
+    with pytest.raises(ParseError) as info:
+        _read(text)
+    err = info.value
+    assert err.lineno == 5
+    assert err.field == "temperature.gpu"
+    assert "hot" in err.line
+    assert "temperature.gpu" in str(err)
+
+
+def test_read_csv_wrong_column_count() -> None:
+    text = TEXT + "2026/08/12 21:53:45.380, 3, too few\n" + ROWS[0] + "\n"
+    with pytest.raises(ParseError, match="expected 14 columns, got 3") as info:
+        _read(text)
+    assert info.value.lineno == 5
+    assert info.value.line == "2026/08/12 21:53:45.380, 3, too few"
+    assert info.value.field is None
+
+
+def test_read_csv_invalid_utf8_never_raises_unicode_error() -> None:
+    good = _read(b"name, index\nGeForce \xff\xfe, 0\n")
+    assert good["name"][0] == "GeForce \ufffd\ufffd"
+    with pytest.raises(ParseError) as info:
+        _read(b"index, name\n\xff1, GeForce\n")
+    assert info.value.field == "index"
+    assert info.value.lineno == 2
+
+
+def test_read_csv_notice_lines_and_repeated_header() -> None:
+    text = TEXT + HEADER + "\n" + ROWS[0] + "\nWARNING: infoROM is corrupted at gpu 0000:01:00.0\n"
+    df = _read(text)
+    assert len(df) == 4
+    assert df.attrs["notices"] == ["WARNING: infoROM is corrupted at gpu 0000:01:00.0"]
+
+
+def test_read_csv_single_column_notice() -> None:
+    df = _read("39\nWARNING: infoROM is corrupted at gpu 0000:01:00.0\n41\n", ["fan.speed"])
+    assert df["fan_speed"].tolist() == [39, 41]
+    assert df.attrs["notices"] == ["WARNING: infoROM is corrupted at gpu 0000:01:00.0"]
+
+
+def test_read_csv_empty_inputs() -> None:
+    assert _read("").empty
+    df = _read(HEADER + "\n")
+    assert len(df) == 0
+    assert {c: str(t) for c, t in df.dtypes.items()} == DTYPES
+    assert len(_read("", ["index"]).columns) == 1
+
+
+def test_read_csv_default_zone_is_the_hosts() -> None:
+    df = frames.read_csv(io.StringIO("timestamp\n2026/01/02 03:04:05.006\n"))
+    local = datetime(2026, 1, 2, 3, 4, 5, 6000).astimezone()
+    assert df["timestamp"][0] == pd.Timestamp(local)
+
+
+def test_read_csv_iso_timestamps_take_the_exact_path() -> None:
+    df = _read("timestamp, index\n2026-01-02T03:04:05.006+00:00, 0\n2026-01-02 05:04:05, 1\n")
+    assert df["timestamp"].tolist() == [
+        pd.Timestamp("2026-01-02 03:04:05.006", tz=UTC),
+        pd.Timestamp("2026-01-02 05:04:05", tz=BERLIN),
+    ]
+
+
+def test_read_csv_hex_in_int_column_is_rejected_like_the_parser() -> None:
+    with pytest.raises(ParseError, match="0x10"):
+        _read("5\n0x10\n", ["index"])
+
+
+def test_read_csv_rare_token_after_the_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first rows decide which numeric columns the CSV reader converts itself; a later surprise restarts.
+    monkeypatch.setattr(frames, "_HEAD_ROWS", 1)
+    text = "index, power.draw [W]\n0, 10.50\n1, [N/A]\n2, [Unknown Error]\n3, 7.25 W\n"
+    df = _read(text)
+    assert df["power_draw"].tolist() == [10.5, pd.NA, pd.NA, 7.25]
+    assert df.attrs["missing"] == {"power_draw": {1: "not_available", 2: "unknown_error"}}
+
+
+def _big_recording(rows: int) -> str:
+    fields = resolve_fields("default")
+    start = datetime(2026, 3, 29, 0, 59, 0, tzinfo=UTC)
+    out = [header_line(fields)]
+    schema = Schema(tuple(f.name for f in fields))
+    for n in range(rows):
+        gpu = n % 4
+        when = (start + timedelta(milliseconds=250 * n)).astimezone(BERLIN)
+        values = (
+            when,
+            gpu,
+            "NVIDIA L40S",
+            f"GPU-{gpu:08d}",
+            40 + n % 7,
+            n % 101,
+            None if n % 13 == 0 else n % 50,
+            n * 7,
+            46068,
+            None if n % 17 == 0 else 100 + n % 200 / 4,
+        )
+        missing = {}
+        if n % 13 == 0:
+            missing["utilization.memory"] = "not_available"
+        if n % 17 == 0:
+            missing["power.draw"] = "unknown_error" if n % 2 else "not_available"
+        raw = ("",) * len(fields)
+        sample = GpuSample(schema, values, raw, missing)
+        out.append(format_row(sample, fields))
+    return "\n".join(out) + "\n"
+
+
+def test_read_csv_many_blocks_keep_row_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = _big_recording(3000)  # crosses a DST change in Europe/Berlin
+    monkeypatch.setattr(frames, "_BLOCK_BYTES", 8192)
+    monkeypatch.setattr(frames, "_HEAD_ROWS", 50)
+    fast = _read(text)
+    expected = _with_notices(frames.to_dataframe(parse_lines(text, tz=BERLIN)))
+    _same(fast, expected)
+    assert len(fast.attrs["missing"]["power_draw"]) == len(range(0, 3000, 17))
+    lines = text.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("2026/03/29 03:10:00.000, 0,"))
+    lines[row] = lines[row].replace(", 0,", ", x,", 1)
+    with pytest.raises(ParseError) as info:
+        _read("\n".join(lines) + "\n")
+    assert info.value.lineno == row + 1
+    assert info.value.field == "index"
+    assert info.value.line == lines[row]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        TEXT,
+        HEADER + "\n" + "\n".join(ROWS) + "\n" + HEADER + "\nWARNING: infoROM is corrupted at gpu 0000:01:00.0\n",
+        "fan.speed [%], memory.used [MiB], power.draw [W]\n38 %, 214 MiB, 39.17 W\n[N/A], 1 MiB, [N/A]\n",
+        "",
+        HEADER + "\n",
+    ],
+    ids=["kinds", "notices", "units", "empty", "header-only"],
+)
+def test_fallback_without_pyarrow_gives_equal_frames(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    fast = _read(text)
+    _no_pyarrow(monkeypatch)
+    with pytest.raises(ImportError):
+        import pyarrow.csv  # noqa: F401
+    _same(_read(text), fast)
+
+
+def test_fallback_without_pyarrow_raises_the_same_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    bad_value = TEXT + ROWS[0].replace(" 33,", " hot,") + "\n"
+    bad_count = TEXT + "1, 2\n"
+    errors = []
+    for patched in (False, True):
+        if patched:
+            _no_pyarrow(monkeypatch)
+        for text in (bad_value, bad_count, b"index\n\xff1\n"):
+            with pytest.raises(ParseError) as info:
+                _read(text)
+            errors.append((info.value.lineno, info.value.field))
+    assert errors[:3] == errors[3:]
+
+
+def test_fallback_reads_headerless_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    body = "\n".join(ROWS) + "\n"
+    fast = _read(body, list(KINDS))
+    _no_pyarrow(monkeypatch)
+    _same(_read(body, list(KINDS)), fast)
+
+
+def test_corpus_files_read_like_the_parser() -> None:
+    corpus = _corpus_dir()
+    for path in sorted((corpus / "csv").glob("*.csv")) + sorted((corpus / "csv-loop").glob("*.csv")):
+        df = frames.read_csv(path, tz=BERLIN)
+        expected = frames.to_dataframe(CsvParser(tz=BERLIN).parse(path.read_text().splitlines()))
+        expected.attrs["notices"] = []
+        _same(df, expected)
+
+
+def test_import_smiquery_does_not_import_pandas() -> None:
+    code = "import smiquery, sys; assert 'pandas' not in sys.modules and 'pyarrow' not in sys.modules"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env, timeout=60)
+
+
+def test_many_notices_keep_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(frames, "_BLOCK_BYTES", 4096)
+    lines = [HEADER]
+    for n in range(300):
+        lines.append(ROWS[n % 3])
+        if n % 50 == 49:
+            lines.append(f"WARNING: infoROM is corrupted at gpu 0000:{n:02X}:00.0")
+    text = "\n".join(lines) + "\n"
+    fast = _read(text)
+    assert fast.attrs["notices"] == [line for line in lines if line.startswith("WARNING")]
+    assert len(fast) == 300
+    _no_pyarrow(monkeypatch)
+    _same(_read(text), fast)
+
+
+@pytest.mark.parametrize("stamp", ["1500-01-02 03:04:05", "  24/01/02 03:04:05.006"])
+def test_timestamps_outside_datetime64_ns_are_parse_errors(monkeypatch: pytest.MonkeyPatch, stamp: str) -> None:
+    text = f"timestamp, index\n2026/01/02 03:04:05.006, 0\n{stamp}, 1\n"
+    with pytest.raises(ParseError) as info:
+        _read(text)
+    assert (info.value.lineno, info.value.field) == (3, "timestamp")
+    _no_pyarrow(monkeypatch)
+    with pytest.raises(ParseError):
+        _read(text)
