@@ -11,7 +11,11 @@ import smiquery
 def test_all_names_resolve_and_are_sorted():
     for name in smiquery.__all__:
         assert getattr(smiquery, name) is not None, name
-    assert list(smiquery.__all__) == sorted(smiquery.__all__)
+    # isort-style: CONSTANTS, then Classes, then functions
+    def key(name: str) -> tuple[int, str]:
+        return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)
+
+    assert list(smiquery.__all__) == sorted(smiquery.__all__, key=key)
 
 
 def test_import_does_not_pull_optional_or_heavy_modules():
