@@ -5,18 +5,24 @@ PY := $(VENV)/bin/python
 DOCKER ?= docker
 VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 STAMP := $(VENV)/.installed
+CORE_STAMP := $(VENV)/.installed-core
 
 .PHONY: install tools demo test lint typecheck check bench fixtures docker clean
 
-$(STAMP): pyproject.toml
+# The demo needs the core only; the tests also need the dev tools, TensorFlow (CPU) and matplotlib.
+$(CORE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[fast]'
+	touch $(CORE_STAMP)
+
+$(STAMP): $(CORE_STAMP)
+	$(PY) -m pip install -q -e '.[dev,export,keras-test,plot,fast]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(CORE_STAMP)
 	$(PY) scripts/demo.py
 
 # Outside tools the tests use for real: prometheus/promtool, buildah (+ debootstrap), hadolint, kubernetes-validate,

@@ -41,6 +41,7 @@ from typing import IO, TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from smiquery import __version__
+from smiquery.cli_analysis import register as _register_analysis
 from smiquery.cli_export import register as _register_export
 from smiquery.errors import (
     DriverNotLoadedError,
@@ -99,7 +100,7 @@ Exit codes:
   4    driver problem (not loaded, NVML missing, version mismatch, no GPU,
        GPU lost, insufficient permissions)
   5    nvidia-smi timed out
-  6    an alert fired with --exit-on-alert
+  6    an alert fired with --exit-on-alert (report: a finding with --fail-on)
   130  Ctrl-C (143: SIGTERM)
 
 \b
@@ -109,6 +110,9 @@ Examples:
   smiquery stream --alert 'temperature.gpu > 85 for 3' --exit-on-alert
   smiquery query --format json
   smiquery doctor
+  smiquery export --interval 5             Prometheus metrics on 127.0.0.1:9835
+  smiquery plot run.csv -o trace.png
+  smiquery report run.csv --format markdown
 """
 
 app = typer.Typer(
@@ -1470,7 +1474,7 @@ def _draw(live: LiveTable, source: Stream | Replay, run: _Run) -> None:
     run.last_draw = time.monotonic()
 
 
-_ORDER = ("stream", "query", "ps", "fields", "doctor", "export")
+_ORDER = ("stream", "query", "ps", "fields", "doctor", "export", "plot", "report")
 
 
 def _command_rank(info: Any) -> int:
@@ -1479,6 +1483,7 @@ def _command_rank(info: Any) -> int:
 
 
 _register_export(app)
+_register_analysis(app)
 app.registered_commands.sort(key=_command_rank)  # the headline command first in --help
 
 

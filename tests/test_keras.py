@@ -1,0 +1,408 @@
+"""GpuMonitor in a real model.fit (Keras 3, TensorFlow CPU backend) against a fake nvidia-smi: a hot GPU and a stall."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import MakeFake
+from tests.leakcheck import no_leaks, wait_no_children
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+try:
+    import keras
+    import numpy as np
+except ImportError:  # pragma: no cover - the keras extra is installed by `make test`
+    if os.environ.get("CI") == "true":
+        raise
+    pytest.skip("keras is not installed: pip install 'smiquery[keras]'", allow_module_level=True)
+
+from smiquery.keras import GpuMonitor, TrainingAlert, visible_devices
+from smiquery.notify import CallbackHandler
+
+pytestmark = pytest.mark.slow
+
+UUIDS = ("GPU-00000000-1111-2222-3333-444444444444", "GPU-00000001-1111-2222-3333-444444444444")
+SWEEPS = 40
+STALL = range(10, 30)  # sweeps with GPU utilization at 5%
+INTERVAL = 0.05
+BATCHES = 10  # per epoch
+BATCH_SLEEP = 0.05  # seconds per batch: an epoch spans about ten samples
+
+
+def write_recording(path: Path) -> Path:
+    """Two GPUs: GPU 1 at 88 C throughout (with thermal slowdown), both stalled at 5% for sweeps 10-29."""
+    head = (
+        "timestamp, index, uuid, temperature.gpu, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
+        "power.draw [W], clocks_event_reasons.hw_thermal_slowdown"
+    )
+    lines = [head]
+    for t in range(SWEEPS):
+        for g in range(2):
+            temp = 88 if g == 1 else 60
+            util = 5 if t in STALL else 95
+            slow = "Active" if g == 1 else "Not Active"
+            stamp = f"2026/03/14 09:30:{t:02d}.000"
+            lines.append(
+                f"{stamp}, {g}, {UUIDS[g]}, {temp}, {util} %, {2000 + t} MiB, 81559 MiB, {300 + g}.50 W, {slow}"
+            )
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def smi(fake_smi: MakeFake, tmp_path: Path) -> Path:
+    rec = write_recording(tmp_path / "hot-and-stall.csv")
+    return fake_smi(recording=rec, log=tmp_path / "calls.jsonl")
+
+
+@pytest.fixture(autouse=True)
+def _all_gpus_visible(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+class Slow(keras.callbacks.Callback):  # type: ignore[misc]
+    """Stretches each batch so that an epoch spans several samples (a tiny model trains too fast otherwise)."""
+
+    def __init__(self, fail_at: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.epoch = 0
+        self.batch_logs: list[dict[str, Any]] = []
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.batch_logs.append(dict(logs or {}))
+        time.sleep(BATCH_SLEEP)
+        if self.fail_at == (self.epoch, batch):
+            raise RuntimeError("boom in the middle of an epoch")
+
+
+def tiny_model(lr: float = 0.01) -> Any:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(lr), "mse")
+    return model
+
+
+def data() -> tuple[Any, Any]:
+    rng = np.random.default_rng(0)
+    return rng.random((BATCHES * 8, 4), dtype=np.float32), rng.random((BATCHES * 8, 1), dtype=np.float32)
+
+
+def fit(model: Any, callbacks: list[Any], epochs: int = 3) -> Any:
+    x, y = data()
+    return model.fit(x, y, batch_size=8, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks)
+
+
+KEYS = [
+    f"gpu{g}_{k}" for g in (0, 1) for k in ("util_mean", "util_max", "temp_max", "mem_used_max_mib", "power_mean_w")
+]
+
+
+# -------------------------------------------------------------------------------------------- visible devices
+
+
+@pytest.mark.parametrize(
+    ("value", "ids", "stream"),
+    [
+        (None, None, None),
+        ("1,3", ("1", "3"), ("1", "3")),
+        ("3,1", ("3", "1"), ("3", "1")),
+        (" 2 ", ("2",), ("2",)),
+        ("", (), None),
+        ("-1", (), None),
+        ("0,2,-1,3", ("0", "2"), ("0", "2")),
+        ("0,x,1", ("0",), ("0",)),
+        (UUIDS[1], (UUIDS[1],), (UUIDS[1],)),
+        ("GPU-00000001", ("GPU-00000001",), None),  # a prefix: nvidia-smi needs whole UUIDs, rows are filtered
+    ],
+)
+def test_visible_devices_follow_cuda_rules(value, ids, stream):
+    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
+    vis = visible_devices(env)
+    assert vis.ids == ids
+    assert vis.stream_gpus() == stream
+    assert vis.none == (ids == ())
+
+
+def test_visible_devices_map_positions_by_index_and_uuid():
+    vis = visible_devices({"CUDA_VISIBLE_DEVICES": "3,1"})
+    assert vis.position(3, None) == 0  # TensorFlow's GPU:0 is nvidia-smi's GPU 3
+    assert vis.position(1, None) == 1
+    assert vis.position(0, None) is None
+    assert not vis.selects(0, UUIDS[0])
+    prefix = visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-00000001"})
+    assert prefix.selects(1, UUIDS[1])
+    assert not prefix.selects(0, UUIDS[0])
+    assert visible_devices({}).selects(5, None)
+
+
+def test_mig_devices_watch_every_gpu_and_say_why():
+    vis = visible_devices({"CUDA_VISIBLE_DEVICES": "MIG-4f6bd3a2-1d0e-5a1d-9e3b-0d3c1d0e5a1d"})
+    assert vis.ids is None
+    assert "MIG" in vis.note
+
+
+# ------------------------------------------------------------------------------------------------- model.fit
+
+
+def test_epoch_logs_history_and_csvlogger_get_the_gpu_numbers(smi, tmp_path, monkeypatch):
+    monkeypatch.setenv("SMIQUERY_FAKE_SWEEP", "5")  # the fake's loop starts 5 sweeps before the stall
+    csv_path = tmp_path / "train.csv"
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
+    with no_leaks():
+        history = fit(tiny_model(), [monitor, Slow(), keras.callbacks.CSVLogger(str(csv_path))])
+    for key in KEYS:
+        assert key in history.history, key
+        assert len(history.history[key]) == 3
+    h = history.history
+    assert h["gpu1_temp_max"] == [88.0, 88.0, 88.0]
+    assert h["gpu0_temp_max"] == [60.0, 60.0, 60.0]
+    assert all(5.0 <= v <= 95.0 for v in h["gpu0_util_mean"])
+    assert all(v == pytest.approx(301.5) for v in h["gpu1_power_mean_w"])
+    assert all(2000 <= v < 2000 + SWEEPS for v in h["gpu0_mem_used_max_mib"])
+    # the stall (sweeps 10-29 at 5%) lowers the mean utilization of some epoch
+    assert min(h["gpu0_util_mean"]) < 90
+    header = csv_path.read_text().splitlines()[0].split(",")
+    for key in KEYS:
+        assert key in header
+    assert len(csv_path.read_text().splitlines()) == 4  # header and three epochs
+    assert monitor.epochs[0].keys() == set(KEYS)
+
+
+def test_one_nvidia_smi_child_for_the_whole_fit_and_none_after(smi, tmp_path):
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi))
+    with no_leaks():
+        fit(tiny_model(), [monitor, Slow()])
+        assert not wait_no_children(2.0)
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 1, calls  # never one call per batch or per epoch
+    argv = calls[0]["argv"]
+    assert any(a in ("-lms", "-l") for a in argv)
+    assert not monitor.running
+
+
+def test_alerts_fire_with_epoch_batch_and_learning_rate(smi, monkeypatch):
+    monkeypatch.setenv("SMIQUERY_FAKE_SWEEP", "5")  # the fake's loop starts 5 sweeps before the stall
+    got: list[tuple[str, dict[str, Any]]] = []
+    monitor = GpuMonitor(
+        interval=INTERVAL,
+        nvidia_smi=str(smi),
+        alerts=["temperature.gpu > 85 for 3", "utilization.gpu < 20 for 5 while memory.used > 1024"],
+        handlers=[CallbackHandler(lambda e, ctx: got.append((e.message(), dict(ctx))))],
+    )
+    with no_leaks():
+        fit(tiny_model(lr=0.025), [monitor, Slow()])
+    hot = [a for a in monitor.alerts if a.event.rule.field.name == "temperature.gpu"]
+    assert len(hot) == 1  # fires once, no flood, although GPU 1 stays hot
+    alert = hot[0]
+    assert isinstance(alert, TrainingAlert)
+    assert alert.event.gpu == 1 and alert.event.state == "firing" and alert.event.value == 88
+    assert alert.learning_rate == pytest.approx(0.025)
+    assert alert.epoch in (0, 1, 2) or alert.phase == "setup"
+    assert alert.phase in ("setup", "train")
+    if alert.phase == "train":
+        assert alert.batch is not None and 0 <= alert.batch <= BATCHES
+        assert alert.step is not None and alert.step >= alert.batch
+    stalls = [a for a in monitor.alerts if a.event.rule.field.name == "utilization.gpu"]
+    assert {a.event.gpu for a in stalls if a.event.state == "firing"} == {0, 1}
+    for a in stalls:
+        assert a.epoch is not None and a.batch is not None and a.learning_rate == pytest.approx(0.025)
+    # the handlers got every event with the same context
+    assert len(got) == len(monitor.alerts)
+    assert got[0][1] == monitor.alerts[0].context()
+    assert set(got[0][1]) == {"epoch", "batch", "step", "learning_rate", "phase"}
+    assert "GPU 1" in got[0][0]
+    assert monitor.alerts[0].to_dict()["rule"] == "temperature.gpu > 85 for 3"
+
+
+@pytest.mark.parametrize("where", ["callback", "dataset"])
+def test_a_fit_that_raises_leaves_no_nvidia_smi_behind(smi, where):
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi))
+    model = tiny_model()
+    with no_leaks():
+        if where == "callback":
+            with pytest.raises(RuntimeError, match="boom"):
+                fit(model, [monitor, Slow(fail_at=(1, 4))])
+        else:
+            x, y = data()
+
+            class Failing(keras.utils.PyDataset):  # type: ignore[misc]
+                def __init__(self) -> None:
+                    super().__init__()
+
+                def __len__(self) -> int:
+                    return BATCHES
+
+                def __getitem__(self, i: int) -> tuple[Any, Any]:
+                    time.sleep(BATCH_SLEEP)
+                    if i == 6:
+                        raise ValueError("bad record in the input pipeline")
+                    return x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8]
+
+            # TensorFlow re-raises it from its input pipeline as InvalidArgumentError
+            with pytest.raises(Exception, match="bad record"):
+                model.fit(Failing(), epochs=2, verbose=0, callbacks=[monitor])
+        started = time.monotonic()
+        left = wait_no_children(2.0)
+        assert not left, f"nvidia-smi still running after fit raised: {left}"
+        assert time.monotonic() - started < 2.0
+    assert not monitor.running
+
+
+def test_framework_view_unavailable_is_said_once_and_training_goes_on(smi, caplog):
+    caplog.set_level(logging.INFO, logger="smiquery.keras")
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
+    history = fit(tiny_model(), [monitor, Slow()], epochs=3)
+    said = [r for r in caplog.records if "TensorFlow sees no GPU" in r.getMessage()]
+    assert len(said) == 1
+    assert len(history.history["loss"]) == 3
+    assert not any("mem_gap" in k for k in history.history)
+    # a second fit with the same monitor does not repeat it either
+    fit(tiny_model(), [monitor], epochs=1)
+    assert len([r for r in caplog.records if "TensorFlow sees no GPU" in r.getMessage()]) == 1
+
+
+def test_cuda_visible_devices_by_index_and_uuid(smi, monkeypatch, tmp_path):
+    for value in ("1", UUIDS[1], "GPU-00000001"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+        monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
+        history = fit(tiny_model(), [monitor, Slow()], epochs=1)
+        gpu_keys = {k for k in history.history if k.startswith("gpu")}
+        assert gpu_keys == {k for k in KEYS if k.startswith("gpu1_")}, value
+    argvs = [json.loads(line)["argv"] for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert argvs[0][argvs[0].index("-i") + 1] == "1"
+    assert argvs[1][argvs[1].index("-i") + 1] == UUIDS[1]
+    assert "-i" not in argvs[2]  # a UUID prefix: every GPU is queried, the rows are filtered
+
+
+def test_no_visible_gpu_or_no_nvidia_smi_is_said_once_and_training_goes_on(smi, monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi))
+    history = fit(tiny_model(), [monitor], epochs=2)
+    assert not any(k.startswith("gpu") for k in history.history)
+    assert sum("hides every GPU" in n for n in monitor.notes) == 1
+    assert not (tmp_path / "calls.jsonl").exists()
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    missing = GpuMonitor(interval=INTERVAL, nvidia_smi=str(tmp_path / "no-such-nvidia-smi"))
+    with no_leaks():
+        history = fit(tiny_model(), [missing], epochs=2)
+    assert len(history.history["loss"]) == 2
+    assert len(missing.notes) == 1 and "GPU monitoring is off" in missing.notes[0]
+
+
+def test_log_every_batch_adds_the_newest_sample_to_batch_logs(smi):
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=(), log_every="batch")
+    recorder = Slow()
+    with no_leaks():
+        fit(tiny_model(), [monitor, recorder], epochs=2)
+    late = recorder.batch_logs[-1]
+    assert late["gpu1_temp"] == 88.0
+    assert {"gpu0_util", "gpu0_temp", "gpu0_mem_used_mib", "gpu0_power_w"} <= set(late)
+
+
+def test_works_with_tf_keras(smi):
+    tf = pytest.importorskip("tensorflow")
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
+    model.compile(tf.keras.optimizers.SGD(0.01), "mse")
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
+    x, y = data()
+    with no_leaks():
+        history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[monitor, Slow()])
+    assert "gpu1_temp_max" in history.history
+
+
+def test_growing_memory_gap_is_reported_once(caplog):
+    monitor = GpuMonitor(alerts=())
+    for gap in (500.0, 520.0, 700.0, 900.0, 1100.0, 1300.0):
+        monitor._watch_gap(2, gap)
+    said = [n for n in monitor.notes if "gap grew" in n]
+    assert len(said) == 1 and "GPU 2" in said[0]
+    steady = GpuMonitor(alerts=())
+    for gap in (500.0, 900.0, 880.0, 1200.0, 1190.0):
+        steady._watch_gap(0, gap)
+    assert not steady.notes
+
+
+def test_bad_arguments_fail_early():
+    with pytest.raises(ValueError, match="log_every"):
+        GpuMonitor(log_every="step")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="invalid alert"):
+        GpuMonitor(alerts=["temperature.gpu >"])
+
+
+def test_import_smiquery_does_not_import_keras():
+    code = (
+        "import sys, smiquery, smiquery.notify, smiquery.report, smiquery.alerts; "
+        "bad = [m for m in ('keras', 'tensorflow', 'matplotlib') if m in sys.modules]; "
+        "sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_threads_are_gone_after_fit(smi):
+    before = set(threading.enumerate())
+    fit(tiny_model(), [GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi)), Slow()], epochs=1)
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        extra = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("smiquery")]
+        if not extra:
+            break
+        time.sleep(0.02)
+    assert not extra
+
+
+def test_extra_fields_are_summarised(smi):
+    monitor = GpuMonitor(
+        fields=["clocks_event_reasons.hw_thermal_slowdown", "memory.total"], interval=INTERVAL, nvidia_smi=str(smi)
+    )
+    history = fit(tiny_model(), [monitor, Slow()], epochs=1)
+    h = history.history
+    assert h["gpu1_clocks_event_reasons_hw_thermal_slowdown_frac"] == [1.0]
+    assert h["gpu0_clocks_event_reasons_hw_thermal_slowdown_frac"] == [0.0]
+    assert h["gpu0_memory_total_max"] == [81559.0]
+    assert h["gpu0_memory_total_mean"] == [81559.0]
+
+
+def test_memory_gap_maps_tensorflow_devices_to_nvidia_smi_gpus(monkeypatch):
+    """TensorFlow's GPU:0 is nvidia-smi's GPU 3 under CUDA_VISIBLE_DEVICES=3,1 (no GPU here: the view is faked)."""
+    import tensorflow as tf
+
+    from smiquery.parsing import CsvParser
+
+    allocated = {"GPU:0": 1000 * 2**20, "GPU:1": 300 * 2**20}
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info", lambda name: {"current": allocated[name], "peak": 0})
+    parser = CsvParser(["index", "uuid", "memory.used"])
+    samples = list(parser.parse([f"3, {UUIDS[0]}, 5000", f"1, {UUIDS[1]}, 800"]))
+    monitor = GpuMonitor(alerts=())
+    monitor._cuda = visible_devices({"CUDA_VISIBLE_DEVICES": "3,1"})
+    monitor._framework = [("GPU:0", 0), ("GPU:1", 1)]
+    monitor._order = [1, 3]
+    values = monitor._framework_values({s.index: s for s in samples})
+    assert values == {
+        "gpu3_mem_framework_mib": 1000.0,
+        "gpu3_mem_gap_mib": 4000.0,
+        "gpu1_mem_framework_mib": 300.0,
+        "gpu1_mem_gap_mib": 500.0,
+    }
+    by_uuid = GpuMonitor(alerts=())
+    by_uuid._cuda = visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-00000001"})
+    by_uuid._framework = [("GPU:0", 0)]
+    by_uuid._order = [1]
+    assert by_uuid._framework_values({s.index: s for s in samples})["gpu1_mem_gap_mib"] == 800.0 - 1000.0

@@ -1,0 +1,226 @@
+"""plot: PNGs of the bundled demo recording checked as images, plus the Figure's lines, thresholds and gaps."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import matplotlib
+    import matplotlib.dates
+    import matplotlib.image
+    import numpy as np
+    from matplotlib.colors import to_rgb
+except ImportError:  # pragma: no cover - the plot extra is installed by `make test`
+    if os.environ.get("CI") == "true":
+        raise
+    pytest.skip("matplotlib is not installed: pip install 'smiquery[plot]'", allow_module_level=True)
+
+from smiquery.plot import DEFAULT_PLOT_FIELDS, plot_recording, save_plot
+from smiquery.report import ReportError
+
+DEMO = Path(__file__).parents[1] / "smiquery" / "data" / "demo-8gpu.csv"
+
+
+def gpu_lines(ax: Any) -> list[Any]:
+    return [ln for ln in ax.get_lines() if (ln.get_gid() or "").startswith("gpu-")]
+
+
+def threshold_values(ax: Any) -> list[float]:
+    return sorted(float(ln.get_ydata()[0]) for ln in ax.get_lines() if ln.get_gid() == "threshold")
+
+
+def panel_pixels(fig: Any, ax: Any, image: np.ndarray) -> np.ndarray:
+    """The PNG pixels inside one axes (inset by 2 px to skip the frame)."""
+    box = ax.get_window_extent()
+    height = image.shape[0]
+    x0, x1 = round(box.x0) + 2, round(box.x1) - 2
+    top, bottom = height - round(box.y1) + 2, height - round(box.y0) - 2
+    return image[top:bottom, x0:x1, :3]
+
+
+def x_pixel(ax: Any, when: datetime) -> float:
+    """The PNG column of a time on an axes."""
+    return float(ax.transData.transform((matplotlib.dates.date2num(when), 0))[0])  # type: ignore[no-untyped-call]
+
+
+def colour_pixels(region: np.ndarray, colour: str, min_alpha: float = 0.35, tol: float = 0.08) -> int:
+    """Pixels of ``colour`` drawn over white at some opacity (anti-aliased lines blend with the background)."""
+    away = 1.0 - np.array(to_rgb(colour))  # the colour's distance from white, per channel
+    ink = 1.0 - region
+    alpha = (ink @ away) / float(away @ away)
+    off = np.abs(ink - alpha[..., None] * away).max(axis=2)
+    return int(((alpha > min_alpha) & (off < tol)).sum())
+
+
+@pytest.fixture(scope="module")
+def demo_png(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, np.ndarray, Path]:
+    out = tmp_path_factory.mktemp("plot") / "trace.png"
+    fig = plot_recording(DEMO)
+    fig.savefig(out, dpi=fig.dpi)
+    return fig, matplotlib.image.imread(str(out)), out
+
+
+def test_png_size_and_one_panel_per_field(demo_png):
+    fig, image, path = demo_png
+    assert path.stat().st_size > 50_000
+    width, height = fig.get_size_inches() * fig.dpi
+    assert image.shape[:2] == (round(height), round(width))
+    axes = fig.get_axes()
+    assert len(axes) == len(DEFAULT_PLOT_FIELDS) == 4
+    titles = [ax.get_title(loc="left") for ax in axes]
+    assert titles == ["utilization.gpu [%]", "temperature.gpu [C]", "memory.used [MiB]", "power.draw [W]"]
+
+
+def test_panels_are_not_blank(demo_png):
+    fig, image, _ = demo_png
+    for ax in fig.get_axes():
+        region = panel_pixels(fig, ax, image)
+        assert region.size > 10_000
+        assert region.std() > 0.05, ax.get_title(loc="left")
+        # a good share of the panel is drawn on (not only the white background)
+        assert (region.min(axis=2) < 0.9).mean() > 0.01
+
+
+def test_one_line_per_gpu_in_every_panel_with_distinct_colours(demo_png):
+    fig, image, _ = demo_png
+    seen: dict[str, int] = {}
+    for ax in fig.get_axes():
+        lines = gpu_lines(ax)
+        assert [ln.get_label() for ln in lines] == [f"GPU {i}" for i in range(8)]
+        colours = [ln.get_color() for ln in lines]
+        assert len(set(colours)) == 8
+        region = panel_pixels(fig, ax, image)
+        visible = [c for c in colours if colour_pixels(region, c) > 30]
+        for c in visible:
+            seen[c] = seen.get(c, 0) + 1
+        if ax.get_title(loc="left") != "memory.used [MiB]":  # there the 8 lines lie within a few pixels
+            assert visible == colours, ax.get_title(loc="left")
+    assert len(seen) == 8 and min(seen.values()) >= 3  # every GPU's line shows in the PNG
+
+
+def test_alert_thresholds_are_drawn(demo_png):
+    fig, _, _ = demo_png
+    util, temp, mem, power = fig.get_axes()
+    assert threshold_values(util) == [20.0]
+    assert threshold_values(temp) == [80.0, 85.0]
+    assert threshold_values(mem) == []
+    assert threshold_values(power) == []
+    labels = [t.get_text() for t in temp.texts]
+    assert "> 85 for 3" in labels and "> 80 for 5m" in labels
+
+
+def test_the_hot_gpu_is_visible_over_the_threshold(demo_png):
+    fig, _, _ = demo_png
+    temp = fig.get_axes()[1]
+    peaks = {ln.get_label(): np.nanmax(ln.get_ydata()) for ln in gpu_lines(temp)}
+    assert peaks.pop("GPU 5") > 85
+    assert max(peaks.values()) < 80
+
+
+def _gappy(path: Path) -> Path:
+    """Two GPUs; GPU 0 reads [N/A] for seconds 20-39, and nothing is recorded between seconds 60 and 120."""
+    t0 = datetime(2026, 1, 1, 12, 0, 0)
+    lines = ["timestamp, index, utilization.gpu [%], temperature.gpu, memory.used [MiB], power.draw [W]"]
+    for sec in [*range(60), *range(120, 180)]:
+        for gpu in (0, 1):
+            stamp = (t0 + timedelta(seconds=sec)).strftime("%Y/%m/%d %H:%M:%S.000")
+            util = "[N/A]" if gpu == 0 and 20 <= sec < 40 else f"{50 + 10 * gpu} %"
+            lines.append(f"{stamp}, {gpu}, {util}, {60 + gpu}, 1000 MiB, 200.00 W")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_missing_values_and_time_gaps_break_the_lines(tmp_path):
+    rec = _gappy(tmp_path / "gappy.csv")
+    out = tmp_path / "gappy.png"
+    fig = plot_recording(rec, "utilization.gpu,temperature.gpu", rules=[])
+    fig.savefig(out, dpi=fig.dpi)
+    image = matplotlib.image.imread(str(out))
+    util, temp = fig.get_axes()
+    gpu0, gpu1 = gpu_lines(util)
+    y0 = np.asarray(gpu0.get_ydata(), dtype=float)
+    assert np.isnan(y0).sum() == 20 + 1  # the [N/A] stretch, and one break inside the time gap
+    assert np.isnan(np.asarray(gpu1.get_ydata(), dtype=float)).sum() == 1
+    # in the picture: no GPU line pixels in the middle of the time gap
+    fig.canvas.draw()
+    t0 = datetime(2026, 1, 1, 12, 0, 0)
+    xs = [x_pixel(util, t0 + timedelta(seconds=s)) for s in (75, 105)]
+    height = image.shape[0]
+    for ax in (util, temp):
+        box = ax.get_window_extent()
+        band = image[height - round(box.y1) + 2 : height - round(box.y0) - 2, round(xs[0]) : round(xs[1]), :3]
+        for line in gpu_lines(ax):
+            assert colour_pixels(band, line.get_color()) == 0
+    # and GPU 0's missing stretch is a gap in the utilization panel only
+    xs = [x_pixel(util, t0 + timedelta(seconds=s)) for s in (25, 35)]
+    box = util.get_window_extent()
+    band = image[height - round(box.y1) + 2 : height - round(box.y0) - 2, round(xs[0]) : round(xs[1]), :3]
+    assert colour_pixels(band, gpu0.get_color()) == 0
+    assert colour_pixels(band, gpu1.get_color()) > 0
+
+
+def test_save_plot_formats_and_field_choice(tmp_path):
+    path = save_plot(DEMO, tmp_path / "t.svg", fields=["temperature.gpu"], gpus=[5, 6])
+    assert path.read_text().startswith("<?xml")
+    fig = plot_recording(DEMO, ["clocks.current.sm", "clocks_event_reasons.hw_thermal_slowdown"], gpus=[5])
+    assert [len(gpu_lines(ax)) for ax in fig.get_axes()] == [1, 1]
+
+
+def test_jsonl_recordings_plot_too(tmp_path):
+    from smiquery.display import open_recorder
+    from smiquery.fields import resolve_fields
+    from smiquery.replay import replay
+
+    path = tmp_path / "demo.jsonl"
+    with replay(DEMO, speed=0, fields="default") as source:
+        samples = list(source)
+    writer = open_recorder(path, resolve_fields(list(samples[0].fields)))
+    for s in samples:
+        writer.write(s)
+    writer.close()
+    fig = plot_recording(path)
+    assert [len(gpu_lines(ax)) for ax in fig.get_axes()] == [8, 8, 8, 8]
+
+
+def test_bad_fields(tmp_path):
+    with pytest.raises(ReportError, match=r"no fan\.speed"):
+        plot_recording(_gappy(tmp_path / "g.csv"), ["fan.speed"])
+    with pytest.raises(ReportError, match="not a number"):
+        plot_recording(DEMO, ["name"])
+
+
+def test_cli_plot(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from smiquery import cli
+    from smiquery.cli_analysis import register
+
+    app = cli.app
+    if "plot" not in {c.name for c in cli.app.registered_commands}:
+        app = typer.Typer()
+
+        @app.callback()
+        def root() -> None:
+            """Test root."""
+
+        register(app)
+    out = tmp_path / "trace.png"
+    result = CliRunner().invoke(app, ["plot", str(DEMO), "-o", str(out), "--fields", "temperature.gpu", "--gpus", "5"])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in result.stdout
+    image = matplotlib.image.imread(str(out))
+    assert image.shape[1] == 1200
+    rec = tmp_path / "copy.csv"
+    rec.write_bytes(DEMO.read_bytes())
+    default = CliRunner().invoke(app, ["plot", str(rec)])
+    assert default.exit_code == 0
+    assert (tmp_path / "copy.png").stat().st_size > 10_000
+    bad = CliRunner().invoke(app, ["plot", str(DEMO), "--fields", "temp"])
+    assert bad.exit_code == 2
+    assert "unknown field 'temp'" in bad.stderr

@@ -1,0 +1,262 @@
+"""report.analyze against the bundled demo recording (known stall and hot GPU) and small hand-made recordings."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smiquery.display import open_recorder
+from smiquery.fields import resolve_fields
+from smiquery.replay import replay
+from smiquery.report import DEFAULT_RULES, Report, ReportError, analyze, format_duration
+
+DEMO = Path(__file__).parents[1] / "smiquery" / "data" / "demo-8gpu.csv"
+STALL_START = datetime(2026, 3, 14, 9, 35, 0)  # scripts/make_demo_recording.py: STALL = (300, 390) s from 09:30:00
+STALL_SECONDS = 90.0
+HOT_GPU = 5
+
+
+@pytest.fixture(scope="module")
+def demo() -> Report:
+    return analyze(DEMO)
+
+
+def _naive(ts: datetime) -> datetime:
+    return ts.replace(tzinfo=None)
+
+
+def test_finds_the_stall_on_every_gpu(demo):
+    assert demo.gpus == tuple(range(8))
+    assert {s.gpu for s in demo.stalls} == set(range(8))
+    assert len(demo.stalls) == 8  # one stretch each; the warm-up (no memory held yet) is not a stall
+    for s in demo.stalls:
+        assert abs((_naive(s.start) - STALL_START).total_seconds()) <= 2
+        assert s.seconds == pytest.approx(STALL_SECONDS, abs=3)
+        assert s.mean is not None and s.mean < 20
+    together = [f for f in demo.findings if f.kind == "stall_together"]
+    assert len(together) == 1
+    assert together[0].gpus == tuple(range(8))
+    assert together[0].verdict.startswith("All 8 GPUs stalled together from 09:35:00 for 1 min 3")
+    assert "check the input pipeline, e.g. prefetching and TFRecord" in together[0].verdict
+
+
+def test_finds_gpu_5_hot_and_no_other(demo):
+    hot = [f for f in demo.findings if f.kind == "hot"]
+    assert [f.gpus for f in hot] == [(HOT_GPU,)]
+    assert hot[0].severity == "critical"
+    assert "GPU 5 was over 85 C" in hot[0].verdict
+    over = demo.time_over("temperature.gpu > 85 for 3", HOT_GPU)
+    assert 120 <= over <= 240  # "a few minutes"
+    for gpu in demo.gpus:
+        if gpu != HOT_GPU:
+            assert demo.time_over("temperature.gpu > 85 for 3", gpu) == 0
+            assert demo.time_over("temperature.gpu > 80 for 5m", gpu) == 0
+    fired = {(a.rule, a.gpu) for a in demo.alerts}
+    assert ("temperature.gpu > 85 for 3", HOT_GPU) in fired
+    assert all(gpu == HOT_GPU for _, gpu in fired)
+    # it throttled while hot, and the report says so
+    assert any(f.kind == "throttle" and f.gpus == (HOT_GPU,) for f in demo.findings)
+    # the sustained-heat rule (80 C for 5 minutes) did not hold long enough to fire
+    assert ("temperature.gpu > 80 for 5m", HOT_GPU) not in fired
+
+
+def test_statistics_per_gpu(demo):
+    temp5 = next(s for s in demo.stats if s.field == "temperature.gpu" and s.gpu == HOT_GPU)
+    assert temp5.max > 85 and temp5.p95 > 85 and temp5.mean < temp5.p95 <= temp5.max
+    util = [s for s in demo.stats if s.field == "utilization.gpu"]
+    assert len(util) == 8
+    assert all(60 < s.mean < 90 and s.max <= 100 for s in util)
+    pdi = next(s for s in demo.stats if s.field == "power.draw.instant" and s.gpu == 2)
+    assert pdi.missing == 2  # the two [N/A] cells of the recording
+    assert demo.constants["memory.total"] == dict.fromkeys(range(8), 81559)
+    assert demo.sweeps == 600
+    assert demo.interval == pytest.approx(1.0, abs=0.01)
+
+
+def test_text_report(demo):
+    text = demo.to_text()
+    assert text.startswith("demo-8gpu.csv: 8 GPUs, 600 samples each, 2026-03-14 09:30:00")
+    assert "[critical] GPU 5 was over 85 C" in text
+    assert "check the input pipeline, e.g. prefetching and TFRecord" in text
+    assert "utilization.gpu [%]" in text
+    # findings come most severe first
+    lines = [ln for ln in text.splitlines() if ln.startswith("  [")]
+    assert lines[0].startswith("  [critical]")
+
+
+def test_json_report(demo):
+    doc = json.loads(demo.to_json())
+    assert doc["gpus"] == list(range(8))
+    assert len(doc["stalls"]) == 8
+    assert doc["stalls"][0]["start"].startswith("2026-03-14T09:35:00")
+    assert {f["kind"] for f in doc["findings"]} >= {"hot", "stall_together"}
+    assert doc["rules"] == list(DEFAULT_RULES)
+    stat = next(s for s in doc["stats"] if s["field"] == "temperature.gpu" and s["gpu"] == 5)
+    assert set(stat) >= {"mean", "p95", "max"}
+
+
+def test_markdown_report(demo):
+    md = demo.to_markdown()
+    assert md.startswith("# GPU report: demo-8gpu.csv")
+    assert "| GPU | start | length | mean util |" in md
+    assert "| temperature.gpu [C] |" in md
+    assert "- **critical**: GPU 5 was over 85 C" in md
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_jsonl_and_parquet_recordings_give_the_same_findings(tmp_path, suffix, demo):
+    pytest.importorskip("pyarrow")
+    path = tmp_path / f"demo{suffix}"
+    with replay(DEMO, speed=0) as source:
+        first = next(iter(source))
+        writer = open_recorder(path, [resolve_fields([n])[0] for n in first.fields])
+        writer.write(first)
+        for s in source:
+            writer.write(s)
+        writer.close()
+    other = analyze(path)
+    assert [(f.kind, f.gpus) for f in other.findings] == [(f.kind, f.gpus) for f in demo.findings]
+    assert [(s.gpu, round(s.seconds)) for s in other.stalls] == [(s.gpu, round(s.seconds)) for s in demo.stalls]
+
+
+def test_dataframe_input(demo):
+    from smiquery.frames import read_csv
+
+    other = analyze(read_csv(DEMO), name="frame")
+    assert other.source == "frame"
+    assert len(other.stalls) == len(demo.stalls)
+
+
+# ------------------------------------------------------------------------------------------- small cases
+
+
+def _write(path: Path, rows: list[tuple[int, int, str, str]], start: datetime | None = None) -> Path:
+    """rows: (second, gpu, utilization cell, memory.used cell)."""
+    t0 = start or datetime(2026, 1, 1, 12, 0, 0)
+    lines = ["timestamp, index, utilization.gpu [%], memory.used [MiB], temperature.gpu"]
+    for sec, gpu, util, mem in rows:
+        stamp = (t0 + timedelta(seconds=sec)).strftime("%Y/%m/%d %H:%M:%S.000")
+        lines.append(f"{stamp}, {gpu}, {util}, {mem}, 60")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_missing_values_do_not_split_a_stall(tmp_path):
+    rows = [
+        (s, 0, "90 %" if s < 10 or s >= 80 else ("[N/A]" if 40 <= s < 45 else "5 %"), "5000 MiB") for s in range(90)
+    ]
+    r = analyze(_write(tmp_path / "na.csv", rows))
+    assert len(r.stalls) == 1
+    assert r.stalls[0].seconds == pytest.approx(70)
+    assert r.findings[0].kind == "stall"
+    assert r.findings[0].verdict.startswith("GPU 0 spent 1 min 10 s under 20% utilization in 1 stretch")
+
+
+def test_a_gap_in_time_ends_a_stall_and_short_stretches_are_not_stalls(tmp_path):
+    # 25 s idle, a 10-minute hole (the recorder was stopped), 25 s idle: two stretches under the 30 s minimum
+    rows = [(s, 0, "5 %", "5000 MiB") for s in range(25)] + [(s, 0, "5 %", "5000 MiB") for s in range(625, 650)]
+    r = analyze(_write(tmp_path / "gap.csv", rows))
+    assert r.stalls == []
+    assert analyze(tmp_path / "gap.csv", min_stall=20).stalls[1].start.minute == 10
+
+
+def test_an_idle_gpu_without_memory_is_not_stalled(tmp_path):
+    rows = [(s, 0, "0 %", "1 MiB") for s in range(120)] + [(s, 1, "3 %", "9000 MiB") for s in range(120)]
+    r = analyze(_write(tmp_path / "idle.csv", rows))
+    assert [s.gpu for s in r.stalls] == [1]
+    assert [f.gpus for f in r.findings if f.kind == "stall"] == [(1,)]
+
+
+def test_custom_rules(tmp_path):
+    rows = [(s, 0, "95 %", f"{1000 + 100 * s} MiB") for s in range(60)]
+    r = analyze(_write(tmp_path / "mem.csv", rows), rules=["memory.used > 5000 for 10"])
+    assert r.rules == ("memory.used > 5000 for 10",)
+    assert r.time_over("memory.used > 5000 for 10", 0) == pytest.approx(19)  # seconds 41 to 59
+    assert [a.gpu for a in r.alerts] == [0]
+    assert not r.alerts[0].cleared  # still over at the end of the recording
+
+
+def test_nothing_to_report(tmp_path):
+    rows = [(s, g, "95 %", "5000 MiB") for s in range(60) for g in (0, 1)]
+    r = analyze(_write(tmp_path / "fine.csv", rows))
+    assert r.findings == []
+    assert "nothing to report" in r.to_text()
+
+
+def test_unreadable_recordings(tmp_path):
+    with pytest.raises(ReportError, match="not found"):
+        analyze(tmp_path / "missing.csv")
+    bad = tmp_path / "noindex.csv"
+    bad.write_text("timestamp, temperature.gpu\n2026/01/01 00:00:00.000, 50\n", encoding="utf-8")
+    with pytest.raises(ReportError, match="no index column"):
+        analyze(bad)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "0 s"), (45.4, "45 s"), (60, "1 min"), (90, "1 min 30 s"), (14 * 60, "14 min"), (7500, "2 h 5 min")],
+)
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+
+
+def _app() -> Any:
+    """The smiquery app when it has the analysis commands wired in; else a bare app with them."""
+    import typer
+
+    from smiquery import cli
+    from smiquery.cli_analysis import register
+
+    names = {c.name for c in cli.app.registered_commands}
+    if "report" in names:
+        return cli.app
+    app = typer.Typer()
+
+    @app.callback()
+    def root() -> None:
+        """Test root."""
+
+    register(app)
+    return app
+
+
+def test_cli_report_formats(tmp_path):
+    from typer.testing import CliRunner
+
+    app = _app()
+    text = CliRunner().invoke(app, ["report", str(DEMO)])
+    assert text.exit_code == 0, text.output
+    assert "GPU 5 was over 85 C" in text.stdout
+    md = CliRunner().invoke(app, ["report", str(DEMO), "--format", "markdown", "-o", str(tmp_path / "r.md")])
+    assert md.exit_code == 0
+    assert (tmp_path / "r.md").read_text().startswith("# GPU report")
+    js = CliRunner().invoke(app, ["report", str(DEMO), "-F", "json", "--min-stall", "2m"])
+    assert js.exit_code == 0
+    doc = json.loads(js.stdout)
+    assert doc["stalls"] == []  # the 90 s stall is under a 2 minute minimum
+    assert doc["min_stall_seconds"] == 120
+
+
+def test_cli_report_fail_on_and_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    app = _app()
+    assert CliRunner().invoke(app, ["report", str(DEMO), "--fail-on", "critical"]).exit_code == 6
+    fine = tmp_path / "fine.csv"
+    _write(fine, [(s, 0, "95 %", "5000 MiB") for s in range(60)])
+    assert CliRunner().invoke(app, ["report", str(fine), "--fail-on", "warning"]).exit_code == 0
+    missing = CliRunner().invoke(app, ["report", str(tmp_path / "nope.csv")])
+    assert missing.exit_code == 1
+    assert "not found" in missing.stderr
+    bad = CliRunner().invoke(app, ["report", str(DEMO), "--alert", "temperature.gpu >> 3"])
+    assert bad.exit_code == 2
+    assert "usage error" in bad.stderr
+    bad_stall = CliRunner().invoke(app, ["report", str(DEMO), "--min-stall", "soon"])
+    assert bad_stall.exit_code == 2
