@@ -41,10 +41,12 @@ if TYPE_CHECKING:
 __all__ = [
     "GpuProcess",
     "InfoRomWarning",
+    "LatestSweep",
     "Stream",
     "StreamEvent",
     "StreamStats",
     "Sweep",
+    "SweepGrouper",
     "build_argv",
     "get_gpu_status",
     "normalize_gpus",
@@ -223,6 +225,71 @@ class Sweep(tuple[GpuSample, ...]):
         return {s.index: s for s in self}
 
 
+class SweepGrouper:
+    """Groups samples into sweeps (one sample per GPU for one instant), for streams and replays alike.
+
+    A sweep is complete when it holds as many GPUs as the first complete sweep did (or ``expected``), or when a
+    GPU index repeats.
+
+    Args:
+        expected: the number of GPUs per sweep, when known in advance.
+    """
+
+    def __init__(self, expected: int = 0) -> None:
+        self.expected = expected
+        self._current: list[GpuSample] = []
+        self._seen: set[int | None] = set()
+
+    def feed(self, sample: GpuSample) -> list[Sweep]:
+        """Add one sample; returns the sweeps it completed (zero, one, or two for one-GPU sweeps)."""
+        done: list[Sweep] = []
+        idx = sample.index if "index" in sample else None
+        if idx in self._seen:
+            done.append(Sweep(self._current))
+            self.expected = self.expected or len(self._current)
+            self._current, self._seen = [], set()
+        self._current.append(sample)
+        self._seen.add(idx)
+        if self.expected and len(self._current) >= self.expected:
+            done.append(Sweep(self._current))
+            self._current, self._seen = [], set()
+        return done
+
+    def flush(self) -> Sweep | None:
+        """The unfinished sweep at the end of the input, if any."""
+        if not self._current:
+            return None
+        sweep = Sweep(self._current)
+        self._current, self._seen = [], set()
+        return sweep
+
+    @property
+    def pending(self) -> int:
+        """Samples waiting for their sweep to complete."""
+        return len(self._current)
+
+
+class LatestSweep:
+    """The newest complete sweep, published by the reading thread and read from any thread without blocking."""
+
+    _lock: threading.Lock
+    _latest: tuple[Sweep, float] | None
+    stats: StreamStats
+
+    def _publish(self, sweep: Sweep) -> None:
+        self.stats.sweeps += 1
+        with self._lock:
+            self._latest = (sweep, time.monotonic())
+
+    def latest(self) -> tuple[Sweep | None, float | None]:
+        """The newest complete sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
+        with self._lock:
+            got = self._latest
+        if got is None:
+            return None, None
+        return got[0], time.monotonic() - got[1]
+
+
 @dataclass(frozen=True)
 class StreamEvent:
     """Something that happened to a stream: ``restart``, ``error``, ``dropped_row``, ``gpu_lost``, ``gpu_back``.
@@ -273,7 +340,7 @@ class _ChildEndedError(NvidiaSmiFailedError):
     """The loop child exited 0, which a loop never does by itself."""
 
 
-class Stream:
+class Stream(LatestSweep):
     """One long-lived nvidia-smi in loop mode, parsed into samples and sweeps.
 
     Iterate it for samples (one per GPU per instant), or call :meth:`sweeps` for whole sweeps. Or call
@@ -508,40 +575,16 @@ class Stream:
         Args:
             count: stop after this many sweeps.
         """
-        current: list[GpuSample] = []
-        seen: set[int | None] = set()
+        grouper = SweepGrouper(self._expected)
         done = 0
         for s in self:
-            if s.index in seen:
-                yield from self._publish(current)
+            for sweep in grouper.feed(s):
+                self._expected = grouper.expected
+                self._publish(sweep)
+                yield sweep
                 done += 1
                 if count is not None and done >= count:
                     return
-                self._expected = self._expected or len(current)
-                current, seen = [], set()
-            current.append(s)
-            seen.add(s.index)
-            if self._expected and len(current) >= self._expected:
-                yield from self._publish(current)
-                done += 1
-                if count is not None and done >= count:
-                    return
-                current, seen = [], set()
-
-    def _publish(self, samples: list[GpuSample]) -> Iterator[Sweep]:
-        sweep = Sweep(samples)
-        self.stats.sweeps += 1
-        with self._lock:
-            self._latest = (sweep, time.monotonic())
-        yield sweep
-
-    def latest(self) -> tuple[Sweep | None, float | None]:
-        """The newest complete sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
-        with self._lock:
-            got = self._latest
-        if got is None:
-            return None, None
-        return got[0], time.monotonic() - got[1]
 
     def start(self) -> Stream:
         """Consume the stream in a background thread, so that :meth:`latest` stays fresh. Returns self."""

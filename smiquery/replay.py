@@ -19,7 +19,7 @@ from typing import IO, Any, Literal
 from smiquery.errors import InvalidFieldError, ParseError, SmiqueryError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
 from smiquery.parsing import CsvParser, format_value
-from smiquery.query import GpusArg, StreamStats, Sweep, normalize_gpus
+from smiquery.query import GpusArg, LatestSweep, StreamStats, Sweep, SweepGrouper, normalize_gpus
 from smiquery.records import GpuSample, Schema, Value
 
 __all__ = ["Replay", "ReplayError", "SweepGrouper", "detect_format", "replay", "sample_from_json"]
@@ -60,50 +60,6 @@ def detect_format(path: str | os.PathLike[str]) -> RecordingFormat:
     if head.startswith(b"PAR1"):
         return "parquet"
     return "jsonl" if head.startswith(b"{") else "csv"
-
-
-class SweepGrouper:
-    """Groups samples into sweeps exactly as :meth:`smiquery.query.Stream.sweeps` does.
-
-    A sweep is complete when it holds as many GPUs as the first complete sweep did (or ``expected``), or when a
-    GPU index repeats.
-
-    Args:
-        expected: the number of GPUs per sweep, when known in advance.
-    """
-
-    def __init__(self, expected: int = 0) -> None:
-        self.expected = expected
-        self._current: list[GpuSample] = []
-        self._seen: set[int | None] = set()
-
-    def feed(self, sample: GpuSample) -> list[Sweep]:
-        """Add one sample; returns the sweeps it completed (zero, one, or two for one-GPU sweeps)."""
-        done: list[Sweep] = []
-        idx = sample.index if "index" in sample else None
-        if idx in self._seen:
-            done.append(Sweep(self._current))
-            self.expected = self.expected or len(self._current)
-            self._current, self._seen = [], set()
-        self._current.append(sample)
-        self._seen.add(idx)
-        if self.expected and len(self._current) >= self.expected:
-            done.append(Sweep(self._current))
-            self._current, self._seen = [], set()
-        return done
-
-    def flush(self) -> Sweep | None:
-        """The unfinished sweep at the end of the input, if any."""
-        if not self._current:
-            return None
-        sweep = Sweep(self._current)
-        self._current, self._seen = [], set()
-        return sweep
-
-    @property
-    def pending(self) -> int:
-        """Samples waiting for their sweep to complete."""
-        return len(self._current)
 
 
 # ---------------------------------------------------------------------------------------------------- readers
@@ -264,7 +220,7 @@ def _read_parquet(path: str) -> Iterator[GpuSample]:
 # ----------------------------------------------------------------------------------------------------- replay
 
 
-class Replay:
+class Replay(LatestSweep):
     """A recording played back as a stream of samples, paced by its own timestamps.
 
     Iterate it for samples, or call :meth:`sweeps`. It offers the parts of :class:`~smiquery.query.Stream` a
@@ -493,19 +449,6 @@ class Replay:
         if last is not None:
             self._publish(last)
             yield last
-
-    def _publish(self, sweep: Sweep) -> None:
-        self.stats.sweeps += 1
-        with self._lock:
-            self._latest = (sweep, time.monotonic())
-
-    def latest(self) -> tuple[Sweep | None, float | None]:
-        """The newest complete sweep (from :meth:`sweeps`) and its age in seconds; ``(None, None)`` before one."""
-        with self._lock:
-            got = self._latest
-        if got is None:
-            return None, None
-        return got[0], time.monotonic() - got[1]
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop: wake a paced wait and end the iteration. Safe from any thread; idempotent."""

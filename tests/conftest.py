@@ -10,6 +10,7 @@ from typing import Protocol
 import pytest
 
 from smiquery.testing import fake_nvidia_smi
+from tests.corpus import require_corpus
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -57,9 +58,4 @@ def corpus_dir() -> Path:
 
     Skips when the corpus is absent, except under ``CI=true``, where a missing corpus fails the test.
     """
-    path = Path(__file__).parents[1].parent / "shared" / "nvsmi-corpus"
-    if not path.is_dir():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the nvidia-smi corpus is missing at {path}; CI must run the corpus tests")
-        pytest.skip(f"the nvidia-smi corpus is not available at {path}")
-    return path
+    return require_corpus()

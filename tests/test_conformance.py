@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from datetime import datetime
 from functools import cache
@@ -17,18 +16,10 @@ from smiquery import frames
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, parse_help_query_gpu
 from smiquery.parsing import CsvParser, missing_reason
 from smiquery.records import GpuSample
+from tests.corpus import require_corpus as _corpus_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CSV_DIRS = ("csv", "csv-loop", "issue-snippets")
-
-
-def _corpus_dir() -> Path:
-    path = ROOT.parent / "shared" / "nvsmi-corpus"
-    if not path.is_dir():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the nvsmi corpus is missing at {path}; CI must run with shared/ beside the checkout")
-        pytest.skip(f"the nvsmi corpus is not at {path} (it lives in shared/ beside the checkout)")
-    return path
 
 
 def _corpus_files(*dirs: str, pattern: str = "*.csv") -> list[Path]:

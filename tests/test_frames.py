@@ -19,19 +19,11 @@ from smiquery.errors import ParseError
 from smiquery.fields import get_field, resolve_fields
 from smiquery.parsing import CsvParser, format_row, header_line, parse_lines
 from smiquery.records import GpuSample, Schema
+from tests.corpus import require_corpus as _corpus_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 UTC = timezone.utc
 BERLIN = ZoneInfo("Europe/Berlin")
-
-
-def _corpus_dir() -> Path:
-    path = ROOT.parent / "shared" / "nvsmi-corpus"
-    if not path.is_dir():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the nvsmi corpus is missing at {path}; CI must run with shared/ beside the checkout")
-        pytest.skip(f"the nvsmi corpus is not at {path} (it lives in shared/ beside the checkout)")
-    return path
 
 
 # Every value kind, with a unit, a large counter and a bitmask.
