@@ -43,6 +43,7 @@ def __getattr__(name: str) -> object:
     globals()[name] = value
     return value
 
+
 __all__ = [
     "CATALOGUE",
     "PRESETS",
