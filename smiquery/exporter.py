@@ -1,5 +1,7 @@
-"""Prometheus exporter: :class:`SmiCollector` turns the newest sweep of ONE background :func:`~smiquery.stream`
-into metric families, and :func:`serve` publishes them over HTTP(S) on ``/metrics`` with ``/healthz``.
+"""Prometheus exporter: metric families from the newest sweep of ONE background stream, served over HTTP(S).
+
+:class:`SmiCollector` turns the newest sweep of a background :func:`~smiquery.stream` into metric families, and
+:func:`serve` publishes them on ``/metrics`` with ``/healthz``.
 
 A scrape never starts nvidia-smi: it reads :meth:`Stream.latest`. Needs ``prometheus_client``
 (``pip install 'smiquery[export]'``); the rest of smiquery does not import this module.
@@ -513,18 +515,28 @@ class SweepSource(Protocol):
     """What the collector reads: a started :class:`~smiquery.query.Stream` (or a stand-in in tests)."""
 
     @property
-    def interval(self) -> float: ...
+    def interval(self) -> float:
+        """Seconds between samples."""
+        ...
 
     @property
-    def stats(self) -> StreamStats: ...
+    def stats(self) -> StreamStats:
+        """The stream's counters."""
+        ...
 
     @property
-    def running(self) -> bool: ...
+    def running(self) -> bool:
+        """True while the stream's thread is alive."""
+        ...
 
     @property
-    def error(self) -> BaseException | None: ...
+    def error(self) -> BaseException | None:
+        """The error that ended the stream, if any."""
+        ...
 
-    def latest(self) -> tuple[Sweep | None, float | None]: ...
+    def latest(self) -> tuple[Sweep | None, float | None]:
+        """The newest sweep and its age in seconds."""
+        ...
 
 
 def _gauge(name: str, doc: str) -> Metric:

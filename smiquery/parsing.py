@@ -1,6 +1,6 @@
-"""Pure parsing of nvidia-smi ``--format=csv`` output: lines in, :class:`GpuSample` records out.
+r"""Pure parsing of nvidia-smi ``--format=csv`` output: lines in, :class:`GpuSample` records out.
 
-No subprocess, no pandas. Handles header or no header, units or no units, status tokens, ``\\r``, blank lines,
+No subprocess, no pandas. Handles header or no header, units or no units, status tokens, ``\r``, blank lines,
 stray notice lines, and rejects any row that does not fit with a :class:`ParseError`.
 """
 

@@ -68,6 +68,7 @@ class GpuSample(tuple):  # type: ignore[type-arg]
         missing: Mapping[str, str] | None = None,
         gpu_lost: bool = False,
     ) -> GpuSample:
+        """Build a sample; ``values`` and ``raw`` hold one entry per field of ``schema``."""
         if len(values) != len(schema.names) or len(raw) != len(schema.names):
             raise ValueError("a GpuSample needs one value and one raw cell per field")
         return tuple.__new__(cls, (schema, values, raw, missing or None, gpu_lost))

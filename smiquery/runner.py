@@ -65,11 +65,11 @@ def _check_executable(path: str, origin: str) -> str:
 
 
 def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None) -> str:
-    """Locate the nvidia-smi binary.
+    r"""Locate the nvidia-smi binary.
 
     Order: the ``nvidia_smi`` argument, the ``SMIQUERY_NVIDIA_SMI`` environment variable, ``PATH``, then the
     usual places (``/usr/bin``, ``/usr/local/nvidia/bin`` used by container runtimes, WSL's ``/usr/lib/wsl/lib``,
-    and on Windows ``%SystemRoot%\\System32`` and ``%ProgramFiles%\\NVIDIA Corporation\\NVSMI``).
+    and on Windows ``%SystemRoot%\System32`` and ``%ProgramFiles%\NVIDIA Corporation\NVSMI``).
 
     Args:
         nvidia_smi: an explicit path (or a bare command name looked up on PATH).
