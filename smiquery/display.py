@@ -233,7 +233,31 @@ class SampleWriter(Protocol):
         ...
 
 
-class CsvWriter:
+class _LineWriter:
+    """Writes whole lines, one write call each, flushed per line when asked; closes ``out`` when it owns it."""
+
+    def __init__(self, out: IO[str], *, flush: bool = True, owns: bool = False) -> None:
+        self.out = out
+        self.flush = flush
+        self.owns = owns
+        self.rows = 0
+
+    def _line(self, text: str) -> None:
+        self.out.write(text)
+        self.rows += 1
+        if self.flush:
+            self.out.flush()
+
+    def close(self) -> None:
+        """Flush (and close the file when it was opened for this writer)."""
+        try:
+            self.out.flush()
+        finally:
+            if self.owns:
+                self.out.close()
+
+
+class CsvWriter(_LineWriter):
     """Writes samples in nvidia-smi's own ``--format=csv`` layout: the header with units, then one line per sample.
 
     ``smiquery.read_csv``, ``--replay`` and :class:`~smiquery.CsvParser` read the result back.
@@ -246,11 +270,8 @@ class CsvWriter:
     """
 
     def __init__(self, out: IO[str], fields: Sequence[Field], *, flush: bool = True, owns: bool = False) -> None:
-        self.out = out
+        super().__init__(out, flush=flush, owns=owns)
         self.fields = tuple(fields)
-        self.flush = flush
-        self.owns = owns
-        self.rows = 0
         self._header_done = False
 
     def header(self) -> None:
@@ -267,21 +288,10 @@ class CsvWriter:
         if not self._header_done:
             self._header_done = True
             line = header_line(self.fields) + "\n" + line
-        self.out.write(line)
-        self.rows += 1
-        if self.flush:
-            self.out.flush()
-
-    def close(self) -> None:
-        """Flush (and close the file when it was opened for this writer)."""
-        try:
-            self.out.flush()
-        finally:
-            if self.owns:
-                self.out.close()
+        self._line(line)
 
 
-class JsonlWriter:
+class JsonlWriter(_LineWriter):
     """Writes one JSON object per sample and line: field names as keys, ISO 8601 times, null for missing.
 
     A ``"_missing"`` object gives the reason of each missing value. :func:`smiquery.replay.replay` reads it back.
@@ -292,26 +302,9 @@ class JsonlWriter:
         owns: close ``out`` on :meth:`close`.
     """
 
-    def __init__(self, out: IO[str], *, flush: bool = True, owns: bool = False) -> None:
-        self.out = out
-        self.flush = flush
-        self.owns = owns
-        self.rows = 0
-
     def write(self, sample: GpuSample) -> None:
         """Write one sample as one complete line."""
-        self.out.write(json.dumps(sample_to_json(sample), separators=(", ", ": ")) + "\n")
-        self.rows += 1
-        if self.flush:
-            self.out.flush()
-
-    def close(self) -> None:
-        """Flush (and close the file when it was opened for this writer)."""
-        try:
-            self.out.flush()
-        finally:
-            if self.owns:
-                self.out.close()
+        self._line(json.dumps(sample_to_json(sample), separators=(", ", ": ")) + "\n")
 
 
 class ParquetWriter:
