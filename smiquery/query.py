@@ -14,7 +14,7 @@ import time
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
 from typing import TYPE_CHECKING, Any, cast
@@ -280,6 +280,23 @@ class LatestSweep:
         self.stats.sweeps += 1
         with self._lock:
             self._latest = (sweep, time.monotonic())
+
+    def _group(
+        self, samples: Iterable[GpuSample], grouper: SweepGrouper, count: int | None, *, flush: bool
+    ) -> Iterator[Sweep]:
+        """Group ``samples`` into sweeps, publishing each; stop after ``count``; ``flush`` yields a last partial one."""
+        done = 0
+        for sample in samples:
+            for sweep in grouper.feed(sample):
+                self._publish(sweep)
+                yield sweep
+                done += 1
+                if count is not None and done >= count:
+                    return
+        last = grouper.flush() if flush else None
+        if last is not None:
+            self._publish(last)
+            yield last
 
     def latest(self) -> tuple[Sweep | None, float | None]:
         """The newest complete sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
@@ -576,15 +593,10 @@ class Stream(LatestSweep):
             count: stop after this many sweeps.
         """
         grouper = SweepGrouper(self._expected)
-        done = 0
-        for s in self:
-            for sweep in grouper.feed(s):
-                self._expected = grouper.expected
-                self._publish(sweep)
-                yield sweep
-                done += 1
-                if count is not None and done >= count:
-                    return
+        try:
+            yield from self._group(self, grouper, count, flush=False)
+        finally:
+            self._expected = grouper.expected  # later sweeps() calls complete their first sweep at once
 
     def start(self) -> Stream:
         """Consume the stream in a background thread, so that :meth:`latest` stays fresh. Returns self."""

@@ -436,19 +436,7 @@ class Replay(LatestSweep):
         Args:
             count: stop after this many sweeps.
         """
-        grouper = SweepGrouper(self.gpu_count)
-        done = 0
-        for sample in self:
-            for sweep in grouper.feed(sample):
-                self._publish(sweep)
-                yield sweep
-                done += 1
-                if count is not None and done >= count:
-                    return
-        last = grouper.flush()
-        if last is not None:
-            self._publish(last)
-            yield last
+        return self._group(self, SweepGrouper(self.gpu_count), count, flush=True)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop: wake a paced wait and end the iteration. Safe from any thread; idempotent."""
