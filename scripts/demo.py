@@ -11,7 +11,7 @@ import subprocess
 import sys
 from importlib import resources
 
-from smiquery.query import get_gpu_status
+from smiquery.oneshot import get_gpu_status
 
 
 def main() -> int:

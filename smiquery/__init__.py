@@ -12,25 +12,16 @@ from smiquery.errors import (
     SmiqueryError,
 )
 from smiquery.fields import CATALOGUE, PRESETS, Field, Kind, get_field, parse_help_query_gpu, resolve_fields
+from smiquery.oneshot import GpuProcess, get_gpu_status, processes, processes_df, query, query_df
 from smiquery.parsing import CsvParser, parse_lines
-from smiquery.query import (
-    GpuProcess,
-    Stream,
-    StreamEvent,
-    Sweep,
-    get_gpu_status,
-    processes,
-    processes_df,
-    query,
-    query_df,
-    stream,
-)
 from smiquery.records import GpuSample
+from smiquery.source import StreamEvent, Sweep
+from smiquery.supervisor import Stream, stream
 
 __version__ = "0.1.0"
 
 # pandas is imported only when these are first used: `import smiquery` stays light.
-_LAZY = {"read_csv": "smiquery.frames", "to_dataframe": "smiquery.frames", "replay": "smiquery.replay"}
+_LAZY = {"read_csv": "smiquery.frames", "to_dataframe": "smiquery.frames", "replay": "smiquery.playback"}
 
 
 def __getattr__(name: str) -> object:

@@ -63,9 +63,9 @@ from smiquery.fields import PRESETS, Field, get_field, resolve_fields
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent
     from smiquery.display import LiveTable, SampleWriter
-    from smiquery.query import Stream
+    from smiquery.playback import Replay
     from smiquery.records import GpuSample
-    from smiquery.replay import Replay
+    from smiquery.supervisor import Stream
 
 __all__ = ["EXIT_CODES", "app", "exit_code_for", "main"]
 
@@ -272,7 +272,7 @@ def _fields(spec: str | None, extra: Sequence[Field] = ()) -> tuple[Field, ...]:
 
 
 def _gpus(spec: str | None) -> tuple[str, ...] | None:
-    from smiquery.query import normalize_gpus
+    from smiquery.oneshot import normalize_gpus
 
     if spec is None:
         return None
@@ -420,7 +420,7 @@ def _run_query(settings: Settings, fields: str | None, gpus: str | None, fmt: Fo
         flds = _fields(fields)
         ids = _gpus(gpus)
         form = _format(fmt, list(Format), sys.stdout)
-        from smiquery.query import query as run_query
+        from smiquery.oneshot import query as run_query
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -477,7 +477,7 @@ def ps(ctx: typer.Context, gpus: GpusOpt = None, fmt: FormatOpt = None) -> None:
     with _boundary(settings):
         ids = _gpus(gpus)
         form = _format(fmt, list(Format), sys.stdout)
-        from smiquery.query import processes
+        from smiquery.oneshot import processes
 
         procs = processes(gpus=ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
         keys = ("gpu_index", "gpu_uuid", "pid", "process_name", "used_memory")
@@ -729,7 +729,7 @@ def doctor_checks(settings: Settings) -> list[Check]:
         The checks, in order; none raises.
     """
     from smiquery.errors import failure_from_exit
-    from smiquery.query import query as run_query
+    from smiquery.oneshot import query as run_query
     from smiquery.runner import SubprocessRunner, find_nvidia_smi
 
     checks: list[Check] = []
@@ -1250,7 +1250,7 @@ def _stream(
     flds: tuple[Field, ...]
     pump_stop = threading.Event()
     if replay_path is not None:
-        from smiquery.replay import Replay, ReplayError
+        from smiquery.playback import Replay, ReplayError
 
         wanted: tuple[Field, ...] | None = _fields(fields, rule_fields) if fields is not None else None
         if wanted is None:
@@ -1277,7 +1277,7 @@ def _stream(
         flds = source.fields
         title = f"smiquery stream · replay {replay_path.name} at {speed:g}x" if speed else f"replay {replay_path.name}"
     else:
-        from smiquery.query import Stream
+        from smiquery.supervisor import Stream
 
         flds = _fields(fields, rule_fields)
 
@@ -1348,7 +1348,7 @@ def _pump_loop(
     Returns:
         The exit code (0, 6, 130 or 143); a source failure is raised after the outputs are closed.
     """
-    from smiquery.replay import SweepGrouper
+    from smiquery.playback import SweepGrouper
 
     grouper = SweepGrouper(getattr(source, "gpu_count", 0) or 0)
     pump = _Pump(source, stop_event)

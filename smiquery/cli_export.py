@@ -22,7 +22,7 @@ import typer
 
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError, NvidiaSmiNotFoundError, SmiqueryError
 from smiquery.fields import resolve_fields
-from smiquery.query import normalize_gpus
+from smiquery.oneshot import normalize_gpus
 
 __all__ = ["Naming", "app", "export", "register"]
 

@@ -35,13 +35,16 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 from smiquery import __version__
 from smiquery.errors import SmiqueryError
 from smiquery.fields import Field, Kind, resolve_fields
-from smiquery.query import GpuProcess, Sweep, normalize_gpus, processes, stream
+from smiquery.oneshot import GpuProcess, normalize_gpus, processes
+from smiquery.source import Sweep
+from smiquery.supervisor import stream
 
 if TYPE_CHECKING:
     import os
 
-    from smiquery.query import GpusArg, StreamStats
+    from smiquery.oneshot import GpusArg
     from smiquery.records import GpuSample, Value
+    from smiquery.source import StreamStats
 
 __all__ = [
     "DCGM_MAP",
@@ -512,7 +515,7 @@ class ProcessPoller:
 
 
 class SweepSource(Protocol):
-    """What the collector reads: a started :class:`~smiquery.query.Stream` (or a stand-in in tests)."""
+    """What the collector reads: a started :class:`~smiquery.supervisor.Stream` (or a stand-in in tests)."""
 
     @property
     def interval(self) -> float:
@@ -1079,7 +1082,7 @@ class Exporter:
 
     Attributes:
         collector: the :class:`SmiCollector` behind ``/metrics``.
-        stream: the background :class:`~smiquery.query.Stream`.
+        stream: the background :class:`~smiquery.supervisor.Stream`.
         poller: the :class:`ProcessPoller`, when ``processes=True``.
     """
 

@@ -30,8 +30,9 @@ from smiquery.notify import AlertHandler, LogHandler, Notifier
 from smiquery.report import DEFAULT_RULES
 
 if TYPE_CHECKING:
-    from smiquery.query import Stream, StreamEvent, Sweep
     from smiquery.records import GpuSample
+    from smiquery.source import StreamEvent, Sweep
+    from smiquery.supervisor import Stream
 
 __all__ = ["GpuMonitor", "TrainingAlert", "VisibleDevices", "visible_devices"]
 
@@ -471,7 +472,7 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
         log.log(level, "smiquery: %s", message)
 
     def _start_stream(self) -> None:
-        from smiquery.query import stream
+        from smiquery.supervisor import stream
 
         self._cuda = visible_devices()
         if self.gpus_override is not None:

@@ -64,7 +64,7 @@ class ReportError(SmiqueryError, ValueError):
 def load_recording(source: str | os.PathLike[str] | pd.DataFrame) -> pd.DataFrame:
     """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`.
 
-    CSV goes through :func:`smiquery.frames.read_csv`, JSONL through :func:`smiquery.replay.replay`, Parquet
+    CSV goes through :func:`smiquery.frames.read_csv`, JSONL through :func:`smiquery.playback.replay`, Parquet
     through ``pandas.read_parquet`` (the writer keeps the same columns and attrs).
 
     Args:
@@ -81,7 +81,7 @@ def load_recording(source: str | os.PathLike[str] | pd.DataFrame) -> pd.DataFram
     if isinstance(source, pd.DataFrame):
         df = source
     else:
-        from smiquery.replay import ReplayError, detect_format
+        from smiquery.playback import ReplayError, detect_format
 
         path = os.fspath(source)
         if not os.path.isfile(path):
@@ -96,7 +96,7 @@ def load_recording(source: str | os.PathLike[str] | pd.DataFrame) -> pd.DataFram
                 df = pd.read_parquet(path)
             else:
                 from smiquery.frames import to_dataframe
-                from smiquery.replay import replay
+                from smiquery.playback import replay
 
                 with replay(path, speed=0) as rec:
                     df = to_dataframe(rec)

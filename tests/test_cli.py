@@ -27,8 +27,8 @@ from typer.testing import CliRunner
 from smiquery import PRESETS
 from smiquery.cli import app, exit_code_for, main
 from smiquery.parsing import CsvParser
+from smiquery.playback import replay
 from smiquery.records import GpuSample
-from smiquery.replay import replay
 from smiquery.testing import FAULTS
 from tests.conftest import MakeFake
 

@@ -38,8 +38,9 @@ from smiquery.exporter import (
     serve,
 )
 from smiquery.fields import CATALOGUE, Kind, resolve_fields
-from smiquery.query import StreamStats, Sweep, stream
 from smiquery.records import GpuSample, Schema
+from smiquery.source import StreamStats, Sweep
+from smiquery.supervisor import stream
 from tests.leakcheck import no_leaks, wait_no_children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +149,7 @@ def labels_of(rec: dict[int, dict[str, str]], gpu: int, **extra: str) -> dict[st
 def test_core_import_does_not_need_prometheus_client():
     code = (
         "import sys; sys.modules['prometheus_client'] = None\n"  # as if it were not installed
-        "import smiquery, smiquery.cli_export, smiquery.query\n"
+        "import smiquery, smiquery.cli_export, smiquery.oneshot\n"
         "assert 'smiquery.exporter' not in sys.modules\n"
         "try:\n"
         "    import smiquery.exporter\n"
@@ -949,7 +950,7 @@ def test_docs_list_every_native_metric_and_health_metric():
 
 
 def test_a_process_listed_twice_on_one_gpu_is_one_series():
-    from smiquery.query import GpuProcess
+    from smiquery.oneshot import GpuProcess
 
     col = SmiCollector(FrozenSource(), fields=list(CATALOGUE))
     rows = [

@@ -174,7 +174,7 @@ def test_save_plot_formats_and_field_choice(tmp_path):
 def test_jsonl_recordings_plot_too(tmp_path):
     from smiquery.display import open_recorder
     from smiquery.fields import resolve_fields
-    from smiquery.replay import replay
+    from smiquery.playback import replay
 
     path = tmp_path / "demo.jsonl"
     with replay(DEMO, speed=0, fields="default") as source:

@@ -13,7 +13,7 @@ import pytest
 
 import smiquery
 from smiquery import errors
-from smiquery.query import InfoRomWarning, get_gpu_status, normalize_gpus, processes, processes_df, query, query_df
+from smiquery.oneshot import InfoRomWarning, get_gpu_status, normalize_gpus, processes, processes_df, query, query_df
 from smiquery.runner import SubprocessRunner, find_nvidia_smi
 from smiquery.testing import fake_nvidia_smi
 from tests.leakcheck import no_leaks

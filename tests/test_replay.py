@@ -15,9 +15,9 @@ from smiquery.display import CsvWriter, JsonlWriter, ParquetWriter
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import get_field
 from smiquery.parsing import CsvParser
-from smiquery.query import stream
+from smiquery.playback import Replay, ReplayError, SweepGrouper, detect_format, replay, sample_from_json
 from smiquery.records import GpuSample, Schema
-from smiquery.replay import Replay, ReplayError, SweepGrouper, detect_format, replay, sample_from_json
+from smiquery.supervisor import stream
 
 DEMO = Path(str(resources.files("smiquery") / "data" / "demo-8gpu.csv"))
 
@@ -141,7 +141,7 @@ def test_long_gaps_are_skipped(tmp_path):
 def _shift(s: GpuSample, hours: float) -> GpuSample:
     from datetime import timedelta
 
-    from smiquery.replay import _with_timestamp
+    from smiquery.playback import _with_timestamp
 
     assert s.timestamp is not None
     return _with_timestamp(s, s.timestamp + timedelta(hours=hours))

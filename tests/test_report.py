@@ -11,7 +11,7 @@ import pytest
 
 from smiquery.display import open_recorder
 from smiquery.fields import resolve_fields
-from smiquery.replay import replay
+from smiquery.playback import replay
 from smiquery.report import DEFAULT_RULES, Report, ReportError, analyze, format_duration
 
 DEMO = Path(__file__).parents[1] / "smiquery" / "data" / "demo-8gpu.csv"

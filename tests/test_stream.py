@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from smiquery import errors
-from smiquery.query import Stream, StreamEvent, stream
+from smiquery.source import StreamEvent
+from smiquery.supervisor import Stream, stream
 from tests.leakcheck import no_leaks, wait_no_children
 
 

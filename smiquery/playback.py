@@ -1,7 +1,7 @@
 """Recordings as a sample source: CSV (nvidia-smi's format), JSONL and Parquet, paced like the original run.
 
 :func:`replay` gives the samples of a recording one by one (and :meth:`Replay.sweeps` groups them the way
-:meth:`smiquery.query.Stream.sweeps` does), so anything that consumes a live stream can consume a recording.
+:meth:`smiquery.supervisor.Stream.sweeps` does), so anything that consumes a live stream can consume a recording.
 CSV and JSONL are read line by line with the pure parser; pandas and pyarrow are imported only for Parquet.
 """
 
@@ -18,9 +18,10 @@ from typing import IO, Any, Literal
 
 from smiquery.errors import InvalidFieldError, ParseError, SmiqueryError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
+from smiquery.oneshot import GpusArg, normalize_gpus
 from smiquery.parsing import CsvParser, format_value
-from smiquery.query import GpusArg, LatestSweep, StreamStats, Sweep, SweepGrouper, normalize_gpus
 from smiquery.records import GpuSample, Schema, Value
+from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
 
 __all__ = ["Replay", "ReplayError", "SweepGrouper", "detect_format", "replay", "sample_from_json"]
 
@@ -223,7 +224,7 @@ def _read_parquet(path: str) -> Iterator[GpuSample]:
 class Replay(LatestSweep):
     """A recording played back as a stream of samples, paced by its own timestamps.
 
-    Iterate it for samples, or call :meth:`sweeps`. It offers the parts of :class:`~smiquery.query.Stream` a
+    Iterate it for samples, or call :meth:`sweeps`. It offers the parts of :class:`~smiquery.supervisor.Stream` a
     consumer needs (``stats``, ``latest()``, ``close()``, ``fields``), so code can take either. See
     :func:`replay` for the arguments.
     """
