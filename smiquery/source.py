@@ -9,19 +9,54 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from smiquery.records import GpuSample
 
-__all__ = ["LatestSweep", "StreamEvent", "StreamStats", "Sweep", "SweepGrouper"]
+if TYPE_CHECKING:
+    from smiquery.fields import Field
+
+__all__ = [
+    "EventKind",
+    "LatestSweep",
+    "SampleSource",
+    "SourceState",
+    "StreamEvent",
+    "StreamStats",
+    "Sweep",
+    "SweepGrouper",
+]
 
 
 class Sweep(tuple[GpuSample, ...]):
-    """All GPUs' samples for one instant (one iteration of nvidia-smi's loop), in nvidia-smi's order."""
+    """All GPUs' samples for one instant (one iteration of nvidia-smi's loop), in nvidia-smi's order.
 
-    __slots__ = ()
+    A sweep never mixes instants. It may be short: ``missing`` names the GPU indices the source knows of that
+    have no row in it (a cut sweep, a dropped row, a GPU that dropped out), and ``complete`` is False then.
+
+    Attributes:
+        missing: indices of known GPUs absent from this sweep.
+        damaged: True when a row inside this sweep was rejected by the parser or the child ended mid-sweep.
+    """
+
+    missing: frozenset[int]
+    damaged: bool
+
+    def __new__(  # noqa: D102
+        cls, samples: Iterable[GpuSample] = (), *, missing: Iterable[int] = (), damaged: bool = False
+    ) -> Sweep:
+        self = super().__new__(cls, samples)
+        self.missing = frozenset(missing)
+        self.damaged = damaged
+        return self
+
+    @property
+    def complete(self) -> bool:
+        """True when every known GPU has its row and no row of this instant was dropped."""
+        return not self.missing and not self.damaged
 
     @property
     def timestamp(self) -> datetime | None:
@@ -115,43 +150,128 @@ class LatestSweep:
         return got[0], time.monotonic() - got[1]
 
 
+EventKind = Literal["restart", "error", "recovered", "dropped_row", "short_sweep", "gpu_lost", "gpu_back"]
+
+
 @dataclass(frozen=True)
 class StreamEvent:
-    """Something that happened to a stream: ``restart``, ``error``, ``dropped_row``, ``gpu_lost``, ``gpu_back``.
+    """Something that happened to a source.
+
+    Kinds: ``restart`` (a child is about to be started again; ``detail`` says when and why), ``error`` (a
+    failure, ``error`` holds it), ``recovered`` (data flows again after errors), ``dropped_row`` (a line the
+    parser rejected), ``short_sweep`` (a sweep without all known GPUs), ``gpu_lost`` and ``gpu_back``.
 
     Attributes:
         kind: what happened.
         error: the error behind it, if any.
         detail: one line for people.
         gpu: the GPU index concerned, if any.
+        uuid: that GPU's UUID, when known.
     """
 
     kind: str
     error: BaseException | None = None
     detail: str = ""
     gpu: int | None = None
+    uuid: str | None = None
+
+
+SourceState = Literal["starting", "running", "retrying", "ended", "closed", "failed"]
 
 
 @dataclass
 class StreamStats:
-    """Counters of a stream, for monitors and exporters.
+    """Counters and retry state of a source, for monitors and exporters (read from any thread).
 
     Attributes:
         rows: samples delivered.
-        sweeps: complete sweeps seen.
+        sweeps: sweeps published (complete or short).
+        short_sweeps: sweeps published without all known GPUs, or with a dropped row inside.
         restarts: nvidia-smi children restarted after a failure.
         starts: nvidia-smi children started in all.
-        dropped_rows: rows rejected by the parser (garbage, truncated, wrong column count).
+        dropped_rows: lines rejected by the parser (garbage, truncated, wrong column count).
         errors: failures by error class name.
-        lost_gpus: indices currently reported as ``[GPU is lost]``.
+        lost_gpus: indices currently lost: ``[GPU is lost]`` cells, nvidia-smi's "GPU is lost" message, or rows
+            that stopped appearing.
+        gpu_lost_events: how many times a GPU was found lost.
+        known_gpus: every GPU index seen, with its UUID when ``uuid`` is queried.
         last_error: the newest failure, as one line.
+        last_error_type: its exception class name.
+        state: ``starting``, ``running``, ``retrying`` (waiting to start again), ``ended`` (a finite source is
+            done), ``closed`` or ``failed`` (gave up; ``error`` on the source says why).
+        attempt: failed starts in the current failure streak (0 while healthy).
+        next_retry_at: wall-clock time (``time.time()``) of the next start while retrying, else None.
+        permanent: True while the current failure is one that needs a person (driver mismatch, NVML missing...).
     """
 
     rows: int = 0
     sweeps: int = 0
+    short_sweeps: int = 0
     restarts: int = 0
     starts: int = 0
     dropped_rows: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     lost_gpus: set[int] = field(default_factory=set)
+    gpu_lost_events: int = 0
+    known_gpus: dict[int, str | None] = field(default_factory=dict)
     last_error: str | None = None
+    last_error_type: str | None = None
+    state: SourceState = "starting"
+    attempt: int = 0
+    next_retry_at: float | None = None
+    permanent: bool = False
+
+
+@runtime_checkable
+class SampleSource(Protocol):
+    """Anything that delivers samples over time; consumers (CLI, exporter, training monitors) use only this.
+
+    Implemented by a live :class:`~smiquery.supervisor.Stream` and a :class:`~smiquery.playback.Replay`.
+
+    Iterate it for samples (one per GPU per instant), call :meth:`sweeps` for whole instants, or :meth:`start`
+    it in a background thread and read :meth:`latest` from any thread. ``stats`` is always readable;
+    :meth:`subscribe` hears each :class:`StreamEvent`. Use it as a context manager (or call :meth:`close`).
+    """
+
+    fields: tuple[Field, ...]
+    stats: StreamStats
+
+    def __iter__(self) -> Iterator[GpuSample]: ...
+
+    def sweeps(self, count: int | None = None) -> Iterator[Sweep]:
+        """Yield sweeps (one instant each), stopping after ``count``."""
+        ...
+
+    def latest(self) -> tuple[Sweep | None, float | None]:
+        """The newest sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
+        ...
+
+    def start(self) -> SampleSource:
+        """Consume in a background thread so :meth:`latest` stays fresh; returns self."""
+        ...
+
+    def subscribe(self, callback: Callable[[StreamEvent], None]) -> Callable[[], None]:
+        """Call ``callback`` with every event (off the caller's thread, never raising into the source).
+
+        Returns:
+            A function that unsubscribes.
+        """
+        ...
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop within ``timeout`` seconds: children reaped, background thread ended. Idempotent, any thread."""
+        ...
+
+    @property
+    def running(self) -> bool:
+        """True while a background consumer thread is alive."""
+        ...
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that ended the source, if any."""
+        ...
+
+    def __enter__(self) -> SampleSource: ...
+
+    def __exit__(self, *exc: object) -> None: ...
