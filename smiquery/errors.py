@@ -9,6 +9,7 @@
     ├── NvidiaSmiNotFoundError               binary missing or not executable; never retried
     ├── NvidiaSmiTimeoutError                no answer, or no row within the stall timeout
     └── NvidiaSmiFailedError                 non-zero exit: argv, returncode, output
+        ├── StreamEndedError                 a loop child ended its output (it never does by itself)
         ├── InvalidArgumentError       (2)   nvidia-smi rejected a field or option
         ├── NotSupportedError          (3)
         ├── InsufficientPermissionsError (4)
@@ -39,6 +40,7 @@ __all__ = [
     "NvmlNotFoundError",
     "ParseError",
     "SmiqueryError",
+    "StreamEndedError",
     "failure_from_exit",
 ]
 
@@ -154,6 +156,15 @@ class NvidiaSmiFailedError(SmiqueryError):
         """The first line of nvidia-smi's message (CSV data rows it printed before failing are skipped)."""
         lines = _message_lines(self.output)
         return lines[0] if lines else ""
+
+
+class StreamEndedError(NvidiaSmiFailedError):
+    """A loop-mode nvidia-smi ended its output, which it never does by itself (exit 0, or stopped on request)."""
+
+    hint = "the stream restarts it"
+
+    def __init__(self, argv: Sequence[str], returncode: int, output: str, message: str | None = None) -> None:
+        super().__init__(argv, returncode, output, message or "nvidia-smi ended its loop")
 
 
 class InvalidArgumentError(NvidiaSmiFailedError, ValueError):

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
 from typing import TYPE_CHECKING, Any, cast
 
-from smiquery.errors import InvalidGpuIdError, ParseError, failure_from_exit
+from smiquery.errors import InvalidGpuIdError, NvidiaSmiFailedError, ParseError, failure_from_exit
 from smiquery.fields import Field, resolve_fields
 from smiquery.parsing import CsvParser, missing_reason
 from smiquery.records import GpuSample
-from smiquery.runner import Runner, SubprocessRunner, find_nvidia_smi
+from smiquery.runner import Completed, Runner, SubprocessRunner, find_nvidia_smi
 
 if TYPE_CHECKING:
     import os
@@ -118,20 +118,41 @@ def build_argv(
     return argv
 
 
+#: Seconds a one-shot call waits by default: enough for a cold start without persistence mode, which takes 15-30 s
+#: on large hosts and in containers with a huge open-file limit (NVIDIA-SMI.md section 6).
+DEFAULT_TIMEOUT = 45.0
+
+
+def _messages_only(done: Completed, fields: Sequence[Field]) -> str:
+    """What nvidia-smi said, without the data rows it printed first (a one-column row is data, not a message)."""
+    probe = CsvParser(fields, strict=False)
+    said = [line for line in done.stdout.splitlines() if line.strip() and probe.feed(line) is None]
+    return "\n".join(said) + (("\n" + done.stderr) if done.stderr else "")
+
+
 def _check_and_parse(
-    argv: Sequence[str], returncode: int, stdout: str, output: str, parser: CsvParser
+    argv: Sequence[str], done: Completed, parser: CsvParser, fields: Sequence[Field]
 ) -> list[GpuSample]:
+    returncode = done.returncode
     if returncode not in (0, 14):
-        raise failure_from_exit(argv, returncode, output)
+        raise failure_from_exit(argv, returncode, _messages_only(done, fields))
     try:
-        samples = list(parser.parse(stdout.splitlines()))
+        samples = list(parser.parse(done.stdout.splitlines()))
     except ParseError:
         if returncode == 14:
-            raise failure_from_exit(argv, returncode, output) from None
+            raise failure_from_exit(argv, returncode, _messages_only(done, fields)) from None
         raise
+    if not samples:
+        if returncode == 14:
+            raise failure_from_exit(argv, returncode, _messages_only(done, fields))
+        raise NvidiaSmiFailedError(
+            argv,
+            returncode,
+            done.output,
+            "nvidia-smi exited 0 but printed no GPU rows; run plain `nvidia-smi` to see what it prints, "
+            "or `smiquery doctor`",
+        )
     if returncode == 14:
-        if not samples:
-            raise failure_from_exit(argv, returncode, output)
         notice = parser.notices[0] if parser.notices else "infoROM warning"
         warnings.warn(f"nvidia-smi exited 14 ({notice}); rows returned", InfoRomWarning, stacklevel=3)
     return samples
@@ -142,7 +163,7 @@ def query(
     *,
     gpus: GpusArg = None,
     nvidia_smi: str | os.PathLike[str] | None = None,
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_TIMEOUT,
     runner: Runner | None = None,
     tz: tzinfo | None = None,
 ) -> list[GpuSample]:
@@ -152,7 +173,7 @@ def query(
         fields: a preset (``"default"``, ``"health"``, ``"memory"``...), ``"a,b,c"``, or a sequence of names.
         gpus: indices, UUIDs or PCI bus ids; None for all.
         nvidia_smi: path of the binary (default: ``$SMIQUERY_NVIDIA_SMI``, PATH, the usual places).
-        timeout: seconds before the child is killed.
+        timeout: seconds before the child is killed (the default fits a cold start without persistence mode).
         runner: how to run it (tests inject one).
         tz: time zone of the timestamps (default: the host's).
 
@@ -172,7 +193,7 @@ def query(
     binary = find_nvidia_smi(nvidia_smi)
     argv = build_argv(binary, flds, ids)
     done = (runner or SubprocessRunner()).run(argv, timeout)
-    return _check_and_parse(argv, done.returncode, done.stdout, done.output, CsvParser(flds, tz=tz))
+    return _check_and_parse(argv, done, CsvParser(flds, tz=tz), flds)
 
 
 def query_df(
@@ -180,7 +201,7 @@ def query_df(
     *,
     gpus: GpusArg = None,
     nvidia_smi: str | os.PathLike[str] | None = None,
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_TIMEOUT,
     runner: Runner | None = None,
 ) -> pd.DataFrame:
     """Like :func:`query`, as a pandas DataFrame (nullable dtypes, units in ``df.attrs["units"]``)."""
@@ -220,8 +241,8 @@ def _parse_apps(argv: Sequence[str], stdout: str) -> list[tuple[int, str, str, i
     rows = []
     for lineno, line in enumerate(stdout.splitlines(), 1):
         line = line.rstrip("\r\n\t ")
-        if not line:
-            continue
+        if not line or line.startswith(("WARNING:", "ERROR:")):
+            continue  # exit 14 adds "WARNING: infoROM is corrupted at gpu ..." after the rows
         cells = line.split(", ")
         if len(cells) < 4:
             raise ParseError("expected 4 columns (pid, process_name, gpu_uuid, used_memory)", lineno=lineno, line=line)
@@ -250,13 +271,13 @@ def processes(
     *,
     gpus: GpusArg = None,
     nvidia_smi: str | os.PathLike[str] | None = None,
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_TIMEOUT,
     runner: Runner | None = None,
 ) -> list[GpuProcess]:
     """The compute processes on each GPU with their memory: the answer to "which job holds this memory?".
 
     Runs ``--query-compute-apps`` and joins each row to its GPU's index. An idle machine has no rows, which
-    is not an error.
+    is not an error. Exit 14 (infoROM corrupted) keeps the rows and warns with :class:`InfoRomWarning`.
 
     Args:
         gpus: only these GPUs (indices, UUIDs or PCI bus ids).
@@ -277,8 +298,11 @@ def processes(
     by_uuid = {s.uuid: s.index for s in gpu_rows}
     argv = [binary, "--query-compute-apps=" + _APPS_FIELDS, "--format=csv,noheader,nounits"]
     done = run(argv, timeout)
-    if done.returncode != 0:
+    if done.returncode not in (0, 14):
         raise failure_from_exit(argv, done.returncode, done.output)
+    if done.returncode == 14:
+        notice = next((ln for ln in done.stdout.splitlines() if ln.startswith("WARNING:")), "infoROM warning")
+        warnings.warn(f"nvidia-smi exited 14 ({notice}); rows returned", InfoRomWarning, stacklevel=2)
     out = []
     for pid, name, uuid, mem, missing in _parse_apps(argv, done.stdout):
         if ids and uuid not in by_uuid:
@@ -292,7 +316,7 @@ def processes_df(
     *,
     gpus: GpusArg = None,
     nvidia_smi: str | os.PathLike[str] | None = None,
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_TIMEOUT,
     runner: Runner | None = None,
 ) -> pd.DataFrame:
     """Like :func:`processes`, as a DataFrame with columns gpu_index, gpu_uuid, pid, process_name, used_memory."""
@@ -328,7 +352,7 @@ def get_gpu_status(
     fields: Sequence[str] | str | None = None,
     *,
     nvidia_smi: str | os.PathLike[str] | None = None,
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_TIMEOUT,
     runner: Runner | None = None,
 ) -> dict[str, Any]:
     """One call for scripts and training loops; never raises for anything nvidia-smi does.

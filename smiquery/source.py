@@ -6,6 +6,7 @@ A live :class:`~smiquery.supervisor.Stream` and a :class:`~smiquery.playback.Rep
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -69,60 +70,155 @@ class Sweep(tuple[GpuSample, ...]):
 
 
 class SweepGrouper:
-    """Groups samples into sweeps (one sample per GPU for one instant), for streams and replays alike.
+    """Groups samples into sweeps, one instant each, for streams and replays alike.
 
-    A sweep is complete when it holds as many GPUs as the first complete sweep did (or ``expected``), or when a
-    GPU index repeats.
+    nvidia-smi marks no boundary between the iterations of its loop: it prints one row per GPU in index order,
+    milliseconds apart, then sleeps. So a new instant starts when a GPU index does not increase (it repeats or
+    goes back), or when the rows are ``gap`` seconds apart (by their timestamps when queried, or by how long the
+    reader waited for the row). The known GPU set is the union of every index seen (or ``expected``); once one
+    whole cycle has been seen, a sweep is published as soon as every known GPU has its row, else when the next
+    instant begins (one interval later, while a GPU is missing). Nothing is learnt once and kept: a first sweep
+    cut short does not make later sweeps short.
+
+    A sweep that ends without some known GPU carries it in :attr:`Sweep.missing`; one with a dropped row inside
+    (see :meth:`damage`) or cut by the end of the input is :attr:`Sweep.damaged`.
 
     Args:
-        expected: the number of GPUs per sweep, when known in advance.
+        expected: the GPU indices to expect (for ``-i 0,1``), or how many GPUs a whole sweep has; 0 to learn.
+        gap: seconds between two rows that separate instants; None to rely on index order alone.
     """
 
-    def __init__(self, expected: int = 0) -> None:
-        self.expected = expected
+    def __init__(self, expected: int | Iterable[int] = 0, *, gap: float | None = None) -> None:
+        self.gap = gap
+        self.known: dict[int, None] = {}
+        self._count = 0
+        if isinstance(expected, int):
+            self._count = expected
+        else:
+            self.known = dict.fromkeys(expected)
+        self.established = bool(self.known)
         self._current: list[GpuSample] = []
-        self._seen: set[int | None] = set()
+        self._present: set[int] = set()
+        self._last_index: int | None = None
+        self._last_time: datetime | None = None
+        self._damaged = False
 
-    def feed(self, sample: GpuSample) -> list[Sweep]:
-        """Add one sample; returns the sweeps it completed (zero, one, or two for one-GPU sweeps)."""
-        done: list[Sweep] = []
-        idx = sample.index if "index" in sample else None
-        if idx in self._seen:
-            done.append(Sweep(self._current))
-            self.expected = self.expected or len(self._current)
-            self._current, self._seen = [], set()
-        self._current.append(sample)
-        self._seen.add(idx)
-        if self.expected and len(self._current) >= self.expected:
-            done.append(Sweep(self._current))
-            self._current, self._seen = [], set()
-        return done
+    @staticmethod
+    def _index(sample: GpuSample) -> int | None:
+        return sample.index if "index" in sample else None
 
-    def flush(self) -> Sweep | None:
-        """The unfinished sweep at the end of the input, if any."""
+    def boundary(self, sample: GpuSample, idle: float = 0.0) -> Sweep | None:
+        """Close the current sweep if ``sample`` begins a new instant; returns the closed sweep, if any."""
         if not self._current:
             return None
-        sweep = Sweep(self._current)
-        self._current, self._seen = [], set()
+        idx = self._index(sample)
+        new = idx is None or idx in self._present or (self._last_index is not None and idx <= self._last_index)
+        if not new and self.gap is not None:
+            if idle >= self.gap:
+                new = True
+            else:
+                ts = sample.timestamp if "timestamp" in sample else None
+                last = self._last_time
+                if ts is not None and last is not None and abs((ts - last).total_seconds()) >= self.gap:
+                    new = True
+        if not new:
+            return None
+        self.established = True
+        return self._close(cut=False)
+
+    def add(self, sample: GpuSample) -> Sweep | None:
+        """Add ``sample`` to the current sweep; returns the sweep if that made it whole."""
+        idx = self._index(sample)
+        self._current.append(sample)
+        if idx is not None:
+            self._present.add(idx)
+            self.known.setdefault(idx, None)
+        self._last_index = idx
+        if "timestamp" in sample:
+            self._last_time = sample.timestamp
+        if idx is None:
+            return self._close(cut=False)
+        if not self.established and self._count and len(self._present) >= self._count:
+            self.established = True
+        if self.established and self._present.issuperset(self.known):
+            return self._close(cut=False)
+        return None
+
+    def feed(self, sample: GpuSample, idle: float = 0.0) -> list[Sweep]:
+        """Add one sample; returns the sweeps it closed (the previous instant, and this one if it is whole)."""
+        done = [s for s in (self.boundary(sample, idle), self.add(sample)) if s is not None]
+        return done
+
+    def damage(self) -> None:
+        """Mark the current sweep damaged: a row of this instant was rejected."""
+        self._damaged = True
+
+    def flush(self, *, cut: bool = True) -> Sweep | None:
+        """The unfinished sweep at the end of the input, if any (damaged when ``cut`` and not whole)."""
+        if not self._current:
+            self._damaged = False
+            return None
+        return self._close(cut=cut)
+
+    def _close(self, *, cut: bool) -> Sweep:
+        missing = [k for k in self.known if k not in self._present]
+        damaged = self._damaged or (cut and (bool(missing) or not self.established))
+        sweep = Sweep(self._current, missing=missing, damaged=damaged)
+        self._current = []
+        self._present = set()
+        self._last_index = None
+        self._damaged = False
         return sweep
 
     @property
     def pending(self) -> int:
-        """Samples waiting for their sweep to complete."""
+        """Samples waiting for their sweep to close."""
         return len(self._current)
 
 
 class LatestSweep:
-    """The newest complete sweep, published by the reading thread and read from any thread without blocking."""
+    """What sources share: the newest sweep and the event listeners.
+
+    The reading thread publishes each sweep; any thread reads :meth:`latest` without blocking.
+    """
 
     _lock: threading.Lock
     _latest: tuple[Sweep, float] | None
     stats: StreamStats
+    on_event: Callable[[StreamEvent], None] | None = None
+    _listeners: tuple[Callable[[StreamEvent], None], ...] = ()
 
     def _publish(self, sweep: Sweep) -> None:
         self.stats.sweeps += 1
+        if not sweep.complete:
+            self.stats.short_sweeps += 1
         with self._lock:
             self._latest = (sweep, time.monotonic())
+
+    def subscribe(self, callback: Callable[[StreamEvent], None]) -> Callable[[], None]:
+        """Call ``callback`` with every :class:`StreamEvent` from now on.
+
+        Callbacks run on the reading thread, so they must be quick (hand slow work to a queue); an exception in
+        one is logged and never reaches the source.
+
+        Returns:
+            A function that unsubscribes ``callback``.
+        """
+        self._listeners = (*self._listeners, callback)
+
+        def unsubscribe() -> None:
+            self._listeners = tuple(c for c in self._listeners if c is not callback)
+
+        return unsubscribe
+
+    def _emit(self, event: StreamEvent) -> None:
+        for callback in (self.on_event, *self._listeners):
+            if callback is None:
+                continue
+            try:
+                callback(event)
+            except Exception:  # a monitor's callback must never break the source
+                logging.getLogger("smiquery").exception("smiquery: an event callback failed")
 
     def _group(
         self, samples: Iterable[GpuSample], grouper: SweepGrouper, count: int | None, *, flush: bool
@@ -136,7 +232,7 @@ class LatestSweep:
                 done += 1
                 if count is not None and done >= count:
                     return
-        last = grouper.flush() if flush else None
+        last = grouper.flush(cut=False) if flush else None
         if last is not None:
             self._publish(last)
             yield last
@@ -251,7 +347,7 @@ class SampleSource(Protocol):
         ...
 
     def subscribe(self, callback: Callable[[StreamEvent], None]) -> Callable[[], None]:
-        """Call ``callback`` with every event (off the caller's thread, never raising into the source).
+        """Call ``callback`` with every event (on the reading thread: be quick; its exceptions are logged).
 
         Returns:
             A function that unsubscribes.
