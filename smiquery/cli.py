@@ -1291,6 +1291,7 @@ def _stream(
             nvidia_smi=settings.nvidia_smi,
             stall_timeout=max(settings.timeout, 3 * seconds),
             sleep=nap,
+            fail_fast=True,
         )
         flds = source.fields
         title = f"smiquery stream · every {seconds:g} s · {source.argv[0]}"

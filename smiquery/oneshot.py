@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from smiquery.errors import InvalidGpuIdError, NvidiaSmiFailedError, ParseError, failure_from_exit
 from smiquery.fields import Field, resolve_fields
-from smiquery.parsing import CsvParser, missing_reason
+from smiquery.parsing import CsvParser, is_message, missing_reason
 from smiquery.records import GpuSample
 from smiquery.runner import Completed, Runner, SubprocessRunner, find_nvidia_smi
 
@@ -126,7 +126,7 @@ DEFAULT_TIMEOUT = 45.0
 def _messages_only(done: Completed, fields: Sequence[Field]) -> str:
     """What nvidia-smi said, without the data rows it printed first (a one-column row is data, not a message)."""
     probe = CsvParser(fields, strict=False)
-    said = [line for line in done.stdout.splitlines() if line.strip() and probe.feed(line) is None]
+    said = [ln for ln in done.stdout.splitlines() if ln.strip() and (is_message(ln) or probe.feed(ln) is None)]
     return "\n".join(said) + (("\n" + done.stderr) if done.stderr else "")
 
 

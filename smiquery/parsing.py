@@ -47,9 +47,27 @@ _BOOL_WORDS: dict[Kind, tuple[str, str]] = {
 }
 _MAJOR_MINOR_RE = re.compile(r"\d+\.\d+")
 _HEADER_UNIT_RE = re.compile(r"^(.*?) \[([^\]]*)\]$")
-_NOTICE_PREFIXES = ("WARNING:", "ERROR:")
 # Records of the fast path are built straight from a checked tuple (GpuSample.__new__ validates lengths).
 _new_sample = tuple.__new__
+
+
+# The start of nvidia-smi's own message lines (NVIDIA-SMI.md section 5): never data, whatever the column count.
+MESSAGE_PREFIXES = (
+    "WARNING:",
+    "ERROR:",
+    "Unable to determine",
+    "Failed to initialize NVML",
+    "Failed to properly shut down NVML",
+    "NVIDIA-SMI has failed",
+    "NVIDIA-SMI couldn't find",
+    "No devices were found",
+    "Please also try adding directory",
+)
+
+
+def is_message(line: str) -> bool:
+    """True for a line that is one of nvidia-smi's messages (an error, a warning, a notice), never a data row."""
+    return line.lstrip().startswith(MESSAGE_PREFIXES)
 
 
 def missing_reason(cell: str) -> str | None:
@@ -255,7 +273,7 @@ class CsvParser:
             return None  # a restarted stream without noheader prints its header again
         cells = line.split(", ")
         if len(cells) != self._ncols or self._ncols == 1:
-            if line.startswith(_NOTICE_PREFIXES):
+            if line.startswith(MESSAGE_PREFIXES):
                 # exit 14 prints "WARNING: infoROM is corrupted at gpu ..." after the rows
                 self.notices.append(line)
                 return None

@@ -34,7 +34,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_aft
 from smiquery.errors import NvidiaSmiFailedError, NvidiaSmiTimeoutError, SmiqueryError
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, build_argv, normalize_gpus
-from smiquery.parsing import CsvParser
+from smiquery.parsing import CsvParser, is_message
 from smiquery.records import GpuSample
 from smiquery.runner import TERM_GRACE, LineSource, Runner, SubprocessRunner, find_nvidia_smi
 from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep, SweepGrouper
@@ -42,27 +42,18 @@ from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep, SweepG
 if TYPE_CHECKING:
     import os
 
-__all__ = ["DEFAULT_PERMANENT_RETRY", "DEFAULT_STARTUP_TIMEOUT", "Stream", "stream"]
+__all__ = ["DEFAULT_PERMANENT_RETRY", "DEFAULT_STARTUP_TIMEOUT", "FAIL_FAST_ATTEMPTS", "Stream", "stream"]
 
 log = logging.getLogger("smiquery")
 
 #: Seconds a fresh nvidia-smi may take to print its first row: cold starts without persistence mode take 15-30 s
 #: on large hosts and in containers with a huge open-file limit (NVIDIA-SMI.md section 6).
 DEFAULT_STARTUP_TIMEOUT = 45.0
+#: With ``fail_fast``, how many starts a transient fault gets before any row has arrived.
+FAIL_FAST_ATTEMPTS = 6
 #: Seconds between attempts while a fault needs a person (driver upgrade pending a reboot, NVML missing...).
 DEFAULT_PERMANENT_RETRY = 30.0
 
-# nvidia-smi's own message lines (NVIDIA-SMI.md section 5): never data, never a dropped row.
-_MESSAGE_PREFIXES = (
-    "WARNING:",
-    "ERROR:",
-    "Unable to determine",
-    "Failed to initialize NVML",
-    "Failed to properly shut down NVML",
-    "NVIDIA-SMI has failed",
-    "NVIDIA-SMI couldn't find",
-    "No devices were found",
-)
 _LOST_MESSAGE = re.compile(r"device handle for GPU ([0-9A-Fa-f:.]+): GPU is lost", re.IGNORECASE)
 
 
@@ -120,6 +111,7 @@ class Stream(LatestSweep):
         backoff_max: float = 30.0,
         permanent_retry: float = DEFAULT_PERMANENT_RETRY,
         healthy_after: float | None = None,
+        fail_fast: bool = False,
         on_event: Callable[[StreamEvent], None] | None = None,
         runner: Runner | None = None,
         sleep: Callable[[float], None] | None = None,
@@ -150,6 +142,7 @@ class Stream(LatestSweep):
         self.backoff_max = backoff_max
         self.permanent_retry = float(permanent_retry)
         self.healthy_after = healthy_after if healthy_after is not None else max(30.0, 10 * self.interval)
+        self.fail_fast = fail_fast
         self.on_event = on_event
         self._runner: Runner = runner or SubprocessRunner()
         self._sleep = sleep
@@ -209,6 +202,10 @@ class Stream(LatestSweep):
     def _stop(self, state: RetryCallState) -> bool:
         if self.max_restarts is not None and self.stats.restarts >= self.max_restarts:
             return True
+        if self.fail_fast and self.stats.rows == 0:
+            exc = state.outcome.exception() if state.outcome else None
+            if _permanent(exc) or state.attempt_number >= FAIL_FAST_ATTEMPTS:
+                return True
         if self.max_attempts is None:
             return bool(stop_never(state))
         return bool(stop_after_attempt(self.max_attempts)(state))
@@ -430,7 +427,7 @@ class Stream(LatestSweep):
 
     def _classify(self, parser: CsvParser, line: str) -> GpuSample | None:
         """A data row becomes a sample; a message is kept; anything else is a dropped row that damages its sweep."""
-        if line.startswith(_MESSAGE_PREFIXES):
+        if is_message(line):
             self._messages.append(line)
             found = _LOST_MESSAGE.search(line)
             if found:
@@ -583,6 +580,7 @@ def stream(
     backoff_max: float = 30.0,
     permanent_retry: float = DEFAULT_PERMANENT_RETRY,
     healthy_after: float | None = None,
+    fail_fast: bool = False,
     on_event: Callable[[StreamEvent], None] | None = None,
     runner: Runner | None = None,
     sleep: Callable[[float], None] | None = None,
@@ -614,6 +612,9 @@ def stream(
             NVML missing, no devices, a field the driver rejects, the binary gone).
         healthy_after: seconds of good data after which the backoff starts over (default ``max(30, 10 *
             interval)``).
+        fail_fast: for interactive use: until the first row arrives, give up on a fault that needs a person at
+            once and on a transient one after :data:`FAIL_FAST_ATTEMPTS` starts, raising its typed error. Once
+            rows have flowed, the stream retries as usual.
         on_event: called with each :class:`~smiquery.source.StreamEvent` (see also :meth:`Stream.subscribe`).
         runner: how to run nvidia-smi (tests inject one).
         sleep: how to wait between attempts (tests inject one; default: a wait that ``close()`` cuts short).
@@ -643,6 +644,7 @@ def stream(
         backoff_max=backoff_max,
         permanent_retry=permanent_retry,
         healthy_after=healthy_after,
+        fail_fast=fail_fast,
         on_event=on_event,
         runner=runner,
         sleep=sleep,

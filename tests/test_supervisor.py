@@ -502,3 +502,26 @@ def test_stream_checks_its_arguments():
         Stream(nvidia_smi=sys.executable, startup_timeout=0)
     with pytest.raises(ValueError, match="max_attempts"):
         Stream(nvidia_smi=sys.executable, max_attempts=0)
+
+
+def test_fail_fast_gives_up_at_start_but_not_once_rows_flowed(fake_smi, tmp_path):
+    naps: list[float] = []
+    s = stream(nvidia_smi=fake_smi(fault="version-mismatch"), fail_fast=True, sleep=naps.append)
+    with pytest.raises(errors.DriverVersionMismatchError):
+        list(s)
+    assert s.stats.starts == 1 and naps == []
+    # once rows have flowed, the same fault is retried (a driver upgrade mid-run)
+    smi = scripted_smi(
+        tmp_path,
+        """
+        if starts() == 0:
+            sweep([0]); sweep([0])
+            out("Failed to initialize NVML: Driver/library version mismatch")
+            sys.exit(18)
+        while True:
+            sweep([0])
+        """,
+    )
+    with stream(FIELDS, interval=0.05, nvidia_smi=smi, fail_fast=True, sleep=naps.append) as s:
+        got = [x for _, x in zip(range(5), s)]
+    assert len(got) == 5 and len(naps) == 1 and s.stats.errors["DriverVersionMismatchError"] == 1

@@ -1,0 +1,138 @@
+"""The runner at the process boundary: helpers holding pipes, binaries that cannot start, one-shot edge cases."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from smiquery import errors
+from smiquery.oneshot import InfoRomWarning, processes, query
+from smiquery.runner import LineStream, SubprocessRunner, live_children
+from tests.leakcheck import no_leaks
+from tests.scripted import FIELDS, scripted_smi
+
+HELPER_HOLDS_PIPE = """
+# a helper in nvidia-smi's process group inherits stdout and outlives it (a wrapper script's background job)
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+open(STATE, "w").write(str(helper.pid))
+sweep([0, 1], pause=False)
+sys.exit(0)
+"""
+
+
+def assert_killed(pid: int) -> None:
+    """The helper is gone (or a zombie waiting for init): the group was signalled although its leader had exited."""
+    deadline = time.monotonic() + 10  # SIGKILL is delivered asynchronously
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"helper {pid} still runs")
+
+
+def test_finished_child_whose_helper_holds_the_pipe_is_data_not_a_timeout(tmp_path):
+    smi = scripted_smi(tmp_path, HELPER_HOLDS_PIPE)
+    with no_leaks():
+        t0 = time.monotonic()
+        rows = query(FIELDS, nvidia_smi=smi, timeout=30)
+        took = time.monotonic() - t0
+    assert [r.index for r in rows] == [0, 1]
+    assert took < 15  # not the 30 s timeout
+    assert_killed(int((tmp_path / "state").read_text()))
+
+
+def test_loop_child_whose_helper_holds_the_pipe_ends_and_the_helper_dies(tmp_path):
+    smi = scripted_smi(tmp_path, HELPER_HOLDS_PIPE)
+    with no_leaks(), LineStream([str(smi), "-lms", "50"]) as lines:
+        got = [lines.readline(10), lines.readline(10)]
+        with pytest.raises(errors.StreamEndedError):
+            lines.readline(30)
+    assert got == ["0, 40", "1, 41"]
+    assert_killed(int((tmp_path / "state").read_text()))
+
+
+def test_readline_reports_silence_without_killing(tmp_path):
+    smi = scripted_smi(tmp_path, "sweep([0]); time.sleep(3600)")
+    with no_leaks(), LineStream([str(smi)]) as lines:
+        assert lines.readline(30) == "0, 40"
+        assert lines.readline(0.2) is None
+        assert psutil.Process(lines.pid).is_running()
+        assert lines.pid in live_children()
+    assert lines.closed
+
+
+def test_interrupt_wakes_a_blocked_readline(tmp_path):
+    import threading
+
+    smi = scripted_smi(tmp_path, "time.sleep(3600)")
+    with no_leaks(), LineStream([str(smi)]) as lines:
+        got: list[object] = []
+        t = threading.Thread(target=lambda: got.append(lines.readline(60)))
+        t.start()
+        lines.interrupt()
+        t.join(30)
+        assert not t.is_alive() and got == [None]
+
+
+def write_exe(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["one-shot", "loop"])
+def test_binary_that_exists_but_cannot_start_says_so(tmp_path, loop):
+    cases = {
+        "no-loader": (b"#!/nonexistent/loader/ld-linux.so\n", "exists but cannot start"),
+        "wrong-format": (b"\x7fELF\x02\x01\x01" + b"\x00" * 60, "exec format error"),
+    }
+    for name, (data, said) in cases.items():
+        (tmp_path / name).mkdir()
+        exe = write_exe(tmp_path / name / "nvidia-smi", data)
+        start = (
+            (lambda exe=exe: LineStream([str(exe), "-l", "1"]).close())
+            if loop
+            else (lambda exe=exe: SubprocessRunner().run([str(exe)], 10))
+        )
+        with pytest.raises(errors.NvidiaSmiNotFoundError, match=said) as info:
+            start()
+        assert "does not exist" not in str(info.value)
+    with pytest.raises(errors.NvidiaSmiNotFoundError, match="does not exist"):
+        SubprocessRunner().run([str(tmp_path / "missing")], 10)
+
+
+def test_exit_0_without_rows_is_an_error(tmp_path):
+    smi = scripted_smi(tmp_path, "sys.exit(0)")
+    with pytest.raises(errors.NvidiaSmiFailedError, match="printed no GPU rows"):
+        query(FIELDS, nvidia_smi=smi)
+
+
+def test_single_column_rows_are_data_not_the_error_message(tmp_path):
+    smi = scripted_smi(tmp_path, 'out("NVIDIA H100 80GB HBM3"); out("No devices were found"); sys.exit(6)')
+    with pytest.raises(errors.NoDevicesFoundError) as info:
+        query(["name"], nvidia_smi=smi)
+    assert "No devices were found" in str(info.value)
+    assert "H100" not in str(info.value)
+
+
+APPS_14 = """
+if "--query-compute-apps" in " ".join(argv):
+    out("1234, python, GPU-11111111-2222-3333-4444-555555555555, 1024")
+    out("WARNING: infoROM is corrupted at gpu 0000:0B:00.0")
+    sys.exit(14)
+out("0, GPU-11111111-2222-3333-4444-555555555555")
+"""
+
+
+def test_processes_keep_rows_on_exit_14_and_skip_the_warning(tmp_path):
+    smi = scripted_smi(tmp_path, APPS_14)
+    with pytest.warns(InfoRomWarning):
+        procs = processes(nvidia_smi=smi)
+    assert [(p.pid, p.process_name, p.gpu_index, p.used_memory) for p in procs] == [(1234, "python", 0, 1024)]
+
+
+def test_every_child_of_this_module_was_reaped():
+    assert live_children() == []
