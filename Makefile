@@ -7,7 +7,7 @@ VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 STAMP := $(VENV)/.installed
 CORE_STAMP := $(VENV)/.installed-core
 
-.PHONY: install tools demo test lint typecheck check bench fixtures docker clean
+.PHONY: install tools demo test lint typecheck check bench soak fixtures docker clean
 
 # The demo needs the core only; the tests also need the dev tools, TensorFlow (CPU) and matplotlib.
 $(CORE_STAMP): pyproject.toml
@@ -49,6 +49,10 @@ bench: $(STAMP)
 	$(PY) scripts/bench_stream.py
 	$(PY) scripts/bench_cli.py
 	$(PY) scripts/bench_exporter.py
+
+# Hours of an 8-GPU stream with random faults, compressed into minutes (MINUTES=3).
+soak: $(STAMP)
+	$(PY) scripts/soak.py --minutes $${MINUTES:-3}
 
 # Both images, on a host with Docker (tests build them with buildah instead; see docker/README.md).
 docker:

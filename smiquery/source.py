@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
@@ -153,16 +153,23 @@ class SweepGrouper:
         """Mark the current sweep damaged: a row of this instant was rejected."""
         self._damaged = True
 
-    def flush(self, *, cut: bool = True) -> Sweep | None:
-        """The unfinished sweep at the end of the input, if any (damaged when ``cut`` and not whole)."""
+    def flush(self, *, cut: bool = True, absent: Collection[int] = ()) -> Sweep | None:
+        """The unfinished sweep at the end of the input, if any.
+
+        Args:
+            cut: the input ended abnormally (a crash, a kill): the sweep is damaged unless every known GPU has its
+                row, apart from those in ``absent``.
+            absent: GPUs known to be gone (lost), whose absence does not make a cut sweep damaged.
+        """
         if not self._current:
             self._damaged = False
             return None
-        return self._close(cut=cut)
+        return self._close(cut=cut, absent=absent)
 
-    def _close(self, *, cut: bool) -> Sweep:
+    def _close(self, *, cut: bool, absent: Collection[int] = ()) -> Sweep:
         missing = [k for k in self.known if k not in self._present]
-        damaged = self._damaged or (cut and (bool(missing) or not self.established))
+        unexplained = [k for k in missing if k not in absent]
+        damaged = self._damaged or (cut and (bool(unexplained) or not self.established))
         sweep = Sweep(self._current, missing=missing, damaged=damaged)
         self._current = []
         self._present = set()

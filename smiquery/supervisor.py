@@ -375,7 +375,7 @@ class Stream(LatestSweep):
                     if budget[0] <= 0:
                         return
         except SmiqueryError as exc:
-            cut = grouper.flush(cut=True)
+            cut = grouper.flush(cut=True, absent=stats.lost_gpus)
             if cut is not None and not self._closed.is_set():
                 yield self._on_sweep(cut)
             self._record_error(exc)
