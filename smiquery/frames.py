@@ -19,7 +19,7 @@ from smiquery.errors import InvalidFieldError, ParseError
 from smiquery.fields import Field, Kind, get_field, resolve_fields
 
 # The parser's own value converters and word lists, so that both paths read a cell the same way.
-from smiquery.parsing import _BOOL_WORDS, _NOTICE_PREFIXES, CsvParser, _converter, missing_reason
+from smiquery.parsing import _BOOL_WORDS, MESSAGE_PREFIXES, CsvParser, _converter, missing_reason
 from smiquery.records import GpuSample, Value
 
 if TYPE_CHECKING:
@@ -245,7 +245,7 @@ def _decode(raw: bytes) -> str:
 
 
 def _is_notice(line: str) -> bool:
-    return line.startswith(_NOTICE_PREFIXES)
+    return line.startswith(MESSAGE_PREFIXES)
 
 
 class _Layout:
