@@ -122,10 +122,16 @@ def main() -> int:
     max_children = 0
     stop = threading.Event()
 
+    def live(p: psutil.Process) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
     def watch_children() -> None:
         nonlocal max_children
         while not stop.is_set():
-            n = sum(1 for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE)
+            n = sum(1 for p in me.children(recursive=True) if live(p))
             max_children = max(max_children, n)
             time.sleep(0.005)
 

@@ -224,9 +224,9 @@ def _read_parquet(path: str) -> Iterator[GpuSample]:
 class Replay(LatestSweep):
     """A recording played back as a stream of samples, paced by its own timestamps.
 
-    Iterate it for samples, or call :meth:`sweeps`. It offers the parts of :class:`~smiquery.supervisor.Stream` a
-    consumer needs (``stats``, ``latest()``, ``close()``, ``fields``), so code can take either. See
-    :func:`replay` for the arguments.
+    Iterate it for samples, or call :meth:`sweeps`, or :meth:`start` it in the background and read
+    :meth:`latest`: it is a :class:`~smiquery.source.SampleSource`, like a live stream, so code can take either.
+    See :func:`replay` for the arguments.
     """
 
     def __init__(
@@ -440,7 +440,7 @@ class Replay(LatestSweep):
         return self._group(self, SweepGrouper(self.gpu_count), count, flush=True)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop: wake a paced wait and end the iteration. Safe from any thread; idempotent."""
+        """Stop: wake a paced wait and end the iteration (a background thread within ``timeout`` s). Any thread."""
         self._stop.set()
         gen = self._gen
         if gen is not None:
@@ -450,12 +450,51 @@ class Replay(LatestSweep):
                     close()
                 except ValueError:
                     pass  # running in another thread: it sees the stop flag at its next sample
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def __enter__(self) -> Replay:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ------------------------------------------------------------------------- the rest of SampleSource
+
+    _thread: threading.Thread | None = None
+    _thread_error: BaseException | None = None
+
+    def start(self) -> Replay:
+        """Play in a background thread, so that :meth:`latest` follows the recording. Returns self."""
+        if self._thread is not None:
+            return self
+
+        def run() -> None:
+            self.stats.state = "running"
+            try:
+                for _ in self.sweeps():
+                    if self._stop.is_set():
+                        break
+            except BaseException as exc:  # kept for the owner; a background thread must not die silently
+                self._thread_error = exc
+                self.stats.state = "failed"
+                return
+            self.stats.state = "closed" if self._stop.is_set() else "ended"
+
+        self._thread = threading.Thread(target=run, name="smiquery-replay", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        """True while a background replay's thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that ended a background replay, if any."""
+        return self._thread_error
 
 
 def _with_timestamp(sample: GpuSample, ts: datetime) -> GpuSample:

@@ -102,6 +102,7 @@ class SweepGrouper:
         self._last_index: int | None = None
         self._last_time: datetime | None = None
         self._damaged = False
+        self._closed_early_at: int | None = None
 
     @staticmethod
     def _index(sample: GpuSample) -> int | None:
@@ -123,12 +124,24 @@ class SweepGrouper:
                     new = True
         if not new:
             return None
-        self.established = True
+        if not self._damaged:
+            self.established = True  # a whole cycle seen, none of its rows dropped: the known set is trustworthy
         return self._close(cut=False)
 
     def add(self, sample: GpuSample) -> Sweep | None:
         """Add ``sample`` to the current sweep; returns the sweep if that made it whole."""
         idx = self._index(sample)
+        if (
+            not self._current
+            and idx is not None
+            and idx not in self.known
+            and self._closed_early_at is not None
+            and idx > self._closed_early_at
+        ):
+            # A GPU never seen before, right after a sweep that looked whole: it belonged to that instant, which
+            # was published too early. Flag this remainder instead of passing it off as an instant of its own.
+            self._damaged = True
+        self._closed_early_at = None
         self._current.append(sample)
         if idx is not None:
             self._present.add(idx)
@@ -141,7 +154,9 @@ class SweepGrouper:
         if not self.established and self._count and len(self._present) >= self._count:
             self.established = True
         if self.established and self._present.issuperset(self.known):
-            return self._close(cut=False)
+            sweep = self._close(cut=False)
+            self._closed_early_at = idx
+            return sweep
         return None
 
     def feed(self, sample: GpuSample, idle: float = 0.0) -> list[Sweep]:
