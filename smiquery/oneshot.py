@@ -105,7 +105,7 @@ def build_argv(
 
     Whole seconds use ``-l N``; anything else uses ``-lms N`` (milliseconds, at least 1).
     """
-    argv = [binary, "--query-gpu=" + ",".join(f.name for f in fields), "--format=csv,noheader,nounits"]
+    argv = [binary, "--query-gpu=" + ",".join(f.argv_name for f in fields), "--format=csv,noheader,nounits"]
     if gpus:
         argv += ["-i", ",".join(gpus)]
     if interval is not None:
