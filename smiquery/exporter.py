@@ -694,7 +694,7 @@ class SmiCollector:
             pos = {n: i for i, n in enumerate(s.fields)}
             native = self._native_labels(s)
             dcgm = self._dcgm_labels(s) if self.naming == "dcgm" else native
-            per_gpu.append((s.values, pos, dcgm, native, s.raw))
+            per_gpu.append((s.values(), pos, dcgm, native, s.raw))
         out: list[Metric] = []
         for spec in self.specs:
             fam = Metric(spec.name, spec.help, spec.type)

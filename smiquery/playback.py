@@ -350,7 +350,7 @@ class Replay(LatestSweep):
                 raise ReplayError(
                     f"recording {self.path} changes its columns mid-file and lacks {set(schema.names) - set(have)}"
                 ) from None
-        values = sample.values
+        values = sample.values()
         raw = tuple(sample.raw.values())
         missing = {n: r for n, r in sample.missing.items() if n in schema.names}
         return GpuSample(
@@ -463,7 +463,7 @@ def _with_timestamp(sample: GpuSample, ts: datetime) -> GpuSample:
     pos = schema.pos_timestamp
     if pos is None:
         return sample
-    values = list(sample.values)
+    values = list(sample.values())
     values[pos] = ts
     raw = list(sample.raw.values())
     raw[pos] = format_value(get_field("timestamp"), ts)
