@@ -3,19 +3,34 @@
 from __future__ import annotations
 
 from smiquery.errors import (
+    DriverNotLoadedError,
+    DriverVersionMismatchError,
+    GpuLostError,
+    InfoRomWarning,
+    InsufficientPermissionsError,
+    InvalidArgumentError,
     InvalidFieldError,
     InvalidGpuIdError,
+    InvalidRuleError,
+    ListenError,
+    NoDevicesFoundError,
+    NotSupportedError,
     NvidiaSmiFailedError,
     NvidiaSmiNotFoundError,
     NvidiaSmiTimeoutError,
+    NvmlNotFoundError,
     ParseError,
+    PortInUseError,
+    ReplayError,
+    ReportError,
     SmiqueryError,
+    StreamEndedError,
 )
 from smiquery.fields import CATALOGUE, PRESETS, Field, Kind, get_field, parse_help_query_gpu, resolve_fields
 from smiquery.oneshot import GpuProcess, get_gpu_status, processes, processes_df, query, query_df
 from smiquery.parsing import CsvParser, parse_lines
 from smiquery.records import GpuSample
-from smiquery.source import StreamEvent, Sweep
+from smiquery.source import SampleSource, StreamEvent, StreamStats, Sweep
 from smiquery.supervisor import Stream, stream
 
 __version__ = "0.1.0"
@@ -39,19 +54,36 @@ __all__ = [
     "CATALOGUE",
     "PRESETS",
     "CsvParser",
+    "DriverNotLoadedError",
+    "DriverVersionMismatchError",
     "Field",
+    "GpuLostError",
     "GpuProcess",
     "GpuSample",
+    "InfoRomWarning",
+    "InsufficientPermissionsError",
+    "InvalidArgumentError",
     "InvalidFieldError",
     "InvalidGpuIdError",
+    "InvalidRuleError",
     "Kind",
+    "ListenError",
+    "NoDevicesFoundError",
+    "NotSupportedError",
     "NvidiaSmiFailedError",
     "NvidiaSmiNotFoundError",
     "NvidiaSmiTimeoutError",
+    "NvmlNotFoundError",
     "ParseError",
+    "PortInUseError",
+    "ReplayError",
+    "ReportError",
+    "SampleSource",
     "SmiqueryError",
     "Stream",
+    "StreamEndedError",
     "StreamEvent",
+    "StreamStats",
     "Sweep",
     "__version__",
     "get_field",

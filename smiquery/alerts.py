@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from smiquery.errors import InvalidFieldError, SmiqueryError
+from smiquery.errors import InvalidFieldError, InvalidRuleError
 from smiquery.fields import Field, Kind, get_field
 from smiquery.records import GpuSample, Value
 
@@ -51,22 +51,6 @@ _RULE_RE = re.compile(
 _WHILE_RE = re.compile(r"\s+while\s+|\s+while\s*$", re.IGNORECASE)
 _TRUE_WORDS = {"enabled", "yes", "active", "true", "on", "1"}
 _FALSE_WORDS = {"disabled", "no", "not active", "not_active", "false", "off", "0"}
-
-
-class InvalidRuleError(SmiqueryError, ValueError):
-    """An alert expression that cannot be parsed, or that names an unknown field.
-
-    Attributes:
-        text: the expression as given.
-    """
-
-    def __init__(self, text: str, reason: str) -> None:
-        self.text = text
-        self.reason = reason
-        super().__init__(
-            f"invalid alert {text!r}: {reason}; write FIELD OP VALUE [for N | for 30s], "
-            "e.g. 'temperature.gpu > 85 for 3'"
-        )
 
 
 #: The built-in health rules, the same as the exporter's Prometheus rules (``docker/prometheus/smiquery-rules.yml``):

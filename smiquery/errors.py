@@ -1,11 +1,19 @@
 """The exception tree. Every failure smiquery reports is one of these, with a message that says what to do.
 
+Every exception class of the package is defined here (the modules that raise them re-export them), and
+``smiquery`` exports the whole tree.
+
 ::
 
     SmiqueryError
     ├── InvalidFieldError (+ValueError)      unknown or malformed field name; never retried
     ├── InvalidGpuIdError (+ValueError)      malformed GPU id; never retried
+    ├── InvalidRuleError (+ValueError)       an alert expression that cannot be parsed: text, reason
     ├── ParseError (+ValueError)             a row that does not fit: lineno, raw line, field
+    ├── ReplayError                          a recording cannot be read or lacks the fields asked for
+    ├── ReportError (+ValueError)            a recording cannot be analysed
+    ├── ListenError                          the HTTP server cannot listen where asked: port, bind, option
+    │   └── PortInUseError                   another program holds the port
     ├── NvidiaSmiNotFoundError               binary missing or not executable; never retried
     ├── NvidiaSmiTimeoutError                no answer, or no row within the stall timeout
     └── NvidiaSmiFailedError                 non-zero exit: argv, returncode, output
@@ -18,6 +26,9 @@
         ├── NvmlNotFoundError         (12)   libnvidia-ml.so missing (containers without ``utility``)
         ├── GpuLostError              (15)   GPU fell off the bus
         └── DriverVersionMismatchError (18)  kernel module and user-space library differ
+
+    UserWarning
+    └── InfoRomWarning                       exit 14 (infoROM corrupted) with valid rows; the rows are returned
 """
 
 from __future__ import annotations
@@ -28,10 +39,13 @@ __all__ = [
     "DriverNotLoadedError",
     "DriverVersionMismatchError",
     "GpuLostError",
+    "InfoRomWarning",
     "InsufficientPermissionsError",
     "InvalidArgumentError",
     "InvalidFieldError",
     "InvalidGpuIdError",
+    "InvalidRuleError",
+    "ListenError",
     "NoDevicesFoundError",
     "NotSupportedError",
     "NvidiaSmiFailedError",
@@ -39,6 +53,9 @@ __all__ = [
     "NvidiaSmiTimeoutError",
     "NvmlNotFoundError",
     "ParseError",
+    "PortInUseError",
+    "ReplayError",
+    "ReportError",
     "SmiqueryError",
     "StreamEndedError",
     "failure_from_exit",
@@ -104,6 +121,54 @@ class ParseError(SmiqueryError, ValueError):
         shown = line if len(line) <= 200 else line[:197] + "..."
         where = f"line {lineno}" + (f", field {field!r}" if field else "")
         super().__init__(f"{where}: {message}: {shown!r}")
+
+
+class InvalidRuleError(SmiqueryError, ValueError):
+    """An alert expression that cannot be parsed, or that names an unknown field.
+
+    Attributes:
+        text: the expression as given.
+    """
+
+    def __init__(self, text: str, reason: str) -> None:
+        self.text = text
+        self.reason = reason
+        super().__init__(
+            f"invalid alert {text!r}: {reason}; write FIELD OP VALUE [for N | for 30s], "
+            "e.g. 'temperature.gpu > 85 for 3'"
+        )
+
+
+class ReplayError(SmiqueryError):
+    """A recording cannot be read: missing file, unknown format, no header, or fields it does not hold."""
+
+
+class ReportError(SmiqueryError, ValueError):
+    """A recording cannot be analysed: unreadable, empty, or without ``timestamp`` and ``index`` columns."""
+
+
+class ListenError(SmiqueryError):
+    """The HTTP server cannot listen where asked.
+
+    Attributes:
+        port: the port asked for.
+        bind: the address asked for.
+        option: the option to change, ``--port`` or ``--bind``.
+    """
+
+    def __init__(self, message: str, *, port: int, bind: str, option: str = "--port") -> None:
+        self.port = port
+        self.bind = bind
+        self.option = option
+        super().__init__(message)
+
+
+class PortInUseError(ListenError):
+    """Another program listens on the port already."""
+
+
+class InfoRomWarning(UserWarning):
+    """nvidia-smi exited 14 (infoROM corrupted) but printed valid rows; the rows were returned."""
 
 
 class NvidiaSmiNotFoundError(SmiqueryError):

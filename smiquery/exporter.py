@@ -33,7 +33,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     ) from _exc
 
 from smiquery import __version__
-from smiquery.errors import SmiqueryError
+from smiquery.errors import ListenError, PortInUseError, SmiqueryError
 from smiquery.fields import Field, Kind, resolve_fields
 from smiquery.oneshot import GpuProcess, normalize_gpus, processes
 from smiquery.source import Sweep
@@ -96,26 +96,6 @@ HEALTH_METRICS: tuple[str, ...] = (
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-class ListenError(SmiqueryError):
-    """The HTTP server cannot listen where asked.
-
-    Attributes:
-        port: the port asked for.
-        bind: the address asked for.
-        option: the option to change, ``--port`` or ``--bind``.
-    """
-
-    def __init__(self, message: str, *, port: int, bind: str, option: str = "--port") -> None:
-        self.port = port
-        self.bind = bind
-        self.option = option
-        super().__init__(message)
-
-
-class PortInUseError(ListenError):
-    """Another program listens on the port already."""
 
 
 # ----------------------------------------------------------------------------------------------- metric specs
@@ -694,7 +674,7 @@ class SmiCollector:
             pos = {n: i for i, n in enumerate(s.fields)}
             native = self._native_labels(s)
             dcgm = self._dcgm_labels(s) if self.naming == "dcgm" else native
-            per_gpu.append((s.values, pos, dcgm, native, s.raw))
+            per_gpu.append((s.values(), pos, dcgm, native, s.raw))
         out: list[Metric] = []
         for spec in self.specs:
             fam = Metric(spec.name, spec.help, spec.type)

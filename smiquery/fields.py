@@ -74,6 +74,9 @@ class Field:
         since: first driver branch known to list it.
         help: one line saying what it measures.
         attr: Python attribute and DataFrame column name (dots become underscores).
+        argv_name: the spelling smiquery sends in ``--query-gpu``: an older alias where every driver accepts it
+            (``clocks_throttle_reasons.active``), else ``name``. Output maps columns by position, so records,
+            frames and metrics keep ``name`` whichever spelling was sent.
     """
 
     name: str
@@ -84,9 +87,11 @@ class Field:
     since: int = 465
     help: str = ""
     attr: str = field(init=False)
+    argv_name: str = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attr", self.name.replace(".", "_"))
+        object.__setattr__(self, "argv_name", _portable_spelling(self.name, self.aliases))
         if self.header_unit is None:
             object.__setattr__(self, "header_unit", self.unit)
 
@@ -94,6 +99,19 @@ class Field:
     def header(self) -> str:
         """The column title nvidia-smi prints for this field."""
         return f"{self.name} [{self.header_unit}]" if self.header_unit else self.name
+
+
+# Renamed families whose old spelling every driver accepts (NVIDIA-SMI.md 1.2): the 535 branch renamed
+# clocks_throttle_reasons.* to clocks_event_reasons.* and keeps the old names as input aliases, while drivers
+# before 535 (R470, R510, R525) reject the new ones with exit 2. Sending the old name works on R465..R610.
+_PORTABLE_PREFIXES: tuple[tuple[str, str], ...] = (("clocks_event_reasons.", "clocks_throttle_reasons."),)
+
+
+def _portable_spelling(name: str, aliases: tuple[str, ...]) -> str:
+    for new, old in _PORTABLE_PREFIXES:
+        if name.startswith(new) and old + name[len(new) :] in aliases:
+            return old + name[len(new) :]
+    return name
 
 
 def _f(name: str, kind: Kind, **kw: object) -> Field:

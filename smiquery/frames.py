@@ -190,7 +190,7 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     columns_of: Sequence[Sequence[Value]]
     if all(s.fields is first or s.fields == first for s in rows):
         names: Sequence[str] = first
-        columns_of = list(zip(*(s.values for s in rows), strict=True))
+        columns_of = list(zip(*(s.values() for s in rows), strict=True))
     else:
         names = list(dict.fromkeys(n for s in rows for n in s.fields))
         columns_of = [[s.get(n) for s in rows] for n in names]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
 from typing import TYPE_CHECKING, Any, cast
 
-from smiquery.errors import InvalidGpuIdError, NvidiaSmiFailedError, ParseError, failure_from_exit
+from smiquery.errors import InfoRomWarning, InvalidGpuIdError, NvidiaSmiFailedError, ParseError, failure_from_exit
 from smiquery.fields import Field, resolve_fields
 from smiquery.parsing import CsvParser, is_message, missing_reason
 from smiquery.records import GpuSample
@@ -46,10 +46,6 @@ GpusArg = int | str | Sequence[int | str] | None
 
 _UUID_RE = re.compile(r"(GPU|MIG)-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
 _BUS_RE = re.compile(r"([0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
-
-
-class InfoRomWarning(UserWarning):
-    """nvidia-smi exited 14 (infoROM corrupted) but printed valid rows; the rows were returned."""
 
 
 def normalize_gpus(gpus: GpusArg) -> tuple[str, ...]:
@@ -105,7 +101,7 @@ def build_argv(
 
     Whole seconds use ``-l N``; anything else uses ``-lms N`` (milliseconds, at least 1).
     """
-    argv = [binary, "--query-gpu=" + ",".join(f.name for f in fields), "--format=csv,noheader,nounits"]
+    argv = [binary, "--query-gpu=" + ",".join(f.argv_name for f in fields), "--format=csv,noheader,nounits"]
     if gpus:
         argv += ["-i", ",".join(gpus)]
     if interval is not None:

@@ -47,8 +47,9 @@ _BOOL_WORDS: dict[Kind, tuple[str, str]] = {
 }
 _MAJOR_MINOR_RE = re.compile(r"\d+\.\d+")
 _HEADER_UNIT_RE = re.compile(r"^(.*?) \[([^\]]*)\]$")
-# Records of the fast path are built straight from a checked tuple (GpuSample.__new__ validates lengths).
-_new_sample = tuple.__new__
+# Records of the fast path skip GpuSample.__init__ (the row's length is already checked): allocate, fill the slot.
+_alloc = object.__new__
+_fill = GpuSample._s.__set__  # type: ignore[attr-defined]
 
 
 # The start of nvidia-smi's own message lines (NVIDIA-SMI.md section 5): never data, whatever the column count.
@@ -287,7 +288,9 @@ class CsvParser:
         except (ValueError, KeyError, TypeError, OverflowError, _NotAValue):
             return self._slow_row(line, cells)
         self._seen_row = True
-        return _new_sample(GpuSample, (self.schema, values, tuple(cells), None, False))
+        sample = _alloc(GpuSample)
+        _fill(sample, (self.schema, values, tuple(cells), None, False))
+        return sample
 
     def _try_header_first(self, line: str) -> bool:
         if self._try_header(line):
@@ -406,7 +409,7 @@ def format_row(sample: GpuSample, fields: Sequence[Field] | None = None, *, unit
     flds = fields or tuple(get_field(n) for n in sample.fields)
     missing = sample.missing
     return ", ".join(
-        format_value(f, v, missing.get(f.name), units=units) for f, v in zip(flds, sample.values, strict=True)
+        format_value(f, v, missing.get(f.name), units=units) for f, v in zip(flds, sample.values(), strict=True)
     )
 
 

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from smiquery.errors import InvalidFieldError, ParseError, SmiqueryError
+from smiquery.errors import InvalidFieldError, ParseError, ReplayError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
 from smiquery.oneshot import GpusArg, normalize_gpus
 from smiquery.parsing import CsvParser, format_value
@@ -32,10 +32,6 @@ MAX_GAP_SECONDS = 60.0
 
 _BOOL_WORDS = {"enabled": True, "disabled": False, "yes": True, "no": False, "active": True, "not active": False}
 _BY_ATTR = {f.attr: f for f in CATALOGUE}
-
-
-class ReplayError(SmiqueryError):
-    """A recording cannot be read: missing file, unknown format, no header, or fields it does not hold."""
 
 
 def detect_format(path: str | os.PathLike[str]) -> RecordingFormat:
@@ -350,7 +346,7 @@ class Replay(LatestSweep):
                 raise ReplayError(
                     f"recording {self.path} changes its columns mid-file and lacks {set(schema.names) - set(have)}"
                 ) from None
-        values = sample.values
+        values = sample.values()
         raw = tuple(sample.raw.values())
         missing = {n: r for n, r in sample.missing.items() if n in schema.names}
         return GpuSample(
@@ -502,7 +498,7 @@ def _with_timestamp(sample: GpuSample, ts: datetime) -> GpuSample:
     pos = schema.pos_timestamp
     if pos is None:
         return sample
-    values = list(sample.values)
+    values = list(sample.values())
     values[pos] = ts
     raw = list(sample.raw.values())
     raw[pos] = format_value(get_field("timestamp"), ts)

@@ -38,8 +38,8 @@ class Schema:
         return f"Schema({self.names!r})"
 
 
-class GpuSample(tuple):  # type: ignore[type-arg]
-    """An immutable record of one GPU at one instant.
+class GpuSample(Mapping[str, Value]):
+    """An immutable record of one GPU at one instant: a read-only mapping of field name to value.
 
     Values are typed per the field catalogue. A status token (``[N/A]``, ``[Not Supported]``...) is ``None``,
     never 0, and its reason is kept in :attr:`missing`.
@@ -48,8 +48,9 @@ class GpuSample(tuple):  # type: ignore[type-arg]
 
         s["temperature.gpu"] == s.temperature_gpu
 
-    Iterating a sample yields its field names, like a mapping. (It is stored as a tuple internally so that
-    creating one costs next to nothing on a 1,000-rows-a-second stream.)
+    As a :class:`~collections.abc.Mapping` it works wherever a dict does: ``dict(s)``,
+    ``json.dumps(dict(s), default=str)``, ``pd.DataFrame([s, ...])`` (one column per field), ``{**s}``.
+    ``values()`` returns the values as a tuple in query order (cheap: the record stores them that way).
 
     Attributes:
         index: the GPU's nvidia-smi index, when queried.
@@ -58,143 +59,143 @@ class GpuSample(tuple):  # type: ignore[type-arg]
         gpu_lost: True when nvidia-smi reported ``[GPU is lost]`` in this row.
     """
 
-    __slots__ = ()
+    # One slot holding (schema, values, raw, missing or None, gpu_lost): a sample is built for every row of a
+    # stream, and setting one slot costs about as little as the tuple this class used to be.
+    __slots__ = ("_s",)
+    _s: tuple[Schema, tuple[Value, ...], tuple[str, ...], Mapping[str, str] | None, bool]
 
-    def __new__(
-        cls,
+    def __init__(
+        self,
         schema: Schema,
         values: tuple[Value, ...],
         raw: tuple[str, ...],
         missing: Mapping[str, str] | None = None,
         gpu_lost: bool = False,
-    ) -> GpuSample:
-        """Build a sample; ``values`` and ``raw`` hold one entry per field of ``schema``."""
+    ) -> None:
+        """Build a sample; ``values`` and ``raw`` hold one entry per field of ``schema``.
+
+        Raises:
+            ValueError: ``values`` or ``raw`` does not hold one entry per field.
+        """
         if len(values) != len(schema.names) or len(raw) != len(schema.names):
             raise ValueError("a GpuSample needs one value and one raw cell per field")
-        return tuple.__new__(cls, (schema, values, raw, missing or None, gpu_lost))
-
-    @property
-    def _schema(self) -> Schema:
-        return _get(self, 0)  # type: ignore[no-any-return]
-
-    @property
-    def _values(self) -> tuple[Value, ...]:
-        return _get(self, 1)
-
-    @property
-    def _raw(self) -> tuple[str, ...]:
-        return _get(self, 2)
+        _store(self, (schema, tuple(values), tuple(raw), missing or None, bool(gpu_lost)))
 
     @property
     def gpu_lost(self) -> bool:
         """True when nvidia-smi reported ``[GPU is lost]`` in this row."""
-        return _get(self, 4)  # type: ignore[no-any-return]
+        return self._s[4]
 
     @property
-    def index(self) -> int | None:  # type: ignore[override]
+    def index(self) -> int | None:
         """The GPU index, or None when ``index`` was not queried (or was missing)."""
-        p = self._schema.pos_index
-        return None if p is None else self._values[p]  # type: ignore[return-value]
-
-    @property
-    def count(self) -> int | None:  # type: ignore[override]
-        """The ``count`` field (number of GPUs), or None when not queried; shadows ``tuple.count``."""
-        return self.get("count")  # type: ignore[return-value]
+        schema, values = self._s[0], self._s[1]
+        p = schema.pos_index
+        return None if p is None else values[p]  # type: ignore[return-value]
 
     @property
     def uuid(self) -> str | None:
         """The GPU UUID, or None when not queried."""
-        p = self._schema.pos_uuid
-        return None if p is None else self._values[p]  # type: ignore[return-value]
+        schema, values = self._s[0], self._s[1]
+        p = schema.pos_uuid
+        return None if p is None else values[p]  # type: ignore[return-value]
 
     @property
     def timestamp(self) -> datetime | None:
         """The sample time (timezone-aware), or None when not queried."""
-        p = self._schema.pos_timestamp
-        return None if p is None else self._values[p]  # type: ignore[return-value]
+        schema, values = self._s[0], self._s[1]
+        p = schema.pos_timestamp
+        return None if p is None else values[p]  # type: ignore[return-value]
 
     @property
     def fields(self) -> tuple[str, ...]:
         """The canonical names of the fields this sample holds, in query order."""
-        return self._schema.names
+        return self._s[0].names
 
-    @property
-    def values(self) -> tuple[Value, ...]:
-        """The typed values, in the order of :attr:`fields`."""
-        return self._values
+    def values(self) -> tuple[Value, ...]:  # type: ignore[override]
+        """The typed values, in the order of :attr:`fields` (a tuple, which serves as a values view)."""
+        return self._s[1]
 
     @property
     def schema(self) -> Schema:
         """The column layout shared with the other samples of the same query."""
-        return self._schema
+        return self._s[0]
 
     @property
     def missing(self) -> Mapping[str, str]:
         """Field name -> reason (``"not_available"``, ``"not_supported"``, ``"gpu_lost"``...) for missing values."""
-        m = _get(self, 3)
+        m = self._s[3]
         return MappingProxyType(m) if m else _EMPTY
 
     @property
     def raw(self) -> Mapping[str, str]:
         """Field name -> the cell exactly as nvidia-smi printed it."""
-        return dict(zip(self._schema.names, self._raw, strict=True))
+        return dict(zip(self._s[0].names, self._s[2], strict=True))
 
-    def __getitem__(self, name: str) -> Value:  # type: ignore[override]
+    def __getitem__(self, name: str) -> Value:
         try:
-            return self._values[self._schema._by_name[name]]
+            return self._s[1][self._s[0]._by_name[name]]
         except (KeyError, TypeError):
-            raise KeyError(f"{name!r} was not queried; this sample holds {', '.join(self._schema.names)}") from None
+            raise KeyError(f"{name!r} was not queried; this sample holds {', '.join(self._s[0].names)}") from None
 
     def __getattr__(self, attr: str) -> Value:
-        # Only reached when normal lookup fails: the queried fields by attribute name.
-        if attr.startswith("__"):
+        # Only reached when normal lookup fails: the queried fields by attribute name. Field attributes start
+        # with a letter; anything else (dunders, the slot while unpickling) is a plain AttributeError.
+        if attr.startswith("_"):
             raise AttributeError(attr)
         try:
-            return self._values[self._schema._by_attr[attr]]
+            return self._s[1][self._s[0]._by_attr[attr]]
         except KeyError:
             raise AttributeError(f"GpuSample has no field {attr!r} (not queried)") from None
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"GpuSample is immutable; cannot set {name!r}")
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"GpuSample is immutable; cannot delete {name!r}")
+
     def __contains__(self, name: object) -> bool:
-        return name in self._schema._by_name
+        return name in self._s[0]._by_name
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._schema.names)
+        return iter(self._s[0].names)
 
     def __len__(self) -> int:
-        return len(self._schema.names)
+        return len(self._s[0].names)
 
     def get(self, name: str, default: Any = None) -> Value:
         """The value of ``name``, or ``default`` when it was not queried (a missing value is still None)."""
-        i = self._schema._by_name.get(name)
-        return default if i is None else self._values[i]
+        i = self._s[0]._by_name.get(name)
+        return default if i is None else self._s[1][i]
 
     def to_dict(self, *, attrs: bool = False) -> dict[str, Value]:
         """The values as a plain dict keyed by nvidia-smi name (or attribute name with ``attrs=True``)."""
-        keys = self._schema.attrs if attrs else self._schema.names
-        return dict(zip(keys, self._values, strict=True))
+        schema = self._s[0]
+        return dict(zip(schema.attrs if attrs else schema.names, self._s[1], strict=True))
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, GpuSample):
-            return NotImplemented
-        return (self._schema.names, self._values, self._raw) == (other._schema.names, other._values, other._raw)
+        if isinstance(other, GpuSample):
+            mine, theirs = self._s, other._s
+            return (mine[0].names, mine[1], mine[2]) == (theirs[0].names, theirs[1], theirs[2])
+        if isinstance(other, Mapping):
+            # like any mapping: equal to a dict holding the same names and values
+            return dict(zip(self._s[0].names, self._s[1], strict=True)) == dict(other.items())
+        return NotImplemented
 
     def __ne__(self, other: object) -> bool:
         eq = self.__eq__(other)
         return eq if eq is NotImplemented else not eq
 
     def __hash__(self) -> int:
-        return hash((self._schema.names, self._raw))
+        return hash((self._s[0].names, self._s[2]))
 
     def __repr__(self) -> str:
-        shown = ", ".join(f"{n}={v!r}" for n, v in zip(self._schema.names, self._values, strict=True))
-        lost = ", gpu_lost=True" if self.gpu_lost else ""
+        shown = ", ".join(f"{n}={v!r}" for n, v in zip(self._s[0].names, self._s[1], strict=True))
+        lost = ", gpu_lost=True" if self._s[4] else ""
         return f"GpuSample({shown}{lost})"
 
-    def __getnewargs__(self) -> tuple[Any, ...]:
-        return (self._schema, self._values, self._raw, _get(self, 3), self.gpu_lost)
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (GpuSample, self._s)
 
 
-_get = tuple.__getitem__
+_store = GpuSample._s.__set__  # type: ignore[attr-defined]

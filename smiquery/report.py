@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from smiquery.alerts import BUILTIN_RULES, Rule
-from smiquery.errors import SmiqueryError
+from smiquery.errors import ReportError, SmiqueryError
 from smiquery.fields import CATALOGUE, Field, Kind
 
 if TYPE_CHECKING:
@@ -52,10 +52,6 @@ _SKIP_STATS = frozenset({"index", "count", "timestamp"})
 _SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 Severity = Literal["critical", "warning", "info"]
-
-
-class ReportError(SmiqueryError, ValueError):
-    """A recording cannot be analysed: unreadable, empty, or without ``timestamp`` and ``index`` columns."""
 
 
 # ------------------------------------------------------------------------------------------------- loading

@@ -77,7 +77,7 @@ def _queried_fields(path: Path) -> list[str] | None:
 
 def _check_types(sample: GpuSample, fields: tuple[Field, ...]) -> None:
     raw = sample.raw
-    for fld, value in zip(fields, sample.values, strict=True):
+    for fld, value in zip(fields, sample.values(), strict=True):
         cell = raw[fld.name]
         token = missing_reason(cell)
         if token is not None:
@@ -139,7 +139,7 @@ def test_read_csv_gives_the_parsers_values(path: Path | None) -> None:
     assert len(df) == len(samples)
     missing: dict[str, dict[int, str]] = {}
     for row, sample in enumerate(samples):
-        for fld, value in zip(parser.fields, sample.values, strict=True):
+        for fld, value in zip(parser.fields, sample.values(), strict=True):
             got: Any = df.at[row, fld.attr]
             if value is None:
                 assert pd.isna(got), (fld.name, got)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from smiquery.errors import InvalidFieldError
@@ -69,6 +71,27 @@ def test_throttle_and_event_reasons_are_one_field_both_ways() -> None:
     assert [f.name for f in resolve_fields("clocks_throttle_reasons.active,clocks_event_reasons.active")] == [
         "clocks_event_reasons.active"
     ]
+
+
+def test_argv_spelling_is_the_old_throttle_name_that_every_driver_accepts() -> None:
+    assert get_field("clocks_event_reasons.active").argv_name == "clocks_throttle_reasons.active"
+    assert get_field("clocks_throttle_reasons.sync_boost").argv_name == "clocks_throttle_reasons.sync_boost"
+    # new in 590 under the new name only: there is no old spelling to send
+    counters = get_field("clocks_event_reasons_counters.sw_power_cap")
+    assert counters.argv_name == counters.name
+    assert get_field("gpu_name").argv_name == "name"
+    for f in CATALOGUE:
+        assert f.argv_name == f.name or f.argv_name in f.aliases, f.name
+
+
+def test_argv_spellings_are_listed_by_every_recorded_driver(corpus_dir: Path) -> None:
+    helps = sorted((corpus_dir / "help-query-gpu").glob("*.txt"))
+    assert any("465" in p.name for p in helps), "the corpus should hold a pre-535 --help-query-gpu"
+    for path in helps:
+        listed = {n for e in parse_help_query_gpu(path.read_text(encoding="utf-8")) for n in (e.name, *e.aliases)}
+        for f in CATALOGUE:
+            if listed & {f.name, *f.aliases}:
+                assert f.argv_name in listed, f"{path.name} lists {f.name} but not {f.argv_name}"
 
 
 def test_comma_list_and_sequences_drop_duplicates_keep_order() -> None:

@@ -42,7 +42,7 @@ def test_header_with_units_and_unit_values() -> None:
         "38 %, 214 MiB, 39.17 W, 765 MHz",
     ]
     (s,) = parse_lines(lines)
-    assert s.values == (38, 214, 39.17, 765)
+    assert s.values() == (38, 214, 39.17, 765)
     assert s.raw["fan.speed"] == "38 %"
 
 
@@ -51,7 +51,7 @@ def test_noheader_needs_fields() -> None:
         parse_lines(["38, 214"])
     assert info.value.lineno == 1
     (s,) = parse_lines(["38 %, 214 MiB"], ["fan.speed", "memory.used"])
-    assert s.values == (38, 214)
+    assert s.values() == (38, 214)
 
 
 def test_header_names_aliases_map_to_canonical_fields() -> None:
@@ -60,7 +60,7 @@ def test_header_names_aliases_map_to_canonical_fields() -> None:
     assert [f.name for f in parser.fields] == ["name", "clocks.current.graphics", "clocks_event_reasons.active"]
     s = parser.feed("NVIDIA A100, 1410, 0x0000000000000004")
     assert s is not None
-    assert s.values == ("NVIDIA A100", 1410, 4)
+    assert s.values() == ("NVIDIA A100", 1410, 4)
 
 
 def test_aliases_in_fields_with_canonical_header() -> None:
@@ -79,7 +79,7 @@ def test_units_come_from_the_header() -> None:
     parser.feed("power_smoothing.curr_profile.ramp_up_rate [W/s], bbx.time_run [seconds]")
     assert parser.units == ("W/s", "seconds")
     s = parser.feed("1.50 W/s, 12 seconds")
-    assert s is not None and s.values == (1.5, 12)
+    assert s is not None and s.values() == (1.5, 12)
 
 
 # -- line handling -----------------------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ def test_units_come_from_the_header() -> None:
 def test_crlf_and_blank_lines() -> None:
     text = "\r\nindex, memory.used [MiB]\r\n\r\n0, 10\r\n   \r\n1, 20\r\n\r\n"
     samples = parse_lines(text)
-    assert [s.values for s in samples] == [(0, 10), (1, 20)]
+    assert [s.values() for s in samples] == [(0, 10), (1, 20)]
     parser = CsvParser(["index"])
     assert parser.feed("7\r\n") is not None
 
@@ -112,7 +112,7 @@ def test_infrom_warning_is_a_notice_not_data() -> None:
 
 def test_cells_split_on_comma_without_space() -> None:
     (s,) = parse_lines(["0,1.50"], ["index", "power.draw"])
-    assert s.values == (0, 1.5)
+    assert s.values() == (0, 1.5)
 
 
 # -- status tokens -----------------------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ def test_round_trip_format_then_parse(row: tuple[tuple[Field, ...], list[tuple[V
     assert parser.feed(header) is None
     sample = parser.feed(line)
     assert sample is not None
-    assert sample.values == tuple(v for v, _ in cells)
+    assert sample.values() == tuple(v for v, _ in cells)
     assert dict(sample.missing) == {f.name: r for f, (v, r) in zip(fields, cells, strict=True) if v is None}
     assert format_row(sample, fields, units=units) == line
     assert format_row(sample, units=units) == line
@@ -287,7 +287,7 @@ _LINES = st.one_of(
 
 
 def _check_sample(sample: GpuSample, fields: tuple[Field, ...]) -> None:
-    for fld, value in zip(fields, sample.values, strict=True):
+    for fld, value in zip(fields, sample.values(), strict=True):
         if value is None:
             assert fld.name in sample.missing
             continue

@@ -1,21 +1,130 @@
-"""The public surface: every exported name resolves, and `import smiquery` stays light."""
+"""The public surface: `__all__` is exactly the public names, no name shadows a module, one exception tree."""
 
 from __future__ import annotations
+import __future__
 
+import ast
+import builtins
+import importlib
+import pkgutil
 import subprocess
 import sys
+from pathlib import Path
+from types import ModuleType
 
 import smiquery
+from smiquery import errors
+
+PACKAGE = Path(smiquery.__file__).parent
+
+
+def _isort_key(name: str) -> tuple[int, str]:
+    # isort-style, as ruff sorts __all__: CONSTANTS, then Classes, then functions
+    return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)
+
+
+def _public_names(module: ModuleType) -> set[str]:
+    return {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and not isinstance(value, ModuleType)  # submodules appear as attributes once imported
+        and value is not __future__.annotations
+    }
 
 
 def test_all_names_resolve_and_are_sorted():
     for name in smiquery.__all__:
         assert getattr(smiquery, name) is not None, name
-    # isort-style: CONSTANTS, then Classes, then functions
-    def key(name: str) -> tuple[int, str]:
-        return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)
+    assert list(smiquery.__all__) == sorted(smiquery.__all__, key=_isort_key)
+    assert len(set(smiquery.__all__)) == len(smiquery.__all__)
 
-    assert list(smiquery.__all__) == sorted(smiquery.__all__, key=key)
+
+def test_all_is_exactly_the_public_names():
+    for name in smiquery.__all__:
+        getattr(smiquery, name)  # resolves the lazy names too, so they join the module's namespace
+    assert _public_names(smiquery) | {"__version__"} == set(smiquery.__all__)
+
+
+def _submodule_names(package: ModuleType) -> set[str]:
+    return {m.name for m in pkgutil.iter_modules(package.__path__)}
+
+
+def _packages() -> list[ModuleType]:
+    found = [smiquery]
+    for info in pkgutil.walk_packages(smiquery.__path__, prefix="smiquery."):
+        if info.ispkg:
+            found.append(importlib.import_module(info.name))
+    return found
+
+
+def test_no_public_name_is_also_a_submodule():
+    # `import smiquery.x` sets the attribute `x` on the package: a public `x` would then depend on import order
+    for package in _packages():
+        children = _submodule_names(package)
+        public = set(getattr(package, "__all__", ())) | _public_names(package)
+        assert not public & children, f"{package.__name__} exports names of its own submodules"
+    assert {"errors", "fields", "records", "oneshot", "playback"} <= _submodule_names(smiquery)
+
+
+def _exception_classes_by_module() -> dict[str, set[str]]:
+    """Module path -> its public exception classes, found in the source (no import, so no optional deps)."""
+    bases: dict[str, set[str]] = {}
+    where: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE.parent).with_suffix("").as_posix().replace("/", ".")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                names = {ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases}
+                bases.setdefault(node.name, set()).update(names)
+                where.setdefault(module, set()).add(node.name)
+
+    def builtin_exception(name: str) -> bool:
+        obj = getattr(builtins, name, None)
+        return isinstance(obj, type) and issubclass(obj, BaseException)
+
+    exceptions = {n for n, b in bases.items() if any(builtin_exception(x) for x in b)}
+    grew = True
+    while grew:
+        more = {n for n, b in bases.items() if b & exceptions} - exceptions
+        exceptions |= more
+        grew = bool(more)
+    return {m: {n for n in names if n in exceptions and not n.startswith("_")} for m, names in where.items()}
+
+
+def test_every_exception_class_is_defined_in_errors():
+    found = _exception_classes_by_module()
+    assert {"SmiqueryError", "NvidiaSmiFailedError", "GpuLostError"} <= found["smiquery.errors"], "scan is broken"
+    elsewhere = {m: sorted(n) for m, n in found.items() if n and m != "smiquery.errors"}
+    assert not elsewhere, f"exception classes outside smiquery/errors.py: {elsewhere}"
+
+
+def test_root_exports_the_whole_error_tree():
+    tree = {
+        name
+        for name, obj in vars(errors).items()
+        if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == "smiquery.errors"
+    }
+    public_tree = {n for n in tree if not n.startswith("_")}
+    assert public_tree == _exception_classes_by_module()["smiquery.errors"]
+    assert public_tree <= set(smiquery.__all__)
+    assert public_tree <= set(errors.__all__)
+    for name in public_tree:
+        assert getattr(smiquery, name) is getattr(errors, name)
+    assert issubclass(smiquery.PortInUseError, smiquery.ListenError)
+    assert issubclass(smiquery.ReportError, ValueError) and issubclass(smiquery.ReportError, smiquery.SmiqueryError)
+
+
+def test_moved_exceptions_are_still_importable_from_their_modules():
+    from smiquery import alerts, oneshot, playback, report
+
+    assert alerts.InvalidRuleError is errors.InvalidRuleError
+    assert oneshot.InfoRomWarning is errors.InfoRomWarning
+    assert playback.ReplayError is errors.ReplayError
+    assert report.ReportError is errors.ReportError
+    code = "import smiquery; from smiquery.exporter import PortInUseError as E; print(E is smiquery.PortInUseError)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "True"
 
 
 def test_import_does_not_pull_optional_or_heavy_modules():

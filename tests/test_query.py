@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -17,6 +18,8 @@ from smiquery.oneshot import InfoRomWarning, get_gpu_status, normalize_gpus, pro
 from smiquery.runner import SubprocessRunner, find_nvidia_smi
 from smiquery.testing import fake_nvidia_smi
 from tests.leakcheck import no_leaks
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def starts(log: Path) -> list[list[str]]:
@@ -254,3 +257,52 @@ def test_inforom_does_not_warn_twice(fake_smi):
         warnings.simplefilter("always")
         query(nvidia_smi=fake_smi(fault="inforom"))
     assert sum(issubclass(w.category, InfoRomWarning) for w in seen) == 1
+
+
+def pre535_nvidia_smi(tmp_path: Path, recording: Path) -> Path:
+    """A fake for a driver before the 535 branch: it rejects the clocks_event_reasons.* names as R470 does."""
+    inner = fake_nvidia_smi(tmp_path / "inner", recording=recording)
+    script = tmp_path / "r470" / "nvidia-smi"
+    script.parent.mkdir()
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys\n"
+        "for arg in sys.argv[1:]:\n"
+        "    if arg.startswith('--query-gpu='):\n"
+        "        for name in arg.split('=', 1)[1].split(','):\n"
+        "            if name.startswith('clocks_event_reasons'):\n"
+        "                print(f'Field \"{name}\" is not a valid field to query.')\n"
+        "                print()\n"
+        "                sys.exit(2)\n"
+        f"os.execv({str(inner)!r}, [{str(inner)!r}, *sys.argv[1:]])\n",
+        encoding="utf-8",
+    )
+    script.chmod(0o755)
+    return script
+
+
+@pytest.mark.parametrize("preset", ["health", "throttle"])
+def test_throttle_fields_work_on_a_pre_535_driver_under_their_new_names(tmp_path, preset):
+    smi = pre535_nvidia_smi(tmp_path, FIXTURES / "t4-470-old-tokens.csv")
+    # the stand-in really is an old driver: the new spelling is refused the way R470 refuses it
+    done = SubprocessRunner().run([str(smi), "--query-gpu=index,clocks_event_reasons.active", "--format=csv"], 10)
+    assert done.returncode == 2
+    assert 'Field "clocks_event_reasons.active" is not a valid field to query.' in done.output
+    with no_leaks():
+        rows = query(preset, nvidia_smi=smi)
+    assert [r.index for r in rows] == [0, 1]
+    assert rows[0].fields == smiquery.PRESETS[preset]
+    assert rows[0]["clocks_event_reasons.active"] == 4  # 0x...04 in the recording: sw power cap
+    assert rows[1].clocks_event_reasons_active == 1
+    assert "clocks_throttle_reasons.active" not in rows[0].fields
+
+
+def test_argv_sends_throttle_reasons_under_the_spelling_every_driver_accepts():
+    from smiquery.fields import resolve_fields
+    from smiquery.oneshot import build_argv
+
+    argv = build_argv("nvidia-smi", resolve_fields("health"), interval=1)
+    names = argv[1].removeprefix("--query-gpu=").split(",")
+    assert "clocks_throttle_reasons.hw_thermal_slowdown" in names
+    assert not [n for n in names if n.startswith("clocks_event_reasons.")]
+    assert len(names) == len(smiquery.PRESETS["health"])

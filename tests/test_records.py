@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import pickle
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
@@ -52,7 +54,7 @@ def test_mapping_like(sample: GpuSample) -> None:
     assert len(sample) == len(FIELDS)
     assert "power.draw" in sample and "memory.used" not in sample
     assert sample.fields == tuple(FIELDS)
-    assert sample.values[3] == 45
+    assert sample.values()[3] == 45
 
 
 def test_immutable(sample: GpuSample) -> None:
@@ -136,9 +138,52 @@ def test_schema_is_shared_and_compares_by_names() -> None:
     assert a.schema.attrs == ("index", "power_draw")
 
 
-def test_count_field_shadows_tuple_count() -> None:
+def test_count_field_is_an_ordinary_field() -> None:
     (s,) = parse_lines(["2, 0"], ["count", "index"])
     assert s.count == 2
     assert s["count"] == 2
     (bare,) = parse_lines(["0"], ["index"])
-    assert bare.count is None
+    assert bare.get("count") is None
+    with pytest.raises(AttributeError, match="count"):
+        _ = bare.count
+
+
+def test_is_a_read_only_mapping_of_name_to_value(sample: GpuSample) -> None:
+    assert isinstance(sample, Mapping)
+    assert not isinstance(sample, tuple)
+    assert dict(sample) == {**sample} == sample.to_dict()
+    assert list(sample.keys()) == FIELDS
+    assert list(sample.items())[3] == ("temperature.gpu", 45)
+    assert sample.values() == tuple(sample[n] for n in FIELDS)
+    assert sample == sample.to_dict()
+    assert sample != {**sample.to_dict(), "temperature.gpu": 46}
+    with pytest.raises(TypeError):
+        sample["temperature.gpu"] = 0  # type: ignore[index]
+
+
+def test_json_carries_the_values(sample: GpuSample) -> None:
+    # what a user writes: the timestamp is a datetime, which json needs a default= for
+    doc = json.loads(json.dumps(dict(sample), default=str))
+    assert doc == {
+        "timestamp": "2026-08-12 21:53:45.370000+00:00",
+        "index": 0,
+        "uuid": "GPU-00000000-0000-0000-0000-000000000000",
+        "temperature.gpu": 45,
+        "power.draw": 69.85,
+        "fan.speed": None,
+    }
+    # a bare sample is refused loudly, never written as something else
+    with pytest.raises(TypeError, match="GpuSample"):
+        json.dumps(sample, default=None)
+
+
+def test_pandas_dataframe_from_samples_has_one_column_per_field() -> None:
+    pd = pytest.importorskip("pandas")
+    rows = parse_lines([LINE, LINE.replace(" 0, GPU-0", " 1, GPU-1").replace(" 45,", " 50,")], FIELDS, tz=UTC)
+    df = pd.DataFrame(rows)
+    assert list(df.columns) == FIELDS
+    assert df["temperature.gpu"].tolist() == [45, 50]
+    assert df["index"].tolist() == [0, 1]
+    assert df["power.draw"].tolist() == [69.85, 69.85]
+    assert df["fan.speed"].isna().all()
+    assert pd.Series(rows[0])["power.draw"] == 69.85

@@ -172,7 +172,7 @@ def test_csv_round_trip_in_nvidia_smi_format(tmp_path):
     assert text.splitlines()[0].startswith("timestamp, index, name, uuid, temperature.gpu, utilization.gpu [%]")
     assert ", [N/A], " in text and " MiB, " in text
     again = list(replay(path, speed=0))
-    assert [s.values for s in again] == [s.values for s in rows]
+    assert [s.values() for s in again] == [s.values() for s in rows]
     assert [dict(s.missing) for s in again] == [dict(s.missing) for s in rows]
     assert len(list(CsvParser().parse(text.splitlines()))) == 16
 
@@ -194,7 +194,7 @@ def test_jsonl_round_trip(tmp_path):
     r = replay(path, speed=0)
     again = list(r)
     assert r.format == "jsonl"
-    assert [s.values for s in again] == [s.values for s in rows]
+    assert [s.values() for s in again] == [s.values() for s in rows]
     assert [dict(s.missing) for s in again] == [dict(s.missing) for s in rows]
     assert again[0].timestamp == rows[0].timestamp
 
@@ -219,7 +219,7 @@ def test_parquet_round_trip_and_chunked_rewrites(tmp_path):
     assert df.attrs["units"]["memory_used"] == "MiB"
     assert len(df.attrs["missing"]["fan_speed"]) == 16
     again = list(replay(path, speed=0))
-    assert [s.values for s in again] == [s.values for s in rows]
+    assert [s.values() for s in again] == [s.values() for s in rows]
     assert [dict(s.missing) for s in again] == [dict(s.missing) for s in rows]
 
 

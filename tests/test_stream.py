@@ -104,7 +104,7 @@ def test_bad_rows_are_dropped_and_counted(fake_smi, fault):
         got = [x for _, x in zip(range(24), s)]
     assert len(got) == 24
     assert s.stats.dropped_rows >= 1
-    assert all(len(x.values) == len(s.fields) for x in got)
+    assert all(len(x.values()) == len(s.fields) for x in got)
 
 
 def test_truncated_last_row_then_exit_is_restarted(fake_smi):

@@ -190,7 +190,7 @@ def test_close_of_a_started_stream_honours_its_timeout(fake_smi):
             time.sleep(0.02)
         t0 = time.monotonic()
         s.close(timeout=3)
-        assert time.monotonic() - t0 < 3 + 1
+        assert time.monotonic() - t0 < 3 + 2
         assert not s.running
     assert s.stats.state == "closed"
 
@@ -486,14 +486,20 @@ def test_subscribers_hear_events_and_can_leave(tmp_path):
     assert len(heard) == count
 
 
+def alive_fake(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE and "nvidia-smi" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False  # it ended while we looked
+
+
 def test_a_stream_never_has_two_children(fake_smi):
     seen: set[int] = set()
     with stream(interval=0.02, nvidia_smi=fake_smi(fault="crash-after:10"), backoff_initial=0.01) as s:
         for _ in zip(range(80), s):
-            me = psutil.Process()
-            kids = [p for p in me.children(recursive=True) if "nvidia-smi" in " ".join(p.cmdline())]
+            kids = [p.pid for p in psutil.Process().children(recursive=True) if alive_fake(p)]
             assert len(kids) <= 1
-            seen.update(p.pid for p in kids)
+            seen.update(kids)
     assert len(seen) >= 2
 
 

@@ -686,7 +686,7 @@ def test_fixture_parses_and_replays(fake_smi: MakeFake, path: Path) -> None:
     assert res.returncode == 0
     replayed = list(CsvParser(names).parse(lines_of(res.stdout)))
     first_sweep = recorded[: len(replayed)]
-    assert [s.values for s in replayed] == [s.values for s in first_sweep]
+    assert [s.values() for s in replayed] == [s.values() for s in first_sweep]
     assert [dict(s.missing) for s in replayed] == [dict(s.missing) for s in first_sweep]
 
 
