@@ -531,3 +531,16 @@ def test_fail_fast_gives_up_at_start_but_not_once_rows_flowed(fake_smi, tmp_path
     with stream(FIELDS, interval=0.05, nvidia_smi=smi, fail_fast=True, sleep=naps.append) as s:
         got = [x for _, x in zip(range(5), s)]
     assert len(got) == 5 and len(naps) == 1 and s.stats.errors["DriverVersionMismatchError"] == 1
+
+
+def test_close_while_nvidia_smi_is_still_starting(fake_smi):
+    with no_leaks(reap_timeout=5):
+        s = stream(interval=0.05, nvidia_smi=fake_smi(start_delay=60, fault="ignore-term")).start()
+        deadline = time.monotonic() + 30
+        while s.child_pid is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.child_pid is not None and s.stats.state == "starting"
+        t0 = time.monotonic()
+        s.close(timeout=3)
+        assert time.monotonic() - t0 < 3 + 2
+        assert not s.running and s.latest() == (None, None)
