@@ -66,6 +66,14 @@ MESSAGE_PREFIXES = (
 )
 
 
+def _row_converter(convs: Sequence[Callable[[str], Value]]) -> Callable[[list[str]], tuple[Value, ...]]:
+    """One function converting a whole row's cells, unrolled: the hot path of every stream (no zip, no list)."""
+    names = {f"c{i}": conv for i, conv in enumerate(convs)}
+    body = "".join(f"c{i}(cells[{i}]), " for i in range(len(convs)))
+    fn: Callable[[list[str]], tuple[Value, ...]] = eval(f"lambda cells: ({body})", names)
+    return fn
+
+
 def is_message(line: str) -> bool:
     """True for a line that is one of nvidia-smi's messages (an error, a warning, a notice), never a data row."""
     return line.lstrip().startswith(MESSAGE_PREFIXES)
@@ -207,6 +215,7 @@ class CsvParser:
         self._units: tuple[str, ...] = ()
         self.schema: Schema | None = None
         self._convs: tuple[Callable[[str], Value], ...] = ()
+        self._row: Callable[[list[str]], tuple[Value, ...]] = _row_converter(())
         self._ncols = 0
         self._seen_row = False
         if fields is not None:
@@ -228,6 +237,7 @@ class CsvParser:
         self.schema = Schema(tuple(f.name for f in fields))
         self._convs = tuple(_converter(f, self.tz) for f in fields)
         self._ncols = len(fields)
+        self._row = _row_converter(self._convs)
 
     def _try_header(self, line: str) -> bool:
         cells = [_split_header_cell(c) for c in line.split(",")]
@@ -284,7 +294,7 @@ class CsvParser:
                     return self._reject(f"expected {self._ncols} columns, got {len(cells)}", line, None)
                 cells = alt
         try:
-            values = tuple([conv(cell) for conv, cell in zip(self._convs, cells)])
+            values = self._row(cells)
         except (ValueError, KeyError, TypeError, OverflowError, _NotAValue):
             return self._slow_row(line, cells)
         self._seen_row = True
