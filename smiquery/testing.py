@@ -14,6 +14,7 @@ import pathlib
 import random
 import re
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -26,50 +27,47 @@ from smiquery.errors import InvalidFieldError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field
 from smiquery.parsing import missing_reason
 
-__all__ = ["ENV_VARS", "FAULTS", "fake_nvidia_smi", "main"]
+__all__ = ["ENV_VARS", "FAULTS", "FAULT_HELP", "fake_nvidia_smi", "main"]
 
-# What each fault does (NVIDIA-SMI.md section 5 for messages and codes; N counts data rows written, across the
-# sweeps of a loop):
-#   driver-not-loaded 9, nvml-not-found 12, version-mismatch 18, no-devices 6, no-supported-gpus 255,
-#   gpu-lost-start 15, permission 4, not-supported 3, unknown-error 255: nvidia-smi's message on stdout, that exit
-#       status, no CSV. They strike where NVML would start: after the arguments and field names are checked.
-#   exit:CODE[:MESSAGE]   exit with CODE, printing MESSAGE (if given) on stdout.
-#   inforom               normal rows, then `WARNING: infoROM is corrupted at gpu 0000:0B:00.0`, exit 14 (in a loop:
-#                         the warning once after the first sweep, and the loop goes on).
-#   hang                  print nothing, sleep forever.
-#   hang-after:N          N rows, then silence while the process keeps running.
-#   crash-after:N         N rows, then `Unable to determine the device handle for GPU ...: Unknown Error`, exit 255.
-#   gpu-lost-after:N[:I]  after N rows, every row of GPU index I (default 0) reads [GPU is lost] except timestamp,
-#                         index, uuid, pci.bus_id and name; the loop goes on.
-#   garbage               header, then lines of random bytes (invalid UTF-8, wrong cell counts), exit 0.
-#   garbage-after:N       N rows, one garbage line, then the normal rows.
-#   truncated             the last row of the (first) sweep cut in the middle, no newline, exit 0.
-#   wrong-columns-after:N N rows, then one row missing its last cell, then the normal rows.
-#   ignore-term           SIGTERM is ignored: callers have to escalate to SIGKILL.
+#: Fault specs understood by the fake, and what each does (``N``, ``CODE`` and ``INDEX`` are integers, ``SECONDS``
+#: a number; combine specs with commas, so a MESSAGE cannot hold one). Messages and exit codes follow
+#: NVIDIA-SMI.md section 5. ``N`` counts data rows written, across the sweeps of a loop. The start-up faults print
+#: nvidia-smi's message on stdout and exit with its status, no CSV; they strike where NVML would start: after the
+#: arguments and field names are checked.
+FAULT_HELP: Mapping[str, str] = {
+    "driver-not-loaded": "start-up: the driver is not loaded or not reachable, exit 9",
+    "nvml-not-found": "start-up: libnvidia-ml.so is missing (a container without `utility`), exit 12",
+    "version-mismatch": "start-up: Driver/library version mismatch, exit 18",
+    "no-devices": "start-up: No devices were found, exit 6",
+    "no-supported-gpus": "start-up: No supported GPUs were found, exit 255",
+    "gpu-lost-start": "start-up: GPU 0000:02:00.0 is lost, exit 15",
+    "permission": "start-up: Insufficient Permissions, exit 4",
+    "not-supported": "start-up: Not Supported, exit 3",
+    "unknown-error": "start-up: Unknown Error, exit 255",
+    "exit:CODE[:MESSAGE]": "start-up: print MESSAGE (if given) on stdout, exit CODE",
+    "inforom": "normal rows, then the infoROM warning, exit 14 (in a loop: the warning once, and the loop goes on)",
+    "hang": "print nothing, sleep forever",
+    "hang-after:N": "N rows, then silence while the process keeps running",
+    "crash-after:N": "N rows, then `Unable to determine the device handle for GPU ...: Unknown Error`, exit 255",
+    "exit-after:N:CODE[:MESSAGE]": "N rows, then MESSAGE (if given) on stdout, exit CODE",
+    "notices-after:N": "N rows, then only notice lines (infoROM warning, device-handle error), one batch per "
+    "interval (one-shot: per second), forever",
+    "gpu-lost-after:N[:INDEX]": "after N rows, GPU INDEX's (default 0) cells read [GPU is lost] except timestamp, "
+    "index, uuid, pci.bus_id and name; the loop goes on",
+    "drop-gpu-after:N[:INDEX[:message]]": "after N rows, GPU INDEX's (default 0) rows stop appearing; with "
+    "`:message`, nvidia-smi's `GPU is lost` line for it is printed in their place each sweep",
+    "garbage": "header, then lines of random bytes (invalid UTF-8, wrong cell counts), exit 0",
+    "garbage-after:N": "N rows, one garbage line, then the normal rows",
+    "truncated": "the last row of the (first) sweep cut in the middle, no newline, exit 0",
+    "wrong-columns-after:N": "N rows, then one row missing its last cell, then the normal rows",
+    "ignore-term": "SIGTERM is ignored: callers have to escalate to SIGKILL",
+    "start-delay:SECONDS": "sleep SECONDS before any output (overrides the start_delay setting)",
+    "grandchild": "first start a grandchild (same process group, same stdout and stderr) that sleeps an hour "
+    "holding the pipes open; then run normally",
+}
 
-#: Fault specs understood by the fake (``N``, ``CODE`` and ``INDEX`` are integers; combine specs with commas).
-FAULTS: tuple[str, ...] = (
-    "driver-not-loaded",
-    "nvml-not-found",
-    "version-mismatch",
-    "no-devices",
-    "no-supported-gpus",
-    "gpu-lost-start",
-    "permission",
-    "not-supported",
-    "unknown-error",
-    "exit:CODE[:MESSAGE]",
-    "inforom",
-    "hang",
-    "hang-after:N",
-    "crash-after:N",
-    "gpu-lost-after:N[:INDEX]",
-    "garbage",
-    "garbage-after:N",
-    "truncated",
-    "wrong-columns-after:N",
-    "ignore-term",
-)
+#: Fault specs understood by the fake (see :data:`FAULT_HELP` for what each does).
+FAULTS: tuple[str, ...] = tuple(FAULT_HELP)
 
 #: Environment variables read by the fake at run time, and what they do.
 ENV_VARS: Mapping[str, str] = {
@@ -117,11 +115,15 @@ _STARTUP_FAULTS: dict[str, tuple[tuple[str, ...], int]] = {
     "not-supported": (("Failed to initialize NVML: Not Supported",), 3),
     "unknown-error": (("Failed to initialize NVML: Unknown Error",), 255),
 }
-_COUNTED_FAULTS = ("hang-after", "crash-after", "garbage-after", "wrong-columns-after")
-_FLAG_FAULTS = ("inforom", "hang", "garbage", "truncated", "ignore-term")
+_COUNTED_FAULTS = ("hang-after", "crash-after", "garbage-after", "wrong-columns-after", "notices-after")
+_FLAG_FAULTS = ("inforom", "hang", "garbage", "truncated", "ignore-term", "grandchild")
 
 _HELP_HINT = "Please run 'nvidia-smi -h' for help."
 _INFOROM_WARNING = "WARNING: infoROM is corrupted at gpu 0000:0B:00.0"
+_HANDLE_ERROR = "Unable to determine the device handle for GPU {bus}: {reason}"
+_GPU_LOST_REASON = "GPU is lost. Reboot the system to recover this GPU"
+# what `notices-after` prints each interval once the rows stop
+_NOTICE_BATCH = (_INFOROM_WARNING, _HANDLE_ERROR.format(bus="0000:02:00.0", reason="Unknown Error"))
 _DEFAULT_DRIVER = "590.48.01"
 # CUDA version reported by `nvidia-smi --version`, by driver branch (the newest CUDA each branch supports).
 _CUDA_BY_BRANCH = {470: "11.4", 535: "12.2", 550: "12.4", 560: "12.6", 570: "12.8", 580: "13.0", 590: "13.1"}
@@ -161,6 +163,15 @@ class _Faults:
     wrong_columns_after: int | None = None
     gpu_lost_after: int | None = None
     gpu_lost_index: int = 0
+    notices_after: int | None = None
+    exit_after: int | None = None
+    exit_after_code: int = 0
+    exit_after_message: str | None = None
+    drop_gpu_after: int | None = None
+    drop_gpu_index: int = 0
+    drop_gpu_message: bool = False
+    start_delay: float | None = None
+    grandchild: bool = False
 
 
 def _is_number(text: str) -> bool:
@@ -171,6 +182,13 @@ def _nonneg(spec: str, text: str) -> int:
     if not _is_number(text):
         raise _FakeUsageError(f"fault {spec!r}: {text!r} is not a non-negative integer")
     return int(text)
+
+
+def _exit_code(spec: str, text: str) -> int:
+    code = _nonneg(spec, text)
+    if code > 255:
+        raise _FakeUsageError(f"fault {spec!r}: exit codes go up to 255")
+    return code
 
 
 def _parse_faults(spec: str | None) -> _Faults:
@@ -185,11 +203,30 @@ def _parse_faults(spec: str | None) -> _Faults:
             values.setdefault("startup", name)
         elif name == "exit" and arg:
             code_text, _, message = arg.partition(":")
-            code = _nonneg(item, code_text)
-            if code > 255:
-                raise _FakeUsageError(f"fault {item!r}: exit codes go up to 255")
-            values.setdefault("exit_code", code)
+            values.setdefault("exit_code", _exit_code(item, code_text))
             values.setdefault("exit_message", message or None)
+        elif name == "exit-after" and ":" in arg:
+            count, _, rest = arg.partition(":")
+            code_text, _, message = rest.partition(":")
+            values["exit_after"] = _nonneg(item, count)
+            values["exit_after_code"] = _exit_code(item, code_text)
+            values["exit_after_message"] = message or None
+        elif name == "drop-gpu-after" and arg:
+            count, _, rest = arg.partition(":")
+            index, _, suffix = rest.partition(":")
+            if suffix not in ("", "message"):
+                raise _FakeUsageError(f"fault {item!r}: only the literal suffix ':message' may follow the index")
+            values["drop_gpu_after"] = _nonneg(item, count)
+            values["drop_gpu_index"] = _nonneg(item, index) if index else 0
+            values["drop_gpu_message"] = suffix == "message"
+        elif name == "start-delay" and arg:
+            try:
+                delay = float(arg)
+            except ValueError:
+                delay = -1.0
+            if not 0 <= delay < float("inf"):
+                raise _FakeUsageError(f"fault {item!r}: {arg!r} is not a non-negative number of seconds")
+            values["start_delay"] = delay
         elif name in _FLAG_FAULTS and not arg:
             values[name.replace("-", "_")] = True
         elif name in _COUNTED_FAULTS and arg:
@@ -502,6 +539,7 @@ def _parse_args(argv: Sequence[str], out: _Output) -> _Options:
         "--version": "version",
         "-h": "help",
         "--help": "help",
+        "--fake-help": "help",
     }
     while args.pos < len(args.argv):
         arg = args.argv[args.pos]
@@ -547,11 +585,15 @@ class _Output:
     def flush(self) -> None:
         self.stream.flush()
 
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` (the in-process fake waits on its stop event instead)."""
+        time.sleep(seconds)
+
 
 def _hang(out: _Output) -> NoReturn:
     out.flush()
     while True:
-        time.sleep(3600)
+        out.sleep(3600)
 
 
 def _now_text(now: datetime) -> str:
@@ -570,10 +612,11 @@ def _garbage_line(rng: random.Random, ncols: int) -> bytes:
 class _RowWriter:
     """Writes data rows and springs the row-counting faults (``hang-after``, ``crash-after``...)."""
 
-    def __init__(self, out: _Output, faults: _Faults, ncols: int) -> None:
+    def __init__(self, out: _Output, faults: _Faults, ncols: int, interval: float | None = None) -> None:
         self.out = out
         self.faults = faults
         self.ncols = ncols
+        self.interval = interval
         self.rows = 0
         self._garbage_done = False
         self._wrong_done = False
@@ -583,14 +626,28 @@ class _RowWriter:
         return limit is not None and self.rows >= limit
 
     def check_stop(self, next_bus_id: str) -> None:
-        """Hang or crash when their row count is reached."""
+        """Hang, crash, exit or turn to notices when their row count is reached."""
         if self._due(self.faults.hang_after):
             _hang(self.out)
         if self._due(self.faults.crash_after):
             bus = _short_bus_id(next_bus_id) if next_bus_id else "0000:00:00.0"
-            self.out.line(f"Unable to determine the device handle for GPU {bus}: Unknown Error")
+            self.out.line(_HANDLE_ERROR.format(bus=bus, reason="Unknown Error"))
             self.out.flush()
             raise _Exit(255)
+        if self._due(self.faults.exit_after):
+            if self.faults.exit_after_message:
+                self.out.line(self.faults.exit_after_message)
+            self.out.flush()
+            raise _Exit(self.faults.exit_after_code)
+        if self._due(self.faults.notices_after):
+            self._notices_forever()
+
+    def _notices_forever(self) -> NoReturn:
+        while True:
+            for text in _NOTICE_BATCH:
+                self.out.line(text)
+            self.out.flush()
+            self.out.sleep(self.interval if self.interval is not None else 1.0)
 
     def row(self, cells: list[str], *, bus_id: str = "", truncate: bool = False) -> None:
         self.check_stop(bus_id)
@@ -693,7 +750,7 @@ def _query_gpu(opts: _Options, rec: _Recording, faults: _Faults, out: _Output) -
     selected = _select(rec, opts.ids, out)
     keep_time = os.environ.get("SMIQUERY_FAKE_KEEP_TIME") == "1"
     loop = opts.interval is not None
-    writer = _RowWriter(out, faults, len(fields))
+    writer = _RowWriter(out, faults, len(fields), opts.interval)
     if header:
         out.line(", ".join(f.header for f in fields))
     if faults.garbage:
@@ -706,6 +763,16 @@ def _query_gpu(opts: _Options, rec: _Recording, faults: _Faults, out: _Output) -
         rows = [(key, r) for key, r in rows if key in selected]
         now = datetime.now()
         for i, (key, row) in enumerate(rows):
+            if (
+                faults.drop_gpu_after is not None
+                and writer.rows >= faults.drop_gpu_after
+                and key == str(faults.drop_gpu_index)
+            ):
+                if faults.drop_gpu_message:
+                    ident = next((g for g in rec.gpus if g["index"] == key), rec.gpus[0])
+                    bus = _short_bus_id(rec.cell(row, "pci.bus_id") or ident["pci.bus_id"])
+                    out.line(_HANDLE_ERROR.format(bus=bus, reason=_GPU_LOST_REASON))
+                continue
             lost = (
                 faults.gpu_lost_after is not None
                 and writer.rows >= faults.gpu_lost_after
@@ -734,7 +801,7 @@ def _query_gpu(opts: _Options, rec: _Recording, faults: _Faults, out: _Output) -
                 return 14
         if loop:
             assert opts.interval is not None
-            time.sleep(opts.interval)
+            out.sleep(opts.interval)
     writer.check_stop("")
     return 0
 
@@ -752,7 +819,7 @@ def _query_apps(opts: _Options, rec: _Recording, settings: _Settings, faults: _F
     selected = _select(rec, opts.ids, out)
     uuids = {g["uuid"].lower() for g in rec.gpus if g["index"] in selected}
     apps = [a for a in _load_apps(settings.apps, rec) if a.get("gpu_uuid", "").lower() in uuids or opts.ids is None]
-    writer = _RowWriter(out, faults, len(names))
+    writer = _RowWriter(out, faults, len(names), opts.interval)
     if header:
         out.line(", ".join(f"{n} [{_APP_FIELDS[n]}]" if _APP_FIELDS[n] else n for n in names))
     if faults.garbage:
@@ -775,7 +842,7 @@ def _query_apps(opts: _Options, rec: _Recording, settings: _Settings, faults: _F
         out.flush()
         if faults.truncated or opts.interval is None:
             break
-        time.sleep(opts.interval)
+        out.sleep(opts.interval)
     writer.check_stop("")
     return 0
 
@@ -907,7 +974,17 @@ def _usage(out: _Output) -> int:
     out.line()
     out.line("    nvidia-smi [-i ID] --query-gpu=LIST --format=csv[,noheader][,nounits] [-l SEC | -lms MS]")
     out.line("    nvidia-smi [-i ID] --query-compute-apps=LIST --format=csv[,noheader][,nounits]")
-    out.line("    nvidia-smi --help-query-gpu | --help-query-compute-apps | -L | --version")
+    out.line("    nvidia-smi --help-query-gpu | --help-query-compute-apps | -L | --version | -h | --help")
+    out.line()
+    out.line("Faults (SMIQUERY_FAKE_FAULT or fault=; combine with commas; N counts data rows, across loop sweeps):")
+    width = max(len(spec) for spec in FAULT_HELP) + 2
+    for spec, text in FAULT_HELP.items():
+        out.line(f"  {spec:<{width}}{text}")
+    out.line()
+    out.line("Environment variables (read at every start; they override the settings baked into the script):")
+    width = max(len(name) for name in ENV_VARS) + 2
+    for name, text in ENV_VARS.items():
+        out.line(f"  {name:<{width}}{text}")
     return 0
 
 
@@ -925,8 +1002,9 @@ def _log_invocation(path: str, argv: Sequence[str]) -> None:
 
 
 def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Output) -> int:
-    if settings.start_delay > 0:
-        time.sleep(settings.start_delay)
+    delay = faults.start_delay if faults.start_delay is not None else settings.start_delay
+    if delay > 0:
+        out.sleep(delay)
     opts = _parse_args(argv, out)
     rec = _load_recording(settings.recording)
     if opts.action == "help":
@@ -954,6 +1032,14 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
     return _table(rec, selected, out)
 
 
+def _start_grandchild() -> None:
+    """A child of the fake that holds its stdout and stderr open for an hour (in the fake's process group)."""
+    sleeper = shutil.which("sleep")
+    argv = [sleeper, "3600"] if sleeper else [sys.executable, "-c", "import time; time.sleep(3600)"]
+    # posix_spawn leaves no Popen object behind to complain that its child outlived it
+    os.posix_spawn(argv[0], argv, os.environ)
+
+
 def _run(argv: Sequence[str], settings: _Settings) -> int:
     """Run the fake with signal handling like a C program: quiet on SIGINT, SIGTERM and a closed pipe."""
     saved: dict[int, object] = {}
@@ -968,6 +1054,8 @@ def _run(argv: Sequence[str], settings: _Settings) -> int:
         try:
             settings = settings.with_env(os.environ)
             faults = _parse_faults(settings.fault)
+            if faults.grandchild:
+                _start_grandchild()
             if faults.ignore_term and hasattr(signal, "SIGTERM"):
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
             # logged after SIGTERM is ignored: a test that sees the line may rely on it

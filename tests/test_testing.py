@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -24,7 +25,7 @@ from smiquery import errors
 from smiquery.fields import CATALOGUE, PRESETS, get_field, parse_help_query_gpu
 from smiquery.parsing import CsvParser, header_line
 from smiquery.records import GpuSample
-from smiquery.testing import FAULTS, fake_nvidia_smi
+from smiquery.testing import ENV_VARS, FAULTS, fake_nvidia_smi
 
 if TYPE_CHECKING:
     from conftest import MakeFake
@@ -37,6 +38,7 @@ DEMO = ROOT / "smiquery" / "data" / "demo-8gpu.csv"
 DEMO_APPS = ROOT / "smiquery" / "data" / "demo-8gpu-apps.csv"
 SOME = "index,uuid,name,memory.used,power.draw,temperature.gpu,fan.speed,clocks_event_reasons.active,driver_version"
 HELP = "Please run 'nvidia-smi -h' for help."
+GPU_LOST = "GPU is lost. Reboot the system to recover this GPU"
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -467,6 +469,119 @@ def test_gpu_lost_mid_loop(fake_smi: MakeFake) -> None:
     cells = lines[10].split(", ")
     assert cells[1:5] == ["2", demo_rows()[2].uuid, "NVIDIA H100 80GB HBM3", "00000000:3A:00.0"]
     assert cells[5:] == ["[GPU is lost]", "[GPU is lost]"]
+
+
+def test_exit_after_counts_rows_across_sweeps_then_prints_its_message(fake_smi: MakeFake) -> None:
+    lost = (
+        "Unable to determine the device handle for GPU 0000:02:00.0: GPU is lost. Reboot the system to recover this GPU"
+    )
+    exe = fake_smi(fault=f"exit-after:10:15:{lost}")
+    with Child(exe, "--query-gpu=index", "--format=csv,noheader", "-lms", "10") as child:
+        assert child.readlines(11)[-3:] == ["0", "1", lost]
+        assert child.stopped_within(10)
+        assert child.proc.returncode == 15
+    res = run(fake_smi(fault="exit-after:3:7"), "--query-gpu=index", "--format=csv,noheader")
+    assert (res.returncode, lines_of(res.stdout)) == (7, ["0", "1", "2"])
+    res = run(fake_smi(fault="exit-after:8:7"), "--query-gpu=index", "--format=csv,noheader")
+    assert (res.returncode, len(lines_of(res.stdout))) == (7, 8)
+
+
+def test_notices_after_n_rows_replace_the_rows_and_never_end(fake_smi: MakeFake) -> None:
+    warning = "WARNING: infoROM is corrupted at gpu 0000:0B:00.0"
+    handle = "Unable to determine the device handle for GPU 0000:02:00.0: Unknown Error"
+    with Child(fake_smi(fault="notices-after:10"), "--query-gpu=index,uuid", "--format=csv", "-lms", "10") as child:
+        lines = child.readlines(1 + 10 + 3 * 2)
+        assert child.proc.poll() is None
+    assert lines[0] == "index, uuid"
+    assert [line.split(", ")[0] for line in lines[1:11]] == [str(i % 8) for i in range(10)]
+    assert lines[11:] == [warning, handle] * 3
+
+
+def test_notices_after_in_a_one_shot_keep_the_process_alive(fake_smi: MakeFake) -> None:
+    with Child(fake_smi(fault="notices-after:2"), "--query-gpu=index", "--format=csv,noheader") as child:
+        assert child.readlines(3) == ["0", "1", "WARNING: infoROM is corrupted at gpu 0000:0B:00.0"]
+        assert not child.stopped_within(0.3)
+
+
+def test_drop_gpu_after_n_rows_keeps_the_other_gpus_in_order(fake_smi: MakeFake) -> None:
+    with Child(
+        fake_smi(fault="drop-gpu-after:10:1"), "--query-gpu=index", "--format=csv,noheader", "-lms", "10"
+    ) as child:
+        lines = child.readlines(8 + 8 + 7 * 3)
+        assert child.proc.poll() is None
+    after = [str(i) for i in range(8) if i != 1]
+    assert lines == [str(i) for i in range(8)] * 2 + after * 3
+
+
+def test_drop_gpu_with_message_prints_gpu_lost_in_its_place(fake_smi: MakeFake) -> None:
+    lost = (
+        "Unable to determine the device handle for GPU 0000:3A:00.0: GPU is lost. Reboot the system to recover this GPU"
+    )
+    with Child(
+        fake_smi(fault="drop-gpu-after:0:2:message"), "--query-gpu=index", "--format=csv,noheader", "-lms", "10"
+    ) as child:
+        lines = child.readlines(16)
+    sweep = ["0", "1", lost, "3", "4", "5", "6", "7"]
+    assert lines == sweep * 2
+    res = run(fake_smi(fault="drop-gpu-after:0:0"), "--query-gpu=index", "--format=csv,noheader")
+    assert (res.returncode, lines_of(res.stdout)) == (0, [str(i) for i in range(1, 8)])
+    with pytest.raises(ValueError, match="':message'"):
+        fake_nvidia_smi(fake_smi().parent, fault="drop-gpu-after:1:2:loud")
+
+
+def test_grandchild_holds_the_pipes_after_the_fake_exits(fake_smi: MakeFake) -> None:
+    proc = subprocess.Popen(
+        [str(fake_smi(fault="grandchild")), "--query-gpu=index", "--format=csv,noheader"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_env(),
+        start_new_session=True,
+    )
+    try:
+        assert proc.wait(timeout=20) == 0
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        data = b""
+        deadline = time.monotonic() + 20
+        while data.count(b"\n") < 8:
+            assert select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0], "no rows"
+            chunk = os.read(fd, 65536)
+            assert chunk, "stdout closed: no grandchild holds it"
+            data += chunk
+        assert lines_of(data) == [str(i) for i in range(8)]
+        # the fake is gone, yet its process group lives on and stdout does not reach EOF
+        os.killpg(proc.pid, 0)
+        assert not select.select([fd], [], [], 0.3)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_start_delay_as_a_fault_spec_combines_with_others(fake_smi: MakeFake) -> None:
+    start = time.monotonic()
+    with Child(fake_smi(fault="start-delay:0.3,hang-after:2"), "--query-gpu=index", "--format=csv") as child:
+        assert child.readlines(3, timeout=20) == ["index", "0", "1"]
+        assert time.monotonic() - start >= 0.3
+        assert child.silent_for(0.3)
+        assert child.proc.poll() is None
+    for bad in ("start-delay:soon", "start-delay:-1", "start-delay:nan"):
+        with pytest.raises(ValueError, match="number of seconds"):
+            fake_nvidia_smi(fake_smi().parent, fault=bad)
+
+
+@pytest.mark.parametrize("option", ["--help", "-h", "--fake-help"])
+def test_help_lists_every_fault_and_variable(fake_smi: MakeFake, option: str) -> None:
+    res = run(fake_smi(), option)
+    out = lines_of(res.stdout)
+    assert res.returncode == 0
+    for spec in FAULTS:
+        assert sum(line.split()[:1] == [spec] for line in out) == 1, spec
+    for name in ENV_VARS:
+        assert sum(line.split()[:1] == [name] for line in out) == 1, name
 
 
 def test_garbage(fake_smi: MakeFake) -> None:
