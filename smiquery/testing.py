@@ -8,68 +8,82 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import pathlib
 import random
 import re
 import shlex
+import shutil
 import signal
 import sys
+import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from importlib import resources
 from typing import BinaryIO, NoReturn
 
-from smiquery.errors import InvalidFieldError
+from smiquery.errors import InvalidFieldError, NvidiaSmiFailedError, NvidiaSmiTimeoutError, failure_from_exit
 from smiquery.fields import CATALOGUE, Field, Kind, get_field
 from smiquery.parsing import missing_reason
+from smiquery.runner import Completed
 
-__all__ = ["ENV_VARS", "FAULTS", "fake_nvidia_smi", "main"]
+try:
+    from smiquery.errors import StreamEndedError  # type: ignore[attr-defined,unused-ignore]
+except ImportError:  # PLACEHOLDER (lead: delete this branch once smiquery.errors.StreamEndedError is merged)
 
-# What each fault does (NVIDIA-SMI.md section 5 for messages and codes; N counts data rows written, across the
-# sweeps of a loop):
-#   driver-not-loaded 9, nvml-not-found 12, version-mismatch 18, no-devices 6, no-supported-gpus 255,
-#   gpu-lost-start 15, permission 4, not-supported 3, unknown-error 255: nvidia-smi's message on stdout, that exit
-#       status, no CSV. They strike where NVML would start: after the arguments and field names are checked.
-#   exit:CODE[:MESSAGE]   exit with CODE, printing MESSAGE (if given) on stdout.
-#   inforom               normal rows, then `WARNING: infoROM is corrupted at gpu 0000:0B:00.0`, exit 14 (in a loop:
-#                         the warning once after the first sweep, and the loop goes on).
-#   hang                  print nothing, sleep forever.
-#   hang-after:N          N rows, then silence while the process keeps running.
-#   crash-after:N         N rows, then `Unable to determine the device handle for GPU ...: Unknown Error`, exit 255.
-#   gpu-lost-after:N[:I]  after N rows, every row of GPU index I (default 0) reads [GPU is lost] except timestamp,
-#                         index, uuid, pci.bus_id and name; the loop goes on.
-#   garbage               header, then lines of random bytes (invalid UTF-8, wrong cell counts), exit 0.
-#   garbage-after:N       N rows, one garbage line, then the normal rows.
-#   truncated             the last row of the (first) sweep cut in the middle, no newline, exit 0.
-#   wrong-columns-after:N N rows, then one row missing its last cell, then the normal rows.
-#   ignore-term           SIGTERM is ignored: callers have to escalate to SIGKILL.
+    class StreamEndedError(NvidiaSmiFailedError):  # type: ignore[no-redef,unused-ignore]
+        """A loop-mode nvidia-smi ended its output (placeholder for the one in smiquery.errors)."""
 
-#: Fault specs understood by the fake (``N``, ``CODE`` and ``INDEX`` are integers; combine specs with commas).
-FAULTS: tuple[str, ...] = (
-    "driver-not-loaded",
-    "nvml-not-found",
-    "version-mismatch",
-    "no-devices",
-    "no-supported-gpus",
-    "gpu-lost-start",
-    "permission",
-    "not-supported",
-    "unknown-error",
-    "exit:CODE[:MESSAGE]",
-    "inforom",
-    "hang",
-    "hang-after:N",
-    "crash-after:N",
-    "gpu-lost-after:N[:INDEX]",
-    "garbage",
-    "garbage-after:N",
-    "truncated",
-    "wrong-columns-after:N",
-    "ignore-term",
-)
+        def __init__(self, argv: Sequence[str], returncode: int, output: str, message: str | None = None) -> None:
+            super().__init__(argv, returncode, output, message or "nvidia-smi ended its loop")
+
+
+__all__ = ["ENV_VARS", "FAULTS", "FAULT_HELP", "InProcessLines", "InProcessRunner", "fake_nvidia_smi", "main"]
+
+#: Fault specs understood by the fake, and what each does (``N``, ``CODE`` and ``INDEX`` are integers, ``SECONDS``
+#: a number; combine specs with commas, so a MESSAGE cannot hold one). Messages and exit codes follow
+#: NVIDIA-SMI.md section 5. ``N`` counts data rows written, across the sweeps of a loop. The start-up faults print
+#: nvidia-smi's message on stdout and exit with its status, no CSV; they strike where NVML would start: after the
+#: arguments and field names are checked.
+FAULT_HELP: Mapping[str, str] = {
+    "driver-not-loaded": "start-up: the driver is not loaded or not reachable, exit 9",
+    "nvml-not-found": "start-up: libnvidia-ml.so is missing (a container without `utility`), exit 12",
+    "version-mismatch": "start-up: Driver/library version mismatch, exit 18",
+    "no-devices": "start-up: No devices were found, exit 6",
+    "no-supported-gpus": "start-up: No supported GPUs were found, exit 255",
+    "gpu-lost-start": "start-up: GPU 0000:02:00.0 is lost, exit 15",
+    "permission": "start-up: Insufficient Permissions, exit 4",
+    "not-supported": "start-up: Not Supported, exit 3",
+    "unknown-error": "start-up: Unknown Error, exit 255",
+    "exit:CODE[:MESSAGE]": "start-up: print MESSAGE (if given) on stdout, exit CODE",
+    "inforom": "normal rows, then the infoROM warning, exit 14 (in a loop: the warning once, and the loop goes on)",
+    "hang": "print nothing, sleep forever",
+    "hang-after:N": "N rows, then silence while the process keeps running",
+    "crash-after:N": "N rows, then `Unable to determine the device handle for GPU ...: Unknown Error`, exit 255",
+    "exit-after:N:CODE[:MESSAGE]": "N rows, then MESSAGE (if given) on stdout, exit CODE",
+    "notices-after:N": "N rows, then only notice lines (infoROM warning, device-handle error), one batch per "
+    "interval (one-shot: per second), forever",
+    "gpu-lost-after:N[:INDEX]": "after N rows, GPU INDEX's (default 0) cells read [GPU is lost] except timestamp, "
+    "index, uuid, pci.bus_id and name; the loop goes on",
+    "drop-gpu-after:N[:INDEX[:message]]": "after N rows, GPU INDEX's (default 0) rows stop appearing; with "
+    "`:message`, nvidia-smi's `GPU is lost` line for it is printed in their place each sweep",
+    "garbage": "header, then lines of random bytes (invalid UTF-8, wrong cell counts), exit 0",
+    "garbage-after:N": "N rows, one garbage line, then the normal rows",
+    "truncated": "the last row of the (first) sweep cut in the middle, no newline, exit 0",
+    "wrong-columns-after:N": "N rows, then one row missing its last cell, then the normal rows",
+    "ignore-term": "SIGTERM is ignored: callers have to escalate to SIGKILL",
+    "start-delay:SECONDS": "sleep SECONDS before any output (overrides the start_delay setting)",
+    "grandchild": "first start a grandchild (same process group, same stdout and stderr) that sleeps an hour "
+    "holding the pipes open; then run normally",
+}
+
+#: Fault specs understood by the fake (see :data:`FAULT_HELP` for what each does).
+FAULTS: tuple[str, ...] = tuple(FAULT_HELP)
 
 #: Environment variables read by the fake at run time, and what they do.
 ENV_VARS: Mapping[str, str] = {
@@ -117,11 +131,15 @@ _STARTUP_FAULTS: dict[str, tuple[tuple[str, ...], int]] = {
     "not-supported": (("Failed to initialize NVML: Not Supported",), 3),
     "unknown-error": (("Failed to initialize NVML: Unknown Error",), 255),
 }
-_COUNTED_FAULTS = ("hang-after", "crash-after", "garbage-after", "wrong-columns-after")
-_FLAG_FAULTS = ("inforom", "hang", "garbage", "truncated", "ignore-term")
+_COUNTED_FAULTS = ("hang-after", "crash-after", "garbage-after", "wrong-columns-after", "notices-after")
+_FLAG_FAULTS = ("inforom", "hang", "garbage", "truncated", "ignore-term", "grandchild")
 
 _HELP_HINT = "Please run 'nvidia-smi -h' for help."
 _INFOROM_WARNING = "WARNING: infoROM is corrupted at gpu 0000:0B:00.0"
+_HANDLE_ERROR = "Unable to determine the device handle for GPU {bus}: {reason}"
+_GPU_LOST_REASON = "GPU is lost. Reboot the system to recover this GPU"
+# what `notices-after` prints each interval once the rows stop
+_NOTICE_BATCH = (_INFOROM_WARNING, _HANDLE_ERROR.format(bus="0000:02:00.0", reason="Unknown Error"))
 _DEFAULT_DRIVER = "590.48.01"
 # CUDA version reported by `nvidia-smi --version`, by driver branch (the newest CUDA each branch supports).
 _CUDA_BY_BRANCH = {470: "11.4", 535: "12.2", 550: "12.4", 560: "12.6", 570: "12.8", 580: "13.0", 590: "13.1"}
@@ -161,6 +179,15 @@ class _Faults:
     wrong_columns_after: int | None = None
     gpu_lost_after: int | None = None
     gpu_lost_index: int = 0
+    notices_after: int | None = None
+    exit_after: int | None = None
+    exit_after_code: int = 0
+    exit_after_message: str | None = None
+    drop_gpu_after: int | None = None
+    drop_gpu_index: int = 0
+    drop_gpu_message: bool = False
+    start_delay: float | None = None
+    grandchild: bool = False
 
 
 def _is_number(text: str) -> bool:
@@ -171,6 +198,13 @@ def _nonneg(spec: str, text: str) -> int:
     if not _is_number(text):
         raise _FakeUsageError(f"fault {spec!r}: {text!r} is not a non-negative integer")
     return int(text)
+
+
+def _exit_code(spec: str, text: str) -> int:
+    code = _nonneg(spec, text)
+    if code > 255:
+        raise _FakeUsageError(f"fault {spec!r}: exit codes go up to 255")
+    return code
 
 
 def _parse_faults(spec: str | None) -> _Faults:
@@ -185,11 +219,30 @@ def _parse_faults(spec: str | None) -> _Faults:
             values.setdefault("startup", name)
         elif name == "exit" and arg:
             code_text, _, message = arg.partition(":")
-            code = _nonneg(item, code_text)
-            if code > 255:
-                raise _FakeUsageError(f"fault {item!r}: exit codes go up to 255")
-            values.setdefault("exit_code", code)
+            values.setdefault("exit_code", _exit_code(item, code_text))
             values.setdefault("exit_message", message or None)
+        elif name == "exit-after" and ":" in arg:
+            count, _, rest = arg.partition(":")
+            code_text, _, message = rest.partition(":")
+            values["exit_after"] = _nonneg(item, count)
+            values["exit_after_code"] = _exit_code(item, code_text)
+            values["exit_after_message"] = message or None
+        elif name == "drop-gpu-after" and arg:
+            count, _, rest = arg.partition(":")
+            index, _, suffix = rest.partition(":")
+            if suffix not in ("", "message"):
+                raise _FakeUsageError(f"fault {item!r}: only the literal suffix ':message' may follow the index")
+            values["drop_gpu_after"] = _nonneg(item, count)
+            values["drop_gpu_index"] = _nonneg(item, index) if index else 0
+            values["drop_gpu_message"] = suffix == "message"
+        elif name == "start-delay" and arg:
+            try:
+                delay = float(arg)
+            except ValueError:
+                delay = -1.0
+            if not 0 <= delay < float("inf"):
+                raise _FakeUsageError(f"fault {item!r}: {arg!r} is not a non-negative number of seconds")
+            values["start_delay"] = delay
         elif name in _FLAG_FAULTS and not arg:
             values[name.replace("-", "_")] = True
         elif name in _COUNTED_FAULTS and arg:
@@ -210,6 +263,8 @@ class _Settings:
     start_delay: float = 0.0
     apps: str | None = None
     log: str | None = None
+    sweep: int = 0
+    keep_time: bool = False
 
     def with_env(self, env: Mapping[str, str]) -> _Settings:
         """Apply the SMIQUERY_FAKE_* overrides."""
@@ -227,6 +282,13 @@ class _Settings:
             changes["apps"] = env["SMIQUERY_FAKE_APPS"]
         if "SMIQUERY_FAKE_LOG" in env:
             changes["log"] = env["SMIQUERY_FAKE_LOG"] or None
+        if "SMIQUERY_FAKE_SWEEP" in env:
+            try:
+                changes["sweep"] = int(env["SMIQUERY_FAKE_SWEEP"] or "0")
+            except ValueError:
+                raise _FakeUsageError("SMIQUERY_FAKE_SWEEP must be an integer") from None
+        if "SMIQUERY_FAKE_KEEP_TIME" in env:
+            changes["keep_time"] = env["SMIQUERY_FAKE_KEEP_TIME"] == "1"
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -371,13 +433,32 @@ class _Recording:
 
 def _load_recording(path: str | None) -> _Recording:
     if not path:
-        return _Recording(_read_bundled("demo-8gpu.csv"), source="bundled demo-8gpu.csv")
+        return _bundled_recording()
+    p = pathlib.Path(path)
+    try:
+        st = p.stat()
+        side = p.with_suffix(".fields")
+        side_st = side.stat() if side.is_file() else None
+    except OSError as exc:
+        raise _FakeUsageError(f"cannot read recording {path}: {exc}") from exc
+    stamp = (st.st_mtime_ns, st.st_size, side_st.st_mtime_ns if side_st else 0, side_st.st_size if side_st else 0)
+    return _parsed_recording(str(p), stamp)
+
+
+# Parsed recordings are kept (read-only) so that the in-process fake pays for a recording once, not every call.
+@functools.cache
+def _bundled_recording() -> _Recording:
+    return _Recording(_read_bundled("demo-8gpu.csv"), source="bundled demo-8gpu.csv")
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed_recording(path: str, stamp: tuple[int, int, int, int]) -> _Recording:
     p = pathlib.Path(path)
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise _FakeUsageError(f"cannot read recording {path}: {exc}") from exc
-    return _Recording(text, sidecar=p.with_suffix(".fields"), source=str(p))
+    return _Recording(text, sidecar=p.with_suffix(".fields"), source=path)
 
 
 # Compute apps: canonical names, input aliases and header units (NVIDIA-SMI.md section 4).
@@ -502,6 +583,7 @@ def _parse_args(argv: Sequence[str], out: _Output) -> _Options:
         "--version": "version",
         "-h": "help",
         "--help": "help",
+        "--fake-help": "help",
     }
     while args.pos < len(args.argv):
         arg = args.argv[args.pos]
@@ -533,25 +615,44 @@ def _parse_args(argv: Sequence[str], out: _Output) -> _Options:
 
 
 class _Output:
-    """Line output on a binary stream, the way a C program writes it."""
+    """Where the fake's engine writes and how it waits: the process's stdout and clock (in-process: a channel)."""
 
     def __init__(self, stream: BinaryIO) -> None:
         self.stream = stream
 
     def line(self, text: str = "") -> None:
-        self.stream.write(text.encode("utf-8") + b"\n")
+        self.raw(text.encode("utf-8") + b"\n")
 
     def raw(self, data: bytes) -> None:
         self.stream.write(data)
 
     def flush(self) -> None:
+        """Make what was written visible to the reader (a C program's fflush)."""
         self.stream.flush()
+
+    def sleep(self, seconds: float) -> None:
+        """Wait ``seconds``; the in-process output wakes up early to stop, as a signal would."""
+        time.sleep(seconds)
+
+    def error(self, text: str) -> None:
+        """One line on stderr."""
+        print(text, file=sys.stderr)
+
+    def begin(self, argv: Sequence[str], settings: _Settings, faults: _Faults) -> None:
+        """What happens once the faults are known, before nvidia-smi's own work: grandchild, signals, log."""
+        if faults.grandchild:
+            _start_grandchild()
+        if faults.ignore_term and hasattr(signal, "SIGTERM"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # logged after SIGTERM is ignored: a test that sees the line may rely on it
+        if settings.log:
+            _log_invocation(settings.log, argv)
 
 
 def _hang(out: _Output) -> NoReturn:
     out.flush()
     while True:
-        time.sleep(3600)
+        out.sleep(3600)
 
 
 def _now_text(now: datetime) -> str:
@@ -570,10 +671,11 @@ def _garbage_line(rng: random.Random, ncols: int) -> bytes:
 class _RowWriter:
     """Writes data rows and springs the row-counting faults (``hang-after``, ``crash-after``...)."""
 
-    def __init__(self, out: _Output, faults: _Faults, ncols: int) -> None:
+    def __init__(self, out: _Output, faults: _Faults, ncols: int, interval: float | None = None) -> None:
         self.out = out
         self.faults = faults
         self.ncols = ncols
+        self.interval = interval
         self.rows = 0
         self._garbage_done = False
         self._wrong_done = False
@@ -583,14 +685,28 @@ class _RowWriter:
         return limit is not None and self.rows >= limit
 
     def check_stop(self, next_bus_id: str) -> None:
-        """Hang or crash when their row count is reached."""
+        """Hang, crash, exit or turn to notices when their row count is reached."""
         if self._due(self.faults.hang_after):
             _hang(self.out)
         if self._due(self.faults.crash_after):
             bus = _short_bus_id(next_bus_id) if next_bus_id else "0000:00:00.0"
-            self.out.line(f"Unable to determine the device handle for GPU {bus}: Unknown Error")
+            self.out.line(_HANDLE_ERROR.format(bus=bus, reason="Unknown Error"))
             self.out.flush()
             raise _Exit(255)
+        if self._due(self.faults.exit_after):
+            if self.faults.exit_after_message:
+                self.out.line(self.faults.exit_after_message)
+            self.out.flush()
+            raise _Exit(self.faults.exit_after_code)
+        if self._due(self.faults.notices_after):
+            self._notices_forever()
+
+    def _notices_forever(self) -> NoReturn:
+        while True:
+            for text in _NOTICE_BATCH:
+                self.out.line(text)
+            self.out.flush()
+            self.out.sleep(self.interval if self.interval is not None else 1.0)
 
     def row(self, cells: list[str], *, bus_id: str = "", truncate: bool = False) -> None:
         self.check_stop(bus_id)
@@ -654,15 +770,8 @@ def _select(rec: _Recording, ids: str | None, out: _Output) -> set[str]:
     return chosen
 
 
-def _start_sweep() -> int:
-    try:
-        return int(os.environ.get("SMIQUERY_FAKE_SWEEP", "0") or "0")
-    except ValueError:
-        raise _FakeUsageError("SMIQUERY_FAKE_SWEEP must be an integer") from None
-
-
-def _sweep_order(count: int, loop: bool) -> Iterator[int]:
-    start = _start_sweep() % count
+def _sweep_order(first: int, count: int, loop: bool) -> Iterator[int]:
+    start = first % count
     if not loop:
         yield start
         return
@@ -680,7 +789,7 @@ def _render(fld: Field, value: str | None, units: bool) -> str:
     return value
 
 
-def _query_gpu(opts: _Options, rec: _Recording, faults: _Faults, out: _Output) -> int:
+def _query_gpu(opts: _Options, rec: _Recording, settings: _Settings, faults: _Faults, out: _Output) -> int:
     assert opts.query_gpu is not None
     fields: list[Field] = []
     for name in opts.query_gpu.split(","):
@@ -691,9 +800,9 @@ def _query_gpu(opts: _Options, rec: _Recording, faults: _Faults, out: _Output) -
     header, units = _format_flags(opts.fmt, out)
     _startup(faults, rec, out)
     selected = _select(rec, opts.ids, out)
-    keep_time = os.environ.get("SMIQUERY_FAKE_KEEP_TIME") == "1"
+    keep_time = settings.keep_time
     loop = opts.interval is not None
-    writer = _RowWriter(out, faults, len(fields))
+    writer = _RowWriter(out, faults, len(fields), opts.interval)
     if header:
         out.line(", ".join(f.header for f in fields))
     if faults.garbage:
@@ -701,11 +810,21 @@ def _query_gpu(opts: _Options, rec: _Recording, faults: _Faults, out: _Output) -
         out.flush()
         return 0
     warned = False
-    for n in _sweep_order(len(rec.sweeps), loop):
+    for n in _sweep_order(settings.sweep, len(rec.sweeps), loop):
         rows = [(rec.key_of(r, pos), r) for pos, r in enumerate(rec.sweeps[n])]
         rows = [(key, r) for key, r in rows if key in selected]
         now = datetime.now()
         for i, (key, row) in enumerate(rows):
+            if (
+                faults.drop_gpu_after is not None
+                and writer.rows >= faults.drop_gpu_after
+                and key == str(faults.drop_gpu_index)
+            ):
+                if faults.drop_gpu_message:
+                    ident = next((g for g in rec.gpus if g["index"] == key), rec.gpus[0])
+                    bus = _short_bus_id(rec.cell(row, "pci.bus_id") or ident["pci.bus_id"])
+                    out.line(_HANDLE_ERROR.format(bus=bus, reason=_GPU_LOST_REASON))
+                continue
             lost = (
                 faults.gpu_lost_after is not None
                 and writer.rows >= faults.gpu_lost_after
@@ -734,7 +853,7 @@ def _query_gpu(opts: _Options, rec: _Recording, faults: _Faults, out: _Output) -
                 return 14
         if loop:
             assert opts.interval is not None
-            time.sleep(opts.interval)
+            out.sleep(opts.interval)
     writer.check_stop("")
     return 0
 
@@ -752,7 +871,7 @@ def _query_apps(opts: _Options, rec: _Recording, settings: _Settings, faults: _F
     selected = _select(rec, opts.ids, out)
     uuids = {g["uuid"].lower() for g in rec.gpus if g["index"] in selected}
     apps = [a for a in _load_apps(settings.apps, rec) if a.get("gpu_uuid", "").lower() in uuids or opts.ids is None]
-    writer = _RowWriter(out, faults, len(names))
+    writer = _RowWriter(out, faults, len(names), opts.interval)
     if header:
         out.line(", ".join(f"{n} [{_APP_FIELDS[n]}]" if _APP_FIELDS[n] else n for n in names))
     if faults.garbage:
@@ -775,7 +894,7 @@ def _query_apps(opts: _Options, rec: _Recording, settings: _Settings, faults: _F
         out.flush()
         if faults.truncated or opts.interval is None:
             break
-        time.sleep(opts.interval)
+        out.sleep(opts.interval)
     writer.check_stop("")
     return 0
 
@@ -907,7 +1026,17 @@ def _usage(out: _Output) -> int:
     out.line()
     out.line("    nvidia-smi [-i ID] --query-gpu=LIST --format=csv[,noheader][,nounits] [-l SEC | -lms MS]")
     out.line("    nvidia-smi [-i ID] --query-compute-apps=LIST --format=csv[,noheader][,nounits]")
-    out.line("    nvidia-smi --help-query-gpu | --help-query-compute-apps | -L | --version")
+    out.line("    nvidia-smi --help-query-gpu | --help-query-compute-apps | -L | --version | -h | --help")
+    out.line()
+    out.line("Faults (SMIQUERY_FAKE_FAULT or fault=; combine with commas; N counts data rows, across loop sweeps):")
+    width = max(len(spec) for spec in FAULT_HELP) + 2
+    for spec, text in FAULT_HELP.items():
+        out.line(f"  {spec:<{width}}{text}")
+    out.line()
+    out.line("Environment variables (read at every start; they override the settings baked into the script):")
+    width = max(len(name) for name in ENV_VARS) + 2
+    for name, text in ENV_VARS.items():
+        out.line(f"  {name:<{width}}{text}")
     return 0
 
 
@@ -925,8 +1054,9 @@ def _log_invocation(path: str, argv: Sequence[str]) -> None:
 
 
 def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Output) -> int:
-    if settings.start_delay > 0:
-        time.sleep(settings.start_delay)
+    delay = faults.start_delay if faults.start_delay is not None else settings.start_delay
+    if delay > 0:
+        out.sleep(delay)
     opts = _parse_args(argv, out)
     rec = _load_recording(settings.recording)
     if opts.action == "help":
@@ -939,7 +1069,7 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
         out.line(f"Invalid combination of input arguments. {_HELP_HINT}")
         return 2
     if opts.query_gpu is not None:
-        return _query_gpu(opts, rec, faults, out)
+        return _query_gpu(opts, rec, settings, faults, out)
     if opts.query_apps is not None:
         return _query_apps(opts, rec, settings, faults, out)
     if opts.fmt is not None:
@@ -954,6 +1084,32 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
     return _table(rec, selected, out)
 
 
+def _start_grandchild() -> None:
+    """A child of the fake that holds its stdout and stderr open for an hour (in the fake's process group)."""
+    sleeper = shutil.which("sleep")
+    argv = [sleeper, "3600"] if sleeper else [sys.executable, "-c", "import time; time.sleep(3600)"]
+    # posix_spawn leaves no Popen object behind to complain that its child outlived it
+    os.posix_spawn(argv[0], argv, os.environ)
+
+
+def _execute(argv: Sequence[str], settings: _Settings, env: Mapping[str, str], out: _Output) -> int:
+    """The fake's engine, shared by the executable and :class:`InProcessRunner`: argv in, exit status out."""
+    try:
+        try:
+            settings = settings.with_env(env)
+            faults = _parse_faults(settings.fault)
+            out.begin(argv, settings, faults)
+            code = _dispatch(argv, settings, faults, out)
+        except _Exit as exc:
+            code = exc.code
+        out.flush()
+    except _FakeUsageError as exc:
+        out.flush()
+        out.error(f"smiquery-fake-nvidia-smi: {exc}")
+        return _EX_SOFTWARE
+    return code
+
+
 def _run(argv: Sequence[str], settings: _Settings) -> int:
     """Run the fake with signal handling like a C program: quiet on SIGINT, SIGTERM and a closed pipe."""
     saved: dict[int, object] = {}
@@ -963,25 +1119,8 @@ def _run(argv: Sequence[str], settings: _Settings) -> int:
             with contextlib.suppress(ValueError, OSError):  # not the main thread
                 saved[signum] = signal.signal(signum, signal.SIG_DFL)
     stream: BinaryIO = getattr(sys.stdout, "buffer", None) or sys.stdout  # type: ignore[assignment]
-    out = _Output(stream)
     try:
-        try:
-            settings = settings.with_env(os.environ)
-            faults = _parse_faults(settings.fault)
-            if faults.ignore_term and hasattr(signal, "SIGTERM"):
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            # logged after SIGTERM is ignored: a test that sees the line may rely on it
-            if settings.log:
-                _log_invocation(settings.log, argv)
-            code = _dispatch(argv, settings, faults, out)
-        except _Exit as exc:
-            code = exc.code
-        except _FakeUsageError as exc:
-            out.flush()
-            print(f"smiquery-fake-nvidia-smi: {exc}", file=sys.stderr)
-            return _EX_SOFTWARE
-        out.flush()
-        return code
+        return _execute(argv, settings, os.environ, _Output(stream))
     except BrokenPipeError:
         # the reader went away: end quietly, and keep Python from complaining when it flushes at exit
         with contextlib.suppress(OSError, ValueError):
@@ -1069,12 +1208,7 @@ def fake_nvidia_smi(
     Raises:
         ValueError: ``fault`` names an unknown fault or ``start_delay`` is negative.
     """
-    try:
-        _parse_faults(fault)
-    except _FakeUsageError as exc:
-        raise ValueError(str(exc)) from None
-    if start_delay < 0:
-        raise ValueError("start_delay must not be negative")
+    _check_settings(fault, start_delay)
     settings = {
         "recording": _abs(recording),
         "fault": fault,
@@ -1101,6 +1235,444 @@ def fake_nvidia_smi(
     path.write_text(script, encoding="utf-8")
     path.chmod(0o755)
     return path
+
+
+# --------------------------------------------------------------------------------------------- in-process fake
+
+
+class _Stopped(BaseException):
+    """Unwinds the engine thread when its source is terminated or killed (what the signal does to a process)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Channel:
+    """What one in-process run shares between its engine thread and its reader: the pipes and the signals."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.out = bytearray()  # flushed stdout the reader has not taken yet
+        self.err = bytearray()
+        self.returncode: int | None = None
+        self.ignore_term = False
+        self.stop_signal: int | None = None
+        self.thread: threading.Thread | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.returncode is not None
+
+    def signal(self, signum: int) -> None:
+        """Deliver SIGTERM (ignored under ``ignore-term``) or SIGKILL to the engine."""
+        with self.cond:
+            if self.returncode is not None or self.stop_signal == signal.SIGKILL:
+                return
+            if signum == signal.SIGTERM and self.ignore_term:
+                return
+            self.stop_signal = signum
+            self.cond.notify_all()
+
+    def join(self, timeout: float) -> bool:
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+
+class _ChannelOutput(_Output):
+    """The engine's output inside this process: buffered like stdio, visible at flush, stopped like a process."""
+
+    def __init__(self, channel: _Channel) -> None:  # no stream: raw() and flush() below replace it
+        self.channel = channel
+        self.pending = bytearray()
+
+    def _check(self) -> None:
+        signum = self.channel.stop_signal
+        if signum is not None:
+            raise _Stopped(signum)
+
+    def raw(self, data: bytes) -> None:
+        self._check()
+        self.pending += data
+
+    def flush(self) -> None:
+        self._check()
+        if self.pending:
+            with self.channel.cond:
+                self.channel.out += self.pending
+                self.channel.cond.notify_all()
+            self.pending.clear()
+
+    def sleep(self, seconds: float) -> None:
+        ch = self.channel
+        with ch.cond:
+            ch.cond.wait_for(lambda: ch.stop_signal is not None, seconds)
+        self._check()
+
+    def error(self, text: str) -> None:
+        with self.channel.cond:
+            self.channel.err += (text + "\n").encode("utf-8")
+            self.channel.cond.notify_all()
+
+    def begin(self, argv: Sequence[str], settings: _Settings, faults: _Faults) -> None:
+        # `grandchild` needs a process: in-process it does nothing
+        with self.channel.cond:
+            self.channel.ignore_term = faults.ignore_term
+        if settings.log:
+            _log_invocation(settings.log, argv)
+
+
+def _engine_thread(argv: Sequence[str], settings: _Settings, env: Mapping[str, str], channel: _Channel) -> None:
+    out = _ChannelOutput(channel)
+    try:
+        code = _execute(argv, settings, env, out)
+    except _Stopped as stop:
+        code = -stop.signum  # what the signal leaves; output not yet flushed is lost, as in a killed process
+    except Exception as exc:  # a bug in the fake: reported like a crashed interpreter, never swallowed
+        out.error(f"smiquery-fake-nvidia-smi: internal error: {exc!r}")
+        code = 1
+    with channel.cond:
+        channel.returncode = code
+        channel.cond.notify_all()
+
+
+def _stop_channel(channel: _Channel) -> None:
+    channel.signal(signal.SIGKILL)
+    channel.join(2.0)
+
+
+_MESSAGE_LIMIT = 20  # recent non-CSV lines kept for error messages, as the real line reader keeps them
+
+
+class InProcessLines:
+    """The output of one in-process fake run, line by line: a ``LineSource`` without a process.
+
+    Returned by :meth:`InProcessRunner.lines`. It behaves like the real line reader: :meth:`readline` returns
+    complete lines (blank ones skipped) or None when none came in time; when the output ends, a trailing partial
+    line comes first, then exit 0 (or an end asked for by :meth:`terminate`, :meth:`kill` or :meth:`close`)
+    raises ``StreamEndedError`` and a non-zero exit the typed :class:`~smiquery.errors.NvidiaSmiFailedError`
+    from :func:`~smiquery.errors.failure_from_exit`. Loop intervals, start delays and hangs wait on the stop
+    signal, so :meth:`terminate` (unless the fault is ``ignore-term``), :meth:`kill` and :meth:`close` end the
+    engine thread at once.
+
+    Attributes:
+        argv: the command as given.
+        pid: always None (no process).
+    """
+
+    pid: int | None = None
+
+    def __init__(self, argv: Sequence[str], channel: _Channel) -> None:
+        self.argv = tuple(argv)
+        self._ch = channel
+        self._buf = b""
+        self._lines: deque[str] = deque()
+        self._messages: list[str] = []
+        self._ended: NvidiaSmiFailedError | None = None
+        self._stopping = False
+        self._interrupted = False
+        self._closed = False
+        self._idle = 0.0
+        self._finalizer = weakref.finalize(self, _stop_channel, channel)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the engine has finished (negative: the signal that stopped it)."""
+        return self._ch.returncode
+
+    @property
+    def idle(self) -> float:
+        """Seconds the last :meth:`readline` waited for its line's data (0.0 when it was already buffered)."""
+        return self._idle
+
+    @property
+    def stderr(self) -> str:
+        """What the fake wrote to stderr so far."""
+        return _decode(bytes(self._ch.err))
+
+    @property
+    def closed(self) -> bool:
+        """True once the engine has finished and its end was read, or after :meth:`close`."""
+        return self._closed
+
+    def readline(self, timeout: float) -> str | None:
+        """The next complete line; None if none came within ``timeout`` s or on :meth:`interrupt`.
+
+        Args:
+            timeout: seconds to wait for a line.
+
+        Returns:
+            The line without its newline, or None.
+
+        Raises:
+            StreamEndedError: the output ended with exit 0, or after a stop was asked for.
+            NvidiaSmiFailedError: the output ended with a non-zero exit (its typed subclass).
+        """
+        ch = self._ch
+        deadline = time.monotonic() + max(timeout, 0.0)
+        waited = 0.0
+        with ch.cond:
+            self._take()
+            if not self._lines:
+                if self._ended is not None:
+                    raise self._ended
+                if self._closed:
+                    raise StreamEndedError(self.argv, 0, "", "the nvidia-smi stream was closed")
+            while not self._lines:
+                if self._interrupted:
+                    self._interrupted = False
+                    self._idle = waited
+                    return None
+                if ch.done:
+                    self._finish()
+                    if not self._lines:
+                        assert self._ended is not None
+                        raise self._ended
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._interrupted = False
+                    self._idle = waited
+                    return None
+                t0 = time.monotonic()
+                ch.cond.wait(remaining)
+                waited += time.monotonic() - t0
+                self._take()
+            self._idle = waited
+            return self._lines.popleft()
+
+    def _take(self) -> None:
+        data = bytes(self._ch.out)
+        if not data:
+            return
+        self._ch.out.clear()
+        buf = self._buf + data
+        *complete, self._buf = buf.split(b"\n")
+        for raw in complete:
+            self._add(raw)
+
+    def _add(self, raw: bytes) -> None:
+        line = _decode(raw).rstrip("\r")
+        if not line.strip():
+            return
+        self._lines.append(line)
+        if ", " not in line:
+            self._messages = [*self._messages[-(_MESSAGE_LIMIT - 1) :], line]
+
+    def _finish(self) -> None:
+        tail, self._buf = self._buf, b""
+        if tail.strip():
+            self._add(tail)
+        rc = self._ch.returncode
+        assert rc is not None
+        output = "\n".join(self._messages) + ("\n" + self.stderr if self._ch.err else "")
+        if rc < 0 and not output.strip():
+            output = f"killed by signal {-rc}"
+        if rc != 0 and not self._stopping:
+            self._ended = failure_from_exit(self.argv, rc, output)
+        else:
+            self._ended = StreamEndedError(self.argv, rc, output)
+        self._closed = True
+        self._finalizer.detach()
+
+    def interrupt(self) -> None:
+        """Make a :meth:`readline` blocked in another thread return None now. Any thread."""
+        with self._ch.cond:
+            self._interrupted = True
+            self._ch.cond.notify_all()
+
+    def terminate(self) -> None:
+        """Ask the engine to stop (SIGTERM; ignored under ``ignore-term``). Any thread; idempotent."""
+        self._stopping = True
+        self._ch.signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """Stop the engine (SIGKILL), whatever its faults. Any thread; idempotent."""
+        self._stopping = True
+        self._ch.signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        """Stop the engine thread and wait for it (about a second at most); idempotent, any thread."""
+        self._stopping = True
+        self.interrupt()  # a readline blocked in another thread returns None, as the real one does
+        self.terminate()
+        if not self._ch.join(0.05):
+            self.kill()
+            self._ch.join(1.0)
+        with self._ch.cond:
+            self._closed = True
+            self._ch.cond.notify_all()
+        self._finalizer.detach()
+
+    def __enter__(self) -> InProcessLines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
+class InProcessRunner:
+    """A runner that serves the fake ``nvidia-smi`` inside this process: the same engine, faults and recordings.
+
+    ``run()`` and ``lines()`` execute exactly what the executable written by :func:`fake_nvidia_smi` executes, on a
+    worker thread instead of a child process (no interpreter start-up per call), with the same output and exit
+    statuses; hangs, start delays and loop intervals are real waits that :meth:`InProcessLines.terminate`,
+    ``kill`` and ``close`` cut short. Use it wherever the subprocess boundary is not what a test is about; keep
+    the executable for tests of pipes, signals and reaping. ``argv[0]`` (the binary) is ignored; ``grandchild``
+    needs a process and does nothing here.
+
+    Settings are plain attributes and may change between calls (set ``fault = None`` to simulate a fix). Unlike
+    the executable, the process environment is not read: pass ``SMIQUERY_FAKE_*`` overrides in ``env``.
+
+    Example::
+
+        import pytest
+        from smiquery import errors, query
+        from smiquery.testing import InProcessRunner, fake_nvidia_smi
+
+        def test_recovers_once_the_driver_is_back(tmp_path):
+            smi = fake_nvidia_smi(tmp_path)  # query() resolves the binary's path; the runner never starts it
+            runner = InProcessRunner(fault="driver-not-loaded")
+            with pytest.raises(errors.DriverNotLoadedError):
+                query(nvidia_smi=smi, runner=runner)
+            runner.fault = None  # the fix
+            assert len(query(nvidia_smi=smi, runner=runner)) == 8
+            assert len(runner.calls) == 2
+            # a loop: lines() returns a LineSource; readline(timeout) gives None while the fake is silent
+            with runner.lines([str(smi), "--query-gpu=index", "--format=csv,noheader", "-lms", "10"]) as src:
+                assert src.readline(10) == "0"
+
+    Args:
+        recording: a ``--format=csv`` recording with header; None for the bundled 8-GPU demo.
+        fault: comma-separated fault specs from :data:`FAULTS`.
+        start_delay: seconds to wait before any output.
+        apps: the compute-apps CSV; None for the bundled one, ``""`` for no processes.
+        log: a file to which every call appends one JSON line, like the executable's.
+        env: ``SMIQUERY_FAKE_*`` overrides, read at every call (see :data:`ENV_VARS`).
+
+    Attributes:
+        calls: the argv of every call, in order.
+
+    Raises:
+        ValueError: ``fault`` names an unknown fault or ``start_delay`` is negative.
+    """
+
+    def __init__(
+        self,
+        *,
+        recording: str | os.PathLike[str] | None = None,
+        fault: str | None = None,
+        start_delay: float = 0.0,
+        apps: str | os.PathLike[str] | None = None,
+        log: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        _check_settings(fault, start_delay)
+        self.recording = recording
+        self.fault = fault
+        self.start_delay = start_delay
+        self.apps = apps
+        self.log = log
+        self.env: dict[str, str] = dict(env or {})
+        self.calls: list[tuple[str, ...]] = []
+        self._channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
+        self._serial = 0
+        self._lock = threading.Lock()
+
+    def _start(self, argv: Sequence[str]) -> _Channel:
+        settings = _Settings(
+            recording=_opt_str(None if self.recording is None else os.fspath(self.recording)),
+            fault=self.fault,
+            start_delay=float(self.start_delay),
+            apps=None if self.apps is None else os.fspath(self.apps),
+            log=None if self.log is None else os.fspath(self.log),
+        )
+        channel = _Channel()
+        with self._lock:
+            self.calls.append(tuple(argv))
+            self._serial += 1
+            name = f"smiquery-fake-{self._serial}"
+        thread = threading.Thread(
+            target=_engine_thread, args=(tuple(argv[1:]), settings, dict(self.env), channel), name=name, daemon=True
+        )
+        channel.thread = thread
+        self._channels.add(channel)
+        thread.start()
+        return channel
+
+    def run(self, argv: Sequence[str], timeout: float) -> Completed:
+        """Run the fake to completion within ``timeout`` seconds.
+
+        Args:
+            argv: the command (``argv[0]`` is ignored).
+            timeout: seconds to wait for the end.
+
+        Returns:
+            What the executable would have returned.
+
+        Raises:
+            NvidiaSmiTimeoutError: it did not finish in time (its thread was stopped).
+        """
+        start = time.monotonic()
+        channel = self._start(argv)
+        with channel.cond:
+            finished = channel.cond.wait_for(lambda: channel.done, max(timeout, 0.0))
+        if not finished:
+            _stop_channel(channel)
+            raise NvidiaSmiTimeoutError(
+                f"nvidia-smi did not answer within {timeout:g} s and was killed; the driver may be hung "
+                "(check `dmesg` for Xid errors) or slow without persistence mode (`nvidia-smi -pm 1`)",
+                argv=argv,
+                timeout=timeout,
+            )
+        channel.join(1.0)
+        rc = channel.returncode
+        assert rc is not None
+        return Completed(
+            tuple(argv), rc, _decode(bytes(channel.out)), _decode(bytes(channel.err)), time.monotonic() - start
+        )
+
+    def lines(self, argv: Sequence[str]) -> InProcessLines:
+        """Start the fake and return its output as it comes (for ``-l``/``-lms`` loops).
+
+        Args:
+            argv: the command (``argv[0]`` is ignored).
+
+        Returns:
+            The running output; close it when done.
+        """
+        return InProcessLines(argv, self._start(argv))
+
+    def running(self) -> int:
+        """How many engine threads of this runner are still running (0 once every source is closed)."""
+        return sum(1 for ch in list(self._channels) if ch.thread is not None and ch.thread.is_alive())
+
+    def close(self) -> None:
+        """Stop every engine thread this runner started and wait for them."""
+        for channel in list(self._channels):
+            _stop_channel(channel)
+
+    def __enter__(self) -> InProcessRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_settings(fault: str | None, start_delay: float) -> None:
+    try:
+        _parse_faults(fault)
+    except _FakeUsageError as exc:
+        raise ValueError(str(exc)) from None
+    if start_delay < 0:
+        raise ValueError("start_delay must not be negative")
 
 
 if __name__ == "__main__":

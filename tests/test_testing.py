@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -10,8 +11,9 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from functools import cache
 from importlib import resources
@@ -24,7 +26,7 @@ from smiquery import errors
 from smiquery.fields import CATALOGUE, PRESETS, get_field, parse_help_query_gpu
 from smiquery.parsing import CsvParser, header_line
 from smiquery.records import GpuSample
-from smiquery.testing import FAULTS, fake_nvidia_smi
+from smiquery.testing import ENV_VARS, FAULTS, InProcessLines, InProcessRunner, StreamEndedError, fake_nvidia_smi
 
 if TYPE_CHECKING:
     from conftest import MakeFake
@@ -37,6 +39,7 @@ DEMO = ROOT / "smiquery" / "data" / "demo-8gpu.csv"
 DEMO_APPS = ROOT / "smiquery" / "data" / "demo-8gpu-apps.csv"
 SOME = "index,uuid,name,memory.used,power.draw,temperature.gpu,fan.speed,clocks_event_reasons.active,driver_version"
 HELP = "Please run 'nvidia-smi -h' for help."
+GPU_LOST = "GPU is lost. Reboot the system to recover this GPU"
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -469,6 +472,119 @@ def test_gpu_lost_mid_loop(fake_smi: MakeFake) -> None:
     assert cells[5:] == ["[GPU is lost]", "[GPU is lost]"]
 
 
+def test_exit_after_counts_rows_across_sweeps_then_prints_its_message(fake_smi: MakeFake) -> None:
+    lost = (
+        "Unable to determine the device handle for GPU 0000:02:00.0: GPU is lost. Reboot the system to recover this GPU"
+    )
+    exe = fake_smi(fault=f"exit-after:10:15:{lost}")
+    with Child(exe, "--query-gpu=index", "--format=csv,noheader", "-lms", "10") as child:
+        assert child.readlines(11)[-3:] == ["0", "1", lost]
+        assert child.stopped_within(10)
+        assert child.proc.returncode == 15
+    res = run(fake_smi(fault="exit-after:3:7"), "--query-gpu=index", "--format=csv,noheader")
+    assert (res.returncode, lines_of(res.stdout)) == (7, ["0", "1", "2"])
+    res = run(fake_smi(fault="exit-after:8:7"), "--query-gpu=index", "--format=csv,noheader")
+    assert (res.returncode, len(lines_of(res.stdout))) == (7, 8)
+
+
+def test_notices_after_n_rows_replace_the_rows_and_never_end(fake_smi: MakeFake) -> None:
+    warning = "WARNING: infoROM is corrupted at gpu 0000:0B:00.0"
+    handle = "Unable to determine the device handle for GPU 0000:02:00.0: Unknown Error"
+    with Child(fake_smi(fault="notices-after:10"), "--query-gpu=index,uuid", "--format=csv", "-lms", "10") as child:
+        lines = child.readlines(1 + 10 + 3 * 2)
+        assert child.proc.poll() is None
+    assert lines[0] == "index, uuid"
+    assert [line.split(", ")[0] for line in lines[1:11]] == [str(i % 8) for i in range(10)]
+    assert lines[11:] == [warning, handle] * 3
+
+
+def test_notices_after_in_a_one_shot_keep_the_process_alive(fake_smi: MakeFake) -> None:
+    with Child(fake_smi(fault="notices-after:2"), "--query-gpu=index", "--format=csv,noheader") as child:
+        assert child.readlines(3) == ["0", "1", "WARNING: infoROM is corrupted at gpu 0000:0B:00.0"]
+        assert not child.stopped_within(0.3)
+
+
+def test_drop_gpu_after_n_rows_keeps_the_other_gpus_in_order(fake_smi: MakeFake) -> None:
+    with Child(
+        fake_smi(fault="drop-gpu-after:10:1"), "--query-gpu=index", "--format=csv,noheader", "-lms", "10"
+    ) as child:
+        lines = child.readlines(8 + 8 + 7 * 3)
+        assert child.proc.poll() is None
+    after = [str(i) for i in range(8) if i != 1]
+    assert lines == [str(i) for i in range(8)] * 2 + after * 3
+
+
+def test_drop_gpu_with_message_prints_gpu_lost_in_its_place(fake_smi: MakeFake) -> None:
+    lost = (
+        "Unable to determine the device handle for GPU 0000:3A:00.0: GPU is lost. Reboot the system to recover this GPU"
+    )
+    with Child(
+        fake_smi(fault="drop-gpu-after:0:2:message"), "--query-gpu=index", "--format=csv,noheader", "-lms", "10"
+    ) as child:
+        lines = child.readlines(16)
+    sweep = ["0", "1", lost, "3", "4", "5", "6", "7"]
+    assert lines == sweep * 2
+    res = run(fake_smi(fault="drop-gpu-after:0:0"), "--query-gpu=index", "--format=csv,noheader")
+    assert (res.returncode, lines_of(res.stdout)) == (0, [str(i) for i in range(1, 8)])
+    with pytest.raises(ValueError, match="':message'"):
+        fake_nvidia_smi(fake_smi().parent, fault="drop-gpu-after:1:2:loud")
+
+
+def test_grandchild_holds_the_pipes_after_the_fake_exits(fake_smi: MakeFake) -> None:
+    proc = subprocess.Popen(
+        [str(fake_smi(fault="grandchild")), "--query-gpu=index", "--format=csv,noheader"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_env(),
+        start_new_session=True,
+    )
+    try:
+        assert proc.wait(timeout=20) == 0
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        data = b""
+        deadline = time.monotonic() + 20
+        while data.count(b"\n") < 8:
+            assert select.select([fd], [], [], max(deadline - time.monotonic(), 0))[0], "no rows"
+            chunk = os.read(fd, 65536)
+            assert chunk, "stdout closed: no grandchild holds it"
+            data += chunk
+        assert lines_of(data) == [str(i) for i in range(8)]
+        # the fake is gone, yet its process group lives on and stdout does not reach EOF
+        os.killpg(proc.pid, 0)
+        assert not select.select([fd], [], [], 0.3)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_start_delay_as_a_fault_spec_combines_with_others(fake_smi: MakeFake) -> None:
+    start = time.monotonic()
+    with Child(fake_smi(fault="start-delay:0.3,hang-after:2"), "--query-gpu=index", "--format=csv") as child:
+        assert child.readlines(3, timeout=20) == ["index", "0", "1"]
+        assert time.monotonic() - start >= 0.3
+        assert child.silent_for(0.3)
+        assert child.proc.poll() is None
+    for bad in ("start-delay:soon", "start-delay:-1", "start-delay:nan"):
+        with pytest.raises(ValueError, match="number of seconds"):
+            fake_nvidia_smi(fake_smi().parent, fault=bad)
+
+
+@pytest.mark.parametrize("option", ["--help", "-h", "--fake-help"])
+def test_help_lists_every_fault_and_variable(fake_smi: MakeFake, option: str) -> None:
+    res = run(fake_smi(), option)
+    out = lines_of(res.stdout)
+    assert res.returncode == 0
+    for spec in FAULTS:
+        assert sum(line.split()[:1] == [spec] for line in out) == 1, spec
+    for name in ENV_VARS:
+        assert sum(line.split()[:1] == [name] for line in out) == 1, name
+
+
 def test_garbage(fake_smi: MakeFake) -> None:
     res = run(fake_smi(fault="garbage"), "--query-gpu=index,name,memory.used", "--format=csv")
     assert res.returncode == 0
@@ -722,3 +838,262 @@ def test_demo_recording_is_reproducible(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(script), "--out-dir", str(tmp_path)], check=True, timeout=60, env=child_env())
     assert (tmp_path / "demo-8gpu.csv").read_bytes() == DEMO.read_bytes()
     assert (tmp_path / "demo-8gpu-apps.csv").read_bytes() == DEMO_APPS.read_bytes()
+
+
+# ------------------------------------------------------------------------------------------ in-process fake
+
+T4 = FIXTURES / "t4-470-old-tokens.csv"
+LOST_LINE = f"Unable to determine the device handle for GPU 0000:02:00.0: {GPU_LOST}"
+# (fault, recording, arguments): each runs through the executable and through InProcessRunner
+PARITY: list[tuple[str | None, Path | None, tuple[str, ...]]] = [
+    (None, None, (f"--query-gpu={SOME}", "--format=csv")),
+    (None, None, ("--query-gpu=timestamp,index,power.draw", "--format=csv,noheader,nounits", "-i", "1,5")),
+    (None, T4, ("--query-gpu=index,name,clocks_throttle_reasons.active,temperature.memory", "--format=csv")),
+    (None, None, ("--query-gpu=index,device_minor", "--format=csv")),
+    (None, None, ("--query-gpu=index", "--format=csv", "-i", "42")),
+    (None, None, ("--query-gpu=index", "--format=csv", "-loop", "1")),
+    (None, None, ("--query-compute-apps=pid,process_name,gpu_uuid,used_memory", "--format=csv")),
+    (None, None, ("-L",)),
+    (None, None, ("--version",)),
+    (None, T4, ("--help-query-gpu",)),
+    (None, None, ("--help",)),
+    ("driver-not-loaded", None, ("--query-gpu=index", "--format=csv")),
+    ("version-mismatch", T4, ("--query-gpu=index", "--format=csv")),
+    (f"exit:15:{LOST_LINE}", None, ("-L",)),
+    ("inforom", None, ("--query-gpu=index,memory.used", "--format=csv")),
+    ("crash-after:5", None, ("--query-gpu=index", "--format=csv,noheader")),
+    ("gpu-lost-after:3:1", None, ("--query-gpu=index,uuid,power.draw", "--format=csv")),
+    ("drop-gpu-after:2:1:message", None, ("--query-gpu=index,pci.bus_id", "--format=csv")),
+    ("garbage", None, ("--query-gpu=index,name", "--format=csv")),
+    ("garbage-after:3", None, ("--query-gpu=index,name", "--format=csv")),
+    ("truncated", None, ("--query-gpu=index,uuid,memory.used", "--format=csv")),
+    ("wrong-columns-after:2", None, ("--query-gpu=index,uuid", "--format=csv")),
+    ("melt", None, ("-L",)),
+    # loops that end by themselves: N counts across sweeps, the interval really passes
+    (f"exit-after:20:15:{LOST_LINE}", None, ("--query-gpu=timestamp,index", "--format=csv", "-lms", "10")),
+    ("crash-after:19,inforom", None, ("--query-gpu=index,power.draw", "--format=csv,noheader", "-lms", "10")),
+    ("drop-gpu-after:4:2,exit-after:30:3", None, ("--query-gpu=index", "--format=csv", "-lms", "10")),
+    ("start-delay:0.1,gpu-lost-after:8:7,exit-after:24:0", T4, ("--query-gpu=index,name", "--format=csv", "-l", "1")),
+]
+
+
+@pytest.mark.parametrize(("fault", "recording", "args"), PARITY, ids=[f"{p[0]}|{' '.join(p[2])}" for p in PARITY])
+def test_in_process_runner_matches_the_executable(
+    fake_smi: MakeFake, fault: str | None, recording: Path | None, args: tuple[str, ...]
+) -> None:
+    exe = fake_smi(recording=recording)
+    real = run(exe, *args, SMIQUERY_FAKE_KEEP_TIME="1", SMIQUERY_FAKE_FAULT=fault or "", timeout=30)
+    runner = InProcessRunner(
+        recording=recording, env={"SMIQUERY_FAKE_KEEP_TIME": "1", "SMIQUERY_FAKE_FAULT": fault or ""}
+    )
+    done = runner.run([str(exe), *args], timeout=30)
+    assert done.stdout == real.stdout.decode("utf-8", "replace")
+    assert (done.returncode, done.stderr) == (real.returncode, real.stderr.decode())
+    assert done.argv == (str(exe), *args)
+    assert runner.calls == [(str(exe), *args)]
+    assert runner.running() == 0
+
+
+def thread_names() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.is_alive()}
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def drain(src: InProcessLines) -> None:
+    """Read until the source raises its end."""
+    while True:
+        src.readline(20)
+
+
+LOOP = ("nvidia-smi", "--query-gpu=index", "--format=csv,noheader", "-lms", "10")
+
+
+def test_lines_of_a_loop_come_sweep_by_sweep_and_close_stops_the_thread() -> None:
+    runner = InProcessRunner()
+    before = thread_names()
+    src = runner.lines(LOOP)
+    assert src.pid is None
+    assert [src.readline(20) for _ in range(20)] == [str(i % 8) for i in range(20)]
+    assert src.returncode is None
+    assert not src.closed
+    assert runner.running() == 1
+    src.close()
+    src.close()  # idempotent
+    assert src.closed
+    assert runner.running() == 0
+    assert thread_names() <= before
+    left = [src.readline(1) for _ in range(4)]  # the rest of the sweep that was already read, as a pipe keeps it
+    assert left == ["4", "5", "6", "7"]
+    with pytest.raises(StreamEndedError, match="closed"):
+        src.readline(1)
+
+
+def test_idle_is_the_wait_for_data_and_zero_for_buffered_lines() -> None:
+    with InProcessRunner(start_delay=0.2).lines(LOOP) as src:
+        assert src.readline(20) == "0"
+        assert src.idle > 0
+        assert src.readline(20) == "1"  # the whole sweep was flushed at once
+        assert src.idle == 0.0
+
+
+def test_readline_times_out_with_none_while_the_fake_hangs_and_terminate_ends_it() -> None:
+    runner = InProcessRunner(fault="hang-after:3")
+    with runner.lines(LOOP) as src:
+        assert [src.readline(20) for _ in range(3)] == ["0", "1", "2"]
+        assert src.readline(0.05) is None
+        assert runner.running() == 1
+        src.terminate()
+        with pytest.raises(StreamEndedError) as info:  # a terminated stream ends without a typed failure
+            drain(src)
+        assert info.value.returncode == -signal.SIGTERM
+        assert src.returncode == -signal.SIGTERM
+        assert src.closed
+    assert runner.running() == 0
+
+
+def test_ignore_term_makes_terminate_ineffective_but_kill_works() -> None:
+    runner = InProcessRunner(fault="ignore-term")
+    with runner.lines(LOOP) as src:
+        assert src.readline(20) == "0"
+        src.terminate()
+        assert [src.readline(20) for _ in range(9)] == [str(i % 8) for i in range(1, 10)]  # still looping
+        assert src.returncode is None
+        src.kill()
+        with pytest.raises(StreamEndedError):
+            drain(src)
+        assert src.returncode == -signal.SIGKILL
+    assert runner.running() == 0
+
+
+def test_close_interrupts_a_blocked_readline_and_a_start_delay() -> None:
+    runner = InProcessRunner(fault="start-delay:3600")
+    src = runner.lines(LOOP)
+    got: list[object] = []
+
+    def read() -> None:
+        try:
+            got.append(src.readline(60))
+        except StreamEndedError as exc:  # close() came before readline() began
+            got.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert wait_until(lambda: runner.running() == 1)
+    src.close()
+    reader.join(20)
+    assert not reader.is_alive()
+    assert got == [None] or isinstance(got[0], StreamEndedError)
+    assert runner.running() == 0
+
+
+def test_interrupt_wakes_a_blocked_reader() -> None:
+    with InProcessRunner(fault="hang").lines(LOOP) as src:
+        got: list[str | None] = []
+        reader = threading.Thread(target=lambda: got.append(src.readline(60)))
+        reader.start()
+        src.interrupt()
+        reader.join(20)
+        assert got == [None]
+        assert src.returncode is None
+
+
+@pytest.mark.parametrize(
+    ("fault", "args", "lines", "error"),
+    [
+        (None, ("--query-gpu=index", "--format=csv,noheader"), [str(i) for i in range(8)], StreamEndedError),
+        (
+            "crash-after:2",
+            LOOP[1:],
+            ["0", "1", "Unable to determine the device handle for GPU 0000:3A:00.0: Unknown Error"],
+            errors.NvidiaSmiFailedError,
+        ),
+        (f"exit-after:9:15:{LOST_LINE}", LOOP[1:], [*map(str, range(8)), "0", LOST_LINE], errors.GpuLostError),
+        (
+            None,
+            ("--query-gpu=index,bogus", "--format=csv"),
+            ['Field "bogus" is not a valid field to query.'],
+            errors.InvalidArgumentError,
+        ),
+        ("no-devices", LOOP[1:], ["No devices were found"], errors.NoDevicesFoundError),
+    ],
+    ids=["exit-0", "crash", "gpu-lost", "bad-field", "no-devices"],
+)
+def test_lines_end_with_the_typed_error_of_the_exit(
+    fault: str | None, args: tuple[str, ...], lines: list[str], error: type[Exception]
+) -> None:
+    runner = InProcessRunner(fault=fault)
+    with runner.lines(("nvidia-smi", *args)) as src:
+        assert [src.readline(20) for _ in lines] == lines  # blank lines are skipped
+        with pytest.raises(error) as info:
+            src.readline(20)
+        assert type(info.value) is error
+        assert src.closed
+        with pytest.raises(error):  # and again on every later call
+            src.readline(20)
+
+
+def test_a_truncated_last_line_comes_before_the_end() -> None:
+    with InProcessRunner(fault="truncated").lines(("nvidia-smi", "--query-gpu=index,uuid", "--format=csv")) as src:
+        got = [src.readline(20) for _ in range(9)]
+        with pytest.raises(StreamEndedError):
+            src.readline(20)
+    assert got[0] == "index, uuid"
+    assert got[-1] is not None
+    assert len(got[-1]) < len(got[-2] or "")
+
+
+def test_run_times_out_and_stops_the_engine() -> None:
+    runner = InProcessRunner(fault="hang,ignore-term")
+    with pytest.raises(errors.NvidiaSmiTimeoutError, match=r"did not answer within 0\.1 s"):
+        runner.run(("nvidia-smi", "-L"), timeout=0.1)
+    assert runner.running() == 0
+
+
+def test_settings_change_between_calls_and_calls_are_logged(tmp_path: Path) -> None:
+    log = tmp_path / "calls.jsonl"
+    runner = InProcessRunner(fault="driver-not-loaded", log=log)
+    assert runner.run(("nvidia-smi", "-L"), 20).returncode == 9
+    runner.fault = None
+    assert len(runner.run(("nvidia-smi", "-L"), 20).stdout.splitlines()) == 8
+    runner.recording = T4
+    runner.env["SMIQUERY_FAKE_SWEEP"] = "0"
+    assert runner.run(("nvidia-smi", "--query-gpu=name", "--format=csv,noheader"), 20).stdout == "Tesla T4\nTesla T4\n"
+    runner.fault = "melt"  # set wrongly after construction: the fake reports it as the executable does
+    done = runner.run(("nvidia-smi", "-L"), 20)
+    assert (done.returncode, done.stdout) == (70, "")
+    assert "unknown fault 'melt'" in done.stderr
+    assert [c[1:] for c in runner.calls] == [("-L",), ("-L",), ("--query-gpu=name", "--format=csv,noheader"), ("-L",)]
+    assert [json.loads(line)["argv"] for line in log.read_text().splitlines()][:3] == [
+        ["-L"],
+        ["-L"],
+        ["--query-gpu=name", "--format=csv,noheader"],
+    ]
+    with pytest.raises(ValueError, match="unknown fault"):
+        InProcessRunner(fault="melt")
+    with pytest.raises(ValueError, match="negative"):
+        InProcessRunner(start_delay=-1)
+
+
+def test_the_process_environment_is_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMIQUERY_FAKE_FAULT", "no-devices")
+    assert InProcessRunner().run(("nvidia-smi", "-L"), 20).returncode == 0
+    assert InProcessRunner(env={"SMIQUERY_FAKE_FAULT": "no-devices"}).run(("nvidia-smi", "-L"), 20).returncode == 6
+
+
+def test_runner_close_stops_every_source_it_started() -> None:
+    before = thread_names()
+    with InProcessRunner(fault="ignore-term") as runner:
+        sources = [runner.lines(LOOP) for _ in range(3)]
+        assert all(s.readline(20) == "0" for s in sources)
+        assert runner.running() == 3
+    assert runner.running() == 0
+    assert thread_names() <= before
+    assert all(s.returncode == -signal.SIGKILL for s in sources)
