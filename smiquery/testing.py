@@ -27,21 +27,16 @@ from datetime import datetime, timedelta
 from importlib import resources
 from typing import BinaryIO, NoReturn
 
-from smiquery.errors import InvalidFieldError, NvidiaSmiFailedError, NvidiaSmiTimeoutError, failure_from_exit
+from smiquery.errors import (
+    InvalidFieldError,
+    NvidiaSmiFailedError,
+    NvidiaSmiTimeoutError,
+    StreamEndedError,
+    failure_from_exit,
+)
 from smiquery.fields import CATALOGUE, Field, Kind, get_field
 from smiquery.parsing import missing_reason
 from smiquery.runner import Completed
-
-try:
-    from smiquery.errors import StreamEndedError  # type: ignore[attr-defined,unused-ignore]
-except ImportError:  # PLACEHOLDER (lead: delete this branch once smiquery.errors.StreamEndedError is merged)
-
-    class StreamEndedError(NvidiaSmiFailedError):  # type: ignore[no-redef,unused-ignore]
-        """A loop-mode nvidia-smi ended its output (placeholder for the one in smiquery.errors)."""
-
-        def __init__(self, argv: Sequence[str], returncode: int, output: str, message: str | None = None) -> None:
-            super().__init__(argv, returncode, output, message or "nvidia-smi ended its loop")
-
 
 __all__ = ["ENV_VARS", "FAULTS", "FAULT_HELP", "InProcessLines", "InProcessRunner", "fake_nvidia_smi", "main"]
 
