@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from smiquery.errors import (
     DriverNotLoadedError,
     DriverVersionMismatchError,
@@ -34,6 +36,9 @@ from smiquery.source import SampleSource, StreamEvent, StreamStats, Sweep
 from smiquery.supervisor import Stream, stream
 
 __version__ = "0.1.0"
+
+# A library stays quiet unless the application configures logging (the CLI and the exporter do).
+logging.getLogger("smiquery").addHandler(logging.NullHandler())
 
 # pandas is imported only when these are first used: `import smiquery` stays light.
 _LAZY = {"read_csv": "smiquery.frames", "to_dataframe": "smiquery.frames", "replay": "smiquery.playback"}
