@@ -1,14 +1,17 @@
-"""query(), processes() and get_gpu_status() against the fake nvidia-smi (real processes, real pipes)."""
+"""query(), processes() and get_gpu_status() against the fake nvidia-smi.
+
+Most tests run the fake in-process (:class:`smiquery.testing.InProcessRunner`: the same engine, faults and output
+as the executable, without starting a Python process per call); the tests about the subprocess boundary itself
+(a real run end to end, timeouts that kill and reap the child) start the fake executable.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 
@@ -16,20 +19,14 @@ import smiquery
 from smiquery import errors
 from smiquery.oneshot import InfoRomWarning, get_gpu_status, normalize_gpus, processes, processes_df, query, query_df
 from smiquery.runner import SubprocessRunner, find_nvidia_smi
-from smiquery.testing import fake_nvidia_smi
+from smiquery.testing import InProcessRunner, fake_nvidia_smi
 from tests.leakcheck import no_leaks
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def starts(log: Path) -> list[list[str]]:
-    if not log.exists():
-        return []
-    return [json.loads(line)["argv"] for line in log.read_text().splitlines() if line.strip()]
-
-
 def test_default_query_returns_typed_records_per_gpu(fake_smi):
-    smi = fake_smi()
+    smi = fake_smi()  # a real child process, end to end
     with no_leaks():
         rows = query(nvidia_smi=smi)
     assert [r.index for r in rows] == list(range(8))
@@ -41,24 +38,24 @@ def test_default_query_returns_typed_records_per_gpu(fake_smi):
     assert r.fields == smiquery.PRESETS["default"]
 
 
-def test_missing_values_are_none_with_reason_never_zero(fake_smi):
-    rows = query(["index", "fan.speed", "memory.used"], nvidia_smi=fake_smi())
+def test_missing_values_are_none_with_reason_never_zero(fake_inproc):
+    rows = query(["index", "fan.speed", "memory.used"], **fake_inproc())
     for r in rows:
         assert r.fan_speed is None  # the H100 recording has no fan
         assert r.missing["fan.speed"] == "not_available"
         assert isinstance(r.memory_used, int)
 
 
-def test_aliases_and_gpu_selection(fake_smi):
-    rows = query(["gpu_name", "index"], gpus=[1, "3"], nvidia_smi=fake_smi())
+def test_aliases_and_gpu_selection(fake_inproc):
+    rows = query(["gpu_name", "index"], gpus=[1, "3"], **fake_inproc())
     assert [r.index for r in rows] == [1, 3]
     assert rows[0].fields == ("name", "index")
-    uuid = rows[1].get("uuid") or query(["uuid"], gpus=3, nvidia_smi=fake_smi())[0].uuid
-    assert [r.index for r in query(["index"], gpus=uuid, nvidia_smi=fake_smi())] == [3]
+    uuid = rows[1].get("uuid") or query(["uuid"], gpus=3, **fake_inproc())[0].uuid
+    assert [r.index for r in query(["index"], gpus=uuid, **fake_inproc())] == [3]
 
 
-def test_query_df_has_nullable_columns(fake_smi):
-    df = query_df(["index", "fan.speed", "temperature.gpu"], nvidia_smi=fake_smi())
+def test_query_df_has_nullable_columns(fake_inproc):
+    df = query_df(["index", "fan.speed", "temperature.gpu"], **fake_inproc())
     assert len(df) == 8
     assert str(df["fan_speed"].dtype) == "Int64"
     assert df["fan_speed"].isna().all()
@@ -80,9 +77,9 @@ def test_query_df_has_nullable_columns(fake_smi):
         ("exit:42", errors.NvidiaSmiFailedError, "code 42"),
     ],
 )
-def test_each_failure_is_a_typed_error_with_advice(fake_smi, fault, error, advice):
+def test_each_failure_is_a_typed_error_with_advice(fake_inproc, fault, error, advice):
     with no_leaks(), pytest.raises(error) as info:
-        query(nvidia_smi=fake_smi(fault=fault))
+        query(**fake_inproc(fault=fault))
     exc = info.value
     assert type(exc) is error
     assert advice in str(exc)
@@ -90,9 +87,9 @@ def test_each_failure_is_a_typed_error_with_advice(fake_smi, fault, error, advic
     assert "\n" not in str(exc)
 
 
-def test_inforom_warning_returns_rows(fake_smi):
+def test_inforom_warning_returns_rows(fake_inproc):
     with pytest.warns(InfoRomWarning, match="infoROM"):
-        rows = query(nvidia_smi=fake_smi(fault="inforom"))
+        rows = query(**fake_inproc(fault="inforom"))
     assert len(rows) == 8
 
 
@@ -114,9 +111,9 @@ def test_hang_ignoring_sigterm_is_killed(fake_smi):
 
 
 @pytest.mark.parametrize("fault", ["garbage", "truncated", "wrong-columns-after:3"])
-def test_bad_output_raises_parse_error_never_half_rows(fake_smi, fault):
+def test_bad_output_raises_parse_error_never_half_rows(fake_inproc, fault):
     with no_leaks(), pytest.raises(errors.ParseError) as info:
-        query(nvidia_smi=fake_smi(fault=fault))
+        query(**fake_inproc(fault=fault))
     assert info.value.lineno >= 1
 
 
@@ -150,17 +147,16 @@ def test_binary_resolution_order(fake_smi, tmp_path, monkeypatch):
         find_nvidia_smi()
 
 
-def test_invalid_field_and_gpu_id_rejected_before_running(fake_smi, tmp_path):
-    log = tmp_path / "calls.jsonl"
-    smi = fake_smi(log=log)
+def test_invalid_field_and_gpu_id_rejected_before_running(fake_inproc):
+    smi = fake_inproc()
     with pytest.raises(errors.InvalidFieldError, match="did you mean"):
-        query(["temperature.gpuu"], nvidia_smi=smi)
+        query(["temperature.gpuu"], **smi)
     with pytest.raises(errors.InvalidFieldError):
-        query(["index;rm -rf /"], nvidia_smi=smi)
+        query(["index;rm -rf /"], **smi)
     for bad in ["0; reboot", "-1", -1, "GPU-xyz", "../etc", "", True]:
         with pytest.raises(errors.InvalidGpuIdError):
-            query(gpus=bad, nvidia_smi=smi)
-    assert starts(log) == []
+            query(gpus=bad, **smi)
+    assert smi["runner"].calls == []
 
 
 def test_gpu_id_forms():
@@ -169,34 +165,35 @@ def test_gpu_id_forms():
     assert normalize_gpus("GPU-0a1b2c3d-0000-1111-2222-333344445555") == ("GPU-0a1b2c3d-0000-1111-2222-333344445555",)
 
 
-def test_driver_rejecting_a_field_maps_to_invalid_argument(fake_smi):
-    done = SubprocessRunner().run([str(fake_smi()), "--query-gpu=device_minor", "--format=csv"], 10)
+@pytest.mark.parametrize("runner", [SubprocessRunner, InProcessRunner])
+def test_driver_rejecting_a_field_maps_to_invalid_argument(fake_smi, runner):
+    done = runner().run([str(fake_smi()), "--query-gpu=device_minor", "--format=csv"], 20)
     err = errors.failure_from_exit(done.argv, done.returncode, done.output)
     assert isinstance(err, errors.InvalidArgumentError)
     assert "device_minor" in str(err)
     assert not err.retryable
 
 
-def test_processes_joined_to_gpu_index(fake_smi):
+def test_processes_joined_to_gpu_index(fake_inproc):
     with no_leaks():
-        procs = processes(nvidia_smi=fake_smi())
+        procs = processes(**fake_inproc())
     assert procs, "the bundled recording has one training process per GPU"
     assert all(p.gpu_index is not None for p in procs)
     assert [p.gpu_index for p in procs] == sorted(p.gpu_index for p in procs)
     assert all(isinstance(p.used_memory, int) for p in procs)
-    df = processes_df(nvidia_smi=fake_smi(), gpus=[2])
+    df = processes_df(**fake_inproc(), gpus=[2])
     assert set(df["gpu_index"]) == {2}
 
 
-def test_processes_idle_machine_is_empty_not_error(fake_smi):
-    assert processes(nvidia_smi=fake_smi(apps="")) == []
+def test_processes_idle_machine_is_empty_not_error(fake_inproc):
+    assert processes(**fake_inproc(apps="")) == []
 
 
 # ------------------------------------------------------------------------------------------- get_gpu_status
 
 
-def test_gpu_status_success_contract(fake_smi):
-    status = get_gpu_status(nvidia_smi=fake_smi())
+def test_gpu_status_success_contract(fake_inproc):
+    status = get_gpu_status(**fake_inproc())
     assert status["success"] is True
     assert len(status["data"]) == 8
     for item in status["data"]:
@@ -208,8 +205,8 @@ def test_gpu_status_success_contract(fake_smi):
         assert item["timestamp"][-6] in "+-"  # ISO 8601 with offset
 
 
-def test_gpu_status_extra_fields(fake_smi):
-    status = get_gpu_status(["power.draw", "fan.speed"], nvidia_smi=fake_smi())
+def test_gpu_status_extra_fields(fake_inproc):
+    status = get_gpu_status(["power.draw", "fan.speed"], **fake_inproc())
     item = status["data"][0]
     assert isinstance(item["power_draw"], float)
     assert item["fan_speed"] is None
@@ -225,21 +222,28 @@ def test_gpu_status_extra_fields(fake_smi):
         ("gpu-lost-start", "GpuLostError"),
         ("permission", "InsufficientPermissionsError"),
         ("hang", "NvidiaSmiTimeoutError"),
-        ("hang,ignore-term", "NvidiaSmiTimeoutError"),
+        ("start-delay:3600", "NvidiaSmiTimeoutError"),
         ("garbage", "ParseError"),
         ("truncated", "ParseError"),
         ("exit:255", "NvidiaSmiFailedError"),
     ],
 )
-def test_gpu_status_failure_contract(fake_smi, fault, error_type):
+def test_gpu_status_failure_contract(fake_inproc, fault, error_type):
     with no_leaks():
-        t0 = time.monotonic()
-        status = get_gpu_status(nvidia_smi=fake_smi(fault=fault), timeout=1.0)
-        assert time.monotonic() - t0 < 1.5
+        # a hang is cut at the timeout; every other fault answers long before it
+        status = get_gpu_status(**fake_inproc(fault=fault), timeout=0.3 if "NvidiaSmiTimeout" in error_type else 30)
     assert status["success"] is False
     assert status["error_type"] == error_type
     assert status["error"] and "\n" not in status["error"]
     assert set(status) == {"success", "error", "error_type"}
+
+
+def test_gpu_status_of_a_real_child_that_hangs_ignoring_sigterm(fake_smi):
+    with no_leaks():
+        t0 = time.monotonic()
+        status = get_gpu_status(nvidia_smi=fake_smi(fault="hang,ignore-term"), timeout=1.0)
+        assert time.monotonic() - t0 < 1.5
+    assert (status["success"], status["error_type"]) == (False, "NvidiaSmiTimeoutError")
 
 
 def test_gpu_status_missing_binary(tmp_path):
@@ -247,15 +251,15 @@ def test_gpu_status_missing_binary(tmp_path):
     assert status == {"success": False, "error": status["error"], "error_type": "NvidiaSmiNotFoundError"}
 
 
-def test_gpu_status_bad_field_is_reported_not_raised(fake_smi):
-    status = get_gpu_status(["nope"], nvidia_smi=fake_smi())
+def test_gpu_status_bad_field_is_reported_not_raised(fake_inproc):
+    status = get_gpu_status(["nope"], **fake_inproc())
     assert status["error_type"] == "InvalidFieldError"
 
 
-def test_inforom_does_not_warn_twice(fake_smi):
+def test_inforom_does_not_warn_twice(fake_inproc):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        query(nvidia_smi=fake_smi(fault="inforom"))
+        query(**fake_inproc(fault="inforom"))
     assert sum(issubclass(w.category, InfoRomWarning) for w in seen) == 1
 
 

@@ -877,7 +877,11 @@ PARITY: list[tuple[str | None, Path | None, tuple[str, ...]]] = [
 ]
 
 
-@pytest.mark.parametrize(("fault", "recording", "args"), PARITY, ids=[f"{p[0]}|{' '.join(p[2])}" for p in PARITY])
+@pytest.mark.parametrize(
+    ("fault", "recording", "args"),
+    PARITY,
+    ids=[f"{i}-{(p[0] or 'ok').split(':Unable')[0]}" for i, p in enumerate(PARITY)],
+)
 def test_in_process_runner_matches_the_executable(
     fake_smi: MakeFake, fault: str | None, recording: Path | None, args: tuple[str, ...]
 ) -> None:
@@ -1097,3 +1101,15 @@ def test_runner_close_stops_every_source_it_started() -> None:
     assert runner.running() == 0
     assert thread_names() <= before
     assert all(s.returncode == -signal.SIGKILL for s in sources)
+
+
+@pytest.mark.parametrize("fault", ["notices-after:12", "drop-gpu-after:10:3:message", "gpu-lost-after:5:1", "inforom"])
+def test_lines_of_an_endless_loop_match_the_executable(fake_smi: MakeFake, fault: str) -> None:
+    args = ("--query-gpu=timestamp,index,power.draw", "--format=csv", "-lms", "10")
+    with Child(fake_smi(fault=fault), *args, SMIQUERY_FAKE_KEEP_TIME="1") as child:
+        real = child.readlines(30, timeout=20)
+    runner = InProcessRunner(fault=fault, env={"SMIQUERY_FAKE_KEEP_TIME": "1"})
+    with runner.lines(("nvidia-smi", *args)) as src:
+        assert [src.readline(20) for _ in range(30)] == real
+        assert src.returncode is None  # still looping, like the process
+    assert runner.running() == 0
