@@ -12,6 +12,7 @@ import stat
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
