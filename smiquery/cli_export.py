@@ -48,7 +48,7 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 def export(
     ctx: typer.Context,
-    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 9835,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 9849,
     bind: Annotated[
         str,
         typer.Option(help="Address to listen on. 0.0.0.0 or :: (all interfaces) only when you say so."),

@@ -1111,7 +1111,7 @@ class Exporter:
 
     @property
     def url(self) -> str:
-        """The base URL (``http://127.0.0.1:9835``); metrics are at ``url + "/metrics"``."""
+        """The base URL (``http://127.0.0.1:9849``); metrics are at ``url + "/metrics"``."""
         host = self.bind
         if ":" in host:
             host = f"[{host}]"
@@ -1160,7 +1160,7 @@ class Exporter:
 
 def serve(
     *,
-    port: int = 9835,
+    port: int = 9849,
     bind: str = "127.0.0.1",
     interval: float = 5.0,
     fields: str | Sequence[str] | None = "health",
@@ -1183,7 +1183,7 @@ def serve(
 
     Example::
 
-        with smiquery.exporter.serve(port=9835, interval=5) as exp:
+        with smiquery.exporter.serve(port=9849, interval=5) as exp:
             exp.serve_forever()
 
     Args:

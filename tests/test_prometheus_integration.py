@@ -1,7 +1,7 @@
 """The real thing: `smiquery export` on the fake nvidia-smi, scraped every second by a real Prometheus server.
 
 Three exporters run as processes on 127.0.0.1 with free ports: native naming with --processes (job
-"smiquery"), DCGM naming (job "dcgm"), and one whose nvidia-smi loses GPU 3 and crashes now and then (job
+"smiquery-exporter"), DCGM naming (job "dcgm"), and one whose nvidia-smi loses GPU 3 and crashes now and then (job
 "faulty"). Prometheus gets a temporary config, data directory and port, and loads the alert rules. Every
 process is stopped on every path (fixture finalizers: SIGTERM, then SIGKILL, then wait).
 
@@ -163,7 +163,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     st = Stack(tmp, write_recording(tmp / "sweep.csv"))
     ready = False
     try:
-        st.exporter("smiquery", "--interval", "1", "--processes", "--processes-interval", "1")
+        st.exporter("smiquery-exporter", "--interval", "1", "--processes", "--processes-interval", "1")
         st.exporter("dcgm", "--interval", "1", "--naming", "dcgm")
         st.exporter("faulty", "--interval", "0.2", fault="gpu-lost-after:16:3,crash-after:80")
         st.prometheus()
@@ -171,10 +171,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
         def has_data() -> bool:
             return (
-                len(st.query('smiquery_temperature_gpu_celsius{job="smiquery"}')) == 7
+                len(st.query('smiquery_temperature_gpu_celsius{job="smiquery-exporter"}')) == 7
                 and len(st.query('DCGM_FI_DEV_GPU_TEMP{job="dcgm"}')) == 7
-                and len(st.query('smiquery_process_used_memory_bytes{job="smiquery"}')) == 8
-                and len(st.query('count_over_time(smiquery_up{job="smiquery"}[1m]) >= 3')) == 1
+                and len(st.query('smiquery_process_used_memory_bytes{job="smiquery-exporter"}')) == 8
+                and len(st.query('count_over_time(smiquery_up{job="smiquery-exporter"}[1m]) >= 3')) == 1
                 and len(st.query('max_over_time(smiquery_gpu_lost{job="faulty", gpu="3"}[1m]) == 1')) == 1
                 and len(st.query('smiquery_nvidia_smi_errors_total{job="faulty"}')) >= 1
             )
@@ -207,12 +207,12 @@ def test_stored_values_equal_the_replayed_recording(stack):
         ("smiquery_clocks_current_sm_hertz", "clocks.current.sm", 1e6),
     ]
     for metric, field, scale in checks:
-        got = by_gpu(stack.query(f'{metric}{{job="smiquery"}}'))
+        got = by_gpu(stack.query(f'{metric}{{job="smiquery-exporter"}}'))
         want = {str(g): float(r[field]) * scale for g, r in rec.items() if not r[field].startswith("[")}
         assert got.keys() == want.keys(), metric  # GPUs with a status token have no series
         for gpu, value in want.items():
             assert got[gpu] == pytest.approx(value, rel=1e-12), (metric, gpu)
-    labels = stack.query('smiquery_power_limit_watts{job="smiquery", gpu="0"}')[0]["metric"]
+    labels = stack.query('smiquery_power_limit_watts{job="smiquery-exporter", gpu="0"}')[0]["metric"]
     assert labels["uuid"] == rec[0]["uuid"] and labels["name"] == rec[0]["name"]
     assert labels["pci_bus_id"] == rec[0]["pci.bus_id"]
     dcgm = by_gpu(stack.query('DCGM_FI_DEV_FB_USED{job="dcgm"}'))
@@ -220,7 +220,7 @@ def test_stored_values_equal_the_replayed_recording(stack):
     one = stack.query('DCGM_FI_DEV_GPU_TEMP{job="dcgm", gpu="0"}')[0]["metric"]
     assert one["UUID"] == rec[0]["uuid"] and one["modelName"] == rec[0]["name"] and one["device"] == "nvidia0"
     assert one["DCGM_FI_DRIVER_VERSION"] == rec[0]["driver_version"] and one["Hostname"]
-    procs = stack.query('smiquery_process_used_memory_bytes{job="smiquery", pid="48213"}')
+    procs = stack.query('smiquery_process_used_memory_bytes{job="smiquery-exporter", pid="48213"}')
     assert float(procs[0]["value"][1]) == 69126 * MiB and procs[0]["metric"]["gpu"] == "0"
 
 
@@ -228,7 +228,7 @@ def test_gpu_lost_mid_stream_shows_in_the_health_metrics(stack):
     assert stack.query('max_over_time(smiquery_gpu_lost{job="faulty", gpu="3"}[1m]) == 1')
     assert not stack.query('max_over_time(smiquery_gpu_lost{job="faulty", gpu="2"}[1m]) == 1')
     assert stack.query('smiquery_nvidia_smi_restarts_total{job="faulty"} > 0')
-    assert stack.query('smiquery_nvidia_smi_starts_total{job="smiquery"} == 1')  # the healthy loop never restarted
+    assert stack.query('smiquery_nvidia_smi_starts_total{job="smiquery-exporter"} == 1')  # the healthy loop never restarted
 
 
 # ------------------------------------------------------------------------------------------ every expression
@@ -319,7 +319,7 @@ def promtool_check_metrics(url: str) -> tuple[int, list[str]]:
 
 
 def test_promtool_check_metrics_native_is_clean(stack):
-    for job in ("smiquery", "faulty"):
+    for job in ("smiquery-exporter", "faulty"):
         code, findings = promtool_check_metrics(stack.exporters[job])
         assert (code, findings) == (0, []), job
 
