@@ -44,7 +44,11 @@ from smiquery.supervisor import stream
 from tests.leakcheck import no_leaks, wait_no_children
 
 ROOT = Path(__file__).resolve().parents[1]
-DCGM_DIR = ROOT.parent / "shared" / "dcgm"
+# shared/ sits beside the checkout (a clone) or beside the folder of worktrees.
+SHARED = next(
+    (p / "shared" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared").is_dir()), ROOT.parent / "shared"
+)
+DCGM_DIR = SHARED / "dcgm"
 MiB = 1048576.0
 
 # Edits to the bundled demo's first sweep (GPU index -> {field: cell}), so that the values vary per GPU and

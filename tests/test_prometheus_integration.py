@@ -28,11 +28,11 @@ from typing import Any
 import pytest
 
 from smiquery.exporter import DCGM_MAP
-from tests.test_exporter import recorded, write_recording
+from tests.test_exporter import SHARED, recorded, write_recording
 from tests.test_rules import DASHBOARD, RULES, load_rules, require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
-DCGM_DASHBOARD = ROOT.parent / "shared" / "dcgm" / "dcgm-exporter-dashboard.json"
+DCGM_DASHBOARD = SHARED / "dcgm" / "dcgm-exporter-dashboard.json"
 MiB = 1048576.0
 # What promtool's linter says about the DCGM exporter's own names (documented in docs/exporter.md).
 DCGM_FINDINGS = (
@@ -228,7 +228,9 @@ def test_gpu_lost_mid_stream_shows_in_the_health_metrics(stack):
     assert stack.query('max_over_time(smiquery_gpu_lost{job="faulty", gpu="3"}[1m]) == 1')
     assert not stack.query('max_over_time(smiquery_gpu_lost{job="faulty", gpu="2"}[1m]) == 1')
     assert stack.query('smiquery_nvidia_smi_restarts_total{job="faulty"} > 0')
-    assert stack.query('smiquery_nvidia_smi_starts_total{job="smiquery-exporter"} == 1')  # the healthy loop never restarted
+    assert stack.query(
+        'smiquery_nvidia_smi_starts_total{job="smiquery-exporter"} == 1'
+    )  # the healthy loop never restarted
 
 
 # ------------------------------------------------------------------------------------------ every expression
