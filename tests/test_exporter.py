@@ -509,6 +509,10 @@ GOLDEN_HEALTH_PRESET = """\
 # TYPE smiquery_retired_pages_pending gauge
 # HELP smiquery_up 1 when nvidia-smi delivers fresh samples (newest younger than 15 s), else 0.
 # TYPE smiquery_up gauge
+# HELP smiquery_stream_info The nvidia-smi stream's state (starting, running, retrying, failed...), its last error type and whether that error needs a person (permanent); always 1.
+# TYPE smiquery_stream_info gauge
+# HELP smiquery_build_info smiquery's version, the driver and the nvidia-smi it runs; always 1.
+# TYPE smiquery_build_info gauge
 # HELP smiquery_last_sample_timestamp_seconds Unix time at which the newest sweep of nvidia-smi rows was received.
 # TYPE smiquery_last_sample_timestamp_seconds gauge
 # HELP smiquery_last_sample_age_seconds Age of the newest sweep of nvidia-smi rows.
@@ -521,7 +525,7 @@ GOLDEN_HEALTH_PRESET = """\
 # TYPE smiquery_sweeps_total counter
 # HELP smiquery_dropped_rows_total Rows of nvidia-smi output rejected by the parser.
 # TYPE smiquery_dropped_rows_total counter
-# HELP smiquery_gpu_lost 1 while nvidia-smi reports the GPU as lost ([GPU is lost]), else 0.
+# HELP smiquery_gpu_lost 1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), else 0.
 # TYPE smiquery_gpu_lost gauge
 # HELP smiquery_collection_duration_seconds Time spent building this scrape's metrics.
 # TYPE smiquery_collection_duration_seconds gauge

@@ -7,11 +7,13 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.metrics_core import Metric
 
+from smiquery import __version__
 from smiquery.exporter.naming import Naming, metric_specs, render
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.fields import Field
@@ -19,10 +21,18 @@ from smiquery.oneshot import GpuProcess
 from smiquery.source import Sweep
 
 if TYPE_CHECKING:
+    from smiquery.alerts import AlertEvaluator
     from smiquery.records import GpuSample, Value
     from smiquery.source import StreamStats
 
-__all__ = ["SmiCollector", "SweepSource", "parse_labels"]
+__all__ = [
+    "DEFAULT_EXPORTER_ALERTS",
+    "SmiCollector",
+    "SourceHealth",
+    "SweepSource",
+    "parse_labels",
+    "source_health",
+]
 
 log = logging.getLogger("smiquery.exporter")
 
@@ -63,6 +73,90 @@ def _gauge(name: str, doc: str) -> Metric:
 
 def _counter(name: str, doc: str) -> Metric:
     return Metric(name, doc, "counter")
+
+
+#: smiquery alert rules the exporter evaluates on every nvidia-smi sample by default: the rule that counts samples,
+#: which PromQL cannot count whatever the scrape interval (the time-based rules stay in Prometheus).
+DEFAULT_EXPORTER_ALERTS: tuple[str, ...] = ("temperature.gpu > 85 for 3",)
+
+
+@dataclass(frozen=True)
+class SourceHealth:
+    """What the collector needs to know about its source's state, read in one place.
+
+    Attributes:
+        running: whether the source's background thread is alive.
+        state: ``starting``, ``running``, ``retrying``, ``ended``, ``closed`` or ``failed``.
+        last_error: the newest failure as one line.
+        last_error_type: its exception class name.
+        next_retry_at: ``time.time()`` of the next start while retrying.
+        permanent: whether the current failure needs a person (driver mismatch, NVML missing...).
+        lost: GPU indices the source reports lost.
+        known: GPU index -> UUID for every GPU the source has seen.
+    """
+
+    running: bool
+    state: str
+    last_error: str | None
+    last_error_type: str | None
+    next_retry_at: float | None
+    permanent: bool
+    lost: frozenset[int]
+    known: dict[int, str | None]
+
+
+def source_health(source: SweepSource) -> SourceHealth:
+    """Read a source's state, whatever version of :class:`~smiquery.source.StreamStats` it carries.
+
+    Attributes a source does not have yet read as "not known" (None, False, empty); a source whose thread ended
+    with an error reads as ``failed``.
+
+    Args:
+        source: the sample source.
+
+    Returns:
+        Its state now.
+    """
+    st = source.stats
+    running = bool(source.running)
+    error = source.error
+    state = str(getattr(st, "state", "") or "")
+    if not running:
+        state = "failed" if error is not None else (state if state in ("ended", "closed", "failed") else "closed")
+    elif not state or (state == "starting" and getattr(st, "rows", 0) > 0):
+        state = "running"  # a source that does not keep state: rows flow, so it runs
+    last_type = getattr(st, "last_error_type", None)
+    last = getattr(st, "last_error", None)
+    if error is not None and not running:
+        last_type = type(error).__name__
+        last = str(error).splitlines()[0] if str(error) else last_type
+    if last_type is None and last is not None:
+        errors = getattr(st, "errors", None)
+        if errors:
+            last_type = max(errors, key=lambda k: errors[k])
+    known = dict(getattr(st, "known_gpus", None) or {})
+    return SourceHealth(
+        running=running,
+        state=state,
+        last_error=last,
+        last_error_type=last_type,
+        next_retry_at=getattr(st, "next_retry_at", None),
+        permanent=bool(getattr(st, "permanent", False)),
+        lost=frozenset(getattr(st, "lost_gpus", None) or ()),
+        known=known,
+    )
+
+
+@dataclass
+class _Gpu:
+    """A GPU the collector has seen, remembered until the exporter restarts."""
+
+    index: int | None
+    uuid: str | None
+    native: dict[str, str]
+    dcgm: dict[str, str]
+    lost: bool = False
+    absent: int = 0  # sweeps in a row without this GPU
 
 
 def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, str]:
@@ -132,6 +226,10 @@ class SmiCollector:
         processes: a :class:`ProcessPoller` to add per-process GPU memory; None for none.
         stale_after: seconds after which the newest sweep counts as stale (default ``max(3 * interval, 15)``).
         hostname: the DCGM ``Hostname`` label (default: this host's name).
+        alerts: an :class:`~smiquery.alerts.AlertEvaluator` fed every sample (``smiquery_alert_firing``).
+        on_gpu_change: called ``(lost, index, uuid)`` when a GPU drops out or comes back.
+        on_state: called ``(up, why)`` when fresh data stops or flows again.
+        nvidia_smi_path: the binary, for ``smiquery_build_info``.
     """
 
     def __init__(
@@ -144,6 +242,10 @@ class SmiCollector:
         processes: ProcessPoller | None = None,
         stale_after: float | None = None,
         hostname: str | None = None,
+        alerts: AlertEvaluator | None = None,
+        on_gpu_change: Callable[[bool, int, str | None], None] | None = None,
+        on_state: Callable[[bool, str], None] | None = None,
+        nvidia_smi_path: str = "",
     ) -> None:
         self.stream = stream
         flds: Sequence[Field] | None = fields if fields is not None else getattr(stream, "fields", None)
@@ -159,6 +261,117 @@ class SmiCollector:
         self._lock = threading.Lock()
         self._cache_key: tuple[object, object] = (object(), object())
         self._cache: bytes = b""
+        self.alerts = alerts
+        self.on_gpu_change = on_gpu_change
+        self.on_state = on_state
+        self.nvidia_smi_path = nvidia_smi_path
+        self.driver_version = ""
+        self._gpus: dict[str, _Gpu] = {}  # by UUID (or "index:N" without one): what was seen, until restart
+        self._fired: dict[tuple[int, str], int] = {}
+        self._last_sweep: Sweep | None = None
+        self._up: bool | None = None
+        self._refresh_lock = threading.Lock()
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------ tracking
+
+    def refresh(self) -> None:
+        """Take in the newest sweep: remember its GPUs, find lost ones, feed the alert rules. Cheap; any thread.
+
+        The HTTP server calls it on every scrape and :meth:`start` every quarter interval, so no sweep is missed by
+        the alert rules and a lost GPU is noticed without a scrape.
+        """
+        with self._refresh_lock:
+            sweep, age = self.stream.latest()
+            health = source_health(self.stream)
+            if sweep is not None and sweep is not self._last_sweep:
+                self._last_sweep = sweep
+                self._take(sweep, health)
+            elif health.lost:
+                self._mark_lost(health, None)
+            up = self._is_up(sweep, age, health)
+            if up != self._up:
+                if self._up is not None or not up:
+                    why = "ok" if up else self.health()[1]
+                    if self.on_state is not None and (self._up is not None or health.state != "starting"):
+                        self.on_state(up, why)
+                self._up = up
+
+    def _take(self, sweep: Sweep, health: SourceHealth) -> None:
+        present: set[str] = set()
+        for s in sweep:
+            key = s.uuid or f"index:{s.index}"
+            gpu = self._gpus.get(key)
+            native = self._native_labels(s)
+            dcgm = self._dcgm_labels(s) if self.naming == "dcgm" else native
+            if gpu is None:
+                gpu = self._gpus[key] = _Gpu(s.index, s.uuid, native, dcgm)
+            else:
+                gpu.index, gpu.native, gpu.dcgm = s.index, native, dcgm
+            if not s.gpu_lost:
+                present.add(key)
+            drv = s.get("driver_version")
+            if drv is not None:
+                self.driver_version = str(drv)
+            if self.alerts is not None:
+                for ev in self.alerts.update(s):
+                    if ev.state == "firing":
+                        i = self.alerts.rules.index(ev.rule)
+                        self._fired[(i, key)] = self._fired.get((i, key), 0) + 1
+        self._mark_lost(health, present)
+
+    def _mark_lost(self, health: SourceHealth, present: set[str] | None) -> None:
+        by_index = {g.index: k for k, g in self._gpus.items()}
+        for idx in health.lost:
+            if idx not in by_index:  # reported lost before the collector saw it
+                uuid = health.known.get(idx)
+                key = uuid or f"index:{idx}"
+                labels = {"gpu": str(idx), "uuid": uuid or "", **self.labels}
+                dcgm = {"gpu": str(idx), "UUID": uuid or "", "device": f"nvidia{idx}", **self.labels}
+                self._gpus[key] = _Gpu(idx, uuid, labels, dcgm if self.naming == "dcgm" else labels)
+                by_index[idx] = key
+        lost_keys = {by_index[i] for i in health.lost if i in by_index}
+        for key, gpu in self._gpus.items():
+            if present is None:
+                now_lost = gpu.lost or key in lost_keys  # no new sweep: only the source's word can add to it
+            else:
+                # Absent from two sweeps in a row: one cut sweep is not a lost GPU.
+                gpu.absent = 0 if key in present else gpu.absent + 1
+                now_lost = key in lost_keys or gpu.absent >= 2 or (gpu.lost and key not in present)
+            if now_lost != gpu.lost:
+                gpu.lost = now_lost
+                if self.on_gpu_change is not None and gpu.index is not None:
+                    self.on_gpu_change(now_lost, gpu.index, gpu.uuid)
+
+    def _is_up(self, sweep: Sweep | None, age: float | None, health: SourceHealth) -> bool:
+        return health.running and health.state not in ("retrying", "failed", "closed") and self._fresh(sweep, age)
+
+    def lost_gpus(self) -> list[tuple[int | None, str | None]]:
+        """The GPUs seen earlier that are lost now, as (index, uuid)."""
+        return [(g.index, g.uuid) for g in self._gpus.values() if g.lost]
+
+    def start(self) -> SmiCollector:
+        """Watch the source in a background thread (every quarter interval) so every sweep is taken in."""
+        if self._watcher is None:
+            period = min(max(float(getattr(self.stream, "interval", 1.0)) / 4, 0.05), 1.0)
+
+            def run() -> None:
+                while not self._watch_stop.wait(period):
+                    try:
+                        self.refresh()
+                    except Exception:  # a bug must not end the watch
+                        log.exception("smiquery exporter: watching the stream failed")
+
+            self._watcher = threading.Thread(target=run, name="smiquery-watch", daemon=True)
+            self._watcher.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the watcher thread."""
+        self._watch_stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(5.0)
 
     def describe(self) -> list[Metric]:
         """Nothing: registering the collector must not collect (and so not touch the stream)."""
@@ -281,6 +494,7 @@ class SmiCollector:
             The families.
         """
         st = self.stream.stats
+        health = source_health(self.stream)
         const = self.labels
         out: list[Metric] = []
 
@@ -289,13 +503,39 @@ class SmiCollector:
             fam.add_sample(sample, {**const, **labels} if labels else const, value)
             out.append(fam)
 
-        up = 1.0 if self.stream.running and self._fresh(sweep, age) else 0.0
+        up = 1.0 if self._is_up(sweep, age, health) else 0.0
         one(
             _gauge(
                 "smiquery_up",
                 f"1 when nvidia-smi delivers fresh samples (newest younger than {self.stale_after:g} s), else 0.",
             ),
             up,
+        )
+        one(
+            _gauge(
+                "smiquery_stream_info",
+                "The nvidia-smi stream's state (starting, running, retrying, failed...), its last error type and "
+                "whether that error needs a person (permanent); always 1.",
+            ),
+            1.0,
+            {
+                "state": health.state,
+                "last_error_type": health.last_error_type or "",
+                "permanent": "true" if health.permanent else "false",
+            },
+        )
+        if health.next_retry_at is not None and health.state == "retrying":
+            one(
+                _gauge(
+                    "smiquery_next_attempt_timestamp_seconds",
+                    "Unix time at which nvidia-smi will be started again (while the stream retries).",
+                ),
+                float(health.next_retry_at),
+            )
+        one(
+            _gauge("smiquery_build_info", "smiquery's version, the driver and the nvidia-smi it runs; always 1."),
+            1.0,
+            {"version": __version__, "driver_version": self.driver_version, "nvidia_smi": self.nvidia_smi_path},
         )
         if sweep is not None and age is not None:
             one(
@@ -324,19 +564,30 @@ class SmiCollector:
                 errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "processes"}, float(n))
         if errors.samples:
             out.append(errors)
-        lost = set(st.lost_gpus)
-        lost_fam = _gauge("smiquery_gpu_lost", "1 while nvidia-smi reports the GPU as lost ([GPU is lost]), else 0.")
-        seen: set[int] = set()
-        if sweep is not None:
-            for s in sweep:
-                if s.index is None:
-                    continue
-                seen.add(s.index)
-                lost_fam.add_sample(lost_fam.name, self._native_labels(s), 1.0 if s.index in lost else 0.0)
-        for idx in sorted(lost - seen):
-            lost_fam.add_sample(lost_fam.name, {**const, "gpu": str(idx)}, 1.0)
+        lost_fam = _gauge(
+            "smiquery_gpu_lost",
+            "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), else 0.",
+        )
+        for gpu in self._gpus.values():
+            lost_fam.add_sample(
+                lost_fam.name, gpu.dcgm if self.naming == "dcgm" else gpu.native, 1.0 if gpu.lost else 0.0
+            )
         if lost_fam.samples:
             out.append(lost_fam)
+        if self.alerts is not None and self._gpus:
+            firing = _gauge(
+                "smiquery_alert_firing",
+                "1 while a smiquery alert rule, evaluated on every nvidia-smi sample, fires on the GPU, else 0.",
+            )
+            fired = _counter("smiquery_alert_fired", "Times a smiquery alert rule started firing on the GPU.")
+            for i, rule in enumerate(self.alerts.rules):
+                for key, gpu in self._gpus.items():
+                    labels = {**(gpu.dcgm if self.naming == "dcgm" else gpu.native), "alert": str(rule)}
+                    track = gpu.index if gpu.index is not None else gpu.uuid
+                    on = self.alerts.state(i, track) == "firing"
+                    firing.add_sample(firing.name, labels, 1.0 if on else 0.0)
+                    fired.add_sample(fired.name + "_total", labels, float(self._fired.get((i, key), 0)))
+            out += [firing, fired]
         if self.processes is not None:
             _, _, when = self.processes.latest()
             if when is not None:
@@ -384,6 +635,7 @@ class SmiCollector:
     def collect(self) -> Iterator[Metric]:
         """Yield the GPU, process and health metric families (the ``prometheus_client`` collector protocol)."""
         t0 = time.perf_counter()
+        self.refresh()
         sweep, age = self.stream.latest()
         fams = self._data_families(sweep, self._fresh(sweep, age), self._fresh_processes())
         yield from fams
@@ -396,6 +648,7 @@ class SmiCollector:
             UTF-8 text in the Prometheus text format.
         """
         t0 = time.perf_counter()
+        self.refresh()
         sweep, age = self.stream.latest()
         fresh = self._fresh(sweep, age)
         procs = self._fresh_processes()
@@ -409,21 +662,30 @@ class SmiCollector:
         return body + health.encode()
 
     def health(self) -> tuple[bool, str]:
-        """Whether the data is fresh, with one line saying why not (what ``/healthz`` answers).
+        """Whether the data is fresh and every GPU seen is there, with one line saying why not (``/readyz``).
 
         Returns:
             ``(True, "ok")`` or ``(False, reason)``.
         """
         sweep, age = self.stream.latest()
-        st = self.stream.stats
-        if not self.stream.running:
+        h = source_health(self.stream)
+        last = f"; last error: {h.last_error}" if h.last_error else ""
+        if not h.running:
             err = self.stream.error
             why = f"{type(err).__name__}: {err}".splitlines()[0] if err is not None else "not started or closed"
             return False, f"nvidia-smi stream stopped: {why}"
+        if h.state == "retrying":
+            when = ""
+            if h.next_retry_at is not None:
+                when = f"; next attempt in {max(0.0, h.next_retry_at - time.time()):.0f} s"
+            kind = "a permanent error (needs a person)" if h.permanent else "an error"
+            return False, f"nvidia-smi is retrying after {kind}: {h.last_error_type or '?'}{when}{last}"
         if sweep is None or age is None:
-            extra = f"; last error: {st.last_error}" if st.last_error else ""
-            return False, f"no sample yet (waiting for nvidia-smi){extra}"
+            return False, f"no sample yet (waiting for nvidia-smi){last}"
         if age > self.stale_after:
-            extra = f"; last error: {st.last_error}" if st.last_error else ""
-            return False, f"stale: newest sample is {age:.1f} s old (limit {self.stale_after:g} s){extra}"
+            return False, f"stale: newest sample is {age:.1f} s old (limit {self.stale_after:g} s){last}"
+        lost = self.lost_gpus()
+        if lost:
+            names = ", ".join(f"GPU {i} ({u or 'uuid unknown'})" for i, u in lost)
+            return False, f"lost: {names}"
         return True, "ok"

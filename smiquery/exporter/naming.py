@@ -19,9 +19,20 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 from smiquery.fields import Field, Kind, resolve_fields
 
 if TYPE_CHECKING:
-    pass
+    import os
 
-__all__ = ["DCGM_MAP", "HEALTH_METRICS", "IDENTITY_FIELDS", "MetricSpec", "Naming", "metric_specs", "render"]
+__all__ = [
+    "DCGM_DEFAULT_EXTRAS",
+    "DCGM_MAP",
+    "HEALTH_METRICS",
+    "IDENTITY_FIELDS",
+    "NAMINGS",
+    "MetricSpec",
+    "Naming",
+    "exporter_fields",
+    "metric_specs",
+    "render",
+]
 
 log = logging.getLogger("smiquery.exporter")
 
@@ -29,13 +40,28 @@ _go_float = cast("Callable[[float], str]", _untyped_float_to_go)  # the text for
 
 
 Naming = Literal["smiquery", "dcgm"]
+#: The namings :func:`metric_specs` and the exporter accept.
+NAMINGS: tuple[str, ...] = ("smiquery", "dcgm")
 
 #: Fields the exporter always queries: they become the ``gpu``, ``uuid``, ``name`` and ``pci_bus_id`` labels.
 IDENTITY_FIELDS: tuple[str, ...] = ("index", "uuid", "name", "pci.bus_id")
 # With DCGM naming the driver version becomes the DCGM_FI_DRIVER_VERSION label, as dcgm-exporter does.
 _DCGM_EXTRA_IDENTITY = ("driver_version",)
 # The DCGM exporter's default counters that nvidia-smi supplies on every driver but the health preset lacks.
-_DCGM_DEFAULT_EXTRAS = ("memory.free", "temperature.memory", "clocks.current.memory")
+#: With DCGM naming and the default fields: every counter of dcgm-exporter's default list (default-counters.csv)
+#: that nvidia-smi can supply and the ``health`` preset lacks. The rest of that list (energy, PCIe replays, XID,
+#: NVLink, vGPU licence, DCGM_FI_PROF_*) has no nvidia-smi query field.
+DCGM_DEFAULT_EXTRAS: tuple[str, ...] = (
+    "memory.free",
+    "memory.reserved",
+    "temperature.memory",
+    "clocks.current.memory",
+    "utilization.encoder",
+    "utilization.decoder",
+    "remapped_rows.correctable",
+    "remapped_rows.uncorrectable",
+    "remapped_rows.failure",
+)
 _NOT_EXPORTED = frozenset({"timestamp", *IDENTITY_FIELDS})
 
 #: The exporter's own metrics (sample names), served in both namings whatever the fields.
@@ -53,6 +79,11 @@ HEALTH_METRICS: tuple[str, ...] = (
     "smiquery_processes_last_success_timestamp_seconds",
     "smiquery_process_used_memory_bytes",
     "smiquery_collection_errors_total",
+    "smiquery_build_info",
+    "smiquery_stream_info",
+    "smiquery_next_attempt_timestamp_seconds",
+    "smiquery_alert_firing",
+    "smiquery_alert_fired_total",
 )
 
 
@@ -373,3 +404,31 @@ def render(families: Iterable[Metric]) -> str:
             else:
                 out.append(f"{s.name} {_go_float(s.value)}\n")
     return "".join(out)
+
+
+def exporter_fields(
+    fields: str | Sequence[str] | None, naming: Naming, *, nvidia_smi: str | os.PathLike[str] | None = None
+) -> list[str]:
+    """The nvidia-smi fields an exporter queries: the identity fields, the wanted ones, and naming extras.
+
+    Args:
+        fields: a preset or field list (None: ``health``).
+        naming: the metric naming; DCGM naming adds the driver version (a label) and, with the default fields,
+            :data:`DCGM_DEFAULT_EXTRAS`.
+        nvidia_smi: the binary (reserved for field discovery).
+
+    Returns:
+        Field names, identity first, without repeats.
+
+    Raises:
+        InvalidFieldError: an unknown field.
+    """
+    wanted = list(resolve_fields(fields if fields is not None else "health"))
+    extras: tuple[str, ...] = IDENTITY_FIELDS
+    if naming == "dcgm":
+        extras += _DCGM_EXTRA_IDENTITY
+        if fields in (None, "health"):
+            extras += DCGM_DEFAULT_EXTRAS
+    names = [*IDENTITY_FIELDS, *(f.name for f in wanted)]
+    names += [n for n in extras if n not in names]
+    return list(dict.fromkeys(names))

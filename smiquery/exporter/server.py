@@ -9,16 +9,18 @@ import logging
 import socket
 import ssl
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from smiquery import __version__
+from smiquery.alerts import AlertEvaluator
 from smiquery.errors import SmiqueryError
-from smiquery.exporter.collector import SmiCollector, parse_labels
-from smiquery.exporter.naming import _DCGM_DEFAULT_EXTRAS, _DCGM_EXTRA_IDENTITY, IDENTITY_FIELDS, Naming
+from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector, parse_labels
+from smiquery.exporter.events import EventLog
+from smiquery.exporter.httpd import HttpServer, Request, Response
+from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.poller import ProcessPoller
+from smiquery.exporter.webconfig import WebConfig, load_web_config
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import normalize_gpus
 from smiquery.supervisor import stream
@@ -26,6 +28,7 @@ from smiquery.supervisor import stream
 if TYPE_CHECKING:
     import os
 
+    from smiquery.fields import Field
     from smiquery.oneshot import GpusArg
 
 __all__ = ["CONTENT_TYPE", "Exporter", "ListenError", "PortInUseError", "serve"]
@@ -61,117 +64,37 @@ class PortInUseError(ListenError):
 _INDEX = (
     "<!doctype html><html><head><title>smiquery exporter</title></head><body>"
     "<h1>smiquery exporter</h1><p>version {version}, naming {naming}</p>"
-    '<ul><li><a href="metrics">/metrics</a></li><li><a href="healthz">/healthz</a></li></ul></body></html>\n'
+    '<ul><li><a href="metrics">/metrics</a></li><li><a href="livez">/livez</a> (the server runs)</li>'
+    '<li><a href="readyz">/readyz</a> and <a href="healthz">/healthz</a> (fresh GPU data)</li></ul></body></html>\n'
 )
+_TEXT = "text/plain; charset=utf-8"
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "smiquery-exporter/" + __version__
-    sys_version = ""
-    timeout = 60  # an idle keep-alive connection is closed after this many seconds
-    server: _Server
+class _Router:
+    """Maps a request to a response: the exporter's pages, behind basic auth when the web config asks for it."""
 
-    def setup(self) -> None:
-        super().setup()
-        with contextlib.suppress(OSError):
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(self, collector: SmiCollector, extra: Callable[[], bytes], web: WebConfig) -> None:
+        self.collector = collector
+        self.extra = extra
+        self.web = web
 
-    def do_GET(self) -> None:
-        self._answer(head=False)
-
-    def do_HEAD(self) -> None:
-        self._answer(head=True)
-
-    def _answer(self, *, head: bool) -> None:
-        collector = self.server.collector
-        path = self.path.split("?", 1)[0]
+    def __call__(self, req: Request) -> Response:
+        if req.method not in ("GET", "HEAD"):
+            return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
+        if not self.web.authorized(req.headers.get("authorization")):
+            return Response(401, b"unauthorized\n", headers={"WWW-Authenticate": 'Basic realm="smiquery"'})
+        path = req.path
         if path == "/metrics":
-            self._send(200, CONTENT_TYPE, collector.exposition() + self.server.extra(), head)
-        elif path == "/healthz":
-            ok, why = collector.health()
-            self._send(200 if ok else 503, "text/plain; charset=utf-8", (why + "\n").encode(), head)
-        elif path in ("/", "/index.html"):
-            page = _INDEX.format(version=__version__, naming=collector.naming).encode()
-            self._send(200, "text/html; charset=utf-8", page, head)
-        else:
-            self._send(404, "text/plain; charset=utf-8", b"not found: try /metrics or /healthz\n", head)
-
-    def _send(self, code: int, ctype: str, body: bytes, head: bool) -> None:
-        # One write for status, headers and body: no small-segment delays, one syscall.
-        reason = self.responses.get(code, ("",))[0]
-        conn = "Connection: close\r\n" if self.close_connection else ""
-        top = (
-            f"HTTP/1.1 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-            f"Server: {self.server_version}\r\n{conn}\r\n"
-        ).encode("latin-1")
-        self.wfile.write(top if head else top + body)
-        if code >= 400 or log.isEnabledFor(logging.DEBUG):
-            self.log_request(code, len(body))
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    collector: SmiCollector
-    ssl_context: ssl.SSLContext | None = None
-    extra: Callable[[], bytes]
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind looks up the FQDN of the address, which can stall on hosts without DNS.
-        super(ThreadingHTTPServer, self).server_bind()  # TCPServer.server_bind: bind only
-        host, port = self.server_address[:2]
-        self.server_name = str(host)
-        self.server_port = int(port)
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._conns_lock = threading.Lock()
-        super().__init__(address, handler)
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        ctx = self.ssl_context
-        conn = request
-        if ctx is not None:
-            # The TLS handshake runs here, in the connection's own thread, so a slow client cannot block accept().
-            request.settimeout(10.0)
-            try:
-                conn = ctx.wrap_socket(request, server_side=True)
-            except (ssl.SSLError, OSError) as exc:
-                log.debug("smiquery exporter: TLS handshake with %s failed: %s", client_address, exc)
-                return
-        with self._conns_lock:
-            self._conns[conn] = threading.current_thread()
-        try:
-            _Handler(conn, client_address, self)
-        finally:
-            with self._conns_lock:
-                self._conns.pop(conn, None)
-            if conn is not request:
-                with contextlib.suppress(OSError):
-                    conn.close()
-
-    def close_connections(self, timeout: float = 2.0) -> None:
-        """End open keep-alive connections (their threads are blocked reading the next request) and wait."""
-        with self._conns_lock:
-            conns = dict(self._conns)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                socket.socket.shutdown(conn, socket.SHUT_RDWR)
-        deadline = time.monotonic() + timeout
-        for thread in conns.values():
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that went away mid-response is routine; never print tracebacks from the server threads.
-        log.debug("smiquery exporter: request from %s failed", client_address, exc_info=True)
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
+            return Response(200, self.collector.exposition() + self.extra(), CONTENT_TYPE)
+        if path == "/livez":
+            return Response(200, b"ok\n")
+        if path in ("/readyz", "/healthz"):
+            ok, why = self.collector.health()
+            return Response(200 if ok else 503, (why + "\n").encode())
+        if path in ("/", "/index.html"):
+            page = _INDEX.format(version=__version__, naming=self.collector.naming).encode()
+            return Response(200, page, "text/html; charset=utf-8")
+        return Response(404, b"not found: try /metrics, /livez, /readyz or /healthz\n")
 
 
 def _tls_context(
@@ -198,11 +121,17 @@ def _family_of(bind: str) -> socket.AddressFamily:
     return infos[0][0] if infos else socket.AF_INET
 
 
-def _make_server(bind: str, port: int) -> _Server:
-    cls = _Server6 if _family_of(bind) == socket.AF_INET6 else _Server
+def _make_socket(bind: str, port: int) -> socket.socket:
+    family = _family_of(bind)
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        return cls((bind.strip("[]"), port), _Handler)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((bind.strip("[]"), port))
     except OSError as exc:
+        sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise PortInUseError(
                 f"port {port} on {bind} is in use; pick another with --port", port=port, bind=bind
@@ -214,6 +143,7 @@ def _make_server(bind: str, port: int) -> _Server:
             msg = f"cannot listen on {bind}: the address is not on this machine; pick another with --bind"
             raise ListenError(msg, port=port, bind=bind, option="--bind") from None
         raise ListenError(f"cannot listen on {bind}:{port}: {exc.strerror or exc}", port=port, bind=bind) from None
+    return sock
 
 
 class Exporter:
@@ -227,28 +157,35 @@ class Exporter:
         poller: the :class:`ProcessPoller`, when ``processes=True``.
     """
 
-    def __init__(self, server: _Server, collector: SmiCollector, poller: ProcessPoller | None, tls: bool) -> None:
-        self._server = server
+    def __init__(
+        self,
+        server: HttpServer,
+        collector: SmiCollector,
+        poller: ProcessPoller | None,
+        tls: bool,
+        cleanup: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.http = server
         self.collector = collector
         self.stream = collector.stream
         self.poller = poller
         self._tls = tls
+        self._cleanup = cleanup
         self._stopped = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.25}, name="smiquery-http", daemon=True
-        )
-        self._thread.start()
+        host, port = server.sock.getsockname()[:2]
+        self._bind = str(host)
+        self._port = int(port)
 
     @property
     def port(self) -> int:
         """The port actually listened on (useful with ``port=0``)."""
-        return self._server.server_port
+        return self._port
 
     @property
     def bind(self) -> str:
         """The address listened on."""
-        return self._server.server_name
+        return self._bind
 
     @property
     def url(self) -> str:
@@ -269,10 +206,7 @@ class Exporter:
             if self._stopped.is_set():
                 return
             try:
-                self._server.shutdown()
-                self._server.server_close()
-                self._server.close_connections()
-                self._thread.join(2.0)
+                self.http.shutdown()
             finally:
                 try:
                     close = getattr(self.stream, "close", None)
@@ -281,6 +215,7 @@ class Exporter:
                 finally:
                     if self.poller is not None:
                         self.poller.close()
+                    self._cleanup()
                     self._stopped.set()
 
     def serve_forever(self, poll: float = 0.5) -> None:
@@ -313,14 +248,20 @@ def serve(
     tls_cert: str | os.PathLike[str] | None = None,
     tls_key: str | os.PathLike[str] | None = None,
     client_ca: str | os.PathLike[str] | None = None,
+    web_config: str | os.PathLike[str] | WebConfig | None = None,
     nvidia_smi: str | os.PathLike[str] | None = None,
     registry: Any = None,
     stale_after: float | None = None,
     stall_timeout: float | None = None,
+    alerts: Sequence[str] | None = DEFAULT_EXPORTER_ALERTS,
+    workers: int = 8,
+    max_connections: int = 512,
+    request_timeout: float = 10.0,
 ) -> Exporter:
-    """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and ``/healthz``.
+    """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
-    Returns at once; the work happens in daemon threads. Listens on 127.0.0.1 unless ``bind`` says otherwise.
+    Returns at once; the work happens in daemon threads (one selector thread and ``workers`` HTTP workers, however
+    many clients connect). Listens on 127.0.0.1 unless ``bind`` says otherwise.
 
     Example::
 
@@ -332,8 +273,8 @@ def serve(
         bind: address to listen on; ``0.0.0.0`` or ``::`` listen on all interfaces.
         interval: seconds between nvidia-smi samples.
         fields: a preset or field list; the identity fields (index, uuid, name, pci.bus_id) are always added.
-            With DCGM naming the default ``health`` also gets memory.free, temperature.memory and
-            clocks.current.memory (DCGM default counters).
+            With DCGM naming the default ``health`` also gets the DCGM exporter's other default counters that
+            nvidia-smi supplies.
         gpus: only these GPUs.
         labels: constant labels for every series (``["site=lab"]`` or a mapping).
         naming: ``smiquery`` (native, base units) or ``dcgm`` (the DCGM exporter's names, units and labels).
@@ -342,10 +283,17 @@ def serve(
         tls_cert: PEM certificate: serve HTTPS.
         tls_key: PEM private key for ``tls_cert``.
         client_ca: PEM CA bundle: require client certificates signed by it.
+        web_config: a web configuration file (Prometheus exporter-toolkit format: ``tls_server_config``,
+            ``basic_auth_users``), or a loaded :class:`WebConfig`. Not together with ``tls_cert``.
         nvidia_smi: path of the binary.
         registry: a ``prometheus_client`` registry whose metrics are appended to ``/metrics`` (e.g. your own).
         stale_after: seconds after which data counts as stale (default ``max(3 * interval, 15)``).
         stall_timeout: seconds without output before nvidia-smi counts as hung (default ``max(3 * interval, 10)``).
+        alerts: smiquery alert rules evaluated on every nvidia-smi sample and exported as
+            ``smiquery_alert_firing`` (so "for 3 samples" counts samples whatever the scrape interval).
+        workers: HTTP worker threads.
+        max_connections: open client connections at most (the longest-waiting incomplete one makes room).
+        request_timeout: seconds a client has to send a whole request head (slow clients are cut off).
 
     Returns:
         The running :class:`Exporter`.
@@ -353,14 +301,16 @@ def serve(
     Raises:
         PortInUseError: the port is taken (nvidia-smi is not started).
         ListenError: the address cannot be listened on (not on this machine, unknown name, no permission).
+        WebConfigError: the web configuration file is unreadable or wrong.
         InvalidFieldError: an unknown field.
+        InvalidRuleError: an alert rule that cannot be parsed.
         InvalidGpuIdError: a malformed GPU id.
         NvidiaSmiNotFoundError: no usable nvidia-smi.
         ValueError: a bad label, naming, interval, or TLS option.
         OSError, ssl.SSLError: unreadable TLS files.
     """
-    if naming not in ("smiquery", "dcgm"):
-        raise ValueError(f"naming must be 'smiquery' or 'dcgm', not {naming!r}")
+    if naming not in NAMINGS:
+        raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, not {naming!r}")
     if interval <= 0:
         raise ValueError("interval must be positive")
     if not 0 <= port <= 65535:
@@ -369,39 +319,48 @@ def serve(
         raise ValueError("TLS needs both a certificate and a key")
     if client_ca is not None and tls_cert is None:
         raise ValueError("client certificates (client_ca) need TLS (tls_cert and tls_key)")
+    if web_config is not None and tls_cert is not None:
+        raise ValueError("give TLS either in the web config file or as tls_cert/tls_key, not both")
     const = parse_labels(labels)
-    wanted = list(resolve_fields(fields if fields is not None else "health"))
-    extras: tuple[str, ...] = IDENTITY_FIELDS
-    if naming == "dcgm":
-        extras += _DCGM_EXTRA_IDENTITY
-        if fields in (None, "health"):
-            extras += _DCGM_DEFAULT_EXTRAS
-    names = [*IDENTITY_FIELDS, *(f.name for f in wanted)]
-    names += [n for n in extras if n not in names]
-    flds = resolve_fields(names)
+    flds = resolve_fields(exporter_fields(fields, naming, nvidia_smi=nvidia_smi))
     normalize_gpus(gpus)
-    ctx = _tls_context(tls_cert, tls_key, client_ca) if tls_cert is not None and tls_key is not None else None
+    web = web_config if isinstance(web_config, WebConfig) else WebConfig()
+    if web_config is not None and not isinstance(web_config, WebConfig):
+        web = load_web_config(web_config)
+    if tls_cert is not None and tls_key is not None:
+        web.ssl_context = _tls_context(tls_cert, tls_key, client_ca)
+    evaluator = AlertEvaluator(list(alerts)) if alerts else None
 
-    server = _make_server(bind, port)  # fail on a taken port before nvidia-smi starts
+    sock = _make_socket(bind, port)  # fail on a taken port before nvidia-smi starts
     s = None
     poller = None
+    events = EventLog()
     try:
         s = stream(
-            [f.name for f in flds],
+            [f.name for f in _with_alert_fields(flds, evaluator)],
             interval=interval,
             gpus=gpus,
             nvidia_smi=nvidia_smi,
             stall_timeout=stall_timeout,
             max_attempts=1 << 62,  # an exporter never gives up on a retryable failure; backoff caps at 30 s
             backoff_max=30.0,
+            on_event=events.on_stream_event,
         )
         if processes:
             poller = ProcessPoller(processes_interval, gpus=gpus, nvidia_smi=nvidia_smi)
         collector = SmiCollector(
-            s, fields=s.fields, naming=naming, labels=const, processes=poller, stale_after=stale_after
+            s,
+            fields=flds,
+            naming=naming,
+            labels=const,
+            processes=poller,
+            stale_after=stale_after,
+            alerts=evaluator,
+            on_gpu_change=events.on_gpu_change,
+            on_state=events.on_state,
+            nvidia_smi_path=str(getattr(s, "argv", ("",))[0]),
         )
-        server.collector = collector
-        server.ssl_context = ctx
+        extra: Callable[[], bytes] = bytes
         if registry is not None:
             from prometheus_client import generate_latest
 
@@ -412,15 +371,22 @@ def serve(
                     log.exception("smiquery exporter: collecting the extra registry failed")
                     return b""
 
-            server.extra = extra
-        else:
-            server.extra = bytes
+        http = HttpServer(
+            sock,
+            _Router(collector, extra, web),
+            ssl_context=web.ssl_context,
+            workers=workers,
+            max_connections=max_connections,
+            request_timeout=request_timeout,
+            server_header="smiquery-exporter/" + __version__,
+        )
         s.start()
+        collector.start()
         if poller is not None:
             poller.start()
-        exp = Exporter(server, collector, poller, ctx is not None)
+        exp = Exporter(http, collector, poller, web.ssl_context is not None, cleanup=collector.close)
     except BaseException:
-        server.server_close()
+        sock.close()
         if s is not None:
             s.close()
         if poller is not None:
@@ -428,3 +394,11 @@ def serve(
         raise
     log.info("smiquery exporter: serving %s/metrics (naming %s)", exp.url, naming)
     return exp
+
+
+def _with_alert_fields(flds: Sequence[Field], evaluator: AlertEvaluator | None) -> list[Field]:
+    out = list(flds)
+    if evaluator is not None:
+        have = {f.name for f in out}
+        out += [f for f in evaluator.fields if f.name not in have and not have.add(f.name)]  # type: ignore[func-returns-value]
+    return out
