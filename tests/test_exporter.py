@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import csv
 import datetime
 import http.client
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import ssl
@@ -26,6 +30,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from typer.testing import CliRunner
 
 from smiquery.cli_export import register
+from smiquery.errors import InvalidFieldError, NvidiaSmiTimeoutError
 from smiquery.exporter import (
     DCGM_MAP,
     Exporter,
@@ -41,6 +46,7 @@ from smiquery.fields import CATALOGUE, Kind, resolve_fields
 from smiquery.records import GpuSample, Schema
 from smiquery.source import StreamStats, Sweep
 from smiquery.supervisor import stream
+from smiquery.testing import fake_nvidia_smi
 from tests.leakcheck import no_leaks, wait_no_children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -976,3 +982,406 @@ def test_hostname_label_overrides_the_dcgm_hostname():
     col = SmiCollector(FrozenSource(), fields=list(CATALOGUE), naming="dcgm", labels=["Hostname=node-9"])
     text = col.exposition().decode()
     assert 'Hostname="node-9"' in text and text.count("Hostname=") >= text.count("DCGM_FI_DEV_GPU_TEMP{")
+
+
+# ------------------------------------------------------------------------------ v2: state, lost GPUs, alerts
+
+
+def _sample(index: int, uuid: str, temp: float | None = 60.0, lost: bool = False) -> GpuSample:
+    schema = Schema(("index", "uuid", "name", "pci.bus_id", "temperature.gpu"))
+    return GpuSample(
+        schema,
+        (index, uuid, "NVIDIA H100", f"00000000:{index:02X}:00.0", None if lost else temp),
+        (str(index), uuid, "NVIDIA H100", f"00000000:{index:02X}:00.0", "[GPU is lost]" if lost else str(temp)),
+        gpu_lost=lost,
+    )
+
+
+class ScriptedSource:
+    """A stand-in SampleSource: the test sets each sweep and the stats (core v2's fields included)."""
+
+    interval = 1.0
+
+    def __init__(self) -> None:
+        self.fields = resolve_fields(["index", "uuid", "name", "pci.bus_id", "temperature.gpu"])
+        self.stats = StreamStats()
+        self.running = True
+        self.error: BaseException | None = None
+        self._latest: tuple[Sweep, float] | None = None
+
+    def publish(self, *samples: GpuSample, age: float = 0.1) -> None:
+        self.stats.sweeps += 1
+        self.stats.rows += len(samples)
+        self.stats.state = "running"
+        self._latest = (Sweep(samples), age)
+
+    def latest(self) -> tuple[Sweep | None, float | None]:
+        return self._latest if self._latest is not None else (None, None)
+
+
+UUIDS = [f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(4)]
+
+
+def _scripted(**kw: Any) -> tuple[ScriptedSource, SmiCollector, CollectorRegistry]:
+    src = ScriptedSource()
+    col = SmiCollector(src, fields=src.fields, hostname="node-1", **kw)
+    return src, col, collected(col)
+
+
+def test_retrying_after_a_permanent_error_shows_up_0_the_error_type_and_next_attempt():
+    src, col, reg = _scripted()
+    src.publish(*(_sample(i, UUIDS[i]) for i in range(2)))
+    assert reg.get_sample_value("smiquery_up", {}) == 1.0
+    # the stream (core v2) keeps retrying a permanent error; the newest sweep is still young
+    src.stats.state, src.stats.permanent = "retrying", True
+    src.stats.last_error_type, src.stats.last_error = "NvmlVersionMismatchError", "Driver/library version mismatch"
+    src.stats.next_retry_at = time.time() + 30
+    assert reg.get_sample_value("smiquery_up", {}) == 0.0
+    info = {"state": "retrying", "last_error_type": "NvmlVersionMismatchError", "permanent": "true"}
+    assert reg.get_sample_value("smiquery_stream_info", info) == 1.0
+    assert reg.get_sample_value("smiquery_next_attempt_timestamp_seconds", {}) == src.stats.next_retry_at
+    ok, why = col.health()
+    assert not ok and "permanent" in why and "NvmlVersionMismatchError" in why and "next attempt in" in why
+    # the fault clears: the next sweep brings it back at once
+    src.stats.state, src.stats.permanent, src.stats.next_retry_at = "running", False, None
+    src.publish(*(_sample(i, UUIDS[i]) for i in range(2)))
+    assert reg.get_sample_value("smiquery_up", {}) == 1.0
+    assert reg.get_sample_value("smiquery_next_attempt_timestamp_seconds", {}) is None
+    assert col.health() == (True, "ok")
+
+
+def test_a_source_that_ended_with_an_error_reads_as_failed():
+    src, _col, reg = _scripted()
+    src.running, src.error = False, InvalidFieldError("bogus.field")
+    labels = {"state": "failed", "last_error_type": "InvalidFieldError", "permanent": "false"}
+    assert reg.get_sample_value("smiquery_stream_info", labels) == 1.0
+    assert reg.get_sample_value("smiquery_up", {}) == 0.0
+
+
+def test_a_gpu_whose_rows_stop_is_lost_by_uuid_until_it_comes_back():
+    changes: list[tuple[bool, int, str | None]] = []
+    src, col, reg = _scripted(on_gpu_change=lambda *a: changes.append(a))
+    src.publish(*(_sample(i, UUIDS[i]) for i in range(4)))
+    lab = {"gpu": "2", "uuid": UUIDS[2], "name": "NVIDIA H100", "pci_bus_id": "00000000:02:00.0"}
+    assert reg.get_sample_value("smiquery_gpu_lost", lab) == 0.0
+    # GPU 2 drops out; after a restart NVML renumbers the GPUs behind it (3 becomes 2)
+    survivors = [_sample(0, UUIDS[0]), _sample(1, UUIDS[1]), _sample(2, UUIDS[3])]
+    src.publish(*survivors)
+    col.refresh()
+    assert not col.lost_gpus()  # one short sweep is not a lost GPU
+    src.publish(*survivors)
+    assert reg.get_sample_value("smiquery_gpu_lost", lab) == 1.0
+    moved = {"gpu": "2", "uuid": UUIDS[3], "name": "NVIDIA H100", "pci_bus_id": "00000000:02:00.0"}
+    assert reg.get_sample_value("smiquery_gpu_lost", moved) == 0.0
+    assert reg.get_sample_value("smiquery_up", {}) == 1.0  # data flows; the loss is its own signal
+    ok, why = col.health()
+    assert not ok and UUIDS[2] in why
+    assert changes == [(True, 2, UUIDS[2])]
+    # stale data does not forget it either
+    src.publish(*survivors, age=1e6)
+    assert col.lost_gpus() == [(2, UUIDS[2])]
+    src.publish(*(_sample(i, UUIDS[i]) for i in range(4)))
+    assert reg.get_sample_value("smiquery_gpu_lost", {**lab}) == 0.0
+    assert changes[-1] == (False, 2, UUIDS[2]) and col.health() == (True, "ok")
+
+
+def test_gpu_reported_lost_by_the_source_before_the_collector_saw_it():
+    src, _col, reg = _scripted()
+    src.stats.known_gpus = {0: UUIDS[0], 5: UUIDS[3]}
+    src.stats.lost_gpus = {5}
+    src.publish(_sample(0, UUIDS[0]))
+    assert reg.get_sample_value("smiquery_gpu_lost", {"gpu": "5", "uuid": UUIDS[3]}) == 1.0
+
+
+def test_lost_gpu_carries_the_dcgm_labels_in_dcgm_naming():
+    src, _col, reg = _scripted(naming="dcgm")
+    src.publish(_sample(0, UUIDS[0]), _sample(1, UUIDS[1], lost=True))
+    src.publish(_sample(0, UUIDS[0]), _sample(1, UUIDS[1], lost=True))
+    lab = {
+        "gpu": "1",
+        "UUID": UUIDS[1],
+        "device": "nvidia1",
+        "modelName": "NVIDIA H100",
+        "Hostname": "node-1",
+        "pci_bus_id": "00000000:01:00.0",
+    }
+    assert reg.get_sample_value("smiquery_gpu_lost", lab) == 1.0
+    assert (
+        reg.get_sample_value(
+            "smiquery_gpu_lost",
+            {**lab, "gpu": "0", "UUID": UUIDS[0], "device": "nvidia0", "pci_bus_id": "00000000:00:00.0"},
+        )
+        == 0.0
+    )
+
+
+def test_consecutive_samples_rule_counts_nvidia_smi_samples_not_scrapes():
+    from smiquery.alerts import AlertEvaluator
+
+    src, col, reg = _scripted(alerts=AlertEvaluator(["temperature.gpu > 85 for 3"]))
+    lab = {
+        "gpu": "0",
+        "uuid": UUIDS[0],
+        "name": "NVIDIA H100",
+        "pci_bus_id": "00000000:00:00.0",
+        "alert": "temperature.gpu > 85 for 3",
+    }
+    for temp in (90, 91, 60, 92, 93):  # never three hot samples in a row
+        src.publish(_sample(0, UUIDS[0], temp))
+        col.refresh()
+    assert reg.get_sample_value("smiquery_alert_firing", lab) == 0.0
+    assert reg.get_sample_value("smiquery_alert_fired_total", lab) == 0.0
+    # three hot samples between two scrapes, then cool: the scrape after still sees that it fired
+    for temp in (94, 95, 96, 60):
+        src.publish(_sample(0, UUIDS[0], temp))
+        col.refresh()
+    assert reg.get_sample_value("smiquery_alert_firing", lab) == 0.0
+    assert reg.get_sample_value("smiquery_alert_fired_total", lab) == 1.0
+    for temp in (90, 90, 90):
+        src.publish(_sample(0, UUIDS[0], temp))
+        col.refresh()
+    assert reg.get_sample_value("smiquery_alert_firing", lab) == 1.0
+    assert reg.get_sample_value("smiquery_alert_fired_total", lab) == 2.0
+
+
+def test_event_log_is_rate_limited_and_says_how_much_it_held_back(caplog):
+    from smiquery.exporter import EventLog
+
+    now = [0.0]
+    ev = EventLog(burst=2, period=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="smiquery.exporter"):
+        sent = [ev.emit("restart", logging.WARNING, f"restart {i}") for i in range(10)]
+        assert sent == [True, True] + [False] * 8
+        now[0] += 60.0
+        assert ev.emit("restart", logging.WARNING, "restart again")
+        assert ev.emit("gpu_lost", logging.WARNING, "other kinds have their own budget")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs[2] == "restart again (8 similar messages suppressed)"
+    assert len(msgs) == 4
+
+
+def test_json_log_lines(capsys):
+    from smiquery.exporter import EventLog, configure_logging
+
+    handler = configure_logging("json")
+    try:
+        EventLog().on_gpu_change(True, 3, UUIDS[3])
+    finally:
+        logging.getLogger("smiquery").removeHandler(handler)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    got = json.loads(line)
+    assert got["level"] == "warning" and got["event"] == "gpu_lost"
+    assert got["gpu"] == 3 and got["uuid"] == UUIDS[3] and UUIDS[3] in got["msg"]
+
+
+def test_stream_events_are_logged_at_warning_without_debug(caplog):
+    from smiquery.exporter import EventLog
+    from smiquery.source import StreamEvent
+
+    ev = EventLog()
+    with caplog.at_level(logging.INFO, logger="smiquery.exporter"):
+        ev.on_stream_event(
+            StreamEvent("restart", NvidiaSmiTimeoutError("nvidia-smi did not answer within 10 s"), "in 2.00 s")
+        )
+        ev.on_stream_event(StreamEvent("recovered", None, "rows flow again"))
+    assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO]
+    assert "restart" in caplog.records[0].getMessage()
+
+
+# ------------------------------------------------------------------------------ v2: real processes
+
+
+def test_build_info_and_livez_while_nvidia_smi_cannot_start(exporter, fake_smi):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(fault="version-mismatch"))
+    wait_for(
+        lambda: (
+            'last_error_type="' in get(exp.url + "/metrics")[1]
+            and 'last_error_type=""' not in get(exp.url + "/metrics")[1]
+        ),
+        20,
+        "the error type",
+    )
+    code, body = get(exp.url + "/metrics")
+    assert code == 200 and "smiquery_up 0.0" in body
+    assert re.search(r'smiquery_stream_info\{last_error_type="\w+Error"', body)
+    assert re.search(r'smiquery_build_info\{driver_version="[^"]*",nvidia_smi="[^"]+nvidia-smi",version="', body)
+    assert get(exp.url + "/livez") == (200, "ok\n")
+    assert get(exp.url + "/readyz")[0] == 503
+
+
+def test_a_gpu_that_drops_out_after_a_restart_is_lost_by_uuid(exporter, tmp_path, recording, caplog):
+    rec = recorded(recording)
+    # the fake crashes after two sweeps; it is then rewritten without GPU 7, as a GPU that fell off the bus
+    fake = fake_nvidia_smi(tmp_path / "bin", recording=recording, fault="crash-after:16")
+    with caplog.at_level(logging.INFO, logger="smiquery.exporter"):
+        exp = exporter(interval=0.1, nvidia_smi=fake)
+        wait_for(lambda: get(exp.url + "/readyz")[0] == 200, 20, "ready")
+        lines = recording.read_text(encoding="utf-8").splitlines()
+        short = tmp_path / "seven.csv"
+        short.write_text("\n".join(lines[:8]) + "\n", encoding="utf-8")
+        fake_nvidia_smi(tmp_path / "bin", recording=short)
+        lab = labels_of(rec, 7)
+        reg_text = lambda: get(exp.url + "/metrics")[1]  # noqa: E731
+        wait_for(
+            lambda: (
+                f'smiquery_gpu_lost{{gpu="7",name="{lab["name"]}",pci_bus_id="{lab["pci_bus_id"]}",'
+                f'uuid="{lab["uuid"]}"}} 1.0' in reg_text()
+            ),
+            30,
+            "GPU 7 lost",
+        )
+        code, why = get(exp.url + "/readyz")
+        assert code == 503 and lab["uuid"] in why
+        assert get(exp.url + "/livez")[0] == 200
+        assert "smiquery_up 1.0" in reg_text()
+    assert any(r.levelno == logging.WARNING and lab["uuid"] in r.getMessage() for r in caplog.records)
+
+
+def test_recovers_by_itself_when_a_permanent_error_clears(exporter, tmp_path, recording):
+    from smiquery.supervisor import Stream
+
+    if not hasattr(Stream, "subscribe"):
+        pytest.skip("needs the core v2 supervisor (issue 10), which retries permanent errors")
+    fake = fake_nvidia_smi(tmp_path / "bin", recording=recording, fault="version-mismatch")
+    exp = exporter(interval=0.1, nvidia_smi=fake)
+    wait_for(lambda: 'state="retrying"' in get(exp.url + "/metrics")[1], 30, "retrying")
+    body = get(exp.url + "/metrics")[1]
+    assert "smiquery_up 0.0" in body and 'permanent="true"' in body
+    assert "smiquery_next_attempt_timestamp_seconds" in body
+    fake_nvidia_smi(tmp_path / "bin", recording=recording)  # the driver is fixed (the reboot happened)
+    wait_for(lambda: get(exp.url + "/readyz")[0] == 200, 90, "recovery within one retry period")
+    assert "smiquery_up 1.0" in get(exp.url + "/metrics")[1]
+
+
+# ------------------------------------------------------------------------------ v2: HTTP hardening
+
+
+def _raw_get(port: int, path: str = "/metrics", timeout: float = 10.0) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+def test_slow_clients_cost_no_thread_and_good_clients_are_served(exporter, fake_smi):
+    from smiquery.exporter.httpd import thread_count
+
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), max_connections=64, request_timeout=2.0)
+    wait_for(lambda: _raw_get(exp.port, "/readyz") == 200, 20, "ready")
+    before = thread_count()
+    slow = []
+    try:
+        for _ in range(200):  # more than max_connections: the oldest incomplete ones make room
+            s = socket.create_connection(("127.0.0.1", exp.port), timeout=10)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finishes its head
+            slow.append(s)
+        for _ in range(20):
+            assert _raw_get(exp.port) == 200
+        assert thread_count() == before
+        assert exp.http.open_connections <= 64
+    finally:
+        for s in slow:
+            s.close()
+
+
+def test_an_unfinished_request_head_is_cut_off_at_the_deadline(exporter, fake_smi):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), request_timeout=1.0)
+    with socket.create_connection(("127.0.0.1", exp.port), timeout=30) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        for _ in range(3):
+            with contextlib.suppress(OSError):
+                s.sendall(b"X-a: b\r\n")  # trickling bytes does not extend the deadline
+            time.sleep(0.3)
+        data = b""
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(4096):
+                data += chunk
+    assert data.startswith(b"HTTP/1.1 408")
+
+
+def test_bad_requests_get_4xx_and_the_server_goes_on(exporter, fake_smi):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+    for raw, code in (
+        (b"garbage\r\n\r\n", b"400"),
+        (b"POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc", b"413"),
+        (b"DELETE /metrics HTTP/1.1\r\n\r\n", b"405"),
+        (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n", b"431"),
+    ):
+        with socket.create_connection(("127.0.0.1", exp.port), timeout=10) as s:
+            s.sendall(raw)
+            assert s.recv(100).split(b" ")[1] == code, raw[:20]
+    assert _raw_get(exp.port, "/livez") == 200
+
+
+def test_keep_alive_serves_many_requests_on_one_connection(exporter, fake_smi):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+    conn = http.client.HTTPConnection("127.0.0.1", exp.port, timeout=10)
+    try:
+        for _ in range(50):
+            conn.request("GET", "/livez")
+            r = conn.getresponse()
+            assert (r.status, r.read()) == (200, b"ok\n")
+    finally:
+        conn.close()
+
+
+# ------------------------------------------------------------------------------ v2: web config
+
+
+def _hash(password: str) -> str:
+    import bcrypt
+
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
+
+
+def test_web_config_basic_auth(exporter, fake_smi, tmp_path):
+    cfg = tmp_path / "web.yml"
+    cfg.write_text(f"basic_auth_users:\n  prometheus: '{_hash('s3cret')}'\n", encoding="utf-8")
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), web_config=cfg)
+    assert get(exp.url + "/metrics")[0] == 401
+    good = base64.b64encode(b"prometheus:s3cret").decode()
+    bad = base64.b64encode(b"prometheus:nope").decode()
+    for auth, code in ((good, 200), (bad, 401), (good, 200)):
+        req = urllib.request.Request(exp.url + "/metrics", headers={"Authorization": f"Basic {auth}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                got = r.status
+        except urllib.error.HTTPError as exc:
+            got = exc.code
+        assert got == code
+
+
+def test_web_config_tls_with_client_certificates(exporter, fake_smi, tmp_path, pki):
+    cfg = tmp_path / "web.yml"
+    cfg.write_text(
+        "tls_server_config:\n"
+        f"  cert_file: {pki['cert']}\n  key_file: {pki['key']}\n  client_ca_file: {pki['ca']}\n"
+        "  client_auth_type: RequireAndVerifyClientCert\n",
+        encoding="utf-8",
+    )
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), web_config=cfg)
+    assert exp.url.startswith("https://")
+    wait_for(lambda: get(exp.url + "/readyz", context=client_context(pki, "client"))[0] == 200, 20, "ready")
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+        get(exp.url + "/metrics", context=client_context(pki, None), timeout=3)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("basic_auth_users:\n  u: plain\n", "not a bcrypt hash"),
+        ("tls_server_config:\n  cert_file: /nonexistent.pem\n  key_file: /nonexistent.key\n", "cannot load"),
+        ("nonsense: 1\n", "unknown key(s) nonsense"),
+        ("tls_server_config:\n  cert_file: a\n  bogus: 1\n", "unknown tls_server_config key(s) bogus"),
+        ("[1, 2", "not valid YAML"),
+    ],
+)
+def test_web_config_errors_say_what_is_wrong(tmp_path, text, message):
+    from smiquery.exporter import WebConfigError, load_web_config
+
+    cfg = tmp_path / "web.yml"
+    cfg.write_text(text, encoding="utf-8")
+    with pytest.raises(WebConfigError, match=re.escape(message)):
+        load_web_config(cfg)

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -300,6 +301,7 @@ class SmiCollector:
 
     def _take(self, sweep: Sweep, health: SourceHealth) -> None:
         present: set[str] = set()
+        reported: set[str] = set()
         for s in sweep:
             key = s.uuid or f"index:{s.index}"
             gpu = self._gpus.get(key)
@@ -309,7 +311,9 @@ class SmiCollector:
                 gpu = self._gpus[key] = _Gpu(s.index, s.uuid, native, dcgm)
             else:
                 gpu.index, gpu.native, gpu.dcgm = s.index, native, dcgm
-            if not s.gpu_lost:
+            if s.gpu_lost:
+                reported.add(key)  # nvidia-smi's own word: lost at once
+            else:
                 present.add(key)
             drv = s.get("driver_version")
             if drv is not None:
@@ -319,9 +323,11 @@ class SmiCollector:
                     if ev.state == "firing":
                         i = self.alerts.rules.index(ev.rule)
                         self._fired[(i, key)] = self._fired.get((i, key), 0) + 1
-        self._mark_lost(health, present)
+        self._mark_lost(health, present, reported)
 
-    def _mark_lost(self, health: SourceHealth, present: set[str] | None) -> None:
+    def _mark_lost(
+        self, health: SourceHealth, present: set[str] | None, reported: AbstractSet[str] = frozenset()
+    ) -> None:
         by_index = {g.index: k for k, g in self._gpus.items()}
         for idx in health.lost:
             if idx not in by_index:  # reported lost before the collector saw it
@@ -331,7 +337,7 @@ class SmiCollector:
                 dcgm = {"gpu": str(idx), "UUID": uuid or "", "device": f"nvidia{idx}", **self.labels}
                 self._gpus[key] = _Gpu(idx, uuid, labels, dcgm if self.naming == "dcgm" else labels)
                 by_index[idx] = key
-        lost_keys = {by_index[i] for i in health.lost if i in by_index}
+        lost_keys = {by_index[i] for i in health.lost if i in by_index} | set(reported)
         for key, gpu in self._gpus.items():
             if present is None:
                 now_lost = gpu.lost or key in lost_keys  # no new sweep: only the source's word can add to it

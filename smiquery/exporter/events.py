@@ -25,9 +25,9 @@ LogFormat = Literal["text", "json"]
 class _Bucket:
     __slots__ = ("suppressed", "tokens", "updated")
 
-    def __init__(self, burst: float) -> None:
+    def __init__(self, burst: float, now: float) -> None:
         self.tokens = burst
-        self.updated = time.monotonic()
+        self.updated = now
         self.suppressed = 0
 
 
@@ -73,7 +73,7 @@ class EventLog:
         with self._lock:
             b = self._buckets.get(kind)
             if b is None:
-                b = self._buckets[kind] = _Bucket(self.burst)
+                b = self._buckets[kind] = _Bucket(self.burst, now)
             b.tokens = min(self.burst, b.tokens + (now - b.updated) / self.period)
             b.updated = now
             if b.tokens < 1.0:
@@ -170,5 +170,4 @@ def configure_logging(fmt: LogFormat = "text", level: int = logging.INFO) -> log
     root = logging.getLogger("smiquery")
     root.addHandler(handler)
     root.setLevel(level)
-    root.propagate = False
     return handler

@@ -268,7 +268,7 @@ class HttpServer:
         self._maybe_dispatch(conn)
 
     def _maybe_dispatch(self, conn: _Conn) -> None:
-        end = conn.buf.find(b"\r\n\r\n")
+        end = conn.buf.find(b"\r\n\r\n", 0, _MAX_HEAD + 4)
         if end < 0 and len(conn.buf) <= _MAX_HEAD:
             return
         if end < 0:
