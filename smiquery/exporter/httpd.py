@@ -104,6 +104,8 @@ class HttpServer:
         write_timeout: seconds a worker may spend writing one response.
         backlog: the listen backlog.
         server_header: the ``Server`` header value.
+        inline: says which requests are cheap enough to answer in the selector thread itself (no thread
+            hand-off); the rest, and every TLS request, go to the workers.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class HttpServer:
         write_timeout: float = 10.0,
         backlog: int = 1024,
         server_header: str = "smiquery-exporter",
+        inline: Callable[[Request], bool] | None = None,
     ) -> None:
         self.sock = sock
         self.handler = handler
@@ -128,6 +131,7 @@ class HttpServer:
         self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
         self.server_header = server_header
+        self.inline = inline
         self.evicted = 0
         self.timed_out = 0
         sock.listen(backlog)
@@ -140,7 +144,7 @@ class HttpServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._conns: dict[socket.socket, _Conn] = {}
         self._back: queue.SimpleQueue[_Conn] = queue.SimpleQueue()  # connections returned by workers
-        self._jobs: queue.SimpleQueue[tuple[_Conn, bytes] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[_Conn, bytes, bytes | None, bool] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, name="smiquery-http", daemon=True)]
         self._threads += [
@@ -277,10 +281,37 @@ class HttpServer:
         else:
             head = bytes(conn.buf[: end + 4])
             del conn.buf[: end + 4]
+        if self.inline is not None and not isinstance(conn.sock, ssl.SSLSocket):
+            req, _ = _parse(head, conn.client)
+            if req is not None and self.inline(req):
+                self._answer_inline(conn, head)
+                return
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._sel.unregister(conn.sock)
         conn.busy = True
-        self._jobs.put((conn, head))
+        self._jobs.put((conn, head, None, False))
+
+    def _answer_inline(self, conn: _Conn, head: bytes) -> None:
+        # Answered in the selector thread: no hand-off between threads for the common, cheap request. What the
+        # socket buffer cannot take at once is finished by a worker (with the write deadline).
+        data, close = self._respond(head, conn.client)
+        try:
+            sent = conn.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(conn)
+            return
+        if sent < len(data):
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.unregister(conn.sock)
+            conn.busy = True
+            self._jobs.put((conn, b"", data[sent:], close))
+            return
+        if close:
+            self._close(conn)
+            return
+        self._resume(conn)
 
     def _expire(self, now: float) -> None:
         for conn in [c for c in self._conns.values() if c.deadline <= now and not c.busy]:
@@ -341,10 +372,14 @@ class HttpServer:
             job = self._jobs.get()
             if job is None:
                 return
-            conn, head = job
+            conn, head, rest, close = job
             keep = False
             try:
-                keep = self._answer(conn, head)
+                if rest is not None:
+                    keep = self._send(conn, rest) and not close
+                else:
+                    data, close = self._respond(head, conn.client)
+                    keep = self._send(conn, data) and not close
             except Exception:
                 log.debug("smiquery exporter: answering %s failed", conn.client, exc_info=True)
             if keep and not self._stop.is_set():
@@ -354,34 +389,35 @@ class HttpServer:
                 self._back.put(_closed(conn))
                 self._wake()
 
-    def _answer(self, conn: _Conn, head: bytes) -> bool:
-        req, error = _parse(head, conn.client)
+    def _respond(self, head: bytes, client: str) -> tuple[bytes, bool]:
+        """The response bytes for one request head, and whether to close afterwards."""
+        req, error = _parse(head, client)
         if req is None:
-            self._write(conn, Response(error, f"{_REASONS.get(error, 'error')}\n".encode()), close=True, head=False)
-            return False
+            return self._encode(Response(error, f"{_REASONS.get(error, 'error')}\n".encode()), True, False), True
         close = req.headers.get("connection", "").lower() == "close" or (
             req.version == "HTTP/1.0" and req.headers.get("connection", "").lower() != "keep-alive"
         )
         length = req.headers.get("content-length", "0").strip() or "0"
         if req.headers.get("transfer-encoding") or not length.isdigit() or int(length) > 0:
             # a scrape endpoint takes no bodies; refusing them keeps the framing simple and safe
-            self._write(conn, Response(413, b"request bodies are not accepted\n"), close=True, head=False)
-            return False
+            return self._encode(Response(413, b"request bodies are not accepted\n"), True, False), True
         try:
             resp = self.handler(req)
         except Exception:
             log.exception("smiquery exporter: handling %s %s failed", req.method, req.path)
             resp = Response(500, b"internal error\n")
-        return self._write(conn, resp, close=close, head=req.method == "HEAD")
+        return self._encode(resp, close, req.method == "HEAD"), close
 
-    def _write(self, conn: _Conn, resp: Response, *, close: bool, head: bool) -> bool:
+    def _encode(self, resp: Response, close: bool, head: bool) -> bytes:
         extra = "".join(f"{k}: {v}\r\n" for k, v in resp.headers.items())
         top = (
             f"HTTP/1.1 {resp.status} {_REASONS.get(resp.status, '')}\r\nContent-Type: {resp.content_type}\r\n"
             f"Content-Length: {len(resp.body)}\r\nServer: {self.server_header}\r\n{extra}"
             f"{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n"
         ).encode("latin-1")
-        data = top if head else top + resp.body
+        return top if head else top + resp.body
+
+    def _send(self, conn: _Conn, data: bytes) -> bool:
         sock = conn.sock
         try:
             sock.settimeout(self.write_timeout)
@@ -389,7 +425,7 @@ class HttpServer:
             sock.setblocking(False)
         except (OSError, ssl.SSLError, ValueError):
             return False
-        return not close
+        return True
 
     # ----------------------------------------------------------------------------------------- control
 

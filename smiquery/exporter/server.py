@@ -78,6 +78,10 @@ class _Router:
         self.extra = extra
         self.web = web
 
+    def fast(self, req: Request) -> bool:
+        """Whether answering ``req`` is cheap (no bcrypt check to run): then the selector thread answers it."""
+        return self.web.cached(req.headers.get("authorization")) and self.extra is bytes
+
     def __call__(self, req: Request) -> Response:
         if req.method not in ("GET", "HEAD"):
             return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
@@ -371,14 +375,16 @@ def serve(
                     log.exception("smiquery exporter: collecting the extra registry failed")
                     return b""
 
+        router = _Router(collector, extra, web)
         http = HttpServer(
             sock,
-            _Router(collector, extra, web),
+            router,
             ssl_context=web.ssl_context,
             workers=workers,
             max_connections=max_connections,
             request_timeout=request_timeout,
             server_header="smiquery-exporter/" + __version__,
+            inline=router.fast,
         )
         s.start()
         collector.start()

@@ -72,6 +72,28 @@ class WebConfig:
     _ok: set[bytes] = field(default_factory=set, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def cached(self, header: str | None) -> bool:
+        """Whether :meth:`authorized` answers ``header`` without a bcrypt check (no users, or seen before)."""
+        if not self.users:
+            return True
+        key = self._key(header)
+        if key is None:
+            return True  # malformed or unknown: refused at once, no bcrypt either
+        with self._lock:
+            return key in self._ok
+
+    def _key(self, header: str | None) -> bytes | None:
+        if not header or header[:6].lower() != "basic ":
+            return None
+        try:
+            user, sep, password = base64.b64decode(header[6:].strip(), validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        hashed = self.users.get(user)
+        if not sep or hashed is None:
+            return None
+        return hashlib.sha256(hashed + b"\0" + user.encode() + b"\0" + password.encode()).digest()
+
     def authorized(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header value passes basic auth (always True without users).
 
