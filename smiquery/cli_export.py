@@ -37,10 +37,11 @@ class LogFormat(str, Enum):
 
 
 class Naming(str, Enum):
-    """Metric naming: smiquery's own (base units) or the DCGM exporter's."""
+    """Metric naming: smiquery's own (base units), the DCGM exporter's, or nvidia_gpu_exporter's."""
 
     smiquery = "smiquery"
     dcgm = "dcgm"
+    nvidia_smi = "nvidia_smi"
 
 
 def _say(message: str) -> None:
@@ -74,7 +75,10 @@ def export(
     ] = None,
     naming: Annotated[
         Naming,
-        typer.Option(case_sensitive=False, help="smiquery: base units; dcgm: the DCGM exporter's names and labels."),
+        typer.Option(
+            case_sensitive=False,
+            help="smiquery: base units; dcgm: the DCGM exporter's names and labels; nvidia_smi: nvidia_gpu_exporter's.",
+        ),
     ] = Naming.smiquery,
     processes: Annotated[
         bool, typer.Option("--processes/--no-processes", help="Also export per-process GPU memory.")
@@ -189,7 +193,7 @@ def export(
             fields=fields,
             gpus=gpus,
             labels=labels,
-            naming="dcgm" if naming is Naming.dcgm else "smiquery",
+            naming=naming.value,
             processes=processes,
             processes_interval=processes_interval,
             tls_cert=tls_cert,

@@ -11,6 +11,7 @@ import smiquery
 def test_all_names_resolve_and_are_sorted():
     for name in smiquery.__all__:
         assert getattr(smiquery, name) is not None, name
+
     # isort-style: CONSTANTS, then Classes, then functions
     def key(name: str) -> tuple[int, str]:
         return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client.metrics_core import Metric
 
 from smiquery import __version__
-from smiquery.exporter.naming import Naming, metric_specs, render
+from smiquery.exporter.naming import NVSMI_INFO_LABELS, NVSMI_WORDS, Naming, metric_specs, render
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.fields import Field
 from smiquery.oneshot import GpuProcess
@@ -202,6 +202,29 @@ _RESERVED_LABELS = frozenset(
     {"gpu", "uuid", "name", "pci_bus_id", "value", "pid", "process_name", "type", "source"}
     | {"UUID", "device", "modelName", "DCGM_FI_DRIVER_VERSION"}
 )
+
+
+def _bare_uuid(uuid: str | None) -> str:
+    # nvidia_gpu_exporter labels GPUs by the UUID without nvidia-smi's "GPU-" prefix (its dashboard matches on it)
+    text = uuid or ""
+    return text[4:] if text.startswith("GPU-") else text
+
+
+def _nvsmi_number(field: str, value: Value) -> float | None:
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = str(value).strip()
+    words = NVSMI_WORDS.get(field)
+    if words is not None:
+        return words.get(text)
+    if text[:1] in "Pp" and text[1:].isdigit():
+        return float(text[1:])
+    try:
+        return float(text)  # version-like numbers (inforom.ecc 7.16, compute_cap 9.0)
+    except ValueError:
+        return None  # text that is no number is not made one
 
 
 def _pstate_number(value: Value) -> float | None:
@@ -412,6 +435,23 @@ class SmiCollector:
         out.update(self.labels)
         return out
 
+    def _nvsmi_labels(self, s: GpuSample) -> dict[str, str]:
+        return {"uuid": _bare_uuid(s.uuid), **self.labels}
+
+    def _nvsmi_info(self, sweep: Sweep) -> Metric:
+        fam = Metric(
+            "nvidia_smi_gpu_info", "A metric with a constant '1' value labeled by gpu uuid, name and more.", "gauge"
+        )
+        for s in sweep:
+            labels: dict[str, str] = {}
+            for field, label in NVSMI_INFO_LABELS.items():
+                if field in s:
+                    raw = s.raw.get(field)
+                    labels[label] = (raw if raw is not None else str(s.get(field) or "")).strip()
+            labels["uuid"] = _bare_uuid(s.uuid)
+            fam.add_sample(fam.name, {**labels, **self.labels}, 1.0)
+        return fam
+
     def sweep_families(self, sweep: Sweep) -> list[Metric]:
         """The per-GPU metric families of one sweep (without health metrics).
 
@@ -427,7 +467,12 @@ class SmiCollector:
         for s in sweep:
             pos = {n: i for i, n in enumerate(s.fields)}
             native = self._native_labels(s)
-            dcgm = self._dcgm_labels(s) if self.naming == "dcgm" else native
+            if self.naming == "dcgm":
+                dcgm = self._dcgm_labels(s)
+            elif self.naming == "nvidia_smi":
+                dcgm = self._nvsmi_labels(s)
+            else:
+                dcgm = native
             per_gpu.append((s.values, pos, dcgm, native, s.raw))
         out: list[Metric] = []
         for spec in self.specs:
@@ -439,7 +484,12 @@ class SmiCollector:
                 value = values[i]
                 if value is None:
                     continue  # a status token: the series is absent for this GPU, never 0
-                labels = dcgm_labels if spec.naming == "dcgm" else native_labels
+                labels = dcgm_labels if spec.naming in ("dcgm", "nvidia_smi") else native_labels
+                if spec.style == "nvsmi":
+                    number = _nvsmi_number(spec.field, value)
+                    if number is not None:
+                        fam.add_sample(spec.sample, labels, number * spec.scale)
+                    continue
                 if spec.style == "info":
                     text = raw.get(spec.field, str(value)) if isinstance(value, int) else str(value)
                     fam.add_sample(spec.sample, {**labels, "value": text.strip()}, 1.0)
@@ -455,6 +505,8 @@ class SmiCollector:
                     fam.add_sample(spec.sample, labels, float(value) * spec.scale)
             if fam.samples:
                 out.append(fam)
+        if self.naming == "nvidia_smi":
+            out.append(self._nvsmi_info(sweep))
         return out
 
     def process_families(self, procs: Sequence[GpuProcess]) -> list[Metric]:
@@ -466,6 +518,8 @@ class SmiCollector:
         Returns:
             One family (empty list when no process reports its memory).
         """
+        if self.naming == "nvidia_smi":
+            return self._nvsmi_process_families(procs)
         fam = _gauge(
             "smiquery_process_used_memory_bytes",
             "GPU memory used by a compute process, in bytes (nvidia-smi --query-compute-apps used_memory).",
@@ -482,6 +536,28 @@ class SmiCollector:
             labels = {"pid": str(pid), "process_name": pname, "gpu": gpu, "uuid": uuid, **self.labels}
             fam.add_sample(fam.name, labels, used)
         return [fam] if fam.samples else []
+
+    def _nvsmi_process_families(self, procs: Sequence[GpuProcess]) -> list[Metric]:
+        used = _gauge("nvidia_smi_compute_app_used_memory_bytes", "used_memory [MiB] of a compute process, in bytes.")
+        info = _gauge("nvidia_smi_compute_app_info", "A compute process on the GPU; always 1.")
+        count = _gauge("nvidia_smi_compute_apps", "Compute processes on the GPU.")
+        seen: dict[tuple[str, str, str], float | None] = {}
+        for p in procs:
+            key = (str(p.pid), p.process_name, _bare_uuid(p.gpu_uuid))
+            mem = None if p.used_memory is None else float(p.used_memory) * 1048576.0
+            prev = seen.get(key)
+            seen[key] = mem if prev is None else prev + (mem or 0.0)  # one row per MIG instance: summed
+        per_gpu: dict[str, int] = {}
+        for _, _, uuid in seen:
+            per_gpu[uuid] = per_gpu.get(uuid, 0) + 1
+        for (pid, pname, uuid), mem in seen.items():
+            labels = {"pid": pid, "process_name": pname, "uuid": uuid, **self.labels}
+            info.add_sample(info.name, labels, 1.0)
+            if mem is not None:
+                used.add_sample(used.name, labels, mem)
+        for uuid, n in per_gpu.items():
+            count.add_sample(count.name, {"uuid": uuid, **self.labels}, float(n))
+        return [f for f in (used, info, count) if f.samples]
 
     # ------------------------------------------------------------------------------------------- health
 
@@ -594,6 +670,12 @@ class SmiCollector:
                     firing.add_sample(firing.name, labels, 1.0 if on else 0.0)
                     fired.add_sample(fired.name + "_total", labels, float(self._fired.get((i, key), 0)))
             out += [firing, fired]
+        if self.processes is not None and self.naming == "nvidia_smi":
+            ok = self.processes.polls > 0 and self.processes.last_error is None
+            one(
+                _gauge("nvidia_smi_compute_apps_last_collect_success", "1 when the last process listing worked."),
+                1.0 if ok else 0.0,
+            )
         if self.processes is not None:
             _, _, when = self.processes.latest()
             if when is not None:

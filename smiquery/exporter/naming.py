@@ -27,6 +27,9 @@ __all__ = [
     "HEALTH_METRICS",
     "IDENTITY_FIELDS",
     "NAMINGS",
+    "NVSMI_DEFAULT_EXTRAS",
+    "NVSMI_INFO_LABELS",
+    "NVSMI_WORDS",
     "MetricSpec",
     "Naming",
     "exporter_fields",
@@ -39,9 +42,9 @@ log = logging.getLogger("smiquery.exporter")
 _go_float = cast("Callable[[float], str]", _untyped_float_to_go)  # the text format's float spelling (+Inf, 1e+06)
 
 
-Naming = Literal["smiquery", "dcgm"]
+Naming = Literal["smiquery", "dcgm", "nvidia_smi"]
 #: The namings :func:`metric_specs` and the exporter accept.
-NAMINGS: tuple[str, ...] = ("smiquery", "dcgm")
+NAMINGS: tuple[str, ...] = ("smiquery", "dcgm", "nvidia_smi")
 
 #: Fields the exporter always queries: they become the ``gpu``, ``uuid``, ``name`` and ``pci_bus_id`` labels.
 IDENTITY_FIELDS: tuple[str, ...] = ("index", "uuid", "name", "pci.bus_id")
@@ -337,6 +340,72 @@ def _dcgm_specs(fld: Field) -> list[MetricSpec]:
     ]
 
 
+# ``--naming nvidia_smi``: the names of utkuozdemir/nvidia_gpu_exporter (derived from its outputs for the captures
+# in shared/nvidia_gpu_exporter): nvidia_smi_<field in snake case><unit suffix>, values in base units, label uuid.
+_NVSMI_UNITS: dict[str, tuple[str, float]] = {
+    "MHz": ("_clock_hz", 1e6),
+    "MiB": ("_bytes", 1048576.0),
+    "%": ("_ratio", 0.01),
+    "W": ("_watts", 1.0),
+    "us": ("_seconds", 1e-6),
+}
+#: Word values that fields of nvidia_smi naming turn into numbers (NVML's enum order).
+NVSMI_WORDS: dict[str, dict[str, float]] = {
+    "compute_mode": {"Default": 0, "Exclusive_Thread": 1, "Prohibited": 2, "Exclusive_Process": 3},
+    "fabric.state": {"Not Supported": 0, "Not Started": 1, "In Progress": 2, "Completed": 3},
+    "gpu_recovery_action": {"None": 0, "Reset": 1, "Reboot": 2, "Drain P2P": 3, "Drain and Reset": 4},
+}
+#: Fields that become labels of ``nvidia_smi_gpu_info`` in nvidia_smi naming, with their label names.
+NVSMI_INFO_LABELS: dict[str, str] = {
+    "uuid": "uuid",
+    "index": "index",
+    "name": "name",
+    "pci.bus_id": "pci_bus_id",
+    "driver_version": "driver_version",
+    "vbios_version": "vbios_version",
+    "serial": "serial",
+    "compute_cap": "compute_cap",
+    "pci.sub_device_id": "pci_sub_device_id",
+    "driver_model.current": "driver_model_current",
+    "driver_model.pending": "driver_model_pending",
+}
+_NVSMI_NOT_METRICS = frozenset({"timestamp", "uuid", "name", "pci.bus_id", "driver_version", "vbios_version"})
+#: With nvidia_smi naming and the default fields: what nvidia_gpu_exporter's dashboard (Grafana 14574) reads.
+NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = (
+    "driver_version",
+    "vbios_version",
+    "serial",
+    "compute_cap",
+    "fan.speed",
+    "compute_mode",
+    "gpu_recovery_action",
+    "fabric.state",
+    "clocks.current.graphics",
+    "clocks.current.memory",
+    "clocks.current.video",
+    "clocks.max.graphics",
+    "clocks.max.memory",
+    "enforced.power.limit",
+    "power.default_limit",
+    "clocks_event_reasons.gpu_idle",
+    "clocks_event_reasons.applications_clocks_setting",
+    "clocks_event_reasons.sw_power_cap",
+    "clocks_event_reasons.sync_boost",
+    "ecc.errors.uncorrected.aggregate.total",
+)
+
+
+def _nvsmi_spec(fld: Field) -> list[MetricSpec]:
+    if fld.name in _NVSMI_NOT_METRICS or fld.kind is Kind.TIMESTAMP:
+        return []
+    # nvidia-smi's CSV header gives averageLatency no unit, so nvidia_gpu_exporter adds no suffix nor conversion
+    unit = "" if fld.name == "encoder.stats.averageLatency" else fld.unit
+    suffix, scale = _NVSMI_UNITS.get(unit, ("", 1.0))
+    name = "nvidia_smi_" + _snake(fld.name) + suffix
+    help_text = f"{fld.name} [{fld.unit}]" if fld.unit else fld.name
+    return [MetricSpec(fld.name, name, name, "gauge", help_text, scale=scale, style="nvsmi", naming="nvidia_smi")]
+
+
 def metric_specs(
     fields: str | Sequence[str] | Sequence[Field] = "all", naming: Naming = "smiquery"
 ) -> list[MetricSpec]:
@@ -344,7 +413,8 @@ def metric_specs(
 
     Args:
         fields: a preset, a comma list, or a sequence of names or :class:`Field` objects.
-        naming: ``smiquery`` (base units, ``smiquery_*``) or ``dcgm`` (the DCGM exporter's names and units).
+        naming: ``smiquery`` (base units, ``smiquery_*``), ``dcgm`` (the DCGM exporter's names and units) or
+            ``nvidia_smi`` (nvidia_gpu_exporter's ``nvidia_smi_*`` names).
 
     Returns:
         One spec per metric family, in field order.
@@ -353,13 +423,15 @@ def metric_specs(
         InvalidFieldError: an unknown field.
         ValueError: an unknown naming.
     """
-    if naming not in ("smiquery", "dcgm"):
-        raise ValueError(f"naming must be 'smiquery' or 'dcgm', not {naming!r}")
+    if naming not in NAMINGS:
+        raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, not {naming!r}")
     if isinstance(fields, str):
         flds: Sequence[Field] = resolve_fields(fields)
     else:
         flds = [f if isinstance(f, Field) else resolve_fields([f])[0] for f in fields]
     out: list[MetricSpec] = []
+    if naming == "nvidia_smi":
+        return [spec for fld in flds for spec in _nvsmi_spec(fld)]
     for fld in flds:
         if fld.name in _NOT_EXPORTED or fld.kind is Kind.TIMESTAMP:
             continue
@@ -429,6 +501,8 @@ def exporter_fields(
         extras += _DCGM_EXTRA_IDENTITY
         if fields in (None, "health"):
             extras += DCGM_DEFAULT_EXTRAS
+    if naming == "nvidia_smi" and fields in (None, "health"):
+        extras += NVSMI_DEFAULT_EXTRAS
     names = [*IDENTITY_FIELDS, *(f.name for f in wanted)]
     names += [n for n in extras if n not in names]
     return list(dict.fromkeys(names))

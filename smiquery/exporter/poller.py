@@ -64,6 +64,7 @@ class ProcessPoller:
             self.last_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             log.warning("smiquery exporter: listing processes failed: %s", self.last_error)
             return
+        self.last_error = None
         self._latest = (tuple(got), time.monotonic(), time.time())
 
     def latest(self) -> tuple[tuple[GpuProcess, ...] | None, float | None, float | None]:
