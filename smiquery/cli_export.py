@@ -64,7 +64,10 @@ def export(
     interval: Annotated[float, typer.Option(help="Seconds between nvidia-smi samples.")] = 5.0,
     fields: Annotated[
         str,
-        typer.Option(help="A preset (health, default, memory, power, clocks, throttle, all) or a comma list."),
+        typer.Option(
+            help="A preset (health, default, memory, power, clocks, throttle, all), a comma list, or 'supported' "
+            "(every field this driver supplies, asked once at start)."
+        ),
     ] = "health",
     gpus: Annotated[
         str | None, typer.Option(help="Only these GPUs: indices, UUIDs or PCI bus ids, comma list.")
@@ -139,7 +142,8 @@ def export(
     if not bind.strip():
         raise typer.BadParameter("must be an address such as 127.0.0.1", param_hint="'--bind'")
     try:
-        resolve_fields(fields)
+        if fields != "supported":
+            resolve_fields(fields)
     except InvalidFieldError as exc:
         raise typer.BadParameter(str(exc), param_hint="'--fields'") from None
     try:

@@ -1472,3 +1472,21 @@ def test_nvidia_smi_naming_serves_processes_and_the_dashboard_variables(exporter
     assert 'uuid="GPU-' not in body.split("# HELP smiquery_up")[0]  # the peer's labels carry the bare UUID
     assert "nvidia_smi_compute_apps_last_collect_success 1.0" in body
     assert "smiquery_up 1.0" in body  # smiquery's own health metrics stay
+
+
+def test_fields_supported_asks_the_driver_once_and_skips_what_no_gpu_supports(exporter, tmp_path, recording):
+    lines = recording.read_text(encoding="utf-8").splitlines()
+    lines = [lines[0] + ", encoder.stats.sessionCount"] + [ln + ", [Not Supported]" for ln in lines[1:]]
+    rec = tmp_path / "with-unsupported.csv"
+    rec.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    log = tmp_path / "calls.jsonl"
+    fake = fake_nvidia_smi(tmp_path / "bin", recording=rec, log=log)
+    exp = exporter(interval=0.1, nvidia_smi=fake, fields="supported")
+    wait_for(lambda: get(exp.url + "/readyz")[0] == 200, 20, "ready")
+    body = get(exp.url + "/metrics")[1]
+    # fields outside the health preset that this recording (driver) supplies are exported
+    assert "smiquery_power_draw_instant_watts{" in body and "smiquery_pcie_link_gen_gpucurrent{" in body
+    calls = [json.loads(line)["argv"] for line in log.read_text(encoding="utf-8").splitlines()]
+    assert sum("--help-query-gpu" in argv for argv in calls) == 1
+    loop = [argv for argv in calls if any(a.startswith("-l") for a in argv)]
+    assert loop and not any("encoder.stats.sessionCount" in " ".join(argv) for argv in loop)

@@ -484,17 +484,23 @@ def exporter_fields(
     """The nvidia-smi fields an exporter queries: the identity fields, the wanted ones, and naming extras.
 
     Args:
-        fields: a preset or field list (None: ``health``).
+        fields: a preset or field list (None: ``health``); ``supported`` asks nvidia-smi once (``--help-query-gpu``
+            and one query) for every field this driver supplies.
         naming: the metric naming; DCGM naming adds the driver version (a label) and, with the default fields,
             :data:`DCGM_DEFAULT_EXTRAS`.
-        nvidia_smi: the binary (reserved for field discovery).
+        nvidia_smi: the binary (for ``supported``).
 
     Returns:
         Field names, identity first, without repeats.
 
     Raises:
         InvalidFieldError: an unknown field.
+        SmiqueryError: with ``supported``, nvidia-smi could not be asked.
     """
+    if fields == "supported":
+        from smiquery.exporter.discovery import supported_fields
+
+        fields = supported_fields(nvidia_smi=nvidia_smi)
     wanted = list(resolve_fields(fields if fields is not None else "health"))
     extras: tuple[str, ...] = IDENTITY_FIELDS
     if naming == "dcgm":

@@ -403,8 +403,10 @@ def serve(
 
 
 def _with_alert_fields(flds: Sequence[Field], evaluator: AlertEvaluator | None) -> list[Field]:
-    out = list(flds)
-    if evaluator is not None:
-        have = {f.name for f in out}
-        out += [f for f in evaluator.fields if f.name not in have and not have.add(f.name)]  # type: ignore[func-returns-value]
-    return out
+    """What the stream queries: the exported fields, those the alert rules read, and the driver version (for
+    ``smiquery_build_info``); only the exported ones become metric families.
+    """
+    out = {f.name: f for f in flds}
+    for f in (*(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])):
+        out.setdefault(f.name, f)
+    return list(out.values())
