@@ -403,8 +403,9 @@ def serve(
 
 
 def _with_alert_fields(flds: Sequence[Field], evaluator: AlertEvaluator | None) -> list[Field]:
-    """What the stream queries: the exported fields, those the alert rules read, and the driver version (for
-    ``smiquery_build_info``); only the exported ones become metric families.
+    """The fields the stream queries: the exported ones, those the alert rules read, and the driver version.
+
+    Only the exported fields become metric families; the driver version feeds ``smiquery_build_info``.
     """
     out = {f.name: f for f in flds}
     for f in (*(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])):
