@@ -869,6 +869,9 @@ def cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         (["--tls-cert", "/no/such.pem", "--tls-key", "/no/such.key"], "does not exist"),
         (["--bind", "192.0.2.1", "--port", "0"], "the address is not on this machine"),
         (["--bind", "no-such-host.invalid", "--port", "0"], "cannot listen on 'no-such-host.invalid'"),
+        (["--alert", "temperature.gpu >> 5"], "invalid alert"),
+        (["--log-format", "xml"], "--log-format"),
+        (["--web-config-file", "pyproject.toml"], "not valid YAML"),
     ],
 )
 def test_cli_usage_errors(args, message):
@@ -1490,3 +1493,43 @@ def test_fields_supported_asks_the_driver_once_and_skips_what_no_gpu_supports(ex
     assert sum("--help-query-gpu" in argv for argv in calls) == 1
     loop = [argv for argv in calls if any(a.startswith("-l") for a in argv)]
     assert loop and not any("encoder.stats.sessionCount" in " ".join(argv) for argv in loop)
+
+
+def test_cli_json_logs_say_what_fails_without_debug(fake_smi, tmp_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smiquery.cli_export",
+            "export",
+            "--port",
+            "0",
+            "--interval",
+            "0.1",
+            "--log-format",
+            "json",
+            "--nvidia-smi",
+            str(fake_smi(fault="crash-after:8")),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    lines: list[dict[str, Any]] = []
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(x.get("event") == "restart" for x in lines):
+            text = proc.stderr.readline()
+            if text.startswith("{"):
+                lines.append(json.loads(text))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+    restart = next(x for x in lines if x.get("event") == "restart")
+    assert restart["level"] == "warning" and "nvidia-smi" in restart["msg"] and restart["logger"] == "smiquery.exporter"
