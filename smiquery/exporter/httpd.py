@@ -115,7 +115,7 @@ class HttpServer:
         *,
         ssl_context: ssl.SSLContext | None = None,
         workers: int = 8,
-        max_connections: int = 512,
+        max_connections: int = 2048,
         request_timeout: float = 10.0,
         idle_timeout: float = 60.0,
         write_timeout: float = 10.0,
@@ -218,7 +218,15 @@ class HttpServer:
             if not handshaking:
                 conn.deadline = now + self.idle_timeout
             self._conns[sock] = conn
-            self._sel.register(sock, selectors.EVENT_READ, conn)
+            if not handshaking:
+                # Under load the request is usually there by the time the connection is accepted: read it now
+                # and spare a trip through the selector.
+                self._readable(conn)
+            if sock in self._conns and not conn.busy:
+                try:
+                    self._sel.get_key(sock)
+                except KeyError:
+                    self._sel.register(sock, selectors.EVENT_READ, conn)
 
     def _readable(self, conn: _Conn) -> None:
         sock = conn.sock
@@ -282,19 +290,19 @@ class HttpServer:
             head = bytes(conn.buf[: end + 4])
             del conn.buf[: end + 4]
         if self.inline is not None and not isinstance(conn.sock, ssl.SSLSocket):
-            req, _ = _parse(head, conn.client)
-            if req is not None and self.inline(req):
-                self._answer_inline(conn, head)
+            req, error = _parse(head, conn.client)
+            if req is None or self.inline(req):
+                self._answer_inline(conn, head, (req, error))
                 return
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._sel.unregister(conn.sock)
         conn.busy = True
         self._jobs.put((conn, head, None, False))
 
-    def _answer_inline(self, conn: _Conn, head: bytes) -> None:
+    def _answer_inline(self, conn: _Conn, head: bytes, parsed: tuple[Request | None, int]) -> None:
         # Answered in the selector thread: no hand-off between threads for the common, cheap request. What the
         # socket buffer cannot take at once is finished by a worker (with the write deadline).
-        data, close = self._respond(head, conn.client)
+        data, close = self._respond(head, conn.client, parsed)
         try:
             sent = conn.sock.send(data)
         except (BlockingIOError, InterruptedError):
@@ -389,9 +397,11 @@ class HttpServer:
                 self._back.put(_closed(conn))
                 self._wake()
 
-    def _respond(self, head: bytes, client: str) -> tuple[bytes, bool]:
+    def _respond(
+        self, head: bytes, client: str, parsed: tuple[Request | None, int] | None = None
+    ) -> tuple[bytes, bool]:
         """The response bytes for one request head, and whether to close afterwards."""
-        req, error = _parse(head, client)
+        req, error = parsed if parsed is not None else _parse(head, client)
         if req is None:
             return self._encode(Response(error, f"{_REASONS.get(error, 'error')}\n".encode()), True, False), True
         close = req.headers.get("connection", "").lower() == "close" or (

@@ -125,6 +125,20 @@ def _family_of(bind: str) -> socket.AddressFamily:
     return infos[0][0] if infos else socket.AF_INET
 
 
+def _raise_fd_limit(wanted: int) -> None:
+    # Many distributions start services with a soft limit of 1024 open files; an exporter that holds up to
+    # max_connections sockets needs more. Raise the soft limit towards the hard one (never lower it).
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not Linux, or not allowed
+        log.debug("smiquery exporter: could not raise the open-file limit", exc_info=True)
+
+
 def _make_socket(bind: str, port: int) -> socket.socket:
     family = _family_of(bind)
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -259,7 +273,7 @@ def serve(
     stall_timeout: float | None = None,
     alerts: Sequence[str] | None = DEFAULT_EXPORTER_ALERTS,
     workers: int = 8,
-    max_connections: int = 512,
+    max_connections: int = 2048,
     request_timeout: float = 10.0,
 ) -> Exporter:
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
@@ -335,6 +349,7 @@ def serve(
         web.ssl_context = _tls_context(tls_cert, tls_key, client_ca)
     evaluator = AlertEvaluator(list(alerts)) if alerts else None
 
+    _raise_fd_limit(max_connections + 256)
     sock = _make_socket(bind, port)  # fail on a taken port before nvidia-smi starts
     s = None
     poller = None
