@@ -1533,3 +1533,20 @@ def test_cli_json_logs_say_what_fails_without_debug(fake_smi, tmp_path):
             proc.stderr.close()
     restart = next(x for x in lines if x.get("event") == "restart")
     assert restart["level"] == "warning" and "nvidia-smi" in restart["msg"] and restart["logger"] == "smiquery.exporter"
+
+
+def test_rate_limit_filter_holds_back_repeats_of_any_smiquery_line():
+    from smiquery.exporter.events import RateLimitFilter
+
+    now = [0.0]
+    flt = RateLimitFilter(burst=1, period=60.0, clock=lambda: now[0])
+
+    def rec(level: int = logging.WARNING) -> logging.LogRecord:
+        return logging.LogRecord("smiquery", level, __file__, 1, "restarting nvidia-smi in %.2f s", (2.0,), None)
+
+    assert [flt.filter(rec()) for _ in range(4)] == [True, False, False, False]
+    assert flt.filter(rec(logging.ERROR))  # errors always go out
+    now[0] += 60.0
+    r = rec()
+    assert flt.filter(r)
+    assert r.getMessage() == "restarting nvidia-smi in 2.00 s (3 similar messages suppressed)"

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-__all__ = ["EventLog", "JsonFormatter", "configure_logging"]
+__all__ = ["EventLog", "JsonFormatter", "RateLimitFilter", "configure_logging"]
 
 log = logging.getLogger("smiquery.exporter")
 
@@ -130,6 +130,50 @@ class EventLog:
             self.emit("down", logging.WARNING, f"not collecting: {why}")
 
 
+class RateLimitFilter(logging.Filter):
+    """Lets each message template through in a burst, then once per ``period`` seconds; counts what it drops.
+
+    Installed on the handler by :func:`configure_logging`, so that every smiquery log line (also the stream
+    supervisor's own) is rate-limited, not only the exporter's events.
+
+    Args:
+        burst: lines of one template allowed at once.
+        period: seconds per line after the burst.
+        clock: a monotonic clock (tests inject one).
+    """
+
+    def __init__(self, burst: int = 5, period: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.burst = float(burst)
+        self.period = period
+        self.clock = clock
+        self._buckets: dict[tuple[str, str], _Bucket] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether ``record`` goes out (errors and worse always do)."""
+        if record.levelno >= logging.ERROR:
+            return True
+        key = (record.name, str(record.msg))
+        now = self.clock()
+        with self._lock:
+            b = self._buckets.get(key)
+            if b is None:
+                b = self._buckets[key] = _Bucket(self.burst, now)
+            b.tokens = min(self.burst, b.tokens + (now - b.updated) / self.period)
+            b.updated = now
+            if b.tokens < 1.0:
+                b.suppressed += 1
+                return False
+            b.tokens -= 1.0
+            held, b.suppressed = b.suppressed, 0
+        if held and getattr(record, "event", None) is None:  # EventLog lines count their own
+            # format now, so the note cannot clash with the record's own %-arguments
+            record.msg = f"{record.getMessage()} ({held} similar message{'s' if held != 1 else ''} suppressed)"
+            record.args = ()
+        return True
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, and the event's fields."""
 
@@ -163,6 +207,7 @@ def configure_logging(fmt: LogFormat = "text", level: int = logging.INFO) -> log
         The handler installed on the ``smiquery`` logger.
     """
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RateLimitFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
