@@ -174,6 +174,12 @@ class RateLimitFilter(logging.Filter):
         return True
 
 
+def _not_the_streams_echo(record: logging.LogRecord) -> bool:
+    # The stream supervisor (logger "smiquery") logs its restarts and failures itself; the exporter logs the same
+    # from the stream's events, once each, with the GPU and error type as fields. Its errors still go out.
+    return record.name != "smiquery" or record.levelno >= logging.ERROR
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, and the event's fields."""
 
@@ -197,7 +203,10 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(fmt: LogFormat = "text", level: int = logging.INFO) -> logging.Handler:
-    """Send smiquery's log lines to stderr, as text with a time stamp or as JSON lines.
+    """Send smiquery's log lines to stderr, as text with a time stamp or as JSON lines, rate-limited.
+
+    The stream supervisor's own warnings are left out: the exporter reports the same restarts and errors from the
+    stream's events, one line each.
 
     Args:
         fmt: ``text`` or ``json``.
@@ -207,6 +216,7 @@ def configure_logging(fmt: LogFormat = "text", level: int = logging.INFO) -> log
         The handler installed on the ``smiquery`` logger.
     """
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_not_the_streams_echo)
     handler.addFilter(RateLimitFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
