@@ -1550,3 +1550,21 @@ def test_rate_limit_filter_holds_back_repeats_of_any_smiquery_line():
     r = rec()
     assert flt.filter(r)
     assert r.getMessage() == "restarting nvidia-smi in 2.00 s (3 similar messages suppressed)"
+
+
+def test_tls_clients_that_never_finish_the_handshake_do_not_block_others(exporter, fake_smi, pki):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), tls_cert=pki["cert"], tls_key=pki["key"], request_timeout=1.0)
+    ctx = client_context(pki, None)
+    wait_for(lambda: get(exp.url + "/readyz", context=ctx)[0] == 200, 20, "ready")
+    stalled = [socket.create_connection(("127.0.0.1", exp.port), timeout=10) for _ in range(50)]
+    try:
+        for s in stalled[:10]:
+            s.sendall(b"\x16\x03\x01")  # the start of a ClientHello, and nothing more
+        for _ in range(10):
+            assert get(exp.url + "/metrics", context=ctx)[0] == 200
+        # the handshake deadline closes them
+        stalled[0].settimeout(30)
+        assert stalled[0].recv(100) == b""
+    finally:
+        for s in stalled:
+            s.close()
