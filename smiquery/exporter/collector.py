@@ -295,6 +295,9 @@ class SmiCollector:
         self._last_sweep: Sweep | None = None
         self._up: bool | None = None
         self._refresh_lock = threading.Lock()
+        self._gpu_version = 0  # bumped whenever a sweep is taken in or the lost set may change
+        self._gpu_text_version = -1
+        self._gpu_text = b""
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -312,8 +315,10 @@ class SmiCollector:
             if sweep is not None and sweep is not self._last_sweep:
                 self._last_sweep = sweep
                 self._take(sweep, health)
+                self._gpu_version += 1
             elif health.lost:
                 self._mark_lost(health, None)
+                self._gpu_version += 1
             up = self._is_up(sweep, age, health)
             if up != self._up:
                 if self._up is not None or not up:
@@ -575,6 +580,11 @@ class SmiCollector:
         Returns:
             The families.
         """
+        with self._refresh_lock:
+            gpus = self._gpu_health()
+        return self._health_head(sweep, age) + gpus + self._health_tail(duration)
+
+    def _health_head(self, sweep: Sweep | None, age: float | None) -> list[Metric]:
         st = self.stream.stats
         health = source_health(self.stream)
         const = self.labels
@@ -646,6 +656,11 @@ class SmiCollector:
                 errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "processes"}, float(n))
         if errors.samples:
             out.append(errors)
+        return out
+
+    def _gpu_health(self) -> list[Metric]:
+        # The per-GPU health families (lost GPUs, alert state): they change only when a sweep is taken in.
+        out: list[Metric] = []
         lost_fam = _gauge(
             "smiquery_gpu_lost",
             "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), else 0.",
@@ -670,6 +685,17 @@ class SmiCollector:
                     firing.add_sample(firing.name, labels, 1.0 if on else 0.0)
                     fired.add_sample(fired.name + "_total", labels, float(self._fired.get((i, key), 0)))
             out += [firing, fired]
+        return out
+
+    def _health_tail(self, duration: float) -> list[Metric]:
+        const = self.labels
+        out: list[Metric] = []
+
+        def one(fam: Metric, value: float, labels: Mapping[str, str] | None = None) -> None:
+            sample = fam.name + "_total" if fam.type == "counter" else fam.name
+            fam.add_sample(sample, {**const, **labels} if labels else const, value)
+            out.append(fam)
+
         if self.processes is not None and self.naming == "nvidia_smi":
             ok = self.processes.polls > 0 and self.processes.last_error is None
             one(
@@ -746,8 +772,14 @@ class SmiCollector:
                 self._cache = render(self._data_families(sweep, fresh, procs)).encode()
                 self._cache_key = key
             body = self._cache
-        health = render(self.health_families(sweep, age, time.perf_counter() - t0))
-        return body + health.encode()
+        head = render(self._health_head(sweep, age)).encode()
+        with self._refresh_lock:  # the per-GPU part is rendered once per change, not per scrape
+            if self._gpu_text_version != self._gpu_version:
+                self._gpu_text = render(self._gpu_health()).encode()
+                self._gpu_text_version = self._gpu_version
+            gpus = self._gpu_text
+        tail = render(self._health_tail(time.perf_counter() - t0)).encode()
+        return body + head + gpus + tail
 
     def health(self) -> tuple[bool, str]:
         """Whether the data is fresh and every GPU seen is there, with one line saying why not (``/readyz``).

@@ -87,6 +87,7 @@ class _Conn:
     handshaking: bool = False
     want_write: bool = False
     busy: bool = False  # a worker owns it
+    watched: bool = False  # registered with the selector
     done: bool = False  # closed by a worker
 
 
@@ -165,7 +166,8 @@ class HttpServer:
             self._wake_w.send(b"x")
 
     def _close(self, conn: _Conn) -> None:
-        if self._conns.pop(conn.sock, None) is not None:
+        if self._conns.pop(conn.sock, None) is not None and conn.watched:
+            conn.watched = False
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._sel.unregister(conn.sock)
         with contextlib.suppress(OSError):
@@ -173,10 +175,19 @@ class HttpServer:
 
     def _watch(self, conn: _Conn) -> None:
         events = selectors.EVENT_WRITE if conn.want_write else selectors.EVENT_READ
-        try:
-            self._sel.modify(conn.sock, events, conn)
-        except KeyError:
+        if conn.watched:
+            key = self._sel.get_key(conn.sock)
+            if key.events != events:
+                self._sel.modify(conn.sock, events, conn)
+        else:
             self._sel.register(conn.sock, events, conn)
+            conn.watched = True
+
+    def _unwatch(self, conn: _Conn) -> None:
+        if conn.watched:
+            conn.watched = False
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._sel.unregister(conn.sock)
 
     def _evict_one(self) -> None:
         # The connection that has waited longest for its request head is the likeliest to be a slow attacker.
@@ -222,11 +233,9 @@ class HttpServer:
                 # Under load the request is usually there by the time the connection is accepted: read it now
                 # and spare a trip through the selector.
                 self._readable(conn)
-            if sock in self._conns and not conn.busy:
-                try:
-                    self._sel.get_key(sock)
-                except KeyError:
-                    self._sel.register(sock, selectors.EVENT_READ, conn)
+            if sock in self._conns and not conn.busy and not conn.watched:
+                self._sel.register(sock, selectors.EVENT_READ, conn)
+                conn.watched = True
 
     def _readable(self, conn: _Conn) -> None:
         sock = conn.sock
@@ -294,8 +303,7 @@ class HttpServer:
             if req is None or self.inline(req):
                 self._answer_inline(conn, head, (req, error))
                 return
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            self._sel.unregister(conn.sock)
+        self._unwatch(conn)
         conn.busy = True
         self._jobs.put((conn, head, None, False))
 
@@ -311,8 +319,7 @@ class HttpServer:
             self._close(conn)
             return
         if sent < len(data):
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                self._sel.unregister(conn.sock)
+            self._unwatch(conn)
             conn.busy = True
             self._jobs.put((conn, b"", data[sent:], close))
             return
