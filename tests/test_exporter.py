@@ -1037,14 +1037,14 @@ def test_retrying_after_a_permanent_error_shows_up_0_the_error_type_and_next_att
     assert reg.get_sample_value("smiquery_up", {}) == 1.0
     # the stream (core v2) keeps retrying a permanent error; the newest sweep is still young
     src.stats.state, src.stats.permanent = "retrying", True
-    src.stats.last_error_type, src.stats.last_error = "NvmlVersionMismatchError", "Driver/library version mismatch"
+    src.stats.last_error_type, src.stats.last_error = "DriverVersionMismatchError", "Driver/library version mismatch"
     src.stats.next_retry_at = time.time() + 30
     assert reg.get_sample_value("smiquery_up", {}) == 0.0
-    info = {"state": "retrying", "last_error_type": "NvmlVersionMismatchError", "permanent": "true"}
+    info = {"state": "retrying", "last_error_type": "DriverVersionMismatchError", "permanent": "true"}
     assert reg.get_sample_value("smiquery_stream_info", info) == 1.0
     assert reg.get_sample_value("smiquery_next_attempt_timestamp_seconds", {}) == src.stats.next_retry_at
     ok, why = col.health()
-    assert not ok and "permanent" in why and "NvmlVersionMismatchError" in why and "next attempt in" in why
+    assert not ok and "permanent" in why and "DriverVersionMismatchError" in why and "next attempt in" in why
     # the fault clears: the next sweep brings it back at once
     src.stats.state, src.stats.permanent, src.stats.next_retry_at = "running", False, None
     src.publish(*(_sample(i, UUIDS[i]) for i in range(2)))
@@ -1241,16 +1241,24 @@ def test_a_gpu_that_drops_out_after_a_restart_is_lost_by_uuid(exporter, tmp_path
 
 
 def test_recovers_by_itself_when_a_permanent_error_clears(exporter, tmp_path, recording):
-    from smiquery.supervisor import Stream
-
-    if not hasattr(Stream, "subscribe"):
-        pytest.skip("needs the core v2 supervisor (issue 10), which retries permanent errors")
     fake = fake_nvidia_smi(tmp_path / "bin", recording=recording, fault="version-mismatch")
-    exp = exporter(interval=0.1, nvidia_smi=fake)
-    wait_for(lambda: 'state="retrying"' in get(exp.url + "/metrics")[1], 30, "retrying")
+    # revive_after stands in for the retry period: a core that stops on permanent errors gets a new stream after
+    # it; the core v2 supervisor retries by itself (state "retrying"). Either way the exporter says so and recovers.
+    exp = exporter(interval=0.1, nvidia_smi=fake, revive_after=1.0)
+
+    def waiting() -> bool:
+        body = get(exp.url + "/metrics")[1]
+        return (
+            "smiquery_next_attempt_timestamp_seconds " in body
+            and 'last_error_type="DriverVersionMismatchError"' in body
+        )
+
+    wait_for(waiting, 30, "the error and the next attempt")
     body = get(exp.url + "/metrics")[1]
-    assert "smiquery_up 0.0" in body and 'permanent="true"' in body
-    assert "smiquery_next_attempt_timestamp_seconds" in body
+    assert "smiquery_up 0.0" in body and re.search(r'state="(retrying|failed)"', body)
+    code, why = get(exp.url + "/readyz")
+    assert code == 503 and ("next attempt in" in why or "a new one starts in" in why), why
+    assert get(exp.url + "/livez")[0] == 200
     fake_nvidia_smi(tmp_path / "bin", recording=recording)  # the driver is fixed (the reboot happened)
     wait_for(lambda: get(exp.url + "/readyz")[0] == 200, 90, "recovery within one retry period")
     assert "smiquery_up 1.0" in get(exp.url + "/metrics")[1]

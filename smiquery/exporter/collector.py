@@ -295,6 +295,7 @@ class SmiCollector:
         self._last_sweep: Sweep | None = None
         self._up: bool | None = None
         self._refresh_lock = threading.Lock()
+        self.revive_at: float | None = None  # set by the exporter while a stopped stream waits to be replaced
         self._gpu_version = 0  # bumped whenever a sweep is taken in or the lost set may change
         self._gpu_text_version = -1
         self._gpu_text = b""
@@ -616,13 +617,16 @@ class SmiCollector:
                 "permanent": "true" if health.permanent else "false",
             },
         )
-        if health.next_retry_at is not None and health.state == "retrying":
+        next_at = health.next_retry_at if health.state == "retrying" else None
+        if health.state == "failed" and self.revive_at is not None:
+            next_at = self.revive_at
+        if next_at is not None:
             one(
                 _gauge(
                     "smiquery_next_attempt_timestamp_seconds",
                     "Unix time at which nvidia-smi will be started again (while the stream retries).",
                 ),
-                float(health.next_retry_at),
+                float(next_at),
             )
         one(
             _gauge("smiquery_build_info", "smiquery's version, the driver and the nvidia-smi it runs; always 1."),
@@ -793,6 +797,8 @@ class SmiCollector:
         if not h.running:
             err = self.stream.error
             why = f"{type(err).__name__}: {err}".splitlines()[0] if err is not None else "not started or closed"
+            if self.revive_at is not None:
+                why += f"; a new one starts in {max(0.0, self.revive_at - time.time()):.0f} s"
             return False, f"nvidia-smi stream stopped: {why}"
         if h.state == "retrying":
             when = ""

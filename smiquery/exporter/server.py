@@ -9,6 +9,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -182,11 +183,16 @@ class Exporter:
         poller: ProcessPoller | None,
         tls: bool,
         cleanup: Callable[[], None] = lambda: None,
+        make_stream: Callable[[], Any] | None = None,
+        revive_after: float = 30.0,
     ) -> None:
         self.http = server
         self.collector = collector
         self.stream = collector.stream
         self.poller = poller
+        self.revive_after = revive_after
+        self.revivals = 0
+        self._make_stream = make_stream
         self._tls = tls
         self._cleanup = cleanup
         self._stopped = threading.Event()
@@ -194,6 +200,46 @@ class Exporter:
         host, port = server.sock.getsockname()[:2]
         self._bind = str(host)
         self._port = int(port)
+        if make_stream is not None:
+            threading.Thread(target=self._revive_loop, name="smiquery-revive", daemon=True).start()
+
+    def _revive_loop(self) -> None:
+        make = self._make_stream
+        assert make is not None
+        # Belt and braces: a stream whose thread ended (a core that stops on permanent errors, or a bug) is
+        # replaced by a new one after revive_after seconds, so the exporter is never silently dead.
+        period = min(1.0, max(0.05, self.revive_after / 4))
+        while not self._stopped.wait(period):
+            s = self.stream
+            if s.running or s.error is None:
+                continue
+            err = s.error
+            first = str(err).splitlines()[0] if str(err) else ""
+            self.collector.revive_at = time.time() + self.revive_after
+            log.warning(
+                "smiquery exporter: the nvidia-smi stream stopped (%s: %s); starting a new one in %g s",
+                type(err).__name__,
+                first,
+                self.revive_after,
+            )
+            if self._stopped.wait(self.revive_after):
+                return
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                try:
+                    new = make()
+                    new.start()
+                except Exception as exc:  # e.g. nvidia-smi gone: try again after the next period
+                    log.warning("smiquery exporter: starting a new nvidia-smi stream failed: %s", exc)
+                    continue
+                old, self.stream = self.stream, new
+                self.collector.stream = new
+                self.collector.revive_at = None
+                self.revivals += 1
+            close = getattr(old, "close", None)
+            if close is not None:
+                close()
 
     @property
     def port(self) -> int:
@@ -275,6 +321,7 @@ def serve(
     workers: int = 8,
     max_connections: int = 2048,
     request_timeout: float = 10.0,
+    revive_after: float = 30.0,
 ) -> Exporter:
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
@@ -312,6 +359,8 @@ def serve(
         workers: HTTP worker threads.
         max_connections: open client connections at most (the longest-waiting incomplete one makes room).
         request_timeout: seconds a client has to send a whole request head (slow clients are cut off).
+        revive_after: seconds after which a stream that stopped for good (its thread ended with an error) is
+            replaced by a new one; meanwhile ``smiquery_next_attempt_timestamp_seconds`` says when.
 
     Returns:
         The running :class:`Exporter`.
@@ -355,16 +404,21 @@ def serve(
     poller = None
     events = EventLog()
     try:
-        s = stream(
-            [f.name for f in _with_alert_fields(flds, evaluator)],
-            interval=interval,
-            gpus=gpus,
-            nvidia_smi=nvidia_smi,
-            stall_timeout=stall_timeout,
-            max_attempts=1 << 62,  # an exporter never gives up on a retryable failure; backoff caps at 30 s
-            backoff_max=30.0,
-            on_event=events.on_stream_event,
-        )
+        stream_fields = [f.name for f in _with_alert_fields(flds, evaluator)]
+
+        def make_stream() -> Any:
+            return stream(
+                stream_fields,
+                interval=interval,
+                gpus=gpus,
+                nvidia_smi=nvidia_smi,
+                stall_timeout=stall_timeout,
+                max_attempts=1 << 62,  # an exporter never gives up on a retryable failure; backoff caps at 30 s
+                backoff_max=30.0,
+                on_event=events.on_stream_event,
+            )
+
+        s = make_stream()
         if processes:
             poller = ProcessPoller(processes_interval, gpus=gpus, nvidia_smi=nvidia_smi)
         collector = SmiCollector(
@@ -405,7 +459,15 @@ def serve(
         collector.start()
         if poller is not None:
             poller.start()
-        exp = Exporter(http, collector, poller, web.ssl_context is not None, cleanup=collector.close)
+        exp = Exporter(
+            http,
+            collector,
+            poller,
+            web.ssl_context is not None,
+            cleanup=collector.close,
+            make_stream=make_stream,
+            revive_after=revive_after,
+        )
     except BaseException:
         sock.close()
         if s is not None:
