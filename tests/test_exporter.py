@@ -11,11 +11,13 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -1576,3 +1578,38 @@ def test_tls_clients_that_never_finish_the_handshake_do_not_block_others(exporte
     finally:
         for s in stalled:
             s.close()
+
+
+def test_listen_backlog_is_not_five(exporter, fake_smi):
+    # 5 (socketserver's default) made new-connection clients time out under load; the kernel reports a listening
+    # socket's backlog as its Send-Q
+    ss = shutil.which("ss")
+    if ss is None:
+        pytest.skip("ss (iproute2) is not installed")
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+    out = subprocess.run([ss, "-ltnH", f"sport = :{exp.port}"], capture_output=True, text=True, check=True).stdout
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert int(out.split()[2]) == min(1024, somaxconn), out
+
+
+def test_two_hundred_clients_at_once_all_get_answers(exporter, fake_smi):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+    wait_for(lambda: _raw_get(exp.port, "/readyz") == 200, 20, "ready")
+    codes: list[int] = []
+    go = threading.Event()
+
+    def one() -> None:
+        go.wait()
+        try:
+            codes.append(_raw_get(exp.port, timeout=30))
+        except OSError as exc:
+            codes.append(-1)
+            print(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(200)]
+    for th in threads:
+        th.start()
+    go.set()
+    for th in threads:
+        th.join(60)
+    assert codes.count(200) == 200, sorted(set(codes))
