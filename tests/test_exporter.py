@@ -1613,3 +1613,19 @@ def test_two_hundred_clients_at_once_all_get_answers(exporter, fake_smi):
     for th in threads:
         th.join(60)
     assert codes.count(200) == 200, sorted(set(codes))
+
+
+def test_dcgm_defaults_cover_every_default_counter_nvidia_smi_can_supply():
+    from smiquery.exporter.naming import exporter_fields
+
+    listed = set()
+    for line in _dcgm_counters_csv().read_text(encoding="utf-8").splitlines():
+        parts = [p.strip() for p in line.strip().split(",")]  # commented-out lines are not defaults
+        if len(parts) >= 3 and parts[0].startswith("DCGM_F") and parts[1] != "label":
+            listed.add(parts[0])
+    suppliable = {name for entries in DCGM_MAP.values() for name, _, _ in entries} & listed
+    defaults = {s.name for s in metric_specs(exporter_fields("health", "dcgm"), "dcgm")}
+    assert suppliable - defaults == set()
+    for name in ("DCGM_FI_DEV_ENC_UTIL", "DCGM_FI_DEV_DEC_UTIL", "DCGM_FI_DEV_FB_RESERVED"):
+        assert name in defaults
+    assert {"DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"} <= defaults
