@@ -172,8 +172,11 @@ class Exporter:
 
     Attributes:
         collector: the :class:`SmiCollector` behind ``/metrics``.
-        stream: the background :class:`~smiquery.supervisor.Stream`.
+        stream: the background :class:`~smiquery.supervisor.Stream` (a new one after a revival).
         poller: the :class:`ProcessPoller`, when ``processes=True``.
+        http: the :class:`~smiquery.exporter.httpd.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
+        revive_after: seconds before a stream that stopped for good is replaced.
+        revivals: how many times that happened.
     """
 
     def __init__(
