@@ -27,6 +27,7 @@ from smiquery.errors import (
     ReportError,
     SmiqueryError,
     StreamEndedError,
+    WebConfigError,
 )
 from smiquery.fields import CATALOGUE, PRESETS, Field, Kind, get_field, parse_help_query_gpu, resolve_fields
 from smiquery.oneshot import GpuProcess, get_gpu_status, processes, processes_df, query, query_df
@@ -90,6 +91,7 @@ __all__ = [
     "StreamEvent",
     "StreamStats",
     "Sweep",
+    "WebConfigError",
     "__version__",
     "get_field",
     "get_gpu_status",

@@ -110,7 +110,7 @@ Examples:
   smiquery stream --alert 'temperature.gpu > 85 for 3' --exit-on-alert
   smiquery query --format json
   smiquery doctor
-  smiquery export --interval 5             Prometheus metrics on 127.0.0.1:9835
+  smiquery export --interval 5             Prometheus metrics on 127.0.0.1:9849
   smiquery plot run.csv -o trace.png
   smiquery report run.csv --format markdown
 """

@@ -24,16 +24,24 @@ from smiquery.errors import InvalidFieldError, InvalidGpuIdError, NvidiaSmiNotFo
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import normalize_gpus
 
-__all__ = ["Naming", "app", "export", "register"]
+__all__ = ["LogFormat", "Naming", "app", "export", "register"]
 
 _ALL_INTERFACES = {"0.0.0.0", "::", "[::]"}
 
 
+class LogFormat(str, Enum):
+    """How log lines look: text with a time stamp, or one JSON object per line."""
+
+    text = "text"
+    json = "json"
+
+
 class Naming(str, Enum):
-    """Metric naming: smiquery's own (base units) or the DCGM exporter's."""
+    """Metric naming: smiquery's own (base units), the DCGM exporter's, or nvidia_gpu_exporter's."""
 
     smiquery = "smiquery"
     dcgm = "dcgm"
+    nvidia_smi = "nvidia_smi"
 
 
 def _say(message: str) -> None:
@@ -48,7 +56,7 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 def export(
     ctx: typer.Context,
-    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 9835,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 9849,
     bind: Annotated[
         str,
         typer.Option(help="Address to listen on. 0.0.0.0 or :: (all interfaces) only when you say so."),
@@ -56,7 +64,10 @@ def export(
     interval: Annotated[float, typer.Option(help="Seconds between nvidia-smi samples.")] = 5.0,
     fields: Annotated[
         str,
-        typer.Option(help="A preset (health, default, memory, power, clocks, throttle, all) or a comma list."),
+        typer.Option(
+            help="A preset (health, default, memory, power, clocks, throttle, all), a comma list, or 'supported' "
+            "(every field this driver supplies, asked once at start)."
+        ),
     ] = "health",
     gpus: Annotated[
         str | None, typer.Option(help="Only these GPUs: indices, UUIDs or PCI bus ids, comma list.")
@@ -67,7 +78,10 @@ def export(
     ] = None,
     naming: Annotated[
         Naming,
-        typer.Option(case_sensitive=False, help="smiquery: base units; dcgm: the DCGM exporter's names and labels."),
+        typer.Option(
+            case_sensitive=False,
+            help="smiquery: base units; dcgm: the DCGM exporter's names and labels; nvidia_smi: nvidia_gpu_exporter's.",
+        ),
     ] = Naming.smiquery,
     processes: Annotated[
         bool, typer.Option("--processes/--no-processes", help="Also export per-process GPU memory.")
@@ -85,6 +99,27 @@ def export(
             help="PEM CA bundle: require client certificates signed by it.", exists=True, dir_okay=False, readable=True
         ),
     ] = None,
+    web_config_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--web-config-file",
+            help="Prometheus exporter-toolkit web config: tls_server_config and basic_auth_users (bcrypt).",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+        ),
+    ] = None,
+    alert: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--alert",
+            help="smiquery alert rule evaluated on every sample, exported as smiquery_alert_firing (repeat; "
+            "'none' for none). Default: 'temperature.gpu > 85 for 3'.",
+        ),
+    ] = None,
+    log_format: Annotated[
+        LogFormat, typer.Option(case_sensitive=False, help="Log lines on stderr: text or json.")
+    ] = LogFormat.text,
     stale_after: Annotated[
         float | None,
         typer.Option(help="Seconds after which data counts as stale (default: max(3 x interval, 15))."),
@@ -107,7 +142,8 @@ def export(
     if not bind.strip():
         raise typer.BadParameter("must be an address such as 127.0.0.1", param_hint="'--bind'")
     try:
-        resolve_fields(fields)
+        if fields != "supported":
+            resolve_fields(fields)
     except InvalidFieldError as exc:
         raise typer.BadParameter(str(exc), param_hint="'--fields'") from None
     try:
@@ -130,6 +166,29 @@ def export(
         raise typer.BadParameter(str(exc), param_hint="'--label'") from None
     if nvidia_smi is None:
         nvidia_smi = getattr(ctx.obj, "nvidia_smi", None)
+    if web_config_file is not None and tls_cert is not None:
+        raise typer.BadParameter(
+            "give TLS either in --web-config-file or as --tls-cert/--tls-key", param_hint="'--web-config-file'"
+        )
+    rules: list[str] | None = None
+    if alert:
+        rules = [] if [a.strip().lower() for a in alert] == ["none"] else list(alert)
+        try:
+            from smiquery.alerts import Rule
+
+            for text in rules:
+                Rule.parse(text)
+        except SmiqueryError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--alert'") from None
+    web = None
+    if web_config_file is not None:
+        try:
+            web = exporter_mod.load_web_config(web_config_file)
+        except exporter_mod.WebConfigError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--web-config-file'") from None
+    configured = [h for h in logging.getLogger("smiquery").handlers if not isinstance(h, logging.NullHandler)]
+    if not configured and not logging.getLogger().handlers:
+        exporter_mod.configure_logging("json" if log_format is LogFormat.json else "text")
 
     try:
         exp = exporter_mod.serve(
@@ -139,7 +198,7 @@ def export(
             fields=fields,
             gpus=gpus,
             labels=labels,
-            naming="dcgm" if naming is Naming.dcgm else "smiquery",
+            naming=naming.value,
             processes=processes,
             processes_interval=processes_interval,
             tls_cert=tls_cert,
@@ -147,6 +206,8 @@ def export(
             client_ca=client_ca,
             nvidia_smi=nvidia_smi,
             stale_after=stale_after,
+            web_config=web,
+            alerts=rules if rules is not None else exporter_mod.DEFAULT_EXPORTER_ALERTS,
         )
     except exporter_mod.PortInUseError as exc:
         raise _fail(str(exc), 1) from None
@@ -174,9 +235,6 @@ def _run_until_signal(exp: Any, bind: str) -> int:
         got.append(signum)
         wake.set()
 
-    if not logging.getLogger().handlers:
-        # A long-running service: its warnings (nvidia-smi restarts, failures) go to stderr with a time stamp.
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s smiquery export: %(levelname)s: %(message)s")
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -185,7 +243,7 @@ def _run_until_signal(exp: Any, bind: str) -> int:
         naming = exp.collector.naming
         _say(
             f"smiquery export: serving {exp.url}/metrics (naming {naming}, every {exp.stream.interval:g} s); "
-            "health at /healthz; Ctrl-C or SIGTERM stops"
+            "probes at /livez and /readyz; Ctrl-C or SIGTERM stops"
         )
         if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
             _say("smiquery export: warning: listening on all interfaces without TLS")

@@ -12,6 +12,7 @@ Every exception class of the package is defined here (the modules that raise the
     ├── ParseError (+ValueError)             a row that does not fit: lineno, raw line, field
     ├── ReplayError                          a recording cannot be read or lacks the fields asked for
     ├── ReportError (+ValueError)            a recording cannot be analysed
+    ├── WebConfigError (+ValueError)         the exporter's web configuration file is unreadable or wrong
     ├── ListenError                          the HTTP server cannot listen where asked: port, bind, option
     │   └── PortInUseError                   another program holds the port
     ├── NvidiaSmiNotFoundError               binary missing or not executable; never retried
@@ -34,6 +35,10 @@ Every exception class of the package is defined here (the modules that raise the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import os
 
 __all__ = [
     "DriverNotLoadedError",
@@ -58,6 +63,7 @@ __all__ = [
     "ReportError",
     "SmiqueryError",
     "StreamEndedError",
+    "WebConfigError",
     "failure_from_exit",
 ]
 
@@ -103,6 +109,20 @@ class InvalidGpuIdError(SmiqueryError, ValueError):
         super().__init__(
             f"invalid GPU id {gpu_id!r}: use an index (0), a UUID (GPU-...) or a PCI bus id (00000000:0C:00.0)"
         )
+
+
+class WebConfigError(SmiqueryError, ValueError):
+    """The web configuration file is unreadable or wrong.
+
+    Attributes:
+        path: the file.
+    """
+
+    retryable = False
+
+    def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
+        self.path = str(path)
+        super().__init__(f"web config {self.path}: {reason}; see docs/exporter.md (web configuration)")
 
 
 class ParseError(SmiqueryError, ValueError):

@@ -250,8 +250,11 @@ class Stream(LatestSweep):
         stats.sweeps += 1
         if short:
             stats.short_sweeps += 1
-            gone = ", ".join(str(i) for i in sorted(sweep.missing)) or "none"
-            self._emit(StreamEvent("short_sweep", None, f"sweep without every GPU (missing: {gone})"))
+            gone = ", ".join(str(i) for i in sorted(sweep.missing))
+            why = f"without GPU {gone}" if gone else "cut short"
+            if sweep.damaged:
+                why += " (a row was dropped or nvidia-smi ended mid-sweep)"
+            self._emit(StreamEvent("short_sweep", None, f"short sweep: {why}"))
         with self._lock:
             self._latest = (sweep, time.monotonic())
         return sweep

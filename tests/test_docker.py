@@ -145,7 +145,7 @@ def test_dockerfiles_follow_the_design() -> None:
     assert stages[-1] == "toolkit", "the default (last) stage must be the toolkit one"
     assert {"builder", "runtime", "copied-smi"} <= set(stages)
     exporter = (DOCKER / "Dockerfile.exporter").read_text(encoding="utf-8")
-    assert re.search(r"^EXPOSE 9835$", exporter, re.M)
+    assert re.search(r"^EXPOSE 9849$", exporter, re.M)
     assert re.search(r"^USER 65532:65532$", exporter, re.M)
     # exec form everywhere (the HEALTHCHECK's CMD sits on a continuation line): nothing needs a shell
     forms = re.findall(r"^\s*(?:ENTRYPOINT|CMD)\s+(\S)", exporter, re.M)
@@ -322,7 +322,7 @@ def test_plain_prometheus_scrape_config(tmp_path: Path) -> None:
     (sd,) = job.pop("kubernetes_sd_configs")
     assert sd["role"] == "pod" and sd["namespaces"]["names"] == ["gpu-monitoring"]
     assert sd["selectors"][0]["label"] == "app.kubernetes.io/name=smiquery-exporter"
-    job["static_configs"] = [{"targets": ["127.0.0.1:9835"]}]
+    job["static_configs"] = [{"targets": ["127.0.0.1:9849"]}]
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     done = _run([promtool, "check", "config", str(path)])
@@ -706,9 +706,9 @@ def test_copied_smi_stage_builds_cleanly_when_the_source_lacks_it(
 def test_exporter_image_config(buildah: Buildah, exporter_image: Built) -> None:
     cfg = buildah.config(exporter_image.tag)
     assert cfg["User"] == "65532:65532"
-    assert "9835/tcp" in cfg["ExposedPorts"]
+    assert "9849/tcp" in cfg["ExposedPorts"]
     assert cfg["Entrypoint"] == ["/opt/smiquery/bin/python", "-m", "smiquery", "export"]
-    assert cfg["Cmd"] == ["--bind", "0.0.0.0", "--port", "9835"]
+    assert cfg["Cmd"] == ["--bind", "0.0.0.0", "--port", "9849"]
     assert cfg["Healthcheck"]["Test"][0] == "CMD", "exec form: no shell at run time"
     env = dict(e.split("=", 1) for e in cfg["Env"])
     assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
@@ -765,7 +765,7 @@ def test_exporter_image_serves_metrics(
             assert len(temps) == 8, metrics[:2000]
             assert 'uuid="GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"' in metrics
             # the image's HEALTHCHECK command, pointed at this port, as the image's (non-root) user
-            check = [a.replace(":9835/", f":{port}/") for a in cfg["Healthcheck"]["Test"][1:]]
+            check = [a.replace(":9849/", f":{port}/") for a in cfg["Healthcheck"]["Test"][1:]]
             health = buildah.run(ctr, check, mount_smi=None)
             assert health.returncode == 0, health.stderr
             whoami = buildah.run(

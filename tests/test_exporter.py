@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import csv
 import datetime
 import http.client
 import json
+import logging
 import os
+import re
+import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +32,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from typer.testing import CliRunner
 
 from smiquery.cli_export import register
+from smiquery.errors import InvalidFieldError, NvidiaSmiTimeoutError
 from smiquery.exporter import (
     DCGM_MAP,
     Exporter,
@@ -41,10 +48,15 @@ from smiquery.fields import CATALOGUE, Kind, resolve_fields
 from smiquery.records import GpuSample, Schema
 from smiquery.source import StreamStats, Sweep
 from smiquery.supervisor import stream
+from smiquery.testing import fake_nvidia_smi
 from tests.leakcheck import no_leaks, wait_no_children
 
 ROOT = Path(__file__).resolve().parents[1]
-DCGM_DIR = ROOT.parent / "shared" / "dcgm"
+# shared/ sits beside the checkout (a clone) or beside the folder of worktrees.
+SHARED = next(
+    (p / "shared" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared").is_dir()), ROOT.parent / "shared"
+)
+DCGM_DIR = SHARED / "dcgm"
 MiB = 1048576.0
 
 # Edits to the bundled demo's first sweep (GPU index -> {field: cell}), so that the values vary per GPU and
@@ -505,6 +517,10 @@ GOLDEN_HEALTH_PRESET = """\
 # TYPE smiquery_retired_pages_pending gauge
 # HELP smiquery_up 1 when nvidia-smi delivers fresh samples (newest younger than 15 s), else 0.
 # TYPE smiquery_up gauge
+# HELP smiquery_stream_info The nvidia-smi stream's state (starting, running, retrying, failed...), its last error type and whether that error needs a person (permanent); always 1.
+# TYPE smiquery_stream_info gauge
+# HELP smiquery_build_info smiquery's version, the driver and the nvidia-smi it runs; always 1.
+# TYPE smiquery_build_info gauge
 # HELP smiquery_last_sample_timestamp_seconds Unix time at which the newest sweep of nvidia-smi rows was received.
 # TYPE smiquery_last_sample_timestamp_seconds gauge
 # HELP smiquery_last_sample_age_seconds Age of the newest sweep of nvidia-smi rows.
@@ -517,7 +533,7 @@ GOLDEN_HEALTH_PRESET = """\
 # TYPE smiquery_sweeps_total counter
 # HELP smiquery_dropped_rows_total Rows of nvidia-smi output rejected by the parser.
 # TYPE smiquery_dropped_rows_total counter
-# HELP smiquery_gpu_lost 1 while nvidia-smi reports the GPU as lost ([GPU is lost]), else 0.
+# HELP smiquery_gpu_lost 1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), else 0.
 # TYPE smiquery_gpu_lost gauge
 # HELP smiquery_collection_duration_seconds Time spent building this scrape's metrics.
 # TYPE smiquery_collection_duration_seconds gauge
@@ -643,7 +659,7 @@ def test_metrics_answer_while_nvidia_smi_fails(exporter, fake_smi):
     assert 'smiquery_nvidia_smi_errors_total{source="stream",type="DriverNotLoadedError"}' in body
     assert "smiquery_nvidia_smi_restarts_total" in body
     code, why = get(exp.url + "/healthz")
-    assert code == 503 and "no sample yet" in why and "NVIDIA driver" in why
+    assert code == 503 and "retrying" in why and "NVIDIA driver" in why
 
 
 def test_permanent_failure_keeps_serving_and_retrying(exporter, fake_smi):
@@ -856,6 +872,9 @@ def cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         (["--tls-cert", "/no/such.pem", "--tls-key", "/no/such.key"], "does not exist"),
         (["--bind", "192.0.2.1", "--port", "0"], "the address is not on this machine"),
         (["--bind", "no-such-host.invalid", "--port", "0"], "cannot listen on 'no-such-host.invalid'"),
+        (["--alert", "temperature.gpu >> 5"], "invalid alert"),
+        (["--log-format", "xml"], "--log-format"),
+        (["--web-config-file", "pyproject.toml"], "not valid YAML"),
     ],
 )
 def test_cli_usage_errors(args, message):
@@ -969,3 +988,645 @@ def test_hostname_label_overrides_the_dcgm_hostname():
     col = SmiCollector(FrozenSource(), fields=list(CATALOGUE), naming="dcgm", labels=["Hostname=node-9"])
     text = col.exposition().decode()
     assert 'Hostname="node-9"' in text and text.count("Hostname=") >= text.count("DCGM_FI_DEV_GPU_TEMP{")
+
+
+# ------------------------------------------------------------------------------ v2: state, lost GPUs, alerts
+
+
+def _sample(index: int, uuid: str, temp: float | None = 60.0, lost: bool = False) -> GpuSample:
+    schema = Schema(("index", "uuid", "name", "pci.bus_id", "temperature.gpu"))
+    return GpuSample(
+        schema,
+        (index, uuid, "NVIDIA H100", f"00000000:{index:02X}:00.0", None if lost else temp),
+        (str(index), uuid, "NVIDIA H100", f"00000000:{index:02X}:00.0", "[GPU is lost]" if lost else str(temp)),
+        gpu_lost=lost,
+    )
+
+
+class ScriptedSource:
+    """A stand-in SampleSource: the test sets each sweep and the stats (core v2's fields included)."""
+
+    interval = 1.0
+
+    def __init__(self) -> None:
+        self.fields = resolve_fields(["index", "uuid", "name", "pci.bus_id", "temperature.gpu"])
+        self.stats = StreamStats()
+        self.running = True
+        self.error: BaseException | None = None
+        self._latest: tuple[Sweep, float] | None = None
+
+    def publish(self, *samples: GpuSample, age: float = 0.1) -> None:
+        self.stats.sweeps += 1
+        self.stats.rows += len(samples)
+        self.stats.state = "running"
+        self._latest = (Sweep(samples), age)
+
+    def latest(self) -> tuple[Sweep | None, float | None]:
+        return self._latest if self._latest is not None else (None, None)
+
+
+UUIDS = [f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(4)]
+
+
+def _scripted(**kw: Any) -> tuple[ScriptedSource, SmiCollector, CollectorRegistry]:
+    src = ScriptedSource()
+    col = SmiCollector(src, fields=src.fields, hostname="node-1", **kw)
+    return src, col, collected(col)
+
+
+def test_retrying_after_a_permanent_error_shows_up_0_the_error_type_and_next_attempt():
+    src, col, reg = _scripted()
+    src.publish(*(_sample(i, UUIDS[i]) for i in range(2)))
+    assert reg.get_sample_value("smiquery_up", {}) == 1.0
+    # the stream (core v2) keeps retrying a permanent error; the newest sweep is still young
+    src.stats.state, src.stats.permanent = "retrying", True
+    src.stats.last_error_type, src.stats.last_error = "DriverVersionMismatchError", "Driver/library version mismatch"
+    src.stats.next_retry_at = time.time() + 30
+    assert reg.get_sample_value("smiquery_up", {}) == 0.0
+    info = {"state": "retrying", "last_error_type": "DriverVersionMismatchError", "permanent": "true"}
+    assert reg.get_sample_value("smiquery_stream_info", info) == 1.0
+    assert reg.get_sample_value("smiquery_next_attempt_timestamp_seconds", {}) == src.stats.next_retry_at
+    ok, why = col.health()
+    assert not ok and "permanent" in why and "DriverVersionMismatchError" in why and "next attempt in" in why
+    # the fault clears: the next sweep brings it back at once
+    src.stats.state, src.stats.permanent, src.stats.next_retry_at = "running", False, None
+    src.publish(*(_sample(i, UUIDS[i]) for i in range(2)))
+    assert reg.get_sample_value("smiquery_up", {}) == 1.0
+    assert reg.get_sample_value("smiquery_next_attempt_timestamp_seconds", {}) is None
+    assert col.health() == (True, "ok")
+
+
+def test_a_source_that_ended_with_an_error_reads_as_failed():
+    src, _col, reg = _scripted()
+    src.running, src.error = False, InvalidFieldError("bogus.field")
+    labels = {"state": "failed", "last_error_type": "InvalidFieldError", "permanent": "false"}
+    assert reg.get_sample_value("smiquery_stream_info", labels) == 1.0
+    assert reg.get_sample_value("smiquery_up", {}) == 0.0
+
+
+def test_a_gpu_whose_rows_stop_is_lost_by_uuid_until_it_comes_back():
+    changes: list[tuple[bool, int, str | None]] = []
+    src, col, reg = _scripted(on_gpu_change=lambda *a: changes.append(a))
+    src.publish(*(_sample(i, UUIDS[i]) for i in range(4)))
+    lab = {"gpu": "2", "uuid": UUIDS[2], "name": "NVIDIA H100", "pci_bus_id": "00000000:02:00.0"}
+    assert reg.get_sample_value("smiquery_gpu_lost", lab) == 0.0
+    # GPU 2 drops out; after a restart NVML renumbers the GPUs behind it (3 becomes 2)
+    survivors = [_sample(0, UUIDS[0]), _sample(1, UUIDS[1]), _sample(2, UUIDS[3])]
+    src.publish(*survivors)
+    col.refresh()
+    assert not col.lost_gpus()  # one short sweep is not a lost GPU
+    src.publish(*survivors)
+    assert reg.get_sample_value("smiquery_gpu_lost", lab) == 1.0
+    moved = {"gpu": "2", "uuid": UUIDS[3], "name": "NVIDIA H100", "pci_bus_id": "00000000:02:00.0"}
+    assert reg.get_sample_value("smiquery_gpu_lost", moved) == 0.0
+    assert reg.get_sample_value("smiquery_up", {}) == 1.0  # data flows; the loss is its own signal
+    ok, why = col.health()
+    assert not ok and UUIDS[2] in why
+    assert changes == [(True, 2, UUIDS[2])]
+    # stale data does not forget it either
+    src.publish(*survivors, age=1e6)
+    assert col.lost_gpus() == [(2, UUIDS[2])]
+    src.publish(*(_sample(i, UUIDS[i]) for i in range(4)))
+    assert reg.get_sample_value("smiquery_gpu_lost", {**lab}) == 0.0
+    assert changes[-1] == (False, 2, UUIDS[2]) and col.health() == (True, "ok")
+
+
+def test_gpu_reported_lost_by_the_source_before_the_collector_saw_it():
+    src, _col, reg = _scripted()
+    src.stats.known_gpus = {0: UUIDS[0], 5: UUIDS[3]}
+    src.stats.lost_gpus = {5}
+    src.publish(_sample(0, UUIDS[0]))
+    assert reg.get_sample_value("smiquery_gpu_lost", {"gpu": "5", "uuid": UUIDS[3]}) == 1.0
+
+
+def test_lost_gpu_carries_the_dcgm_labels_in_dcgm_naming():
+    src, _col, reg = _scripted(naming="dcgm")
+    src.publish(_sample(0, UUIDS[0]), _sample(1, UUIDS[1], lost=True))
+    src.publish(_sample(0, UUIDS[0]), _sample(1, UUIDS[1], lost=True))
+    lab = {
+        "gpu": "1",
+        "UUID": UUIDS[1],
+        "device": "nvidia1",
+        "modelName": "NVIDIA H100",
+        "Hostname": "node-1",
+        "pci_bus_id": "00000000:01:00.0",
+    }
+    assert reg.get_sample_value("smiquery_gpu_lost", lab) == 1.0
+    assert (
+        reg.get_sample_value(
+            "smiquery_gpu_lost",
+            {**lab, "gpu": "0", "UUID": UUIDS[0], "device": "nvidia0", "pci_bus_id": "00000000:00:00.0"},
+        )
+        == 0.0
+    )
+
+
+def test_consecutive_samples_rule_counts_nvidia_smi_samples_not_scrapes():
+    from smiquery.alerts import AlertEvaluator
+
+    src, col, reg = _scripted(alerts=AlertEvaluator(["temperature.gpu > 85 for 3"]))
+    lab = {
+        "gpu": "0",
+        "uuid": UUIDS[0],
+        "name": "NVIDIA H100",
+        "pci_bus_id": "00000000:00:00.0",
+        "alert": "temperature.gpu > 85 for 3",
+    }
+    for temp in (90, 91, 60, 92, 93):  # never three hot samples in a row
+        src.publish(_sample(0, UUIDS[0], temp))
+        col.refresh()
+    assert reg.get_sample_value("smiquery_alert_firing", lab) == 0.0
+    assert reg.get_sample_value("smiquery_alert_fired_total", lab) == 0.0
+    # three hot samples between two scrapes, then cool: the scrape after still sees that it fired
+    for temp in (94, 95, 96, 60):
+        src.publish(_sample(0, UUIDS[0], temp))
+        col.refresh()
+    assert reg.get_sample_value("smiquery_alert_firing", lab) == 0.0
+    assert reg.get_sample_value("smiquery_alert_fired_total", lab) == 1.0
+    for temp in (90, 90, 90):
+        src.publish(_sample(0, UUIDS[0], temp))
+        col.refresh()
+    assert reg.get_sample_value("smiquery_alert_firing", lab) == 1.0
+    assert reg.get_sample_value("smiquery_alert_fired_total", lab) == 2.0
+
+
+def test_event_log_is_rate_limited_and_says_how_much_it_held_back(caplog):
+    from smiquery.exporter import EventLog
+
+    now = [0.0]
+    ev = EventLog(burst=2, period=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="smiquery.exporter"):
+        sent = [ev.emit("restart", logging.WARNING, f"restart {i}") for i in range(10)]
+        assert sent == [True, True] + [False] * 8
+        now[0] += 60.0
+        assert ev.emit("restart", logging.WARNING, "restart again")
+        assert ev.emit("gpu_lost", logging.WARNING, "other kinds have their own budget")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs[2] == "restart again (8 similar messages suppressed)"
+    assert len(msgs) == 4
+
+
+def test_json_log_lines(capsys):
+    from smiquery.exporter import EventLog, configure_logging
+
+    handler = configure_logging("json")
+    try:
+        EventLog().on_gpu_change(True, 3, UUIDS[3])
+    finally:
+        logging.getLogger("smiquery").removeHandler(handler)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    got = json.loads(line)
+    assert got["level"] == "warning" and got["event"] == "gpu_lost"
+    assert got["gpu"] == 3 and got["uuid"] == UUIDS[3] and UUIDS[3] in got["msg"]
+
+
+def test_stream_events_are_logged_at_warning_without_debug(caplog):
+    from smiquery.exporter import EventLog
+    from smiquery.source import StreamEvent
+
+    ev = EventLog()
+    with caplog.at_level(logging.INFO, logger="smiquery.exporter"):
+        ev.on_stream_event(
+            StreamEvent("restart", NvidiaSmiTimeoutError("nvidia-smi did not answer within 10 s"), "in 2.00 s")
+        )
+        ev.on_stream_event(StreamEvent("recovered", None, "rows flow again"))
+    assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.INFO]
+    assert "restart" in caplog.records[0].getMessage()
+
+
+# ------------------------------------------------------------------------------ v2: real processes
+
+
+def test_build_info_and_livez_while_nvidia_smi_cannot_start(exporter, fake_smi):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(fault="version-mismatch"))
+    wait_for(
+        lambda: (
+            'last_error_type="' in get(exp.url + "/metrics")[1]
+            and 'last_error_type=""' not in get(exp.url + "/metrics")[1]
+        ),
+        20,
+        "the error type",
+    )
+    code, body = get(exp.url + "/metrics")
+    assert code == 200 and "smiquery_up 0.0" in body
+    assert re.search(r'smiquery_stream_info\{last_error_type="\w+Error"', body)
+    assert re.search(r'smiquery_build_info\{driver_version="[^"]*",nvidia_smi="[^"]+nvidia-smi",version="', body)
+    assert get(exp.url + "/livez") == (200, "ok\n")
+    assert get(exp.url + "/readyz")[0] == 503
+
+
+def test_a_gpu_that_drops_out_after_a_restart_is_lost_by_uuid(exporter, tmp_path, recording, caplog):
+    rec = recorded(recording)
+    # the fake crashes after two sweeps; it is then rewritten without GPU 7, as a GPU that fell off the bus
+    fake = fake_nvidia_smi(tmp_path / "bin", recording=recording, fault="crash-after:16")
+    with caplog.at_level(logging.INFO, logger="smiquery.exporter"):
+        exp = exporter(interval=0.1, nvidia_smi=fake)
+        wait_for(lambda: get(exp.url + "/readyz")[0] == 200, 20, "ready")
+        lines = recording.read_text(encoding="utf-8").splitlines()
+        short = tmp_path / "seven.csv"
+        short.write_text("\n".join(lines[:8]) + "\n", encoding="utf-8")
+        fake_nvidia_smi(tmp_path / "bin", recording=short)
+        lab = labels_of(rec, 7)
+        reg_text = lambda: get(exp.url + "/metrics")[1]  # noqa: E731
+        wait_for(
+            lambda: (
+                f'smiquery_gpu_lost{{gpu="7",name="{lab["name"]}",pci_bus_id="{lab["pci_bus_id"]}",'
+                f'uuid="{lab["uuid"]}"}} 1.0' in reg_text()
+            ),
+            30,
+            "GPU 7 lost",
+        )
+        code, why = get(exp.url + "/readyz")
+        assert code == 503 and lab["uuid"] in why
+        assert get(exp.url + "/livez")[0] == 200
+        assert "smiquery_up 1.0" in reg_text()
+    assert any(r.levelno == logging.WARNING and lab["uuid"] in r.getMessage() for r in caplog.records)
+
+
+def test_recovers_by_itself_when_a_permanent_error_clears(exporter, tmp_path, recording):
+    fake = fake_nvidia_smi(tmp_path / "bin", recording=recording, fault="version-mismatch")
+    # revive_after stands in for the retry period: a core that stops on permanent errors gets a new stream after
+    # it; the core v2 supervisor retries by itself (state "retrying"). Either way the exporter says so and recovers.
+    exp = exporter(interval=0.1, nvidia_smi=fake, revive_after=1.0)
+
+    def waiting() -> bool:
+        body = get(exp.url + "/metrics")[1]
+        return (
+            "smiquery_next_attempt_timestamp_seconds " in body
+            and 'last_error_type="DriverVersionMismatchError"' in body
+        )
+
+    wait_for(waiting, 30, "the error and the next attempt")
+    body = get(exp.url + "/metrics")[1]
+    assert "smiquery_up 0.0" in body and re.search(r'state="(retrying|failed)"', body)
+    code, why = get(exp.url + "/readyz")
+    assert code == 503 and ("next attempt in" in why or "a new one starts in" in why), why
+    assert get(exp.url + "/livez")[0] == 200
+    fake_nvidia_smi(tmp_path / "bin", recording=recording)  # the driver is fixed (the reboot happened)
+    wait_for(lambda: get(exp.url + "/readyz")[0] == 200, 90, "recovery within one retry period")
+    assert "smiquery_up 1.0" in get(exp.url + "/metrics")[1]
+
+
+# ------------------------------------------------------------------------------ v2: HTTP hardening
+
+
+def _raw_get(port: int, path: str = "/metrics", timeout: float = 10.0) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+def test_slow_clients_cost_no_thread_and_good_clients_are_served(exporter, fake_smi):
+    from smiquery.exporter.httpd import thread_count
+
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), max_connections=64, request_timeout=2.0)
+    wait_for(lambda: _raw_get(exp.port, "/readyz") == 200, 20, "ready")
+    before = thread_count()
+    slow = []
+    try:
+        for _ in range(200):  # more than max_connections: the oldest incomplete ones make room
+            s = socket.create_connection(("127.0.0.1", exp.port), timeout=10)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finishes its head
+            slow.append(s)
+        for _ in range(20):
+            assert _raw_get(exp.port) == 200
+        assert thread_count() == before
+        assert exp.http.open_connections <= 64
+    finally:
+        for s in slow:
+            s.close()
+
+
+def test_an_unfinished_request_head_is_cut_off_at_the_deadline(exporter, fake_smi):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), request_timeout=1.0)
+    with socket.create_connection(("127.0.0.1", exp.port), timeout=30) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        for _ in range(3):
+            with contextlib.suppress(OSError):
+                s.sendall(b"X-a: b\r\n")  # trickling bytes does not extend the deadline
+            time.sleep(0.3)
+        data = b""
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(4096):
+                data += chunk
+    assert data.startswith(b"HTTP/1.1 408")
+
+
+def test_bad_requests_get_4xx_and_the_server_goes_on(exporter, fake_smi):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+    for raw, code in (
+        (b"garbage\r\n\r\n", b"400"),
+        (b"POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc", b"413"),
+        (b"DELETE /metrics HTTP/1.1\r\n\r\n", b"405"),
+        (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n", b"431"),
+    ):
+        with socket.create_connection(("127.0.0.1", exp.port), timeout=10) as s:
+            s.sendall(raw)
+            assert s.recv(100).split(b" ")[1] == code, raw[:20]
+    assert _raw_get(exp.port, "/livez") == 200
+
+
+def test_keep_alive_serves_many_requests_on_one_connection(exporter, fake_smi):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+    conn = http.client.HTTPConnection("127.0.0.1", exp.port, timeout=10)
+    try:
+        for _ in range(50):
+            conn.request("GET", "/livez")
+            r = conn.getresponse()
+            assert (r.status, r.read()) == (200, b"ok\n")
+    finally:
+        conn.close()
+
+
+# ------------------------------------------------------------------------------ v2: web config
+
+
+def _hash(password: str) -> str:
+    import bcrypt
+
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
+
+
+def test_web_config_basic_auth(exporter, fake_smi, tmp_path):
+    cfg = tmp_path / "web.yml"
+    cfg.write_text(f"basic_auth_users:\n  prometheus: '{_hash('s3cret')}'\n", encoding="utf-8")
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), web_config=cfg)
+    assert get(exp.url + "/metrics")[0] == 401
+    good = base64.b64encode(b"prometheus:s3cret").decode()
+    bad = base64.b64encode(b"prometheus:nope").decode()
+    for auth, code in ((good, 200), (bad, 401), (good, 200)):
+        req = urllib.request.Request(exp.url + "/metrics", headers={"Authorization": f"Basic {auth}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                got = r.status
+        except urllib.error.HTTPError as exc:
+            got = exc.code
+        assert got == code
+
+
+def test_web_config_tls_with_client_certificates(exporter, fake_smi, tmp_path, pki):
+    cfg = tmp_path / "web.yml"
+    cfg.write_text(
+        "tls_server_config:\n"
+        f"  cert_file: {pki['cert']}\n  key_file: {pki['key']}\n  client_ca_file: {pki['ca']}\n"
+        "  client_auth_type: RequireAndVerifyClientCert\n",
+        encoding="utf-8",
+    )
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), web_config=cfg)
+    assert exp.url.startswith("https://")
+    wait_for(lambda: get(exp.url + "/readyz", context=client_context(pki, "client"))[0] == 200, 20, "ready")
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+        get(exp.url + "/metrics", context=client_context(pki, None), timeout=3)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("basic_auth_users:\n  u: plain\n", "not a bcrypt hash"),
+        ("tls_server_config:\n  cert_file: /nonexistent.pem\n  key_file: /nonexistent.key\n", "cannot load"),
+        ("nonsense: 1\n", "unknown key(s) nonsense"),
+        ("tls_server_config:\n  cert_file: a\n  bogus: 1\n", "unknown tls_server_config key(s) bogus"),
+        ("[1, 2", "not valid YAML"),
+    ],
+)
+def test_web_config_errors_say_what_is_wrong(tmp_path, text, message):
+    from smiquery.exporter import WebConfigError, load_web_config
+
+    cfg = tmp_path / "web.yml"
+    cfg.write_text(text, encoding="utf-8")
+    with pytest.raises(WebConfigError, match=re.escape(message)):
+        load_web_config(cfg)
+
+
+# ------------------------------------------------------------------------------ v2: nvidia_gpu_exporter naming
+
+NVSMI_DIR = SHARED / "nvidia_gpu_exporter"
+# Families nvidia_gpu_exporter serves that --naming nvidia_smi does not, and why (docs/exporter.md says the same):
+NVSMI_NOT_SERVED = {
+    "nvidia_smi_command_exit_code": "its own scrape bookkeeping; smiquery_up and smiquery_stream_info say more",
+    "nvidia_smi_failed_scrapes_total": "as above",
+    "nvidia_smi_last_collect_success": "as above",
+    "nvidia_smi_name": "the name text read as a number (RTX 4080 -> 4080): not a measurement",
+    "nvidia_smi_driver_version": "the version text read as a number: not a measurement",
+    # served with --processes (tested below), not from --query-gpu:
+    "nvidia_smi_compute_app_info": "",
+    "nvidia_smi_compute_app_used_memory_bytes": "",
+    "nvidia_smi_compute_apps": "",
+    "nvidia_smi_compute_apps_last_collect_success": "",
+}
+
+
+def _nvsmi_pairs() -> list[Path]:
+    got = sorted((NVSMI_DIR / "expected-metrics").glob("*.metrics"))
+    if not got and os.environ.get("CI") == "true":
+        pytest.fail(f"{NVSMI_DIR} is missing; CI must compare the nvidia_smi naming with it")
+    return got
+
+
+def _samples_of(text: str) -> dict[tuple[str, str], float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        m = re.match(r"(\w+)(\{[^}]*\})? (\S+)$", line)
+        assert m, line
+        out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+@pytest.mark.parametrize("expected", _nvsmi_pairs(), ids=lambda p: p.stem)
+def test_nvidia_smi_naming_matches_nvidia_gpu_exporter_on_corpus_captures(expected):
+    from smiquery.parsing import CsvParser
+
+    capture = SHARED / "nvsmi-corpus" / "csv" / f"utkuozdemir__{expected.stem}.csv"
+    rows = list(csv.reader(capture.read_text(encoding="utf-8").splitlines(), skipinitialspace=True))
+    names = [h.split(" [")[0].strip() for h in rows[0]]
+    known = [n for n in names if n in {f.name for f in CATALOGUE}]
+    flds = resolve_fields(known)
+    cols = [names.index(n) for n in known]
+    parser = CsvParser(flds, strict=False)
+    samples = [s for s in (parser.feed(", ".join(r[i] for i in cols)) for r in rows) if s is not None]
+    src = ScriptedSource()
+    col = SmiCollector(src, fields=flds, naming="nvidia_smi")
+    ours = _samples_of(render(col.sweep_families(Sweep(samples))))
+    theirs = _samples_of(expected.read_text(encoding="utf-8"))
+    info_ours = {k: v for k, v in ours.items() if k[0] == "nvidia_smi_gpu_info"}
+    compared = 0
+    for (name, labels), value in theirs.items():
+        if name in NVSMI_NOT_SERVED:
+            continue
+        if name == "nvidia_smi_gpu_info":
+            # the same identity labels, except cuda_version (nvidia-smi's banner, not a query field)
+            want = re.sub(r'cuda_version="[^"]*",?', "", labels)
+            assert (name, want) in info_ours, (want, list(info_ours))
+            continue
+        assert (name, labels) in ours, f"{name}{labels} is not served"
+        assert ours[(name, labels)] == pytest.approx(value, rel=1e-9), name
+        compared += 1
+    assert compared > 20
+    # and nothing is served that they would not (a missing value stays absent, never 0)
+    extra = {k[0] for k in ours} - {k[0] for k in theirs}
+    assert not extra, extra
+
+
+def test_nvidia_smi_naming_serves_processes_and_the_dashboard_variables(exporter, fake_smi):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), naming="nvidia_smi", processes=True, processes_interval=0.2)
+    wait_for(lambda: "nvidia_smi_compute_app_used_memory_bytes{" in get(exp.url + "/metrics")[1], 30, "processes")
+    body = get(exp.url + "/metrics")[1]
+    for name in (
+        "nvidia_smi_index",
+        "nvidia_smi_gpu_info",
+        "nvidia_smi_temperature_gpu",
+        "nvidia_smi_power_draw_watts",
+    ):
+        assert re.search(rf'^{name}\{{.*uuid="[0-9a-f-]+"', body, re.M), name
+    assert 'uuid="GPU-' not in body.split("# HELP smiquery_up")[0]  # the peer's labels carry the bare UUID
+    assert "nvidia_smi_compute_apps_last_collect_success 1.0" in body
+    assert "smiquery_up 1.0" in body  # smiquery's own health metrics stay
+
+
+def test_fields_supported_asks_the_driver_once_and_skips_what_no_gpu_supports(exporter, tmp_path, recording):
+    lines = recording.read_text(encoding="utf-8").splitlines()
+    lines = [lines[0] + ", encoder.stats.sessionCount"] + [ln + ", [Not Supported]" for ln in lines[1:]]
+    rec = tmp_path / "with-unsupported.csv"
+    rec.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    log = tmp_path / "calls.jsonl"
+    fake = fake_nvidia_smi(tmp_path / "bin", recording=rec, log=log)
+    exp = exporter(interval=0.1, nvidia_smi=fake, fields="supported")
+    wait_for(lambda: get(exp.url + "/readyz")[0] == 200, 20, "ready")
+    body = get(exp.url + "/metrics")[1]
+    # fields outside the health preset that this recording (driver) supplies are exported
+    assert "smiquery_power_draw_instant_watts{" in body and "smiquery_pcie_link_gen_gpucurrent{" in body
+    calls = [json.loads(line)["argv"] for line in log.read_text(encoding="utf-8").splitlines()]
+    assert sum("--help-query-gpu" in argv for argv in calls) == 1
+    loop = [argv for argv in calls if any(a.startswith("-l") for a in argv)]
+    assert loop and not any("encoder.stats.sessionCount" in " ".join(argv) for argv in loop)
+
+
+def test_cli_json_logs_say_what_fails_without_debug(fake_smi, tmp_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smiquery.cli_export",
+            "export",
+            "--port",
+            "0",
+            "--interval",
+            "0.1",
+            "--log-format",
+            "json",
+            "--nvidia-smi",
+            str(fake_smi(fault="crash-after:8")),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    lines: list[dict[str, Any]] = []
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(x.get("event") == "restart" for x in lines):
+            text = proc.stderr.readline()
+            if text.startswith("{"):
+                lines.append(json.loads(text))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+    restart = next(x for x in lines if x.get("event") == "restart")
+    assert restart["level"] == "warning" and "nvidia-smi" in restart["msg"] and restart["logger"] == "smiquery.exporter"
+
+
+def test_rate_limit_filter_holds_back_repeats_of_any_smiquery_line():
+    from smiquery.exporter.events import RateLimitFilter
+
+    now = [0.0]
+    flt = RateLimitFilter(burst=1, period=60.0, clock=lambda: now[0])
+
+    def rec(level: int = logging.WARNING) -> logging.LogRecord:
+        return logging.LogRecord("smiquery", level, __file__, 1, "restarting nvidia-smi in %.2f s", (2.0,), None)
+
+    assert [flt.filter(rec()) for _ in range(4)] == [True, False, False, False]
+    assert flt.filter(rec(logging.ERROR))  # errors always go out
+    now[0] += 60.0
+    r = rec()
+    assert flt.filter(r)
+    assert r.getMessage() == "restarting nvidia-smi in 2.00 s (3 similar messages suppressed)"
+
+
+def test_tls_clients_that_never_finish_the_handshake_do_not_block_others(exporter, fake_smi, pki):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), tls_cert=pki["cert"], tls_key=pki["key"], request_timeout=1.0)
+    ctx = client_context(pki, None)
+    wait_for(lambda: get(exp.url + "/readyz", context=ctx)[0] == 200, 20, "ready")
+    stalled = [socket.create_connection(("127.0.0.1", exp.port), timeout=10) for _ in range(50)]
+    try:
+        for s in stalled[:10]:
+            s.sendall(b"\x16\x03\x01")  # the start of a ClientHello, and nothing more
+        for _ in range(10):
+            assert get(exp.url + "/metrics", context=ctx)[0] == 200
+        # the handshake deadline closes them
+        stalled[0].settimeout(30)
+        assert stalled[0].recv(100) == b""
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_listen_backlog_is_not_five(exporter, fake_smi):
+    # 5 (socketserver's default) made new-connection clients time out under load; the kernel reports a listening
+    # socket's backlog as its Send-Q
+    ss = shutil.which("ss")
+    if ss is None:
+        pytest.skip("ss (iproute2) is not installed")
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+    out = subprocess.run([ss, "-ltnH", f"sport = :{exp.port}"], capture_output=True, text=True, check=True).stdout
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    assert int(out.split()[2]) == min(1024, somaxconn), out
+
+
+def test_two_hundred_clients_at_once_all_get_answers(exporter, fake_smi):
+    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+    wait_for(lambda: _raw_get(exp.port, "/readyz") == 200, 20, "ready")
+    codes: list[int] = []
+    go = threading.Event()
+
+    def one() -> None:
+        go.wait()
+        try:
+            codes.append(_raw_get(exp.port, timeout=30))
+        except OSError as exc:
+            codes.append(-1)
+            print(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(200)]
+    for th in threads:
+        th.start()
+    go.set()
+    for th in threads:
+        th.join(60)
+    assert codes.count(200) == 200, sorted(set(codes))
+
+
+def test_dcgm_defaults_cover_every_default_counter_nvidia_smi_can_supply():
+    from smiquery.exporter.naming import exporter_fields
+
+    listed = set()
+    for line in _dcgm_counters_csv().read_text(encoding="utf-8").splitlines():
+        parts = [p.strip() for p in line.strip().split(",")]  # commented-out lines are not defaults
+        if len(parts) >= 3 and parts[0].startswith("DCGM_F") and parts[1] != "label":
+            listed.add(parts[0])
+    suppliable = {name for entries in DCGM_MAP.values() for name, _, _ in entries} & listed
+    defaults = {s.name for s in metric_specs(exporter_fields("health", "dcgm"), "dcgm")}
+    assert suppliable - defaults == set()
+    for name in ("DCGM_FI_DEV_ENC_UTIL", "DCGM_FI_DEV_DEC_UTIL", "DCGM_FI_DEV_FB_RESERVED"):
+        assert name in defaults
+    assert {"DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"} <= defaults

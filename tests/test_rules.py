@@ -65,7 +65,8 @@ def dashboard_exprs() -> list[str]:
 
 def exported_names() -> set[str]:
     names = {s.sample for s in metric_specs("all")}
-    return names | set(HEALTH_METRICS)
+    # the training monitor's metric, joined by UUID (smiquery.keras exports it)
+    return names | set(HEALTH_METRICS) | {"smiquery_training_steps_total"}
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -112,9 +113,12 @@ def test_the_issue_alerts_exist_with_their_thresholds():
     rules = {r["alert"]: r for r in load_rules()}
     high, crit = rules["GpuTemperatureHigh"], rules["GpuTemperatureCritical"]
     assert "> 80" in high["expr"] and high["for"] == "5m" and high["labels"]["severity"] == "warning"
-    assert "> 85" in crit["expr"] and ">= 3" in crit["expr"] and crit["labels"]["severity"] == "critical"
+    assert 'alert="temperature.gpu > 85 for 3"' in crit["expr"] and crit["labels"]["severity"] == "critical"
+    assert "smiquery_alert_fired_total" in crit["expr"]  # an episode between two scrapes still fires
     stalled = rules["GpuStalledPipeline"]
-    assert "< 0.2" in stalled["expr"] and "smiquery_memory_used_bytes" in stalled["expr"]
+    assert "avg_over_time(smiquery_utilization_gpu_ratio[30m]) < 0.2" in stalled["expr"]
+    assert "on(uuid)" in stalled["expr"] and "rate(smiquery_training_steps_total[5m])" in stalled["expr"]
+    assert "smiquery_process_used_memory_bytes" in stalled["expr"]
     assert "hw_thermal_slowdown" in rules["GpuThermalThrottling"]["expr"]
     assert "power_brake" in rules["GpuPowerBrakeThrottling"]["expr"]
     assert "smiquery_gpu_lost" in rules["GpuLost"]["expr"]
@@ -175,3 +179,242 @@ def test_dashboard_has_instance_and_gpu_variables_and_the_panels_asked_for():
             assert 'instance=~"$instance"' in t["expr"], (p["title"], t["expr"])
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+# ------------------------------------------------- the same rules at any scrape interval, in both namings
+
+DCGM_RULES = PROM_DIR / "smiquery-dcgm-rules.yml"
+RULE_FILES = {"smiquery": RULES, "dcgm": DCGM_RULES}
+U = [f"GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd" for i in range(4)]
+CRIT = "temperature.gpu > 85 for 3"
+
+
+def _gpu_labels(naming: str, gpu: int) -> dict[str, str]:
+    base = {"instance": "gpu-node-1:9849", "job": "smiquery-exporter", "gpu": str(gpu)}
+    bus = f"00000000:1{gpu}:00.0"
+    if naming == "dcgm":
+        return {
+            **base,
+            "UUID": U[gpu],
+            "device": f"nvidia{gpu}",
+            "modelName": "NVIDIA H100",
+            "Hostname": "gpu-node-1",
+            "pci_bus_id": bus,
+        }
+    return {**base, "uuid": U[gpu], "name": "NVIDIA H100", "pci_bus_id": bus}
+
+
+def _native_labels(gpu: int) -> dict[str, str]:
+    return _gpu_labels("smiquery", gpu)
+
+
+def _sel(name: str, labels: dict[str, str]) -> str:
+    return name + "{" + ", ".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+
+
+def _n(minutes: float, step: int) -> int:
+    """Samples after the first one covering ``minutes`` at one sample per ``step`` seconds."""
+    return round(minutes * 60 / step)
+
+
+def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
+    return {"series": _sel(name, labels), "values": values}
+
+
+def _alert(alertname: str, labels: dict[str, str], severity: str) -> dict[str, Any]:
+    return {"exp_labels": {**labels, "severity": severity}}
+
+
+def _cases(naming: str, step: int) -> list[dict[str, Any]]:
+    """promtool test groups that must fire and must stay quiet, for one naming at one scrape interval."""
+    g = [_gpu_labels(naming, i) for i in range(4)]
+    temp = "DCGM_FI_DEV_GPU_TEMP" if naming == "dcgm" else "smiquery_temperature_gpu_celsius"
+    util = "DCGM_FI_DEV_GPU_UTIL" if naming == "dcgm" else "smiquery_utilization_gpu_ratio"
+    low, high = ("5", "90") if naming == "dcgm" else ("0.05", "0.9")
+    n = functools.partial(_n, step=step)
+    interval = f"{step}s"
+    out: list[dict[str, Any]] = []
+    # above 80 C for 5 minutes: GPU 0 hot for 7 minutes; GPU 1 hot but dipped once at 4 minutes
+    out.append(
+        {
+            "name": f"GpuTemperatureHigh at {interval}",
+            "interval": interval,
+            "input_series": [
+                _series(temp, g[0], f"81x{n(8)}"),
+                _series(temp, g[1], f"81x{n(4) - 1} 79 81x{n(4)}"),
+                _series(temp, g[2], f"80x{n(8)}"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "4m", "alertname": "GpuTemperatureHigh", "exp_alerts": []},
+                {
+                    "eval_time": "6m",
+                    "alertname": "GpuTemperatureHigh",
+                    "exp_alerts": [_alert("GpuTemperatureHigh", g[0], "warning")],
+                },
+            ],
+        }
+    )
+    # 3 consecutive samples above 85 C, counted by the exporter: GPU 0 fires and stays hot; GPU 1 had a short
+    # episode between two scrapes (only the counter shows it); GPU 2 never
+    crit = {**{}, "alert": CRIT}
+    out.append(
+        {
+            "name": f"GpuTemperatureCritical at {interval}",
+            "interval": interval,
+            "input_series": [
+                _series("smiquery_alert_firing", {**g[0], **crit}, f"0x{n(2)} 1x{n(10)}"),
+                _series("smiquery_alert_fired_total", {**g[0], **crit}, f"0x{n(2)} 1x{n(10)}"),
+                _series("smiquery_alert_firing", {**g[1], **crit}, f"0x{n(12)}"),
+                _series("smiquery_alert_fired_total", {**g[1], **crit}, f"0x{n(3)} 1x{n(9)}"),
+                _series("smiquery_alert_firing", {**g[2], **crit}, f"0x{n(12)}"),
+                _series("smiquery_alert_fired_total", {**g[2], **crit}, f"0x{n(12)}"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "1m", "alertname": "GpuTemperatureCritical", "exp_alerts": []},
+                {
+                    "eval_time": "4m",
+                    "alertname": "GpuTemperatureCritical",
+                    "exp_alerts": [
+                        _alert("GpuTemperatureCritical", {**g[0], **crit}, "critical"),
+                        _alert("GpuTemperatureCritical", {**g[1], **crit}, "critical"),
+                    ],
+                },
+                {
+                    "eval_time": "11m",
+                    "alertname": "GpuTemperatureCritical",
+                    "exp_alerts": [_alert("GpuTemperatureCritical", {**g[0], **crit}, "critical")],
+                },
+            ],
+        }
+    )
+    # low utilisation while training: GPU 0 trains (steps rise) at 5 %; GPU 1 is an idle inference server (a
+    # process holds memory at 0 %, no training metric for it); GPU 2 trains and is busy
+    training = {"job": "training", "instance": "trainer-1:8000", "host": "gpu-node-1"}
+    out.append(
+        {
+            "name": f"GpuStalledPipeline at {interval}: training evidence by UUID",
+            "interval": interval,
+            "input_series": [
+                _series(util, g[0], f"{low}x{n(40)}"),
+                _series("smiquery_training_steps_total", {**training, "uuid": U[0]}, f"0+10x{n(40)}"),
+                _series(util, g[1], f"0x{n(40)}"),
+                _series("smiquery_process_used_memory_bytes", {**_native_labels(1), "pid": "7"}, f"4e9x{n(40)}"),
+                _series(util, g[2], f"{high}x{n(40)}"),
+                _series("smiquery_training_steps_total", {**training, "uuid": U[2]}, f"0+10x{n(40)}"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "25m", "alertname": "GpuStalledPipeline", "exp_alerts": []},
+                {
+                    "eval_time": "35m",
+                    "alertname": "GpuStalledPipeline",
+                    "exp_alerts": [_alert("GpuStalledPipeline", g[0], "warning")],
+                },
+            ],
+        }
+    )
+    # no training metrics anywhere: fall back to a compute process on the GPU (GPU 0 has one, GPU 1 none)
+    out.append(
+        {
+            "name": f"GpuStalledPipeline at {interval}: compute-process fallback",
+            "interval": interval,
+            "input_series": [
+                _series(util, g[0], f"{low}x{n(40)}"),
+                _series("smiquery_process_used_memory_bytes", {**_native_labels(0), "pid": "9"}, f"2e9x{n(40)}"),
+                _series(util, g[1], f"0x{n(40)}"),
+            ],
+            "alert_rule_test": [
+                {
+                    "eval_time": "35m",
+                    "alertname": "GpuStalledPipeline",
+                    "exp_alerts": [_alert("GpuStalledPipeline", g[0], "warning")],
+                },
+            ],
+        }
+    )
+    out.append(
+        {
+            "name": f"GpuLost and SmiqueryExporterDown at {interval}",
+            "interval": interval,
+            "input_series": [
+                _series("smiquery_gpu_lost", g[0], f"0 1x{n(5)}"),
+                _series("smiquery_gpu_lost", g[1], f"0x{n(5)}"),
+                _series("up", {"instance": "gpu-node-1:9849", "job": "smiquery-exporter"}, f"1 0x{n(5)}"),
+                _series("up", {"instance": "gpu-node-2:9849", "job": "smiquery-exporter"}, f"1x{n(5)}"),
+            ],
+            "alert_rule_test": [
+                {
+                    "eval_time": "1m",
+                    "alertname": "GpuLost",
+                    "exp_alerts": [_alert("GpuLost", g[0], "critical")],
+                },
+                {"eval_time": "1m", "alertname": "SmiqueryExporterDown", "exp_alerts": []},
+                {
+                    "eval_time": "4m",
+                    "alertname": "SmiqueryExporterDown",
+                    "exp_alerts": [
+                        _alert(
+                            "SmiqueryExporterDown",
+                            {"instance": "gpu-node-1:9849", "job": "smiquery-exporter"},
+                            "warning",
+                        )
+                    ],
+                },
+            ],
+        }
+    )
+    return out
+
+
+def _without_annotations(rules: Path, dest: Path) -> Path:
+    # promtool compares annotations too; the templates are checked by `promtool check rules` and the shipped test
+    # file, so these interval tests compare labels only
+    doc = yaml.safe_load(rules.read_text(encoding="utf-8"))
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    dest.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    return dest
+
+
+@pytest.mark.parametrize("naming", ["smiquery", "dcgm"])
+@pytest.mark.parametrize("step", [15, 30, 60])
+def test_rules_fire_and_stay_quiet_at_any_scrape_interval(tmp_path, naming, step):
+    rules = _without_annotations(RULE_FILES[naming], tmp_path / "rules.yml")
+    spec = {"rule_files": [rules.name], "evaluation_interval": f"{step}s", "tests": _cases(naming, step)}
+    test_file = tmp_path / "rules.test.yml"
+    test_file.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    done = promtool("test", "rules", str(test_file))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_dcgm_rules_are_the_same_alerts_and_promtool_clean():
+    done = promtool("check", "rules", "--lint=all", "--lint-fatal", str(DCGM_RULES))
+    assert done.returncode == 0, done.stdout + done.stderr
+    dcgm = yaml.safe_load(DCGM_RULES.read_text(encoding="utf-8"))
+    names = [r["alert"] for g in dcgm["groups"] for r in g["rules"]]
+    assert names == [r["alert"] for r in load_rules()]
+    assert all("smiquery_temperature_gpu_celsius" not in r["expr"] for g in dcgm["groups"] for r in g["rules"])
+
+
+def test_scrape_configs_service_monitor_and_rules_agree_on_the_job():
+    prom = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text(encoding="utf-8"))
+    jobs = {j["job_name"] for j in prom["scrape_configs"]}
+    k8s = ROOT / "docker" / "k8s"
+    cm = yaml.safe_load((k8s / "prometheus-scrape-config.yaml").read_text(encoding="utf-8"))
+    k8s_jobs = {j["job_name"] for j in yaml.safe_load(cm["data"]["smiquery-scrape.yml"])["scrape_configs"]}
+    # the Prometheus Operator names the job after the Service unless the ServiceMonitor sets jobLabel
+    monitor = yaml.safe_load((k8s / "servicemonitor.yaml").read_text(encoding="utf-8"))
+    services = [d for d in yaml.safe_load_all((k8s / "exporter.yaml").read_text(encoding="utf-8")) if d]
+    selected = monitor["spec"]["selector"]["matchLabels"]
+    svc = [
+        s for s in services if s["kind"] == "Service" and selected.items() <= s["metadata"].get("labels", {}).items()
+    ]
+    assert len(svc) == 1 and "jobLabel" not in monitor["spec"]
+    operator_job = svc[0]["metadata"]["name"]
+    rule_jobs = set()
+    for path in RULE_FILES.values():
+        for expr in re.findall(r'up\{job="([^"]+)"\}', path.read_text(encoding="utf-8")):
+            rule_jobs.add(expr)
+    assert jobs == k8s_jobs == {operator_job} == rule_jobs == {"smiquery-exporter"}
+    ports = {p["port"] for p in svc[0]["spec"]["ports"]}
+    assert ports == {9849}

@@ -1,0 +1,57 @@
+"""Prometheus exporter: metric families from the newest sweep of ONE background stream, served over HTTP(S).
+
+:class:`SmiCollector` turns the newest sweep of a background :func:`~smiquery.stream` into metric families, and
+:func:`serve` publishes them on ``/metrics`` with ``/healthz``.
+
+A scrape never starts nvidia-smi: it reads :meth:`Stream.latest`. Needs ``prometheus_client``
+(``pip install 'smiquery[export]'``); the rest of smiquery does not import this module.
+"""
+
+from __future__ import annotations
+
+try:
+    import prometheus_client  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "smiquery.exporter needs prometheus_client: pip install 'smiquery[export]' (the core does not)"
+    ) from _exc
+
+from smiquery.exporter.collector import (
+    DEFAULT_EXPORTER_ALERTS,
+    SmiCollector,
+    SourceHealth,
+    SweepSource,
+    parse_labels,
+    source_health,
+)
+from smiquery.exporter.events import EventLog, configure_logging
+from smiquery.exporter.naming import DCGM_MAP, HEALTH_METRICS, IDENTITY_FIELDS, MetricSpec, Naming, metric_specs, render
+from smiquery.exporter.poller import ProcessPoller
+from smiquery.exporter.server import Exporter, ListenError, PortInUseError, serve
+from smiquery.exporter.webconfig import WebConfig, WebConfigError, load_web_config
+
+__all__ = [
+    "DCGM_MAP",
+    "DEFAULT_EXPORTER_ALERTS",
+    "HEALTH_METRICS",
+    "IDENTITY_FIELDS",
+    "EventLog",
+    "Exporter",
+    "ListenError",
+    "MetricSpec",
+    "Naming",
+    "PortInUseError",
+    "ProcessPoller",
+    "SmiCollector",
+    "SourceHealth",
+    "SweepSource",
+    "WebConfig",
+    "WebConfigError",
+    "configure_logging",
+    "load_web_config",
+    "metric_specs",
+    "parse_labels",
+    "render",
+    "serve",
+    "source_health",
+]

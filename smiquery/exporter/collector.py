@@ -1,0 +1,817 @@
+"""The collector: metric families from the newest sweep of one sample source, plus the exporter's health."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from prometheus_client.metrics_core import Metric
+
+from smiquery import __version__
+from smiquery.exporter.naming import NVSMI_INFO_LABELS, NVSMI_WORDS, Naming, metric_specs, render
+from smiquery.exporter.poller import ProcessPoller
+from smiquery.fields import Field
+from smiquery.oneshot import GpuProcess
+from smiquery.source import Sweep
+
+if TYPE_CHECKING:
+    from smiquery.alerts import AlertEvaluator
+    from smiquery.records import GpuSample, Value
+    from smiquery.source import StreamStats
+
+__all__ = [
+    "DEFAULT_EXPORTER_ALERTS",
+    "SmiCollector",
+    "SourceHealth",
+    "SweepSource",
+    "parse_labels",
+    "source_health",
+]
+
+log = logging.getLogger("smiquery.exporter")
+
+_LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class SweepSource(Protocol):
+    """What the collector reads: a started :class:`~smiquery.supervisor.Stream` (or a stand-in in tests)."""
+
+    @property
+    def interval(self) -> float:
+        """Seconds between samples."""
+        ...
+
+    @property
+    def stats(self) -> StreamStats:
+        """The stream's counters."""
+        ...
+
+    @property
+    def running(self) -> bool:
+        """True while the stream's thread is alive."""
+        ...
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that ended the stream, if any."""
+        ...
+
+    def latest(self) -> tuple[Sweep | None, float | None]:
+        """The newest sweep and its age in seconds."""
+        ...
+
+
+def _gauge(name: str, doc: str) -> Metric:
+    return Metric(name, doc, "gauge")
+
+
+def _counter(name: str, doc: str) -> Metric:
+    return Metric(name, doc, "counter")
+
+
+#: smiquery alert rules the exporter evaluates on every nvidia-smi sample by default: the rule that counts samples,
+#: which PromQL cannot count whatever the scrape interval (the time-based rules stay in Prometheus).
+DEFAULT_EXPORTER_ALERTS: tuple[str, ...] = ("temperature.gpu > 85 for 3",)
+
+
+@dataclass(frozen=True)
+class SourceHealth:
+    """What the collector needs to know about its source's state, read in one place.
+
+    Attributes:
+        running: whether the source's background thread is alive.
+        state: ``starting``, ``running``, ``retrying``, ``ended``, ``closed`` or ``failed``.
+        last_error: the newest failure as one line.
+        last_error_type: its exception class name.
+        next_retry_at: ``time.time()`` of the next start while retrying.
+        permanent: whether the current failure needs a person (driver mismatch, NVML missing...).
+        lost: GPU indices the source reports lost.
+        known: GPU index -> UUID for every GPU the source has seen.
+    """
+
+    running: bool
+    state: str
+    last_error: str | None
+    last_error_type: str | None
+    next_retry_at: float | None
+    permanent: bool
+    lost: frozenset[int]
+    known: dict[int, str | None]
+
+
+def source_health(source: SweepSource) -> SourceHealth:
+    """Read a source's state, whatever version of :class:`~smiquery.source.StreamStats` it carries.
+
+    Attributes a source does not have yet read as "not known" (None, False, empty); a source whose thread ended
+    with an error reads as ``failed``.
+
+    Args:
+        source: the sample source.
+
+    Returns:
+        Its state now.
+    """
+    st = source.stats
+    running = bool(source.running)
+    error = source.error
+    state = str(getattr(st, "state", "") or "")
+    if not running:
+        state = "failed" if error is not None else (state if state in ("ended", "closed", "failed") else "closed")
+    elif not state or (state == "starting" and getattr(st, "rows", 0) > 0):
+        state = "running"  # a source that does not keep state: rows flow, so it runs
+    last_type = getattr(st, "last_error_type", None)
+    last = getattr(st, "last_error", None)
+    if error is not None and not running:
+        last_type = type(error).__name__
+        last = str(error).splitlines()[0] if str(error) else last_type
+    if last_type is None and last is not None:
+        errors = getattr(st, "errors", None)
+        if errors:
+            last_type = max(errors, key=lambda k: errors[k])
+    known = dict(getattr(st, "known_gpus", None) or {})
+    return SourceHealth(
+        running=running,
+        state=state,
+        last_error=last,
+        last_error_type=last_type,
+        next_retry_at=getattr(st, "next_retry_at", None),
+        permanent=bool(getattr(st, "permanent", False)),
+        lost=frozenset(getattr(st, "lost_gpus", None) or ()),
+        known=known,
+    )
+
+
+@dataclass
+class _Gpu:
+    """A GPU the collector has seen, remembered until the exporter restarts."""
+
+    index: int | None
+    uuid: str | None
+    native: dict[str, str]
+    dcgm: dict[str, str]
+    lost: bool = False
+    absent: int = 0  # sweeps in a row without this GPU
+
+
+def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, str]:
+    """Check constant labels given as ``key=value`` strings (or a mapping).
+
+    Args:
+        items: ``["site=lab", "rack=3"]`` or ``{"site": "lab"}``.
+
+    Returns:
+        The labels as a dict.
+
+    Raises:
+        ValueError: a malformed item, an invalid or reserved label name, or a name given twice.
+    """
+    if items is None:
+        return {}
+    pairs: list[tuple[str, str]] = []
+    if isinstance(items, Mapping):
+        pairs = [(str(k), str(v)) for k, v in items.items()]
+    else:
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"label {item!r} is not key=value")
+            pairs.append((key.strip(), value))
+    out: dict[str, str] = {}
+    for key, value in pairs:
+        if not _LABEL_NAME_RE.fullmatch(key) or key.startswith("__"):
+            raise ValueError(
+                f"label name {key!r} is invalid: letters, digits and '_', not starting with a digit or '__'"
+            )
+        if key in _RESERVED_LABELS:
+            raise ValueError(f"label name {key!r} is set by the exporter itself; pick another name")
+        if key in out:
+            raise ValueError(f"label {key!r} is given twice")
+        out[key] = value
+    return out
+
+
+# Labels the exporter sets itself (Hostname is not here: --label Hostname=... overrides the DCGM label).
+_RESERVED_LABELS = frozenset(
+    {"gpu", "uuid", "name", "pci_bus_id", "value", "pid", "process_name", "type", "source"}
+    | {"UUID", "device", "modelName", "DCGM_FI_DRIVER_VERSION"}
+)
+
+
+def _bare_uuid(uuid: str | None) -> str:
+    # nvidia_gpu_exporter labels GPUs by the UUID without nvidia-smi's "GPU-" prefix (its dashboard matches on it)
+    text = uuid or ""
+    return text[4:] if text.startswith("GPU-") else text
+
+
+def _nvsmi_number(field: str, value: Value) -> float | None:
+    if isinstance(value, bool):
+        return 1.0 if value else 0.0
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = str(value).strip()
+    words = NVSMI_WORDS.get(field)
+    if words is not None:
+        return words.get(text)
+    if text[:1] in "Pp" and text[1:].isdigit():
+        return float(text[1:])
+    try:
+        return float(text)  # version-like numbers (inforom.ecc 7.16, compute_cap 9.0)
+    except ValueError:
+        return None  # text that is no number is not made one
+
+
+def _pstate_number(value: Value) -> float | None:
+    if isinstance(value, str) and value[:1] in "Pp" and value[1:].isdigit():
+        return float(value[1:])
+    return None
+
+
+class SmiCollector:
+    """A ``prometheus_client`` collector over the newest sweep of one background stream.
+
+    :meth:`collect` reads :meth:`Stream.latest` and never runs nvidia-smi. Per-GPU series are served only while
+    the newest sweep is fresher than ``stale_after``; a missing value (any status token) leaves its series out
+    for that GPU, never 0. The health metrics (``smiquery_up``, sample age, restarts, errors by type, dropped
+    rows, lost GPUs) are always there. :meth:`exposition` is the fast path the HTTP server uses: the per-sweep
+    text is rendered once per sweep; only the health metrics are rendered for every scrape.
+
+    Args:
+        stream: a started stream (anything with ``latest()``, ``stats``, ``running``, ``error``, ``interval``).
+        fields: the fields the stream queries (default: ``stream.fields``).
+        naming: ``smiquery`` or ``dcgm``.
+        labels: constant labels added to every series.
+        processes: a :class:`ProcessPoller` to add per-process GPU memory; None for none.
+        stale_after: seconds after which the newest sweep counts as stale (default ``max(3 * interval, 15)``).
+        hostname: the DCGM ``Hostname`` label (default: this host's name).
+        alerts: an :class:`~smiquery.alerts.AlertEvaluator` fed every sample (``smiquery_alert_firing``).
+        on_gpu_change: called ``(lost, index, uuid)`` when a GPU drops out or comes back.
+        on_state: called ``(up, why)`` when fresh data stops or flows again.
+        nvidia_smi_path: the binary, for ``smiquery_build_info``.
+    """
+
+    def __init__(
+        self,
+        stream: SweepSource,
+        *,
+        fields: Sequence[Field] | None = None,
+        naming: Naming = "smiquery",
+        labels: Mapping[str, str] | Iterable[str] | None = None,
+        processes: ProcessPoller | None = None,
+        stale_after: float | None = None,
+        hostname: str | None = None,
+        alerts: AlertEvaluator | None = None,
+        on_gpu_change: Callable[[bool, int, str | None], None] | None = None,
+        on_state: Callable[[bool, str], None] | None = None,
+        nvidia_smi_path: str = "",
+    ) -> None:
+        self.stream = stream
+        flds: Sequence[Field] | None = fields if fields is not None else getattr(stream, "fields", None)
+        if flds is None:
+            raise ValueError("pass fields= for a stream without a .fields attribute")
+        self.naming: Naming = naming
+        self.specs = metric_specs(list(flds), naming)
+        self.labels = parse_labels(labels)
+        self.processes = processes
+        self.stale_after = float(stale_after) if stale_after is not None else max(3 * stream.interval, 15.0)
+        self.hostname = self.labels.get("Hostname") or hostname or socket.gethostname()
+        self.render_errors = 0
+        self._lock = threading.Lock()
+        self._cache_key: tuple[object, object] = (object(), object())
+        self._cache: bytes = b""
+        self.alerts = alerts
+        self.on_gpu_change = on_gpu_change
+        self.on_state = on_state
+        self.nvidia_smi_path = nvidia_smi_path
+        self.driver_version = ""
+        self._gpus: dict[str, _Gpu] = {}  # by UUID (or "index:N" without one): what was seen, until restart
+        self._fired: dict[tuple[int, str], int] = {}
+        self._last_sweep: Sweep | None = None
+        self._up: bool | None = None
+        self._refresh_lock = threading.Lock()
+        self.revive_at: float | None = None  # set by the exporter while a stopped stream waits to be replaced
+        self._gpu_version = 0  # bumped whenever a sweep is taken in or the lost set may change
+        self._gpu_text_version = -1
+        self._gpu_text = b""
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------ tracking
+
+    def refresh(self) -> None:
+        """Take in the newest sweep: remember its GPUs, find lost ones, feed the alert rules. Cheap; any thread.
+
+        The HTTP server calls it on every scrape and :meth:`start` every quarter interval, so no sweep is missed by
+        the alert rules and a lost GPU is noticed without a scrape.
+        """
+        with self._refresh_lock:
+            sweep, age = self.stream.latest()
+            health = source_health(self.stream)
+            if sweep is not None and sweep is not self._last_sweep:
+                self._last_sweep = sweep
+                self._take(sweep, health)
+                self._gpu_version += 1
+            elif health.lost:
+                self._mark_lost(health, None)
+                self._gpu_version += 1
+            up = self._is_up(sweep, age, health)
+            if up != self._up:
+                if self._up is not None or not up:
+                    why = "ok" if up else self.health()[1]
+                    if self.on_state is not None and (self._up is not None or health.state != "starting"):
+                        self.on_state(up, why)
+                self._up = up
+
+    def _take(self, sweep: Sweep, health: SourceHealth) -> None:
+        present: set[str] = set()
+        reported: set[str] = set()
+        for s in sweep:
+            key = s.uuid or f"index:{s.index}"
+            gpu = self._gpus.get(key)
+            native = self._native_labels(s)
+            dcgm = self._dcgm_labels(s) if self.naming == "dcgm" else native
+            if gpu is None:
+                gpu = self._gpus[key] = _Gpu(s.index, s.uuid, native, dcgm)
+            else:
+                gpu.index, gpu.native, gpu.dcgm = s.index, native, dcgm
+            if s.gpu_lost:
+                reported.add(key)  # nvidia-smi's own word: lost at once
+            else:
+                present.add(key)
+            drv = s.get("driver_version")
+            if drv is not None:
+                self.driver_version = str(drv)
+            if self.alerts is not None:
+                for ev in self.alerts.update(s):
+                    if ev.state == "firing":
+                        i = self.alerts.rules.index(ev.rule)
+                        self._fired[(i, key)] = self._fired.get((i, key), 0) + 1
+        self._mark_lost(health, present, reported)
+
+    def _mark_lost(
+        self, health: SourceHealth, present: set[str] | None, reported: AbstractSet[str] = frozenset()
+    ) -> None:
+        by_index = {g.index: k for k, g in self._gpus.items()}
+        for idx in health.lost:
+            if idx not in by_index:  # reported lost before the collector saw it
+                uuid = health.known.get(idx)
+                key = uuid or f"index:{idx}"
+                labels = {"gpu": str(idx), "uuid": uuid or "", **self.labels}
+                dcgm = {"gpu": str(idx), "UUID": uuid or "", "device": f"nvidia{idx}", **self.labels}
+                self._gpus[key] = _Gpu(idx, uuid, labels, dcgm if self.naming == "dcgm" else labels)
+                by_index[idx] = key
+        lost_keys = {by_index[i] for i in health.lost if i in by_index} | set(reported)
+        for key, gpu in self._gpus.items():
+            if present is None:
+                now_lost = gpu.lost or key in lost_keys  # no new sweep: only the source's word can add to it
+            else:
+                # Absent from two sweeps in a row: one cut sweep is not a lost GPU.
+                gpu.absent = 0 if key in present else gpu.absent + 1
+                now_lost = key in lost_keys or gpu.absent >= 2 or (gpu.lost and key not in present)
+            if now_lost != gpu.lost:
+                gpu.lost = now_lost
+                if self.on_gpu_change is not None and gpu.index is not None:
+                    self.on_gpu_change(now_lost, gpu.index, gpu.uuid)
+
+    def _is_up(self, sweep: Sweep | None, age: float | None, health: SourceHealth) -> bool:
+        return health.running and health.state not in ("retrying", "failed", "closed") and self._fresh(sweep, age)
+
+    def lost_gpus(self) -> list[tuple[int | None, str | None]]:
+        """The GPUs seen earlier that are lost now, as (index, uuid)."""
+        return [(g.index, g.uuid) for g in self._gpus.values() if g.lost]
+
+    def start(self) -> SmiCollector:
+        """Watch the source in a background thread (every quarter interval) so every sweep is taken in."""
+        if self._watcher is None:
+            period = min(max(float(getattr(self.stream, "interval", 1.0)) / 4, 0.05), 1.0)
+
+            def run() -> None:
+                while not self._watch_stop.wait(period):
+                    try:
+                        self.refresh()
+                    except Exception:  # a bug must not end the watch
+                        log.exception("smiquery exporter: watching the stream failed")
+
+            self._watcher = threading.Thread(target=run, name="smiquery-watch", daemon=True)
+            self._watcher.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the watcher thread."""
+        self._watch_stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(5.0)
+
+    def describe(self) -> list[Metric]:
+        """Nothing: registering the collector must not collect (and so not touch the stream)."""
+        return []
+
+    # ----------------------------------------------------------------------------------------- per sweep
+
+    def _dcgm_labels(self, s: GpuSample) -> dict[str, str]:
+        gpu = "" if s.index is None else str(s.index)
+        out = {
+            "gpu": gpu,
+            "UUID": s.uuid or "",
+            "device": f"nvidia{gpu}",
+            "modelName": str(s.get("name") or ""),
+            "Hostname": self.hostname,
+            "pci_bus_id": str(s.get("pci.bus_id") or ""),
+        }
+        drv = s.get("driver_version")
+        if drv is not None:
+            out["DCGM_FI_DRIVER_VERSION"] = str(drv)
+        out.update(self.labels)
+        return out
+
+    def _native_labels(self, s: GpuSample) -> dict[str, str]:
+        idx = s.index
+        out = {
+            "gpu": "" if idx is None else str(idx),
+            "uuid": s.uuid or "",
+            "name": str(s.get("name") or ""),
+            "pci_bus_id": str(s.get("pci.bus_id") or ""),
+        }
+        out.update(self.labels)
+        return out
+
+    def _nvsmi_labels(self, s: GpuSample) -> dict[str, str]:
+        return {"uuid": _bare_uuid(s.uuid), **self.labels}
+
+    def _nvsmi_info(self, sweep: Sweep) -> Metric:
+        fam = Metric(
+            "nvidia_smi_gpu_info", "A metric with a constant '1' value labeled by gpu uuid, name and more.", "gauge"
+        )
+        for s in sweep:
+            labels: dict[str, str] = {}
+            for field, label in NVSMI_INFO_LABELS.items():
+                if field in s:
+                    raw = s.raw.get(field)
+                    labels[label] = (raw if raw is not None else str(s.get(field) or "")).strip()
+            labels["uuid"] = _bare_uuid(s.uuid)
+            fam.add_sample(fam.name, {**labels, **self.labels}, 1.0)
+        return fam
+
+    def sweep_families(self, sweep: Sweep) -> list[Metric]:
+        """The per-GPU metric families of one sweep (without health metrics).
+
+        Args:
+            sweep: the samples of one instant.
+
+        Returns:
+            The non-empty families, in spec order.
+        """
+        if not sweep:
+            return []
+        per_gpu = []
+        for s in sweep:
+            pos = {n: i for i, n in enumerate(s.fields)}
+            native = self._native_labels(s)
+            if self.naming == "dcgm":
+                dcgm = self._dcgm_labels(s)
+            elif self.naming == "nvidia_smi":
+                dcgm = self._nvsmi_labels(s)
+            else:
+                dcgm = native
+            per_gpu.append((s.values(), pos, dcgm, native, s.raw))
+        out: list[Metric] = []
+        for spec in self.specs:
+            fam = Metric(spec.name, spec.help, spec.type)
+            for values, pos, dcgm_labels, native_labels, raw in per_gpu:
+                i = pos.get(spec.field)
+                if i is None:
+                    continue
+                value = values[i]
+                if value is None:
+                    continue  # a status token: the series is absent for this GPU, never 0
+                labels = dcgm_labels if spec.naming in ("dcgm", "nvidia_smi") else native_labels
+                if spec.style == "nvsmi":
+                    number = _nvsmi_number(spec.field, value)
+                    if number is not None:
+                        fam.add_sample(spec.sample, labels, number * spec.scale)
+                    continue
+                if spec.style == "info":
+                    text = raw.get(spec.field, str(value)) if isinstance(value, int) else str(value)
+                    fam.add_sample(spec.sample, {**labels, "value": text.strip()}, 1.0)
+                    continue
+                if spec.style == "pstate":
+                    number = _pstate_number(value)
+                    if number is not None:
+                        fam.add_sample(spec.sample, labels, number)
+                    continue
+                if isinstance(value, bool):
+                    fam.add_sample(spec.sample, labels, 1.0 if value else 0.0)
+                elif isinstance(value, (int, float)):
+                    fam.add_sample(spec.sample, labels, float(value) * spec.scale)
+            if fam.samples:
+                out.append(fam)
+        if self.naming == "nvidia_smi":
+            out.append(self._nvsmi_info(sweep))
+        return out
+
+    def process_families(self, procs: Sequence[GpuProcess]) -> list[Metric]:
+        """Per-process GPU memory (``smiquery_process_used_memory_bytes``), labelled pid, process_name, gpu, uuid.
+
+        Args:
+            procs: the processes of one poll.
+
+        Returns:
+            One family (empty list when no process reports its memory).
+        """
+        if self.naming == "nvidia_smi":
+            return self._nvsmi_process_families(procs)
+        fam = _gauge(
+            "smiquery_process_used_memory_bytes",
+            "GPU memory used by a compute process, in bytes (nvidia-smi --query-compute-apps used_memory).",
+        )
+        # One series per (pid, GPU): a process listed twice on one GPU (one row per MIG instance) is summed, as
+        # Prometheus rejects a whole scrape that repeats a series.
+        total: dict[tuple[int, str, str, str], float] = {}
+        for p in procs:
+            if p.used_memory is None:
+                continue
+            key = (p.pid, p.process_name, "" if p.gpu_index is None else str(p.gpu_index), p.gpu_uuid)
+            total[key] = total.get(key, 0.0) + float(p.used_memory) * 1048576.0
+        for (pid, pname, gpu, uuid), used in total.items():
+            labels = {"pid": str(pid), "process_name": pname, "gpu": gpu, "uuid": uuid, **self.labels}
+            fam.add_sample(fam.name, labels, used)
+        return [fam] if fam.samples else []
+
+    def _nvsmi_process_families(self, procs: Sequence[GpuProcess]) -> list[Metric]:
+        used = _gauge("nvidia_smi_compute_app_used_memory_bytes", "used_memory [MiB] of a compute process, in bytes.")
+        info = _gauge("nvidia_smi_compute_app_info", "A compute process on the GPU; always 1.")
+        count = _gauge("nvidia_smi_compute_apps", "Compute processes on the GPU.")
+        seen: dict[tuple[str, str, str], float | None] = {}
+        for p in procs:
+            key = (str(p.pid), p.process_name, _bare_uuid(p.gpu_uuid))
+            mem = None if p.used_memory is None else float(p.used_memory) * 1048576.0
+            prev = seen.get(key)
+            seen[key] = mem if prev is None else prev + (mem or 0.0)  # one row per MIG instance: summed
+        per_gpu: dict[str, int] = {}
+        for _, _, uuid in seen:
+            per_gpu[uuid] = per_gpu.get(uuid, 0) + 1
+        for (pid, pname, uuid), mem in seen.items():
+            labels = {"pid": pid, "process_name": pname, "uuid": uuid, **self.labels}
+            info.add_sample(info.name, labels, 1.0)
+            if mem is not None:
+                used.add_sample(used.name, labels, mem)
+        for uuid, n in per_gpu.items():
+            count.add_sample(count.name, {"uuid": uuid, **self.labels}, float(n))
+        return [f for f in (used, info, count) if f.samples]
+
+    # ------------------------------------------------------------------------------------------- health
+
+    def _fresh(self, sweep: Sweep | None, age: float | None) -> bool:
+        return sweep is not None and age is not None and age <= self.stale_after
+
+    def health_families(self, sweep: Sweep | None, age: float | None, duration: float) -> list[Metric]:
+        """The exporter's own health metrics for this scrape.
+
+        Args:
+            sweep: the newest sweep (or None).
+            age: its age in seconds.
+            duration: seconds spent building this scrape so far.
+
+        Returns:
+            The families.
+        """
+        with self._refresh_lock:
+            gpus = self._gpu_health()
+        return self._health_head(sweep, age) + gpus + self._health_tail(duration)
+
+    def _health_head(self, sweep: Sweep | None, age: float | None) -> list[Metric]:
+        st = self.stream.stats
+        health = source_health(self.stream)
+        const = self.labels
+        out: list[Metric] = []
+
+        def one(fam: Metric, value: float, labels: Mapping[str, str] | None = None) -> None:
+            sample = fam.name + "_total" if fam.type == "counter" else fam.name
+            fam.add_sample(sample, {**const, **labels} if labels else const, value)
+            out.append(fam)
+
+        up = 1.0 if self._is_up(sweep, age, health) else 0.0
+        one(
+            _gauge(
+                "smiquery_up",
+                f"1 when nvidia-smi delivers fresh samples (newest younger than {self.stale_after:g} s), else 0.",
+            ),
+            up,
+        )
+        one(
+            _gauge(
+                "smiquery_stream_info",
+                "The nvidia-smi stream's state (starting, running, retrying, failed...), its last error type and "
+                "whether that error needs a person (permanent); always 1.",
+            ),
+            1.0,
+            {
+                "state": health.state,
+                "last_error_type": health.last_error_type or "",
+                "permanent": "true" if health.permanent else "false",
+            },
+        )
+        next_at = health.next_retry_at if health.state == "retrying" else None
+        if health.state == "failed" and self.revive_at is not None:
+            next_at = self.revive_at
+        if next_at is not None:
+            one(
+                _gauge(
+                    "smiquery_next_attempt_timestamp_seconds",
+                    "Unix time at which nvidia-smi will be started again (while the stream retries).",
+                ),
+                float(next_at),
+            )
+        one(
+            _gauge("smiquery_build_info", "smiquery's version, the driver and the nvidia-smi it runs; always 1."),
+            1.0,
+            {"version": __version__, "driver_version": self.driver_version, "nvidia_smi": self.nvidia_smi_path},
+        )
+        if sweep is not None and age is not None:
+            one(
+                _gauge(
+                    "smiquery_last_sample_timestamp_seconds",
+                    "Unix time at which the newest sweep of nvidia-smi rows was received.",
+                ),
+                time.time() - age,
+            )
+            one(_gauge("smiquery_last_sample_age_seconds", "Age of the newest sweep of nvidia-smi rows."), age)
+        one(_counter("smiquery_nvidia_smi_starts", "nvidia-smi loop processes started."), float(st.starts))
+        one(
+            _counter("smiquery_nvidia_smi_restarts", "nvidia-smi loop processes restarted after a failure."),
+            float(st.restarts),
+        )
+        one(_counter("smiquery_sweeps", "Complete sweeps (one row per GPU) received."), float(st.sweeps))
+        one(
+            _counter("smiquery_dropped_rows", "Rows of nvidia-smi output rejected by the parser."),
+            float(st.dropped_rows),
+        )
+        errors = _counter("smiquery_nvidia_smi_errors", "nvidia-smi failures, by error type and source.")
+        for typ, n in sorted(dict(st.errors).items()):
+            errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "stream"}, float(n))
+        if self.processes is not None:
+            for typ, n in sorted(dict(self.processes.errors).items()):
+                errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "processes"}, float(n))
+        if errors.samples:
+            out.append(errors)
+        return out
+
+    def _gpu_health(self) -> list[Metric]:
+        # The per-GPU health families (lost GPUs, alert state): they change only when a sweep is taken in.
+        out: list[Metric] = []
+        lost_fam = _gauge(
+            "smiquery_gpu_lost",
+            "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), else 0.",
+        )
+        for gpu in self._gpus.values():
+            lost_fam.add_sample(
+                lost_fam.name, gpu.dcgm if self.naming == "dcgm" else gpu.native, 1.0 if gpu.lost else 0.0
+            )
+        if lost_fam.samples:
+            out.append(lost_fam)
+        if self.alerts is not None and self._gpus:
+            firing = _gauge(
+                "smiquery_alert_firing",
+                "1 while a smiquery alert rule, evaluated on every nvidia-smi sample, fires on the GPU, else 0.",
+            )
+            fired = _counter("smiquery_alert_fired", "Times a smiquery alert rule started firing on the GPU.")
+            for i, rule in enumerate(self.alerts.rules):
+                for key, gpu in self._gpus.items():
+                    labels = {**(gpu.dcgm if self.naming == "dcgm" else gpu.native), "alert": str(rule)}
+                    track = gpu.index if gpu.index is not None else gpu.uuid
+                    on = self.alerts.state(i, track) == "firing"
+                    firing.add_sample(firing.name, labels, 1.0 if on else 0.0)
+                    fired.add_sample(fired.name + "_total", labels, float(self._fired.get((i, key), 0)))
+            out += [firing, fired]
+        return out
+
+    def _health_tail(self, duration: float) -> list[Metric]:
+        const = self.labels
+        out: list[Metric] = []
+
+        def one(fam: Metric, value: float, labels: Mapping[str, str] | None = None) -> None:
+            sample = fam.name + "_total" if fam.type == "counter" else fam.name
+            fam.add_sample(sample, {**const, **labels} if labels else const, value)
+            out.append(fam)
+
+        if self.processes is not None and self.naming == "nvidia_smi":
+            ok = self.processes.polls > 0 and self.processes.last_error is None
+            one(
+                _gauge("nvidia_smi_compute_apps_last_collect_success", "1 when the last process listing worked."),
+                1.0 if ok else 0.0,
+            )
+        if self.processes is not None:
+            _, _, when = self.processes.latest()
+            if when is not None:
+                one(
+                    _gauge(
+                        "smiquery_processes_last_success_timestamp_seconds",
+                        "Unix time of the newest successful listing of compute processes.",
+                    ),
+                    when,
+                )
+        if self.render_errors:
+            one(
+                _counter("smiquery_collection_errors", "Scrapes whose GPU metrics could not be built (a bug)."),
+                float(self.render_errors),
+            )
+        one(
+            _gauge("smiquery_collection_duration_seconds", "Time spent building this scrape's metrics."),
+            duration,
+        )
+        return out
+
+    # ------------------------------------------------------------------------------------------- output
+
+    def _data_families(self, sweep: Sweep | None, fresh: bool, procs: tuple[GpuProcess, ...] | None) -> list[Metric]:
+        fams: list[Metric] = []
+        try:
+            if fresh and sweep is not None:
+                fams.extend(self.sweep_families(sweep))
+            if procs is not None:
+                fams.extend(self.process_families(procs))
+        except Exception:  # a bug must not take /metrics down: the health metrics still go out
+            self.render_errors += 1
+            log.exception("smiquery exporter: building the GPU metrics failed")
+            return []
+        return fams
+
+    def _fresh_processes(self) -> tuple[GpuProcess, ...] | None:
+        if self.processes is None:
+            return None
+        procs, age, _ = self.processes.latest()
+        if procs is None or age is None or age > max(3 * self.processes.interval, self.stale_after):
+            return None
+        return procs
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield the GPU, process and health metric families (the ``prometheus_client`` collector protocol)."""
+        t0 = time.perf_counter()
+        self.refresh()
+        sweep, age = self.stream.latest()
+        fams = self._data_families(sweep, self._fresh(sweep, age), self._fresh_processes())
+        yield from fams
+        yield from self.health_families(sweep, age, time.perf_counter() - t0)
+
+    def exposition(self) -> bytes:
+        """The whole ``/metrics`` body; the per-sweep part is rendered once per sweep and reused.
+
+        Returns:
+            UTF-8 text in the Prometheus text format.
+        """
+        t0 = time.perf_counter()
+        self.refresh()
+        sweep, age = self.stream.latest()
+        fresh = self._fresh(sweep, age)
+        procs = self._fresh_processes()
+        key = (sweep if fresh else None, procs)
+        with self._lock:
+            if key[0] is not self._cache_key[0] or key[1] is not self._cache_key[1]:
+                self._cache = render(self._data_families(sweep, fresh, procs)).encode()
+                self._cache_key = key
+            body = self._cache
+        head = render(self._health_head(sweep, age)).encode()
+        with self._refresh_lock:  # the per-GPU part is rendered once per change, not per scrape
+            if self._gpu_text_version != self._gpu_version:
+                self._gpu_text = render(self._gpu_health()).encode()
+                self._gpu_text_version = self._gpu_version
+            gpus = self._gpu_text
+        tail = render(self._health_tail(time.perf_counter() - t0)).encode()
+        return body + head + gpus + tail
+
+    def health(self) -> tuple[bool, str]:
+        """Whether the data is fresh and every GPU seen is there, with one line saying why not (``/readyz``).
+
+        Returns:
+            ``(True, "ok")`` or ``(False, reason)``.
+        """
+        sweep, age = self.stream.latest()
+        h = source_health(self.stream)
+        last = f"; last error: {h.last_error}" if h.last_error else ""
+        if not h.running:
+            err = self.stream.error
+            why = f"{type(err).__name__}: {err}".splitlines()[0] if err is not None else "not started or closed"
+            if self.revive_at is not None:
+                why += f"; a new one starts in {max(0.0, self.revive_at - time.time()):.0f} s"
+            return False, f"nvidia-smi stream stopped: {why}"
+        if h.state == "retrying":
+            when = ""
+            if h.next_retry_at is not None:
+                when = f"; next attempt in {max(0.0, h.next_retry_at - time.time()):.0f} s"
+            kind = "a permanent error (needs a person)" if h.permanent else "an error"
+            return False, f"nvidia-smi is retrying after {kind}: {h.last_error_type or '?'}{when}{last}"
+        if sweep is None or age is None:
+            return False, f"no sample yet (waiting for nvidia-smi){last}"
+        if age > self.stale_after:
+            return False, f"stale: newest sample is {age:.1f} s old (limit {self.stale_after:g} s){last}"
+        lost = self.lost_gpus()
+        if lost:
+            names = ", ".join(f"GPU {i} ({u or 'uuid unknown'})" for i, u in lost)
+            return False, f"lost: {names}"
+        return True, "ok"

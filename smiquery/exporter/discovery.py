@@ -1,0 +1,69 @@
+"""Field discovery for ``--fields supported``: what this driver lists in ``--help-query-gpu`` and really supplies.
+
+Asked once, when the exporter starts: one ``--help-query-gpu`` and one query of every listed field. Fields that are
+``[Not Supported]`` on every GPU are left out, so the loop does not carry columns that can never have a value.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from smiquery.errors import InvalidFieldError, NvidiaSmiFailedError, failure_from_exit
+from smiquery.fields import parse_help_query_gpu, resolve_fields
+from smiquery.oneshot import query
+from smiquery.runner import SubprocessRunner, find_nvidia_smi
+
+if TYPE_CHECKING:
+    import os
+
+    from smiquery.oneshot import GpusArg
+
+__all__ = ["supported_fields"]
+
+log = logging.getLogger("smiquery.exporter")
+
+
+def supported_fields(
+    *, nvidia_smi: str | os.PathLike[str] | None = None, gpus: GpusArg = None, timeout: float = 30.0
+) -> list[str]:
+    """The catalogue fields this driver lists and supplies on at least one GPU (canonical names).
+
+    Args:
+        nvidia_smi: the binary.
+        gpus: only these GPUs.
+        timeout: seconds per nvidia-smi call.
+
+    Returns:
+        Field names in the driver's order.
+
+    Raises:
+        NvidiaSmiNotFoundError: no usable binary.
+        NvidiaSmiFailedError: nvidia-smi failed, or listed no field smiquery knows.
+        NvidiaSmiTimeoutError: it did not answer in time.
+    """
+    binary = find_nvidia_smi(nvidia_smi)
+    argv = [binary, "--help-query-gpu"]
+    done = SubprocessRunner().run(argv, timeout)
+    if done.returncode != 0:
+        raise failure_from_exit(argv, done.returncode, done.output)
+    listed: list[str] = []
+    unknown = 0
+    for entry in parse_help_query_gpu(done.stdout):
+        try:
+            listed.append(resolve_fields([entry.name])[0].name)
+        except InvalidFieldError:
+            unknown += 1  # a field newer than smiquery's catalogue: no unit or type to export it with
+    listed = list(dict.fromkeys(listed))
+    if not listed:
+        raise NvidiaSmiFailedError(argv, 0, done.output, "nvidia-smi --help-query-gpu listed no field smiquery knows")
+    samples = query(listed, gpus=gpus, nvidia_smi=binary, timeout=timeout)
+    keep = [name for name in listed if not samples or any(s.missing.get(name) != "not_supported" for s in samples)]
+    log.info(
+        "smiquery exporter: --fields supported: %d fields (%d listed, %d not supported on any GPU, %d unknown)",
+        len(keep),
+        len(listed),
+        len(listed) - len(keep),
+        unknown,
+    )
+    return keep

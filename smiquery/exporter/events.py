@@ -1,0 +1,228 @@
+"""What the exporter says in its log: restarts, errors, recoveries and lost GPUs, one line each, rate-limited.
+
+:class:`EventLog` hears the stream's events and the collector's GPU changes and logs them at INFO or WARNING.
+Each kind of message is allowed a burst, then one a minute; what was held back is counted on the next line.
+:func:`configure_logging` sets up text or JSON lines (``--log-format json``) for a long-running service.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+__all__ = ["EventLog", "JsonFormatter", "RateLimitFilter", "configure_logging"]
+
+log = logging.getLogger("smiquery.exporter")
+
+LogFormat = Literal["text", "json"]
+
+
+class _Bucket:
+    __slots__ = ("suppressed", "tokens", "updated")
+
+    def __init__(self, burst: float, now: float) -> None:
+        self.tokens = burst
+        self.updated = now
+        self.suppressed = 0
+
+
+class EventLog:
+    """Logs source events and GPU changes, at most ``burst`` lines per kind and then one per ``period`` seconds.
+
+    Args:
+        logger: where to log.
+        burst: lines of one kind allowed at once.
+        period: seconds per line of one kind after the burst.
+        clock: a monotonic clock (tests inject one).
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger = log,
+        *,
+        burst: int = 5,
+        period: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.burst = float(burst)
+        self.period = period
+        self.clock = clock
+        self.suppressed = 0
+        self._buckets: dict[str, _Bucket] = {}
+        self._lock = threading.Lock()
+
+    def emit(self, kind: str, level: int, message: str, **fields: Any) -> bool:
+        """Log one line unless this kind is over its rate; returns whether it was logged.
+
+        Args:
+            kind: the rate-limit key (``restart``, ``error``, ``gpu_lost``...).
+            level: a ``logging`` level.
+            message: one line.
+            **fields: structured extras for JSON logs.
+
+        Returns:
+            True when the line went out.
+        """
+        now = self.clock()
+        with self._lock:
+            b = self._buckets.get(kind)
+            if b is None:
+                b = self._buckets[kind] = _Bucket(self.burst, now)
+            b.tokens = min(self.burst, b.tokens + (now - b.updated) / self.period)
+            b.updated = now
+            if b.tokens < 1.0:
+                b.suppressed += 1
+                self.suppressed += 1
+                return False
+            b.tokens -= 1.0
+            held, b.suppressed = b.suppressed, 0
+        if held:
+            message += f" ({held} similar message{'s' if held != 1 else ''} suppressed)"
+        self.logger.log(level, message, extra={"event": kind, "fields": {**fields, "suppressed": held}})
+        return True
+
+    def on_stream_event(self, event: Any) -> None:
+        """Log a :class:`~smiquery.source.StreamEvent` (restart, error, recovered, gpu_lost, gpu_back)."""
+        kind = str(getattr(event, "kind", ""))
+        detail = str(getattr(event, "detail", "") or "")
+        err = getattr(event, "error", None)
+        etype = type(err).__name__ if err is not None else None
+        if kind == "restart":
+            self.emit(kind, logging.WARNING, f"nvidia-smi restart: {detail}", error_type=etype)
+        elif kind == "error":
+            self.emit(kind, logging.WARNING, f"nvidia-smi error ({etype}): {detail}", error_type=etype)
+        elif kind == "recovered":
+            self.emit(kind, logging.INFO, f"nvidia-smi recovered: {detail or 'data flows again'}")
+        elif kind == "short_sweep":
+            self.emit(kind, logging.WARNING, f"short sweep: {detail}")
+        # gpu_lost/gpu_back are logged by the collector, by UUID, once per change (on_gpu_change)
+
+    def on_gpu_change(self, lost: bool, index: int, uuid: str | None) -> None:
+        """Log a GPU that dropped out (WARNING) or came back (INFO).
+
+        Args:
+            lost: True when it was lost, False when it came back.
+            index: the GPU index.
+            uuid: its UUID when known.
+        """
+        who = f"GPU {index} ({uuid or 'uuid unknown'})"
+        if lost:
+            self.emit("gpu_lost", logging.WARNING, f"{who} is lost: no data from it", gpu=index, uuid=uuid)
+        else:
+            self.emit("gpu_back", logging.INFO, f"{who} is back", gpu=index, uuid=uuid)
+
+    def on_state(self, up: bool, why: str) -> None:
+        """Log a change of ``smiquery_up`` (WARNING when data stops, INFO when it comes back).
+
+        Args:
+            up: whether fresh data flows now.
+            why: one line of reason.
+        """
+        if up:
+            self.emit("up", logging.INFO, f"collecting again: {why}")
+        else:
+            self.emit("down", logging.WARNING, f"not collecting: {why}")
+
+
+class RateLimitFilter(logging.Filter):
+    """Lets each message template through in a burst, then once per ``period`` seconds; counts what it drops.
+
+    Installed on the handler by :func:`configure_logging`, so that every smiquery log line (also the stream
+    supervisor's own) is rate-limited, not only the exporter's events.
+
+    Args:
+        burst: lines of one template allowed at once.
+        period: seconds per line after the burst.
+        clock: a monotonic clock (tests inject one).
+    """
+
+    def __init__(self, burst: int = 5, period: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.burst = float(burst)
+        self.period = period
+        self.clock = clock
+        self._buckets: dict[tuple[str, str], _Bucket] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether ``record`` goes out (errors and worse always do)."""
+        if record.levelno >= logging.ERROR:
+            return True
+        key = (record.name, str(record.msg))
+        now = self.clock()
+        with self._lock:
+            b = self._buckets.get(key)
+            if b is None:
+                b = self._buckets[key] = _Bucket(self.burst, now)
+            b.tokens = min(self.burst, b.tokens + (now - b.updated) / self.period)
+            b.updated = now
+            if b.tokens < 1.0:
+                b.suppressed += 1
+                return False
+            b.tokens -= 1.0
+            held, b.suppressed = b.suppressed, 0
+        if held and getattr(record, "event", None) is None:  # EventLog lines count their own
+            # format now, so the note cannot clash with the record's own %-arguments
+            record.msg = f"{record.getMessage()} ({held} similar message{'s' if held != 1 else ''} suppressed)"
+            record.args = ()
+        return True
+
+
+def _not_the_streams_echo(record: logging.LogRecord) -> bool:
+    # The stream supervisor (logger "smiquery") logs its restarts and failures itself; the exporter logs the same
+    # from the stream's events, once each, with the GPU and error type as fields. Its errors still go out.
+    return record.name != "smiquery" or record.levelno >= logging.ERROR
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and the event's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Format one record as a JSON line."""
+        out: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        event = getattr(record, "event", None)
+        if event:
+            out["event"] = event
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update({k: v for k, v in fields.items() if v is not None and k not in out})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(fmt: LogFormat = "text", level: int = logging.INFO) -> logging.Handler:
+    """Send smiquery's log lines to stderr, as text with a time stamp or as JSON lines, rate-limited.
+
+    The stream supervisor's own warnings are left out: the exporter reports the same restarts and errors from the
+    stream's events, one line each.
+
+    Args:
+        fmt: ``text`` or ``json``.
+        level: the lowest level logged.
+
+    Returns:
+        The handler installed on the ``smiquery`` logger.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_not_the_streams_echo)
+    handler.addFilter(RateLimitFilter())
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s smiquery export: %(levelname)s: %(message)s"))
+    root = logging.getLogger("smiquery")
+    root.addHandler(handler)
+    root.setLevel(level)
+    return handler

@@ -1,0 +1,514 @@
+"""Metric naming: how each nvidia-smi field becomes a metric family (native, DCGM), and the text format."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, cast
+
+try:
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.utils import floatToGoString as _untyped_float_to_go
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "smiquery.exporter needs prometheus_client: pip install 'smiquery[export]' (the core does not)"
+    ) from _exc
+
+from smiquery.fields import Field, Kind, resolve_fields
+
+if TYPE_CHECKING:
+    import os
+
+__all__ = [
+    "DCGM_DEFAULT_EXTRAS",
+    "DCGM_MAP",
+    "HEALTH_METRICS",
+    "IDENTITY_FIELDS",
+    "NAMINGS",
+    "NVSMI_DEFAULT_EXTRAS",
+    "NVSMI_INFO_LABELS",
+    "NVSMI_WORDS",
+    "MetricSpec",
+    "Naming",
+    "exporter_fields",
+    "metric_specs",
+    "render",
+]
+
+log = logging.getLogger("smiquery.exporter")
+
+_go_float = cast("Callable[[float], str]", _untyped_float_to_go)  # the text format's float spelling (+Inf, 1e+06)
+
+
+Naming = Literal["smiquery", "dcgm", "nvidia_smi"]
+#: The namings :func:`metric_specs` and the exporter accept.
+NAMINGS: tuple[str, ...] = ("smiquery", "dcgm", "nvidia_smi")
+
+#: Fields the exporter always queries: they become the ``gpu``, ``uuid``, ``name`` and ``pci_bus_id`` labels.
+IDENTITY_FIELDS: tuple[str, ...] = ("index", "uuid", "name", "pci.bus_id")
+# With DCGM naming the driver version becomes the DCGM_FI_DRIVER_VERSION label, as dcgm-exporter does.
+_DCGM_EXTRA_IDENTITY = ("driver_version",)
+# The DCGM exporter's default counters that nvidia-smi supplies on every driver but the health preset lacks.
+#: With DCGM naming and the default fields: every counter of dcgm-exporter's default list (default-counters.csv)
+#: that nvidia-smi can supply and the ``health`` preset lacks. The rest of that list (energy, PCIe replays, XID,
+#: NVLink, vGPU licence, DCGM_FI_PROF_*) has no nvidia-smi query field.
+DCGM_DEFAULT_EXTRAS: tuple[str, ...] = (
+    "memory.free",
+    "memory.reserved",
+    "temperature.memory",
+    "clocks.current.memory",
+    "utilization.encoder",
+    "utilization.decoder",
+    "remapped_rows.correctable",
+    "remapped_rows.uncorrectable",
+    "remapped_rows.failure",
+)
+_NOT_EXPORTED = frozenset({"timestamp", *IDENTITY_FIELDS})
+
+#: The exporter's own metrics (sample names), served in both namings whatever the fields.
+HEALTH_METRICS: tuple[str, ...] = (
+    "smiquery_up",
+    "smiquery_last_sample_timestamp_seconds",
+    "smiquery_last_sample_age_seconds",
+    "smiquery_collection_duration_seconds",
+    "smiquery_nvidia_smi_starts_total",
+    "smiquery_nvidia_smi_restarts_total",
+    "smiquery_nvidia_smi_errors_total",
+    "smiquery_sweeps_total",
+    "smiquery_dropped_rows_total",
+    "smiquery_gpu_lost",
+    "smiquery_processes_last_success_timestamp_seconds",
+    "smiquery_process_used_memory_bytes",
+    "smiquery_collection_errors_total",
+    "smiquery_build_info",
+    "smiquery_stream_info",
+    "smiquery_next_attempt_timestamp_seconds",
+    "smiquery_alert_firing",
+    "smiquery_alert_fired_total",
+)
+
+
+# ----------------------------------------------------------------------------------------------- metric specs
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """How one nvidia-smi field becomes one metric family.
+
+    Attributes:
+        field: the nvidia-smi field name (``memory.used``).
+        name: the metric family name; for native counters without the ``_total`` the samples carry.
+        sample: the name on each sample line (``..._total`` for native counters).
+        type: ``gauge`` or ``counter``.
+        help: the HELP text.
+        scale: factor from nvidia-smi's unit to the metric's (MiB to bytes: 1048576).
+        style: ``number`` (the value), ``bool`` (1/0), ``pstate`` (P3 -> 3) or ``info`` (value as a label).
+        naming: ``smiquery`` or ``dcgm`` (decides the label set).
+    """
+
+    field: str
+    name: str
+    sample: str
+    type: str
+    help: str
+    scale: float = 1.0
+    style: str = "number"
+    naming: str = "smiquery"
+
+
+# nvidia-smi unit -> (Prometheus base-unit suffix, factor)
+_UNITS: dict[str, tuple[str, float]] = {
+    "C": ("celsius", 1.0),
+    "MiB": ("bytes", 1048576.0),
+    "W": ("watts", 1.0),
+    "MHz": ("hertz", 1e6),
+    "%": ("ratio", 0.01),
+    "us": ("seconds", 1e-6),
+    "ms": ("seconds", 1e-3),
+    "seconds": ("seconds", 1.0),
+    "W/s": ("watts_per_second", 1.0),
+}
+# Cumulative counts: exported as counters (name ending in _total), which is what they are: they only grow, and
+# reset when the driver reloads (volatile ECC, clock-event time) or when an operator clears them.
+_COUNTER_RE = re.compile(
+    r"ecc\.errors\..*|retired_pages\.[a-z_]+\.count|remapped_rows\.(un)?correctable(_inactive)?"
+    r"|clocks_event_reasons_counters\..*|bbx\.time_run"
+)
+# Names that would end in a suffix Prometheus reserves for other types (_count, _total) as gauges.
+# promtool also objects to a type's name inside a metric name (histogram, summary).
+_NATIVE_RENAMES = {
+    "count": "gpus",
+    "encoder.stats.sessionCount": "encoder_stats_sessions",
+    "fabric.health.summary": "fabric_health_overall",
+    **{
+        f"remapped_rows.histogram.{k}": f"remapped_rows_availability_{k}"
+        for k in ("max", "high", "partial", "low", "none")
+    },
+}
+_BOOL_SUFFIX = {Kind.ENABLED: "_enabled", Kind.ACTIVE: "_active", Kind.YES_NO: ""}
+_BOOL_WORDS = {Kind.ENABLED: ("Enabled", "Disabled"), Kind.ACTIVE: ("Active", "Not Active"), Kind.YES_NO: ("Yes", "No")}
+_INFO_KINDS = frozenset({Kind.STR, Kind.VERSION, Kind.MAJOR_MINOR, Kind.HEX})
+
+
+def _snake(text: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", text).lower().replace(".", "_")
+
+
+def _native_spec(fld: Field) -> list[MetricSpec]:
+    base = "smiquery_" + _NATIVE_RENAMES.get(fld.name, _snake(fld.name))
+    source = f"(nvidia-smi {fld.name})"
+    help_text = fld.help.rstrip(".") or fld.name
+    if fld.kind.is_bool:
+        yes, no = _BOOL_WORDS[fld.kind]
+        name = base + _BOOL_SUFFIX[fld.kind]
+        return [MetricSpec(fld.name, name, name, "gauge", f"{help_text}: 1 = {yes}, 0 = {no} {source}.", style="bool")]
+    if fld.kind is Kind.BITMASK:
+        name = base + "_bitmask"
+        return [MetricSpec(fld.name, name, name, "gauge", f"{help_text}, as the numeric bitmask {source}.")]
+    if fld.kind in _INFO_KINDS or not fld.kind.is_numeric:
+        name = base + "_info"
+        specs = [
+            MetricSpec(
+                fld.name, name, name, "gauge", f"{help_text}; the value is the label 'value' {source}.", style="info"
+            )
+        ]
+        if fld.name == "pstate":
+            specs.append(
+                MetricSpec(
+                    fld.name, base, base, "gauge", f"{help_text}, as a number (P0 -> 0) {source}.", style="pstate"
+                )
+            )
+        return specs
+    suffix, scale = _UNITS.get(fld.unit, ("", 1.0))
+    if scale != 1.0:
+        source = f"(nvidia-smi {fld.name}, converted from {fld.unit} to {suffix})"
+    elif suffix:
+        source = f"(nvidia-smi {fld.name}, in {suffix})"
+    if _COUNTER_RE.fullmatch(fld.name):
+        stem = re.sub(r"_(total|count)$", "", base) + (f"_{suffix}" if suffix else "")
+        return [MetricSpec(fld.name, stem, stem + "_total", "counter", f"{help_text} {source}.", scale=scale)]
+    name = base + (f"_{suffix}" if suffix else "")
+    return [MetricSpec(fld.name, name, name, "gauge", f"{help_text} {source}.", scale=scale)]
+
+
+#: nvidia-smi field -> (DCGM exporter metric name, Prometheus type, help) for ``--naming dcgm``. Values keep
+#: DCGM's units (which are nvidia-smi's: C, %, MiB, W, MHz); two-state fields become 1/0.
+DCGM_MAP: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "clocks.current.sm": (("DCGM_FI_DEV_SM_CLOCK", "gauge", "Streaming multiprocessor clock now, MHz."),),
+    "clocks.current.memory": (("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock now, MHz."),),
+    "clocks.current.video": (("DCGM_FI_DEV_VIDEO_CLOCK", "gauge", "Video engine clock now, MHz."),),
+    "clocks.max.sm": (
+        ("DCGM_FI_DEV_MAX_SM_CLOCK", "gauge", "Highest streaming multiprocessor clock the GPU supports, MHz."),
+    ),
+    "clocks.max.memory": (("DCGM_FI_DEV_MAX_MEM_CLOCK", "gauge", "Highest memory clock the GPU supports, MHz."),),
+    "clocks_event_reasons.active": (
+        ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "gauge", "Why clocks are held down now, as NVML's bitmask of reasons."),
+        (
+            "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
+            "gauge",
+            "Why clocks are held down now, as NVML's bitmask (the pre-3.3 DCGM name).",
+        ),
+    ),
+    "temperature.gpu": (("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU core temperature, degrees C."),),
+    "temperature.memory": (("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "HBM memory temperature, degrees C."),),
+    "temperature.gpu.tlimit": (
+        ("DCGM_FI_DEV_GPU_TEMP_TLIMIT", "gauge", "Thermal margin: degrees C left before the GPU slows down."),
+    ),
+    "power.draw": (("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power the GPU draws, watts."),),
+    "power.draw.instant": (
+        ("DCGM_FI_DEV_POWER_USAGE_INSTANT", "gauge", "Power the GPU draws at this instant, watts."),
+    ),
+    "power.limit": (("DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "Software power limit, watts."),),
+    "power.min_limit": (("DCGM_FI_DEV_POWER_MGMT_LIMIT_MIN", "gauge", "Lowest power limit that can be set, watts."),),
+    "power.max_limit": (("DCGM_FI_DEV_POWER_MGMT_LIMIT_MAX", "gauge", "Highest power limit that can be set, watts."),),
+    "power.default_limit": (("DCGM_FI_DEV_POWER_MGMT_LIMIT_DEF", "gauge", "Power limit out of the box, watts."),),
+    "enforced.power.limit": (
+        ("DCGM_FI_DEV_ENFORCED_POWER_LIMIT", "gauge", "Power limit the driver enforces after all limiters, watts."),
+    ),
+    "pstate": (("DCGM_FI_DEV_PSTATE", "gauge", "Performance state, 0 (P0, highest) to 15."),),
+    "fan.speed": (("DCGM_FI_DEV_FAN_SPEED", "gauge", "Fan speed the driver asks for, percent of maximum."),),
+    "utilization.gpu": (("DCGM_FI_DEV_GPU_UTIL", "gauge", "Share of time a kernel ran on the GPU, percent."),),
+    "utilization.memory": (
+        ("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Share of time GPU memory was read or written, percent."),
+    ),
+    "utilization.encoder": (("DCGM_FI_DEV_ENC_UTIL", "gauge", "Video encoder busy time, percent."),),
+    "utilization.decoder": (("DCGM_FI_DEV_DEC_UTIL", "gauge", "Video decoder busy time, percent."),),
+    "pcie.link.gen.current": (("DCGM_FI_DEV_PCIE_LINK_GEN", "gauge", "PCIe generation the link runs at now."),),
+    "pcie.link.gen.max": (
+        ("DCGM_FI_DEV_PCIE_MAX_LINK_GEN", "gauge", "Highest PCIe generation the GPU and slot support."),
+    ),
+    "pcie.link.width.current": (("DCGM_FI_DEV_PCIE_LINK_WIDTH", "gauge", "PCIe lanes in use now."),),
+    "pcie.link.width.max": (("DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH", "gauge", "Most PCIe lanes the link supports."),),
+    "memory.total": (("DCGM_FI_DEV_FB_TOTAL", "gauge", "GPU memory in all, MiB."),),
+    "memory.free": (("DCGM_FI_DEV_FB_FREE", "gauge", "GPU memory not allocated, MiB."),),
+    "memory.used": (("DCGM_FI_DEV_FB_USED", "gauge", "GPU memory allocated by contexts, MiB."),),
+    "memory.reserved": (("DCGM_FI_DEV_FB_RESERVED", "gauge", "GPU memory the driver keeps for itself, MiB."),),
+    "ecc.mode.current": (("DCGM_FI_DEV_ECC_CURRENT", "gauge", "ECC mode: 1 = enabled."),),
+    "ecc.mode.pending": (("DCGM_FI_DEV_ECC_PENDING", "gauge", "ECC mode after the next reboot: 1 = enabled."),),
+    "persistence_mode": (("DCGM_FI_DEV_PERSISTENCE_MODE", "gauge", "Persistence mode: 1 = enabled."),),
+    "mig.mode.current": (("DCGM_FI_DEV_MIG_MODE", "gauge", "MIG mode: 1 = enabled."),),
+    "ecc.errors.corrected.volatile.total": (
+        ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter", "Corrected (single-bit) ECC errors since the driver loaded."),
+    ),
+    "ecc.errors.uncorrected.volatile.total": (
+        ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", "Uncorrected (double-bit) ECC errors since the driver loaded."),
+    ),
+    "ecc.errors.corrected.aggregate.total": (
+        ("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "counter", "Corrected (single-bit) ECC errors over the GPU's life."),
+    ),
+    "ecc.errors.uncorrected.aggregate.total": (
+        ("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "counter", "Uncorrected (double-bit) ECC errors over the GPU's life."),
+    ),
+    "retired_pages.single_bit_ecc.count": (
+        ("DCGM_FI_DEV_RETIRED_SBE", "counter", "Memory pages taken out of use after repeated corrected errors."),
+    ),
+    "retired_pages.double_bit.count": (
+        ("DCGM_FI_DEV_RETIRED_DBE", "counter", "Memory pages taken out of use after an uncorrected error."),
+    ),
+    "retired_pages.pending": (
+        (
+            "DCGM_FI_DEV_RETIRED_PENDING",
+            "counter",
+            "Memory pages waiting to be retired; nvidia-smi only tells whether there are any: 1 = some, 0 = none.",
+        ),
+    ),
+    "remapped_rows.uncorrectable": (
+        (
+            "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+            "counter",
+            "Memory rows replaced by spares after uncorrected errors.",
+        ),
+    ),
+    "remapped_rows.correctable": (
+        ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter", "Memory rows replaced by spares after corrected errors."),
+    ),
+    "remapped_rows.failure": (
+        ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "1 when a memory row could not be replaced by a spare."),
+    ),
+    "remapped_rows.pending": (
+        ("DCGM_FI_DEV_ROW_REMAP_PENDING", "gauge", "1 when a row replacement waits for a GPU reset."),
+    ),
+    "remapped_rows.histogram.max": (
+        ("DCGM_FI_DEV_BANKS_REMAP_ROWS_AVAIL_MAX", "gauge", "Memory banks with every spare row left."),
+    ),
+    "remapped_rows.histogram.high": (
+        ("DCGM_FI_DEV_BANKS_REMAP_ROWS_AVAIL_HIGH", "gauge", "Memory banks with many spare rows left."),
+    ),
+    "remapped_rows.histogram.partial": (
+        ("DCGM_FI_DEV_BANKS_REMAP_ROWS_AVAIL_PARTIAL", "gauge", "Memory banks with some spare rows left."),
+    ),
+    "remapped_rows.histogram.low": (
+        ("DCGM_FI_DEV_BANKS_REMAP_ROWS_AVAIL_LOW", "gauge", "Memory banks with few spare rows left."),
+    ),
+    "remapped_rows.histogram.none": (
+        ("DCGM_FI_DEV_BANKS_REMAP_ROWS_AVAIL_NONE", "gauge", "Memory banks with no spare rows left."),
+    ),
+}
+# Per-location ECC counters: nvidia-smi location -> DCGM suffix.
+for _where, _dcgm in (
+    ("l1_cache", "L1"),
+    ("l2_cache", "L2"),
+    ("device_memory", "DEV"),
+    ("register_file", "REG"),
+    ("texture_memory", "TEX"),
+    ("cbu", "CBU"),
+    ("sram", "SRM"),
+):
+    for _corr, _bits in (("corrected", "SBE"), ("uncorrected", "DBE")):
+        for _span, _short in (("volatile", "VOL"), ("aggregate", "AGG")):
+            DCGM_MAP[f"ecc.errors.{_corr}.{_span}.{_where}"] = (
+                (
+                    f"DCGM_FI_DEV_ECC_{_bits}_{_short}_{_dcgm}",
+                    "counter",
+                    f"{'Corrected' if _bits == 'SBE' else 'Uncorrected'} ECC errors in the {_where.replace('_', ' ')}, "
+                    f"{'since the driver loaded' if _span == 'volatile' else 'over the GPU life'}.",
+                ),
+            )
+del _where, _dcgm, _corr, _bits, _span, _short
+
+
+def _dcgm_specs(fld: Field) -> list[MetricSpec]:
+    entries = DCGM_MAP.get(fld.name)
+    if not entries:
+        return _native_spec(fld)  # no DCGM name: keep it, under its native name and labels
+    style = "bool" if fld.kind.is_bool else "pstate" if fld.name == "pstate" else "number"
+    return [
+        MetricSpec(fld.name, name, name, typ, f"{text} (nvidia-smi {fld.name})", style=style, naming="dcgm")
+        for name, typ, text in entries
+    ]
+
+
+# ``--naming nvidia_smi``: the names of utkuozdemir/nvidia_gpu_exporter (derived from its outputs for the captures
+# in shared/nvidia_gpu_exporter): nvidia_smi_<field in snake case><unit suffix>, values in base units, label uuid.
+_NVSMI_UNITS: dict[str, tuple[str, float]] = {
+    "MHz": ("_clock_hz", 1e6),
+    "MiB": ("_bytes", 1048576.0),
+    "%": ("_ratio", 0.01),
+    "W": ("_watts", 1.0),
+    "us": ("_seconds", 1e-6),
+}
+#: Word values that fields of nvidia_smi naming turn into numbers (NVML's enum order).
+NVSMI_WORDS: dict[str, dict[str, float]] = {
+    "compute_mode": {"Default": 0, "Exclusive_Thread": 1, "Prohibited": 2, "Exclusive_Process": 3},
+    "fabric.state": {"Not Supported": 0, "Not Started": 1, "In Progress": 2, "Completed": 3},
+    "gpu_recovery_action": {"None": 0, "Reset": 1, "Reboot": 2, "Drain P2P": 3, "Drain and Reset": 4},
+}
+#: Fields that become labels of ``nvidia_smi_gpu_info`` in nvidia_smi naming, with their label names.
+NVSMI_INFO_LABELS: dict[str, str] = {
+    "uuid": "uuid",
+    "index": "index",
+    "name": "name",
+    "pci.bus_id": "pci_bus_id",
+    "driver_version": "driver_version",
+    "vbios_version": "vbios_version",
+    "serial": "serial",
+    "compute_cap": "compute_cap",
+    "pci.sub_device_id": "pci_sub_device_id",
+    "driver_model.current": "driver_model_current",
+    "driver_model.pending": "driver_model_pending",
+}
+_NVSMI_NOT_METRICS = frozenset({"timestamp", "uuid", "name", "pci.bus_id", "driver_version", "vbios_version"})
+#: With nvidia_smi naming and the default fields: what nvidia_gpu_exporter's dashboard (Grafana 14574) reads.
+NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = (
+    "driver_version",
+    "vbios_version",
+    "serial",
+    "compute_cap",
+    "fan.speed",
+    "compute_mode",
+    "gpu_recovery_action",
+    "fabric.state",
+    "clocks.current.graphics",
+    "clocks.current.memory",
+    "clocks.current.video",
+    "clocks.max.graphics",
+    "clocks.max.memory",
+    "enforced.power.limit",
+    "power.default_limit",
+    "clocks_event_reasons.gpu_idle",
+    "clocks_event_reasons.applications_clocks_setting",
+    "clocks_event_reasons.sw_power_cap",
+    "clocks_event_reasons.sync_boost",
+    "ecc.errors.uncorrected.aggregate.total",
+)
+
+
+def _nvsmi_spec(fld: Field) -> list[MetricSpec]:
+    if fld.name in _NVSMI_NOT_METRICS or fld.kind is Kind.TIMESTAMP:
+        return []
+    # nvidia-smi's CSV header gives averageLatency no unit, so nvidia_gpu_exporter adds no suffix nor conversion
+    unit = "" if fld.name == "encoder.stats.averageLatency" else fld.unit
+    suffix, scale = _NVSMI_UNITS.get(unit, ("", 1.0))
+    name = "nvidia_smi_" + _snake(fld.name) + suffix
+    help_text = f"{fld.name} [{fld.unit}]" if fld.unit else fld.name
+    return [MetricSpec(fld.name, name, name, "gauge", help_text, scale=scale, style="nvsmi", naming="nvidia_smi")]
+
+
+def metric_specs(
+    fields: str | Sequence[str] | Sequence[Field] = "all", naming: Naming = "smiquery"
+) -> list[MetricSpec]:
+    """The metric families the exporter makes from ``fields`` (identity fields become labels, not metrics).
+
+    Args:
+        fields: a preset, a comma list, or a sequence of names or :class:`Field` objects.
+        naming: ``smiquery`` (base units, ``smiquery_*``), ``dcgm`` (the DCGM exporter's names and units) or
+            ``nvidia_smi`` (nvidia_gpu_exporter's ``nvidia_smi_*`` names).
+
+    Returns:
+        One spec per metric family, in field order.
+
+    Raises:
+        InvalidFieldError: an unknown field.
+        ValueError: an unknown naming.
+    """
+    if naming not in NAMINGS:
+        raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, not {naming!r}")
+    if isinstance(fields, str):
+        flds: Sequence[Field] = resolve_fields(fields)
+    else:
+        flds = [f if isinstance(f, Field) else resolve_fields([f])[0] for f in fields]
+    out: list[MetricSpec] = []
+    if naming == "nvidia_smi":
+        return [spec for fld in flds for spec in _nvsmi_spec(fld)]
+    for fld in flds:
+        if fld.name in _NOT_EXPORTED or fld.kind is Kind.TIMESTAMP:
+            continue
+        if naming == "dcgm" and fld.name in _DCGM_EXTRA_IDENTITY:
+            continue  # a label in DCGM naming
+        out.extend(_dcgm_specs(fld) if naming == "dcgm" else _native_spec(fld))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- rendering
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def render(families: Iterable[Metric]) -> str:
+    """Write metric families in the Prometheus text format (0.0.4), as ``prometheus_client.generate_latest`` does.
+
+    The one difference: a counter whose samples carry the family's own name (the DCGM exporter's counters, such
+    as ``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL``) keeps that name on its HELP and TYPE lines, where ``generate_latest``
+    would append ``_total`` and so describe a metric that no sample has.
+
+    Args:
+        families: the families to write.
+
+    Returns:
+        The exposition text.
+    """
+    out: list[str] = []
+    for fam in families:
+        name = fam.name
+        if fam.type == "counter" and not (fam.samples and fam.samples[0].name == name):
+            name += "_total"
+        typ = "untyped" if fam.type == "unknown" else fam.type
+        doc = fam.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} {typ}\n")
+        for s in fam.samples:
+            if s.labels:
+                labels = ",".join(f'{k}="{_escape_label(v)}"' for k, v in sorted(s.labels.items()))
+                out.append(f"{s.name}{{{labels}}} {_go_float(s.value)}\n")
+            else:
+                out.append(f"{s.name} {_go_float(s.value)}\n")
+    return "".join(out)
+
+
+def exporter_fields(
+    fields: str | Sequence[str] | None, naming: Naming, *, nvidia_smi: str | os.PathLike[str] | None = None
+) -> list[str]:
+    """The nvidia-smi fields an exporter queries: the identity fields, the wanted ones, and naming extras.
+
+    Args:
+        fields: a preset or field list (None: ``health``); ``supported`` asks nvidia-smi once (``--help-query-gpu``
+            and one query) for every field this driver supplies.
+        naming: the metric naming; DCGM naming adds the driver version (a label) and, with the default fields,
+            :data:`DCGM_DEFAULT_EXTRAS`.
+        nvidia_smi: the binary (for ``supported``).
+
+    Returns:
+        Field names, identity first, without repeats.
+
+    Raises:
+        InvalidFieldError: an unknown field.
+        SmiqueryError: with ``supported``, nvidia-smi could not be asked.
+    """
+    if fields == "supported":
+        from smiquery.exporter.discovery import supported_fields
+
+        fields = supported_fields(nvidia_smi=nvidia_smi)
+    wanted = list(resolve_fields(fields if fields is not None else "health"))
+    extras: tuple[str, ...] = IDENTITY_FIELDS
+    if naming == "dcgm":
+        extras += _DCGM_EXTRA_IDENTITY
+        if fields in (None, "health"):
+            extras += DCGM_DEFAULT_EXTRAS
+    if naming == "nvidia_smi" and fields in (None, "health"):
+        extras += NVSMI_DEFAULT_EXTRAS
+    names = [*IDENTITY_FIELDS, *(f.name for f in wanted)]
+    names += [n for n in extras if n not in names]
+    return list(dict.fromkeys(names))

@@ -1,0 +1,473 @@
+"""The HTTP(S) server: /metrics, /healthz and friends, and :func:`serve`, which wires a stream to it."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from smiquery import __version__
+from smiquery.alerts import AlertEvaluator
+from smiquery.errors import ListenError, PortInUseError
+from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector, parse_labels
+from smiquery.exporter.events import EventLog
+from smiquery.exporter.httpd import HttpServer, Request, Response
+from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
+from smiquery.exporter.poller import ProcessPoller
+from smiquery.exporter.webconfig import WebConfig, load_web_config
+from smiquery.fields import resolve_fields
+from smiquery.oneshot import normalize_gpus
+from smiquery.supervisor import stream
+
+if TYPE_CHECKING:
+    import os
+
+    from smiquery.fields import Field
+    from smiquery.oneshot import GpusArg
+
+__all__ = ["CONTENT_TYPE", "Exporter", "ListenError", "PortInUseError", "serve"]
+
+log = logging.getLogger("smiquery.exporter")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+# ---------------------------------------------------------------------------------------------------- server
+
+
+_INDEX = (
+    "<!doctype html><html><head><title>smiquery exporter</title></head><body>"
+    "<h1>smiquery exporter</h1><p>version {version}, naming {naming}</p>"
+    '<ul><li><a href="metrics">/metrics</a></li><li><a href="livez">/livez</a> (the server runs)</li>'
+    '<li><a href="readyz">/readyz</a> and <a href="healthz">/healthz</a> (fresh GPU data)</li></ul></body></html>\n'
+)
+_TEXT = "text/plain; charset=utf-8"
+
+
+class _Router:
+    """Maps a request to a response: the exporter's pages, behind basic auth when the web config asks for it."""
+
+    def __init__(self, collector: SmiCollector, extra: Callable[[], bytes], web: WebConfig) -> None:
+        self.collector = collector
+        self.extra = extra
+        self.web = web
+
+    def fast(self, req: Request) -> bool:
+        """Whether answering ``req`` is cheap (no bcrypt check to run): then the selector thread answers it."""
+        return self.web.cached(req.headers.get("authorization")) and self.extra is bytes
+
+    def __call__(self, req: Request) -> Response:
+        if req.method not in ("GET", "HEAD"):
+            return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
+        if not self.web.authorized(req.headers.get("authorization")):
+            return Response(401, b"unauthorized\n", headers={"WWW-Authenticate": 'Basic realm="smiquery"'})
+        path = req.path
+        if path == "/metrics":
+            return Response(200, self.collector.exposition() + self.extra(), CONTENT_TYPE)
+        if path == "/livez":
+            return Response(200, b"ok\n")
+        if path in ("/readyz", "/healthz"):
+            ok, why = self.collector.health()
+            return Response(200 if ok else 503, (why + "\n").encode())
+        if path in ("/", "/index.html"):
+            page = _INDEX.format(version=__version__, naming=self.collector.naming).encode()
+            return Response(200, page, "text/html; charset=utf-8")
+        return Response(404, b"not found: try /metrics, /livez, /readyz or /healthz\n")
+
+
+def _tls_context(
+    cert: str | os.PathLike[str], key: str | os.PathLike[str], client_ca: str | os.PathLike[str] | None
+) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(str(cert), str(key))
+    if client_ca is not None:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cafile=str(client_ca))
+    return ctx
+
+
+def _family_of(bind: str) -> socket.AddressFamily:
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(bind.strip("[]")).version == 6 else socket.AF_INET
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(bind, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {bind!r}: {exc.strerror}", port=0, bind=bind, option="--bind") from None
+    return infos[0][0] if infos else socket.AF_INET
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    # Many distributions start services with a soft limit of 1024 open files; an exporter that holds up to
+    # max_connections sockets needs more. Raise the soft limit towards the hard one (never lower it).
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not Linux, or not allowed
+        log.debug("smiquery exporter: could not raise the open-file limit", exc_info=True)
+
+
+def _make_socket(bind: str, port: int) -> socket.socket:
+    family = _family_of(bind)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((bind.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"port {port} on {bind} is in use; pick another with --port", port=port, bind=bind
+            ) from None
+        if exc.errno == errno.EACCES:
+            msg = f"no permission to listen on port {port} on {bind} (below 1024 needs root); pick another with --port"
+            raise ListenError(msg, port=port, bind=bind) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            msg = f"cannot listen on {bind}: the address is not on this machine; pick another with --bind"
+            raise ListenError(msg, port=port, bind=bind, option="--bind") from None
+        raise ListenError(f"cannot listen on {bind}:{port}: {exc.strerror or exc}", port=port, bind=bind) from None
+    return sock
+
+
+class Exporter:
+    """A running exporter: one background stream, optionally a process poller, and an HTTP(S) server thread.
+
+    Made by :func:`serve`. Use it as a context manager or call :meth:`stop`.
+
+    Attributes:
+        collector: the :class:`SmiCollector` behind ``/metrics``.
+        stream: the background :class:`~smiquery.supervisor.Stream` (a new one after a revival).
+        poller: the :class:`ProcessPoller`, when ``processes=True``.
+        http: the :class:`~smiquery.exporter.httpd.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
+        revive_after: seconds before a stream that stopped for good is replaced.
+        revivals: how many times that happened.
+    """
+
+    def __init__(
+        self,
+        server: HttpServer,
+        collector: SmiCollector,
+        poller: ProcessPoller | None,
+        tls: bool,
+        cleanup: Callable[[], None] = lambda: None,
+        make_stream: Callable[[], Any] | None = None,
+        revive_after: float = 30.0,
+    ) -> None:
+        self.http = server
+        self.collector = collector
+        self.stream = collector.stream
+        self.poller = poller
+        self.revive_after = revive_after
+        self.revivals = 0
+        self._make_stream = make_stream
+        self._tls = tls
+        self._cleanup = cleanup
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        host, port = server.sock.getsockname()[:2]
+        self._bind = str(host)
+        self._port = int(port)
+        if make_stream is not None:
+            threading.Thread(target=self._revive_loop, name="smiquery-revive", daemon=True).start()
+
+    def _revive_loop(self) -> None:
+        make = self._make_stream
+        assert make is not None
+        # Belt and braces: a stream whose thread ended (a core that stops on permanent errors, or a bug) is
+        # replaced by a new one after revive_after seconds, so the exporter is never silently dead.
+        period = min(1.0, max(0.05, self.revive_after / 4))
+        while not self._stopped.wait(period):
+            s = self.stream
+            if s.running or s.error is None:
+                continue
+            err = s.error
+            first = str(err).splitlines()[0] if str(err) else ""
+            self.collector.revive_at = time.time() + self.revive_after
+            log.warning(
+                "smiquery exporter: the nvidia-smi stream stopped (%s: %s); starting a new one in %g s",
+                type(err).__name__,
+                first,
+                self.revive_after,
+            )
+            if self._stopped.wait(self.revive_after):
+                return
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                try:
+                    new = make()
+                    new.start()
+                except Exception as exc:  # e.g. nvidia-smi gone: try again after the next period
+                    log.warning("smiquery exporter: starting a new nvidia-smi stream failed: %s", exc)
+                    continue
+                old, self.stream = self.stream, new
+                self.collector.stream = new
+                self.collector.revive_at = None
+                self.revivals += 1
+            close = getattr(old, "close", None)
+            if close is not None:
+                close()
+
+    @property
+    def port(self) -> int:
+        """The port actually listened on (useful with ``port=0``)."""
+        return self._port
+
+    @property
+    def bind(self) -> str:
+        """The address listened on."""
+        return self._bind
+
+    @property
+    def url(self) -> str:
+        """The base URL (``http://127.0.0.1:9849``); metrics are at ``url + "/metrics"``."""
+        host = self.bind
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{'https' if self._tls else 'http'}://{host}:{self.port}"
+
+    @property
+    def stopped(self) -> bool:
+        """True once :meth:`stop` has run."""
+        return self._stopped.is_set()
+
+    def stop(self) -> None:
+        """Stop serving, close the stream (nvidia-smi is reaped) and the poller. Idempotent; any thread."""
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            try:
+                self.http.shutdown()
+            finally:
+                try:
+                    close = getattr(self.stream, "close", None)
+                    if close is not None:
+                        close()
+                finally:
+                    if self.poller is not None:
+                        self.poller.close()
+                    self._cleanup()
+                    self._stopped.set()
+
+    def serve_forever(self, poll: float = 0.5) -> None:
+        """Block until :meth:`stop` is called (from a signal handler or another thread).
+
+        Args:
+            poll: seconds between checks, so that signal handlers run promptly in the main thread.
+        """
+        while not self._stopped.wait(poll):
+            pass
+
+    def __enter__(self) -> Exporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(
+    *,
+    port: int = 9849,
+    bind: str = "127.0.0.1",
+    interval: float = 5.0,
+    fields: str | Sequence[str] | None = "health",
+    gpus: GpusArg = None,
+    labels: Mapping[str, str] | Iterable[str] | None = None,
+    naming: Naming = "smiquery",
+    processes: bool = False,
+    processes_interval: float = 15.0,
+    tls_cert: str | os.PathLike[str] | None = None,
+    tls_key: str | os.PathLike[str] | None = None,
+    client_ca: str | os.PathLike[str] | None = None,
+    web_config: str | os.PathLike[str] | WebConfig | None = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    registry: Any = None,
+    stale_after: float | None = None,
+    stall_timeout: float | None = None,
+    alerts: Sequence[str] | None = DEFAULT_EXPORTER_ALERTS,
+    workers: int = 8,
+    max_connections: int = 2048,
+    request_timeout: float = 10.0,
+    revive_after: float = 30.0,
+) -> Exporter:
+    """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
+
+    Returns at once; the work happens in daemon threads (one selector thread and ``workers`` HTTP workers, however
+    many clients connect). Listens on 127.0.0.1 unless ``bind`` says otherwise.
+
+    Example::
+
+        with smiquery.exporter.serve(port=9849, interval=5) as exp:
+            exp.serve_forever()
+
+    Args:
+        port: TCP port (0: any free port; see :attr:`Exporter.port`).
+        bind: address to listen on; ``0.0.0.0`` or ``::`` listen on all interfaces.
+        interval: seconds between nvidia-smi samples.
+        fields: a preset or field list; the identity fields (index, uuid, name, pci.bus_id) are always added.
+            With DCGM naming the default ``health`` also gets the DCGM exporter's other default counters that
+            nvidia-smi supplies.
+        gpus: only these GPUs.
+        labels: constant labels for every series (``["site=lab"]`` or a mapping).
+        naming: ``smiquery`` (native, base units) or ``dcgm`` (the DCGM exporter's names, units and labels).
+        processes: also export per-process GPU memory, polled every ``processes_interval`` seconds.
+        processes_interval: seconds between process polls.
+        tls_cert: PEM certificate: serve HTTPS.
+        tls_key: PEM private key for ``tls_cert``.
+        client_ca: PEM CA bundle: require client certificates signed by it.
+        web_config: a web configuration file (Prometheus exporter-toolkit format: ``tls_server_config``,
+            ``basic_auth_users``), or a loaded :class:`WebConfig`. Not together with ``tls_cert``.
+        nvidia_smi: path of the binary.
+        registry: a ``prometheus_client`` registry whose metrics are appended to ``/metrics`` (e.g. your own).
+        stale_after: seconds after which data counts as stale (default ``max(3 * interval, 15)``).
+        stall_timeout: seconds without output before nvidia-smi counts as hung (default ``max(3 * interval, 10)``).
+        alerts: smiquery alert rules evaluated on every nvidia-smi sample and exported as
+            ``smiquery_alert_firing`` (so "for 3 samples" counts samples whatever the scrape interval).
+        workers: HTTP worker threads.
+        max_connections: open client connections at most (the longest-waiting incomplete one makes room).
+        request_timeout: seconds a client has to send a whole request head (slow clients are cut off).
+        revive_after: seconds after which a stream that stopped for good (its thread ended with an error) is
+            replaced by a new one; meanwhile ``smiquery_next_attempt_timestamp_seconds`` says when.
+
+    Returns:
+        The running :class:`Exporter`.
+
+    Raises:
+        PortInUseError: the port is taken (nvidia-smi is not started).
+        ListenError: the address cannot be listened on (not on this machine, unknown name, no permission).
+        WebConfigError: the web configuration file is unreadable or wrong.
+        InvalidFieldError: an unknown field.
+        InvalidRuleError: an alert rule that cannot be parsed.
+        InvalidGpuIdError: a malformed GPU id.
+        NvidiaSmiNotFoundError: no usable nvidia-smi.
+        ValueError: a bad label, naming, interval, or TLS option.
+        OSError, ssl.SSLError: unreadable TLS files.
+    """
+    if naming not in NAMINGS:
+        raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, not {naming!r}")
+    if interval <= 0:
+        raise ValueError("interval must be positive")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range (0-65535)")
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("TLS needs both a certificate and a key")
+    if client_ca is not None and tls_cert is None:
+        raise ValueError("client certificates (client_ca) need TLS (tls_cert and tls_key)")
+    if web_config is not None and tls_cert is not None:
+        raise ValueError("give TLS either in the web config file or as tls_cert/tls_key, not both")
+    const = parse_labels(labels)
+    flds = resolve_fields(exporter_fields(fields, naming, nvidia_smi=nvidia_smi))
+    normalize_gpus(gpus)
+    web = web_config if isinstance(web_config, WebConfig) else WebConfig()
+    if web_config is not None and not isinstance(web_config, WebConfig):
+        web = load_web_config(web_config)
+    if tls_cert is not None and tls_key is not None:
+        web.ssl_context = _tls_context(tls_cert, tls_key, client_ca)
+    evaluator = AlertEvaluator(list(alerts)) if alerts else None
+
+    _raise_fd_limit(max_connections + 256)
+    sock = _make_socket(bind, port)  # fail on a taken port before nvidia-smi starts
+    s = None
+    poller = None
+    events = EventLog()
+    try:
+        stream_fields = [f.name for f in _with_alert_fields(flds, evaluator)]
+
+        def make_stream() -> Any:
+            return stream(
+                stream_fields,
+                interval=interval,
+                gpus=gpus,
+                nvidia_smi=nvidia_smi,
+                stall_timeout=stall_timeout,
+                max_attempts=None,  # an exporter never gives up; faults that need a person are retried every 30 s
+                backoff_max=30.0,
+                on_event=events.on_stream_event,
+            )
+
+        s = make_stream()
+        if processes:
+            poller = ProcessPoller(processes_interval, gpus=gpus, nvidia_smi=nvidia_smi)
+        collector = SmiCollector(
+            s,
+            fields=flds,
+            naming=naming,
+            labels=const,
+            processes=poller,
+            stale_after=stale_after,
+            alerts=evaluator,
+            on_gpu_change=events.on_gpu_change,
+            on_state=events.on_state,
+            nvidia_smi_path=str(getattr(s, "argv", ("",))[0]),
+        )
+        extra: Callable[[], bytes] = bytes
+        if registry is not None:
+            from prometheus_client import generate_latest
+
+            def extra() -> bytes:
+                try:
+                    return bytes(generate_latest(registry))
+                except Exception:  # someone else's collector must not take /metrics down
+                    log.exception("smiquery exporter: collecting the extra registry failed")
+                    return b""
+
+        router = _Router(collector, extra, web)
+        http = HttpServer(
+            sock,
+            router,
+            ssl_context=web.ssl_context,
+            workers=workers,
+            max_connections=max_connections,
+            request_timeout=request_timeout,
+            server_header="smiquery-exporter/" + __version__,
+            inline=router.fast,
+        )
+        s.start()
+        collector.start()
+        if poller is not None:
+            poller.start()
+        exp = Exporter(
+            http,
+            collector,
+            poller,
+            web.ssl_context is not None,
+            cleanup=collector.close,
+            make_stream=make_stream,
+            revive_after=revive_after,
+        )
+    except BaseException:
+        sock.close()
+        if s is not None:
+            s.close()
+        if poller is not None:
+            poller.close()
+        raise
+    log.info("smiquery exporter: serving %s/metrics (naming %s)", exp.url, naming)
+    return exp
+
+
+def _with_alert_fields(flds: Sequence[Field], evaluator: AlertEvaluator | None) -> list[Field]:
+    """The fields the stream queries: the exported ones, those the alert rules read, and the driver version.
+
+    Only the exported fields become metric families; the driver version feeds ``smiquery_build_info``.
+    """
+    out = {f.name: f for f in flds}
+    for f in (*(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])):
+        out.setdefault(f.name, f)
+    return list(out.values())
