@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from smiquery.display import CsvWriter, JsonlWriter, ParquetWriter
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import get_field
 from smiquery.parsing import CsvParser
 from smiquery.playback import Replay, ReplayError, SweepGrouper, detect_format, replay, sample_from_json
+from smiquery.recordings import CsvWriter, JsonlWriter, ParquetWriter
 from smiquery.records import GpuSample, Schema
 from smiquery.supervisor import stream
 

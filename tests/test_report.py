@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from smiquery.display import open_recorder
 from smiquery.fields import resolve_fields
 from smiquery.playback import replay
+from smiquery.recordings import open_recorder
 from smiquery.report import DEFAULT_RULES, Report, ReportError, analyze, format_duration
 
 DEMO = Path(__file__).parents[1] / "smiquery" / "data" / "demo-8gpu.csv"
