@@ -11,6 +11,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -24,6 +25,7 @@ __all__ = [
     "JsonlWriter",
     "ParquetWriter",
     "SampleWriter",
+    "SkippedLines",
     "json_value",
     "open_recorder",
     "sample_to_json",
@@ -233,3 +235,33 @@ def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> Samp
     if suffix in (".parquet", ".pq"):
         return ParquetWriter(path)
     raise ValueError(f"cannot tell the format of {os.fspath(path)!r}: name it .csv, .jsonl or .parquet")
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+@dataclass(frozen=True)
+class SkippedLines:
+    """Lines of a recording that readers skipped: torn (a killed recorder's last line), garbled or not fitting.
+
+    Attributes:
+        count: how many lines were skipped.
+        first_lineno: the line number (1-based) of the first one.
+        first_line: that line's text (cut to 80 characters).
+    """
+
+    count: int
+    first_lineno: int
+    first_line: str = ""
+
+    def message(self, name: str = "the recording") -> str:
+        """One line for a warning: ``skipped 2 unreadable lines in run.csv (first: line 316)``.
+
+        Args:
+            name: how to call the recording (its path).
+
+        Returns:
+            The sentence, without a trailing period.
+        """
+        lines = "line" if self.count == 1 else "lines"
+        return f"skipped {self.count} unreadable {lines} in {name} (first: line {self.first_lineno})"
