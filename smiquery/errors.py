@@ -6,6 +6,7 @@
     ├── InvalidFieldError (+ValueError)      unknown or malformed field name; never retried
     ├── InvalidGpuIdError (+ValueError)      malformed GPU id; never retried
     ├── ParseError (+ValueError)             a row that does not fit: lineno, raw line, field
+    ├── RecordingError (+ValueError)         a recording that cannot be read (missing, empty, no header)
     ├── NvidiaSmiNotFoundError               binary missing or not executable; never retried
     ├── NvidiaSmiTimeoutError                no answer, or no row within the stall timeout
     └── NvidiaSmiFailedError                 non-zero exit: argv, returncode, output
@@ -38,6 +39,7 @@ __all__ = [
     "NvidiaSmiTimeoutError",
     "NvmlNotFoundError",
     "ParseError",
+    "RecordingError",
     "SmiqueryError",
     "failure_from_exit",
 ]
@@ -102,6 +104,10 @@ class ParseError(SmiqueryError, ValueError):
         shown = line if len(line) <= 200 else line[:197] + "..."
         where = f"line {lineno}" + (f", field {field!r}" if field else "")
         super().__init__(f"{where}: {message}: {shown!r}")
+
+
+class RecordingError(SmiqueryError, ValueError):
+    """A recording cannot be read: the file is missing, empty, not a recording, or holds no readable row."""
 
 
 class NvidiaSmiNotFoundError(SmiqueryError):

@@ -14,22 +14,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
+from smiquery.errors import ParseError, RecordingError
 from smiquery.fields import Field
 from smiquery.parsing import format_row, header_line
 from smiquery.records import GpuSample, Value
+
+if TYPE_CHECKING:
+    from datetime import tzinfo
+
+    import pandas as pd
 
 __all__ = [
     "CsvWriter",
     "JsonlWriter",
     "ParquetWriter",
+    "RecordingError",
+    "RecordingFormat",
     "SampleWriter",
     "SkippedLines",
+    "detect_format",
     "json_value",
     "open_recorder",
+    "read_recording",
     "sample_to_json",
 ]
+
+RecordingFormat = Literal["csv", "jsonl", "parquet"]
 
 
 # ------------------------------------------------------------------------------------------------- values
@@ -265,3 +277,155 @@ class SkippedLines:
         """
         lines = "line" if self.count == 1 else "lines"
         return f"skipped {self.count} unreadable {lines} in {name} (first: line {self.first_lineno})"
+
+
+def detect_format(path: str | os.PathLike[str]) -> RecordingFormat:
+    """The recording format from the file name (``.csv``, ``.jsonl``/``.ndjson``, ``.parquet``/``.pq``).
+
+    An unknown suffix is sniffed: ``PAR1`` means Parquet, a first character ``{`` JSONL, anything else CSV.
+
+    Args:
+        path: the recording.
+
+    Returns:
+        ``"csv"``, ``"jsonl"`` or ``"parquet"``.
+
+    Raises:
+        RecordingError: the file cannot be opened.
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix in (".csv", ".txt", ".log"):
+        return "csv"
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        return "jsonl"
+    if suffix in (".parquet", ".pq"):
+        return "parquet"
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(64).lstrip()
+    except OSError as exc:
+        raise RecordingError(f"cannot read recording {os.fspath(path)}: {exc.strerror or exc}") from exc
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    return "jsonl" if head.startswith(b"{") else "csv"
+
+
+def _check_file(path: str) -> None:
+    if not os.path.isfile(path):
+        raise RecordingError(f"recording {path} not found; record one with `smiquery stream --output FILE`")
+    try:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        raise RecordingError(f"cannot read recording {path}: {exc.strerror or exc}") from exc
+    if size == 0:
+        raise RecordingError(f"recording {path} is empty; a recording holds nvidia-smi's CSV header and rows")
+
+
+def _read_csv_any(path: str, fields: str | Sequence[str] | None, tz: tzinfo | str | None) -> pd.DataFrame:
+    from smiquery.frames import read_csv
+
+    try:
+        return read_csv(path, tz=tz)
+    except ParseError as exc:
+        if "no header" not in str(exc):
+            raise RecordingError(f"{path} holds no row smiquery can read ({exc})") from None
+        if fields is None:
+            raise RecordingError(
+                f"{path} is not a recording smiquery can read: it has no nvidia-smi CSV header line; "
+                "for a headerless (noheader) log, give its columns with --fields"
+            ) from None
+    try:
+        return read_csv(path, fields, tz=tz)
+    except ParseError as exc:
+        raise RecordingError(f"{path} holds no row of the given fields ({exc})") from None
+
+
+def _read_jsonl(path: str, tz: tzinfo | str | None) -> pd.DataFrame:
+    from smiquery.frames import to_dataframe
+    from smiquery.playback import Replay
+
+    with Replay(path, speed=0, fmt="jsonl") as rec:
+        df = to_dataframe(rec)
+        dropped = rec.stats.dropped_rows
+        first = rec.first_error
+    if dropped and first is not None:
+        df.attrs["skipped"] = SkippedLines(dropped, first.lineno, (first.line or "")[:80])
+    return df
+
+
+def _read_parquet(path: str) -> pd.DataFrame:
+    import pandas as pd
+
+    from smiquery.frames import missing_reasons
+
+    try:
+        df = pd.read_parquet(path)
+    except ImportError as exc:
+        raise RecordingError("reading Parquet needs pyarrow: pip install 'smiquery[parquet]'") from exc
+    except (OSError, ValueError) as exc:
+        raise RecordingError(f"cannot read Parquet recording {path}: {exc}") from exc
+    df.attrs["missing"] = missing_reasons(df)
+    return df
+
+
+def _set_zone(df: pd.DataFrame, tz: tzinfo | str | None) -> None:
+    if tz is None or "timestamp" not in df.columns:
+        return
+    stamps = df["timestamp"]
+    if getattr(stamps.dt, "tz", None) is None:
+        df["timestamp"] = stamps.dt.tz_localize(tz, ambiguous="NaT", nonexistent="shift_forward")
+    else:
+        df["timestamp"] = stamps.dt.tz_convert(tz)
+
+
+def read_recording(
+    source: str | os.PathLike[str],
+    *,
+    fields: str | Sequence[str] | None = None,
+    tz: tzinfo | str | None = None,
+) -> pd.DataFrame:
+    """Read any recording into a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`.
+
+    CSV (smiquery's or plain ``nvidia-smi --query-gpu=... --format=csv[,nounits][,noheader] -l 1 > log.csv``),
+    JSONL and Parquet as ``smiquery stream --output`` writes them. Unreadable lines (a torn last line, garbage)
+    are skipped and described in ``attrs["skipped"]`` (a :class:`SkippedLines`). A log without an ``index``
+    column (one GPU, e.g. ``timestamp, power.draw``) reads as GPU 0.
+
+    Args:
+        source: the file (``.csv``, ``.jsonl``, ``.parquet``; other names are sniffed).
+        fields: the columns of a headerless CSV log (names, a preset or a comma list); ignored when the file has
+            a header.
+        tz: the zone the recording was made in; default None keeps timestamps as recorded (naive for CSV,
+            whose timestamps carry no zone).
+
+    Returns:
+        One row per sample, in file order.
+
+    Raises:
+        RecordingError: the file is missing, empty, not a recording, or holds no readable row.
+        InvalidFieldError: an unknown name in ``fields``.
+        ValueError: an unknown time zone name.
+    """
+    import numpy as np
+    import pandas as pd
+
+    path = os.fspath(source)
+    _check_file(path)
+    fmt = detect_format(path)
+    if fmt == "csv":
+        df = _read_csv_any(path, fields, tz)
+    elif fmt == "parquet":
+        df = _read_parquet(path)
+        _set_zone(df, tz)
+    else:
+        df = _read_jsonl(path, tz)
+        _set_zone(df, tz)
+    if len(df) == 0:
+        raise RecordingError(f"recording {path} holds no readable rows")
+    if "index" not in df.columns:
+        # A single-GPU log (`--query-gpu=timestamp,power.draw`): its one GPU is GPU 0.
+        at = 1 if "timestamp" in df.columns else 0
+        df.insert(at, "index", pd.Series(np.zeros(len(df), dtype=np.int64), index=df.index, dtype="Int64"))
+        if isinstance(df.attrs.get("fields"), list):
+            df.attrs["fields"] = [*df.attrs["fields"][:at], "index", *df.attrs["fields"][at:]]
+    return df
