@@ -124,6 +124,8 @@ def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field
         if not name:
             continue
         fld = get_field(name)
+        if fld.name in ("timestamp", "index"):
+            continue  # the x axis and the lines, not panels (a headerless log's column list names them)
         if fld.attr not in df.columns:
             raise ReportError(f"the recording has no {fld.name}; it holds {', '.join(map(str, df.columns))}")
         if fld.kind not in (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE):
@@ -211,6 +213,7 @@ def plot_recording(
     max_points: int = 20_000,
     tz: tzinfo | str | None = None,
     shade: bool = True,
+    name: str | None = None,
 ) -> Figure:
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
@@ -234,6 +237,7 @@ def plot_recording(
         max_points: most points per line.
         tz: the zone the recording was made in (default: as recorded; CSV carries none).
         shade: shade stalls and alerts.
+        name: what to call the recording in the title (default: the file name).
 
     Returns:
         A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"``, each threshold line ``gid="threshold"``,
@@ -354,7 +358,8 @@ def plot_recording(
     axes[-1].xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
     axes[-1].set_xlabel(_zone_label(df["timestamp"]), fontsize=9)
     if title is None:
-        name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
+        if name is None:
+            name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
         title = (
             f"{name}: {len(groups)} GPU{'s' if len(groups) != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S}"
         )

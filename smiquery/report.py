@@ -160,8 +160,8 @@ def format_duration(seconds: float) -> str:
 def _zone_name(ts: datetime) -> str:
     """How the report names the zone of its times: the recording's zone, or that none was recorded."""
     if ts.tzinfo is None:
-        return "(recording's local time)"
-    return f"({ts.tzname() or ts.tzinfo})"
+        return "recorder's local time"
+    return str(ts.tzinfo)
 
 
 def _clock(ts: datetime) -> str:
@@ -515,8 +515,8 @@ class Report:
     def _headline(self) -> str:
         return (
             f"{self.source}: {len(self.gpus)} GPU{'s' if len(self.gpus) != 1 else ''}, {self.sweeps} samples each, "
-            f"{_stamp(self.start)} to {_clock(self.end)} {_zone_name(self.start)} "
-            f"({format_duration(self.duration)}), every {self.interval:g} s"
+            f"{_stamp(self.start)} to {_clock(self.end)} ({format_duration(self.duration)}, "
+            f"{_zone_name(self.start)}), every {self.interval:g} s"
         )
 
     def _notes(self) -> list[str]:

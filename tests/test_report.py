@@ -330,3 +330,31 @@ def test_statistics_are_short_and_rounded_to_the_unit(demo):
     assert "." not in mem.split("]", 1)[1]  # MiB are whole numbers
     power = next(line for line in stats if line.lstrip().startswith("power.draw [W]"))
     assert all(len(cell.split(".")[-1]) <= 1 for cell in power.split() if "." in cell and cell[0].isdigit())
+
+
+def test_cli_warns_once_about_skipped_lines_and_reads_headerless_logs(tmp_path):
+    from typer.testing import CliRunner
+
+    app = _app()
+    killed = tmp_path / "killed.csv"
+    killed.write_text(DEMO.read_text(encoding="utf-8") + DEMO.read_text(encoding="utf-8").splitlines()[5][:33])
+    result = CliRunner().invoke(app, ["report", str(killed)])
+    assert result.exit_code == 0, result.output
+    warnings = [ln for ln in result.stderr.splitlines() if ln.startswith("smiquery: warning:")]
+    assert warnings == [f"smiquery: warning: skipped 1 unreadable line in {killed} (first: line 4802)"]
+    noheader = tmp_path / "noheader.csv"
+    noheader.write_text("".join(f"2026/01/01 00:00:{s:02d}.000, 0, 7\n" for s in range(40)), encoding="utf-8")
+    refused = CliRunner().invoke(app, ["report", str(noheader)])
+    assert refused.exit_code == 1
+    assert "--fields" in refused.stderr
+    ok = CliRunner().invoke(app, ["report", str(noheader), "--fields", "timestamp,index,utilization.gpu"])
+    assert ok.exit_code == 0, ok.output
+    assert "GPU 0 spent 40 s under 20% utilization" in ok.stdout
+    zoned = CliRunner().invoke(app, ["report", str(DEMO), "--tz", "Europe/Berlin", "-F", "json"])
+    assert json.loads(zoned.stdout)["start"].endswith("+01:00")
+    for bad in (b"", bytes(range(256)) * 4):
+        junk = tmp_path / "junk.csv"
+        junk.write_bytes(bad)
+        failed = CliRunner().invoke(app, ["report", str(junk)])
+        assert failed.exit_code == 1
+        assert failed.stderr.startswith("smiquery: error: ") and failed.stderr.count("\n") == 1
