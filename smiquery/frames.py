@@ -888,10 +888,12 @@ class _ArrowReader:
 
     def _convert(self, col: Any, fld: Field, unit: str) -> tuple[Any, _Why | None]:
         """One trimmed text column of a block -> (typed Arrow array, why cells are missing)."""
-        pa = self.pa
+        pa, pc = self.pa, self.pc
         kind = fld.kind
-        if kind.is_numeric:
-            # The common case, a column with no status token and no unit, converts in one cast.
+        # A cast that fails costs fifty times one that succeeds (Arrow builds the error), so the one-cast path
+        # is taken only for a column that shows no unit and no status token.
+        suffixed = bool(unit) and kind is not Kind.STR and pc.any(pc.ends_with(col, " " + unit)).as_py()
+        if kind.is_numeric and not suffixed and not pc.any(pc.starts_with(col, "[")).as_py():
             typed = self._typed(col, fld)
             if typed is not None:
                 return typed, None
@@ -901,7 +903,7 @@ class _ArrowReader:
             reasons = self._reasons(col, token)
             col = self.pc.if_else(token, pa.scalar(None, pa.string()), col)
         del token
-        if unit and kind is not Kind.STR:
+        if suffixed:
             col = self._strip_unit(col, unit)
         typed = self._typed(col, fld)
         if typed is None:
@@ -936,7 +938,10 @@ class _ArrowReader:
         has = pc.ends_with(col, suffix)
         if not pc.any(has).as_py():
             return col
-        return pc.if_else(has, pc.utf8_slice_codeunits(col, 0, -len(suffix)), col)
+        stripped = pc.utf8_slice_codeunits(col, 0, -len(suffix))
+        if pc.all(has).as_py():
+            return stripped  # every cell carries the unit (token cells are null by now and skipped)
+        return pc.if_else(has, stripped, col)
 
     def _typed(self, col: Any, fld: Field) -> Any | None:
         """The column cast to its kind's Arrow type, or None when some cell needs the parser's own converter."""
