@@ -9,13 +9,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
-from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from smiquery.alerts import Rule
 from smiquery.fields import Field, Kind, get_field, resolve_fields
-from smiquery.report import DEFAULT_RULES, ReportError, load_recording
+from smiquery.report import DEFAULT_RULES, ReportError, _as_float, _gpu_rows, load_recording
 
 if TYPE_CHECKING:
     from datetime import tzinfo
@@ -67,11 +66,11 @@ def _zone_label(stamps: pd.Series) -> str:
     return f"time ({zone})"
 
 
-def _merged(spans: Iterable[tuple[Any, Any, int]]) -> list[tuple[Any, Any, list[int]]]:
-    """Overlapping (start, end, gpu) spans merged into (start, end, gpus)."""
+def _merged(spans: Iterable[tuple[Any, Any, int]], slack: Any = None) -> list[tuple[Any, Any, list[int]]]:
+    """(start, end, gpu) spans that overlap, or lie within ``slack`` of each other, merged into (start, end, gpus)."""
     out: list[tuple[Any, Any, list[int]]] = []
     for start, end, gpu in sorted(spans, key=lambda s: s[0]):
-        if out and start <= out[-1][1]:
+        if out and start <= (out[-1][1] if slack is None else out[-1][1] + slack):
             s0, e0, gs = out[-1]
             out[-1] = (s0, max(e0, end), sorted({*gs, gpu}))
         else:
@@ -137,27 +136,36 @@ def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field
     return out
 
 
-def _series(frame: pd.DataFrame, column: str, gap_limit: float, max_points: int) -> tuple[np.ndarray, np.ndarray]:
-    """x (naive local datetime64) and y (float, NaN where missing or across a gap in time) for one GPU."""
+def _wall_clock(stamps: pd.Series) -> np.ndarray:
+    """Timestamps as naive datetime64[ns]: the wall-clock time of the recording, in its zone when it has one."""
     import numpy as np
 
-    ts = frame["timestamp"]
-    if getattr(ts.dt, "tz", None) is not None:
-        ts = ts.dt.tz_localize(None)  # wall-clock time of the recording, as nvidia-smi printed it
-    x = ts.to_numpy(dtype="datetime64[ns]")
-    y = np.asarray(frame[column].astype("Float64").to_numpy(dtype="float64", na_value=np.nan), dtype="float64")
+    if getattr(stamps.dt, "tz", None) is not None:
+        stamps = stamps.dt.tz_localize(None)
+    return np.asarray(stamps.to_numpy(dtype="datetime64[ns]"))
+
+
+def _series(x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int) -> tuple[np.ndarray, np.ndarray]:
+    """x (naive datetime64) and y (float, NaN where missing or across a gap in time) for one GPU's line."""
+    import numpy as np
+
+    rows = len(x)
     if len(x) > max_points:
+        # Each bucket of samples (about a pixel wide) becomes its mean: with several GPUs in one panel, a noisy
+        # line drawn sample by sample (or as its min-max envelope) covers the others with a solid band.
         step = math.ceil(len(x) / max_points)
         n = (len(x) // step) * step
-        x = x[:n:step]
         blocks = y[:n].reshape(-1, step)
-        with np.errstate(all="ignore"):
-            counts = (~np.isnan(blocks)).sum(axis=1)
-            sums = np.nansum(blocks, axis=1)
-            y = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        present = ~np.isnan(blocks)
+        counts = present.sum(axis=1)
+        sums = np.where(present, blocks, 0.0).sum(axis=1)
+        means = np.full(len(counts), np.nan)
+        np.divide(sums, counts, out=means, where=counts > 0)
+        x = np.concatenate((x[:n:step], x[n:]))
+        y = np.concatenate((means, y[n:]))
     if len(x) > 1:
         secs = np.diff(x).astype("timedelta64[ns]").astype("float64") / 1e9
-        limit = gap_limit * max(1, math.ceil(len(frame) / max_points))
+        limit = gap_limit * max(1, math.ceil(rows / max_points))
         gaps = np.nonzero(secs > limit)[0]
         if len(gaps):
             # a NaN point inside each gap breaks the line there
@@ -210,7 +218,7 @@ def plot_recording(
     width: float = 12.0,
     panel_height: float = 2.4,
     dpi: int = 100,
-    max_points: int = 20_000,
+    max_points: int | None = None,
     tz: tzinfo | str | None = None,
     shade: bool = True,
     name: str | None = None,
@@ -218,7 +226,7 @@ def plot_recording(
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
     Missing values (``[N/A]``, a lost GPU) and gaps in time (the recording was stopped) show as breaks in the
-    lines, never as zeros or straight joins. Lines longer than ``max_points`` are averaged into that many points.
+    lines, never as zeros or straight joins. Long lines are averaged to about one point per pixel.
     Stalls (:data:`smiquery.stalls.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
     shaded orange on its field's panel; a field with no value says so. The x axis names the time zone (or says
     that the recording has none).
@@ -234,7 +242,8 @@ def plot_recording(
         width: figure width in inches.
         panel_height: height of one panel in inches.
         dpi: resolution in dots per inch.
-        max_points: most points per line.
+        max_points: most points per line; default one per pixel of width (a longer line is drawn as the mean
+            of each stretch of samples).
         tz: the zone the recording was made in (default: as recorded; CSV carries none).
         shade: shade stalls and alerts.
         name: what to call the recording in the title (default: the file name).
@@ -265,10 +274,12 @@ def plot_recording(
     flds = _resolve(fields, df)
     parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in (DEFAULT_RULES if rules is None else rules)]
 
-    index = df["index"].to_numpy(dtype="int64")
-    bounds = [0, *(np.flatnonzero(np.diff(index)) + 1).tolist(), len(index)]
-    groups = [(int(index[a]), df.iloc[a:b]) for a, b in pairwise(bounds)]
-    diffs = [frame["timestamp"].diff().dt.total_seconds().median() for _, frame in groups if len(frame) > 1]
+    if max_points is None:
+        max_points = max(200, round(width * dpi))
+    groups = _gpu_rows(df["index"].to_numpy(dtype="int64"))
+    x_all = _wall_clock(df["timestamp"])
+    xs = {idx: x_all[rows] for idx, rows in groups}
+    diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs.values() if len(x) > 1]
     interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
     if not interval > 0 or math.isnan(interval):
         interval = 1.0
@@ -276,14 +287,16 @@ def plot_recording(
 
     stalls: list[tuple[Any, Any, list[int]]] = []
     alerts: dict[str, list[tuple[Any, Any, list[int]]]] = {}
+    # spans closer than half a percent of the run are drawn (and labelled) as one
+    slack = (df["timestamp"].max() - df["timestamp"].min()) / 200
     if shade:
         found = analyze(df, rules=parsed)
-        stalls = _merged((_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls)
+        stalls = _merged(((_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls), slack)
         by_field: dict[str, list[tuple[Any, Any, int]]] = {}
         for a in found.alerts:
             rule = next(r for r in parsed if str(r) == a.rule)
             by_field.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
-        alerts = {name: _merged(spans) for name, spans in by_field.items()}
+        alerts = {name: _merged(spans, slack) for name, spans in by_field.items()}
 
     start = df["timestamp"].min()
     end = df["timestamp"].max()
@@ -296,8 +309,9 @@ def plot_recording(
     handles: list[Any] = []
     for ax, fld in zip(axes, flds):
         drawn = 0
-        for pos, (idx, frame) in enumerate(groups):
-            x, y = _series(frame, fld.attr, gap_limit, max_points)
+        y_all = _as_float(df[fld.attr])
+        for pos, (idx, rows) in enumerate(groups):
+            x, y = _series(xs[idx], y_all[rows], gap_limit, max_points)
             drawn += int((~np.isnan(y)).sum())
             colour, dash = _style(pos)
             (line,) = ax.plot(

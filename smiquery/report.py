@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from smiquery.alerts import BUILTIN_RULES, Rule
@@ -82,7 +83,7 @@ def load_recording(
         tz: the zone the recording was made in; default: as recorded (see :func:`smiquery.frames.read_csv`).
 
     Returns:
-        One row per sample, sorted by GPU index (stable: file order within a GPU).
+        One row per sample, in file order (rows without a timestamp or GPU index dropped).
 
     Raises:
         ReportError: the file is missing, unreadable, holds no readable row, or has no ``timestamp``.
@@ -107,12 +108,8 @@ def load_recording(
         raise ReportError("the recording has no timestamp column; record with fields that include timestamp")
     bad = df["index"].isna() | df["timestamp"].isna()
     if bad.any():
-        df = df[~bad]
-    index = df["index"].to_numpy(dtype="int64", na_value=-1)
-    if len(index) > 1 and not bool((index[1:] >= index[:-1]).all()):
-        order = np.argsort(index, kind="stable")
-        df = df.take(order)
-    return cast("pd.DataFrame", df.reset_index(drop=True))
+        df = df[~bad].reset_index(drop=True)
+    return df
 
 
 def _field_of(column: str, df: pd.DataFrame) -> Field | None:
@@ -727,23 +724,40 @@ def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
 # ------------------------------------------------------------------------------------------------ analysis
 
 
-class _Gpu:
-    """One GPU's samples: a contiguous slice of the sorted frame, its times (s from the run's start) and durations.
+class _Columns:
+    """Numeric columns of the whole frame as float64 arrays, converted once and shared by every GPU."""
 
-    Timestamps become ``datetime`` objects only where a stretch starts or ends.
+    def __init__(self, df: pd.DataFrame) -> None:
+        self.df = df
+        self.columns = df.columns
+        self._floats: dict[str, np.ndarray] = {}
+
+    def floats(self, column: str) -> np.ndarray:
+        got = self._floats.get(column)
+        if got is None:
+            got = self._floats[column] = _as_float(self.df[column])
+        return got
+
+
+class _Gpu:
+    """One GPU's samples: their row positions in the frame, times (s from the run's start) and durations.
+
+    The frame is not split or copied: columns are read through the row positions. Timestamps become
+    ``datetime`` objects only where a stretch starts or ends.
     """
 
-    def __init__(self, index: int, frame: pd.DataFrame, times: np.ndarray, stamps: np.ndarray, zone: Any) -> None:
+    def __init__(self, index: int, data: _Columns, rows: Any, times: np.ndarray, stamps: np.ndarray, zone: Any):
         import numpy as np
 
         self.index = index
-        self.frame = frame
+        self.data = data
+        self.rows = rows  # a slice (the frame holds this GPU's rows together) or an array of positions
+        self.columns = data.columns
         self.times = times
         self._stamps = stamps  # datetime64[ns] wall-clock (naive) or UTC (aware, with ``zone``)
         self._zone = zone
         self.dur: np.ndarray = np.array([])
         self.gap_limit = 0.0
-        self._floats: dict[str, np.ndarray] = {}
 
     def stamp(self, i: int) -> datetime:
         """The time of sample ``i`` as a ``datetime`` (aware when the recording names its zone)."""
@@ -755,11 +769,15 @@ class _Gpu:
         return cast(datetime, ts.to_pydatetime())
 
     def floats(self, column: str) -> np.ndarray:
-        """A numeric column as float64, NaN where missing (cached)."""
-        got = self._floats.get(column)
-        if got is None:
-            got = self._floats[column] = _as_float(self.frame[column])
-        return got
+        """A numeric column as float64, NaN where missing."""
+        picked: np.ndarray = self.data.floats(column)[self.rows]
+        return picked
+
+    def values(self, column: str) -> list[Any]:
+        """A column's values as Python objects (for text comparisons)."""
+        series = self.data.df[column]
+        picked = series.iloc[self.rows] if isinstance(self.rows, slice) else series.take(self.rows)
+        return picked.tolist()
 
 
 def _as_float(series: pd.Series) -> np.ndarray:
@@ -783,7 +801,7 @@ def _condition_values(rule: Rule, g: _Gpu) -> np.ndarray:
     parts: list[np.ndarray] = []
     for cond in (rule, *rule.when):
         col = cond.field.attr
-        if col not in g.frame.columns:
+        if col not in g.columns:
             return np.full(len(g.times), np.nan)
         threshold = cond.threshold
         op = _NUMPY_OPS.get(cond.op)
@@ -798,14 +816,8 @@ def _condition_values(rule: Rule, g: _Gpu) -> np.ndarray:
             out[np.isnan(values)] = np.nan
         else:
             # text and other thresholds: the rule's own comparison, value by value
-            series = g.frame[col]
-            out = np.array(
-                [
-                    np.nan if (v is None or _isna(v) or (h := cond.holds(v)) is None) else float(h)
-                    for v in series.tolist()
-                ],
-                dtype="float64",
-            )
+            verdicts = [None if v is None or _isna(v) else cond.holds(v) for v in g.values(col)]
+            out = np.array([np.nan if h is None else float(h) for h in verdicts], dtype="float64")
         parts.append(out)
     result = parts[0]
     for p in parts[1:]:
@@ -822,8 +834,8 @@ def _isna(v: object) -> bool:
         return False
 
 
-def _runs(g: _Gpu, cond: np.ndarray) -> list[tuple[int, int]]:
-    """(first, last) sample positions of the stretches where ``cond`` holds.
+def _runs(g: _Gpu, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(firsts, lasts): sample positions of the stretches where ``cond`` holds, as two int arrays.
 
     A missing value keeps the state it follows (as the live evaluator does); a gap in time longer than the
     gap limit (the stream was stopped) ends a stretch.
@@ -831,8 +843,9 @@ def _runs(g: _Gpu, cond: np.ndarray) -> list[tuple[int, int]]:
     import numpy as np
 
     n = len(cond)
+    none = np.zeros(0, dtype=np.int64)
     if n == 0:
-        return []
+        return none, none
     gap = np.zeros(n, dtype=bool)
     gap[1:] = np.diff(g.times) > g.gap_limit
     gap[0] = True
@@ -843,10 +856,31 @@ def _runs(g: _Gpu, cond: np.ndarray) -> list[tuple[int, int]]:
     last_known = np.maximum.accumulate(np.where(known, np.arange(n), 0))
     held = state[last_known] > 0  # NaNs take the state they follow
     if not held.any():
-        return []
+        return none, none
     starts = held & (gap | ~np.concatenate(([False], held[:-1])))
     ends = held & np.concatenate((gap[1:] | ~held[1:], [True]))
-    return list(zip(np.flatnonzero(starts).tolist(), np.flatnonzero(ends).tolist(), strict=True))
+    return np.flatnonzero(starts), np.flatnonzero(ends)
+
+
+def _run_seconds(g: _Gpu, firsts: np.ndarray, lasts: np.ndarray) -> np.ndarray:
+    """The length of each stretch: from its first sample to the end of its last."""
+    import numpy as np
+
+    return np.asarray(g.times[lasts] - g.times[firsts] + g.dur[lasts], dtype="float64")
+
+
+def _peak(values: np.ndarray, firsts: np.ndarray, lasts: np.ndarray, pick_max: bool) -> float | None:
+    """The most extreme present value inside any of the stretches."""
+    import numpy as np
+
+    inside = np.zeros(len(values) + 1, dtype=np.int64)
+    np.add.at(inside, firsts, 1)
+    np.add.at(inside, lasts + 1, -1)
+    window = values[np.cumsum(inside[:-1]) > 0]
+    window = window[~np.isnan(window)]
+    if not len(window):
+        return None
+    return float(window.max() if pick_max else window.min())
 
 
 def _stretch(g: _Gpu, first: int, last: int, values: np.ndarray | None, pick_max: bool) -> Stretch:
@@ -878,28 +912,39 @@ def _fired_at(rule: Rule, g: _Gpu, first: int, last: int, cond: np.ndarray) -> i
     return int(counted[need - 1]) if len(counted) >= need else None
 
 
+def _gpu_rows(index: np.ndarray) -> list[tuple[int, Any]]:
+    """(GPU index, its row positions) per GPU in index order: slices when the frame holds each GPU's rows together."""
+    import numpy as np
+
+    if len(index) > 1 and not bool((index[1:] >= index[:-1]).all()):
+        order = np.argsort(index, kind="stable")  # file order within each GPU
+        ordered = index[order]
+        bounds = np.flatnonzero(np.diff(ordered)) + 1
+        parts = np.split(order, bounds)
+        return [(int(index[p[0]]), p) for p in parts]
+    edges = [0, *(np.flatnonzero(np.diff(index)) + 1).tolist(), len(index)]
+    return [(int(index[a]), slice(a, b)) for a, b in pairwise(edges)]
+
+
 def _build_gpus(df: pd.DataFrame) -> tuple[list[_Gpu], float]:
     import numpy as np
 
     stamps_col = df["timestamp"]
     zone = getattr(stamps_col.dt, "tz", None)
-    # wall-clock (naive) or UTC nanoseconds, as int64 for fast arithmetic
+    # wall-clock (naive) or UTC nanoseconds
     stamps = np.asarray(stamps_col.dt.tz_convert("UTC").dt.tz_localize(None) if zone is not None else stamps_col)
     stamps = stamps.astype("datetime64[ns]")
     t0 = stamps.min()
     seconds = (stamps - t0).astype("int64") / 1e9
-    index = df["index"].to_numpy(dtype="int64")
-    bounds = np.flatnonzero(np.diff(index)) + 1
-    starts = np.concatenate(([0], bounds))
-    ends = np.concatenate((bounds, [len(index)]))
+    data = _Columns(df)
     gpus: list[_Gpu] = []
     intervals: list[float] = []
-    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-        times = seconds[a:b]
+    for idx, rows in _gpu_rows(df["index"].to_numpy(dtype="int64")):
+        times = seconds[rows]
         diffs = np.diff(times)
         if len(diffs):
             intervals.append(float(np.median(diffs)))
-        gpus.append(_Gpu(int(index[a]), df.iloc[a:b], times, stamps[a:b], zone))
+        gpus.append(_Gpu(idx, data, rows, times, stamps[rows], zone))
     interval = float(np.median(intervals)) if intervals else 1.0
     if not interval > 0:
         interval = 1.0
@@ -1036,28 +1081,33 @@ def analyze(
     for rule in parsed:
         for g in gpus:
             cond = _condition_values(rule, g)
-            runs = _runs(g, cond)
-            if not runs:
+            firsts, lasts = _runs(g, cond)
+            if not len(firsts):
                 continue
             col = rule.field.attr
             values = g.floats(col) if rule.field.kind in (Kind.INT, Kind.FLOAT) else None
             pick_max = rule.op in (">", ">=")
-            stretches = [_stretch(g, a, b, values, pick_max) for a, b in runs]
-            peaks = [s.peak for s in stretches if s.peak is not None]
+            seconds = _run_seconds(g, firsts, lasts)
             report.thresholds.append(
                 ThresholdTime(
                     str(rule),
                     g.index,
-                    sum(s.seconds for s in stretches),
-                    len(stretches),
-                    max(s.seconds for s in stretches),
-                    (max(peaks) if pick_max else min(peaks)) if peaks else None,
+                    float(seconds.sum()),
+                    len(firsts),
+                    float(seconds.max()),
+                    None if values is None else _peak(values, firsts, lasts, pick_max),
                 )
             )
-            for (a, b), s in zip(runs, stretches):
+            # Only stretches long enough for the hold can have fired (a noisy field makes thousands of short ones).
+            if rule.hold_seconds is not None:
+                long_enough = g.times[lasts] - g.times[firsts] >= rule.hold_seconds
+            else:
+                long_enough = lasts - firsts + 1 >= (rule.hold_samples or 1)
+            for a, b in zip(firsts[long_enough].tolist(), lasts[long_enough].tolist(), strict=True):
                 at = _fired_at(rule, g, a, b, cond)
                 if at is None:
                     continue
+                s = _stretch(g, a, b, values, pick_max)
                 still = b == len(g.times) - 1
                 report.alerts.append(
                     AlertSpan(str(rule), g.index, s.start, g.stamp(at), s.end, s.seconds, s.peak, not still)
@@ -1066,14 +1116,14 @@ def analyze(
     # stalls
     stall = StallRule(stall_utilization, busy_memory, min_stall)
     for g in gpus:
-        if "utilization_gpu" not in g.frame.columns:
+        if "utilization_gpu" not in g.columns:
             break
         util = g.floats("utilization_gpu")
-        cond = stall.mask(util, g.floats("memory_used") if "memory_used" in g.frame.columns else None)
-        for a, b in _runs(g, cond):
-            s = _stretch(g, a, b, util, pick_max=False)
-            if s.seconds >= min_stall:
-                report.stalls.append(s)
+        cond = stall.mask(util, g.floats("memory_used") if "memory_used" in g.columns else None)
+        firsts, lasts = _runs(g, cond)
+        long_enough = _run_seconds(g, firsts, lasts) >= min_stall
+        for a, b in zip(firsts[long_enough].tolist(), lasts[long_enough].tolist(), strict=True):
+            report.stalls.append(_stretch(g, a, b, util, pick_max=False))
 
     report.findings = _findings(report, parsed, gpus)
     return report
@@ -1184,10 +1234,10 @@ def _findings(report: Report, rules: Sequence[Rule], gpus: list[_Gpu]) -> list[F
         out.append(Finding(kind, severity, (span.gpu,), text, total, spans[0].since))
 
     # memory nearly full
-    if "memory_used" in gpus[0].frame.columns and "memory_total" in gpus[0].frame.columns:
+    if "memory_used" in gpus[0].columns and "memory_total" in gpus[0].columns:
         for g in gpus:
-            used = _as_float(g.frame["memory_used"])
-            total_mem = _as_float(g.frame["memory_total"])
+            used = g.floats("memory_used")
+            total_mem = g.floats("memory_total")
             with _quiet():
                 ratio = used / total_mem
             if len(ratio) and (ratio >= 0.97).any():
