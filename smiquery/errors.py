@@ -7,6 +7,8 @@
     ├── InvalidGpuIdError (+ValueError)      malformed GPU id; never retried
     ├── ParseError (+ValueError)             a row that does not fit: lineno, raw line, field
     ├── RecordingError (+ValueError)         a recording that cannot be read (missing, empty, no header)
+    │   ├── ReplayError                      ... or played back (lacks the fields asked for)
+    │   └── ReportError                      ... or analysed (no timestamp)
     ├── NvidiaSmiNotFoundError               binary missing or not executable; never retried
     ├── NvidiaSmiTimeoutError                no answer, or no row within the stall timeout
     └── NvidiaSmiFailedError                 non-zero exit: argv, returncode, output
@@ -40,6 +42,8 @@ __all__ = [
     "NvmlNotFoundError",
     "ParseError",
     "RecordingError",
+    "ReplayError",
+    "ReportError",
     "SmiqueryError",
     "failure_from_exit",
 ]
@@ -108,6 +112,14 @@ class ParseError(SmiqueryError, ValueError):
 
 class RecordingError(SmiqueryError, ValueError):
     """A recording cannot be read: the file is missing, empty, not a recording, or holds no readable row."""
+
+
+class ReplayError(RecordingError):
+    """A recording cannot be played: missing, empty or random bytes, no header, or fields it does not hold."""
+
+
+class ReportError(RecordingError):
+    """A recording cannot be analysed: unreadable, empty, or without a ``timestamp`` column."""
 
 
 class NvidiaSmiNotFoundError(SmiqueryError):

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 
-from smiquery.errors import InvalidFieldError, ParseError, RecordingError
+from smiquery.errors import InvalidFieldError, ParseError, ReplayError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
 from smiquery.oneshot import GpusArg, normalize_gpus
 from smiquery.parsing import CsvParser, format_value
@@ -32,10 +32,6 @@ MAX_GAP_SECONDS = 60.0
 
 _BOOL_WORDS = {"enabled": True, "disabled": False, "yes": True, "no": False, "active": True, "not active": False}
 _BY_ATTR = {f.attr: f for f in CATALOGUE}
-
-
-class ReplayError(RecordingError):
-    """A recording cannot be played: missing, empty or random bytes, no header, or fields it does not hold."""
 
 
 # ---------------------------------------------------------------------------------------------------- readers

@@ -17,7 +17,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from smiquery.alerts import BUILTIN_RULES, Rule
-from smiquery.errors import RecordingError
+from smiquery.errors import RecordingError, ReportError
 from smiquery.fields import CATALOGUE, Field, Kind
 from smiquery.recordings import SkippedLines
 from smiquery.stalls import STALL, StallRule
@@ -57,10 +57,6 @@ _SKIP_STATS = frozenset({"index", "count", "timestamp"})
 _SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 
 Severity = Literal["critical", "warning", "info"]
-
-
-class ReportError(RecordingError):
-    """A recording cannot be analysed: unreadable, empty, or without a ``timestamp`` column."""
 
 
 # ------------------------------------------------------------------------------------------------- loading
