@@ -6,6 +6,7 @@ ends on a complete row. pandas and pyarrow are imported only by the Parquet writ
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -163,6 +164,10 @@ class ParquetWriter:
         path: the file to write.
         chunk_rows: samples per chunk.
         chunk_seconds: the longest time a sample waits in the buffer.
+
+    Raises:
+        OSError: the file cannot be written there (checked at once, like the CSV and JSONL writers do).
+        RuntimeError: pyarrow is not installed.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, chunk_rows: int = 10_000, chunk_seconds: float = 60.0) -> None:
@@ -180,6 +185,13 @@ class ParquetWriter:
             import pyarrow  # noqa: F401
         except ImportError as exc:
             raise RuntimeError("writing Parquet needs pyarrow: pip install 'smiquery[parquet]'") from exc
+        # The file is first written after a chunk (up to a minute in): find out now that it cannot be.
+        if self.path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a directory", os.fspath(self.path))
+        probe = self._tmp_path()
+        with open(probe, "wb"):
+            pass
+        probe.unlink()
 
     def write(self, sample: GpuSample) -> None:
         """Buffer one sample; writes the file when a chunk is full."""
@@ -220,9 +232,12 @@ class ParquetWriter:
         attrs = {**self._attrs, "missing": {c: {str(k): v for k, v in m.items()} for c, m in self._missing.items()}}
         meta = dict(whole.schema.metadata or {})
         meta[b"PANDAS_ATTRS"] = json.dumps(attrs).encode("utf-8")
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp = self._tmp_path()
         pq.write_table(whole.replace_schema_metadata(meta), tmp)
         os.replace(tmp, self.path)
+
+    def _tmp_path(self) -> Path:
+        return self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
 
     def close(self) -> None:
         """Write the rest and finish. Idempotent."""

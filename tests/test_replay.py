@@ -339,3 +339,20 @@ def test_headerless_log_with_columns(tmp_path):
     path.write_text("0, 33\n1, 34\n0, 35\n1, 36\n", encoding="utf-8")
     r = replay(path, speed=0, columns="index,temperature.gpu")
     assert [(s.index, s.temperature_gpu) for s in r] == [(0, 33), (1, 34), (0, 35), (1, 36)]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_every_writer_fails_at_once_where_it_cannot_write(tmp_path, suffix):
+    from smiquery.fields import resolve_fields
+    from smiquery.recordings import open_recorder
+
+    fields = resolve_fields("default")
+    with pytest.raises(FileNotFoundError):
+        open_recorder(tmp_path / "no-such-dir" / f"run{suffix}", fields)
+    taken = tmp_path / f"taken{suffix}"
+    taken.mkdir()
+    with pytest.raises(IsADirectoryError):
+        open_recorder(taken, fields)
+    fine = open_recorder(tmp_path / f"run{suffix}", fields)
+    fine.close()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no probe file left behind
