@@ -139,13 +139,13 @@ def _load(recording: Path, fields: str | None, tz: str | None, *, fields_are_col
     return df
 
 
-def _gpu_list(spec: str | None) -> list[int] | None:
+def _gpu_list(spec: str | None) -> list[int | str] | None:
+    """GPU ids as ``stream --id`` takes them: indices, UUIDs or PCI bus ids, comma-separated."""
     if spec is None:
         return None
-    try:
-        return [int(part) for part in spec.split(",") if part.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"--gpus takes GPU indices such as 0,5, not {spec!r}") from None
+    from smiquery.oneshot import normalize_gpus
+
+    return list(normalize_gpus(spec))
 
 
 def plot(
@@ -168,7 +168,8 @@ def plot(
     ] = None,
     alert: AlertOpt = None,
     gpus: Annotated[
-        str | None, typer.Option("--gpus", "--id", "-i", metavar="0,5", help="Only these GPU indices.")
+        str | None,
+        typer.Option("--gpus", "--id", "-i", metavar="0,5", help="Only these GPUs: indices, UUIDs or PCI bus ids."),
     ] = None,
     width: Annotated[float, typer.Option("--width", min=4.0, help="Width in inches.")] = 12.0,
     dpi: Annotated[int, typer.Option("--dpi", min=50, max=600, help="Resolution.")] = 100,

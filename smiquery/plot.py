@@ -78,6 +78,18 @@ def _merged(spans: Iterable[tuple[Any, Any, int]], slack: Any = None) -> list[tu
     return out
 
 
+def _selected(df: pd.DataFrame, gpus: Sequence[int | str] | str) -> pd.Series:
+    """Rows of the chosen GPUs, by index, UUID or PCI bus id (UUIDs and bus ids when the recording has them)."""
+    from smiquery.oneshot import normalize_gpus
+
+    ids = normalize_gpus(gpus)
+    keep = df["index"].astype("string").isin(list(ids))
+    for column in ("uuid", "pci_bus_id"):
+        if column in df.columns:
+            keep |= df[column].astype("string").str.lower().isin([i.lower() for i in ids])
+    return keep.fillna(False).astype(bool)
+
+
 def _gpu_names(gpus: Sequence[int], total: int) -> str:
     if len(gpus) == total and total > 1:
         return "all GPUs"
@@ -213,7 +225,7 @@ def plot_recording(
     fields: str | Sequence[str] | None = None,
     *,
     rules: Iterable[Rule | str] | None = None,
-    gpus: Sequence[int] | None = None,
+    gpus: Sequence[int | str] | str | None = None,
     title: str | None = None,
     width: float = 12.0,
     panel_height: float = 2.4,
@@ -237,7 +249,7 @@ def plot_recording(
             a headerless CSV log, its columns in order (the numeric ones are drawn).
         rules: rules whose thresholds are drawn and whose alerts are shaded; default
             :data:`smiquery.report.DEFAULT_RULES`.
-        gpus: only these GPU indices.
+        gpus: only these GPUs: indices, UUIDs or PCI bus ids (as ``smiquery stream --id`` takes them).
         title: the figure title (default: the file name and time span).
         width: figure width in inches.
         panel_height: height of one panel in inches.
@@ -268,7 +280,7 @@ def plot_recording(
 
     df, fields = _load(source, fields, tz)
     if gpus is not None:
-        df = df[df["index"].isin(list(gpus))].reset_index(drop=True)
+        df = df[_selected(df, gpus)].reset_index(drop=True)
     if df.empty:
         raise ReportError("the recording holds no samples" + (" for those GPUs" if gpus is not None else ""))
     flds = _resolve(fields, df)

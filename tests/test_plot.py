@@ -289,3 +289,27 @@ def test_headerless_log_plots_with_fields(tmp_path):
     fig = plot_recording(path, "timestamp,power.draw", rules=[])
     assert [ax.get_title(loc="left") for ax in fig.get_axes()] == ["power.draw [W]"]
     assert [ln.get_label() for ln in gpu_lines(fig.get_axes()[0])] == ["GPU 0"]
+
+
+def test_gpus_chosen_by_uuid_or_bus_id_as_stream_takes_them(tmp_path):
+    from typer.testing import CliRunner
+
+    from smiquery.cli_analysis import register
+
+    uuid5 = "GPU-d98134f2-4986-55a4-31e4-e203d4cccb68"  # GPU 5 in the demo recording
+    fig = plot_recording(DEMO, "temperature.gpu", gpus=[uuid5, "00000000:18:00.0"], rules=[])
+    assert sorted(ln.get_label() for ln in gpu_lines(fig.get_axes()[0])) == ["GPU 0", "GPU 5"]
+    import typer
+
+    app = typer.Typer()
+
+    @app.callback()
+    def root() -> None:
+        """Test root."""
+
+    register(app)
+    ok = CliRunner().invoke(app, ["plot", str(DEMO), "-o", str(tmp_path / "p.png"), "-i", uuid5])
+    assert ok.exit_code == 0, ok.output
+    bad = CliRunner().invoke(app, ["plot", str(DEMO), "-o", str(tmp_path / "p.png"), "-i", "GPU-nonsense!"])
+    assert bad.exit_code == 2
+    assert bad.stderr.startswith("smiquery: usage error:")
