@@ -6,9 +6,9 @@
     ├── InvalidFieldError (+ValueError)      unknown or malformed field name; never retried
     ├── InvalidGpuIdError (+ValueError)      malformed GPU id; never retried
     ├── ParseError (+ValueError)             a row that does not fit: lineno, raw line, field
-    ├── RecordingError (+ValueError)         a recording that cannot be read (missing, empty, no header)
+    ├── RecordingError                       a recording that cannot be read (missing, empty, no header)
     │   ├── ReplayError                      ... or played back (lacks the fields asked for)
-    │   └── ReportError                      ... or analysed (no timestamp)
+    │   └── ReportError (+ValueError)        ... or analysed (no timestamp)
     ├── NvidiaSmiNotFoundError               binary missing or not executable; never retried
     ├── NvidiaSmiTimeoutError                no answer, or no row within the stall timeout
     └── NvidiaSmiFailedError                 non-zero exit: argv, returncode, output
@@ -110,7 +110,7 @@ class ParseError(SmiqueryError, ValueError):
         super().__init__(f"{where}: {message}: {shown!r}")
 
 
-class RecordingError(SmiqueryError, ValueError):
+class RecordingError(SmiqueryError):
     """A recording cannot be read: the file is missing, empty, not a recording, or holds no readable row."""
 
 
@@ -118,7 +118,7 @@ class ReplayError(RecordingError):
     """A recording cannot be played: missing, empty or random bytes, no header, or fields it does not hold."""
 
 
-class ReportError(RecordingError):
+class ReportError(RecordingError, ValueError):
     """A recording cannot be analysed: unreadable, empty, or without a ``timestamp`` column."""
 
 
