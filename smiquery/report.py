@@ -515,6 +515,27 @@ class Report:
     def _notes(self) -> list[str]:
         return [] if self.skipped is None else [self.skipped.message(self.source)]
 
+    def _stall_rows(self) -> list[list[str]]:
+        """One row per stall, except that GPUs which stalled together (same start and length) share a row."""
+        rows: list[list[str]] = []
+        groups: list[list[Stretch]] = []
+        for st in sorted(self.stalls, key=lambda x: (x.start, x.gpu)):
+            last = groups[-1][0] if groups else None
+            if (
+                last is not None
+                and abs((st.start - last.start).total_seconds()) <= 2 * self.interval
+                and abs(st.seconds - last.seconds) <= 2 * self.interval
+            ):
+                groups[-1].append(st)
+            else:
+                groups.append([st])
+        for group in groups:
+            means = [x.mean for x in group if x.mean is not None]
+            mean = sum(means) / len(means) if means else None
+            who = _gpu_list([x.gpu for x in group]).removeprefix("GPUs ").removeprefix("GPU ")
+            rows.append([who, _stamp(group[0].start), format_duration(group[0].seconds), f"{_num(mean)}%"])
+        return rows
+
     def _overall_rows(self) -> tuple[list[str], list[list[str]]]:
         per: dict[str, list[FieldStats]] = {}
         for s in self.stats:
@@ -595,7 +616,7 @@ class Report:
         if self.stalls:
             out += _table(
                 ["GPU", "start", "length", "mean util"],
-                [[str(s.gpu), _stamp(s.start), format_duration(s.seconds), f"{_num(s.mean)}%"] for s in self.stalls],
+                self._stall_rows(),
                 indent=2,
             )
         else:
@@ -645,7 +666,7 @@ class Report:
         if self.stalls:
             out += _md_table(
                 ["GPU", "start", "length", "mean util"],
-                [[str(s.gpu), _stamp(s.start), format_duration(s.seconds), f"{_num(s.mean)}%"] for s in self.stalls],
+                self._stall_rows(),
             )
         else:
             out.append("None.")

@@ -358,3 +358,12 @@ def test_cli_warns_once_about_skipped_lines_and_reads_headerless_logs(tmp_path):
         failed = CliRunner().invoke(app, ["report", str(junk)])
         assert failed.exit_code == 1
         assert failed.stderr.startswith("smiquery: error: ") and failed.stderr.count("\n") == 1
+
+
+def test_gpus_that_stalled_together_share_one_row(demo):
+    text = demo.to_text()
+    section = text[text.index("Stalls (") : text.index("Time past thresholds")].splitlines()
+    rows = [line for line in section[2:] if line.strip()]
+    assert len(rows) == 1
+    assert rows[0].split()[:3] == ["0-7", "2026-03-14", "09:35:00"]
+    assert len(demo.stalls) == 8  # the data keeps one stall per GPU
