@@ -49,6 +49,7 @@ def _afterwards(recording: Path, out_dir: Path) -> int:
     """Write the report and the plot of ``recording`` and print where they are."""
     from smiquery.report import analyze
 
+    out_dir.mkdir(parents=True, exist_ok=True)
     report_path = out_dir / "report.txt"
     plot_path = out_dir / "plot.png"
     report = analyze(recording, rules=ALERTS)

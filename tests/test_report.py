@@ -367,3 +367,33 @@ def test_gpus_that_stalled_together_share_one_row(demo):
     assert len(rows) == 1
     assert rows[0].split()[:3] == ["0-7", "2026-03-14", "09:35:00"]
     assert len(demo.stalls) == 8  # the data keeps one stall per GPU
+
+
+def _demo_script() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_script", Path(__file__).parents[1] / "scripts" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_demo_ends_with_the_report_and_the_plot(tmp_path, capsys, monkeypatch):
+    demo_script = _demo_script()
+    assert demo_script._afterwards(DEMO, tmp_path) == 0
+    out = capsys.readouterr().out
+    assert f"report: {tmp_path / 'report.txt'}" in out
+    assert "[critical] GPU 5 was over 85 C" in out
+    assert (tmp_path / "report.txt").read_text().startswith("demo-8gpu.csv: 8 GPUs")
+    if (tmp_path / "plot.png").exists():
+        assert f"plot:   {tmp_path / 'plot.png'}" in out
+    # the demo installs only the core: without matplotlib it prints the command that draws the plot
+    real = demo_script.importlib.util.find_spec
+    monkeypatch.setattr(
+        demo_script.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
+    assert demo_script._afterwards(DEMO, tmp_path / "bare") == 0
+    out = capsys.readouterr().out
+    assert "pip install 'smiquery[plot]' && smiquery plot" in out
+    assert "--alert 'temperature.gpu > 85 for 3'" in out
