@@ -283,7 +283,7 @@ class Replay(LatestSweep):
                 schema = gpu0[sample.fields] = Schema(("index", *sample.fields))
             yield GpuSample(
                 schema,
-                (0, *sample.values),
+                (0, *(sample[n] for n in sample.fields)),
                 ("0", *sample.raw.values()),
                 dict(sample.missing) or None,
                 sample.gpu_lost,
