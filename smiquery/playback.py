@@ -19,7 +19,7 @@ from typing import IO, Any
 from smiquery.errors import InvalidFieldError, ParseError, ReplayError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
 from smiquery.oneshot import GpusArg, normalize_gpus
-from smiquery.parsing import CsvParser, format_value
+from smiquery.parsing import CsvParser, _converter, format_value
 from smiquery.recordings import RecordingFormat, detect_format
 from smiquery.records import GpuSample, Schema, Value
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
@@ -30,7 +30,6 @@ __all__ = ["Replay", "ReplayError", "SweepGrouper", "detect_format", "replay", "
 #: The longest pause replay makes for one gap in a recording (a stream that was stopped and restarted).
 MAX_GAP_SECONDS = 60.0
 
-_BOOL_WORDS = {"enabled": True, "disabled": False, "yes": True, "no": False, "active": True, "not active": False}
 _BY_ATTR = {f.attr: f for f in CATALOGUE}
 
 
@@ -47,32 +46,31 @@ def _field_for(name: str) -> Field:
 
 
 def _typed(fld: Field, value: Any) -> Value:
-    """A JSON or pandas value converted to the Python type the catalogue gives the field."""
+    """A JSON or pandas value converted to the Python type the catalogue gives the field.
+
+    Text goes through the parser's own converter for the field's kind, so a cell reads the same whether it was
+    recorded as CSV, JSONL or Parquet.
+    """
     if value is None:
         return None
     kind = fld.kind
+    if isinstance(value, str):
+        return value if kind is Kind.STR else _converter(fld, None)(value.strip())
     if kind is Kind.TIMESTAMP:
-        dt = value if isinstance(value, datetime) else datetime.fromisoformat(str(value).replace("/", "-"))
-        to_py = getattr(dt, "to_pydatetime", None)
-        if to_py is not None:
-            dt = to_py()
+        to_py = getattr(value, "to_pydatetime", None)
+        dt = to_py() if to_py is not None else value
+        if not isinstance(dt, datetime):
+            raise TypeError(f"{value!r} is not a timestamp")
         return dt if dt.tzinfo is not None else dt.astimezone()
     if kind is Kind.INT:
-        if isinstance(value, str):
-            return int(value)
         if isinstance(value, float) and not value.is_integer():
             raise ValueError(f"{value!r} is not an integer")
         return int(value)
     if kind in (Kind.HEX, Kind.BITMASK):
-        return int(value, 16) if isinstance(value, str) else int(value)
+        return int(value)
     if kind is Kind.FLOAT:
         return float(value)
     if kind.is_bool:
-        if isinstance(value, str):
-            low = value.strip().lower()
-            if low not in _BOOL_WORDS:
-                raise ValueError(f"{value!r} is not {kind.value}")
-            return _BOOL_WORDS[low]
         return bool(value)
     return str(value)
 
