@@ -166,7 +166,9 @@ def _read_parquet(path: str) -> Iterator[GpuSample]:
     else:
         fields = [_field_for(str(n)) for n in names]
     schema = Schema(tuple(f.name for f in fields))
-    missing_attr = df.attrs.get("missing") or {}
+    from smiquery.frames import missing_reasons
+
+    missing_attr = missing_reasons(df)
     columns = []
     for col in names:
         values = df[col].tolist()

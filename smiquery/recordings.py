@@ -205,13 +205,13 @@ class ParquetWriter:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from smiquery.frames import to_dataframe
+        from smiquery.frames import missing_reasons, to_dataframe
 
         self._since = time.monotonic()
         if self._pending:
             df = to_dataframe(self._pending)
             offset = self.rows
-            for col, rows in df.attrs.get("missing", {}).items():
+            for col, rows in missing_reasons(df).items():
                 target = self._missing.setdefault(col, {})
                 for i, reason in rows.items():
                     target[offset + int(i)] = reason

@@ -148,7 +148,7 @@ def test_read_csv_gives_the_parsers_values(path: Path | None) -> None:
                 assert got == pd.Timestamp(value), fld.name
             else:
                 assert got == value, (fld.name, got, value)
-    assert df.attrs["missing"] == missing
+    assert frames.missing_reasons(df) == missing
 
 
 def test_headerless_files_use_their_commands_field_list() -> None:

@@ -132,7 +132,7 @@ def test_attrs_units_missing_fields() -> None:
     assert units["temperature_gpu"] == "C"
     assert units["clocks_event_reasons_counters_sw_power_cap"] == "us"
     assert units["name"] == ""
-    assert df.attrs["missing"] == MISSING
+    assert frames.missing_reasons(df) == MISSING
 
 
 def test_alias_gives_canonical_name_and_column() -> None:
@@ -146,7 +146,7 @@ def test_empty_input_gives_empty_frame() -> None:
     df = frames.to_dataframe([])
     assert df.empty
     assert len(df) == 0
-    assert df.attrs["missing"] == {}
+    assert frames.missing_reasons(df) == {}
 
 
 def test_generator_input_and_mixed_queries() -> None:
@@ -156,7 +156,7 @@ def test_generator_input_and_mixed_queries() -> None:
     assert list(df.columns) == ["index", "temperature_gpu", "memory_used"]
     assert df["temperature_gpu"].tolist() == [30, pd.NA]
     assert df["memory_used"].tolist() == [pd.NA, 200]
-    assert df.attrs["missing"] == {}  # a field a sample did not query has no reason
+    assert frames.missing_reasons(df) == {}  # a field a sample did not query has no reason
 
 
 def test_bitmask_with_top_bit_set_becomes_uint64() -> None:
@@ -328,7 +328,7 @@ def test_read_csv_rare_token_after_the_head(monkeypatch: pytest.MonkeyPatch) -> 
     text = "index, power.draw [W]\n0, 10.50\n1, [N/A]\n2, [Unknown Error]\n3, 7.25 W\n"
     df = _read(text)
     assert df["power_draw"].tolist() == [10.5, pd.NA, pd.NA, 7.25]
-    assert df.attrs["missing"] == {"power_draw": {1: "not_available", 2: "unknown_error"}}
+    assert frames.missing_reasons(df) == {"power_draw": {1: "not_available", 2: "unknown_error"}}
 
 
 def _big_recording(rows: int) -> str:
@@ -369,7 +369,7 @@ def test_read_csv_many_blocks_keep_row_positions(monkeypatch: pytest.MonkeyPatch
     fast = _read(text)
     expected = _with_notices(frames.to_dataframe(parse_lines(text, tz=BERLIN)))
     _same(fast, expected)
-    assert len(fast.attrs["missing"]["power_draw"]) == len(range(0, 3000, 17))
+    assert len(frames.missing_reasons(fast)["power_draw"]) == len(range(0, 3000, 17))
     lines = text.splitlines()
     row = next(i for i, line in enumerate(lines) if line.startswith("2026/03/29 03:10:00.000, 0,"))
     lines[row] = lines[row].replace(", 0,", ", x,", 1)
@@ -378,7 +378,7 @@ def test_read_csv_many_blocks_keep_row_positions(monkeypatch: pytest.MonkeyPatch
     assert (df.attrs["skipped"].first_lineno, df.attrs["skipped"].first_line) == (row + 1, lines[row][:80])
     # row positions of the missing reasons count the rows kept
     kept = _with_notices(frames.to_dataframe(parse_lines("\n".join(lines[:row] + lines[row + 1 :]), tz=BERLIN)))
-    assert dict(df.attrs["missing"]) == dict(kept.attrs["missing"])
+    assert dict(frames.missing_reasons(df)) == dict(frames.missing_reasons(kept))
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import pytest
 
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import get_field
+from smiquery.frames import missing_reasons
 from smiquery.parsing import CsvParser
 from smiquery.playback import Replay, ReplayError, SweepGrouper, detect_format, replay, sample_from_json
 from smiquery.recordings import CsvWriter, JsonlWriter, ParquetWriter
@@ -219,7 +220,7 @@ def test_parquet_round_trip_and_chunked_rewrites(tmp_path):
     assert len(df) == 16
     assert df.attrs["fields"][:3] == ["timestamp", "index", "name"]
     assert df.attrs["units"]["memory_used"] == "MiB"
-    assert len(df.attrs["missing"]["fan_speed"]) == 16
+    assert len(missing_reasons(df)["fan_speed"]) == 16
     again = list(replay(path, speed=0))
     assert [s.values for s in again] == [s.values for s in rows]
     assert [dict(s.missing) for s in again] == [dict(s.missing) for s in rows]
