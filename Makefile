@@ -46,6 +46,7 @@ check: lint typecheck test
 
 bench: $(STAMP)
 	$(PY) scripts/bench_parse.py
+	$(PY) scripts/bench_report.py
 	$(PY) scripts/bench_stream.py
 	$(PY) scripts/bench_cli.py
 	$(PY) scripts/bench_exporter.py

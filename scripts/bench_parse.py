@@ -5,7 +5,8 @@ Measurements (each prints smiquery's number, the baseline's, their ratio and the
 
 1. ``smiquery.frames.read_csv`` of a 1,000,000-row recording (the ``default`` preset, 8 GPUs, header with
    units, ``nounits`` values, some status tokens) vs ``pyarrow.csv.read_csv`` of the same file with default
-   options (untyped). Best of 3 each. Target: <= 3.0x.
+   options (untyped). Best of 3 each. Target: <= 3.0x. The same for nvidia-smi's default ``--format=csv``
+   (units in the values too, one GPU's power ``[N/A]`` throughout).
 2. Peak memory of ``read_csv``: the peak RSS (``VmHWM``; ``ru_maxrss`` where there is no /proc) of a child
    process that imports the modules and reads the file, minus that of a child that only imports the same
    modules, vs the final DataFrame's ``memory_usage(deep=True)``. Target: <= 3.0x.
@@ -52,11 +53,13 @@ def _uuid(i: int) -> str:
     return f"GPU-{i:08x}-1a2b-3c4d-5e6f-{0xABCDEF000000 + i:012x}"
 
 
-def generate_lines(rows: int, seed: int = 7, *, tokens: bool = True) -> list[str]:
+def generate_lines(rows: int, seed: int = 7, *, tokens: bool = True, units: bool = False) -> list[str]:
     """``rows`` data lines as ``nvidia-smi --query-gpu=<default> --format=csv,nounits -lms 100`` prints them.
 
     With ``tokens``, GPU 7 reports ``[N/A]`` utilization every tenth sweep (as a MIG-enabled GPU does) and
-    every 997th row has ``[Unknown Error]`` for power.draw.
+    every 997th row has ``[Unknown Error]`` for power.draw. With ``units``, the values carry their units as in
+    nvidia-smi's default ``--format=csv`` (``38 %``, ``214 MiB``, ``69.85 W``) and GPU 3 reports ``[N/A]`` power
+    throughout (a GPU without power readings), instead of the tokens above.
     """
     rnd = random.Random(seed)
     start = datetime(2026, 3, 14, 9, 26, 53)
@@ -77,17 +80,25 @@ def generate_lines(rows: int, seed: int = 7, *, tokens: bool = True) -> list[str
         if tokens and n % 997 == 0:
             power = "[Unknown Error]"
         used = rnd.randint(0, 81559)
+        if units:
+            power = "[N/A]" if gpu == 3 else f"{power} W"
+            out.append(
+                f"{stamp}, {gpu}, {_GPU_NAME}, {uuids[gpu]}, {temp}, {util_gpu} %, {util_mem} %, {used} MiB, "
+                f"81559 MiB, {power}"
+            )
+            continue
         out.append(f"{stamp}, {gpu}, {_GPU_NAME}, {uuids[gpu]}, {temp}, {util_gpu}, {util_mem}, {used}, 81559, {power}")
     return out
 
 
-def write_recording(path: Path, rows: int) -> None:
+def write_recording(path: Path, rows: int, *, units: bool = False) -> None:
+    """A ``rows``-row recording of the default preset: ``nounits`` values, or with ``units`` nvidia-smi's default."""
     fields = resolve_fields("default")
     with path.open("w", encoding="utf-8", newline="\n") as f:
         f.write(header_line(fields) + "\n")
         chunk = 100_000
         for first in range(0, rows, chunk):
-            lines = generate_lines(min(chunk, rows - first), seed=first)
+            lines = generate_lines(min(chunk, rows - first), seed=first, tokens=not units, units=units)
             f.write("\n".join(lines) + "\n")
 
 
@@ -192,13 +203,27 @@ def main() -> int:
         t_ours, t_arrow = best_of(READ_ROUNDS, lambda: read_csv(path), lambda: pacsv.read_csv(str(path)))
         results.append(
             (
-                f"read_csv time (best of {READ_ROUNDS})",
+                f"read_csv nounits (best of {READ_ROUNDS})",
                 f"{t_ours:.3f} s",
                 f"{t_arrow:.3f} s",
                 t_ours / t_arrow,
                 TARGET_READ,
             )
         )
+        units = Path(tmp) / "units.csv"
+        write_recording(units, args.rows, units=True)
+        read_csv(units)
+        t_ours, t_arrow = best_of(READ_ROUNDS, lambda: read_csv(units), lambda: pacsv.read_csv(str(units)))
+        results.append(
+            (
+                f"read_csv with units (best of {READ_ROUNDS})",
+                f"{t_ours:.3f} s",
+                f"{t_arrow:.3f} s",
+                t_ours / t_arrow,
+                TARGET_READ,
+            )
+        )
+        units.unlink()
         results.append(
             (
                 "read_csv peak RSS vs DataFrame size",

@@ -2,46 +2,77 @@
 
 The recording is an 8-GPU H100 training run (warm-up, steady load, a stall, GPU 5 running hot), replayed at
 30x with two alerts, so the whole demo takes about 20 seconds. On a terminal it is a live table; piped, CSV.
+It ends by writing the report and the plot of what it showed (the plot needs matplotlib; without it the
+command that draws it is printed) and says where they are.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 from importlib import resources
+from pathlib import Path
 
 from smiquery.oneshot import get_gpu_status
 
+ALERTS = ("temperature.gpu > 85 for 3", "utilization.gpu < 20 for 30s")
+
 
 def main() -> int:
+    out_dir = Path(tempfile.gettempdir()) / "smiquery-demo"
+    out_dir.mkdir(parents=True, exist_ok=True)
     status = get_gpu_status(timeout=5)
     cmd = [sys.executable, "-m", "smiquery", "stream"]
     if status.get("success"):
         gpus = len(status.get("data") or [])
         print(f"smiquery demo: nvidia-smi works; streaming this machine's {gpus} GPU(s) for 10 sweeps", flush=True)
-        cmd += ["--count", "10"]
-        return _run(cmd)
+        recording = out_dir / "live.csv"
+        code = _run([*cmd, "--count", "10", "--output", str(recording)])
+        return code or _afterwards(recording, out_dir)
     why = str(status.get("error") or "nvidia-smi is not available").split(";")[0].split(":")[0]
-    with resources.as_file(resources.files("smiquery") / "data" / "demo-8gpu.csv") as recording:
+    with resources.as_file(resources.files("smiquery") / "data" / "demo-8gpu.csv") as bundled:
         print(
             f"smiquery demo: no working nvidia-smi here ({why}); "
             "replaying the bundled 8-GPU H100 training run at 30x (about 20 s)",
             flush=True,
         )
-        cmd += [
-            "--replay",
-            str(recording),
-            "--speed",
-            "30",
-            "--duration",
-            "30s",
-            "--alert",
-            "temperature.gpu > 85 for 3",
-            "--alert",
-            "utilization.gpu < 20 for 30s",
-        ]
-        return _run(cmd)
+        alerts = [arg for rule in ALERTS for arg in ("--alert", rule)]
+        code = _run([*cmd, "--replay", str(bundled), "--speed", "30", "--duration", "30s", *alerts])
+        return code or _afterwards(bundled, out_dir)
+
+
+def _afterwards(recording: Path, out_dir: Path) -> int:
+    """Write the report and the plot of ``recording`` and print where they are."""
+    from smiquery.report import analyze
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report_path = out_dir / "report.txt"
+    plot_path = out_dir / "plot.png"
+    report = analyze(recording, rules=ALERTS)
+    report_path.write_text(report.to_text(), encoding="utf-8")
+    print()
+    print("What happened, in short:")
+    for finding in report.findings[:4]:
+        print(f"  [{finding.severity}] {finding.verdict.split(': ')[0]}")
+    print()
+    print(f"report: {report_path}")
+    alerts = " ".join(f"--alert {shlex.quote(rule)}" for rule in ALERTS)
+    if importlib.util.find_spec("matplotlib") is None:
+        print(
+            "plot:   needs matplotlib; draw it with\n"
+            f"        pip install 'smiquery[plot]' && smiquery plot {shlex.quote(str(recording))} "
+            f"-o {shlex.quote(str(plot_path))} {alerts}"
+        )
+        return 0
+    from smiquery.plot import save_plot
+
+    save_plot(recording, plot_path, rules=ALERTS)
+    print(f"plot:   {plot_path}")
+    return 0
 
 
 def _run(cmd: list[str]) -> int:

@@ -13,9 +13,12 @@ import traceback
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["FailOn", "ReportFormat", "register"]
 
@@ -105,13 +108,44 @@ def _boundary(ctx: typer.Context) -> Iterator[None]:
         _fail(exc, _debug(ctx))
 
 
-def _gpu_list(spec: str | None) -> list[int] | None:
+TzOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tz",
+        metavar="ZONE",
+        help="Time zone the recording was made in (e.g. Europe/Berlin). nvidia-smi writes local time without a "
+        "zone; by default times are shown as recorded and labelled as such.",
+    ),
+]
+
+
+def _load(recording: Path, fields: str | None, tz: str | None, *, fields_are_columns: bool) -> pd.DataFrame:
+    """Read the recording once; warn on stderr (one line) about lines that could not be read."""
+    from smiquery.recordings import SkippedLines
+    from smiquery.report import ReportError, load_recording
+
+    try:
+        df = load_recording(recording, tz=tz)
+    except ReportError as exc:
+        if fields is None or "--fields" not in str(exc):
+            raise
+        if not fields_are_columns:
+            raise
+        df = load_recording(recording, fields=fields, tz=tz)
+    skipped = df.attrs.get("skipped")
+    if isinstance(skipped, SkippedLines):
+        with contextlib.suppress(OSError, ValueError):
+            print(f"smiquery: warning: {skipped.message(str(recording))}", file=sys.stderr, flush=True)
+    return df
+
+
+def _gpu_list(spec: str | None) -> list[int | str] | None:
+    """GPU ids as ``stream --id`` takes them: indices, UUIDs or PCI bus ids, comma-separated."""
     if spec is None:
         return None
-    try:
-        return [int(part) for part in spec.split(",") if part.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"--gpus takes GPU indices such as 0,5, not {spec!r}") from None
+    from smiquery.oneshot import normalize_gpus
+
+    return list(normalize_gpus(spec))
 
 
 def plot(
@@ -134,27 +168,32 @@ def plot(
     ] = None,
     alert: AlertOpt = None,
     gpus: Annotated[
-        str | None, typer.Option("--gpus", "--id", "-i", metavar="0,5", help="Only these GPU indices.")
+        str | None,
+        typer.Option("--gpus", "--id", "-i", metavar="0,5", help="Only these GPUs: indices, UUIDs or PCI bus ids."),
     ] = None,
     width: Annotated[float, typer.Option("--width", min=4.0, help="Width in inches.")] = 12.0,
     dpi: Annotated[int, typer.Option("--dpi", min=50, max=600, help="Resolution.")] = 100,
+    tz: TzOpt = None,
 ) -> None:
     """Draw a recording: one panel per field, one line per GPU, alert thresholds dashed, gaps where data is missing.
 
-    Needs matplotlib: pip install 'smiquery[plot]'.
+    Stalls are shaded grey and firing alerts orange. For a headerless (noheader) log, --fields names its
+    columns in order. Needs matplotlib: pip install 'smiquery[plot]'.
     """
     with _boundary(ctx):
         from smiquery.plot import save_plot
 
         target = output if output is not None else recording.with_suffix(".png")
+        df = _load(recording, fields, tz, fields_are_columns=True)
         path = save_plot(
-            recording,
+            df,
             target,
             fields,
             rules=alert or None,
             gpus=_gpu_list(gpus),
             width=width,
             dpi=dpi,
+            name=recording.name,
         )
         typer.echo(f"wrote {path}")
 
@@ -179,8 +218,21 @@ def report(
     fail_on: Annotated[
         FailOn, typer.Option("--fail-on", help="Exit 6 when a finding of this severity (or worse) is found.")
     ] = FailOn.never,
+    fields: Annotated[
+        str | None,
+        typer.Option(
+            "--fields",
+            "-f",
+            metavar="LIST",
+            help="Columns of a headerless (noheader) CSV log, in order, e.g. timestamp,index,utilization.gpu.",
+        ),
+    ] = None,
+    tz: TzOpt = None,
 ) -> None:
-    """Summarise a recording: per-GPU mean/p95/max, time over thresholds, stalls, and a verdict per finding."""
+    """Summarise a recording: stalls, time over thresholds, memory-health counters, statistics, one verdict each.
+
+    Lines that cannot be read (the torn last line of a killed recorder, garbage) are skipped with one warning.
+    """
     with _boundary(ctx):
         from smiquery.alerts import parse_duration
         from smiquery.report import analyze
@@ -189,7 +241,14 @@ def report(
             stall_seconds = parse_duration(min_stall, what="--min-stall")
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
-        result = analyze(recording, rules=alert or None, min_stall=stall_seconds, stall_utilization=stall_utilization)
+        df = _load(recording, fields, tz, fields_are_columns=True)
+        result = analyze(
+            df,
+            rules=alert or None,
+            min_stall=stall_seconds,
+            stall_utilization=stall_utilization,
+            name=recording.name,
+        )
         if fmt is ReportFormat.json:
             text = result.to_json() + "\n"
         elif fmt is ReportFormat.markdown:

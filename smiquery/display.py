@@ -1,23 +1,29 @@
-"""Rendering samples for people and programs: aligned tables, the live in-place table, CSV, JSONL and Parquet.
+"""Rendering samples for people: aligned tables and the live in-place table.
 
-Writers put each row out whole (one ``write`` call, then a flush when asked), so a file or pipe that is cut off
-ends on a complete row. pandas and pyarrow are imported only by the Parquet writer.
+The recording writers (CSV, JSONL, Parquet) live in :mod:`smiquery.recordings`; they are re-exported here for
+existing imports.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
-from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
+from typing import IO, TYPE_CHECKING, Literal
 
 from smiquery.fields import Field, Kind, get_field
-from smiquery.parsing import format_row, format_value, header_line
+from smiquery.parsing import format_value
+from smiquery.recordings import (
+    CsvWriter,
+    JsonlWriter,
+    ParquetWriter,
+    SampleWriter,
+    json_value,
+    open_recorder,
+    sample_to_json,
+)
 from smiquery.records import GpuSample, Value
 
 if TYPE_CHECKING:
@@ -66,24 +72,6 @@ def use_color(stream: IO[str]) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- values
-
-
-def json_value(value: Value) -> object:
-    """A value as JSON wants it: timestamps in ISO 8601, NaN/inf as null, the rest unchanged."""
-    if isinstance(value, datetime):
-        return value.isoformat(timespec="milliseconds")
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def sample_to_json(sample: GpuSample) -> dict[str, object]:
-    """One sample as a JSON-ready dict keyed by field name, plus ``"_missing": {field: reason}`` when any."""
-    out: dict[str, object] = {n: json_value(v) for n, v in zip(sample.fields, sample.values(), strict=True)}
-    missing = sample.missing
-    if missing:
-        out["_missing"] = dict(missing)
-    return out
 
 
 def display_value(fld: Field, value: Value, reason: str | None = None) -> str:
@@ -216,193 +204,6 @@ def sample_table(
     return render_table(
         rows, [_title(f) for f in fields], right=[_right_aligned(f) for f in fields], styles=styles, color=color
     )
-
-
-# ------------------------------------------------------------------------------------------------ writers
-
-
-class SampleWriter(Protocol):
-    """Something that takes samples one at a time and can be closed."""
-
-    def write(self, sample: GpuSample) -> None:
-        """Write one sample."""
-        ...
-
-    def close(self) -> None:
-        """Flush and release the output."""
-        ...
-
-
-class _LineWriter:
-    """Writes whole lines, one write call each, flushed per line when asked; closes ``out`` when it owns it."""
-
-    def __init__(self, out: IO[str], *, flush: bool = True, owns: bool = False) -> None:
-        self.out = out
-        self.flush = flush
-        self.owns = owns
-        self.rows = 0
-
-    def _line(self, text: str) -> None:
-        self.out.write(text)
-        self.rows += 1
-        if self.flush:
-            self.out.flush()
-
-    def close(self) -> None:
-        """Flush (and close the file when it was opened for this writer)."""
-        try:
-            self.out.flush()
-        finally:
-            if self.owns:
-                self.out.close()
-
-
-class CsvWriter(_LineWriter):
-    """Writes samples in nvidia-smi's own ``--format=csv`` layout: the header with units, then one line per sample.
-
-    ``smiquery.read_csv``, ``--replay`` and :class:`~smiquery.CsvParser` read the result back.
-
-    Args:
-        out: a text stream.
-        fields: the columns (must match the samples' fields, in order).
-        flush: flush after every row (for pipes and recordings).
-        owns: close ``out`` on :meth:`close`.
-    """
-
-    def __init__(self, out: IO[str], fields: Sequence[Field], *, flush: bool = True, owns: bool = False) -> None:
-        super().__init__(out, flush=flush, owns=owns)
-        self.fields = tuple(fields)
-        self._header_done = False
-
-    def header(self) -> None:
-        """Write the header now (it is otherwise written with the first row)."""
-        if not self._header_done:
-            self._header_done = True
-            self.out.write(header_line(self.fields) + "\n")
-            if self.flush:
-                self.out.flush()
-
-    def write(self, sample: GpuSample) -> None:
-        """Write one sample as one complete line (a single write call)."""
-        line = format_row(sample, self.fields, units=True) + "\n"
-        if not self._header_done:
-            self._header_done = True
-            line = header_line(self.fields) + "\n" + line
-        self._line(line)
-
-
-class JsonlWriter(_LineWriter):
-    """Writes one JSON object per sample and line: field names as keys, ISO 8601 times, null for missing.
-
-    A ``"_missing"`` object gives the reason of each missing value. :func:`smiquery.playback.replay` reads it back.
-
-    Args:
-        out: a text stream.
-        flush: flush after every row.
-        owns: close ``out`` on :meth:`close`.
-    """
-
-    def write(self, sample: GpuSample) -> None:
-        """Write one sample as one complete line."""
-        self._line(json.dumps(sample_to_json(sample), separators=(", ", ": ")) + "\n")
-
-
-class ParquetWriter:
-    """Records samples to a Parquet file (pandas and pyarrow are imported on first use).
-
-    Samples are buffered and the file is rewritten (to a temporary name, then renamed over the target) every
-    ``chunk_rows`` samples or ``chunk_seconds`` seconds, and on :meth:`close`. So the file on disk is always a
-    complete, readable Parquet file, and a crash (even SIGKILL) loses at most the last unwritten chunk. Columns
-    and ``df.attrs`` are those of :func:`smiquery.frames.to_dataframe`; ``pandas.read_parquet`` restores both.
-
-    Args:
-        path: the file to write.
-        chunk_rows: samples per chunk.
-        chunk_seconds: the longest time a sample waits in the buffer.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], *, chunk_rows: int = 10_000, chunk_seconds: float = 60.0) -> None:
-        self.path = Path(path)
-        self.chunk_rows = chunk_rows
-        self.chunk_seconds = chunk_seconds
-        self.rows = 0
-        self._pending: list[GpuSample] = []
-        self._tables: list[Any] = []
-        self._missing: dict[str, dict[int, str]] = {}
-        self._attrs: dict[str, Any] = {}
-        self._since = time.monotonic()
-        self._closed = False
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError as exc:
-            raise RuntimeError("writing Parquet needs pyarrow: pip install 'smiquery[parquet]'") from exc
-
-    def write(self, sample: GpuSample) -> None:
-        """Buffer one sample; writes the file when a chunk is full."""
-        self._pending.append(sample)
-        if len(self._pending) >= self.chunk_rows or time.monotonic() - self._since >= self.chunk_seconds:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write every sample so far to the file (atomically)."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from smiquery.frames import to_dataframe
-
-        self._since = time.monotonic()
-        if self._pending:
-            df = to_dataframe(self._pending)
-            offset = self.rows
-            for col, rows in df.attrs.get("missing", {}).items():
-                target = self._missing.setdefault(col, {})
-                for i, reason in rows.items():
-                    target[offset + int(i)] = reason
-            if not self._attrs:
-                self._attrs = {"fields": df.attrs.get("fields"), "units": df.attrs.get("units")}
-            df.attrs = {}
-            table = pa.Table.from_pandas(df, preserve_index=False)
-            if self._tables:
-                table = table.cast(self._tables[0].schema)
-            self._tables.append(table)
-            self.rows += len(self._pending)
-            self._pending = []
-        elif self._tables and self.path.exists():
-            return
-        if not self._tables:
-            return
-        whole = pa.concat_tables(self._tables) if len(self._tables) > 1 else self._tables[0]
-        self._tables = [whole]
-        attrs = {**self._attrs, "missing": {c: {str(k): v for k, v in m.items()} for c, m in self._missing.items()}}
-        meta = dict(whole.schema.metadata or {})
-        meta[b"PANDAS_ATTRS"] = json.dumps(attrs).encode("utf-8")
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        pq.write_table(whole.replace_schema_metadata(meta), tmp)
-        os.replace(tmp, self.path)
-
-    def close(self) -> None:
-        """Write the rest and finish. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.flush()
-
-
-def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> SampleWriter:
-    """A writer for ``--output PATH``, by suffix: ``.csv``, ``.jsonl``/``.ndjson`` or ``.parquet``/``.pq``.
-
-    Raises:
-        ValueError: an unknown suffix.
-        OSError: the file cannot be created.
-    """
-    suffix = Path(path).suffix.lower()
-    if suffix == ".csv":
-        return CsvWriter(open(path, "w", encoding="utf-8", newline=""), fields, owns=True)
-    if suffix in (".jsonl", ".ndjson"):
-        return JsonlWriter(open(path, "w", encoding="utf-8", newline=""), owns=True)
-    if suffix in (".parquet", ".pq"):
-        return ParquetWriter(path)
-    raise ValueError(f"cannot tell the format of {os.fspath(path)!r}: name it .csv, .jsonl or .parquet")
 
 
 # --------------------------------------------------------------------------------------------- live table

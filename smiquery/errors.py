@@ -10,8 +10,9 @@ Every exception class of the package is defined here (the modules that raise the
     ├── InvalidGpuIdError (+ValueError)      malformed GPU id; never retried
     ├── InvalidRuleError (+ValueError)       an alert expression that cannot be parsed: text, reason
     ├── ParseError (+ValueError)             a row that does not fit: lineno, raw line, field
-    ├── ReplayError                          a recording cannot be read or lacks the fields asked for
-    ├── ReportError (+ValueError)            a recording cannot be analysed
+    ├── RecordingError                       a recording that cannot be read (missing, empty, no header)
+    │   ├── ReplayError                      ... or played back (lacks the fields asked for)
+    │   └── ReportError (+ValueError)        ... or analysed (no timestamp)
     ├── WebConfigError (+ValueError)         the exporter's web configuration file is unreadable or wrong
     ├── ListenError                          the HTTP server cannot listen where asked: port, bind, option
     │   └── PortInUseError                   another program holds the port
@@ -59,6 +60,7 @@ __all__ = [
     "NvmlNotFoundError",
     "ParseError",
     "PortInUseError",
+    "RecordingError",
     "ReplayError",
     "ReportError",
     "SmiqueryError",
@@ -159,12 +161,16 @@ class InvalidRuleError(SmiqueryError, ValueError):
         )
 
 
-class ReplayError(SmiqueryError):
-    """A recording cannot be read: missing file, unknown format, no header, or fields it does not hold."""
+class RecordingError(SmiqueryError):
+    """A recording cannot be read: the file is missing, empty, not a recording, or holds no readable row."""
 
 
-class ReportError(SmiqueryError, ValueError):
-    """A recording cannot be analysed: unreadable, empty, or without ``timestamp`` and ``index`` columns."""
+class ReplayError(RecordingError):
+    """A recording cannot be played: missing, empty or random bytes, no header, or fields it does not hold."""
+
+
+class ReportError(RecordingError, ValueError):
+    """A recording cannot be analysed: unreadable, empty, or without a ``timestamp`` column."""
 
 
 class ListenError(SmiqueryError):

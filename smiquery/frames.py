@@ -9,10 +9,11 @@ import importlib.util
 import os
 import re
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, TYPE_CHECKING, Any, Union
 
 from smiquery.errors import InvalidFieldError, ParseError
@@ -20,12 +21,13 @@ from smiquery.fields import Field, Kind, get_field, resolve_fields
 
 # The parser's own value converters and word lists, so that both paths read a cell the same way.
 from smiquery.parsing import _BOOL_WORDS, MESSAGE_PREFIXES, CsvParser, _converter, missing_reason
+from smiquery.recordings import SkippedLines
 from smiquery.records import GpuSample, Value
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["read_csv", "to_dataframe"]
+__all__ = ["MissingReasons", "missing_reasons", "read_csv", "to_dataframe"]
 
 #: What :func:`read_csv` accepts: a path, or an open binary or text file.
 CsvSource = Union[str, "os.PathLike[str]", IO[bytes], IO[str]]
@@ -93,6 +95,133 @@ def _local_zone() -> tzinfo:
         return timezone(offset)
 
 
+def _zone(tz: tzinfo | str | None) -> tzinfo | None:
+    if tz is None or isinstance(tz, tzinfo):
+        return tz
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    try:
+        return ZoneInfo(tz)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ValueError(f"unknown time zone {tz!r}; give an IANA name such as 'Europe/Berlin' or 'UTC'") from None
+
+
+class MissingReasons(Mapping[str, Mapping[int, str]]):
+    """Why cells are missing: column -> {row position -> reason}, for the columns with a missing cell.
+
+    Kept in ``df.attrs["missing"]``. It is immutable and shared, not copied, when pandas copies a frame's
+    attrs (which it does on nearly every operation), so a million-row frame with many ``[N/A]`` cells costs
+    nothing extra to filter or sort. Row positions are those of the frame as read (before any filtering).
+    Per column it holds one array of row positions and one small array of reason codes.
+
+    Args:
+        columns: column -> (row positions, reason code per position, reason words); arrays or sequences.
+    """
+
+    __slots__ = ("_columns", "_dicts")
+
+    def __init__(self, columns: Mapping[str, tuple[Any, Any, Sequence[str]]] | None = None) -> None:
+        self._columns: dict[str, tuple[Any, Any, tuple[str, ...]]] = {
+            c: (rows, codes, tuple(words)) for c, (rows, codes, words) in (columns or {}).items() if len(rows)
+        }
+        self._dicts: dict[str, Mapping[int, str]] = {}
+
+    @classmethod
+    def from_dicts(cls, missing: Mapping[str, Mapping[Any, str]]) -> MissingReasons:
+        """Build from column -> {row position (int or digit string) -> reason}.
+
+        Args:
+            missing: the reasons, as :func:`to_dataframe` once kept them or a Parquet file's attrs hold them.
+
+        Returns:
+            The same reasons, in compact form.
+        """
+        if isinstance(missing, MissingReasons):
+            return missing
+        out: dict[str, tuple[Any, Any, Sequence[str]]] = {}
+        for col, reasons in missing.items():
+            words: dict[str, int] = {}
+            rows = [int(r) for r in reasons]
+            codes = [words.setdefault(str(w), len(words)) for w in reasons.values()]
+            out[str(col)] = (rows, codes, tuple(words))
+        return cls(out)
+
+    def __getitem__(self, column: str) -> Mapping[int, str]:
+        cached = self._dicts.get(column)
+        if cached is None:
+            rows, codes, words = self._columns[column]
+            tolist = getattr(rows, "tolist", None)
+            rows_list = tolist() if tolist is not None else list(rows)
+            codes_list = codes.tolist() if hasattr(codes, "tolist") else list(codes)
+            cached = MappingProxyType({r: words[c] for r, c in zip(rows_list, codes_list, strict=True)})
+            self._dicts[column] = cached
+        return cached
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._columns)
+
+    def __len__(self) -> int:
+        return len(self._columns)
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{c}: {len(v[0])}" for c, v in self._columns.items())
+        return f"MissingReasons({{{counts}}})"
+
+    def __copy__(self) -> MissingReasons:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MissingReasons:
+        return self
+
+    def count(self, column: str) -> int:
+        """How many cells of ``column`` are missing with a known reason.
+
+        Args:
+            column: a column name (``power_draw``).
+
+        Returns:
+            The count; 0 for a column without missing cells.
+        """
+        entry = self._columns.get(column)
+        return 0 if entry is None else len(entry[0])
+
+    def series(self, column: str, length: int) -> pd.Series:
+        """The reasons of one column as a categorical Series of ``length`` rows, ``<NA>`` where not missing.
+
+        Args:
+            column: a column name.
+            length: rows of the frame as read.
+
+        Returns:
+            A categorical Series indexed by row position.
+        """
+        import numpy as np
+        import pandas as pd
+
+        entry = self._columns.get(column)
+        words = entry[2] if entry is not None else ()
+        codes = np.full(length, -1, dtype=np.int16)
+        if entry is not None:
+            codes[np.asarray(entry[0], dtype=np.int64)] = np.asarray(entry[1], dtype=np.int16)
+        series: pd.Series = pd.Series(pd.Categorical.from_codes(codes, categories=pd.Index(list(words))), name=column)
+        return series
+
+
+def missing_reasons(df: pd.DataFrame) -> MissingReasons:
+    """The reasons of a frame's missing cells (from :func:`read_csv`, :func:`to_dataframe` or a Parquet file).
+
+    Args:
+        df: the frame.
+
+    Returns:
+        column -> {row position -> reason}; empty when the frame has none recorded.
+    """
+    found = df.attrs.get("missing")
+    if isinstance(found, MissingReasons):
+        return found
+    return MissingReasons.from_dicts(found or {})
+
+
 def _int_array(values: Sequence[int | None]) -> Any:
     import pandas as pd
 
@@ -136,12 +265,18 @@ def _empty_array(fld: Field, tz: tzinfo | None) -> Any:
     import pandas as pd
 
     if fld.kind is Kind.TIMESTAMP:
-        return pd.DatetimeIndex([], dtype=pd.DatetimeTZDtype("ns", tz or _local_zone())).array
+        if tz is None:
+            return pd.DatetimeIndex([], dtype="datetime64[ns]").array
+        return pd.DatetimeIndex([], dtype=pd.DatetimeTZDtype("ns", tz)).array
     return _python_array(fld, [], tz)
 
 
 def _frame(
-    fields: Sequence[Field], columns: Sequence[Any], missing: dict[str, dict[int, str]], notices: list[str] | None
+    fields: Sequence[Field],
+    columns: Sequence[Any],
+    missing: Mapping[str, Mapping[int, str]] | MissingReasons,
+    notices: list[str] | None,
+    skipped: SkippedLines | None = None,
 ) -> pd.DataFrame:
     import pandas as pd
 
@@ -150,9 +285,11 @@ def _frame(
     df: pd.DataFrame = pd.DataFrame(dict(zip(names, columns, strict=True)), columns=names, copy=False)
     df.attrs["fields"] = [f.name for f in fields]
     df.attrs["units"] = {f.attr: f.unit for f in fields}
-    df.attrs["missing"] = missing
+    df.attrs["missing"] = MissingReasons.from_dicts(missing)
     if notices is not None:
         df.attrs["notices"] = notices
+    if skipped is not None:
+        df.attrs["skipped"] = skipped
     return df
 
 
@@ -334,7 +471,7 @@ def read_csv(
     path_or_buffer: CsvSource,
     fields: str | Sequence[str | Field] | None = None,
     *,
-    tz: tzinfo | None = None,
+    tz: tzinfo | str | None = None,
 ) -> pd.DataFrame:
     """Read a recorded ``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` file into a DataFrame.
 
@@ -349,17 +486,24 @@ def read_csv(
         path_or_buffer: a path, or an open file in binary or text mode.
         fields: the queried fields (names, aliases, a preset or a comma list), required for ``noheader``
             output; when the file has a header as well, it must match them.
-        tz: time zone of the timestamps (nvidia-smi prints local time with no zone); default the host's.
+        tz: the time zone the recording was made in (a ``tzinfo`` or an IANA name such as ``"Europe/Berlin"``):
+            timestamps become aware in that zone. Default None: nvidia-smi prints the recording host's wall-clock
+            time with no zone, and the column stays naive (``datetime64[ns]``), exactly as recorded.
 
     Returns:
-        One row per data line.
+        One row per readable data line. Lines that cannot be read (the torn last line of a killed recorder, a
+        garbled line, a row of the wrong width or with a value that does not fit its field) are skipped;
+        ``attrs["skipped"]`` is then a :class:`~smiquery.recordings.SkippedLines` with their count and the first
+        one's line number.
 
     Raises:
-        ParseError: a row has the wrong number of columns or a value that does not fit its field (with the
-            line number, the line and the field), or there is neither a header nor ``fields``.
+        ParseError: there is neither a header nor ``fields``, or the header does not match ``fields``.
         InvalidFieldError: a name in ``fields`` is unknown.
+        ValueError: an unknown time zone name.
     """
-    zone = tz if tz is not None else _local_zone()
+    out_tz = _zone(tz)
+    # The parser needs a zone to read a timestamp; the wall-clock time it reads is what is kept.
+    zone = out_tz if out_tz is not None else _local_zone()
     src = _Source(path_or_buffer)
     wanted = _as_fields(fields)
     try:
@@ -367,28 +511,64 @@ def read_csv(
         import pyarrow.compute
         import pyarrow.csv  # noqa: F401  (the fast path needs it; absent, fall back)
     except ImportError:
-        return _read_csv_python(src, wanted, zone)
+        return _read_csv_python(src, wanted, zone, out_tz)
     layout = _probe(src, wanted, zone)
     if layout is None:
         return _frame((), (), {}, [])
-    return _ArrowReader(src, layout, zone).read()
+    return _ArrowReader(src, layout, zone, out_tz).read()
 
 
-def _read_csv_python(src: _Source, fields: Sequence[str | Field] | None, tz: tzinfo) -> pd.DataFrame:
-    parser = CsvParser(fields, tz=tz)
+def _read_csv_python(
+    src: _Source, fields: Sequence[str | Field] | None, tz: tzinfo, out_tz: tzinfo | None
+) -> pd.DataFrame:
+    parser = CsvParser(fields, tz=tz, strict=False)
+    first: ParseError | None = None
     lines = _LINE_BREAK_RE.split(_decode(src.data()))
     if lines and lines[-1] == "":
         lines.pop()
-    samples = list(parser.parse(lines))
+    samples: list[GpuSample] = []
+    dropped = 0
+    for line in lines:
+        sample = parser.feed(line)
+        if sample is not None and "timestamp" in sample:
+            stamp = sample.timestamp
+            if isinstance(stamp, datetime) and not _NS_MIN <= stamp.replace(tzinfo=None) <= _NS_MAX:
+                sample = None  # outside what datetime64[ns] holds: a garbled year
+                dropped += 1
+                if first is None:
+                    first = ParseError("timestamp out of range", lineno=parser.lineno, line=line, field="timestamp")
+        if sample is not None:
+            samples.append(sample)
+        elif first is None and parser.last_error is not None:
+            first = parser.last_error
+    skipped = None
+    if parser.dropped or dropped:
+        assert first is not None
+        skipped = SkippedLines(parser.dropped + dropped, first.lineno, (first.line or "")[:80])
+        if not samples:
+            raise _unreadable(skipped)
     if samples:
         try:
             df = to_dataframe(samples)
         except (OverflowError, ValueError) as exc:  # a timestamp outside datetime64[ns] (years 1677-2262)
             raise ParseError(str(exc), lineno=0, line="") from exc
+        if "timestamp" in df.columns:
+            stamps = df["timestamp"].dt.tz_convert(tz)
+            df["timestamp"] = stamps.dt.tz_localize(None) if out_tz is None else stamps.dt.tz_convert(out_tz)
         df.attrs["notices"] = list(parser.notices)
+        if skipped is not None:
+            df.attrs["skipped"] = skipped
         return df
     flds = parser.fields
-    return _frame(flds, [_empty_array(f, tz) for f in flds], {}, list(parser.notices))
+    return _frame(flds, [_empty_array(f, out_tz) for f in flds], {}, list(parser.notices), skipped)
+
+
+def _unreadable(skipped: SkippedLines) -> ParseError:
+    return ParseError(
+        f"no readable rows: {skipped.count} line(s) do not fit the header (first: line {skipped.first_lineno})",
+        lineno=skipped.first_lineno,
+        line=skipped.first_line,
+    )
 
 
 class _BadCell(Exception):
@@ -401,7 +581,25 @@ class _BadCell(Exception):
         self.fld = fld
 
 
-_Block = tuple[list[Any], list[dict[int, str]]]
+# Why cells of one column are missing: (row positions, reason codes, reason words); row positions are local to a
+# block while it is converted.
+_Why = tuple[Any, Any, tuple[str, ...]]
+
+
+class _Block:
+    """One converted block: a pandas-ready part per column, the missing reasons per column, and the rows dropped.
+
+    ``bad`` holds the positions (in the block as read) of rows with a cell that does not fit its field; the first
+    of them (with its cell) is in ``first_bad``.
+    """
+
+    __slots__ = ("bad", "first_bad", "parts", "reasons", "rows")
+
+    def __init__(self, parts: list[Any], reasons: list[_Why | None], rows: int, bad: list[int]) -> None:
+        self.parts = parts
+        self.reasons = reasons
+        self.rows = rows
+        self.bad = bad
 
 
 class _ArrowReader:
@@ -417,7 +615,7 @@ class _ArrowReader:
     read starts again with that column as text.
     """
 
-    def __init__(self, src: _Source, layout: _Layout, tz: tzinfo) -> None:
+    def __init__(self, src: _Source, layout: _Layout, tz: tzinfo, out_tz: tzinfo | None) -> None:
         import pyarrow as pa
         import pyarrow.compute as pc
         import pyarrow.csv as pacsv
@@ -426,6 +624,7 @@ class _ArrowReader:
         self.src = src
         self.layout = layout
         self.tz = tz
+        self.out_tz = out_tz
         self.notices: list[str] = []
         self.misfits = 0
 
@@ -445,8 +644,6 @@ class _ArrowReader:
                 with pa.input_stream(self.src.path, compression=None) as stream:
                     return self._read(stream, typed)
             except pa.ArrowInvalid as exc:
-                if self.misfits:
-                    raise self._misfit_error(exc) from exc
                 message = str(exc)
                 failed = re.match(r"In CSV column #(\d+): CSV conversion error.*invalid value '(.*)'$", message)
                 if failed is not None and int(failed.group(1)) in typed:
@@ -462,14 +659,6 @@ class _ArrowReader:
                     clean = _decode(self.src.data()).encode("utf-8")
                     continue
                 raise ParseError(message, lineno=0, line="") from exc
-
-    def _misfit_error(self, exc: Exception) -> ParseError:
-        found = self.layout.first_misfit(self.src.data())
-        if found is None:  # pragma: no cover - the handler only flags rows that data_lines() flags too
-            return ParseError(str(exc), lineno=0, line="")
-        lineno, line = found
-        ncols = len(self.layout.fields)
-        return ParseError(f"expected {ncols} columns, got {len(line.split(','))}", lineno=lineno, line=line)
 
     def _typed_from_head(self) -> set[int]:
         """The numeric columns whose cells in the first rows are plain numbers or ``[N/A]``."""
@@ -510,7 +699,7 @@ class _ArrowReader:
             self.notices.append(text.rstrip("\r\n"))
             return "skip"
         self.misfits += 1
-        return "error"
+        return "skip"
 
     def _read(self, source: Any, typed: set[int]) -> pd.DataFrame:
         pa, pacsv = self.pa, self.pacsv
@@ -548,45 +737,72 @@ class _ArrowReader:
         blocks: list[_Block] = []
         pending: deque[Future[_Block]] = deque()
         rows = 0
-        # Results are taken in block order, so the first bad cell of the file is the one reported.
+        starts: deque[int] = deque()
+        first_bad: int | None = None  # row position (over the whole file, as read) of the first bad row
+        bad_rows = 0
         with ThreadPoolExecutor(_WORKERS) as pool:
-            try:
-                while batches:
+            while batches or pending:
+                if batches:
                     columns = self._drop_non_rows(list(batches.pop().columns))
                     size = len(columns[0])
-                    pending.append(pool.submit(self._convert_block, columns, rows))
+                    pending.append(pool.submit(self._convert_block, columns))
+                    starts.append(rows)
                     rows += size
                     del columns
-                    while len(pending) > _WORKERS:
-                        blocks.append(pending.popleft().result())
-                while pending:
-                    blocks.append(pending.popleft().result())
-            except _BadCell as bad:
-                for f in pending:
-                    f.cancel()
-                lineno, line = layout.locate(self.src.data(), bad.row)
-                raise ParseError(
-                    f"{bad.cell!r} is not a valid {bad.fld.kind.value}", lineno=lineno, line=line, field=bad.fld.name
-                ) from None
-        return self._assemble(blocks)
+                    if len(pending) <= _WORKERS and batches:
+                        continue
+                block = pending.popleft().result()
+                start = starts.popleft()
+                if block.bad:
+                    bad_rows += len(block.bad)
+                    if first_bad is None:
+                        first_bad = start + block.bad[0]
+                blocks.append(block)
+        skipped = self._skipped(bad_rows, first_bad)
+        if skipped is not None and rows == bad_rows:
+            raise _unreadable(skipped)
+        return self._assemble(blocks, skipped)
 
-    def _assemble(self, blocks: list[_Block]) -> pd.DataFrame:
+    def _skipped(self, bad_rows: int, first_bad: int | None) -> SkippedLines | None:
+        """What was skipped: rows of the wrong width (the reader's handler) and rows with a bad cell."""
+        count = bad_rows + self.misfits
+        if not count:
+            return None
+        data = self.src.data()
+        found: list[tuple[int, str]] = []
+        if self.misfits:
+            misfit = self.layout.first_misfit(data)
+            if misfit is not None:
+                found.append(misfit)
+        if first_bad is not None:
+            found.append(self.layout.locate(data, first_bad))
+        lineno, line = min(found) if found else (0, "")
+        return SkippedLines(count, lineno, line[:80])
+
+    def _assemble(self, blocks: list[_Block], skipped: SkippedLines | None = None) -> pd.DataFrame:
+        import numpy as np
+
         layout = self.layout
         out: list[Any] = []
-        missing: dict[str, dict[int, str]] = {}
+        missing: dict[str, _Why] = {}
+        offsets = np.cumsum([0] + [b.rows for b in blocks])
         for i, fld in enumerate(layout.fields):
-            parts = [block[0][i] for block in blocks]
+            parts = [block.parts[i] for block in blocks]
             for block in blocks:
-                block[0][i] = None  # each block's part is freed once the column is whole
+                block.parts[i] = None  # each block's part is freed once the column is whole
             out.append(self._concat(parts, fld))
             del parts
             self.pa.default_memory_pool().release_unused()
-            reasons: dict[int, str] = {}
-            for block in blocks:
-                reasons.update(block[1][i])
-            if reasons:
-                missing[fld.attr] = reasons
-        return _frame(layout.fields, out, missing, self.notices)
+            found = [(offsets[k], why) for k, b in enumerate(blocks) if (why := b.reasons[i]) is not None]
+            if found:
+                words = tuple(dict.fromkeys(w for _, why in found for w in why[2]))
+                code_of = {w: n for n, w in enumerate(words)}
+                rows = np.concatenate([why[0] + off for off, why in found])
+                codes = np.concatenate(
+                    [np.asarray([code_of[w] for w in why[2]], dtype=np.int16)[why[1]] for _, why in found]
+                )
+                missing[fld.attr] = (rows, codes, words)
+        return _frame(layout.fields, out, MissingReasons(missing), self.notices, skipped)
 
     def _drop_non_rows(self, columns: list[Any]) -> list[Any]:
         """Drop repeated header lines and, for one-column output, notice and blank lines."""
@@ -615,58 +831,83 @@ class _ArrowReader:
 
     # -- converting -------------------------------------------------------------------------------------------
 
-    def _convert_block(self, columns: list[Any], first_row: int) -> _Block:
-        """One block -> (a pandas-ready part per column, {row position: missing reason} per column).
+    def _convert_block(self, columns: list[Any]) -> _Block:
+        """One block -> a pandas-ready part per column, the missing reasons, and the rows dropped as bad.
+
+        A row with a cell that does not fit its field (a garbled line) is dropped and the block converted again
+        without it.
 
         Args:
-            columns: the block's cells, one array per field: text, or numbers the reader converted (consumed).
-            first_row: the row position of the block's first row in the whole file.
+            columns: the block's cells, one array per field: text, or numbers the reader converted.
         """
+        import numpy as np
+
         pa, pc = self.pa, self.pc
         layout = self.layout
-        parts: list[Any] = []
-        reasons: list[dict[int, str]] = []
-        for i, fld in enumerate(layout.fields):
-            raw, columns[i] = columns[i], None
-            if raw.type == pa.string():
-                values, why = self._convert(pc.ascii_trim_whitespace(raw), fld, layout.units[i], first_row)
-            else:
-                values, why = raw, self._nulls(raw, first_row)
-            del raw
-            parts.append(self._part(values, fld))
-            reasons.append(why)
+        bad: list[int] = []
+        positions: Any = None  # current row -> row in the block as read, once rows were dropped
+        while True:
+            parts: list[Any] = []
+            reasons: list[_Why | None] = []
+            try:
+                for i, fld in enumerate(layout.fields):
+                    raw = columns[i]
+                    if raw.type == pa.string():
+                        values, why = self._convert(pc.ascii_trim_whitespace(raw), fld, layout.units[i])
+                    else:
+                        values, why = raw, self._nulls(raw)
+                    del raw
+                    parts.append(self._part(values, fld))
+                    reasons.append(why)
+            except _BadCell as exc:
+                if positions is None:
+                    positions = np.arange(len(columns[0]))
+                bad.append(int(positions[exc.row]))
+                keep = np.ones(len(positions), dtype=bool)
+                keep[exc.row] = False
+                positions = positions[keep]
+                mask = pa.array(keep)
+                columns = [pc.filter(c, mask) for c in columns]
+                continue
+            break
+        rows = len(columns[0])
+        del columns
         # Hand the block's scratch memory back to the OS: the allocator would keep it, and NumPy (which holds
         # the converted parts) cannot reuse it.
         pa.default_memory_pool().release_unused()
-        return parts, reasons
+        return _Block(parts, reasons, rows, sorted(bad))
 
-    def _nulls(self, col: Any, first_row: int) -> dict[int, str]:
+    def _nulls(self, col: Any) -> _Why | None:
         """The reasons for the nulls of a column the reader typed: each was ``[N/A]``."""
-        if not col.null_count:
-            return {}
-        rows = self.pc.indices_nonzero(self.pc.is_null(col)).to_numpy() + first_row
-        return dict.fromkeys(rows.tolist(), "not_available")
+        import numpy as np
 
-    def _convert(self, col: Any, fld: Field, unit: str, first_row: int) -> tuple[Any, dict[int, str]]:
-        """One trimmed text column of a block -> (typed Arrow array, {row position: missing reason})."""
-        pa = self.pa
+        if not col.null_count:
+            return None
+        rows = self.pc.indices_nonzero(self.pc.is_null(col)).to_numpy()
+        return rows, np.zeros(len(rows), dtype=np.int16), ("not_available",)
+
+    def _convert(self, col: Any, fld: Field, unit: str) -> tuple[Any, _Why | None]:
+        """One trimmed text column of a block -> (typed Arrow array, why cells are missing)."""
+        pa, pc = self.pa, self.pc
         kind = fld.kind
-        if kind.is_numeric:
-            # The common case, a column with no status token and no unit, converts in one cast.
+        # A cast that fails costs fifty times one that succeeds (Arrow builds the error), so the one-cast path
+        # is taken only for a column that shows no unit and no status token.
+        suffixed = bool(unit) and kind is not Kind.STR and pc.any(pc.ends_with(col, " " + unit)).as_py()
+        if kind.is_numeric and not suffixed and not pc.any(pc.starts_with(col, "[")).as_py():
             typed = self._typed(col, fld)
             if typed is not None:
-                return typed, {}
+                return typed, None
         token = self._tokens(col)
-        reasons: dict[int, str] = {}
+        reasons: _Why | None = None
         if token is not None:
-            reasons = self._reasons(col, token, first_row)
+            reasons = self._reasons(col, token)
             col = self.pc.if_else(token, pa.scalar(None, pa.string()), col)
         del token
-        if unit and kind is not Kind.STR:
+        if suffixed:
             col = self._strip_unit(col, unit)
         typed = self._typed(col, fld)
         if typed is None:
-            typed = self._python_chunk(col, fld, first_row)
+            typed = self._python_chunk(col, fld)
         return typed, reasons
 
     def _tokens(self, col: Any) -> Any | None:
@@ -684,15 +925,12 @@ class _ArrowReader:
             return None
         return token
 
-    def _reasons(self, col: Any, token: Any, first_row: int) -> dict[int, str]:
-        import numpy as np
-
+    def _reasons(self, col: Any, token: Any) -> _Why:
         pc = self.pc
-        rows = pc.indices_nonzero(token).to_numpy() + first_row
+        rows = pc.indices_nonzero(token).to_numpy()
         encoded = pc.dictionary_encode(pc.filter(col, token))
-        words = np.array([missing_reason(t) or t for t in encoded.dictionary.to_pylist()], dtype=object)
-        reasons = words[encoded.indices.to_numpy(zero_copy_only=False)]
-        return dict(zip(rows.tolist(), reasons.tolist(), strict=True))
+        words = tuple(missing_reason(t) or t for t in encoded.dictionary.to_pylist())
+        return rows, encoded.indices.to_numpy(zero_copy_only=False), words
 
     def _strip_unit(self, col: Any, unit: str) -> Any:
         pc = self.pc
@@ -700,7 +938,10 @@ class _ArrowReader:
         has = pc.ends_with(col, suffix)
         if not pc.any(has).as_py():
             return col
-        return pc.if_else(has, pc.utf8_slice_codeunits(col, 0, -len(suffix)), col)
+        stripped = pc.utf8_slice_codeunits(col, 0, -len(suffix))
+        if pc.all(has).as_py():
+            return stripped  # every cell carries the unit (token cells are null by now and skipped)
+        return pc.if_else(has, stripped, col)
 
     def _typed(self, col: Any, fld: Field) -> Any | None:
         """The column cast to its kind's Arrow type, or None when some cell needs the parser's own converter."""
@@ -754,7 +995,7 @@ class _ArrowReader:
         iso = pc.binary_replace_slice(pc.binary_replace_slice(col, 4, 5, "-"), 7, 8, "-")
         return pc.cast(iso, pa.timestamp("ns"))
 
-    def _python_chunk(self, col: Any, fld: Field, first_row: int) -> Any:
+    def _python_chunk(self, col: Any, fld: Field) -> Any:
         """Convert a column cell by cell with the parser's own converter (rare: odd values, or a bad one)."""
         pa = self.pa
         convert: Callable[[str], Value] = _converter(fld, self.tz)
@@ -766,7 +1007,7 @@ class _ArrowReader:
             try:
                 values.append(convert(cell))
             except Exception as exc:  # any converter failure means the cell does not fit the field
-                raise _BadCell(first_row + row, cell, fld) from exc
+                raise _BadCell(row, cell, fld) from exc
         kind = fld.kind
         if kind in _INT_KINDS:
             try:
@@ -779,7 +1020,7 @@ class _ArrowReader:
             for row, v in enumerate(values):
                 wall = None if v is None else v.astimezone(self.tz).replace(tzinfo=None)  # type: ignore[union-attr]
                 if wall is not None and not _NS_MIN <= wall <= _NS_MAX:
-                    raise _BadCell(first_row + row, col[row].as_py(), fld)
+                    raise _BadCell(row, col[row].as_py(), fld)
                 naive.append(wall)
             return pa.array(naive, pa.timestamp("us")).cast(pa.timestamp("ns"))
         arrow_type = pa.float64() if kind is Kind.FLOAT else pa.bool_() if kind.is_bool else pa.string()
@@ -810,13 +1051,17 @@ class _ArrowReader:
 
         kind = fld.kind
         if not parts:
-            return _empty_array(fld, self.tz)
+            return _empty_array(fld, self.out_tz)
         if kind is Kind.TIMESTAMP:
             naive = pd.DatetimeIndex(np.concatenate(parts) if len(parts) > 1 else parts[0])
             del parts
             # An ambiguous wall time (the hour repeated when DST ends) is taken as the first of the two, as
             # datetime does with fold=0.
-            aware = naive.tz_localize(self.tz, ambiguous=np.ones(len(naive), dtype=bool), nonexistent="shift_forward")
+            if self.out_tz is None:
+                return naive.as_unit("ns").array  # as recorded: nvidia-smi prints wall-clock time with no zone
+            aware = naive.tz_localize(
+                self.out_tz, ambiguous=np.ones(len(naive), dtype=bool), nonexistent="shift_forward"
+            )
             return aware.as_unit("ns").array
         if kind.is_numeric or kind.is_bool:
             if len({p.dtype for p in parts}) > 1:  # Int64 blocks and a UInt64 one (a bitmask with the top bit set)

@@ -14,49 +14,23 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 from smiquery.errors import InvalidFieldError, ParseError, ReplayError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
 from smiquery.oneshot import GpusArg, normalize_gpus
-from smiquery.parsing import CsvParser, format_value
+from smiquery.parsing import CsvParser, _converter, format_value
+from smiquery.recordings import RecordingFormat, detect_format
 from smiquery.records import GpuSample, Schema, Value
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
 
 __all__ = ["Replay", "ReplayError", "SweepGrouper", "detect_format", "replay", "sample_from_json"]
 
-RecordingFormat = Literal["csv", "jsonl", "parquet"]
 
 #: The longest pause replay makes for one gap in a recording (a stream that was stopped and restarted).
 MAX_GAP_SECONDS = 60.0
 
-_BOOL_WORDS = {"enabled": True, "disabled": False, "yes": True, "no": False, "active": True, "not active": False}
 _BY_ATTR = {f.attr: f for f in CATALOGUE}
-
-
-def detect_format(path: str | os.PathLike[str]) -> RecordingFormat:
-    """The recording format from the file name (``.csv``, ``.jsonl``/``.ndjson``, ``.parquet``/``.pq``).
-
-    An unknown suffix is sniffed: a first character ``{`` means JSONL, anything else CSV.
-
-    Raises:
-        ReplayError: the file cannot be opened.
-    """
-    suffix = Path(path).suffix.lower()
-    if suffix in (".csv", ".txt", ".log"):
-        return "csv"
-    if suffix in (".jsonl", ".ndjson", ".json"):
-        return "jsonl"
-    if suffix in (".parquet", ".pq"):
-        return "parquet"
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(64).lstrip()
-    except OSError as exc:
-        raise ReplayError(f"cannot read recording {os.fspath(path)}: {exc.strerror or exc}") from exc
-    if head.startswith(b"PAR1"):
-        return "parquet"
-    return "jsonl" if head.startswith(b"{") else "csv"
 
 
 # ---------------------------------------------------------------------------------------------------- readers
@@ -72,32 +46,31 @@ def _field_for(name: str) -> Field:
 
 
 def _typed(fld: Field, value: Any) -> Value:
-    """A JSON or pandas value converted to the Python type the catalogue gives the field."""
+    """A JSON or pandas value converted to the Python type the catalogue gives the field.
+
+    Text goes through the parser's own converter for the field's kind, so a cell reads the same whether it was
+    recorded as CSV, JSONL or Parquet.
+    """
     if value is None:
         return None
     kind = fld.kind
+    if isinstance(value, str):
+        return value if kind is Kind.STR else _converter(fld, None)(value.strip())
     if kind is Kind.TIMESTAMP:
-        dt = value if isinstance(value, datetime) else datetime.fromisoformat(str(value).replace("/", "-"))
-        to_py = getattr(dt, "to_pydatetime", None)
-        if to_py is not None:
-            dt = to_py()
+        to_py = getattr(value, "to_pydatetime", None)
+        dt = to_py() if to_py is not None else value
+        if not isinstance(dt, datetime):
+            raise TypeError(f"{value!r} is not a timestamp")
         return dt if dt.tzinfo is not None else dt.astimezone()
     if kind is Kind.INT:
-        if isinstance(value, str):
-            return int(value)
         if isinstance(value, float) and not value.is_integer():
             raise ValueError(f"{value!r} is not an integer")
         return int(value)
     if kind in (Kind.HEX, Kind.BITMASK):
-        return int(value, 16) if isinstance(value, str) else int(value)
+        return int(value)
     if kind is Kind.FLOAT:
         return float(value)
     if kind.is_bool:
-        if isinstance(value, str):
-            low = value.strip().lower()
-            if low not in _BOOL_WORDS:
-                raise ValueError(f"{value!r} is not {kind.value}")
-            return _BOOL_WORDS[low]
         return bool(value)
     return str(value)
 
@@ -138,8 +111,10 @@ def sample_from_json(obj: dict[str, Any], *, lineno: int = 0, line: str = "") ->
     return _build(Schema(tuple(f.name for f in fields)), fields, values, missing)
 
 
-def _read_csv(fh: IO[str], source: str, on_drop: Callable[[ParseError], None]) -> Iterator[GpuSample]:
-    parser = CsvParser(None, strict=False)
+def _read_csv(
+    fh: IO[str], source: str, on_drop: Callable[[ParseError], None], columns: Sequence[Field] | None = None
+) -> Iterator[GpuSample]:
+    parser = CsvParser(columns, strict=False)
     dropped = 0
     try:
         for line in fh:
@@ -152,9 +127,9 @@ def _read_csv(fh: IO[str], source: str, on_drop: Callable[[ParseError], None]) -
                 yield sample
     except ParseError as exc:
         raise ReplayError(
-            f"{source} is not a recording smiquery can read: it needs nvidia-smi's CSV header line "
-            f"(--format=csv, not noheader) ({exc})"
-        ) from None
+            f"{source} is not a recording smiquery can read: it has no nvidia-smi CSV header line "
+            "(for a headerless log, name its columns)"
+        ) from exc
 
 
 def _read_jsonl(fh: IO[str], on_drop: Callable[[ParseError], None]) -> Iterator[GpuSample]:
@@ -191,7 +166,9 @@ def _read_parquet(path: str) -> Iterator[GpuSample]:
     else:
         fields = [_field_for(str(n)) for n in names]
     schema = Schema(tuple(f.name for f in fields))
-    missing_attr = df.attrs.get("missing") or {}
+    from smiquery.frames import missing_reasons
+
+    missing_attr = missing_reasons(df)
     columns = []
     for col in names:
         values = df[col].tolist()
@@ -236,12 +213,16 @@ class Replay(LatestSweep):
         fmt: RecordingFormat | None = None,
         sleep: Callable[[float], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        columns: str | Sequence[str] | None = None,
     ) -> None:
         if speed < 0 or speed != speed:
             raise ValueError("speed must be 0 (as fast as possible) or more")
         self.path = os.fspath(path)
         if not Path(self.path).is_file():
             raise ReplayError(f"recording {self.path} not found; record one with `smiquery stream --output FILE`")
+        if os.path.getsize(self.path) == 0:
+            raise ReplayError(f"recording {self.path} is empty; a recording holds nvidia-smi's CSV header and rows")
+        self._columns = resolve_fields(columns) if columns is not None else None
         self.speed = float(speed)
         self.loop = loop
         self.format: RecordingFormat = fmt or detect_format(self.path)
@@ -258,9 +239,16 @@ class Replay(LatestSweep):
         self._gen: Iterator[GpuSample] | None = None
         self._handles: list[IO[str]] = []
         self.last_error: ParseError | None = None
+        #: The first line skipped as unreadable (a torn last line, garbage), with its line number.
+        self.first_error: ParseError | None = None
         #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
         self.gpu_count = 0
         first = self._peek()
+        if first is None:
+            raise ReplayError(
+                f"recording {self.path} holds no readable rows; is it a recording from `smiquery stream --output` "
+                "or `nvidia-smi --query-gpu=... --format=csv`?"
+            )
         self.recorded_fields: tuple[Field, ...] = tuple(_field_for(n) for n in first.fields) if first else ()
         self.fields: tuple[Field, ...] = self._wanted if self._wanted is not None else self.recorded_fields
         self._project: tuple[Schema, tuple[int, ...]] | None = None
@@ -277,11 +265,31 @@ class Replay(LatestSweep):
     # ---------------------------------------------------------------------------------------------- reading
 
     def _on_drop(self, err: ParseError) -> None:
+        if self.first_error is None:
+            self.first_error = err
         self.stats.dropped_rows += 1
         self.last_error = err
         self.stats.last_error = str(err)
 
     def _raw_samples(self) -> Iterator[GpuSample]:
+        gpu0: dict[tuple[str, ...], Schema] = {}
+        for sample in self._file_samples():
+            if "index" in sample:
+                yield sample
+                continue
+            # A single-GPU log (`--query-gpu=timestamp,power.draw`): its one GPU is GPU 0.
+            schema = gpu0.get(sample.fields)
+            if schema is None:
+                schema = gpu0[sample.fields] = Schema(("index", *sample.fields))
+            yield GpuSample(
+                schema,
+                (0, *(sample[n] for n in sample.fields)),
+                ("0", *sample.raw.values()),
+                dict(sample.missing) or None,
+                sample.gpu_lost,
+            )
+
+    def _file_samples(self) -> Iterator[GpuSample]:
         if self.format == "parquet":
             yield from _read_parquet(self.path)
             return
@@ -294,7 +302,7 @@ class Replay(LatestSweep):
             if self.format == "jsonl":
                 yield from _read_jsonl(fh, self._on_drop)
             else:
-                yield from _read_csv(fh, self.path, self._on_drop)
+                yield from _read_csv(fh, self.path, self._on_drop, self._columns)
         finally:
             fh.close()
             if fh in self._handles:
@@ -323,6 +331,7 @@ class Replay(LatestSweep):
                 close()
             self.stats.dropped_rows = 0
             self.stats.last_error = None
+            self.first_error = None
 
     def _select(self, sample: GpuSample) -> bool:
         if not self.gpus:
@@ -513,6 +522,7 @@ def replay(
     loop: bool = False,
     gpus: GpusArg = None,
     sleep: Callable[[float], object] | None = None,
+    columns: str | Sequence[str] | None = None,
 ) -> Replay:
     """Play a recording back as samples, paced by its recorded timestamps.
 
@@ -530,13 +540,16 @@ def replay(
         loop: start again at the end, shifting the timestamps so that time keeps moving forward.
         gpus: only these GPUs (indices, UUIDs or PCI bus ids).
         sleep: how to wait (tests inject one); default an interruptible wait that :meth:`Replay.close` ends.
+        columns: the columns of a headerless (``noheader``) CSV log, in order; ignored for other formats.
 
     Returns:
         A :class:`Replay`: an iterator of :class:`~smiquery.GpuSample`, with :meth:`Replay.sweeps`.
 
     Raises:
-        ReplayError: the file is missing, has no header, or lacks a requested field.
+        ReplayError: the file is missing, empty, not a recording (no header and no ``columns``), holds no
+            readable row, or lacks a requested field. Unreadable lines (a torn last line, garbage) are skipped and
+            counted in ``stats.dropped_rows``; :attr:`Replay.first_error` names the first.
         InvalidFieldError: an unknown field name.
         InvalidGpuIdError: a malformed GPU id.
     """
-    return Replay(path, speed=speed, fields=fields, loop=loop, gpus=gpus, sleep=sleep)
+    return Replay(path, speed=speed, fields=fields, loop=loop, gpus=gpus, sleep=sleep, columns=columns)

@@ -10,13 +10,15 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from smiquery.alerts import Rule
-from smiquery.fields import Field, Kind, get_field
-from smiquery.report import DEFAULT_RULES, ReportError, load_recording
+from smiquery.fields import Field, Kind, get_field, resolve_fields
+from smiquery.report import DEFAULT_RULES, ReportError, _as_float, _gpu_rows, load_recording
 
 if TYPE_CHECKING:
+    from datetime import tzinfo
+
     import numpy as np
     import pandas as pd
     from matplotlib.figure import Figure
@@ -26,22 +28,22 @@ __all__ = ["DEFAULT_PLOT_FIELDS", "plot_recording", "save_plot"]
 #: The panels drawn when no fields are given (those the recording has).
 DEFAULT_PLOT_FIELDS: tuple[str, ...] = ("utilization.gpu", "temperature.gpu", "memory.used", "power.draw")
 
-# Colour-blind-safe categorical colours (Okabe-Ito, then the rest of tab10); thresholds are drawn in black.
+# Eight colours with no look-alike pair (tab10 without its grey and olive); past eight GPUs the colours repeat
+# with another dash pattern, so 32 GPUs stay apart. Thresholds are black, shading pale.
 _GPU_COLOURS = (
-    "#0072B2",
-    "#E69F00",
-    "#009E73",
-    "#CC79A7",
-    "#56B4E9",
-    "#D55E00",
-    "#F0E442",
-    "#7f7f7f",
-    "#8c564b",
-    "#17becf",
-    "#bcbd22",
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
     "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#17becf",
 )
+_DASHES = ("-", "--", ":", "-.")
 _THRESHOLD_COLOUR = "#000000"
+_STALL_SHADE = "#9e9e9e"
+_ALERT_SHADE = "#f4a582"
 
 
 def _matplotlib() -> None:
@@ -51,14 +53,70 @@ def _matplotlib() -> None:
         raise ImportError("plotting needs matplotlib: pip install 'smiquery[plot]'") from exc
 
 
-def _colour(position: int) -> str:
-    if position < len(_GPU_COLOURS):
-        return _GPU_COLOURS[position]
-    # more GPUs than distinct colours: spread the rest around the hue circle
-    import colorsys
+def _style(position: int) -> tuple[str, str]:
+    """(colour, line style) of the ``position``-th GPU drawn."""
+    colour = _GPU_COLOURS[position % len(_GPU_COLOURS)]
+    return colour, _DASHES[(position // len(_GPU_COLOURS)) % len(_DASHES)]
 
-    r, g, b = colorsys.hsv_to_rgb((position * 0.618034) % 1.0, 0.75, 0.8)
-    return f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"
+
+def _zone_label(stamps: pd.Series) -> str:
+    zone = getattr(stamps.dt, "tz", None)
+    if zone is None:
+        return "time (the recording's local clock; no zone recorded, pass --tz to name it)"
+    return f"time ({zone})"
+
+
+def _merged(spans: Iterable[tuple[Any, Any, int]], slack: Any = None) -> list[tuple[Any, Any, list[int]]]:
+    """(start, end, gpu) spans that overlap, or lie within ``slack`` of each other, merged into (start, end, gpus)."""
+    out: list[tuple[Any, Any, list[int]]] = []
+    for start, end, gpu in sorted(spans, key=lambda s: s[0]):
+        if out and start <= (out[-1][1] if slack is None else out[-1][1] + slack):
+            s0, e0, gs = out[-1]
+            out[-1] = (s0, max(e0, end), sorted({*gs, gpu}))
+        else:
+            out.append((start, end, [gpu]))
+    return out
+
+
+def _selected(df: pd.DataFrame, gpus: Sequence[int | str] | str) -> pd.Series:
+    """Rows of the chosen GPUs, by index, UUID or PCI bus id (UUIDs and bus ids when the recording has them)."""
+    from smiquery.oneshot import normalize_gpus
+
+    ids = normalize_gpus(gpus)
+    keep = df["index"].astype("string").isin(list(ids))
+    for column in ("uuid", "pci_bus_id"):
+        if column in df.columns:
+            keep |= df[column].astype("string").str.lower().isin([i.lower() for i in ids])
+    return keep.fillna(False).astype(bool)
+
+
+def _gpu_names(gpus: Sequence[int], total: int) -> str:
+    if len(gpus) == total and total > 1:
+        return "all GPUs"
+    if len(gpus) == 1:
+        return f"GPU {gpus[0]}"
+    return "GPUs " + ",".join(str(g) for g in gpus)
+
+
+def _span_label(ax: Any, x: Any, text: str) -> None:
+    """A small label inside the top left corner of a shaded span."""
+    ax.annotate(
+        text,
+        xy=(x, 1.0),
+        xycoords=("data", "axes fraction"),
+        xytext=(3, -3),
+        textcoords="offset points",
+        ha="left",
+        va="top",
+        fontsize=7.5,
+        color="#333333",
+        zorder=5,
+    )
+
+
+def _naive(ts: Any) -> Any:
+    """A datetime as the plot's x axis holds it: wall-clock time in the recording's zone, without the zone."""
+    return ts.replace(tzinfo=None) if getattr(ts, "tzinfo", None) is not None else ts
 
 
 def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field]:
@@ -77,6 +135,8 @@ def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field
         if not name:
             continue
         fld = get_field(name)
+        if fld.name in ("timestamp", "index"):
+            continue  # the x axis and the lines, not panels (a headerless log's column list names them)
         if fld.attr not in df.columns:
             raise ReportError(f"the recording has no {fld.name}; it holds {', '.join(map(str, df.columns))}")
         if fld.kind not in (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE):
@@ -88,27 +148,36 @@ def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field
     return out
 
 
-def _series(frame: pd.DataFrame, column: str, gap_limit: float, max_points: int) -> tuple[np.ndarray, np.ndarray]:
-    """x (naive local datetime64) and y (float, NaN where missing or across a gap in time) for one GPU."""
+def _wall_clock(stamps: pd.Series) -> np.ndarray:
+    """Timestamps as naive datetime64[ns]: the wall-clock time of the recording, in its zone when it has one."""
     import numpy as np
 
-    ts = frame["timestamp"]
-    if getattr(ts.dt, "tz", None) is not None:
-        ts = ts.dt.tz_localize(None)  # wall-clock time of the recording, as nvidia-smi printed it
-    x = ts.to_numpy(dtype="datetime64[ns]")
-    y = np.asarray(frame[column].astype("Float64").to_numpy(dtype="float64", na_value=np.nan), dtype="float64")
+    if getattr(stamps.dt, "tz", None) is not None:
+        stamps = stamps.dt.tz_localize(None)
+    return np.asarray(stamps.to_numpy(dtype="datetime64[ns]"))
+
+
+def _series(x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int) -> tuple[np.ndarray, np.ndarray]:
+    """x (naive datetime64) and y (float, NaN where missing or across a gap in time) for one GPU's line."""
+    import numpy as np
+
+    rows = len(x)
     if len(x) > max_points:
+        # Each bucket of samples (about a pixel wide) becomes its mean: with several GPUs in one panel, a noisy
+        # line drawn sample by sample (or as its min-max envelope) covers the others with a solid band.
         step = math.ceil(len(x) / max_points)
         n = (len(x) // step) * step
-        x = x[:n:step]
         blocks = y[:n].reshape(-1, step)
-        with np.errstate(all="ignore"):
-            counts = (~np.isnan(blocks)).sum(axis=1)
-            sums = np.nansum(blocks, axis=1)
-            y = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        present = ~np.isnan(blocks)
+        counts = present.sum(axis=1)
+        sums = np.where(present, blocks, 0.0).sum(axis=1)
+        means = np.full(len(counts), np.nan)
+        np.divide(sums, counts, out=means, where=counts > 0)
+        x = np.concatenate((x[:n:step], x[n:]))
+        y = np.concatenate((means, y[n:]))
     if len(x) > 1:
         secs = np.diff(x).astype("timedelta64[ns]").astype("float64") / 1e9
-        limit = gap_limit * max(1, math.ceil(len(frame) / max_points))
+        limit = gap_limit * max(1, math.ceil(rows / max_points))
         gaps = np.nonzero(secs > limit)[0]
         if len(gaps):
             # a NaN point inside each gap breaks the line there
@@ -131,36 +200,69 @@ def _thresholds(rules: Sequence[Rule], fld: Field) -> list[tuple[float, str]]:
     return sorted(out.items())
 
 
+def _load(
+    source: str | os.PathLike[str] | pd.DataFrame,
+    fields: str | Sequence[str] | None,
+    tz: tzinfo | str | None,
+) -> tuple[pd.DataFrame, str | Sequence[str] | None]:
+    """The recording, and the fields to draw: for a headerless log the fields name its columns as well."""
+    try:
+        return load_recording(source, tz=tz), fields
+    except ReportError as exc:
+        if fields is None or "--fields" not in str(exc):
+            raise
+    df = load_recording(source, fields=fields, tz=tz)
+    names = [f.name for f in resolve_fields(fields)]
+    drawn = [n for n in names if n not in ("timestamp", "index") and get_field(n).kind in _DRAWABLE]
+    return df, drawn or None
+
+
+_DRAWABLE = (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE)
+
+
 def plot_recording(
     source: str | os.PathLike[str] | pd.DataFrame,
     fields: str | Sequence[str] | None = None,
     *,
     rules: Iterable[Rule | str] | None = None,
-    gpus: Sequence[int] | None = None,
+    gpus: Sequence[int | str] | str | None = None,
     title: str | None = None,
     width: float = 12.0,
     panel_height: float = 2.4,
     dpi: int = 100,
-    max_points: int = 20_000,
+    max_points: int | None = None,
+    tz: tzinfo | str | None = None,
+    shade: bool = True,
+    name: str | None = None,
 ) -> Figure:
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
     Missing values (``[N/A]``, a lost GPU) and gaps in time (the recording was stopped) show as breaks in the
-    lines, never as zeros or straight joins. Lines longer than ``max_points`` are averaged into that many points.
+    lines, never as zeros or straight joins. Long lines are averaged to about one point per pixel.
+    Stalls (:data:`smiquery.stalls.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
+    shaded orange on its field's panel; a field with no value says so. The x axis names the time zone (or says
+    that the recording has none).
 
     Args:
         source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.frames.read_csv`.
-        fields: fields to draw, as names or a comma list; default :data:`DEFAULT_PLOT_FIELDS` (those present).
-        rules: rules whose thresholds are drawn; default :data:`smiquery.report.DEFAULT_RULES`.
-        gpus: only these GPU indices.
+        fields: fields to draw, as names or a comma list; default :data:`DEFAULT_PLOT_FIELDS` (those present). For
+            a headerless CSV log, its columns in order (the numeric ones are drawn).
+        rules: rules whose thresholds are drawn and whose alerts are shaded; default
+            :data:`smiquery.report.DEFAULT_RULES`.
+        gpus: only these GPUs: indices, UUIDs or PCI bus ids (as ``smiquery stream --id`` takes them).
         title: the figure title (default: the file name and time span).
         width: figure width in inches.
         panel_height: height of one panel in inches.
         dpi: resolution in dots per inch.
-        max_points: most points per line.
+        max_points: most points per line; default one per pixel of width (a longer line is drawn as the mean
+            of each stretch of samples).
+        tz: the zone the recording was made in (default: as recorded; CSV carries none).
+        shade: shade stalls and alerts.
+        name: what to call the recording in the title (default: the file name).
 
     Returns:
-        A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"``, each threshold line ``gid="threshold"``.
+        A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"``, each threshold line ``gid="threshold"``,
+        stall shading ``gid="stall"``, alert shading ``gid="alert"`` and a no-data note ``gid="no-data"``.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -170,33 +272,86 @@ def plot_recording(
     """
     _matplotlib()
     import matplotlib.dates as mdates
+    import numpy as np
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
-    df = load_recording(source)
+    from smiquery.report import analyze
+
+    df, fields = _load(source, fields, tz)
     if gpus is not None:
-        df = df[df["index"].isin(list(gpus))]
+        df = df[_selected(df, gpus)].reset_index(drop=True)
     if df.empty:
         raise ReportError("the recording holds no samples" + (" for those GPUs" if gpus is not None else ""))
     flds = _resolve(fields, df)
     parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in (DEFAULT_RULES if rules is None else rules)]
 
-    groups = [(int(cast(Any, idx)), frame) for idx, frame in df.groupby("index", sort=True)]
-    diffs = [frame["timestamp"].diff().dt.total_seconds().median() for _, frame in groups if len(frame) > 1]
+    if max_points is None:
+        max_points = max(200, round(width * dpi))
+    groups = _gpu_rows(df["index"].to_numpy(dtype="int64"))
+    x_all = _wall_clock(df["timestamp"])
+    xs = {idx: x_all[rows] for idx, rows in groups}
+    diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs.values() if len(x) > 1]
     interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
     if not interval > 0 or math.isnan(interval):
         interval = 1.0
     gap_limit = max(3 * interval, 5.0)
 
-    fig = Figure(figsize=(width, panel_height * len(flds) + 0.9), dpi=dpi, layout="constrained")
+    stalls: list[tuple[Any, Any, list[int]]] = []
+    alerts: dict[str, list[tuple[Any, Any, list[int]]]] = {}
+    # spans closer than half a percent of the run are drawn (and labelled) as one
+    slack = (df["timestamp"].max() - df["timestamp"].min()) / 200
+    if shade:
+        found = analyze(df, rules=parsed)
+        stalls = _merged(((_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls), slack)
+        by_field: dict[str, list[tuple[Any, Any, int]]] = {}
+        for a in found.alerts:
+            rule = next(r for r in parsed if str(r) == a.rule)
+            by_field.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
+        alerts = {name: _merged(spans, slack) for name, spans in by_field.items()}
+
+    start = df["timestamp"].min()
+    end = df["timestamp"].max()
+    x_start, x_end = _naive(start), _naive(end)
+    if x_end == x_start:
+        x_end = x_start + (end - start) + np.timedelta64(1, "s")
+
+    fig = Figure(figsize=(width, panel_height * len(flds) + 1.1), dpi=dpi, layout="constrained")
     axes = fig.subplots(len(flds), 1, sharex=True, squeeze=False)[:, 0]
     handles: list[Any] = []
     for ax, fld in zip(axes, flds):
-        for pos, (idx, frame) in enumerate(groups):
-            x, y = _series(frame, fld.attr, gap_limit, max_points)
-            (line,) = ax.plot(x, y, color=_colour(pos), linewidth=1.1, label=f"GPU {idx}", gid=f"gpu-{idx}")
+        drawn = 0
+        y_all = _as_float(df[fld.attr])
+        for pos, (idx, rows) in enumerate(groups):
+            x, y = _series(xs[idx], y_all[rows], gap_limit, max_points)
+            drawn += int((~np.isnan(y)).sum())
+            colour, dash = _style(pos)
+            (line,) = ax.plot(
+                x, y, color=colour, linestyle=dash, linewidth=1.1, label=f"GPU {idx}", gid=f"gpu-{idx}", zorder=2
+            )
             if ax is axes[0]:
                 handles.append(line)
-        marks = _thresholds(parsed, fld)
+        if not drawn:
+            ax.text(
+                0.5,
+                0.5,
+                f"no values: {fld.name} was missing ([N/A] or not supported) in every sample",
+                transform=ax.transAxes,
+                ha="center",
+                va="center",
+                fontsize=9,
+                color="#555555",
+                gid="no-data",
+            )
+            ax.set_yticks([])
+        for s0, e0, who in stalls:
+            ax.axvspan(s0, e0, color=_STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
+            if ax is axes[0]:
+                _span_label(ax, s0, f"stall: {_gpu_names(who, len(groups))}")
+        for s0, e0, who in alerts.get(fld.name, []):
+            ax.axvspan(s0, e0, color=_ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
+            _span_label(ax, s0, f"alert: {_gpu_names(who, len(groups))}")
+        marks = _thresholds(parsed, fld) if drawn else []
         for n, (value, label) in enumerate(marks):
             ax.axhline(value, color=_THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
             above = n == len(marks) - 1  # the highest label above its line, the others below theirs
@@ -217,28 +372,32 @@ def plot_recording(
         ax.set_title(f"{fld.name} [{unit}]" if unit else fld.name, loc="left", fontsize=10)
         if unit:
             ax.set_ylabel(unit)
-        if unit == "%":
+        if unit == "%" and drawn:
             ax.set_ylim(-2, 105)
-        elif fld.kind.is_bool:
+        elif fld.kind.is_bool and drawn:
             ax.set_ylim(-0.1, 1.1)
             ax.set_yticks([0, 1], ["no", "yes"])
         ax.grid(True, color="#dddddd", linewidth=0.6)
-        ax.margins(x=0.005)
+    axes[-1].set_xlim(x_start, x_end)
     locator = mdates.AutoDateLocator()  # type: ignore[no-untyped-call]
     axes[-1].xaxis.set_major_locator(locator)
     axes[-1].xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
-    start = df["timestamp"].min()
-    end = df["timestamp"].max()
+    axes[-1].set_xlabel(_zone_label(df["timestamp"]), fontsize=9)
     if title is None:
-        name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
+        if name is None:
+            name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
         title = (
             f"{name}: {len(groups)} GPU{'s' if len(groups) != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S}"
         )
     fig.suptitle(title, x=0.01, ha="left", fontsize=11)
+    if stalls:
+        handles.append(Patch(color=_STALL_SHADE, alpha=0.4, label="stall"))
+    if alerts:
+        handles.append(Patch(color=_ALERT_SHADE, alpha=0.6, label="alert firing"))
     fig.legend(
         handles=handles,
-        loc="outside upper right",
-        ncols=min(len(handles), 8),
+        loc="outside lower center",
+        ncols=min(len(handles), 10),
         fontsize=8,
         frameon=False,
     )

@@ -12,12 +12,15 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, tzinfo
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from smiquery.alerts import BUILTIN_RULES, Rule
-from smiquery.errors import ReportError, SmiqueryError
+from smiquery.errors import RecordingError, ReportError
 from smiquery.fields import CATALOGUE, Field, Kind
+from smiquery.recordings import SkippedLines
+from smiquery.stalls import STALL, StallRule
 
 if TYPE_CHECKING:
     import numpy as np
@@ -28,8 +31,10 @@ __all__ = [
     "AlertSpan",
     "FieldStats",
     "Finding",
+    "HealthCount",
     "Report",
     "ReportError",
+    "StallRule",
     "Stretch",
     "ThresholdTime",
     "analyze",
@@ -40,12 +45,12 @@ __all__ = [
 #: Thresholds the report (and :mod:`smiquery.plot`) use when no rules are given: the built-in health rules.
 DEFAULT_RULES: tuple[str, ...] = BUILTIN_RULES
 
-#: Utilization (percent) under which a GPU counts as stalled.
-STALL_UTILIZATION = 20.0
+#: Utilization (percent) under which a GPU counts as stalled (from :data:`smiquery.stalls.STALL`).
+STALL_UTILIZATION = STALL.utilization
 #: Shortest stretch under :data:`STALL_UTILIZATION` that the report calls a stall, in seconds.
-MIN_STALL_SECONDS = 30.0
+MIN_STALL_SECONDS = STALL.min_seconds
 #: Memory used (MiB) from which a GPU counts as held by a job; an idle GPU without a job is not stalled.
-BUSY_MEMORY_MIB = 1024
+BUSY_MEMORY_MIB = STALL.busy_memory_mib
 
 _BY_ATTR: dict[str, Field] = {f.attr: f for f in CATALOGUE}
 _SKIP_STATS = frozenset({"index", "count", "timestamp"})
@@ -57,56 +62,50 @@ Severity = Literal["critical", "warning", "info"]
 # ------------------------------------------------------------------------------------------------- loading
 
 
-def load_recording(source: str | os.PathLike[str] | pd.DataFrame) -> pd.DataFrame:
-    """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`.
+def load_recording(
+    source: str | os.PathLike[str] | pd.DataFrame,
+    *,
+    fields: str | Sequence[str] | None = None,
+    tz: tzinfo | str | None = None,
+) -> pd.DataFrame:
+    """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`, sorted by GPU.
 
-    CSV goes through :func:`smiquery.frames.read_csv`, JSONL through :func:`smiquery.playback.replay`, Parquet
-    through ``pandas.read_parquet`` (the writer keeps the same columns and attrs).
+    Files are read by :func:`smiquery.recordings.read_recording` (CSV with or without units or header, JSONL,
+    Parquet; unreadable lines skipped and described in ``attrs["skipped"]``; a log without ``index`` is GPU 0).
 
     Args:
         source: a path (``.csv``, ``.jsonl``, ``.parquet``; other names are sniffed) or a DataFrame.
+        fields: the columns of a headerless CSV log.
+        tz: the zone the recording was made in; default: as recorded (see :func:`smiquery.frames.read_csv`).
 
     Returns:
-        One row per sample, sorted by GPU index and time.
+        One row per sample, in file order (rows without a timestamp or GPU index dropped).
 
     Raises:
-        ReportError: the file is missing or unreadable, or it lacks ``timestamp`` or ``index``.
+        ReportError: the file is missing, unreadable, holds no readable row, or has no ``timestamp``.
     """
+    import numpy as np
     import pandas as pd
 
     if isinstance(source, pd.DataFrame):
         df = source
+        if "index" not in df.columns:
+            df = df.assign(index=pd.Series(np.zeros(len(df), dtype=np.int64), index=df.index, dtype="Int64"))
     else:
-        from smiquery.playback import ReplayError, detect_format
+        from smiquery.recordings import read_recording
 
-        path = os.fspath(source)
-        if not os.path.isfile(path):
-            raise ReportError(f"recording {path} not found; record one with `smiquery stream --output FILE`")
         try:
-            fmt = detect_format(path)
-            if fmt == "csv":
-                from smiquery.frames import read_csv
-
-                df = read_csv(path)
-            elif fmt == "parquet":
-                df = pd.read_parquet(path)
-            else:
-                from smiquery.frames import to_dataframe
-                from smiquery.playback import replay
-
-                with replay(path, speed=0) as rec:
-                    df = to_dataframe(rec)
-        except ReplayError as exc:
+            df = read_recording(source, fields=fields, tz=tz)
+        except RecordingError as exc:
             raise ReportError(str(exc)) from exc
-        except (SmiqueryError, OSError, ValueError, ImportError) as exc:
-            raise ReportError(f"cannot read recording {path}: {exc}") from exc
-    missing = [c for c in ("timestamp", "index") if c not in df.columns]
-    if missing:
-        raise ReportError(
-            f"the recording has no {' or '.join(missing)} column; record with fields that include timestamp and index"
-        )
-    df = df[df["index"].notna() & df["timestamp"].notna()]
-    return cast("pd.DataFrame", df.sort_values(["index", "timestamp"], kind="stable").reset_index(drop=True))
+        except (OSError, ValueError, ImportError) as exc:
+            raise ReportError(f"cannot read recording {os.fspath(source)}: {exc}") from exc
+    if "timestamp" not in df.columns:
+        raise ReportError("the recording has no timestamp column; record with fields that include timestamp")
+    bad = df["index"].isna() | df["timestamp"].isna()
+    if bad.any():
+        df = df[~bad].reset_index(drop=True)
+    return df
 
 
 def _field_of(column: str, df: pd.DataFrame) -> Field | None:
@@ -151,6 +150,13 @@ def format_duration(seconds: float) -> str:
     return f"{h} h {rest} min" if rest else f"{h} h"
 
 
+def _zone_name(ts: datetime) -> str:
+    """How the report names the zone of its times: the recording's zone, or that none was recorded."""
+    if ts.tzinfo is None:
+        return "recorder's local time"
+    return str(ts.tzinfo)
+
+
 def _clock(ts: datetime) -> str:
     return ts.strftime("%H:%M:%S")
 
@@ -164,6 +170,11 @@ def _num(x: float | None, digits: int = 1) -> str:
         return "n/a"
     text = f"{x:.{digits}f}"
     return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _stat(x: float | None, fld: Field) -> str:
+    """A statistic rounded to what the field's unit resolves: whole numbers for counts, MiB, %, C and MHz."""
+    return _num(x, 0 if fld.kind is Kind.INT else 1)
 
 
 def _gpu_list(gpus: Sequence[int]) -> str:
@@ -313,6 +324,42 @@ class AlertSpan:
 
 
 @dataclass(frozen=True)
+class HealthCount:
+    """A memory-health counter or flag of one GPU that was not clean: ECC errors, retired pages, remapped rows.
+
+    Attributes:
+        field: the nvidia-smi name (``ecc.errors.uncorrected.aggregate.total``, ``remapped_rows.pending``).
+        gpu: the GPU index.
+        first: the value at the start of the run (flags: 1 for yes).
+        last: the value at the end.
+        max: the highest value seen.
+    """
+
+    field: str
+    gpu: int
+    first: float
+    last: float
+    max: float
+
+    @property
+    def grew(self) -> bool:
+        """Whether the count rose during the run."""
+        return self.max > self.first
+
+    @property
+    def severity(self) -> Severity:
+        """critical for uncorrectable errors, retired double-bit pages and remapping failures; else warning."""
+        name = self.field
+        if "uncorrected" in name or "double_bit" in name or "uncorrectable" in name or name.endswith(".failure"):
+            return "critical"
+        return "warning" if self.grew or name.endswith(".pending") else "info"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {"field": self.field, "gpu": self.gpu, "first": self.first, "last": self.last, "max": self.max}
+
+
+@dataclass(frozen=True)
 class Finding:
     """Something worth acting on, with a one-line verdict.
 
@@ -357,6 +404,9 @@ class Report:
         sweeps: samples per GPU (the most any GPU has).
         interval: the median seconds between two samples of one GPU.
         stats: per field and GPU statistics of the fields that vary.
+        overall: the same fields over all GPUs together (``gpu`` is -1).
+        skipped: the lines of the recording that could not be read, if any.
+        health: memory-health counters (ECC, retired pages, remapped rows) that were non-zero, per GPU.
         constants: fields that never changed, with their value per GPU.
         thresholds: time past each rule's threshold, per GPU (only GPUs that got past it).
         stalls: stretches of at least ``min_stall`` seconds under the stall utilization while memory was held.
@@ -383,6 +433,9 @@ class Report:
     stall_utilization: float = STALL_UTILIZATION
     min_stall: float = MIN_STALL_SECONDS
     units: dict[str, str] = field(default_factory=dict)
+    skipped: SkippedLines | None = None
+    health: list[HealthCount] = field(default_factory=list)
+    overall: list[FieldStats] = field(default_factory=list)
 
     @property
     def duration(self) -> float:
@@ -440,6 +493,10 @@ class Report:
                 for s in self.stats
             ],
             "constants": {name: {str(g): v for g, v in per.items()} for name, per in self.constants.items()},
+            "health": [h.to_dict() for h in self.health],
+            "skipped_lines": None
+            if self.skipped is None
+            else {"count": self.skipped.count, "first_line": self.skipped.first_lineno},
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -451,9 +508,58 @@ class Report:
     def _headline(self) -> str:
         return (
             f"{self.source}: {len(self.gpus)} GPU{'s' if len(self.gpus) != 1 else ''}, {self.sweeps} samples each, "
-            f"{_stamp(self.start)} to {_clock(self.end)} ({format_duration(self.duration)}), "
-            f"every {self.interval:g} s"
+            f"{_stamp(self.start)} to {_clock(self.end)} ({format_duration(self.duration)}, "
+            f"{_zone_name(self.start)}), every {self.interval:g} s"
         )
+
+    def _notes(self) -> list[str]:
+        return [] if self.skipped is None else [self.skipped.message(self.source)]
+
+    def _stall_rows(self) -> list[list[str]]:
+        """One row per stall, except that GPUs which stalled together (same start and length) share a row."""
+        rows: list[list[str]] = []
+        groups: list[list[Stretch]] = []
+        for st in sorted(self.stalls, key=lambda x: (x.start, x.gpu)):
+            last = groups[-1][0] if groups else None
+            if (
+                last is not None
+                and abs((st.start - last.start).total_seconds()) <= 2 * self.interval
+                and abs(st.seconds - last.seconds) <= 2 * self.interval
+            ):
+                groups[-1].append(st)
+            else:
+                groups.append([st])
+        for group in groups:
+            means = [x.mean for x in group if x.mean is not None]
+            mean = sum(means) / len(means) if means else None
+            who = _gpu_list([x.gpu for x in group]).removeprefix("GPUs ").removeprefix("GPU ")
+            rows.append([who, _stamp(group[0].start), format_duration(group[0].seconds), f"{_num(mean)}%"])
+        return rows
+
+    def _overall_rows(self) -> tuple[list[str], list[list[str]]]:
+        per: dict[str, list[FieldStats]] = {}
+        for s in self.stats:
+            per.setdefault(s.field, []).append(s)
+        any_missing = any(o.missing for o in self.overall)
+        head = ["field", "mean", "p95", "max", "highest mean", "lowest mean"] + (["missing"] if any_missing else [])
+        rows = []
+        for o in self.overall:
+            fld = _BY_ATTR.get(o.field.replace(".", "_")) or Field(o.field, Kind.FLOAT, unit=o.unit)
+            gpus = per.get(o.field, [])
+            hi = max(gpus, key=lambda s: s.mean)
+            lo = min(gpus, key=lambda s: s.mean)
+            row = [
+                f"{o.field} [{o.unit}]" if o.unit else o.field,
+                _stat(o.mean, fld),
+                _stat(o.p95, fld),
+                _stat(o.max, fld),
+                f"GPU {hi.gpu}: {_stat(hi.mean, fld)}",
+                f"GPU {lo.gpu}: {_stat(lo.mean, fld)}",
+            ]
+            if any_missing:
+                row.append(str(o.missing))
+            rows.append(row)
+        return head, rows
 
     def _stats_rows(self) -> list[tuple[str, list[list[str]]]]:
         blocks: list[tuple[str, list[list[str]]]] = []
@@ -496,7 +602,7 @@ class Report:
 
     def to_text(self) -> str:
         """A plain-text report for a terminal."""
-        out = [self._headline(), ""]
+        out = [self._headline(), *self._notes(), ""]
         out.append("Findings:")
         if self.findings:
             out += [f"  [{f.severity}] {f.verdict}" for f in self.findings]
@@ -510,7 +616,7 @@ class Report:
         if self.stalls:
             out += _table(
                 ["GPU", "start", "length", "mean util"],
-                [[str(s.gpu), _stamp(s.start), format_duration(s.seconds), f"{_num(s.mean)}%"] for s in self.stalls],
+                self._stall_rows(),
                 indent=2,
             )
         else:
@@ -537,11 +643,8 @@ class Report:
                 indent=2,
             )
         out.append("")
-        out.append("Statistics (mean / p95 / max):")
-        for title, rows in self._stats_rows():
-            out.append(f"  {title}")
-            head = ["", "mean", "p95", "max"] + (["missing"] if rows and len(rows[0]) > 4 else [])
-            out += _table(head, rows, indent=4)
+        out.append("Statistics over all GPUs (per GPU: --format json or markdown):")
+        out += _table(*self._overall_rows(), indent=2)
         if self.constants:
             out.append("")
             out.append("Constant during the run: " + "; ".join(_constant_text(n, v) for n, v in self.constants.items()))
@@ -549,7 +652,8 @@ class Report:
 
     def to_markdown(self) -> str:
         """A Markdown report (GitHub tables), for a pull request, an issue or a notebook."""
-        out = [f"# GPU report: {self.source}", "", self._headline().split(": ", 1)[1], "", "## Findings", ""]
+        out = [f"# GPU report: {self.source}", "", self._headline().split(": ", 1)[1], *self._notes(), ""]
+        out += ["## Findings", ""]
         if self.findings:
             out += [f"- **{f.severity}**: {f.verdict}" for f in self.findings]
         else:
@@ -562,7 +666,7 @@ class Report:
         if self.stalls:
             out += _md_table(
                 ["GPU", "start", "length", "mean util"],
-                [[str(s.gpu), _stamp(s.start), format_duration(s.seconds), f"{_num(s.mean)}%"] for s in self.stalls],
+                self._stall_rows(),
             )
         else:
             out.append("None.")
@@ -594,7 +698,10 @@ class Report:
             cells = [f"{name} [{unit}]" if unit else name]
             for g in gpus:
                 st = by_key.get((name, g))
-                cells.append("n/a" if st is None else f"{_num(st.mean)} / {_num(st.p95)} / {_num(st.max)}")
+                fld = _BY_ATTR.get(name.replace(".", "_")) or Field(name, Kind.FLOAT, unit=unit)
+                cells.append(
+                    "n/a" if st is None else f"{_stat(st.mean, fld)} / {_stat(st.p95, fld)} / {_stat(st.max, fld)}"
+                )
             rows.append(cells)
         out += _md_table(["field", *[f"GPU {g}" for g in gpus]], rows)
         if self.constants:
@@ -634,22 +741,74 @@ def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
 # ------------------------------------------------------------------------------------------------ analysis
 
 
-@dataclass
-class _Gpu:
-    """One GPU's samples as arrays: times (s from the run's start), per-sample durations, columns."""
+class _Columns:
+    """Numeric columns of the whole frame as float64 arrays, converted once and shared by every GPU."""
 
-    index: int
-    times: np.ndarray
-    stamps: list[datetime]
-    dur: np.ndarray
-    gap_limit: float
-    frame: pd.DataFrame
+    def __init__(self, df: pd.DataFrame) -> None:
+        self.df = df
+        self.columns = df.columns
+        self._floats: dict[str, np.ndarray] = {}
+
+    def floats(self, column: str) -> np.ndarray:
+        got = self._floats.get(column)
+        if got is None:
+            got = self._floats[column] = _as_float(self.df[column])
+        return got
+
+
+class _Gpu:
+    """One GPU's samples: their row positions in the frame, times (s from the run's start) and durations.
+
+    The frame is not split or copied: columns are read through the row positions. Timestamps become
+    ``datetime`` objects only where a stretch starts or ends.
+    """
+
+    def __init__(self, index: int, data: _Columns, rows: Any, times: np.ndarray, stamps: np.ndarray, zone: Any):
+        import numpy as np
+
+        self.index = index
+        self.data = data
+        self.rows = rows  # a slice (the frame holds this GPU's rows together) or an array of positions
+        self.columns = data.columns
+        self.times = times
+        self._stamps = stamps  # datetime64[ns] wall-clock (naive) or UTC (aware, with ``zone``)
+        self._zone = zone
+        self.dur: np.ndarray = np.array([])
+        self.gap_limit = 0.0
+
+    def stamp(self, i: int) -> datetime:
+        """The time of sample ``i`` as a ``datetime`` (aware when the recording names its zone)."""
+        import pandas as pd
+
+        ts = pd.Timestamp(self._stamps[i])
+        if self._zone is not None:
+            ts = ts.tz_localize("UTC").tz_convert(self._zone)
+        return cast(datetime, ts.to_pydatetime())
+
+    def floats(self, column: str) -> np.ndarray:
+        """A numeric column as float64, NaN where missing."""
+        picked: np.ndarray = self.data.floats(column)[self.rows]
+        return picked
+
+    def values(self, column: str) -> list[Any]:
+        """A column's values as Python objects (for text comparisons)."""
+        series = self.data.df[column]
+        picked = series.iloc[self.rows] if isinstance(self.rows, slice) else series.take(self.rows)
+        return picked.tolist()
 
 
 def _as_float(series: pd.Series) -> np.ndarray:
     import numpy as np
 
-    return np.asarray(series.astype("Float64").to_numpy(dtype="float64", na_value=np.nan), dtype="float64")
+    if series.dtype.kind == "b" or str(series.dtype) == "boolean":
+        series = series.astype("Float64")
+    try:
+        return np.asarray(series.to_numpy(dtype="float64", na_value=np.nan), dtype="float64")
+    except (TypeError, ValueError):
+        return np.asarray(series.astype("Float64").to_numpy(dtype="float64", na_value=np.nan), dtype="float64")
+
+
+_NUMPY_OPS = {">": "greater", ">=": "greater_equal", "<": "less", "<=": "less_equal", "==": "equal", "!=": "not_equal"}
 
 
 def _condition_values(rule: Rule, g: _Gpu) -> np.ndarray:
@@ -659,22 +818,27 @@ def _condition_values(rule: Rule, g: _Gpu) -> np.ndarray:
     parts: list[np.ndarray] = []
     for cond in (rule, *rule.when):
         col = cond.field.attr
-        if col not in g.frame.columns:
+        if col not in g.columns:
             return np.full(len(g.times), np.nan)
-        series = g.frame[col]
-        values = series.tolist()
-        out = np.empty(len(values), dtype="float64")
-        for i, v in enumerate(values):
-            if v is None or v is getattr(series.dtype, "na_value", None) or _isna(v):
-                out[i] = np.nan
-            else:
-                verdict = cond.holds(v.item() if hasattr(v, "item") else v)
-                out[i] = np.nan if verdict is None else float(verdict)
+        threshold = cond.threshold
+        op = _NUMPY_OPS.get(cond.op)
+        if (
+            op is not None
+            and isinstance(threshold, (int, float))
+            and (cond.field.kind.is_numeric or cond.field.kind.is_bool)
+        ):
+            values = g.floats(col)
+            with np.errstate(invalid="ignore"):
+                out = getattr(np, op)(values, float(threshold)).astype("float64")
+            out[np.isnan(values)] = np.nan
+        else:
+            # text and other thresholds: the rule's own comparison, value by value
+            verdicts = [None if v is None or _isna(v) else cond.holds(v) for v in g.values(col)]
+            out = np.array([np.nan if h is None else float(h) for h in verdicts], dtype="float64")
         parts.append(out)
     result = parts[0]
     for p in parts[1:]:
-        both = np.where((result == 0) | (p == 0), 0.0, np.where(np.isnan(result) | np.isnan(p), np.nan, 1.0))
-        result = both
+        result = np.where((result == 0) | (p == 0), 0.0, np.where(np.isnan(result) | np.isnan(p), np.nan, 1.0))
     return result
 
 
@@ -687,38 +851,53 @@ def _isna(v: object) -> bool:
         return False
 
 
-def _runs(g: _Gpu, cond: np.ndarray) -> list[tuple[int, int]]:
-    """(first, last) sample positions of the stretches where ``cond`` holds.
+def _runs(g: _Gpu, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(firsts, lasts): sample positions of the stretches where ``cond`` holds, as two int arrays.
 
     A missing value keeps the state it follows (as the live evaluator does); a gap in time longer than the
     gap limit (the stream was stopped) ends a stretch.
     """
-    runs: list[tuple[int, int]] = []
-    start: int | None = None
-    last = -1
-    state = False
+    import numpy as np
+
     n = len(cond)
-    for i in range(n):
-        c = cond[i]
-        if start is not None and i > 0 and g.times[i] - g.times[i - 1] > g.gap_limit:
-            runs.append((start, last))
-            start, state = None, False
-        if c != c:  # NaN: keeps the state
-            if state:
-                last = i
-            continue
-        if c:
-            if start is None:
-                start = i
-            last = i
-            state = True
-        else:
-            if start is not None:
-                runs.append((start, last))
-            start, state = None, False
-    if start is not None:
-        runs.append((start, last))
-    return runs
+    none = np.zeros(0, dtype=np.int64)
+    if n == 0:
+        return none, none
+    gap = np.zeros(n, dtype=bool)
+    gap[1:] = np.diff(g.times) > g.gap_limit
+    gap[0] = True
+    state = cond.copy()
+    # a missing value at the start of a segment (after a gap) holds nothing
+    state[gap & np.isnan(state)] = 0.0
+    known = ~np.isnan(state)
+    last_known = np.maximum.accumulate(np.where(known, np.arange(n), 0))
+    held = state[last_known] > 0  # NaNs take the state they follow
+    if not held.any():
+        return none, none
+    starts = held & (gap | ~np.concatenate(([False], held[:-1])))
+    ends = held & np.concatenate((gap[1:] | ~held[1:], [True]))
+    return np.flatnonzero(starts), np.flatnonzero(ends)
+
+
+def _run_seconds(g: _Gpu, firsts: np.ndarray, lasts: np.ndarray) -> np.ndarray:
+    """The length of each stretch: from its first sample to the end of its last."""
+    import numpy as np
+
+    return np.asarray(g.times[lasts] - g.times[firsts] + g.dur[lasts], dtype="float64")
+
+
+def _peak(values: np.ndarray, firsts: np.ndarray, lasts: np.ndarray, pick_max: bool) -> float | None:
+    """The most extreme present value inside any of the stretches."""
+    import numpy as np
+
+    inside = np.zeros(len(values) + 1, dtype=np.int64)
+    np.add.at(inside, firsts, 1)
+    np.add.at(inside, lasts + 1, -1)
+    window = values[np.cumsum(inside[:-1]) > 0]
+    window = window[~np.isnan(window)]
+    if not len(window):
+        return None
+    return float(window.max() if pick_max else window.min())
 
 
 def _stretch(g: _Gpu, first: int, last: int, values: np.ndarray | None, pick_max: bool) -> Stretch:
@@ -727,7 +906,7 @@ def _stretch(g: _Gpu, first: int, last: int, values: np.ndarray | None, pick_max
     seconds = float(g.times[last] - g.times[first] + g.dur[last])
     from datetime import timedelta
 
-    end = g.stamps[last] + timedelta(seconds=float(g.dur[last]))
+    end = g.stamp(last) + timedelta(seconds=float(g.dur[last]))
     peak = mean = None
     if values is not None:
         window = values[first : last + 1]
@@ -735,39 +914,54 @@ def _stretch(g: _Gpu, first: int, last: int, values: np.ndarray | None, pick_max
         if len(window):
             peak = float(window.max() if pick_max else window.min())
             mean = float(window.mean())
-    return Stretch(g.index, g.stamps[first], end, seconds, last - first + 1, peak, mean)
+    return Stretch(g.index, g.stamp(first), end, seconds, last - first + 1, peak, mean)
 
 
 def _fired_at(rule: Rule, g: _Gpu, first: int, last: int, cond: np.ndarray) -> int | None:
     """The sample at which a live evaluator would have fired within the stretch, or None."""
-    count = 0
-    for i in range(first, last + 1):
-        if cond[i] != cond[i]:
-            continue
-        count += 1
-        if rule.hold_seconds is not None:
-            if g.times[i] - g.times[first] >= rule.hold_seconds:
-                return i
-        elif count >= (rule.hold_samples or 1):
-            return i
-    return None
+    import numpy as np
+
+    counted = first + np.flatnonzero(~np.isnan(cond[first : last + 1]))
+    if rule.hold_seconds is not None:
+        ok = counted[g.times[counted] - g.times[first] >= rule.hold_seconds]
+        return int(ok[0]) if len(ok) else None
+    need = rule.hold_samples or 1
+    return int(counted[need - 1]) if len(counted) >= need else None
+
+
+def _gpu_rows(index: np.ndarray) -> list[tuple[int, Any]]:
+    """(GPU index, its row positions) per GPU in index order: slices when the frame holds each GPU's rows together."""
+    import numpy as np
+
+    if len(index) > 1 and not bool((index[1:] >= index[:-1]).all()):
+        order = np.argsort(index, kind="stable")  # file order within each GPU
+        ordered = index[order]
+        bounds = np.flatnonzero(np.diff(ordered)) + 1
+        parts = np.split(order, bounds)
+        return [(int(index[p[0]]), p) for p in parts]
+    edges = [0, *(np.flatnonzero(np.diff(index)) + 1).tolist(), len(index)]
+    return [(int(index[a]), slice(a, b)) for a, b in pairwise(edges)]
 
 
 def _build_gpus(df: pd.DataFrame) -> tuple[list[_Gpu], float]:
     import numpy as np
 
-    t0 = df["timestamp"].min()
+    stamps_col = df["timestamp"]
+    zone = getattr(stamps_col.dt, "tz", None)
+    # wall-clock (naive) or UTC nanoseconds
+    stamps = np.asarray(stamps_col.dt.tz_convert("UTC").dt.tz_localize(None) if zone is not None else stamps_col)
+    stamps = stamps.astype("datetime64[ns]")
+    t0 = stamps.min()
+    seconds = (stamps - t0).astype("int64") / 1e9
+    data = _Columns(df)
     gpus: list[_Gpu] = []
     intervals: list[float] = []
-    for idx, frame in df.groupby("index", sort=True):
-        frame = frame.reset_index(drop=True)
-        times = np.asarray((frame["timestamp"] - t0).dt.total_seconds().to_numpy(dtype="float64"))
+    for idx, rows in _gpu_rows(df["index"].to_numpy(dtype="int64")):
+        times = seconds[rows]
         diffs = np.diff(times)
         if len(diffs):
             intervals.append(float(np.median(diffs)))
-        gpus.append(
-            _Gpu(int(cast(Any, idx)), times, list(frame["timestamp"].dt.to_pydatetime()), np.array([]), 0.0, frame)
-        )
+        gpus.append(_Gpu(idx, data, rows, times, stamps[rows], zone))
     interval = float(np.median(intervals)) if intervals else 1.0
     if not interval > 0:
         interval = 1.0
@@ -785,15 +979,16 @@ def _parse_rules(rules: Iterable[Rule | str] | None) -> tuple[Rule, ...]:
     return tuple(r if isinstance(r, Rule) else Rule.parse(r) for r in chosen)
 
 
-def _stats(df: pd.DataFrame, gpus: list[_Gpu]) -> tuple[list[FieldStats], dict[str, dict[int, Any]]]:
+def _stats(df: pd.DataFrame, gpus: list[_Gpu]) -> tuple[list[FieldStats], dict[str, dict[int, Any]], list[FieldStats]]:
     import numpy as np
 
     stats: list[FieldStats] = []
+    overall: list[FieldStats] = []
     constants: dict[str, dict[int, Any]] = {}
     for fld in _numeric_fields(df):
         per: list[FieldStats] = []
         for g in gpus:
-            values = _as_float(g.frame[fld.attr])
+            values = g.floats(fld.attr)
             present = values[~np.isnan(values)]
             if not len(present):
                 continue
@@ -814,9 +1009,24 @@ def _stats(df: pd.DataFrame, gpus: list[_Gpu]) -> tuple[list[FieldStats], dict[s
             continue
         if all(s.min == s.max for s in per):
             constants[fld.name] = {s.gpu: s.max for s in per}
-        else:
-            stats += per
-    return stats, constants
+            continue
+        stats += per
+        every = np.concatenate([g.floats(fld.attr) for g in gpus])
+        present = every[~np.isnan(every)]
+        overall.append(
+            FieldStats(
+                fld.name,
+                fld.unit,
+                -1,
+                float(present.mean()),
+                float(np.percentile(present, 95)),
+                float(present.max()),
+                float(present.min()),
+                len(present),
+                len(every) - len(present),
+            )
+        )
+    return stats, constants, overall
 
 
 def analyze(
@@ -827,6 +1037,8 @@ def analyze(
     min_stall: float = MIN_STALL_SECONDS,
     busy_memory: float = BUSY_MEMORY_MIB,
     name: str | None = None,
+    fields: str | Sequence[str] | None = None,
+    tz: tzinfo | str | None = None,
 ) -> Report:
     """Analyse a recorded run.
 
@@ -846,6 +1058,8 @@ def analyze(
         min_stall: shortest stall reported, in seconds.
         busy_memory: memory used (MiB) from which a GPU counts as held by a job.
         name: what to call the recording in the report (default: the file name).
+        fields: the columns of a headerless CSV log (ignored when the file has a header).
+        tz: the zone the recording was made in; default: timestamps as recorded (naive for CSV).
 
     Returns:
         The :class:`Report`.
@@ -854,75 +1068,79 @@ def analyze(
         ReportError: the recording cannot be read or holds no samples.
         InvalidRuleError: a rule cannot be parsed.
     """
-    import numpy as np
-
-    df = load_recording(source)
+    df = load_recording(source, fields=fields, tz=tz)
     if df.empty:
         raise ReportError("the recording holds no samples")
+    skipped = df.attrs.get("skipped")
     label = name or (os.path.basename(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "recording")
     parsed = _parse_rules(rules)
     gpus, interval = _build_gpus(df)
-    stats, constants = _stats(df, gpus)
+    stats, constants, overall = _stats(df, gpus)
     report = Report(
         source=label,
         gpus=tuple(g.index for g in gpus),
-        start=min(g.stamps[0] for g in gpus),
-        end=max(g.stamps[-1] for g in gpus),
+        start=min(g.stamp(0) for g in gpus),
+        end=max(g.stamp(len(g.times) - 1) for g in gpus),
         sweeps=max(len(g.times) for g in gpus),
         interval=round(interval, 3),
         stats=stats,
+        overall=overall,
         constants=constants,
         rules=tuple(str(r) for r in parsed),
         stall_utilization=stall_utilization,
         min_stall=min_stall,
         units={f.name: f.unit for f in _numeric_fields(df)},
+        skipped=skipped,
+        health=_health(df, gpus),
     )
 
     # time past thresholds, and the alerts the rules would have fired
     for rule in parsed:
         for g in gpus:
             cond = _condition_values(rule, g)
-            runs = _runs(g, cond)
-            if not runs:
+            firsts, lasts = _runs(g, cond)
+            if not len(firsts):
                 continue
             col = rule.field.attr
-            values = _as_float(g.frame[col]) if rule.field.kind in (Kind.INT, Kind.FLOAT) else None
+            values = g.floats(col) if rule.field.kind in (Kind.INT, Kind.FLOAT) else None
             pick_max = rule.op in (">", ">=")
-            stretches = [_stretch(g, a, b, values, pick_max) for a, b in runs]
-            peaks = [s.peak for s in stretches if s.peak is not None]
+            seconds = _run_seconds(g, firsts, lasts)
             report.thresholds.append(
                 ThresholdTime(
                     str(rule),
                     g.index,
-                    sum(s.seconds for s in stretches),
-                    len(stretches),
-                    max(s.seconds for s in stretches),
-                    (max(peaks) if pick_max else min(peaks)) if peaks else None,
+                    float(seconds.sum()),
+                    len(firsts),
+                    float(seconds.max()),
+                    None if values is None else _peak(values, firsts, lasts, pick_max),
                 )
             )
-            for (a, b), s in zip(runs, stretches):
+            # Only stretches long enough for the hold can have fired (a noisy field makes thousands of short ones).
+            if rule.hold_seconds is not None:
+                long_enough = g.times[lasts] - g.times[firsts] >= rule.hold_seconds
+            else:
+                long_enough = lasts - firsts + 1 >= (rule.hold_samples or 1)
+            for a, b in zip(firsts[long_enough].tolist(), lasts[long_enough].tolist(), strict=True):
                 at = _fired_at(rule, g, a, b, cond)
                 if at is None:
                     continue
+                s = _stretch(g, a, b, values, pick_max)
                 still = b == len(g.times) - 1
                 report.alerts.append(
-                    AlertSpan(str(rule), g.index, s.start, g.stamps[at], s.end, s.seconds, s.peak, not still)
+                    AlertSpan(str(rule), g.index, s.start, g.stamp(at), s.end, s.seconds, s.peak, not still)
                 )
 
     # stalls
+    stall = StallRule(stall_utilization, busy_memory, min_stall)
     for g in gpus:
-        if "utilization_gpu" not in g.frame.columns:
+        if "utilization_gpu" not in g.columns:
             break
-        util = _as_float(g.frame["utilization_gpu"])
-        cond = np.where(np.isnan(util), np.nan, (util < stall_utilization).astype("float64"))
-        if "memory_used" in g.frame.columns:
-            mem = _as_float(g.frame["memory_used"])
-            held = np.where(np.isnan(mem), np.nan, (mem >= busy_memory).astype("float64"))
-            cond = np.where((cond == 0) | (held == 0), 0.0, np.where(np.isnan(cond) | np.isnan(held), np.nan, 1.0))
-        for a, b in _runs(g, cond):
-            s = _stretch(g, a, b, util, pick_max=False)
-            if s.seconds >= min_stall:
-                report.stalls.append(s)
+        util = g.floats("utilization_gpu")
+        cond = stall.mask(util, g.floats("memory_used") if "memory_used" in g.columns else None)
+        firsts, lasts = _runs(g, cond)
+        long_enough = _run_seconds(g, firsts, lasts) >= min_stall
+        for a, b in zip(firsts[long_enough].tolist(), lasts[long_enough].tolist(), strict=True):
+            report.stalls.append(_stretch(g, a, b, util, pick_max=False))
 
     report.findings = _findings(report, parsed, gpus)
     return report
@@ -1033,10 +1251,10 @@ def _findings(report: Report, rules: Sequence[Rule], gpus: list[_Gpu]) -> list[F
         out.append(Finding(kind, severity, (span.gpu,), text, total, spans[0].since))
 
     # memory nearly full
-    if "memory_used" in gpus[0].frame.columns and "memory_total" in gpus[0].frame.columns:
+    if "memory_used" in gpus[0].columns and "memory_total" in gpus[0].columns:
         for g in gpus:
-            used = _as_float(g.frame["memory_used"])
-            total_mem = _as_float(g.frame["memory_total"])
+            used = g.floats("memory_used")
+            total_mem = g.floats("memory_total")
             with _quiet():
                 ratio = used / total_mem
             if len(ratio) and (ratio >= 0.97).any():
@@ -1068,25 +1286,63 @@ def _findings(report: Report, rules: Sequence[Rule], gpus: list[_Gpu]) -> list[F
                     )
                 )
 
-    # uncorrectable memory errors during the run
-    col = "ecc_errors_uncorrected_volatile_total"
-    if col in gpus[0].frame.columns:
-        for g in gpus:
-            vals = _as_float(g.frame[col])
-            vals = vals[vals == vals]
-            if len(vals) and vals.max() > 0:
-                out.append(
-                    Finding(
-                        "ecc",
-                        "critical",
-                        (g.index,),
-                        f"GPU {g.index} reported {int(vals.max())} uncorrectable ECC error(s): results may be wrong; "
-                        "drain it and have it checked (nvidia-smi -q -d ECC,PAGE_RETIREMENT)",
-                    )
-                )
+    # memory health: ECC errors, retired pages, remapped rows that are non-zero or grew
+    for h in report.health:
+        out.append(Finding(_health_kind(h.field), h.severity, (h.gpu,), _health_verdict(h)))
 
     out.sort(key=lambda f: (_SEVERITY_ORDER[f.severity], f.start or report.start, f.gpus))
     return out
+
+
+# Counters and flags of memory health (nvidia-smi names, by prefix or exact name).
+_HEALTH_PREFIXES = ("ecc.errors.", "retired_pages.", "remapped_rows.")
+
+
+def _health(df: pd.DataFrame, gpus: list[_Gpu]) -> list[HealthCount]:
+    """The memory-health counters and flags that were non-zero (or set) at some point, per GPU."""
+    import numpy as np
+
+    found: list[HealthCount] = []
+    for col in df.columns:
+        fld = _BY_ATTR.get(str(col))
+        if fld is None or not fld.name.startswith(_HEALTH_PREFIXES) or ".histogram." in fld.name:
+            continue
+        if not (fld.kind is Kind.INT or fld.kind.is_bool):
+            continue
+        for g in gpus:
+            values = g.floats(fld.attr)
+            present = values[~np.isnan(values)]
+            if not len(present) or present.max() <= 0:
+                continue
+            found.append(HealthCount(fld.name, g.index, float(present[0]), float(present[-1]), float(present.max())))
+    return found
+
+
+def _health_kind(name: str) -> str:
+    return "ecc" if name.startswith("ecc.") else "retired_pages" if name.startswith("retired_") else "remapped_rows"
+
+
+def _health_verdict(h: HealthCount) -> str:
+    fld = _BY_ATTR.get(h.field.replace(".", "_"))
+    is_flag = fld is not None and fld.kind.is_bool
+    where = f"GPU {h.gpu}"
+    if is_flag:
+        if h.field.endswith(".failure"):
+            return f"{where} reported {h.field}: row remapping failed; drain it and have it checked (RMA)"
+        return (
+            f"{where} has {h.field} = yes: reset the GPU (or reboot) so the pending retirement/remapping takes effect"
+        )
+    count = int(h.max)
+    what = h.field
+    if h.grew:
+        text = f"{where}'s {what} grew from {int(h.first)} to {count} during the run"
+    else:
+        text = f"{where} has {what} = {count}" + (" (lifetime count)" if ".aggregate." in what else "")
+    if h.severity == "critical":
+        advice = "uncorrectable memory errors: results may be wrong; drain it and have it checked"
+    else:
+        advice = "corrected errors: watch whether the count keeps rising"
+    return f"{text}: {advice} (nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER)"
 
 
 class _quiet:

@@ -132,7 +132,7 @@ def test_attrs_units_missing_fields() -> None:
     assert units["temperature_gpu"] == "C"
     assert units["clocks_event_reasons_counters_sw_power_cap"] == "us"
     assert units["name"] == ""
-    assert df.attrs["missing"] == MISSING
+    assert frames.missing_reasons(df) == MISSING
 
 
 def test_alias_gives_canonical_name_and_column() -> None:
@@ -146,7 +146,7 @@ def test_empty_input_gives_empty_frame() -> None:
     df = frames.to_dataframe([])
     assert df.empty
     assert len(df) == 0
-    assert df.attrs["missing"] == {}
+    assert frames.missing_reasons(df) == {}
 
 
 def test_generator_input_and_mixed_queries() -> None:
@@ -156,7 +156,7 @@ def test_generator_input_and_mixed_queries() -> None:
     assert list(df.columns) == ["index", "temperature_gpu", "memory_used"]
     assert df["temperature_gpu"].tolist() == [30, pd.NA]
     assert df["memory_used"].tolist() == [pd.NA, 200]
-    assert df.attrs["missing"] == {}  # a field a sample did not query has no reason
+    assert frames.missing_reasons(df) == {}  # a field a sample did not query has no reason
 
 
 def test_bitmask_with_top_bit_set_becomes_uint64() -> None:
@@ -236,33 +236,41 @@ def test_read_csv_units_in_values() -> None:
     assert list(df.columns) == ["fan_speed", "memory_used", "power_draw", "clocks_current_sm"]
 
 
-def test_read_csv_bad_value_names_line_and_field() -> None:
-    text = TEXT + ROWS[0].replace(" 33,", " hot,") + "\n"
-    with pytest.raises(ParseError) as info:
-        _read(text)
-    err = info.value
-    assert err.lineno == 5
-    assert err.field == "temperature.gpu"
-    assert "hot" in err.line
-    assert "temperature.gpu" in str(err)
+def test_read_csv_skips_a_row_with_a_bad_value_and_says_where() -> None:
+    text = TEXT + ROWS[0].replace(" 33,", " hot,") + "\n" + ROWS[1] + "\n"
+    df = _read(text)
+    assert len(df) == 4
+    skipped = df.attrs["skipped"]
+    assert (skipped.count, skipped.first_lineno) == (1, 5)
+    assert skipped.first_line == ROWS[0].replace(" 33,", " hot,")[:80]
+    assert "(first: line 5)" in skipped.message("run.csv")
 
 
-def test_read_csv_wrong_column_count() -> None:
-    text = TEXT + "2026/08/12 21:53:45.380, 3, too few\n" + ROWS[0] + "\n"
-    with pytest.raises(ParseError, match="expected 14 columns, got 3") as info:
-        _read(text)
-    assert info.value.lineno == 5
-    assert info.value.line == "2026/08/12 21:53:45.380, 3, too few"
-    assert info.value.field is None
+def test_read_csv_skips_torn_and_garbage_lines() -> None:
+    torn = ROWS[0][:25]
+    text = TEXT + "2026/08/12 21:53:45.380, 3, too few\n" + "\x00\x17garbage@@\n" + ROWS[0] + "\n" + torn
+    df = _read(text)
+    assert len(df) == 4
+    assert (df.attrs["skipped"].count, df.attrs["skipped"].first_lineno) == (3, 5)
+    assert df.attrs["skipped"].first_line == "2026/08/12 21:53:45.380, 3, too few"
+
+
+def test_read_csv_clean_file_has_no_skipped_lines() -> None:
+    assert "skipped" not in _read(TEXT).attrs
+
+
+def test_read_csv_no_readable_rows_is_an_error() -> None:
+    with pytest.raises(ParseError, match="no readable rows") as info:
+        _read(HEADER + "\nnonsense\n1, 2\n")
+    assert info.value.lineno == 2
 
 
 def test_read_csv_invalid_utf8_never_raises_unicode_error() -> None:
     good = _read(b"name, index\nGeForce \xff\xfe, 0\n")
     assert good["name"][0] == "GeForce \ufffd\ufffd"
-    with pytest.raises(ParseError) as info:
-        _read(b"index, name\n\xff1, GeForce\n")
-    assert info.value.field == "index"
-    assert info.value.lineno == 2
+    df = _read(b"index, name\n\xff1, GeForce\n2, GeForce\n")
+    assert df["index"].tolist() == [2]
+    assert df.attrs["skipped"].first_lineno == 2
 
 
 def test_read_csv_notice_lines_and_repeated_header() -> None:
@@ -286,10 +294,18 @@ def test_read_csv_empty_inputs() -> None:
     assert len(_read("", ["index"]).columns) == 1
 
 
-def test_read_csv_default_zone_is_the_hosts() -> None:
+def test_read_csv_keeps_timestamps_as_recorded_without_a_zone() -> None:
     df = frames.read_csv(io.StringIO("timestamp\n2026/01/02 03:04:05.006\n"))
-    local = datetime(2026, 1, 2, 3, 4, 5, 6000).astimezone()
-    assert df["timestamp"][0] == pd.Timestamp(local)
+    assert str(df["timestamp"].dtype) == "datetime64[ns]"  # naive: nvidia-smi names no zone, so neither do we
+    assert df["timestamp"][0] == pd.Timestamp("2026-01-02 03:04:05.006")
+
+
+def test_read_csv_tz_option_names_the_recording_zone() -> None:
+    df = frames.read_csv(io.StringIO("timestamp\n2026/07/02 03:04:05\n"), tz="Europe/Berlin")
+    assert str(df["timestamp"].dtype) == "datetime64[ns, Europe/Berlin]"
+    assert df["timestamp"][0] == pd.Timestamp("2026-07-02 01:04:05", tz=UTC)
+    with pytest.raises(ValueError, match="unknown time zone"):
+        frames.read_csv(io.StringIO("timestamp\n2026/07/02 03:04:05\n"), tz="Mars/Olympus")
 
 
 def test_read_csv_iso_timestamps_take_the_exact_path() -> None:
@@ -301,8 +317,9 @@ def test_read_csv_iso_timestamps_take_the_exact_path() -> None:
 
 
 def test_read_csv_hex_in_int_column_is_rejected_like_the_parser() -> None:
-    with pytest.raises(ParseError, match="0x10"):
-        _read("5\n0x10\n", ["index"])
+    df = _read("5\n0x10\n", ["index"])
+    assert df["index"].tolist() == [5]
+    assert df.attrs["skipped"].first_line == "0x10"
 
 
 def test_read_csv_rare_token_after_the_head(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -311,7 +328,7 @@ def test_read_csv_rare_token_after_the_head(monkeypatch: pytest.MonkeyPatch) -> 
     text = "index, power.draw [W]\n0, 10.50\n1, [N/A]\n2, [Unknown Error]\n3, 7.25 W\n"
     df = _read(text)
     assert df["power_draw"].tolist() == [10.5, pd.NA, pd.NA, 7.25]
-    assert df.attrs["missing"] == {"power_draw": {1: "not_available", 2: "unknown_error"}}
+    assert frames.missing_reasons(df) == {"power_draw": {1: "not_available", 2: "unknown_error"}}
 
 
 def _big_recording(rows: int) -> str:
@@ -352,15 +369,16 @@ def test_read_csv_many_blocks_keep_row_positions(monkeypatch: pytest.MonkeyPatch
     fast = _read(text)
     expected = _with_notices(frames.to_dataframe(parse_lines(text, tz=BERLIN)))
     _same(fast, expected)
-    assert len(fast.attrs["missing"]["power_draw"]) == len(range(0, 3000, 17))
+    assert len(frames.missing_reasons(fast)["power_draw"]) == len(range(0, 3000, 17))
     lines = text.splitlines()
     row = next(i for i, line in enumerate(lines) if line.startswith("2026/03/29 03:10:00.000, 0,"))
     lines[row] = lines[row].replace(", 0,", ", x,", 1)
-    with pytest.raises(ParseError) as info:
-        _read("\n".join(lines) + "\n")
-    assert info.value.lineno == row + 1
-    assert info.value.field == "index"
-    assert info.value.line == lines[row]
+    df = _read("\n".join(lines) + "\n")
+    assert len(df) == 2999
+    assert (df.attrs["skipped"].first_lineno, df.attrs["skipped"].first_line) == (row + 1, lines[row][:80])
+    # row positions of the missing reasons count the rows kept
+    kept = _with_notices(frames.to_dataframe(parse_lines("\n".join(lines[:row] + lines[row + 1 :]), tz=BERLIN)))
+    assert dict(frames.missing_reasons(df)) == dict(frames.missing_reasons(kept))
 
 
 @pytest.mark.parametrize(
@@ -382,18 +400,19 @@ def test_fallback_without_pyarrow_gives_equal_frames(monkeypatch: pytest.MonkeyP
     _same(_read(text), fast)
 
 
-def test_fallback_without_pyarrow_raises_the_same_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fallback_without_pyarrow_skips_the_same_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     bad_value = TEXT + ROWS[0].replace(" 33,", " hot,") + "\n"
     bad_count = TEXT + "1, 2\n"
-    errors = []
+    found = []
     for patched in (False, True):
         if patched:
             _no_pyarrow(monkeypatch)
-        for text in (bad_value, bad_count, b"index\n\xff1\n"):
-            with pytest.raises(ParseError) as info:
-                _read(text)
-            errors.append((info.value.lineno, info.value.field))
-    assert errors[:3] == errors[3:]
+        for text in (bad_value, bad_count):
+            found.append(_read(text).attrs["skipped"])
+        with pytest.raises(ParseError) as info:
+            _read(b"index\n\xff1\n")
+        found.append(info.value.lineno)
+    assert found[:3] == found[3:]
 
 
 def test_fallback_reads_headerless_files(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -434,11 +453,25 @@ def test_many_notices_keep_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("stamp", ["1500-01-02 03:04:05", "  24/01/02 03:04:05.006"])
-def test_timestamps_outside_datetime64_ns_are_parse_errors(monkeypatch: pytest.MonkeyPatch, stamp: str) -> None:
+def test_timestamps_outside_datetime64_ns_are_skipped(monkeypatch: pytest.MonkeyPatch, stamp: str) -> None:
     text = f"timestamp, index\n2026/01/02 03:04:05.006, 0\n{stamp}, 1\n"
-    with pytest.raises(ParseError) as info:
-        _read(text)
-    assert (info.value.lineno, info.value.field) == (3, "timestamp")
+    fast = _read(text)
+    assert fast["index"].tolist() == [0]
+    assert fast.attrs["skipped"].first_lineno == 3
     _no_pyarrow(monkeypatch)
-    with pytest.raises(ParseError):
-        _read(text)
+    slow = _read(text)
+    assert slow["index"].tolist() == [0]
+    assert slow.attrs["skipped"].first_lineno == 3
+
+
+def test_missing_reasons_are_shared_not_copied() -> None:
+    df = _read(TEXT)
+    reasons = df.attrs["missing"]
+    assert isinstance(reasons, frames.MissingReasons)
+    assert df.iloc[1:].attrs["missing"] is reasons  # pandas copies attrs on every operation: this one is free
+    assert frames.missing_reasons(df)["power_draw"] == {1: "not_available", 2: "unknown_error"}
+    assert reasons.count("power_draw") == 2
+    series = reasons.series("power_draw", len(df))
+    assert series.isna().tolist() == [True, False, False]
+    assert series.tolist()[1:3] == ["not_available", "unknown_error"]
+    assert str(series.dtype) == "category"

@@ -172,9 +172,9 @@ def test_save_plot_formats_and_field_choice(tmp_path):
 
 
 def test_jsonl_recordings_plot_too(tmp_path):
-    from smiquery.display import open_recorder
     from smiquery.fields import resolve_fields
     from smiquery.playback import replay
+    from smiquery.recordings import open_recorder
 
     path = tmp_path / "demo.jsonl"
     with replay(DEMO, speed=0, fields="default") as source:
@@ -224,3 +224,92 @@ def test_cli_plot(tmp_path):
     bad = CliRunner().invoke(app, ["plot", str(DEMO), "--fields", "temp"])
     assert bad.exit_code == 2
     assert "unknown field 'temp'" in bad.stderr
+
+
+def test_stalls_and_alerts_are_shaded_where_they_happened(demo_png):
+    fig, image, _ = demo_png
+    util, temp = fig.get_axes()[0], fig.get_axes()[1]
+    stall = [p for p in util.patches if p.get_gid() == "stall"]
+    assert len(stall) == 1  # the 8 GPUs' stalls overlap: one band
+    left = stall[0].get_x()
+    x0, x1 = (matplotlib.dates.num2date(v).replace(tzinfo=None) for v in (left, left + stall[0].get_width()))
+    assert abs((x0 - datetime(2026, 3, 14, 9, 35)).total_seconds()) <= 2
+    assert 80 <= (x1 - x0).total_seconds() <= 100
+    alert = [p for p in temp.patches if p.get_gid() == "alert"]
+    assert len(alert) == 1  # GPU 5 over 85 C
+    assert not [p for p in fig.get_axes()[2].patches if p.get_gid() == "alert"]  # memory.used had none
+    texts = [t.get_text() for ax in fig.get_axes() for t in ax.texts]
+    assert "stall: all GPUs" in texts and "alert: GPU 5" in texts
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[-2:] == ["stall", "alert firing"]
+    # and in the picture: the stall band is grey behind the lines
+    fig.canvas.draw()
+    mid = x_pixel(util, datetime(2026, 3, 14, 9, 35, 40))
+    box = util.get_window_extent()
+    column = image[image.shape[0] - round(box.y1) + 5 : image.shape[0] - round(box.y0) - 60, round(mid), :3]
+    assert colour_pixels(column[:, None, :], "#9e9e9e", min_alpha=0.1) > 20
+
+
+def test_x_axis_names_the_time_zone(tmp_path):
+    fig = plot_recording(DEMO, "temperature.gpu", rules=[])
+    assert "no zone recorded" in fig.get_axes()[-1].get_xlabel()
+    fig = plot_recording(DEMO, "temperature.gpu", rules=[], tz="Asia/Tokyo")
+    assert fig.get_axes()[-1].get_xlabel() == "time (Asia/Tokyo)"
+    first = min(gpu_lines(fig.get_axes()[0])[0].get_xdata())
+    assert str(first).startswith("2026-03-14T09:30")  # wall-clock time as recorded, not shifted to UTC
+
+
+def test_a_field_with_no_values_says_so(tmp_path):
+    path = tmp_path / "na.csv"
+    rows = "".join(f"2026/01/01 00:00:{s:02d}.000, 0, [N/A], {40 + s % 3}\n" for s in range(30))
+    path.write_text("timestamp, index, fan.speed [%], temperature.gpu\n" + rows, encoding="utf-8")
+    fig = plot_recording(path, "fan.speed,temperature.gpu", rules=[])
+    fan, temp = fig.get_axes()
+    assert [t.get_gid() for t in fan.texts] == ["no-data"]
+    assert "no values" in fan.texts[0].get_text()
+    lo, _ = fan.get_xlim()
+    assert matplotlib.dates.num2date(lo).year == 2026  # not an empty 1970 axis
+    assert not [t for t in temp.texts if t.get_gid() == "no-data"]
+
+
+def test_many_gpus_get_distinct_styles(tmp_path):
+    path = tmp_path / "sixteen.csv"
+    rows = "".join(f"2026/01/01 00:00:{s:02d}.000, {g}, {g * 5 + s % 4}\n" for s in range(20) for g in range(16))
+    path.write_text("timestamp, index, temperature.gpu\n" + rows, encoding="utf-8")
+    fig = plot_recording(path, "temperature.gpu", rules=[])
+    styles = [(ln.get_color(), ln.get_linestyle()) for ln in gpu_lines(fig.get_axes()[0])]
+    assert len(styles) == 16 and len(set(styles)) == 16
+
+
+def test_headerless_log_plots_with_fields(tmp_path):
+    path = tmp_path / "noheader.csv"
+    path.write_text("".join(f"2026/01/01 00:00:{s:02d}.000, {50 + s} W\n" for s in range(30)), encoding="utf-8")
+    with pytest.raises(ReportError, match="--fields"):
+        plot_recording(path)
+    fig = plot_recording(path, "timestamp,power.draw", rules=[])
+    assert [ax.get_title(loc="left") for ax in fig.get_axes()] == ["power.draw [W]"]
+    assert [ln.get_label() for ln in gpu_lines(fig.get_axes()[0])] == ["GPU 0"]
+
+
+def test_gpus_chosen_by_uuid_or_bus_id_as_stream_takes_them(tmp_path):
+    from typer.testing import CliRunner
+
+    from smiquery.cli_analysis import register
+
+    uuid5 = "GPU-d98134f2-4986-55a4-31e4-e203d4cccb68"  # GPU 5 in the demo recording
+    fig = plot_recording(DEMO, "temperature.gpu", gpus=[uuid5, "00000000:18:00.0"], rules=[])
+    assert sorted(ln.get_label() for ln in gpu_lines(fig.get_axes()[0])) == ["GPU 0", "GPU 5"]
+    import typer
+
+    app = typer.Typer()
+
+    @app.callback()
+    def root() -> None:
+        """Test root."""
+
+    register(app)
+    ok = CliRunner().invoke(app, ["plot", str(DEMO), "-o", str(tmp_path / "p.png"), "-i", uuid5])
+    assert ok.exit_code == 0, ok.output
+    bad = CliRunner().invoke(app, ["plot", str(DEMO), "-o", str(tmp_path / "p.png"), "-i", "GPU-nonsense!"])
+    assert bad.exit_code == 2
+    assert bad.stderr.startswith("smiquery: usage error:")

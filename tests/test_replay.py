@@ -11,15 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from smiquery.display import CsvWriter, JsonlWriter, ParquetWriter
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import get_field
+from smiquery.frames import missing_reasons
 from smiquery.parsing import CsvParser
 from smiquery.playback import Replay, ReplayError, SweepGrouper, detect_format, replay, sample_from_json
+from smiquery.recordings import CsvWriter, JsonlWriter, ParquetWriter
 from smiquery.records import GpuSample, Schema
 from smiquery.supervisor import stream
+from tests.corpus import require_corpus
 
 DEMO = Path(str(resources.files("smiquery") / "data" / "demo-8gpu.csv"))
+LOOP_LOG = "csv-loop/flame__timestamp-power.draw__lms100-torch-ex.csv"
 
 
 def head(n: int, fields: str | None = None) -> list[GpuSample]:
@@ -72,7 +75,7 @@ def test_errors_say_what_to_do(tmp_path):
         replay(_write_rows(tmp_path / "few.csv", head(8, "temperature.gpu")), fields="power.limit")
     headerless = tmp_path / "noheader.csv"
     headerless.write_text("0, 33\n1, 34\n")
-    with pytest.raises(ReplayError, match="needs nvidia-smi's CSV header"):
+    with pytest.raises(ReplayError, match="no nvidia-smi CSV header line"):
         replay(headerless)
     with pytest.raises(InvalidFieldError):
         replay(DEMO, fields="temp")
@@ -217,7 +220,7 @@ def test_parquet_round_trip_and_chunked_rewrites(tmp_path):
     assert len(df) == 16
     assert df.attrs["fields"][:3] == ["timestamp", "index", "name"]
     assert df.attrs["units"]["memory_used"] == "MiB"
-    assert len(df.attrs["missing"]["fan_speed"]) == 16
+    assert len(missing_reasons(df)["fan_speed"]) == 16
     again = list(replay(path, speed=0))
     assert [s.values() for s in again] == [s.values() for s in rows]
     assert [dict(s.missing) for s in again] == [dict(s.missing) for s in rows]
@@ -300,3 +303,57 @@ def test_csv_writer_writes_whole_lines_in_one_call():
         w.write(s)
     assert len(calls) == 3
     assert calls[0].count("\n") == 2 and all(c.endswith("\n") for c in calls)
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n", bytes(range(256)) * 16, b"timestamp, index\ngarbage\n"])
+def test_empty_or_random_recordings_are_errors(tmp_path, content):
+    path = tmp_path / "bad.csv"
+    path.write_bytes(content)
+    with pytest.raises(ReplayError) as info:
+        replay(path, speed=0)
+    assert str(info.value).startswith(("recording", str(path)))
+    assert "\n" not in str(info.value)
+
+
+def test_torn_last_line_and_garbage_are_skipped_and_counted(tmp_path):
+    lines = DEMO.read_text(encoding="utf-8").splitlines()
+    lines.insert(100, "\x00\x01garbage")
+    path = tmp_path / "killed.csv"
+    path.write_text("\n".join(lines) + "\n" + lines[-1][:30], encoding="utf-8")
+    r = replay(path, speed=0)
+    assert len(list(r)) == 4800
+    assert r.stats.dropped_rows == 2
+    assert r.first_error is not None and r.first_error.lineno == 101
+
+
+def test_a_log_without_index_replays_as_gpu_0():
+    log = require_corpus() / LOOP_LOG
+    r = replay(log, speed=0)
+    samples = list(r)
+    assert {s.index for s in samples} == {0}
+    assert r.gpu_count == 1
+    assert all(len(sweep) == 1 for sweep in replay(log, speed=0).sweeps(5))
+
+
+def test_headerless_log_with_columns(tmp_path):
+    path = tmp_path / "noheader.csv"
+    path.write_text("0, 33\n1, 34\n0, 35\n1, 36\n", encoding="utf-8")
+    r = replay(path, speed=0, columns="index,temperature.gpu")
+    assert [(s.index, s.temperature_gpu) for s in r] == [(0, 33), (1, 34), (0, 35), (1, 36)]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_every_writer_fails_at_once_where_it_cannot_write(tmp_path, suffix):
+    from smiquery.fields import resolve_fields
+    from smiquery.recordings import open_recorder
+
+    fields = resolve_fields("default")
+    with pytest.raises(FileNotFoundError):
+        open_recorder(tmp_path / "no-such-dir" / f"run{suffix}", fields)
+    taken = tmp_path / f"taken{suffix}"
+    taken.mkdir()
+    with pytest.raises(IsADirectoryError):
+        open_recorder(taken, fields)
+    fine = open_recorder(tmp_path / f"run{suffix}", fields)
+    fine.close()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no probe file left behind

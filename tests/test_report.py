@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from smiquery.display import open_recorder
 from smiquery.fields import resolve_fields
 from smiquery.playback import replay
+from smiquery.recordings import open_recorder
 from smiquery.report import DEFAULT_RULES, Report, ReportError, analyze, format_duration
 
 DEMO = Path(__file__).parents[1] / "smiquery" / "data" / "demo-8gpu.csv"
@@ -190,10 +190,59 @@ def test_nothing_to_report(tmp_path):
 def test_unreadable_recordings(tmp_path):
     with pytest.raises(ReportError, match="not found"):
         analyze(tmp_path / "missing.csv")
-    bad = tmp_path / "noindex.csv"
-    bad.write_text("timestamp, temperature.gpu\n2026/01/01 00:00:00.000, 50\n", encoding="utf-8")
-    with pytest.raises(ReportError, match="no index column"):
-        analyze(bad)
+    empty = tmp_path / "empty.csv"
+    empty.write_bytes(b"")
+    with pytest.raises(ReportError, match="is empty"):
+        analyze(empty)
+    noise = tmp_path / "noise.csv"
+    noise.write_bytes(bytes(range(256)) * 20)
+    with pytest.raises(ReportError, match="no nvidia-smi CSV header"):
+        analyze(noise)
+    garbage_only = tmp_path / "garbage.csv"
+    garbage_only.write_text("timestamp, index, utilization.gpu [%]\nxx\n1, 2\n", encoding="utf-8")
+    with pytest.raises(ReportError, match="no readable rows"):
+        analyze(garbage_only)
+
+
+def test_a_log_without_index_is_gpu_0(tmp_path):
+    log = tmp_path / "power.csv"
+    rows = "".join(f"2026/01/01 00:00:{s:02d}.000, {100 + s} W\n" for s in range(30))
+    log.write_text("timestamp, power.draw [W]\n" + rows, encoding="utf-8")
+    r = analyze(log)
+    assert r.gpus == (0,)
+    assert [s.field for s in r.stats] == ["power.draw"]
+    assert r.stats[0].max == 129
+
+
+def test_torn_last_line_and_garbage_are_skipped_and_reported(tmp_path):
+    path = tmp_path / "killed.csv"
+    lines = DEMO.read_text(encoding="utf-8").splitlines()
+    lines.insert(316, "\x00\x01 garbage from a full disk")
+    text = "\n".join(lines) + "\n" + lines[-1][:40]  # the recorder was killed mid-line
+    path.write_text(text, encoding="utf-8")
+    r = analyze(path)
+    assert r.skipped is not None
+    assert (r.skipped.count, r.skipped.first_lineno) == (2, 317)
+    assert r.gpus == tuple(range(8))
+    assert "skipped 2 unreadable lines in killed.csv (first: line 317)" in r.to_text()
+
+
+def test_headerless_log_with_fields(tmp_path):
+    path = tmp_path / "noheader.csv"
+    rows = "".join(f"2026/01/01 00:00:{s:02d}.000, {s % 2}, {10 * (s % 2)}\n" for s in range(40))
+    path.write_text(rows, encoding="utf-8")
+    with pytest.raises(ReportError, match="--fields"):
+        analyze(path)
+    r = analyze(path, fields="timestamp,index,utilization.gpu")
+    assert r.gpus == (0, 1)
+
+
+def test_timestamps_are_kept_as_recorded_or_in_the_given_zone(demo):
+    assert demo.start.tzinfo is None  # nvidia-smi names no zone; the report claims none
+    assert demo.start == datetime(2026, 3, 14, 9, 30, 0, 117000)
+    berlin = analyze(DEMO, tz="Europe/Berlin")
+    assert str(berlin.start.tzinfo) == "Europe/Berlin"
+    assert berlin.start.hour == 9
 
 
 @pytest.mark.parametrize(
@@ -260,3 +309,91 @@ def test_cli_report_fail_on_and_errors(tmp_path):
     assert "usage error" in bad.stderr
     bad_stall = CliRunner().invoke(app, ["report", str(DEMO), "--min-stall", "soon"])
     assert bad_stall.exit_code == 2
+
+
+def test_memory_health_counters_are_findings(demo):
+    ecc = [f for f in demo.findings if f.kind == "ecc"]
+    assert [(f.gpus, f.severity) for f in ecc] == [((6,), "critical"), ((3,), "warning")]
+    assert "ecc.errors.uncorrected.aggregate.total = 1" in ecc[0].verdict
+    assert "grew from 0 to 2" in ecc[1].verdict
+    assert {(h.field, h.gpu) for h in demo.health} == {
+        ("ecc.errors.uncorrected.aggregate.total", 6),
+        ("ecc.errors.corrected.volatile.total", 3),
+    }
+
+
+def test_statistics_are_short_and_rounded_to_the_unit(demo):
+    text = demo.to_text()
+    stats = text[text.index("Statistics over all GPUs") :].splitlines()
+    assert len(stats) < 20  # one line per field, not one block per field and GPU
+    mem = next(line for line in stats if line.lstrip().startswith("memory.used [MiB]"))
+    assert "." not in mem.split("]", 1)[1]  # MiB are whole numbers
+    power = next(line for line in stats if line.lstrip().startswith("power.draw [W]"))
+    assert all(len(cell.split(".")[-1]) <= 1 for cell in power.split() if "." in cell and cell[0].isdigit())
+
+
+def test_cli_warns_once_about_skipped_lines_and_reads_headerless_logs(tmp_path):
+    from typer.testing import CliRunner
+
+    app = _app()
+    killed = tmp_path / "killed.csv"
+    killed.write_text(DEMO.read_text(encoding="utf-8") + DEMO.read_text(encoding="utf-8").splitlines()[5][:33])
+    result = CliRunner().invoke(app, ["report", str(killed)])
+    assert result.exit_code == 0, result.output
+    warnings = [ln for ln in result.stderr.splitlines() if ln.startswith("smiquery: warning:")]
+    assert warnings == [f"smiquery: warning: skipped 1 unreadable line in {killed} (first: line 4802)"]
+    noheader = tmp_path / "noheader.csv"
+    noheader.write_text("".join(f"2026/01/01 00:00:{s:02d}.000, 0, 7\n" for s in range(40)), encoding="utf-8")
+    refused = CliRunner().invoke(app, ["report", str(noheader)])
+    assert refused.exit_code == 1
+    assert "--fields" in refused.stderr
+    ok = CliRunner().invoke(app, ["report", str(noheader), "--fields", "timestamp,index,utilization.gpu"])
+    assert ok.exit_code == 0, ok.output
+    assert "GPU 0 spent 40 s under 20% utilization" in ok.stdout
+    zoned = CliRunner().invoke(app, ["report", str(DEMO), "--tz", "Europe/Berlin", "-F", "json"])
+    assert json.loads(zoned.stdout)["start"].endswith("+01:00")
+    for bad in (b"", bytes(range(256)) * 4):
+        junk = tmp_path / "junk.csv"
+        junk.write_bytes(bad)
+        failed = CliRunner().invoke(app, ["report", str(junk)])
+        assert failed.exit_code == 1
+        assert failed.stderr.startswith("smiquery: error: ") and failed.stderr.count("\n") == 1
+
+
+def test_gpus_that_stalled_together_share_one_row(demo):
+    text = demo.to_text()
+    section = text[text.index("Stalls (") : text.index("Time past thresholds")].splitlines()
+    rows = [line for line in section[2:] if line.strip()]
+    assert len(rows) == 1
+    assert rows[0].split()[:3] == ["0-7", "2026-03-14", "09:35:00"]
+    assert len(demo.stalls) == 8  # the data keeps one stall per GPU
+
+
+def _demo_script() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_script", Path(__file__).parents[1] / "scripts" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_demo_ends_with_the_report_and_the_plot(tmp_path, capsys, monkeypatch):
+    demo_script = _demo_script()
+    assert demo_script._afterwards(DEMO, tmp_path) == 0
+    out = capsys.readouterr().out
+    assert f"report: {tmp_path / 'report.txt'}" in out
+    assert "[critical] GPU 5 was over 85 C" in out
+    assert (tmp_path / "report.txt").read_text().startswith("demo-8gpu.csv: 8 GPUs")
+    if (tmp_path / "plot.png").exists():
+        assert f"plot:   {tmp_path / 'plot.png'}" in out
+    # the demo installs only the core: without matplotlib it prints the command that draws the plot
+    real = demo_script.importlib.util.find_spec
+    monkeypatch.setattr(
+        demo_script.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
+    assert demo_script._afterwards(DEMO, tmp_path / "bare") == 0
+    out = capsys.readouterr().out
+    assert "pip install 'smiquery[plot]' && smiquery plot" in out
+    assert "--alert 'temperature.gpu > 85 for 3'" in out
