@@ -199,7 +199,7 @@ def test_cli_plot(tmp_path):
     from typer.testing import CliRunner
 
     from smiquery import cli
-    from smiquery.cli_analysis import register
+    from smiquery.cli.analysis import register
 
     app = cli.app
     if "plot" not in {c.name for c in cli.app.registered_commands}:

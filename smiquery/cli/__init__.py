@@ -41,7 +41,7 @@ from typing import IO, TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from smiquery import __version__
-from smiquery.cli_analysis import register as _register_analysis
+from smiquery.cli.analysis import register as _register_analysis
 from smiquery.cli_export import register as _register_export
 from smiquery.errors import (
     DriverNotLoadedError,
