@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import traceback
-from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
@@ -78,40 +76,38 @@ def _debug(ctx: typer.Context) -> bool:
     return bool(getattr(ctx.find_root().obj, "debug", False))
 
 
-def _fail(exc: BaseException, debug: bool) -> NoReturn:
-    from smiquery.alerts import InvalidRuleError
-    from smiquery.errors import InvalidFieldError, InvalidGpuIdError, SmiqueryError
+def _boundary(ctx: typer.Context) -> contextlib.AbstractContextManager[None]:
+    from smiquery.cli._boundary import boundary
 
-    if debug:
-        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-    usage = isinstance(exc, (InvalidRuleError, InvalidFieldError, InvalidGpuIdError, typer.BadParameter))
-    message = " ".join(str(exc).split()) or type(exc).__name__
-    if not usage and not isinstance(exc, (SmiqueryError, ImportError, OSError)):
-        message = f"unexpected {type(exc).__name__}: {message} (run with --debug for the traceback)"
-    with contextlib.suppress(OSError, ValueError):
-        print(f"smiquery: {'usage error' if usage else 'error'}: {message}", file=sys.stderr, flush=True)
-    raise typer.Exit(2 if usage else 1)
+    return boundary(_debug(ctx))
 
 
-@contextlib.contextmanager
-def _boundary(ctx: typer.Context) -> Iterator[None]:
-    try:
-        yield
-    except typer.Exit:
-        raise
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
-    except Exception as exc:
-        _fail(exc, _debug(ctx))
+def _gpu_list(spec: str | None, recording: Path) -> list[int] | None:
+    """GPU indices for ``--gpus``: what ``stream`` accepts (indices, UUIDs, bus ids), looked up in the recording."""
+    from smiquery.cli._common import parse_gpus
 
-
-def _gpu_list(spec: str | None) -> list[int] | None:
-    if spec is None:
+    ids = parse_gpus(spec)
+    if ids is None:
         return None
-    try:
-        return [int(part) for part in spec.split(",") if part.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"--gpus takes GPU indices such as 0,5, not {spec!r}") from None
+    if all(i.isdigit() for i in ids):
+        return [int(i) for i in ids]
+    from smiquery.report import load_recording
+
+    df = load_recording(recording)
+    found: dict[str, int] = {}
+    for col in ("uuid", "pci.bus_id"):
+        if col in df.columns:
+            for key, idx in zip(df[col].astype(str).str.lower(), df["index"], strict=False):
+                found.setdefault(key, int(idx))
+    out: list[int] = []
+    for i in ids:
+        if i.isdigit():
+            out.append(int(i))
+        elif i.lower() in found:
+            out.append(found[i.lower()])
+        else:
+            raise typer.BadParameter(f"--gpus: the recording has no GPU {i}")
+    return out
 
 
 def plot(
@@ -134,7 +130,8 @@ def plot(
     ] = None,
     alert: AlertOpt = None,
     gpus: Annotated[
-        str | None, typer.Option("--gpus", "--id", "-i", metavar="0,5", help="Only these GPU indices.")
+        str | None,
+        typer.Option("--gpus", "--id", "-i", metavar="0,5|UUID", help="Only these GPUs: indices, UUIDs, bus ids."),
     ] = None,
     width: Annotated[float, typer.Option("--width", min=4.0, help="Width in inches.")] = 12.0,
     dpi: Annotated[int, typer.Option("--dpi", min=50, max=600, help="Resolution.")] = 100,
@@ -152,7 +149,7 @@ def plot(
             target,
             fields,
             rules=alert or None,
-            gpus=_gpu_list(gpus),
+            gpus=_gpu_list(gpus, recording),
             width=width,
             dpi=dpi,
         )
