@@ -815,7 +815,15 @@ def test_cli_text_names_options_and_never_prints_raw_bytes():
     text = cli_text(str(NvidiaSmiNotFoundError()))
     assert "nvidia_smi=" not in text and "--nvidia-smi PATH" in text
     garbled = cli_text("line 1: expected 5 columns, got 8: '\x00\x1b[2J\ufffd\x0fok\nnext'")
-    assert garbled.isprintable() and "\\x00" in garbled and "\\x1b" in garbled and "next" in garbled
+    assert garbled.isprintable() and "\x1b" not in garbled and "next" not in garbled
+    assert garbled == "line 1: expected 5 columns, got 8: (binary data, not text)"
+    binary_line = "5\x1f\x01??Y\x15LM??3\x05x"
+    quoted = cli_text(f"nvidia-smi's header: {binary_line!r} (see `nvidia-smi`)")
+    assert quoted == "nvidia-smi's header: (binary data, not text) (see `nvidia-smi`)"
+    assert cli_text("bad row: 'GPU 0, 45, 12 %'") == "bad row: 'GPU 0, 45, 12 %'"  # text stays as it is
+    assert cli_text("a\x07b") == "a\\x07b"  # a stray control character is escaped
+    assert "nvidia_smi" not in cli_text("nvidia-smi not found at /x (nvidia_smi argument); fix the path")
+    assert cli_text("no header; pass fields= for noheader output") == "no header; pass --fields for noheader output"
 
 
 def test_query_unknown_gpu_index_is_a_usage_error(smi):

@@ -113,6 +113,7 @@ def exit_code_for(exc: BaseException) -> ExitCode:
 # Library messages name Python arguments (`nvidia_smi=PATH`); a CLI user knows the options.
 _PY_ARGS = (
     (re.compile(r"\bnvidia_smi=PATH\s*/\s*"), ""),
+    (re.compile(r"\bnvidia_smi argument\b"), "--nvidia-smi"),
     (re.compile(r"\bnvidia_smi="), "--nvidia-smi "),
     (re.compile(r"\bfields="), "--fields "),
     (re.compile(r"\bgpus="), "--gpus "),
@@ -120,7 +121,18 @@ _PY_ARGS = (
     (re.compile(r"\btimeout="), "--timeout "),
 )
 _UNPRINTABLE = re.compile(r"[^\t\x20-\x7e\u00a0-\ud7ff\ue000-\ufffd]")
+_QUOTED = re.compile(r"(?<=[\s:(])(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")")
+_ESCAPE = re.compile(r"\\x[0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}")
 _MAX_MESSAGE = 400
+
+
+def _binary_quote(match: re.Match[str]) -> str:
+    """A quoted line of a binary file (escapes, control and non-ASCII characters) becomes a short note."""
+    text = match.group(0)[1:-1]
+    if len(text) < 8:
+        return match.group(0)
+    odd = len(_ESCAPE.findall(text)) + sum(1 for c in _ESCAPE.sub("", text) if not " " <= c <= "~")
+    return "(binary data, not text)" if odd > len(text) / 20 else match.group(0)
 
 
 def cli_text(message: str) -> str:
@@ -135,9 +147,10 @@ def cli_text(message: str) -> str:
     Returns:
         The one-line, printable text.
     """
-    text = " ".join(str(message).split())
+    text = _QUOTED.sub(_binary_quote, str(message))
     for pattern, repl in _PY_ARGS:
         text = pattern.sub(repl, text)
+    text = " ".join(text.split())
     text = _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group(0)) & 0xFF:02x}", text.replace("\ufffd", "?"))
     if len(text) > _MAX_MESSAGE:
         text = text[: _MAX_MESSAGE - 3] + "..."
