@@ -657,6 +657,9 @@ class LiveTable:
         for key in ("sweeps", "rows", "restarts", "dropped_rows"):
             if stats is not None and key in stats:
                 parts.append(f"{key.replace('_', ' ')} {stats[key]}")
+        retry_at = stats.get("next_retry_at") if stats is not None else None
+        if stats is not None and stats.get("state") == "retrying" and isinstance(retry_at, (int, float)):
+            parts.append(f"retrying in {max(0.0, retry_at - time.time()):.0f} s")
         lost = stats.get("lost_gpus") if stats is not None else None
         if lost:
             text = "LOST GPU " + ",".join(str(i) for i in sorted(lost))  # type: ignore[call-overload]

@@ -256,7 +256,10 @@ def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float 
     except NvidiaSmiNotFoundError as exc:
         failure = exc
         fix = (
-            _FIX_CONTAINER if ctr else "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI"
+            _FIX_CONTAINER
+            if ctr
+            else "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI; "
+            "in a container, start it with --gpus all"
         )
         results.append(CheckResult("nvidia-smi found", "fail", _one_line(str(exc).split(";")[0]), fix, 3))
         broken = "nvidia-smi not found"

@@ -829,6 +829,8 @@ def test_cli_text_names_options_and_never_prints_raw_bytes():
 def test_query_unknown_gpu_index_is_a_usage_error(smi):
     one_line_error(run("query", "--id", "99", smi=smi), 2, "no GPU 99; this machine has 0-7")
     one_line_error(run("query", "--id", "3,42", smi=smi), 2, "no GPU 42; this machine has 0-7")
+    streamed = run("stream", "--id", "99", "-n", "1", smi=smi)  # a source retrying forever must not hide it
+    one_line_error(streamed, 2, "no GPU 99; this machine has 0-7")
 
 
 def test_export_takes_durations_like_stream():

@@ -233,6 +233,8 @@ class _Run:
     evaluator: AlertEvaluator | None
     exit_on_alert: bool
     events: EventPrinter = field(default_factory=lambda: EventPrinter(say))
+    #: turns a source error into the error that ends the command (a GPU id this machine lacks), or None
+    check_error: Callable[[BaseException], BaseException | None] | None = None
     alert_fired: bool = False
     sweeps: int = 0
     last_draw: float = 0.0
@@ -450,6 +452,18 @@ def _stream(
     elif tty:
         live = LiveTable(out, flds, title=title, color=use_color(out), evaluator=evaluator)
     run = _Run(writers, live, form == "table" and live is None, flds, evaluator, exit_on_alert)
+    if ids and replay_path is None:
+        checked: list[BaseException | None] = []
+
+        def check_error(exc: BaseException) -> BaseException | None:
+            # a source that retries "No devices were found" forever: a GPU id this machine lacks is a usage error
+            if not isinstance(exc, NoDevicesFoundError):
+                return None
+            if not checked:
+                checked.append(unknown_gpus(ids, settings))
+            return checked[0]
+
+        run.check_error = check_error
     err_isatty = getattr(sys.stderr, "isatty", None)
     if live is not None and err_isatty is not None and err_isatty():
         run.events = EventPrinter(live.note)  # stderr is the same terminal: a line there would tear the table
@@ -473,6 +487,8 @@ def _stats_of(source: SampleSource, run: _Run) -> dict[str, object]:
         "dropped_rows": st.dropped_rows,
         "lost_gpus": set(st.lost_gpus),
         "last_error": st.last_error,
+        "state": getattr(st, "state", None),
+        "next_retry_at": getattr(st, "next_retry_at", None),
     }
 
 
@@ -526,7 +542,13 @@ def _pump_loop(
                         _draw(live, source, run)
                     continue
                 if isinstance(item, _Event):
-                    run.events(item.event)
+                    ev = item.event
+                    fatal = run.check_error(ev.error) if run.check_error and ev.error is not None else None
+                    if fatal is not None:
+                        failure = fatal
+                        run.events.discard()
+                        break
+                    run.events(ev)
                     continue
                 if item is _END:
                     break
