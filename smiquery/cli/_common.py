@@ -11,7 +11,7 @@ from typing import IO, Annotated
 import typer
 
 from smiquery import __version__
-from smiquery.cli._boundary import UsageError
+from smiquery.cli._boundary import ExitCode, UsageError
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError
 from smiquery.fields import PRESETS, Field, resolve_fields
 
@@ -280,7 +280,7 @@ StreamFormatOpt = Annotated[
 def _version_callback(value: bool) -> None:
     if value:
         typer.echo(f"smiquery {__version__}")
-        raise typer.Exit(0)
+        raise typer.Exit(ExitCode.OK)
 
 
 @app.callback()

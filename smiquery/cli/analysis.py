@@ -201,7 +201,9 @@ def report(
         worst = {"critical": 0, "warning": 1, "info": 2}
         limit = {FailOn.warning: 1, FailOn.critical: 0}.get(fail_on)
         if limit is not None and any(worst[f.severity] <= limit for f in result.findings):
-            raise typer.Exit(6)
+            from smiquery.cli._boundary import ExitCode
+
+            raise typer.Exit(ExitCode.ALERT)
 
 
 def register(app: typer.Typer) -> None:
