@@ -67,7 +67,7 @@ AlertOpt = Annotated[
         "-a",
         metavar="EXPR",
         help="Rule whose threshold to use (repeatable; default: the built-in health rules), "
-        "e.g. 'temperature.gpu > 85 for 3'.",
+        "e.g. 'temperature.gpu > 85 for 3' (3 samples) or '... for 30s' (30 seconds).",
     ),
 ]
 
