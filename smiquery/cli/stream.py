@@ -466,7 +466,9 @@ def _stream(
         run.check_error = check_error
     err_isatty = getattr(sys.stderr, "isatty", None)
     if live is not None and err_isatty is not None and err_isatty():
-        run.events = EventPrinter(live.note)  # stderr is the same terminal: a line there would tear the table
+        # stderr is the same terminal: a line there would tear the table, so events go to its footer
+        table = live
+        run.events = EventPrinter(lambda line: table.note(line.removeprefix("smiquery: ")))
     try:
         code = _pump_loop(source, run, count=count, stop_after=stop_after, interval=seconds, stop_event=pump_stop)
     except NoDevicesFoundError:
