@@ -25,24 +25,16 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import typer
-
-from smiquery.cli import doctor as _doctor
-from smiquery.cli import fields as _fields
-from smiquery.cli import ps as _ps
-from smiquery.cli import query as _query
-from smiquery.cli import stream as _stream
 from smiquery.cli._boundary import EXIT_CODES, ExitCode, cli_text, exit_code_for, quiet_stdout, say
-from smiquery.cli._common import Format, Settings, app
-from smiquery.cli.analysis import register as _register_analysis
-from smiquery.cli.export import register as _register_export
+
+if TYPE_CHECKING:
+    from smiquery.cli._common import app
 
 __all__ = ["EXIT_CODES", "ExitCode", "app", "exit_code_for", "main"]
 
 _ORDER = ("stream", "query", "ps", "fields", "doctor", "export", "plot", "report")
-_COMMAND_MODULES = (_stream, _query, _ps, _fields, _doctor)  # imported for their @app.command
 
 
 def _command_rank(info: Any) -> int:
@@ -50,12 +42,32 @@ def _command_rank(info: Any) -> int:
     return _ORDER.index(name) if name in _ORDER else len(_ORDER)
 
 
-_register_export(app)
-_register_analysis(app)
-app.registered_commands.sort(key=_command_rank)  # the headline command first in --help
+def _load_app() -> Any:
+    """The typer app with every command registered (imported on first use: the fast path needs none of it)."""
+    from smiquery.cli import _common
+
+    if not getattr(_common, "_registered", False):
+        from smiquery.cli import doctor, fields, ps, query, stream  # noqa: F401  (their @app.command registers them)
+        from smiquery.cli.analysis import register as register_analysis
+        from smiquery.cli.export import register as register_export
+
+        register_export(_common.app)
+        register_analysis(_common.app)
+        _common.app.registered_commands.sort(key=_command_rank)  # the headline command first in --help
+        _common._registered = True  # type: ignore[attr-defined]
+    return _common.app
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        return _load_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _run_fast_query(opts: dict[str, str | bool]) -> int:
+    from smiquery.cli._options import Format, Settings
+    from smiquery.cli._snapshot import run_query
+
     def text(key: str) -> str | None:
         value = opts.get(key)
         return value if isinstance(value, str) else None
@@ -64,9 +76,12 @@ def _run_fast_query(opts: dict[str, str | bool]) -> int:
     settings = Settings(text("nvidia_smi"), float(timeout) if timeout else Settings().timeout, bool(opts.get("debug")))
     fmt = text("fmt")
     try:
-        _query.run_query(settings, text("fields"), text("gpus"), Format(fmt) if fmt else None)
-    except typer.Exit as exc:
-        return exc.exit_code
+        run_query(settings, text("fields"), text("gpus"), Format(fmt) if fmt else None)
+    except Exception as exc:  # typer.Exit, raised by the boundary after its one line on stderr
+        code = getattr(exc, "exit_code", None)
+        if not isinstance(code, int):
+            raise
+        return code
     return 0
 
 
@@ -88,8 +103,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         except BrokenPipeError:
             quiet_stdout()
             sys.exit(ExitCode.OK)
+    import typer
+
     try:
-        rc = app(args=args, prog_name="smiquery", standalone_mode=False)
+        rc = _load_app()(args=args, prog_name="smiquery", standalone_mode=False)
     except typer.Abort:
         say("smiquery: interrupted")
         sys.exit(ExitCode.INTERRUPTED)

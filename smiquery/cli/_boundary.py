@@ -12,8 +12,6 @@ from collections.abc import Iterator, Sequence
 from enum import IntEnum
 from typing import NoReturn
 
-import typer
-
 from smiquery.errors import (
     DriverNotLoadedError,
     DriverVersionMismatchError,
@@ -86,6 +84,18 @@ class UsageError(Exception):
     """A bad option value found by a command (exit 2)."""
 
 
+# typer is imported only when an error needs it: the fast path of `query` runs without it.
+def _typer_class(name: str) -> tuple[type[BaseException], ...]:
+    typer = sys.modules.get("typer")
+    return (getattr(typer, name),) if typer is not None else ()
+
+
+def _exit(code: int) -> BaseException:
+    import typer
+
+    return typer.Exit(int(code))
+
+
 def exit_code_for(exc: BaseException) -> ExitCode:
     """The documented exit code for an error.
 
@@ -105,7 +115,8 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         return ExitCode.DRIVER
     if isinstance(exc, NvidiaSmiTimeoutError):
         return ExitCode.TIMEOUT
-    if isinstance(exc, (InvalidFieldError, InvalidGpuIdError, InvalidRuleError, UsageError, typer.BadParameter)):
+    usage = (InvalidFieldError, InvalidGpuIdError, InvalidRuleError, UsageError, *_typer_class("BadParameter"))
+    if isinstance(exc, usage):
         return ExitCode.USAGE
     return ExitCode.ERROR
 
@@ -201,17 +212,18 @@ def fail(exc: BaseException, debug: bool) -> NoReturn:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     code = exit_code_for(exc)
     kind = "usage error" if code == ExitCode.USAGE else "error"
-    if isinstance(exc, typer.BadParameter):
-        message = cli_text(exc.format_message())
+    if isinstance(exc, _typer_class("BadParameter")):
+        message = cli_text(exc.format_message())  # type: ignore[attr-defined]
     else:
         message = cli_text(str(exc)) or type(exc).__name__
     if isinstance(exc, ParseError):
         message += "; nvidia-smi printed output that does not fit the fields: run `smiquery doctor`"
-    expected = (SmiqueryError, UsageError, typer.BadParameter, ImportError, OSError)
+    expected: tuple[type[BaseException], ...] = (SmiqueryError, UsageError, *_typer_class("BadParameter"))
+    expected += (ImportError, OSError)
     if not isinstance(exc, expected):
         message = f"unexpected {type(exc).__name__}: {message} (run with --debug for the traceback)"
     say(f"smiquery: {kind}: {message}")
-    raise typer.Exit(int(code))
+    raise _exit(code)
 
 
 @contextlib.contextmanager
@@ -228,12 +240,12 @@ def boundary(debug: bool = False) -> Iterator[None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
             yield
-    except typer.Exit:
-        raise
     except KeyboardInterrupt:
-        raise typer.Exit(ExitCode.INTERRUPTED) from None
+        raise _exit(ExitCode.INTERRUPTED) from None
     except BrokenPipeError:
         quiet_stdout()
-        raise typer.Exit(ExitCode.OK) from None
+        raise _exit(ExitCode.OK) from None
     except Exception as exc:
+        if isinstance(exc, _typer_class("Exit")):
+            raise
         fail(exc, debug)
