@@ -144,13 +144,13 @@ def test_query_selects_gpus_by_uuid_and_bus_id(smi):
     assert [x["index"] for x in json.loads(got.stdout)] == [2, 4]
 
 
-def test_query_csv_does_not_import_pandas(smi):
+def test_query_csv_imports_neither_pandas_nor_typer(smi):
     probe = (
         "import sys, runpy\n"
         f"sys.argv = ['smiquery', '--nvidia-smi', {str(smi)!r}, 'query', '--format', 'csv']\n"
         "try:\n    runpy.run_module('smiquery', run_name='__main__')\n"
         "except SystemExit as exc:\n    code = exc.code\n"
-        "heavy = sorted(m for m in ('pandas', 'pyarrow', 'numpy', 'rich', 'pydantic') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('pandas', 'pyarrow', 'numpy', 'rich', 'pydantic', 'typer') if m in sys.modules)\n"
         "sys.stderr.write('HEAVY=%s CODE=%s\\n' % (','.join(heavy), code))\n"
     )
     proc = subprocess.run([sys.executable, "-c", probe], env=cli_env(), capture_output=True, text=True, check=False)
