@@ -1,4 +1,4 @@
-"""The typer app, the global options, and the option types and parsers every command shares."""
+"""The typer app, the global options, and the typer option types every command shares."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""The fast path of ``smiquery query``: plain command lines parsed without building typer's click command.
+"""The fast path of ``smiquery query``: plain command lines parsed without typer.
 
-Typer (0.2x and later) builds a pydantic TypeAdapter for every option it parses, which costs more than the
-query itself; the one-shot query is what scripts run in a loop. A command line this parser fully understands
-goes straight to :func:`smiquery.cli.query.run_query`; anything else (help, an unknown or malformed option,
-any other command) goes through typer, which validates and reports it. ``tests/test_cli.py`` checks, from
-typer's own parameters, that every option of ``query`` and of the root is read identically by both paths.
+Importing typer and building its click command cost more than the query itself, and the one-shot query is what
+scripts run in a loop. A command line this parser fully understands goes straight to
+:func:`smiquery.cli._snapshot.run_query` without importing typer at all; anything else (help, an unknown or
+malformed option, any other command) goes through typer, which validates and reports it. ``tests/test_cli.py``
+checks, from typer's own parameters, that every option of ``query`` and of the root is read identically by both
+paths.
 """
 
 from __future__ import annotations
