@@ -676,8 +676,8 @@ class LiveTable:
         for msg in self._events:
             lines.append(f"{_STYLES['dim']}{msg}{_RESET}" if color else msg)
         if hidden:
-            text = f"hidden (terminal too narrow): {', '.join(hidden)}"
-            lines += [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in _wrap([text], cols)]
+            words = ["hidden", "(terminal", "too", "narrow):", *(f"{h}," for h in hidden[:-1]), hidden[-1]]
+            lines += [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in _wrap(words, cols, sep=" ")]
         legend = [MISSING_LEGEND, *([status] if status else []), "Ctrl-C to stop"]
         lines += [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in _wrap(legend, cols)]
         if lines_avail > 0 and len(lines) > lines_avail - 1:
@@ -739,12 +739,12 @@ def _drop_order(fields: Sequence[Field]) -> list[int]:
     return [*identity, *reversed(rest), *kept]
 
 
-def _wrap(parts: Sequence[str], cols: int) -> list[str]:
-    """Join footer parts with `` · `` into lines of at most ``cols`` visible characters (0: one line)."""
+def _wrap(parts: Sequence[str], cols: int, sep: str = " · ") -> list[str]:
+    """Join footer parts with ``sep`` into lines of at most ``cols`` visible characters (0: one line)."""
     lines: list[str] = []
     current = ""
     for part in parts:
-        joined = f"{current} · {part}" if current else part
+        joined = f"{current}{sep}{part}" if current else part
         if current and cols > 0 and _visible_len(joined) > cols:
             lines.append(current)
             current = part

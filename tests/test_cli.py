@@ -900,3 +900,28 @@ def test_live_table_draws_lost_gpus_as_errors_not_dim():
     assert lost_cell.startswith("1;97;41m")  # white on red
     assert "\x1b[2m  n/a" in frame or "\x1b[2mn/a" in frame  # a merely missing value stays dim
     assert "LOST GPU 0" in frame
+
+
+def test_live_table_keeps_the_most_useful_fields_longest():
+    import io
+    import re
+
+    from smiquery.display import LiveTable
+    from smiquery.fields import resolve_fields
+
+    flds = resolve_fields("default")
+    with replay(DEMO, speed=0, fields=[f.name for f in flds]) as source:
+        sweep = next(iter(source.sweeps()))
+    shown: dict[int, list[str]] = {}
+    for cols in (30, 44, 60):
+        table = LiveTable(io.StringIO(), flds, color=False, size=lambda c=cols: (c, 40))  # type: ignore[misc]
+        table.update(sweep)
+        plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", table.frame())
+        lines = plain.splitlines()
+        assert all(len(line) <= cols for line in lines), plain
+        titles = lines[0].split()
+        shown[cols] = [titles[0], *titles[1::2]]  # "gpu", then "name unit" pairs
+        assert "hidden (terminal too narrow): uuid, name" in " ".join(plain.split())  # wrapped, never cut
+    assert shown[30] == ["gpu", "util", "used", "power"]
+    assert shown[44] == ["gpu", "temp", "util", "used", "power"]
+    assert "memutil" in shown[60] and "total" in shown[60]
