@@ -213,7 +213,9 @@ def fail(exc: BaseException, debug: bool) -> NoReturn:
     code = exit_code_for(exc)
     kind = "usage error" if code == ExitCode.USAGE else "error"
     if isinstance(exc, _typer_class("BadParameter")):
-        message = cli_text(exc.format_message())  # type: ignore[attr-defined]
+        # "Invalid value for '--x': ..." names the option; without one, the message alone says it
+        named = getattr(exc, "param_hint", None) is not None or getattr(exc, "param", None) is not None
+        message = cli_text(exc.format_message() if named else getattr(exc, "message", str(exc)))  # type: ignore[attr-defined]
     else:
         message = cli_text(str(exc)) or type(exc).__name__
     if isinstance(exc, ParseError):
