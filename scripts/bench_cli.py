@@ -3,7 +3,8 @@
 Both run as whole processes, side by side in one run (alternating, N times each), against the same fake
 nvidia-smi, which is put first on PATH for both. Prints the medians and the ratio smiquery / GPUtil, and
 exits 1 when the ratio of the fastest runs is above 1.0 (smiquery slower). Also checks that the CSV query did not
-import pandas.
+import pandas, and times the same query through typer's parser (`-Fcsv`, a spelling the fast path leaves to
+typer) to show what the fast path saves.
 
     .venv/bin/python scripts/bench_cli.py [-n 15]
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -24,10 +26,18 @@ from smiquery.testing import fake_nvidia_smi
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_CPU: dict[int, list[float]] = {}
+
+
 def _timed(argv: list[str], env: dict[str, str]) -> float:
+    """Wall time of one run; its CPU time (the command and its children, nvidia-smi included) goes to _CPU."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     done = subprocess.run(argv, env=env, capture_output=True, check=False)
     elapsed = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    _CPU.setdefault(id(argv), []).append(cpu)
     if done.returncode != 0:
         sys.exit(f"bench_cli: {argv} failed with {done.returncode}: {done.stderr.decode(errors='replace')[-400:]}")
     return elapsed
@@ -52,6 +62,7 @@ def main() -> int:
             else [python, "-m", "smiquery", "query", "--format", "csv"]
         )
         gputil_argv = [python, "-c", "import GPUtil; GPUtil.getGPUs()"]
+        typer_argv = [*smiquery_argv[:-2], "-Fcsv"]  # the same query, parsed by typer
 
         # no pandas on this path: the same command under a wrapper that reports what got imported
         probe = (
@@ -65,15 +76,16 @@ def main() -> int:
         if "PANDAS=" not in done.stderr:
             sys.exit(f"bench_cli: the import probe failed: {done.stderr[-400:]}")
 
-        for argv in (smiquery_argv, gputil_argv):  # warm the page cache and .pyc files
+        for argv in (smiquery_argv, gputil_argv, typer_argv):  # warm the page cache and .pyc files
             _timed(argv, env)
         ours: list[float] = []
         theirs: list[float] = []
+        typer_path: list[float] = []
         for i in range(args.n):
-            pair = [(smiquery_argv, ours), (gputil_argv, theirs)]
+            trio = [(smiquery_argv, ours), (gputil_argv, theirs), (typer_argv, typer_path)]
             if i % 2:
-                pair.reverse()
-            for argv, into in pair:
+                trio.reverse()
+            for argv, into in trio:
                 into.append(_timed(argv, env))
 
     m_ours = statistics.median(ours)
@@ -88,6 +100,16 @@ def main() -> int:
     print(f"ratio of medians:                  {m_ours / m_theirs:.2f}  (median of paired ratios {paired:.2f})")
     print(f"ratio smiquery / GPUtil (min):     {ratio:.2f}  ({'OK' if ratio <= 1.0 else 'TOO SLOW'}: must be <= 1.00)")
     print(f"pandas imported by the CSV query:  {'YES (must not be)' if pandas_loaded else 'no'}")
+    m_typer = statistics.median(typer_path)
+    print(f"same query through typer (-Fcsv):  min {min(typer_path) * 1000:7.1f} ms  median {m_typer * 1000:7.1f} ms")
+    print(f"fast path / typer path (min):      {min(ours) / min(typer_path):.2f}  (median {m_ours / m_typer:.2f})")
+    # CPU time is steadier than wall time on a shared machine: waiting for a core is not counted
+    cpu = {name: min(_CPU[id(argv)]) * 1000 for name, argv in (("fast", smiquery_argv), ("typer", typer_argv))}
+    cpu["GPUtil"] = min(_CPU[id(gputil_argv)]) * 1000
+    print(
+        f"CPU time (min, with nvidia-smi):   fast path {cpu['fast']:.0f} ms, typer path {cpu['typer']:.0f} ms, "
+        f"GPUtil {cpu['GPUtil']:.0f} ms"
+    )
     return 0 if ratio <= 1.0 and not pandas_loaded else 1
 
 

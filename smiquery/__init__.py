@@ -28,6 +28,7 @@ from smiquery.errors import (
     ReportError,
     SmiqueryError,
     StreamEndedError,
+    UsageError,
     WebConfigError,
 )
 from smiquery.fields import CATALOGUE, PRESETS, Field, Kind, get_field, parse_help_query_gpu, resolve_fields
@@ -93,6 +94,7 @@ __all__ = [
     "StreamEvent",
     "StreamStats",
     "Sweep",
+    "UsageError",
     "WebConfigError",
     "__version__",
     "get_field",

@@ -6,15 +6,17 @@ existing imports.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import IO, TYPE_CHECKING, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from smiquery.fields import Field, Kind, get_field
-from smiquery.parsing import format_value
+from smiquery.parsing import format_row, format_value, header_line
 from smiquery.recordings import (
     CsvWriter,
     JsonlWriter,
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MISSING_MARKS",
+    "Column",
     "CsvWriter",
     "JsonlWriter",
     "LiveTable",
@@ -39,6 +42,7 @@ __all__ = [
     "display_value",
     "json_value",
     "open_recorder",
+    "render",
     "render_table",
     "sample_to_json",
     "use_color",
@@ -56,7 +60,16 @@ MISSING_MARKS: dict[str, str] = {
 MISSING_LEGEND = "n/a = not available, n/s = not supported"
 
 _RESET = "\x1b[0m"
-_STYLES = {"firing": "\x1b[1;31m", "pending": "\x1b[33m", "missing": "\x1b[2m", "header": "\x1b[1m", "dim": "\x1b[2m"}
+_STYLES = {
+    "firing": "\x1b[1;31m",
+    "pending": "\x1b[33m",
+    "missing": "\x1b[2m",
+    "header": "\x1b[1m",
+    "dim": "\x1b[2m",
+    "error": "\x1b[1;97;41m",  # a lost or broken GPU: white on red, unlike a merely absent value
+}
+# Missing-value reasons that mean the GPU is in trouble: drawn as an error, not dimmed like n/a.
+_ERROR_REASONS = frozenset({"gpu_lost", "gpu_requires_reset", "unknown_error"})
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 CellState = Literal["firing", "pending", "ok"]
 # Wide identity columns the live table leaves out, in this order, when the terminal is too narrow.
@@ -179,7 +192,9 @@ def sample_rows(
         for fld in fields:
             value = s.get(fld.name)
             row.append(display_value(fld, value, missing.get(fld.name)))
-            st: str | None = "missing" if value is None else None
+            st: str | None = None
+            if value is None:
+                st = "error" if missing.get(fld.name) in _ERROR_REASONS else "missing"
             if cell_state is not None and value is not None:
                 state = cell_state(s, fld.name)
                 if state != "ok":
@@ -206,7 +221,125 @@ def sample_table(
     )
 
 
-# --------------------------------------------------------------------------------------------- live table
+@dataclass(frozen=True)
+class Column:
+    """One column of plain records (not samples) for :func:`render`.
+
+    Attributes:
+        key: the record key.
+        title: the column title.
+        unit: the unit, shown in titles (``[MiB]``) and after CSV values.
+        right: right-align in tables (numbers).
+        style: a cell's style name (``"firing"``, ``"missing"``, ...) from its value, for coloured tables.
+        table_text: how a table shows a present value (default ``str``).
+    """
+
+    key: str
+    title: str = ""
+    unit: str = ""
+    right: bool = False
+    style: Callable[[object], str | None] | None = None
+    table_text: Callable[[object], str] | None = None
+
+    @property
+    def heading(self) -> str:
+        """The title with its unit."""
+        title = self.title or self.key
+        return f"{title} [{self.unit}]" if self.unit else title
+
+
+def _plain_json(record: Mapping[str, object]) -> dict[str, object]:
+    return {k: json_value(v) if not isinstance(v, (list, dict)) else v for k, v in record.items()}  # type: ignore[arg-type]
+
+
+def _csv_cell(value: object, unit: str) -> str:
+    if value is None:
+        return "[N/A]"
+    if isinstance(value, bool):
+        return "Yes" if value else "No"
+    if isinstance(value, (list, tuple)):
+        value = " ".join(str(v) for v in value)
+    text = str(value).replace(",", ";").replace("\n", " ")
+    return f"{text} {unit}" if unit else text
+
+
+def render(
+    records: Sequence[GpuSample] | Sequence[Mapping[str, Any]],
+    fmt: str,
+    *,
+    fields: Sequence[Field] | None = None,
+    columns: Sequence[Column] | None = None,
+    color: bool = False,
+    empty: str = "",
+) -> str:
+    """Records as text in one of the output formats: ``table``, ``csv``, ``jsonl`` or ``json``.
+
+    Samples (:class:`GpuSample`, with ``fields``) render as nvidia-smi's CSV (read back by ``read_csv``), JSON
+    keyed by field name (ISO times, null for missing, reasons under ``"_missing"``) or an aligned table with
+    units in the titles. Plain records render by ``columns``.
+
+    Args:
+        records: samples, or plain mappings.
+        fmt: the format.
+        fields: the sample fields (default: the first sample's); ignored when ``columns`` is given.
+        columns: the columns of plain records.
+        color: colour the table (missing values dim, lost GPUs as errors).
+        empty: what a table shows when there are no records (default: just the titles).
+
+    Returns:
+        The text, each line ending in a newline.
+
+    Raises:
+        ValueError: an unknown format.
+    """
+    if fmt not in ("table", "csv", "jsonl", "json"):
+        raise ValueError(f"unknown format {fmt!r}; use table, csv, jsonl or json")
+    if columns is None:
+        samples: list[GpuSample] = list(records)  # type: ignore[arg-type]
+        if fields is None:
+            fields = tuple(get_field(n) for n in samples[0].fields) if samples else ()
+        if fmt == "json":
+            return json.dumps([sample_to_json(s) for s in samples], indent=2) + "\n"
+        if fmt == "jsonl":
+            return "".join(json.dumps(sample_to_json(s), separators=(", ", ": ")) + "\n" for s in samples)
+        if fmt == "csv":
+            return "".join([header_line(fields) + "\n", *(format_row(s, fields, units=True) + "\n" for s in samples)])
+        if not samples and empty:
+            return empty + "\n"
+        return "".join(line + "\n" for line in sample_table(samples, fields, color=color))
+    plain: Sequence[Mapping[str, Any]] = records
+    if fmt == "json":
+        return json.dumps([_plain_json(r) for r in plain], indent=2) + "\n"
+    if fmt == "jsonl":
+        return "".join(json.dumps(_plain_json(r)) + "\n" for r in plain)
+    if fmt == "csv":
+        lines = [", ".join(c.heading for c in columns)]
+        lines += [", ".join(_csv_cell(r.get(c.key), c.unit) for c in columns) for r in plain]
+        return "".join(line + "\n" for line in lines)
+    if not plain and empty:
+        return empty + "\n"
+    rows: list[list[str]] = []
+    styles: list[list[str | None]] = []
+    for r in plain:
+        row: list[str] = []
+        style: list[str | None] = []
+        for c in columns:
+            value = r.get(c.key)
+            if value is None:
+                row.append("n/a")
+                style.append("missing")
+                continue
+            row.append(c.table_text(value) if c.table_text is not None else str(value))
+            style.append(c.style(value) if c.style is not None else None)
+        rows.append(row)
+        styles.append(style)
+    lines = render_table(
+        rows, [c.heading for c in columns], right=[c.right for c in columns], styles=styles, color=color
+    )
+    return "".join(line + "\n" for line in lines)
+
+
+# ------------------------------------------------------------------------------------------------ writers
 
 
 class LiveTable:
@@ -257,10 +390,53 @@ class LiveTable:
                 self._last_ts = ts
         self._received = time.monotonic()
 
-    def note(self, event: AlertEvent) -> None:
-        """Remember an alert event for the footer (the newest few are shown)."""
-        self._events.append(event.message())
+    def note(self, event: AlertEvent | str) -> None:
+        """Remember an alert or source event for the footer (the newest few are shown).
+
+        Args:
+            event: an alert event, or one line of text (a restart, a lost GPU).
+        """
+        self._events.append(event if isinstance(event, str) else event.message())
         del self._events[:-4]
+
+    def _fit(self, samples: Sequence[GpuSample], cols: int) -> tuple[list[str], list[str]]:
+        """The table lines that fit ``cols`` columns, and the names of the fields left out.
+
+        Full titles first; then short titles (``temp C``); then fields are left out, identity first (UUID, bus
+        id, name), measurements last, and index, utilization, memory, power and temperature the very last.
+        """
+        if not samples:
+            return [], []
+        fields = list(self.fields)
+        ev = self.evaluator
+        rows, styles = sample_rows(samples, fields, cell_state=ev.cell_state if ev is not None else None)
+
+        def table(keep: Sequence[int], short: bool) -> list[str]:
+            return render_table(
+                [[r[i] for i in keep] for r in rows],
+                [_short_title(fields[i]) if short else _title(fields[i]) for i in keep],
+                right=[_right_aligned(fields[i]) for i in keep],
+                styles=[[st[i] for i in keep] for st in styles],
+                color=self.color,
+            )
+
+        keep = list(range(len(fields)))
+        lines = table(keep, False)
+
+        def fits(lines: Sequence[str]) -> bool:
+            return max(_visible_len(x) for x in lines) <= cols
+
+        if cols <= 0 or fits(lines):
+            return lines, []
+        lines = table(keep, True)
+        hidden: list[str] = []
+        for i in _drop_order(fields):
+            if fits(lines) or len(keep) <= 1:
+                break
+            keep.remove(i)
+            hidden.append(fields[i].name)
+            lines = table(keep, True)
+        return lines, hidden
 
     def frame(self, stats: Mapping[str, object] | None = None, status: str = "") -> str:
         """The text of one frame, escape sequences included."""
@@ -268,20 +444,7 @@ class LiveTable:
         color = self.color
         ev = self.evaluator
         samples = [self._rows[k] for k in sorted(self._rows, key=_sort_key)]
-        shown = list(self.fields)
-        hidden: list[str] = []
-        table: list[str] = []
-        while samples:
-            rows, styles = sample_rows(samples, shown, cell_state=ev.cell_state if ev is not None else None)
-            table = render_table(
-                rows, [_title(f) for f in shown], right=[_right_aligned(f) for f in shown], styles=styles, color=color
-            )
-            too_wide = cols > 0 and _visible_len(table[0]) > cols
-            drop = next((f for name in _DROP_FIRST for f in shown if f.name == name), None) if too_wide else None
-            if drop is None:
-                break
-            shown.remove(drop)
-            hidden.append(drop.name)
+        table, hidden = self._fit(samples, cols)
         lines: list[str] = []
         if self.title:
             lines.append(f"{_STYLES['header']}{self.title}{_RESET}" if color else self.title)
@@ -293,14 +456,18 @@ class LiveTable:
         parts = [f"sample age {age:.1f} s" if age is not None else "no sample yet"]
         if self._last_ts is not None:
             parts.append(f"sampled {self._last_ts.strftime('%H:%M:%S')}")
-        for key in ("rows", "sweeps", "restarts", "dropped_rows"):
+        for key in ("sweeps", "rows", "restarts", "dropped_rows"):
             if stats is not None and key in stats:
                 parts.append(f"{key.replace('_', ' ')} {stats[key]}")
+        retry_at = stats.get("next_retry_at") if stats is not None else None
+        if stats is not None and stats.get("state") == "retrying" and isinstance(retry_at, (int, float)):
+            parts.append(f"retrying in {max(0.0, retry_at - time.time()):.0f} s")
         lost = stats.get("lost_gpus") if stats is not None else None
         if lost:
-            parts.append("lost GPUs " + ",".join(str(i) for i in sorted(lost)))  # type: ignore[call-overload]
+            text = "LOST GPU " + ",".join(str(i) for i in sorted(lost))  # type: ignore[call-overload]
+            parts.append(f"{_STYLES['error']}{text}{_RESET}" if color else text)
         lines.append("")
-        lines.append(" · ".join(parts))
+        lines += _wrap(parts, cols)
         last_error = stats.get("last_error") if stats is not None else None
         if last_error:
             lines.append(f"last error: {last_error}")
@@ -310,11 +477,11 @@ class LiveTable:
             lines.append(f"{_STYLES['firing']}FIRING{_RESET} {text}" if color else f"FIRING {text}")
         for msg in self._events:
             lines.append(f"{_STYLES['dim']}{msg}{_RESET}" if color else msg)
-        legend = MISSING_LEGEND + (f" · {status}" if status else "")
         if hidden:
-            legend += f" · hidden (terminal too narrow): {', '.join(hidden)}"
-        legend += " · Ctrl-C to stop"
-        lines.append(f"{_STYLES['dim']}{legend}{_RESET}" if color else legend)
+            words = ["hidden", "(terminal", "too", "narrow):", *(f"{h}," for h in hidden[:-1]), hidden[-1]]
+            lines += [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in _wrap(words, cols, sep=" ")]
+        legend = [MISSING_LEGEND, *([status] if status else []), "Ctrl-C to stop"]
+        lines += [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in _wrap(legend, cols)]
         if lines_avail > 0 and len(lines) > lines_avail - 1:
             lines = lines[: max(1, lines_avail - 1)]
         body = "".join(_clip(line, cols) + "\x1b[K\n" for line in lines)
@@ -336,6 +503,58 @@ class LiveTable:
                 self.out.flush()
             except (OSError, ValueError):
                 pass
+
+
+# The live table keeps these longest, most useful last: index, utilization, memory, power, temperature.
+_KEEP_LONGEST = ("index", "utilization.gpu", "memory.used", "power.draw", "temperature.gpu", "memory.total")
+# Short titles for a narrow terminal (the unit follows): "temp C", "used MiB".
+_SHORT = {
+    "index": "gpu",
+    "temperature.gpu": "temp",
+    "temperature.memory": "memtemp",
+    "utilization.gpu": "util",
+    "utilization.memory": "memutil",
+    "memory.used": "used",
+    "memory.total": "total",
+    "memory.free": "free",
+    "power.draw": "power",
+    "power.limit": "plimit",
+    "fan.speed": "fan",
+    "clocks.current.sm": "sm",
+    "clocks.current.memory": "memclk",
+    "clocks.current.graphics": "gfxclk",
+    "pci.bus_id": "bus",
+}
+
+
+def _short_title(fld: Field) -> str:
+    name = _SHORT.get(fld.name) or fld.name.rsplit(".", 1)[-1][:10]
+    return f"{name} {fld.unit}" if fld.unit else name
+
+
+def _drop_order(fields: Sequence[Field]) -> list[int]:
+    """Indices of ``fields`` in the order the live table leaves them out when narrow."""
+    identity = [i for name in _DROP_FIRST for i, f in enumerate(fields) if f.name == name]
+    rank = {name: r for r, name in enumerate(_KEEP_LONGEST)}
+    rest = [i for i in range(len(fields)) if i not in identity and fields[i].name not in rank]
+    kept = sorted((i for i, f in enumerate(fields) if f.name in rank), key=lambda i: -rank[fields[i].name])
+    return [*identity, *reversed(rest), *kept]
+
+
+def _wrap(parts: Sequence[str], cols: int, sep: str = " · ") -> list[str]:
+    """Join footer parts with ``sep`` into lines of at most ``cols`` visible characters (0: one line)."""
+    lines: list[str] = []
+    current = ""
+    for part in parts:
+        joined = f"{current}{sep}{part}" if current else part
+        if current and cols > 0 and _visible_len(joined) > cols:
+            lines.append(current)
+            current = part
+        else:
+            current = joined
+    if current:
+        lines.append(current)
+    return lines
 
 
 def _sort_key(key: object) -> tuple[int, str]:

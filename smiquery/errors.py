@@ -10,6 +10,7 @@ Every exception class of the package is defined here (the modules that raise the
     ├── InvalidGpuIdError (+ValueError)      malformed GPU id; never retried
     ├── InvalidRuleError (+ValueError)       an alert expression that cannot be parsed: text, reason
     ├── ParseError (+ValueError)             a row that does not fit: lineno, raw line, field
+    ├── UsageError (+ValueError)             a command-line option value that does not fit (exit 2)
     ├── RecordingError                       a recording that cannot be read (missing, empty, no header)
     │   ├── ReplayError                      ... or played back (lacks the fields asked for)
     │   └── ReportError (+ValueError)        ... or analysed (no timestamp)
@@ -65,6 +66,7 @@ __all__ = [
     "ReportError",
     "SmiqueryError",
     "StreamEndedError",
+    "UsageError",
     "WebConfigError",
     "failure_from_exit",
 ]
@@ -125,6 +127,10 @@ class WebConfigError(SmiqueryError, ValueError):
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
         self.path = str(path)
         super().__init__(f"web config {self.path}: {reason}; see docs/exporter.md (web configuration)")
+
+
+class UsageError(SmiqueryError, ValueError):
+    """A command-line option value that does not fit, found by a command (the CLI exits 2)."""
 
 
 class ParseError(SmiqueryError, ValueError):

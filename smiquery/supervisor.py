@@ -186,8 +186,8 @@ class Stream(LatestSweep):
         stats.state = "retrying"
         stats.attempt = state.attempt_number
         stats.next_retry_at = time.time() + wait
-        kind = "needs attention" if _permanent(exc) else "failed"
-        detail = f"nvidia-smi {kind} ({exc}); starting it again in {wait:.1f} s"
+        slow = " (this needs a person: retrying slowly)" if _permanent(exc) else ""
+        detail = f"restarting nvidia-smi in {wait:.1f} s after: {_one_line(exc) if exc else 'a failure'}{slow}"
         self._emit(StreamEvent("restart", exc, detail))
         log.warning("smiquery: %s", detail)
 
@@ -388,8 +388,9 @@ class Stream(LatestSweep):
                 and not _permanent(exc)
             ):
                 self._healthy_since = None
-                log.warning("smiquery: nvidia-smi failed after a healthy period (%s); starting it again", exc)
-                self._emit(StreamEvent("restart", exc, f"nvidia-smi failed ({exc}); starting it again"))
+                detail = f"restarting nvidia-smi now after: {_one_line(exc)} (it had run well for a while)"
+                log.warning("smiquery: %s", detail)
+                self._emit(StreamEvent("restart", exc, detail))
                 raise _HealthyFailure(exc) from exc
             self._healthy_since = None
             raise
@@ -401,13 +402,16 @@ class Stream(LatestSweep):
 
     def _on_first_row(self) -> None:
         stats = self.stats
+        # A single restart says enough on its own; after a longer outage (or one that needed a person) the return
+        # of data is news worth one line.
+        outage = self._failing and (stats.attempt >= 2 or stats.permanent)
         stats.state = "running"
         stats.attempt = 0
         stats.next_retry_at = None
         stats.permanent = False
         self._healthy_since = time.monotonic()
-        if self._failing:
-            self._failing = False
+        self._failing = False
+        if outage:
             self._emit(StreamEvent("recovered", None, "nvidia-smi delivers rows again"))
             log.warning("smiquery: nvidia-smi delivers rows again")
 

@@ -619,7 +619,7 @@ def test_tensorflow_image_config(buildah: Buildah, tf_image: Built) -> None:
     assert labels["org.opencontainers.image.base.name"] == BASE_IMAGE
     assert "NVIDIA Container Toolkit" in labels["smiquery.nvidia-smi.source"]
     assert cfg["Healthcheck"]["Test"][0] == "CMD" and cfg["Healthcheck"]["Test"][1:3] == ["smiquery", "--timeout"]
-    assert cfg["Healthcheck"]["Test"][-1] == "doctor"
+    assert cfg["Healthcheck"]["Test"][-2:] == ["doctor", "--gate"]
     # built offline: the smiquery wheel came from the builder stage, built from this tree
     assert re.search(r"Successfully installed .*\bsmiquery-[0-9]", tf_image.log)
 

@@ -199,7 +199,7 @@ def test_cli_plot(tmp_path):
     from typer.testing import CliRunner
 
     from smiquery import cli
-    from smiquery.cli_analysis import register
+    from smiquery.cli.analysis import register
 
     app = cli.app
     if "plot" not in {c.name for c in cli.app.registered_commands}:
@@ -294,7 +294,7 @@ def test_headerless_log_plots_with_fields(tmp_path):
 def test_gpus_chosen_by_uuid_or_bus_id_as_stream_takes_them(tmp_path):
     from typer.testing import CliRunner
 
-    from smiquery.cli_analysis import register
+    from smiquery.cli.analysis import register
 
     uuid5 = "GPU-d98134f2-4986-55a4-31e4-e203d4cccb68"  # GPU 5 in the demo recording
     fig = plot_recording(DEMO, "temperature.gpu", gpus=[uuid5, "00000000:18:00.0"], rules=[])

@@ -261,7 +261,7 @@ def _app() -> Any:
     import typer
 
     from smiquery import cli
-    from smiquery.cli_analysis import register
+    from smiquery.cli.analysis import register
 
     names = {c.name for c in cli.app.registered_commands}
     if "report" in names:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import traceback
-from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -72,7 +70,7 @@ AlertOpt = Annotated[
         "-a",
         metavar="EXPR",
         help="Rule whose threshold to use (repeatable; default: the built-in health rules), "
-        "e.g. 'temperature.gpu > 85 for 3'.",
+        "e.g. 'temperature.gpu > 85 for 3' (3 samples) or '... for 30s' (30 seconds).",
     ),
 ]
 
@@ -81,31 +79,10 @@ def _debug(ctx: typer.Context) -> bool:
     return bool(getattr(ctx.find_root().obj, "debug", False))
 
 
-def _fail(exc: BaseException, debug: bool) -> NoReturn:
-    from smiquery.alerts import InvalidRuleError
-    from smiquery.errors import InvalidFieldError, InvalidGpuIdError, SmiqueryError
+def _boundary(ctx: typer.Context) -> contextlib.AbstractContextManager[None]:
+    from smiquery.cli._boundary import boundary
 
-    if debug:
-        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-    usage = isinstance(exc, (InvalidRuleError, InvalidFieldError, InvalidGpuIdError, typer.BadParameter))
-    message = " ".join(str(exc).split()) or type(exc).__name__
-    if not usage and not isinstance(exc, (SmiqueryError, ImportError, OSError)):
-        message = f"unexpected {type(exc).__name__}: {message} (run with --debug for the traceback)"
-    with contextlib.suppress(OSError, ValueError):
-        print(f"smiquery: {'usage error' if usage else 'error'}: {message}", file=sys.stderr, flush=True)
-    raise typer.Exit(2 if usage else 1)
-
-
-@contextlib.contextmanager
-def _boundary(ctx: typer.Context) -> Iterator[None]:
-    try:
-        yield
-    except typer.Exit:
-        raise
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
-    except Exception as exc:
-        _fail(exc, _debug(ctx))
+    return boundary(_debug(ctx))
 
 
 TzOpt = Annotated[
@@ -263,7 +240,9 @@ def report(
         worst = {"critical": 0, "warning": 1, "info": 2}
         limit = {FailOn.warning: 1, FailOn.critical: 0}.get(fail_on)
         if limit is not None and any(worst[f.severity] <= limit for f in result.findings):
-            raise typer.Exit(6)
+            from smiquery.cli._boundary import ExitCode
+
+            raise typer.Exit(ExitCode.ALERT)
 
 
 def register(app: typer.Typer) -> None:

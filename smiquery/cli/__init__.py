@@ -1,0 +1,127 @@
+"""The ``smiquery`` command line: stream, query, ps, fields, doctor, export, plot and report.
+
+One module per command; commands stay thin (validate options, call the library, render). Errors are caught
+only at the one boundary (:mod:`smiquery.cli._boundary`) and printed as one line on stderr
+(``smiquery: error: ...``) that says what to do; ``--debug`` adds the traceback. Exit codes are
+:class:`ExitCode`:
+
+====  ===========================================================================================
+0     ok
+1     any other error
+2     usage: a bad option, field, GPU id, interval, duration or alert expression
+3     nvidia-smi not found (or not executable)
+4     driver problem: not loaded, NVML library missing, driver/library mismatch, no GPU, GPU lost,
+      insufficient permissions
+5     nvidia-smi timed out (hung)
+6     an alert fired and ``--exit-on-alert`` was given (``report``: a finding at ``--fail-on``)
+130   interrupted by Ctrl-C (SIGINT); 143 for SIGTERM
+====  ===========================================================================================
+
+``doctor`` exits with the code of its first failure, 1 for a warning, else 0; ``doctor --gate`` ignores
+warnings. A closed output pipe (``smiquery stream | head``) ends a stream quietly with 0.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from smiquery.cli._boundary import EXIT_CODES, ExitCode, cli_text, exit_code_for, quiet_stdout, say
+
+if TYPE_CHECKING:
+    from smiquery.cli._common import app
+
+__all__ = ["EXIT_CODES", "ExitCode", "app", "exit_code_for", "main"]
+
+_ORDER = ("stream", "query", "ps", "fields", "doctor", "export", "plot", "report")
+
+
+def _command_rank(info: Any) -> int:
+    name = info.name or getattr(info.callback, "__name__", "")
+    return _ORDER.index(name) if name in _ORDER else len(_ORDER)
+
+
+def _load_app() -> Any:
+    """The typer app with every command registered (imported on first use: the fast path needs none of it)."""
+    from smiquery.cli import _common
+
+    if not getattr(_common, "_registered", False):
+        from smiquery.cli import doctor, fields, ps, query, stream  # noqa: F401  (their @app.command registers them)
+        from smiquery.cli.analysis import register as register_analysis
+        from smiquery.cli.export import register as register_export
+
+        register_export(_common.app)
+        register_analysis(_common.app)
+        _common.app.registered_commands.sort(key=_command_rank)  # the headline command first in --help
+        _common._registered = True  # type: ignore[attr-defined]
+    return _common.app
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        return _load_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _run_fast_query(opts: dict[str, str | bool]) -> int:
+    from smiquery.cli._options import Format, Settings
+    from smiquery.cli._snapshot import run_query
+
+    def text(key: str) -> str | None:
+        value = opts.get(key)
+        return value if isinstance(value, str) else None
+
+    timeout = text("timeout")
+    settings = Settings(text("nvidia_smi"), float(timeout) if timeout else Settings().timeout, bool(opts.get("debug")))
+    fmt = text("fmt")
+    try:
+        run_query(settings, text("fields"), text("gpus"), Format(fmt) if fmt else None)
+    except Exception as exc:  # typer.Exit, raised by the boundary after its one line on stderr
+        code = getattr(exc, "exit_code", None)
+        if not isinstance(code, int):
+            raise
+        return code
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Run the command line (the ``smiquery`` console script and ``python -m smiquery``).
+
+    Typer's own usage errors are printed as one line too, and exit with 2.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+    """
+    from smiquery.cli._fast import parse_fast_query
+
+    args = list(argv) if argv is not None else sys.argv[1:]
+    fast = parse_fast_query(args)
+    if fast is not None:
+        try:
+            sys.exit(_run_fast_query(fast))
+        except BrokenPipeError:
+            quiet_stdout()
+            sys.exit(ExitCode.OK)
+    import typer
+
+    try:
+        rc = _load_app()(args=args, prog_name="smiquery", standalone_mode=False)
+    except typer.Abort:
+        say("smiquery: interrupted")
+        sys.exit(ExitCode.INTERRUPTED)
+    except typer.TyperException as exc:
+        ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            if ctx is not None:
+                typer.echo(ctx.get_help())
+            sys.exit(ExitCode.OK)
+        where = f" (see `{ctx.command_path} --help`)" if ctx is not None else " (see `smiquery --help`)"
+        say(f"smiquery: usage error: {cli_text(exc.format_message())}{where}")
+        sys.exit(getattr(exc, "exit_code", ExitCode.USAGE))
+    except KeyboardInterrupt:
+        sys.exit(ExitCode.INTERRUPTED)
+    except BrokenPipeError:
+        quiet_stdout()
+        sys.exit(ExitCode.OK)
+    sys.exit(rc if isinstance(rc, int) else 0)

@@ -1,0 +1,250 @@
+"""The one error boundary of the command line: exit codes, and errors turned into one line on stderr."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import traceback
+import warnings
+from collections.abc import Iterator, Sequence
+from enum import IntEnum
+from typing import NoReturn
+
+from smiquery.errors import (
+    DriverNotLoadedError,
+    DriverVersionMismatchError,
+    GpuLostError,
+    InsufficientPermissionsError,
+    InvalidFieldError,
+    InvalidGpuIdError,
+    NoDevicesFoundError,
+    NvidiaSmiNotFoundError,
+    NvidiaSmiTimeoutError,
+    NvmlNotFoundError,
+    ParseError,
+    SmiqueryError,
+    UsageError,
+)
+
+__all__ = ["EXIT_CODES", "ExitCode", "UsageError", "boundary", "cli_text", "exit_code_for", "say"]
+
+
+class ExitCode(IntEnum):
+    """The documented exit codes of ``smiquery`` (also in ``smiquery --help`` and the README).
+
+    Attributes:
+        OK: success.
+        ERROR: any other error (an unreadable recording, nvidia-smi output that does not parse, ...).
+        USAGE: a bad option, field, GPU id, interval, duration or alert expression.
+        NOT_FOUND: nvidia-smi not found (or not executable).
+        DRIVER: driver problem: not loaded, NVML library missing, driver/library mismatch, no GPU, GPU lost,
+            insufficient permissions.
+        TIMEOUT: nvidia-smi timed out (hung).
+        ALERT: an alert fired with ``--exit-on-alert`` (``report``: a finding at ``--fail-on``).
+        INTERRUPTED: Ctrl-C (SIGINT).
+        TERMINATED: SIGTERM.
+    """
+
+    OK = 0
+    ERROR = 1
+    USAGE = 2
+    NOT_FOUND = 3
+    DRIVER = 4
+    TIMEOUT = 5
+    ALERT = 6
+    INTERRUPTED = 130
+    TERMINATED = 143
+
+
+#: The documented exit codes by name (kept for scripts that used the dict).
+EXIT_CODES: dict[str, int] = {
+    "ok": ExitCode.OK,
+    "error": ExitCode.ERROR,
+    "usage": ExitCode.USAGE,
+    "nvidia_smi_not_found": ExitCode.NOT_FOUND,
+    "driver": ExitCode.DRIVER,
+    "timeout": ExitCode.TIMEOUT,
+    "alert": ExitCode.ALERT,
+    "interrupted": ExitCode.INTERRUPTED,
+    "terminated": ExitCode.TERMINATED,
+}
+
+DRIVER_ERRORS: tuple[type[Exception], ...] = (
+    DriverNotLoadedError,
+    NvmlNotFoundError,
+    DriverVersionMismatchError,
+    NoDevicesFoundError,
+    GpuLostError,
+    InsufficientPermissionsError,
+)
+
+
+# typer is imported only when an error needs it: the fast path of `query` runs without it.
+def _typer_class(name: str) -> tuple[type[BaseException], ...]:
+    typer = sys.modules.get("typer")
+    return (getattr(typer, name),) if typer is not None else ()
+
+
+def _exit(code: int) -> BaseException:
+    import typer
+
+    return typer.Exit(int(code))
+
+
+def exit_code_for(exc: BaseException) -> ExitCode:
+    """The documented exit code for an error.
+
+    Args:
+        exc: the error that ended a command.
+
+    Returns:
+        NOT_FOUND, DRIVER, TIMEOUT, USAGE (invalid field, GPU id, alert or option), INTERRUPTED, else ERROR.
+    """
+    from smiquery.alerts import InvalidRuleError
+
+    if isinstance(exc, KeyboardInterrupt):
+        return ExitCode.INTERRUPTED
+    if isinstance(exc, NvidiaSmiNotFoundError):
+        return ExitCode.NOT_FOUND
+    if isinstance(exc, DRIVER_ERRORS):
+        return ExitCode.DRIVER
+    if isinstance(exc, NvidiaSmiTimeoutError):
+        return ExitCode.TIMEOUT
+    usage = (InvalidFieldError, InvalidGpuIdError, InvalidRuleError, UsageError, *_typer_class("BadParameter"))
+    if isinstance(exc, usage):
+        return ExitCode.USAGE
+    return ExitCode.ERROR
+
+
+# Library messages name Python arguments (`nvidia_smi=PATH`); a CLI user knows the options. The patterns are
+# compiled (and cached by `re`) on first use: most runs print no error, and start-up time counts.
+_PY_ARGS = (
+    (r"\bnvidia_smi=PATH\s*/\s*", ""),
+    (r"\bnvidia_smi argument\b", "--nvidia-smi"),
+    (r"\bnvidia_smi=", "--nvidia-smi "),
+    (r"\bfields=", "--fields "),
+    (r"\bgpus=", "--gpus "),
+    (r"\binterval=", "--interval "),
+    (r"\btimeout=", "--timeout "),
+)
+_UNPRINTABLE = r"[^\t\x20-\x7e\u00a0-\ud7ff\ue000-\ufffd]"
+_QUOTED = r"(?<=[\s:(])(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")"
+_ESCAPE = r"\\x[0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}"
+_MAX_MESSAGE = 400
+
+
+def _binary_quote(match: re.Match[str]) -> str:
+    """A quoted line of a binary file (escapes, control and non-ASCII characters) becomes a short note."""
+    text = match.group(0)[1:-1]
+    if len(text) < 8:
+        return match.group(0)
+    odd = len(re.findall(_ESCAPE, text)) + sum(1 for c in re.sub(_ESCAPE, "", text) if not " " <= c <= "~")
+    return "(binary data, not text)" if odd > len(text) / 20 else match.group(0)
+
+
+def cli_text(message: str) -> str:
+    r"""A library message as a CLI user should read it: one line, options not Python arguments, printable only.
+
+    A quoted line of a binary file becomes ``(binary data, not text)``; a stray control character is shown as
+    a ``\xNN`` escape; a very long message is cut short.
+
+    Args:
+        message: the text.
+
+    Returns:
+        The one-line, printable text.
+    """
+    text = re.sub(_QUOTED, _binary_quote, str(message))
+    for pattern, repl in _PY_ARGS:
+        text = re.sub(pattern, repl, text)
+    text = " ".join(text.split())
+    text = re.sub(_UNPRINTABLE, lambda m: f"\\x{ord(m.group(0)) & 0xFF:02x}", text.replace("\ufffd", "?"))
+    if len(text) > _MAX_MESSAGE:
+        text = text[: _MAX_MESSAGE - 3] + "..."
+    return text
+
+
+def say(message: str) -> None:
+    """Print one line on stderr (never fails: a closed stderr is ignored).
+
+    Args:
+        message: the line.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        print(message, file=sys.stderr, flush=True)
+
+
+def warn_lines(caught: Sequence[warnings.WarningMessage]) -> None:
+    """Print caught warnings, one line each.
+
+    Args:
+        caught: from ``warnings.catch_warnings(record=True)``.
+    """
+    for w in caught:
+        if not issubclass(w.category, ResourceWarning):
+            say(f"smiquery: warning: {cli_text(str(w.message))}")
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null after the reader went away (``| head``), so the flush at exit cannot fail."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def fail(exc: BaseException, debug: bool) -> NoReturn:
+    """Print ``exc`` as one line on stderr and exit with its code.
+
+    Args:
+        exc: the error.
+        debug: print the traceback first.
+
+    Raises:
+        typer.Exit: always.
+    """
+    if debug:
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    code = exit_code_for(exc)
+    kind = "usage error" if code == ExitCode.USAGE else "error"
+    if isinstance(exc, _typer_class("BadParameter")):
+        # "Invalid value for '--x': ..." names the option; without one, the message alone says it
+        named = getattr(exc, "param_hint", None) is not None or getattr(exc, "param", None) is not None
+        message = cli_text(exc.format_message() if named else getattr(exc, "message", str(exc)))  # type: ignore[attr-defined]
+    else:
+        message = cli_text(str(exc)) or type(exc).__name__
+    if isinstance(exc, ParseError):
+        message += "; nvidia-smi printed output that does not fit the fields: run `smiquery doctor`"
+    expected: tuple[type[BaseException], ...] = (SmiqueryError, UsageError, *_typer_class("BadParameter"))
+    expected += (ImportError, OSError)
+    if not isinstance(exc, expected):
+        message = f"unexpected {type(exc).__name__}: {message} (run with --debug for the traceback)"
+    say(f"smiquery: {kind}: {message}")
+    raise _exit(code)
+
+
+@contextlib.contextmanager
+def boundary(debug: bool = False) -> Iterator[None]:
+    """The one place where errors become one line on stderr and an exit code.
+
+    Args:
+        debug: print tracebacks.
+
+    Yields:
+        Nothing; the body of a command runs inside.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            yield
+    except KeyboardInterrupt:
+        raise _exit(ExitCode.INTERRUPTED) from None
+    except BrokenPipeError:
+        quiet_stdout()
+        raise _exit(ExitCode.OK) from None
+    except Exception as exc:
+        if isinstance(exc, _typer_class("Exit")):
+            raise
+        fail(exc, debug)

@@ -1,0 +1,222 @@
+"""The typer app, the global options, and the typer option types every command shares."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from smiquery import __version__
+from smiquery.cli._boundary import ExitCode, UsageError
+from smiquery.cli._options import (
+    Format,
+    Settings,
+    StreamFormat,
+    choose_format,
+    parse_fields,
+    parse_gpus,
+    parse_seconds,
+    unknown_gpus,
+)
+from smiquery.fields import PRESETS
+
+__all__ = [
+    "FieldsOpt",
+    "Format",
+    "FormatOpt",
+    "GpusOpt",
+    "Settings",
+    "StreamFormat",
+    "app",
+    "choose_format",
+    "parse_fields",
+    "parse_gpus",
+    "parse_seconds",
+    "settings_of",
+    "unknown_gpus",
+]
+
+EPILOG = """\b
+Exit codes:
+  0    ok
+  1    other error
+  2    usage error (bad option, field, GPU id, interval, duration or alert)
+  3    nvidia-smi not found
+  4    driver problem (not loaded, NVML missing, version mismatch, no GPU,
+       GPU lost, insufficient permissions)
+  5    nvidia-smi timed out
+  6    an alert fired with --exit-on-alert (report: a finding with --fail-on)
+  130  Ctrl-C (SIGINT)
+  143  SIGTERM
+
+\b
+doctor exits 0, 1 (a warning), or the code of its first failure;
+doctor --gate fails only on what stops monitoring (3, 4, 5, 1).
+
+\b
+Examples:
+  smiquery stream                          live table (CSV when piped)
+  smiquery stream --fields health -l 250ms --output run.csv
+  smiquery stream --alert 'temperature.gpu > 85 for 3' --exit-on-alert
+  smiquery query --format json
+  smiquery doctor --gate                   health check: exit 0 unless monitoring is impossible
+  smiquery export --interval 5             Prometheus metrics on 127.0.0.1:9849
+  smiquery plot run.csv -o trace.png
+  smiquery report run.csv --format markdown
+"""
+
+app = typer.Typer(
+    name="smiquery",
+    help="Typed, trustworthy NVIDIA GPU monitoring through nvidia-smi.",
+    epilog=EPILOG,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    pretty_exceptions_show_locals=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def settings_of(ctx: typer.Context) -> Settings:
+    """The global options of this invocation.
+
+    Args:
+        ctx: any command's context.
+
+    Returns:
+        The settings (defaults when the root callback did not run).
+    """
+    obj = ctx.find_root().obj
+    return obj if isinstance(obj, Settings) else Settings()
+
+
+# ------------------------------------------------------------------------------------------------ parsers
+
+
+def seconds_option(what: str) -> typer.models.OptionInfo:
+    """A typer option parser for durations (shared by ``export`` and friends), as an ``Option(parser=...)``.
+
+    Args:
+        what: the option name, for messages.
+
+    Returns:
+        The option info to put in ``Annotated``.
+    """
+
+    def parse(text: str | float) -> float:
+        if isinstance(text, (int, float)):
+            return float(text)
+        try:
+            return parse_seconds(text, what)
+        except UsageError as exc:
+            raise typer.BadParameter(str(exc)) from None
+
+    option: typer.models.OptionInfo = typer.Option(parser=parse, metavar="DURATION")
+    return option
+
+
+# -------------------------------------------------------------------------------------------------- options
+
+# -------------------------------------------------------------------------------------------------- options
+
+NvidiaSmiOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--nvidia-smi",
+        metavar="PATH",
+        help="The nvidia-smi to run (default: $SMIQUERY_NVIDIA_SMI, then PATH, then the usual places).",
+        show_default=False,
+    ),
+]
+FieldsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--fields",
+        "-f",
+        metavar="PRESET|a,b,c",
+        help=f"A preset ({', '.join(PRESETS)}) or a comma list of nvidia-smi field names. [default: default]",
+        show_default=False,
+    ),
+]
+GpusOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpus",
+        "--id",
+        "-i",
+        metavar="0,1|UUID|BUS_ID",
+        help="Only these GPUs: indices, UUIDs or PCI bus ids, comma separated. [default: all]",
+        show_default=False,
+    ),
+]
+FormatOpt = Annotated[
+    Format | None,
+    typer.Option(
+        "--format",
+        "-F",
+        help="Output format. [default: table on a terminal, csv otherwise]",
+        show_default=False,
+        case_sensitive=False,
+    ),
+]
+StreamFormatOpt = Annotated[
+    StreamFormat | None,
+    typer.Option(
+        "--format",
+        "-F",
+        help="Output format. [default: table on a terminal, csv otherwise]",
+        show_default=False,
+        case_sensitive=False,
+    ),
+]
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"smiquery {__version__}")
+        raise typer.Exit(ExitCode.OK)
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    nvidia_smi: NvidiaSmiOpt = None,
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", metavar="SECONDS", min=0.1, help="Seconds before an nvidia-smi call counts as hung."),
+    ] = 10.0,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", "-V", callback=_version_callback, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Typed, trustworthy NVIDIA GPU monitoring through nvidia-smi.
+
+    Runs `nvidia-smi --query-gpu=... --format=csv` once or as one long-lived loop, and parses it into typed
+    records: units known, missing values kept missing (never 0).
+    """
+    ctx.obj = Settings(nvidia_smi=nvidia_smi, timeout=timeout, debug=debug)
+    configure_logging(debug)
+
+
+def configure_logging(debug: bool) -> None:
+    """Library log lines go to stderr only with --debug (commands print their own one-line events).
+
+    Args:
+        debug: send the library's debug log to stderr.
+    """
+    import logging
+
+    logger = logging.getLogger("smiquery")
+    logger.propagate = False
+    logger.handlers.clear()
+    if debug:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("smiquery: debug: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+    else:
+        logger.addHandler(logging.NullHandler())

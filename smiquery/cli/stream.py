@@ -1,0 +1,644 @@
+"""``smiquery stream``: watch the GPUs live (one long-lived nvidia-smi, or a recording) and record it."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from smiquery.cli._boundary import ExitCode, UsageError, boundary, cli_text, quiet_stdout, say
+from smiquery.cli._common import (
+    FieldsOpt,
+    GpusOpt,
+    Settings,
+    StreamFormatOpt,
+    app,
+    choose_format,
+    parse_fields,
+    parse_gpus,
+    parse_seconds,
+    settings_of,
+    unknown_gpus,
+)
+from smiquery.errors import NoDevicesFoundError, SmiqueryError
+from smiquery.fields import Field, get_field
+
+if TYPE_CHECKING:
+    from smiquery.alerts import AlertEvaluator, AlertEvent
+    from smiquery.display import LiveTable, SampleWriter
+    from smiquery.records import GpuSample
+    from smiquery.source import SampleSource, StreamEvent, Sweep
+
+__all__ = ["EventPrinter", "stream", "subscribe"]
+
+
+def subscribe(source: object, callback: Callable[[StreamEvent], None]) -> Callable[[], None]:
+    """Hear a source's events: ``source.subscribe(cb)`` where the source has it, else its ``on_event`` hook.
+
+    Args:
+        source: a :class:`~smiquery.source.SampleSource` (or an older ``Stream`` with ``on_event``).
+        callback: called with each :class:`~smiquery.source.StreamEvent`, from the source's thread.
+
+    Returns:
+        A function that stops the callback.
+    """
+    sub = getattr(source, "subscribe", None)
+    if callable(sub):
+        undo = sub(callback)
+        return undo if callable(undo) else (lambda: None)
+    if hasattr(source, "on_event"):
+        previous = source.on_event
+        source.on_event = callback
+
+        def restore() -> None:
+            source.on_event = previous
+
+        return restore
+    return lambda: None
+
+
+class EventPrinter:
+    """One line per restart, error, lost or returning GPU, recovery and dropped row.
+
+    An error and the restart it causes make one line (``restarting nvidia-smi in 0.2 s after: ...``); an
+    error that ends the stream is left to the command's error line; a row dropped just before an error (the
+    error's own message, printed where a row was expected) is not reported twice.
+
+    Args:
+        emit: where a line goes (stderr, or the live table's footer).
+    """
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+        self._pending: tuple[str, BaseException | None, str] | None = None  # (kind, error, line) held back
+
+    def flush(self) -> None:
+        """Print what is held back (data arrived, or another event came)."""
+        if self._pending is not None:
+            self.emit(self._pending[2])
+            self._pending = None
+
+    def discard(self) -> None:
+        """Forget what is held back (the error that ends the stream is reported by the command)."""
+        self._pending = None
+
+    def __call__(self, event: StreamEvent) -> None:
+        """Take one event.
+
+        Args:
+            event: the event.
+        """
+        detail = cli_text(event.detail or (str(event.error) if event.error is not None else event.kind))
+        kind = event.kind
+        if kind == "dropped_row":
+            self.flush()
+            self._pending = ("dropped_row", None, f"smiquery: warning: dropped a line nvidia-smi printed: {detail}")
+        elif kind == "error":
+            if self._pending is not None and self._pending[0] == "dropped_row":
+                self._pending = None  # the dropped line was this error's message
+            self.flush()
+            self._pending = ("error", event.error, f"smiquery: error: {detail}")
+        elif kind == "restart":
+            held = self._pending
+            self._pending = None
+            if held is not None and held[0] == "error" and event.error is None:
+                what = detail.split(" after")[0]
+                self.emit(f"smiquery: {what} after: {held[2].removeprefix('smiquery: error: ')}")
+            elif held is not None and held[0] == "error" and event.error is not held[1]:
+                self.emit(held[2])
+                self.emit(f"smiquery: {detail}")
+            else:
+                if held is not None and held[0] != "error":
+                    self.emit(held[2])
+                self.emit(f"smiquery: {detail}")
+        elif kind == "gpu_lost":
+            self.flush()
+            self.emit(f"smiquery: error: {detail}")
+        elif kind in ("gpu_back", "recovered"):
+            self.flush()
+            self.emit(f"smiquery: {detail}")
+
+
+class _Failure:
+    """A source error, passed from the pump thread to the main thread."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _Event:
+    """A source event, passed from the source's thread to the main thread."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: StreamEvent) -> None:
+        self.event = event
+
+
+_END = object()
+
+
+class _Pump:
+    """Reads a source's sweeps in a thread and hands them (and its events) over through one queue.
+
+    The main thread keeps control: it can redraw while no sweep arrives, honour ``--duration`` and react to
+    Ctrl-C at once, whatever the source is doing.
+    """
+
+    def __init__(self, source: SampleSource, stop: threading.Event | None = None) -> None:
+        self.source = source
+        self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.stop = stop if stop is not None else threading.Event()  # also ends the source's restart backoff
+        self.thread = threading.Thread(target=self._run, name="smiquery-pump", daemon=True)
+        self._unsubscribe = subscribe(source, lambda ev: self.queue.put(_Event(ev)))
+
+    def _run(self) -> None:
+        it = self.source.sweeps()
+        try:
+            for sweep in it:
+                if self.stop.is_set():
+                    break
+                self.queue.put(sweep)
+        except BaseException as exc:  # handed to the main thread, which reports it
+            self.queue.put(_Failure(exc))
+        else:
+            self.queue.put(_END)
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
+
+    def start(self) -> None:
+        """Start reading."""
+        self.thread.start()
+
+    def halt(self, timeout: float) -> None:
+        """Stop the source (reaping nvidia-smi) and wait for the thread."""
+        self.stop.set()
+        with contextlib.suppress(Exception):
+            self.source.close()
+        self.thread.join(timeout)
+        self._unsubscribe()
+
+
+class _Signals:
+    """Turns SIGINT/SIGTERM into a flag the loop checks; a second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.closing = False
+        self._saved: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: object) -> None:
+        if self.closing:
+            self.signum = self.signum or signum
+            return
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(ValueError, OSError):
+                    self._saved[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(sig, handler)
+
+
+@dataclass
+class _Run:
+    """Everything one ``smiquery stream`` run writes to."""
+
+    writers: list[SampleWriter]
+    live: LiveTable | None
+    static_table: bool
+    fields: tuple[Field, ...]
+    evaluator: AlertEvaluator | None
+    exit_on_alert: bool
+    events: EventPrinter = field(default_factory=lambda: EventPrinter(say))
+    #: turns a source error into the error that ends the command (a GPU id this machine lacks), or None
+    check_error: Callable[[BaseException], BaseException | None] | None = None
+    alert_fired: bool = False
+    sweeps: int = 0
+    last_draw: float = 0.0
+
+
+_EPILOG = """\b
+--count N stops after N sweeps (one row per GPU each). --duration takes
+30s, 10m, 1h or plain seconds; --interval takes 1, 0.5, 250ms or 2s.
+
+\b
+Alerts: FIELD OP VALUE [for N | for DURATION], OP one of > >= < <= == !=.
+'for 3' (or 'for 3 samples') fires when 3 consecutive samples of a GPU
+pass the threshold; 'for 30s', 'for 5m' when it holds that long by the
+samples' own timestamps; no 'for' fires on one sample. One line goes to
+stderr when an alert fires and when it clears.
+
+\b
+Restarts of nvidia-smi, lost GPUs and errors print one line each on
+stderr (in the live table's footer when stderr is that terminal).
+--output records while displaying: .csv (nvidia-smi's format, read back by
+--replay and smiquery.read_csv), .jsonl, or .parquet (rewritten every
+10,000 rows or 60 s, and at the end, so a crash loses at most that).
+Ctrl-C stops cleanly (exit 130) and every file ends on a whole row.
+
+\b
+Examples:
+  smiquery stream
+  smiquery stream --fields health --interval 250ms --output run.csv
+  smiquery stream --format jsonl | jq '."temperature.gpu"'
+  smiquery stream --alert 'temperature.gpu > 85 for 3' --alert 'utilization.gpu < 20 for 5m'
+  smiquery stream --replay run.csv --speed 10
+  smiquery stream --count 10 --format csv > snapshot.csv
+"""
+
+
+@app.command(epilog=_EPILOG)
+def stream(
+    ctx: typer.Context,
+    fields: FieldsOpt = None,
+    interval: Annotated[
+        str,
+        typer.Option("--interval", "-l", metavar="DURATION", help="Time between samples: 1, 0.5, 250ms, 2s."),
+    ] = "1",
+    gpus: GpusOpt = None,
+    fmt: StreamFormatOpt = None,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output", "-o", metavar="FILE", help="Also record to FILE (.csv, .jsonl or .parquet).", dir_okay=False
+        ),
+    ] = None,
+    count: Annotated[int | None, typer.Option("--count", "-n", min=1, metavar="N", help="Stop after N sweeps.")] = None,
+    duration: Annotated[
+        str | None, typer.Option("--duration", "-d", metavar="DURATION", help="Stop after this long: 30s, 10m, 1h.")
+    ] = None,
+    replay: Annotated[
+        Path | None,
+        typer.Option(
+            "--replay",
+            metavar="FILE",
+            help="Play a recording (.csv, .jsonl, .parquet) instead of running nvidia-smi.",
+            dir_okay=False,
+        ),
+    ] = None,
+    speed: Annotated[
+        float,
+        typer.Option("--speed", min=0.0, metavar="X", help="Replay speed: 2 is twice as fast, 0 as fast as possible."),
+    ] = 1.0,
+    loop: Annotated[bool, typer.Option("--loop", help="Replay: start again at the end.")] = False,
+    alert: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--alert",
+            "-a",
+            metavar="EXPR",
+            help="Alert rule; repeatable. 'temperature.gpu > 85 for 3' holds for 3 samples, "
+            "'... for 30s' for 30 seconds.",
+        ),
+    ] = None,
+    exit_on_alert: Annotated[
+        bool, typer.Option("--exit-on-alert", help="Exit with code 6 as soon as an alert fires.")
+    ] = False,
+) -> None:
+    """Watch the GPUs live: one long-lived nvidia-smi (or a recording).
+
+    On a terminal: a live table, one row per GPU, redrawn in place and fitted to the terminal's width (units in
+    the header, missing values as n/a, LOST GPUs in red, values past an alert threshold in colour, hidden
+    columns, sample age and restarts in the footer). Piped: CSV in nvidia-smi's format, flushed sweep by sweep
+    (so `| tail -f`, `| grep`, `| jq` work live).
+    """
+    settings = settings_of(ctx)
+    with boundary(settings.debug):
+        _stream(
+            settings,
+            fields=fields,
+            interval=interval,
+            gpus=gpus,
+            fmt=fmt.value if fmt is not None else None,
+            output=output,
+            count=count,
+            duration=duration,
+            replay_path=replay,
+            speed=speed,
+            loop=loop,
+            alerts=alert or [],
+            exit_on_alert=exit_on_alert,
+        )
+
+
+def _stream(
+    settings: Settings,
+    *,
+    fields: str | None,
+    interval: str,
+    gpus: str | None,
+    fmt: str | None,
+    output: Path | None,
+    count: int | None,
+    duration: str | None,
+    replay_path: Path | None,
+    speed: float,
+    loop: bool,
+    alerts: Sequence[str],
+    exit_on_alert: bool,
+) -> None:
+    from smiquery.alerts import AlertEvaluator, InvalidRuleError, Rule
+    from smiquery.display import CsvWriter, JsonlWriter, LiveTable, open_recorder, use_color
+
+    seconds = parse_seconds(interval, "--interval")
+    stop_after = parse_seconds(duration, "--duration") if duration is not None else None
+    try:
+        rules = [Rule.parse(a) for a in alerts]
+    except InvalidRuleError as exc:
+        raise UsageError(f"--alert: {exc}") from None
+    needed = [f for r in rules for f in r.fields]  # `while` fields too
+    if any(r.hold_seconds is not None for r in rules):
+        needed.insert(0, get_field("timestamp"))  # `for 5m` is measured by the samples' own timestamps
+    rule_fields = tuple({f.name: f for f in needed}.values())
+    ids = parse_gpus(gpus)
+    out = sys.stdout
+    form = fmt or choose_format(None, out)
+    isatty = getattr(out, "isatty", None)
+    tty = bool(isatty and isatty())
+
+    source: SampleSource
+    flds: tuple[Field, ...]
+    pump_stop = threading.Event()
+    if replay_path is not None:
+        from smiquery.playback import Replay, ReplayError
+
+        wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None
+        if wanted is None:
+            # The default preset when the recording has it, else every recorded column.
+            probe = Replay(replay_path, speed=speed, gpus=ids, loop=loop)
+            have = {f.name for f in probe.recorded_fields}
+            default = parse_fields("default", rule_fields)
+            if all(f.name in have for f in default):
+                wanted = default
+            else:
+                lacking = [f.name for f in rule_fields if f.name not in have]
+                if lacking:
+                    raise ReplayError(f"recording {replay_path} has no {', '.join(lacking)} for --alert")
+        try:
+            replayed = Replay(
+                replay_path,
+                speed=speed,
+                fields=[f.name for f in wanted] if wanted is not None else None,
+                gpus=ids,
+                loop=loop,
+            )
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        source = replayed
+        flds = replayed.fields
+        title = f"smiquery stream · replay {replay_path.name} at {speed:g}x" if speed else f"replay {replay_path.name}"
+    else:
+        from smiquery.supervisor import Stream
+
+        flds = parse_fields(fields, rule_fields)
+
+        def nap(seconds: float) -> None:
+            pump_stop.wait(seconds)
+
+        live_source = Stream(
+            [f.name for f in flds],
+            interval=seconds,
+            gpus=ids,
+            nvidia_smi=settings.nvidia_smi,
+            stall_timeout=max(settings.timeout, 3 * seconds),
+            sleep=nap,
+            fail_fast=True,
+        )
+        source = live_source
+        flds = live_source.fields
+        title = f"smiquery stream · every {seconds:g} s · {live_source.argv[0]}"
+
+    writers: list[SampleWriter] = []
+    recorder: SampleWriter | None = None
+    if output is not None:
+        try:
+            recorder = open_recorder(output, flds)
+        except ValueError as exc:
+            raise UsageError(f"--output: {exc}") from None
+        except OSError as exc:
+            raise SmiqueryError(f"cannot write {output}: {exc.strerror or exc}; choose another --output") from None
+        except RuntimeError as exc:
+            raise SmiqueryError(str(exc)) from None
+    live: LiveTable | None = None
+    evaluator = AlertEvaluator(rules) if rules else None
+    if recorder is not None:
+        writers.append(recorder)
+    if form == "csv":
+        writers.append(CsvWriter(out, flds, flush=True))
+    elif form == "jsonl":
+        writers.append(JsonlWriter(out, flush=True))
+    elif tty:
+        live = LiveTable(out, flds, title=title, color=use_color(out), evaluator=evaluator)
+    run = _Run(writers, live, form == "table" and live is None, flds, evaluator, exit_on_alert)
+    if ids and replay_path is None:
+        checked: list[BaseException | None] = []
+
+        def check_error(exc: BaseException) -> BaseException | None:
+            # a source that retries "No devices were found" forever: a GPU id this machine lacks is a usage error
+            if not isinstance(exc, NoDevicesFoundError):
+                return None
+            if not checked:
+                checked.append(unknown_gpus(ids, settings))
+            return checked[0]
+
+        run.check_error = check_error
+    err_isatty = getattr(sys.stderr, "isatty", None)
+    if live is not None and err_isatty is not None and err_isatty():
+        # stderr is the same terminal: a line there would tear the table, so events go to its footer
+        table = live
+        run.events = EventPrinter(lambda line: table.note(line.removeprefix("smiquery: ")))
+    try:
+        code = _pump_loop(source, run, count=count, stop_after=stop_after, interval=seconds, stop_event=pump_stop)
+    except NoDevicesFoundError:
+        wrong = unknown_gpus(ids, settings) if replay_path is None else None
+        if wrong is None:
+            raise
+        raise wrong from None
+    if code:
+        raise typer.Exit(code)
+
+
+def _stats_of(source: SampleSource, run: _Run) -> dict[str, object]:
+    st = source.stats
+    return {
+        "rows": st.rows,
+        "sweeps": run.sweeps,
+        "restarts": st.restarts,
+        "dropped_rows": st.dropped_rows,
+        "lost_gpus": set(st.lost_gpus),
+        "last_error": st.last_error,
+        "state": getattr(st, "state", None),
+        "next_retry_at": getattr(st, "next_retry_at", None),
+    }
+
+
+def _exit_for(signum: int) -> int:
+    return ExitCode.INTERRUPTED if signum == signal.SIGINT else ExitCode.TERMINATED
+
+
+def _pump_loop(
+    source: SampleSource,
+    run: _Run,
+    *,
+    count: int | None,
+    stop_after: float | None,
+    interval: float,
+    stop_event: threading.Event | None = None,
+) -> int:
+    """Consume the source's sweeps until it ends, ``--count``/``--duration`` is reached, an alert exits, or a signal.
+
+    Returns:
+        The exit code (0, 6, 130 or 143); a source failure is raised after the outputs are closed.
+    """
+    pump = _Pump(source, stop_event)
+    failure: BaseException | None = None
+    code = 0
+    deadline = time.monotonic() + stop_after if stop_after is not None else None
+    tick = 0.1
+    live = run.live
+    with _Signals() as sigs:
+        try:
+            for w in run.writers:
+                header = getattr(w, "header", None)
+                if header is not None:
+                    header()  # CSV headers now: a recording has one even if it ends before the first row
+            pump.start()
+            if live is not None:
+                live.redraw(_stats_of(source, run))
+            while True:
+                if sigs.signum is not None:
+                    code = _exit_for(sigs.signum)
+                    break
+                wait = tick
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    wait = min(wait, left)
+                try:
+                    item = pump.queue.get(timeout=wait)
+                except queue.Empty:
+                    if live is not None and time.monotonic() - run.last_draw >= 0.5:
+                        _draw(live, source, run)
+                    continue
+                if isinstance(item, _Event):
+                    ev = item.event
+                    fatal = run.check_error(ev.error) if run.check_error and ev.error is not None else None
+                    if fatal is not None:
+                        failure = fatal
+                        run.events.discard()
+                        break
+                    run.events(ev)
+                    continue
+                if item is _END:
+                    break
+                if isinstance(item, _Failure):
+                    failure = item.exc
+                    run.events.discard()
+                    break
+                fired = _take_sweep(item, source, run)  # type: ignore[arg-type]
+                if fired and run.exit_on_alert:
+                    code = ExitCode.ALERT
+                    break
+                if count is not None and run.sweeps >= count:
+                    break
+        except BrokenPipeError:
+            quiet_stdout()
+            code = 0
+        finally:
+            sigs.closing = True  # from here on a signal changes nothing: the outputs are finished first
+            pump.halt(max(5.0, 2 * interval))
+            while True:  # events that came with the end (the error that ended the source is raised instead)
+                try:
+                    left_over = pump.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(left_over, _Event):
+                    run.events(left_over.event)
+            if failure is None:
+                run.events.flush()
+            run.events.discard()
+            for w in run.writers:
+                try:
+                    w.close()
+                except BrokenPipeError:
+                    quiet_stdout()
+                except Exception as exc:
+                    if failure is None:
+                        failure = exc
+            if live is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    if code == 0 and failure is None:
+                        _draw(live, source, run)
+                live.close()
+            if sigs.signum is not None and code == 0 and failure is None:
+                code = _exit_for(sigs.signum)
+    if failure is not None:
+        raise failure
+    return code
+
+
+def _take_sweep(sweep: Sweep, source: SampleSource, run: _Run) -> bool:
+    """Write one sweep everywhere, evaluate the alerts and draw; True when an alert fired."""
+    run.events.flush()
+    fired = False
+    for sample in sweep:
+        fired = _take_sample(sample, run) or fired
+    run.sweeps += 1
+    if run.live is not None:
+        if time.monotonic() - run.last_draw >= 0.1:
+            _draw(run.live, source, run)
+    elif run.static_table:
+        from smiquery.display import sample_table, use_color
+
+        lines = [*sample_table(list(sweep), run.fields, color=use_color(sys.stdout)), ""]
+        sys.stdout.write("".join(line + "\n" for line in lines))
+        sys.stdout.flush()
+    return fired
+
+
+def _take_sample(sample: GpuSample, run: _Run) -> bool:
+    """Write one sample everywhere and evaluate the alerts; True when an alert fired."""
+    for w in run.writers:
+        w.write(sample)
+    if run.live is not None:
+        run.live.update((sample,))
+    fired = False
+    if run.evaluator is not None:
+        events: list[AlertEvent] = run.evaluator.update(sample)
+        for ev in events:
+            say(f"smiquery: {ev.message()}")
+            if run.live is not None:
+                run.live.note(ev)
+            if ev.state == "firing":
+                run.alert_fired = True
+                fired = True
+    return fired
+
+
+def _draw(live: LiveTable, source: SampleSource, run: _Run) -> None:
+    live.redraw(_stats_of(source, run))
+    run.last_draw = time.monotonic()

@@ -1,0 +1,470 @@
+"""Diagnosing nvidia-smi, the driver, the GPUs and the container set-up, as data the CLI renders.
+
+:func:`run_checks` returns one :class:`CheckResult` per check, each with a status (``ok``, ``warn``, ``fail``
+or ``skip``), a one-line diagnosis and at most one fix. ``fail`` is kept for what stops monitoring (nvidia-smi
+missing, the driver unreachable, a hang, output that cannot be read); everything that only degrades it (persistence
+mode off, an infoROM warning, a field the driver lacks) is ``warn``. :func:`exit_code` turns results into the
+documented exit code, with ``gate=True`` for init containers and health checks.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from smiquery.errors import (
+    DriverNotLoadedError,
+    DriverVersionMismatchError,
+    GpuLostError,
+    InsufficientPermissionsError,
+    NoDevicesFoundError,
+    NvidiaSmiFailedError,
+    NvidiaSmiNotFoundError,
+    NvidiaSmiTimeoutError,
+    NvmlNotFoundError,
+    ParseError,
+    SmiqueryError,
+)
+from smiquery.fields import PRESETS
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from smiquery.records import GpuSample
+
+__all__ = ["CHECK_NAMES", "CheckResult", "Status", "driver_fields", "exit_code", "in_container", "run_checks"]
+
+Status = Literal["ok", "warn", "fail", "skip"]
+
+#: The checks, in the order they are reported.
+CHECK_NAMES = (
+    "nvidia-smi found",
+    "driver reachable",
+    "driver/library match",
+    "GPU count",
+    "infoROM",
+    "persistence mode",
+    "MIG mode",
+    "container",
+    "NVIDIA_DRIVER_CAPABILITIES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "default fields supported",
+)
+
+_FIX_CONTAINER = "start the container with --gpus all (or set NVIDIA_DRIVER_CAPABILITIES=compute,utility)"
+_FIX_VISIBLE = "set NVIDIA_VISIBLE_DEVICES=all (or GPU indices/UUIDs), or start the container with --gpus all"
+_FIX_DRIVER = "check the driver with `lsmod | grep nvidia` and `dmesg`, or reinstall it"
+_FIX_NVML_INIT = (
+    "NVML could not start: check that the driver is loaded (`lsmod | grep nvidia`), that /dev/nvidia* are "
+    "readable by this user, and `dmesg` for Xid errors"
+)
+_FIX_HANG = "check `dmesg` for Xid errors and try `nvidia-smi` by hand; enable persistence mode if it is slow"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The result of one doctor check.
+
+    Attributes:
+        name: what was checked (one of :data:`CHECK_NAMES`).
+        status: ``ok``; ``warn`` (monitoring works, but something degrades it); ``fail`` (it stops monitoring);
+            ``skip`` (not applicable, or impossible after an earlier failure).
+        diagnosis: what was found, one line.
+        fix: what to do, for ``warn`` and ``fail`` ("" otherwise).
+        code: the exit code a failure stands for: 3 nvidia-smi missing, 4 driver, 5 timeout, 1 anything else.
+    """
+
+    name: str
+    status: Status
+    diagnosis: str
+    fix: str = ""
+    code: int = 0
+
+    @property
+    def failed(self) -> bool:
+        """True for a failure (what stops monitoring)."""
+        return self.status == "fail"
+
+
+def exit_code(results: Sequence[CheckResult], *, gate: bool = False) -> int:
+    """The exit code for a set of results.
+
+    Args:
+        results: from :func:`run_checks`.
+        gate: health-check mode: only failures count (warnings exit 0).
+
+    Returns:
+        The code of the first failure (3, 4, 5 or 1); else 1 for a warning without ``gate``; else 0.
+    """
+    failed = [r for r in results if r.failed]
+    if failed:
+        return failed[0].code or 1
+    if not gate and any(r.status == "warn" for r in results):
+        return 1
+    return 0
+
+
+def in_container() -> str | None:
+    """Why this looks like a container, or None.
+
+    Returns:
+        The evidence (``/.dockerenv exists``), or None outside a container.
+    """
+    if os.path.exists("/.dockerenv"):
+        return "/.dockerenv exists"
+    if os.path.exists("/run/.containerenv"):
+        return "/run/.containerenv exists"
+    try:
+        text = Path("/proc/1/cgroup").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for word in ("docker", "kubepods", "containerd", "libpod"):
+        if word in text:
+            return f"/proc/1/cgroup mentions {word}"
+    return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _parse_version(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key = key.strip().lower()
+        value = value.strip()
+        if key.startswith("nvidia-smi version"):
+            out["nvidia-smi"] = value
+        elif key.startswith(("driver version", "kmd version")) and "deprecated" not in value.lower():
+            out.setdefault("driver", value)
+        elif key.startswith("nvml version"):
+            out["nvml"] = value
+        elif key.startswith(("cuda version", "cuda umd version")) and "deprecated" not in value.lower():
+            out.setdefault("cuda", value)
+    return out
+
+
+def _code_of(exc: BaseException) -> int:
+    if isinstance(exc, NvidiaSmiNotFoundError):
+        return 3
+    if isinstance(
+        exc,
+        (
+            DriverNotLoadedError,
+            NvmlNotFoundError,
+            DriverVersionMismatchError,
+            NoDevicesFoundError,
+            GpuLostError,
+            InsufficientPermissionsError,
+        ),
+    ):
+        return 4
+    if isinstance(exc, NvidiaSmiTimeoutError):
+        return 5
+    return 1
+
+
+def _message(exc: BaseException) -> str:
+    """nvidia-smi's own message (the first line that is no CSV row), else the error's text."""
+    output = getattr(exc, "output", None)
+    if isinstance(output, str) and output.strip() and not isinstance(exc, ParseError):
+        lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+        return next((ln for ln in lines if ", " not in ln or ln.endswith(".")), lines[0])
+    return _one_line(str(exc))
+
+
+def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
+    """A failed check for an error, with the one fix that matches its cause."""
+    message = _message(exc)
+    if isinstance(exc, NvidiaSmiTimeoutError):
+        return CheckResult(name, "fail", _one_line(str(exc)), _FIX_HANG, 5)
+    if isinstance(exc, ParseError):
+        fix = "nvidia-smi printed output that does not fit the fields; look at plain `nvidia-smi` output"
+    elif isinstance(exc, NvmlNotFoundError):
+        fix = _FIX_CONTAINER if in_ctr else "reinstall the driver's utility libraries (libnvidia-ml.so)"
+    elif isinstance(exc, DriverNotLoadedError):
+        fix = _FIX_DRIVER
+    elif "Failed to initialize NVML" in message:
+        fix = _FIX_NVML_INIT
+    else:
+        hint = getattr(exc, "hint", "") or ""
+        if not hint or "smiquery doctor" in hint:
+            hint = "run plain `nvidia-smi` to see the whole message, and check `dmesg` for Xid errors"
+        fix = hint
+    return CheckResult(name, "fail", message, fix, _code_of(exc))
+
+
+def driver_fields(binary: str, timeout: float) -> dict[str, str]:
+    """Names (and aliases) ``nvidia-smi --help-query-gpu`` lists, with their descriptions.
+
+    Args:
+        binary: the nvidia-smi to ask.
+        timeout: seconds for the call.
+
+    Returns:
+        Field name (or alias) -> description.
+
+    Raises:
+        NvidiaSmiFailedError: nvidia-smi failed, or listed no fields.
+    """
+    from smiquery.errors import failure_from_exit
+    from smiquery.fields import parse_help_query_gpu
+    from smiquery.runner import SubprocessRunner
+
+    argv = [binary, "--help-query-gpu"]
+    done = SubprocessRunner().run(argv, timeout)
+    if done.returncode != 0:
+        raise failure_from_exit(argv, done.returncode, done.output)
+    names: dict[str, str] = {}
+    for entry in parse_help_query_gpu(done.stdout):
+        for n in (entry.name, *entry.aliases):
+            names.setdefault(n, entry.description)
+    if not names:
+        raise NvidiaSmiFailedError(argv, 0, done.output, "nvidia-smi --help-query-gpu listed no fields")
+    return names
+
+
+def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> list[CheckResult]:
+    """Run every check against an nvidia-smi.
+
+    Args:
+        nvidia_smi: the binary (None: ``$SMIQUERY_NVIDIA_SMI``, PATH, the usual places).
+        timeout: seconds per nvidia-smi call.
+
+    Returns:
+        One result per check, in the order of :data:`CHECK_NAMES`; nothing is raised.
+    """
+    from smiquery.errors import failure_from_exit
+    from smiquery.oneshot import query
+    from smiquery.runner import SubprocessRunner, find_nvidia_smi
+
+    results: list[CheckResult] = []
+    ctr = in_container()
+    binary: str | None = None
+    broken: str | None = None  # why later nvidia-smi checks are skipped
+    failure: BaseException | None = None
+
+    # 1. the binary, and its version
+    try:
+        binary = find_nvidia_smi(nvidia_smi)
+    except NvidiaSmiNotFoundError as exc:
+        failure = exc
+        fix = (
+            _FIX_CONTAINER
+            if ctr
+            else "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI; "
+            "in a container, start it with --gpus all"
+        )
+        results.append(CheckResult("nvidia-smi found", "fail", _one_line(str(exc).split(";")[0]), fix, 3))
+        broken = "nvidia-smi not found"
+    version: dict[str, str] = {}
+    if binary is not None:
+        argv = [binary, "--version"]
+        try:
+            done = SubprocessRunner().run(argv, timeout)
+            if done.returncode == 0:
+                version = _parse_version(done.stdout)
+            else:
+                failure = failure_from_exit(argv, done.returncode, done.output)
+        except SmiqueryError as exc:
+            failure = exc
+        labels = {"nvidia-smi": "nvidia-smi", "driver": "driver", "cuda": "CUDA"}
+        parts = [f"{labels[k]} {v}" for k, v in version.items() if k in labels]
+        detail = binary + (f" ({', '.join(parts)})" if parts else " (`nvidia-smi --version` reported no version)")
+        results.append(CheckResult("nvidia-smi found", "ok", detail))
+        if isinstance(failure, (NvidiaSmiTimeoutError, NvidiaSmiNotFoundError)):
+            results.append(_failure("driver reachable", failure, in_ctr=ctr is not None))
+            broken = "nvidia-smi did not answer" if isinstance(failure, NvidiaSmiTimeoutError) else "no binary"
+
+    # 2-6. driver, library match, GPUs, infoROM, persistence, MIG: one query
+    samples: list[GpuSample] | None = None
+    caught: list[warnings.WarningMessage] = []
+    if broken is None and binary is not None:
+        names = ["index", "name", "driver_version", "persistence_mode", "mig.mode.current"]
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    samples = query(names, nvidia_smi=binary, timeout=timeout)
+                except NvidiaSmiFailedError as exc:
+                    if type(exc).__name__ != "InvalidArgumentError":
+                        raise
+                    samples = query(names[:3], nvidia_smi=binary, timeout=timeout)
+            failure = None
+        except DriverVersionMismatchError as exc:
+            failure = exc
+            results.append(CheckResult("driver reachable", "ok", "the kernel module answers"))
+            results.append(_failure("driver/library match", exc, in_ctr=ctr is not None))
+            broken = "driver/library mismatch"
+        except NoDevicesFoundError as exc:
+            failure = exc
+            results.append(CheckResult("driver reachable", "ok", "the driver answers"))
+            results.append(CheckResult("driver/library match", "ok", "nvidia-smi talks to the driver"))
+            results.append(_failure("GPU count", exc, in_ctr=ctr is not None))
+            broken = "no GPU"
+        except SmiqueryError as exc:
+            failure = exc
+            results.append(_failure("driver reachable", exc, in_ctr=ctr is not None))
+            broken = "the driver is not reachable"
+    if samples is not None:
+        results += _gpu_checks(samples, version, caught)
+    else:
+        present = {r.name for r in results}
+        for name in ("driver reachable", "driver/library match", "GPU count", "persistence mode", "MIG mode"):
+            if name not in present:
+                results.append(CheckResult(name, "skip", broken or "nvidia-smi is not working"))
+
+    # 7. containers
+    results += _container_checks(ctr, found=binary is not None, failure=failure)
+
+    # 8. the default preset's fields
+    if samples is not None and binary is not None:
+        try:
+            have = driver_fields(binary, timeout)
+            lacking = [n for n in PRESETS["default"] if n not in have]
+            if lacking:
+                results.append(
+                    CheckResult(
+                        "default fields supported",
+                        "warn",
+                        f"this driver lacks {', '.join(lacking)}",
+                        "pass --fields without them (see `smiquery fields --supported`) or upgrade the driver",
+                    )
+                )
+            else:
+                results.append(
+                    CheckResult("default fields supported", "ok", f"all {len(PRESETS['default'])} supported")
+                )
+        except SmiqueryError as exc:
+            results.append(_failure("default fields supported", exc, in_ctr=ctr is not None))
+    else:
+        results.append(CheckResult("default fields supported", "skip", broken or "nvidia-smi is not working"))
+    order = {name: i for i, name in enumerate(CHECK_NAMES)}
+    results.sort(key=lambda r: order.get(r.name, len(order)))
+    return results
+
+
+def _gpu_checks(
+    samples: Sequence[GpuSample], version: dict[str, str], caught: Sequence[warnings.WarningMessage]
+) -> list[CheckResult]:
+    out: list[CheckResult] = []
+    drivers = sorted({str(s.get("driver_version")) for s in samples if s.get("driver_version") is not None})
+    drv = version.get("driver") or (drivers[0] if drivers else "")
+    out.append(CheckResult("driver reachable", "ok", f"driver {', '.join(drivers) or drv or '(version unknown)'}"))
+    nvml = version.get("nvml", "")
+    if nvml and drv and nvml.split(".")[0] != drv.split(".")[0]:
+        out.append(
+            CheckResult(
+                "driver/library match",
+                "fail",
+                f"NVML {nvml} but driver {drv}",
+                "reboot (or reload the nvidia kernel modules) so the driver matches the library",
+                4,
+            )
+        )
+    elif nvml and drv:
+        out.append(CheckResult("driver/library match", "ok", f"NVML {nvml} matches driver {drv}"))
+    else:
+        # A mismatch makes every query fail; this one worked, so the two agree even without version numbers.
+        out.append(CheckResult("driver/library match", "ok", "nvidia-smi queries the driver (NVML version not shown)"))
+    lost = [s.index for s in samples if s.gpu_lost]
+    gpu_names = sorted({str(s.get("name")) for s in samples if s.get("name")})
+    if not samples:
+        out.append(CheckResult("GPU count", "fail", "0 GPUs", "check `nvidia-smi -L` and NVIDIA_VISIBLE_DEVICES", 4))
+    elif lost:
+        out.append(
+            CheckResult(
+                "GPU count",
+                "fail",
+                f"{len(samples)} GPUs; GPU {', '.join(map(str, lost))} is lost (fell off the bus)",
+                "check `dmesg` for Xid 79; the GPU needs a reset or the machine a reboot",
+                4,
+            )
+        )
+    else:
+        plural = "s" if len(samples) != 1 else ""
+        out.append(CheckResult("GPU count", "ok", f"{len(samples)} GPU{plural}: {', '.join(gpu_names)}"))
+    rom = [str(w.message) for w in caught if "infoROM" in str(w.message) or "exited 14" in str(w.message)]
+    if rom:
+        out.append(
+            CheckResult(
+                "infoROM",
+                "warn",
+                _one_line(rom[0]),
+                "the GPU's infoROM is corrupted; values still read, but report it to the vendor (RMA)",
+            )
+        )
+    pm = [(s.index, s.get("persistence_mode")) for s in samples]
+    off = [str(i) for i, v in pm if v is False]
+    if all(v is None for _, v in pm):
+        out.append(CheckResult("persistence mode", "skip", "not reported by this driver (n/a)"))
+    elif off:
+        out.append(
+            CheckResult(
+                "persistence mode",
+                "warn",
+                f"disabled on GPU {', '.join(off)}: every nvidia-smi call re-initialises the driver (slow)",
+                "run `sudo nvidia-smi -pm 1` or enable the nvidia-persistenced service",
+            )
+        )
+    else:
+        out.append(CheckResult("persistence mode", "ok", "enabled"))
+    mig = [(s.index, s.get("mig.mode.current")) for s in samples]
+    on = [str(i) for i, v in mig if v is True]
+    if all(v is None for _, v in mig):
+        out.append(CheckResult("MIG mode", "ok", "not supported or not reported (n/a)"))
+    elif on:
+        out.append(
+            CheckResult(
+                "MIG mode", "ok", f"enabled on GPU {', '.join(on)}: GPU utilization is n/a there; use MIG devices"
+            )
+        )
+    else:
+        out.append(CheckResult("MIG mode", "ok", "disabled"))
+    return out
+
+
+def _container_checks(ctr: str | None, *, found: bool, failure: BaseException | None) -> list[CheckResult]:
+    """The container set-up: a variable is a warning only when it may explain a failure seen above."""
+    if ctr is None:
+        return [CheckResult("container", "ok", "not in a container")]
+    out = [CheckResult("container", "ok", f"in a container ({ctr})")]
+    working = found and failure is None
+    # nvidia-smi and libnvidia-ml come from the host only with the `utility` capability (NVIDIA-SMI.md section 7)
+    missing_tool = "nvidia-smi" if not found else "libnvidia-ml.so" if isinstance(failure, NvmlNotFoundError) else ""
+    caps = os.environ.get("NVIDIA_DRIVER_CAPABILITIES")
+    name = "NVIDIA_DRIVER_CAPABILITIES"
+    if caps is None:
+        if missing_tool:
+            out.append(CheckResult(name, "warn", f"unset: {missing_tool} is not mounted without it", _FIX_CONTAINER))
+        else:
+            out.append(CheckResult(name, "ok", "unset (nvidia-smi is mounted anyway)"))
+    else:
+        words = {w.strip().lower() for w in caps.split(",")}
+        if words & {"utility", "all"}:
+            out.append(CheckResult(name, "ok", f"{caps} (includes utility)"))
+        elif working or not missing_tool:
+            out.append(CheckResult(name, "ok", f"{caps} (lacks utility, but nvidia-smi and NVML are there)"))
+        else:
+            out.append(
+                CheckResult(name, "warn", f"{caps!r} lacks utility: {missing_tool} is not mounted", _FIX_CONTAINER)
+            )
+    visible = os.environ.get("NVIDIA_VISIBLE_DEVICES")
+    no_gpu = isinstance(failure, (NoDevicesFoundError, DriverNotLoadedError))
+    value = (visible or "").strip().lower()
+    name = "NVIDIA_VISIBLE_DEVICES"
+    if value in ("", "void", "none"):
+        shown = "unset" if visible is None else repr(visible)
+        if no_gpu:
+            out.append(CheckResult(name, "warn", f"{shown}: no GPU is passed in", _FIX_VISIBLE))
+        else:
+            out.append(CheckResult(name, "ok", f"{shown} (GPUs are reachable anyway)" if working else shown))
+    else:
+        out.append(CheckResult(name, "ok", visible or ""))
+    return out

@@ -1,0 +1,105 @@
+"""smiquery.doctor: each check's status, diagnosis and single fix, against the fake nvidia-smi (in process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from smiquery import doctor
+from smiquery.doctor import CHECK_NAMES, CheckResult, exit_code, run_checks
+from tests.conftest import MakeFake
+
+
+def by_name(results: list[CheckResult]) -> dict[str, CheckResult]:
+    return {r.name: r for r in results}
+
+
+@pytest.fixture
+def host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "in_container", lambda: None)
+
+
+@pytest.fixture
+def container(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "in_container", lambda: "/.dockerenv exists")
+    monkeypatch.delenv("NVIDIA_DRIVER_CAPABILITIES", raising=False)
+    monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
+
+
+def test_healthy_machine_reports_every_check_in_order(fake_smi: MakeFake, host: None) -> None:
+    results = run_checks(fake_smi(), timeout=20)
+    assert [r.name for r in results] == [n for n in CHECK_NAMES if n != "infoROM" and not n.startswith("NVIDIA_")]
+    assert {r.status for r in results} <= {"ok", "skip"}
+    checks = by_name(results)
+    assert checks["driver/library match"].diagnosis == "NVML 590.48 matches driver 590.48.01"
+    assert exit_code(results) == exit_code(results, gate=True) == 0
+
+
+def test_no_nvidia_smi_fails_once_with_one_fix(tmp_path: Path, container: None) -> None:
+    results = run_checks(tmp_path / "nvidia-smi", timeout=5)
+    checks = by_name(results)
+    found = checks["nvidia-smi found"]
+    assert found.status == "fail" and found.code == 3 and "--gpus all" in found.fix
+    caps = checks["NVIDIA_DRIVER_CAPABILITIES"]
+    assert caps.status == "warn" and "nvidia-smi is not mounted" in caps.diagnosis
+    fixes = [r.fix for r in results if r.fix]
+    assert len(fixes) - len(set(fixes)) <= 1  # the container fix is shared; the CLI prints it once
+    assert "nvidia_smi=" not in found.diagnosis + found.fix
+    assert exit_code(results) == exit_code(results, gate=True) == 3
+
+
+def test_nvml_missing_does_not_contradict_nvidia_smi_found(fake_smi: MakeFake, container: None) -> None:
+    checks = by_name(run_checks(fake_smi(fault="nvml-not-found"), timeout=20))
+    assert checks["nvidia-smi found"].status == "ok"
+    assert checks["driver reachable"].status == "fail" and checks["driver reachable"].code == 4
+    caps = checks["NVIDIA_DRIVER_CAPABILITIES"]
+    assert "libnvidia-ml.so is not mounted" in caps.diagnosis and "nvidia-smi is not mounted" not in caps.diagnosis
+
+
+def test_nvml_init_failure_gets_init_advice_not_field_advice(fake_smi: MakeFake, host: None) -> None:
+    checks = by_name(run_checks(fake_smi(fault="not-supported"), timeout=20))
+    reach = checks["driver reachable"]
+    assert reach.status == "fail" and "Failed to initialize NVML" in reach.diagnosis
+    assert "fields" not in reach.fix and "NVML could not start" in reach.fix
+
+
+def test_unknown_nvml_version_is_not_reported_as_matching(fake_smi: MakeFake, host: None) -> None:
+    # `nvidia-smi --version` failing (exit 9) while the query works: no NVML version to compare
+    from smiquery.doctor import _gpu_checks
+    from smiquery.oneshot import query
+
+    samples = query(["index", "name", "driver_version"], nvidia_smi=fake_smi(), timeout=20)
+    match = by_name(_gpu_checks(samples, {}, []))["driver/library match"]
+    assert match.status == "ok" and "matches" not in match.diagnosis and "NVML version not shown" in match.diagnosis
+    mismatch = by_name(_gpu_checks(samples, {"nvml": "550.54", "driver": "590.48.01"}, []))["driver/library match"]
+    assert mismatch.status == "fail" and mismatch.code == 4
+
+
+@pytest.mark.parametrize(("fault", "gate"), [("inforom", 0), ("driver-not-loaded", 4), ("hang", 5)])
+def test_gate_fails_only_on_what_stops_monitoring(fake_smi: MakeFake, host: None, fault: str, gate: int) -> None:
+    results = run_checks(fake_smi(fault=fault), timeout=1 if fault == "hang" else 20)
+    assert exit_code(results, gate=True) == gate
+    assert exit_code(results) == (gate or 1)
+
+
+def test_persistence_mode_off_is_a_warning(fake_smi: MakeFake, host: None) -> None:
+    from smiquery.doctor import _gpu_checks
+    from smiquery.parsing import CsvParser
+
+    rows = list(CsvParser(["index", "name", "persistence_mode"]).parse(["0, NVIDIA H100, Disabled"]))
+    pm = by_name(_gpu_checks(rows, {}, []))["persistence mode"]
+    assert pm.status == "warn" and "nvidia-smi -pm 1" in pm.fix
+    assert exit_code([pm], gate=True) == 0 and exit_code([pm]) == 1
+
+
+def test_container_variables_warn_only_when_they_explain_a_failure(
+    fake_smi: MakeFake, container: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NVIDIA_DRIVER_CAPABILITIES", "compute")
+    broken = by_name(run_checks(fake_smi(fault="nvml-not-found"), timeout=20))
+    assert broken["NVIDIA_DRIVER_CAPABILITIES"].status == "warn"
+    assert "utility" in broken["NVIDIA_DRIVER_CAPABILITIES"].fix
+    fine = by_name(run_checks(fake_smi(), timeout=20))
+    assert fine["NVIDIA_DRIVER_CAPABILITIES"].status == "ok"
+    assert fine["NVIDIA_VISIBLE_DEVICES"].status == "ok"
