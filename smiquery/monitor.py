@@ -975,6 +975,9 @@ class RunMonitor:
         self._epoch_wait0 = self.totals.data_wait
         self.totals.epoch = epoch
         self._pos = Position(epoch, 0, self._pos.step, "train")
+        # the time up to the first step counts as data wait (the loader's first fetch); the gap since the
+        # previous epoch's last step (validation, checkpoints) does not
+        self._step_end = time.perf_counter()
 
     def step_begin(self) -> None:
         """A step starts now: the time since the previous step ended counts as data wait."""
