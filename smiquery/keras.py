@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
@@ -375,11 +376,14 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
         return False
 
     def _watch(self) -> None:
-        while not self._stop.wait(_WATCH_PERIOD):
-            if not self._loop_running():
-                log.debug("smiquery: the training loop ended without on_train_end (an exception); stopping nvidia-smi")
-                self.monitor.close()
-                return
+        try:
+            while not self._stop.wait(_WATCH_PERIOD):
+                if not self._loop_running():
+                    log.debug("smiquery: the training loop ended without on_train_end (an exception); stopping it")
+                    self.monitor.close()
+                    return
+        finally:
+            self.monitor.cost["watchdog_cpu"] = time.thread_time()
 
     # ----------------------------------------------------------------------------------------------- close
 

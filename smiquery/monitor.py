@@ -649,7 +649,16 @@ class RunMonitor:
         self.epochs = []
         self.dropped_events = 0
         self.totals = Totals()
-        self.cost = {"first_data": math.nan, "epoch_end_max": 0.0, "reader_cpu": 0.0, "worker_cpu": 0.0}
+        self.cost = {
+            "first_data": math.nan,
+            "start": 0.0,
+            "close": 0.0,
+            "epoch_end_max": 0.0,
+            "reader_cpu": 0.0,
+            "worker_cpu": 0.0,
+        }
+        #: wall time of each :meth:`end_epoch` on the training thread, seconds
+        self.epoch_end_seconds: list[float] = []
         self._pos = Position(None, None, 0, "setup")
         self._accs: dict[int | None, EpochAccumulator] = {}
         self._done_epochs: dict[int, EpochAccumulator] = {}
@@ -737,6 +746,12 @@ class RunMonitor:
         self.close()
         self._reset()
         self._started_at = self._epoch_start = time.monotonic()
+        try:
+            return self._start()
+        finally:
+            self.cost["start"] = time.monotonic() - self._started_at
+
+    def _start(self) -> RunMonitor:
         self._notifier = Notifier(self.rules, self.handlers) if self.rules else None
         self._cuda = visible_devices(self._env)
         if self.gpus_override is not None:
@@ -1051,6 +1066,7 @@ class RunMonitor:
             return {}
         finally:
             spent = time.perf_counter() - began
+            self.epoch_end_seconds.append(spent)
             self.cost["epoch_end_max"] = max(self.cost.get("epoch_end_max", 0.0), spent)
 
     def _end_epoch(self, epoch: int | None) -> dict[str, float]:
@@ -1190,8 +1206,12 @@ class RunMonitor:
         Args:
             timeout: most seconds to wait for the stream to stop.
         """
+        began = time.monotonic()
         with self._closing:
+            if self._source is None and self._reader is None and self._worker is None and self._metrics is None:
+                return  # nothing open: keep the last run's cost figures
             self._close_locked(timeout)
+        self.cost["close"] = time.monotonic() - began
 
     def _close_locked(self, timeout: float) -> None:
         self._stop.set()
