@@ -5,6 +5,7 @@ the real process path."""
 from __future__ import annotations
 
 import http.server
+import json
 import logging
 import math
 import os
@@ -398,3 +399,45 @@ def test_monitor_module_does_not_import_a_framework():
 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_closing_with_a_dead_webhook_is_bounded_and_counts_the_dropped_events():
+    import socket
+
+    from smiquery.notify import WebhookHandler
+
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead.listen(16)  # accepts in the kernel, never answers
+    try:
+        hook = WebhookHandler(f"http://127.0.0.1:{dead.getsockname()[1]}/T0/B1/secret", timeout=60, min_interval=0)
+        monitor, src = hand_monitor(alerts=["temperature.gpu > 85"], handlers=[hook])
+        monitor.begin_epoch(0)
+        for temp in (90, 60, 90, 60):  # four events: one in flight, three waiting
+            deliver(monitor, src, sweep(temp=temp, gpus=1))
+        assert wait_for(lambda: hook.pending == 3)
+        started = time.monotonic()
+        monitor.close()
+        assert time.monotonic() - started < 15.0  # about 2 s, not the 60 s POST timeout
+        assert hook.dropped == 3
+        assert not monitor.running
+    finally:
+        dead.close()
+
+
+def test_a_snapshot_handler_on_the_monitor_saves_the_recent_samples(tmp_path):
+    from smiquery.notify import SnapshotHandler
+
+    snap = SnapshotHandler(tmp_path / "snaps", nvidia_smi=str(tmp_path / "no-nvidia-smi"))
+    monitor, src = hand_monitor(alerts=["temperature.gpu > 85 for 2"], handlers=[snap])
+    with no_leaks(reap_timeout=10.0):
+        monitor.begin_epoch(0)
+        for temp in (60, 90, 91, 92):
+            deliver(monitor, src, sweep(temp=temp, gpus=1))
+        assert wait_for(lambda: len(snap.taken) == 1)
+        monitor.close()
+    folder = Path(snap.taken[0])
+    alert = json.loads((folder / "alert.json").read_text())
+    assert alert["context"]["epoch"] == 0 and alert["event"]["gpu"] == 0
+    lines = (folder / "samples.csv").read_text().splitlines()
+    assert lines[0].startswith("index, uuid") and len(lines) == 1 + 3  # the history up to the firing sample
