@@ -812,6 +812,12 @@ class RunMonitor:
             if source is not None:
                 # not from this thread: the source may be calling us from its own reading thread
                 threading.Thread(target=source.close, args=(2.0,), name="smiquery-monitor-reopen", daemon=True).start()
+        elif event.kind == "error" and err is not None:
+            self.say(
+                f"nvidia-smi failed ({type(err).__name__}: {event.detail or err}); it is retried, and the GPU "
+                "numbers have a gap until it recovers",
+                key=f"error-{type(err).__name__}",
+            )
         elif event.kind == "restart":
             self.say(f"nvidia-smi is being restarted ({event.detail}); GPU numbers may have gaps", key="restart")
 

@@ -448,3 +448,17 @@ def test_record_saves_the_runs_trace_from_the_same_nvidia_smi(smi, tmp_path):
     assert len(calls) == 1  # one nvidia-smi for the epoch logs and the recording
     report = analyze(record)
     assert report.gpus == (0, 1)
+
+
+def test_a_slow_nvidia_smi_start_still_fills_the_later_epochs(fake_smi: MakeFake, tmp_path):
+    """nvidia-smi's first row comes after the first epoch has ended (cold start without persistence mode)."""
+    rec = write_recording(tmp_path / "slow.csv")
+    smi = fake_smi(recording=rec, start_delay=1.5)
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=(), first_sample_timeout=0)
+    with no_leaks():
+        history = fit(tiny_model(), [monitor, Slow()], epochs=8)
+    assert not any(k.startswith("gpu0_") for k in monitor.epochs[0])  # nothing yet, nothing made up
+    last = monitor.epochs[-1]
+    assert last["gpu1_temp_max"] == 88.0  # the data that came later landed in the epochs it arrived in
+    assert history.history["gpu1_temp_max"][-1] == 88.0
+    assert any("first sample came" in n for n in monitor.notes)
