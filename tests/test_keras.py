@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - the keras extra is installed by `make 
         raise
     pytest.skip("keras is not installed: pip install 'smiquery[keras]'", allow_module_level=True)
 
-from smiquery.keras import GpuMonitor, TensorFlowMemory, TrainingAlert, visible_devices
+from smiquery.keras import GpuMonitor, TensorFlowMemory, TrainingAlert
 from smiquery.monitor import MemoryView
 from smiquery.notify import CallbackHandler
 
@@ -112,50 +112,6 @@ def fit(model: Any, callbacks: list[Any], epochs: int = 3) -> Any:
 KEYS = [
     f"gpu{g}_{k}" for g in (0, 1) for k in ("util_mean", "util_max", "temp_max", "mem_used_max_mib", "power_mean_w")
 ]
-
-
-# -------------------------------------------------------------------------------------------- visible devices
-
-
-@pytest.mark.parametrize(
-    ("value", "ids", "stream"),
-    [
-        (None, None, None),
-        ("1,3", ("1", "3"), ("1", "3")),
-        ("3,1", ("3", "1"), ("3", "1")),
-        (" 2 ", ("2",), ("2",)),
-        ("", (), None),
-        ("-1", (), None),
-        ("0,2,-1,3", ("0", "2"), ("0", "2")),
-        ("0,x,1", ("0",), ("0",)),
-        (UUIDS[1], (UUIDS[1],), (UUIDS[1],)),
-        ("GPU-00000001", ("GPU-00000001",), None),  # a prefix: nvidia-smi needs whole UUIDs, rows are filtered
-    ],
-)
-def test_visible_devices_follow_cuda_rules(value, ids, stream):
-    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
-    vis = visible_devices(env)
-    assert vis.ids == ids
-    assert vis.stream_gpus() == stream
-    assert vis.none == (ids == ())
-
-
-def test_visible_devices_map_positions_by_index_and_uuid():
-    vis = visible_devices({"CUDA_VISIBLE_DEVICES": "3,1"})
-    assert vis.position(3, None) == 0  # TensorFlow's GPU:0 is nvidia-smi's GPU 3
-    assert vis.position(1, None) == 1
-    assert vis.position(0, None) is None
-    assert not vis.selects(0, UUIDS[0])
-    prefix = visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-00000001"})
-    assert prefix.selects(1, UUIDS[1])
-    assert not prefix.selects(0, UUIDS[0])
-    assert visible_devices({}).selects(5, None)
-
-
-def test_mig_devices_watch_every_gpu_and_say_why():
-    vis = visible_devices({"CUDA_VISIBLE_DEVICES": "MIG-4f6bd3a2-1d0e-5a1d-9e3b-0d3c1d0e5a1d"})
-    assert vis.ids is None
-    assert "MIG" in vis.note
 
 
 # ------------------------------------------------------------------------------------------------- model.fit

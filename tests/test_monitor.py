@@ -32,6 +32,7 @@ from smiquery.monitor import (
     stall_rule,
     summary_spec,
     throughput_values,
+    visible_devices,
     watch,
 )
 from smiquery.notify import CallbackHandler
@@ -96,6 +97,50 @@ def deliver(monitor: RunMonitor, src: HandSource, s: Sweep) -> None:
     marker = s[0]
     src.push(s)
     assert wait_for(lambda: monitor.latest().get(0) is marker)
+
+
+# -------------------------------------------------------------------------------- visible devices (no Keras)
+
+
+@pytest.mark.parametrize(
+    ("value", "ids", "stream"),
+    [
+        (None, None, None),
+        ("1,3", ("1", "3"), ("1", "3")),
+        ("3,1", ("3", "1"), ("3", "1")),
+        (" 2 ", ("2",), ("2",)),
+        ("", (), None),
+        ("-1", (), None),
+        ("0,2,-1,3", ("0", "2"), ("0", "2")),
+        ("0,x,1", ("0",), ("0",)),
+        (UUIDS[1], (UUIDS[1],), (UUIDS[1],)),
+        ("GPU-00000001", ("GPU-00000001",), None),  # a prefix: nvidia-smi needs whole UUIDs, rows are filtered
+    ],
+)
+def test_visible_devices_follow_cuda_rules(value, ids, stream):
+    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
+    vis = visible_devices(env)
+    assert vis.ids == ids
+    assert vis.stream_gpus() == stream
+    assert vis.none == (ids == ())
+
+
+def test_visible_devices_map_positions_by_index_and_uuid():
+    vis = visible_devices({"CUDA_VISIBLE_DEVICES": "3,1"})
+    assert vis.position(3, None) == 0  # TensorFlow's GPU:0 is nvidia-smi's GPU 3
+    assert vis.position(1, None) == 1
+    assert vis.position(0, None) is None
+    assert not vis.selects(0, UUIDS[0])
+    prefix = visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-00000001"})
+    assert prefix.selects(1, UUIDS[1])
+    assert not prefix.selects(0, UUIDS[0])
+    assert visible_devices({}).selects(5, None)
+
+
+def test_mig_devices_watch_every_gpu_and_say_why():
+    vis = visible_devices({"CUDA_VISIBLE_DEVICES": "MIG-4f6bd3a2-1d0e-5a1d-9e3b-0d3c1d0e5a1d"})
+    assert vis.ids is None
+    assert "MIG" in vis.note
 
 
 # ------------------------------------------------------------------------------------------ plain functions
