@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING, Any, Literal
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the standalone package
-    from pytorch_lightning.callbacks import Callback
+    try:
+        from pytorch_lightning.callbacks import Callback
+    except ImportError as exc:
+        raise ImportError("smiquery.lightning needs PyTorch Lightning: pip install 'smiquery[lightning]'") from exc
 
 from smiquery.monitor import RunMonitor, TorchMemory, TrainingAlert
 
