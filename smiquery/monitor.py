@@ -1533,7 +1533,9 @@ class _Collector:
             wait.add_metric(lv, t.data_wait)
             if t.epoch is not None:
                 epoch.add_metric(lv, float(t.epoch))
-            energy.add_metric(lv, t.joules.get(idx, 0.0))
+            joules = t.joules.get(idx)
+            if joules is not None:  # no power.draw (N/A on this GPU): no series rather than a made-up 0
+                energy.add_metric(lv, joules)
             view = t.memory.get(idx)
             if view is not None:
                 if view.current is not None:
