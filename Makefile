@@ -17,7 +17,8 @@ $(CORE_STAMP): pyproject.toml
 	touch $(CORE_STAMP)
 
 $(STAMP): $(CORE_STAMP)
-	$(PY) -m pip install -q -e '.[dev,export,keras-test,plot,fast]'
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,export,keras-test,lightning,plot,fast]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -19,12 +21,16 @@ from typing import Any, Protocol, runtime_checkable
 from smiquery.alerts import AlertEvaluator, AlertEvent, Rule
 
 __all__ = [
+    "HANDLER_SPECS",
     "AlertHandler",
     "CallbackHandler",
     "LogHandler",
     "Notifier",
+    "SnapshotHandler",
     "WebhookHandler",
     "event_payload",
+    "handler_from_spec",
+    "redact_url",
 ]
 
 log = logging.getLogger("smiquery.notify")
@@ -139,6 +145,37 @@ class CallbackHandler:
             log.exception("smiquery alert callback %r failed on %s", self.fn, event.message())
 
 
+def redact_url(url: str) -> str:
+    """A URL safe to log: scheme, host and port only (a webhook's path and query are often its secret).
+
+    Args:
+        url: the URL.
+
+    Returns:
+        For example ``"https://hooks.slack.com/..."``; ``"<webhook>"`` when it cannot be read.
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "<webhook>"
+    if not host:
+        return "<webhook>"
+    host = f"[{host}]" if ":" in host else host
+    hidden = "/..." if (parts.path not in ("", "/") or parts.query or parts.fragment) else ""
+    return f"{parts.scheme}://{host}{port}{hidden}"
+
+
+class _Outbox:
+    """One sending thread's queue; a handler replaces it when a close gives up on a dead endpoint."""
+
+    def __init__(self) -> None:
+        self.queue: collections.deque[bytes] = collections.deque()
+        self.closing = False
+        self.thread: threading.Thread | None = None
+
+
 class WebhookHandler:
     """POSTs each event as JSON (see :func:`event_payload`) from a background thread.
 
@@ -146,6 +183,9 @@ class WebhookHandler:
     retries: a failed POST is counted and logged once per failure streak (the next success logs the recovery).
     At most one POST is made per ``min_interval`` seconds; events that arrive while ``queue_size`` are waiting are
     dropped and counted in :attr:`dropped`. The thread starts with the first event; :meth:`close` stops it.
+
+    The URL's path and query and the headers are never logged (for Slack, Teams and most webhooks the URL is the
+    secret): logs and ``repr`` show the scheme and host only.
 
     Args:
         url: the endpoint (``http://`` or ``https://``).
@@ -168,25 +208,28 @@ class WebhookHandler:
         headers: Mapping[str, str] | None = None,
     ) -> None:
         if not url.lower().startswith(("http://", "https://")):
-            raise ValueError(f"webhook URL must start with http:// or https://, not {url!r}")
+            raise ValueError(f"webhook URL must start with http:// or https://, not {redact_url(url)!r}")
         if timeout <= 0 or min_interval < 0 or queue_size < 1:
             raise ValueError("timeout must be > 0, min_interval >= 0 and queue_size >= 1")
         self.url = url
+        self.shown = redact_url(url)
         self.timeout = float(timeout)
         self.min_interval = float(min_interval)
         self.queue_size = int(queue_size)
         self.headers = {"Content-Type": "application/json", "User-Agent": "smiquery-webhook", **(headers or {})}
         self.sent = 0
         self.failed = 0
+        #: events dropped: queue full, or still waiting when :meth:`close` gave up on the endpoint
         self.dropped = 0
         self.last_error: str | None = None
-        self._queue: collections.deque[bytes] = collections.deque()
         self._cond = threading.Condition()
-        self._closing = False
-        self._thread: threading.Thread | None = None
+        self._box = _Outbox()
         self._failing = False
         self._dropping = False
         self._last_post = float("-inf")
+
+    def __repr__(self) -> str:
+        return f"WebhookHandler({self.shown!r})"
 
     def __call__(self, event: AlertEvent, context: Context) -> None:
         """Queue the event for posting; never blocks on the network and never raises."""
@@ -196,44 +239,45 @@ class WebhookHandler:
             log.exception("smiquery webhook: cannot serialise %s", event.message())
             return
         with self._cond:
-            if self._closing:
+            box = self._box
+            if box.closing:
                 return
-            if len(self._queue) >= self.queue_size:
+            if len(box.queue) >= self.queue_size:
                 self.dropped += 1
                 if not self._dropping:
                     self._dropping = True
                     log.warning(
                         "smiquery webhook %s: %d events already waiting; dropping new ones until it catches up",
-                        self.url,
+                        self.shown,
                         self.queue_size,
                     )
                 return
             self._dropping = False
-            self._queue.append(body)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="smiquery-webhook", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            box.queue.append(body)
+            if box.thread is None:
+                box.thread = threading.Thread(target=self._run, args=(box,), name="smiquery-webhook", daemon=True)
+                box.thread.start()
+            self._cond.notify_all()
 
     @property
     def pending(self) -> int:
         """Events waiting to be sent."""
         with self._cond:
-            return len(self._queue)
+            return len(self._box.queue)
 
-    def _run(self) -> None:
+    def _run(self, box: _Outbox) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closing:
+                while not box.queue and not box.closing:
                     self._cond.wait()
-                if not self._queue:
+                if not box.queue:
                     return
                 # rate limit; closing cuts the wait short so close() is never held up by min_interval
                 wait = self._last_post + self.min_interval - time.monotonic()
-                if wait > 0 and not self._closing:
+                if wait > 0 and not box.closing:
                     self._cond.wait(wait)
                     continue
-                body = self._queue.popleft()
+                body = box.queue.popleft()
             self._last_post = time.monotonic()
             self._post(body)
 
@@ -251,40 +295,58 @@ class WebhookHandler:
             self.sent += 1
             if self._failing:
                 self._failing = False
-                log.info("smiquery webhook %s works again (%d failed in all)", self.url, self.failed)
+                log.info("smiquery webhook %s works again (%d failed in all)", self.shown, self.failed)
+
+    def _scrub(self, text: str) -> str:
+        """Remove the URL (and its path and query) from an error text."""
+        parts = urllib.parse.urlsplit(self.url)
+        for secret in (self.url, parts.path, parts.query, *self.headers.values()):
+            if secret and len(secret) > 1 and secret != "/":
+                text = text.replace(secret, "...")
+        return text
 
     def _failure(self, reason: str) -> None:
         self.failed += 1
+        reason = self._scrub(reason)
         self.last_error = reason
         if not self._failing:
             self._failing = True
             log.warning(
                 "smiquery webhook %s failed: %s (no retry; further failures are not logged until one succeeds)",
-                self.url,
+                self.shown,
                 reason,
             )
 
     def close(self, timeout: float | None = None) -> None:
-        """Send what is queued (each POST bounded by the handler's ``timeout``), then stop the thread.
+        """Send what is queued within ``timeout``, then stop; what is still waiting then is dropped and counted.
 
         A later event starts a new thread, so a handler can serve one training run after another.
 
         Args:
-            timeout: most seconds to wait for the thread; default enough for the queued POSTs, at most 30.
+            timeout: most seconds to wait (default 2): a dead endpoint never holds the caller longer.
         """
+        limit = 2.0 if timeout is None else max(0.0, timeout)
         with self._cond:
-            self._closing = True
-            pending = len(self._queue)
+            box = self._box
+            box.closing = True
             self._cond.notify_all()
-            thread = self._thread
+            thread = box.thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout if timeout is not None else min(30.0, (pending + 1) * (self.timeout + 0.5)))
+            thread.join(limit)
         with self._cond:
-            if thread is None or not thread.is_alive():
-                # closed for good only until the next event, which starts a new thread (a monitor used for
-                # several fits keeps its handlers)
-                self._thread = None
-                self._closing = False
+            left = len(box.queue)
+            if left:
+                box.queue.clear()
+                self.dropped += left
+            if thread is not None and thread.is_alive():
+                log.warning(
+                    "smiquery webhook %s did not answer within %.1f s at close: %d event(s) dropped",
+                    self.shown,
+                    limit,
+                    left,
+                )
+            # a fresh outbox for the next run; the old thread ends after its POST times out
+            self._box = _Outbox()
 
     def __enter__(self) -> WebhookHandler:
         return self
@@ -321,6 +383,12 @@ class Notifier:
         )
         self.events: collections.deque[tuple[AlertEvent, dict[str, Any]]] = collections.deque(maxlen=1000)
         self.handler_failures = 0
+        observers: list[Callable[[Any], object]] = []
+        for h in self.handlers:
+            observe: Any = getattr(h, "observe", None)
+            if callable(observe):
+                observers.append(observe)
+        self._observers = tuple(observers)
 
     @property
     def rules(self) -> tuple[Rule, ...]:
@@ -357,6 +425,8 @@ class Notifier:
         Returns:
             The events dispatched.
         """
+        if self._observers:
+            self.observe(sample)
         events = self.evaluate(sample)
         if events:
             ctx: Context | None
@@ -369,13 +439,31 @@ class Notifier:
                 self.dispatch(event, ctx)
         return events
 
-    def close(self) -> None:
-        """Close the handlers that have a ``close()`` (webhook threads)."""
+    def observe(self, sample: Any) -> None:
+        """Show one sample to the handlers that keep recent history (a :class:`SnapshotHandler`)."""
+        for handler in self._observers:
+            try:
+                handler(sample)
+            except Exception:
+                self.handler_failures += 1
+                log.exception("smiquery: alert handler failed to take a sample")
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Close the handlers that have a ``close()`` (webhook threads), all within about ``timeout`` seconds.
+
+        Args:
+            timeout: the time all handlers share; what a handler has not sent by then is dropped and counted.
+        """
+        deadline = time.monotonic() + timeout
         for handler in self.handlers:
             close = getattr(handler, "close", None)
             if callable(close):
+                left = max(0.0, deadline - time.monotonic())
                 try:
-                    close()
+                    try:
+                        close(timeout=left)
+                    except TypeError:
+                        close()
                 except Exception:
                     log.exception("smiquery: closing alert handler %r failed", handler)
 
@@ -384,3 +472,156 @@ class Notifier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SnapshotHandler:
+    """Saves the evidence when an alert fires: one timestamped folder per firing (see :mod:`smiquery.snapshot`).
+
+    The folder holds ``nvidia-smi -q -x`` output, the compute-process list, the last ``minutes`` of samples as a
+    CSV recording (``smiquery report`` reads it) and the alert as JSON. Each snapshot is taken on a background
+    thread, bounded in time (``timeout`` per nvidia-smi call) and size (``max_bytes`` per file, ``max_snapshots``
+    folders per handler), so the caller (a training loop, a stream) never waits. A rule that keeps firing on a GPU
+    gets one snapshot until it clears; a snapshot asked for while another is being written is skipped and
+    counted in :attr:`skipped`.
+
+    Args:
+        directory: where the folders go (created when missing).
+        minutes: how much sample history to keep and save.
+        nvidia_smi: the binary for ``-q -x`` and the process list.
+        timeout: seconds for each nvidia-smi call.
+        max_bytes: most bytes per saved file (the rest is cut, and says so).
+        max_snapshots: most folders this handler writes in all.
+        max_rows: most samples kept in memory, whatever ``minutes`` says.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        minutes: float = 5.0,
+        nvidia_smi: str | os.PathLike[str] | None = None,
+        timeout: float = 10.0,
+        max_bytes: int = 8 * 2**20,
+        max_snapshots: int = 50,
+        max_rows: int = 100_000,
+    ) -> None:
+        if minutes <= 0 or timeout <= 0 or max_bytes < 1024 or max_snapshots < 1 or max_rows < 1:
+            raise ValueError("minutes and timeout must be > 0, max_bytes >= 1024, max_snapshots and max_rows >= 1")
+        self.directory = os.fspath(directory)
+        self.minutes = float(minutes)
+        self.nvidia_smi = nvidia_smi
+        self.timeout = float(timeout)
+        self.max_bytes = int(max_bytes)
+        self.max_snapshots = int(max_snapshots)
+        #: folders written
+        self.taken: list[str] = []
+        #: snapshots not taken (one already in progress, or the limit reached)
+        self.skipped = 0
+        self._history: collections.deque[tuple[float, Any]] = collections.deque(maxlen=max_rows)
+        self._lock = threading.Lock()
+        self._firing: set[tuple[str, object]] = set()
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        return f"SnapshotHandler({self.directory!r})"
+
+    def observe(self, sample: Any) -> None:
+        """Keep one sample in the recent history (cheap; called for every sample)."""
+        now = time.monotonic()
+        history = self._history
+        history.append((now, sample))
+        horizon = now - self.minutes * 60.0
+        while history and history[0][0] < horizon:
+            history.popleft()
+
+    def __call__(self, event: AlertEvent, context: Context) -> None:
+        """Start a snapshot for a firing event (once per firing); never blocks and never raises."""
+        key = (str(event.rule), event.gpu if event.gpu is not None else event.uuid)
+        with self._lock:
+            if event.state != "firing":
+                self._firing.discard(key)
+                return
+            if key in self._firing:
+                return
+            self._firing.add(key)
+            busy = self._thread is not None and self._thread.is_alive()
+            if busy or len(self.taken) >= self.max_snapshots:
+                self.skipped += 1
+                return
+            samples = [s for _, s in self._history]
+            self._thread = threading.Thread(
+                target=self._take, args=(event, dict(context), samples), name="smiquery-snapshot", daemon=True
+            )
+            self._thread.start()
+
+    def _take(self, event: AlertEvent, context: dict[str, Any], samples: list[Any]) -> None:
+        from smiquery.snapshot import take_snapshot
+
+        try:
+            folder = take_snapshot(
+                self.directory,
+                event,
+                context,
+                samples,
+                nvidia_smi=self.nvidia_smi,
+                timeout=self.timeout,
+                max_bytes=self.max_bytes,
+            )
+        except Exception:
+            log.exception("smiquery: taking a snapshot for %s failed", event.message())
+            return
+        with self._lock:
+            self.taken.append(folder)
+        log.warning("smiquery: snapshot for %s saved in %s", event.message(), folder)
+
+    def wait(self, timeout: float = 30.0) -> bool:
+        """Wait for the snapshot in progress, if any; True when none is left running.
+
+        Args:
+            timeout: most seconds to wait.
+        """
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Give a snapshot in progress up to ``timeout`` seconds (default 2); it finishes on its own thread after.
+
+        Args:
+            timeout: most seconds to wait.
+        """
+        self.wait(2.0 if timeout is None else timeout)
+
+
+#: The handler kinds :func:`handler_from_spec` knows, for ``--on-alert`` help texts.
+HANDLER_SPECS: tuple[str, ...] = ("log", "webhook:URL", "snapshot:DIR")
+
+
+def handler_from_spec(spec: str, *, nvidia_smi: str | os.PathLike[str] | None = None) -> AlertHandler:
+    """An alert handler from a command-line spec, as ``--on-alert`` takes it.
+
+    ``log`` logs each event; ``webhook:URL`` posts it (``webhook:https://hooks.example.com/T0/B1/xyz``);
+    ``snapshot:DIR`` saves the evidence into a new folder under DIR for each firing (see :class:`SnapshotHandler`).
+
+    Args:
+        spec: the spec.
+        nvidia_smi: the binary a snapshot should call.
+
+    Returns:
+        The handler.
+
+    Raises:
+        ValueError: an unknown kind or a missing argument; the message lists the kinds.
+    """
+    kind, _, arg = spec.partition(":")
+    kind = kind.strip().lower()
+    if kind == "log" and not arg:
+        return LogHandler()
+    if kind == "webhook" and arg:
+        return WebhookHandler(arg)
+    if kind == "snapshot" and arg:
+        return SnapshotHandler(arg, nvidia_smi=nvidia_smi)
+    shown = redact_url(spec) if kind == "webhook" else spec
+    raise ValueError(f"invalid alert handler {shown!r}: use one of {', '.join(HANDLER_SPECS)}")

@@ -28,7 +28,8 @@ except ImportError:  # pragma: no cover - the keras extra is installed by `make 
         raise
     pytest.skip("keras is not installed: pip install 'smiquery[keras]'", allow_module_level=True)
 
-from smiquery.keras import GpuMonitor, TrainingAlert, visible_devices
+from smiquery.keras import GpuMonitor, TensorFlowMemory, TrainingAlert
+from smiquery.monitor import MemoryView
 from smiquery.notify import CallbackHandler
 
 pytestmark = pytest.mark.slow
@@ -113,50 +114,6 @@ KEYS = [
 ]
 
 
-# -------------------------------------------------------------------------------------------- visible devices
-
-
-@pytest.mark.parametrize(
-    ("value", "ids", "stream"),
-    [
-        (None, None, None),
-        ("1,3", ("1", "3"), ("1", "3")),
-        ("3,1", ("3", "1"), ("3", "1")),
-        (" 2 ", ("2",), ("2",)),
-        ("", (), None),
-        ("-1", (), None),
-        ("0,2,-1,3", ("0", "2"), ("0", "2")),
-        ("0,x,1", ("0",), ("0",)),
-        (UUIDS[1], (UUIDS[1],), (UUIDS[1],)),
-        ("GPU-00000001", ("GPU-00000001",), None),  # a prefix: nvidia-smi needs whole UUIDs, rows are filtered
-    ],
-)
-def test_visible_devices_follow_cuda_rules(value, ids, stream):
-    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
-    vis = visible_devices(env)
-    assert vis.ids == ids
-    assert vis.stream_gpus() == stream
-    assert vis.none == (ids == ())
-
-
-def test_visible_devices_map_positions_by_index_and_uuid():
-    vis = visible_devices({"CUDA_VISIBLE_DEVICES": "3,1"})
-    assert vis.position(3, None) == 0  # TensorFlow's GPU:0 is nvidia-smi's GPU 3
-    assert vis.position(1, None) == 1
-    assert vis.position(0, None) is None
-    assert not vis.selects(0, UUIDS[0])
-    prefix = visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-00000001"})
-    assert prefix.selects(1, UUIDS[1])
-    assert not prefix.selects(0, UUIDS[0])
-    assert visible_devices({}).selects(5, None)
-
-
-def test_mig_devices_watch_every_gpu_and_say_why():
-    vis = visible_devices({"CUDA_VISIBLE_DEVICES": "MIG-4f6bd3a2-1d0e-5a1d-9e3b-0d3c1d0e5a1d"})
-    assert vis.ids is None
-    assert "MIG" in vis.note
-
-
 # ------------------------------------------------------------------------------------------------- model.fit
 
 
@@ -181,7 +138,11 @@ def test_epoch_logs_history_and_csvlogger_get_the_gpu_numbers(smi, tmp_path, mon
     for key in KEYS:
         assert key in header
     assert len(csv_path.read_text().splitlines()) == 4  # header and three epochs
-    assert monitor.epochs[0].keys() == set(KEYS)
+    job_keys = {"gpu0_energy_wh", "energy_wh", "steps_per_joule", "samples_per_joule"}
+    assert set(KEYS) | job_keys <= monitor.epochs[0].keys()
+    assert all(v > 0 for v in h["energy_wh"])
+    # fit's batch_size gives the samples: 10 steps of 8 per epoch
+    assert monitor.monitor.totals.steps == 3 * BATCHES and monitor.monitor.totals.samples == 3 * BATCHES * 8
 
 
 def test_one_nvidia_smi_child_for_the_whole_fit_and_none_after(smi, tmp_path):
@@ -264,17 +225,18 @@ def test_a_fit_that_raises_leaves_no_nvidia_smi_behind(smi, where):
     assert not monitor.running
 
 
-def test_framework_view_unavailable_is_said_once_and_training_goes_on(smi, caplog):
-    caplog.set_level(logging.INFO, logger="smiquery.keras")
+def test_cpu_only_tensorflow_with_visible_gpus_is_said_once_and_training_goes_on(smi, caplog):
+    caplog.set_level(logging.INFO, logger="smiquery.monitor")
     monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
     history = fit(tiny_model(), [monitor, Slow()], epochs=3)
-    said = [r for r in caplog.records if "TensorFlow sees no GPU" in r.getMessage()]
-    assert len(said) == 1
+    said = [r for r in caplog.records if "TensorFlow is a CPU-only build" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "nvidia-smi sees GPUs" in said[0].getMessage()
     assert len(history.history["loss"]) == 3
     assert not any("mem_gap" in k for k in history.history)
     # a second fit with the same monitor does not repeat it either
     fit(tiny_model(), [monitor], epochs=1)
-    assert len([r for r in caplog.records if "TensorFlow sees no GPU" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "CPU-only build" in r.getMessage()]) == 1
 
 
 def test_cuda_visible_devices_by_index_and_uuid(smi, monkeypatch, tmp_path):
@@ -283,7 +245,7 @@ def test_cuda_visible_devices_by_index_and_uuid(smi, monkeypatch, tmp_path):
         monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
         history = fit(tiny_model(), [monitor, Slow()], epochs=1)
         gpu_keys = {k for k in history.history if k.startswith("gpu")}
-        assert gpu_keys == {k for k in KEYS if k.startswith("gpu1_")}, value
+        assert gpu_keys == {k for k in KEYS if k.startswith("gpu1_")} | {"gpu1_energy_wh"}, value
     argvs = [json.loads(line)["argv"] for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert argvs[0][argvs[0].index("-i") + 1] == "1"
     assert argvs[1][argvs[1].index("-i") + 1] == UUIDS[1]
@@ -327,15 +289,18 @@ def test_works_with_tf_keras(smi):
     assert "gpu1_temp_max" in history.history
 
 
-def test_growing_memory_gap_is_reported_once(caplog):
+def test_growing_memory_gap_is_worded_by_what_tensorflow_reports():
     monitor = GpuMonitor(alerts=())
+    view = MemoryView(0, 100.0 * 2**20, 900.0 * 2**20, None)  # TensorFlow: current and peak, no reserved pool
     for gap in (500.0, 520.0, 700.0, 900.0, 1100.0, 1300.0):
-        monitor._watch_gap(2, gap)
-    said = [n for n in monitor.notes if "gap grew" in n]
+        monitor.monitor.watch_gap(2, gap, view, "TensorFlow")
+    said = [n for n in monitor.notes if "grew" in n]
     assert len(said) == 1 and "GPU 2" in said[0]
+    assert "TensorFlow's peak allocation" in said[0]
+    assert "does not report its allocator's reserved pool" in said[0]  # TF's own pool may be part of it
     steady = GpuMonitor(alerts=())
     for gap in (500.0, 900.0, 880.0, 1200.0, 1190.0):
-        steady._watch_gap(0, gap)
+        steady.monitor.watch_gap(0, gap, view, "TensorFlow")
     assert not steady.notes
 
 
@@ -380,29 +345,76 @@ def test_extra_fields_are_summarised(smi):
     assert h["gpu0_memory_total_mean"] == [81559.0]
 
 
-def test_memory_gap_maps_tensorflow_devices_to_nvidia_smi_gpus(monkeypatch):
-    """TensorFlow's GPU:0 is nvidia-smi's GPU 3 under CUDA_VISIBLE_DEVICES=3,1 (no GPU here: the view is faked)."""
+def test_tensorflow_memory_view_reads_current_and_peak(monkeypatch):
+    """TensorFlow's GPU:k views (no GPU here: TensorFlow's answers are faked)."""
     import tensorflow as tf
 
-    from smiquery.parsing import CsvParser
+    allocated = {"GPU:0": (1000 * 2**20, 1500 * 2**20), "GPU:1": (300 * 2**20, 0)}
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: ["gpu0", "gpu1"])
+    monkeypatch.setattr(
+        tf.config.experimental,
+        "get_memory_info",
+        lambda name: {"current": allocated[name][0], "peak": allocated[name][1]},
+    )
+    view = TensorFlowMemory()
+    assert view.available() is None
+    got = view.read()
+    assert got == [MemoryView(0, 1000.0 * 2**20, 1500.0 * 2**20, None), MemoryView(1, 300.0 * 2**20, None, None)]
 
-    allocated = {"GPU:0": 1000 * 2**20, "GPU:1": 300 * 2**20}
-    monkeypatch.setattr(tf.config.experimental, "get_memory_info", lambda name: {"current": allocated[name], "peak": 0})
-    parser = CsvParser(["index", "uuid", "memory.used"])
-    samples = list(parser.parse([f"3, {UUIDS[0]}, 5000", f"1, {UUIDS[1]}, 800"]))
-    monitor = GpuMonitor(alerts=())
-    monitor._cuda = visible_devices({"CUDA_VISIBLE_DEVICES": "3,1"})
-    monitor._framework = [("GPU:0", 0), ("GPU:1", 1)]
-    monitor._order = [1, 3]
-    values = monitor._framework_values({s.index: s for s in samples})
-    assert values == {
-        "gpu3_mem_framework_mib": 1000.0,
-        "gpu3_mem_gap_mib": 4000.0,
-        "gpu1_mem_framework_mib": 300.0,
-        "gpu1_mem_gap_mib": 500.0,
-    }
-    by_uuid = GpuMonitor(alerts=())
-    by_uuid._cuda = visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-00000001"})
-    by_uuid._framework = [("GPU:0", 0)]
-    by_uuid._order = [1]
-    assert by_uuid._framework_values({s.index: s for s in samples})["gpu1_mem_gap_mib"] == 800.0 - 1000.0
+
+def test_callbacks_listed_before_the_monitor_are_warned_about_once(smi, tmp_path):
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
+    csv = keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))
+    fit(tiny_model(), [csv, monitor], epochs=1)
+    fit(tiny_model(), [csv, monitor], epochs=1)
+    said = [n for n in monitor.notes if "CSVLogger" in n]
+    assert len(said) == 1 and "list GpuMonitor first" in said[0]
+    quiet = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
+    fit(tiny_model(), [quiet, csv], epochs=1)
+    assert not [n for n in quiet.notes if "CSVLogger" in n]
+
+
+def test_a_custom_loop_whose_callbacklist_raises_reaps_nvidia_smi_without_close(smi):
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
+    model = tiny_model()
+
+    def train() -> None:
+        callbacks = keras.callbacks.CallbackList([monitor], model=model)
+        callbacks.on_train_begin()
+        callbacks.on_epoch_begin(0)
+        assert monitor.running
+        raise RuntimeError("loss is NaN")
+
+    with no_leaks():
+        with pytest.raises(RuntimeError, match="NaN"):
+            train()
+        left = wait_no_children(10.0)
+        assert not left, "nvidia-smi still running after the custom loop raised"
+    assert not monitor.running
+
+
+def test_record_saves_the_runs_trace_from_the_same_nvidia_smi(smi, tmp_path):
+    from smiquery.report import analyze
+
+    record = tmp_path / "run.csv"
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=(), record=str(record))
+    with no_leaks():
+        fit(tiny_model(), [monitor, Slow()], epochs=1)
+    calls = (tmp_path / "calls.jsonl").read_text().splitlines()
+    assert len(calls) == 1  # one nvidia-smi for the epoch logs and the recording
+    report = analyze(record)
+    assert report.gpus == (0, 1)
+
+
+def test_a_slow_nvidia_smi_start_still_fills_the_later_epochs(fake_smi: MakeFake, tmp_path):
+    """nvidia-smi's first row comes after the first epoch has ended (cold start without persistence mode)."""
+    rec = write_recording(tmp_path / "slow.csv")
+    smi = fake_smi(recording=rec, start_delay=1.5)
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=(), first_sample_timeout=0)
+    with no_leaks():
+        history = fit(tiny_model(), [monitor, Slow()], epochs=8)
+    assert not any(k.startswith("gpu0_") for k in monitor.epochs[0])  # nothing yet, nothing made up
+    last = monitor.epochs[-1]
+    assert last["gpu1_temp_max"] == 88.0  # the data that came later landed in the epochs it arrived in
+    assert history.history["gpu1_temp_max"][-1] == 88.0
+    assert any("first sample came" in n for n in monitor.notes)

@@ -337,9 +337,73 @@ def test_builtin_rules_match_the_exporter_rules():
             "for: 5m",
             "> 85",
             "< 0.2",
-            "> 1073741824",  # 1024 MiB
+            "rate(smiquery_training_steps_total[5m])) > 0",  # low utilisation counts only while training
             "hw_thermal_slowdown_active == 1",
             "sw_thermal_slowdown_active == 1",
             "hw_power_brake_slowdown_active == 1",
         ):
             assert fragment in text, fragment
+
+
+# ------------------------------------------------------------------------------------- secrets and bounds
+
+SECRETS = ("T000SECRET", "B000SECRET", "QUERYSECRET", "KEYSECRET", "HEADERSECRET")
+
+
+def _secret_url(base: str) -> str:
+    return f"{base}/T000SECRET/B000SECRET?token=QUERYSECRET&api_key=KEYSECRET"
+
+
+@pytest.mark.parametrize("where", ["http-error", "refused"])
+def test_webhook_never_logs_the_urls_path_query_or_headers(server, caplog, where):
+    caplog.set_level(logging.DEBUG)
+    base = server.url if where == "http-error" else f"http://127.0.0.1:{_free_port()}/hook"
+    server.mode = "fail"
+    with no_leaks():
+        hook = WebhookHandler(_secret_url(base), min_interval=0.0, headers={"Authorization": "Bearer HEADERSECRET"})
+        notifier = Notifier(["temperature.gpu > 85"], [hook])
+        hook(_event(), {})
+        assert _wait(lambda: hook.failed == 1)
+        notifier.close()
+    shown = caplog.text + repr(hook) + repr(notifier.handlers) + (hook.last_error or "")
+    assert "failed" in caplog.text and "127.0.0.1" in caplog.text  # the host still says which endpoint
+    for secret in SECRETS:
+        assert secret not in shown
+    with pytest.raises(ValueError, match="webhook URL") as bad:
+        WebhookHandler("ftp://files.example.com/T000SECRET?token=QUERYSECRET")
+    assert not any(s in str(bad.value) for s in SECRETS)
+
+
+def test_webhook_close_is_bounded_on_a_dead_endpoint_then_drops_and_counts(caplog):
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead.listen(16)  # accepts connections in the kernel, never answers
+    try:
+        hook = WebhookHandler(f"http://127.0.0.1:{dead.getsockname()[1]}/hook", timeout=60.0, min_interval=0.0)
+        for _ in range(3):
+            hook(_event(), {})
+        assert _wait(lambda: hook.pending <= 2)
+        started = time.monotonic()
+        hook.close()
+        took = time.monotonic() - started
+        assert took < 15.0  # about two seconds by default; far less than the 60 s POST timeout
+        assert hook.dropped == 2  # the two still waiting; the one in flight ends on its own
+        assert "did not answer" in caplog.text
+        hook(_event(), {})  # usable again after close
+        assert hook.pending <= 1
+        hook.close(timeout=0.1)
+    finally:
+        dead.close()
+
+
+def test_handler_specs_for_the_cli(tmp_path):
+    from smiquery.notify import SnapshotHandler, handler_from_spec
+
+    assert isinstance(handler_from_spec("log"), LogHandler)
+    hook = handler_from_spec("webhook:https://hooks.example.com/T000SECRET")
+    assert isinstance(hook, WebhookHandler) and hook.url == "https://hooks.example.com/T000SECRET"
+    snap = handler_from_spec(f"snapshot:{tmp_path}")
+    assert isinstance(snap, SnapshotHandler) and snap.directory == str(tmp_path)
+    for bad in ("email:me", "webhook:", "snapshot"):
+        with pytest.raises(ValueError, match="log, webhook:URL, snapshot:DIR"):
+            handler_from_spec(bad)

@@ -1,0 +1,192 @@
+"""A PyTorch Lightning callback that watches the GPUs during ``trainer.fit``: :class:`GpuMonitor`.
+
+``pip install 'smiquery[lightning]'``. A thin adapter over :class:`smiquery.monitor.RunMonitor`: one nvidia-smi per
+fit, per-epoch GPU numbers logged through the trainer's loggers, alerts stamped with the epoch and step, PyTorch's
+memory view beside the driver's. ``import smiquery`` never imports this module (it imports Lightning).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # the standalone package
+    try:
+        from pytorch_lightning.callbacks import Callback
+    except ImportError as exc:
+        raise ImportError("smiquery.lightning needs PyTorch Lightning: pip install 'smiquery[lightning]'") from exc
+
+from smiquery.monitor import RunMonitor, TorchMemory, TrainingAlert
+
+if TYPE_CHECKING:
+    from smiquery.alerts import AlertEvent, Rule
+    from smiquery.notify import AlertHandler
+
+__all__ = ["GpuMonitor"]
+
+
+def _batch_size(batch: Any) -> int | None:
+    """Samples in a batch: the length of a tensor, or of the first tensor of a tuple, list or dict."""
+    first = batch
+    for _ in range(3):
+        if isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        elif isinstance(first, Mapping) and first:
+            first = next(iter(first.values()))
+        else:
+            break
+    shape = getattr(first, "shape", None)
+    if shape is not None and len(shape) > 0:
+        return int(shape[0])
+    return None
+
+
+class GpuMonitor(Callback):  # type: ignore[misc]
+    """Watches the GPUs while ``trainer.fit`` runs and logs what it saw per epoch through the trainer's loggers.
+
+    The keys are those of :class:`~smiquery.monitor.RunMonitor` (``gpuN_util_mean``, ``gpuN_mem_used_max_mib``,
+    ``gpuN_energy_wh``, ``energy_wh``, ``samples_per_joule``, ``data_wait_frac``, PyTorch's memory view and the
+    gap...), prefixed with ``prefix``, logged at the epoch's last global step; :attr:`epochs` keeps them too.
+    Data wait is the time between one ``on_train_batch_end`` and the next ``on_train_batch_start`` (mostly the
+    data loader). nvidia-smi is stopped and reaped at the end of fit, on an exception, and at teardown.
+
+    Example::
+
+        trainer = L.Trainer(max_epochs=10, callbacks=[GpuMonitor(record="run.csv", metrics_port=9400)])
+        trainer.fit(model, train_loader)
+
+    Args:
+        fields: extra fields to summarise per epoch.
+        interval: seconds between samples.
+        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.monitor.TRAINING_RULES`, ``()`` for none.
+        handlers: where alert events go (default: a log line).
+        log_every: ``"epoch"``, or ``"batch"`` to log the newest sample at every step as well.
+        prefix: put before every logged key (``"gpu/"`` groups them in TensorBoard).
+        framework_memory: read PyTorch's allocated, peak and reserved memory per device.
+        nvidia_smi: path of nvidia-smi.
+        gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
+        **options: any other :class:`~smiquery.monitor.RunMonitor` argument (``record``, ``metrics_port``,
+            ``pushgateway``...).
+    """
+
+    def __init__(
+        self,
+        fields: str | Sequence[str] | None = None,
+        interval: float = 1.0,
+        alerts: Iterable[Rule | str] | None = None,
+        handlers: Sequence[AlertHandler | Callable[[AlertEvent, Mapping[str, Any]], object]] | None = None,
+        log_every: Literal["epoch", "batch"] = "epoch",
+        *,
+        prefix: str = "",
+        framework_memory: bool = True,
+        nvidia_smi: str | os.PathLike[str] | None = None,
+        gpus: Sequence[int | str] | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.monitor = RunMonitor(
+            fields,
+            interval,
+            alerts,
+            handlers,
+            log_every,
+            nvidia_smi=nvidia_smi,
+            gpus=gpus,
+            framework=TorchMemory() if framework_memory else None,
+            **options,
+        )
+        self.prefix = prefix
+        self.log_every = log_every
+        self._trainer: Any = None
+        self.monitor.context_extra = self._context
+
+    @property
+    def alerts(self) -> list[TrainingAlert]:
+        """The alerts of the current (or last) fit, with their training position."""
+        return self.monitor.alerts
+
+    @property
+    def epochs(self) -> list[dict[str, float]]:
+        """Per epoch, the numbers logged."""
+        return self.monitor.epochs
+
+    @property
+    def notes(self) -> list[str]:
+        """Messages said once."""
+        return self.monitor.notes
+
+    def _context(self) -> dict[str, Any]:
+        trainer = self._trainer
+        out: dict[str, Any] = {}
+        if trainer is None:
+            return out
+        out["step"] = int(trainer.global_step)
+        try:
+            opt = trainer.optimizers[0]
+            out["learning_rate"] = float(opt.param_groups[0]["lr"])
+        except Exception:
+            pass
+        return out
+
+    def _log(self, trainer: Any, values: Mapping[str, float]) -> None:
+        if not values:
+            return
+        metrics = {f"{self.prefix}{k}": v for k, v in values.items()}
+        for logger in getattr(trainer, "loggers", None) or []:
+            try:
+                logger.log_metrics(metrics, step=int(trainer.global_step))
+            except Exception as exc:
+                self.monitor.say(f"logging GPU numbers to {type(logger).__name__} failed: {exc}", key="log-failed")
+
+    # ------------------------------------------------------------------------------------------ hooks
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """Start the background nvidia-smi (only on global rank 0's node-local rank 0, one per host)."""
+        self._trainer = trainer
+        if getattr(trainer, "local_rank", 0) != 0:
+            return  # one monitor per host: every rank would watch the same GPUs
+        self.monitor.start()
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """Samples from now on belong to this epoch."""
+        self.monitor.begin_epoch(int(trainer.current_epoch))
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """A step starts: the time since the previous step ended is data wait."""
+        self.monitor.step_begin()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """A step is done: count it and its samples."""
+        self.monitor.step(None, batch_idx, samples=_batch_size(batch), step=int(trainer.global_step))
+        if self.log_every == "batch":
+            self._log(trainer, self.monitor.batch_values())
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        """Validation starts (alerts say phase ``validation``)."""
+        if not getattr(trainer, "sanity_checking", False):
+            self.monitor.phase("validation")
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        """Validation ends."""
+        self.monitor.phase("train")
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """Summarise the epoch and log it."""
+        self.monitor.phase("train")
+        self._log(trainer, self.monitor.end_epoch(int(trainer.current_epoch)))
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """Stop nvidia-smi (reaped) and the threads."""
+        self.monitor.close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Fit raised: stop nvidia-smi at once."""
+        self.monitor.close()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """The trainer is done with this stage: make sure nothing is left running."""
+        if stage == "fit":
+            self.monitor.close()

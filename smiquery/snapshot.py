@@ -1,0 +1,150 @@
+"""Evidence when an alert fires: one folder with ``nvidia-smi -q -x``, the process list, recent samples, the alert.
+
+:class:`smiquery.notify.SnapshotHandler` calls :func:`take_snapshot` on its own thread; the CLI reaches it with
+``smiquery stream --on-alert snapshot:DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from smiquery.alerts import AlertEvent
+    from smiquery.records import GpuSample
+    from smiquery.runner import Runner
+
+__all__ = ["SNAPSHOT_FILES", "take_snapshot"]
+
+#: What a snapshot folder holds (a failed nvidia-smi call leaves ``<name>.error.txt`` instead of its file).
+SNAPSHOT_FILES: tuple[str, ...] = ("alert.json", "nvidia-smi-q.xml", "processes.csv", "samples.csv")
+
+_APPS_FIELDS = "gpu_uuid,pid,process_name,used_gpu_memory"
+_SLUG_RE = re.compile(r"[^A-Za-z0-9]+")
+
+
+def _write_capped(path: Path, text: str, max_bytes: int) -> None:
+    data = text.encode("utf-8", "replace")
+    if len(data) > max_bytes:
+        note = f"\n[smiquery: cut at {max_bytes} bytes of {len(data)}]\n".encode()
+        data = data[: max_bytes - len(note)] + note
+    path.write_bytes(data)
+
+
+def _folder(directory: str | os.PathLike[str], event: AlertEvent) -> Path:
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
+    slug = _SLUG_RE.sub("-", f"{event.rule.field.attr}-gpu{event.gpu if event.gpu is not None else 'x'}").strip("-")
+    for n in range(1000):
+        folder = root / f"{stamp}-{slug}" if n == 0 else root / f"{stamp}-{slug}-{n}"
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(f"cannot create a new snapshot folder under {root}")
+
+
+def _run(runner: Runner, argv: Sequence[str], timeout: float, out: Path, max_bytes: int) -> None:
+    """Save one nvidia-smi call's output; its failure (with stderr) goes to ``<name>.error.txt``."""
+    error = out.with_name(out.name + ".error.txt")
+    try:
+        done = runner.run(argv, timeout)
+    except Exception as exc:
+        _write_capped(error, f"{' '.join(argv)}\n{exc}\n", max_bytes)
+        return
+    if done.returncode != 0:
+        _write_capped(error, f"{' '.join(argv)}\nexit {done.returncode}\n{done.stderr}\n{done.stdout}", max_bytes)
+        return
+    _write_capped(out, done.stdout, max_bytes)
+
+
+def _samples_csv(samples: Sequence[GpuSample], max_bytes: int) -> str:
+    """The samples as an nvidia-smi CSV recording, newest rows kept when it would exceed ``max_bytes``."""
+    from smiquery.fields import resolve_fields
+    from smiquery.parsing import format_row, header_line
+
+    if not samples:
+        return ""
+    names = samples[-1].fields
+    same = [s for s in samples if s.fields == names]  # one schema per file: the newest
+    fields = resolve_fields(list(names))
+    head = header_line(fields)
+    rows: list[str] = []
+    size = len(head) + 1
+    for s in reversed(same):
+        line = format_row(s, fields, units=True)
+        size += len(line) + 1
+        if size > max_bytes:
+            break
+        rows.append(line)
+    rows.reverse()
+    return "\n".join([head, *rows]) + "\n"
+
+
+def take_snapshot(
+    directory: str | os.PathLike[str],
+    event: AlertEvent,
+    context: Mapping[str, Any] | None = None,
+    samples: Sequence[GpuSample] = (),
+    *,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    timeout: float = 10.0,
+    max_bytes: int = 8 * 2**20,
+    runner: Runner | None = None,
+) -> str:
+    """Write one snapshot folder and return its path.
+
+    The folder (``DIR/<time>-<field>-gpu<N>``) holds ``alert.json`` (the event and its context),
+    ``nvidia-smi-q.xml`` (``nvidia-smi -q -x``), ``processes.csv`` (the compute processes) and ``samples.csv``
+    (the recent samples, in nvidia-smi's CSV layout, which ``smiquery report`` reads). Each nvidia-smi call is
+    bounded by ``timeout`` and each file by ``max_bytes``; a call that fails leaves ``<file>.error.txt`` saying why.
+
+    Args:
+        directory: the parent folder (created when missing).
+        event: the alert.
+        context: where training was (epoch, batch...), if known.
+        samples: the recent samples, oldest first.
+        nvidia_smi: the binary.
+        timeout: seconds per nvidia-smi call.
+        max_bytes: most bytes per file.
+        runner: how to run nvidia-smi (default a real subprocess).
+
+    Returns:
+        The folder's path.
+
+    Raises:
+        OSError: the folder cannot be created.
+    """
+    from smiquery.notify import event_payload
+    from smiquery.runner import SubprocessRunner, find_nvidia_smi
+
+    folder = _folder(directory, event)
+    payload = event_payload(event, context)
+    payload["samples"] = len(samples)
+    _write_capped(folder / "alert.json", json.dumps(payload, indent=2) + "\n", max_bytes)
+    csv = _samples_csv(samples, max_bytes)
+    if csv:
+        _write_capped(folder / "samples.csv", csv, max_bytes)
+    try:
+        binary = find_nvidia_smi(nvidia_smi)
+    except Exception as exc:
+        for name in ("nvidia-smi-q.xml", "processes.csv"):
+            _write_capped(folder / f"{name}.error.txt", f"{exc}\n", max_bytes)
+        return str(folder)
+    run = runner or SubprocessRunner()
+    _run(run, [binary, "-q", "-x"], timeout, folder / "nvidia-smi-q.xml", max_bytes)
+    _run(
+        run,
+        [binary, f"--query-compute-apps={_APPS_FIELDS}", "--format=csv"],
+        timeout,
+        folder / "processes.csv",
+        max_bytes,
+    )
+    return str(folder)

@@ -1,0 +1,488 @@
+"""The framework-neutral run monitor: aggregation as plain functions, position stamping, late data, rejected rule
+fields, recording, energy and the job's metrics; a hand-driven source for timing-free tests, a fake nvidia-smi for
+the real process path."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import logging
+import math
+import os
+import queue
+import stat
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smiquery.alerts import AlertEvaluator, Rule
+from smiquery.monitor import (
+    TRAINING_RULES,
+    TRAINING_STALL_SECONDS,
+    EpochAccumulator,
+    MemoryView,
+    RunMonitor,
+    stall_rule,
+    summary_spec,
+    throughput_values,
+    visible_devices,
+    watch,
+)
+from smiquery.notify import CallbackHandler
+from smiquery.parsing import CsvParser
+from smiquery.source import StreamStats, Sweep
+from tests.conftest import FIXTURES, MakeFake
+from tests.leakcheck import no_leaks
+
+UUIDS = ("GPU-00000000-1111-2222-3333-444444444444", "GPU-00000001-1111-2222-3333-444444444444")
+PARSER = CsvParser(["index", "uuid", "utilization.gpu", "temperature.gpu", "memory.used", "power.draw"])
+
+
+def sweep(util: float = 90, temp: float = 60, mem: float = 2000, power: float = 300, gpus: int = 2) -> Sweep:
+    return Sweep(PARSER.parse([f"{g}, {UUIDS[g]}, {util}, {temp}, {mem}, {power}" for g in range(gpus)]))
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+class HandSource:
+    """A SampleSource driven by the test: each :meth:`push` delivers one sweep to the monitor's reading thread."""
+
+    def __init__(self) -> None:
+        self.fields = ()
+        self.stats = StreamStats()
+        self._q: queue.Queue[Sweep | None] = queue.Queue()
+        self.closed = threading.Event()
+
+    def push(self, s: Sweep) -> None:
+        self._q.put(s)
+
+    def sweeps(self, count: int | None = None) -> Iterator[Sweep]:
+        while not self.closed.is_set():
+            item = self._q.get()
+            if item is None:
+                return
+            yield item
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.closed.set()
+        self._q.put(None)
+
+
+def hand_monitor(**options: Any) -> tuple[RunMonitor, HandSource]:
+    src = HandSource()
+    options.setdefault("alerts", ())
+    options.setdefault("first_sample_timeout", 0.0)
+    options.setdefault("env", {})
+    monitor = RunMonitor(source=lambda *a, **k: src, **options)
+    monitor.start()
+    return monitor, src
+
+
+def deliver(monitor: RunMonitor, src: HandSource, s: Sweep) -> None:
+    """Push one sweep and wait until the reading thread has taken it."""
+    marker = s[0]
+    src.push(s)
+    assert wait_for(lambda: monitor.latest().get(0) is marker)
+
+
+# -------------------------------------------------------------------------------- visible devices (no Keras)
+
+
+@pytest.mark.parametrize(
+    ("value", "ids", "stream"),
+    [
+        (None, None, None),
+        ("1,3", ("1", "3"), ("1", "3")),
+        ("3,1", ("3", "1"), ("3", "1")),
+        (" 2 ", ("2",), ("2",)),
+        ("", (), None),
+        ("-1", (), None),
+        ("0,2,-1,3", ("0", "2"), ("0", "2")),
+        ("0,x,1", ("0",), ("0",)),
+        (UUIDS[1], (UUIDS[1],), (UUIDS[1],)),
+        ("GPU-00000001", ("GPU-00000001",), None),  # a prefix: nvidia-smi needs whole UUIDs, rows are filtered
+    ],
+)
+def test_visible_devices_follow_cuda_rules(value, ids, stream):
+    env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
+    vis = visible_devices(env)
+    assert vis.ids == ids
+    assert vis.stream_gpus() == stream
+    assert vis.none == (ids == ())
+
+
+def test_visible_devices_map_positions_by_index_and_uuid():
+    vis = visible_devices({"CUDA_VISIBLE_DEVICES": "3,1"})
+    assert vis.position(3, None) == 0  # TensorFlow's GPU:0 is nvidia-smi's GPU 3
+    assert vis.position(1, None) == 1
+    assert vis.position(0, None) is None
+    assert not vis.selects(0, UUIDS[0])
+    prefix = visible_devices({"CUDA_VISIBLE_DEVICES": "GPU-00000001"})
+    assert prefix.selects(1, UUIDS[1])
+    assert not prefix.selects(0, UUIDS[0])
+    assert visible_devices({}).selects(5, None)
+
+
+def test_mig_devices_watch_every_gpu_and_say_why():
+    vis = visible_devices({"CUDA_VISIBLE_DEVICES": "MIG-4f6bd3a2-1d0e-5a1d-9e3b-0d3c1d0e5a1d"})
+    assert vis.ids is None
+    assert "MIG" in vis.note
+
+
+# ------------------------------------------------------------------------------------------ plain functions
+
+
+def test_epoch_accumulator_means_maxima_and_energy():
+    acc = EpochAccumulator(summary_spec(()))
+    for util, power in ((50, 100.0), (100, 300.0)):
+        for s in sweep(util=util, power=power):
+            acc.add(s.index, s, 1.0)  # one second since that GPU's previous sample
+    v = acc.values([0, 1])
+    assert v["gpu0_util_mean"] == 75.0 and v["gpu0_util_max"] == 100.0
+    assert v["gpu0_power_mean_w"] == 200.0
+    assert v["gpu1_energy_wh"] == pytest.approx(400.0 / 3600.0)  # 100 W * 1 s + 300 W * 1 s
+    empty = EpochAccumulator(summary_spec(())).values([0])
+    assert math.isnan(empty["gpu0_util_mean"]) and math.isnan(empty["gpu0_energy_wh"])
+
+
+def test_throughput_per_joule_and_data_wait_share():
+    v = throughput_values(1.0, steps=360, samples=3600, seconds=100.0, data_wait=25.0)
+    assert v["steps_per_joule"] == pytest.approx(0.1)  # 1 Wh = 3600 J
+    assert v["samples_per_joule"] == pytest.approx(1.0)
+    assert v["data_wait_frac"] == 0.25
+    unknown = throughput_values(math.nan, steps=10, samples=None, seconds=1.0, data_wait=None)
+    assert math.isnan(unknown["steps_per_joule"]) and "samples_per_joule" not in unknown
+    assert "data_wait_s" not in unknown
+
+
+def test_training_stall_is_the_reports_stall_held_for_a_minute():
+    from smiquery.report import analyze
+
+    assert TRAINING_STALL_SECONDS == 60.0
+    assert stall_rule() in TRAINING_RULES
+    assert not any("for 30m" in r for r in TRAINING_RULES)
+    # one GPU idle at 5% for 70 s while holding memory: the report calls it a stall, the monitor's rule fires
+    parser = CsvParser(["timestamp", "index", "utilization.gpu", "memory.used"])
+    t0 = datetime(2026, 3, 14, 9, 30)
+    lines = [
+        f"{(t0 + timedelta(seconds=t)).strftime('%Y/%m/%d %H:%M:%S.000')}, 0, {95 if t < 10 else 5}, 4000"
+        for t in range(90)
+    ]
+    samples = list(parser.parse(lines))
+    report = analyze(__import__("smiquery").to_dataframe(samples))
+    assert report.stalls and report.stalls[0].seconds >= 60
+    evaluator = AlertEvaluator([stall_rule()])
+    fired = [e for s in samples for e in evaluator.update(s)]
+    assert [e.state for e in fired] == ["firing"]
+    assert fired[0].duration >= 60
+
+
+# --------------------------------------------------------------------------------- stamping, off-thread handlers
+
+
+def test_events_are_stamped_when_the_sample_arrived_although_a_handler_is_slow():
+    release = threading.Event()
+    seen: list[tuple[str, Any]] = []
+
+    def slow(event: Any, ctx: Any) -> None:
+        seen.append((event.state, ctx["batch"]))
+        release.wait(30)  # a webhook that takes its time
+
+    monitor, src = hand_monitor(alerts=["temperature.gpu > 85"], handlers=[CallbackHandler(slow)])
+    with no_leaks(reap_timeout=5.0):
+        monitor.begin_epoch(0)
+        for b in range(10):
+            monitor.step(batch=b)
+        deliver(monitor, src, sweep(temp=90, gpus=1))  # fires at batch 10
+        for b in range(10, 25):
+            monitor.step(batch=b)
+        deliver(monitor, src, sweep(temp=60, gpus=1))  # clears at batch 25, while the handler still sleeps
+        assert [(a.event.state, a.batch, a.epoch) for a in monitor.alerts] == [("firing", 10, 0), ("cleared", 25, 0)]
+        assert wait_for(lambda: len(seen) == 1)
+        release.set()
+        assert wait_for(lambda: len(seen) == 2)
+        monitor.close()
+    assert seen == [("firing", 10), ("cleared", 25)]
+
+
+def test_samples_land_in_the_epoch_they_arrived_in_and_late_ones_are_folded_back():
+    monitor, src = hand_monitor()
+    with no_leaks(reap_timeout=5.0):
+        monitor.begin_epoch(0)
+        deliver(monitor, src, sweep(util=50))
+        e0 = monitor.end_epoch(0)
+        deliver(monitor, src, sweep(util=100))  # arrives after epoch 0 was summarised, still stamped epoch 0
+        monitor.begin_epoch(1)
+        deliver(monitor, src, sweep(util=10))
+        e1 = monitor.end_epoch(1)
+        monitor.close()
+    assert e0["gpu0_util_max"] == 50.0
+    assert e1["gpu0_util_max"] == 10.0  # epoch 1 is not polluted by epoch 0's late sweep
+    assert e1["gpu_late_sweeps"] == 1.0  # ... which is flagged in the next epoch's logs
+    assert monitor.epochs[0]["gpu0_util_max"] == 100.0  # and folded into epoch 0's own record
+
+
+def test_first_data_after_the_first_epoch_still_fills_the_later_epochs():
+    monitor, src = hand_monitor()
+    with no_leaks(reap_timeout=5.0):
+        monitor.begin_epoch(0)
+        assert monitor.end_epoch(0) == {}  # nvidia-smi has not started yet: nothing to say, nothing fixed
+        monitor.begin_epoch(1)
+        deliver(monitor, src, sweep(util=77))
+        e1 = monitor.end_epoch(1)
+        monitor.close()
+    assert e1["gpu0_util_mean"] == 77.0 and e1["gpu1_util_mean"] == 77.0
+    assert any("first sample came" in n for n in monitor.notes)
+
+
+def test_steps_samples_data_wait_and_energy_per_epoch():
+    monitor, src = hand_monitor(interval=0.5)
+    with no_leaks(reap_timeout=5.0):
+        monitor.begin_epoch(0)
+        deliver(monitor, src, sweep(power=100))
+        for b in range(4):
+            monitor.step_begin()
+            monitor.step(batch=b, samples=32)
+        deliver(monitor, src, sweep(power=100))
+        values = monitor.end_epoch(0)
+        monitor.close()
+    assert monitor.totals.steps == 4 and monitor.totals.samples == 128
+    assert values["gpu0_energy_wh"] > 0
+    assert values["energy_wh"] == pytest.approx(values["gpu0_energy_wh"] + values["gpu1_energy_wh"])
+    assert values["samples_per_joule"] == pytest.approx(128 / (values["energy_wh"] * 3600))
+    assert values["data_wait_s"] >= 0 and 0 <= values["data_wait_frac"] <= 1
+
+
+def test_framework_memory_maps_cuda_ordinals_and_words_the_gap():
+    class Fake:
+        name = "PyTorch"
+        used = 1000.0
+
+        def available(self) -> str | None:
+            return None
+
+        def read(self) -> list[MemoryView]:
+            mib = 2**20
+            return [MemoryView(0, 500 * mib, 800 * mib, Fake.used * mib)]
+
+    monitor, src = hand_monitor(framework=Fake(), env={"CUDA_VISIBLE_DEVICES": "1"}, gpus=[0, 1])
+    with no_leaks(reap_timeout=5.0):
+        for epoch, mem in enumerate((2000, 2300, 2700, 3200)):
+            monitor.begin_epoch(epoch)
+            deliver(monitor, src, sweep(mem=mem))
+            values = monitor.end_epoch(epoch)
+        monitor.close()
+    # cuda:0 is nvidia-smi's GPU 1 under CUDA_VISIBLE_DEVICES=1
+    assert values["gpu1_mem_framework_mib"] == 500.0
+    assert values["gpu1_mem_framework_reserved_mib"] == 1000.0
+    assert values["gpu1_mem_gap_mib"] == 3200.0 - 1000.0  # driver-used minus the allocator's reserved pool
+    assert "gpu0_mem_gap_mib" not in values
+    said = [n for n in monitor.notes if "outside PyTorch's pool" in n]
+    assert len(said) == 1 and "GPU 1" in said[0]
+
+
+# ----------------------------------------------------------------------------------- real nvidia-smi (fake)
+
+
+def _rejecting_fake(fake: Path, tmp_path: Path, reject: str) -> Path:
+    """A wrapper that answers like a driver without ``reject``, and runs the fake otherwise."""
+    path = tmp_path / "rejecting-bin" / "nvidia-smi"
+    path.parent.mkdir()
+    path.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys\n"
+        f"if any({reject!r} in a for a in sys.argv[1:]):\n"
+        f"    print('Field \"{reject}\" is not a valid field to query.'); print(); sys.exit(2)\n"
+        f"os.execv({str(fake)!r}, [{str(fake)!r}, *sys.argv[1:]])\n",
+        encoding="utf-8",
+    )
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_a_rule_field_the_driver_rejects_drops_that_rule_only(fake_smi: MakeFake, tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="smiquery.monitor")
+    smi = _rejecting_fake(fake_smi(), tmp_path, "clocks_throttle_reasons.hw_power_brake_slowdown")
+    with no_leaks(reap_timeout=5.0), watch(interval=0.05, nvidia_smi=str(smi), first_sample_timeout=20) as w:
+        w.step(epoch=0, batch=0)
+        assert wait_for(lambda: bool(w.monitor.latest()))
+    values = w.epochs[0]
+    assert any(k.endswith("_util_mean") and not math.isnan(v) for k, v in values.items())
+    dropped = [str(r) for r in w.monitor.dropped_rules]
+    assert dropped == ["clocks_event_reasons.hw_power_brake_slowdown == Active for 1m"]
+    assert any("temperature.gpu" in str(r) for r in w.monitor.rules)  # the other rules stay
+    warnings = [r for r in caplog.records if "rejects" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_default_rules_on_a_470_driver_keep_gpu_data_and_every_rule(fake_smi: MakeFake):
+    """A pre-535 driver (old clocks_throttle_reasons names only): the core's spelling makes every rule usable."""
+    smi = fake_smi(recording=FIXTURES / "t4-470-old-tokens.csv")
+    with no_leaks(reap_timeout=5.0), watch(interval=0.05, nvidia_smi=str(smi), first_sample_timeout=20) as w:
+        w.step(epoch=0, batch=0)
+        assert wait_for(lambda: bool(w.monitor.latest()))
+    assert not w.monitor.dropped_rules
+    assert not math.isnan(w.epochs[0]["gpu0_temp_max"])
+
+
+def test_watch_records_the_run_for_smiquery_report_and_times_data_wait(fake_smi: MakeFake, tmp_path):
+    from smiquery.report import analyze
+
+    record = tmp_path / "run.csv"
+    seen: list[int] = []
+    with no_leaks(reap_timeout=5.0), watch(
+        interval=0.05,
+        nvidia_smi=str(fake_smi()),
+        record=record,
+        alerts=(),
+        first_sample_timeout=20,
+        on_epoch=lambda e, v: seen.append(e),
+    ) as w:
+        for epoch in range(2):
+            for i, _batch in enumerate(w.batches(range(3))):
+                w.step(epoch=epoch, batch=i, samples=8)
+            assert wait_for(lambda: w.monitor.source is not None and len(w.monitor.latest()) > 0)
+    assert seen == [0, 1]
+    assert w.monitor.totals.steps == 6 and w.monitor.totals.samples == 48
+    assert "data_wait_s" in w.epochs[1]
+    report = analyze(record)
+    assert report.gpus == tuple(range(8))  # the same nvidia-smi's samples, readable by `smiquery report`
+
+
+def test_job_metrics_are_served_with_uuid_and_host_labels(fake_smi: MakeFake):
+    with no_leaks(reap_timeout=5.0), watch(
+        interval=0.05, nvidia_smi=str(fake_smi()), alerts=(), metrics_port=0, metrics_addr="127.0.0.1"
+    ) as w:
+        assert wait_for(lambda: bool(w.monitor.uuids()))
+        w.step(epoch=0, batch=0, samples=16)
+        w.step(epoch=0, batch=1, samples=16)
+        port = w.monitor.metrics_bound_port
+        assert port
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    uuid = next(iter(w.monitor.uuids().values()))
+    host = w.monitor.host
+    assert f'smiquery_training_steps_total{{host="{host}",uuid="{uuid}"}} 2.0' in text
+    assert f'smiquery_training_samples_total{{host="{host}",uuid="{uuid}"}} 32.0' in text
+    for name in ("smiquery_training_data_wait_seconds_total", "smiquery_training_epoch", "smiquery_training_energy"):
+        assert name in text
+
+
+def test_job_metrics_are_pushed_to_a_pushgateway_at_the_end(fake_smi: MakeFake):
+    bodies: list[tuple[str, str]] = []
+
+    class Gateway(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            n = int(self.headers.get("Content-Length", 0))
+            bodies.append((self.path, self.rfile.read(n).decode()))
+            self.send_response(200)
+            self.end_headers()
+
+        do_POST = do_PUT
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with watch(interval=0.05, nvidia_smi=str(fake_smi()), alerts=(), pushgateway=url, job="train-x") as w:
+            assert wait_for(lambda: bool(w.monitor.uuids()))
+            w.step(epoch=0, batch=0)
+    finally:
+        server.shutdown()
+        server.server_close()
+    path, body = bodies[-1]
+    assert path.startswith("/metrics/job/train-x/host/")
+    assert "smiquery_training_steps_total" in body
+
+
+def test_no_visible_gpu_and_missing_nvidia_smi_are_said_once(tmp_path):
+    hidden = RunMonitor(env={"CUDA_VISIBLE_DEVICES": ""}, nvidia_smi=str(tmp_path / "none"))
+    hidden.start()
+    assert hidden.end_epoch(0) == {} and "hides every GPU" in hidden.notes[0]
+    hidden.close()
+    missing = RunMonitor(env={}, nvidia_smi=str(tmp_path / "no-such-nvidia-smi"))
+    with no_leaks():
+        missing.start()
+        missing.close()
+    assert len(missing.notes) == 1 and "GPU monitoring is off" in missing.notes[0]
+
+
+def test_bad_arguments_fail_early():
+    with pytest.raises(ValueError, match="log_every"):
+        RunMonitor(log_every="step")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pushgateway"):
+        RunMonitor(pushgateway="gateway:9091")
+    with pytest.raises(ValueError, match="invalid alert"):
+        RunMonitor(alerts=["temperature.gpu >"])
+    assert isinstance(Rule.parse(stall_rule()), Rule)
+
+
+def test_monitor_module_does_not_import_a_framework():
+    code = (
+        "import sys, smiquery.monitor; "
+        "bad = [m for m in ('keras', 'tensorflow', 'torch', 'lightning', 'prometheus_client') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_closing_with_a_dead_webhook_is_bounded_and_counts_the_dropped_events():
+    import socket
+
+    from smiquery.notify import WebhookHandler
+
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead.listen(16)  # accepts in the kernel, never answers
+    try:
+        hook = WebhookHandler(f"http://127.0.0.1:{dead.getsockname()[1]}/T0/B1/secret", timeout=60, min_interval=0)
+        monitor, src = hand_monitor(alerts=["temperature.gpu > 85"], handlers=[hook])
+        monitor.begin_epoch(0)
+        for temp in (90, 60, 90, 60):  # four events: one in flight, three waiting
+            deliver(monitor, src, sweep(temp=temp, gpus=1))
+        assert wait_for(lambda: hook.pending == 3)
+        started = time.monotonic()
+        monitor.close()
+        assert time.monotonic() - started < 15.0  # about 2 s, not the 60 s POST timeout
+        assert hook.dropped == 3
+        assert not monitor.running
+    finally:
+        dead.close()
+
+
+def test_a_snapshot_handler_on_the_monitor_saves_the_recent_samples(tmp_path):
+    from smiquery.notify import SnapshotHandler
+
+    snap = SnapshotHandler(tmp_path / "snaps", nvidia_smi=str(tmp_path / "no-nvidia-smi"))
+    monitor, src = hand_monitor(alerts=["temperature.gpu > 85 for 2"], handlers=[snap])
+    with no_leaks(reap_timeout=10.0):
+        monitor.begin_epoch(0)
+        for temp in (60, 90, 91, 92):
+            deliver(monitor, src, sweep(temp=temp, gpus=1))
+        assert wait_for(lambda: len(snap.taken) == 1)
+        monitor.close()
+    folder = Path(snap.taken[0])
+    alert = json.loads((folder / "alert.json").read_text())
+    assert alert["context"]["epoch"] == 0 and alert["event"]["gpu"] == 0
+    lines = (folder / "samples.csv").read_text().splitlines()
+    assert lines[0].startswith("index, uuid") and len(lines) == 1 + 3  # the history up to the firing sample

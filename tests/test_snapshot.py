@@ -1,0 +1,89 @@
+"""Snapshots when an alert fires: the folder's files, one per firing, bounded size, never blocking the caller."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+from smiquery.notify import Notifier, SnapshotHandler
+from smiquery.parsing import CsvParser
+from smiquery.report import load_recording
+from smiquery.snapshot import take_snapshot
+from tests.conftest import MakeFake
+from tests.leakcheck import no_leaks
+
+T0 = datetime(2026, 3, 14, 9, 30, tzinfo=timezone.utc)
+
+
+def _samples(temps: list[int]) -> list[Any]:
+    parser = CsvParser(["timestamp", "index", "uuid", "temperature.gpu", "memory.used"])
+    uuid = "GPU-00000000-1111-2222-3333-444444444444"
+    return list(
+        parser.parse(
+            f"{(T0 + timedelta(seconds=i)).strftime('%Y/%m/%d %H:%M:%S.000')}, 0, {uuid}, {t}, 2000"
+            for i, t in enumerate(temps)
+        )
+    )
+
+
+def _wait(cond: Any, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return bool(cond())
+
+
+def test_one_snapshot_per_firing_with_the_evidence(fake_smi: MakeFake, tmp_path: Path):
+    smi = fake_smi()
+    snap = SnapshotHandler(tmp_path / "snaps", nvidia_smi=str(smi))
+    notifier = Notifier(["temperature.gpu > 85 for 2"], [snap])
+    with no_leaks(reap_timeout=10.0):
+        for s in _samples([60, 60, 90, 90, 91, 92, 93]):  # fires once, keeps firing: one snapshot
+            notifier.update(s, {"epoch": 3, "batch": 17})
+        assert snap.wait(30.0)
+        assert _wait(lambda: len(snap.taken) == 1)
+        for s in _samples([60, 90, 90]):  # cleared, then fires again: a second snapshot
+            notifier.update(s)
+        assert snap.wait(30.0)
+        assert _wait(lambda: len(snap.taken) == 2)
+        notifier.close()
+    folder = Path(snap.taken[0])
+    assert folder.parent == tmp_path / "snaps"
+    alert = json.loads((folder / "alert.json").read_text())
+    assert alert["event"]["state"] == "firing" and alert["event"]["gpu"] == 0
+    assert alert["context"] == {"epoch": 3, "batch": 17}
+    df = load_recording(folder / "samples.csv")  # `smiquery report` reads the recent samples
+    assert len(df) == 4 and df["temperature_gpu"].max() == 90  # the history up to the firing sample
+    assert (folder / "processes.csv").exists() or (folder / "processes.csv.error.txt").exists()
+    assert (folder / "nvidia-smi-q.xml").exists() or (folder / "nvidia-smi-q.xml.error.txt").exists()
+
+
+def test_files_are_cut_at_max_bytes_keeping_the_newest_rows(tmp_path: Path):
+    samples = _samples(list(range(2000)))
+    event = Notifier(["temperature.gpu > 85"]).evaluate(samples[90])[0]
+    folder = Path(take_snapshot(tmp_path, event, {}, samples, nvidia_smi=str(tmp_path / "none"), max_bytes=4096))
+    text = (folder / "samples.csv").read_text()
+    assert len(text.encode()) <= 4096
+    assert text.splitlines()[-1].endswith("1999, 2000 MiB") or "1999" in text.splitlines()[-1]
+    assert "no-such" not in text
+    assert (folder / "nvidia-smi-q.xml.error.txt").exists()  # no nvidia-smi: said in the folder, nothing raised
+
+
+def test_a_snapshot_never_blocks_the_caller(tmp_path: Path):
+    slow = tmp_path / "slow-nvidia-smi"
+    slow.write_text("#!/bin/sh\nsleep 20\n")
+    slow.chmod(0o755)
+    snap = SnapshotHandler(tmp_path / "snaps", nvidia_smi=str(slow), timeout=1.0)
+    notifier = Notifier(["temperature.gpu > 85"], [snap])
+    started = time.monotonic()
+    for s in _samples([90]):
+        notifier.update(s)
+    assert time.monotonic() - started < 5.0  # the 20 s nvidia-smi runs on the snapshot's thread
+    assert snap.wait(30.0)
+    folder = Path(snap.taken[0])
+    assert "did not answer" in (folder / "nvidia-smi-q.xml.error.txt").read_text()
