@@ -931,3 +931,29 @@ def test_live_table_keeps_the_most_useful_fields_longest():
     assert shown[30] == ["gpu", "util", "used", "power"]
     assert shown[44] == ["gpu", "temp", "util", "used", "power"]
     assert "memutil" in shown[60] and "total" in shown[60]
+
+
+def test_on_alert_snapshot_saves_the_evidence_once_per_firing(tmp_path):
+    # GPU 5 of the demo recording runs hot: the replayed alert fires once and leaves one folder of evidence
+    snaps = tmp_path / "snaps"
+    proc = run(
+        "stream", "--replay", DEMO, "--speed", "0", "--format", "csv",
+        "--alert", "temperature.gpu > 83 for 3", "--on-alert", f"snapshot:{snaps}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    folders = sorted(p for p in snaps.iterdir() if p.is_dir())
+    assert len(folders) == 1, folders
+    saved = {p.name for p in folders[0].iterdir()}
+    assert {"alert.json", "samples.csv"} <= saved
+    alert = json.loads((folders[0] / "alert.json").read_text())
+    assert "temperature.gpu" in json.dumps(alert)
+    from smiquery.report import load_recording
+
+    assert len(load_recording(folders[0] / "samples.csv")) > 0  # `smiquery report` reads what was saved
+
+
+def test_on_alert_needs_a_rule_and_a_known_handler(smi):
+    proc = run("stream", "--count", "1", "--on-alert", "log", smi=smi)
+    one_line_error(proc, 2, "--on-alert needs at least one --alert rule")
+    proc = run("stream", "--count", "1", "--alert", "temperature.gpu > 85", "--on-alert", "pager:x", smi=smi)
+    one_line_error(proc, 2, "log, webhook:URL, snapshot:DIR")

@@ -35,6 +35,7 @@ from smiquery.fields import Field, get_field
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent
     from smiquery.display import LiveTable, SampleWriter
+    from smiquery.notify import Notifier
     from smiquery.records import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
 
@@ -238,6 +239,8 @@ class _Run:
     alert_fired: bool = False
     sweeps: int = 0
     last_draw: float = 0.0
+    #: where alert events also go (``--on-alert``), behind the evaluator
+    notifier: Notifier | None = None
 
 
 _EPILOG = """\b
@@ -317,6 +320,15 @@ def stream(
     exit_on_alert: Annotated[
         bool, typer.Option("--exit-on-alert", help="Exit with code 6 as soon as an alert fires.")
     ] = False,
+    on_alert: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--on-alert",
+            metavar="SPEC",
+            help="Also hand each alert event to: log, webhook:URL (a POST of JSON), or snapshot:DIR (a folder per "
+            "firing with nvidia-smi -q -x, the processes, the last minutes of samples and the alert); repeatable.",
+        ),
+    ] = None,
 ) -> None:
     """Watch the GPUs live: one long-lived nvidia-smi (or a recording).
 
@@ -341,6 +353,7 @@ def stream(
             loop=loop,
             alerts=alert or [],
             exit_on_alert=exit_on_alert,
+            on_alert=on_alert or [],
         )
 
 
@@ -359,6 +372,7 @@ def _stream(
     loop: bool,
     alerts: Sequence[str],
     exit_on_alert: bool,
+    on_alert: Sequence[str] = (),
 ) -> None:
     from smiquery.alerts import AlertEvaluator, InvalidRuleError, Rule
     from smiquery.display import CsvWriter, JsonlWriter, LiveTable, open_recorder, use_color
@@ -453,6 +467,16 @@ def _stream(
     elif tty:
         live = LiveTable(out, flds, title=title, color=use_color(out), evaluator=evaluator)
     run = _Run(writers, live, form == "table" and live is None, flds, evaluator, exit_on_alert)
+    if on_alert:
+        from smiquery.notify import Notifier, handler_from_spec
+
+        if evaluator is None:
+            raise UsageError("--on-alert needs at least one --alert rule")
+        try:
+            handlers = [handler_from_spec(spec, nvidia_smi=settings.nvidia_smi) for spec in on_alert]
+        except ValueError as exc:
+            raise UsageError(f"--on-alert: {exc}") from None
+        run.notifier = Notifier(evaluator, handlers)
     if ids and replay_path is None:
         checked: list[BaseException | None] = []
 
@@ -581,6 +605,12 @@ def _pump_loop(
             if failure is None:
                 run.events.flush()
             run.events.discard()
+            if run.notifier is not None:
+                for handler in run.notifier.handlers:
+                    close = getattr(handler, "close", None)
+                    if callable(close):
+                        with contextlib.suppress(Exception):
+                            close()  # bounded: a dead webhook or a snapshot in progress gets ~2 s
             for w in run.writers:
                 try:
                     w.close()
@@ -628,8 +658,13 @@ def _take_sample(sample: GpuSample, run: _Run) -> bool:
         run.live.update((sample,))
     fired = False
     if run.evaluator is not None:
+        notifier = run.notifier
+        if notifier is not None:
+            notifier.observe(sample)
         events: list[AlertEvent] = run.evaluator.update(sample)
         for ev in events:
+            if notifier is not None:
+                notifier.dispatch(ev, {"source": "smiquery stream"})
             say(f"smiquery: {ev.message()}")
             if run.live is not None:
                 run.live.note(ev)
