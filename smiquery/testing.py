@@ -927,6 +927,10 @@ def _log_invocation(path: str, argv: Sequence[str]) -> None:
 def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Output) -> int:
     if settings.start_delay > 0:
         time.sleep(settings.start_delay)
+    if argv[:1] == ["pmon"]:
+        from smiquery._fake_pmon import run_pmon
+
+        return run_pmon(argv[1:], settings, faults, out)
     opts = _parse_args(argv, out)
     rec = _load_recording(settings.recording)
     if opts.action == "help":

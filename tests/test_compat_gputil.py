@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+import tests.corpus
 from smiquery import errors
 from smiquery.compat import GPUtil as shim
 from smiquery.testing import fake_nvidia_smi
-from tests.corpus import CORPUS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -51,7 +51,7 @@ QUIRKS_CSV = "".join(
 
 def _corpus_recordings() -> list[Path]:
     """Corpus captures the fake can replay and that carry both index and uuid (read in place)."""
-    folder = CORPUS / "csv"
+    folder = tests.corpus.CORPUS / "csv"
     if not folder.is_dir():
         return []
     out = []
