@@ -18,6 +18,7 @@ for which drivers print which).
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 import time
@@ -104,8 +105,12 @@ class PmonRow(NamedTuple):
 PMON_COLUMNS: tuple[str, ...] = PmonRow._fields
 _SLOT = {name: i for i, name in enumerate(PMON_COLUMNS)}
 _INT_COLUMNS = frozenset({"gpu", "pid", "sm", "mem", "enc", "dec", "jpg", "ofa", "fb", "ccpm"})
-_NONE_ROW: list[object] = [None] * len(PMON_COLUMNS)
 _EMPTY = "-"
+# Cells of number columns seen often enough to be worth a dict lookup instead of int(): `-`, 0..100, and pids
+# as they come (bounded, so a long stream's memory stays flat).
+_SEED_CELLS: dict[str, int | None] = {_EMPTY: None, **{str(i): i for i in range(101)}}
+_CACHE_MAX = 4096
+_new_row = tuple.__new__  # PmonRow._make without its length check: the itemgetter always gives 14 cells
 
 
 def _header_names(line: str) -> list[str] | None:
@@ -140,9 +145,11 @@ class PmonParser:
         self.last_error: ParseError | None = None
         self.notices: list[str] = []
         self.columns: tuple[str, ...] = ()
-        self._plan: tuple[tuple[int, int, bool], ...] = ()
+        self._take: Callable[[list[object]], tuple[object, ...]] = operator.itemgetter(0)
+        self._int_pos: tuple[int, ...] = ()
+        self._int_cells: Callable[[list[object]], tuple[object, ...]] = operator.itemgetter(0, 0)
+        self._cells: dict[str, int | None] = dict(_SEED_CELLS)
         self._n = 0
-        self._command = -1
         if columns is not None:
             self._set_columns([c.lower() for c in columns])
 
@@ -151,12 +158,17 @@ class PmonParser:
             raise ValueError("pmon columns must end with 'command'")
         self.columns = tuple(names)
         self._n = len(names)
-        plan = []
-        for pos, name in enumerate(names[:-1]):
-            slot = _SLOT.get(name)
-            if slot is not None:
-                plan.append((pos, slot, name in _INT_COLUMNS))
-        self._plan = tuple(plan)
+        where = {name: pos for pos, name in enumerate(names[:-1])}
+        absent = len(names)  # the index of the None appended to each row's cells
+        # per PmonRow field, the cell it comes from; itemgetter builds the record in one C call
+        self._take = operator.itemgetter(
+            *[where.get(f, absent) for f in PMON_COLUMNS[:-3]],
+            absent - 1,
+            where.get("date", absent),
+            where.get("time", absent),
+        )
+        self._int_pos = tuple(pos for pos, name in enumerate(names[:-1]) if name in _INT_COLUMNS)
+        self._int_cells = operator.itemgetter(*self._int_pos, absent)  # a tuple even for one column
 
     def feed(self, line: str) -> PmonRow | None:
         """Parse one line.
@@ -184,18 +196,32 @@ class PmonParser:
             )
         if len(parts) != n:
             return self._notice_or_reject(line, f"expected {n} columns, got {len(parts)}")
-        values = _NONE_ROW.copy()
-        try:
-            for pos, slot, is_int in self._plan:
-                text = parts[pos]
-                if text != _EMPTY:
-                    values[slot] = int(text) if is_int else text
-        except ValueError:
-            return self._notice_or_reject(line, "a number column holds text")
+        cells = self._cells
+        # cache hits (`-` and small numbers, pids seen before) come back converted, misses as their own text
+        values: list[object] = list(map(cells.get, parts, parts))
+        values.append(None)  # the cell of every column this layout lacks
+        if str in map(type, self._int_cells(values)):  # a miss: convert in Python (rare once pids are known)
+            bad = self._convert(values)
+            if bad is not None:
+                return self._notice_or_reject(line, f"{bad!r} is not a number")
         command = parts[-1].rstrip()
-        if command != _EMPTY:
-            values[11] = command
-        return PmonRow._make(values)
+        values[-2] = None if command == _EMPTY else command
+        return _new_row(PmonRow, self._take(values))
+
+    def _convert(self, values: list[object]) -> str | None:
+        """Turn the number columns' unconverted cells into ints (caching them); returns the first bad cell."""
+        cells = self._cells
+        for pos in self._int_pos:
+            text = values[pos]
+            if isinstance(text, str):
+                try:
+                    number = int(text)
+                except ValueError:
+                    return text
+                if len(cells) < _CACHE_MAX:
+                    cells[text] = number
+                values[pos] = number
+        return None
 
     def _notice_or_reject(self, line: str, message: str) -> PmonRow | None:
         if not line[:1].isspace() and not line[:1].isdigit():
