@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import tzinfo
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import (
     NvidiaSmiFailedError,
@@ -41,6 +41,7 @@ __all__ = ["AsyncStream", "live_children", "query", "stream"]
 log = logging.getLogger("smiquery")
 
 _MAX_ERR_BYTES = 64 * 1024
+_timeout: Callable[[float], Any] | None = getattr(asyncio, "timeout", None)
 _LIVE: set[asyncio.subprocess.Process] = set()
 
 
@@ -164,6 +165,9 @@ class _Child:
         self.proc = proc
         self.argv = tuple(argv)
         self.messages: deque[str] = deque(maxlen=20)
+        self._lines: deque[str] = deque()
+        self._buf = b""
+        self._eof = False
         self._err = bytearray()
         self._drain = asyncio.ensure_future(self._drain_stderr())
 
@@ -177,25 +181,49 @@ class _Child:
                 self._err += data
 
     async def readline(self, timeout: float) -> str | None:
-        """The next complete line without its newline; None at the end of the output."""
-        assert self.proc.stdout is not None
-        try:
-            raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-        except asyncio.TimeoutError:
-            raise NvidiaSmiTimeoutError(
-                f"nvidia-smi printed no complete line for {timeout:g} s and was killed (hung driver?); "
-                "check `dmesg` for Xid errors and whether plain `nvidia-smi` answers",
-                argv=self.argv,
-                timeout=timeout,
-            ) from None
-        except ValueError:  # a line longer than the stream limit: damaged output, not a row
-            return "\ufffd"
-        if not raw:
-            return None
-        line = raw.decode("utf-8", "replace").rstrip("\r\n")
-        if ", " not in line:
-            self.messages.append(line)
-        return line
+        """The next complete line without its newline; None at the end of the output.
+
+        Output is read in chunks (one deadline per chunk, not per line: a sweep usually arrives in one read),
+        as the sync runner does.
+        """
+        lines = self._lines
+        while not lines:
+            if self._eof:
+                return None
+            assert self.proc.stdout is not None
+            try:
+                if _timeout is not None:  # Python 3.11+: a deadline on this task, no extra task per read
+                    async with _timeout(timeout):
+                        data = await self.proc.stdout.read(65536)
+                else:
+                    data = await asyncio.wait_for(self.proc.stdout.read(65536), timeout)
+            except asyncio.TimeoutError:
+                raise NvidiaSmiTimeoutError(
+                    f"nvidia-smi printed no complete line for {timeout:g} s and was killed (hung driver?); "
+                    "check `dmesg` for Xid errors and whether plain `nvidia-smi` answers",
+                    argv=self.argv,
+                    timeout=timeout,
+                ) from None
+            if not data:
+                self._eof = True
+                tail, self._buf = self._buf, b""
+                if tail.strip():
+                    self._take([tail])  # a trailing partial line, handed on as it is (the parser rejects it)
+                continue
+            buf = self._buf + data if self._buf else data
+            if b"\n" not in buf:
+                self._buf = buf
+                continue
+            *complete, self._buf = buf.split(b"\n")
+            self._take(complete)
+        return lines.popleft()
+
+    def _take(self, raws: list[bytes]) -> None:
+        for raw in raws:
+            line = raw.decode("utf-8", "replace").rstrip("\r")
+            self._lines.append(line)
+            if ", " not in line:
+                self.messages.append(line)
 
     async def finish(self, timeout: float) -> int:
         """After the end of output: reap, and raise the typed error of a non-zero exit."""
@@ -287,79 +315,74 @@ class AsyncStream:
         self._emit(StreamEvent("error", exc, self.stats.last_error))
 
     async def _samples(self) -> AsyncIterator[GpuSample]:
-        failures = 0
-        while not self._closed:
-            delay = 0.0
-            parser = CsvParser(self.fields, strict=False, tz=self._tz)
-            self.stats.starts += 1
-            self.stats.state = "starting" if failures == 0 else "retrying"
-            child = _Child(await _spawn(self.argv), self.argv)
-            self._child = child
-            try:
-                delivered = False
-                while True:
-                    line = await child.readline(self.stall_timeout if delivered else self.startup_timeout)
-                    if line is None:
-                        break
-                    before = parser.dropped
-                    sample = parser.feed(line)
-                    if parser.dropped != before:
-                        self.stats.dropped_rows += 1
-                        err = parser.last_error
-                        self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped row"))
-                    if sample is None:
-                        continue
-                    if not delivered:
-                        delivered = True
-                        self.stats.state = "running"
-                        self.stats.attempt = 0
-                        if failures:
-                            self._emit(StreamEvent("recovered", None, "nvidia-smi rows flow again"))
-                        failures = 0
-                    self.stats.rows += 1
-                    if sample.index is not None:
-                        self.stats.known_gpus.setdefault(sample.index, sample.uuid if "uuid" in sample else None)
-                    yield sample
-                await child.finish(self.stall_timeout)
-                if self._closed:
-                    return
-                raise _ChildEndedError(self.argv, 0, "", "nvidia-smi ended its loop; restarting")
-            except SmiqueryError as exc:
-                if self._closed:
-                    return
-                self._record(exc)
-                if not exc.retryable or (self.max_restarts is not None and self.stats.restarts >= self.max_restarts):
-                    self.stats.state = "failed"
-                    raise
-                failures += 1
-                self.stats.attempt = failures
-                delay = min(self.backoff_max, self.backoff_initial * 2 ** (failures - 1))
-                self.stats.restarts += 1
-                self.stats.state = "retrying"
-                self.stats.next_retry_at = time.time() + delay
-                self._emit(StreamEvent("restart", exc, f"restarting nvidia-smi in {delay:.2f} s after: {exc}"))
-                log.warning("smiquery: restarting nvidia-smi in %.2f s after: %s", delay, exc)
-            finally:
-                self._child = None
-                await child.close()
-            await self._sleep(delay)
-            self.stats.next_retry_at = None
-
-    def __aiter__(self) -> AsyncIterator[GpuSample]:
-        return self._guarded(self._samples())
-
-    async def _guarded(self, gen: AsyncIterator[GpuSample]) -> AsyncIterator[GpuSample]:
         if self._busy:
             raise RuntimeError("this stream is already being iterated (one child per stream)")
         self._busy = True
         try:
-            async for sample in gen:
-                yield sample
+            failures = 0
+            while not self._closed:
+                delay = 0.0
+                parser = CsvParser(self.fields, strict=False, tz=self._tz)
+                self.stats.starts += 1
+                self.stats.state = "starting" if failures == 0 else "retrying"
+                child = _Child(await _spawn(self.argv), self.argv)
+                self._child = child
+                try:
+                    delivered = False
+                    while True:
+                        line = await child.readline(self.stall_timeout if delivered else self.startup_timeout)
+                        if line is None:
+                            break
+                        before = parser.dropped
+                        sample = parser.feed(line)
+                        if parser.dropped != before:
+                            self.stats.dropped_rows += 1
+                            err = parser.last_error
+                            self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped row"))
+                        if sample is None:
+                            continue
+                        if not delivered:
+                            delivered = True
+                            self.stats.state = "running"
+                            self.stats.attempt = 0
+                            if failures:
+                                self._emit(StreamEvent("recovered", None, "nvidia-smi rows flow again"))
+                            failures = 0
+                        self.stats.rows += 1
+                        if sample.index is not None:
+                            self.stats.known_gpus.setdefault(sample.index, sample.uuid if "uuid" in sample else None)
+                        yield sample
+                    await child.finish(self.stall_timeout)
+                    if self._closed:
+                        return
+                    raise _ChildEndedError(self.argv, 0, "", "nvidia-smi ended its loop; restarting")
+                except SmiqueryError as exc:
+                    if self._closed:
+                        return
+                    self._record(exc)
+                    if not exc.retryable or (
+                        self.max_restarts is not None and self.stats.restarts >= self.max_restarts
+                    ):
+                        self.stats.state = "failed"
+                        raise
+                    failures += 1
+                    self.stats.attempt = failures
+                    delay = min(self.backoff_max, self.backoff_initial * 2 ** (failures - 1))
+                    self.stats.restarts += 1
+                    self.stats.state = "retrying"
+                    self.stats.next_retry_at = time.time() + delay
+                    self._emit(StreamEvent("restart", exc, f"restarting nvidia-smi in {delay:.2f} s after: {exc}"))
+                    log.warning("smiquery: restarting nvidia-smi in %.2f s after: %s", delay, exc)
+                finally:
+                    self._child = None
+                    await child.close()
+                await self._sleep(delay)
+                self.stats.next_retry_at = None
         finally:
             self._busy = False
-            aclose = getattr(gen, "aclose", None)
-            if aclose is not None:
-                await aclose()
+
+    def __aiter__(self) -> AsyncIterator[GpuSample]:
+        return self._samples()
 
     async def sweeps(self, count: int | None = None) -> AsyncIterator[Sweep]:
         """Yield whole sweeps (one sample per GPU for one instant), as the sync stream groups them.
