@@ -40,8 +40,10 @@ __all__ = [
     "ProcessShare",
     "build_pmon_argv",
     "parse_pmon",
-    "pmon",
     "process_share",
+    "process_user",
+    "sort_rows",
+    "stream",
     "top_processes",
 ]
 
@@ -350,7 +352,7 @@ class PmonStream:
     failing child is restarted with exponential backoff, and errors that need a person (binary missing,
     permission, unsupported) are raised at once. ``-`` stays None. Counters are in :attr:`stats`.
 
-    See :func:`pmon` for the arguments.
+    See :func:`stream` for the arguments.
     """
 
     def __init__(
@@ -513,7 +515,7 @@ class PmonStream:
         self.close()
 
 
-def pmon(
+def stream(
     *,
     gpus: GpusArg = None,
     interval: int = 1,
@@ -533,7 +535,7 @@ def pmon(
 
     Example::
 
-        with smiquery.pmon.pmon(interval=1) as p:
+        with smiquery.pmon.stream(interval=1) as p:
             for instant in p.samples(count=5):
                 for row in top_processes(instant, 3)[0]:
                     print(row.pid, row.command, row.sm)
@@ -707,3 +709,50 @@ def process_share(rows: Iterable[PmonRow], pids: Collection[int]) -> dict[int, P
             other_pids=tuple(dict.fromkeys(r.pid for r in others if r.pid is not None)),
         )
     return out
+
+
+def sort_rows(rows: Iterable[PmonRow], by: str = "sm", *, descending: bool = True) -> list[PmonRow]:
+    """Rows ordered by one column for a live table (``smiquery ps --watch``); missing values always sort last.
+
+    Args:
+        rows: pmon rows.
+        by: any :class:`PmonRow` field (``sm``, ``mem``, ``fb``, ``pid``, ``gpu``, ``command``...).
+        descending: largest first (the default, for busiest-first views).
+
+    Returns:
+        A new list; ties keep their order.
+
+    Raises:
+        ValueError: ``by`` is not a pmon column.
+    """
+    if by not in PMON_COLUMNS:
+        raise ValueError(f"by must be one of {', '.join(PMON_COLUMNS)}")
+    items = list(rows)
+    present = [r for r in items if getattr(r, by) is not None]
+    absent = [r for r in items if getattr(r, by) is None]
+    present.sort(key=lambda r: getattr(r, by), reverse=descending)
+    return present + absent
+
+
+def process_user(pid: int) -> str | None:
+    """The user name owning ``pid`` on this host (from ``/proc``), or None when unknown.
+
+    pmon's pids are in the host's PID namespace: inside a container most of them are not visible, and the
+    answer is None rather than a guess.
+
+    Args:
+        pid: a process id from a :class:`PmonRow`.
+
+    Returns:
+        The user name, the numeric uid as text when it has no name, or None.
+    """
+    try:
+        uid = os.stat(f"/proc/{int(pid)}").st_uid
+    except (OSError, ValueError):
+        return None
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)

@@ -14,8 +14,10 @@ from smiquery.pmon import (
     PmonRow,
     build_pmon_argv,
     parse_pmon,
-    pmon,
     process_share,
+    process_user,
+    sort_rows,
+    stream,
     top_processes,
 )
 from smiquery.runner import live_children
@@ -152,7 +154,7 @@ def _no_fake_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_stream_with_count_yields_typed_instants_and_ends(fake_smi: MakeFake) -> None:
-    with pmon(nvidia_smi=fake_smi(), count=2) as p:
+    with stream(nvidia_smi=fake_smi(), count=2) as p:
         instants = list(p.samples())
     assert len(instants) == 2
     assert [len(i) for i in instants] == [4, 4]  # pmon watches at most four GPUs
@@ -164,7 +166,7 @@ def test_stream_with_count_yields_typed_instants_and_ends(fake_smi: MakeFake) ->
 
 
 def test_idle_gpus_print_one_line_each(fake_smi: MakeFake) -> None:
-    with pmon(nvidia_smi=fake_smi(apps=""), count=1, gpus=[0, 1]) as p:
+    with stream(nvidia_smi=fake_smi(apps=""), count=1, gpus=[0, 1]) as p:
         rows = list(p)
     assert [(r.gpu, r.idle) for r in rows] == [(0, True), (1, True)]
 
@@ -172,7 +174,7 @@ def test_idle_gpus_print_one_line_each(fake_smi: MakeFake) -> None:
 def test_stream_restarts_after_a_crash_and_keeps_one_child(fake_smi: MakeFake) -> None:
     naps: list[float] = []
     seen_children: set[int] = set()
-    with pmon(nvidia_smi=fake_smi(fault="crash-after:3"), sleep=naps.append, backoff_initial=0.01) as p:
+    with stream(nvidia_smi=fake_smi(fault="crash-after:3"), sleep=naps.append, backoff_initial=0.01) as p:
         rows = []
         for row in p:
             seen_children.update(live_children())
@@ -188,7 +190,7 @@ def test_stream_restarts_after_a_crash_and_keeps_one_child(fake_smi: MakeFake) -
 
 def test_failing_starts_back_off_exponentially_then_give_up(fake_smi: MakeFake) -> None:
     naps: list[float] = []
-    p = pmon(nvidia_smi=fake_smi(fault="unknown-error"), sleep=naps.append, backoff_initial=0.01, max_restarts=3)
+    p = stream(nvidia_smi=fake_smi(fault="unknown-error"), sleep=naps.append, backoff_initial=0.01, max_restarts=3)
     with p, pytest.raises(errors.NvidiaSmiFailedError, match="Unknown Error"):
         list(p)
     assert naps == [0.01, 0.02, 0.04]
@@ -197,7 +199,7 @@ def test_failing_starts_back_off_exponentially_then_give_up(fake_smi: MakeFake) 
 
 
 def test_hung_pmon_is_killed_and_restarted(fake_smi: MakeFake) -> None:
-    with pmon(nvidia_smi=fake_smi(fault="hang-after:2"), stall_timeout=1.0, sleep=lambda s: None) as p:
+    with stream(nvidia_smi=fake_smi(fault="hang-after:2"), stall_timeout=1.0, sleep=lambda s: None) as p:
         rows = []
         for row in p:
             rows.append(row)
@@ -209,7 +211,7 @@ def test_hung_pmon_is_killed_and_restarted(fake_smi: MakeFake) -> None:
 
 def test_permanent_error_raises_at_once(fake_smi: MakeFake) -> None:
     with (
-        pmon(nvidia_smi=fake_smi(fault="nvml-not-found"), sleep=lambda s: None) as p,
+        stream(nvidia_smi=fake_smi(fault="nvml-not-found"), sleep=lambda s: None) as p,
         pytest.raises(errors.NvmlNotFoundError),
     ):
         list(p)
@@ -218,7 +220,7 @@ def test_permanent_error_raises_at_once(fake_smi: MakeFake) -> None:
 
 
 def test_close_from_another_thread_stops_a_blocked_reader(fake_smi: MakeFake) -> None:
-    p = pmon(nvidia_smi=fake_smi(), interval=10)
+    p = stream(nvidia_smi=fake_smi(), interval=10)
     got = threading.Event()
     done = threading.Event()
     rows: list[PmonRow] = []
@@ -245,7 +247,7 @@ def test_replays_a_real_capture_through_the_stream(
     capture = tmp_path / "pmon.txt"
     capture.write_text("\n".join(body) + "\n", encoding="utf-8")
     monkeypatch.setenv("SMIQUERY_FAKE_PMON", str(capture))
-    with pmon(nvidia_smi=fake_smi(), count=5) as p:
+    with stream(nvidia_smi=fake_smi(), count=5) as p:
         instants = list(p.samples())
     assert len(instants) == 5
     assert all(len(i) == 3 for i in instants)
@@ -277,3 +279,20 @@ def test_process_share_says_who_else_is_on_my_gpu() -> None:
     assert shares[1].mine_sm == 88 and shares[1].others_sm == 4
     assert shares[1].share == pytest.approx(88 / 92)
     assert process_share(rows, {424242}) == {}
+
+
+def test_sort_rows_puts_missing_values_last_in_both_directions() -> None:
+    rows = parse_pmon(_fixture("pmon-h100x4-590-um.txt"))[:6]
+    assert [r.sm for r in sort_rows(rows)] == [97, 88, 12, 4, None, None]
+    assert [r.sm for r in sort_rows(rows, descending=False)] == [4, 12, 88, 97, None, None]
+    assert [r.command for r in sort_rows(rows, "command", descending=False)][:2] == ["nccl-watchdog", "python3"]
+    with pytest.raises(ValueError, match="by must be"):
+        sort_rows(rows, "bogus")
+
+
+def test_process_user_names_the_owner_of_a_visible_process() -> None:
+    import os
+    import pwd
+
+    assert process_user(os.getpid()) == pwd.getpwuid(os.getuid()).pw_name
+    assert process_user(2**22 + 12345) is None  # beyond pid_max: no such process
