@@ -49,6 +49,9 @@ bench: $(STAMP)
 	$(PY) scripts/bench_stream.py
 	$(PY) scripts/bench_cli.py
 	$(PY) scripts/bench_exporter.py
+	$(PY) scripts/bench_compat.py
+	$(PY) scripts/bench_pmon.py
+	$(PY) scripts/bench_aio.py
 
 # Both images, on a host with Docker (tests build them with buildah instead; see docker/README.md).
 docker:
