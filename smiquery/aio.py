@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import tzinfo
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from smiquery.errors import (
     NvidiaSmiFailedError,
@@ -41,7 +41,6 @@ __all__ = ["AsyncStream", "live_children", "query", "stream"]
 log = logging.getLogger("smiquery")
 
 _MAX_ERR_BYTES = 64 * 1024
-_timeout: Callable[[float], Any] | None = getattr(asyncio, "timeout", None)
 _LIVE: set[asyncio.subprocess.Process] = set()
 
 
@@ -170,6 +169,13 @@ class _Child:
         self._eof = False
         self._err = bytearray()
         self._drain = asyncio.ensure_future(self._drain_stderr())
+        self._loop = asyncio.get_running_loop()
+        # One watchdog per child instead of a timer per read: it only counts while a read is waiting, and on
+        # expiry kills the child and ends its output, so the waiting read returns at once.
+        self._timeout = 0.0
+        self._waiting_since: float | None = None
+        self._timed_out = False
+        self._watchdog: asyncio.Future[None] | None = None
 
     async def _drain_stderr(self) -> None:
         assert self.proc.stderr is not None
@@ -183,27 +189,34 @@ class _Child:
     async def readline(self, timeout: float) -> str | None:
         """The next complete line without its newline; None at the end of the output.
 
-        Output is read in chunks (one deadline per chunk, not per line: a sweep usually arrives in one read),
-        as the sync runner does.
+        Output is read in chunks (a sweep usually arrives in one read), as the sync runner does; ``timeout``
+        bounds each wait for output.
         """
         lines = self._lines
         while not lines:
             if self._eof:
                 return None
-            assert self.proc.stdout is not None
+            stdout = self.proc.stdout
+            assert stdout is not None
+            if timeout != self._timeout or self._watchdog is None:
+                # first read, or the deadline changed (start-up -> stall): a watchdog asleep on the old one
+                # would wake too late
+                self._timeout = timeout
+                if self._watchdog is not None:
+                    self._watchdog.cancel()
+                self._watchdog = asyncio.ensure_future(self._watch())
+            self._waiting_since = self._loop.time()
             try:
-                if _timeout is not None:  # Python 3.11+: a deadline on this task, no extra task per read
-                    async with _timeout(timeout):
-                        data = await self.proc.stdout.read(65536)
-                else:
-                    data = await asyncio.wait_for(self.proc.stdout.read(65536), timeout)
-            except asyncio.TimeoutError:
+                data = await stdout.read(65536)
+            finally:
+                self._waiting_since = None
+            if self._timed_out:
                 raise NvidiaSmiTimeoutError(
                     f"nvidia-smi printed no complete line for {timeout:g} s and was killed (hung driver?); "
                     "check `dmesg` for Xid errors and whether plain `nvidia-smi` answers",
                     argv=self.argv,
                     timeout=timeout,
-                ) from None
+                )
             if not data:
                 self._eof = True
                 tail, self._buf = self._buf, b""
@@ -217,6 +230,23 @@ class _Child:
             *complete, self._buf = buf.split(b"\n")
             self._take(complete)
         return lines.popleft()
+
+    async def _watch(self) -> None:
+        loop = self._loop
+        while True:
+            since = self._waiting_since
+            if since is None:
+                await asyncio.sleep(self._timeout or 1.0)
+                continue
+            left = since + self._timeout - loop.time()
+            if left > 0:
+                await asyncio.sleep(left)
+                continue
+            self._timed_out = True
+            _signal(self.proc, getattr(signal, "SIGKILL", signal.SIGTERM))
+            if self.proc.stdout is not None:
+                self.proc.stdout.feed_eof()  # wakes the waiting read with b""
+            return
 
     def _take(self, raws: list[bytes]) -> None:
         for raw in raws:
@@ -247,6 +277,8 @@ class _Child:
             await _reap(self.proc)
         finally:
             self._drain.cancel()
+            if self._watchdog is not None:
+                self._watchdog.cancel()
 
 
 class _ChildEndedError(NvidiaSmiFailedError):

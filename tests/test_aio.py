@@ -153,6 +153,20 @@ def test_stream_hang_is_a_timeout_and_a_restart(fake_smi: MakeFake, tmp_path: Pa
     _assert_all_reaped(log)
 
 
+def test_a_slow_consumer_is_not_a_hung_child(fake_smi: MakeFake) -> None:
+    """The stall deadline counts only while waiting for output, not while the consumer is busy."""
+    fake = fake_smi()
+
+    async def main() -> aio.AsyncStream:
+        async with aio.stream(interval=0.05, nvidia_smi=fake, stall_timeout=0.5) as s:
+            async for _ in s.sweeps(count=3):
+                await asyncio.sleep(1.5)  # three times the stall timeout, between reads
+            return s
+
+    s = asyncio.run(main())
+    assert s.stats.errors == {} and s.stats.restarts == 0
+
+
 def test_permanent_error_raises_without_restarting(fake_smi: MakeFake, tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
     fake = fake_smi(fault="nvml-not-found", log=log)
