@@ -58,8 +58,8 @@ def _async(fake: Path, sweeps: int) -> float:
 def main() -> int:
     """Run the benchmark; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweeps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sweeps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     best = {"sync": float("inf"), "aio": float("inf")}
     with tempfile.TemporaryDirectory() as tmp:

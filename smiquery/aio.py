@@ -163,7 +163,7 @@ class _Child:
     def __init__(self, proc: asyncio.subprocess.Process, argv: Sequence[str]) -> None:
         self.proc = proc
         self.argv = tuple(argv)
-        self.messages: deque[str] = deque(maxlen=20)
+        self.messages: deque[str] = deque(maxlen=20)  # the last lines, for error messages (rows are skipped there)
         self._lines: deque[str] = deque()
         self._buf = b""
         self._eof = False
@@ -186,8 +186,8 @@ class _Child:
             if len(self._err) < _MAX_ERR_BYTES:
                 self._err += data
 
-    async def readline(self, timeout: float) -> str | None:
-        """The next complete line without its newline; None at the end of the output.
+    async def readlines(self, timeout: float) -> list[str] | None:
+        """Every complete line available now (at least one), without newlines; None at the end of the output.
 
         Output is read in chunks (a sweep usually arrives in one read), as the sync runner does; ``timeout``
         bounds each wait for output.
@@ -221,15 +221,23 @@ class _Child:
                 self._eof = True
                 tail, self._buf = self._buf, b""
                 if tail.strip():
-                    self._take([tail])  # a trailing partial line, handed on as it is (the parser rejects it)
+                    last = tail.decode("utf-8", "replace")  # a trailing partial line, as it is (the parser rejects it)
+                    lines.append(last)
+                    self.messages.append(last)
                 continue
             buf = self._buf + data if self._buf else data
-            if b"\n" not in buf:
+            cut = buf.rfind(b"\n")
+            if cut < 0:
                 self._buf = buf
                 continue
-            *complete, self._buf = buf.split(b"\n")
-            self._take(complete)
-        return lines.popleft()
+            self._buf = buf[cut + 1 :]
+            # one decode per read, not per line (the parser strips the \r of Windows line ends)
+            new = buf[:cut].decode("utf-8", "replace").split("\n")
+            lines.extend(new)
+            self.messages.extend(new)
+        out = list(lines)
+        lines.clear()
+        return out
 
     async def _watch(self) -> None:
         loop = self._loop
@@ -247,13 +255,6 @@ class _Child:
             if self.proc.stdout is not None:
                 self.proc.stdout.feed_eof()  # wakes the waiting read with b""
             return
-
-    def _take(self, raws: list[bytes]) -> None:
-        for raw in raws:
-            line = raw.decode("utf-8", "replace").rstrip("\r")
-            self._lines.append(line)
-            if ", " not in line:
-                self.messages.append(line)
 
     async def finish(self, timeout: float) -> int:
         """After the end of output: reap, and raise the typed error of a non-zero exit."""
@@ -346,7 +347,9 @@ class AsyncStream:
         self.stats.last_error_type = type(exc).__name__
         self._emit(StreamEvent("error", exc, self.stats.last_error))
 
-    async def _samples(self) -> AsyncIterator[GpuSample]:
+    async def _batches(self) -> AsyncIterator[list[GpuSample]]:
+        """Samples in the batches they arrive in (one read of output): one generator step per read, not per row."""
+        known = self.stats.known_gpus
         if self._busy:
             raise RuntimeError("this stream is already being iterated (one child per stream)")
         self._busy = True
@@ -362,16 +365,23 @@ class AsyncStream:
                 try:
                     delivered = False
                     while True:
-                        line = await child.readline(self.stall_timeout if delivered else self.startup_timeout)
-                        if line is None:
+                        lines = await child.readlines(self.stall_timeout if delivered else self.startup_timeout)
+                        if lines is None:
                             break
-                        before = parser.dropped
-                        sample = parser.feed(line)
-                        if parser.dropped != before:
-                            self.stats.dropped_rows += 1
-                            err = parser.last_error
-                            self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped row"))
-                        if sample is None:
+                        batch: list[GpuSample] = []
+                        for line in lines:
+                            before = parser.dropped
+                            sample = parser.feed(line)
+                            if parser.dropped != before:
+                                self.stats.dropped_rows += 1
+                                err = parser.last_error
+                                self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped row"))
+                            if sample is None:
+                                continue
+                            if sample.index is not None and sample.index not in known:
+                                known[sample.index] = sample.uuid if "uuid" in sample else None
+                            batch.append(sample)
+                        if not batch:
                             continue
                         if not delivered:
                             delivered = True
@@ -380,10 +390,8 @@ class AsyncStream:
                             if failures:
                                 self._emit(StreamEvent("recovered", None, "nvidia-smi rows flow again"))
                             failures = 0
-                        self.stats.rows += 1
-                        if sample.index is not None:
-                            self.stats.known_gpus.setdefault(sample.index, sample.uuid if "uuid" in sample else None)
-                        yield sample
+                        self.stats.rows += len(batch)
+                        yield batch
                     await child.finish(self.stall_timeout)
                     if self._closed:
                         return
@@ -416,6 +424,15 @@ class AsyncStream:
     def __aiter__(self) -> AsyncIterator[GpuSample]:
         return self._samples()
 
+    async def _samples(self) -> AsyncIterator[GpuSample]:
+        batches = self._batches()
+        try:
+            async for batch in batches:
+                for sample in batch:
+                    yield sample
+        finally:
+            await batches.aclose()  # type: ignore[attr-defined]
+
     async def sweeps(self, count: int | None = None) -> AsyncIterator[Sweep]:
         """Yield whole sweeps (one sample per GPU for one instant), as the sync stream groups them.
 
@@ -424,21 +441,20 @@ class AsyncStream:
         """
         grouper = SweepGrouper(self._expected)
         done = 0
-        samples = self.__aiter__()
+        batches = self._batches()
         try:
-            async for sample in samples:
-                for sweep in grouper.feed(sample):
-                    self.stats.sweeps += 1
-                    self._latest = (sweep, time.monotonic())
-                    yield sweep
-                    done += 1
-                    if count is not None and done >= count:
-                        return
+            async for batch in batches:
+                for sample in batch:
+                    for sweep in grouper.feed(sample):
+                        self.stats.sweeps += 1
+                        self._latest = (sweep, time.monotonic())
+                        yield sweep
+                        done += 1
+                        if count is not None and done >= count:
+                            return
         finally:
             self._expected = grouper.expected
-            aclose = getattr(samples, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await batches.aclose()  # type: ignore[attr-defined]
 
     def latest(self) -> tuple[Sweep | None, float | None]:
         """The newest sweep yielded by :meth:`sweeps` and its age in seconds; ``(None, None)`` before the first."""
