@@ -324,3 +324,18 @@ def test_module_is_importable_as_documented() -> None:
 
     assert isinstance(smiquery.compat.GPUtil, ModuleType)
     assert smiquery.compat.GPUtil is shim
+
+
+def test_garbage_output_is_a_parse_error(use_fake: Any) -> None:
+    use_fake(fault="garbage")
+    with pytest.raises(errors.ParseError, match="expected 12 cells"):
+        shim.getGPUs()
+
+
+def test_inforom_warning_keeps_the_rows_where_gputil_crashes(use_fake: Any) -> None:
+    use_fake()
+    clean = real.getGPUs()
+    use_fake(fault="inforom")
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        real.getGPUs()  # it reads the warning line as a GPU
+    _assert_same_gpus(shim.getGPUs(), clean)

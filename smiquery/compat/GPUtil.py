@@ -14,6 +14,7 @@ literal for int()``). The differences are listed in ``docs/adoption.md``.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import sys
@@ -21,7 +22,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from smiquery.oneshot import query
+from smiquery.errors import ParseError, failure_from_exit
+from smiquery.fields import Field, resolve_fields
+from smiquery.oneshot import build_argv
+from smiquery.runner import SubprocessRunner, find_nvidia_smi
 
 __all__ = [
     "GPU",
@@ -135,26 +139,42 @@ def getGPUs() -> list[GPU]:
             ``ValueError`` from parsing the message as a GPU index).
         ParseError: output that does not fit the twelve columns.
     """
+    argv = build_argv(find_nvidia_smi(), _resolved())
+    done = SubprocessRunner().run(argv, TIMEOUT)
+    if done.returncode not in (0, 14):  # 14: infoROM warning after valid rows
+        raise failure_from_exit(argv, done.returncode, done.output)
     gpus = []
-    for s in query(_FIELDS, timeout=TIMEOUT):
-        raw = s.raw
+    # GPUtil's own reading of the rows (split on ", ", twelve cells, numbers through float()), checked: a line
+    # that is not such a row raises ParseError instead of shifting values or crashing in int()
+    for lineno, line in enumerate(done.stdout.splitlines(), 1):
+        if not line.strip() or (done.returncode == 14 and line.startswith("WARNING")):
+            continue
+        cells = line.split(", ")
+        if len(cells) != len(_FIELDS) or not cells[0].strip().isdigit():
+            raise ParseError(f"expected {len(_FIELDS)} cells starting with a GPU index", lineno=lineno, line=line)
+        index, uuid, util, total, used, free, driver, name, serial, active, mode, temp = cells
         gpus.append(
             GPU(
-                int(raw["index"]),
-                raw["uuid"],
-                _number(raw["utilization.gpu"]) / 100,
-                _number(raw["memory.total"]),
-                _number(raw["memory.used"]),
-                _number(raw["memory.free"]),
-                raw["driver_version"],
-                raw["name"],
-                raw["serial"],
-                raw["display_mode"],
-                raw["display_active"],
-                _number(raw["temperature.gpu"]),
+                int(index),
+                uuid,
+                _number(util) / 100,
+                _number(total),
+                _number(used),
+                _number(free),
+                driver,
+                name,
+                serial,
+                mode,
+                active,
+                _number(temp),
             )
         )
     return gpus
+
+
+@functools.cache
+def _resolved() -> tuple[Field, ...]:
+    return resolve_fields(_FIELDS)
 
 
 def getAvailability(
