@@ -1052,6 +1052,10 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
     delay = faults.start_delay if faults.start_delay is not None else settings.start_delay
     if delay > 0:
         out.sleep(delay)
+    if argv[:1] == ["pmon"]:
+        from smiquery._fake_pmon import run_pmon
+
+        return run_pmon(argv[1:], settings, faults, out)
     opts = _parse_args(argv, out)
     rec = _load_recording(settings.recording)
     if opts.action == "help":

@@ -1,0 +1,174 @@
+"""``nvidia-smi pmon`` in the fake executable (:mod:`smiquery.testing`): per-process lines in pmon's layout.
+
+The processes are the fake's compute apps (``SMIQUERY_FAKE_APPS`` / the bundled list) on the recording's GPUs;
+an idle GPU prints one line of ``-``. ``SMIQUERY_FAKE_PMON=FILE`` replays a pmon capture instead: printed as is,
+then (without ``-c``) its data lines again every interval. Faults: the start-up ones, ``exit:``, ``hang``,
+``hang-after:N`` and ``crash-after:N`` (N counts data lines), ``ignore-term``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from smiquery.testing import _Faults, _Output, _Settings
+
+__all__ = ["run_pmon"]
+
+_MAX_GPUS = 4  # pmon watches at most four devices
+# First driver branch of the fake that prints the jpg and ofa columns (observed on 590/595/610; absent in
+# R4xx-era reports; the exact branch that added them is not established).
+_JPG_OFA_FROM = 530
+
+
+class _Usage(Exception):
+    pass
+
+
+def _parse(argv: Sequence[str]) -> dict[str, str]:
+    opts: dict[str, str] = {}
+    names = {"-i": "id", "--id": "id", "-d": "delay", "--delay": "delay", "-c": "count", "--count": "count"}
+    names |= {"-s": "select", "--select": "select", "-o": "options", "--options": "options"}
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            opts["help"] = "1"
+            continue
+        key, eq, inline = arg.partition("=")
+        if key not in names:
+            raise _Usage(f"Option {key} is not recognized.")
+        if eq:
+            value = inline
+        elif args:
+            value = args.pop(0)
+        else:
+            raise _Usage(f"Option {key} is missing its value.")
+        opts[names[key]] = value
+    return opts
+
+
+def _columns(driver: str, select: str, options: str) -> list[tuple[str, str]]:
+    try:
+        branch = int(driver.split(".")[0])
+    except ValueError:
+        branch = 590
+    cols: list[tuple[str, str]] = []
+    if "D" in options:
+        cols.append(("Date", "YYYYMMDD"))
+    if "T" in options:
+        cols.append(("Time", "HH:MM:SS"))
+    cols += [("gpu", "Idx"), ("pid", "#"), ("type", "C/G")]
+    if "u" in select:
+        cols += [("sm", "%"), ("mem", "%"), ("enc", "%"), ("dec", "%")]
+        if branch >= _JPG_OFA_FROM:
+            cols += [("jpg", "%"), ("ofa", "%")]
+    if "m" in select:
+        cols.append(("fb", "MB"))
+    cols.append(("command", "name"))
+    return cols
+
+
+def _widths(names: Sequence[str], *, header: bool = False) -> list[int]:
+    # the header's pid and type columns are one character wider than the data's (seen in every 590+ capture),
+    # so header and data do not line up: columns are found by splitting on blanks, never by position
+    fixed = {"Date": 9, "Time": 10, "gpu": 5, "pid": 12 if header else 11, "type": 7 if header else 6}
+    return [fixed.get(n, 7) for n in names]
+
+
+def _line(cells: Sequence[str], widths: Sequence[int]) -> str:
+    body = "".join(c.rjust(w) for c, w in zip(cells[:-1], widths))
+    return f"{body}    {cells[-1][:15]:<15}"
+
+
+def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Output) -> int:
+    """Run ``nvidia-smi pmon ARGS`` against the fake's recording; returns the exit status."""
+    from smiquery import testing as fake
+
+    try:
+        opts = _parse(argv)
+    except _Usage as exc:
+        out.line(f"ERROR: {exc} Please run 'nvidia-smi pmon -h' for help.")
+        return 255
+    if "help" in opts:
+        out.line("Usage: nvidia-smi pmon [-i ID] [-d SEC] [-c COUNT] [-s um] [-o DT]  (smiquery fake)")
+        return 0
+    rec = fake._load_recording(settings.recording)
+    fake._startup(faults, rec, out)
+    delay = int(opts.get("delay", "1")) if opts.get("delay", "1").isdigit() else 0
+    if not 1 <= delay <= 10:
+        out.line("ERROR: Invalid value for -d (1 to 10 seconds). Please run 'nvidia-smi pmon -h' for help.")
+        return 255
+    count = int(opts["count"]) if opts.get("count", "").isdigit() else None
+    select = opts.get("select", "u")
+    options = opts.get("options", "")
+    selected = fake._select(rec, opts.get("id"), out)
+    gpus = [g for g in rec.gpus if g["index"] in selected][:_MAX_GPUS]
+    rows_written = 0
+
+    def data(text: str) -> None:
+        nonlocal rows_written
+        if faults.hang_after is not None and rows_written >= faults.hang_after:
+            fake._hang(out)
+        if faults.crash_after is not None and rows_written >= faults.crash_after:
+            out.line("Unable to determine the device handle for GPU 0000:00:00.0: Unknown Error")
+            out.flush()
+            raise fake._Exit(255)
+        out.line(text)
+        rows_written += 1
+
+    replay = os.environ.get("SMIQUERY_FAKE_PMON")
+    if replay:
+        lines = pathlib.Path(replay).read_text(encoding="utf-8").splitlines()
+        for text in lines:
+            (out.line if text.startswith("#") or not text.strip() else data)(text)
+        out.flush()
+        body = [t for t in lines if t.strip() and not t.startswith("#")]
+        while count is None and body:
+            time.sleep(delay)
+            for text in body:
+                data(text)
+            out.flush()
+        return 0
+
+    cols = _columns(rec.driver_version, select, options)
+    names = [n for n, _ in cols]
+    widths = _widths(names)
+    head_widths = _widths(names, header=True)
+    head = "".join(c.rjust(w) for c, w in zip(names[:-1], head_widths)) + "    command "
+    units = "".join(u.rjust(w) for (_, u), w in zip(cols[:-1], head_widths)) + "    name "
+    out.line("#" + head[1:])
+    out.line("#" + units[1:])
+    apps = fake._load_apps(settings.apps, rec)
+    n = 0
+    while count is None or n < count:
+        now = datetime.now()
+        for gpu in gpus:
+            procs = [a for a in apps if a.get("gpu_uuid", "").lower() == gpu["uuid"].lower()]
+            if not procs:
+                procs = [{}]
+            for app in procs:
+                pid = app.get("pid", "-")
+                busy = (int(pid) * 7 + n * 13) % 100 if pid.isdigit() else None
+                values = {
+                    "Date": now.strftime("%Y%m%d"),
+                    "Time": now.strftime("%H:%M:%S"),
+                    "gpu": gpu["index"],
+                    "pid": pid,
+                    "type": "C" if app else "-",
+                    "sm": "-" if busy is None else str(busy),
+                    "mem": "-" if busy is None else str(busy // 4),
+                    "fb": app["used_gpu_memory"] if app.get("used_gpu_memory", "").isdigit() else "-",
+                    "command": app.get("process_name", "-").rsplit("/", 1)[-1] if app else "-",
+                }
+                data(_line([values.get(name, "-") for name in names], widths))
+        out.flush()
+        n += 1
+        if count is None or n < count:
+            time.sleep(delay)
+    return 0

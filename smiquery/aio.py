@@ -1,0 +1,541 @@
+"""asyncio API: ``await query(...)`` and ``async with stream(...) as s: async for sweep in s.sweeps(): ...``.
+
+Built on asyncio subprocesses (an argument list, never a shell) with the sync API's guarantees: a timeout on
+every read, one child per stream, restarts with exponential backoff, typed errors, and every child terminated,
+killed if need be, and reaped on every path, cancellation and ``asyncio.wait_for`` included. Parsing, argument
+lists and sweep grouping are the sync API's own (:class:`~smiquery.parsing.CsvParser`,
+:func:`~smiquery.oneshot.build_argv`, :class:`~smiquery.source.SweepGrouper`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import tzinfo
+from typing import TYPE_CHECKING
+
+from smiquery.errors import (
+    NvidiaSmiFailedError,
+    NvidiaSmiNotFoundError,
+    NvidiaSmiTimeoutError,
+    SmiqueryError,
+    failure_from_exit,
+)
+from smiquery.fields import resolve_fields
+from smiquery.oneshot import FieldsArg, GpusArg, _check_and_parse, build_argv, normalize_gpus
+from smiquery.parsing import CsvParser
+from smiquery.runner import TERM_GRACE, Completed, find_nvidia_smi
+from smiquery.source import StreamEvent, StreamStats, Sweep, SweepGrouper
+
+if TYPE_CHECKING:
+    from smiquery.records import GpuSample
+
+__all__ = ["AsyncStream", "live_children", "query", "stream"]
+
+log = logging.getLogger("smiquery")
+
+_MAX_ERR_BYTES = 64 * 1024
+_LIVE: set[asyncio.subprocess.Process] = set()
+
+
+def live_children() -> list[int]:
+    """PIDs of nvidia-smi children this module started and has not reaped yet."""
+    return [p.pid for p in _LIVE if p.returncode is None]
+
+
+async def _spawn(argv: Sequence[str]) -> asyncio.subprocess.Process:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=os.name != "nt",  # own process group: the whole group is signalled
+        )
+    except FileNotFoundError as exc:
+        raise NvidiaSmiNotFoundError(f"nvidia-smi not found: {argv[0]} does not exist") from exc
+    except PermissionError as exc:
+        raise NvidiaSmiNotFoundError(f"{argv[0]} cannot be executed (permission denied); check chmod +x") from exc
+    except OSError as exc:
+        raise NvidiaSmiNotFoundError(f"{argv[0]} cannot be executed: {exc.strerror or exc}") from exc
+    _LIVE.add(proc)
+    return proc
+
+
+def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.name != "nt":
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+
+
+async def _terminate(proc: asyncio.subprocess.Process, grace: float) -> None:
+    try:
+        if proc.returncode is None:
+            _signal(proc, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), grace)
+            except asyncio.TimeoutError:
+                _signal(proc, getattr(signal, "SIGKILL", signal.SIGTERM))
+                await proc.wait()
+    except asyncio.CancelledError:
+        # cancelled while reaping (the loop is shutting down): make sure it dies; the child watcher reaps it
+        _signal(proc, getattr(signal, "SIGKILL", signal.SIGTERM))
+        raise
+    finally:
+        if proc.returncode is not None:
+            _LIVE.discard(proc)
+
+
+async def _reap(proc: asyncio.subprocess.Process, grace: float = TERM_GRACE) -> None:
+    """Terminate, kill if needed, and reap ``proc``, even when the caller is being cancelled."""
+    if proc.returncode is not None:
+        _LIVE.discard(proc)
+        return
+    _signal(proc, signal.SIGTERM)  # at once, before any await: the child stops even if we are cancelled again
+    task = asyncio.ensure_future(_terminate(proc, grace))
+    await asyncio.shield(task)
+
+
+async def query(
+    fields: FieldsArg = "default",
+    *,
+    gpus: GpusArg = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    timeout: float = 10.0,
+    tz: tzinfo | None = None,
+) -> list[GpuSample]:
+    """Take one snapshot without blocking the event loop: one record per GPU.
+
+    Args:
+        fields: a preset, ``"a,b,c"`` or a sequence of names.
+        gpus: indices, UUIDs or PCI bus ids; None for all.
+        nvidia_smi: path of the binary.
+        timeout: seconds before the child is killed.
+        tz: time zone of the timestamps.
+
+    Returns:
+        One record per GPU, as :func:`smiquery.query` returns them.
+
+    Raises:
+        InvalidFieldError: an unknown field (before anything runs).
+        InvalidGpuIdError: a malformed GPU id (before anything runs).
+        NvidiaSmiNotFoundError: no usable binary.
+        NvidiaSmiTimeoutError: no answer within ``timeout`` (the child was killed and reaped).
+        NvidiaSmiFailedError: a non-zero exit, as its typed subclass.
+        ParseError: output that does not fit the fields.
+    """
+    flds = resolve_fields(fields)
+    ids = normalize_gpus(gpus)
+    argv = build_argv(find_nvidia_smi(nvidia_smi), flds, ids)
+    proc = await _spawn(argv)
+    try:
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except asyncio.TimeoutError:
+            raise NvidiaSmiTimeoutError(
+                f"nvidia-smi did not answer within {timeout:g} s and was killed; the driver may be hung "
+                "(check `dmesg` for Xid errors) or slow without persistence mode (`nvidia-smi -pm 1`)",
+                argv=argv,
+                timeout=timeout,
+            ) from None
+    finally:
+        await _reap(proc)
+    stdout = out.decode("utf-8", "replace")
+    stderr = err.decode("utf-8", "replace")
+    rc = proc.returncode if proc.returncode is not None else -9
+    done = Completed(tuple(argv), rc, stdout, stderr, 0.0)
+    return _check_and_parse(argv, done, CsvParser(flds, tz=tz), flds)
+
+
+class _Child:
+    """One running loop-mode child: lines with a deadline, stderr drained, exit judged at the end."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, argv: Sequence[str]) -> None:
+        self.proc = proc
+        self.argv = tuple(argv)
+        self.messages: deque[str] = deque(maxlen=20)  # the last lines, for error messages (rows are skipped there)
+        self._lines: deque[str] = deque()
+        self._buf = b""
+        self._eof = False
+        self._err = bytearray()
+        self._drain = asyncio.ensure_future(self._drain_stderr())
+        self._loop = asyncio.get_running_loop()
+        # One watchdog per child instead of a timer per read: it only counts while a read is waiting, and on
+        # expiry kills the child and ends its output, so the waiting read returns at once.
+        self._timeout = 0.0
+        self._waiting_since: float | None = None
+        self._timed_out = False
+        self._watchdog: asyncio.Future[None] | None = None
+
+    async def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        while True:
+            data = await self.proc.stderr.read(65536)
+            if not data:
+                return
+            if len(self._err) < _MAX_ERR_BYTES:
+                self._err += data
+
+    async def readlines(self, timeout: float) -> list[str] | None:
+        """Every complete line available now (at least one), without newlines; None at the end of the output.
+
+        Output is read in chunks (a sweep usually arrives in one read), as the sync runner does; ``timeout``
+        bounds each wait for output.
+        """
+        lines = self._lines
+        while not lines:
+            if self._eof:
+                return None
+            stdout = self.proc.stdout
+            assert stdout is not None
+            if timeout != self._timeout or self._watchdog is None:
+                # first read, or the deadline changed (start-up -> stall): a watchdog asleep on the old one
+                # would wake too late
+                self._timeout = timeout
+                if self._watchdog is not None:
+                    self._watchdog.cancel()
+                self._watchdog = asyncio.ensure_future(self._watch())
+            self._waiting_since = self._loop.time()
+            try:
+                data = await stdout.read(65536)
+            finally:
+                self._waiting_since = None
+            if self._timed_out:
+                raise NvidiaSmiTimeoutError(
+                    f"nvidia-smi printed no complete line for {timeout:g} s and was killed (hung driver?); "
+                    "check `dmesg` for Xid errors and whether plain `nvidia-smi` answers",
+                    argv=self.argv,
+                    timeout=timeout,
+                )
+            if not data:
+                self._eof = True
+                tail, self._buf = self._buf, b""
+                if tail.strip():
+                    last = tail.decode("utf-8", "replace")  # a trailing partial line, as it is (the parser rejects it)
+                    lines.append(last)
+                    self.messages.append(last)
+                continue
+            buf = self._buf + data if self._buf else data
+            cut = buf.rfind(b"\n")
+            if cut < 0:
+                self._buf = buf
+                continue
+            self._buf = buf[cut + 1 :]
+            # one decode per read, not per line (the parser strips the \r of Windows line ends)
+            new = buf[:cut].decode("utf-8", "replace").split("\n")
+            lines.extend(new)
+            self.messages.extend(new)
+        out = list(lines)
+        lines.clear()
+        return out
+
+    async def _watch(self) -> None:
+        loop = self._loop
+        while True:
+            since = self._waiting_since
+            if since is None:
+                await asyncio.sleep(self._timeout or 1.0)
+                continue
+            left = since + self._timeout - loop.time()
+            if left > 0:
+                await asyncio.sleep(left)
+                continue
+            self._timed_out = True
+            _signal(self.proc, getattr(signal, "SIGKILL", signal.SIGTERM))
+            if self.proc.stdout is not None:
+                self.proc.stdout.feed_eof()  # wakes the waiting read with b""
+            return
+
+    async def finish(self, timeout: float) -> int:
+        """After the end of output: reap, and raise the typed error of a non-zero exit."""
+        try:
+            rc = await asyncio.wait_for(self.proc.wait(), timeout)
+        except asyncio.TimeoutError:
+            await self.close()
+            rc = self.proc.returncode if self.proc.returncode is not None else -9
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(self._drain), 1.0)
+        if rc != 0:
+            output = "\n".join(self.messages) + "\n" + self._err.decode("utf-8", "replace")
+            if rc in (-signal.SIGTERM, -getattr(signal, "SIGKILL", 9)) and not output.strip():
+                output = f"killed by signal {-rc}"
+            raise failure_from_exit(self.argv, rc, output)
+        return rc
+
+    async def close(self) -> None:
+        """Terminate, kill if needed and reap; stop draining stderr."""
+        try:
+            await _reap(self.proc)
+        finally:
+            self._drain.cancel()
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+
+
+class _ChildEndedError(NvidiaSmiFailedError):
+    """The loop child exited 0, which a loop never does by itself."""
+
+
+class AsyncStream:
+    """One long-lived nvidia-smi in loop mode, read without blocking the event loop.
+
+    ``async for sample in s`` yields samples; :meth:`sweeps` yields whole sweeps. Leaving ``async with`` (or
+    :meth:`aclose`) terminates and reaps the child; so does cancelling the task that iterates. Only one
+    iteration may run at a time (one child per stream). See :func:`stream` for the arguments.
+    """
+
+    def __init__(
+        self,
+        fields: FieldsArg = "default",
+        *,
+        interval: float = 1.0,
+        gpus: GpusArg = None,
+        nvidia_smi: str | os.PathLike[str] | None = None,
+        stall_timeout: float | None = None,
+        startup_timeout: float = 45.0,
+        max_restarts: int | None = None,
+        backoff_initial: float = 0.1,
+        backoff_max: float = 30.0,
+        on_event: Callable[[StreamEvent], None] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        tz: tzinfo | None = None,
+    ) -> None:
+        flds = resolve_fields(fields)
+        if not any(f.name == "index" for f in flds):
+            flds = (*resolve_fields(["index"]), *flds)  # sweeps are grouped by GPU index
+        if interval <= 0:
+            raise ValueError("interval must be positive")
+        self.fields = flds
+        self.interval = float(interval)
+        self.gpus = normalize_gpus(gpus)
+        self.argv = tuple(build_argv(find_nvidia_smi(nvidia_smi), flds, self.gpus, interval=self.interval))
+        self.stall_timeout = stall_timeout if stall_timeout is not None else max(3 * self.interval, 10.0)
+        self.startup_timeout = startup_timeout
+        self.max_restarts = max_restarts
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.on_event = on_event
+        self.stats = StreamStats()
+        self._sleep = sleep
+        self._tz = tz
+        self._child: _Child | None = None
+        self._closed = False
+        self._busy = False
+        self._latest: tuple[Sweep, float] | None = None
+        expected = [int(g) for g in self.gpus if g.isdigit()]
+        self._grouper = SweepGrouper(expected if len(expected) == len(self.gpus) else ())
+
+    def _emit(self, event: StreamEvent) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:
+                log.exception("smiquery aio stream on_event callback failed")
+
+    def _record(self, exc: BaseException) -> None:
+        self.stats.errors[type(exc).__name__] += 1
+        self.stats.last_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        self.stats.last_error_type = type(exc).__name__
+        self._emit(StreamEvent("error", exc, self.stats.last_error))
+
+    async def _batches(self) -> AsyncIterator[list[GpuSample]]:
+        """Samples in the batches they arrive in (one read of output): one generator step per read, not per row."""
+        known = self.stats.known_gpus
+        if self._busy:
+            raise RuntimeError("this stream is already being iterated (one child per stream)")
+        self._busy = True
+        try:
+            failures = 0
+            while not self._closed:
+                delay = 0.0
+                parser = CsvParser(self.fields, strict=False, tz=self._tz)
+                self.stats.starts += 1
+                self.stats.state = "starting" if failures == 0 else "retrying"
+                child = _Child(await _spawn(self.argv), self.argv)
+                self._child = child
+                try:
+                    delivered = False
+                    while True:
+                        lines = await child.readlines(self.stall_timeout if delivered else self.startup_timeout)
+                        if lines is None:
+                            break
+                        batch: list[GpuSample] = []
+                        for line in lines:
+                            before = parser.dropped
+                            sample = parser.feed(line)
+                            if parser.dropped != before:
+                                self.stats.dropped_rows += 1
+                                err = parser.last_error
+                                self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped row"))
+                            if sample is None:
+                                continue
+                            if sample.index is not None and sample.index not in known:
+                                known[sample.index] = sample.uuid if "uuid" in sample else None
+                            batch.append(sample)
+                        if not batch:
+                            continue
+                        if not delivered:
+                            delivered = True
+                            self.stats.state = "running"
+                            self.stats.attempt = 0
+                            if failures:
+                                self._emit(StreamEvent("recovered", None, "nvidia-smi rows flow again"))
+                            failures = 0
+                        self.stats.rows += len(batch)
+                        yield batch
+                    await child.finish(self.stall_timeout)
+                    if self._closed:
+                        return
+                    raise _ChildEndedError(self.argv, 0, "", "nvidia-smi ended its loop; restarting")
+                except SmiqueryError as exc:
+                    if self._closed:
+                        return
+                    self._record(exc)
+                    if not exc.retryable or (
+                        self.max_restarts is not None and self.stats.restarts >= self.max_restarts
+                    ):
+                        self.stats.state = "failed"
+                        raise
+                    failures += 1
+                    self.stats.attempt = failures
+                    delay = min(self.backoff_max, self.backoff_initial * 2 ** (failures - 1))
+                    self.stats.restarts += 1
+                    self.stats.state = "retrying"
+                    self.stats.next_retry_at = time.time() + delay
+                    self._emit(StreamEvent("restart", exc, f"restarting nvidia-smi in {delay:.2f} s after: {exc}"))
+                    log.warning("smiquery: restarting nvidia-smi in %.2f s after: %s", delay, exc)
+                finally:
+                    self._child = None
+                    await child.close()
+                await self._sleep(delay)
+                self.stats.next_retry_at = None
+        finally:
+            self._busy = False
+
+    def __aiter__(self) -> AsyncIterator[GpuSample]:
+        return self._samples()
+
+    async def _samples(self) -> AsyncIterator[GpuSample]:
+        batches = self._batches()
+        try:
+            async for batch in batches:
+                for sample in batch:
+                    yield sample
+        finally:
+            await batches.aclose()  # type: ignore[attr-defined]
+
+    async def sweeps(self, count: int | None = None) -> AsyncIterator[Sweep]:
+        """Yield whole sweeps (one sample per GPU for one instant), as the sync stream groups them.
+
+        Args:
+            count: stop after this many sweeps.
+        """
+        grouper = self._grouper  # what it learnt of the GPU set carries over to the next sweeps() call
+        done = 0
+        batches = self._batches()
+        try:
+            async for batch in batches:
+                for sample in batch:
+                    for sweep in grouper.feed(sample):
+                        self.stats.sweeps += 1
+                        self._latest = (sweep, time.monotonic())
+                        yield sweep
+                        done += 1
+                        if count is not None and done >= count:
+                            return
+        finally:
+            await batches.aclose()  # type: ignore[attr-defined]
+
+    def latest(self) -> tuple[Sweep | None, float | None]:
+        """The newest sweep yielded by :meth:`sweeps` and its age in seconds; ``(None, None)`` before the first."""
+        if self._latest is None:
+            return None, None
+        return self._latest[0], time.monotonic() - self._latest[1]
+
+    async def aclose(self) -> None:
+        """Stop: terminate and reap the child. Idempotent."""
+        self._closed = True
+        if self.stats.state != "failed":
+            self.stats.state = "closed"
+        child = self._child
+        if child is not None:
+            await child.close()
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def stream(
+    fields: FieldsArg = "default",
+    *,
+    interval: float = 1.0,
+    gpus: GpusArg = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    stall_timeout: float | None = None,
+    startup_timeout: float = 45.0,
+    max_restarts: int | None = None,
+    backoff_initial: float = 0.1,
+    backoff_max: float = 30.0,
+    on_event: Callable[[StreamEvent], None] | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    tz: tzinfo | None = None,
+) -> AsyncStream:
+    """Sample continuously from one nvidia-smi child in loop mode, in asyncio.
+
+    Example::
+
+        async with smiquery.aio.stream("health", interval=0.5) as s:
+            async for sweep in s.sweeps(count=10):
+                print(max(x.temperature_gpu or 0 for x in sweep))
+
+    Args:
+        fields: a preset, ``"a,b,c"`` or a sequence of names (``index`` is added when absent).
+        interval: seconds between samples.
+        gpus: indices, UUIDs or PCI bus ids; None for all.
+        nvidia_smi: path of the binary.
+        stall_timeout: seconds without a complete line before the child counts as hung (default
+            ``max(3 * interval, 10)``).
+        startup_timeout: seconds a new child may take to print its first line (nvidia-smi starts slowly
+            without persistence mode).
+        max_restarts: restarts before giving up (None: never give up on retryable errors).
+        backoff_initial: first restart delay in seconds; doubles per consecutive failure, reset by good rows.
+        backoff_max: longest restart delay.
+        on_event: called with each :class:`~smiquery.source.StreamEvent`.
+        sleep: the coroutine used to wait between restarts (tests inject one).
+        tz: time zone of the timestamps.
+
+    Returns:
+        An :class:`AsyncStream` (nothing runs until it is iterated).
+
+    Raises:
+        InvalidFieldError: an unknown field, before anything runs.
+        InvalidGpuIdError: a malformed GPU id, before anything runs.
+        NvidiaSmiNotFoundError: no usable binary.
+    """
+    return AsyncStream(
+        fields,
+        interval=interval,
+        gpus=gpus,
+        nvidia_smi=nvidia_smi,
+        stall_timeout=stall_timeout,
+        startup_timeout=startup_timeout,
+        max_restarts=max_restarts,
+        backoff_initial=backoff_initial,
+        backoff_max=backoff_max,
+        on_event=on_event,
+        sleep=sleep,
+        tz=tz,
+    )

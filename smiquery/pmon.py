@@ -1,0 +1,771 @@
+"""Per-process GPU use from ``nvidia-smi pmon``: the fixed-width parser, a supervised stream, and summaries.
+
+``--query-compute-apps`` says which process holds GPU memory; ``pmon`` says which keeps the GPU busy (SM %,
+memory-controller %, encoder/decoder/JPEG/OFA %, and with ``-s m`` framebuffer MB). Its output is text:
+
+.. code-block:: text
+
+    # gpu         pid   type     sm    mem    enc    dec    jpg    ofa    command
+    # Idx           #    C/G      %      %      %      %      %      %    name
+        0      11345     C     99     10      -      -      -      -    gpu_burn
+        1          -     -      -      -      -      -      -      -    -
+
+``-`` means no value (an idle GPU prints one such line; a metric the GPU cannot report prints ``-`` too). The
+columns depend on the driver and the options, so the parser reads them from the header (see ``docs/adoption.md``
+for which drivers print which).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import NamedTuple
+
+from smiquery.errors import NvidiaSmiTimeoutError, ParseError, SmiqueryError, StreamEndedError
+from smiquery.oneshot import GpusArg, normalize_gpus
+from smiquery.runner import LineSource, Runner, SubprocessRunner, find_nvidia_smi
+from smiquery.source import StreamEvent, StreamStats
+
+__all__ = [
+    "PMON_COLUMNS",
+    "PmonParser",
+    "PmonRow",
+    "PmonStream",
+    "ProcessShare",
+    "build_pmon_argv",
+    "parse_pmon",
+    "process_share",
+    "process_user",
+    "sort_rows",
+    "stream",
+    "top_processes",
+]
+
+log = logging.getLogger("smiquery")
+
+
+class PmonRow(NamedTuple):
+    """One line of ``nvidia-smi pmon``: one process on one GPU at one instant (or an idle GPU).
+
+    Every value is None when pmon printed ``-`` or the driver/options do not print that column.
+
+    Attributes:
+        gpu: GPU index.
+        pid: process id (None on an idle GPU's line).
+        type: ``C`` (compute), ``G`` (graphics), ``C+G``, or ``M``/``M+C``/``M+G`` variants on newer drivers.
+        sm: SM (streaming multiprocessor) utilisation, %.
+        mem: memory-controller utilisation, %.
+        enc: encoder utilisation, %.
+        dec: decoder utilisation, %.
+        jpg: JPEG decoder utilisation, % (newer drivers).
+        ofa: optical-flow accelerator utilisation, % (newer drivers).
+        fb: framebuffer memory used, MB (``-s m``).
+        ccpm: confidential-compute protected memory, MB (``-s m`` on newer drivers).
+        command: the process name, truncated by nvidia-smi (about 15 characters; may contain spaces).
+        date: ``YYYYMMDD`` (``-o D``).
+        time: ``HH:MM:SS`` (``-o T``).
+    """
+
+    gpu: int | None
+    pid: int | None = None
+    type: str | None = None
+    sm: int | None = None
+    mem: int | None = None
+    enc: int | None = None
+    dec: int | None = None
+    jpg: int | None = None
+    ofa: int | None = None
+    fb: int | None = None
+    ccpm: int | None = None
+    command: str | None = None
+    date: str | None = None
+    time: str | None = None
+
+    @property
+    def idle(self) -> bool:
+        """True for the line pmon prints for a GPU without processes."""
+        return self.pid is None
+
+    @property
+    def timestamp(self) -> datetime | None:
+        """Local date and time of the line when pmon printed both (``-o DT``), else None."""
+        if self.date is None or self.time is None:
+            return None
+        try:
+            return datetime.strptime(self.date + self.time, "%Y%m%d%H:%M:%S")
+        except ValueError:
+            return None
+
+
+#: The columns :class:`PmonRow` knows, by their pmon header names.
+PMON_COLUMNS: tuple[str, ...] = PmonRow._fields
+_SLOT = {name: i for i, name in enumerate(PMON_COLUMNS)}
+_INT_COLUMNS = frozenset({"gpu", "pid", "sm", "mem", "enc", "dec", "jpg", "ofa", "fb", "ccpm"})
+_EMPTY = "-"
+# Cells of number columns seen often enough to be worth a dict lookup instead of int(): `-`, 0..100, and pids
+# as they come (bounded, so a long stream's memory stays flat).
+_SEED_CELLS: dict[str, int | None] = {_EMPTY: None, **{str(i): i for i in range(101)}}
+_CACHE_MAX = 4096
+_new_row = tuple.__new__  # PmonRow._make without its length check: the itemgetter always gives 14 cells
+
+
+def _header_names(line: str) -> list[str] | None:
+    """Column names when ``line`` is pmon's name header (``# gpu pid ...`` or ``#Date Time gpu ...``)."""
+    names = line.lstrip("#").split()
+    low = [n.lower() for n in names]
+    if "gpu" in low and "pid" in low and low[-1] == "command":
+        return low
+    return None
+
+
+class PmonParser:
+    """Turns ``nvidia-smi pmon`` lines into :class:`PmonRow` records, one line at a time.
+
+    The columns come from the header line (printed first, and again whenever nvidia-smi repeats it); the unit
+    line under it is skipped. Without a header, pass ``columns``. Unknown columns (a future driver's) are read
+    past and ignored. The last column (``command``) takes the rest of the line, so names with spaces survive.
+
+    In strict mode a line that does not fit raises :class:`ParseError`; in lenient mode (streams) it is dropped
+    and counted in :attr:`dropped`, with the error in :attr:`last_error`. Lines that are neither header nor row
+    (driver messages such as ``Not supported on the device(s)``) are kept in :attr:`notices`.
+
+    Args:
+        columns: column names when the output has no header (e.g. ``("gpu", "pid", "type", "sm", ...)``).
+        strict: raise on bad lines (True) or drop and count them (False).
+    """
+
+    def __init__(self, columns: Sequence[str] | None = None, *, strict: bool = True) -> None:
+        self.strict = strict
+        self.dropped = 0
+        self.lineno = 0
+        self.last_error: ParseError | None = None
+        self.notices: list[str] = []
+        self.columns: tuple[str, ...] = ()
+        self._take: Callable[[list[object]], tuple[object, ...]] = operator.itemgetter(0)
+        self._int_pos: tuple[int, ...] = ()
+        self._int_cells: Callable[[list[object]], tuple[object, ...]] = operator.itemgetter(0, 0)
+        self._cells: dict[str, int | None] = dict(_SEED_CELLS)
+        self._n = 0
+        if columns is not None:
+            self._set_columns([c.lower() for c in columns])
+
+    def _set_columns(self, names: list[str]) -> None:
+        if names[-1] != "command":
+            raise ValueError("pmon columns must end with 'command'")
+        self.columns = tuple(names)
+        self._n = len(names)
+        where = {name: pos for pos, name in enumerate(names[:-1])}
+        absent = len(names)  # the index of the None appended to each row's cells
+        # per PmonRow field, the cell it comes from; itemgetter builds the record in one C call
+        self._take = operator.itemgetter(
+            *[where.get(f, absent) for f in PMON_COLUMNS[:-3]],
+            absent - 1,
+            where.get("date", absent),
+            where.get("time", absent),
+        )
+        self._int_pos = tuple(pos for pos, name in enumerate(names[:-1]) if name in _INT_COLUMNS)
+        self._int_cells = operator.itemgetter(*self._int_pos, absent)  # a tuple even for one column
+
+    def feed(self, line: str) -> PmonRow | None:
+        """Parse one line.
+
+        Returns:
+            The row, or None for a header, unit line, blank line, notice or (lenient mode) dropped line.
+
+        Raises:
+            ParseError: in strict mode, for a line that does not fit the columns (or a row before any header).
+        """
+        self.lineno += 1
+        if not line or line[0] == "#":
+            if line:
+                names = _header_names(line)
+                if names is not None and names != list(self.columns):
+                    self._set_columns(names)
+            return None
+        n = self._n
+        parts = line.split(None, n - 1) if n else line.split()
+        if not parts:
+            return None
+        if not n:
+            return self._notice_or_reject(
+                line, "a pmon row before any header line; pass columns= for headerless output"
+            )
+        if len(parts) != n:
+            return self._notice_or_reject(line, f"expected {n} columns, got {len(parts)}")
+        cells = self._cells
+        # cache hits (`-` and small numbers, pids seen before) come back converted, misses as their own text
+        values: list[object] = list(map(cells.get, parts, parts))
+        values.append(None)  # the cell of every column this layout lacks
+        if str in map(type, self._int_cells(values)):  # a miss: convert in Python (rare once pids are known)
+            bad = self._convert(values)
+            if bad is not None:
+                return self._notice_or_reject(line, f"{bad!r} is not a number")
+        command = parts[-1].rstrip()
+        values[-2] = None if command == _EMPTY else command
+        return _new_row(PmonRow, self._take(values))
+
+    def _convert(self, values: list[object]) -> str | None:
+        """Turn the number columns' unconverted cells into ints (caching them); returns the first bad cell."""
+        cells = self._cells
+        for pos in self._int_pos:
+            text = values[pos]
+            if isinstance(text, str):
+                try:
+                    number = int(text)
+                except ValueError:
+                    return text
+                if len(cells) < _CACHE_MAX:
+                    cells[text] = number
+                values[pos] = number
+        return None
+
+    def _notice_or_reject(self, line: str, message: str) -> PmonRow | None:
+        if not line[:1].isspace() and not line[:1].isdigit():
+            self.notices.append(line.strip())  # a driver message, not a damaged row
+            return None
+        return self._reject(message, line)
+
+    def _reject(self, message: str, line: str) -> PmonRow | None:
+        err = ParseError(message, lineno=self.lineno, line=line)
+        if self.strict:
+            raise err
+        self.dropped += 1
+        self.last_error = err
+        return None
+
+    def parse(self, lines: Iterable[str]) -> Iterator[PmonRow]:
+        """Parse every line, yielding the rows."""
+        feed = self.feed
+        for line in lines:
+            row = feed(line)
+            if row is not None:
+                yield row
+
+
+def parse_pmon(text: str | Iterable[str], *, strict: bool = True) -> list[PmonRow]:
+    """Parse a whole pmon capture.
+
+    Args:
+        text: the output, as one string or as lines.
+        strict: raise on lines that do not fit (True) or drop them.
+
+    Returns:
+        The rows in order (idle GPUs' lines included; see :attr:`PmonRow.idle`).
+
+    Raises:
+        ParseError: in strict mode, a line that does not fit.
+    """
+    lines = text.splitlines() if isinstance(text, str) else text
+    return list(PmonParser(strict=strict).parse(lines))
+
+
+class _Grouper:
+    """Cuts a row stream into instants: a (gpu, pid) seen again, or a new timestamp, starts the next one."""
+
+    def __init__(self) -> None:
+        self._rows: list[PmonRow] = []
+        self._seen: set[tuple[int | None, int | None]] = set()
+        self._stamp: tuple[str | None, str | None] = (None, None)
+
+    def feed(self, row: PmonRow) -> tuple[PmonRow, ...] | None:
+        key = (row.gpu, row.pid)
+        stamp = (row.date, row.time)
+        done = None
+        if self._rows and (key in self._seen or (stamp != self._stamp and stamp != (None, None))):
+            done = tuple(self._rows)
+            self._rows, self._seen = [], set()
+        self._rows.append(row)
+        self._seen.add(key)
+        self._stamp = stamp
+        return done
+
+    def flush(self) -> tuple[PmonRow, ...] | None:
+        if not self._rows:
+            return None
+        done = tuple(self._rows)
+        self._rows, self._seen = [], set()
+        return done
+
+
+# ----------------------------------------------------------------------------------------------- the stream
+
+
+def build_pmon_argv(
+    binary: str,
+    gpus: Sequence[str] = (),
+    *,
+    interval: int = 1,
+    count: int | None = None,
+    select: str = "um",
+    options: str = "DT",
+) -> list[str]:
+    """The argument list for ``nvidia-smi pmon``.
+
+    Args:
+        binary: the nvidia-smi path.
+        gpus: ids for ``-i`` (pmon watches at most 4 GPUs; without ``-i`` the first 4).
+        interval: ``-d`` seconds between samples, 1..10 (pmon's own limits).
+        count: ``-c`` samples, then exit; None runs until stopped.
+        select: ``-s`` metric groups: ``u`` utilisation, ``m`` framebuffer memory.
+        options: ``-o`` extras: ``D`` date, ``T`` time; empty for none.
+
+    Returns:
+        The argv (never a shell string).
+
+    Raises:
+        ValueError: an interval, count, select or options value pmon would reject.
+    """
+    if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 10:
+        raise ValueError("pmon interval must be a whole number of seconds from 1 to 10 (nvidia-smi pmon -d)")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ValueError("pmon count must be a positive integer (nvidia-smi pmon -c)")
+    if not select or set(select) - set("um"):
+        raise ValueError("pmon select takes the letters u (utilisation) and m (memory), e.g. 'um'")
+    if set(options) - set("DT"):
+        raise ValueError("pmon options take the letters D (date) and T (time), e.g. 'DT'")
+    argv = [binary, "pmon", "-s", select, "-d", str(interval)]
+    if count is not None:
+        argv += ["-c", str(count)]
+    if options:
+        argv += ["-o", options]
+    if gpus:
+        argv += ["-i", ",".join(gpus)]
+    return argv
+
+
+def _lines_of(child: LineSource, stall_timeout: float) -> Iterator[str]:
+    """The child's lines until its output ends; silence longer than ``stall_timeout`` is a hang."""
+    while True:
+        try:
+            line = child.readline(stall_timeout)
+        except StreamEndedError:
+            return  # ended with exit 0 (a finite -c count, or a stop that was asked for)
+        if line is None:
+            raise NvidiaSmiTimeoutError(
+                f"nvidia-smi pmon printed nothing for {stall_timeout:g} s and was killed (hung driver?); "
+                "check `dmesg` for Xid errors",
+                argv=child.argv,
+                timeout=stall_timeout,
+            )
+        yield line
+
+
+class PmonStream:
+    """One long-lived ``nvidia-smi pmon`` child, parsed into :class:`PmonRow` records and instants.
+
+    Iterate it for rows, or call :meth:`samples` for one tuple of rows per interval. The same guarantees as the
+    CSV stream: one child at a time, every child reaped on every path (early stop, exception, close from another
+    thread, garbage collection), silence longer than ``stall_timeout`` counts as a hang (killed, restarted), a
+    failing child is restarted with exponential backoff, and errors that need a person (binary missing,
+    permission, unsupported) are raised at once. ``-`` stays None. Counters are in :attr:`stats`.
+
+    See :func:`stream` for the arguments.
+    """
+
+    def __init__(
+        self,
+        *,
+        gpus: GpusArg = None,
+        interval: int = 1,
+        count: int | None = None,
+        select: str = "um",
+        options: str = "DT",
+        nvidia_smi: str | os.PathLike[str] | None = None,
+        stall_timeout: float | None = None,
+        max_restarts: int | None = None,
+        backoff_initial: float = 0.1,
+        backoff_max: float = 30.0,
+        on_event: Callable[[StreamEvent], None] | None = None,
+        runner: Runner | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.gpus = normalize_gpus(gpus)
+        self.argv = tuple(
+            build_pmon_argv(
+                find_nvidia_smi(nvidia_smi), self.gpus, interval=interval, count=count, select=select, options=options
+            )
+        )
+        self.count = count
+        self.stall_timeout = stall_timeout if stall_timeout is not None else max(3.0 * interval, 10.0)
+        self.max_restarts = max_restarts
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.on_event = on_event
+        self.stats = StreamStats()
+        self._runner: Runner = runner or SubprocessRunner()
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._child: LineSource | None = None
+        self._closed = False
+        self._stop = threading.Event()
+
+    def _emit(self, event: StreamEvent) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:
+                log.exception("smiquery pmon on_event callback failed")
+
+    def _wait(self, seconds: float) -> None:
+        if self._sleep is time.sleep:
+            self._stop.wait(seconds)  # close() wakes it at once
+        else:
+            self._sleep(seconds)
+
+    def __iter__(self) -> Iterator[PmonRow]:
+        failures = 0
+        try:
+            while not self._closed:
+                delay = 0.0
+                parser = PmonParser(strict=False)
+                child = self._runner.lines(self.argv)
+                self.stats.starts += 1
+                self.stats.state = "running"
+                with self._lock:
+                    self._child = child
+                delivered = False
+                try:
+                    for line in _lines_of(child, self.stall_timeout):
+                        before = parser.dropped
+                        row = parser.feed(line)
+                        if parser.dropped != before:
+                            self.stats.dropped_rows += 1
+                            err = parser.last_error
+                            self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped line"))
+                        if row is None:
+                            continue
+                        if not delivered and failures:
+                            self._emit(StreamEvent("recovered", None, "pmon rows flow again"))
+                        delivered = True
+                        failures = 0
+                        self.stats.rows += 1
+                        if row.gpu is not None:
+                            self.stats.known_gpus.setdefault(row.gpu, None)
+                        yield row
+                    if self._closed or self.count is not None:
+                        self.stats.state = "closed" if self._closed else "ended"
+                        return
+                    raise StreamEndedError(self.argv, 0, "", "nvidia-smi pmon ended by itself; restarting")
+                except SmiqueryError as exc:
+                    if self._closed:
+                        return
+                    self.stats.errors[type(exc).__name__] += 1
+                    self.stats.last_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    self.stats.last_error_type = type(exc).__name__
+                    self._emit(StreamEvent("error", exc, self.stats.last_error))
+                    if not exc.retryable or (
+                        self.max_restarts is not None and self.stats.restarts >= self.max_restarts
+                    ):
+                        self.stats.state = "failed"
+                        raise
+                    failures += 1
+                    delay = min(self.backoff_max, self.backoff_initial * 2 ** (failures - 1))
+                    self.stats.restarts += 1
+                    self.stats.state = "retrying"
+                    self._emit(StreamEvent("restart", exc, f"restarting nvidia-smi pmon in {delay:.2f} s: {exc}"))
+                    log.warning("smiquery: restarting nvidia-smi pmon in %.2f s after: %s", delay, exc)
+                finally:
+                    child.close()
+                    with self._lock:
+                        self._child = None
+                self._wait(delay)
+        finally:
+            with self._lock:
+                left = self._child
+                self._child = None
+            if left is not None:
+                left.close()
+
+    def samples(self, count: int | None = None) -> Iterator[tuple[PmonRow, ...]]:
+        """Yield one tuple of rows per interval (every process on every watched GPU at that instant).
+
+        An instant ends when a (GPU, pid) pair repeats or the timestamp changes, so each is yielded when the
+        next begins (the last one when the stream ends).
+
+        Args:
+            count: stop after this many instants.
+        """
+        grouper = _Grouper()
+        done = 0
+        rows = iter(self)
+        try:
+            for row in rows:
+                sample = grouper.feed(row)
+                if sample is not None:
+                    yield sample
+                    done += 1
+                    if count is not None and done >= count:
+                        return
+            last = grouper.flush()
+            if last is not None:
+                yield last
+        finally:
+            close = getattr(rows, "close", None)
+            if close is not None:
+                close()
+
+    def close(self) -> None:
+        """Stop: the child is terminated and reaped. Idempotent, safe from any thread."""
+        self._closed = True
+        if self.stats.state not in ("ended", "failed"):
+            self.stats.state = "closed"
+        self._stop.set()
+        with self._lock:
+            child = self._child
+        if child is not None:
+            child.terminate()
+
+    def __enter__(self) -> PmonStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def stream(
+    *,
+    gpus: GpusArg = None,
+    interval: int = 1,
+    count: int | None = None,
+    select: str = "um",
+    options: str = "DT",
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    stall_timeout: float | None = None,
+    max_restarts: int | None = None,
+    backoff_initial: float = 0.1,
+    backoff_max: float = 30.0,
+    on_event: Callable[[StreamEvent], None] | None = None,
+    runner: Runner | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> PmonStream:
+    """Watch per-process GPU use with one supervised ``nvidia-smi pmon`` child.
+
+    Example::
+
+        with smiquery.pmon.stream(interval=1) as p:
+            for instant in p.samples(count=5):
+                for row in top_processes(instant, 3)[0]:
+                    print(row.pid, row.command, row.sm)
+
+    Args:
+        gpus: indices, UUIDs or PCI bus ids (at most 4: a pmon limit); None for the first 4.
+        interval: seconds between samples (1..10).
+        count: stop after this many samples (the child exits by itself); None runs until closed.
+        select: ``u`` utilisation and/or ``m`` framebuffer memory.
+        options: ``D`` and/or ``T`` to stamp each line with the date and time.
+        nvidia_smi: path of the binary.
+        stall_timeout: seconds without a line before the child counts as hung (default ``max(3*interval, 10)``).
+        max_restarts: restarts before giving up (None: never give up on retryable errors).
+        backoff_initial: first restart delay; doubles per consecutive failure.
+        backoff_max: longest restart delay.
+        on_event: called with each :class:`~smiquery.source.StreamEvent` (restart, error, recovered, dropped_row).
+        runner: how to run nvidia-smi (tests inject one).
+        sleep: how to wait between restarts (tests inject one).
+
+    Returns:
+        A :class:`PmonStream` (nothing runs until it is iterated).
+
+    Raises:
+        InvalidGpuIdError: a malformed GPU id.
+        NvidiaSmiNotFoundError: no usable binary.
+        ValueError: an interval, count, select or options value pmon would reject.
+    """
+    return PmonStream(
+        gpus=gpus,
+        interval=interval,
+        count=count,
+        select=select,
+        options=options,
+        nvidia_smi=nvidia_smi,
+        stall_timeout=stall_timeout,
+        max_restarts=max_restarts,
+        backoff_initial=backoff_initial,
+        backoff_max=backoff_max,
+        on_event=on_event,
+        runner=runner,
+        sleep=sleep,
+    )
+
+
+# -------------------------------------------------------------------------------------------- summaries
+
+_METRICS = ("sm", "mem", "enc", "dec", "jpg", "ofa", "fb", "ccpm")
+
+
+def _sum(values: Iterable[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def top_processes(rows: Iterable[PmonRow], n: int, *, by: str = "sm") -> dict[int, list[PmonRow]]:
+    """The ``n`` busiest processes of each GPU plus one ``other`` row summing the rest: bounded cardinality.
+
+    For exporters: at most ``n + 1`` series per GPU whatever runs on it. The ``other`` row has ``pid`` None
+    and ``command`` ``"other"``, and is present only when more than ``n`` processes ran; its metrics sum the
+    known values of the processes it holds (None when none of them had a value). Idle-GPU lines give the GPU an
+    empty list. Processes with no value for ``by`` sort last; ties keep pmon's order.
+
+    Args:
+        rows: one instant of pmon rows (e.g. from :meth:`PmonStream.samples`).
+        n: processes to keep per GPU (0 keeps only ``other``).
+        by: the metric to rank by (``sm``, ``mem``, ``fb``, ...).
+
+    Returns:
+        GPU index -> rows, busiest first, ``other`` last.
+
+    Raises:
+        ValueError: ``n`` is negative or ``by`` is not a pmon metric.
+    """
+    if n < 0:
+        raise ValueError("n must be >= 0")
+    if by not in _METRICS:
+        raise ValueError(f"by must be one of {', '.join(_METRICS)}")
+    per_gpu: dict[int, list[PmonRow]] = {}
+    for row in rows:
+        if row.gpu is None:
+            continue
+        bucket = per_gpu.setdefault(row.gpu, [])
+        if not row.idle:
+            bucket.append(row)
+    out: dict[int, list[PmonRow]] = {}
+    for gpu, procs in per_gpu.items():
+        ranked = sorted(procs, key=lambda r: (getattr(r, by) is None, -(getattr(r, by) or 0)))
+        kept, rest = ranked[:n], ranked[n:]
+        if rest:
+            s = {m: _sum(getattr(r, m) for r in rest) for m in _METRICS}
+            kept.append(
+                PmonRow(
+                    gpu=gpu,
+                    command="other",
+                    sm=s["sm"],
+                    mem=s["mem"],
+                    enc=s["enc"],
+                    dec=s["dec"],
+                    jpg=s["jpg"],
+                    ofa=s["ofa"],
+                    fb=s["fb"],
+                    ccpm=s["ccpm"],
+                )
+            )
+        out[gpu] = kept
+    return out
+
+
+@dataclass(frozen=True)
+class ProcessShare:
+    """How much of one GPU a set of processes (e.g. a training run) uses, against everyone else.
+
+    Attributes:
+        gpu: GPU index.
+        mine_sm: SM % summed over the given processes (None when none of them has a value).
+        others_sm: SM % summed over every other process on the GPU (None when none has a value).
+        share: ``mine_sm / (mine_sm + others_sm)``, 0..1; None when neither side reported any SM use.
+        mine_fb: framebuffer MB of the given processes (``-s m``), None when unknown.
+        others_fb: framebuffer MB of the others, None when unknown.
+        other_pids: the pids of the other processes on this GPU.
+    """
+
+    gpu: int
+    mine_sm: int | None
+    others_sm: int | None
+    share: float | None
+    mine_fb: int | None
+    others_fb: int | None
+    other_pids: tuple[int, ...]
+
+    @property
+    def shared(self) -> bool:
+        """True when another process is on this GPU at all (busy or not)."""
+        return bool(self.other_pids)
+
+
+def process_share(rows: Iterable[PmonRow], pids: Collection[int]) -> dict[int, ProcessShare]:
+    """Per GPU, the share of SM use that belongs to ``pids`` (is someone else using "my" GPU?).
+
+    Only GPUs on which one of ``pids`` runs are reported.
+
+    Args:
+        rows: one instant of pmon rows.
+        pids: the processes that count as "mine" (e.g. ``{os.getpid()}`` plus data-loader workers).
+
+    Returns:
+        GPU index -> :class:`ProcessShare`.
+    """
+    mine_ids = set(pids)
+    by_gpu: dict[int, tuple[list[PmonRow], list[PmonRow]]] = {}
+    for row in rows:
+        if row.gpu is None or row.pid is None:
+            continue
+        mine, others = by_gpu.setdefault(row.gpu, ([], []))
+        (mine if row.pid in mine_ids else others).append(row)
+    out: dict[int, ProcessShare] = {}
+    for gpu, (mine, others) in by_gpu.items():
+        if not mine:
+            continue
+        m_sm = _sum(r.sm for r in mine)
+        o_sm = _sum(r.sm for r in others)
+        total = (m_sm or 0) + (o_sm or 0)
+        share = None if (m_sm is None and o_sm is None) or total == 0 else (m_sm or 0) / total
+        out[gpu] = ProcessShare(
+            gpu=gpu,
+            mine_sm=m_sm,
+            others_sm=o_sm,
+            share=share,
+            mine_fb=_sum(r.fb for r in mine),
+            others_fb=_sum(r.fb for r in others),
+            other_pids=tuple(dict.fromkeys(r.pid for r in others if r.pid is not None)),
+        )
+    return out
+
+
+def sort_rows(rows: Iterable[PmonRow], by: str = "sm", *, descending: bool = True) -> list[PmonRow]:
+    """Rows ordered by one column for a live table (``smiquery ps --watch``); missing values always sort last.
+
+    Args:
+        rows: pmon rows.
+        by: any :class:`PmonRow` field (``sm``, ``mem``, ``fb``, ``pid``, ``gpu``, ``command``...).
+        descending: largest first (the default, for busiest-first views).
+
+    Returns:
+        A new list; ties keep their order.
+
+    Raises:
+        ValueError: ``by`` is not a pmon column.
+    """
+    if by not in PMON_COLUMNS:
+        raise ValueError(f"by must be one of {', '.join(PMON_COLUMNS)}")
+    items = list(rows)
+    present = [r for r in items if getattr(r, by) is not None]
+    absent = [r for r in items if getattr(r, by) is None]
+    present.sort(key=lambda r: getattr(r, by), reverse=descending)
+    return present + absent
+
+
+def process_user(pid: int) -> str | None:
+    """The user name owning ``pid`` on this host (from ``/proc``), or None when unknown.
+
+    pmon's pids are in the host's PID namespace: inside a container most of them are not visible, and the
+    answer is None rather than a guess.
+
+    Args:
+        pid: a process id from a :class:`PmonRow`.
+
+    Returns:
+        The user name, the numeric uid as text when it has no name, or None.
+    """
+    try:
+        uid = os.stat(f"/proc/{int(pid)}").st_uid
+    except (OSError, ValueError):
+        return None
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)

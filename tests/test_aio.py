@@ -1,0 +1,290 @@
+"""smiquery.aio on the fake nvidia-smi: results like the sync API, restarts, and no child left behind by
+cancellation at any await point or by asyncio.wait_for."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import smiquery
+from smiquery import aio, errors
+from smiquery.source import Sweep
+from tests.conftest import MakeFake
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SWEEP = FIXTURES / "h100x8-590-sweep.csv"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("SMIQUERY_FAKE_FAULT", "SMIQUERY_FAKE_RECORDING", "SMIQUERY_NVIDIA_SMI", "SMIQUERY_FAKE_SWEEP"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _pids(log: Path) -> list[int]:
+    if not log.exists():
+        return []
+    return [json.loads(line)["pid"] for line in log.read_text(encoding="utf-8").splitlines()]
+
+
+def _gone(pid: int) -> bool:
+    """True when ``pid`` is neither running nor a zombie (a zombie still answers signal 0)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _assert_all_reaped(log: Path) -> None:
+    assert aio.live_children() == []
+    for pid in _pids(log):
+        assert _gone(pid), f"child {pid} was left behind"
+
+
+# ------------------------------------------------------------------------------------------------- query
+
+
+def test_query_returns_what_the_sync_query_returns(fake_smi: MakeFake, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMIQUERY_FAKE_KEEP_TIME", "1")  # recorded timestamps, so both calls print the same
+    fake = fake_smi(recording=SWEEP)
+    mine = asyncio.run(aio.query("health", nvidia_smi=fake))
+    theirs = smiquery.query("health", nvidia_smi=fake)
+    assert [s.values() for s in mine] == [s.values() for s in theirs]
+    assert len(mine) == 8
+
+
+def test_query_raises_typed_errors(fake_smi: MakeFake) -> None:
+    with pytest.raises(errors.DriverVersionMismatchError):
+        asyncio.run(aio.query(nvidia_smi=fake_smi(fault="version-mismatch")))
+    with pytest.raises(errors.InvalidFieldError):
+        asyncio.run(aio.query("no.such.field", nvidia_smi=fake_smi()))
+
+
+def test_query_times_out_and_reaps_a_hung_child(fake_smi: MakeFake, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(fault="hang,ignore-term", log=log)
+    with pytest.raises(errors.NvidiaSmiTimeoutError, match="did not answer within 1 s"):
+        asyncio.run(aio.query(nvidia_smi=fake, timeout=1.0))
+    assert len(_pids(log)) == 1
+    _assert_all_reaped(log)
+
+
+def test_query_under_wait_for_reaps_the_child(fake_smi: MakeFake, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(fault="hang", log=log)
+
+    async def main() -> None:
+        await asyncio.wait_for(aio.query(nvidia_smi=fake, timeout=60), 1.0)
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(main())
+    _assert_all_reaped(log)
+
+
+# ------------------------------------------------------------------------------------------------ stream
+
+
+def test_stream_sweeps_match_the_recording(fake_smi: MakeFake, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(recording=SWEEP, log=log)
+
+    async def main() -> list[Sweep]:
+        async with aio.stream("health", interval=0.05, nvidia_smi=fake) as s:
+            got = [sweep async for sweep in s.sweeps(count=3)]
+            assert s.latest()[0] is got[-1]
+            return got
+
+    sweeps = asyncio.run(main())
+    assert [len(s) for s in sweeps] == [8, 8, 8]
+    assert [x.index for x in sweeps[0]] == list(range(8))
+    assert len(_pids(log)) == 1  # one child for the whole stream
+    _assert_all_reaped(log)
+
+
+def test_stream_restarts_after_a_crash(fake_smi: MakeFake, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(fault="crash-after:3", log=log)
+    naps: list[float] = []
+
+    async def nap(seconds: float) -> None:
+        naps.append(seconds)
+
+    async def main() -> aio.AsyncStream:
+        async with aio.stream(interval=0.05, nvidia_smi=fake, sleep=nap, backoff_initial=0.01) as s:
+            n = 0
+            async for _ in s:
+                assert len(aio.live_children()) <= 1
+                n += 1
+                if n == 8:
+                    break
+            return s
+
+    s = asyncio.run(main())
+    assert s.stats.restarts == 2 and s.stats.starts == 3
+    assert naps == [0.01, 0.01]
+    assert s.stats.errors and s.stats.last_error_type is not None
+    _assert_all_reaped(log)
+
+
+def test_stream_hang_is_a_timeout_and_a_restart(fake_smi: MakeFake, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(fault="hang-after:2", log=log)
+
+    async def nap(seconds: float) -> None:
+        return None
+
+    async def main() -> aio.AsyncStream:
+        async with aio.stream(interval=0.05, nvidia_smi=fake, stall_timeout=1.0, sleep=nap) as s:
+            n = 0
+            async for _ in s:
+                n += 1
+                if n == 3:
+                    break
+            return s
+
+    s = asyncio.run(main())
+    assert s.stats.errors["NvidiaSmiTimeoutError"] == 1 and s.stats.restarts == 1
+    _assert_all_reaped(log)
+
+
+def test_a_slow_consumer_is_not_a_hung_child(fake_smi: MakeFake) -> None:
+    """The stall deadline counts only while waiting for output, not while the consumer is busy."""
+    fake = fake_smi()
+
+    async def main() -> aio.AsyncStream:
+        async with aio.stream(interval=0.05, nvidia_smi=fake, stall_timeout=0.5) as s:
+            async for _ in s.sweeps(count=3):
+                await asyncio.sleep(1.5)  # three times the stall timeout, between reads
+            return s
+
+    s = asyncio.run(main())
+    assert s.stats.errors == {} and s.stats.restarts == 0
+
+
+def test_permanent_error_raises_without_restarting(fake_smi: MakeFake, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(fault="nvml-not-found", log=log)
+
+    async def main() -> None:
+        async with aio.stream(nvidia_smi=fake) as s:
+            async for _ in s:
+                pass
+
+    with pytest.raises(errors.NvmlNotFoundError):
+        asyncio.run(main())
+    assert len(_pids(log)) == 1
+    _assert_all_reaped(log)
+
+
+def test_one_iteration_at_a_time(fake_smi: MakeFake) -> None:
+    fake = fake_smi()
+
+    async def main() -> None:
+        async with aio.stream(interval=0.05, nvidia_smi=fake) as s:
+            first = s.__aiter__()
+            await first.__anext__()
+            with pytest.raises(RuntimeError, match="one child per stream"):
+                await s.__aiter__().__anext__()
+            await first.aclose()  # type: ignore[attr-defined]
+
+    asyncio.run(main())
+    assert aio.live_children() == []
+
+
+# ------------------------------------------------------------------------------------------- cancellation
+
+
+async def _consume(fake: Path, fault_sleep: asyncio.Event | None = None) -> None:
+    async def nap(seconds: float) -> None:
+        if fault_sleep is not None:
+            fault_sleep.set()
+        await asyncio.sleep(3600)
+
+    async with aio.stream(interval=0.05, nvidia_smi=fake, sleep=nap, backoff_initial=0.01) as s:
+        async for _ in s.sweeps():
+            pass
+
+
+@pytest.mark.parametrize("ticks", [0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233])
+def test_cancel_at_any_await_point_leaves_no_child(fake_smi: MakeFake, tmp_path: Path, ticks: int) -> None:
+    """Cancel after a growing number of loop iterations: spawning, first line, mid-sweep, between sweeps."""
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(log=log)
+
+    async def main() -> None:
+        task = asyncio.create_task(_consume(fake))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    _assert_all_reaped(log)
+
+
+def test_cancel_while_reading_a_silent_child(fake_smi: MakeFake, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(fault="hang-after:4,ignore-term", log=log)  # the child must be SIGKILLed
+
+    async def main() -> None:
+        task = asyncio.create_task(_consume(fake))
+        for _ in range(2000):
+            await asyncio.sleep(0.01)
+            if _pids(log):
+                break
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert _pids(log)
+    _assert_all_reaped(log)
+
+
+def test_cancel_during_the_restart_backoff(fake_smi: MakeFake, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(fault="crash-after:2", log=log)
+
+    async def main() -> None:
+        sleeping = asyncio.Event()
+        task = asyncio.create_task(_consume(fake, sleeping))
+        await asyncio.wait_for(sleeping.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    _assert_all_reaped(log)
+
+
+@pytest.mark.parametrize("limit", [0.001, 0.05, 0.3, 1.0])
+def test_stream_under_wait_for_leaves_no_child(fake_smi: MakeFake, tmp_path: Path, limit: float) -> None:
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(log=log)
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(asyncio.wait_for(_consume(fake), limit))
+    _assert_all_reaped(log)
+
+
+def test_breaking_out_and_leaving_the_context_reaps(fake_smi: MakeFake, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(log=log)
+
+    async def main() -> Any:
+        async with aio.stream(interval=0.05, nvidia_smi=fake) as s:
+            async for sweep in s.sweeps():  # noqa: B007  (kept after the loop)
+                break
+        # the context closed the child although the generator was never closed by hand
+        assert aio.live_children() == []
+        return sweep
+
+    assert len(asyncio.run(main())) == 8
+    _assert_all_reaped(log)
