@@ -136,8 +136,13 @@ def test_hadolint_really_checks() -> None:
 
 def test_dockerfiles_follow_the_design() -> None:
     tf = (DOCKER / "Dockerfile.tensorflow").read_text(encoding="utf-8")
-    assert re.search(r"^ARG TF_IMAGE=tensorflow/tensorflow:[0-9.]+-gpu$", tf, re.M)
-    assert re.search(r"^ARG SMI_SOURCE_IMAGE=", tf, re.M)
+    assert re.search(r"^ARG TF_IMAGE=tensorflow/tensorflow:[0-9]+\.[0-9]+\.[0-9]+-gpu$", tf, re.M), "an exact tag"
+    # no default that looks like it works: `scratch` makes copy-nvidia-smi.py ask for the build argument
+    assert re.search(r"^ARG SMI_SOURCE_IMAGE=scratch$", tf, re.M)
+    assert re.search(r"^ARG SMI_COPY=required$", tf, re.M)
+    assert re.search(r'^ENTRYPOINT \["/usr/bin/tini", "-g", "--"\]$', tf, re.M), "tini as PID 1"
+    assert re.search(r'CMD \["smiquery", "--timeout", "30", "doctor", "--gate"\]', tf), "the health check gates"
+    assert "contains a working" not in tf and "the host's nvidia-smi is mounted at run time" in tf
     assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in tf and "NVIDIA_VISIBLE_DEVICES=all" in tf
     # No COPY --from of nvidia-smi: that fails when the source lacks it (CUDA base images never have it).
     assert not re.search(r"COPY\s+--from\S*\s+\S*nvidia-smi", tf)
@@ -145,12 +150,158 @@ def test_dockerfiles_follow_the_design() -> None:
     assert stages[-1] == "toolkit", "the default (last) stage must be the toolkit one"
     assert {"builder", "runtime", "copied-smi"} <= set(stages)
     exporter = (DOCKER / "Dockerfile.exporter").read_text(encoding="utf-8")
-    assert re.search(r"^EXPOSE 9835$", exporter, re.M)
+    assert re.search(r"^ARG BUILDER_IMAGE=debian:[0-9]+\.[0-9]+-slim$", exporter, re.M), "an exact tag"
+    assert re.search(r"^EXPOSE 9849$", exporter, re.M)
+    assert "urlopen('http://127.0.0.1:9849/livez'" in exporter, "health = the server runs, not the GPU's state"
+    for text in (tf, exporter):
+        for label in ("source", "revision", "version", "base.name"):
+            assert f"org.opencontainers.image.{label}=" in text
     assert re.search(r"^USER 65532:65532$", exporter, re.M)
     # exec form everywhere (the HEALTHCHECK's CMD sits on a continuation line): nothing needs a shell
     forms = re.findall(r"^\s*(?:ENTRYPOINT|CMD)\s+(\S)", exporter, re.M)
     assert len(forms) == 3 and set(forms) == {"["}
     assert re.findall(r"^\s*CMD\s+(\S)", tf, re.M) == ["["]
+
+
+def _load_script(name: str) -> Any:
+    """A stand-alone script of docker/ as a module (they run inside image builds, not from the package)."""
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_").removesuffix(".py"), DOCKER / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def copy_smi() -> Any:
+    return _load_script("copy-nvidia-smi.py")
+
+
+def _source_root(tmp_path: Path) -> Path:
+    """A driver image's root the Debian way: /usr/bin/nvidia-smi -> /etc/alternatives/nvidia--nvidia-smi ->
+    /usr/lib/nvidia/current/nvidia-smi, with /usr/lib/nvidia/current itself a relative link, and merged /bin."""
+    root = tmp_path / "source"
+    (root / "usr/lib/nvidia/525").mkdir(parents=True)
+    (root / "usr/lib/nvidia/525/nvidia-smi").write_bytes(b"#!/bin/sh\necho real\n")
+    (root / "usr/lib/nvidia/current").symlink_to("525")
+    (root / "etc/alternatives").mkdir(parents=True)
+    (root / "etc/alternatives/nvidia--nvidia-smi").symlink_to("/usr/lib/nvidia/current/nvidia-smi")
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "usr/bin/nvidia-smi").symlink_to("/etc/alternatives/nvidia--nvidia-smi")
+    (root / "bin").symlink_to("usr/bin")
+    return root
+
+
+def test_copied_smi_follows_the_whole_alternatives_chain(copy_smi: Any, tmp_path: Path) -> None:
+    root = _source_root(tmp_path)
+    assert copy_smi.resolve_in_root(str(root), "/usr/bin/nvidia-smi") == "/usr/lib/nvidia/525/nvidia-smi"
+    assert copy_smi.resolve_in_root(str(root), "/bin/nvidia-smi") == "/usr/lib/nvidia/525/nvidia-smi"
+    dest = tmp_path / "nvidia-smi"
+    message = copy_smi.copy(str(root), "driver:525", "required", str(dest))
+    assert message == "copied /usr/bin/nvidia-smi from driver:525 (through links, from /usr/lib/nvidia/525/nvidia-smi)"
+    assert dest.read_bytes() == b"#!/bin/sh\necho real\n" and not dest.is_symlink()
+    assert dest.stat().st_mode & 0o777 == 0o755
+    # links never leave the source root: an absolute target is read inside it, `..` stops at its top
+    (root / "usr/bin/nvidia-smi").unlink()
+    (root / "usr/bin/nvidia-smi").symlink_to("../../../../../../usr/lib/nvidia/current/nvidia-smi")
+    assert copy_smi.resolve_in_root(str(root), "/usr/bin/nvidia-smi") == "/usr/lib/nvidia/525/nvidia-smi"
+
+
+def test_copied_smi_fails_without_nvidia_smi_unless_optional(copy_smi: Any, tmp_path: Path) -> None:
+    root = _source_root(tmp_path)
+    (root / "usr/lib/nvidia/525/nvidia-smi").unlink()  # a dangling chain, as in a CUDA image with alternatives only
+    dest = tmp_path / "nvidia-smi"
+    with pytest.raises(copy_smi.CopyError, match=r"cuda:12 has no usable /usr/bin/nvidia-smi .*SMI_COPY=optional"):
+        copy_smi.copy(str(root), "cuda:12", "required", str(dest))
+    message = copy_smi.copy(str(root), "cuda:12", "optional", str(dest))
+    assert "nothing copied (SMI_COPY=optional)" in message and not dest.exists()
+    with pytest.raises(copy_smi.CopyError, match="needs --build-arg SMI_SOURCE_IMAGE="):
+        copy_smi.copy(str(root), "scratch", "optional", str(dest))
+    with pytest.raises(copy_smi.CopyError, match="SMI_COPY='maybe'"):
+        copy_smi.copy(str(root), "driver:525", "maybe", str(dest))
+    (root / "usr/bin/nvidia-smi").unlink()
+    (root / "usr/bin/nvidia-smi").symlink_to("nvidia-smi")
+    with pytest.raises(copy_smi.CopyError, match="more than 40 symbolic links"):
+        copy_smi.copy(str(root), "loop:1", "required", str(dest))
+
+
+def test_lock_script_writes_hash_pinned_lines(tmp_path: Path) -> None:
+    lock = _load_script("lock-requirements.py")
+    wheel = tmp_path / "local-1.0-py3-none-any.whl"
+    wheel.write_bytes(b"wheel bytes")
+    report = {
+        "install": [
+            {
+                "metadata": {"name": "Typing_Extensions", "version": "4.16.0"},
+                "download_info": {"url": "https://x/t.whl", "archive_info": {"hashes": {"sha256": "ab" * 32}}},
+            },
+            {"metadata": {"name": "local", "version": "1.0"}, "download_info": {"url": wheel.as_uri()}},
+            {"metadata": {"name": "smiquery", "version": "0.1.0"}, "download_info": {"url": "file:///nowhere"}},
+        ]
+    }
+    text = lock.lock(report, {"smiquery"})
+    digest = hashlib.sha256(b"wheel bytes").hexdigest()
+    expected = [
+        f"local==1.0 \\\n    --hash=sha256:{digest}",
+        f"typing-extensions==4.16.0 \\\n    --hash=sha256:{'ab' * 32}",
+    ]
+    assert text == "".join(line + "\n" for line in expected)
+
+
+def _requirement_names(lines: Sequence[str]) -> set[str]:
+    names = set()
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("--"):
+            names.add(re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0].lower().replace("_", "-"))
+    return names
+
+
+def test_exporter_requirements_are_smiquerys_without_pandas() -> None:
+    """exporter.in is pyproject's dependencies plus the export extra, minus pandas: nothing can drift apart."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import pip._vendor.tomli as tomllib  # type: ignore[no-redef,unused-ignore]
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    wanted = _requirement_names([*meta["dependencies"], *meta["optional-dependencies"]["export"]]) - {"pandas"}
+    reqs = DOCKER / "requirements"
+    assert _requirement_names((reqs / "exporter.in").read_text(encoding="utf-8").splitlines()) == wanted
+    locked = (reqs / "exporter.txt").read_text(encoding="utf-8")
+    assert wanted <= _requirement_names(locked.splitlines())
+    assert not {"pandas", "numpy", "pyarrow"} & _requirement_names(locked.splitlines())
+    for name in ("exporter.txt", "build.txt"):
+        pins = re.findall(r"^(\S+)==(\S+) \\\n    --hash=sha256:[0-9a-f]{64}$", (reqs / name).read_text(), re.M)
+        assert pins and len(pins) == len(_requirement_names((reqs / name).read_text().splitlines())), name
+
+
+def test_starting_the_exporter_imports_no_pandas(tmp_path: Path) -> None:
+    """The exporter image has no pandas: the exporter, started for real and serving, never imports it."""
+    port = _free_port()
+    env = {**os.environ, "SMIQUERY_NVIDIA_SMI": str(FAKE_SMI), "PYTHONPATH": str(ROOT)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the fake's python3
+    argv = [sys.executable, "-X", "importtime", "-m", "smiquery", "export", "--bind", "127.0.0.1"]
+    log = tmp_path / "importtime.log"
+    with log.open("w", encoding="utf-8") as err:
+        proc = subprocess.Popen([*argv, "--port", str(port), "--interval", "1"], env=env, stderr=err)
+        try:
+            deadline = time.monotonic() + 60
+            status = 0
+            while time.monotonic() < deadline and proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    status, _ = _get(f"http://127.0.0.1:{port}/healthz")
+                    if status == 200:
+                        break
+                time.sleep(0.3)
+            assert status == 200, log.read_text(encoding="utf-8")[-3000:]
+            assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 200
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in log.read_text(encoding="utf-8").splitlines() if "|" in ln}
+    assert "smiquery.exporter" in imported or any(m.startswith("smiquery.exporter") for m in imported)
+    heavy = sorted(m for m in imported if m.split(".")[0] in {"pandas", "numpy", "pyarrow"})
+    assert not heavy, f"the exporter imports {heavy[:5]}"
 
 
 # --------------------------------------------------------------------------------------------- compose file
