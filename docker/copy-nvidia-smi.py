@@ -1,17 +1,18 @@
 """Copy nvidia-smi out of another image's root file system, following every symbolic link inside that root.
 
-Used by the ``copied-smi`` target of docker/Dockerfile.tensorflow, which mounts SMI_SOURCE_IMAGE's root at
+Used by the ``smi-copy`` stage of docker/Dockerfile.tensorflow, which mounts SMI_SOURCE_IMAGE's root at
 ``/smi-source``:
 
-    python3 copy-nvidia-smi.py ROOT SOURCE_NAME MODE [DEST]
+    python3 copy-nvidia-smi.py ROOT SOURCE_NAME MODE OUTDIR
 
 ROOT is the mounted root, SOURCE_NAME the image's name (for messages and the record file), MODE ``required`` (the
-default in the Dockerfile: exit 1 when the image has no nvidia-smi) or ``optional`` (copy nothing and say so), DEST
-the target path (default /usr/bin/nvidia-smi). Links are resolved as the source image itself would see them:
+default in the Dockerfile: exit 1 when the image has no nvidia-smi) or ``optional`` (copy nothing and say so), OUTDIR
+the folder that becomes the image's root: OUTDIR/usr/bin/nvidia-smi when copied.
+Links are resolved as the source image itself would see them:
 absolute targets relative to ROOT, relative targets relative to the link's folder, and links in folder components
 too (Debian's ``/usr/bin/nvidia-smi -> /etc/alternatives/nvidia--nvidia-smi -> /usr/lib/nvidia/current/nvidia-smi``,
 merged-/usr ``/bin -> usr/bin``). Writes one line saying what happened to /usr/share/smiquery/nvidia-smi-source.txt
-and stdout. Standard library only: it runs in the TensorFlow base's Python.
+(under OUTDIR) and stdout. Standard library only: it runs in the TensorFlow base's Python.
 """
 
 from __future__ import annotations
@@ -96,17 +97,21 @@ def copy(root: str, source_name: str, mode: str, dest: str = WANTED) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Command line: ROOT SOURCE_NAME MODE [DEST]."""
-    if len(argv) not in (3, 4):
-        print(f"usage: {os.path.basename(sys.argv[0])} ROOT SOURCE_NAME MODE [DEST]", file=sys.stderr)
+    """Command line: ROOT SOURCE_NAME MODE OUTDIR."""
+    if len(argv) != 4:
+        print(f"usage: {os.path.basename(sys.argv[0])} ROOT SOURCE_NAME MODE OUTDIR", file=sys.stderr)
         return 2
+    root, source_name, mode, outdir = argv
+    dest = os.path.join(outdir, WANTED.lstrip("/"))
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
     try:
-        message = copy(*argv)
+        message = copy(root, source_name, mode, dest)
     except CopyError as exc:
         print(f"copied-smi: {exc}", file=sys.stderr)
         return 1
-    os.makedirs(os.path.dirname(RECORD), exist_ok=True)
-    with open(RECORD, "w", encoding="utf-8") as out:
+    record = os.path.join(outdir, RECORD.lstrip("/"))
+    os.makedirs(os.path.dirname(record), exist_ok=True)
+    with open(record, "w", encoding="utf-8") as out:
         out.write(message + "\n")
     print(message)
     return 0

@@ -57,6 +57,9 @@ BASE_PYTHON = "3.11"
 # kubernetes-validate bundles (its default).
 K8S_VERSIONS = ("1.30.0", None)
 CONTAINER_HINT = "--gpus all"
+LOCKS = ("exporter.txt", "build.txt")
+SOURCE_URL = "https://example.invalid/smiquery.git"
+REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _missing(what: str) -> None:
@@ -547,8 +550,9 @@ class Buildah:
         docker = data.get("Docker", {})
         return dict(docker.get("config") or docker.get("Config") or {})
 
-    def bud(self, tag: str, dockerfile: str, log: Path, *extra: str) -> float:
-        """Build; returns the seconds it took. Fails the test with the log's tail on error."""
+    def bud(self, tag: str, dockerfile: str, log: Path, *extra: str, expect_failure: bool = False) -> float:
+        """Build; returns the seconds it took. Fails the test with the log's tail on error (on success when a
+        failure is expected)."""
         start = time.monotonic()
         argv = self.argv(
             "bud",
@@ -569,10 +573,19 @@ class Buildah:
         )
         with log.open("w", encoding="utf-8") as out:
             done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=900, check=False)
-        if done.returncode != 0:
+        if (done.returncode != 0) != expect_failure:
             tail = "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-60:])
             pytest.fail(f"buildah bud {dockerfile} {' '.join(extra)} exited {done.returncode}:\n{tail}")
         return time.monotonic() - start
+
+    def digest(self, image: str) -> str:
+        """The manifest digest of a local image (what `name@sha256:...` refers to)."""
+        return self("inspect", "--type", "image", "--format", "{{.FromImageDigest}}", image).stdout.strip()
+
+    def size(self, image: str) -> int:
+        """The image's size in bytes, all layers."""
+        (found,) = json.loads(self("images", "--json", image).stdout)
+        return int(found["size"])
 
     @contextlib.contextmanager
     def container(self, image: str) -> Iterator[str]:
@@ -635,10 +648,14 @@ def base_image(buildah: Buildah) -> str:
 
 @pytest.fixture(scope="session")
 def smi_source_image(buildah: Buildah, base_image: str) -> str:
-    """A stand-in for a driver image that really contains /usr/bin/nvidia-smi (the fake)."""
+    """A stand-in for a driver image that really contains nvidia-smi (the fake), installed the Debian way:
+    /usr/bin/nvidia-smi -> /etc/alternatives/nvidia--nvidia-smi -> /usr/lib/nvidia/current/nvidia-smi."""
     ctr = buildah("from", "--quiet", "--pull=never", base_image).stdout.strip()
     try:
-        buildah("copy", "--chmod", "0755", ctr, str(FAKE_SMI), "/usr/bin/nvidia-smi")
+        buildah("copy", "--chmod", "0755", ctr, str(FAKE_SMI), "/usr/lib/nvidia/current/nvidia-smi")
+        links = "ln -s /usr/lib/nvidia/current/nvidia-smi /etc/alternatives/nvidia--nvidia-smi"
+        links += " && ln -s /etc/alternatives/nvidia--nvidia-smi /usr/bin/nvidia-smi"
+        buildah("run", "--isolation", "chroot", ctr, "--", "sh", "-c", links)
         buildah("commit", "--quiet", ctr, SMI_SOURCE_IMAGE)
     finally:
         buildah("rm", ctr, check=False)
@@ -663,7 +680,8 @@ def wheelhouse(buildah: Buildah) -> Path:
     requirement list; filled in a temporary folder and renamed, so that concurrent sessions never see half of it."""
     machine = platform.machine()
     reqs = _requirements()
-    key = hashlib.sha256(json.dumps([BASE_PYTHON, machine, reqs]).encode()).hexdigest()[:16]
+    locks = [(DOCKER / "requirements" / n).read_text(encoding="utf-8") for n in LOCKS]
+    key = hashlib.sha256(json.dumps([BASE_PYTHON, machine, reqs, locks]).encode()).hexdigest()[:16]
     path = CACHE_ROOT / "wheelhouse" / key
     if path.is_dir():
         return path
@@ -675,6 +693,9 @@ def wheelhouse(buildah: Buildah) -> Path:
     for plat in (f"manylinux2014_{machine}", f"manylinux_2_17_{machine}", f"manylinux_2_28_{machine}"):
         argv += ["--platform", plat]
     done = _run([*argv, *reqs], timeout=600)
+    if done.returncode == 0:  # exactly the locked files of the exporter image and the build backend
+        locked = [a for n in LOCKS for a in ("-r", str(DOCKER / "requirements" / n))]
+        done = _run([*argv, "--no-deps", "--require-hashes", *locked], timeout=600)
     if done.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         pytest.fail(f"pip download for the wheelhouse failed:\n{done.stdout}\n{done.stderr}")
@@ -683,6 +704,18 @@ def wheelhouse(buildah: Buildah) -> Path:
         tmp.rename(path)
     except OSError:  # another session got there first
         shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def locked_wheelhouse(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Only the files the locks name (by hash), from the wheelhouse: what the lock target resolves from."""
+    hashes = {h for n in LOCKS for h in re.findall(r"sha256:([0-9a-f]{64})", (DOCKER / "requirements" / n).read_text())}
+    path = tmp_path_factory.mktemp("locked-wheels")
+    for wheel in wheelhouse.glob("*.whl"):
+        if hashlib.sha256(wheel.read_bytes()).hexdigest() in hashes:
+            shutil.copyfile(wheel, path / wheel.name)
+    assert len(list(path.iterdir())) == len(hashes), "the wheelhouse lacks locked files"
     return path
 
 
@@ -709,6 +742,10 @@ def tf_image(buildah: Buildah, base_image: str, wheelhouse: Path, tmp_path_facto
         f"TF_IMAGE={base_image}",
         "--build-arg",
         "SMIQUERY_VERSION=0.0.0-test",
+        "--build-arg",
+        f"SMIQUERY_SOURCE={SOURCE_URL}",
+        "--build-arg",
+        f"SMIQUERY_REVISION={REVISION}",
         *_offline(wheelhouse),
     )
     return Built(tag, secs, log.read_text(encoding="utf-8", errors="replace"))
@@ -720,20 +757,38 @@ def exporter_image(
 ) -> Built:
     log = tmp_path_factory.mktemp("bud") / "exporter.log"
     tag = "localhost/smiquery-exporter:test"
+    # both bases pinned by digest, the documented way (docker/README.md, "Pinning the base images")
+    pinned = _pinned(buildah, base_image)
     secs = buildah.bud(
         tag,
         "Dockerfile.exporter",
         log,
         "--build-arg",
-        f"BUILDER_IMAGE={base_image}",
+        f"BUILDER_IMAGE={pinned}",
         "--build-arg",
-        f"RUNTIME_IMAGE={base_image}",
+        f"RUNTIME_IMAGE={pinned}",
+        "--build-arg",
+        f"SMIQUERY_REVISION={REVISION}",
         *_offline(wheelhouse),
     )
     return Built(tag, secs, log.read_text(encoding="utf-8", errors="replace"))
 
 
-def _build_copied(buildah: Buildah, base: str, source: str, wheelhouse: Path, log: Path, tag: str) -> Built:
+def _pinned(buildah: Buildah, image: str) -> str:
+    """``image`` as ``name@sha256:DIGEST``, without its tag."""
+    return f"{image.rsplit(':', 1)[0]}@{buildah.digest(image)}"
+
+
+def _build_copied(
+    buildah: Buildah,
+    base: str,
+    source: str,
+    wheelhouse: Path,
+    log: Path,
+    tag: str,
+    *extra: str,
+    expect_failure: bool = False,
+) -> Built:
     secs = buildah.bud(
         tag,
         "Dockerfile.tensorflow",
@@ -744,7 +799,9 @@ def _build_copied(buildah: Buildah, base: str, source: str, wheelhouse: Path, lo
         f"TF_IMAGE={base}",
         "--build-arg",
         f"SMI_SOURCE_IMAGE={source}",
+        *extra,
         *_offline(wheelhouse),
+        expect_failure=expect_failure,
     )
     return Built(tag, secs, log.read_text(encoding="utf-8", errors="replace"))
 
@@ -768,11 +825,23 @@ def test_tensorflow_image_config(buildah: Buildah, tf_image: Built) -> None:
     assert labels["org.opencontainers.image.title"] == "smiquery-tensorflow"
     assert labels["org.opencontainers.image.version"] == "0.0.0-test"
     assert labels["org.opencontainers.image.base.name"] == BASE_IMAGE
-    assert "NVIDIA Container Toolkit" in labels["smiquery.nvidia-smi.source"]
-    assert cfg["Healthcheck"]["Test"][0] == "CMD" and cfg["Healthcheck"]["Test"][1:3] == ["smiquery", "--timeout"]
-    assert cfg["Healthcheck"]["Test"][-1] == "doctor"
-    # built offline: the smiquery wheel came from the builder stage, built from this tree
+    assert labels["org.opencontainers.image.source"] == SOURCE_URL
+    assert labels["org.opencontainers.image.revision"] == REVISION
+    assert "mounted at run time" in labels["smiquery.nvidia-smi.source"]
+    assert cfg["Healthcheck"]["Test"] == ["CMD", "smiquery", "--timeout", "30", "doctor", "--gate"]
+    assert cfg["Entrypoint"] == ["/usr/bin/tini", "-g", "--"]
+    # built offline: the smiquery wheel came from the builder stage, built from this tree, installed from the
+    # builder's hash lock; the base's packages untouched and `pip check` clean
     assert re.search(r"Successfully installed .*\bsmiquery-[0-9]", tf_image.log)
+    assert re.search(r"^smiquery==[0-9.]+ \\$", tf_image.log, re.M), "the builder prints its lock"
+    assert "No broken requirements found." in tf_image.log
+
+
+def cfg_test(buildah: Buildah, image: str) -> list[str]:
+    """The image's HEALTHCHECK command (exec form)."""
+    test = buildah.config(image)["Healthcheck"]["Test"]
+    assert test[0] == "CMD"
+    return list(test[1:])
 
 
 @pytest.mark.slow
@@ -791,6 +860,11 @@ def test_tensorflow_image_with_injected_nvidia_smi(buildah: Buildah, tf_image: B
         assert rows[0]["uuid"] == "GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"
         lspci = buildah.run(ctr, ["lspci", "--version"], mount_smi=None)
         assert lspci.returncode == 0, lspci.stderr
+        tini = buildah.run(ctr, ["/usr/bin/tini", "--version"], mount_smi=None)
+        assert tini.returncode == 0 and "tini version" in tini.stdout, tini.stderr
+        # the health check's command: passes with nvidia-smi mounted (the fake runs without persistence mode)
+        gate = buildah.run(ctr, cfg_test(buildah, tf_image.tag), mount_smi=fake_smi_file)
+        assert gate.returncode == 0, gate.stdout + gate.stderr
 
 
 @pytest.mark.slow
@@ -805,11 +879,13 @@ def test_tensorflow_image_without_injection_says_gpus_all(buildah: Buildah, tf_i
         query = buildah.run(ctr, ["smiquery", "query"], mount_smi=None)
         assert query.returncode == 3
         assert CONTAINER_HINT in query.stderr
+        gate = buildah.run(ctr, cfg_test(buildah, tf_image.tag), mount_smi=None)
+        assert gate.returncode != 0 and CONTAINER_HINT in gate.stdout + gate.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_copied_smi_stage_copies_nvidia_smi_when_the_source_has_it(
+def test_copied_smi_stage_follows_the_alternatives_chain(
     buildah: Buildah, base_image: str, smi_source_image: str, wheelhouse: Path, tmp_path: Path
 ) -> None:
     built = _build_copied(
@@ -820,29 +896,32 @@ def test_copied_smi_stage_copies_nvidia_smi_when_the_source_has_it(
         tmp_path / "bud.log",
         "localhost/smiquery-tensorflow:test-copied",
     )
-    assert f"copied /usr/bin/nvidia-smi from {smi_source_image}" in built.log
+    assert f"copied /usr/bin/nvidia-smi from {smi_source_image} (through links" in built.log
     assert "copied from" in buildah.config(built.tag)["Labels"]["smiquery.nvidia-smi.source"]
     with buildah.container(built.tag) as ctr:
-        # no mount: the copied binary (the fake) is what runs
+        # no mount: the copied binary (the fake, a regular file now) is what runs
         doctor = buildah.run(ctr, ["smiquery", "doctor"], mount_smi=None)
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
         assert "nvidia-smi found: /usr/bin/nvidia-smi" in doctor.stdout
+        kind = buildah.run(
+            ctr, ["sh", "-c", "test -f /usr/bin/nvidia-smi && test ! -L /usr/bin/nvidia-smi"], mount_smi=None
+        )
+        assert kind.returncode == 0
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_copied_smi_stage_builds_cleanly_when_the_source_lacks_it(
+def test_copied_smi_stage_fails_when_the_source_lacks_it(
     buildah: Buildah, base_image: str, wheelhouse: Path, tmp_path: Path
 ) -> None:
-    built = _build_copied(
-        buildah,
-        base_image,
-        base_image,
-        wheelhouse,
-        tmp_path / "bud.log",
-        "localhost/smiquery-tensorflow:test-nothing-copied",
-    )
-    assert f"{base_image} has no /usr/bin/nvidia-smi: nothing copied" in built.log
+    log = tmp_path / "bud.log"
+    tag = "localhost/smiquery-tensorflow:test-nothing-copied"
+    built = _build_copied(buildah, base_image, base_image, wheelhouse, log, tag, expect_failure=True)
+    assert f"{base_image} has no usable /usr/bin/nvidia-smi" in built.log and "SMI_COPY=optional" in built.log
+    assert not buildah.image_exists(tag)
+    # opting in builds, copies nothing and says so
+    built = _build_copied(buildah, base_image, base_image, wheelhouse, log, tag, "--build-arg", "SMI_COPY=optional")
+    assert "nothing copied (SMI_COPY=optional)" in built.log
     with buildah.container(built.tag) as ctr:
         check = buildah.run(
             ctr,
@@ -854,16 +933,63 @@ def test_copied_smi_stage_builds_cleanly_when_the_source_lacks_it(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_base_pinned_by_a_wrong_digest_fails_the_build(buildah: Buildah, base_image: str, tmp_path: Path) -> None:
+    """The digest is checked, not decorative (the passing case: the exporter image is built from digests)."""
+    wrong = f"{base_image.rsplit(':', 1)[0]}@sha256:{'0' * 64}"
+    log = tmp_path / "bud.log"
+    argv = ["--build-arg", f"BUILDER_IMAGE={wrong}", "--build-arg", f"RUNTIME_IMAGE={wrong}"]
+    buildah.bud("localhost/smiquery-exporter:wrong-digest", "Dockerfile.exporter", log, *argv, expect_failure=True)
+    assert "0000000000000000" in log.read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_exporter_lock_is_what_the_builds_resolver_writes(
+    buildah: Buildah, base_image: str, locked_wheelhouse: Path, tmp_path: Path
+) -> None:
+    """The lock target, resolving from exactly the locked wheels, writes the committed locks back: nothing missing,
+    nothing extra (regenerate with the command in docker/requirements/README.md)."""
+    out = tmp_path / "out"
+    extra = ["--target", "lock", "--build-arg", f"BUILDER_IMAGE={base_image}", "--output", f"type=local,dest={out}"]
+    buildah.bud(
+        "localhost/smiquery-lock:test",
+        "Dockerfile.exporter",
+        tmp_path / "bud.log",
+        *extra,
+        *_offline(locked_wheelhouse),
+    )
+    for name in LOCKS:
+        assert (out / name).read_text(encoding="utf-8") == (DOCKER / "requirements" / name).read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_exporter_image_config(buildah: Buildah, exporter_image: Built) -> None:
     cfg = buildah.config(exporter_image.tag)
     assert cfg["User"] == "65532:65532"
-    assert "9835/tcp" in cfg["ExposedPorts"]
+    assert "9849/tcp" in cfg["ExposedPorts"]
     assert cfg["Entrypoint"] == ["/opt/smiquery/bin/python", "-m", "smiquery", "export"]
-    assert cfg["Cmd"] == ["--bind", "0.0.0.0", "--port", "9835"]
+    assert cfg["Cmd"] == ["--bind", "0.0.0.0", "--port", "9849"]
     assert cfg["Healthcheck"]["Test"][0] == "CMD", "exec form: no shell at run time"
     env = dict(e.split("=", 1) for e in cfg["Env"])
     assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
-    assert cfg["Labels"]["org.opencontainers.image.title"] == "smiquery-exporter"
+    labels = cfg["Labels"]
+    assert labels["org.opencontainers.image.title"] == "smiquery-exporter"
+    assert labels["org.opencontainers.image.revision"] == REVISION
+    # built from bases pinned by digest
+    assert re.fullmatch(r"\S+@sha256:[0-9a-f]{64}", labels["org.opencontainers.image.base.name"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_exporter_image_is_small_and_has_no_pandas(buildah: Buildah, base_image: str, exporter_image: Built) -> None:
+    added = buildah.size(exporter_image.tag) - buildah.size(base_image)
+    print(f"exporter image: {added / 1e6:.1f} MB over its base")
+    assert added < 80e6, f"{added / 1e6:.1f} MB over the base"
+    with buildah.container(exporter_image.tag) as ctr:
+        probe = "import importlib.util as u; print([m for m in ('pandas', 'numpy', 'pyarrow') if u.find_spec(m)])"
+        found = buildah.run(ctr, ["/opt/smiquery/bin/python", "-c", probe], mount_smi=None)
+        assert found.returncode == 0 and found.stdout.strip() == "[]", found.stdout + found.stderr
 
 
 def _free_port() -> int:
@@ -916,7 +1042,8 @@ def test_exporter_image_serves_metrics(
             assert len(temps) == 8, metrics[:2000]
             assert 'uuid="GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"' in metrics
             # the image's HEALTHCHECK command, pointed at this port, as the image's (non-root) user
-            check = [a.replace(":9835/", f":{port}/") for a in cfg["Healthcheck"]["Test"][1:]]
+            assert _get(base + "/livez")[0] == 200
+            check = [a.replace(":9849/", f":{port}/") for a in cfg["Healthcheck"]["Test"][1:]]
             health = buildah.run(ctr, check, mount_smi=None)
             assert health.returncode == 0, health.stderr
             whoami = buildah.run(
