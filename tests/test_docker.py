@@ -355,16 +355,56 @@ def _compose() -> dict[str, Any]:
 
 
 def _option(argv: Sequence[str], name: str) -> str:
-    return str(argv[list(argv).index(name) + 1])
+    """An option's value in an argv, given as ``name value`` or ``name=value``."""
+    for i, arg in enumerate(argv):
+        if arg == name:
+            return str(argv[i + 1])
+        if arg.startswith(name + "="):
+            return str(arg.split("=", 1)[1])
+    raise AssertionError(f"{name} not in {argv}")
+
+
+def test_compose_listens_on_loopback_only_and_grafana_needs_a_login() -> None:
+    services = _compose()["services"]
+    assert _option(services["smiquery-exporter"]["command"], "--bind") == "127.0.0.1"
+    assert _option(services["prometheus"]["command"], "--web.listen-address").startswith("127.0.0.1:")
+    am = services["alertmanager"]["command"]
+    assert _option(am, "--web.listen-address").startswith("127.0.0.1:")
+    assert _option(am, "--cluster.listen-address") == "", "the gossip port would listen on every interface"
+    for name, svc in services.items():
+        assert "ports" not in svc, f"{name} publishes ports"
+    env = services["grafana"]["environment"]
+    assert env["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_AUTH_ANONYMOUS_ORG_ROLE" not in env
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env, "a password in the compose file"
+    secret = env["GF_SECURITY_ADMIN_PASSWORD__FILE"].removeprefix("/run/secrets/")
+    assert secret in services["grafana"]["secrets"]
+    secret_file = DOCKER / _compose()["secrets"][secret]["file"]
+    # never committed: the folder ignores everything but its .gitignore
+    assert (secret_file.parent / ".gitignore").read_text(encoding="utf-8").splitlines()[1:] == ["*", "!.gitignore"]
+
+
+def test_compose_images_have_exact_tags() -> None:
+    for name, svc in _compose()["services"].items():
+        image = svc.get("image", "")
+        if "build" in svc or image.startswith("smiquery-"):
+            continue
+        assert re.fullmatch(r"[\w./-]+:v?[0-9]+\.[0-9]+\.[0-9]+", image), f"{name}: {image} is not an exact tag"
 
 
 def test_compose_prometheus_reaches_the_exporter_and_its_rules() -> None:
-    """docker/prometheus/prometheus.yml (shared with host installs) works as compose mounts it."""
+    """docker/compose/prometheus.yml works as compose mounts it: exporter, rules, Alertmanager."""
     services = _compose()["services"]
     prom, exporter = services["prometheus"], services["smiquery-exporter"]
-    config = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text(encoding="utf-8"))
     mounts = dict(v.split(":")[:2][::-1] for v in prom["volumes"] if v.startswith("./"))  # container -> host
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    config = yaml.safe_load((DOCKER / mounts["/etc/prometheus/prometheus.yml"]).read_text(encoding="utf-8"))
+    (am,) = [t for a in config["alerting"]["alertmanagers"] for sc in a["static_configs"] for t in sc["targets"]]
+    assert am == _option(services["alertmanager"]["command"], "--web.listen-address")
+    # SmiqueryExporterDown looks for the job this config scrapes the exporter as
+    rules = (DOCKER / mounts["/etc/prometheus/smiquery-rules.yml"]).read_text(encoding="utf-8")
+    jobs = {job["job_name"] for job in config["scrape_configs"]}
+    assert set(re.findall(r'job="([^"]+)"', rules)) <= jobs == {"smiquery-exporter"}
     for rule in config["rule_files"]:
         in_container = rule if rule.startswith("/") else f"/etc/prometheus/{rule}"
         assert in_container in mounts, f"rule file {rule} is not mounted"
@@ -392,7 +432,8 @@ def test_grafana_provisioning_matches_compose() -> None:
 
 # ------------------------------------------------------------------------------------------------ Kubernetes
 
-CORE_MANIFESTS = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "servicemonitor.yaml")
+CRD_MANIFESTS = ("servicemonitor.yaml", "prometheusrule.yaml")  # Prometheus Operator kinds: no bundled schema
+CORE_MANIFESTS = sorted(p.name for p in K8S.glob("*.yaml") if p.name not in CRD_MANIFESTS)
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS, ids=lambda v: v or "newest")
@@ -447,8 +488,18 @@ def test_exporter_daemonset_design() -> None:
     assert not any("nvidia.com/gpu" in r for r in resources.values()), "a GPU request would reserve a GPU"
     prio = _by_kind(docs, "PriorityClass")
     assert pod["priorityClassName"] == prio["metadata"]["name"] and prio["value"] >= 1_000_000
+    assert prio["preemptionPolicy"] == "Never", "the monitor must never evict a training pod"
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert any(e["key"] == "nvidia.com/gpu.present" for t in terms for e in t["matchExpressions"])
+    keys = {e["key"] for t in terms for e in t["matchExpressions"]}
+    # the GPU Operator's label, NFD alone, and the clouds' GPU node pools
+    assert {"nvidia.com/gpu.present", "feature.node.kubernetes.io/pci-10de.present"} <= keys
+    assert {"cloud.google.com/gke-accelerator", "k8s.amazonaws.com/accelerator"} <= keys
+    tolerated = {t["key"]: t for t in pod["tolerations"]}
+    assert "effect" not in tolerated["nvidia.com/gpu"], "NoSchedule and NoExecute alike"
+    assert tolerated["sku"]["value"] == "gpu"
+    # probes: the server, never the GPU's state (one bad GPU must not stall a rollout or restart the exporter)
+    assert ctr["readinessProbe"]["httpGet"]["path"] == ctr["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert ctr["ports"][0]["containerPort"] == 9849 and _option(ctr["args"], "--port") == "9849"
     sc, psc = ctr["securityContext"], pod["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert sc["privileged"] is False and sc["capabilities"]["drop"] == ["ALL"]
@@ -464,6 +515,34 @@ def test_exporter_daemonset_design() -> None:
     assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert mon["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
     assert mon["metadata"]["namespace"] == svc["metadata"]["namespace"] == ds["metadata"]["namespace"]
+
+
+def test_prometheusrule_carries_the_rule_file() -> None:
+    """k8s/prometheusrule.yaml is generated from prometheus/smiquery-rules.yml: same groups, same comments."""
+    sys.path.insert(0, str(HELPERS))
+    try:
+        import sync_prometheus_rule
+    finally:
+        sys.path.remove(str(HELPERS))
+    rules_text = (DOCKER / "prometheus" / "smiquery-rules.yml").read_text(encoding="utf-8")
+    manifest_text = (K8S / "prometheusrule.yaml").read_text(encoding="utf-8")
+    hint = "run: python tests/docker/sync_prometheus_rule.py"
+    assert manifest_text == sync_prometheus_rule.generated(rules_text), hint
+    (doc,) = _yaml_docs(K8S / "prometheusrule.yaml")
+    assert doc["spec"]["groups"] == yaml.safe_load(rules_text)["groups"], hint
+    assert (doc["apiVersion"], doc["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    (mon,) = _yaml_docs(K8S / "servicemonitor.yaml")
+    assert doc["metadata"]["namespace"] == mon["metadata"]["namespace"]
+    assert doc["metadata"]["labels"]["release"] == mon["metadata"]["labels"]["release"]
+
+
+def test_prometheusrule_rules_pass_promtool(tmp_path: Path) -> None:
+    promtool = _tool("promtool")
+    (doc,) = _yaml_docs(K8S / "prometheusrule.yaml")
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": doc["spec"]["groups"]}), encoding="utf-8")
+    done = _run([promtool, "check", "rules", str(path)])
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_plain_prometheus_scrape_config(tmp_path: Path) -> None:
@@ -488,6 +567,9 @@ def test_training_job_requests_a_gpu_and_carries_the_example() -> None:
     job = _by_kind(docs, "Job")
     (ctr,) = job["spec"]["template"]["spec"]["containers"]
     assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert ctr["command"][:3] == ["/usr/bin/tini", "-g", "--"], "python3 as PID 1 ignores SIGTERM"
+    (init,) = job["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"][-2:] == ["doctor", "--gate"], "warnings (persistence mode off) must not stop training"
     cm = _by_kind(docs, "ConfigMap")
     example = (DOCKER / "examples" / "keras_smiquery_train.py").read_text(encoding="utf-8")
     assert cm["data"]["keras_smiquery_train.py"] == example, "run: python tests/docker/sync_job_configmap.py"
