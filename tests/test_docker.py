@@ -1144,3 +1144,186 @@ def test_exporter_image_serves_metrics(
     # stopped on every path: nothing listens any more
     with pytest.raises(urllib.error.URLError):
         _get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+
+
+# ----------------------------------------------------------------------------------- alerts reach someone
+
+
+@pytest.mark.timeout(300)
+def test_an_alert_from_the_shipped_rules_reaches_the_webhook(tmp_path: Path) -> None:
+    """Real Prometheus and Alertmanager on 127.0.0.1, with compose's configs: the exporter's scrape fails, the
+    shipped SmiqueryExporterDown fires (its `for` shortened to 0s, nothing else changed) and Alertmanager's example
+    route POSTs it to a local webhook."""
+    import queue
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    prometheus, amtool = _tool("prometheus"), _tool("amtool")
+    alertmanager = shutil.which("prometheus-alertmanager") or _tool("alertmanager")  # Debian's name, upstream's
+    received: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.put((self.path, json.loads(body)))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    hook = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    am_port, prom_port, dead_port = _free_port(), _free_port(), _free_port()
+
+    am_cfg = yaml.safe_load((DOCKER / "alertmanager" / "alertmanager.yml").read_text(encoding="utf-8"))
+    for receiver in am_cfg["receivers"]:
+        for hook_cfg in receiver.get("webhook_configs", []):
+            hook_cfg["url"] = f"http://127.0.0.1:{hook.server_address[1]}/alerts"
+    for route in [am_cfg["route"], *am_cfg["route"].get("routes", [])]:
+        if "group_wait" in route:
+            route["group_wait"] = "1s"
+    (tmp_path / "alertmanager.yml").write_text(yaml.safe_dump(am_cfg), encoding="utf-8")
+    done = _run([amtool, "check-config", str(tmp_path / "alertmanager.yml")])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    rules = yaml.safe_load((DOCKER / "prometheus" / "smiquery-rules.yml").read_text(encoding="utf-8"))
+    (down,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "SmiqueryExporterDown"]
+    down["for"] = "0s"
+    (tmp_path / "smiquery-rules.yml").write_text(yaml.safe_dump(rules), encoding="utf-8")
+    prom_cfg = yaml.safe_load((DOCKER / "compose" / "prometheus.yml").read_text(encoding="utf-8"))
+    prom_cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    prom_cfg["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{am_port}"]}]
+    (job,) = prom_cfg["scrape_configs"]
+    job["static_configs"] = [{"targets": [f"127.0.0.1:{dead_port}"]}]  # an exporter that is down
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(prom_cfg), encoding="utf-8")
+
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with (tmp_path / "am.log").open("wb") as am_log, (tmp_path / "prom.log").open("wb") as prom_log:
+            am_argv = [alertmanager, f"--config.file={tmp_path / 'alertmanager.yml'}"]
+            am_argv += [f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}"]
+            procs.append(subprocess.Popen([*am_argv, "--cluster.listen-address="], stdout=am_log, stderr=am_log))
+            prom_argv = [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}"]
+            prom_argv += [f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"]
+            procs.append(subprocess.Popen(prom_argv, stdout=prom_log, stderr=prom_log))
+            try:
+                path, payload = received.get(timeout=120)
+            except queue.Empty:
+                logs = (tmp_path / "prom.log").read_text(errors="replace")[-2000:]
+                logs += (tmp_path / "am.log").read_text(errors="replace")[-2000:]
+                pytest.fail(f"no alert reached the webhook in 120 s\n{logs}")
+        assert path == "/alerts" and payload["status"] == "firing"
+        (alert,) = payload["alerts"]
+        assert alert["labels"]["alertname"] == "SmiqueryExporterDown"
+        assert alert["labels"]["job"] == job["job_name"] == "smiquery-exporter"
+        assert alert["labels"]["instance"] == f"127.0.0.1:{dead_port}"
+        assert alert["annotations"].get("summary")
+    finally:
+        hook.shutdown()
+        hook.server_close()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------- PID 1: tini
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found += [int(p) for p in task.read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _pid1(argv: Sequence[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Run argv as PID 1 of a new PID namespace (what a container is); returns unshare and PID 1's host pid."""
+    if os.geteuid() != 0:
+        _missing("PID namespaces need root")
+    unshare = _tool("unshare")
+    with log.open("wb") as out:
+        proc = subprocess.Popen([unshare, "--pid", "--fork", "--kill-child", *argv], env=env, stdout=out, stderr=out)
+    deadline = time.monotonic() + 30
+    while not (kids := _children(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert kids, "unshare started nothing"
+    return proc, kids[0]
+
+
+@pytest.mark.timeout(120)
+def test_python_as_pid_1_ignores_sigterm(tmp_path: Path) -> None:
+    """Why the images need an init: the kernel drops SIGTERM to a namespace's PID 1 that set no handler."""
+    proc, pid1 = _pid1([sys.executable, "-c", "import time; time.sleep(300)"], dict(os.environ), tmp_path / "log")
+    try:
+        os.kill(pid1, signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+    finally:
+        os.kill(pid1, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_stops_the_trainer_under_tini_and_nvidia_smi_goes(tmp_path: Path) -> None:
+    """The Job's and the image's way (tini -g -- python3 train.py) as PID 1 of a PID namespace, run here with the
+    host's tini: SIGTERM to PID 1 (what `docker stop` and a pod deletion send) ends the training with GpuMonitor's
+    nvidia-smi running, and no nvidia-smi is left behind."""
+    if importlib.util.find_spec("keras") is None or importlib.util.find_spec("tensorflow") is None:
+        _missing("keras/tensorflow not installed: pip install 'smiquery[keras]'")
+    tini = _tool("tini")
+    pids = tmp_path / "nvidia-smi.pids"
+    wrapper = tmp_path / "nvidia-smi"
+    # its pid as the host sees it ($$ would be the namespace's): /proc is the host's, opened by the shell itself
+    record = f'read -r pid rest </proc/self/stat; echo "$pid" >>"{pids}"'
+    wrapper.write_text(f'#!/bin/sh\n{record}\nexec "{FAKE_SMI}" "$@"\n', encoding="utf-8")
+    wrapper.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(ROOT),
+        "SMIQUERY_NVIDIA_SMI": str(wrapper),
+        "EPOCHS": "100000",
+        "STEPS": "50",
+        "GPU_SAMPLE_INTERVAL": "0.5",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+    }
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    argv = [tini, "-g", "--", sys.executable, str(DOCKER / "examples" / "keras_smiquery_train.py")]
+    proc, pid1 = _pid1(argv, env, tmp_path / "train.log")
+    try:
+        deadline = time.monotonic() + 300
+        running: list[int] = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                running = [int(p) for p in pids.read_text().split() if _alive(int(p))]
+            if running:
+                break
+            time.sleep(0.5)
+        log = (tmp_path / "train.log").read_text(errors="replace")
+        assert running, f"GpuMonitor never started nvidia-smi\n{log[-3000:]}"
+        os.kill(pid1, signal.SIGTERM)
+        code = proc.wait(timeout=60)  # raises (and fails) if SIGTERM was ignored
+        assert code != 0
+        seen = [int(p) for p in pids.read_text().split()]
+        assert not [p for p in seen if _alive(p)], "an nvidia-smi outlived the container"
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid1, signal.SIGKILL)
+            proc.wait(timeout=30)
