@@ -332,6 +332,8 @@ def test_compose_gpu_access() -> None:
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     assert "utility" in devices[0]["capabilities"]
     assert trainer["build"]["dockerfile"] == "docker/Dockerfile.tensorflow"
+    # PID 1 is the image's tini (or Compose's init): never replaced by an entrypoint of its own
+    assert "entrypoint" not in trainer or trainer.get("init") is True
     for name in ("smiquery-exporter", "gpu-doctor"):
         svc = services[name]
         assert "deploy" not in svc, f"{name} must not reserve a GPU"
@@ -455,13 +457,13 @@ def test_kubernetes_validation_really_checks(tmp_path: Path) -> None:
     assert done.returncode != 0 and "readOnlyRootFileSystem" in done.stdout + done.stderr
 
 
-def _servicemonitor_errors(doc: dict[str, Any]) -> list[str]:
+def _servicemonitor_errors(doc: dict[str, Any], schema_file: str = "servicemonitor.schema.json") -> list[str]:
     try:
         import jsonschema
     except ImportError:
         _missing("jsonschema not installed (check-jsonschema brings it)")
         raise
-    schema = json.loads((HELPERS / "servicemonitor.schema.json").read_text(encoding="utf-8"))
+    schema = json.loads((HELPERS / schema_file).read_text(encoding="utf-8"))
     validator = jsonschema.Draft202012Validator(schema)
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
 
@@ -531,6 +533,9 @@ def test_prometheusrule_carries_the_rule_file() -> None:
     (doc,) = _yaml_docs(K8S / "prometheusrule.yaml")
     assert doc["spec"]["groups"] == yaml.safe_load(rules_text)["groups"], hint
     assert (doc["apiVersion"], doc["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert _servicemonitor_errors(doc, "prometheusrule.schema.json") == []
+    doc["spec"]["groups"][0]["rules"][0]["fro"] = "5m"
+    assert len(_servicemonitor_errors(doc, "prometheusrule.schema.json")) == 1
     (mon,) = _yaml_docs(K8S / "servicemonitor.yaml")
     assert doc["metadata"]["namespace"] == mon["metadata"]["namespace"]
     assert doc["metadata"]["labels"]["release"] == mon["metadata"]["labels"]["release"]
