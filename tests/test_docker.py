@@ -1015,6 +1015,21 @@ def test_copied_smi_stage_fails_when_the_source_lacks_it(
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+def test_copied_smi_stage_without_a_source_asks_for_one(
+    buildah: Buildah, base_image: str, wheelhouse: Path, tmp_path: Path
+) -> None:
+    """SMI_SOURCE_IMAGE has no default that could look like it worked; the copy stage comes first, so this fails
+    before anything is installed."""
+    log = tmp_path / "bud.log"
+    argv = ["--target", "copied-smi", "--build-arg", f"TF_IMAGE={base_image}", *_offline(wheelhouse)]
+    buildah.bud("localhost/smiquery-tensorflow:no-source", "Dockerfile.tensorflow", log, *argv, expect_failure=True)
+    text = log.read_text(encoding="utf-8")
+    assert "needs --build-arg SMI_SOURCE_IMAGE=" in text
+    assert "Successfully installed" not in text, "the build installed packages before failing"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_base_pinned_by_a_wrong_digest_fails_the_build(buildah: Buildah, base_image: str, tmp_path: Path) -> None:
     """The digest is checked, not decorative (the passing case: the exporter image is built from digests)."""
     wrong = f"{base_image.rsplit(':', 1)[0]}@sha256:{'0' * 64}"
