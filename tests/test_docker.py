@@ -1347,3 +1347,66 @@ def test_sigterm_stops_the_trainer_under_tini_and_nvidia_smi_goes(tmp_path: Path
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid1, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_to_the_images_tini_stops_a_stream_and_nvidia_smi_goes(
+    buildah: Buildah, tf_image: Built, tmp_path: Path
+) -> None:
+    """The image's own tini, as PID 1 of a PID namespace made inside the container (`unshare`, since buildah's
+    chroot isolation has none), over `smiquery stream` with a (recording) fake nvidia-smi mounted where the toolkit
+    puts the host's: SIGTERM to PID 1 ends it all, and no nvidia-smi is left."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    wrapper = tmp_path / "nvidia-smi"
+    record = 'read -r pid rest </proc/self/stat; echo "$pid" >>/pids/nvidia-smi'  # the host's /proc: host pids
+    wrapper.write_text(f'#!/bin/sh\n{record}\nexec /opt/fake/nvidia-smi "$@"\n', encoding="utf-8")
+    wrapper.chmod(0o755)
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    shutil.copyfile(FAKE_SMI, fake / "nvidia-smi")
+    (fake / "nvidia-smi").chmod(0o755)
+    cmd = ["unshare", "--pid", "--fork", "--kill-child", "/usr/bin/tini", "-g", "--"]
+    cmd += ["smiquery", "stream", "--interval", "0.5", "--format", "csv"]
+    with buildah.container(tf_image.tag) as ctr, (tmp_path / "log").open("wb") as log:
+        argv = buildah.argv("run", "--isolation", "chroot", "--cap-add", "CAP_SYS_ADMIN")
+        argv += ["-v", f"{wrapper}:/usr/bin/nvidia-smi:ro", "-v", f"{fake}:/opt/fake:ro", "-v", f"{pids}:/pids"]
+        proc = subprocess.Popen([*argv, ctr, "--", *cmd], stdout=log, stderr=log, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            tini: list[int] = []
+            running: list[int] = []
+            while time.monotonic() < deadline and proc.poll() is None and not running:
+                tini = [p for p in _descendants(proc.pid) if _comm(p) == "tini"]
+                with contextlib.suppress(OSError):
+                    running = [int(p) for p in (pids / "nvidia-smi").read_text().split() if _alive(int(p))]
+                time.sleep(0.3)
+            output = (tmp_path / "log").read_text(errors="replace")
+            assert tini and running, f"tini {tini}, nvidia-smi {running}\n{output[-3000:]}"
+            os.kill(tini[0], signal.SIGTERM)
+            proc.wait(timeout=60)  # raises (and fails) when the signal was ignored
+            seen = [int(p) for p in (pids / "nvidia-smi").read_text().split()]
+            assert not [p for p in seen if _alive(p)], "an nvidia-smi outlived the container"
+            assert "index" in (tmp_path / "log").read_text(errors="replace"), "the stream never printed"
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
