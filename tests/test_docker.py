@@ -57,6 +57,9 @@ BASE_PYTHON = "3.11"
 # kubernetes-validate bundles (its default).
 K8S_VERSIONS = ("1.30.0", None)
 CONTAINER_HINT = "--gpus all"
+LOCKS = ("exporter.txt", "build.txt")
+SOURCE_URL = "https://example.invalid/smiquery.git"
+REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _missing(what: str) -> None:
@@ -136,8 +139,13 @@ def test_hadolint_really_checks() -> None:
 
 def test_dockerfiles_follow_the_design() -> None:
     tf = (DOCKER / "Dockerfile.tensorflow").read_text(encoding="utf-8")
-    assert re.search(r"^ARG TF_IMAGE=tensorflow/tensorflow:[0-9.]+-gpu$", tf, re.M)
-    assert re.search(r"^ARG SMI_SOURCE_IMAGE=", tf, re.M)
+    assert re.search(r"^ARG TF_IMAGE=tensorflow/tensorflow:[0-9]+\.[0-9]+\.[0-9]+-gpu$", tf, re.M), "an exact tag"
+    # no default that looks like it works: `scratch` makes copy-nvidia-smi.py ask for the build argument
+    assert re.search(r"^ARG SMI_SOURCE_IMAGE=scratch$", tf, re.M)
+    assert re.search(r"^ARG SMI_COPY=required$", tf, re.M)
+    assert re.search(r'^ENTRYPOINT \["/usr/bin/tini", "-g", "--"\]$', tf, re.M), "tini as PID 1"
+    assert re.search(r'CMD \["smiquery", "--timeout", "30", "doctor", "--gate"\]', tf), "the health check gates"
+    assert "contains a working" not in tf and "the host's nvidia-smi is mounted at run time" in tf
     assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in tf and "NVIDIA_VISIBLE_DEVICES=all" in tf
     # No COPY --from of nvidia-smi: that fails when the source lacks it (CUDA base images never have it).
     assert not re.search(r"COPY\s+--from\S*\s+\S*nvidia-smi", tf)
@@ -145,12 +153,158 @@ def test_dockerfiles_follow_the_design() -> None:
     assert stages[-1] == "toolkit", "the default (last) stage must be the toolkit one"
     assert {"builder", "runtime", "copied-smi"} <= set(stages)
     exporter = (DOCKER / "Dockerfile.exporter").read_text(encoding="utf-8")
+    assert re.search(r"^ARG BUILDER_IMAGE=debian:[0-9]+\.[0-9]+-slim$", exporter, re.M), "an exact tag"
     assert re.search(r"^EXPOSE 9849$", exporter, re.M)
+    assert "urlopen('http://127.0.0.1:9849/livez'" in exporter, "health = the server runs, not the GPU's state"
+    for text in (tf, exporter):
+        for label in ("source", "revision", "version", "base.name"):
+            assert f"org.opencontainers.image.{label}=" in text
     assert re.search(r"^USER 65532:65532$", exporter, re.M)
     # exec form everywhere (the HEALTHCHECK's CMD sits on a continuation line): nothing needs a shell
     forms = re.findall(r"^\s*(?:ENTRYPOINT|CMD)\s+(\S)", exporter, re.M)
     assert len(forms) == 3 and set(forms) == {"["}
     assert re.findall(r"^\s*CMD\s+(\S)", tf, re.M) == ["["]
+
+
+def _load_script(name: str) -> Any:
+    """A stand-alone script of docker/ as a module (they run inside image builds, not from the package)."""
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_").removesuffix(".py"), DOCKER / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def copy_smi() -> Any:
+    return _load_script("copy-nvidia-smi.py")
+
+
+def _source_root(tmp_path: Path) -> Path:
+    """A driver image's root the Debian way: /usr/bin/nvidia-smi -> /etc/alternatives/nvidia--nvidia-smi ->
+    /usr/lib/nvidia/current/nvidia-smi, with /usr/lib/nvidia/current itself a relative link, and merged /bin."""
+    root = tmp_path / "source"
+    (root / "usr/lib/nvidia/525").mkdir(parents=True)
+    (root / "usr/lib/nvidia/525/nvidia-smi").write_bytes(b"#!/bin/sh\necho real\n")
+    (root / "usr/lib/nvidia/current").symlink_to("525")
+    (root / "etc/alternatives").mkdir(parents=True)
+    (root / "etc/alternatives/nvidia--nvidia-smi").symlink_to("/usr/lib/nvidia/current/nvidia-smi")
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "usr/bin/nvidia-smi").symlink_to("/etc/alternatives/nvidia--nvidia-smi")
+    (root / "bin").symlink_to("usr/bin")
+    return root
+
+
+def test_copied_smi_follows_the_whole_alternatives_chain(copy_smi: Any, tmp_path: Path) -> None:
+    root = _source_root(tmp_path)
+    assert copy_smi.resolve_in_root(str(root), "/usr/bin/nvidia-smi") == "/usr/lib/nvidia/525/nvidia-smi"
+    assert copy_smi.resolve_in_root(str(root), "/bin/nvidia-smi") == "/usr/lib/nvidia/525/nvidia-smi"
+    dest = tmp_path / "nvidia-smi"
+    message = copy_smi.copy(str(root), "driver:525", "required", str(dest))
+    assert message == "copied /usr/bin/nvidia-smi from driver:525 (through links, from /usr/lib/nvidia/525/nvidia-smi)"
+    assert dest.read_bytes() == b"#!/bin/sh\necho real\n" and not dest.is_symlink()
+    assert dest.stat().st_mode & 0o777 == 0o755
+    # links never leave the source root: an absolute target is read inside it, `..` stops at its top
+    (root / "usr/bin/nvidia-smi").unlink()
+    (root / "usr/bin/nvidia-smi").symlink_to("../../../../../../usr/lib/nvidia/current/nvidia-smi")
+    assert copy_smi.resolve_in_root(str(root), "/usr/bin/nvidia-smi") == "/usr/lib/nvidia/525/nvidia-smi"
+
+
+def test_copied_smi_fails_without_nvidia_smi_unless_optional(copy_smi: Any, tmp_path: Path) -> None:
+    root = _source_root(tmp_path)
+    (root / "usr/lib/nvidia/525/nvidia-smi").unlink()  # a dangling chain, as in a CUDA image with alternatives only
+    dest = tmp_path / "nvidia-smi"
+    with pytest.raises(copy_smi.CopyError, match=r"cuda:12 has no usable /usr/bin/nvidia-smi .*SMI_COPY=optional"):
+        copy_smi.copy(str(root), "cuda:12", "required", str(dest))
+    message = copy_smi.copy(str(root), "cuda:12", "optional", str(dest))
+    assert "nothing copied (SMI_COPY=optional)" in message and not dest.exists()
+    with pytest.raises(copy_smi.CopyError, match="needs --build-arg SMI_SOURCE_IMAGE="):
+        copy_smi.copy(str(root), "scratch", "optional", str(dest))
+    with pytest.raises(copy_smi.CopyError, match="SMI_COPY='maybe'"):
+        copy_smi.copy(str(root), "driver:525", "maybe", str(dest))
+    (root / "usr/bin/nvidia-smi").unlink()
+    (root / "usr/bin/nvidia-smi").symlink_to("nvidia-smi")
+    with pytest.raises(copy_smi.CopyError, match="more than 40 symbolic links"):
+        copy_smi.copy(str(root), "loop:1", "required", str(dest))
+
+
+def test_lock_script_writes_hash_pinned_lines(tmp_path: Path) -> None:
+    lock = _load_script("lock-requirements.py")
+    wheel = tmp_path / "local-1.0-py3-none-any.whl"
+    wheel.write_bytes(b"wheel bytes")
+    report = {
+        "install": [
+            {
+                "metadata": {"name": "Typing_Extensions", "version": "4.16.0"},
+                "download_info": {"url": "https://x/t.whl", "archive_info": {"hashes": {"sha256": "ab" * 32}}},
+            },
+            {"metadata": {"name": "local", "version": "1.0"}, "download_info": {"url": wheel.as_uri()}},
+            {"metadata": {"name": "smiquery", "version": "0.1.0"}, "download_info": {"url": "file:///nowhere"}},
+        ]
+    }
+    text = lock.lock(report, {"smiquery"})
+    digest = hashlib.sha256(b"wheel bytes").hexdigest()
+    expected = [
+        f"local==1.0 \\\n    --hash=sha256:{digest}",
+        f"typing-extensions==4.16.0 \\\n    --hash=sha256:{'ab' * 32}",
+    ]
+    assert text == "".join(line + "\n" for line in expected)
+
+
+def _requirement_names(lines: Sequence[str]) -> set[str]:
+    names = set()
+    for line in lines:
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("--"):
+            names.add(re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0].lower().replace("_", "-"))
+    return names
+
+
+def test_exporter_requirements_are_smiquerys_without_pandas() -> None:
+    """exporter.in is pyproject's dependencies plus the export extra, minus pandas: nothing can drift apart."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import pip._vendor.tomli as tomllib  # type: ignore[no-redef,unused-ignore]
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    wanted = _requirement_names([*meta["dependencies"], *meta["optional-dependencies"]["export"]]) - {"pandas"}
+    reqs = DOCKER / "requirements"
+    assert _requirement_names((reqs / "exporter.in").read_text(encoding="utf-8").splitlines()) == wanted
+    locked = (reqs / "exporter.txt").read_text(encoding="utf-8")
+    assert wanted <= _requirement_names(locked.splitlines())
+    assert not {"pandas", "numpy", "pyarrow"} & _requirement_names(locked.splitlines())
+    for name in ("exporter.txt", "build.txt"):
+        pins = re.findall(r"^(\S+)==(\S+) \\\n    --hash=sha256:[0-9a-f]{64}$", (reqs / name).read_text(), re.M)
+        assert pins and len(pins) == len(_requirement_names((reqs / name).read_text().splitlines())), name
+
+
+def test_starting_the_exporter_imports_no_pandas(tmp_path: Path) -> None:
+    """The exporter image has no pandas: the exporter, started for real and serving, never imports it."""
+    port = _free_port()
+    env = {**os.environ, "SMIQUERY_NVIDIA_SMI": str(FAKE_SMI), "PYTHONPATH": str(ROOT)}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the fake's python3
+    argv = [sys.executable, "-X", "importtime", "-m", "smiquery", "export", "--bind", "127.0.0.1"]
+    log = tmp_path / "importtime.log"
+    with log.open("w", encoding="utf-8") as err:
+        proc = subprocess.Popen([*argv, "--port", str(port), "--interval", "1"], env=env, stderr=err)
+        try:
+            deadline = time.monotonic() + 60
+            status = 0
+            while time.monotonic() < deadline and proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    status, _ = _get(f"http://127.0.0.1:{port}/healthz")
+                    if status == 200:
+                        break
+                time.sleep(0.3)
+            assert status == 200, log.read_text(encoding="utf-8")[-3000:]
+            assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 200
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    imported = {ln.rsplit("|", 1)[-1].strip() for ln in log.read_text(encoding="utf-8").splitlines() if "|" in ln}
+    assert "smiquery.exporter" in imported or any(m.startswith("smiquery.exporter") for m in imported)
+    heavy = sorted(m for m in imported if m.split(".")[0] in {"pandas", "numpy", "pyarrow"})
+    assert not heavy, f"the exporter imports {heavy[:5]}"
 
 
 # --------------------------------------------------------------------------------------------- compose file
@@ -178,6 +332,8 @@ def test_compose_gpu_access() -> None:
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     assert "utility" in devices[0]["capabilities"]
     assert trainer["build"]["dockerfile"] == "docker/Dockerfile.tensorflow"
+    # PID 1 is the image's tini (or Compose's init): never replaced by an entrypoint of its own
+    assert "entrypoint" not in trainer or trainer.get("init") is True
     for name in ("smiquery-exporter", "gpu-doctor"):
         svc = services[name]
         assert "deploy" not in svc, f"{name} must not reserve a GPU"
@@ -201,16 +357,56 @@ def _compose() -> dict[str, Any]:
 
 
 def _option(argv: Sequence[str], name: str) -> str:
-    return str(argv[list(argv).index(name) + 1])
+    """An option's value in an argv, given as ``name value`` or ``name=value``."""
+    for i, arg in enumerate(argv):
+        if arg == name:
+            return str(argv[i + 1])
+        if arg.startswith(name + "="):
+            return str(arg.split("=", 1)[1])
+    raise AssertionError(f"{name} not in {argv}")
+
+
+def test_compose_listens_on_loopback_only_and_grafana_needs_a_login() -> None:
+    services = _compose()["services"]
+    assert _option(services["smiquery-exporter"]["command"], "--bind") == "127.0.0.1"
+    assert _option(services["prometheus"]["command"], "--web.listen-address").startswith("127.0.0.1:")
+    am = services["alertmanager"]["command"]
+    assert _option(am, "--web.listen-address").startswith("127.0.0.1:")
+    assert _option(am, "--cluster.listen-address") == "", "the gossip port would listen on every interface"
+    for name, svc in services.items():
+        assert "ports" not in svc, f"{name} publishes ports"
+    env = services["grafana"]["environment"]
+    assert env["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and "GF_AUTH_ANONYMOUS_ORG_ROLE" not in env
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env, "a password in the compose file"
+    secret = env["GF_SECURITY_ADMIN_PASSWORD__FILE"].removeprefix("/run/secrets/")
+    assert secret in services["grafana"]["secrets"]
+    secret_file = DOCKER / _compose()["secrets"][secret]["file"]
+    # never committed: the folder ignores everything but its .gitignore
+    assert (secret_file.parent / ".gitignore").read_text(encoding="utf-8").splitlines()[1:] == ["*", "!.gitignore"]
+
+
+def test_compose_images_have_exact_tags() -> None:
+    for name, svc in _compose()["services"].items():
+        image = svc.get("image", "")
+        if "build" in svc or image.startswith("smiquery-"):
+            continue
+        assert re.fullmatch(r"[\w./-]+:v?[0-9]+\.[0-9]+\.[0-9]+", image), f"{name}: {image} is not an exact tag"
 
 
 def test_compose_prometheus_reaches_the_exporter_and_its_rules() -> None:
-    """docker/prometheus/prometheus.yml (shared with host installs) works as compose mounts it."""
+    """docker/compose/prometheus.yml works as compose mounts it: exporter, rules, Alertmanager."""
     services = _compose()["services"]
     prom, exporter = services["prometheus"], services["smiquery-exporter"]
-    config = yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text(encoding="utf-8"))
     mounts = dict(v.split(":")[:2][::-1] for v in prom["volumes"] if v.startswith("./"))  # container -> host
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    config = yaml.safe_load((DOCKER / mounts["/etc/prometheus/prometheus.yml"]).read_text(encoding="utf-8"))
+    (am,) = [t for a in config["alerting"]["alertmanagers"] for sc in a["static_configs"] for t in sc["targets"]]
+    assert am == _option(services["alertmanager"]["command"], "--web.listen-address")
+    # SmiqueryExporterDown looks for the job this config scrapes the exporter as
+    rules = (DOCKER / mounts["/etc/prometheus/smiquery-rules.yml"]).read_text(encoding="utf-8")
+    jobs = {job["job_name"] for job in config["scrape_configs"]}
+    assert set(re.findall(r'job="([^"]+)"', rules)) <= jobs == {"smiquery-exporter"}
     for rule in config["rule_files"]:
         in_container = rule if rule.startswith("/") else f"/etc/prometheus/{rule}"
         assert in_container in mounts, f"rule file {rule} is not mounted"
@@ -238,7 +434,8 @@ def test_grafana_provisioning_matches_compose() -> None:
 
 # ------------------------------------------------------------------------------------------------ Kubernetes
 
-CORE_MANIFESTS = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "servicemonitor.yaml")
+CRD_MANIFESTS = ("servicemonitor.yaml", "prometheusrule.yaml")  # Prometheus Operator kinds: no bundled schema
+CORE_MANIFESTS = sorted(p.name for p in K8S.glob("*.yaml") if p.name not in CRD_MANIFESTS)
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS, ids=lambda v: v or "newest")
@@ -260,13 +457,13 @@ def test_kubernetes_validation_really_checks(tmp_path: Path) -> None:
     assert done.returncode != 0 and "readOnlyRootFileSystem" in done.stdout + done.stderr
 
 
-def _servicemonitor_errors(doc: dict[str, Any]) -> list[str]:
+def _servicemonitor_errors(doc: dict[str, Any], schema_file: str = "servicemonitor.schema.json") -> list[str]:
     try:
         import jsonschema
     except ImportError:
         _missing("jsonschema not installed (check-jsonschema brings it)")
         raise
-    schema = json.loads((HELPERS / "servicemonitor.schema.json").read_text(encoding="utf-8"))
+    schema = json.loads((HELPERS / schema_file).read_text(encoding="utf-8"))
     validator = jsonschema.Draft202012Validator(schema)
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
 
@@ -293,8 +490,18 @@ def test_exporter_daemonset_design() -> None:
     assert not any("nvidia.com/gpu" in r for r in resources.values()), "a GPU request would reserve a GPU"
     prio = _by_kind(docs, "PriorityClass")
     assert pod["priorityClassName"] == prio["metadata"]["name"] and prio["value"] >= 1_000_000
+    assert prio["preemptionPolicy"] == "Never", "the monitor must never evict a training pod"
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert any(e["key"] == "nvidia.com/gpu.present" for t in terms for e in t["matchExpressions"])
+    keys = {e["key"] for t in terms for e in t["matchExpressions"]}
+    # the GPU Operator's label, NFD alone, and the clouds' GPU node pools
+    assert {"nvidia.com/gpu.present", "feature.node.kubernetes.io/pci-10de.present"} <= keys
+    assert {"cloud.google.com/gke-accelerator", "k8s.amazonaws.com/accelerator"} <= keys
+    tolerated = {t["key"]: t for t in pod["tolerations"]}
+    assert "effect" not in tolerated["nvidia.com/gpu"], "NoSchedule and NoExecute alike"
+    assert tolerated["sku"]["value"] == "gpu"
+    # probes: the server, never the GPU's state (one bad GPU must not stall a rollout or restart the exporter)
+    assert ctr["readinessProbe"]["httpGet"]["path"] == ctr["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert ctr["ports"][0]["containerPort"] == 9849 and _option(ctr["args"], "--port") == "9849"
     sc, psc = ctr["securityContext"], pod["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert sc["privileged"] is False and sc["capabilities"]["drop"] == ["ALL"]
@@ -310,6 +517,37 @@ def test_exporter_daemonset_design() -> None:
     assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert mon["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
     assert mon["metadata"]["namespace"] == svc["metadata"]["namespace"] == ds["metadata"]["namespace"]
+
+
+def test_prometheusrule_carries_the_rule_file() -> None:
+    """k8s/prometheusrule.yaml is generated from prometheus/smiquery-rules.yml: same groups, same comments."""
+    sys.path.insert(0, str(HELPERS))
+    try:
+        import sync_prometheus_rule
+    finally:
+        sys.path.remove(str(HELPERS))
+    rules_text = (DOCKER / "prometheus" / "smiquery-rules.yml").read_text(encoding="utf-8")
+    manifest_text = (K8S / "prometheusrule.yaml").read_text(encoding="utf-8")
+    hint = "run: python tests/docker/sync_prometheus_rule.py"
+    assert manifest_text == sync_prometheus_rule.generated(rules_text), hint
+    (doc,) = _yaml_docs(K8S / "prometheusrule.yaml")
+    assert doc["spec"]["groups"] == yaml.safe_load(rules_text)["groups"], hint
+    assert (doc["apiVersion"], doc["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert _servicemonitor_errors(doc, "prometheusrule.schema.json") == []
+    doc["spec"]["groups"][0]["rules"][0]["fro"] = "5m"
+    assert len(_servicemonitor_errors(doc, "prometheusrule.schema.json")) == 1
+    (mon,) = _yaml_docs(K8S / "servicemonitor.yaml")
+    assert doc["metadata"]["namespace"] == mon["metadata"]["namespace"]
+    assert doc["metadata"]["labels"]["release"] == mon["metadata"]["labels"]["release"]
+
+
+def test_prometheusrule_rules_pass_promtool(tmp_path: Path) -> None:
+    promtool = _tool("promtool")
+    (doc,) = _yaml_docs(K8S / "prometheusrule.yaml")
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump({"groups": doc["spec"]["groups"]}), encoding="utf-8")
+    done = _run([promtool, "check", "rules", str(path)])
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_plain_prometheus_scrape_config(tmp_path: Path) -> None:
@@ -334,6 +572,9 @@ def test_training_job_requests_a_gpu_and_carries_the_example() -> None:
     job = _by_kind(docs, "Job")
     (ctr,) = job["spec"]["template"]["spec"]["containers"]
     assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert ctr["command"][:3] == ["/usr/bin/tini", "-g", "--"], "python3 as PID 1 ignores SIGTERM"
+    (init,) = job["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"][-2:] == ["doctor", "--gate"], "warnings (persistence mode off) must not stop training"
     cm = _by_kind(docs, "ConfigMap")
     example = (DOCKER / "examples" / "keras_smiquery_train.py").read_text(encoding="utf-8")
     assert cm["data"]["keras_smiquery_train.py"] == example, "run: python tests/docker/sync_job_configmap.py"
@@ -396,8 +637,9 @@ class Buildah:
         docker = data.get("Docker", {})
         return dict(docker.get("config") or docker.get("Config") or {})
 
-    def bud(self, tag: str, dockerfile: str, log: Path, *extra: str) -> float:
-        """Build; returns the seconds it took. Fails the test with the log's tail on error."""
+    def bud(self, tag: str, dockerfile: str, log: Path, *extra: str, expect_failure: bool = False) -> float:
+        """Build; returns the seconds it took. Fails the test with the log's tail on error (on success when a
+        failure is expected)."""
         start = time.monotonic()
         argv = self.argv(
             "bud",
@@ -418,10 +660,14 @@ class Buildah:
         )
         with log.open("w", encoding="utf-8") as out:
             done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=900, check=False)
-        if done.returncode != 0:
+        if (done.returncode != 0) != expect_failure:
             tail = "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-60:])
             pytest.fail(f"buildah bud {dockerfile} {' '.join(extra)} exited {done.returncode}:\n{tail}")
         return time.monotonic() - start
+
+    def digest(self, image: str) -> str:
+        """The manifest digest of a local image (what `name@sha256:...` refers to)."""
+        return self("inspect", "--type", "image", "--format", "{{.FromImageDigest}}", image).stdout.strip()
 
     @contextlib.contextmanager
     def container(self, image: str) -> Iterator[str]:
@@ -484,10 +730,14 @@ def base_image(buildah: Buildah) -> str:
 
 @pytest.fixture(scope="session")
 def smi_source_image(buildah: Buildah, base_image: str) -> str:
-    """A stand-in for a driver image that really contains /usr/bin/nvidia-smi (the fake)."""
+    """A stand-in for a driver image that really contains nvidia-smi (the fake), installed the Debian way:
+    /usr/bin/nvidia-smi -> /etc/alternatives/nvidia--nvidia-smi -> /usr/lib/nvidia/current/nvidia-smi."""
     ctr = buildah("from", "--quiet", "--pull=never", base_image).stdout.strip()
     try:
-        buildah("copy", "--chmod", "0755", ctr, str(FAKE_SMI), "/usr/bin/nvidia-smi")
+        buildah("copy", "--chmod", "0755", ctr, str(FAKE_SMI), "/usr/lib/nvidia/current/nvidia-smi")
+        links = "ln -s /usr/lib/nvidia/current/nvidia-smi /etc/alternatives/nvidia--nvidia-smi"
+        links += " && ln -s /etc/alternatives/nvidia--nvidia-smi /usr/bin/nvidia-smi"
+        buildah("run", "--isolation", "chroot", ctr, "--", "sh", "-c", links)
         buildah("commit", "--quiet", ctr, SMI_SOURCE_IMAGE)
     finally:
         buildah("rm", ctr, check=False)
@@ -512,7 +762,8 @@ def wheelhouse(buildah: Buildah) -> Path:
     requirement list; filled in a temporary folder and renamed, so that concurrent sessions never see half of it."""
     machine = platform.machine()
     reqs = _requirements()
-    key = hashlib.sha256(json.dumps([BASE_PYTHON, machine, reqs]).encode()).hexdigest()[:16]
+    locks = [(DOCKER / "requirements" / n).read_text(encoding="utf-8") for n in LOCKS]
+    key = hashlib.sha256(json.dumps([BASE_PYTHON, machine, reqs, locks]).encode()).hexdigest()[:16]
     path = CACHE_ROOT / "wheelhouse" / key
     if path.is_dir():
         return path
@@ -524,6 +775,9 @@ def wheelhouse(buildah: Buildah) -> Path:
     for plat in (f"manylinux2014_{machine}", f"manylinux_2_17_{machine}", f"manylinux_2_28_{machine}"):
         argv += ["--platform", plat]
     done = _run([*argv, *reqs], timeout=600)
+    if done.returncode == 0:  # exactly the locked files of the exporter image and the build backend
+        locked = [a for n in LOCKS for a in ("-r", str(DOCKER / "requirements" / n))]
+        done = _run([*argv, "--no-deps", "--require-hashes", *locked], timeout=600)
     if done.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         pytest.fail(f"pip download for the wheelhouse failed:\n{done.stdout}\n{done.stderr}")
@@ -532,6 +786,18 @@ def wheelhouse(buildah: Buildah) -> Path:
         tmp.rename(path)
     except OSError:  # another session got there first
         shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def locked_wheelhouse(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Only the files the locks name (by hash), from the wheelhouse: what the lock target resolves from."""
+    hashes = {h for n in LOCKS for h in re.findall(r"sha256:([0-9a-f]{64})", (DOCKER / "requirements" / n).read_text())}
+    path = tmp_path_factory.mktemp("locked-wheels")
+    for wheel in wheelhouse.glob("*.whl"):
+        if hashlib.sha256(wheel.read_bytes()).hexdigest() in hashes:
+            shutil.copyfile(wheel, path / wheel.name)
+    assert len(list(path.iterdir())) == len(hashes), "the wheelhouse lacks locked files"
     return path
 
 
@@ -558,6 +824,10 @@ def tf_image(buildah: Buildah, base_image: str, wheelhouse: Path, tmp_path_facto
         f"TF_IMAGE={base_image}",
         "--build-arg",
         "SMIQUERY_VERSION=0.0.0-test",
+        "--build-arg",
+        f"SMIQUERY_SOURCE={SOURCE_URL}",
+        "--build-arg",
+        f"SMIQUERY_REVISION={REVISION}",
         *_offline(wheelhouse),
     )
     return Built(tag, secs, log.read_text(encoding="utf-8", errors="replace"))
@@ -569,20 +839,38 @@ def exporter_image(
 ) -> Built:
     log = tmp_path_factory.mktemp("bud") / "exporter.log"
     tag = "localhost/smiquery-exporter:test"
+    # both bases pinned by digest, the documented way (docker/README.md, "Pinning the base images")
+    pinned = _pinned(buildah, base_image)
     secs = buildah.bud(
         tag,
         "Dockerfile.exporter",
         log,
         "--build-arg",
-        f"BUILDER_IMAGE={base_image}",
+        f"BUILDER_IMAGE={pinned}",
         "--build-arg",
-        f"RUNTIME_IMAGE={base_image}",
+        f"RUNTIME_IMAGE={pinned}",
+        "--build-arg",
+        f"SMIQUERY_REVISION={REVISION}",
         *_offline(wheelhouse),
     )
     return Built(tag, secs, log.read_text(encoding="utf-8", errors="replace"))
 
 
-def _build_copied(buildah: Buildah, base: str, source: str, wheelhouse: Path, log: Path, tag: str) -> Built:
+def _pinned(buildah: Buildah, image: str) -> str:
+    """``image`` as ``name@sha256:DIGEST``, without its tag."""
+    return f"{image.rsplit(':', 1)[0]}@{buildah.digest(image)}"
+
+
+def _build_copied(
+    buildah: Buildah,
+    base: str,
+    source: str,
+    wheelhouse: Path,
+    log: Path,
+    tag: str,
+    *extra: str,
+    expect_failure: bool = False,
+) -> Built:
     secs = buildah.bud(
         tag,
         "Dockerfile.tensorflow",
@@ -593,7 +881,9 @@ def _build_copied(buildah: Buildah, base: str, source: str, wheelhouse: Path, lo
         f"TF_IMAGE={base}",
         "--build-arg",
         f"SMI_SOURCE_IMAGE={source}",
+        *extra,
         *_offline(wheelhouse),
+        expect_failure=expect_failure,
     )
     return Built(tag, secs, log.read_text(encoding="utf-8", errors="replace"))
 
@@ -617,11 +907,23 @@ def test_tensorflow_image_config(buildah: Buildah, tf_image: Built) -> None:
     assert labels["org.opencontainers.image.title"] == "smiquery-tensorflow"
     assert labels["org.opencontainers.image.version"] == "0.0.0-test"
     assert labels["org.opencontainers.image.base.name"] == BASE_IMAGE
-    assert "NVIDIA Container Toolkit" in labels["smiquery.nvidia-smi.source"]
-    assert cfg["Healthcheck"]["Test"][0] == "CMD" and cfg["Healthcheck"]["Test"][1:3] == ["smiquery", "--timeout"]
-    assert cfg["Healthcheck"]["Test"][-2:] == ["doctor", "--gate"]
-    # built offline: the smiquery wheel came from the builder stage, built from this tree
+    assert labels["org.opencontainers.image.source"] == SOURCE_URL
+    assert labels["org.opencontainers.image.revision"] == REVISION
+    assert "mounted at run time" in labels["smiquery.nvidia-smi.source"]
+    assert cfg["Healthcheck"]["Test"] == ["CMD", "smiquery", "--timeout", "30", "doctor", "--gate"]
+    assert cfg["Entrypoint"] == ["/usr/bin/tini", "-g", "--"]
+    # built offline: the smiquery wheel came from the builder stage, built from this tree, installed from the
+    # builder's hash lock; the base's packages untouched and `pip check` clean
     assert re.search(r"Successfully installed .*\bsmiquery-[0-9]", tf_image.log)
+    assert re.search(r"^smiquery==[0-9.]+ \\$", tf_image.log, re.M), "the builder prints its lock"
+    assert "No broken requirements found." in tf_image.log
+
+
+def cfg_test(buildah: Buildah, image: str) -> list[str]:
+    """The image's HEALTHCHECK command (exec form)."""
+    test = buildah.config(image)["Healthcheck"]["Test"]
+    assert test[0] == "CMD"
+    return list(test[1:])
 
 
 @pytest.mark.slow
@@ -640,6 +942,11 @@ def test_tensorflow_image_with_injected_nvidia_smi(buildah: Buildah, tf_image: B
         assert rows[0]["uuid"] == "GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"
         lspci = buildah.run(ctr, ["lspci", "--version"], mount_smi=None)
         assert lspci.returncode == 0, lspci.stderr
+        tini = buildah.run(ctr, ["/usr/bin/tini", "--version"], mount_smi=None)
+        assert tini.returncode == 0 and "tini version" in tini.stdout, tini.stderr
+        # the health check's command: passes with nvidia-smi mounted (the fake runs without persistence mode)
+        gate = buildah.run(ctr, cfg_test(buildah, tf_image.tag), mount_smi=fake_smi_file)
+        assert gate.returncode == 0, gate.stdout + gate.stderr
 
 
 @pytest.mark.slow
@@ -654,11 +961,13 @@ def test_tensorflow_image_without_injection_says_gpus_all(buildah: Buildah, tf_i
         query = buildah.run(ctr, ["smiquery", "query"], mount_smi=None)
         assert query.returncode == 3
         assert CONTAINER_HINT in query.stderr
+        gate = buildah.run(ctr, cfg_test(buildah, tf_image.tag), mount_smi=None)
+        assert gate.returncode != 0 and CONTAINER_HINT in gate.stdout + gate.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_copied_smi_stage_copies_nvidia_smi_when_the_source_has_it(
+def test_copied_smi_stage_follows_the_alternatives_chain(
     buildah: Buildah, base_image: str, smi_source_image: str, wheelhouse: Path, tmp_path: Path
 ) -> None:
     built = _build_copied(
@@ -669,29 +978,32 @@ def test_copied_smi_stage_copies_nvidia_smi_when_the_source_has_it(
         tmp_path / "bud.log",
         "localhost/smiquery-tensorflow:test-copied",
     )
-    assert f"copied /usr/bin/nvidia-smi from {smi_source_image}" in built.log
+    assert f"copied /usr/bin/nvidia-smi from {smi_source_image} (through links" in built.log
     assert "copied from" in buildah.config(built.tag)["Labels"]["smiquery.nvidia-smi.source"]
     with buildah.container(built.tag) as ctr:
-        # no mount: the copied binary (the fake) is what runs
+        # no mount: the copied binary (the fake, a regular file now) is what runs
         doctor = buildah.run(ctr, ["smiquery", "doctor"], mount_smi=None)
         assert doctor.returncode == 0, doctor.stdout + doctor.stderr
         assert "nvidia-smi found: /usr/bin/nvidia-smi" in doctor.stdout
+        kind = buildah.run(
+            ctr, ["sh", "-c", "test -f /usr/bin/nvidia-smi && test ! -L /usr/bin/nvidia-smi"], mount_smi=None
+        )
+        assert kind.returncode == 0
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_copied_smi_stage_builds_cleanly_when_the_source_lacks_it(
+def test_copied_smi_stage_fails_when_the_source_lacks_it(
     buildah: Buildah, base_image: str, wheelhouse: Path, tmp_path: Path
 ) -> None:
-    built = _build_copied(
-        buildah,
-        base_image,
-        base_image,
-        wheelhouse,
-        tmp_path / "bud.log",
-        "localhost/smiquery-tensorflow:test-nothing-copied",
-    )
-    assert f"{base_image} has no /usr/bin/nvidia-smi: nothing copied" in built.log
+    log = tmp_path / "bud.log"
+    tag = "localhost/smiquery-tensorflow:test-nothing-copied"
+    built = _build_copied(buildah, base_image, base_image, wheelhouse, log, tag, expect_failure=True)
+    assert f"{base_image} has no usable /usr/bin/nvidia-smi" in built.log and "SMI_COPY=optional" in built.log
+    assert not buildah.image_exists(tag)
+    # opting in builds, copies nothing and says so
+    built = _build_copied(buildah, base_image, base_image, wheelhouse, log, tag, "--build-arg", "SMI_COPY=optional")
+    assert "nothing copied (SMI_COPY=optional)" in built.log
     with buildah.container(built.tag) as ctr:
         check = buildah.run(
             ctr,
@@ -699,6 +1011,52 @@ def test_copied_smi_stage_builds_cleanly_when_the_source_lacks_it(
             mount_smi=None,
         )
         assert check.returncode == 0 and "nothing copied" in check.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_copied_smi_stage_without_a_source_asks_for_one(
+    buildah: Buildah, base_image: str, wheelhouse: Path, tmp_path: Path
+) -> None:
+    """SMI_SOURCE_IMAGE has no default that could look like it worked; the copy stage comes first, so this fails
+    before anything is installed."""
+    log = tmp_path / "bud.log"
+    argv = ["--target", "copied-smi", "--build-arg", f"TF_IMAGE={base_image}", *_offline(wheelhouse)]
+    buildah.bud("localhost/smiquery-tensorflow:no-source", "Dockerfile.tensorflow", log, *argv, expect_failure=True)
+    text = log.read_text(encoding="utf-8")
+    assert "needs --build-arg SMI_SOURCE_IMAGE=" in text
+    assert "Successfully installed" not in text, "the build installed packages before failing"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_base_pinned_by_a_wrong_digest_fails_the_build(buildah: Buildah, base_image: str, tmp_path: Path) -> None:
+    """The digest is checked, not decorative (the passing case: the exporter image is built from digests)."""
+    wrong = f"{base_image.rsplit(':', 1)[0]}@sha256:{'0' * 64}"
+    log = tmp_path / "bud.log"
+    argv = ["--build-arg", f"BUILDER_IMAGE={wrong}", "--build-arg", f"RUNTIME_IMAGE={wrong}"]
+    buildah.bud("localhost/smiquery-exporter:wrong-digest", "Dockerfile.exporter", log, *argv, expect_failure=True)
+    assert "0000000000000000" in log.read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_exporter_lock_is_what_the_builds_resolver_writes(
+    buildah: Buildah, base_image: str, locked_wheelhouse: Path, tmp_path: Path
+) -> None:
+    """The lock target, resolving from exactly the locked wheels, writes the committed locks back: nothing missing,
+    nothing extra (regenerate with the command in docker/requirements/README.md)."""
+    out = tmp_path / "out"
+    extra = ["--target", "lock", "--build-arg", f"BUILDER_IMAGE={base_image}", "--output", f"type=local,dest={out}"]
+    buildah.bud(
+        "localhost/smiquery-lock:test",
+        "Dockerfile.exporter",
+        tmp_path / "bud.log",
+        *extra,
+        *_offline(locked_wheelhouse),
+    )
+    for name in LOCKS:
+        assert (out / name).read_text(encoding="utf-8") == (DOCKER / "requirements" / name).read_text(encoding="utf-8")
 
 
 @pytest.mark.slow
@@ -712,7 +1070,28 @@ def test_exporter_image_config(buildah: Buildah, exporter_image: Built) -> None:
     assert cfg["Healthcheck"]["Test"][0] == "CMD", "exec form: no shell at run time"
     env = dict(e.split("=", 1) for e in cfg["Env"])
     assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
-    assert cfg["Labels"]["org.opencontainers.image.title"] == "smiquery-exporter"
+    labels = cfg["Labels"]
+    assert labels["org.opencontainers.image.title"] == "smiquery-exporter"
+    assert labels["org.opencontainers.image.revision"] == REVISION
+    # built from bases pinned by digest
+    assert re.fullmatch(r"\S+@sha256:[0-9a-f]{64}", labels["org.opencontainers.image.base.name"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_exporter_image_is_small_and_has_no_pandas(buildah: Buildah, exporter_image: Built) -> None:
+    # all the image adds to its base is /opt/smiquery (one COPY): its files' sizes, counted inside the image
+    walk = "os.walk('/opt/smiquery')"
+    count = f"import os; print(sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in {walk} for f in fs))"
+    with buildah.container(exporter_image.tag) as ctr:
+        done = buildah.run(ctr, ["/opt/smiquery/bin/python", "-c", count], mount_smi=None)
+        assert done.returncode == 0, done.stderr
+        added = int(done.stdout)
+        print(f"exporter image: {added / 1e6:.1f} MB over its base")
+        assert added < 80e6, f"{added / 1e6:.1f} MB over the base"
+        probe = "import importlib.util as u; print([m for m in ('pandas', 'numpy', 'pyarrow') if u.find_spec(m)])"
+        found = buildah.run(ctr, ["/opt/smiquery/bin/python", "-c", probe], mount_smi=None)
+        assert found.returncode == 0 and found.stdout.strip() == "[]", found.stdout + found.stderr
 
 
 def _free_port() -> int:
@@ -765,6 +1144,7 @@ def test_exporter_image_serves_metrics(
             assert len(temps) == 8, metrics[:2000]
             assert 'uuid="GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"' in metrics
             # the image's HEALTHCHECK command, pointed at this port, as the image's (non-root) user
+            assert _get(base + "/livez")[0] == 200
             check = [a.replace(":9849/", f":{port}/") for a in cfg["Healthcheck"]["Test"][1:]]
             health = buildah.run(ctr, check, mount_smi=None)
             assert health.returncode == 0, health.stderr
@@ -784,3 +1164,249 @@ def test_exporter_image_serves_metrics(
     # stopped on every path: nothing listens any more
     with pytest.raises(urllib.error.URLError):
         _get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+
+
+# ----------------------------------------------------------------------------------- alerts reach someone
+
+
+@pytest.mark.timeout(300)
+def test_an_alert_from_the_shipped_rules_reaches_the_webhook(tmp_path: Path) -> None:
+    """Real Prometheus and Alertmanager on 127.0.0.1, with compose's configs: the exporter's scrape fails, the
+    shipped SmiqueryExporterDown fires (its `for` shortened to 0s, nothing else changed) and Alertmanager's example
+    route POSTs it to a local webhook."""
+    import queue
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    prometheus, amtool = _tool("prometheus"), _tool("amtool")
+    alertmanager = shutil.which("prometheus-alertmanager") or _tool("alertmanager")  # Debian's name, upstream's
+    received: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.put((self.path, json.loads(body)))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    hook = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    am_port, prom_port, dead_port = _free_port(), _free_port(), _free_port()
+
+    am_cfg = yaml.safe_load((DOCKER / "alertmanager" / "alertmanager.yml").read_text(encoding="utf-8"))
+    for receiver in am_cfg["receivers"]:
+        for hook_cfg in receiver.get("webhook_configs", []):
+            hook_cfg["url"] = f"http://127.0.0.1:{hook.server_address[1]}/alerts"
+    for route in [am_cfg["route"], *am_cfg["route"].get("routes", [])]:
+        if "group_wait" in route:
+            route["group_wait"] = "1s"
+    (tmp_path / "alertmanager.yml").write_text(yaml.safe_dump(am_cfg), encoding="utf-8")
+    done = _run([amtool, "check-config", str(tmp_path / "alertmanager.yml")])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    rules = yaml.safe_load((DOCKER / "prometheus" / "smiquery-rules.yml").read_text(encoding="utf-8"))
+    (down,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "SmiqueryExporterDown"]
+    down["for"] = "0s"
+    (tmp_path / "smiquery-rules.yml").write_text(yaml.safe_dump(rules), encoding="utf-8")
+    prom_cfg = yaml.safe_load((DOCKER / "compose" / "prometheus.yml").read_text(encoding="utf-8"))
+    prom_cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    prom_cfg["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{am_port}"]}]
+    (job,) = prom_cfg["scrape_configs"]
+    job["static_configs"] = [{"targets": [f"127.0.0.1:{dead_port}"]}]  # an exporter that is down
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(prom_cfg), encoding="utf-8")
+
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with (tmp_path / "am.log").open("wb") as am_log, (tmp_path / "prom.log").open("wb") as prom_log:
+            am_argv = [alertmanager, f"--config.file={tmp_path / 'alertmanager.yml'}"]
+            am_argv += [f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}"]
+            procs.append(subprocess.Popen([*am_argv, "--cluster.listen-address="], stdout=am_log, stderr=am_log))
+            prom_argv = [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}"]
+            prom_argv += [f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"]
+            procs.append(subprocess.Popen(prom_argv, stdout=prom_log, stderr=prom_log))
+            try:
+                path, payload = received.get(timeout=120)
+            except queue.Empty:
+                logs = (tmp_path / "prom.log").read_text(errors="replace")[-2000:]
+                logs += (tmp_path / "am.log").read_text(errors="replace")[-2000:]
+                pytest.fail(f"no alert reached the webhook in 120 s\n{logs}")
+        assert path == "/alerts" and payload["status"] == "firing"
+        (alert,) = payload["alerts"]
+        assert alert["labels"]["alertname"] == "SmiqueryExporterDown"
+        assert alert["labels"]["job"] == job["job_name"] == "smiquery-exporter"
+        assert alert["labels"]["instance"] == f"127.0.0.1:{dead_port}"
+        assert alert["annotations"].get("summary")
+    finally:
+        hook.shutdown()
+        hook.server_close()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------- PID 1: tini
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            found += [int(p) for p in task.read_text().split()]
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _pid1(argv: Sequence[str], env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """Run argv as PID 1 of a new PID namespace (what a container is); returns unshare and PID 1's host pid."""
+    if os.geteuid() != 0:
+        _missing("PID namespaces need root")
+    unshare = _tool("unshare")
+    with log.open("wb") as out:
+        proc = subprocess.Popen([unshare, "--pid", "--fork", "--kill-child", *argv], env=env, stdout=out, stderr=out)
+    deadline = time.monotonic() + 30
+    while not (kids := _children(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert kids, "unshare started nothing"
+    return proc, kids[0]
+
+
+@pytest.mark.timeout(120)
+def test_python_as_pid_1_ignores_sigterm(tmp_path: Path) -> None:
+    """Why the images need an init: the kernel drops SIGTERM to a namespace's PID 1 that set no handler."""
+    proc, pid1 = _pid1([sys.executable, "-c", "import time; time.sleep(300)"], dict(os.environ), tmp_path / "log")
+    try:
+        os.kill(pid1, signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+    finally:
+        os.kill(pid1, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_stops_the_trainer_under_tini_and_nvidia_smi_goes(tmp_path: Path) -> None:
+    """The Job's and the image's way (tini -g -- python3 train.py) as PID 1 of a PID namespace, run here with the
+    host's tini: SIGTERM to PID 1 (what `docker stop` and a pod deletion send) ends the training with GpuMonitor's
+    nvidia-smi running, and no nvidia-smi is left behind."""
+    if importlib.util.find_spec("keras") is None or importlib.util.find_spec("tensorflow") is None:
+        _missing("keras/tensorflow not installed: pip install 'smiquery[keras]'")
+    tini = _tool("tini")
+    pids = tmp_path / "nvidia-smi.pids"
+    wrapper = tmp_path / "nvidia-smi"
+    # its pid as the host sees it ($$ would be the namespace's): /proc is the host's, opened by the shell itself
+    record = f'read -r pid rest </proc/self/stat; echo "$pid" >>"{pids}"'
+    wrapper.write_text(f'#!/bin/sh\n{record}\nexec "{FAKE_SMI}" "$@"\n', encoding="utf-8")
+    wrapper.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(ROOT),
+        "SMIQUERY_NVIDIA_SMI": str(wrapper),
+        "EPOCHS": "100000",
+        "STEPS": "50",
+        "GPU_SAMPLE_INTERVAL": "0.5",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+    }
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    argv = [tini, "-g", "--", sys.executable, str(DOCKER / "examples" / "keras_smiquery_train.py")]
+    proc, pid1 = _pid1(argv, env, tmp_path / "train.log")
+    try:
+        deadline = time.monotonic() + 300
+        running: list[int] = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                running = [int(p) for p in pids.read_text().split() if _alive(int(p))]
+            if running:
+                break
+            time.sleep(0.5)
+        log = (tmp_path / "train.log").read_text(errors="replace")
+        assert running, f"GpuMonitor never started nvidia-smi\n{log[-3000:]}"
+        os.kill(pid1, signal.SIGTERM)
+        code = proc.wait(timeout=60)  # raises (and fails) if SIGTERM was ignored
+        assert code != 0
+        seen = [int(p) for p in pids.read_text().split()]
+        assert not [p for p in seen if _alive(p)], "an nvidia-smi outlived the container"
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid1, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sigterm_to_the_images_tini_stops_a_stream_and_nvidia_smi_goes(
+    buildah: Buildah, tf_image: Built, tmp_path: Path
+) -> None:
+    """The image's own tini, as PID 1 of a PID namespace made inside the container (`unshare`, since buildah's
+    chroot isolation has none), over `smiquery stream` with a (recording) fake nvidia-smi mounted where the toolkit
+    puts the host's: SIGTERM to PID 1 ends it all, and no nvidia-smi is left."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    wrapper = tmp_path / "nvidia-smi"
+    record = 'read -r pid rest </proc/self/stat; echo "$pid" >>/pids/nvidia-smi'  # the host's /proc: host pids
+    wrapper.write_text(f'#!/bin/sh\n{record}\nexec /opt/fake/nvidia-smi "$@"\n', encoding="utf-8")
+    wrapper.chmod(0o755)
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    shutil.copyfile(FAKE_SMI, fake / "nvidia-smi")
+    (fake / "nvidia-smi").chmod(0o755)
+    cmd = ["unshare", "--pid", "--fork", "--kill-child", "/usr/bin/tini", "-g", "--"]
+    cmd += ["smiquery", "stream", "--interval", "0.5", "--format", "csv"]
+    with buildah.container(tf_image.tag) as ctr, (tmp_path / "log").open("wb") as log:
+        argv = buildah.argv("run", "--isolation", "chroot", "--cap-add", "CAP_SYS_ADMIN")
+        argv += ["-v", f"{wrapper}:/usr/bin/nvidia-smi:ro", "-v", f"{fake}:/opt/fake:ro", "-v", f"{pids}:/pids"]
+        proc = subprocess.Popen([*argv, ctr, "--", *cmd], stdout=log, stderr=log, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            tini: list[int] = []
+            running: list[int] = []
+            while time.monotonic() < deadline and proc.poll() is None and not running:
+                tini = [p for p in _descendants(proc.pid) if _comm(p) == "tini"]
+                with contextlib.suppress(OSError):
+                    running = [int(p) for p in (pids / "nvidia-smi").read_text().split() if _alive(int(p))]
+                time.sleep(0.3)
+            output = (tmp_path / "log").read_text(errors="replace")
+            assert tini and running, f"tini {tini}, nvidia-smi {running}\n{output[-3000:]}"
+            os.kill(tini[0], signal.SIGTERM)
+            proc.wait(timeout=60)  # raises (and fails) when the signal was ignored
+            seen = [int(p) for p in (pids / "nvidia-smi").read_text().split()]
+            assert not [p for p in seen if _alive(p)], "an nvidia-smi outlived the container"
+            assert "index" in (tmp_path / "log").read_text(errors="replace"), "the stream never printed"
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
