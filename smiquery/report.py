@@ -436,6 +436,7 @@ class Report:
     skipped: SkippedLines | None = None
     health: list[HealthCount] = field(default_factory=list)
     overall: list[FieldStats] = field(default_factory=list)
+    energy_wh: dict[int, float] = field(default_factory=dict)
 
     @property
     def duration(self) -> float:
@@ -461,6 +462,7 @@ class Report:
             "duration_seconds": round(self.duration, 3),
             "samples_per_gpu": self.sweeps,
             "interval_seconds": round(self.interval, 3),
+            "energy_wh": {str(g): round(wh, 3) for g, wh in self.energy_wh.items()},
             "rules": list(self.rules),
             "stall_utilization": self.stall_utilization,
             "min_stall_seconds": self.min_stall,
@@ -642,6 +644,9 @@ class Report:
                 ],
                 indent=2,
             )
+        if self.energy_wh:
+            out.append("")
+            out.append(self._energy_line())
         out.append("")
         out.append("Statistics over all GPUs (per GPU: --format json or markdown):")
         out += _table(*self._overall_rows(), indent=2)
@@ -650,9 +655,16 @@ class Report:
             out.append("Constant during the run: " + "; ".join(_constant_text(n, v) for n, v in self.constants.items()))
         return "\n".join(out) + "\n"
 
+    def _energy_line(self) -> str:
+        total = sum(self.energy_wh.values())
+        per = ", ".join(f"GPU {g}: {wh:.1f}" for g, wh in sorted(self.energy_wh.items()))
+        return f"Energy (power.draw over the run): {total:.1f} Wh in all ({per} Wh)"
+
     def to_markdown(self) -> str:
         """A Markdown report (GitHub tables), for a pull request, an issue or a notebook."""
         out = [f"# GPU report: {self.source}", "", self._headline().split(": ", 1)[1], *self._notes(), ""]
+        if self.energy_wh:
+            out += [self._energy_line(), ""]
         out += ["## Findings", ""]
         if self.findings:
             out += [f"- **{f.severity}**: {f.verdict}" for f in self.findings]
@@ -795,6 +807,21 @@ class _Gpu:
         series = self.data.df[column]
         picked = series.iloc[self.rows] if isinstance(self.rows, slice) else series.take(self.rows)
         return picked.tolist()
+
+
+def _energy(df: pd.DataFrame, gpus: Sequence[_Gpu]) -> dict[int, float]:
+    """Watt-hours per GPU: each sample's power.draw times its duration (gaps count one interval, as elsewhere)."""
+    if "power_draw" not in df.columns:
+        return {}
+    import numpy as np
+
+    out: dict[int, float] = {}
+    for g in gpus:
+        watts = g.floats("power_draw")
+        ok = ~np.isnan(watts)
+        if ok.any() and len(g.dur) == len(watts):
+            out[g.index] = float(np.sum(watts[ok] * g.dur[ok])) / 3600.0
+    return out
 
 
 def _as_float(series: pd.Series) -> np.ndarray:
@@ -1092,6 +1119,7 @@ def analyze(
         units={f.name: f.unit for f in _numeric_fields(df)},
         skipped=skipped,
         health=_health(df, gpus),
+        energy_wh=_energy(df, gpus),
     )
 
     # time past thresholds, and the alerts the rules would have fired

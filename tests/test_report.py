@@ -397,3 +397,20 @@ def test_make_demo_ends_with_the_report_and_the_plot(tmp_path, capsys, monkeypat
     out = capsys.readouterr().out
     assert "pip install 'smiquery[plot]' && smiquery plot" in out
     assert "--alert 'temperature.gpu > 85 for 3'" in out
+
+
+def test_energy_per_gpu_integrates_power_over_the_run(tmp_path):
+    from smiquery.report import analyze
+
+    rec = tmp_path / "power.csv"
+    lines = ["timestamp, index, power.draw [W]"]
+    for i in range(60):  # one minute at 1 Hz: GPU 0 at 100 W, GPU 1 at 300 W (one reading missing)
+        t = f"2026/01/01 10:00:{i:02d}.000"
+        lines.append(f"{t}, 0, 100.00 W")
+        lines.append(f"{t}, 1, {'[N/A]' if i == 30 else '300.00 W'}")
+    rec.write_text("\n".join(lines) + "\n")
+    report = analyze(rec)
+    assert report.energy_wh[0] == pytest.approx(100 * 60 / 3600)  # 1.67 Wh
+    assert report.energy_wh[1] == pytest.approx(300 * 59 / 3600)  # the missing second is not guessed
+    assert "Energy (power.draw over the run): 6.6 Wh in all" in report.to_text()
+    assert json.loads(report.to_json())["energy_wh"] == {"0": 1.667, "1": 4.917}
