@@ -329,9 +329,10 @@ def test_a_rule_field_the_driver_rejects_drops_that_rule_only(fake_smi: MakeFake
     assert len(warnings) == 1
 
 
-def test_default_rules_on_a_470_driver_keep_gpu_data_and_every_rule(fake_smi: MakeFake):
+def test_default_rules_on_a_470_driver_keep_gpu_data_and_every_rule(fake_smi: MakeFake, tmp_path):
     """A pre-535 driver (old clocks_throttle_reasons names only): the core's spelling makes every rule usable."""
-    smi = fake_smi(recording=FIXTURES / "t4-470-old-tokens.csv")
+    # R470 rejects the clocks_event_reasons.* spelling with exit 2, as the real driver does
+    smi = _rejecting_fake(fake_smi(recording=FIXTURES / "t4-470-old-tokens.csv"), tmp_path, "clocks_event_reasons")
     with no_leaks(reap_timeout=5.0), watch(interval=0.05, nvidia_smi=str(smi), first_sample_timeout=20) as w:
         w.step(epoch=0, batch=0)
         assert wait_for(lambda: bool(w.monitor.latest()))
