@@ -285,6 +285,10 @@ class _Grouper:
         self._stamp = stamp
         return done
 
+    def discard(self) -> None:
+        self._rows, self._seen = [], set()
+        self._stamp = (None, None)
+
     def flush(self) -> tuple[PmonRow, ...] | None:
         if not self._rows:
             return None
@@ -486,7 +490,8 @@ class PmonStream:
         """Yield one tuple of rows per interval (every process on every watched GPU at that instant).
 
         An instant ends when a (GPU, pid) pair repeats or the timestamp changes, so each is yielded when the
-        next begins (the last one when the stream ends).
+        next begins (the last one when the stream ends). The rows a child printed before it failed and was
+        restarted are dropped, not yielded: a crash mid-instant would otherwise show an instant missing processes.
 
         Args:
             count: stop after this many instants.
@@ -494,8 +499,12 @@ class PmonStream:
         grouper = _Grouper()
         done = 0
         rows = iter(self)
+        child = None
         try:
             for row in rows:
+                if child is not None and self.stats.starts != child:
+                    grouper.discard()  # cut short by a restart: possibly incomplete, so not an instant
+                child = self.stats.starts
                 sample = grouper.feed(row)
                 if sample is not None:
                     yield sample

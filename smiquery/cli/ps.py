@@ -1,4 +1,7 @@
-"""``smiquery ps``: the compute processes on each GPU, with their user, command line and CPU use from /proc."""
+"""``smiquery ps``: the compute processes on each GPU, with their user, command line and CPU use from /proc.
+
+``--watch`` (in :mod:`smiquery.cli._ps_watch`) shows which of them keep each GPU busy, live, from ``nvidia-smi pmon``.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from smiquery.cli._boundary import boundary
+from smiquery.cli._boundary import UsageError, boundary
 from smiquery.cli._common import FormatOpt, GpusOpt, app, choose_format, parse_gpus, settings_of, unknown_gpus
+from smiquery.cli._ps_watch import PsSort
 from smiquery.errors import NoDevicesFoundError
 
 __all__ = ["ProcInfo", "proc_info", "ps"]
@@ -115,18 +120,82 @@ JSON) where /proc cannot tell: another PID namespace (a container), or
 no permission.
 
 \b
+--watch runs one nvidia-smi pmon (at most 4 GPUs: the first 4, or those of
+--gpus) and shows every process's SM %, memory-controller % and GPU memory,
+refreshed every --interval seconds: redrawn in place on a terminal; piped,
+one block per refresh (CSV rows under one header, JSON lines, a JSON array
+per line with --format json, or a table with --format table), flushed each
+time so `| head` works. A refresh shows the interval before it, so the first
+one comes after about two intervals. Values pmon does not give show as n/a
+(--sort puts them last). Restarts of pmon print one line each on stderr;
+Ctrl-C stops cleanly (exit 130).
+
+\b
 Examples:
   smiquery ps
   smiquery ps --gpus 0 --format json
+  smiquery ps --watch --sort fb
+  smiquery ps --watch --interval 5 --count 12 --format csv > busy.csv
 """
 )
-def ps(ctx: typer.Context, gpus: GpusOpt = None, fmt: FormatOpt = None) -> None:
+def ps(
+    ctx: typer.Context,
+    gpus: GpusOpt = None,
+    fmt: FormatOpt = None,
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Live per-process GPU use (SM %, memory) from nvidia-smi pmon.")
+    ] = False,
+    interval: Annotated[
+        int | None,
+        typer.Option(
+            "--interval",
+            "-d",
+            min=1,
+            max=10,
+            metavar="SECONDS",
+            help="--watch: seconds between refreshes, 1 to 10 (pmon's limits). [default: 1]",
+            show_default=False,
+        ),
+    ] = None,
+    count: Annotated[
+        int | None, typer.Option("--count", "-n", min=1, metavar="N", help="--watch: stop after N refreshes.")
+    ] = None,
+    sort: Annotated[
+        PsSort | None,
+        typer.Option(
+            "--sort",
+            "-s",
+            case_sensitive=False,
+            help="--watch: order by sm, mem, fb (GPU memory; these busiest first), pid or gpu. [default: sm]",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
     """List compute processes per GPU: memory, user, CPU% and command line (like `gpustat -upc`).
 
-    One row per process holding GPU memory, sorted by GPU index, then pid.
+    One row per process holding GPU memory, sorted by GPU index, then pid. With --watch: which processes keep
+    each GPU busy, live (like `nvtop`'s process list).
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
+        if watch:
+            from smiquery.cli._ps_watch import watch as run_watch
+
+            code = run_watch(
+                settings,
+                gpus=gpus,
+                interval=interval or 1,
+                count=count,
+                sort=(sort or PsSort.sm).value,
+                fmt=fmt,
+            )
+            if code:
+                raise typer.Exit(code)
+            return
+        given = [name for name, value in (("--interval", interval), ("--count", count), ("--sort", sort)) if value]
+        if given:
+            verb = "goes" if len(given) == 1 else "go"
+            raise UsageError(f"{' and '.join(given)} only {verb} with --watch; add --watch")
         from smiquery.display import Column, render, use_color
         from smiquery.oneshot import processes
 

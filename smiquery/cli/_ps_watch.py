@@ -1,0 +1,441 @@
+"""``smiquery ps --watch``: per-process GPU use from one supervised ``nvidia-smi pmon``, refreshed every interval."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import re
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
+from enum import Enum
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from smiquery.cli._boundary import ExitCode, UsageError, cli_text, quiet_stdout, say
+from smiquery.cli._options import Settings, choose_format, parse_gpus, unknown_gpus
+from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError
+
+if TYPE_CHECKING:
+    from smiquery.display import Column
+    from smiquery.pmon import PmonRow, PmonStream
+    from smiquery.source import StreamEvent
+
+__all__ = ["PsSort", "watch"]
+
+_MAX_GPUS = 4  # nvidia-smi pmon watches at most four devices
+_DESCENDING = frozenset({"sm", "mem", "fb"})  # busiest first; pid and gpu ascend
+_UNSUPPORTED = "not supported on the device"  # what pmon prints on GPUs/drivers without it (GeForce, R415)
+_DELAY = re.compile(r"\bin (\d+(?:\.\d+)?) s\b")
+
+
+class PsSort(str, Enum):
+    """What ``ps --watch --sort`` orders by."""
+
+    sm = "sm"
+    mem = "mem"
+    fb = "fb"
+    pid = "pid"
+    gpu = "gpu"
+
+
+# ------------------------------------------------------------------------------------------------ messages
+
+
+def _pmon_reason(exc: BaseException) -> str:
+    """What went wrong, in nvidia-smi's own words where it printed some.
+
+    pmon's rows hold no ``", "``, so the runner keeps them among the message lines it quotes; the message is the
+    first line that is neither a header (``#``) nor a row (rows start with blanks or digits).
+    """
+    if isinstance(exc, NvidiaSmiFailedError):
+        said = [
+            ln.strip()
+            for ln in exc.output.splitlines()
+            if ln.strip() and not ln.startswith("#") and not ln[:1].isspace() and not ln[:1].isdigit()
+        ]
+        if said:
+            return cli_text(f"nvidia-smi pmon exited with code {exc.returncode}: {said[0]}")
+        return f"nvidia-smi pmon exited with code {exc.returncode}"
+    text = str(exc).splitlines()
+    return cli_text(text[0]) if text and text[0] else type(exc).__name__
+
+
+def _unsupported(exc: BaseException | None) -> bool:
+    if isinstance(exc, NotSupportedError):
+        return True
+    return isinstance(exc, NvidiaSmiFailedError) and _UNSUPPORTED in exc.output.lower()
+
+
+def _final_error(exc: BaseException) -> BaseException:
+    """The error that ends the command, with pmon's own message (and, when pmon is unsupported, what to do)."""
+    if not isinstance(exc, NvidiaSmiFailedError):
+        return exc
+    reason = _pmon_reason(exc)
+    if _unsupported(exc):
+        return NotSupportedError(
+            exc.argv,
+            exc.returncode,
+            exc.output,
+            f"per-process monitoring (nvidia-smi pmon) is not supported on this GPU or driver ({reason}); "
+            "`smiquery ps` without --watch still lists each process's GPU memory",
+        )
+    return type(exc)(exc.argv, exc.returncode, exc.output, f"{reason}; {exc.hint}")
+
+
+class _EventLines:
+    """One line per pmon restart, recovery or dropped line; the error behind a restart goes into its line."""
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+
+    def __call__(self, event: StreamEvent) -> None:
+        if event.kind == "restart":
+            found = _DELAY.search(event.detail)
+            when = f" in {float(found.group(1)):.1f} s" if found else ""
+            why = _pmon_reason(event.error) if event.error is not None else cli_text(event.detail)
+            self.emit(f"smiquery: restarting nvidia-smi pmon{when} after: {why}")
+        elif event.kind == "recovered":
+            self.emit("smiquery: nvidia-smi pmon rows flow again")
+        elif event.kind == "dropped_row":
+            self.emit(f"smiquery: warning: dropped a line nvidia-smi pmon printed: {cli_text(event.detail)}")
+        # "error" events are told by the restart that follows them, or by the command's error line
+
+
+# --------------------------------------------------------------------------------------------- processes
+
+
+class _Procs:
+    """User and full command line of each pid from /proc, read once per process (a pid seen again is cached)."""
+
+    def __init__(self, root: Path = Path("/proc")) -> None:
+        self.root = root
+        self._known: dict[tuple[int, str | None], tuple[str | None, str | None]] = {}
+
+    def lookup(self, pid: int, name: str | None) -> tuple[str | None, str | None]:
+        """(user, command line) of ``pid``; None for what /proc cannot tell or when it is another process."""
+        key = (pid, name)
+        if key not in self._known:
+            self._known[key] = self._read(pid, name)
+        return self._known[key]
+
+    def _read(self, pid: int, name: str | None) -> tuple[str | None, str | None]:
+        from smiquery.cli.ps import _matches
+        from smiquery.pmon import process_user
+
+        proc = self.root / str(pid)
+        try:
+            raw = (proc / "cmdline").read_bytes()
+        except OSError:
+            return None, None
+        argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
+        if not _matches(name, proc, argv):
+            return None, None  # another PID namespace: this pid is someone else here
+        return process_user(pid), " ".join(argv) or None
+
+    def keep(self, pids: set[tuple[int, str | None]]) -> None:
+        """Forget processes no longer listed (their pids may be reused)."""
+        for key in [k for k in self._known if k not in pids]:
+            del self._known[key]
+
+
+def _records(instant: Sequence[PmonRow], sort: str, procs: _Procs) -> list[dict[str, object]]:
+    from smiquery.pmon import sort_rows
+
+    rows = sorted((r for r in instant if not r.idle), key=lambda r: (r.gpu if r.gpu is not None else -1, r.pid or 0))
+    rows = sort_rows(rows, sort, descending=sort in _DESCENDING)
+    stamp = _instant_time(instant)
+    seen: set[tuple[int, str | None]] = set()
+    out: list[dict[str, object]] = []
+    for r in rows:
+        user: str | None = None
+        command = r.command
+        if r.pid is not None:
+            seen.add((r.pid, r.command))
+            user, full = procs.lookup(r.pid, r.command)
+            command = full or r.command
+        out.append(
+            {
+                "time": stamp,
+                "gpu_index": r.gpu,
+                "pid": r.pid,
+                "type": r.type,
+                "user": user,
+                "sm": r.sm,
+                "mem": r.mem,
+                "used_memory": r.fb,
+                "process_name": r.command,
+                "command": command,
+            }
+        )
+    procs.keep(seen)
+    return out
+
+
+def _instant_time(instant: Sequence[PmonRow]) -> datetime:
+    for r in instant:
+        ts = r.timestamp
+        if ts is not None:
+            return ts
+    return datetime.now().replace(microsecond=0)
+
+
+def _columns(table: bool) -> list[Column]:
+    from smiquery.display import Column
+
+    return [
+        *([] if table else [Column("time")]),
+        Column("gpu_index", "gpu" if table else "gpu_index", right=True),
+        Column("pid", right=True),
+        *([] if table else [Column("type")]),
+        Column("user"),
+        Column("sm", unit="%", right=True),
+        Column("mem", unit="%", right=True),
+        Column("used_memory", "gpu mem" if table else "used_memory", unit="MiB", right=True),
+        *([] if table else [Column("process_name")]),
+        Column("command"),
+    ]
+
+
+def _idle_gpus(instant: Sequence[PmonRow]) -> list[int]:
+    busy = {r.gpu for r in instant if not r.idle}
+    return sorted({r.gpu for r in instant if r.idle and r.gpu is not None and r.gpu not in busy})
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+class _Blocks:
+    """Piped output: one block per instant (a table, CSV rows under one header, JSON lines, or a JSON array)."""
+
+    def __init__(self, out: IO[str], form: str) -> None:
+        self.out = out
+        self.form = form
+        self.columns = _columns(form == "table")
+        self._header_done = False
+
+    def show(self, instant: Sequence[PmonRow], records: list[dict[str, object]]) -> None:
+        from smiquery.display import render
+
+        when = _instant_time(instant)
+        if self.form == "table":
+            idle = _idle_gpus(instant)
+            note = f" · idle GPU {', '.join(map(str, idle))}" if idle else ""
+            text = f"# {when.isoformat(sep=' ')}{note}\n"
+            text += render(records, "table", columns=self.columns, empty="no processes") + "\n"
+        elif self.form == "json":
+            text = json.dumps([_json_ready(r) for r in records]) + "\n"  # one array per instant, one per line
+        else:
+            text = render([_json_ready(r) for r in records], self.form, columns=self.columns)
+            if self.form == "csv":
+                text = text.partition("\n")[2] if self._header_done else text
+                self._header_done = True
+        self.out.write(text)
+        self.out.flush()
+
+    def note(self, line: str) -> None:
+        say(line)
+
+    def close(self) -> None:
+        """Nothing to restore."""
+
+
+def _json_ready(record: dict[str, object]) -> dict[str, object]:
+    when = record.get("time")
+    return {**record, "time": when.isoformat() if isinstance(when, datetime) else when}
+
+
+class _Live:
+    """A terminal: the table redrawn in place every interval (cursor home, lines rewritten, the rest cleared)."""
+
+    def __init__(self, out: IO[str], title: str, *, events_here: bool) -> None:
+        from smiquery.display import use_color
+
+        self.out = out
+        self.title = title
+        self.color = use_color(out)
+        self.events_here = events_here
+        self.columns = _columns(True)
+        self._events: list[str] = []
+        self._body: list[str] = ["waiting for the first sample..."]
+        self._started = False
+
+    def show(self, instant: Sequence[PmonRow], records: list[dict[str, object]]) -> None:
+        from smiquery.display import render
+
+        table = render(records, "table", columns=self.columns, color=self.color, empty="no processes")
+        self._body = table.splitlines()
+        idle = _idle_gpus(instant)
+        when = _instant_time(instant).strftime("%H:%M:%S")
+        self._body += ["", f"sampled {when}" + (f" · idle GPU {', '.join(map(str, idle))}" if idle else "")]
+        self.draw()
+
+    def note(self, line: str) -> None:
+        if not self.events_here:
+            say(line)
+            return
+        self._events.append(line.removeprefix("smiquery: "))
+        del self._events[:-4]
+        self.draw()
+
+    def draw(self) -> None:
+        from smiquery.display import _clip, _terminal_size
+
+        cols, rows = _terminal_size()
+        dim = ("\x1b[2m", "\x1b[0m") if self.color else ("", "")
+        lines = [f"\x1b[1m{self.title}\x1b[0m" if self.color else self.title, *self._body]
+        lines += [f"{dim[0]}{e}{dim[1]}" for e in self._events]
+        lines.append(f"{dim[0]}n/a = not available · Ctrl-C to stop{dim[1]}")
+        if rows > 0 and len(lines) > rows - 1:
+            lines = lines[: max(1, rows - 1)]
+        start = "" if self._started else "\x1b[?25l\x1b[2J"
+        self.out.write(start + "\x1b[H" + "".join(_clip(x, cols) + "\x1b[K\n" for x in lines) + "\x1b[J")
+        self.out.flush()
+        self._started = True
+
+    def close(self) -> None:
+        """Show the cursor again; the last frame stays on screen."""
+        if self._started:
+            with contextlib.suppress(OSError, ValueError):
+                self.out.write("\x1b[?25h")
+                self.out.flush()
+
+
+# ---------------------------------------------------------------------------------------------- the loop
+
+
+class _Failure:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _Event:
+    __slots__ = ("event",)
+
+    def __init__(self, event: StreamEvent) -> None:
+        self.event = event
+
+
+_END = object()
+
+
+def _pump(source: PmonStream, into: queue.SimpleQueue[object]) -> None:
+    """Read instants in a thread, so the main thread stays free for Ctrl-C (the stream reaps its child)."""
+    instants: Iterator[tuple[PmonRow, ...]] = source.samples()
+    try:
+        for instant in instants:
+            into.put(instant)
+    except BaseException as exc:  # handed to the main thread, which reports it
+        into.put(_Failure(exc))
+    else:
+        into.put(_END)
+    finally:
+        with contextlib.suppress(Exception):
+            instants.close()  # type: ignore[attr-defined]
+
+
+def watch(
+    settings: Settings,
+    *,
+    gpus: str | None,
+    interval: int,
+    count: int | None,
+    sort: str,
+    fmt: Enum | None,
+) -> int:
+    """Run ``ps --watch`` until ``count`` refreshes, Ctrl-C or a fatal error.
+
+    Args:
+        settings: the global options.
+        gpus: the ``--gpus`` value.
+        interval: seconds between refreshes (pmon's ``-d``, 1..10).
+        count: stop after this many refreshes (None: until stopped).
+        sort: the :class:`PsSort` value.
+        fmt: the ``--format`` value (None: table on a terminal, CSV otherwise).
+
+    Returns:
+        The exit code (0, 130 after Ctrl-C, 143 after SIGTERM).
+
+    Raises:
+        UsageError: more than four GPUs.
+        SmiqueryError: nvidia-smi pmon failed in a way a restart cannot fix.
+    """
+    from smiquery.cli.stream import _Signals
+    from smiquery.pmon import stream
+
+    ids = parse_gpus(gpus)
+    if ids and len(ids) > _MAX_GPUS:
+        raise UsageError(f"--gpus: nvidia-smi pmon watches at most {_MAX_GPUS} GPUs; name up to {_MAX_GPUS}")
+    out = sys.stdout
+    form = choose_format(fmt, out)
+    isatty = getattr(out, "isatty", None)
+    tty = bool(isatty and isatty()) and form == "table"
+    items: queue.SimpleQueue[object] = queue.SimpleQueue()
+    source = stream(
+        gpus=ids,
+        interval=interval,
+        select="um",
+        options="DT",
+        nvidia_smi=settings.nvidia_smi,
+        stall_timeout=max(settings.timeout, 3.0 * interval),
+        on_event=lambda ev: items.put(_Event(ev)),
+    )
+    view: _Live | _Blocks
+    if tty:
+        err_tty = getattr(sys.stderr, "isatty", None)
+        title = f"smiquery ps --watch · every {interval} s · sorted by {sort} · {source.argv[0]}"
+        view = _Live(out, title, events_here=bool(err_tty and err_tty()))
+    else:
+        view = _Blocks(out, form)
+    lines = _EventLines(view.note)
+    procs = _Procs()
+    thread = threading.Thread(target=_pump, args=(source, items), name="smiquery-pmon-pump", daemon=True)
+    failure: BaseException | None = None
+    code = 0
+    shown = 0
+    with _Signals() as sigs:
+        try:
+            if isinstance(view, _Live):
+                view.draw()
+            thread.start()
+            while count is None or shown < count:
+                if sigs.signum is not None:
+                    break
+                try:
+                    item = items.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if isinstance(item, _Event):
+                    if item.event.kind == "error" and _unsupported(item.event.error):
+                        failure = item.event.error  # pmon said so: restarting cannot help
+                        break
+                    lines(item.event)
+                    continue
+                if isinstance(item, _Failure):
+                    failure = item.exc
+                    break
+                if item is _END:
+                    break
+                view.show(item, _records(item, sort, procs))  # type: ignore[arg-type]
+                shown += 1
+        except BrokenPipeError:
+            quiet_stdout()  # the reader went away (`| head`): a normal end
+        finally:
+            sigs.closing = True
+            source.close()
+            thread.join(max(10.0, 2.0 * interval))
+            view.close()
+            if sigs.signum is not None:
+                code = ExitCode.INTERRUPTED if sigs.signum == signal.SIGINT else ExitCode.TERMINATED
+    if failure is not None and code == 0:
+        if isinstance(failure, NoDevicesFoundError):
+            wrong = unknown_gpus(ids, settings)
+            if wrong is not None:
+                raise wrong from None
+        raise _final_error(failure) from None
+    return code
