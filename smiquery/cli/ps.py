@@ -125,8 +125,8 @@ no permission.
 refreshed every --interval seconds: redrawn in place on a terminal; piped,
 one block per refresh (CSV rows under one header, JSON lines, a JSON array
 per line with --format json, or a table with --format table), flushed each
-time so `| head` works. A refresh shows the interval before it, so the first
-one comes after about two intervals. Values pmon does not give show as n/a
+time so `| head` works. An instant is known whole when pmon starts the next
+one, so the view lags one interval. Values pmon does not give show as n/a
 (--sort puts them last). Restarts of pmon print one line each on stderr;
 Ctrl-C stops cleanly (exit 130).
 
