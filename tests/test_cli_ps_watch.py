@@ -193,7 +193,8 @@ def test_a_pmon_child_that_crashes_is_restarted_with_one_stderr_line(fake_smi: M
 
 @pytest.mark.parametrize(
     "fault",
-    ["not-supported", "exit:255:Not supported on the device(s)"],  # the fake's exit 3; GeForce R415's message
+    # the fake's exit 3; GeForce R415's message, with either exit status
+    ["not-supported", "exit:255:Not supported on the device(s)", "exit:0:Not supported on the device(s)"],
 )
 def test_pmon_unsupported_is_one_line_saying_what_to_do(fake_smi: MakeFake, fault):
     line = one_line_error(run("ps", "--watch", "-n", "2", smi=fake_smi(fault=fault)), 1, "not supported")

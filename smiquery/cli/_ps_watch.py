@@ -17,11 +17,12 @@ from typing import IO, TYPE_CHECKING
 
 from smiquery.cli._boundary import ExitCode, UsageError, cli_text, quiet_stdout, say
 from smiquery.cli._options import Settings, choose_format, parse_gpus, unknown_gpus
-from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError
+from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError, StreamEndedError
 
 if TYPE_CHECKING:
     from smiquery.display import Column
     from smiquery.pmon import PmonRow, PmonStream
+    from smiquery.runner import Completed, LineSource
     from smiquery.source import StreamEvent
 
 __all__ = ["PsSort", "watch"]
@@ -51,6 +52,8 @@ def _pmon_reason(exc: BaseException) -> str:
     pmon's rows hold no ``", "``, so the runner keeps them among the message lines it quotes; the message is the
     first line that is neither a header (``#``) nor a row (rows start with blanks or digits).
     """
+    if isinstance(exc, StreamEndedError) and exc.returncode == 0 and not exc.output.strip():
+        return "nvidia-smi pmon ended by itself"
     if isinstance(exc, NvidiaSmiFailedError):
         said = [
             ln.strip()
@@ -84,6 +87,89 @@ def _final_error(exc: BaseException) -> BaseException:
             "`smiquery ps` without --watch still lists each process's GPU memory",
         )
     return type(exc)(exc.argv, exc.returncode, exc.output, f"{reason}; {exc.hint}")
+
+
+class _PmonLines:
+    """A pmon child's lines; once it said pmon is unsupported, the end of its output is a NotSupportedError.
+
+    Some drivers print ``Not supported on the device(s)`` and may exit 0 or 255, which the stream would take
+    for a failure worth a restart; this makes it the error it is, whatever the exit status.
+    """
+
+    def __init__(self, inner: LineSource) -> None:
+        self._inner = inner
+        self.argv = inner.argv
+        self._said: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id."""
+        return self._inner.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status, once reaped."""
+        return self._inner.returncode
+
+    @property
+    def idle(self) -> float:
+        """Seconds the last readline waited."""
+        return self._inner.idle
+
+    @property
+    def stderr(self) -> str:
+        """The child's stderr so far."""
+        return self._inner.stderr
+
+    @property
+    def closed(self) -> bool:
+        """True once the child is reaped."""
+        return self._inner.closed
+
+    def readline(self, timeout: float) -> str | None:
+        """The next line (see :class:`~smiquery.runner.LineSource`)."""
+        try:
+            line = self._inner.readline(timeout)
+        except NvidiaSmiFailedError as exc:
+            if self._said is not None and not isinstance(exc, NotSupportedError):
+                raise NotSupportedError(exc.argv, exc.returncode, exc.output or self._said) from exc
+            raise
+        if line is not None and _UNSUPPORTED in line.lower():
+            self._said = line.strip()
+        return line
+
+    def interrupt(self) -> None:
+        """Wake a blocked readline."""
+        self._inner.interrupt()
+
+    def terminate(self) -> None:
+        """SIGTERM the child."""
+        self._inner.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL the child."""
+        self._inner.kill()
+
+    def close(self) -> None:
+        """Stop and reap the child."""
+        self._inner.close()
+
+
+class _PmonRunner:
+    """The real runner, with :class:`_PmonLines` around each pmon child."""
+
+    def __init__(self) -> None:
+        from smiquery.runner import SubprocessRunner
+
+        self._inner = SubprocessRunner()
+
+    def run(self, argv: Sequence[str], timeout: float) -> Completed:
+        """Run to completion (unchanged)."""
+        return self._inner.run(argv, timeout)
+
+    def lines(self, argv: Sequence[str]) -> LineSource:
+        """Start a child and watch its lines."""
+        return _PmonLines(self._inner.lines(argv))
 
 
 class _EventLines:
@@ -384,6 +470,7 @@ def watch(
         nvidia_smi=settings.nvidia_smi,
         stall_timeout=max(settings.timeout, 3.0 * interval),
         on_event=lambda ev: items.put(_Event(ev)),
+        runner=_PmonRunner(),
     )
     view: _Live | _Blocks
     if tty:
