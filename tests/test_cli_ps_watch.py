@@ -191,6 +191,18 @@ def test_a_pmon_child_that_crashes_is_restarted_with_one_stderr_line(fake_smi: M
     assert len(pids) >= 2 and gone(pids)
 
 
+def test_a_hung_pmon_is_killed_and_restarted(fake_smi: MakeFake, tmp_path):
+    log = tmp_path / "calls.jsonl"
+    # --timeout 1: silence longer than max(--timeout, 3 intervals) = 3 s counts as a hang
+    cmd = ["--timeout", "1", "ps", "--watch", "-n", "2", "-F", "jsonl"]
+    proc = run(*cmd, smi=fake_smi(fault="hang-after:6", log=log))
+    assert proc.returncode == 0, proc.stderr
+    assert "smiquery: restarting nvidia-smi pmon" in proc.stderr and "printed nothing for 3 s" in proc.stderr
+    assert len(proc.stdout.splitlines()) == 8
+    pids = pmon_pids(log)
+    assert len(pids) >= 2 and gone(pids)
+
+
 @pytest.mark.parametrize(
     "fault",
     # the fake's exit 3; GeForce R415's message, with either exit status
@@ -235,6 +247,20 @@ def test_ctrl_c_exits_130_and_reaps_pmon(fake_smi: MakeFake, tmp_path):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
+    assert err == b""
+    pids = pmon_pids(log)
+    assert len(pids) == 1 and gone(pids)
+
+
+def test_sigterm_exits_143_and_reaps_pmon(fake_smi: MakeFake, tmp_path):
+    log = tmp_path / "calls.jsonl"
+    cmd = argv("ps", "--watch", "-F", "jsonl", smi=fake_smi(log=log))
+    with subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["pid"] is not None
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
     assert err == b""
     pids = pmon_pids(log)
     assert len(pids) == 1 and gone(pids)
