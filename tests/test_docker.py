@@ -39,6 +39,10 @@ from typing import Any
 import pytest
 import yaml
 
+# Under pytest-xdist (make test) every test of this file runs on one worker: the session's buildah storage, base
+# image and wheelhouse are built once, and two builds never compete for the same 2 cores.
+pytestmark = pytest.mark.xdist_group("buildah")
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 K8S = DOCKER / "k8s"

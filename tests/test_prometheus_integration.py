@@ -31,6 +31,9 @@ from smiquery.exporter import DCGM_MAP
 from tests.test_exporter import SHARED, recorded, write_recording
 from tests.test_rules import DASHBOARD, RULES, load_rules, require_tool
 
+# One worker under pytest-xdist: the module's Prometheus stack (a server and three exporters) starts once.
+pytestmark = pytest.mark.xdist_group("prometheus")
+
 ROOT = Path(__file__).resolve().parents[1]
 DCGM_DASHBOARD = SHARED / "dcgm" / "dcgm-exporter-dashboard.json"
 MiB = 1048576.0
