@@ -45,14 +45,18 @@ logging.getLogger("smiquery").addHandler(logging.NullHandler())
 
 # pandas is imported only when these are first used: `import smiquery` stays light.
 _LAZY = {"read_csv": "smiquery.frames", "to_dataframe": "smiquery.frames", "replay": "smiquery.playback"}
+# Submodules reachable after a plain `import smiquery` (`smiquery.aio.query(...)`), imported on first use.
+_LAZY_MODULES = frozenset({"aio", "compat", "pmon"})
 
 
 def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"smiquery.{name}")  # the import binds it on the package
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'smiquery' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
