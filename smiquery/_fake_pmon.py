@@ -28,7 +28,12 @@ PMON_ENV_VARS: dict[str, str] = {
     "ended (a GPU left without processes prints its idle line)",
     "SMIQUERY_FAKE_PMON_HANG_AFTER": "N: after N samples pmon prints nothing more and keeps running (a stall of "
     "pmon alone; the --query-gpu loop goes on)",
+    "SMIQUERY_FAKE_PMON_UNSUPPORTED": "1: pmon prints what old GeForce drivers print (`Not supported on the "
+    "device(s)`, `Failed to process command line`) and exits 3, while the --query-gpu modes work",
 }
+# The exit status of an unsupported pmon is not in any capture here; 3 is nvidia-smi's status for
+# NVML_ERROR_NOT_SUPPORTED elsewhere (NVIDIA-SMI.md section 5).
+_UNSUPPORTED_EXIT = 3
 
 _MAX_GPUS = 4  # pmon watches at most four devices
 # First driver branch of the fake that prints the jpg and ofa columns (observed on 590/595/610; absent in
@@ -134,6 +139,10 @@ def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Ou
         return 0
     rec = fake._load_recording(settings.recording)
     fake._startup(faults, rec, out)
+    if os.environ.get("SMIQUERY_FAKE_PMON_UNSUPPORTED", "") not in ("", "0"):
+        out.line("Not supported on the device(s)")
+        out.line("Failed to process command line")
+        return _UNSUPPORTED_EXIT
     delay = int(opts.get("delay", "1")) if opts.get("delay", "1").isdigit() else 0
     if not 1 <= delay <= 10:
         out.line("ERROR: Invalid value for -d (1 to 10 seconds). Please run 'nvidia-smi pmon -h' for help.")

@@ -599,7 +599,9 @@ class SmiCollector:
             The non-empty families, plus ``smiquery_gpu_processes`` per GPU pmon watches.
         """
         uuids = self._gpu_uuids()
-        fams = {col: _gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, _, text) in PMON_SERIES.items()}
+        fams = {
+            col: _gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, _, _, text) in PMON_SERIES.items()
+        }
         for row, user in instant.rows:
             gpu = -1 if row.gpu is None else row.gpu
             other = row.pid is None
@@ -611,10 +613,10 @@ class SmiCollector:
                 "user": user or "",
                 **self.labels,
             }
-            for col, (name, scale, _) in PMON_SERIES.items():
+            for col, (name, times, per, _) in PMON_SERIES.items():
                 value = getattr(row, col)
                 if value is not None:
-                    fams[col].add_sample(name, labels, float(value) * scale)
+                    fams[col].add_sample(name, labels, float(value) * times / per)
         out = [f for f in fams.values() if f.samples]
         count = _gauge(
             "smiquery_gpu_processes", "Processes nvidia-smi pmon listed on the GPU (all of them, not only the top)."

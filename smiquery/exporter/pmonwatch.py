@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from smiquery.oneshot import GpusArg
     from smiquery.source import StreamEvent
 
-__all__ = ["PmonWatcher", "ProcessInstant"]
+__all__ = ["PmonWatcher", "ProcessInstant", "process_instant"]
 
 log = logging.getLogger("smiquery.exporter")
 
@@ -44,6 +44,29 @@ class ProcessInstant:
     processes: dict[int, int]
     received: float
     wall: float
+
+
+def process_instant(
+    rows: Iterable[pmon.PmonRow], top: int, *, user_of: Callable[[int], str | None] = pmon.process_user
+) -> ProcessInstant:
+    """Cut one pmon instant down to what the exporter serves: the ``top`` busiest (by SM) per GPU plus ``other``.
+
+    Args:
+        rows: one instant of pmon rows.
+        top: processes kept per GPU.
+        user_of: pid -> user name.
+
+    Returns:
+        The instant, stamped now.
+    """
+    rows = tuple(rows)
+    counts: dict[int, int] = {}
+    for row in rows:
+        if row.gpu is not None:
+            counts[row.gpu] = counts.get(row.gpu, 0) + (0 if row.idle else 1)
+    kept = pmon.top_processes(rows, top, by="sm")
+    pairs = tuple((row, None if row.pid is None else user_of(row.pid)) for gpu in sorted(kept) for row in kept[gpu])
+    return ProcessInstant(pairs, counts, time.monotonic(), time.time())
 
 
 class PmonWatcher:
@@ -156,15 +179,7 @@ class PmonWatcher:
     # ---------------------------------------------------------------------------------------------- work
 
     def _take(self, instant: tuple[pmon.PmonRow, ...]) -> None:
-        counts: dict[int, int] = {}
-        for row in instant:
-            if row.gpu is not None:
-                counts[row.gpu] = counts.get(row.gpu, 0) + (0 if row.idle else 1)
-        top = pmon.top_processes(instant, self.top, by="sm")
-        rows = tuple(
-            (row, None if row.pid is None else self._user_of(row.pid)) for gpu in sorted(top) for row in top[gpu]
-        )
-        self._latest = ProcessInstant(rows, counts, time.monotonic(), time.time())
+        self._latest = process_instant(instant, self.top, user_of=self._user_of)
         self.instants += 1
         if self._logged is not None:
             log.info("smiquery exporter: nvidia-smi pmon works again; per-process metrics are back")
