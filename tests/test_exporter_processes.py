@@ -87,6 +87,8 @@ def scrape(exp: Exporter) -> str:
 
 
 def pmon_pids(log: Path) -> list[int]:
+    if not log.exists():
+        return []
     return [c["pid"] for c in map(json.loads, log.read_text().splitlines()) if c["argv"][:1] == ["pmon"]]
 
 
@@ -223,6 +225,28 @@ def test_unsupported_pmon_logs_one_line_and_gpu_metrics_keep_working(exporter, f
     for pid in pmon_pids(log):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # the failed child was reaped at once
+
+
+def test_an_unsupported_pmon_is_tried_again_logged_once_and_comes_back(fake_smi, monkeypatch, caplog, tmp_path):
+    from smiquery.exporter import PmonWatcher
+
+    monkeypatch.setenv("SMIQUERY_FAKE_PMON_UNSUPPORTED", "1")
+    caplog.set_level(logging.INFO, logger="smiquery")
+    log = tmp_path / "calls.jsonl"
+    with no_leaks(reap_timeout=10.0):
+        watcher = PmonWatcher(2, nvidia_smi=fake_smi(log=log), retry_after=0.2).start()
+        try:
+            wait_for(lambda: watcher.errors["NotSupportedError"] >= 4, 30, "four failed attempts")
+            assert watcher.fresh() is None and watcher.state == "failed" and len(pmon_pids(log)) >= 4
+            warned = [r for r in caplog.records if r.levelno >= logging.WARNING and "pmon" in r.getMessage()]
+            assert len(warned) == 1, [r.getMessage() for r in warned]  # the same error again is not logged again
+            monkeypatch.delenv("SMIQUERY_FAKE_PMON_UNSUPPORTED")  # e.g. the driver was upgraded
+            wait_for(lambda: watcher.fresh() is not None, 30, "pmon to work again")
+            assert watcher.state == "running"
+            assert any("works again" in r.getMessage() for r in caplog.records)
+        finally:
+            watcher.close()
+    assert watcher.state == "closed"
 
 
 def test_off_by_default_no_pmon_child_at_all(exporter, fake_smi, tmp_path):
