@@ -120,6 +120,7 @@ def test_top_n_plus_other_and_the_bound_holds_with_many_processes(exporter, fake
     procs += [(me, "trainer", 1, 2048), (60001, "sidecar", 1, 64)]
     apps = write_apps(tmp_path / "apps.csv", procs)
     exp = exporter(nvidia_smi=fake_smi(apps=apps), top_processes=3)
+    wait_for(lambda: get(exp.url + "/healthz")[0] == 200, 30, "GPU samples (the uuid labels come from them)")
     body = next_instant(exp, 0.0)
     seen_pids: set[str] = set()
     for _ in range(3):  # three instants: the busiest change every sample, the bound never does
@@ -377,3 +378,29 @@ def test_docs_list_every_process_metric() -> None:
     doc = (ROOT / "docs" / "exporter.md").read_text(encoding="utf-8")
     for name in PMON_METRICS:
         assert f"`{name}" in doc, name
+
+
+@pytest.mark.parametrize("naming", ["smiquery", "dcgm", "nvidia_smi"])
+def test_promtool_finds_nothing_wrong_with_the_process_series(exporter, fake_smi, naming):
+    import subprocess
+
+    from tests.test_rules import require_tool
+
+    promtool = require_tool("promtool")
+    exp = exporter(nvidia_smi=fake_smi(), top_processes=2, naming=naming)
+    bare = {u.removeprefix("GPU-") for u in list(demo_uuids().values())[:4]}
+    want = bare if naming == "nvidia_smi" else {"GPU-" + u for u in bare}  # what the GPU series carry: they join
+    body = ""
+
+    def joined() -> bool:
+        nonlocal body
+        body = scrape(exp)
+        return {lb["uuid"] for lb, _ in samples(body, SM)} == want
+
+    wait_for(joined, 30, "process series labelled with the GPU series' uuid")
+    done = subprocess.run([promtool, "check", "metrics"], input=body.encode(), capture_output=True, timeout=60)
+    findings = [ln for ln in (done.stdout + done.stderr).decode().splitlines() if ln.strip()]
+    if naming == "smiquery":
+        assert (done.returncode, findings) == (0, [])
+    # the other namings keep their peers' own findings; none is about the process series
+    assert not [ln for ln in findings if ln.startswith(PMON_METRICS)], findings
