@@ -147,7 +147,9 @@ class PmonWatcher:
 
     def _on_event(self, event: StreamEvent) -> None:
         if event.kind == "error" and event.error is not None:
-            self.errors[type(event.error).__name__] += 1
+            name = type(event.error).__name__
+            self.errors[name] += 1
+            self.last_error_type, self.last_error = name, event.detail or name
 
     @property
     def state(self) -> str:
