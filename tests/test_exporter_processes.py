@@ -404,3 +404,14 @@ def test_promtool_finds_nothing_wrong_with_the_process_series(exporter, fake_smi
         assert (done.returncode, findings) == (0, [])
     # the other namings keep their peers' own findings; none is about the process series
     assert not [ln for ln in findings if ln.startswith(PMON_METRICS)], findings
+
+
+def test_the_fakes_pmon_help_lists_its_variables(fake_smi):
+    import subprocess
+
+    from smiquery._fake_pmon import PMON_ENV_VARS
+
+    done = subprocess.run([str(fake_smi()), "pmon", "-h"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0
+    for name in ("SMIQUERY_FAKE_PMON_ENDS", "SMIQUERY_FAKE_PMON_HANG_AFTER", "SMIQUERY_FAKE_PMON_UNSUPPORTED"):
+        assert name in PMON_ENV_VARS and name in done.stdout
