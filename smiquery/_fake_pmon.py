@@ -3,7 +3,8 @@
 The processes are the fake's compute apps (``SMIQUERY_FAKE_APPS`` / the bundled list) on the recording's GPUs;
 an idle GPU prints one line of ``-``. ``SMIQUERY_FAKE_PMON=FILE`` replays a pmon capture instead: printed as is,
 then (without ``-c``) its data lines again every interval. Faults: the start-up ones, ``exit:``, ``hang``,
-``hang-after:N`` and ``crash-after:N`` (N counts data lines), ``ignore-term``.
+``hang-after:N`` and ``crash-after:N`` (N counts data lines), ``ignore-term``. The variables in
+:data:`PMON_ENV_VARS` (listed by ``nvidia-smi pmon -h``) make processes end and pmon stall, counted in samples.
 """
 
 from __future__ import annotations
@@ -18,7 +19,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from smiquery.testing import _Faults, _Output, _Settings
 
-__all__ = ["run_pmon"]
+__all__ = ["PMON_ENV_VARS", "run_pmon"]
+
+#: Environment variables only the pmon mode reads (at every start), and what they do.
+PMON_ENV_VARS: dict[str, str] = {
+    "SMIQUERY_FAKE_PMON": "pmon capture to replay instead of the compute apps (its data lines again every interval)",
+    "SMIQUERY_FAKE_PMON_ENDS": "PID:N[,PID:N...]: that process is printed in the first N samples only, then it has "
+    "ended (a GPU left without processes prints its idle line)",
+    "SMIQUERY_FAKE_PMON_HANG_AFTER": "N: after N samples pmon prints nothing more and keeps running (a stall of "
+    "pmon alone; the --query-gpu loop goes on)",
+    "SMIQUERY_FAKE_PMON_UNSUPPORTED": "1: pmon prints what old GeForce drivers print (`Not supported on the "
+    "device(s)`, `Failed to process command line`) and exits 3, while the --query-gpu modes work",
+}
+# The exit status of an unsupported pmon is not in any capture here; 3 is nvidia-smi's status for
+# NVML_ERROR_NOT_SUPPORTED elsewhere (NVIDIA-SMI.md section 5).
+_UNSUPPORTED_EXIT = 3
 
 _MAX_GPUS = 4  # pmon watches at most four devices
 # First driver branch of the fake that prints the jpg and ofa columns (observed on 590/595/610; absent in
@@ -86,6 +101,25 @@ def _line(cells: Sequence[str], widths: Sequence[int]) -> str:
     return f"{body}    {cells[-1][:15]:<15}"
 
 
+def _ends(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        pid, sep, after = item.partition(":")
+        if not sep or not pid.isdigit() or not after.isdigit():
+            raise _Usage(f"SMIQUERY_FAKE_PMON_ENDS takes PID:N items, not {item!r}")
+        out[pid] = int(after)
+    return out
+
+
+def _count_var(name: str) -> int | None:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise _Usage(f"{name} takes a whole number of samples, not {text!r}")
+    return int(text)
+
+
 def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Output) -> int:
     """Run ``nvidia-smi pmon ARGS`` against the fake's recording; returns the exit status."""
     from smiquery import testing as fake
@@ -97,9 +131,18 @@ def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Ou
         return 255
     if "help" in opts:
         out.line("Usage: nvidia-smi pmon [-i ID] [-d SEC] [-c COUNT] [-s um] [-o DT]  (smiquery fake)")
+        out.line()
+        out.line("Environment variables of the pmon mode (read at every start):")
+        width = max(len(name) for name in PMON_ENV_VARS) + 2
+        for name, text in PMON_ENV_VARS.items():
+            out.line(f"  {name:<{width}}{text}")
         return 0
     rec = fake._load_recording(settings.recording)
     fake._startup(faults, rec, out)
+    if os.environ.get("SMIQUERY_FAKE_PMON_UNSUPPORTED", "") not in ("", "0"):
+        out.line("Not supported on the device(s)")
+        out.line("Failed to process command line")
+        return _UNSUPPORTED_EXIT
     delay = int(opts.get("delay", "1")) if opts.get("delay", "1").isdigit() else 0
     if not 1 <= delay <= 10:
         out.line("ERROR: Invalid value for -d (1 to 10 seconds). Please run 'nvidia-smi pmon -h' for help.")
@@ -145,11 +188,23 @@ def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Ou
     out.line("#" + head[1:])
     out.line("#" + units[1:])
     apps = fake._load_apps(settings.apps, rec)
+    try:
+        ends = _ends(os.environ.get("SMIQUERY_FAKE_PMON_ENDS", ""))
+        hang_after = _count_var("SMIQUERY_FAKE_PMON_HANG_AFTER")
+    except _Usage as exc:
+        out.line(f"ERROR: {exc}")
+        return 255
     n = 0
     while count is None or n < count:
+        if hang_after is not None and n >= hang_after:
+            fake._hang(out)
         now = datetime.now()
         for gpu in gpus:
-            procs = [a for a in apps if a.get("gpu_uuid", "").lower() == gpu["uuid"].lower()]
+            procs = [
+                a
+                for a in apps
+                if a.get("gpu_uuid", "").lower() == gpu["uuid"].lower() and n < ends.get(a.get("pid", ""), n + 1)
+            ]
             if not procs:
                 procs = [{}]
             for app in procs:

@@ -87,6 +87,15 @@ def export(
         bool, typer.Option("--processes/--no-processes", help="Also export per-process GPU memory.")
     ] = False,
     processes_interval: Annotated[float, typer.Option(help="Seconds between process listings.")] = 15.0,
+    top_processes: Annotated[
+        int,
+        typer.Option(
+            "--top-processes",
+            min=0,
+            help="Also run nvidia-smi pmon and export the N busiest processes per GPU (SM and memory use, GPU "
+            "memory; one 'other' series sums the rest). 0: off, no pmon at all.",
+        ),
+    ] = 0,
     tls_cert: Annotated[
         Path | None, typer.Option(help="PEM certificate: serve HTTPS.", exists=True, dir_okay=False, readable=True)
     ] = None,
@@ -164,6 +173,12 @@ def export(
         labels = exporter_mod.parse_labels(label)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="'--label'") from None
+    taken = sorted({"command", "user"} & set(labels)) if top_processes else []
+    if taken:
+        raise typer.BadParameter(
+            f"label name {taken[0]!r} is set by the exporter itself with --top-processes; pick another name",
+            param_hint="'--label'",
+        )
     if nvidia_smi is None:
         nvidia_smi = getattr(ctx.obj, "nvidia_smi", None)
     if web_config_file is not None and tls_cert is not None:
@@ -201,6 +216,7 @@ def export(
             naming=naming.value,
             processes=processes,
             processes_interval=processes_interval,
+            top_processes=top_processes,
             tls_cert=tls_cert,
             tls_key=tls_key,
             client_ca=client_ca,

@@ -25,7 +25,17 @@ from smiquery.exporter.collector import (
     source_health,
 )
 from smiquery.exporter.events import EventLog, configure_logging
-from smiquery.exporter.naming import DCGM_MAP, HEALTH_METRICS, IDENTITY_FIELDS, MetricSpec, Naming, metric_specs, render
+from smiquery.exporter.naming import (
+    DCGM_MAP,
+    HEALTH_METRICS,
+    IDENTITY_FIELDS,
+    PMON_METRICS,
+    MetricSpec,
+    Naming,
+    metric_specs,
+    render,
+)
+from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.server import Exporter, ListenError, PortInUseError, serve
 from smiquery.exporter.webconfig import WebConfig, WebConfigError, load_web_config
@@ -35,12 +45,15 @@ __all__ = [
     "DEFAULT_EXPORTER_ALERTS",
     "HEALTH_METRICS",
     "IDENTITY_FIELDS",
+    "PMON_METRICS",
     "EventLog",
     "Exporter",
     "ListenError",
     "MetricSpec",
     "Naming",
+    "PmonWatcher",
     "PortInUseError",
+    "ProcessInstant",
     "ProcessPoller",
     "SmiCollector",
     "SourceHealth",

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client.metrics_core import Metric
 
 from smiquery import __version__
-from smiquery.exporter.naming import NVSMI_INFO_LABELS, NVSMI_WORDS, Naming, metric_specs, render
+from smiquery.exporter.naming import NVSMI_INFO_LABELS, NVSMI_WORDS, PMON_SERIES, Naming, metric_specs, render
+from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.fields import Field
 from smiquery.oneshot import GpuProcess
@@ -197,6 +198,9 @@ def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, s
     return out
 
 
+#: Labels of the per-process series from nvidia-smi pmon (constant labels may not reuse them).
+PMON_LABELS: tuple[str, ...] = ("gpu", "uuid", "pid", "command", "user")
+
 # Labels the exporter sets itself (Hostname is not here: --label Hostname=... overrides the DCGM label).
 _RESERVED_LABELS = frozenset(
     {"gpu", "uuid", "name", "pci_bus_id", "value", "pid", "process_name", "type", "source"}
@@ -248,6 +252,8 @@ class SmiCollector:
         naming: ``smiquery`` or ``dcgm``.
         labels: constant labels added to every series.
         processes: a :class:`ProcessPoller` to add per-process GPU memory; None for none.
+        pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher` to add the busiest processes per GPU (SM and
+            memory use from ``nvidia-smi pmon``); None for none.
         stale_after: seconds after which the newest sweep counts as stale (default ``max(3 * interval, 15)``).
         hostname: the DCGM ``Hostname`` label (default: this host's name).
         alerts: an :class:`~smiquery.alerts.AlertEvaluator` fed every sample (``smiquery_alert_firing``).
@@ -264,6 +270,7 @@ class SmiCollector:
         naming: Naming = "smiquery",
         labels: Mapping[str, str] | Iterable[str] | None = None,
         processes: ProcessPoller | None = None,
+        pmon: PmonWatcher | None = None,
         stale_after: float | None = None,
         hostname: str | None = None,
         alerts: AlertEvaluator | None = None,
@@ -279,11 +286,18 @@ class SmiCollector:
         self.specs = metric_specs(list(flds), naming)
         self.labels = parse_labels(labels)
         self.processes = processes
+        self.pmon = pmon
+        if pmon is not None:
+            taken = sorted(set(self.labels) & set(PMON_LABELS))
+            if taken:
+                raise ValueError(
+                    f"label name {taken[0]!r} is set by the exporter itself with top processes; pick another name"
+                )
         self.stale_after = float(stale_after) if stale_after is not None else max(3 * stream.interval, 15.0)
         self.hostname = self.labels.get("Hostname") or hostname or socket.gethostname()
         self.render_errors = 0
         self._lock = threading.Lock()
-        self._cache_key: tuple[object, object] = (object(), object())
+        self._cache_key: tuple[object, object, object] = (object(), object(), object())
         self._cache: bytes = b""
         self.alerts = alerts
         self.on_gpu_change = on_gpu_change
@@ -565,6 +579,54 @@ class SmiCollector:
             count.add_sample(count.name, {"uuid": uuid, **self.labels}, float(n))
         return [f for f in (used, info, count) if f.samples]
 
+    def _gpu_uuids(self) -> dict[int, str]:
+        with self._refresh_lock:
+            gpus = list(self._gpus.values())
+        bare = self.naming == "nvidia_smi"  # its series join on the UUID without "GPU-"
+        return {g.index: (_bare_uuid(g.uuid) if bare else g.uuid or "") for g in gpus if g.index is not None}
+
+    def pmon_families(self, instant: ProcessInstant) -> list[Metric]:
+        """The busiest processes of each GPU from one pmon instant: at most ``top + 1`` series per GPU.
+
+        Labelled ``gpu``, ``uuid`` (empty until the GPU stream has seen the GPU), ``pid``, ``command`` (pmon's
+        name, cut to about 15 characters) and ``user`` (empty when this host cannot see the process); the summed
+        rest is ``pid="other", command="other"``. A value pmon printed as ``-`` has no sample (never 0).
+
+        Args:
+            instant: the newest instant of a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`.
+
+        Returns:
+            The non-empty families, plus ``smiquery_gpu_processes`` per GPU pmon watches.
+        """
+        uuids = self._gpu_uuids()
+        fams = {
+            col: _gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, _, _, text) in PMON_SERIES.items()
+        }
+        for row, user in instant.rows:
+            gpu = -1 if row.gpu is None else row.gpu
+            other = row.pid is None
+            labels = {
+                "gpu": str(gpu),
+                "uuid": uuids.get(gpu, ""),
+                "pid": "other" if other else str(row.pid),
+                "command": "other" if other else row.command or "",
+                "user": user or "",
+                **self.labels,
+            }
+            for col, (name, times, per, _) in PMON_SERIES.items():
+                value = getattr(row, col)
+                if value is not None:
+                    fams[col].add_sample(name, labels, float(value) * times / per)
+        out = [f for f in fams.values() if f.samples]
+        count = _gauge(
+            "smiquery_gpu_processes", "Processes nvidia-smi pmon listed on the GPU (all of them, not only the top)."
+        )
+        for gpu, n in sorted(instant.processes.items()):
+            count.add_sample(count.name, {"gpu": str(gpu), "uuid": uuids.get(gpu, ""), **self.labels}, float(n))
+        if count.samples:
+            out.append(count)
+        return out
+
     # ------------------------------------------------------------------------------------------- health
 
     def _fresh(self, sweep: Sweep | None, age: float | None) -> bool:
@@ -658,6 +720,9 @@ class SmiCollector:
         if self.processes is not None:
             for typ, n in sorted(dict(self.processes.errors).items()):
                 errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "processes"}, float(n))
+        if self.pmon is not None:
+            for typ, n in sorted(dict(self.pmon.errors).items()):
+                errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "pmon"}, float(n))
         if errors.samples:
             out.append(errors)
         return out
@@ -716,6 +781,8 @@ class SmiCollector:
                     ),
                     when,
                 )
+        if self.pmon is not None:
+            out.extend(self._pmon_health())
         if self.render_errors:
             one(
                 _counter("smiquery_collection_errors", "Scrapes whose GPU metrics could not be built (a bug)."),
@@ -727,15 +794,47 @@ class SmiCollector:
         )
         return out
 
+    def _pmon_health(self) -> list[Metric]:
+        assert self.pmon is not None
+        const = self.labels
+        up = _gauge(
+            "smiquery_process_up",
+            f"1 when nvidia-smi pmon delivers fresh instants (newest under {self.pmon.stale_after:g} s old), else 0.",
+        )
+        up.add_sample(up.name, const, 1.0 if self.pmon.fresh() is not None else 0.0)
+        info = _gauge(
+            "smiquery_process_stream_info",
+            "The nvidia-smi pmon stream's state (starting, running, retrying, failed) and last error type; always 1.",
+        )
+        labels = {"state": self.pmon.state, "last_error_type": self.pmon.last_error_type or ""}
+        info.add_sample(info.name, {**const, **labels}, 1.0)
+        out = [up, info]
+        got, _ = self.pmon.latest()
+        if got is not None:
+            when = _gauge(
+                "smiquery_process_last_sample_timestamp_seconds", "Unix time of the newest nvidia-smi pmon instant."
+            )
+            when.add_sample(when.name, const, got.wall)
+            out.append(when)
+        return out
+
     # ------------------------------------------------------------------------------------------- output
 
-    def _data_families(self, sweep: Sweep | None, fresh: bool, procs: tuple[GpuProcess, ...] | None) -> list[Metric]:
+    def _data_families(
+        self,
+        sweep: Sweep | None,
+        fresh: bool,
+        procs: tuple[GpuProcess, ...] | None,
+        instant: ProcessInstant | None = None,
+    ) -> list[Metric]:
         fams: list[Metric] = []
         try:
             if fresh and sweep is not None:
                 fams.extend(self.sweep_families(sweep))
             if procs is not None:
                 fams.extend(self.process_families(procs))
+            if instant is not None:
+                fams.extend(self.pmon_families(instant))
         except Exception:  # a bug must not take /metrics down: the health metrics still go out
             self.render_errors += 1
             log.exception("smiquery exporter: building the GPU metrics failed")
@@ -755,7 +854,8 @@ class SmiCollector:
         t0 = time.perf_counter()
         self.refresh()
         sweep, age = self.stream.latest()
-        fams = self._data_families(sweep, self._fresh(sweep, age), self._fresh_processes())
+        instant = self.pmon.fresh() if self.pmon is not None else None
+        fams = self._data_families(sweep, self._fresh(sweep, age), self._fresh_processes(), instant)
         yield from fams
         yield from self.health_families(sweep, age, time.perf_counter() - t0)
 
@@ -770,10 +870,11 @@ class SmiCollector:
         sweep, age = self.stream.latest()
         fresh = self._fresh(sweep, age)
         procs = self._fresh_processes()
-        key = (sweep if fresh else None, procs)
+        instant = self.pmon.fresh() if self.pmon is not None else None
+        key = (sweep if fresh else None, procs, instant)
         with self._lock:
-            if key[0] is not self._cache_key[0] or key[1] is not self._cache_key[1]:
-                self._cache = render(self._data_families(sweep, fresh, procs)).encode()
+            if any(a is not b for a, b in zip(key, self._cache_key)):
+                self._cache = render(self._data_families(sweep, fresh, procs, instant)).encode()
                 self._cache_key = key
             body = self._cache
         head = render(self._health_head(sweep, age)).encode()

@@ -30,6 +30,8 @@ __all__ = [
     "NVSMI_DEFAULT_EXTRAS",
     "NVSMI_INFO_LABELS",
     "NVSMI_WORDS",
+    "PMON_METRICS",
+    "PMON_SERIES",
     "MetricSpec",
     "Naming",
     "exporter_fields",
@@ -87,6 +89,47 @@ HEALTH_METRICS: tuple[str, ...] = (
     "smiquery_next_attempt_timestamp_seconds",
     "smiquery_alert_firing",
     "smiquery_alert_fired_total",
+)
+
+#: Per-process series from ``nvidia-smi pmon`` (``--top-processes N``): pmon column -> (metric, multiplier,
+#: divisor, help). The same names in every naming (no DCGM or nvidia_gpu_exporter metric says this), in base units;
+#: percentages are divided by 100 (35 % -> 0.35 exactly, where 35 * 0.01 is 0.35000000000000003).
+PMON_SERIES: dict[str, tuple[str, float, float, str]] = {
+    "sm": (
+        "smiquery_process_sm_utilization_ratio",
+        1.0,
+        100.0,
+        "Share of time the process ran kernels on the GPU's SMs",
+    ),
+    "mem": (
+        "smiquery_process_memory_utilization_ratio",
+        1.0,
+        100.0,
+        "Share of time the process read or wrote GPU memory",
+    ),
+    "enc": ("smiquery_process_encoder_utilization_ratio", 1.0, 100.0, "Share of the video encoder the process used"),
+    "dec": ("smiquery_process_decoder_utilization_ratio", 1.0, 100.0, "Share of the video decoder the process used"),
+    "jpg": ("smiquery_process_jpeg_utilization_ratio", 1.0, 100.0, "Share of the JPEG decoder the process used"),
+    "ofa": (
+        "smiquery_process_ofa_utilization_ratio",
+        1.0,
+        100.0,
+        "Share of the optical-flow accelerator the process used",
+    ),
+    "fb": (
+        "smiquery_process_gpu_memory_used_bytes",
+        1048576.0,
+        1.0,
+        "GPU (framebuffer) memory the process uses, bytes",
+    ),
+}
+#: Every metric the exporter serves with ``--top-processes N`` (sample names), in both namings.
+PMON_METRICS: tuple[str, ...] = (
+    *(name for name, _, _, _ in PMON_SERIES.values()),
+    "smiquery_gpu_processes",
+    "smiquery_process_up",
+    "smiquery_process_stream_info",
+    "smiquery_process_last_sample_timestamp_seconds",
 )
 
 

@@ -20,6 +20,7 @@ from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector, p
 from smiquery.exporter.events import EventLog
 from smiquery.exporter.httpd import HttpServer, Request, Response
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
+from smiquery.exporter.pmonwatch import PmonWatcher
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.webconfig import WebConfig, load_web_config
 from smiquery.fields import resolve_fields
@@ -154,6 +155,7 @@ class Exporter:
         collector: the :class:`SmiCollector` behind ``/metrics``.
         stream: the background :class:`~smiquery.supervisor.Stream` (a new one after a revival).
         poller: the :class:`ProcessPoller`, when ``processes=True``.
+        pmon: the :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, when ``top_processes`` is above 0.
         http: the :class:`~smiquery.exporter.httpd.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
         revive_after: seconds before a stream that stopped for good is replaced.
         revivals: how many times that happened.
@@ -168,8 +170,10 @@ class Exporter:
         cleanup: Callable[[], None] = lambda: None,
         make_stream: Callable[[], Any] | None = None,
         revive_after: float = 30.0,
+        pmon: PmonWatcher | None = None,
     ) -> None:
         self.http = server
+        self.pmon = pmon
         self.collector = collector
         self.stream = collector.stream
         self.poller = poller
@@ -262,6 +266,8 @@ class Exporter:
                 finally:
                     if self.poller is not None:
                         self.poller.close()
+                    if self.pmon is not None:
+                        self.pmon.close()  # the pmon child is reaped here too
                     self._cleanup()
                     self._stopped.set()
 
@@ -292,6 +298,7 @@ def serve(
     naming: Naming = "smiquery",
     processes: bool = False,
     processes_interval: float = 15.0,
+    top_processes: int = 0,
     tls_cert: str | os.PathLike[str] | None = None,
     tls_key: str | os.PathLike[str] | None = None,
     client_ca: str | os.PathLike[str] | None = None,
@@ -328,6 +335,10 @@ def serve(
         naming: ``smiquery`` (native, base units) or ``dcgm`` (the DCGM exporter's names, units and labels).
         processes: also export per-process GPU memory, polled every ``processes_interval`` seconds.
         processes_interval: seconds between process polls.
+        top_processes: also run ``nvidia-smi pmon`` (every ``interval`` seconds, rounded to 1..10) and export the
+            SM, memory and video-engine use and GPU memory of the ``top_processes`` busiest processes of each GPU,
+            plus one ``pid="other"`` series summing the rest; 0 (the default) runs no pmon at all. If pmon cannot
+            run, one line is logged and the GPU metrics go on.
         tls_cert: PEM certificate: serve HTTPS.
         tls_key: PEM private key for ``tls_cert``.
         client_ca: PEM CA bundle: require client certificates signed by it.
@@ -356,13 +367,15 @@ def serve(
         InvalidRuleError: an alert rule that cannot be parsed.
         InvalidGpuIdError: a malformed GPU id.
         NvidiaSmiNotFoundError: no usable nvidia-smi.
-        ValueError: a bad label, naming, interval, or TLS option.
+        ValueError: a bad label, naming, interval, top_processes, or TLS option.
         OSError, ssl.SSLError: unreadable TLS files.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, not {naming!r}")
     if interval <= 0:
         raise ValueError("interval must be positive")
+    if isinstance(top_processes, bool) or not isinstance(top_processes, int) or top_processes < 0:
+        raise ValueError("top_processes must be a whole number >= 0 (0: off)")
     if not 0 <= port <= 65535:
         raise ValueError(f"port {port} is out of range (0-65535)")
     if (tls_cert is None) != (tls_key is None):
@@ -385,6 +398,7 @@ def serve(
     sock = _make_socket(bind, port)  # fail on a taken port before nvidia-smi starts
     s = None
     poller = None
+    watcher = None
     events = EventLog()
     try:
         stream_fields = [f.name for f in _with_alert_fields(flds, evaluator)]
@@ -404,12 +418,24 @@ def serve(
         s = make_stream()
         if processes:
             poller = ProcessPoller(processes_interval, gpus=gpus, nvidia_smi=nvidia_smi)
+        if top_processes:
+            pmon_interval = min(10, max(1, round(interval)))  # pmon takes whole seconds, 1 to 10
+            watcher = PmonWatcher(
+                top_processes,
+                interval=pmon_interval,
+                gpus=gpus,
+                nvidia_smi=nvidia_smi,
+                stall_timeout=stall_timeout,
+                # the newest instant is one interval old when it is complete: never staler than two intervals
+                stale_after=max(stale_after, 2.0 * pmon_interval + 1.0) if stale_after is not None else None,
+            )
         collector = SmiCollector(
             s,
             fields=flds,
             naming=naming,
             labels=const,
             processes=poller,
+            pmon=watcher,
             stale_after=stale_after,
             alerts=evaluator,
             on_gpu_change=events.on_gpu_change,
@@ -442,6 +468,8 @@ def serve(
         collector.start()
         if poller is not None:
             poller.start()
+        if watcher is not None:
+            watcher.start()
         exp = Exporter(
             http,
             collector,
@@ -450,6 +478,7 @@ def serve(
             cleanup=collector.close,
             make_stream=make_stream,
             revive_after=revive_after,
+            pmon=watcher,
         )
     except BaseException:
         sock.close()
@@ -457,6 +486,8 @@ def serve(
             s.close()
         if poller is not None:
             poller.close()
+        if watcher is not None:
+            watcher.close()
         raise
     log.info("smiquery exporter: serving %s/metrics (naming %s)", exp.url, naming)
     return exp

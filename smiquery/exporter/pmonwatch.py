@@ -1,0 +1,269 @@
+"""The exporter's per-process source: one supervised ``nvidia-smi pmon`` in a background thread, top-N kept.
+
+:class:`PmonWatcher` keeps only the newest instant, already cut down to the ``top`` busiest processes of each GPU
+plus one ``other`` row (:func:`smiquery.pmon.top_processes`), so a scrape builds a bounded set of series from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from smiquery import pmon
+from smiquery.errors import SmiqueryError
+
+if TYPE_CHECKING:
+    import os
+
+    from smiquery.oneshot import GpusArg
+    from smiquery.source import StreamEvent
+
+__all__ = ["PmonWatcher", "ProcessInstant", "process_instant"]
+
+log = logging.getLogger("smiquery.exporter")
+
+
+@dataclass(frozen=True)
+class ProcessInstant:
+    """One pmon instant as the exporter serves it: at most ``top`` processes per GPU plus one ``other`` row.
+
+    Attributes:
+        rows: ``(row, user)`` pairs, busiest first per GPU, the ``other`` row (``pid`` None) last; ``user`` is
+            the owner's name from ``/proc`` (None when this host cannot see the process).
+        processes: GPU index -> how many processes pmon listed on it (0 for an idle GPU).
+        received: ``time.monotonic()`` when the instant was complete.
+        wall: ``time.time()`` at the same moment.
+    """
+
+    rows: tuple[tuple[pmon.PmonRow, str | None], ...]
+    processes: dict[int, int]
+    received: float
+    wall: float
+
+
+def process_instant(
+    rows: Iterable[pmon.PmonRow], top: int, *, user_of: Callable[[int], str | None] = pmon.process_user
+) -> ProcessInstant:
+    """Cut one pmon instant down to what the exporter serves: the ``top`` busiest (by SM) per GPU plus ``other``.
+
+    Args:
+        rows: one instant of pmon rows.
+        top: processes kept per GPU.
+        user_of: pid -> user name.
+
+    Returns:
+        The instant, stamped now.
+    """
+    rows = tuple(rows)
+    counts: dict[int, int] = {}
+    for row in rows:
+        if row.gpu is not None:
+            counts[row.gpu] = counts.get(row.gpu, 0) + (0 if row.idle else 1)
+    kept = pmon.top_processes(rows, top, by="sm")
+    pairs = tuple((row, None if row.pid is None else user_of(row.pid)) for gpu in sorted(kept) for row in kept[gpu])
+    return ProcessInstant(pairs, counts, time.monotonic(), time.time())
+
+
+class PmonWatcher:
+    """Follows ``nvidia-smi pmon`` in a background thread and keeps its newest instant, cut to the top processes.
+
+    The stream is :func:`smiquery.pmon.stream` (one child, stall detection, restarts with backoff). An error that
+    needs a person (pmon not supported on this GPU or driver, NVML missing...) ends it: one warning is logged,
+    nothing is served, and a new stream is tried every ``retry_after`` seconds (logged again only when the error
+    changes). Every child is reaped by :meth:`close`.
+
+    Args:
+        top: processes kept per GPU (at least 1); the rest are summed into one ``other`` row.
+        interval: pmon's ``-d`` (whole seconds, 1..10).
+        gpus: only these GPUs (pmon watches at most 4; without it nvidia-smi picks the first 4).
+        nvidia_smi: path of the binary.
+        stall_timeout: seconds without a pmon line before the child counts as hung.
+        stale_after: seconds after which the newest instant is not served (default ``max(4 * interval, 10)``).
+        retry_after: seconds between attempts after an error that needs a person.
+        user_of: pid -> user name (tests inject one).
+        make_stream: builds the pmon stream (tests inject one); default :func:`smiquery.pmon.stream`.
+
+    Raises:
+        ValueError: ``top`` below 1, or an interval pmon rejects.
+        NvidiaSmiNotFoundError: no usable binary.
+        InvalidGpuIdError: a malformed GPU id.
+    """
+
+    def __init__(
+        self,
+        top: int,
+        *,
+        interval: int = 1,
+        gpus: GpusArg = None,
+        nvidia_smi: str | os.PathLike[str] | None = None,
+        stall_timeout: float | None = None,
+        stale_after: float | None = None,
+        retry_after: float = 300.0,
+        user_of: Callable[[int], str | None] = pmon.process_user,
+        make_stream: Callable[[], pmon.PmonStream] | None = None,
+    ) -> None:
+        if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+            raise ValueError("the number of top processes must be a whole number >= 1")
+        self.top = top
+        self.interval = interval
+        self.stale_after = float(stale_after) if stale_after is not None else max(4.0 * interval, 10.0)
+        self.retry_after = float(retry_after)
+        self.errors: Counter[str] = Counter()
+        self.last_error: str | None = None
+        self.last_error_type: str | None = None
+        self.starts = 0
+        self.instants = 0
+        self._user_of = user_of
+        self._failed = False
+        self._logged: str | None = None
+        self._latest: ProcessInstant | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+        def default_stream() -> pmon.PmonStream:
+            return pmon.stream(
+                gpus=gpus,
+                interval=interval,
+                select="um",
+                options="DT",  # a new time stamp cuts an instant even when the set of processes changes
+                nvidia_smi=nvidia_smi,
+                stall_timeout=stall_timeout,
+                max_restarts=None,
+                backoff_max=30.0,
+                on_event=self._on_event,
+            )
+
+        self._make = make_stream or default_stream
+        # made here, so that a bad interval, GPU id or binary fails the exporter's start, not a thread
+        self._stream: pmon.PmonStream | None = self._make()
+
+    # --------------------------------------------------------------------------------------------- state
+
+    def _on_event(self, event: StreamEvent) -> None:
+        if event.kind == "error" and event.error is not None:
+            name = type(event.error).__name__
+            self.errors[name] += 1
+            self.last_error_type, self.last_error = name, event.detail or name
+
+    @property
+    def state(self) -> str:
+        """``starting``, ``running``, ``retrying`` (pmon restarts after an error), ``failed`` or ``closed``."""
+        if self._stop.is_set():
+            return "closed"
+        if self._failed:
+            return "failed"
+        s = self._stream
+        st = str(s.stats.state) if s is not None else "starting"
+        if st == "running" and self._latest is None:
+            return "starting"
+        return st if st in ("starting", "running", "retrying") else "failed"
+
+    def latest(self) -> tuple[ProcessInstant | None, float | None]:
+        """The newest instant and its age in seconds (Nones before the first)."""
+        got = self._latest
+        if got is None:
+            return None, None
+        return got, time.monotonic() - got.received
+
+    def fresh(self) -> ProcessInstant | None:
+        """The newest instant when it is younger than ``stale_after`` and pmon still runs, else None."""
+        got, age = self.latest()
+        if got is None or age is None or age > self.stale_after or self.state in ("failed", "closed"):
+            return None
+        return got
+
+    # ---------------------------------------------------------------------------------------------- work
+
+    def _take(self, instant: tuple[pmon.PmonRow, ...]) -> None:
+        self._latest = process_instant(instant, self.top, user_of=self._user_of)
+        self.instants += 1
+        if self._logged is not None:
+            log.info("smiquery exporter: nvidia-smi pmon works again; per-process metrics are back")
+            self._logged = None
+        self._failed = False
+
+    def _give_up(self, name: str, first: str) -> None:
+        self.last_error, self.last_error_type = first, name
+        self._failed = True
+        if name != self._logged:
+            log.warning(
+                "smiquery exporter: nvidia-smi pmon cannot run (%s: %s); no per-process metrics, the GPU metrics "
+                "go on; trying again every %g s",
+                name,
+                first,
+                self.retry_after,
+            )
+            self._logged = name
+        else:
+            log.debug("smiquery exporter: nvidia-smi pmon still cannot run: %s", first)
+
+    def _failure(self, exc: BaseException, counted_before: int) -> None:
+        name = type(exc).__name__
+        if self.errors[name] == counted_before:
+            self.errors[name] += 1  # raised without an error event (e.g. while starting the child)
+        self._give_up(name, str(exc).splitlines()[0] if str(exc) else name)
+
+    def _follow(self, stream: pmon.PmonStream) -> None:
+        self.starts += 1
+        before = self.errors.copy()
+        try:
+            for instant in stream.samples():
+                self._take(instant)
+                if self._stop.is_set():
+                    return
+        except SmiqueryError as exc:
+            self._failure(exc, before[type(exc).__name__])
+            return
+        except Exception as exc:  # a bug must not end the exporter
+            log.exception("smiquery exporter: following nvidia-smi pmon failed")
+            self._failure(exc, before[type(exc).__name__])
+            return
+        finally:
+            stream.close()
+        if not self._stop.is_set():  # without -c pmon never ends by itself: the stream restarts it
+            self._give_up("StreamEndedError", "nvidia-smi pmon ended by itself")
+
+    def _run(self) -> None:
+        stream = self._stream
+        while not self._stop.is_set():
+            if stream is not None:
+                self._follow(stream)
+            if self._stop.wait(self.retry_after):
+                return
+            try:
+                new = self._make()
+            except SmiqueryError as exc:
+                self._failure(exc, self.errors[type(exc).__name__])
+                stream = None
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    return  # never iterated: no child to reap
+                self._stream = stream = new
+
+    def start(self) -> PmonWatcher:
+        """Follow pmon in a background thread until :meth:`close`. Returns self."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="smiquery-pmon", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout: float = 15.0) -> None:
+        """Stop: the pmon child is terminated and reaped, the thread joined. Idempotent; any thread.
+
+        Args:
+            timeout: seconds to wait for the thread.
+        """
+        with self._lock:
+            self._stop.set()
+            stream = self._stream
+        if stream is not None:
+            stream.close()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
