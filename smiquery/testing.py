@@ -1697,8 +1697,9 @@ def use_runner(runner: _R) -> Iterator[_R]:
     For tests of code that builds its own runner: the CLI (``smiquery.cli.main``), the exporter, ``GpuMonitor``
     and the Keras and Lightning callbacks. With an :class:`InProcessRunner`, no binary is looked up (``--nvidia-smi``
     may name any path, or none) and no process is started. On exit the previous default comes back (blocks nest);
-    the runner is not closed. Code that passes its own ``runner=`` keeps it. Nothing else (no environment variable,
-    no setting) changes the default, so production code always runs the real nvidia-smi.
+    the runner is not closed. Code that passes its own ``runner=`` keeps it. :mod:`smiquery.aio` starts its children
+    with asyncio, not through a runner, and is not covered. Nothing else (no environment variable, no setting)
+    changes the default, so production code always runs the real nvidia-smi.
 
     Example::
 
