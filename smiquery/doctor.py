@@ -215,10 +215,10 @@ def driver_fields(binary: str, timeout: float) -> dict[str, str]:
     """
     from smiquery.errors import failure_from_exit
     from smiquery.fields import parse_help_query_gpu
-    from smiquery.runner import SubprocessRunner
+    from smiquery.runner import default_runner
 
     argv = [binary, "--help-query-gpu"]
-    done = SubprocessRunner().run(argv, timeout)
+    done = default_runner().run(argv, timeout)
     if done.returncode != 0:
         raise failure_from_exit(argv, done.returncode, done.output)
     names: dict[str, str] = {}
@@ -242,7 +242,7 @@ def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float 
     """
     from smiquery.errors import failure_from_exit
     from smiquery.oneshot import query
-    from smiquery.runner import SubprocessRunner, find_nvidia_smi
+    from smiquery.runner import default_runner, find_nvidia_smi
 
     results: list[CheckResult] = []
     ctr = in_container()
@@ -267,7 +267,7 @@ def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float 
     if binary is not None:
         argv = [binary, "--version"]
         try:
-            done = SubprocessRunner().run(argv, timeout)
+            done = default_runner().run(argv, timeout)
             if done.returncode == 0:
                 version = _parse_version(done.stdout)
             else:

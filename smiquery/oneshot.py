@@ -18,7 +18,7 @@ from smiquery.errors import InfoRomWarning, InvalidGpuIdError, NvidiaSmiFailedEr
 from smiquery.fields import Field, resolve_fields
 from smiquery.parsing import CsvParser, is_message, missing_reason
 from smiquery.records import GpuSample
-from smiquery.runner import Completed, Runner, SubprocessRunner, find_nvidia_smi
+from smiquery.runner import Completed, Runner, default_runner, find_nvidia_smi
 
 if TYPE_CHECKING:
     import os
@@ -186,9 +186,9 @@ def query(
     """
     flds = resolve_fields(fields)
     ids = normalize_gpus(gpus)
-    binary = find_nvidia_smi(nvidia_smi)
-    argv = build_argv(binary, flds, ids)
-    done = (runner or SubprocessRunner()).run(argv, timeout)
+    run = runner or default_runner()
+    argv = build_argv(find_nvidia_smi(nvidia_smi, runner=run), flds, ids)
+    done = run.run(argv, timeout)
     return _check_and_parse(argv, done, CsvParser(flds, tz=tz), flds)
 
 
@@ -288,8 +288,9 @@ def processes(
         InvalidGpuIdError, NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, NvidiaSmiFailedError, ParseError.
     """
     ids = normalize_gpus(gpus)
-    binary = find_nvidia_smi(nvidia_smi)
-    run = (runner or SubprocessRunner()).run
+    runner = runner or default_runner()
+    binary = find_nvidia_smi(nvidia_smi, runner=runner)
+    run = runner.run
     gpu_rows = query(["index", "uuid"], gpus=ids or None, nvidia_smi=binary, timeout=timeout, runner=runner)
     by_uuid = {s.uuid: s.index for s in gpu_rows}
     argv = [binary, "--query-compute-apps=" + _APPS_FIELDS, "--format=csv,noheader,nounits"]

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from smiquery.errors import NvidiaSmiTimeoutError, ParseError, SmiqueryError, StreamEndedError
 from smiquery.oneshot import GpusArg, normalize_gpus
-from smiquery.runner import LineSource, Runner, SubprocessRunner, find_nvidia_smi
+from smiquery.runner import LineSource, Runner, default_runner, find_nvidia_smi
 from smiquery.source import StreamEvent, StreamStats
 
 __all__ = [
@@ -390,9 +390,15 @@ class PmonStream:
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.gpus = normalize_gpus(gpus)
+        self._runner: Runner = runner or default_runner()
         self.argv = tuple(
             build_pmon_argv(
-                find_nvidia_smi(nvidia_smi), self.gpus, interval=interval, count=count, select=select, options=options
+                find_nvidia_smi(nvidia_smi, runner=self._runner),
+                self.gpus,
+                interval=interval,
+                count=count,
+                select=select,
+                options=options,
             )
         )
         self.count = count
@@ -402,7 +408,6 @@ class PmonStream:
         self.backoff_max = backoff_max
         self.on_event = on_event
         self.stats = StreamStats()
-        self._runner: Runner = runner or SubprocessRunner()
         self._sleep = sleep
         self._lock = threading.Lock()
         self._child: LineSource | None = None

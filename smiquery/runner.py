@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from smiquery.errors import NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, StreamEndedError, failure_from_exit
 
@@ -37,6 +37,7 @@ __all__ = [
     "LineStream",
     "Runner",
     "SubprocessRunner",
+    "default_runner",
     "find_nvidia_smi",
     "live_children",
     "terminate_and_reap",
@@ -75,15 +76,20 @@ def _check_executable(path: str, origin: str) -> str:
     return str(p)
 
 
-def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None) -> str:
+def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner: Runner | None = None) -> str:
     r"""Locate the nvidia-smi binary.
 
     Order: the ``nvidia_smi`` argument, the ``SMIQUERY_NVIDIA_SMI`` environment variable, ``PATH``, then the
     usual places (``/usr/bin``, ``/usr/local/nvidia/bin`` used by container runtimes, WSL's ``/usr/lib/wsl/lib``,
     and on Windows ``%SystemRoot%\System32`` and ``%ProgramFiles%\NVIDIA Corporation\NVSMI``).
 
+    A runner that serves nvidia-smi without a file (one with a ``locate`` method, like
+    :class:`smiquery.testing.InProcessRunner`) names the binary itself and nothing is looked up: the ``runner``
+    argument, else the runner :func:`default_runner` returns.
+
     Args:
         nvidia_smi: an explicit path (or a bare command name looked up on PATH).
+        runner: the runner that will run the binary (default: :func:`default_runner`).
 
     Returns:
         The path to run.
@@ -91,6 +97,9 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None) -> str:
     Raises:
         NvidiaSmiNotFoundError: nothing usable was found; the message says what to do.
     """
+    chosen = runner if runner is not None else _installed
+    if isinstance(chosen, _Locating):
+        return chosen.locate(nvidia_smi)
     if nvidia_smi is not None:
         text = os.fspath(nvidia_smi)
         if os.sep not in text and "/" not in text:
@@ -201,7 +210,12 @@ class LineSource(Protocol):
 
 
 class Runner(Protocol):
-    """How smiquery runs nvidia-smi. :class:`SubprocessRunner` is the real one; tests may inject others."""
+    """How smiquery runs nvidia-smi. :class:`SubprocessRunner` is the real one; tests may inject others.
+
+    Every function that runs nvidia-smi takes ``runner=``; without one it uses :func:`default_runner`. A runner
+    may also define ``locate(nvidia_smi) -> str``: then :func:`find_nvidia_smi` asks it for ``argv[0]`` instead
+    of searching the file system (:class:`smiquery.testing.InProcessRunner` does, since it starts no binary).
+    """
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
         """Run to completion within ``timeout`` seconds."""
@@ -210,6 +224,38 @@ class Runner(Protocol):
     def lines(self, argv: Sequence[str]) -> LineSource:
         """Start a long-running child and return its output lines."""
         ...
+
+
+@runtime_checkable
+class _Locating(Protocol):
+    """A runner that names ``argv[0]`` itself (it starts no file), so no PATH lookup is made for it."""
+
+    def locate(self, nvidia_smi: str | os.PathLike[str] | None) -> str: ...
+
+
+# The runner used where none is passed. Only smiquery.testing.use_runner() changes it, for the length of a
+# `with` block in a test; no environment variable or configuration file can.
+_installed: Runner | None = None
+
+
+def default_runner() -> Runner:
+    """The runner used wherever none is passed: a new :class:`SubprocessRunner`.
+
+    Inside a :func:`smiquery.testing.use_runner` block (tests only) it is the runner given there instead, in
+    every thread, so that the CLI, the exporter and the callbacks run against an in-process fake.
+
+    Returns:
+        The runner to use.
+    """
+    installed = _installed
+    return installed if installed is not None else SubprocessRunner()
+
+
+def _install_default(runner: Runner | None) -> Runner | None:
+    """Make ``runner`` the default (None: back to :class:`SubprocessRunner`); returns the previous one."""
+    global _installed
+    previous, _installed = _installed, runner
+    return previous
 
 
 # ------------------------------------------------------------------------------------------ child bookkeeping

@@ -123,7 +123,7 @@ def take_snapshot(
         OSError: the folder cannot be created.
     """
     from smiquery.notify import event_payload
-    from smiquery.runner import SubprocessRunner, find_nvidia_smi
+    from smiquery.runner import default_runner, find_nvidia_smi
 
     folder = _folder(directory, event)
     payload = event_payload(event, context)
@@ -133,12 +133,12 @@ def take_snapshot(
     if csv:
         _write_capped(folder / "samples.csv", csv, max_bytes)
     try:
-        binary = find_nvidia_smi(nvidia_smi)
+        binary = find_nvidia_smi(nvidia_smi, runner=runner)
     except Exception as exc:
         for name in ("nvidia-smi-q.xml", "processes.csv"):
             _write_capped(folder / f"{name}.error.txt", f"{exc}\n", max_bytes)
         return str(folder)
-    run = runner or SubprocessRunner()
+    run = runner or default_runner()
     _run(run, [binary, "-q", "-x"], timeout, folder / "nvidia-smi-q.xml", max_bytes)
     _run(
         run,

@@ -36,7 +36,7 @@ from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, build_argv, normalize_gpus
 from smiquery.parsing import CsvParser, is_message
 from smiquery.records import GpuSample
-from smiquery.runner import TERM_GRACE, LineSource, Runner, SubprocessRunner, find_nvidia_smi
+from smiquery.runner import TERM_GRACE, LineSource, Runner, default_runner, find_nvidia_smi
 from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep, SweepGrouper
 
 if TYPE_CHECKING:
@@ -130,7 +130,8 @@ class Stream(LatestSweep):
         self.fields = flds
         self.interval = float(interval)
         self.gpus = normalize_gpus(gpus)
-        self._binary = find_nvidia_smi(nvidia_smi)
+        self._runner: Runner = runner or default_runner()
+        self._binary = find_nvidia_smi(nvidia_smi, runner=self._runner)
         self.argv = tuple(build_argv(self._binary, flds, self.gpus, interval=self.interval))
         self.max_samples = max_samples
         self.duration = duration
@@ -144,7 +145,6 @@ class Stream(LatestSweep):
         self.healthy_after = healthy_after if healthy_after is not None else max(30.0, 10 * self.interval)
         self.fail_fast = fail_fast
         self.on_event = on_event
-        self._runner: Runner = runner or SubprocessRunner()
         self._sleep = sleep
         self._tz = tz
         self.stats = StreamStats()

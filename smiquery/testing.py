@@ -2,6 +2,8 @@
 
 :func:`fake_nvidia_smi` writes the executable; :func:`main` is its entry point (also ``python -m smiquery.testing``
 and the ``smiquery-fake-nvidia-smi`` console script). Real process, real pipes, real signals: no mocks.
+:class:`InProcessRunner` runs the same engine on a thread, and :func:`use_runner` makes it the runner of everything
+that runs nvidia-smi (CLI, exporter, monitor, callbacks) for the length of a ``with`` block.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from importlib import resources
-from typing import BinaryIO, NoReturn
+from typing import BinaryIO, NoReturn, TypeVar
 
 from smiquery.errors import (
     InvalidFieldError,
@@ -36,9 +38,18 @@ from smiquery.errors import (
 )
 from smiquery.fields import CATALOGUE, Field, Kind, get_field
 from smiquery.parsing import missing_reason
-from smiquery.runner import Completed
+from smiquery.runner import Completed, Runner, _install_default
 
-__all__ = ["ENV_VARS", "FAULTS", "FAULT_HELP", "InProcessLines", "InProcessRunner", "fake_nvidia_smi", "main"]
+__all__ = [
+    "ENV_VARS",
+    "FAULTS",
+    "FAULT_HELP",
+    "InProcessLines",
+    "InProcessRunner",
+    "fake_nvidia_smi",
+    "main",
+    "use_runner",
+]
 
 #: Fault specs understood by the fake, and what each does (``N``, ``CODE`` and ``INDEX`` are integers, ``SECONDS``
 #: a number; combine specs with commas, so a MESSAGE cannot hold one). Messages and exit codes follow
@@ -140,6 +151,7 @@ _DEFAULT_DRIVER = "590.48.01"
 _CUDA_BY_BRANCH = {470: "11.4", 535: "12.2", 550: "12.4", 560: "12.6", 570: "12.8", 580: "13.0", 590: "13.1"}
 # On a lost GPU these cells keep their values (NVIDIA-SMI.md section 3); every other cell reads [GPU is lost].
 _SURVIVES_LOSS = frozenset({"timestamp", "index", "uuid", "pci.bus_id", "name"})
+_R = TypeVar("_R", bound=Runner)
 _EX_SOFTWARE = 70  # misuse of the fake itself (bad fault spec, unreadable recording), never an nvidia-smi code
 
 
@@ -1524,8 +1536,9 @@ class InProcessRunner:
     worker thread instead of a child process (no interpreter start-up per call), with the same output and exit
     statuses; hangs, start delays and loop intervals are real waits that :meth:`InProcessLines.terminate`,
     ``kill`` and ``close`` cut short. Use it wherever the subprocess boundary is not what a test is about; keep
-    the executable for tests of pipes, signals and reaping. ``argv[0]`` (the binary) is ignored; ``grandchild``
-    needs a process and does nothing here.
+    the executable for tests of pipes, signals and reaping. ``argv[0]`` (the binary) is ignored, so no binary is
+    looked up for it (:meth:`locate`); ``grandchild`` needs a process and does nothing here. To run code that
+    takes no ``runner=`` (the CLI, the exporter, the callbacks) against it, see :func:`use_runner`.
 
     Settings are plain attributes and may change between calls (set ``fault = None`` to simulate a fix). Unlike
     the executable, the process environment is not read: pass ``SMIQUERY_FAKE_*`` overrides in ``env``.
@@ -1536,16 +1549,15 @@ class InProcessRunner:
         from smiquery import errors, query
         from smiquery.testing import InProcessRunner, fake_nvidia_smi
 
-        def test_recovers_once_the_driver_is_back(tmp_path):
-            smi = fake_nvidia_smi(tmp_path)  # query() resolves the binary's path; the runner never starts it
+        def test_recovers_once_the_driver_is_back():
             runner = InProcessRunner(fault="driver-not-loaded")
             with pytest.raises(errors.DriverNotLoadedError):
-                query(nvidia_smi=smi, runner=runner)
+                query(runner=runner)  # no binary is looked up: the runner starts none
             runner.fault = None  # the fix
-            assert len(query(nvidia_smi=smi, runner=runner)) == 8
+            assert len(query(runner=runner)) == 8
             assert len(runner.calls) == 2
             # a loop: lines() returns a LineSource; readline(timeout) gives None while the fake is silent
-            with runner.lines([str(smi), "--query-gpu=index", "--format=csv,noheader", "-lms", "10"]) as src:
+            with runner.lines(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader", "-lms", "10"]) as src:
                 assert src.readline(10) == "0"
 
     Args:
@@ -1649,6 +1661,19 @@ class InProcessRunner:
         """
         return InProcessLines(argv, self._start(argv))
 
+    def locate(self, nvidia_smi: str | os.PathLike[str] | None) -> str:
+        """What ``argv[0]`` is for this runner: ``nvidia_smi`` as given, or ``nvidia-smi``; nothing is looked up.
+
+        :func:`smiquery.runner.find_nvidia_smi` calls it instead of searching PATH, since no binary is started.
+
+        Args:
+            nvidia_smi: the path a caller asked for, if any (it need not exist).
+
+        Returns:
+            The name put in ``argv[0]`` (and shown in messages such as the doctor's).
+        """
+        return "nvidia-smi" if nvidia_smi is None else os.fspath(nvidia_smi)
+
     def running(self) -> int:
         """How many engine threads of this runner are still running (0 once every source is closed)."""
         return sum(1 for ch in list(self._channels) if ch.thread is not None and ch.thread.is_alive())
@@ -1663,6 +1688,40 @@ class InProcessRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def use_runner(runner: _R) -> Iterator[_R]:
+    """Run every nvidia-smi call that gets no ``runner=`` through ``runner``, in every thread, inside the block.
+
+    For tests of code that builds its own runner: the CLI (``smiquery.cli.main``), the exporter, ``GpuMonitor``
+    and the Keras and Lightning callbacks. With an :class:`InProcessRunner`, no binary is looked up (``--nvidia-smi``
+    may name any path, or none) and no process is started. On exit the previous default comes back (blocks nest);
+    the runner is not closed. Code that passes its own ``runner=`` keeps it. :mod:`smiquery.aio` starts its children
+    with asyncio, not through a runner, and is not covered. Nothing else (no environment variable, no setting)
+    changes the default, so production code always runs the real nvidia-smi.
+
+    Example::
+
+        from smiquery.cli import main
+        from smiquery.testing import InProcessRunner, use_runner
+
+        def test_query_exits_4_without_a_driver(capsys):
+            with use_runner(InProcessRunner(fault="driver-not-loaded")), pytest.raises(SystemExit) as info:
+                main(["query"])
+            assert info.value.code == 4
+
+    Args:
+        runner: the runner to use (any :class:`~smiquery.runner.Runner`).
+
+    Yields:
+        ``runner``.
+    """
+    previous = _install_default(runner)
+    try:
+        yield runner
+    finally:
+        _install_default(previous)
 
 
 def _check_settings(fault: str | None, start_delay: float) -> None:

@@ -1,13 +1,19 @@
-"""The command line, driven as users drive it: a real `python -m smiquery` process against the fake nvidia-smi.
+"""The command line, driven as users drive it, in-process against the in-process fake nvidia-smi.
 
-Every command and format, usage errors, the exit code and one-line message of each failure, Ctrl-C (exit 130,
-no child left, whole rows in the output file), doctor against every fault the fake can play, the live table
-under a pseudo-terminal, replay, alerts, and the no-pandas start-up of `query --format csv`.
+Most tests call :func:`smiquery.cli.main` in this process with stdout and stderr captured and
+:func:`smiquery.testing.use_runner` serving nvidia-smi on a thread: every command and format, usage errors, the exit
+code and one-line message of each failure, doctor against every fault the fake can play, replay and alerts. The
+process boundary keeps real processes: the exit status of a real `python -m smiquery` against the fake executable,
+rows flushed through a pipe, `| head`, Ctrl-C and SIGTERM (exit 130/143, no child left, whole rows in the output
+file), the live table under a pseudo-terminal, and the no-pandas start-up of `query --format csv`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import pty
 import select
@@ -15,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -29,11 +35,14 @@ from smiquery.cli import app, exit_code_for, main
 from smiquery.parsing import CsvParser
 from smiquery.playback import replay
 from smiquery.records import GpuSample
-from smiquery.testing import FAULTS
-from tests.conftest import MakeFake
+from smiquery.runner import Runner, SubprocessRunner
+from smiquery.testing import FAULTS, InProcessRunner, use_runner
+from tests.conftest import assert_stopped
 
 DEMO = Path(str(resources.files("smiquery") / "data" / "demo-8gpu.csv"))
 SAFE = ("NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_VISIBLE_DEVICES", "SMIQUERY_NVIDIA_SMI", "SMIQUERY_FAKE_")
+#: What `--nvidia-smi` names in in-process tests: the in-process runner looks nothing up, so no file is needed.
+FAKE_PATH = "/opt/fake-driver/bin/nvidia-smi"
 
 
 def cli_env(**extra: str) -> dict[str, str]:
@@ -49,12 +58,63 @@ def argv(*args: object, smi: Path | str | None = None) -> list[str]:
     return [sys.executable, "-m", "smiquery", *pre, *(str(a) for a in args)]
 
 
-def run(
+def run_process(
     *args: object, smi: Path | str | None = None, timeout: float = 60, **env: str
 ) -> subprocess.CompletedProcess[str]:
+    """A real `python -m smiquery` process (for tests of the process boundary)."""
     return subprocess.run(
         argv(*args, smi=smi), env=cli_env(**env), capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+@contextlib.contextmanager
+def _as_a_fresh_process(env: dict[str, str]) -> Iterator[None]:
+    """The environment, working directory and `smiquery` logger of a new process, put back afterwards."""
+    saved_env = dict(os.environ)
+    cwd = os.getcwd()
+    logger = logging.getLogger("smiquery")
+    saved_log = (list(logger.handlers), logger.propagate, logger.level)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        os.chdir(cwd)
+        logger.handlers[:], logger.propagate, logger.level = saved_log[0], saved_log[1], saved_log[2]
+
+
+def run(
+    *args: object,
+    smi: Path | str | None = None,
+    runner: Runner | None = None,
+    cwd: Path | None = None,
+    **env: str,
+) -> subprocess.CompletedProcess[str]:
+    """`smiquery ARGS` in this process: ``main()`` with stdout and stderr captured, its exit status returned.
+
+    nvidia-smi is whatever runner is installed (the ``inproc`` fixture's in-process fake); ``runner`` installs
+    another for this call (``SubprocessRunner()``: the real lookup, for "not found" cases). ``env`` and ``cwd`` are
+    what a child process would get (:func:`cli_env`).
+    """
+    out, err = io.StringIO(), io.StringIO()
+    code: object = None
+    cmd = [*(["--nvidia-smi", str(smi)] if smi is not None else []), *(str(a) for a in args)]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_as_a_fresh_process(cli_env(**env)))
+        if cwd is not None:
+            os.chdir(cwd)
+        if runner is not None:
+            stack.enter_context(use_runner(runner))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        try:
+            main(cmd)
+        except SystemExit as exc:
+            code = exc.code
+    assert isinstance(code, int), code  # main() always exits with a number
+    return subprocess.CompletedProcess(["smiquery", *cmd], code, out.getvalue(), err.getvalue())
 
 
 def one_line_error(proc: subprocess.CompletedProcess[str], code: int, says: str = "") -> str:
@@ -76,8 +136,9 @@ def starts(log: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def smi(fake_smi: MakeFake) -> Path:
-    return fake_smi()
+def smi(inproc: InProcessRunner) -> str:
+    """The `--nvidia-smi` of in-process tests; ``inproc`` (the fake serving it) takes the faults."""
+    return FAKE_PATH
 
 
 # ------------------------------------------------------------------------------------------- help, version
@@ -144,7 +205,8 @@ def test_query_selects_gpus_by_uuid_and_bus_id(smi):
     assert [x["index"] for x in json.loads(got.stdout)] == [2, 4]
 
 
-def test_query_csv_imports_neither_pandas_nor_typer(smi):
+def test_query_csv_imports_neither_pandas_nor_typer(fake_smi):
+    smi = fake_smi()  # a fresh interpreter: what it imports is the subject
     probe = (
         "import sys, runpy\n"
         f"sys.argv = ['smiquery', '--nvidia-smi', {str(smi)!r}, 'query', '--format', 'csv']\n"
@@ -200,9 +262,7 @@ def test_main_fast_path_and_typer_path_agree(smi, capsys):
     ],
 )
 def test_usage_errors_exit_2_with_one_line(smi, tmp_path, args, says):
-    proc = subprocess.run(
-        argv(*args, smi=smi), env=cli_env(), capture_output=True, text=True, timeout=30, check=False, cwd=tmp_path
-    )
+    proc = run(*args, smi=smi, cwd=tmp_path)
     line = one_line_error(proc, 2, says)
     assert line.startswith("smiquery: usage error: ")
     assert proc.stdout == ""
@@ -222,29 +282,49 @@ def test_usage_errors_exit_2_with_one_line(smi, tmp_path, args, says):
         ("garbage", 1, "run `smiquery doctor`"),
     ],
 )
-def test_each_failure_has_its_exit_code_and_one_line(fake_smi, fault, code, says):
-    proc = run("--timeout", "1", "query", smi=fake_smi(fault=fault))
+def test_each_failure_has_its_exit_code_and_one_line(inproc, fault, code, says):
+    inproc.fault = fault
+    proc = run("--timeout", "1", "query", smi=FAKE_PATH)
     line = one_line_error(proc, code, says)
     assert line.startswith("smiquery: error: ")
 
 
+@pytest.mark.parametrize(
+    ("fault", "code", "says"),
+    [
+        ("driver-not-loaded", 4, "couldn't communicate with the NVIDIA driver"),
+        ("hang", 5, "did not answer within 1 s"),
+    ],
+)
+def test_a_real_process_exits_with_the_code_of_a_real_failure(fake_smi, fault, code, says):
+    # end to end: the exit status of `python -m smiquery`, its one stderr line, a real child killed at the timeout
+    proc = run_process("--timeout", "1", "query", smi=fake_smi(fault=fault))
+    line = one_line_error(proc, code, says)
+    assert line.startswith("smiquery: error: ") and proc.stdout == ""
+
+
 def test_nvidia_smi_missing_exits_3(tmp_path):
-    one_line_error(run("query", smi=tmp_path / "nvidia-smi"), 3, "nvidia-smi not found")
-    one_line_error(run("ps", smi=tmp_path / "nvidia-smi"), 3, "nvidia-smi not found")
-    one_line_error(run("stream", smi=tmp_path / "nvidia-smi"), 3, "nvidia-smi not found")
-    env_only = run("query", SMIQUERY_NVIDIA_SMI=str(tmp_path / "gone"))
+    real = SubprocessRunner()  # the real lookup of the binary
+    one_line_error(run("query", smi=tmp_path / "nvidia-smi", runner=real), 3, "nvidia-smi not found")
+    one_line_error(run("ps", smi=tmp_path / "nvidia-smi", runner=real), 3, "nvidia-smi not found")
+    one_line_error(run("stream", smi=tmp_path / "nvidia-smi", runner=real), 3, "nvidia-smi not found")
+    env_only = run("query", runner=real, SMIQUERY_NVIDIA_SMI=str(tmp_path / "gone"))
     one_line_error(env_only, 3, "$SMIQUERY_NVIDIA_SMI")
+    missing = run_process("query", smi=tmp_path / "nvidia-smi")  # end to end: the status of a real process
+    one_line_error(missing, 3, "nvidia-smi not found")
 
 
-def test_inforom_warning_is_one_line_and_rows_are_kept(fake_smi):
-    proc = run("query", "-F", "csv", smi=fake_smi(fault="inforom"))
+def test_inforom_warning_is_one_line_and_rows_are_kept(inproc, smi):
+    inproc.fault = "inforom"
+    proc = run("query", "-F", "csv", smi=smi)
     assert proc.returncode == 0
     assert proc.stderr.startswith("smiquery: warning: nvidia-smi exited 14") and proc.stderr.count("\n") == 1
     assert len(csv_rows(proc.stdout)) == 8
 
 
-def test_debug_shows_the_traceback(fake_smi):
-    proc = run("--debug", "query", smi=fake_smi(fault="driver-not-loaded"))
+def test_debug_shows_the_traceback(inproc, smi):
+    inproc.fault = "driver-not-loaded"
+    proc = run("--debug", "query", smi=smi)
     assert proc.returncode == 4
     assert "Traceback" in proc.stderr and "DriverNotLoadedError" in proc.stderr
     assert proc.stderr.splitlines()[-1].startswith("smiquery: error: ")
@@ -274,8 +354,7 @@ def test_exit_code_table():
 # ------------------------------------------------------------------------------------------------- ps, fields
 
 
-def test_ps_every_format(fake_smi):
-    smi = fake_smi()
+def test_ps_every_format(inproc, smi):
     rows = json.loads(run("ps", "--format", "json", smi=smi).stdout)
     assert [r["gpu_index"] for r in rows] == list(range(8))
     assert rows[0]["pid"] == 48213 and rows[0]["used_memory"] == 69126
@@ -288,11 +367,12 @@ def test_ps_every_format(fake_smi):
     table = run("ps", "-F", "table", smi=smi).stdout.splitlines()
     assert table[0].split()[:4] == ["gpu", "pid", "user", "cpu"] and len(table) == 9
     assert table[1].split()[2:4] == ["n/a", "n/a"]
-    empty = run("ps", "-F", "table", smi=fake_smi(apps="")).stdout
+    inproc.apps = ""
+    empty = run("ps", "-F", "table", smi=smi).stdout
     assert empty == "no compute processes\n"
 
 
-def test_ps_shows_user_command_and_cpu_from_proc(fake_smi, tmp_path):
+def test_ps_shows_user_command_and_cpu_from_proc(inproc, smi, tmp_path):
     import getpass
 
     busy = subprocess.Popen([sys.executable, "-c", "import sys\nwhile True: pass", "spin-marker"])
@@ -302,7 +382,8 @@ def test_ps_shows_user_command_and_cpu_from_proc(fake_smi, tmp_path):
         apps.write_text(
             f"pid, process_name, gpu_uuid, used_gpu_memory [MiB]\n{busy.pid}, {sys.executable}, {uuid}, 10 MiB\n"
         )
-        rows = json.loads(run("ps", "-F", "json", smi=fake_smi(apps=apps)).stdout)
+        inproc.apps = apps
+        rows = json.loads(run("ps", "-F", "json", smi=smi).stdout)
     finally:
         busy.kill()
         busy.wait()
@@ -325,7 +406,7 @@ def test_fields_catalogue_presets_search_and_supported(smi):
     text = run("fields", "--supported", "--search", "clocks.max", "-F", "table", smi=smi).stdout
     assert " NO " in text and "not supported by this driver" in text
     assert run("fields", "-F", "csv").stdout.startswith("name, kind, unit, aliases, help\n")
-    one_line_error(run("fields", "--supported", smi=Path("/nonexistent/nvidia-smi")), 3)
+    one_line_error(run("fields", "--supported", smi=Path("/nonexistent/nvidia-smi"), runner=SubprocessRunner()), 3)
 
 
 # ------------------------------------------------------------------------------------------------- doctor
@@ -381,13 +462,22 @@ def test_doctor_covers_every_fault_of_the_fake():
     assert set(DOCTOR_FAULTS) == set(FAULTS)
 
 
+# Faults whose subject is the process itself: played by the fake executable as a real child. `grandchild` leaves a
+# helper holding the pipe; `hang` is a child killed at the deadline.
+PROCESS_FAULTS = {"grandchild", "hang"}
+
+
 @pytest.mark.parametrize("spec", sorted(DOCTOR_FAULTS))
 def test_doctor_against_each_fault(fake_smi, spec):
     fault, code, gate_code, first = DOCTOR_FAULTS[spec]
-    smi = fake_smi(fault=fault)
+    if fault in PROCESS_FAULTS:
+        smi: Path | str = fake_smi(fault=fault)
+        runner: Runner = SubprocessRunner()
+    else:
+        smi, runner = FAKE_PATH, InProcessRunner(fault=fault)
     # only a hang (or a child printing notices but no rows) may time out, however loaded the machine
     limit = "1" if fault.startswith(("hang", "notices")) else "20"
-    proc = run("--timeout", limit, "doctor", smi=smi, timeout=60)
+    proc = run("--timeout", limit, "doctor", smi=smi, runner=runner)
     assert proc.returncode == code, proc.stdout
     assert proc.stderr == ""
     assert proc.stdout.isprintable() or all(ln.isprintable() for ln in proc.stdout.splitlines())  # no raw bytes
@@ -397,29 +487,33 @@ def test_doctor_against_each_fault(fake_smi, spec):
     problems = [ln for ln in checks if ln.startswith(("FAIL", "WARN"))]
     if first is None:
         assert not problems and lines[-1] == "all checks passed"
+        if isinstance(runner, InProcessRunner):
+            assert_stopped(runner)
         return
     assert problems[0][6:].startswith(f"{first}: "), problems
     assert all(" -> fix: " in ln for ln in problems)
     fixes = [ln.split(" -> fix: ", 1)[1] for ln in problems]
     assert len(fixes) == len(set(fixes)), fixes  # each fix printed once
-    doc = json.loads(run("--timeout", limit, "doctor", "--json", "--gate", smi=smi, timeout=60).stdout)
+    doc = json.loads(run("--timeout", limit, "doctor", "--json", "--gate", smi=smi, runner=runner).stdout)
     assert doc["exit_code"] == gate_code
     assert doc["ok"] is (gate_code == 0)
     assert next(c["name"] for c in doc["checks"] if c["status"] in ("fail", "warn")) == first
+    if isinstance(runner, InProcessRunner):
+        assert_stopped(runner)
 
 
 def test_doctor_without_nvidia_smi(tmp_path):
-    proc = run("doctor", smi=tmp_path / "nvidia-smi")
+    proc = run("doctor", smi=tmp_path / "nvidia-smi", runner=SubprocessRunner())
     assert proc.returncode == 3
     assert proc.stdout.splitlines()[0].startswith("FAIL  nvidia-smi found: nvidia-smi not found at ")
     assert "skip  driver reachable: nvidia-smi not found" in proc.stdout
     assert proc.stdout.count("--gpus all") <= 1 and proc.stdout.count("install the NVIDIA driver") <= 1
     assert "nvidia_smi=" not in proc.stdout
-    assert run("doctor", "--gate", smi=tmp_path / "nvidia-smi").returncode == 3
+    assert run_process("doctor", "--gate", smi=tmp_path / "nvidia-smi").returncode == 3  # end to end
 
 
-def test_doctor_gate_passes_on_warnings_only(fake_smi):
-    smi = fake_smi(fault="inforom")
+def test_doctor_gate_passes_on_warnings_only(inproc, smi):
+    inproc.fault = "inforom"
     plain = run("doctor", smi=smi)
     assert plain.returncode == 1 and "WARN  infoROM: " in plain.stdout and plain.stdout.endswith("1 warning\n")
     assert run("doctor", "--gate", smi=smi).returncode == 0
@@ -442,19 +536,25 @@ def test_stream_csv_jsonl_and_table_when_piped(smi):
     assert blocks[1].count("n/a") == 8
 
 
-def test_stream_rows_are_flushed_as_they_arrive(smi):
-    # one sweep per second: the first rows must be readable long before the process ends
+def test_stream_rows_are_flushed_as_they_arrive(fake_smi):
+    # one sweep per second: a sweep is whole when the next one starts, so the first rows come through the pipe
+    # about a second before the last; rows held back until the end would arrive only moments before the process
+    # exits. Only a lower bound on time is asserted: a loaded machine makes it longer, never shorter.
+    smi = fake_smi()
     with subprocess.Popen(
         argv("stream", "-l", "1", "--count", "3", smi=smi), env=cli_env(), stdout=subprocess.PIPE
     ) as p:
         assert p.stdout is not None
-        t0 = time.monotonic()
         header = p.stdout.readline()
         first = p.stdout.readline()
+        got_first = time.monotonic()
         assert header.startswith(b"timestamp, index") and first.startswith(b"20")
-        assert p.poll() is None and time.monotonic() - t0 < 1.9
-        p.stdout.read()
+        rest = p.stdout.read()
+        p.wait(30)
+        ended = time.monotonic()
     assert p.returncode == 0
+    assert len(csv_rows((header + first + rest).decode())) == 24
+    assert ended - got_first >= 0.75, ended - got_first
 
 
 def test_stream_duration_stops_it(smi):
@@ -484,7 +584,9 @@ def test_stream_output_records_while_displaying(smi, tmp_path, suffix):
 
 
 def test_stream_replay_needs_no_nvidia_smi(tmp_path):
-    proc = run("stream", "--replay", DEMO, "--speed", "0", "--count", "5", smi=tmp_path / "absent")
+    # the real lookup: a replay that looked for nvidia-smi would fail on the absent path
+    real = SubprocessRunner()
+    proc = run("stream", "--replay", DEMO, "--speed", "0", "--count", "5", smi=tmp_path / "absent", runner=real)
     assert proc.returncode == 0, proc.stderr
     rows = csv_rows(proc.stdout)
     assert len(rows) == 40 and rows[0].fields == PRESETS["default"]
@@ -547,21 +649,24 @@ def test_time_held_alert_on_a_replay_uses_recorded_time():
     assert len(firing) == 8 and "held 30." in firing[0]
 
 
-def test_stream_failure_exits_with_its_code_and_the_file_is_whole(fake_smi, tmp_path):
+def test_stream_failure_exits_with_its_code_and_the_file_is_whole(inproc, smi, tmp_path):
     rec = tmp_path / "rec.csv"
-    proc = run("stream", "-l", "50ms", "-o", rec, smi=fake_smi(fault="permission"))
+    inproc.fault = "permission"
+    proc = run("stream", "-l", "50ms", "-o", rec, smi=smi)
     one_line_error(proc, 4, "Insufficient Permissions")
     assert rec.read_text().endswith("\n") and rec.read_text().count("\n") == 1  # the header, whole
     jl = tmp_path / "rec.jsonl"
     # a crash mid-stream is restarted; --count still ends it with every row whole
-    proc = run("stream", "-l", "50ms", "--count", "6", "-o", jl, "-F", "jsonl", smi=fake_smi(fault="crash-after:20"))
+    inproc.fault = "crash-after:20"
+    proc = run("stream", "-l", "50ms", "--count", "6", "-o", jl, "-F", "jsonl", smi=smi)
     assert proc.returncode == 0, proc.stderr
     assert all(json.loads(x) for x in jl.read_text().splitlines())
 
 
-def test_stream_gives_up_after_retries_with_one_line_per_restart(fake_smi):
+def test_stream_gives_up_after_retries_with_one_line_per_restart(inproc, smi):
     # piped, each restart is one line on stderr (with its cause); the final failure is one line too
-    proc = run("stream", "-l", "50ms", smi=fake_smi(fault="driver-not-loaded"))
+    inproc.fault = "driver-not-loaded"
+    proc = run("stream", "-l", "50ms", smi=smi)
     assert proc.returncode == 4
     lines = proc.stderr.splitlines()
     assert len(lines) >= 2 and "Traceback" not in proc.stderr
@@ -571,17 +676,20 @@ def test_stream_gives_up_after_retries_with_one_line_per_restart(fake_smi):
     assert not any("dropped" in ln for ln in lines)  # the error's own message is not also a dropped row
 
 
-def test_piped_stream_reports_restarts_and_lost_gpus_on_stderr(fake_smi):
-    crash = run("stream", "-l", "50ms", "--count", "6", smi=fake_smi(fault="crash-after:20"))
+def test_piped_stream_reports_restarts_and_lost_gpus_on_stderr(inproc, smi):
+    inproc.fault = "crash-after:20"
+    crash = run("stream", "-l", "50ms", "--count", "6", smi=smi)
     assert crash.returncode == 0, crash.stderr
     restarts = crash.stderr.splitlines()
     assert restarts and all(ln.startswith("smiquery: restarting nvidia-smi ") for ln in restarts), restarts
-    lost = run("stream", "-l", "50ms", "--count", "4", smi=fake_smi(fault="gpu-lost-after:10:3"))
+    inproc.fault = "gpu-lost-after:10:3"
+    lost = run("stream", "-l", "50ms", "--count", "4", smi=smi)
     assert lost.returncode == 0, lost.stderr
     assert lost.stderr.splitlines() == ["smiquery: error: GPU 3 is lost (fell off the bus)"]
 
 
-def test_closed_pipe_ends_quietly(smi):
+def test_closed_pipe_ends_quietly(fake_smi):
+    smi = fake_smi()
     cmd = argv("stream", "-l", "50ms", smi=smi)
     with subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE) as p:
         assert p.stdout is not None and p.stderr is not None
@@ -645,7 +753,8 @@ def test_ctrl_c_during_replay_exits_130(tmp_path):
     assert (tmp_path / "r.csv").read_text().endswith("\n")
 
 
-def test_sigterm_also_finishes_the_file(smi, tmp_path):
+def test_sigterm_also_finishes_the_file(fake_smi, tmp_path):
+    smi = fake_smi()
     rec = tmp_path / "rec.jsonl"
     with subprocess.Popen(argv("stream", "-l", "50ms", "-o", rec, smi=smi), env=cli_env(), stdout=subprocess.PIPE) as p:
         assert p.stdout is not None
@@ -699,7 +808,8 @@ def finish_pty(pid: int, fd: int, out: bytes, *, interrupt: bool) -> tuple[int, 
     return os.waitstatus_to_exitcode(status), out
 
 
-def test_live_table_redraws_in_place_and_shows_missing_values(smi):
+def test_live_table_redraws_in_place_and_shows_missing_values(fake_smi):
+    smi = fake_smi()
     fields = "index,temperature.gpu,fan.speed,power.draw"
     pid, fd = spawn_in_pty(["--nvidia-smi", smi, "stream", "-l", "100ms", "-f", fields, "-a", "power.draw > 60"])
     code, out = finish_pty(pid, fd, read_pty(fd, 1.5), interrupt=True)

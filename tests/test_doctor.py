@@ -1,4 +1,8 @@
-"""smiquery.doctor: each check's status, diagnosis and single fix, against the fake nvidia-smi (in process)."""
+"""smiquery.doctor: each check's status, diagnosis and single fix, against the in-process fake nvidia-smi.
+
+The doctor runs whatever nvidia-smi the default runner serves: here `inproc` (no process). The CLI tests run
+`smiquery doctor` against the fake executable too (hang, grandchild, a missing binary).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,11 @@ import pytest
 
 from smiquery import doctor
 from smiquery.doctor import CHECK_NAMES, CheckResult, exit_code, run_checks
-from tests.conftest import MakeFake
+from smiquery.runner import SubprocessRunner
+from smiquery.testing import InProcessRunner, use_runner
+
+#: The nvidia-smi the checks are given; the in-process fake looks nothing up.
+FAKE_PATH = "/opt/fake-driver/bin/nvidia-smi"
 
 
 def by_name(results: list[CheckResult]) -> dict[str, CheckResult]:
@@ -27,17 +35,20 @@ def container(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES", raising=False)
 
 
-def test_healthy_machine_reports_every_check_in_order(fake_smi: MakeFake, host: None) -> None:
-    results = run_checks(fake_smi(), timeout=20)
+def test_healthy_machine_reports_every_check_in_order(inproc: InProcessRunner, host: None) -> None:
+    results = run_checks(FAKE_PATH, timeout=20)
     assert [r.name for r in results] == [n for n in CHECK_NAMES if n != "infoROM" and not n.startswith("NVIDIA_")]
     assert {r.status for r in results} <= {"ok", "skip"}
     checks = by_name(results)
     assert checks["driver/library match"].diagnosis == "NVML 590.48 matches driver 590.48.01"
     assert exit_code(results) == exit_code(results, gate=True) == 0
+    assert checks["nvidia-smi found"].status == "ok" and FAKE_PATH in checks["nvidia-smi found"].diagnosis
+    assert [c[1:] for c in inproc.calls][:1] == [("--version",)]  # the binary's version is asked first
 
 
 def test_no_nvidia_smi_fails_once_with_one_fix(tmp_path: Path, container: None) -> None:
-    results = run_checks(tmp_path / "nvidia-smi", timeout=5)
+    with use_runner(SubprocessRunner()):  # the real lookup
+        results = run_checks(tmp_path / "nvidia-smi", timeout=5)
     checks = by_name(results)
     found = checks["nvidia-smi found"]
     assert found.status == "fail" and found.code == 3 and "--gpus all" in found.fix
@@ -49,27 +60,29 @@ def test_no_nvidia_smi_fails_once_with_one_fix(tmp_path: Path, container: None) 
     assert exit_code(results) == exit_code(results, gate=True) == 3
 
 
-def test_nvml_missing_does_not_contradict_nvidia_smi_found(fake_smi: MakeFake, container: None) -> None:
-    checks = by_name(run_checks(fake_smi(fault="nvml-not-found"), timeout=20))
+def test_nvml_missing_does_not_contradict_nvidia_smi_found(inproc: InProcessRunner, container: None) -> None:
+    inproc.fault = "nvml-not-found"
+    checks = by_name(run_checks(FAKE_PATH, timeout=20))
     assert checks["nvidia-smi found"].status == "ok"
     assert checks["driver reachable"].status == "fail" and checks["driver reachable"].code == 4
     caps = checks["NVIDIA_DRIVER_CAPABILITIES"]
     assert "libnvidia-ml.so is not mounted" in caps.diagnosis and "nvidia-smi is not mounted" not in caps.diagnosis
 
 
-def test_nvml_init_failure_gets_init_advice_not_field_advice(fake_smi: MakeFake, host: None) -> None:
-    checks = by_name(run_checks(fake_smi(fault="not-supported"), timeout=20))
+def test_nvml_init_failure_gets_init_advice_not_field_advice(inproc: InProcessRunner, host: None) -> None:
+    inproc.fault = "not-supported"
+    checks = by_name(run_checks(FAKE_PATH, timeout=20))
     reach = checks["driver reachable"]
     assert reach.status == "fail" and "Failed to initialize NVML" in reach.diagnosis
     assert "fields" not in reach.fix and "NVML could not start" in reach.fix
 
 
-def test_unknown_nvml_version_is_not_reported_as_matching(fake_smi: MakeFake, host: None) -> None:
+def test_unknown_nvml_version_is_not_reported_as_matching(host: None) -> None:
     # `nvidia-smi --version` failing (exit 9) while the query works: no NVML version to compare
     from smiquery.doctor import _gpu_checks
     from smiquery.oneshot import query
 
-    samples = query(["index", "name", "driver_version"], nvidia_smi=fake_smi(), timeout=20)
+    samples = query(["index", "name", "driver_version"], runner=InProcessRunner(), timeout=20)
     match = by_name(_gpu_checks(samples, {}, []))["driver/library match"]
     assert match.status == "ok" and "matches" not in match.diagnosis and "NVML version not shown" in match.diagnosis
     mismatch = by_name(_gpu_checks(samples, {"nvml": "550.54", "driver": "590.48.01"}, []))["driver/library match"]
@@ -77,13 +90,14 @@ def test_unknown_nvml_version_is_not_reported_as_matching(fake_smi: MakeFake, ho
 
 
 @pytest.mark.parametrize(("fault", "gate"), [("inforom", 0), ("driver-not-loaded", 4), ("hang", 5)])
-def test_gate_fails_only_on_what_stops_monitoring(fake_smi: MakeFake, host: None, fault: str, gate: int) -> None:
-    results = run_checks(fake_smi(fault=fault), timeout=1 if fault == "hang" else 20)
+def test_gate_fails_only_on_what_stops_monitoring(inproc: InProcessRunner, host: None, fault: str, gate: int) -> None:
+    inproc.fault = fault
+    results = run_checks(FAKE_PATH, timeout=1 if fault == "hang" else 20)
     assert exit_code(results, gate=True) == gate
     assert exit_code(results) == (gate or 1)
 
 
-def test_persistence_mode_off_is_a_warning(fake_smi: MakeFake, host: None) -> None:
+def test_persistence_mode_off_is_a_warning(host: None) -> None:
     from smiquery.doctor import _gpu_checks
     from smiquery.parsing import CsvParser
 
@@ -94,12 +108,14 @@ def test_persistence_mode_off_is_a_warning(fake_smi: MakeFake, host: None) -> No
 
 
 def test_container_variables_warn_only_when_they_explain_a_failure(
-    fake_smi: MakeFake, container: None, monkeypatch: pytest.MonkeyPatch
+    inproc: InProcessRunner, container: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("NVIDIA_DRIVER_CAPABILITIES", "compute")
-    broken = by_name(run_checks(fake_smi(fault="nvml-not-found"), timeout=20))
+    inproc.fault = "nvml-not-found"
+    broken = by_name(run_checks(FAKE_PATH, timeout=20))
     assert broken["NVIDIA_DRIVER_CAPABILITIES"].status == "warn"
     assert "utility" in broken["NVIDIA_DRIVER_CAPABILITIES"].fix
-    fine = by_name(run_checks(fake_smi(), timeout=20))
+    inproc.fault = None
+    fine = by_name(run_checks(FAKE_PATH, timeout=20))
     assert fine["NVIDIA_DRIVER_CAPABILITIES"].status == "ok"
     assert fine["NVIDIA_VISIBLE_DEVICES"].status == "ok"

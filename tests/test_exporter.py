@@ -1,4 +1,9 @@
-"""The exporter: collector values and absences, naming, health, HTTP(S) server, CLI, and no nvidia-smi per scrape."""
+"""The exporter: collector values and absences, naming, health, HTTP(S) server, CLI, and no nvidia-smi per scrape.
+
+nvidia-smi is the in-process fake (`InProcessRunner`, installed by the `inproc` fixture or passed as `runner=`):
+same output and faults as the executable, no process per start. Real processes stay where they are the subject:
+the exporter reaping its child on stop, the CLI stopped by SIGTERM/SIGINT, its JSON logs, and imports.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import base64
 import contextlib
 import csv
 import datetime
+import functools
 import http.client
 import json
 import logging
@@ -46,9 +52,11 @@ from smiquery.exporter import (
 )
 from smiquery.fields import CATALOGUE, Kind, resolve_fields
 from smiquery.records import GpuSample, Schema
+from smiquery.runner import SubprocessRunner
 from smiquery.source import StreamStats, Sweep
 from smiquery.supervisor import stream
-from smiquery.testing import fake_nvidia_smi
+from smiquery.testing import InProcessRunner, use_runner
+from tests.conftest import assert_stopped
 from tests.leakcheck import no_leaks, wait_no_children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +66,8 @@ SHARED = next(
 )
 DCGM_DIR = SHARED / "dcgm"
 MiB = 1048576.0
+#: The nvidia-smi path given where one is shown (build_info); the in-process fake looks nothing up.
+FAKE_PATH = "/opt/fake-driver/bin/nvidia-smi"
 
 # Edits to the bundled demo's first sweep (GPU index -> {field: cell}), so that the values vary per GPU and
 # some cells hold status tokens. The fake replays this one sweep over and over: every sweep is the same.
@@ -125,15 +135,15 @@ def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> 
 
 
 @pytest.fixture
-def started(fake_smi, recording: Path) -> Iterator[Any]:
-    """A factory: a started background stream over the fake, closed at the end."""
+def started(recording: Path) -> Iterator[Any]:
+    """A factory: a started background stream over the in-process fake, closed at the end."""
     made: list[Any] = []
+    runners: list[InProcessRunner] = []
 
     def make(fields: str = "health", fault: str | None = None, extra: tuple[str, ...] = (), **kw: Any) -> Any:
         names = ["index", "uuid", "name", "pci.bus_id", *(f.name for f in resolve_fields(fields)), *extra]
-        s = stream(
-            list(dict.fromkeys(names)), interval=0.05, nvidia_smi=fake_smi(fault=fault, recording=recording), **kw
-        )
+        runners.append(InProcessRunner(fault=fault, recording=recording))
+        s = stream(list(dict.fromkeys(names)), interval=0.05, runner=runners[-1], **kw)
         made.append(s)
         s.start()
         wait_for(lambda: s.latest()[0] is not None, what="the first sweep")
@@ -142,6 +152,8 @@ def started(fake_smi, recording: Path) -> Iterator[Any]:
     yield make
     for s in made:
         s.close()
+    for runner in runners:
+        assert_stopped(runner)
 
 
 def collected(collector: SmiCollector) -> CollectorRegistry:
@@ -241,9 +253,9 @@ def test_bools_enums_and_bitmasks(started, recording):
     assert reg.get_sample_value("smiquery_retired_pages_pending", g0) == 0.0
 
 
-def test_constant_labels_on_every_series(started, fake_smi):
+def test_constant_labels_on_every_series(started, inproc):
     s = started("health")
-    poller = ProcessPoller(60, nvidia_smi=fake_smi())
+    poller = ProcessPoller(60)
     poller.poll()
     col = SmiCollector(s, labels=["site=lab", "rack=r7"], processes=poller)
     families = list(col.collect())
@@ -266,9 +278,10 @@ def test_gpu_lost_mid_stream_shows_in_health_and_series_vanish(started, recordin
     assert reg.get_sample_value("smiquery_up", {}) == 1.0  # the exporter itself is fine
 
 
-def test_processes_memory_per_pid(started, fake_smi, recording):
+def test_processes_memory_per_pid(started, inproc, recording):
     s = started("health")
-    poller = ProcessPoller(60, nvidia_smi=fake_smi(recording=recording))
+    inproc.recording = recording
+    poller = ProcessPoller(60)
     poller.poll()
     reg = collected(SmiCollector(s, processes=poller))
     rec = recorded(recording)
@@ -279,8 +292,9 @@ def test_processes_memory_per_pid(started, fake_smi, recording):
     )
 
 
-def test_processes_poll_failure_is_counted_not_raised(fake_smi):
-    poller = ProcessPoller(60, nvidia_smi=fake_smi(fault="driver-not-loaded"))
+def test_processes_poll_failure_is_counted_not_raised(inproc):
+    inproc.fault = "driver-not-loaded"
+    poller = ProcessPoller(60)
     poller.poll()
     assert poller.errors == {"DriverNotLoadedError": 1}
     assert poller.latest() == (None, None, None)
@@ -564,8 +578,7 @@ def test_parse_labels():
             parse_labels(bad)
 
 
-def test_serve_validates_before_anything_runs(fake_smi):
-    fake = fake_smi()
+def test_serve_validates_before_anything_runs(inproc):
     for kw, why in [
         ({"naming": "prom"}, "naming"),
         ({"interval": 0}, "interval"),
@@ -577,7 +590,8 @@ def test_serve_validates_before_anything_runs(fake_smi):
         ({"gpus": "GPU-nope"}, "invalid GPU id"),
     ]:
         with pytest.raises(ValueError, match=why):
-            serve(**{"port": 0, "nvidia_smi": fake, **kw})
+            serve(**{"port": 0, **kw})
+    assert inproc.calls == []
 
 
 # ------------------------------------------------------------------------------------------------ server
@@ -592,8 +606,11 @@ def get(url: str, timeout: float = 5.0, context: ssl.SSLContext | None = None) -
 
 
 @pytest.fixture
-def exporter() -> Iterator[Any]:
-    """A factory for serve(); every exporter is stopped at the end, and no child may be left."""
+def exporter(inproc: InProcessRunner) -> Iterator[Any]:
+    """A factory for serve() over the in-process fake ``inproc`` (set its fault or recording first).
+
+    Every exporter is stopped at the end; no child may be left, and no in-process run (``inproc`` checks).
+    """
     made: list[Exporter] = []
 
     def make(**kw: Any) -> Exporter:
@@ -608,8 +625,9 @@ def exporter() -> Iterator[Any]:
     assert not wait_no_children(5.0)
 
 
-def test_serves_metrics_healthz_and_index(exporter, fake_smi, recording):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(recording=recording))
+def test_serves_metrics_healthz_and_index(exporter, inproc, recording):
+    inproc.recording = recording
+    exp = exporter(interval=0.1)
     assert exp.bind == "127.0.0.1" and exp.url.startswith("http://127.0.0.1:")
     wait_for(lambda: get(exp.url + "/healthz")[0] == 200, what="healthy")
     code, body = get(exp.url + "/metrics")
@@ -624,23 +642,22 @@ def test_serves_metrics_healthz_and_index(exporter, fake_smi, recording):
     conn.close()
 
 
-def test_no_nvidia_smi_start_per_scrape(exporter, fake_smi, tmp_path):
-    log = tmp_path / "calls.jsonl"
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(log=log))
+def test_no_nvidia_smi_start_per_scrape(exporter, inproc):
+    exp = exporter(interval=0.1)
     wait_for(lambda: get(exp.url + "/healthz")[0] == 200, what="healthy")
-    assert len(log.read_text().splitlines()) == 1
+    assert len(inproc.calls) == 1
     conn = http.client.HTTPConnection("127.0.0.1", exp.port)
     for _ in range(200):
         conn.request("GET", "/metrics")
         r = conn.getresponse()
         assert r.status == 200 and b"smiquery_power_draw_watts{" in r.read()
     conn.close()
-    calls = [json.loads(ln) for ln in log.read_text().splitlines()]
-    assert len(calls) == 1 and "-lms" in calls[0]["argv"]
+    assert len(inproc.calls) == 1 and "-lms" in inproc.calls[0]
 
 
-def test_healthz_turns_503_when_nvidia_smi_hangs(exporter, fake_smi):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(fault="hang-after:16"), stale_after=0.8, stall_timeout=30)
+def test_healthz_turns_503_when_nvidia_smi_hangs(exporter, inproc):
+    inproc.fault = "hang-after:16"
+    exp = exporter(interval=0.1, stale_after=0.8, stall_timeout=30)
     wait_for(lambda: get(exp.url + "/healthz")[0] == 200, what="healthy")
     wait_for(lambda: get(exp.url + "/healthz")[0] == 503, timeout=10, what="stale")
     code, body = get(exp.url + "/healthz")
@@ -651,8 +668,9 @@ def test_healthz_turns_503_when_nvidia_smi_hangs(exporter, fake_smi):
     assert "smiquery_last_sample_age_seconds" in metrics
 
 
-def test_metrics_answer_while_nvidia_smi_fails(exporter, fake_smi):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(fault="driver-not-loaded"))
+def test_metrics_answer_while_nvidia_smi_fails(exporter, inproc):
+    inproc.fault = "driver-not-loaded"
+    exp = exporter(interval=0.1)
     wait_for(lambda: exp.stream.stats.errors["DriverNotLoadedError"] >= 2, what="failures")
     code, body = get(exp.url + "/metrics")
     assert code == 200 and "smiquery_up 0.0" in body
@@ -662,8 +680,9 @@ def test_metrics_answer_while_nvidia_smi_fails(exporter, fake_smi):
     assert code == 503 and "retrying" in why and "NVIDIA driver" in why
 
 
-def test_permanent_failure_keeps_serving_and_retrying(exporter, fake_smi):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(fault="permission"))
+def test_permanent_failure_keeps_serving_and_retrying(exporter, inproc):
+    inproc.fault = "permission"
+    exp = exporter(interval=0.1)
     wait_for(lambda: exp.stream.stats.state == "retrying", what="the stream to wait for its next attempt")
     assert exp.stream.running and exp.stream.stats.permanent
     code, why = get(exp.url + "/healthz")
@@ -671,13 +690,12 @@ def test_permanent_failure_keeps_serving_and_retrying(exporter, fake_smi):
     assert "smiquery_up 0.0" in get(exp.url + "/metrics")[1]
 
 
-def test_processes_are_polled_on_their_own_interval(exporter, fake_smi, tmp_path):
-    log = tmp_path / "calls.jsonl"
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(log=log), processes=True, processes_interval=0.3)
+def test_processes_are_polled_on_their_own_interval(exporter, inproc):
+    exp = exporter(interval=0.1, processes=True, processes_interval=0.3)
     wait_for(lambda: "smiquery_process_used_memory_bytes{" in get(exp.url + "/metrics")[1], what="processes")
 
-    def argvs() -> list[list[str]]:
-        return [json.loads(ln)["argv"] for ln in log.read_text().splitlines()]
+    def argvs() -> list[tuple[str, ...]]:
+        return list(inproc.calls)
 
     def polls() -> int:
         return sum(1 for a in argvs() if any(x.startswith("--query-compute-apps") for x in a))
@@ -686,28 +704,26 @@ def test_processes_are_polled_on_their_own_interval(exporter, fake_smi, tmp_path
     assert sum(1 for a in argvs() if "-lms" in a) == 1  # the loop itself was never restarted
 
 
-def test_extra_registry_is_appended(exporter, fake_smi):
+def test_extra_registry_is_appended(exporter):
     from prometheus_client import Counter
 
     reg = CollectorRegistry()
     Counter("my_app_jobs", "Jobs done.", registry=reg).inc(3)
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), registry=reg)
+    exp = exporter(interval=0.1, registry=reg)
     assert "my_app_jobs_total 3.0" in get(exp.url + "/metrics")[1]
 
 
-def test_port_in_use_says_so(fake_smi, tmp_path):
-    log = tmp_path / "calls.jsonl"
+def test_port_in_use_says_so(inproc):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(PortInUseError, match=rf"^port {port} on 127.0.0.1 is in use; pick another with --port$"):
-            serve(port=port, nvidia_smi=fake_smi(log=log))
-    assert not log.exists()  # nvidia-smi never started
-    assert not wait_no_children()
+            serve(port=port)
+    assert inproc.calls == []  # nvidia-smi never started
 
 
-def test_ipv6_loopback(exporter, fake_smi):
+def test_ipv6_loopback(exporter):
     if not socket.has_ipv6:
         pytest.skip("no IPv6")
     try:
@@ -715,12 +731,13 @@ def test_ipv6_loopback(exporter, fake_smi):
             probe.bind(("::1", 0))
     except OSError:
         pytest.skip("no IPv6 loopback")
-    exp = exporter(bind="::1", interval=0.1, nvidia_smi=fake_smi())
+    exp = exporter(bind="::1", interval=0.1)
     assert exp.url.startswith("http://[::1]:")
     wait_for(lambda: get(exp.url + "/healthz")[0] == 200, what="healthy")
 
 
 def test_stop_closes_keepalive_connections_and_reaps(fake_smi):
+    # a real child: stopping the exporter reaps it (the process boundary is the subject)
     with no_leaks(reap_timeout=5.0):
         exp = serve(port=0, interval=0.1, nvidia_smi=fake_smi())
         wait_for(lambda: get(exp.url + "/healthz")[0] == 200, what="healthy")
@@ -817,8 +834,8 @@ def client_context(pki: dict[str, Path], who: str | None) -> ssl.SSLContext:
     return ctx
 
 
-def test_tls(exporter, fake_smi, pki):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), tls_cert=pki["cert"], tls_key=pki["key"])
+def test_tls(exporter, pki):
+    exp = exporter(interval=0.1, tls_cert=pki["cert"], tls_key=pki["key"])
     assert exp.url.startswith("https://127.0.0.1:")
     wait_for(lambda: get(exp.url + "/healthz", context=client_context(pki, None))[0] == 200, what="healthy")
     code, body = get(exp.url + "/metrics", context=client_context(pki, None))
@@ -827,8 +844,8 @@ def test_tls(exporter, fake_smi, pki):
         get(f"http://127.0.0.1:{exp.port}/metrics", timeout=3)  # plain HTTP to the TLS port
 
 
-def test_tls_client_certificates_are_required(exporter, fake_smi, pki):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), tls_cert=pki["cert"], tls_key=pki["key"], client_ca=pki["ca"])
+def test_tls_client_certificates_are_required(exporter, pki):
+    exp = exporter(interval=0.1, tls_cert=pki["cert"], tls_key=pki["key"], client_ca=pki["ca"])
     wait_for(lambda: get(exp.url + "/healthz", context=client_context(pki, "client"))[0] == 200, what="healthy")
     assert get(exp.url + "/metrics", context=client_context(pki, "client"))[0] == 200
     for who in (None, "stranger"):
@@ -846,7 +863,21 @@ def flat(text: str) -> str:
     return " ".join(text.translate({ord(c): " " for c in "│╭╮╰╯─"}).split())
 
 
+def in_process_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m smiquery.cli_export export ARGS` run in this process (typer's test runner), from the checkout."""
+    from smiquery import cli_export
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        result = CliRunner().invoke(cli_export.app, ["export", *args])
+    finally:
+        os.chdir(cwd)
+    return subprocess.CompletedProcess(["export", *args], result.exit_code, result.stdout, result.stderr)
+
+
 def cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """`python -m smiquery.cli_export export ARGS` as a real process."""
     return subprocess.run(
         [sys.executable, "-m", "smiquery.cli_export", "export", *args],
         capture_output=True,
@@ -877,24 +908,26 @@ def cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         (["--web-config-file", "pyproject.toml"], "not valid YAML"),
     ],
 )
-def test_cli_usage_errors(args, message):
-    done = cli(*args, "--nvidia-smi", "/bin/true")
+def test_cli_usage_errors(inproc, args, message):
+    done = in_process_cli(*args, "--nvidia-smi", "/bin/true")
     assert done.returncode == 2, done.stderr
     assert message in flat(done.stderr), done.stderr
+    assert inproc.calls == []  # refused before nvidia-smi ran
 
 
-def test_cli_port_in_use(fake_smi):
+def test_cli_port_in_use(inproc):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = cli("--port", str(port), "--nvidia-smi", str(fake_smi()))
+        done = in_process_cli("--port", str(port), "--nvidia-smi", FAKE_PATH)
     assert done.returncode == 1
     assert done.stderr.strip() == f"smiquery: error: port {port} on 127.0.0.1 is in use; pick another with --port"
 
 
 def test_cli_missing_nvidia_smi_exits_3(tmp_path):
-    done = cli("--port", "0", "--nvidia-smi", str(tmp_path / "nope"))
+    with use_runner(SubprocessRunner()):  # the real lookup
+        done = in_process_cli("--port", "0", "--nvidia-smi", str(tmp_path / "nope"))
     assert done.returncode == 3 and done.stderr.startswith("smiquery: error: ")
 
 
@@ -1197,8 +1230,9 @@ def test_stream_events_are_logged_at_warning_without_debug(caplog):
 # ------------------------------------------------------------------------------ v2: real processes
 
 
-def test_build_info_and_livez_while_nvidia_smi_cannot_start(exporter, fake_smi):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(fault="version-mismatch"))
+def test_build_info_and_livez_while_nvidia_smi_cannot_start(exporter, inproc):
+    inproc.fault = "version-mismatch"
+    exp = exporter(interval=0.1, nvidia_smi=FAKE_PATH)
     wait_for(
         lambda: (
             'last_error_type="' in get(exp.url + "/metrics")[1]
@@ -1215,17 +1249,17 @@ def test_build_info_and_livez_while_nvidia_smi_cannot_start(exporter, fake_smi):
     assert get(exp.url + "/readyz")[0] == 503
 
 
-def test_a_gpu_that_drops_out_after_a_restart_is_lost_by_uuid(exporter, tmp_path, recording, caplog):
+def test_a_gpu_that_drops_out_after_a_restart_is_lost_by_uuid(exporter, inproc, tmp_path, recording, caplog):
     rec = recorded(recording)
-    # the fake crashes after two sweeps; it is then rewritten without GPU 7, as a GPU that fell off the bus
-    fake = fake_nvidia_smi(tmp_path / "bin", recording=recording, fault="crash-after:16")
+    # the fake crashes after two sweeps; it then replays a recording without GPU 7, as a GPU that fell off the bus
+    inproc.recording, inproc.fault = recording, "crash-after:16"
     with caplog.at_level(logging.INFO, logger="smiquery.exporter"):
-        exp = exporter(interval=0.1, nvidia_smi=fake)
+        exp = exporter(interval=0.1)
         wait_for(lambda: get(exp.url + "/readyz")[0] == 200, 20, "ready")
         lines = recording.read_text(encoding="utf-8").splitlines()
         short = tmp_path / "seven.csv"
         short.write_text("\n".join(lines[:8]) + "\n", encoding="utf-8")
-        fake_nvidia_smi(tmp_path / "bin", recording=short)
+        inproc.recording, inproc.fault = short, None
         lab = labels_of(rec, 7)
         reg_text = lambda: get(exp.url + "/metrics")[1]  # noqa: E731
         wait_for(
@@ -1243,11 +1277,16 @@ def test_a_gpu_that_drops_out_after_a_restart_is_lost_by_uuid(exporter, tmp_path
     assert any(r.levelno == logging.WARNING and lab["uuid"] in r.getMessage() for r in caplog.records)
 
 
-def test_recovers_by_itself_when_a_permanent_error_clears(exporter, tmp_path, recording):
-    fake = fake_nvidia_smi(tmp_path / "bin", recording=recording, fault="version-mismatch")
+def test_recovers_by_itself_when_a_permanent_error_clears(exporter, inproc, recording, monkeypatch):
+    inproc.recording, inproc.fault = recording, "version-mismatch"
     # revive_after stands in for the retry period: a core that stops on permanent errors gets a new stream after
     # it; the core v2 supervisor retries by itself (state "retrying"). Either way the exporter says so and recovers.
-    exp = exporter(interval=0.1, nvidia_smi=fake, revive_after=1.0)
+    # The supervisor's period for faults that need a person (30 s) is shortened to 2 s for the exporter's stream:
+    # the same path, without half a minute of waiting.
+    import smiquery.exporter.server as server
+
+    monkeypatch.setattr(server, "stream", functools.partial(stream, permanent_retry=2.0))
+    exp = exporter(interval=0.1, revive_after=1.0)
 
     def waiting() -> bool:
         body = get(exp.url + "/metrics")[1]
@@ -1262,7 +1301,7 @@ def test_recovers_by_itself_when_a_permanent_error_clears(exporter, tmp_path, re
     code, why = get(exp.url + "/readyz")
     assert code == 503 and ("next attempt in" in why or "a new one starts in" in why), why
     assert get(exp.url + "/livez")[0] == 200
-    fake_nvidia_smi(tmp_path / "bin", recording=recording)  # the driver is fixed (the reboot happened)
+    inproc.fault = None  # the driver is fixed (the reboot happened)
     wait_for(lambda: get(exp.url + "/readyz")[0] == 200, 90, "recovery within one retry period")
     assert "smiquery_up 1.0" in get(exp.url + "/metrics")[1]
 
@@ -1279,10 +1318,10 @@ def _raw_get(port: int, path: str = "/metrics", timeout: float = 10.0) -> int:
     return int(data.split(b" ", 2)[1])
 
 
-def test_slow_clients_cost_no_thread_and_good_clients_are_served(exporter, fake_smi):
+def test_slow_clients_cost_no_thread_and_good_clients_are_served(exporter):
     from smiquery.exporter.httpd import thread_count
 
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), max_connections=64, request_timeout=2.0)
+    exp = exporter(interval=0.1, max_connections=64, request_timeout=2.0)
     wait_for(lambda: _raw_get(exp.port, "/readyz") == 200, 20, "ready")
     before = thread_count()
     slow = []
@@ -1300,8 +1339,8 @@ def test_slow_clients_cost_no_thread_and_good_clients_are_served(exporter, fake_
             s.close()
 
 
-def test_an_unfinished_request_head_is_cut_off_at_the_deadline(exporter, fake_smi):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), request_timeout=1.0)
+def test_an_unfinished_request_head_is_cut_off_at_the_deadline(exporter):
+    exp = exporter(interval=0.1, request_timeout=1.0)
     with socket.create_connection(("127.0.0.1", exp.port), timeout=30) as s:
         s.sendall(b"GET /metrics HTTP/1.1\r\n")
         for _ in range(3):
@@ -1315,8 +1354,8 @@ def test_an_unfinished_request_head_is_cut_off_at_the_deadline(exporter, fake_sm
     assert data.startswith(b"HTTP/1.1 408")
 
 
-def test_bad_requests_get_4xx_and_the_server_goes_on(exporter, fake_smi):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+def test_bad_requests_get_4xx_and_the_server_goes_on(exporter):
+    exp = exporter(interval=0.1)
     for raw, code in (
         (b"garbage\r\n\r\n", b"400"),
         (b"POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc", b"413"),
@@ -1329,8 +1368,8 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(exporter, fake_smi):
     assert _raw_get(exp.port, "/livez") == 200
 
 
-def test_keep_alive_serves_many_requests_on_one_connection(exporter, fake_smi):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+def test_keep_alive_serves_many_requests_on_one_connection(exporter):
+    exp = exporter(interval=0.1)
     conn = http.client.HTTPConnection("127.0.0.1", exp.port, timeout=10)
     try:
         for _ in range(50):
@@ -1350,10 +1389,10 @@ def _hash(password: str) -> str:
     return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
 
 
-def test_web_config_basic_auth(exporter, fake_smi, tmp_path):
+def test_web_config_basic_auth(exporter, tmp_path):
     cfg = tmp_path / "web.yml"
     cfg.write_text(f"basic_auth_users:\n  prometheus: '{_hash('s3cret')}'\n", encoding="utf-8")
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), web_config=cfg)
+    exp = exporter(interval=0.1, web_config=cfg)
     assert get(exp.url + "/metrics")[0] == 401
     good = base64.b64encode(b"prometheus:s3cret").decode()
     bad = base64.b64encode(b"prometheus:nope").decode()
@@ -1367,7 +1406,7 @@ def test_web_config_basic_auth(exporter, fake_smi, tmp_path):
         assert got == code
 
 
-def test_web_config_tls_with_client_certificates(exporter, fake_smi, tmp_path, pki):
+def test_web_config_tls_with_client_certificates(exporter, tmp_path, pki):
     cfg = tmp_path / "web.yml"
     cfg.write_text(
         "tls_server_config:\n"
@@ -1375,7 +1414,7 @@ def test_web_config_tls_with_client_certificates(exporter, fake_smi, tmp_path, p
         "  client_auth_type: RequireAndVerifyClientCert\n",
         encoding="utf-8",
     )
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), web_config=cfg)
+    exp = exporter(interval=0.1, web_config=cfg)
     assert exp.url.startswith("https://")
     wait_for(lambda: get(exp.url + "/readyz", context=client_context(pki, "client"))[0] == 200, 20, "ready")
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
@@ -1472,9 +1511,11 @@ def test_nvidia_smi_naming_matches_nvidia_gpu_exporter_on_corpus_captures(expect
     assert not extra, extra
 
 
-def test_nvidia_smi_naming_serves_processes_and_the_dashboard_variables(exporter, fake_smi):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), naming="nvidia_smi", processes=True, processes_interval=0.2)
-    wait_for(lambda: "nvidia_smi_compute_app_used_memory_bytes{" in get(exp.url + "/metrics")[1], 30, "processes")
+def test_nvidia_smi_naming_serves_processes_and_the_dashboard_variables(exporter):
+    exp = exporter(interval=0.1, naming="nvidia_smi", processes=True, processes_interval=0.2)
+    # the process poll and the loop's first sweep arrive in either order: wait for both
+    both = ("nvidia_smi_compute_app_used_memory_bytes{", "\nnvidia_smi_index{")
+    wait_for(lambda: all(x in get(exp.url + "/metrics")[1] for x in both), 30, "processes and the first sweep")
     body = get(exp.url + "/metrics")[1]
     for name in (
         "nvidia_smi_index",
@@ -1488,19 +1529,18 @@ def test_nvidia_smi_naming_serves_processes_and_the_dashboard_variables(exporter
     assert "smiquery_up 1.0" in body  # smiquery's own health metrics stay
 
 
-def test_fields_supported_asks_the_driver_once_and_skips_what_no_gpu_supports(exporter, tmp_path, recording):
+def test_fields_supported_asks_the_driver_once_and_skips_what_no_gpu_supports(exporter, inproc, tmp_path, recording):
     lines = recording.read_text(encoding="utf-8").splitlines()
     lines = [lines[0] + ", encoder.stats.sessionCount"] + [ln + ", [Not Supported]" for ln in lines[1:]]
     rec = tmp_path / "with-unsupported.csv"
     rec.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    log = tmp_path / "calls.jsonl"
-    fake = fake_nvidia_smi(tmp_path / "bin", recording=rec, log=log)
-    exp = exporter(interval=0.1, nvidia_smi=fake, fields="supported")
+    inproc.recording = rec
+    exp = exporter(interval=0.1, fields="supported")
     wait_for(lambda: get(exp.url + "/readyz")[0] == 200, 20, "ready")
     body = get(exp.url + "/metrics")[1]
     # fields outside the health preset that this recording (driver) supplies are exported
     assert "smiquery_power_draw_instant_watts{" in body and "smiquery_pcie_link_gen_gpucurrent{" in body
-    calls = [json.loads(line)["argv"] for line in log.read_text(encoding="utf-8").splitlines()]
+    calls = list(inproc.calls)
     assert sum("--help-query-gpu" in argv for argv in calls) == 1
     loop = [argv for argv in calls if any(a.startswith("-l") for a in argv)]
     assert loop and not any("encoder.stats.sessionCount" in " ".join(argv) for argv in loop)
@@ -1563,8 +1603,8 @@ def test_rate_limit_filter_holds_back_repeats_of_any_smiquery_line():
     assert r.getMessage() == "restarting nvidia-smi in 2.00 s (3 similar messages suppressed)"
 
 
-def test_tls_clients_that_never_finish_the_handshake_do_not_block_others(exporter, fake_smi, pki):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi(), tls_cert=pki["cert"], tls_key=pki["key"], request_timeout=1.0)
+def test_tls_clients_that_never_finish_the_handshake_do_not_block_others(exporter, pki):
+    exp = exporter(interval=0.1, tls_cert=pki["cert"], tls_key=pki["key"], request_timeout=1.0)
     ctx = client_context(pki, None)
     wait_for(lambda: get(exp.url + "/readyz", context=ctx)[0] == 200, 20, "ready")
     stalled = [socket.create_connection(("127.0.0.1", exp.port), timeout=10) for _ in range(50)]
@@ -1581,20 +1621,20 @@ def test_tls_clients_that_never_finish_the_handshake_do_not_block_others(exporte
             s.close()
 
 
-def test_listen_backlog_is_not_five(exporter, fake_smi):
+def test_listen_backlog_is_not_five(exporter):
     # 5 (socketserver's default) made new-connection clients time out under load; the kernel reports a listening
     # socket's backlog as its Send-Q
     ss = shutil.which("ss")
     if ss is None:
         pytest.skip("ss (iproute2) is not installed")
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+    exp = exporter(interval=0.1)
     out = subprocess.run([ss, "-ltnH", f"sport = :{exp.port}"], capture_output=True, text=True, check=True).stdout
     somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
     assert int(out.split()[2]) == min(1024, somaxconn), out
 
 
-def test_two_hundred_clients_at_once_all_get_answers(exporter, fake_smi):
-    exp = exporter(interval=0.1, nvidia_smi=fake_smi())
+def test_two_hundred_clients_at_once_all_get_answers(exporter):
+    exp = exporter(interval=0.1)
     wait_for(lambda: _raw_get(exp.port, "/readyz") == 200, 20, "ready")
     codes: list[int] = []
     go = threading.Event()

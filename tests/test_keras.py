@@ -1,4 +1,9 @@
-"""GpuMonitor in a real model.fit (Keras 3, TensorFlow CPU backend) against a fake nvidia-smi: a hot GPU and a stall."""
+"""GpuMonitor in a real model.fit (Keras 3, TensorFlow CPU backend) against a fake nvidia-smi: a hot GPU and a stall.
+
+Most fits run against the in-process fake (`smi`: `use_runner(InProcessRunner)`, same output, log and faults, no
+process); the tests about the nvidia-smi child itself (one child per fit, reaped when fit raises) use the fake
+executable (`real_smi`).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from smiquery.runner import SubprocessRunner
+from smiquery.testing import InProcessRunner, use_runner
 from tests.conftest import MakeFake
 from tests.leakcheck import no_leaks, wait_no_children
 
@@ -62,8 +69,21 @@ def write_recording(path: Path) -> Path:
     return path
 
 
+#: The nvidia-smi the in-process tests name; the in-process fake looks nothing up.
+FAKE_PATH = "/opt/fake-driver/bin/nvidia-smi"
+
+
 @pytest.fixture
-def smi(fake_smi: MakeFake, tmp_path: Path) -> Path:
+def smi(inproc: InProcessRunner, tmp_path: Path) -> str:
+    """The in-process fake replaying the hot-and-stall recording, logging its calls to ``calls.jsonl``."""
+    inproc.recording = write_recording(tmp_path / "hot-and-stall.csv")
+    inproc.log = tmp_path / "calls.jsonl"
+    return FAKE_PATH
+
+
+@pytest.fixture
+def real_smi(fake_smi: MakeFake, tmp_path: Path) -> Path:
+    """The fake executable (a real child process) replaying the same recording, logging to ``calls.jsonl``."""
     rec = write_recording(tmp_path / "hot-and-stall.csv")
     return fake_smi(recording=rec, log=tmp_path / "calls.jsonl")
 
@@ -117,8 +137,8 @@ KEYS = [
 # ------------------------------------------------------------------------------------------------- model.fit
 
 
-def test_epoch_logs_history_and_csvlogger_get_the_gpu_numbers(smi, tmp_path, monkeypatch):
-    monkeypatch.setenv("SMIQUERY_FAKE_SWEEP", "5")  # the fake's loop starts 5 sweeps before the stall
+def test_epoch_logs_history_and_csvlogger_get_the_gpu_numbers(smi, inproc, tmp_path):
+    inproc.env["SMIQUERY_FAKE_SWEEP"] = "5"  # the fake's loop starts 5 sweeps before the stall
     csv_path = tmp_path / "train.csv"
     monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
     with no_leaks():
@@ -145,8 +165,8 @@ def test_epoch_logs_history_and_csvlogger_get_the_gpu_numbers(smi, tmp_path, mon
     assert monitor.monitor.totals.steps == 3 * BATCHES and monitor.monitor.totals.samples == 3 * BATCHES * 8
 
 
-def test_one_nvidia_smi_child_for_the_whole_fit_and_none_after(smi, tmp_path):
-    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi))
+def test_one_nvidia_smi_child_for_the_whole_fit_and_none_after(real_smi, tmp_path):
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(real_smi))
     with no_leaks():
         fit(tiny_model(), [monitor, Slow()])
         assert not wait_no_children(2.0)
@@ -157,8 +177,8 @@ def test_one_nvidia_smi_child_for_the_whole_fit_and_none_after(smi, tmp_path):
     assert not monitor.running
 
 
-def test_alerts_fire_with_epoch_batch_and_learning_rate(smi, monkeypatch):
-    monkeypatch.setenv("SMIQUERY_FAKE_SWEEP", "5")  # the fake's loop starts 5 sweeps before the stall
+def test_alerts_fire_with_epoch_batch_and_learning_rate(smi, inproc):
+    inproc.env["SMIQUERY_FAKE_SWEEP"] = "5"  # the fake's loop starts 5 sweeps before the stall
     got: list[tuple[str, dict[str, Any]]] = []
     monitor = GpuMonitor(
         interval=INTERVAL,
@@ -192,8 +212,8 @@ def test_alerts_fire_with_epoch_batch_and_learning_rate(smi, monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["callback", "dataset"])
-def test_a_fit_that_raises_leaves_no_nvidia_smi_behind(smi, where):
-    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi))
+def test_a_fit_that_raises_leaves_no_nvidia_smi_behind(real_smi, where):
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(real_smi))
     model = tiny_model()
     with no_leaks():
         if where == "callback":
@@ -262,7 +282,7 @@ def test_no_visible_gpu_or_no_nvidia_smi_is_said_once_and_training_goes_on(smi, 
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     missing = GpuMonitor(interval=INTERVAL, nvidia_smi=str(tmp_path / "no-such-nvidia-smi"))
-    with no_leaks():
+    with no_leaks(), use_runner(SubprocessRunner()):  # the real lookup
         history = fit(tiny_model(), [missing], epochs=2)
     assert len(history.history["loss"]) == 2
     assert len(missing.notes) == 1 and "GPU monitoring is off" in missing.notes[0]
@@ -374,8 +394,8 @@ def test_callbacks_listed_before_the_monitor_are_warned_about_once(smi, tmp_path
     assert not [n for n in quiet.notes if "CSVLogger" in n]
 
 
-def test_a_custom_loop_whose_callbacklist_raises_reaps_nvidia_smi_without_close(smi):
-    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
+def test_a_custom_loop_whose_callbacklist_raises_reaps_nvidia_smi_without_close(real_smi):
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(real_smi), alerts=())
     model = tiny_model()
 
     def train() -> None:
@@ -406,10 +426,9 @@ def test_record_saves_the_runs_trace_from_the_same_nvidia_smi(smi, tmp_path):
     assert report.gpus == (0, 1)
 
 
-def test_a_slow_nvidia_smi_start_still_fills_the_later_epochs(fake_smi: MakeFake, tmp_path):
+def test_a_slow_nvidia_smi_start_still_fills_the_later_epochs(smi, inproc):
     """nvidia-smi's first row comes after the first epoch has ended (cold start without persistence mode)."""
-    rec = write_recording(tmp_path / "slow.csv")
-    smi = fake_smi(recording=rec, start_delay=1.5)
+    inproc.start_delay = 1.5
     monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=(), first_sample_timeout=0)
     with no_leaks():
         history = fit(tiny_model(), [monitor, Slow()], epochs=8)

@@ -1,4 +1,8 @@
-"""The Lightning callback in a real ``trainer.fit`` on CPU torch against a fake nvidia-smi."""
+"""The Lightning callback in a real ``trainer.fit`` on CPU torch against a fake nvidia-smi.
+
+The fits run against the in-process fake (``inproc``: same output, log and faults, no process); the test that the
+nvidia-smi child is reaped when fit raises uses the fake executable.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from smiquery.testing import InProcessRunner
 from tests.conftest import MakeFake
 from tests.leakcheck import no_leaks, wait_no_children
 
@@ -79,10 +84,10 @@ def _all_gpus_visible(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-def test_fit_logs_gpu_numbers_energy_and_throughput_through_the_logger(fake_smi: MakeFake, tmp_path: Path):
-    smi = fake_smi(log=tmp_path / "calls.jsonl")
+def test_fit_logs_gpu_numbers_energy_and_throughput_through_the_logger(inproc: InProcessRunner, tmp_path: Path):
+    inproc.log = tmp_path / "calls.jsonl"
     record = tmp_path / "run.csv"
-    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=(), record=str(record), prefix="gpu/")
+    monitor = GpuMonitor(interval=INTERVAL, alerts=(), record=str(record), prefix="gpu/")
     with no_leaks(reap_timeout=5.0):
         trainer(tmp_path, monitor).fit(Tiny(), loader())
         assert not wait_no_children(5.0)
@@ -103,13 +108,14 @@ def test_fit_logs_gpu_numbers_energy_and_throughput_through_the_logger(fake_smi:
     assert analyze(record).gpus  # the run's trace, from the same nvidia-smi
 
 
-def test_cpu_torch_with_visible_gpus_is_said(fake_smi: MakeFake, tmp_path: Path):
-    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(fake_smi()), alerts=())
+def test_cpu_torch_with_visible_gpus_is_said(inproc: InProcessRunner, tmp_path: Path):
+    monitor = GpuMonitor(interval=INTERVAL, alerts=())
     trainer(tmp_path, monitor, epochs=1).fit(Tiny(), loader())
     assert any("PyTorch is a CPU-only build while nvidia-smi sees GPUs" in n for n in monitor.notes)
 
 
 def test_a_fit_that_raises_leaves_no_nvidia_smi_behind(fake_smi: MakeFake, tmp_path: Path):
+    # a real child: the subject is that fit's error path reaps it
     monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(fake_smi()), alerts=())
     with no_leaks(reap_timeout=5.0):
         with pytest.raises(RuntimeError, match="NaN"):
@@ -118,8 +124,8 @@ def test_a_fit_that_raises_leaves_no_nvidia_smi_behind(fake_smi: MakeFake, tmp_p
     assert not monitor.monitor.running
 
 
-def test_alerts_carry_epoch_step_and_learning_rate(fake_smi: MakeFake, tmp_path: Path):
-    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(fake_smi()), alerts=["temperature.gpu > 0"])
+def test_alerts_carry_epoch_step_and_learning_rate(inproc: InProcessRunner, tmp_path: Path):
+    monitor = GpuMonitor(interval=INTERVAL, alerts=["temperature.gpu > 0"])
     trainer(tmp_path, monitor, epochs=1).fit(Tiny(), loader())
     assert monitor.alerts
     a = monitor.alerts[0]

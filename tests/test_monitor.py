@@ -1,6 +1,6 @@
 """The framework-neutral run monitor: aggregation as plain functions, position stamping, late data, rejected rule
-fields, recording, energy and the job's metrics; a hand-driven source for timing-free tests, a fake nvidia-smi for
-the real process path."""
+fields, recording, energy and the job's metrics; a hand-driven source for timing-free tests, the in-process fake
+nvidia-smi for the monitor's own loop, and the fake executable for the real process path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import logging
 import math
 import os
 import queue
-import stat
 import sys
 import threading
 import time
@@ -37,7 +36,9 @@ from smiquery.monitor import (
 )
 from smiquery.notify import CallbackHandler
 from smiquery.parsing import CsvParser
+from smiquery.runner import Completed, LineSource
 from smiquery.source import StreamStats, Sweep
+from smiquery.testing import InProcessRunner, use_runner
 from tests.conftest import FIXTURES, MakeFake
 from tests.leakcheck import no_leaks
 
@@ -298,26 +299,31 @@ def test_framework_memory_maps_cuda_ordinals_and_words_the_gap():
 # ----------------------------------------------------------------------------------- real nvidia-smi (fake)
 
 
-def _rejecting_fake(fake: Path, tmp_path: Path, reject: str) -> Path:
-    """A wrapper that answers like a driver without ``reject``, and runs the fake otherwise."""
-    path = tmp_path / "rejecting-bin" / "nvidia-smi"
-    path.parent.mkdir()
-    path.write_text(
-        f"#!{sys.executable}\n"
-        "import os, sys\n"
-        f"if any({reject!r} in a for a in sys.argv[1:]):\n"
-        f"    print('Field \"{reject}\" is not a valid field to query.'); print(); sys.exit(2)\n"
-        f"os.execv({str(fake)!r}, [{str(fake)!r}, *sys.argv[1:]])\n",
-        encoding="utf-8",
-    )
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
+class Rejecting:
+    """The in-process fake as a driver without ``reject``: a call naming it exits 2 with nvidia-smi's message."""
+
+    def __init__(self, fake: InProcessRunner, reject: str) -> None:
+        self.fake = fake
+        self.reject = reject
+        self.refusal = InProcessRunner(fault=f'exit:2:Field "{reject}" is not a valid field to query.')
+
+    def _serving(self, argv: Any) -> InProcessRunner:
+        return self.refusal if any(self.reject in a for a in argv) else self.fake
+
+    def locate(self, nvidia_smi: Any) -> str:
+        return self.fake.locate(nvidia_smi)
+
+    def run(self, argv: Any, timeout: float) -> Completed:
+        return self._serving(argv).run(argv, timeout)
+
+    def lines(self, argv: Any) -> LineSource:
+        return self._serving(argv).lines(argv)
 
 
-def test_a_rule_field_the_driver_rejects_drops_that_rule_only(fake_smi: MakeFake, tmp_path, caplog):
+def test_a_rule_field_the_driver_rejects_drops_that_rule_only(caplog):
     caplog.set_level(logging.WARNING, logger="smiquery.monitor")
-    smi = _rejecting_fake(fake_smi(), tmp_path, "clocks_throttle_reasons.hw_power_brake_slowdown")
-    with no_leaks(reap_timeout=5.0), watch(interval=0.05, nvidia_smi=str(smi), first_sample_timeout=20) as w:
+    driver = Rejecting(InProcessRunner(), "clocks_throttle_reasons.hw_power_brake_slowdown")
+    with no_leaks(reap_timeout=5.0), use_runner(driver), watch(interval=0.05, first_sample_timeout=20) as w:
         w.step(epoch=0, batch=0)
         assert wait_for(lambda: bool(w.monitor.latest()))
     values = w.epochs[0]
@@ -329,11 +335,11 @@ def test_a_rule_field_the_driver_rejects_drops_that_rule_only(fake_smi: MakeFake
     assert len(warnings) == 1
 
 
-def test_default_rules_on_a_470_driver_keep_gpu_data_and_every_rule(fake_smi: MakeFake, tmp_path):
+def test_default_rules_on_a_470_driver_keep_gpu_data_and_every_rule():
     """A pre-535 driver (old clocks_throttle_reasons names only): the core's spelling makes every rule usable."""
     # R470 rejects the clocks_event_reasons.* spelling with exit 2, as the real driver does
-    smi = _rejecting_fake(fake_smi(recording=FIXTURES / "t4-470-old-tokens.csv"), tmp_path, "clocks_event_reasons")
-    with no_leaks(reap_timeout=5.0), watch(interval=0.05, nvidia_smi=str(smi), first_sample_timeout=20) as w:
+    driver = Rejecting(InProcessRunner(recording=FIXTURES / "t4-470-old-tokens.csv"), "clocks_event_reasons")
+    with no_leaks(reap_timeout=5.0), use_runner(driver), watch(interval=0.05, first_sample_timeout=20) as w:
         w.step(epoch=0, batch=0)
         assert wait_for(lambda: bool(w.monitor.latest()))
     assert not w.monitor.dropped_rules
@@ -341,6 +347,7 @@ def test_default_rules_on_a_470_driver_keep_gpu_data_and_every_rule(fake_smi: Ma
 
 
 def test_watch_records_the_run_for_smiquery_report_and_times_data_wait(fake_smi: MakeFake, tmp_path):
+    # end to end: the fake executable as a real child, reaped when the block ends
     from smiquery.report import analyze
 
     record = tmp_path / "run.csv"
@@ -364,10 +371,8 @@ def test_watch_records_the_run_for_smiquery_report_and_times_data_wait(fake_smi:
     assert report.gpus == tuple(range(8))  # the same nvidia-smi's samples, readable by `smiquery report`
 
 
-def test_job_metrics_are_served_with_uuid_and_host_labels(fake_smi: MakeFake):
-    with no_leaks(reap_timeout=5.0), watch(
-        interval=0.05, nvidia_smi=str(fake_smi()), alerts=(), metrics_port=0, metrics_addr="127.0.0.1"
-    ) as w:
+def test_job_metrics_are_served_with_uuid_and_host_labels(inproc):
+    with no_leaks(reap_timeout=5.0), watch(interval=0.05, alerts=(), metrics_port=0, metrics_addr="127.0.0.1") as w:
         assert wait_for(lambda: bool(w.monitor.uuids()))
         w.step(epoch=0, batch=0, samples=16)
         w.step(epoch=0, batch=1, samples=16)
@@ -382,7 +387,7 @@ def test_job_metrics_are_served_with_uuid_and_host_labels(fake_smi: MakeFake):
         assert name in text
 
 
-def test_job_metrics_are_pushed_to_a_pushgateway_at_the_end(fake_smi: MakeFake):
+def test_job_metrics_are_pushed_to_a_pushgateway_at_the_end(inproc):
     bodies: list[tuple[str, str]] = []
 
     class Gateway(http.server.BaseHTTPRequestHandler):
@@ -402,7 +407,7 @@ def test_job_metrics_are_pushed_to_a_pushgateway_at_the_end(fake_smi: MakeFake):
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        with watch(interval=0.05, nvidia_smi=str(fake_smi()), alerts=(), pushgateway=url, job="train-x") as w:
+        with watch(interval=0.05, alerts=(), pushgateway=url, job="train-x") as w:
             assert wait_for(lambda: bool(w.monitor.uuids()))
             w.step(epoch=0, batch=0)
     finally:

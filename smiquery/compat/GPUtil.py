@@ -25,7 +25,7 @@ from typing import Any
 from smiquery.errors import ParseError, failure_from_exit
 from smiquery.fields import Field, resolve_fields
 from smiquery.oneshot import build_argv
-from smiquery.runner import SubprocessRunner, find_nvidia_smi
+from smiquery.runner import default_runner, find_nvidia_smi
 
 __all__ = [
     "GPU",
@@ -140,7 +140,7 @@ def getGPUs() -> list[GPU]:
         ParseError: output that does not fit the twelve columns.
     """
     argv = build_argv(find_nvidia_smi(), _resolved())
-    done = SubprocessRunner().run(argv, TIMEOUT)
+    done = default_runner().run(argv, TIMEOUT)
     if done.returncode not in (0, 14):  # 14: infoROM warning after valid rows
         raise failure_from_exit(argv, done.returncode, done.output)
     gpus = []

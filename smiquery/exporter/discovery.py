@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from smiquery.errors import InvalidFieldError, NvidiaSmiFailedError, failure_from_exit
 from smiquery.fields import parse_help_query_gpu, resolve_fields
 from smiquery.oneshot import query
-from smiquery.runner import SubprocessRunner, find_nvidia_smi
+from smiquery.runner import default_runner, find_nvidia_smi
 
 if TYPE_CHECKING:
     import os
@@ -44,7 +44,7 @@ def supported_fields(
     """
     binary = find_nvidia_smi(nvidia_smi)
     argv = [binary, "--help-query-gpu"]
-    done = SubprocessRunner().run(argv, timeout)
+    done = default_runner().run(argv, timeout)
     if done.returncode != 0:
         raise failure_from_exit(argv, done.returncode, done.output)
     listed: list[str] = []
