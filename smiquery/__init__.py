@@ -14,6 +14,7 @@ from smiquery.errors import (
     InvalidFieldError,
     InvalidGpuIdError,
     InvalidRuleError,
+    InvalidTimeZoneError,
     ListenError,
     NoDevicesFoundError,
     NotSupportedError,
@@ -44,7 +45,7 @@ __version__ = "0.1.0"
 logging.getLogger("smiquery").addHandler(logging.NullHandler())
 
 # pandas is imported only when these are first used: `import smiquery` stays light.
-_LAZY = {"read_csv": "smiquery.frames", "to_dataframe": "smiquery.frames", "replay": "smiquery.playback"}
+_LAZY = {"read_csv": "smiquery.recordings", "to_dataframe": "smiquery.frames", "replay": "smiquery.playback"}
 
 
 def __getattr__(name: str) -> object:
@@ -74,6 +75,7 @@ __all__ = [
     "InvalidFieldError",
     "InvalidGpuIdError",
     "InvalidRuleError",
+    "InvalidTimeZoneError",
     "Kind",
     "ListenError",
     "NoDevicesFoundError",

@@ -244,7 +244,7 @@ def plot_recording(
     that the recording has none).
 
     Args:
-        source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.frames.read_csv`.
+        source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.recordings.read_csv`.
         fields: fields to draw, as names or a comma list; default :data:`DEFAULT_PLOT_FIELDS` (those present). For
             a headerless CSV log, its columns in order (the numeric ones are drawn).
         rules: rules whose thresholds are drawn and whose alerts are shaded; default

@@ -1,7 +1,7 @@
 """A recorded run, summarised: per-GPU statistics, time over thresholds, stalls, alerts and one-line verdicts.
 
 :func:`analyze` reads a recording (CSV, JSONL or Parquet, as ``smiquery stream --output`` writes them, or a
-DataFrame from :func:`smiquery.frames.read_csv`) and returns a :class:`Report` that renders as text, JSON or
+DataFrame from :func:`smiquery.recordings.read_csv`) and returns a :class:`Report` that renders as text, JSON or
 Markdown. pandas and numpy are imported inside the functions, so ``import smiquery`` stays light.
 """
 
@@ -76,7 +76,7 @@ def load_recording(
     Args:
         source: a path (``.csv``, ``.jsonl``, ``.parquet``; other names are sniffed) or a DataFrame.
         fields: the columns of a headerless CSV log.
-        tz: the zone the recording was made in; default: as recorded (see :func:`smiquery.frames.read_csv`).
+        tz: the zone the recording was made in; default: as recorded (see :func:`smiquery.recordings.read_csv`).
 
     Returns:
         One row per sample, in file order (rows without a timestamp or GPU index dropped).
@@ -1079,7 +1079,7 @@ def analyze(
 
     Args:
         source: a recording path (CSV, JSONL, Parquet) or a DataFrame in the shape of
-            :func:`smiquery.frames.read_csv`.
+            :func:`smiquery.recordings.read_csv`.
         rules: rules (or ``--alert`` expressions) whose thresholds are checked; default :data:`DEFAULT_RULES`.
         stall_utilization: utilization (percent) under which a GPU is stalled.
         min_stall: shortest stall reported, in seconds.

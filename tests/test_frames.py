@@ -14,7 +14,7 @@ from zoneinfo import ZoneInfo
 import pandas as pd
 import pytest
 
-from smiquery import frames
+from smiquery import frames, recordings
 from smiquery.errors import ParseError
 from smiquery.fields import get_field, resolve_fields
 from smiquery.parsing import CsvParser, format_row, header_line, parse_lines
@@ -324,7 +324,7 @@ def test_read_csv_hex_in_int_column_is_rejected_like_the_parser() -> None:
 
 def test_read_csv_rare_token_after_the_head(monkeypatch: pytest.MonkeyPatch) -> None:
     # The first rows decide which numeric columns the CSV reader converts itself; a later surprise restarts.
-    monkeypatch.setattr(frames, "_HEAD_ROWS", 1)
+    monkeypatch.setattr(recordings, "_HEAD_ROWS", 1)
     text = "index, power.draw [W]\n0, 10.50\n1, [N/A]\n2, [Unknown Error]\n3, 7.25 W\n"
     df = _read(text)
     assert df["power_draw"].tolist() == [10.5, pd.NA, pd.NA, 7.25]
@@ -364,8 +364,8 @@ def _big_recording(rows: int) -> str:
 
 def test_read_csv_many_blocks_keep_row_positions(monkeypatch: pytest.MonkeyPatch) -> None:
     text = _big_recording(3000)  # crosses a DST change in Europe/Berlin
-    monkeypatch.setattr(frames, "_BLOCK_BYTES", 8192)
-    monkeypatch.setattr(frames, "_HEAD_ROWS", 50)
+    monkeypatch.setattr(recordings, "_BLOCK_BYTES", 8192)
+    monkeypatch.setattr(recordings, "_HEAD_ROWS", 50)
     fast = _read(text)
     expected = _with_notices(frames.to_dataframe(parse_lines(text, tz=BERLIN)))
     _same(fast, expected)
@@ -438,7 +438,7 @@ def test_import_smiquery_does_not_import_pandas() -> None:
 
 
 def test_many_notices_keep_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(frames, "_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(recordings, "_BLOCK_BYTES", 4096)
     lines = [HEADER]
     for n in range(300):
         lines.append(ROWS[n % 3])
