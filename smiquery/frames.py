@@ -143,6 +143,19 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
     def __deepcopy__(self, memo: dict[int, Any]) -> MissingReasons:
         return self
 
+    def only(self, columns: Iterable[str]) -> MissingReasons:
+        """The reasons of these columns only (a frame cut to fewer columns).
+
+        Args:
+            columns: the columns to keep.
+
+        Returns:
+            A new instance sharing the kept columns' arrays.
+        """
+        kept = MissingReasons()
+        kept._columns = {c: self._columns[c] for c in columns if c in self._columns}
+        return kept
+
     def count(self, column: str) -> int:
         """How many cells of ``column`` are missing with a known reason.
 
@@ -205,7 +218,12 @@ def _int_array(values: Sequence[int | None]) -> Any:
 def _timestamp_array(values: Sequence[Value], tz: tzinfo | None) -> Any:
     import pandas as pd
 
-    # A naive datetime (only from a hand-made sample: the parser's are aware) is taken as local time.
+    given = [v for v in values if isinstance(v, datetime)]
+    if tz is None and given and all(v.tzinfo is None for v in given):
+        # Recorded without a zone (a replayed nvidia-smi CSV): kept naive, as recorded.
+        naive: list[Any] = list(values)
+        return pd.to_datetime(naive).as_unit("ns").array
+    # A naive datetime among aware ones (a hand-made sample) is taken as local time.
     stamps: list[Any] = [v.astimezone() if isinstance(v, datetime) and v.tzinfo is None else v for v in values]
     if tz is None:
         zones = {v.tzinfo for v in stamps if isinstance(v, datetime)}
@@ -272,8 +290,9 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
 
     Columns are named after :attr:`Field.attr` (``memory.used`` -> ``memory_used``) with dtypes from the
     catalogue: ``Int64`` for integers, hex values and bitmasks, ``Float64`` for decimals, ``boolean`` for
-    Enabled/Disabled, Yes/No and Active/Not Active, ``string`` for text and versions, and timezone-aware
-    ``datetime64[ns, tz]`` for ``timestamp``. A missing value is ``<NA>`` (never 0).
+    Enabled/Disabled, Yes/No and Active/Not Active, ``string`` for text and versions, and ``datetime64[ns, tz]``
+    for ``timestamp`` (naive ``datetime64[ns]`` when every sample's timestamp is naive, as a replayed
+    nvidia-smi CSV's are). A missing value is ``<NA>`` (never 0).
 
     ``df.attrs`` carries ``"fields"`` (canonical names), ``"units"`` (column -> unit, ``""`` when
     dimensionless) and ``"missing"`` (column -> {row position -> reason}, only for the missing cells).

@@ -1132,9 +1132,10 @@ class _ArrowReader:
         return _string_dtype().__from_arrow__(self.pa.chunked_array(parts, self.pa.string()))
 
 
-def _read_csv_any(path: str, fields: str | Sequence[str] | None, tz: tzinfo | str | None) -> pd.DataFrame:
+def _read_csv_any(path: str, fields: Sequence[Field] | None, tz: tzinfo | None) -> tuple[pd.DataFrame, bool]:
+    """The CSV recording, and whether ``fields`` named its columns (it has no header)."""
     try:
-        return read_csv(path, tz=tz)
+        return read_csv(path, tz=tz), False
     except ParseError as exc:
         if "no header" not in str(exc):
             raise RecordingError(f"{path} holds no row smiquery can read ({exc})") from None
@@ -1144,15 +1145,43 @@ def _read_csv_any(path: str, fields: str | Sequence[str] | None, tz: tzinfo | st
                 "for a headerless (noheader) log, give its columns with --fields"
             ) from None
     try:
-        return read_csv(path, fields, tz=tz)
+        return read_csv(path, fields, tz=tz), True
     except ParseError as exc:
-        raise RecordingError(f"{path} holds no row of the given fields ({exc})") from None
+        names = ",".join(f.name for f in fields)
+        raise RecordingError(
+            f"{path} has no header and its rows do not fit --fields {names}: give its columns, in order ({exc})"
+        ) from None
+
+
+def _only(df: pd.DataFrame, wanted: Sequence[Field], path: str) -> pd.DataFrame:
+    """The frame cut to the ``wanted`` fields (plus ``timestamp`` and ``index``); each must be recorded."""
+    recorded = df.attrs.get("fields")
+    names = [str(n) for n in recorded] if isinstance(recorded, list) and len(recorded) == len(df.columns) else None
+    lacking = [f.name for f in wanted if f.attr not in df.columns]
+    if lacking:
+        held = ", ".join(names if names is not None else map(str, df.columns))
+        raise RecordingError(
+            f"--fields does not agree with {path}: it has no {', '.join(lacking)}; its header names {held}"
+        )
+    keep = {f.attr for f in wanted} | {"timestamp", "index"}
+    columns = [c for c in df.columns if c in keep]
+    if len(columns) == len(df.columns):
+        return df
+    out: pd.DataFrame = df[columns].copy(deep=False)
+    out.attrs = dict(df.attrs)
+    if names is not None:
+        out.attrs["fields"] = [n for n, c in zip(names, df.columns, strict=True) if c in keep]
+    units = df.attrs.get("units")
+    if isinstance(units, dict):
+        out.attrs["units"] = {c: u for c, u in units.items() if c in keep}
+    out.attrs["missing"] = missing_reasons(df).only(columns)
+    return out
 
 
 def _read_jsonl(path: str, tz: tzinfo | str | None) -> pd.DataFrame:
     from smiquery.playback import Replay
 
-    with Replay(path, speed=0, fmt="jsonl") as rec:
+    with Replay(path, speed=0, fmt="jsonl", tz=tz) as rec:
         df = to_dataframe(rec)
         dropped = rec.stats.dropped_rows
         first = rec.first_error
@@ -1174,12 +1203,16 @@ def _read_parquet(path: str) -> pd.DataFrame:
     return df
 
 
-def _set_zone(df: pd.DataFrame, tz: tzinfo | str | None) -> None:
+def _set_zone(df: pd.DataFrame, tz: tzinfo | None) -> None:
+    import numpy as np
+
     if tz is None or "timestamp" not in df.columns:
         return
     stamps = df["timestamp"]
     if getattr(stamps.dt, "tz", None) is None:
-        df["timestamp"] = stamps.dt.tz_localize(tz, ambiguous="NaT", nonexistent="shift_forward")
+        # an ambiguous wall time (the hour repeated when DST ends) is the first of the two, as read_csv takes it
+        first = np.ones(len(stamps), dtype=bool)
+        df["timestamp"] = stamps.dt.tz_localize(tz, ambiguous=first, nonexistent="shift_forward")
     else:
         df["timestamp"] = stamps.dt.tz_convert(tz)
 
@@ -1199,33 +1232,42 @@ def read_recording(
 
     Args:
         source: the file (``.csv``, ``.jsonl``, ``.parquet``; other names are sniffed).
-        fields: the columns of a headerless CSV log (names, a preset or a comma list); ignored when the file has
-            a header.
-        tz: the zone the recording was made in; default None keeps timestamps as recorded (naive for CSV,
-            whose timestamps carry no zone).
+        fields: names, a preset or a comma list. For a headerless CSV log, its columns in order (required).
+            For a recording that names its columns (a header, JSONL, Parquet), the fields to keep: each must be
+            recorded (``timestamp`` and ``index`` are kept as well).
+        tz: the zone the recording was made in (an IANA name such as ``"Europe/Berlin"``, or a ``tzinfo``):
+            timestamps recorded without a zone are localized to it, ones with a zone converted to it. Default None
+            keeps them as recorded: naive for nvidia-smi's CSV (it prints local time with no zone), never assumed
+            to be UTC.
 
     Returns:
         One row per sample, in file order.
 
     Raises:
-        RecordingError: the file is missing, empty, not a recording, or holds no readable row.
+        RecordingError: the file is missing, empty, not a recording (a headerless log without ``fields``), holds
+            no readable row, or lacks one of ``fields``.
         InvalidFieldError: an unknown name in ``fields``.
-        ValueError: an unknown time zone name.
+        InvalidTimeZoneError: an unknown time zone name.
     """
     import numpy as np
     import pandas as pd
 
+    zone = resolve_zone(tz)
+    wanted = resolve_fields(fields) if fields is not None else None
     path = os.fspath(source)
     _check_file(path)
     fmt = detect_format(path)
+    as_columns = False
     if fmt == "csv":
-        df = _read_csv_any(path, fields, tz)
+        df, as_columns = _read_csv_any(path, wanted, zone)
     elif fmt == "parquet":
         df = _read_parquet(path)
-        _set_zone(df, tz)
+        _set_zone(df, zone)
     else:
-        df = _read_jsonl(path, tz)
-        _set_zone(df, tz)
+        df = _read_jsonl(path, zone)
+        _set_zone(df, zone)
+    if wanted is not None and not as_columns:
+        df = _only(df, wanted, path)
     if len(df) == 0:
         raise RecordingError(f"recording {path} holds no readable rows")
     if "index" not in df.columns:
