@@ -143,19 +143,6 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
     def __deepcopy__(self, memo: dict[int, Any]) -> MissingReasons:
         return self
 
-    def only(self, columns: Iterable[str]) -> MissingReasons:
-        """The reasons of these columns only (a frame cut to fewer columns).
-
-        Args:
-            columns: the columns to keep.
-
-        Returns:
-            A new instance sharing the kept columns' arrays.
-        """
-        kept = MissingReasons()
-        kept._columns = {c: self._columns[c] for c in columns if c in self._columns}
-        return kept
-
     def count(self, column: str) -> int:
         """How many cells of ``column`` are missing with a known reason.
 

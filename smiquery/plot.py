@@ -206,12 +206,9 @@ def _load(
     tz: tzinfo | str | None,
 ) -> tuple[pd.DataFrame, str | Sequence[str] | None]:
     """The recording, and the fields to draw: for a headerless log the fields name its columns as well."""
-    try:
-        return load_recording(source, tz=tz), fields
-    except ReportError as exc:
-        if fields is None or "--fields" not in str(exc):
-            raise
     df = load_recording(source, fields=fields, tz=tz)
+    if fields is None or not df.attrs.get("headerless"):
+        return df, fields
     names = [f.name for f in resolve_fields(fields)]
     drawn = [n for n in names if n not in ("timestamp", "index") and get_field(n).kind in _DRAWABLE]
     return df, drawn or None

@@ -63,6 +63,7 @@ __all__ = [
     "RecordingFormat",
     "SampleWriter",
     "SkippedLines",
+    "csv_header",
     "detect_format",
     "json_value",
     "open_recorder",
@@ -392,6 +393,38 @@ def detect_format(path: str | os.PathLike[str]) -> RecordingFormat:
     if head.startswith(b"PAR1"):
         return "parquet"
     return "jsonl" if head.startswith(b"{") else "csv"
+
+
+def csv_header(path: str | os.PathLike[str]) -> tuple[str, ...] | None:
+    """The field names of a CSV recording's header line, or None when it has none (a ``noheader`` log).
+
+    Only the head of the file is read. A headerless log needs its columns named (``fields=``, ``--fields``).
+
+    Args:
+        path: the recording.
+
+    Returns:
+        The canonical field names, in column order; None for no header (or no line at all).
+
+    Raises:
+        RecordingError: the file cannot be read.
+    """
+    parser = CsvParser()
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="") as fh:
+            for _ in range(64):  # blank lines before the header, at most
+                line = fh.readline(_HEAD_BYTES)
+                if not line:
+                    return None
+                try:
+                    parser.feed(line)
+                except ParseError:
+                    return None  # the first line is a row: no header
+                if parser.fields:
+                    return tuple(f.name for f in parser.fields)
+    except OSError as exc:
+        raise RecordingError(f"cannot read recording {os.fspath(path)}: {exc.strerror or exc}") from exc
+    return None
 
 
 def _check_file(path: str) -> None:
@@ -1153,29 +1186,16 @@ def _read_csv_any(path: str, fields: Sequence[Field] | None, tz: tzinfo | None) 
         ) from None
 
 
-def _only(df: pd.DataFrame, wanted: Sequence[Field], path: str) -> pd.DataFrame:
-    """The frame cut to the ``wanted`` fields (plus ``timestamp`` and ``index``); each must be recorded."""
-    recorded = df.attrs.get("fields")
-    names = [str(n) for n in recorded] if isinstance(recorded, list) and len(recorded) == len(df.columns) else None
+def _check_recorded(df: pd.DataFrame, wanted: Sequence[Field], path: str) -> None:
+    """Each of the ``wanted`` fields must be a column of a recording that names its own (header, JSONL, Parquet)."""
     lacking = [f.name for f in wanted if f.attr not in df.columns]
     if lacking:
-        held = ", ".join(names if names is not None else map(str, df.columns))
+        recorded = df.attrs.get("fields")
+        held = recorded if isinstance(recorded, list) and len(recorded) == len(df.columns) else list(df.columns)
         raise RecordingError(
-            f"--fields does not agree with {path}: it has no {', '.join(lacking)}; its header names {held}"
+            f"--fields does not agree with {path}: it has no {', '.join(lacking)}; "
+            f"it records {', '.join(map(str, held))}"
         )
-    keep = {f.attr for f in wanted} | {"timestamp", "index"}
-    columns = [c for c in df.columns if c in keep]
-    if len(columns) == len(df.columns):
-        return df
-    out: pd.DataFrame = df[columns].copy(deep=False)
-    out.attrs = dict(df.attrs)
-    if names is not None:
-        out.attrs["fields"] = [n for n, c in zip(names, df.columns, strict=True) if c in keep]
-    units = df.attrs.get("units")
-    if isinstance(units, dict):
-        out.attrs["units"] = {c: u for c, u in units.items() if c in keep}
-    out.attrs["missing"] = missing_reasons(df).only(columns)
-    return out
 
 
 def _read_jsonl(path: str, tz: tzinfo | str | None) -> pd.DataFrame:
@@ -1233,15 +1253,15 @@ def read_recording(
     Args:
         source: the file (``.csv``, ``.jsonl``, ``.parquet``; other names are sniffed).
         fields: names, a preset or a comma list. For a headerless CSV log, its columns in order (required).
-            For a recording that names its columns (a header, JSONL, Parquet), the fields to keep: each must be
-            recorded (``timestamp`` and ``index`` are kept as well).
+            For a recording that names its columns (a header, JSONL, Parquet), each must be one of them (all
+            columns are read all the same).
         tz: the zone the recording was made in (an IANA name such as ``"Europe/Berlin"``, or a ``tzinfo``):
             timestamps recorded without a zone are localized to it, ones with a zone converted to it. Default None
             keeps them as recorded: naive for nvidia-smi's CSV (it prints local time with no zone), never assumed
             to be UTC.
 
     Returns:
-        One row per sample, in file order.
+        One row per sample, in file order; ``attrs["headerless"]`` is True when ``fields`` named the columns.
 
     Raises:
         RecordingError: the file is missing, empty, not a recording (a headerless log without ``fields``), holds
@@ -1266,8 +1286,6 @@ def read_recording(
     else:
         df = _read_jsonl(path, zone)
         _set_zone(df, zone)
-    if wanted is not None and not as_columns:
-        df = _only(df, wanted, path)
     if len(df) == 0:
         raise RecordingError(f"recording {path} holds no readable rows")
     if "index" not in df.columns:
@@ -1276,4 +1294,8 @@ def read_recording(
         df.insert(at, "index", pd.Series(np.zeros(len(df), dtype=np.int64), index=df.index, dtype="Int64"))
         if isinstance(df.attrs.get("fields"), list):
             df.attrs["fields"] = [*df.attrs["fields"][:at], "index", *df.attrs["fields"][at:]]
+    if wanted is not None and not as_columns:
+        _check_recorded(df, wanted, path)
+    if as_columns:
+        df.attrs["headerless"] = True
     return df
