@@ -285,7 +285,14 @@ class Replay(LatestSweep):
         self.first_error: ParseError | None = None
         #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
         self.gpu_count = 0
+        self._peek_error: ParseError | None = None
         first = self._peek()
+        if first is None and self._columns is not None:
+            columns = ",".join(f.name for f in self._columns)
+            why = f" ({self._peek_error})" if self._peek_error is not None else ""
+            raise ReplayError(
+                f"recording {self.path}: no row fits the columns {columns}; give the log's columns, in order{why}"
+            )
         if first is None:
             raise ReplayError(
                 f"recording {self.path} holds no readable rows; is it a recording from `smiquery stream --output` "
@@ -371,6 +378,7 @@ class Replay(LatestSweep):
             close = getattr(gen, "close", None)
             if close is not None:
                 close()
+            self._peek_error = self.first_error
             self.stats.dropped_rows = 0
             self.stats.last_error = None
             self.first_error = None
