@@ -62,7 +62,7 @@ RecordingArg = Annotated[
     Path,
     typer.Argument(
         metavar="REC",
-        help="A recording from `smiquery stream --output`: .csv, .jsonl or .parquet.",
+        help="A recording from `smiquery stream --output` (.csv, .jsonl, .parquet) or a plain nvidia-smi CSV log.",
         dir_okay=False,
     ),
 ]
