@@ -1,8 +1,6 @@
-"""Records -> pandas DataFrames with nullable, catalogue-typed columns.
+"""Records -> pandas DataFrames with nullable, catalogue-typed columns (pandas imported inside functions).
 
-Only conversion lives here; reading and writing recordings (nvidia-smi CSV, JSONL, Parquet) is
-:mod:`smiquery.recordings`. :func:`read_csv` is still importable from here and forwards there. pandas (and
-pyarrow) are imported inside the functions that need them.
+Reading recordings lives in :mod:`smiquery.recordings`; :func:`read_csv` here forwards there.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Recordings: every file format smiquery writes and reads back (nvidia-smi CSV, JSONL, Parquet).
+"""Recordings, the one owner of their I/O: nvidia-smi CSV (plain logs too), JSONL and Parquet, written and read.
 
-The one owner of recording I/O. Writers put each row out whole (one ``write`` call, then a flush when asked),
-so a file or pipe that is cut off ends on a complete row. Readers: :func:`read_csv` (nvidia-smi's own
-``--format=csv`` output, plain logs with units and/or without a header included, converted column by column
-with pyarrow when installed) and :func:`read_recording` (any format, by name or content). They build their
-DataFrames with :mod:`smiquery.frames`. Timestamps are kept as recorded (nvidia-smi prints local time with no
-zone, so CSV timestamps stay naive) unless ``tz=`` names the zone. pandas and pyarrow are imported inside the
-functions that need them.
+Rows are written whole; readers build DataFrames with :mod:`smiquery.frames` and keep timestamps as recorded
+unless ``tz=`` names the zone.
 """
 
 from __future__ import annotations
