@@ -249,7 +249,7 @@ def main() -> int:
     print()
     print("baselines: pyarrow.csv.read_csv(path) with default options; DataFrame.memory_usage(deep=True).sum();")
     print('           line.split(", ") of the same lines.')
-    print("peak RSS: VmHWM (ru_maxrss off Linux) of a child that imports pandas/pyarrow/smiquery.frames and runs")
+    print("peak RSS: VmHWM (ru_maxrss off Linux) of a child that imports pandas/pyarrow/smiquery.recordings and runs")
     print("          read_csv, minus that of a child that only imports the same modules.")
     print("streaming: CPU time of this thread; rows without status tokens (a token row takes the slower path).")
     print()
