@@ -488,3 +488,17 @@ def test_cli_report_fields_that_disagree_or_are_unknown_fail_clearly(tmp_path):
     assert short.exit_code == 1 and "rows do not fit --fields" in short.stderr
     unknown = CliRunner().invoke(app, ["report", str(without), "--fields", "timestamp,index,temprature.gpu"])
     assert unknown.exit_code == 2 and "temprature.gpu" in unknown.stderr
+
+
+def test_cli_plot_headerless_log_takes_its_columns_from_fields(tmp_path):
+    from typer.testing import CliRunner
+
+    pytest.importorskip("matplotlib")
+    app = _app()
+    _, without, names = _headerless_copy(tmp_path, rows=80)
+    out = tmp_path / "trace.png"
+    refused = CliRunner().invoke(app, ["plot", str(without), "-o", str(out)])
+    assert refused.exit_code == 1 and "--fields" in refused.stderr and not out.exists()
+    drawn = CliRunner().invoke(app, ["plot", str(without), "-o", str(out), "--fields", names, "--tz", "UTC"])
+    assert drawn.exit_code == 0, drawn.output
+    assert out.read_bytes().startswith(b"\x89PNG")  # text columns (name, uuid, pstate) are named, not drawn
