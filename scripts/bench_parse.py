@@ -3,7 +3,7 @@
 
 Measurements (each prints smiquery's number, the baseline's, their ratio and the target):
 
-1. ``smiquery.frames.read_csv`` of a 1,000,000-row recording (the ``default`` preset, 8 GPUs, header with
+1. ``smiquery.recordings.read_csv`` of a 1,000,000-row recording (the ``default`` preset, 8 GPUs, header with
    units, ``nounits`` values, some status tokens) vs ``pyarrow.csv.read_csv`` of the same file with default
    options (untyped). Best of 3 each. Target: <= 3.0x. The same for nvidia-smi's default ``--format=csv``
    (units in the values too, one GPU's power ``[N/A]`` throughout).
@@ -124,11 +124,11 @@ _CHILD = r"""
 import json, resource, sys
 sys.path.insert(0, sys.argv[1])
 import pandas, pyarrow, pyarrow.csv, pyarrow.compute, numpy
-import smiquery.frames
+import smiquery.recordings
 pandas.DataFrame({"a": pandas.array([1], dtype="Int64")})  # load pandas' lazy parts in both children
 size = 0
 if sys.argv[2] != "-":
-    df = smiquery.frames.read_csv(sys.argv[2])
+    df = smiquery.recordings.read_csv(sys.argv[2])
     size = int(df.memory_usage(deep=True).sum())
 peak = None
 try:
@@ -180,7 +180,7 @@ def main() -> int:
 
     import pyarrow.csv as pacsv
 
-    from smiquery.frames import read_csv
+    from smiquery.recordings import read_csv
 
     results: list[tuple[str, str, str, float, float]] = []
     with tempfile.TemporaryDirectory(prefix="smiquery-bench-") as tmp:
@@ -249,7 +249,7 @@ def main() -> int:
     print()
     print("baselines: pyarrow.csv.read_csv(path) with default options; DataFrame.memory_usage(deep=True).sum();")
     print('           line.split(", ") of the same lines.')
-    print("peak RSS: VmHWM (ru_maxrss off Linux) of a child that imports pandas/pyarrow/smiquery.frames and runs")
+    print("peak RSS: VmHWM (ru_maxrss off Linux) of a child that imports pandas/pyarrow/smiquery.recordings and runs")
     print("          read_csv, minus that of a child that only imports the same modules.")
     print("streaming: CPU time of this thread; rows without status tokens (a token row takes the slower path).")
     print()

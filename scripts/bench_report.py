@@ -5,7 +5,7 @@ Measurements (each prints smiquery's number, the baseline's, their ratio and the
 
 1. ``report``: :func:`smiquery.report.analyze` of a 1,000,000-row recording (an overnight run of 8 GPUs at
    1 Hz in nvidia-smi's default CSV format: units in header and values, one GPU's power ``[N/A]`` throughout, a
-   stall, a hot GPU) plus rendering the text, vs :func:`smiquery.frames.read_csv` of the same file.
+   stall, a hot GPU) plus rendering the text, vs :func:`smiquery.recordings.read_csv` of the same file.
    Target: <= 4.0x.
 2. ``plot``: :func:`smiquery.plot.save_plot` of the same file to a PNG vs ``read_csv``. Target: <= 4.0x.
 3. Peak memory of each: the peak RSS (``VmHWM``) of a child process that imports the modules and runs it, minus
@@ -56,7 +56,7 @@ pandas.DataFrame({"a": pandas.array([1], dtype="Int64")})  # load pandas' lazy p
 size = 0
 t0 = time.perf_counter()
 if what == "read":
-    df = smiquery.frames.read_csv(path)
+    df = smiquery.recordings.read_csv(path)
     size = int(df.memory_usage(deep=True).sum())
 elif what == "report":
     smiquery.report.analyze(path).to_text()

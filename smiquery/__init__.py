@@ -14,6 +14,7 @@ from smiquery.errors import (
     InvalidFieldError,
     InvalidGpuIdError,
     InvalidRuleError,
+    InvalidTimeZoneError,
     ListenError,
     NoDevicesFoundError,
     NotSupportedError,
@@ -44,7 +45,7 @@ __version__ = "0.1.0"
 logging.getLogger("smiquery").addHandler(logging.NullHandler())
 
 # pandas is imported only when these are first used: `import smiquery` stays light.
-_LAZY = {"read_csv": "smiquery.frames", "to_dataframe": "smiquery.frames", "replay": "smiquery.playback"}
+_LAZY = {"read_csv": "smiquery.recordings", "to_dataframe": "smiquery.frames", "replay": "smiquery.playback"}
 # Submodules reachable after a plain `import smiquery` (`smiquery.aio.query(...)`), imported on first use.
 _LAZY_MODULES = frozenset({"aio", "compat", "pmon"})
 
@@ -78,6 +79,7 @@ __all__ = [
     "InvalidFieldError",
     "InvalidGpuIdError",
     "InvalidRuleError",
+    "InvalidTimeZoneError",
     "Kind",
     "ListenError",
     "NoDevicesFoundError",

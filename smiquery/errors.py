@@ -9,6 +9,7 @@ Every exception class of the package is defined here (the modules that raise the
     ├── InvalidFieldError (+ValueError)      unknown or malformed field name; never retried
     ├── InvalidGpuIdError (+ValueError)      malformed GPU id; never retried
     ├── InvalidRuleError (+ValueError)       an alert expression that cannot be parsed: text, reason
+    ├── InvalidTimeZoneError (+ValueError)   an unknown time zone name (``tz=``, ``--tz``); never retried
     ├── ParseError (+ValueError)             a row that does not fit: lineno, raw line, field
     ├── UsageError (+ValueError)             a command-line option value that does not fit (exit 2)
     ├── RecordingError                       a recording that cannot be read (missing, empty, no header)
@@ -52,6 +53,7 @@ __all__ = [
     "InvalidFieldError",
     "InvalidGpuIdError",
     "InvalidRuleError",
+    "InvalidTimeZoneError",
     "ListenError",
     "NoDevicesFoundError",
     "NotSupportedError",
@@ -127,6 +129,18 @@ class WebConfigError(SmiqueryError, ValueError):
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
         self.path = str(path)
         super().__init__(f"web config {self.path}: {reason}; see docs/exporter.md (web configuration)")
+
+
+class InvalidTimeZoneError(SmiqueryError, ValueError):
+    """A time zone name that is not an IANA zone (``tz="Mars/Olympus"``, ``--tz``); the CLI exits 2.
+
+    Attributes:
+        zone: the name as given.
+    """
+
+    def __init__(self, zone: str) -> None:
+        self.zone = zone
+        super().__init__(f"unknown time zone {zone!r}; give an IANA name such as 'Europe/Berlin' or 'UTC'")
 
 
 class UsageError(SmiqueryError, ValueError):

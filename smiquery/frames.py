@@ -1,54 +1,33 @@
-"""Records and recorded nvidia-smi CSV files -> pandas DataFrames with nullable, catalogue-typed columns.
+"""Records -> pandas DataFrames with nullable, catalogue-typed columns (pandas imported inside functions).
 
-The only module that imports pandas (and pyarrow); both are imported inside the functions that need them.
+Reading recordings lives in :mod:`smiquery.recordings`; :func:`read_csv` here forwards there.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import re
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta, timezone, tzinfo
-from pathlib import Path
 from types import MappingProxyType
-from typing import IO, TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
-from smiquery.errors import InvalidFieldError, ParseError
-from smiquery.fields import Field, Kind, get_field, resolve_fields
-
-# The parser's own value converters and word lists, so that both paths read a cell the same way.
-from smiquery.parsing import _BOOL_WORDS, MESSAGE_PREFIXES, CsvParser, _converter, missing_reason
-from smiquery.recordings import SkippedLines
+from smiquery.errors import InvalidFieldError
+from smiquery.fields import Field, Kind, get_field
 from smiquery.records import GpuSample, Value
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from smiquery.recordings import CsvSource, SkippedLines
+
 __all__ = ["MissingReasons", "missing_reasons", "read_csv", "to_dataframe"]
 
-#: What :func:`read_csv` accepts: a path, or an open binary or text file.
-CsvSource = Union[str, "os.PathLike[str]", IO[bytes], IO[str]]
-
 _INT_KINDS = frozenset({Kind.INT, Kind.HEX, Kind.BITMASK})
-# What datetime64[ns] can hold.
-_NS_MIN, _NS_MAX = datetime(1677, 9, 22), datetime(2262, 4, 11)
-_MAJOR_MINOR_RE = r"^\d+\.\d+$"
-# A header line is short; reading this much is enough to find it (and any blank lines before it).
-_HEAD_BYTES = 1 << 20
-_LINE_BREAK_RE = re.compile(r"\r\n|\r|\n")
-# read_csv splits and converts blocks of about this size; a converted block is a fraction of its text.
-_BLOCK_BYTES = 4 << 20
-# Rows of the file's head that decide which numeric columns the CSV reader converts itself.
-_HEAD_ROWS = 4000
-# Threads converting blocks.
-_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 # --------------------------------------------------------------------------------------------------------------
-# helpers shared by both paths
+# helpers (recordings.py's CSV reader builds its frames with them too)
 
 
 def _field_for(name: str) -> Field:
@@ -93,17 +72,6 @@ def _local_zone() -> tzinfo:
     except ImportError:  # pragma: no cover - dateutil is a pandas dependency
         offset = datetime.now().astimezone().utcoffset() or timedelta(0)
         return timezone(offset)
-
-
-def _zone(tz: tzinfo | str | None) -> tzinfo | None:
-    if tz is None or isinstance(tz, tzinfo):
-        return tz
-    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
-
-    try:
-        return ZoneInfo(tz)
-    except (ZoneInfoNotFoundError, ValueError):
-        raise ValueError(f"unknown time zone {tz!r}; give an IANA name such as 'Europe/Berlin' or 'UTC'") from None
 
 
 class MissingReasons(Mapping[str, Mapping[int, str]]):
@@ -235,7 +203,12 @@ def _int_array(values: Sequence[int | None]) -> Any:
 def _timestamp_array(values: Sequence[Value], tz: tzinfo | None) -> Any:
     import pandas as pd
 
-    # A naive datetime (only from a hand-made sample: the parser's are aware) is taken as local time.
+    given = [v for v in values if isinstance(v, datetime)]
+    if tz is None and given and all(v.tzinfo is None for v in given):
+        # Recorded without a zone (a replayed nvidia-smi CSV): kept naive, as recorded.
+        naive: list[Any] = list(values)
+        return pd.to_datetime(naive).as_unit("ns").array
+    # A naive datetime among aware ones (a hand-made sample) is taken as local time.
     stamps: list[Any] = [v.astimezone() if isinstance(v, datetime) and v.tzinfo is None else v for v in values]
     if tz is None:
         zones = {v.tzinfo for v in stamps if isinstance(v, datetime)}
@@ -302,8 +275,9 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
 
     Columns are named after :attr:`Field.attr` (``memory.used`` -> ``memory_used``) with dtypes from the
     catalogue: ``Int64`` for integers, hex values and bitmasks, ``Float64`` for decimals, ``boolean`` for
-    Enabled/Disabled, Yes/No and Active/Not Active, ``string`` for text and versions, and timezone-aware
-    ``datetime64[ns, tz]`` for ``timestamp``. A missing value is ``<NA>`` (never 0).
+    Enabled/Disabled, Yes/No and Active/Not Active, ``string`` for text and versions, and ``datetime64[ns, tz]``
+    for ``timestamp`` (naive ``datetime64[ns]`` when every sample's timestamp is naive, as a replayed
+    nvidia-smi CSV's are). A missing value is ``<NA>`` (never 0).
 
     ``df.attrs`` carries ``"fields"`` (canonical names), ``"units"`` (column -> unit, ``""`` when
     dimensionless) and ``"missing"`` (column -> {row position -> reason}, only for the missing cells).
@@ -344,127 +318,7 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# recorded CSV -> DataFrame
-
-
-class _Source:
-    """A CSV input: a path (read by pyarrow itself) or the bytes of an open file."""
-
-    def __init__(self, src: CsvSource) -> None:
-        self.path: str | None = None
-        self._data: bytes | None = None
-        self._head: bytes | None = None
-        if isinstance(src, (str, os.PathLike)):
-            self.path = os.fspath(src)
-        else:
-            raw = src.read()
-            # surrogatepass: a str that holds lone surrogates still becomes bytes (undecodable ones, replaced later).
-            self._data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
-
-    def head(self) -> bytes:
-        if self._data is not None:
-            return self._data[:_HEAD_BYTES]
-        if self._head is None:
-            assert self.path is not None
-            with open(self.path, "rb") as f:
-                self._head = f.read(_HEAD_BYTES)
-        return self._head
-
-    def data(self) -> bytes:
-        if self._data is None:
-            assert self.path is not None
-            self._data = Path(self.path).read_bytes()
-        return self._data
-
-
-def _decode(raw: bytes) -> str:
-    return raw.decode("utf-8", "replace")
-
-
-def _is_notice(line: str) -> bool:
-    return line.startswith(MESSAGE_PREFIXES)
-
-
-class _Layout:
-    """What the probe of the first lines found: fields, units, header and how many lines precede the data."""
-
-    def __init__(self, fields: tuple[Field, ...], units: tuple[str, ...], header: list[str] | None, skip: int):
-        self.fields = fields
-        self.units = units
-        self.header = header
-        self.skip = skip
-
-    def data_lines(self, data: bytes, *, notices: bool = False) -> Iterator[tuple[int, str, bool]]:
-        """(line number, line, fits) for every row the reader keeps, plus the rows with a wrong column count.
-
-        With ``notices``, the notice lines the reader sets aside instead.
-        """
-        ncols = len(self.fields)
-        for lineno, raw in enumerate(data.splitlines(), 1):
-            if lineno <= self.skip:
-                continue
-            line = _decode(raw)
-            if not line.strip():
-                continue
-            cells = line.split(",")
-            if len(cells) != ncols or ncols == 1:
-                if _is_notice(line):
-                    if notices:
-                        yield lineno, line, True
-                    continue
-                if len(cells) != ncols:
-                    if not notices:
-                        yield lineno, line, False
-                    continue
-            if notices:
-                continue
-            if self.header is not None and [c.strip() for c in cells] == self.header:
-                continue
-            yield lineno, line, True
-
-    def locate(self, data: bytes, row: int) -> tuple[int, str]:
-        """The line number and text of data row ``row`` (0-based, in reading order)."""
-        i = 0
-        for lineno, line, fits in self.data_lines(data):
-            if fits:
-                if i == row:
-                    return lineno, line
-                i += 1
-        return 0, ""  # pragma: no cover - rows always come from the same data
-
-    def first_misfit(self, data: bytes) -> tuple[int, str] | None:
-        for lineno, line, fits in self.data_lines(data):
-            if not fits:
-                return lineno, line
-        return None
-
-
-def _probe(src: _Source, fields: Sequence[str | Field] | None, tz: tzinfo) -> _Layout | None:
-    """Read the first non-blank line with the strict parser: a header, or the first row of headerless output.
-
-    Returns None when the input holds no non-blank line.
-    """
-    probe = CsvParser(fields, tz=tz)
-    lines = src.head().splitlines()
-    for n, raw in enumerate(lines, 1):
-        line = _decode(raw)
-        if not line.rstrip("\r\n\t "):
-            probe.feed(line)
-            continue
-        notices = len(probe.notices)
-        sample = probe.feed(line)  # raises ParseError for a bad first row or a header that does not fit
-        if sample is None and len(probe.notices) == notices:
-            return _Layout(probe.fields, probe.units, [c.strip() for c in line.split(",")], n)
-        return _Layout(probe.fields, probe.units, None, 0)
-    if probe.fields:
-        return _Layout(probe.fields, probe.units, None, 0)
-    return None
-
-
-def _as_fields(fields: str | Sequence[str | Field] | None) -> Sequence[str | Field] | None:
-    if isinstance(fields, str):
-        return resolve_fields(fields)
-    return fields
+# the reader's old home
 
 
 def read_csv(
@@ -473,598 +327,16 @@ def read_csv(
     *,
     tz: tzinfo | str | None = None,
 ) -> pd.DataFrame:
-    """Read a recorded ``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` file into a DataFrame.
-
-    Gives the same columns, dtypes and ``attrs`` as :func:`to_dataframe` of the parsed records, plus
-    ``attrs["notices"]`` (driver notice lines such as ``WARNING: infoROM is corrupted...``). With pyarrow
-    installed (``smiquery[fast]``) the file is split by pyarrow's CSV reader and converted column by column
-    with vectorised kernels; without it the pure-Python :class:`~smiquery.CsvParser` is used (same result,
-    slower). One difference: past the first 4,000 rows, the fast path reads a ``0x``-prefixed number in an
-    integer column as hex, where the parser rejects it (nvidia-smi prints hex only in hex fields).
+    """Read a recorded nvidia-smi CSV file: the same as :func:`smiquery.recordings.read_csv`, which owns it.
 
     Args:
         path_or_buffer: a path, or an open file in binary or text mode.
-        fields: the queried fields (names, aliases, a preset or a comma list), required for ``noheader``
-            output; when the file has a header as well, it must match them.
-        tz: the time zone the recording was made in (a ``tzinfo`` or an IANA name such as ``"Europe/Berlin"``):
-            timestamps become aware in that zone. Default None: nvidia-smi prints the recording host's wall-clock
-            time with no zone, and the column stays naive (``datetime64[ns]``), exactly as recorded.
+        fields: the queried fields, required for ``noheader`` output.
+        tz: the zone the recording was made in; default None keeps the timestamps naive, as recorded.
 
     Returns:
-        One row per readable data line. Lines that cannot be read (the torn last line of a killed recorder, a
-        garbled line, a row of the wrong width or with a value that does not fit its field) are skipped;
-        ``attrs["skipped"]`` is then a :class:`~smiquery.recordings.SkippedLines` with their count and the first
-        one's line number.
-
-    Raises:
-        ParseError: there is neither a header nor ``fields``, or the header does not match ``fields``.
-        InvalidFieldError: a name in ``fields`` is unknown.
-        ValueError: an unknown time zone name.
+        One row per readable data line (see :func:`smiquery.recordings.read_csv`).
     """
-    out_tz = _zone(tz)
-    # The parser needs a zone to read a timestamp; the wall-clock time it reads is what is kept.
-    zone = out_tz if out_tz is not None else _local_zone()
-    src = _Source(path_or_buffer)
-    wanted = _as_fields(fields)
-    try:
-        import pyarrow
-        import pyarrow.compute
-        import pyarrow.csv  # noqa: F401  (the fast path needs it; absent, fall back)
-    except ImportError:
-        return _read_csv_python(src, wanted, zone, out_tz)
-    layout = _probe(src, wanted, zone)
-    if layout is None:
-        return _frame((), (), {}, [])
-    return _ArrowReader(src, layout, zone, out_tz).read()
+    from smiquery.recordings import read_csv as read
 
-
-def _read_csv_python(
-    src: _Source, fields: Sequence[str | Field] | None, tz: tzinfo, out_tz: tzinfo | None
-) -> pd.DataFrame:
-    parser = CsvParser(fields, tz=tz, strict=False)
-    first: ParseError | None = None
-    lines = _LINE_BREAK_RE.split(_decode(src.data()))
-    if lines and lines[-1] == "":
-        lines.pop()
-    samples: list[GpuSample] = []
-    dropped = 0
-    for line in lines:
-        sample = parser.feed(line)
-        if sample is not None and "timestamp" in sample:
-            stamp = sample.timestamp
-            if isinstance(stamp, datetime) and not _NS_MIN <= stamp.replace(tzinfo=None) <= _NS_MAX:
-                sample = None  # outside what datetime64[ns] holds: a garbled year
-                dropped += 1
-                if first is None:
-                    first = ParseError("timestamp out of range", lineno=parser.lineno, line=line, field="timestamp")
-        if sample is not None:
-            samples.append(sample)
-        elif first is None and parser.last_error is not None:
-            first = parser.last_error
-    skipped = None
-    if parser.dropped or dropped:
-        assert first is not None
-        skipped = SkippedLines(parser.dropped + dropped, first.lineno, (first.line or "")[:80])
-        if not samples:
-            raise _unreadable(skipped)
-    if samples:
-        try:
-            df = to_dataframe(samples)
-        except (OverflowError, ValueError) as exc:  # a timestamp outside datetime64[ns] (years 1677-2262)
-            raise ParseError(str(exc), lineno=0, line="") from exc
-        if "timestamp" in df.columns:
-            stamps = df["timestamp"].dt.tz_convert(tz)
-            df["timestamp"] = stamps.dt.tz_localize(None) if out_tz is None else stamps.dt.tz_convert(out_tz)
-        df.attrs["notices"] = list(parser.notices)
-        if skipped is not None:
-            df.attrs["skipped"] = skipped
-        return df
-    flds = parser.fields
-    return _frame(flds, [_empty_array(f, out_tz) for f in flds], {}, list(parser.notices), skipped)
-
-
-def _unreadable(skipped: SkippedLines) -> ParseError:
-    return ParseError(
-        f"no readable rows: {skipped.count} line(s) do not fit the header (first: line {skipped.first_lineno})",
-        lineno=skipped.first_lineno,
-        line=skipped.first_line,
-    )
-
-
-class _BadCell(Exception):
-    """A cell the parser's converter rejects, at a row position counted over the whole file."""
-
-    def __init__(self, row: int, cell: str, fld: Field) -> None:
-        super().__init__(row, cell, fld.name)
-        self.row = row
-        self.cell = cell
-        self.fld = fld
-
-
-# Why cells of one column are missing: (row positions, reason codes, reason words); row positions are local to a
-# block while it is converted.
-_Why = tuple[Any, Any, tuple[str, ...]]
-
-
-class _Block:
-    """One converted block: a pandas-ready part per column, the missing reasons per column, and the rows dropped.
-
-    ``bad`` holds the positions (in the block as read) of rows with a cell that does not fit its field; the first
-    of them (with its cell) is in ``first_bad``.
-    """
-
-    __slots__ = ("bad", "first_bad", "parts", "reasons", "rows")
-
-    def __init__(self, parts: list[Any], reasons: list[_Why | None], rows: int, bad: list[int]) -> None:
-        self.parts = parts
-        self.reasons = reasons
-        self.rows = rows
-        self.bad = bad
-
-
-class _ArrowReader:
-    """The fast path of :func:`read_csv`.
-
-    pyarrow's multi-threaded CSV reader splits the file into blocks of rows; worker threads then convert the
-    blocks, column by column, with vectorised kernels (Arrow releases the GIL), and a block's text is freed as
-    soon as it is converted.
-
-    Numeric columns whose first rows hold plain numbers and ``[N/A]`` only are converted by the CSV reader
-    itself (``[N/A]`` -> null), the cheapest way there is; every other column is read as text and converted
-    here. When a typed column meets anything else further on (another status token, a unit, a bad value), the
-    read starts again with that column as text.
-    """
-
-    def __init__(self, src: _Source, layout: _Layout, tz: tzinfo, out_tz: tzinfo | None) -> None:
-        import pyarrow as pa
-        import pyarrow.compute as pc
-        import pyarrow.csv as pacsv
-
-        self.pa, self.pc, self.pacsv = pa, pc, pacsv
-        self.src = src
-        self.layout = layout
-        self.tz = tz
-        self.out_tz = out_tz
-        self.notices: list[str] = []
-        self.misfits = 0
-
-    # -- reading ---------------------------------------------------------------------------------------------
-
-    def read(self) -> pd.DataFrame:
-        pa = self.pa
-        typed = self._typed_from_head()
-        clean: bytes | None = None
-        while True:
-            try:
-                if clean is not None:
-                    return self._read(pa.BufferReader(clean), typed)
-                if self.src.path is None:
-                    return self._read(pa.BufferReader(self.src.data()), typed)
-                # Opened as a plain stream: given a path, pyarrow would also decompress ``.gz`` files by name.
-                with pa.input_stream(self.src.path, compression=None) as stream:
-                    return self._read(stream, typed)
-            except pa.ArrowInvalid as exc:
-                message = str(exc)
-                failed = re.match(r"In CSV column #(\d+): CSV conversion error.*invalid value '(.*)'$", message)
-                if failed is not None and int(failed.group(1)) in typed:
-                    column = int(failed.group(1))
-                    header = self.layout.header
-                    if header is not None and failed.group(2).strip() == header[column]:
-                        typed.clear()  # the header again (a restarted recording): every column as text
-                    else:
-                        typed.discard(column)  # that column as text this time
-                    continue
-                if "UTF8" in message and clean is None:
-                    # Undecodable bytes: read again with U+FFFD in their place, as the line parser would.
-                    clean = _decode(self.src.data()).encode("utf-8")
-                    continue
-                raise ParseError(message, lineno=0, line="") from exc
-
-    def _typed_from_head(self) -> set[int]:
-        """The numeric columns whose cells in the first rows are plain numbers or ``[N/A]``."""
-        layout = self.layout
-        convert: dict[int, Callable[[str], object]] = {
-            i: int if f.kind is Kind.INT else float
-            for i, f in enumerate(layout.fields)
-            if f.kind in (Kind.INT, Kind.FLOAT)
-        }
-        if not convert:
-            return set()
-        ncols = len(layout.fields)
-        head = self.src.head()
-        lines = head.splitlines()
-        if len(head) >= _HEAD_BYTES:
-            lines.pop()  # may be cut short
-        for raw in lines[layout.skip : layout.skip + _HEAD_ROWS]:
-            cells = _decode(raw).split(",")
-            if len(cells) != ncols:
-                continue
-            for i in list(convert):
-                cell = cells[i].strip()
-                if cell == "[N/A]":
-                    continue
-                try:
-                    convert[i](cell)
-                except ValueError:
-                    del convert[i]
-            if not convert:
-                break
-        return set(convert)
-
-    def _handler(self, row: Any) -> str:
-        text: str = row.text or ""
-        if not text.strip():
-            return "skip"
-        if _is_notice(text):
-            self.notices.append(text.rstrip("\r\n"))
-            return "skip"
-        self.misfits += 1
-        return "skip"
-
-    def _read(self, source: Any, typed: set[int]) -> pd.DataFrame:
-        pa, pacsv = self.pa, self.pacsv
-        layout = self.layout
-        names = [f"c{i}" for i in range(len(layout.fields))]
-        types = {
-            name: (pa.int64() if fld.kind is Kind.INT else pa.float64()) if i in typed else pa.string()
-            for i, (name, fld) in enumerate(zip(names, layout.fields, strict=True))
-        }
-        self.notices.clear()
-        self.misfits = 0
-        try:
-            table = pacsv.read_csv(
-                source,
-                read_options=pacsv.ReadOptions(column_names=names, skip_rows=layout.skip, block_size=_BLOCK_BYTES),
-                # nvidia-smi never quotes: a '"' is part of a value.
-                parse_options=pacsv.ParseOptions(delimiter=",", quote_char=False, invalid_row_handler=self._handler),
-                convert_options=pacsv.ConvertOptions(
-                    column_types=types,
-                    # in typed (numeric) columns only: text columns keep every cell as text
-                    null_values=["[N/A]", " [N/A]"],
-                    strings_can_be_null=False,
-                ),
-            )
-        except pa.ArrowInvalid as exc:
-            if "Empty CSV file" not in str(exc):
-                raise
-            return self._assemble([])
-        if len(self.notices) > 1:
-            # the reader's threads report bad rows in no particular order
-            self.notices = [line for _, line, _ in layout.data_lines(self.src.data(), notices=True)]
-        batches: list[Any] = table.to_batches()
-        del table  # from here on, a block's text is freed as soon as the block is converted
-        batches.reverse()
-        blocks: list[_Block] = []
-        pending: deque[Future[_Block]] = deque()
-        rows = 0
-        starts: deque[int] = deque()
-        first_bad: int | None = None  # row position (over the whole file, as read) of the first bad row
-        bad_rows = 0
-        with ThreadPoolExecutor(_WORKERS) as pool:
-            while batches or pending:
-                if batches:
-                    columns = self._drop_non_rows(list(batches.pop().columns))
-                    size = len(columns[0])
-                    pending.append(pool.submit(self._convert_block, columns))
-                    starts.append(rows)
-                    rows += size
-                    del columns
-                    if len(pending) <= _WORKERS and batches:
-                        continue
-                block = pending.popleft().result()
-                start = starts.popleft()
-                if block.bad:
-                    bad_rows += len(block.bad)
-                    if first_bad is None:
-                        first_bad = start + block.bad[0]
-                blocks.append(block)
-        skipped = self._skipped(bad_rows, first_bad)
-        if skipped is not None and rows == bad_rows:
-            raise _unreadable(skipped)
-        return self._assemble(blocks, skipped)
-
-    def _skipped(self, bad_rows: int, first_bad: int | None) -> SkippedLines | None:
-        """What was skipped: rows of the wrong width (the reader's handler) and rows with a bad cell."""
-        count = bad_rows + self.misfits
-        if not count:
-            return None
-        data = self.src.data()
-        found: list[tuple[int, str]] = []
-        if self.misfits:
-            misfit = self.layout.first_misfit(data)
-            if misfit is not None:
-                found.append(misfit)
-        if first_bad is not None:
-            found.append(self.layout.locate(data, first_bad))
-        lineno, line = min(found) if found else (0, "")
-        return SkippedLines(count, lineno, line[:80])
-
-    def _assemble(self, blocks: list[_Block], skipped: SkippedLines | None = None) -> pd.DataFrame:
-        import numpy as np
-
-        layout = self.layout
-        out: list[Any] = []
-        missing: dict[str, _Why] = {}
-        offsets = np.cumsum([0] + [b.rows for b in blocks])
-        for i, fld in enumerate(layout.fields):
-            parts = [block.parts[i] for block in blocks]
-            for block in blocks:
-                block.parts[i] = None  # each block's part is freed once the column is whole
-            out.append(self._concat(parts, fld))
-            del parts
-            self.pa.default_memory_pool().release_unused()
-            found = [(offsets[k], why) for k, b in enumerate(blocks) if (why := b.reasons[i]) is not None]
-            if found:
-                words = tuple(dict.fromkeys(w for _, why in found for w in why[2]))
-                code_of = {w: n for n, w in enumerate(words)}
-                rows = np.concatenate([why[0] + off for off, why in found])
-                codes = np.concatenate(
-                    [np.asarray([code_of[w] for w in why[2]], dtype=np.int16)[why[1]] for _, why in found]
-                )
-                missing[fld.attr] = (rows, codes, words)
-        return _frame(layout.fields, out, MissingReasons(missing), self.notices, skipped)
-
-    def _drop_non_rows(self, columns: list[Any]) -> list[Any]:
-        """Drop repeated header lines and, for one-column output, notice and blank lines."""
-        pa, pc = self.pa, self.pc
-        first = columns[0]
-        if first.type != pa.string():
-            return columns  # a header or notice line would have failed this column's conversion
-        keep = None
-        header = self.layout.header
-        if header is not None and pc.any(pc.equal(pc.ascii_trim_whitespace(first), header[0])).as_py():
-            # a restarted stream without noheader prints its header again
-            same = None
-            for col, title in zip(columns, header, strict=True):
-                eq = pc.equal(pc.ascii_trim_whitespace(col.cast(pa.string())), title)
-                same = eq if same is None else pc.and_(same, eq)
-            keep = pc.invert(same)
-        if len(columns) == 1:
-            notice = pc.or_(pc.starts_with(first, "WARNING:"), pc.starts_with(first, "ERROR:"))
-            if pc.any(notice).as_py():
-                self.notices.extend(pc.filter(first, notice).to_pylist())
-            odd = pc.or_(notice, pc.equal(pc.ascii_trim_whitespace(first), ""))
-            keep = pc.invert(odd) if keep is None else pc.and_(keep, pc.invert(odd))
-        if keep is None or pc.all(keep).as_py():
-            return columns
-        return [pc.filter(c, keep) for c in columns]
-
-    # -- converting -------------------------------------------------------------------------------------------
-
-    def _convert_block(self, columns: list[Any]) -> _Block:
-        """One block -> a pandas-ready part per column, the missing reasons, and the rows dropped as bad.
-
-        A row with a cell that does not fit its field (a garbled line) is dropped and the block converted again
-        without it.
-
-        Args:
-            columns: the block's cells, one array per field: text, or numbers the reader converted.
-        """
-        import numpy as np
-
-        pa, pc = self.pa, self.pc
-        layout = self.layout
-        bad: list[int] = []
-        positions: Any = None  # current row -> row in the block as read, once rows were dropped
-        while True:
-            parts: list[Any] = []
-            reasons: list[_Why | None] = []
-            try:
-                for i, fld in enumerate(layout.fields):
-                    raw = columns[i]
-                    if raw.type == pa.string():
-                        values, why = self._convert(pc.ascii_trim_whitespace(raw), fld, layout.units[i])
-                    else:
-                        values, why = raw, self._nulls(raw)
-                    del raw
-                    parts.append(self._part(values, fld))
-                    reasons.append(why)
-            except _BadCell as exc:
-                if positions is None:
-                    positions = np.arange(len(columns[0]))
-                bad.append(int(positions[exc.row]))
-                keep = np.ones(len(positions), dtype=bool)
-                keep[exc.row] = False
-                positions = positions[keep]
-                mask = pa.array(keep)
-                columns = [pc.filter(c, mask) for c in columns]
-                continue
-            break
-        rows = len(columns[0])
-        del columns
-        # Hand the block's scratch memory back to the OS: the allocator would keep it, and NumPy (which holds
-        # the converted parts) cannot reuse it.
-        pa.default_memory_pool().release_unused()
-        return _Block(parts, reasons, rows, sorted(bad))
-
-    def _nulls(self, col: Any) -> _Why | None:
-        """The reasons for the nulls of a column the reader typed: each was ``[N/A]``."""
-        import numpy as np
-
-        if not col.null_count:
-            return None
-        rows = self.pc.indices_nonzero(self.pc.is_null(col)).to_numpy()
-        return rows, np.zeros(len(rows), dtype=np.int16), ("not_available",)
-
-    def _convert(self, col: Any, fld: Field, unit: str) -> tuple[Any, _Why | None]:
-        """One trimmed text column of a block -> (typed Arrow array, why cells are missing)."""
-        pa, pc = self.pa, self.pc
-        kind = fld.kind
-        # A cast that fails costs fifty times one that succeeds (Arrow builds the error), so the one-cast path
-        # is taken only for a column that shows no unit and no status token.
-        suffixed = bool(unit) and kind is not Kind.STR and pc.any(pc.ends_with(col, " " + unit)).as_py()
-        if kind.is_numeric and not suffixed and not pc.any(pc.starts_with(col, "[")).as_py():
-            typed = self._typed(col, fld)
-            if typed is not None:
-                return typed, None
-        token = self._tokens(col)
-        reasons: _Why | None = None
-        if token is not None:
-            reasons = self._reasons(col, token)
-            col = self.pc.if_else(token, pa.scalar(None, pa.string()), col)
-        del token
-        if suffixed:
-            col = self._strip_unit(col, unit)
-        typed = self._typed(col, fld)
-        if typed is None:
-            typed = self._python_chunk(col, fld)
-        return typed, reasons
-
-    def _tokens(self, col: Any) -> Any | None:
-        """Mask of the status-token cells (``[...]``, bare ``N/A``, empty), or None when there is none."""
-        pa, pc = self.pa, self.pc
-        token = None
-        bracket = pc.starts_with(col, "[")
-        if pc.any(bracket).as_py():
-            token = pc.and_(bracket, pc.ends_with(col, "]"))
-        del bracket
-        if pc.min(pc.binary_length(col)).as_py() == 0 or pc.any(pc.equal(col, "N/A")).as_py():
-            bare = pc.is_in(col, value_set=pa.array(["N/A", ""]))
-            token = bare if token is None else pc.or_(token, bare)
-        if token is None or not pc.any(token).as_py():
-            return None
-        return token
-
-    def _reasons(self, col: Any, token: Any) -> _Why:
-        pc = self.pc
-        rows = pc.indices_nonzero(token).to_numpy()
-        encoded = pc.dictionary_encode(pc.filter(col, token))
-        words = tuple(missing_reason(t) or t for t in encoded.dictionary.to_pylist())
-        return rows, encoded.indices.to_numpy(zero_copy_only=False), words
-
-    def _strip_unit(self, col: Any, unit: str) -> Any:
-        pc = self.pc
-        suffix = " " + unit
-        has = pc.ends_with(col, suffix)
-        if not pc.any(has).as_py():
-            return col
-        stripped = pc.utf8_slice_codeunits(col, 0, -len(suffix))
-        if pc.all(has).as_py():
-            return stripped  # every cell carries the unit (token cells are null by now and skipped)
-        return pc.if_else(has, stripped, col)
-
-    def _typed(self, col: Any, fld: Field) -> Any | None:
-        """The column cast to its kind's Arrow type, or None when some cell needs the parser's own converter."""
-        pa, pc = self.pa, self.pc
-        kind = fld.kind
-        try:
-            if kind is Kind.INT:
-                typed = pc.cast(col, pa.int64())
-                # Arrow's cast also reads "0x1F" as hex; Python's int(), and so the parser, rejects it.
-                if not pc.all(pc.ascii_is_decimal(col)).as_py() and (
-                    pc.any(pc.starts_with(col, "0x")).as_py() or pc.any(pc.starts_with(col, "0X")).as_py()
-                ):
-                    return None
-                return typed
-            if kind in (Kind.HEX, Kind.BITMASK):
-                # Arrow reads "0x1F" as hex but "10" as decimal; the parser reads both as hex.
-                if not pc.all(pc.starts_with(col, "0x")).as_py():
-                    return None
-                return pc.cast(col, pa.int64())
-            if kind is Kind.FLOAT:
-                return pc.cast(col, pa.float64())
-            if kind.is_bool:
-                yes, no = _BOOL_WORDS[kind]
-                # equal() leaves missing cells null and all() skips them (is_in() would make them false).
-                if not pc.all(pc.or_(pc.equal(col, yes), pc.equal(col, no))).as_py():
-                    return None
-                return pc.equal(col, yes)
-            if kind is Kind.TIMESTAMP:
-                return self._timestamps(col)
-            if kind is Kind.MAJOR_MINOR and not pc.all(pc.match_substring_regex(col, _MAJOR_MINOR_RE)).as_py():
-                return None
-        except pa.ArrowInvalid:
-            return None
-        return col
-
-    def _timestamps(self, col: Any) -> Any | None:
-        """``YYYY/MM/DD HH:MM:SS[.ffffff]`` -> naive timestamp[ns]; None for anything else (ISO 8601...)."""
-        pa, pc = self.pa, self.pc
-        lengths = pc.min_max(pc.binary_length(col)).as_py()
-        if lengths["min"] is None:
-            return pc.cast(col, pa.timestamp("ns"))  # every cell missing
-        if lengths["min"] < 19 or lengths["max"] > 26:
-            return None
-        raw = col.cast(pa.binary())  # a zero-copy view, for byte slicing
-        slash = pa.scalar(b"/", pa.binary())
-        for at in (4, 7):
-            if not pc.all(pc.equal(pc.binary_slice(raw, at, at + 1), slash)).as_py():
-                return None
-        del raw
-        # Arrow's cast reads ISO 8601 (checking every other character); the date separators were checked above.
-        iso = pc.binary_replace_slice(pc.binary_replace_slice(col, 4, 5, "-"), 7, 8, "-")
-        return pc.cast(iso, pa.timestamp("ns"))
-
-    def _python_chunk(self, col: Any, fld: Field) -> Any:
-        """Convert a column cell by cell with the parser's own converter (rare: odd values, or a bad one)."""
-        pa = self.pa
-        convert: Callable[[str], Value] = _converter(fld, self.tz)
-        values: list[Value] = []
-        for row, cell in enumerate(col.to_pylist()):
-            if cell is None:
-                values.append(None)
-                continue
-            try:
-                values.append(convert(cell))
-            except Exception as exc:  # any converter failure means the cell does not fit the field
-                raise _BadCell(row, cell, fld) from exc
-        kind = fld.kind
-        if kind in _INT_KINDS:
-            try:
-                return pa.array(values, pa.int64())
-            except (OverflowError, pa.ArrowInvalid):
-                return pa.array(values, pa.uint64())  # a bitmask with the top bit set
-        if kind is Kind.TIMESTAMP:
-            # wall-clock time in the reader's zone, like the fast path (localised with the rest in _concat)
-            naive: list[datetime | None] = []
-            for row, v in enumerate(values):
-                wall = None if v is None else v.astimezone(self.tz).replace(tzinfo=None)  # type: ignore[union-attr]
-                if wall is not None and not _NS_MIN <= wall <= _NS_MAX:
-                    raise _BadCell(row, col[row].as_py(), fld)
-                naive.append(wall)
-            return pa.array(naive, pa.timestamp("us")).cast(pa.timestamp("ns"))
-        arrow_type = pa.float64() if kind is Kind.FLOAT else pa.bool_() if kind.is_bool else pa.string()
-        return pa.array(values, arrow_type)
-
-    def _part(self, typed: Any, fld: Field) -> Any:
-        """A block's typed Arrow array in the form pandas keeps it: NumPy-backed except for text."""
-        import pandas as pd
-
-        pa = self.pa
-        kind = fld.kind
-        dtype: Any
-        if kind is Kind.TIMESTAMP:
-            return typed.to_numpy(zero_copy_only=False)  # naive datetime64[ns], NaT where missing
-        if kind in _INT_KINDS:
-            dtype = pd.UInt64Dtype() if typed.type == pa.uint64() else pd.Int64Dtype()
-        elif kind is Kind.FLOAT:
-            dtype = pd.Float64Dtype()
-        elif kind.is_bool:
-            dtype = pd.BooleanDtype()
-        else:
-            return typed
-        return dtype.__from_arrow__(typed)
-
-    def _concat(self, parts: list[Any], fld: Field) -> Any:
-        import numpy as np
-        import pandas as pd
-
-        kind = fld.kind
-        if not parts:
-            return _empty_array(fld, self.out_tz)
-        if kind is Kind.TIMESTAMP:
-            naive = pd.DatetimeIndex(np.concatenate(parts) if len(parts) > 1 else parts[0])
-            del parts
-            # An ambiguous wall time (the hour repeated when DST ends) is taken as the first of the two, as
-            # datetime does with fold=0.
-            if self.out_tz is None:
-                return naive.as_unit("ns").array  # as recorded: nvidia-smi prints wall-clock time with no zone
-            aware = naive.tz_localize(
-                self.out_tz, ambiguous=np.ones(len(naive), dtype=bool), nonexistent="shift_forward"
-            )
-            return aware.as_unit("ns").array
-        if kind.is_numeric or kind.is_bool:
-            if len({p.dtype for p in parts}) > 1:  # Int64 blocks and a UInt64 one (a bitmask with the top bit set)
-                return _int_array([v for p in parts for v in p.tolist()])
-            return parts[0] if len(parts) == 1 else type(parts[0])._concat_same_type(parts)
-        return _string_dtype().__from_arrow__(self.pa.chunked_array(parts, self.pa.string()))
+    return read(path_or_buffer, fields, tz=tz)

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import IO, Any
 
@@ -20,7 +20,7 @@ from smiquery.errors import InvalidFieldError, ParseError, ReplayError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
 from smiquery.oneshot import GpusArg, normalize_gpus
 from smiquery.parsing import CsvParser, _converter, format_value
-from smiquery.recordings import RecordingFormat, detect_format
+from smiquery.recordings import RecordingFormat, detect_format, resolve_zone
 from smiquery.records import GpuSample, Schema, Value
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
 
@@ -31,6 +31,17 @@ __all__ = ["Replay", "ReplayError", "SweepGrouper", "detect_format", "replay", "
 MAX_GAP_SECONDS = 60.0
 
 _BY_ATTR = {f.attr: f for f in CATALOGUE}
+
+# The parser needs a zone for a timestamp written without one; this one marks "none was recorded", so that such a
+# timestamp can be given back naive (or put in the zone named by ``tz=``). A named UTC: never ``timezone.utc``.
+_RECORDED_WITHOUT_ZONE = timezone(timedelta(0), "no zone recorded")
+
+
+def _in_zone(dt: datetime, tz: tzinfo | None) -> datetime:
+    """A parsed timestamp as the caller asked: naive as recorded, localized to ``tz``, or converted to ``tz``."""
+    if dt.tzinfo is _RECORDED_WITHOUT_ZONE or dt.tzinfo is None:
+        return dt.replace(tzinfo=tz)  # tz None: the wall-clock time, naive, exactly as recorded
+    return dt if tz is None else dt.astimezone(tz)
 
 
 # ---------------------------------------------------------------------------------------------------- readers
@@ -45,23 +56,28 @@ def _field_for(name: str) -> Field:
         return Field(name, Kind.STR, help="Not in smiquery's catalogue.")
 
 
-def _typed(fld: Field, value: Any) -> Value:
+def _typed(fld: Field, value: Any, tz: tzinfo | None = None) -> Value:
     """A JSON or pandas value converted to the Python type the catalogue gives the field.
 
     Text goes through the parser's own converter for the field's kind, so a cell reads the same whether it was
-    recorded as CSV, JSONL or Parquet.
+    recorded as CSV, JSONL or Parquet. A timestamp keeps what the recording says (naive when it names no zone)
+    unless ``tz`` names the zone.
     """
     if value is None:
         return None
     kind = fld.kind
     if isinstance(value, str):
+        if kind is Kind.TIMESTAMP:
+            stamp = _converter(fld, _RECORDED_WITHOUT_ZONE)(value.strip())
+            assert isinstance(stamp, datetime)
+            return _in_zone(stamp, tz)
         return value if kind is Kind.STR else _converter(fld, None)(value.strip())
     if kind is Kind.TIMESTAMP:
         to_py = getattr(value, "to_pydatetime", None)
         dt = to_py() if to_py is not None else value
         if not isinstance(dt, datetime):
             raise TypeError(f"{value!r} is not a timestamp")
-        return dt if dt.tzinfo is not None else dt.astimezone()
+        return _in_zone(dt, tz)
     if kind is Kind.INT:
         if isinstance(value, float) and not value.is_integer():
             raise ValueError(f"{value!r} is not an integer")
@@ -81,16 +97,30 @@ def _build(schema: Schema, fields: Sequence[Field], values: list[Value], missing
     return GpuSample(schema, tuple(values), raw, missing or None, lost)
 
 
-def sample_from_json(obj: dict[str, Any], *, lineno: int = 0, line: str = "") -> GpuSample:
+def sample_from_json(
+    obj: dict[str, Any], *, lineno: int = 0, line: str = "", tz: tzinfo | str | None = None
+) -> GpuSample:
     """A sample from one JSONL object as ``smiquery stream --format jsonl`` writes it.
 
     Keys are field names (nvidia-smi names or attribute names); ``null`` is a missing value whose reason is
     taken from the optional ``"_missing"`` object (default ``not_available``). Keys starting with ``_`` are
     metadata and skipped.
 
+    Args:
+        obj: the decoded JSON object.
+        lineno: its line number (for errors).
+        line: its text (for errors).
+        tz: the zone of a timestamp written without an offset; an offset one is converted to it. Default None:
+            as recorded (naive without an offset).
+
+    Returns:
+        The sample.
+
     Raises:
         ParseError: a value does not fit its field.
+        InvalidTimeZoneError: an unknown zone name.
     """
+    zone = resolve_zone(tz)
     reasons = obj.get("_missing") or {}
     names = [k for k in obj if not k.startswith("_")]
     fields = [_field_for(n) for n in names]
@@ -103,7 +133,7 @@ def sample_from_json(obj: dict[str, Any], *, lineno: int = 0, line: str = "") ->
             missing[fld.name] = str(reasons.get(key) or reasons.get(fld.name) or "not_available")
             continue
         try:
-            values.append(_typed(fld, raw))
+            values.append(_typed(fld, raw, zone))
         except (ValueError, TypeError):
             raise ParseError(
                 f"{raw!r} is not a valid {fld.kind.value}", lineno=lineno, line=line, field=fld.name
@@ -112,9 +142,13 @@ def sample_from_json(obj: dict[str, Any], *, lineno: int = 0, line: str = "") ->
 
 
 def _read_csv(
-    fh: IO[str], source: str, on_drop: Callable[[ParseError], None], columns: Sequence[Field] | None = None
+    fh: IO[str],
+    source: str,
+    on_drop: Callable[[ParseError], None],
+    columns: Sequence[Field] | None = None,
+    tz: tzinfo | None = None,
 ) -> Iterator[GpuSample]:
-    parser = CsvParser(columns, strict=False)
+    parser = CsvParser(columns, strict=False, tz=tz if tz is not None else _RECORDED_WITHOUT_ZONE)
     dropped = 0
     try:
         for line in fh:
@@ -124,15 +158,20 @@ def _read_csv(
                 if parser.last_error is not None:
                     on_drop(parser.last_error)
             if sample is not None:
+                ts = sample.get("timestamp")
+                if isinstance(ts, datetime) and ts.tzinfo is not tz:
+                    sample = _with_timestamp(sample, _in_zone(ts, tz), keep_raw=True)
                 yield sample
     except ParseError as exc:
+        if columns is not None:
+            raise ReplayError(f"{source}: {exc}") from exc
         raise ReplayError(
-            f"{source} is not a recording smiquery can read: it has no nvidia-smi CSV header line "
-            "(for a headerless log, name its columns)"
+            f"{source} is not a recording smiquery can read: it has no nvidia-smi CSV header line; "
+            "for a headerless (noheader) log, give its columns (columns=, or --fields on the command line)"
         ) from exc
 
 
-def _read_jsonl(fh: IO[str], on_drop: Callable[[ParseError], None]) -> Iterator[GpuSample]:
+def _read_jsonl(fh: IO[str], on_drop: Callable[[ParseError], None], tz: tzinfo | None) -> Iterator[GpuSample]:
     for lineno, line in enumerate(fh, 1):
         text = line.strip()
         if not text:
@@ -141,14 +180,14 @@ def _read_jsonl(fh: IO[str], on_drop: Callable[[ParseError], None]) -> Iterator[
             obj = json.loads(text)
             if not isinstance(obj, dict):
                 raise ValueError("not an object")
-            yield sample_from_json(obj, lineno=lineno, line=text)
+            yield sample_from_json(obj, lineno=lineno, line=text, tz=tz)
         except ParseError as exc:
             on_drop(exc)
         except ValueError:  # includes a truncated last line (json.JSONDecodeError)
             on_drop(ParseError("not a JSON object", lineno=lineno, line=text))
 
 
-def _read_parquet(path: str) -> Iterator[GpuSample]:
+def _read_parquet(path: str, tz: tzinfo | None) -> Iterator[GpuSample]:
     try:
         import pandas as pd
     except ImportError as exc:  # pragma: no cover - pandas is a dependency
@@ -187,7 +226,7 @@ def _read_parquet(path: str) -> Iterator[GpuSample]:
                 values_out.append(None)
                 missing[fld.name] = row_missing.get(fld.name, "not_available")
             else:
-                values_out.append(_typed(fld, v))
+                values_out.append(_typed(fld, v, tz))
         yield _build(schema, fields, values_out, missing)
 
 
@@ -214,6 +253,7 @@ class Replay(LatestSweep):
         sleep: Callable[[float], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
         columns: str | Sequence[str] | None = None,
+        tz: tzinfo | str | None = None,
     ) -> None:
         if speed < 0 or speed != speed:
             raise ValueError("speed must be 0 (as fast as possible) or more")
@@ -223,6 +263,8 @@ class Replay(LatestSweep):
         if os.path.getsize(self.path) == 0:
             raise ReplayError(f"recording {self.path} is empty; a recording holds nvidia-smi's CSV header and rows")
         self._columns = resolve_fields(columns) if columns is not None else None
+        #: The zone timestamps are given in (``tz=``); None keeps them as recorded (naive when no zone was).
+        self.tz: tzinfo | None = resolve_zone(tz)
         self.speed = float(speed)
         self.loop = loop
         self.format: RecordingFormat = fmt or detect_format(self.path)
@@ -243,7 +285,14 @@ class Replay(LatestSweep):
         self.first_error: ParseError | None = None
         #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
         self.gpu_count = 0
+        self._peek_error: ParseError | None = None
         first = self._peek()
+        if first is None and self._columns is not None:
+            columns = ",".join(f.name for f in self._columns)
+            why = f" ({self._peek_error})" if self._peek_error is not None else ""
+            raise ReplayError(
+                f"recording {self.path}: no row fits the columns {columns}; give the log's columns, in order{why}"
+            )
         if first is None:
             raise ReplayError(
                 f"recording {self.path} holds no readable rows; is it a recording from `smiquery stream --output` "
@@ -291,7 +340,7 @@ class Replay(LatestSweep):
 
     def _file_samples(self) -> Iterator[GpuSample]:
         if self.format == "parquet":
-            yield from _read_parquet(self.path)
+            yield from _read_parquet(self.path, self.tz)
             return
         try:
             fh = open(self.path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115 - closed below
@@ -300,9 +349,9 @@ class Replay(LatestSweep):
         self._handles.append(fh)
         try:
             if self.format == "jsonl":
-                yield from _read_jsonl(fh, self._on_drop)
+                yield from _read_jsonl(fh, self._on_drop, self.tz)
             else:
-                yield from _read_csv(fh, self.path, self._on_drop, self._columns)
+                yield from _read_csv(fh, self.path, self._on_drop, self._columns, self.tz)
         finally:
             fh.close()
             if fh in self._handles:
@@ -329,6 +378,7 @@ class Replay(LatestSweep):
             close = getattr(gen, "close", None)
             if close is not None:
                 close()
+            self._peek_error = self.first_error
             self.stats.dropped_rows = 0
             self.stats.last_error = None
             self.first_error = None
@@ -502,16 +552,18 @@ class Replay(LatestSweep):
         return self._thread_error
 
 
-def _with_timestamp(sample: GpuSample, ts: datetime) -> GpuSample:
+def _with_timestamp(sample: GpuSample, ts: datetime, *, keep_raw: bool = False) -> GpuSample:
+    """The sample with another timestamp; its raw text too unless ``keep_raw`` (the same instant, as recorded)."""
     schema = sample.schema
     pos = schema.pos_timestamp
     if pos is None:
         return sample
     values = list(sample.values())
     values[pos] = ts
-    raw = list(sample.raw.values())
-    raw[pos] = format_value(get_field("timestamp"), ts)
-    return GpuSample(schema, tuple(values), tuple(raw), dict(sample.missing) or None, sample.gpu_lost)
+    raw = tuple(sample.raw.values())
+    if not keep_raw:
+        raw = (*raw[:pos], format_value(get_field("timestamp"), ts), *raw[pos + 1 :])
+    return GpuSample(schema, tuple(values), raw, dict(sample.missing) or None, sample.gpu_lost)
 
 
 def replay(
@@ -523,6 +575,7 @@ def replay(
     gpus: GpusArg = None,
     sleep: Callable[[float], object] | None = None,
     columns: str | Sequence[str] | None = None,
+    tz: tzinfo | str | None = None,
 ) -> Replay:
     """Play a recording back as samples, paced by its recorded timestamps.
 
@@ -540,7 +593,12 @@ def replay(
         loop: start again at the end, shifting the timestamps so that time keeps moving forward.
         gpus: only these GPUs (indices, UUIDs or PCI bus ids).
         sleep: how to wait (tests inject one); default an interruptible wait that :meth:`Replay.close` ends.
-        columns: the columns of a headerless (``noheader``) CSV log, in order; ignored for other formats.
+        columns: the columns of a headerless (``noheader``) CSV log, in order; ignored for other formats. A CSV
+            with a header must then have exactly these columns.
+        tz: the zone the recording was made in (an IANA name such as ``"Europe/Berlin"``, or a ``tzinfo``):
+            timestamps recorded without a zone (nvidia-smi's CSV) are taken as that zone's local time, ones with
+            a zone are converted to it. Default None keeps them as recorded: naive when no zone was recorded
+            (nvidia-smi prints the recording host's local time), never assumed to be UTC or this host's zone.
 
     Returns:
         A :class:`Replay`: an iterator of :class:`~smiquery.GpuSample`, with :meth:`Replay.sweeps`.
@@ -551,5 +609,6 @@ def replay(
             counted in ``stats.dropped_rows``; :attr:`Replay.first_error` names the first.
         InvalidFieldError: an unknown field name.
         InvalidGpuIdError: a malformed GPU id.
+        InvalidTimeZoneError: an unknown zone name in ``tz``.
     """
-    return Replay(path, speed=speed, fields=fields, loop=loop, gpus=gpus, sleep=sleep, columns=columns)
+    return Replay(path, speed=speed, fields=fields, loop=loop, gpus=gpus, sleep=sleep, columns=columns, tz=tz)

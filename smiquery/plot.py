@@ -206,12 +206,9 @@ def _load(
     tz: tzinfo | str | None,
 ) -> tuple[pd.DataFrame, str | Sequence[str] | None]:
     """The recording, and the fields to draw: for a headerless log the fields name its columns as well."""
-    try:
-        return load_recording(source, tz=tz), fields
-    except ReportError as exc:
-        if fields is None or "--fields" not in str(exc):
-            raise
     df = load_recording(source, fields=fields, tz=tz)
+    if fields is None or not df.attrs.get("headerless"):
+        return df, fields
     names = [f.name for f in resolve_fields(fields)]
     drawn = [n for n in names if n not in ("timestamp", "index") and get_field(n).kind in _DRAWABLE]
     return df, drawn or None
@@ -244,7 +241,7 @@ def plot_recording(
     that the recording has none).
 
     Args:
-        source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.frames.read_csv`.
+        source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.recordings.read_csv`.
         fields: fields to draw, as names or a comma list; default :data:`DEFAULT_PLOT_FIELDS` (those present). For
             a headerless CSV log, its columns in order (the numeric ones are drawn).
         rules: rules whose thresholds are drawn and whose alerts are shaded; default

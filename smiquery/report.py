@@ -1,7 +1,7 @@
 """A recorded run, summarised: per-GPU statistics, time over thresholds, stalls, alerts and one-line verdicts.
 
 :func:`analyze` reads a recording (CSV, JSONL or Parquet, as ``smiquery stream --output`` writes them, or a
-DataFrame from :func:`smiquery.frames.read_csv`) and returns a :class:`Report` that renders as text, JSON or
+DataFrame from :func:`smiquery.recordings.read_csv`) and returns a :class:`Report` that renders as text, JSON or
 Markdown. pandas and numpy are imported inside the functions, so ``import smiquery`` stays light.
 """
 
@@ -17,7 +17,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from smiquery.alerts import BUILTIN_RULES, Rule
-from smiquery.errors import RecordingError, ReportError
+from smiquery.errors import InvalidFieldError, InvalidTimeZoneError, RecordingError, ReportError
 from smiquery.fields import CATALOGUE, Field, Kind
 from smiquery.recordings import SkippedLines
 from smiquery.stalls import STALL, StallRule
@@ -75,14 +75,18 @@ def load_recording(
 
     Args:
         source: a path (``.csv``, ``.jsonl``, ``.parquet``; other names are sniffed) or a DataFrame.
-        fields: the columns of a headerless CSV log.
-        tz: the zone the recording was made in; default: as recorded (see :func:`smiquery.frames.read_csv`).
+        fields: the columns of a headerless CSV log, in order; for a recording with a header (or JSONL, Parquet)
+            each must be one of its columns.
+        tz: the zone the recording was made in (e.g. ``"Europe/Berlin"``): naive timestamps are localized to it,
+            aware ones converted. Default: as recorded (naive for nvidia-smi's CSV, never assumed to be UTC).
 
     Returns:
         One row per sample, in file order (rows without a timestamp or GPU index dropped).
 
     Raises:
-        ReportError: the file is missing, unreadable, holds no readable row, or has no ``timestamp``.
+        ReportError: the file is missing, unreadable, holds no readable row, has no ``timestamp``, or its
+            columns do not agree with ``fields``.
+        InvalidTimeZoneError: an unknown zone name in ``tz``.
     """
     import numpy as np
     import pandas as pd
@@ -91,6 +95,11 @@ def load_recording(
         df = source
         if "index" not in df.columns:
             df = df.assign(index=pd.Series(np.zeros(len(df), dtype=np.int64), index=df.index, dtype="Int64"))
+        if tz is not None and "timestamp" in df.columns:
+            from smiquery.recordings import _set_zone, resolve_zone
+
+            df = df.copy(deep=False)
+            _set_zone(df, resolve_zone(tz))
     else:
         from smiquery.recordings import read_recording
 
@@ -98,6 +107,8 @@ def load_recording(
             df = read_recording(source, fields=fields, tz=tz)
         except RecordingError as exc:
             raise ReportError(str(exc)) from exc
+        except (InvalidFieldError, InvalidTimeZoneError):
+            raise
         except (OSError, ValueError, ImportError) as exc:
             raise ReportError(f"cannot read recording {os.fspath(source)}: {exc}") from exc
     if "timestamp" not in df.columns:
@@ -1079,7 +1090,7 @@ def analyze(
 
     Args:
         source: a recording path (CSV, JSONL, Parquet) or a DataFrame in the shape of
-            :func:`smiquery.frames.read_csv`.
+            :func:`smiquery.recordings.read_csv`.
         rules: rules (or ``--alert`` expressions) whose thresholds are checked; default :data:`DEFAULT_RULES`.
         stall_utilization: utilization (percent) under which a GPU is stalled.
         min_stall: shortest stall reported, in seconds.

@@ -14,7 +14,7 @@ from zoneinfo import ZoneInfo
 import pandas as pd
 import pytest
 
-from smiquery import frames
+from smiquery import frames, recordings
 from smiquery.errors import ParseError
 from smiquery.fields import get_field, resolve_fields
 from smiquery.parsing import CsvParser, format_row, header_line, parse_lines
@@ -324,7 +324,7 @@ def test_read_csv_hex_in_int_column_is_rejected_like_the_parser() -> None:
 
 def test_read_csv_rare_token_after_the_head(monkeypatch: pytest.MonkeyPatch) -> None:
     # The first rows decide which numeric columns the CSV reader converts itself; a later surprise restarts.
-    monkeypatch.setattr(frames, "_HEAD_ROWS", 1)
+    monkeypatch.setattr(recordings, "_HEAD_ROWS", 1)
     text = "index, power.draw [W]\n0, 10.50\n1, [N/A]\n2, [Unknown Error]\n3, 7.25 W\n"
     df = _read(text)
     assert df["power_draw"].tolist() == [10.5, pd.NA, pd.NA, 7.25]
@@ -364,8 +364,8 @@ def _big_recording(rows: int) -> str:
 
 def test_read_csv_many_blocks_keep_row_positions(monkeypatch: pytest.MonkeyPatch) -> None:
     text = _big_recording(3000)  # crosses a DST change in Europe/Berlin
-    monkeypatch.setattr(frames, "_BLOCK_BYTES", 8192)
-    monkeypatch.setattr(frames, "_HEAD_ROWS", 50)
+    monkeypatch.setattr(recordings, "_BLOCK_BYTES", 8192)
+    monkeypatch.setattr(recordings, "_HEAD_ROWS", 50)
     fast = _read(text)
     expected = _with_notices(frames.to_dataframe(parse_lines(text, tz=BERLIN)))
     _same(fast, expected)
@@ -438,7 +438,7 @@ def test_import_smiquery_does_not_import_pandas() -> None:
 
 
 def test_many_notices_keep_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(frames, "_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(recordings, "_BLOCK_BYTES", 4096)
     lines = [HEADER]
     for n in range(300):
         lines.append(ROWS[n % 3])
@@ -475,3 +475,90 @@ def test_missing_reasons_are_shared_not_copied() -> None:
     assert series.isna().tolist() == [True, False, False]
     assert series.tolist()[1:3] == ["not_available", "unknown_error"]
     assert str(series.dtype) == "category"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# one owner for recordings, and their time zones
+
+DEMO = Path(__file__).parents[1] / "smiquery" / "data" / "demo-8gpu.csv"
+LOG = "timestamp, index, power.draw [W]\n2026/03/14 09:30:00.117, 0, 70.00 W\n2026/03/14 09:30:01.117, 0, 71.00 W\n"
+
+
+def test_frames_keeps_its_names_and_forwards_reading_to_recordings() -> None:
+    assert frames.__all__ == ["MissingReasons", "missing_reasons", "read_csv", "to_dataframe"]
+    assert "read_csv" in recordings.__all__ and "read_recording" in recordings.__all__
+    via_frames = frames.read_csv(io.StringIO(LOG))
+    pd.testing.assert_frame_equal(via_frames, recordings.read_csv(io.StringIO(LOG)))
+    assert via_frames["power_draw"].tolist() == [70.0, 71.0]
+
+
+def test_read_recording_keeps_naive_csv_naive_in_every_format(tmp_path: Path) -> None:
+    from smiquery.playback import replay
+    from smiquery.recordings import JsonlWriter, read_recording
+
+    csv = tmp_path / "log.csv"
+    csv.write_text(LOG, encoding="utf-8")
+    jsonl = tmp_path / "log.jsonl"
+    with jsonl.open("w", encoding="utf-8") as fh:
+        writer = JsonlWriter(fh)
+        for sample in replay(csv, speed=0):
+            writer.write(sample)
+    for path in (csv, jsonl):
+        df = read_recording(path)
+        assert str(df["timestamp"].dtype) == "datetime64[ns]", path  # no zone was recorded: none is claimed
+        assert df["timestamp"][0] == pd.Timestamp("2026-03-14 09:30:00.117")
+        berlin = read_recording(path, tz="Europe/Berlin")
+        assert str(berlin["timestamp"].dtype) == "datetime64[ns, Europe/Berlin]"
+        assert berlin["timestamp"][0] == pd.Timestamp("2026-03-14 08:30:00.117", tz=UTC)
+
+
+def test_read_recording_keeps_a_recorded_zone_and_converts_it(tmp_path: Path) -> None:
+    from smiquery.playback import replay
+    from smiquery.recordings import ParquetWriter, read_recording
+
+    pytest.importorskip("pyarrow")
+    path = tmp_path / "zoned.parquet"
+    writer = ParquetWriter(path)
+    for sample in replay(DEMO, speed=0, tz="Europe/Berlin", fields="timestamp,index,power.draw"):
+        writer.write(sample)
+    writer.close()
+    kept = read_recording(path)
+    assert str(kept["timestamp"].dtype) == "datetime64[ns, Europe/Berlin]"
+    utc = read_recording(path, tz="UTC")
+    assert str(utc["timestamp"].dtype) == "datetime64[ns, UTC]"
+    assert utc["timestamp"][0] == kept["timestamp"][0] and utc["timestamp"][0].hour == 8
+
+
+def test_an_unknown_zone_is_a_typed_one_line_error(tmp_path: Path) -> None:
+    from smiquery import InvalidTimeZoneError
+    from smiquery.recordings import read_recording
+
+    path = tmp_path / "log.csv"
+    path.write_text(LOG, encoding="utf-8")
+    for read in (lambda: read_recording(path, tz="Mars/Olympus"), lambda: recordings.read_csv(path, tz="Mars/Olympus")):
+        with pytest.raises(InvalidTimeZoneError, match=r"unknown time zone 'Mars/Olympus'; give an IANA name") as e:
+            read()
+        assert e.value.zone == "Mars/Olympus" and "\n" not in str(e.value)
+
+
+def test_read_recording_fields_name_headerless_columns_or_must_agree_with_the_header(tmp_path: Path) -> None:
+    from smiquery.errors import RecordingError
+    from smiquery.recordings import csv_header, read_recording
+
+    with_header = tmp_path / "with.csv"
+    with_header.write_text(LOG, encoding="utf-8")
+    without = tmp_path / "without.csv"
+    without.write_text(LOG.split("\n", 1)[1], encoding="utf-8")
+    assert csv_header(with_header) == ("timestamp", "index", "power.draw")
+    assert csv_header(without) is None
+    with pytest.raises(RecordingError, match="--fields"):
+        read_recording(without)
+    a = read_recording(with_header)
+    b = read_recording(without, fields="timestamp,index,power.draw")
+    assert b.attrs["headerless"] is True and "headerless" not in a.attrs
+    pd.testing.assert_frame_equal(a, b, check_like=False)
+    assert read_recording(with_header, fields="power.draw").columns.tolist() == a.columns.tolist()
+    with pytest.raises(RecordingError, match=r"does not agree with .*it has no temperature\.gpu"):
+        read_recording(with_header, fields="timestamp,temperature.gpu")
+    with pytest.raises(RecordingError, match=r"rows do not fit --fields timestamp,power\.draw"):
+        read_recording(without, fields="timestamp,power.draw")

@@ -154,5 +154,10 @@ def test_import_does_not_pull_optional_or_heavy_modules():
 
 
 def test_lazy_frames_exports():
-    assert smiquery.read_csv.__module__ == "smiquery.frames"
+    # the recordings module owns reading; frames keeps read_csv importable for older code
+    from smiquery import frames, recordings
+
+    assert smiquery.read_csv.__module__ == "smiquery.recordings"
+    assert smiquery.read_csv is recordings.read_csv
+    assert frames.read_csv.__module__ == "smiquery.frames"
     assert smiquery.to_dataframe.__module__ == "smiquery.frames"

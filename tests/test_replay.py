@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import io
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from datetime import datetime, timedelta
 from importlib import resources
 from itertools import islice, pairwise
 from pathlib import Path
 
 import pytest
 
-from smiquery.errors import InvalidFieldError
+from smiquery.errors import InvalidFieldError, InvalidTimeZoneError
 from smiquery.fields import get_field
 from smiquery.frames import missing_reasons
 from smiquery.parsing import CsvParser
@@ -37,7 +42,8 @@ def test_bundled_recording_plays_whole():
     assert r.stats.rows == 4800 and r.stats.sweeps == 600 and r.stats.dropped_rows == 0
     assert r.gpu_count == 8
     first = sweeps[0][0]
-    assert first.timestamp is not None and first.timestamp.tzinfo is not None
+    # nvidia-smi's CSV names no zone: the sample says none either (not UTC, not this host's zone)
+    assert first.timestamp == datetime(2026, 3, 14, 9, 30, 0, 117000) and first.timestamp.tzinfo is None
     assert first["fan.speed"] is None and first.missing["fan.speed"] == "not_available"
     hot = max((s for sw in sweeps for s in sw), key=lambda s: s.get("temperature.gpu") or 0)
     assert hot.index == 5 and hot.temperature_gpu > 85  # type: ignore[operator]
@@ -238,7 +244,7 @@ def test_sample_from_json_types_values():
             "_missing": {"fan.speed": "not_supported"},
         }
     )
-    assert s.timestamp is not None and s.timestamp.tzinfo is not None
+    assert s.timestamp == datetime(2026, 3, 14, 9, 30, 0, 117000)  # no offset written: naive, as recorded
     assert s["pci.domain"] == 0 and s["persistence_mode"] is True
     assert s["power.draw"] == 70.0 and isinstance(s["power.draw"], float)
     assert s.missing == {"fan.speed": "not_supported"}
@@ -357,3 +363,117 @@ def test_every_writer_fails_at_once_where_it_cannot_write(tmp_path, suffix):
     fine = open_recorder(tmp_path / f"run{suffix}", fields)
     fine.close()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no probe file left behind
+
+
+# ------------------------------------------------------------------------------------------ time zones (tz=)
+
+BERLIN_OFFSET = "+01:00"  # 2026-03-14 is winter time in Berlin
+
+
+def _cli(*args: object, **env: str) -> subprocess.CompletedProcess[str]:
+    """``smiquery ...`` as a user runs it (this checkout's code: the child inherits PYTHONPATH)."""
+    return subprocess.run(
+        [sys.executable, "-m", "smiquery", *map(str, args)],
+        env={**os.environ, "NO_COLOR": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def _noheader(tmp_path: Path, lines: int = 40) -> tuple[Path, Path, str]:
+    """The demo's first rows as a plain log with its header and the same rows without (noheader)."""
+    text = DEMO.read_text(encoding="utf-8").splitlines()
+    header, rows = text[0], text[1 : lines + 1]
+    with_header = tmp_path / "with" / "log.csv"
+    without = tmp_path / "without" / "log.csv"
+    with_header.parent.mkdir()
+    without.parent.mkdir()
+    with_header.write_text("\n".join([header, *rows]) + "\n", encoding="utf-8")
+    without.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    names = ",".join(cell.split(" [")[0].strip() for cell in header.split(","))
+    return with_header, without, names
+
+
+def test_replay_keeps_naive_times_naive_and_tz_names_the_zone():
+    plain = next(iter(replay(DEMO, speed=0)))
+    assert plain.timestamp == datetime(2026, 3, 14, 9, 30, 0, 117000) and plain.timestamp.tzinfo is None
+    berlin = next(iter(replay(DEMO, speed=0, tz="Europe/Berlin")))
+    assert berlin.timestamp is not None and str(berlin.timestamp.tzinfo) == "Europe/Berlin"
+    assert berlin.timestamp.replace(tzinfo=None) == plain.timestamp  # the recorded wall-clock time, now zoned
+    assert berlin.timestamp.isoformat().endswith(BERLIN_OFFSET)
+    assert berlin.raw["timestamp"] == "2026/03/14 09:30:00.117"  # the text as recorded
+
+
+def test_replay_of_an_aware_recording_keeps_or_converts_its_zone(tmp_path):
+    path = tmp_path / "zoned.jsonl"
+    with path.open("w", encoding="utf-8") as fh:
+        w = JsonlWriter(fh)
+        for s in replay(DEMO, speed=0, tz="Europe/Berlin", fields="default"):
+            w.write(s)
+    assert '"timestamp": "2026-03-14T09:30:00.117+01:00"' in path.read_text(encoding="utf-8")
+    kept = next(iter(replay(path, speed=0)))
+    assert kept.timestamp is not None and kept.timestamp.utcoffset() == timedelta(hours=1)
+    utc = next(iter(replay(path, speed=0, tz="UTC")))
+    assert utc.timestamp is not None and utc.timestamp.hour == 8 and utc.timestamp.utcoffset() == timedelta(0)
+    assert utc.timestamp == kept.timestamp  # the same instant
+
+
+def test_replay_rejects_an_unknown_zone_with_a_typed_error():
+    with pytest.raises(InvalidTimeZoneError, match="unknown time zone 'Mars/Olympus'") as info:
+        replay(DEMO, speed=0, tz="Mars/Olympus")
+    assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
+    with pytest.raises(InvalidTimeZoneError):
+        sample_from_json({"timestamp": "2026-03-14T09:30:00"}, tz="")
+
+
+def test_headerless_replay_with_columns_equals_the_header_one(tmp_path):
+    with_header, without, names = _noheader(tmp_path)
+    with pytest.raises(ReplayError, match="no nvidia-smi CSV header"):
+        replay(without, speed=0)
+    a = list(replay(with_header, speed=0))
+    b = list(replay(without, speed=0, columns=names))
+    assert len(a) == 40 and [s.values() for s in a] == [s.values() for s in b]
+    with pytest.raises(ReplayError, match="header does not match"):
+        replay(with_header, speed=0, columns="timestamp,index,power.draw")
+
+
+def test_cli_stream_replay_tz_shows_the_zone_and_never_claims_utc(tmp_path):
+    # TZ=UTC: a naive recording replayed on a UTC machine must still not be labelled UTC
+    plain = _cli("stream", "--replay", DEMO, "--speed", "0", "-n", "1", "-F", "jsonl", "-f", "timestamp", TZ="UTC")
+    assert plain.returncode == 0, plain.stderr
+    first = json.loads(plain.stdout.splitlines()[0])
+    assert first["timestamp"] == "2026-03-14T09:30:00.117"  # no offset: none was recorded
+    zoned = _cli("stream", "--replay", DEMO, "--speed", "0", "-n", "1", "-F", "jsonl", "--tz", "Europe/Berlin")
+    assert zoned.returncode == 0, zoned.stderr
+    assert json.loads(zoned.stdout.splitlines()[0])["timestamp"] == "2026-03-14T09:30:00.117+01:00"
+    csv = _cli("stream", "--replay", DEMO, "--speed", "0", "-n", "1", "-F", "csv", "--tz", "Asia/Tokyo")
+    assert csv.returncode == 0, csv.stderr
+    assert csv.stdout.splitlines()[1].startswith("2026/03/14 09:30:00.117, 0,")  # recorded wall clock, localized
+    for args, code in (
+        (["stream", "--replay", DEMO, "--tz", "Mars/Olympus"], 2),
+        (["stream", "--tz", "UTC", "-n", "1"], 2),
+    ):
+        bad = _cli(*args)
+        assert bad.returncode == code, bad.stderr
+        assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+        assert "--tz" in bad.stderr
+
+
+def test_cli_stream_replay_headerless_log_needs_and_takes_fields(tmp_path):
+    with_header, without, names = _noheader(tmp_path, lines=16)
+    refused = _cli("stream", "--replay", without, "--speed", "0", "-F", "csv")
+    assert refused.returncode == 1
+    assert refused.stderr.count("\n") == 1 and "pass its columns in order with --fields" in refused.stderr
+    a = _cli("stream", "--replay", with_header, "--speed", "0", "-F", "csv", "--fields", names)
+    b = _cli("stream", "--replay", without, "--speed", "0", "-F", "csv", "--fields", names)
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr, b.stderr)
+    assert a.stdout == b.stdout and len(a.stdout.splitlines()) == 17
+    wrong = _cli("stream", "--replay", without, "--speed", "0", "--fields", "timestamp,index,power.draw")
+    assert wrong.returncode == 1 and wrong.stderr.count("\n") == 1
+    assert "no row fits the columns timestamp,index,power.draw" in wrong.stderr
+    unknown = _cli("stream", "--replay", without, "--speed", "0", "--fields", "timestamp,index,temprature.gpu")
+    assert unknown.returncode == 2 and "temprature.gpu" in unknown.stderr
+    disagree = _cli("stream", "--replay", with_header, "--speed", "0", "--fields", "timestamp,clocks.max.sm")
+    assert disagree.returncode == 1 and "has no clocks.max.sm" in disagree.stderr

@@ -414,3 +414,91 @@ def test_energy_per_gpu_integrates_power_over_the_run(tmp_path):
     assert report.energy_wh[1] == pytest.approx(300 * 59 / 3600)  # the missing second is not guessed
     assert "Energy (power.draw over the run): 6.6 Wh in all" in report.to_text()
     assert json.loads(report.to_json())["energy_wh"] == {"0": 1.667, "1": 4.917}
+
+
+# ------------------------------------------------------------------------------------- --tz and --fields (CLI)
+
+
+def _headerless_copy(tmp_path: Path, rows: int = 800) -> tuple[Path, Path, str]:
+    """The demo's first rows with its header, and the same rows without it, under the same file name."""
+    lines = DEMO.read_text(encoding="utf-8").splitlines()
+    names = ",".join(cell.split(" [")[0].strip() for cell in lines[0].split(","))
+    with_header = tmp_path / "with" / "log.csv"
+    without = tmp_path / "without" / "log.csv"
+    for path, text in ((with_header, lines[: rows + 1]), (without, lines[1 : rows + 1])):
+        path.parent.mkdir()
+        path.write_text("\n".join(text) + "\n", encoding="utf-8")
+    return with_header, without, names
+
+
+def test_cli_report_tz_labels_times_in_that_zone_and_naive_stays_naive():
+    from typer.testing import CliRunner
+
+    app = _app()
+    plain = CliRunner().invoke(app, ["report", str(DEMO)])
+    assert plain.exit_code == 0, plain.output
+    headline = plain.stdout.splitlines()[0]
+    assert "2026-03-14 09:30:00 to 09:40:00" in headline and "recorder's local time" in headline
+    assert "UTC" not in plain.stdout
+    berlin = CliRunner().invoke(app, ["report", "--tz", "Europe/Berlin", str(DEMO)])
+    assert berlin.exit_code == 0, berlin.output
+    zoned = berlin.stdout.splitlines()[0]
+    assert "2026-03-14 09:30:00 to 09:40:00" in zoned and "Europe/Berlin" in zoned  # same wall clock, now named
+    doc = json.loads(CliRunner().invoke(app, ["report", str(DEMO), "-F", "json"]).stdout)
+    assert doc["start"] == "2026-03-14T09:30:00.117000"  # no offset: none was recorded
+
+
+def test_cli_report_and_plot_reject_an_unknown_zone_as_a_usage_error(tmp_path):
+    from typer.testing import CliRunner
+
+    app = _app()
+    for command in (["report", str(DEMO)], ["plot", str(DEMO), "-o", str(tmp_path / "p.png")]):
+        bad = CliRunner().invoke(app, [*command, "--tz", "Mars/Olympus"])
+        assert bad.exit_code == 2, bad.output
+        assert bad.stderr.count("\n") == 1 and "--tz: unknown time zone 'Mars/Olympus'" in bad.stderr
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_cli_report_headerless_log_with_fields_equals_the_report_with_header(tmp_path):
+    from typer.testing import CliRunner
+
+    app = _app()
+    with_header, without, names = _headerless_copy(tmp_path)
+    refused = CliRunner().invoke(app, ["report", str(without)])
+    assert refused.exit_code == 1 and refused.stderr.count("\n") == 1
+    assert "give its columns with --fields" in refused.stderr
+    a = CliRunner().invoke(app, ["report", str(with_header), "-F", "json"])
+    b = CliRunner().invoke(app, ["report", str(without), "-F", "json", "--fields", names])
+    assert a.exit_code == 0 and b.exit_code == 0, (a.output, b.output)
+    assert json.loads(a.stdout) == json.loads(b.stdout)
+    assert json.loads(b.stdout)["gpus"] == list(range(8))
+    also = CliRunner().invoke(app, ["report", str(with_header), "-F", "json", "--fields", names])
+    assert json.loads(also.stdout) == json.loads(a.stdout)  # --fields that agree with the header change nothing
+
+
+def test_cli_report_fields_that_disagree_or_are_unknown_fail_clearly(tmp_path):
+    from typer.testing import CliRunner
+
+    app = _app()
+    with_header, without, _ = _headerless_copy(tmp_path, rows=16)
+    disagree = CliRunner().invoke(app, ["report", str(with_header), "--fields", "timestamp,clocks.max.sm"])
+    assert disagree.exit_code == 1 and disagree.stderr.count("\n") == 1
+    assert "--fields does not agree with" in disagree.stderr and "no clocks.max.sm" in disagree.stderr
+    short = CliRunner().invoke(app, ["report", str(without), "--fields", "timestamp,index,utilization.gpu"])
+    assert short.exit_code == 1 and "rows do not fit --fields" in short.stderr
+    unknown = CliRunner().invoke(app, ["report", str(without), "--fields", "timestamp,index,temprature.gpu"])
+    assert unknown.exit_code == 2 and "temprature.gpu" in unknown.stderr
+
+
+def test_cli_plot_headerless_log_takes_its_columns_from_fields(tmp_path):
+    from typer.testing import CliRunner
+
+    pytest.importorskip("matplotlib")
+    app = _app()
+    _, without, names = _headerless_copy(tmp_path, rows=80)
+    out = tmp_path / "trace.png"
+    refused = CliRunner().invoke(app, ["plot", str(without), "-o", str(out)])
+    assert refused.exit_code == 1 and "--fields" in refused.stderr and not out.exists()
+    drawn = CliRunner().invoke(app, ["plot", str(without), "-o", str(out), "--fields", names, "--tz", "UTC"])
+    assert drawn.exit_code == 0, drawn.output
+    assert out.read_bytes().startswith(b"\x89PNG")  # text columns (name, uuid, pstate) are named, not drawn

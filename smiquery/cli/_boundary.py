@@ -19,6 +19,7 @@ from smiquery.errors import (
     InsufficientPermissionsError,
     InvalidFieldError,
     InvalidGpuIdError,
+    InvalidTimeZoneError,
     NoDevicesFoundError,
     NvidiaSmiNotFoundError,
     NvidiaSmiTimeoutError,
@@ -112,7 +113,14 @@ def exit_code_for(exc: BaseException) -> ExitCode:
         return ExitCode.DRIVER
     if isinstance(exc, NvidiaSmiTimeoutError):
         return ExitCode.TIMEOUT
-    usage = (InvalidFieldError, InvalidGpuIdError, InvalidRuleError, UsageError, *_typer_class("BadParameter"))
+    usage = (
+        InvalidFieldError,
+        InvalidGpuIdError,
+        InvalidRuleError,
+        InvalidTimeZoneError,
+        UsageError,
+        *_typer_class("BadParameter"),
+    )
     if isinstance(exc, usage):
         return ExitCode.USAGE
     return ExitCode.ERROR

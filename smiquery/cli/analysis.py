@@ -18,7 +18,7 @@ import typer
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["FailOn", "ReportFormat", "register"]
+__all__ = ["FailOn", "ReportFormat", "check_zone", "register"]
 
 
 class ReportFormat(str, Enum):
@@ -42,6 +42,7 @@ Examples:
   smiquery plot run.csv
   smiquery plot run.parquet -o trace.png --fields utilization.gpu,temperature.gpu
   smiquery plot run.jsonl -o trace.svg --alert 'temperature.gpu > 83 for 10' --gpus 0,5
+  smiquery plot noheader.csv --fields timestamp,index,utilization.gpu --tz Europe/Berlin
 """
 
 _REPORT_EPILOG = """\b
@@ -53,13 +54,15 @@ Examples:
   smiquery report run.csv
   smiquery report run.parquet --format markdown > report.md
   smiquery report run.jsonl --format json --min-stall 2m --fail-on critical
+  smiquery report log.csv --tz Europe/Berlin
+  smiquery report noheader.csv --fields timestamp,index,utilization.gpu,temperature.gpu
 """
 
 RecordingArg = Annotated[
     Path,
     typer.Argument(
         metavar="REC",
-        help="A recording from `smiquery stream --output`: .csv, .jsonl or .parquet.",
+        help="A recording from `smiquery stream --output` (.csv, .jsonl, .parquet) or a plain nvidia-smi CSV log.",
         dir_okay=False,
     ),
 ]
@@ -90,25 +93,43 @@ TzOpt = Annotated[
     typer.Option(
         "--tz",
         metavar="ZONE",
-        help="Time zone the recording was made in (e.g. Europe/Berlin). nvidia-smi writes local time without a "
-        "zone; by default times are shown as recorded and labelled as such.",
+        help="Time zone the recording was made in, an IANA name (Europe/Berlin, UTC). nvidia-smi writes local "
+        "time without a zone: by default times are shown as recorded, marked as having no zone (never as UTC); "
+        "times recorded with a zone are converted to ZONE.",
     ),
 ]
 
 
-def _load(recording: Path, fields: str | None, tz: str | None, *, fields_are_columns: bool) -> pd.DataFrame:
-    """Read the recording once; warn on stderr (one line) about lines that could not be read."""
-    from smiquery.recordings import SkippedLines
-    from smiquery.report import ReportError, load_recording
+def check_zone(tz: str | None) -> None:
+    """Fail at once, as a usage error (exit 2), on a ``--tz`` that names no IANA zone.
+
+    Args:
+        tz: the option value.
+
+    Raises:
+        UsageError: an unknown zone.
+    """
+    from smiquery.errors import InvalidTimeZoneError, UsageError
+    from smiquery.recordings import resolve_zone
 
     try:
-        df = load_recording(recording, tz=tz)
-    except ReportError as exc:
-        if fields is None or "--fields" not in str(exc):
-            raise
-        if not fields_are_columns:
-            raise
-        df = load_recording(recording, fields=fields, tz=tz)
+        resolve_zone(tz)
+    except InvalidTimeZoneError as exc:
+        raise UsageError(f"--tz: {exc}") from None
+
+
+def _load(recording: Path, fields: str | None, tz: str | None) -> pd.DataFrame:
+    """Read the recording once; warn on stderr (one line) about lines that could not be read.
+
+    ``fields`` name the columns of a headerless log, or must agree with the recording's own.
+    """
+    from smiquery.cli._options import parse_fields
+    from smiquery.recordings import SkippedLines
+    from smiquery.report import load_recording
+
+    check_zone(tz)
+    names = ",".join(f.name for f in parse_fields(fields)) if fields is not None else None
+    df = load_recording(recording, fields=names, tz=tz)
     skipped = df.attrs.get("skipped")
     if isinstance(skipped, SkippedLines):
         with contextlib.suppress(OSError, ValueError):
@@ -140,7 +161,8 @@ def plot(
             "--fields",
             "-f",
             metavar="LIST",
-            help="Fields to draw, one panel each (default: utilization.gpu, temperature.gpu, memory.used, power.draw).",
+            help="Fields to draw, one panel each (default: utilization.gpu, temperature.gpu, memory.used, "
+            "power.draw); each must be recorded. For a headerless (noheader) log: its columns, in order.",
         ),
     ] = None,
     alert: AlertOpt = None,
@@ -155,13 +177,14 @@ def plot(
     """Draw a recording: one panel per field, one line per GPU, alert thresholds dashed, gaps where data is missing.
 
     Stalls are shaded grey and firing alerts orange. For a headerless (noheader) log, --fields names its
-    columns in order. Needs matplotlib: pip install 'smiquery[plot]'.
+    columns in order. The time axis is the recording's clock (no zone unless --tz names one). Needs
+    matplotlib: pip install 'smiquery[plot]'.
     """
     with _boundary(ctx):
         from smiquery.plot import save_plot
 
         target = output if output is not None else recording.with_suffix(".png")
-        df = _load(recording, fields, tz, fields_are_columns=True)
+        df = _load(recording, fields, tz)
         path = save_plot(
             df,
             target,
@@ -201,7 +224,8 @@ def report(
             "--fields",
             "-f",
             metavar="LIST",
-            help="Columns of a headerless (noheader) CSV log, in order, e.g. timestamp,index,utilization.gpu.",
+            help="Columns of a headerless (noheader) CSV log, in order, e.g. timestamp,index,utilization.gpu "
+            "(names as for `stream --fields`). With a header, each must be one of its columns.",
         ),
     ] = None,
     tz: TzOpt = None,
@@ -209,6 +233,7 @@ def report(
     """Summarise a recording: stalls, time over thresholds, memory-health counters, statistics, one verdict each.
 
     Lines that cannot be read (the torn last line of a killed recorder, garbage) are skipped with one warning.
+    Times are shown as recorded (nvidia-smi's local time, no zone) unless --tz names the zone.
     """
     with _boundary(ctx):
         from smiquery.alerts import parse_duration
@@ -218,7 +243,7 @@ def report(
             stall_seconds = parse_duration(min_stall, what="--min-stall")
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
-        df = _load(recording, fields, tz, fields_are_columns=True)
+        df = _load(recording, fields, tz)
         result = analyze(
             df,
             rules=alert or None,

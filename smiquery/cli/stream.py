@@ -17,7 +17,6 @@ import typer
 
 from smiquery.cli._boundary import ExitCode, UsageError, boundary, cli_text, quiet_stdout, say
 from smiquery.cli._common import (
-    FieldsOpt,
     GpusOpt,
     Settings,
     StreamFormatOpt,
@@ -30,7 +29,7 @@ from smiquery.cli._common import (
     unknown_gpus,
 )
 from smiquery.errors import NoDevicesFoundError, SmiqueryError
-from smiquery.fields import Field, get_field
+from smiquery.fields import PRESETS, Field, get_field
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent
@@ -269,14 +268,29 @@ Examples:
   smiquery stream --format jsonl | jq '."temperature.gpu"'
   smiquery stream --alert 'temperature.gpu > 85 for 3' --alert 'utilization.gpu < 20 for 5m'
   smiquery stream --replay run.csv --speed 10
+  smiquery stream --replay log.csv --tz Europe/Berlin --format jsonl
+  smiquery stream --replay noheader.csv --fields timestamp,index,power.draw
   smiquery stream --count 10 --format csv > snapshot.csv
 """
+
+
+StreamFieldsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--fields",
+        "-f",
+        metavar="PRESET|a,b,c",
+        help=f"A preset ({', '.join(PRESETS)}) or a comma list of nvidia-smi field names. [default: default] "
+        "With --replay: fields the recording holds; for a headerless (noheader) CSV log, its columns in order.",
+        show_default=False,
+    ),
+]
 
 
 @app.command(epilog=_EPILOG)
 def stream(
     ctx: typer.Context,
-    fields: FieldsOpt = None,
+    fields: StreamFieldsOpt = None,
     interval: Annotated[
         str,
         typer.Option("--interval", "-l", metavar="DURATION", help="Time between samples: 1, 0.5, 250ms, 2s."),
@@ -307,6 +321,15 @@ def stream(
         typer.Option("--speed", min=0.0, metavar="X", help="Replay speed: 2 is twice as fast, 0 as fast as possible."),
     ] = 1.0,
     loop: Annotated[bool, typer.Option("--loop", help="Replay: start again at the end.")] = False,
+    tz: Annotated[
+        str | None,
+        typer.Option(
+            "--tz",
+            metavar="ZONE",
+            help="Replay: the zone the recording was made in (Europe/Berlin, UTC). Times recorded without a zone "
+            "(nvidia-smi's CSV) are shown as recorded unless ZONE names it; ones with a zone are converted to ZONE.",
+        ),
+    ] = None,
     alert: Annotated[
         list[str] | None,
         typer.Option(
@@ -351,6 +374,7 @@ def stream(
             replay_path=replay,
             speed=speed,
             loop=loop,
+            tz=tz,
             alerts=alert or [],
             exit_on_alert=exit_on_alert,
             on_alert=on_alert or [],
@@ -373,6 +397,7 @@ def _stream(
     alerts: Sequence[str],
     exit_on_alert: bool,
     on_alert: Sequence[str] = (),
+    tz: str | None = None,
 ) -> None:
     from smiquery.alerts import AlertEvaluator, InvalidRuleError, Rule
     from smiquery.display import CsvWriter, JsonlWriter, LiveTable, open_recorder, use_color
@@ -396,13 +421,18 @@ def _stream(
     source: SampleSource
     flds: tuple[Field, ...]
     pump_stop = threading.Event()
+    if tz is not None and replay_path is None:
+        raise UsageError("--tz goes with --replay: live samples carry this machine's own time zone")
     if replay_path is not None:
+        from smiquery.cli.analysis import check_zone
         from smiquery.playback import Replay, ReplayError
 
+        check_zone(tz)
         wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None
+        columns = _replay_columns(replay_path, fields)
         if wanted is None:
             # The default preset when the recording has it, else every recorded column.
-            probe = Replay(replay_path, speed=speed, gpus=ids, loop=loop)
+            probe = Replay(replay_path, speed=speed, gpus=ids, loop=loop, tz=tz)
             have = {f.name for f in probe.recorded_fields}
             default = parse_fields("default", rule_fields)
             if all(f.name in have for f in default):
@@ -418,6 +448,8 @@ def _stream(
                 fields=[f.name for f in wanted] if wanted is not None else None,
                 gpus=ids,
                 loop=loop,
+                columns=columns,
+                tz=tz,
             )
         except ValueError as exc:
             raise UsageError(str(exc)) from None
@@ -503,6 +535,25 @@ def _stream(
         raise wrong from None
     if code:
         raise typer.Exit(code)
+
+
+def _replay_columns(path: Path, fields: str | None) -> list[str] | None:
+    """The columns of a headerless CSV log (from ``--fields``), or None for a recording that names its own.
+
+    Raises:
+        RecordingError: a headerless log and no ``--fields``.
+    """
+    from smiquery.errors import RecordingError
+    from smiquery.recordings import csv_header, detect_format
+
+    if not path.is_file() or path.stat().st_size == 0 or detect_format(path) != "csv" or csv_header(path):
+        return None  # Replay reports a missing file; a header names the columns
+    if fields is None:
+        raise RecordingError(
+            f"{path} has no nvidia-smi CSV header line; for a headerless (noheader) log, pass its columns "
+            "in order with --fields, e.g. --fields timestamp,index,utilization.gpu"
+        )
+    return [f.name for f in parse_fields(fields)]
 
 
 def _stats_of(source: SampleSource, run: _Run) -> dict[str, object]:
