@@ -104,9 +104,10 @@ def test_another_process_on_my_gpu_lowers_the_share_is_noted_and_exported(fake_s
 def test_a_descendant_of_the_run_counts_as_the_run(fake_smi: MakeFake, gpu0, monkeypatch):
     # `self` is the pmon child itself: a child of this process, like a data-loader worker
     monkeypatch.setenv("SMIQUERY_FAKE_PMON_PROCS", f"0:self:40:5,0:parent:40:5,0:{OTHER}:20:5")
-    with no_leaks(reap_timeout=5.0), watch(
-        nvidia_smi=str(fake_smi()), interval=0.05, alerts=(), env=gpu0, process_share=True
-    ) as w:
+    with (
+        no_leaks(reap_timeout=5.0),
+        watch(nvidia_smi=str(fake_smi()), interval=0.05, alerts=(), env=gpu0, process_share=True) as w,
+    ):
         w.step(epoch=0)
         assert wait_for(lambda: 0 in w.monitor.process_shares())
         values = w.end_epoch()
