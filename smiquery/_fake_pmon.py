@@ -30,8 +30,8 @@ PMON_ENV_VARS: dict[str, str] = {
     "SMIQUERY_FAKE_PMON_HANG_AFTER": "N: after N samples pmon prints nothing more and keeps running (a stall of "
     "pmon alone; the --query-gpu loop goes on)",
     "SMIQUERY_FAKE_PMON_PROCS": "GPU:PID:SM:MEM[,...]: pmon's processes instead of the compute apps, with fixed SM "
-    "and memory % (`-` for no value); PID may be `self` (this nvidia-smi) or `parent` (the process that started it, "
-    "e.g. a training run watching its own share)",
+    "and memory % (`-` for no value); PID may be `self` (this nvidia-smi; in-process, the caller) or `parent` (the "
+    "process that started it, e.g. a training run watching its own share)",
     "SMIQUERY_FAKE_PMON_UNSUPPORTED": "1: pmon prints what old GeForce drivers print (`Not supported on the "
     "device(s)`, `Failed to process command line`) and exits 3, while the --query-gpu modes work",
 }
