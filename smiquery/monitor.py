@@ -1,7 +1,8 @@
 """The framework-neutral training run monitor: one nvidia-smi beside a training loop, summarised per epoch.
 
 :class:`RunMonitor` (and :func:`watch`, its plain-loop front door) owns the stream, the per-epoch aggregation, the
-alerts stamped with the training position, the recording, the energy figures and the job's own Prometheus metrics.
+alerts stamped with the training position, the recording, the energy figures, the job's own Prometheus metrics and,
+with ``process_share``, one ``nvidia-smi pmon`` for the run's own share of each GPU.
 The Keras and Lightning callbacks (``smiquery.keras``, ``smiquery.lightning``) only translate their hooks into
 :meth:`RunMonitor.begin_epoch`, :meth:`RunMonitor.step` and :meth:`RunMonitor.end_epoch`.
 """
