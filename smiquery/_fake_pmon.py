@@ -1,8 +1,9 @@
 """``nvidia-smi pmon`` in the fake executable (:mod:`smiquery.testing`): per-process lines in pmon's layout.
 
-The processes are the fake's compute apps (``SMIQUERY_FAKE_APPS`` / the bundled list) on the recording's GPUs;
-an idle GPU prints one line of ``-``. ``SMIQUERY_FAKE_PMON=FILE`` replays a pmon capture instead: printed as is,
-then (without ``-c``) its data lines again every interval. Faults: the start-up ones, ``exit:``, ``hang``,
+The processes are the fake's compute apps (``SMIQUERY_FAKE_APPS`` / the bundled list) on the recording's GPUs, or
+those ``SMIQUERY_FAKE_PMON_PROCS`` lists (fixed SM/memory %, pids that can be the caller's own); an idle GPU
+prints one line of ``-``. ``SMIQUERY_FAKE_PMON=FILE`` replays a pmon capture instead: printed as is, then
+(without ``-c``) its data lines again every interval. Faults: the start-up ones, ``exit:``, ``hang``,
 ``hang-after:N`` and ``crash-after:N`` (N counts data lines), ``ignore-term``. The variables in
 :data:`PMON_ENV_VARS` (listed by ``nvidia-smi pmon -h``) make processes end and pmon stall, counted in samples.
 """
@@ -28,6 +29,9 @@ PMON_ENV_VARS: dict[str, str] = {
     "ended (a GPU left without processes prints its idle line)",
     "SMIQUERY_FAKE_PMON_HANG_AFTER": "N: after N samples pmon prints nothing more and keeps running (a stall of "
     "pmon alone; the --query-gpu loop goes on)",
+    "SMIQUERY_FAKE_PMON_PROCS": "GPU:PID:SM:MEM[,...]: pmon's processes instead of the compute apps, with fixed SM "
+    "and memory % (`-` for no value); PID may be `self` (this nvidia-smi; in-process, the caller) or `parent` (the "
+    "process that started it, e.g. a training run watching its own share)",
     "SMIQUERY_FAKE_PMON_UNSUPPORTED": "1: pmon prints what old GeForce drivers print (`Not supported on the "
     "device(s)`, `Failed to process command line`) and exits 3, while the --query-gpu modes work",
 }
@@ -111,6 +115,25 @@ def _ends(text: str) -> dict[str, int]:
     return out
 
 
+def _procs(text: str, gpus: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+    """The SMIQUERY_FAKE_PMON_PROCS entries as app-like dicts (``pid``, ``gpu_uuid``, ``sm``, ``mem``...)."""
+    by_index = {g["index"]: g for g in gpus}
+    out: list[dict[str, str]] = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        parts = item.split(":")
+        if len(parts) != 4:
+            raise _Usage(f"SMIQUERY_FAKE_PMON_PROCS takes GPU:PID:SM:MEM items, not {item!r}")
+        gpu, pid, sm, mem = parts
+        pid = {"self": str(os.getpid()), "parent": str(os.getppid())}.get(pid, pid)
+        if not pid.isdigit() or any(not (v.isdigit() or v == "-") for v in (sm, mem)):
+            raise _Usage(f"SMIQUERY_FAKE_PMON_PROCS: {item!r} needs a pid (or self/parent) and SM/MEM numbers or -")
+        where = by_index.get(gpu)
+        if where is None:
+            continue  # a GPU this run does not watch (-i) or the recording lacks
+        out.append({"pid": pid, "gpu_uuid": where["uuid"], "sm": sm, "mem": mem, "process_name": f"proc-{pid}"})
+    return out
+
+
 def _count_var(name: str) -> int | None:
     text = os.environ.get(name, "").strip()
     if not text:
@@ -187,8 +210,9 @@ def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Ou
     units = "".join(u.rjust(w) for (_, u), w in zip(cols[:-1], head_widths)) + "    name "
     out.line("#" + head[1:])
     out.line("#" + units[1:])
-    apps = fake._load_apps(settings.apps, rec)
     try:
+        procs_var = os.environ.get("SMIQUERY_FAKE_PMON_PROCS", "").strip()
+        apps = _procs(procs_var, gpus) if procs_var else fake._load_apps(settings.apps, rec)
         ends = _ends(os.environ.get("SMIQUERY_FAKE_PMON_ENDS", ""))
         hang_after = _count_var("SMIQUERY_FAKE_PMON_HANG_AFTER")
     except _Usage as exc:
@@ -210,14 +234,16 @@ def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Ou
             for app in procs:
                 pid = app.get("pid", "-")
                 busy = (int(pid) * 7 + n * 13) % 100 if pid.isdigit() else None
+                sm = app.get("sm", "-" if busy is None else str(busy))
+                mem = app.get("mem", "-" if busy is None else str(busy // 4))
                 values = {
                     "Date": now.strftime("%Y%m%d"),
                     "Time": now.strftime("%H:%M:%S"),
                     "gpu": gpu["index"],
                     "pid": pid,
                     "type": "C" if app else "-",
-                    "sm": "-" if busy is None else str(busy),
-                    "mem": "-" if busy is None else str(busy // 4),
+                    "sm": sm,
+                    "mem": mem,
                     "fb": app["used_gpu_memory"] if app.get("used_gpu_memory", "").isdigit() else "-",
                     "command": app.get("process_name", "-").rsplit("/", 1)[-1] if app else "-",
                 }

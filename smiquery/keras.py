@@ -137,7 +137,8 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
         batch_size: samples per step, for ``samples_per_joule`` and the samples counter (default: ``fit``'s
             ``batch_size`` when it was given).
         **options: any other :class:`~smiquery.monitor.RunMonitor` argument (``record``, ``metrics_port``,
-            ``pushgateway``, ``first_sample_timeout``...).
+            ``pushgateway``, ``first_sample_timeout``, ``process_share`` for ``gpuN_share`` and
+            ``gpuN_other_processes``...).
 
     Raises:
         ValueError: ``log_every`` or ``interval`` is invalid.

@@ -69,7 +69,7 @@ class GpuMonitor(Callback):  # type: ignore[misc]
         nvidia_smi: path of nvidia-smi.
         gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
         **options: any other :class:`~smiquery.monitor.RunMonitor` argument (``record``, ``metrics_port``,
-            ``pushgateway``...).
+            ``pushgateway``, ``process_share`` for ``gpuN_share`` and ``gpuN_other_processes``...).
     """
 
     def __init__(

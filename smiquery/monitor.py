@@ -1,7 +1,8 @@
 """The framework-neutral training run monitor: one nvidia-smi beside a training loop, summarised per epoch.
 
 :class:`RunMonitor` (and :func:`watch`, its plain-loop front door) owns the stream, the per-epoch aggregation, the
-alerts stamped with the training position, the recording, the energy figures and the job's own Prometheus metrics.
+alerts stamped with the training position, the recording, the energy figures, the job's own Prometheus metrics and,
+with ``process_share``, one ``nvidia-smi pmon`` for the run's own share of each GPU.
 The Keras and Lightning callbacks (``smiquery.keras``, ``smiquery.lightning``) only translate their hooks into
 :meth:`RunMonitor.begin_epoch`, :meth:`RunMonitor.step` and :meth:`RunMonitor.end_epoch`.
 """
@@ -29,6 +30,7 @@ from smiquery.notify import AlertHandler, LogHandler, Notifier
 
 if TYPE_CHECKING:
     from smiquery.display import SampleWriter
+    from smiquery.pmon import PmonRow, PmonStream, ProcessShare
     from smiquery.records import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
 
@@ -41,6 +43,7 @@ __all__ = [
     "RunMonitor",
     "TrainingAlert",
     "VisibleDevices",
+    "own_pids",
     "stall_rule",
     "visible_devices",
     "watch",
@@ -354,6 +357,147 @@ def throughput_values(
     return out
 
 
+# ------------------------------------------------------------------------------------------- process share
+
+
+def _parent_pid(pid: int, root: str) -> int | None:
+    """The parent of ``pid`` from ``ROOT/PID/stat`` (None when it is gone or unreadable)."""
+    try:
+        with open(f"{root}/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'
+    tail = text[text.rfind(b")") + 2 :].split()
+    try:
+        return int(tail[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def own_pids(pids: Iterable[int] | None = None, *, root: str = "/proc") -> frozenset[int]:
+    """The run's own processes: this process and its descendants (data-loader workers, spawned helpers).
+
+    On Linux each candidate's parent chain is read from ``/proc/PID/stat``; where there is no ``/proc``
+    (macOS, Windows) only this process itself counts, so its children's GPU use is counted as someone else's.
+    pids are those of this PID namespace: nvidia-smi inside a container with its own PID namespace may report
+    other numbers, and then the run's processes are not recognised.
+
+    Args:
+        pids: the candidates (e.g. the pids pmon printed); None for every process under ``root``.
+        root: the procfs mount.
+
+    Returns:
+        Those of the candidates (or of all processes) that are this process or descend from it.
+    """
+    me = os.getpid()
+    if not os.path.isdir(root):
+        return frozenset({me} if pids is None or me in set(pids) else ())
+    if pids is None:
+        pids = [int(name) for name in os.listdir(root) if name.isdigit()]
+    known: dict[int, bool] = {me: True, 0: False, 1: me == 1}
+    out = set()
+    for pid in pids:
+        chain: list[int] = []
+        cur: int | None = pid
+        while cur is not None and cur not in known and len(chain) < 4096:
+            chain.append(cur)
+            cur = _parent_pid(cur, root)
+        verdict = known.get(cur, False) if cur is not None else False
+        for p in chain:
+            known[p] = verdict
+        if known.get(pid, False):
+            out.add(pid)
+    return frozenset(out)
+
+
+class _ShareAcc:
+    """One GPU's SM use over an epoch: the run's part, the total, the pmon instants seen, the other pids."""
+
+    __slots__ = ("instants", "mine", "others", "total")
+
+    def __init__(self) -> None:
+        self.mine = 0.0
+        self.total = 0.0
+        self.instants = 0
+        self.others: set[int] = set()
+
+    def add(self, share: ProcessShare) -> None:
+        self.instants += 1
+        if share.mine_sm is not None or share.others_sm is not None:
+            self.mine += share.mine_sm or 0
+            self.total += (share.mine_sm or 0) + (share.others_sm or 0)
+        self.others.update(share.other_pids)
+
+    def merge(self, other: _ShareAcc) -> None:
+        self.instants += other.instants
+        self.mine += other.mine
+        self.total += other.total
+        self.others |= other.others
+
+    def values(self) -> tuple[float, float]:
+        """``(share, other_processes)``: NaN share without SM use, NaN count without any pmon instant."""
+        share = self.mine / self.total if self.total > 0 else math.nan
+        return share, float(len(self.others)) if self.instants else math.nan
+
+
+def instant_shares(rows: Iterable[PmonRow], mine: Iterable[int]) -> dict[int, ProcessShare]:
+    """Per GPU of one pmon instant, the SM use of ``mine`` against every other process.
+
+    Unlike :func:`smiquery.pmon.process_share` every GPU in the instant is reported, also one the run does not
+    use (its share is then 0 when others keep it busy) and an idle one (share None).
+
+    Args:
+        rows: one pmon instant.
+        mine: the run's own pids.
+
+    Returns:
+        GPU index -> share; ``share`` is None when no process reported SM use.
+    """
+    from smiquery.pmon import ProcessShare
+
+    own = set(mine)
+    per: dict[int, tuple[list[int], list[int], dict[int, None]]] = {}
+    for row in rows:
+        if row.gpu is None:
+            continue
+        m, o, pids = per.setdefault(row.gpu, ([], [], {}))
+        if row.pid is None:
+            continue
+        if row.pid in own:
+            if row.sm is not None:
+                m.append(row.sm)
+        else:
+            pids[row.pid] = None
+            if row.sm is not None:
+                o.append(row.sm)
+    out: dict[int, ProcessShare] = {}
+    for gpu, (m, o, pids) in per.items():
+        mine_sm = sum(m) if m else None
+        others_sm = sum(o) if o else None
+        total = (mine_sm or 0) + (others_sm or 0)
+        out[gpu] = ProcessShare(
+            gpu=gpu,
+            mine_sm=mine_sm,
+            others_sm=others_sm,
+            share=(mine_sm or 0) / total if total > 0 else None,
+            mine_fb=None,
+            others_fb=None,
+            other_pids=tuple(pids),
+        )
+    return out
+
+
+def _pmon_unsupported(exc: BaseException) -> bool:
+    """True for pmon's "Not supported on the device(s)" (old GeForce drivers), whatever the exit status."""
+    from smiquery.errors import NotSupportedError, NvidiaSmiFailedError
+
+    if isinstance(exc, NotSupportedError):
+        return True
+    output = getattr(exc, "output", "") if isinstance(exc, NvidiaSmiFailedError) else ""
+    return "not supported on the device" in (output or "").lower()
+
+
 # ------------------------------------------------------------------------------------------ framework memory
 
 
@@ -519,6 +663,25 @@ def _open_stream(
     return cast("SampleSource", old)
 
 
+def _open_pmon(
+    *,
+    interval: float,
+    gpus: Sequence[str] | None,
+    nvidia_smi: str | os.PathLike[str] | None,
+    on_event: Callable[[StreamEvent], None],
+) -> PmonStream:
+    """The one ``nvidia-smi pmon`` stream of a monitor with ``process_share`` (SM use only, 1..10 s apart).
+
+    The only place the monitor builds a pmon stream, so that a change in :func:`smiquery.pmon.stream`'s options
+    is adapted here. Failures reach the monitor through ``on_event`` (an unsupported pmon as an ``error`` event).
+    """
+    from smiquery import pmon
+
+    seconds = max(1, min(10, round(interval)))
+    ids = list(gpus)[:4] if gpus else None  # pmon watches four GPUs at most
+    return pmon.stream(gpus=ids, interval=seconds, select="u", nvidia_smi=nvidia_smi, on_event=on_event)
+
+
 class RunMonitor:
     """Watches the GPUs while a training run goes on, whatever the framework.
 
@@ -537,6 +700,8 @@ class RunMonitor:
     ``steps_per_joule``, ``samples_per_joule`` (when samples are counted), ``data_wait_s`` and
     ``data_wait_frac`` (time between steps, when steps are reported), and ``gpu_late_sweeps`` when sweeps that
     arrived after their epoch was summarised were folded in (see :attr:`epochs` for the corrected figures).
+    With ``process_share=True``, per watched GPU also ``gpuN_share`` (the run's part of the SM use, 0..1) and
+    ``gpuN_other_processes`` (other processes seen on it during the epoch); see ``process_share`` below.
 
     Use :func:`watch` in a plain loop; the Keras and Lightning callbacks wrap it.
 
@@ -563,6 +728,15 @@ class RunMonitor:
         source: a function ``(fields, interval=, gpus=, nvidia_smi=, on_event=)`` returning a
             :class:`~smiquery.source.SampleSource`; default a live :func:`smiquery.stream`.
         env: the environment whose ``CUDA_VISIBLE_DEVICES`` is read (default ``os.environ``).
+        process_share: also run one ``nvidia-smi pmon`` (a second child, started and reaped with the monitor) and
+            report how much of each GPU's SM use is the run's own (this process and its descendants, see
+            :func:`own_pids`) against other processes: ``gpuN_share`` = own SM % / all processes' SM %, NaN when
+            no process reported SM use or no pmon sample came in the epoch; ``gpuN_other_processes`` = distinct
+            other pids seen on the GPU in the epoch. Another process on a watched GPU is said once per GPU
+            (:attr:`notes`); the job's metrics gain ``smiquery_training_gpu_process_share`` and
+            ``smiquery_training_gpu_other_processes``. Off by default (one more child per run, pmon's 1 s
+            minimum interval and four-GPU limit). Where pmon is not supported (older GeForce drivers) it is turned
+            off with one note and the keys stay NaN; a failing or hung pmon never delays a training step.
 
     Raises:
         ValueError: ``log_every`` or ``interval`` is invalid.
@@ -590,6 +764,7 @@ class RunMonitor:
         first_sample_timeout: float = 5.0,
         source: SourceFactory | None = None,
         env: Mapping[str, str] | None = None,
+        process_share: bool = False,
     ) -> None:
         if log_every not in ("epoch", "batch"):
             raise ValueError(f"log_every must be 'epoch' or 'batch', not {log_every!r}")
@@ -618,6 +793,7 @@ class RunMonitor:
         self.first_sample_timeout = first_sample_timeout
         self._source_factory: SourceFactory = source or _open_stream
         self._env = env
+        self.process_share = bool(process_share)
         self.host = socket.gethostname()
         #: the alerts of the current (or last) run, with their training position
         self.alerts: list[TrainingAlert] = []
@@ -656,6 +832,7 @@ class RunMonitor:
             "epoch_end_max": 0.0,
             "reader_cpu": 0.0,
             "worker_cpu": 0.0,
+            "pmon_cpu": 0.0,
         }
         #: wall time of each :meth:`end_epoch` on the training thread, seconds
         self.epoch_end_seconds: list[float] = []
@@ -690,6 +867,11 @@ class RunMonitor:
         self._rejected: BaseException | None = None
         self._fields: list[str] = []
         self._pending_late = 0
+        self._pmon: PmonStream | None = None
+        self._pmon_reader: threading.Thread | None = None
+        self._share_accs: dict[int | None, dict[int, _ShareAcc]] = {}
+        self._shares: dict[int, ProcessShare] = {}
+        self._share_off = False
 
     def say(self, message: str, level: int = logging.WARNING, *, key: str | None = None) -> None:
         """Log a message once per monitor (by its text, or by ``key``), so that a long run is not flooded.
@@ -725,6 +907,11 @@ class RunMonitor:
         """The newest sample of each watched GPU (by nvidia-smi index)."""
         with self._lock:
             return dict(self._latest)
+
+    def process_shares(self) -> dict[int, ProcessShare]:
+        """The newest pmon instant's share per watched GPU (empty without ``process_share`` or before the first)."""
+        with self._lock:
+            return dict(self._shares)
 
     @property
     def metrics_bound_port(self) -> int | None:
@@ -779,7 +966,24 @@ class RunMonitor:
         self._reader = threading.Thread(target=self._read, name="smiquery-monitor-reader", daemon=True)
         self._reader.start()
         _OPEN.add(self)
+        if self.process_share:
+            self._start_pmon()
         return self
+
+    def _start_pmon(self) -> None:
+        try:
+            self._pmon = _open_pmon(
+                interval=self.interval,
+                gpus=self._devices.stream_gpus(),
+                nvidia_smi=self.nvidia_smi,
+                on_event=self._on_pmon_event,
+            )
+        except Exception as exc:
+            self._share_off = True
+            self.say(f"the process share is off: {exc}", key="share-off")
+            return
+        self._pmon_reader = threading.Thread(target=self._read_pmon, name="smiquery-monitor-pmon", daemon=True)
+        self._pmon_reader.start()
 
     def _open(self) -> SampleSource:
         return self._source_factory(
@@ -957,6 +1161,70 @@ class RunMonitor:
                     self.dropped_events += 1
                     self.say("alert handlers fall behind: events are being dropped", key="events-full")
 
+    def _on_pmon_event(self, event: StreamEvent) -> None:
+        err = event.error
+        if event.kind != "error" or err is None or self._share_off:
+            return
+        if _pmon_unsupported(err):
+            self._share_off = True
+            self.say(
+                "per-process monitoring (nvidia-smi pmon) is not supported on this GPU or driver: the process share "
+                "is off and gpuN_share / gpuN_other_processes stay NaN",
+                key="share-unsupported",
+            )
+            pmon = self._pmon
+            if pmon is not None:
+                pmon.close()  # ends its retries; the pmon thread then ends
+            return
+        self.say(
+            f"nvidia-smi pmon failed ({type(err).__name__}: {event.detail or err}); it is retried, and the process "
+            "share has a gap until it recovers",
+            key=f"share-error-{type(err).__name__}",
+        )
+
+    def _read_pmon(self) -> None:
+        pmon = self._pmon
+        try:
+            if pmon is None:
+                return
+            for instant in pmon.samples():
+                if self._stop.is_set() or self._share_off:
+                    return
+                self._take_instant(instant)
+        except Exception as exc:
+            if not self._stop.is_set() and not self._share_off:
+                self.say(f"the process share stopped: {exc}", key="share-stopped")
+        finally:
+            self.cost["pmon_cpu"] = time.thread_time()
+
+    def _take_instant(self, rows: Sequence[PmonRow]) -> None:
+        """Sum one pmon instant into the epoch it arrived in; say once per GPU when another process is on it."""
+        pos = self._pos
+        shares = instant_shares(rows, own_pids({r.pid for r in rows if r.pid is not None}))
+        if self._devices.ids is not None:
+            uuids = self.uuids()
+            shares = {g: v for g, v in shares.items() if self._devices.selects(g, uuids.get(g))}
+        with self._lock:
+            accs = self._share_accs.setdefault(pos.epoch, {})
+            for gpu, share in shares.items():
+                acc = accs.get(gpu)
+                if acc is None:
+                    acc = accs[gpu] = _ShareAcc()
+                acc.add(share)
+            self._shares = shares
+        for gpu, share in shares.items():
+            if share.other_pids:
+                rows_of = {r.pid: r for r in rows if r.gpu == gpu and r.pid in share.other_pids}
+                first = rows_of.get(share.other_pids[0])
+                who = f"pid {share.other_pids[0]}" + (f" ({first.command})" if first and first.command else "")
+                more = f" and {len(share.other_pids) - 1} more" if len(share.other_pids) > 1 else ""
+                use = "no SM use reported" if share.others_sm is None else f"{share.others_sm}% SM"
+                self.say(
+                    f"another process uses GPU {gpu} beside this run: {who}{more}, {use}; gpu{gpu}_share tells this "
+                    "run's part of the GPU's SM use (see `smiquery ps`)",
+                    key=f"share-other-{gpu}",
+                )
+
     def _alert(self, event: AlertEvent, pos: Position) -> TrainingAlert:
         lr: float | None = None
         step: int | None = pos.step
@@ -1120,10 +1388,30 @@ class RunMonitor:
         if order:
             values.update(throughput_values(sum(energy) if energy else math.nan, steps, samples, seconds, wait))
             values.update(self._framework_values(latest))
+            if self.process_share:
+                values.update(self._share_values(epoch, order))
         if epoch is not None:
             self._done_epochs[epoch] = acc
         self.epochs.append(dict(values))  # a copy: late sweeps correct this record, not the logs handed out
         return values
+
+    def _share_values(self, epoch: int | None, order: Sequence[int]) -> dict[str, float]:
+        """``gpuN_share`` and ``gpuN_other_processes`` of the epoch (pmon instants that arrived during it)."""
+        with self._lock:
+            accs = self._share_accs.pop(epoch, None) or {}
+            setup = self._share_accs.pop(None, None)
+            if setup is not None and len(self.epochs) == 0:
+                for gpu, extra in setup.items():
+                    accs.setdefault(gpu, _ShareAcc()).merge(extra)
+            for k in [k for k in self._share_accs if k is not None and epoch is not None and k < epoch]:
+                del self._share_accs[k]  # instants of epochs already summarised: the share is not corrected
+        out: dict[str, float] = {}
+        for idx in order:
+            acc = accs.get(idx)
+            share, others = acc.values() if acc is not None else (math.nan, math.nan)
+            out[f"gpu{idx}_share"] = share
+            out[f"gpu{idx}_other_processes"] = others
+        return out
 
     def _fold_late(self, late: Mapping[int, EpochAccumulator], order: Sequence[int]) -> int:
         """Sweeps stamped with an epoch already summarised: correct :attr:`epochs`, return how many there were."""
@@ -1214,7 +1502,13 @@ class RunMonitor:
         """
         began = time.monotonic()
         with self._closing:
-            if self._source is None and self._reader is None and self._worker is None and self._metrics is None:
+            if (
+                self._source is None
+                and self._reader is None
+                and self._worker is None
+                and self._metrics is None
+                and self._pmon_reader is None
+            ):
                 return  # nothing open: keep the last run's cost figures
             self._close_locked(timeout)
         self.cost["close"] = time.monotonic() - began
@@ -1229,10 +1523,21 @@ class RunMonitor:
                 source.close(timeout)
             except Exception:
                 log.exception("smiquery: stopping nvidia-smi failed")
+        pmon = self._pmon
+        self._pmon = None
+        if pmon is not None:
+            try:
+                pmon.close()
+            except Exception:
+                log.exception("smiquery: stopping nvidia-smi pmon failed")
         reader = self._reader
         if reader is not None and reader is not threading.current_thread():
             reader.join(timeout)
         self._reader = None
+        pmon_reader = self._pmon_reader
+        if pmon_reader is not None and pmon_reader is not threading.current_thread():
+            pmon_reader.join(timeout)
+        self._pmon_reader = None
         worker = self._worker
         if worker is not None:
             try:
@@ -1377,7 +1682,7 @@ def watch(
         interval: seconds between samples.
         on_epoch: called with ``(epoch, values)`` when an epoch is summarised (to log them).
         **options: any other :class:`RunMonitor` argument (``alerts``, ``handlers``, ``record``, ``metrics_port``,
-            ``pushgateway``, ``framework``, ``nvidia_smi``, ``gpus``...).
+            ``pushgateway``, ``framework``, ``nvidia_smi``, ``gpus``, ``process_share``...).
 
     Returns:
         A context manager; leaving it summarises the last epoch and reaps nvidia-smi.
@@ -1545,6 +1850,32 @@ class _Collector:
                 if view.reserved is not None:
                     reserved.add_metric(lv, view.reserved)
         yield from (steps, samples, wait, epoch, energy, used, peak, reserved)
+        if m.process_share:
+            yield from self._share_families(m, uuids, labels)
+
+    @staticmethod
+    def _share_families(m: RunMonitor, uuids: Mapping[int, str], labels: list[str]) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        share = GaugeMetricFamily(
+            "smiquery_training_gpu_process_share",
+            "The job's part of the GPU's SM use in the newest nvidia-smi pmon sample (0..1).",
+            labels=labels,
+        )
+        others = GaugeMetricFamily(
+            "smiquery_training_gpu_other_processes",
+            "Processes other than the job's on the GPU in the newest nvidia-smi pmon sample.",
+            labels=labels,
+        )
+        shares = m.process_shares()
+        for idx, uuid in sorted(uuids.items()):
+            got = shares.get(idx)
+            if got is None:
+                continue  # no pmon sample of this GPU: no series rather than a made-up 0
+            if got.share is not None:
+                share.add_metric([uuid, m.host], got.share)
+            others.add_metric([uuid, m.host], float(len(got.other_pids)))
+        yield from (share, others)
 
 
 # Monitors whose stream is open; closed at interpreter exit so that no nvidia-smi outlives the process.

@@ -1064,7 +1064,7 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
     delay = faults.start_delay if faults.start_delay is not None else settings.start_delay
     if delay > 0:
         out.sleep(delay)
-    if argv[:1] == ["pmon"]:
+    if tuple(argv[:1]) == ("pmon",):  # a tuple from the in-process runner, a list from the executable
         from smiquery._fake_pmon import run_pmon
 
         return run_pmon(argv[1:], settings, faults, out)

@@ -413,5 +413,6 @@ def test_the_fakes_pmon_help_lists_its_variables(fake_smi):
 
     done = subprocess.run([str(fake_smi()), "pmon", "-h"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0
-    for name in ("SMIQUERY_FAKE_PMON_ENDS", "SMIQUERY_FAKE_PMON_HANG_AFTER", "SMIQUERY_FAKE_PMON_UNSUPPORTED"):
+    names = ("SMIQUERY_FAKE_PMON_ENDS", "SMIQUERY_FAKE_PMON_HANG_AFTER", "SMIQUERY_FAKE_PMON_UNSUPPORTED")
+    for name in (*names, "SMIQUERY_FAKE_PMON_PROCS"):
         assert name in PMON_ENV_VARS and name in done.stdout

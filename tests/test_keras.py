@@ -437,3 +437,20 @@ def test_a_slow_nvidia_smi_start_still_fills_the_later_epochs(smi, inproc):
     assert last["gpu1_temp_max"] == 88.0  # the data that came later landed in the epochs it arrived in
     assert history.history["gpu1_temp_max"][-1] == 88.0
     assert any("first sample came" in n for n in monitor.notes)
+
+
+def test_process_share_passes_through_to_the_epoch_logs(smi, monkeypatch):
+    # in-process fake: `self` is this process, the run; pid 1 on GPU 1 is someone else
+    monkeypatch.setenv("SMIQUERY_FAKE_PMON_PROCS", "0:self:50:5,1:1:40:5")
+    monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=(), process_share=True)
+
+    class UntilPmon(keras.callbacks.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+            deadline = time.monotonic() + (60 if batch == 0 else 0)  # the epoch spans one pmon sample
+            while len(monitor.monitor.process_shares()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    h = fit(tiny_model(), [monitor, UntilPmon()], epochs=1).history
+    assert h["gpu0_share"] == [1.0] and h["gpu0_other_processes"] == [0.0]
+    assert h["gpu1_share"] == [0.0] and h["gpu1_other_processes"] == [1.0]
+    assert any("another process uses GPU 1" in n for n in monitor.notes)

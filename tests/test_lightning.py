@@ -140,3 +140,29 @@ def test_batch_size_of_common_batch_shapes():
     assert _batch_size({"input": x}) == 16
     assert _batch_size([[x]]) == 16
     assert _batch_size("text") is None
+
+
+def test_process_share_passes_through(inproc: InProcessRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # in-process fake: `self` is this process, the run; pid 1 on GPU 0 is someone else
+    monkeypatch.setenv("SMIQUERY_FAKE_PMON_PROCS", "0:self:60:5,0:1:20:5")
+    monitor = GpuMonitor(interval=INTERVAL, alerts=(), process_share=True)
+
+    class UntilPmon(L.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, *args: Any) -> None:
+            deadline = time.monotonic() + (60 if args[-1] == 0 else 0)  # the epoch spans one pmon sample
+            while 0 not in monitor.monitor.process_shares() and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    t = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        callbacks=[monitor, UntilPmon()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with no_leaks(reap_timeout=5.0):
+        t.fit(Tiny(), loader())
+    e = monitor.epochs[-1]
+    assert e["gpu0_share"] == pytest.approx(0.75) and e["gpu0_other_processes"] == 1.0
