@@ -588,27 +588,6 @@ class Report:
             rows.append(row)
         return head, rows
 
-    def _stats_rows(self) -> list[tuple[str, list[list[str]]]]:
-        blocks: list[tuple[str, list[list[str]]]] = []
-        by_field: dict[str, list[FieldStats]] = {}
-        for s in self.stats:
-            by_field.setdefault(s.field, []).append(s)
-        for name, rows in by_field.items():
-            unit = rows[0].unit
-            fld = _stat_field(name, unit)
-            title = f"{name} [{unit}]" if unit else name
-            blocks.append(
-                (
-                    title,
-                    [
-                        [f"GPU {s.gpu}", _stat(s.mean, fld), _stat(s.p95, fld), _stat(s.max, fld)]
-                        + ([str(s.missing)] if any(r.missing for r in rows) else [])
-                        for s in rows
-                    ],
-                )
-            )
-        return blocks
-
     def _threshold_table(self) -> tuple[list[str], list[list[str]]]:
         rules = list(dict.fromkeys(t.rule for t in self.thresholds))
         head = ["GPU", *rules]
