@@ -1,6 +1,7 @@
 """The ``--query-gpu`` field catalogue: names, aliases, units, value kinds and presets.
 
-Every other module takes field facts from here: the argv, record attributes, DataFrame dtypes and metric names.
+Every other module takes field facts from here: the argv, record attributes and metric names; what a field's
+kind does with its cells (parse, format, display, dtype, metric value) lives in :mod:`smiquery.kinds`.
 The catalogue covers every field listed by ``nvidia-smi --help-query-gpu`` on drivers 465 to 610.
 """
 
