@@ -16,12 +16,12 @@ from typing import ClassVar, Literal
 from smiquery.records import Value
 
 __all__ = [
+    "CONVERT_ERRORS",
     "FIELD_KINDS",
     "MISSING_REASONS",
     "UNITS",
     "FieldKind",
     "Kind",
-    "NotAValue",
     "Unit",
     "missing_reason",
     "missing_token",
@@ -158,13 +158,13 @@ def unit_info(symbol: str) -> Unit:
 # ------------------------------------------------------------------------------------------ cell grammars
 
 
-class NotAValue(Exception):
+class _NotAValue(Exception):
     """Raised by a fast converter for a cell that must go the slow way (status token or odd spacing)."""
 
 
 def _str(v: str) -> str:
     if not v or v[0] == "[" or v == "N/A" or v[0] == " " or v[-1] == " ":
-        raise NotAValue
+        raise _NotAValue
     return v
 
 
@@ -222,7 +222,7 @@ class _Timestamp:
 
 
 #: Exceptions a converter raises for a cell that does not fit its kind.
-CONVERT_ERRORS = (ValueError, KeyError, TypeError, OverflowError, NotAValue)
+CONVERT_ERRORS = (ValueError, KeyError, TypeError, OverflowError, _NotAValue)
 
 Storage = Literal["int", "float", "bool", "timestamp", "string"]
 _DTYPES: dict[str, str] = {
