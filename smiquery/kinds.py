@@ -1,7 +1,8 @@
 """Value kinds and units: how a field's cell is parsed, written, shown, typed and exported, in one place.
 
 Each :class:`Kind` has one :class:`FieldKind` (``kind.ops``) that owns its cell grammar; each unit has one
-:class:`Unit` (:func:`unit_info`) that owns its precision and Prometheus base unit. No pandas, no pyarrow.
+:class:`Unit` (:func:`unit_info`) that owns its precision and Prometheus base unit. Importing it loads neither
+pandas nor pyarrow (:meth:`FieldKind.arrow_cast` imports pyarrow when called).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, tzinfo
 from enum import Enum
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from smiquery.records import Value
 
@@ -225,6 +226,7 @@ class _Timestamp:
 CONVERT_ERRORS = (ValueError, KeyError, TypeError, OverflowError, _NotAValue)
 
 Storage = Literal["int", "float", "bool", "timestamp", "string"]
+MetricStyle = Literal["number", "bool", "bitmask", "info", "none"]
 _DTYPES: dict[str, str] = {
     "int": "Int64",
     "float": "Float64",
@@ -242,11 +244,14 @@ class FieldKind:
         kind: the :class:`Kind`.
         storage: how values are held: ``"int"``, ``"float"``, ``"bool"``, ``"timestamp"`` or ``"string"``.
         words: for two-state kinds, nvidia-smi's words for True and False (``("Enabled", "Disabled")``).
+        metric: how the exporter shows it: ``"number"`` (a gauge in the unit's base unit), ``"bool"`` (1/0),
+            ``"bitmask"`` (the number), ``"info"`` (the text as a label of a gauge of 1) or ``"none"``.
     """
 
     kind: Kind
     storage: Storage
     words: tuple[str, str] | None = None
+    metric: MetricStyle = "number"
 
     @property
     def dtype(self) -> str:
@@ -318,6 +323,47 @@ class FieldKind:
                 raise TypeError(f"{value!r} is not a timestamp")
             return dt
         return str(value)
+
+    def arrow_cast(self, col: Any) -> Any | None:
+        """A column of bare cells (a pyarrow string array; nulls for tokens) cast to this kind's Arrow type.
+
+        The vectorised twin of :meth:`converter`: it returns None, rather than a differently typed column, when
+        some cell would read otherwise cell by cell (then the caller converts the column with :meth:`converter`).
+        Needs pyarrow, imported here only.
+        """
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        kind, storage = self.kind, self.storage
+        try:
+            if kind is Kind.INT:
+                typed = pc.cast(col, pa.int64())
+                # Arrow's cast also reads "0x1F" as hex; Python's int(), and so the parser, rejects it.
+                if not pc.all(pc.ascii_is_decimal(col)).as_py() and (
+                    pc.any(pc.starts_with(col, "0x")).as_py() or pc.any(pc.starts_with(col, "0X")).as_py()
+                ):
+                    return None
+                return typed
+            if storage == "int":
+                # Arrow reads "0x1F" as hex but "10" as decimal; the parser reads hex and bitmask cells as hex.
+                if not pc.all(pc.starts_with(col, "0x")).as_py():
+                    return None
+                return pc.cast(col, pa.int64())
+            if storage == "float":
+                return pc.cast(col, pa.float64())
+            if self.words is not None:
+                yes, no = self.words
+                # equal() leaves missing cells null and all() skips them (is_in() would make them false).
+                if not pc.all(pc.or_(pc.equal(col, yes), pc.equal(col, no))).as_py():
+                    return None
+                return pc.equal(col, yes)
+            if storage == "timestamp":
+                return _arrow_timestamps(col)
+            if kind is Kind.MAJOR_MINOR and not pc.all(pc.match_substring_regex(col, r"^\d+\.\d+$")).as_py():
+                return None
+        except pa.ArrowInvalid:
+            return None
+        return col
 
     # ------------------------------------------------------------------------------------- formatting
 
@@ -405,14 +451,35 @@ FIELD_KINDS: dict[Kind, FieldKind] = {
     for k in (
         FieldKind(Kind.INT, "int"),
         FieldKind(Kind.FLOAT, "float"),
-        FieldKind(Kind.STR, "string"),
-        FieldKind(Kind.ENABLED, "bool", ("Enabled", "Disabled")),
-        FieldKind(Kind.YES_NO, "bool", ("Yes", "No")),
-        FieldKind(Kind.ACTIVE, "bool", ("Active", "Not Active")),
-        FieldKind(Kind.HEX, "int"),
-        FieldKind(Kind.BITMASK, "int"),
-        FieldKind(Kind.TIMESTAMP, "timestamp"),
-        FieldKind(Kind.VERSION, "string"),
-        FieldKind(Kind.MAJOR_MINOR, "string"),
+        FieldKind(Kind.STR, "string", metric="info"),
+        FieldKind(Kind.ENABLED, "bool", ("Enabled", "Disabled"), metric="bool"),
+        FieldKind(Kind.YES_NO, "bool", ("Yes", "No"), metric="bool"),
+        FieldKind(Kind.ACTIVE, "bool", ("Active", "Not Active"), metric="bool"),
+        FieldKind(Kind.HEX, "int", metric="info"),  # ids (pci.device_id): the hex text is what people search for
+        FieldKind(Kind.BITMASK, "int", metric="bitmask"),
+        FieldKind(Kind.TIMESTAMP, "timestamp", metric="none"),  # the scrape has its own time
+        FieldKind(Kind.VERSION, "string", metric="info"),
+        FieldKind(Kind.MAJOR_MINOR, "string", metric="info"),
     )
 }
+
+
+def _arrow_timestamps(col: Any) -> Any | None:
+    """``YYYY/MM/DD HH:MM:SS[.ffffff]`` -> naive timestamp[ns]; None for anything else (ISO 8601...)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    lengths = pc.min_max(pc.binary_length(col)).as_py()
+    if lengths["min"] is None:
+        return pc.cast(col, pa.timestamp("ns"))  # every cell missing
+    if lengths["min"] < 19 or lengths["max"] > 26:
+        return None
+    raw = col.cast(pa.binary())  # a zero-copy view, for byte slicing
+    slash = pa.scalar(b"/", pa.binary())
+    for at in (4, 7):
+        if not pc.all(pc.equal(pc.binary_slice(raw, at, at + 1), slash)).as_py():
+            return None
+    del raw
+    # Arrow's cast reads ISO 8601 (checking every other character); the date separators were checked above.
+    iso = pc.binary_replace_slice(pc.binary_replace_slice(col, 4, 5, "-"), 7, 8, "-")
+    return pc.cast(iso, pa.timestamp("ns"))

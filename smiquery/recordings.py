@@ -68,7 +68,6 @@ CsvSource = Union[str, "os.PathLike[str]", IO[bytes], IO[str]]
 
 # What datetime64[ns] can hold.
 _NS_MIN, _NS_MAX = datetime(1677, 9, 22), datetime(2262, 4, 11)
-_MAJOR_MINOR_RE = r"^\d+\.\d+$"
 # A header line is short; reading this much is enough to find it (and any blank lines before it).
 _HEAD_BYTES = 1 << 20
 _LINE_BREAK_RE = re.compile(r"\r\n|\r|\n")
@@ -1026,56 +1025,7 @@ class _ArrowReader:
 
     def _typed(self, col: Any, fld: Field) -> Any | None:
         """The column cast to its kind's Arrow type, or None when some cell needs the parser's own converter."""
-        pa, pc = self.pa, self.pc
-        kind = fld.kind
-        ops = kind.ops
-        try:
-            if kind is Kind.INT:
-                typed = pc.cast(col, pa.int64())
-                # Arrow's cast also reads "0x1F" as hex; Python's int(), and so the parser, rejects it.
-                if not pc.all(pc.ascii_is_decimal(col)).as_py() and (
-                    pc.any(pc.starts_with(col, "0x")).as_py() or pc.any(pc.starts_with(col, "0X")).as_py()
-                ):
-                    return None
-                return typed
-            if kind in (Kind.HEX, Kind.BITMASK):
-                # Arrow reads "0x1F" as hex but "10" as decimal; the parser reads both as hex.
-                if not pc.all(pc.starts_with(col, "0x")).as_py():
-                    return None
-                return pc.cast(col, pa.int64())
-            if ops.storage == "float":
-                return pc.cast(col, pa.float64())
-            if ops.words is not None:
-                yes, no = ops.words
-                # equal() leaves missing cells null and all() skips them (is_in() would make them false).
-                if not pc.all(pc.or_(pc.equal(col, yes), pc.equal(col, no))).as_py():
-                    return None
-                return pc.equal(col, yes)
-            if ops.storage == "timestamp":
-                return self._timestamps(col)
-            if kind is Kind.MAJOR_MINOR and not pc.all(pc.match_substring_regex(col, _MAJOR_MINOR_RE)).as_py():
-                return None
-        except pa.ArrowInvalid:
-            return None
-        return col
-
-    def _timestamps(self, col: Any) -> Any | None:
-        """``YYYY/MM/DD HH:MM:SS[.ffffff]`` -> naive timestamp[ns]; None for anything else (ISO 8601...)."""
-        pa, pc = self.pa, self.pc
-        lengths = pc.min_max(pc.binary_length(col)).as_py()
-        if lengths["min"] is None:
-            return pc.cast(col, pa.timestamp("ns"))  # every cell missing
-        if lengths["min"] < 19 or lengths["max"] > 26:
-            return None
-        raw = col.cast(pa.binary())  # a zero-copy view, for byte slicing
-        slash = pa.scalar(b"/", pa.binary())
-        for at in (4, 7):
-            if not pc.all(pc.equal(pc.binary_slice(raw, at, at + 1), slash)).as_py():
-                return None
-        del raw
-        # Arrow's cast reads ISO 8601 (checking every other character); the date separators were checked above.
-        iso = pc.binary_replace_slice(pc.binary_replace_slice(col, 4, 5, "-"), 7, 8, "-")
-        return pc.cast(iso, pa.timestamp("ns"))
+        return fld.kind.ops.arrow_cast(col)
 
     def _python_chunk(self, col: Any, fld: Field) -> Any:
         """Convert a column cell by cell with the parser's own converter (rare: odd values, or a bad one)."""

@@ -182,7 +182,6 @@ _NATIVE_RENAMES = {
     },
 }
 _BOOL_SUFFIX = {Kind.ENABLED: "_enabled", Kind.ACTIVE: "_active", Kind.YES_NO: ""}
-_INFO_KINDS = frozenset({Kind.STR, Kind.VERSION, Kind.MAJOR_MINOR, Kind.HEX})
 
 
 def _snake(text: str) -> str:
@@ -193,15 +192,16 @@ def _native_spec(fld: Field) -> list[MetricSpec]:
     base = "smiquery_" + _NATIVE_RENAMES.get(fld.name, _snake(fld.name))
     source = f"(nvidia-smi {fld.name})"
     help_text = fld.help.rstrip(".") or fld.name
-    if fld.kind.is_bool:
-        assert fld.kind.ops.words is not None
-        yes, no = fld.kind.ops.words
+    ops = fld.kind.ops
+    if ops.metric == "bool":
+        assert ops.words is not None
+        yes, no = ops.words
         name = base + _BOOL_SUFFIX[fld.kind]
         return [MetricSpec(fld.name, name, name, "gauge", f"{help_text}: 1 = {yes}, 0 = {no} {source}.", style="bool")]
-    if fld.kind is Kind.BITMASK:
+    if ops.metric == "bitmask":
         name = base + "_bitmask"
         return [MetricSpec(fld.name, name, name, "gauge", f"{help_text}, as the numeric bitmask {source}.")]
-    if fld.kind in _INFO_KINDS or not fld.kind.is_numeric:
+    if ops.metric != "number":
         name = base + "_info"
         specs = [
             MetricSpec(
@@ -427,7 +427,7 @@ NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = (
 
 
 def _nvsmi_spec(fld: Field) -> list[MetricSpec]:
-    if fld.name in _NVSMI_NOT_METRICS or fld.kind is Kind.TIMESTAMP:
+    if fld.name in _NVSMI_NOT_METRICS or fld.kind.ops.metric == "none":
         return []
     # nvidia-smi's CSV header gives averageLatency no unit, so nvidia_gpu_exporter adds no suffix nor conversion
     unit = "" if fld.name == "encoder.stats.averageLatency" else fld.unit
@@ -464,7 +464,7 @@ def metric_specs(
     if naming == "nvidia_smi":
         return [spec for fld in flds for spec in _nvsmi_spec(fld)]
     for fld in flds:
-        if fld.name in _NOT_EXPORTED or fld.kind is Kind.TIMESTAMP:
+        if fld.name in _NOT_EXPORTED or fld.kind.ops.metric == "none":
             continue
         if naming == "dcgm" and fld.name in _DCGM_EXTRA_IDENTITY:
             continue  # a label in DCGM naming
