@@ -175,3 +175,14 @@ def test_importing_fields_imports_neither_pandas_nor_pyarrow() -> None:
     code = "import sys, smiquery.fields, smiquery.kinds; print(sorted({'pandas', 'pyarrow'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_table_rounds_watts_while_csv_keeps_every_digit() -> None:
+    from smiquery.display import render
+
+    fields = [get_field("index"), get_field("power.draw"), get_field("memory.used")]
+    samples = parse_lines(["index, power.draw [W], memory.used [MiB]", "0, 69.853, 70743", "1, [N/A], 214"])
+    rows = [line.split() for line in render(samples, "table", fields=fields).splitlines()[1:]]
+    assert rows == [["0", "69.85", "70743"], ["1", "n/a", "214"]]
+    csv = render(samples, "csv", fields=fields)
+    assert "69.853 W" in csv and "[N/A]" in csv
