@@ -58,6 +58,14 @@ class Kind(str, Enum):
         return FIELD_KINDS[self].storage == "bool"
 
     @property
+    def is_quantity(self) -> bool:
+        """True for integers and decimals: measurements and counts, which statistics and plots apply to.
+
+        Hex ids and bitmasks are numbers too (:attr:`is_numeric`) but no quantities.
+        """
+        return self is Kind.INT or self is Kind.FLOAT
+
+    @property
     def ops(self) -> FieldKind:
         """The object that parses, formats, displays, types and exports this kind's values."""
         return FIELD_KINDS[self]

@@ -746,7 +746,7 @@ class _ArrowReader:
         """The numeric columns whose cells in the first rows are plain numbers or ``[N/A]``."""
         layout = self.layout
         convert: dict[int, Callable[[str], object]] = {
-            i: f.kind.ops.converter() for i, f in enumerate(layout.fields) if f.kind in (Kind.INT, Kind.FLOAT)
+            i: f.kind.ops.converter() for i, f in enumerate(layout.fields) if f.kind.is_quantity
         }
         if not convert:
             return set()

@@ -135,7 +135,7 @@ def _numeric_fields(df: pd.DataFrame) -> list[Field]:
     out = []
     for col in df.columns:
         fld = _field_of(str(col), df)
-        if fld is None or fld.attr in _SKIP_STATS or fld.kind not in (Kind.INT, Kind.FLOAT):
+        if fld is None or fld.attr in _SKIP_STATS or not fld.kind.is_quantity:
             continue
         out.append(fld)
     return out
@@ -1136,7 +1136,7 @@ def analyze(
             if not len(firsts):
                 continue
             col = rule.field.attr
-            values = g.floats(col) if rule.field.kind in (Kind.INT, Kind.FLOAT) else None
+            values = g.floats(col) if rule.field.kind.is_quantity else None
             pick_max = rule.op in (">", ">=")
             seconds = _run_seconds(g, firsts, lasts)
             report.thresholds.append(

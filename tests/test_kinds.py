@@ -51,6 +51,12 @@ def test_every_kind_has_one_field_kind_and_the_old_homes_give_the_same_enum() ->
     assert Kind("integer") is Kind.INT
 
 
+def test_quantities_are_integers_and_decimals_not_ids_or_masks() -> None:
+    assert {k for k in Kind if k.is_quantity} == {Kind.INT, Kind.FLOAT}
+    assert {k for k in Kind if k.is_numeric} == {Kind.INT, Kind.FLOAT, Kind.HEX, Kind.BITMASK}
+    assert {k for k in Kind if k.is_bool} == {Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE}
+
+
 def test_every_catalogue_kind_is_sampled() -> None:
     assert {f.kind for f in CATALOGUE} <= set(SAMPLES)
 
