@@ -104,7 +104,7 @@ def _parse_threshold(text: str, fld: Field, op: str, expr: str) -> Value:
         if op not in ("==", "!="):
             raise InvalidRuleError(expr, f"{fld.name} is {kind.value}; use == or !=")
         return value
-    if kind in (Kind.INT, Kind.FLOAT, Kind.HEX, Kind.BITMASK):
+    if kind.is_numeric:
         try:
             if kind in (Kind.HEX, Kind.BITMASK) and word.lower().startswith("0x"):
                 return int(word, 16)

@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 from smiquery.fields import Field, Kind, get_field
-from smiquery.parsing import format_row, format_value, header_line
+from smiquery.parsing import format_row, header_line
 from smiquery.recordings import (
     CsvWriter,
     JsonlWriter,
@@ -88,12 +88,11 @@ def use_color(stream: IO[str]) -> bool:
 
 
 def display_value(fld: Field, value: Value, reason: str | None = None) -> str:
-    """A value as a table shows it: nvidia-smi's spelling without units; missing as ``n/a`` (or its reason)."""
-    if value is None:
-        return MISSING_MARKS.get(reason or "not_available", "n/a")
-    if fld.kind is Kind.TIMESTAMP and isinstance(value, datetime):
-        return value.strftime("%Y-%m-%d %H:%M:%S.") + f"{value.microsecond // 1000:03d}"
-    return format_value(fld, value)
+    """A value as a table shows it: nvidia-smi's spelling without units; missing as ``n/a`` (or its reason).
+
+    Decimals are rounded to the unit's precision (watts: two, as nvidia-smi prints them).
+    """
+    return fld.display(value, missing=MISSING_MARKS.get(reason or "not_available", "n/a"))
 
 
 def _right_aligned(fld: Field) -> bool:

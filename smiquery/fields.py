@@ -1,6 +1,7 @@
 """The ``--query-gpu`` field catalogue: names, aliases, units, value kinds and presets.
 
-Every other module takes field facts from here: the argv, record attributes, DataFrame dtypes and metric names.
+Every other module takes field facts from here: the argv, record attributes and metric names; what a field's
+kind does with its cells (parse, format, display, dtype, metric value) lives in :mod:`smiquery.kinds`.
 The catalogue covers every field listed by ``nvidia-smi --help-query-gpu`` on drivers 465 to 610.
 """
 
@@ -10,9 +11,14 @@ import difflib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from datetime import tzinfo
+from typing import TYPE_CHECKING
 
 from smiquery.errors import InvalidFieldError
+from smiquery.kinds import Kind
+
+if TYPE_CHECKING:
+    from smiquery.records import Value
 
 __all__ = [
     "CATALOGUE",
@@ -25,35 +31,6 @@ __all__ = [
     "resolve_fields",
 ]
 
-
-class Kind(str, Enum):
-    """What a field's cells hold, and so what Python type its values parse to."""
-
-    INT = "integer"
-    FLOAT = "float"
-    STR = "string"
-    ENABLED = "enabled/disabled"
-    YES_NO = "yes/no"
-    ACTIVE = "active/not-active"
-    HEX = "hex"
-    BITMASK = "bitmask"
-    TIMESTAMP = "timestamp"
-    VERSION = "version"
-    MAJOR_MINOR = "major.minor"
-
-    @property
-    def is_numeric(self) -> bool:
-        """True for kinds whose values are numbers (int or float)."""
-        return self in _NUMERIC
-
-    @property
-    def is_bool(self) -> bool:
-        """True for two-state kinds parsed to ``bool``."""
-        return self in _BOOLS
-
-
-_NUMERIC = frozenset({Kind.INT, Kind.FLOAT, Kind.HEX, Kind.BITMASK})
-_BOOLS = frozenset({Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE})
 
 INT, FLOAT, STR = Kind.INT, Kind.FLOAT, Kind.STR
 ENABLED, YES_NO, ACTIVE = Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE
@@ -99,6 +76,22 @@ class Field:
     def header(self) -> str:
         """The column title nvidia-smi prints for this field."""
         return f"{self.name} [{self.header_unit}]" if self.header_unit else self.name
+
+    def parse(self, cell: str, *, tz: tzinfo | None = None) -> Value:
+        """One CSV cell of this field -> its value (None for a status token; a header unit suffix is stripped).
+
+        Raises:
+            ValueError: the cell is no value of this field's kind.
+        """
+        return self.kind.ops.parse(cell, self.header_unit or "", tz=tz)
+
+    def format(self, value: Value, reason: str | None = None, *, units: bool = False) -> str:
+        """The CSV cell nvidia-smi prints for ``value`` (its status token when None; the unit with ``units``)."""
+        return self.kind.ops.format(value, self.unit, reason=reason, suffix=(self.header_unit or "") if units else "")
+
+    def display(self, value: Value, *, missing: str = "n/a", with_unit: bool = False) -> str:
+        """``value`` as a table shows it, rounded to the unit's precision (``missing`` when None)."""
+        return self.kind.ops.display(value, self.unit, missing=missing, with_unit=with_unit)
 
 
 # Renamed families whose old spelling every driver accepts (NVIDIA-SMI.md 1.2): the 535 branch renamed

@@ -23,9 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MissingReasons", "missing_reasons", "read_csv", "to_dataframe"]
 
-_INT_KINDS = frozenset({Kind.INT, Kind.HEX, Kind.BITMASK})
-
-
 # --------------------------------------------------------------------------------------------------------------
 # helpers (recordings.py's CSV reader builds its frames with them too)
 
@@ -221,23 +218,21 @@ def _python_array(fld: Field, values: Sequence[Value], tz: tzinfo | None = None)
     """A nullable pandas array for one column of Python values (None for missing)."""
     import pandas as pd
 
-    kind = fld.kind
+    storage = fld.kind.ops.storage
     data: Any = values
-    if kind in _INT_KINDS:
+    if storage == "int":
         return _int_array(data)
-    if kind is Kind.FLOAT:
-        return pd.array(data, dtype="Float64")
-    if kind.is_bool:
-        return pd.array(data, dtype="boolean")
-    if kind is Kind.TIMESTAMP:
+    if storage == "timestamp":
         return _timestamp_array(values, tz)
-    return pd.array(data, dtype=_string_dtype())
+    if storage == "string":
+        return pd.array(data, dtype=_string_dtype())
+    return pd.array(data, dtype=fld.kind.ops.dtype)
 
 
 def _empty_array(fld: Field, tz: tzinfo | None) -> Any:
     import pandas as pd
 
-    if fld.kind is Kind.TIMESTAMP:
+    if fld.kind.ops.storage == "timestamp":
         if tz is None:
             return pd.DatetimeIndex([], dtype="datetime64[ns]").array
         return pd.DatetimeIndex([], dtype=pd.DatetimeTZDtype("ns", tz)).array

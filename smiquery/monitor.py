@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, cast
 
 from smiquery.alerts import BUILTIN_RULES, AlertEvent, Rule
-from smiquery.fields import Field, Kind, resolve_fields
+from smiquery.fields import Field, resolve_fields
 from smiquery.notify import AlertHandler, LogHandler, Notifier
 
 if TYPE_CHECKING:
@@ -323,7 +323,7 @@ def summary_spec(extra: Iterable[Field]) -> list[tuple[str, str, str]]:
     for fld in extra:
         if fld.name in SUMMARY_FIELDS or fld.name in ("index", "uuid", "timestamp"):
             continue
-        if fld.kind in (Kind.INT, Kind.FLOAT):
+        if fld.kind.is_quantity:
             spec += [(fld.name, f"{fld.attr}_mean", "mean"), (fld.name, f"{fld.attr}_max", "max")]
         elif fld.kind.is_bool:
             spec.append((fld.name, f"{fld.attr}_frac", "mean"))

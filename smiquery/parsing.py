@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from datetime import datetime, timedelta, tzinfo
-from typing import ClassVar
+from datetime import tzinfo
 
 from smiquery.errors import InvalidFieldError, ParseError
 from smiquery.fields import Field, Kind, get_field
+from smiquery.kinds import CONVERT_ERRORS, MISSING_REASONS, missing_reason, strip_unit
 from smiquery.records import GpuSample, Schema, Value
 
 __all__ = [
@@ -25,27 +25,6 @@ __all__ = [
     "parse_lines",
 ]
 
-#: Status tokens nvidia-smi prints instead of a value, and the reason smiquery records for each.
-MISSING_REASONS: dict[str, str] = {
-    "[N/A]": "not_available",
-    "N/A": "not_available",
-    "[Not Supported]": "not_supported",
-    "[Unknown Error]": "unknown_error",
-    "[Insufficient Permissions]": "insufficient_permissions",
-    "[Requested functionality has been deprecated]": "deprecated",
-    "[Function Not Found]": "function_not_found",
-    "[GPU is lost]": "gpu_lost",
-    "[GPU requires reset]": "gpu_requires_reset",
-    "": "empty",
-}
-_TOKEN_FOR_REASON = {v: k for k, v in reversed(MISSING_REASONS.items())}
-
-_BOOL_WORDS: dict[Kind, tuple[str, str]] = {
-    Kind.ENABLED: ("Enabled", "Disabled"),
-    Kind.YES_NO: ("Yes", "No"),
-    Kind.ACTIVE: ("Active", "Not Active"),
-}
-_MAJOR_MINOR_RE = re.compile(r"\d+\.\d+")
 _HEADER_UNIT_RE = re.compile(r"^(.*?) \[([^\]]*)\]$")
 # Records of the fast path skip GpuSample.__init__ (the row's length is already checked): allocate, fill the slot.
 _alloc = object.__new__
@@ -79,97 +58,8 @@ def is_message(line: str) -> bool:
     return line.lstrip().startswith(MESSAGE_PREFIXES)
 
 
-def missing_reason(cell: str) -> str | None:
-    """The missing-value reason for a status-token cell, or None when the cell holds a value.
-
-    Known tokens map to short reasons (``"[N/A]"`` -> ``"not_available"``); any other ``[...]`` token is kept
-    verbatim as its own reason.
-    """
-    cell = cell.strip()
-    reason = MISSING_REASONS.get(cell)
-    if reason is not None:
-        return reason
-    if len(cell) >= 2 and cell[0] == "[" and cell[-1] == "]":
-        return cell
-    return None
-
-
-class _NotAValue(Exception):
-    """Raised by a string converter for a cell that must go the slow way (token or odd spacing)."""
-
-
-def _str(v: str) -> str:
-    if not v or v[0] == "[" or v == "N/A" or v[0] == " " or v[-1] == " ":
-        raise _NotAValue
-    return v
-
-
-def _hex(v: str) -> int:
-    return int(v, 16)
-
-
-def _major_minor(v: str) -> str:
-    if not _MAJOR_MINOR_RE.fullmatch(v):
-        raise ValueError("not major.minor")
-    return v
-
-
-class _Timestamp:
-    """Parses ``YYYY/MM/DD HH:MM:SS.mmm`` local time; caches the whole-second part, since rows share it."""
-
-    __slots__ = ("base", "prefix", "tz")
-
-    # nvidia-smi prints milliseconds; adding a ready-made timedelta is ten times cheaper than replace().
-    _MILLIS: ClassVar[dict[str, timedelta]] = {f"{i:03d}": timedelta(milliseconds=i) for i in range(1000)}
-
-    def __init__(self, tz: tzinfo | None) -> None:
-        self.tz = tz
-        self.prefix = ""
-        self.base: datetime | None = None
-
-    def __call__(self, v: str) -> datetime:
-        prefix = v[:19]
-        if prefix != self.prefix or self.base is None:
-            if len(v) < 19 or v[4] != "/" or v[7] != "/" or v[10] != " " or v[13] != ":" or v[16] != ":":
-                return self._other(v)
-            naive = datetime(int(v[0:4]), int(v[5:7]), int(v[8:10]), int(v[11:13]), int(v[14:16]), int(v[17:19]))
-            # nvidia-smi prints the host's local time with no zone.
-            self.base = naive.replace(tzinfo=self.tz) if self.tz is not None else naive.astimezone()
-            self.prefix = prefix
-        ms = self._MILLIS.get(v[20:]) if len(v) == 23 and v[19] == "." else None
-        if ms is not None:
-            return self.base + ms
-        if len(v) == 19:
-            return self.base
-        frac = v[20:]
-        if v[19] != "." or not frac.isdigit() or len(frac) > 6:
-            raise ValueError("bad fraction of a second")
-        return self.base.replace(microsecond=int(frac) * 10 ** (6 - len(frac)))
-
-    def _other(self, v: str) -> datetime:
-        # Recordings written by other tools may use ISO 8601.
-        dt = datetime.fromisoformat(v)
-        if dt.tzinfo is None:
-            dt = dt.replace(tzinfo=self.tz) if self.tz is not None else dt.astimezone()
-        return dt
-
-
 def _converter(fld: Field, tz: tzinfo | None) -> Callable[[str], Value]:
-    kind = fld.kind
-    if kind is Kind.INT:
-        return int
-    if kind is Kind.FLOAT:
-        return float
-    if kind in (Kind.HEX, Kind.BITMASK):
-        return _hex
-    if kind.is_bool:
-        yes, no = _BOOL_WORDS[kind]
-        return {yes: True, no: False}.__getitem__
-    if kind is Kind.TIMESTAMP:
-        return _Timestamp(tz)
-    if kind is Kind.MAJOR_MINOR:
-        return _major_minor
-    return _str
+    return fld.kind.ops.converter(tz)
 
 
 def _split_header_cell(cell: str) -> tuple[str, str]:
@@ -295,7 +185,7 @@ class CsvParser:
                 cells = alt
         try:
             values = self._row(cells)
-        except (ValueError, KeyError, TypeError, OverflowError, _NotAValue):
+        except CONVERT_ERRORS:
             return self._slow_row(line, cells)
         self._seen_row = True
         sample = _alloc(GpuSample)
@@ -324,12 +214,9 @@ class CsvParser:
                 missing[fld.name] = reason
                 lost = lost or reason == "gpu_lost"
                 continue
-            text = cell.strip()
-            if unit and text.endswith(" " + unit):
-                text = text[: -len(unit) - 1]
             try:
-                values.append(conv(text))
-            except (ValueError, KeyError, TypeError, OverflowError, _NotAValue):
+                values.append(conv(strip_unit(cell, unit)))
+            except CONVERT_ERRORS:
                 return self._reject(f"{cell!r} is not a valid {fld.kind.value}", line, fld.name)
         self._seen_row = True
         assert self.schema is not None
@@ -387,28 +274,7 @@ def format_value(fld: Field, value: Value, reason: str | None = None, *, units: 
         reason: the missing reason, used when ``value`` is None (default ``not_available``).
         units: append the header unit as nvidia-smi does without ``nounits``.
     """
-    if value is None:
-        r = reason or "not_available"
-        return _TOKEN_FOR_REASON.get(r, r if r.startswith("[") else "[N/A]")
-    kind = fld.kind
-    if kind.is_bool:
-        yes, no = _BOOL_WORDS[kind]
-        text = yes if value else no
-    elif kind is Kind.BITMASK:
-        text = f"0x{value:016X}"
-    elif kind is Kind.HEX:
-        text = f"0x{value:X}"
-    elif kind is Kind.TIMESTAMP:
-        assert isinstance(value, datetime)
-        text = value.strftime("%Y/%m/%d %H:%M:%S.") + f"{value.microsecond // 1000:03d}"
-    elif kind is Kind.FLOAT:
-        assert isinstance(value, (int, float))
-        text = f"{value:.2f}" if fld.unit == "W" and round(float(value), 2) == value else repr(float(value))
-    else:
-        text = str(value)
-    if units and fld.header_unit:
-        text = f"{text} {fld.header_unit}"
-    return text
+    return fld.format(value, reason, units=units)
 
 
 def format_row(sample: GpuSample, fields: Sequence[Field] | None = None, *, units: bool = False) -> str:

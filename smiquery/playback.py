@@ -19,7 +19,7 @@ from typing import IO, Any
 from smiquery.errors import InvalidFieldError, ParseError, ReplayError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
 from smiquery.oneshot import GpusArg, normalize_gpus
-from smiquery.parsing import CsvParser, _converter, format_value
+from smiquery.parsing import CsvParser
 from smiquery.recordings import RecordingFormat, detect_format, resolve_zone
 from smiquery.records import GpuSample, Schema, Value
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
@@ -65,34 +65,20 @@ def _typed(fld: Field, value: Any, tz: tzinfo | None = None) -> Value:
     """
     if value is None:
         return None
-    kind = fld.kind
-    if isinstance(value, str):
-        if kind is Kind.TIMESTAMP:
-            stamp = _converter(fld, _RECORDED_WITHOUT_ZONE)(value.strip())
+    ops = fld.kind.ops
+    if ops.storage == "timestamp":
+        if isinstance(value, str):
+            stamp = ops.converter(_RECORDED_WITHOUT_ZONE)(value.strip())
             assert isinstance(stamp, datetime)
             return _in_zone(stamp, tz)
-        return value if kind is Kind.STR else _converter(fld, None)(value.strip())
-    if kind is Kind.TIMESTAMP:
-        to_py = getattr(value, "to_pydatetime", None)
-        dt = to_py() if to_py is not None else value
-        if not isinstance(dt, datetime):
-            raise TypeError(f"{value!r} is not a timestamp")
+        dt = ops.from_python(value)
+        assert isinstance(dt, datetime)
         return _in_zone(dt, tz)
-    if kind is Kind.INT:
-        if isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"{value!r} is not an integer")
-        return int(value)
-    if kind in (Kind.HEX, Kind.BITMASK):
-        return int(value)
-    if kind is Kind.FLOAT:
-        return float(value)
-    if kind.is_bool:
-        return bool(value)
-    return str(value)
+    return ops.from_python(value)
 
 
 def _build(schema: Schema, fields: Sequence[Field], values: list[Value], missing: dict[str, str]) -> GpuSample:
-    raw = tuple(format_value(f, v, missing.get(f.name)) for f, v in zip(fields, values, strict=True))
+    raw = tuple(f.format(v, missing.get(f.name)) for f, v in zip(fields, values, strict=True))
     lost = any(r == "gpu_lost" for r in missing.values())
     return GpuSample(schema, tuple(values), raw, missing or None, lost)
 
@@ -562,7 +548,7 @@ def _with_timestamp(sample: GpuSample, ts: datetime, *, keep_raw: bool = False) 
     values[pos] = ts
     raw = tuple(sample.raw.values())
     if not keep_raw:
-        raw = (*raw[:pos], format_value(get_field("timestamp"), ts), *raw[pos + 1 :])
+        raw = (*raw[:pos], get_field("timestamp").format(ts), *raw[pos + 1 :])
     return GpuSample(schema, tuple(values), raw, dict(sample.missing) or None, sample.gpu_lost)
 
 

@@ -23,7 +23,6 @@ from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, Union
 from smiquery.errors import InvalidTimeZoneError, ParseError, RecordingError
 from smiquery.fields import Field, Kind, resolve_fields
 from smiquery.frames import (
-    _INT_KINDS,
     MissingReasons,
     _empty_array,
     _frame,
@@ -34,16 +33,10 @@ from smiquery.frames import (
     to_dataframe,
 )
 
-# The parser's own value converters and word lists, so that both paths read a cell the same way.
-from smiquery.parsing import (
-    _BOOL_WORDS,
-    MESSAGE_PREFIXES,
-    CsvParser,
-    _converter,
-    format_row,
-    header_line,
-    missing_reason,
-)
+# Cells are read by their kind's own converters and words (smiquery.kinds), so that both paths read a cell the
+# same way.
+from smiquery.kinds import missing_reason
+from smiquery.parsing import MESSAGE_PREFIXES, CsvParser, format_row, header_line
 from smiquery.records import GpuSample, Value
 
 if TYPE_CHECKING:
@@ -75,7 +68,6 @@ CsvSource = Union[str, "os.PathLike[str]", IO[bytes], IO[str]]
 
 # What datetime64[ns] can hold.
 _NS_MIN, _NS_MAX = datetime(1677, 9, 22), datetime(2262, 4, 11)
-_MAJOR_MINOR_RE = r"^\d+\.\d+$"
 # A header line is short; reading this much is enough to find it (and any blank lines before it).
 _HEAD_BYTES = 1 << 20
 _LINE_BREAK_RE = re.compile(r"\r\n|\r|\n")
@@ -754,9 +746,7 @@ class _ArrowReader:
         """The numeric columns whose cells in the first rows are plain numbers or ``[N/A]``."""
         layout = self.layout
         convert: dict[int, Callable[[str], object]] = {
-            i: int if f.kind is Kind.INT else float
-            for i, f in enumerate(layout.fields)
-            if f.kind in (Kind.INT, Kind.FLOAT)
+            i: f.kind.ops.converter() for i, f in enumerate(layout.fields) if f.kind.is_quantity
         }
         if not convert:
             return set()
@@ -796,7 +786,7 @@ class _ArrowReader:
         layout = self.layout
         names = [f"c{i}" for i in range(len(layout.fields))]
         types = {
-            name: (pa.int64() if fld.kind is Kind.INT else pa.float64()) if i in typed else pa.string()
+            name: (pa.int64() if fld.kind.ops.storage == "int" else pa.float64()) if i in typed else pa.string()
             for i, (name, fld) in enumerate(zip(names, layout.fields, strict=True))
         }
         self.notices.clear()
@@ -1035,60 +1025,12 @@ class _ArrowReader:
 
     def _typed(self, col: Any, fld: Field) -> Any | None:
         """The column cast to its kind's Arrow type, or None when some cell needs the parser's own converter."""
-        pa, pc = self.pa, self.pc
-        kind = fld.kind
-        try:
-            if kind is Kind.INT:
-                typed = pc.cast(col, pa.int64())
-                # Arrow's cast also reads "0x1F" as hex; Python's int(), and so the parser, rejects it.
-                if not pc.all(pc.ascii_is_decimal(col)).as_py() and (
-                    pc.any(pc.starts_with(col, "0x")).as_py() or pc.any(pc.starts_with(col, "0X")).as_py()
-                ):
-                    return None
-                return typed
-            if kind in (Kind.HEX, Kind.BITMASK):
-                # Arrow reads "0x1F" as hex but "10" as decimal; the parser reads both as hex.
-                if not pc.all(pc.starts_with(col, "0x")).as_py():
-                    return None
-                return pc.cast(col, pa.int64())
-            if kind is Kind.FLOAT:
-                return pc.cast(col, pa.float64())
-            if kind.is_bool:
-                yes, no = _BOOL_WORDS[kind]
-                # equal() leaves missing cells null and all() skips them (is_in() would make them false).
-                if not pc.all(pc.or_(pc.equal(col, yes), pc.equal(col, no))).as_py():
-                    return None
-                return pc.equal(col, yes)
-            if kind is Kind.TIMESTAMP:
-                return self._timestamps(col)
-            if kind is Kind.MAJOR_MINOR and not pc.all(pc.match_substring_regex(col, _MAJOR_MINOR_RE)).as_py():
-                return None
-        except pa.ArrowInvalid:
-            return None
-        return col
-
-    def _timestamps(self, col: Any) -> Any | None:
-        """``YYYY/MM/DD HH:MM:SS[.ffffff]`` -> naive timestamp[ns]; None for anything else (ISO 8601...)."""
-        pa, pc = self.pa, self.pc
-        lengths = pc.min_max(pc.binary_length(col)).as_py()
-        if lengths["min"] is None:
-            return pc.cast(col, pa.timestamp("ns"))  # every cell missing
-        if lengths["min"] < 19 or lengths["max"] > 26:
-            return None
-        raw = col.cast(pa.binary())  # a zero-copy view, for byte slicing
-        slash = pa.scalar(b"/", pa.binary())
-        for at in (4, 7):
-            if not pc.all(pc.equal(pc.binary_slice(raw, at, at + 1), slash)).as_py():
-                return None
-        del raw
-        # Arrow's cast reads ISO 8601 (checking every other character); the date separators were checked above.
-        iso = pc.binary_replace_slice(pc.binary_replace_slice(col, 4, 5, "-"), 7, 8, "-")
-        return pc.cast(iso, pa.timestamp("ns"))
+        return fld.kind.ops.arrow_cast(col)
 
     def _python_chunk(self, col: Any, fld: Field) -> Any:
         """Convert a column cell by cell with the parser's own converter (rare: odd values, or a bad one)."""
         pa = self.pa
-        convert: Callable[[str], Value] = _converter(fld, self.tz)
+        convert: Callable[[str], Value] = fld.kind.ops.converter(self.tz)
         values: list[Value] = []
         for row, cell in enumerate(col.to_pylist()):
             if cell is None:
@@ -1098,13 +1040,13 @@ class _ArrowReader:
                 values.append(convert(cell))
             except Exception as exc:  # any converter failure means the cell does not fit the field
                 raise _BadCell(row, cell, fld) from exc
-        kind = fld.kind
-        if kind in _INT_KINDS:
+        storage = fld.kind.ops.storage
+        if storage == "int":
             try:
                 return pa.array(values, pa.int64())
             except (OverflowError, pa.ArrowInvalid):
                 return pa.array(values, pa.uint64())  # a bitmask with the top bit set
-        if kind is Kind.TIMESTAMP:
+        if storage == "timestamp":
             # wall-clock time in the reader's zone, like the fast path (localised with the rest in _concat)
             naive: list[datetime | None] = []
             for row, v in enumerate(values):
@@ -1113,7 +1055,7 @@ class _ArrowReader:
                     raise _BadCell(row, col[row].as_py(), fld)
                 naive.append(wall)
             return pa.array(naive, pa.timestamp("us")).cast(pa.timestamp("ns"))
-        arrow_type = pa.float64() if kind is Kind.FLOAT else pa.bool_() if kind.is_bool else pa.string()
+        arrow_type = {"float": pa.float64(), "bool": pa.bool_()}.get(storage, pa.string())
         return pa.array(values, arrow_type)
 
     def _part(self, typed: Any, fld: Field) -> Any:
@@ -1121,28 +1063,23 @@ class _ArrowReader:
         import pandas as pd
 
         pa = self.pa
-        kind = fld.kind
-        dtype: Any
-        if kind is Kind.TIMESTAMP:
+        ops = fld.kind.ops
+        if ops.storage == "timestamp":
             return typed.to_numpy(zero_copy_only=False)  # naive datetime64[ns], NaT where missing
-        if kind in _INT_KINDS:
-            dtype = pd.UInt64Dtype() if typed.type == pa.uint64() else pd.Int64Dtype()
-        elif kind is Kind.FLOAT:
-            dtype = pd.Float64Dtype()
-        elif kind.is_bool:
-            dtype = pd.BooleanDtype()
-        else:
+        if ops.storage == "string":
             return typed
+        # the kind's own nullable dtype; UInt64 for a bitmask block with the top bit set
+        dtype: Any = pd.UInt64Dtype() if typed.type == pa.uint64() else pd.api.types.pandas_dtype(ops.dtype)
         return dtype.__from_arrow__(typed)
 
     def _concat(self, parts: list[Any], fld: Field) -> Any:
         import numpy as np
         import pandas as pd
 
-        kind = fld.kind
+        storage = fld.kind.ops.storage
         if not parts:
             return _empty_array(fld, self.out_tz)
-        if kind is Kind.TIMESTAMP:
+        if storage == "timestamp":
             naive = pd.DatetimeIndex(np.concatenate(parts) if len(parts) > 1 else parts[0])
             del parts
             # An ambiguous wall time (the hour repeated when DST ends) is taken as the first of the two, as
@@ -1153,7 +1090,7 @@ class _ArrowReader:
                 self.out_tz, ambiguous=np.ones(len(naive), dtype=bool), nonexistent="shift_forward"
             )
             return aware.as_unit("ns").array
-        if kind.is_numeric or kind.is_bool:
+        if storage != "string":
             if len({p.dtype for p in parts}) > 1:  # Int64 blocks and a UInt64 one (a bitmask with the top bit set)
                 return _int_array([v for p in parts for v in p.tolist()])
             return parts[0] if len(parts) == 1 else type(parts[0])._concat_same_type(parts)

@@ -7,9 +7,11 @@ Markdown. pandas and numpy are imported inside the functions, so ``import smique
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
@@ -133,7 +135,7 @@ def _numeric_fields(df: pd.DataFrame) -> list[Field]:
     out = []
     for col in df.columns:
         fld = _field_of(str(col), df)
-        if fld is None or fld.attr in _SKIP_STATS or fld.kind not in (Kind.INT, Kind.FLOAT):
+        if fld is None or fld.attr in _SKIP_STATS or not fld.kind.is_quantity:
             continue
         out.append(fld)
     return out
@@ -185,7 +187,19 @@ def _num(x: float | None, digits: int = 1) -> str:
 
 def _stat(x: float | None, fld: Field) -> str:
     """A statistic rounded to what the field's unit resolves: whole numbers for counts, MiB, %, C and MHz."""
-    return _num(x, 0 if fld.kind is Kind.INT else 1)
+    return _num(x, fld.kind.ops.summary_digits(fld.unit))
+
+
+def _stat_field(name: str, unit: str) -> Field:
+    """The catalogue's field for a statistic's column, else a decimal one in ``unit``."""
+    return _BY_ATTR.get(name.replace(".", "_")) or Field(name, Kind.FLOAT, unit=unit)
+
+
+def _peak_text(peak: float | None, rule: str) -> str:
+    """An alert's peak, rounded to the unit of the field its rule watches (the rule's first word)."""
+    m = re.match(r"[A-Za-z_][\w.]*", rule.strip())
+    fld = _BY_ATTR.get(m.group(0).replace(".", "_")) if m else None
+    return _num(peak) if fld is None else _stat(peak, fld)
 
 
 def _gpu_list(gpus: Sequence[int]) -> str:
@@ -204,7 +218,7 @@ def _unit(fld: Field) -> str:
 
 def _value_text(value: float | None, fld: Field) -> str:
     u = _unit(fld)
-    text = _num(value)
+    text = _stat(value, fld)
     if not u or text == "n/a":
         return text
     return f"{text}{u}" if u == "%" else f"{text} {u}"
@@ -557,7 +571,7 @@ class Report:
         head = ["field", "mean", "p95", "max", "highest mean", "lowest mean"] + (["missing"] if any_missing else [])
         rows = []
         for o in self.overall:
-            fld = _BY_ATTR.get(o.field.replace(".", "_")) or Field(o.field, Kind.FLOAT, unit=o.unit)
+            fld = _stat_field(o.field, o.unit)
             gpus = per.get(o.field, [])
             hi = max(gpus, key=lambda s: s.mean)
             lo = min(gpus, key=lambda s: s.mean)
@@ -573,26 +587,6 @@ class Report:
                 row.append(str(o.missing))
             rows.append(row)
         return head, rows
-
-    def _stats_rows(self) -> list[tuple[str, list[list[str]]]]:
-        blocks: list[tuple[str, list[list[str]]]] = []
-        by_field: dict[str, list[FieldStats]] = {}
-        for s in self.stats:
-            by_field.setdefault(s.field, []).append(s)
-        for name, rows in by_field.items():
-            unit = rows[0].unit
-            title = f"{name} [{unit}]" if unit else name
-            blocks.append(
-                (
-                    title,
-                    [
-                        [f"GPU {s.gpu}", _num(s.mean), _num(s.p95), _num(s.max)]
-                        + ([str(s.missing)] if any(r.missing for r in rows) else [])
-                        for s in rows
-                    ],
-                )
-            )
-        return blocks
 
     def _threshold_table(self) -> tuple[list[str], list[list[str]]]:
         rules = list(dict.fromkeys(t.rule for t in self.thresholds))
@@ -649,7 +643,7 @@ class Report:
                         a.rule,
                         _stamp(a.fired),
                         format_duration(a.seconds) + ("" if a.cleared else " (still firing at the end)"),
-                        _num(a.peak),
+                        _peak_text(a.peak, a.rule),
                     ]
                     for a in self.alerts
                 ],
@@ -706,7 +700,7 @@ class Report:
                         f"`{a.rule}`",
                         _stamp(a.fired),
                         format_duration(a.seconds) + ("" if a.cleared else " (still firing)"),
-                        _num(a.peak),
+                        _peak_text(a.peak, a.rule),
                     ]
                     for a in self.alerts
                 ],
@@ -721,7 +715,7 @@ class Report:
             cells = [f"{name} [{unit}]" if unit else name]
             for g in gpus:
                 st = by_key.get((name, g))
-                fld = _BY_ATTR.get(name.replace(".", "_")) or Field(name, Kind.FLOAT, unit=unit)
+                fld = _stat_field(name, unit)
                 cells.append(
                     "n/a" if st is None else f"{_stat(st.mean, fld)} / {_stat(st.p95, fld)} / {_stat(st.max, fld)}"
                 )
@@ -739,9 +733,10 @@ def _constant_text(name: str, per_gpu: dict[int, Any]) -> str:
     values = list(dict.fromkeys(per_gpu.values()))
     fld = _BY_ATTR.get(name.replace(".", "_"))
     unit = f" {fld.unit}" if fld is not None and fld.unit and fld.unit != "%" else (fld.unit if fld else "")
+    num = _num if fld is None else functools.partial(_stat, fld=fld)
     if len(values) == 1:
-        return f"{name} {_num(values[0])}{unit}"
-    return f"{name} " + ", ".join(f"GPU {g}: {_num(v)}{unit}" for g, v in per_gpu.items())
+        return f"{name} {num(values[0])}{unit}"
+    return f"{name} " + ", ".join(f"GPU {g}: {num(v)}{unit}" for g, v in per_gpu.items())
 
 
 def _table(head: list[str], rows: list[list[str]], indent: int = 0) -> list[str]:
@@ -1141,7 +1136,7 @@ def analyze(
             if not len(firsts):
                 continue
             col = rule.field.attr
-            values = g.floats(col) if rule.field.kind in (Kind.INT, Kind.FLOAT) else None
+            values = g.floats(col) if rule.field.kind.is_quantity else None
             pick_max = rule.op in (">", ">=")
             seconds = _run_seconds(g, firsts, lasts)
             report.thresholds.append(

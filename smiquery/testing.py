@@ -37,6 +37,7 @@ from smiquery.errors import (
     failure_from_exit,
 )
 from smiquery.fields import CATALOGUE, Field, Kind, get_field
+from smiquery.kinds import FIELD_KINDS, strip_unit
 from smiquery.parsing import missing_reason
 from smiquery.runner import Completed, Runner, _install_default
 
@@ -313,10 +314,7 @@ def _split_header_cell(cell: str) -> tuple[str, str]:
 
 
 def _strip_unit(cell: str, unit: str) -> str:
-    cell = cell.strip()
-    if unit and cell.endswith(" " + unit):
-        return cell[: -len(unit) - 1]
-    return cell
+    return strip_unit(cell, unit)
 
 
 def _is_token(cell: str) -> bool:
@@ -663,7 +661,7 @@ def _hang(out: _Output) -> NoReturn:
 
 
 def _now_text(now: datetime) -> str:
-    return now.strftime("%Y/%m/%d %H:%M:%S.") + f"{now.microsecond // 1000:03d}"
+    return FIELD_KINDS[Kind.TIMESTAMP].format(now)
 
 
 def _garbage_line(rng: random.Random, ncols: int) -> bytes:
@@ -790,7 +788,7 @@ def _sweep_order(first: int, count: int, loop: bool) -> Iterator[int]:
 
 def _render(fld: Field, value: str | None, units: bool) -> str:
     if value is None:
-        return "[N/A]"
+        return fld.format(None)
     if units and fld.header_unit and not _is_token(value):
         return f"{value} {fld.header_unit}"
     return value

@@ -502,3 +502,19 @@ def test_cli_plot_headerless_log_takes_its_columns_from_fields(tmp_path):
     drawn = CliRunner().invoke(app, ["plot", str(without), "-o", str(out), "--fields", names, "--tz", "UTC"])
     assert drawn.exit_code == 0, drawn.output
     assert out.read_bytes().startswith(b"\x89PNG")  # text columns (name, uuid, pstate) are named, not drawn
+
+
+def test_statistics_of_a_column_outside_the_catalogue_are_rounded_to_its_unit(tmp_path):
+    from smiquery.recordings import read_csv
+
+    rows = [(s, 0, "95 %", f"{70000 + s} MiB") for s in range(60)]
+    df = read_csv(_write(tmp_path / "mem.csv", rows))
+    df["fb_estimate"] = df["memory_used"] / 3  # a derived column in MiB, with fractions
+    df["board_watts"] = df["memory_used"] / 1000  # a derived column in W
+    df.attrs["units"] = {**df.attrs["units"], "fb_estimate": "MiB", "board_watts": "W"}
+    text = analyze(df).to_text()
+    stats = text[text.index("Statistics over all GPUs") :].splitlines()
+    mib = next(line for line in stats if line.lstrip().startswith("fb_estimate [MiB]"))
+    assert "23343" in mib and "." not in mib.split("]", 1)[1]  # whole MiB: never "23343.1"
+    watts = next(line for line in stats if line.lstrip().startswith("board_watts [W]"))
+    assert "70.1" in watts  # watts keep a decimal

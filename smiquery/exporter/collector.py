@@ -19,6 +19,7 @@ from smiquery.exporter.naming import NVSMI_INFO_LABELS, NVSMI_WORDS, PMON_SERIES
 from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.fields import Field
+from smiquery.kinds import to_number
 from smiquery.oneshot import GpuProcess
 from smiquery.source import Sweep
 
@@ -215,10 +216,9 @@ def _bare_uuid(uuid: str | None) -> str:
 
 
 def _nvsmi_number(field: str, value: Value) -> float | None:
-    if isinstance(value, bool):
-        return 1.0 if value else 0.0
-    if isinstance(value, (int, float)):
-        return float(value)
+    number = to_number(value)
+    if number is not None:
+        return number
     text = str(value).strip()
     words = NVSMI_WORDS.get(field)
     if words is not None:
@@ -519,10 +519,9 @@ class SmiCollector:
                     if number is not None:
                         fam.add_sample(spec.sample, labels, number)
                     continue
-                if isinstance(value, bool):
-                    fam.add_sample(spec.sample, labels, 1.0 if value else 0.0)
-                elif isinstance(value, (int, float)):
-                    fam.add_sample(spec.sample, labels, float(value) * spec.scale)
+                number = to_number(value)
+                if number is not None:
+                    fam.add_sample(spec.sample, labels, number * spec.scale)
             if fam.samples:
                 out.append(fam)
         if self.naming == "nvidia_smi":

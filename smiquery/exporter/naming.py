@@ -17,6 +17,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     ) from _exc
 
 from smiquery.fields import Field, Kind, resolve_fields
+from smiquery.kinds import UNITS, unit_info
 
 if TYPE_CHECKING:
     import os
@@ -161,18 +162,8 @@ class MetricSpec:
     naming: str = "smiquery"
 
 
-# nvidia-smi unit -> (Prometheus base-unit suffix, factor)
-_UNITS: dict[str, tuple[str, float]] = {
-    "C": ("celsius", 1.0),
-    "MiB": ("bytes", 1048576.0),
-    "W": ("watts", 1.0),
-    "MHz": ("hertz", 1e6),
-    "%": ("ratio", 0.01),
-    "us": ("seconds", 1e-6),
-    "ms": ("seconds", 1e-3),
-    "seconds": ("seconds", 1.0),
-    "W/s": ("watts_per_second", 1.0),
-}
+# nvidia-smi unit -> (Prometheus base-unit suffix, factor), as smiquery.kinds.UNITS says
+_UNITS: dict[str, tuple[str, float]] = {u.symbol: (u.base, u.scale) for u in UNITS.values() if u.base}
 # Cumulative counts: exported as counters (name ending in _total), which is what they are: they only grow, and
 # reset when the driver reloads (volatile ECC, clock-event time) or when an operator clears them.
 _COUNTER_RE = re.compile(
@@ -191,8 +182,6 @@ _NATIVE_RENAMES = {
     },
 }
 _BOOL_SUFFIX = {Kind.ENABLED: "_enabled", Kind.ACTIVE: "_active", Kind.YES_NO: ""}
-_BOOL_WORDS = {Kind.ENABLED: ("Enabled", "Disabled"), Kind.ACTIVE: ("Active", "Not Active"), Kind.YES_NO: ("Yes", "No")}
-_INFO_KINDS = frozenset({Kind.STR, Kind.VERSION, Kind.MAJOR_MINOR, Kind.HEX})
 
 
 def _snake(text: str) -> str:
@@ -203,14 +192,16 @@ def _native_spec(fld: Field) -> list[MetricSpec]:
     base = "smiquery_" + _NATIVE_RENAMES.get(fld.name, _snake(fld.name))
     source = f"(nvidia-smi {fld.name})"
     help_text = fld.help.rstrip(".") or fld.name
-    if fld.kind.is_bool:
-        yes, no = _BOOL_WORDS[fld.kind]
+    ops = fld.kind.ops
+    if ops.metric == "bool":
+        assert ops.words is not None
+        yes, no = ops.words
         name = base + _BOOL_SUFFIX[fld.kind]
         return [MetricSpec(fld.name, name, name, "gauge", f"{help_text}: 1 = {yes}, 0 = {no} {source}.", style="bool")]
-    if fld.kind is Kind.BITMASK:
+    if ops.metric == "bitmask":
         name = base + "_bitmask"
         return [MetricSpec(fld.name, name, name, "gauge", f"{help_text}, as the numeric bitmask {source}.")]
-    if fld.kind in _INFO_KINDS or not fld.kind.is_numeric:
+    if ops.metric != "number":
         name = base + "_info"
         specs = [
             MetricSpec(
@@ -386,11 +377,8 @@ def _dcgm_specs(fld: Field) -> list[MetricSpec]:
 # ``--naming nvidia_smi``: the names of utkuozdemir/nvidia_gpu_exporter (derived from its outputs for the captures
 # in shared/nvidia_gpu_exporter): nvidia_smi_<field in snake case><unit suffix>, values in base units, label uuid.
 _NVSMI_UNITS: dict[str, tuple[str, float]] = {
-    "MHz": ("_clock_hz", 1e6),
-    "MiB": ("_bytes", 1048576.0),
-    "%": ("_ratio", 0.01),
-    "W": ("_watts", 1.0),
-    "us": ("_seconds", 1e-6),
+    unit: (suffix, unit_info(unit).scale)
+    for unit, suffix in (("MHz", "_clock_hz"), ("MiB", "_bytes"), ("%", "_ratio"), ("W", "_watts"), ("us", "_seconds"))
 }
 #: Word values that fields of nvidia_smi naming turn into numbers (NVML's enum order).
 NVSMI_WORDS: dict[str, dict[str, float]] = {
@@ -439,7 +427,7 @@ NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = (
 
 
 def _nvsmi_spec(fld: Field) -> list[MetricSpec]:
-    if fld.name in _NVSMI_NOT_METRICS or fld.kind is Kind.TIMESTAMP:
+    if fld.name in _NVSMI_NOT_METRICS or fld.kind.ops.metric == "none":
         return []
     # nvidia-smi's CSV header gives averageLatency no unit, so nvidia_gpu_exporter adds no suffix nor conversion
     unit = "" if fld.name == "encoder.stats.averageLatency" else fld.unit
@@ -476,7 +464,7 @@ def metric_specs(
     if naming == "nvidia_smi":
         return [spec for fld in flds for spec in _nvsmi_spec(fld)]
     for fld in flds:
-        if fld.name in _NOT_EXPORTED or fld.kind is Kind.TIMESTAMP:
+        if fld.name in _NOT_EXPORTED or fld.kind.ops.metric == "none":
             continue
         if naming == "dcgm" and fld.name in _DCGM_EXTRA_IDENTITY:
             continue  # a label in DCGM naming
