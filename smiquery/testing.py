@@ -11,13 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import pathlib
-import random
 import re
-import shlex
-import shutil
 import signal
 import sys
 import threading
@@ -26,8 +22,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
-from importlib import resources
-from typing import BinaryIO, NoReturn, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, NoReturn, TypeVar, overload
 
 from smiquery.errors import (
     InvalidFieldError,
@@ -38,7 +33,11 @@ from smiquery.errors import (
 )
 from smiquery.fields import CATALOGUE, Field, Kind, get_field
 from smiquery.parsing import missing_reason
-from smiquery.runner import Completed, Runner, _install_default
+
+if TYPE_CHECKING:
+    import random
+
+    from smiquery.runner import Completed, Runner
 
 __all__ = [
     "ENV_VARS",
@@ -151,7 +150,7 @@ _DEFAULT_DRIVER = "590.48.01"
 _CUDA_BY_BRANCH = {470: "11.4", 535: "12.2", 550: "12.4", 560: "12.6", 570: "12.8", 580: "13.0", 590: "13.1"}
 # On a lost GPU these cells keep their values (NVIDIA-SMI.md section 3); every other cell reads [GPU is lost].
 _SURVIVES_LOSS = frozenset({"timestamp", "index", "uuid", "pci.bus_id", "name"})
-_R = TypeVar("_R", bound=Runner)
+_R = TypeVar("_R", bound="Runner")
 _EX_SOFTWARE = 70  # misuse of the fake itself (bad fault spec, unreadable recording), never an nvidia-smi code
 
 
@@ -303,7 +302,12 @@ class _Settings:
 
 
 def _read_bundled(name: str) -> str:
-    return (resources.files("smiquery") / "data" / name).read_text(encoding="utf-8")
+    try:  # the package's own folder: importlib.resources would cost more than the read
+        return pathlib.Path(__file__).with_name("data").joinpath(name).read_text(encoding="utf-8")
+    except OSError:  # installed where data are no plain files (a zip)
+        from importlib import resources
+
+        return (resources.files("smiquery") / "data" / name).read_text(encoding="utf-8")
 
 
 def _split_header_cell(cell: str) -> tuple[str, str]:
@@ -335,6 +339,35 @@ def _short_bus_id(bus_id: str) -> str:
     """The 4-digit-domain form nvidia-smi uses in its error messages."""
     norm = _norm_bus_id(bus_id)
     return norm[4:] if re.fullmatch(r"0000[0-9A-F]{4}:.*", norm) else norm
+
+
+class _Sweeps(Sequence[list[list[str]]]):
+    """A recording's sweeps, each a list of rows of cells, split from its lines on first use."""
+
+    def __init__(self, rows: list[str], starts: list[int]) -> None:
+        self._rows = rows
+        self._bounds = [*starts, len(rows)]
+        self._split: dict[int, list[list[str]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._bounds) - 1
+
+    @overload
+    def __getitem__(self, n: int) -> list[list[str]]: ...
+    @overload
+    def __getitem__(self, n: slice) -> list[list[list[str]]]: ...
+    def __getitem__(self, n: int | slice) -> list[list[str]] | list[list[list[str]]]:
+        if isinstance(n, slice):
+            return [self[i] for i in range(*n.indices(len(self)))]
+        if n < 0:
+            n += len(self)
+        if not 0 <= n < len(self):
+            raise IndexError(n)
+        sweep = self._split.get(n)
+        if sweep is None:  # threads of the in-process fake share the recording: a race only splits twice
+            sweep = [line.split(", ") for line in self._rows[self._bounds[n] : self._bounds[n + 1]]]
+            self._split[n] = sweep
+        return sweep
 
 
 class _Recording:
@@ -369,27 +402,25 @@ class _Recording:
         self.col: dict[str, int] = {}
         for i, fld in enumerate(self.columns):
             self.col.setdefault(fld.name, i)
-        ncols = len(self.columns)
-        self.rows: list[list[str]] = []
-        for line in body:
-            cells = line.split(", ")
-            if len(cells) != ncols:
-                continue  # notice lines (WARNING: ...) and damaged rows are not replayed
-            self.rows.append(cells)
-        if not self.rows:
-            raise _FakeUsageError(f"{source} has no data rows")
+        # Rows are only counted and keyed here; a sweep's cells are split when it is first replayed (a one-shot query
+        # of a 600-sweep recording splits 8 rows, not 4800: this runs in every fake process).
+        seps = len(self.columns) - 1
         key = next((self.col[k] for k in ("index", "uuid", "pci.bus_id") if k in self.col), None)
-        self.sweeps: list[list[list[str]]] = []
-        current: list[list[str]] = []
+        rows: list[str] = []
+        starts: list[int] = []
         seen: set[str] = set()
-        for row in self.rows:
-            k = row[key].strip() if key is not None else ""
-            if current and (key is None or k in seen):
-                self.sweeps.append(current)
-                current, seen = [], set()
-            current.append(row)
+        for line in body:
+            if line.count(", ") != seps:
+                continue  # notice lines (WARNING: ...) and damaged rows are not replayed
+            k = line.split(", ", key + 1)[key].strip() if key is not None else ""
+            if not rows or key is None or k in seen:
+                starts.append(len(rows))
+                seen = set()
+            rows.append(line)
             seen.add(k)
-        self.sweeps.append(current)
+        if not rows:
+            raise _FakeUsageError(f"{source} has no data rows")
+        self.sweeps = _Sweeps(rows, starts)
         self.gpus = [self._identity(pos, row) for pos, row in enumerate(self.sweeps[0])]
 
     @staticmethod
@@ -425,7 +456,7 @@ class _Recording:
 
     @property
     def driver_version(self) -> str:
-        value = self.cell(self.rows[0], "driver_version")
+        value = self.cell(self.sweeps[0][0], "driver_version")
         return value if value and not _is_token(value) else _DEFAULT_DRIVER
 
     def resolve(self, name: str) -> Field:
@@ -686,7 +717,15 @@ class _RowWriter:
         self.rows = 0
         self._garbage_done = False
         self._wrong_done = False
-        self._rng = random.Random(20240521)
+        self._rng: random.Random | None = None  # made on the first garbage line: `random` is not imported per call
+
+    @property
+    def rng(self) -> random.Random:
+        if self._rng is None:
+            import random
+
+            self._rng = random.Random(20240521)
+        return self._rng
 
     def _due(self, limit: int | None) -> bool:
         return limit is not None and self.rows >= limit
@@ -718,7 +757,7 @@ class _RowWriter:
     def row(self, cells: list[str], *, bus_id: str = "", truncate: bool = False) -> None:
         self.check_stop(bus_id)
         if not self._garbage_done and self._due(self.faults.garbage_after):
-            self.out.raw(_garbage_line(self._rng, self.ncols) + b"\n")
+            self.out.raw(_garbage_line(self.rng, self.ncols) + b"\n")
             self._garbage_done = True
         if not self._wrong_done and self._due(self.faults.wrong_columns_after):
             cells = cells[:-1]
@@ -732,7 +771,7 @@ class _RowWriter:
 
     def garbage(self, lines: int = 12) -> None:
         for _ in range(lines):
-            self.out.raw(_garbage_line(self._rng, self.ncols) + b"\n")
+            self.out.raw(_garbage_line(self.rng, self.ncols) + b"\n")
 
 
 def _invalid_field(out: _Output, name: str) -> NoReturn:
@@ -1051,6 +1090,8 @@ def _usage(out: _Output) -> int:
 
 
 def _log_invocation(path: str, argv: Sequence[str]) -> None:
+    import json
+
     record = json.dumps({"pid": os.getpid(), "argv": list(argv), "time": time.time()}) + "\n"
     # one write on an O_APPEND descriptor, so concurrent fakes never interleave their lines
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -1097,6 +1138,8 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
 
 def _start_grandchild() -> None:
     """A child of the fake that holds its stdout and stderr open for an hour (in the fake's process group)."""
+    import shutil
+
     sleeper = shutil.which("sleep")
     argv = [sleeper, "3600"] if sleeper else [sys.executable, "-c", "import time; time.sleep(3600)"]
     # posix_spawn leaves no Popen object behind to complain that its child outlived it
@@ -1183,6 +1226,8 @@ def _abs(path: str | os.PathLike[str] | None) -> str | None:
 def _shebang(python: str) -> str:
     # The kernel splits a #! line at whitespace and truncates it (127 bytes on older kernels): such interpreters
     # are started through /bin/sh, with a first line that sh runs and Python reads as a string literal.
+    import shlex
+
     if python.isascii() and not re.search(r"\s", python) and len(python) < 120:
         return f"#!{python}\n"
     return f"#!/bin/sh\n\"true\" '''\\'\nexec {shlex.quote(python)} \"$0\" \"$@\"\n'''\n"
@@ -1631,6 +1676,8 @@ class InProcessRunner:
         Raises:
             NvidiaSmiTimeoutError: it did not finish in time (its thread was stopped).
         """
+        from smiquery.runner import Completed
+
         start = time.monotonic()
         channel = self._start(argv)
         with channel.cond:
@@ -1717,6 +1764,8 @@ def use_runner(runner: _R) -> Iterator[_R]:
     Yields:
         ``runner``.
     """
+    from smiquery.runner import _install_default
+
     previous = _install_default(runner)
     try:
         yield runner
