@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import os
 import pathlib
 import re
@@ -342,15 +343,49 @@ def _short_bus_id(bus_id: str) -> str:
 
 
 class _Sweeps(Sequence[list[list[str]]]):
-    """A recording's sweeps, each a list of rows of cells, split from its lines on first use."""
+    """A recording's sweeps, each a list of rows of cells, found and split only as far as they are replayed.
 
-    def __init__(self, rows: list[str], starts: list[int]) -> None:
-        self._rows = rows
-        self._bounds = [*starts, len(rows)]
+    The fake runs once per nvidia-smi call: a one-shot query of the bundled 600-sweep recording reads the 9 lines
+    up to the end of its sweep, not 4800. ``len()`` reads them all. Threads of the in-process fake share it.
+    """
+
+    def __init__(self, lines: Iterator[str], ncols: int, key: int | None) -> None:
+        self._lines = lines  # the body lines not read yet
+        self._seps = ncols - 1
+        self._key = key  # the column that tells GPUs apart: a key seen again starts the next sweep
+        self._rows: list[str] = []  # data lines read so far
+        self._starts: list[int] = []  # where each sweep found so far starts in _rows
+        self._seen: set[str] = set()
+        self._done = False
         self._split: dict[int, list[list[str]]] = {}
+        self._lock = threading.Lock()
+
+    def _read(self, n: int) -> None:
+        """Read lines until sweep ``n`` is complete (the next one has started) or the lines end."""
+        with self._lock:
+            while not self._done and len(self._starts) <= n + 1:
+                line = next(self._lines, None)
+                if line is None:
+                    self._done = True
+                    break
+                line = line.rstrip("\r")
+                if not line.strip() or line.count(", ") != self._seps:
+                    continue  # notice lines (WARNING: ...) and damaged rows are not replayed
+                k = line.split(", ", self._key + 1)[self._key].strip() if self._key is not None else ""
+                if not self._rows or self._key is None or k in self._seen:
+                    self._starts.append(len(self._rows))
+                    self._seen = set()
+                self._rows.append(line)
+                self._seen.add(k)
+
+    def has(self, n: int) -> bool:
+        """Whether the recording has a sweep ``n`` (reads no further than its end)."""
+        self._read(n)
+        return 0 <= n < len(self._starts)
 
     def __len__(self) -> int:
-        return len(self._bounds) - 1
+        self._read(sys.maxsize - 1)
+        return len(self._starts)
 
     @overload
     def __getitem__(self, n: int) -> list[list[str]]: ...
@@ -361,11 +396,12 @@ class _Sweeps(Sequence[list[list[str]]]):
             return [self[i] for i in range(*n.indices(len(self)))]
         if n < 0:
             n += len(self)
-        if not 0 <= n < len(self):
+        if not self.has(n):
             raise IndexError(n)
         sweep = self._split.get(n)
-        if sweep is None:  # threads of the in-process fake share the recording: a race only splits twice
-            sweep = [line.split(", ") for line in self._rows[self._bounds[n] : self._bounds[n + 1]]]
+        if sweep is None:  # a race between threads only splits it twice
+            end = self._starts[n + 1] if n + 1 < len(self._starts) else len(self._rows)
+            sweep = [line.split(", ") for line in self._rows[self._starts[n] : end]]
             self._split[n] = sweep
         return sweep
 
@@ -374,17 +410,17 @@ class _Recording:
     """A full-field ``--format=csv`` recording: columns, unit-free cells and sweeps."""
 
     def __init__(self, text: str, *, sidecar: pathlib.Path | None = None, source: str = "recording") -> None:
-        lines = [ln.rstrip("\r") for ln in text.splitlines()]
-        lines = [ln for ln in lines if ln.strip()]
-        if not lines:
+        lines = text.splitlines()
+        first = next((i for i, ln in enumerate(lines) if ln.strip()), None)
+        if first is None:
             raise _FakeUsageError(f"{source} is empty")
-        header = self._header(lines[0])
+        header = self._header(lines[first].rstrip("\r"))
         if header is not None:
-            body = lines[1:]
+            body = itertools.islice(lines, first + 1, None)
         elif sidecar is not None and sidecar.is_file():
             names = [n for n in re.split(r"[\s,]+", sidecar.read_text(encoding="utf-8")) if n]
             header = [(n, "") for n in names]
-            body = lines
+            body = itertools.islice(lines, first, None)
         else:
             raise _FakeUsageError(f"{source} has no header line (and no .fields file beside it)")
         self.columns: list[Field] = []
@@ -402,25 +438,10 @@ class _Recording:
         self.col: dict[str, int] = {}
         for i, fld in enumerate(self.columns):
             self.col.setdefault(fld.name, i)
-        # Rows are only counted and keyed here; a sweep's cells are split when it is first replayed (a one-shot query
-        # of a 600-sweep recording splits 8 rows, not 4800: this runs in every fake process).
-        seps = len(self.columns) - 1
         key = next((self.col[k] for k in ("index", "uuid", "pci.bus_id") if k in self.col), None)
-        rows: list[str] = []
-        starts: list[int] = []
-        seen: set[str] = set()
-        for line in body:
-            if line.count(", ") != seps:
-                continue  # notice lines (WARNING: ...) and damaged rows are not replayed
-            k = line.split(", ", key + 1)[key].strip() if key is not None else ""
-            if not rows or key is None or k in seen:
-                starts.append(len(rows))
-                seen = set()
-            rows.append(line)
-            seen.add(k)
-        if not rows:
+        self.sweeps = _Sweeps(body, len(self.columns), key)
+        if not self.sweeps.has(0):
             raise _FakeUsageError(f"{source} has no data rows")
-        self.sweeps = _Sweeps(rows, starts)
         self.gpus = [self._identity(pos, row) for pos, row in enumerate(self.sweeps[0])]
 
     @staticmethod
@@ -816,15 +837,15 @@ def _select(rec: _Recording, ids: str | None, out: _Output) -> set[str]:
     return chosen
 
 
-def _sweep_order(first: int, count: int, loop: bool) -> Iterator[int]:
-    start = first % count
+def _sweep_order(first: int, sweeps: _Sweeps, loop: bool) -> Iterator[int]:
+    # modulo the sweep count, counted only when needed: counting reads the whole recording
+    n = first if sweeps.has(first) else first % len(sweeps)
     if not loop:
-        yield start
+        yield n
         return
-    n = start
     while True:
         yield n
-        n = (n + 1) % count
+        n = n + 1 if sweeps.has(n + 1) else 0
 
 
 def _render(fld: Field, value: str | None, units: bool) -> str:
@@ -856,7 +877,7 @@ def _query_gpu(opts: _Options, rec: _Recording, settings: _Settings, faults: _Fa
         out.flush()
         return 0
     warned = False
-    for n in _sweep_order(settings.sweep, len(rec.sweeps), loop):
+    for n in _sweep_order(settings.sweep, rec.sweeps, loop):
         rows = [(rec.key_of(r, pos), r) for pos, r in enumerate(rec.sweeps[n])]
         rows = [(key, r) for key, r in rows if key in selected]
         now = datetime.now()
