@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from smiquery.errors import (
     DriverNotLoadedError,
     DriverVersionMismatchError,
@@ -32,6 +30,8 @@ from smiquery.errors import (
     UsageError,
     WebConfigError,
 )
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (and re) at run time
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from smiquery import aio, compat, fields, oneshot, parsing, pmon, records, runner, source, supervisor  # noqa: F401
