@@ -3,7 +3,8 @@
 Each command runs as a whole process, N times, interleaved with a bare `python -c pass` baseline measured in the
 same run. Prints the median wall time of each in ms and its ratio to the baseline median (1.0 would be free start-up:
 nothing beyond the interpreter's own). The fake is the script written by smiquery.testing.fake_nvidia_smi, and
-`smiquery query` runs against it (put first on PATH).
+`smiquery query` runs against it (put first on PATH). The commands run in an empty folder, so `-c` and `-m` import
+smiquery from where this interpreter finds it (PYTHONPATH first), never from the current directory.
 
     .venv/bin/python scripts/bench_start.py [-n 21]
 """
@@ -19,10 +20,10 @@ import tempfile
 import time
 
 
-def _timed(argv: list[str], env: dict[str, str]) -> float:
+def _timed(argv: list[str], env: dict[str, str], cwd: str) -> float:
     """Wall time of one run in ms; exits when the command fails (a broken command must not look fast)."""
     t0 = time.perf_counter()
-    done = subprocess.run(argv, env=env, capture_output=True, check=False)
+    done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, check=False)
     elapsed = (time.perf_counter() - t0) * 1000.0
     if done.returncode != 0:
         sys.exit(f"bench_start: {argv} failed with {done.returncode}: {done.stderr.decode(errors='replace')[-400:]}")
@@ -54,11 +55,11 @@ def main() -> int:
             "smiquery query": [python, "-m", "smiquery", "query"],
         }
         for argv in commands.values():  # warm the page cache and the .pyc files
-            _timed(argv, env)
+            _timed(argv, env, tmp)
         times: dict[str, list[float]] = {name: [] for name in commands}
         for _ in range(args.n):
             for name, argv in commands.items():
-                times[name].append(_timed(argv, env))
+                times[name].append(_timed(argv, env, tmp))
 
     base = statistics.median(times["python -c pass (baseline)"])
     print(f"{'command':<32}{'median ms':>10}{'x baseline':>12}   (n={args.n}, {python})")
