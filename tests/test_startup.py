@@ -95,12 +95,22 @@ def test_smiquery_query_imports_no_typer_and_no_pandas(fake_smi: MakeFake) -> No
 
 
 @pytest.mark.parametrize(
-    "name",
-    ["CATALOGUE", "Field", "GpuSample", "Stream", "stream", "query", "query_df", "Sweep", "CsvParser", "read_csv"],
+    ("name", "module"),
+    [
+        ("CATALOGUE", "fields"),
+        ("Field", "fields"),
+        ("GpuSample", "records"),
+        ("Stream", "supervisor"),
+        ("stream", "supervisor"),
+        ("query", "oneshot"),
+        ("query_df", "oneshot"),
+        ("Sweep", "source"),
+        ("CsvParser", "parsing"),
+        ("read_csv", "recordings"),
+    ],
 )
-def test_lazy_names_resolve_to_their_modules_objects(name: str) -> None:
-    module = smiquery._LAZY[name]
-    code = f"import importlib, smiquery; print(smiquery.{name} is importlib.import_module({module!r}).{name})"
+def test_lazy_names_resolve_to_their_modules_objects(name: str, module: str) -> None:
+    code = f"import importlib, smiquery; print(smiquery.{name} is importlib.import_module('smiquery.{module}').{name})"
     done = _run([sys.executable, "-c", code])
     assert done.returncode == 0, done.stderr[-400:]
     assert done.stdout.split() == ["True"]
