@@ -55,6 +55,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_report.py
 	$(PY) scripts/bench_stream.py
 	$(PY) scripts/bench_cli.py
+	$(PY) scripts/bench_start.py
 	$(PY) scripts/bench_exporter.py
 	$(PY) scripts/bench_compat.py
 	$(PY) scripts/bench_pmon.py

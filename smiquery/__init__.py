@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 from smiquery.errors import (
     DriverNotLoadedError,
     DriverVersionMismatchError,
@@ -32,22 +30,50 @@ from smiquery.errors import (
     UsageError,
     WebConfigError,
 )
-from smiquery.fields import CATALOGUE, PRESETS, Field, Kind, get_field, parse_help_query_gpu, resolve_fields
-from smiquery.oneshot import GpuProcess, get_gpu_status, processes, processes_df, query, query_df
-from smiquery.parsing import CsvParser, parse_lines
-from smiquery.records import GpuSample
-from smiquery.source import SampleSource, StreamEvent, StreamStats, Sweep
-from smiquery.supervisor import Stream, stream
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (and re) at run time
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from smiquery import aio, compat, fields, oneshot, parsing, pmon, records, runner, source, supervisor  # noqa: F401
+    from smiquery.fields import CATALOGUE, PRESETS, Field, Kind, get_field, parse_help_query_gpu, resolve_fields
+    from smiquery.frames import to_dataframe
+    from smiquery.oneshot import GpuProcess, get_gpu_status, processes, processes_df, query, query_df
+    from smiquery.parsing import CsvParser, parse_lines
+    from smiquery.playback import replay
+    from smiquery.recordings import read_csv
+    from smiquery.records import GpuSample
+    from smiquery.source import SampleSource, StreamEvent, StreamStats, Sweep
+    from smiquery.supervisor import Stream, stream
+del TYPE_CHECKING  # not a public name
 
 __version__ = "0.1.0"
 
-# A library stays quiet unless the application configures logging (the CLI and the exporter do).
-logging.getLogger("smiquery").addHandler(logging.NullHandler())
-
-# pandas is imported only when these are first used: `import smiquery` stays light.
-_LAZY = {"read_csv": "smiquery.recordings", "to_dataframe": "smiquery.frames", "replay": "smiquery.playback"}
-# Submodules reachable after a plain `import smiquery` (`smiquery.aio.query(...)`), imported on first use.
-_LAZY_MODULES = frozenset({"aio", "compat", "pmon"})
+# Only the errors are imported eagerly (they are light, and `except smiquery.SmiqueryError` needs no other import):
+# every other public name is imported from its module on first use, so `import smiquery` (and every fake
+# nvidia-smi the tests start) stays a fraction of the interpreter's own start-up. Neither subprocess, logging nor
+# pandas is imported until something needs it; tests/test_startup.py checks.
+_LAZY = {
+    **dict.fromkeys(
+        ("CATALOGUE", "PRESETS", "Field", "Kind", "get_field", "parse_help_query_gpu", "resolve_fields"),
+        "smiquery.fields",
+    ),
+    **dict.fromkeys(
+        ("GpuProcess", "get_gpu_status", "processes", "processes_df", "query", "query_df"), "smiquery.oneshot"
+    ),
+    **dict.fromkeys(("CsvParser", "parse_lines"), "smiquery.parsing"),
+    "GpuSample": "smiquery.records",
+    **dict.fromkeys(("SampleSource", "StreamEvent", "StreamStats", "Sweep"), "smiquery.source"),
+    **dict.fromkeys(("Stream", "stream"), "smiquery.supervisor"),
+    # these import pandas on first use
+    "read_csv": "smiquery.recordings",
+    "to_dataframe": "smiquery.frames",
+    "replay": "smiquery.playback",
+}
+# Submodules reachable after a plain `import smiquery` (`smiquery.aio.query(...)`, `smiquery.fields.CATALOGUE`),
+# imported on first use: the adoption modules, and those that `import smiquery` used to import eagerly.
+_LAZY_MODULES = frozenset(
+    {"aio", "compat", "pmon", "fields", "oneshot", "parsing", "records", "runner", "source", "supervisor"}
+)
 
 
 def __getattr__(name: str) -> object:
@@ -61,6 +87,10 @@ def __getattr__(name: str) -> object:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | _LAZY_MODULES)
 
 
 __all__ = [

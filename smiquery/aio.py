@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import time
@@ -20,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import tzinfo
 from typing import TYPE_CHECKING
 
+from smiquery._log import get_logger
 from smiquery.errors import (
     NvidiaSmiFailedError,
     NvidiaSmiNotFoundError,
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncStream", "live_children", "query", "stream"]
 
-log = logging.getLogger("smiquery")
+log = get_logger("smiquery")
 
 _MAX_ERR_BYTES = 64 * 1024
 _LIVE: set[asyncio.subprocess.Process] = set()

@@ -37,11 +37,10 @@ Every exception class of the package is defined here (the modules that raise the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (and re) at run time
 if TYPE_CHECKING:
     import os
+    from collections.abc import Sequence
 
 __all__ = [
     "DriverNotLoadedError",

@@ -7,7 +7,6 @@ training position, recording, metrics): this module only maps Keras's hooks and 
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import keras
 
+from smiquery._log import get_logger
 from smiquery.monitor import MemoryView, RunMonitor, TrainingAlert, VisibleDevices, visible_devices
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GpuMonitor", "TensorFlowMemory", "TrainingAlert", "VisibleDevices", "visible_devices"]
 
-log = logging.getLogger("smiquery.keras")
+log = get_logger("smiquery.keras")
 
 _WATCH_PERIOD = 0.2
 # frames of these packages are library code: the watchdog follows the first frame outside them

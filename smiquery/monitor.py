@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, cast
 
+from smiquery._log import get_logger
 from smiquery.alerts import BUILTIN_RULES, AlertEvent, Rule
 from smiquery.fields import Field, resolve_fields
 from smiquery.notify import AlertHandler, LogHandler, Notifier
@@ -49,7 +50,7 @@ __all__ = [
     "watch",
 ]
 
-log = logging.getLogger("smiquery.monitor")
+log = get_logger("smiquery.monitor")
 
 # ------------------------------------------------------------------------------------------ stall definition
 

@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator, AlertEvent, Rule
 
 __all__ = [
@@ -33,7 +34,7 @@ __all__ = [
     "redact_url",
 ]
 
-log = logging.getLogger("smiquery.notify")
+log = get_logger("smiquery.notify")
 
 Context = Mapping[str, Any]
 

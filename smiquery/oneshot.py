@@ -6,7 +6,6 @@ and parses its output. Long-running streams live in :mod:`smiquery.supervisor`.
 
 from __future__ import annotations
 
-import logging
 import re
 import warnings
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
 from typing import TYPE_CHECKING, Any, cast
 
+from smiquery._log import get_logger
 from smiquery.errors import InfoRomWarning, InvalidGpuIdError, NvidiaSmiFailedError, ParseError, failure_from_exit
 from smiquery.fields import Field, resolve_fields
 from smiquery.parsing import CsvParser, is_message, missing_reason
@@ -39,7 +39,7 @@ __all__ = [
     "query_df",
 ]
 
-log = logging.getLogger("smiquery")
+log = get_logger("smiquery")
 
 FieldsArg = str | Sequence[str] | None
 GpusArg = int | str | Sequence[int | str] | None

@@ -17,7 +17,6 @@ for which drivers print which).
 
 from __future__ import annotations
 
-import logging
 import operator
 import os
 import threading
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple
 
+from smiquery._log import get_logger
 from smiquery.errors import NvidiaSmiTimeoutError, ParseError, SmiqueryError, StreamEndedError
 from smiquery.oneshot import GpusArg, normalize_gpus
 from smiquery.runner import LineSource, Runner, default_runner, find_nvidia_smi
@@ -47,7 +47,7 @@ __all__ = [
     "top_processes",
 ]
 
-log = logging.getLogger("smiquery")
+log = get_logger("smiquery")
 
 
 class PmonRow(NamedTuple):

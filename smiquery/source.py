@@ -6,7 +6,6 @@ A live :class:`~smiquery.supervisor.Stream` and a :class:`~smiquery.playback.Rep
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+from smiquery._log import get_logger
 from smiquery.records import GpuSample
 
 if TYPE_CHECKING:
@@ -240,7 +240,7 @@ class LatestSweep:
             try:
                 callback(event)
             except Exception:  # a monitor's callback must never break the source
-                logging.getLogger("smiquery").exception("smiquery: an event callback failed")
+                get_logger().exception("smiquery: an event callback failed")
 
     def _group(
         self, samples: Iterable[GpuSample], grouper: SweepGrouper, count: int | None, *, flush: bool

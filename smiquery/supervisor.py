@@ -18,7 +18,6 @@ What it guarantees, whatever nvidia-smi does:
 from __future__ import annotations
 
 import inspect
-import logging
 import random
 import re
 import threading
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, stop_never
 
+from smiquery._log import get_logger
 from smiquery.errors import NvidiaSmiFailedError, NvidiaSmiTimeoutError, SmiqueryError
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, build_argv, normalize_gpus
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_PERMANENT_RETRY", "DEFAULT_STARTUP_TIMEOUT", "FAIL_FAST_ATTEMPTS", "Stream", "stream"]
 
-log = logging.getLogger("smiquery")
+log = get_logger("smiquery")
 
 #: Seconds a fresh nvidia-smi may take to print its first row: cold starts without persistence mode take 15-30 s
 #: on large hosts and in containers with a huge open-file limit (NVIDIA-SMI.md section 6).

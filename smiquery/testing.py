@@ -11,13 +11,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
+import itertools
 import os
 import pathlib
-import random
 import re
-import shlex
-import shutil
 import signal
 import sys
 import threading
@@ -26,8 +23,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
-from importlib import resources
-from typing import BinaryIO, NoReturn, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, NoReturn, TypeVar, overload
 
 from smiquery.errors import (
     InvalidFieldError,
@@ -39,7 +35,11 @@ from smiquery.errors import (
 from smiquery.fields import CATALOGUE, Field, Kind, get_field
 from smiquery.kinds import FIELD_KINDS, strip_unit
 from smiquery.parsing import missing_reason
-from smiquery.runner import Completed, Runner, _install_default
+
+if TYPE_CHECKING:
+    import random
+
+    from smiquery.runner import Completed, Runner
 
 __all__ = [
     "ENV_VARS",
@@ -152,7 +152,7 @@ _DEFAULT_DRIVER = "590.48.01"
 _CUDA_BY_BRANCH = {470: "11.4", 535: "12.2", 550: "12.4", 560: "12.6", 570: "12.8", 580: "13.0", 590: "13.1"}
 # On a lost GPU these cells keep their values (NVIDIA-SMI.md section 3); every other cell reads [GPU is lost].
 _SURVIVES_LOSS = frozenset({"timestamp", "index", "uuid", "pci.bus_id", "name"})
-_R = TypeVar("_R", bound=Runner)
+_R = TypeVar("_R", bound="Runner")
 _EX_SOFTWARE = 70  # misuse of the fake itself (bad fault spec, unreadable recording), never an nvidia-smi code
 
 
@@ -304,7 +304,12 @@ class _Settings:
 
 
 def _read_bundled(name: str) -> str:
-    return (resources.files("smiquery") / "data" / name).read_text(encoding="utf-8")
+    try:  # the package's own folder: importlib.resources would cost more than the read
+        return pathlib.Path(__file__).with_name("data").joinpath(name).read_text(encoding="utf-8")
+    except OSError:  # installed where data are no plain files (a zip)
+        from importlib import resources
+
+        return (resources.files("smiquery") / "data" / name).read_text(encoding="utf-8")
 
 
 def _split_header_cell(cell: str) -> tuple[str, str]:
@@ -335,21 +340,85 @@ def _short_bus_id(bus_id: str) -> str:
     return norm[4:] if re.fullmatch(r"0000[0-9A-F]{4}:.*", norm) else norm
 
 
+class _Sweeps(Sequence[list[list[str]]]):
+    """A recording's sweeps, each a list of rows of cells, found and split only as far as they are replayed.
+
+    The fake runs once per nvidia-smi call: a one-shot query of the bundled 600-sweep recording reads the 9 lines
+    up to the end of its sweep, not 4800. ``len()`` reads them all. Threads of the in-process fake share it.
+    """
+
+    def __init__(self, lines: Iterator[str], ncols: int, key: int | None) -> None:
+        self._lines = lines  # the body lines not read yet
+        self._seps = ncols - 1
+        self._key = key  # the column that tells GPUs apart: a key seen again starts the next sweep
+        self._rows: list[str] = []  # data lines read so far
+        self._starts: list[int] = []  # where each sweep found so far starts in _rows
+        self._seen: set[str] = set()
+        self._done = False
+        self._split: dict[int, list[list[str]]] = {}
+        self._lock = threading.Lock()
+
+    def _read(self, n: int) -> None:
+        """Read lines until sweep ``n`` is complete (the next one has started) or the lines end."""
+        with self._lock:
+            while not self._done and len(self._starts) <= n + 1:
+                line = next(self._lines, None)
+                if line is None:
+                    self._done = True
+                    break
+                line = line.rstrip("\r")
+                if not line.strip() or line.count(", ") != self._seps:
+                    continue  # notice lines (WARNING: ...) and damaged rows are not replayed
+                k = line.split(", ", self._key + 1)[self._key].strip() if self._key is not None else ""
+                if not self._rows or self._key is None or k in self._seen:
+                    self._starts.append(len(self._rows))
+                    self._seen = set()
+                self._rows.append(line)
+                self._seen.add(k)
+
+    def has(self, n: int) -> bool:
+        """Whether the recording has a sweep ``n`` (reads no further than its end)."""
+        self._read(n)
+        return 0 <= n < len(self._starts)
+
+    def __len__(self) -> int:
+        self._read(sys.maxsize - 1)
+        return len(self._starts)
+
+    @overload
+    def __getitem__(self, n: int) -> list[list[str]]: ...
+    @overload
+    def __getitem__(self, n: slice) -> list[list[list[str]]]: ...
+    def __getitem__(self, n: int | slice) -> list[list[str]] | list[list[list[str]]]:
+        if isinstance(n, slice):
+            return [self[i] for i in range(*n.indices(len(self)))]
+        if n < 0:
+            n += len(self)
+        if not self.has(n):
+            raise IndexError(n)
+        sweep = self._split.get(n)
+        if sweep is None:  # a race between threads only splits it twice
+            end = self._starts[n + 1] if n + 1 < len(self._starts) else len(self._rows)
+            sweep = [line.split(", ") for line in self._rows[self._starts[n] : end]]
+            self._split[n] = sweep
+        return sweep
+
+
 class _Recording:
     """A full-field ``--format=csv`` recording: columns, unit-free cells and sweeps."""
 
     def __init__(self, text: str, *, sidecar: pathlib.Path | None = None, source: str = "recording") -> None:
-        lines = [ln.rstrip("\r") for ln in text.splitlines()]
-        lines = [ln for ln in lines if ln.strip()]
-        if not lines:
+        lines = text.splitlines()
+        first = next((i for i, ln in enumerate(lines) if ln.strip()), None)
+        if first is None:
             raise _FakeUsageError(f"{source} is empty")
-        header = self._header(lines[0])
+        header = self._header(lines[first].rstrip("\r"))
         if header is not None:
-            body = lines[1:]
+            body = itertools.islice(lines, first + 1, None)
         elif sidecar is not None and sidecar.is_file():
             names = [n for n in re.split(r"[\s,]+", sidecar.read_text(encoding="utf-8")) if n]
             header = [(n, "") for n in names]
-            body = lines
+            body = itertools.islice(lines, first, None)
         else:
             raise _FakeUsageError(f"{source} has no header line (and no .fields file beside it)")
         self.columns: list[Field] = []
@@ -367,27 +436,10 @@ class _Recording:
         self.col: dict[str, int] = {}
         for i, fld in enumerate(self.columns):
             self.col.setdefault(fld.name, i)
-        ncols = len(self.columns)
-        self.rows: list[list[str]] = []
-        for line in body:
-            cells = line.split(", ")
-            if len(cells) != ncols:
-                continue  # notice lines (WARNING: ...) and damaged rows are not replayed
-            self.rows.append(cells)
-        if not self.rows:
-            raise _FakeUsageError(f"{source} has no data rows")
         key = next((self.col[k] for k in ("index", "uuid", "pci.bus_id") if k in self.col), None)
-        self.sweeps: list[list[list[str]]] = []
-        current: list[list[str]] = []
-        seen: set[str] = set()
-        for row in self.rows:
-            k = row[key].strip() if key is not None else ""
-            if current and (key is None or k in seen):
-                self.sweeps.append(current)
-                current, seen = [], set()
-            current.append(row)
-            seen.add(k)
-        self.sweeps.append(current)
+        self.sweeps = _Sweeps(body, len(self.columns), key)
+        if not self.sweeps.has(0):
+            raise _FakeUsageError(f"{source} has no data rows")
         self.gpus = [self._identity(pos, row) for pos, row in enumerate(self.sweeps[0])]
 
     @staticmethod
@@ -423,7 +475,7 @@ class _Recording:
 
     @property
     def driver_version(self) -> str:
-        value = self.cell(self.rows[0], "driver_version")
+        value = self.cell(self.sweeps[0][0], "driver_version")
         return value if value and not _is_token(value) else _DEFAULT_DRIVER
 
     def resolve(self, name: str) -> Field:
@@ -684,7 +736,15 @@ class _RowWriter:
         self.rows = 0
         self._garbage_done = False
         self._wrong_done = False
-        self._rng = random.Random(20240521)
+        self._rng: random.Random | None = None  # made on the first garbage line: `random` is not imported per call
+
+    @property
+    def rng(self) -> random.Random:
+        if self._rng is None:
+            import random
+
+            self._rng = random.Random(20240521)
+        return self._rng
 
     def _due(self, limit: int | None) -> bool:
         return limit is not None and self.rows >= limit
@@ -716,7 +776,7 @@ class _RowWriter:
     def row(self, cells: list[str], *, bus_id: str = "", truncate: bool = False) -> None:
         self.check_stop(bus_id)
         if not self._garbage_done and self._due(self.faults.garbage_after):
-            self.out.raw(_garbage_line(self._rng, self.ncols) + b"\n")
+            self.out.raw(_garbage_line(self.rng, self.ncols) + b"\n")
             self._garbage_done = True
         if not self._wrong_done and self._due(self.faults.wrong_columns_after):
             cells = cells[:-1]
@@ -730,7 +790,7 @@ class _RowWriter:
 
     def garbage(self, lines: int = 12) -> None:
         for _ in range(lines):
-            self.out.raw(_garbage_line(self._rng, self.ncols) + b"\n")
+            self.out.raw(_garbage_line(self.rng, self.ncols) + b"\n")
 
 
 def _invalid_field(out: _Output, name: str) -> NoReturn:
@@ -775,15 +835,15 @@ def _select(rec: _Recording, ids: str | None, out: _Output) -> set[str]:
     return chosen
 
 
-def _sweep_order(first: int, count: int, loop: bool) -> Iterator[int]:
-    start = first % count
+def _sweep_order(first: int, sweeps: _Sweeps, loop: bool) -> Iterator[int]:
+    # modulo the sweep count, counted only when needed: counting reads the whole recording
+    n = first if sweeps.has(first) else first % len(sweeps)
     if not loop:
-        yield start
+        yield n
         return
-    n = start
     while True:
         yield n
-        n = (n + 1) % count
+        n = n + 1 if sweeps.has(n + 1) else 0
 
 
 def _render(fld: Field, value: str | None, units: bool) -> str:
@@ -815,7 +875,7 @@ def _query_gpu(opts: _Options, rec: _Recording, settings: _Settings, faults: _Fa
         out.flush()
         return 0
     warned = False
-    for n in _sweep_order(settings.sweep, len(rec.sweeps), loop):
+    for n in _sweep_order(settings.sweep, rec.sweeps, loop):
         rows = [(rec.key_of(r, pos), r) for pos, r in enumerate(rec.sweeps[n])]
         rows = [(key, r) for key, r in rows if key in selected]
         now = datetime.now()
@@ -1049,6 +1109,8 @@ def _usage(out: _Output) -> int:
 
 
 def _log_invocation(path: str, argv: Sequence[str]) -> None:
+    import json
+
     record = json.dumps({"pid": os.getpid(), "argv": list(argv), "time": time.time()}) + "\n"
     # one write on an O_APPEND descriptor, so concurrent fakes never interleave their lines
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -1095,6 +1157,8 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
 
 def _start_grandchild() -> None:
     """A child of the fake that holds its stdout and stderr open for an hour (in the fake's process group)."""
+    import shutil
+
     sleeper = shutil.which("sleep")
     argv = [sleeper, "3600"] if sleeper else [sys.executable, "-c", "import time; time.sleep(3600)"]
     # posix_spawn leaves no Popen object behind to complain that its child outlived it
@@ -1181,6 +1245,8 @@ def _abs(path: str | os.PathLike[str] | None) -> str | None:
 def _shebang(python: str) -> str:
     # The kernel splits a #! line at whitespace and truncates it (127 bytes on older kernels): such interpreters
     # are started through /bin/sh, with a first line that sh runs and Python reads as a string literal.
+    import shlex
+
     if python.isascii() and not re.search(r"\s", python) and len(python) < 120:
         return f"#!{python}\n"
     return f"#!/bin/sh\n\"true\" '''\\'\nexec {shlex.quote(python)} \"$0\" \"$@\"\n'''\n"
@@ -1629,6 +1695,8 @@ class InProcessRunner:
         Raises:
             NvidiaSmiTimeoutError: it did not finish in time (its thread was stopped).
         """
+        from smiquery.runner import Completed
+
         start = time.monotonic()
         channel = self._start(argv)
         with channel.cond:
@@ -1715,6 +1783,8 @@ def use_runner(runner: _R) -> Iterator[_R]:
     Yields:
         ``runner``.
     """
+    from smiquery.runner import _install_default
+
     previous = _install_default(runner)
     try:
         yield runner

@@ -663,13 +663,15 @@ def test_stream_failure_exits_with_its_code_and_the_file_is_whole(inproc, smi, t
     assert all(json.loads(x) for x in jl.read_text().splitlines())
 
 
-def test_stream_gives_up_after_retries_with_one_line_per_restart(inproc, smi):
-    # piped, each restart is one line on stderr (with its cause); the final failure is one line too
+def test_stream_gives_up_after_retries_with_one_line_per_restart(inproc, smi, monkeypatch):
+    # piped, each restart is one line on stderr (with its cause); the final failure is one line too.
+    # Three starts, not six: the backoff between them is real time (0.5 s doubling), 16 s for six.
+    monkeypatch.setattr("smiquery.supervisor.FAIL_FAST_ATTEMPTS", 3)
     inproc.fault = "driver-not-loaded"
     proc = run("stream", "-l", "50ms", smi=smi)
     assert proc.returncode == 4
     lines = proc.stderr.splitlines()
-    assert len(lines) >= 2 and "Traceback" not in proc.stderr
+    assert len(lines) == 3 and "Traceback" not in proc.stderr  # two restarts, then the error
     assert all(ln.startswith("smiquery: restarting nvidia-smi in ") for ln in lines[:-1]), lines
     assert all("couldn't communicate with the NVIDIA driver" in ln for ln in lines), lines
     assert lines[-1].startswith("smiquery: error: ")

@@ -109,7 +109,12 @@ def test_child_printing_only_notices_is_restarted(fake_smi, tmp_path):
         """,
     )
     events: list[StreamEvent] = []
-    with no_leaks(), stream(FIELDS, interval=0.05, nvidia_smi=smi, stall_timeout=0.5, on_event=events.append) as s:
+    with (
+        no_leaks(),
+        stream(
+            FIELDS, interval=0.05, nvidia_smi=smi, stall_timeout=0.5, backoff_initial=0.05, on_event=events.append
+        ) as s,
+    ):
         got = [x for _, x in zip(range(10), s)]
     assert len(got) == 10
     assert s.stats.starts >= 3

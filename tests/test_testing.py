@@ -873,7 +873,8 @@ PARITY: list[tuple[str | None, Path | None, tuple[str, ...]]] = [
     (f"exit-after:20:15:{LOST_LINE}", None, ("--query-gpu=timestamp,index", "--format=csv", "-lms", "10")),
     ("crash-after:19,inforom", None, ("--query-gpu=index,power.draw", "--format=csv,noheader", "-lms", "10")),
     ("drop-gpu-after:4:2,exit-after:30:3", None, ("--query-gpu=index", "--format=csv", "-lms", "10")),
-    ("start-delay:0.1,gpu-lost-after:8:7,exit-after:24:0", T4, ("--query-gpu=index,name", "--format=csv", "-l", "1")),
+    # `-l` counts whole seconds: two sweeps of T4's two GPUs, one interval (twelve took 12 s per run)
+    ("start-delay:0.1,gpu-lost-after:2:7,exit-after:4:0", T4, ("--query-gpu=index,name", "--format=csv", "-l", "1")),
 ]
 
 

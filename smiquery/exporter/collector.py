@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 import socket
 import threading
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client.metrics_core import Metric
 
 from smiquery import __version__
+from smiquery._log import get_logger
 from smiquery.exporter.naming import NVSMI_INFO_LABELS, NVSMI_WORDS, PMON_SERIES, Naming, metric_specs, render
 from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.poller import ProcessPoller
@@ -37,7 +37,7 @@ __all__ = [
     "source_health",
 ]
 
-log = logging.getLogger("smiquery.exporter")
+log = get_logger("smiquery.exporter")
 
 _LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

@@ -6,9 +6,9 @@ Asked once, when the exporter starts: one ``--help-query-gpu`` and one query of 
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
+from smiquery._log import get_logger
 from smiquery.errors import InvalidFieldError, NvidiaSmiFailedError, failure_from_exit
 from smiquery.fields import parse_help_query_gpu, resolve_fields
 from smiquery.oneshot import query
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = ["supported_fields"]
 
-log = logging.getLogger("smiquery.exporter")
+log = get_logger("smiquery.exporter")
 
 
 def supported_fields(

@@ -15,9 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from smiquery._log import get_logger
+
 __all__ = ["EventLog", "JsonFormatter", "RateLimitFilter", "configure_logging"]
 
-log = logging.getLogger("smiquery.exporter")
+log = get_logger("smiquery.exporter")
 
 LogFormat = Literal["text", "json"]
 

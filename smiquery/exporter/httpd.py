@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import queue
 import selectors
@@ -22,9 +21,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from smiquery._log import get_logger
+
 __all__ = ["HttpServer", "Request", "Response"]
 
-log = logging.getLogger("smiquery.exporter")
+log = get_logger("smiquery.exporter")
 
 _MAX_HEAD = 16384
 _REASONS = {

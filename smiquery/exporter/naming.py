@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "smiquery.exporter needs prometheus_client: pip install 'smiquery[export]' (the core does not)"
     ) from _exc
 
+from smiquery._log import get_logger
 from smiquery.fields import Field, Kind, resolve_fields
 from smiquery.kinds import UNITS, unit_info
 
@@ -40,7 +40,7 @@ __all__ = [
     "render",
 ]
 
-log = logging.getLogger("smiquery.exporter")
+log = get_logger("smiquery.exporter")
 
 _go_float = cast("Callable[[float], str]", _untyped_float_to_go)  # the text format's float spelling (+Inf, 1e+06)
 

@@ -6,7 +6,6 @@ plus one ``other`` row (:func:`smiquery.pmon.top_processes`), so a scrape builds
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from smiquery import pmon
+from smiquery._log import get_logger
 from smiquery.errors import SmiqueryError
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PmonWatcher", "ProcessInstant", "process_instant"]
 
-log = logging.getLogger("smiquery.exporter")
+log = get_logger("smiquery.exporter")
 
 
 @dataclass(frozen=True)

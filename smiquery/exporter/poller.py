@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from smiquery._log import get_logger
 from smiquery.errors import SmiqueryError
 from smiquery.oneshot import GpuProcess, normalize_gpus, processes
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ProcessPoller"]
 
-log = logging.getLogger("smiquery.exporter")
+log = get_logger("smiquery.exporter")
 
 
 class ProcessPoller:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
-import logging
 import socket
 import ssl
 import threading
@@ -14,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smiquery import __version__
+from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator
 from smiquery.errors import ListenError, PortInUseError
 from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector, parse_labels
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CONTENT_TYPE", "Exporter", "ListenError", "PortInUseError", "serve"]
 
-log = logging.getLogger("smiquery.exporter")
+log = get_logger("smiquery.exporter")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
