@@ -76,7 +76,8 @@ class RetryPolicy:
         jitter: add up to ``backoff_initial`` at random to transient delays and spread permanent ones by +-10 %
             (so a fleet does not restart in step).
         healthy_after: seconds of good data after which a failure starts a fresh streak.
-        permanent_retry: seconds between attempts while the failure needs a person.
+        permanent_retry: seconds between attempts while the failure needs a person; None ends the source at once
+            on such a failure (for a caller that retries in its own way, like the exporter's pmon watcher).
         max_attempts: failed starts in one streak before giving up (None: never).
         max_restarts: restarts in all before giving up (None: never).
         fail_fast: until the first row, give up on a fault that needs a person at once and on a transient one
@@ -90,7 +91,7 @@ class RetryPolicy:
     backoff_max: float = 30.0
     jitter: bool = True
     healthy_after: float = 30.0
-    permanent_retry: float = DEFAULT_PERMANENT_RETRY
+    permanent_retry: float | None = DEFAULT_PERMANENT_RETRY
     max_attempts: int | None = None
     max_restarts: int | None = None
     fail_fast: bool = False
@@ -99,7 +100,7 @@ class RetryPolicy:
         for name in ("backoff_initial", "backoff_max", "healthy_after"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
-        if self.permanent_retry <= 0:
+        if self.permanent_retry is not None and self.permanent_retry <= 0:
             raise ValueError("permanent_retry must be positive")
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
@@ -108,7 +109,7 @@ class RetryPolicy:
 
     def delay(self, error: BaseException | None, attempt: int) -> float:
         """Seconds to wait after the ``attempt``-th failed start of a streak (counting from 1)."""
-        if is_permanent(error):
+        if is_permanent(error) and self.permanent_retry is not None:
             return self.permanent_retry * (random.uniform(0.9, 1.1) if self.jitter else 1.0)
         wait = self.backoff_initial * 2.0 ** min(max(attempt, 1) - 1, 32)
         if self.jitter:
@@ -118,6 +119,8 @@ class RetryPolicy:
     def gives_up(self, error: BaseException | None, attempt: int, stats: StreamStats) -> bool:
         """True when the source should stop after this failure and raise it."""
         if self.max_restarts is not None and stats.restarts >= self.max_restarts:
+            return True
+        if self.permanent_retry is None and is_permanent(error):
             return True
         if self.fail_fast and stats.rows == 0 and (is_permanent(error) or attempt >= FAIL_FAST_ATTEMPTS):
             return True

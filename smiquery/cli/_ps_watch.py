@@ -469,6 +469,7 @@ def watch(
         options="DT",
         nvidia_smi=settings.nvidia_smi,
         stall_timeout=max(settings.timeout, 3.0 * interval),
+        fail_fast=True,  # interactive: a fault before the first refresh ends the command with its typed error
         on_event=lambda ev: items.put(_Event(ev)),
         runner=_PmonRunner(),
     )
