@@ -30,7 +30,7 @@ from smiquery.errors import (
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, _check_and_parse, build_argv, normalize_gpus
 from smiquery.parsing import CsvParser
-from smiquery.retry import DEFAULT_PERMANENT_RETRY, FreshStreak, RetryPolicy, Supervision
+from smiquery.retry import DEFAULT_PERMANENT_RETRY, RetryPolicy, Supervision, _FreshStreak
 from smiquery.runner import TERM_GRACE, Completed, find_nvidia_smi
 from smiquery.source import StreamEvent, StreamStats, Sweep, SweepGrouper
 
@@ -399,7 +399,7 @@ class AsyncStream:
                             finally:
                                 await session.aclose()  # type: ignore[attr-defined]  # reaps its child now
                     return
-                except FreshStreak:
+                except _FreshStreak:
                     continue  # a fresh streak: the first attempt runs at once
         except _Stopped:
             return
@@ -458,7 +458,7 @@ class AsyncStream:
         except SmiqueryError as exc:
             if self._closed:
                 raise _Stopped from exc
-            supervision.failure(exc)  # raises FreshStreak after a healthy period
+            supervision.failure(exc)  # raises _FreshStreak after a healthy period
             raise
         finally:
             self._child = None

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from smiquery.errors import NvidiaSmiTimeoutError, ParseError, SmiqueryError, StreamEndedError
 from smiquery.oneshot import GpusArg, normalize_gpus
-from smiquery.retry import DEFAULT_PERMANENT_RETRY, FreshStreak, RetryPolicy, Supervision
+from smiquery.retry import DEFAULT_PERMANENT_RETRY, RetryPolicy, Supervision, _FreshStreak
 from smiquery.runner import LineSource, Runner, default_runner, find_nvidia_smi
 from smiquery.source import StreamEvent, StreamStats
 
@@ -454,7 +454,7 @@ class PmonStream:
                         with attempt:
                             yield from self._session()
                     return
-                except FreshStreak:
+                except _FreshStreak:
                     continue  # a fresh streak: the first attempt runs at once
         except _Stopped:
             return
@@ -522,7 +522,7 @@ class PmonStream:
         except SmiqueryError as exc:
             if self._closed:
                 raise _Stopped from exc
-            supervision.failure(exc)  # raises FreshStreak after a healthy period
+            supervision.failure(exc)  # raises _FreshStreak after a healthy period
             raise
         finally:
             child.close()

@@ -32,7 +32,6 @@ from smiquery.source import StreamEvent, StreamStats
 __all__ = [
     "DEFAULT_PERMANENT_RETRY",
     "FAIL_FAST_ATTEMPTS",
-    "FreshStreak",
     "RetryPolicy",
     "Supervision",
     "is_permanent",
@@ -58,7 +57,7 @@ def one_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-class FreshStreak(Exception):
+class _FreshStreak(Exception):
     """Raised by :meth:`Supervision.failure`: the child failed after a healthy period; start again at once."""
 
     def __init__(self, error: SmiqueryError) -> None:
@@ -196,10 +195,10 @@ class Supervision:
         self._emit(StreamEvent("error", exc, stats.last_error))
 
     def failure(self, exc: SmiqueryError) -> None:
-        """Record a failed child; raise :class:`FreshStreak` when it had run well for ``healthy_after`` seconds.
+        """Record a failed child; raise ``_FreshStreak`` when it had run well for ``healthy_after`` seconds.
 
         Raises:
-            FreshStreak: a transient failure after a healthy period (restart at once, backoff from the start).
+            _FreshStreak: a transient failure after a healthy period (restart at once, backoff from the start).
         """
         self.record(exc)
         since, self._healthy_since = self._healthy_since, None
@@ -207,7 +206,7 @@ class Supervision:
             detail = f"restarting {self.what} now after: {one_line(exc)} (it had run well for a while)"
             log.warning("smiquery: %s", detail)
             self._emit(StreamEvent("restart", exc, detail))
-            raise FreshStreak(exc) from exc
+            raise _FreshStreak(exc) from exc
 
     def finished(self, closed: bool) -> None:
         """The source is over (not failed): ``closed`` or ``ended``."""

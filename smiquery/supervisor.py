@@ -33,7 +33,7 @@ from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, build_argv, normalize_gpus
 from smiquery.parsing import CsvParser, is_message
 from smiquery.records import GpuSample
-from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, FreshStreak, RetryPolicy, Supervision
+from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, RetryPolicy, Supervision, _FreshStreak
 from smiquery.runner import TERM_GRACE, LineSource, Runner, default_runner, find_nvidia_smi
 from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep, SweepGrouper
 
@@ -231,7 +231,7 @@ class Stream(LatestSweep):
                         with attempt:
                             yield from self._session(budget)
                     return
-                except FreshStreak:
+                except _FreshStreak:
                     continue  # a fresh streak: the first attempt runs at once
         except _Stopped:
             return
@@ -308,7 +308,7 @@ class Stream(LatestSweep):
             cut = grouper.flush(cut=True, absent=stats.lost_gpus)
             if cut is not None and not self._closed.is_set():
                 yield self._on_sweep(cut)
-            self._supervision.failure(exc)  # raises FreshStreak after a healthy period
+            self._supervision.failure(exc)  # raises _FreshStreak after a healthy period
             raise
         finally:
             with self._lock:
