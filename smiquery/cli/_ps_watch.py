@@ -449,7 +449,9 @@ def watch(
 
     Raises:
         UsageError: more than four GPUs.
-        SmiqueryError: nvidia-smi pmon failed in a way a restart cannot fix.
+        SmiqueryError: nvidia-smi pmon said it is unsupported, or failed before the first refresh in a way a
+            restart cannot fix (or kept failing: see :data:`~smiquery.retry.FAIL_FAST_ATTEMPTS`). Once refreshes
+            have been shown, other failures are retried under the stream's policy.
     """
     from smiquery.cli.stream import _Signals
     from smiquery.pmon import stream
