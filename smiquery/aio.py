@@ -16,7 +16,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import tzinfo
 from typing import TYPE_CHECKING
 
@@ -397,7 +397,7 @@ class AsyncStream:
                                 async for batch in session:
                                     yield batch
                             finally:
-                                await session.aclose()  # type: ignore[attr-defined]  # reaps its child now
+                                await session.aclose()  # reaps its child now, not at garbage collection
                     return
                 except _FreshStreak:
                     continue  # a fresh streak: the first attempt runs at once
@@ -412,7 +412,7 @@ class AsyncStream:
             supervision.finished(self._closed)
             self._busy = False
 
-    async def _session(self) -> AsyncIterator[list[GpuSample]]:
+    async def _session(self) -> AsyncGenerator[list[GpuSample], None]:
         """Run one child until it fails (raises) or the stream is closed (raises _Stopped)."""
         known = self.stats.known_gpus
         stats = self.stats
