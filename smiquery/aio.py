@@ -16,7 +16,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import tzinfo
 from typing import TYPE_CHECKING
 
@@ -380,24 +380,64 @@ class AsyncStream:
             raise _Stopped
 
     async def _batches(self) -> AsyncIterator[list[GpuSample]]:
-        """Samples in the batches they arrive in (one read of output): one generator step per read, not per row."""
+        """Samples in the batches they arrive in (one read of output): one generator step per read, not per row.
+
+        Each attempt of the retry policy runs one child, read in place (no generator per child: this is the hot
+        path of the stream).
+        """
         if self._busy:
             raise RuntimeError("this stream is already being iterated (one child per stream)")
         self._busy = True
+        stats = self.stats
+        known = stats.known_gpus
         supervision = self._supervision
         try:
             while True:
                 try:
                     async for attempt in supervision.async_retrying(self._pause):
                         with attempt:
-                            if self._closed:
-                                raise _Stopped
-                            session = self._session()
+                            child = await self._start()
                             try:
-                                async for batch in session:
+                                parser = CsvParser(self.fields, strict=False, tz=self._tz)
+                                delivered = False
+                                while True:
+                                    timeout = self.stall_timeout if delivered else self.startup_timeout
+                                    lines = await child.readlines(timeout)
+                                    if lines is None:
+                                        break
+                                    batch: list[GpuSample] = []
+                                    for line in lines:
+                                        before = parser.dropped
+                                        sample = parser.feed(line)
+                                        if parser.dropped != before:
+                                            stats.dropped_rows += 1
+                                            err = parser.last_error
+                                            detail = str(err) if err else "dropped row"
+                                            self._emit(StreamEvent("dropped_row", err, detail))
+                                        if sample is None:
+                                            continue
+                                        if sample.index is not None and sample.index not in known:
+                                            known[sample.index] = sample.uuid if "uuid" in sample else None
+                                        batch.append(sample)
+                                    if not batch:
+                                        continue
+                                    if not delivered:
+                                        delivered = True
+                                        supervision.first_row()
+                                    stats.rows += len(batch)
                                     yield batch
+                                await child.finish(self.stall_timeout)
+                                if self._closed:
+                                    raise _Stopped
+                                raise _ChildEndedError(self.argv, 0, "", "nvidia-smi ended its loop; restarting")
+                            except SmiqueryError as exc:
+                                if self._closed:
+                                    raise _Stopped from exc
+                                supervision.failure(exc)  # raises _FreshStreak after a healthy period
+                                raise
                             finally:
-                                await session.aclose()  # reaps its child now, not at garbage collection
+                                self._child = None
+                                await child.close()
                     return
                 except _FreshStreak:
                     continue  # a fresh streak: the first attempt runs at once
@@ -405,64 +445,25 @@ class AsyncStream:
             return
         except BaseException as exc:
             if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
-                self.stats.state = "failed"
+                stats.state = "failed"
                 self._error = exc
             raise
         finally:
             supervision.finished(self._closed)
             self._busy = False
 
-    async def _session(self) -> AsyncGenerator[list[GpuSample], None]:
-        """Run one child until it fails (raises) or the stream is closed (raises _Stopped)."""
-        known = self.stats.known_gpus
-        stats = self.stats
-        supervision = self._supervision
-        supervision.started()
-        parser = CsvParser(self.fields, strict=False, tz=self._tz)
+    async def _start(self) -> _Child:
+        """Start one child (counted); a failure to start is recorded and raised for the retry policy."""
+        if self._closed:
+            raise _Stopped
+        self._supervision.started()
         try:
             child = _Child(await _spawn(self.argv), self.argv)
         except SmiqueryError as exc:
-            supervision.failure(exc)
+            self._supervision.failure(exc)
             raise
         self._child = child
-        try:
-            delivered = False
-            while True:
-                lines = await child.readlines(self.stall_timeout if delivered else self.startup_timeout)
-                if lines is None:
-                    break
-                batch: list[GpuSample] = []
-                for line in lines:
-                    before = parser.dropped
-                    sample = parser.feed(line)
-                    if parser.dropped != before:
-                        stats.dropped_rows += 1
-                        err = parser.last_error
-                        self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped row"))
-                    if sample is None:
-                        continue
-                    if sample.index is not None and sample.index not in known:
-                        known[sample.index] = sample.uuid if "uuid" in sample else None
-                    batch.append(sample)
-                if not batch:
-                    continue
-                if not delivered:
-                    delivered = True
-                    supervision.first_row()
-                stats.rows += len(batch)
-                yield batch
-            await child.finish(self.stall_timeout)
-            if self._closed:
-                raise _Stopped
-            raise _ChildEndedError(self.argv, 0, "", "nvidia-smi ended its loop; restarting")
-        except SmiqueryError as exc:
-            if self._closed:
-                raise _Stopped from exc
-            supervision.failure(exc)  # raises _FreshStreak after a healthy period
-            raise
-        finally:
-            self._child = None
-            await child.close()
+        return child
 
     def __aiter__(self) -> AsyncIterator[GpuSample]:
         return self._samples()
