@@ -1,9 +1,9 @@
 """asyncio API: ``await query(...)`` and ``async with stream(...) as s: async for sweep in s.sweeps(): ...``.
 
 Built on asyncio subprocesses (an argument list, never a shell) with the sync API's guarantees: a timeout on
-every read, one child per stream, restarts with exponential backoff, typed errors, and every child terminated,
-killed if need be, and reaped on every path, cancellation and ``asyncio.wait_for`` included. Parsing, argument
-lists and sweep grouping are the sync API's own (:class:`~smiquery.parsing.CsvParser`,
+every read, one child per stream, the CSV stream's retry policy (:mod:`smiquery.retry`), typed errors, and every
+child terminated, killed if need be, and reaped on every path, cancellation and ``asyncio.wait_for`` included.
+Parsing, argument lists and sweep grouping are the sync API's own (:class:`~smiquery.parsing.CsvParser`,
 :func:`~smiquery.oneshot.build_argv`, :class:`~smiquery.source.SweepGrouper`).
 """
 
@@ -30,6 +30,7 @@ from smiquery.errors import (
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, _check_and_parse, build_argv, normalize_gpus
 from smiquery.parsing import CsvParser
+from smiquery.retry import DEFAULT_PERMANENT_RETRY, RetryPolicy, Supervision, _FreshStreak
 from smiquery.runner import TERM_GRACE, Completed, find_nvidia_smi
 from smiquery.source import StreamEvent, StreamStats, Sweep, SweepGrouper
 
@@ -286,12 +287,19 @@ class _ChildEndedError(NvidiaSmiFailedError):
     """The loop child exited 0, which a loop never does by itself."""
 
 
+class _Stopped(Exception):
+    """Internal: the stream was closed."""
+
+
 class AsyncStream:
     """One long-lived nvidia-smi in loop mode, read without blocking the event loop.
 
     ``async for sample in s`` yields samples; :meth:`sweeps` yields whole sweeps. Leaving ``async with`` (or
     :meth:`aclose`) terminates and reaps the child; so does cancelling the task that iterates. Only one
-    iteration may run at a time (one child per stream). See :func:`stream` for the arguments.
+    iteration may run at a time (one child per stream). Failures are retried under the CSV stream's
+    :class:`~smiquery.retry.RetryPolicy` (capped, jittered backoff reset only after ``healthy_after``; a slow
+    ``permanent_retry`` cadence for faults that need a person; ``fail_fast`` for interactive use); :attr:`stats`
+    shows the state. See :func:`stream` for the arguments.
     """
 
     def __init__(
@@ -303,9 +311,13 @@ class AsyncStream:
         nvidia_smi: str | os.PathLike[str] | None = None,
         stall_timeout: float | None = None,
         startup_timeout: float = 45.0,
+        max_attempts: int | None = None,
         max_restarts: int | None = None,
         backoff_initial: float = 0.1,
         backoff_max: float = 30.0,
+        permanent_retry: float | None = DEFAULT_PERMANENT_RETRY,
+        healthy_after: float | None = None,
+        fail_fast: bool = False,
         on_event: Callable[[StreamEvent], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         tz: tzinfo | None = None,
@@ -315,6 +327,8 @@ class AsyncStream:
             flds = (*resolve_fields(["index"]), *flds)  # sweeps are grouped by GPU index
         if interval <= 0:
             raise ValueError("interval must be positive")
+        if startup_timeout <= 0:
+            raise ValueError("startup_timeout must be positive")
         self.fields = flds
         self.interval = float(interval)
         self.gpus = normalize_gpus(gpus)
@@ -324,8 +338,20 @@ class AsyncStream:
         self.max_restarts = max_restarts
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        #: The :class:`~smiquery.retry.RetryPolicy` built from the arguments.
+        self.retry_policy = RetryPolicy(
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            healthy_after=healthy_after if healthy_after is not None else max(30.0, 10 * self.interval),
+            permanent_retry=permanent_retry,
+            max_attempts=max_attempts,
+            max_restarts=max_restarts,
+            fail_fast=fail_fast,
+        )
         self.on_event = on_event
         self.stats = StreamStats()
+        self._supervision = Supervision(self.retry_policy, self.stats, self._emit)
+        self._error: BaseException | None = None
         self._sleep = sleep
         self._tz = tz
         self._child: _Child | None = None
@@ -342,85 +368,102 @@ class AsyncStream:
             except Exception:
                 log.exception("smiquery aio stream on_event callback failed")
 
-    def _record(self, exc: BaseException) -> None:
-        self.stats.errors[type(exc).__name__] += 1
-        self.stats.last_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        self.stats.last_error_type = type(exc).__name__
-        self._emit(StreamEvent("error", exc, self.stats.last_error))
+    @property
+    def error(self) -> BaseException | None:
+        """The error that ended the stream (given up), if any."""
+        return self._error
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait between attempts (the injected ``sleep``); a close during the wait ends the stream."""
+        await self._sleep(seconds)
+        if self._closed:
+            raise _Stopped
 
     async def _batches(self) -> AsyncIterator[list[GpuSample]]:
-        """Samples in the batches they arrive in (one read of output): one generator step per read, not per row."""
-        known = self.stats.known_gpus
+        """Samples in the batches they arrive in (one read of output): one generator step per read, not per row.
+
+        Each attempt of the retry policy runs one child, read in place (no generator per child: this is the hot
+        path of the stream).
+        """
         if self._busy:
             raise RuntimeError("this stream is already being iterated (one child per stream)")
         self._busy = True
+        stats = self.stats
+        known = stats.known_gpus
+        supervision = self._supervision
         try:
-            failures = 0
-            while not self._closed:
-                delay = 0.0
-                parser = CsvParser(self.fields, strict=False, tz=self._tz)
-                self.stats.starts += 1
-                self.stats.state = "starting" if failures == 0 else "retrying"
-                child = _Child(await _spawn(self.argv), self.argv)
-                self._child = child
+            while True:
                 try:
-                    delivered = False
-                    while True:
-                        lines = await child.readlines(self.stall_timeout if delivered else self.startup_timeout)
-                        if lines is None:
-                            break
-                        batch: list[GpuSample] = []
-                        for line in lines:
-                            before = parser.dropped
-                            sample = parser.feed(line)
-                            if parser.dropped != before:
-                                self.stats.dropped_rows += 1
-                                err = parser.last_error
-                                self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped row"))
-                            if sample is None:
-                                continue
-                            if sample.index is not None and sample.index not in known:
-                                known[sample.index] = sample.uuid if "uuid" in sample else None
-                            batch.append(sample)
-                        if not batch:
-                            continue
-                        if not delivered:
-                            delivered = True
-                            self.stats.state = "running"
-                            self.stats.attempt = 0
-                            if failures:
-                                self._emit(StreamEvent("recovered", None, "nvidia-smi rows flow again"))
-                            failures = 0
-                        self.stats.rows += len(batch)
-                        yield batch
-                    await child.finish(self.stall_timeout)
-                    if self._closed:
-                        return
-                    raise _ChildEndedError(self.argv, 0, "", "nvidia-smi ended its loop; restarting")
-                except SmiqueryError as exc:
-                    if self._closed:
-                        return
-                    self._record(exc)
-                    if not exc.retryable or (
-                        self.max_restarts is not None and self.stats.restarts >= self.max_restarts
-                    ):
-                        self.stats.state = "failed"
-                        raise
-                    failures += 1
-                    self.stats.attempt = failures
-                    delay = min(self.backoff_max, self.backoff_initial * 2 ** (failures - 1))
-                    self.stats.restarts += 1
-                    self.stats.state = "retrying"
-                    self.stats.next_retry_at = time.time() + delay
-                    self._emit(StreamEvent("restart", exc, f"restarting nvidia-smi in {delay:.2f} s after: {exc}"))
-                    log.warning("smiquery: restarting nvidia-smi in %.2f s after: %s", delay, exc)
-                finally:
-                    self._child = None
-                    await child.close()
-                await self._sleep(delay)
-                self.stats.next_retry_at = None
+                    async for attempt in supervision.async_retrying(self._pause):
+                        with attempt:
+                            child = await self._start()
+                            try:
+                                parser = CsvParser(self.fields, strict=False, tz=self._tz)
+                                delivered = False
+                                while True:
+                                    timeout = self.stall_timeout if delivered else self.startup_timeout
+                                    lines = await child.readlines(timeout)
+                                    if lines is None:
+                                        break
+                                    batch: list[GpuSample] = []
+                                    for line in lines:
+                                        before = parser.dropped
+                                        sample = parser.feed(line)
+                                        if parser.dropped != before:
+                                            stats.dropped_rows += 1
+                                            err = parser.last_error
+                                            detail = str(err) if err else "dropped row"
+                                            self._emit(StreamEvent("dropped_row", err, detail))
+                                        if sample is None:
+                                            continue
+                                        if sample.index is not None and sample.index not in known:
+                                            known[sample.index] = sample.uuid if "uuid" in sample else None
+                                        batch.append(sample)
+                                    if not batch:
+                                        continue
+                                    if not delivered:
+                                        delivered = True
+                                        supervision.first_row()
+                                    stats.rows += len(batch)
+                                    yield batch
+                                await child.finish(self.stall_timeout)
+                                if self._closed:
+                                    raise _Stopped
+                                raise _ChildEndedError(self.argv, 0, "", "nvidia-smi ended its loop; restarting")
+                            except SmiqueryError as exc:
+                                if self._closed:
+                                    raise _Stopped from exc
+                                supervision.failure(exc)  # raises _FreshStreak after a healthy period
+                                raise
+                            finally:
+                                self._child = None
+                                await child.close()
+                    return
+                except _FreshStreak:
+                    continue  # a fresh streak: the first attempt runs at once
+        except _Stopped:
+            return
+        except BaseException as exc:
+            if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
+                stats.state = "failed"
+                self._error = exc
+            raise
         finally:
+            supervision.finished(self._closed)
             self._busy = False
+
+    async def _start(self) -> _Child:
+        """Start one child (counted); a failure to start is recorded and raised for the retry policy."""
+        if self._closed:
+            raise _Stopped
+        self._supervision.started()
+        try:
+            child = _Child(await _spawn(self.argv), self.argv)
+        except SmiqueryError as exc:
+            self._supervision.failure(exc)
+            raise
+        self._child = child
+        return child
 
     def __aiter__(self) -> AsyncIterator[GpuSample]:
         return self._samples()
@@ -486,9 +529,13 @@ def stream(
     nvidia_smi: str | os.PathLike[str] | None = None,
     stall_timeout: float | None = None,
     startup_timeout: float = 45.0,
+    max_attempts: int | None = None,
     max_restarts: int | None = None,
     backoff_initial: float = 0.1,
     backoff_max: float = 30.0,
+    permanent_retry: float | None = DEFAULT_PERMANENT_RETRY,
+    healthy_after: float | None = None,
+    fail_fast: bool = False,
     on_event: Callable[[StreamEvent], None] | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     tz: tzinfo | None = None,
@@ -510,9 +557,18 @@ def stream(
             ``max(3 * interval, 10)``).
         startup_timeout: seconds a new child may take to print its first line (nvidia-smi starts slowly
             without persistence mode).
-        max_restarts: restarts before giving up (None: never give up on retryable errors).
-        backoff_initial: first restart delay in seconds; doubles per consecutive failure, reset by good rows.
-        backoff_max: longest restart delay.
+        max_attempts: failed starts in one failure streak before giving up (None: never give up).
+        max_restarts: restarts in all before giving up (None: never).
+        backoff_initial: first delay after a transient failure, in seconds; doubles per failure of a streak,
+            with jitter.
+        backoff_max: the longest delay after a transient failure.
+        permanent_retry: seconds between attempts while the failure needs a person (driver/library mismatch,
+            NVML missing, no devices, a field the driver rejects, the binary gone); None raises such a failure
+            at once.
+        healthy_after: seconds of good data after which the backoff starts over (default ``max(30, 10 *
+            interval)``).
+        fail_fast: for interactive use: until the first row, give up on a fault that needs a person at once and
+            on a transient one after :data:`~smiquery.retry.FAIL_FAST_ATTEMPTS` starts, raising its typed error.
         on_event: called with each :class:`~smiquery.source.StreamEvent`.
         sleep: the coroutine used to wait between restarts (tests inject one).
         tz: time zone of the timestamps.
@@ -524,6 +580,7 @@ def stream(
         InvalidFieldError: an unknown field, before anything runs.
         InvalidGpuIdError: a malformed GPU id, before anything runs.
         NvidiaSmiNotFoundError: no usable binary.
+        ValueError: a non-positive interval or timeout, or a bad retry setting.
     """
     return AsyncStream(
         fields,
@@ -532,9 +589,13 @@ def stream(
         nvidia_smi=nvidia_smi,
         stall_timeout=stall_timeout,
         startup_timeout=startup_timeout,
+        max_attempts=max_attempts,
         max_restarts=max_restarts,
         backoff_initial=backoff_initial,
         backoff_max=backoff_max,
+        permanent_retry=permanent_retry,
+        healthy_after=healthy_after,
+        fail_fast=fail_fast,
         on_event=on_event,
         sleep=sleep,
         tz=tz,

@@ -29,6 +29,7 @@ from typing import NamedTuple
 from smiquery._log import get_logger
 from smiquery.errors import NvidiaSmiTimeoutError, ParseError, SmiqueryError, StreamEndedError
 from smiquery.oneshot import GpusArg, normalize_gpus
+from smiquery.retry import DEFAULT_PERMANENT_RETRY, RetryPolicy, Supervision, _FreshStreak
 from smiquery.runner import LineSource, Runner, default_runner, find_nvidia_smi
 from smiquery.source import StreamEvent, StreamStats
 
@@ -343,31 +344,21 @@ def build_pmon_argv(
     return argv
 
 
-def _lines_of(child: LineSource, stall_timeout: float) -> Iterator[str]:
-    """The child's lines until its output ends; silence longer than ``stall_timeout`` is a hang."""
-    while True:
-        try:
-            line = child.readline(stall_timeout)
-        except StreamEndedError:
-            return  # ended with exit 0 (a finite -c count, or a stop that was asked for)
-        if line is None:
-            raise NvidiaSmiTimeoutError(
-                f"nvidia-smi pmon printed nothing for {stall_timeout:g} s and was killed (hung driver?); "
-                "check `dmesg` for Xid errors",
-                argv=child.argv,
-                timeout=stall_timeout,
-            )
-        yield line
+class _Stopped(Exception):
+    """Internal: the stream was closed."""
 
 
 class PmonStream:
     """One long-lived ``nvidia-smi pmon`` child, parsed into :class:`PmonRow` records and instants.
 
     Iterate it for rows, or call :meth:`samples` for one tuple of rows per interval. The same guarantees as the
-    CSV stream: one child at a time, every child reaped on every path (early stop, exception, close from another
-    thread, garbage collection), silence longer than ``stall_timeout`` counts as a hang (killed, restarted), a
-    failing child is restarted with exponential backoff, and errors that need a person (binary missing,
-    permission, unsupported) are raised at once. ``-`` stays None. Counters are in :attr:`stats`.
+    CSV stream (:class:`~smiquery.supervisor.Stream`), under the same :class:`~smiquery.retry.RetryPolicy`: one
+    child at a time, every child reaped on every path (early stop, exception, close from another thread, garbage
+    collection); no row within ``startup_timeout`` of a start, or no line for ``stall_timeout`` once rows flow,
+    counts as a hang (killed, restarted); a transient failure is retried with capped exponential backoff and
+    jitter, reset only after ``healthy_after`` seconds of good rows; a failure that needs a person (NVML missing,
+    pmon unsupported, the binary gone...) is retried every ``permanent_retry`` seconds, or raised at once with
+    ``fail_fast`` before the first row. ``-`` stays None. Counters and the retry state are in :attr:`stats`.
 
     See :func:`stream` for the arguments.
     """
@@ -382,13 +373,20 @@ class PmonStream:
         options: str = "DT",
         nvidia_smi: str | os.PathLike[str] | None = None,
         stall_timeout: float | None = None,
+        startup_timeout: float = 45.0,
+        max_attempts: int | None = None,
         max_restarts: int | None = None,
         backoff_initial: float = 0.1,
         backoff_max: float = 30.0,
+        permanent_retry: float | None = DEFAULT_PERMANENT_RETRY,
+        healthy_after: float | None = None,
+        fail_fast: bool = False,
         on_event: Callable[[StreamEvent], None] | None = None,
         runner: Runner | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        if startup_timeout <= 0:
+            raise ValueError("startup_timeout must be positive")
         self.gpus = normalize_gpus(gpus)
         self._runner: Runner = runner or default_runner()
         self.argv = tuple(
@@ -403,16 +401,34 @@ class PmonStream:
         )
         self.count = count
         self.stall_timeout = stall_timeout if stall_timeout is not None else max(3.0 * interval, 10.0)
+        self.startup_timeout = float(startup_timeout)
         self.max_restarts = max_restarts
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        #: The :class:`~smiquery.retry.RetryPolicy` built from the arguments.
+        self.retry_policy = RetryPolicy(
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            healthy_after=healthy_after if healthy_after is not None else max(30.0, 10.0 * interval),
+            permanent_retry=permanent_retry,
+            max_attempts=max_attempts,
+            max_restarts=max_restarts,
+            fail_fast=fail_fast,
+        )
         self.on_event = on_event
         self.stats = StreamStats()
+        self._supervision = Supervision(self.retry_policy, self.stats, self._emit, what="nvidia-smi pmon")
         self._sleep = sleep
         self._lock = threading.Lock()
         self._child: LineSource | None = None
         self._closed = False
         self._stop = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that ended the stream (given up), if any."""
+        return self._error
 
     def _emit(self, event: StreamEvent) -> None:
         if self.on_event is not None:
@@ -421,75 +437,113 @@ class PmonStream:
             except Exception:
                 log.exception("smiquery pmon on_event callback failed")
 
-    def _wait(self, seconds: float) -> None:
+    def _pause(self, seconds: float) -> None:
+        """Wait between attempts; a close cuts the wait short and ends the stream."""
         if self._sleep is time.sleep:
             self._stop.wait(seconds)  # close() wakes it at once
         else:
             self._sleep(seconds)
+        if self._closed:
+            raise _Stopped
 
     def __iter__(self) -> Iterator[PmonRow]:
-        failures = 0
         try:
-            while not self._closed:
-                delay = 0.0
-                parser = PmonParser(strict=False)
-                child = self._runner.lines(self.argv)
-                self.stats.starts += 1
-                self.stats.state = "running"
-                with self._lock:
-                    self._child = child
-                delivered = False
+            while True:
                 try:
-                    for line in _lines_of(child, self.stall_timeout):
-                        before = parser.dropped
-                        row = parser.feed(line)
-                        if parser.dropped != before:
-                            self.stats.dropped_rows += 1
-                            err = parser.last_error
-                            self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped line"))
-                        if row is None:
-                            continue
-                        if not delivered and failures:
-                            self._emit(StreamEvent("recovered", None, "pmon rows flow again"))
-                        delivered = True
-                        failures = 0
-                        self.stats.rows += 1
-                        if row.gpu is not None:
-                            self.stats.known_gpus.setdefault(row.gpu, None)
-                        yield row
-                    if self._closed or self.count is not None:
-                        self.stats.state = "closed" if self._closed else "ended"
-                        return
-                    raise StreamEndedError(self.argv, 0, "", "nvidia-smi pmon ended by itself; restarting")
-                except SmiqueryError as exc:
-                    if self._closed:
-                        return
-                    self.stats.errors[type(exc).__name__] += 1
-                    self.stats.last_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                    self.stats.last_error_type = type(exc).__name__
-                    self._emit(StreamEvent("error", exc, self.stats.last_error))
-                    if not exc.retryable or (
-                        self.max_restarts is not None and self.stats.restarts >= self.max_restarts
-                    ):
-                        self.stats.state = "failed"
-                        raise
-                    failures += 1
-                    delay = min(self.backoff_max, self.backoff_initial * 2 ** (failures - 1))
-                    self.stats.restarts += 1
-                    self.stats.state = "retrying"
-                    self._emit(StreamEvent("restart", exc, f"restarting nvidia-smi pmon in {delay:.2f} s: {exc}"))
-                    log.warning("smiquery: restarting nvidia-smi pmon in %.2f s after: %s", delay, exc)
-                finally:
-                    child.close()
-                    with self._lock:
-                        self._child = None
-                self._wait(delay)
+                    for attempt in self._supervision.retrying(self._pause):
+                        with attempt:
+                            yield from self._session()
+                    return
+                except _FreshStreak:
+                    continue  # a fresh streak: the first attempt runs at once
+        except _Stopped:
+            return
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit):
+                self.stats.state = "failed"
+                self._error = exc
+            raise
         finally:
+            self._supervision.finished(self._closed)
             with self._lock:
                 left = self._child
                 self._child = None
             if left is not None:
                 left.close()
+
+    def _session(self) -> Iterator[PmonRow]:
+        """Run one child until it fails (raises), the stream is closed (raises _Stopped) or a finite count ends."""
+        if self._closed:
+            raise _Stopped
+        stats = self.stats
+        supervision = self._supervision
+        supervision.started()
+        parser = PmonParser(strict=False)
+        try:
+            child = self._runner.lines(self.argv)
+        except SmiqueryError as exc:
+            supervision.failure(exc)
+            raise
+        with self._lock:
+            self._child = child
+        if self._closed:
+            child.terminate()
+        delivered = False
+        deadline = time.monotonic() + self.startup_timeout
+        try:
+            while True:
+                wait = self.stall_timeout if delivered else deadline - time.monotonic()
+                try:
+                    line = child.readline(wait) if wait > 0 else None
+                except StreamEndedError:
+                    break  # ended with exit 0 (a finite -c count, or a stop that was asked for)
+                if line is None:
+                    raise self._hung(child, delivered)
+                before = parser.dropped
+                row = parser.feed(line)
+                if parser.dropped != before:
+                    stats.dropped_rows += 1
+                    err = parser.last_error
+                    self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped line"))
+                if row is None:
+                    continue
+                if not delivered:
+                    delivered = True
+                    supervision.first_row()
+                stats.rows += 1
+                if row.gpu is not None:
+                    stats.known_gpus.setdefault(row.gpu, None)
+                yield row
+            if self._closed:
+                raise _Stopped
+            if self.count is not None:
+                return
+            raise StreamEndedError(self.argv, 0, "", "nvidia-smi pmon ended by itself; restarting")
+        except SmiqueryError as exc:
+            if self._closed:
+                raise _Stopped from exc
+            supervision.failure(exc)  # raises _FreshStreak after a healthy period
+            raise
+        finally:
+            child.close()
+            with self._lock:
+                self._child = None
+
+    def _hung(self, child: LineSource, delivered: bool) -> NvidiaSmiTimeoutError:
+        if not delivered:
+            return NvidiaSmiTimeoutError(
+                f"nvidia-smi pmon printed no row within {self.startup_timeout:g} s of starting and was killed; "
+                "a cold start without persistence mode can be this slow (`nvidia-smi -pm 1`), or the driver hangs "
+                "(check `dmesg` for Xid errors)",
+                argv=child.argv,
+                timeout=self.startup_timeout,
+            )
+        return NvidiaSmiTimeoutError(
+            f"nvidia-smi pmon printed nothing for {self.stall_timeout:g} s and was killed (hung driver?); "
+            "check `dmesg` for Xid errors",
+            argv=child.argv,
+            timeout=self.stall_timeout,
+        )
 
     def samples(self, count: int | None = None) -> Iterator[tuple[PmonRow, ...]]:
         """Yield one tuple of rows per interval (every process on every watched GPU at that instant).
@@ -551,9 +605,14 @@ def stream(
     options: str = "DT",
     nvidia_smi: str | os.PathLike[str] | None = None,
     stall_timeout: float | None = None,
+    startup_timeout: float = 45.0,
+    max_attempts: int | None = None,
     max_restarts: int | None = None,
     backoff_initial: float = 0.1,
     backoff_max: float = 30.0,
+    permanent_retry: float | None = DEFAULT_PERMANENT_RETRY,
+    healthy_after: float | None = None,
+    fail_fast: bool = False,
     on_event: Callable[[StreamEvent], None] | None = None,
     runner: Runner | None = None,
     sleep: Callable[[float], None] = time.sleep,
@@ -574,13 +633,22 @@ def stream(
         select: ``u`` utilisation and/or ``m`` framebuffer memory.
         options: ``D`` and/or ``T`` to stamp each line with the date and time.
         nvidia_smi: path of the binary.
-        stall_timeout: seconds without a line before the child counts as hung (default ``max(3*interval, 10)``).
-        max_restarts: restarts before giving up (None: never give up on retryable errors).
-        backoff_initial: first restart delay; doubles per consecutive failure.
-        backoff_max: longest restart delay.
+        stall_timeout: seconds without a line, once rows flow, before the child counts as hung (default
+            ``max(3*interval, 10)``).
+        startup_timeout: seconds a freshly started child may take to print its first row.
+        max_attempts: failed starts in one failure streak before giving up (None: never give up).
+        max_restarts: restarts in all before giving up (None: never).
+        backoff_initial: first delay after a transient failure; doubles per failure of a streak, with jitter.
+        backoff_max: the longest delay after a transient failure.
+        permanent_retry: seconds between attempts while the failure needs a person (NVML missing, pmon not
+            supported, no devices, the binary gone...); None raises such a failure at once.
+        healthy_after: seconds of good rows after which the backoff starts over (default ``max(30, 10 *
+            interval)``).
+        fail_fast: for interactive use: until the first row, give up on a fault that needs a person at once and
+            on a transient one after :data:`~smiquery.retry.FAIL_FAST_ATTEMPTS` starts, raising its typed error.
         on_event: called with each :class:`~smiquery.source.StreamEvent` (restart, error, recovered, dropped_row).
         runner: how to run nvidia-smi (tests inject one).
-        sleep: how to wait between restarts (tests inject one).
+        sleep: how to wait between restarts (tests inject one; the default wait is cut short by ``close()``).
 
     Returns:
         A :class:`PmonStream` (nothing runs until it is iterated).
@@ -588,7 +656,7 @@ def stream(
     Raises:
         InvalidGpuIdError: a malformed GPU id.
         NvidiaSmiNotFoundError: no usable binary.
-        ValueError: an interval, count, select or options value pmon would reject.
+        ValueError: an interval, count, select or options value pmon would reject, or a bad retry setting.
     """
     return PmonStream(
         gpus=gpus,
@@ -598,9 +666,14 @@ def stream(
         options=options,
         nvidia_smi=nvidia_smi,
         stall_timeout=stall_timeout,
+        startup_timeout=startup_timeout,
+        max_attempts=max_attempts,
         max_restarts=max_restarts,
         backoff_initial=backoff_initial,
         backoff_max=backoff_max,
+        permanent_retry=permanent_retry,
+        healthy_after=healthy_after,
+        fail_fast=fail_fast,
         on_event=on_event,
         runner=runner,
         sleep=sleep,

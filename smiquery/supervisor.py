@@ -18,7 +18,6 @@ What it guarantees, whatever nvidia-smi does:
 from __future__ import annotations
 
 import inspect
-import random
 import re
 import threading
 import time
@@ -28,14 +27,13 @@ from collections.abc import Callable, Generator, Iterator
 from datetime import tzinfo
 from typing import TYPE_CHECKING
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, stop_never
-
 from smiquery._log import get_logger
 from smiquery.errors import NvidiaSmiFailedError, NvidiaSmiTimeoutError, SmiqueryError
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, build_argv, normalize_gpus
 from smiquery.parsing import CsvParser, is_message
 from smiquery.records import GpuSample
+from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, RetryPolicy, Supervision, _FreshStreak
 from smiquery.runner import TERM_GRACE, LineSource, Runner, default_runner, find_nvidia_smi
 from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep, SweepGrouper
 
@@ -49,32 +47,12 @@ log = get_logger("smiquery")
 #: Seconds a fresh nvidia-smi may take to print its first row: cold starts without persistence mode take 15-30 s
 #: on large hosts and in containers with a huge open-file limit (NVIDIA-SMI.md section 6).
 DEFAULT_STARTUP_TIMEOUT = 45.0
-#: With ``fail_fast``, how many starts a transient fault gets before any row has arrived.
-FAIL_FAST_ATTEMPTS = 6
-#: Seconds between attempts while a fault needs a person (driver upgrade pending a reboot, NVML missing...).
-DEFAULT_PERMANENT_RETRY = 30.0
 
 _LOST_MESSAGE = re.compile(r"device handle for GPU ([0-9A-Fa-f:.]+): GPU is lost", re.IGNORECASE)
 
 
 class _Stopped(Exception):
     """Internal: the stream was closed, or its duration is over."""
-
-
-class _HealthyFailure(Exception):
-    """Internal: a child failed after a healthy period; the retry streak starts afresh."""
-
-    def __init__(self, error: SmiqueryError) -> None:
-        self.error = error
-
-
-def _permanent(exc: BaseException | None) -> bool:
-    return isinstance(exc, SmiqueryError) and not exc.retryable
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _bus_key(bus_id: str) -> str:
@@ -122,11 +100,8 @@ class Stream(LatestSweep):
             flds = (*resolve_fields(["index"]), *flds)  # sweeps are grouped by GPU index
         if interval <= 0:
             raise ValueError("interval must be positive")
-        for name, value in (("startup_timeout", startup_timeout), ("permanent_retry", permanent_retry)):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive")
-        if max_attempts is not None and max_attempts < 1:
-            raise ValueError("max_attempts must be at least 1")
+        if startup_timeout <= 0:
+            raise ValueError("startup_timeout must be positive")
         self.fields = flds
         self.interval = float(interval)
         self.gpus = normalize_gpus(gpus)
@@ -144,10 +119,21 @@ class Stream(LatestSweep):
         self.permanent_retry = float(permanent_retry)
         self.healthy_after = healthy_after if healthy_after is not None else max(30.0, 10 * self.interval)
         self.fail_fast = fail_fast
+        #: The :class:`~smiquery.retry.RetryPolicy` built from the arguments above.
+        self.retry_policy = RetryPolicy(
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            healthy_after=self.healthy_after,
+            permanent_retry=self.permanent_retry,
+            max_attempts=max_attempts,
+            max_restarts=max_restarts,
+            fail_fast=fail_fast,
+        )
         self.on_event = on_event
         self._sleep = sleep
         self._tz = tz
         self.stats = StreamStats()
+        self._supervision = Supervision(self.retry_policy, self.stats, self._emit)
         self._lock = threading.Lock()
         self._latest: tuple[Sweep, float] | None = None
         self._closed = threading.Event()
@@ -162,53 +148,11 @@ class Stream(LatestSweep):
         self._grouper = SweepGrouper(expected if len(expected) == len(self.gpus) else (), gap=gap)
         self._absent_lost_by_message: set[str] = set()
         self._bus_of: dict[int, str] = {}
-        self._healthy_since: float | None = None
-        self._failing = False
         # Only a weak reference: an abandoned iterator must be collectable at once (no cycle), so that dropping it
         # closes the generator and reaps the child immediately.
         self._gen_ref: weakref.ref[Generator[GpuSample | Sweep, None, None]] | None = None
 
     # ----------------------------------------------------------------------------------------- events & state
-
-    def _record_error(self, exc: BaseException) -> None:
-        stats = self.stats
-        stats.errors[type(exc).__name__] += 1
-        stats.last_error = _one_line(exc)
-        stats.last_error_type = type(exc).__name__
-        stats.permanent = _permanent(exc)
-        self._failing = True
-        self._emit(StreamEvent("error", exc, stats.last_error))
-
-    def _before_sleep(self, state: RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        wait = state.next_action.sleep if state.next_action else 0.0
-        stats = self.stats
-        stats.state = "retrying"
-        stats.attempt = state.attempt_number
-        stats.next_retry_at = time.time() + wait
-        slow = " (this needs a person: retrying slowly)" if _permanent(exc) else ""
-        detail = f"restarting nvidia-smi in {wait:.1f} s after: {_one_line(exc) if exc else 'a failure'}{slow}"
-        self._emit(StreamEvent("restart", exc, detail))
-        log.warning("smiquery: %s", detail)
-
-    def _wait(self, state: RetryCallState) -> float:
-        exc = state.outcome.exception() if state.outcome else None
-        if _permanent(exc):
-            return self.permanent_retry * random.uniform(0.9, 1.1)  # spread a fleet's attempts
-        # exponential from backoff_initial, plus up to backoff_initial of jitter (spreads a fleet's restarts), capped
-        exp = self.backoff_initial * 2.0 ** min(state.attempt_number - 1, 32)
-        return min(exp + random.uniform(0, self.backoff_initial), self.backoff_max)
-
-    def _stop(self, state: RetryCallState) -> bool:
-        if self.max_restarts is not None and self.stats.restarts >= self.max_restarts:
-            return True
-        if self.fail_fast and self.stats.rows == 0:
-            exc = state.outcome.exception() if state.outcome else None
-            if _permanent(exc) or state.attempt_number >= FAIL_FAST_ATTEMPTS:
-                return True
-        if self.max_attempts is None:
-            return bool(stop_never(state))
-        return bool(stop_after_attempt(self.max_attempts)(state))
 
     def _pause(self, seconds: float) -> None:
         """Wait between attempts; a close or the end of ``duration`` cuts the wait short and ends the stream."""
@@ -219,17 +163,6 @@ class Stream(LatestSweep):
             self._closed.wait(limit)
         if self._closed.is_set() or (self._deadline is not None and time.monotonic() >= self._deadline):
             raise _Stopped
-
-    def _retrying(self) -> Retrying:
-        """The one retry policy of this stream (a fresh copy per failure streak)."""
-        return Retrying(
-            stop=self._stop,
-            wait=self._wait,
-            retry=retry_if_exception_type(SmiqueryError),
-            reraise=True,
-            sleep=self._pause,
-            before_sleep=self._before_sleep,
-        )
 
     # ---------------------------------------------------------------------------------------------- grouping
 
@@ -294,11 +227,11 @@ class Stream(LatestSweep):
         try:
             while True:
                 try:
-                    for attempt in self._retrying():
+                    for attempt in self._supervision.retrying(self._pause):
                         with attempt:
                             yield from self._session(budget)
                     return
-                except _HealthyFailure:
+                except _FreshStreak:
                     continue  # a fresh streak: the first attempt runs at once
         except _Stopped:
             return
@@ -308,9 +241,7 @@ class Stream(LatestSweep):
                 self._thread_error = exc
             raise
         finally:
-            if self.stats.state != "failed":
-                self.stats.state = "closed" if self._closed.is_set() else "ended"
-            self.stats.next_retry_at = None
+            self._supervision.finished(self._closed.is_set())
 
     def _check_stop(self) -> None:
         if self._closed.is_set() or (self._deadline is not None and time.monotonic() >= self._deadline):
@@ -320,16 +251,12 @@ class Stream(LatestSweep):
         """Run one child until it fails (raises), the stream ends (raises _Stopped) or the budget is spent."""
         self._check_stop()
         stats = self.stats
-        if stats.starts:
-            stats.restarts += 1
-        stats.starts += 1
-        stats.state = "starting"
-        stats.next_retry_at = None
+        self._supervision.started()
         parser = CsvParser(self.fields, strict=False, tz=self._tz)
         try:
             child = self._runner.lines(self.argv)
         except SmiqueryError as exc:
-            self._record_error(exc)
+            self._supervision.failure(exc)
             raise
         with self._lock:
             self._child = child
@@ -359,7 +286,7 @@ class Stream(LatestSweep):
                     continue
                 if first:
                     first = False
-                    self._on_first_row()
+                    self._supervision.first_row()
                 row_deadline = time.monotonic() + self.stall_timeout
                 closed = grouper.boundary(sample, child.idle)
                 if closed is not None:
@@ -381,39 +308,13 @@ class Stream(LatestSweep):
             cut = grouper.flush(cut=True, absent=stats.lost_gpus)
             if cut is not None and not self._closed.is_set():
                 yield self._on_sweep(cut)
-            self._record_error(exc)
-            if (
-                self._healthy_since is not None
-                and time.monotonic() - self._healthy_since >= self.healthy_after
-                and not _permanent(exc)
-            ):
-                self._healthy_since = None
-                detail = f"restarting nvidia-smi now after: {_one_line(exc)} (it had run well for a while)"
-                log.warning("smiquery: %s", detail)
-                self._emit(StreamEvent("restart", exc, detail))
-                raise _HealthyFailure(exc) from exc
-            self._healthy_since = None
+            self._supervision.failure(exc)  # raises _FreshStreak after a healthy period
             raise
         finally:
             with self._lock:
                 self._child = None
             child.close()
             self._no_child.set()
-
-    def _on_first_row(self) -> None:
-        stats = self.stats
-        # A single restart says enough on its own; after a longer outage (or one that needed a person) the return
-        # of data is news worth one line.
-        outage = self._failing and (stats.attempt >= 2 or stats.permanent)
-        stats.state = "running"
-        stats.attempt = 0
-        stats.next_retry_at = None
-        stats.permanent = False
-        self._healthy_since = time.monotonic()
-        self._failing = False
-        if outage:
-            self._emit(StreamEvent("recovered", None, "nvidia-smi delivers rows again"))
-            log.warning("smiquery: nvidia-smi delivers rows again")
 
     def _hung(self, first: bool) -> NvidiaSmiTimeoutError:
         if first:

@@ -218,6 +218,20 @@ def test_a_permanent_driver_error_is_reported_once_with_its_exit_code(fake_smi: 
     assert "# gpu" not in line
 
 
+def test_a_pmon_that_never_starts_gives_up_after_a_few_starts_with_its_error(fake_smi: MakeFake, tmp_path):
+    from smiquery.retry import FAIL_FAST_ATTEMPTS
+
+    log = tmp_path / "calls.jsonl"
+    proc = run("ps", "--watch", "-F", "jsonl", smi=fake_smi(fault="unknown-error", log=log))
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert all(ln.startswith("smiquery: ") for ln in lines) and "Traceback" not in proc.stderr
+    assert sum("restarting nvidia-smi pmon" in ln for ln in lines) == FAIL_FAST_ATTEMPTS - 1
+    assert "Unknown Error" in lines[-1] and proc.stdout == ""
+    pids = pmon_pids(log)
+    assert len(pids) == FAIL_FAST_ATTEMPTS and gone(pids)
+
+
 # ------------------------------------------------------------------------------------------------ endings
 
 

@@ -449,7 +449,9 @@ def watch(
 
     Raises:
         UsageError: more than four GPUs.
-        SmiqueryError: nvidia-smi pmon failed in a way a restart cannot fix.
+        SmiqueryError: nvidia-smi pmon said it is unsupported, or failed before the first refresh in a way a
+            restart cannot fix (or kept failing: see :data:`~smiquery.retry.FAIL_FAST_ATTEMPTS`). Once refreshes
+            have been shown, other failures are retried under the stream's policy.
     """
     from smiquery.cli.stream import _Signals
     from smiquery.pmon import stream
@@ -469,6 +471,7 @@ def watch(
         options="DT",
         nvidia_smi=settings.nvidia_smi,
         stall_timeout=max(settings.timeout, 3.0 * interval),
+        fail_fast=True,  # interactive: a fault before the first refresh ends the command with its typed error
         on_event=lambda ev: items.put(_Event(ev)),
         runner=_PmonRunner(),
     )

@@ -136,6 +136,7 @@ class PmonWatcher:
                 stall_timeout=stall_timeout,
                 max_restarts=None,
                 backoff_max=30.0,
+                permanent_retry=None,  # raised here, logged once and retried every retry_after by _run
                 on_event=self._on_event,
             )
 
