@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import math
 import os
 import queue
 import select
@@ -780,13 +781,80 @@ class LineStream:
 def _run_to_end(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, bytes, bool]:
     """Read a one-shot child's output to its end; returns (stdout, stderr, finished in time).
 
-    The output ends when both pipes close, or :data:`PIPE_GRACE` after the leader exited (helpers that still
-    hold the pipes are then killed).
+    The output ends when both pipes close and the leader has exited, or :data:`PIPE_GRACE` after the leader
+    exited (helpers that still hold the pipes are then killed). Where the kernel has pidfds the leader's exit is
+    one more readiness event beside the pipes, so nothing sleeps or polls; elsewhere the leader is looked at
+    every 50 ms.
     """
     out, err = bytearray(), bytearray()
     pipes = {p.fileno(): buf for p, buf in ((proc.stdout, out), (proc.stderr, err)) if p is not None}
     for fd in pipes:
         os.set_blocking(fd, False)
+    watch = _PidWatch(proc.pid)
+    try:
+        if watch.fd is None or not hasattr(select, "poll"):
+            finished = _read_polling(proc, pipes, deadline)
+        else:
+            finished = _read_with_pidfd(proc, pipes, watch.fd, deadline)
+    finally:
+        watch.close()
+    return bytes(out), bytes(err), finished
+
+
+def _drain(pipes: dict[int, bytearray]) -> None:
+    for fd, buf in pipes.items():
+        with contextlib.suppress(OSError):
+            while chunk := os.read(fd, 65536):
+                buf += chunk
+
+
+def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool:
+    """Read what ``fd`` has; at end of file drop it from ``pipes`` and return True."""
+    try:
+        chunk = os.read(fd, 65536)
+    except BlockingIOError:
+        return False
+    except OSError:
+        chunk = b""
+    if chunk:
+        pipes[fd] += chunk
+        return False
+    del pipes[fd]
+    return True
+
+
+def _read_with_pidfd(proc: subprocess.Popen[bytes], pipes: dict[int, bytearray], pidfd: int, deadline: float) -> bool:
+    """:func:`_run_to_end` where the leader's exit is readable on ``pidfd``: wake only on events.
+
+    ``pipes`` maps each open output fd to its buffer; closed ones are removed.
+    """
+    poller = select.poll()
+    for fd in pipes:
+        poller.register(fd, select.POLLIN)
+    poller.register(pidfd, select.POLLIN)
+    exit_seen: float | None = None
+    while pipes or exit_seen is None:
+        now = time.monotonic()
+        wait = deadline - now
+        if exit_seen is not None:  # only pipes left: a helper may hold them
+            wait = min(wait, exit_seen + PIPE_GRACE - now)
+            if wait <= 0:
+                _signal_group(proc, signal.SIGKILL)
+                _drain(pipes)
+                return True
+        if wait <= 0:
+            return False
+        for fd, _ in poller.poll(max(1, math.ceil(wait * 1000))):
+            if fd == pidfd:
+                poller.unregister(pidfd)
+                exit_seen = time.monotonic()
+            elif _read_chunk(fd, pipes):
+                poller.unregister(fd)
+    return True
+
+
+def _read_polling(proc: subprocess.Popen[bytes], pipes: dict[int, bytearray], deadline: float) -> bool:
+    """:func:`_run_to_end` without pidfds: select on the pipes, looking at the leader every 50 ms."""
     exit_seen: float | None = None
     while pipes:
         now = time.monotonic()
@@ -797,26 +865,14 @@ def _run_to_end(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, 
             wait = min(wait, exit_seen + PIPE_GRACE - now)
             if wait <= 0:
                 _signal_group(proc, signal.SIGKILL)
-                for fd, buf in pipes.items():
-                    with contextlib.suppress(OSError):
-                        while chunk := os.read(fd, 65536):
-                            buf += chunk
-                return bytes(out), bytes(err), True
+                _drain(pipes)
+                return True
         elif wait <= 0:
-            return bytes(out), bytes(err), False
+            return False
         ready, _, _ = select.select(list(pipes), [], [], min(wait, 0.05 if exit_seen is None else wait))
         for fd in ready:
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                continue
-            except OSError:
-                chunk = b""
-            if chunk:
-                pipes[fd] += chunk
-            else:
-                del pipes[fd]
-    return bytes(out), bytes(err), _wait_exit(proc, max(deadline - time.monotonic(), 0.0))
+            _read_chunk(fd, pipes)
+    return _wait_exit(proc, max(deadline - time.monotonic(), 0.0))
 
 
 class SubprocessRunner:
