@@ -77,12 +77,29 @@ def _check_executable(path: str, origin: str) -> str:
     return str(p)
 
 
+# The last PATH search that found nvidia-smi: (PATH value, path). Searched again when PATH changes or the file is
+# no longer an executable file, so a remembered answer is never staler than one stat.
+_which_memo: tuple[str | None, str] | None = None
+
+
+def _which_cached() -> str | None:
+    global _which_memo
+    path_var = os.environ.get("PATH")
+    memo = _which_memo
+    if memo is not None and memo[0] == path_var and os.path.isfile(memo[1]) and os.access(memo[1], os.X_OK):
+        return memo[1]
+    found = shutil.which("nvidia-smi")
+    _which_memo = (path_var, found) if found else None
+    return found
+
+
 def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner: Runner | None = None) -> str:
     r"""Locate the nvidia-smi binary.
 
     Order: the ``nvidia_smi`` argument, the ``SMIQUERY_NVIDIA_SMI`` environment variable, ``PATH``, then the
     usual places (``/usr/bin``, ``/usr/local/nvidia/bin`` used by container runtimes, WSL's ``/usr/lib/wsl/lib``,
     and on Windows ``%SystemRoot%\System32`` and ``%ProgramFiles%\NVIDIA Corporation\NVSMI``).
+    A PATH hit is remembered while ``PATH`` keeps its value and the file stays executable.
 
     A runner that serves nvidia-smi without a file (one with a ``locate`` method, like
     :class:`smiquery.testing.InProcessRunner`) names the binary itself and nothing is looked up: the ``runner``
@@ -99,7 +116,7 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner:
         NvidiaSmiNotFoundError: nothing usable was found; the message says what to do.
     """
     chosen = runner if runner is not None else _installed
-    if isinstance(chosen, _Locating):
+    if chosen is not None and isinstance(chosen, _Locating):
         return chosen.locate(nvidia_smi)
     if nvidia_smi is not None:
         text = os.fspath(nvidia_smi)
@@ -111,7 +128,7 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner:
     env = os.environ.get(ENV_VAR)
     if env:
         return _check_executable(env, f"${ENV_VAR}")
-    found = shutil.which("nvidia-smi")
+    found = _which_cached()
     if found:
         return found
     searched = _usual_places()
