@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from smiquery.errors import NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, StreamEndedError, failure_from_exit
 
@@ -333,8 +333,16 @@ def _can_trampoline() -> bool:
     return _LINUX and bool(sys.executable) and not getattr(sys, "frozen", False)
 
 
+# Every child leads a process group of its own, so that the whole group (helpers included) can be signalled. A new
+# group, not a new session: on Linux setsid() also gives the child a scheduler autogroup of its own, which on a
+# busy machine makes a short nvidia-smi run slower and far more variable (scripts/bench_compat.py --child sh).
+_OWN_GROUP: dict[str, Any] = (
+    {} if os.name == "nt" else {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+)
+
+
 def _popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in its own session with piped output; translate exec failures. Runs on any thread."""
+    """Start ``argv`` in its own process group with piped output; translate exec failures. Runs on any thread."""
     argv = list(argv)
     status_r = status_w = -1
     cmd = argv
@@ -347,9 +355,9 @@ def _popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) 
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            start_new_session=os.name != "nt",  # own process group: the whole group is signalled
             env=dict(env) if env is not None else None,
             pass_fds=(status_w,) if pdeathsig else (),
+            **_OWN_GROUP,
         )
     except OSError as exc:
         if pdeathsig:
