@@ -226,6 +226,30 @@ def test_cli_plot(tmp_path):
     assert "unknown field 'temp'" in bad.stderr
 
 
+def test_cli_plot_layout(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import smiquery.plot
+    from smiquery import cli
+
+    drawn: list[Any] = []
+    real = smiquery.plot.plot_recording
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        drawn.append(real(*args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(smiquery.plot, "plot_recording", spy)
+    out = str(tmp_path / "p.png")
+    for layout, panels in (("multiples", 8), ("OVERLAY", 1), ("auto", 1)):
+        ok = CliRunner().invoke(cli.app, ["plot", str(DEMO), "-o", out, "-f", "temperature.gpu", "--layout", layout])
+        assert ok.exit_code == 0, ok.output
+        assert len(drawn[-1].get_axes()) == panels
+    bad = CliRunner().invoke(cli.app, ["plot", str(DEMO), "-o", out, "--layout", "grid"])
+    assert bad.exit_code == 2
+    assert "grid" in bad.stderr
+
+
 def test_stalls_and_alerts_are_shaded_where_they_happened(demo_png):
     fig, image, _ = demo_png
     util, temp = fig.get_axes()[0], fig.get_axes()[1]
