@@ -265,7 +265,9 @@ def _small_multiples(
 ) -> tuple[Figure, list[_Panel]]:
     """Per field a titled grid with one small panel per GPU; a field's panels share their y scale, all their time.
 
-    Placed by fixed margins in inches, not by constrained layout, which takes seconds for dozens of panels.
+    Placed by fixed margins in inches, not by constrained layout, which takes seconds for dozens of panels. The
+    time axes are not shared (matplotlib checks every sibling of a shared axis on each access): the caller gives
+    them all the same limits and ticks.
     """
     cols = min(len(groups), max(1, int(width // _MULTIPLE_WIDTH)))
     rows = math.ceil(len(groups) / cols)
@@ -276,7 +278,6 @@ def _small_multiples(
     fig = figure(figsize=(width, total), dpi=dpi)
     col_width = (width - left - right - between * (cols - 1)) / cols
     panels: list[_Panel] = []
-    shared: Any = None
     for b, fld in enumerate(flds):
         y0 = top + b * block  # inches from the top
         fig.text(0.01, 1 - (y0 + 0.12) / total, f"{fld.name} [{fld.unit}]" if fld.unit else fld.name, ha="left",
@@ -293,8 +294,7 @@ def _small_multiples(
         )
         first_of_field: Any = None
         for k, group in enumerate(groups):
-            ax = fig.add_subplot(spec[k // cols, k % cols], sharex=shared, sharey=first_of_field)
-            shared = shared if shared is not None else ax
+            ax = fig.add_subplot(spec[k // cols, k % cols], sharey=first_of_field)
             first_of_field = first_of_field if first_of_field is not None else ax
             if k + cols < len(groups):  # a panel below shows the time
                 ax.tick_params(axis="x", labelbottom=False)
@@ -494,15 +494,22 @@ def plot_recording(
             ax.set_yticks([0, 1], ["no", "yes"])
         ax.grid(True, color="#dddddd", linewidth=0.6)
     last = panels[-1][0]
-    last.set_xlim(x_start, x_end)
-    # a small multiple has room for a few time labels, and the title holds the date
-    locator = mdates.AutoDateLocator(minticks=2, maxticks=3) if multiples else mdates.AutoDateLocator()  # type: ignore[no-untyped-call]
-    last.xaxis.set_major_locator(locator)
-    last.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, show_offset=not multiples))  # type: ignore[no-untyped-call]
     if multiples:
+        # the same few times on every small panel (the title holds the date), worked out once for all of them
+        locator = mdates.AutoDateLocator(minticks=2, maxticks=3)  # type: ignore[no-untyped-call]
+        lo, hi = mdates.date2num([x_start, x_end])  # type: ignore[no-untyped-call]
+        locs = [v for v in locator.tick_values(x_start, x_end) if lo <= v <= hi]  # type: ignore[no-untyped-call]
+        labels = mdates.ConciseDateFormatter(locator, show_offset=False).format_ticks(locs)  # type: ignore[no-untyped-call]
+        for ax, _, _, _ in panels:
+            ax.set_xlim(x_start, x_end)
+            ax.set_xticks(locs, labels)
         inches = fig.get_size_inches()[1]
         fig.supxlabel(_zone_label(df["timestamp"]), y=0.45 / inches, va="center", fontsize=9)
     else:
+        last.set_xlim(x_start, x_end)
+        locator = mdates.AutoDateLocator()  # type: ignore[no-untyped-call]
+        last.xaxis.set_major_locator(locator)
+        last.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
         last.set_xlabel(_zone_label(df["timestamp"]), fontsize=9)
     if title is None:
         if name is None:
