@@ -477,9 +477,13 @@ def plot_recording(
                 zorder=4,
             )
             note.set_in_layout(False)  # it lies inside the panel: no margin for it
+            note.set_clip_on(multiples)  # a long rule stays inside its small panel
         unit = fld.unit
         if multiples:
-            ax.set_title(f"GPU {members[0][1][0]}", loc="left", fontsize=8, pad=2)
+            # fixed title and label places: placing them around each panel's ticks costs tens of ms a panel
+            ax.set_title(f"GPU {members[0][1][0]}", loc="left", fontsize=8, pad=2, y=1.0)
+            ax.xaxis.set_label_coords(0.5, -0.2)
+            ax.yaxis.set_label_coords(-0.3, 0.5)
             ax.tick_params(labelsize=7)
             if first and unit:
                 ax.set_ylabel(unit, fontsize=8)
@@ -496,7 +500,7 @@ def plot_recording(
     last = panels[-1][0]
     if multiples:
         # the same few times on every small panel (the title holds the date), worked out once for all of them
-        locator = mdates.AutoDateLocator(minticks=2, maxticks=3)  # type: ignore[no-untyped-call]
+        locator = mdates.AutoDateLocator(minticks=3, maxticks=4)  # type: ignore[no-untyped-call]
         lo, hi = mdates.date2num([x_start, x_end])  # type: ignore[no-untyped-call]
         locs = [v for v in locator.tick_values(x_start, x_end) if lo <= v <= hi]  # type: ignore[no-untyped-call]
         labels = mdates.ConciseDateFormatter(locator, show_offset=False).format_ticks(locs)  # type: ignore[no-untyped-call]
