@@ -269,6 +269,8 @@ def _small_multiples(
     time axes are not shared (matplotlib checks every sibling of a shared axis on each access): the caller gives
     them all the same limits and ticks.
     """
+    from matplotlib.ticker import MaxNLocator
+
     cols = min(len(groups), max(1, int(width // _MULTIPLE_WIDTH)))
     rows = math.ceil(len(groups) / cols)
     row_height = height * _MULTIPLE_HEIGHT
@@ -295,11 +297,12 @@ def _small_multiples(
         first_of_field: Any = None
         for k, group in enumerate(groups):
             ax = fig.add_subplot(spec[k // cols, k % cols], sharey=first_of_field)
-            first_of_field = first_of_field if first_of_field is not None else ax
-            if k + cols < len(groups):  # a panel below shows the time
-                ax.tick_params(axis="x", labelbottom=False)
-            if k % cols:
-                ax.tick_params(axis="y", labelleft=False)
+            if first_of_field is None:
+                first_of_field = ax
+                # a few values suffice on a small panel, and each tick is a costly object on every panel
+                ax.yaxis.set_major_locator(MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]))
+            # the time under a field's bottom row only, values beside its first column only
+            ax.tick_params(labelsize=7, labelbottom=k + cols >= len(groups), labelleft=k % cols == 0)
             panels.append((ax, fld, [(k, group)], k % cols == 0))
     return fig, panels
 
@@ -484,7 +487,6 @@ def plot_recording(
             ax.set_title(f"GPU {members[0][1][0]}", loc="left", fontsize=8, pad=2, y=1.0)
             ax.xaxis.set_label_coords(0.5, -0.2)
             ax.yaxis.set_label_coords(-0.3, 0.5)
-            ax.tick_params(labelsize=7)
             if first and unit:
                 ax.set_ylabel(unit, fontsize=8)
         else:
