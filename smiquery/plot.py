@@ -55,6 +55,7 @@ _MULTIPLE_WIDTH = 1.5
 # The height of one row of small multiples, as a share of ``panel_height``.
 _MULTIPLE_HEIGHT = 0.6
 _THRESHOLD_COLOUR = "#000000"
+_GRID = "#dddddd"
 _STALL_SHADE = "#9e9e9e"
 _ALERT_SHADE = "#f4a582"
 
@@ -236,8 +237,9 @@ def _use_multiples(layout: str, gpus: int) -> bool:
     return layout == "multiples" or (layout == "auto" and gpus > OVERLAY_MAX_GPUS)
 
 
-# A panel: (axes, field, the GPUs drawn in it as (position, (index, rows)), first panel of its field's row).
-_Panel = tuple[Any, Field, list[tuple[int, tuple[int, Any]]], bool]
+# A panel: (axes, field, the GPUs drawn in it as (position, (index, rows)), first in its row, at the bottom of its
+# field's grid).
+_Panel = tuple[Any, Field, list[tuple[int, tuple[int, Any]]], bool, bool]
 
 
 def _overlay(
@@ -252,7 +254,7 @@ def _overlay(
     fig = figure(figsize=(width, height * len(flds) + 1.1), dpi=dpi, layout="constrained")
     axes = fig.subplots(len(flds), 1, sharex=True, squeeze=False)[:, 0]
     members = list(enumerate(groups))
-    return fig, [(ax, fld, members, True) for ax, fld in zip(axes, flds)]
+    return fig, [(ax, fld, members, True, fld is flds[-1]) for ax, fld in zip(axes, flds)]
 
 
 def _small_multiples(
@@ -265,12 +267,10 @@ def _small_multiples(
 ) -> tuple[Figure, list[_Panel]]:
     """Per field a titled grid with one small panel per GPU; a field's panels share their y scale, all their time.
 
-    Placed by fixed margins in inches, not by constrained layout, which takes seconds for dozens of panels. The
-    time axes are not shared (matplotlib checks every sibling of a shared axis on each access): the caller gives
-    them all the same limits and ticks.
+    Placed by fixed margins in inches, not by constrained layout, which takes seconds for dozens of panels. No axis is
+    shared (matplotlib checks every sibling of a shared axis on each access, and shared axes share their ticks):
+    :func:`_small_scales` gives them the same limits afterwards.
     """
-    from matplotlib.ticker import MaxNLocator
-
     cols = min(len(groups), max(1, int(width // _MULTIPLE_WIDTH)))
     rows = math.ceil(len(groups) / cols)
     row_height = height * _MULTIPLE_HEIGHT
@@ -294,17 +294,50 @@ def _small_multiples(
             wspace=between / col_width,
             hspace=gap / row_height,
         )
-        first_of_field: Any = None
         for k, group in enumerate(groups):
-            ax = fig.add_subplot(spec[k // cols, k % cols], sharey=first_of_field)
-            if first_of_field is None:
-                first_of_field = ax
-                # a few values suffice on a small panel, and each tick is a costly object on every panel
-                ax.yaxis.set_major_locator(MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]))
-            # the time under a field's bottom row only, values beside its first column only
-            ax.tick_params(labelsize=7, labelbottom=k + cols >= len(groups), labelleft=k % cols == 0)
-            panels.append((ax, fld, [(k, group)], k % cols == 0))
+            ax = fig.add_subplot(spec[k // cols, k % cols])
+            ax.tick_params(labelsize=7)
+            panels.append((ax, fld, [(k, group)], k % cols == 0, k + cols >= len(groups)))
     return fig, panels
+
+
+def _small_scales(
+    panels: Sequence[_Panel], flds: Sequence[Field], x_range: tuple[Any, Any], x_locs: list[float], x_labels: list[str]
+) -> None:
+    """One y range per field and one time range for all small multiples, ticks only where they are labelled.
+
+    Tick objects are what a matplotlib panel costs most to draw, so values stand beside a field's first column
+    and times under its bottom row, and the other panels get plain grid lines at the same places.
+    """
+    from matplotlib.ticker import MaxNLocator, NullLocator
+
+    for fld in flds:
+        mine = [p for p in panels if p[1] is fld]
+        drawn = [p[0] for p in mine if not any(t.get_gid() == "no-data" for t in p[0].texts)] or [mine[0][0]]
+        lo = min(ax.get_ylim()[0] for ax in drawn)
+        hi = max(ax.get_ylim()[1] for ax in drawn)
+        if fld.unit != "%" and not fld.kind.is_bool:  # those have fixed ranges; others get room above and below
+            lo, hi = lo - (hi - lo) * 0.04, hi + (hi - lo) * 0.04
+        if fld.kind.is_bool:
+            y_locs, y_labels = [0.0, 1.0], ["no", "yes"]
+        else:
+            y_locs = [float(v) for v in MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)]
+            y_locs = [v for v in y_locs if lo <= v <= hi]
+            y_labels = []
+        for ax, _, _, first, bottom in mine:
+            ax.set_xlim(*x_range)
+            ax.set_ylim(lo, hi)
+            if bottom:
+                ax.set_xticks(x_locs, x_labels)
+            else:
+                ax.xaxis.set_major_locator(NullLocator())
+            if first:
+                ax.set_yticks(y_locs, y_labels or None)
+            else:
+                ax.yaxis.set_major_locator(NullLocator())
+            grid = {"colors": _GRID, "linewidths": 0.6, "zorder": 0.5}
+            ax.hlines(y_locs, 0, 1, transform=ax.get_yaxis_transform(), **grid)
+            ax.vlines(x_locs, 0, 1, transform=ax.get_xaxis_transform(), **grid)
 
 
 def plot_recording(
@@ -415,7 +448,7 @@ def plot_recording(
     fig, panels = (_small_multiples if multiples else _overlay)(Figure, flds, groups, width, panel_height, dpi)
     handles: list[Any] = []
     with_values = {f.name: bool(np.isfinite(_as_float(df[f.attr])).any()) for f in flds}
-    for ax, fld, members, first in panels:
+    for ax, fld, members, first, _ in panels:
         drawn = 0
         y_all = _as_float(df[fld.attr])
         for pos, (idx, rows) in members:
@@ -498,7 +531,8 @@ def plot_recording(
         elif fld.kind.is_bool and has_values:
             ax.set_ylim(-0.1, 1.1)
             ax.set_yticks([0, 1], ["no", "yes"])
-        ax.grid(True, color="#dddddd", linewidth=0.6)
+        if not multiples:
+            ax.grid(True, color=_GRID, linewidth=0.6)
     last = panels[-1][0]
     if multiples:
         # the same few times on every small panel (the title holds the date), worked out once for all of them
@@ -506,9 +540,7 @@ def plot_recording(
         lo, hi = mdates.date2num([x_start, x_end])  # type: ignore[no-untyped-call]
         locs = [v for v in locator.tick_values(x_start, x_end) if lo <= v <= hi]  # type: ignore[no-untyped-call]
         labels = mdates.ConciseDateFormatter(locator, show_offset=False).format_ticks(locs)  # type: ignore[no-untyped-call]
-        for ax, _, _, _ in panels:
-            ax.set_xlim(x_start, x_end)
-            ax.set_xticks(locs, labels)
+        _small_scales(panels, flds, (x_start, x_end), locs, labels)
         inches = fig.get_size_inches()[1]
         fig.supxlabel(_zone_label(df["timestamp"]), y=0.45 / inches, va="center", fontsize=9)
     else:
@@ -527,9 +559,9 @@ def plot_recording(
         fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
     else:
         fig.suptitle(title, x=0.01, ha="left", fontsize=11)
-    if any(p.get_gid() == "stall" for ax, _, _, _ in panels for p in ax.patches):
+    if any(p.get_gid() == "stall" for ax, *_ in panels for p in ax.patches):
         handles.append(Patch(color=_STALL_SHADE, alpha=0.4, label="stall"))
-    if any(p.get_gid() == "alert" for ax, _, _, _ in panels for p in ax.patches):
+    if any(p.get_gid() == "alert" for ax, *_ in panels for p in ax.patches):
         handles.append(Patch(color=_ALERT_SHADE, alpha=0.6, label="alert firing"))
     if handles:
         fig.legend(
