@@ -237,8 +237,8 @@ def _use_multiples(layout: str, gpus: int) -> bool:
     return layout == "multiples" or (layout == "auto" and gpus > OVERLAY_MAX_GPUS)
 
 
-# A panel: (axes, field, the GPUs drawn in it as (position, (index, rows)), first in its row, at the bottom of its
-# field's grid).
+# A panel: (axes, field, the GPUs drawn in it as (position, (index, rows)), first in its row, in the figure's
+# bottom row).
 _Panel = tuple[Any, Field, list[tuple[int, tuple[int, Any]]], bool, bool]
 
 
@@ -297,7 +297,8 @@ def _small_multiples(
         for k, group in enumerate(groups):
             ax = fig.add_subplot(spec[k // cols, k % cols])
             ax.tick_params(labelsize=7)
-            panels.append((ax, fld, [(k, group)], k % cols == 0, k + cols >= len(groups)))
+            # times under the bottom row only, as for panels with a shared time axis
+            panels.append((ax, fld, [(k, group)], k % cols == 0, b == len(flds) - 1 and k + cols >= len(groups)))
     return fig, panels
 
 
@@ -307,7 +308,7 @@ def _small_scales(
     """One y range per field and one time range for all small multiples, ticks only where they are labelled.
 
     Tick objects are what a matplotlib panel costs most to draw, so values stand beside a field's first column
-    and times under its bottom row, and the other panels get plain grid lines at the same places.
+    and times under the figure's bottom row, and the other panels get plain grid lines at the same places.
     """
     from matplotlib.ticker import MaxNLocator, NullLocator
 
