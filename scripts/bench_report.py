@@ -8,13 +8,15 @@ Measurements (each prints smiquery's number, the baseline's, their ratio and the
    stall, a hot GPU) plus rendering the text, vs :func:`smiquery.recordings.read_csv` of the same file.
    Target: <= 4.0x.
 2. ``plot``: :func:`smiquery.plot.save_plot` of the same file to a PNG vs ``read_csv``. Target: <= 4.0x.
+   With ``--gpus 16`` the recording has 16 GPUs (the same number of rows, so half the sweeps) and the plot is
+   drawn as small multiples (one small panel per GPU per field: 64 panels), as ``layout="auto"`` does past 8.
 3. Peak memory of each: the peak RSS (``VmHWM``) of a child process that imports the modules and runs it, minus
    that of a child that only imports them, vs the DataFrame's ``memory_usage(deep=True)``. Target: <= 3.0x.
 
 Times and peaks are from child processes (best of 3 each, in alternating order, after a warm-up read that fills
 the page cache), so that every measurement starts from the same state.
 
-Usage: ``python scripts/bench_report.py [--rows N]``; exit status 1 when a target is missed. Under a minute
+Usage: ``python scripts/bench_report.py [--rows N] [--gpus N]``; exit status 1 when a target is missed. Under a minute
 for 1,000,000 rows on two cores (more when they are busy).
 """
 
@@ -37,7 +39,7 @@ from smiquery.parsing import header_line  # noqa: E402
 TARGET_TIME = 4.0
 ROUNDS = 3
 TARGET_MEMORY = 3.0
-GPUS = 8
+GPUS = 8  # the default; --gpus changes it
 
 _CHILD = r"""
 import json, sys, time
@@ -76,14 +78,14 @@ def child(what: str, path: str) -> dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def write_recording(path: Path, rows: int) -> None:
+def write_recording(path: Path, rows: int, gpus: int = GPUS) -> None:
     """An overnight run at 1 Hz in nvidia-smi's default CSV (units everywhere): busy GPUs with some noise, a
     two-minute stall of every GPU in the middle, GPU 5 running hot for its last hour, GPU 3 without power
     readings (``[N/A]``)."""
     import numpy as np
 
     rnd = np.random.default_rng(7)
-    sweeps = rows // GPUS
+    sweeps = rows // gpus
     start = np.datetime64("2026-03-14T21:00:00")
     fields = resolve_fields("default")
     with path.open("w", encoding="utf-8", newline="\n") as f:
@@ -94,7 +96,7 @@ def write_recording(path: Path, rows: int) -> None:
             stamps = (start + n.astype("timedelta64[s]") + np.timedelta64(117, "ms")).astype(str)
             stalled = (n >= sweeps // 2) & (n < sweeps // 2 + 120)
             per_gpu = []
-            for g in range(GPUS):
+            for g in range(gpus):
                 util = np.where(stalled, rnd.integers(0, 15, len(n)), np.clip(rnd.normal(92, 6, len(n)), 0, 100))
                 hot = 12 if g == 5 else 0
                 temp = 68 + g + np.where(n > sweeps - 3600, hot, 0) + rnd.integers(-1, 2, len(n))
@@ -104,11 +106,11 @@ def write_recording(path: Path, rows: int) -> None:
             out = []
             for k in range(len(n)):
                 stamp = stamps[k].replace("-", "/").replace("T", " ")
-                for g in range(GPUS):
+                for g in range(gpus):
                     util, temp, used, power = per_gpu[g]
                     watts = "[N/A]" if g == 3 else f"{power[k]:.2f} W"
                     out.append(
-                        f"{stamp}, {g}, NVIDIA H100 80GB HBM3, GPU-{g:08x}-1a2b-3c4d-5e6f-abcdef00000{g}, "
+                        f"{stamp}, {g}, NVIDIA H100 80GB HBM3, GPU-{g:08x}-1a2b-3c4d-5e6f-abcdef{g:06x}, "
                         f"{temp[k]}, {util[k]} %, {util[k] // 2} %, {used[k]} MiB, 81559 MiB, {watts}"
                     )
             f.write("\n".join(out) + "\n")
@@ -117,6 +119,7 @@ def write_recording(path: Path, rows: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=1_000_000, help="rows in the recording (default 1,000,000)")
+    ap.add_argument("--gpus", type=int, default=GPUS, help=f"GPUs in the recording (default {GPUS})")
     args = ap.parse_args()
     try:
         import matplotlib  # noqa: F401
@@ -129,9 +132,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="smiquery-bench-") as tmp:
         path = Path(tmp) / "recording.csv"
         t0 = time.perf_counter()
-        write_recording(path, args.rows)
+        write_recording(path, args.rows, args.gpus)
         print(
-            f"recording: {args.rows:,} rows x 10 fields, {GPUS} GPUs at 1 Hz, nvidia-smi's default CSV (units), "
+            f"recording: {args.rows:,} rows x 10 fields, {args.gpus} GPUs at 1 Hz, nvidia-smi's default CSV (units), "
             f"{path.stat().st_size / 1e6:.1f} MB (written in {time.perf_counter() - t0:.1f} s)"
         )
         base = child("none", str(path))

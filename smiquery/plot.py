@@ -1,5 +1,7 @@
 """A recorded run as a picture: one panel per field, one line per GPU, alert thresholds, gaps where data is missing.
 
+Up to eight GPUs share a panel per field; more get small multiples (one small panel per GPU, same scales).
+
 Needs matplotlib (``pip install 'smiquery[plot]'``). Figures are built with the object API on the Agg canvas, so
 nothing here touches pyplot's global state or needs a display.
 """
@@ -10,7 +12,7 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.alerts import Rule
 from smiquery.fields import Field, Kind, get_field, resolve_fields
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.figure import Figure
 
-__all__ = ["DEFAULT_PLOT_FIELDS", "plot_recording", "save_plot"]
+__all__ = ["DEFAULT_PLOT_FIELDS", "LAYOUTS", "OVERLAY_MAX_GPUS", "Layout", "plot_recording", "save_plot"]
 
 #: The panels drawn when no fields are given (those the recording has).
 DEFAULT_PLOT_FIELDS: tuple[str, ...] = ("utilization.gpu", "temperature.gpu", "memory.used", "power.draw")
@@ -41,7 +43,19 @@ _GPU_COLOURS = (
     "#17becf",
 )
 _DASHES = ("-", "--", ":", "-.")
+
+#: How GPUs share panels: ``overlay`` (one panel per field, every GPU a line in it), ``multiples`` (one small panel
+#: per GPU per field, the panels of a field sharing their scales) or ``auto``.
+Layout = Literal["auto", "overlay", "multiples"]
+LAYOUTS: tuple[str, ...] = ("auto", "overlay", "multiples")
+#: ``layout="auto"`` overlays up to this many GPUs (the palette's distinct colours) and draws small multiples past it.
+OVERLAY_MAX_GPUS = len(_GPU_COLOURS)
+# The narrowest small multiple, in inches: a field's grid has as many columns as fit the figure's width.
+_MULTIPLE_WIDTH = 1.5
+# The height of one row of small multiples, as a share of ``panel_height``.
+_MULTIPLE_HEIGHT = 0.6
 _THRESHOLD_COLOUR = "#000000"
+_GRID = "#dddddd"
 _STALL_SHADE = "#9e9e9e"
 _ALERT_SHADE = "#f4a582"
 
@@ -217,6 +231,116 @@ def _load(
 _DRAWABLE = (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE)
 
 
+def _use_multiples(layout: str, gpus: int) -> bool:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    return layout == "multiples" or (layout == "auto" and gpus > OVERLAY_MAX_GPUS)
+
+
+# A panel: (axes, field, the GPUs drawn in it as (position, (index, rows)), first in its row, in the figure's
+# bottom row).
+_Panel = tuple[Any, Field, list[tuple[int, tuple[int, Any]]], bool, bool]
+
+
+def _overlay(
+    figure: type[Figure],
+    flds: Sequence[Field],
+    groups: Sequence[tuple[int, Any]],
+    width: float,
+    height: float,
+    dpi: int,
+) -> tuple[Figure, list[_Panel]]:
+    """One panel per field, every GPU drawn in it, all panels on one time axis."""
+    fig = figure(figsize=(width, height * len(flds) + 1.1), dpi=dpi, layout="constrained")
+    axes = fig.subplots(len(flds), 1, sharex=True, squeeze=False)[:, 0]
+    members = list(enumerate(groups))
+    return fig, [(ax, fld, members, True, fld is flds[-1]) for ax, fld in zip(axes, flds)]
+
+
+def _small_multiples(
+    figure: type[Figure],
+    flds: Sequence[Field],
+    groups: Sequence[tuple[int, Any]],
+    width: float,
+    height: float,
+    dpi: int,
+) -> tuple[Figure, list[_Panel]]:
+    """Per field a titled grid with one small panel per GPU; a field's panels share their y scale, all their time.
+
+    Placed by fixed margins in inches, not by constrained layout, which takes seconds for dozens of panels. No axis is
+    shared (matplotlib checks every sibling of a shared axis on each access, and shared axes share their ticks):
+    :func:`_small_scales` gives them the same limits afterwards.
+    """
+    cols = min(len(groups), max(1, int(width // _MULTIPLE_WIDTH)))
+    rows = math.ceil(len(groups) / cols)
+    row_height = height * _MULTIPLE_HEIGHT
+    head, gap, below, top, bottom, left, right, between = 0.3, 0.3, 0.35, 0.45, 0.8, 0.65, 0.15, 0.15
+    block = head + rows * row_height + (rows - 1) * gap + below
+    total = top + block * len(flds) + bottom
+    fig = figure(figsize=(width, total), dpi=dpi)
+    col_width = (width - left - right - between * (cols - 1)) / cols
+    panels: list[_Panel] = []
+    for b, fld in enumerate(flds):
+        y0 = top + b * block  # inches from the top
+        fig.text(0.01, 1 - (y0 + 0.12) / total, f"{fld.name} [{fld.unit}]" if fld.unit else fld.name, ha="left",
+                 va="center", fontsize=10, gid=f"field-{fld.name}")  # fmt: skip
+        spec = fig.add_gridspec(
+            rows,
+            cols,
+            left=left / width,
+            right=1 - right / width,
+            top=1 - (y0 + head) / total,
+            bottom=1 - (y0 + block - below) / total,
+            wspace=between / col_width,
+            hspace=gap / row_height,
+        )
+        for k, group in enumerate(groups):
+            ax = fig.add_subplot(spec[k // cols, k % cols])
+            ax.tick_params(labelsize=7)
+            # times under the bottom row only, as for panels with a shared time axis
+            panels.append((ax, fld, [(k, group)], k % cols == 0, b == len(flds) - 1 and k + cols >= len(groups)))
+    return fig, panels
+
+
+def _small_scales(
+    panels: Sequence[_Panel], flds: Sequence[Field], x_range: tuple[Any, Any], x_locs: list[float], x_labels: list[str]
+) -> None:
+    """One y range per field and one time range for all small multiples, ticks only where they are labelled.
+
+    Tick objects are what a matplotlib panel costs most to draw, so values stand beside a field's first column
+    and times under the figure's bottom row, and the other panels get plain grid lines at the same places.
+    """
+    from matplotlib.ticker import MaxNLocator, NullLocator
+
+    for fld in flds:
+        mine = [p for p in panels if p[1] is fld]
+        drawn = [p[0] for p in mine if not any(t.get_gid() == "no-data" for t in p[0].texts)] or [mine[0][0]]
+        lo = min(ax.get_ylim()[0] for ax in drawn)
+        hi = max(ax.get_ylim()[1] for ax in drawn)
+        if fld.unit != "%" and not fld.kind.is_bool:  # those have fixed ranges; others get room above and below
+            lo, hi = lo - (hi - lo) * 0.04, hi + (hi - lo) * 0.04
+        if fld.kind.is_bool:
+            y_locs, y_labels = [0.0, 1.0], ["no", "yes"]
+        else:
+            y_locs = [float(v) for v in MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)]
+            y_locs = [v for v in y_locs if lo <= v <= hi]
+            y_labels = []
+        for ax, _, _, first, bottom in mine:
+            ax.set_xlim(*x_range)
+            ax.set_ylim(lo, hi)
+            if bottom:
+                ax.set_xticks(x_locs, x_labels)
+            else:
+                ax.xaxis.set_major_locator(NullLocator())
+            if first:
+                ax.set_yticks(y_locs, y_labels or None)
+            else:
+                ax.yaxis.set_major_locator(NullLocator())
+            grid = {"colors": _GRID, "linewidths": 0.6, "zorder": 0.5}
+            ax.hlines(y_locs, 0, 1, transform=ax.get_yaxis_transform(), **grid)
+            ax.vlines(x_locs, 0, 1, transform=ax.get_xaxis_transform(), **grid)
+
+
 def plot_recording(
     source: str | os.PathLike[str] | pd.DataFrame,
     fields: str | Sequence[str] | None = None,
@@ -231,13 +355,19 @@ def plot_recording(
     tz: tzinfo | str | None = None,
     shade: bool = True,
     name: str | None = None,
+    layout: Layout = "auto",
 ) -> Figure:
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
+
+    Up to :data:`OVERLAY_MAX_GPUS` GPUs share each panel, in colours with no look-alike pair; with more, each field
+    gets small multiples instead: one small panel per GPU, titled ``GPU <index>``, the panels of a field sharing
+    their y scale and all panels their time axis (``layout`` chooses either way).
 
     Missing values (``[N/A]``, a lost GPU) and gaps in time (the recording was stopped) show as breaks in the
     lines, never as zeros or straight joins. Long lines are averaged to about one point per pixel.
     Stalls (:data:`smiquery.stalls.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
-    shaded orange on its field's panel; a field with no value says so. The x axis names the time zone (or says
+    shaded orange on its field's panel (in small multiples, each GPU's own stalls and alerts on its panels); a
+    field with no value says so. The x axis names the time zone (or says
     that the recording has none).
 
     Args:
@@ -256,6 +386,8 @@ def plot_recording(
         tz: the zone the recording was made in (default: as recorded; CSV carries none).
         shade: shade stalls and alerts.
         name: what to call the recording in the title (default: the file name).
+        layout: ``overlay`` (every GPU in one panel per field), ``multiples`` (one small panel per GPU per field),
+            or ``auto``: overlay up to :data:`OVERLAY_MAX_GPUS` GPUs, small multiples past that.
 
     Returns:
         A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"``, each threshold line ``gid="threshold"``,
@@ -264,6 +396,7 @@ def plot_recording(
     Raises:
         ImportError: matplotlib is not installed.
         ReportError: the recording cannot be read or lacks a requested field.
+        ValueError: ``layout`` is not one of :data:`LAYOUTS`.
         InvalidFieldError: an unknown field name.
         InvalidRuleError: a rule cannot be parsed.
     """
@@ -275,6 +408,7 @@ def plot_recording(
 
     from smiquery.report import analyze
 
+    _use_multiples(layout, 0)  # a bad layout fails before the recording is read
     df, fields = _load(source, fields, tz)
     if gpus is not None:
         df = df[_selected(df, gpus)].reset_index(drop=True)
@@ -294,18 +428,16 @@ def plot_recording(
         interval = 1.0
     gap_limit = max(3 * interval, 5.0)
 
-    stalls: list[tuple[Any, Any, list[int]]] = []
-    alerts: dict[str, list[tuple[Any, Any, list[int]]]] = {}
+    stalls: list[tuple[Any, Any, int]] = []  # (start, end, gpu)
+    alerts: dict[str, list[tuple[Any, Any, int]]] = {}  # by field
     # spans closer than half a percent of the run are drawn (and labelled) as one
     slack = (df["timestamp"].max() - df["timestamp"].min()) / 200
     if shade:
         found = analyze(df, rules=parsed)
-        stalls = _merged(((_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls), slack)
-        by_field: dict[str, list[tuple[Any, Any, int]]] = {}
+        stalls = [(_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls]
         for a in found.alerts:
             rule = next(r for r in parsed if str(r) == a.rule)
-            by_field.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
-        alerts = {name: _merged(spans, slack) for name, spans in by_field.items()}
+            alerts.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
 
     start = df["timestamp"].min()
     end = df["timestamp"].max()
@@ -313,46 +445,62 @@ def plot_recording(
     if x_end == x_start:
         x_end = x_start + (end - start) + np.timedelta64(1, "s")
 
-    fig = Figure(figsize=(width, panel_height * len(flds) + 1.1), dpi=dpi, layout="constrained")
-    axes = fig.subplots(len(flds), 1, sharex=True, squeeze=False)[:, 0]
+    multiples = _use_multiples(layout, len(groups))
+    fig, panels = (_small_multiples if multiples else _overlay)(Figure, flds, groups, width, panel_height, dpi)
     handles: list[Any] = []
-    for ax, fld in zip(axes, flds):
+    with_values = {f.name: bool(np.isfinite(_as_float(df[f.attr])).any()) for f in flds}
+    for ax, fld, members, first, _ in panels:
         drawn = 0
         y_all = _as_float(df[fld.attr])
-        for pos, (idx, rows) in enumerate(groups):
+        for pos, (idx, rows) in members:
             x, y = _series(xs[idx], y_all[rows], gap_limit, max_points)
             drawn += int((~np.isnan(y)).sum())
             colour, dash = _style(pos)
             (line,) = ax.plot(
-                x, y, color=colour, linestyle=dash, linewidth=1.1, label=f"GPU {idx}", gid=f"gpu-{idx}", zorder=2
+                x,
+                y,
+                color=colour,
+                linestyle="-" if multiples else dash,
+                linewidth=1.1,
+                label=f"GPU {idx}",
+                gid=f"gpu-{idx}",
+                zorder=2,
             )
-            if ax is axes[0]:
+            if fld is flds[0] and not multiples:  # small multiples are titled by GPU instead
                 handles.append(line)
         if not drawn:
             ax.text(
                 0.5,
                 0.5,
-                f"no values: {fld.name} was missing ([N/A] or not supported) in every sample",
+                "no values"
+                if multiples
+                else f"no values: {fld.name} was missing ([N/A] or not supported) in every sample",
                 transform=ax.transAxes,
                 ha="center",
                 va="center",
-                fontsize=9,
+                fontsize=8 if multiples else 9,
                 color="#555555",
                 gid="no-data",
             )
-            ax.set_yticks([])
-        for s0, e0, who in stalls:
+            if not multiples:  # small multiples share their y axis: clearing its ticks would clear them all
+                ax.set_yticks([])
+        here = {idx for _, (idx, _) in members}
+        for s0, e0, who in _merged((sp for sp in stalls if sp[2] in here), slack):
             ax.axvspan(s0, e0, color=_STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
-            if ax is axes[0]:
+            if ax is panels[0][0] and not multiples:
                 _span_label(ax, s0, f"stall: {_gpu_names(who, len(groups))}")
-        for s0, e0, who in alerts.get(fld.name, []):
+        for s0, e0, who in _merged((sp for sp in alerts.get(fld.name, []) if sp[2] in here), slack):
             ax.axvspan(s0, e0, color=_ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
-            _span_label(ax, s0, f"alert: {_gpu_names(who, len(groups))}")
-        marks = _thresholds(parsed, fld) if drawn else []
+            if not multiples:
+                _span_label(ax, s0, f"alert: {_gpu_names(who, len(groups))}")
+        has_values = with_values[fld.name]  # in some GPU's panel: the scale is the field's, shared
+        marks = _thresholds(parsed, fld) if has_values else []
         for n, (value, label) in enumerate(marks):
             ax.axhline(value, color=_THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
-            above = n == len(marks) - 1  # the highest label above its line, the others below theirs
-            ax.annotate(
+            if not first:
+                continue  # one label per field, beside its first column
+            above = n == len(marks) - 1 and not multiples  # the highest above its line, others below theirs
+            note = ax.annotate(
                 label,
                 xy=(0.0, value),
                 xycoords=("axes fraction", "data"),
@@ -360,44 +508,70 @@ def plot_recording(
                 textcoords="offset points",
                 ha="left",
                 va="bottom" if above else "top",
-                fontsize=8,
+                fontsize=7 if multiples else 8,
                 color=_THRESHOLD_COLOUR,
                 bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
                 zorder=4,
             )
+            note.set_in_layout(False)  # it lies inside the panel: no margin for it
+            note.set_clip_on(multiples)  # a long rule stays inside its small panel
         unit = fld.unit
-        ax.set_title(f"{fld.name} [{unit}]" if unit else fld.name, loc="left", fontsize=10)
-        if unit:
-            ax.set_ylabel(unit)
-        if unit == "%" and drawn:
+        if multiples:
+            # fixed title and label places: placing them around each panel's ticks costs tens of ms a panel
+            ax.set_title(f"GPU {members[0][1][0]}", loc="left", fontsize=8, pad=2, y=1.0)
+            ax.xaxis.set_label_coords(0.5, -0.2)
+            ax.yaxis.set_label_coords(-0.3, 0.5)
+            if first and unit:
+                ax.set_ylabel(unit, fontsize=8)
+        else:
+            ax.set_title(f"{fld.name} [{unit}]" if unit else fld.name, loc="left", fontsize=10)
+            if unit:
+                ax.set_ylabel(unit)
+        if unit == "%" and has_values:
             ax.set_ylim(-2, 105)
-        elif fld.kind.is_bool and drawn:
+        elif fld.kind.is_bool and has_values:
             ax.set_ylim(-0.1, 1.1)
             ax.set_yticks([0, 1], ["no", "yes"])
-        ax.grid(True, color="#dddddd", linewidth=0.6)
-    axes[-1].set_xlim(x_start, x_end)
-    locator = mdates.AutoDateLocator()  # type: ignore[no-untyped-call]
-    axes[-1].xaxis.set_major_locator(locator)
-    axes[-1].xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
-    axes[-1].set_xlabel(_zone_label(df["timestamp"]), fontsize=9)
+        if not multiples:
+            ax.grid(True, color=_GRID, linewidth=0.6)
+    last = panels[-1][0]
+    if multiples:
+        # the same few times on every small panel (the title holds the date), worked out once for all of them
+        locator = mdates.AutoDateLocator(minticks=3, maxticks=4)  # type: ignore[no-untyped-call]
+        lo, hi = mdates.date2num([x_start, x_end])  # type: ignore[no-untyped-call]
+        locs = [v for v in locator.tick_values(x_start, x_end) if lo <= v <= hi]  # type: ignore[no-untyped-call]
+        labels = mdates.ConciseDateFormatter(locator, show_offset=False).format_ticks(locs)  # type: ignore[no-untyped-call]
+        _small_scales(panels, flds, (x_start, x_end), locs, labels)
+        inches = fig.get_size_inches()[1]
+        fig.supxlabel(_zone_label(df["timestamp"]), y=0.45 / inches, va="center", fontsize=9)
+    else:
+        last.set_xlim(x_start, x_end)
+        locator = mdates.AutoDateLocator()  # type: ignore[no-untyped-call]
+        last.xaxis.set_major_locator(locator)
+        last.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
+        last.set_xlabel(_zone_label(df["timestamp"]), fontsize=9)
     if title is None:
         if name is None:
             name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
         title = (
             f"{name}: {len(groups)} GPU{'s' if len(groups) != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S}"
         )
-    fig.suptitle(title, x=0.01, ha="left", fontsize=11)
-    if stalls:
+    if multiples:
+        fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
+    else:
+        fig.suptitle(title, x=0.01, ha="left", fontsize=11)
+    if any(p.get_gid() == "stall" for ax, *_ in panels for p in ax.patches):
         handles.append(Patch(color=_STALL_SHADE, alpha=0.4, label="stall"))
-    if alerts:
+    if any(p.get_gid() == "alert" for ax, *_ in panels for p in ax.patches):
         handles.append(Patch(color=_ALERT_SHADE, alpha=0.6, label="alert firing"))
-    fig.legend(
-        handles=handles,
-        loc="outside lower center",
-        ncols=min(len(handles), 10),
-        fontsize=8,
-        frameon=False,
-    )
+    if handles:
+        fig.legend(
+            handles=handles,
+            loc="lower center" if multiples else "outside lower center",
+            ncols=min(len(handles), 10),
+            fontsize=8,
+            frameon=False,
+        )
     return fig
 
 

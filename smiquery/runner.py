@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import math
 import os
 import queue
 import select
@@ -27,7 +28,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from smiquery.errors import NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, StreamEndedError, failure_from_exit
 
@@ -76,12 +77,29 @@ def _check_executable(path: str, origin: str) -> str:
     return str(p)
 
 
+# The last PATH search that found nvidia-smi: (PATH value, path). Searched again when PATH changes or the file is
+# no longer an executable file, so a remembered answer is never staler than one stat.
+_which_memo: tuple[str | None, str] | None = None
+
+
+def _which_cached() -> str | None:
+    global _which_memo
+    path_var = os.environ.get("PATH")
+    memo = _which_memo
+    if memo is not None and memo[0] == path_var and os.path.isfile(memo[1]) and os.access(memo[1], os.X_OK):
+        return memo[1]
+    found = shutil.which("nvidia-smi")
+    _which_memo = (path_var, found) if found else None
+    return found
+
+
 def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner: Runner | None = None) -> str:
     r"""Locate the nvidia-smi binary.
 
     Order: the ``nvidia_smi`` argument, the ``SMIQUERY_NVIDIA_SMI`` environment variable, ``PATH``, then the
     usual places (``/usr/bin``, ``/usr/local/nvidia/bin`` used by container runtimes, WSL's ``/usr/lib/wsl/lib``,
     and on Windows ``%SystemRoot%\System32`` and ``%ProgramFiles%\NVIDIA Corporation\NVSMI``).
+    A PATH hit is remembered while ``PATH`` keeps its value and the file stays executable.
 
     A runner that serves nvidia-smi without a file (one with a ``locate`` method, like
     :class:`smiquery.testing.InProcessRunner`) names the binary itself and nothing is looked up: the ``runner``
@@ -98,7 +116,7 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner:
         NvidiaSmiNotFoundError: nothing usable was found; the message says what to do.
     """
     chosen = runner if runner is not None else _installed
-    if isinstance(chosen, _Locating):
+    if chosen is not None and isinstance(chosen, _Locating):
         return chosen.locate(nvidia_smi)
     if nvidia_smi is not None:
         text = os.fspath(nvidia_smi)
@@ -110,7 +128,7 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner:
     env = os.environ.get(ENV_VAR)
     if env:
         return _check_executable(env, f"${ENV_VAR}")
-    found = shutil.which("nvidia-smi")
+    found = _which_cached()
     if found:
         return found
     searched = _usual_places()
@@ -315,8 +333,16 @@ def _can_trampoline() -> bool:
     return _LINUX and bool(sys.executable) and not getattr(sys, "frozen", False)
 
 
+# Every child leads a process group of its own, so that the whole group (helpers included) can be signalled. A new
+# group, not a new session: on Linux setsid() also gives the child a scheduler autogroup of its own, which on a
+# busy machine makes a short nvidia-smi run slower and far more variable (scripts/bench_compat.py --child sh).
+_OWN_GROUP: dict[str, Any] = (
+    {} if os.name == "nt" else {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+)
+
+
 def _popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in its own session with piped output; translate exec failures. Runs on any thread."""
+    """Start ``argv`` in its own process group with piped output; translate exec failures. Runs on any thread."""
     argv = list(argv)
     status_r = status_w = -1
     cmd = argv
@@ -329,9 +355,9 @@ def _popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) 
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            start_new_session=os.name != "nt",  # own process group: the whole group is signalled
             env=dict(env) if env is not None else None,
             pass_fds=(status_w,) if pdeathsig else (),
+            **_OWN_GROUP,
         )
     except OSError as exc:
         if pdeathsig:
@@ -780,13 +806,80 @@ class LineStream:
 def _run_to_end(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, bytes, bool]:
     """Read a one-shot child's output to its end; returns (stdout, stderr, finished in time).
 
-    The output ends when both pipes close, or :data:`PIPE_GRACE` after the leader exited (helpers that still
-    hold the pipes are then killed).
+    The output ends when both pipes close and the leader has exited, or :data:`PIPE_GRACE` after the leader
+    exited (helpers that still hold the pipes are then killed). Where the kernel has pidfds the leader's exit is
+    one more readiness event beside the pipes, so nothing sleeps or polls; elsewhere the leader is looked at
+    every 50 ms.
     """
     out, err = bytearray(), bytearray()
     pipes = {p.fileno(): buf for p, buf in ((proc.stdout, out), (proc.stderr, err)) if p is not None}
     for fd in pipes:
         os.set_blocking(fd, False)
+    watch = _PidWatch(proc.pid)
+    try:
+        if watch.fd is None or not hasattr(select, "poll"):
+            finished = _read_polling(proc, pipes, deadline)
+        else:
+            finished = _read_with_pidfd(proc, pipes, watch.fd, deadline)
+    finally:
+        watch.close()
+    return bytes(out), bytes(err), finished
+
+
+def _drain(pipes: dict[int, bytearray]) -> None:
+    for fd, buf in pipes.items():
+        with contextlib.suppress(OSError):
+            while chunk := os.read(fd, 65536):
+                buf += chunk
+
+
+def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool:
+    """Read what ``fd`` has; at end of file drop it from ``pipes`` and return True."""
+    try:
+        chunk = os.read(fd, 65536)
+    except BlockingIOError:
+        return False
+    except OSError:
+        chunk = b""
+    if chunk:
+        pipes[fd] += chunk
+        return False
+    del pipes[fd]
+    return True
+
+
+def _read_with_pidfd(proc: subprocess.Popen[bytes], pipes: dict[int, bytearray], pidfd: int, deadline: float) -> bool:
+    """:func:`_run_to_end` where the leader's exit is readable on ``pidfd``: wake only on events.
+
+    ``pipes`` maps each open output fd to its buffer; closed ones are removed.
+    """
+    poller = select.poll()
+    for fd in pipes:
+        poller.register(fd, select.POLLIN)
+    poller.register(pidfd, select.POLLIN)
+    exit_seen: float | None = None
+    while pipes or exit_seen is None:
+        now = time.monotonic()
+        wait = deadline - now
+        if exit_seen is not None:  # only pipes left: a helper may hold them
+            wait = min(wait, exit_seen + PIPE_GRACE - now)
+            if wait <= 0:
+                _signal_group(proc, signal.SIGKILL)
+                _drain(pipes)
+                return True
+        if wait <= 0:
+            return False
+        for fd, _ in poller.poll(max(1, math.ceil(wait * 1000))):
+            if fd == pidfd:
+                poller.unregister(pidfd)
+                exit_seen = time.monotonic()
+            elif _read_chunk(fd, pipes):
+                poller.unregister(fd)
+    return True
+
+
+def _read_polling(proc: subprocess.Popen[bytes], pipes: dict[int, bytearray], deadline: float) -> bool:
+    """:func:`_run_to_end` without pidfds: select on the pipes, looking at the leader every 50 ms."""
     exit_seen: float | None = None
     while pipes:
         now = time.monotonic()
@@ -797,26 +890,14 @@ def _run_to_end(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, 
             wait = min(wait, exit_seen + PIPE_GRACE - now)
             if wait <= 0:
                 _signal_group(proc, signal.SIGKILL)
-                for fd, buf in pipes.items():
-                    with contextlib.suppress(OSError):
-                        while chunk := os.read(fd, 65536):
-                            buf += chunk
-                return bytes(out), bytes(err), True
+                _drain(pipes)
+                return True
         elif wait <= 0:
-            return bytes(out), bytes(err), False
+            return False
         ready, _, _ = select.select(list(pipes), [], [], min(wait, 0.05 if exit_seen is None else wait))
         for fd in ready:
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                continue
-            except OSError:
-                chunk = b""
-            if chunk:
-                pipes[fd] += chunk
-            else:
-                del pipes[fd]
-    return bytes(out), bytes(err), _wait_exit(proc, max(deadline - time.monotonic(), 0.0))
+            _read_chunk(fd, pipes)
+    return _wait_exit(proc, max(deadline - time.monotonic(), 0.0))
 
 
 class SubprocessRunner:

@@ -226,6 +226,30 @@ def test_cli_plot(tmp_path):
     assert "unknown field 'temp'" in bad.stderr
 
 
+def test_cli_plot_layout(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import smiquery.plot
+    from smiquery import cli
+
+    drawn: list[Any] = []
+    real = smiquery.plot.plot_recording
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        drawn.append(real(*args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(smiquery.plot, "plot_recording", spy)
+    out = str(tmp_path / "p.png")
+    for layout, panels in (("multiples", 8), ("OVERLAY", 1), ("auto", 1)):
+        ok = CliRunner().invoke(cli.app, ["plot", str(DEMO), "-o", out, "-f", "temperature.gpu", "--layout", layout])
+        assert ok.exit_code == 0, ok.output
+        assert len(drawn[-1].get_axes()) == panels
+    bad = CliRunner().invoke(cli.app, ["plot", str(DEMO), "-o", out, "--layout", "grid"])
+    assert bad.exit_code == 2
+    assert "grid" in bad.stderr
+
+
 def test_stalls_and_alerts_are_shaded_where_they_happened(demo_png):
     fig, image, _ = demo_png
     util, temp = fig.get_axes()[0], fig.get_axes()[1]
@@ -272,13 +296,84 @@ def test_a_field_with_no_values_says_so(tmp_path):
     assert not [t for t in temp.texts if t.get_gid() == "no-data"]
 
 
-def test_many_gpus_get_distinct_styles(tmp_path):
+def sixteen_gpus(tmp_path: Path) -> Path:
+    """16 GPUs, 20 s: temperature 5 C apart per GPU; GPU 3 reads 90 % utilisation after 10 s, the others 40 %."""
     path = tmp_path / "sixteen.csv"
-    rows = "".join(f"2026/01/01 00:00:{s:02d}.000, {g}, {g * 5 + s % 4}\n" for s in range(20) for g in range(16))
-    path.write_text("timestamp, index, temperature.gpu\n" + rows, encoding="utf-8")
-    fig = plot_recording(path, "temperature.gpu", rules=[])
+    rows = "".join(
+        f"2026/01/01 00:00:{s:02d}.000, {g}, {g * 5 + s % 4}, {90 if g == 3 and s >= 10 else 40} %\n"
+        for s in range(20)
+        for g in range(16)
+    )
+    path.write_text("timestamp, index, temperature.gpu, utilization.gpu [%]\n" + rows, encoding="utf-8")
+    return path
+
+
+def test_many_gpus_overlaid_get_distinct_styles(tmp_path):
+    fig = plot_recording(sixteen_gpus(tmp_path), "temperature.gpu", rules=[], layout="overlay")
+    assert len(fig.get_axes()) == 1
     styles = [(ln.get_color(), ln.get_linestyle()) for ln in gpu_lines(fig.get_axes()[0])]
     assert len(styles) == 16 and len(set(styles)) == 16
+
+
+def test_more_than_eight_gpus_get_one_small_panel_each_per_field(tmp_path):
+    from smiquery.plot import OVERLAY_MAX_GPUS
+
+    assert OVERLAY_MAX_GPUS == 8
+    fig = plot_recording(sixteen_gpus(tmp_path), "utilization.gpu,temperature.gpu", rules=["utilization.gpu < 20"])
+    axes = fig.get_axes()
+    assert len(axes) == 2 * 16
+    util, temp = axes[:16], axes[16:]
+    for block in (util, temp):
+        assert [ax.get_title(loc="left") for ax in block] == [f"GPU {g}" for g in range(16)]
+        assert [[ln.get_label() for ln in gpu_lines(ax)] for ax in block] == [[f"GPU {g}"] for g in range(16)]
+        # a GPU keeps its palette colour; each field's panels share one y scale, all panels one time axis
+        assert [gpu_lines(ax)[0].get_color() for ax in block[:8]] == [gpu_lines(ax)[0].get_color() for ax in block[8:]]
+        assert len({gpu_lines(ax)[0].get_color() for ax in block}) == 8
+        assert {ax.get_ylim() for ax in block} == {block[0].get_ylim()}
+    assert {ax.get_xlim() for ax in axes} == {axes[0].get_xlim()}
+    assert util[0].get_ylim() == (-2, 105)
+    assert temp[0].get_ylim()[1] > 15 * 5  # the hottest GPU fits on every temperature panel
+    assert [threshold_values(ax) for ax in util] == [[20.0]] * 16
+    assert {t.get_text() for t in fig.texts} >= {"utilization.gpu [%]", "temperature.gpu [C]"}
+    # the time shows under the figure's bottom row only
+    assert not any(t.get_visible() and t.get_text() for ax in [*util, *temp[:8]] for t in ax.get_xticklabels())
+    fig.canvas.draw()
+    assert any(t.get_text() for t in temp[-1].get_xticklabels())
+
+
+def test_layout_is_chosen_either_way_and_checked(tmp_path):
+    assert len(plot_recording(DEMO, "temperature.gpu", rules=[], layout="multiples").get_axes()) == 8
+    assert len(plot_recording(DEMO, "temperature.gpu", rules=[]).get_axes()) == 1  # auto: 8 GPUs overlay
+    with pytest.raises(ValueError, match="layout must be one of auto, overlay, multiples"):
+        plot_recording(DEMO, "temperature.gpu", layout="grid")  # type: ignore[arg-type]
+
+
+def test_small_multiples_shade_each_gpus_own_stalls_and_alerts(tmp_path):
+    fig = plot_recording(DEMO, "utilization.gpu,temperature.gpu", layout="multiples")
+    util, temp = fig.get_axes()[:8], fig.get_axes()[8:]
+    assert all([p for p in ax.patches if p.get_gid() == "stall"] for ax in util)  # every GPU stalled
+    hot = [ax.get_title(loc="left") for ax in temp if any(p.get_gid() == "alert" for p in ax.patches)]
+    assert hot == ["GPU 5"]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["stall", "alert firing"]  # the panels name the GPUs
+
+
+def test_a_gpu_without_values_says_so_in_its_own_small_panel(tmp_path):
+    fig = plot_recording(DEMO, "power.draw", rules=[], layout="multiples")
+    empty = [ax.get_title(loc="left") for ax in fig.get_axes() if any(t.get_gid() == "no-data" for t in ax.texts)]
+    assert empty == []  # the demo has power for every GPU
+    path = tmp_path / "na.csv"
+    rows = "".join(
+        f"2026/01/01 00:00:{s:02d}.000, {g}, {'[N/A]' if g == 1 else 100 + g}\n" for s in range(10) for g in range(3)
+    )
+    path.write_text("timestamp, index, power.draw [W]\n" + rows, encoding="utf-8")
+    fig = plot_recording(path, "power.draw", rules=[], layout="multiples")
+    empty = [ax.get_title(loc="left") for ax in fig.get_axes() if any(t.get_gid() == "no-data" for t in ax.texts)]
+    assert empty == ["GPU 1"]
+    first, empty_panel, last = fig.get_axes()
+    assert first.get_ylim() == empty_panel.get_ylim() == last.get_ylim()  # the field's scale, kept where no values
+    assert first.get_ylim()[0] <= 100 and first.get_ylim()[1] >= 102
+    assert len(first.get_yticks()) > 1  # values beside the first column
 
 
 def test_headerless_log_plots_with_fields(tmp_path):

@@ -111,6 +111,19 @@ def test_hang_ignoring_sigterm_is_killed(fake_smi):
         assert time.monotonic() - t0 < 1.5
 
 
+def test_path_lookup_follows_path_changes_and_removed_files(tmp_path, monkeypatch):
+    monkeypatch.delenv("SMIQUERY_NVIDIA_SMI", raising=False)
+    first, second = fake_nvidia_smi(tmp_path / "first"), fake_nvidia_smi(tmp_path / "second")
+    monkeypatch.setenv("PATH", f"{first.parent}{os.pathsep}{second.parent}")
+    assert find_nvidia_smi() == str(first)
+    assert find_nvidia_smi() == str(first)  # remembered, and still right
+    first.unlink()
+    assert find_nvidia_smi() == str(second)  # the remembered file is gone: searched again
+    third = fake_nvidia_smi(tmp_path / "third")
+    monkeypatch.setenv("PATH", str(third.parent))
+    assert find_nvidia_smi() == str(third)
+
+
 @pytest.mark.parametrize("fault", ["garbage", "truncated", "wrong-columns-after:3"])
 def test_bad_output_raises_parse_error_never_half_rows(fake_inproc, fault):
     with no_leaks(), pytest.raises(errors.ParseError) as info:

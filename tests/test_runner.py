@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -132,6 +133,35 @@ def test_processes_keep_rows_on_exit_14_and_skip_the_warning(tmp_path):
     with pytest.warns(InfoRomWarning):
         procs = processes(nvidia_smi=smi)
     assert [(p.pid, p.process_name, p.gpu_index, p.used_memory) for p in procs] == [(1234, "python", 0, 1024)]
+
+
+@pytest.fixture(params=["pidfd", "no-pidfd"])
+def exit_watch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test with the leader's exit seen through a pidfd, and again as on a kernel without them."""
+    if request.param == "pidfd" and not hasattr(os, "pidfd_open"):
+        pytest.skip("this kernel or Python has no pidfd_open")
+    if request.param == "no-pidfd":
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
+    return str(request.param)
+
+
+def test_one_shot_waits_for_the_exit_of_a_child_that_closed_its_output_first(tmp_path, exit_watch):
+    # The exit code decides success, so output that ended before the exit is not the end of the run
+    smi = scripted_smi(tmp_path, "sweep([0], pause=False); os.close(1); os.close(2); time.sleep(1); os._exit(3)")
+    with no_leaks():
+        done = SubprocessRunner().run([str(smi)], 30)
+    assert (done.returncode, done.stdout) == (3, "0, 40\n")
+
+
+def test_one_shot_helper_holding_the_pipe_and_a_hang_on_either_exit_watch(tmp_path, exit_watch):
+    smi = scripted_smi(tmp_path / "helper", HELPER_HOLDS_PIPE)
+    with no_leaks():
+        done = SubprocessRunner().run([str(smi)], 30)
+    assert (done.returncode, done.stdout, done.seconds < 15) == (0, "0, 40\n1, 41\n", True)
+    assert_killed(int((tmp_path / "helper" / "state").read_text()))
+    hung = scripted_smi(tmp_path / "hung", "sweep([0], pause=False); time.sleep(3600)")
+    with no_leaks(), pytest.raises(errors.NvidiaSmiTimeoutError, match="did not answer within 1 s"):
+        SubprocessRunner().run([str(hung)], 1.0)
 
 
 def test_every_child_of_this_module_was_reaped():

@@ -18,7 +18,7 @@ import typer
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["FailOn", "ReportFormat", "check_zone", "register"]
+__all__ = ["FailOn", "PlotLayout", "ReportFormat", "check_zone", "register"]
 
 
 class ReportFormat(str, Enum):
@@ -27,6 +27,14 @@ class ReportFormat(str, Enum):
     text = "text"
     json = "json"
     markdown = "markdown"
+
+
+class PlotLayout(str, Enum):
+    """How ``smiquery plot`` puts GPUs in panels (see :func:`smiquery.plot.plot_recording`)."""
+
+    auto = "auto"
+    overlay = "overlay"
+    multiples = "multiples"
 
 
 class FailOn(str, Enum):
@@ -43,6 +51,7 @@ Examples:
   smiquery plot run.parquet -o trace.png --fields utilization.gpu,temperature.gpu
   smiquery plot run.jsonl -o trace.svg --alert 'temperature.gpu > 83 for 10' --gpus 0,5
   smiquery plot noheader.csv --fields timestamp,index,utilization.gpu --tz Europe/Berlin
+  smiquery plot sixteen-gpus.csv --layout overlay
 """
 
 _REPORT_EPILOG = """\b
@@ -173,10 +182,20 @@ def plot(
     width: Annotated[float, typer.Option("--width", min=4.0, help="Width in inches.")] = 12.0,
     dpi: Annotated[int, typer.Option("--dpi", min=50, max=600, help="Resolution.")] = 100,
     tz: TzOpt = None,
+    layout: Annotated[
+        PlotLayout,
+        typer.Option(
+            "--layout",
+            case_sensitive=False,
+            help="overlay: every GPU a line in one panel per field; multiples: one small panel per GPU per field "
+            "(same scales); auto: overlay up to 8 GPUs, multiples past that.",
+        ),
+    ] = PlotLayout.auto,
 ) -> None:
     """Draw a recording: one panel per field, one line per GPU, alert thresholds dashed, gaps where data is missing.
 
-    Stalls are shaded grey and firing alerts orange. For a headerless (noheader) log, --fields names its
+    Past 8 GPUs each field gets one small panel per GPU instead (--layout). Stalls are shaded grey and firing
+    alerts orange. For a headerless (noheader) log, --fields names its
     columns in order. The time axis is the recording's clock (no zone unless --tz names one). Needs
     matplotlib: pip install 'smiquery[plot]'.
     """
@@ -194,6 +213,7 @@ def plot(
             width=width,
             dpi=dpi,
             name=recording.name,
+            layout=layout.value,
         )
         typer.echo(f"wrote {path}")
 
