@@ -666,7 +666,7 @@ def test_stream_failure_exits_with_its_code_and_the_file_is_whole(inproc, smi, t
 def test_stream_gives_up_after_retries_with_one_line_per_restart(inproc, smi, monkeypatch):
     # piped, each restart is one line on stderr (with its cause); the final failure is one line too.
     # Three starts, not six: the backoff between them is real time (0.5 s doubling), 16 s for six.
-    monkeypatch.setattr("smiquery.supervisor.FAIL_FAST_ATTEMPTS", 3)
+    monkeypatch.setattr("smiquery.retry.FAIL_FAST_ATTEMPTS", 3)
     inproc.fault = "driver-not-loaded"
     proc = run("stream", "-l", "50ms", smi=smi)
     assert proc.returncode == 4
