@@ -29,7 +29,7 @@ from typing import NamedTuple
 from smiquery._log import get_logger
 from smiquery.errors import NvidiaSmiTimeoutError, ParseError, SmiqueryError, StreamEndedError
 from smiquery.oneshot import GpusArg, normalize_gpus
-from smiquery.retry import DEFAULT_PERMANENT_RETRY, RetryPolicy, Supervision, _FreshStreak
+from smiquery.retry import DEFAULT_PERMANENT_RETRY, RetryPolicy, Supervision
 from smiquery.runner import LineSource, Runner, default_runner, find_nvidia_smi
 from smiquery.source import StreamEvent, StreamStats
 
@@ -448,14 +448,7 @@ class PmonStream:
 
     def __iter__(self) -> Iterator[PmonRow]:
         try:
-            while True:
-                try:
-                    for attempt in self._supervision.retrying(self._pause):
-                        with attempt:
-                            yield from self._session()
-                    return
-                except _FreshStreak:
-                    continue  # a fresh streak: the first attempt runs at once
+            yield from self._supervision.run(lambda: self._session(), self._pause)
         except _Stopped:
             return
         except BaseException as exc:

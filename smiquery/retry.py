@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception_type
 
@@ -39,6 +40,8 @@ __all__ = [
 ]
 
 log = get_logger("smiquery")
+
+T = TypeVar("T")
 
 #: With ``fail_fast``, how many starts a transient fault gets before any row has arrived.
 FAIL_FAST_ATTEMPTS = 6
@@ -249,6 +252,21 @@ class Supervision:
             sleep=sleep,
             before_sleep=self._before_sleep,
         )
+
+    def run(self, session: Callable[[], Iterator[T]], sleep: Callable[[float], None]) -> Generator[T, None, None]:
+        """Yield from ``session()`` under the policy; the last error is raised when it gives up.
+
+        A failed session is retried (``sleep`` waits between attempts); a failure after a healthy period starts a
+        fresh streak at once.
+        """
+        while True:
+            try:
+                for attempt in self.retrying(sleep):
+                    with attempt:
+                        yield from session()
+                return
+            except _FreshStreak:
+                continue  # a fresh streak: the first attempt runs at once
 
     def async_retrying(self, sleep: Callable[[float], Awaitable[None]]) -> AsyncRetrying:
         """The same policy as :meth:`retrying`, as a tenacity ``AsyncRetrying`` (``async for attempt in ...``)."""

@@ -33,7 +33,7 @@ from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, build_argv, normalize_gpus
 from smiquery.parsing import CsvParser, is_message
 from smiquery.records import GpuSample
-from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, RetryPolicy, Supervision, _FreshStreak
+from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, RetryPolicy, Supervision
 from smiquery.runner import TERM_GRACE, LineSource, Runner, default_runner, find_nvidia_smi
 from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep, SweepGrouper
 
@@ -225,14 +225,7 @@ class Stream(LatestSweep):
         self._deadline = None if self.duration is None else time.monotonic() + self.duration
         budget = [self.max_samples]
         try:
-            while True:
-                try:
-                    for attempt in self._supervision.retrying(self._pause):
-                        with attempt:
-                            yield from self._session(budget)
-                    return
-                except _FreshStreak:
-                    continue  # a fresh streak: the first attempt runs at once
+            yield from self._supervision.run(lambda: self._session(budget), self._pause)
         except _Stopped:
             return
         except BaseException as exc:
