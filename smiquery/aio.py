@@ -1,8 +1,10 @@
 """asyncio API: ``await query(...)`` and ``async with stream(...) as s: async for sweep in s.sweeps(): ...``.
 
-Built on asyncio subprocesses (an argument list, never a shell) with the sync API's guarantees: a timeout on
-every read, one child per stream, the CSV stream's retry policy (:mod:`smiquery.retry`), typed errors, and every
-child terminated, killed if need be, and reaped on every path, cancellation and ``asyncio.wait_for`` included.
+Runs nvidia-smi from an argument list (never a shell) with the sync API's guarantees: a timeout on every read,
+one child per stream, the CSV stream's retry policy (:mod:`smiquery.retry`), typed errors (the runner's exec
+failure messages), every child in its own process group, terminated, killed if need be, and reaped on every
+path, cancellation and ``asyncio.wait_for`` included. On Linux a stream's child also dies with this process
+however it dies: the runner's spawner thread forks it with a parent-death signal (see :func:`_spawn_loop_child`).
 Parsing, argument lists and sweep grouping are the sync API's own (:class:`~smiquery.parsing.CsvParser`,
 :func:`~smiquery.oneshot.build_argv`, :class:`~smiquery.source.SweepGrouper`).
 """
