@@ -215,10 +215,20 @@ class _ForkedChild:
                 self._poller.cancel()
             self._poller = None
 
+    def end_stdout(self) -> None:
+        """Stop reading stdout and end its reader's data now (the stall watchdog gave up on the child)."""
+        self._feeds[0].close()
+
     def release(self) -> None:
-        """Close the pipes and stop watching the exit (after reaping, or when giving up on it). Idempotent."""
+        """Close the pipes and stop watching the exit. Idempotent.
+
+        Normally called once the child is reaped. If reaping was abandoned (cancelled twice while the loop shuts
+        down), the child's group is killed and a runner thread reaps it, so no zombie is left behind.
+        """
         for feed in self._feeds:
             feed.close()
+        if self._popen.returncode is None:
+            terminate_and_reap(self._popen, 0.0)  # SIGKILL to the group; reaped now or by a daemon thread
         if self._popen.returncode is not None:
             self._stop_watching()
 
@@ -237,7 +247,7 @@ async def _reap_when_started(started: asyncio.Future[subprocess.Popen[bytes]], l
         if not started.cancel() and started.exception() is None:  # it came just now: settle() has passed
             _throw_away(started.result())
         raise
-    except SmiqueryError:
+    except Exception:
         return  # it never started
     child = _ForkedChild(popen, loop)
     _LIVE.add(child)
@@ -471,7 +481,9 @@ class _Child:
                 continue
             self._timed_out = True
             _signal(self.proc, getattr(signal, "SIGKILL", signal.SIGTERM))
-            if self.proc.stdout is not None:
+            if isinstance(self.proc, _ForkedChild):
+                self.proc.end_stdout()  # wakes the waiting read with b"" (and nothing is fed after)
+            elif self.proc.stdout is not None:
                 self.proc.stdout.feed_eof()  # wakes the waiting read with b""
             return
 
