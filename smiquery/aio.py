@@ -1,8 +1,10 @@
 """asyncio API: ``await query(...)`` and ``async with stream(...) as s: async for sweep in s.sweeps(): ...``.
 
-Built on asyncio subprocesses (an argument list, never a shell) with the sync API's guarantees: a timeout on
-every read, one child per stream, the CSV stream's retry policy (:mod:`smiquery.retry`), typed errors, and every
-child terminated, killed if need be, and reaped on every path, cancellation and ``asyncio.wait_for`` included.
+Runs nvidia-smi from an argument list (never a shell) with the sync API's guarantees: a timeout on every read,
+one child per stream, the CSV stream's retry policy (:mod:`smiquery.retry`), typed errors (the runner's exec
+failure messages), every child in its own process group, terminated, killed if need be, and reaped on every
+path, cancellation and ``asyncio.wait_for`` included. On Linux a stream's child also dies with this process
+however it dies: the runner's spawner thread forks it with a parent-death signal (see :func:`_spawn_loop_child`).
 Parsing, argument lists and sweep grouping are the sync API's own (:class:`~smiquery.parsing.CsvParser`,
 :func:`~smiquery.oneshot.build_argv`, :class:`~smiquery.source.SweepGrouper`).
 """
@@ -13,16 +15,16 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import tzinfo
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Protocol
 
 from smiquery._log import get_logger
 from smiquery.errors import (
     NvidiaSmiFailedError,
-    NvidiaSmiNotFoundError,
     NvidiaSmiTimeoutError,
     SmiqueryError,
     failure_from_exit,
@@ -31,7 +33,17 @@ from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, _check_and_parse, build_argv, normalize_gpus
 from smiquery.parsing import CsvParser
 from smiquery.retry import DEFAULT_PERMANENT_RETRY, RetryPolicy, Supervision, _FreshStreak
-from smiquery.runner import TERM_GRACE, Completed, find_nvidia_smi
+from smiquery.runner import (
+    _OWN_GROUP,
+    TERM_GRACE,
+    Completed,
+    _can_trampoline,
+    _exec_error,
+    _forget,
+    _submit_loop_child,
+    find_nvidia_smi,
+    terminate_and_reap,
+)
 from smiquery.source import StreamEvent, StreamStats, Sweep, SweepGrouper
 
 if TYPE_CHECKING:
@@ -42,7 +54,30 @@ __all__ = ["AsyncStream", "live_children", "query", "stream"]
 log = get_logger("smiquery")
 
 _MAX_ERR_BYTES = 64 * 1024
-_LIVE: set[asyncio.subprocess.Process] = set()
+_STREAM_LIMIT = 2**16  # what a stream reader buffers before it stops reading the pipe (asyncio's default)
+
+
+class _Proc(Protocol):
+    """What this module needs of a child: :class:`asyncio.subprocess.Process`, or :class:`_ForkedChild`."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    @property
+    def stdout(self) -> asyncio.StreamReader | None: ...
+
+    @property
+    def stderr(self) -> asyncio.StreamReader | None: ...
+
+    async def wait(self) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+_LIVE: set[_Proc] = set()
 
 
 def live_children() -> list[int]:
@@ -51,25 +86,218 @@ def live_children() -> list[int]:
 
 
 async def _spawn(argv: Sequence[str]) -> asyncio.subprocess.Process:
+    """Start a one-shot child in its own process group (no parent-death signal: its timeout bounds it)."""
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            start_new_session=os.name != "nt",  # own process group: the whole group is signalled
+            **_OWN_GROUP,  # the whole group is signalled
         )
-    except FileNotFoundError as exc:
-        raise NvidiaSmiNotFoundError(f"nvidia-smi not found: {argv[0]} does not exist") from exc
-    except PermissionError as exc:
-        raise NvidiaSmiNotFoundError(f"{argv[0]} cannot be executed (permission denied); check chmod +x") from exc
     except OSError as exc:
-        raise NvidiaSmiNotFoundError(f"{argv[0]} cannot be executed: {exc.strerror or exc}") from exc
+        raise _exec_error(argv[0], exc) from exc
     _LIVE.add(proc)
     return proc
 
 
-def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+class _PipeFeed:
+    """Feeds one of a child's pipes into a :class:`asyncio.StreamReader`; the reader pauses and resumes it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pipe: IO[bytes], reader: asyncio.StreamReader) -> None:
+        self._loop = loop
+        self._pipe = pipe
+        self._fd = pipe.fileno()
+        self._reader = reader
+        self._reading = False
+        os.set_blocking(self._fd, False)
+        reader.set_transport(self)  # type: ignore[arg-type]  # it only calls pause_reading/resume_reading
+        self.resume_reading()
+
+    def _ready(self) -> None:
+        try:
+            data = os.read(self._fd, _STREAM_LIMIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._reader.feed_data(data)
+        else:
+            self.close()
+
+    def pause_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+
+    def resume_reading(self) -> None:
+        if not self._reading and not self._pipe.closed:
+            self._reading = True
+            self._loop.add_reader(self._fd, self._ready)
+
+    def close(self) -> None:
+        """Stop reading, close the pipe and end the reader's data. Idempotent."""
+        self.pause_reading()
+        if not self._pipe.closed:
+            with contextlib.suppress(OSError):
+                self._pipe.close()
+            if not self._reader.at_eof():
+                self._reader.feed_eof()
+
+
+class _ForkedChild:
+    """A loop child forked by the runner's spawner thread, read and awaited on this event loop.
+
+    Pipes are read with :meth:`~asyncio.AbstractEventLoop.add_reader` (flow control included), the exit is
+    awaited on a pidfd where the kernel has them (else looked at every 50 ms); nothing blocks the loop.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], loop: asyncio.AbstractEventLoop) -> None:
+        assert popen.stdout is not None and popen.stderr is not None
+        self._popen = popen
+        self._loop = loop
+        self.stdout = asyncio.StreamReader(_STREAM_LIMIT, loop=loop)
+        self.stderr = asyncio.StreamReader(_STREAM_LIMIT, loop=loop)
+        self._feeds = (_PipeFeed(loop, popen.stdout, self.stdout), _PipeFeed(loop, popen.stderr, self.stderr))
+        self._exit: asyncio.Future[int] | None = None
+        self._pidfd: int | None = None
+        self._poller: asyncio.Future[None] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self._popen.returncode is None:
+            self._popen.send_signal(sig)
+
+    async def wait(self) -> int:
+        """Wait for the child to exit and reap it; returns its exit status. Cancelling the wait leaves it be."""
+        rc = self._popen.returncode
+        if rc is not None:
+            return rc
+        if self._exit is None:
+            self._exit = self._loop.create_future()
+            try:
+                self._pidfd = os.pidfd_open(self._popen.pid)
+            except (AttributeError, OSError):  # no pidfds: look now and then
+                self._poller = asyncio.ensure_future(self._poll_exit())
+            else:
+                self._loop.add_reader(self._pidfd, self._reap_now)
+        return await asyncio.shield(self._exit)
+
+    def _reap_now(self) -> None:
+        if self._popen.poll() is None:
+            return  # woken early: keep watching
+        self._stop_watching()
+        _forget(self._popen)
+        if self._exit is not None and not self._exit.done():
+            self._exit.set_result(self._popen.returncode if self._popen.returncode is not None else -9)
+
+    async def _poll_exit(self) -> None:
+        while self._popen.returncode is None:
+            await asyncio.sleep(0.05)
+            self._reap_now()
+
+    def _stop_watching(self) -> None:
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = None
+        if self._poller is not None:
+            if self._poller is not asyncio.current_task(self._loop):
+                self._poller.cancel()
+            self._poller = None
+
+    def end_stdout(self) -> None:
+        """Stop reading stdout and end its reader's data now (the stall watchdog gave up on the child)."""
+        self._feeds[0].close()
+
+    def release(self) -> None:
+        """Close the pipes and stop watching the exit. Idempotent.
+
+        Normally called once the child is reaped. If reaping was abandoned (cancelled twice while the loop shuts
+        down), the child's group is killed and a runner thread reaps it, so no zombie is left behind.
+        """
+        for feed in self._feeds:
+            feed.close()
+        if self._popen.returncode is None:
+            terminate_and_reap(self._popen, 0.0)  # SIGKILL to the group; reaped now or by a daemon thread
+        if self._popen.returncode is not None:
+            self._stop_watching()
+
+
+def _throw_away(result: subprocess.Popen[bytes] | BaseException) -> None:
+    """A child nobody will read any more: kill its group now and reap it in the background."""
+    if isinstance(result, subprocess.Popen):
+        terminate_and_reap(result, 0.0)
+
+
+async def _reap_when_started(started: asyncio.Future[subprocess.Popen[bytes]], loop: asyncio.AbstractEventLoop) -> None:
+    """The caller was cancelled during a fork: wait for the child and reap it (see :func:`_spawn_loop_child`)."""
+    try:
+        popen = await asyncio.shield(started)
+    except asyncio.CancelledError:
+        if not started.cancel() and started.exception() is None:  # it came just now: settle() has passed
+            _throw_away(started.result())
+        raise
+    except Exception:
+        return  # it never started
+    child = _ForkedChild(popen, loop)
+    _LIVE.add(child)
+    try:
+        await _reap(child)
+    finally:
+        child.release()
+
+
+async def _spawn_loop_child(argv: Sequence[str]) -> _Proc:
+    """Start a loop-mode child that dies with this process (Linux), without blocking the event loop.
+
+    The runner's spawner thread forks it through the parent-death trampoline and reads the exec report; this
+    coroutine only awaits the outcome. The kernel sends the parent-death signal when the *forking thread* ends,
+    and the spawner thread lasts as long as the process, so an event loop in a worker thread that ends does not
+    kill the children of another loop's streams. Where there is no trampoline (not Linux, a frozen
+    interpreter), the child starts as a one-shot one does, without the signal.
+
+    Cancelled while the child is being forked, it waits for the fork (bounded by the trampoline's start-up),
+    then reaps the child before passing the cancellation on; cancelled again meanwhile, the child is killed and
+    reaped in the background as soon as it exists.
+    """
+    if not _can_trampoline():
+        return await _spawn(argv)
+    loop = asyncio.get_running_loop()
+    started: asyncio.Future[subprocess.Popen[bytes]] = loop.create_future()
+
+    def settle(result: subprocess.Popen[bytes] | BaseException) -> None:  # on the loop
+        if started.cancelled():
+            _throw_away(result)
+        elif isinstance(result, BaseException):
+            started.set_exception(result)
+        else:
+            started.set_result(result)
+
+    def done(result: subprocess.Popen[bytes] | BaseException) -> None:  # on the spawner thread
+        loop.call_soon_threadsafe(settle, result)  # a closed loop raises: the spawner then kills the child
+
+    _submit_loop_child(argv, None, done)
+    try:
+        popen = await asyncio.shield(started)
+    except asyncio.CancelledError:
+        await _reap_when_started(started, loop)
+        raise
+    child = _ForkedChild(popen, loop)
+    _LIVE.add(child)
+    return child
+
+
+def _signal(proc: _Proc, sig: int) -> None:
     if proc.returncode is not None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -79,7 +307,7 @@ def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
             proc.send_signal(sig)
 
 
-async def _terminate(proc: asyncio.subprocess.Process, grace: float) -> None:
+async def _terminate(proc: _Proc, grace: float) -> None:
     try:
         if proc.returncode is None:
             _signal(proc, signal.SIGTERM)
@@ -97,7 +325,7 @@ async def _terminate(proc: asyncio.subprocess.Process, grace: float) -> None:
             _LIVE.discard(proc)
 
 
-async def _reap(proc: asyncio.subprocess.Process, grace: float = TERM_GRACE) -> None:
+async def _reap(proc: _Proc, grace: float = TERM_GRACE) -> None:
     """Terminate, kill if needed, and reap ``proc``, even when the caller is being cancelled."""
     if proc.returncode is not None:
         _LIVE.discard(proc)
@@ -161,7 +389,7 @@ async def query(
 class _Child:
     """One running loop-mode child: lines with a deadline, stderr drained, exit judged at the end."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, argv: Sequence[str]) -> None:
+    def __init__(self, proc: _Proc, argv: Sequence[str]) -> None:
         self.proc = proc
         self.argv = tuple(argv)
         self.messages: deque[str] = deque(maxlen=20)  # the last lines, for error messages (rows are skipped there)
@@ -253,7 +481,9 @@ class _Child:
                 continue
             self._timed_out = True
             _signal(self.proc, getattr(signal, "SIGKILL", signal.SIGTERM))
-            if self.proc.stdout is not None:
+            if isinstance(self.proc, _ForkedChild):
+                self.proc.end_stdout()  # wakes the waiting read with b"" (and nothing is fed after)
+            elif self.proc.stdout is not None:
                 self.proc.stdout.feed_eof()  # wakes the waiting read with b""
             return
 
@@ -278,6 +508,8 @@ class _Child:
         try:
             await _reap(self.proc)
         finally:
+            if isinstance(self.proc, _ForkedChild):
+                self.proc.release()
             self._drain.cancel()
             if self._watchdog is not None:
                 self._watchdog.cancel()
@@ -458,7 +690,7 @@ class AsyncStream:
             raise _Stopped
         self._supervision.started()
         try:
-            child = _Child(await _spawn(self.argv), self.argv)
+            child = _Child(await _spawn_loop_child(self.argv), self.argv)
         except SmiqueryError as exc:
             self._supervision.failure(exc)
             raise

@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -384,34 +384,51 @@ def _popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) 
     return proc
 
 
+#: Called on the spawner thread with the new child, or with the exception that kept it from starting. It must
+#: not block; if it raises, the child is killed and reaped.
+_SpawnDone = Callable[["subprocess.Popen[bytes] | BaseException"], None]
+
+
 class _Spawner:
     """The one long-lived thread that forks loop children (a parent-death signal follows the forking thread)."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Sequence[str], Mapping[str, str] | None, list[object], threading.Event]]
+        self._jobs: queue.SimpleQueue[tuple[Sequence[str], Mapping[str, str] | None, _SpawnDone]]
         self._jobs = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="smiquery-spawner", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         while True:
-            argv, env, out, done = self._jobs.get()
+            argv, env, done = self._jobs.get()
+            result: subprocess.Popen[bytes] | BaseException
             try:
-                out.append(_popen(argv, env, pdeathsig=True))
+                result = _popen(argv, env, pdeathsig=True)
             except BaseException as exc:
-                out.append(exc)
-            finally:
-                done.set()
+                result = exc
+            try:
+                done(result)
+            except BaseException:  # nobody took the child: it must not outlive the job, nor stop this thread
+                if isinstance(result, subprocess.Popen):
+                    terminate_and_reap(result, 0.0)
+
+    def submit(self, argv: Sequence[str], env: Mapping[str, str] | None, done: _SpawnDone) -> None:
+        """Fork ``argv`` on this thread; ``done`` gets the child or the exception, on this thread."""
+        self._jobs.put((argv, env, done))
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None) -> subprocess.Popen[bytes]:
-        out: list[object] = []
-        done = threading.Event()
-        self._jobs.put((argv, env, out, done))
-        done.wait()
+        out: list[subprocess.Popen[bytes] | BaseException] = []
+        finished = threading.Event()
+
+        def done(result: subprocess.Popen[bytes] | BaseException) -> None:
+            out.append(result)
+            finished.set()
+
+        self.submit(argv, env, done)
+        finished.wait()
         result = out[0]
         if isinstance(result, BaseException):
             raise result
-        assert isinstance(result, subprocess.Popen)
         return result
 
 
@@ -419,15 +436,34 @@ _SPAWNER: _Spawner | None = None
 _SPAWNER_LOCK = threading.Lock()
 
 
-def _spawn_loop_child(argv: Sequence[str], env: Mapping[str, str] | None) -> subprocess.Popen[bytes]:
+def _spawner() -> _Spawner:
     global _SPAWNER
-    if not _can_trampoline():
-        return _popen(argv, env, pdeathsig=False)
     with _SPAWNER_LOCK:
         if _SPAWNER is None:
             _SPAWNER = _Spawner()
-        spawner = _SPAWNER
-    return spawner.spawn(argv, env)
+        return _SPAWNER
+
+
+def _spawn_loop_child(argv: Sequence[str], env: Mapping[str, str] | None) -> subprocess.Popen[bytes]:
+    if not _can_trampoline():
+        return _popen(argv, env, pdeathsig=False)
+    return _spawner().spawn(argv, env)
+
+
+def _submit_loop_child(argv: Sequence[str], env: Mapping[str, str] | None, done: _SpawnDone) -> None:
+    """Start a loop child with a parent-death signal without waiting for it: ``done`` gets the outcome.
+
+    The spawner thread forks it (so it dies with this process, not with the calling thread), reads the
+    trampoline's exec report and then calls ``done`` there, with the child or the typed
+    :class:`~smiquery.errors.NvidiaSmiNotFoundError`. Only where :func:`_can_trampoline` is true.
+    """
+    _spawner().submit(argv, env, done)
+
+
+def _forget(proc: subprocess.Popen[bytes]) -> None:
+    """Drop a reaped child from :func:`live_children` (for children reaped outside this module)."""
+    with _LIVE_LOCK:
+        _LIVE.discard(proc)
 
 
 def _after_fork_in_child() -> None:

@@ -6,13 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import smiquery
-from smiquery import aio, errors
+from smiquery import aio, errors, runner
 from smiquery.source import Sweep
 from tests.conftest import MakeFake
 
@@ -289,3 +295,134 @@ def test_breaking_out_and_leaving_the_context_reaps(fake_smi: MakeFake, tmp_path
 
     assert len(asyncio.run(main())) == 8
     _assert_all_reaped(log)
+
+
+# ---------------------------------------------------------------------------- parent death, exec failures
+
+# The child falls silent after two sweeps but keeps running: a child that kept writing would die of a broken pipe
+# once its parent died, with or without a parent-death signal, and prove nothing.
+PARENT = """
+import asyncio, sys
+from smiquery import aio
+
+async def main():
+    async with aio.stream(interval=0.05, nvidia_smi=sys.argv[1], stall_timeout=600) as s:
+        seen = 0
+        async for _ in s.sweeps():  # the child lives while this iteration runs
+            seen += 1
+            if seen == 2:
+                print(aio.live_children()[0], flush=True)  # it has written all it ever will
+                await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    """Poll until ``pid`` is gone or a zombie waiting for init; False when it still runs at the deadline."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux-only")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_stream_child_dies_with_its_parent(fake_smi: MakeFake, sig: int) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(fake_smi(recording=SWEEP, fault="hang-after:16,ignore-term"))],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    child = None
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert psutil.Process(child).is_running()
+        parent.send_signal(sig)  # SIGTERM's default action ends Python without atexit handlers, like SIGKILL
+        parent.wait(30)
+        # the issue's bound is 2 s; the deadline is generous for a busy machine (the signal itself is immediate)
+        assert _wait_gone(child, 10), f"nvidia-smi {child} outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait()
+        assert parent.stdout is not None
+        parent.stdout.close()
+        if child is not None and not _wait_gone(child, 0):  # a failed run leaves nothing behind
+            psutil.Process(child).kill()
+
+
+def test_a_stream_outlives_the_thread_that_started_it(fake_smi: MakeFake, tmp_path: Path) -> None:
+    """The loop child is forked by the spawner thread, not the loop's: a loop thread ending does not kill it."""
+    log = tmp_path / "log.jsonl"
+    fake = fake_smi(log=log)
+    loop = asyncio.new_event_loop()
+    s = aio.stream(interval=0.05, nvidia_smi=fake)
+    sweeps = s.sweeps()
+
+    def step(count: int) -> None:
+        for _ in range(count):
+            loop.run_until_complete(sweeps.__anext__())
+
+    first = threading.Thread(target=step, args=(1,))
+    first.start()
+    first.join()  # that thread is gone; the stream goes on in another one
+    second = threading.Thread(target=step, args=(20,))
+    second.start()
+    second.join()
+    try:
+        assert s.stats.starts == 1 and s.stats.restarts == 0 and s.stats.errors == {}
+        assert len(_pids(log)) == 1
+    finally:
+        loop.run_until_complete(sweeps.aclose())  # type: ignore[attr-defined]
+        loop.run_until_complete(s.aclose())
+        loop.close()
+    _assert_all_reaped(log)
+
+
+def _break(path: Path, how: str) -> str:
+    """Make the binary at ``path`` unusable; returns the message expected from starting it."""
+    if how == "missing":
+        path.unlink()
+        return "does not exist"
+    if how == "permission":
+        path.chmod(0o644)
+        return "permission denied"
+    path.write_bytes(b"\x00\x01 not a program\n")  # no #! line, no ELF header
+    path.chmod(0o755)
+    return "exec format error"
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX exec errors")
+@pytest.mark.parametrize("how", ["missing", "permission", "format"])
+def test_stream_of_a_binary_that_cannot_start_raises_the_typed_error(fake_smi: MakeFake, how: str) -> None:
+    fake = fake_smi()
+    s = aio.stream(interval=0.05, nvidia_smi=fake, fail_fast=True)  # the path is resolved here
+    expected = _break(fake, how)
+
+    async def main() -> None:
+        async with s:
+            async for _ in s:
+                pass
+
+    with pytest.raises(errors.NvidiaSmiNotFoundError, match=expected) as caught:
+        asyncio.run(main())
+    assert str(fake) in str(caught.value) and "\n" not in str(caught.value)
+    assert s.stats.starts == 1
+    assert aio.live_children() == [] and runner.live_children() == []
+
+
+@pytest.mark.skipif(os.name == "nt", reason="POSIX exec errors")
+def test_query_of_a_binary_that_cannot_start_raises_the_typed_error(fake_smi: MakeFake) -> None:
+    fake = fake_smi()
+    expected = _break(fake, "format")
+    with pytest.raises(errors.NvidiaSmiNotFoundError, match=expected):
+        asyncio.run(aio.query(nvidia_smi=fake))
+    assert aio.live_children() == []
