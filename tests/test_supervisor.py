@@ -230,7 +230,9 @@ time.sleep(600)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_loop_child_dies_with_its_parent(fake_smi, sig):
     parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, str(fake_smi(fault="ignore-term"))], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", PARENT, str(fake_smi(fault="hang-after:16,ignore-term"))],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert parent.stdout is not None
