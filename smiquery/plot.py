@@ -476,10 +476,11 @@ def plot_recording(
         across = panels[0][0].get_position().width * width if multiples else width
         max_points = max(200, round(across * dpi) * (2 if multiples else 1))
     handles: list[Any] = []
-    with_values = {f.name: bool(np.isfinite(_as_float(df[f.attr])).any()) for f in flds}
+    values = {f.name: _as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
+    with_values = {name: bool(np.isfinite(v).any()) for name, v in values.items()}
     for ax, fld, members, first, _ in panels:
         drawn = 0
-        y_all = _as_float(df[fld.attr])
+        y_all = values[fld.name]
         for pos, (idx, rows) in members:
             x, y = _series(xs[idx], y_all[rows], gap_limit, max_points, envelope=multiples)
             drawn += int((~np.isnan(y)).sum())
