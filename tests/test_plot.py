@@ -446,9 +446,14 @@ def test_small_multiples_keep_a_one_sample_spike_and_dip(tmp_path):
     start = datetime(2026, 1, 1)
     n = 20_000  # 1 Hz: many samples per pixel of a small panel
     spike, dip = 12_345, 4_321
+    pause = 15_000  # the recording was stopped for ten minutes before this sample
+
+    def at(sample: int) -> int:
+        return sample + (600 if sample >= pause else 0)
+
     rows = []
     for s in range(n):
-        stamp = (start + timedelta(seconds=s)).strftime("%Y/%m/%d %H:%M:%S.000")
+        stamp = (start + timedelta(seconds=at(s))).strftime("%Y/%m/%d %H:%M:%S.000")
         for g in range(2):
             value = 99 if (g == 1 and s == spike) else 1 if (g == 0 and s == dip) else 50 + s % 3
             rows.append(f"{stamp}, {g}, {value} %\n")
@@ -459,9 +464,16 @@ def test_small_multiples_keep_a_one_sample_spike_and_dip(tmp_path):
     for line, value, when in ((gpu1, 99.0, spike), (gpu0, 1.0, dip)):
         x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata(), dtype=float)
         assert len(x) <= 2 * pixels + 2 < n / 10  # drawn at about two points (lowest, highest) per pixel of the panel
-        at = int(np.flatnonzero(y == value)[0])  # the one sample survives, at its own time
-        assert x[at] == np.datetime64(start + timedelta(seconds=when))
+        where = int(np.flatnonzero(y == value)[0])  # the one sample survives, at its own time
+        assert x[where] == np.datetime64(start + timedelta(seconds=at(when)))
         assert np.nanmin(y) >= 1.0 and np.nanmax(y) <= 99.0
+        # the pause breaks the line, no straight join across it
+        before, after = (
+            np.datetime64(start + timedelta(seconds=pause - 1)),
+            np.datetime64(start + timedelta(seconds=at(pause))),
+        )
+        inside = (x > before) & (x < after)
+        assert inside.any() and np.isnan(y[inside]).all()
     # the same recording overlaid is averaged per pixel: the spike is smoothed into its neighbours
     overlaid = gpu_lines(plot_recording(path, "utilization.gpu", rules=[], layout="overlay").get_axes()[0])
     assert max(float(v) for v in overlaid[1].get_ydata()) < 99.0
