@@ -171,28 +171,46 @@ def _wall_clock(stamps: pd.Series) -> np.ndarray:
     return np.asarray(stamps.to_numpy(dtype="datetime64[ns]"))
 
 
-def _series(x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int) -> tuple[np.ndarray, np.ndarray]:
-    """x (naive datetime64) and y (float, NaN where missing or across a gap in time) for one GPU's line."""
+def _series(
+    x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int, envelope: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """x (naive datetime64) and y (float, NaN where missing or across a gap in time) for one GPU's line.
+
+    Past ``max_points`` samples, each bucket of samples (about a pixel wide) becomes its mean, or with ``envelope``
+    its lowest and highest value at their own times (two points a bucket), so that a one-sample spike still shows.
+    """
     import numpy as np
 
-    rows = len(x)
     if len(x) > max_points:
-        # Each bucket of samples (about a pixel wide) becomes its mean: with several GPUs in one panel, a noisy
-        # line drawn sample by sample (or as its min-max envelope) covers the others with a solid band.
-        step = math.ceil(len(x) / max_points)
+        # Means by default: with several GPUs in one panel, a noisy line drawn sample by sample (or as its min-max
+        # envelope) covers the others with a solid band. A panel of its own (small multiples) draws the envelope.
+        step = math.ceil(len(x) / max_points) if not envelope else math.ceil(2 * len(x) / max_points)
         n = (len(x) // step) * step
         blocks = y[:n].reshape(-1, step)
         present = ~np.isnan(blocks)
         counts = present.sum(axis=1)
-        sums = np.where(present, blocks, 0.0).sum(axis=1)
-        means = np.full(len(counts), np.nan)
-        np.divide(sums, counts, out=means, where=counts > 0)
-        x = np.concatenate((x[:n:step], x[n:]))
-        y = np.concatenate((means, y[n:]))
+        if envelope:
+            lows = np.where(present, blocks, np.inf).argmin(axis=1)
+            highs = np.where(present, blocks, -np.inf).argmax(axis=1)
+            # each bucket's two extremes in time order: positions into the samples, then their values
+            base = np.arange(len(blocks)) * step
+            picks = np.stack((np.minimum(lows, highs), np.maximum(lows, highs)), axis=1) + base[:, None]
+            picks = picks.ravel()
+            values = y[picks]
+            values[np.repeat(counts == 0, 2)] = np.nan
+            x = np.concatenate((x[picks], x[n:]))
+            y = np.concatenate((values, y[n:]))
+        else:
+            sums = np.where(present, blocks, 0.0).sum(axis=1)
+            means = np.full(len(counts), np.nan)
+            np.divide(sums, counts, out=means, where=counts > 0)
+            x = np.concatenate((x[:n:step], x[n:]))
+            y = np.concatenate((means, y[n:]))
+        # points now stand up to two buckets apart: only a longer pause in time is a gap
+        gap_limit *= step
     if len(x) > 1:
         secs = np.diff(x).astype("timedelta64[ns]").astype("float64") / 1e9
-        limit = gap_limit * max(1, math.ceil(rows / max_points))
-        gaps = np.nonzero(secs > limit)[0]
+        gaps = np.nonzero(secs > gap_limit)[0]
         if len(gaps):
             # a NaN point inside each gap breaks the line there
             mids = x[gaps] + (x[gaps + 1] - x[gaps]) // 2
@@ -296,9 +314,11 @@ def _small_multiples(
         )
         for k, group in enumerate(groups):
             ax = fig.add_subplot(spec[k // cols, k % cols])
-            ax.tick_params(labelsize=7)
-            # times under the bottom row only, as for panels with a shared time axis
-            panels.append((ax, fld, [(k, group)], k % cols == 0, b == len(flds) - 1 and k + cols >= len(groups)))
+            # times under the bottom row only, as for panels with a shared time axis; values beside the first column
+            first, bottom = k % cols == 0, b == len(flds) - 1 and k + cols >= len(groups)
+            if first or bottom:  # the others draw no tick labels: no need to size them
+                ax.tick_params(labelsize=7)
+            panels.append((ax, fld, [(k, group)], first, bottom))
     return fig, panels
 
 
@@ -310,8 +330,13 @@ def _small_scales(
     Tick objects are what a matplotlib panel costs most to draw, so values stand beside a field's first column
     and times under the figure's bottom row, and the other panels get plain grid lines at the same places.
     """
+    import matplotlib.dates as mdates
+    from matplotlib.collections import LineCollection
     from matplotlib.ticker import MaxNLocator, NullLocator
 
+    # every panel has the same time range: its grid's vertical lines, as fractions of the width, are the same too
+    x_lo, x_hi = (float(v) for v in mdates.date2num(list(x_range)))  # type: ignore[no-untyped-call]
+    x_grid = [[((v - x_lo) / (x_hi - x_lo), 0.0), ((v - x_lo) / (x_hi - x_lo), 1.0)] for v in x_locs]
     for fld in flds:
         mine = [p for p in panels if p[1] is fld]
         drawn = [p[0] for p in mine if not any(t.get_gid() == "no-data" for t in p[0].texts)] or [mine[0][0]]
@@ -325,6 +350,8 @@ def _small_scales(
             y_locs = [float(v) for v in MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)]
             y_locs = [v for v in y_locs if lo <= v <= hi]
             y_labels = []
+        # the grid of all the field's panels, in axes fractions: one collection a panel, no transform to blend
+        grid = x_grid + [[(0.0, (v - lo) / (hi - lo)), (1.0, (v - lo) / (hi - lo))] for v in y_locs]
         for ax, _, _, first, bottom in mine:
             ax.set_xlim(*x_range)
             ax.set_ylim(lo, hi)
@@ -336,9 +363,7 @@ def _small_scales(
                 ax.set_yticks(y_locs, y_labels or None)
             else:
                 ax.yaxis.set_major_locator(NullLocator())
-            grid = {"colors": _GRID, "linewidths": 0.6, "zorder": 0.5}
-            ax.hlines(y_locs, 0, 1, transform=ax.get_yaxis_transform(), **grid)
-            ax.vlines(x_locs, 0, 1, transform=ax.get_xaxis_transform(), **grid)
+            ax.add_collection(LineCollection(grid, colors=_GRID, linewidths=0.6, zorder=0.5, transform=ax.transAxes))
 
 
 def plot_recording(
@@ -364,7 +389,8 @@ def plot_recording(
     their y scale and all panels their time axis (``layout`` chooses either way).
 
     Missing values (``[N/A]``, a lost GPU) and gaps in time (the recording was stopped) show as breaks in the
-    lines, never as zeros or straight joins. Long lines are averaged to about one point per pixel.
+    lines, never as zeros or straight joins. Long lines are drawn at about one point per pixel: overlaid, as the
+    mean of the samples a pixel stands for; in small multiples, as their lowest and highest value, so spikes show.
     Stalls (:data:`smiquery.stalls.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
     shaded orange on its field's panel (in small multiples, each GPU's own stalls and alerts on its panels); a
     field with no value says so. The x axis names the time zone (or says
@@ -381,8 +407,9 @@ def plot_recording(
         width: figure width in inches.
         panel_height: height of one panel in inches.
         dpi: resolution in dots per inch.
-        max_points: most points per line; default one per pixel of width (a longer line is drawn as the mean
-            of each stretch of samples).
+        max_points: most points per line; default one per pixel of the figure's width, two per pixel of a small
+            multiple's width (a longer line is drawn as the mean of each stretch of samples; in small multiples
+            as its lowest and highest value).
         tz: the zone the recording was made in (default: as recorded; CSV carries none).
         shade: shade stalls and alerts.
         name: what to call the recording in the title (default: the file name).
@@ -406,7 +433,7 @@ def plot_recording(
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    from smiquery.report import analyze
+    from smiquery.report import stalls_and_alerts
 
     _use_multiples(layout, 0)  # a bad layout fails before the recording is read
     df, fields = _load(source, fields, tz)
@@ -417,8 +444,6 @@ def plot_recording(
     flds = _resolve(fields, df)
     parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in (DEFAULT_RULES if rules is None else rules)]
 
-    if max_points is None:
-        max_points = max(200, round(width * dpi))
     groups = _gpu_rows(df["index"].to_numpy(dtype="int64"))
     x_all = _wall_clock(df["timestamp"])
     xs = {idx: x_all[rows] for idx, rows in groups}
@@ -433,7 +458,7 @@ def plot_recording(
     # spans closer than half a percent of the run are drawn (and labelled) as one
     slack = (df["timestamp"].max() - df["timestamp"].min()) / 200
     if shade:
-        found = analyze(df, rules=parsed)
+        found = stalls_and_alerts(df, rules=parsed)
         stalls = [(_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls]
         for a in found.alerts:
             rule = next(r for r in parsed if str(r) == a.rule)
@@ -447,13 +472,17 @@ def plot_recording(
 
     multiples = _use_multiples(layout, len(groups))
     fig, panels = (_small_multiples if multiples else _overlay)(Figure, flds, groups, width, panel_height, dpi)
+    if max_points is None:  # about one point per pixel of a panel's width; a small multiple's two (lowest, highest)
+        across = panels[0][0].get_position().width * width if multiples else width
+        max_points = max(200, round(across * dpi) * (2 if multiples else 1))
     handles: list[Any] = []
-    with_values = {f.name: bool(np.isfinite(_as_float(df[f.attr])).any()) for f in flds}
+    values = {f.name: _as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
+    with_values = {name: bool(np.isfinite(v).any()) for name, v in values.items()}
     for ax, fld, members, first, _ in panels:
         drawn = 0
-        y_all = _as_float(df[fld.attr])
+        y_all = values[fld.name]
         for pos, (idx, rows) in members:
-            x, y = _series(xs[idx], y_all[rows], gap_limit, max_points)
+            x, y = _series(xs[idx], y_all[rows], gap_limit, max_points, envelope=multiples)
             drawn += int((~np.isnan(y)).sum())
             colour, dash = _style(pos)
             (line,) = ax.plot(

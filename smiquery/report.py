@@ -2,7 +2,8 @@
 
 :func:`analyze` reads a recording (CSV, JSONL or Parquet, as ``smiquery stream --output`` writes them, or a
 DataFrame from :func:`smiquery.recordings.read_csv`) and returns a :class:`Report` that renders as text, JSON or
-Markdown. pandas and numpy are imported inside the functions, so ``import smiquery`` stays light.
+Markdown; :func:`stalls_and_alerts` finds only its stall and alert periods (what the plot shades), for less.
+pandas and numpy are imported inside the functions, so ``import smiquery`` stays light.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = [
     "FieldStats",
     "Finding",
     "HealthCount",
+    "Periods",
     "Report",
     "ReportError",
     "StallRule",
@@ -42,6 +44,7 @@ __all__ = [
     "analyze",
     "format_duration",
     "load_recording",
+    "stalls_and_alerts",
 ]
 
 #: Thresholds the report (and :mod:`smiquery.plot`) use when no rules are given: the built-in health rules.
@@ -1127,9 +1130,20 @@ def analyze(
         health=_health(df, gpus),
         energy_wh=_energy(df, gpus),
     )
+    # time past thresholds and the alerts the rules would have fired; then stalls (as stalls_and_alerts finds them)
+    report.alerts = _alerts(parsed, gpus, report.thresholds)
+    report.stalls = _stalls(gpus, StallRule(stall_utilization, busy_memory, min_stall))
+    report.findings = _findings(report, parsed, gpus)
+    return report
 
-    # time past thresholds, and the alerts the rules would have fired
-    for rule in parsed:
+
+def _alerts(rules: Sequence[Rule], gpus: list[_Gpu], thresholds: list[ThresholdTime] | None = None) -> list[AlertSpan]:
+    """The alerts the rules would have fired, per rule and GPU.
+
+    With ``thresholds``, the time past each rule's threshold is added to it as well (from the same stretches).
+    """
+    alerts: list[AlertSpan] = []
+    for rule in rules:
         for g in gpus:
             cond = _condition_values(rule, g)
             firsts, lasts = _runs(g, cond)
@@ -1138,17 +1152,18 @@ def analyze(
             col = rule.field.attr
             values = g.floats(col) if rule.field.kind.is_quantity else None
             pick_max = rule.op in (">", ">=")
-            seconds = _run_seconds(g, firsts, lasts)
-            report.thresholds.append(
-                ThresholdTime(
-                    str(rule),
-                    g.index,
-                    float(seconds.sum()),
-                    len(firsts),
-                    float(seconds.max()),
-                    None if values is None else _peak(values, firsts, lasts, pick_max),
+            if thresholds is not None:
+                seconds = _run_seconds(g, firsts, lasts)
+                thresholds.append(
+                    ThresholdTime(
+                        str(rule),
+                        g.index,
+                        float(seconds.sum()),
+                        len(firsts),
+                        float(seconds.max()),
+                        None if values is None else _peak(values, firsts, lasts, pick_max),
+                    )
                 )
-            )
             # Only stretches long enough for the hold can have fired (a noisy field makes thousands of short ones).
             if rule.hold_seconds is not None:
                 long_enough = g.times[lasts] - g.times[firsts] >= rule.hold_seconds
@@ -1160,24 +1175,75 @@ def analyze(
                     continue
                 s = _stretch(g, a, b, values, pick_max)
                 still = b == len(g.times) - 1
-                report.alerts.append(
-                    AlertSpan(str(rule), g.index, s.start, g.stamp(at), s.end, s.seconds, s.peak, not still)
-                )
+                alerts.append(AlertSpan(str(rule), g.index, s.start, g.stamp(at), s.end, s.seconds, s.peak, not still))
+    return alerts
 
-    # stalls
-    stall = StallRule(stall_utilization, busy_memory, min_stall)
+
+def _stalls(gpus: list[_Gpu], stall: StallRule) -> list[Stretch]:
+    """Stretches of at least ``stall.min_seconds`` under the stall utilization (while memory was held), per GPU."""
+    found: list[Stretch] = []
     for g in gpus:
         if "utilization_gpu" not in g.columns:
             break
         util = g.floats("utilization_gpu")
         cond = stall.mask(util, g.floats("memory_used") if "memory_used" in g.columns else None)
         firsts, lasts = _runs(g, cond)
-        long_enough = _run_seconds(g, firsts, lasts) >= min_stall
+        long_enough = _run_seconds(g, firsts, lasts) >= stall.min_seconds
         for a, b in zip(firsts[long_enough].tolist(), lasts[long_enough].tolist(), strict=True):
-            report.stalls.append(_stretch(g, a, b, util, pick_max=False))
+            found.append(_stretch(g, a, b, util, pick_max=False))
+    return found
 
-    report.findings = _findings(report, parsed, gpus)
-    return report
+
+@dataclass(frozen=True)
+class Periods:
+    """The stalls and alerts of a recording, as :func:`analyze` finds them, without its statistics and findings.
+
+    Attributes:
+        stalls: as :attr:`Report.stalls`.
+        alerts: as :attr:`Report.alerts`.
+    """
+
+    stalls: list[Stretch]
+    alerts: list[AlertSpan]
+
+
+def stalls_and_alerts(
+    source: str | os.PathLike[str] | pd.DataFrame,
+    *,
+    rules: Iterable[Rule | str] | None = None,
+    stall_utilization: float = STALL_UTILIZATION,
+    min_stall: float = MIN_STALL_SECONDS,
+    busy_memory: float = BUSY_MEMORY_MIB,
+    fields: str | Sequence[str] | None = None,
+    tz: tzinfo | str | None = None,
+) -> Periods:
+    """Only the stalls and alerts of a recording: the same periods as :func:`analyze` finds, for less.
+
+    No statistics, thresholds, health counters or findings are worked out. :mod:`smiquery.plot` shades these.
+
+    Args:
+        source: a recording path (CSV, JSONL, Parquet) or a DataFrame, as for :func:`analyze`.
+        rules: rules whose alerts are found; default :data:`DEFAULT_RULES`.
+        stall_utilization: utilization (percent) under which a GPU is stalled.
+        min_stall: shortest stall reported, in seconds.
+        busy_memory: memory used (MiB) from which a GPU counts as held by a job.
+        fields: the columns of a headerless CSV log (ignored when the file has a header).
+        tz: the zone the recording was made in; default: timestamps as recorded (naive for CSV).
+
+    Returns:
+        The :class:`Periods`: stalls and alerts in the order :func:`analyze` lists them.
+
+    Raises:
+        ReportError: the recording cannot be read or holds no samples.
+        InvalidRuleError: a rule cannot be parsed.
+    """
+    df = load_recording(source, fields=fields, tz=tz)
+    if df.empty:
+        raise ReportError("the recording holds no samples")
+    gpus, _ = _build_gpus(df)
+    return Periods(
+        _stalls(gpus, StallRule(stall_utilization, busy_memory, min_stall)), _alerts(_parse_rules(rules), gpus)
+    )
 
 
 # ------------------------------------------------------------------------------------------------ findings

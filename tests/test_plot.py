@@ -408,3 +408,72 @@ def test_gpus_chosen_by_uuid_or_bus_id_as_stream_takes_them(tmp_path):
     bad = CliRunner().invoke(app, ["plot", str(DEMO), "-o", str(tmp_path / "p.png"), "-i", "GPU-nonsense!"])
     assert bad.exit_code == 2
     assert bad.stderr.startswith("smiquery: usage error:")
+
+
+def _span_x(patch: Any) -> tuple[float, float]:
+    """A shaded span's start and end, in matplotlib's date numbers."""
+    x0, x1 = (float(v) for v in patch.get_path().vertices[:, 0][[0, 2]])
+    box = patch.get_patch_transform().transform([(x0, 0), (x1, 0)])[:, 0]
+    return float(min(box)), float(max(box))
+
+
+def test_small_multiples_shade_the_periods_the_report_finds():
+    from smiquery.report import analyze
+
+    found = analyze(DEMO)
+    fig = plot_recording(DEMO, "utilization.gpu,temperature.gpu", layout="multiples")
+    util, temp = fig.get_axes()[:8], fig.get_axes()[8:]
+    date = matplotlib.dates.date2num  # type: ignore[attr-defined]
+    for kind, panels, periods in (
+        ("stall", util, [(s.gpu, s.start, s.end) for s in found.stalls]),
+        ("alert", temp, [(a.gpu, a.fired, a.end) for a in found.alerts if a.rule.startswith("temperature.gpu")]),
+    ):
+        assert periods
+        for gpu, ax in enumerate(panels):
+            spans = [_span_x(p) for p in ax.patches if p.get_gid() == kind]
+            mine = [(float(date(s.replace(tzinfo=None))), float(date(e.replace(tzinfo=None)))) for g, s, e in periods
+                    if g == gpu]  # fmt: skip
+            # every period the report lists is shaded on its GPU's panel, and every shading starts and ends at one
+            assert bool(spans) == bool(mine)
+            for s, e in mine:
+                assert any(a <= s + 1e-9 and e <= b + 1e-9 for a, b in spans)
+            for a, b in spans:
+                assert any(abs(a - s) < 1e-9 for s, _ in mine) and any(abs(b - e) < 1e-9 for _, e in mine)
+
+
+def test_small_multiples_keep_a_one_sample_spike_and_dip(tmp_path):
+    path = tmp_path / "long.csv"
+    start = datetime(2026, 1, 1)
+    n = 20_000  # 1 Hz: many samples per pixel of a small panel
+    spike, dip = 12_345, 4_321
+    pause = 15_000  # the recording was stopped for ten minutes before this sample
+
+    def at(sample: int) -> int:
+        return sample + (600 if sample >= pause else 0)
+
+    rows = []
+    for s in range(n):
+        stamp = (start + timedelta(seconds=at(s))).strftime("%Y/%m/%d %H:%M:%S.000")
+        for g in range(2):
+            value = 99 if (g == 1 and s == spike) else 1 if (g == 0 and s == dip) else 50 + s % 3
+            rows.append(f"{stamp}, {g}, {value} %\n")
+    path.write_text("timestamp, index, utilization.gpu [%]\n" + "".join(rows), encoding="utf-8")
+    fig = plot_recording(path, "utilization.gpu", rules=[], layout="multiples")
+    gpu0, gpu1 = (gpu_lines(ax)[0] for ax in fig.get_axes())
+    pixels = fig.get_axes()[0].get_window_extent().width
+    for line, value, when in ((gpu1, 99.0, spike), (gpu0, 1.0, dip)):
+        x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata(), dtype=float)
+        assert len(x) <= 2 * pixels + 2 < n / 10  # drawn at about two points (lowest, highest) per pixel of the panel
+        where = int(np.flatnonzero(y == value)[0])  # the one sample survives, at its own time
+        assert x[where] == np.datetime64(start + timedelta(seconds=at(when)))
+        assert np.nanmin(y) >= 1.0 and np.nanmax(y) <= 99.0
+        # the pause breaks the line, no straight join across it
+        before, after = (
+            np.datetime64(start + timedelta(seconds=pause - 1)),
+            np.datetime64(start + timedelta(seconds=at(pause))),
+        )
+        inside = (x > before) & (x < after)
+        assert inside.any() and np.isnan(y[inside]).all()
+    # the same recording overlaid is averaged per pixel: the spike is smoothed into its neighbours
+    overlaid = gpu_lines(plot_recording(path, "utilization.gpu", rules=[], layout="overlay").get_axes()[0])
+    assert max(float(v) for v in overlaid[1].get_ydata()) < 99.0

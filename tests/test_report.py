@@ -12,7 +12,7 @@ import pytest
 from smiquery.fields import resolve_fields
 from smiquery.playback import replay
 from smiquery.recordings import open_recorder
-from smiquery.report import DEFAULT_RULES, Report, ReportError, analyze, format_duration
+from smiquery.report import DEFAULT_RULES, Report, ReportError, analyze, format_duration, stalls_and_alerts
 
 DEMO = Path(__file__).parents[1] / "smiquery" / "data" / "demo-8gpu.csv"
 STALL_START = datetime(2026, 3, 14, 9, 35, 0)  # scripts/make_demo_recording.py: STALL = (300, 390) s from 09:30:00
@@ -169,6 +169,20 @@ def test_an_idle_gpu_without_memory_is_not_stalled(tmp_path):
     r = analyze(_write(tmp_path / "idle.csv", rows))
     assert [s.gpu for s in r.stalls] == [1]
     assert [f.gpus for f in r.findings if f.kind == "stall"] == [(1,)]
+
+
+def test_stalls_and_alerts_are_the_reports_periods(demo):
+    found = stalls_and_alerts(DEMO)
+    assert found.stalls == demo.stalls
+    assert found.alerts == demo.alerts
+    assert len(found.stalls) == 8 and any(a.gpu == HOT_GPU for a in found.alerts)
+    # the same options as analyze: stricter stall settings and other rules change both alike
+    rules = ["temperature.gpu > 70 for 10s", "utilization.gpu < 50 for 3"]
+    strict = {"stall_utilization": 5.0, "min_stall": 30.0, "busy_memory": 1000.0}
+    mine = stalls_and_alerts(DEMO, rules=rules, **strict)
+    theirs = analyze(DEMO, rules=rules, **strict)
+    assert (mine.stalls, mine.alerts) == (theirs.stalls, theirs.alerts)
+    assert mine.alerts and mine.alerts != found.alerts
 
 
 def test_custom_rules(tmp_path):
