@@ -28,11 +28,12 @@ from pathlib import Path
 
 import psutil
 
+from smiquery.retry import RetryPolicy
 from smiquery.source import StreamEvent, Sweep
 from smiquery.supervisor import stream
 
 GPUS = 8
-FAKE = r'''
+FAKE = r"""
 import json, os, signal, sys, time
 argv = sys.argv[1:]
 ms = int(argv[argv.index("-lms") + 1]) if "-lms" in argv else 1000
@@ -80,7 +81,7 @@ if end == "hang-ignore-term":
 if end in ("hang", "hang-ignore-term"):
     while True:
         time.sleep(3600)
-'''
+"""
 
 
 def make_plan(rng: random.Random, segments: int) -> list[dict[str, object]]:
@@ -146,9 +147,7 @@ def main() -> int:
         nvidia_smi=smi,
         stall_timeout=0.5,
         startup_timeout=5.0,
-        backoff_initial=0.01,
-        backoff_max=0.2,
-        healthy_after=0.3,
+        retry=RetryPolicy(backoff_initial=0.01, backoff_max=0.2, healthy_after=0.3),
         on_event=on_event,
     )
     mixed = sweeps = 0

@@ -20,6 +20,7 @@ from smiquery.errors import (
     NvidiaSmiNotFoundError,
     NvidiaSmiTimeoutError,
     NvmlNotFoundError,
+    OutputTooLargeError,
     ParseError,
     PortInUseError,
     RecordingError,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from smiquery.playback import replay
     from smiquery.recordings import read_csv
     from smiquery.records import GpuSample
+    from smiquery.retry import RetryPolicy
     from smiquery.source import SampleSource, StreamEvent, StreamStats, Sweep
     from smiquery.supervisor import Stream, stream
 del TYPE_CHECKING  # not a public name
@@ -62,6 +64,7 @@ _LAZY = {
     ),
     **dict.fromkeys(("CsvParser", "parse_lines"), "smiquery.parsing"),
     "GpuSample": "smiquery.records",
+    "RetryPolicy": "smiquery.retry",
     **dict.fromkeys(("SampleSource", "StreamEvent", "StreamStats", "Sweep"), "smiquery.source"),
     **dict.fromkeys(("Stream", "stream"), "smiquery.supervisor"),
     # these import pandas on first use
@@ -118,11 +121,13 @@ __all__ = [
     "NvidiaSmiNotFoundError",
     "NvidiaSmiTimeoutError",
     "NvmlNotFoundError",
+    "OutputTooLargeError",
     "ParseError",
     "PortInUseError",
     "RecordingError",
     "ReplayError",
     "ReportError",
+    "RetryPolicy",
     "SampleSource",
     "SmiqueryError",
     "Stream",

@@ -5,8 +5,8 @@ one child per stream, the CSV stream's retry policy (:mod:`smiquery.retry`), typ
 failure messages), every child in its own process group, terminated, killed if need be, and reaped on every
 path, cancellation and ``asyncio.wait_for`` included. On Linux a stream's child also dies with this process
 however it dies: the runner's spawner thread forks it with a parent-death signal (see :func:`_spawn_loop_child`).
-Parsing, argument lists and sweep grouping are the sync API's own (:class:`~smiquery.parsing.CsvParser`,
-:func:`~smiquery.oneshot.build_argv`, :class:`~smiquery.source.SweepGrouper`).
+A stream is the asyncio driver of the sync stream's engine (:mod:`smiquery.streams.engine`): parsing, sweeps, GPU
+identity, deadlines, counters, events and the retry decision are the same code.
 """
 
 from __future__ import annotations
@@ -23,18 +23,14 @@ from datetime import tzinfo
 from typing import IO, TYPE_CHECKING, Protocol
 
 from smiquery._log import get_logger
-from smiquery.errors import (
-    NvidiaSmiFailedError,
-    NvidiaSmiTimeoutError,
-    SmiqueryError,
-    failure_from_exit,
-)
+from smiquery.errors import NvidiaSmiTimeoutError, SmiqueryError, StreamEndedError, failure_from_exit
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, _check_and_parse, build_argv, normalize_gpus
 from smiquery.parsing import CsvParser
-from smiquery.retry import DEFAULT_PERMANENT_RETRY, RetryPolicy, Supervision, _FreshStreak
+from smiquery.retry import RetryPolicy
 from smiquery.runner import (
     _OWN_GROUP,
+    MAX_LINE_BYTES,
     TERM_GRACE,
     Completed,
     _can_trampoline,
@@ -44,7 +40,9 @@ from smiquery.runner import (
     find_nvidia_smi,
     terminate_and_reap,
 )
-from smiquery.source import StreamEvent, StreamStats, Sweep, SweepGrouper
+from smiquery.source import StreamEvent, StreamStats, Sweep
+from smiquery.streams.engine import Engine
+from smiquery.streams.sweeps import CsvRows
 
 if TYPE_CHECKING:
     from smiquery.records import GpuSample
@@ -387,23 +385,26 @@ async def query(
 
 
 class _Child:
-    """One running loop-mode child: lines with a deadline, stderr drained, exit judged at the end."""
+    """One running loop-mode child: lines read until a deadline, stderr drained, exit judged at the end."""
 
     def __init__(self, proc: _Proc, argv: Sequence[str]) -> None:
         self.proc = proc
         self.argv = tuple(argv)
         self.messages: deque[str] = deque(maxlen=20)  # the last lines, for error messages (rows are skipped there)
-        self._lines: deque[str] = deque()
-        self._buf = b""
+        self.idle = 0.0  # seconds the last readlines() waited
+        self.timed_out = False
+        self._lines: list[str] = []
+        self._partial: list[bytes] = []
+        self._partial_len = 0
+        self._skipping = False
         self._eof = False
         self._err = bytearray()
         self._drain = asyncio.ensure_future(self._drain_stderr())
         self._loop = asyncio.get_running_loop()
-        # One watchdog per child instead of a timer per read: it only counts while a read is waiting, and on
-        # expiry kills the child and ends its output, so the waiting read returns at once.
-        self._timeout = 0.0
-        self._waiting_since: float | None = None
-        self._timed_out = False
+        # One watchdog per child instead of a timer per read: it only acts while a read is waiting, and at the
+        # deadline kills the child and ends its output, so the waiting read returns at once.
+        self._deadline = 0.0
+        self._waiting = False
         self._watchdog: asyncio.Future[None] | None = None
 
     async def _drain_stderr(self) -> None:
@@ -415,77 +416,106 @@ class _Child:
             if len(self._err) < _MAX_ERR_BYTES:
                 self._err += data
 
-    async def readlines(self, timeout: float) -> list[str] | None:
+    async def readlines(self, deadline: float) -> list[str] | None:
         """Every complete line available now (at least one), without newlines; None at the end of the output.
 
-        Output is read in chunks (a sweep usually arrives in one read), as the sync runner does; ``timeout``
-        bounds each wait for output.
+        Output is read in chunks (a sweep usually arrives in one read), as the sync runner does. ``deadline``
+        (monotonic, the loop's clock) bounds the wait: past it the child is killed, :attr:`timed_out` is set and
+        None is returned. A deadline that passed while this process was paused still sees what the child
+        printed meanwhile first.
         """
         lines = self._lines
+        loop = self._loop
+        self._deadline = deadline
+        waited = 0.0
         while not lines:
             if self._eof:
                 return None
             stdout = self.proc.stdout
             assert stdout is not None
-            if timeout != self._timeout or self._watchdog is None:
-                # first read, or the deadline changed (start-up -> stall): a watchdog asleep on the old one
-                # would wake too late
-                self._timeout = timeout
-                if self._watchdog is not None:
-                    self._watchdog.cancel()
+            if loop.time() >= deadline:
+                await asyncio.sleep(0)  # the pipe's pending readiness is handled before anyone calls this hung
+                if not stdout._buffer:  # type: ignore[attr-defined]  # nothing arrived: no other way to ask
+                    self._expire()
+            if self._watchdog is None:
                 self._watchdog = asyncio.ensure_future(self._watch())
-            self._waiting_since = self._loop.time()
+            t0 = loop.time()
+            self._waiting = True
             try:
                 data = await stdout.read(65536)
             finally:
-                self._waiting_since = None
-            if self._timed_out:
-                raise NvidiaSmiTimeoutError(
-                    f"nvidia-smi printed no complete line for {timeout:g} s and was killed (hung driver?); "
-                    "check `dmesg` for Xid errors and whether plain `nvidia-smi` answers",
-                    argv=self.argv,
-                    timeout=timeout,
-                )
+                self._waiting = False
+                waited += loop.time() - t0
             if not data:
                 self._eof = True
-                tail, self._buf = self._buf, b""
-                if tail.strip():
+                tail = b"".join(self._partial)
+                self._partial = []
+                if tail.strip() and not self._skipping and not self.timed_out:
                     last = tail.decode("utf-8", "replace")  # a trailing partial line, as it is (the parser rejects it)
                     lines.append(last)
                     self.messages.append(last)
                 continue
-            buf = self._buf + data if self._buf else data
-            cut = buf.rfind(b"\n")
-            if cut < 0:
-                self._buf = buf
-                continue
-            self._buf = buf[cut + 1 :]
-            # one decode per read, not per line (the parser strips the \r of Windows line ends)
-            new = buf[:cut].decode("utf-8", "replace").split("\n")
-            lines.extend(new)
-            self.messages.extend(new)
-        out = list(lines)
+            self._take(data)
+        self.idle = waited
+        out = lines[:]
         lines.clear()
         return out
+
+    def _take(self, data: bytes) -> None:
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            if not self._skipping:
+                self._partial.append(data)
+                self._partial_len += len(data)
+                if self._partial_len > MAX_LINE_BYTES:  # no newline in sight: keep a head for the parser to reject
+                    self._add(b"".join(self._partial)[:256])
+                    self._partial = []
+                    self._partial_len = 0
+                    self._skipping = True
+            return
+        head = data[:cut]
+        if self._partial or self._skipping:
+            nl = head.find(b"\n")
+            first, rest = (head, b"") if nl < 0 else (head[:nl], head[nl + 1 :])
+            if not self._skipping:
+                self._add(b"".join(self._partial) + first)
+            self._partial = []
+            self._partial_len = 0
+            self._skipping = False
+            head = rest if nl >= 0 else b""
+        if head:
+            self._add(head)
+        tail = data[cut + 1 :]
+        if tail:
+            self._partial.append(tail)
+            self._partial_len = len(tail)
+
+    def _add(self, chunk: bytes) -> None:
+        # one decode per read, not per line (the parser strips the \r of Windows line ends)
+        new = chunk.decode("utf-8", "replace").split("\n")
+        self._lines.extend(new)
+        self.messages.extend(new)
 
     async def _watch(self) -> None:
         loop = self._loop
         while True:
-            since = self._waiting_since
-            if since is None:
-                await asyncio.sleep(self._timeout or 1.0)
+            left = self._deadline - loop.time()
+            if left > 0 or not self._waiting:
+                await asyncio.sleep(max(left, 0.05))
                 continue
-            left = since + self._timeout - loop.time()
-            if left > 0:
-                await asyncio.sleep(left)
-                continue
-            self._timed_out = True
-            _signal(self.proc, getattr(signal, "SIGKILL", signal.SIGTERM))
-            if isinstance(self.proc, _ForkedChild):
-                self.proc.end_stdout()  # wakes the waiting read with b"" (and nothing is fed after)
-            elif self.proc.stdout is not None:
-                self.proc.stdout.feed_eof()  # wakes the waiting read with b""
-            return
+            await asyncio.sleep(0)  # let a read that the same wake-up answered take its data first
+            if self._waiting and self._deadline <= loop.time():
+                self._expire()
+                return
+
+    def _expire(self) -> None:
+        """Past the deadline with nothing to read: kill the child and end its output."""
+        self.timed_out = True
+        _signal(self.proc, getattr(signal, "SIGKILL", signal.SIGTERM))
+        if isinstance(self.proc, _ForkedChild):
+            self.proc.end_stdout()  # wakes the waiting read with b"" (and nothing is fed after)
+        elif self.proc.stdout is not None:
+            self.proc.stdout.feed_eof()  # wakes the waiting read with b""
 
     async def finish(self, timeout: float) -> int:
         """After the end of output: reap, and raise the typed error of a non-zero exit."""
@@ -515,23 +545,15 @@ class _Child:
                 self._watchdog.cancel()
 
 
-class _ChildEndedError(NvidiaSmiFailedError):
-    """The loop child exited 0, which a loop never does by itself."""
-
-
-class _Stopped(Exception):
-    """Internal: the stream was closed."""
-
-
 class AsyncStream:
     """One long-lived nvidia-smi in loop mode, read without blocking the event loop.
 
     ``async for sample in s`` yields samples; :meth:`sweeps` yields whole sweeps. Leaving ``async with`` (or
     :meth:`aclose`) terminates and reaps the child; so does cancelling the task that iterates. Only one
-    iteration may run at a time (one child per stream). Failures are retried under the CSV stream's
-    :class:`~smiquery.retry.RetryPolicy` (capped, jittered backoff reset only after ``healthy_after``; a slow
-    ``permanent_retry`` cadence for faults that need a person; ``fail_fast`` for interactive use); :attr:`stats`
-    shows the state. See :func:`stream` for the arguments.
+    iteration may run at a time (one child per stream). This is the asyncio driver of the engine the sync
+    stream runs (:class:`~smiquery.streams.engine.Engine`): the same sweeps, GPU identity, deadlines, counters,
+    events and :class:`~smiquery.retry.RetryPolicy`; :attr:`stats` shows the state. See :func:`stream` for the
+    arguments.
     """
 
     def __init__(
@@ -543,13 +565,7 @@ class AsyncStream:
         nvidia_smi: str | os.PathLike[str] | None = None,
         stall_timeout: float | None = None,
         startup_timeout: float = 45.0,
-        max_attempts: int | None = None,
-        max_restarts: int | None = None,
-        backoff_initial: float = 0.1,
-        backoff_max: float = 30.0,
-        permanent_retry: float | None = DEFAULT_PERMANENT_RETRY,
-        healthy_after: float | None = None,
-        fail_fast: bool = False,
+        retry: RetryPolicy | None = None,
         on_event: Callable[[StreamEvent], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         tz: tzinfo | None = None,
@@ -567,31 +583,32 @@ class AsyncStream:
         self.argv = tuple(build_argv(find_nvidia_smi(nvidia_smi), flds, self.gpus, interval=self.interval))
         self.stall_timeout = stall_timeout if stall_timeout is not None else max(3 * self.interval, 10.0)
         self.startup_timeout = startup_timeout
-        self.max_restarts = max_restarts
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
-        #: The :class:`~smiquery.retry.RetryPolicy` built from the arguments.
-        self.retry_policy = RetryPolicy(
-            backoff_initial=backoff_initial,
-            backoff_max=backoff_max,
-            healthy_after=healthy_after if healthy_after is not None else max(30.0, 10 * self.interval),
-            permanent_retry=permanent_retry,
-            max_attempts=max_attempts,
-            max_restarts=max_restarts,
-            fail_fast=fail_fast,
-        )
+        #: The :class:`~smiquery.retry.RetryPolicy` this stream runs under.
+        self.retry_policy = retry if retry is not None else RetryPolicy()
         self.on_event = on_event
         self.stats = StreamStats()
-        self._supervision = Supervision(self.retry_policy, self.stats, self._emit)
+        expected = [int(g) for g in self.gpus if g.isdigit()]
+        self._rows = CsvRows(
+            flds,
+            self.stats,
+            self._emit,
+            expected=expected if len(expected) == len(self.gpus) else (),
+            interval=self.interval,
+            tz=tz,
+        )
+        self._engine: Engine[GpuSample | Sweep] = Engine(
+            self._rows,
+            self.argv,
+            self.retry_policy,
+            startup_timeout=self.startup_timeout,
+            stall_timeout=self.stall_timeout,
+            stats=self.stats,
+            emit=self._emit,
+        )
         self._error: BaseException | None = None
         self._sleep = sleep
-        self._tz = tz
         self._child: _Child | None = None
-        self._closed = False
         self._busy = False
-        self._latest: tuple[Sweep, float] | None = None
-        expected = [int(g) for g in self.gpus if g.isdigit()]
-        self._grouper = SweepGrouper(expected if len(expected) == len(self.gpus) else ())
 
     def _emit(self, event: StreamEvent) -> None:
         if self.on_event is not None:
@@ -605,97 +622,68 @@ class AsyncStream:
         """The error that ended the stream (given up), if any."""
         return self._error
 
-    async def _pause(self, seconds: float) -> None:
-        """Wait between attempts (the injected ``sleep``); a close during the wait ends the stream."""
-        await self._sleep(seconds)
-        if self._closed:
-            raise _Stopped
+    async def _pause(self, seconds: float) -> bool:
+        """Wait between attempts (the injected ``sleep``); False when a close came meanwhile."""
+        if seconds > 0:
+            await self._sleep(seconds)
+        return not self._engine.stopped(time.monotonic())
 
-    async def _batches(self) -> AsyncIterator[list[GpuSample]]:
-        """Samples in the batches they arrive in (one read of output): one generator step per read, not per row.
-
-        Each attempt of the retry policy runs one child, read in place (no generator per child: this is the hot
-        path of the stream).
-        """
+    async def _batches(self) -> AsyncIterator[list[GpuSample | Sweep]]:
+        """The engine's items in the batches they arrive in (one read of output): one generator step per read."""
         if self._busy:
             raise RuntimeError("this stream is already being iterated (one child per stream)")
         self._busy = True
-        stats = self.stats
-        known = stats.known_gpus
-        supervision = self._supervision
+        engine = self._engine
+        clock = time.monotonic
+        engine.begin(clock())
         try:
-            while True:
+            while not engine.done and engine.starting(clock()):
                 try:
-                    async for attempt in supervision.async_retrying(self._pause):
-                        with attempt:
-                            child = await self._start()
-                            try:
-                                parser = CsvParser(self.fields, strict=False, tz=self._tz)
-                                delivered = False
-                                while True:
-                                    timeout = self.stall_timeout if delivered else self.startup_timeout
-                                    lines = await child.readlines(timeout)
-                                    if lines is None:
-                                        break
-                                    batch: list[GpuSample] = []
-                                    for line in lines:
-                                        before = parser.dropped
-                                        sample = parser.feed(line)
-                                        if parser.dropped != before:
-                                            stats.dropped_rows += 1
-                                            err = parser.last_error
-                                            detail = str(err) if err else "dropped row"
-                                            self._emit(StreamEvent("dropped_row", err, detail))
-                                        if sample is None:
-                                            continue
-                                        if sample.index is not None and sample.index not in known:
-                                            known[sample.index] = sample.uuid if "uuid" in sample else None
-                                        batch.append(sample)
-                                    if not batch:
-                                        continue
-                                    if not delivered:
-                                        delivered = True
-                                        supervision.first_row()
-                                    stats.rows += len(batch)
-                                    yield batch
-                                await child.finish(self.stall_timeout)
-                                if self._closed:
-                                    raise _Stopped
-                                raise _ChildEndedError(self.argv, 0, "", "nvidia-smi ended its loop; restarting")
-                            except SmiqueryError as exc:
-                                if self._closed:
-                                    raise _Stopped from exc
-                                supervision.failure(exc)  # raises _FreshStreak after a healthy period
-                                raise
-                            finally:
-                                self._child = None
-                                await child.close()
+                    child = _Child(await _spawn_loop_child(self.argv), self.argv)
+                except SmiqueryError as exc:
+                    failed = engine.failed(exc, clock())
+                    if failed is None or not await self._pause(failed[1]):
+                        return
+                    continue
+                self._child = child
+                got: tuple[list[GpuSample | Sweep], float] | None = ([], 0.0)
+                try:
+                    engine.started(clock())
+                    while not engine.stopped(0.0):
+                        lines = await child.readlines(engine.deadline())
+                        if lines is None:
+                            if child.timed_out:
+                                hung = engine.expired(clock())
+                                if hung is None:
+                                    return
+                                raise hung
+                            await child.finish(self.stall_timeout)  # a non-zero exit raises its typed error
+                            raise StreamEndedError(self.argv, 0, "", "nvidia-smi ended its loop; restarting")
+                        items = engine.feed(lines, clock(), child.idle)
+                        if items:
+                            yield items
+                        if engine.done:
+                            return
+                except SmiqueryError as exc:
+                    got = engine.failed(exc, clock())
+                finally:
+                    self._child = None
+                    await child.close()
+                if got is None:
                     return
-                except _FreshStreak:
-                    continue  # a fresh streak: the first attempt runs at once
-        except _Stopped:
-            return
+                cut, delay = got
+                if cut and not engine.closed:
+                    yield cut
+                if not await self._pause(delay):
+                    return
         except BaseException as exc:
             if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
-                stats.state = "failed"
+                self.stats.state = "failed"
                 self._error = exc
             raise
         finally:
-            supervision.finished(self._closed)
+            engine.finish()
             self._busy = False
-
-    async def _start(self) -> _Child:
-        """Start one child (counted); a failure to start is recorded and raised for the retry policy."""
-        if self._closed:
-            raise _Stopped
-        self._supervision.started()
-        try:
-            child = _Child(await _spawn_loop_child(self.argv), self.argv)
-        except SmiqueryError as exc:
-            self._supervision.failure(exc)
-            raise
-        self._child = child
-        return child
 
     def __aiter__(self) -> AsyncIterator[GpuSample]:
         return self._samples()
@@ -704,27 +692,25 @@ class AsyncStream:
         batches = self._batches()
         try:
             async for batch in batches:
-                for sample in batch:
-                    yield sample
+                for item in batch:
+                    if type(item) is not Sweep:
+                        yield item  # type: ignore[misc]
         finally:
             await batches.aclose()  # type: ignore[attr-defined]
 
     async def sweeps(self, count: int | None = None) -> AsyncIterator[Sweep]:
-        """Yield whole sweeps (one sample per GPU for one instant), as the sync stream groups them.
+        """Yield whole sweeps (one sample per GPU for one instant), grouped as the sync stream groups them.
 
         Args:
             count: stop after this many sweeps.
         """
-        grouper = self._grouper  # what it learnt of the GPU set carries over to the next sweeps() call
         done = 0
         batches = self._batches()
         try:
             async for batch in batches:
-                for sample in batch:
-                    for sweep in grouper.feed(sample):
-                        self.stats.sweeps += 1
-                        self._latest = (sweep, time.monotonic())
-                        yield sweep
+                for item in batch:
+                    if type(item) is Sweep:
+                        yield item
                         done += 1
                         if count is not None and done >= count:
                             return
@@ -732,14 +718,15 @@ class AsyncStream:
             await batches.aclose()  # type: ignore[attr-defined]
 
     def latest(self) -> tuple[Sweep | None, float | None]:
-        """The newest sweep yielded by :meth:`sweeps` and its age in seconds; ``(None, None)`` before the first."""
-        if self._latest is None:
+        """The newest sweep and its age in seconds; ``(None, None)`` before the first."""
+        got = self._rows.latest()
+        if got is None:
             return None, None
-        return self._latest[0], time.monotonic() - self._latest[1]
+        return got[0], time.monotonic() - got[1]
 
     async def aclose(self) -> None:
         """Stop: terminate and reap the child. Idempotent."""
-        self._closed = True
+        self._engine.close()
         if self.stats.state != "failed":
             self.stats.state = "closed"
         child = self._child
@@ -761,13 +748,7 @@ def stream(
     nvidia_smi: str | os.PathLike[str] | None = None,
     stall_timeout: float | None = None,
     startup_timeout: float = 45.0,
-    max_attempts: int | None = None,
-    max_restarts: int | None = None,
-    backoff_initial: float = 0.1,
-    backoff_max: float = 30.0,
-    permanent_retry: float | None = DEFAULT_PERMANENT_RETRY,
-    healthy_after: float | None = None,
-    fail_fast: bool = False,
+    retry: RetryPolicy | None = None,
     on_event: Callable[[StreamEvent], None] | None = None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     tz: tzinfo | None = None,
@@ -789,18 +770,7 @@ def stream(
             ``max(3 * interval, 10)``).
         startup_timeout: seconds a new child may take to print its first line (nvidia-smi starts slowly
             without persistence mode).
-        max_attempts: failed starts in one failure streak before giving up (None: never give up).
-        max_restarts: restarts in all before giving up (None: never).
-        backoff_initial: first delay after a transient failure, in seconds; doubles per failure of a streak,
-            with jitter.
-        backoff_max: the longest delay after a transient failure.
-        permanent_retry: seconds between attempts while the failure needs a person (driver/library mismatch,
-            NVML missing, no devices, a field the driver rejects, the binary gone); None raises such a failure
-            at once.
-        healthy_after: seconds of good data after which the backoff starts over (default ``max(30, 10 *
-            interval)``).
-        fail_fast: for interactive use: until the first row, give up on a fault that needs a person at once and
-            on a transient one after :data:`~smiquery.retry.FAIL_FAST_ATTEMPTS` starts, raising its typed error.
+        retry: how to wait between starts and when to give up (default ``RetryPolicy()``, the sync stream's).
         on_event: called with each :class:`~smiquery.source.StreamEvent`.
         sleep: the coroutine used to wait between restarts (tests inject one).
         tz: time zone of the timestamps.
@@ -821,13 +791,7 @@ def stream(
         nvidia_smi=nvidia_smi,
         stall_timeout=stall_timeout,
         startup_timeout=startup_timeout,
-        max_attempts=max_attempts,
-        max_restarts=max_restarts,
-        backoff_initial=backoff_initial,
-        backoff_max=backoff_max,
-        permanent_retry=permanent_retry,
-        healthy_after=healthy_after,
-        fail_fast=fail_fast,
+        retry=retry,
         on_event=on_event,
         sleep=sleep,
         tz=tz,

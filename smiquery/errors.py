@@ -20,6 +20,7 @@ Every exception class of the package is defined here (the modules that raise the
     │   └── PortInUseError                   another program holds the port
     ├── NvidiaSmiNotFoundError               binary missing or not executable; never retried
     ├── NvidiaSmiTimeoutError                no answer, or no row within the stall timeout
+    ├── OutputTooLargeError                  a one-shot child printed more than the cap (a wrong binary?)
     └── NvidiaSmiFailedError                 non-zero exit: argv, returncode, output
         ├── StreamEndedError                 a loop child ended its output (it never does by itself)
         ├── InvalidArgumentError       (2)   nvidia-smi rejected a field or option
@@ -60,6 +61,7 @@ __all__ = [
     "NvidiaSmiNotFoundError",
     "NvidiaSmiTimeoutError",
     "NvmlNotFoundError",
+    "OutputTooLargeError",
     "ParseError",
     "PortInUseError",
     "RecordingError",
@@ -237,6 +239,22 @@ class NvidiaSmiTimeoutError(SmiqueryError):
         self.argv = tuple(argv)
         self.timeout = timeout
         super().__init__(message)
+
+
+class OutputTooLargeError(SmiqueryError):
+    """A one-shot nvidia-smi printed more than :attr:`limit` bytes; it was killed and its output dropped.
+
+    nvidia-smi's answers are kilobytes: this much is a wrong binary on PATH or a broken driver printing garbage.
+    """
+
+    def __init__(self, argv: Sequence[str], limit: int) -> None:
+        self.argv = tuple(argv)
+        self.limit = limit
+        name = self.argv[0] if self.argv else "nvidia-smi"
+        super().__init__(
+            f"{name} printed more than {limit // (1024 * 1024)} MiB without finishing and was killed: is it really "
+            "nvidia-smi? check `nvidia-smi --version`, or pass --nvidia-smi PATH / SMIQUERY_NVIDIA_SMI"
+        )
 
 
 class NvidiaSmiFailedError(SmiqueryError):

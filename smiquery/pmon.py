@@ -19,19 +19,19 @@ from __future__ import annotations
 
 import operator
 import os
-import threading
-import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import NamedTuple
 
 from smiquery._log import get_logger
-from smiquery.errors import NvidiaSmiTimeoutError, ParseError, SmiqueryError, StreamEndedError
+from smiquery.errors import ParseError
 from smiquery.oneshot import GpusArg, normalize_gpus
-from smiquery.retry import DEFAULT_PERMANENT_RETRY, RetryPolicy, Supervision
-from smiquery.runner import LineSource, Runner, default_runner, find_nvidia_smi
+from smiquery.retry import RetryPolicy
+from smiquery.runner import Runner, default_runner, find_nvidia_smi
 from smiquery.source import StreamEvent, StreamStats
+from smiquery.streams.engine import Engine
+from smiquery.streams.threaded import ThreadDriver
 
 __all__ = [
     "PMON_COLUMNS",
@@ -344,21 +344,65 @@ def build_pmon_argv(
     return argv
 
 
-class _Stopped(Exception):
-    """Internal: the stream was closed."""
+class PmonRows:
+    """The engine's interpreter for ``pmon`` lines: rows, dropped lines and notices.
+
+    It makes no sweeps: :meth:`PmonStream.samples` cuts the rows into instants.
+
+    Args:
+        stats: the source's counters.
+        emit: hands ``dropped_row`` events to the listeners.
+    """
+
+    what = "nvidia-smi pmon"
+
+    def __init__(self, stats: StreamStats, emit: Callable[[StreamEvent], None]) -> None:
+        self.stats = stats
+        self._emit = emit
+        self.parser = PmonParser(strict=False)
+
+    def child_started(self) -> None:
+        """A new child prints its header again."""
+        self.parser = PmonParser(strict=False)
+
+    def feed(self, lines: Sequence[str], now: float, idle: float | None, out: list[PmonRow]) -> int:
+        """Parse lines; append the rows; return how many."""
+        parser = self.parser
+        known = self.stats.known_gpus
+        rows = 0
+        for line in lines:
+            before = parser.dropped
+            row = parser.feed(line)
+            if parser.dropped != before:
+                self.stats.dropped_rows += 1
+                err = parser.last_error
+                self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped line"))
+            if row is None:
+                continue
+            if row.gpu is not None and row.gpu not in known:
+                known[row.gpu] = None
+            out.append(row)
+            rows += 1
+        return rows
+
+    def cut(self, out: list[PmonRow], now: float) -> None:
+        """Nothing to finish: :meth:`PmonStream.samples` drops an instant cut by a restart."""
+
+    def last_message(self) -> str | None:
+        """The newest notice pmon printed."""
+        notices = self.parser.notices
+        return notices[-1] if notices else None
 
 
 class PmonStream:
     """One long-lived ``nvidia-smi pmon`` child, parsed into :class:`PmonRow` records and instants.
 
-    Iterate it for rows, or call :meth:`samples` for one tuple of rows per interval. The same guarantees as the
-    CSV stream (:class:`~smiquery.supervisor.Stream`), under the same :class:`~smiquery.retry.RetryPolicy`: one
-    child at a time, every child reaped on every path (early stop, exception, close from another thread, garbage
-    collection); no row within ``startup_timeout`` of a start, or no line for ``stall_timeout`` once rows flow,
-    counts as a hang (killed, restarted); a transient failure is retried with capped exponential backoff and
-    jitter, reset only after ``healthy_after`` seconds of good rows; a failure that needs a person (NVML missing,
-    pmon unsupported, the binary gone...) is retried every ``permanent_retry`` seconds, or raised at once with
-    ``fail_fast`` before the first row. ``-`` stays None. Counters and the retry state are in :attr:`stats`.
+    Iterate it for rows, or call :meth:`samples` for one tuple of rows per interval. The same engine and
+    guarantees as the CSV stream (:class:`~smiquery.supervisor.Stream`), under the same
+    :class:`~smiquery.retry.RetryPolicy`: one child at a time, every child reaped on every path (early stop,
+    exception, close from any thread, garbage collection); no row within ``startup_timeout`` of a start, or none
+    for ``stall_timeout`` once rows flow, counts as a hang (killed, restarted); failures are retried under the
+    policy. ``-`` stays None. Counters and the retry state are in :attr:`stats`.
 
     See :func:`stream` for the arguments.
     """
@@ -374,24 +418,18 @@ class PmonStream:
         nvidia_smi: str | os.PathLike[str] | None = None,
         stall_timeout: float | None = None,
         startup_timeout: float = 45.0,
-        max_attempts: int | None = None,
-        max_restarts: int | None = None,
-        backoff_initial: float = 0.1,
-        backoff_max: float = 30.0,
-        permanent_retry: float | None = DEFAULT_PERMANENT_RETRY,
-        healthy_after: float | None = None,
-        fail_fast: bool = False,
+        retry: RetryPolicy | None = None,
         on_event: Callable[[StreamEvent], None] | None = None,
         runner: Runner | None = None,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
         if startup_timeout <= 0:
             raise ValueError("startup_timeout must be positive")
         self.gpus = normalize_gpus(gpus)
-        self._runner: Runner = runner or default_runner()
+        runner = runner or default_runner()
         self.argv = tuple(
             build_pmon_argv(
-                find_nvidia_smi(nvidia_smi, runner=self._runner),
+                find_nvidia_smi(nvidia_smi, runner=runner),
                 self.gpus,
                 interval=interval,
                 count=count,
@@ -402,27 +440,20 @@ class PmonStream:
         self.count = count
         self.stall_timeout = stall_timeout if stall_timeout is not None else max(3.0 * interval, 10.0)
         self.startup_timeout = float(startup_timeout)
-        self.max_restarts = max_restarts
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
-        #: The :class:`~smiquery.retry.RetryPolicy` built from the arguments.
-        self.retry_policy = RetryPolicy(
-            backoff_initial=backoff_initial,
-            backoff_max=backoff_max,
-            healthy_after=healthy_after if healthy_after is not None else max(30.0, 10.0 * interval),
-            permanent_retry=permanent_retry,
-            max_attempts=max_attempts,
-            max_restarts=max_restarts,
-            fail_fast=fail_fast,
-        )
+        #: The :class:`~smiquery.retry.RetryPolicy` this stream runs under.
+        self.retry_policy = retry if retry is not None else RetryPolicy()
         self.on_event = on_event
         self.stats = StreamStats()
-        self._supervision = Supervision(self.retry_policy, self.stats, self._emit, what="nvidia-smi pmon")
-        self._sleep = sleep
-        self._lock = threading.Lock()
-        self._child: LineSource | None = None
-        self._closed = False
-        self._stop = threading.Event()
+        self._engine: Engine[PmonRow] = Engine(
+            PmonRows(self.stats, self._emit),
+            self.argv,
+            self.retry_policy,
+            startup_timeout=self.startup_timeout,
+            stall_timeout=self.stall_timeout,
+            stats=self.stats,
+            emit=self._emit,
+        )
+        self._driver: ThreadDriver[PmonRow] = ThreadDriver(self._engine, runner, sleep=sleep, finite=count is not None)
         self._error: BaseException | None = None
 
     @property
@@ -437,106 +468,14 @@ class PmonStream:
             except Exception:
                 log.exception("smiquery pmon on_event callback failed")
 
-    def _pause(self, seconds: float) -> None:
-        """Wait between attempts; a close cuts the wait short and ends the stream."""
-        if self._sleep is time.sleep:
-            self._stop.wait(seconds)  # close() wakes it at once
-        else:
-            self._sleep(seconds)
-        if self._closed:
-            raise _Stopped
-
     def __iter__(self) -> Iterator[PmonRow]:
         try:
-            yield from self._supervision.run(lambda: self._session(), self._pause)
-        except _Stopped:
-            return
+            yield from self._driver.items()
         except BaseException as exc:
             if not isinstance(exc, GeneratorExit):
                 self.stats.state = "failed"
                 self._error = exc
             raise
-        finally:
-            self._supervision.finished(self._closed)
-            with self._lock:
-                left = self._child
-                self._child = None
-            if left is not None:
-                left.close()
-
-    def _session(self) -> Iterator[PmonRow]:
-        """Run one child until it fails (raises), the stream is closed (raises _Stopped) or a finite count ends."""
-        if self._closed:
-            raise _Stopped
-        stats = self.stats
-        supervision = self._supervision
-        supervision.started()
-        parser = PmonParser(strict=False)
-        try:
-            child = self._runner.lines(self.argv)
-        except SmiqueryError as exc:
-            supervision.failure(exc)
-            raise
-        with self._lock:
-            self._child = child
-        if self._closed:
-            child.terminate()
-        delivered = False
-        deadline = time.monotonic() + self.startup_timeout
-        try:
-            while True:
-                wait = self.stall_timeout if delivered else deadline - time.monotonic()
-                try:
-                    line = child.readline(wait) if wait > 0 else None
-                except StreamEndedError:
-                    break  # ended with exit 0 (a finite -c count, or a stop that was asked for)
-                if line is None:
-                    raise self._hung(child, delivered)
-                before = parser.dropped
-                row = parser.feed(line)
-                if parser.dropped != before:
-                    stats.dropped_rows += 1
-                    err = parser.last_error
-                    self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped line"))
-                if row is None:
-                    continue
-                if not delivered:
-                    delivered = True
-                    supervision.first_row()
-                stats.rows += 1
-                if row.gpu is not None:
-                    stats.known_gpus.setdefault(row.gpu, None)
-                yield row
-            if self._closed:
-                raise _Stopped
-            if self.count is not None:
-                return
-            raise StreamEndedError(self.argv, 0, "", "nvidia-smi pmon ended by itself; restarting")
-        except SmiqueryError as exc:
-            if self._closed:
-                raise _Stopped from exc
-            supervision.failure(exc)  # raises _FreshStreak after a healthy period
-            raise
-        finally:
-            child.close()
-            with self._lock:
-                self._child = None
-
-    def _hung(self, child: LineSource, delivered: bool) -> NvidiaSmiTimeoutError:
-        if not delivered:
-            return NvidiaSmiTimeoutError(
-                f"nvidia-smi pmon printed no row within {self.startup_timeout:g} s of starting and was killed; "
-                "a cold start without persistence mode can be this slow (`nvidia-smi -pm 1`), or the driver hangs "
-                "(check `dmesg` for Xid errors)",
-                argv=child.argv,
-                timeout=self.startup_timeout,
-            )
-        return NvidiaSmiTimeoutError(
-            f"nvidia-smi pmon printed nothing for {self.stall_timeout:g} s and was killed (hung driver?); "
-            "check `dmesg` for Xid errors",
-            argv=child.argv,
-            timeout=self.stall_timeout,
-        )
 
     def samples(self, count: int | None = None) -> Iterator[tuple[PmonRow, ...]]:
         """Yield one tuple of rows per interval (every process on every watched GPU at that instant).
@@ -571,16 +510,11 @@ class PmonStream:
             if close is not None:
                 close()
 
-    def close(self) -> None:
-        """Stop: the child is terminated and reaped. Idempotent, safe from any thread."""
-        self._closed = True
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop: the child is terminated and reaped. Idempotent, safe from any thread (a callback included)."""
         if self.stats.state not in ("ended", "failed"):
             self.stats.state = "closed"
-        self._stop.set()
-        with self._lock:
-            child = self._child
-        if child is not None:
-            child.terminate()
+        self._driver.close(timeout, None, None)
 
     def __enter__(self) -> PmonStream:
         return self
@@ -599,16 +533,10 @@ def stream(
     nvidia_smi: str | os.PathLike[str] | None = None,
     stall_timeout: float | None = None,
     startup_timeout: float = 45.0,
-    max_attempts: int | None = None,
-    max_restarts: int | None = None,
-    backoff_initial: float = 0.1,
-    backoff_max: float = 30.0,
-    permanent_retry: float | None = DEFAULT_PERMANENT_RETRY,
-    healthy_after: float | None = None,
-    fail_fast: bool = False,
+    retry: RetryPolicy | None = None,
     on_event: Callable[[StreamEvent], None] | None = None,
     runner: Runner | None = None,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] | None = None,
 ) -> PmonStream:
     """Watch per-process GPU use with one supervised ``nvidia-smi pmon`` child.
 
@@ -629,16 +557,9 @@ def stream(
         stall_timeout: seconds without a line, once rows flow, before the child counts as hung (default
             ``max(3*interval, 10)``).
         startup_timeout: seconds a freshly started child may take to print its first row.
-        max_attempts: failed starts in one failure streak before giving up (None: never give up).
-        max_restarts: restarts in all before giving up (None: never).
-        backoff_initial: first delay after a transient failure; doubles per failure of a streak, with jitter.
-        backoff_max: the longest delay after a transient failure.
-        permanent_retry: seconds between attempts while the failure needs a person (NVML missing, pmon not
-            supported, no devices, the binary gone...); None raises such a failure at once.
-        healthy_after: seconds of good rows after which the backoff starts over (default ``max(30, 10 *
-            interval)``).
-        fail_fast: for interactive use: until the first row, give up on a fault that needs a person at once and
-            on a transient one after :data:`~smiquery.retry.FAIL_FAST_ATTEMPTS` starts, raising its typed error.
+        retry: how to wait between starts and when to give up (default ``RetryPolicy()``, the CSV stream's;
+            ``RetryPolicy(permanent_retry=None)`` raises a fault that needs a person at once,
+            ``RetryPolicy(fail_fast=True)`` suits interactive use).
         on_event: called with each :class:`~smiquery.source.StreamEvent` (restart, error, recovered, dropped_row).
         runner: how to run nvidia-smi (tests inject one).
         sleep: how to wait between restarts (tests inject one; the default wait is cut short by ``close()``).
@@ -660,13 +581,7 @@ def stream(
         nvidia_smi=nvidia_smi,
         stall_timeout=stall_timeout,
         startup_timeout=startup_timeout,
-        max_attempts=max_attempts,
-        max_restarts=max_restarts,
-        backoff_initial=backoff_initial,
-        backoff_max=backoff_max,
-        permanent_retry=permanent_retry,
-        healthy_after=healthy_after,
-        fail_fast=fail_fast,
+        retry=retry,
         on_event=on_event,
         runner=runner,
         sleep=sleep,

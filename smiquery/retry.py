@@ -2,8 +2,8 @@
 
 A :class:`RetryPolicy` says how long to wait before the next start and when to give up; a :class:`Supervision`
 applies it to one source, keeping that source's :class:`~smiquery.source.StreamStats` and telling its
-:class:`~smiquery.source.StreamEvent` listeners. Both tenacity flavours (:meth:`Supervision.retrying` for
-threads, :meth:`Supervision.async_retrying` for asyncio) use the same wait, stop and before-sleep logic:
+:class:`~smiquery.source.StreamEvent` listeners. The stream engine (:mod:`smiquery.streams.engine`) drives
+the tenacity ``Retrying`` of :meth:`Supervision.retrying` one failure at a time, for every driver alike:
 
 * a transient fault (crash, hang, a child that ends) waits ``backoff_initial * 2 ** (attempt - 1)`` plus up to
   ``backoff_initial`` of jitter, capped at ``backoff_max``;
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception_type
+from tenacity import RetryCallState, Retrying, retry_if_exception_type
 
 from smiquery._log import get_logger
 from smiquery.errors import SmiqueryError
@@ -58,14 +58,6 @@ def one_line(exc: BaseException) -> str:
     """The first line of an error's message (its class name when it has none)."""
     text = str(exc)
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-class _FreshStreak(Exception):
-    """Raised by :meth:`Supervision.failure`: the child failed after a healthy period; start again at once."""
-
-    def __init__(self, error: SmiqueryError) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 @dataclass(frozen=True)
@@ -197,11 +189,12 @@ class Supervision:
         self._failing = True
         self._emit(StreamEvent("error", exc, stats.last_error))
 
-    def failure(self, exc: SmiqueryError) -> None:
-        """Record a failed child; raise ``_FreshStreak`` when it had run well for ``healthy_after`` seconds.
+    def failure(self, exc: SmiqueryError) -> bool:
+        """Record a failed child.
 
-        Raises:
-            _FreshStreak: a transient failure after a healthy period (restart at once, backoff from the start).
+        Returns:
+            True when it had run well for ``healthy_after`` seconds: a transient failure after a healthy period
+            starts a fresh streak (restart at once, backoff from the start).
         """
         self.record(exc)
         since, self._healthy_since = self._healthy_since, None
@@ -209,7 +202,8 @@ class Supervision:
             detail = f"restarting {self.what} now after: {one_line(exc)} (it had run well for a while)"
             log.warning("smiquery: %s", detail)
             self._emit(StreamEvent("restart", exc, detail))
-            raise _FreshStreak(exc) from exc
+            return True
+        return False
 
     def finished(self, closed: bool) -> None:
         """The source is over (not failed): ``closed`` or ``ended``."""
@@ -243,34 +237,12 @@ class Supervision:
         log.warning("smiquery: %s", detail)
 
     def retrying(self, sleep: Callable[[float], None]) -> Retrying:
-        """A fresh tenacity ``Retrying`` for one streak; ``sleep`` waits between attempts (it may raise to stop)."""
-        return Retrying(
-            stop=self._stop,
-            wait=self._wait,
-            retry=retry_if_exception_type(SmiqueryError),
-            reraise=True,
-            sleep=sleep,
-            before_sleep=self._before_sleep,
-        )
+        """A tenacity ``Retrying`` under this policy; the engine drives its ``iter()`` (no I/O) one failure at a time.
 
-    def run(self, session: Callable[[], Iterator[T]], sleep: Callable[[float], None]) -> Generator[T, None, None]:
-        """Yield from ``session()`` under the policy; the last error is raised when it gives up.
-
-        A failed session is retried (``sleep`` waits between attempts); a failure after a healthy period starts a
-        fresh streak at once.
+        Args:
+            sleep: what tenacity would sleep with; the engine never lets it (its drivers wait).
         """
-        while True:
-            try:
-                for attempt in self.retrying(sleep):
-                    with attempt:
-                        yield from session()
-                return
-            except _FreshStreak:
-                continue  # a fresh streak: the first attempt runs at once
-
-    def async_retrying(self, sleep: Callable[[float], Awaitable[None]]) -> AsyncRetrying:
-        """The same policy as :meth:`retrying`, as a tenacity ``AsyncRetrying`` (``async for attempt in ...``)."""
-        return AsyncRetrying(
+        return Retrying(
             stop=self._stop,
             wait=self._wait,
             retry=retry_if_exception_type(SmiqueryError),

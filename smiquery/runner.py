@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from smiquery.errors import NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, StreamEndedError, failure_from_exit
+from smiquery.errors import (
+    NvidiaSmiNotFoundError,
+    NvidiaSmiTimeoutError,
+    OutputTooLargeError,
+    StreamEndedError,
+    failure_from_exit,
+)
 
 __all__ = [
     "Completed",
@@ -51,6 +57,18 @@ TERM_GRACE = 0.5
 #: Seconds an exited child's helpers may keep its pipes open before the group is killed and the output taken.
 PIPE_GRACE = 0.2
 _MAX_ERR_BYTES = 64 * 1024
+#: The most a one-shot call reads before it gives up on the child (:class:`~smiquery.errors.OutputTooLargeError`).
+MAX_OUTPUT_BYTES = 8 * 1024 * 1024
+#: A loop child's line longer than this is cut to its first :data:`_KEPT_OF_LONG_LINE` bytes (the parser rejects
+#: it) and the rest is skipped until its end, so that endless output without a newline keeps memory flat.
+MAX_LINE_BYTES = 64 * 1024
+_KEPT_OF_LONG_LINE = 256
+
+
+class _Flood(Exception):
+    """Internal: a one-shot child's output passed :data:`MAX_OUTPUT_BYTES`."""
+
+
 _LINUX = sys.platform.startswith("linux")
 
 
@@ -626,7 +644,9 @@ class LineStream:
         self._proc = _spawn_loop_child(self.argv, env) if pdeathsig else _popen(self.argv, env, pdeathsig=False)
         self._finalizer = weakref.finalize(self, terminate_and_reap, self._proc)
         self._lines: deque[tuple[str, float]] = deque()
-        self._buf = b""
+        self._partial: list[bytes] = []  # the pieces of the line being read, joined once at its newline
+        self._partial_len = 0
+        self._skipping = False  # inside an over-long line: its rest is skipped
         self._err = bytearray()
         self._messages: deque[str] = deque(maxlen=20)  # recent non-CSV stdout lines, for error messages
         self._open_fds = 2
@@ -688,6 +708,7 @@ class LineStream:
 
     def _fill(self, deadline: float) -> str | None:
         waited = 0.0
+        looked = False  # a deadline already past still gets one look at the pipes
         while not self._lines:
             if self._eof:
                 self._finish()
@@ -704,8 +725,11 @@ class LineStream:
             elif self._pidwatch.fd is None:
                 remaining = min(remaining, 0.5)  # no pidfd: look at the leader now and then
             if remaining <= 0:
-                self._idle = waited
-                return None
+                if looked:
+                    self._idle = waited
+                    return None
+                remaining = 0.0
+            looked = True
             t0 = time.monotonic()
             events = self._sel.select(remaining)
             waited += time.monotonic() - t0
@@ -766,18 +790,33 @@ class LineStream:
                     self._err += data
 
     def _take(self, data: bytes) -> None:
-        buf = self._buf + data if self._buf else data
-        if b"\n" not in buf:
-            self._buf = buf
+        parts = data.split(b"\n")
+        rest = parts.pop()
+        if parts and (self._partial or self._skipping):
+            head = b"".join(self._partial) + parts[0]
+            parts[0] = b"" if self._skipping else head  # an over-long line's end is skipped
+            self._partial = []
+            self._partial_len = 0
+            self._skipping = False
+        for raw in parts:
+            self._add_line(raw)
+        if rest and not self._skipping:
+            self._partial.append(rest)
+            self._partial_len += len(rest)
+            if self._partial_len > MAX_LINE_BYTES:
+                # no newline in sight: keep the head for the parser to reject, skip the rest until the newline
+                self._add_line(b"".join(self._partial)[:_KEPT_OF_LONG_LINE])
+                self._partial = []
+                self._partial_len = 0
+                self._skipping = True
+
+    def _add_line(self, raw: bytes) -> None:
+        line = _decode(raw).rstrip("\r")
+        if not line.strip():
             return
-        *complete, self._buf = buf.split(b"\n")
-        for raw in complete:
-            line = _decode(raw).rstrip("\r")
-            if not line.strip():
-                continue
-            self._lines.append((line, 0.0))
-            if ", " not in line:
-                self._messages.append(line)
+        self._lines.append((line, 0.0))
+        if ", " not in line:
+            self._messages.append(line)
 
     def _finish(self) -> None:
         # The output has ended: the child has exited (or closed its output). Reap it, then judge the exit code.
@@ -785,13 +824,10 @@ class LineStream:
         _wait_exit(self._proc, 5.0)  # a leader that closed its output but lingers is killed by _release
         self._release()
         rc = self._proc.returncode if self._proc.returncode is not None else -signal.SIGKILL
-        tail = self._buf
-        self._buf = b""
-        if tail.strip():
-            line = _decode(tail).rstrip("\r")
-            self._lines.append((line, 0.0))
-            if ", " not in line:
-                self._messages.append(line)
+        tail = b"".join(self._partial)
+        self._partial = []
+        if tail.strip() and not self._skipping:
+            self._add_line(tail)
         output = _message_of(list(self._messages), bytes(self._err), rc)
         if rc != 0 and not stopping:
             self._ended = failure_from_exit(self.argv, rc, output)
@@ -867,6 +903,8 @@ def _drain(pipes: dict[int, bytearray]) -> None:
         with contextlib.suppress(OSError):
             while chunk := os.read(fd, 65536):
                 buf += chunk
+                if len(buf) > MAX_OUTPUT_BYTES:
+                    raise _Flood
 
 
 def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool:
@@ -878,7 +916,10 @@ def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool:
     except OSError:
         chunk = b""
     if chunk:
-        pipes[fd] += chunk
+        buf = pipes[fd]
+        buf += chunk
+        if len(buf) > MAX_OUTPUT_BYTES:
+            raise _Flood
         return False
     del pipes[fd]
     return True
@@ -971,6 +1012,8 @@ class SubprocessRunner:
                     raw_out, raw_err, finished = b"", b"", False
             else:
                 raw_out, raw_err, finished = _run_to_end(proc, start + max(timeout - 2 * grace, 0.001))
+        except _Flood:
+            raise OutputTooLargeError(argv, MAX_OUTPUT_BYTES) from None
         finally:
             terminate_and_reap(proc, grace)
         if not finished:

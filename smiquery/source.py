@@ -41,10 +41,14 @@ class Sweep(tuple[GpuSample, ...]):
     Attributes:
         missing: indices of known GPUs absent from this sweep.
         damaged: True when a row inside this sweep was rejected by the parser or the child ended mid-sweep.
+        arrived: monotonic time (``time.monotonic()``) at which a live stream read the sweep's last row; None
+            for a replay, which has only the recorded times. Hold alerts and ages on this, never on the
+            timestamps: nvidia-smi stamps rows in local wall-clock time, which jumps (DST, NTP steps).
     """
 
     missing: frozenset[int]
     damaged: bool
+    arrived: float | None
 
     def __new__(  # noqa: D102
         cls, samples: Iterable[GpuSample] = (), *, missing: Iterable[int] = (), damaged: bool = False
@@ -52,6 +56,7 @@ class Sweep(tuple[GpuSample, ...]):
         self = super().__new__(cls, samples)
         self.missing = frozenset(missing)
         self.damaged = damaged
+        self.arrived = None
         return self
 
     @property
@@ -72,56 +77,82 @@ class Sweep(tuple[GpuSample, ...]):
 class SweepGrouper:
     """Groups samples into sweeps, one instant each, for streams and replays alike.
 
-    nvidia-smi marks no boundary between the iterations of its loop: it prints one row per GPU in index order,
-    milliseconds apart, then sleeps. So a new instant starts when a GPU index does not increase (it repeats or
-    goes back), or when the rows are ``gap`` seconds apart (by their timestamps when queried, or by how long the
-    reader waited for the row). The known GPU set is the union of every index seen (or ``expected``); once one
-    whole cycle has been seen, a sweep is published as soon as every known GPU has its row, else when the next
-    instant begins (one interval later, while a GPU is missing). Nothing is learnt once and kept: a first sweep
-    cut short does not make later sweeps short.
+    nvidia-smi marks no boundary between the iterations of its loop: it queries every GPU, prints one row per GPU
+    in index order, then sleeps one interval. So the GPUs of one iteration are contiguous in index order, and a
+    new instant starts when a GPU index does not increase (it repeats or goes back). Order decides; arrival is
+    only a hint: a row whose index increases starts a new instant only when the reader waited at least 90 % of
+    the interval for it (``idle``) and its timestamp does not say it belongs to the current instant. A slow row
+    (a loaded host, 30-70 % of the interval late) and a wall-clock step between two rows of one iteration (DST,
+    NTP) therefore never split a sweep; rows read in one go after a pause (``idle`` 0) group by order alone.
+
+    The known GPU set is learnt from the rows (or given as ``expected``) and learnt anew after :meth:`restart`
+    (a new child may see other GPUs). Once one whole cycle has been seen, a sweep is published as soon as every
+    known GPU has its row, else when the next instant begins (one interval later, while a GPU is missing).
+    Nothing is learnt once and kept: a first sweep cut short does not make later sweeps short.
 
     A sweep that ends without some known GPU carries it in :attr:`Sweep.missing`; one with a dropped row inside
     (see :meth:`damage`) or cut by the end of the input is :attr:`Sweep.damaged`.
 
     Args:
         expected: the GPU indices to expect (for ``-i 0,1``), or how many GPUs a whole sweep has; 0 to learn.
-        gap: seconds between two rows that separate instants; None to rely on index order alone.
+        interval: seconds between instants, for the arrival hint; None (replays) to rely on index order alone.
     """
 
-    def __init__(self, expected: int | Iterable[int] = 0, *, gap: float | None = None) -> None:
-        self.gap = gap
-        self.known: dict[int, None] = {}
+    def __init__(self, expected: int | Iterable[int] = 0, *, interval: float | None = None) -> None:
+        self.interval = interval
+        self._hint = interval is not None and interval >= 0.5
         self._count = 0
+        self._expected: tuple[int, ...] = ()
         if isinstance(expected, int):
             self._count = expected
         else:
-            self.known = dict.fromkeys(expected)
-        self.established = bool(self.known)
+            self._expected = tuple(expected)
+        self.known: dict[int, None] = {}
+        self.established = False
         self._current: list[GpuSample] = []
         self._present: set[int] = set()
         self._last_index: int | None = None
         self._last_time: datetime | None = None
         self._damaged = False
         self._closed_early_at: int | None = None
+        self.restart()
+
+    def restart(self) -> None:
+        """A new child: forget the unfinished sweep and learn the GPU set anew (unless it was given)."""
+        self.known = dict.fromkeys(self._expected)
+        self.established = bool(self.known)
+        self._current = []
+        self._present = set()
+        self._last_index = None
+        self._last_time = None
+        self._damaged = False
+        self._closed_early_at = None
 
     @staticmethod
     def _index(sample: GpuSample) -> int | None:
         return sample.index if "index" in sample else None
 
-    def boundary(self, sample: GpuSample, idle: float = 0.0) -> Sweep | None:
-        """Close the current sweep if ``sample`` begins a new instant; returns the closed sweep, if any."""
+    def boundary(self, sample: GpuSample, idle: float | None = None) -> Sweep | None:
+        """Close the current sweep if ``sample`` begins a new instant; returns the closed sweep, if any.
+
+        Args:
+            sample: the next row.
+            idle: seconds the reader waited for this row (None when unknown, as in a replay).
+        """
         if not self._current:
             return None
         idx = self._index(sample)
         new = idx is None or idx in self._present or (self._last_index is not None and idx <= self._last_index)
-        if not new and self.gap is not None:
-            if idle >= self.gap:
-                new = True
-            else:
-                ts = sample.timestamp if "timestamp" in sample else None
-                last = self._last_time
-                if ts is not None and last is not None and abs((ts - last).total_seconds()) >= self.gap:
-                    new = True
+        if not new and self._hint and idle is not None and self.interval is not None and idle >= 0.9 * self.interval:
+            new = True
+            ts = sample.timestamp if "timestamp" in sample else None
+            last = self._last_time
+            if ts is not None and last is not None:
+                try:
+                    close_in_time = abs((ts - last).total_seconds()) < 0.5 * self.interval
+                except TypeError:  # naive against aware: no hint
+                    close_in_time = False
+                new = not close_in_time
         if not new:
             return None
         if not self._damaged:
@@ -159,7 +190,7 @@ class SweepGrouper:
             return sweep
         return None
 
-    def feed(self, sample: GpuSample, idle: float = 0.0) -> list[Sweep]:
+    def feed(self, sample: GpuSample, idle: float | None = None) -> list[Sweep]:
         """Add one sample; returns the sweeps it closed (the previous instant, and this one if it is whole)."""
         done = [s for s in (self.boundary(sample, idle), self.add(sample)) if s is not None]
         return done
@@ -268,7 +299,9 @@ class LatestSweep:
         return got[0], time.monotonic() - got[1]
 
 
-EventKind = Literal["restart", "error", "recovered", "dropped_row", "short_sweep", "gpu_lost", "gpu_back"]
+EventKind = Literal[
+    "restart", "error", "recovered", "dropped_row", "short_sweep", "gpu_lost", "gpu_back", "gpu_renumbered"
+]
 
 
 @dataclass(frozen=True)
@@ -277,7 +310,9 @@ class StreamEvent:
 
     Kinds: ``restart`` (a child is about to be started again; ``detail`` says when and why), ``error`` (a
     failure, ``error`` holds it), ``recovered`` (data flows again after errors), ``dropped_row`` (a line the
-    parser rejected), ``short_sweep`` (a sweep without all known GPUs), ``gpu_lost`` and ``gpu_back``.
+    parser rejected), ``short_sweep`` (a sweep without all known GPUs), ``gpu_lost`` and ``gpu_back`` (``uuid``
+    names the GPU; ``gpu`` is the index it had), ``gpu_renumbered`` (after a restart a GPU delivers under another
+    index).
 
     Attributes:
         kind: what happened.
@@ -310,9 +345,11 @@ class StreamStats:
         dropped_rows: lines rejected by the parser (garbage, truncated, wrong column count).
         errors: failures by error class name.
         lost_gpus: indices currently lost: ``[GPU is lost]`` cells, nvidia-smi's "GPU is lost" message, or rows
-            that stopped appearing.
+            that stopped appearing. An index that another GPU took over after a restart (renumbering) is not in
+            it: see ``lost_uuids``.
+        lost_uuids: UUIDs currently lost (when ``uuid`` is queried), with the index each had when last seen.
         gpu_lost_events: how many times a GPU was found lost.
-        known_gpus: every GPU index seen, with its UUID when ``uuid`` is queried.
+        known_gpus: the GPU indices of the newest whole sweep, with their UUIDs when ``uuid`` is queried.
         last_error: the newest failure, as one line.
         last_error_type: its exception class name.
         state: ``starting``, ``running``, ``retrying`` (waiting to start again), ``ended`` (a finite source is
@@ -330,6 +367,7 @@ class StreamStats:
     dropped_rows: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     lost_gpus: set[int] = field(default_factory=set)
+    lost_uuids: dict[str, int | None] = field(default_factory=dict)
     gpu_lost_events: int = 0
     known_gpus: dict[int, str | None] = field(default_factory=dict)
     last_error: str | None = None

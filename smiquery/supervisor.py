@@ -18,24 +18,23 @@ What it guarantees, whatever nvidia-smi does:
 from __future__ import annotations
 
 import inspect
-import re
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from datetime import tzinfo
 from typing import TYPE_CHECKING
 
 from smiquery._log import get_logger
-from smiquery.errors import NvidiaSmiFailedError, NvidiaSmiTimeoutError, SmiqueryError
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, build_argv, normalize_gpus
-from smiquery.parsing import CsvParser, is_message
 from smiquery.records import GpuSample
-from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, RetryPolicy, Supervision
-from smiquery.runner import TERM_GRACE, LineSource, Runner, default_runner, find_nvidia_smi
-from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep, SweepGrouper
+from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, RetryPolicy
+from smiquery.runner import Runner, default_runner, find_nvidia_smi
+from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep
+from smiquery.streams.engine import Engine
+from smiquery.streams.sweeps import CsvRows
+from smiquery.streams.threaded import ThreadDriver
 
 if TYPE_CHECKING:
     import os
@@ -48,17 +47,6 @@ log = get_logger("smiquery")
 #: on large hosts and in containers with a huge open-file limit (NVIDIA-SMI.md section 6).
 DEFAULT_STARTUP_TIMEOUT = 45.0
 
-_LOST_MESSAGE = re.compile(r"device handle for GPU ([0-9A-Fa-f:.]+): GPU is lost", re.IGNORECASE)
-
-
-class _Stopped(Exception):
-    """Internal: the stream was closed, or its duration is over."""
-
-
-def _bus_key(bus_id: str) -> str:
-    # "00000000:02:00.0" and "0000:02:00.0" name the same GPU.
-    return bus_id.strip().upper().split(":", 1)[-1] if bus_id.count(":") >= 2 else bus_id.strip().upper()
-
 
 class Stream(LatestSweep):
     """One long-lived nvidia-smi in loop mode: a live :class:`~smiquery.source.SampleSource`.
@@ -67,7 +55,9 @@ class Stream(LatestSweep):
     :meth:`start` to run it in a background thread and read :meth:`latest` from any thread without blocking.
     Use it as a context manager (or call :meth:`close`): the child is always reaped. The module docstring says
     what it guarantees; :attr:`stats` shows counters and the retry state; :meth:`subscribe` (or ``on_event``)
-    hears every restart, error, recovery, dropped row, short sweep and lost or returning GPU.
+    hears every restart, error, recovery, dropped row, short sweep and lost, returning or renumbered GPU.
+
+    This is the thread driver of :class:`~smiquery.streams.engine.Engine`: it only reads lines and waits.
 
     See :func:`stream` for the arguments.
     """
@@ -83,13 +73,7 @@ class Stream(LatestSweep):
         duration: float | None = None,
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
         stall_timeout: float | None = None,
-        max_attempts: int | None = None,
-        max_restarts: int | None = None,
-        backoff_initial: float = 0.5,
-        backoff_max: float = 30.0,
-        permanent_retry: float = DEFAULT_PERMANENT_RETRY,
-        healthy_after: float | None = None,
-        fail_fast: bool = False,
+        retry: RetryPolicy | None = None,
         on_event: Callable[[StreamEvent], None] | None = None,
         runner: Runner | None = None,
         sleep: Callable[[float], None] | None = None,
@@ -112,236 +96,47 @@ class Stream(LatestSweep):
         self.duration = duration
         self.startup_timeout = float(startup_timeout)
         self.stall_timeout = stall_timeout if stall_timeout is not None else max(3 * self.interval, 10.0)
-        self.max_attempts = max_attempts
-        self.max_restarts = max_restarts
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
-        self.permanent_retry = float(permanent_retry)
-        self.healthy_after = healthy_after if healthy_after is not None else max(30.0, 10 * self.interval)
-        self.fail_fast = fail_fast
-        #: The :class:`~smiquery.retry.RetryPolicy` built from the arguments above.
-        self.retry_policy = RetryPolicy(
-            backoff_initial=backoff_initial,
-            backoff_max=backoff_max,
-            healthy_after=self.healthy_after,
-            permanent_retry=self.permanent_retry,
-            max_attempts=max_attempts,
-            max_restarts=max_restarts,
-            fail_fast=fail_fast,
-        )
+        #: The :class:`~smiquery.retry.RetryPolicy` this stream runs under.
+        self.retry_policy = retry if retry is not None else RetryPolicy()
         self.on_event = on_event
-        self._sleep = sleep
-        self._tz = tz
         self.stats = StreamStats()
-        self._supervision = Supervision(self.retry_policy, self.stats, self._emit)
         self._lock = threading.Lock()
-        self._latest: tuple[Sweep, float] | None = None
-        self._closed = threading.Event()
-        self._child: LineSource | None = None
-        self._no_child = threading.Event()
-        self._no_child.set()
+        self._latest = None
+        expected = [int(g) for g in self.gpus if g.isdigit()]
+        self._rows = CsvRows(
+            flds,
+            self.stats,
+            self._emit,
+            expected=expected if len(expected) == len(self.gpus) else (),
+            interval=self.interval,
+            tz=tz,
+        )
+        self._engine: Engine[GpuSample | Sweep] = Engine(
+            self._rows,
+            self.argv,
+            self.retry_policy,
+            startup_timeout=self.startup_timeout,
+            stall_timeout=self.stall_timeout,
+            duration=duration,
+            max_rows=max_samples,
+            stats=self.stats,
+            emit=self._emit,
+        )
+        self._driver: ThreadDriver[GpuSample | Sweep] = ThreadDriver(self._engine, self._runner, sleep=sleep)
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
-        self._messages: deque[str] = deque(maxlen=20)
-        expected = [int(g) for g in self.gpus if g.isdigit()]
-        gap = self.interval / 2 if self.interval >= 0.5 else None
-        self._grouper = SweepGrouper(expected if len(expected) == len(self.gpus) else (), gap=gap)
-        self._absent_lost_by_message: set[str] = set()
-        self._bus_of: dict[int, str] = {}
         # Only a weak reference: an abandoned iterator must be collectable at once (no cycle), so that dropping it
         # closes the generator and reaps the child immediately.
         self._gen_ref: weakref.ref[Generator[GpuSample | Sweep, None, None]] | None = None
 
-    # ----------------------------------------------------------------------------------------- events & state
-
-    def _pause(self, seconds: float) -> None:
-        """Wait between attempts; a close or the end of ``duration`` cuts the wait short and ends the stream."""
-        if self._sleep is not None:
-            self._sleep(seconds)
-        else:
-            limit = seconds if self._deadline is None else min(seconds, max(self._deadline - time.monotonic(), 0))
-            self._closed.wait(limit)
-        if self._closed.is_set() or (self._deadline is not None and time.monotonic() >= self._deadline):
-            raise _Stopped
-
-    # ---------------------------------------------------------------------------------------------- grouping
-
-    def _on_sweep(self, sweep: Sweep) -> Sweep:
-        """Update GPU loss from a closed sweep, then publish it."""
-        stats = self.stats
-        if sweep.missing and not sweep.damaged:
-            # Every GPU prints a row each sweep, even a lost one ("[GPU is lost]" cells): a known GPU without a row
-            # in an undamaged sweep has dropped out.
-            for idx in sorted(sweep.missing):
-                if idx not in stats.lost_gpus:
-                    bus = self._bus_of.get(idx)
-                    said = bus is not None and _bus_key(bus) in self._absent_lost_by_message
-                    why = "nvidia-smi says it is lost" if said else "its rows stopped appearing"
-                    self._mark_lost(idx, f"GPU {idx} is lost: {why}")
-        self._absent_lost_by_message.clear()
-        short = sweep.damaged or bool(sweep.missing - stats.lost_gpus)
-        stats.sweeps += 1
-        if short:
-            stats.short_sweeps += 1
-            gone = ", ".join(str(i) for i in sorted(sweep.missing))
-            why = f"without GPU {gone}" if gone else "cut short"
-            if sweep.damaged:
-                why += " (a row was dropped or nvidia-smi ended mid-sweep)"
-            self._emit(StreamEvent("short_sweep", None, f"short sweep: {why}"))
-        with self._lock:
-            self._latest = (sweep, time.monotonic())
-        return sweep
-
-    def _mark_lost(self, idx: int, detail: str) -> None:
-        stats = self.stats
-        stats.lost_gpus.add(idx)
-        stats.gpu_lost_events += 1
-        self._emit(StreamEvent("gpu_lost", None, detail, idx, stats.known_gpus.get(idx)))
-        log.warning("smiquery: %s", detail)
-
-    def _track(self, s: GpuSample) -> None:
-        idx = s.index
-        if idx is None:
-            return
-        stats = self.stats
-        if idx not in stats.known_gpus or (stats.known_gpus[idx] is None and "uuid" in s):
-            stats.known_gpus[idx] = s.uuid if "uuid" in s else None
-        if s.get("pci.bus_id"):
-            self._bus_of[idx] = str(s["pci.bus_id"])
-        lost = stats.lost_gpus
-        if s.gpu_lost and idx not in lost:
-            self._mark_lost(idx, f"GPU {idx} is lost (fell off the bus)")
-        elif not s.gpu_lost and idx in lost:
-            lost.discard(idx)
-            self._emit(StreamEvent("gpu_back", None, f"GPU {idx} reports values again", idx, stats.known_gpus.get(idx)))
-            log.warning("smiquery: GPU %s reports values again", idx)
-
-    # -------------------------------------------------------------------------------------------- supervision
-
-    _deadline: float | None = None
-
     def _items(self) -> Generator[GpuSample | Sweep, None, None]:
-        """Samples, with each sweep after the sample that closed it (or before the one that opened the next)."""
-        self._deadline = None if self.duration is None else time.monotonic() + self.duration
-        budget = [self.max_samples]
         try:
-            yield from self._supervision.run(lambda: self._session(budget), self._pause)
-        except _Stopped:
-            return
+            yield from self._driver.items()
         except BaseException as exc:
             if not isinstance(exc, GeneratorExit):
                 self.stats.state = "failed"
                 self._thread_error = exc
             raise
-        finally:
-            self._supervision.finished(self._closed.is_set())
-
-    def _check_stop(self) -> None:
-        if self._closed.is_set() or (self._deadline is not None and time.monotonic() >= self._deadline):
-            raise _Stopped
-
-    def _session(self, budget: list[int | None]) -> Generator[GpuSample | Sweep, None, None]:
-        """Run one child until it fails (raises), the stream ends (raises _Stopped) or the budget is spent."""
-        self._check_stop()
-        stats = self.stats
-        self._supervision.started()
-        parser = CsvParser(self.fields, strict=False, tz=self._tz)
-        try:
-            child = self._runner.lines(self.argv)
-        except SmiqueryError as exc:
-            self._supervision.failure(exc)
-            raise
-        with self._lock:
-            self._child = child
-            self._no_child.clear()
-        if self._closed.is_set():
-            child.terminate()
-        grouper = self._grouper
-        first = True
-        row_deadline = time.monotonic() + self.startup_timeout
-        try:
-            while True:
-                self._check_stop()
-                now = time.monotonic()
-                limit = row_deadline if self._deadline is None else min(row_deadline, self._deadline)
-                if now >= limit:
-                    self._check_stop()
-                    raise self._hung(first)
-                try:
-                    line = child.readline(limit - now)
-                except NvidiaSmiFailedError:
-                    self._check_stop()
-                    raise
-                if line is None:
-                    continue
-                sample = self._classify(parser, line)
-                if sample is None:
-                    continue
-                if first:
-                    first = False
-                    self._supervision.first_row()
-                row_deadline = time.monotonic() + self.stall_timeout
-                closed = grouper.boundary(sample, child.idle)
-                if closed is not None:
-                    self._check_stop()
-                    yield self._on_sweep(closed)
-                self._track(sample)
-                whole = grouper.add(sample)
-                self._check_stop()
-                stats.rows += 1
-                yield sample
-                if whole is not None:
-                    self._check_stop()
-                    yield self._on_sweep(whole)
-                if budget[0] is not None:
-                    budget[0] -= 1
-                    if budget[0] <= 0:
-                        return
-        except SmiqueryError as exc:
-            cut = grouper.flush(cut=True, absent=stats.lost_gpus)
-            if cut is not None and not self._closed.is_set():
-                yield self._on_sweep(cut)
-            self._supervision.failure(exc)  # raises _FreshStreak after a healthy period
-            raise
-        finally:
-            with self._lock:
-                self._child = None
-            child.close()
-            self._no_child.set()
-
-    def _hung(self, first: bool) -> NvidiaSmiTimeoutError:
-        if first:
-            return NvidiaSmiTimeoutError(
-                f"nvidia-smi printed no row within {self.startup_timeout:g} s of starting and was killed; "
-                "a cold start without persistence mode can be this slow (`nvidia-smi -pm 1`), or the driver hangs "
-                "(check `dmesg` for Xid errors)",
-                argv=self.argv,
-                timeout=self.startup_timeout,
-            )
-        said = f" (it printed: {self._messages[-1]})" if self._messages else ""
-        return NvidiaSmiTimeoutError(
-            f"nvidia-smi printed no data row for {self.stall_timeout:g} s{said} and was killed (hung driver?); "
-            "check `dmesg` for Xid errors and whether plain `nvidia-smi` answers",
-            argv=self.argv,
-            timeout=self.stall_timeout,
-        )
-
-    def _classify(self, parser: CsvParser, line: str) -> GpuSample | None:
-        """A data row becomes a sample; a message is kept; anything else is a dropped row that damages its sweep."""
-        if is_message(line):
-            self._messages.append(line)
-            found = _LOST_MESSAGE.search(line)
-            if found:
-                self._absent_lost_by_message.add(_bus_key(found.group(1)))
-            return None
-        before = parser.dropped
-        sample = parser.feed(line)
-        if parser.dropped != before:
-            self.stats.dropped_rows += 1
-            self._grouper.damage()
-            err = parser.last_error
-            self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped row"))
-        return sample
 
     # ------------------------------------------------------------------------------------------- consumption
 
@@ -351,7 +146,7 @@ class Stream(LatestSweep):
         current = self._gen_ref() if self._gen_ref is not None else None
         if current is not None and inspect.getgeneratorstate(current) != inspect.GEN_CLOSED:
             return current
-        if self._closed.is_set():
+        if self._engine.closed:
             raise RuntimeError("this stream is closed")
         gen = self._items()
         self._gen_ref = weakref.ref(gen)
@@ -390,7 +185,7 @@ class Stream(LatestSweep):
                     pass
             except BaseException as exc:  # kept for the owner; a background thread must not die silently
                 self._thread_error = exc
-                if not self._closed.is_set():
+                if not self._engine.closed:
                     log.error("smiquery stream stopped: %s", exc)
             finally:
                 ready.set()
@@ -413,42 +208,26 @@ class Stream(LatestSweep):
     @property
     def child_pid(self) -> int | None:
         """The pid of the nvidia-smi child running now, if any."""
-        child = self._child
-        return child.pid if child is not None else None
+        return self._driver.child_pid
+
+    def latest(self) -> tuple[Sweep | None, float | None]:
+        """The newest sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
+        got = self._rows.latest()
+        if got is None:
+            return None, None
+        return got[0], time.monotonic() - got[1]
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop within ``timeout`` seconds. Idempotent, safe from any thread.
 
         No sample is delivered after this returns; the child is killed (SIGTERM, then SIGKILL) and reaped; a
-        background thread ends.
+        background thread ends. Called from the stream's own thread (an ``on_event`` or :meth:`subscribe`
+        callback), it returns at once: the child is asked to stop and is reaped as soon as the callback returns.
         """
-        end = time.monotonic() + max(timeout, 0.0)
-        self._closed.set()
         if self.stats.state not in ("failed", "ended"):
             self.stats.state = "closed"
-        with self._lock:
-            child = self._child
-        if child is not None:
-            child.interrupt()
-            child.terminate()
-        me = threading.current_thread()
-        thread = self._thread
-        if thread is not None and thread is not me:
-            thread.join(min(TERM_GRACE, max(end - time.monotonic(), 0)))
-            if thread.is_alive() and child is not None:
-                child.kill()
-            thread.join(max(end - time.monotonic(), 0))
-            return
         gen = self._gen_ref() if self._gen_ref is not None else None
-        if gen is not None:
-            try:
-                gen.close()
-                return
-            except ValueError:
-                pass  # running in another thread: it sees the close at its next step and reaps its child
-        if child is not None and not self._no_child.wait(min(TERM_GRACE, max(end - time.monotonic(), 0))):
-            child.kill()
-            self._no_child.wait(max(end - time.monotonic(), 0))
+        self._driver.close(timeout, self._thread, gen)
 
     def __enter__(self) -> Stream:
         return self
@@ -457,7 +236,8 @@ class Stream(LatestSweep):
         self.close()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", None) or self._closed.is_set():
+        engine = getattr(self, "_engine", None)
+        if engine is None or engine.closed:
             return
         try:
             self.close(timeout=1.0)
@@ -475,13 +255,7 @@ def stream(
     duration: float | None = None,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     stall_timeout: float | None = None,
-    max_attempts: int | None = None,
-    max_restarts: int | None = None,
-    backoff_initial: float = 0.5,
-    backoff_max: float = 30.0,
-    permanent_retry: float = DEFAULT_PERMANENT_RETRY,
-    healthy_after: float | None = None,
-    fail_fast: bool = False,
+    retry: RetryPolicy | None = None,
     on_event: Callable[[StreamEvent], None] | None = None,
     runner: Runner | None = None,
     sleep: Callable[[float], None] | None = None,
@@ -505,17 +279,9 @@ def stream(
         startup_timeout: seconds a freshly started nvidia-smi may take to print its first row.
         stall_timeout: seconds without a data row, once rows flow, before the child counts as hung (default
             ``max(3 * interval, 10)``). Notices and error lines do not count as rows.
-        max_attempts: failed starts in one failure streak before giving up (None: never give up).
-        max_restarts: restarts in all before giving up (None: never).
-        backoff_initial: first delay after a transient failure, in seconds; doubles per failure, with jitter.
-        backoff_max: the longest delay after a transient failure.
-        permanent_retry: seconds between attempts while the failure needs a person (driver/library mismatch,
-            NVML missing, no devices, a field the driver rejects, the binary gone).
-        healthy_after: seconds of good data after which the backoff starts over (default ``max(30, 10 *
-            interval)``).
-        fail_fast: for interactive use: until the first row arrives, give up on a fault that needs a person at
-            once and on a transient one after :data:`FAIL_FAST_ATTEMPTS` starts, raising its typed error. Once
-            rows have flowed, the stream retries as usual.
+        retry: how to wait between starts and when to give up (default ``RetryPolicy()``: never give up, capped
+            jittered backoff from 0.5 s, a slow 30 s cadence for faults that need a person; pass
+            ``RetryPolicy(fail_fast=True)`` for interactive use, ``max_attempts``/``max_restarts`` to give up).
         on_event: called with each :class:`~smiquery.source.StreamEvent` (see also :meth:`Stream.subscribe`).
         runner: how to run nvidia-smi (tests inject one).
         sleep: how to wait between attempts (tests inject one; default: a wait that ``close()`` cuts short).
@@ -539,13 +305,7 @@ def stream(
         duration=duration,
         startup_timeout=startup_timeout,
         stall_timeout=stall_timeout,
-        max_attempts=max_attempts,
-        max_restarts=max_restarts,
-        backoff_initial=backoff_initial,
-        backoff_max=backoff_max,
-        permanent_retry=permanent_retry,
-        healthy_after=healthy_after,
-        fail_fast=fail_fast,
+        retry=retry,
         on_event=on_event,
         runner=runner,
         sleep=sleep,

@@ -19,6 +19,7 @@ import pytest
 
 import smiquery
 from smiquery import aio, errors, runner
+from smiquery.retry import RetryPolicy
 from smiquery.source import Sweep
 from tests.conftest import MakeFake
 
@@ -122,7 +123,7 @@ def test_stream_restarts_after_a_crash(fake_smi: MakeFake, tmp_path: Path) -> No
         naps.append(seconds)
 
     async def main() -> aio.AsyncStream:
-        async with aio.stream(interval=0.05, nvidia_smi=fake, sleep=nap, backoff_initial=0.01) as s:
+        async with aio.stream(interval=0.05, nvidia_smi=fake, sleep=nap, retry=RetryPolicy(backoff_initial=0.01)) as s:
             n = 0
             async for _ in s:
                 assert len(aio.live_children()) <= 1
@@ -179,7 +180,7 @@ def test_permanent_error_raises_without_restarting_with_fail_fast(fake_smi: Make
     fake = fake_smi(fault="nvml-not-found", log=log)
 
     async def main() -> None:
-        async with aio.stream(nvidia_smi=fake, fail_fast=True) as s:
+        async with aio.stream(nvidia_smi=fake, retry=RetryPolicy(fail_fast=True)) as s:
             async for _ in s:
                 pass
 
@@ -213,7 +214,7 @@ async def _consume(fake: Path, fault_sleep: asyncio.Event | None = None) -> None
             fault_sleep.set()
         await asyncio.sleep(3600)
 
-    async with aio.stream(interval=0.05, nvidia_smi=fake, sleep=nap, backoff_initial=0.01) as s:
+    async with aio.stream(interval=0.05, nvidia_smi=fake, sleep=nap, retry=RetryPolicy(backoff_initial=0.01)) as s:
         async for _ in s.sweeps():
             pass
 
@@ -404,7 +405,7 @@ def _break(path: Path, how: str) -> str:
 @pytest.mark.parametrize("how", ["missing", "permission", "format"])
 def test_stream_of_a_binary_that_cannot_start_raises_the_typed_error(fake_smi: MakeFake, how: str) -> None:
     fake = fake_smi()
-    s = aio.stream(interval=0.05, nvidia_smi=fake, fail_fast=True)  # the path is resolved here
+    s = aio.stream(interval=0.05, nvidia_smi=fake, retry=RetryPolicy(fail_fast=True))  # the path is resolved here
     expected = _break(fake, how)
 
     async def main() -> None:

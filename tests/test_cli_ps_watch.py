@@ -197,7 +197,7 @@ def test_a_hung_pmon_is_killed_and_restarted(fake_smi: MakeFake, tmp_path):
     cmd = ["--timeout", "1", "ps", "--watch", "-n", "2", "-F", "jsonl"]
     proc = run(*cmd, smi=fake_smi(fault="hang-after:6", log=log))
     assert proc.returncode == 0, proc.stderr
-    assert "smiquery: restarting nvidia-smi pmon" in proc.stderr and "printed nothing for 3 s" in proc.stderr
+    assert "smiquery: restarting nvidia-smi pmon" in proc.stderr and "printed no data row for 3 s" in proc.stderr
     assert len(proc.stdout.splitlines()) == 8
     pids = pmon_pids(log)
     assert len(pids) >= 2 and gone(pids)

@@ -52,6 +52,7 @@ from smiquery.exporter import (
 )
 from smiquery.fields import CATALOGUE, Kind, resolve_fields
 from smiquery.records import GpuSample, Schema
+from smiquery.retry import RetryPolicy
 from smiquery.runner import SubprocessRunner
 from smiquery.source import StreamStats, Sweep
 from smiquery.supervisor import stream
@@ -1285,7 +1286,7 @@ def test_recovers_by_itself_when_a_permanent_error_clears(exporter, inproc, reco
     # the same path, without half a minute of waiting.
     import smiquery.exporter.server as server
 
-    monkeypatch.setattr(server, "stream", functools.partial(stream, permanent_retry=2.0))
+    monkeypatch.setattr(server, "stream", functools.partial(stream, retry=RetryPolicy(permanent_retry=2.0)))
     exp = exporter(interval=0.1, revive_after=1.0)
 
     def waiting() -> bool:

@@ -20,6 +20,7 @@ from smiquery.pmon import (
     stream,
     top_processes,
 )
+from smiquery.retry import RetryPolicy
 from smiquery.runner import live_children
 from tests.conftest import MakeFake
 
@@ -174,7 +175,9 @@ def test_idle_gpus_print_one_line_each(fake_smi: MakeFake) -> None:
 def test_stream_restarts_after_a_crash_and_keeps_one_child(fake_smi: MakeFake) -> None:
     naps: list[float] = []
     seen_children: set[int] = set()
-    with stream(nvidia_smi=fake_smi(fault="crash-after:3"), sleep=naps.append, backoff_initial=0.01) as p:
+    with stream(
+        nvidia_smi=fake_smi(fault="crash-after:3"), sleep=naps.append, retry=RetryPolicy(backoff_initial=0.01)
+    ) as p:
         rows = []
         for row in p:
             seen_children.update(live_children())
@@ -191,7 +194,11 @@ def test_stream_restarts_after_a_crash_and_keeps_one_child(fake_smi: MakeFake) -
 
 def test_failing_starts_back_off_exponentially_then_give_up(fake_smi: MakeFake) -> None:
     naps: list[float] = []
-    p = stream(nvidia_smi=fake_smi(fault="unknown-error"), sleep=naps.append, backoff_initial=0.01, max_restarts=3)
+    p = stream(
+        nvidia_smi=fake_smi(fault="unknown-error"),
+        sleep=naps.append,
+        retry=RetryPolicy(backoff_initial=0.01, max_restarts=3),
+    )
     with p, pytest.raises(errors.NvidiaSmiFailedError, match="Unknown Error"):
         list(p)
     assert len(naps) == 3 and all(low <= n <= low + 0.01 for n, low in zip(naps, [0.01, 0.02, 0.04]))
@@ -212,7 +219,9 @@ def test_hung_pmon_is_killed_and_restarted(fake_smi: MakeFake) -> None:
 
 def test_permanent_error_raises_at_once_with_fail_fast(fake_smi: MakeFake) -> None:
     with (
-        stream(nvidia_smi=fake_smi(fault="nvml-not-found"), sleep=lambda s: None, fail_fast=True) as p,
+        stream(
+            nvidia_smi=fake_smi(fault="nvml-not-found"), sleep=lambda s: None, retry=RetryPolicy(fail_fast=True)
+        ) as p,
         pytest.raises(errors.NvmlNotFoundError),
     ):
         list(p)

@@ -65,7 +65,6 @@ def test_policy_delays_and_when_it_gives_up() -> None:
 def test_pmon_crashing_child_backs_off_growing_capped_and_jittered(fake_smi: MakeFake) -> None:
     naps: list[float] = []
     attempts: list[tuple[str, int, str | None, float | None]] = []
-    p = pmon.stream(nvidia_smi=fake_smi(fault="unknown-error"), backoff_initial=0.1, backoff_max=0.5, max_restarts=6)
 
     def nap(seconds: float) -> None:
         naps.append(seconds)
@@ -73,7 +72,11 @@ def test_pmon_crashing_child_backs_off_growing_capped_and_jittered(fake_smi: Mak
         ahead = None if s.next_retry_at is None else s.next_retry_at - time.time()
         attempts.append((s.state, s.attempt, s.last_error_type, ahead))
 
-    p._sleep = nap  # type: ignore[assignment]
+    p = pmon.stream(
+        nvidia_smi=fake_smi(fault="unknown-error"),
+        retry=RetryPolicy(backoff_initial=0.1, backoff_max=0.5, max_restarts=6),
+        sleep=nap,
+    )
     with p, pytest.raises(errors.NvidiaSmiFailedError, match="Unknown Error"):
         list(p)
     assert p.stats.starts == 7 and p.stats.restarts == 6 and p.stats.state == "failed"
@@ -88,12 +91,16 @@ def test_pmon_crashing_child_backs_off_growing_capped_and_jittered(fake_smi: Mak
 def test_pmon_backoff_resets_after_healthy_after_not_after_one_row(fake_smi: MakeFake) -> None:
     naps: list[float] = []
     smi = fake_smi(fault="crash-after:2")
-    with pmon.stream(nvidia_smi=smi, sleep=naps.append, backoff_initial=0.01, healthy_after=3600) as p:
+    with pmon.stream(
+        nvidia_smi=smi, sleep=naps.append, retry=RetryPolicy(backoff_initial=0.01, healthy_after=3600)
+    ) as p:
         for _ in zip(range(12), p):
             pass
     assert len(naps) >= 4 and naps == sorted(naps) and naps[3] >= 0.08  # rows alone do not reset it
     naps.clear()
-    with pmon.stream(nvidia_smi=smi, sleep=naps.append, backoff_initial=0.01, healthy_after=0.0) as p:
+    with pmon.stream(
+        nvidia_smi=smi, sleep=naps.append, retry=RetryPolicy(backoff_initial=0.01, healthy_after=0.0)
+    ) as p:
         for _ in zip(range(12), p):
             pass
     assert p.stats.restarts >= 4
@@ -113,7 +120,7 @@ def test_pmon_unsupported_is_retried_slowly_and_recovers(fake_smi: MakeFake, mon
         if len(naps) == 2:  # the cause is fixed (a driver that supports pmon)
             monkeypatch.delenv("SMIQUERY_FAKE_PMON_UNSUPPORTED")
 
-    p = pmon.stream(nvidia_smi=fake_smi(), permanent_retry=40, sleep=nap, on_event=events.append)
+    p = pmon.stream(nvidia_smi=fake_smi(), retry=RetryPolicy(permanent_retry=40), sleep=nap, on_event=events.append)
     with p:
         instants = list(zip(range(2), p.samples()))
     assert len(instants) == 2 and all(len(i) == 4 for _, i in instants)
@@ -128,12 +135,12 @@ def test_pmon_unsupported_is_retried_slowly_and_recovers(fake_smi: MakeFake, mon
 def test_pmon_fail_fast_raises_the_typed_error_at_once(fake_smi: MakeFake, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SMIQUERY_FAKE_PMON_UNSUPPORTED", "1")
     naps: list[float] = []
-    p = pmon.stream(nvidia_smi=fake_smi(), fail_fast=True, sleep=naps.append)
+    p = pmon.stream(nvidia_smi=fake_smi(), retry=RetryPolicy(fail_fast=True), sleep=naps.append)
     with p, pytest.raises(errors.NotSupportedError):
         list(p)
     assert p.stats.starts == 1 and naps == [] and p.stats.state == "failed"
     # a transient fault gets a few starts before the first row, then its typed error
-    p = pmon.stream(nvidia_smi=fake_smi(fault="unknown-error"), fail_fast=True, sleep=naps.append)
+    p = pmon.stream(nvidia_smi=fake_smi(fault="unknown-error"), retry=RetryPolicy(fail_fast=True), sleep=naps.append)
     with p, pytest.raises(errors.NvidiaSmiFailedError, match="Unknown Error"):
         list(p)
     assert p.stats.starts == FAIL_FAST_ATTEMPTS
@@ -142,7 +149,7 @@ def test_pmon_fail_fast_raises_the_typed_error_at_once(fake_smi: MakeFake, monke
 
 def test_pmon_close_during_a_slow_retry_ends_the_stream(fake_smi: MakeFake, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SMIQUERY_FAKE_PMON_UNSUPPORTED", "1")
-    p = pmon.stream(nvidia_smi=fake_smi(), permanent_retry=3600)
+    p = pmon.stream(nvidia_smi=fake_smi(), retry=RetryPolicy(permanent_retry=3600))
     done = threading.Event()
     rows: list[pmon.PmonRow] = []
 
@@ -182,9 +189,7 @@ def test_aio_crashing_child_backs_off_growing_capped_and_jittered(fake_smi: Make
             interval=0.05,
             nvidia_smi=fake_smi(fault="unknown-error"),
             sleep=nap,  # type: ignore[arg-type]
-            backoff_initial=0.1,
-            backoff_max=0.5,
-            max_restarts=6,
+            retry=RetryPolicy(backoff_initial=0.1, backoff_max=0.5, max_restarts=6),
         )
         async with s:
             with pytest.raises(errors.NvidiaSmiFailedError, match="Unknown Error"):
@@ -208,8 +213,7 @@ def test_aio_backoff_resets_after_healthy_after_not_after_one_row(fake_smi: Make
             interval=0.05,
             nvidia_smi=smi,
             sleep=nap,  # type: ignore[arg-type]
-            backoff_initial=0.01,
-            healthy_after=healthy_after,
+            retry=RetryPolicy(backoff_initial=0.01, healthy_after=healthy_after),
         ) as s:
             n = 0
             async for _ in s:
@@ -237,7 +241,7 @@ def test_aio_permanent_error_is_retried_slowly_and_recovers(fake_smi: MakeFake) 
         if len(naps) == 2:  # the node rebooted into the new driver
             smi.write_text(fake_smi(fault=None).read_text())
 
-    s = aio.stream(interval=0.05, nvidia_smi=smi, permanent_retry=40, sleep=nap)
+    s = aio.stream(interval=0.05, nvidia_smi=smi, retry=RetryPolicy(permanent_retry=40), sleep=nap)
 
     async def main() -> list[int]:
         async with s:
@@ -256,7 +260,7 @@ def test_aio_fail_fast_raises_the_typed_error_and_one_shot_query_too(fake_smi: M
     naps, nap = _naps()
 
     async def main() -> aio.AsyncStream:
-        s = aio.stream(nvidia_smi=smi, fail_fast=True, sleep=nap)  # type: ignore[arg-type]
+        s = aio.stream(nvidia_smi=smi, retry=RetryPolicy(fail_fast=True), sleep=nap)  # type: ignore[arg-type]
         async with s:
             with pytest.raises(errors.DriverVersionMismatchError):
                 async for _ in s:

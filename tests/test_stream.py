@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from smiquery import errors
+from smiquery.retry import RetryPolicy
 from smiquery.source import StreamEvent
 from smiquery.supervisor import Stream, stream
 from tests.leakcheck import no_leaks, wait_no_children
@@ -53,8 +54,7 @@ def test_hang_before_first_row_retries_then_fails(fake_smi):
             interval=0.05,
             nvidia_smi=fake_smi(fault="hang"),
             startup_timeout=0.3,
-            max_attempts=3,
-            backoff_initial=0.1,
+            retry=RetryPolicy(max_attempts=3, backoff_initial=0.1),
             sleep=naps.append,
         )
         with pytest.raises(errors.NvidiaSmiTimeoutError, match="no row within"):
@@ -74,7 +74,7 @@ def test_mid_stream_failure_restarts_and_samples_resume(fake_smi, fault, tmp_pat
             interval=0.05,
             nvidia_smi=fake_smi(fault=fault, log=log),
             stall_timeout=0.5,
-            backoff_initial=0.05,
+            retry=RetryPolicy(backoff_initial=0.05),
             on_event=events.append,
         ) as s,
     ):
@@ -108,7 +108,7 @@ def test_bad_rows_are_dropped_and_counted(fake_smi, fault):
 
 
 def test_truncated_last_row_then_exit_is_restarted(fake_smi):
-    with stream(interval=0.05, nvidia_smi=fake_smi(fault="truncated"), backoff_initial=0.05) as s:
+    with stream(interval=0.05, nvidia_smi=fake_smi(fault="truncated"), retry=RetryPolicy(backoff_initial=0.05)) as s:
         got = [x for _, x in zip(range(20), s)]
     assert len(got) == 20
     assert s.stats.dropped_rows >= 1
@@ -121,7 +121,7 @@ def test_truncated_last_row_then_exit_is_restarted(fake_smi):
 def test_permanent_errors_give_up_only_when_told(fake_smi, fault, error):
     naps: list[float] = []
     with no_leaks():
-        s = stream(nvidia_smi=fake_smi(fault=fault), max_attempts=2, sleep=naps.append)
+        s = stream(nvidia_smi=fake_smi(fault=fault), retry=RetryPolicy(max_attempts=2), sleep=naps.append)
         with pytest.raises(error):
             list(s)
     assert s.stats.starts == 2
@@ -131,7 +131,7 @@ def test_permanent_errors_give_up_only_when_told(fake_smi, fault, error):
 
 def test_retryable_error_gives_up_after_attempts(fake_smi):
     naps: list[float] = []
-    s = stream(nvidia_smi=fake_smi(fault="driver-not-loaded"), max_attempts=4, sleep=naps.append)
+    s = stream(nvidia_smi=fake_smi(fault="driver-not-loaded"), retry=RetryPolicy(max_attempts=4), sleep=naps.append)
     with pytest.raises(errors.DriverNotLoadedError):
         list(s)
     assert s.stats.starts == 4
@@ -222,7 +222,7 @@ def test_crash_after_gpu_lost_is_not_reported_as_gpu_lost(fake_smi):
         interval=0.05,
         nvidia_smi=fake_smi(fault="gpu-lost-after:4:1,crash-after:12"),
         on_event=events.append,
-        backoff_initial=0.05,
+        retry=RetryPolicy(backoff_initial=0.05),
     )
     with s:
         for _ in zip(range(30), s):

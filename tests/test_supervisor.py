@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from smiquery import errors
+from smiquery.retry import RetryPolicy
 from smiquery.source import SampleSource, StreamEvent, Sweep
 from smiquery.supervisor import Stream, stream
 from tests.leakcheck import no_leaks
@@ -49,7 +50,7 @@ def test_first_sweep_cut_short_does_not_skew_later_sweeps(tmp_path):
             sweep([0, 1, 2, 3])
         """,
     )
-    with no_leaks(), stream(FIELDS, interval=0.05, nvidia_smi=smi, backoff_initial=0.01) as s:
+    with no_leaks(), stream(FIELDS, interval=0.05, nvidia_smi=smi, retry=RetryPolicy(backoff_initial=0.01)) as s:
         sweeps = list(s.sweeps(count=8))
     first, rest = sweeps[0], sweeps[1:]
     assert [x.index for x in first] == [0, 1] and first.damaged and not first.complete
@@ -112,7 +113,12 @@ def test_child_printing_only_notices_is_restarted(fake_smi, tmp_path):
     with (
         no_leaks(),
         stream(
-            FIELDS, interval=0.05, nvidia_smi=smi, stall_timeout=0.5, backoff_initial=0.05, on_event=events.append
+            FIELDS,
+            interval=0.05,
+            nvidia_smi=smi,
+            stall_timeout=0.5,
+            retry=RetryPolicy(backoff_initial=0.05),
+            on_event=events.append,
         ) as s,
     ):
         got = [x for _, x in zip(range(10), s)]
@@ -152,7 +158,7 @@ def test_duration_is_a_deadline_even_when_hung(fake_smi, fault):
 
 def test_duration_cuts_the_wait_between_attempts(fake_smi):
     with no_leaks():
-        s = stream(nvidia_smi=fake_smi(fault="version-mismatch"), duration=1.0, permanent_retry=60)
+        s = stream(nvidia_smi=fake_smi(fault="version-mismatch"), duration=1.0, retry=RetryPolicy(permanent_retry=60))
         t0 = time.monotonic()
         assert list(s) == []
         assert time.monotonic() - t0 < 1.0 + 5.0
@@ -202,7 +208,9 @@ def test_close_of_a_started_stream_honours_its_timeout(fake_smi):
 
 def test_close_during_backoff_returns_at_once(fake_smi):
     with no_leaks():
-        s = stream(nvidia_smi=fake_smi(fault="driver-not-loaded"), backoff_initial=60, backoff_max=120).start()
+        s = stream(
+            nvidia_smi=fake_smi(fault="driver-not-loaded"), retry=RetryPolicy(backoff_initial=60, backoff_max=120)
+        ).start()
         deadline = time.monotonic() + 30
         while s.stats.state != "retrying" and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -288,8 +296,13 @@ def test_rows_then_exit_is_backed_off_not_a_storm(tmp_path):
     )
     naps: list[float] = []
     attempts: list[int] = []
-    s = stream(FIELDS, interval=0.05, nvidia_smi=smi, max_attempts=6, backoff_initial=0.1, backoff_max=1.0)
-    s._sleep = lambda t: (naps.append(t), attempts.append(s.stats.attempt))  # type: ignore[assignment]
+    s = stream(
+        FIELDS,
+        interval=0.05,
+        nvidia_smi=smi,
+        retry=RetryPolicy(max_attempts=6, backoff_initial=0.1, backoff_max=1.0),
+        sleep=lambda t: (naps.append(t), attempts.append(s.stats.attempt)) and None,
+    )
     with pytest.raises(errors.GpuLostError), s:
         for _ in s:
             pass
@@ -311,12 +324,12 @@ def test_backoff_resets_only_after_a_healthy_period(tmp_path):
         """,
     )
     naps: list[float] = []
-    with stream(FIELDS, interval=0.02, nvidia_smi=smi, sleep=naps.append, healthy_after=3600) as s:
+    with stream(FIELDS, interval=0.02, nvidia_smi=smi, sleep=naps.append, retry=RetryPolicy(healthy_after=3600)) as s:
         for _ in zip(range(60), s):
             pass
     assert len(naps) >= 5 and naps == sorted(naps)  # short healthy spells do not reset the backoff
     naps.clear()
-    with stream(FIELDS, interval=0.02, nvidia_smi=smi, sleep=naps.append, healthy_after=0.0) as s:
+    with stream(FIELDS, interval=0.02, nvidia_smi=smi, sleep=naps.append, retry=RetryPolicy(healthy_after=0.0)) as s:
         for _ in zip(range(60), s):
             pass
     assert s.stats.restarts >= 5
@@ -347,7 +360,7 @@ def test_permanent_error_is_retried_slowly_and_recovers(fake_smi, tmp_path, faul
         if len(naps) == 2:  # the cause is fixed (say, the node rebooted into the new driver)
             smi.write_text(fake_smi(fault=None).read_text())
 
-    s = stream(interval=0.05, nvidia_smi=smi, permanent_retry=40, sleep=nap, on_event=events.append)
+    s = stream(interval=0.05, nvidia_smi=smi, retry=RetryPolicy(permanent_retry=40), sleep=nap, on_event=events.append)
     with s:
         sweeps = list(s.sweeps(count=2))
     assert len(sweeps) == 2 and all(len(sw) == 8 for sw in sweeps)
@@ -405,8 +418,13 @@ def test_slow_first_row_is_not_a_stall(fake_smi, tmp_path):
 
 
 def test_startup_timeout_bounds_a_child_that_never_starts(fake_smi):
-    s = stream(interval=0.05, nvidia_smi=fake_smi(fault="hang"), startup_timeout=0.5, max_attempts=2)
-    s._sleep = lambda _t: None  # type: ignore[assignment]
+    s = stream(
+        interval=0.05,
+        nvidia_smi=fake_smi(fault="hang"),
+        startup_timeout=0.5,
+        retry=RetryPolicy(max_attempts=2),
+        sleep=lambda _t: None,
+    )
     with no_leaks(), pytest.raises(errors.NvidiaSmiTimeoutError, match=r"no row within 0\.5 s of starting"):
         list(s)
     assert s.stats.starts == 2
@@ -479,7 +497,7 @@ def test_stream_is_a_sample_source(fake_smi):
 def test_subscribers_hear_events_and_can_leave(tmp_path):
     smi = scripted_smi(tmp_path, "sweep([0]); sweep([0]); sys.exit(255)")
     heard: list[str] = []
-    s = stream(FIELDS, interval=0.05, nvidia_smi=smi, backoff_initial=0.01)
+    s = stream(FIELDS, interval=0.05, nvidia_smi=smi, retry=RetryPolicy(backoff_initial=0.01))
     leave = s.subscribe(lambda e: heard.append(e.kind))
     with s:
         it = iter(s)
@@ -502,7 +520,9 @@ def alive_fake(p: psutil.Process) -> bool:
 
 def test_a_stream_never_has_two_children(fake_smi):
     seen: set[int] = set()
-    with stream(interval=0.02, nvidia_smi=fake_smi(fault="crash-after:10"), backoff_initial=0.01) as s:
+    with stream(
+        interval=0.02, nvidia_smi=fake_smi(fault="crash-after:10"), retry=RetryPolicy(backoff_initial=0.01)
+    ) as s:
         for _ in zip(range(80), s):
             kids = [p.pid for p in psutil.Process().children(recursive=True) if alive_fake(p)]
             assert len(kids) <= 1
@@ -514,12 +534,12 @@ def test_stream_checks_its_arguments():
     with pytest.raises(ValueError, match="startup_timeout"):
         Stream(nvidia_smi=sys.executable, startup_timeout=0)
     with pytest.raises(ValueError, match="max_attempts"):
-        Stream(nvidia_smi=sys.executable, max_attempts=0)
+        Stream(nvidia_smi=sys.executable, retry=RetryPolicy(max_attempts=0))
 
 
 def test_fail_fast_gives_up_at_start_but_not_once_rows_flowed(fake_smi, tmp_path):
     naps: list[float] = []
-    s = stream(nvidia_smi=fake_smi(fault="version-mismatch"), fail_fast=True, sleep=naps.append)
+    s = stream(nvidia_smi=fake_smi(fault="version-mismatch"), retry=RetryPolicy(fail_fast=True), sleep=naps.append)
     with pytest.raises(errors.DriverVersionMismatchError):
         list(s)
     assert s.stats.starts == 1 and naps == []
@@ -535,7 +555,7 @@ def test_fail_fast_gives_up_at_start_but_not_once_rows_flowed(fake_smi, tmp_path
             sweep([0])
         """,
     )
-    with stream(FIELDS, interval=0.05, nvidia_smi=smi, fail_fast=True, sleep=naps.append) as s:
+    with stream(FIELDS, interval=0.05, nvidia_smi=smi, retry=RetryPolicy(fail_fast=True), sleep=naps.append) as s:
         got = [x for _, x in zip(range(5), s)]
     assert len(got) == 5 and len(naps) == 1 and s.stats.errors["DriverVersionMismatchError"] == 1
 

@@ -18,6 +18,7 @@ from typing import IO, TYPE_CHECKING
 from smiquery.cli._boundary import ExitCode, UsageError, cli_text, quiet_stdout, say
 from smiquery.cli._options import Settings, choose_format, parse_gpus, unknown_gpus
 from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError, StreamEndedError
+from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from smiquery.display import Column
@@ -471,7 +472,9 @@ def watch(
         options="DT",
         nvidia_smi=settings.nvidia_smi,
         stall_timeout=max(settings.timeout, 3.0 * interval),
-        fail_fast=True,  # interactive: a fault before the first refresh ends the command with its typed error
+        retry=RetryPolicy(
+            fail_fast=True
+        ),  # interactive: a fault before the first refresh ends the command with its typed error
         on_event=lambda ev: items.put(_Event(ev)),
         runner=_PmonRunner(),
     )

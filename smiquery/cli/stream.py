@@ -30,6 +30,7 @@ from smiquery.cli._common import (
 )
 from smiquery.errors import NoDevicesFoundError, SmiqueryError
 from smiquery.fields import PRESETS, Field, get_field
+from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent
@@ -471,7 +472,7 @@ def _stream(
             nvidia_smi=settings.nvidia_smi,
             stall_timeout=max(settings.timeout, 3 * seconds),
             sleep=nap,
-            fail_fast=True,
+            retry=RetryPolicy(fail_fast=True),
         )
         source = live_source
         flds = live_source.fields

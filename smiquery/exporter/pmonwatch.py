@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from smiquery import pmon
 from smiquery._log import get_logger
 from smiquery.errors import SmiqueryError
+from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
     import os
@@ -134,9 +135,9 @@ class PmonWatcher:
                 options="DT",  # a new time stamp cuts an instant even when the set of processes changes
                 nvidia_smi=nvidia_smi,
                 stall_timeout=stall_timeout,
-                max_restarts=None,
-                backoff_max=30.0,
-                permanent_retry=None,  # raised here, logged once and retried every retry_after by _run
+                retry=RetryPolicy(
+                    max_restarts=None, backoff_max=30.0, permanent_retry=None
+                ),  # raised here, logged once and retried every retry_after by _run
                 on_event=self._on_event,
             )
 

@@ -25,6 +25,7 @@ from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.webconfig import WebConfig, load_web_config
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import normalize_gpus
+from smiquery.retry import RetryPolicy
 from smiquery.supervisor import stream
 
 if TYPE_CHECKING:
@@ -410,8 +411,9 @@ def serve(
                 gpus=gpus,
                 nvidia_smi=nvidia_smi,
                 stall_timeout=stall_timeout,
-                max_attempts=None,  # an exporter never gives up; faults that need a person are retried every 30 s
-                backoff_max=30.0,
+                retry=RetryPolicy(
+                    max_attempts=None, backoff_max=30.0
+                ),  # an exporter never gives up; faults that need a person are retried every 30 s,
                 on_event=events.on_stream_event,
             )
 

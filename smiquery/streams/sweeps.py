@@ -1,0 +1,262 @@
+"""What the CSV rows of a ``--query-gpu`` loop mean: samples, sweeps (one instant each) and which GPUs are there.
+
+:class:`CsvRows` is the engine's interpreter for the CSV stream (every driver uses it, so sync, asyncio and replay
+group and track GPUs alike). :class:`Identity` follows the GPUs by UUID (by index when UUIDs are not queried):
+
+* the known set follows the newest undamaged sweep; a GPU absent from one is lost (one ``gpu_lost`` event naming
+  its UUID and the index it had) until it delivers again (``gpu_back``);
+* after a restart the GPU set may have changed (a driver reload, a reboot, a GPU that fell off the bus): a GPU
+  that comes back under another index is renumbered, not lost, and no event ever names a GPU that is delivering;
+* ``[GPU is lost]`` cells, and nvidia-smi's "GPU is lost" message for a bus id, mark a GPU lost at once.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from datetime import tzinfo
+
+from smiquery._log import get_logger
+from smiquery.fields import Field
+from smiquery.parsing import CsvParser, is_message
+from smiquery.records import GpuSample
+from smiquery.source import StreamEvent, StreamStats, Sweep, SweepGrouper
+
+__all__ = ["CsvRows", "Identity", "bus_key"]
+
+log = get_logger("smiquery")
+
+_LOST_MESSAGE = re.compile(r"device handle for GPU ([0-9A-Fa-f:.]+): GPU is lost", re.IGNORECASE)
+
+
+def bus_key(bus_id: str) -> str:
+    """One spelling of a PCI bus id: ``00000000:02:00.0`` and ``0000:02:00.0`` name the same GPU."""
+    text = bus_id.strip().upper()
+    return text.split(":", 1)[-1] if text.count(":") >= 2 else text
+
+
+def _key(sample: GpuSample) -> str | None:
+    """A GPU's identity: its UUID when queried and known, else its index."""
+    if "uuid" in sample:
+        uuid = sample.uuid
+        if isinstance(uuid, str) and uuid:
+            return uuid
+    idx = sample.index if "index" in sample else None
+    return None if idx is None else f"#{idx}"
+
+
+class Identity:
+    """Which GPUs are there and which are lost, by UUID (see the module docstring).
+
+    Args:
+        stats: updated in place: ``known_gpus``, ``lost_gpus``, ``lost_uuids``, ``gpu_lost_events``.
+        emit: hands ``gpu_lost``/``gpu_back``/``gpu_renumbered`` events to the listeners.
+    """
+
+    def __init__(self, stats: StreamStats, emit: Callable[[StreamEvent], None]) -> None:
+        self.stats = stats
+        self._emit = emit
+        self.index_of: dict[str, int | None] = {}  # key -> index, from the newest undamaged sweep
+        self.lost: dict[str, int | None] = {}  # key -> the index it had
+        self._bus: dict[str, str] = {}  # bus key -> key
+        self._said_lost: set[str] = set()  # bus keys nvidia-smi called lost since the last sweep
+
+    def message(self, line: str) -> None:
+        """A driver message: remember a "GPU is lost" for its bus id."""
+        found = _LOST_MESSAGE.search(line)
+        if found:
+            self._said_lost.add(bus_key(found.group(1)))
+
+    def _resolve(self, sample: GpuSample) -> str | None:
+        """The sample's identity; a lost GPU's row (``[GPU is lost]`` even in its UUID cell) keeps its UUID."""
+        key = _key(sample)
+        if key is not None and key[0] == "#" and "uuid" in sample:
+            idx = sample.index
+            for known, i in self.index_of.items():
+                if i == idx and known[0] != "#":
+                    return known
+        return key
+
+    def row(self, sample: GpuSample) -> None:
+        """A data row: ``[GPU is lost]`` cells mark it lost; values from a lost GPU mean it is back."""
+        key = self._resolve(sample)
+        if key is None:
+            return
+        if "pci.bus_id" in sample:
+            bus = sample["pci.bus_id"]
+            if isinstance(bus, str) and bus:
+                self._bus[bus_key(bus)] = key
+        if sample.gpu_lost:
+            if key not in self.lost:
+                self._lose(key, sample.index, "fell off the bus")
+        elif key in self.lost:
+            self._back(key, sample.index)
+
+    def sweep(self, sweep: Sweep) -> None:
+        """An undamaged sweep: the GPUs absent from it are lost; the known set follows it."""
+        present: dict[str, int | None] = {}
+        delivering: set[int] = set()
+        for s in sweep:
+            key = self._resolve(s)
+            if key is not None:
+                present[key] = s.index
+                if not s.gpu_lost and s.index is not None:
+                    delivering.add(s.index)
+        said = {self._bus[b] for b in self._said_lost if b in self._bus}
+        self._said_lost.clear()
+        for key, idx in self.index_of.items():
+            if key not in present and key not in self.lost:
+                why = "nvidia-smi says it is lost" if key in said else "its rows stopped appearing"
+                self._lose(key, idx, why)
+        for key, idx in present.items():
+            old = self.index_of.get(key, idx)
+            if old != idx and key[0] != "#":
+                detail = f"GPU {key} is now index {idx} (was {old}): the driver renumbered the GPUs"
+                log.warning("smiquery: %s", detail)
+                self._emit(StreamEvent("gpu_renumbered", None, detail, idx, key))
+        self.index_of = {**{k: i for k, i in self.lost.items() if i not in present.values()}, **present}
+        self._publish(present, delivering)
+
+    def _publish(self, present: dict[str, int | None], delivering: set[int]) -> None:
+        stats = self.stats
+        stats.lost_gpus = {i for i in self.lost.values() if i is not None and i not in delivering}
+        stats.lost_uuids = {k: i for k, i in self.lost.items() if k[0] != "#"}
+        known: dict[int, str | None] = {}
+        for key, idx in self.index_of.items():
+            if idx is not None and (idx not in known or key in present):
+                known[idx] = None if key[0] == "#" else key
+        stats.known_gpus = known
+
+    def _lose(self, key: str, idx: int | None, why: str) -> None:
+        self.lost[key] = idx
+        stats = self.stats
+        stats.gpu_lost_events += 1
+        uuid = None if key[0] == "#" else key
+        if idx is not None:
+            stats.lost_gpus.add(idx)
+        if uuid is not None:
+            stats.lost_uuids[uuid] = idx
+        name = f"GPU {idx}" if uuid is None else f"GPU {idx} ({uuid})"
+        detail = f"{name} is lost ({why})"
+        self._emit(StreamEvent("gpu_lost", None, detail, idx, uuid))
+        log.warning("smiquery: %s", detail)
+
+    def _back(self, key: str, idx: int | None) -> None:
+        old = self.lost.pop(key, None)
+        stats = self.stats
+        if old is not None and old not in {i for i in self.lost.values()}:
+            stats.lost_gpus.discard(old)
+        uuid = None if key[0] == "#" else key
+        if uuid is not None:
+            stats.lost_uuids.pop(uuid, None)
+        self.index_of[key] = idx
+        detail = f"GPU {idx} reports values again"
+        self._emit(StreamEvent("gpu_back", None, detail, idx, uuid))
+        log.warning("smiquery: %s", detail)
+
+
+class CsvRows:
+    """The engine's interpreter for CSV rows: parse, group into sweeps, follow GPU identity, publish.
+
+    Args:
+        fields: the queried fields (``index`` among them).
+        stats: the source's counters.
+        emit: hands events to the listeners.
+        expected: the GPU indices asked for with ``-i``, when all are indices (else learnt).
+        interval: seconds between instants (the arrival-gap hint of :class:`~smiquery.source.SweepGrouper`).
+        tz: time zone of the timestamps.
+    """
+
+    what = "nvidia-smi"
+
+    def __init__(
+        self,
+        fields: Sequence[Field],
+        stats: StreamStats,
+        emit: Callable[[StreamEvent], None],
+        *,
+        expected: Sequence[int] = (),
+        interval: float | None = None,
+        tz: tzinfo | None = None,
+    ) -> None:
+        self.fields = tuple(fields)
+        self.stats = stats
+        self._emit = emit
+        self._tz = tz
+        self.grouper = SweepGrouper(expected, interval=interval)
+        self.identity = Identity(stats, emit)
+        self.parser = CsvParser(self.fields, strict=False, tz=tz)
+        self.messages: deque[str] = deque(maxlen=20)
+        self._lock = threading.Lock()
+        self._latest: tuple[Sweep, float] | None = None
+
+    def child_started(self) -> None:
+        """A new child: a fresh parser; the GPU set is learnt anew (it may have changed)."""
+        self.parser = CsvParser(self.fields, strict=False, tz=self._tz)
+        self.grouper.restart()
+
+    def last_message(self) -> str | None:
+        """The newest driver message."""
+        return self.messages[-1] if self.messages else None
+
+    def feed(self, lines: Sequence[str], now: float, idle: float | None, out: list[GpuSample | Sweep]) -> int:
+        """Parse lines; append samples and the sweeps they close; return how many rows were parsed."""
+        parser = self.parser
+        grouper = self.grouper
+        rows = 0
+        for line in lines:
+            if is_message(line):
+                self.messages.append(line)
+                self.identity.message(line)
+                continue
+            before = parser.dropped
+            sample = parser.feed(line)
+            if parser.dropped != before:
+                self.stats.dropped_rows += 1
+                grouper.damage()
+                err = parser.last_error
+                self._emit(StreamEvent("dropped_row", err, str(err) if err else "dropped row"))
+            if sample is None:
+                continue
+            closed = grouper.boundary(sample, idle)
+            idle = 0.0  # the other lines of this read waited for nothing
+            if closed is not None:
+                out.append(self._close(closed, now))
+            self.identity.row(sample)
+            whole = grouper.add(sample)
+            out.append(sample)
+            rows += 1
+            if whole is not None:
+                out.append(self._close(whole, now))
+        return rows
+
+    def cut(self, out: list[GpuSample | Sweep], now: float) -> None:
+        """The child failed: its unfinished sweep, flagged short."""
+        cut = self.grouper.flush(cut=True, absent=self.stats.lost_gpus)
+        if cut is not None:
+            out.append(self._close(cut, now))
+
+    def _close(self, sweep: Sweep, now: float) -> Sweep:
+        """Account for a closed sweep, follow identity, publish it."""
+        sweep.arrived = now
+        stats = self.stats
+        if not sweep.damaged:
+            self.identity.sweep(sweep)
+        stats.sweeps += 1
+        if sweep.damaged or bool(sweep.missing - stats.lost_gpus):
+            stats.short_sweeps += 1
+            gone = ", ".join(str(i) for i in sorted(sweep.missing))
+            why = f"without GPU {gone}" if gone else "cut short"
+            if sweep.damaged:
+                why += " (a row was dropped or nvidia-smi ended mid-sweep)"
+            self._emit(StreamEvent("short_sweep", None, f"short sweep: {why}"))
+        with self._lock:
+            self._latest = (sweep, now)
+        return sweep
+
+    def latest(self) -> tuple[Sweep, float] | None:
+        """The newest sweep and its monotonic arrival time. Any thread."""
+        with self._lock:
+            return self._latest
