@@ -76,11 +76,9 @@ class Localizer:
         if first.utcoffset() == second.utcoffset():
             out = first
         else:
-            wall = self._zone_of(first.astimezone(_UTC)).replace(tzinfo=None, fold=0)
-            if wall != naive:
-                out = self._zone_of(first.astimezone(_UTC))  # skipped by the spring-forward: shifted forward
-            else:
-                out = self._pick(first, second)
+            real = self._zone_of(first.astimezone(_UTC))
+            # a wall time the spring-forward skips does not come back from its instant: shifted forward
+            out = real if real.replace(tzinfo=None, fold=0) != naive else self._pick(first, second)
         self.last = out
         return out
 
