@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
-__all__ = ["ClockStep", "Localizer", "clamped_steps", "clock_steps_back", "localize_by_order"]
+__all__ = ["ClockStep", "Localizer", "clamped_steps", "clock_steps_back", "localize_by_order", "to_zone"]
 
 _UTC = timezone.utc
 _EPOCH = datetime(1970, 1, 1, tzinfo=_UTC)
@@ -94,7 +94,24 @@ class Localizer:
         last = last.astimezone(_UTC)
         if a >= last or b < last:
             return first
-        return second if (b - last) <= (last - a) else first
+        return _stable(second) if (b - last) <= (last - a) else first
+
+
+def _stable(dt: datetime) -> datetime:
+    """A time of a fall-back's second pass with its offset fixed (``02:30+01:00`` named ``CET``).
+
+    Python keeps the second pass apart from the first only by ``fold=1``, which adding a timedelta resets and which
+    comparing two times of one zone ignores; a fixed offset keeps the instant through both.
+    """
+    off = dt.utcoffset()
+    if not dt.fold or off is None or isinstance(dt.tzinfo, timezone):
+        return dt
+    return dt.astimezone(timezone(off, dt.tzname()))
+
+
+def to_zone(dt: datetime, tz: tzinfo) -> datetime:
+    """An aware time converted to ``tz``; one in the hour a fall-back repeats keeps its instant (see _stable)."""
+    return _stable(dt.astimezone(tz))
 
 
 def _ns(dt: datetime) -> int:

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import IO, Any
 
-from smiquery.clock import Localizer
+from smiquery.clock import Localizer, to_zone
 from smiquery.errors import InvalidFieldError, ParseError, ReplayError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
 from smiquery.oneshot import GpusArg, normalize_gpus
@@ -48,7 +48,7 @@ def _in_zone(dt: datetime, tz: tzinfo | None, localize: Localizer | None = None)
         if tz is None:
             return dt.replace(tzinfo=None)  # the wall-clock time, naive, exactly as recorded
         return localize(dt) if localize is not None else dt.replace(tzinfo=tz)
-    return dt if tz is None else dt.astimezone(tz)
+    return dt if tz is None else to_zone(dt, tz)
 
 
 # ---------------------------------------------------------------------------------------------------- readers
