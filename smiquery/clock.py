@@ -11,8 +11,7 @@ corrects it or a VM resumes. Two rules follow, shared by the parser, replay, ``r
   spring-forward skips is shifted forward by the skip (02:30 becomes 03:30). :class:`Localizer` applies the rule
   row by row; :func:`localize_by_order` to a whole column at once.
 * Without a zone, a duration between two stamps never goes negative: :func:`clamped_steps` counts a step back as
-  0 (and a forward jump past a limit as one interval), and :func:`clock_steps_back` names the steps back so that
-  they can be reported once.
+  0 (and a forward jump past a limit as one interval), and the report names each step back once.
 
 Live holds (``for 30s``) need neither: they are measured on a monotonic clock (see :mod:`smiquery.alerts`).
 """
@@ -21,13 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone, tzinfo
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
-__all__ = ["ClockStep", "Localizer", "clamped_steps", "clock_steps_back", "localize_by_order", "to_zone"]
+__all__ = ["ClockStep", "Localizer", "clamped_steps", "localize_by_order", "timeline", "to_zone"]
 
 _UTC = timezone.utc
 _EPOCH = datetime(1970, 1, 1, tzinfo=_UTC)
@@ -106,7 +105,7 @@ def _stable(dt: datetime) -> datetime:
     off = dt.utcoffset()
     if not dt.fold or off is None or isinstance(dt.tzinfo, timezone):
         return dt
-    return dt.astimezone(timezone(off, dt.tzname()))
+    return dt.astimezone(timezone(off, dt.tzname() or str(off)))
 
 
 def to_zone(dt: datetime, tz: tzinfo) -> datetime:
@@ -140,7 +139,7 @@ def localize_by_order(naive: Any, tz: tzinfo) -> pd.DatetimeIndex:
     plain = index.tz_localize(tz, ambiguous="NaT", nonexistent="NaT")
     special = np.flatnonzero(plain.isna() & ~index.isna())
     if not len(special):
-        return plain
+        return cast("pd.DatetimeIndex", plain)
     utc = plain.asi8.copy()  # UTC ns, NaT as the minimum int64
     valid = ~plain.isna()
     positions = np.arange(len(utc))
@@ -156,7 +155,7 @@ def localize_by_order(naive: Any, tz: tzinfo) -> pd.DatetimeIndex:
         wall = datetime(1970, 1, 1) + timedelta(microseconds=wall_ns // 1000)
         utc[i] = _ns(localizer(wall)) + wall_ns % 1000
         done = i
-    return pd.DatetimeIndex(pd.to_datetime(utc, unit="ns", utc=True)).tz_convert(tz)
+    return cast("pd.DatetimeIndex", pd.DatetimeIndex(pd.to_datetime(utc, unit="ns", utc=True)).tz_convert(tz))
 
 
 @dataclass(frozen=True)
@@ -192,31 +191,6 @@ def clamped_steps(seconds: np.ndarray, cap: float | None = None, interval: float
     if cap is not None:
         steps = np.where(steps > cap, interval if interval is not None else cap / 3.0, steps)
     return np.asarray(steps, dtype="float64")
-
-
-def clock_steps_back(stamps: np.ndarray, min_seconds: float = REPORTED_STEP_BACK) -> list[ClockStep]:
-    """Where the times of one timeline step back by more than ``min_seconds``.
-
-    Args:
-        stamps: ``datetime64[ns]`` times in the order they were taken (wall clock or UTC).
-        min_seconds: smaller steps back are jitter between rows.
-
-    Returns:
-        The steps, in order.
-    """
-    import numpy as np
-    import pandas as pd
-
-    ns = np.asarray(stamps, dtype="datetime64[ns]").astype("int64")
-    if len(ns) < 2:
-        return []
-    back = np.flatnonzero(np.diff(ns) < -min_seconds * 1e9)
-    out = []
-    for i in back.tolist():
-        at = pd.Timestamp(ns[i]).to_pydatetime()
-        to = pd.Timestamp(ns[i + 1]).to_pydatetime()
-        out.append(ClockStep(at, to, (int(ns[i]) - int(ns[i + 1])) / 1e9))
-    return out
 
 
 def timeline(stamps: np.ndarray, cap: float | None = None, interval: float | None = None) -> np.ndarray:

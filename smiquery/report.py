@@ -394,7 +394,7 @@ class Finding:
 
     Attributes:
         kind: ``stall``, ``stall_together``, ``hot``, ``warm``, ``throttle``, ``memory_full``, ``imbalance``,
-            ``ecc`` or ``alert``.
+            ``ecc``, ``alert`` or ``clock`` (the recorded clock stepped back, or a zone's offset changed).
         severity: ``critical``, ``warning`` or ``info``.
         gpus: the GPUs concerned.
         verdict: one line for people: what happened and what to check.

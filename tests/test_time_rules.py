@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timedelta, timezone
+from itertools import pairwise
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
@@ -53,7 +54,7 @@ def fallback(tmp_path: Path) -> Path:
 
 
 def _strictly_increasing(stamps: list[datetime]) -> bool:
-    return all(b > a for a, b in zip(stamps, stamps[1:], strict=False))
+    return all(b > a for a, b in pairwise(stamps))
 
 
 # ------------------------------------------------------------------------------------ zone resolution by order
@@ -152,8 +153,10 @@ def test_report_of_an_ntp_step_back_finds_one_clock_step(tmp_path):
 def test_plot_never_draws_a_line_backwards_across_a_step():
     from smiquery.plot import _series
 
-    x = np.array(["2026-10-25T02:59:50", "2026-10-25T03:00:00", "2026-10-25T02:00:10", "2026-10-25T02:00:20"],
-                 dtype="datetime64[ns]")
+    x = np.array(
+        ["2026-10-25T02:59:50", "2026-10-25T03:00:00", "2026-10-25T02:00:10", "2026-10-25T02:00:20"],
+        dtype="datetime64[ns]",
+    )
     xs, ys = _series(x, np.array([1.0, 2.0, 3.0, 4.0]), gap_limit=30.0, max_points=1000)
     drawn = [(a, b) for a, b, ya, yb in zip(xs, xs[1:], ys, ys[1:], strict=False) if not (np.isnan(ya) or np.isnan(yb))]
     assert drawn and all(b > a for a, b in drawn)
