@@ -2,6 +2,11 @@
 
 Pure: no IO and no clock of its own beyond an injectable one, so the CLI, the exporter and a Keras callback can
 share it. Also home of the small duration parser the CLI uses for ``--interval`` and ``--duration``.
+
+Time (how long a ``for 30s`` hold has held): live, it is measured on a monotonic clock, the arrival time of each
+sample, never by subtracting nvidia-smi's timestamps, which are the host's wall clock and jump with a DST change,
+an NTP step or a VM resume. A recording has only its timestamps; there each step between two samples counts, and a
+step back counts 0.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from smiquery.clock import elapsed
 from smiquery.errors import InvalidFieldError, InvalidRuleError
 from smiquery.fields import Field, Kind, get_field
 from smiquery.records import GpuSample, Value
@@ -124,7 +130,8 @@ class Rule:
     """One alert condition: ``FIELD OP VALUE [for HOLD] [while FIELD OP VALUE]...``.
 
     ``for 3`` (or ``for 3 samples``) holds for three consecutive samples of a GPU; ``for 30s``, ``for 5m`` and
-    ``for 1h`` hold for that long by the samples' own timestamps. Without ``for`` one sample is enough.
+    ``for 1h`` hold for that long: live by the samples' arrival on a monotonic clock, in a recording by their
+    timestamps (a step back of the clock counts 0). Without ``for`` one sample is enough.
     ``while`` adds conditions that must hold on the same sample too (``utilization.gpu < 20 for 30m while
     memory.used > 1024``: idle while a job holds memory); they take no hold of their own.
 
@@ -258,7 +265,8 @@ class AlertEvent:
         state: ``"firing"`` or ``"cleared"``.
         since: when the condition started to hold (the first matching sample's time).
         at: the time of the sample that caused the event.
-        duration: seconds from ``since`` to ``at``.
+        duration: seconds the condition held, from ``since`` to ``at`` as the evaluator measured them (live: on
+            the monotonic clock, so not always ``at - since`` when the wall clock stepped in between).
     """
 
     rule: Rule
@@ -303,6 +311,8 @@ class _Track:
     count: int = 0
     since: datetime | float | None = None
     firing: bool = False
+    held: float = 0.0  # seconds the condition has held, summed step by step
+    last: datetime | float | None = None  # the hold clock at the previous matching sample
 
 
 class AlertEvaluator:
@@ -312,14 +322,22 @@ class AlertEvaluator:
     for the hold) and once more when it clears (the condition stopped holding). Nothing is repeated while the
     state stays the same. A missing value neither fires nor clears: the state is kept as it was.
 
-    Time comes from the samples' ``timestamp`` when they have one, else from ``clock``.
+    How long a condition has held (for ``for 30s``) is summed step by step between its samples, on the first of:
+
+    * ``now`` given to :meth:`update`: the sample's arrival on a monotonic clock. Live sources pass it
+      (``time.monotonic()`` when the row was read), so that a DST fall-back, an NTP step or a VM resume moving
+      nvidia-smi's wall-clock timestamps neither stretches nor suppresses a hold;
+    * the sample's ``timestamp`` (a recording, which has nothing else): a step back counts 0, never negative;
+    * ``clock()``.
+
+    Event times (``since``, ``at``) are the samples' timestamps when they have one, else the hold clock's reading.
 
     Args:
         rules: the rules (objects or expressions).
-        clock: seconds, used for samples without a timestamp.
+        clock: monotonic seconds, read for samples given no ``now`` and carrying no timestamp.
     """
 
-    def __init__(self, rules: Iterable[Rule | str], clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, rules: Iterable[Rule | str], clock: Callable[[], float] = time.monotonic) -> None:
         self.rules: tuple[Rule, ...] = tuple(r if isinstance(r, Rule) else Rule.parse(r) for r in rules)
         self.clock = clock
         self._tracks: dict[tuple[int, object], _Track] = {}
@@ -329,8 +347,13 @@ class AlertEvaluator:
         """The fields the rules need (``while`` conditions included), without repeats."""
         return tuple({f.name: f for r in self.rules for f in r.fields}.values())
 
-    def update(self, sample: GpuSample) -> list[AlertEvent]:
+    def update(self, sample: GpuSample, now: float | None = None) -> list[AlertEvent]:
         """Take one sample of one GPU.
+
+        Args:
+            sample: the sample.
+            now: when it arrived, in monotonic seconds (``time.monotonic()``); live sources pass it. None: the
+                hold is measured by the samples' timestamps (a recording), or by ``clock`` without them.
 
         Returns:
             The events this sample caused (usually none).
@@ -340,7 +363,8 @@ class AlertEvaluator:
         gpu = sample.index if "index" in sample else None
         key: object = gpu if gpu is not None else (sample.uuid if "uuid" in sample else None)
         ts = sample.timestamp if "timestamp" in sample else None
-        now: datetime | float = ts if ts is not None else self.clock()
+        tick: datetime | float = now if now is not None else ts if ts is not None else self.clock()
+        shown: datetime | float = ts if ts is not None else tick
         events: list[AlertEvent] = []
         for i, rule in enumerate(self.rules):
             value = sample.get(rule.field.name)
@@ -352,23 +376,26 @@ class AlertEvaluator:
                 track = self._tracks[(i, key)] = _Track()
             if verdict:
                 if track.since is None:
-                    track.since = now
+                    track.since, track.held = shown, 0.0
+                else:
+                    track.held += elapsed(track.last, tick)
+                track.last = tick
                 track.count += 1
-                if not track.firing and self._held(rule, track, now):
+                if not track.firing and self._held(rule, track):
                     track.firing = True
-                    events.append(self._event(rule, sample, gpu, value, "firing", track.since, now))
+                    events.append(self._event(rule, sample, gpu, value, "firing", track.since, shown, track.held))
             else:
                 if track.firing:
                     assert track.since is not None
-                    events.append(self._event(rule, sample, gpu, value, "cleared", track.since, now))
-                track.count, track.since, track.firing = 0, None, False
+                    held = track.held + elapsed(track.last, tick)
+                    events.append(self._event(rule, sample, gpu, value, "cleared", track.since, shown, held))
+                track.count, track.since, track.firing, track.held, track.last = 0, None, False, 0.0, None
         return events
 
     @staticmethod
-    def _held(rule: Rule, track: _Track, now: datetime | float) -> bool:
+    def _held(rule: Rule, track: _Track) -> bool:
         if rule.hold_seconds is not None:
-            assert track.since is not None
-            return _elapsed(track.since, now) >= rule.hold_seconds
+            return track.held >= rule.hold_seconds
         return track.count >= (rule.hold_samples or 1)
 
     @staticmethod
@@ -380,9 +407,10 @@ class AlertEvaluator:
         state: State,
         since: datetime | float,
         now: datetime | float,
+        held: float,
     ) -> AlertEvent:
         uuid = sample.uuid if "uuid" in sample else None
-        return AlertEvent(rule, gpu, uuid, value, state, since, now, _elapsed(since, now))
+        return AlertEvent(rule, gpu, uuid, value, state, since, now, held)
 
     def firing(self) -> list[tuple[Rule, int | None]]:
         """The (rule, GPU) pairs firing now."""
@@ -413,9 +441,11 @@ class AlertEvaluator:
         return worst
 
 
-def _elapsed(since: datetime | float, now: datetime | float) -> float:
-    if isinstance(since, datetime) and isinstance(now, datetime):
-        return max(0.0, (now - since).total_seconds())
-    if isinstance(since, (int, float)) and isinstance(now, (int, float)):
-        return max(0.0, float(now) - float(since))
-    return 0.0
+def arrival(batch: object) -> float:
+    """When a sweep (or sample) arrived, in monotonic seconds: its ``arrived`` stamp, else now.
+
+    A live source stamps each sweep with ``time.monotonic()`` as its rows are read (``sweep.arrived``); a
+    consumer that evaluates alerts passes this to :meth:`AlertEvaluator.update` as ``now``.
+    """
+    stamp = getattr(batch, "arrived", None)
+    return float(stamp) if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) else time.monotonic()

@@ -209,7 +209,9 @@ def _timestamp_array(values: Sequence[Value], tz: tzinfo | None) -> Any:
     stamps: list[Any] = [v.astimezone() if isinstance(v, datetime) and v.tzinfo is None else v for v in values]
     if tz is None:
         zones = {v.tzinfo for v in stamps if isinstance(v, datetime)}
-        tz = zones.pop() if len(zones) == 1 else _local_zone()
+        # the second pass of a fall-back's repeated hour carries a fixed offset beside its zone: the zone wins
+        named = {z for z in zones if not isinstance(z, timezone)}
+        tz = zones.pop() if len(zones) == 1 else named.pop() if len(named) == 1 else _local_zone()
     index = pd.to_datetime(stamps, utc=True).tz_convert(tz)
     return index.as_unit("ns").array
 

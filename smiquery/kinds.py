@@ -193,13 +193,17 @@ def _major_minor(v: str) -> str:
 class _Timestamp:
     """Parses ``YYYY/MM/DD HH:MM:SS.mmm`` local time; caches the whole-second part, since rows share it."""
 
-    __slots__ = ("base", "prefix", "tz")
+    __slots__ = ("base", "localize", "prefix", "tz")
 
     # nvidia-smi prints milliseconds; adding a ready-made timedelta is ten times cheaper than replace().
     _MILLIS: ClassVar[dict[str, timedelta]] = {f"{i:03d}": timedelta(milliseconds=i) for i in range(1000)}
 
     def __init__(self, tz: tzinfo | None) -> None:
+        from smiquery.clock import Localizer
+
         self.tz = tz
+        # one converter reads one timeline in order: the repeated hour of a DST fall-back resolves by that order
+        self.localize = Localizer(tz)
         self.prefix = ""
         self.base: datetime | None = None
 
@@ -210,7 +214,7 @@ class _Timestamp:
                 return self._other(v)
             naive = datetime(int(v[0:4]), int(v[5:7]), int(v[8:10]), int(v[11:13]), int(v[14:16]), int(v[17:19]))
             # nvidia-smi prints the host's local time with no zone.
-            self.base = naive.replace(tzinfo=self.tz) if self.tz is not None else naive.astimezone()
+            self.base = self.localize(naive)
             self.prefix = prefix
         ms = self._MILLIS.get(v[20:]) if len(v) == 23 and v[19] == "." else None
         if ms is not None:
@@ -226,7 +230,7 @@ class _Timestamp:
         # Recordings written by other tools may use ISO 8601.
         dt = datetime.fromisoformat(v)
         if dt.tzinfo is None:
-            dt = dt.replace(tzinfo=self.tz) if self.tz is not None else dt.astimezone()
+            dt = self.localize(dt)
         return dt
 
 

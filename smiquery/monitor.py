@@ -22,10 +22,12 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, cast
 
 from smiquery._log import get_logger
-from smiquery.alerts import BUILTIN_RULES, AlertEvent, Rule
+from smiquery.alerts import BUILTIN_RULES, AlertEvent, Rule, arrival
+from smiquery.clock import elapsed
 from smiquery.fields import Field, resolve_fields
 from smiquery.notify import AlertHandler, LogHandler, Notifier
 
@@ -843,6 +845,8 @@ class RunMonitor:
         self._epoch_meta: dict[int, tuple[int, int | None, float, float | None]] = {}
         self._latest: dict[int, GpuSample] = {}
         self._last_t: dict[int, float] = {}
+        #: per GPU, the time its previous sample stands at for energy: nvidia-smi's timestamp, else arrival
+        self._last_stamp: dict[int, datetime | float] = {}
         self._batch_values: dict[str, float] = {}
         self._order: list[int] | None = None
         self._first = threading.Event()
@@ -1108,7 +1112,7 @@ class RunMonitor:
     def _take(self, sweep: Sweep, select: bool) -> None:
         """Stamp one sweep with the position now, sum it into that epoch, record it, check the rules."""
         pos = self._pos
-        now = time.monotonic()
+        now = arrival(sweep)
         chosen = [s for s in sweep if s.index is not None and (not select or self._devices.selects(s.index, s.uuid))]
         if not chosen:
             return
@@ -1130,8 +1134,15 @@ class RunMonitor:
             for s in chosen:
                 idx = s.index
                 assert idx is not None
-                prev = self._last_t.get(idx)
-                seconds = min(now - prev, cap) if prev is not None else None
+                # energy integrates over nvidia-smi's own timestamps (two sweeps delivered together are still an
+                # interval apart), the arrival without them; a step back counts 0, a jump one interval
+                ts = s.timestamp if "timestamp" in s else None
+                stamp: datetime | float = ts if ts is not None else now
+                prev = self._last_stamp.get(idx)
+                seconds = None if prev is None else elapsed(prev, stamp)
+                if seconds is not None and seconds > cap:
+                    seconds = self.interval
+                self._last_stamp[idx] = stamp
                 self._last_t[idx] = now
                 acc.add(idx, s, seconds)
                 if seconds is not None:
@@ -1153,7 +1164,7 @@ class RunMonitor:
             return
         for s in chosen:
             notifier.observe(s)
-            for event in notifier.evaluate(s):
+            for event in notifier.evaluate(s, now):
                 alert = self._alert(event, pos)
                 self.alerts.append(alert)
                 try:

@@ -366,7 +366,7 @@ class Notifier:
 
         notifier = Notifier(["temperature.gpu > 85 for 3"], [LogHandler(), WebhookHandler(url)])
         for sample in smiquery.stream("health"):
-            notifier.update(sample)
+            notifier.update(sample, now=time.monotonic())
 
     Args:
         rules: rules or expressions in the CLI's ``--alert`` syntax.
@@ -396,10 +396,13 @@ class Notifier:
         """The rules evaluated."""
         return self.evaluator.rules
 
-    def evaluate(self, sample: Any) -> list[AlertEvent]:
-        """Feed one sample to the rules; returns the events it caused without dispatching them."""
+    def evaluate(self, sample: Any, now: float | None = None) -> list[AlertEvent]:
+        """Feed one sample to the rules; returns the events it caused without dispatching them.
+
+        ``now`` is the sample's arrival in monotonic seconds, for a live sample (see :meth:`update`).
+        """
         try:
-            return self.evaluator.update(sample)
+            return self.evaluator.update(sample, now)
         except Exception:
             log.exception("smiquery: evaluating alert rules failed")
             return []
@@ -415,20 +418,29 @@ class Notifier:
                 self.handler_failures += 1
                 log.exception("smiquery alert handler %r failed", handler)
 
-    def update(self, sample: Any, context: Context | Callable[[], Context] | None = None) -> list[AlertEvent]:
+    def update(
+        self,
+        sample: Any,
+        context: Context | Callable[[], Context] | None = None,
+        *,
+        now: float | None = None,
+    ) -> list[AlertEvent]:
         """Evaluate one sample and dispatch what it causes.
 
         Args:
             sample: one :class:`~smiquery.GpuSample`.
             context: extra facts for the handlers, or a function computing them (called only when an event
                 happens).
+            now: for a live sample, ``time.monotonic()`` when it arrived: ``for 30s`` holds are then measured on
+                that clock, which a DST change or an NTP step of the wall clock does not move. None (a
+                recording): by the samples' timestamps.
 
         Returns:
             The events dispatched.
         """
         if self._observers:
             self.observe(sample)
-        events = self.evaluate(sample)
+        events = self.evaluate(sample, now)
         if events:
             ctx: Context | None
             try:

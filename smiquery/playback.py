@@ -16,6 +16,7 @@ from datetime import datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import IO, Any
 
+from smiquery.clock import Localizer, to_zone
 from smiquery.errors import InvalidFieldError, ParseError, ReplayError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
 from smiquery.oneshot import GpusArg, normalize_gpus
@@ -37,11 +38,17 @@ _BY_ATTR = {f.attr: f for f in CATALOGUE}
 _RECORDED_WITHOUT_ZONE = timezone(timedelta(0), "no zone recorded")
 
 
-def _in_zone(dt: datetime, tz: tzinfo | None) -> datetime:
-    """A parsed timestamp as the caller asked: naive as recorded, localized to ``tz``, or converted to ``tz``."""
+def _in_zone(dt: datetime, tz: tzinfo | None, localize: Localizer | None = None) -> datetime:
+    """A parsed timestamp as the caller asked: naive as recorded, localized to ``tz``, or converted to ``tz``.
+
+    ``localize`` (a :class:`~smiquery.clock.Localizer` for ``tz`` over the recording's rows in order) resolves the
+    hour a DST fall-back repeats by that order; without one such a time is the first of its two instants.
+    """
     if dt.tzinfo is _RECORDED_WITHOUT_ZONE or dt.tzinfo is None:
-        return dt.replace(tzinfo=tz)  # tz None: the wall-clock time, naive, exactly as recorded
-    return dt if tz is None else dt.astimezone(tz)
+        if tz is None:
+            return dt.replace(tzinfo=None)  # the wall-clock time, naive, exactly as recorded
+        return localize(dt) if localize is not None else dt.replace(tzinfo=tz)
+    return dt if tz is None else to_zone(dt, tz)
 
 
 # ---------------------------------------------------------------------------------------------------- readers
@@ -56,7 +63,7 @@ def _field_for(name: str) -> Field:
         return Field(name, Kind.STR, help="Not in smiquery's catalogue.")
 
 
-def _typed(fld: Field, value: Any, tz: tzinfo | None = None) -> Value:
+def _typed(fld: Field, value: Any, tz: tzinfo | None = None, localize: Localizer | None = None) -> Value:
     """A JSON or pandas value converted to the Python type the catalogue gives the field.
 
     Text goes through the parser's own converter for the field's kind, so a cell reads the same whether it was
@@ -70,10 +77,10 @@ def _typed(fld: Field, value: Any, tz: tzinfo | None = None) -> Value:
         if isinstance(value, str):
             stamp = ops.converter(_RECORDED_WITHOUT_ZONE)(value.strip())
             assert isinstance(stamp, datetime)
-            return _in_zone(stamp, tz)
+            return _in_zone(stamp, tz, localize)
         dt = ops.from_python(value)
         assert isinstance(dt, datetime)
-        return _in_zone(dt, tz)
+        return _in_zone(dt, tz, localize)
     return ops.from_python(value)
 
 
@@ -84,7 +91,12 @@ def _build(schema: Schema, fields: Sequence[Field], values: list[Value], missing
 
 
 def sample_from_json(
-    obj: dict[str, Any], *, lineno: int = 0, line: str = "", tz: tzinfo | str | None = None
+    obj: dict[str, Any],
+    *,
+    lineno: int = 0,
+    line: str = "",
+    tz: tzinfo | str | None = None,
+    localizer: Localizer | None = None,
 ) -> GpuSample:
     """A sample from one JSONL object as ``smiquery stream --format jsonl`` writes it.
 
@@ -98,6 +110,9 @@ def sample_from_json(
         line: its text (for errors).
         tz: the zone of a timestamp written without an offset; an offset one is converted to it. Default None:
             as recorded (naive without an offset).
+        localizer: a :class:`~smiquery.clock.Localizer` for ``tz`` shared by the objects of one recording, read
+            in order: a wall time the DST fall-back repeats is then resolved by that order (the second 02:30 is
+            the later one). Without it such a time is the first of its two instants.
 
     Returns:
         The sample.
@@ -119,7 +134,7 @@ def sample_from_json(
             missing[fld.name] = str(reasons.get(key) or reasons.get(fld.name) or "not_available")
             continue
         try:
-            values.append(_typed(fld, raw, zone))
+            values.append(_typed(fld, raw, zone, localizer))
         except (ValueError, TypeError):
             raise ParseError(
                 f"{raw!r} is not a valid {fld.kind.value}", lineno=lineno, line=line, field=fld.name
@@ -158,6 +173,7 @@ def _read_csv(
 
 
 def _read_jsonl(fh: IO[str], on_drop: Callable[[ParseError], None], tz: tzinfo | None) -> Iterator[GpuSample]:
+    localizer = Localizer(tz) if tz is not None else None
     for lineno, line in enumerate(fh, 1):
         text = line.strip()
         if not text:
@@ -166,7 +182,7 @@ def _read_jsonl(fh: IO[str], on_drop: Callable[[ParseError], None], tz: tzinfo |
             obj = json.loads(text)
             if not isinstance(obj, dict):
                 raise ValueError("not an object")
-            yield sample_from_json(obj, lineno=lineno, line=text, tz=tz)
+            yield sample_from_json(obj, lineno=lineno, line=text, tz=tz, localizer=localizer)
         except ParseError as exc:
             on_drop(exc)
         except ValueError:  # includes a truncated last line (json.JSONDecodeError)
@@ -194,6 +210,7 @@ def _read_parquet(path: str, tz: tzinfo | None) -> Iterator[GpuSample]:
     from smiquery.frames import missing_reasons
 
     missing_attr = missing_reasons(df)
+    localizer = Localizer(tz) if tz is not None else None
     columns = []
     for col in names:
         values = df[col].tolist()
@@ -212,7 +229,7 @@ def _read_parquet(path: str, tz: tzinfo | None) -> Iterator[GpuSample]:
                 values_out.append(None)
                 missing[fld.name] = row_missing.get(fld.name, "not_available")
             else:
-                values_out.append(_typed(fld, v, tz))
+                values_out.append(_typed(fld, v, tz, localizer))
         yield _build(schema, fields, values_out, missing)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.alerts import Rule
+from smiquery.clock import REPORTED_STEP_BACK
 from smiquery.fields import Field, Kind, get_field, resolve_fields
 from smiquery.report import DEFAULT_RULES, ReportError, _as_float, _gpu_rows, load_recording
 
@@ -210,10 +211,12 @@ def _series(
         gap_limit *= step
     if len(x) > 1:
         secs = np.diff(x).astype("timedelta64[ns]").astype("float64") / 1e9
-        gaps = np.nonzero(secs > gap_limit)[0]
+        # a step back of the recorded clock (a DST fall-back, an NTP step) breaks the line too: never drawn backwards
+        back = secs < -REPORTED_STEP_BACK
+        gaps = np.nonzero((secs > gap_limit) | back)[0]
         if len(gaps):
-            # a NaN point inside each gap breaks the line there
-            mids = x[gaps] + (x[gaps + 1] - x[gaps]) // 2
+            # a NaN point inside each gap (at a step back, on its first side) breaks the line there
+            mids = np.where(back[gaps], x[gaps], x[gaps] + (x[gaps + 1] - x[gaps]) // 2)
             x = np.insert(x, gaps + 1, mids)
             y = np.insert(y, gaps + 1, np.nan)
     return x, y

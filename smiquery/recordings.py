@@ -20,6 +20,7 @@ from datetime import datetime, tzinfo
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal, Protocol, Union
 
+from smiquery.clock import localize_by_order
 from smiquery.errors import InvalidTimeZoneError, ParseError, RecordingError
 from smiquery.fields import Field, Kind, resolve_fields
 from smiquery.frames import (
@@ -1082,14 +1083,10 @@ class _ArrowReader:
         if storage == "timestamp":
             naive = pd.DatetimeIndex(np.concatenate(parts) if len(parts) > 1 else parts[0])
             del parts
-            # An ambiguous wall time (the hour repeated when DST ends) is taken as the first of the two, as
-            # datetime does with fold=0.
             if self.out_tz is None:
                 return naive.as_unit("ns").array  # as recorded: nvidia-smi prints wall-clock time with no zone
-            aware = naive.tz_localize(
-                self.out_tz, ambiguous=np.ones(len(naive), dtype=bool), nonexistent="shift_forward"
-            )
-            return aware.as_unit("ns").array
+            # the hour a DST fall-back repeats resolves by the order of the rows: the second 02:30 is later
+            return localize_by_order(naive, self.out_tz).as_unit("ns").array
         if storage != "string":
             if len({p.dtype for p in parts}) > 1:  # Int64 blocks and a UInt64 one (a bitmask with the top bit set)
                 return _int_array([v for p in parts for v in p.tolist()])
@@ -1156,15 +1153,12 @@ def _read_parquet(path: str) -> pd.DataFrame:
 
 
 def _set_zone(df: pd.DataFrame, tz: tzinfo | None) -> None:
-    import numpy as np
-
     if tz is None or "timestamp" not in df.columns:
         return
     stamps = df["timestamp"]
     if getattr(stamps.dt, "tz", None) is None:
-        # an ambiguous wall time (the hour repeated when DST ends) is the first of the two, as read_csv takes it
-        first = np.ones(len(stamps), dtype=bool)
-        df["timestamp"] = stamps.dt.tz_localize(tz, ambiguous=first, nonexistent="shift_forward")
+        # the hour a DST fall-back repeats resolves by the order of the rows, as read_csv resolves it
+        df["timestamp"] = localize_by_order(stamps, tz).as_unit("ns").array
     else:
         df["timestamp"] = stamps.dt.tz_convert(tz)
 

@@ -20,6 +20,7 @@ from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from smiquery.alerts import BUILTIN_RULES, Rule
+from smiquery.clock import REPORTED_STEP_BACK, ClockStep, timeline
 from smiquery.errors import InvalidFieldError, InvalidTimeZoneError, RecordingError, ReportError
 from smiquery.fields import CATALOGUE, Field, Kind
 from smiquery.recordings import SkippedLines
@@ -393,7 +394,7 @@ class Finding:
 
     Attributes:
         kind: ``stall``, ``stall_together``, ``hot``, ``warm``, ``throttle``, ``memory_full``, ``imbalance``,
-            ``ecc`` or ``alert``.
+            ``ecc``, ``alert`` or ``clock`` (the recorded clock stepped back, or a zone's offset changed).
         severity: ``critical``, ``warning`` or ``info``.
         gpus: the GPUs concerned.
         verdict: one line for people: what happened and what to check.
@@ -443,6 +444,11 @@ class Report:
         rules: the rules' texts.
         stall_utilization: the stall threshold in percent.
         min_stall: the shortest stall reported, in seconds.
+        clock_steps: where the recorded clock stepped back (a DST fall-back read without a zone, an NTP step);
+            every duration skips such a step.
+        zone_changes: where the UTC offset changed in a recording read in its zone (``tz=``): (time, offset
+            before, offset after).
+        elapsed: seconds the run lasted along its timeline (steps back skipped); None: ``end - start``.
     """
 
     source: str
@@ -465,11 +471,16 @@ class Report:
     health: list[HealthCount] = field(default_factory=list)
     overall: list[FieldStats] = field(default_factory=list)
     energy_wh: dict[int, float] = field(default_factory=dict)
+    clock_steps: list[ClockStep] = field(default_factory=list)
+    zone_changes: list[tuple[datetime, str, str]] = field(default_factory=list)
+    elapsed: float | None = None
 
     @property
     def duration(self) -> float:
-        """Seconds from the first sample to the last."""
-        return (self.end - self.start).total_seconds()
+        """Seconds from the first sample to the last, never negative: a step back of the clock is skipped."""
+        if self.elapsed is not None:
+            return self.elapsed
+        return max(0.0, (self.end - self.start).total_seconds())
 
     def stalls_of(self, gpu: int) -> list[Stretch]:
         """The stalls of one GPU."""
@@ -993,7 +1004,9 @@ def _build_gpus(df: pd.DataFrame) -> tuple[list[_Gpu], float]:
     gpus: list[_Gpu] = []
     intervals: list[float] = []
     for idx, rows in _gpu_rows(df["index"].to_numpy(dtype="int64")):
-        times = seconds[rows]
+        # along the GPU's rows in file order, a step back of the clock counts 0: no duration is ever negative
+        own = stamps[rows]
+        times = seconds[rows][0] + timeline(own) if len(own) else seconds[rows]
         diffs = np.diff(times)
         if len(diffs):
             intervals.append(float(np.median(diffs)))
@@ -1129,12 +1142,48 @@ def analyze(
         skipped=skipped,
         health=_health(df, gpus),
         energy_wh=_energy(df, gpus),
+        elapsed=max(float(g.times[-1]) for g in gpus) - min(float(g.times[0]) for g in gpus),
     )
+    report.clock_steps, report.zone_changes = _clock_changes(gpus)
     # time past thresholds and the alerts the rules would have fired; then stalls (as stalls_and_alerts finds them)
     report.alerts = _alerts(parsed, gpus, report.thresholds)
     report.stalls = _stalls(gpus, StallRule(stall_utilization, busy_memory, min_stall))
     report.findings = _findings(report, parsed, gpus)
     return report
+
+
+def _clock_changes(gpus: list[_Gpu]) -> tuple[list[ClockStep], list[tuple[datetime, str, str]]]:
+    """The recorded clock's steps back and a zone's offset changes, from the GPU with the most samples.
+
+    Every GPU's rows carry the same host clock, so one GPU tells them; each change is reported once.
+    """
+    import numpy as np
+
+    g = max(gpus, key=lambda g: len(g.times))
+    ns = np.asarray(g._stamps, dtype="datetime64[ns]").astype("int64")
+    steps: list[ClockStep] = []
+    if len(ns) > 1:
+        for i in np.flatnonzero(np.diff(ns) < -REPORTED_STEP_BACK * 1e9).tolist():
+            steps.append(ClockStep(g.stamp(i), g.stamp(i + 1), (int(ns[i]) - int(ns[i + 1])) / 1e9))
+    changes: list[tuple[datetime, str, str]] = []
+    if g._zone is not None and len(ns) > 1:
+        import pandas as pd
+
+        local = pd.DatetimeIndex(ns.astype("datetime64[ns]")).tz_localize("UTC").tz_convert(g._zone)
+        wall = local.tz_localize(None).asi8
+        # where the wall clock moved otherwise than the instants, the zone's offset changed
+        for i in np.flatnonzero(np.diff(wall) != np.diff(ns)).tolist():
+            changes.append((g.stamp(i + 1), _offset_text(g.stamp(i)), _offset_text(g.stamp(i + 1))))
+    return steps, changes
+
+
+def _offset_text(ts: datetime) -> str:
+    off = ts.utcoffset()
+    if off is None:
+        return "no zone"
+    minutes = int(off.total_seconds() // 60)
+    sign = "+" if minutes >= 0 else "-"
+    return f"UTC{sign}{abs(minutes) // 60:02d}:{abs(minutes) % 60:02d}"
 
 
 def _alerts(rules: Sequence[Rule], gpus: list[_Gpu], thresholds: list[ThresholdTime] | None = None) -> list[AlertSpan]:
@@ -1389,6 +1438,31 @@ def _findings(report: Report, rules: Sequence[Rule], gpus: list[_Gpu]) -> list[F
     # memory health: ECC errors, retired pages, remapped rows that are non-zero or grew
     for h in report.health:
         out.append(Finding(_health_kind(h.field), h.severity, (h.gpu,), _health_verdict(h)))
+
+    # the recorded clock: a step back (reported once, however many GPUs saw it) and a zone's offset changes
+    if report.clock_steps:
+        first = report.clock_steps[0]
+        n = len(report.clock_steps)
+        text = (
+            f"The recorded clock went back {format_duration(first.seconds)} at {_clock(first.at)}"
+            + (f" ({n} times in all)" if n > 1 else "")
+            + ": a DST change, an NTP step or a VM resume (nvidia-smi stamps local time with no zone); durations "
+            "and energy skip the step"
+            + ("; name the zone (--tz) to place a DST change" if first.at.tzinfo is None else "")
+        )
+        out.append(Finding("clock", "info", report.gpus, text, first.seconds, first.at))
+    for at, before, after in report.zone_changes:
+        out.append(
+            Finding(
+                "clock",
+                "info",
+                report.gpus,
+                f"The clocks changed from {before} to {after} at {_clock(at)} (daylight saving): times are local "
+                "wall-clock times, durations run on across the change",
+                0.0,
+                at,
+            )
+        )
 
     out.sort(key=lambda f: (_SEVERITY_ORDER[f.severity], f.start or report.start, f.gpus))
     return out

@@ -241,6 +241,9 @@ class _Run:
     last_draw: float = 0.0
     #: where alert events also go (``--on-alert``), behind the evaluator
     notifier: Notifier | None = None
+    #: a live stream: alert holds are measured on the sweeps' monotonic arrival, never on the wall-clock
+    #: timestamps (a replay has only those)
+    live_time: bool = False
 
 
 _EPILOG = """\b
@@ -500,6 +503,7 @@ def _stream(
     elif tty:
         live = LiveTable(out, flds, title=title, color=use_color(out), evaluator=evaluator)
     run = _Run(writers, live, form == "table" and live is None, flds, evaluator, exit_on_alert)
+    run.live_time = replay_path is None
     if on_alert:
         from smiquery.notify import Notifier, handler_from_spec
 
@@ -687,8 +691,13 @@ def _take_sweep(sweep: Sweep, source: SampleSource, run: _Run) -> bool:
     """Write one sweep everywhere, evaluate the alerts and draw; True when an alert fired."""
     run.events.flush()
     fired = False
+    now = None
+    if run.live_time and run.evaluator is not None:
+        from smiquery.alerts import arrival
+
+        now = arrival(sweep)
     for sample in sweep:
-        fired = _take_sample(sample, run) or fired
+        fired = _take_sample(sample, run, now) or fired
     run.sweeps += 1
     if run.live is not None:
         if time.monotonic() - run.last_draw >= 0.1:
@@ -702,8 +711,8 @@ def _take_sweep(sweep: Sweep, source: SampleSource, run: _Run) -> bool:
     return fired
 
 
-def _take_sample(sample: GpuSample, run: _Run) -> bool:
-    """Write one sample everywhere and evaluate the alerts; True when an alert fired."""
+def _take_sample(sample: GpuSample, run: _Run, now: float | None = None) -> bool:
+    """Write one sample everywhere and evaluate the alerts (``now``: its monotonic arrival, live); True if one fired."""
     for w in run.writers:
         w.write(sample)
     if run.live is not None:
@@ -713,7 +722,7 @@ def _take_sample(sample: GpuSample, run: _Run) -> bool:
         notifier = run.notifier
         if notifier is not None:
             notifier.observe(sample)
-        events: list[AlertEvent] = run.evaluator.update(sample)
+        events: list[AlertEvent] = run.evaluator.update(sample, now)
         for ev in events:
             if notifier is not None:
                 notifier.dispatch(ev, {"source": "smiquery stream"})

@@ -329,7 +329,11 @@ class SmiCollector:
             health = source_health(self.stream)
             if sweep is not None and sweep is not self._last_sweep:
                 self._last_sweep = sweep
-                self._take(sweep, health)
+                # when it arrived, on the monotonic clock: alert holds never subtract wall-clock timestamps
+                arrived = getattr(sweep, "arrived", None)
+                if not isinstance(arrived, (int, float)):
+                    arrived = time.monotonic() - (age or 0.0)
+                self._take(sweep, health, float(arrived))
                 self._gpu_version += 1
             elif health.lost:
                 self._mark_lost(health, None)
@@ -342,7 +346,7 @@ class SmiCollector:
                         self.on_state(up, why)
                 self._up = up
 
-    def _take(self, sweep: Sweep, health: SourceHealth) -> None:
+    def _take(self, sweep: Sweep, health: SourceHealth, arrived: float | None = None) -> None:
         present: set[str] = set()
         reported: set[str] = set()
         for s in sweep:
@@ -362,7 +366,7 @@ class SmiCollector:
             if drv is not None:
                 self.driver_version = str(drv)
             if self.alerts is not None:
-                for ev in self.alerts.update(s):
+                for ev in self.alerts.update(s, arrived):
                     if ev.state == "firing":
                         i = self.alerts.rules.index(ev.rule)
                         self._fired[(i, key)] = self._fired.get((i, key), 0) + 1

@@ -1,0 +1,228 @@
+"""Time rules for nvidia-smi's timestamps: wall-clock stamps put in a zone by row order, and steps that never go back.
+
+nvidia-smi stamps each row with the host's *local wall-clock* time and no zone (``2026/10/25 02:30:00.123``).
+On a real host that clock repeats an hour when daylight saving ends, skips one when it starts, and steps when NTP
+corrects it or a VM resumes. Two rules follow, shared by the parser, replay, ``read_csv``, the report and the plot:
+
+* A zone (``tz=``) resolves a wall time that the fall-back repeats by the *order* of the rows: the second
+  02:30 comes after the first. An ambiguous time takes the first of its two instants (``fold=0``) unless that
+  would put it before the previous row while the second (``fold=1``) would not, and is the nearer of the two to
+  it (so a small step back inside the repeated hour, jitter or NTP, stays in the first pass). A wall time the
+  spring-forward skips is shifted forward by the skip (02:30 becomes 03:30). :class:`Localizer` applies the rule
+  row by row; :func:`localize_by_order` to a whole column at once.
+* Without a zone, a duration between two stamps never goes negative: :func:`clamped_steps` counts a step back as
+  0 (and a forward jump past a limit as one interval), and the report names each step back once.
+
+Live holds (``for 30s``) need neither: they are measured on a monotonic clock (see :mod:`smiquery.alerts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone, tzinfo
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+__all__ = ["ClockStep", "Localizer", "clamped_steps", "localize_by_order", "timeline", "to_zone"]
+
+_UTC = timezone.utc
+_EPOCH = datetime(1970, 1, 1, tzinfo=_UTC)
+
+#: A step back shorter than this is jitter between rows, not worth a word (it still counts as 0 elapsed).
+REPORTED_STEP_BACK = 1.0
+
+
+class Localizer:
+    """Puts wall-clock times, row after row of one timeline, into a zone; see the module's rule.
+
+    One localizer per timeline: the rows of one file or one stream in their order (the rows of several GPUs share
+    a timestamp and interleave; that is still one timeline).
+
+    Args:
+        tz: the zone; None for the host's own zone (as :meth:`datetime.astimezone` takes it).
+    """
+
+    __slots__ = ("_fixed", "last", "tz")
+
+    def __init__(self, tz: tzinfo | None) -> None:
+        self.tz = tz
+        #: the instant of the previous row, which decides the next ambiguous one
+        self.last: datetime | None = None
+        # a fixed offset has no ambiguous or skipped times
+        self._fixed = isinstance(tz, timezone)
+
+    def _aware(self, naive: datetime, fold: int) -> datetime:
+        if self.tz is None:
+            return naive.replace(fold=fold).astimezone()
+        return naive.replace(tzinfo=self.tz, fold=fold)
+
+    def _zone_of(self, aware: datetime) -> datetime:
+        # back into the zone from the instant: the wall time that really existed then
+        return aware.astimezone() if self.tz is None else aware.astimezone(self.tz)
+
+    def __call__(self, naive: datetime) -> datetime:
+        """The instant of ``naive`` (a wall time, tzinfo ignored) for this row; remembers it for the next row."""
+        naive = naive.replace(tzinfo=None, fold=0)
+        if self._fixed:
+            out = naive.replace(tzinfo=self.tz)
+            self.last = out
+            return out
+        first = self._aware(naive, 0)
+        second = self._aware(naive, 1)
+        if first.utcoffset() == second.utcoffset():
+            out = first
+        else:
+            real = self._zone_of(first.astimezone(_UTC))
+            # a wall time the spring-forward skips does not come back from its instant: shifted forward
+            out = real if real.replace(tzinfo=None, fold=0) != naive else self._pick(first, second)
+        self.last = out
+        return out
+
+    def _pick(self, first: datetime, second: datetime) -> datetime:
+        """The fall-back's repeated hour: the first pass unless the order of the rows says the second."""
+        # in UTC: aware datetimes of one zone compare by wall time, blind to the fold
+        a, b = first.astimezone(_UTC), second.astimezone(_UTC)
+        if b < a:  # a zone whose fold=1 is the earlier instant (none known, but cheap to honour)
+            first, second, a, b = second, first, b, a
+        last = self.last
+        if last is None:
+            return first
+        last = last.astimezone(_UTC)
+        if a >= last or b < last:
+            return first
+        return _stable(second) if (b - last) <= (last - a) else first
+
+
+def _stable(dt: datetime) -> datetime:
+    """A time of a fall-back's second pass with its offset fixed (``02:30+01:00`` named ``CET``).
+
+    Python keeps the second pass apart from the first only by ``fold=1``, which adding a timedelta resets and which
+    comparing two times of one zone ignores; a fixed offset keeps the instant through both.
+    """
+    off = dt.utcoffset()
+    if not dt.fold or off is None or isinstance(dt.tzinfo, timezone):
+        return dt
+    return dt.astimezone(timezone(off, dt.tzname() or str(off)))
+
+
+def to_zone(dt: datetime, tz: tzinfo) -> datetime:
+    """An aware time converted to ``tz``; one in the hour a fall-back repeats keeps its instant (see _stable)."""
+    return _stable(dt.astimezone(tz))
+
+
+def _ns(dt: datetime) -> int:
+    """UTC nanoseconds since the epoch of an aware datetime (exact to the microsecond)."""
+    delta = dt.astimezone(_UTC) - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000
+
+
+def localize_by_order(naive: Any, tz: tzinfo) -> pd.DatetimeIndex:
+    """Vectorised :class:`Localizer`: a column of wall times (in file order) as instants in ``tz``.
+
+    Rows that are neither repeated nor skipped by a clock change go through pandas at once; only the rows of a
+    repeated or skipped hour are resolved one by one, each after the row before it.
+
+    Args:
+        naive: wall times, ``datetime64[ns]`` (a ``DatetimeIndex``, Series or array; NaT for missing).
+        tz: the zone.
+
+    Returns:
+        An aware ``DatetimeIndex`` in ``tz``, NaT where the input was.
+    """
+    import numpy as np
+    import pandas as pd
+
+    index = pd.DatetimeIndex(naive).as_unit("ns")
+    plain = index.tz_localize(tz, ambiguous="NaT", nonexistent="NaT")
+    special = np.flatnonzero(plain.isna() & ~index.isna())
+    if not len(special):
+        return cast("pd.DatetimeIndex", plain)
+    utc = plain.asi8.copy()  # UTC ns, NaT as the minimum int64
+    valid = ~plain.isna()
+    positions = np.arange(len(utc))
+    last_valid = np.maximum.accumulate(np.where(valid, positions, -1))
+    walls = index.asi8
+    localizer = Localizer(tz)
+    done = -1  # position of the last special row resolved
+    for i in special.tolist():
+        before = int(last_valid[i - 1]) if i > 0 else -1
+        prev = done if done > before else before
+        localizer.last = None if prev < 0 else _EPOCH + timedelta(microseconds=int(utc[prev]) // 1000)
+        wall_ns = int(walls[i])
+        wall = datetime(1970, 1, 1) + timedelta(microseconds=wall_ns // 1000)
+        utc[i] = _ns(localizer(wall)) + wall_ns % 1000
+        done = i
+    return cast("pd.DatetimeIndex", pd.DatetimeIndex(pd.to_datetime(utc, unit="ns", utc=True)).tz_convert(tz))
+
+
+@dataclass(frozen=True)
+class ClockStep:
+    """The recorded clock stepped back: a DST fall-back read without a zone, an NTP correction, a VM resume.
+
+    Attributes:
+        at: the last time before the step (as recorded).
+        to: the first time after it.
+        seconds: how far back it went (positive).
+    """
+
+    at: datetime
+    to: datetime
+    seconds: float
+
+
+def clamped_steps(seconds: np.ndarray, cap: float | None = None, interval: float | None = None) -> np.ndarray:
+    """The steps between consecutive times, never negative: a step back counts 0, a jump past ``cap`` one interval.
+
+    Args:
+        seconds: times in seconds, in the order they were taken (any origin).
+        cap: a forward step longer than this is a gap (the clock jumped, the stream stopped); None: none is.
+        interval: what such a step counts instead (default ``cap``'s third, the usual spacing).
+
+    Returns:
+        ``len(seconds) - 1`` steps (float64).
+    """
+    import numpy as np
+
+    steps = np.diff(np.asarray(seconds, dtype="float64"))
+    steps = np.where(steps > 0, steps, 0.0)  # NaN (a missing time) counts nothing either
+    if cap is not None:
+        steps = np.where(steps > cap, interval if interval is not None else cap / 3.0, steps)
+    return np.asarray(steps, dtype="float64")
+
+
+def timeline(stamps: np.ndarray, cap: float | None = None, interval: float | None = None) -> np.ndarray:
+    """Seconds from the first time along one timeline, each step clamped as :func:`clamped_steps` clamps it.
+
+    Args:
+        stamps: ``datetime64[ns]`` times in the order they were taken.
+        cap: see :func:`clamped_steps`.
+        interval: see :func:`clamped_steps`.
+
+    Returns:
+        Non-decreasing seconds, 0 at the first time.
+    """
+    import numpy as np
+
+    ns = np.asarray(stamps, dtype="datetime64[ns]").astype("int64")
+    if not len(ns):
+        return np.zeros(0, dtype="float64")
+    seconds = (ns - ns[0]) / 1e9
+    out = np.zeros(len(ns), dtype="float64")
+    out[1:] = np.cumsum(clamped_steps(seconds, cap, interval))
+    return out
+
+
+def elapsed(since: datetime | float | None, now: datetime | float) -> float:
+    """Seconds from ``since`` to ``now`` (datetimes or clock seconds); 0, never negative, when time went back."""
+    if since is None:
+        return 0.0
+    if isinstance(since, datetime) and isinstance(now, datetime):
+        if (since.tzinfo is None) != (now.tzinfo is None):
+            return 0.0
+        return max(0.0, (now - since).total_seconds())
+    if isinstance(since, (int, float)) and isinstance(now, (int, float)):
+        return max(0.0, float(now) - float(since))
+    return 0.0
