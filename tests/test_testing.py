@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 from smiquery import errors
+from smiquery.errors import StreamEndedError
 from smiquery.fields import CATALOGUE, PRESETS, get_field, parse_help_query_gpu
 from smiquery.parsing import CsvParser, header_line
 from smiquery.records import GpuSample
-from smiquery.testing import ENV_VARS, FAULTS, InProcessLines, InProcessRunner, StreamEndedError, fake_nvidia_smi
+from smiquery.testing import ENV_VARS, FAULTS, InProcessLines, InProcessRunner, fake_nvidia_smi
 
 if TYPE_CHECKING:
     from conftest import MakeFake
@@ -720,7 +721,7 @@ def test_slow_row_comes_late_inside_its_sweep(fake_smi: MakeFake) -> None:
         assert [src.readline(20) for _ in range(8)] == [str(i) for i in range(8)]
 
 
-DEMO_IDS = [(str(s.index), s.uuid, s.pci_bus_id) for s in demo_rows()[:8]]
+DEMO_IDS = [(str(s.index), str(s.uuid), str(s.pci_bus_id)) for s in demo_rows()[:8]]
 
 
 def identities(text: str) -> list[tuple[str, str, str]]:
