@@ -192,11 +192,16 @@ def main() -> int:
 
     delivering: list[frozenset[str]] = []  # per delivered sweep: the UUIDs with a row of values
     lost_at: list[tuple[str | None, int]] = []  # per gpu_lost event: its UUID, sweeps delivered before it
+    lost_said: list[str] = []  # what each gpu_lost event said
+    short_said: Counter[str] = Counter()  # short_sweep events by what they said
 
     def on_event(e: StreamEvent) -> None:
         events[e.kind] += 1
         if e.kind == "gpu_lost":
             lost_at.append((e.uuid, len(delivering)))
+            lost_said.append(f"GPU {e.gpu} {e.uuid}: {e.detail}")
+        if e.kind == "short_sweep":
+            short_said[e.detail] += 1
 
     watcher = threading.Thread(target=watch_children, daemon=True)
     watcher.start()
@@ -246,7 +251,12 @@ def main() -> int:
     # the running child's mid-segment fault may or may not have struck yet
     pending_mid = str(last["mid"]) if last["mid"] else None
     # a gpu_lost event is false when its GPU has a row of values in the next sweep delivered or the one after
-    false_lost = sum(1 for uuid, at in lost_at if uuid is not None and any(uuid in d for d in delivering[at : at + 2]))
+    false_said = [
+        said
+        for (uuid, at), said in zip(lost_at, lost_said)
+        if uuid is not None and any(uuid in d for d in delivering[at : at + 2])
+    ]
+    false_lost = len(false_said)
     unnamed_lost = sum(1 for uuid, _ in lost_at if uuid is None)
 
     def within(got: int, want: int, kind: str) -> bool:
@@ -311,6 +321,9 @@ def main() -> int:
     failed = [name for name, ok in checks.items() if not ok]
     for name, ok in checks.items():
         print(f"  {'ok  ' if ok else 'FAIL'} {name}")
+    for said in false_said[:3]:
+        print(f"       a gpu_lost event naming a GPU that is delivering: {said}")
+    print(f"short sweeps by what they said: {dict(short_said.most_common())}")
     if failed:
         print(f"soak: {len(failed)} of {len(checks)} checks FAILED")
     for p in folder.iterdir():
