@@ -1230,8 +1230,9 @@ def _query_apps(
         writer.garbage()
         out.flush()
         return 0
+    clock = _Clock(faults, keep_time=False)
     while True:
-        stamp = _now_text(datetime.now())
+        stamp = clock.text(clock.now(), writer.rows)
         for i, app in enumerate(apps):
             cells = []
             for n in names:
