@@ -9,6 +9,7 @@ that runs nvidia-smi (CLI, exporter, monitor, callbacks) for the length of a ``w
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import itertools
@@ -21,7 +22,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, BinaryIO, NoReturn, TypeVar, overload
 
@@ -87,6 +88,21 @@ FAULT_HELP: Mapping[str, str] = {
     "start-delay:SECONDS": "sleep SECONDS before any output (overrides the start_delay setting)",
     "grandchild": "first start a grandchild (same process group, same stdout and stderr) that sleeps an hour "
     "holding the pipes open; then run normally",
+    "clock-step:N:SECONDS": "from row N on, the wall clock behind the timestamp cells is SECONDS later (negative: "
+    "an NTP step back) and stays so; an N that is no multiple of the GPU count steps between two GPUs' rows of "
+    "one sweep; repeat the spec for more steps (they add up)",
+    "dst-fallback[:SECONDS]": "timestamps are Europe/Berlin local time, starting (at each start) SECONDS (default "
+    "10) of real time before the fall-back of 2026-10-25 03:00 CEST: 02:59:5x, then 02:00:0x again",
+    "slow-row:N:FRACTION[:INDEX]": "in every Nth sweep, GPU INDEX's (default 3) row comes FRACTION (0 < FRACTION < 1) "
+    "of the interval (one-shot: of 1 s) late: the rows before it are flushed, then it and the rest of the sweep "
+    "follow; its timestamp is on time, those after it are late too",
+    "reenumerate:N[:MODE]": "a driver reload after N rows of a start: the sweep is cut, `Unable to determine the "
+    "device handle for GPU ...: Unknown Error`, exit 255; every later start serves the changed GPU set: MODE "
+    "`swap` (default) swaps GPUs 0 and 1 (uuid, bus id, values), `remove` drops GPU 1 and renumbers the rest "
+    "down, `add` appends a GPU with a new uuid and bus id; repeat the spec to chain reloads (state: "
+    "SMIQUERY_FAKE_STATE, in-process InProcessRunner.reloads)",
+    "flood[:BYTES]": "a wrong binary on PATH: only garbage on stdout, no header: one-shot without any newline, in "
+    "a loop 1 MiB lines back to back; endless, or BYTES in all and exit 0",
 }
 
 #: Fault specs understood by the fake (see :data:`FAULT_HELP` for what each does).
@@ -101,6 +117,8 @@ ENV_VARS: Mapping[str, str] = {
     "SMIQUERY_FAKE_LOG": "file to append one JSON line per invocation to (empty: no log)",
     "SMIQUERY_FAKE_SWEEP": "which sweep a one-shot query prints (modulo the sweep count); where a loop starts",
     "SMIQUERY_FAKE_KEEP_TIME": "1: print the recorded timestamps instead of the current time",
+    "SMIQUERY_FAKE_STATE": "file holding how many `reenumerate` reloads have struck (default: the executable's "
+    "path plus `.state`); delete it to start over",
 }
 
 # Messages and exit codes of NVIDIA-SMI.md section 5. `not-supported` has no recorded message; NVML's own error
@@ -196,6 +214,14 @@ class _Faults:
     drop_gpu_message: bool = False
     start_delay: float | None = None
     grandchild: bool = False
+    clock_steps: tuple[tuple[int, float], ...] = ()  # (rows, seconds), one per `clock-step`
+    dst_before: float | None = None
+    slow_every: int | None = None
+    slow_fraction: float = 0.0
+    slow_index: int = 3
+    reloads: tuple[tuple[int, str], ...] = ()  # (rows, mode), one per `reenumerate`, in order
+    flood: bool = False
+    flood_bytes: int | None = None
 
 
 def _is_number(text: str) -> bool:
@@ -213,6 +239,19 @@ def _exit_code(spec: str, text: str) -> int:
     if code > 255:
         raise _FakeUsageError(f"fault {spec!r}: exit codes go up to 255")
     return code
+
+
+def _number(spec: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise _FakeUsageError(f"fault {spec!r}: {text!r} is not a number")
+    return value
+
+
+_RELOAD_MODES = ("swap", "remove", "add")
 
 
 def _parse_faults(spec: str | None) -> _Faults:
@@ -259,9 +298,80 @@ def _parse_faults(spec: str | None) -> _Faults:
             count, _, index = arg.partition(":")
             values["gpu_lost_after"] = _nonneg(item, count)
             values["gpu_lost_index"] = _nonneg(item, index) if index else 0
+        elif name == "clock-step" and ":" in arg:
+            count, _, seconds = arg.partition(":")
+            step = (_nonneg(item, count), _number(item, seconds))
+            values["clock_steps"] = (*values.get("clock_steps", ()), step)  # type: ignore[misc]
+        elif name == "dst-fallback":
+            before = _number(item, arg) if arg else 10.0
+            if before < 0:
+                raise _FakeUsageError(f"fault {item!r}: the seconds before the change must not be negative")
+            values["dst_before"] = before
+        elif name == "slow-row" and ":" in arg:
+            count, _, rest = arg.partition(":")
+            fraction_text, _, index = rest.partition(":")
+            every = _nonneg(item, count)
+            fraction = _number(item, fraction_text)
+            if every < 1:
+                raise _FakeUsageError(f"fault {item!r}: N counts sweeps and starts at 1")
+            if not 0 < fraction < 1:
+                raise _FakeUsageError(f"fault {item!r}: FRACTION is a share of the interval, between 0 and 1")
+            values["slow_every"] = every
+            values["slow_fraction"] = fraction
+            values["slow_index"] = _nonneg(item, index) if index else 3
+        elif name == "reenumerate" and arg:
+            count, _, mode = arg.partition(":")
+            mode = mode or "swap"
+            if mode not in _RELOAD_MODES:
+                raise _FakeUsageError(f"fault {item!r}: MODE is one of {', '.join(_RELOAD_MODES)}")
+            reload = (_nonneg(item, count), mode)
+            values["reloads"] = (*values.get("reloads", ()), reload)  # type: ignore[misc]
+        elif name == "flood":
+            values["flood"] = True
+            if arg:
+                total = _nonneg(item, arg)
+                if total < 1:
+                    raise _FakeUsageError(f"fault {item!r}: BYTES must be at least 1 (leave it out for no end)")
+                values["flood_bytes"] = total
         else:
             raise _FakeUsageError(f"unknown fault {item!r}; known faults: {', '.join(FAULTS)}")
     return _Faults(**values)  # type: ignore[arg-type]
+
+
+class _MemoryState:
+    """How many ``reenumerate`` reloads have struck, kept by an :class:`InProcessRunner` instead of a file."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.lock = threading.Lock()
+
+
+def _reloads_struck(state: str | _MemoryState | None) -> int:
+    if isinstance(state, _MemoryState):
+        with state.lock:
+            return state.value
+    if state is None:
+        raise _FakeUsageError("fault 'reenumerate' needs a state file: set SMIQUERY_FAKE_STATE")
+    try:
+        text = pathlib.Path(state).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        raise _FakeUsageError(f"cannot read state file {state}: {exc}") from exc
+    if not _is_number(text):
+        raise _FakeUsageError(f"state file {state} holds {text[:40]!r}, not a count of reloads: delete it")
+    return int(text)
+
+
+def _record_reload(state: str | _MemoryState | None, struck: int) -> None:
+    if isinstance(state, _MemoryState):
+        with state.lock:
+            state.value = struck
+        return
+    assert state is not None
+    tmp = f"{state}.{os.getpid()}.tmp"
+    pathlib.Path(tmp).write_text(f"{struck}\n", encoding="utf-8")
+    os.replace(tmp, state)  # a start that reads it at the same moment sees the old count or the new one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +383,7 @@ class _Settings:
     log: str | None = None
     sweep: int = 0
     keep_time: bool = False
+    state: str | _MemoryState | None = None
 
     def with_env(self, env: Mapping[str, str]) -> _Settings:
         """Apply the SMIQUERY_FAKE_* overrides."""
@@ -297,6 +408,8 @@ class _Settings:
                 raise _FakeUsageError("SMIQUERY_FAKE_SWEEP must be an integer") from None
         if "SMIQUERY_FAKE_KEEP_TIME" in env:
             changes["keep_time"] = env["SMIQUERY_FAKE_KEEP_TIME"] == "1"
+        if "SMIQUERY_FAKE_STATE" in env:
+            changes["state"] = env["SMIQUERY_FAKE_STATE"] or None
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -437,7 +550,7 @@ class _Recording:
         for i, fld in enumerate(self.columns):
             self.col.setdefault(fld.name, i)
         key = next((self.col[k] for k in ("index", "uuid", "pci.bus_id") if k in self.col), None)
-        self.sweeps = _Sweeps(body, len(self.columns), key)
+        self.sweeps: _Sweeps | _MappedSweeps = _Sweeps(body, len(self.columns), key)
         if not self.sweeps.has(0):
             raise _FakeUsageError(f"{source} has no data rows")
         self.gpus = [self._identity(pos, row) for pos, row in enumerate(self.sweeps[0])]
@@ -516,6 +629,73 @@ def _parsed_recording(path: str, stamp: tuple[int, int, int, int]) -> _Recording
     except OSError as exc:
         raise _FakeUsageError(f"cannot read recording {path}: {exc}") from exc
     return _Recording(text, sidecar=p.with_suffix(".fields"), source=path)
+
+
+class _MappedSweeps(Sequence[list[list[str]]]):
+    """A recording's sweeps as ``change`` turns each of them (the GPU set after ``reenumerate`` reloads)."""
+
+    def __init__(self, sweeps: _Sweeps | _MappedSweeps, change: Callable[[list[list[str]]], list[list[str]]]) -> None:
+        self._sweeps = sweeps
+        self._change = change
+
+    def has(self, n: int) -> bool:
+        return self._sweeps.has(n)
+
+    def __len__(self) -> int:
+        return len(self._sweeps)
+
+    @overload
+    def __getitem__(self, n: int) -> list[list[str]]: ...
+    @overload
+    def __getitem__(self, n: slice) -> list[list[list[str]]]: ...
+    def __getitem__(self, n: int | slice) -> list[list[str]] | list[list[list[str]]]:
+        if isinstance(n, slice):
+            return [self[i] for i in range(*n.indices(len(self)))]
+        return self._change(self._sweeps[n])
+
+
+def _relayout(rec: _Recording, modes: Sequence[str]) -> _Recording:
+    """``rec`` with the GPU set that the ``reenumerate`` reloads in ``modes`` left behind, in order."""
+    if not modes:
+        return rec
+    changed = copy.copy(rec)  # the parsed recording is shared read-only: only attributes are replaced
+    changed.sweeps = _MappedSweeps(rec.sweeps, functools.partial(_reenumerated, rec, tuple(modes)))
+    changed.gpus = [changed._identity(pos, row) for pos, row in enumerate(changed.sweeps[0])]
+    return changed
+
+
+def _reenumerated(rec: _Recording, modes: tuple[str, ...], sweep: list[list[str]]) -> list[list[str]]:
+    rows = [list(row) for row in sweep]
+    for mode in modes:
+        if mode == "swap" and len(rows) >= 2:
+            rows[0], rows[1] = rows[1], rows[0]
+        elif mode == "remove" and rows:
+            del rows[1 if len(rows) > 1 else 0]
+        elif mode == "add" and rows:
+            rows.append(_added_gpu(rec, rows))
+        # the driver numbers GPUs afresh at each load: positions are the new indices
+        at = rec.col.get("index")
+        if at is not None:
+            for pos, row in enumerate(rows):
+                row[at] = str(pos)
+    return rows
+
+
+def _added_gpu(rec: _Recording, rows: list[list[str]]) -> list[str]:
+    """A new GPU's row: the first GPU's values under a uuid, bus id and serial no other GPU has."""
+    import uuid
+
+    row = list(rows[0])
+    if (at := rec.col.get("uuid")) is not None:
+        row[at] = f"GPU-{uuid.uuid5(uuid.NAMESPACE_OID, f'smiquery-fake:{rows[0][at]}:{len(rows)}')}"
+    if (at := rec.col.get("pci.bus_id")) is not None:
+        buses = [int(m.group(1), 16) for r in rows if (m := re.search(r":([0-9A-Fa-f]{2}):", r[at]))]
+        row[at] = f"00000000:{(max(buses, default=0) + 1) % 256:02X}:00.0"
+    if (at := rec.col.get("serial")) is not None:
+        serials = [int(r[at]) for r in rows if _is_number(r[at])]
+        if serials:
+            row[at] = str(max(serials) + 1)
+    return row
 
 
 # Compute apps: canonical names, input aliases and header units (NVIDIA-SMI.md section 4).
@@ -725,14 +905,70 @@ def _garbage_line(rng: random.Random, ncols: int) -> bytes:
     return b"\xff\xfe" + noise + b", \xc3(" * (cells - 1)
 
 
+# The fall-back of `dst-fallback`: 2026-10-25 03:00 CEST (UTC+2) is 02:00 CET (UTC+1), at 01:00 UTC.
+_DST_CHANGE_UTC = datetime(2026, 10, 25, 1, 0, 0)
+
+
+class _Clock:
+    """The wall clock behind the timestamp cells: the local time, or ``dst-fallback``'s, plus the clock steps."""
+
+    def __init__(self, faults: _Faults, keep_time: bool) -> None:
+        self.steps = faults.clock_steps
+        self.dst_before = faults.dst_before
+        self.keep_time = keep_time and self.dst_before is None
+        self.start = time.monotonic()
+
+    def now(self) -> datetime:
+        """The instant a sweep starts: local time, or (``dst-fallback``) UTC, to be turned by :meth:`text`."""
+        if self.dst_before is None:
+            return datetime.now()
+        return _DST_CHANGE_UTC + timedelta(seconds=time.monotonic() - self.start - self.dst_before)
+
+    def text(self, instant: datetime, rows: int) -> str:
+        """The timestamp cell of a row written after ``rows`` rows, at ``instant`` (from :meth:`now`)."""
+        shift = sum(seconds for after, seconds in self.steps if rows >= after)
+        if shift:
+            instant += timedelta(seconds=shift)
+        if self.dst_before is not None:  # Europe/Berlin: UTC+2 until the change, UTC+1 after it
+            instant += timedelta(hours=2 if instant < _DST_CHANGE_UTC else 1)
+        return _now_text(instant)
+
+    def recorded(self, cell: str, rows: int) -> str:
+        """A recorded timestamp cell (``SMIQUERY_FAKE_KEEP_TIME``), moved by the clock steps struck so far."""
+        if not any(rows >= after for after, _ in self.steps):
+            return cell
+        try:
+            instant = datetime.strptime(cell.strip(), "%Y/%m/%d %H:%M:%S.%f")
+        except ValueError:
+            return cell
+        return self.text(instant, rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reload:
+    """The ``reenumerate`` reload due in this start: after ``after`` rows, the count in ``state`` goes up."""
+
+    state: str | _MemoryState | None
+    struck: int
+    after: int
+
+
 class _RowWriter:
     """Writes data rows and springs the row-counting faults (``hang-after``, ``crash-after``...)."""
 
-    def __init__(self, out: _Output, faults: _Faults, ncols: int, interval: float | None = None) -> None:
+    def __init__(
+        self,
+        out: _Output,
+        faults: _Faults,
+        ncols: int,
+        interval: float | None = None,
+        reload: _Reload | None = None,
+    ) -> None:
         self.out = out
         self.faults = faults
         self.ncols = ncols
         self.interval = interval
+        self.reload = reload
         self.rows = 0
         self._garbage_done = False
         self._wrong_done = False
@@ -765,6 +1001,12 @@ class _RowWriter:
             raise _Exit(self.faults.exit_after_code)
         if self._due(self.faults.notices_after):
             self._notices_forever()
+        if self.reload is not None and self.rows >= self.reload.after:
+            _record_reload(self.reload.state, self.reload.struck + 1)
+            bus = _short_bus_id(next_bus_id) if next_bus_id else "0000:00:00.0"
+            self.out.line(_HANDLE_ERROR.format(bus=bus, reason="Unknown Error"))
+            self.out.flush()
+            raise _Exit(255)
 
     def _notices_forever(self) -> NoReturn:
         while True:
@@ -791,6 +1033,36 @@ class _RowWriter:
     def garbage(self, lines: int = 12) -> None:
         for _ in range(lines):
             self.out.raw(_garbage_line(self.rng, self.ncols) + b"\n")
+
+
+_FLOOD_LINE = 1 << 20  # a loop's flood: lines of 1 MiB, far past any sane row
+
+
+@functools.cache
+def _flood_block() -> bytes:
+    """64 KiB of noise with no line break, comma or NUL: what a wrong binary could print."""
+    import random
+
+    alphabet = bytes(b for b in range(1, 256) if b not in b"\n\r\x0b\x0c\x1c\x1d\x1e\x85,")
+    rng = random.Random(20261025)
+    return bytes(rng.choice(alphabet) for _ in range(1 << 16))
+
+
+def _flood(argv: Sequence[str], total: int | None, out: _Output) -> int:
+    """``flood``: noise on stdout without end (or ``total`` bytes), in a loop as over-long lines."""
+    loop = any(a.partition("=")[0] in ("-l", "--loop", "-lms", "--loop-ms") for a in argv) or tuple(argv[:1]) == (
+        "pmon",
+    )
+    block = _flood_block()
+    unit = block * (_FLOOD_LINE // len(block)) + b"\n" if loop else block
+    left = total
+    while left is None or left > 0:
+        data = unit if left is None else unit[:left]
+        out.raw(data)
+        out.flush()
+        if left is not None:
+            left -= len(data)
+    return 0
 
 
 def _invalid_field(out: _Output, name: str) -> NoReturn:
@@ -835,7 +1107,7 @@ def _select(rec: _Recording, ids: str | None, out: _Output) -> set[str]:
     return chosen
 
 
-def _sweep_order(first: int, sweeps: _Sweeps, loop: bool) -> Iterator[int]:
+def _sweep_order(first: int, sweeps: _Sweeps | _MappedSweeps, loop: bool) -> Iterator[int]:
     # modulo the sweep count, counted only when needed: counting reads the whole recording
     n = first if sweeps.has(first) else first % len(sweeps)
     if not loop:
@@ -854,7 +1126,9 @@ def _render(fld: Field, value: str | None, units: bool) -> str:
     return value
 
 
-def _query_gpu(opts: _Options, rec: _Recording, settings: _Settings, faults: _Faults, out: _Output) -> int:
+def _query_gpu(
+    opts: _Options, rec: _Recording, settings: _Settings, faults: _Faults, out: _Output, reload: _Reload | None
+) -> int:
     assert opts.query_gpu is not None
     fields: list[Field] = []
     for name in opts.query_gpu.split(","):
@@ -865,9 +1139,10 @@ def _query_gpu(opts: _Options, rec: _Recording, settings: _Settings, faults: _Fa
     header, units = _format_flags(opts.fmt, out)
     _startup(faults, rec, out)
     selected = _select(rec, opts.ids, out)
-    keep_time = settings.keep_time
+    clock = _Clock(faults, settings.keep_time)
+    keep_time = clock.keep_time and "timestamp" in rec.col
     loop = opts.interval is not None
-    writer = _RowWriter(out, faults, len(fields), opts.interval)
+    writer = _RowWriter(out, faults, len(fields), opts.interval, reload)
     if header:
         out.line(", ".join(f.header for f in fields))
     if faults.garbage:
@@ -875,11 +1150,18 @@ def _query_gpu(opts: _Options, rec: _Recording, settings: _Settings, faults: _Fa
         out.flush()
         return 0
     warned = False
-    for n in _sweep_order(settings.sweep, rec.sweeps, loop):
+    for count, n in enumerate(_sweep_order(settings.sweep, rec.sweeps, loop), 1):
         rows = [(rec.key_of(r, pos), r) for pos, r in enumerate(rec.sweeps[n])]
         rows = [(key, r) for key, r in rows if key in selected]
-        now = datetime.now()
+        now = clock.now()
+        slow = faults.slow_every is not None and count % faults.slow_every == 0
+        late = 0.0  # how late this sweep's rows are, once its slow row has come
         for i, (key, row) in enumerate(rows):
+            delay = 0.0
+            if slow and key == str(faults.slow_index):
+                delay = faults.slow_fraction * (opts.interval if opts.interval is not None else 1.0)
+                out.flush()  # the rows before it reach the reader on time
+                out.sleep(delay)
             if (
                 faults.drop_gpu_after is not None
                 and writer.rows >= faults.drop_gpu_after
@@ -899,10 +1181,13 @@ def _query_gpu(opts: _Options, rec: _Recording, settings: _Settings, faults: _Fa
             for fld in fields:
                 if lost and fld.name not in _SURVIVES_LOSS:
                     cells.append("[GPU is lost]")
-                elif fld.name == "timestamp" and not (keep_time and "timestamp" in rec.col):
-                    cells.append(_now_text(now + timedelta(milliseconds=i)))
+                elif fld.name == "timestamp" and not keep_time:
+                    cells.append(clock.text(now + timedelta(seconds=late, milliseconds=i), writer.rows))
+                elif fld.name == "timestamp":
+                    cells.append(clock.recorded(_render(fld, rec.cell(row, fld.name), units), writer.rows))
                 else:
                     cells.append(_render(fld, rec.cell(row, fld.name), units))
+            late += delay  # the slow row's timestamp was taken before its slow answer; the rows after it are late
             truncate = faults.truncated and i == len(rows) - 1
             writer.row(cells, bus_id=rec.cell(row, "pci.bus_id") or "", truncate=truncate)
         out.flush()
@@ -923,7 +1208,9 @@ def _query_gpu(opts: _Options, rec: _Recording, settings: _Settings, faults: _Fa
     return 0
 
 
-def _query_apps(opts: _Options, rec: _Recording, settings: _Settings, faults: _Faults, out: _Output) -> int:
+def _query_apps(
+    opts: _Options, rec: _Recording, settings: _Settings, faults: _Faults, out: _Output, reload: _Reload | None
+) -> int:
     assert opts.query_apps is not None
     names: list[str] = []
     for name in opts.query_apps.split(","):
@@ -936,15 +1223,16 @@ def _query_apps(opts: _Options, rec: _Recording, settings: _Settings, faults: _F
     selected = _select(rec, opts.ids, out)
     uuids = {g["uuid"].lower() for g in rec.gpus if g["index"] in selected}
     apps = [a for a in _load_apps(settings.apps, rec) if a.get("gpu_uuid", "").lower() in uuids or opts.ids is None]
-    writer = _RowWriter(out, faults, len(names), opts.interval)
+    writer = _RowWriter(out, faults, len(names), opts.interval, reload)
     if header:
         out.line(", ".join(f"{n} [{_APP_FIELDS[n]}]" if _APP_FIELDS[n] else n for n in names))
     if faults.garbage:
         writer.garbage()
         out.flush()
         return 0
+    clock = _Clock(faults, keep_time=False)
     while True:
-        stamp = _now_text(datetime.now())
+        stamp = clock.text(clock.now(), writer.rows)
         for i, app in enumerate(apps):
             cells = []
             for n in names:
@@ -1124,12 +1412,20 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
     delay = faults.start_delay if faults.start_delay is not None else settings.start_delay
     if delay > 0:
         out.sleep(delay)
+    if faults.flood:
+        return _flood(argv, faults.flood_bytes, out)
     if tuple(argv[:1]) == ("pmon",):  # a tuple from the in-process runner, a list from the executable
         from smiquery._fake_pmon import run_pmon
 
         return run_pmon(argv[1:], settings, faults, out)
     opts = _parse_args(argv, out)
     rec = _load_recording(settings.recording)
+    reload = None
+    if faults.reloads:
+        struck = _reloads_struck(settings.state)
+        rec = _relayout(rec, [mode for _, mode in faults.reloads[:struck]])
+        if struck < len(faults.reloads):
+            reload = _Reload(settings.state, struck, faults.reloads[struck][0])
     if opts.action == "help":
         return _usage(out)
     if opts.action == "help-query-gpu":
@@ -1140,9 +1436,9 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
         out.line(f"Invalid combination of input arguments. {_HELP_HINT}")
         return 2
     if opts.query_gpu is not None:
-        return _query_gpu(opts, rec, settings, faults, out)
+        return _query_gpu(opts, rec, settings, faults, out, reload)
     if opts.query_apps is not None:
-        return _query_apps(opts, rec, settings, faults, out)
+        return _query_apps(opts, rec, settings, faults, out, reload)
     if opts.fmt is not None:
         out.line(f"Invalid combination of input arguments. {_HELP_HINT}")
         return 2
@@ -1230,6 +1526,7 @@ def _main_with_settings(settings: Mapping[str, object], argv: list[str] | None =
         start_delay=float(delay) if isinstance(delay, (int, float, str)) else 0.0,
         apps=_opt_str(settings.get("apps")),
         log=_opt_str(settings.get("log")),
+        state=_opt_str(settings.get("state")),
     )
     return _run(sys.argv[1:] if argv is None else argv, baked)
 
@@ -1268,6 +1565,31 @@ def fake_nvidia_smi(
     CSV format, failing as ``fault`` says. The ``SMIQUERY_FAKE_*`` environment variables override these settings
     when it runs (see :data:`ENV_VARS`).
 
+    Faults about time and identity, for stream engines (:data:`FAULT_HELP` has every fault):
+
+    - ``clock-step:N:SECONDS``: from the Nth row on (0-based), the timestamp cells are SECONDS later (negative: an
+      NTP step back). With 8 GPUs, ``clock-step:12:-3600`` steps back an hour between GPU 3 and GPU 4 of the second
+      sweep, so that sweep straddles the step. Repeat the spec for more steps; with ``SMIQUERY_FAKE_KEEP_TIME=1``
+      the recorded timestamps move by the same steps.
+    - ``dst-fallback[:SECONDS]``: the timestamps are Europe/Berlin local time, starting SECONDS (default 10) of real
+      time before 2026-10-25 03:00 CEST, when clocks go back to 02:00 CET: ``02:59:59.9xx`` is followed by
+      ``02:00:00.0xx``. Each start begins SECONDS before the change again.
+    - ``slow-row:N:FRACTION[:INDEX]``: in sweeps N, 2N, 3N... of a start, the rows before GPU INDEX's (default 3)
+      are flushed, then that row and the rest of the sweep come FRACTION (0 < FRACTION < 1) of the interval late
+      (one-shot: of 1 s). The slow row's timestamp is on time; the rows after it carry the delay. The next sweep
+      starts one interval after this one ends, as nvidia-smi sleeps between sweeps.
+    - ``reenumerate:N[:MODE]``: after N rows of a start, a driver reload: the sweep is cut, ``Unable to determine the
+      device handle for GPU <bus id of the next row>: Unknown Error``, exit 255. The reload is counted in the state
+      file (``<path>.state`` beside the executable; ``SMIQUERY_FAKE_STATE``), so every later start serves the changed
+      GPU set, to every query (``-L``, ``-i``, compute apps too): ``swap`` (default) swaps GPUs 0 and 1 (uuid, bus
+      id and values; the indices stay in order), ``remove`` drops GPU 1 and renumbers the ones after it down,
+      ``add`` appends a GPU (GPU 0's values under a new uuid, bus id and serial). Repeated specs chain: the first
+      start reloads after the first spec's N rows, the second start (with the first change) after the second's, and
+      the last start runs on. Delete the state file to start over.
+    - ``flood[:BYTES]``: a wrong binary on PATH: noise on stdout and nothing else, whatever the arguments; one-shot
+      with no newline at all, in a loop (``-l``/``-lms``) as 1 MiB lines back to back; without end, or BYTES in
+      all and exit 0.
+
     Args:
         directory: where to write it (created if missing).
         recording: a ``--format=csv`` recording with header; None for the bundled 8-GPU demo.
@@ -1284,12 +1606,15 @@ def fake_nvidia_smi(
         ValueError: ``fault`` names an unknown fault or ``start_delay`` is negative.
     """
     _check_settings(fault, start_delay)
+    folder = pathlib.Path(directory)
+    path = folder / name
     settings = {
         "recording": _abs(recording),
         "fault": fault,
         "start_delay": float(start_delay),
         "apps": "" if apps == "" else _abs(apps),
         "log": _abs(log),
+        "state": _abs(f"{path}.state"),
     }
     package_parent = str(pathlib.Path(__file__).resolve().parent.parent)
     script = (
@@ -1304,9 +1629,7 @@ def fake_nvidia_smi(
         + "    from smiquery.testing import _main_with_settings\n\n"
         + "sys.exit(_main_with_settings(SETTINGS))\n"
     )
-    folder = pathlib.Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
     path.write_text(script, encoding="utf-8")
     path.chmod(0o755)
     return path
@@ -1376,9 +1699,13 @@ class _ChannelOutput(_Output):
     def flush(self) -> None:
         self._check()
         if self.pending:
-            with self.channel.cond:
-                self.channel.out += self.pending
-                self.channel.cond.notify_all()
+            ch = self.channel
+            with ch.cond:
+                # a full pipe blocks the writer until the reader takes some (a flood must not fill the memory)
+                ch.cond.wait_for(lambda: len(ch.out) < _PIPE_BUFFER or ch.stop_signal is not None)
+                self._check()
+                ch.out += self.pending
+                ch.cond.notify_all()
             self.pending.clear()
 
     def sleep(self, seconds: float) -> None:
@@ -1420,6 +1747,8 @@ def _stop_channel(channel: _Channel) -> None:
 
 
 _MESSAGE_LIMIT = 20  # recent non-CSV lines kept for error messages, as the real line reader keeps them
+_PIPE_BUFFER = 1 << 20  # unread output at which the in-process engine's flush waits, as a writer on a full pipe
+_RUN_OUTPUT_CAP = 64 << 20  # stdout InProcessRunner.run() keeps before it stops reading (then it times out)
 
 
 class InProcessLines:
@@ -1524,6 +1853,7 @@ class InProcessLines:
         if not data:
             return
         self._ch.out.clear()
+        self._ch.cond.notify_all()  # room in the pipe again
         buf = self._buf + data
         *complete, self._buf = buf.split(b"\n")
         for raw in complete:
@@ -1605,7 +1935,10 @@ class InProcessRunner:
     takes no ``runner=`` (the CLI, the exporter, the callbacks) against it, see :func:`use_runner`.
 
     Settings are plain attributes and may change between calls (set ``fault = None`` to simulate a fix). Unlike
-    the executable, the process environment is not read: pass ``SMIQUERY_FAKE_*`` overrides in ``env``.
+    the executable, the process environment is not read: pass ``SMIQUERY_FAKE_*`` overrides in ``env``. The
+    ``reenumerate`` reloads are counted on the runner (:attr:`reloads`), where the executable keeps a state file.
+    Output waits for the reader past 1 MiB unread, as a pipe does; :meth:`run` keeps at most 64 MiB of stdout
+    and then stops reading, so an endless ``flood`` ends in its timeout rather than filling the memory.
 
     Example::
 
@@ -1657,6 +1990,7 @@ class InProcessRunner:
         self.log = log
         self.env: dict[str, str] = dict(env or {})
         self.calls: list[tuple[str, ...]] = []
+        self._state = _MemoryState()
         self._channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
         self._serial = 0
         self._lock = threading.Lock()
@@ -1668,6 +2002,7 @@ class InProcessRunner:
             start_delay=float(self.start_delay),
             apps=None if self.apps is None else os.fspath(self.apps),
             log=None if self.log is None else os.fspath(self.log),
+            state=self._state,
         )
         channel = _Channel()
         with self._lock:
@@ -1681,6 +2016,17 @@ class InProcessRunner:
         self._channels.add(channel)
         thread.start()
         return channel
+
+    @property
+    def reloads(self) -> int:
+        """How many ``reenumerate`` reloads have struck: later calls serve the GPU set they left (settable, 0: undo)."""
+        with self._state.lock:
+            return self._state.value
+
+    @reloads.setter
+    def reloads(self, value: int) -> None:
+        with self._state.lock:
+            self._state.value = value
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
         """Run the fake to completion within ``timeout`` seconds.
@@ -1698,9 +2044,21 @@ class InProcessRunner:
         from smiquery.runner import Completed
 
         start = time.monotonic()
+        deadline = start + max(timeout, 0.0)
         channel = self._start(argv)
+        out = bytearray()
         with channel.cond:
-            finished = channel.cond.wait_for(lambda: channel.done, max(timeout, 0.0))
+            while not channel.done:
+                if channel.out and len(out) < _RUN_OUTPUT_CAP:  # read as it comes, as the pipe is read
+                    out += channel.out
+                    channel.out.clear()
+                    channel.cond.notify_all()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                channel.cond.wait(left)
+            finished = channel.done
         if not finished:
             _stop_channel(channel)
             raise NvidiaSmiTimeoutError(
@@ -1712,9 +2070,9 @@ class InProcessRunner:
         channel.join(1.0)
         rc = channel.returncode
         assert rc is not None
-        return Completed(
-            tuple(argv), rc, _decode(bytes(channel.out)), _decode(bytes(channel.err)), time.monotonic() - start
-        )
+        with channel.cond:
+            out += channel.out
+        return Completed(tuple(argv), rc, _decode(bytes(out)), _decode(bytes(channel.err)), time.monotonic() - start)
 
     def lines(self, argv: Sequence[str]) -> InProcessLines:
         """Start the fake and return its output as it comes (for ``-l``/``-lms`` loops).
