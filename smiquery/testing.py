@@ -101,6 +101,7 @@ ENV_VARS: Mapping[str, str] = {
     "SMIQUERY_FAKE_LOG": "file to append one JSON line per invocation to (empty: no log)",
     "SMIQUERY_FAKE_SWEEP": "which sweep a one-shot query prints (modulo the sweep count); where a loop starts",
     "SMIQUERY_FAKE_KEEP_TIME": "1: print the recorded timestamps instead of the current time",
+    "SMIQUERY_FAKE_XML": "nvidia-smi -q -x capture that -q -x and -L answer from (empty: made from the recording)",
 }
 
 # Messages and exit codes of NVIDIA-SMI.md section 5. `not-supported` has no recorded message; NVML's own error
@@ -273,6 +274,7 @@ class _Settings:
     log: str | None = None
     sweep: int = 0
     keep_time: bool = False
+    xml: str | None = None
 
     def with_env(self, env: Mapping[str, str]) -> _Settings:
         """Apply the SMIQUERY_FAKE_* overrides."""
@@ -297,6 +299,8 @@ class _Settings:
                 raise _FakeUsageError("SMIQUERY_FAKE_SWEEP must be an integer") from None
         if "SMIQUERY_FAKE_KEEP_TIME" in env:
             changes["keep_time"] = env["SMIQUERY_FAKE_KEEP_TIME"] == "1"
+        if "SMIQUERY_FAKE_XML" in env:
+            changes["xml"] = env["SMIQUERY_FAKE_XML"] or None
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -1124,6 +1128,10 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
     delay = faults.start_delay if faults.start_delay is not None else settings.start_delay
     if delay > 0:
         out.sleep(delay)
+    if {"-q", "--query", "-x", "--xml-format"} & set(argv) or (settings.xml and {"-L", "--list-gpus"} & set(argv)):
+        from smiquery._fake_details import run_details  # -q -x, and -L from an XML capture
+
+        return run_details(argv, settings, faults, out)
     if tuple(argv[:1]) == ("pmon",):  # a tuple from the in-process runner, a list from the executable
         from smiquery._fake_pmon import run_pmon
 
