@@ -488,8 +488,8 @@ def parse_xml(text: str | bytes, *, listing: str | None = None) -> list[GpuDetai
     """
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="replace")
-    reading = _reading_for(text)
     root = _parse_root(text)
+    reading = _reading_for(text)
     driver_node = root.find("driver_version")
     driver = (driver_node.text or "").strip() or None if driver_node is not None else None
     gpus = [_gpu(i, g, reading, driver) for i, g in enumerate(root.findall("gpu"))]

@@ -324,7 +324,11 @@ class XidFollower(Iterator[XidEvent]):
             yield data.decode("utf-8", errors="replace").split("\n", 1)[0]
 
     def _file_lines(self) -> Iterator[str]:
-        """Follow a plain file like ``tail -F``: re-open it when it is replaced (rotated) or truncated."""
+        """Follow a plain file like ``tail -F``: re-open it when it is replaced (rotated) or truncated.
+
+        As with ``tail -F``, truncation is seen when the file is found shorter than what was read: one truncated
+        and refilled past that point between two polls reads on from the old position.
+        """
         while not self._closed.is_set():
             if self._fd < 0:
                 if not self._open(first=False):
