@@ -46,7 +46,9 @@ def test_every_corpus_xml_parses_with_name_uuid_and_memory():
             assert isinstance(gpu.memory_total, int) and gpu.memory_total > 0, path.name
             assert isinstance(gpu.memory_used, int) and isinstance(gpu.memory_free, int), path.name
             assert gpu.memory_used + gpu.memory_free <= gpu.memory_total, path.name
-            assert gpu.pci_bus_id and re.fullmatch(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d", gpu.pci_bus_id)
+            assert gpu.pci_bus_id and re.fullmatch(
+                r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.\d", gpu.pci_bus_id
+            )
             for attr in ("clock_event_reasons", "remapped_rows", "processes", "mig_mode"):
                 # None only ever with a reason
                 assert getattr(gpu, attr) is not None or attr in gpu.missing, (path.name, attr)
