@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_exporter.py
 	$(PY) scripts/bench_compat.py
 	$(PY) scripts/bench_pmon.py
+	$(PY) scripts/bench_details.py
 	$(PY) scripts/bench_aio.py
 
 # Hours of an 8-GPU stream with random faults, compressed into minutes (MINUTES=3).

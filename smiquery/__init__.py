@@ -13,6 +13,7 @@ from smiquery.errors import (
     InvalidGpuIdError,
     InvalidRuleError,
     InvalidTimeZoneError,
+    KernelLogError,
     ListenError,
     NoDevicesFoundError,
     NotSupportedError,
@@ -36,6 +37,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (and re) 
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from smiquery import aio, compat, fields, oneshot, parsing, pmon, records, runner, source, supervisor  # noqa: F401
+    from smiquery.details import inspect
     from smiquery.fields import CATALOGUE, PRESETS, Field, Kind, get_field, parse_help_query_gpu, resolve_fields
     from smiquery.frames import to_dataframe
     from smiquery.oneshot import GpuProcess, get_gpu_status, processes, processes_df, query, query_df
@@ -65,6 +67,7 @@ _LAZY = {
     **dict.fromkeys(("CsvParser", "parse_lines"), "smiquery.parsing"),
     "GpuSample": "smiquery.records",
     "RetryPolicy": "smiquery.retry",
+    "inspect": "smiquery.details",
     **dict.fromkeys(("SampleSource", "StreamEvent", "StreamStats", "Sweep"), "smiquery.source"),
     **dict.fromkeys(("Stream", "stream"), "smiquery.supervisor"),
     # these import pandas on first use
@@ -113,6 +116,7 @@ __all__ = [
     "InvalidGpuIdError",
     "InvalidRuleError",
     "InvalidTimeZoneError",
+    "KernelLogError",
     "Kind",
     "ListenError",
     "NoDevicesFoundError",
@@ -140,6 +144,7 @@ __all__ = [
     "__version__",
     "get_field",
     "get_gpu_status",
+    "inspect",
     "parse_help_query_gpu",
     "parse_lines",
     "processes",

@@ -16,6 +16,7 @@ Every exception class of the package is defined here (the modules that raise the
     │   ├── ReplayError                      ... or played back (lacks the fields asked for)
     │   └── ReportError (+ValueError)        ... or analysed (no timestamp)
     ├── WebConfigError (+ValueError)         the exporter's web configuration file is unreadable or wrong
+    ├── KernelLogError                       the kernel log (``/dev/kmsg``, a file) cannot be read: path, reason
     ├── ListenError                          the HTTP server cannot listen where asked: port, bind, option
     │   └── PortInUseError                   another program holds the port
     ├── NvidiaSmiNotFoundError               binary missing or not executable; never retried
@@ -54,6 +55,7 @@ __all__ = [
     "InvalidGpuIdError",
     "InvalidRuleError",
     "InvalidTimeZoneError",
+    "KernelLogError",
     "ListenError",
     "NoDevicesFoundError",
     "NotSupportedError",
@@ -192,6 +194,26 @@ class ReplayError(RecordingError):
 
 class ReportError(RecordingError, ValueError):
     """A recording cannot be analysed: unreadable, empty, or without a ``timestamp`` column."""
+
+
+class KernelLogError(SmiqueryError):
+    """The kernel log cannot be read (no permission, missing, not a log).
+
+    Attributes:
+        path: the path given.
+        reason: what went wrong, in a few words.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        hint = (
+            "run as root or with CAP_SYSLOG (sysctl kernel.dmesg_restrict=0 also allows it), or pass a copy of "
+            "the log such as /var/log/kern.log"
+            if "permission" in reason
+            else "pass /dev/kmsg or a kernel log file such as /var/log/kern.log"
+        )
+        super().__init__(f"cannot read the kernel log {path}: {reason}; {hint}")
 
 
 class ListenError(SmiqueryError):

@@ -119,6 +119,7 @@ ENV_VARS: Mapping[str, str] = {
     "SMIQUERY_FAKE_KEEP_TIME": "1: print the recorded timestamps instead of the current time",
     "SMIQUERY_FAKE_STATE": "file holding how many `reenumerate` reloads have struck (default: the executable's "
     "path plus `.state`); delete it to start over",
+    "SMIQUERY_FAKE_XML": "nvidia-smi -q -x capture that -q -x and -L answer from (empty: made from the recording)",
 }
 
 # Messages and exit codes of NVIDIA-SMI.md section 5. `not-supported` has no recorded message; NVML's own error
@@ -384,6 +385,7 @@ class _Settings:
     sweep: int = 0
     keep_time: bool = False
     state: str | _MemoryState | None = None
+    xml: str | None = None
 
     def with_env(self, env: Mapping[str, str]) -> _Settings:
         """Apply the SMIQUERY_FAKE_* overrides."""
@@ -410,6 +412,8 @@ class _Settings:
             changes["keep_time"] = env["SMIQUERY_FAKE_KEEP_TIME"] == "1"
         if "SMIQUERY_FAKE_STATE" in env:
             changes["state"] = env["SMIQUERY_FAKE_STATE"] or None
+        if "SMIQUERY_FAKE_XML" in env:
+            changes["xml"] = env["SMIQUERY_FAKE_XML"] or None
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -1414,6 +1418,10 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
         out.sleep(delay)
     if faults.flood:
         return _flood(argv, faults.flood_bytes, out)
+    if {"-q", "--query", "-x", "--xml-format"} & set(argv) or (settings.xml and {"-L", "--list-gpus"} & set(argv)):
+        from smiquery._fake_details import run_details  # -q -x, and -L from an XML capture
+
+        return run_details(argv, settings, faults, out)
     if tuple(argv[:1]) == ("pmon",):  # a tuple from the in-process runner, a list from the executable
         from smiquery._fake_pmon import run_pmon
 

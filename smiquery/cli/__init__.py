@@ -48,6 +48,7 @@ def _load_app() -> Any:
 
     if not getattr(_common, "_registered", False):
         from smiquery.cli import doctor, fields, ps, query, stream  # noqa: F401  (their @app.command registers them)
+        from smiquery.cli import inspect as _inspect  # noqa: F401
         from smiquery.cli.analysis import register as register_analysis
         from smiquery.cli.export import register as register_export
 

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Benchmark ``smiquery.details.parse_xml`` against a bare ElementTree parse of the same bytes, in one process.
+
+For each document (the corpus's ``-q -x`` captures, read in place from ../shared/nvsmi-corpus/xml, and an 8-GPU
+document made by repeating the A100 MIG capture's GPU eight times, the size of a real 8-GPU server's output) it
+prints the time per GPU of ``parse_xml`` (typed records) and of ``xml.etree.ElementTree.fromstring`` (an untyped
+tree), and their ratio. Rounds alternate between the two sides (best of ``--rounds``), so a busy moment on a shared
+machine does not count against one side only. Target: the typed parse costs at most 3x the bare parse.
+
+Usage: ``python scripts/bench_details.py [--rounds N]``. Exit status 1 when the target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+import warnings
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from smiquery.details import parse_xml  # noqa: E402
+
+CORPUS = ROOT.parent / "shared" / "nvsmi-corpus" / "xml"
+FIXTURE = ROOT / "tests" / "fixtures" / "details-2gpu-mig.xml"
+TARGET = 3.0
+
+
+def _eight_gpus(text: str) -> str:
+    m = re.search(r"\s*<gpu id=.*?</gpu>", text, re.DOTALL)
+    assert m is not None
+    return text[: m.start()] + m.group(0) * 8 + text[m.end() :]
+
+
+def _best(fn: Callable[[bytes], object], data: bytes, rounds: int, inner: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn(data)
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    docs: list[tuple[str, bytes]] = []
+    if CORPUS.is_dir():
+        docs = [(p.name, p.read_bytes()) for p in sorted(CORPUS.glob("*.xml"))]
+        mig = (CORPUS / "netdata__a100-sxm4-mig.xml").read_text()
+        docs.append(("8x a100-sxm4-mig (made)", _eight_gpus(mig).encode()))
+    else:
+        print(f"corpus not at {CORPUS}: the fixture only")
+        docs = [(FIXTURE.name, FIXTURE.read_bytes()), ("8x fixture (made)", _eight_gpus(FIXTURE.read_text()).encode())]
+    warnings.simplefilter("ignore", UserWarning)  # captures naming no DTD warn once; not what is timed
+    worst = 0.0
+    total_ours = total_base = 0.0
+    print(f"{'document':44s} {'GPUs':>4s} {'KiB':>6s} {'parse_xml/GPU':>14s} {'ET/GPU':>10s} {'ratio':>6s}")
+    for name, data in docs:
+        ngpu = len(parse_xml(data))
+        inner = max(1, int(2e6 // max(len(data), 1)))
+        ours = base = float("inf")
+        for _ in range(args.rounds):  # alternate sides round by round
+            base = min(base, _best(ET.fromstring, data, 1, inner))
+            ours = min(ours, _best(parse_xml, data, 1, inner))
+        ratio = ours / base
+        worst = max(worst, ratio)
+        total_ours += ours
+        total_base += base
+        print(
+            f"{name[:44]:44s} {ngpu:4d} {len(data) / 1024:6.1f} {ours / ngpu * 1e3:11.3f} ms "
+            f"{base / ngpu * 1e3:7.3f} ms {ratio:5.2f}x"
+        )
+    overall = total_ours / total_base
+    print(
+        f"all documents: parse_xml {total_ours * 1e3:.1f} ms vs ElementTree {total_base * 1e3:.1f} ms: {overall:.2f}x"
+    )
+    print(f"worst document: {worst:.2f}x (target <= {TARGET:.1f}x)")
+    return 0 if worst <= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

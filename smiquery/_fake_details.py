@@ -1,0 +1,206 @@
+"""``nvidia-smi -q -x`` and ``-L`` in the fake executable (:mod:`smiquery.testing`).
+
+The XML is ``SMIQUERY_FAKE_XML`` (a saved ``nvidia-smi -q -x`` capture, such as the corpus's A100 MIG one) printed
+as it is, less the GPUs ``-i`` leaves out; without it, a small XML (DTD v12) is made from the recording's current
+sweep: name, UUID, bus id, memory, clock event reasons, MIG mode and the compute apps. ``-L`` lists the XML's GPUs
+and, under each GPU with MIG devices, one ``MIG <profile> Device N: (UUID: MIG-...)`` line; the fake makes the
+MIG UUID from the parent's UUID and the instance ids, and the profile from the instance's SM count and memory
+(``3g.20gb`` on an A100: 14 SMs a slice), as real drivers name them for A100/H100-class GPUs. Without
+``SMIQUERY_FAKE_XML``, ``-L`` keeps the recording's listing.
+
+Faults: every start-up fault, ``exit:``, ``hang`` and ``start-delay`` as in the CSV modes; ``truncated`` prints the
+first half of the XML and exits 0; ``garbage`` prints random bytes instead of XML and exits 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+import random
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from xml.sax.saxutils import escape
+
+if TYPE_CHECKING:
+    from smiquery.testing import _Faults, _Output, _Recording, _Settings
+
+__all__ = ["run_details"]
+
+_GPU_RE = re.compile(r"[ \t]*<gpu id=\"[^\"]*\">.*?</gpu>[ \t]*\n?", re.DOTALL)
+_TAG = r"<{0}>\s*([^<]*?)\s*</{0}>"
+_SM_PER_SLICE = 14  # A100: 7 slices of 14 SMs (H100: 16; the fake names profiles the A100 way)
+
+
+def _tag(block: str, name: str) -> str:
+    m = re.search(_TAG.format(name), block)
+    return m.group(1) if m else ""
+
+
+def _bus_key(text: str) -> tuple[int, ...] | None:
+    from smiquery.xid import bus_key
+
+    return bus_key(text)
+
+
+def _selected(blocks: Sequence[str], ids: str | None) -> list[int] | None:
+    """Positions of the GPUs ``-i`` names (all without ``-i``); None when one id matches no GPU."""
+    if not ids:
+        return list(range(len(blocks)))
+    out: list[int] = []
+    for raw in ids.split(","):
+        wanted = raw.strip()
+        hit = None
+        for pos, block in enumerate(blocks):
+            uuid = _tag(block, "uuid")
+            bus = _tag(block, "pci_bus_id") or (re.search(r'id="([^"]*)"', block) or [None, ""])[1]
+            if (
+                wanted == str(pos)
+                or wanted.lower() == uuid.lower()
+                or (":" in wanted and bus and _bus_key(wanted) == _bus_key(bus))
+            ):
+                hit = pos
+        if hit is None:
+            return None
+        if hit not in out:
+            out.append(hit)
+    return out
+
+
+def _synthesized(rec: _Recording, settings: _Settings) -> str:
+    """A small -q -x document for the recording's current sweep (the fields a recording can carry)."""
+    from smiquery.testing import _load_apps
+
+    n = settings.sweep % len(rec.sweeps) if len(rec.sweeps) else 0
+    rows = rec.sweeps[n]
+    apps = _load_apps(settings.apps, rec)
+    out = [
+        '<?xml version="1.0" ?>',
+        '<!DOCTYPE nvidia_smi_log SYSTEM "nvsmi_device_v12.dtd">',
+        "<nvidia_smi_log>",
+        f"\t<driver_version>{escape(rec.driver_version)}</driver_version>",
+        f"\t<attached_gpus>{len(rows)}</attached_gpus>",
+    ]
+    for pos, row in enumerate(rows):
+        ident = rec.gpus[pos] if pos < len(rec.gpus) else rec.gpus[-1]
+
+        def cell(name: str, row: Sequence[str] = row) -> str:
+            value = rec.cell(row, name)
+            return "N/A" if value is None or value.startswith("[") else value
+
+        out.append(f'\t<gpu id="{escape(ident["pci.bus_id"])}">')
+        out.append(f"\t\t<product_name>{escape(ident['name'])}</product_name>")
+        mig = cell("mig.mode.current")
+        out.append(f"\t\t<mig_mode>\n\t\t\t<current_mig>{mig}</current_mig>\n\t\t</mig_mode>")
+        out.append(f"\t\t<uuid>{escape(ident['uuid'])}</uuid>")
+        out.append(f"\t\t<pci>\n\t\t\t<pci_bus_id>{escape(ident['pci.bus_id'])}</pci_bus_id>\n\t\t</pci>")
+        out.append("\t\t<fb_memory_usage>")
+        for part in ("total", "used", "free"):
+            value = cell(f"memory.{part}")
+            out.append(f"\t\t\t<{part}>{value}{' MiB' if value != 'N/A' else ''}</{part}>")
+        out.append("\t\t</fb_memory_usage>")
+        out.append("\t\t<clocks_event_reasons>")
+        for fld in rec.columns:
+            short = fld.name.removeprefix("clocks_event_reasons.")
+            if short != fld.name and short not in ("active", "supported"):
+                out.append(f"\t\t\t<clocks_event_reason_{short}>{cell(fld.name)}</clocks_event_reason_{short}>")
+        out.append("\t\t</clocks_event_reasons>")
+        out.append("\t\t<processes>")
+        for app in apps:
+            if app.get("gpu_uuid", "").lower() == ident["uuid"].lower():
+                out.append(
+                    "\t\t\t<process_info>\n\t\t\t\t<gpu_instance_id>N/A</gpu_instance_id>\n"
+                    "\t\t\t\t<compute_instance_id>N/A</compute_instance_id>\n"
+                    f"\t\t\t\t<pid>{escape(app.get('pid', '0'))}</pid>\n\t\t\t\t<type>C</type>\n"
+                    f"\t\t\t\t<process_name>{escape(app.get('process_name', ''))}</process_name>\n"
+                    f"\t\t\t\t<used_memory>{escape(app.get('used_gpu_memory', 'N/A'))} MiB</used_memory>\n"
+                    "\t\t\t</process_info>"
+                )
+        out.append("\t\t</processes>")
+        out.append("\t</gpu>")
+    out.append("</nvidia_smi_log>")
+    return "\n".join(out) + "\n"
+
+
+def _mig_uuid(parent: str, gi: str, ci: str) -> str:
+    h = hashlib.sha256(f"{parent}/{gi}/{ci}".encode()).hexdigest()
+    return f"MIG-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def _listing(blocks: Sequence[str], chosen: Sequence[int], out: _Output) -> None:
+    for pos in chosen:
+        block = blocks[pos]
+        uuid = _tag(block, "uuid")
+        out.line(f"GPU {pos}: {_tag(block, 'product_name')} (UUID: {uuid})")
+        for dev in re.findall(r"<mig_device>.*?</mig_device>", block, re.DOTALL):
+            sms = int(_tag(dev, "multiprocessor_count") or 0)
+            mib = int(_mem_total(dev) or 0)
+            profile = f"{max(1, sms // _SM_PER_SLICE)}g.{round(mib / 1024 / 5) * 5 or 5}gb"
+            index = _tag(dev, "index")
+            mig = _mig_uuid(uuid, _tag(dev, "gpu_instance_id"), _tag(dev, "compute_instance_id"))
+            out.line(f"  MIG {profile:<12s}Device {index:>2s}: (UUID: {mig})")
+
+
+def _mem_total(dev: str) -> str:
+    fb = re.search(r"<fb_memory_usage>(.*?)</fb_memory_usage>", dev, re.DOTALL)
+    return _tag(fb.group(1), "total").removesuffix(" MiB") if fb else "0"
+
+
+def _parse(argv: Sequence[str]) -> tuple[set[str], str | None]:
+    from smiquery.testing import _FakeUsageError
+
+    flags: set[str] = set()
+    ids: str | None = None
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        key, eq, inline = arg.partition("=")
+        if key in ("-i", "--id"):
+            ids = inline if eq else (args.pop(0) if args else "")
+        elif arg in ("-q", "--query"):
+            flags.add("q")
+        elif arg in ("-x", "--xml-format"):
+            flags.add("x")
+        elif arg in ("-L", "--list-gpus"):
+            flags.add("L")
+        else:
+            raise _FakeUsageError(f"the -q -x / -L emulation does not know option {arg!r}")
+    if "q" in flags and "x" not in flags:
+        raise _FakeUsageError("only `-q -x` is emulated, not the text form of -q")
+    return flags, ids
+
+
+def run_details(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Output) -> int:
+    """Answer ``-q -x [-i IDS]`` or (with an XML set) ``-L``; returns the exit status."""
+    from smiquery.testing import _FakeUsageError, _load_recording, _startup
+
+    flags, ids = _parse(argv)
+    rec = _load_recording(settings.recording)
+    _startup(faults, rec, out)
+    if settings.xml:
+        try:
+            text = pathlib.Path(settings.xml).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise _FakeUsageError(f"cannot read SMIQUERY_FAKE_XML {settings.xml}: {exc}") from exc
+    else:
+        text = _synthesized(rec, settings)
+    blocks = _GPU_RE.findall(text)
+    chosen = _selected(blocks, ids)
+    if chosen is None or not blocks:
+        out.line("No devices were found")
+        return 6
+    if "L" in flags:
+        _listing(blocks, chosen, out)
+        return 0
+    if faults.garbage:
+        rng = random.Random(len(text))
+        out.raw(bytes(rng.randrange(256) for _ in range(512)) + b"\n")
+        return 0
+    first = _GPU_RE.search(text)
+    head = text[: first.start()] if first else text
+    tail = text[text.rfind("</gpu>") + len("</gpu>") :].lstrip(" \t").removeprefix("\n") if first else ""
+    doc = head + "".join(blocks[i] for i in chosen) + tail
+    if faults.truncated:
+        doc = doc[: len(doc) // 2]
+    out.raw(doc.encode("utf-8"))
+    return 0

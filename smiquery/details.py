@@ -1,0 +1,596 @@
+"""``nvidia-smi -q -x``, typed: what the ``--query-gpu`` CSV cannot say.
+
+:func:`inspect` runs ``nvidia-smi -q -x`` once (and ``nvidia-smi -L`` when a GPU has MIG enabled, for the MIG
+UUIDs and profiles), bounded by one timeout like :func:`smiquery.query`, and returns one :class:`GpuDetails` per
+GPU: identity, memory, active clock event reasons by name, retired pages, remapped rows, processes with their
+type, inforom and bridge chip versions, MIG mode and :class:`MigDevice` instances. :func:`parse_xml` reads a
+saved file into the same records.
+
+The XML's DTD version (``nvsmi_device_v7.dtd`` ... ``v13``) selects where each value is read: the clock reasons
+were renamed from ``clocks_throttle_reasons`` to ``clocks_event_reasons`` (both in v12, only the new one in v13),
+remapped rows and MIG arrived in v11. A value the version does not have, an element missing from the file, or
+nvidia-smi's ``N/A`` is ``None`` with its reason in the record's ``missing`` mapping, never a zero. A file naming
+no DTD or an unknown one is read by element name (every known spelling) and warns once per DTD name.
+
+Safety: the XML comes from the local nvidia-smi, but is parsed with :mod:`xml.etree.ElementTree`, which never
+fetches external entities or DTDs; a document declaring entities of its own (``<!ENTITY``, the way to blow up
+an XML parser) is refused with :class:`~smiquery.errors.ParseError` before parsing.
+
+``-q -x`` takes 0.4-6 s on multi-GPU servers: keep it off any fast path. An exporter calls :func:`inspect` on
+its own slow cadence from its own thread; each call is independent and holds no state but the warn-once set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+import time
+import warnings
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from smiquery.errors import InfoRomWarning, NvidiaSmiTimeoutError, ParseError, failure_from_exit
+from smiquery.kinds import missing_reason
+from smiquery.oneshot import DEFAULT_TIMEOUT, normalize_gpus
+from smiquery.runner import default_runner, find_nvidia_smi
+
+if TYPE_CHECKING:
+    import os
+
+    from smiquery.oneshot import GpusArg
+    from smiquery.runner import Runner
+
+__all__ = [
+    "KNOWN_DTD_VERSIONS",
+    "DetailsProcess",
+    "GpuDetails",
+    "MigDevice",
+    "RemappedRows",
+    "RetiredPages",
+    "inspect",
+    "parse_list",
+    "parse_xml",
+]
+
+#: The DTD versions whose layout is known (seen in captures of drivers 352 to 595).
+KNOWN_DTD_VERSIONS = (7, 8, 9, 10, 11, 12, 13)
+
+_DTD_RE = re.compile(r"nvsmi_device_v(\d+)\.dtd")
+_ENTITY_RE = re.compile(r"<!ENTITY", re.IGNORECASE)
+_MIB_RE = re.compile(r"(-?\d+)\s*MiB")
+
+
+@dataclass(frozen=True)
+class MigDevice:
+    """One MIG instance of a GPU.
+
+    Attributes:
+        index: the MIG device index within its GPU (as ``nvidia-smi -L`` numbers it).
+        gpu_instance_id: the GPU instance (GI) id.
+        compute_instance_id: the compute instance (CI) id.
+        profile: the profile name (``3g.20gb``), from ``nvidia-smi -L``; None without a listing.
+        uuid: the MIG UUID (``MIG-...``), from ``nvidia-smi -L``; None without a listing.
+        memory_total: MiB of the instance's framebuffer; ``memory_used``, ``memory_free`` likewise.
+        sm_count: streaming multiprocessors of the instance.
+        missing: attribute -> why it is None.
+    """
+
+    index: int | None
+    gpu_instance_id: int | None
+    compute_instance_id: int | None
+    profile: str | None
+    uuid: str | None
+    memory_total: int | None
+    memory_used: int | None
+    memory_free: int | None
+    sm_count: int | None
+    missing: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DetailsProcess:
+    """A process on a GPU as ``-q -x`` lists it.
+
+    Attributes:
+        pid: process id (nvidia-smi's PID namespace).
+        type: ``C`` compute, ``G`` graphics, ``C+G`` both; None when the DTD has no type (v7-v10).
+        name: the process name or path.
+        used_memory: MiB, None when unknown (``N/A`` on Windows WDDM).
+        gpu_instance_id, compute_instance_id: the MIG instance it runs in; None on a GPU without MIG.
+        missing: attribute -> why it is None.
+    """
+
+    pid: int | None
+    type: str | None
+    name: str | None
+    used_memory: int | None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+    missing: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RetiredPages:
+    """Pages retired for ECC errors (pre-Ampere data-centre GPUs; Ampere and later remap rows instead).
+
+    Attributes:
+        single_bit: pages retired for multiple single-bit errors.
+        double_bit: pages retired for double-bit errors.
+        pending: a retirement waits for the next driver reload or GPU reset.
+        missing: attribute -> why it is None.
+    """
+
+    single_bit: int | None
+    double_bit: int | None
+    pending: bool | None
+    missing: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RemappedRows:
+    """Memory rows remapped for ECC errors (Ampere and later).
+
+    Attributes:
+        correctable: rows remapped for correctable errors.
+        uncorrectable: rows remapped for uncorrectable errors.
+        pending: a remap waits for a GPU reset.
+        failure: a remap failed (the GPU needs service).
+        missing: attribute -> why it is None.
+    """
+
+    correctable: int | None
+    uncorrectable: int | None
+    pending: bool | None
+    failure: bool | None
+    missing: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GpuDetails:
+    """One GPU from ``nvidia-smi -q -x``.
+
+    Memory is in MiB (int). A value that is None has its reason in ``missing`` (``not_available`` for
+    nvidia-smi's ``N/A``; ``absent: ...`` for an element the file lacks; ``not in DTD vN`` for a value the
+    version does not have).
+
+    Attributes:
+        index: position in the output (nvidia-smi's index order).
+        name: product name.
+        uuid: ``GPU-...``.
+        pci_bus_id: ``00000000:BB:DD.F``.
+        serial, vbios_version: as printed.
+        driver_version: the driver of the whole output.
+        dtd_version: the DTD version the file names, None when it names none.
+        memory_total, memory_used, memory_free: framebuffer MiB.
+        clock_event_reasons: the active clock event (throttle) reasons by short name (``sw_power_cap``), in
+            the order printed; None when the file has none.
+        retired_pages, remapped_rows: ECC memory health; None where not reported.
+        processes: the processes nvidia-smi lists; None when the file has no process section.
+        mig_mode: ``Enabled``/``Disabled``; None on GPUs without MIG or before DTD v11.
+        mig_devices: the MIG instances (empty without MIG).
+        inforom: inforom object -> version (``img_version``, ``oem_object``, ``ecc_object``, ``pwr_object``).
+        bridge_chip_type, bridge_chip_fw: the PCIe bridge chip (multi-GPU boards).
+        missing: attribute -> why it is None.
+    """
+
+    index: int
+    name: str | None
+    uuid: str | None
+    pci_bus_id: str | None
+    serial: str | None
+    vbios_version: str | None
+    driver_version: str | None
+    dtd_version: int | None
+    memory_total: int | None
+    memory_used: int | None
+    memory_free: int | None
+    clock_event_reasons: tuple[str, ...] | None
+    retired_pages: RetiredPages | None
+    remapped_rows: RemappedRows | None
+    processes: tuple[DetailsProcess, ...] | None
+    mig_mode: str | None
+    mig_devices: tuple[MigDevice, ...]
+    inforom: Mapping[str, str]
+    bridge_chip_type: str | None
+    bridge_chip_fw: str | None
+    missing: Mapping[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain data (nested records as dicts) for JSON."""
+        return dataclasses.asdict(self)  # mappings become dicts, tuples stay tuples (json writes lists)
+
+
+# ------------------------------------------------------------------------------------------------ readings
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """Where one DTD version keeps the values that moved: candidate paths, tried in order."""
+
+    version: int | None
+    clock_reasons: tuple[str, ...]  # container elements; children are <prefix><reason>
+    remapped: bool
+    mig: bool
+    process_type: bool
+
+
+_THROTTLE = "clocks_throttle_reasons"
+_EVENT = "clocks_event_reasons"
+_READINGS: dict[int, _Reading] = {
+    **{v: _Reading(v, (_THROTTLE,), False, False, False) for v in (7, 8, 9, 10)},
+    11: _Reading(11, (_THROTTLE,), True, True, True),
+    12: _Reading(12, (_EVENT, _THROTTLE), True, True, True),  # 535 prints the old name, 550 the new, both v12
+    13: _Reading(13, (_EVENT,), True, True, True),
+}
+# An unknown or unnamed DTD: every known spelling, and nothing assumed absent.
+_BY_NAME = _Reading(None, (_EVENT, _THROTTLE), True, True, True)
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _reading_for(text: str) -> _Reading:
+    head = text[:4096]
+    m = _DTD_RE.search(head)
+    key = f"v{m.group(1)}" if m else "none"
+    if m and int(m.group(1)) in _READINGS:
+        return _READINGS[int(m.group(1))]
+    with _warned_lock:
+        first = key not in _warned
+        _warned.add(key)
+    if first:
+        what = f"DTD nvsmi_device_{key}.dtd is not one smiquery knows" if m else "the XML names no DTD version"
+        warnings.warn(
+            f"nvidia-smi -q -x: {what} (known: v7-v13); values are read by element name and any not found are "
+            "None with a reason; check that smiquery is up to date",
+            UserWarning,
+            stacklevel=3,
+        )
+    return dataclasses.replace(_BY_NAME, version=int(m.group(1)) if m else None)
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+
+
+class _Values:
+    """Reads typed values out of one element, recording why each missing one is missing."""
+
+    def __init__(self, elem: ET.Element, version: int | None) -> None:
+        self.elem = elem
+        self.version = version
+        self.missing: dict[str, str] = {}
+
+    def absent(self, attr: str, path: str) -> None:
+        where = f" (DTD v{self.version})" if self.version is not None else ""
+        self.missing[attr] = f"absent: no <{path}> in this output{where}"
+
+    def not_in_version(self, attr: str) -> None:
+        self.missing[attr] = f"not in DTD v{self.version}"
+
+    def text(self, attr: str, path: str) -> str | None:
+        node = self.elem.find(path)
+        if node is None:
+            self.absent(attr, path)
+            return None
+        value = (node.text or "").strip()
+        reason = missing_reason(value) or _bare_reason(value)
+        if reason is not None:
+            self.missing[attr] = reason
+            return None
+        return value
+
+    def integer(self, attr: str, path: str) -> int | None:
+        value = self.text(attr, path)
+        if value is None:
+            return None
+        m = _MIB_RE.fullmatch(value)
+        digits = m.group(1) if m else value
+        try:
+            return int(digits)
+        except ValueError:
+            self.missing[attr] = f"unreadable: {value!r}"
+            return None
+
+    def flag(self, attr: str, path: str) -> bool | None:
+        value = self.text(attr, path)
+        if value is None:
+            return None
+        if value.lower() in ("yes", "true", "active", "enabled"):
+            return True
+        if value.lower() in ("no", "false", "not active", "disabled"):
+            return False
+        self.missing[attr] = f"unreadable: {value!r}"
+        return None
+
+
+_BARE_TOKENS = {"n/a": "not_available", "not supported": "not_supported", "unknown error": "unknown_error"}
+
+
+def _bare_reason(value: str) -> str | None:
+    """XML prints its status tokens without brackets (``N/A``, ``Not Supported``)."""
+    if not value:
+        return "empty"
+    return _BARE_TOKENS.get(value.lower())
+
+
+def _section_missing(node: ET.Element | None, path: str, vals: _Values, attr: str) -> bool:
+    """True when the section is absent or a bare ``N/A`` (reason recorded)."""
+    if node is None:
+        vals.absent(attr, path)
+        return True
+    if len(node) == 0:
+        vals.missing[attr] = _bare_reason((node.text or "").strip()) or missing_reason(node.text or "") or "empty"
+        return True
+    return False
+
+
+def _clock_reasons(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[str, ...] | None:
+    for tag in reading.clock_reasons:
+        node = gpu.find(tag)
+        if node is None:
+            continue
+        prefix = tag.removesuffix("s") + "_"  # clocks_event_reasons -> clocks_event_reason_
+        active = []
+        for child in node:
+            if (child.text or "").strip().lower() == "active":
+                active.append(child.tag.removeprefix(prefix))
+        return tuple(active)
+    vals.absent("clock_event_reasons", " or ".join(reading.clock_reasons))
+    return None
+
+
+def _retired(gpu: ET.Element, vals: _Values) -> RetiredPages | None:
+    node = gpu.find("retired_pages")
+    if _section_missing(node, "retired_pages", vals, "retired_pages"):
+        return None
+    assert node is not None
+    sub = _Values(node, vals.version)
+    single = sub.integer("single_bit", "multiple_single_bit_retirement/retired_count")
+    double = sub.integer("double_bit", "double_bit_retirement/retired_count")
+    pending = sub.flag("pending", "pending_retirement")
+    return RetiredPages(single, double, pending, sub.missing)
+
+
+def _remapped(gpu: ET.Element, reading: _Reading, vals: _Values) -> RemappedRows | None:
+    if not reading.remapped:
+        vals.not_in_version("remapped_rows")
+        return None
+    node = gpu.find("remapped_rows")
+    if _section_missing(node, "remapped_rows", vals, "remapped_rows"):
+        return None
+    assert node is not None
+    sub = _Values(node, vals.version)
+    return RemappedRows(
+        sub.integer("correctable", "remapped_row_corr"),
+        sub.integer("uncorrectable", "remapped_row_unc"),
+        sub.flag("pending", "remapped_row_pending"),
+        sub.flag("failure", "remapped_row_failure"),
+        sub.missing,
+    )
+
+
+def _processes(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[DetailsProcess, ...] | None:
+    node = gpu.find("processes")
+    if node is None:
+        vals.absent("processes", "processes")
+        return None
+    out = []
+    for info in node.findall("process_info"):
+        sub = _Values(info, vals.version)
+        pid = sub.integer("pid", "pid")
+        if reading.process_type or info.find("type") is not None:
+            ptype = sub.text("type", "type")
+        else:
+            ptype = None
+            sub.not_in_version("type")
+        name = sub.text("name", "process_name")
+        mem = sub.integer("used_memory", "used_memory")
+        gi = ci = None
+        if info.find("gpu_instance_id") is not None:
+            gi = sub.integer("gpu_instance_id", "gpu_instance_id")
+            ci = sub.integer("compute_instance_id", "compute_instance_id")
+        out.append(DetailsProcess(pid, ptype, name, mem, gi, ci, sub.missing))
+    return tuple(out)
+
+
+def _mig(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[str | None, tuple[MigDevice, ...]]:
+    if not reading.mig:
+        vals.not_in_version("mig_mode")
+        return None, ()
+    mode = vals.text("mig_mode", "mig_mode/current_mig")
+    devices = []
+    for dev in gpu.findall("mig_devices/mig_device"):
+        sub = _Values(dev, vals.version)
+        devices.append(
+            MigDevice(
+                index=sub.integer("index", "index"),
+                gpu_instance_id=sub.integer("gpu_instance_id", "gpu_instance_id"),
+                compute_instance_id=sub.integer("compute_instance_id", "compute_instance_id"),
+                profile=None,
+                uuid=None,
+                memory_total=sub.integer("memory_total", "fb_memory_usage/total"),
+                memory_used=sub.integer("memory_used", "fb_memory_usage/used"),
+                memory_free=sub.integer("memory_free", "fb_memory_usage/free"),
+                sm_count=sub.integer("sm_count", "device_attributes/shared/multiprocessor_count"),
+                missing={**sub.missing, "profile": "no nvidia-smi -L listing", "uuid": "no nvidia-smi -L listing"},
+            )
+        )
+    return mode, tuple(devices)
+
+
+def _gpu(index: int, gpu: ET.Element, reading: _Reading, driver: str | None) -> GpuDetails:
+    vals = _Values(gpu, reading.version)
+    bus = vals.text("pci_bus_id", "pci/pci_bus_id")
+    if bus is None and gpu.get("id"):
+        bus = gpu.get("id")  # the <gpu id="..."> attribute is the bus id in every version
+        vals.missing.pop("pci_bus_id", None)
+    inforom: dict[str, str] = {}
+    for child in gpu.find("inforom_version") or ():
+        value = (child.text or "").strip()
+        if value and _bare_reason(value) is None:
+            inforom[child.tag] = value
+    mig_mode, mig_devices = _mig(gpu, reading, vals)
+    return GpuDetails(
+        index=index,
+        name=vals.text("name", "product_name"),
+        uuid=vals.text("uuid", "uuid"),
+        pci_bus_id=bus,
+        serial=vals.text("serial", "serial"),
+        vbios_version=vals.text("vbios_version", "vbios_version"),
+        driver_version=driver,
+        dtd_version=reading.version,
+        memory_total=vals.integer("memory_total", "fb_memory_usage/total"),
+        memory_used=vals.integer("memory_used", "fb_memory_usage/used"),
+        memory_free=vals.integer("memory_free", "fb_memory_usage/free"),
+        clock_event_reasons=_clock_reasons(gpu, reading, vals),
+        retired_pages=_retired(gpu, vals),
+        remapped_rows=_remapped(gpu, reading, vals),
+        processes=_processes(gpu, reading, vals),
+        mig_mode=mig_mode,
+        mig_devices=mig_devices,
+        inforom=inforom,
+        bridge_chip_type=vals.text("bridge_chip_type", "pci/pci_bridge_chip/bridge_chip_type"),
+        bridge_chip_fw=vals.text("bridge_chip_fw", "pci/pci_bridge_chip/bridge_chip_fw"),
+        missing=vals.missing,
+    )
+
+
+def _parse_root(text: str) -> ET.Element:
+    start = text.find("<nvidia_smi_log")
+    if _ENTITY_RE.search(text, 0, start if start >= 0 else len(text)):
+        raise ParseError("the XML declares entities; refused (nvidia-smi never does)", lineno=1, line=text[:200])
+    try:
+        root = ET.fromstring(text)
+    except ET.ParseError as exc:
+        lineno, _col = exc.position
+        lines = text.splitlines()
+        line = lines[lineno - 1] if 0 < lineno <= len(lines) else ""
+        raise ParseError(f"not well-formed nvidia-smi -q -x output ({exc})", lineno=lineno, line=line) from None
+    if root.tag != "nvidia_smi_log":
+        raise ParseError(f"expected <nvidia_smi_log>, found <{root.tag}>", lineno=1, line=text[:200])
+    return root
+
+
+def parse_xml(text: str | bytes, *, listing: str | None = None) -> list[GpuDetails]:
+    """Parse ``nvidia-smi -q -x`` output (a saved file's text) into one record per GPU.
+
+    Args:
+        text: the XML.
+        listing: ``nvidia-smi -L`` output, for the MIG devices' UUIDs and profiles (optional).
+
+    Returns:
+        The GPUs in the order printed.
+
+    Raises:
+        ParseError: not well-formed XML, not nvidia-smi's, or declaring entities.
+    """
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    root = _parse_root(text)
+    reading = _reading_for(text)
+    driver_node = root.find("driver_version")
+    driver = (driver_node.text or "").strip() or None if driver_node is not None else None
+    gpus = [_gpu(i, g, reading, driver) for i, g in enumerate(root.findall("gpu"))]
+    return _join_listing(gpus, parse_list(listing)) if listing else gpus
+
+
+# ------------------------------------------------------------------------------------------------ nvidia-smi -L
+
+_L_GPU_RE = re.compile(r"^GPU (\d+): (.*?) \(UUID: (GPU-[0-9a-fA-F-]+)\)\s*$")
+_L_MIG_RE = re.compile(r"^\s+MIG (\S+)\s+Device\s+(\d+): \(UUID: (MIG-[0-9A-Za-z/-]+)\)\s*$")
+
+
+def parse_list(text: str) -> dict[str, list[tuple[int, str, str]]]:
+    """Parse ``nvidia-smi -L``: GPU UUID -> its MIG devices as (index, profile, MIG UUID).
+
+    Lines that are neither a GPU nor a MIG device (notices) are skipped.
+    """
+    out: dict[str, list[tuple[int, str, str]]] = {}
+    current: list[tuple[int, str, str]] | None = None
+    for line in text.splitlines():
+        m = _L_GPU_RE.match(line)
+        if m:
+            current = out.setdefault(m.group(3), [])
+            continue
+        m = _L_MIG_RE.match(line)
+        if m and current is not None:
+            current.append((int(m.group(2)), m.group(1), m.group(3)))
+    return out
+
+
+def _join_listing(gpus: list[GpuDetails], listing: Mapping[str, list[tuple[int, str, str]]]) -> list[GpuDetails]:
+    out = []
+    for gpu in gpus:
+        found = {index: (profile, uuid) for index, profile, uuid in listing.get(gpu.uuid or "", [])}
+        devices = []
+        for dev in gpu.mig_devices:
+            hit = found.get(dev.index) if dev.index is not None else None
+            if hit is None:
+                missing = {**dev.missing, "profile": "not in nvidia-smi -L", "uuid": "not in nvidia-smi -L"}
+                devices.append(dataclasses.replace(dev, missing=missing))
+                continue
+            missing = {k: v for k, v in dev.missing.items() if k not in ("profile", "uuid")}
+            devices.append(dataclasses.replace(dev, profile=hit[0], uuid=hit[1], missing=missing))
+        out.append(dataclasses.replace(gpu, mig_devices=tuple(devices)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ inspect
+
+
+def inspect(
+    gpus: GpusArg = None,
+    *,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    runner: Runner | None = None,
+) -> list[GpuDetails]:
+    """Run ``nvidia-smi -q -x`` once and return typed details per GPU (slow: 0.4-6 s on big servers).
+
+    When a GPU has MIG enabled, ``nvidia-smi -L`` runs too (within the same ``timeout``) for the MIG UUIDs and
+    profiles. Never retries: a failure raises its typed error at once, like :func:`smiquery.query`.
+
+    Args:
+        gpus: indices, UUIDs or PCI bus ids (``-i``); None for all.
+        nvidia_smi: path of the binary.
+        timeout: the most seconds the whole call may take (the default fits a cold start).
+        runner: how to run nvidia-smi (tests inject one).
+
+    Returns:
+        One :class:`GpuDetails` per GPU, in nvidia-smi's order.
+
+    Raises:
+        InvalidGpuIdError: a malformed GPU id (before anything runs).
+        NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, NvidiaSmiFailedError (typed by exit code), ParseError.
+    """
+    budget = timeout
+    deadline = time.monotonic() + budget
+    ids = normalize_gpus(gpus)
+    run = runner or default_runner()
+    binary = find_nvidia_smi(nvidia_smi, runner=run)
+    argv = [binary, "-q", "-x"] + (["-i", ",".join(ids)] if ids else [])
+    done = run.run(argv, budget)
+    if done.returncode not in (0, 14):
+        raise failure_from_exit(argv, done.returncode, done.output)
+    if done.returncode == 14:
+        warnings.warn("nvidia-smi exited 14 (infoROM warning); details returned", InfoRomWarning, stacklevel=2)
+    start = done.stdout.find("<?xml")
+    if start < 0:
+        start = done.stdout.find("<nvidia_smi_log")
+    if start < 0:
+        raise failure_from_exit(argv, done.returncode or 1, done.output)
+    details = parse_xml(done.stdout[start:])
+    if any(g.mig_devices for g in details):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NvidiaSmiTimeoutError(
+                f"nvidia-smi -q -x used the whole {budget:g} s; raise the timeout", argv=argv, timeout=budget
+            )
+        largv = [binary, "-L"]
+        listed = run.run(largv, left)
+        if listed.returncode != 0:
+            raise failure_from_exit(largv, listed.returncode, listed.output)
+        details = _join_listing(details, parse_list(listed.stdout))
+    return details

@@ -1,0 +1,415 @@
+"""Xid errors: the NVIDIA kernel driver's error events, read from the kernel log.
+
+nvidia-smi never reports Xids; the driver writes them to the kernel log as
+``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., name=..., GPU has fallen off the bus.``. :func:`follow` reads
+``/dev/kmsg`` (or a plain file, followed like ``tail -F``) and yields one :class:`XidEvent` per Xid line;
+:func:`parse_line` reads one line in any of the formats (``/dev/kmsg`` records, ``dmesg`` with or without
+``[seconds]`` stamps, syslog ``kern.log`` lines). :data:`XID_CATALOGUE` gives each common code a short meaning and
+what to do, from NVIDIA's public Xid catalogue.
+
+``/dev/kmsg`` replays its whole ring buffer to every new reader: each record carries a sequence number, and a
+follower yields each sequence number once (give ``after_seq=`` the last one you handled to resume without
+counting twice). A follower runs in its own thread for an exporter: :meth:`XidFollower.close` may be called from
+any other thread and ends the iteration within ``poll`` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import select
+import stat
+import threading
+from collections import OrderedDict
+from collections.abc import Generator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Literal, Protocol, TypeVar
+
+from smiquery.errors import KernelLogError, UsageError
+
+__all__ = [
+    "DEFAULT_KERNEL_LOG",
+    "XID_CATALOGUE",
+    "XidAction",
+    "XidEvent",
+    "XidFollower",
+    "XidInfo",
+    "bus_key",
+    "follow",
+    "gpu_for",
+    "parse_line",
+]
+
+#: Where the kernel log is read from by default.
+DEFAULT_KERNEL_LOG = "/dev/kmsg"
+
+XidAction = Literal["application", "reset", "drain", "rma", "info"]
+
+
+@dataclass(frozen=True)
+class XidInfo:
+    """What one Xid code means and what to do about it.
+
+    Attributes:
+        code: the Xid number.
+        meaning: a few words.
+        action: ``application`` (a bug in the program, the GPU is fine), ``reset`` (reset the GPU when it is
+            idle), ``drain`` (take the node out of service now, then reset or reboot), ``rma`` (repeated:
+            hardware service), ``info`` (recorded, nothing to do).
+        advice: one sentence saying what to do.
+    """
+
+    code: int
+    meaning: str
+    action: XidAction
+    advice: str
+
+
+def _info(code: int, meaning: str, action: XidAction, advice: str) -> tuple[int, XidInfo]:
+    return code, XidInfo(code, meaning, action, advice)
+
+
+#: The common Xid codes (NVIDIA's public "Xid Errors" catalogue, summarised).
+XID_CATALOGUE: dict[int, XidInfo] = dict(
+    [
+        _info(8, "GPU stopped responding to a channel (driver or application)", "reset",
+              "Restart the job; reset the GPU if it repeats."),
+        _info(13, "graphics engine exception (an illegal instruction or address in a kernel)", "application",
+              "Debug the application (compute-sanitizer); the GPU is fine unless other Xids follow."),
+        _info(31, "GPU memory page fault (illegal memory access)", "application",
+              "Debug the application (compute-sanitizer); the GPU is fine unless it repeats across jobs."),
+        _info(32, "invalid or corrupted push buffer stream (PCIe or driver)", "reset",
+              "Check PCIe errors and the driver; reset the GPU if it repeats."),
+        _info(38, "driver firmware error", "reset", "Reset the GPU; update the driver if it repeats."),
+        _info(43, "GPU stopped processing (the application faulted)", "application",
+              "The faulting process was stopped; the GPU keeps working. Debug the application."),
+        _info(45, "preemptive cleanup after a previous error or a killed process", "info",
+              "Nothing by itself; look at the Xid before it."),
+        _info(48, "double-bit ECC error (uncorrectable)", "drain",
+              "Drain the node and reset the GPU; RMA if it repeats or pages cannot be retired."),
+        _info(61, "internal micro-controller breakpoint or warning", "reset", "Reset the GPU; report if it repeats."),
+        _info(62, "internal micro-controller halt", "drain", "Drain and reset the GPU; RMA if it repeats."),
+        _info(63, "ECC page retirement or row remapping recorded", "info",
+              "Reset the GPU when convenient so the retirement or remap takes effect."),
+        _info(64, "ECC page retirement or row remapping failed", "drain",
+              "Drain the node, reset the GPU; RMA if the remap keeps failing."),
+        _info(68, "video decoder (NVDEC) exception", "application", "Check the application using the decoder."),
+        _info(69, "graphics engine class error", "application", "Debug the application; reset if it repeats."),
+        _info(74, "NVLink error", "drain", "Drain, reset the GPUs on the link; check the link and RMA if it repeats."),
+        _info(79, "GPU has fallen off the bus", "drain",
+              "Drain the node and reboot it; check PCIe, power and cooling; RMA if it repeats."),
+        _info(92, "high single-bit ECC error rate", "rma", "Watch the GPU; RMA if the rate stays high."),
+        _info(94, "contained ECC error (only the affected application was stopped)", "reset",
+              "Restart the job; reset the GPU when idle to remap the row."),
+        _info(95, "uncontained ECC error (all applications on the GPU are affected)", "drain",
+              "Drain the node and reset the GPU now; RMA if it repeats."),
+        _info(109, "context switch timeout", "application", "Check the application; reset the GPU if it repeats."),
+        _info(119, "GSP firmware RPC timeout", "reset", "Reset the GPU (or reboot); update the driver if it repeats."),
+        _info(120, "GSP firmware error", "reset", "Reset the GPU (or reboot); update the driver if it repeats."),
+        _info(140, "unrecovered ECC error", "drain", "Drain the node and reset the GPU; RMA if it repeats."),
+    ]
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class XidEvent:
+    """One Xid line from the kernel log.
+
+    Attributes:
+        xid: the code.
+        pci_bus_id: the GPU's PCI address as the driver printed it (``0000:3b:00``); match it to a GPU with
+            :func:`bus_key` or :func:`gpu_for`.
+        message: the text after the code.
+        pid: the process the driver named (``pid=``), None when none.
+        process_name: the ``name=`` the driver printed, None when none.
+        seq: the ``/dev/kmsg`` sequence number, None for other formats.
+        uptime: seconds since boot when the kernel logged it, None when the line has no stamp.
+        raw: the whole line.
+    """
+
+    xid: int
+    pci_bus_id: str
+    message: str
+    pid: int | None
+    process_name: str | None
+    seq: int | None
+    uptime: float | None
+    raw: str
+
+    @property
+    def info(self) -> XidInfo | None:
+        """The catalogue entry for this code, None for a code not in :data:`XID_CATALOGUE`."""
+        return XID_CATALOGUE.get(self.xid)
+
+
+_XID_RE = re.compile(
+    r"NVRM: Xid \((?:PCI:)?([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\): (\d+),\s*(.*)"
+)
+_KMSG_RE = re.compile(r"^(\d+),(\d+),(\d+),[^;]*;(.*)$")
+_STAMP_RE = re.compile(r"\[\s*(\d+\.\d+)\]")
+_PID_RE = re.compile(r"pid=(\d+)")
+_NAME_RE = re.compile(r"name=([^,]*)")
+
+
+def parse_line(line: str) -> XidEvent | None:
+    """The Xid event in one kernel-log line, or None when the line is no Xid.
+
+    Reads ``/dev/kmsg`` records (``6,1234,5678901,-;NVRM: Xid ...``), ``dmesg`` lines (``[ 5.678901] NVRM: ...``,
+    or ``dmesg -T``'s wall-clock stamps) and syslog lines (``... kernel: [5.67] NVRM: Xid ...``).
+    """
+    line = line.rstrip("\r\n")
+    seq: int | None = None
+    uptime: float | None = None
+    text = line
+    m = _KMSG_RE.match(line)
+    if m:
+        seq = int(m.group(2))
+        uptime = int(m.group(3)) / 1e6
+        text = m.group(4)
+    x = _XID_RE.search(text)
+    if x is None:
+        return None
+    if uptime is None:
+        stamp = _STAMP_RE.search(text, 0, x.start())
+        uptime = float(stamp.group(1)) if stamp else None
+    message = x.group(3).strip()
+    pid = _PID_RE.search(message)
+    name = _NAME_RE.search(message)
+    return XidEvent(
+        xid=int(x.group(2)),
+        pci_bus_id=x.group(1),
+        message=message,
+        pid=int(pid.group(1)) if pid else None,
+        process_name=name.group(1).strip() if name and name.group(1).strip() != "<unknown>" else None,
+        seq=seq,
+        uptime=uptime,
+        raw=line,
+    )
+
+
+def bus_key(pci_bus_id: str) -> tuple[int, int, int] | None:
+    """(domain, bus, device) of a PCI bus id in any spelling (``00000000:3B:00.0``, ``0000:3b:00``, ``3b:00.0``).
+
+    The kernel log prints the domain with 4 digits and no function; nvidia-smi prints 8 digits and the function:
+    compare keys, not strings. None for text that is no bus id.
+    """
+    parts = pci_bus_id.strip().split(".")[0].split(":")
+    try:
+        if len(parts) == 3:
+            return int(parts[0], 16), int(parts[1], 16), int(parts[2], 16)
+        if len(parts) == 2:
+            return 0, int(parts[0], 16), int(parts[1], 16)
+    except ValueError:
+        return None
+    return None
+
+
+class _HasBus(Protocol):
+    @property
+    def pci_bus_id(self) -> str | None: ...
+
+
+_G = TypeVar("_G", bound=_HasBus)
+
+
+def gpu_for(event: XidEvent, gpus: Iterable[_G]) -> _G | None:
+    """The GPU (a :class:`~smiquery.details.GpuDetails`, or anything with ``pci_bus_id``) the event is about."""
+    key = bus_key(event.pci_bus_id)
+    for gpu in gpus:
+        if gpu.pci_bus_id and bus_key(gpu.pci_bus_id) == key:
+            return gpu
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ following
+
+_DEDUPE_KEEP = 4096  # stamped lines remembered, to skip them when a followed file is re-read after rotation
+
+
+class XidFollower(Iterator[XidEvent]):
+    """An iterator of Xid events from a kernel log, open until :meth:`close` (see :func:`follow`)."""
+
+    def __init__(self, path: str, *, after_seq: int | None, from_start: bool, poll: float) -> None:
+        self.path = path
+        self.poll = poll
+        #: the highest ``/dev/kmsg`` sequence number handed out (pass it as ``after_seq`` to resume)
+        self.last_seq = after_seq if after_seq is not None else -1
+        self._closed = threading.Event()
+        self._seen: OrderedDict[tuple[float, str], None] = OrderedDict()
+        self._fd = -1
+        self._buf = b""
+        self._pos = 0
+        self._ino: tuple[int, int] | None = None
+        self._chardev = False
+        self._open(first=True, from_start=from_start)
+        self._gen = self._events()
+
+    # ---- public
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        """End the iteration (thread-safe; the reading thread sees it within ``poll`` seconds)."""
+        self._closed.set()
+
+    def __next__(self) -> XidEvent:
+        return next(self._gen)
+
+    def __enter__(self) -> XidFollower:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        self._gen.close()  # in the reading thread: closes the descriptor now (elsewhere it ends within `poll`)
+
+    # ---- reading
+
+    def _open(self, *, first: bool, from_start: bool = True) -> bool:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except PermissionError:
+            if first:
+                raise KernelLogError(self.path, "permission denied") from None
+            return False
+        except FileNotFoundError:
+            if first:
+                raise KernelLogError(self.path, "no such file") from None
+            return False
+        except OSError as exc:
+            if first:
+                raise KernelLogError(self.path, exc.strerror or str(exc)) from None
+            return False
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            os.close(fd)
+            raise KernelLogError(self.path, "is a directory")
+        self._chardev = stat.S_ISCHR(st.st_mode)
+        self._fd = fd
+        self._ino = (st.st_dev, st.st_ino)
+        self._buf = b""
+        self._pos = 0
+        if not self._chardev:
+            os.set_blocking(fd, True)
+            if not from_start:
+                self._pos = os.lseek(fd, 0, os.SEEK_END)
+        return True
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+
+    def _kmsg_records(self) -> Iterator[str]:
+        """Read ``/dev/kmsg``: one record per read; EAGAIN at the end; EPIPE when records were overwritten."""
+        while not self._closed.is_set():
+            try:
+                data = os.read(self._fd, 16384)
+            except BlockingIOError:
+                with contextlib.suppress(OSError, ValueError):
+                    select.select([self._fd], [], [], self.poll)
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:  # the ring buffer wrapped past us: go on with the next record
+                    continue
+                raise KernelLogError(self.path, exc.strerror or str(exc)) from None
+            if not data:
+                self._closed.wait(self.poll)
+                continue
+            yield data.decode("utf-8", errors="replace").split("\n", 1)[0]
+
+    def _file_lines(self) -> Iterator[str]:
+        """Follow a plain file like ``tail -F``: re-open it when it is replaced (rotated) or truncated.
+
+        As with ``tail -F``, truncation is seen when the file is found shorter than what was read: one truncated
+        and refilled past that point between two polls reads on from the old position.
+        """
+        while not self._closed.is_set():
+            if self._fd < 0:
+                if not self._open(first=False):
+                    self._closed.wait(self.poll)
+                continue
+            data = os.pread(self._fd, 65536, self._pos)
+            if data:
+                self._pos += len(data)
+                self._buf += data
+                *lines, self._buf = self._buf.split(b"\n")
+                for raw in lines:
+                    yield raw.decode("utf-8", errors="replace")
+                continue
+            if self._replaced():
+                self._close_fd()
+                continue
+            self._closed.wait(self.poll)
+
+    def _replaced(self) -> bool:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False  # gone for now (mid-rotation): keep reading the old one until a new one appears
+        if (st.st_dev, st.st_ino) != self._ino:
+            return True
+        if st.st_size < self._pos:  # truncated in place (copytruncate)
+            self._pos = 0
+            self._buf = b""
+        return False
+
+    def _fresh(self, event: XidEvent) -> bool:
+        if event.seq is not None:
+            if event.seq <= self.last_seq:
+                return False
+            self.last_seq = event.seq
+            return True
+        if event.uptime is None:
+            return True  # nothing to tell a repeat from a new event by
+        key = (event.uptime, event.raw[-200:])
+        if key in self._seen:
+            return False
+        self._seen[key] = None
+        if len(self._seen) > _DEDUPE_KEEP:
+            self._seen.popitem(last=False)
+        return True
+
+    def _events(self) -> Generator[XidEvent, None, None]:
+        try:
+            lines = self._kmsg_records() if self._chardev else self._file_lines()
+            for line in lines:
+                event = parse_line(line)
+                if event is not None and self._fresh(event):
+                    yield event
+        finally:
+            self._close_fd()
+
+
+def follow(
+    path: str | os.PathLike[str] = DEFAULT_KERNEL_LOG,
+    *,
+    after_seq: int | None = None,
+    from_start: bool = True,
+    poll: float = 0.5,
+) -> XidFollower:
+    """Follow a kernel log and yield each Xid event once, until the follower is closed.
+
+    Args:
+        path: ``/dev/kmsg`` (the default; replays the ring buffer, then waits for new records) or a plain file
+            (``/var/log/kern.log``, a saved ``dmesg``), followed like ``tail -F`` across rotation.
+        after_seq: skip ``/dev/kmsg`` records up to this sequence number (a restart that remembers
+            ``follower.last_seq`` counts nothing twice).
+        from_start: read a plain file from its beginning (False: only what is appended from now on).
+        poll: seconds between checks for new data and for :meth:`XidFollower.close`.
+
+    Returns:
+        The follower: iterate it for :class:`XidEvent`; ``close()`` from any thread.
+
+    Raises:
+        KernelLogError: the log cannot be opened (no permission: run as root or with CAP_SYSLOG; missing).
+        UsageError: ``poll`` is not a positive number.
+    """
+    if not poll > 0:
+        raise UsageError(f"poll must be a positive number of seconds, not {poll!r}")
+    return XidFollower(os.fspath(path), after_seq=after_seq, from_start=from_start, poll=poll)

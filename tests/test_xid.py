@@ -1,0 +1,222 @@
+"""Xid events from the kernel log: the line formats, the catalogue, and a follower that tails, rotates and dedupes."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from smiquery.details import parse_xml
+from smiquery.errors import KernelLogError, UsageError
+from smiquery.xid import XID_CATALOGUE, XidEvent, XidFollower, bus_key, follow, gpu_for, parse_line
+
+FIXTURE = Path(__file__).parent / "fixtures" / "details-2gpu-mig.xml"
+DEADLINE = 30.0  # generous: the follower polls every 0.05 s in these tests
+
+KMSG = "4,{seq},{us},-;NVRM: Xid (PCI:0000:{bus}:00): {code}, pid={pid}, name=python, {text}"
+DMESG = "[ {secs}] NVRM: Xid (PCI:0000:{bus}:00): {code}, {text}"
+
+
+def kmsg(seq: int, code: int, bus: str = "07", text: str = "GPU has fallen off the bus.") -> str:
+    return KMSG.format(seq=seq, us=1_000_000 + seq, bus=bus, code=code, pid=100 + seq, text=text)
+
+
+def test_kmsg_record():
+    ev = parse_line(kmsg(812, 79) + "\n")
+    assert ev == XidEvent(
+        xid=79,
+        pci_bus_id="0000:07:00",
+        message="pid=912, name=python, GPU has fallen off the bus.",
+        pid=912,
+        process_name="python",
+        seq=812,
+        uptime=1.000812,
+        raw=kmsg(812, 79),
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "xid", "bus", "uptime"),
+    [
+        ("[ 5678.901234] NVRM: Xid (PCI:0000:3b:00): 48, pid='<unknown>', name=<unknown>, An uncorrectable double "
+         "bit error (DBE) has been detected on GPU in the framebuffer at partition 1, subpartition 0.",
+         48, "0000:3b:00", 5678.901234),
+        ("Jan 12 03:04:05 node7 kernel: [  123.456789] NVRM: Xid (PCI:0000:81:00): 13, Graphics SM Warp Exception "
+         "on (GPC 0, TPC 0): Out Of Range Address", 13, "0000:81:00", 123.456789),
+        ("[Mon Jan 12 03:04:05 2026] NVRM: Xid (PCI:0000:c1:00): 94, pid=7, name=python, Contained: SM (0x1). "
+         "RST: No, D-RST: No", 94, "0000:c1:00", None),
+        ("kernel: NVRM: Xid (0000:02:00): 31, Ch 00000010, engmask 00000101, intr 10000000", 31, "0000:02:00", None),
+    ],
+    ids=["dmesg", "syslog", "dmesg-T", "no-PCI-prefix"],
+)  # fmt: skip
+def test_other_formats(line, xid, bus, uptime):
+    ev = parse_line(line)
+    assert ev is not None
+    assert (ev.xid, ev.pci_bus_id, ev.uptime, ev.seq) == (xid, bus, uptime, None)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "6,1000,2000,-;NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15",
+        "[    3.1] nvidia-nvlink: Nvlink Core is being initialized",
+        " SUBSYSTEM=pci",  # a kmsg continuation line
+        "",
+    ],
+)
+def test_lines_without_an_xid_are_none(line):
+    assert parse_line(line) is None
+
+
+def test_the_catalogue_has_meaning_and_action_for_the_codes_people_page_on():
+    for code, action in {79: "drain", 48: "drain", 95: "drain", 94: "reset", 63: "info", 64: "drain", 74: "drain",
+                         13: "application", 31: "application", 43: "application"}.items():  # fmt: skip
+        info = XID_CATALOGUE[code]
+        assert info.action == action, code
+        assert info.meaning and info.advice.endswith("."), code
+    assert parse_line(kmsg(1, 79)).info is XID_CATALOGUE[79]  # type: ignore[union-attr]
+    assert parse_line(kmsg(1, 1234)).info is None  # type: ignore[union-attr]
+
+
+def test_bus_keys_match_the_kernel_and_nvidia_smi_spellings():
+    assert bus_key("0000:3b:00") == bus_key("00000000:3B:00.0") == bus_key("3b:00.0") == (0, 0x3B, 0)
+    assert bus_key("0001:3b:00") != bus_key("00000000:3B:00.0")
+    assert bus_key("not a bus") is None
+
+
+def test_events_are_counted_per_gpu_and_code():
+    gpus = parse_xml(FIXTURE.read_text())
+    lines = [kmsg(1, 79, "07"), kmsg(2, 48, "0f"), kmsg(3, 48, "0F"), DMESG.format(secs="9.5", bus="07", code=79,
+             text="GPU has fallen off the bus."), DMESG.format(secs="9.6", bus="99", code=13, text="x")]  # fmt: skip
+    counts: Counter[tuple[str | None, int]] = Counter()
+    for line in lines:
+        ev = parse_line(line)
+        assert ev is not None
+        gpu = gpu_for(ev, gpus)
+        counts[(gpu.uuid if gpu else None, ev.xid)] += 1
+    assert counts == {
+        ("GPU-11111111-2222-3333-4444-555555555555", 79): 2,
+        ("GPU-66666666-7777-8888-9999-000000000000", 48): 2,
+        (None, 13): 1,  # a GPU not in the list: the caller decides
+    }
+
+
+# ------------------------------------------------------------------------------------------------ following
+
+
+class Collector:
+    """Runs a follower in a thread, as an exporter would; events arrive on a queue."""
+
+    def __init__(self, follower: XidFollower) -> None:
+        self.follower = follower
+        self.events: queue.Queue[XidEvent] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for ev in self.follower:
+            self.events.put(ev)
+
+    def take(self, n: int) -> list[XidEvent]:
+        return [self.events.get(timeout=DEADLINE) for _ in range(n)]
+
+    def stop(self) -> None:
+        self.follower.close()
+        self.thread.join(DEADLINE)
+        assert not self.thread.is_alive(), "close() did not end the follower"
+
+
+def append(path: Path, *lines: str) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+
+
+def test_a_plain_file_is_followed_across_appends_rotation_and_truncation(tmp_path):
+    log = tmp_path / "kern.log"
+    append(log, "boot noise", DMESG.format(secs="1.0", bus="07", code=79, text="off the bus"))
+    c = Collector(follow(log, poll=0.05))
+    try:
+        assert [e.xid for e in c.take(1)] == [79]
+        append(log, DMESG.format(secs="2.0", bus="07", code=48, text="DBE"))
+        assert [e.xid for e in c.take(1)] == [48]
+        log.rename(tmp_path / "kern.log.1")  # logrotate: a new file appears under the name
+        append(log, DMESG.format(secs="3.0", bus="07", code=94, text="contained " + "x" * 80))
+        assert [e.xid for e in c.take(1)] == [94]
+        log.write_text("")  # copytruncate: seen as a file shorter than what was read (as tail -F sees it)
+        append(log, DMESG.format(secs="4.0", bus="07", code=95, text="uncontained"))
+        assert [e.xid for e in c.take(1)] == [95]
+    finally:
+        c.stop()
+    assert c.events.empty()
+
+
+def test_replayed_kmsg_records_are_counted_once(tmp_path):
+    log = tmp_path / "kmsg.txt"
+    append(log, kmsg(10, 79), kmsg(11, 48))
+    c = Collector(follow(log, poll=0.05))
+    try:
+        assert [e.seq for e in c.take(2)] == [10, 11]
+        log.rename(tmp_path / "old")  # a reader that re-opens gets the ring buffer again
+        append(log, kmsg(10, 79), kmsg(11, 48), kmsg(12, 63))
+        assert [e.seq for e in c.take(1)] == [12]
+    finally:
+        c.stop()
+    assert c.events.empty()
+
+
+def test_a_restart_resumes_after_the_last_sequence_number(tmp_path):
+    log = tmp_path / "kmsg.txt"
+    append(log, kmsg(10, 79), kmsg(11, 48), kmsg(12, 63))
+    with follow(log, poll=0.05, after_seq=11) as f:
+        assert next(f).seq == 12
+        assert f.last_seq == 12
+
+
+def test_close_from_another_thread_ends_a_waiting_follower(tmp_path):
+    log = tmp_path / "kern.log"
+    log.write_text("")
+    c = Collector(follow(log, poll=0.05))
+    c.stop()
+    assert c.follower.closed
+
+
+def test_from_start_false_skips_what_is_already_there(tmp_path):
+    log = tmp_path / "kern.log"
+    append(log, kmsg(1, 79))
+    c = Collector(follow(log, from_start=False, poll=0.05))
+    try:
+        append(log, kmsg(2, 48))
+        assert [e.xid for e in c.take(1)] == [48]
+    finally:
+        c.stop()
+
+
+def test_unreadable_logs_are_typed_errors(tmp_path):
+    with pytest.raises(KernelLogError, match="no such file"):
+        follow(tmp_path / "missing.log")
+    with pytest.raises(KernelLogError, match="is a directory"):
+        follow(tmp_path)
+    with pytest.raises(UsageError, match="poll"):
+        follow(tmp_path, poll=0)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file without read permission")
+def test_no_permission_says_how_to_get_it(tmp_path):
+    log = tmp_path / "kern.log"
+    log.write_text("")
+    log.chmod(0)
+    with pytest.raises(KernelLogError, match="permission denied; run as root or with CAP_SYSLOG"):
+        follow(log)
+
+
+@pytest.mark.skipif(not os.access("/dev/kmsg", os.R_OK), reason="/dev/kmsg is not readable here")
+def test_dev_kmsg_is_read_without_hanging():
+    try:
+        c = Collector(follow("/dev/kmsg", poll=0.05))
+    except KernelLogError as exc:  # readable by mode, refused by the kernel (dmesg_restrict, a container)
+        pytest.skip(str(exc))
+    c.stop()
