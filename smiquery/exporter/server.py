@@ -463,6 +463,8 @@ def serve(
             request_timeout=request_timeout,
             server_header="smiquery-exporter/" + __version__,
             inline=router.fast,
+            headers=web.headers,
+            peer_check=web.peer_allowed if web.allowed_sans else None,
         )
         s.start()
         collector.start()
