@@ -40,8 +40,13 @@ _TLS_KEYS = frozenset(
 _TOP_KEYS = frozenset({"tls_server_config", "basic_auth_users", "http_server_config"})
 _HTTP_KEYS = frozenset({"http2", "headers"})
 # exporter-toolkit accepts only these response headers in http_server_config.headers
-_HEADERS = ("Strict-Transport-Security", "X-Content-Type-Options", "X-Frame-Options", "X-XSS-Protection")
-_HEADERS += ("Content-Security-Policy",)
+_HEADERS = (
+    "Strict-Transport-Security",
+    "X-Content-Type-Options",
+    "X-Frame-Options",
+    "X-XSS-Protection",
+    "Content-Security-Policy",
+)
 _CLIENT_AUTH = {
     "NoClientCert": ssl.CERT_NONE,
     "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
@@ -197,8 +202,8 @@ class WebConfig:
         if not self.allowed_sans:
             return True
         cert = sock.getpeercert()
-        sans = cert.get("subjectAltName", ()) if cert else ()
-        return any(str(value) in self.allowed_sans for _kind, value in sans)
+        sans: Any = cert.get("subjectAltName", ()) if cert else ()
+        return any(str(entry[1]) in self.allowed_sans for entry in sans)
 
 
 def _path(base: Path, value: Any, what: str, cfg: Path) -> Path:
@@ -231,13 +236,13 @@ def _tls(tls: dict[str, Any], cfg: Path) -> tuple[ssl.SSLContext, frozenset[str]
     if tls.get("curve_preferences"):
         raise WebConfigError(cfg, "tls_server_config.curve_preferences is not supported (Python's ssl); remove it")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    for key, attr in (("min_version", "minimum_version"), ("max_version", "maximum_version")):
-        if key in tls:
-            version = _VERSIONS.get(str(tls[key]))
+    for name, attr in (("min_version", "minimum_version"), ("max_version", "maximum_version")):
+        if name in tls:
+            version = _VERSIONS.get(str(tls[name]))
             if version is None:
-                raise WebConfigError(cfg, f"tls_server_config.{key} must be one of {', '.join(_VERSIONS)}")
+                raise WebConfigError(cfg, f"tls_server_config.{name} must be one of {', '.join(_VERSIONS)}")
             setattr(ctx, attr, version)
-        elif key == "min_version":
+        elif name == "min_version":
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if ctx.maximum_version != ssl.TLSVersion.MAXIMUM_SUPPORTED and ctx.maximum_version < ctx.minimum_version:
         raise WebConfigError(cfg, "tls_server_config.max_version is below min_version")
