@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import gzip
 import ipaddress
 import socket
@@ -74,6 +75,7 @@ def _wants_plain(accept: str) -> bool:
     return _negotiate(accept)[1] == CONTENT_TYPE
 
 
+@functools.lru_cache(maxsize=64)  # scrapers send the same few Accept headers; negotiation is per scrape
 def _negotiate(accept: str) -> tuple[Callable[[Any], bytes], str]:
     from prometheus_client.exposition import choose_encoder
 
@@ -133,6 +135,7 @@ class _Router:
         return Response(404, b"not found: try /metrics, /livez, /readyz or /healthz\n")
 
 
+@functools.lru_cache(maxsize=64)
 def _gzip_accepted(accept_encoding: str) -> bool:
     from prometheus_client.exposition import gzip_accepted
 
