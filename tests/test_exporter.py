@@ -1359,8 +1359,9 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(exporter):
     exp = exporter(interval=0.1)
     for raw, code in (
         (b"garbage\r\n\r\n", b"400"),
-        (b"POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc", b"413"),
-        (b"DELETE /metrics HTTP/1.1\r\n\r\n", b"405"),
+        (b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc", b"413"),
+        (b"DELETE /metrics HTTP/1.1\r\nHost: x\r\n\r\n", b"405"),
+        (b"GET /metrics HTTP/1.1\r\n\r\n", b"400"),  # HTTP/1.1 without Host
         (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n", b"431"),
     ):
         with socket.create_connection(("127.0.0.1", exp.port), timeout=10) as s:

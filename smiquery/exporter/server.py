@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import gzip
 import ipaddress
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smiquery import __version__
@@ -53,17 +55,67 @@ _INDEX = (
 _TEXT = "text/plain; charset=utf-8"
 
 
+class _Registry:
+    """The collector and the user's extra registry as one ``collect()`` source, for prometheus_client's encoders."""
+
+    def __init__(self, collector: SmiCollector, extra: Any) -> None:
+        self.collector = collector
+        self.extra = extra
+
+    def collect(self) -> Iterator[Any]:
+        yield from self.collector.collect()
+        if self.extra is not None:
+            try:
+                yield from self.extra.collect()
+            except Exception:  # someone else's collector must not take /metrics down
+                log.exception("smiquery exporter: collecting the extra registry failed")
+
+
+def _wants_plain(accept: str) -> bool:
+    """Whether prometheus_client's negotiation picks the classic text format (0.0.4) for this Accept header."""
+    return _negotiate(accept)[1] == CONTENT_TYPE
+
+
+@functools.lru_cache(maxsize=64)  # scrapers send the same few Accept headers; negotiation is per scrape
+def _negotiate(accept: str) -> tuple[Callable[[Any], bytes], str]:
+    from prometheus_client.exposition import choose_encoder
+
+    encoder, content_type = choose_encoder(accept)
+    return encoder, str(content_type)
+
+
 class _Router:
     """Maps a request to a response: the exporter's pages, behind basic auth when the web config asks for it."""
 
-    def __init__(self, collector: SmiCollector, extra: Callable[[], bytes], web: WebConfig) -> None:
+    def __init__(
+        self, collector: SmiCollector, extra: Callable[[], bytes], web: WebConfig, registry: Any = None
+    ) -> None:
         self.collector = collector
         self.extra = extra
         self.web = web
+        self.registry = _Registry(collector, registry)
 
     def fast(self, req: Request) -> bool:
-        """Whether answering ``req`` is cheap (no bcrypt check to run): then the selector thread answers it."""
-        return self.web.cached(req.headers.get("authorization")) and self.extra is bytes
+        """Whether answering ``req`` is cheap (no bcrypt check to run, the native format): the selector answers it."""
+        return (
+            self.web.cached(req.headers.get("authorization"))
+            and self.extra is bytes
+            and _wants_plain(req.headers.get("accept", ""))
+        )
+
+    def _metrics(self, req: Request) -> Response:
+        # Negotiated as prometheus_client does (OpenMetrics when Accept asks for it); the classic text format comes
+        # from the collector's own fast renderer, which gives the same text.
+        encoder, content_type = _negotiate(req.headers.get("accept", ""))
+        if content_type == CONTENT_TYPE:
+            body = self.collector.exposition() + self.extra()
+        else:
+            body = bytes(encoder(self.registry))
+        headers = {"Vary": "Accept, Accept-Encoding"}
+        if _gzip_accepted(req.headers.get("accept-encoding", "")):
+            body = gzip.compress(body, compresslevel=6, mtime=0)
+            headers["Content-Encoding"] = "gzip"
+        return Response(200, body, content_type, headers)
 
     def __call__(self, req: Request) -> Response:
         if req.method not in ("GET", "HEAD"):
@@ -72,7 +124,7 @@ class _Router:
             return Response(401, b"unauthorized\n", headers={"WWW-Authenticate": 'Basic realm="smiquery"'})
         path = req.path
         if path == "/metrics":
-            return Response(200, self.collector.exposition() + self.extra(), CONTENT_TYPE)
+            return self._metrics(req)
         if path == "/livez":
             return Response(200, b"ok\n")
         if path in ("/readyz", "/healthz"):
@@ -82,6 +134,13 @@ class _Router:
             page = _INDEX.format(version=__version__, naming=self.collector.naming).encode()
             return Response(200, page, "text/html; charset=utf-8")
         return Response(404, b"not found: try /metrics, /livez, /readyz or /healthz\n")
+
+
+@functools.lru_cache(maxsize=64)
+def _gzip_accepted(accept_encoding: str) -> bool:
+    from prometheus_client.exposition import gzip_accepted
+
+    return bool(gzip_accepted(accept_encoding))
 
 
 def _tls_context(
@@ -455,7 +514,7 @@ def serve(
                     log.exception("smiquery exporter: collecting the extra registry failed")
                     return b""
 
-        router = _Router(collector, extra, web)
+        router = _Router(collector, extra, web, registry)
         http = HttpServer(
             sock,
             router,
@@ -465,6 +524,8 @@ def serve(
             request_timeout=request_timeout,
             server_header="smiquery-exporter/" + __version__,
             inline=router.fast,
+            headers=web.headers,
+            peer_check=web.peer_allowed if web.allowed_sans else None,
         )
         s.start()
         collector.start()
