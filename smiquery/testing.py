@@ -30,6 +30,7 @@ from smiquery.errors import (
     InvalidFieldError,
     NvidiaSmiFailedError,
     NvidiaSmiTimeoutError,
+    OutputTooLargeError,
     StreamEndedError,
     failure_from_exit,
 )
@@ -1756,7 +1757,6 @@ def _stop_channel(channel: _Channel) -> None:
 
 _MESSAGE_LIMIT = 20  # recent non-CSV lines kept for error messages, as the real line reader keeps them
 _PIPE_BUFFER = 1 << 20  # unread output at which the in-process engine's flush waits, as a writer on a full pipe
-_RUN_OUTPUT_CAP = 64 << 20  # stdout InProcessRunner.run() keeps before it stops reading (then it times out)
 
 
 class InProcessLines:
@@ -1945,8 +1945,8 @@ class InProcessRunner:
     Settings are plain attributes and may change between calls (set ``fault = None`` to simulate a fix). Unlike
     the executable, the process environment is not read: pass ``SMIQUERY_FAKE_*`` overrides in ``env``. The
     ``reenumerate`` reloads are counted on the runner (:attr:`reloads`), where the executable keeps a state file.
-    Output waits for the reader past 1 MiB unread, as a pipe does; :meth:`run` keeps at most 64 MiB of stdout
-    and then stops reading, so an endless ``flood`` ends in its timeout rather than filling the memory.
+    Output waits for the reader past 1 MiB unread, as a pipe does; :meth:`run` reads at most the real runner's cap
+    (:data:`smiquery.runner.MAX_OUTPUT_BYTES`) and then fails as it does (``OutputTooLargeError``).
 
     Example::
 
@@ -2049,7 +2049,7 @@ class InProcessRunner:
         Raises:
             NvidiaSmiTimeoutError: it did not finish in time (its thread was stopped).
         """
-        from smiquery.runner import Completed
+        from smiquery.runner import MAX_OUTPUT_BYTES, Completed
 
         start = time.monotonic()
         deadline = start + max(timeout, 0.0)
@@ -2057,16 +2057,21 @@ class InProcessRunner:
         out = bytearray()
         with channel.cond:
             while not channel.done:
-                if channel.out and len(out) < _RUN_OUTPUT_CAP:  # read as it comes, as the pipe is read
+                if channel.out:  # read as it comes, as the pipe is read
                     out += channel.out
                     channel.out.clear()
                     channel.cond.notify_all()
+                    if len(out) > MAX_OUTPUT_BYTES:  # the real runner's cap, with its error
+                        break
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 channel.cond.wait(left)
             finished = channel.done
+        if len(out) > MAX_OUTPUT_BYTES:
+            _stop_channel(channel)
+            raise OutputTooLargeError(argv, MAX_OUTPUT_BYTES)
         if not finished:
             _stop_channel(channel)
             raise NvidiaSmiTimeoutError(

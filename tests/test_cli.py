@@ -456,6 +456,11 @@ DOCTOR_FAULTS = {
     "drop-gpu-after:N[:INDEX[:message]]": ("drop-gpu-after:0:3", 0, 0, None),  # one snapshot cannot tell
     "start-delay:SECONDS": ("start-delay:0.5", 0, 0, None),
     "grandchild": ("grandchild", 0, 0, None),  # a helper holding the pipe is killed; the answer is data
+    "clock-step:N:SECONDS": ("clock-step:3:-3600", 0, 0, None),  # one snapshot: its times are its times
+    "dst-fallback[:SECONDS]": ("dst-fallback", 0, 0, None),
+    "slow-row:N:FRACTION[:INDEX]": ("slow-row:1:0.5", 0, 0, None),
+    "reenumerate:N[:MODE]": ("reenumerate:1000:remove", 0, 0, None),  # no snapshot prints that many rows
+    "flood[:BYTES]": ("flood", 1, 1, "driver reachable"),  # the cap stops it: OutputTooLargeError
 }
 
 
