@@ -435,7 +435,8 @@ class _Child:
             assert stdout is not None
             if loop.time() >= deadline:
                 await asyncio.sleep(0)  # the pipe's pending readiness is handled before anyone calls this hung
-                if not stdout._buffer:  # type: ignore[attr-defined]  # nothing arrived: no other way to ask
+                await asyncio.sleep(0)
+                if not self._buffered():
                     self._expire()
             if self._watchdog is None:
                 self._watchdog = asyncio.ensure_future(self._watch())
@@ -503,10 +504,17 @@ class _Child:
             if left > 0 or not self._waiting:
                 await asyncio.sleep(max(left, 0.05))
                 continue
-            await asyncio.sleep(0)  # let a read that the same wake-up answered take its data first
-            if self._waiting and self._deadline <= loop.time():
+            # After a pause (SIGSTOP) the timer and the pipe's data are due together: let the loop look at the
+            # pipe and feed the reader before calling the child hung.
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            if self._waiting and self._deadline <= loop.time() and not self._buffered():
                 self._expire()
                 return
+
+    def _buffered(self) -> bool:
+        """True when the reader holds data not read yet (asyncio's StreamReader offers no public way to ask)."""
+        return bool(getattr(self.proc.stdout, "_buffer", b""))
 
     def _expire(self) -> None:
         """Past the deadline with nothing to read: kill the child and end its output."""

@@ -733,6 +733,10 @@ class LineStream:
             t0 = time.monotonic()
             events = self._sel.select(remaining)
             waited += time.monotonic() - t0
+            if not events and remaining > 0 and time.monotonic() >= deadline:
+                # Stopped past the deadline (SIGSTOP, a debugger), the wait returns empty-handed without looking
+                # again (PEP 475): look once more, so the rows printed meanwhile are read.
+                events = self._sel.select(0)
             if not events:
                 if self._pidwatch.fd is None and self._exit_seen is None and _exited(self._proc):
                     self._exit_seen = time.monotonic()
