@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from smiquery.alerts import AlertEvent, Rule
-from smiquery.notify import CallbackHandler, LogHandler, Notifier, WebhookHandler, event_payload
+from smiquery.alerts import AlertEvent, CallbackHandler, LogHandler, Notifier, Rule, WebhookHandler, event_payload
 from smiquery.parsing import CsvParser
 from tests.leakcheck import no_leaks
 
@@ -293,7 +292,7 @@ def test_while_condition_parses_into_the_same_rule():
     ],
 )
 def test_while_errors(text, says):
-    from smiquery.alerts import InvalidRuleError
+    from smiquery.errors import InvalidRuleError
 
     with pytest.raises(InvalidRuleError, match=says):
         Rule.parse(text)
@@ -397,7 +396,7 @@ def test_webhook_close_is_bounded_on_a_dead_endpoint_then_drops_and_counts(caplo
 
 
 def test_handler_specs_for_the_cli(tmp_path):
-    from smiquery.notify import SnapshotHandler, handler_from_spec
+    from smiquery.alerts import SnapshotHandler, handler_from_spec
 
     assert isinstance(handler_from_spec("log"), LogHandler)
     hook = handler_from_spec("webhook:https://hooks.example.com/T000SECRET")

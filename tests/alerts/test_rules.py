@@ -6,7 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from smiquery.alerts import AlertEvaluator, InvalidRuleError, Rule, parse_duration
+from smiquery.alerts import AlertEvaluator, Rule, parse_duration
+from smiquery.errors import InvalidRuleError
 from smiquery.fields import get_field
 from smiquery.parsing import format_value
 from smiquery.records import GpuSample, Schema, Value
