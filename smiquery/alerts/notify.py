@@ -564,7 +564,7 @@ class SnapshotHandler:
         self.wait(2.0 if timeout is None else timeout)
 
 
-#: The handler kinds :func:`handler_from_spec` knows, for ``--on-alert`` help texts.
+#: The handler kinds :func:`handler_from_spec` knows (its error message lists them).
 HANDLER_SPECS: tuple[str, ...] = ("log", "webhook:URL", "snapshot:DIR")
 
 
