@@ -21,8 +21,7 @@ from smiquery._log import get_logger
 from smiquery.monitor import MemoryView, RunMonitor, TrainingAlert, VisibleDevices, visible_devices
 
 if TYPE_CHECKING:
-    from smiquery.alerts import AlertEvent, Rule
-    from smiquery.notify import AlertHandler
+    from smiquery.alerts import AlertEvent, AlertHandler, Rule
     from smiquery.records import GpuSample
 
 __all__ = ["GpuMonitor", "TensorFlowMemory", "TrainingAlert", "VisibleDevices", "visible_devices"]

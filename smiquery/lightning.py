@@ -22,8 +22,7 @@ except ImportError:  # the standalone package
 from smiquery.monitor import RunMonitor, TorchMemory, TrainingAlert
 
 if TYPE_CHECKING:
-    from smiquery.alerts import AlertEvent, Rule
-    from smiquery.notify import AlertHandler
+    from smiquery.alerts import AlertEvent, AlertHandler, Rule
 
 __all__ = ["GpuMonitor"]
 

@@ -26,10 +26,9 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, cast
 
 from smiquery._log import get_logger
-from smiquery.alerts import BUILTIN_RULES, AlertEvent, Rule, arrival
+from smiquery.alerts import BUILTIN_RULES, AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
 from smiquery.clock import elapsed
 from smiquery.fields import Field, resolve_fields
-from smiquery.notify import AlertHandler, LogHandler, Notifier
 
 if TYPE_CHECKING:
     from smiquery.display import SampleWriter

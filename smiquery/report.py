@@ -19,12 +19,11 @@ from datetime import datetime, tzinfo
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from smiquery.alerts import BUILTIN_RULES, Rule
+from smiquery.alerts import BUILTIN_RULES, STALL, Rule, StallRule
 from smiquery.clock import REPORTED_STEP_BACK, ClockStep, timeline
 from smiquery.errors import InvalidFieldError, InvalidTimeZoneError, RecordingError, ReportError
 from smiquery.fields import CATALOGUE, Field, Kind
 from smiquery.recordings import SkippedLines
-from smiquery.stalls import STALL, StallRule
 
 if TYPE_CHECKING:
     import numpy as np

@@ -333,7 +333,7 @@ def test_debug_shows_the_traceback(inproc, smi):
 
 def test_exit_code_table():
     from smiquery import errors
-    from smiquery.alerts import InvalidRuleError
+    from smiquery.errors import InvalidRuleError
 
     assert exit_code_for(errors.NvidiaSmiNotFoundError()) == 3
     assert exit_code_for(errors.NvidiaSmiTimeoutError("x")) == 5

@@ -35,9 +35,9 @@ except ImportError:  # pragma: no cover - the keras extra is installed by `make 
         raise
     pytest.skip("keras is not installed: pip install 'smiquery[keras]'", allow_module_level=True)
 
+from smiquery.alerts import CallbackHandler
 from smiquery.keras import GpuMonitor, TensorFlowMemory, TrainingAlert
 from smiquery.monitor import MemoryView
-from smiquery.notify import CallbackHandler
 
 pytestmark = pytest.mark.slow
 
@@ -333,7 +333,7 @@ def test_bad_arguments_fail_early():
 
 def test_import_smiquery_does_not_import_keras():
     code = (
-        "import sys, smiquery, smiquery.notify, smiquery.report, smiquery.alerts; "
+        "import sys, smiquery, smiquery.alerts.notify, smiquery.report, smiquery.alerts.rules; "
         "bad = [m for m in ('keras', 'tensorflow', 'matplotlib') if m in sys.modules]; "
         "sys.exit(1 if bad else 0)"
     )

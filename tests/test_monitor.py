@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from smiquery.alerts import AlertEvaluator, Rule
+from smiquery.alerts import AlertEvaluator, CallbackHandler, Rule
 from smiquery.monitor import (
     TRAINING_RULES,
     TRAINING_STALL_SECONDS,
@@ -34,7 +34,6 @@ from smiquery.monitor import (
     visible_devices,
     watch,
 )
-from smiquery.notify import CallbackHandler
 from smiquery.parsing import CsvParser
 from smiquery.runner import Completed, LineSource
 from smiquery.source import StreamStats, Sweep
@@ -455,7 +454,7 @@ def test_monitor_module_does_not_import_a_framework():
 def test_closing_with_a_dead_webhook_is_bounded_and_counts_the_dropped_events():
     import socket
 
-    from smiquery.notify import WebhookHandler
+    from smiquery.alerts import WebhookHandler
 
     dead = socket.socket()
     dead.bind(("127.0.0.1", 0))
@@ -477,7 +476,7 @@ def test_closing_with_a_dead_webhook_is_bounded_and_counts_the_dropped_events():
 
 
 def test_a_snapshot_handler_on_the_monitor_saves_the_recent_samples(tmp_path):
-    from smiquery.notify import SnapshotHandler
+    from smiquery.alerts import SnapshotHandler
 
     snap = SnapshotHandler(tmp_path / "snaps", nvidia_smi=str(tmp_path / "no-nvidia-smi"))
     monitor, src = hand_monitor(alerts=["temperature.gpu > 85 for 2"], handlers=[snap])

@@ -131,9 +131,8 @@ def test_root_exports_the_whole_error_tree():
 
 
 def test_moved_exceptions_are_still_importable_from_their_modules():
-    from smiquery import alerts, oneshot, playback, report
+    from smiquery import oneshot, playback, report
 
-    assert alerts.InvalidRuleError is errors.InvalidRuleError
     assert oneshot.InfoRomWarning is errors.InfoRomWarning
     assert playback.ReplayError is errors.ReplayError
     assert report.ReportError is errors.ReportError

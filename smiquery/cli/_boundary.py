@@ -103,7 +103,7 @@ def exit_code_for(exc: BaseException) -> ExitCode:
     Returns:
         NOT_FOUND, DRIVER, TIMEOUT, USAGE (invalid field, GPU id, alert or option), INTERRUPTED, else ERROR.
     """
-    from smiquery.alerts import InvalidRuleError
+    from smiquery.errors import InvalidRuleError
 
     if isinstance(exc, KeyboardInterrupt):
         return ExitCode.INTERRUPTED

@@ -33,9 +33,8 @@ from smiquery.fields import PRESETS, Field, get_field
 from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from smiquery.alerts import AlertEvaluator, AlertEvent
+    from smiquery.alerts import AlertEvaluator, AlertEvent, Notifier
     from smiquery.display import LiveTable, SampleWriter
-    from smiquery.notify import Notifier
     from smiquery.records import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
 
@@ -403,8 +402,9 @@ def _stream(
     on_alert: Sequence[str] = (),
     tz: str | None = None,
 ) -> None:
-    from smiquery.alerts import AlertEvaluator, InvalidRuleError, Rule
+    from smiquery.alerts import AlertEvaluator, Rule
     from smiquery.display import CsvWriter, JsonlWriter, LiveTable, open_recorder, use_color
+    from smiquery.errors import InvalidRuleError
 
     seconds = parse_seconds(interval, "--interval")
     stop_after = parse_seconds(duration, "--duration") if duration is not None else None
@@ -505,7 +505,7 @@ def _stream(
     run = _Run(writers, live, form == "table" and live is None, flds, evaluator, exit_on_alert)
     run.live_time = replay_path is None
     if on_alert:
-        from smiquery.notify import Notifier, handler_from_spec
+        from smiquery.alerts import Notifier, handler_from_spec
 
         if evaluator is None:
             raise UsageError("--on-alert needs at least one --alert rule")

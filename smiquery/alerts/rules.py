@@ -1,4 +1,4 @@
-"""Alert rules (``temperature.gpu > 85 for 3``) and their evaluation over samples, per GPU.
+"""Alert rules (``temperature.gpu > 85 for 3``): parsing, evaluation per GPU, an event's JSON, what a stall is.
 
 Pure: no IO and no clock of its own beyond an injectable one, so the CLI, the exporter and a Keras callback can
 share it. Also home of the small duration parser the CLI uses for ``--interval`` and ``--duration``.
@@ -7,6 +7,10 @@ Time (how long a ``for 30s`` hold has held): live, it is measured on a monotonic
 sample, never by subtracting nvidia-smi's timestamps, which are the host's wall clock and jump with a DST change,
 an NTP step or a VM resume. A recording has only its timestamps; there each step between two samples counts, and a
 step back counts 0.
+
+A GPU is *stalled* while a job holds it (``memory.used`` at least :attr:`StallRule.busy_memory_mib`) but gives it
+no work (``utilization.gpu`` under :attr:`StallRule.utilization`); :data:`STALL` is the one definition that
+``smiquery report``, ``smiquery plot`` and the training monitor share.
 """
 
 from __future__ import annotations
@@ -14,23 +18,30 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.clock import elapsed
 from smiquery.errors import InvalidFieldError, InvalidRuleError
 from smiquery.fields import Field, Kind, get_field
 from smiquery.records import GpuSample, Value
 
+if TYPE_CHECKING:
+    import numpy as np
+
 __all__ = [
     "BUILTIN_RULES",
+    "STALL",
     "AlertEvaluator",
     "AlertEvent",
-    "InvalidRuleError",
     "Rule",
+    "StallRule",
+    "arrival",
+    "event_payload",
     "parse_duration",
 ]
 
@@ -241,14 +252,6 @@ class Rule:
         """The fields the rule reads: its own, then those of its ``while`` conditions."""
         return tuple({f.name: f for f in (self.field, *(c.field for c in self.when))}.values())
 
-    @property
-    def hold_text(self) -> str:
-        """The hold in words: ``"3 samples"``, ``"30 s"``."""
-        if self.hold_seconds is not None:
-            return f"{self.hold_seconds:g} s"
-        n = self.hold_samples or 1
-        return f"{n} sample{'s' if n != 1 else ''}"
-
     def __str__(self) -> str:
         return self.text or f"{self.field.name} {self.op} {self.threshold}"
 
@@ -304,6 +307,44 @@ class AlertEvent:
             "at": t(self.at),
             "duration": self.duration,
         }
+
+
+def _jsonable(value: object) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    isoformat = getattr(value, "isoformat", None)
+    if callable(isoformat):
+        return isoformat()
+    try:
+        return float(value)  # type: ignore[arg-type]  # numpy scalars and 0-d tensors
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def event_payload(event: AlertEvent, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON body of an event: what a webhook posts and a snapshot's ``alert.json`` holds.
+
+    Args:
+        event: the alert event.
+        context: where it happened (for example ``{"epoch": 3, "batch": 120, "learning_rate": 0.001}``).
+
+    Returns:
+        ``{"source": "smiquery", "host": ..., "message": ..., "event": event.to_dict(), "context": {...}}``,
+        with every value JSON-serialisable (NaN becomes null, datetimes ISO 8601).
+    """
+    return {
+        "source": "smiquery",
+        "host": socket.gethostname(),
+        "message": event.message(),
+        "event": _jsonable(event.to_dict()),
+        "context": _jsonable(dict(context or {})),
+    }
 
 
 @dataclass
@@ -449,3 +490,44 @@ def arrival(batch: object) -> float:
     """
     stamp = getattr(batch, "arrived", None)
     return float(stamp) if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) else time.monotonic()
+
+
+@dataclass(frozen=True)
+class StallRule:
+    """The stall definition: a GPU held by a job but given no work, for at least ``min_seconds``.
+
+    Attributes:
+        utilization: utilization (percent) under which a GPU does no useful work.
+        busy_memory_mib: memory used (MiB) from which a GPU counts as held by a job (an idle GPU without a job
+            is not stalled).
+        min_seconds: the shortest stretch reported as a stall.
+    """
+
+    utilization: float = 20.0
+    busy_memory_mib: float = 1024.0
+    min_seconds: float = 30.0
+
+    def mask(self, utilization: np.ndarray, memory_used: np.ndarray | None = None) -> np.ndarray:
+        """Which samples show a stalled GPU: 1.0 stalled, 0.0 not, NaN where a deciding value is missing.
+
+        Without ``memory_used``, utilization alone decides.
+
+        Args:
+            utilization: ``utilization.gpu`` per sample as float64, NaN where missing.
+            memory_used: ``memory.used`` per sample as float64 (NaN where missing), or None.
+
+        Returns:
+            A float64 array of the same length.
+        """
+        import numpy as np
+
+        with np.errstate(invalid="ignore"):
+            out = np.where(np.isnan(utilization), np.nan, (utilization < self.utilization).astype("float64"))
+            if memory_used is not None:
+                held = np.where(np.isnan(memory_used), np.nan, (memory_used >= self.busy_memory_mib).astype("float64"))
+                out = np.where((out == 0) | (held == 0), 0.0, np.where(np.isnan(out) | np.isnan(held), np.nan, 1.0))
+        return np.asarray(out, dtype="float64")
+
+
+#: The default stall definition (20% utilization, 1 GiB held, 30 s).
+STALL = StallRule()

@@ -1,6 +1,6 @@
 """Evidence when an alert fires: one folder with ``nvidia-smi -q -x``, the process list, recent samples, the alert.
 
-:class:`smiquery.notify.SnapshotHandler` calls :func:`take_snapshot` on its own thread; the CLI reaches it with
+:class:`smiquery.alerts.notify.SnapshotHandler` calls :func:`take_snapshot` on its own thread; the CLI reaches it with
 ``smiquery stream --on-alert snapshot:DIR``.
 """
 
@@ -14,15 +14,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from smiquery.alerts.rules import AlertEvent, event_payload
+from smiquery.fields import resolve_fields
+from smiquery.parsing import format_row, header_line
+
 if TYPE_CHECKING:
-    from smiquery.alerts import AlertEvent
     from smiquery.records import GpuSample
     from smiquery.runner import Runner
 
-__all__ = ["SNAPSHOT_FILES", "take_snapshot"]
-
-#: What a snapshot folder holds (a failed nvidia-smi call leaves ``<name>.error.txt`` instead of its file).
-SNAPSHOT_FILES: tuple[str, ...] = ("alert.json", "nvidia-smi-q.xml", "processes.csv", "samples.csv")
+__all__ = ["take_snapshot"]
 
 _APPS_FIELDS = "gpu_uuid,pid,process_name,used_gpu_memory"
 _SLUG_RE = re.compile(r"[^A-Za-z0-9]+")
@@ -67,9 +67,6 @@ def _run(runner: Runner, argv: Sequence[str], timeout: float, out: Path, max_byt
 
 def _samples_csv(samples: Sequence[GpuSample], max_bytes: int) -> str:
     """The samples as an nvidia-smi CSV recording, newest rows kept when it would exceed ``max_bytes``."""
-    from smiquery.fields import resolve_fields
-    from smiquery.parsing import format_row, header_line
-
     if not samples:
         return ""
     names = samples[-1].fields
@@ -122,8 +119,7 @@ def take_snapshot(
     Raises:
         OSError: the folder cannot be created.
     """
-    from smiquery.notify import event_payload
-    from smiquery.runner import default_runner, find_nvidia_smi
+    from smiquery.runner import default_runner, find_nvidia_smi  # subprocess, only once a snapshot is taken
 
     folder = _folder(directory, event)
     payload = event_payload(event, context)

@@ -9,7 +9,6 @@ import collections
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import urllib.error
@@ -19,7 +18,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from smiquery._log import get_logger
-from smiquery.alerts import AlertEvaluator, AlertEvent, Rule
+from smiquery.alerts.rules import AlertEvaluator, AlertEvent, Rule, event_payload
+from smiquery.alerts.snapshot import take_snapshot
 
 __all__ = [
     "HANDLER_SPECS",
@@ -29,9 +29,7 @@ __all__ = [
     "Notifier",
     "SnapshotHandler",
     "WebhookHandler",
-    "event_payload",
     "handler_from_spec",
-    "redact_url",
 ]
 
 log = get_logger("smiquery.notify")
@@ -60,44 +58,6 @@ def _short(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     return str(value)
-
-
-def _jsonable(value: object) -> Any:
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else None
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    isoformat = getattr(value, "isoformat", None)
-    if callable(isoformat):
-        return isoformat()
-    try:
-        return float(value)  # type: ignore[arg-type]  # numpy scalars and 0-d tensors
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def event_payload(event: AlertEvent, context: Context | None = None) -> dict[str, Any]:
-    """The JSON body :class:`WebhookHandler` posts for an event.
-
-    Args:
-        event: the alert event.
-        context: where it happened (for example ``{"epoch": 3, "batch": 120, "learning_rate": 0.001}``).
-
-    Returns:
-        ``{"source": "smiquery", "host": ..., "message": ..., "event": event.to_dict(), "context": {...}}``,
-        with every value JSON-serialisable (NaN becomes null, datetimes ISO 8601).
-    """
-    return {
-        "source": "smiquery",
-        "host": socket.gethostname(),
-        "message": event.message(),
-        "event": _jsonable(event.to_dict()),
-        "context": _jsonable(dict(context or {})),
-    }
 
 
 class LogHandler:
@@ -178,7 +138,7 @@ class _Outbox:
 
 
 class WebhookHandler:
-    """POSTs each event as JSON (see :func:`event_payload`) from a background thread.
+    """POSTs each event as JSON (see :func:`~smiquery.alerts.rules.event_payload`) from a background thread.
 
     The caller only appends to a bounded queue, so a slow or dead endpoint never slows it down. There are no
     retries: a failed POST is counted and logged once per failure streak (the next success logs the recovery).
@@ -382,7 +342,6 @@ class Notifier:
         self.handlers: tuple[Callable[[AlertEvent, Context], object], ...] = (
             tuple(handlers) if handlers is not None else (LogHandler(),)
         )
-        self.events: collections.deque[tuple[AlertEvent, dict[str, Any]]] = collections.deque(maxlen=1000)
         self.handler_failures = 0
         observers: list[Callable[[Any], object]] = []
         for h in self.handlers:
@@ -410,7 +369,6 @@ class Notifier:
     def dispatch(self, event: AlertEvent, context: Context | None = None) -> None:
         """Hand one event to every handler, logging (not raising) what a handler raises."""
         ctx = dict(context or {})
-        self.events.append((event, ctx))
         for handler in self.handlers:
             try:
                 handler(event, ctx)
@@ -488,7 +446,7 @@ class Notifier:
 
 
 class SnapshotHandler:
-    """Saves the evidence when an alert fires: one timestamped folder per firing (see :mod:`smiquery.snapshot`).
+    """Saves the evidence when an alert fires: one timestamped folder per firing (see :mod:`smiquery.alerts.snapshot`).
 
     The folder holds ``nvidia-smi -q -x`` output, the compute-process list, the last ``minutes`` of samples as a
     CSV recording (``smiquery report`` reads it) and the alert as JSON. Each snapshot is taken on a background
@@ -568,8 +526,6 @@ class SnapshotHandler:
             self._thread.start()
 
     def _take(self, event: AlertEvent, context: dict[str, Any], samples: list[Any]) -> None:
-        from smiquery.snapshot import take_snapshot
-
         try:
             folder = take_snapshot(
                 self.directory,
@@ -608,7 +564,7 @@ class SnapshotHandler:
         self.wait(2.0 if timeout is None else timeout)
 
 
-#: The handler kinds :func:`handler_from_spec` knows, for ``--on-alert`` help texts.
+#: The handler kinds :func:`handler_from_spec` knows (its error message lists them).
 HANDLER_SPECS: tuple[str, ...] = ("log", "webhook:URL", "snapshot:DIR")
 
 

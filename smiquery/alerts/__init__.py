@@ -1,0 +1,106 @@
+"""Alerts: rules over samples, where their events go, and the evidence saved when one fires.
+
+:mod:`smiquery.alerts.rules` parses rules (``temperature.gpu > 85 for 3``), evaluates them per GPU, turns an
+event into its JSON payload and defines a stall; it is pure. :mod:`smiquery.alerts.notify` hands events to
+handlers (log, callback, webhook, snapshot) and :mod:`smiquery.alerts.snapshot` writes a snapshot folder. Imports
+flow one way: notify -> snapshot -> rules.
+
+Every name below is imported from its module on first use: the rules are read on every duration option of the
+CLI, and should not bring in the webhook's HTTP client and threads.
+"""
+
+from __future__ import annotations
+
+import typing
+
+if typing.TYPE_CHECKING:
+    from smiquery.alerts.notify import (
+        HANDLER_SPECS,
+        AlertHandler,
+        CallbackHandler,
+        LogHandler,
+        Notifier,
+        SnapshotHandler,
+        WebhookHandler,
+        handler_from_spec,
+    )
+    from smiquery.alerts.rules import (
+        BUILTIN_RULES,
+        STALL,
+        AlertEvaluator,
+        AlertEvent,
+        Rule,
+        StallRule,
+        arrival,
+        event_payload,
+        parse_duration,
+    )
+    from smiquery.alerts.snapshot import take_snapshot
+
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "BUILTIN_RULES",
+            "STALL",
+            "AlertEvaluator",
+            "AlertEvent",
+            "Rule",
+            "StallRule",
+            "arrival",
+            "event_payload",
+            "parse_duration",
+        ),
+        "smiquery.alerts.rules",
+    ),
+    **dict.fromkeys(
+        (
+            "HANDLER_SPECS",
+            "AlertHandler",
+            "CallbackHandler",
+            "LogHandler",
+            "Notifier",
+            "SnapshotHandler",
+            "WebhookHandler",
+            "handler_from_spec",
+        ),
+        "smiquery.alerts.notify",
+    ),
+    "take_snapshot": "smiquery.alerts.snapshot",
+}
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'smiquery.alerts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+__all__ = [
+    "BUILTIN_RULES",
+    "HANDLER_SPECS",
+    "STALL",
+    "AlertEvaluator",
+    "AlertEvent",
+    "AlertHandler",
+    "CallbackHandler",
+    "LogHandler",
+    "Notifier",
+    "Rule",
+    "SnapshotHandler",
+    "StallRule",
+    "WebhookHandler",
+    "arrival",
+    "event_payload",
+    "handler_from_spec",
+    "parse_duration",
+    "take_snapshot",
+]
