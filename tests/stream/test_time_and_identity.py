@@ -4,6 +4,7 @@ added), survives a paused parent, a close from its own callback and a flood, for
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import subprocess
@@ -94,7 +95,7 @@ def test_dst_fall_back_resolved_by_row_order_in_a_live_stream(fake_smi: MakeFake
     stamps = [s.timestamp for sw in sweeps for s in sw]
     assert all(t is not None and t.tzinfo is not None for t in stamps)
     wall = [t.replace(tzinfo=None) for t in stamps if t is not None]
-    assert any(b < a for a, b in zip(wall, wall[1:])), "the fall-back is not in the sample"
+    assert any(b < a for a, b in itertools.pairwise(wall)), "the fall-back is not in the sample"
     instants = [t.timestamp() for t in stamps if t is not None]
     assert instants == sorted(instants)  # the second 02:00 is after the first 02:59
     assert all(sw.complete for sw in sweeps)
