@@ -422,7 +422,7 @@ class _Settings:
 
 def _read_bundled(name: str) -> str:
     try:  # the package's own folder: importlib.resources would cost more than the read
-        return pathlib.Path(__file__).with_name("data").joinpath(name).read_text(encoding="utf-8")
+        return pathlib.Path(__file__).parent.parent.joinpath("data", name).read_text(encoding="utf-8")
     except OSError:  # installed where data are no plain files (a zip)
         from importlib import resources
 
@@ -1419,11 +1419,11 @@ def _dispatch(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _O
     if faults.flood:
         return _flood(argv, faults.flood_bytes, out)
     if {"-q", "--query", "-x", "--xml-format"} & set(argv) or (settings.xml and {"-L", "--list-gpus"} & set(argv)):
-        from smiquery._fake_details import run_details  # -q -x, and -L from an XML capture
+        from smiquery.testing._emulator.details import run_details  # -q -x, and -L from an XML capture
 
         return run_details(argv, settings, faults, out)
     if tuple(argv[:1]) == ("pmon",):  # a tuple from the in-process runner, a list from the executable
-        from smiquery._fake_pmon import run_pmon
+        from smiquery.testing._emulator.pmon import run_pmon
 
         return run_pmon(argv[1:], settings, faults, out)
     opts = _parse_args(argv, out)
@@ -1624,7 +1624,7 @@ def fake_nvidia_smi(
         "log": _abs(log),
         "state": _abs(f"{path}.state"),
     }
-    package_parent = str(pathlib.Path(__file__).resolve().parent.parent)
+    package_parent = str(pathlib.Path(__file__).resolve().parents[2])
     script = (
         _shebang(sys.executable)
         + '"""Fake nvidia-smi written by smiquery.testing.fake_nvidia_smi(): replays a recorded CSV."""\n'
@@ -2166,6 +2166,3 @@ def _check_settings(fault: str | None, start_delay: float) -> None:
     if start_delay < 0:
         raise ValueError("start_delay must not be negative")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

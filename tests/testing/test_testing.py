@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="the fake is a POSIX executable")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 DEMO = ROOT / "smiquery" / "data" / "demo-8gpu.csv"
 DEMO_APPS = ROOT / "smiquery" / "data" / "demo-8gpu-apps.csv"
