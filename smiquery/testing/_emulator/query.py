@@ -82,6 +82,38 @@ def _render(fld: Field, value: str | None, units: bool) -> str:
     return value
 
 
+def _dropped(rec: Recording, key: str, row: list[str], faults: Faults, out: Output) -> None:
+    """``drop-gpu-after``: the GPU's row is left out, with nvidia-smi's `GPU is lost` line under ``:message``."""
+    if faults.drop_gpu_message:
+        ident = next((g for g in rec.gpus if g["index"] == key), rec.gpus[0])
+        bus = short_bus_id(rec.cell(row, "pci.bus_id") or ident["pci.bus_id"])
+        out.line(HANDLE_ERROR.format(bus=bus, reason=GPU_LOST_REASON))
+
+
+def _cells(
+    fields: list[Field],
+    rec: Recording,
+    row: list[str],
+    units: bool,
+    lost: bool,
+    stamp: str | None,
+    clock: Clock,
+    rows: int,
+) -> list[str]:
+    """One GPU's cells: ``stamp`` is the timestamp cell, or None to keep the recorded one (moved by clock steps)."""
+    cells = []
+    for fld in fields:
+        if lost and fld.name not in _SURVIVES_LOSS:
+            cells.append("[GPU is lost]")
+        elif fld.name == "timestamp" and stamp is not None:
+            cells.append(stamp)
+        elif fld.name == "timestamp":
+            cells.append(clock.recorded(_render(fld, rec.cell(row, fld.name), units), rows))
+        else:
+            cells.append(_render(fld, rec.cell(row, fld.name), units))
+    return cells
+
+
 def query_gpu(
     opts: Options, rec: Recording, settings: Settings, faults: Faults, out: Output, reload: Reload | None
 ) -> int:
@@ -97,6 +129,7 @@ def query_gpu(
     selected = select_gpus(rec, opts.ids, out)
     clock = Clock(faults, settings.keep_time)
     keep_time = clock.keep_time and "timestamp" in rec.col
+    stamped = any(f.name == "timestamp" for f in fields)
     loop = opts.interval is not None
     writer = RowWriter(out, faults, len(fields), opts.interval, reload)
     if header:
@@ -118,31 +151,18 @@ def query_gpu(
                 delay = faults.slow_fraction * (opts.interval if opts.interval is not None else 1.0)
                 out.flush()  # the rows before it reach the reader on time
                 out.sleep(delay)
-            if (
-                faults.drop_gpu_after is not None
-                and writer.rows >= faults.drop_gpu_after
-                and key == str(faults.drop_gpu_index)
-            ):
-                if faults.drop_gpu_message:
-                    ident = next((g for g in rec.gpus if g["index"] == key), rec.gpus[0])
-                    bus = short_bus_id(rec.cell(row, "pci.bus_id") or ident["pci.bus_id"])
-                    out.line(HANDLE_ERROR.format(bus=bus, reason=GPU_LOST_REASON))
+            dropped = faults.drop_gpu_after is not None and writer.rows >= faults.drop_gpu_after
+            if dropped and key == str(faults.drop_gpu_index):
+                _dropped(rec, key, row, faults, out)
                 continue
             lost = (
                 faults.gpu_lost_after is not None
                 and writer.rows >= faults.gpu_lost_after
                 and key == str(faults.gpu_lost_index)
             )
-            cells = []
-            for fld in fields:
-                if lost and fld.name not in _SURVIVES_LOSS:
-                    cells.append("[GPU is lost]")
-                elif fld.name == "timestamp" and not keep_time:
-                    cells.append(clock.text(now + timedelta(seconds=late, milliseconds=i), writer.rows))
-                elif fld.name == "timestamp":
-                    cells.append(clock.recorded(_render(fld, rec.cell(row, fld.name), units), writer.rows))
-                else:
-                    cells.append(_render(fld, rec.cell(row, fld.name), units))
+            live = stamped and not keep_time
+            stamp = None if not live else clock.text(now + timedelta(seconds=late, milliseconds=i), writer.rows)
+            cells = _cells(fields, rec, row, units, lost, stamp, clock, writer.rows)
             late += delay  # the slow row's timestamp was taken before its slow answer; the rows after it are late
             truncate = faults.truncated and i == len(rows) - 1
             writer.row(cells, bus_id=rec.cell(row, "pci.bus_id") or "", truncate=truncate)
