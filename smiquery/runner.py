@@ -287,7 +287,7 @@ def default_runner() -> Runner:
     return installed if installed is not None else SubprocessRunner()
 
 
-def _install_default(runner: Runner | None) -> Runner | None:
+def install_default(runner: Runner | None) -> Runner | None:
     """Make ``runner`` the default (None: back to :class:`SubprocessRunner`); returns the previous one."""
     global _installed
     previous, _installed = _installed, runner

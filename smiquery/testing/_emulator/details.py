@@ -19,11 +19,14 @@ import pathlib
 import random
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape
 
-if TYPE_CHECKING:
-    from smiquery.testing import _Faults, _Output, _Recording, _Settings
+from smiquery.testing._emulator.apps import load_apps
+from smiquery.testing._emulator.faults import Faults, startup
+from smiquery.testing._emulator.output import Output
+from smiquery.testing._emulator.recording import Recording, load_recording
+from smiquery.testing._emulator.settings import FakeUsageError, Settings
+from smiquery.xid import bus_key
 
 __all__ = ["run_details"]
 
@@ -35,12 +38,6 @@ _SM_PER_SLICE = 14  # A100: 7 slices of 14 SMs (H100: 16; the fake names profile
 def _tag(block: str, name: str) -> str:
     m = re.search(_TAG.format(name), block)
     return m.group(1) if m else ""
-
-
-def _bus_key(text: str) -> tuple[int, ...] | None:
-    from smiquery.xid import bus_key
-
-    return bus_key(text)
 
 
 def _selected(blocks: Sequence[str], ids: str | None) -> list[int] | None:
@@ -57,7 +54,7 @@ def _selected(blocks: Sequence[str], ids: str | None) -> list[int] | None:
             if (
                 wanted == str(pos)
                 or wanted.lower() == uuid.lower()
-                or (":" in wanted and bus and _bus_key(wanted) == _bus_key(bus))
+                or (":" in wanted and bus and bus_key(wanted) == bus_key(bus))
             ):
                 hit = pos
         if hit is None:
@@ -67,13 +64,11 @@ def _selected(blocks: Sequence[str], ids: str | None) -> list[int] | None:
     return out
 
 
-def _synthesized(rec: _Recording, settings: _Settings) -> str:
+def _synthesized(rec: Recording, settings: Settings) -> str:
     """A small -q -x document for the recording's current sweep (the fields a recording can carry)."""
-    from smiquery.testing import _load_apps
-
     n = settings.sweep % len(rec.sweeps) if len(rec.sweeps) else 0
     rows = rec.sweeps[n]
-    apps = _load_apps(settings.apps, rec)
+    apps = load_apps(settings.apps, rec)
     out = [
         '<?xml version="1.0" ?>',
         '<!DOCTYPE nvidia_smi_log SYSTEM "nvsmi_device_v12.dtd">',
@@ -127,7 +122,7 @@ def _mig_uuid(parent: str, gi: str, ci: str) -> str:
     return f"MIG-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def _listing(blocks: Sequence[str], chosen: Sequence[int], out: _Output) -> None:
+def _listing(blocks: Sequence[str], chosen: Sequence[int], out: Output) -> None:
     for pos in chosen:
         block = blocks[pos]
         uuid = _tag(block, "uuid")
@@ -147,8 +142,6 @@ def _mem_total(dev: str) -> str:
 
 
 def _parse(argv: Sequence[str]) -> tuple[set[str], str | None]:
-    from smiquery.testing import _FakeUsageError
-
     flags: set[str] = set()
     ids: str | None = None
     args = list(argv)
@@ -164,24 +157,22 @@ def _parse(argv: Sequence[str]) -> tuple[set[str], str | None]:
         elif arg in ("-L", "--list-gpus"):
             flags.add("L")
         else:
-            raise _FakeUsageError(f"the -q -x / -L emulation does not know option {arg!r}")
+            raise FakeUsageError(f"the -q -x / -L emulation does not know option {arg!r}")
     if "q" in flags and "x" not in flags:
-        raise _FakeUsageError("only `-q -x` is emulated, not the text form of -q")
+        raise FakeUsageError("only `-q -x` is emulated, not the text form of -q")
     return flags, ids
 
 
-def run_details(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Output) -> int:
+def run_details(argv: Sequence[str], settings: Settings, faults: Faults, out: Output) -> int:
     """Answer ``-q -x [-i IDS]`` or (with an XML set) ``-L``; returns the exit status."""
-    from smiquery.testing import _FakeUsageError, _load_recording, _startup
-
     flags, ids = _parse(argv)
-    rec = _load_recording(settings.recording)
-    _startup(faults, rec, out)
+    rec = load_recording(settings.recording)
+    startup(faults, rec, out)
     if settings.xml:
         try:
             text = pathlib.Path(settings.xml).read_text(encoding="utf-8")
         except OSError as exc:
-            raise _FakeUsageError(f"cannot read SMIQUERY_FAKE_XML {settings.xml}: {exc}") from exc
+            raise FakeUsageError(f"cannot read SMIQUERY_FAKE_XML {settings.xml}: {exc}") from exc
     else:
         text = _synthesized(rec, settings)
     blocks = _GPU_RE.findall(text)

@@ -15,10 +15,13 @@ import pathlib
 import time
 from collections.abc import Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from smiquery.testing import _Faults, _Output, _Settings
+from smiquery.testing._emulator.apps import load_apps
+from smiquery.testing._emulator.faults import Faults, startup
+from smiquery.testing._emulator.output import FakeExit, Output, hang
+from smiquery.testing._emulator.query import select_gpus
+from smiquery.testing._emulator.recording import load_recording
+from smiquery.testing._emulator.settings import Settings
 
 __all__ = ["PMON_ENV_VARS", "run_pmon"]
 
@@ -143,10 +146,8 @@ def _count_var(name: str) -> int | None:
     return int(text)
 
 
-def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Output) -> int:
+def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Output) -> int:
     """Run ``nvidia-smi pmon ARGS`` against the fake's recording; returns the exit status."""
-    from smiquery import testing as fake
-
     try:
         opts = _parse(argv)
     except _Usage as exc:
@@ -160,8 +161,8 @@ def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Ou
         for name, text in PMON_ENV_VARS.items():
             out.line(f"  {name:<{width}}{text}")
         return 0
-    rec = fake._load_recording(settings.recording)
-    fake._startup(faults, rec, out)
+    rec = load_recording(settings.recording)
+    startup(faults, rec, out)
     if os.environ.get("SMIQUERY_FAKE_PMON_UNSUPPORTED", "") not in ("", "0"):
         out.line("Not supported on the device(s)")
         out.line("Failed to process command line")
@@ -173,18 +174,18 @@ def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Ou
     count = int(opts["count"]) if opts.get("count", "").isdigit() else None
     select = opts.get("select", "u")
     options = opts.get("options", "")
-    selected = fake._select(rec, opts.get("id"), out)
+    selected = select_gpus(rec, opts.get("id"), out)
     gpus = [g for g in rec.gpus if g["index"] in selected][:_MAX_GPUS]
     rows_written = 0
 
     def data(text: str) -> None:
         nonlocal rows_written
         if faults.hang_after is not None and rows_written >= faults.hang_after:
-            fake._hang(out)
+            hang(out)
         if faults.crash_after is not None and rows_written >= faults.crash_after:
             out.line("Unable to determine the device handle for GPU 0000:00:00.0: Unknown Error")
             out.flush()
-            raise fake._Exit(255)
+            raise FakeExit(255)
         out.line(text)
         rows_written += 1
 
@@ -212,7 +213,7 @@ def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Ou
     out.line("#" + units[1:])
     try:
         procs_var = os.environ.get("SMIQUERY_FAKE_PMON_PROCS", "").strip()
-        apps = _procs(procs_var, gpus) if procs_var else fake._load_apps(settings.apps, rec)
+        apps = _procs(procs_var, gpus) if procs_var else load_apps(settings.apps, rec)
         ends = _ends(os.environ.get("SMIQUERY_FAKE_PMON_ENDS", ""))
         hang_after = _count_var("SMIQUERY_FAKE_PMON_HANG_AFTER")
     except _Usage as exc:
@@ -221,7 +222,7 @@ def run_pmon(argv: Sequence[str], settings: _Settings, faults: _Faults, out: _Ou
     n = 0
     while count is None or n < count:
         if hang_after is not None and n >= hang_after:
-            fake._hang(out)
+            hang(out)
         now = datetime.now()
         for gpu in gpus:
             procs = [

@@ -1,0 +1,26 @@
+"""A fake ``nvidia-smi`` for tests and demos: a real executable that replays a recorded CSV and fails on demand.
+
+:func:`fake_nvidia_smi` writes the executable; :func:`main` is its entry point (also ``python -m smiquery.testing``
+and the ``smiquery-fake-nvidia-smi`` console script). Real process, real pipes, real signals: no mocks.
+:class:`InProcessRunner` runs the same engine on a thread, and :func:`use_runner` makes it the runner of everything
+that runs nvidia-smi (CLI, exporter, monitor, callbacks) for the length of a ``with`` block.
+
+The emulator itself lives in the private :mod:`smiquery.testing._emulator` package; nothing there imports this
+module.
+"""
+
+from smiquery.testing._emulator.executable import fake_nvidia_smi, main
+from smiquery.testing._emulator.faults import FAULT_HELP, FAULTS
+from smiquery.testing._emulator.inprocess import InProcessLines, InProcessRunner, use_runner
+from smiquery.testing._emulator.settings import ENV_VARS
+
+__all__ = [
+    "ENV_VARS",
+    "FAULTS",
+    "FAULT_HELP",
+    "InProcessLines",
+    "InProcessRunner",
+    "fake_nvidia_smi",
+    "main",
+    "use_runner",
+]
