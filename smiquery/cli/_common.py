@@ -119,8 +119,6 @@ def seconds_option(what: str) -> typer.models.OptionInfo:
 
 # -------------------------------------------------------------------------------------------------- options
 
-# -------------------------------------------------------------------------------------------------- options
-
 NvidiaSmiOpt = Annotated[
     str | None,
     typer.Option(
@@ -199,10 +197,10 @@ def _root(
     records: units known, missing values kept missing (never 0).
     """
     ctx.obj = Settings(nvidia_smi=nvidia_smi, timeout=timeout, debug=debug)
-    configure_logging(debug)
+    route_library_log(debug)
 
 
-def configure_logging(debug: bool) -> None:
+def route_library_log(debug: bool) -> None:
     """Library log lines go to stderr only with --debug (commands print their own one-line events).
 
     Args:

@@ -43,7 +43,7 @@ def fields_cmd(
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
-        from smiquery.display import Column, render, use_color
+        from smiquery.cli.display import Column, render, use_color
         from smiquery.fields import CATALOGUE
 
         form = choose_format(fmt, sys.stdout)
