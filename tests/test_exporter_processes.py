@@ -292,7 +292,7 @@ def test_cli_top_processes_serves_and_reaps_on_sigterm(fake_smi, tmp_path):
         wait_for(lambda: f"{SM}{{" in get(url + "/metrics")[1], 30, "process series")
         (child,) = pmon_pids(log)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
+        assert proc.wait(15) == 143
     finally:
         if proc.poll() is None:
             proc.kill()
