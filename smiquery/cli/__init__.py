@@ -27,12 +27,12 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from smiquery.cli._boundary import EXIT_CODES, ExitCode, cli_text, exit_code_for, quiet_stdout, say
+from smiquery.cli._boundary import ExitCode, cli_text, exit_code_for, quiet_stdout, say
 
 if TYPE_CHECKING:
     from smiquery.cli._common import app
 
-__all__ = ["EXIT_CODES", "ExitCode", "app", "exit_code_for", "main"]
+__all__ = ["ExitCode", "app", "exit_code_for", "main"]
 
 _ORDER = ("stream", "query", "ps", "fields", "doctor", "export", "plot", "report")
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from smiquery import __version__
-from smiquery.cli._boundary import ExitCode, UsageError
+from smiquery.cli._boundary import ExitCode
 from smiquery.cli._options import (
     Format,
     Settings,
@@ -19,6 +19,7 @@ from smiquery.cli._options import (
     parse_seconds,
     unknown_gpus,
 )
+from smiquery.errors import UsageError
 from smiquery.fields import PRESETS
 
 __all__ = [

@@ -7,8 +7,9 @@ from typing import Annotated, Any
 
 import typer
 
-from smiquery.cli._boundary import UsageError, boundary
+from smiquery.cli._boundary import boundary
 from smiquery.cli._common import FormatOpt, Settings, app, choose_format, settings_of
+from smiquery.errors import UsageError
 from smiquery.fields import PRESETS, Field, resolve_fields
 
 __all__ = ["fields_cmd"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from smiquery.cli._boundary import ExitCode, UsageError, boundary, cli_text, quiet_stdout, say
+from smiquery.cli._boundary import ExitCode, boundary, cli_text, quiet_stdout, say
 from smiquery.cli._common import (
     GpusOpt,
     Settings,
@@ -29,7 +29,7 @@ from smiquery.cli._common import (
 )
 from smiquery.cli._handoff import END, Failure, SourceEvent
 from smiquery.cli._signals import Signals
-from smiquery.errors import NoDevicesFoundError, SmiqueryError
+from smiquery.errors import NoDevicesFoundError, SmiqueryError, UsageError
 from smiquery.fields import PRESETS, Field, get_field
 from smiquery.retry import RetryPolicy
 

@@ -10,12 +10,12 @@ from typing import Annotated
 
 import typer
 
-from smiquery.cli._boundary import UsageError, boundary
+from smiquery.cli._boundary import boundary
 from smiquery.cli._common import FormatOpt, GpusOpt, app, choose_format, parse_gpus, settings_of, unknown_gpus
 from smiquery.cli.ps.proc import ProcInfo, proc_info
 from smiquery.cli.ps.watch import PsSort
 from smiquery.cli.ps.watch import watch as run_watch
-from smiquery.errors import NoDevicesFoundError
+from smiquery.errors import NoDevicesFoundError, UsageError
 
 __all__ = ["ps"]
 

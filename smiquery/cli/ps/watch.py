@@ -13,12 +13,12 @@ from datetime import datetime
 from enum import Enum
 from typing import IO, TYPE_CHECKING
 
-from smiquery.cli._boundary import UsageError, cli_text, quiet_stdout, say
+from smiquery.cli._boundary import cli_text, quiet_stdout, say
 from smiquery.cli._handoff import END, Failure, SourceEvent
 from smiquery.cli._options import Settings, choose_format, parse_gpus, unknown_gpus
 from smiquery.cli._signals import Signals
 from smiquery.cli.ps.proc import ProcCache
-from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError, StreamEndedError
+from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError, StreamEndedError, UsageError
 from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
