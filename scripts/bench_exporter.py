@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Load test of `smiquery export` over loopback: latency, throughput, many clients, slowloris, fault recovery.
 
-The exporter runs as its own process (`python -m smiquery.cli_export export`) on the fake nvidia-smi (8 GPUs,
+The exporter runs as its own process (`python -m smiquery export`) on the fake nvidia-smi (8 GPUs,
 `health` preset, interval 1 s), pinned to one CPU core; this script loads it from another core. In one run:
 
 1. one persistent HTTP/1.1 connection scraping /metrics: p99 < 10 ms, >= 300 scrapes/s, no nvidia-smi start
@@ -291,7 +291,7 @@ def main() -> int:
         bindir = Path(tmp) / "bin"
         fake = fake_nvidia_smi(bindir, log=log)
         argv = [
-            sys.executable, "-m", "smiquery.cli_export", "export", "--port", "0", "--interval", str(args.interval),
+            sys.executable, "-m", "smiquery", "export", "--port", "0", "--interval", str(args.interval),
             "--fields", args.fields, "--nvidia-smi", str(fake),
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -432,7 +432,7 @@ def main() -> int:
                     proc.wait()
         exit_code = proc.returncode
 
-    rows.append(("exporter exit on SIGTERM", str(exit_code), "0", exit_code == 0))
+    rows.append(("exporter exit on SIGTERM", str(exit_code), "143", exit_code == 143))
     print(
         f"smiquery export bench: {args.scrapes} scrapes on one connection, fields {args.fields}, interval "
         f"{args.interval:g} s, {size} bytes per scrape, exporter on CPU {server_cpu}, client on CPU {client_cpu}, "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -230,6 +230,21 @@ def driver_fields(binary: str, timeout: float) -> dict[str, str]:
     return names
 
 
+@dataclass
+class _Progress:
+    """What the checks found so far: their results, and why later nvidia-smi checks are skipped."""
+
+    ctr: str | None
+    results: list[CheckResult] = field(default_factory=list)
+    binary: str | None = None
+    version: dict[str, str] = field(default_factory=dict)
+    broken: str | None = None
+    failure: BaseException | None = None
+
+    def fail(self, name: str, exc: BaseException) -> None:
+        self.results.append(_failure(name, exc, in_ctr=self.ctr is not None))
+
+
 def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> list[CheckResult]:
     """Run every check against an nvidia-smi.
 
@@ -240,114 +255,114 @@ def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float 
     Returns:
         One result per check, in the order of :data:`CHECK_NAMES`; nothing is raised.
     """
+    done = _Progress(in_container())
+    _check_binary(done, nvidia_smi, timeout)
+    samples, caught = _query_driver(done, timeout)
+    if samples is not None:
+        done.results += _gpu_checks(samples, done.version, caught)
+    else:
+        present = {r.name for r in done.results}
+        for name in ("driver reachable", "driver/library match", "GPU count", "persistence mode", "MIG mode"):
+            if name not in present:
+                done.results.append(CheckResult(name, "skip", done.broken or "nvidia-smi is not working"))
+    done.results += _container_checks(done.ctr, found=done.binary is not None, failure=done.failure)
+    if samples is not None and done.binary is not None:
+        done.results.append(_default_fields_check(done, done.binary, timeout))
+    else:
+        done.results.append(CheckResult("default fields supported", "skip", done.broken or "nvidia-smi is not working"))
+    order = {name: i for i, name in enumerate(CHECK_NAMES)}
+    return sorted(done.results, key=lambda r: order.get(r.name, len(order)))
+
+
+def _check_binary(done: _Progress, nvidia_smi: str | os.PathLike[str] | None, timeout: float) -> None:
+    """1. the binary, and its version."""
     from smiquery.errors import failure_from_exit
-    from smiquery.oneshot import query
     from smiquery.runner import default_runner, find_nvidia_smi
 
-    results: list[CheckResult] = []
-    ctr = in_container()
-    binary: str | None = None
-    broken: str | None = None  # why later nvidia-smi checks are skipped
-    failure: BaseException | None = None
-
-    # 1. the binary, and its version
     try:
-        binary = find_nvidia_smi(nvidia_smi)
+        done.binary = binary = find_nvidia_smi(nvidia_smi)
     except NvidiaSmiNotFoundError as exc:
-        failure = exc
+        done.failure = exc
         fix = (
             _FIX_CONTAINER
-            if ctr
+            if done.ctr
             else "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI; "
             "in a container, start it with --gpus all"
         )
-        results.append(CheckResult("nvidia-smi found", "fail", _one_line(str(exc).split(";")[0]), fix, 3))
-        broken = "nvidia-smi not found"
-    version: dict[str, str] = {}
-    if binary is not None:
-        argv = [binary, "--version"]
-        try:
-            done = default_runner().run(argv, timeout)
-            if done.returncode == 0:
-                version = _parse_version(done.stdout)
-            else:
-                failure = failure_from_exit(argv, done.returncode, done.output)
-        except SmiqueryError as exc:
-            failure = exc
-        labels = {"nvidia-smi": "nvidia-smi", "driver": "driver", "cuda": "CUDA"}
-        parts = [f"{labels[k]} {v}" for k, v in version.items() if k in labels]
-        detail = binary + (f" ({', '.join(parts)})" if parts else " (`nvidia-smi --version` reported no version)")
-        results.append(CheckResult("nvidia-smi found", "ok", detail))
-        if isinstance(failure, (NvidiaSmiTimeoutError, NvidiaSmiNotFoundError)):
-            results.append(_failure("driver reachable", failure, in_ctr=ctr is not None))
-            broken = "nvidia-smi did not answer" if isinstance(failure, NvidiaSmiTimeoutError) else "no binary"
+        done.results.append(CheckResult("nvidia-smi found", "fail", _one_line(str(exc).split(";")[0]), fix, 3))
+        done.broken = "nvidia-smi not found"
+        return
+    argv = [binary, "--version"]
+    try:
+        ran = default_runner().run(argv, timeout)
+        if ran.returncode == 0:
+            done.version = _parse_version(ran.stdout)
+        else:
+            done.failure = failure_from_exit(argv, ran.returncode, ran.output)
+    except SmiqueryError as exc:
+        done.failure = exc
+    labels = {"nvidia-smi": "nvidia-smi", "driver": "driver", "cuda": "CUDA"}
+    parts = [f"{labels[k]} {v}" for k, v in done.version.items() if k in labels]
+    detail = binary + (f" ({', '.join(parts)})" if parts else " (`nvidia-smi --version` reported no version)")
+    done.results.append(CheckResult("nvidia-smi found", "ok", detail))
+    if isinstance(done.failure, (NvidiaSmiTimeoutError, NvidiaSmiNotFoundError)):
+        done.fail("driver reachable", done.failure)
+        done.broken = "nvidia-smi did not answer" if isinstance(done.failure, NvidiaSmiTimeoutError) else "no binary"
 
-    # 2-6. driver, library match, GPUs, infoROM, persistence, MIG: one query
-    samples: list[GpuSample] | None = None
+
+def _query_driver(done: _Progress, timeout: float) -> tuple[list[GpuSample] | None, list[warnings.WarningMessage]]:
+    """2-6. driver, library match, GPUs, infoROM, persistence, MIG: one query (None when it failed)."""
+    from smiquery.oneshot import query
+
     caught: list[warnings.WarningMessage] = []
-    if broken is None and binary is not None:
-        names = ["index", "name", "driver_version", "persistence_mode", "mig.mode.current"]
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    samples = query(names, nvidia_smi=binary, timeout=timeout)
-                except NvidiaSmiFailedError as exc:
-                    if type(exc).__name__ != "InvalidArgumentError":
-                        raise
-                    samples = query(names[:3], nvidia_smi=binary, timeout=timeout)
-            failure = None
-        except DriverVersionMismatchError as exc:
-            failure = exc
-            results.append(CheckResult("driver reachable", "ok", "the kernel module answers"))
-            results.append(_failure("driver/library match", exc, in_ctr=ctr is not None))
-            broken = "driver/library mismatch"
-        except NoDevicesFoundError as exc:
-            failure = exc
-            results.append(CheckResult("driver reachable", "ok", "the driver answers"))
-            results.append(CheckResult("driver/library match", "ok", "nvidia-smi talks to the driver"))
-            results.append(_failure("GPU count", exc, in_ctr=ctr is not None))
-            broken = "no GPU"
-        except SmiqueryError as exc:
-            failure = exc
-            results.append(_failure("driver reachable", exc, in_ctr=ctr is not None))
-            broken = "the driver is not reachable"
-    if samples is not None:
-        results += _gpu_checks(samples, version, caught)
-    else:
-        present = {r.name for r in results}
-        for name in ("driver reachable", "driver/library match", "GPU count", "persistence mode", "MIG mode"):
-            if name not in present:
-                results.append(CheckResult(name, "skip", broken or "nvidia-smi is not working"))
+    if done.broken is not None or done.binary is None:
+        return None, caught
+    names = ["index", "name", "driver_version", "persistence_mode", "mig.mode.current"]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                samples = query(names, nvidia_smi=done.binary, timeout=timeout)
+            except NvidiaSmiFailedError as exc:
+                if type(exc).__name__ != "InvalidArgumentError":
+                    raise
+                samples = query(names[:3], nvidia_smi=done.binary, timeout=timeout)
+        done.failure = None
+        return samples, caught
+    except DriverVersionMismatchError as exc:
+        done.failure = exc
+        done.results.append(CheckResult("driver reachable", "ok", "the kernel module answers"))
+        done.fail("driver/library match", exc)
+        done.broken = "driver/library mismatch"
+    except NoDevicesFoundError as exc:
+        done.failure = exc
+        done.results.append(CheckResult("driver reachable", "ok", "the driver answers"))
+        done.results.append(CheckResult("driver/library match", "ok", "nvidia-smi talks to the driver"))
+        done.fail("GPU count", exc)
+        done.broken = "no GPU"
+    except SmiqueryError as exc:
+        done.failure = exc
+        done.fail("driver reachable", exc)
+        done.broken = "the driver is not reachable"
+    return None, caught
 
-    # 7. containers
-    results += _container_checks(ctr, found=binary is not None, failure=failure)
 
-    # 8. the default preset's fields
-    if samples is not None and binary is not None:
-        try:
-            have = driver_fields(binary, timeout)
-            lacking = [n for n in PRESETS["default"] if n not in have]
-            if lacking:
-                results.append(
-                    CheckResult(
-                        "default fields supported",
-                        "warn",
-                        f"this driver lacks {', '.join(lacking)}",
-                        "pass --fields without them (see `smiquery fields --supported`) or upgrade the driver",
-                    )
-                )
-            else:
-                results.append(
-                    CheckResult("default fields supported", "ok", f"all {len(PRESETS['default'])} supported")
-                )
-        except SmiqueryError as exc:
-            results.append(_failure("default fields supported", exc, in_ctr=ctr is not None))
-    else:
-        results.append(CheckResult("default fields supported", "skip", broken or "nvidia-smi is not working"))
-    order = {name: i for i, name in enumerate(CHECK_NAMES)}
-    results.sort(key=lambda r: order.get(r.name, len(order)))
-    return results
+def _default_fields_check(done: _Progress, binary: str, timeout: float) -> CheckResult:
+    """8. the default preset's fields, against what the driver lists."""
+    name = "default fields supported"
+    try:
+        have = driver_fields(binary, timeout)
+    except SmiqueryError as exc:
+        return _failure(name, exc, in_ctr=done.ctr is not None)
+    lacking = [n for n in PRESETS["default"] if n not in have]
+    if lacking:
+        return CheckResult(
+            name,
+            "warn",
+            f"this driver lacks {', '.join(lacking)}",
+            "pass --fields without them (see `smiquery fields --supported`) or upgrade the driver",
+        )
+    return CheckResult(name, "ok", f"all {len(PRESETS['default'])} supported")
 
 
 def _gpu_checks(

@@ -31,8 +31,8 @@ from smiquery.clock import elapsed
 from smiquery.fields import Field, resolve_fields
 
 if TYPE_CHECKING:
-    from smiquery.display import SampleWriter
     from smiquery.pmon import PmonRow, PmonStream, ProcessShare
+    from smiquery.recordings import SampleWriter
     from smiquery.records import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
 
@@ -1001,7 +1001,7 @@ class RunMonitor:
     def _start_outputs(self) -> None:
         if self.record is not None:
             try:
-                from smiquery.display import open_recorder
+                from smiquery.recordings import open_recorder
 
                 self._recorder = open_recorder(self.record, resolve_fields(self._fields))
             except Exception as exc:

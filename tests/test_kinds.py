@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import pytest
 
 import smiquery
-from smiquery.display import display_value
+from smiquery.cli.display import display_value
 from smiquery.fields import CATALOGUE, Field, get_field
 from smiquery.frames import to_dataframe
 from smiquery.kinds import FIELD_KINDS, MISSING_REASONS, UNITS, FieldKind, Kind, unit_info
@@ -184,7 +184,7 @@ def test_importing_fields_imports_neither_pandas_nor_pyarrow() -> None:
 
 
 def test_a_table_rounds_watts_while_csv_keeps_every_digit() -> None:
-    from smiquery.display import render
+    from smiquery.cli.display import render
 
     fields = [get_field("index"), get_field("power.draw"), get_field("memory.used")]
     samples = parse_lines(["index, power.draw [W], memory.used [MiB]", "0, 69.853, 70743", "1, [N/A], 214"])

@@ -27,12 +27,12 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from smiquery.cli._boundary import EXIT_CODES, ExitCode, cli_text, exit_code_for, quiet_stdout, say
+from smiquery.cli._boundary import ExitCode, cli_text, exit_code_for, quiet_stdout, say
 
 if TYPE_CHECKING:
     from smiquery.cli._common import app
 
-__all__ = ["EXIT_CODES", "ExitCode", "app", "exit_code_for", "main"]
+__all__ = ["ExitCode", "app", "exit_code_for", "main"]
 
 _ORDER = ("stream", "query", "ps", "fields", "doctor", "export", "plot", "report")
 
@@ -42,21 +42,22 @@ def _command_rank(info: Any) -> int:
     return _ORDER.index(name) if name in _ORDER else len(_ORDER)
 
 
+_registered: list[Any] = []
+
+
 def _load_app() -> Any:
     """The typer app with every command registered (imported on first use: the fast path needs none of it)."""
-    from smiquery.cli import _common
-
-    if not getattr(_common, "_registered", False):
-        from smiquery.cli import doctor, fields, ps, query, stream  # noqa: F401  (their @app.command registers them)
+    if not _registered:
+        from smiquery.cli import doctor, export, fields, query, stream  # noqa: F401  (@app.command registers them)
         from smiquery.cli import inspect as _inspect  # noqa: F401
+        from smiquery.cli._common import app
         from smiquery.cli.analysis import register as register_analysis
-        from smiquery.cli.export import register as register_export
+        from smiquery.cli.ps import command  # noqa: F401
 
-        register_export(_common.app)
-        register_analysis(_common.app)
-        _common.app.registered_commands.sort(key=_command_rank)  # the headline command first in --help
-        _common._registered = True  # type: ignore[attr-defined]
-    return _common.app
+        register_analysis(app)
+        app.registered_commands.sort(key=_command_rank)  # the headline command first in --help
+        _registered.append(app)
+    return _registered[0]
 
 
 def __getattr__(name: str) -> Any:
@@ -67,7 +68,7 @@ def __getattr__(name: str) -> Any:
 
 def _run_fast_query(opts: dict[str, str | bool]) -> int:
     from smiquery.cli._options import Format, Settings
-    from smiquery.cli._snapshot import run_query
+    from smiquery.cli._query_body import run_query
 
     def text(key: str) -> str | None:
         value = opts.get(key)

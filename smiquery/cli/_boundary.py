@@ -29,7 +29,7 @@ from smiquery.errors import (
     UsageError,
 )
 
-__all__ = ["EXIT_CODES", "ExitCode", "UsageError", "boundary", "cli_text", "exit_code_for", "say"]
+__all__ = ["ExitCode", "boundary", "cli_text", "exit_code_for", "fail", "quiet_stdout", "say", "warn_lines"]
 
 
 class ExitCode(IntEnum):
@@ -58,19 +58,6 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130
     TERMINATED = 143
 
-
-#: The documented exit codes by name (kept for scripts that used the dict).
-EXIT_CODES: dict[str, int] = {
-    "ok": ExitCode.OK,
-    "error": ExitCode.ERROR,
-    "usage": ExitCode.USAGE,
-    "nvidia_smi_not_found": ExitCode.NOT_FOUND,
-    "driver": ExitCode.DRIVER,
-    "timeout": ExitCode.TIMEOUT,
-    "alert": ExitCode.ALERT,
-    "interrupted": ExitCode.INTERRUPTED,
-    "terminated": ExitCode.TERMINATED,
-}
 
 DRIVER_ERRORS: tuple[type[Exception], ...] = (
     DriverNotLoadedError,

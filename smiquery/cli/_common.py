@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from smiquery import __version__
-from smiquery.cli._boundary import ExitCode, UsageError
+from smiquery.cli._boundary import ExitCode
 from smiquery.cli._options import (
     Format,
     Settings,
@@ -19,6 +19,7 @@ from smiquery.cli._options import (
     parse_seconds,
     unknown_gpus,
 )
+from smiquery.errors import UsageError
 from smiquery.fields import PRESETS
 
 __all__ = [
@@ -119,8 +120,6 @@ def seconds_option(what: str) -> typer.models.OptionInfo:
 
 # -------------------------------------------------------------------------------------------------- options
 
-# -------------------------------------------------------------------------------------------------- options
-
 NvidiaSmiOpt = Annotated[
     str | None,
     typer.Option(
@@ -199,10 +198,10 @@ def _root(
     records: units known, missing values kept missing (never 0).
     """
     ctx.obj = Settings(nvidia_smi=nvidia_smi, timeout=timeout, debug=debug)
-    configure_logging(debug)
+    route_library_log(debug)
 
 
-def configure_logging(debug: bool) -> None:
+def route_library_log(debug: bool) -> None:
     """Library log lines go to stderr only with --debug (commands print their own one-line events).
 
     Args:

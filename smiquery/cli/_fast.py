@@ -2,8 +2,8 @@
 
 Importing typer and building its click command cost more than the query itself, and the one-shot query is what
 scripts run in a loop. A command line this parser fully understands goes straight to
-:func:`smiquery.cli._snapshot.run_query` without importing typer at all; anything else (help, an unknown or
-malformed option, any other command) goes through typer, which validates and reports it. ``tests/test_cli.py``
+:func:`smiquery.cli._query_body.run_query` without importing typer at all; anything else (help, an unknown or
+malformed option, any other command) goes through typer, which validates and reports it. ``tests/cli/test_cli.py``
 checks, from typer's own parameters, that every option of ``query`` and of the root is read identically by both
 paths.
 """

@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import IO
 
-from smiquery.cli._boundary import UsageError
-from smiquery.errors import InvalidFieldError, InvalidGpuIdError
+from smiquery.errors import InvalidFieldError, InvalidGpuIdError, UsageError
 from smiquery.fields import PRESETS, Field, resolve_fields
 
 __all__ = [

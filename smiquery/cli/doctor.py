@@ -56,7 +56,7 @@ def doctor(
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
-        from smiquery.display import use_color
+        from smiquery.cli.display import use_color
         from smiquery.doctor import exit_code, run_checks
 
         results = run_checks(settings.nvidia_smi, settings.timeout)

@@ -1,58 +1,280 @@
-"""``smiquery export`` wired into the app, taking durations and GPU ids as ``stream`` does.
+"""``smiquery export``: serve Prometheus metrics from one background nvidia-smi loop.
 
-The command itself lives in :mod:`smiquery.cli_export`; here its duration options (``--interval 250ms``,
-``--processes-interval 1m``, ``--stale-after 30s``) get the parser every command shares.
+Errors go through the one boundary of the command line (:mod:`smiquery.cli._boundary`): 1 the port is taken (or
+needs root) or the exporter cannot run, 2 a bad option (including a --bind address that is not on this machine), 3
+nvidia-smi not found; a stop by SIGTERM exits 143, by SIGINT (Ctrl-C) 130, as every long-running command does.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from typing import Annotated, Any, get_args, get_origin, get_type_hints
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from smiquery.cli._common import app, seconds_option
+from smiquery.cli._boundary import boundary, say
+from smiquery.cli._common import app, seconds_option, settings_of
+from smiquery.cli._signals import Signals
+from smiquery.errors import InvalidFieldError, InvalidGpuIdError, ListenError, SmiqueryError
+from smiquery.fields import resolve_fields
+from smiquery.oneshot import normalize_gpus
 
-__all__ = ["register"]
+if TYPE_CHECKING:
+    from smiquery.exporter import Exporter, WebConfig
 
-_DURATIONS = ("interval", "processes_interval", "stale_after")
+__all__ = ["LogFormat", "Naming", "export"]
 
+# The exporter's own choices (smiquery.exporter.naming.Naming, smiquery.exporter.events.LogFormat). Spelled here
+# because importing the exporter needs prometheus_client, which `smiquery --help` must not; mypy checks that
+# these are the values `serve` and `configure_logging` take, tests/cli/test_export.py that they are all of them.
+Naming = Literal["smiquery", "dcgm", "nvidia_smi"]
+LogFormat = Literal["text", "json"]
 
-def _with_durations(command: Any) -> Any:
-    """``command`` with its duration options parsed like ``stream --interval`` (a copy; the original is untouched)."""
-
-    @functools.wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        return command(*args, **kwargs)
-
-    hints = get_type_hints(command, include_extras=True)
-    sig = inspect.signature(command)
-    params = []
-    annotations: dict[str, Any] = dict(getattr(command, "__annotations__", {}))
-    for p in sig.parameters.values():
-        hint = hints.get(p.name, p.annotation)
-        if p.name in _DURATIONS and get_origin(hint) is Annotated:
-            base, *meta = get_args(hint)
-            info = next((m for m in meta if isinstance(m, typer.models.OptionInfo)), None)
-            if info is not None:
-                option = seconds_option("--" + p.name.replace("_", "-"))
-                option.help = f"{info.help} Takes 5, 0.5, 250ms, 2s, 1m." if info.help else None
-                option.param_decls = info.param_decls
-                hint = Annotated[base, option]
-        annotations[p.name] = hint
-        params.append(p.replace(annotation=hint))
-    wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
-    wrapper.__annotations__ = annotations
-    return wrapper
+_ALL_INTERFACES = {"0.0.0.0", "::", "[::]"}
+_DURATION_HINT = " Takes 5, 0.5, 250ms, 2s, 1m."
 
 
-def register(target: typer.Typer = app) -> None:
-    """Add ``export`` to the app.
+def _duration(name: str, help_text: str) -> typer.models.OptionInfo:
+    option = seconds_option(name)
+    option.help = help_text + _DURATION_HINT
+    return option
 
-    Args:
-        target: the app.
+
+@dataclass(frozen=True)
+class _Checked:
+    """The options that needed more than typer's parsing, ready for :func:`smiquery.exporter.serve`."""
+
+    labels: dict[str, str]
+    rules: list[str] | None
+    web: WebConfig | None
+
+
+@app.command("export", context_settings={"help_option_names": ["-h", "--help"]})
+def export(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 9849,
+    bind: Annotated[
+        str,
+        typer.Option(help="Address to listen on. 0.0.0.0 or :: (all interfaces) only when you say so."),
+    ] = "127.0.0.1",
+    interval: Annotated[float, _duration("--interval", "Seconds between nvidia-smi samples.")] = 5.0,
+    fields: Annotated[
+        str,
+        typer.Option(
+            help="A preset (health, default, memory, power, clocks, throttle, all), a comma list, or 'supported' "
+            "(every field this driver supplies, asked once at start)."
+        ),
+    ] = "health",
+    gpus: Annotated[
+        str | None, typer.Option(help="Only these GPUs: indices, UUIDs or PCI bus ids, comma list.")
+    ] = None,
+    label: Annotated[
+        list[str] | None,
+        typer.Option("--label", help="Constant label key=value on every series (repeat for more)."),
+    ] = None,
+    naming: Annotated[
+        Naming,
+        typer.Option(
+            case_sensitive=False,
+            help="smiquery: base units; dcgm: the DCGM exporter's names and labels; nvidia_smi: nvidia_gpu_exporter's.",
+        ),
+    ] = "smiquery",
+    processes: Annotated[
+        bool, typer.Option("--processes/--no-processes", help="Also export per-process GPU memory.")
+    ] = False,
+    processes_interval: Annotated[float, _duration("--processes-interval", "Seconds between process listings.")] = 15.0,
+    top_processes: Annotated[
+        int,
+        typer.Option(
+            "--top-processes",
+            min=0,
+            help="Also run nvidia-smi pmon and export the N busiest processes per GPU (SM and memory use, GPU "
+            "memory; one 'other' series sums the rest). 0: off, no pmon at all.",
+        ),
+    ] = 0,
+    tls_cert: Annotated[
+        Path | None, typer.Option(help="PEM certificate: serve HTTPS.", exists=True, dir_okay=False, readable=True)
+    ] = None,
+    tls_key: Annotated[
+        Path | None, typer.Option(help="PEM private key of --tls-cert.", exists=True, dir_okay=False, readable=True)
+    ] = None,
+    client_ca: Annotated[
+        Path | None,
+        typer.Option(
+            help="PEM CA bundle: require client certificates signed by it.", exists=True, dir_okay=False, readable=True
+        ),
+    ] = None,
+    web_config_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--web-config-file",
+            help="Prometheus exporter-toolkit web config: tls_server_config and basic_auth_users (bcrypt).",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+        ),
+    ] = None,
+    alert: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--alert",
+            help="smiquery alert rule evaluated on every sample, exported as smiquery_alert_firing (repeat; "
+            "'none' for none). Default: 'temperature.gpu > 85 for 3'.",
+        ),
+    ] = None,
+    log_format: Annotated[
+        LogFormat, typer.Option(case_sensitive=False, help="Log lines on stderr: text or json.")
+    ] = "text",
+    stale_after: Annotated[
+        float | None,
+        _duration("--stale-after", "Seconds after which data counts as stale (default: max(3 x interval, 15))."),
+    ] = None,
+    nvidia_smi: Annotated[
+        str | None, typer.Option("--nvidia-smi", help="Path of nvidia-smi (default: the global option, PATH).")
+    ] = None,
+) -> None:
+    """Serve Prometheus metrics on /metrics (and /healthz) from ONE background nvidia-smi loop.
+
+    Scrapes read the newest sample; they never start nvidia-smi.
     """
-    from smiquery.cli_export import export
+    settings = settings_of(ctx)
+    with boundary(settings.debug):
+        _check_plain_options(interval, processes_interval, stale_after, bind, fields, gpus)
+        _check_tls(tls_cert, tls_key, client_ca, web_config_file)
+        from smiquery import exporter as exporter_mod
 
-    target.command("export", context_settings={"help_option_names": ["-h", "--help"]})(_with_durations(export))
+        checked = _check_exporter_options(label, top_processes, alert, web_config_file)
+        configured = [h for h in logging.getLogger("smiquery").handlers if not isinstance(h, logging.NullHandler)]
+        if not configured and not logging.getLogger().handlers:
+            exporter_mod.configure_logging(log_format)
+        try:
+            exp = exporter_mod.serve(
+                port=port,
+                bind=bind,
+                interval=interval,
+                fields=fields,
+                gpus=gpus,
+                labels=checked.labels,
+                naming=naming,
+                processes=processes,
+                processes_interval=processes_interval,
+                top_processes=top_processes,
+                tls_cert=tls_cert,
+                tls_key=tls_key,
+                client_ca=client_ca,
+                nvidia_smi=nvidia_smi if nvidia_smi is not None else settings.nvidia_smi,
+                stale_after=stale_after,
+                web_config=checked.web,
+                alerts=checked.rules if checked.rules is not None else exporter_mod.DEFAULT_EXPORTER_ALERTS,
+            )
+        except ListenError as exc:
+            if exc.option == "--bind":
+                raise typer.BadParameter(str(exc), param_hint="'--bind'") from None
+            raise
+        except SmiqueryError:
+            raise
+        except OSError as exc:  # unreadable or mismatched TLS files (ssl.SSLError is an OSError)
+            raise typer.BadParameter(
+                f"cannot load them: {exc}", param_hint="'--tls-cert/--tls-key/--client-ca'"
+            ) from None
+        code = _serve_until_signal(exp, bind)
+    if code:
+        raise typer.Exit(code)
+
+
+def _positive(value: float | None, option: str) -> None:
+    if value is not None and value <= 0:
+        raise typer.BadParameter("must be a positive number of seconds", param_hint=f"'{option}'")
+
+
+def _check_plain_options(
+    interval: float, processes_interval: float, stale_after: float | None, bind: str, fields: str, gpus: str | None
+) -> None:
+    """Every bad option is a usage error (exit 2) before anything runs."""
+    _positive(interval, "--interval")
+    _positive(processes_interval, "--processes-interval")
+    _positive(stale_after, "--stale-after")
+    if not bind.strip():
+        raise typer.BadParameter("must be an address such as 127.0.0.1", param_hint="'--bind'")
+    try:
+        if fields != "supported":
+            resolve_fields(fields)
+    except InvalidFieldError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--fields'") from None
+    try:
+        normalize_gpus(gpus)
+    except InvalidGpuIdError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--gpus'") from None
+
+
+def _check_tls(tls_cert: Path | None, tls_key: Path | None, client_ca: Path | None, web_config: Path | None) -> None:
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter("HTTPS needs both --tls-cert and --tls-key", param_hint="'--tls-cert/--tls-key'")
+    if client_ca is not None and tls_cert is None:
+        raise typer.BadParameter(
+            "client certificates need HTTPS: add --tls-cert and --tls-key", param_hint="'--client-ca'"
+        )
+    if web_config is not None and tls_cert is not None:
+        raise typer.BadParameter(
+            "give TLS either in --web-config-file or as --tls-cert/--tls-key", param_hint="'--web-config-file'"
+        )
+
+
+def _check_exporter_options(
+    label: list[str] | None, top_processes: int, alert: list[str] | None, web_config_file: Path | None
+) -> _Checked:
+    """The labels, alert rules and web config, each checked by the exporter's own parser."""
+    from smiquery import exporter as exporter_mod
+    from smiquery.errors import WebConfigError
+
+    try:
+        labels = exporter_mod.parse_labels(label)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--label'") from None
+    taken = sorted({"command", "user"} & set(labels)) if top_processes else []
+    if taken:
+        raise typer.BadParameter(
+            f"label name {taken[0]!r} is set by the exporter itself with --top-processes; pick another name",
+            param_hint="'--label'",
+        )
+    rules: list[str] | None = None
+    if alert:
+        rules = [] if [a.strip().lower() for a in alert] == ["none"] else list(alert)
+        try:
+            from smiquery.alerts import Rule
+
+            for text in rules:
+                Rule.parse(text)
+        except SmiqueryError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--alert'") from None
+    web = None
+    if web_config_file is not None:
+        try:
+            web = exporter_mod.load_web_config(web_config_file)
+        except WebConfigError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--web-config-file'") from None
+    return _Checked(labels, rules, web)
+
+
+def _serve_until_signal(exp: Exporter, bind: str) -> int:
+    """Serve until SIGTERM (exit 143) or SIGINT (exit 130); the stream is closed and nvidia-smi reaped either way."""
+    with Signals() as sigs:
+        try:
+            say(
+                f"smiquery export: serving {exp.url}/metrics (naming {exp.collector.naming}, every "
+                f"{exp.stream.interval:g} s); probes at /livez and /readyz; Ctrl-C or SIGTERM stops"
+            )
+            if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
+                say("smiquery export: warning: listening on all interfaces without TLS")
+            while not sigs.wake.wait(0.5):
+                if exp.stopped:
+                    break
+        except KeyboardInterrupt:
+            sigs.signum = sigs.signum or signal.SIGINT
+        finally:
+            sigs.closing = True
+            exp.stop()
+    return sigs.exit_code

@@ -7,8 +7,9 @@ from typing import Annotated, Any
 
 import typer
 
-from smiquery.cli._boundary import UsageError, boundary
+from smiquery.cli._boundary import boundary
 from smiquery.cli._common import FormatOpt, Settings, app, choose_format, settings_of
+from smiquery.errors import UsageError
 from smiquery.fields import PRESETS, Field, resolve_fields
 
 __all__ = ["fields_cmd"]
@@ -43,7 +44,7 @@ def fields_cmd(
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
-        from smiquery.display import Column, render, use_color
+        from smiquery.cli.display import Column, render, use_color
         from smiquery.fields import CATALOGUE
 
         form = choose_format(fmt, sys.stdout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from smiquery.cli._common import FieldsOpt, FormatOpt, GpusOpt, app, settings_of
-from smiquery.cli._snapshot import run_query
+from smiquery.cli._query_body import run_query
 
 __all__ = ["query"]
 

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from smiquery.cli._boundary import ExitCode, UsageError, boundary, cli_text, quiet_stdout, say
+from smiquery.cli._boundary import ExitCode, boundary, cli_text, quiet_stdout, say
 from smiquery.cli._common import (
     GpusOpt,
     Settings,
@@ -28,13 +27,16 @@ from smiquery.cli._common import (
     settings_of,
     unknown_gpus,
 )
-from smiquery.errors import NoDevicesFoundError, SmiqueryError
+from smiquery.cli._handoff import END, Failure, SourceEvent
+from smiquery.cli._signals import Signals
+from smiquery.errors import NoDevicesFoundError, SmiqueryError, UsageError
 from smiquery.fields import PRESETS, Field, get_field
 from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from smiquery.alerts import AlertEvaluator, AlertEvent, Notifier
-    from smiquery.display import LiveTable, SampleWriter
+    from smiquery.alerts import AlertEvaluator, AlertEvent, Notifier, Rule
+    from smiquery.cli.display import LiveTable
+    from smiquery.recordings import SampleWriter
     from smiquery.records import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
 
@@ -128,27 +130,6 @@ class EventPrinter:
             self.emit(f"smiquery: {detail}")
 
 
-class _Failure:
-    """A source error, passed from the pump thread to the main thread."""
-
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-class _Event:
-    """A source event, passed from the source's thread to the main thread."""
-
-    __slots__ = ("event",)
-
-    def __init__(self, event: StreamEvent) -> None:
-        self.event = event
-
-
-_END = object()
-
-
 class _Pump:
     """Reads a source's sweeps in a thread and hands them (and its events) over through one queue.
 
@@ -161,7 +142,7 @@ class _Pump:
         self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.stop = stop if stop is not None else threading.Event()  # also ends the source's restart backoff
         self.thread = threading.Thread(target=self._run, name="smiquery-pump", daemon=True)
-        self._unsubscribe = subscribe(source, lambda ev: self.queue.put(_Event(ev)))
+        self._unsubscribe = subscribe(source, lambda ev: self.queue.put(SourceEvent(ev)))
 
     def _run(self) -> None:
         it = self.source.sweeps()
@@ -171,9 +152,9 @@ class _Pump:
                     break
                 self.queue.put(sweep)
         except BaseException as exc:  # handed to the main thread, which reports it
-            self.queue.put(_Failure(exc))
+            self.queue.put(Failure(exc))
         else:
-            self.queue.put(_END)
+            self.queue.put(END)
         finally:
             close = getattr(it, "close", None)
             if close is not None:
@@ -191,35 +172,6 @@ class _Pump:
             self.source.close()
         self.thread.join(timeout)
         self._unsubscribe()
-
-
-class _Signals:
-    """Turns SIGINT/SIGTERM into a flag the loop checks; a second Ctrl-C interrupts at once."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.closing = False
-        self._saved: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame: object) -> None:
-        if self.closing:
-            self.signum = self.signum or signum
-            return
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                with contextlib.suppress(ValueError, OSError):
-                    self._saved[sig] = signal.signal(sig, self._handler)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._saved.items():
-            with contextlib.suppress(ValueError, OSError, TypeError):
-                signal.signal(sig, handler)
 
 
 @dataclass
@@ -402,134 +354,27 @@ def _stream(
     on_alert: Sequence[str] = (),
     tz: str | None = None,
 ) -> None:
-    from smiquery.alerts import AlertEvaluator, Rule
-    from smiquery.display import CsvWriter, JsonlWriter, LiveTable, open_recorder, use_color
-    from smiquery.errors import InvalidRuleError
-
     seconds = parse_seconds(interval, "--interval")
     stop_after = parse_seconds(duration, "--duration") if duration is not None else None
-    try:
-        rules = [Rule.parse(a) for a in alerts]
-    except InvalidRuleError as exc:
-        raise UsageError(f"--alert: {exc}") from None
-    needed = [f for r in rules for f in r.fields]  # `while` fields too
-    if any(r.hold_seconds is not None for r in rules):
-        needed.insert(0, get_field("timestamp"))  # `for 5m` is measured by the samples' own timestamps
-    rule_fields = tuple({f.name: f for f in needed}.values())
+    rules, rule_fields = _rules(alerts)
     ids = parse_gpus(gpus)
-    out = sys.stdout
-    form = fmt or choose_format(None, out)
-    isatty = getattr(out, "isatty", None)
-    tty = bool(isatty and isatty())
-
-    source: SampleSource
-    flds: tuple[Field, ...]
     pump_stop = threading.Event()
     if tz is not None and replay_path is None:
         raise UsageError("--tz goes with --replay: live samples carry this machine's own time zone")
     if replay_path is not None:
-        from smiquery.cli.analysis import check_zone
-        from smiquery.playback import Replay, ReplayError
-
-        check_zone(tz)
-        wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None
-        columns = _replay_columns(replay_path, fields)
-        if wanted is None:
-            # The default preset when the recording has it, else every recorded column.
-            probe = Replay(replay_path, speed=speed, gpus=ids, loop=loop, tz=tz)
-            have = {f.name for f in probe.recorded_fields}
-            default = parse_fields("default", rule_fields)
-            if all(f.name in have for f in default):
-                wanted = default
-            else:
-                lacking = [f.name for f in rule_fields if f.name not in have]
-                if lacking:
-                    raise ReplayError(f"recording {replay_path} has no {', '.join(lacking)} for --alert")
-        try:
-            replayed = Replay(
-                replay_path,
-                speed=speed,
-                fields=[f.name for f in wanted] if wanted is not None else None,
-                gpus=ids,
-                loop=loop,
-                columns=columns,
-                tz=tz,
-            )
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        source = replayed
-        flds = replayed.fields
-        title = f"smiquery stream · replay {replay_path.name} at {speed:g}x" if speed else f"replay {replay_path.name}"
+        source, flds, title = _open_replay(replay_path, fields, rule_fields, ids, speed=speed, loop=loop, tz=tz)
     else:
-        from smiquery.supervisor import Stream
-
-        flds = parse_fields(fields, rule_fields)
-
-        def nap(seconds: float) -> None:
-            pump_stop.wait(seconds)
-
-        live_source = Stream(
-            [f.name for f in flds],
-            interval=seconds,
-            gpus=ids,
-            nvidia_smi=settings.nvidia_smi,
-            stall_timeout=max(settings.timeout, 3 * seconds),
-            sleep=nap,
-            retry=RetryPolicy(fail_fast=True),
-        )
-        source = live_source
-        flds = live_source.fields
-        title = f"smiquery stream · every {seconds:g} s · {live_source.argv[0]}"
-
-    writers: list[SampleWriter] = []
-    recorder: SampleWriter | None = None
-    if output is not None:
-        try:
-            recorder = open_recorder(output, flds)
-        except ValueError as exc:
-            raise UsageError(f"--output: {exc}") from None
-        except OSError as exc:
-            raise SmiqueryError(f"cannot write {output}: {exc.strerror or exc}; choose another --output") from None
-        except RuntimeError as exc:
-            raise SmiqueryError(str(exc)) from None
-    live: LiveTable | None = None
-    evaluator = AlertEvaluator(rules) if rules else None
-    if recorder is not None:
-        writers.append(recorder)
-    if form == "csv":
-        writers.append(CsvWriter(out, flds, flush=True))
-    elif form == "jsonl":
-        writers.append(JsonlWriter(out, flush=True))
-    elif tty:
-        live = LiveTable(out, flds, title=title, color=use_color(out), evaluator=evaluator)
-    run = _Run(writers, live, form == "table" and live is None, flds, evaluator, exit_on_alert)
+        source, flds, title = _open_live(settings, fields, rule_fields, ids, seconds, pump_stop)
+    run = _open_outputs(output, flds, fmt, title, rules, exit_on_alert)
     run.live_time = replay_path is None
     if on_alert:
-        from smiquery.alerts import Notifier, handler_from_spec
-
-        if evaluator is None:
-            raise UsageError("--on-alert needs at least one --alert rule")
-        try:
-            handlers = [handler_from_spec(spec, nvidia_smi=settings.nvidia_smi) for spec in on_alert]
-        except ValueError as exc:
-            raise UsageError(f"--on-alert: {exc}") from None
-        run.notifier = Notifier(evaluator, handlers)
+        run.notifier = _notifier(run, on_alert, settings)
     if ids and replay_path is None:
-        checked: list[BaseException | None] = []
-
-        def check_error(exc: BaseException) -> BaseException | None:
-            # a source that retries "No devices were found" forever: a GPU id this machine lacks is a usage error
-            if not isinstance(exc, NoDevicesFoundError):
-                return None
-            if not checked:
-                checked.append(unknown_gpus(ids, settings))
-            return checked[0]
-
-        run.check_error = check_error
+        run.check_error = _gpu_id_check(ids, settings)
     err_isatty = getattr(sys.stderr, "isatty", None)
-    if live is not None and err_isatty is not None and err_isatty():
+    if run.live is not None and err_isatty is not None and err_isatty():
         # stderr is the same terminal: a line there would tear the table, so events go to its footer
-        table = live
+        table = run.live
         run.events = EventPrinter(lambda line: table.note(line.removeprefix("smiquery: ")))
     try:
         code = _pump_loop(source, run, count=count, stop_after=stop_after, interval=seconds, stop_event=pump_stop)
@@ -540,6 +385,161 @@ def _stream(
         raise wrong from None
     if code:
         raise typer.Exit(code)
+
+
+def _rules(alerts: Sequence[str]) -> tuple[list[Rule], tuple[Field, ...]]:
+    """The ``--alert`` rules, and the fields they need queried besides the shown ones."""
+    from smiquery.alerts import Rule
+    from smiquery.errors import InvalidRuleError
+
+    try:
+        rules = [Rule.parse(a) for a in alerts]
+    except InvalidRuleError as exc:
+        raise UsageError(f"--alert: {exc}") from None
+    needed = [f for r in rules for f in r.fields]  # `while` fields too
+    if any(r.hold_seconds is not None for r in rules):
+        needed.insert(0, get_field("timestamp"))  # `for 5m` is measured by the samples' own timestamps
+    return rules, tuple({f.name: f for f in needed}.values())
+
+
+def _open_replay(
+    path: Path,
+    fields: str | None,
+    rule_fields: tuple[Field, ...],
+    ids: tuple[str, ...] | None,
+    *,
+    speed: float,
+    loop: bool,
+    tz: str | None,
+) -> tuple[SampleSource, tuple[Field, ...], str]:
+    """``--replay``: the recording as a source, its fields, and the live table's title."""
+    from smiquery.cli.analysis import check_zone
+    from smiquery.playback import Replay, ReplayError
+
+    check_zone(tz)
+    wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None
+    columns = _replay_columns(path, fields)
+    if wanted is None:
+        # The default preset when the recording has it, else every recorded column.
+        probe = Replay(path, speed=speed, gpus=ids, loop=loop, tz=tz)
+        have = {f.name for f in probe.recorded_fields}
+        default = parse_fields("default", rule_fields)
+        if all(f.name in have for f in default):
+            wanted = default
+        else:
+            lacking = [f.name for f in rule_fields if f.name not in have]
+            if lacking:
+                raise ReplayError(f"recording {path} has no {', '.join(lacking)} for --alert")
+    try:
+        replayed = Replay(
+            path,
+            speed=speed,
+            fields=[f.name for f in wanted] if wanted is not None else None,
+            gpus=ids,
+            loop=loop,
+            columns=columns,
+            tz=tz,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    title = f"smiquery stream · replay {path.name} at {speed:g}x" if speed else f"replay {path.name}"
+    return replayed, replayed.fields, title
+
+
+def _open_live(
+    settings: Settings,
+    fields: str | None,
+    rule_fields: tuple[Field, ...],
+    ids: tuple[str, ...] | None,
+    seconds: float,
+    pump_stop: threading.Event,
+) -> tuple[SampleSource, tuple[Field, ...], str]:
+    """One long-lived nvidia-smi as a source (its restart backoff ends with ``pump_stop``), its fields, a title."""
+    from smiquery.supervisor import Stream
+
+    flds = parse_fields(fields, rule_fields)
+
+    def nap(seconds: float) -> None:
+        pump_stop.wait(seconds)
+
+    live_source = Stream(
+        [f.name for f in flds],
+        interval=seconds,
+        gpus=ids,
+        nvidia_smi=settings.nvidia_smi,
+        stall_timeout=max(settings.timeout, 3 * seconds),
+        sleep=nap,
+        retry=RetryPolicy(fail_fast=True),
+    )
+    return live_source, live_source.fields, f"smiquery stream · every {seconds:g} s · {live_source.argv[0]}"
+
+
+def _open_outputs(
+    output: Path | None,
+    flds: tuple[Field, ...],
+    fmt: str | None,
+    title: str,
+    rules: Sequence[Rule],
+    exit_on_alert: bool,
+) -> _Run:
+    """The recorder of ``--output``, and stdout as CSV, JSONL, the live table or a static table."""
+    from smiquery.alerts import AlertEvaluator
+    from smiquery.cli.display import LiveTable, use_color
+    from smiquery.recordings import CsvWriter, JsonlWriter, open_recorder
+
+    out = sys.stdout
+    form = fmt or choose_format(None, out)
+    isatty = getattr(out, "isatty", None)
+    tty = bool(isatty and isatty())
+    writers: list[SampleWriter] = []
+    if output is not None:
+        try:
+            writers.append(open_recorder(output, flds))
+        except ValueError as exc:
+            raise UsageError(f"--output: {exc}") from None
+        except OSError as exc:
+            raise SmiqueryError(f"cannot write {output}: {exc.strerror or exc}; choose another --output") from None
+        except RuntimeError as exc:
+            raise SmiqueryError(str(exc)) from None
+    live: LiveTable | None = None
+    evaluator = AlertEvaluator(rules) if rules else None
+    if form == "csv":
+        writers.append(CsvWriter(out, flds, flush=True))
+    elif form == "jsonl":
+        writers.append(JsonlWriter(out, flush=True))
+    elif tty:
+        live = LiveTable(out, flds, title=title, color=use_color(out), evaluator=evaluator)
+    return _Run(writers, live, form == "table" and live is None, flds, evaluator, exit_on_alert)
+
+
+def _notifier(run: _Run, on_alert: Sequence[str], settings: Settings) -> Notifier:
+    """The handlers of ``--on-alert``, behind the run's alert evaluator."""
+    from smiquery.alerts import Notifier, handler_from_spec
+
+    if run.evaluator is None:
+        raise UsageError("--on-alert needs at least one --alert rule")
+    try:
+        handlers = [handler_from_spec(spec, nvidia_smi=settings.nvidia_smi) for spec in on_alert]
+    except ValueError as exc:
+        raise UsageError(f"--on-alert: {exc}") from None
+    return Notifier(run.evaluator, handlers)
+
+
+def _gpu_id_check(ids: Sequence[str], settings: Settings) -> Callable[[BaseException], BaseException | None]:
+    """Turns "No devices were found" for ``--gpus`` into the usage error naming the ids this machine lacks.
+
+    A live source retries that error forever; asked once, the answer is kept.
+    """
+    checked: list[BaseException | None] = []
+
+    def check_error(exc: BaseException) -> BaseException | None:
+        if not isinstance(exc, NoDevicesFoundError):
+            return None
+        if not checked:
+            checked.append(unknown_gpus(ids, settings))
+        return checked[0]
+
+    return check_error
 
 
 def _replay_columns(path: Path, fields: str | None) -> list[str] | None:
@@ -575,10 +575,6 @@ def _stats_of(source: SampleSource, run: _Run) -> dict[str, object]:
     }
 
 
-def _exit_for(signum: int) -> int:
-    return ExitCode.INTERRUPTED if signum == signal.SIGINT else ExitCode.TERMINATED
-
-
 def _pump_loop(
     source: SampleSource,
     run: _Run,
@@ -594,97 +590,129 @@ def _pump_loop(
         The exit code (0, 6, 130 or 143); a source failure is raised after the outputs are closed.
     """
     pump = _Pump(source, stop_event)
-    failure: BaseException | None = None
-    code = 0
+    outcome = _Outcome()
     deadline = time.monotonic() + stop_after if stop_after is not None else None
-    tick = 0.1
-    live = run.live
-    with _Signals() as sigs:
+    with Signals() as sigs:
         try:
-            for w in run.writers:
-                header = getattr(w, "header", None)
-                if header is not None:
-                    header()  # CSV headers now: a recording has one even if it ends before the first row
-            pump.start()
-            if live is not None:
-                live.redraw(_stats_of(source, run))
-            while True:
-                if sigs.signum is not None:
-                    code = _exit_for(sigs.signum)
-                    break
-                wait = tick
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    wait = min(wait, left)
-                try:
-                    item = pump.queue.get(timeout=wait)
-                except queue.Empty:
-                    if live is not None and time.monotonic() - run.last_draw >= 0.5:
-                        _draw(live, source, run)
-                    continue
-                if isinstance(item, _Event):
-                    ev = item.event
-                    fatal = run.check_error(ev.error) if run.check_error and ev.error is not None else None
-                    if fatal is not None:
-                        failure = fatal
-                        run.events.discard()
-                        break
-                    run.events(ev)
-                    continue
-                if item is _END:
-                    break
-                if isinstance(item, _Failure):
-                    failure = item.exc
-                    run.events.discard()
-                    break
-                fired = _take_sweep(item, source, run)  # type: ignore[arg-type]
-                if fired and run.exit_on_alert:
-                    code = ExitCode.ALERT
-                    break
-                if count is not None and run.sweeps >= count:
-                    break
+            _start(pump, source, run)
+            while _step(pump, source, run, outcome, sigs, deadline=deadline, count=count):
+                pass
         except BrokenPipeError:
             quiet_stdout()
-            code = 0
+            outcome.code = 0
         finally:
             sigs.closing = True  # from here on a signal changes nothing: the outputs are finished first
-            pump.halt(max(5.0, 2 * interval))
-            while True:  # events that came with the end (the error that ended the source is raised instead)
-                try:
-                    left_over = pump.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(left_over, _Event):
-                    run.events(left_over.event)
-            if failure is None:
-                run.events.flush()
+            _finish(pump, source, run, outcome, interval)
+            if sigs.signum is not None and outcome.code == 0 and outcome.failure is None:
+                outcome.code = sigs.exit_code
+    if outcome.failure is not None:
+        raise outcome.failure
+    return outcome.code
+
+
+@dataclass
+class _Outcome:
+    """How the loop ended: an exit code, or the failure to raise once the outputs are closed."""
+
+    code: int = 0
+    failure: BaseException | None = None
+
+
+_TICK = 0.1  # seconds the main thread waits for a sweep before it looks at the clock, signals and the table
+
+
+def _start(pump: _Pump, source: SampleSource, run: _Run) -> None:
+    """Write the CSV headers (a recording has one even if it ends before its first row), start reading, draw."""
+    for w in run.writers:
+        header = getattr(w, "header", None)
+        if header is not None:
+            header()
+    pump.start()
+    if run.live is not None:
+        run.live.redraw(_stats_of(source, run))
+
+
+def _step(
+    pump: _Pump,
+    source: SampleSource,
+    run: _Run,
+    outcome: _Outcome,
+    sigs: Signals,
+    *,
+    deadline: float | None,
+    count: int | None,
+) -> bool:
+    """Take one item from the pump (or redraw while none comes); False when the loop ends."""
+    if sigs.signum is not None:
+        outcome.code = sigs.exit_code
+        return False
+    wait = _TICK
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        wait = min(wait, left)
+    try:
+        item = pump.queue.get(timeout=wait)
+    except queue.Empty:
+        if run.live is not None and time.monotonic() - run.last_draw >= 0.5:
+            _draw(run.live, source, run)
+        return True
+    if isinstance(item, SourceEvent):
+        ev = item.event
+        fatal = run.check_error(ev.error) if run.check_error and ev.error is not None else None
+        if fatal is not None:
+            outcome.failure = fatal
             run.events.discard()
-            if run.notifier is not None:
-                for handler in run.notifier.handlers:
-                    close = getattr(handler, "close", None)
-                    if callable(close):
-                        with contextlib.suppress(Exception):
-                            close()  # bounded: a dead webhook or a snapshot in progress gets ~2 s
-            for w in run.writers:
-                try:
-                    w.close()
-                except BrokenPipeError:
-                    quiet_stdout()
-                except Exception as exc:
-                    if failure is None:
-                        failure = exc
-            if live is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    if code == 0 and failure is None:
-                        _draw(live, source, run)
-                live.close()
-            if sigs.signum is not None and code == 0 and failure is None:
-                code = _exit_for(sigs.signum)
-    if failure is not None:
-        raise failure
-    return code
+            return False
+        run.events(ev)
+        return True
+    if item is END:
+        return False
+    if isinstance(item, Failure):
+        outcome.failure = item.exc
+        run.events.discard()
+        return False
+    fired = _take_sweep(item, source, run)  # type: ignore[arg-type]
+    if fired and run.exit_on_alert:
+        outcome.code = ExitCode.ALERT
+        return False
+    return count is None or run.sweeps < count
+
+
+def _finish(pump: _Pump, source: SampleSource, run: _Run, outcome: _Outcome, interval: float) -> None:
+    """Stop the source, tell the events that came with the end, close the handlers, writers and the live table."""
+    pump.halt(max(5.0, 2 * interval))
+    while True:  # events that came with the end (the error that ended the source is raised instead)
+        try:
+            left_over = pump.queue.get_nowait()
+        except queue.Empty:
+            break
+        if isinstance(left_over, SourceEvent):
+            run.events(left_over.event)
+    if outcome.failure is None:
+        run.events.flush()
+    run.events.discard()
+    if run.notifier is not None:
+        for handler in run.notifier.handlers:
+            close = getattr(handler, "close", None)
+            if callable(close):
+                with contextlib.suppress(Exception):
+                    close()  # bounded: a dead webhook or a snapshot in progress gets ~2 s
+    for w in run.writers:
+        try:
+            w.close()
+        except BrokenPipeError:
+            quiet_stdout()
+        except Exception as exc:
+            if outcome.failure is None:
+                outcome.failure = exc
+    live = run.live
+    if live is not None:
+        with contextlib.suppress(OSError, ValueError):
+            if outcome.code == 0 and outcome.failure is None:
+                _draw(live, source, run)
+        live.close()
 
 
 def _take_sweep(sweep: Sweep, source: SampleSource, run: _Run) -> bool:
@@ -703,7 +731,7 @@ def _take_sweep(sweep: Sweep, source: SampleSource, run: _Run) -> bool:
         if time.monotonic() - run.last_draw >= 0.1:
             _draw(run.live, source, run)
     elif run.static_table:
-        from smiquery.display import sample_table, use_color
+        from smiquery.cli.display import sample_table, use_color
 
         lines = [*sample_table(list(sweep), run.fields, color=use_color(sys.stdout)), ""]
         sys.stdout.write("".join(line + "\n" for line in lines))

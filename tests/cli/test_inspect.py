@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 from smiquery.testing import InProcessRunner, fake_nvidia_smi
-from tests.test_cli import run
+from tests.cli.test_cli import run
 
-FIXTURE = Path(__file__).parent / "fixtures" / "details-2gpu-mig.xml"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "details-2gpu-mig.xml"
 
 
 def test_summary_shows_mig_instances_and_health():

@@ -1,7 +1,6 @@
 """Rendering samples for people: aligned tables and the live in-place table.
 
-The recording writers (CSV, JSONL, Parquet) live in :mod:`smiquery.recordings`; they are re-exported here for
-existing imports.
+The recording writers (CSV, JSONL, Parquet) are :mod:`smiquery.recordings`'s; this module only draws for a reader.
 """
 
 from __future__ import annotations
@@ -17,15 +16,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 from smiquery.fields import Field, Kind, get_field
 from smiquery.parsing import format_row, header_line
-from smiquery.recordings import (
-    CsvWriter,
-    JsonlWriter,
-    ParquetWriter,
-    SampleWriter,
-    json_value,
-    open_recorder,
-    sample_to_json,
-)
+from smiquery.recordings import json_value, sample_to_json
 from smiquery.records import GpuSample, Value
 
 if TYPE_CHECKING:
@@ -34,17 +25,13 @@ if TYPE_CHECKING:
 __all__ = [
     "MISSING_MARKS",
     "Column",
-    "CsvWriter",
-    "JsonlWriter",
     "LiveTable",
-    "ParquetWriter",
-    "SampleWriter",
+    "clip",
     "display_value",
-    "json_value",
-    "open_recorder",
     "render",
     "render_table",
-    "sample_to_json",
+    "sample_table",
+    "terminal_size",
     "use_color",
 ]
 
@@ -107,7 +94,7 @@ def _visible_len(text: str) -> int:
     return len(_ANSI_RE.sub("", text))
 
 
-def _clip(line: str, width: int) -> str:
+def clip(line: str, width: int) -> str:
     """Cut a line to ``width`` visible characters, keeping (and closing) its colour codes."""
     if width <= 0 or _visible_len(line) <= width:
         return line
@@ -338,7 +325,7 @@ def render(
     return "".join(line + "\n" for line in lines)
 
 
-# ------------------------------------------------------------------------------------------------ writers
+# ------------------------------------------------------------------------------------------------ live table
 
 
 class LiveTable:
@@ -371,7 +358,7 @@ class LiveTable:
         self.title = title
         self.color = color
         self.evaluator = evaluator
-        self._size = size or _terminal_size
+        self._size = size or terminal_size
         self._rows: dict[object, GpuSample] = {}
         self._received: float | None = None
         self._last_ts: datetime | None = None
@@ -483,7 +470,7 @@ class LiveTable:
         lines += [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in _wrap(legend, cols)]
         if lines_avail > 0 and len(lines) > lines_avail - 1:
             lines = lines[: max(1, lines_avail - 1)]
-        body = "".join(_clip(line, cols) + "\x1b[K\n" for line in lines)
+        body = "".join(clip(line, cols) + "\x1b[K\n" for line in lines)
         start = "" if self._started else "\x1b[?25l\x1b[2J"
         return f"{start}\x1b[H{body}\x1b[J"
 
@@ -560,7 +547,8 @@ def _sort_key(key: object) -> tuple[int, str]:
     return (0, f"{key:09d}") if isinstance(key, int) else (1, str(key))
 
 
-def _terminal_size() -> tuple[int, int]:
+def terminal_size() -> tuple[int, int]:
+    """(columns, lines) of the terminal, or (0, 0) when there is none (0: do not clip)."""
     try:
         size = os.get_terminal_size()
         return size.columns, size.lines

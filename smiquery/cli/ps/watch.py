@@ -6,22 +6,23 @@ import contextlib
 import json
 import queue
 import re
-import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from enum import Enum
-from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from smiquery.cli._boundary import ExitCode, UsageError, cli_text, quiet_stdout, say
+from smiquery.cli._boundary import cli_text, quiet_stdout, say
+from smiquery.cli._handoff import END, Failure, SourceEvent
 from smiquery.cli._options import Settings, choose_format, parse_gpus, unknown_gpus
-from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError, StreamEndedError
+from smiquery.cli._signals import Signals
+from smiquery.cli.ps.proc import ProcCache
+from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError, StreamEndedError, UsageError
 from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from smiquery.display import Column
+    from smiquery.cli.display import Column
     from smiquery.pmon import PmonRow, PmonStream
     from smiquery.runner import Completed, LineSource
     from smiquery.source import StreamEvent
@@ -195,41 +196,7 @@ class _EventLines:
 # --------------------------------------------------------------------------------------------- processes
 
 
-class _Procs:
-    """User and full command line of each pid from /proc, read once per process (a pid seen again is cached)."""
-
-    def __init__(self, root: Path = Path("/proc")) -> None:
-        self.root = root
-        self._known: dict[tuple[int, str | None], tuple[str | None, str | None]] = {}
-
-    def lookup(self, pid: int, name: str | None) -> tuple[str | None, str | None]:
-        """(user, command line) of ``pid``; None for what /proc cannot tell or when it is another process."""
-        key = (pid, name)
-        if key not in self._known:
-            self._known[key] = self._read(pid, name)
-        return self._known[key]
-
-    def _read(self, pid: int, name: str | None) -> tuple[str | None, str | None]:
-        from smiquery.cli.ps import _matches
-        from smiquery.pmon import process_user
-
-        proc = self.root / str(pid)
-        try:
-            raw = (proc / "cmdline").read_bytes()
-        except OSError:
-            return None, None
-        argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
-        if not _matches(name, proc, argv):
-            return None, None  # another PID namespace: this pid is someone else here
-        return process_user(pid), " ".join(argv) or None
-
-    def keep(self, pids: set[tuple[int, str | None]]) -> None:
-        """Forget processes no longer listed (their pids may be reused)."""
-        for key in [k for k in self._known if k not in pids]:
-            del self._known[key]
-
-
-def _records(instant: Sequence[PmonRow], sort: str, procs: _Procs) -> list[dict[str, object]]:
+def _records(instant: Sequence[PmonRow], sort: str, procs: ProcCache) -> list[dict[str, object]]:
     from smiquery.pmon import sort_rows
 
     rows = sorted((r for r in instant if not r.idle), key=lambda r: (r.gpu if r.gpu is not None else -1, r.pid or 0))
@@ -271,7 +238,7 @@ def _instant_time(instant: Sequence[PmonRow]) -> datetime:
 
 
 def _columns(table: bool) -> list[Column]:
-    from smiquery.display import Column
+    from smiquery.cli.display import Column
 
     return [
         *([] if table else [Column("time")]),
@@ -305,7 +272,7 @@ class _Blocks:
         self._header_done = False
 
     def show(self, instant: Sequence[PmonRow], records: list[dict[str, object]]) -> None:
-        from smiquery.display import render
+        from smiquery.cli.display import render
 
         when = _instant_time(instant)
         if self.form == "table":
@@ -339,7 +306,7 @@ class _Live:
     """A terminal: the table redrawn in place every interval (cursor home, lines rewritten, the rest cleared)."""
 
     def __init__(self, out: IO[str], title: str, *, events_here: bool) -> None:
-        from smiquery.display import use_color
+        from smiquery.cli.display import use_color
 
         self.out = out
         self.title = title
@@ -351,7 +318,7 @@ class _Live:
         self._started = False
 
     def show(self, instant: Sequence[PmonRow], records: list[dict[str, object]]) -> None:
-        from smiquery.display import render
+        from smiquery.cli.display import render
 
         table = render(records, "table", columns=self.columns, color=self.color, empty="no processes")
         self._body = table.splitlines()
@@ -369,9 +336,9 @@ class _Live:
         self.draw()
 
     def draw(self) -> None:
-        from smiquery.display import _clip, _terminal_size
+        from smiquery.cli.display import clip, terminal_size
 
-        cols, rows = _terminal_size()
+        cols, rows = terminal_size()
         dim = ("\x1b[2m", "\x1b[0m") if self.color else ("", "")
         lines = [f"\x1b[1m{self.title}\x1b[0m" if self.color else self.title, *self._body]
         lines += [f"{dim[0]}{e}{dim[1]}" for e in self._events]
@@ -379,7 +346,7 @@ class _Live:
         if rows > 0 and len(lines) > rows - 1:
             lines = lines[: max(1, rows - 1)]
         start = "" if self._started else "\x1b[?25l\x1b[2J"
-        self.out.write(start + "\x1b[H" + "".join(_clip(x, cols) + "\x1b[K\n" for x in lines) + "\x1b[J")
+        self.out.write(start + "\x1b[H" + "".join(clip(x, cols) + "\x1b[K\n" for x in lines) + "\x1b[J")
         self.out.flush()
         self._started = True
 
@@ -394,23 +361,6 @@ class _Live:
 # ---------------------------------------------------------------------------------------------- the loop
 
 
-class _Failure:
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-class _Event:
-    __slots__ = ("event",)
-
-    def __init__(self, event: StreamEvent) -> None:
-        self.event = event
-
-
-_END = object()
-
-
 def _pump(source: PmonStream, into: queue.SimpleQueue[object]) -> None:
     """Read instants in a thread, so the main thread stays free for Ctrl-C (the stream reaps its child)."""
     instants: Iterator[tuple[PmonRow, ...]] = source.samples()
@@ -418,9 +368,9 @@ def _pump(source: PmonStream, into: queue.SimpleQueue[object]) -> None:
         for instant in instants:
             into.put(instant)
     except BaseException as exc:  # handed to the main thread, which reports it
-        into.put(_Failure(exc))
+        into.put(Failure(exc))
     else:
-        into.put(_END)
+        into.put(END)
     finally:
         with contextlib.suppress(Exception):
             instants.close()  # type: ignore[attr-defined]
@@ -454,7 +404,6 @@ def watch(
             restart cannot fix (or kept failing: see :data:`~smiquery.retry.FAIL_FAST_ATTEMPTS`). Once refreshes
             have been shown, other failures are retried under the stream's policy.
     """
-    from smiquery.cli.stream import _Signals
     from smiquery.pmon import stream
 
     ids = parse_gpus(gpus)
@@ -475,7 +424,7 @@ def watch(
         retry=RetryPolicy(
             fail_fast=True
         ),  # interactive: a fault before the first refresh ends the command with its typed error
-        on_event=lambda ev: items.put(_Event(ev)),
+        on_event=lambda ev: items.put(SourceEvent(ev)),
         runner=_PmonRunner(),
     )
     view: _Live | _Blocks
@@ -486,12 +435,12 @@ def watch(
     else:
         view = _Blocks(out, form)
     lines = _EventLines(view.note)
-    procs = _Procs()
+    procs = ProcCache()
     thread = threading.Thread(target=_pump, args=(source, items), name="smiquery-pmon-pump", daemon=True)
     failure: BaseException | None = None
     code = 0
     shown = 0
-    with _Signals() as sigs:
+    with Signals() as sigs:
         try:
             if isinstance(view, _Live):
                 view.draw()
@@ -503,16 +452,16 @@ def watch(
                     item = items.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if isinstance(item, _Event):
+                if isinstance(item, SourceEvent):
                     if item.event.kind == "error" and _unsupported(item.event.error):
                         failure = item.event.error  # pmon said so: restarting cannot help
                         break
                     lines(item.event)
                     continue
-                if isinstance(item, _Failure):
+                if isinstance(item, Failure):
                     failure = item.exc
                     break
-                if item is _END:
+                if item is END:
                     break
                 view.show(item, _records(item, sort, procs))  # type: ignore[arg-type]
                 shown += 1
@@ -523,8 +472,7 @@ def watch(
             source.close()
             thread.join(max(10.0, 2.0 * interval))
             view.close()
-            if sigs.signum is not None:
-                code = ExitCode.INTERRUPTED if sigs.signum == signal.SIGINT else ExitCode.TERMINATED
+            code = sigs.exit_code
     if failure is not None and code == 0:
         if isinstance(failure, NoDevicesFoundError):
             wrong = unknown_gpus(ids, settings)

@@ -19,8 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.cli.test_cli import argv, cli_env, finish_pty, one_line_error, read_pty, run, spawn_in_pty
 from tests.conftest import MakeFake
-from tests.test_cli import argv, cli_env, finish_pty, one_line_error, read_pty, run, spawn_in_pty
+from tests.helpers import wait_for
 
 HEADER = (
     "# gpu         pid   type     sm    mem    enc    dec    jpg    ofa     fb    command \n"
@@ -53,10 +54,7 @@ def pmon_pids(log: Path) -> list[int]:
 
 
 def gone(pids: list[int], within: float = 15.0) -> bool:
-    deadline = time.monotonic() + within
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not any(_alive(p) for p in pids)
+    return wait_for(lambda: not any(_alive(p) for p in pids), within, f"pmon children {pids} to be reaped")
 
 
 @pytest.fixture

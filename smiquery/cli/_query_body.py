@@ -28,7 +28,7 @@ def run_query(settings: Settings, fields: str | None, gpus: str | None, fmt: For
         flds = parse_fields(fields)
         ids = parse_gpus(gpus)
         form = choose_format(fmt, sys.stdout)
-        from smiquery.display import render, use_color
+        from smiquery.cli.display import render, use_color
         from smiquery.oneshot import query
 
         with warnings.catch_warnings(record=True) as caught:

@@ -1,116 +1,23 @@
 """``smiquery ps``: the compute processes on each GPU, with their user, command line and CPU use from /proc.
 
-``--watch`` (in :mod:`smiquery.cli._ps_watch`) shows which of them keep each GPU busy, live, from ``nvidia-smi pmon``.
+``--watch`` (in :mod:`smiquery.cli.ps.watch`) shows which of them keep each GPU busy, live, from ``nvidia-smi pmon``.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from smiquery.cli._boundary import UsageError, boundary
+from smiquery.cli._boundary import boundary
 from smiquery.cli._common import FormatOpt, GpusOpt, app, choose_format, parse_gpus, settings_of, unknown_gpus
-from smiquery.cli._ps_watch import PsSort
-from smiquery.errors import NoDevicesFoundError
+from smiquery.cli.ps.proc import ProcInfo, proc_info
+from smiquery.cli.ps.watch import PsSort
+from smiquery.cli.ps.watch import watch as run_watch
+from smiquery.errors import NoDevicesFoundError, UsageError
 
-__all__ = ["ProcInfo", "proc_info", "ps"]
-
-_CPU_WINDOW = 0.1  # seconds between the two reads of a process's CPU time
-
-
-@dataclass(frozen=True)
-class ProcInfo:
-    """What /proc tells about one process; None where it cannot be read (another PID namespace, no permission).
-
-    Attributes:
-        user: the owner's name (or uid).
-        command: the command line.
-        cpu_percent: CPU use over a short window, in percent of one core.
-    """
-
-    user: str | None = None
-    command: str | None = None
-    cpu_percent: float | None = None
-
-
-def _cpu_ticks(proc: Path) -> int | None:
-    try:
-        stat = (proc / "stat").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return None
-    # the command name in brackets may hold spaces: the fields after it start at the last ')'
-    fields = stat.rpartition(")")[2].split()
-    try:
-        return int(fields[11]) + int(fields[12])  # utime + stime
-    except (IndexError, ValueError):
-        return None
-
-
-def _matches(name: str | None, proc: Path, argv: Sequence[str]) -> bool:
-    """Whether /proc/PID is the process nvidia-smi named (in a container, PIDs are the host's)."""
-    if not name:
-        return True
-    want = os.path.basename(name.split()[0]) if name.split() else name
-    try:
-        comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
-    except OSError:
-        comm = ""
-    seen = {comm, *(os.path.basename(a) for a in argv[:2])}
-    return any(want == s or (len(comm) == 15 and want.startswith(s)) for s in seen if s)
-
-
-def proc_info(processes: Mapping[int, str | None], *, root: Path = Path("/proc")) -> dict[int, ProcInfo]:
-    """User, command line and CPU use of each pid, from /proc where readable.
-
-    Args:
-        processes: pid -> the process name nvidia-smi reported (to reject a pid of another PID namespace).
-        root: the proc file system.
-
-    Returns:
-        pid -> what could be read; a pid not found, not readable or not the same process gets all None.
-    """
-    import pwd
-
-    first: dict[int, int] = {}
-    out: dict[int, ProcInfo] = {}
-    start = time.monotonic()
-    for pid, name in processes.items():
-        proc = root / str(pid)
-        try:
-            raw = (proc / "cmdline").read_bytes()
-            uid = proc.stat().st_uid
-        except OSError:
-            out[pid] = ProcInfo()
-            continue
-        argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
-        if not _matches(name, proc, argv):
-            out[pid] = ProcInfo()
-            continue
-        try:
-            user = pwd.getpwuid(uid).pw_name
-        except KeyError:
-            user = str(uid)
-        out[pid] = ProcInfo(user, " ".join(argv) or None)
-        ticks = _cpu_ticks(proc)
-        if ticks is not None:
-            first[pid] = ticks
-    if first:
-        time.sleep(max(0.0, _CPU_WINDOW - (time.monotonic() - start)))
-        elapsed = time.monotonic() - start
-        hz = os.sysconf("SC_CLK_TCK")
-        for pid, before in first.items():
-            after = _cpu_ticks(root / str(pid))
-            if after is not None and elapsed > 0:
-                info = out[pid]
-                out[pid] = ProcInfo(info.user, info.command, round(100.0 * (after - before) / hz / elapsed, 1))
-    return out
+__all__ = ["ps"]
 
 
 @app.command(
@@ -179,8 +86,6 @@ def ps(
     settings = settings_of(ctx)
     with boundary(settings.debug):
         if watch:
-            from smiquery.cli._ps_watch import watch as run_watch
-
             code = run_watch(
                 settings,
                 gpus=gpus,
@@ -196,7 +101,7 @@ def ps(
         if given:
             verb = "goes" if len(given) == 1 else "go"
             raise UsageError(f"{' and '.join(given)} only {verb} with --watch; add --watch")
-        from smiquery.display import Column, render, use_color
+        from smiquery.cli.display import Column, render, use_color
         from smiquery.oneshot import processes
 
         ids = parse_gpus(gpus)
