@@ -71,9 +71,9 @@ def stall_rule(seconds: float = TRAINING_STALL_SECONDS) -> str:
     Returns:
         For example ``"utilization.gpu < 20 for 60s while memory.used >= 1024"``.
     """
-    from smiquery.report import BUSY_MEMORY_MIB, STALL_UTILIZATION
+    from smiquery.stalls import STALL
 
-    return f"utilization.gpu < {STALL_UTILIZATION:g} for {seconds:g}s while memory.used >= {BUSY_MEMORY_MIB:g}"
+    return f"utilization.gpu < {STALL.utilization:g} for {seconds:g}s while memory.used >= {STALL.busy_memory_mib:g}"
 
 
 #: The default rules of a training monitor: the built-in health rules, with the 30-minute idle rule (meant for a

@@ -8,9 +8,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from smiquery.analysis import load_recording
 from smiquery.notify import Notifier, SnapshotHandler
 from smiquery.parsing import CsvParser
-from smiquery.report import load_recording
 from smiquery.snapshot import take_snapshot
 from tests.conftest import MakeFake
 from tests.leakcheck import no_leaks
