@@ -62,6 +62,8 @@ _THRESHOLD_COLOUR = "#000000"
 _GRID = "#dddddd"
 _STALL_SHADE = "#9e9e9e"
 _ALERT_SHADE = "#f4a582"
+# The kinds of field a panel can draw (booleans as 0 and 1).
+_DRAWABLE = (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE)
 
 
 def _matplotlib() -> None:
@@ -157,7 +159,7 @@ def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field
             continue  # the x axis and the lines, not panels (a headerless log's column list names them)
         if fld.attr not in df.columns:
             raise ReportError(f"the recording has no {fld.name}; it holds {', '.join(map(str, df.columns))}")
-        if fld.kind not in (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE):
+        if fld.kind not in _DRAWABLE:
             raise ReportError(f"{fld.name} is {fld.kind.value}, not a number; it cannot be plotted")
         if all(f.name != fld.name for f in out):
             out.append(fld)
@@ -191,9 +193,6 @@ def _load(
     names = [f.name for f in resolve_fields(fields)]
     drawn = [n for n in names if n not in ("timestamp", "index") and get_field(n).kind in _DRAWABLE]
     return df, drawn or None
-
-
-_DRAWABLE = (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE)
 
 
 def _use_multiples(layout: str, gpus: int) -> bool:
@@ -404,11 +403,7 @@ def plot_recording(
             name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
         n = len(groups)
         title = f"{name}: {n} GPU{'s' if n != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S}"
-    if multiples:
-        fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
-    else:
-        fig.suptitle(title, x=0.01, ha="left", fontsize=11)
-    _legend(fig, panels, handles, multiples)
+    _title_and_legend(fig, title, panels, handles, multiples)
     return fig
 
 
@@ -630,10 +625,14 @@ def _time_axis(
         last.set_xlabel(label, fontsize=9)
 
 
-def _legend(fig: Figure, panels: Sequence[_Panel], handles: list[Any], multiples: bool) -> None:
-    """The GPUs' lines (overlaid panels only) and the kinds of shading drawn."""
+def _title_and_legend(fig: Figure, title: str, panels: Sequence[_Panel], handles: list[Any], multiples: bool) -> None:
+    """The title above, and below a legend of the GPUs' lines (overlaid panels only) and the kinds of shading drawn."""
     from matplotlib.patches import Patch
 
+    if multiples:
+        fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
+    else:
+        fig.suptitle(title, x=0.01, ha="left", fontsize=11)
     if any(p.get_gid() == "stall" for ax, *_ in panels for p in ax.patches):
         handles.append(Patch(color=_STALL_SHADE, alpha=0.4, label="stall"))
     if any(p.get_gid() == "alert" for ax, *_ in panels for p in ax.patches):
