@@ -3,11 +3,11 @@
 
 Measurements (each prints smiquery's number, the baseline's, their ratio and the target):
 
-1. ``report``: :func:`smiquery.report.analyze` of a 1,000,000-row recording (an overnight run of 8 GPUs at
+1. ``report``: :func:`smiquery.analysis.report` of a 1,000,000-row recording (an overnight run of 8 GPUs at
    1 Hz in nvidia-smi's default CSV format: units in header and values, one GPU's power ``[N/A]`` throughout, a
    stall, a hot GPU) plus rendering the text, vs :func:`smiquery.recordings.read_csv` of the same file.
    Target: <= 4.0x.
-2. ``plot``: :func:`smiquery.plot.save_plot` of the same file to a PNG vs ``read_csv``. Target: <= 4.0x.
+2. ``plot``: :func:`smiquery.analysis.save_plot` of the same file to a PNG vs ``read_csv``. Target: <= 4.0x.
    With ``--gpus 16`` the recording has 16 GPUs (the same number of rows, so half the sweeps) and the plot is
    drawn as small multiples (one small panel per GPU per field: 64 panels), as ``layout="auto"`` does past 8.
 3. Peak memory of each: the peak RSS (``VmHWM``) of a child process that imports the modules and runs it, minus
@@ -45,13 +45,13 @@ _CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import numpy, pandas, pyarrow, pyarrow.csv, pyarrow.compute
-import smiquery.frames, smiquery.report, smiquery.recordings
+import smiquery.frames, smiquery.analysis, smiquery.recordings
 what, path = sys.argv[2], sys.argv[3]
 try:  # in every child, so that the baseline child counts the same imports
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.figure, matplotlib.dates, matplotlib.patches
-    import smiquery.plot
+    import smiquery.analysis.plot
 except ImportError:
     pass
 pandas.DataFrame({"a": pandas.array([1], dtype="Int64")})  # load pandas' lazy parts in every child
@@ -61,9 +61,9 @@ if what == "read":
     df = smiquery.recordings.read_csv(path)
     size = int(df.memory_usage(deep=True).sum())
 elif what == "report":
-    smiquery.report.analyze(path).to_text()
+    smiquery.analysis.report(path).to_text()
 elif what == "plot":
-    smiquery.plot.save_plot(path, path + ".png")
+    smiquery.analysis.save_plot(path, path + ".png")
 seconds = time.perf_counter() - t0
 with open("/proc/self/status") as f:
     peak = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))

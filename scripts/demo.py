@@ -47,7 +47,7 @@ def main() -> int:
 
 def _afterwards(recording: Path, out_dir: Path) -> int:
     """Write the report and the plot of ``recording`` and print where they are."""
-    from smiquery.report import analyze
+    from smiquery.analysis import report as analyze
 
     out_dir.mkdir(parents=True, exist_ok=True)
     report_path = out_dir / "report.txt"
@@ -68,7 +68,7 @@ def _afterwards(recording: Path, out_dir: Path) -> int:
             f"-o {shlex.quote(str(plot_path))} {alerts}"
         )
         return 0
-    from smiquery.plot import save_plot
+    from smiquery.analysis import save_plot
 
     save_plot(recording, plot_path, rules=ALERTS)
     print(f"plot:   {plot_path}")

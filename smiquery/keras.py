@@ -128,7 +128,7 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
         fields: extra fields to summarise per epoch (names or a comma list), beyond the built-in summary.
         interval: seconds between samples.
         alerts: rules or ``--alert`` expressions; None for :data:`smiquery.monitor.TRAINING_RULES`, ``()`` for none.
-        handlers: where alert events go (default: a :class:`~smiquery.notify.LogHandler`).
+        handlers: where alert events go (default: a :class:`~smiquery.alerts.LogHandler`).
         log_every: ``"epoch"``, or ``"batch"`` to add the newest sample to every batch's logs as well.
         nvidia_smi: path of nvidia-smi.
         gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.

@@ -70,9 +70,9 @@ def stall_rule(seconds: float = TRAINING_STALL_SECONDS) -> str:
     Returns:
         For example ``"utilization.gpu < 20 for 60s while memory.used >= 1024"``.
     """
-    from smiquery.report import BUSY_MEMORY_MIB, STALL_UTILIZATION
+    from smiquery.alerts.rules import STALL
 
-    return f"utilization.gpu < {STALL_UTILIZATION:g} for {seconds:g}s while memory.used >= {BUSY_MEMORY_MIB:g}"
+    return f"utilization.gpu < {STALL.utilization:g} for {seconds:g}s while memory.used >= {STALL.busy_memory_mib:g}"
 
 
 #: The default rules of a training monitor: the built-in health rules, with the 30-minute idle rule (meant for a
@@ -712,7 +712,7 @@ class RunMonitor:
         interval: seconds between samples.
         alerts: rules or ``--alert`` expressions; None for :data:`TRAINING_RULES`, ``()`` for none. A rule whose
             field this driver rejects is dropped with one warning; the rest of the query goes on.
-        handlers: where alert events go (default: a :class:`~smiquery.notify.LogHandler`).
+        handlers: where alert events go (default: a :class:`~smiquery.alerts.LogHandler`).
         log_every: ``"epoch"``, or ``"batch"`` to offer the newest sample per step (:meth:`batch_values`).
         nvidia_smi: path of nvidia-smi (default: ``$SMIQUERY_NVIDIA_SMI``, PATH, the usual places).
         gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.

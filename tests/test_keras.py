@@ -333,7 +333,7 @@ def test_bad_arguments_fail_early():
 
 def test_import_smiquery_does_not_import_keras():
     code = (
-        "import sys, smiquery, smiquery.alerts.notify, smiquery.report, smiquery.alerts.rules; "
+        "import sys, smiquery, smiquery.alerts.notify, smiquery.analysis, smiquery.alerts.rules; "
         "bad = [m for m in ('keras', 'tensorflow', 'matplotlib') if m in sys.modules]; "
         "sys.exit(1 if bad else 0)"
     )
@@ -414,7 +414,7 @@ def test_a_custom_loop_whose_callbacklist_raises_reaps_nvidia_smi_without_close(
 
 
 def test_record_saves_the_runs_trace_from_the_same_nvidia_smi(smi, tmp_path):
-    from smiquery.report import analyze
+    from smiquery.analysis import report as analyze
 
     record = tmp_path / "run.csv"
     monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=(), record=str(record))

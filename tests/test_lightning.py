@@ -103,7 +103,7 @@ def test_fit_logs_gpu_numbers_energy_and_throughput_through_the_logger(inproc: I
     assert float(logged[-1]["gpu/samples_per_joule"]) > 0
     calls = (tmp_path / "calls.jsonl").read_text().splitlines()
     assert len(calls) == 1 and any(a in ("-lms", "-l") for a in json.loads(calls[0])["argv"])
-    from smiquery.report import analyze
+    from smiquery.analysis import report as analyze
 
     assert analyze(record).gpus  # the run's trace, from the same nvidia-smi
 

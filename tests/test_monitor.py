@@ -170,7 +170,7 @@ def test_throughput_per_joule_and_data_wait_share():
 
 
 def test_training_stall_is_the_reports_stall_held_for_a_minute():
-    from smiquery.report import analyze
+    from smiquery.analysis import report as analyze
 
     assert TRAINING_STALL_SECONDS == 60.0
     assert stall_rule() in TRAINING_RULES
@@ -347,7 +347,7 @@ def test_default_rules_on_a_470_driver_keep_gpu_data_and_every_rule():
 
 def test_watch_records_the_run_for_smiquery_report_and_times_data_wait(fake_smi: MakeFake, tmp_path):
     # end to end: the fake executable as a real child, reaped when the block ends
-    from smiquery.report import analyze
+    from smiquery.analysis import report as analyze
 
     record = tmp_path / "run.csv"
     seen: list[int] = []

@@ -133,11 +133,10 @@ def test_root_exports_the_whole_error_tree():
 
 
 def test_moved_exceptions_are_still_importable_from_their_modules():
-    from smiquery import oneshot, playback, report
+    from smiquery import oneshot, playback
 
     assert oneshot.InfoRomWarning is errors.InfoRomWarning
     assert playback.ReplayError is errors.ReplayError
-    assert report.ReportError is errors.ReportError
     code = "import smiquery; from smiquery.exporter import PortInUseError as E; print(E is smiquery.PortInUseError)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "True"

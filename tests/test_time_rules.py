@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from smiquery.alerts import AlertEvaluator
+from smiquery.analysis import report as analyze
 from smiquery.clock import Localizer
 from smiquery.parsing import parse_lines
 from smiquery.playback import Replay
 from smiquery.recordings import read_csv, read_recording
-from smiquery.report import analyze
 from smiquery.source import Sweep
 from tests.test_monitor import deliver, hand_monitor
 
@@ -146,18 +146,18 @@ def test_report_of_an_ntp_step_back_finds_one_clock_step(tmp_path):
     assert [f.kind for f in report.findings].count("clock") == 1
     assert "went back 29 s" in next(f.verdict for f in report.findings if f.kind == "clock")
     # a stall across the step is one stretch of 119 samples' time, not 30 s shorter
-    stalls = report.stalls_of(0)
+    stalls = [s for s in report.stalls if s.gpu == 0]
     assert len(stalls) == 1 and stalls[0].seconds == pytest.approx(119.0)
 
 
 def test_plot_never_draws_a_line_backwards_across_a_step():
-    from smiquery.plot import _series
+    from smiquery.analysis.series import line_points
 
     x = np.array(
         ["2026-10-25T02:59:50", "2026-10-25T03:00:00", "2026-10-25T02:00:10", "2026-10-25T02:00:20"],
         dtype="datetime64[ns]",
     )
-    xs, ys = _series(x, np.array([1.0, 2.0, 3.0, 4.0]), gap_limit=30.0, max_points=1000)
+    xs, ys = line_points(x, np.array([1.0, 2.0, 3.0, 4.0]), gap_limit=30.0, max_points=1000)
     drawn = [(a, b) for a, b, ya, yb in zip(xs, xs[1:], ys, ys[1:], strict=False) if not (np.isnan(ya) or np.isnan(yb))]
     assert drawn and all(b > a for a, b in drawn)
 

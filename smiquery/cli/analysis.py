@@ -30,7 +30,7 @@ class ReportFormat(str, Enum):
 
 
 class PlotLayout(str, Enum):
-    """How ``smiquery plot`` puts GPUs in panels (see :func:`smiquery.plot.plot_recording`)."""
+    """How ``smiquery plot`` puts GPUs in panels (see :func:`smiquery.analysis.plot_recording`)."""
 
     auto = "auto"
     overlay = "overlay"
@@ -132,9 +132,9 @@ def _load(recording: Path, fields: str | None, tz: str | None) -> pd.DataFrame:
 
     ``fields`` name the columns of a headerless log, or must agree with the recording's own.
     """
+    from smiquery.analysis import load_recording
     from smiquery.cli._options import parse_fields
     from smiquery.recordings import SkippedLines
-    from smiquery.report import load_recording
 
     check_zone(tz)
     names = ",".join(f.name for f in parse_fields(fields)) if fields is not None else None
@@ -200,7 +200,7 @@ def plot(
     matplotlib: pip install 'smiquery[plot]'.
     """
     with _boundary(ctx):
-        from smiquery.plot import save_plot
+        from smiquery.analysis import save_plot
 
         target = output if output is not None else recording.with_suffix(".png")
         df = _load(recording, fields, tz)
@@ -257,7 +257,7 @@ def report(
     """
     with _boundary(ctx):
         from smiquery.alerts import parse_duration
-        from smiquery.report import analyze
+        from smiquery.analysis import report as analyze
 
         try:
             stall_seconds = parse_duration(min_stall, what="--min-stall")

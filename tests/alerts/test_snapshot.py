@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from smiquery.alerts import Notifier, SnapshotHandler, take_snapshot
+from smiquery.analysis import load_recording
 from smiquery.parsing import CsvParser
-from smiquery.report import load_recording
 from tests.conftest import MakeFake
 from tests.helpers import wait_for
 from tests.leakcheck import no_leaks

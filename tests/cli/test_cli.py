@@ -1066,7 +1066,7 @@ def test_on_alert_snapshot_saves_the_evidence_once_per_firing(tmp_path):
     assert {"alert.json", "samples.csv"} <= saved
     alert = json.loads((folders[0] / "alert.json").read_text())
     assert "temperature.gpu" in json.dumps(alert)
-    from smiquery.report import load_recording
+    from smiquery.analysis import load_recording
 
     assert len(load_recording(folders[0] / "samples.csv")) > 0  # `smiquery report` reads what was saved
 

@@ -20,10 +20,10 @@ except ImportError:  # pragma: no cover - the plot extra is installed by `make t
         raise
     pytest.skip("matplotlib is not installed: pip install 'smiquery[plot]'", allow_module_level=True)
 
-from smiquery.plot import DEFAULT_PLOT_FIELDS, plot_recording, save_plot
-from smiquery.report import ReportError
+from smiquery.analysis import DEFAULT_PLOT_FIELDS, plot_recording, save_plot
+from smiquery.errors import ReportError
 
-DEMO = Path(__file__).parents[1] / "smiquery" / "data" / "demo-8gpu.csv"
+DEMO = Path(__file__).parents[2] / "smiquery" / "data" / "demo-8gpu.csv"
 
 
 def gpu_lines(ax: Any) -> list[Any]:
@@ -229,17 +229,17 @@ def test_cli_plot(tmp_path):
 def test_cli_plot_layout(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import smiquery.plot
+    import smiquery.analysis.plot
     from smiquery import cli
 
     drawn: list[Any] = []
-    real = smiquery.plot.plot_recording
+    real = smiquery.analysis.plot.plot_recording
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         drawn.append(real(*args, **kwargs))
         return drawn[-1]
 
-    monkeypatch.setattr(smiquery.plot, "plot_recording", spy)
+    monkeypatch.setattr(smiquery.analysis.plot, "plot_recording", spy)
     out = str(tmp_path / "p.png")
     for layout, panels in (("multiples", 8), ("OVERLAY", 1), ("auto", 1)):
         ok = CliRunner().invoke(cli.app, ["plot", str(DEMO), "-o", out, "-f", "temperature.gpu", "--layout", layout])
@@ -316,7 +316,7 @@ def test_many_gpus_overlaid_get_distinct_styles(tmp_path):
 
 
 def test_more_than_eight_gpus_get_one_small_panel_each_per_field(tmp_path):
-    from smiquery.plot import OVERLAY_MAX_GPUS
+    from smiquery.analysis import OVERLAY_MAX_GPUS
 
     assert OVERLAY_MAX_GPUS == 8
     fig = plot_recording(sixteen_gpus(tmp_path), "utilization.gpu,temperature.gpu", rules=["utilization.gpu < 20"])
@@ -418,9 +418,9 @@ def _span_x(patch: Any) -> tuple[float, float]:
 
 
 def test_small_multiples_shade_the_periods_the_report_finds():
-    from smiquery.report import analyze
+    from smiquery.analysis import report
 
-    found = analyze(DEMO)
+    found = report(DEMO)
     fig = plot_recording(DEMO, "utilization.gpu,temperature.gpu", layout="multiples")
     util, temp = fig.get_axes()[:8], fig.get_axes()[8:]
     date = matplotlib.dates.date2num  # type: ignore[attr-defined]

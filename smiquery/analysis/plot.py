@@ -11,13 +11,16 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.alerts import Rule
-from smiquery.clock import REPORTED_STEP_BACK
+from smiquery.analysis.analyze import DEFAULT_RULES, stalls_and_alerts
+from smiquery.analysis.load import load_recording
+from smiquery.analysis.series import as_float, gpu_rows, line_points, wall_clock
+from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind, get_field, resolve_fields
-from smiquery.report import DEFAULT_RULES, ReportError, _as_float, _gpu_rows, load_recording
 
 if TYPE_CHECKING:
     from datetime import tzinfo
@@ -59,6 +62,8 @@ _THRESHOLD_COLOUR = "#000000"
 _GRID = "#dddddd"
 _STALL_SHADE = "#9e9e9e"
 _ALERT_SHADE = "#f4a582"
+# The kinds of field a panel can draw (booleans as 0 and 1).
+_DRAWABLE = (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE)
 
 
 def _matplotlib() -> None:
@@ -154,72 +159,13 @@ def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field
             continue  # the x axis and the lines, not panels (a headerless log's column list names them)
         if fld.attr not in df.columns:
             raise ReportError(f"the recording has no {fld.name}; it holds {', '.join(map(str, df.columns))}")
-        if fld.kind not in (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE):
+        if fld.kind not in _DRAWABLE:
             raise ReportError(f"{fld.name} is {fld.kind.value}, not a number; it cannot be plotted")
         if all(f.name != fld.name for f in out):
             out.append(fld)
     if not out:
         raise ReportError("no field to plot")
     return out
-
-
-def _wall_clock(stamps: pd.Series) -> np.ndarray:
-    """Timestamps as naive datetime64[ns]: the wall-clock time of the recording, in its zone when it has one."""
-    import numpy as np
-
-    if getattr(stamps.dt, "tz", None) is not None:
-        stamps = stamps.dt.tz_localize(None)
-    return np.asarray(stamps.to_numpy(dtype="datetime64[ns]"))
-
-
-def _series(
-    x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int, envelope: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-    """x (naive datetime64) and y (float, NaN where missing or across a gap in time) for one GPU's line.
-
-    Past ``max_points`` samples, each bucket of samples (about a pixel wide) becomes its mean, or with ``envelope``
-    its lowest and highest value at their own times (two points a bucket), so that a one-sample spike still shows.
-    """
-    import numpy as np
-
-    if len(x) > max_points:
-        # Means by default: with several GPUs in one panel, a noisy line drawn sample by sample (or as its min-max
-        # envelope) covers the others with a solid band. A panel of its own (small multiples) draws the envelope.
-        step = math.ceil(len(x) / max_points) if not envelope else math.ceil(2 * len(x) / max_points)
-        n = (len(x) // step) * step
-        blocks = y[:n].reshape(-1, step)
-        present = ~np.isnan(blocks)
-        counts = present.sum(axis=1)
-        if envelope:
-            lows = np.where(present, blocks, np.inf).argmin(axis=1)
-            highs = np.where(present, blocks, -np.inf).argmax(axis=1)
-            # each bucket's two extremes in time order: positions into the samples, then their values
-            base = np.arange(len(blocks)) * step
-            picks = np.stack((np.minimum(lows, highs), np.maximum(lows, highs)), axis=1) + base[:, None]
-            picks = picks.ravel()
-            values = y[picks]
-            values[np.repeat(counts == 0, 2)] = np.nan
-            x = np.concatenate((x[picks], x[n:]))
-            y = np.concatenate((values, y[n:]))
-        else:
-            sums = np.where(present, blocks, 0.0).sum(axis=1)
-            means = np.full(len(counts), np.nan)
-            np.divide(sums, counts, out=means, where=counts > 0)
-            x = np.concatenate((x[:n:step], x[n:]))
-            y = np.concatenate((means, y[n:]))
-        # points now stand up to two buckets apart: only a longer pause in time is a gap
-        gap_limit *= step
-    if len(x) > 1:
-        secs = np.diff(x).astype("timedelta64[ns]").astype("float64") / 1e9
-        # a step back of the recorded clock (a DST fall-back, an NTP step) breaks the line too: never drawn backwards
-        back = secs < -REPORTED_STEP_BACK
-        gaps = np.nonzero((secs > gap_limit) | back)[0]
-        if len(gaps):
-            # a NaN point inside each gap (at a step back, on its first side) breaks the line there
-            mids = np.where(back[gaps], x[gaps], x[gaps] + (x[gaps + 1] - x[gaps]) // 2)
-            x = np.insert(x, gaps + 1, mids)
-            y = np.insert(y, gaps + 1, np.nan)
-    return x, y
 
 
 def _thresholds(rules: Sequence[Rule], fld: Field) -> list[tuple[float, str]]:
@@ -247,9 +193,6 @@ def _load(
     names = [f.name for f in resolve_fields(fields)]
     drawn = [n for n in names if n not in ("timestamp", "index") and get_field(n).kind in _DRAWABLE]
     return df, drawn or None
-
-
-_DRAWABLE = (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE)
 
 
 def _use_multiples(layout: str, gpus: int) -> bool:
@@ -394,7 +337,7 @@ def plot_recording(
     Missing values (``[N/A]``, a lost GPU) and gaps in time (the recording was stopped) show as breaks in the
     lines, never as zeros or straight joins. Long lines are drawn at about one point per pixel: overlaid, as the
     mean of the samples a pixel stands for; in small multiples, as their lowest and highest value, so spikes show.
-    Stalls (:data:`smiquery.stalls.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
+    Stalls (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
     shaded orange on its field's panel (in small multiples, each GPU's own stalls and alerts on its panels); a
     field with no value says so. The x axis names the time zone (or says
     that the recording has none).
@@ -404,7 +347,7 @@ def plot_recording(
         fields: fields to draw, as names or a comma list; default :data:`DEFAULT_PLOT_FIELDS` (those present). For
             a headerless CSV log, its columns in order (the numeric ones are drawn).
         rules: rules whose thresholds are drawn and whose alerts are shaded; default
-            :data:`smiquery.report.DEFAULT_RULES`.
+            :data:`smiquery.analysis.DEFAULT_RULES`.
         gpus: only these GPUs: indices, UUIDs or PCI bus ids (as ``smiquery stream --id`` takes them).
         title: the figure title (default: the file name and time span).
         width: figure width in inches.
@@ -431,163 +374,261 @@ def plot_recording(
         InvalidRuleError: a rule cannot be parsed.
     """
     _matplotlib()
-    import matplotlib.dates as mdates
     import numpy as np
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    from smiquery.report import stalls_and_alerts
 
     _use_multiples(layout, 0)  # a bad layout fails before the recording is read
-    df, fields = _load(source, fields, tz)
-    if gpus is not None:
-        df = df[_selected(df, gpus)].reset_index(drop=True)
-    if df.empty:
-        raise ReportError("the recording holds no samples" + (" for those GPUs" if gpus is not None else ""))
-    flds = _resolve(fields, df)
+    df, flds = _prepare(source, fields, gpus, tz)
     parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in (DEFAULT_RULES if rules is None else rules)]
-
-    groups = _gpu_rows(df["index"].to_numpy(dtype="int64"))
-    x_all = _wall_clock(df["timestamp"])
-    xs = {idx: x_all[rows] for idx, rows in groups}
-    diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs.values() if len(x) > 1]
-    interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
-    if not interval > 0 or math.isnan(interval):
-        interval = 1.0
-    gap_limit = max(3 * interval, 5.0)
-
-    stalls: list[tuple[Any, Any, int]] = []  # (start, end, gpu)
-    alerts: dict[str, list[tuple[Any, Any, int]]] = {}  # by field
-    # spans closer than half a percent of the run are drawn (and labelled) as one
-    slack = (df["timestamp"].max() - df["timestamp"].min()) / 200
-    if shade:
-        found = stalls_and_alerts(df, rules=parsed)
-        stalls = [(_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls]
-        for a in found.alerts:
-            rule = next(r for r in parsed if str(r) == a.rule)
-            alerts.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
-
-    start = df["timestamp"].min()
-    end = df["timestamp"].max()
-    x_start, x_end = _naive(start), _naive(end)
-    if x_end == x_start:
-        x_end = x_start + (end - start) + np.timedelta64(1, "s")
-
+    groups = gpu_rows(df["index"].to_numpy(dtype="int64"))
     multiples = _use_multiples(layout, len(groups))
     fig, panels = (_small_multiples if multiples else _overlay)(Figure, flds, groups, width, panel_height, dpi)
     if max_points is None:  # about one point per pixel of a panel's width; a small multiple's two (lowest, highest)
         across = panels[0][0].get_position().width * width if multiples else width
         max_points = max(200, round(across * dpi) * (2 if multiples else 1))
+    scene = _scene(df, flds, groups, parsed, multiples, max_points, shade)
+    scene.first_ax = panels[0][0]
     handles: list[Any] = []
-    values = {f.name: _as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
-    with_values = {name: bool(np.isfinite(v).any()) for name, v in values.items()}
-    for ax, fld, members, first, _ in panels:
-        drawn = 0
-        y_all = values[fld.name]
-        for pos, (idx, rows) in members:
-            x, y = _series(xs[idx], y_all[rows], gap_limit, max_points, envelope=multiples)
-            drawn += int((~np.isnan(y)).sum())
-            colour, dash = _style(pos)
-            (line,) = ax.plot(
-                x,
-                y,
-                color=colour,
-                linestyle="-" if multiples else dash,
-                linewidth=1.1,
-                label=f"GPU {idx}",
-                gid=f"gpu-{idx}",
-                zorder=2,
-            )
-            if fld is flds[0] and not multiples:  # small multiples are titled by GPU instead
-                handles.append(line)
-        if not drawn:
-            ax.text(
-                0.5,
-                0.5,
-                "no values"
-                if multiples
-                else f"no values: {fld.name} was missing ([N/A] or not supported) in every sample",
-                transform=ax.transAxes,
-                ha="center",
-                va="center",
-                fontsize=8 if multiples else 9,
-                color="#555555",
-                gid="no-data",
-            )
-            if not multiples:  # small multiples share their y axis: clearing its ticks would clear them all
-                ax.set_yticks([])
-        here = {idx for _, (idx, _) in members}
-        for s0, e0, who in _merged((sp for sp in stalls if sp[2] in here), slack):
-            ax.axvspan(s0, e0, color=_STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
-            if ax is panels[0][0] and not multiples:
-                _span_label(ax, s0, f"stall: {_gpu_names(who, len(groups))}")
-        for s0, e0, who in _merged((sp for sp in alerts.get(fld.name, []) if sp[2] in here), slack):
-            ax.axvspan(s0, e0, color=_ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
-            if not multiples:
-                _span_label(ax, s0, f"alert: {_gpu_names(who, len(groups))}")
-        has_values = with_values[fld.name]  # in some GPU's panel: the scale is the field's, shared
-        marks = _thresholds(parsed, fld) if has_values else []
-        for n, (value, label) in enumerate(marks):
-            ax.axhline(value, color=_THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
-            if not first:
-                continue  # one label per field, beside its first column
-            above = n == len(marks) - 1 and not multiples  # the highest above its line, others below theirs
-            note = ax.annotate(
-                label,
-                xy=(0.0, value),
-                xycoords=("axes fraction", "data"),
-                xytext=(4, 2 if above else -2),
-                textcoords="offset points",
-                ha="left",
-                va="bottom" if above else "top",
-                fontsize=7 if multiples else 8,
-                color=_THRESHOLD_COLOUR,
-                bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
-                zorder=4,
-            )
-            note.set_in_layout(False)  # it lies inside the panel: no margin for it
-            note.set_clip_on(multiples)  # a long rule stays inside its small panel
-        unit = fld.unit
-        if multiples:
-            # fixed title and label places: placing them around each panel's ticks costs tens of ms a panel
-            ax.set_title(f"GPU {members[0][1][0]}", loc="left", fontsize=8, pad=2, y=1.0)
-            ax.xaxis.set_label_coords(0.5, -0.2)
-            ax.yaxis.set_label_coords(-0.3, 0.5)
-            if first and unit:
-                ax.set_ylabel(unit, fontsize=8)
-        else:
-            ax.set_title(f"{fld.name} [{unit}]" if unit else fld.name, loc="left", fontsize=10)
-            if unit:
-                ax.set_ylabel(unit)
-        if unit == "%" and has_values:
-            ax.set_ylim(-2, 105)
-        elif fld.kind.is_bool and has_values:
-            ax.set_ylim(-0.1, 1.1)
-            ax.set_yticks([0, 1], ["no", "yes"])
+    for panel in panels:
+        lines = _draw_panel(scene, panel)
+        if panel[1] is flds[0] and not multiples:  # small multiples are titled by GPU instead
+            handles += lines
+    start, end = df["timestamp"].min(), df["timestamp"].max()
+    x_start, x_end = _naive(start), _naive(end)
+    if x_end == x_start:
+        x_end = x_start + (end - start) + np.timedelta64(1, "s")
+    _time_axis(fig, panels, flds, multiples, (x_start, x_end), _zone_label(df["timestamp"]))
+    if title is None:
+        if name is None:
+            name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
+        n = len(groups)
+        title = f"{name}: {n} GPU{'s' if n != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S}"
+    _title_and_legend(fig, title, panels, handles, multiples)
+    return fig
+
+
+def _prepare(
+    source: str | os.PathLike[str] | pd.DataFrame,
+    fields: str | Sequence[str] | None,
+    gpus: Sequence[int | str] | str | None,
+    tz: tzinfo | str | None,
+) -> tuple[pd.DataFrame, list[Field]]:
+    """The rows of the chosen GPUs, and the fields to draw."""
+    df, fields = _load(source, fields, tz)
+    if gpus is not None:
+        df = df[_selected(df, gpus)].reset_index(drop=True)
+    if df.empty:
+        raise ReportError("the recording holds no samples" + (" for those GPUs" if gpus is not None else ""))
+    return df, _resolve(fields, df)
+
+
+@dataclass
+class _Scene:
+    """What the panels of one figure share: each GPU's times, each field's values, the spans to shade."""
+
+    multiples: bool
+    n_gpus: int
+    xs: dict[int, np.ndarray]
+    values: dict[str, np.ndarray]
+    with_values: dict[str, bool]
+    gap_limit: float
+    max_points: int
+    rules: Sequence[Rule]
+    stalls: list[tuple[Any, Any, int]]  # (start, end, gpu)
+    alerts: dict[str, list[tuple[Any, Any, int]]]  # by field
+    slack: Any
+    first_ax: Any = None
+
+
+def _scene(
+    df: pd.DataFrame,
+    flds: Sequence[Field],
+    groups: Sequence[tuple[int, Any]],
+    rules: Sequence[Rule],
+    multiples: bool,
+    max_points: int,
+    shade: bool,
+) -> _Scene:
+    import numpy as np
+
+    x_all = wall_clock(df["timestamp"])
+    xs = {idx: x_all[rows] for idx, rows in groups}
+    diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs.values() if len(x) > 1]
+    interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
+    if not interval > 0 or math.isnan(interval):
+        interval = 1.0
+    stalls: list[tuple[Any, Any, int]] = []
+    alerts: dict[str, list[tuple[Any, Any, int]]] = {}
+    if shade:
+        found = stalls_and_alerts(df, rules=rules)
+        stalls = [(_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls]
+        for a in found.alerts:
+            rule = next(r for r in rules if str(r) == a.rule)
+            alerts.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
+    values = {f.name: as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
+    return _Scene(
+        multiples=multiples,
+        n_gpus=len(groups),
+        xs=xs,
+        values=values,
+        with_values={name: bool(np.isfinite(v).any()) for name, v in values.items()},
+        gap_limit=max(3 * interval, 5.0),
+        max_points=max_points,
+        rules=rules,
+        stalls=stalls,
+        alerts=alerts,
+        # spans closer than half a percent of the run are drawn (and labelled) as one
+        slack=(df["timestamp"].max() - df["timestamp"].min()) / 200,
+    )
+
+
+def _draw_panel(scene: _Scene, panel: _Panel) -> list[Any]:
+    """One panel: its GPUs' lines (returned, for the legend), shading, thresholds, title and scale."""
+    ax, fld, members, first, _ = panel
+    lines = _draw_lines(scene, ax, fld, members)
+    _shade(scene, ax, fld, {idx for _, (idx, _) in members})
+    has_values = scene.with_values[fld.name]  # in some GPU's panel: the scale is the field's, shared
+    _draw_thresholds(ax, _thresholds(scene.rules, fld) if has_values else [], first, scene.multiples)
+    _label_panel(ax, fld, members, first, has_values, scene.multiples)
+    return lines
+
+
+def _draw_lines(scene: _Scene, ax: Any, fld: Field, members: Sequence[tuple[int, tuple[int, Any]]]) -> list[Any]:
+    """A line per GPU; a note instead when none of them has a value."""
+    import numpy as np
+
+    multiples = scene.multiples
+    drawn = 0
+    lines: list[Any] = []
+    y_all = scene.values[fld.name]
+    for pos, (idx, rows) in members:
+        x, y = line_points(scene.xs[idx], y_all[rows], scene.gap_limit, scene.max_points, envelope=multiples)
+        drawn += int((~np.isnan(y)).sum())
+        colour, dash = _style(pos)
+        (line,) = ax.plot(
+            x,
+            y,
+            color=colour,
+            linestyle="-" if multiples else dash,
+            linewidth=1.1,
+            label=f"GPU {idx}",
+            gid=f"gpu-{idx}",
+            zorder=2,
+        )
+        lines.append(line)
+    if not drawn:
+        ax.text(
+            0.5,
+            0.5,
+            "no values" if multiples else f"no values: {fld.name} was missing ([N/A] or not supported) in every sample",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=8 if multiples else 9,
+            color="#555555",
+            gid="no-data",
+        )
+        if not multiples:  # small multiples share their y axis: clearing its ticks would clear them all
+            ax.set_yticks([])
+    return lines
+
+
+def _shade(scene: _Scene, ax: Any, fld: Field, here: set[int]) -> None:
+    """Stalls grey on every panel, a rule's firing alerts orange on its field's panel: of the GPUs ``here``."""
+    multiples = scene.multiples
+    for s0, e0, who in _merged((sp for sp in scene.stalls if sp[2] in here), scene.slack):
+        ax.axvspan(s0, e0, color=_STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
+        if ax is scene.first_ax and not multiples:
+            _span_label(ax, s0, f"stall: {_gpu_names(who, scene.n_gpus)}")
+    for s0, e0, who in _merged((sp for sp in scene.alerts.get(fld.name, []) if sp[2] in here), scene.slack):
+        ax.axvspan(s0, e0, color=_ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
         if not multiples:
-            ax.grid(True, color=_GRID, linewidth=0.6)
-    last = panels[-1][0]
+            _span_label(ax, s0, f"alert: {_gpu_names(who, scene.n_gpus)}")
+
+
+def _draw_thresholds(ax: Any, marks: Sequence[tuple[float, str]], first: bool, multiples: bool) -> None:
+    """Dashed threshold lines, labelled once per field (beside its first column)."""
+    for n, (value, label) in enumerate(marks):
+        ax.axhline(value, color=_THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
+        if not first:
+            continue
+        above = n == len(marks) - 1 and not multiples  # the highest above its line, others below theirs
+        note = ax.annotate(
+            label,
+            xy=(0.0, value),
+            xycoords=("axes fraction", "data"),
+            xytext=(4, 2 if above else -2),
+            textcoords="offset points",
+            ha="left",
+            va="bottom" if above else "top",
+            fontsize=7 if multiples else 8,
+            color=_THRESHOLD_COLOUR,
+            bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
+            zorder=4,
+        )
+        note.set_in_layout(False)  # it lies inside the panel: no margin for it
+        note.set_clip_on(multiples)  # a long rule stays inside its small panel
+
+
+def _label_panel(
+    ax: Any, fld: Field, members: Sequence[tuple[int, tuple[int, Any]]], first: bool, has_values: bool, multiples: bool
+) -> None:
+    """The panel's title, unit and y range."""
+    unit = fld.unit
+    if multiples:
+        # fixed title and label places: placing them around each panel's ticks costs tens of ms a panel
+        ax.set_title(f"GPU {members[0][1][0]}", loc="left", fontsize=8, pad=2, y=1.0)
+        ax.xaxis.set_label_coords(0.5, -0.2)
+        ax.yaxis.set_label_coords(-0.3, 0.5)
+        if first and unit:
+            ax.set_ylabel(unit, fontsize=8)
+    else:
+        ax.set_title(f"{fld.name} [{unit}]" if unit else fld.name, loc="left", fontsize=10)
+        if unit:
+            ax.set_ylabel(unit)
+    if unit == "%" and has_values:
+        ax.set_ylim(-2, 105)
+    elif fld.kind.is_bool and has_values:
+        ax.set_ylim(-0.1, 1.1)
+        ax.set_yticks([0, 1], ["no", "yes"])
+    if not multiples:
+        ax.grid(True, color=_GRID, linewidth=0.6)
+
+
+def _time_axis(
+    fig: Figure,
+    panels: Sequence[_Panel],
+    flds: Sequence[Field],
+    multiples: bool,
+    x_range: tuple[Any, Any],
+    label: str,
+) -> None:
+    """The time axis under the bottom panel(s), labelled with the zone; small multiples get their scales here."""
+    import matplotlib.dates as mdates
+
+    x_start, x_end = x_range
     if multiples:
         # the same few times on every small panel (the title holds the date), worked out once for all of them
         locator = mdates.AutoDateLocator(minticks=3, maxticks=4)  # type: ignore[no-untyped-call]
         lo, hi = mdates.date2num([x_start, x_end])  # type: ignore[no-untyped-call]
         locs = [v for v in locator.tick_values(x_start, x_end) if lo <= v <= hi]  # type: ignore[no-untyped-call]
         labels = mdates.ConciseDateFormatter(locator, show_offset=False).format_ticks(locs)  # type: ignore[no-untyped-call]
-        _small_scales(panels, flds, (x_start, x_end), locs, labels)
+        _small_scales(panels, flds, x_range, locs, labels)
         inches = fig.get_size_inches()[1]
-        fig.supxlabel(_zone_label(df["timestamp"]), y=0.45 / inches, va="center", fontsize=9)
+        fig.supxlabel(label, y=0.45 / inches, va="center", fontsize=9)
     else:
+        last = panels[-1][0]
         last.set_xlim(x_start, x_end)
         locator = mdates.AutoDateLocator()  # type: ignore[no-untyped-call]
         last.xaxis.set_major_locator(locator)
         last.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
-        last.set_xlabel(_zone_label(df["timestamp"]), fontsize=9)
-    if title is None:
-        if name is None:
-            name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
-        title = (
-            f"{name}: {len(groups)} GPU{'s' if len(groups) != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S}"
-        )
+        last.set_xlabel(label, fontsize=9)
+
+
+def _title_and_legend(fig: Figure, title: str, panels: Sequence[_Panel], handles: list[Any], multiples: bool) -> None:
+    """The title above, and below a legend of the GPUs' lines (overlaid panels only) and the kinds of shading drawn."""
+    from matplotlib.patches import Patch
+
     if multiples:
         fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
     else:
@@ -604,7 +645,6 @@ def plot_recording(
             fontsize=8,
             frameon=False,
         )
-    return fig
 
 
 def save_plot(

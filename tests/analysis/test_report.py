@@ -1,4 +1,4 @@
-"""report.analyze against the bundled demo recording (known stall and hot GPU) and small hand-made recordings."""
+"""smiquery.analysis.report against the bundled demo recording (known stall and hot GPU) and hand-made recordings."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
+from smiquery.analysis import DEFAULT_RULES, Report, format_duration, report, stalls_and_alerts
+from smiquery.errors import ReportError
 from smiquery.fields import resolve_fields
 from smiquery.playback import replay
 from smiquery.recordings import open_recorder
-from smiquery.report import DEFAULT_RULES, Report, ReportError, analyze, format_duration, stalls_and_alerts
 
-DEMO = Path(__file__).parents[1] / "smiquery" / "data" / "demo-8gpu.csv"
+DEMO = Path(__file__).parents[2] / "smiquery" / "data" / "demo-8gpu.csv"
 STALL_START = datetime(2026, 3, 14, 9, 35, 0)  # scripts/make_demo_recording.py: STALL = (300, 390) s from 09:30:00
 STALL_SECONDS = 90.0
 HOT_GPU = 5
@@ -22,7 +23,7 @@ HOT_GPU = 5
 
 @pytest.fixture(scope="module")
 def demo() -> Report:
-    return analyze(DEMO)
+    return report(DEMO)
 
 
 def _naive(ts: datetime) -> datetime:
@@ -118,15 +119,15 @@ def test_jsonl_and_parquet_recordings_give_the_same_findings(tmp_path, suffix, d
         for s in source:
             writer.write(s)
         writer.close()
-    other = analyze(path)
+    other = report(path)
     assert [(f.kind, f.gpus) for f in other.findings] == [(f.kind, f.gpus) for f in demo.findings]
     assert [(s.gpu, round(s.seconds)) for s in other.stalls] == [(s.gpu, round(s.seconds)) for s in demo.stalls]
 
 
 def test_dataframe_input(demo):
-    from smiquery.frames import read_csv
+    from smiquery.recordings import read_csv
 
-    other = analyze(read_csv(DEMO), name="frame")
+    other = report(read_csv(DEMO), name="frame")
     assert other.source == "frame"
     assert len(other.stalls) == len(demo.stalls)
 
@@ -149,7 +150,7 @@ def test_missing_values_do_not_split_a_stall(tmp_path):
     rows = [
         (s, 0, "90 %" if s < 10 or s >= 80 else ("[N/A]" if 40 <= s < 45 else "5 %"), "5000 MiB") for s in range(90)
     ]
-    r = analyze(_write(tmp_path / "na.csv", rows))
+    r = report(_write(tmp_path / "na.csv", rows))
     assert len(r.stalls) == 1
     assert r.stalls[0].seconds == pytest.approx(70)
     assert r.findings[0].kind == "stall"
@@ -159,14 +160,14 @@ def test_missing_values_do_not_split_a_stall(tmp_path):
 def test_a_gap_in_time_ends_a_stall_and_short_stretches_are_not_stalls(tmp_path):
     # 25 s idle, a 10-minute hole (the recorder was stopped), 25 s idle: two stretches under the 30 s minimum
     rows = [(s, 0, "5 %", "5000 MiB") for s in range(25)] + [(s, 0, "5 %", "5000 MiB") for s in range(625, 650)]
-    r = analyze(_write(tmp_path / "gap.csv", rows))
+    r = report(_write(tmp_path / "gap.csv", rows))
     assert r.stalls == []
-    assert analyze(tmp_path / "gap.csv", min_stall=20).stalls[1].start.minute == 10
+    assert report(tmp_path / "gap.csv", min_stall=20).stalls[1].start.minute == 10
 
 
 def test_an_idle_gpu_without_memory_is_not_stalled(tmp_path):
     rows = [(s, 0, "0 %", "1 MiB") for s in range(120)] + [(s, 1, "3 %", "9000 MiB") for s in range(120)]
-    r = analyze(_write(tmp_path / "idle.csv", rows))
+    r = report(_write(tmp_path / "idle.csv", rows))
     assert [s.gpu for s in r.stalls] == [1]
     assert [f.gpus for f in r.findings if f.kind == "stall"] == [(1,)]
 
@@ -176,18 +177,18 @@ def test_stalls_and_alerts_are_the_reports_periods(demo):
     assert found.stalls == demo.stalls
     assert found.alerts == demo.alerts
     assert len(found.stalls) == 8 and any(a.gpu == HOT_GPU for a in found.alerts)
-    # the same options as analyze: stricter stall settings and other rules change both alike
+    # the same options as report: stricter stall settings and other rules change both alike
     rules = ["temperature.gpu > 70 for 10s", "utilization.gpu < 50 for 3"]
     strict = {"stall_utilization": 5.0, "min_stall": 30.0, "busy_memory": 1000.0}
     mine = stalls_and_alerts(DEMO, rules=rules, **strict)
-    theirs = analyze(DEMO, rules=rules, **strict)
+    theirs = report(DEMO, rules=rules, **strict)
     assert (mine.stalls, mine.alerts) == (theirs.stalls, theirs.alerts)
     assert mine.alerts and mine.alerts != found.alerts
 
 
 def test_custom_rules(tmp_path):
     rows = [(s, 0, "95 %", f"{1000 + 100 * s} MiB") for s in range(60)]
-    r = analyze(_write(tmp_path / "mem.csv", rows), rules=["memory.used > 5000 for 10"])
+    r = report(_write(tmp_path / "mem.csv", rows), rules=["memory.used > 5000 for 10"])
     assert r.rules == ("memory.used > 5000 for 10",)
     assert r.time_over("memory.used > 5000 for 10", 0) == pytest.approx(19)  # seconds 41 to 59
     assert [a.gpu for a in r.alerts] == [0]
@@ -196,33 +197,33 @@ def test_custom_rules(tmp_path):
 
 def test_nothing_to_report(tmp_path):
     rows = [(s, g, "95 %", "5000 MiB") for s in range(60) for g in (0, 1)]
-    r = analyze(_write(tmp_path / "fine.csv", rows))
+    r = report(_write(tmp_path / "fine.csv", rows))
     assert r.findings == []
     assert "nothing to report" in r.to_text()
 
 
 def test_unreadable_recordings(tmp_path):
     with pytest.raises(ReportError, match="not found"):
-        analyze(tmp_path / "missing.csv")
+        report(tmp_path / "missing.csv")
     empty = tmp_path / "empty.csv"
     empty.write_bytes(b"")
     with pytest.raises(ReportError, match="is empty"):
-        analyze(empty)
+        report(empty)
     noise = tmp_path / "noise.csv"
     noise.write_bytes(bytes(range(256)) * 20)
     with pytest.raises(ReportError, match="no nvidia-smi CSV header"):
-        analyze(noise)
+        report(noise)
     garbage_only = tmp_path / "garbage.csv"
     garbage_only.write_text("timestamp, index, utilization.gpu [%]\nxx\n1, 2\n", encoding="utf-8")
     with pytest.raises(ReportError, match="no readable rows"):
-        analyze(garbage_only)
+        report(garbage_only)
 
 
 def test_a_log_without_index_is_gpu_0(tmp_path):
     log = tmp_path / "power.csv"
     rows = "".join(f"2026/01/01 00:00:{s:02d}.000, {100 + s} W\n" for s in range(30))
     log.write_text("timestamp, power.draw [W]\n" + rows, encoding="utf-8")
-    r = analyze(log)
+    r = report(log)
     assert r.gpus == (0,)
     assert [s.field for s in r.stats] == ["power.draw"]
     assert r.stats[0].max == 129
@@ -234,7 +235,7 @@ def test_torn_last_line_and_garbage_are_skipped_and_reported(tmp_path):
     lines.insert(316, "\x00\x01 garbage from a full disk")
     text = "\n".join(lines) + "\n" + lines[-1][:40]  # the recorder was killed mid-line
     path.write_text(text, encoding="utf-8")
-    r = analyze(path)
+    r = report(path)
     assert r.skipped is not None
     assert (r.skipped.count, r.skipped.first_lineno) == (2, 317)
     assert r.gpus == tuple(range(8))
@@ -246,15 +247,15 @@ def test_headerless_log_with_fields(tmp_path):
     rows = "".join(f"2026/01/01 00:00:{s:02d}.000, {s % 2}, {10 * (s % 2)}\n" for s in range(40))
     path.write_text(rows, encoding="utf-8")
     with pytest.raises(ReportError, match="--fields"):
-        analyze(path)
-    r = analyze(path, fields="timestamp,index,utilization.gpu")
+        report(path)
+    r = report(path, fields="timestamp,index,utilization.gpu")
     assert r.gpus == (0, 1)
 
 
 def test_timestamps_are_kept_as_recorded_or_in_the_given_zone(demo):
     assert demo.start.tzinfo is None  # nvidia-smi names no zone; the report claims none
     assert demo.start == datetime(2026, 3, 14, 9, 30, 0, 117000)
-    berlin = analyze(DEMO, tz="Europe/Berlin")
+    berlin = report(DEMO, tz="Europe/Berlin")
     assert str(berlin.start.tzinfo) == "Europe/Berlin"
     assert berlin.start.hour == 9
 
@@ -386,7 +387,7 @@ def test_gpus_that_stalled_together_share_one_row(demo):
 def _demo_script() -> Any:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("demo_script", Path(__file__).parents[1] / "scripts" / "demo.py")
+    spec = importlib.util.spec_from_file_location("demo_script", Path(__file__).parents[2] / "scripts" / "demo.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -414,8 +415,6 @@ def test_make_demo_ends_with_the_report_and_the_plot(tmp_path, capsys, monkeypat
 
 
 def test_energy_per_gpu_integrates_power_over_the_run(tmp_path):
-    from smiquery.report import analyze
-
     rec = tmp_path / "power.csv"
     lines = ["timestamp, index, power.draw [W]"]
     for i in range(60):  # one minute at 1 Hz: GPU 0 at 100 W, GPU 1 at 300 W (one reading missing)
@@ -423,11 +422,11 @@ def test_energy_per_gpu_integrates_power_over_the_run(tmp_path):
         lines.append(f"{t}, 0, 100.00 W")
         lines.append(f"{t}, 1, {'[N/A]' if i == 30 else '300.00 W'}")
     rec.write_text("\n".join(lines) + "\n")
-    report = analyze(rec)
-    assert report.energy_wh[0] == pytest.approx(100 * 60 / 3600)  # 1.67 Wh
-    assert report.energy_wh[1] == pytest.approx(300 * 59 / 3600)  # the missing second is not guessed
-    assert "Energy (power.draw over the run): 6.6 Wh in all" in report.to_text()
-    assert json.loads(report.to_json())["energy_wh"] == {"0": 1.667, "1": 4.917}
+    result = report(rec)
+    assert result.energy_wh[0] == pytest.approx(100 * 60 / 3600)  # 1.67 Wh
+    assert result.energy_wh[1] == pytest.approx(300 * 59 / 3600)  # the missing second is not guessed
+    assert "Energy (power.draw over the run): 6.6 Wh in all" in result.to_text()
+    assert json.loads(result.to_json())["energy_wh"] == {"0": 1.667, "1": 4.917}
 
 
 # ------------------------------------------------------------------------------------- --tz and --fields (CLI)
@@ -526,7 +525,7 @@ def test_statistics_of_a_column_outside_the_catalogue_are_rounded_to_its_unit(tm
     df["fb_estimate"] = df["memory_used"] / 3  # a derived column in MiB, with fractions
     df["board_watts"] = df["memory_used"] / 1000  # a derived column in W
     df.attrs["units"] = {**df.attrs["units"], "fb_estimate": "MiB", "board_watts": "W"}
-    text = analyze(df).to_text()
+    text = report(df).to_text()
     stats = text[text.index("Statistics over all GPUs") :].splitlines()
     mib = next(line for line in stats if line.lstrip().startswith("fb_estimate [MiB]"))
     assert "23343" in mib and "." not in mib.split("]", 1)[1]  # whole MiB: never "23343.1"

@@ -1,0 +1,59 @@
+"""A recorded run, analysed and drawn: :func:`report` summarises it, :func:`plot_recording` draws it.
+
+:func:`report` reads a recording (CSV, JSONL or Parquet, as ``smiquery stream --output`` writes them, or a
+DataFrame from :func:`smiquery.recordings.read_csv`) and returns a :class:`Report` of per-GPU statistics, time
+over thresholds, stalls, the alerts the rules would have fired and one-line findings; it renders as text, JSON or
+Markdown. :func:`stalls_and_alerts` finds only the stall and alert periods (what the plot shades), for less.
+:func:`plot_recording` and :func:`save_plot` need matplotlib (``pip install 'smiquery[plot]'``). pandas, numpy
+and matplotlib are imported on first use, so importing this package stays light.
+
+The modules, in the order data flows through them: ``load`` (the recording, one view per GPU), ``analyze`` (what
+happened), ``findings`` (what to act on), ``model`` (the records), ``render`` (text, Markdown, JSON), ``plot``;
+``series`` holds the column helpers the report and the plot share.
+"""
+
+from __future__ import annotations
+
+from smiquery.analysis.analyze import DEFAULT_RULES, report, stalls_and_alerts
+from smiquery.analysis.load import load_recording
+from smiquery.analysis.model import (
+    AlertSpan,
+    FieldStats,
+    Finding,
+    HealthCount,
+    Periods,
+    Report,
+    Stretch,
+    ThresholdTime,
+)
+from smiquery.analysis.plot import (
+    DEFAULT_PLOT_FIELDS,
+    LAYOUTS,
+    OVERLAY_MAX_GPUS,
+    Layout,
+    plot_recording,
+    save_plot,
+)
+from smiquery.analysis.render import format_duration
+
+__all__ = [
+    "DEFAULT_PLOT_FIELDS",
+    "DEFAULT_RULES",
+    "LAYOUTS",
+    "OVERLAY_MAX_GPUS",
+    "AlertSpan",
+    "FieldStats",
+    "Finding",
+    "HealthCount",
+    "Layout",
+    "Periods",
+    "Report",
+    "Stretch",
+    "ThresholdTime",
+    "format_duration",
+    "load_recording",
+    "plot_recording",
+    "report",
+    "save_plot",
+    "stalls_and_alerts",
+]

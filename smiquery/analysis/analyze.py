@@ -1,0 +1,475 @@
+"""What happened in a recorded run: statistics, thresholds, alerts, stalls, health counters, energy, clock steps.
+
+:func:`report` works all of it out and adds the findings (:mod:`smiquery.analysis.findings`);
+:func:`stalls_and_alerts` finds only the stall and alert periods (what the plot shades), for less. Every
+duration runs along each GPU's own timeline (:func:`smiquery.analysis.load.split_gpus`). pandas and numpy are
+imported inside the functions, so importing this module stays light.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta, tzinfo
+from typing import TYPE_CHECKING, Any, cast
+
+from smiquery.alerts import BUILTIN_RULES, Rule
+from smiquery.analysis.findings import findings
+from smiquery.analysis.load import GpuSeries, load_recording, split_gpus
+from smiquery.analysis.model import AlertSpan, FieldStats, HealthCount, Periods, Report, Stretch, ThresholdTime
+from smiquery.analysis.series import catalogue_field
+from smiquery.clock import REPORTED_STEP_BACK, ClockStep
+from smiquery.errors import ReportError
+from smiquery.fields import Field, Kind
+from smiquery.alerts.rules import STALL, StallRule
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+__all__ = ["DEFAULT_RULES", "report", "stalls_and_alerts"]
+
+#: Thresholds the report (and :mod:`smiquery.analysis.plot`) use when no rules are given: the built-in health rules.
+DEFAULT_RULES: tuple[str, ...] = BUILTIN_RULES
+
+_SKIP_STATS = frozenset({"index", "count", "timestamp"})
+
+
+def _field_of(column: str, df: pd.DataFrame) -> Field | None:
+    fld = catalogue_field(column)
+    if fld is not None:
+        return fld
+    units = df.attrs.get("units") or {}
+    if column in units:
+        return Field(column, Kind.FLOAT, unit=str(units[column]))
+    return None
+
+
+def _numeric_fields(df: pd.DataFrame) -> list[Field]:
+    out = []
+    for col in df.columns:
+        fld = _field_of(str(col), df)
+        if fld is None or fld.attr in _SKIP_STATS or not fld.kind.is_quantity:
+            continue
+        out.append(fld)
+    return out
+
+
+def _parse_rules(rules: Iterable[Rule | str] | None) -> tuple[Rule, ...]:
+    chosen = DEFAULT_RULES if rules is None else rules
+    return tuple(r if isinstance(r, Rule) else Rule.parse(r) for r in chosen)
+
+
+def report(
+    source: str | os.PathLike[str] | pd.DataFrame,
+    *,
+    rules: Iterable[Rule | str] | None = None,
+    stall_utilization: float = STALL.utilization,
+    min_stall: float = STALL.min_seconds,
+    busy_memory: float = STALL.busy_memory_mib,
+    name: str | None = None,
+    fields: str | Sequence[str] | None = None,
+    tz: tzinfo | str | None = None,
+) -> Report:
+    """Analyse a recorded run.
+
+    A *stall* is a stretch of at least ``min_stall`` seconds during which a GPU's ``utilization.gpu`` stayed under
+    ``stall_utilization`` percent while its ``memory.used`` was at least ``busy_memory`` MiB (a job held the GPU
+    but gave it no work). Without ``memory.used`` in the recording, utilization alone decides. Stalls that
+    overlap on several GPUs are reported together as well, since they point at a shared cause.
+
+    Time past a threshold counts every sample for which a rule's condition held (ignoring its hold); the alerts
+    are those the rules would have fired live (honouring the hold). Missing values keep the state they follow.
+
+    Args:
+        source: a recording path (CSV, JSONL, Parquet) or a DataFrame in the shape of
+            :func:`smiquery.recordings.read_csv`.
+        rules: rules (or ``--alert`` expressions) whose thresholds are checked; default :data:`DEFAULT_RULES`.
+        stall_utilization: utilization (percent) under which a GPU is stalled.
+        min_stall: shortest stall reported, in seconds.
+        busy_memory: memory used (MiB) from which a GPU counts as held by a job.
+        name: what to call the recording in the report (default: the file name).
+        fields: the columns of a headerless CSV log (ignored when the file has a header).
+        tz: the zone the recording was made in; default: timestamps as recorded (naive for CSV).
+
+    Returns:
+        The :class:`Report`.
+
+    Raises:
+        ReportError: the recording cannot be read or holds no samples.
+        InvalidRuleError: a rule cannot be parsed.
+    """
+    df = load_recording(source, fields=fields, tz=tz)
+    if df.empty:
+        raise ReportError("the recording holds no samples")
+    skipped = df.attrs.get("skipped")
+    label = name or (os.path.basename(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "recording")
+    parsed = _parse_rules(rules)
+    gpus, interval = split_gpus(df)
+    stats, constants, overall = _stats(df, gpus)
+    result = Report(
+        source=label,
+        gpus=tuple(g.index for g in gpus),
+        start=min(g.stamp(0) for g in gpus),
+        end=max(g.stamp(len(g.times) - 1) for g in gpus),
+        sweeps=max(len(g.times) for g in gpus),
+        interval=round(interval, 3),
+        stats=stats,
+        overall=overall,
+        constants=constants,
+        rules=tuple(str(r) for r in parsed),
+        stall_utilization=stall_utilization,
+        min_stall=min_stall,
+        skipped=skipped,
+        health=_health(df, gpus),
+        energy_wh=_energy(df, gpus),
+        elapsed=max(float(g.times[-1]) for g in gpus) - min(float(g.times[0]) for g in gpus),
+    )
+    result.clock_steps, result.zone_changes = _clock_changes(gpus)
+    # time past thresholds and the alerts the rules would have fired; then stalls (as stalls_and_alerts finds them)
+    result.alerts = _alerts(parsed, gpus, result.thresholds)
+    result.stalls = _stalls(gpus, StallRule(stall_utilization, busy_memory, min_stall))
+    result.findings = findings(result, parsed, gpus)
+    return result
+
+
+def stalls_and_alerts(
+    source: str | os.PathLike[str] | pd.DataFrame,
+    *,
+    rules: Iterable[Rule | str] | None = None,
+    stall_utilization: float = STALL.utilization,
+    min_stall: float = STALL.min_seconds,
+    busy_memory: float = STALL.busy_memory_mib,
+    fields: str | Sequence[str] | None = None,
+    tz: tzinfo | str | None = None,
+) -> Periods:
+    """Only the stalls and alerts of a recording: the same periods as :func:`report` finds, for less.
+
+    No statistics, thresholds, health counters or findings are worked out. :mod:`smiquery.analysis.plot` shades these.
+
+    Args:
+        source: a recording path (CSV, JSONL, Parquet) or a DataFrame, as for :func:`report`.
+        rules: rules whose alerts are found; default :data:`DEFAULT_RULES`.
+        stall_utilization: utilization (percent) under which a GPU is stalled.
+        min_stall: shortest stall reported, in seconds.
+        busy_memory: memory used (MiB) from which a GPU counts as held by a job.
+        fields: the columns of a headerless CSV log (ignored when the file has a header).
+        tz: the zone the recording was made in; default: timestamps as recorded (naive for CSV).
+
+    Returns:
+        The :class:`Periods`: stalls and alerts in the order :func:`report` lists them.
+
+    Raises:
+        ReportError: the recording cannot be read or holds no samples.
+        InvalidRuleError: a rule cannot be parsed.
+    """
+    df = load_recording(source, fields=fields, tz=tz)
+    if df.empty:
+        raise ReportError("the recording holds no samples")
+    gpus, _ = split_gpus(df)
+    return Periods(
+        _stalls(gpus, StallRule(stall_utilization, busy_memory, min_stall)), _alerts(_parse_rules(rules), gpus)
+    )
+
+
+def _stats(
+    df: pd.DataFrame, gpus: list[GpuSeries]
+) -> tuple[list[FieldStats], dict[str, dict[int, Any]], list[FieldStats]]:
+    import numpy as np
+
+    stats: list[FieldStats] = []
+    overall: list[FieldStats] = []
+    constants: dict[str, dict[int, Any]] = {}
+    for fld in _numeric_fields(df):
+        per: list[FieldStats] = []
+        for g in gpus:
+            values = g.floats(fld.attr)
+            present = values[~np.isnan(values)]
+            if not len(present):
+                continue
+            per.append(
+                FieldStats(
+                    fld.name,
+                    fld.unit,
+                    g.index,
+                    float(present.mean()),
+                    float(np.percentile(present, 95)),
+                    float(present.max()),
+                    float(present.min()),
+                    len(present),
+                    len(values) - len(present),
+                )
+            )
+        if not per:
+            continue
+        if all(s.min == s.max for s in per):
+            constants[fld.name] = {s.gpu: s.max for s in per}
+            continue
+        stats += per
+        every = np.concatenate([g.floats(fld.attr) for g in gpus])
+        present = every[~np.isnan(every)]
+        overall.append(
+            FieldStats(
+                fld.name,
+                fld.unit,
+                -1,
+                float(present.mean()),
+                float(np.percentile(present, 95)),
+                float(present.max()),
+                float(present.min()),
+                len(present),
+                len(every) - len(present),
+            )
+        )
+    return stats, constants, overall
+
+
+# Counters and flags of memory health (nvidia-smi names, by prefix or exact name).
+_HEALTH_PREFIXES = ("ecc.errors.", "retired_pages.", "remapped_rows.")
+
+
+def _health(df: pd.DataFrame, gpus: list[GpuSeries]) -> list[HealthCount]:
+    """The memory-health counters and flags that were non-zero (or set) at some point, per GPU."""
+    import numpy as np
+
+    found: list[HealthCount] = []
+    for col in df.columns:
+        fld = catalogue_field(str(col))
+        if fld is None or not fld.name.startswith(_HEALTH_PREFIXES) or ".histogram." in fld.name:
+            continue
+        if not (fld.kind is Kind.INT or fld.kind.is_bool):
+            continue
+        for g in gpus:
+            values = g.floats(fld.attr)
+            present = values[~np.isnan(values)]
+            if not len(present) or present.max() <= 0:
+                continue
+            found.append(HealthCount(fld.name, g.index, float(present[0]), float(present[-1]), float(present.max())))
+    return found
+
+
+def _energy(df: pd.DataFrame, gpus: Sequence[GpuSeries]) -> dict[int, float]:
+    """Watt-hours per GPU: each sample's power.draw times its duration (gaps count one interval, as elsewhere)."""
+    if "power_draw" not in df.columns:
+        return {}
+    import numpy as np
+
+    out: dict[int, float] = {}
+    for g in gpus:
+        watts = g.floats("power_draw")
+        ok = ~np.isnan(watts)
+        if ok.any() and len(g.dur) == len(watts):
+            out[g.index] = float(np.sum(watts[ok] * g.dur[ok])) / 3600.0
+    return out
+
+
+def _clock_changes(gpus: list[GpuSeries]) -> tuple[list[ClockStep], list[tuple[datetime, str, str]]]:
+    """The recorded clock's steps back and a zone's offset changes, from the GPU with the most samples.
+
+    Every GPU's rows carry the same host clock, so one GPU tells them; each change is reported once.
+    """
+    import numpy as np
+
+    g = max(gpus, key=lambda g: len(g.times))
+    ns = np.asarray(g.stamps, dtype="datetime64[ns]").astype("int64")
+    steps: list[ClockStep] = []
+    if len(ns) > 1:
+        for i in np.flatnonzero(np.diff(ns) < -REPORTED_STEP_BACK * 1e9).tolist():
+            steps.append(ClockStep(g.stamp(i), g.stamp(i + 1), (int(ns[i]) - int(ns[i + 1])) / 1e9))
+    changes: list[tuple[datetime, str, str]] = []
+    if g.zone is not None and len(ns) > 1:
+        import pandas as pd
+
+        local = pd.DatetimeIndex(ns.astype("datetime64[ns]")).tz_localize("UTC").tz_convert(g.zone)
+        wall = local.tz_localize(None).asi8
+        # where the wall clock moved otherwise than the instants, the zone's offset changed
+        for i in np.flatnonzero(np.diff(wall) != np.diff(ns)).tolist():
+            changes.append((g.stamp(i + 1), _offset_text(g.stamp(i)), _offset_text(g.stamp(i + 1))))
+    return steps, changes
+
+
+def _offset_text(ts: datetime) -> str:
+    off = ts.utcoffset()
+    if off is None:
+        return "no zone"
+    minutes = int(off.total_seconds() // 60)
+    sign = "+" if minutes >= 0 else "-"
+    return f"UTC{sign}{abs(minutes) // 60:02d}:{abs(minutes) % 60:02d}"
+
+
+_NUMPY_OPS = {">": "greater", ">=": "greater_equal", "<": "less", "<=": "less_equal", "==": "equal", "!=": "not_equal"}
+
+
+def _condition_values(rule: Rule, g: GpuSeries) -> np.ndarray:
+    """1.0 where the rule's condition holds, 0.0 where not, NaN where a value is missing (decides nothing)."""
+    import numpy as np
+
+    parts: list[np.ndarray] = []
+    for cond in (rule, *rule.when):
+        col = cond.field.attr
+        if col not in g.columns:
+            return np.full(len(g.times), np.nan)
+        threshold = cond.threshold
+        op = _NUMPY_OPS.get(cond.op)
+        if (
+            op is not None
+            and isinstance(threshold, (int, float))
+            and (cond.field.kind.is_numeric or cond.field.kind.is_bool)
+        ):
+            values = g.floats(col)
+            with np.errstate(invalid="ignore"):
+                out = getattr(np, op)(values, float(threshold)).astype("float64")
+            out[np.isnan(values)] = np.nan
+        else:
+            # text and other thresholds: the rule's own comparison, value by value
+            verdicts = [None if v is None or _isna(v) else cond.holds(v) for v in g.values(col)]
+            out = np.array([np.nan if h is None else float(h) for h in verdicts], dtype="float64")
+        parts.append(out)
+    result = parts[0]
+    for p in parts[1:]:
+        result = np.where((result == 0) | (p == 0), 0.0, np.where(np.isnan(result) | np.isnan(p), np.nan, 1.0))
+    return result
+
+
+def _isna(v: object) -> bool:
+    try:
+        import pandas as pd
+
+        return bool(pd.isna(cast(Any, v)))
+    except (TypeError, ValueError):
+        return False
+
+
+def _runs(g: GpuSeries, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(firsts, lasts): sample positions of the stretches where ``cond`` holds, as two int arrays.
+
+    A missing value keeps the state it follows (as the live evaluator does); a gap in time longer than the
+    gap limit (the stream was stopped) ends a stretch.
+    """
+    import numpy as np
+
+    n = len(cond)
+    none = np.zeros(0, dtype=np.int64)
+    if n == 0:
+        return none, none
+    gap = np.zeros(n, dtype=bool)
+    gap[1:] = np.diff(g.times) > g.gap_limit
+    gap[0] = True
+    state = cond.copy()
+    # a missing value at the start of a segment (after a gap) holds nothing
+    state[gap & np.isnan(state)] = 0.0
+    known = ~np.isnan(state)
+    last_known = np.maximum.accumulate(np.where(known, np.arange(n), 0))
+    held = state[last_known] > 0  # NaNs take the state they follow
+    if not held.any():
+        return none, none
+    starts = held & (gap | ~np.concatenate(([False], held[:-1])))
+    ends = held & np.concatenate((gap[1:] | ~held[1:], [True]))
+    return np.flatnonzero(starts), np.flatnonzero(ends)
+
+
+def _run_seconds(g: GpuSeries, firsts: np.ndarray, lasts: np.ndarray) -> np.ndarray:
+    """The length of each stretch: from its first sample to the end of its last."""
+    import numpy as np
+
+    return np.asarray(g.times[lasts] - g.times[firsts] + g.dur[lasts], dtype="float64")
+
+
+def _peak(values: np.ndarray, firsts: np.ndarray, lasts: np.ndarray, pick_max: bool) -> float | None:
+    """The most extreme present value inside any of the stretches."""
+    import numpy as np
+
+    inside = np.zeros(len(values) + 1, dtype=np.int64)
+    np.add.at(inside, firsts, 1)
+    np.add.at(inside, lasts + 1, -1)
+    window = values[np.cumsum(inside[:-1]) > 0]
+    window = window[~np.isnan(window)]
+    if not len(window):
+        return None
+    return float(window.max() if pick_max else window.min())
+
+
+def _stretch(g: GpuSeries, first: int, last: int, values: np.ndarray | None, pick_max: bool) -> Stretch:
+    import numpy as np
+
+    seconds = float(g.times[last] - g.times[first] + g.dur[last])
+    end = g.stamp(last) + timedelta(seconds=float(g.dur[last]))
+    peak = mean = None
+    if values is not None:
+        window = values[first : last + 1]
+        window = window[~np.isnan(window)]
+        if len(window):
+            peak = float(window.max() if pick_max else window.min())
+            mean = float(window.mean())
+    return Stretch(g.index, g.stamp(first), end, seconds, last - first + 1, peak, mean)
+
+
+def _fired_at(rule: Rule, g: GpuSeries, first: int, last: int, cond: np.ndarray) -> int | None:
+    """The sample at which a live evaluator would have fired within the stretch, or None."""
+    import numpy as np
+
+    counted = first + np.flatnonzero(~np.isnan(cond[first : last + 1]))
+    if rule.hold_seconds is not None:
+        ok = counted[g.times[counted] - g.times[first] >= rule.hold_seconds]
+        return int(ok[0]) if len(ok) else None
+    need = rule.hold_samples or 1
+    return int(counted[need - 1]) if len(counted) >= need else None
+
+
+def _alerts(
+    rules: Sequence[Rule], gpus: list[GpuSeries], thresholds: list[ThresholdTime] | None = None
+) -> list[AlertSpan]:
+    """The alerts the rules would have fired, per rule and GPU.
+
+    With ``thresholds``, the time past each rule's threshold is added to it as well (from the same stretches).
+    """
+    alerts: list[AlertSpan] = []
+    for rule in rules:
+        for g in gpus:
+            cond = _condition_values(rule, g)
+            firsts, lasts = _runs(g, cond)
+            if not len(firsts):
+                continue
+            col = rule.field.attr
+            values = g.floats(col) if rule.field.kind.is_quantity else None
+            pick_max = rule.op in (">", ">=")
+            if thresholds is not None:
+                seconds = _run_seconds(g, firsts, lasts)
+                thresholds.append(
+                    ThresholdTime(
+                        str(rule),
+                        g.index,
+                        float(seconds.sum()),
+                        len(firsts),
+                        float(seconds.max()),
+                        None if values is None else _peak(values, firsts, lasts, pick_max),
+                    )
+                )
+            # Only stretches long enough for the hold can have fired (a noisy field makes thousands of short ones).
+            if rule.hold_seconds is not None:
+                long_enough = g.times[lasts] - g.times[firsts] >= rule.hold_seconds
+            else:
+                long_enough = lasts - firsts + 1 >= (rule.hold_samples or 1)
+            for a, b in zip(firsts[long_enough].tolist(), lasts[long_enough].tolist(), strict=True):
+                at = _fired_at(rule, g, a, b, cond)
+                if at is None:
+                    continue
+                s = _stretch(g, a, b, values, pick_max)
+                still = b == len(g.times) - 1
+                alerts.append(AlertSpan(str(rule), g.index, s.start, g.stamp(at), s.end, s.seconds, s.peak, not still))
+    return alerts
+
+
+def _stalls(gpus: list[GpuSeries], stall: StallRule) -> list[Stretch]:
+    """Stretches of at least ``stall.min_seconds`` under the stall utilization (while memory was held), per GPU."""
+    found: list[Stretch] = []
+    for g in gpus:
+        if "utilization_gpu" not in g.columns:
+            break
+        util = g.floats("utilization_gpu")
+        cond = stall.mask(util, g.floats("memory_used") if "memory_used" in g.columns else None)
+        firsts, lasts = _runs(g, cond)
+        long_enough = _run_seconds(g, firsts, lasts) >= stall.min_seconds
+        for a, b in zip(firsts[long_enough].tolist(), lasts[long_enough].tolist(), strict=True):
+            found.append(_stretch(g, a, b, util, pick_max=False))
+    return found

@@ -1,0 +1,184 @@
+"""A recording read for the report: one frame, then one view per GPU along its own timeline.
+
+:func:`load_recording` reads any recording (or takes a DataFrame) and drops rows without a time or GPU;
+:func:`split_gpus` gives each GPU its row positions, its times in seconds from the run's start (a step back of
+the clock counting 0) and how long each sample stands for. pandas and numpy are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from datetime import datetime, tzinfo
+from typing import TYPE_CHECKING, Any, cast
+
+from smiquery.analysis.series import as_float, gpu_rows
+from smiquery.clock import timeline
+from smiquery.errors import InvalidFieldError, InvalidTimeZoneError, RecordingError, ReportError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+__all__ = ["GpuSeries", "load_recording", "split_gpus"]
+
+
+def load_recording(
+    source: str | os.PathLike[str] | pd.DataFrame,
+    *,
+    fields: str | Sequence[str] | None = None,
+    tz: tzinfo | str | None = None,
+) -> pd.DataFrame:
+    """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`, sorted by GPU.
+
+    Files are read by :func:`smiquery.recordings.read_recording` (CSV with or without units or header, JSONL,
+    Parquet; unreadable lines skipped and described in ``attrs["skipped"]``; a log without ``index`` is GPU 0).
+
+    Args:
+        source: a path (``.csv``, ``.jsonl``, ``.parquet``; other names are sniffed) or a DataFrame.
+        fields: the columns of a headerless CSV log, in order; for a recording with a header (or JSONL, Parquet)
+            each must be one of its columns.
+        tz: the zone the recording was made in (e.g. ``"Europe/Berlin"``): naive timestamps are localized to it,
+            aware ones converted. Default: as recorded (naive for nvidia-smi's CSV, never assumed to be UTC).
+
+    Returns:
+        One row per sample, in file order (rows without a timestamp or GPU index dropped).
+
+    Raises:
+        ReportError: the file is missing, unreadable, holds no readable row, has no ``timestamp``, or its
+            columns do not agree with ``fields``.
+        InvalidTimeZoneError: an unknown zone name in ``tz``.
+    """
+    import numpy as np
+    import pandas as pd
+
+    if isinstance(source, pd.DataFrame):
+        df = source
+        if "index" not in df.columns:
+            df = df.assign(index=pd.Series(np.zeros(len(df), dtype=np.int64), index=df.index, dtype="Int64"))
+        if tz is not None and "timestamp" in df.columns:
+            df = _in_zone(df, tz)
+    else:
+        from smiquery.recordings import read_recording
+
+        try:
+            df = read_recording(source, fields=fields, tz=tz)
+        except RecordingError as exc:
+            raise ReportError(str(exc)) from exc
+        except (InvalidFieldError, InvalidTimeZoneError):
+            raise
+        except (OSError, ValueError, ImportError) as exc:
+            raise ReportError(f"cannot read recording {os.fspath(source)}: {exc}") from exc
+    if "timestamp" not in df.columns:
+        raise ReportError("the recording has no timestamp column; record with fields that include timestamp")
+    bad = df["index"].isna() | df["timestamp"].isna()
+    if bad.any():
+        df = df[~bad].reset_index(drop=True)
+    return df
+
+
+def _in_zone(df: pd.DataFrame, tz: tzinfo | str) -> pd.DataFrame:
+    """The frame with its timestamps in ``tz``: naive ones localized (a repeated hour by row order), aware converted."""
+    from smiquery.clock import localize_by_order
+    from smiquery.recordings import resolve_zone
+
+    zone = resolve_zone(tz)
+    if zone is None:
+        return df
+    df = df.copy(deep=False)
+    stamps = df["timestamp"]
+    if getattr(stamps.dt, "tz", None) is None:
+        df["timestamp"] = localize_by_order(stamps, zone).as_unit("ns").array
+    else:
+        df["timestamp"] = stamps.dt.tz_convert(zone)
+    return df
+
+
+class _Columns:
+    """Numeric columns of the whole frame as float64 arrays, converted once and shared by every GPU."""
+
+    def __init__(self, df: pd.DataFrame) -> None:
+        self.df = df
+        self.columns = df.columns
+        self._floats: dict[str, np.ndarray] = {}
+
+    def floats(self, column: str) -> np.ndarray:
+        got = self._floats.get(column)
+        if got is None:
+            got = self._floats[column] = as_float(self.df[column])
+        return got
+
+
+class GpuSeries:
+    """One GPU's samples: their row positions in the frame, times (s from the run's start) and durations.
+
+    The frame is not split or copied: columns are read through the row positions. Timestamps become
+    ``datetime`` objects only where a stretch starts or ends.
+    """
+
+    def __init__(self, index: int, data: _Columns, rows: Any, times: np.ndarray, stamps: np.ndarray, zone: Any):
+        import numpy as np
+
+        self.index = index
+        self.data = data
+        self.rows = rows  # a slice (the frame holds this GPU's rows together) or an array of positions
+        self.columns = data.columns
+        self.times = times
+        self.stamps = stamps  # datetime64[ns] wall-clock (naive) or UTC (aware, with ``zone``)
+        self.zone = zone
+        self.dur: np.ndarray = np.array([])
+        self.gap_limit = 0.0
+
+    def stamp(self, i: int) -> datetime:
+        """The time of sample ``i`` as a ``datetime`` (aware when the recording names its zone)."""
+        import pandas as pd
+
+        ts = pd.Timestamp(self.stamps[i])
+        if self.zone is not None:
+            ts = ts.tz_localize("UTC").tz_convert(self.zone)
+        return cast(datetime, ts.to_pydatetime())
+
+    def floats(self, column: str) -> np.ndarray:
+        """A numeric column as float64, NaN where missing."""
+        picked: np.ndarray = self.data.floats(column)[self.rows]
+        return picked
+
+    def values(self, column: str) -> list[Any]:
+        """A column's values as Python objects (for text comparisons)."""
+        series = self.data.df[column]
+        picked = series.iloc[self.rows] if isinstance(self.rows, slice) else series.take(self.rows)
+        return picked.tolist()
+
+
+def split_gpus(df: pd.DataFrame) -> tuple[list[GpuSeries], float]:
+    """The recording as one :class:`GpuSeries` per GPU (in index order), and the median sampling interval."""
+    import numpy as np
+
+    stamps_col = df["timestamp"]
+    zone = getattr(stamps_col.dt, "tz", None)
+    # wall-clock (naive) or UTC nanoseconds
+    stamps = np.asarray(stamps_col.dt.tz_convert("UTC").dt.tz_localize(None) if zone is not None else stamps_col)
+    stamps = stamps.astype("datetime64[ns]")
+    t0 = stamps.min()
+    seconds = (stamps - t0).astype("int64") / 1e9
+    data = _Columns(df)
+    gpus: list[GpuSeries] = []
+    intervals: list[float] = []
+    for idx, rows in gpu_rows(df["index"].to_numpy(dtype="int64")):
+        # along the GPU's rows in file order, a step back of the clock counts 0: no duration is ever negative
+        own = stamps[rows]
+        times = seconds[rows][0] + timeline(own) if len(own) else seconds[rows]
+        diffs = np.diff(times)
+        if len(diffs):
+            intervals.append(float(np.median(diffs)))
+        gpus.append(GpuSeries(idx, data, rows, times, stamps[rows], zone))
+    interval = float(np.median(intervals)) if intervals else 1.0
+    if not interval > 0:
+        interval = 1.0
+    gap_limit = max(3 * interval, 5.0)
+    for g in gpus:
+        nxt = np.diff(g.times, append=g.times[-1] + interval) if len(g.times) else np.array([])
+        # a sample stands for the time to the next one, except across a gap (the stream was stopped)
+        g.dur = np.where(nxt > gap_limit, interval, nxt)
+        g.gap_limit = gap_limit
+    return gpus, interval

@@ -1,0 +1,320 @@
+"""What the report of a recording holds: statistics, stretches, alerts, health counters and findings.
+
+The records are plain frozen dataclasses with ``to_dict`` for JSON; :class:`Report` renders itself through
+:mod:`smiquery.analysis.render`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+from smiquery.analysis.render import report_dict, report_json, report_markdown, report_text
+from smiquery.alerts.rules import STALL
+
+if TYPE_CHECKING:
+    from smiquery.clock import ClockStep
+    from smiquery.recordings import SkippedLines
+
+__all__ = [
+    "SEVERITY_ORDER",
+    "AlertSpan",
+    "FieldStats",
+    "Finding",
+    "HealthCount",
+    "Periods",
+    "Report",
+    "Severity",
+    "Stretch",
+    "ThresholdTime",
+]
+
+Severity = Literal["critical", "warning", "info"]
+#: Findings sort by this: the most severe first.
+SEVERITY_ORDER: dict[str, int] = {"critical": 0, "warning": 1, "info": 2}
+
+
+@dataclass(frozen=True)
+class FieldStats:
+    """Mean, 95th percentile and maximum of one field on one GPU.
+
+    Attributes:
+        field: the field's nvidia-smi name.
+        unit: its unit (``""`` when dimensionless).
+        gpu: the GPU index.
+        mean: mean of the present values.
+        p95: 95th percentile.
+        max: maximum.
+        min: minimum.
+        count: present values.
+        missing: samples where the value was missing (``[N/A]`` and the like).
+    """
+
+    field: str
+    unit: str
+    gpu: int
+    mean: float
+    p95: float
+    max: float
+    min: float
+    count: int
+    missing: int
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """A continuous stretch of time during which a condition held on one GPU.
+
+    Attributes:
+        gpu: the GPU index.
+        start: the first sample's time.
+        end: the end of the last sample (its time plus the sampling interval).
+        seconds: the length.
+        samples: samples in the stretch.
+        peak: the most extreme value of the watched field (max for ``>``, min for ``<``).
+        mean: the mean of the watched field.
+    """
+
+    gpu: int
+    start: datetime
+    end: datetime
+    seconds: float
+    samples: int
+    peak: float | None = None
+    mean: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {
+            "gpu": self.gpu,
+            "start": self.start.isoformat(),
+            "end": self.end.isoformat(),
+            "seconds": round(self.seconds, 3),
+            "samples": self.samples,
+            "peak": self.peak,
+            "mean": None if self.mean is None else round(self.mean, 3),
+        }
+
+
+@dataclass(frozen=True)
+class ThresholdTime:
+    """How long one GPU spent past one rule's threshold (ignoring the rule's hold).
+
+    Attributes:
+        rule: the rule's text.
+        gpu: the GPU index.
+        seconds: total time past the threshold.
+        stretches: how many separate stretches.
+        longest: the longest stretch in seconds.
+        peak: the most extreme value seen while past it.
+    """
+
+    rule: str
+    gpu: int
+    seconds: float
+    stretches: int
+    longest: float
+    peak: float | None
+
+
+@dataclass(frozen=True)
+class AlertSpan:
+    """An alert that would have fired: the rule held for its hold on one GPU.
+
+    Attributes:
+        rule: the rule's text.
+        gpu: the GPU index.
+        since: when the condition started to hold.
+        fired: when the hold was reached (when a live alert would have fired).
+        end: when the condition stopped holding (or the recording ended).
+        seconds: from ``since`` to ``end``.
+        peak: the most extreme value of the rule's field.
+        cleared: False when the recording ended while it was still firing.
+    """
+
+    rule: str
+    gpu: int
+    since: datetime
+    fired: datetime
+    end: datetime
+    seconds: float
+    peak: float | None
+    cleared: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {
+            "rule": self.rule,
+            "gpu": self.gpu,
+            "since": self.since.isoformat(),
+            "fired": self.fired.isoformat(),
+            "end": self.end.isoformat(),
+            "seconds": round(self.seconds, 3),
+            "peak": self.peak,
+            "cleared": self.cleared,
+        }
+
+
+@dataclass(frozen=True)
+class HealthCount:
+    """A memory-health counter or flag of one GPU that was not clean: ECC errors, retired pages, remapped rows.
+
+    Attributes:
+        field: the nvidia-smi name (``ecc.errors.uncorrected.aggregate.total``, ``remapped_rows.pending``).
+        gpu: the GPU index.
+        first: the value at the start of the run (flags: 1 for yes).
+        last: the value at the end.
+        max: the highest value seen.
+    """
+
+    field: str
+    gpu: int
+    first: float
+    last: float
+    max: float
+
+    @property
+    def grew(self) -> bool:
+        """Whether the count rose during the run."""
+        return self.max > self.first
+
+    @property
+    def severity(self) -> Severity:
+        """critical for uncorrectable errors, retired double-bit pages and remapping failures; else warning."""
+        name = self.field
+        if "uncorrected" in name or "double_bit" in name or "uncorrectable" in name or name.endswith(".failure"):
+            return "critical"
+        return "warning" if self.grew or name.endswith(".pending") else "info"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {"field": self.field, "gpu": self.gpu, "first": self.first, "last": self.last, "max": self.max}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something worth acting on, with a one-line verdict.
+
+    Attributes:
+        kind: ``stall``, ``stall_together``, ``hot``, ``warm``, ``throttle``, ``memory_full``, ``imbalance``,
+            ``ecc``, ``alert`` or ``clock`` (the recorded clock stepped back, or a zone's offset changed).
+        severity: ``critical``, ``warning`` or ``info``.
+        gpus: the GPUs concerned.
+        verdict: one line for people: what happened and what to check.
+        seconds: how long it lasted in all (per GPU where it concerns one GPU).
+        start: when it (first) started.
+    """
+
+    kind: str
+    severity: Severity
+    gpus: tuple[int, ...]
+    verdict: str
+    seconds: float = 0.0
+    start: datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {
+            "kind": self.kind,
+            "severity": self.severity,
+            "gpus": list(self.gpus),
+            "verdict": self.verdict,
+            "seconds": round(self.seconds, 3),
+            "start": None if self.start is None else self.start.isoformat(),
+        }
+
+
+@dataclass
+class Report:
+    """The analysis of one recording. Render it with :meth:`to_text`, :meth:`to_json` or :meth:`to_markdown`.
+
+    Attributes:
+        source: where the recording came from.
+        gpus: the GPU indices seen.
+        start: the first sample's time.
+        end: the last sample's time.
+        sweeps: samples per GPU (the most any GPU has).
+        interval: the median seconds between two samples of one GPU.
+        stats: per field and GPU statistics of the fields that vary.
+        overall: the same fields over all GPUs together (``gpu`` is -1).
+        skipped: the lines of the recording that could not be read, if any.
+        health: memory-health counters (ECC, retired pages, remapped rows) that were non-zero, per GPU.
+        constants: fields that never changed, with their value per GPU.
+        thresholds: time past each rule's threshold, per GPU (only GPUs that got past it).
+        stalls: stretches of at least ``min_stall`` seconds under the stall utilization while memory was held.
+        alerts: alerts the rules would have fired during the run.
+        findings: what to act on, most severe first.
+        rules: the rules' texts.
+        stall_utilization: the stall threshold in percent.
+        min_stall: the shortest stall reported, in seconds.
+        clock_steps: where the recorded clock stepped back (a DST fall-back read without a zone, an NTP step);
+            every duration skips such a step.
+        zone_changes: where the UTC offset changed in a recording read in its zone (``tz=``): (time, offset
+            before, offset after).
+        elapsed: seconds the run lasted along its timeline (steps back skipped); None: ``end - start``.
+    """
+
+    source: str
+    gpus: tuple[int, ...]
+    start: datetime
+    end: datetime
+    sweeps: int
+    interval: float
+    stats: list[FieldStats] = field(default_factory=list)
+    constants: dict[str, dict[int, Any]] = field(default_factory=dict)
+    thresholds: list[ThresholdTime] = field(default_factory=list)
+    stalls: list[Stretch] = field(default_factory=list)
+    alerts: list[AlertSpan] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    rules: tuple[str, ...] = ()
+    stall_utilization: float = STALL.utilization
+    min_stall: float = STALL.min_seconds
+    skipped: SkippedLines | None = None
+    health: list[HealthCount] = field(default_factory=list)
+    overall: list[FieldStats] = field(default_factory=list)
+    energy_wh: dict[int, float] = field(default_factory=dict)
+    clock_steps: list[ClockStep] = field(default_factory=list)
+    zone_changes: list[tuple[datetime, str, str]] = field(default_factory=list)
+    elapsed: float | None = None
+
+    @property
+    def duration(self) -> float:
+        """Seconds from the first sample to the last, never negative: a step back of the clock is skipped."""
+        if self.elapsed is not None:
+            return self.elapsed
+        return max(0.0, (self.end - self.start).total_seconds())
+
+    def time_over(self, rule: str, gpu: int) -> float:
+        """Seconds GPU ``gpu`` spent past the threshold of ``rule`` (its text as given); 0 when never."""
+        norm = " ".join(rule.split())
+        return sum(t.seconds for t in self.thresholds if t.gpu == gpu and t.rule == norm)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as JSON-ready dicts and lists."""
+        return report_dict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The report as a JSON document (see :meth:`to_dict`)."""
+        return report_json(self, indent)
+
+    def to_text(self) -> str:
+        """A plain-text report for a terminal."""
+        return report_text(self)
+
+    def to_markdown(self) -> str:
+        """A Markdown report (GitHub tables), for a pull request, an issue or a notebook."""
+        return report_markdown(self)
+
+
+@dataclass(frozen=True)
+class Periods:
+    """The stalls and alerts of a recording as :func:`~smiquery.analysis.report` finds them, without the rest.
+
+    Attributes:
+        stalls: as :attr:`Report.stalls`.
+        alerts: as :attr:`Report.alerts`.
+    """
+
+    stalls: list[Stretch]
+    alerts: list[AlertSpan]

@@ -1,0 +1,111 @@
+"""Column helpers shared by the report and the plot: numbers, GPUs' rows, times, and a line's points.
+
+pandas and numpy are imported inside the functions, so importing this module stays light.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import pairwise
+from typing import TYPE_CHECKING, Any
+
+from smiquery.clock import REPORTED_STEP_BACK
+from smiquery.fields import CATALOGUE, Field
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+__all__ = ["as_float", "catalogue_field", "gpu_rows", "line_points", "wall_clock"]
+
+_BY_ATTR: dict[str, Field] = {f.attr: f for f in CATALOGUE}
+
+
+def catalogue_field(name: str) -> Field | None:
+    """The catalogue's field for a column (``memory_used``) or an nvidia-smi name (``memory.used``); None if unknown."""
+    return _BY_ATTR.get(name.replace(".", "_"))
+
+
+def as_float(series: pd.Series) -> np.ndarray:
+    """A column as float64, NaN where missing (booleans as 0.0 and 1.0)."""
+    import numpy as np
+
+    if series.dtype.kind == "b" or str(series.dtype) == "boolean":
+        series = series.astype("Float64")
+    try:
+        return np.asarray(series.to_numpy(dtype="float64", na_value=np.nan), dtype="float64")
+    except (TypeError, ValueError):
+        return np.asarray(series.astype("Float64").to_numpy(dtype="float64", na_value=np.nan), dtype="float64")
+
+
+def gpu_rows(index: np.ndarray) -> list[tuple[int, Any]]:
+    """(GPU index, its row positions) per GPU in index order: slices when the frame holds each GPU's rows together."""
+    import numpy as np
+
+    if len(index) > 1 and not bool((index[1:] >= index[:-1]).all()):
+        order = np.argsort(index, kind="stable")  # file order within each GPU
+        ordered = index[order]
+        bounds = np.flatnonzero(np.diff(ordered)) + 1
+        parts = np.split(order, bounds)
+        return [(int(index[p[0]]), p) for p in parts]
+    edges = [0, *(np.flatnonzero(np.diff(index)) + 1).tolist(), len(index)]
+    return [(int(index[a]), slice(a, b)) for a, b in pairwise(edges)]
+
+
+def wall_clock(stamps: pd.Series) -> np.ndarray:
+    """Timestamps as naive datetime64[ns]: the wall-clock time of the recording, in its zone when it has one."""
+    import numpy as np
+
+    if getattr(stamps.dt, "tz", None) is not None:
+        stamps = stamps.dt.tz_localize(None)
+    return np.asarray(stamps.to_numpy(dtype="datetime64[ns]"))
+
+
+def line_points(
+    x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int, envelope: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """x (naive datetime64) and y (float, NaN where missing or across a gap in time) for one GPU's line.
+
+    Past ``max_points`` samples, each bucket of samples (about a pixel wide) becomes its mean, or with ``envelope``
+    its lowest and highest value at their own times (two points a bucket), so that a one-sample spike still shows.
+    """
+    import numpy as np
+
+    if len(x) > max_points:
+        # Means by default: with several GPUs in one panel, a noisy line drawn sample by sample (or as its min-max
+        # envelope) covers the others with a solid band. A panel of its own (small multiples) draws the envelope.
+        step = math.ceil(len(x) / max_points) if not envelope else math.ceil(2 * len(x) / max_points)
+        n = (len(x) // step) * step
+        blocks = y[:n].reshape(-1, step)
+        present = ~np.isnan(blocks)
+        counts = present.sum(axis=1)
+        if envelope:
+            lows = np.where(present, blocks, np.inf).argmin(axis=1)
+            highs = np.where(present, blocks, -np.inf).argmax(axis=1)
+            # each bucket's two extremes in time order: positions into the samples, then their values
+            base = np.arange(len(blocks)) * step
+            picks = np.stack((np.minimum(lows, highs), np.maximum(lows, highs)), axis=1) + base[:, None]
+            picks = picks.ravel()
+            values = y[picks]
+            values[np.repeat(counts == 0, 2)] = np.nan
+            x = np.concatenate((x[picks], x[n:]))
+            y = np.concatenate((values, y[n:]))
+        else:
+            sums = np.where(present, blocks, 0.0).sum(axis=1)
+            means = np.full(len(counts), np.nan)
+            np.divide(sums, counts, out=means, where=counts > 0)
+            x = np.concatenate((x[:n:step], x[n:]))
+            y = np.concatenate((means, y[n:]))
+        # points now stand up to two buckets apart: only a longer pause in time is a gap
+        gap_limit *= step
+    if len(x) > 1:
+        secs = np.diff(x).astype("timedelta64[ns]").astype("float64") / 1e9
+        # a step back of the recorded clock (a DST fall-back, an NTP step) breaks the line too: never drawn backwards
+        back = secs < -REPORTED_STEP_BACK
+        gaps = np.nonzero((secs > gap_limit) | back)[0]
+        if len(gaps):
+            # a NaN point inside each gap (at a step back, on its first side) breaks the line there
+            mids = np.where(back[gaps], x[gaps], x[gaps] + (x[gaps + 1] - x[gaps]) // 2)
+            x = np.insert(x, gaps + 1, mids)
+            y = np.insert(y, gaps + 1, np.nan)
+    return x, y
