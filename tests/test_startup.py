@@ -149,7 +149,9 @@ def test_dir_lists_the_lazy_names_before_they_are_used() -> None:
     assert done.stdout.strip() == ""
 
 
-@pytest.mark.parametrize("module", ["smiquery.oneshot", "smiquery.source", "smiquery.alerts.notify", "smiquery.exporter"])
+@pytest.mark.parametrize(
+    "module", ["smiquery.oneshot", "smiquery.source", "smiquery.alerts.notify", "smiquery.exporter"]
+)
 def test_library_logging_stays_quiet_without_logging_configured(module: str) -> None:
     # without the package's NullHandler, Python's last-resort handler would print these on stderr
     code = (

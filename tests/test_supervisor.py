@@ -296,12 +296,17 @@ def test_rows_then_exit_is_backed_off_not_a_storm(tmp_path):
     )
     naps: list[float] = []
     attempts: list[int] = []
+
+    def nap(seconds: float) -> None:
+        naps.append(seconds)
+        attempts.append(s.stats.attempt)
+
     s = stream(
         FIELDS,
         interval=0.05,
         nvidia_smi=smi,
         retry=RetryPolicy(max_attempts=6, backoff_initial=0.1, backoff_max=1.0),
-        sleep=lambda t: (naps.append(t), attempts.append(s.stats.attempt)) and None,
+        sleep=nap,
     )
     with pytest.raises(errors.GpuLostError), s:
         for _ in s:

@@ -14,6 +14,7 @@ from datetime import datetime, timedelta, tzinfo
 from typing import TYPE_CHECKING, Any, cast
 
 from smiquery.alerts import BUILTIN_RULES, Rule
+from smiquery.alerts.rules import STALL, StallRule
 from smiquery.analysis.findings import findings
 from smiquery.analysis.load import GpuSeries, load_recording, split_gpus
 from smiquery.analysis.model import AlertSpan, FieldStats, HealthCount, Periods, Report, Stretch, ThresholdTime
@@ -21,7 +22,6 @@ from smiquery.analysis.series import catalogue_field
 from smiquery.clock import REPORTED_STEP_BACK, ClockStep
 from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind
-from smiquery.alerts.rules import STALL, StallRule
 
 if TYPE_CHECKING:
     import numpy as np

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
-from smiquery.analysis.render import report_dict, report_json, report_markdown, report_text
 from smiquery.alerts.rules import STALL
+from smiquery.analysis.render import report_dict, report_json, report_markdown, report_text
 
 if TYPE_CHECKING:
     from smiquery.clock import ClockStep
