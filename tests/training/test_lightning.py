@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - installed by `make test`
         raise
     pytest.skip("lightning is not installed: pip install 'smiquery[lightning]' torch", allow_module_level=True)
 
-from smiquery.lightning import GpuMonitor, _batch_size
+from smiquery.training.lightning import GpuMonitor, _batch_size
 
 pytestmark = [
     pytest.mark.slow,

@@ -1,6 +1,6 @@
 """A Keras callback that watches the GPUs during ``model.fit``: :class:`GpuMonitor` (``pip install 'smiquery[keras]'``).
 
-A thin adapter over :class:`smiquery.monitor.RunMonitor` (one nvidia-smi, per-epoch aggregation, alerts with the
+A thin adapter over :class:`smiquery.training.monitor.RunMonitor` (one nvidia-smi, per-epoch aggregation, alerts with the
 training position, recording, metrics): this module only maps Keras's hooks and reads TensorFlow's memory view.
 ``import smiquery`` never imports this module (it imports Keras).
 """
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import keras
 
 from smiquery._log import get_logger
-from smiquery.monitor import MemoryView, RunMonitor, TrainingAlert, VisibleDevices, visible_devices
+from smiquery.training.monitor import MemoryView, RunMonitor, TrainingAlert, VisibleDevices, visible_devices
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, Rule
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GpuMonitor", "TensorFlowMemory", "TrainingAlert", "VisibleDevices", "visible_devices"]
 
-log = get_logger("smiquery.keras")
+log = get_logger("smiquery.training.keras")
 
 _WATCH_PERIOD = 0.2
 # frames of these packages are library code: the watchdog follows the first frame outside them
@@ -107,7 +107,7 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
     the loop has left the stack and stops it then, within 0.2 s. The batch hooks only count steps and time the gap
     between them (data wait); nvidia-smi is never called per batch.
 
-    Per epoch it adds the keys of :class:`~smiquery.monitor.RunMonitor` to ``logs`` (so ``History``,
+    Per epoch it adds the keys of :class:`~smiquery.training.monitor.RunMonitor` to ``logs`` (so ``History``,
     ``CSVLogger`` and ``TensorBoard`` record them): ``gpuN_util_mean``, ``gpuN_util_max``, ``gpuN_temp_max``,
     ``gpuN_mem_used_max_mib``, ``gpuN_power_mean_w``, ``gpuN_energy_wh``, the extra fields, TensorFlow's view
     (``gpuN_mem_framework_mib`` and ``_peak_mib``, ``gpuN_mem_gap_mib``: driver-used minus TensorFlow's peak), and
@@ -118,7 +118,7 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
     ``gpuN_power_w`` (the newest sample, prepared off the training thread).
 
     When an alert fires or clears, the handlers get the event with its context: epoch, batch, step, learning
-    rate and phase at the moment the sample arrived (see :class:`~smiquery.monitor.TrainingAlert`).
+    rate and phase at the moment the sample arrived (see :class:`~smiquery.training.monitor.TrainingAlert`).
 
     Example::
 
@@ -128,7 +128,7 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
     Args:
         fields: extra fields to summarise per epoch (names or a comma list), beyond the built-in summary.
         interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.monitor.TRAINING_RULES`, ``()`` for none.
+        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.training.monitor.TRAINING_RULES`, ``()`` for none.
         handlers: where alert events go (default: a :class:`~smiquery.notify.LogHandler`).
         log_every: ``"epoch"``, or ``"batch"`` to add the newest sample to every batch's logs as well.
         nvidia_smi: path of nvidia-smi.
@@ -136,7 +136,7 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
         framework_memory: read TensorFlow's per-GPU allocation and report the gap to the driver's figure.
         batch_size: samples per step, for ``samples_per_joule`` and the samples counter (default: ``fit``'s
             ``batch_size`` when it was given).
-        **options: any other :class:`~smiquery.monitor.RunMonitor` argument (``record``, ``metrics_port``,
+        **options: any other :class:`~smiquery.training.monitor.RunMonitor` argument (``record``, ``metrics_port``,
             ``pushgateway``, ``first_sample_timeout``, ``process_share`` for ``gpuN_share`` and
             ``gpuN_other_processes``...).
 
@@ -207,7 +207,7 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
 
     @property
     def cost(self) -> dict[str, float]:
-        """What monitoring cost in the last fit (see :attr:`smiquery.monitor.RunMonitor.cost`)."""
+        """What monitoring cost in the last fit (see :attr:`smiquery.training.monitor.RunMonitor.cost`)."""
         return self.monitor.cost
 
     @property

@@ -3,7 +3,7 @@
 :class:`RunMonitor` (and :func:`watch`, its plain-loop front door) owns the stream, the per-epoch aggregation, the
 alerts stamped with the training position, the recording, the energy figures, the job's own Prometheus metrics and,
 with ``process_share``, one ``nvidia-smi pmon`` for the run's own share of each GPU.
-The Keras and Lightning callbacks (``smiquery.keras``, ``smiquery.lightning``) only translate their hooks into
+The Keras and Lightning callbacks (``smiquery.training.keras``, ``smiquery.training.lightning``) only translate their hooks into
 :meth:`RunMonitor.begin_epoch`, :meth:`RunMonitor.step` and :meth:`RunMonitor.end_epoch`.
 """
 
@@ -52,7 +52,7 @@ __all__ = [
     "watch",
 ]
 
-log = get_logger("smiquery.monitor")
+log = get_logger("smiquery.training.monitor")
 
 # ------------------------------------------------------------------------------------------ stall definition
 
@@ -1681,7 +1681,7 @@ def watch(
 
     Example (PyTorch)::
 
-        with smiquery.monitor.watch(record="run.csv", framework=smiquery.monitor.torch_memory()) as w:
+        with smiquery.training.monitor.watch(record="run.csv", framework=smiquery.training.monitor.torch_memory()) as w:
             for epoch in range(epochs):
                 for i, (x, y) in enumerate(w.batches(loader)):   # fetch time counts as data wait
                     loss = loss_fn(model(x.cuda()), y.cuda())

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from smiquery.alerts import AlertEvaluator, Rule
-from smiquery.monitor import (
+from smiquery.training.monitor import (
     TRAINING_RULES,
     TRAINING_STALL_SECONDS,
     EpochAccumulator,
@@ -321,7 +321,7 @@ class Rejecting:
 
 
 def test_a_rule_field_the_driver_rejects_drops_that_rule_only(caplog):
-    caplog.set_level(logging.WARNING, logger="smiquery.monitor")
+    caplog.set_level(logging.WARNING, logger="smiquery.training.monitor")
     driver = Rejecting(InProcessRunner(), "clocks_throttle_reasons.hw_power_brake_slowdown")
     with no_leaks(reap_timeout=5.0), use_runner(driver), watch(interval=0.05, first_sample_timeout=20) as w:
         w.step(epoch=0, batch=0)
@@ -442,7 +442,7 @@ def test_bad_arguments_fail_early():
 
 def test_monitor_module_does_not_import_a_framework():
     code = (
-        "import sys, smiquery.monitor; "
+        "import sys, smiquery.training.monitor; "
         "bad = [m for m in ('keras', 'tensorflow', 'torch', 'lightning', 'prometheus_client') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -35,8 +35,8 @@ except ImportError:  # pragma: no cover - the keras extra is installed by `make 
         raise
     pytest.skip("keras is not installed: pip install 'smiquery[keras]'", allow_module_level=True)
 
-from smiquery.keras import GpuMonitor, TensorFlowMemory, TrainingAlert
-from smiquery.monitor import MemoryView
+from smiquery.training.keras import GpuMonitor, TensorFlowMemory, TrainingAlert
+from smiquery.training.monitor import MemoryView
 from smiquery.notify import CallbackHandler
 
 pytestmark = pytest.mark.slow
@@ -246,7 +246,7 @@ def test_a_fit_that_raises_leaves_no_nvidia_smi_behind(real_smi, where):
 
 
 def test_cpu_only_tensorflow_with_visible_gpus_is_said_once_and_training_goes_on(smi, caplog):
-    caplog.set_level(logging.INFO, logger="smiquery.monitor")
+    caplog.set_level(logging.INFO, logger="smiquery.training.monitor")
     monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=())
     history = fit(tiny_model(), [monitor, Slow()], epochs=3)
     said = [r for r in caplog.records if "TensorFlow is a CPU-only build" in r.getMessage()]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import psutil
 import pytest
 
-from smiquery.monitor import RunMonitor, own_pids, watch
+from smiquery.training.monitor import RunMonitor, own_pids, watch
 from tests.conftest import MakeFake
 from tests.leakcheck import no_leaks
 
