@@ -1,8 +1,8 @@
 """A PyTorch Lightning callback that watches the GPUs during ``trainer.fit``: :class:`GpuMonitor`.
 
-``pip install 'smiquery[lightning]'``. A thin adapter over :class:`smiquery.training.monitor.RunMonitor`: one nvidia-smi per
-fit, per-epoch GPU numbers logged through the trainer's loggers, alerts stamped with the epoch and step, PyTorch's
-memory view beside the driver's. ``import smiquery`` never imports this module (it imports Lightning).
+``pip install 'smiquery[lightning]'``. A thin adapter over :class:`smiquery.training.monitor.RunMonitor`: one
+nvidia-smi per fit, per-epoch GPU numbers logged through the trainer's loggers, alerts stamped with the epoch and step,
+PyTorch's memory view beside the driver's. ``import smiquery`` never imports this module (it imports Lightning).
 """
 
 from __future__ import annotations
@@ -17,9 +17,13 @@ except ImportError:  # the standalone package
     try:
         from pytorch_lightning.callbacks import Callback
     except ImportError as exc:
-        raise ImportError("smiquery.training.lightning needs PyTorch Lightning: pip install 'smiquery[lightning]'") from exc
+        raise ImportError(
+            "smiquery.training.lightning needs PyTorch Lightning: pip install 'smiquery[lightning]'"
+        ) from exc
 
-from smiquery.training.monitor import RunMonitor, TorchMemory, TrainingAlert
+from smiquery.training.events import TrainingAlert
+from smiquery.training.memory import TorchMemory
+from smiquery.training.monitor import RunMonitor
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, Rule
@@ -61,7 +65,8 @@ class GpuMonitor(Callback):  # type: ignore[misc]
     Args:
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.training.monitor.TRAINING_RULES`, ``()`` for none.
+        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.training.events.TRAINING_RULES`, ``()``
+            for none.
         handlers: where alert events go (default: a log line).
         log_every: ``"epoch"``, or ``"batch"`` to log the newest sample at every step as well.
         prefix: put before every logged key (``"gpu/"`` groups them in TensorBoard).
