@@ -40,7 +40,7 @@ def eight_gpu_sweep() -> Any:
 
 def loaded_monitor(log_every: str = "batch") -> Any:
     """A RunMonitor holding one 8-GPU sweep, as during a fit, without a child (for the per-step figure)."""
-    from smiquery.monitor import RunMonitor
+    from smiquery.training.monitor import RunMonitor
 
     monitor = RunMonitor(alerts=(), log_every=log_every, env={})  # type: ignore[arg-type]
     monitor._take(eight_gpu_sweep(), select=False)

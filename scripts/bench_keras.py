@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost of smiquery.keras.GpuMonitor on a 200-step model.fit: the same fit with and without the callback.
+"""Cost of smiquery.training.keras.GpuMonitor on a 200-step model.fit: the same fit with and without the callback.
 
 Runs are interleaved in one process (without, with, without, with, ...) after warm-up fits. Figures, all from
 the same run:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import psutil
 
-    from smiquery.keras import GpuMonitor
+    from smiquery.training.keras import GpuMonitor
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-keras-")
     smi = args.nvidia_smi or bench.fake(tmp.name)

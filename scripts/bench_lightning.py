@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost of smiquery.lightning.GpuMonitor on a 200-step trainer.fit: the twin of bench_keras.py.
+"""Cost of smiquery.training.lightning.GpuMonitor on a 200-step trainer.fit: the twin of bench_keras.py.
 
 The same fit (a 3-layer MLP on CPU torch) with and without the callback, interleaved in one process; the same
 figures from the same run: monitor cost / fit time (under 1 %), with the nvidia-smi child, start to first data,
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import psutil
     import torch
 
-    from smiquery.lightning import GpuMonitor
+    from smiquery.training.lightning import GpuMonitor
 
     tmp = tempfile.TemporaryDirectory(prefix="bench-lightning-")
     smi = args.nvidia_smi or bench.fake(tmp.name)

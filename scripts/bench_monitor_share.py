@@ -29,8 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from smiquery.monitor import RunMonitor  # noqa: E402
 from smiquery.testing import fake_nvidia_smi  # noqa: E402
+from smiquery.training.monitor import RunMonitor  # noqa: E402
 
 STEP_RATIO_TARGET = 1.5
 PMON_MS_PER_S_TARGET = 5.0

@@ -64,11 +64,11 @@ def dashboard_exprs() -> list[str]:
 
 
 def training_names() -> set[str]:
-    """The metrics a training job serves through smiquery.monitor (metrics_port= or a Pushgateway)."""
-    src = (ROOT / "smiquery" / "monitor.py").read_text(encoding="utf-8")
+    """The metrics a training job serves through smiquery.training (metrics_port= or a Pushgateway)."""
+    src = (ROOT / "smiquery" / "training" / "metrics.py").read_text(encoding="utf-8")
     counters = re.findall(r'CounterMetricFamily\(\s*"(smiquery_training_[a-z_]+)"', src)
     gauges = re.findall(r'GaugeMetricFamily\(\s*"(smiquery_training_[a-z_]+)"', src)
-    assert "smiquery_training_steps" in counters, "scan of smiquery/monitor.py is broken"
+    assert "smiquery_training_steps" in counters, "scan of smiquery/training/metrics.py is broken"
     return {c + "_total" for c in counters} | set(gauges)
 
 

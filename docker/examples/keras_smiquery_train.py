@@ -3,7 +3,7 @@
 An example for the TensorFlow image (docker/Dockerfile.tensorflow): docker/compose.yaml runs it as the ``trainer``
 service and docker/k8s/tensorflow-job.yaml as a Job (from a ConfigMap copy of this file).
 
-:class:`smiquery.keras.GpuMonitor` runs ONE background nvidia-smi loop for the whole fit and writes each epoch's
+:class:`smiquery.training.keras.GpuMonitor` runs ONE background nvidia-smi loop for the whole fit and writes each epoch's
 GPU summary into the logs (``gpu0_util_mean``, ``gpu0_mem_used_max_mib``, ...), so ``History`` and ``CSVLogger``
 record it like any metric; alert rules (hot GPU, lost GPU...) are logged with the epoch and batch they fired in.
 Without nvidia-smi (a container started without ``--gpus all`` / the ``utility`` capability) it says so once and
@@ -20,7 +20,7 @@ import os
 import keras
 import numpy as np
 
-from smiquery.keras import GpuMonitor
+from smiquery.training.keras import GpuMonitor
 
 
 def main() -> None:

@@ -9,29 +9,22 @@ import math
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 
 import psutil
 import pytest
 
-from smiquery.monitor import RunMonitor, own_pids, watch
+from smiquery.training.monitor import RunMonitor
+from smiquery.training.share import own_pids
+from smiquery.training.watch import watch
 from tests.conftest import MakeFake
+from tests.helpers import wait_for
 from tests.leakcheck import no_leaks
 
 #: generous: pmon samples once a second at best, and the machine may be busy
 DEADLINE = 60.0
 OTHER = 1  # a pid that is never a descendant of the test process (init)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = DEADLINE) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def pmon_children() -> list[psutil.Process]:
@@ -55,7 +48,7 @@ def gpu0(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 def one_epoch(m: RunMonitor, *, until: Callable[[], bool]) -> dict[str, float]:
     """Epoch 0 spans at least one pmon sample for which ``until`` holds, and one step."""
     m.begin_epoch(0)
-    assert wait_for(until), f"no pmon sample in {DEADLINE:g} s; notes: {m.notes}"
+    wait_for(until, DEADLINE, f"a pmon sample (notes: {m.notes})")
     m.step()
     return m.end_epoch(0)
 
@@ -109,7 +102,7 @@ def test_a_descendant_of_the_run_counts_as_the_run(fake_smi: MakeFake, gpu0, mon
         watch(nvidia_smi=str(fake_smi()), interval=0.05, alerts=(), env=gpu0, process_share=True) as w,
     ):
         w.step(epoch=0)
-        assert wait_for(lambda: 0 in w.monitor.process_shares())
+        assert wait_for(lambda: 0 in w.monitor.process_shares(), DEADLINE)
         values = w.end_epoch()
     assert values["gpu0_share"] == pytest.approx(80 / 100)
     assert values["gpu0_other_processes"] == 1.0
@@ -135,7 +128,7 @@ def test_unsupported_pmon_leaves_nan_says_it_once_and_training_goes_on(fake_smi:
         with m:
             first = one_epoch(m, until=lambda: any("not supported" in n for n in m.notes) and 0 in m.latest())
             m.begin_epoch(1)
-            assert wait_for(lambda: m.running and len(m.latest()) > 0)
+            assert wait_for(lambda: m.running and len(m.latest()) > 0, DEADLINE)
             m.step()
             second = m.end_epoch(1)
             assert pmon_children() == []  # not restarted
@@ -153,7 +146,7 @@ def test_the_pmon_child_is_gone_after_close_even_when_it_hangs(fake_smi: MakeFak
         m = RunMonitor(nvidia_smi=str(fake_smi()), interval=0.05, alerts=(), env=gpu0, process_share=True)
         m.start()
         try:
-            assert wait_for(lambda: len(pmon_children()) == 1)
+            assert wait_for(lambda: len(pmon_children()) == 1, DEADLINE)
             pids = [p.pid for p in pmon_children()]
             for _ in range(100):  # steps go on while pmon says nothing
                 m.step()

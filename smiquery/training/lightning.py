@@ -1,8 +1,8 @@
 """A PyTorch Lightning callback that watches the GPUs during ``trainer.fit``: :class:`GpuMonitor`.
 
-``pip install 'smiquery[lightning]'``. A thin adapter over :class:`smiquery.monitor.RunMonitor`: one nvidia-smi per
-fit, per-epoch GPU numbers logged through the trainer's loggers, alerts stamped with the epoch and step, PyTorch's
-memory view beside the driver's. ``import smiquery`` never imports this module (it imports Lightning).
+``pip install 'smiquery[lightning]'``. A thin adapter over :class:`smiquery.training.monitor.RunMonitor`: one
+nvidia-smi per fit, per-epoch GPU numbers logged through the trainer's loggers, alerts stamped with the epoch and step,
+PyTorch's memory view beside the driver's. ``import smiquery`` never imports this module (it imports Lightning).
 """
 
 from __future__ import annotations
@@ -17,9 +17,13 @@ except ImportError:  # the standalone package
     try:
         from pytorch_lightning.callbacks import Callback
     except ImportError as exc:
-        raise ImportError("smiquery.lightning needs PyTorch Lightning: pip install 'smiquery[lightning]'") from exc
+        raise ImportError(
+            "smiquery.training.lightning needs PyTorch Lightning: pip install 'smiquery[lightning]'"
+        ) from exc
 
-from smiquery.monitor import RunMonitor, TorchMemory, TrainingAlert
+from smiquery.training.events import TrainingAlert
+from smiquery.training.memory import TorchMemory
+from smiquery.training.monitor import RunMonitor
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, AlertHandler, Rule
@@ -46,7 +50,7 @@ def _batch_size(batch: Any) -> int | None:
 class GpuMonitor(Callback):  # type: ignore[misc]
     """Watches the GPUs while ``trainer.fit`` runs and logs what it saw per epoch through the trainer's loggers.
 
-    The keys are those of :class:`~smiquery.monitor.RunMonitor` (``gpuN_util_mean``, ``gpuN_mem_used_max_mib``,
+    The keys are those of :class:`~smiquery.training.monitor.RunMonitor` (``gpuN_util_mean``, ``gpuN_mem_used_max_mib``,
     ``gpuN_energy_wh``, ``energy_wh``, ``samples_per_joule``, ``data_wait_frac``, PyTorch's memory view and the
     gap...), prefixed with ``prefix``, logged at the epoch's last global step; :attr:`epochs` keeps them too.
     Data wait is the time between one ``on_train_batch_end`` and the next ``on_train_batch_start`` (mostly the
@@ -60,14 +64,15 @@ class GpuMonitor(Callback):  # type: ignore[misc]
     Args:
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.monitor.TRAINING_RULES`, ``()`` for none.
+        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.training.events.TRAINING_RULES`, ``()``
+            for none.
         handlers: where alert events go (default: a log line).
         log_every: ``"epoch"``, or ``"batch"`` to log the newest sample at every step as well.
         prefix: put before every logged key (``"gpu/"`` groups them in TensorBoard).
         framework_memory: read PyTorch's allocated, peak and reserved memory per device.
         nvidia_smi: path of nvidia-smi.
         gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
-        **options: any other :class:`~smiquery.monitor.RunMonitor` argument (``record``, ``metrics_port``,
+        **options: any other :class:`~smiquery.training.monitor.RunMonitor` argument (``record``, ``metrics_port``,
             ``pushgateway``, ``process_share`` for ``gpuN_share`` and ``gpuN_other_processes``...).
     """
 

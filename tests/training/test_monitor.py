@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -22,23 +22,18 @@ from typing import Any
 import pytest
 
 from smiquery.alerts import AlertEvaluator, CallbackHandler, Rule
-from smiquery.monitor import (
-    TRAINING_RULES,
-    TRAINING_STALL_SECONDS,
-    EpochAccumulator,
-    MemoryView,
-    RunMonitor,
-    stall_rule,
-    summary_spec,
-    throughput_values,
-    visible_devices,
-    watch,
-)
 from smiquery.parsing import CsvParser
 from smiquery.runner import Completed, LineSource
 from smiquery.source import StreamStats, Sweep
 from smiquery.testing import InProcessRunner, use_runner
+from smiquery.training.devices import visible_devices
+from smiquery.training.epochs import EpochAccumulator, summary_spec, throughput_values
+from smiquery.training.events import TRAINING_RULES, TRAINING_STALL_SECONDS, stall_rule
+from smiquery.training.memory import MemoryView
+from smiquery.training.monitor import RunMonitor
+from smiquery.training.watch import watch
 from tests.conftest import FIXTURES, MakeFake
+from tests.helpers import wait_for
 from tests.leakcheck import no_leaks
 
 UUIDS = ("GPU-00000000-1111-2222-3333-444444444444", "GPU-00000001-1111-2222-3333-444444444444")
@@ -47,15 +42,6 @@ PARSER = CsvParser(["index", "uuid", "utilization.gpu", "temperature.gpu", "memo
 
 def sweep(util: float = 90, temp: float = 60, mem: float = 2000, power: float = 300, gpus: int = 2) -> Sweep:
     return Sweep(PARSER.parse([f"{g}, {UUIDS[g]}, {util}, {temp}, {mem}, {power}" for g in range(gpus)]))
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 class HandSource:
@@ -320,7 +306,7 @@ class Rejecting:
 
 
 def test_a_rule_field_the_driver_rejects_drops_that_rule_only(caplog):
-    caplog.set_level(logging.WARNING, logger="smiquery.monitor")
+    caplog.set_level(logging.WARNING, logger="smiquery.training.monitor")
     driver = Rejecting(InProcessRunner(), "clocks_throttle_reasons.hw_power_brake_slowdown")
     with no_leaks(reap_timeout=5.0), use_runner(driver), watch(interval=0.05, first_sample_timeout=20) as w:
         w.step(epoch=0, batch=0)
@@ -351,14 +337,17 @@ def test_watch_records_the_run_for_smiquery_report_and_times_data_wait(fake_smi:
 
     record = tmp_path / "run.csv"
     seen: list[int] = []
-    with no_leaks(reap_timeout=5.0), watch(
-        interval=0.05,
-        nvidia_smi=str(fake_smi()),
-        record=record,
-        alerts=(),
-        first_sample_timeout=20,
-        on_epoch=lambda e, v: seen.append(e),
-    ) as w:
+    with (
+        no_leaks(reap_timeout=5.0),
+        watch(
+            interval=0.05,
+            nvidia_smi=str(fake_smi()),
+            record=record,
+            alerts=(),
+            first_sample_timeout=20,
+            on_epoch=lambda e, v: seen.append(e),
+        ) as w,
+    ):
         for epoch in range(2):
             for i, _batch in enumerate(w.batches(range(3))):
                 w.step(epoch=epoch, batch=i, samples=8)
@@ -441,7 +430,7 @@ def test_bad_arguments_fail_early():
 
 def test_monitor_module_does_not_import_a_framework():
     code = (
-        "import sys, smiquery.monitor; "
+        "import sys, smiquery.training.monitor, smiquery.training.watch; "
         "bad = [m for m in ('keras', 'tensorflow', 'torch', 'lightning', 'prometheus_client') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

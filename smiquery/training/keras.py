@@ -1,7 +1,8 @@
 """A Keras callback that watches the GPUs during ``model.fit``: :class:`GpuMonitor` (``pip install 'smiquery[keras]'``).
 
-A thin adapter over :class:`smiquery.monitor.RunMonitor` (one nvidia-smi, per-epoch aggregation, alerts with the
-training position, recording, metrics): this module only maps Keras's hooks and reads TensorFlow's memory view.
+A thin adapter over :class:`smiquery.training.monitor.RunMonitor` (one nvidia-smi, per-epoch aggregation, alerts
+with the training position, recording, metrics): this module only maps Keras's hooks; TensorFlow's memory view is
+:class:`smiquery.training.memory.TensorFlowMemory`.
 ``import smiquery`` never imports this module (it imports Keras).
 """
 
@@ -18,15 +19,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import keras
 
 from smiquery._log import get_logger
-from smiquery.monitor import MemoryView, RunMonitor, TrainingAlert, VisibleDevices, visible_devices
+from smiquery.training.events import TrainingAlert
+from smiquery.training.memory import TensorFlowMemory
+from smiquery.training.monitor import RunMonitor
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, AlertHandler, Rule
     from smiquery.records import GpuSample
 
-__all__ = ["GpuMonitor", "TensorFlowMemory", "TrainingAlert", "VisibleDevices", "visible_devices"]
+__all__ = ["GpuMonitor"]
 
-log = get_logger("smiquery.keras")
+log = get_logger("smiquery.training.keras")
 
 _WATCH_PERIOD = 0.2
 # frames of these packages are library code: the watchdog follows the first frame outside them
@@ -48,54 +51,6 @@ def _scalar(value: Any) -> float | None:
             return None
 
 
-class TensorFlowMemory:
-    """TensorFlow's view of its GPU memory (``tf.config.experimental.get_memory_info``: current and peak).
-
-    TensorFlow does not report its allocator's reserved pool, so a gap to the driver's figure may be partly its own.
-    """
-
-    name = "TensorFlow"
-
-    def available(self) -> str | None:
-        """None when TensorFlow can report memory for its GPUs; else why not (a CPU-only build is named)."""
-        backend = keras.backend.backend()
-        if backend != "tensorflow":
-            return (
-                f"the Keras backend is {backend}: the framework's memory view is read only with TensorFlow; "
-                "the driver-vs-framework memory gap is not reported"
-            )
-        try:
-            import tensorflow as tf
-
-            gpus = tf.config.list_physical_devices("GPU")
-            cuda = bool(tf.test.is_built_with_cuda())
-        except Exception as exc:
-            return f"cannot ask TensorFlow for its GPUs ({exc}): the memory gap is not reported"
-        if gpus:
-            return None
-        if not cuda:
-            return (
-                "TensorFlow is a CPU-only build (tf.test.is_built_with_cuda() is False) while nvidia-smi sees GPUs: "
-                "this training runs on the CPU (install the CUDA build, e.g. tensorflow[and-cuda]); "
-                "the driver-vs-framework memory gap is not reported"
-            )
-        return (
-            "TensorFlow sees no GPU although nvidia-smi does (CUDA_VISIBLE_DEVICES, or CUDA libraries that do not "
-            "match the driver; see TensorFlow's start-up log): the driver-vs-framework memory gap is not reported"
-        )
-
-    def read(self) -> list[MemoryView]:
-        """Current and peak bytes of each GPU TensorFlow sees."""
-        import tensorflow as tf
-
-        out: list[MemoryView] = []
-        for k in range(len(tf.config.list_physical_devices("GPU"))):
-            info = tf.config.experimental.get_memory_info(f"GPU:{k}")
-            peak = info.get("peak")
-            out.append(MemoryView(k, float(info.get("current", 0)), float(peak) if peak else None, None))
-        return out
-
-
 class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
     """Watches the GPUs while ``model.fit`` runs and writes what it saw into the epoch logs.
 
@@ -106,7 +61,7 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
     the loop has left the stack and stops it then, within 0.2 s. The batch hooks only count steps and time the gap
     between them (data wait); nvidia-smi is never called per batch.
 
-    Per epoch it adds the keys of :class:`~smiquery.monitor.RunMonitor` to ``logs`` (so ``History``,
+    Per epoch it adds the keys of :class:`~smiquery.training.monitor.RunMonitor` to ``logs`` (so ``History``,
     ``CSVLogger`` and ``TensorBoard`` record them): ``gpuN_util_mean``, ``gpuN_util_max``, ``gpuN_temp_max``,
     ``gpuN_mem_used_max_mib``, ``gpuN_power_mean_w``, ``gpuN_energy_wh``, the extra fields, TensorFlow's view
     (``gpuN_mem_framework_mib`` and ``_peak_mib``, ``gpuN_mem_gap_mib``: driver-used minus TensorFlow's peak), and
@@ -117,7 +72,7 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
     ``gpuN_power_w`` (the newest sample, prepared off the training thread).
 
     When an alert fires or clears, the handlers get the event with its context: epoch, batch, step, learning
-    rate and phase at the moment the sample arrived (see :class:`~smiquery.monitor.TrainingAlert`).
+    rate and phase at the moment the sample arrived (see :class:`~smiquery.training.events.TrainingAlert`).
 
     Example::
 
@@ -127,7 +82,8 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
     Args:
         fields: extra fields to summarise per epoch (names or a comma list), beyond the built-in summary.
         interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.monitor.TRAINING_RULES`, ``()`` for none.
+        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.training.events.TRAINING_RULES`, ``()``
+            for none.
         handlers: where alert events go (default: a :class:`~smiquery.alerts.LogHandler`).
         log_every: ``"epoch"``, or ``"batch"`` to add the newest sample to every batch's logs as well.
         nvidia_smi: path of nvidia-smi.
@@ -135,7 +91,7 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
         framework_memory: read TensorFlow's per-GPU allocation and report the gap to the driver's figure.
         batch_size: samples per step, for ``samples_per_joule`` and the samples counter (default: ``fit``'s
             ``batch_size`` when it was given).
-        **options: any other :class:`~smiquery.monitor.RunMonitor` argument (``record``, ``metrics_port``,
+        **options: any other :class:`~smiquery.training.monitor.RunMonitor` argument (``record``, ``metrics_port``,
             ``pushgateway``, ``first_sample_timeout``, ``process_share`` for ``gpuN_share`` and
             ``gpuN_other_processes``...).
 
@@ -206,7 +162,7 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
 
     @property
     def cost(self) -> dict[str, float]:
-        """What monitoring cost in the last fit (see :attr:`smiquery.monitor.RunMonitor.cost`)."""
+        """What monitoring cost in the last fit (see :attr:`smiquery.training.monitor.RunMonitor.cost`)."""
         return self.monitor.cost
 
     @property

@@ -1,0 +1,249 @@
+"""The framework's own view of its GPU memory (TensorFlow, PyTorch) beside the driver's ``memory.used``.
+
+Read at each epoch's end: the per-GPU keys (``gpuN_mem_framework_mib``...), the gap to the driver's figure, and the
+warning when that gap keeps growing. TensorFlow and torch are imported only when their view is read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from smiquery.training.epochs import number
+
+if TYPE_CHECKING:
+    from smiquery.records import GpuSample
+
+__all__ = [
+    "FrameworkMemory",
+    "GapWatch",
+    "MemoryView",
+    "TensorFlowMemory",
+    "TorchMemory",
+    "framework_values",
+    "gap_note",
+    "torch_memory",
+]
+
+# the gap between driver-used and framework memory must grow this much (MiB) over _GAP_EPOCHS epochs in a row
+_GAP_GROWTH_MIB = 256.0
+_GAP_EPOCHS = 3
+_MIB = 2.0**20
+
+
+@dataclass(frozen=True)
+class MemoryView:
+    """What a framework says about its memory on one CUDA device, in bytes (None where it does not say).
+
+    Attributes:
+        ordinal: the CUDA device ordinal (``cuda:k``, TensorFlow's ``GPU:k``).
+        current: bytes held by live tensors.
+        peak: the most ``current`` has been.
+        reserved: bytes held by the framework's caching allocator (tensors plus its free pool).
+    """
+
+    ordinal: int
+    current: float | None
+    peak: float | None = None
+    reserved: float | None = None
+
+
+class FrameworkMemory(Protocol):
+    """A framework's view of its GPU memory (TensorFlow, PyTorch), read at each epoch's end."""
+
+    name: str
+
+    def available(self) -> str | None:
+        """None when the view can be read; otherwise why not, in one line."""
+        ...
+
+    def read(self) -> list[MemoryView]:
+        """The view of every device the framework uses."""
+        ...
+
+
+def gap_note(idx: int, framework: str, view: MemoryView, history: Sequence[float]) -> str:
+    """The warning for a gap between the driver's and the framework's figure that grew for several epochs.
+
+    Worded by what is known: with the allocator's reserved figure the gap is memory outside the framework's pool
+    (another process, a leaked context, a library allocating on its own); with only the peak the framework's own
+    pool may be part of it.
+
+    Args:
+        idx: the nvidia-smi index.
+        framework: ``"TensorFlow"``, ``"PyTorch"``...
+        view: the newest view.
+        history: the gaps (MiB) of the last epochs, oldest first.
+    """
+    grew = history[-1] - history[0]
+    if view.reserved is not None:
+        what = (
+            f"the memory the driver reports used on GPU {idx} exceeds what {framework}'s allocator reserves by "
+            f"{history[-1]:.0f} MiB, and the difference grew for {len(history) - 1} epochs in a row (+{grew:.0f} MiB). "
+            f"That memory is outside {framework}'s pool: another process, a leaked CUDA context or a library "
+            "allocating on its own; check `smiquery ps`"
+        )
+    else:
+        basis = "peak allocation" if view.peak else "allocation"
+        what = (
+            f"the memory the driver reports used on GPU {idx} exceeds {framework}'s {basis} by {history[-1]:.0f} MiB, "
+            f"and the difference grew for {len(history) - 1} epochs in a row (+{grew:.0f} MiB). {framework} does not "
+            "report its allocator's reserved pool, so part of this may be its own pool growing; the rest is another "
+            "process, a leaked context or a library allocating on its own; check `smiquery ps`"
+        )
+    return what
+
+
+# -------------------------------------------------------------------------------------------- records
+
+
+class GapWatch:
+    """Each GPU's driver-vs-framework gap over the last epochs, to tell when it grew several epochs in a row."""
+
+    def __init__(self) -> None:
+        self._gaps: dict[int, deque[float]] = {}
+
+    def grew(self, idx: int, gap: float) -> list[float] | None:
+        """Add this epoch's gap (MiB; NaN ignored); the history, oldest first, when it grew every epoch and enough.
+
+        Args:
+            idx: the nvidia-smi index.
+            gap: the gap this epoch, MiB.
+        """
+        if math.isnan(gap):
+            return None
+        history = self._gaps.setdefault(idx, deque(maxlen=_GAP_EPOCHS + 1))
+        history.append(gap)
+        if len(history) <= _GAP_EPOCHS:
+            return None
+        steps = [b - a for a, b in zip(history, list(history)[1:])]
+        if all(d > 0 for d in steps) and history[-1] - history[0] >= _GAP_GROWTH_MIB:
+            return list(history)
+        return None
+
+
+def framework_values(
+    views: Sequence[MemoryView],
+    latest: Mapping[int, GpuSample],
+    nvsmi_index: Callable[[int], int | None],
+) -> tuple[dict[str, float], dict[int, tuple[MemoryView, float]]]:
+    """The epoch's framework-memory keys of the watched GPUs, and per GPU its view with the gap (MiB, maybe NaN).
+
+    Args:
+        views: what the framework said, per CUDA ordinal.
+        latest: the newest sample per nvidia-smi index (its ``memory.used`` is the driver's figure).
+        nvsmi_index: the nvidia-smi index of a CUDA ordinal, None for a GPU that is not watched.
+    """
+    out: dict[str, float] = {}
+    per_gpu: dict[int, tuple[MemoryView, float]] = {}
+    for view in views:
+        idx = nvsmi_index(view.ordinal)
+        if idx is None:
+            continue
+        if view.current is not None:
+            out[f"gpu{idx}_mem_framework_mib"] = view.current / _MIB
+        if view.peak is not None:
+            out[f"gpu{idx}_mem_framework_peak_mib"] = view.peak / _MIB
+        if view.reserved is not None:
+            out[f"gpu{idx}_mem_framework_reserved_mib"] = view.reserved / _MIB
+        s = latest.get(idx)
+        used = number(s.get("memory.used")) if s is not None else None
+        mine = max((x for x in (view.current, view.peak, view.reserved) if x is not None), default=None)
+        gap = math.nan if used is None or mine is None else used - mine / _MIB
+        out[f"gpu{idx}_mem_gap_mib"] = gap
+        per_gpu[idx] = (view, gap)
+    return out, per_gpu
+
+
+class TorchMemory:
+    """PyTorch's view of its GPU memory: allocated (current), peak and reserved (its caching allocator's pool)."""
+
+    name = "PyTorch"
+
+    def available(self) -> str | None:
+        """None when ``torch.cuda`` can be asked; else why not."""
+        try:
+            import torch
+        except Exception as exc:
+            return f"cannot import torch ({exc}): the driver-vs-framework memory gap is not reported"
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if not torch.version.cuda else "unable to use CUDA here"
+            return (
+                f"PyTorch is {build} while nvidia-smi sees GPUs: training runs on the CPU and the "
+                "driver-vs-framework memory gap is not reported"
+            )
+        return None
+
+    def read(self) -> list[MemoryView]:
+        """Every CUDA device PyTorch sees."""
+        import torch
+
+        return [
+            MemoryView(
+                k,
+                float(torch.cuda.memory_allocated(k)),
+                float(torch.cuda.max_memory_allocated(k)),
+                float(torch.cuda.memory_reserved(k)),
+            )
+            for k in range(torch.cuda.device_count())
+        ]
+
+
+def torch_memory() -> FrameworkMemory:
+    """PyTorch's memory view, for ``framework=`` of :func:`watch` (torch is imported only when it is read)."""
+    return TorchMemory()
+
+
+class TensorFlowMemory:
+    """TensorFlow's view of its GPU memory (``tf.config.experimental.get_memory_info``: current and peak).
+
+    TensorFlow does not report its allocator's reserved pool, so a gap to the driver's figure may be partly its own.
+    """
+
+    name = "TensorFlow"
+
+    def available(self) -> str | None:
+        """None when TensorFlow can report memory for its GPUs; else why not (a CPU-only build is named)."""
+        try:
+            import keras
+        except Exception as exc:
+            return f"cannot import keras ({exc}): the driver-vs-framework memory gap is not reported"
+        backend = keras.backend.backend()
+        if backend != "tensorflow":
+            return (
+                f"the Keras backend is {backend}: the framework's memory view is read only with TensorFlow; "
+                "the driver-vs-framework memory gap is not reported"
+            )
+        try:
+            import tensorflow as tf
+
+            gpus = tf.config.list_physical_devices("GPU")
+            cuda = bool(tf.test.is_built_with_cuda())
+        except Exception as exc:
+            return f"cannot ask TensorFlow for its GPUs ({exc}): the memory gap is not reported"
+        if gpus:
+            return None
+        if not cuda:
+            return (
+                "TensorFlow is a CPU-only build (tf.test.is_built_with_cuda() is False) while nvidia-smi sees GPUs: "
+                "this training runs on the CPU (install the CUDA build, e.g. tensorflow[and-cuda]); "
+                "the driver-vs-framework memory gap is not reported"
+            )
+        return (
+            "TensorFlow sees no GPU although nvidia-smi does (CUDA_VISIBLE_DEVICES, or CUDA libraries that do not "
+            "match the driver; see TensorFlow's start-up log): the driver-vs-framework memory gap is not reported"
+        )
+
+    def read(self) -> list[MemoryView]:
+        """Current and peak bytes of each GPU TensorFlow sees."""
+        import tensorflow as tf
+
+        out: list[MemoryView] = []
+        for k in range(len(tf.config.list_physical_devices("GPU"))):
+            info = tf.config.experimental.get_memory_info(f"GPU:{k}")
+            peak = info.get("peak")
+            out.append(MemoryView(k, float(info.get("current", 0)), float(peak) if peak else None, None))
+        return out

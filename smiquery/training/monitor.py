@@ -1,0 +1,842 @@
+"""The framework-neutral training run monitor: one nvidia-smi beside a training loop, summarised per epoch.
+
+:class:`RunMonitor` owns the stream, the alerts stamped with the training position, the recording and the energy
+figures; it hands the per-epoch sums to :mod:`~smiquery.training.epochs`, the framework's memory view to
+:mod:`~smiquery.training.memory`, the process share (one ``nvidia-smi pmon``) to :mod:`~smiquery.training.share` and
+the job's Prometheus metrics to :mod:`~smiquery.training.metrics`. :func:`smiquery.training.watch.watch` is its
+plain-loop front door; the Keras and Lightning callbacks only translate their hooks into
+:meth:`RunMonitor.begin_epoch`, :meth:`RunMonitor.step` and :meth:`RunMonitor.end_epoch`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import re
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from smiquery._log import get_logger
+from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
+from smiquery.clock import elapsed
+from smiquery.fields import Field, resolve_fields
+from smiquery.training.devices import VisibleDevices, visible_devices
+from smiquery.training.epochs import BATCH, SUMMARY_FIELDS, EpochAccumulator, number, summary_spec, throughput_values
+from smiquery.training.events import TRAINING_RULES, HandlerWorker, Position, TrainingAlert
+from smiquery.training.memory import FrameworkMemory, GapWatch, MemoryView, framework_values, gap_note
+from smiquery.training.metrics import JobMetrics, Totals
+from smiquery.training.share import ShareTracker
+
+if TYPE_CHECKING:
+    from smiquery.pmon import ProcessShare
+    from smiquery.recordings import SampleWriter
+    from smiquery.records import GpuSample
+    from smiquery.source import SampleSource, StreamEvent, Sweep
+
+__all__ = ["RunMonitor"]
+
+log = get_logger("smiquery.training.monitor")
+
+_REJECTED_RE = re.compile(r"""Field\s+["']([^"']+)["']\s+is not a valid field""", re.IGNORECASE)
+
+
+SourceFactory = Callable[..., "SampleSource"]
+
+
+def _open_stream(
+    fields: Sequence[str],
+    *,
+    interval: float,
+    gpus: Sequence[str] | None,
+    nvidia_smi: str | os.PathLike[str] | None,
+    on_event: Callable[[StreamEvent], None],
+) -> SampleSource:
+    """A live stream, listened to through ``subscribe()`` where the source has it, else ``on_event=``."""
+    from smiquery.supervisor import Stream, stream
+
+    if hasattr(Stream, "subscribe"):
+        source: Any = stream(list(fields), interval=interval, gpus=gpus, nvidia_smi=nvidia_smi)
+        source.subscribe(on_event)
+        return cast("SampleSource", source)
+    old: Any = stream(list(fields), interval=interval, gpus=gpus, nvidia_smi=nvidia_smi, on_event=on_event)
+    return cast("SampleSource", old)
+
+
+class RunMonitor:
+    """Watches the GPUs while a training run goes on, whatever the framework.
+
+    It starts ONE nvidia-smi in loop mode (:meth:`start`) and a reading thread that stamps every sweep with the
+    training position at the moment it arrived, sums it into that epoch's accumulator (constant memory), appends
+    it to the recording and checks it against the alert rules. Alert handlers run on a separate worker thread
+    behind a bounded queue, so a slow webhook delays nothing. The training thread only moves the position
+    (:meth:`step`, :meth:`begin_epoch`) and collects each epoch's numbers (:meth:`end_epoch`, which never waits
+    on nvidia-smi except, once, for the first sample).
+
+    Epoch numbers, for each watched GPU ``N`` (nvidia-smi's index): ``gpuN_util_mean``, ``gpuN_util_max``,
+    ``gpuN_temp_max``, ``gpuN_mem_used_max_mib``, ``gpuN_power_mean_w``, ``gpuN_energy_wh``, the mean/max (or share
+    true) of each extra field, and with a framework memory view ``gpuN_mem_framework_mib`` (live tensors),
+    ``gpuN_mem_framework_peak_mib``, ``gpuN_mem_framework_reserved_mib`` (where the framework says) and
+    ``gpuN_mem_gap_mib`` (driver-used minus the framework's largest figure). Job keys: ``energy_wh``,
+    ``steps_per_joule``, ``samples_per_joule`` (when samples are counted), ``data_wait_s`` and
+    ``data_wait_frac`` (time between steps, when steps are reported), and ``gpu_late_sweeps`` when sweeps that
+    arrived after their epoch was summarised were folded in (see :attr:`epochs` for the corrected figures).
+    With ``process_share=True``, per watched GPU also ``gpuN_share`` (the run's part of the SM use, 0..1) and
+    ``gpuN_other_processes`` (other processes seen on it during the epoch); see ``process_share`` below.
+
+    Use :func:`smiquery.training.watch.watch` in a plain loop; the Keras and Lightning callbacks wrap it.
+
+    Args:
+        fields: extra fields to summarise per epoch (names or a comma list), beyond the built-in summary.
+        interval: seconds between samples.
+        alerts: rules or ``--alert`` expressions; None for :data:`~smiquery.training.events.TRAINING_RULES`, ``()``
+            for none. A rule whose field this driver rejects is dropped with one warning; the rest of the query goes
+            on.
+        handlers: where alert events go (default: a :class:`~smiquery.alerts.LogHandler`).
+        log_every: ``"epoch"``, or ``"batch"`` to offer the newest sample per step (:meth:`batch_values`).
+        nvidia_smi: path of nvidia-smi (default: ``$SMIQUERY_NVIDIA_SMI``, PATH, the usual places).
+        gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
+        record: write every sample of the watched GPUs to this file (``.csv``, ``.jsonl``, ``.parquet``) from the
+            same nvidia-smi; ``smiquery report`` and ``smiquery plot`` read it.
+        metrics_port: serve the job's metrics (steps, samples, data wait, epoch, energy, framework memory) for
+            Prometheus on this port (``pip install 'smiquery[export]'``).
+        metrics_addr: the address to bind for ``metrics_port``.
+        pushgateway: push the same metrics to this Pushgateway URL every ``push_interval`` seconds and at the end.
+        push_interval: seconds between pushes.
+        job: the ``job`` label of pushed metrics.
+        framework: the framework's memory view, read at each epoch's end.
+        first_sample_timeout: at the first epoch's end, seconds to wait for nvidia-smi's first sample when none
+            has come yet (so that the log keys are known); later epoch ends never wait.
+        source: a function ``(fields, interval=, gpus=, nvidia_smi=, on_event=)`` returning a
+            :class:`~smiquery.source.SampleSource`; default a live :func:`smiquery.stream`.
+        env: the environment whose ``CUDA_VISIBLE_DEVICES`` is read (default ``os.environ``).
+        process_share: also run one ``nvidia-smi pmon`` (a second child, started and reaped with the monitor) and report
+            how much of each GPU's SM use is the run's own (this process and its descendants, see
+            :func:`~smiquery.training.share.own_pids`) against other processes: ``gpuN_share`` = own SM % / all
+            processes' SM %, NaN when no process reported SM use or no pmon sample came in the epoch;
+            ``gpuN_other_processes`` = distinct other pids seen on the GPU in the epoch. Another process on a watched
+            GPU is said once per GPU (:attr:`notes`); the job's metrics gain ``smiquery_training_gpu_process_share`` and
+            ``smiquery_training_gpu_other_processes``. Off by default (one more child per run, pmon's 1 s minimum
+            interval and four-GPU limit). Where pmon is not supported (older GeForce drivers) it is turned off with one
+            note and the keys stay NaN; a failing or hung pmon never delays a training step.
+
+    Raises:
+        ValueError: ``log_every`` or ``interval`` is invalid.
+        InvalidFieldError: a field name is unknown.
+        InvalidRuleError: an alert expression cannot be parsed.
+    """
+
+    def __init__(
+        self,
+        fields: str | Sequence[str] | None = None,
+        interval: float = 1.0,
+        alerts: Iterable[Rule | str] | None = None,
+        handlers: Sequence[AlertHandler | Callable[[AlertEvent, Mapping[str, Any]], object]] | None = None,
+        log_every: Literal["epoch", "batch"] = "epoch",
+        *,
+        nvidia_smi: str | os.PathLike[str] | None = None,
+        gpus: Sequence[int | str] | None = None,
+        record: str | os.PathLike[str] | None = None,
+        metrics_port: int | None = None,
+        metrics_addr: str = "0.0.0.0",
+        pushgateway: str | None = None,
+        push_interval: float = 15.0,
+        job: str = "training",
+        framework: FrameworkMemory | None = None,
+        first_sample_timeout: float = 5.0,
+        source: SourceFactory | None = None,
+        env: Mapping[str, str] | None = None,
+        process_share: bool = False,
+    ) -> None:
+        if log_every not in ("epoch", "batch"):
+            raise ValueError(f"log_every must be 'epoch' or 'batch', not {log_every!r}")
+        if not interval > 0:
+            raise ValueError("interval must be positive")
+        if metrics_port is not None and not 0 <= metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be 0-65535, not {metrics_port}")
+        if pushgateway is not None and not pushgateway.lower().startswith(("http://", "https://")):
+            raise ValueError("pushgateway must be an http:// or https:// URL")
+        self.interval = float(interval)
+        self.log_every = log_every
+        self.rules: tuple[Rule, ...] = tuple(
+            r if isinstance(r, Rule) else Rule.parse(r) for r in (TRAINING_RULES if alerts is None else alerts)
+        )
+        self.handlers = tuple(handlers) if handlers is not None else (LogHandler(),)
+        self.extra_fields: tuple[Field, ...] = resolve_fields(fields) if fields else ()
+        self.nvidia_smi = nvidia_smi
+        self.gpus_override = tuple(str(g) for g in gpus) if gpus is not None else None
+        self.record = record
+        self.metrics_port = metrics_port
+        self.metrics_addr = metrics_addr
+        self.pushgateway = pushgateway
+        self.push_interval = float(push_interval)
+        self.job = job
+        self.framework = framework
+        self.first_sample_timeout = first_sample_timeout
+        self._source_factory: SourceFactory = source or _open_stream
+        self._env = env
+        self.process_share = bool(process_share)
+        self.host = socket.gethostname()
+        #: the alerts of the current (or last) run, with their training position
+        self.alerts: list[TrainingAlert] = []
+        #: per epoch, the numbers added to the logs (corrected when late sweeps arrive)
+        self.epochs: list[dict[str, float]] = []
+        #: messages said once (monitoring unavailable, rules dropped, framework view missing, growing gap)
+        self.notes: list[str] = []
+        #: rules dropped because this driver lacks their field
+        self.dropped_rules: list[Rule] = []
+        #: counters of the run (steps, samples, data wait, energy): what the metrics report
+        self.totals = Totals()
+        #: wall time of the run's phases: ``first_data`` (start to first sample, s), ``epoch_end_max`` (longest
+        #: :meth:`end_epoch` on the training thread, s), ``reader_cpu`` and ``worker_cpu`` (thread CPU time, s)
+        self.cost: dict[str, float] = {}
+        #: optional function returning extra alert context (the learning rate), called on the reading thread
+        self.context_extra: Callable[[], Mapping[str, Any]] | None = None
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
+        self._closing = threading.Lock()
+        self._summary = summary_spec(self.extra_fields)
+        self._reset()
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def _reset(self) -> None:
+        self.alerts = []
+        self.epochs = []
+        self.totals = Totals()
+        self.cost = {
+            "first_data": math.nan,
+            "start": 0.0,
+            "close": 0.0,
+            "epoch_end_max": 0.0,
+            "reader_cpu": 0.0,
+            "worker_cpu": 0.0,
+            "pmon_cpu": 0.0,
+        }
+        #: wall time of each :meth:`end_epoch` on the training thread, seconds
+        self.epoch_end_seconds: list[float] = []
+        self._pos = Position(None, None, 0, "setup")
+        self._accs: dict[int | None, EpochAccumulator] = {}
+        self._done_epochs: dict[int, EpochAccumulator] = {}
+        self._latest: dict[int, GpuSample] = {}
+        self._last_t: dict[int, float] = {}
+        #: per GPU, the time its previous sample stands at for energy: nvidia-smi's timestamp, else arrival
+        self._last_stamp: dict[int, datetime | float] = {}
+        self._batch_values: dict[str, float] = {}
+        self._order: list[int] | None = None
+        self._first = threading.Event()
+        self._stop = threading.Event()
+        self._source: SampleSource | None = None
+        self._reader: threading.Thread | None = None
+        self._worker: HandlerWorker | None = None
+        self._notifier: Notifier | None = None
+        self._recorder: SampleWriter | None = None
+        self._metrics: JobMetrics | None = None
+        self._devices = VisibleDevices(None)
+        self._cuda = VisibleDevices(None)
+        self._started_at = 0.0
+        self._epoch_start = 0.0
+        self._epoch_step0 = 0
+        self._epoch_samples0 = 0
+        self._epoch_wait0 = 0.0
+        self._step_end: float | None = None
+        self._waits = False
+        self._counts_samples = False
+        self._gaps = GapWatch()
+        self._rejected: BaseException | None = None
+        self._fields: list[str] = []
+        self._share = ShareTracker(self.say, lambda: self._pos.epoch, self._watched_gpu) if self.process_share else None
+
+    def say(self, message: str, level: int = logging.WARNING, *, key: str | None = None) -> None:
+        """Log a message once per monitor (by its text, or by ``key``), so that a long run is not flooded.
+
+        Args:
+            message: the text.
+            level: the logging level.
+            key: what makes two messages the same (default the text).
+        """
+        key = key or message
+        if key in self._said:
+            return
+        self._said.add(key)
+        self.notes.append(message)
+        log.log(level, "smiquery: %s", message)
+
+    @property
+    def position(self) -> Position:
+        """Where training is now, as the adapter last said."""
+        return self._pos
+
+    @property
+    def running(self) -> bool:
+        """True while the nvidia-smi stream is being read."""
+        return self._reader is not None and self._reader.is_alive()
+
+    @property
+    def source(self) -> SampleSource | None:
+        """The sample source being read, if any."""
+        return self._source
+
+    def latest(self) -> dict[int, GpuSample]:
+        """The newest sample of each watched GPU (by nvidia-smi index)."""
+        with self._lock:
+            return dict(self._latest)
+
+    def process_shares(self) -> dict[int, ProcessShare]:
+        """The newest pmon instant's share per watched GPU (empty without ``process_share`` or before the first)."""
+        return self._share.latest() if self._share is not None else {}
+
+    @property
+    def metrics_bound_port(self) -> int | None:
+        """The port the metrics are served on (useful with ``metrics_port=0``), or None."""
+        metrics = self._metrics
+        return metrics.port if metrics is not None else None
+
+    # ------------------------------------------------------------------------------------------ start
+
+    def start(self) -> RunMonitor:
+        """Start monitoring a run: the stream, its reading thread, the handler worker, recording and metrics.
+
+        Starting again closes the previous run first. Failures are said once and never raised: training goes on
+        without GPU numbers.
+
+        Returns:
+            self.
+        """
+        self.close()
+        self._reset()
+        self._started_at = self._epoch_start = time.monotonic()
+        try:
+            return self._start()
+        finally:
+            self.cost["start"] = time.monotonic() - self._started_at
+
+    def _start(self) -> RunMonitor:
+        self._notifier = Notifier(self.rules, self.handlers) if self.rules else None
+        self._cuda = visible_devices(self._env)
+        if self.gpus_override is not None:
+            self._devices = VisibleDevices(self.gpus_override)
+        else:
+            self._devices = self._cuda
+            if self._devices.note:
+                self.say(self._devices.note)
+        if self._devices.none:
+            self.say("CUDA_VISIBLE_DEVICES hides every GPU: GPU monitoring is off")
+            return self
+        names = ["index", "uuid", "timestamp", *SUMMARY_FIELDS]
+        names += [f.name for f in self.extra_fields]
+        names += [f.name for r in self.rules for f in r.fields]
+        self._fields = list(dict.fromkeys(names))
+        try:
+            self._source = self._open()
+        except Exception as exc:  # monitoring must never stop training
+            self.say(f"GPU monitoring is off: {exc}")
+            self._source = None
+            return self
+        self._start_outputs()
+        self._worker = HandlerWorker(lambda: self._notifier)
+        self._reader = threading.Thread(target=self._read, name="smiquery-monitor-reader", daemon=True)
+        self._reader.start()
+        _OPEN.add(self)
+        if self._share is not None:
+            self._share.start(interval=self.interval, gpus=self._devices.stream_gpus(), nvidia_smi=self.nvidia_smi)
+        return self
+
+    def _open(self) -> SampleSource:
+        return self._source_factory(
+            self._fields,
+            interval=self.interval,
+            gpus=self._devices.stream_gpus(),
+            nvidia_smi=self.nvidia_smi,
+            on_event=self._on_source_event,
+        )
+
+    def _start_outputs(self) -> None:
+        if self.record is not None:
+            try:
+                from smiquery.recordings import open_recorder
+
+                self._recorder = open_recorder(self.record, resolve_fields(self._fields))
+            except Exception as exc:
+                self.say(f"cannot record to {os.fspath(self.record)!r} ({exc}): the run is not recorded")
+        if self.metrics_port is not None or self.pushgateway is not None:
+            try:
+                self._metrics = JobMetrics(self)
+            except Exception as exc:
+                self.say(f"the training metrics are off: {exc}")
+
+    def _on_source_event(self, event: StreamEvent) -> None:
+        err = event.error
+        if event.kind == "error" and err is not None and self._is_rejection(err):
+            self._rejected = err
+            source = self._source
+            if source is not None:
+                # not from this thread: the source may be calling us from its own reading thread
+                threading.Thread(target=source.close, args=(2.0,), name="smiquery-monitor-reopen", daemon=True).start()
+        elif event.kind == "error" and err is not None:
+            self.say(
+                f"nvidia-smi failed ({type(err).__name__}: {event.detail or err}); it is retried, and the GPU "
+                "numbers have a gap until it recovers",
+                key=f"error-{type(err).__name__}",
+            )
+        elif event.kind == "restart":
+            self.say(f"nvidia-smi is being restarted ({event.detail}); GPU numbers may have gaps", key="restart")
+
+    @staticmethod
+    def _is_rejection(exc: BaseException) -> bool:
+        from smiquery.errors import InvalidArgumentError, InvalidFieldError
+
+        return isinstance(exc, (InvalidArgumentError, InvalidFieldError))
+
+    def _drop_rejected(self, exc: BaseException) -> bool:
+        """Drop the rules (and extra fields) the driver rejected; True when the query changed and can be retried."""
+        text = f"{exc} {getattr(exc, 'stderr', '') or ''}"
+        m = _REJECTED_RE.search(text)
+        named = getattr(exc, "field", None) or (m.group(1) if m else None)
+        needed = {"index", "uuid", "timestamp", *SUMMARY_FIELDS}
+        rule_only = {f.name for r in self.rules for f in r.fields} - needed - {f.name for f in self.extra_fields}
+        if named:
+            try:
+                gone = {resolve_fields([named])[0].name}
+            except Exception:
+                gone = {named}
+            if gone <= needed:
+                return False
+        else:
+            gone = rule_only  # nvidia-smi did not say which: keep only what the summary needs
+        keep = [r for r in self.rules if not {f.name for f in r.fields} & gone]
+        dropped = [r for r in self.rules if r not in keep]
+        extras = [f for f in self.extra_fields if f.name not in gone]
+        if not dropped and len(extras) == len(self.extra_fields):
+            return False
+        self.dropped_rules += dropped
+        self.rules = tuple(keep)
+        self.extra_fields = tuple(extras)
+        self._summary = summary_spec(self.extra_fields)
+        self._fields = [n for n in self._fields if n not in gone]
+        what = ", ".join(sorted(gone))
+        self.say(
+            f"this nvidia-smi rejects {what}: dropped {len(dropped)} alert rule(s) "
+            f"({'; '.join(str(r) for r in dropped) or 'none'}) and kept watching the other fields",
+            key=f"rejected-{what}",
+        )
+        self._notifier = Notifier(self.rules, self.handlers) if self.rules else None
+        return True
+
+    # --------------------------------------------------------------------------------------- reading
+
+    def _read(self) -> None:
+        select = self._devices.ids is not None and self._devices.stream_gpus() is None
+        try:
+            while not self._stop.is_set():
+                source = self._source
+                if source is None:
+                    return
+                failure: BaseException | None = None
+                try:
+                    for sweep in source.sweeps():
+                        if self._stop.is_set():
+                            return
+                        self._take(sweep, select)
+                except Exception as exc:
+                    failure = exc
+                rejected = self._rejected or (failure if failure is not None and self._is_rejection(failure) else None)
+                if self._stop.is_set():
+                    return
+                if rejected is not None:
+                    self._rejected = None
+                    try:
+                        source.close(2.0)
+                    except Exception:
+                        log.debug("smiquery: closing the rejected stream failed", exc_info=True)
+                    if self._drop_rejected(rejected):
+                        self._source = self._open()
+                        continue
+                if failure is not None:
+                    self.say(f"GPU monitoring stopped: {failure}")
+                return
+        except Exception as exc:
+            if not self._stop.is_set():
+                self.say(f"GPU monitoring stopped: {exc}")
+        finally:
+            self.cost["reader_cpu"] = time.thread_time()
+
+    def _take(self, sweep: Sweep, select: bool) -> None:
+        """Stamp one sweep with the position now, sum it into that epoch, record it, check the rules."""
+        pos = self._pos
+        now = arrival(sweep)
+        chosen = [s for s in sweep if s.index is not None and (not select or self._devices.selects(s.index, s.uuid))]
+        if not chosen:
+            return
+        recorder = self._recorder
+        if recorder is not None:
+            try:
+                for s in chosen:
+                    recorder.write(s)
+            except Exception as exc:
+                self.say(f"recording stopped: {exc}")
+                self._recorder = None
+        cap = max(3.0 * self.interval, 5.0)
+        batch: dict[str, float] = {}
+        with self._lock:
+            acc = self._accs.get(pos.epoch)
+            if acc is None:
+                acc = self._accs[pos.epoch] = EpochAccumulator(self._summary)
+            acc.sweeps += 1
+            for s in chosen:
+                idx = s.index
+                assert idx is not None
+                # energy integrates over nvidia-smi's own timestamps (two sweeps delivered together are still an
+                # interval apart), the arrival without them; a step back counts 0, a jump one interval
+                ts = s.timestamp if "timestamp" in s else None
+                stamp: datetime | float = ts if ts is not None else now
+                prev = self._last_stamp.get(idx)
+                seconds = None if prev is None else elapsed(prev, stamp)
+                if seconds is not None and seconds > cap:
+                    seconds = self.interval
+                self._last_stamp[idx] = stamp
+                self._last_t[idx] = now
+                acc.add(idx, s, seconds)
+                if seconds is not None:
+                    watts = number(s.get("power.draw"))
+                    if watts is not None:
+                        self.totals.joules[idx] = self.totals.joules.get(idx, 0.0) + watts * seconds
+                self._latest[idx] = s
+                if self.log_every == "batch":
+                    for name, suffix in BATCH:
+                        v = number(s.get(name))
+                        batch[f"gpu{idx}_{suffix}"] = math.nan if v is None else v
+            if batch:
+                self._batch_values = batch
+        if not self._first.is_set():
+            self.cost["first_data"] = now - self._started_at
+            self._first.set()
+        notifier = self._notifier
+        if notifier is None:
+            return
+        for s in chosen:
+            notifier.observe(s)
+            for event in notifier.evaluate(s, now):
+                alert = self._alert(event, pos)
+                self.alerts.append(alert)
+                worker = self._worker
+                if worker is not None and not worker.put(event, alert.context()):
+                    self.say("alert handlers fall behind: events are being dropped", key="events-full")
+
+    def _watched_gpu(self, idx: int) -> bool:
+        """Whether an nvidia-smi GPU seen by pmon is one this run watches."""
+        return self._devices.ids is None or self._devices.selects(idx, self.uuids().get(idx))
+
+    def _alert(self, event: AlertEvent, pos: Position) -> TrainingAlert:
+        lr: float | None = None
+        step: int | None = pos.step
+        extra = self.context_extra
+        if extra is not None:
+            try:
+                got = extra()
+                lr = got.get("learning_rate")
+                step = got.get("step", step)
+            except Exception:  # a half-built or torn-down model: context without these
+                pass
+        return TrainingAlert(event, pos.epoch, pos.batch, step, lr, pos.phase)
+
+    # ------------------------------------------------------------------------------------ training side
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Training enters ``epoch`` (0-based): samples arriving from now on belong to it.
+
+        Args:
+            epoch: the epoch number.
+        """
+        self._epoch_start = time.monotonic()
+        self._epoch_step0 = self.totals.steps
+        self._epoch_samples0 = self.totals.samples
+        self._epoch_wait0 = self.totals.data_wait
+        self.totals.epoch = epoch
+        self._pos = Position(epoch, 0, self._pos.step, "train")
+        # the time up to the first step counts as data wait (the loader's first fetch); the gap since the
+        # previous epoch's last step (validation, checkpoints) does not
+        self._step_end = time.perf_counter()
+
+    def step_begin(self) -> None:
+        """A step starts now: the time since the previous step ended counts as data wait."""
+        ended = self._step_end
+        if ended is not None:
+            self.add_data_wait(time.perf_counter() - ended)
+
+    def add_data_wait(self, seconds: float) -> None:
+        """Count ``seconds`` of waiting for input (a data loader's fetch) as data wait.
+
+        Args:
+            seconds: the time waited.
+        """
+        self.totals.data_wait += seconds
+        self._waits = True
+
+    def step(
+        self,
+        epoch: int | None = None,
+        batch: int | None = None,
+        *,
+        samples: int | None = None,
+        step: int | None = None,
+    ) -> None:
+        """One optimizer step is done.
+
+        Args:
+            epoch: the epoch it belongs to; a new value starts that epoch (the previous one is summarised by the
+                next :meth:`end_epoch`).
+            batch: its number within the epoch (0-based); default the next one.
+            samples: training samples in it (adds to ``samples_per_joule`` and the samples counter).
+            step: the framework's global step count after it, when it keeps one.
+        """
+        pos = self._pos
+        if epoch is not None and epoch != pos.epoch:
+            self.begin_epoch(epoch)
+            pos = self._pos
+        t = self.totals
+        t.steps += 1
+        if samples is not None:
+            t.samples += samples
+            self._counts_samples = True
+        done = (batch + 1) if batch is not None else (pos.batch or 0) + 1
+        self._pos = Position(pos.epoch, done, step if step is not None else pos.step + 1, pos.phase)
+        self._step_end = time.perf_counter()
+
+    def phase(self, phase: str) -> None:
+        """Name what training does now (``"train"``, ``"validation"``); alerts carry it.
+
+        Args:
+            phase: the phase.
+        """
+        pos = self._pos
+        self._pos = Position(pos.epoch, pos.batch, pos.step, phase)
+        if phase != "train":
+            self._step_end = None  # validation time is not data wait
+
+    def batch_values(self) -> dict[str, float]:
+        """The newest sample of each GPU as per-step keys (``gpuN_util``...), prepared by the reading thread."""
+        return self._batch_values
+
+    def end_epoch(self, epoch: int | None = None) -> dict[str, float]:
+        """Summarise the epoch: GPU statistics, energy, throughput per joule, data wait, framework memory.
+
+        Never waits on nvidia-smi, except at the first epoch's end for the first sample (``first_sample_timeout``)
+        when none has come yet.
+
+        Args:
+            epoch: the epoch that ends (default the current one).
+
+        Returns:
+            The epoch's keys (empty when GPU monitoring is off and no GPU was ever seen).
+        """
+        began = time.perf_counter()
+        try:
+            return self._end_epoch(self._pos.epoch if epoch is None else epoch)
+        except Exception:
+            log.exception("smiquery: summarising the epoch's GPU samples failed")
+            return {}
+        finally:
+            spent = time.perf_counter() - began
+            self.epoch_end_seconds.append(spent)
+            self.cost["epoch_end_max"] = max(self.cost.get("epoch_end_max", 0.0), spent)
+
+    def _end_epoch(self, epoch: int | None) -> dict[str, float]:
+        if self._source is None and self._order is None:
+            return {}
+        if self._order is None and not self._first.is_set() and self.running and self.first_sample_timeout > 0:
+            self._first.wait(self.first_sample_timeout)
+        now = time.monotonic()
+        with self._lock:
+            acc = self._accs.pop(epoch, None) or EpochAccumulator(self._summary)
+            setup = self._accs.pop(None, None)
+            if setup is not None and not self.epochs:
+                acc.merge(setup)  # samples before the first epoch began: setup of the first epoch
+            elif setup is not None:
+                self._accs[None] = setup
+            late = {k: self._accs.pop(k) for k in list(self._accs) if k is not None and epoch is not None and k < epoch}
+            latest = dict(self._latest)
+            fresh = now - max(self._last_t.values(), default=-math.inf) <= max(3 * self.interval, 5.0)
+        if self._order is None:
+            order = sorted(set(acc.accs) | set(latest))
+            if not order and self._devices.ids and all(i.isdigit() for i in self._devices.ids):
+                order = sorted(int(i) for i in self._devices.ids)
+            if order:
+                self._order = order
+                if self.epochs or (epoch or 0) > 0:
+                    self.say(
+                        f"nvidia-smi's first sample came {self.cost.get('first_data', math.nan):.1f} s after training "
+                        f"began, after epoch {len(self.epochs) - 1 if self.epochs else 0}: earlier epochs have no "
+                        "GPU numbers in their logs (slow nvidia-smi start; persistence mode shortens it)",
+                        key="late-first",
+                    )
+            else:
+                self.say("nvidia-smi gave no sample before the first epoch ended: no GPU numbers in these logs yet")
+        order = self._order or []
+        values = acc.values(order, latest if fresh else None)
+        late_sweeps = self._fold_late(late, order)
+        if late_sweeps:
+            values["gpu_late_sweeps"] = float(late_sweeps)
+        energy = [v for k, v in values.items() if k.endswith("_energy_wh") and not math.isnan(v)]
+        t = self.totals
+        seconds = now - self._epoch_start
+        steps = t.steps - self._epoch_step0
+        samples = t.samples - self._epoch_samples0 if self._counts_samples else None
+        wait = t.data_wait - self._epoch_wait0 if self._waits else None
+        if order:
+            values.update(throughput_values(sum(energy) if energy else math.nan, steps, samples, seconds, wait))
+            values.update(self._framework_values(latest))
+            if self._share is not None:
+                values.update(self._share.epoch_values(epoch, order, first=not self.epochs))
+        if epoch is not None:
+            self._done_epochs[epoch] = acc
+        self.epochs.append(dict(values))  # a copy: late sweeps correct this record, not the logs handed out
+        return values
+
+    def _fold_late(self, late: Mapping[int, EpochAccumulator], order: Sequence[int]) -> int:
+        """Sweeps stamped with an epoch already summarised: correct :attr:`epochs`, return how many there were."""
+        count = 0
+        for k, extra in late.items():
+            count += extra.sweeps
+            base = self._done_epochs.get(k)
+            if base is None:
+                continue
+            base.merge(extra)
+            if 0 <= k < len(self.epochs):
+                self.epochs[k].update(base.values(order))
+        return count
+
+    # -------------------------------------------------------------------------------------- framework view
+
+    def _framework_values(self, latest: Mapping[int, GpuSample]) -> dict[str, float]:
+        fw = self.framework
+        if fw is None:
+            return {}
+        why = fw.available()
+        if why is not None:
+            self.say(why, logging.WARNING if "CPU" in why else logging.INFO, key="framework-unavailable")
+            self.framework = None
+            return {}
+        try:
+            views = fw.read()
+        except Exception as exc:
+            self.say(f"{fw.name} cannot report its GPU memory ({exc}): the memory gap is not reported", logging.INFO)
+            self.framework = None
+            return {}
+        known = {idx: s.uuid for idx, s in latest.items()}
+        order = self._order
+
+        def nvsmi_index(ordinal: int) -> int | None:
+            idx = self._cuda.nvsmi_index(ordinal, known)
+            return None if idx is None or (order is not None and idx not in order) else idx
+
+        out, per_gpu = framework_values(views, latest, nvsmi_index)
+        for idx, (view, gap) in per_gpu.items():
+            self.totals.memory[idx] = view
+            self.watch_gap(idx, gap, view, fw.name)
+        return out
+
+    def watch_gap(self, idx: int, gap: float, view: MemoryView, framework: str) -> None:
+        """Track one GPU's driver-vs-framework gap; say once when it grew for several epochs in a row.
+
+        Args:
+            idx: the nvidia-smi index.
+            gap: the gap this epoch, MiB (NaN ignored).
+            view: the framework's view this epoch.
+            framework: its name for the message.
+        """
+        history = self._gaps.grew(idx, gap)
+        if history is not None:
+            self.say(gap_note(idx, framework, view, history), key=f"gap-{idx}")
+
+    def uuids(self) -> dict[int, str]:
+        """The UUID of each watched GPU seen so far (nvidia-smi index -> UUID)."""
+        with self._lock:
+            return {idx: s.uuid for idx, s in self._latest.items() if s.uuid}
+
+    # ------------------------------------------------------------------------------------------ close
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop monitoring: nvidia-smi terminated and reaped, threads ended, recording closed, metrics pushed.
+
+        Alert handlers get at most about two seconds to finish (a dead webhook is cut off and counted).
+        Idempotent; safe from any thread.
+
+        Args:
+            timeout: most seconds to wait for the stream to stop.
+        """
+        began = time.monotonic()
+        with self._closing:
+            if (
+                self._source is None
+                and self._reader is None
+                and self._worker is None
+                and self._metrics is None
+                and not (self._share is not None and self._share.open)
+            ):
+                return  # nothing open: keep the last run's cost figures
+            self._close_locked(timeout)
+        self.cost["close"] = time.monotonic() - began
+
+    def _close_locked(self, timeout: float) -> None:
+        self._stop.set()
+        self._pos = Position(self._pos.epoch, self._pos.batch, self._pos.step, "done")
+        source = self._source
+        self._source = None
+        if source is not None:
+            try:
+                source.close(timeout)
+            except Exception:
+                log.exception("smiquery: stopping nvidia-smi failed")
+        share = self._share
+        if share is not None:
+            share.close(timeout)
+            self.cost["pmon_cpu"] = share.cpu
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout)
+        self._reader = None
+        worker = self._worker
+        if worker is not None:
+            worker.close()
+            self.cost["worker_cpu"] = worker.cpu
+        self._worker = None
+        if self._notifier is not None:
+            self._notifier.close(timeout=2.0)
+        recorder = self._recorder
+        self._recorder = None
+        if recorder is not None:
+            try:
+                recorder.close()
+            except Exception:
+                log.exception("smiquery: closing the recording failed")
+        metrics = self._metrics
+        self._metrics = None
+        if metrics is not None:
+            metrics.close()
+        _OPEN.discard(self)
+
+    def __enter__(self) -> RunMonitor:
+        return self.start() if self._source is None and not self.running else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# Monitors whose stream is open; closed at interpreter exit so that no nvidia-smi outlives the process.
+_OPEN: weakref.WeakSet[RunMonitor] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for monitor in list(_OPEN):
+        try:
+            monitor.close(timeout=2.0)
+        except Exception:
+            pass

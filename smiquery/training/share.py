@@ -1,0 +1,347 @@
+"""The run's own share of each GPU: one ``nvidia-smi pmon`` beside the run, its instants summed per epoch.
+
+Which processes are the run's (:func:`own_pids`: this process and its descendants), each pmon instant's split of
+SM use between them and everyone else (:func:`instant_shares`), and :class:`ShareTracker`, which owns the pmon
+child and its reading thread for a :class:`~smiquery.training.monitor.RunMonitor` with ``process_share=True``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from smiquery._log import get_logger
+
+if TYPE_CHECKING:
+    from smiquery.pmon import PmonRow, PmonStream, ProcessShare
+    from smiquery.source import StreamEvent
+
+__all__ = ["ShareTracker", "instant_shares", "own_pids"]
+
+log = get_logger("smiquery.training.share")
+
+
+def _parent_pid(pid: int, root: str) -> int | None:
+    """The parent of ``pid`` from ``ROOT/PID/stat`` (None when it is gone or unreadable)."""
+    try:
+        with open(f"{root}/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'
+    tail = text[text.rfind(b")") + 2 :].split()
+    try:
+        return int(tail[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def own_pids(pids: Iterable[int] | None = None, *, root: str = "/proc") -> frozenset[int]:
+    """The run's own processes: this process and its descendants (data-loader workers, spawned helpers).
+
+    On Linux each candidate's parent chain is read from ``/proc/PID/stat``; where there is no ``/proc``
+    (macOS, Windows) only this process itself counts, so its children's GPU use is counted as someone else's.
+    pids are those of this PID namespace: nvidia-smi inside a container with its own PID namespace may report
+    other numbers, and then the run's processes are not recognised.
+
+    Args:
+        pids: the candidates (e.g. the pids pmon printed); None for every process under ``root``.
+        root: the procfs mount.
+
+    Returns:
+        Those of the candidates (or of all processes) that are this process or descend from it.
+    """
+    me = os.getpid()
+    if not os.path.isdir(root):
+        return frozenset({me} if pids is None or me in set(pids) else ())
+    if pids is None:
+        pids = [int(name) for name in os.listdir(root) if name.isdigit()]
+    known: dict[int, bool] = {me: True, 0: False, 1: me == 1}
+    out = set()
+    for pid in pids:
+        chain: list[int] = []
+        cur: int | None = pid
+        while cur is not None and cur not in known and len(chain) < 4096:
+            chain.append(cur)
+            cur = _parent_pid(cur, root)
+        verdict = known.get(cur, False) if cur is not None else False
+        for p in chain:
+            known[p] = verdict
+        if known.get(pid, False):
+            out.add(pid)
+    return frozenset(out)
+
+
+class _ShareAcc:
+    """One GPU's SM use over an epoch: the run's part, the total, the pmon instants seen, the other pids."""
+
+    __slots__ = ("instants", "mine", "others", "total")
+
+    def __init__(self) -> None:
+        self.mine = 0.0
+        self.total = 0.0
+        self.instants = 0
+        self.others: set[int] = set()
+
+    def add(self, share: ProcessShare) -> None:
+        self.instants += 1
+        if share.mine_sm is not None or share.others_sm is not None:
+            self.mine += share.mine_sm or 0
+            self.total += (share.mine_sm or 0) + (share.others_sm or 0)
+        self.others.update(share.other_pids)
+
+    def merge(self, other: _ShareAcc) -> None:
+        self.instants += other.instants
+        self.mine += other.mine
+        self.total += other.total
+        self.others |= other.others
+
+    def values(self) -> tuple[float, float]:
+        """``(share, other_processes)``: NaN share without SM use, NaN count without any pmon instant."""
+        share = self.mine / self.total if self.total > 0 else math.nan
+        return share, float(len(self.others)) if self.instants else math.nan
+
+
+def instant_shares(rows: Iterable[PmonRow], mine: Iterable[int]) -> dict[int, ProcessShare]:
+    """Per GPU of one pmon instant, the SM use of ``mine`` against every other process.
+
+    Unlike :func:`smiquery.pmon.process_share` every GPU in the instant is reported, also one the run does not
+    use (its share is then 0 when others keep it busy) and an idle one (share None).
+
+    Args:
+        rows: one pmon instant.
+        mine: the run's own pids.
+
+    Returns:
+        GPU index -> share; ``share`` is None when no process reported SM use.
+    """
+    from smiquery.pmon import ProcessShare
+
+    own = set(mine)
+    per: dict[int, tuple[list[int], list[int], dict[int, None]]] = {}
+    for row in rows:
+        if row.gpu is None:
+            continue
+        m, o, pids = per.setdefault(row.gpu, ([], [], {}))
+        if row.pid is None:
+            continue
+        if row.pid in own:
+            if row.sm is not None:
+                m.append(row.sm)
+        else:
+            pids[row.pid] = None
+            if row.sm is not None:
+                o.append(row.sm)
+    out: dict[int, ProcessShare] = {}
+    for gpu, (m, o, pids) in per.items():
+        mine_sm = sum(m) if m else None
+        others_sm = sum(o) if o else None
+        total = (mine_sm or 0) + (others_sm or 0)
+        out[gpu] = ProcessShare(
+            gpu=gpu,
+            mine_sm=mine_sm,
+            others_sm=others_sm,
+            share=(mine_sm or 0) / total if total > 0 else None,
+            mine_fb=None,
+            others_fb=None,
+            other_pids=tuple(pids),
+        )
+    return out
+
+
+def _pmon_unsupported(exc: BaseException) -> bool:
+    """True for pmon's "Not supported on the device(s)" (old GeForce drivers), whatever the exit status."""
+    from smiquery.errors import NotSupportedError, NvidiaSmiFailedError
+
+    if isinstance(exc, NotSupportedError):
+        return True
+    output = getattr(exc, "output", "") if isinstance(exc, NvidiaSmiFailedError) else ""
+    return "not supported on the device" in (output or "").lower()
+
+
+def _open_pmon(
+    *,
+    interval: float,
+    gpus: Sequence[str] | None,
+    nvidia_smi: str | os.PathLike[str] | None,
+    on_event: Callable[[StreamEvent], None],
+) -> PmonStream:
+    """The one ``nvidia-smi pmon`` stream of a monitor with ``process_share`` (SM use only, 1..10 s apart).
+
+    The only place the monitor builds a pmon stream, so that a change in :func:`smiquery.pmon.stream`'s options
+    is adapted here. Failures arrive through ``on_event`` (an unsupported pmon as an ``error`` event).
+    """
+    from smiquery import pmon
+
+    seconds = max(1, min(10, round(interval)))
+    ids = list(gpus)[:4] if gpus else None  # pmon watches four GPUs at most
+    return pmon.stream(gpus=ids, interval=seconds, select="u", nvidia_smi=nvidia_smi, on_event=on_event)
+
+
+class ShareTracker:
+    """One pmon child and its reading thread: each instant summed into the epoch it arrived in.
+
+    Failures are said once through ``say`` and never raised: a failing or hung pmon never delays a training step,
+    and an unsupported one turns the share off (the keys stay NaN).
+
+    Args:
+        say: the monitor's say-once (``say(message, key=...)``).
+        epoch_now: the epoch training is in now (None before the first).
+        watched: whether a GPU (by nvidia-smi index) is one the run watches; None for every GPU.
+    """
+
+    def __init__(
+        self,
+        say: Callable[..., None],
+        epoch_now: Callable[[], int | None],
+        watched: Callable[[int], bool] | None = None,
+    ) -> None:
+        self._say = say
+        self._epoch_now = epoch_now
+        self._watched = watched
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._accs: dict[int | None, dict[int, _ShareAcc]] = {}
+        self._shares: dict[int, ProcessShare] = {}
+        self._pmon: PmonStream | None = None
+        self._reader: threading.Thread | None = None
+        #: True once the share is given up (pmon unsupported or not startable)
+        self.off = False
+        #: CPU seconds of the reading thread, once it ended
+        self.cpu = 0.0
+
+    def start(self, *, interval: float, gpus: Sequence[str] | None, nvidia_smi: str | os.PathLike[str] | None) -> None:
+        """Start pmon and its reading thread; a failure turns the share off with one note."""
+        try:
+            self._pmon = _open_pmon(interval=interval, gpus=gpus, nvidia_smi=nvidia_smi, on_event=self._on_event)
+        except Exception as exc:
+            self.off = True
+            self._say(f"the process share is off: {exc}", key="share-off")
+            return
+        self._reader = threading.Thread(target=self._read, name="smiquery-monitor-pmon", daemon=True)
+        self._reader.start()
+
+    @property
+    def open(self) -> bool:
+        """True while pmon or its reading thread is not closed."""
+        return self._pmon is not None or self._reader is not None
+
+    def latest(self) -> dict[int, ProcessShare]:
+        """The newest pmon instant's share per watched GPU (empty before the first)."""
+        with self._lock:
+            return dict(self._shares)
+
+    def _on_event(self, event: StreamEvent) -> None:
+        err = event.error
+        if event.kind != "error" or err is None or self.off:
+            return
+        if _pmon_unsupported(err):
+            self.off = True
+            self._say(
+                "per-process monitoring (nvidia-smi pmon) is not supported on this GPU or driver: the process share "
+                "is off and gpuN_share / gpuN_other_processes stay NaN",
+                key="share-unsupported",
+            )
+            pmon = self._pmon
+            if pmon is not None:
+                pmon.close()  # ends its retries; the pmon thread then ends
+            return
+        self._say(
+            f"nvidia-smi pmon failed ({type(err).__name__}: {event.detail or err}); it is retried, and the process "
+            "share has a gap until it recovers",
+            key=f"share-error-{type(err).__name__}",
+        )
+
+    def _read(self) -> None:
+        pmon = self._pmon
+        try:
+            if pmon is None:
+                return
+            for instant in pmon.samples():
+                if self._stop.is_set() or self.off:
+                    return
+                self.take(instant)
+        except Exception as exc:
+            if not self._stop.is_set() and not self.off:
+                self._say(f"the process share stopped: {exc}", key="share-stopped")
+        finally:
+            self.cpu = time.thread_time()
+
+    def take(self, rows: Sequence[PmonRow]) -> None:
+        """Sum one pmon instant into the epoch it arrived in; say once per GPU when another process is on it."""
+        epoch = self._epoch_now()
+        shares = instant_shares(rows, own_pids({r.pid for r in rows if r.pid is not None}))
+        watched = self._watched
+        if watched is not None:
+            shares = {g: v for g, v in shares.items() if watched(g)}
+        with self._lock:
+            accs = self._accs.setdefault(epoch, {})
+            for gpu, share in shares.items():
+                acc = accs.get(gpu)
+                if acc is None:
+                    acc = accs[gpu] = _ShareAcc()
+                acc.add(share)
+            self._shares = shares
+        for gpu, share in shares.items():
+            if share.other_pids:
+                self._say_other(gpu, share, rows)
+
+    def _say_other(self, gpu: int, share: ProcessShare, rows: Sequence[PmonRow]) -> None:
+        rows_of = {r.pid: r for r in rows if r.gpu == gpu and r.pid in share.other_pids}
+        first = rows_of.get(share.other_pids[0])
+        who = f"pid {share.other_pids[0]}" + (f" ({first.command})" if first and first.command else "")
+        more = f" and {len(share.other_pids) - 1} more" if len(share.other_pids) > 1 else ""
+        use = "no SM use reported" if share.others_sm is None else f"{share.others_sm}% SM"
+        self._say(
+            f"another process uses GPU {gpu} beside this run: {who}{more}, {use}; gpu{gpu}_share tells this "
+            "run's part of the GPU's SM use (see `smiquery ps`)",
+            key=f"share-other-{gpu}",
+        )
+
+    def epoch_values(self, epoch: int | None, order: Sequence[int], *, first: bool) -> dict[str, float]:
+        """``gpuN_share`` and ``gpuN_other_processes`` of the epoch (pmon instants that arrived during it).
+
+        Args:
+            epoch: the epoch that ends.
+            order: the nvidia-smi indices to report.
+            first: whether it is the run's first summarised epoch (instants before it count towards it).
+        """
+        with self._lock:
+            accs = self._accs.pop(epoch, None) or {}
+            setup = self._accs.pop(None, None)
+            if setup is not None and first:
+                for gpu, extra in setup.items():
+                    accs.setdefault(gpu, _ShareAcc()).merge(extra)
+            for k in [k for k in self._accs if k is not None and epoch is not None and k < epoch]:
+                del self._accs[k]  # instants of epochs already summarised: the share is not corrected
+        return _share_keys(accs, order)
+
+    def close(self, timeout: float) -> None:
+        """Stop pmon (terminated and reaped) and its reading thread."""
+        self._stop.set()
+        pmon = self._pmon
+        self._pmon = None
+        if pmon is not None:
+            try:
+                pmon.close()
+            except Exception:
+                log.exception("smiquery: stopping nvidia-smi pmon failed")
+        reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout)
+        self._reader = None
+
+
+def _share_keys(accs: Mapping[int, _ShareAcc], order: Sequence[int]) -> dict[str, float]:
+    """The share keys of one epoch for the GPUs in ``order``: NaN for a GPU without a pmon instant."""
+    out: dict[str, float] = {}
+    for idx in order:
+        acc = accs.get(idx)
+        share, others = acc.values() if acc is not None else (math.nan, math.nan)
+        out[f"gpu{idx}_share"] = share
+        out[f"gpu{idx}_other_processes"] = others
+    return out

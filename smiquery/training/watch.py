@@ -1,0 +1,137 @@
+"""A hand-written training loop (any framework) under one nvidia-smi: :func:`watch` and its :class:`Watch`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from smiquery._log import get_logger
+from smiquery.training.events import TrainingAlert
+from smiquery.training.monitor import RunMonitor
+
+__all__ = ["Watch", "watch"]
+
+log = get_logger("smiquery.training.watch")
+
+
+class Watch:
+    """A :class:`RunMonitor` for a hand-written loop, as :func:`watch` returns it.
+
+    Attributes:
+        monitor: the underlying monitor (its :attr:`~RunMonitor.epochs`, :attr:`~RunMonitor.alerts`...).
+    """
+
+    def __init__(self, monitor: RunMonitor, on_epoch: Callable[[int, dict[str, float]], object] | None) -> None:
+        self.monitor = monitor
+        self.on_epoch = on_epoch
+        self._epoch: int | None = None
+
+    def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """Yield the items of a data loader, timing each fetch as data wait.
+
+        Args:
+            iterable: the loader (a ``torch.utils.data.DataLoader``, a generator...).
+
+        Yields:
+            Its items.
+        """
+        it = iter(iterable)
+        m = self.monitor
+        while True:
+            began = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            m.add_data_wait(time.perf_counter() - began)
+            yield item
+
+    def step(self, epoch: int | None = None, batch: int | None = None, *, samples: int | None = None) -> None:
+        """One step is done (see :meth:`RunMonitor.step`); a new ``epoch`` summarises the previous one.
+
+        Args:
+            epoch: the epoch it belongs to.
+            batch: its number within the epoch.
+            samples: training samples in it.
+        """
+        if epoch is not None and self._epoch is not None and epoch != self._epoch:
+            self.end_epoch()
+        if epoch is not None and epoch != self._epoch:
+            self._epoch = epoch
+            self.monitor.begin_epoch(epoch)
+        self.monitor.step(None, batch, samples=samples)
+
+    def end_epoch(self) -> dict[str, float]:
+        """Summarise the current epoch now (otherwise done when the next epoch's first step or the end comes).
+
+        Returns:
+            The epoch's keys.
+        """
+        if self._epoch is None:
+            return {}
+        epoch, self._epoch = self._epoch, None
+        values = self.monitor.end_epoch(epoch)
+        if self.on_epoch is not None:
+            try:
+                self.on_epoch(epoch, values)
+            except Exception:
+                log.exception("smiquery: the on_epoch function failed")
+        return values
+
+    @property
+    def epochs(self) -> list[dict[str, float]]:
+        """The epochs summarised so far."""
+        return self.monitor.epochs
+
+    @property
+    def alerts(self) -> list[TrainingAlert]:
+        """The alerts so far, with the training position of each."""
+        return self.monitor.alerts
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self._epoch is not None:
+                self.end_epoch()
+        finally:
+            self.monitor.close()
+
+
+def watch(
+    fields: str | Sequence[str] | None = None,
+    interval: float = 1.0,
+    *,
+    on_epoch: Callable[[int, dict[str, float]], object] | None = None,
+    **options: Any,
+) -> Watch:
+    """Monitor a hand-written training loop (any framework) with one nvidia-smi.
+
+    Example (PyTorch)::
+
+        from smiquery.training.memory import torch_memory
+        from smiquery.training.watch import watch
+
+        with watch(record="run.csv", framework=torch_memory()) as w:
+            for epoch in range(epochs):
+                for i, (x, y) in enumerate(w.batches(loader)):   # fetch time counts as data wait
+                    loss = loss_fn(model(x.cuda()), y.cuda())
+                    opt.zero_grad(); loss.backward(); opt.step()
+                    w.step(epoch=epoch, batch=i, samples=len(x))
+        print(w.epochs[-1]["gpu0_util_mean"], w.epochs[-1]["samples_per_joule"])
+
+    Args:
+        fields: extra fields to summarise per epoch.
+        interval: seconds between samples.
+        on_epoch: called with ``(epoch, values)`` when an epoch is summarised (to log them).
+        **options: any other :class:`RunMonitor` argument (``alerts``, ``handlers``, ``record``, ``metrics_port``,
+            ``pushgateway``, ``framework``, ``nvidia_smi``, ``gpus``, ``process_share``...).
+
+    Returns:
+        A context manager; leaving it summarises the last epoch and reaps nvidia-smi.
+    """
+    monitor = RunMonitor(fields, interval, **options)
+    monitor.start()
+    return Watch(monitor, on_epoch)
