@@ -23,7 +23,7 @@ from typing import Any, Literal
 from smiquery.clock import elapsed
 from smiquery.errors import InvalidFieldError, InvalidRuleError
 from smiquery.fields import Field, Kind, get_field
-from smiquery.records import GpuSample, Value
+from smiquery.sample import GpuSample, Value
 
 __all__ = [
     "BUILTIN_RULES",

@@ -26,7 +26,7 @@ from smiquery.recordings import (
     open_recorder,
     sample_to_json,
 )
-from smiquery.records import GpuSample, Value
+from smiquery.sample import GpuSample, Value
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import Field, Kind, get_field
-from smiquery.records import GpuSample, Value
+from smiquery.sample import GpuSample, Value
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -23,7 +23,7 @@ from smiquery.monitor import MemoryView, RunMonitor, TrainingAlert, VisibleDevic
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, Rule
     from smiquery.notify import AlertHandler
-    from smiquery.records import GpuSample
+    from smiquery.sample import GpuSample
 
 __all__ = ["GpuMonitor", "TensorFlowMemory", "TrainingAlert", "VisibleDevices", "visible_devices"]
 

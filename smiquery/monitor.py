@@ -34,7 +34,7 @@ from smiquery.notify import AlertHandler, LogHandler, Notifier
 if TYPE_CHECKING:
     from smiquery.display import SampleWriter
     from smiquery.pmon import PmonRow, PmonStream, ProcessShare
-    from smiquery.records import GpuSample
+    from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
 
 __all__ = [

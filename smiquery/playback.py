@@ -22,7 +22,7 @@ from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
 from smiquery.oneshot import GpusArg, normalize_gpus
 from smiquery.parsing import CsvParser
 from smiquery.recordings import RecordingFormat, detect_format, resolve_zone
-from smiquery.records import GpuSample, Schema, Value
+from smiquery.sample import GpuSample, Schema, Value
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
 
 __all__ = ["Replay", "ReplayError", "SweepGrouper", "detect_format", "replay", "sample_from_json"]

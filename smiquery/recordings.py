@@ -38,7 +38,7 @@ from smiquery.frames import (
 # same way.
 from smiquery.kinds import missing_reason
 from smiquery.parsing import MESSAGE_PREFIXES, CsvParser, format_row, header_line
-from smiquery.records import GpuSample, Value
+from smiquery.sample import GpuSample, Value
 
 if TYPE_CHECKING:
     import pandas as pd

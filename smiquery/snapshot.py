@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent
-    from smiquery.records import GpuSample
     from smiquery.runner import Runner
+    from smiquery.sample import GpuSample
 
 __all__ = ["SNAPSHOT_FILES", "take_snapshot"]
 

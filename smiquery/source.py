@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from smiquery._log import get_logger
-from smiquery.records import GpuSample
+from smiquery.sample import GpuSample
 
 if TYPE_CHECKING:
     from smiquery.fields import Field

@@ -35,8 +35,8 @@ from smiquery import PRESETS
 from smiquery.cli import app, exit_code_for, main
 from smiquery.parsing import CsvParser
 from smiquery.playback import replay
-from smiquery.records import GpuSample
 from smiquery.runner import Runner, SubprocessRunner
+from smiquery.sample import GpuSample
 from smiquery.testing import FAULTS, InProcessRunner, use_runner
 from tests.conftest import assert_stopped
 

@@ -15,7 +15,7 @@ import pytest
 from smiquery import frames
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, parse_help_query_gpu
 from smiquery.parsing import CsvParser, missing_reason
-from smiquery.records import GpuSample
+from smiquery.sample import GpuSample
 from tests.corpus import require_corpus as _corpus_dir
 
 ROOT = Path(__file__).resolve().parents[1]

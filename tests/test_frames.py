@@ -18,7 +18,7 @@ from smiquery import frames, recordings
 from smiquery.errors import ParseError
 from smiquery.fields import get_field, resolve_fields
 from smiquery.parsing import CsvParser, format_row, header_line, parse_lines
-from smiquery.records import GpuSample, Schema
+from smiquery.sample import GpuSample, Schema
 from tests.corpus import require_corpus as _corpus_dir
 
 ROOT = Path(__file__).resolve().parents[1]

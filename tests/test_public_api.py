@@ -79,7 +79,7 @@ def test_no_public_name_is_also_a_submodule():
             if getattr(package, n, None) is not importlib.import_module(f"{package.__name__}.{n}")
         }
         assert not clashes, f"{package.__name__} exports names of its own submodules: {clashes}"
-    assert {"errors", "fields", "records", "oneshot", "playback"} <= _submodule_names(smiquery)
+    assert {"errors", "fields", "sample", "oneshot", "recordings"} <= _submodule_names(smiquery)
 
 
 def _exception_classes_by_module() -> dict[str, set[str]]:

@@ -22,7 +22,7 @@ from smiquery.frames import missing_reasons
 from smiquery.parsing import CsvParser
 from smiquery.playback import Replay, ReplayError, SweepGrouper, detect_format, replay, sample_from_json
 from smiquery.recordings import CsvWriter, JsonlWriter, ParquetWriter
-from smiquery.records import GpuSample, Schema
+from smiquery.sample import GpuSample, Schema
 from smiquery.supervisor import stream
 from tests.corpus import require_corpus
 

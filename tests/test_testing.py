@@ -26,7 +26,7 @@ from smiquery import errors
 from smiquery.errors import StreamEndedError
 from smiquery.fields import CATALOGUE, PRESETS, get_field, parse_help_query_gpu
 from smiquery.parsing import CsvParser, header_line
-from smiquery.records import GpuSample
+from smiquery.sample import GpuSample
 from smiquery.testing import ENV_VARS, FAULTS, InProcessLines, InProcessRunner, fake_nvidia_smi
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent
     from smiquery.display import LiveTable, SampleWriter
     from smiquery.notify import Notifier
-    from smiquery.records import GpuSample
+    from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
 
 __all__ = ["EventPrinter", "stream", "subscribe"]
