@@ -74,7 +74,7 @@ def load_recording(
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
 ) -> pd.DataFrame:
-    """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`, sorted by GPU.
+    """A recording as a DataFrame with the columns of :func:`smiquery.recordings.frames.to_dataframe`, sorted by GPU.
 
     Files are read by :func:`smiquery.recordings.read_recording` (CSV with or without units or header, JSONL,
     Parquet; unreadable lines skipped and described in ``attrs["skipped"]``; a log without ``index`` is GPU 0).
@@ -102,10 +102,10 @@ def load_recording(
         if "index" not in df.columns:
             df = df.assign(index=pd.Series(np.zeros(len(df), dtype=np.int64), index=df.index, dtype="Int64"))
         if tz is not None and "timestamp" in df.columns:
-            from smiquery.recordings import _set_zone, resolve_zone
+            from smiquery.recordings import resolve_zone, set_zone
 
             df = df.copy(deep=False)
-            _set_zone(df, resolve_zone(tz))
+            set_zone(df, resolve_zone(tz))
     else:
         from smiquery.recordings import read_recording
 

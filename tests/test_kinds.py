@@ -11,9 +11,9 @@ import pytest
 import smiquery
 from smiquery.display import display_value
 from smiquery.fields import CATALOGUE, Field, get_field
-from smiquery.frames import to_dataframe
 from smiquery.kinds import FIELD_KINDS, MISSING_REASONS, UNITS, FieldKind, Kind, unit_info
 from smiquery.parsing import parse_lines
+from smiquery.recordings import to_dataframe
 from smiquery.sample import Value
 
 UTC = timezone.utc

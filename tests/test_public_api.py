@@ -131,11 +131,10 @@ def test_root_exports_the_whole_error_tree():
 
 
 def test_moved_exceptions_are_still_importable_from_their_modules():
-    from smiquery import alerts, oneshot, playback, report
+    from smiquery import alerts, oneshot, report
 
     assert alerts.InvalidRuleError is errors.InvalidRuleError
     assert oneshot.InfoRomWarning is errors.InfoRomWarning
-    assert playback.ReplayError is errors.ReplayError
     assert report.ReportError is errors.ReportError
     code = "import smiquery; from smiquery.exporter import PortInUseError as E; print(E is smiquery.PortInUseError)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -153,11 +152,14 @@ def test_import_does_not_pull_optional_or_heavy_modules():
     assert out == ""
 
 
-def test_lazy_frames_exports():
-    # the recordings module owns reading; frames keeps read_csv importable for older code
-    from smiquery import frames, recordings
+def test_recordings_names_have_one_home():
+    # the recordings package owns reading and writing; frames only converts, playback only paces
+    from smiquery import recordings
+    from smiquery.recordings import frames, playback
 
-    assert smiquery.read_csv.__module__ == "smiquery.recordings"
+    assert smiquery.read_csv.__module__ == "smiquery.recordings.csv"
     assert smiquery.read_csv is recordings.read_csv
-    assert frames.read_csv.__module__ == "smiquery.frames"
-    assert smiquery.to_dataframe.__module__ == "smiquery.frames"
+    assert smiquery.to_dataframe is frames.to_dataframe
+    assert smiquery.replay is playback.replay
+    assert not hasattr(frames, "read_csv")
+    assert playback.__all__ == ["MAX_GAP_SECONDS", "Replay", "replay"]

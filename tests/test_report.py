@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from smiquery.fields import resolve_fields
-from smiquery.playback import replay
-from smiquery.recordings import open_recorder
+from smiquery.recordings import open_recorder, replay
 from smiquery.report import DEFAULT_RULES, Report, ReportError, analyze, format_duration, stalls_and_alerts
 
 DEMO = Path(__file__).parents[1] / "smiquery" / "data" / "demo-8gpu.csv"
@@ -124,7 +123,7 @@ def test_jsonl_and_parquet_recordings_give_the_same_findings(tmp_path, suffix, d
 
 
 def test_dataframe_input(demo):
-    from smiquery.frames import read_csv
+    from smiquery.recordings import read_csv
 
     other = analyze(read_csv(DEMO), name="frame")
     assert other.source == "frame"

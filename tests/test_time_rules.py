@@ -19,8 +19,7 @@ import pytest
 from smiquery.alerts import AlertEvaluator
 from smiquery.clock import Localizer
 from smiquery.parsing import parse_lines
-from smiquery.playback import Replay
-from smiquery.recordings import read_csv, read_recording
+from smiquery.recordings import Replay, read_csv, read_recording
 from smiquery.report import analyze
 from smiquery.source import Sweep
 from tests.test_monitor import deliver, hand_monitor

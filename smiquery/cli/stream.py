@@ -429,7 +429,8 @@ def _stream(
         raise UsageError("--tz goes with --replay: live samples carry this machine's own time zone")
     if replay_path is not None:
         from smiquery.cli.analysis import check_zone
-        from smiquery.playback import Replay, ReplayError
+        from smiquery.errors import ReplayError
+        from smiquery.recordings import Replay
 
         check_zone(tz)
         wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None

@@ -16,13 +16,21 @@ from pathlib import Path
 
 import pytest
 
-from smiquery.errors import InvalidFieldError, InvalidTimeZoneError
+from smiquery.errors import InvalidFieldError, InvalidTimeZoneError, ReplayError
 from smiquery.fields import get_field
-from smiquery.frames import missing_reasons
 from smiquery.parsing import CsvParser
-from smiquery.playback import Replay, ReplayError, SweepGrouper, detect_format, replay, sample_from_json
-from smiquery.recordings import CsvWriter, JsonlWriter, ParquetWriter
+from smiquery.recordings import (
+    CsvWriter,
+    JsonlWriter,
+    ParquetWriter,
+    Replay,
+    detect_format,
+    missing_reasons,
+    replay,
+    sample_from_json,
+)
 from smiquery.sample import GpuSample, Schema
+from smiquery.source import SweepGrouper
 from smiquery.supervisor import stream
 from tests.corpus import require_corpus
 
@@ -150,10 +158,10 @@ def test_long_gaps_are_skipped(tmp_path):
 def _shift(s: GpuSample, hours: float) -> GpuSample:
     from datetime import timedelta
 
-    from smiquery.playback import _with_timestamp
+    from smiquery.recordings.values import with_timestamp
 
     assert s.timestamp is not None
-    return _with_timestamp(s, s.timestamp + timedelta(hours=hours))
+    return with_timestamp(s, s.timestamp + timedelta(hours=hours))
 
 
 def test_loop_keeps_time_moving_forward(tmp_path):
@@ -185,7 +193,7 @@ def test_csv_round_trip_in_nvidia_smi_format(tmp_path):
     assert [dict(s.missing) for s in again] == [dict(s.missing) for s in rows]
     assert len(list(CsvParser().parse(text.splitlines()))) == 16
 
-    from smiquery.frames import read_csv
+    from smiquery.recordings import read_csv
 
     df = read_csv(path)
     assert len(df) == 16 and df["fan_speed"].isna().all()
