@@ -95,7 +95,7 @@ def read_recording(
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
 ) -> pd.DataFrame:
-    """Read any recording into a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`.
+    """Read any recording into a DataFrame with the columns of :func:`~smiquery.recordings.frames.to_dataframe`.
 
     CSV (smiquery's or plain ``nvidia-smi --query-gpu=... --format=csv[,nounits][,noheader] -l 1 > log.csv``),
     JSONL and Parquet as ``smiquery stream --output`` writes them. Unreadable lines (a torn last line, garbage)

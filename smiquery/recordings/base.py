@@ -164,11 +164,9 @@ class LineWriter:
         self.out = out
         self.flush = flush
         self.owns = owns
-        self.rows = 0
 
     def _line(self, text: str) -> None:
         self.out.write(text)
-        self.rows += 1
         if self.flush:
             self.out.flush()
 

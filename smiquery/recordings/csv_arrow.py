@@ -163,13 +163,11 @@ def probe_layout(src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo
 
 
 class _BadCell(Exception):
-    """A cell the parser's converter rejects, at a row position counted over the whole file."""
+    """A cell the parser's converter rejects, at its row position in the block being converted."""
 
     def __init__(self, row: int, cell: str, fld: Field) -> None:
         super().__init__(row, cell, fld.name)
         self.row = row
-        self.cell = cell
-        self.fld = fld
 
 
 # Why cells of one column are missing: (row positions, reason codes, reason words); row positions are local to a
@@ -180,11 +178,10 @@ _Why = tuple[Any, Any, tuple[str, ...]]
 class _Block:
     """One converted block: a pandas-ready part per column, the missing reasons per column, and the rows dropped.
 
-    ``bad`` holds the positions (in the block as read) of rows with a cell that does not fit its field; the first
-    of them (with its cell) is in ``first_bad``.
+    ``bad`` holds the positions (in the block as read) of rows with a cell that does not fit its field.
     """
 
-    __slots__ = ("bad", "first_bad", "parts", "reasons", "rows")
+    __slots__ = ("bad", "parts", "reasons", "rows")
 
     def __init__(self, parts: list[Any], reasons: list[_Why | None], rows: int, bad: list[int]) -> None:
         self.parts = parts

@@ -283,7 +283,7 @@ def make_frame(
 
 
 def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
-    """Put records in a DataFrame, one row per sample and one nullable column per queried field.
+    """Put samples in a DataFrame, one row per sample and one nullable column per queried field.
 
     Columns are named after :attr:`Field.attr` (``memory.used`` -> ``memory_used``) with dtypes from the
     catalogue: ``Int64`` for integers, hex values and bitmasks, ``Float64`` for decimals, ``boolean`` for
@@ -298,7 +298,7 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     order, and a field a sample did not query is ``<NA>`` without a reason.
 
     Args:
-        samples: the records, e.g. from :func:`smiquery.parse_lines` or a stream.
+        samples: the samples, e.g. from :func:`smiquery.parse_lines` or a stream.
 
     Returns:
         The DataFrame; an empty one (no rows, no columns) for no samples.

@@ -47,7 +47,7 @@ def sample_to_json(sample: GpuSample) -> dict[str, object]:
 class JsonlWriter(LineWriter):
     """Writes one JSON object per sample and line: field names as keys, ISO 8601 times, null for missing.
 
-    A ``"_missing"`` object gives the reason of each missing value. :func:`smiquery.playback.replay` reads it back.
+    A ``"_missing"`` object gives the reason of each missing value. :func:`smiquery.replay` reads it back.
 
     Args:
         out: a text stream.

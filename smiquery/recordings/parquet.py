@@ -33,7 +33,8 @@ class ParquetWriter:
     Samples are buffered and the file is rewritten (to a temporary name, then renamed over the target) every
     ``chunk_rows`` samples or ``chunk_seconds`` seconds, and on :meth:`close`. So the file on disk is always a
     complete, readable Parquet file, and a crash (even SIGKILL) loses at most the last unwritten chunk. Columns
-    and ``df.attrs`` are those of :func:`smiquery.frames.to_dataframe`; ``pandas.read_parquet`` restores both.
+    and ``df.attrs`` are those of :func:`~smiquery.recordings.frames.to_dataframe`; ``pandas.read_parquet``
+    restores both.
 
     Args:
         path: the file to write.

@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta, tzinfo
-from typing import IO
 
 from smiquery.errors import ParseError, ReplayError
 from smiquery.fields import Field, resolve_fields
@@ -76,7 +75,6 @@ class Replay(LatestSweep):
         self._lock = threading.Lock()
         self._latest: tuple[Sweep, float] | None = None
         self._gen: Iterator[GpuSample] | None = None
-        self._handles: list[IO[str]] = []
         self.last_error: ParseError | None = None
         #: The first line skipped as unreadable (a torn last line, garbage), with its line number.
         self.first_error: ParseError | None = None
@@ -128,7 +126,6 @@ class Replay(LatestSweep):
             fh = open(self.path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115 - closed below
         except OSError as exc:
             raise ReplayError(f"cannot read recording {self.path}: {exc.strerror or exc}") from exc
-        self._handles.append(fh)
         try:
             if self.format == "jsonl":
                 yield from read_jsonl_samples(fh, self._on_drop, self.tz)
@@ -136,8 +133,6 @@ class Replay(LatestSweep):
                 yield from read_csv_samples(fh, self.path, self._on_drop, self._columns, self.tz)
         finally:
             fh.close()
-            if fh in self._handles:
-                self._handles.remove(fh)
 
     def _peek(self) -> GpuSample | None:
         """The first sample, and the number of GPUs in the first sweep (into :attr:`gpu_count`)."""
