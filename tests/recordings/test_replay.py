@@ -33,6 +33,7 @@ from smiquery.sample import GpuSample, Schema
 from smiquery.source import SweepGrouper
 from smiquery.supervisor import stream
 from tests.corpus import require_corpus
+from tests.helpers import wait_for
 
 DEMO = Path(str(resources.files("smiquery") / "data" / "demo-8gpu.csv"))
 LOOP_LOG = "csv-loop/flame__timestamp-power.draw__lms100-torch-ex.csv"
@@ -137,7 +138,7 @@ def test_real_pacing_is_interruptible_by_close():
     got: list[GpuSample] = []
     th = threading.Thread(target=lambda: got.extend(r))
     th.start()
-    time.sleep(0.3)
+    wait_for(lambda: got, what="the first replayed sample")
     t0 = time.monotonic()
     r.close()
     th.join(5)
@@ -290,7 +291,9 @@ def test_sweep_grouper_matches_stream_rules():
     done = [[s.index for s in sw] for i in [0, 1, 2, 0, 2, 0, 1, 2, 0] for sw in g.feed(_s(i))]
     # first sweep ends when an index repeats; then 3 GPUs make a sweep, or a repeat cuts one short
     assert done == [[0, 1, 2], [0, 2], [0, 1, 2]]
-    assert [s.index for s in g.flush() or ()] == [0]
+    last = g.flush()
+    assert last is not None
+    assert [s.index for s in last] == [0]
     assert g.flush() is None
     one = SweepGrouper(expected=1)
     assert [len(one.feed(_s(0))) for _ in range(3)] == [1, 1, 1]
