@@ -29,7 +29,7 @@ def child_cpu() -> float:
 
 def eight_gpu_sweep() -> Any:
     """One sweep of the bundled 8-GPU demo recording."""
-    from smiquery.playback import replay
+    from smiquery.recordings import replay
 
     with replay(str(Path(__file__).resolve().parent.parent / "smiquery" / "data" / "demo-8gpu.csv")) as r:
         for sweep in r.sweeps():

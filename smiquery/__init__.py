@@ -36,16 +36,16 @@ from smiquery.errors import (
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (and re) at run time
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
-    from smiquery import aio, compat, fields, oneshot, parsing, pmon, records, runner, source, supervisor  # noqa: F401
+    from smiquery import aio, compat, fields, oneshot, parsing, pmon, runner, sample, source, supervisor  # noqa: F401
     from smiquery.details import inspect
     from smiquery.fields import CATALOGUE, PRESETS, Field, Kind, get_field, parse_help_query_gpu, resolve_fields
-    from smiquery.frames import to_dataframe
     from smiquery.oneshot import GpuProcess, get_gpu_status, processes, processes_df, query, query_df
     from smiquery.parsing import CsvParser, parse_lines
-    from smiquery.playback import replay
-    from smiquery.recordings import read_csv
-    from smiquery.records import GpuSample
+    from smiquery.recordings.csv import read_csv
+    from smiquery.recordings.frames import to_dataframe
+    from smiquery.recordings.playback import replay
     from smiquery.retry import RetryPolicy
+    from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, StreamStats, Sweep
     from smiquery.supervisor import Stream, stream
 del TYPE_CHECKING  # not a public name
@@ -65,20 +65,20 @@ _LAZY = {
         ("GpuProcess", "get_gpu_status", "processes", "processes_df", "query", "query_df"), "smiquery.oneshot"
     ),
     **dict.fromkeys(("CsvParser", "parse_lines"), "smiquery.parsing"),
-    "GpuSample": "smiquery.records",
+    "GpuSample": "smiquery.sample",
     "RetryPolicy": "smiquery.retry",
     "inspect": "smiquery.details",
     **dict.fromkeys(("SampleSource", "StreamEvent", "StreamStats", "Sweep"), "smiquery.source"),
     **dict.fromkeys(("Stream", "stream"), "smiquery.supervisor"),
     # these import pandas on first use
-    "read_csv": "smiquery.recordings",
-    "to_dataframe": "smiquery.frames",
-    "replay": "smiquery.playback",
+    "read_csv": "smiquery.recordings.csv",
+    "to_dataframe": "smiquery.recordings.frames",
+    "replay": "smiquery.recordings.playback",
 }
 # Submodules reachable after a plain `import smiquery` (`smiquery.aio.query(...)`, `smiquery.fields.CATALOGUE`),
 # imported on first use: the adoption modules, and those that `import smiquery` used to import eagerly.
 _LAZY_MODULES = frozenset(
-    {"aio", "compat", "pmon", "fields", "oneshot", "parsing", "records", "runner", "source", "supervisor"}
+    {"aio", "compat", "pmon", "fields", "oneshot", "parsing", "runner", "sample", "source", "supervisor"}
 )
 
 

@@ -45,7 +45,7 @@ from smiquery.streams.engine import Engine
 from smiquery.streams.sweeps import CsvRows
 
 if TYPE_CHECKING:
-    from smiquery.records import GpuSample
+    from smiquery.sample import GpuSample
 
 __all__ = ["AsyncStream", "live_children", "query", "stream"]
 

@@ -33,7 +33,7 @@ from smiquery.fields import PRESETS
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from smiquery.records import GpuSample
+    from smiquery.sample import GpuSample
 
 __all__ = ["CHECK_NAMES", "CheckResult", "Status", "driver_fields", "exit_code", "in_container", "run_checks"]
 

@@ -18,7 +18,7 @@ from smiquery.errors import InvalidFieldError
 from smiquery.kinds import Kind
 
 if TYPE_CHECKING:
-    from smiquery.records import Value
+    from smiquery.sample import Value
 
 __all__ = [
     "CATALOGUE",

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta, tzinfo
 from enum import Enum
 from typing import Any, ClassVar, Literal
 
-from smiquery.records import Value
+from smiquery.sample import Value
 
 __all__ = [
     "CONVERT_ERRORS",

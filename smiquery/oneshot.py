@@ -17,8 +17,8 @@ from smiquery._log import get_logger
 from smiquery.errors import InfoRomWarning, InvalidGpuIdError, NvidiaSmiFailedError, ParseError, failure_from_exit
 from smiquery.fields import Field, resolve_fields
 from smiquery.parsing import CsvParser, is_message, missing_reason
-from smiquery.records import GpuSample
 from smiquery.runner import Completed, Runner, default_runner, find_nvidia_smi
+from smiquery.sample import GpuSample
 
 if TYPE_CHECKING:
     import os
@@ -201,7 +201,7 @@ def query_df(
     runner: Runner | None = None,
 ) -> pd.DataFrame:
     """Like :func:`query`, as a pandas DataFrame (nullable dtypes, units in ``df.attrs["units"]``)."""
-    from smiquery.frames import to_dataframe
+    from smiquery.recordings.frames import to_dataframe
 
     return to_dataframe(query(fields, gpus=gpus, nvidia_smi=nvidia_smi, timeout=timeout, runner=runner))
 

@@ -13,7 +13,7 @@ from datetime import tzinfo
 from smiquery.errors import InvalidFieldError, ParseError
 from smiquery.fields import Field, Kind, get_field
 from smiquery.kinds import CONVERT_ERRORS, MISSING_REASONS, missing_reason, strip_unit
-from smiquery.records import GpuSample, Schema, Value
+from smiquery.sample import GpuSample, Schema, Value
 
 __all__ = [
     "MISSING_REASONS",

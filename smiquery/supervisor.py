@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 from smiquery._log import get_logger
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import FieldsArg, GpusArg, build_argv, normalize_gpus
-from smiquery.records import GpuSample
 from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, RetryPolicy
 from smiquery.runner import Runner, default_runner, find_nvidia_smi
+from smiquery.sample import GpuSample
 from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep
 from smiquery.streams.engine import Engine
 from smiquery.streams.sweeps import CsvRows

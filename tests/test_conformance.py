@@ -12,10 +12,10 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from smiquery import frames
+from smiquery import recordings
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, parse_help_query_gpu
 from smiquery.parsing import CsvParser, missing_reason
-from smiquery.records import GpuSample
+from smiquery.sample import GpuSample
 from tests.corpus import require_corpus as _corpus_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ def test_read_csv_gives_the_parsers_values(path: Path | None) -> None:
     _corpus_dir()
     assert path is not None
     parser, samples = _parse(path)
-    df = frames.read_csv(path)
+    df = recordings.read_csv(path)
     assert list(df.columns) == [f.attr for f in parser.fields]
     assert len(df) == len(samples)
     missing: dict[str, dict[int, str]] = {}
@@ -149,7 +149,7 @@ def test_read_csv_gives_the_parsers_values(path: Path | None) -> None:
                 assert got == pd.Timestamp(value.replace(tzinfo=None)), fld.name
             else:
                 assert got == value, (fld.name, got, value)
-    assert frames.missing_reasons(df) == missing
+    assert recordings.missing_reasons(df) == missing
 
 
 def test_headerless_files_use_their_commands_field_list() -> None:

@@ -50,9 +50,9 @@ from smiquery.exporter import (
     serve,
 )
 from smiquery.fields import CATALOGUE, Kind, resolve_fields
-from smiquery.records import GpuSample, Schema
 from smiquery.retry import RetryPolicy
 from smiquery.runner import SubprocessRunner
+from smiquery.sample import GpuSample, Schema
 from smiquery.source import StreamStats, Sweep
 from smiquery.supervisor import stream
 from smiquery.testing import InProcessRunner, use_runner

@@ -11,10 +11,10 @@ import pytest
 import smiquery
 from smiquery.cli.display import display_value
 from smiquery.fields import CATALOGUE, Field, get_field
-from smiquery.frames import to_dataframe
 from smiquery.kinds import FIELD_KINDS, MISSING_REASONS, UNITS, FieldKind, Kind, unit_info
 from smiquery.parsing import parse_lines
-from smiquery.records import Value
+from smiquery.recordings import to_dataframe
+from smiquery.sample import Value
 
 UTC = timezone.utc
 

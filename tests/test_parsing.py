@@ -20,7 +20,7 @@ from smiquery.parsing import (
     missing_reason,
     parse_lines,
 )
-from smiquery.records import GpuSample, Value
+from smiquery.sample import GpuSample, Value
 
 UTC = timezone.utc
 PROPERTY = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -79,7 +79,7 @@ def test_no_public_name_is_also_a_submodule():
             if getattr(package, n, None) is not importlib.import_module(f"{package.__name__}.{n}")
         }
         assert not clashes, f"{package.__name__} exports names of its own submodules: {clashes}"
-    assert {"errors", "fields", "records", "oneshot", "playback"} <= _submodule_names(smiquery)
+    assert {"errors", "fields", "sample", "oneshot", "recordings"} <= _submodule_names(smiquery)
 
 
 def _exception_classes_by_module() -> dict[str, set[str]]:
@@ -133,10 +133,9 @@ def test_root_exports_the_whole_error_tree():
 
 
 def test_moved_exceptions_are_still_importable_from_their_modules():
-    from smiquery import oneshot, playback
+    from smiquery import oneshot
 
     assert oneshot.InfoRomWarning is errors.InfoRomWarning
-    assert playback.ReplayError is errors.ReplayError
     code = "import smiquery; from smiquery.exporter import PortInUseError as E; print(E is smiquery.PortInUseError)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "True"
@@ -153,11 +152,14 @@ def test_import_does_not_pull_optional_or_heavy_modules():
     assert out == ""
 
 
-def test_lazy_frames_exports():
-    # the recordings module owns reading; frames keeps read_csv importable for older code
-    from smiquery import frames, recordings
+def test_recordings_names_have_one_home():
+    # the recordings package owns reading and writing; frames only converts, playback only paces
+    from smiquery import recordings
+    from smiquery.recordings import frames, playback
 
-    assert smiquery.read_csv.__module__ == "smiquery.recordings"
+    assert smiquery.read_csv.__module__ == "smiquery.recordings.csv"
     assert smiquery.read_csv is recordings.read_csv
-    assert frames.read_csv.__module__ == "smiquery.frames"
-    assert smiquery.to_dataframe.__module__ == "smiquery.frames"
+    assert smiquery.to_dataframe is frames.to_dataframe
+    assert smiquery.replay is playback.replay
+    assert not hasattr(frames, "read_csv")
+    assert playback.__all__ == ["MAX_GAP_SECONDS", "Replay", "replay"]

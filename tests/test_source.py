@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from smiquery.playback import replay
+from smiquery.recordings import replay
 from smiquery.source import SampleSource, StreamEvent, Sweep, SweepGrouper
 from smiquery.supervisor import stream
 from smiquery.testing import fake_nvidia_smi

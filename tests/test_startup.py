@@ -99,7 +99,7 @@ def test_smiquery_query_imports_no_typer_and_no_pandas(fake_smi: MakeFake) -> No
     [
         ("CATALOGUE", "fields"),
         ("Field", "fields"),
-        ("GpuSample", "records"),
+        ("GpuSample", "sample"),
         ("Stream", "supervisor"),
         ("stream", "supervisor"),
         ("query", "oneshot"),
@@ -117,7 +117,7 @@ def test_lazy_names_resolve_to_their_modules_objects(name: str, module: str) -> 
 
 
 def test_submodules_resolve_after_a_plain_import() -> None:
-    names = ["fields", "oneshot", "parsing", "records", "runner", "source", "supervisor", "aio", "pmon", "compat"]
+    names = ["fields", "oneshot", "parsing", "sample", "runner", "source", "supervisor", "aio", "pmon", "compat"]
     code = f"import smiquery; print(*(getattr(smiquery, n).__name__ for n in {names!r}))"
     done = _run([sys.executable, "-c", code])
     assert done.returncode == 0, done.stderr[-400:]

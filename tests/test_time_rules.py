@@ -20,8 +20,7 @@ from smiquery.alerts import AlertEvaluator
 from smiquery.analysis import report as analyze
 from smiquery.clock import Localizer
 from smiquery.parsing import parse_lines
-from smiquery.playback import Replay
-from smiquery.recordings import read_csv, read_recording
+from smiquery.recordings import Replay, read_csv, read_recording
 from smiquery.source import Sweep
 from tests.test_monitor import deliver, hand_monitor
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from smiquery.clock import elapsed
 from smiquery.errors import InvalidFieldError, InvalidRuleError
 from smiquery.fields import Field, Kind, get_field
-from smiquery.records import GpuSample, Value
+from smiquery.sample import GpuSample, Value
 
 if TYPE_CHECKING:
     import numpy as np

@@ -19,8 +19,8 @@ from smiquery.fields import resolve_fields
 from smiquery.parsing import format_row, header_line
 
 if TYPE_CHECKING:
-    from smiquery.records import GpuSample
     from smiquery.runner import Runner
+    from smiquery.sample import GpuSample
 
 __all__ = ["take_snapshot"]
 

@@ -17,7 +17,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 from smiquery.fields import Field, Kind, get_field
 from smiquery.parsing import format_row, header_line
 from smiquery.recordings import json_value, sample_to_json
-from smiquery.records import GpuSample, Value
+from smiquery.sample import GpuSample, Value
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent

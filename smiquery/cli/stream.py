@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent, Notifier, Rule
     from smiquery.cli.display import LiveTable
     from smiquery.recordings import SampleWriter
-    from smiquery.records import GpuSample
+    from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
 
 __all__ = ["EventPrinter", "stream", "subscribe"]
@@ -414,7 +414,8 @@ def _open_replay(
 ) -> tuple[SampleSource, tuple[Field, ...], str]:
     """``--replay``: the recording as a source, its fields, and the live table's title."""
     from smiquery.cli.analysis import check_zone
-    from smiquery.playback import Replay, ReplayError
+    from smiquery.errors import ReplayError
+    from smiquery.recordings import Replay
 
     check_zone(tz)
     wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None

@@ -25,7 +25,7 @@ from smiquery.source import Sweep
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator
-    from smiquery.records import GpuSample, Value
+    from smiquery.sample import GpuSample, Value
     from smiquery.source import StreamStats
 
 __all__ = [

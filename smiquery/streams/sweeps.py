@@ -21,7 +21,7 @@ from datetime import tzinfo
 from smiquery._log import get_logger
 from smiquery.fields import Field
 from smiquery.parsing import CsvParser, is_message
-from smiquery.records import GpuSample
+from smiquery.sample import GpuSample
 from smiquery.source import StreamEvent, StreamStats, Sweep, SweepGrouper
 
 __all__ = ["CsvRows", "Identity", "bus_key"]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from smiquery.fields import Field
 
 if TYPE_CHECKING:
-    from smiquery.records import GpuSample
+    from smiquery.sample import GpuSample
 
 __all__ = ["BATCH", "SUMMARY", "SUMMARY_FIELDS", "EpochAccumulator", "number", "summary_spec", "throughput_values"]
 

@@ -25,7 +25,7 @@ from smiquery.training.monitor import RunMonitor
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, AlertHandler, Rule
-    from smiquery.records import GpuSample
+    from smiquery.sample import GpuSample
 
 __all__ = ["GpuMonitor"]
 

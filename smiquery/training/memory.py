@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 from smiquery.training.epochs import number
 
 if TYPE_CHECKING:
-    from smiquery.records import GpuSample
+    from smiquery.sample import GpuSample
 
 __all__ = [
     "FrameworkMemory",

@@ -37,7 +37,7 @@ from smiquery.training.share import ShareTracker
 if TYPE_CHECKING:
     from smiquery.pmon import ProcessShare
     from smiquery.recordings import SampleWriter
-    from smiquery.records import GpuSample
+    from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
 
 __all__ = ["RunMonitor"]

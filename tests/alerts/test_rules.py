@@ -10,7 +10,7 @@ from smiquery.alerts import AlertEvaluator, Rule, parse_duration
 from smiquery.errors import InvalidRuleError
 from smiquery.fields import get_field
 from smiquery.parsing import format_value
-from smiquery.records import GpuSample, Schema, Value
+from smiquery.sample import GpuSample, Schema, Value
 
 T0 = datetime(2026, 3, 14, 9, 30, tzinfo=timezone.utc)
 SCHEMA = Schema(("timestamp", "index", "temperature.gpu", "utilization.gpu", "persistence_mode", "pstate"))

@@ -173,8 +173,7 @@ def test_save_plot_formats_and_field_choice(tmp_path):
 
 def test_jsonl_recordings_plot_too(tmp_path):
     from smiquery.fields import resolve_fields
-    from smiquery.playback import replay
-    from smiquery.recordings import open_recorder
+    from smiquery.recordings import open_recorder, replay
 
     path = tmp_path / "demo.jsonl"
     with replay(DEMO, speed=0, fields="default") as source:

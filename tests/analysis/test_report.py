@@ -12,8 +12,7 @@ import pytest
 from smiquery.analysis import DEFAULT_RULES, Report, format_duration, report, stalls_and_alerts
 from smiquery.errors import ReportError
 from smiquery.fields import resolve_fields
-from smiquery.playback import replay
-from smiquery.recordings import open_recorder
+from smiquery.recordings import open_recorder, replay
 
 DEMO = Path(__file__).parents[2] / "smiquery" / "data" / "demo-8gpu.csv"
 STALL_START = datetime(2026, 3, 14, 9, 35, 0)  # scripts/make_demo_recording.py: STALL = (300, 390) s from 09:30:00

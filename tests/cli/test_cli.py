@@ -34,9 +34,9 @@ from typer.testing import CliRunner
 from smiquery import PRESETS
 from smiquery.cli import app, exit_code_for, main
 from smiquery.parsing import CsvParser
-from smiquery.playback import replay
-from smiquery.records import GpuSample
+from smiquery.recordings import replay
 from smiquery.runner import Runner, SubprocessRunner
+from smiquery.sample import GpuSample
 from smiquery.testing import FAULTS, InProcessRunner, use_runner
 from tests.conftest import assert_stopped
 
@@ -582,7 +582,7 @@ def test_stream_output_records_while_displaying(smi, tmp_path, suffix):
     assert [s.index for s in played] == [x["index"] for x in shown]
     assert [s["temperature.gpu"] for s in played] == [x["temperature.gpu"] for x in shown]
     if suffix == "csv":
-        from smiquery.frames import read_csv
+        from smiquery.recordings import read_csv
 
         assert len(read_csv(rec)) == 32
         back = run("stream", "--replay", rec, "--speed", "0", "-F", "csv")

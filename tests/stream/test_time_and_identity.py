@@ -304,7 +304,7 @@ def test_defaults_are_one_policy():
 
 
 def test_sync_aio_and_replay_group_one_recording_alike(fake_smi: MakeFake, tmp_path: Path):
-    from smiquery.playback import replay
+    from smiquery.recordings import replay
 
     sync, _ = sync_sweeps(fake_smi(), 5, interval=0.05)
     asy, _ = aio_sweeps(fake_smi(), 5, interval=0.05)

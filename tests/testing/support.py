@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from smiquery.parsing import CsvParser
-from smiquery.records import GpuSample
+from smiquery.sample import GpuSample
 
 if TYPE_CHECKING:
     pass

@@ -20,7 +20,7 @@ import pytest
 from smiquery import errors
 from smiquery.fields import CATALOGUE, PRESETS, get_field, parse_help_query_gpu
 from smiquery.parsing import CsvParser, header_line
-from smiquery.records import GpuSample
+from smiquery.sample import GpuSample
 from smiquery.testing import fake_nvidia_smi
 
 if TYPE_CHECKING:

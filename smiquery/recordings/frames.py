@@ -1,6 +1,6 @@
-"""Records -> pandas DataFrames with nullable, catalogue-typed columns (pandas imported inside functions).
+"""Samples -> pandas DataFrames with nullable, catalogue-typed columns (pandas imported inside functions).
 
-Reading recordings lives in :mod:`smiquery.recordings`; :func:`read_csv` here forwards there.
+The recording readers (:mod:`smiquery.recordings`) build their frames with the same column arrays and attrs.
 """
 
 from __future__ import annotations
@@ -12,19 +12,30 @@ from datetime import datetime, timedelta, timezone, tzinfo
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from smiquery.clock import localize_by_order
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import Field, Kind, get_field
-from smiquery.records import GpuSample, Value
+from smiquery.sample import GpuSample, Value
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from smiquery.recordings import CsvSource, SkippedLines
+    from smiquery.recordings.base import SkippedLines
 
-__all__ = ["MissingReasons", "missing_reasons", "read_csv", "to_dataframe"]
+__all__ = [
+    "MissingReasons",
+    "empty_array",
+    "int_array",
+    "local_zone",
+    "make_frame",
+    "missing_reasons",
+    "set_zone",
+    "string_dtype",
+    "to_dataframe",
+]
 
 # --------------------------------------------------------------------------------------------------------------
-# helpers (recordings.py's CSV reader builds its frames with them too)
+# column arrays (the CSV reader builds its frames with them too)
 
 
 def _field_for(name: str) -> Field:
@@ -35,7 +46,8 @@ def _field_for(name: str) -> Field:
         return Field(name, Kind.STR)
 
 
-def _string_dtype() -> Any:
+def string_dtype() -> Any:
+    """The dtype of text columns: Arrow-backed when pyarrow is installed."""
     import pandas as pd
 
     # Arrow-backed strings take a fraction of the memory of Python str objects; pandas >= 3 picks them anyway.
@@ -44,7 +56,7 @@ def _string_dtype() -> Any:
     return pd.StringDtype()
 
 
-def _local_zone() -> tzinfo:
+def local_zone() -> tzinfo:
     """The host's time zone, as an IANA zone when it can be named (pandas handles those fastest)."""
     from zoneinfo import ZoneInfo
 
@@ -187,7 +199,8 @@ def missing_reasons(df: pd.DataFrame) -> MissingReasons:
     return MissingReasons.from_dicts(found or {})
 
 
-def _int_array(values: Sequence[int | None]) -> Any:
+def int_array(values: Sequence[int | None]) -> Any:
+    """A nullable integer array: ``Int64``, or ``UInt64`` when a value needs the 64th bit."""
     import pandas as pd
 
     try:
@@ -211,7 +224,7 @@ def _timestamp_array(values: Sequence[Value], tz: tzinfo | None) -> Any:
         zones = {v.tzinfo for v in stamps if isinstance(v, datetime)}
         # the second pass of a fall-back's repeated hour carries a fixed offset beside its zone: the zone wins
         named = {z for z in zones if not isinstance(z, timezone)}
-        tz = zones.pop() if len(zones) == 1 else named.pop() if len(named) == 1 else _local_zone()
+        tz = zones.pop() if len(zones) == 1 else named.pop() if len(named) == 1 else local_zone()
     index = pd.to_datetime(stamps, utc=True).tz_convert(tz)
     return index.as_unit("ns").array
 
@@ -223,15 +236,16 @@ def _python_array(fld: Field, values: Sequence[Value], tz: tzinfo | None = None)
     storage = fld.kind.ops.storage
     data: Any = values
     if storage == "int":
-        return _int_array(data)
+        return int_array(data)
     if storage == "timestamp":
         return _timestamp_array(values, tz)
     if storage == "string":
-        return pd.array(data, dtype=_string_dtype())
+        return pd.array(data, dtype=string_dtype())
     return pd.array(data, dtype=fld.kind.ops.dtype)
 
 
-def _empty_array(fld: Field, tz: tzinfo | None) -> Any:
+def empty_array(fld: Field, tz: tzinfo | None) -> Any:
+    """A column of no rows with the dtype ``fld`` gets (timestamps in ``tz``; naive for None)."""
     import pandas as pd
 
     if fld.kind.ops.storage == "timestamp":
@@ -241,13 +255,14 @@ def _empty_array(fld: Field, tz: tzinfo | None) -> Any:
     return _python_array(fld, [], tz)
 
 
-def _frame(
+def make_frame(
     fields: Sequence[Field],
     columns: Sequence[Any],
     missing: Mapping[str, Mapping[int, str]] | MissingReasons,
     notices: list[str] | None,
     skipped: SkippedLines | None = None,
 ) -> pd.DataFrame:
+    """The frame of ``fields`` over ready column arrays, with the attrs every reader gives (fields, units...)."""
     import pandas as pd
 
     names = [f.attr for f in fields]
@@ -264,11 +279,11 @@ def _frame(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# records -> DataFrame
+# samples -> DataFrame
 
 
 def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
-    """Put records in a DataFrame, one row per sample and one nullable column per queried field.
+    """Put samples in a DataFrame, one row per sample and one nullable column per queried field.
 
     Columns are named after :attr:`Field.attr` (``memory.used`` -> ``memory_used``) with dtypes from the
     catalogue: ``Int64`` for integers, hex values and bitmasks, ``Float64`` for decimals, ``boolean`` for
@@ -283,7 +298,7 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     order, and a field a sample did not query is ``<NA>`` without a reason.
 
     Args:
-        samples: the records, e.g. from :func:`smiquery.parse_lines` or a stream.
+        samples: the samples, e.g. from :func:`smiquery.parse_lines` or a stream.
 
     Returns:
         The DataFrame; an empty one (no rows, no columns) for no samples.
@@ -293,7 +308,7 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     """
     rows = list(samples)
     if not rows:
-        return _frame((), (), {}, None)
+        return make_frame((), (), {}, None)
     first = rows[0].fields
     columns_of: Sequence[Sequence[Value]]
     if all(s.fields is first or s.fields == first for s in rows):
@@ -311,29 +326,21 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
             for name, reason in m.items():
                 missing.setdefault(attr_of[name], {})[i] = reason
     columns = [_python_array(f, col) for f, col in zip(fields, columns_of, strict=True)]
-    return _frame(fields, columns, missing, None)
+    return make_frame(fields, columns, missing, None)
 
 
-# --------------------------------------------------------------------------------------------------------------
-# the reader's old home
-
-
-def read_csv(
-    path_or_buffer: CsvSource,
-    fields: str | Sequence[str | Field] | None = None,
-    *,
-    tz: tzinfo | str | None = None,
-) -> pd.DataFrame:
-    """Read a recorded nvidia-smi CSV file: the same as :func:`smiquery.recordings.read_csv`, which owns it.
+def set_zone(df: pd.DataFrame, tz: tzinfo | None) -> None:
+    """Put the ``timestamp`` column in ``tz``, in place: naive times are localized, aware ones converted.
 
     Args:
-        path_or_buffer: a path, or an open file in binary or text mode.
-        fields: the queried fields, required for ``noheader`` output.
-        tz: the zone the recording was made in; default None keeps the timestamps naive, as recorded.
-
-    Returns:
-        One row per readable data line (see :func:`smiquery.recordings.read_csv`).
+        df: the frame.
+        tz: the zone; None leaves the column as it is.
     """
-    from smiquery.recordings import read_csv as read
-
-    return read(path_or_buffer, fields, tz=tz)
+    if tz is None or "timestamp" not in df.columns:
+        return
+    stamps = df["timestamp"]
+    if getattr(stamps.dt, "tz", None) is None:
+        # the hour a DST fall-back repeats resolves by the order of the rows, as read_csv resolves it
+        df["timestamp"] = localize_by_order(stamps, tz).as_unit("ns").array
+    else:
+        df["timestamp"] = stamps.dt.tz_convert(tz)

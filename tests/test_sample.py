@@ -1,4 +1,4 @@
-"""smiquery.records: GpuSample, one GPU at one instant, immutable, holding exactly the queried fields."""
+"""smiquery.sample: GpuSample, one GPU at one instant, immutable, holding exactly the queried fields."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from smiquery.parsing import parse_lines
-from smiquery.records import GpuSample, Schema
+from smiquery.sample import GpuSample, Schema
 
 UTC = timezone.utc
 FIELDS = ["timestamp", "index", "uuid", "temperature.gpu", "power.draw", "fan.speed"]

@@ -1,239 +1,35 @@
-"""Recordings as a sample source: CSV (nvidia-smi's format), JSONL and Parquet, paced like the original run.
+"""Playback: a recording as a sample source, paced by its own timestamps like the original run.
 
 :func:`replay` gives the samples of a recording one by one (and :meth:`Replay.sweeps` groups them the way
 :meth:`smiquery.supervisor.Stream.sweeps` does), so anything that consumes a live stream can consume a recording.
-CSV and JSONL are read line by line with the pure parser; pandas and pyarrow are imported only for Parquet.
+The format modules read the samples (CSV and JSONL line by line with the pure parser; pandas and pyarrow are
+imported only for Parquet); this module selects, projects and paces them.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime, timedelta, timezone, tzinfo
-from pathlib import Path
-from typing import IO, Any
+from datetime import datetime, timedelta, tzinfo
 
-from smiquery.clock import Localizer, to_zone
-from smiquery.errors import InvalidFieldError, ParseError, ReplayError
-from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
+from smiquery.errors import ParseError, ReplayError
+from smiquery.fields import Field, resolve_fields
 from smiquery.oneshot import GpusArg, normalize_gpus
-from smiquery.parsing import CsvParser
-from smiquery.recordings import RecordingFormat, detect_format, resolve_zone
-from smiquery.records import GpuSample, Schema, Value
+from smiquery.recordings.base import RecordingFormat, check_file, detect_format, resolve_zone
+from smiquery.recordings.csv import read_csv_samples
+from smiquery.recordings.jsonl import read_jsonl_samples
+from smiquery.recordings.parquet import read_parquet_samples
+from smiquery.recordings.values import field_for, with_gpu0, with_timestamp
+from smiquery.sample import GpuSample, Schema
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
 
-__all__ = ["Replay", "ReplayError", "SweepGrouper", "detect_format", "replay", "sample_from_json"]
+__all__ = ["MAX_GAP_SECONDS", "Replay", "replay"]
 
 
 #: The longest pause replay makes for one gap in a recording (a stream that was stopped and restarted).
 MAX_GAP_SECONDS = 60.0
-
-_BY_ATTR = {f.attr: f for f in CATALOGUE}
-
-# The parser needs a zone for a timestamp written without one; this one marks "none was recorded", so that such a
-# timestamp can be given back naive (or put in the zone named by ``tz=``). A named UTC: never ``timezone.utc``.
-_RECORDED_WITHOUT_ZONE = timezone(timedelta(0), "no zone recorded")
-
-
-def _in_zone(dt: datetime, tz: tzinfo | None, localize: Localizer | None = None) -> datetime:
-    """A parsed timestamp as the caller asked: naive as recorded, localized to ``tz``, or converted to ``tz``.
-
-    ``localize`` (a :class:`~smiquery.clock.Localizer` for ``tz`` over the recording's rows in order) resolves the
-    hour a DST fall-back repeats by that order; without one such a time is the first of its two instants.
-    """
-    if dt.tzinfo is _RECORDED_WITHOUT_ZONE or dt.tzinfo is None:
-        if tz is None:
-            return dt.replace(tzinfo=None)  # the wall-clock time, naive, exactly as recorded
-        return localize(dt) if localize is not None else dt.replace(tzinfo=tz)
-    return dt if tz is None else to_zone(dt, tz)
-
-
-# ---------------------------------------------------------------------------------------------------- readers
-
-
-def _field_for(name: str) -> Field:
-    try:
-        return get_field(name)
-    except InvalidFieldError:
-        if name in _BY_ATTR:
-            return _BY_ATTR[name]
-        return Field(name, Kind.STR, help="Not in smiquery's catalogue.")
-
-
-def _typed(fld: Field, value: Any, tz: tzinfo | None = None, localize: Localizer | None = None) -> Value:
-    """A JSON or pandas value converted to the Python type the catalogue gives the field.
-
-    Text goes through the parser's own converter for the field's kind, so a cell reads the same whether it was
-    recorded as CSV, JSONL or Parquet. A timestamp keeps what the recording says (naive when it names no zone)
-    unless ``tz`` names the zone.
-    """
-    if value is None:
-        return None
-    ops = fld.kind.ops
-    if ops.storage == "timestamp":
-        if isinstance(value, str):
-            stamp = ops.converter(_RECORDED_WITHOUT_ZONE)(value.strip())
-            assert isinstance(stamp, datetime)
-            return _in_zone(stamp, tz, localize)
-        dt = ops.from_python(value)
-        assert isinstance(dt, datetime)
-        return _in_zone(dt, tz, localize)
-    return ops.from_python(value)
-
-
-def _build(schema: Schema, fields: Sequence[Field], values: list[Value], missing: dict[str, str]) -> GpuSample:
-    raw = tuple(f.format(v, missing.get(f.name)) for f, v in zip(fields, values, strict=True))
-    lost = any(r == "gpu_lost" for r in missing.values())
-    return GpuSample(schema, tuple(values), raw, missing or None, lost)
-
-
-def sample_from_json(
-    obj: dict[str, Any],
-    *,
-    lineno: int = 0,
-    line: str = "",
-    tz: tzinfo | str | None = None,
-    localizer: Localizer | None = None,
-) -> GpuSample:
-    """A sample from one JSONL object as ``smiquery stream --format jsonl`` writes it.
-
-    Keys are field names (nvidia-smi names or attribute names); ``null`` is a missing value whose reason is
-    taken from the optional ``"_missing"`` object (default ``not_available``). Keys starting with ``_`` are
-    metadata and skipped.
-
-    Args:
-        obj: the decoded JSON object.
-        lineno: its line number (for errors).
-        line: its text (for errors).
-        tz: the zone of a timestamp written without an offset; an offset one is converted to it. Default None:
-            as recorded (naive without an offset).
-        localizer: a :class:`~smiquery.clock.Localizer` for ``tz`` shared by the objects of one recording, read
-            in order: a wall time the DST fall-back repeats is then resolved by that order (the second 02:30 is
-            the later one). Without it such a time is the first of its two instants.
-
-    Returns:
-        The sample.
-
-    Raises:
-        ParseError: a value does not fit its field.
-        InvalidTimeZoneError: an unknown zone name.
-    """
-    zone = resolve_zone(tz)
-    reasons = obj.get("_missing") or {}
-    names = [k for k in obj if not k.startswith("_")]
-    fields = [_field_for(n) for n in names]
-    values: list[Value] = []
-    missing: dict[str, str] = {}
-    for key, fld in zip(names, fields, strict=True):
-        raw = obj[key]
-        if raw is None:
-            values.append(None)
-            missing[fld.name] = str(reasons.get(key) or reasons.get(fld.name) or "not_available")
-            continue
-        try:
-            values.append(_typed(fld, raw, zone, localizer))
-        except (ValueError, TypeError):
-            raise ParseError(
-                f"{raw!r} is not a valid {fld.kind.value}", lineno=lineno, line=line, field=fld.name
-            ) from None
-    return _build(Schema(tuple(f.name for f in fields)), fields, values, missing)
-
-
-def _read_csv(
-    fh: IO[str],
-    source: str,
-    on_drop: Callable[[ParseError], None],
-    columns: Sequence[Field] | None = None,
-    tz: tzinfo | None = None,
-) -> Iterator[GpuSample]:
-    parser = CsvParser(columns, strict=False, tz=tz if tz is not None else _RECORDED_WITHOUT_ZONE)
-    dropped = 0
-    try:
-        for line in fh:
-            sample = parser.feed(line)
-            if parser.dropped != dropped:
-                dropped = parser.dropped
-                if parser.last_error is not None:
-                    on_drop(parser.last_error)
-            if sample is not None:
-                ts = sample.get("timestamp")
-                if isinstance(ts, datetime) and ts.tzinfo is not tz:
-                    sample = _with_timestamp(sample, _in_zone(ts, tz), keep_raw=True)
-                yield sample
-    except ParseError as exc:
-        if columns is not None:
-            raise ReplayError(f"{source}: {exc}") from exc
-        raise ReplayError(
-            f"{source} is not a recording smiquery can read: it has no nvidia-smi CSV header line; "
-            "for a headerless (noheader) log, give its columns (columns=, or --fields on the command line)"
-        ) from exc
-
-
-def _read_jsonl(fh: IO[str], on_drop: Callable[[ParseError], None], tz: tzinfo | None) -> Iterator[GpuSample]:
-    localizer = Localizer(tz) if tz is not None else None
-    for lineno, line in enumerate(fh, 1):
-        text = line.strip()
-        if not text:
-            continue
-        try:
-            obj = json.loads(text)
-            if not isinstance(obj, dict):
-                raise ValueError("not an object")
-            yield sample_from_json(obj, lineno=lineno, line=text, tz=tz, localizer=localizer)
-        except ParseError as exc:
-            on_drop(exc)
-        except ValueError:  # includes a truncated last line (json.JSONDecodeError)
-            on_drop(ParseError("not a JSON object", lineno=lineno, line=text))
-
-
-def _read_parquet(path: str, tz: tzinfo | None) -> Iterator[GpuSample]:
-    try:
-        import pandas as pd
-    except ImportError as exc:  # pragma: no cover - pandas is a dependency
-        raise ReplayError("reading Parquet needs pandas and pyarrow: pip install 'smiquery[parquet]'") from exc
-    try:
-        df = pd.read_parquet(path)
-    except ImportError as exc:
-        raise ReplayError("reading Parquet needs pyarrow: pip install 'smiquery[parquet]'") from exc
-    except (OSError, ValueError) as exc:
-        raise ReplayError(f"cannot read Parquet recording {path}: {exc}") from exc
-    names = list(df.columns)
-    recorded = df.attrs.get("fields")
-    if isinstance(recorded, list) and len(recorded) == len(names):
-        fields = [_field_for(str(n)) for n in recorded]
-    else:
-        fields = [_field_for(str(n)) for n in names]
-    schema = Schema(tuple(f.name for f in fields))
-    from smiquery.frames import missing_reasons
-
-    missing_attr = missing_reasons(df)
-    localizer = Localizer(tz) if tz is not None else None
-    columns = []
-    for col in names:
-        values = df[col].tolist()
-        columns.append([None if v is None or v is pd.NA or v is pd.NaT or v != v else v for v in values])
-    reasons_by_row: dict[int, dict[str, str]] = {}
-    for fld, col in zip(fields, names, strict=True):
-        for row, reason in (missing_attr.get(col) or missing_attr.get(fld.name) or {}).items():
-            reasons_by_row.setdefault(int(row), {})[fld.name] = str(reason)
-    for i in range(len(df)):
-        row_missing = reasons_by_row.get(i, {})
-        values_out: list[Value] = []
-        missing: dict[str, str] = {}
-        for fld, col_values in zip(fields, columns, strict=True):
-            v = col_values[i]
-            if v is None:
-                values_out.append(None)
-                missing[fld.name] = row_missing.get(fld.name, "not_available")
-            else:
-                values_out.append(_typed(fld, v, tz, localizer))
-        yield _build(schema, fields, values_out, missing)
-
-
-# ----------------------------------------------------------------------------------------------------- replay
 
 
 class Replay(LatestSweep):
@@ -261,10 +57,7 @@ class Replay(LatestSweep):
         if speed < 0 or speed != speed:
             raise ValueError("speed must be 0 (as fast as possible) or more")
         self.path = os.fspath(path)
-        if not Path(self.path).is_file():
-            raise ReplayError(f"recording {self.path} not found; record one with `smiquery stream --output FILE`")
-        if os.path.getsize(self.path) == 0:
-            raise ReplayError(f"recording {self.path} is empty; a recording holds nvidia-smi's CSV header and rows")
+        check_file(self.path, ReplayError)
         self._columns = resolve_fields(columns) if columns is not None else None
         #: The zone timestamps are given in (``tz=``); None keeps them as recorded (naive when no zone was).
         self.tz: tzinfo | None = resolve_zone(tz)
@@ -282,7 +75,6 @@ class Replay(LatestSweep):
         self._lock = threading.Lock()
         self._latest: tuple[Sweep, float] | None = None
         self._gen: Iterator[GpuSample] | None = None
-        self._handles: list[IO[str]] = []
         self.last_error: ParseError | None = None
         #: The first line skipped as unreadable (a torn last line, garbage), with its line number.
         self.first_error: ParseError | None = None
@@ -301,7 +93,7 @@ class Replay(LatestSweep):
                 f"recording {self.path} holds no readable rows; is it a recording from `smiquery stream --output` "
                 "or `nvidia-smi --query-gpu=... --format=csv`?"
             )
-        self.recorded_fields: tuple[Field, ...] = tuple(_field_for(n) for n in first.fields) if first else ()
+        self.recorded_fields: tuple[Field, ...] = tuple(field_for(n) for n in first.fields) if first else ()
         self.fields: tuple[Field, ...] = self._wanted if self._wanted is not None else self.recorded_fields
         self._project: tuple[Schema, tuple[int, ...]] | None = None
         if self._wanted is not None and first is not None:
@@ -324,41 +116,23 @@ class Replay(LatestSweep):
         self.stats.last_error = str(err)
 
     def _raw_samples(self) -> Iterator[GpuSample]:
-        gpu0: dict[tuple[str, ...], Schema] = {}
-        for sample in self._file_samples():
-            if "index" in sample:
-                yield sample
-                continue
-            # A single-GPU log (`--query-gpu=timestamp,power.draw`): its one GPU is GPU 0.
-            schema = gpu0.get(sample.fields)
-            if schema is None:
-                schema = gpu0[sample.fields] = Schema(("index", *sample.fields))
-            yield GpuSample(
-                schema,
-                (0, *(sample[n] for n in sample.fields)),
-                ("0", *sample.raw.values()),
-                dict(sample.missing) or None,
-                sample.gpu_lost,
-            )
+        return with_gpu0(self._file_samples())
 
     def _file_samples(self) -> Iterator[GpuSample]:
         if self.format == "parquet":
-            yield from _read_parquet(self.path, self.tz)
+            yield from read_parquet_samples(self.path, self.tz)
             return
         try:
             fh = open(self.path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115 - closed below
         except OSError as exc:
             raise ReplayError(f"cannot read recording {self.path}: {exc.strerror or exc}") from exc
-        self._handles.append(fh)
         try:
             if self.format == "jsonl":
-                yield from _read_jsonl(fh, self._on_drop, self.tz)
+                yield from read_jsonl_samples(fh, self._on_drop, self.tz)
             else:
-                yield from _read_csv(fh, self.path, self._on_drop, self._columns, self.tz)
+                yield from read_csv_samples(fh, self.path, self._on_drop, self._columns, self.tz)
         finally:
             fh.close()
-            if fh in self._handles:
-                self._handles.remove(fh)
 
     def _peek(self) -> GpuSample | None:
         """The first sample, and the number of GPUs in the first sweep (into :attr:`gpu_count`)."""
@@ -448,7 +222,7 @@ class Replay(LatestSweep):
                     last_ts = ts
                     if shift:
                         ts = ts + shift
-                        sample = _with_timestamp(sample, ts)
+                        sample = with_timestamp(sample, ts)
                     anchor = self._pace(anchor, ts)
                 got += 1
                 self.stats.rows += 1
@@ -553,20 +327,6 @@ class Replay(LatestSweep):
     def error(self) -> BaseException | None:
         """The error that ended a background replay, if any."""
         return self._thread_error
-
-
-def _with_timestamp(sample: GpuSample, ts: datetime, *, keep_raw: bool = False) -> GpuSample:
-    """The sample with another timestamp; its raw text too unless ``keep_raw`` (the same instant, as recorded)."""
-    schema = sample.schema
-    pos = schema.pos_timestamp
-    if pos is None:
-        return sample
-    values = list(sample.values())
-    values[pos] = ts
-    raw = tuple(sample.raw.values())
-    if not keep_raw:
-        raw = (*raw[:pos], get_field("timestamp").format(ts), *raw[pos + 1 :])
-    return GpuSample(schema, tuple(values), raw, dict(sample.missing) or None, sample.gpu_lost)
 
 
 def replay(

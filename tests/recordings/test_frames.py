@@ -1,4 +1,4 @@
-"""smiquery.frames: records and recorded CSV files -> DataFrames with nullable, catalogue-typed columns."""
+"""smiquery.recordings.frames and read_csv: samples and recorded CSV files -> DataFrames with typed columns."""
 
 from __future__ import annotations
 
@@ -14,14 +14,15 @@ from zoneinfo import ZoneInfo
 import pandas as pd
 import pytest
 
-from smiquery import frames, recordings
+from smiquery import recordings
 from smiquery.errors import ParseError
 from smiquery.fields import get_field, resolve_fields
 from smiquery.parsing import CsvParser, format_row, header_line, parse_lines
-from smiquery.records import GpuSample, Schema
+from smiquery.recordings import csv_arrow, frames
+from smiquery.sample import GpuSample, Schema
 from tests.corpus import require_corpus as _corpus_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 UTC = timezone.utc
 BERLIN = ZoneInfo("Europe/Berlin")
 
@@ -83,7 +84,7 @@ MISSING = {
 
 def _read(text: str | bytes, *args: object, **kw: object) -> pd.DataFrame:
     data = text.encode() if isinstance(text, str) else text
-    return frames.read_csv(io.BytesIO(data), *args, tz=kw.pop("tz", BERLIN), **kw)  # type: ignore[arg-type]
+    return recordings.read_csv(io.BytesIO(data), *args, tz=kw.pop("tz", BERLIN), **kw)  # type: ignore[arg-type]
 
 
 def _no_pyarrow(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,9 +196,9 @@ def test_read_csv_path_and_text_buffer(tmp_path: Path) -> None:
     path = tmp_path / "rec.csv"
     path.write_text(TEXT)
     expected = _read(TEXT)
-    _same(frames.read_csv(path, tz=BERLIN), expected)
-    _same(frames.read_csv(str(path), tz=BERLIN), expected)
-    _same(frames.read_csv(io.StringIO(TEXT), tz=BERLIN), expected)
+    _same(recordings.read_csv(path, tz=BERLIN), expected)
+    _same(recordings.read_csv(str(path), tz=BERLIN), expected)
+    _same(recordings.read_csv(io.StringIO(TEXT), tz=BERLIN), expected)
 
 
 def test_read_csv_headerless_with_fields() -> None:
@@ -295,17 +296,17 @@ def test_read_csv_empty_inputs() -> None:
 
 
 def test_read_csv_keeps_timestamps_as_recorded_without_a_zone() -> None:
-    df = frames.read_csv(io.StringIO("timestamp\n2026/01/02 03:04:05.006\n"))
+    df = recordings.read_csv(io.StringIO("timestamp\n2026/01/02 03:04:05.006\n"))
     assert str(df["timestamp"].dtype) == "datetime64[ns]"  # naive: nvidia-smi names no zone, so neither do we
     assert df["timestamp"][0] == pd.Timestamp("2026-01-02 03:04:05.006")
 
 
 def test_read_csv_tz_option_names_the_recording_zone() -> None:
-    df = frames.read_csv(io.StringIO("timestamp\n2026/07/02 03:04:05\n"), tz="Europe/Berlin")
+    df = recordings.read_csv(io.StringIO("timestamp\n2026/07/02 03:04:05\n"), tz="Europe/Berlin")
     assert str(df["timestamp"].dtype) == "datetime64[ns, Europe/Berlin]"
     assert df["timestamp"][0] == pd.Timestamp("2026-07-02 01:04:05", tz=UTC)
     with pytest.raises(ValueError, match="unknown time zone"):
-        frames.read_csv(io.StringIO("timestamp\n2026/07/02 03:04:05\n"), tz="Mars/Olympus")
+        recordings.read_csv(io.StringIO("timestamp\n2026/07/02 03:04:05\n"), tz="Mars/Olympus")
 
 
 def test_read_csv_iso_timestamps_take_the_exact_path() -> None:
@@ -324,7 +325,7 @@ def test_read_csv_hex_in_int_column_is_rejected_like_the_parser() -> None:
 
 def test_read_csv_rare_token_after_the_head(monkeypatch: pytest.MonkeyPatch) -> None:
     # The first rows decide which numeric columns the CSV reader converts itself; a later surprise restarts.
-    monkeypatch.setattr(recordings, "_HEAD_ROWS", 1)
+    monkeypatch.setattr(csv_arrow, "_HEAD_ROWS", 1)
     text = "index, power.draw [W]\n0, 10.50\n1, [N/A]\n2, [Unknown Error]\n3, 7.25 W\n"
     df = _read(text)
     assert df["power_draw"].tolist() == [10.5, pd.NA, pd.NA, 7.25]
@@ -364,8 +365,8 @@ def _big_recording(rows: int) -> str:
 
 def test_read_csv_many_blocks_keep_row_positions(monkeypatch: pytest.MonkeyPatch) -> None:
     text = _big_recording(3000)  # crosses a DST change in Europe/Berlin
-    monkeypatch.setattr(recordings, "_BLOCK_BYTES", 8192)
-    monkeypatch.setattr(recordings, "_HEAD_ROWS", 50)
+    monkeypatch.setattr(csv_arrow, "_BLOCK_BYTES", 8192)
+    monkeypatch.setattr(csv_arrow, "_HEAD_ROWS", 50)
     fast = _read(text)
     expected = _with_notices(frames.to_dataframe(parse_lines(text, tz=BERLIN)))
     _same(fast, expected)
@@ -425,7 +426,7 @@ def test_fallback_reads_headerless_files(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_corpus_files_read_like_the_parser() -> None:
     corpus = _corpus_dir()
     for path in sorted((corpus / "csv").glob("*.csv")) + sorted((corpus / "csv-loop").glob("*.csv")):
-        df = frames.read_csv(path, tz=BERLIN)
+        df = recordings.read_csv(path, tz=BERLIN)
         expected = frames.to_dataframe(CsvParser(tz=BERLIN).parse(path.read_text().splitlines()))
         expected.attrs["notices"] = []
         _same(df, expected)
@@ -438,7 +439,7 @@ def test_import_smiquery_does_not_import_pandas() -> None:
 
 
 def test_many_notices_keep_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(recordings, "_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(csv_arrow, "_BLOCK_BYTES", 4096)
     lines = [HEADER]
     for n in range(300):
         lines.append(ROWS[n % 3])
@@ -480,21 +481,35 @@ def test_missing_reasons_are_shared_not_copied() -> None:
 # --------------------------------------------------------------------------------------------------------------
 # one owner for recordings, and their time zones
 
-DEMO = Path(__file__).parents[1] / "smiquery" / "data" / "demo-8gpu.csv"
+DEMO = Path(__file__).parents[2] / "smiquery" / "data" / "demo-8gpu.csv"
 LOG = "timestamp, index, power.draw [W]\n2026/03/14 09:30:00.117, 0, 70.00 W\n2026/03/14 09:30:01.117, 0, 71.00 W\n"
 
 
-def test_frames_keeps_its_names_and_forwards_reading_to_recordings() -> None:
-    assert frames.__all__ == ["MissingReasons", "missing_reasons", "read_csv", "to_dataframe"]
-    assert "read_csv" in recordings.__all__ and "read_recording" in recordings.__all__
-    via_frames = frames.read_csv(io.StringIO(LOG))
-    pd.testing.assert_frame_equal(via_frames, recordings.read_csv(io.StringIO(LOG)))
-    assert via_frames["power_draw"].tolist() == [70.0, 71.0]
+def test_frames_only_converts_and_reading_has_one_home() -> None:
+    assert not hasattr(frames, "read_csv")
+    assert {"read_csv", "read_recording", "open_recorder", "to_dataframe"} <= set(recordings.__all__)
+    assert recordings.read_csv(io.StringIO(LOG))["power_draw"].tolist() == [70.0, 71.0]
+
+
+def test_read_recording_of_a_single_gpu_jsonl_log_is_gpu_0_and_skips_a_torn_line(tmp_path: Path) -> None:
+    from smiquery.recordings import read_recording
+
+    path = tmp_path / "one.jsonl"
+    path.write_text(
+        '{"timestamp": "2026-03-14T09:30:00.117", "power.draw": 70.0}\n'
+        '{"timestamp": "2026-03-14T09:30:01.117", "power.draw": null, "_missing": {"power.draw": "not_supported"}}\n'
+        '{"timestamp": "2026-03-14T09:30:02.1',
+        encoding="utf-8",
+    )
+    df = read_recording(path)
+    assert df.columns.tolist() == ["index", "timestamp", "power_draw"]
+    assert df["index"].tolist() == [0, 0]
+    assert frames.missing_reasons(df) == {"power_draw": {1: "not_supported"}}
+    assert df.attrs["skipped"] == recordings.SkippedLines(1, 3, '{"timestamp": "2026-03-14T09:30:02.1')
 
 
 def test_read_recording_keeps_naive_csv_naive_in_every_format(tmp_path: Path) -> None:
-    from smiquery.playback import replay
-    from smiquery.recordings import JsonlWriter, read_recording
+    from smiquery.recordings import JsonlWriter, read_recording, replay
 
     csv = tmp_path / "log.csv"
     csv.write_text(LOG, encoding="utf-8")
@@ -513,8 +528,7 @@ def test_read_recording_keeps_naive_csv_naive_in_every_format(tmp_path: Path) ->
 
 
 def test_read_recording_keeps_a_recorded_zone_and_converts_it(tmp_path: Path) -> None:
-    from smiquery.playback import replay
-    from smiquery.recordings import ParquetWriter, read_recording
+    from smiquery.recordings import ParquetWriter, read_recording, replay
 
     pytest.importorskip("pyarrow")
     path = tmp_path / "zoned.parquet"

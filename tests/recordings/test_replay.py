@@ -16,15 +16,24 @@ from pathlib import Path
 
 import pytest
 
-from smiquery.errors import InvalidFieldError, InvalidTimeZoneError
+from smiquery.errors import InvalidFieldError, InvalidTimeZoneError, ReplayError
 from smiquery.fields import get_field
-from smiquery.frames import missing_reasons
 from smiquery.parsing import CsvParser
-from smiquery.playback import Replay, ReplayError, SweepGrouper, detect_format, replay, sample_from_json
-from smiquery.recordings import CsvWriter, JsonlWriter, ParquetWriter
-from smiquery.records import GpuSample, Schema
+from smiquery.recordings import (
+    CsvWriter,
+    JsonlWriter,
+    ParquetWriter,
+    Replay,
+    detect_format,
+    missing_reasons,
+    replay,
+    sample_from_json,
+)
+from smiquery.sample import GpuSample, Schema
+from smiquery.source import SweepGrouper
 from smiquery.supervisor import stream
 from tests.corpus import require_corpus
+from tests.helpers import wait_for
 
 DEMO = Path(str(resources.files("smiquery") / "data" / "demo-8gpu.csv"))
 LOOP_LOG = "csv-loop/flame__timestamp-power.draw__lms100-torch-ex.csv"
@@ -129,7 +138,7 @@ def test_real_pacing_is_interruptible_by_close():
     got: list[GpuSample] = []
     th = threading.Thread(target=lambda: got.extend(r))
     th.start()
-    time.sleep(0.3)
+    wait_for(lambda: got, what="the first replayed sample")
     t0 = time.monotonic()
     r.close()
     th.join(5)
@@ -150,10 +159,10 @@ def test_long_gaps_are_skipped(tmp_path):
 def _shift(s: GpuSample, hours: float) -> GpuSample:
     from datetime import timedelta
 
-    from smiquery.playback import _with_timestamp
+    from smiquery.recordings.values import with_timestamp
 
     assert s.timestamp is not None
-    return _with_timestamp(s, s.timestamp + timedelta(hours=hours))
+    return with_timestamp(s, s.timestamp + timedelta(hours=hours))
 
 
 def test_loop_keeps_time_moving_forward(tmp_path):
@@ -185,7 +194,7 @@ def test_csv_round_trip_in_nvidia_smi_format(tmp_path):
     assert [dict(s.missing) for s in again] == [dict(s.missing) for s in rows]
     assert len(list(CsvParser().parse(text.splitlines()))) == 16
 
-    from smiquery.frames import read_csv
+    from smiquery.recordings import read_csv
 
     df = read_csv(path)
     assert len(df) == 16 and df["fan_speed"].isna().all()
@@ -282,7 +291,9 @@ def test_sweep_grouper_matches_stream_rules():
     done = [[s.index for s in sw] for i in [0, 1, 2, 0, 2, 0, 1, 2, 0] for sw in g.feed(_s(i))]
     # first sweep ends when an index repeats; then 3 GPUs make a sweep, or a repeat cuts one short
     assert done == [[0, 1, 2], [0, 2], [0, 1, 2]]
-    assert [s.index for s in g.flush() or ()] == [0]
+    last = g.flush()
+    assert last is not None
+    assert [s.index for s in last] == [0]
     assert g.flush() is None
     one = SweepGrouper(expected=1)
     assert [len(one.feed(_s(0))) for _ in range(3)] == [1, 1, 1]

@@ -1,0 +1,178 @@
+"""JSONL recordings: one JSON object per sample and line, field names as keys; written and read.
+
+:class:`JsonlWriter` writes them (``smiquery stream --output run.jsonl``), :func:`read_jsonl_samples` reads them
+line by line as samples, :func:`read_jsonl` into a DataFrame.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from datetime import datetime, tzinfo
+from typing import IO, TYPE_CHECKING, Any
+
+from smiquery.clock import Localizer
+from smiquery.errors import ParseError, RecordingError
+from smiquery.recordings.base import LineWriter, SkippedLines, resolve_zone
+from smiquery.recordings.frames import to_dataframe
+from smiquery.recordings.values import build_sample, field_for, typed_value, with_gpu0
+from smiquery.sample import GpuSample, Schema, Value
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["JsonlWriter", "json_value", "read_jsonl", "read_jsonl_samples", "sample_from_json", "sample_to_json"]
+
+
+def json_value(value: Value) -> object:
+    """A value as JSON wants it: timestamps in ISO 8601, NaN/inf as null, the rest unchanged."""
+    if isinstance(value, datetime):
+        return value.isoformat(timespec="milliseconds")
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def sample_to_json(sample: GpuSample) -> dict[str, object]:
+    """One sample as a JSON-ready dict keyed by field name, plus ``"_missing": {field: reason}`` when any."""
+    # sample[name] reads the same whether GpuSample keeps its values as a tuple or a mapping
+    out: dict[str, object] = {n: json_value(sample[n]) for n in sample.fields}
+    missing = sample.missing
+    if missing:
+        out["_missing"] = dict(missing)
+    return out
+
+
+class JsonlWriter(LineWriter):
+    """Writes one JSON object per sample and line: field names as keys, ISO 8601 times, null for missing.
+
+    A ``"_missing"`` object gives the reason of each missing value. :func:`smiquery.replay` reads it back.
+
+    Args:
+        out: a text stream.
+        flush: flush after every row.
+        owns: close ``out`` on :meth:`close`.
+    """
+
+    def write(self, sample: GpuSample) -> None:
+        """Write one sample as one complete line."""
+        self._line(json.dumps(sample_to_json(sample), separators=(", ", ": ")) + "\n")
+
+
+def sample_from_json(
+    obj: dict[str, Any],
+    *,
+    lineno: int = 0,
+    line: str = "",
+    tz: tzinfo | str | None = None,
+    localizer: Localizer | None = None,
+) -> GpuSample:
+    """A sample from one JSONL object as ``smiquery stream --format jsonl`` writes it.
+
+    Keys are field names (nvidia-smi names or attribute names); ``null`` is a missing value whose reason is
+    taken from the optional ``"_missing"`` object (default ``not_available``). Keys starting with ``_`` are
+    metadata and skipped.
+
+    Args:
+        obj: the decoded JSON object.
+        lineno: its line number (for errors).
+        line: its text (for errors).
+        tz: the zone of a timestamp written without an offset; an offset one is converted to it. Default None:
+            as recorded (naive without an offset).
+        localizer: a :class:`~smiquery.clock.Localizer` for ``tz`` shared by the objects of one recording, read
+            in order: a wall time the DST fall-back repeats is then resolved by that order (the second 02:30 is
+            the later one). Without it such a time is the first of its two instants.
+
+    Returns:
+        The sample.
+
+    Raises:
+        ParseError: a value does not fit its field.
+        InvalidTimeZoneError: an unknown zone name.
+    """
+    zone = resolve_zone(tz)
+    reasons = obj.get("_missing") or {}
+    names = [k for k in obj if not k.startswith("_")]
+    fields = [field_for(n) for n in names]
+    values: list[Value] = []
+    missing: dict[str, str] = {}
+    for key, fld in zip(names, fields, strict=True):
+        raw = obj[key]
+        if raw is None:
+            values.append(None)
+            missing[fld.name] = str(reasons.get(key) or reasons.get(fld.name) or "not_available")
+            continue
+        try:
+            values.append(typed_value(fld, raw, zone, localizer))
+        except (ValueError, TypeError):
+            raise ParseError(
+                f"{raw!r} is not a valid {fld.kind.value}", lineno=lineno, line=line, field=fld.name
+            ) from None
+    return build_sample(Schema(tuple(f.name for f in fields)), fields, values, missing)
+
+
+def read_jsonl_samples(fh: IO[str], on_drop: Callable[[ParseError], None], tz: tzinfo | None) -> Iterator[GpuSample]:
+    """The samples of a JSONL recording, line by line; an unreadable line is skipped and given to ``on_drop``.
+
+    Args:
+        fh: the open recording.
+        on_drop: called with the error of each skipped line (a torn last line, garbage, a value that does not fit).
+        tz: the zone of timestamps written without an offset; None keeps them as recorded.
+
+    Yields:
+        One sample per readable line.
+    """
+    localizer = Localizer(tz) if tz is not None else None
+    for lineno, line in enumerate(fh, 1):
+        text = line.strip()
+        if not text:
+            continue
+        try:
+            obj = json.loads(text)
+            if not isinstance(obj, dict):
+                raise ValueError("not an object")
+            yield sample_from_json(obj, lineno=lineno, line=text, tz=tz, localizer=localizer)
+        except ParseError as exc:
+            on_drop(exc)
+        except ValueError:  # includes a truncated last line (json.JSONDecodeError)
+            on_drop(ParseError("not a JSON object", lineno=lineno, line=text))
+
+
+def read_jsonl(path: str, tz: tzinfo | None) -> pd.DataFrame:
+    """A JSONL recording as a DataFrame; unreadable lines are skipped and described in ``attrs["skipped"]``.
+
+    Args:
+        path: the file.
+        tz: the zone of timestamps written without an offset (those with one are converted); None: as recorded.
+
+    Returns:
+        One row per readable line; a single-GPU log gets an ``index`` column of 0 first.
+
+    Raises:
+        RecordingError: the file cannot be read or holds no readable line.
+    """
+    first: ParseError | None = None
+    count = 0
+
+    def on_drop(err: ParseError) -> None:
+        nonlocal first, count
+        count += 1
+        if first is None:
+            first = err
+
+    try:
+        fh = open(path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise RecordingError(f"cannot read recording {path}: {exc.strerror or exc}") from exc
+    with fh:
+        samples = list(with_gpu0(read_jsonl_samples(fh, on_drop, tz)))
+    if not samples:
+        raise RecordingError(
+            f"recording {path} holds no readable rows; is it a recording from `smiquery stream --output` "
+            "or `nvidia-smi --query-gpu=... --format=csv`?"
+        )
+    df = to_dataframe(samples)
+    if first is not None:
+        df.attrs["skipped"] = SkippedLines(count, first.lineno, (first.line or "")[:80])
+    return df

@@ -1,0 +1,116 @@
+"""Recorded values -> samples: the field of a recorded column, typed values, timestamps in the zone asked for.
+
+Every sample reader (CSV, JSONL, Parquet) builds its samples with these, so that a cell reads the same whichever
+format recorded it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime, timedelta, timezone, tzinfo
+from typing import Any
+
+from smiquery.clock import Localizer, to_zone
+from smiquery.errors import InvalidFieldError
+from smiquery.fields import CATALOGUE, Field, Kind, get_field
+from smiquery.sample import GpuSample, Schema, Value
+
+__all__ = [
+    "RECORDED_WITHOUT_ZONE",
+    "build_sample",
+    "field_for",
+    "in_zone",
+    "typed_value",
+    "with_gpu0",
+    "with_timestamp",
+]
+
+_BY_ATTR = {f.attr: f for f in CATALOGUE}
+
+#: The parser needs a zone for a timestamp written without one; this one marks "none was recorded", so that such
+#: a timestamp can be given back naive (or put in the zone named by ``tz=``). A named UTC: never ``timezone.utc``.
+RECORDED_WITHOUT_ZONE = timezone(timedelta(0), "no zone recorded")
+
+
+def in_zone(dt: datetime, tz: tzinfo | None, localize: Localizer | None = None) -> datetime:
+    """A parsed timestamp as the caller asked: naive as recorded, localized to ``tz``, or converted to ``tz``.
+
+    ``localize`` (a :class:`~smiquery.clock.Localizer` for ``tz`` over the recording's rows in order) resolves the
+    hour a DST fall-back repeats by that order; without one such a time is the first of its two instants.
+    """
+    if dt.tzinfo is RECORDED_WITHOUT_ZONE or dt.tzinfo is None:
+        if tz is None:
+            return dt.replace(tzinfo=None)  # the wall-clock time, naive, exactly as recorded
+        return localize(dt) if localize is not None else dt.replace(tzinfo=tz)
+    return dt if tz is None else to_zone(dt, tz)
+
+
+def field_for(name: str) -> Field:
+    """The field of a recorded column: by nvidia-smi name or attribute name; text when not in the catalogue."""
+    try:
+        return get_field(name)
+    except InvalidFieldError:
+        if name in _BY_ATTR:
+            return _BY_ATTR[name]
+        return Field(name, Kind.STR, help="Not in smiquery's catalogue.")
+
+
+def typed_value(fld: Field, value: Any, tz: tzinfo | None = None, localize: Localizer | None = None) -> Value:
+    """A JSON or pandas value converted to the Python type the catalogue gives the field.
+
+    Text goes through the parser's own converter for the field's kind, so a cell reads the same whether it was
+    recorded as CSV, JSONL or Parquet. A timestamp keeps what the recording says (naive when it names no zone)
+    unless ``tz`` names the zone.
+    """
+    if value is None:
+        return None
+    ops = fld.kind.ops
+    if ops.storage == "timestamp":
+        if isinstance(value, str):
+            stamp = ops.converter(RECORDED_WITHOUT_ZONE)(value.strip())
+            assert isinstance(stamp, datetime)
+            return in_zone(stamp, tz, localize)
+        dt = ops.from_python(value)
+        assert isinstance(dt, datetime)
+        return in_zone(dt, tz, localize)
+    return ops.from_python(value)
+
+
+def build_sample(schema: Schema, fields: Sequence[Field], values: list[Value], missing: dict[str, str]) -> GpuSample:
+    """A sample from typed values, its raw text written the way nvidia-smi writes it."""
+    raw = tuple(f.format(v, missing.get(f.name)) for f, v in zip(fields, values, strict=True))
+    lost = any(r == "gpu_lost" for r in missing.values())
+    return GpuSample(schema, tuple(values), raw, missing or None, lost)
+
+
+def with_timestamp(sample: GpuSample, ts: datetime, *, keep_raw: bool = False) -> GpuSample:
+    """The sample with another timestamp; its raw text too unless ``keep_raw`` (the same instant, as recorded)."""
+    schema = sample.schema
+    pos = schema.pos_timestamp
+    if pos is None:
+        return sample
+    values = list(sample.values())
+    values[pos] = ts
+    raw = tuple(sample.raw.values())
+    if not keep_raw:
+        raw = (*raw[:pos], get_field("timestamp").format(ts), *raw[pos + 1 :])
+    return GpuSample(schema, tuple(values), raw, dict(sample.missing) or None, sample.gpu_lost)
+
+
+def with_gpu0(samples: Iterable[GpuSample]) -> Iterator[GpuSample]:
+    """The samples, each with an ``index`` column: a single-GPU log (``timestamp, power.draw``) is GPU 0."""
+    gpu0: dict[tuple[str, ...], Schema] = {}
+    for sample in samples:
+        if "index" in sample:
+            yield sample
+            continue
+        schema = gpu0.get(sample.fields)
+        if schema is None:
+            schema = gpu0[sample.fields] = Schema(("index", *sample.fields))
+        yield GpuSample(
+            schema,
+            (0, *(sample[n] for n in sample.fields)),
+            ("0", *sample.raw.values()),
+            dict(sample.missing) or None,
+            sample.gpu_lost,
+        )
