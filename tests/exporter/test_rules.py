@@ -20,7 +20,7 @@ import yaml
 
 from smiquery.exporter import HEALTH_METRICS, metric_specs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "docker" / "prometheus"
 RULES = PROM_DIR / "smiquery-rules.yml"
 RULES_TEST = PROM_DIR / "smiquery-rules.test.yml"
