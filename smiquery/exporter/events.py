@@ -96,18 +96,19 @@ class EventLog:
         detail = str(getattr(event, "detail", "") or "")
         err = getattr(event, "error", None)
         etype = type(err).__name__ if err is not None else None
-        if kind in ("restart", "error"):
-            # A fault that does not change (a driver mismatch retried every 30 s) is one state: its first line is
-            # a WARNING; every retry of the same fault goes to DEBUG until data flows again or the fault changes.
+        if kind == "error":
+            # the restart line that follows names the error and when the next attempt is: one line, not two
+            self.logger.debug("nvidia-smi error (%s): %s", etype, detail)
+        elif kind == "restart":
+            # A fault that does not change (a driver mismatch retried every 30 s) is one state: its first restart
+            # is a WARNING; every retry of the same fault goes to DEBUG until data flows again or the fault changes.
             fault = (etype, str(err).splitlines()[0] if err is not None and str(err) else detail)
             with self._lock:
                 same, self._fault = fault == self._fault, fault
             if same:
-                self.logger.debug("nvidia-smi %s (unchanged fault): %s", kind, detail)
-            elif kind == "restart":
-                self.emit(kind, logging.WARNING, f"nvidia-smi restart: {detail}", error_type=etype)
+                self.logger.debug("nvidia-smi restart (unchanged fault): %s", detail)
             else:
-                self.emit(kind, logging.WARNING, f"nvidia-smi error ({etype}): {detail}", error_type=etype)
+                self.emit(kind, logging.WARNING, f"nvidia-smi restart: {detail}", error_type=etype)
         elif kind == "recovered":
             with self._lock:
                 self._fault = None

@@ -24,10 +24,8 @@ from tests.exporter.test_exporter import (
     _sample,
     _scripted,
     collected,
-    exporter,  # noqa: F401  (the fixture)
     get,
     recorded,
-    recording,  # noqa: F401  (the fixture)
     wait_for,
 )
 
@@ -163,9 +161,11 @@ def test_an_unchanged_permanent_fault_is_logged_once_and_each_change_once(caplog
             ev.on_stream_event(StreamEvent("restart", err, f"restarting nvidia-smi in 30.0 s after: {err}"))
         ev.on_stream_event(StreamEvent("recovered", None, "nvidia-smi delivers rows again"))
         ev.on_stream_event(StreamEvent("error", err, str(err)))
+        ev.on_stream_event(StreamEvent("restart", err, f"restarting nvidia-smi in 2.0 s after: {err}"))
     loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     assert len(loud) == 3, loud
-    assert "version mismatch" in loud[0] and "delivers rows again" in loud[1] and "version mismatch" in loud[2]
+    assert "restarting nvidia-smi in 30.0 s" in loud[0] and "version mismatch" in loud[0]
+    assert "delivers rows again" in loud[1] and "in 2.0 s" in loud[2]
 
 
 def test_renumbered_gpus_keep_their_series_by_uuid(exporter, inproc, recording):
