@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import socket
 import threading
@@ -94,8 +95,9 @@ class SourceHealth:
         last_error_type: its exception class name.
         next_retry_at: ``time.time()`` of the next start while retrying.
         permanent: whether the current failure needs a person (driver mismatch, NVML missing...).
-        lost: GPU indices the source reports lost.
+        lost: GPU indices the source reports lost (an index another GPU delivers under is not in it).
         known: GPU index -> UUID for every GPU the source has seen.
+        lost_uuids: UUIDs the source reports lost, with the index each had when last seen.
     """
 
     running: bool
@@ -106,6 +108,7 @@ class SourceHealth:
     permanent: bool
     lost: frozenset[int]
     known: dict[int, str | None]
+    lost_uuids: dict[str, int | None] = dataclasses.field(default_factory=dict)
 
 
 def source_health(source: SweepSource) -> SourceHealth:
@@ -147,6 +150,7 @@ def source_health(source: SweepSource) -> SourceHealth:
         permanent=bool(getattr(st, "permanent", False)),
         lost=frozenset(getattr(st, "lost_gpus", None) or ()),
         known=known,
+        lost_uuids=dict(getattr(st, "lost_uuids", None) or {}),
     )
 
 
@@ -306,6 +310,9 @@ class SmiCollector:
         self.driver_version = ""
         self._gpus: dict[str, _Gpu] = {}  # by UUID (or "index:N" without one): what was seen, until restart
         self._fired: dict[tuple[int, str], int] = {}
+        # alert state per GPU (by UUID), dropped while the GPU is lost or the data stale: "unknown", not "firing"
+        self._evals: dict[str, AlertEvaluator] = {}
+        self._down_sweep: Sweep | None = None
         self._last_sweep: Sweep | None = None
         self._up: bool | None = None
         self._refresh_lock = threading.Lock()
@@ -329,17 +336,24 @@ class SmiCollector:
             health = source_health(self.stream)
             if sweep is not None and sweep is not self._last_sweep:
                 self._last_sweep = sweep
+                self._down_sweep = None  # a new sample: recovery may be announced
                 # when it arrived, on the monotonic clock: alert holds never subtract wall-clock timestamps
                 arrived = getattr(sweep, "arrived", None)
                 if not isinstance(arrived, (int, float)):
                     arrived = time.monotonic() - (age or 0.0)
                 self._take(sweep, health, float(arrived))
                 self._gpu_version += 1
-            elif health.lost:
+            elif health.lost or health.lost_uuids:
                 self._mark_lost(health, None)
                 self._gpu_version += 1
             up = self._is_up(sweep, age, health)
             if up != self._up:
+                if not up:
+                    # Until a new sample arrives, nothing is known: a retry that starts while the newest sample is
+                    # still young is not a recovery, and no alert state is carried across the gap.
+                    self._down_sweep = sweep
+                    self._evals.clear()
+                self._gpu_version += 1
                 if self._up is not None or not up:
                     why = "ok" if up else self.health()[1]
                     if self.on_state is not None and (self._up is not None or health.state != "starting"):
@@ -350,41 +364,61 @@ class SmiCollector:
         present: set[str] = set()
         reported: set[str] = set()
         for s in sweep:
+            drv = s.get("driver_version")
+            if drv is not None and not s.gpu_lost:
+                self.driver_version = str(drv)
+        for s in sweep:
             key = s.uuid or f"index:{s.index}"
             gpu = self._gpus.get(key)
-            native = self._native_labels(s)
-            dcgm = self._dcgm_labels(s) if self.naming == "dcgm" else native
             if gpu is None:
+                native = self._native_labels(s)
+                dcgm = self._dcgm_labels(s) if self.naming == "dcgm" else native
                 gpu = self._gpus[key] = _Gpu(s.index, s.uuid, native, dcgm)
-            else:
-                gpu.index, gpu.native, gpu.dcgm = s.index, native, dcgm
+            elif not s.gpu_lost:
+                # Labels come from rows that carry them: a lost GPU's row (status tokens in every cell) keeps the
+                # labels it had, so its series keep their identity exactly when they matter.
+                native = self._native_labels(s)
+                dcgm = self._dcgm_labels(s) if self.naming == "dcgm" else native
+                if s.index != gpu.index:
+                    self._evals.pop(key, None)  # renumbered after a driver reload: its alert holds start over
+                gpu.index, gpu.native, gpu.dcgm = s.index, {**gpu.native, **native}, {**gpu.dcgm, **dcgm}
             if s.gpu_lost:
                 reported.add(key)  # nvidia-smi's own word: lost at once
-            else:
-                present.add(key)
-            drv = s.get("driver_version")
-            if drv is not None:
-                self.driver_version = str(drv)
+                continue
+            present.add(key)
             if self.alerts is not None:
-                for ev in self.alerts.update(s, arrived):
-                    if ev.state == "firing":
-                        i = self.alerts.rules.index(ev.rule)
+                ev = self._evals.get(key)
+                if ev is None:
+                    ev = self._evals[key] = type(self.alerts)(self.alerts.rules, self.alerts.clock)
+                for event in ev.update(s, arrived):
+                    if event.state == "firing":
+                        i = self.alerts.rules.index(event.rule)
                         self._fired[(i, key)] = self._fired.get((i, key), 0) + 1
         self._mark_lost(health, present, reported)
 
     def _mark_lost(
         self, health: SourceHealth, present: set[str] | None, reported: AbstractSet[str] = frozenset()
     ) -> None:
-        by_index = {g.index: k for k, g in self._gpus.items()}
+        lost_keys = set(reported)
+        # The source names lost GPUs by UUID where it knows them: after a driver reload renumbers GPUs an index
+        # says nothing about which GPU is gone.
+        for uuid, idx in health.lost_uuids.items():
+            lost_keys.add(uuid)
+            if uuid not in self._gpus:
+                self._gpus[uuid] = self._unseen_gpu(idx, uuid)
+        named = set(health.lost_uuids.values())
         for idx in health.lost:
-            if idx not in by_index:  # reported lost before the collector saw it
-                uuid = health.known.get(idx)
-                key = uuid or f"index:{idx}"
-                labels = {"gpu": str(idx), "uuid": uuid or "", **self.labels}
-                dcgm = {"gpu": str(idx), "UUID": uuid or "", "device": f"nvidia{idx}", **self.labels}
-                self._gpus[key] = _Gpu(idx, uuid, labels, dcgm if self.naming == "dcgm" else labels)
-                by_index[idx] = key
-        lost_keys = {by_index[i] for i in health.lost if i in by_index} | set(reported)
+            if idx in named:
+                continue
+            candidates = [k for k, g in self._gpus.items() if g.index == idx and (present is None or k not in present)]
+            if candidates:
+                lost_keys.update(candidates)
+                continue
+            known = health.known.get(idx)
+            key = known or f"index:{idx}"
+            if key not in self._gpus:
+                self._gpus[key] = self._unseen_gpu(idx, known)
+            lost_keys.add(key)
         for key, gpu in self._gpus.items():
             if present is None:
                 now_lost = gpu.lost or key in lost_keys  # no new sweep: only the source's word can add to it
@@ -392,12 +426,34 @@ class SmiCollector:
                 # Absent from two sweeps in a row: one cut sweep is not a lost GPU.
                 gpu.absent = 0 if key in present else gpu.absent + 1
                 now_lost = key in lost_keys or gpu.absent >= 2 or (gpu.lost and key not in present)
+            if now_lost:
+                self._evals.pop(key, None)  # a lost GPU's alert state ends: nothing is known about it
             if now_lost != gpu.lost:
                 gpu.lost = now_lost
                 if self.on_gpu_change is not None and gpu.index is not None:
                     self.on_gpu_change(now_lost, gpu.index, gpu.uuid)
 
+    def _unseen_gpu(self, idx: int | None, uuid: str | None) -> _Gpu:
+        # A GPU the source reported lost before the collector saw a row of it: the labels that can be known.
+        gpu = "" if idx is None else str(idx)
+        native = {"gpu": gpu, "uuid": uuid or "", **self.labels}
+        if self.naming != "dcgm":
+            return _Gpu(idx, uuid, native, native)
+        dcgm = {
+            "gpu": gpu,
+            "UUID": uuid or "",
+            "device": f"nvidia{gpu}",
+            "modelName": "",
+            "Hostname": self.hostname,
+            "pci_bus_id": "",
+        }
+        if self.driver_version:
+            dcgm["DCGM_FI_DRIVER_VERSION"] = self.driver_version
+        return _Gpu(idx, uuid, native, {**dcgm, **self.labels})
+
     def _is_up(self, sweep: Sweep | None, age: float | None, health: SourceHealth) -> bool:
+        if sweep is not None and sweep is self._down_sweep:
+            return False  # still the sample from before the outage
         return health.running and health.state not in ("retrying", "failed", "closed") and self._fresh(sweep, age)
 
     def lost_gpus(self) -> list[tuple[int | None, str | None]]:
@@ -746,17 +802,20 @@ class SmiCollector:
         if self.alerts is not None and self._gpus:
             firing = _gauge(
                 "smiquery_alert_firing",
-                "1 while a smiquery alert rule, evaluated on every nvidia-smi sample, fires on the GPU, else 0.",
+                "1 while a smiquery alert rule, evaluated on every nvidia-smi sample, fires on the GPU, else 0; "
+                "absent while the GPU is lost or the data stale (unknown).",
             )
             fired = _counter("smiquery_alert_fired", "Times a smiquery alert rule started firing on the GPU.")
             for i, rule in enumerate(self.alerts.rules):
                 for key, gpu in self._gpus.items():
                     labels = {**(gpu.dcgm if self.naming == "dcgm" else gpu.native), "alert": str(rule)}
-                    track = gpu.index if gpu.index is not None else gpu.uuid
-                    on = self.alerts.state(i, track) == "firing"
-                    firing.add_sample(firing.name, labels, 1.0 if on else 0.0)
+                    ev = self._evals.get(key)
+                    if self._up and not gpu.lost:
+                        track = gpu.index if gpu.index is not None else gpu.uuid
+                        on = ev is not None and ev.state(i, track) == "firing"
+                        firing.add_sample(firing.name, labels, 1.0 if on else 0.0)
                     fired.add_sample(fired.name + "_total", labels, float(self._fired.get((i, key), 0)))
-            out += [firing, fired]
+            out += [f for f in (firing, fired) if f.samples]
         return out
 
     def _health_tail(self, duration: float) -> list[Metric]:

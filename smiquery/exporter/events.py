@@ -58,6 +58,7 @@ class EventLog:
         self.suppressed = 0
         self._buckets: dict[str, _Bucket] = {}
         self._lock = threading.Lock()
+        self._fault: tuple[str | None, str] | None = None  # the failure last announced, until data flows again
 
     def emit(self, kind: str, level: int, message: str, **fields: Any) -> bool:
         """Log one line unless this kind is over its rate; returns whether it was logged.
@@ -95,11 +96,22 @@ class EventLog:
         detail = str(getattr(event, "detail", "") or "")
         err = getattr(event, "error", None)
         etype = type(err).__name__ if err is not None else None
-        if kind == "restart":
-            self.emit(kind, logging.WARNING, f"nvidia-smi restart: {detail}", error_type=etype)
-        elif kind == "error":
-            self.emit(kind, logging.WARNING, f"nvidia-smi error ({etype}): {detail}", error_type=etype)
+        if kind == "error":
+            # the restart line that follows names the error and when the next attempt is: one line, not two
+            self.logger.debug("nvidia-smi error (%s): %s", etype, detail)
+        elif kind == "restart":
+            # A fault that does not change (a driver mismatch retried every 30 s) is one state: its first restart
+            # is a WARNING; every retry of the same fault goes to DEBUG until data flows again or the fault changes.
+            fault = (etype, str(err).splitlines()[0] if err is not None and str(err) else detail)
+            with self._lock:
+                same, self._fault = fault == self._fault, fault
+            if same:
+                self.logger.debug("nvidia-smi restart (unchanged fault): %s", detail)
+            else:
+                self.emit(kind, logging.WARNING, f"nvidia-smi restart: {detail}", error_type=etype)
         elif kind == "recovered":
+            with self._lock:
+                self._fault = None
             self.emit(kind, logging.INFO, f"nvidia-smi recovered: {detail or 'data flows again'}")
         elif kind == "short_sweep":
             self.emit(kind, logging.WARNING, f"short sweep: {detail}")
@@ -127,6 +139,8 @@ class EventLog:
             why: one line of reason.
         """
         if up:
+            with self._lock:
+                self._fault = None
             self.emit("up", logging.INFO, f"collecting again: {why}")
         else:
             self.emit("down", logging.WARNING, f"not collecting: {why}")

@@ -59,7 +59,7 @@ from smiquery.testing import InProcessRunner, use_runner
 from tests.conftest import assert_stopped
 from tests.leakcheck import no_leaks, wait_no_children
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # shared/ sits beside the checkout (a clone) or beside the folder of worktrees.
 SHARED = next(
     (p / "shared" for p in (ROOT.parent, ROOT.parent.parent) if (p / "shared").is_dir()), ROOT.parent / "shared"

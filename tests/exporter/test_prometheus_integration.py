@@ -28,13 +28,13 @@ from typing import Any
 import pytest
 
 from smiquery.exporter import DCGM_MAP
-from tests.test_exporter import SHARED, recorded, write_recording
-from tests.test_rules import DASHBOARD, RULES, load_rules, require_tool
+from tests.exporter.test_exporter import SHARED, recorded, write_recording
+from tests.exporter.test_rules import DASHBOARD, RULES, load_rules, require_tool
 
 # One worker under pytest-xdist: the module's Prometheus stack (a server and three exporters) starts once.
 pytestmark = pytest.mark.xdist_group("prometheus")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DCGM_DASHBOARD = SHARED / "dcgm" / "dcgm-exporter-dashboard.json"
 MiB = 1048576.0
 # What promtool's linter says about the DCGM exporter's own names (documented in docs/exporter.md).
@@ -378,7 +378,7 @@ def test_promtool_check_metrics_dcgm_reports_only_what_dcgm_names_cause(stack):
 def test_promtool_check_metrics_on_every_catalogue_field(naming):
     from smiquery.exporter import SmiCollector
     from smiquery.fields import CATALOGUE
-    from tests.test_exporter import FrozenSource
+    from tests.exporter.test_exporter import FrozenSource
 
     body = SmiCollector(FrozenSource(), fields=list(CATALOGUE), naming=naming).exposition()
     done = subprocess.run([require_tool("promtool"), "check", "metrics"], input=body, capture_output=True, timeout=60)

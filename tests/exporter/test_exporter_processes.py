@@ -19,10 +19,10 @@ from smiquery.exporter import PMON_METRICS, Exporter, SmiCollector, serve
 from smiquery.exporter.pmonwatch import process_instant
 from smiquery.pmon import parse_pmon
 from smiquery.source import StreamStats
+from tests.exporter.test_exporter import ROOT, cli, flat, get, wait_for
 from tests.leakcheck import no_leaks, wait_no_children
-from tests.test_exporter import ROOT, cli, flat, get, wait_for
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 SM = "smiquery_process_sm_utilization_ratio"
 MEM = "smiquery_process_memory_utilization_ratio"
 FB = "smiquery_process_gpu_memory_used_bytes"
@@ -375,7 +375,7 @@ def test_docs_list_every_process_metric() -> None:
 def test_promtool_finds_nothing_wrong_with_the_process_series(exporter, fake_smi, naming):
     import subprocess
 
-    from tests.test_rules import require_tool
+    from tests.exporter.test_rules import require_tool
 
     promtool = require_tool("promtool")
     exp = exporter(nvidia_smi=fake_smi(), top_processes=2, naming=naming)

@@ -20,7 +20,7 @@ import yaml
 
 from smiquery.exporter import HEALTH_METRICS, metric_specs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "docker" / "prometheus"
 RULES = PROM_DIR / "smiquery-rules.yml"
 RULES_TEST = PROM_DIR / "smiquery-rules.test.yml"
@@ -127,7 +127,9 @@ def test_the_issue_alerts_exist_with_their_thresholds():
     stalled = rules["GpuStalledPipeline"]
     assert "avg_over_time(smiquery_utilization_gpu_ratio[30m]) < 0.2" in stalled["expr"]
     assert "on(uuid)" in stalled["expr"] and "rate(smiquery_training_steps_total[5m])" in stalled["expr"]
-    assert "smiquery_process_used_memory_bytes" in stalled["expr"]
+    # memory held at 0 % busy is also an idle inference server: no evidence of training, so no part of the rule
+    assert "smiquery_process_used_memory_bytes" not in stalled["expr"]
+    assert "smiquery_gpu_lost" in crit["expr"] and "smiquery_up" in crit["expr"]
     assert "hw_thermal_slowdown" in rules["GpuThermalThrottling"]["expr"]
     assert "power_brake" in rules["GpuPowerBrakeThrottling"]["expr"]
     assert "smiquery_gpu_lost" in rules["GpuLost"]["expr"]
@@ -326,22 +328,55 @@ def _cases(naming: str, step: int) -> list[dict[str, Any]]:
             ],
         }
     )
-    # no training metrics anywhere: fall back to a compute process on the GPU (GPU 0 has one, GPU 1 none)
+    # a pure inference fleet: processes hold memory at 0 % busy (--processes on), no training metric anywhere;
+    # nothing says a job is starved, so nothing fires
     out.append(
         {
-            "name": f"GpuStalledPipeline at {interval}: compute-process fallback",
+            "name": f"GpuStalledPipeline at {interval}: a pure inference fleet stays quiet",
             "interval": interval,
             "input_series": [
-                _series(util, g[0], f"{low}x{n(40)}"),
-                _series("smiquery_process_used_memory_bytes", {**_native_labels(0), "pid": "9"}, f"2e9x{n(40)}"),
-                _series(util, g[1], f"0x{n(40)}"),
+                _series(util, g[0], f"0x{n(90)}"),
+                _series("smiquery_process_used_memory_bytes", {**_native_labels(0), "pid": "9"}, f"2e10x{n(90)}"),
+                _series(util, g[1], f"{low}x{n(90)}"),
+                _series("smiquery_process_used_memory_bytes", {**_native_labels(1), "pid": "12"}, f"6e9x{n(90)}"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": t, "alertname": "GpuStalledPipeline", "exp_alerts": []} for t in ("35m", "61m", "90m")
+            ],
+        }
+    )
+    # a GPU that fell off the bus while its alert fired, and an exporter whose data went stale: the critical alert
+    # ends (GpuLost and smiquery_up carry the news); the exporter leaves smiquery_alert_firing out meanwhile
+    up = {"instance": "gpu-node-1:9849", "job": "smiquery-exporter"}
+    out.append(
+        {
+            "name": f"GpuTemperatureCritical at {interval}: lost or stale ends it",
+            "interval": interval,
+            "input_series": [
+                _series("smiquery_alert_firing", {**g[0], **crit}, f"1x{n(3)} _x{n(20)}"),
+                _series("smiquery_alert_fired_total", {**g[0], **crit}, f"1x{n(23)}"),
+                _series("smiquery_gpu_lost", g[0], f"0x{n(3)} 1x{n(20)}"),
+                _series("smiquery_alert_firing", {**g[1], **crit}, f"1x{n(3)} _x{n(20)}"),
+                _series("smiquery_alert_fired_total", {**g[1], **crit}, f"1x{n(23)}"),
+                _series("smiquery_gpu_lost", g[1], f"0x{n(23)}"),
+                _series("smiquery_up", up, f"1x{n(10)} 0x{n(13)}"),
             ],
             "alert_rule_test": [
                 {
-                    "eval_time": "35m",
-                    "alertname": "GpuStalledPipeline",
-                    "exp_alerts": [_alert("GpuStalledPipeline", g[0], "warning")],
+                    "eval_time": "2m",
+                    "alertname": "GpuTemperatureCritical",
+                    "exp_alerts": [
+                        _alert("GpuTemperatureCritical", {**g[0], **crit}, "critical"),
+                        _alert("GpuTemperatureCritical", {**g[1], **crit}, "critical"),
+                    ],
                 },
+                {
+                    "eval_time": "5m",
+                    "alertname": "GpuTemperatureCritical",
+                    "exp_alerts": [_alert("GpuTemperatureCritical", {**g[1], **crit}, "critical")],
+                },
+                {"eval_time": "12m", "alertname": "GpuTemperatureCritical", "exp_alerts": []},
+                {"eval_time": "20m", "alertname": "GpuTemperatureCritical", "exp_alerts": []},
             ],
         }
     )
