@@ -105,7 +105,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
             if len(comp) > 1:
                 found.append(sorted(comp))
 
-    for v in sorted(MODULES):
+    for v in sorted(set(edges) | {w for ws in edges.values() for w in ws}):
         if v not in index:
             visit(v)
     return found

@@ -22,7 +22,7 @@ from smiquery.clock import Localizer
 from smiquery.parsing import parse_lines
 from smiquery.recordings import Replay, read_csv, read_recording
 from smiquery.source import Sweep
-from tests.test_monitor import deliver, hand_monitor
+from tests.training.test_monitor import deliver, hand_monitor
 
 BERLIN = ZoneInfo("Europe/Berlin")
 HEADER = "timestamp, index, power.draw [W], utilization.gpu [%], memory.used [MiB]"

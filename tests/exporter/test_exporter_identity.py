@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from smiquery.records import GpuSample, Schema
+from smiquery.sample import GpuSample, Schema
 
 from smiquery.alerts import AlertEvaluator
 from smiquery.errors import DriverVersionMismatchError
