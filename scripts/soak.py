@@ -41,7 +41,7 @@ import psutil
 
 from smiquery.retry import RetryPolicy
 from smiquery.source import StreamEvent, Sweep
-from smiquery.supervisor import stream
+from smiquery.streams.sync import stream
 
 GPUS = 8
 FIELDS = ["timestamp", "index", "uuid", "memory.used"]

@@ -36,7 +36,7 @@ from smiquery.errors import (
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (and re) at run time
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
-    from smiquery import aio, compat, fields, oneshot, parsing, pmon, runner, sample, source, supervisor  # noqa: F401
+    from smiquery import aio, compat, fields, oneshot, parsing, pmon, runner, sample, source, streams  # noqa: F401
     from smiquery.details import inspect
     from smiquery.fields import CATALOGUE, PRESETS, Field, Kind, get_field, parse_help_query_gpu, resolve_fields
     from smiquery.oneshot import GpuProcess, get_gpu_status, processes, processes_df, query, query_df
@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from smiquery.retry import RetryPolicy
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, StreamStats, Sweep
-    from smiquery.supervisor import Stream, stream
+    from smiquery.streams.sync import Stream, stream
 del TYPE_CHECKING  # not a public name
 
 __version__ = "0.1.0"
@@ -69,7 +69,7 @@ _LAZY = {
     "RetryPolicy": "smiquery.retry",
     "inspect": "smiquery.details",
     **dict.fromkeys(("SampleSource", "StreamEvent", "StreamStats", "Sweep"), "smiquery.source"),
-    **dict.fromkeys(("Stream", "stream"), "smiquery.supervisor"),
+    **dict.fromkeys(("Stream", "stream"), "smiquery.streams.sync"),
     # these import pandas on first use
     "read_csv": "smiquery.recordings.csv",
     "to_dataframe": "smiquery.recordings.frames",
@@ -78,7 +78,7 @@ _LAZY = {
 # Submodules reachable after a plain `import smiquery` (`smiquery.aio.query(...)`, `smiquery.fields.CATALOGUE`),
 # imported on first use: the adoption modules, and those that `import smiquery` used to import eagerly.
 _LAZY_MODULES = frozenset(
-    {"aio", "compat", "pmon", "fields", "oneshot", "parsing", "runner", "sample", "source", "supervisor"}
+    {"aio", "compat", "pmon", "fields", "oneshot", "parsing", "runner", "sample", "source", "streams"}
 )
 
 

@@ -34,14 +34,15 @@ from typing import TYPE_CHECKING
 
 from smiquery.errors import InfoRomWarning, NvidiaSmiTimeoutError, ParseError, failure_from_exit
 from smiquery.kinds import missing_reason
-from smiquery.oneshot import DEFAULT_TIMEOUT, normalize_gpus
+from smiquery.oneshot import DEFAULT_TIMEOUT
 from smiquery.runner import default_runner, find_nvidia_smi
+from smiquery.streams.argv import normalize_gpus
 
 if TYPE_CHECKING:
     import os
 
-    from smiquery.oneshot import GpusArg
     from smiquery.runner import Runner
+    from smiquery.streams.argv import GpusArg
 
 __all__ = [
     "KNOWN_DTD_VERSIONS",

@@ -1,12 +1,11 @@
-"""One-shot calls: ``query()``, ``processes()`` and ``get_gpu_status()``, and the argument lists they build.
+"""One-shot calls: ``query()``, ``processes()`` and ``get_gpu_status()``.
 
-Validates fields and GPU ids before anything runs, runs nvidia-smi once through a :class:`~smiquery.runner.Runner`
-and parses its output. Long-running streams live in :mod:`smiquery.supervisor`.
+Validates fields and GPU ids before anything runs (:mod:`smiquery.streams.argv`), runs nvidia-smi once through a
+:class:`~smiquery.runner.Runner` and parses its output. Long-running streams live in :mod:`smiquery.streams`.
 """
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,11 +13,12 @@ from datetime import datetime, tzinfo
 from typing import TYPE_CHECKING, Any, cast
 
 from smiquery._log import get_logger
-from smiquery.errors import InfoRomWarning, InvalidGpuIdError, NvidiaSmiFailedError, ParseError, failure_from_exit
+from smiquery.errors import InfoRomWarning, NvidiaSmiFailedError, ParseError, failure_from_exit
 from smiquery.fields import Field, resolve_fields
 from smiquery.parsing import CsvParser, is_message, missing_reason
 from smiquery.runner import Completed, Runner, default_runner, find_nvidia_smi
 from smiquery.sample import GpuSample
+from smiquery.streams.argv import FieldsArg, GpusArg, build_argv, normalize_gpus
 
 if TYPE_CHECKING:
     import os
@@ -26,13 +26,9 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = [
-    "FieldsArg",
     "GpuProcess",
-    "GpusArg",
-    "InfoRomWarning",
-    "build_argv",
+    "check_and_parse",
     "get_gpu_status",
-    "normalize_gpus",
     "processes",
     "processes_df",
     "query",
@@ -40,79 +36,6 @@ __all__ = [
 ]
 
 log = get_logger("smiquery")
-
-FieldsArg = str | Sequence[str] | None
-GpusArg = int | str | Sequence[int | str] | None
-
-_UUID_RE = re.compile(r"(GPU|MIG)-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
-_BUS_RE = re.compile(r"([0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
-
-
-def normalize_gpus(gpus: GpusArg) -> tuple[str, ...]:
-    """Validate GPU ids (indices, UUIDs or PCI bus ids) before anything runs.
-
-    Args:
-        gpus: one id, a comma list, or a sequence of ids; None for all GPUs.
-
-    Returns:
-        The ids as strings for ``-i``.
-
-    Raises:
-        InvalidGpuIdError: an id is none of the three forms.
-    """
-    if gpus is None:
-        return ()
-    if isinstance(gpus, (int, str)):
-        items: list[int | str] = [gpus]
-    else:
-        items = list(gpus)
-    out: list[str] = []
-    for item in items:
-        if isinstance(item, bool):
-            raise InvalidGpuIdError(item)
-        if isinstance(item, int):
-            if item < 0:
-                raise InvalidGpuIdError(item)
-            out.append(str(item))
-            continue
-        if not isinstance(item, str):
-            raise InvalidGpuIdError(item)
-        for part in item.split(","):
-            part = part.strip()
-            if part.isdigit() and part.isascii():
-                out.append(str(int(part)))
-            elif _UUID_RE.fullmatch(part) or _BUS_RE.fullmatch(part):
-                out.append(part)
-            else:
-                raise InvalidGpuIdError(part)
-    if not out:
-        raise InvalidGpuIdError(gpus)
-    return tuple(dict.fromkeys(out))
-
-
-def build_argv(
-    binary: str,
-    fields: Sequence[Field],
-    gpus: Sequence[str] = (),
-    *,
-    interval: float | None = None,
-) -> list[str]:
-    """The nvidia-smi argument list for a query (one-shot, or loop mode when ``interval`` is given).
-
-    Whole seconds use ``-l N``; anything else uses ``-lms N`` (milliseconds, at least 1).
-    """
-    argv = [binary, "--query-gpu=" + ",".join(f.argv_name for f in fields), "--format=csv,noheader,nounits"]
-    if gpus:
-        argv += ["-i", ",".join(gpus)]
-    if interval is not None:
-        if interval <= 0:
-            raise ValueError("interval must be positive")
-        if interval >= 1 and float(interval).is_integer():
-            argv += ["-l", str(int(interval))]
-        else:
-            argv += ["-lms", str(max(1, round(interval * 1000)))]
-    return argv
-
 
 #: Seconds a one-shot call waits by default: enough for a cold start without persistence mode, which takes 15-30 s
 #: on large hosts and in containers with a huge open-file limit (NVIDIA-SMI.md section 6).
@@ -126,9 +49,10 @@ def _messages_only(done: Completed, fields: Sequence[Field]) -> str:
     return "\n".join(said) + (("\n" + done.stderr) if done.stderr else "")
 
 
-def _check_and_parse(
+def check_and_parse(
     argv: Sequence[str], done: Completed, parser: CsvParser, fields: Sequence[Field]
 ) -> list[GpuSample]:
+    """Judge a finished one-shot call: its typed error, or its rows (exit 14 keeps them and warns)."""
     returncode = done.returncode
     if returncode not in (0, 14):
         raise failure_from_exit(argv, returncode, _messages_only(done, fields))
@@ -189,7 +113,7 @@ def query(
     run = runner or default_runner()
     argv = build_argv(find_nvidia_smi(nvidia_smi, runner=run), flds, ids)
     done = run.run(argv, timeout)
-    return _check_and_parse(argv, done, CsvParser(flds, tz=tz), flds)
+    return check_and_parse(argv, done, CsvParser(flds, tz=tz), flds)
 
 
 def query_df(

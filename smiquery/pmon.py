@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 from smiquery._log import get_logger
 from smiquery.errors import ParseError
-from smiquery.oneshot import GpusArg, normalize_gpus
 from smiquery.retry import RetryPolicy
 from smiquery.runner import Runner, default_runner, find_nvidia_smi
 from smiquery.source import StreamEvent, StreamStats
+from smiquery.streams.argv import GpusArg, normalize_gpus
 from smiquery.streams.engine import Engine
 from smiquery.streams.threaded import ThreadDriver
 
@@ -398,7 +398,7 @@ class PmonStream:
     """One long-lived ``nvidia-smi pmon`` child, parsed into :class:`PmonRow` records and instants.
 
     Iterate it for rows, or call :meth:`samples` for one tuple of rows per interval. The same engine and
-    guarantees as the CSV stream (:class:`~smiquery.supervisor.Stream`), under the same
+    guarantees as the CSV stream (:class:`~smiquery.streams.sync.Stream`), under the same
     :class:`~smiquery.retry.RetryPolicy`: one child at a time, every child reaped on every path (early stop,
     exception, close from any thread, garbage collection); no row within ``startup_timeout`` of a start, or none
     for ``stall_timeout`` once rows flow, counts as a hang (killed, restarted); failures are retried under the

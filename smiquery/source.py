@@ -1,6 +1,6 @@
 """What every sample source shares: sweeps, the latest-sweep publisher, events and counters.
 
-A live :class:`~smiquery.supervisor.Stream` and a :class:`~smiquery.recordings.playback.Replay` both implement
+A live :class:`~smiquery.streams.sync.Stream` and a :class:`~smiquery.recordings.playback.Replay` both implement
 :class:`SampleSource`; consumers (CLI, exporter, training callbacks) only ever see that protocol.
 """
 
@@ -382,7 +382,7 @@ class StreamStats:
 class SampleSource(Protocol):
     """Anything that delivers samples over time; consumers (CLI, exporter, training monitors) use only this.
 
-    Implemented by a live :class:`~smiquery.supervisor.Stream` and a :class:`~smiquery.recordings.playback.Replay`.
+    Implemented by a live :class:`~smiquery.streams.sync.Stream` and a :class:`~smiquery.recordings.playback.Replay`.
 
     Iterate it for samples (one per GPU per instant), call :meth:`sweeps` for whole instants, or :meth:`start`
     it in a background thread and read :meth:`latest` from any thread. ``stats`` is always readable;

@@ -280,7 +280,7 @@ def test_showutilization_ignores_attrlist_like_gputil(use_fake: Any, capsys: pyt
 def test_missing_nvidia_smi_raises_instead_of_an_empty_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi anywhere on PATH
     monkeypatch.delenv("SMIQUERY_NVIDIA_SMI", raising=False)
-    monkeypatch.setattr("smiquery.runner._usual_places", lambda: [str(tmp_path / "nope")])
+    monkeypatch.setattr("smiquery.runner.usual_places", lambda: [str(tmp_path / "nope")])
     assert real.getGPUs() == []
     with pytest.raises(errors.NvidiaSmiNotFoundError):
         shim.getGPUs()

@@ -18,8 +18,10 @@ import pytest
 
 import smiquery
 from smiquery import errors
-from smiquery.oneshot import InfoRomWarning, get_gpu_status, normalize_gpus, processes, processes_df, query, query_df
+from smiquery.errors import InfoRomWarning
+from smiquery.oneshot import get_gpu_status, processes, processes_df, query, query_df
 from smiquery.runner import SubprocessRunner, find_nvidia_smi
+from smiquery.streams.argv import normalize_gpus
 from smiquery.testing import InProcessRunner, fake_nvidia_smi
 from tests.leakcheck import no_leaks
 
@@ -317,7 +319,7 @@ def test_throttle_fields_work_on_a_pre_535_driver_under_their_new_names(tmp_path
 
 def test_argv_sends_throttle_reasons_under_the_spelling_every_driver_accepts():
     from smiquery.fields import resolve_fields
-    from smiquery.oneshot import build_argv
+    from smiquery.streams.argv import build_argv
 
     argv = build_argv("nvidia-smi", resolve_fields("health"), interval=1)
     names = argv[1].removeprefix("--query-gpu=").split(",")

@@ -72,7 +72,7 @@ def test_fake_query_imports_neither_pandas_nor_the_runner(fake_smi: MakeFake) ->
     assert done.returncode == 0, done.stderr[-400:]
     assert len(done.stdout.splitlines()) == 8  # the bundled demo: 8 GPUs
     assert "smiquery.testing" in modules
-    assert not {"smiquery.runner", "smiquery.oneshot", "smiquery.supervisor"} & modules
+    assert not {"smiquery.runner", "smiquery.oneshot", "smiquery.streams.sync"} & modules
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
 
 
@@ -100,8 +100,8 @@ def test_smiquery_query_imports_no_typer_and_no_pandas(fake_smi: MakeFake) -> No
         ("CATALOGUE", "fields"),
         ("Field", "fields"),
         ("GpuSample", "sample"),
-        ("Stream", "supervisor"),
-        ("stream", "supervisor"),
+        ("Stream", "streams.sync"),
+        ("stream", "streams.sync"),
         ("query", "oneshot"),
         ("query_df", "oneshot"),
         ("Sweep", "source"),
@@ -117,7 +117,7 @@ def test_lazy_names_resolve_to_their_modules_objects(name: str, module: str) -> 
 
 
 def test_submodules_resolve_after_a_plain_import() -> None:
-    names = ["fields", "oneshot", "parsing", "sample", "runner", "source", "supervisor", "aio", "pmon", "compat"]
+    names = ["fields", "oneshot", "parsing", "sample", "runner", "source", "streams", "aio", "pmon", "compat"]
     code = f"import smiquery; print(*(getattr(smiquery, n).__name__ for n in {names!r}))"
     done = _run([sys.executable, "-c", code])
     assert done.returncode == 0, done.stderr[-400:]

@@ -100,7 +100,7 @@ def _merged(spans: Iterable[tuple[Any, Any, int]], slack: Any = None) -> list[tu
 
 def _selected(df: pd.DataFrame, gpus: Sequence[int | str] | str) -> pd.Series:
     """Rows of the chosen GPUs, by index, UUID or PCI bus id (UUIDs and bus ids when the recording has them)."""
-    from smiquery.oneshot import normalize_gpus
+    from smiquery.streams.argv import normalize_gpus
 
     ids = normalize_gpus(gpus)
     keep = df["index"].astype("string").isin(list(ids))

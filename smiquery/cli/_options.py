@@ -109,7 +109,7 @@ def parse_gpus(spec: str | None, what: str = "--gpus") -> tuple[str, ...] | None
     Raises:
         UsageError: an id that is none of the three forms.
     """
-    from smiquery.oneshot import normalize_gpus
+    from smiquery.streams.argv import normalize_gpus
 
     if spec is None:
         return None

@@ -150,7 +150,7 @@ def _gpu_list(spec: str | None) -> list[int | str] | None:
     """GPU ids as ``stream --id`` takes them: indices, UUIDs or PCI bus ids, comma-separated."""
     if spec is None:
         return None
-    from smiquery.oneshot import normalize_gpus
+    from smiquery.streams.argv import normalize_gpus
 
     return list(normalize_gpus(spec))
 

@@ -20,7 +20,7 @@ from smiquery.cli._common import app, seconds_option, settings_of
 from smiquery.cli._signals import Signals
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError, ListenError, SmiqueryError
 from smiquery.fields import resolve_fields
-from smiquery.oneshot import normalize_gpus
+from smiquery.streams.argv import normalize_gpus
 
 if TYPE_CHECKING:
     from smiquery.exporter import Exporter, WebConfig

@@ -456,7 +456,7 @@ def _open_live(
     pump_stop: threading.Event,
 ) -> tuple[SampleSource, tuple[Field, ...], str]:
     """One long-lived nvidia-smi as a source (its restart backoff ends with ``pump_stop``), its fields, a title."""
-    from smiquery.supervisor import Stream
+    from smiquery.streams.sync import Stream
 
     flds = parse_fields(fields, rule_fields)
 

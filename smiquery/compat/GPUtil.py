@@ -24,8 +24,8 @@ from typing import Any
 
 from smiquery.errors import ParseError, failure_from_exit
 from smiquery.fields import Field, resolve_fields
-from smiquery.oneshot import build_argv
 from smiquery.runner import default_runner, find_nvidia_smi
+from smiquery.streams.argv import build_argv
 
 __all__ = [
     "GPU",

@@ -37,8 +37,8 @@ from smiquery.exporter.naming import (
 )
 from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.poller import ProcessPoller
-from smiquery.exporter.server import Exporter, ListenError, PortInUseError, serve
-from smiquery.exporter.webconfig import WebConfig, WebConfigError, load_web_config
+from smiquery.exporter.server import Exporter, serve
+from smiquery.exporter.webconfig import WebConfig, load_web_config
 
 __all__ = [
     "DCGM_MAP",
@@ -48,18 +48,15 @@ __all__ = [
     "PMON_METRICS",
     "EventLog",
     "Exporter",
-    "ListenError",
     "MetricSpec",
     "Naming",
     "PmonWatcher",
-    "PortInUseError",
     "ProcessInstant",
     "ProcessPoller",
     "SmiCollector",
     "SourceHealth",
     "SweepSource",
     "WebConfig",
-    "WebConfigError",
     "configure_logging",
     "load_web_config",
     "metric_specs",

@@ -44,7 +44,7 @@ _LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class SweepSource(Protocol):
-    """What the collector reads: a started :class:`~smiquery.supervisor.Stream` (or a stand-in in tests)."""
+    """What the collector reads: a started :class:`~smiquery.streams.sync.Stream` (or a stand-in in tests)."""
 
     @property
     def interval(self) -> float:

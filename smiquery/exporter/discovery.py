@@ -17,7 +17,7 @@ from smiquery.runner import default_runner, find_nvidia_smi
 if TYPE_CHECKING:
     import os
 
-    from smiquery.oneshot import GpusArg
+    from smiquery.streams.argv import GpusArg
 
 __all__ = ["supported_fields"]
 

@@ -21,8 +21,8 @@ from smiquery.retry import RetryPolicy
 if TYPE_CHECKING:
     import os
 
-    from smiquery.oneshot import GpusArg
     from smiquery.source import StreamEvent
+    from smiquery.streams.argv import GpusArg
 
 __all__ = ["PmonWatcher", "ProcessInstant", "process_instant"]
 

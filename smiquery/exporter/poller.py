@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 
 from smiquery._log import get_logger
 from smiquery.errors import SmiqueryError
-from smiquery.oneshot import GpuProcess, normalize_gpus, processes
+from smiquery.oneshot import GpuProcess, processes
+from smiquery.streams.argv import normalize_gpus
 
 if TYPE_CHECKING:
     import os
 
-    from smiquery.oneshot import GpusArg
+    from smiquery.streams.argv import GpusArg
 
 __all__ = ["ProcessPoller"]
 

@@ -26,17 +26,17 @@ from smiquery.exporter.pmonwatch import PmonWatcher
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.webconfig import WebConfig, load_web_config
 from smiquery.fields import resolve_fields
-from smiquery.oneshot import normalize_gpus
 from smiquery.retry import RetryPolicy
-from smiquery.supervisor import stream
+from smiquery.streams.argv import normalize_gpus
+from smiquery.streams.sync import stream
 
 if TYPE_CHECKING:
     import os
 
     from smiquery.fields import Field
-    from smiquery.oneshot import GpusArg
+    from smiquery.streams.argv import GpusArg
 
-__all__ = ["CONTENT_TYPE", "Exporter", "ListenError", "PortInUseError", "serve"]
+__all__ = ["CONTENT_TYPE", "Exporter", "serve"]
 
 log = get_logger("smiquery.exporter")
 
@@ -213,7 +213,7 @@ class Exporter:
 
     Attributes:
         collector: the :class:`SmiCollector` behind ``/metrics``.
-        stream: the background :class:`~smiquery.supervisor.Stream` (a new one after a revival).
+        stream: the background :class:`~smiquery.streams.sync.Stream` (a new one after a revival).
         poller: the :class:`ProcessPoller`, when ``processes=True``.
         pmon: the :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, when ``top_processes`` is above 0.
         http: the :class:`~smiquery.exporter.httpd.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).

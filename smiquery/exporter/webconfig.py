@@ -31,7 +31,7 @@ from typing import Any
 
 from smiquery.errors import WebConfigError
 
-__all__ = ["WebConfig", "WebConfigError", "load_web_config"]
+__all__ = ["WebConfig", "load_web_config"]
 
 _TLS_KEYS = frozenset(
     {"cert_file", "key_file", "client_ca_file", "client_auth_type", "min_version", "max_version", "cipher_suites"}

@@ -1,7 +1,7 @@
 """Playback: a recording as a sample source, paced by its own timestamps like the original run.
 
 :func:`replay` gives the samples of a recording one by one (and :meth:`Replay.sweeps` groups them the way
-:meth:`smiquery.supervisor.Stream.sweeps` does), so anything that consumes a live stream can consume a recording.
+:meth:`smiquery.streams.sync.Stream.sweeps` does), so anything that consumes a live stream can consume a recording.
 The format modules read the samples (CSV and JSONL line by line with the pure parser; pandas and pyarrow are
 imported only for Parquet); this module selects, projects and paces them.
 """
@@ -16,7 +16,6 @@ from datetime import datetime, timedelta, tzinfo
 
 from smiquery.errors import ParseError, ReplayError
 from smiquery.fields import Field, resolve_fields
-from smiquery.oneshot import GpusArg, normalize_gpus
 from smiquery.recordings.base import RecordingFormat, check_file, detect_format, resolve_zone
 from smiquery.recordings.csv import read_csv_samples
 from smiquery.recordings.jsonl import read_jsonl_samples
@@ -24,6 +23,7 @@ from smiquery.recordings.parquet import read_parquet_samples
 from smiquery.recordings.values import field_for, with_gpu0, with_timestamp
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
+from smiquery.streams.argv import GpusArg, normalize_gpus
 
 __all__ = ["MAX_GAP_SECONDS", "Replay", "replay"]
 

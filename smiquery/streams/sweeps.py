@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import tzinfo
 
 from smiquery._log import get_logger
-from smiquery.fields import Field
+from smiquery.fields import Field, resolve_fields
 from smiquery.parsing import CsvParser, is_message
+from smiquery.retry import RetryPolicy
 from smiquery.sample import GpuSample
-from smiquery.source import StreamEvent, StreamStats, Sweep, SweepGrouper
+from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep, SweepGrouper
+from smiquery.streams.argv import FieldsArg, GpusArg, build_argv, normalize_gpus
+from smiquery.streams.engine import Engine
 
-__all__ = ["CsvRows", "Identity", "bus_key"]
+__all__ = ["CsvRows", "CsvSource", "Identity", "bus_key"]
 
 log = get_logger("smiquery")
 
@@ -260,3 +264,88 @@ class CsvRows:
         """The newest sweep and its monotonic arrival time. Any thread."""
         with self._lock:
             return self._latest
+
+
+class CsvSource(LatestSweep):
+    """What the thread and asyncio CSV streams share: checked arguments, counters, the rows' meaning, the engine.
+
+    Args:
+        fields: a preset, ``"a,b,c"`` or a sequence of names (``index`` is added when absent).
+        interval: seconds between samples.
+        gpus: indices, UUIDs or PCI bus ids; None for all.
+        binary: the nvidia-smi path (already located).
+        startup_timeout: seconds a new child may take to print its first row.
+        stall_timeout: seconds without a row before the child counts as hung (default ``max(3 * interval, 10)``).
+        retry: the retry policy (default ``RetryPolicy()``).
+        on_event: called with each :class:`~smiquery.source.StreamEvent`.
+        tz: time zone of the timestamps.
+        duration: seconds the stream may run.
+        max_rows: stop after this many rows.
+
+    Raises:
+        InvalidFieldError: an unknown field.
+        InvalidGpuIdError: a malformed GPU id.
+        ValueError: a non-positive interval or timeout.
+    """
+
+    def __init__(
+        self,
+        fields: FieldsArg,
+        *,
+        interval: float,
+        gpus: GpusArg,
+        binary: str,
+        startup_timeout: float,
+        stall_timeout: float | None,
+        retry: RetryPolicy | None,
+        on_event: Callable[[StreamEvent], None] | None,
+        tz: tzinfo | None,
+        duration: float | None = None,
+        max_rows: int | None = None,
+    ) -> None:
+        flds = resolve_fields(fields)
+        if not any(f.name == "index" for f in flds):
+            flds = (*resolve_fields(["index"]), *flds)  # sweeps are grouped by GPU index
+        if interval <= 0:
+            raise ValueError("interval must be positive")
+        if startup_timeout <= 0:
+            raise ValueError("startup_timeout must be positive")
+        self.fields = flds
+        self.interval = float(interval)
+        self.gpus = normalize_gpus(gpus)
+        self.argv = tuple(build_argv(binary, flds, self.gpus, interval=self.interval))
+        self.startup_timeout = float(startup_timeout)
+        self.stall_timeout = stall_timeout if stall_timeout is not None else max(3 * self.interval, 10.0)
+        #: The :class:`~smiquery.retry.RetryPolicy` this stream runs under.
+        self.retry_policy = retry if retry is not None else RetryPolicy()
+        self.on_event = on_event
+        self.stats = StreamStats()
+        self._lock = threading.Lock()
+        self._latest = None
+        expected = [int(g) for g in self.gpus if g.isdigit()]
+        self._rows = CsvRows(
+            flds,
+            self.stats,
+            self._emit,
+            expected=expected if len(expected) == len(self.gpus) else (),
+            interval=self.interval,
+            tz=tz,
+        )
+        self._engine: Engine[GpuSample | Sweep] = Engine(
+            self._rows,
+            self.argv,
+            self.retry_policy,
+            startup_timeout=self.startup_timeout,
+            stall_timeout=self.stall_timeout,
+            duration=duration,
+            max_rows=max_rows,
+            stats=self.stats,
+            emit=self._emit,
+        )
+
+    def latest(self) -> tuple[Sweep | None, float | None]:
+        """The newest sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
+        got = self._rows.latest()
+        if got is None:
+            return None, None
+        return got[0], time.monotonic() - got[1]

@@ -1,6 +1,6 @@
 """The thread driver of the engine: reads a child's lines with deadlines, sleeps between starts, reaps.
 
-:class:`~smiquery.supervisor.Stream` (CSV) and :class:`~smiquery.pmon.PmonStream` both run their
+:class:`~smiquery.streams.sync.Stream` (CSV) and :class:`~smiquery.pmon.PmonStream` both run their
 :class:`~smiquery.streams.engine.Engine` through one :class:`ThreadDriver`: the loop, the child's life and
 :meth:`ThreadDriver.close` exist once.
 """
@@ -150,7 +150,7 @@ class ThreadDriver(Generic[Item]):
         thread: threading.Thread | None,
         generator: Generator[Item, None, None] | None,
     ) -> None:
-        """Stop within ``timeout`` seconds; see :meth:`smiquery.supervisor.Stream.close`.
+        """Stop within ``timeout`` seconds; see :meth:`smiquery.streams.sync.Stream.close`.
 
         Args:
             timeout: seconds.

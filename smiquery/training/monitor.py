@@ -59,7 +59,7 @@ def _open_stream(
     on_event: Callable[[StreamEvent], None],
 ) -> SampleSource:
     """A live stream, listened to through ``subscribe()`` where the source has it, else ``on_event=``."""
-    from smiquery.supervisor import Stream, stream
+    from smiquery.streams.sync import Stream, stream
 
     if hasattr(Stream, "subscribe"):
         source: Any = stream(list(fields), interval=interval, gpus=gpus, nvidia_smi=nvidia_smi)

@@ -54,7 +54,7 @@ from smiquery.retry import RetryPolicy
 from smiquery.runner import SubprocessRunner
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import StreamStats, Sweep
-from smiquery.supervisor import stream
+from smiquery.streams.sync import stream
 from smiquery.testing import InProcessRunner, use_runner
 from tests.conftest import assert_stopped
 from tests.leakcheck import no_leaks, wait_no_children
@@ -1425,7 +1425,8 @@ def test_web_config_tls_with_client_certificates(exporter, tmp_path, pki):
     ],
 )
 def test_web_config_errors_say_what_is_wrong(tmp_path, text, message):
-    from smiquery.exporter import WebConfigError, load_web_config
+    from smiquery.errors import WebConfigError
+    from smiquery.exporter import load_web_config
 
     cfg = tmp_path / "web.yml"
     cfg.write_text(text, encoding="utf-8")

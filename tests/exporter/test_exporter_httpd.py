@@ -23,8 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from smiquery.errors import WebConfigError
 from smiquery.exporter.httpd import HttpServer, Request, Response, _parse
-from smiquery.exporter.webconfig import WebConfig, WebConfigError, load_web_config
+from smiquery.exporter.webconfig import WebConfig, load_web_config
 
 BIG = b"# metrics\n" + b"x" * 262_144 + b"\n"  # big enough to fill socket buffers
 

@@ -11,12 +11,12 @@ import re
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from smiquery.sample import GpuSample, Schema
 
 from smiquery.alerts import AlertEvaluator
 from smiquery.errors import DriverVersionMismatchError
 from smiquery.exporter import EventLog
 from smiquery.fields import resolve_fields
+from smiquery.sample import GpuSample, Schema
 from smiquery.source import StreamEvent
 from tests.exporter.test_exporter import (
     UUIDS,

@@ -31,7 +31,7 @@ from smiquery.recordings import (
 )
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import SweepGrouper
-from smiquery.supervisor import stream
+from smiquery.streams.sync import stream
 from tests.corpus import require_corpus
 from tests.helpers import wait_for
 

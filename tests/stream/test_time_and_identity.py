@@ -24,7 +24,7 @@ from smiquery import aio, errors
 from smiquery.oneshot import query
 from smiquery.retry import RetryPolicy
 from smiquery.source import StreamEvent, Sweep
-from smiquery.supervisor import stream
+from smiquery.streams.sync import stream
 from smiquery.testing import InProcessRunner
 from tests.conftest import MakeFake
 from tests.helpers import wait_for
@@ -154,7 +154,7 @@ def test_stats_follow_the_latest_sweep_by_uuid_after_a_reload(fake_smi: MakeFake
 PAUSED = {
     "sync": """
 import sys
-from smiquery.supervisor import stream
+from smiquery.streams.sync import stream
 from smiquery.retry import RetryPolicy
 s = stream("index,uuid", nvidia_smi=sys.argv[1], interval=0.1, stall_timeout=1.0,
            retry=RetryPolicy(max_restarts=0))

@@ -15,7 +15,7 @@ import pytest
 
 from smiquery import errors, query
 from smiquery.runner import SubprocessRunner, default_runner, find_nvidia_smi
-from smiquery.supervisor import Stream
+from smiquery.streams.sync import Stream
 from smiquery.testing import ENV_VARS, InProcessRunner, use_runner
 from tests.conftest import assert_stopped
 

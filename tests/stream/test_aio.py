@@ -23,7 +23,7 @@ from smiquery.retry import RetryPolicy
 from smiquery.source import Sweep
 from tests.conftest import MakeFake
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 SWEEP = FIXTURES / "h100x8-590-sweep.csv"
 
 
@@ -335,7 +335,7 @@ def _wait_gone(pid: int, seconds: float) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux-only")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_stream_child_dies_with_its_parent(fake_smi: MakeFake, sig: int) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT, str(fake_smi(recording=SWEEP, fault="hang-after:16,ignore-term"))],
         stdout=subprocess.PIPE,

@@ -19,21 +19,18 @@ from __future__ import annotations
 
 import inspect
 import threading
-import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from datetime import tzinfo
 from typing import TYPE_CHECKING
 
 from smiquery._log import get_logger
-from smiquery.fields import resolve_fields
-from smiquery.oneshot import FieldsArg, GpusArg, build_argv, normalize_gpus
 from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, RetryPolicy
 from smiquery.runner import Runner, default_runner, find_nvidia_smi
 from smiquery.sample import GpuSample
-from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep
-from smiquery.streams.engine import Engine
-from smiquery.streams.sweeps import CsvRows
+from smiquery.source import StreamEvent, Sweep
+from smiquery.streams.argv import FieldsArg, GpusArg
+from smiquery.streams.sweeps import CsvSource
 from smiquery.streams.threaded import ThreadDriver
 
 if TYPE_CHECKING:
@@ -48,7 +45,7 @@ log = get_logger("smiquery")
 DEFAULT_STARTUP_TIMEOUT = 45.0
 
 
-class Stream(LatestSweep):
+class Stream(CsvSource):
     """One long-lived nvidia-smi in loop mode: a live :class:`~smiquery.source.SampleSource`.
 
     Iterate it for samples (one per GPU per instant), or call :meth:`sweeps` for whole instants. Or call
@@ -79,50 +76,23 @@ class Stream(LatestSweep):
         sleep: Callable[[float], None] | None = None,
         tz: tzinfo | None = None,
     ) -> None:
-        flds = resolve_fields(fields)
-        if not any(f.name == "index" for f in flds):
-            flds = (*resolve_fields(["index"]), *flds)  # sweeps are grouped by GPU index
-        if interval <= 0:
-            raise ValueError("interval must be positive")
-        if startup_timeout <= 0:
-            raise ValueError("startup_timeout must be positive")
-        self.fields = flds
-        self.interval = float(interval)
-        self.gpus = normalize_gpus(gpus)
-        self._runner: Runner = runner or default_runner()
-        self._binary = find_nvidia_smi(nvidia_smi, runner=self._runner)
-        self.argv = tuple(build_argv(self._binary, flds, self.gpus, interval=self.interval))
-        self.max_samples = max_samples
-        self.duration = duration
-        self.startup_timeout = float(startup_timeout)
-        self.stall_timeout = stall_timeout if stall_timeout is not None else max(3 * self.interval, 10.0)
-        #: The :class:`~smiquery.retry.RetryPolicy` this stream runs under.
-        self.retry_policy = retry if retry is not None else RetryPolicy()
-        self.on_event = on_event
-        self.stats = StreamStats()
-        self._lock = threading.Lock()
-        self._latest = None
-        expected = [int(g) for g in self.gpus if g.isdigit()]
-        self._rows = CsvRows(
-            flds,
-            self.stats,
-            self._emit,
-            expected=expected if len(expected) == len(self.gpus) else (),
-            interval=self.interval,
+        runner = runner or default_runner()
+        super().__init__(
+            fields,
+            interval=interval,
+            gpus=gpus,
+            binary=find_nvidia_smi(nvidia_smi, runner=runner),
+            startup_timeout=startup_timeout,
+            stall_timeout=stall_timeout,
+            retry=retry,
+            on_event=on_event,
             tz=tz,
-        )
-        self._engine: Engine[GpuSample | Sweep] = Engine(
-            self._rows,
-            self.argv,
-            self.retry_policy,
-            startup_timeout=self.startup_timeout,
-            stall_timeout=self.stall_timeout,
             duration=duration,
             max_rows=max_samples,
-            stats=self.stats,
-            emit=self._emit,
         )
-        self._driver: ThreadDriver[GpuSample | Sweep] = ThreadDriver(self._engine, self._runner, sleep=sleep)
+        self.max_samples = max_samples
+        self.duration = duration
+        self._driver: ThreadDriver[GpuSample | Sweep] = ThreadDriver(self._engine, runner, sleep=sleep)
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         # Only a weak reference: an abandoned iterator must be collectable at once (no cycle), so that dropping it
@@ -209,13 +179,6 @@ class Stream(LatestSweep):
     def child_pid(self) -> int | None:
         """The pid of the nvidia-smi child running now, if any."""
         return self._driver.child_pid
-
-    def latest(self) -> tuple[Sweep | None, float | None]:
-        """The newest sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
-        got = self._rows.latest()
-        if got is None:
-            return None, None
-        return got[0], time.monotonic() - got[1]
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop within ``timeout`` seconds. Idempotent, safe from any thread.

@@ -10,7 +10,8 @@ import psutil
 import pytest
 
 from smiquery import errors
-from smiquery.oneshot import InfoRomWarning, processes, query
+from smiquery.errors import InfoRomWarning
+from smiquery.oneshot import processes, query
 from smiquery.runner import LineStream, SubprocessRunner, live_children
 from tests.leakcheck import no_leaks
 from tests.scripted import FIELDS, scripted_smi

@@ -19,7 +19,7 @@ import pytest
 from smiquery import errors
 from smiquery.retry import RetryPolicy
 from smiquery.source import SampleSource, StreamEvent, Sweep
-from smiquery.supervisor import Stream, stream
+from smiquery.streams.sync import Stream, stream
 from tests.leakcheck import no_leaks
 from tests.scripted import FIELDS, scripted_smi
 
@@ -225,7 +225,7 @@ def test_close_during_backoff_returns_at_once(fake_smi):
 
 PARENT = """
 import sys, time
-from smiquery.supervisor import stream
+from smiquery.streams.sync import stream
 s = stream(interval=0.05, nvidia_smi=sys.argv[1]).start()
 while s.child_pid is None or s.latest()[0] is None:
     time.sleep(0.01)
@@ -259,7 +259,7 @@ def test_loop_child_dies_with_its_parent(fake_smi, sig):
 
 FORKER = """
 import os, sys, time
-from smiquery.supervisor import stream
+from smiquery.streams.sync import stream
 s = stream(interval=0.05, nvidia_smi=sys.argv[1]).start()
 while s.child_pid is None or s.latest()[0] is None:
     time.sleep(0.01)

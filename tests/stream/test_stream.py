@@ -12,7 +12,7 @@ import pytest
 from smiquery import errors
 from smiquery.retry import RetryPolicy
 from smiquery.source import StreamEvent
-from smiquery.supervisor import Stream, stream
+from smiquery.streams.sync import Stream, stream
 from tests.leakcheck import no_leaks, wait_no_children
 
 

@@ -24,7 +24,7 @@ from smiquery.retry import RetryPolicy
 from smiquery.runner import live_children
 from tests.conftest import MakeFake
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 def _fixture(name: str) -> str:

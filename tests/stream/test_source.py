@@ -8,7 +8,7 @@ import pytest
 
 from smiquery.recordings import replay
 from smiquery.source import SampleSource, StreamEvent, Sweep, SweepGrouper
-from smiquery.supervisor import stream
+from smiquery.streams.sync import stream
 from smiquery.testing import fake_nvidia_smi
 from tests.conftest import FIXTURES
 

@@ -1,0 +1,443 @@
+"""Finding and running nvidia-smi: with :mod:`~smiquery.streams`, the only package that imports ``subprocess``.
+
+Every child runs from an argument list (never a shell), in its own process group, under a deadline. On every
+path (normal end, exception, timeout, early stop, ``KeyboardInterrupt``, garbage collection) the whole group is
+terminated, then killed, and the child is reaped: a helper process that inherited the pipes is killed with it.
+On Linux a loop child also gets a parent-death signal, so it dies with this process however this process dies.
+Only children started by the current process are ever touched: a forked copy of this process leaves them alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import select
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from smiquery.errors import (
+    NvidiaSmiNotFoundError,
+    NvidiaSmiTimeoutError,
+    OutputTooLargeError,
+)
+from smiquery.runner.children import (
+    PIPE_GRACE,
+    TERM_GRACE,
+    PidWatch,
+    exited,
+    live_children,
+    popen,
+    signal_group,
+    terminate_and_reap,
+    wait_exit,
+)
+from smiquery.runner.lines import MAX_LINE_BYTES, LineStream, decode
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "MAX_OUTPUT_BYTES",
+    "TERM_GRACE",
+    "Completed",
+    "LineSource",
+    "LineStream",
+    "Runner",
+    "SubprocessRunner",
+    "default_runner",
+    "find_nvidia_smi",
+    "install_default",
+    "live_children",
+    "terminate_and_reap",
+]
+
+ENV_VAR = "SMIQUERY_NVIDIA_SMI"
+
+#: The most a one-shot call reads before it gives up on the child (:class:`~smiquery.errors.OutputTooLargeError`).
+MAX_OUTPUT_BYTES = 8 * 1024 * 1024
+
+
+class _Flood(Exception):
+    """Internal: a one-shot child's output passed :data:`MAX_OUTPUT_BYTES`."""
+
+
+def usual_places() -> list[str]:
+    places = ["/usr/bin/nvidia-smi", "/usr/local/nvidia/bin/nvidia-smi", "/usr/lib/wsl/lib/nvidia-smi"]
+    if os.name == "nt":
+        root = os.environ.get("SYSTEMROOT", r"C:\Windows")
+        prog = os.environ.get("PROGRAMFILES", r"C:\Program Files")
+        places = [
+            str(Path(root) / "System32" / "nvidia-smi.exe"),
+            str(Path(prog) / "NVIDIA Corporation" / "NVSMI" / "nvidia-smi.exe"),
+        ]
+    return places
+
+
+def _check_executable(path: str, origin: str) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise NvidiaSmiNotFoundError(f"nvidia-smi not found at {path} ({origin}); fix the path or unset it")
+    if p.is_dir() or not os.access(p, os.X_OK):
+        raise NvidiaSmiNotFoundError(
+            f"{path} ({origin}) is not an executable file; check its permissions (chmod +x) or the path"
+        )
+    return str(p)
+
+
+# The last PATH search that found nvidia-smi: (PATH value, path). Searched again when PATH changes or the file is
+# no longer an executable file, so a remembered answer is never staler than one stat.
+_which_memo: tuple[str | None, str] | None = None
+
+
+def _which_cached() -> str | None:
+    global _which_memo
+    path_var = os.environ.get("PATH")
+    memo = _which_memo
+    if memo is not None and memo[0] == path_var and os.path.isfile(memo[1]) and os.access(memo[1], os.X_OK):
+        return memo[1]
+    found = shutil.which("nvidia-smi")
+    _which_memo = (path_var, found) if found else None
+    return found
+
+
+def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner: Runner | None = None) -> str:
+    r"""Locate the nvidia-smi binary.
+
+    Order: the ``nvidia_smi`` argument, the ``SMIQUERY_NVIDIA_SMI`` environment variable, ``PATH``, then the
+    usual places (``/usr/bin``, ``/usr/local/nvidia/bin`` used by container runtimes, WSL's ``/usr/lib/wsl/lib``,
+    and on Windows ``%SystemRoot%\System32`` and ``%ProgramFiles%\NVIDIA Corporation\NVSMI``).
+    A PATH hit is remembered while ``PATH`` keeps its value and the file stays executable.
+
+    A runner that serves nvidia-smi without a file (one with a ``locate`` method, like
+    :class:`smiquery.testing.InProcessRunner`) names the binary itself and nothing is looked up: the ``runner``
+    argument, else the runner :func:`default_runner` returns.
+
+    Args:
+        nvidia_smi: an explicit path (or a bare command name looked up on PATH).
+        runner: the runner that will run the binary (default: :func:`default_runner`).
+
+    Returns:
+        The path to run.
+
+    Raises:
+        NvidiaSmiNotFoundError: nothing usable was found; the message says what to do.
+    """
+    chosen = runner if runner is not None else _installed
+    if chosen is not None and isinstance(chosen, _Locating):
+        return chosen.locate(nvidia_smi)
+    if nvidia_smi is not None:
+        text = os.fspath(nvidia_smi)
+        if os.sep not in text and "/" not in text:
+            found = shutil.which(text)
+            if found:
+                return found
+        return _check_executable(text, "nvidia_smi argument")
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return _check_executable(env, f"${ENV_VAR}")
+    found = _which_cached()
+    if found:
+        return found
+    searched = usual_places()
+    for place in searched:
+        if os.path.isfile(place) and os.access(place, os.X_OK):
+            return place
+    raise NvidiaSmiNotFoundError(searched=["PATH", *searched])
+
+
+@dataclass(frozen=True)
+class Completed:
+    """A finished nvidia-smi run.
+
+    Attributes:
+        argv: the command that ran.
+        returncode: its exit status.
+        stdout: standard output, decoded (undecodable bytes replaced).
+        stderr: standard error, decoded.
+        seconds: wall time of the run.
+    """
+
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        """stdout and stderr together, for error messages (nvidia-smi prints its errors on stdout)."""
+        return self.stdout + (("\n" + self.stderr) if self.stderr else "")
+
+
+class LineSource(Protocol):
+    """The output of one running nvidia-smi, line by line: what :meth:`Runner.lines` returns.
+
+    :class:`LineStream` reads a real child; :class:`smiquery.testing.InProcessRunner` serves one without a
+    process. Nothing here decides that a child is hung: :meth:`readline` just reports that no line came in time,
+    and the caller (the stream supervisor) decides what silence means.
+    """
+
+    argv: tuple[str, ...]
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None without a process)."""
+        ...
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status, once the child is reaped."""
+        ...
+
+    @property
+    def idle(self) -> float:
+        """Seconds the last :meth:`readline` waited for its line's data (0.0 when it was already buffered)."""
+        ...
+
+    @property
+    def stderr(self) -> str:
+        """What the child wrote to stderr so far."""
+        ...
+
+    @property
+    def closed(self) -> bool:
+        """True once the child is reaped and everything is released."""
+        ...
+
+    def readline(self, timeout: float) -> str | None:
+        """The next complete line, without its newline; blank lines are skipped.
+
+        Returns:
+            The line, or None when no complete line arrived within ``timeout`` seconds (or :meth:`interrupt` was
+            called); the child keeps running either way.
+
+        Raises:
+            StreamEndedError: the output ended and the child exited 0.
+            NvidiaSmiFailedError: the output ended and the child exited non-zero (its typed subclass).
+        """
+        ...
+
+    def interrupt(self) -> None:
+        """Make a :meth:`readline` blocked in another thread return None now."""
+        ...
+
+    def terminate(self) -> None:
+        """Ask the child to stop (SIGTERM to its group). Any thread; idempotent."""
+        ...
+
+    def kill(self) -> None:
+        """Kill the child's group (SIGKILL). Any thread; idempotent."""
+        ...
+
+    def close(self) -> None:
+        """Terminate, kill if needed, reap and release; idempotent, returns within about a second."""
+        ...
+
+
+class Runner(Protocol):
+    """How smiquery runs nvidia-smi. :class:`SubprocessRunner` is the real one; tests may inject others.
+
+    Every function that runs nvidia-smi takes ``runner=``; without one it uses :func:`default_runner`. A runner
+    may also define ``locate(nvidia_smi) -> str``: then :func:`find_nvidia_smi` asks it for ``argv[0]`` instead
+    of searching the file system (:class:`smiquery.testing.InProcessRunner` does, since it starts no binary).
+    """
+
+    def run(self, argv: Sequence[str], timeout: float) -> Completed:
+        """Run to completion within ``timeout`` seconds."""
+        ...
+
+    def lines(self, argv: Sequence[str]) -> LineSource:
+        """Start a long-running child and return its output lines."""
+        ...
+
+
+@runtime_checkable
+class _Locating(Protocol):
+    """A runner that names ``argv[0]`` itself (it starts no file), so no PATH lookup is made for it."""
+
+    def locate(self, nvidia_smi: str | os.PathLike[str] | None) -> str: ...
+
+
+# The runner used where none is passed. Only smiquery.testing.use_runner() changes it, for the length of a
+# `with` block in a test; no environment variable or configuration file can.
+_installed: Runner | None = None
+
+
+def default_runner() -> Runner:
+    """The runner used wherever none is passed: a new :class:`SubprocessRunner`.
+
+    Inside a :func:`smiquery.testing.use_runner` block (tests only) it is the runner given there instead, in
+    every thread, so that the CLI, the exporter and the callbacks run against an in-process fake.
+
+    Returns:
+        The runner to use.
+    """
+    installed = _installed
+    return installed if installed is not None else SubprocessRunner()
+
+
+def install_default(runner: Runner | None) -> Runner | None:
+    """Make ``runner`` the default (None: back to :class:`SubprocessRunner`); returns the previous one."""
+    global _installed
+    previous, _installed = _installed, runner
+    return previous
+
+def _run_to_end(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, bytes, bool]:
+    """Read a one-shot child's output to its end; returns (stdout, stderr, finished in time).
+
+    The output ends when both pipes close and the leader has exited, or :data:`PIPE_GRACE` after the leader
+    exited (helpers that still hold the pipes are then killed). Where the kernel has pidfds the leader's exit is
+    one more readiness event beside the pipes, so nothing sleeps or polls; elsewhere the leader is looked at
+    every 50 ms.
+    """
+    out, err = bytearray(), bytearray()
+    pipes = {p.fileno(): buf for p, buf in ((proc.stdout, out), (proc.stderr, err)) if p is not None}
+    for fd in pipes:
+        os.set_blocking(fd, False)
+    watch = PidWatch(proc.pid)
+    try:
+        if watch.fd is None or not hasattr(select, "poll"):
+            finished = _read_polling(proc, pipes, deadline)
+        else:
+            finished = _read_with_pidfd(proc, pipes, watch.fd, deadline)
+    finally:
+        watch.close()
+    return bytes(out), bytes(err), finished
+
+
+def _drain(pipes: dict[int, bytearray]) -> None:
+    for fd, buf in pipes.items():
+        with contextlib.suppress(OSError):
+            while chunk := os.read(fd, 65536):
+                buf += chunk
+                if len(buf) > MAX_OUTPUT_BYTES:
+                    raise _Flood
+
+
+def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool:
+    """Read what ``fd`` has; at end of file drop it from ``pipes`` and return True."""
+    try:
+        chunk = os.read(fd, 65536)
+    except BlockingIOError:
+        return False
+    except OSError:
+        chunk = b""
+    if chunk:
+        buf = pipes[fd]
+        buf += chunk
+        if len(buf) > MAX_OUTPUT_BYTES:
+            raise _Flood
+        return False
+    del pipes[fd]
+    return True
+
+
+def _read_with_pidfd(proc: subprocess.Popen[bytes], pipes: dict[int, bytearray], pidfd: int, deadline: float) -> bool:
+    """:func:`_run_to_end` where the leader's exit is readable on ``pidfd``: wake only on events.
+
+    ``pipes`` maps each open output fd to its buffer; closed ones are removed.
+    """
+    poller = select.poll()
+    for fd in pipes:
+        poller.register(fd, select.POLLIN)
+    poller.register(pidfd, select.POLLIN)
+    exit_seen: float | None = None
+    while pipes or exit_seen is None:
+        now = time.monotonic()
+        wait = deadline - now
+        if exit_seen is not None:  # only pipes left: a helper may hold them
+            wait = min(wait, exit_seen + PIPE_GRACE - now)
+            if wait <= 0:
+                signal_group(proc, signal.SIGKILL)
+                _drain(pipes)
+                return True
+        if wait <= 0:
+            return False
+        for fd, _ in poller.poll(max(1, math.ceil(wait * 1000))):
+            if fd == pidfd:
+                poller.unregister(pidfd)
+                exit_seen = time.monotonic()
+            elif _read_chunk(fd, pipes):
+                poller.unregister(fd)
+    return True
+
+
+def _read_polling(proc: subprocess.Popen[bytes], pipes: dict[int, bytearray], deadline: float) -> bool:
+    """:func:`_run_to_end` without pidfds: select on the pipes, looking at the leader every 50 ms."""
+    exit_seen: float | None = None
+    while pipes:
+        now = time.monotonic()
+        if exit_seen is None and exited(proc):
+            exit_seen = now
+        wait = deadline - now
+        if exit_seen is not None:
+            wait = min(wait, exit_seen + PIPE_GRACE - now)
+            if wait <= 0:
+                signal_group(proc, signal.SIGKILL)
+                _drain(pipes)
+                return True
+        elif wait <= 0:
+            return False
+        ready, _, _ = select.select(list(pipes), [], [], min(wait, 0.05 if exit_seen is None else wait))
+        for fd in ready:
+            _read_chunk(fd, pipes)
+    return wait_exit(proc, max(deadline - time.monotonic(), 0.0))
+
+
+class SubprocessRunner:
+    """Runs nvidia-smi as a real child process.
+
+    Args:
+        env: environment for the child (default: inherit).
+        pdeathsig: give loop children a parent-death signal on Linux (default True).
+    """
+
+    def __init__(self, env: Mapping[str, str] | None = None, *, pdeathsig: bool = True) -> None:
+        self.env = env
+        self.pdeathsig = pdeathsig
+
+    def run(self, argv: Sequence[str], timeout: float) -> Completed:
+        """Run ``argv`` to completion.
+
+        The whole call, killing included, takes at most about ``timeout`` seconds: the child is terminated
+        shortly before the deadline so that reaping fits inside it. A child that exited while a helper it
+        started still holds its output pipe is complete: its output is returned and the helper killed.
+
+        Raises:
+            NvidiaSmiNotFoundError: the binary does not exist or cannot be executed.
+            NvidiaSmiTimeoutError: it did not finish in time (it was killed).
+        """
+        start = time.monotonic()
+        proc = popen(argv, self.env, pdeathsig=False)
+        grace = min(TERM_GRACE, timeout / 10)
+        try:
+            if os.name == "nt":  # pragma: no cover - no select() on pipes there
+                try:
+                    raw_out, raw_err = proc.communicate(timeout=max(timeout - 2 * grace, 0.001))
+                    finished = True
+                except subprocess.TimeoutExpired:
+                    raw_out, raw_err, finished = b"", b"", False
+            else:
+                raw_out, raw_err, finished = _run_to_end(proc, start + max(timeout - 2 * grace, 0.001))
+        except _Flood:
+            raise OutputTooLargeError(argv, MAX_OUTPUT_BYTES) from None
+        finally:
+            terminate_and_reap(proc, grace)
+        if not finished:
+            raise NvidiaSmiTimeoutError(
+                f"nvidia-smi did not answer within {timeout:g} s and was killed; the driver may be hung "
+                "(check `dmesg` for Xid errors) or slow without persistence mode (`nvidia-smi -pm 1`)",
+                argv=argv,
+                timeout=timeout,
+            )
+        rc = proc.returncode if proc.returncode is not None else -signal.SIGKILL
+        return Completed(tuple(argv), rc, decode(raw_out), decode(raw_err), time.monotonic() - start)
+
+    def lines(self, argv: Sequence[str]) -> LineStream:
+        """Start ``argv`` and return its output as a :class:`LineStream`."""
+        return LineStream(argv, env=self.env, pdeathsig=self.pdeathsig)
