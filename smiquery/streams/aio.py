@@ -448,9 +448,8 @@ class _Child:
                 continue
             self._take(data)
         self.idle = waited
-        out = lines[:]
-        lines.clear()
-        return out
+        self._lines = []
+        return lines
 
     def _take(self, data: bytes) -> None:
         cut = data.rfind(b"\n")

@@ -85,13 +85,11 @@ class Identity:
 
     def row(self, sample: GpuSample) -> None:
         """A data row: ``[GPU is lost]`` cells mark it lost; values from a lost GPU mean it is back."""
+        if not sample.gpu_lost and not self.lost:
+            return  # the common case, once a row
         key = self._resolve(sample)
         if key is None:
             return
-        if "pci.bus_id" in sample:
-            bus = sample["pci.bus_id"]
-            if isinstance(bus, str) and bus:
-                self._bus[bus_key(bus)] = key
         if sample.gpu_lost:
             if key not in self.lost:
                 self._lose(key, sample.index, "fell off the bus")
@@ -102,12 +100,19 @@ class Identity:
         """An undamaged sweep: the GPUs absent from it are lost; the known set follows it."""
         present: dict[str, int | None] = {}
         delivering: set[int] = set()
+        buses = "pci.bus_id" in sweep[0] if sweep else False
         for s in sweep:
             key = self._resolve(s)
             if key is not None:
                 present[key] = s.index
                 if not s.gpu_lost and s.index is not None:
                     delivering.add(s.index)
+                if buses:
+                    bus = s["pci.bus_id"]
+                    if isinstance(bus, str) and bus:
+                        self._bus[bus_key(bus)] = key
+        if present == self.index_of and not self.lost and not self._said_lost:
+            return  # the same GPUs as last time: nothing to say or publish
         said = {self._bus[b] for b in self._said_lost if b in self._bus}
         self._said_lost.clear()
         for key, idx in self.index_of.items():
