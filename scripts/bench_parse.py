@@ -42,7 +42,7 @@ from smiquery.parsing import CsvParser, header_line  # noqa: E402
 GPUS = 8
 TARGET_READ = 3.0
 TARGET_MEMORY = 3.0
-TARGET_STREAM = 10.0
+TARGET_STREAM = 8.0  # issue 20: CsvParser.feed within 8x a bare split
 READ_ROUNDS = 3
 STREAM_ROUNDS = 10
 

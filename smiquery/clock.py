@@ -70,6 +70,21 @@ class Localizer:
             out = naive.replace(tzinfo=self.tz)
             self.last = out
             return out
+        return self._resolve(naive)
+
+    def plain_hour(self, naive: datetime) -> bool:
+        """True when the hour of ``naive`` holds no zone change (every wall time in it exists once, one offset).
+
+        Zones change on whole hours, so a parser may reuse one offset for all of such an hour's rows.
+        """
+        if self._fixed:
+            return True
+        start = naive.replace(minute=0, second=0, microsecond=0, tzinfo=None, fold=0)
+        end = start.replace(minute=59, second=59, microsecond=999999)
+        offsets = {self._aware(t, fold).utcoffset() for t in (start, end) for fold in (0, 1)}
+        return len(offsets) == 1
+
+    def _resolve(self, naive: datetime) -> datetime:
         first = self._aware(naive, 0)
         second = self._aware(naive, 1)
         if first.utcoffset() == second.utcoffset():

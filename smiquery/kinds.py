@@ -193,10 +193,14 @@ def _major_minor(v: str) -> str:
 class _Timestamp:
     """Parses ``YYYY/MM/DD HH:MM:SS.mmm`` local time; caches the whole-second part, since rows share it."""
 
-    __slots__ = ("base", "localize", "prefix", "tz")
+    __slots__ = ("base", "hour", "hour_base", "localize", "prefix", "tz")
 
     # nvidia-smi prints milliseconds; adding a ready-made timedelta is ten times cheaper than replace().
     _MILLIS: ClassVar[dict[str, timedelta]] = {f"{i:03d}": timedelta(milliseconds=i) for i in range(1000)}
+    # minutes and seconds into an hour, for the rows of an hour without a zone change
+    _MINSEC: ClassVar[dict[str, timedelta]] = {
+        f"{m:02d}:{sec:02d}": timedelta(minutes=m, seconds=sec) for m in range(60) for sec in range(60)
+    }
 
     def __init__(self, tz: tzinfo | None) -> None:
         from smiquery.clock import Localizer
@@ -206,16 +210,15 @@ class _Timestamp:
         self.localize = Localizer(tz)
         self.prefix = ""
         self.base: datetime | None = None
+        self.hour = ""  # "YYYY/MM/DD HH" of an hour without a zone change, whose start is hour_base
+        self.hour_base: datetime | None = None
 
     def __call__(self, v: str) -> datetime:
         prefix = v[:19]
         if prefix != self.prefix or self.base is None:
             if len(v) < 19 or v[4] != "/" or v[7] != "/" or v[10] != " " or v[13] != ":" or v[16] != ":":
                 return self._other(v)
-            naive = datetime(int(v[0:4]), int(v[5:7]), int(v[8:10]), int(v[11:13]), int(v[14:16]), int(v[17:19]))
-            # nvidia-smi prints the host's local time with no zone.
-            self.base = self.localize(naive)
-            self.prefix = prefix
+            self.base = self._second(v, prefix)
         ms = self._MILLIS.get(v[20:]) if len(v) == 23 and v[19] == "." else None
         if ms is not None:
             return self.base + ms
@@ -225,6 +228,24 @@ class _Timestamp:
         if v[19] != "." or not frac.isdigit() or len(frac) > 6:
             raise ValueError("bad fraction of a second")
         return self.base.replace(microsecond=int(frac) * 10 ** (6 - len(frac)))
+
+    def _second(self, v: str, prefix: str) -> datetime:
+        """The instant of a new whole second (nvidia-smi prints the host's local time with no zone)."""
+        if self.hour_base is not None and v[:13] == self.hour:
+            into = self._MINSEC.get(v[14:19])
+            if into is not None:
+                base = self.hour_base + into
+                self.localize.last = base
+                self.prefix = prefix
+                return base
+        naive = datetime(int(v[0:4]), int(v[5:7]), int(v[8:10]), int(v[11:13]), int(v[14:16]), int(v[17:19]))
+        base = self.localize(naive)
+        if self.localize.plain_hour(naive):
+            self.hour, self.hour_base = v[:13], base - timedelta(minutes=naive.minute, seconds=naive.second)
+        else:
+            self.hour, self.hour_base = "", None
+        self.prefix = prefix
+        return base
 
     def _other(self, v: str) -> datetime:
         # Recordings written by other tools may use ISO 8601.
