@@ -50,7 +50,8 @@ def _load_client() -> Any:
     try:
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     except config.ConfigException:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
+        # KUBECONFIG read now, not when the client was imported
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # type: ignore[no-untyped-call]
     return client.CoreV1Api()
 
 
