@@ -44,7 +44,8 @@ def main() -> None:
         try:
             time.sleep(2.0)  # both have sweeps and the attribution its first List
             for what, call in (("/metrics (cached per sweep)", "exposition"), ("full build (collect)", "collect")):
-                t_on, t_off = [], []
+                t_on: list[float] = []
+                t_off: list[float] = []
                 for i in range(400):
                     pair = ((off, t_off), (on, t_on)) if i % 2 else ((on, t_on), (off, t_off))
                     for exp, acc in pair:

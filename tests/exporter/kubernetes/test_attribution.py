@@ -152,7 +152,7 @@ def _metrics(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 def test_exporter_serves_pod_labels_and_follows_the_kubelet(kubelet: StandInKubelet, inproc: Any, naming: str) -> None:
     usual(kubelet)
     hook = KubernetesHook(attribution(kubelet, naming=naming))
-    exp = serve(port=0, interval=0.1, naming=naming, kubernetes=hook)
+    exp = serve(port=0, interval=0.1, naming=naming, kubernetes=hook)  # type: ignore[arg-type]
     try:
         temp = "DCGM_FI_DEV_GPU_TEMP" if naming == "dcgm" else "smiquery_temperature_gpu_celsius"
         uu = "UUID" if naming == "dcgm" else "uuid"
