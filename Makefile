@@ -18,7 +18,7 @@ $(CORE_STAMP): pyproject.toml
 
 $(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,export,keras-test,lightning,plot,fast]'
+	$(PY) -m pip install -q -e '.[dev,export,k8s,keras-test,lightning,plot,fast]'
 	touch $(STAMP)
 
 install: $(STAMP)

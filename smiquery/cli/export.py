@@ -24,6 +24,7 @@ from smiquery.streams.argv import normalize_gpus
 
 if TYPE_CHECKING:
     from smiquery.exporter import Exporter, WebConfig
+    from smiquery.exporter.kubernetes import KubernetesHook
 
 __all__ = ["LogFormat", "Naming", "export"]
 
@@ -135,6 +136,25 @@ def export(
     nvidia_smi: Annotated[
         str | None, typer.Option("--nvidia-smi", help="Path of nvidia-smi (default: the global option, PATH).")
     ] = None,
+    kubernetes: Annotated[
+        bool,
+        typer.Option(
+            "--kubernetes/--no-kubernetes",
+            help="Say which pod holds each GPU (kubelet pod-resources API): smiquery_gpu_allocation_info, pod "
+            "labels on GPUs one container holds. Needs the k8s extra.",
+        ),
+    ] = False,
+    pod_resources_socket: Annotated[
+        str, typer.Option("--pod-resources-socket", help="The kubelet's pod-resources socket (with --kubernetes).")
+    ] = "/var/lib/kubelet/pod-resources/kubelet.sock",
+    kubernetes_processes: Annotated[
+        bool,
+        typer.Option(
+            "--kubernetes-processes/--no-kubernetes-processes",
+            help="Also per-pod use of shared GPUs (process cgroups + the pods of this node from the Kubernetes API; "
+            "implies --kubernetes, --processes and --top-processes 16 or more; needs hostPID and RBAC list pods).",
+        ),
+    ] = False,
 ) -> None:
     """Serve Prometheus metrics on /metrics (and /healthz) from ONE background nvidia-smi loop.
 
@@ -147,6 +167,17 @@ def export(
         from smiquery import exporter as exporter_mod
 
         checked = _check_exporter_options(label, top_processes, alert, web_config_file)
+        hook = _kubernetes_hook(
+            kubernetes or kubernetes_processes,
+            kubernetes_processes,
+            pod_resources_socket,
+            interval,
+            checked.labels,
+            naming,
+            nvidia_smi or settings.nvidia_smi,
+        )
+        if kubernetes_processes:
+            processes, top_processes = True, max(top_processes, 16)
         configured = [h for h in logging.getLogger("smiquery").handlers if not isinstance(h, logging.NullHandler)]
         if not configured and not logging.getLogger().handlers:
             exporter_mod.configure_logging(log_format)
@@ -169,6 +200,7 @@ def export(
                 stale_after=stale_after,
                 web_config=checked.web,
                 alerts=checked.rules if checked.rules is not None else exporter_mod.DEFAULT_EXPORTER_ALERTS,
+                kubernetes=hook,
             )
         except ListenError as exc:
             if exc.option == "--bind":
@@ -183,6 +215,31 @@ def export(
         code = _serve_until_signal(exp, bind)
     if code:
         raise typer.Exit(code)
+
+
+def _kubernetes_hook(
+    on: bool,
+    processes: bool,
+    socket_path: str,
+    interval: float,
+    labels: dict[str, str],
+    naming: str,
+    nvidia_smi: str | None,
+) -> KubernetesHook | None:
+    """The exporter's pod attribution, or None; a missing k8s extra or a clashing label is a usage error."""
+    if not on:
+        return None
+    try:
+        from smiquery.exporter.kubernetes import Attribution, KubernetesHook, PodDirectory
+    except ImportError as exc:
+        raise typer.BadParameter(
+            f"needs the k8s extra ({exc.name} is missing): pip install 'smiquery[k8s]'", param_hint="'--kubernetes'"
+        ) from None
+    try:
+        att = Attribution(socket_path, interval=interval, naming=naming, labels=labels, nvidia_smi=nvidia_smi)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--label'") from None
+    return KubernetesHook(att, PodDirectory(max(interval, 15.0)) if processes else None)
 
 
 def _positive(value: float | None, option: str) -> None:

@@ -26,6 +26,7 @@ from smiquery.source import Sweep
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator
+    from smiquery.exporter.kubernetes import KubernetesHook
     from smiquery.sample import GpuSample, Value
     from smiquery.source import StreamStats
 
@@ -264,6 +265,8 @@ class SmiCollector:
         on_gpu_change: called ``(lost, index, uuid)`` when a GPU drops out or comes back.
         on_state: called ``(up, why)`` when fresh data stops or flows again.
         nvidia_smi_path: the binary, for ``smiquery_build_info``.
+        kubernetes: pod attribution (:mod:`smiquery.exporter.kubernetes`): its series, and pod labels on GPUs one
+            container holds.
     """
 
     def __init__(
@@ -281,6 +284,7 @@ class SmiCollector:
         on_gpu_change: Callable[[bool, int, str | None], None] | None = None,
         on_state: Callable[[bool, str], None] | None = None,
         nvidia_smi_path: str = "",
+        kubernetes: KubernetesHook | None = None,
     ) -> None:
         self.stream = stream
         flds: Sequence[Field] | None = fields if fields is not None else getattr(stream, "fields", None)
@@ -301,7 +305,8 @@ class SmiCollector:
         self.hostname = self.labels.get("Hostname") or hostname or socket.gethostname()
         self.render_errors = 0
         self._lock = threading.Lock()
-        self._cache_key: tuple[object, object, object] = (object(), object(), object())
+        self.kubernetes = kubernetes
+        self._cache_key: tuple[object, ...] = (object(), object(), object(), object())
         self._cache: bytes = b""
         self.alerts = alerts
         self.on_gpu_change = on_gpu_change
@@ -547,12 +552,15 @@ class SmiCollector:
         for s in sweep:
             pos = {n: i for i, n in enumerate(s.fields)}
             native = self._native_labels(s)
+            pod = self.kubernetes.gpu_labels(s.uuid, sweep) if self.kubernetes is not None else {}
+            native.update(pod)
             if self.naming == "dcgm":
                 dcgm = self._dcgm_labels(s)
             elif self.naming == "nvidia_smi":
                 dcgm = self._nvsmi_labels(s)
             else:
                 dcgm = native
+            dcgm.update(pod)
             per_gpu.append((s.values(), pos, dcgm, native, s.raw))
         out: list[Metric] = []
         for spec in self.specs:
@@ -897,6 +905,8 @@ class SmiCollector:
                 fams.extend(self.process_families(procs))
             if instant is not None:
                 fams.extend(self.pmon_families(instant))
+            if self.kubernetes is not None:
+                fams.extend(self.kubernetes.families(sweep if fresh else None, procs, instant))
         except Exception:  # a bug must not take /metrics down: the health metrics still go out
             self.render_errors += 1
             log.exception("smiquery exporter: building the GPU metrics failed")
@@ -933,7 +943,7 @@ class SmiCollector:
         fresh = self._fresh(sweep, age)
         procs = self._fresh_processes()
         instant = self.pmon.fresh() if self.pmon is not None else None
-        key = (sweep if fresh else None, procs, instant)
+        key = (sweep if fresh else None, procs, instant, self.kubernetes.token if self.kubernetes else None)
         with self._lock:
             if any(a is not b for a, b in zip(key, self._cache_key)):
                 self._cache = render(self._data_families(sweep, fresh, procs, instant)).encode()

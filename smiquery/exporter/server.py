@@ -33,6 +33,7 @@ from smiquery.streams.sync import stream
 if TYPE_CHECKING:
     import os
 
+    from smiquery.exporter.kubernetes import KubernetesHook
     from smiquery.fields import Field
     from smiquery.streams.argv import GpusArg
 
@@ -372,6 +373,7 @@ def serve(
     max_connections: int = 2048,
     request_timeout: float = 10.0,
     revive_after: float = 30.0,
+    kubernetes: KubernetesHook | None = None,
 ) -> Exporter:
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
@@ -415,6 +417,8 @@ def serve(
         request_timeout: seconds a client has to send a whole request head (slow clients are cut off).
         revive_after: seconds after which a stream that stopped for good (its thread ended with an error) is
             replaced by a new one; meanwhile ``smiquery_next_attempt_timestamp_seconds`` says when.
+        kubernetes: pod attribution (:class:`~smiquery.exporter.kubernetes.KubernetesHook`), started and closed
+            with the exporter.
 
     Returns:
         The running :class:`Exporter`.
@@ -502,6 +506,7 @@ def serve(
             on_gpu_change=events.on_gpu_change,
             on_state=events.on_state,
             nvidia_smi_path=str(getattr(s, "argv", ("",))[0]),
+            kubernetes=kubernetes,
         )
         extra: Callable[[], bytes] = bytes
         if registry is not None:
@@ -533,12 +538,20 @@ def serve(
             poller.start()
         if watcher is not None:
             watcher.start()
+        if kubernetes is not None:
+            kubernetes.start()
+
+        def cleanup() -> None:
+            collector.close()
+            if kubernetes is not None:
+                kubernetes.close()
+
         exp = Exporter(
             http,
             collector,
             poller,
             web.ssl_context is not None,
-            cleanup=collector.close,
+            cleanup=cleanup,
             make_stream=make_stream,
             revive_after=revive_after,
             pmon=watcher,
@@ -551,6 +564,8 @@ def serve(
             poller.close()
         if watcher is not None:
             watcher.close()
+        if kubernetes is not None:
+            kubernetes.close()
         raise
     log.info("smiquery exporter: serving %s/metrics (naming %s)", exp.url, naming)
     return exp

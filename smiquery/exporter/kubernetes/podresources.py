@@ -1,0 +1,111 @@
+"""The kubelet's pod-resources API (v1 ``List``) over its unix socket, with ``grpcio``.
+
+The messages come from ``podresources.proto`` (beside this module): its compiled descriptor is below, loaded into
+a pool of its own (so no other ``v1`` package in the process can clash) and turned into message classes at import,
+which works with any protobuf runtime from 4.21 on; ``tests/exporter/kubernetes/test_podresources.py`` compiles the
+``.proto`` with ``grpc_tools.protoc`` and checks the two agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pool, message_factory
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "FILE_DESCRIPTOR",
+    "LIST_METHOD",
+    "ContainerDevices",
+    "ContainerResources",
+    "DeviceGrant",
+    "ListPodResourcesRequest",
+    "ListPodResourcesResponse",
+    "PodResources",
+    "list_devices",
+]
+
+#: Where the kubelet serves the API on every node.
+DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+#: The gRPC method path of ``List``.
+LIST_METHOD = "/v1.PodResourcesLister/List"
+
+#: ``podresources.proto`` compiled (a serialized ``FileDescriptorProto``).
+FILE_DESCRIPTOR = (
+    b'\n\x12podresources.proto\x12\x02v1"\x19\n\x17ListPodResourcesRequ'
+    b"est\"C\n\x18ListPodResourcesResponse\x12'\n\rpod_resources"
+    b'\x18\x01 \x03(\x0b2\x10.v1.PodResources"[\n\x0cPodResources\x12\x0c\n\x04name'
+    b"\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12*\n\ncontainers\x18\x03 \x03(\x0b2\x16."
+    b'v1.ContainerResources"Z\n\x12ContainerResources\x12\x0c\n\x04n'
+    b"ame\x18\x01 \x01(\t\x12%\n\x07devices\x18\x02 \x03(\x0b2\x14.v1.ContainerDevices"
+    b'\x12\x0f\n\x07cpu_ids\x18\x03 \x03(\x03"a\n\x10ContainerDevices\x12\x15\n\rresourc'
+    b'e_name\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12"\n\x08topology\x18\x03 \x01'
+    b'(\x0b2\x10.v1.TopologyInfo"+\n\x0cTopologyInfo\x12\x1b\n\x05nodes\x18\x01 '
+    b'\x03(\x0b2\x0c.v1.NUMANode"\x16\n\x08NUMANode\x12\n\n\x02ID\x18\x01 \x01(\x032Y\n\x12Pod'
+    b"ResourcesLister\x12C\n\x04List\x12\x1b.v1.ListPodResourcesReq"
+    b'uest\x1a\x1c.v1.ListPodResourcesResponse"\x00b\x06proto3'
+)
+
+_POOL = descriptor_pool.DescriptorPool()
+_POOL.AddSerializedFile(FILE_DESCRIPTOR)
+
+
+def _message(name: str) -> Any:
+    return message_factory.GetMessageClass(_POOL.FindMessageTypeByName(f"v1.{name}"))
+
+
+ListPodResourcesRequest: Any = _message("ListPodResourcesRequest")
+ListPodResourcesResponse: Any = _message("ListPodResourcesResponse")
+PodResources: Any = _message("PodResources")
+ContainerResources: Any = _message("ContainerResources")
+ContainerDevices: Any = _message("ContainerDevices")
+
+
+@dataclass(frozen=True)
+class DeviceGrant:
+    """One device the kubelet allocated to one container.
+
+    Attributes:
+        namespace: the pod's namespace.
+        pod: the pod's name.
+        container: the container's name.
+        resource: the extended resource (``nvidia.com/gpu``, ``nvidia.com/mig-1g.5gb``...).
+        device_id: the id the device plugin gave (a GPU UUID, a MIG UUID, ``UUID::N`` for a time-sliced replica).
+    """
+
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+    device_id: str
+
+
+def list_devices(socket_path: str, timeout: float) -> list[DeviceGrant]:
+    """Call ``List`` once and flatten the answer to one :class:`DeviceGrant` per device id.
+
+    Args:
+        socket_path: the kubelet's pod-resources socket.
+        timeout: the call's deadline in seconds (connecting included).
+
+    Returns:
+        Every device of every container, in the kubelet's order (resources of every name).
+
+    Raises:
+        grpc.RpcError: the socket is missing, nobody answers, the deadline passed or the kubelet refused.
+    """
+    with grpc.insecure_channel(f"unix://{socket_path}") as channel:
+        call = channel.unary_unary(
+            LIST_METHOD,
+            request_serializer=ListPodResourcesRequest.SerializeToString,
+            response_deserializer=ListPodResourcesResponse.FromString,
+        )
+        answer = call(ListPodResourcesRequest(), timeout=timeout, wait_for_ready=False)
+    out: list[DeviceGrant] = []
+    for pod in answer.pod_resources:
+        for ctr in pod.containers:
+            for dev in ctr.devices:
+                for dev_id in dev.device_ids:
+                    out.append(DeviceGrant(pod.namespace, pod.name, ctr.name, dev.resource_name, dev_id))
+    return out
