@@ -37,11 +37,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from typer.testing import CliRunner
 
 from smiquery.cli import app as smiquery_app
-from smiquery.errors import InvalidFieldError, NvidiaSmiTimeoutError
+from smiquery.errors import InvalidFieldError, NvidiaSmiTimeoutError, PortInUseError
 from smiquery.exporter import (
     DCGM_MAP,
     Exporter,
-    PortInUseError,
     ProcessPoller,
     SmiCollector,
     metric_specs,

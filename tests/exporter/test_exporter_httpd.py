@@ -89,7 +89,8 @@ def exchange(port: int, raw: bytes, timeout: float = 10.0, ctx: ssl.SSLContext |
             s = stack.enter_context(ctx.wrap_socket(s, server_hostname="127.0.0.1"))
         s.sendall(raw)
         if ctx is None:
-            s.shutdown(socket.SHUT_WR)
+            with contextlib.suppress(OSError):  # the server may have closed first (a request it refused at once)
+                s.shutdown(socket.SHUT_WR)
         data = b""
         with contextlib.suppress(ConnectionResetError, ssl.SSLError):
             while chunk := s.recv(65536):
