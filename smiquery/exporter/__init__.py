@@ -16,14 +16,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "smiquery.exporter needs prometheus_client: pip install 'smiquery[export]' (the core does not)"
     ) from _exc
 
-from smiquery.exporter.collector import (
-    DEFAULT_EXPORTER_ALERTS,
-    SmiCollector,
-    SourceHealth,
-    SweepSource,
-    parse_labels,
-    source_health,
-)
+from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
 from smiquery.exporter.events import EventLog, configure_logging
 from smiquery.exporter.naming import (
     DCGM_MAP,
@@ -38,6 +31,7 @@ from smiquery.exporter.naming import (
 from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.server import Exporter, ListenError, PortInUseError, serve
+from smiquery.exporter.state import SourceHealth, SweepSource, parse_labels, source_health
 from smiquery.exporter.webconfig import WebConfig, WebConfigError, load_web_config
 
 __all__ = [

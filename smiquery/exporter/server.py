@@ -18,12 +18,13 @@ from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator
 from smiquery.errors import ListenError, PortInUseError
-from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector, parse_labels
+from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
 from smiquery.exporter.events import EventLog
 from smiquery.exporter.httpd import HttpServer, Request, Response
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import PmonWatcher
 from smiquery.exporter.poller import ProcessPoller
+from smiquery.exporter.state import parse_labels
 from smiquery.exporter.webconfig import WebConfig, load_web_config
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import normalize_gpus
