@@ -13,9 +13,11 @@ from prometheus_client.metrics_core import Metric
 
 from smiquery import __version__
 from smiquery._log import get_logger
+from smiquery.exporter.detailswatch import details_health, mig_families
 from smiquery.exporter.families import (
     counter,
     gauge,
+    merge_families,
     nvsmi_number,
     nvsmi_process_families,
     pmon_families,
@@ -34,11 +36,15 @@ from smiquery.exporter.state import (
     source_health,
 )
 from smiquery.kinds import to_number
+from smiquery.xid import bus_key
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator
+    from smiquery.details import GpuDetails
+    from smiquery.exporter.detailswatch import DetailsPoller
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
     from smiquery.exporter.poller import ProcessPoller
+    from smiquery.exporter.xidwatch import BusKey, XidWatcher
     from smiquery.fields import Field
     from smiquery.oneshot import GpuProcess
     from smiquery.sample import GpuSample
@@ -71,6 +77,9 @@ class SmiCollector:
         processes: a :class:`ProcessPoller` to add per-process GPU memory; None for none.
         pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher` to add the busiest processes per GPU (SM and
             memory use from ``nvidia-smi pmon``); None for none.
+        details: a :class:`~smiquery.exporter.detailswatch.DetailsPoller` (``nvidia-smi -q -x`` on its own
+            cadence) to add per-MIG-instance memory; None for none.
+        xid: a :class:`~smiquery.exporter.xidwatch.XidWatcher` to add ``smiquery_xid_errors_total``; None for none.
         stale_after: seconds after which the newest sweep counts as stale (default ``max(3 * interval, 15)``).
         hostname: the DCGM ``Hostname`` label (default: this host's name).
         alerts: an :class:`~smiquery.alerts.AlertEvaluator` fed every sample (``smiquery_alert_firing``).
@@ -88,6 +97,8 @@ class SmiCollector:
         labels: Mapping[str, str] | Iterable[str] | None = None,
         processes: ProcessPoller | None = None,
         pmon: PmonWatcher | None = None,
+        details: DetailsPoller | None = None,
+        xid: XidWatcher | None = None,
         stale_after: float | None = None,
         hostname: str | None = None,
         alerts: AlertEvaluator | None = None,
@@ -104,6 +115,8 @@ class SmiCollector:
         self.labels = parse_labels(labels)
         self.processes = processes
         self.pmon = pmon
+        self.details = details
+        self.xid = xid
         if pmon is not None:
             taken = sorted(set(self.labels) & set(PMON_LABELS))
             if taken:
@@ -114,7 +127,7 @@ class SmiCollector:
         self.hostname = self.labels.get("Hostname") or hostname or socket.gethostname()
         self.render_errors = 0
         self._lock = threading.Lock()
-        self._cache_key: tuple[object, object, object] = (object(), object(), object())
+        self._cache_key: tuple[object, ...] = (object(), object(), object(), object())
         self._cache: bytes = b""
         self.alerts = alerts
         self.on_gpu_change = on_gpu_change
@@ -525,6 +538,9 @@ class SmiCollector:
         if self.pmon is not None:
             for typ, n in sorted(dict(self.pmon.errors).items()):
                 errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "pmon"}, float(n))
+        if self.details is not None:
+            for typ, n in sorted(dict(self.details.errors).items()):
+                errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "details"}, float(n))
         if errors.samples:
             out.append(errors)
         return out
@@ -588,6 +604,10 @@ class SmiCollector:
                 )
         if self.pmon is not None:
             out.extend(pmon_health(self.pmon, self.labels))
+        if self.details is not None:
+            out.extend(details_health(self.details, self.labels))
+        if self.xid is not None:
+            out.extend(self.xid.families(self._gpu_at_bus(), self.labels))
         if self.render_errors:
             one(
                 counter("smiquery_collection_errors", "Scrapes whose GPU metrics could not be built (a bug)."),
@@ -605,11 +625,15 @@ class SmiCollector:
         fresh: bool,
         procs: tuple[GpuProcess, ...] | None,
         instant: ProcessInstant | None = None,
+        details: tuple[GpuDetails, ...] | None = None,
     ) -> list[Metric]:
         fams: list[Metric] = []
         try:
             if fresh and sweep is not None:
                 fams.extend(self.sweep_families(sweep))
+            if details is not None:
+                # its own cadence: served while the newest -q -x is fresh, whatever the CSV's age
+                fams.extend(mig_families(details, dcgm=self.naming == "dcgm", gpu_labels=self._details_labels))
             if procs is not None:
                 fams.extend(self.process_families(procs))
             if instant is not None:
@@ -618,7 +642,45 @@ class SmiCollector:
             self.render_errors += 1
             log.exception("smiquery exporter: building the GPU metrics failed")
             return []
-        return fams
+        return merge_families(fams)  # DCGM's FB families get MIG samples too: one family per name
+
+    def _details_labels(self, gpu: GpuDetails) -> dict[str, str]:
+        """The parent GPU's labels for its MIG series: as its CSV series have them, or from the details alone."""
+        with self._refresh_lock:
+            tracked = self._gpus.get(gpu.uuid or "")
+        if tracked is not None:
+            return dict(tracked.dcgm if self.naming == "dcgm" else tracked.native)
+        idx = str(gpu.index)
+        if self.naming != "dcgm":
+            return {"gpu": idx, "uuid": gpu.uuid or "", "name": gpu.name or "", "pci_bus_id": gpu.pci_bus_id or "",
+                    **self.labels}  # fmt: skip
+        out = {
+            "gpu": idx,
+            "UUID": gpu.uuid or "",
+            "device": f"nvidia{idx}",
+            "modelName": gpu.name or "",
+            "Hostname": self.hostname,
+            "pci_bus_id": gpu.pci_bus_id or "",
+        }
+        if gpu.driver_version:
+            out["DCGM_FI_DRIVER_VERSION"] = gpu.driver_version
+        return {**out, **self.labels}
+
+    def _gpu_at_bus(self) -> Callable[[BusKey], Mapping[str, str] | None]:
+        """PCI key -> the ``gpu`` and ``uuid`` of the GPU there: the GPUs seen in the CSV, then in the details."""
+        found: dict[BusKey, dict[str, str]] = {}
+        details = self.details.latest()[0] if self.details is not None else None
+        for d in details or ():
+            key = bus_key(d.pci_bus_id or "")
+            if key is not None:
+                found[key] = {"gpu": str(d.index), "uuid": d.uuid or ""}
+        with self._refresh_lock:
+            gpus = list(self._gpus.values())
+        for g in gpus:
+            key = bus_key(g.native.get("pci_bus_id", ""))
+            if key is not None:
+                found[key] = {"gpu": "" if g.index is None else str(g.index), "uuid": g.uuid or ""}
+        return found.get
 
     def _fresh_processes(self) -> tuple[GpuProcess, ...] | None:
         if self.processes is None:
@@ -634,7 +696,8 @@ class SmiCollector:
         self.refresh()
         sweep, age = self.stream.latest()
         instant = self.pmon.fresh() if self.pmon is not None else None
-        fams = self._data_families(sweep, self._fresh(sweep, age), self._fresh_processes(), instant)
+        details = self.details.fresh() if self.details is not None else None
+        fams = self._data_families(sweep, self._fresh(sweep, age), self._fresh_processes(), instant, details)
         yield from fams
         yield from self.health_families(sweep, age, time.perf_counter() - t0)
 
@@ -650,10 +713,11 @@ class SmiCollector:
         fresh = self._fresh(sweep, age)
         procs = self._fresh_processes()
         instant = self.pmon.fresh() if self.pmon is not None else None
-        key = (sweep if fresh else None, procs, instant)
+        details = self.details.fresh() if self.details is not None else None
+        key = (sweep if fresh else None, procs, instant, details)
         with self._lock:
             if any(a is not b for a, b in zip(key, self._cache_key)):
-                self._cache = render(self._data_families(sweep, fresh, procs, instant)).encode()
+                self._cache = render(self._data_families(sweep, fresh, procs, instant, details)).encode()
                 self._cache_key = key
             body = self._cache
         head = render(self._health_head(sweep, age)).encode()

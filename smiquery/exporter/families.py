@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = [
     "counter",
     "gauge",
+    "merge_families",
     "nvsmi_number",
     "nvsmi_process_families",
     "pmon_families",
@@ -36,6 +37,25 @@ def gauge(name: str, doc: str) -> Metric:
 def counter(name: str, doc: str) -> Metric:
     """An empty counter family (samples are named ``name + "_total"``)."""
     return Metric(name, doc, "counter")
+
+
+def merge_families(fams: Sequence[Metric]) -> list[Metric]:
+    """One family per name, in first-seen order: the text format allows a name's header once per scrape.
+
+    Args:
+        fams: families, some of which may share a name (a GPU's and its MIG instances' DCGM memory).
+
+    Returns:
+        The families with the samples of later same-named ones appended to the first.
+    """
+    out: dict[str, Metric] = {}
+    for fam in fams:
+        first = out.get(fam.name)
+        if first is None:
+            out[fam.name] = fam
+        else:
+            first.samples.extend(fam.samples)
+    return list(out.values())
 
 
 def nvsmi_number(field: str, value: Value) -> float | None:

@@ -7,6 +7,7 @@ import errno
 import functools
 import gzip
 import ipaddress
+import os
 import socket
 import ssl
 import threading
@@ -19,6 +20,7 @@ from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator
 from smiquery.errors import ListenError, PortInUseError
 from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
+from smiquery.exporter.detailswatch import DetailsPoller
 from smiquery.exporter.events import EventLog
 from smiquery.exporter.httpd import HttpServer, Request, Response
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
@@ -26,14 +28,13 @@ from smiquery.exporter.pmonwatch import PmonWatcher
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.state import parse_labels
 from smiquery.exporter.webconfig import WebConfig, load_web_config
+from smiquery.exporter.xidwatch import XidWatcher
 from smiquery.fields import resolve_fields
 from smiquery.oneshot import normalize_gpus
 from smiquery.retry import RetryPolicy
 from smiquery.supervisor import stream
 
 if TYPE_CHECKING:
-    import os
-
     from smiquery.fields import Field
     from smiquery.oneshot import GpusArg
 
@@ -373,6 +374,8 @@ def serve(
     max_connections: int = 2048,
     request_timeout: float = 10.0,
     revive_after: float = 30.0,
+    details_interval: float | None = None,
+    kernel_log: str | os.PathLike[str] | None = None,
 ) -> Exporter:
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
@@ -416,6 +419,10 @@ def serve(
         request_timeout: seconds a client has to send a whole request head (slow clients are cut off).
         revive_after: seconds after which a stream that stopped for good (its thread ended with an error) is
             replaced by a new one; meanwhile ``smiquery_next_attempt_timestamp_seconds`` says when.
+        details_interval: also run ``nvidia-smi -q -x`` every this many seconds, in its own thread (never on a
+            scrape), and export per-MIG-instance memory; None (the default here; the CLI's is 60) for none.
+        kernel_log: also follow this kernel log (``/dev/kmsg``, or a plain file followed like ``tail -F``) and
+            count ``smiquery_xid_errors_total``; None (the default here; the CLI's is ``/dev/kmsg``) for none.
 
     Returns:
         The running :class:`Exporter`.
@@ -428,7 +435,7 @@ def serve(
         InvalidRuleError: an alert rule that cannot be parsed.
         InvalidGpuIdError: a malformed GPU id.
         NvidiaSmiNotFoundError: no usable nvidia-smi.
-        ValueError: a bad label, naming, interval, top_processes, or TLS option.
+        ValueError: a bad label, naming, interval, top_processes, details_interval, or TLS option.
         OSError, ssl.SSLError: unreadable TLS files.
     """
     if naming not in NAMINGS:
@@ -437,6 +444,8 @@ def serve(
         raise ValueError("interval must be positive")
     if isinstance(top_processes, bool) or not isinstance(top_processes, int) or top_processes < 0:
         raise ValueError("top_processes must be a whole number >= 0 (0: off)")
+    if details_interval is not None and not details_interval > 0:
+        raise ValueError("details_interval must be a positive number of seconds (None: off)")
     if not 0 <= port <= 65535:
         raise ValueError(f"port {port} is out of range (0-65535)")
     if (tls_cert is None) != (tls_key is None):
@@ -460,6 +469,8 @@ def serve(
     s = None
     poller = None
     watcher = None
+    details = None
+    xid = None
     events = EventLog()
     try:
         stream_fields = [f.name for f in _with_alert_fields(flds, evaluator)]
@@ -491,6 +502,10 @@ def serve(
                 # the newest instant is one interval old when it is complete: never staler than two intervals
                 stale_after=max(stale_after, 2.0 * pmon_interval + 1.0) if stale_after is not None else None,
             )
+        if details_interval is not None:
+            details = DetailsPoller(details_interval, gpus=gpus, nvidia_smi=nvidia_smi)
+        if kernel_log is not None:
+            xid = XidWatcher(os.fspath(kernel_log), on_event=events.on_xid)
         collector = SmiCollector(
             s,
             fields=flds,
@@ -498,6 +513,8 @@ def serve(
             labels=const,
             processes=poller,
             pmon=watcher,
+            details=details,
+            xid=xid,
             stale_after=stale_after,
             alerts=evaluator,
             on_gpu_change=events.on_gpu_change,
@@ -534,12 +551,16 @@ def serve(
             poller.start()
         if watcher is not None:
             watcher.start()
+        if details is not None:
+            details.start()
+        if xid is not None:
+            xid.start()
         exp = Exporter(
             http,
             collector,
             poller,
             web.ssl_context is not None,
-            cleanup=collector.close,
+            cleanup=functools.partial(_close_all, collector, details, xid),
             make_stream=make_stream,
             revive_after=revive_after,
             pmon=watcher,
@@ -552,9 +573,19 @@ def serve(
             poller.close()
         if watcher is not None:
             watcher.close()
+        _close_all(None, details, xid)
         raise
     log.info("smiquery exporter: serving %s/metrics (naming %s)", exp.url, naming)
     return exp
+
+
+def _close_all(collector: SmiCollector | None, details: DetailsPoller | None, xid: XidWatcher | None) -> None:
+    if collector is not None:
+        collector.close()
+    if xid is not None:
+        xid.close()
+    if details is not None:
+        details.close()
 
 
 def _with_alert_fields(flds: Sequence[Field], evaluator: AlertEvaluator | None) -> list[Field]:
