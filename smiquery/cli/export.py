@@ -43,6 +43,20 @@ def _duration(name: str, help_text: str) -> typer.models.OptionInfo:
     return option
 
 
+def _duration_or_off(name: str, help_text: str) -> typer.models.OptionInfo:
+    option = _duration(name, help_text)
+    seconds = option.parser
+    assert seconds is not None
+
+    def parse(text: str | float) -> float:
+        if isinstance(text, str) and text.strip().lower() in ("0", "off"):
+            return 0.0
+        return float(seconds(text))  # type: ignore[arg-type]  # typer passes text or the default
+
+    option.parser = parse
+    return option
+
+
 @dataclass(frozen=True)
 class _Checked:
     """The options that needed more than typer's parsing, ready for :func:`smiquery.exporter.serve`."""
@@ -135,6 +149,22 @@ def export(
     nvidia_smi: Annotated[
         str | None, typer.Option("--nvidia-smi", help="Path of nvidia-smi (default: the global option, PATH).")
     ] = None,
+    details_interval: Annotated[
+        float,
+        _duration_or_off(
+            "--details-interval",
+            "Seconds between nvidia-smi -q -x runs (per-MIG-instance memory), in their own thread, never on a "
+            "scrape. 0 or off: none.",
+        ),
+    ] = 60.0,
+    kernel_log: Annotated[
+        str,
+        typer.Option(
+            "--kernel-log",
+            help="Kernel log to count Xid errors from (smiquery_xid_errors_total): /dev/kmsg (needs CAP_SYSLOG or "
+            "root) or a plain file followed like tail -F. '': off.",
+        ),
+    ] = "/dev/kmsg",
 ) -> None:
     """Serve Prometheus metrics on /metrics (and /healthz) from ONE background nvidia-smi loop.
 
@@ -169,6 +199,8 @@ def export(
                 stale_after=stale_after,
                 web_config=checked.web,
                 alerts=checked.rules if checked.rules is not None else exporter_mod.DEFAULT_EXPORTER_ALERTS,
+                details_interval=details_interval or None,
+                kernel_log=kernel_log or None,
             )
         except ListenError as exc:
             if exc.option == "--bind":

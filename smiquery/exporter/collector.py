@@ -607,7 +607,9 @@ class SmiCollector:
         if self.details is not None:
             out.extend(details_health(self.details, self.labels))
         if self.xid is not None:
-            out.extend(self.xid.families(self._gpu_at_bus(), self.labels))
+            # the GPUs are known once the CSV has a sweep and, when details run, their first answer is in
+            known = bool(self._gpus) and (self.details is None or self.details.latest()[0] is not None)
+            out.extend(self.xid.families(self._gpu_at_bus(), self.labels, inventory_known=known))
         if self.render_errors:
             one(
                 counter("smiquery_collection_errors", "Scrapes whose GPU metrics could not be built (a bug)."),

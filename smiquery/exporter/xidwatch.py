@@ -57,6 +57,7 @@ class XidWatcher:
         self.up = False
         self.last_error: str | None = None
         self.events = 0
+        self.attempts = 0
         self._counts: dict[tuple[BusKey, int], int] = {}
         self._bus_text: dict[BusKey, str] = {}
         self._lock = threading.Lock()
@@ -100,6 +101,7 @@ class XidWatcher:
         after_seq: int | None = None
         from_start = True
         while not self._stop.is_set():
+            self.attempts += 1
             try:
                 follower = follow(self.path, after_seq=after_seq, from_start=from_start, poll=self.poll)
             except KernelLogError as exc:
@@ -144,7 +146,13 @@ class XidWatcher:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def families(self, gpus: Callable[[BusKey], Mapping[str, str] | None], labels: Mapping[str, str]) -> list[Metric]:
+    def families(
+        self,
+        gpus: Callable[[BusKey], Mapping[str, str] | None],
+        labels: Mapping[str, str],
+        *,
+        inventory_known: bool = True,
+    ) -> list[Metric]:
         """``smiquery_xid_errors_total`` and ``smiquery_xid_source_up``.
 
         Args:
@@ -152,6 +160,8 @@ class XidWatcher:
                 GPU has (the GPU fell off the bus before the exporter saw it): its events are counted with
                 ``gpu`` and ``uuid`` empty.
             labels: the constant labels.
+            inventory_known: whether the GPUs have been listed yet; until then an event at an address no GPU is
+                known at is held back, so that its series does not change labels once the GPU is seen.
 
         Returns:
             The families (the counter only once an event was counted).
@@ -166,7 +176,10 @@ class XidWatcher:
             "Xid errors the NVIDIA driver logged in the kernel log, by GPU and code (every event counts).",
         )
         for (key, code), n in sorted(self.counts().items()):
-            gpu = gpus(key) or {}
+            found = gpus(key)
+            if found is None and not inventory_known:
+                continue
+            gpu = found or {}
             info = XID_CATALOGUE.get(code)
             xid.add_sample(
                 xid.name + "_total",
