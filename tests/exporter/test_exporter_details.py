@@ -7,6 +7,7 @@ capture read in place) and ``-L`` with stable made-up MIG UUIDs and profiles.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import urllib.request
@@ -77,10 +78,8 @@ def test_dcgm_naming_puts_mig_samples_in_dcgm_families_with_gpu_i_labels(
 ) -> None:
     inproc.env = {"SMIQUERY_FAKE_XML": str(FIXTURE)}
     exp = exporter(interval=0.1, details_interval=30, naming="dcgm")
-    body = wait_for(
-        lambda: (b := scrape(exp.url)) and "GPU_I_ID" in b and "DCGM_FI_DEV_GPU_TEMP{" in b and b,
-        what="MIG and CSV series",
-    )
+    wait_for(lambda: all(s in scrape(exp.url) for s in ("GPU_I_ID", "DCGM_FI_DEV_GPU_TEMP{")), what="MIG and CSV")
+    body = scrape(exp.url)
     # the GPUs' own FB series and the instances' share one family: the text format allows one header per name
     assert body.count("# TYPE DCGM_FI_DEV_FB_USED gauge") == 1
     fb = samples(body, "DCGM_FI_DEV_FB_USED")
@@ -129,8 +128,8 @@ def test_a_mig_reconfiguration_updates_the_series_without_a_restart(
     start = text.index("<mig_device>", text.index("<mig_device>") + 1)  # the second instance (GI 9) destroyed
     end = text.index("</mig_device>", start) + len("</mig_device>")
     xml.write_text(text[:start] + text[end:], encoding="utf-8")
-    got = wait_for(lambda: (m := mig_served(exp.url)) and len(m) == 1 and m, what="one instance left")
-    assert got[0][0]["gpu_instance_id"] == "2"
+    wait_for(lambda: len(mig_served(exp.url)) == 1, what="one instance left")
+    assert [lab["gpu_instance_id"] for lab, _ in mig_served(exp.url)] == ["2"]
     xml.write_text(text, encoding="utf-8")  # created again
     wait_for(lambda: len(mig_served(exp.url)) == 2, what="the instance back")
 
@@ -188,7 +187,7 @@ def test_a_restarted_watcher_gets_the_same_counts_back_from_the_replay(tmp_path:
     for _ in range(2):  # an exporter restart: the second reader sees the same records again
         w = XidWatcher(str(log), poll=0.05).start()
         try:
-            wait_for(lambda w=w: w.events == 3, what="three events")
+            wait_for(functools.partial(lambda w: w.events == 3, w), what="three events")
             counts.append(w.counts())
         finally:
             w.close()
