@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from smiquery.exporter.detailswatch import DetailsPoller
@@ -213,3 +217,51 @@ def test_an_unreadable_kernel_log_warns_once_and_the_gpu_metrics_go_on(
     warned = [r for r in caplog.records if "cannot read the kernel log" in r.getMessage()]
     assert len(warned) == 2  # one from the exporter, one from the watcher above
     assert "CAP_SYSLOG" in warned[0].getMessage()
+
+
+# ------------------------------------------------------------------------------------------- the DaemonSet
+
+
+def _tool(name: str) -> str:
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{name} is not installed; CI must check the Kubernetes manifests")
+        pytest.skip(f"{name} is not installed")
+    return found
+
+
+def test_the_kmsg_patch_gives_the_daemonset_what_reading_dev_kmsg_needs_and_no_more(tmp_path: Path) -> None:
+    k8s = Path(__file__).resolve().parents[2] / "docker" / "k8s"
+    docs = [d for d in yaml.safe_load_all((k8s / "exporter.yaml").read_text(encoding="utf-8")) if d]
+    ds = next(d for d in docs if d["kind"] == "DaemonSet")
+    base = ds["spec"]["template"]["spec"]["containers"][0]
+    assert base["args"][-2:] == ["--kernel-log", ""]  # restricted level: off unless patched
+    src = tmp_path / "ds.yaml"
+    src.write_text(yaml.safe_dump(ds), encoding="utf-8")
+    patch = k8s / "patches" / "exporter-kmsg.yaml"
+    argv = [_tool("kubectl"), "patch", "-f", str(src), "--local", "--type", "strategic", "--patch-file", str(patch)]
+    done = subprocess.run(
+        [*argv, "-o", "yaml"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "patched.yaml"
+    out.write_text(done.stdout, encoding="utf-8")
+    spec = yaml.safe_load(done.stdout)["spec"]["template"]["spec"]
+    ctr = spec["containers"][0]
+    assert ctr["args"][-2:] == ["--kernel-log", "/dev/kmsg"]
+    assert ctr["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]}
+    assert ctr["securityContext"]["allowPrivilegeEscalation"] is False and not ctr["securityContext"]["privileged"]
+    assert {"name": "kmsg", "mountPath": "/dev/kmsg", "readOnly": True} in ctr["volumeMounts"]
+    assert {v["name"] for v in spec["volumes"]} == {"tmp", "kmsg"}
+    validate = subprocess.run(
+        [_tool("kubernetes-validate"), "--strict", "-k", "1.30.0", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert validate.returncode == 0 and "passed" in validate.stdout, validate.stdout + validate.stderr
