@@ -179,6 +179,9 @@ PMON_LABELS: tuple[str, ...] = ("gpu", "uuid", "pid", "command", "user")
 RESERVED_LABELS = frozenset(
     {"gpu", "uuid", "name", "pci_bus_id", "value", "pid", "process_name", "type", "source"}
     | {"UUID", "device", "modelName", "DCGM_FI_DRIVER_VERSION"}
+    # MIG instances (--details-interval) and Xid errors (--kernel-log)
+    | {"mig_uuid", "gpu_instance_id", "compute_instance_id", "profile", "GPU_I_ID", "GPU_I_PROFILE"}
+    | {"xid", "action", "path"}
 )
 
 
