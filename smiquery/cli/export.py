@@ -25,13 +25,14 @@ from smiquery.oneshot import normalize_gpus
 if TYPE_CHECKING:
     from smiquery.exporter import Exporter, WebConfig
 
-__all__ = ["LogFormat", "Naming", "export"]
+__all__ = ["LogFormat", "Naming", "TopBy", "export"]
 
 # The exporter's own choices (smiquery.exporter.naming.Naming, smiquery.exporter.events.LogFormat). Spelled here
 # because importing the exporter needs prometheus_client, which `smiquery --help` must not; mypy checks that
 # these are the values `serve` and `configure_logging` take, tests/cli/test_export.py that they are all of them.
 Naming = Literal["smiquery", "dcgm", "nvidia_smi"]
 LogFormat = Literal["text", "json"]
+TopBy = Literal["name", "pid"]
 
 _ALL_INTERFACES = {"0.0.0.0", "::", "[::]"}
 _DURATION_HINT = " Takes 5, 0.5, 250ms, 2s, 1m."
@@ -109,6 +110,15 @@ def export(
             "memory; one 'other' series sums the rest). 0: off, no pmon at all.",
         ),
     ] = 0,
+    top_processes_by: Annotated[
+        TopBy,
+        typer.Option(
+            "--top-processes-by",
+            case_sensitive=False,
+            help="Label --top-processes series by process name (bounded: the processes of one name are summed) or "
+            "by pid (one series per process, with pid and user labels: every new pid is a new series).",
+        ),
+    ] = "name",
     tls_cert: Annotated[
         Path | None, typer.Option(help="PEM certificate: serve HTTPS.", exists=True, dir_okay=False, readable=True)
     ] = None,
@@ -192,6 +202,7 @@ def export(
                 processes=processes,
                 processes_interval=processes_interval,
                 top_processes=top_processes,
+                top_processes_by=top_processes_by,
                 tls_cert=tls_cert,
                 tls_key=tls_key,
                 client_ca=client_ca,

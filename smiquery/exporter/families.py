@@ -144,9 +144,11 @@ def nvsmi_process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str
 def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Mapping[str, str]) -> list[Metric]:
     """The busiest processes of each GPU from one pmon instant: at most ``top + 1`` series per GPU.
 
-    Labelled ``gpu``, ``uuid`` (empty until the GPU stream has seen the GPU), ``pid``, ``command`` (pmon's
-    name, cut to about 15 characters) and ``user`` (empty when this host cannot see the process); the summed
-    rest is ``pid="other", command="other"``. A value pmon printed as ``-`` has no sample (never 0).
+    Labelled ``gpu``, ``uuid`` (empty until the GPU stream has seen the GPU) and ``command`` (pmon's name, cut to
+    about 15 characters); the summed rest is ``command="other"``. An instant cut by pid (``by="pid"``) adds
+    ``pid`` (``"other"`` for the rest) and ``user`` (empty when this host cannot see the process); one cut by
+    name has neither, so its series are bounded by the names. A value pmon printed as ``-`` has no sample
+    (never 0).
 
     Args:
         instant: the newest instant of a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`.
@@ -157,17 +159,19 @@ def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Map
         The non-empty families, plus ``smiquery_gpu_processes`` per GPU pmon watches.
     """
     fams = {col: gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, _, _, text) in PMON_SERIES.items()}
+    by_pid = instant.by == "pid"
     for row, user in instant.rows:
         gpu = -1 if row.gpu is None else row.gpu
         other = row.pid is None
-        one = {
-            "gpu": str(gpu),
-            "uuid": uuids.get(gpu, ""),
-            "pid": "other" if other else str(row.pid),
-            "command": "other" if other else row.command or "",
-            "user": user or "",
-            **labels,
-        }
+        command = "other" if other else row.command or ""
+        if not other and not by_pid and command == "other":
+            command = "other (process)"  # a process named "other" is not the bucket of the rest
+        one = {"gpu": str(gpu), "uuid": uuids.get(gpu, "")}
+        if by_pid:
+            one.update({"pid": "other" if other else str(row.pid), "command": command, "user": user or ""})
+        else:
+            one["command"] = command
+        one.update(labels)
         for col, (name, times, per, _) in PMON_SERIES.items():
             value = getattr(row, col)
             if value is not None:

@@ -24,7 +24,7 @@ from smiquery.exporter.detailswatch import DetailsPoller
 from smiquery.exporter.events import EventLog
 from smiquery.exporter.httpd import HttpServer, Request, Response
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
-from smiquery.exporter.pmonwatch import PmonWatcher
+from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.state import parse_labels
 from smiquery.exporter.webconfig import WebConfig, load_web_config
@@ -361,6 +361,7 @@ def serve(
     processes: bool = False,
     processes_interval: float = 15.0,
     top_processes: int = 0,
+    top_processes_by: str = "name",
     tls_cert: str | os.PathLike[str] | None = None,
     tls_key: str | os.PathLike[str] | None = None,
     client_ca: str | os.PathLike[str] | None = None,
@@ -401,8 +402,11 @@ def serve(
         processes_interval: seconds between process polls.
         top_processes: also run ``nvidia-smi pmon`` (every ``interval`` seconds, rounded to 1..10) and export the
             SM, memory and video-engine use and GPU memory of the ``top_processes`` busiest processes of each GPU,
-            plus one ``pid="other"`` series summing the rest; 0 (the default) runs no pmon at all. If pmon cannot
-            run, one line is logged and the GPU metrics go on.
+            plus one ``command="other"`` series summing the rest; 0 (the default) runs no pmon at all. If pmon
+            cannot run, one line is logged and the GPU metrics go on.
+        top_processes_by: ``name`` (the default: one series per process name, bounded however many short-lived
+            processes come and go) or ``pid`` (one series per process, labelled ``pid`` and ``user``: opt-in, as
+            every new pid is a new series).
         tls_cert: PEM certificate: serve HTTPS.
         tls_key: PEM private key for ``tls_cert``.
         client_ca: PEM CA bundle: require client certificates signed by it.
@@ -446,6 +450,8 @@ def serve(
         raise ValueError("top_processes must be a whole number >= 0 (0: off)")
     if details_interval is not None and not details_interval > 0:
         raise ValueError("details_interval must be a positive number of seconds (None: off)")
+    if top_processes_by not in TOP_PROCESSES_BY:
+        raise ValueError(f"top_processes_by must be one of {', '.join(TOP_PROCESSES_BY)}, not {top_processes_by!r}")
     if not 0 <= port <= 65535:
         raise ValueError(f"port {port} is out of range (0-65535)")
     if (tls_cert is None) != (tls_key is None):
@@ -495,6 +501,7 @@ def serve(
             pmon_interval = min(10, max(1, round(interval)))  # pmon takes whole seconds, 1 to 10
             watcher = PmonWatcher(
                 top_processes,
+                by=top_processes_by,
                 interval=pmon_interval,
                 gpus=gpus,
                 nvidia_smi=nvidia_smi,
