@@ -25,8 +25,9 @@ import sys
 import time
 import warnings
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import cast
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -98,7 +99,7 @@ def main() -> int:
 def _calling(fn: Callable[[], object]) -> Callable[[bytes], object]:
     def call(_data: bytes) -> object:
         out = fn()
-        return list(out) if not isinstance(out, bytes) else out  # collect() is a generator: run it through
+        return out if isinstance(out, bytes) else list(cast("Iterable[object]", out))  # run collect() through
 
     return call
 

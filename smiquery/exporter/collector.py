@@ -146,6 +146,8 @@ class SmiCollector:
         self._gpu_version = 0  # bumped whenever a sweep is taken in or the lost set may change
         self._gpu_text_version = -1
         self._gpu_text = b""
+        self._slow_text_key: tuple[object, ...] = ()
+        self._slow_text = b""
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -460,7 +462,25 @@ class SmiCollector:
         """
         with self._refresh_lock:
             gpus = self._gpu_health()
-        return self._health_head(sweep, age) + gpus + self._health_tail(duration)
+        return self._health_head(sweep, age) + gpus + self._slow_health() + self._health_tail(duration)
+
+    def _slow_key(self) -> tuple[object, ...]:
+        # what the details' and the Xid watcher's families depend on: they change rarely, scrapes are frequent
+        got = self.details.fresh() if self.details is not None else None
+        latest = self.details.latest()[0] if self.details is not None else None
+        xid = (self.xid.events, self.xid.up) if self.xid is not None else None
+        return (got is not None, latest, xid, self._gpu_version)
+
+    def _slow_health(self) -> list[Metric]:
+        """The details poller's health and the Xid families."""
+        out: list[Metric] = []
+        if self.details is not None:
+            out.extend(details_health(self.details, self.labels))
+        if self.xid is not None:
+            # the GPUs are known once the CSV has a sweep and, when details run, their first answer is in
+            known = bool(self._gpus) and (self.details is None or self.details.latest()[0] is not None)
+            out.extend(self.xid.families(self._gpu_at_bus(), self.labels, inventory_known=known))
+        return out
 
     def _health_head(self, sweep: Sweep | None, age: float | None) -> list[Metric]:
         st = self.stream.stats
@@ -604,12 +624,6 @@ class SmiCollector:
                 )
         if self.pmon is not None:
             out.extend(pmon_health(self.pmon, self.labels))
-        if self.details is not None:
-            out.extend(details_health(self.details, self.labels))
-        if self.xid is not None:
-            # the GPUs are known once the CSV has a sweep and, when details run, their first answer is in
-            known = bool(self._gpus) and (self.details is None or self.details.latest()[0] is not None)
-            out.extend(self.xid.families(self._gpu_at_bus(), self.labels, inventory_known=known))
         if self.render_errors:
             one(
                 counter("smiquery_collection_errors", "Scrapes whose GPU metrics could not be built (a bug)."),
@@ -728,8 +742,16 @@ class SmiCollector:
                 self._gpu_text = render(self._gpu_health()).encode()
                 self._gpu_text_version = self._gpu_version
             gpus = self._gpu_text
+        slow = b""
+        if self.details is not None or self.xid is not None:
+            slow_key = self._slow_key()
+            with self._lock:
+                if slow_key != self._slow_text_key:
+                    self._slow_text = render(self._slow_health()).encode()
+                    self._slow_text_key = slow_key
+                slow = self._slow_text
         tail = render(self._health_tail(time.perf_counter() - t0)).encode()
-        return body + head + gpus + tail
+        return body + head + gpus + slow + tail
 
     def health(self) -> tuple[bool, str]:
         """Whether the data is fresh and every GPU seen is there, with one line saying why not (``/readyz``).

@@ -53,6 +53,7 @@ class ProcessInstant:
 #: How ``--top-processes`` labels its series: ``name`` (bounded: one series per process name) or ``pid``.
 TOP_PROCESSES_BY: tuple[str, ...] = ("name", "pid")
 
+
 def _by_name(rows: tuple[pmon.PmonRow, ...]) -> tuple[pmon.PmonRow, ...]:
     """One row per (GPU, process name): the known values summed (None when none is known), idle lines kept."""
     groups: dict[tuple[int | None, str], list[pmon.PmonRow]] = {}
@@ -63,6 +64,7 @@ def _by_name(rows: tuple[pmon.PmonRow, ...]) -> tuple[pmon.PmonRow, ...]:
             continue
         groups.setdefault((row.gpu, row.command or ""), []).append(row)
     for (_, _), members in groups.items():
+
         def total(col: str, members: list[pmon.PmonRow] = members) -> int | None:
             known = [v for v in (getattr(r, col) for r in members) if v is not None]
             return sum(known) if known else None
