@@ -531,3 +531,12 @@ def test_xid_rules_use_only_metrics_the_exporter_serves_and_prometheus_loads_the
     assert used == {"smiquery_xid_errors_total", "smiquery_xid_source_up"} and used <= exported_names()
     config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text(encoding="utf-8"))
     assert XID_RULES.name in config["rule_files"]
+
+
+def test_dashboard_shows_mig_memory_and_says_mig_utilisation_is_not_available():
+    dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    mig = [p for p in dash["panels"] if "smiquery_mig_memory" in json.dumps(p.get("targets", []))]
+    assert len(mig) == 1 and "not available" in mig[0]["description"]
+    exprs = dashboard_exprs()
+    assert not [e for e in exprs if "mig" in e.lower() and "util" in e.lower()]  # never a made-up 0
+    assert any("smiquery_xid_errors_total" in e for e in exprs)
