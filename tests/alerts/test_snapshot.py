@@ -86,7 +86,7 @@ def test_a_snapshot_never_blocks_the_caller(tmp_path: Path):
     assert "did not answer" in (folder / "nvidia-smi-q.xml.error.txt").read_text()
 
 
-def test_the_details_of_a_mig_gpu_are_parsed_into_details_json(tmp_path: Path):
+def test_the_details_of_a_mig_gpu_are_parsed_into_details_json(tmp_path: Path) -> None:
     from smiquery.alerts.rules import AlertEvaluator
     from smiquery.testing import InProcessRunner
 
@@ -102,7 +102,7 @@ def test_the_details_of_a_mig_gpu_are_parsed_into_details_json(tmp_path: Path):
     assert gpus[1]["memory_used"] is None and gpus[1]["missing"]["memory_used"] == "not_available"  # N/A, not 0
 
 
-def test_a_cut_xml_leaves_a_reason_instead_of_details_json(tmp_path: Path):
+def test_a_cut_xml_leaves_a_reason_instead_of_details_json(tmp_path: Path) -> None:
     from smiquery.alerts.rules import AlertEvaluator
     from smiquery.testing import InProcessRunner
 
