@@ -139,11 +139,15 @@ class DetailsPoller:
         """True while the polling thread is alive."""
         return self._thread is not None and self._thread.is_alive()
 
-    def close(self, timeout: float | None = None) -> None:
-        """Stop polling and wait for a poll in progress (bounded by the poll's own timeout)."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop polling; wait up to ``timeout`` seconds for a poll in progress.
+
+        A slow ``-q -x`` is not waited for to its end (a stopping exporter must exit within its grace period): its
+        call stays bounded by the poll's own timeout.
+        """
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(self.timeout + 5.0 if timeout is None else timeout)
+            self._thread.join(timeout)
 
 
 def mig_families(
