@@ -17,6 +17,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     ) from _exc
 
 from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
+from smiquery.exporter.detailswatch import DetailsPoller
 from smiquery.exporter.events import EventLog, configure_logging
 from smiquery.exporter.naming import (
     DCGM_MAP,
@@ -33,6 +34,7 @@ from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.server import Exporter, ListenError, PortInUseError, serve
 from smiquery.exporter.state import SourceHealth, SweepSource, parse_labels, source_health
 from smiquery.exporter.webconfig import WebConfig, WebConfigError, load_web_config
+from smiquery.exporter.xidwatch import XidWatcher
 
 __all__ = [
     "DCGM_MAP",
@@ -40,6 +42,7 @@ __all__ = [
     "HEALTH_METRICS",
     "IDENTITY_FIELDS",
     "PMON_METRICS",
+    "DetailsPoller",
     "EventLog",
     "Exporter",
     "ListenError",
@@ -54,6 +57,7 @@ __all__ = [
     "SweepSource",
     "WebConfig",
     "WebConfigError",
+    "XidWatcher",
     "configure_logging",
     "load_web_config",
     "metric_specs",
