@@ -70,7 +70,7 @@ class DetailsPoller:
         self.interval = float(interval)
         self.gpus = normalize_gpus(gpus)
         self.nvidia_smi = nvidia_smi
-        self.timeout = min(float(timeout), max(self.interval, 1.0))
+        self.timeout = float(timeout)  # not tied to the interval: a slow poll delays the next, it is not cut short
         self.runner = runner
         self.errors: Counter[str] = Counter()
         self.polls = 0
