@@ -132,8 +132,8 @@ def _bench_scrape(rounds: int) -> bool:
                     and on.collector.details.fresh() is not None
                     and on.collector.xid is not None
                     and on.collector.xid.events == 6
-                    and on.stream.latest()[0] is not None
-                    and off.stream.latest()[0] is not None
+                    and on.collector.health()[0]  # both up with fresh data: the same GPU series on each side
+                    and off.collector.health()[0]
                 ):
                     if time.monotonic() > deadline:
                         print("the exporters did not get their first samples in 60 s")
