@@ -48,6 +48,7 @@ CHECK_NAMES = (
     "infoROM",
     "persistence mode",
     "MIG mode",
+    "memory and clock health",
     "container",
     "NVIDIA_DRIVER_CAPABILITIES",
     "NVIDIA_VISIBLE_DEVICES",
@@ -260,9 +261,12 @@ def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float 
     samples, caught = _query_driver(done, timeout)
     if samples is not None:
         done.results += _gpu_checks(samples, done.version, caught)
+        if done.binary is not None:
+            done.results.append(_details_check(done.binary, timeout))
     else:
         present = {r.name for r in done.results}
-        for name in ("driver reachable", "driver/library match", "GPU count", "persistence mode", "MIG mode"):
+        names = ("driver reachable", "driver/library match", "GPU count", "persistence mode", "MIG mode")
+        for name in (*names, "memory and clock health"):
             if name not in present:
                 done.results.append(CheckResult(name, "skip", done.broken or "nvidia-smi is not working"))
     done.results += _container_checks(done.ctr, found=done.binary is not None, failure=done.failure)
@@ -345,6 +349,57 @@ def _query_driver(done: _Progress, timeout: float) -> tuple[list[GpuSample] | No
         done.fail("driver reachable", exc)
         done.broken = "the driver is not reachable"
     return None, caught
+
+
+#: Clock event reasons that mean the hardware itself slows the GPU down (not an application's or the user's cap).
+_HW_SLOWDOWN = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown")
+
+
+def _details_check(binary: str, timeout: float) -> CheckResult:
+    """9. memory and clock health from ``nvidia-smi -q -x``: row remaps and page retirements, hardware slowdowns."""
+    from smiquery.details import inspect
+
+    name = "memory and clock health"
+    try:
+        gpus = inspect(nvidia_smi=binary, timeout=max(timeout, 10.0))  # -q -x is slow on big servers
+    except SmiqueryError as exc:
+        return CheckResult(
+            name,
+            "warn",
+            f"nvidia-smi -q -x failed: {_message(exc)}",
+            "run `nvidia-smi -q` by hand; the health details (ECC rows, slowdowns) cannot be read",
+        )
+    failed = [g.index for g in gpus if g.remapped_rows is not None and g.remapped_rows.failure]
+    if failed:
+        return CheckResult(
+            name,
+            "fail",
+            f"row remapping failed on GPU {', '.join(map(str, failed))}: its memory cannot be repaired",
+            "drain the GPU's jobs and have the GPU serviced (RMA); check `dmesg` for Xid 64",
+        )
+    pending = [
+        g.index
+        for g in gpus
+        if (g.remapped_rows is not None and g.remapped_rows.pending)
+        or (g.retired_pages is not None and g.retired_pages.pending)
+    ]
+    slow = {g.index: [r for r in g.clock_event_reasons or () if r in _HW_SLOWDOWN] for g in gpus}
+    slow = {i: r for i, r in slow.items() if r}
+    if pending or slow:
+        said = []
+        if pending:
+            said.append(f"a row remap or page retirement waits for a reset on GPU {', '.join(map(str, pending))}")
+        if slow:
+            said.append("; ".join(f"GPU {i} slowed by {', '.join(r)}" for i, r in slow.items()))
+        fixes = []
+        if pending:
+            fixes.append("reset the GPU when idle (`nvidia-smi -r -i N`) or reboot so the repair takes effect")
+        if slow:
+            fixes.append("check cooling and power (fans, inlet temperature, power supply)")
+        return CheckResult(name, "warn", "; ".join(said), "; ".join(fixes))
+    mig = sum(len(g.mig_devices) for g in gpus)
+    extra = f"; {mig} MIG instance{'s' if mig != 1 else ''}" if mig else ""
+    return CheckResult(name, "ok", f"no pending or failed memory repairs, no hardware slowdown{extra}")
 
 
 def _default_fields_check(done: _Progress, binary: str, timeout: float) -> CheckResult:

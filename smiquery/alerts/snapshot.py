@@ -85,6 +85,27 @@ def _samples_csv(samples: Sequence[GpuSample], max_bytes: int) -> str:
     return "\n".join([head, *rows]) + "\n"
 
 
+def _details_json(folder: Path, max_bytes: int) -> None:
+    """``details.json``: the saved ``-q -x`` parsed (:func:`smiquery.details.parse_xml`), or why it could not be."""
+    import warnings
+
+    from smiquery.details import parse_xml
+    from smiquery.errors import SmiqueryError
+
+    xml = folder / "nvidia-smi-q.xml"
+    if not xml.is_file():
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # an unknown DTD: still read by name
+            gpus = parse_xml(xml.read_bytes())
+    except SmiqueryError as exc:  # e.g. the XML was cut at max_bytes
+        _write_capped(folder / "details.json.error.txt", f"parsing nvidia-smi-q.xml failed: {exc}\n", max_bytes)
+        return
+    doc = {"gpus": [g.to_dict() for g in gpus]}
+    _write_capped(folder / "details.json", json.dumps(doc, indent=2, default=str) + "\n", max_bytes)
+
+
 def take_snapshot(
     directory: str | os.PathLike[str],
     event: AlertEvent,
@@ -99,8 +120,11 @@ def take_snapshot(
     """Write one snapshot folder and return its path.
 
     The folder (``DIR/<time>-<field>-gpu<N>``) holds ``alert.json`` (the event and its context),
-    ``nvidia-smi-q.xml`` (``nvidia-smi -q -x``), ``processes.csv`` (the compute processes) and ``samples.csv``
-    (the recent samples, in nvidia-smi's CSV layout, which ``smiquery report`` reads). Each nvidia-smi call is
+    ``nvidia-smi-q.xml`` (``nvidia-smi -q -x``), ``details.json`` (that XML parsed by
+    :func:`smiquery.details.parse_xml`: memory, clock event reasons by name, retired pages, remapped rows, processes,
+    MIG instances; ``details.json.error.txt`` when it cannot be parsed), ``processes.csv`` (the compute
+    processes) and ``samples.csv`` (the recent samples, in nvidia-smi's CSV layout, which ``smiquery report``
+    reads). Each nvidia-smi call is
     bounded by ``timeout`` and each file by ``max_bytes``; a call that fails leaves ``<file>.error.txt`` saying why.
 
     Args:
@@ -136,6 +160,7 @@ def take_snapshot(
         return str(folder)
     run = runner or default_runner()
     _run(run, [binary, "-q", "-x"], timeout, folder / "nvidia-smi-q.xml", max_bytes)
+    _details_json(folder, max_bytes)
     _run(
         run,
         [binary, f"--query-compute-apps={_APPS_FIELDS}", "--format=csv"],

@@ -26,13 +26,14 @@ if TYPE_CHECKING:
     from smiquery.exporter import Exporter, WebConfig
     from smiquery.exporter.kubernetes import KubernetesHook
 
-__all__ = ["LogFormat", "Naming", "export"]
+__all__ = ["LogFormat", "Naming", "TopBy", "export"]
 
 # The exporter's own choices (smiquery.exporter.naming.Naming, smiquery.exporter.events.LogFormat). Spelled here
 # because importing the exporter needs prometheus_client, which `smiquery --help` must not; mypy checks that
 # these are the values `serve` and `configure_logging` take, tests/cli/test_export.py that they are all of them.
 Naming = Literal["smiquery", "dcgm", "nvidia_smi"]
 LogFormat = Literal["text", "json"]
+TopBy = Literal["name", "pid"]
 
 _ALL_INTERFACES = {"0.0.0.0", "::", "[::]"}
 _DURATION_HINT = " Takes 5, 0.5, 250ms, 2s, 1m."
@@ -41,6 +42,20 @@ _DURATION_HINT = " Takes 5, 0.5, 250ms, 2s, 1m."
 def _duration(name: str, help_text: str) -> typer.models.OptionInfo:
     option = seconds_option(name)
     option.help = help_text + _DURATION_HINT
+    return option
+
+
+def _duration_or_off(name: str, help_text: str) -> typer.models.OptionInfo:
+    option = _duration(name, help_text)
+    seconds = option.parser
+    assert seconds is not None
+
+    def parse(text: str | float) -> float:
+        if isinstance(text, str) and text.strip().lower() in ("0", "off"):
+            return 0.0
+        return float(seconds(text))  # type: ignore[arg-type]  # typer passes text or the default
+
+    option.parser = parse
     return option
 
 
@@ -96,6 +111,15 @@ def export(
             "memory; one 'other' series sums the rest). 0: off, no pmon at all.",
         ),
     ] = 0,
+    top_processes_by: Annotated[
+        TopBy,
+        typer.Option(
+            "--top-processes-by",
+            case_sensitive=False,
+            help="Label --top-processes series by process name (bounded: the processes of one name are summed) or "
+            "by pid (one series per process, with pid and user labels: every new pid is a new series).",
+        ),
+    ] = "name",
     tls_cert: Annotated[
         Path | None, typer.Option(help="PEM certificate: serve HTTPS.", exists=True, dir_okay=False, readable=True)
     ] = None,
@@ -155,6 +179,22 @@ def export(
             "implies --kubernetes, --processes and --top-processes 16 or more; needs hostPID and RBAC list pods).",
         ),
     ] = False,
+    details_interval: Annotated[
+        float,
+        _duration_or_off(
+            "--details-interval",
+            "Seconds between nvidia-smi -q -x runs (per-MIG-instance memory), in their own thread, never on a "
+            "scrape. 0 or off: none.",
+        ),
+    ] = 60.0,
+    kernel_log: Annotated[
+        str,
+        typer.Option(
+            "--kernel-log",
+            help="Kernel log to count Xid errors from (smiquery_xid_errors_total): /dev/kmsg (needs CAP_SYSLOG or "
+            "root) or a plain file followed like tail -F. '': off.",
+        ),
+    ] = "/dev/kmsg",
 ) -> None:
     """Serve Prometheus metrics on /metrics (and /healthz) from ONE background nvidia-smi loop.
 
@@ -193,6 +233,7 @@ def export(
                 processes=processes,
                 processes_interval=processes_interval,
                 top_processes=top_processes,
+                top_processes_by=top_processes_by,
                 tls_cert=tls_cert,
                 tls_key=tls_key,
                 client_ca=client_ca,
@@ -201,6 +242,8 @@ def export(
                 web_config=checked.web,
                 alerts=checked.rules if checked.rules is not None else exporter_mod.DEFAULT_EXPORTER_ALERTS,
                 kubernetes=hook,
+                details_interval=details_interval or None,
+                kernel_log=kernel_log or None,
             )
         except ListenError as exc:
             if exc.option == "--bind":

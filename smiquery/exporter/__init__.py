@@ -16,14 +16,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "smiquery.exporter needs prometheus_client: pip install 'smiquery[export]' (the core does not)"
     ) from _exc
 
-from smiquery.exporter.collector import (
-    DEFAULT_EXPORTER_ALERTS,
-    SmiCollector,
-    SourceHealth,
-    SweepSource,
-    parse_labels,
-    source_health,
-)
+from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
+from smiquery.exporter.detailswatch import DetailsPoller
 from smiquery.exporter.events import EventLog, configure_logging
 from smiquery.exporter.naming import (
     DCGM_MAP,
@@ -38,7 +32,9 @@ from smiquery.exporter.naming import (
 from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.server import Exporter, serve
+from smiquery.exporter.state import SourceHealth, SweepSource, parse_labels, source_health
 from smiquery.exporter.webconfig import WebConfig, load_web_config
+from smiquery.exporter.xidwatch import XidWatcher
 
 __all__ = [
     "DCGM_MAP",
@@ -46,6 +42,7 @@ __all__ = [
     "HEALTH_METRICS",
     "IDENTITY_FIELDS",
     "PMON_METRICS",
+    "DetailsPoller",
     "EventLog",
     "Exporter",
     "MetricSpec",
@@ -57,6 +54,7 @@ __all__ = [
     "SourceHealth",
     "SweepSource",
     "WebConfig",
+    "XidWatcher",
     "configure_logging",
     "load_web_config",
     "metric_specs",

@@ -2,244 +2,63 @@
 
 from __future__ import annotations
 
-import dataclasses
-import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from prometheus_client.metrics_core import Metric
 
 from smiquery import __version__
 from smiquery._log import get_logger
-from smiquery.exporter.naming import NVSMI_INFO_LABELS, NVSMI_WORDS, PMON_SERIES, Naming, metric_specs, render
-from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
-from smiquery.exporter.poller import ProcessPoller
-from smiquery.fields import Field
+from smiquery.exporter.detailswatch import details_health, mig_families
+from smiquery.exporter.families import (
+    counter,
+    gauge,
+    merge_families,
+    nvsmi_number,
+    nvsmi_process_families,
+    pmon_families,
+    pmon_health,
+    process_families,
+    pstate_number,
+)
+from smiquery.exporter.naming import NVSMI_INFO_LABELS, Naming, metric_specs, render
+from smiquery.exporter.state import (
+    PMON_LABELS,
+    SourceHealth,
+    SweepSource,
+    TrackedGpu,
+    bare_uuid,
+    parse_labels,
+    source_health,
+)
 from smiquery.kinds import to_number
-from smiquery.oneshot import GpuProcess
-from smiquery.source import Sweep
+from smiquery.xid import bus_key
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator
+    from smiquery.details import GpuDetails
+    from smiquery.exporter.detailswatch import DetailsPoller
     from smiquery.exporter.kubernetes import KubernetesHook
-    from smiquery.sample import GpuSample, Value
-    from smiquery.source import StreamStats
+    from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
+    from smiquery.exporter.poller import ProcessPoller
+    from smiquery.exporter.xidwatch import BusKey, XidWatcher
+    from smiquery.fields import Field
+    from smiquery.oneshot import GpuProcess
+    from smiquery.sample import GpuSample
+    from smiquery.source import Sweep
 
-__all__ = [
-    "DEFAULT_EXPORTER_ALERTS",
-    "SmiCollector",
-    "SourceHealth",
-    "SweepSource",
-    "parse_labels",
-    "source_health",
-]
+__all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector"]
 
 log = get_logger("smiquery.exporter")
-
-_LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-class SweepSource(Protocol):
-    """What the collector reads: a started :class:`~smiquery.streams.sync.Stream` (or a stand-in in tests)."""
-
-    @property
-    def interval(self) -> float:
-        """Seconds between samples."""
-        ...
-
-    @property
-    def stats(self) -> StreamStats:
-        """The stream's counters."""
-        ...
-
-    @property
-    def running(self) -> bool:
-        """True while the stream's thread is alive."""
-        ...
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that ended the stream, if any."""
-        ...
-
-    def latest(self) -> tuple[Sweep | None, float | None]:
-        """The newest sweep and its age in seconds."""
-        ...
-
-
-def _gauge(name: str, doc: str) -> Metric:
-    return Metric(name, doc, "gauge")
-
-
-def _counter(name: str, doc: str) -> Metric:
-    return Metric(name, doc, "counter")
 
 
 #: smiquery alert rules the exporter evaluates on every nvidia-smi sample by default: the rule that counts samples,
 #: which PromQL cannot count whatever the scrape interval (the time-based rules stay in Prometheus).
 DEFAULT_EXPORTER_ALERTS: tuple[str, ...] = ("temperature.gpu > 85 for 3",)
-
-
-@dataclass(frozen=True)
-class SourceHealth:
-    """What the collector needs to know about its source's state, read in one place.
-
-    Attributes:
-        running: whether the source's background thread is alive.
-        state: ``starting``, ``running``, ``retrying``, ``ended``, ``closed`` or ``failed``.
-        last_error: the newest failure as one line.
-        last_error_type: its exception class name.
-        next_retry_at: ``time.time()`` of the next start while retrying.
-        permanent: whether the current failure needs a person (driver mismatch, NVML missing...).
-        lost: GPU indices the source reports lost (an index another GPU delivers under is not in it).
-        known: GPU index -> UUID for every GPU the source has seen.
-        lost_uuids: UUIDs the source reports lost, with the index each had when last seen.
-    """
-
-    running: bool
-    state: str
-    last_error: str | None
-    last_error_type: str | None
-    next_retry_at: float | None
-    permanent: bool
-    lost: frozenset[int]
-    known: dict[int, str | None]
-    lost_uuids: dict[str, int | None] = dataclasses.field(default_factory=dict)
-
-
-def source_health(source: SweepSource) -> SourceHealth:
-    """Read a source's state, whatever version of :class:`~smiquery.source.StreamStats` it carries.
-
-    Attributes a source does not have yet read as "not known" (None, False, empty); a source whose thread ended
-    with an error reads as ``failed``.
-
-    Args:
-        source: the sample source.
-
-    Returns:
-        Its state now.
-    """
-    st = source.stats
-    running = bool(source.running)
-    error = source.error
-    state = str(getattr(st, "state", "") or "")
-    if not running:
-        state = "failed" if error is not None else (state if state in ("ended", "closed", "failed") else "closed")
-    elif not state or (state == "starting" and getattr(st, "rows", 0) > 0):
-        state = "running"  # a source that does not keep state: rows flow, so it runs
-    last_type = getattr(st, "last_error_type", None)
-    last = getattr(st, "last_error", None)
-    if error is not None and not running:
-        last_type = type(error).__name__
-        last = str(error).splitlines()[0] if str(error) else last_type
-    if last_type is None and last is not None:
-        errors = getattr(st, "errors", None)
-        if errors:
-            last_type = max(errors, key=lambda k: errors[k])
-    known = dict(getattr(st, "known_gpus", None) or {})
-    return SourceHealth(
-        running=running,
-        state=state,
-        last_error=last,
-        last_error_type=last_type,
-        next_retry_at=getattr(st, "next_retry_at", None),
-        permanent=bool(getattr(st, "permanent", False)),
-        lost=frozenset(getattr(st, "lost_gpus", None) or ()),
-        known=known,
-        lost_uuids=dict(getattr(st, "lost_uuids", None) or {}),
-    )
-
-
-@dataclass
-class _Gpu:
-    """A GPU the collector has seen, remembered until the exporter restarts."""
-
-    index: int | None
-    uuid: str | None
-    native: dict[str, str]
-    dcgm: dict[str, str]
-    lost: bool = False
-    absent: int = 0  # sweeps in a row without this GPU
-
-
-def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, str]:
-    """Check constant labels given as ``key=value`` strings (or a mapping).
-
-    Args:
-        items: ``["site=lab", "rack=3"]`` or ``{"site": "lab"}``.
-
-    Returns:
-        The labels as a dict.
-
-    Raises:
-        ValueError: a malformed item, an invalid or reserved label name, or a name given twice.
-    """
-    if items is None:
-        return {}
-    pairs: list[tuple[str, str]] = []
-    if isinstance(items, Mapping):
-        pairs = [(str(k), str(v)) for k, v in items.items()]
-    else:
-        for item in items:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"label {item!r} is not key=value")
-            pairs.append((key.strip(), value))
-    out: dict[str, str] = {}
-    for key, value in pairs:
-        if not _LABEL_NAME_RE.fullmatch(key) or key.startswith("__"):
-            raise ValueError(
-                f"label name {key!r} is invalid: letters, digits and '_', not starting with a digit or '__'"
-            )
-        if key in _RESERVED_LABELS:
-            raise ValueError(f"label name {key!r} is set by the exporter itself; pick another name")
-        if key in out:
-            raise ValueError(f"label {key!r} is given twice")
-        out[key] = value
-    return out
-
-
-#: Labels of the per-process series from nvidia-smi pmon (constant labels may not reuse them).
-PMON_LABELS: tuple[str, ...] = ("gpu", "uuid", "pid", "command", "user")
-
-# Labels the exporter sets itself (Hostname is not here: --label Hostname=... overrides the DCGM label).
-_RESERVED_LABELS = frozenset(
-    {"gpu", "uuid", "name", "pci_bus_id", "value", "pid", "process_name", "type", "source"}
-    | {"UUID", "device", "modelName", "DCGM_FI_DRIVER_VERSION"}
-)
-
-
-def _bare_uuid(uuid: str | None) -> str:
-    # nvidia_gpu_exporter labels GPUs by the UUID without nvidia-smi's "GPU-" prefix (its dashboard matches on it)
-    text = uuid or ""
-    return text[4:] if text.startswith("GPU-") else text
-
-
-def _nvsmi_number(field: str, value: Value) -> float | None:
-    number = to_number(value)
-    if number is not None:
-        return number
-    text = str(value).strip()
-    words = NVSMI_WORDS.get(field)
-    if words is not None:
-        return words.get(text)
-    if text[:1] in "Pp" and text[1:].isdigit():
-        return float(text[1:])
-    try:
-        return float(text)  # version-like numbers (inforom.ecc 7.16, compute_cap 9.0)
-    except ValueError:
-        return None  # text that is no number is not made one
-
-
-def _pstate_number(value: Value) -> float | None:
-    if isinstance(value, str) and value[:1] in "Pp" and value[1:].isdigit():
-        return float(value[1:])
-    return None
 
 
 class SmiCollector:
@@ -259,6 +78,9 @@ class SmiCollector:
         processes: a :class:`ProcessPoller` to add per-process GPU memory; None for none.
         pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher` to add the busiest processes per GPU (SM and
             memory use from ``nvidia-smi pmon``); None for none.
+        details: a :class:`~smiquery.exporter.detailswatch.DetailsPoller` (``nvidia-smi -q -x`` on its own
+            cadence) to add per-MIG-instance memory; None for none.
+        xid: a :class:`~smiquery.exporter.xidwatch.XidWatcher` to add ``smiquery_xid_errors_total``; None for none.
         stale_after: seconds after which the newest sweep counts as stale (default ``max(3 * interval, 15)``).
         hostname: the DCGM ``Hostname`` label (default: this host's name).
         alerts: an :class:`~smiquery.alerts.AlertEvaluator` fed every sample (``smiquery_alert_firing``).
@@ -278,6 +100,8 @@ class SmiCollector:
         labels: Mapping[str, str] | Iterable[str] | None = None,
         processes: ProcessPoller | None = None,
         pmon: PmonWatcher | None = None,
+        details: DetailsPoller | None = None,
+        xid: XidWatcher | None = None,
         stale_after: float | None = None,
         hostname: str | None = None,
         alerts: AlertEvaluator | None = None,
@@ -295,6 +119,8 @@ class SmiCollector:
         self.labels = parse_labels(labels)
         self.processes = processes
         self.pmon = pmon
+        self.details = details
+        self.xid = xid
         if pmon is not None:
             taken = sorted(set(self.labels) & set(PMON_LABELS))
             if taken:
@@ -313,7 +139,7 @@ class SmiCollector:
         self.on_state = on_state
         self.nvidia_smi_path = nvidia_smi_path
         self.driver_version = ""
-        self._gpus: dict[str, _Gpu] = {}  # by UUID (or "index:N" without one): what was seen, until restart
+        self._gpus: dict[str, TrackedGpu] = {}  # by UUID (or "index:N" without one): what was seen, until restart
         self._fired: dict[tuple[int, str], int] = {}
         # alert state per GPU (by UUID), dropped while the GPU is lost or the data stale: "unknown", not "firing"
         self._evals: dict[str, AlertEvaluator] = {}
@@ -325,6 +151,8 @@ class SmiCollector:
         self._gpu_version = 0  # bumped whenever a sweep is taken in or the lost set may change
         self._gpu_text_version = -1
         self._gpu_text = b""
+        self._slow_text_key: tuple[object, ...] = ()
+        self._slow_text = b""
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -378,7 +206,7 @@ class SmiCollector:
             if gpu is None:
                 native = self._native_labels(s)
                 dcgm = self._dcgm_labels(s) if self.naming == "dcgm" else native
-                gpu = self._gpus[key] = _Gpu(s.index, s.uuid, native, dcgm)
+                gpu = self._gpus[key] = TrackedGpu(s.index, s.uuid, native, dcgm)
             elif not s.gpu_lost:
                 # Labels come from rows that carry them: a lost GPU's row (status tokens in every cell) keeps the
                 # labels it had, so its series keep their identity exactly when they matter.
@@ -438,12 +266,12 @@ class SmiCollector:
                 if self.on_gpu_change is not None and gpu.index is not None:
                     self.on_gpu_change(now_lost, gpu.index, gpu.uuid)
 
-    def _unseen_gpu(self, idx: int | None, uuid: str | None) -> _Gpu:
+    def _unseen_gpu(self, idx: int | None, uuid: str | None) -> TrackedGpu:
         # A GPU the source reported lost before the collector saw a row of it: the labels that can be known.
         gpu = "" if idx is None else str(idx)
         native = {"gpu": gpu, "uuid": uuid or "", **self.labels}
         if self.naming != "dcgm":
-            return _Gpu(idx, uuid, native, native)
+            return TrackedGpu(idx, uuid, native, native)
         dcgm = {
             "gpu": gpu,
             "UUID": uuid or "",
@@ -454,7 +282,7 @@ class SmiCollector:
         }
         if self.driver_version:
             dcgm["DCGM_FI_DRIVER_VERSION"] = self.driver_version
-        return _Gpu(idx, uuid, native, {**dcgm, **self.labels})
+        return TrackedGpu(idx, uuid, native, {**dcgm, **self.labels})
 
     def _is_up(self, sweep: Sweep | None, age: float | None, health: SourceHealth) -> bool:
         if sweep is not None and sweep is self._down_sweep:
@@ -521,7 +349,7 @@ class SmiCollector:
         return out
 
     def _nvsmi_labels(self, s: GpuSample) -> dict[str, str]:
-        return {"uuid": _bare_uuid(s.uuid), **self.labels}
+        return {"uuid": bare_uuid(s.uuid), **self.labels}
 
     def _nvsmi_info(self, sweep: Sweep) -> Metric:
         fam = Metric(
@@ -533,7 +361,7 @@ class SmiCollector:
                 if field in s:
                     raw = s.raw.get(field)
                     labels[label] = (raw if raw is not None else str(s.get(field) or "")).strip()
-            labels["uuid"] = _bare_uuid(s.uuid)
+            labels["uuid"] = bare_uuid(s.uuid)
             fam.add_sample(fam.name, {**labels, **self.labels}, 1.0)
         return fam
 
@@ -574,7 +402,7 @@ class SmiCollector:
                     continue  # a status token: the series is absent for this GPU, never 0
                 labels = dcgm_labels if spec.naming in ("dcgm", "nvidia_smi") else native_labels
                 if spec.style == "nvsmi":
-                    number = _nvsmi_number(spec.field, value)
+                    number = nvsmi_number(spec.field, value)
                     if number is not None:
                         fam.add_sample(spec.sample, labels, number * spec.scale)
                     continue
@@ -583,7 +411,7 @@ class SmiCollector:
                     fam.add_sample(spec.sample, {**labels, "value": text.strip()}, 1.0)
                     continue
                 if spec.style == "pstate":
-                    number = _pstate_number(value)
+                    number = pstate_number(value)
                     if number is not None:
                         fam.add_sample(spec.sample, labels, number)
                     continue
@@ -603,61 +431,14 @@ class SmiCollector:
             procs: the processes of one poll.
 
         Returns:
-            One family (empty list when no process reports its memory).
+            The non-empty families (nvidia_gpu_exporter's three with ``naming="nvidia_smi"``).
         """
         if self.naming == "nvidia_smi":
-            return self._nvsmi_process_families(procs)
-        fam = _gauge(
-            "smiquery_process_used_memory_bytes",
-            "GPU memory used by a compute process, in bytes (nvidia-smi --query-compute-apps used_memory).",
-        )
-        # One series per (pid, GPU): a process listed twice on one GPU (one row per MIG instance) is summed, as
-        # Prometheus rejects a whole scrape that repeats a series.
-        total: dict[tuple[int, str, str, str], float] = {}
-        for p in procs:
-            if p.used_memory is None:
-                continue
-            key = (p.pid, p.process_name, "" if p.gpu_index is None else str(p.gpu_index), p.gpu_uuid)
-            total[key] = total.get(key, 0.0) + float(p.used_memory) * 1048576.0
-        for (pid, pname, gpu, uuid), used in total.items():
-            labels = {"pid": str(pid), "process_name": pname, "gpu": gpu, "uuid": uuid, **self.labels}
-            fam.add_sample(fam.name, labels, used)
-        return [fam] if fam.samples else []
-
-    def _nvsmi_process_families(self, procs: Sequence[GpuProcess]) -> list[Metric]:
-        used = _gauge("nvidia_smi_compute_app_used_memory_bytes", "used_memory [MiB] of a compute process, in bytes.")
-        info = _gauge("nvidia_smi_compute_app_info", "A compute process on the GPU; always 1.")
-        count = _gauge("nvidia_smi_compute_apps", "Compute processes on the GPU.")
-        seen: dict[tuple[str, str, str], float | None] = {}
-        for p in procs:
-            key = (str(p.pid), p.process_name, _bare_uuid(p.gpu_uuid))
-            mem = None if p.used_memory is None else float(p.used_memory) * 1048576.0
-            prev = seen.get(key)
-            seen[key] = mem if prev is None else prev + (mem or 0.0)  # one row per MIG instance: summed
-        per_gpu: dict[str, int] = {}
-        for _, _, uuid in seen:
-            per_gpu[uuid] = per_gpu.get(uuid, 0) + 1
-        for (pid, pname, uuid), mem in seen.items():
-            labels = {"pid": pid, "process_name": pname, "uuid": uuid, **self.labels}
-            info.add_sample(info.name, labels, 1.0)
-            if mem is not None:
-                used.add_sample(used.name, labels, mem)
-        for uuid, n in per_gpu.items():
-            count.add_sample(count.name, {"uuid": uuid, **self.labels}, float(n))
-        return [f for f in (used, info, count) if f.samples]
-
-    def _gpu_uuids(self) -> dict[int, str]:
-        with self._refresh_lock:
-            gpus = list(self._gpus.values())
-        bare = self.naming == "nvidia_smi"  # its series join on the UUID without "GPU-"
-        return {g.index: (_bare_uuid(g.uuid) if bare else g.uuid or "") for g in gpus if g.index is not None}
+            return nvsmi_process_families(procs, self.labels)
+        return process_families(procs, self.labels)
 
     def pmon_families(self, instant: ProcessInstant) -> list[Metric]:
-        """The busiest processes of each GPU from one pmon instant: at most ``top + 1`` series per GPU.
-
-        Labelled ``gpu``, ``uuid`` (empty until the GPU stream has seen the GPU), ``pid``, ``command`` (pmon's
-        name, cut to about 15 characters) and ``user`` (empty when this host cannot see the process); the summed
-        rest is ``pid="other", command="other"``. A value pmon printed as ``-`` has no sample (never 0).
+        """The busiest processes of each GPU from one pmon instant (see :func:`~.families.pmon_families`).
 
         Args:
             instant: the newest instant of a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`.
@@ -665,36 +446,13 @@ class SmiCollector:
         Returns:
             The non-empty families, plus ``smiquery_gpu_processes`` per GPU pmon watches.
         """
-        uuids = self._gpu_uuids()
-        fams = {
-            col: _gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, _, _, text) in PMON_SERIES.items()
-        }
-        for row, user in instant.rows:
-            gpu = -1 if row.gpu is None else row.gpu
-            other = row.pid is None
-            labels = {
-                "gpu": str(gpu),
-                "uuid": uuids.get(gpu, ""),
-                "pid": "other" if other else str(row.pid),
-                "command": "other" if other else row.command or "",
-                "user": user or "",
-                **self.labels,
-            }
-            for col, (name, times, per, _) in PMON_SERIES.items():
-                value = getattr(row, col)
-                if value is not None:
-                    fams[col].add_sample(name, labels, float(value) * times / per)
-        out = [f for f in fams.values() if f.samples]
-        count = _gauge(
-            "smiquery_gpu_processes", "Processes nvidia-smi pmon listed on the GPU (all of them, not only the top)."
-        )
-        for gpu, n in sorted(instant.processes.items()):
-            count.add_sample(count.name, {"gpu": str(gpu), "uuid": uuids.get(gpu, ""), **self.labels}, float(n))
-        if count.samples:
-            out.append(count)
-        return out
+        return pmon_families(instant, self._gpu_uuids(), self.labels)
 
-    # ------------------------------------------------------------------------------------------- health
+    def _gpu_uuids(self) -> dict[int, str]:
+        with self._refresh_lock:
+            gpus = list(self._gpus.values())
+        bare = self.naming == "nvidia_smi"  # its series join on the UUID without "GPU-"
+        return {g.index: (bare_uuid(g.uuid) if bare else g.uuid or "") for g in gpus if g.index is not None}
 
     def _fresh(self, sweep: Sweep | None, age: float | None) -> bool:
         return sweep is not None and age is not None and age <= self.stale_after
@@ -712,7 +470,25 @@ class SmiCollector:
         """
         with self._refresh_lock:
             gpus = self._gpu_health()
-        return self._health_head(sweep, age) + gpus + self._health_tail(duration)
+        return self._health_head(sweep, age) + gpus + self._slow_health() + self._health_tail(duration)
+
+    def _slow_key(self) -> tuple[object, ...]:
+        # what the details' and the Xid watcher's families depend on: they change rarely, scrapes are frequent
+        got = self.details.fresh() if self.details is not None else None
+        latest = self.details.latest()[0] if self.details is not None else None
+        xid = (self.xid.events, self.xid.up) if self.xid is not None else None
+        return (got is not None, latest, xid, self._gpu_version)
+
+    def _slow_health(self) -> list[Metric]:
+        """The details poller's health and the Xid families."""
+        out: list[Metric] = []
+        if self.details is not None:
+            out.extend(details_health(self.details, self.labels))
+        if self.xid is not None:
+            # the GPUs are known once the CSV has a sweep and, when details run, their first answer is in
+            known = bool(self._gpus) and (self.details is None or self.details.latest()[0] is not None)
+            out.extend(self.xid.families(self._gpu_at_bus(), self.labels, inventory_known=known))
+        return out
 
     def _health_head(self, sweep: Sweep | None, age: float | None) -> list[Metric]:
         st = self.stream.stats
@@ -727,14 +503,14 @@ class SmiCollector:
 
         up = 1.0 if self._is_up(sweep, age, health) else 0.0
         one(
-            _gauge(
+            gauge(
                 "smiquery_up",
                 f"1 when nvidia-smi delivers fresh samples (newest younger than {self.stale_after:g} s), else 0.",
             ),
             up,
         )
         one(
-            _gauge(
+            gauge(
                 "smiquery_stream_info",
                 "The nvidia-smi stream's state (starting, running, retrying, failed...), its last error type and "
                 "whether that error needs a person (permanent); always 1.",
@@ -751,37 +527,37 @@ class SmiCollector:
             next_at = self.revive_at
         if next_at is not None:
             one(
-                _gauge(
+                gauge(
                     "smiquery_next_attempt_timestamp_seconds",
                     "Unix time at which nvidia-smi will be started again (while the stream retries).",
                 ),
                 float(next_at),
             )
         one(
-            _gauge("smiquery_build_info", "smiquery's version, the driver and the nvidia-smi it runs; always 1."),
+            gauge("smiquery_build_info", "smiquery's version, the driver and the nvidia-smi it runs; always 1."),
             1.0,
             {"version": __version__, "driver_version": self.driver_version, "nvidia_smi": self.nvidia_smi_path},
         )
         if sweep is not None and age is not None:
             one(
-                _gauge(
+                gauge(
                     "smiquery_last_sample_timestamp_seconds",
                     "Unix time at which the newest sweep of nvidia-smi rows was received.",
                 ),
                 time.time() - age,
             )
-            one(_gauge("smiquery_last_sample_age_seconds", "Age of the newest sweep of nvidia-smi rows."), age)
-        one(_counter("smiquery_nvidia_smi_starts", "nvidia-smi loop processes started."), float(st.starts))
+            one(gauge("smiquery_last_sample_age_seconds", "Age of the newest sweep of nvidia-smi rows."), age)
+        one(counter("smiquery_nvidia_smi_starts", "nvidia-smi loop processes started."), float(st.starts))
         one(
-            _counter("smiquery_nvidia_smi_restarts", "nvidia-smi loop processes restarted after a failure."),
+            counter("smiquery_nvidia_smi_restarts", "nvidia-smi loop processes restarted after a failure."),
             float(st.restarts),
         )
-        one(_counter("smiquery_sweeps", "Complete sweeps (one row per GPU) received."), float(st.sweeps))
+        one(counter("smiquery_sweeps", "Complete sweeps (one row per GPU) received."), float(st.sweeps))
         one(
-            _counter("smiquery_dropped_rows", "Rows of nvidia-smi output rejected by the parser."),
+            counter("smiquery_dropped_rows", "Rows of nvidia-smi output rejected by the parser."),
             float(st.dropped_rows),
         )
-        errors = _counter("smiquery_nvidia_smi_errors", "nvidia-smi failures, by error type and source.")
+        errors = counter("smiquery_nvidia_smi_errors", "nvidia-smi failures, by error type and source.")
         for typ, n in sorted(dict(st.errors).items()):
             errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "stream"}, float(n))
         if self.processes is not None:
@@ -790,6 +566,9 @@ class SmiCollector:
         if self.pmon is not None:
             for typ, n in sorted(dict(self.pmon.errors).items()):
                 errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "pmon"}, float(n))
+        if self.details is not None:
+            for typ, n in sorted(dict(self.details.errors).items()):
+                errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "details"}, float(n))
         if errors.samples:
             out.append(errors)
         return out
@@ -797,7 +576,7 @@ class SmiCollector:
     def _gpu_health(self) -> list[Metric]:
         # The per-GPU health families (lost GPUs, alert state): they change only when a sweep is taken in.
         out: list[Metric] = []
-        lost_fam = _gauge(
+        lost_fam = gauge(
             "smiquery_gpu_lost",
             "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), else 0.",
         )
@@ -808,12 +587,12 @@ class SmiCollector:
         if lost_fam.samples:
             out.append(lost_fam)
         if self.alerts is not None and self._gpus:
-            firing = _gauge(
+            firing = gauge(
                 "smiquery_alert_firing",
                 "1 while a smiquery alert rule, evaluated on every nvidia-smi sample, fires on the GPU, else 0; "
                 "absent while the GPU is lost or the data stale (unknown).",
             )
-            fired = _counter("smiquery_alert_fired", "Times a smiquery alert rule started firing on the GPU.")
+            fired = counter("smiquery_alert_fired", "Times a smiquery alert rule started firing on the GPU.")
             for i, rule in enumerate(self.alerts.rules):
                 for key, gpu in self._gpus.items():
                     labels = {**(gpu.dcgm if self.naming == "dcgm" else gpu.native), "alert": str(rule)}
@@ -838,57 +617,31 @@ class SmiCollector:
         if self.processes is not None and self.naming == "nvidia_smi":
             ok = self.processes.polls > 0 and self.processes.last_error is None
             one(
-                _gauge("nvidia_smi_compute_apps_last_collect_success", "1 when the last process listing worked."),
+                gauge("nvidia_smi_compute_apps_last_collect_success", "1 when the last process listing worked."),
                 1.0 if ok else 0.0,
             )
         if self.processes is not None:
             _, _, when = self.processes.latest()
             if when is not None:
                 one(
-                    _gauge(
+                    gauge(
                         "smiquery_processes_last_success_timestamp_seconds",
                         "Unix time of the newest successful listing of compute processes.",
                     ),
                     when,
                 )
         if self.pmon is not None:
-            out.extend(self._pmon_health())
+            out.extend(pmon_health(self.pmon, self.labels))
         if self.render_errors:
             one(
-                _counter("smiquery_collection_errors", "Scrapes whose GPU metrics could not be built (a bug)."),
+                counter("smiquery_collection_errors", "Scrapes whose GPU metrics could not be built (a bug)."),
                 float(self.render_errors),
             )
         one(
-            _gauge("smiquery_collection_duration_seconds", "Time spent building this scrape's metrics."),
+            gauge("smiquery_collection_duration_seconds", "Time spent building this scrape's metrics."),
             duration,
         )
         return out
-
-    def _pmon_health(self) -> list[Metric]:
-        assert self.pmon is not None
-        const = self.labels
-        up = _gauge(
-            "smiquery_process_up",
-            f"1 when nvidia-smi pmon delivers fresh instants (newest under {self.pmon.stale_after:g} s old), else 0.",
-        )
-        up.add_sample(up.name, const, 1.0 if self.pmon.fresh() is not None else 0.0)
-        info = _gauge(
-            "smiquery_process_stream_info",
-            "The nvidia-smi pmon stream's state (starting, running, retrying, failed) and last error type; always 1.",
-        )
-        labels = {"state": self.pmon.state, "last_error_type": self.pmon.last_error_type or ""}
-        info.add_sample(info.name, {**const, **labels}, 1.0)
-        out = [up, info]
-        got, _ = self.pmon.latest()
-        if got is not None:
-            when = _gauge(
-                "smiquery_process_last_sample_timestamp_seconds", "Unix time of the newest nvidia-smi pmon instant."
-            )
-            when.add_sample(when.name, const, got.wall)
-            out.append(when)
-        return out
-
-    # ------------------------------------------------------------------------------------------- output
 
     def _data_families(
         self,
@@ -896,11 +649,15 @@ class SmiCollector:
         fresh: bool,
         procs: tuple[GpuProcess, ...] | None,
         instant: ProcessInstant | None = None,
+        details: tuple[GpuDetails, ...] | None = None,
     ) -> list[Metric]:
         fams: list[Metric] = []
         try:
             if fresh and sweep is not None:
                 fams.extend(self.sweep_families(sweep))
+            if details is not None:
+                # its own cadence: served while the newest -q -x is fresh, whatever the CSV's age
+                fams.extend(mig_families(details, dcgm=self.naming == "dcgm", gpu_labels=self._details_labels))
             if procs is not None:
                 fams.extend(self.process_families(procs))
             if instant is not None:
@@ -911,7 +668,45 @@ class SmiCollector:
             self.render_errors += 1
             log.exception("smiquery exporter: building the GPU metrics failed")
             return []
-        return fams
+        return merge_families(fams)  # DCGM's FB families get MIG samples too: one family per name
+
+    def _details_labels(self, gpu: GpuDetails) -> dict[str, str]:
+        """The parent GPU's labels for its MIG series: as its CSV series have them, or from the details alone."""
+        with self._refresh_lock:
+            tracked = self._gpus.get(gpu.uuid or "")
+        if tracked is not None:
+            return dict(tracked.dcgm if self.naming == "dcgm" else tracked.native)
+        idx = str(gpu.index)
+        if self.naming != "dcgm":
+            return {"gpu": idx, "uuid": gpu.uuid or "", "name": gpu.name or "", "pci_bus_id": gpu.pci_bus_id or "",
+                    **self.labels}  # fmt: skip
+        out = {
+            "gpu": idx,
+            "UUID": gpu.uuid or "",
+            "device": f"nvidia{idx}",
+            "modelName": gpu.name or "",
+            "Hostname": self.hostname,
+            "pci_bus_id": gpu.pci_bus_id or "",
+        }
+        if gpu.driver_version:
+            out["DCGM_FI_DRIVER_VERSION"] = gpu.driver_version
+        return {**out, **self.labels}
+
+    def _gpu_at_bus(self) -> Callable[[BusKey], Mapping[str, str] | None]:
+        """PCI key -> the ``gpu`` and ``uuid`` of the GPU there: the GPUs seen in the CSV, then in the details."""
+        found: dict[BusKey, dict[str, str]] = {}
+        details = self.details.latest()[0] if self.details is not None else None
+        for d in details or ():
+            key = bus_key(d.pci_bus_id or "")
+            if key is not None:
+                found[key] = {"gpu": str(d.index), "uuid": d.uuid or ""}
+        with self._refresh_lock:
+            gpus = list(self._gpus.values())
+        for g in gpus:
+            key = bus_key(g.native.get("pci_bus_id", ""))
+            if key is not None:
+                found[key] = {"gpu": "" if g.index is None else str(g.index), "uuid": g.uuid or ""}
+        return found.get
 
     def _fresh_processes(self) -> tuple[GpuProcess, ...] | None:
         if self.processes is None:
@@ -927,7 +722,8 @@ class SmiCollector:
         self.refresh()
         sweep, age = self.stream.latest()
         instant = self.pmon.fresh() if self.pmon is not None else None
-        fams = self._data_families(sweep, self._fresh(sweep, age), self._fresh_processes(), instant)
+        details = self.details.fresh() if self.details is not None else None
+        fams = self._data_families(sweep, self._fresh(sweep, age), self._fresh_processes(), instant, details)
         yield from fams
         yield from self.health_families(sweep, age, time.perf_counter() - t0)
 
@@ -943,10 +739,11 @@ class SmiCollector:
         fresh = self._fresh(sweep, age)
         procs = self._fresh_processes()
         instant = self.pmon.fresh() if self.pmon is not None else None
-        key = (sweep if fresh else None, procs, instant, self.kubernetes.token if self.kubernetes else None)
+        details = self.details.fresh() if self.details is not None else None
+        key = (sweep if fresh else None, procs, instant, details, self.kubernetes.token if self.kubernetes else None)
         with self._lock:
             if any(a is not b for a, b in zip(key, self._cache_key)):
-                self._cache = render(self._data_families(sweep, fresh, procs, instant)).encode()
+                self._cache = render(self._data_families(sweep, fresh, procs, instant, details)).encode()
                 self._cache_key = key
             body = self._cache
         head = render(self._health_head(sweep, age)).encode()
@@ -955,8 +752,16 @@ class SmiCollector:
                 self._gpu_text = render(self._gpu_health()).encode()
                 self._gpu_text_version = self._gpu_version
             gpus = self._gpu_text
+        slow = b""
+        if self.details is not None or self.xid is not None:
+            slow_key = self._slow_key()
+            with self._lock:
+                if slow_key != self._slow_text_key:
+                    self._slow_text = render(self._slow_health()).encode()
+                    self._slow_text_key = slow_key
+                slow = self._slow_text
         tail = render(self._health_tail(time.perf_counter() - t0)).encode()
-        return body + head + gpus + tail
+        return body + head + gpus + slow + tail
 
     def health(self) -> tuple[bool, str]:
         """Whether the data is fresh and every GPU seen is there, with one line saying why not (``/readyz``).

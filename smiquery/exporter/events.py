@@ -131,6 +131,23 @@ class EventLog:
         else:
             self.emit("gpu_back", logging.INFO, f"{who} is back", gpu=index, uuid=uuid)
 
+    def on_xid(self, event: Any) -> None:
+        """Log an Xid event from the kernel log (WARNING, rate-limited per code), with what to do about it.
+
+        Args:
+            event: a :class:`~smiquery.xid.XidEvent`.
+        """
+        info = getattr(event, "info", None)
+        what = f"{info.meaning}; {info.advice}" if info is not None else "see NVIDIA's Xid catalogue"
+        self.emit(
+            f"xid_{event.xid}",
+            logging.WARNING,
+            f"Xid {event.xid} on the GPU at PCI {event.pci_bus_id}: {what}",
+            xid=event.xid,
+            pci_bus_id=event.pci_bus_id,
+            action=info.action if info is not None else None,
+        )
+
     def on_state(self, up: bool, why: str) -> None:
         """Log a change of ``smiquery_up`` (WARNING when data stops, INFO when it comes back).
 

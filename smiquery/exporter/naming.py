@@ -90,6 +90,13 @@ HEALTH_METRICS: tuple[str, ...] = (
     "smiquery_next_attempt_timestamp_seconds",
     "smiquery_alert_firing",
     "smiquery_alert_fired_total",
+    "smiquery_details_up",
+    "smiquery_details_last_success_timestamp_seconds",
+    "smiquery_mig_memory_used_bytes",
+    "smiquery_mig_memory_free_bytes",
+    "smiquery_mig_memory_total_bytes",
+    "smiquery_xid_source_up",
+    "smiquery_xid_errors_total",
 )
 
 #: Per-process series from ``nvidia-smi pmon`` (``--top-processes N``): pmon column -> (metric, multiplier,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from smiquery.source import StreamEvent
     from smiquery.streams.argv import GpusArg
 
-__all__ = ["PmonWatcher", "ProcessInstant", "process_instant"]
+__all__ = ["TOP_PROCESSES_BY", "PmonWatcher", "ProcessInstant", "process_instant"]
 
 log = get_logger("smiquery.exporter")
 
@@ -39,23 +39,67 @@ class ProcessInstant:
         processes: GPU index -> how many processes pmon listed on it (0 for an idle GPU).
         received: ``time.monotonic()`` when the instant was complete.
         wall: ``time.time()`` at the same moment.
+        by: ``pid`` (one row per process) or ``name`` (one row per process name: the processes of one name on
+            one GPU summed, their ``pid`` the lowest of them and ``user`` None).
     """
 
     rows: tuple[tuple[pmon.PmonRow, str | None], ...]
     processes: dict[int, int]
     received: float
     wall: float
+    by: str = "pid"
+
+
+#: How ``--top-processes`` labels its series: ``name`` (bounded: one series per process name) or ``pid``.
+TOP_PROCESSES_BY: tuple[str, ...] = ("name", "pid")
+
+
+def _by_name(rows: tuple[pmon.PmonRow, ...]) -> tuple[pmon.PmonRow, ...]:
+    """One row per (GPU, process name): the known values summed (None when none is known), idle lines kept."""
+    groups: dict[tuple[int | None, str], list[pmon.PmonRow]] = {}
+    out: list[pmon.PmonRow] = []
+    for row in rows:
+        if row.idle or row.pid is None:
+            out.append(row)
+            continue
+        groups.setdefault((row.gpu, row.command or ""), []).append(row)
+    for (_, _), members in groups.items():
+
+        def total(col: str, members: list[pmon.PmonRow] = members) -> int | None:
+            known = [v for v in (getattr(r, col) for r in members) if v is not None]
+            return sum(known) if known else None
+
+        first = min(members, key=lambda r: r.pid or 0)
+        out.append(
+            first._replace(
+                sm=total("sm"),
+                mem=total("mem"),
+                enc=total("enc"),
+                dec=total("dec"),
+                jpg=total("jpg"),
+                ofa=total("ofa"),
+                fb=total("fb"),
+                ccpm=total("ccpm"),
+            )
+        )
+    return tuple(out)
 
 
 def process_instant(
-    rows: Iterable[pmon.PmonRow], top: int, *, user_of: Callable[[int], str | None] = pmon.process_user
+    rows: Iterable[pmon.PmonRow],
+    top: int,
+    *,
+    user_of: Callable[[int], str | None] = pmon.process_user,
+    by: str = "pid",
 ) -> ProcessInstant:
     """Cut one pmon instant down to what the exporter serves: the ``top`` busiest (by SM) per GPU plus ``other``.
 
     Args:
         rows: one instant of pmon rows.
-        top: processes kept per GPU.
+        top: processes (or, with ``by="name"``, process names) kept per GPU.
         user_of: pid -> user name.
+        by: ``pid``: one row per process; ``name``: the processes of one name on a GPU summed into one row first,
+            so that short-lived processes add no series.
 
     Returns:
         The instant, stamped now.
@@ -65,9 +109,12 @@ def process_instant(
     for row in rows:
         if row.gpu is not None:
             counts[row.gpu] = counts.get(row.gpu, 0) + (0 if row.idle else 1)
-    kept = pmon.top_processes(rows, top, by="sm")
-    pairs = tuple((row, None if row.pid is None else user_of(row.pid)) for gpu in sorted(kept) for row in kept[gpu])
-    return ProcessInstant(pairs, counts, time.monotonic(), time.time())
+    named = by == "name"
+    kept = pmon.top_processes(_by_name(rows) if named else rows, top, by="sm")
+    pairs = tuple(
+        (row, None if row.pid is None or named else user_of(row.pid)) for gpu in sorted(kept) for row in kept[gpu]
+    )
+    return ProcessInstant(pairs, counts, time.monotonic(), time.time(), by)
 
 
 class PmonWatcher:
@@ -80,6 +127,8 @@ class PmonWatcher:
 
     Args:
         top: processes kept per GPU (at least 1); the rest are summed into one ``other`` row.
+        by: ``name`` (the default: the processes of one name on a GPU are one row, so series stay bounded however
+            many short-lived processes come and go) or ``pid`` (one row per process: one series per pid).
         interval: pmon's ``-d`` (whole seconds, 1..10).
         gpus: only these GPUs (pmon watches at most 4; without it nvidia-smi picks the first 4).
         nvidia_smi: path of the binary.
@@ -107,10 +156,14 @@ class PmonWatcher:
         retry_after: float = 300.0,
         user_of: Callable[[int], str | None] = pmon.process_user,
         make_stream: Callable[[], pmon.PmonStream] | None = None,
+        by: str = "name",
     ) -> None:
         if isinstance(top, bool) or not isinstance(top, int) or top < 1:
             raise ValueError("the number of top processes must be a whole number >= 1")
+        if by not in TOP_PROCESSES_BY:
+            raise ValueError(f"top processes are labelled by {' or '.join(TOP_PROCESSES_BY)}, not {by!r}")
         self.top = top
+        self.by = by
         self.interval = interval
         self.stale_after = float(stale_after) if stale_after is not None else max(4.0 * interval, 10.0)
         self.retry_after = float(retry_after)
@@ -183,7 +236,7 @@ class PmonWatcher:
     # ---------------------------------------------------------------------------------------------- work
 
     def _take(self, instant: tuple[pmon.PmonRow, ...]) -> None:
-        self._latest = process_instant(instant, self.top, user_of=self._user_of)
+        self._latest = process_instant(instant, self.top, user_of=self._user_of, by=self.by)
         self.instants += 1
         if self._logged is not None:
             log.info("smiquery exporter: nvidia-smi pmon works again; per-process metrics are back")

@@ -7,6 +7,7 @@ import errno
 import functools
 import gzip
 import ipaddress
+import os
 import socket
 import ssl
 import threading
@@ -18,13 +19,16 @@ from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator
 from smiquery.errors import ListenError, PortInUseError
-from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector, parse_labels
+from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
+from smiquery.exporter.detailswatch import DetailsPoller
 from smiquery.exporter.events import EventLog
 from smiquery.exporter.httpd import HttpServer, Request, Response
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
-from smiquery.exporter.pmonwatch import PmonWatcher
+from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
 from smiquery.exporter.poller import ProcessPoller
+from smiquery.exporter.state import parse_labels
 from smiquery.exporter.webconfig import WebConfig, load_web_config
+from smiquery.exporter.xidwatch import XidWatcher
 from smiquery.fields import resolve_fields
 from smiquery.retry import RetryPolicy
 from smiquery.streams.argv import normalize_gpus
@@ -360,6 +364,7 @@ def serve(
     processes: bool = False,
     processes_interval: float = 15.0,
     top_processes: int = 0,
+    top_processes_by: str = "name",
     tls_cert: str | os.PathLike[str] | None = None,
     tls_key: str | os.PathLike[str] | None = None,
     client_ca: str | os.PathLike[str] | None = None,
@@ -374,6 +379,8 @@ def serve(
     request_timeout: float = 10.0,
     revive_after: float = 30.0,
     kubernetes: KubernetesHook | None = None,
+    details_interval: float | None = None,
+    kernel_log: str | os.PathLike[str] | None = None,
 ) -> Exporter:
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
@@ -399,8 +406,11 @@ def serve(
         processes_interval: seconds between process polls.
         top_processes: also run ``nvidia-smi pmon`` (every ``interval`` seconds, rounded to 1..10) and export the
             SM, memory and video-engine use and GPU memory of the ``top_processes`` busiest processes of each GPU,
-            plus one ``pid="other"`` series summing the rest; 0 (the default) runs no pmon at all. If pmon cannot
-            run, one line is logged and the GPU metrics go on.
+            plus one ``command="other"`` series summing the rest; 0 (the default) runs no pmon at all. If pmon
+            cannot run, one line is logged and the GPU metrics go on.
+        top_processes_by: ``name`` (the default: one series per process name, bounded however many short-lived
+            processes come and go) or ``pid`` (one series per process, labelled ``pid`` and ``user``: opt-in, as
+            every new pid is a new series).
         tls_cert: PEM certificate: serve HTTPS.
         tls_key: PEM private key for ``tls_cert``.
         client_ca: PEM CA bundle: require client certificates signed by it.
@@ -419,6 +429,10 @@ def serve(
             replaced by a new one; meanwhile ``smiquery_next_attempt_timestamp_seconds`` says when.
         kubernetes: pod attribution (:class:`~smiquery.exporter.kubernetes.KubernetesHook`), started and closed
             with the exporter.
+        details_interval: also run ``nvidia-smi -q -x`` every this many seconds, in its own thread (never on a
+            scrape), and export per-MIG-instance memory; None (the default here; the CLI's is 60) for none.
+        kernel_log: also follow this kernel log (``/dev/kmsg``, or a plain file followed like ``tail -F``) and
+            count ``smiquery_xid_errors_total``; None (the default here; the CLI's is ``/dev/kmsg``) for none.
 
     Returns:
         The running :class:`Exporter`.
@@ -431,7 +445,7 @@ def serve(
         InvalidRuleError: an alert rule that cannot be parsed.
         InvalidGpuIdError: a malformed GPU id.
         NvidiaSmiNotFoundError: no usable nvidia-smi.
-        ValueError: a bad label, naming, interval, top_processes, or TLS option.
+        ValueError: a bad label, naming, interval, top_processes, details_interval, or TLS option.
         OSError, ssl.SSLError: unreadable TLS files.
     """
     if naming not in NAMINGS:
@@ -440,6 +454,10 @@ def serve(
         raise ValueError("interval must be positive")
     if isinstance(top_processes, bool) or not isinstance(top_processes, int) or top_processes < 0:
         raise ValueError("top_processes must be a whole number >= 0 (0: off)")
+    if details_interval is not None and not details_interval > 0:
+        raise ValueError("details_interval must be a positive number of seconds (None: off)")
+    if top_processes_by not in TOP_PROCESSES_BY:
+        raise ValueError(f"top_processes_by must be one of {', '.join(TOP_PROCESSES_BY)}, not {top_processes_by!r}")
     if not 0 <= port <= 65535:
         raise ValueError(f"port {port} is out of range (0-65535)")
     if (tls_cert is None) != (tls_key is None):
@@ -463,6 +481,8 @@ def serve(
     s = None
     poller = None
     watcher = None
+    details = None
+    xid = None
     events = EventLog()
     try:
         stream_fields = [f.name for f in _with_alert_fields(flds, evaluator)]
@@ -487,6 +507,7 @@ def serve(
             pmon_interval = min(10, max(1, round(interval)))  # pmon takes whole seconds, 1 to 10
             watcher = PmonWatcher(
                 top_processes,
+                by=top_processes_by,
                 interval=pmon_interval,
                 gpus=gpus,
                 nvidia_smi=nvidia_smi,
@@ -494,6 +515,10 @@ def serve(
                 # the newest instant is one interval old when it is complete: never staler than two intervals
                 stale_after=max(stale_after, 2.0 * pmon_interval + 1.0) if stale_after is not None else None,
             )
+        if details_interval is not None:
+            details = DetailsPoller(details_interval, gpus=gpus, nvidia_smi=nvidia_smi)
+        if kernel_log is not None:
+            xid = XidWatcher(os.fspath(kernel_log), on_event=events.on_xid)
         collector = SmiCollector(
             s,
             fields=flds,
@@ -501,6 +526,8 @@ def serve(
             labels=const,
             processes=poller,
             pmon=watcher,
+            details=details,
+            xid=xid,
             stale_after=stale_after,
             alerts=evaluator,
             on_gpu_change=events.on_gpu_change,
@@ -540,18 +567,16 @@ def serve(
             watcher.start()
         if kubernetes is not None:
             kubernetes.start()
-
-        def cleanup() -> None:
-            collector.close()
-            if kubernetes is not None:
-                kubernetes.close()
-
+        if details is not None:
+            details.start()
+        if xid is not None:
+            xid.start()
         exp = Exporter(
             http,
             collector,
             poller,
             web.ssl_context is not None,
-            cleanup=cleanup,
+            cleanup=functools.partial(_close_all, collector, details, xid, kubernetes),
             make_stream=make_stream,
             revive_after=revive_after,
             pmon=watcher,
@@ -564,11 +589,26 @@ def serve(
             poller.close()
         if watcher is not None:
             watcher.close()
-        if kubernetes is not None:
-            kubernetes.close()
+        _close_all(None, details, xid, kubernetes)
         raise
     log.info("smiquery exporter: serving %s/metrics (naming %s)", exp.url, naming)
     return exp
+
+
+def _close_all(
+    collector: SmiCollector | None,
+    details: DetailsPoller | None,
+    xid: XidWatcher | None,
+    kubernetes: KubernetesHook | None = None,
+) -> None:
+    if collector is not None:
+        collector.close()
+    if kubernetes is not None:
+        kubernetes.close()
+    if xid is not None:
+        xid.close()
+    if details is not None:
+        details.close()
 
 
 def _with_alert_fields(flds: Sequence[Field], evaluator: AlertEvaluator | None) -> list[Field]:

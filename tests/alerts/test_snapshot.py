@@ -51,8 +51,10 @@ def test_one_snapshot_per_firing_with_the_evidence(fake_smi: MakeFake, tmp_path:
     df = load_recording(folder / "samples.csv")  # `smiquery report` reads the recent samples
     assert len(df) == 4 and df["temperature_gpu"].max() == 90  # the history up to the firing sample
     files = sorted(p.name for p in folder.iterdir())
-    assert files == ["alert.json", "nvidia-smi-q.xml", "processes.csv", "samples.csv"]
+    assert files == ["alert.json", "details.json", "nvidia-smi-q.xml", "processes.csv", "samples.csv"]
     assert (folder / "nvidia-smi-q.xml").read_text().lstrip().startswith("<?xml")
+    details = json.loads((folder / "details.json").read_text())["gpus"]  # the XML parsed, for a program to read
+    assert details and all(g["uuid"].startswith("GPU-") and isinstance(g["memory_total"], int) for g in details)
     assert (folder / "processes.csv").read_text().splitlines()[0].startswith("gpu_uuid, pid, process_name")
 
 
@@ -82,3 +84,32 @@ def test_a_snapshot_never_blocks_the_caller(tmp_path: Path):
     assert snap.wait(30.0)
     folder = Path(snap.taken[0])
     assert "did not answer" in (folder / "nvidia-smi-q.xml.error.txt").read_text()
+
+
+def test_the_details_of_a_mig_gpu_are_parsed_into_details_json(tmp_path: Path) -> None:
+    from smiquery.alerts.rules import AlertEvaluator
+    from smiquery.testing import InProcessRunner
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "details-2gpu-mig.xml"
+    ev = AlertEvaluator(["temperature.gpu > 85 for 1"])
+    event = next(e for s in _samples([90]) for e in ev.update(s))
+    runner = InProcessRunner(env={"SMIQUERY_FAKE_XML": str(fixture)})
+    folder = Path(take_snapshot(tmp_path, event, nvidia_smi="/opt/nvidia-smi", runner=runner))
+    gpus = json.loads((folder / "details.json").read_text())["gpus"]
+    assert gpus[0]["uuid"] == "GPU-11111111-2222-3333-4444-555555555555"
+    assert [m["gpu_instance_id"] for m in gpus[0]["mig_devices"]] == [2, 9]
+    assert gpus[0]["remapped_rows"]["pending"] is True and "hw_thermal_slowdown" in gpus[0]["clock_event_reasons"]
+    assert gpus[1]["memory_used"] is None and gpus[1]["missing"]["memory_used"] == "not_available"  # N/A, not 0
+
+
+def test_a_cut_xml_leaves_a_reason_instead_of_details_json(tmp_path: Path) -> None:
+    from smiquery.alerts.rules import AlertEvaluator
+    from smiquery.testing import InProcessRunner
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "details-2gpu-mig.xml"
+    ev = AlertEvaluator(["temperature.gpu > 85 for 1"])
+    event = next(e for s in _samples([90]) for e in ev.update(s))
+    runner = InProcessRunner(env={"SMIQUERY_FAKE_XML": str(fixture)})
+    folder = Path(take_snapshot(tmp_path, event, nvidia_smi="/opt/nvidia-smi", runner=runner, max_bytes=2000))
+    assert not (folder / "details.json").exists()
+    assert "parsing nvidia-smi-q.xml failed" in (folder / "details.json.error.txt").read_text()

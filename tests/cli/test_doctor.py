@@ -119,3 +119,41 @@ def test_container_variables_warn_only_when_they_explain_a_failure(
     fine = by_name(run_checks(FAKE_PATH, timeout=20))
     assert fine["NVIDIA_DRIVER_CAPABILITIES"].status == "ok"
     assert fine["NVIDIA_VISIBLE_DEVICES"].status == "ok"
+
+
+DETAILS_XML = Path(__file__).resolve().parents[1] / "fixtures" / "details-2gpu-mig.xml"
+
+
+def test_memory_and_clock_health_comes_from_the_parsed_details(inproc: InProcessRunner, host: None) -> None:
+    # GPU 0: a row remap pending and a hardware thermal slowdown; GPU 1: a page retirement pending
+    inproc.env = {"SMIQUERY_FAKE_XML": str(DETAILS_XML)}
+    check = by_name(run_checks(FAKE_PATH, timeout=20))["memory and clock health"]
+    assert check.status == "warn"
+    assert (
+        "waits for a reset on GPU 0, 1" in check.diagnosis and "GPU 0 slowed by hw_thermal_slowdown" in check.diagnosis
+    )
+    assert "nvidia-smi -r" in check.fix and "cooling" in check.fix
+    assert any(c[1:3] == ("-q", "-x") for c in inproc.calls)
+
+
+def test_a_failed_row_remap_fails_the_health_check(inproc: InProcessRunner, host: None, tmp_path: Path) -> None:
+    xml = tmp_path / "q.xml"
+    xml.write_text(
+        DETAILS_XML.read_text(encoding="utf-8").replace(
+            "<remapped_row_failure>No</remapped_row_failure>", "<remapped_row_failure>Yes</remapped_row_failure>"
+        ),
+        encoding="utf-8",
+    )
+    inproc.env = {"SMIQUERY_FAKE_XML": str(xml)}
+    results = run_checks(FAKE_PATH, timeout=20)
+    check = by_name(results)["memory and clock health"]
+    assert check.status == "fail" and "GPU 0" in check.diagnosis and "RMA" in check.fix
+    assert exit_code(results, gate=True) == 1
+
+
+def test_a_healthy_gpu_passes_the_health_check_and_counts_mig_instances(inproc: InProcessRunner, host: None) -> None:
+    from tests.corpus import require_corpus
+
+    inproc.env = {"SMIQUERY_FAKE_XML": str(require_corpus() / "xml" / "netdata__a100-sxm4-mig.xml")}
+    check = by_name(run_checks(FAKE_PATH, timeout=20))["memory and clock health"]
+    assert check.status == "ok" and "2 MIG instances" in check.diagnosis

@@ -119,7 +119,7 @@ def test_top_n_plus_other_and_the_bound_holds_with_many_processes(exporter, fake
     procs = [(50000 + 30 * i, f"worker{i}", 0, 100 + i) for i in range(10)]
     procs += [(me, "trainer", 1, 2048), (60001, "sidecar", 1, 64)]
     apps = write_apps(tmp_path / "apps.csv", procs)
-    exp = exporter(nvidia_smi=fake_smi(apps=apps), top_processes=3)
+    exp = exporter(nvidia_smi=fake_smi(apps=apps), top_processes=3, top_processes_by="pid")
     wait_for(lambda: get(exp.url + "/healthz")[0] == 200, 30, "GPU samples (the uuid labels come from them)")
     body = next_instant(exp, 0.0)
     seen_pids: set[str] = set()
@@ -159,7 +159,7 @@ def test_top_n_plus_other_and_the_bound_holds_with_many_processes(exporter, fake
 def test_a_process_that_ends_disappears_at_the_next_instant(exporter, fake_smi, tmp_path, monkeypatch):
     apps = write_apps(tmp_path / "apps.csv", [(41000, "stays", 0, 512), (41001, "leaves", 0, 256)])
     monkeypatch.setenv("SMIQUERY_FAKE_PMON_ENDS", "41001:3")
-    exp = exporter(nvidia_smi=fake_smi(apps=apps), top_processes=5)
+    exp = exporter(nvidia_smi=fake_smi(apps=apps), top_processes=5, top_processes_by="pid")
     body = next_instant(exp, 0.0)
     assert {lb["pid"] for lb, _ in samples(body, FB)} == {"41000", "41001"}
 
@@ -177,7 +177,7 @@ def test_a_process_that_ends_disappears_at_the_next_instant(exporter, fake_smi, 
 
 def test_values_pmon_printed_as_dash_have_no_sample(exporter, fake_smi, monkeypatch):
     monkeypatch.setenv("SMIQUERY_FAKE_PMON", str(FIXTURES / "pmon-h100x4-590-um.txt"))
-    exp = exporter(nvidia_smi=fake_smi(), top_processes=5)
+    exp = exporter(nvidia_smi=fake_smi(), top_processes=5, top_processes_by="pid")
     body = next_instant(exp, 0.0)
     sm = {(lb["gpu"], lb["pid"]): v for lb, v in samples(body, SM)}
     fb = {(lb["gpu"], lb["pid"]): v for lb, v in samples(body, FB)}
@@ -195,7 +195,7 @@ def test_values_pmon_printed_as_dash_have_no_sample(exporter, fake_smi, monkeypa
 
 def test_a_stalled_pmon_exports_nothing_and_says_so_while_gpu_metrics_go_on(exporter, fake_smi, monkeypatch):
     monkeypatch.setenv("SMIQUERY_FAKE_PMON_HANG_AFTER", "2")
-    exp = exporter(nvidia_smi=fake_smi(), top_processes=2, stale_after=3.0, stall_timeout=120)
+    exp = exporter(nvidia_smi=fake_smi(), top_processes=2, stale_after=3.0, stall_timeout=120, top_processes_by="pid")
     wait_for(lambda: samples(scrape(exp), SM), 30, "process series")
     wait_for(lambda: not samples(scrape(exp), SM), 30, "the stale instant to go")
     body = scrape(exp)
@@ -210,7 +210,7 @@ def test_unsupported_pmon_logs_one_line_and_gpu_metrics_keep_working(exporter, f
     monkeypatch.setenv("SMIQUERY_FAKE_PMON_UNSUPPORTED", "1")
     caplog.set_level(logging.INFO, logger="smiquery")
     log = tmp_path / "calls.jsonl"
-    exp = exporter(nvidia_smi=fake_smi(log=log), top_processes=3)
+    exp = exporter(nvidia_smi=fake_smi(log=log), top_processes=3, top_processes_by="pid")
     assert exp.pmon is not None
     wait_for(lambda: exp.pmon is not None and exp.pmon.state == "failed", 30, "pmon to give up")
     wait_for(lambda: get(exp.url + "/healthz")[0] == 200, 30, "healthy")
@@ -309,6 +309,7 @@ def test_cli_top_processes_serves_and_reaps_on_sigterm(fake_smi, tmp_path):
         (["--top-processes", "-1"], "--top-processes"),
         (["--top-processes", "two"], "--top-processes"),
         (["--top-processes", "2", "--label", "user=me"], "'user' is set by the exporter itself"),
+        (["--top-processes", "2", "--top-processes-by", "user"], "--top-processes-by"),
     ],
 )
 def test_cli_top_processes_usage_errors(args, message):
@@ -407,3 +408,48 @@ def test_the_fakes_pmon_help_lists_its_variables(fake_smi):
     names = ("SMIQUERY_FAKE_PMON_ENDS", "SMIQUERY_FAKE_PMON_HANG_AFTER", "SMIQUERY_FAKE_PMON_UNSUPPORTED")
     for name in (*names, "SMIQUERY_FAKE_PMON_PROCS"):
         assert name in PMON_ENV_VARS and name in done.stdout
+
+
+# ------------------------------------------------------------------------------- by name: bounded by default
+
+
+def test_by_default_series_are_per_process_name_and_short_lived_pids_add_none(exporter, fake_smi, tmp_path):
+    # three data-loader workers of one name and a trainer on GPU 0: by name they are two series, not four
+    procs = [(50000 + i, "loader", 0, 100) for i in range(3)] + [(50100, "trainer", 0, 4096)]
+    apps = write_apps(tmp_path / "apps.csv", procs)
+    exp = exporter(nvidia_smi=fake_smi(apps=apps), top_processes=3)
+    wait_for(lambda: get(exp.url + "/healthz")[0] == 200, 30, "GPU samples")
+    body = next_instant(exp, 0.0)
+    fb = {lb["command"]: (lb, v) for lb, v in samples(body, FB) if lb["gpu"] == "0"}
+    assert set(fb) == {"loader", "trainer"}
+    labels, loaders = fb["loader"]
+    assert labels == {"gpu": "0", "uuid": demo_uuids()[0], "command": "loader"}  # no pid, no user
+    assert loaders == 300 * MiB  # the three workers summed
+    assert fb["trainer"][1] == 4096 * MiB
+    assert samples(body, "smiquery_gpu_processes")[0][1] == 4.0  # the count is still of processes
+
+
+def test_by_name_the_series_stay_bounded_whatever_pids_come_and_go():
+    from smiquery.pmon import PmonRow
+
+    col = SmiCollector(_Idle(), fields=[])
+    series: dict[str, set[tuple[tuple[str, str], ...]]] = {"name": set(), "pid": set()}
+    for instant_no in range(200):  # 200 instants, each with 8 short-lived workers under fresh pids
+        rows = [PmonRow(gpu=0, pid=10000 + 8 * instant_no + k, command=f"worker{k % 3}", sm=k, fb=10) for k in range(8)]
+        rows.append(PmonRow(gpu=0, pid=1, command="other", sm=50, fb=5))  # a process really named "other"
+        for by in ("name", "pid"):
+            for fam in col.pmon_families(process_instant(rows, 2, user_of=lambda pid: None, by=by)):
+                series[by] |= {tuple(sorted(s.labels.items())) for s in fam.samples if s.name == SM}
+    names = {dict(lb)["command"] for lb in series["name"]}
+    # top 2 names + the rest: never more than 3 series, and the real "other" is not the bucket
+    assert len(series["name"]) <= 3 and "other (process)" in names and "other" in names
+    assert len(series["pid"]) > 200  # what per-pid series cost: opt-in
+
+
+def test_a_bad_top_processes_by_is_refused():
+    from smiquery.exporter import PmonWatcher
+
+    with pytest.raises(ValueError, match="name or pid"):
+        PmonWatcher(2, by="user", make_stream=lambda: None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(ValueError, match="top_processes_by"):
+        serve(port=0, top_processes=2, top_processes_by="user")

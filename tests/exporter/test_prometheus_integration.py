@@ -127,12 +127,19 @@ class Stack:
         self.exporters: dict[str, str] = {}
         self.prom_url = ""
 
-    def exporter(self, job: str, *args: str, fault: str | None = None, recording: Path | None = None) -> None:
+    def exporter(
+        self,
+        job: str,
+        *args: str,
+        fault: str | None = None,
+        recording: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         from smiquery.testing import fake_nvidia_smi
 
         fake = fake_nvidia_smi(self.tmp / f"bin-{job}", recording=recording or self.recording, fault=fault)
         argv = [sys.executable, "-m", "smiquery", "export", "--port", "0", "--nvidia-smi", str(fake), *args]
-        proc = Proc(argv, self.tmp / f"exporter-{job}.log")
+        proc = Proc(argv, self.tmp / f"exporter-{job}.log", env={**os.environ, **(env or {})})
         self.procs.append(proc)
         found = wait_until(
             lambda: re.search(r"serving (http://127\.0\.0\.1:\d+)/metrics", proc.text()), 20, f"exporter {job}", (proc,)
@@ -183,7 +190,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     st = Stack(tmp, write_recording(tmp / "sweep.csv"))
     ready = False
     try:
-        st.exporter("smiquery-exporter", "--interval", "1", "--processes", "--processes-interval", "1")
+        # MIG instances from a -q -x capture polled every second, and an Xid in a kernel log file (the dashboard's
+        # MIG and Xid panels)
+        kern = tmp / "kern.log"
+        kern.write_text("[ 12.000001] NVRM: Xid (PCI:0000:07:00): 48, pid=42, name=python, DBE\n", encoding="utf-8")
+        st.exporter(
+            "smiquery-exporter",
+            *("--interval", "1", "--processes", "--processes-interval", "1"),
+            *("--details-interval", "1", "--kernel-log", str(kern)),
+            env={"SMIQUERY_FAKE_XML": str(ROOT / "tests" / "fixtures" / "details-2gpu-mig.xml")},
+        )
         st.exporter("dcgm", "--interval", "1", "--naming", "dcgm")
         # a real H100 capture: every field nvidia_gpu_exporter's dashboard reads (fans: [N/A] on an H100)
         st.exporter(
@@ -204,6 +220,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 and len(st.query('count_over_time(smiquery_up{job="smiquery-exporter"}[1m]) >= 3')) == 1
                 and len(st.query('max_over_time(smiquery_gpu_lost{job="faulty", gpu="3"}[1m]) == 1')) == 1
                 and len(st.query('smiquery_nvidia_smi_errors_total{job="faulty"}')) >= 1
+                and len(st.query('smiquery_mig_memory_used_bytes{job="smiquery-exporter"}')) == 2
+                and len(st.query('smiquery_xid_errors_total{job="smiquery-exporter", xid="48"}')) == 1
             )
 
         wait_until(has_data, 45, "Prometheus to store data from the three exporters", procs)

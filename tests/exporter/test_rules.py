@@ -467,3 +467,76 @@ def test_scrape_configs_service_monitor_and_rules_agree_on_the_job():
     assert jobs == k8s_jobs == {operator_job} == rule_jobs == {"smiquery-exporter"}
     ports = {p["port"] for p in svc[0]["spec"]["ports"]}
     assert ports == {9849}
+
+
+# ------------------------------------------------------------------------------------------------ Xid rules
+
+XID_RULES = PROM_DIR / "smiquery-xid-rules.yml"
+XID_RULES_TEST = PROM_DIR / "smiquery-xid-rules.test.yml"
+
+
+def load_xid_rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(XID_RULES.read_text(encoding="utf-8"))
+    assert [g["name"] for g in doc["groups"]] == ["smiquery-xid"]
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def test_promtool_checks_and_unit_tests_pass_for_the_xid_rules():
+    done = promtool("check", "rules", "--lint=all", "--lint-fatal", str(XID_RULES))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(load_xid_rules())} rules found" in done.stdout
+    done = promtool("test", "rules", str(XID_RULES_TEST))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
+
+
+def test_xid_unit_tests_make_every_alert_fire_and_not_fire():
+    fires: set[str] = set()
+    silent: set[str] = set()
+    for case in yaml.safe_load(XID_RULES_TEST.read_text(encoding="utf-8"))["tests"]:
+        for check in case.get("alert_rule_test", []):
+            (fires if check.get("exp_alerts") else silent).add(check["alertname"])
+    alerts = {r["alert"] for r in load_xid_rules()}
+    assert alerts - fires == set() and alerts - silent == set()
+
+
+def test_every_critical_xid_has_a_rule_whose_description_is_the_catalogue_entry():
+    from smiquery.xid import XID_CATALOGUE
+
+    by_code: dict[int, dict[str, Any]] = {}
+    for rule in load_xid_rules():
+        for codes in re.findall(r'xid=~?"([0-9|]+)"', rule["expr"]):
+            for code in codes.split("|"):
+                by_code[int(code)] = rule
+    # the codes the issue names: off the bus, ECC (double-bit, contained, uncontained), row remapping, NVLink,
+    # application faults
+    assert {79, 48, 94, 95, 63, 64, 74, 13, 31, 43} <= set(by_code)
+    for code, rule in by_code.items():
+        info = XID_CATALOGUE[code]
+        desc = rule["annotations"]["description"]
+        if info.action == "application":
+            assert "application" in desc and str(code) in desc, code
+            assert rule["labels"]["severity"] == "warning"
+            continue
+        assert info.meaning in desc and info.advice in desc, code
+        assert rule["labels"]["severity"] == ("critical" if info.action in ("drain", "rma") else "warning"), code
+    for rule in load_xid_rules():
+        assert len(rule["annotations"]["summary"]) < 120 and re.search(r"\bCheck\b", rule["annotations"]["description"])
+
+
+def test_xid_rules_use_only_metrics_the_exporter_serves_and_prometheus_loads_them():
+    used = set()
+    for rule in load_xid_rules():
+        used |= set(re.findall(r"\bsmiquery_[a-z0-9_]+", rule["expr"]))
+    assert used == {"smiquery_xid_errors_total", "smiquery_xid_source_up"} and used <= exported_names()
+    config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text(encoding="utf-8"))
+    assert XID_RULES.name in config["rule_files"]
+
+
+def test_dashboard_shows_mig_memory_and_says_mig_utilisation_is_not_available():
+    dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    mig = [p for p in dash["panels"] if "smiquery_mig_memory" in json.dumps(p.get("targets", []))]
+    assert len(mig) == 1 and "not available" in mig[0]["description"]
+    exprs = dashboard_exprs()
+    assert not [e for e in exprs if "mig" in e.lower() and "util" in e.lower()]  # never a made-up 0
+    assert any("smiquery_xid_errors_total" in e for e in exprs)

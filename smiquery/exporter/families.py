@@ -1,0 +1,219 @@
+"""Metric families built from what the collector reads: processes, pmon instants, and their helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from prometheus_client.metrics_core import Metric
+
+from smiquery.exporter.naming import NVSMI_WORDS, PMON_SERIES
+from smiquery.exporter.state import bare_uuid
+from smiquery.kinds import to_number
+
+if TYPE_CHECKING:
+    from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
+    from smiquery.oneshot import GpuProcess
+    from smiquery.sample import Value
+
+__all__ = [
+    "counter",
+    "gauge",
+    "merge_families",
+    "nvsmi_number",
+    "nvsmi_process_families",
+    "pmon_families",
+    "pmon_health",
+    "process_families",
+    "pstate_number",
+]
+
+
+def gauge(name: str, doc: str) -> Metric:
+    """An empty gauge family."""
+    return Metric(name, doc, "gauge")
+
+
+def counter(name: str, doc: str) -> Metric:
+    """An empty counter family (samples are named ``name + "_total"``)."""
+    return Metric(name, doc, "counter")
+
+
+def merge_families(fams: Sequence[Metric]) -> list[Metric]:
+    """One family per name, in first-seen order: the text format allows a name's header once per scrape.
+
+    Args:
+        fams: families, some of which may share a name (a GPU's and its MIG instances' DCGM memory).
+
+    Returns:
+        The families with the samples of later same-named ones appended to the first.
+    """
+    out: dict[str, Metric] = {}
+    for fam in fams:
+        first = out.get(fam.name)
+        if first is None:
+            out[fam.name] = fam
+        else:
+            first.samples.extend(fam.samples)
+    return list(out.values())
+
+
+def nvsmi_number(field: str, value: Value) -> float | None:
+    """A value of nvidia_gpu_exporter's naming as a number (P-states, words, versions); None for other text."""
+    number = to_number(value)
+    if number is not None:
+        return number
+    text = str(value).strip()
+    words = NVSMI_WORDS.get(field)
+    if words is not None:
+        return words.get(text)
+    if text[:1] in "Pp" and text[1:].isdigit():
+        return float(text[1:])
+    try:
+        return float(text)  # version-like numbers (inforom.ecc 7.16, compute_cap 9.0)
+    except ValueError:
+        return None  # text that is no number is not made one
+
+
+def pstate_number(value: Value) -> float | None:
+    """``P2`` -> 2.0; None for anything else."""
+    if isinstance(value, str) and value[:1] in "Pp" and value[1:].isdigit():
+        return float(value[1:])
+    return None
+
+
+def process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> list[Metric]:
+    """Per-process GPU memory (``smiquery_process_used_memory_bytes``), labelled pid, process_name, gpu, uuid.
+
+    Args:
+        procs: the processes of one poll.
+        labels: the constant labels.
+
+    Returns:
+        One family (empty list when no process reports its memory).
+    """
+    fam = gauge(
+        "smiquery_process_used_memory_bytes",
+        "GPU memory used by a compute process, in bytes (nvidia-smi --query-compute-apps used_memory).",
+    )
+    # One series per (pid, GPU): a process listed twice on one GPU (one row per MIG instance) is summed, as
+    # Prometheus rejects a whole scrape that repeats a series.
+    total: dict[tuple[int, str, str, str], float] = {}
+    for p in procs:
+        if p.used_memory is None:
+            continue
+        key = (p.pid, p.process_name, "" if p.gpu_index is None else str(p.gpu_index), p.gpu_uuid)
+        total[key] = total.get(key, 0.0) + float(p.used_memory) * 1048576.0
+    for (pid, pname, gpu, uuid), used in total.items():
+        fam.add_sample(fam.name, {"pid": str(pid), "process_name": pname, "gpu": gpu, "uuid": uuid, **labels}, used)
+    return [fam] if fam.samples else []
+
+
+def nvsmi_process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> list[Metric]:
+    """The per-process families of nvidia_gpu_exporter's naming (memory, info, count per GPU).
+
+    Args:
+        procs: the processes of one poll.
+        labels: the constant labels.
+
+    Returns:
+        The non-empty families.
+    """
+    used = gauge("nvidia_smi_compute_app_used_memory_bytes", "used_memory [MiB] of a compute process, in bytes.")
+    info = gauge("nvidia_smi_compute_app_info", "A compute process on the GPU; always 1.")
+    count = gauge("nvidia_smi_compute_apps", "Compute processes on the GPU.")
+    seen: dict[tuple[str, str, str], float | None] = {}
+    for p in procs:
+        key = (str(p.pid), p.process_name, bare_uuid(p.gpu_uuid))
+        mem = None if p.used_memory is None else float(p.used_memory) * 1048576.0
+        prev = seen.get(key)
+        seen[key] = mem if prev is None else prev + (mem or 0.0)  # one row per MIG instance: summed
+    per_gpu: dict[str, int] = {}
+    for _, _, uuid in seen:
+        per_gpu[uuid] = per_gpu.get(uuid, 0) + 1
+    for (pid, pname, uuid), mem in seen.items():
+        one = {"pid": pid, "process_name": pname, "uuid": uuid, **labels}
+        info.add_sample(info.name, one, 1.0)
+        if mem is not None:
+            used.add_sample(used.name, one, mem)
+    for uuid, n in per_gpu.items():
+        count.add_sample(count.name, {"uuid": uuid, **labels}, float(n))
+    return [f for f in (used, info, count) if f.samples]
+
+
+def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Mapping[str, str]) -> list[Metric]:
+    """The busiest processes of each GPU from one pmon instant: at most ``top + 1`` series per GPU.
+
+    Labelled ``gpu``, ``uuid`` (empty until the GPU stream has seen the GPU) and ``command`` (pmon's name, cut to
+    about 15 characters); the summed rest is ``command="other"``. An instant cut by pid (``by="pid"``) adds
+    ``pid`` (``"other"`` for the rest) and ``user`` (empty when this host cannot see the process); one cut by
+    name has neither, so its series are bounded by the names. A value pmon printed as ``-`` has no sample
+    (never 0).
+
+    Args:
+        instant: the newest instant of a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`.
+        uuids: GPU index -> UUID label value.
+        labels: the constant labels.
+
+    Returns:
+        The non-empty families, plus ``smiquery_gpu_processes`` per GPU pmon watches.
+    """
+    fams = {col: gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, _, _, text) in PMON_SERIES.items()}
+    by_pid = instant.by == "pid"
+    for row, user in instant.rows:
+        gpu = -1 if row.gpu is None else row.gpu
+        other = row.pid is None
+        command = "other" if other else row.command or ""
+        if not other and not by_pid and command == "other":
+            command = "other (process)"  # a process named "other" is not the bucket of the rest
+        one = {"gpu": str(gpu), "uuid": uuids.get(gpu, "")}
+        if by_pid:
+            one.update({"pid": "other" if other else str(row.pid), "command": command, "user": user or ""})
+        else:
+            one["command"] = command
+        one.update(labels)
+        for col, (name, times, per, _) in PMON_SERIES.items():
+            value = getattr(row, col)
+            if value is not None:
+                fams[col].add_sample(name, one, float(value) * times / per)
+    out = [f for f in fams.values() if f.samples]
+    count = gauge(
+        "smiquery_gpu_processes", "Processes nvidia-smi pmon listed on the GPU (all of them, not only the top)."
+    )
+    for gpu, n in sorted(instant.processes.items()):
+        count.add_sample(count.name, {"gpu": str(gpu), "uuid": uuids.get(gpu, ""), **labels}, float(n))
+    if count.samples:
+        out.append(count)
+    return out
+
+
+def pmon_health(pmon: PmonWatcher, labels: Mapping[str, str]) -> list[Metric]:
+    """The pmon watcher's health: up, state, newest instant's time.
+
+    Args:
+        pmon: the watcher.
+        labels: the constant labels.
+
+    Returns:
+        The families.
+    """
+    up = gauge(
+        "smiquery_process_up",
+        f"1 when nvidia-smi pmon delivers fresh instants (newest under {pmon.stale_after:g} s old), else 0.",
+    )
+    up.add_sample(up.name, dict(labels), 1.0 if pmon.fresh() is not None else 0.0)
+    info = gauge(
+        "smiquery_process_stream_info",
+        "The nvidia-smi pmon stream's state (starting, running, retrying, failed) and last error type; always 1.",
+    )
+    state = {"state": pmon.state, "last_error_type": pmon.last_error_type or ""}
+    info.add_sample(info.name, {**labels, **state}, 1.0)
+    out = [up, info]
+    got, _ = pmon.latest()
+    if got is not None:
+        when = gauge(
+            "smiquery_process_last_sample_timestamp_seconds", "Unix time of the newest nvidia-smi pmon instant."
+        )
+        when.add_sample(when.name, dict(labels), got.wall)
+        out.append(when)
+    return out

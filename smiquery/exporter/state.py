@@ -1,0 +1,192 @@
+"""What the collector tracks: its source's state, the GPUs it has seen, and the labels it sets."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from smiquery.source import StreamStats, Sweep
+
+__all__ = [
+    "PMON_LABELS",
+    "RESERVED_LABELS",
+    "SourceHealth",
+    "SweepSource",
+    "TrackedGpu",
+    "bare_uuid",
+    "parse_labels",
+    "source_health",
+]
+
+_LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class SweepSource(Protocol):
+    """What the collector reads: a started :class:`~smiquery.supervisor.Stream` (or a stand-in in tests)."""
+
+    @property
+    def interval(self) -> float:
+        """Seconds between samples."""
+        ...
+
+    @property
+    def stats(self) -> StreamStats:
+        """The stream's counters."""
+        ...
+
+    @property
+    def running(self) -> bool:
+        """True while the stream's thread is alive."""
+        ...
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that ended the stream, if any."""
+        ...
+
+    def latest(self) -> tuple[Sweep | None, float | None]:
+        """The newest sweep and its age in seconds."""
+        ...
+
+
+@dataclass(frozen=True)
+class SourceHealth:
+    """What the collector needs to know about its source's state, read in one place.
+
+    Attributes:
+        running: whether the source's background thread is alive.
+        state: ``starting``, ``running``, ``retrying``, ``ended``, ``closed`` or ``failed``.
+        last_error: the newest failure as one line.
+        last_error_type: its exception class name.
+        next_retry_at: ``time.time()`` of the next start while retrying.
+        permanent: whether the current failure needs a person (driver mismatch, NVML missing...).
+        lost: GPU indices the source reports lost (an index another GPU delivers under is not in it).
+        known: GPU index -> UUID for every GPU the source has seen.
+        lost_uuids: UUIDs the source reports lost, with the index each had when last seen.
+    """
+
+    running: bool
+    state: str
+    last_error: str | None
+    last_error_type: str | None
+    next_retry_at: float | None
+    permanent: bool
+    lost: frozenset[int]
+    known: dict[int, str | None]
+    lost_uuids: dict[str, int | None] = dataclasses.field(default_factory=dict)
+
+
+def source_health(source: SweepSource) -> SourceHealth:
+    """Read a source's state, whatever version of :class:`~smiquery.source.StreamStats` it carries.
+
+    Attributes a source does not have yet read as "not known" (None, False, empty); a source whose thread ended
+    with an error reads as ``failed``.
+
+    Args:
+        source: the sample source.
+
+    Returns:
+        Its state now.
+    """
+    st = source.stats
+    running = bool(source.running)
+    error = source.error
+    state = str(getattr(st, "state", "") or "")
+    if not running:
+        state = "failed" if error is not None else (state if state in ("ended", "closed", "failed") else "closed")
+    elif not state or (state == "starting" and getattr(st, "rows", 0) > 0):
+        state = "running"  # a source that does not keep state: rows flow, so it runs
+    last_type = getattr(st, "last_error_type", None)
+    last = getattr(st, "last_error", None)
+    if error is not None and not running:
+        last_type = type(error).__name__
+        last = str(error).splitlines()[0] if str(error) else last_type
+    if last_type is None and last is not None:
+        errors = getattr(st, "errors", None)
+        if errors:
+            last_type = max(errors, key=lambda k: errors[k])
+    known = dict(getattr(st, "known_gpus", None) or {})
+    return SourceHealth(
+        running=running,
+        state=state,
+        last_error=last,
+        last_error_type=last_type,
+        next_retry_at=getattr(st, "next_retry_at", None),
+        permanent=bool(getattr(st, "permanent", False)),
+        lost=frozenset(getattr(st, "lost_gpus", None) or ()),
+        known=known,
+        lost_uuids=dict(getattr(st, "lost_uuids", None) or {}),
+    )
+
+
+@dataclass
+class TrackedGpu:
+    """A GPU the collector has seen, remembered until the exporter restarts."""
+
+    index: int | None
+    uuid: str | None
+    native: dict[str, str]
+    dcgm: dict[str, str]
+    lost: bool = False
+    absent: int = 0  # sweeps in a row without this GPU
+
+
+def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, str]:
+    """Check constant labels given as ``key=value`` strings (or a mapping).
+
+    Args:
+        items: ``["site=lab", "rack=3"]`` or ``{"site": "lab"}``.
+
+    Returns:
+        The labels as a dict.
+
+    Raises:
+        ValueError: a malformed item, an invalid or reserved label name, or a name given twice.
+    """
+    if items is None:
+        return {}
+    pairs: list[tuple[str, str]] = []
+    if isinstance(items, Mapping):
+        pairs = [(str(k), str(v)) for k, v in items.items()]
+    else:
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"label {item!r} is not key=value")
+            pairs.append((key.strip(), value))
+    out: dict[str, str] = {}
+    for key, value in pairs:
+        if not _LABEL_NAME_RE.fullmatch(key) or key.startswith("__"):
+            raise ValueError(
+                f"label name {key!r} is invalid: letters, digits and '_', not starting with a digit or '__'"
+            )
+        if key in RESERVED_LABELS:
+            raise ValueError(f"label name {key!r} is set by the exporter itself; pick another name")
+        if key in out:
+            raise ValueError(f"label {key!r} is given twice")
+        out[key] = value
+    return out
+
+
+#: Labels of the per-process series from nvidia-smi pmon (constant labels may not reuse them).
+PMON_LABELS: tuple[str, ...] = ("gpu", "uuid", "pid", "command", "user")
+
+# Labels the exporter sets itself (Hostname is not here: --label Hostname=... overrides the DCGM label).
+RESERVED_LABELS = frozenset(
+    {"gpu", "uuid", "name", "pci_bus_id", "value", "pid", "process_name", "type", "source"}
+    | {"UUID", "device", "modelName", "DCGM_FI_DRIVER_VERSION"}
+    # MIG instances (--details-interval) and Xid errors (--kernel-log)
+    | {"mig_uuid", "gpu_instance_id", "compute_instance_id", "profile", "GPU_I_ID", "GPU_I_PROFILE"}
+    | {"xid", "action", "path"}
+)
+
+
+def bare_uuid(uuid: str | None) -> str:
+    """The UUID without nvidia-smi's ``GPU-`` prefix ("" for None)."""
+    # nvidia_gpu_exporter labels GPUs by the UUID without nvidia-smi's "GPU-" prefix (its dashboard matches on it)
+    text = uuid or ""
+    return text[4:] if text.startswith("GPU-") else text
