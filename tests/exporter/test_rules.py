@@ -205,6 +205,30 @@ def test_dashboard_has_instance_and_gpu_variables_and_the_panels_asked_for():
     assert len(ids) == len(set(ids))
 
 
+def test_dashboard_has_a_by_pod_row_and_an_allocated_but_idle_table():
+    dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    for name in ("namespace", "pod"):
+        assert variables[name]["includeAll"] and "smiquery_gpu_allocation_info" in variables[name]["query"]["query"]
+    assert 'namespace=~"$namespace"' in variables["pod"]["query"]["query"]
+    panels = {p["title"]: p for p in dash["panels"]}
+    assert any(p["type"] == "row" and "pod" in p["title"] for p in dash["panels"])
+    for title in ("GPU utilisation by pod", "GPU memory by pod", "Allocated but idle"):
+        (target,) = panels[title]["targets"]
+        # one series per holding pod: the allocation on the left, so a time-sliced GPU is never a many-to-many error
+        assert target["expr"].startswith('smiquery_gpu_allocation_info{instance=~"$instance", namespace=~"$namespace"')
+        assert 'pod=~"$pod"' in target["expr"] and "* on(instance, uuid) group_left()" in target["expr"]
+    idle = panels["Allocated but idle"]
+    assert (
+        "max_over_time(smiquery_utilization_gpu_ratio" in idle["targets"][0]["expr"]
+        and "[30m]" in idle["targets"][0]["expr"]
+    )
+    (flt,) = [t for t in idle["transformations"] if t["id"] == "filterByValue"]
+    assert flt["options"]["filters"][0]["config"] == {"id": "lower", "options": {"value": 0.05}}
+    rule = next(r for r in load_rules() if r["alert"] == "GpuAllocatedButIdle")
+    assert "< 0.05" in rule["expr"] and rule["for"] == "30m", "the table and the alert ask the same question"
+
+
 # ------------------------------------------------- the same rules at any scrape interval, in both namings
 
 DCGM_RULES = PROM_DIR / "smiquery-dcgm-rules.yml"
