@@ -16,7 +16,9 @@ the end of the session.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -521,6 +523,112 @@ def test_exporter_daemonset_design() -> None:
     assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert mon["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
     assert mon["metadata"]["namespace"] == svc["metadata"]["namespace"] == ds["metadata"]["namespace"]
+
+
+def _sync_script(name: str) -> Any:
+    sys.path.insert(0, str(HELPERS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(HELPERS))
+
+
+def test_kubernetes_variants_are_generated_from_exporter_yaml() -> None:
+    sync = _sync_script("sync_k8s_variants")
+    base = (K8S / "exporter.yaml").read_text(encoding="utf-8")
+    hint = "run: python tests/docker/sync_k8s_variants.py"
+    assert (K8S / "exporter-kubernetes.yaml").read_text(encoding="utf-8") == sync.attribution(base), hint
+    assert (K8S / "exporter-kubernetes-processes.yaml").read_text(encoding="utf-8") == sync.processes(base), hint
+
+
+def _pod_of(docs: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = _by_kind(docs, "DaemonSet")["spec"]["template"]["spec"]
+    (ctr,) = pod["containers"]
+    return pod, ctr
+
+
+def _without_kubernetes(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A variant's objects with what the variant adds taken out again: what exporter.yaml must be."""
+    docs = copy.deepcopy([d for d in docs if d["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding")])
+    pod, ctr = _pod_of(docs)
+    pod.pop("hostPID", None)
+    pod["automountServiceAccountToken"] = False
+    _by_kind(docs, "ServiceAccount")["automountServiceAccountToken"] = False
+    ctr["args"] = [a for a in ctr["args"] if not a.startswith("--kubernetes")]
+    ctr["env"] = [e for e in ctr["env"] if e["name"] != "NODE_NAME"]
+    ctr["volumeMounts"] = [m for m in ctr["volumeMounts"] if m["name"] != "pod-resources"]
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "pod-resources"]
+    return docs
+
+
+@pytest.mark.parametrize("name", ["exporter-kubernetes.yaml", "exporter-kubernetes-processes.yaml"])
+def test_kubernetes_variants_add_the_socket_node_name_and_nothing_else(name: str) -> None:
+    docs = _yaml_docs(K8S / name)
+    assert _without_kubernetes(docs) == _yaml_docs(K8S / "exporter.yaml"), "a variant drifted from exporter.yaml"
+    pod, ctr = _pod_of(docs)
+    (mount,) = [m for m in ctr["volumeMounts"] if m["name"] == "pod-resources"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "pod-resources"]
+    assert mount["readOnly"] is True and volume["hostPath"]["path"] == mount["mountPath"]
+    # the exporter's default --pod-resources-socket lies in the mounted directory
+    assert f"{mount['mountPath']}/kubelet.sock" == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    sc = ctr["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    ns = _by_kind(docs, "Namespace")
+    (base_ns,) = _yaml_docs(K8S / "namespace.yaml")
+    assert ns["metadata"]["name"] == base_ns["metadata"]["name"] == _by_kind(docs, "DaemonSet")["metadata"]["namespace"]
+    # a hostPath is beyond baseline: the variant says so by relabelling; the default stays restricted
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/audit"] == "restricted"
+    assert base_ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+def test_attribution_variant_has_no_api_access_and_no_host_pids() -> None:
+    docs = _yaml_docs(K8S / "exporter-kubernetes.yaml")
+    pod, ctr = _pod_of(docs)
+    assert "--kubernetes" in ctr["args"] and "--kubernetes-processes" not in ctr["args"]
+    assert not pod.get("hostPID") and pod["automountServiceAccountToken"] is False
+    assert _by_kind(docs, "ServiceAccount")["automountServiceAccountToken"] is False
+    assert not {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"} & {d["kind"] for d in docs}
+
+
+def test_processes_variant_has_host_pids_and_only_get_list_pods() -> None:
+    docs = _yaml_docs(K8S / "exporter-kubernetes-processes.yaml")
+    pod, ctr = _pod_of(docs)
+    assert "--kubernetes-processes" in ctr["args"] and pod["hostPID"] is True
+    assert pod["automountServiceAccountToken"] is True
+    role, binding = _by_kind(docs, "ClusterRole"), _by_kind(docs, "ClusterRoleBinding")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "smiquery-exporter-pods",
+    }
+    sa = _by_kind(docs, "ServiceAccount")
+    (subject,) = binding["subjects"]
+    assert subject == {
+        "kind": "ServiceAccount",
+        "name": sa["metadata"]["name"],
+        "namespace": sa["metadata"]["namespace"],
+    }
+    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+    assert not {"Role", "RoleBinding"} & {d["kind"] for d in docs}
+
+
+def test_networkpolicy_lets_only_prometheus_reach_the_metrics_port() -> None:
+    (policy,) = _yaml_docs(K8S / "networkpolicy.yaml")
+    ds = _by_kind(_yaml_docs(K8S / "exporter.yaml"), "DaemonSet")
+    spec = policy["spec"]
+    assert policy["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    assert spec["podSelector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    (peer,) = rule["from"]
+    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    (ctr,) = ds["spec"]["template"]["spec"]["containers"]
+    assert rule["ports"] == [{"port": ctr["ports"][0]["name"], "protocol": "TCP"}]
 
 
 def test_prometheusrule_carries_the_rule_file() -> None:

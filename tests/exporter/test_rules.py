@@ -72,8 +72,16 @@ def training_names() -> set[str]:
     return {c + "_total" for c in counters} | set(gauges)
 
 
+def kubernetes_names() -> set[str]:
+    """The series of ``--kubernetes`` and ``--kubernetes-processes`` (smiquery/exporter/kubernetes/)."""
+    src = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "smiquery" / "exporter" / "kubernetes").glob("*.py"))
+    names = set(re.findall(r'"(smiquery_(?:gpu_allocation|kubernetes|pod_gpu)_[a-z_]+)"', src))
+    assert {"smiquery_gpu_allocation_info", "smiquery_pod_gpu_utilization_ratio"} <= names, "scan is broken"
+    return names
+
+
 def exported_names() -> set[str]:
-    names = {s.sample for s in metric_specs("all")}
+    names = {s.sample for s in metric_specs("all")} | kubernetes_names()
     # the training monitor's metrics, joined to the exporter's series by UUID
     return names | set(HEALTH_METRICS) | training_names()
 
@@ -195,6 +203,30 @@ def test_dashboard_has_instance_and_gpu_variables_and_the_panels_asked_for():
                 assert 'instance=~"$instance"' in t["expr"], (p["title"], t["expr"])
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_dashboard_has_a_by_pod_row_and_an_allocated_but_idle_table():
+    dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    for name in ("namespace", "pod"):
+        assert variables[name]["includeAll"] and "smiquery_gpu_allocation_info" in variables[name]["query"]["query"]
+    assert 'namespace=~"$namespace"' in variables["pod"]["query"]["query"]
+    panels = {p["title"]: p for p in dash["panels"]}
+    assert any(p["type"] == "row" and "pod" in p["title"] for p in dash["panels"])
+    for title in ("GPU utilisation by pod", "GPU memory by pod", "Allocated but idle"):
+        (target,) = panels[title]["targets"]
+        # one series per holding pod: the allocation on the left, so a time-sliced GPU is never a many-to-many error
+        assert target["expr"].startswith('smiquery_gpu_allocation_info{instance=~"$instance", namespace=~"$namespace"')
+        assert 'pod=~"$pod"' in target["expr"] and "* on(instance, uuid) group_left()" in target["expr"]
+    idle = panels["Allocated but idle"]
+    assert (
+        "max_over_time(smiquery_utilization_gpu_ratio" in idle["targets"][0]["expr"]
+        and "[30m]" in idle["targets"][0]["expr"]
+    )
+    (flt,) = [t for t in idle["transformations"] if t["id"] == "filterByValue"]
+    assert flt["options"]["filters"][0]["config"] == {"id": "lower", "options": {"value": 0.05}}
+    rule = next(r for r in load_rules() if r["alert"] == "GpuAllocatedButIdle")
+    assert "< 0.05" in rule["expr"] and rule["for"] == "30m", "the table and the alert ask the same question"
 
 
 # ------------------------------------------------- the same rules at any scrape interval, in both namings
@@ -411,7 +443,54 @@ def _cases(naming: str, step: int) -> list[dict[str, Any]]:
             ],
         }
     )
+    out.extend(_allocated_idle_cases(naming, step))
     return out
+
+
+def _allocated_idle_cases(naming: str, step: int) -> list[dict[str, Any]]:
+    """GpuAllocatedButIdle: fires 30 minutes (within one scrape) after a held GPU went under 5 %, once per holding
+    container; an idle GPU that nobody holds, and a held busy one, stay quiet."""
+    g = [_gpu_labels(naming, i) for i in range(4)]
+    uu = "UUID" if naming == "dcgm" else "uuid"
+    util = "DCGM_FI_DEV_GPU_UTIL" if naming == "dcgm" else "smiquery_utilization_gpu_ratio"
+    low, high = ("2", "90") if naming == "dcgm" else ("0.02", "0.9")
+    n = functools.partial(_n, step=step)
+    interval = f"{step}s"
+
+    def held(gpu: int, pod: str) -> dict[str, str]:
+        base = {k: g[gpu][k] for k in ("instance", "job", "gpu", uu)}
+        return {**base, "pod": pod, "namespace": "ml", "container": "main", "resource": "nvidia.com/gpu"}
+
+    # 5 busy minutes first: the 30 minutes count from the first idle sample, not from the series' start
+    idle = f"{high}x{n(5) - 1} {low}x{n(45)}"
+    return [
+        {
+            "name": f"GpuAllocatedButIdle at {interval}",
+            "interval": interval,
+            "input_series": [
+                _series(util, g[0], idle),
+                _series("smiquery_gpu_allocation_info", held(0, "train-a"), f"1x{n(50)}"),
+                _series(util, g[1], f"0x{n(50)}"),  # idle, held by nobody
+                _series(util, g[2], f"{high}x{n(50)}"),  # held and busy
+                _series("smiquery_gpu_allocation_info", held(2, "train-b"), f"1x{n(50)}"),
+                _series(util, g[3], idle),  # time-sliced to two pods: one alert each
+                _series("smiquery_gpu_allocation_info", held(3, "share-1"), f"1x{n(50)}"),
+                _series("smiquery_gpu_allocation_info", held(3, "share-2"), f"1x{n(50)}"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": f"{35 * 60 - step}s", "alertname": "GpuAllocatedButIdle", "exp_alerts": []},
+                {
+                    "eval_time": f"{35 * 60 + step}s",
+                    "alertname": "GpuAllocatedButIdle",
+                    "exp_alerts": [
+                        _alert("GpuAllocatedButIdle", held(0, "train-a"), "warning"),
+                        _alert("GpuAllocatedButIdle", held(3, "share-1"), "warning"),
+                        _alert("GpuAllocatedButIdle", held(3, "share-2"), "warning"),
+                    ],
+                },
+            ],
+        }
+    ]
 
 
 def _without_annotations(rules: Path, dest: Path) -> Path:
