@@ -94,7 +94,7 @@ subjects:
     namespace: gpu-monitoring
 """
 
-_ARGS = '          args: ["--bind", "0.0.0.0", "--port", "9849"]\n'
+_ARGS = '          args: ["--bind", "0.0.0.0", "--port", "9849", "--kernel-log", ""]\n'
 _ENV_END = "            - name: NVIDIA_DRIVER_CAPABILITIES\n              value: utility\n"
 _NODE_NAME = """\
             # the node's name: the pods of this node (--kubernetes-processes) and the exporter's log
@@ -138,7 +138,7 @@ def _body(base_text: str) -> str:
 def attribution(base_text: str) -> str:
     """exporter-kubernetes.yaml for this exporter.yaml."""
     text = _body(base_text)
-    text = _replace_once(text, _ARGS, _ARGS.replace('"9849"]', '"9849", "--kubernetes"]'))
+    text = _replace_once(text, _ARGS, _ARGS.replace('""]', '"", "--kubernetes"]'))
     text = _replace_once(text, _ENV_END, _ENV_END + _NODE_NAME)
     text = _replace_once(text, _MOUNTS, _MOUNTS + _SOCKET_MOUNT)
     text = _replace_once(text, _VOLUMES_END, _VOLUMES_END + _SOCKET_VOLUME)
@@ -148,7 +148,7 @@ def attribution(base_text: str) -> str:
 def processes(base_text: str) -> str:
     """exporter-kubernetes-processes.yaml for this exporter.yaml."""
     text = _body(base_text)
-    text = _replace_once(text, _ARGS, _ARGS.replace('"9849"]', '"9849", "--kubernetes-processes"]'))
+    text = _replace_once(text, _ARGS, _ARGS.replace('""]', '"", "--kubernetes-processes"]'))
     text = _replace_once(text, _ENV_END, _ENV_END + _NODE_NAME)
     text = _replace_once(text, _MOUNTS, _MOUNTS + _SOCKET_MOUNT)
     text = _replace_once(text, _VOLUMES_END, _VOLUMES_END + _SOCKET_VOLUME)
