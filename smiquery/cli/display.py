@@ -9,7 +9,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any, Literal
@@ -332,15 +332,21 @@ class LiveTable:
     """A table of the newest sample of each GPU, redrawn in place on a terminal (ANSI, no curses).
 
     Each frame moves the cursor home and rewrites every line, clearing what is left of the old frame, in one
-    write. A footer shows the sample age, counters and recent alerts.
+    write. The footer (sample age, counters, alerts, what is not shown) is always drawn: when the terminal is too
+    short, the processes go first, then GPU rows (those in trouble are kept), and the footer says how many GPUs
+    are not shown. A GPU that stopped reporting keeps its last numbers, dimmed and marked ``stale`` in its row; a
+    lost one is marked ``LOST``.
 
     Args:
         out: the terminal.
         fields: the columns (``timestamp`` is left out: the footer shows the age instead).
         title: the first line (what is being watched).
         color: colour cells past alert thresholds (red firing, yellow pending) and dim missing values.
-        evaluator: the alert evaluator, for cell colours and the firing list.
+        evaluator: the ``--alert`` evaluator, for cell colours and the firing list.
         size: returns (columns, lines) of the terminal.
+        health: an evaluator of health rules (the built-in ones) that colours cells too, fed by :meth:`update`.
+        stale_after: seconds without a sample after which every row is marked stale (the source went quiet).
+        processes: show the processes under each GPU (where the terminal has room).
     """
 
     def __init__(
@@ -352,29 +358,53 @@ class LiveTable:
         color: bool = True,
         evaluator: AlertEvaluator | None = None,
         size: Callable[[], tuple[int, int]] | None = None,
+        health: AlertEvaluator | None = None,
+        stale_after: float = 5.0,
+        processes: bool = False,
     ) -> None:
         self.out = out
         self.fields = tuple(f for f in fields if f.kind is not Kind.TIMESTAMP)
         self.title = title
         self.color = color
         self.evaluator = evaluator
+        self.health = health
+        self.stale_after = stale_after
+        self.show_processes = processes
         self._size = size or terminal_size
         self._rows: dict[object, GpuSample] = {}
+        self._seen: dict[object, tuple[int, float]] = {}  # key -> (sweep, monotonic time) it last came in
+        self._sweeps = 0
+        self._procs: dict[int, list[str]] = {}
         self._received: float | None = None
         self._last_ts: datetime | None = None
         self._events: list[str] = []
         self._started = False
         self.frames = 0
 
-    def update(self, samples: Iterable[GpuSample]) -> None:
-        """Take a sweep (or any samples): the newest sample of each GPU is shown."""
+    def update(self, samples: Iterable[GpuSample], now: float | None = None) -> None:
+        """Take one sweep: the newest sample of each GPU is shown; a GPU missing from two sweeps is stale.
+
+        Args:
+            samples: the sweep (one sample per GPU).
+            now: when it arrived (``time.monotonic()``), live; None: now, and the health rules' holds go by the
+                samples' timestamps (a recording).
+        """
+        arrived = time.monotonic() if now is None else now
+        self._sweeps += 1
         for s in samples:
             key = s.index if "index" in s else (s.uuid if "uuid" in s else len(self._rows))
             self._rows[key] = s
+            self._seen[key] = (self._sweeps, arrived)
             ts = s.timestamp if "timestamp" in s else None
             if ts is not None:
                 self._last_ts = ts
-        self._received = time.monotonic()
+            if self.health is not None:
+                self.health.update(s, now)  # None: a recording's holds go by its timestamps
+        self._received = arrived
+
+    def set_processes(self, by_gpu: Mapping[int, Sequence[str]]) -> None:
+        """The processes to list under each GPU index, already as text (``user:command/pid(1234MiB)``)."""
+        self._procs = {k: list(v) for k, v in by_gpu.items()}
 
     def note(self, event: AlertEvent | str) -> None:
         """Remember an alert or source event for the footer (the newest few are shown).
@@ -385,24 +415,52 @@ class LiveTable:
         self._events.append(event if isinstance(event, str) else event.message())
         del self._events[:-4]
 
-    def _fit(self, samples: Sequence[GpuSample], cols: int) -> tuple[list[str], list[str]]:
+    def _cell_state(self, sample: GpuSample, name: str) -> CellState:
+        states = [ev.cell_state(sample, name) for ev in (self.evaluator, self.health) if ev is not None]
+        return "firing" if "firing" in states else ("pending" if "pending" in states else "ok")
+
+    def _mark(self, key: object, sample: GpuSample, lost: Collection[object], now: float) -> str:
+        """What the row's state cell says: LOST, RESET, ``stale 12s`` or nothing."""
+        reasons = set(sample.missing.values())
+        if "gpu_lost" in reasons or key in lost:
+            return "LOST"
+        if "gpu_requires_reset" in reasons:
+            return "RESET"
+        sweep, at = self._seen.get(key, (self._sweeps, now))
+        quiet = now - at
+        if sweep < self._sweeps - 1 or quiet > self.stale_after:
+            return f"stale {quiet:.0f}s"
+        return ""
+
+    def _fit(self, samples: Sequence[GpuSample], marks: Sequence[str], cols: int) -> tuple[list[str], list[str]]:
         """The table lines that fit ``cols`` columns, and the names of the fields left out.
 
         Full titles first; then short titles (``temp C``); then fields are left out, identity first (UUID, bus
-        id, name), measurements last, and index, utilization, memory, power and temperature the very last.
+        id, name), measurements last, and index, utilization, memory, power and temperature the very last. The
+        state column (LOST, stale) is there when a row has a mark, and never left out.
         """
         if not samples:
             return [], []
         fields = list(self.fields)
-        ev = self.evaluator
-        rows, styles = sample_rows(samples, fields, cell_state=ev.cell_state if ev is not None else None)
+        rows, styles = sample_rows(samples, fields, cell_state=self._cell_state)
+        for style, mark in zip(styles, marks):
+            if mark.startswith("stale"):  # old numbers: dimmed, whatever they were
+                style[:] = ["dim"] * len(style)
+        marked = any(marks)
+        offset = 1 if marked else 0
+        if marked:
+            for row, style, mark in zip(rows, styles, marks):
+                row.insert(0, mark)
+                style.insert(0, "error" if mark in ("LOST", "RESET") else ("pending" if mark else None))
 
         def table(keep: Sequence[int], short: bool) -> list[str]:
+            cells = [*range(offset), *(i + offset for i in keep)]
+            titles = [_short_title(fields[i]) if short else _title(fields[i]) for i in keep]
             return render_table(
-                [[r[i] for i in keep] for r in rows],
-                [_short_title(fields[i]) if short else _title(fields[i]) for i in keep],
-                right=[_right_aligned(fields[i]) for i in keep],
-                styles=[[st[i] for i in keep] for st in styles],
+                [[r[i] for i in cells] for r in rows],
+                ["state"] * offset + titles,
+                right=[False] * offset + [_right_aligned(fields[i]) for i in keep],
+                styles=[[st[i] for i in cells] for st in styles],
                 color=self.color,
             )
 
@@ -424,21 +482,10 @@ class LiveTable:
             lines = table(keep, True)
         return lines, hidden
 
-    def frame(self, stats: Mapping[str, object] | None = None, status: str = "") -> str:
-        """The text of one frame, escape sequences included."""
-        cols, lines_avail = self._size()
+    def _footer(self, stats: Mapping[str, object] | None, cols: int, now: float) -> list[str]:
+        """The footer lines after the table: age and counters, errors, firing alerts, recent events."""
         color = self.color
-        ev = self.evaluator
-        samples = [self._rows[k] for k in sorted(self._rows, key=_sort_key)]
-        table, hidden = self._fit(samples, cols)
-        lines: list[str] = []
-        if self.title:
-            lines.append(f"{_STYLES['header']}{self.title}{_RESET}" if color else self.title)
-        if samples:
-            lines += table
-        else:
-            lines.append("waiting for the first sample...")
-        age = time.monotonic() - self._received if self._received is not None else None
+        age = now - self._received if self._received is not None else None
         parts = [f"sample age {age:.1f} s" if age is not None else "no sample yet"]
         if self._last_ts is not None:
             parts.append(f"sampled {self._last_ts.strftime('%H:%M:%S')}")
@@ -452,24 +499,72 @@ class LiveTable:
         if lost:
             text = "LOST GPU " + ",".join(str(i) for i in sorted(lost))  # type: ignore[call-overload]
             parts.append(f"{_STYLES['error']}{text}{_RESET}" if color else text)
-        lines.append("")
-        lines += _wrap(parts, cols)
+        lines = _wrap(parts, cols)
         last_error = stats.get("last_error") if stats is not None else None
         if last_error:
             lines.append(f"last error: {last_error}")
-        firing = ev.firing() if ev is not None else []
+        firing = [pair for ev in (self.evaluator, self.health) if ev is not None for pair in ev.firing()]
         if firing:
-            text = "; ".join(f"GPU {g}: {r}" for r, g in firing)
+            text = "; ".join(dict.fromkeys(f"GPU {g}: {r}" for r, g in firing))
             lines.append(f"{_STYLES['firing']}FIRING{_RESET} {text}" if color else f"FIRING {text}")
         for msg in self._events:
             lines.append(f"{_STYLES['dim']}{msg}{_RESET}" if color else msg)
+        return lines
+
+    def frame(self, stats: Mapping[str, object] | None = None, status: str = "") -> str:
+        """The text of one frame, escape sequences included."""
+        cols, lines_avail = self._size()
+        color = self.color
+        now = time.monotonic()
+        lost: Collection[object] = stats.get("lost_gpus") or () if stats is not None else ()  # type: ignore[assignment]
+        keys = sorted(self._rows, key=_sort_key)
+        marks = {k: self._mark(k, self._rows[k], lost, now) for k in keys}
+        footer = self._footer(stats, cols, now)
+        head = [f"{_STYLES['header']}{self.title}{_RESET}" if color else self.title] if self.title else []
+        # Room for the table: the title, the blank line, the footer and the legend (at least 2 lines) stay.
+        room = lines_avail - 1 - len(head) - 1 - len(footer) - 2 if lines_avail > 0 else 1 << 30
+        shown = keys
+        not_shown: list[object] = []
+        procs = self._procs if self.show_processes else {}
+        proc_lines = sum(len(procs.get(k, ())) for k in keys if isinstance(k, int))
+        procs_hidden = bool(proc_lines) and 1 + len(keys) + proc_lines > room
+        if procs_hidden:
+            procs = {}
+        if 1 + len(keys) > room:
+            shown, not_shown = _rows_that_fit(keys, marks, max(1, room - 2), self._rows, self._cell_state)
+        samples = [self._rows[k] for k in shown]
+        table, hidden = self._fit(samples, [marks[k] for k in shown], cols)
+        top = list(head)
+        if samples:
+            top.append(table[0])
+            for k, line in zip(shown, table[1:]):
+                top.append(line)
+                for proc in procs.get(k, ()) if isinstance(k, int) else ():
+                    text = f"  └ {proc}"
+                    top.append(f"{_STYLES['dim']}{text}{_RESET}" if color else text)
+        else:
+            top.append("waiting for the first sample...")
+        bottom = [""]
+        if not_shown:
+            text = f"+{len(not_shown)} GPUs not shown ({_ranges(not_shown)}): terminal too short"
+            bottom.append(f"{_STYLES['pending']}{text}{_RESET}" if color else text)
+        bottom += footer
+        extra: list[str] = []
+        if procs_hidden:
+            extra.append("processes not shown: terminal too short")
         if hidden:
             words = ["hidden", "(terminal", "too", "narrow):", *(f"{h}," for h in hidden[:-1]), hidden[-1]]
-            lines += [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in _wrap(words, cols, sep=" ")]
-        legend = [MISSING_LEGEND, *([status] if status else []), "Ctrl-C to stop"]
-        lines += [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in _wrap(legend, cols)]
-        if lines_avail > 0 and len(lines) > lines_avail - 1:
-            lines = lines[: max(1, lines_avail - 1)]
+            extra += _wrap(words, cols, sep=" ")
+        extra += _wrap([MISSING_LEGEND, *([status] if status else []), "Ctrl-C to stop"], cols)
+        extra = [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in extra]
+        limit = lines_avail - 1
+        if lines_avail > 0 and len(top) + len(bottom) + len(extra) > limit:
+            # a short terminal: the legend goes first, then the table's last lines; the footer stays
+            extra = extra[: max(0, limit - len(top) - len(bottom))]
+            top = top[: max(1, limit - len(bottom) - len(extra))]
+        lines = top + bottom + extra
+        if lines_avail > 0:
+            lines = lines[: max(1, limit)]
         body = "".join(clip(line, cols) + "\x1b[K\n" for line in lines)
         start = "" if self._started else "\x1b[?25l\x1b[2J"
         return f"{start}\x1b[H{body}\x1b[J"
@@ -489,6 +584,43 @@ class LiveTable:
                 self.out.flush()
             except (OSError, ValueError):
                 pass
+
+
+def _rows_that_fit(
+    keys: Sequence[object],
+    marks: Mapping[object, str],
+    room: int,
+    rows: Mapping[object, GpuSample],
+    cell_state: Callable[[GpuSample, str], CellState],
+) -> tuple[list[object], list[object]]:
+    """The GPUs shown in ``room`` rows, in order, and those left out: GPUs in trouble first, then by index."""
+
+    def trouble(k: object) -> bool:
+        s = rows[k]
+        return bool(marks[k]) or any(cell_state(s, name) == "firing" for name in s.fields)
+
+    first = [k for k in keys if trouble(k)]
+    chosen = set(first[:room])
+    for k in keys:
+        if len(chosen) >= room:
+            break
+        chosen.add(k)
+    return [k for k in keys if k in chosen], [k for k in keys if k not in chosen]
+
+
+def _ranges(keys: Sequence[object]) -> str:
+    """``0-3,7,9-12`` for GPU indices (other keys are listed as they are)."""
+    ints = sorted(k for k in keys if isinstance(k, int))
+    parts: list[str] = []
+    i = 0
+    while i < len(ints):
+        j = i
+        while j + 1 < len(ints) and ints[j + 1] == ints[j] + 1:
+            j += 1
+        parts.append(str(ints[i]) if i == j else f"{ints[i]}-{ints[j]}")
+        i = j + 1
+    parts += [str(k) for k in keys if not isinstance(k, int)]
+    return "GPU " + ",".join(parts)
 
 
 # The live table keeps these longest, most useful last: index, utilization, memory, power, temperature.
