@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import textwrap
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,11 +29,15 @@ __all__ = [
     "LiveTable",
     "clip",
     "display_value",
+    "fit_samples",
+    "hidden_note",
     "render",
     "render_table",
     "sample_table",
     "terminal_size",
+    "terminal_width",
     "use_color",
+    "wrap_last_column",
 ]
 
 #: How a missing value shows in a table, by reason (anything else shows as ``n/a``). Never blank, never 0.
@@ -197,10 +202,18 @@ def sample_table(
     *,
     color: bool = False,
     cell_state: Callable[[GpuSample, str], CellState] | None = None,
+    width: int = 0,
 ) -> list[str]:
-    """A static table of samples: one row per sample, units in the titles, missing values marked."""
+    """A static table of samples: one row per sample, units in the titles, missing values marked.
+
+    With a ``width`` (a terminal's), it is fitted as the live table is (:func:`fit_samples`) and ends with a line
+    naming the fields left out.
+    """
     if fields is None:
         fields = tuple(get_field(n) for n in samples[0].fields) if samples else ()
+    if width > 0:
+        lines, hidden = fit_samples(samples, fields, width, color=color, cell_state=cell_state)
+        return lines + hidden_note(hidden, width)
     rows, styles = sample_rows(samples, fields, cell_state=cell_state)
     return render_table(
         rows, [_title(f) for f in fields], right=[_right_aligned(f) for f in fields], styles=styles, color=color
@@ -257,6 +270,7 @@ def render(
     columns: Sequence[Column] | None = None,
     color: bool = False,
     empty: str = "",
+    width: int = 0,
 ) -> str:
     """Records as text in one of the output formats: ``table``, ``csv``, ``jsonl`` or ``json``.
 
@@ -271,6 +285,8 @@ def render(
         columns: the columns of plain records.
         color: colour the table (missing values dim, lost GPUs as errors).
         empty: what a table shows when there are no records (default: just the titles).
+        width: a table's most columns (a terminal's width; 0: any): samples are fitted as the live table is,
+            plain records wrap their last column.
 
     Returns:
         The text, each line ending in a newline.
@@ -292,7 +308,7 @@ def render(
             return "".join([header_line(fields) + "\n", *(format_row(s, fields, units=True) + "\n" for s in samples)])
         if not samples and empty:
             return empty + "\n"
-        return "".join(line + "\n" for line in sample_table(samples, fields, color=color))
+        return "".join(line + "\n" for line in sample_table(samples, fields, color=color, width=width))
     plain: Sequence[Mapping[str, Any]] = records
     if fmt == "json":
         return json.dumps([_plain_json(r) for r in plain], indent=2) + "\n"
@@ -319,13 +335,122 @@ def render(
             style.append(c.style(value) if c.style is not None else None)
         rows.append(row)
         styles.append(style)
-    lines = render_table(
-        rows, [c.heading for c in columns], right=[c.right for c in columns], styles=styles, color=color
-    )
+    titles, right = [c.heading for c in columns], [c.right for c in columns]
+    lines = render_table(rows, titles, right=right, styles=styles, color=color)
+    if width > 0 and any(_visible_len(x) > width for x in lines):  # wrapped as plain text: no colour then
+        lines = wrap_last_column(render_table(rows, titles, right=right), width)
     return "".join(line + "\n" for line in lines)
 
 
 # ------------------------------------------------------------------------------------------------ live table
+
+
+def fit_samples(
+    samples: Sequence[GpuSample],
+    fields: Sequence[Field],
+    cols: int,
+    *,
+    color: bool = False,
+    cell_state: Callable[[GpuSample, str], CellState] | None = None,
+    marks: Sequence[str] | None = None,
+) -> tuple[list[str], list[str]]:
+    """A table of samples that fits ``cols`` columns (0: any width), and the names of the fields left out.
+
+    Full titles first; then short titles (``temp C``); then fields are left out, identity first (UUID, bus id,
+    name), measurements last, and index, utilization, memory, power and temperature the very last.
+
+    Args:
+        samples: one row each.
+        fields: the columns.
+        cols: the terminal's width.
+        color: emit ANSI colours.
+        cell_state: alert state of a cell, for its colour.
+        marks: a state text per row (``LOST``, ``stale 3s``): a first column, shown when any row has one; a stale
+            row is dimmed.
+
+    Returns:
+        The lines (titles first), and the fields left out in the order they were.
+    """
+    if not samples:
+        return [], []
+    fields = list(fields)
+    rows, styles = sample_rows(samples, fields, cell_state=cell_state)
+    marks = marks or [""] * len(rows)
+    for style, mark in zip(styles, marks):
+        if mark.startswith("stale"):  # old numbers: dimmed, whatever they were
+            style[:] = ["dim"] * len(style)
+    offset = 1 if any(marks) else 0
+    if offset:
+        for row, style, mark in zip(rows, styles, marks):
+            row.insert(0, mark)
+            style.insert(0, "error" if mark in ("LOST", "RESET") else ("pending" if mark else None))
+
+    def table(keep: Sequence[int], short: bool) -> list[str]:
+        cells = [*range(offset), *(i + offset for i in keep)]
+        titles = [_short_title(fields[i]) if short else _title(fields[i]) for i in keep]
+        return render_table(
+            [[r[i] for i in cells] for r in rows],
+            ["state"] * offset + titles,
+            right=[False] * offset + [_right_aligned(fields[i]) for i in keep],
+            styles=[[st[i] for i in cells] for st in styles],
+            color=color,
+        )
+
+    keep = list(range(len(fields)))
+    lines = table(keep, False)
+
+    def fits(lines: Sequence[str]) -> bool:
+        return max(_visible_len(x) for x in lines) <= cols
+
+    if cols <= 0 or fits(lines):
+        return lines, []
+    lines = table(keep, True)
+    hidden: list[str] = []
+    for i in _drop_order(fields):
+        if fits(lines) or len(keep) <= 1:
+            break
+        keep.remove(i)
+        hidden.append(fields[i].name)
+        lines = table(keep, True)
+    return lines, hidden
+
+
+def hidden_note(hidden: Sequence[str], cols: int) -> list[str]:
+    """``hidden (terminal too narrow): uuid, name``, wrapped to ``cols``; nothing when nothing is hidden."""
+    if not hidden:
+        return []
+    words = ["hidden", "(terminal", "too", "narrow):", *(f"{h}," for h in hidden[:-1]), hidden[-1]]
+    return _wrap(words, cols, sep=" ")
+
+
+def wrap_last_column(lines: Sequence[str], cols: int) -> list[str]:
+    """Table lines with the text of their last column wrapped so that none is wider than ``cols``.
+
+    The text wraps under its own column; when that column would be narrower than 30, it goes on the lines below
+    its row instead, indented. The last column starts where its title does on the first line (plain text only).
+    """
+    if cols <= 0 or not lines or all(len(x) <= cols for x in lines):
+        return list(lines)
+    head = lines[0]
+    start = len(head) - len(head.rsplit("  ", 1)[-1]) if "  " in head else 0
+    below = cols - start < 30
+    indent = 4 if below else start
+    room = max(10, cols - indent)
+    out: list[str] = []
+    for i, line in enumerate(lines):
+        lead, text = line[:start].rstrip(), line[start:]
+        if below:
+            out.append(clip(lead, cols))
+            if i > 0 and text.strip():
+                out += [" " * indent + c for c in textwrap.wrap(text, room)]
+            continue
+        if len(line) <= cols:
+            out.append(line)
+            continue
+        chunks = textwrap.wrap(text, room) or [""]
+        out.append(line[:start] + chunks[0])
+        out += [" " * indent + c for c in chunks[1:]]
+    return out
 
 
 class LiveTable:
@@ -433,54 +558,11 @@ class LiveTable:
         return ""
 
     def _fit(self, samples: Sequence[GpuSample], marks: Sequence[str], cols: int) -> tuple[list[str], list[str]]:
-        """The table lines that fit ``cols`` columns, and the names of the fields left out.
+        """The table lines that fit ``cols`` columns, and the names of the fields left out (:func:`fit_samples`).
 
-        Full titles first; then short titles (``temp C``); then fields are left out, identity first (UUID, bus
-        id, name), measurements last, and index, utilization, memory, power and temperature the very last. The
-        state column (LOST, stale) is there when a row has a mark, and never left out.
+        The state column (LOST, stale) is there when a row has a mark, and never left out.
         """
-        if not samples:
-            return [], []
-        fields = list(self.fields)
-        rows, styles = sample_rows(samples, fields, cell_state=self._cell_state)
-        for style, mark in zip(styles, marks):
-            if mark.startswith("stale"):  # old numbers: dimmed, whatever they were
-                style[:] = ["dim"] * len(style)
-        marked = any(marks)
-        offset = 1 if marked else 0
-        if marked:
-            for row, style, mark in zip(rows, styles, marks):
-                row.insert(0, mark)
-                style.insert(0, "error" if mark in ("LOST", "RESET") else ("pending" if mark else None))
-
-        def table(keep: Sequence[int], short: bool) -> list[str]:
-            cells = [*range(offset), *(i + offset for i in keep)]
-            titles = [_short_title(fields[i]) if short else _title(fields[i]) for i in keep]
-            return render_table(
-                [[r[i] for i in cells] for r in rows],
-                ["state"] * offset + titles,
-                right=[False] * offset + [_right_aligned(fields[i]) for i in keep],
-                styles=[[st[i] for i in cells] for st in styles],
-                color=self.color,
-            )
-
-        keep = list(range(len(fields)))
-        lines = table(keep, False)
-
-        def fits(lines: Sequence[str]) -> bool:
-            return max(_visible_len(x) for x in lines) <= cols
-
-        if cols <= 0 or fits(lines):
-            return lines, []
-        lines = table(keep, True)
-        hidden: list[str] = []
-        for i in _drop_order(fields):
-            if fits(lines) or len(keep) <= 1:
-                break
-            keep.remove(i)
-            hidden.append(fields[i].name)
-            lines = table(keep, True)
-        return lines, hidden
+        return fit_samples(samples, self.fields, cols, color=self.color, cell_state=self._cell_state, marks=marks)
 
     def _footer(self, stats: Mapping[str, object] | None, cols: int, now: float) -> list[str]:
         """The footer lines after the table: age and counters, errors, firing alerts, recent events."""
@@ -552,9 +634,7 @@ class LiveTable:
         extra: list[str] = []
         if procs_hidden:
             extra.append("processes not shown: terminal too short")
-        if hidden:
-            words = ["hidden", "(terminal", "too", "narrow):", *(f"{h}," for h in hidden[:-1]), hidden[-1]]
-            extra += _wrap(words, cols, sep=" ")
+        extra += hidden_note(hidden, cols)
         extra += _wrap([MISSING_LEGEND, *([status] if status else []), "Ctrl-C to stop"], cols)
         extra = [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in extra]
         limit = lines_avail - 1
@@ -677,6 +757,17 @@ def _wrap(parts: Sequence[str], cols: int, sep: str = " · ") -> list[str]:
 
 def _sort_key(key: object) -> tuple[int, str]:
     return (0, f"{key:09d}") if isinstance(key, int) else (1, str(key))
+
+
+def terminal_width(stream: IO[str]) -> int:
+    """The width of the terminal ``stream`` writes to, or 0 (any width) when it is no terminal."""
+    isatty = getattr(stream, "isatty", None)
+    if not (isatty and isatty()):
+        return 0
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def terminal_size() -> tuple[int, int]:

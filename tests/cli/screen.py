@@ -68,6 +68,11 @@ class Screen:
         """The screen as text, one line per terminal row (trailing blanks removed)."""
         return self._tmux("capture-pane", "-p", "-t", "t")
 
+    def final_text(self) -> str:
+        """Everything a program that has ended printed (scrolled-off lines too), without tmux's own notice."""
+        lines = self._tmux("capture-pane", "-p", "-S", "-", "-t", "t").splitlines()
+        return "\n".join(x for x in lines if not x.startswith("Pane is dead")).strip("\n") + "\n"
+
     def styled(self) -> str:
         """The screen with its colours as escape sequences (``capture-pane -e``)."""
         return self._tmux("capture-pane", "-p", "-e", "-t", "t")
