@@ -62,6 +62,8 @@ _STYLES = {
 }
 # Missing-value reasons that mean the GPU is in trouble: drawn as an error, not dimmed like n/a.
 _ERROR_REASONS = frozenset({"gpu_lost", "gpu_requires_reset", "unknown_error"})
+# Control characters a cell shows as ``?`` (as ps does): a newline or tab in a command line would break the table.
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 CellState = Literal["firing", "pending", "ok"]
 # Wide identity columns the live table leaves out, in this order, when the terminal is too narrow.
@@ -331,7 +333,8 @@ def render(
                 row.append("n/a")
                 style.append("missing")
                 continue
-            row.append(c.table_text(value) if c.table_text is not None else str(value))
+            text = c.table_text(value) if c.table_text is not None else str(value)
+            row.append(_CONTROL_RE.sub("?", text))  # a newline in a command line must not break the table
             style.append(c.style(value) if c.style is not None else None)
         rows.append(row)
         styles.append(style)
