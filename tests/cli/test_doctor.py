@@ -119,3 +119,20 @@ def test_container_variables_warn_only_when_they_explain_a_failure(
     fine = by_name(run_checks(FAKE_PATH, timeout=20))
     assert fine["NVIDIA_DRIVER_CAPABILITIES"].status == "ok"
     assert fine["NVIDIA_VISIBLE_DEVICES"].status == "ok"
+
+
+@pytest.mark.parametrize(
+    ("fault", "check", "fix"),
+    [
+        ("version-mismatch", "driver/library match", "reboot (or reload the nvidia kernel modules)"),
+        ("permission", "driver reachable", "NVIDIA_MIG_MONITOR_DEVICES=all"),
+    ],
+)
+def test_the_fix_is_the_one_the_typed_error_carries(
+    inproc: InProcessRunner, host: None, fault: str, check: str, fix: str
+) -> None:
+    # nvidia-smi says "Failed to initialize NVML: ..." for both: the error's own hint wins over that text
+    inproc.fault = fault
+    result = by_name(run_checks(FAKE_PATH, timeout=20))[check]
+    assert result.status == "fail" and result.code == 4
+    assert fix in result.fix and "NVML could not start" not in result.fix
