@@ -200,7 +200,7 @@ def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
         fix = _FIX_CONTAINER if in_ctr else "reinstall the driver's utility libraries (libnvidia-ml.so)"
     elif isinstance(exc, DriverNotLoadedError):
         fix = _FIX_DRIVER
-    elif isinstance(exc, _CAUSE_ERRORS) and getattr(exc, "hint", ""):
+    elif isinstance(exc, _CAUSE_ERRORS) and str(getattr(exc, "hint", None) or ""):
         # the typed error knows its cause whatever the text around it ("Failed to initialize NVML: Driver/library
         # version mismatch" wants a reboot, not NVML start-up advice)
         fix = str(getattr(exc, "hint", ""))
