@@ -23,3 +23,14 @@ def test_naming_and_log_format_choices_are_the_exporters() -> None:
 def test_signals_exit_with_the_documented_codes() -> None:
     assert exit_code_of(signal.SIGINT) == 130
     assert exit_code_of(signal.SIGTERM) == 143
+
+
+def test_help_names_the_real_probe_endpoints_with_examples() -> None:
+    from typer.testing import CliRunner
+
+    from smiquery.cli import app
+
+    out = CliRunner().invoke(app, ["export", "--help"], terminal_width=100).stdout
+    assert "/livez" in out and "/readyz" in out and "Examples:" in out
+    examples = [ln.strip() for ln in out.split("Examples:", 1)[1].splitlines() if ln.strip()]
+    assert "curl -fsS localhost:9849/readyz" in examples
