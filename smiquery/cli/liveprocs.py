@@ -59,6 +59,11 @@ class ProcessPoller:
         #: the last poll's error (the table goes on without processes), or None
         self.error: BaseException | None = None
 
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` was called."""
+        return self._thread.ident is not None
+
     def start(self) -> None:
         """Start polling."""
         self._thread.start()

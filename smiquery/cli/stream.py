@@ -540,14 +540,16 @@ _LIVE_HEALTH = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pend
 
 
 def _live_processes(live: LiveTable, settings: Settings, ids: Sequence[str] | None, seconds: float) -> ProcessPoller:
-    """The poller of the processes under each GPU of the live table (every 2 s, or the interval if longer)."""
+    """The poller of the processes under each GPU of the live table (every 2 s, or the interval if longer).
+
+    It starts with the first sweep, so that its nvidia-smi calls do not slow the stream's own start.
+    """
     from smiquery.cli.liveprocs import ProcessPoller
 
     poller = ProcessPoller(
         live.set_processes, nvidia_smi=settings.nvidia_smi, gpus=ids, every=max(2.0, seconds), timeout=settings.timeout
     )
     live.show_processes = True
-    poller.start()
     return poller
 
 
@@ -768,6 +770,8 @@ def _take_sweep(sweep: Sweep, source: SampleSource, run: _Run) -> bool:
     for sample in sweep:
         fired = _take_sample(sample, run, now) or fired
     run.sweeps += 1
+    if run.processes is not None and not run.processes.started:
+        run.processes.start()
     if run.live is not None:
         run.live.update(sweep, now)
         if time.monotonic() - run.last_draw >= 0.1:
