@@ -9,7 +9,7 @@ CORE_STAMP := $(VENV)/.installed-core
 
 .PHONY: install tools demo test lint typecheck check bench soak fixtures docker clean
 
-# The demo needs the core only; the tests also need the dev tools, TensorFlow (CPU) and matplotlib.
+# The core; the tests also need the dev tools, TensorFlow (CPU) and matplotlib.
 $(CORE_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -23,7 +23,13 @@ $(STAMP): $(CORE_STAMP)
 
 install: $(STAMP)
 
-demo: $(CORE_STAMP)
+# The demo ends with a plot: the core plus the plot extra (matplotlib).
+DEMO_STAMP := $(VENV)/.installed-demo
+$(DEMO_STAMP): $(CORE_STAMP)
+	$(PY) -m pip install -q -e '.[fast,plot]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) scripts/demo.py
 
 # Outside tools the tests use for real: prometheus/promtool, buildah (+ debootstrap), hadolint, kubernetes-validate,

@@ -2,8 +2,8 @@
 
 The recording is an 8-GPU H100 training run (warm-up, steady load, a stall, GPU 5 running hot), replayed at
 30x with two alerts, so the whole demo takes about 20 seconds. On a terminal it is a live table; piped, CSV.
-It ends by writing the report and the plot of what it showed (the plot needs matplotlib; without it the
-command that draws it is printed) and says where they are.
+It ends by writing the report and the plot of what it showed and says where they are (`make demo` installs the
+plot extra; run without matplotlib, it prints the .venv/bin/... commands that draw the plot).
 """
 
 from __future__ import annotations
@@ -62,9 +62,10 @@ def _afterwards(recording: Path, out_dir: Path) -> int:
     print(f"report: {report_path}")
     alerts = " ".join(f"--alert {shlex.quote(rule)}" for rule in ALERTS)
     if importlib.util.find_spec("matplotlib") is None:
+        venv_bin = _here(Path(sys.executable).parent)  # .venv/bin under `make demo`
         print(
-            "plot:   needs matplotlib; draw it with\n"
-            f"        pip install 'smiquery[plot]' && smiquery plot {shlex.quote(str(recording))} "
+            "plot:   needs matplotlib (the plot extra); draw it with\n"
+            f"        {venv_bin}/pip install -e '.[plot]' && {venv_bin}/smiquery plot {shlex.quote(str(recording))} "
             f"-o {shlex.quote(str(plot_path))} {alerts}"
         )
         return 0
@@ -73,6 +74,14 @@ def _afterwards(recording: Path, out_dir: Path) -> int:
     save_plot(recording, plot_path, rules=ALERTS)
     print(f"plot:   {plot_path}")
     return 0
+
+
+def _here(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it (``.venv/bin``), else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _run(cmd: list[str]) -> int:

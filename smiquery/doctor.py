@@ -180,6 +180,16 @@ def _message(exc: BaseException) -> str:
     return _one_line(str(exc))
 
 
+# Errors whose hint is the fix for their cause wherever they happen (a field error's hint is not: at NVML start-up,
+# "Not Supported" means NVML could not start, and the text decides).
+_CAUSE_ERRORS: tuple[type[BaseException], ...] = (
+    DriverVersionMismatchError,
+    InsufficientPermissionsError,
+    GpuLostError,
+    NoDevicesFoundError,
+)
+
+
 def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
     """A failed check for an error, with the one fix that matches its cause."""
     message = _message(exc)
@@ -191,6 +201,10 @@ def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
         fix = _FIX_CONTAINER if in_ctr else "reinstall the driver's utility libraries (libnvidia-ml.so)"
     elif isinstance(exc, DriverNotLoadedError):
         fix = _FIX_DRIVER
+    elif isinstance(exc, _CAUSE_ERRORS) and str(getattr(exc, "hint", None) or ""):
+        # the typed error knows its cause whatever the text around it ("Failed to initialize NVML: Driver/library
+        # version mismatch" wants a reboot, not NVML start-up advice)
+        fix = str(getattr(exc, "hint", ""))
     elif "Failed to initialize NVML" in message:
         fix = _FIX_NVML_INIT
     else:

@@ -28,7 +28,7 @@ def run_query(settings: Settings, fields: str | None, gpus: str | None, fmt: For
         flds = parse_fields(fields)
         ids = parse_gpus(gpus)
         form = choose_format(fmt, sys.stdout)
-        from smiquery.cli.display import render, use_color
+        from smiquery.cli.display import render, terminal_width, use_color
         from smiquery.oneshot import query
 
         with warnings.catch_warnings(record=True) as caught:
@@ -42,5 +42,6 @@ def run_query(settings: Settings, fields: str | None, gpus: str | None, fmt: For
                     raise
                 raise wrong from None
         warn_lines(caught)
-        sys.stdout.write(render(samples, form, fields=flds, color=use_color(sys.stdout)))
+        text = render(samples, form, fields=flds, color=use_color(sys.stdout), width=terminal_width(sys.stdout))
+        sys.stdout.write(text)
         sys.stdout.flush()

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import textwrap
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any, Literal
@@ -28,11 +29,15 @@ __all__ = [
     "LiveTable",
     "clip",
     "display_value",
+    "fit_samples",
+    "hidden_note",
     "render",
     "render_table",
     "sample_table",
     "terminal_size",
+    "terminal_width",
     "use_color",
+    "wrap_last_column",
 ]
 
 #: How a missing value shows in a table, by reason (anything else shows as ``n/a``). Never blank, never 0.
@@ -57,6 +62,8 @@ _STYLES = {
 }
 # Missing-value reasons that mean the GPU is in trouble: drawn as an error, not dimmed like n/a.
 _ERROR_REASONS = frozenset({"gpu_lost", "gpu_requires_reset", "unknown_error"})
+# Control characters a cell shows as ``?`` (as ps does): a newline or tab in a command line would break the table.
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 CellState = Literal["firing", "pending", "ok"]
 # Wide identity columns the live table leaves out, in this order, when the terminal is too narrow.
@@ -197,10 +204,18 @@ def sample_table(
     *,
     color: bool = False,
     cell_state: Callable[[GpuSample, str], CellState] | None = None,
+    width: int = 0,
 ) -> list[str]:
-    """A static table of samples: one row per sample, units in the titles, missing values marked."""
+    """A static table of samples: one row per sample, units in the titles, missing values marked.
+
+    With a ``width`` (a terminal's), it is fitted as the live table is (:func:`fit_samples`) and ends with a line
+    naming the fields left out.
+    """
     if fields is None:
         fields = tuple(get_field(n) for n in samples[0].fields) if samples else ()
+    if width > 0:
+        lines, hidden = fit_samples(samples, fields, width, color=color, cell_state=cell_state)
+        return lines + hidden_note(hidden, width)
     rows, styles = sample_rows(samples, fields, cell_state=cell_state)
     return render_table(
         rows, [_title(f) for f in fields], right=[_right_aligned(f) for f in fields], styles=styles, color=color
@@ -257,6 +272,7 @@ def render(
     columns: Sequence[Column] | None = None,
     color: bool = False,
     empty: str = "",
+    width: int = 0,
 ) -> str:
     """Records as text in one of the output formats: ``table``, ``csv``, ``jsonl`` or ``json``.
 
@@ -271,6 +287,8 @@ def render(
         columns: the columns of plain records.
         color: colour the table (missing values dim, lost GPUs as errors).
         empty: what a table shows when there are no records (default: just the titles).
+        width: a table's most columns (a terminal's width; 0: any): samples are fitted as the live table is,
+            plain records wrap their last column.
 
     Returns:
         The text, each line ending in a newline.
@@ -292,7 +310,7 @@ def render(
             return "".join([header_line(fields) + "\n", *(format_row(s, fields, units=True) + "\n" for s in samples)])
         if not samples and empty:
             return empty + "\n"
-        return "".join(line + "\n" for line in sample_table(samples, fields, color=color))
+        return "".join(line + "\n" for line in sample_table(samples, fields, color=color, width=width))
     plain: Sequence[Mapping[str, Any]] = records
     if fmt == "json":
         return json.dumps([_plain_json(r) for r in plain], indent=2) + "\n"
@@ -315,32 +333,148 @@ def render(
                 row.append("n/a")
                 style.append("missing")
                 continue
-            row.append(c.table_text(value) if c.table_text is not None else str(value))
+            text = c.table_text(value) if c.table_text is not None else str(value)
+            row.append(_CONTROL_RE.sub("?", text))  # a newline in a command line must not break the table
             style.append(c.style(value) if c.style is not None else None)
         rows.append(row)
         styles.append(style)
-    lines = render_table(
-        rows, [c.heading for c in columns], right=[c.right for c in columns], styles=styles, color=color
-    )
+    titles, right = [c.heading for c in columns], [c.right for c in columns]
+    lines = render_table(rows, titles, right=right, styles=styles, color=color)
+    if width > 0 and any(_visible_len(x) > width for x in lines):  # wrapped as plain text: no colour then
+        lines = wrap_last_column(render_table(rows, titles, right=right), width)
     return "".join(line + "\n" for line in lines)
 
 
 # ------------------------------------------------------------------------------------------------ live table
 
 
+def fit_samples(
+    samples: Sequence[GpuSample],
+    fields: Sequence[Field],
+    cols: int,
+    *,
+    color: bool = False,
+    cell_state: Callable[[GpuSample, str], CellState] | None = None,
+    marks: Sequence[str] | None = None,
+) -> tuple[list[str], list[str]]:
+    """A table of samples that fits ``cols`` columns (0: any width), and the names of the fields left out.
+
+    Full titles first; then short titles (``temp C``); then fields are left out, identity first (UUID, bus id,
+    name), measurements last, and index, utilization, memory, power and temperature the very last.
+
+    Args:
+        samples: one row each.
+        fields: the columns.
+        cols: the terminal's width.
+        color: emit ANSI colours.
+        cell_state: alert state of a cell, for its colour.
+        marks: a state text per row (``LOST``, ``stale 3s``): a first column, shown when any row has one; a stale
+            row is dimmed.
+
+    Returns:
+        The lines (titles first), and the fields left out in the order they were.
+    """
+    if not samples:
+        return [], []
+    fields = list(fields)
+    rows, styles = sample_rows(samples, fields, cell_state=cell_state)
+    marks = marks or [""] * len(rows)
+    for style, mark in zip(styles, marks):
+        if mark.startswith("stale"):  # old numbers: dimmed, whatever they were
+            style[:] = ["dim"] * len(style)
+    offset = 1 if any(marks) else 0
+    if offset:
+        for row, style, mark in zip(rows, styles, marks):
+            row.insert(0, mark)
+            style.insert(0, "error" if mark in ("LOST", "RESET") else ("pending" if mark else None))
+
+    def table(keep: Sequence[int], short: bool) -> list[str]:
+        cells = [*range(offset), *(i + offset for i in keep)]
+        titles = [_short_title(fields[i]) if short else _title(fields[i]) for i in keep]
+        return render_table(
+            [[r[i] for i in cells] for r in rows],
+            ["state"] * offset + titles,
+            right=[False] * offset + [_right_aligned(fields[i]) for i in keep],
+            styles=[[st[i] for i in cells] for st in styles],
+            color=color,
+        )
+
+    keep = list(range(len(fields)))
+    lines = table(keep, False)
+
+    def fits(lines: Sequence[str]) -> bool:
+        return max(_visible_len(x) for x in lines) <= cols
+
+    if cols <= 0 or fits(lines):
+        return lines, []
+    lines = table(keep, True)
+    hidden: list[str] = []
+    for i in _drop_order(fields):
+        if fits(lines) or len(keep) <= 1:
+            break
+        keep.remove(i)
+        hidden.append(fields[i].name)
+        lines = table(keep, True)
+    return lines, hidden
+
+
+def hidden_note(hidden: Sequence[str], cols: int) -> list[str]:
+    """``hidden (terminal too narrow): uuid, name``, wrapped to ``cols``; nothing when nothing is hidden."""
+    if not hidden:
+        return []
+    words = ["hidden", "(terminal", "too", "narrow):", *(f"{h}," for h in hidden[:-1]), hidden[-1]]
+    return _wrap(words, cols, sep=" ")
+
+
+def wrap_last_column(lines: Sequence[str], cols: int) -> list[str]:
+    """Table lines with the text of their last column wrapped so that none is wider than ``cols``.
+
+    The text wraps under its own column; when that column would be narrower than 30, it goes on the lines below
+    its row instead, indented. The last column starts where its title does on the first line (plain text only).
+    """
+    if cols <= 0 or not lines or all(len(x) <= cols for x in lines):
+        return list(lines)
+    head = lines[0]
+    start = len(head) - len(head.rsplit("  ", 1)[-1]) if "  " in head else 0
+    below = cols - start < 30
+    indent = 4 if below else start
+    room = max(10, cols - indent)
+    out: list[str] = []
+    for i, line in enumerate(lines):
+        lead, text = line[:start].rstrip(), line[start:]
+        if below:
+            out.append(clip(lead, cols))
+            if i > 0 and text.strip():
+                out += [" " * indent + c for c in textwrap.wrap(text, room)]
+            continue
+        if len(line) <= cols:
+            out.append(line)
+            continue
+        chunks = textwrap.wrap(text, room) or [""]
+        out.append(line[:start] + chunks[0])
+        out += [" " * indent + c for c in chunks[1:]]
+    return out
+
+
 class LiveTable:
     """A table of the newest sample of each GPU, redrawn in place on a terminal (ANSI, no curses).
 
     Each frame moves the cursor home and rewrites every line, clearing what is left of the old frame, in one
-    write. A footer shows the sample age, counters and recent alerts.
+    write. The footer (sample age, counters, alerts, what is not shown) is always drawn: when the terminal is too
+    short, the processes go first, then GPU rows (those in trouble are kept), and the footer says how many GPUs
+    are not shown. A GPU that stopped reporting keeps its last numbers, dimmed and marked ``stale`` in its row; a
+    lost one is marked ``LOST``.
 
     Args:
         out: the terminal.
         fields: the columns (``timestamp`` is left out: the footer shows the age instead).
         title: the first line (what is being watched).
         color: colour cells past alert thresholds (red firing, yellow pending) and dim missing values.
-        evaluator: the alert evaluator, for cell colours and the firing list.
+        evaluator: the ``--alert`` evaluator, for cell colours and the firing list.
         size: returns (columns, lines) of the terminal.
+        health: an evaluator of health rules (the built-in ones) that colours cells too, fed by :meth:`update`.
+        stale_after: seconds without a sample after which every row is marked stale (the source went quiet).
+        processes: show the processes under each GPU (where the terminal has room).
     """
 
     def __init__(
@@ -352,29 +486,53 @@ class LiveTable:
         color: bool = True,
         evaluator: AlertEvaluator | None = None,
         size: Callable[[], tuple[int, int]] | None = None,
+        health: AlertEvaluator | None = None,
+        stale_after: float = 5.0,
+        processes: bool = False,
     ) -> None:
         self.out = out
         self.fields = tuple(f for f in fields if f.kind is not Kind.TIMESTAMP)
         self.title = title
         self.color = color
         self.evaluator = evaluator
+        self.health = health
+        self.stale_after = stale_after
+        self.show_processes = processes
         self._size = size or terminal_size
         self._rows: dict[object, GpuSample] = {}
+        self._seen: dict[object, tuple[int, float]] = {}  # key -> (sweep, monotonic time) it last came in
+        self._sweeps = 0
+        self._procs: dict[int, list[str]] = {}
         self._received: float | None = None
         self._last_ts: datetime | None = None
         self._events: list[str] = []
         self._started = False
         self.frames = 0
 
-    def update(self, samples: Iterable[GpuSample]) -> None:
-        """Take a sweep (or any samples): the newest sample of each GPU is shown."""
+    def update(self, samples: Iterable[GpuSample], now: float | None = None) -> None:
+        """Take one sweep: the newest sample of each GPU is shown; a GPU missing from two sweeps is stale.
+
+        Args:
+            samples: the sweep (one sample per GPU).
+            now: when it arrived (``time.monotonic()``), live; None: now, and the health rules' holds go by the
+                samples' timestamps (a recording).
+        """
+        arrived = time.monotonic() if now is None else now
+        self._sweeps += 1
         for s in samples:
             key = s.index if "index" in s else (s.uuid if "uuid" in s else len(self._rows))
             self._rows[key] = s
+            self._seen[key] = (self._sweeps, arrived)
             ts = s.timestamp if "timestamp" in s else None
             if ts is not None:
                 self._last_ts = ts
-        self._received = time.monotonic()
+            if self.health is not None:
+                self.health.update(s, now)  # None: a recording's holds go by its timestamps
+        self._received = arrived
+
+    def set_processes(self, by_gpu: Mapping[int, Sequence[str]]) -> None:
+        """The processes to list under each GPU index, already as text (``user:command/pid(1234MiB)``)."""
+        self._procs = {k: list(v) for k, v in by_gpu.items()}
 
     def note(self, event: AlertEvent | str) -> None:
         """Remember an alert or source event for the footer (the newest few are shown).
@@ -385,60 +543,34 @@ class LiveTable:
         self._events.append(event if isinstance(event, str) else event.message())
         del self._events[:-4]
 
-    def _fit(self, samples: Sequence[GpuSample], cols: int) -> tuple[list[str], list[str]]:
-        """The table lines that fit ``cols`` columns, and the names of the fields left out.
+    def _cell_state(self, sample: GpuSample, name: str) -> CellState:
+        states = [ev.cell_state(sample, name) for ev in (self.evaluator, self.health) if ev is not None]
+        return "firing" if "firing" in states else ("pending" if "pending" in states else "ok")
 
-        Full titles first; then short titles (``temp C``); then fields are left out, identity first (UUID, bus
-        id, name), measurements last, and index, utilization, memory, power and temperature the very last.
+    def _mark(self, key: object, sample: GpuSample, lost: Collection[object], now: float) -> str:
+        """What the row's state cell says: LOST, RESET, ``stale 12s`` or nothing."""
+        reasons = set(sample.missing.values())
+        if "gpu_lost" in reasons or key in lost:
+            return "LOST"
+        if "gpu_requires_reset" in reasons:
+            return "RESET"
+        sweep, at = self._seen.get(key, (self._sweeps, now))
+        quiet = now - at
+        if sweep < self._sweeps - 1 or quiet > self.stale_after:
+            return f"stale {quiet:.0f}s"
+        return ""
+
+    def _fit(self, samples: Sequence[GpuSample], marks: Sequence[str], cols: int) -> tuple[list[str], list[str]]:
+        """The table lines that fit ``cols`` columns, and the names of the fields left out (:func:`fit_samples`).
+
+        The state column (LOST, stale) is there when a row has a mark, and never left out.
         """
-        if not samples:
-            return [], []
-        fields = list(self.fields)
-        ev = self.evaluator
-        rows, styles = sample_rows(samples, fields, cell_state=ev.cell_state if ev is not None else None)
+        return fit_samples(samples, self.fields, cols, color=self.color, cell_state=self._cell_state, marks=marks)
 
-        def table(keep: Sequence[int], short: bool) -> list[str]:
-            return render_table(
-                [[r[i] for i in keep] for r in rows],
-                [_short_title(fields[i]) if short else _title(fields[i]) for i in keep],
-                right=[_right_aligned(fields[i]) for i in keep],
-                styles=[[st[i] for i in keep] for st in styles],
-                color=self.color,
-            )
-
-        keep = list(range(len(fields)))
-        lines = table(keep, False)
-
-        def fits(lines: Sequence[str]) -> bool:
-            return max(_visible_len(x) for x in lines) <= cols
-
-        if cols <= 0 or fits(lines):
-            return lines, []
-        lines = table(keep, True)
-        hidden: list[str] = []
-        for i in _drop_order(fields):
-            if fits(lines) or len(keep) <= 1:
-                break
-            keep.remove(i)
-            hidden.append(fields[i].name)
-            lines = table(keep, True)
-        return lines, hidden
-
-    def frame(self, stats: Mapping[str, object] | None = None, status: str = "") -> str:
-        """The text of one frame, escape sequences included."""
-        cols, lines_avail = self._size()
+    def _footer(self, stats: Mapping[str, object] | None, cols: int, now: float) -> list[str]:
+        """The footer lines after the table: age and counters, errors, firing alerts, recent events."""
         color = self.color
-        ev = self.evaluator
-        samples = [self._rows[k] for k in sorted(self._rows, key=_sort_key)]
-        table, hidden = self._fit(samples, cols)
-        lines: list[str] = []
-        if self.title:
-            lines.append(f"{_STYLES['header']}{self.title}{_RESET}" if color else self.title)
-        if samples:
-            lines += table
-        else:
-            lines.append("waiting for the first sample...")
-        age = time.monotonic() - self._received if self._received is not None else None
+        age = now - self._received if self._received is not None else None
         parts = [f"sample age {age:.1f} s" if age is not None else "no sample yet"]
         if self._last_ts is not None:
             parts.append(f"sampled {self._last_ts.strftime('%H:%M:%S')}")
@@ -452,24 +584,70 @@ class LiveTable:
         if lost:
             text = "LOST GPU " + ",".join(str(i) for i in sorted(lost))  # type: ignore[call-overload]
             parts.append(f"{_STYLES['error']}{text}{_RESET}" if color else text)
-        lines.append("")
-        lines += _wrap(parts, cols)
+        lines = _wrap(parts, cols)
         last_error = stats.get("last_error") if stats is not None else None
         if last_error:
             lines.append(f"last error: {last_error}")
-        firing = ev.firing() if ev is not None else []
+        firing = [pair for ev in (self.evaluator, self.health) if ev is not None for pair in ev.firing()]
         if firing:
-            text = "; ".join(f"GPU {g}: {r}" for r, g in firing)
+            text = "; ".join(dict.fromkeys(f"GPU {g}: {r}" for r, g in firing))
             lines.append(f"{_STYLES['firing']}FIRING{_RESET} {text}" if color else f"FIRING {text}")
         for msg in self._events:
             lines.append(f"{_STYLES['dim']}{msg}{_RESET}" if color else msg)
-        if hidden:
-            words = ["hidden", "(terminal", "too", "narrow):", *(f"{h}," for h in hidden[:-1]), hidden[-1]]
-            lines += [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in _wrap(words, cols, sep=" ")]
-        legend = [MISSING_LEGEND, *([status] if status else []), "Ctrl-C to stop"]
-        lines += [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in _wrap(legend, cols)]
-        if lines_avail > 0 and len(lines) > lines_avail - 1:
-            lines = lines[: max(1, lines_avail - 1)]
+        return lines
+
+    def frame(self, stats: Mapping[str, object] | None = None, status: str = "") -> str:
+        """The text of one frame, escape sequences included."""
+        cols, lines_avail = self._size()
+        color = self.color
+        now = time.monotonic()
+        lost: Collection[object] = stats.get("lost_gpus") or () if stats is not None else ()  # type: ignore[assignment]
+        keys = sorted(self._rows, key=_sort_key)
+        marks = {k: self._mark(k, self._rows[k], lost, now) for k in keys}
+        footer = self._footer(stats, cols, now)
+        head = [f"{_STYLES['header']}{self.title}{_RESET}" if color else self.title] if self.title else []
+        # Room for the table: the title, the blank line, the footer and the legend (at least 2 lines) stay.
+        room = lines_avail - 1 - len(head) - 1 - len(footer) - 2 if lines_avail > 0 else 1 << 30
+        shown = keys
+        not_shown: list[object] = []
+        procs = self._procs if self.show_processes else {}
+        proc_lines = sum(len(procs.get(k, ())) for k in keys if isinstance(k, int))
+        procs_hidden = bool(proc_lines) and 1 + len(keys) + proc_lines > room
+        if procs_hidden:
+            procs = {}
+        if 1 + len(keys) > room:
+            shown, not_shown = _rows_that_fit(keys, marks, max(1, room - 2), self._rows, self._cell_state)
+        samples = [self._rows[k] for k in shown]
+        table, hidden = self._fit(samples, [marks[k] for k in shown], cols)
+        top = list(head)
+        if samples:
+            top.append(table[0])
+            for k, line in zip(shown, table[1:]):
+                top.append(line)
+                for proc in procs.get(k, ()) if isinstance(k, int) else ():
+                    text = f"  └ {proc}"
+                    top.append(f"{_STYLES['dim']}{text}{_RESET}" if color else text)
+        else:
+            top.append("waiting for the first sample...")
+        bottom = [""]
+        if not_shown:
+            text = f"+{len(not_shown)} GPUs not shown ({_ranges(not_shown)}): terminal too short"
+            bottom.append(f"{_STYLES['pending']}{text}{_RESET}" if color else text)
+        bottom += footer
+        extra: list[str] = []
+        if procs_hidden:
+            extra.append("processes not shown: terminal too short")
+        extra += hidden_note(hidden, cols)
+        extra += _wrap([MISSING_LEGEND, *([status] if status else []), "Ctrl-C to stop"], cols)
+        extra = [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in extra]
+        limit = lines_avail - 1
+        if lines_avail > 0 and len(top) + len(bottom) + len(extra) > limit:
+            # a short terminal: the legend goes first, then the table's last lines; the footer stays
+            extra = extra[: max(0, limit - len(top) - len(bottom))]
+            top = top[: max(1, limit - len(bottom) - len(extra))]
+        lines = top + bottom + extra
+        if lines_avail > 0:
+            lines = lines[: max(1, limit)]
         body = "".join(clip(line, cols) + "\x1b[K\n" for line in lines)
         start = "" if self._started else "\x1b[?25l\x1b[2J"
         return f"{start}\x1b[H{body}\x1b[J"
@@ -489,6 +667,43 @@ class LiveTable:
                 self.out.flush()
             except (OSError, ValueError):
                 pass
+
+
+def _rows_that_fit(
+    keys: Sequence[object],
+    marks: Mapping[object, str],
+    room: int,
+    rows: Mapping[object, GpuSample],
+    cell_state: Callable[[GpuSample, str], CellState],
+) -> tuple[list[object], list[object]]:
+    """The GPUs shown in ``room`` rows, in order, and those left out: GPUs in trouble first, then by index."""
+
+    def trouble(k: object) -> bool:
+        s = rows[k]
+        return bool(marks[k]) or any(cell_state(s, name) == "firing" for name in s.fields)
+
+    first = [k for k in keys if trouble(k)]
+    chosen = set(first[:room])
+    for k in keys:
+        if len(chosen) >= room:
+            break
+        chosen.add(k)
+    return [k for k in keys if k in chosen], [k for k in keys if k not in chosen]
+
+
+def _ranges(keys: Sequence[object]) -> str:
+    """``0-3,7,9-12`` for GPU indices (other keys are listed as they are)."""
+    ints = sorted(k for k in keys if isinstance(k, int))
+    parts: list[str] = []
+    i = 0
+    while i < len(ints):
+        j = i
+        while j + 1 < len(ints) and ints[j + 1] == ints[j] + 1:
+            j += 1
+        parts.append(str(ints[i]) if i == j else f"{ints[i]}-{ints[j]}")
+        i = j + 1
+    parts += [str(k) for k in keys if not isinstance(k, int)]
+    return "GPU " + ",".join(parts)
 
 
 # The live table keeps these longest, most useful last: index, utilization, memory, power, temperature.
@@ -545,6 +760,17 @@ def _wrap(parts: Sequence[str], cols: int, sep: str = " · ") -> list[str]:
 
 def _sort_key(key: object) -> tuple[int, str]:
     return (0, f"{key:09d}") if isinstance(key, int) else (1, str(key))
+
+
+def terminal_width(stream: IO[str]) -> int:
+    """The width of the terminal ``stream`` writes to, or 0 (any width) when it is no terminal."""
+    isatty = getattr(stream, "isatty", None)
+    if not (isatty and isatty()):
+        return 0
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def terminal_size() -> tuple[int, int]:

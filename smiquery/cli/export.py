@@ -68,7 +68,25 @@ class _Checked:
     web: WebConfig | None
 
 
-@app.command("export", context_settings={"help_option_names": ["-h", "--help"]})
+_EPILOG = """\b
+Endpoints: /metrics (Prometheus text), /livez (200 while the server runs:
+a liveness probe), /readyz (200 while the GPU data is fresh and every GPU
+seen is there, else 503 with the reason: a readiness probe; /healthz is the
+same).
+
+\b
+Examples:
+  smiquery export
+  smiquery export --interval 15s --fields health --label cluster=a100-pod3
+  smiquery export --bind 0.0.0.0 --port 9400 --naming dcgm
+  smiquery export --processes --top-processes 5
+  smiquery export --web-config-file web.yml
+  curl -s localhost:9849/metrics | grep smiquery_temperature_gpu_celsius
+  curl -fsS localhost:9849/readyz
+"""
+
+
+@app.command("export", epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 def export(
     ctx: typer.Context,
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 9849,
@@ -196,7 +214,7 @@ def export(
         ),
     ] = "/dev/kmsg",
 ) -> None:
-    """Serve Prometheus metrics on /metrics (and /healthz) from ONE background nvidia-smi loop.
+    """Serve Prometheus metrics on /metrics (probes at /livez and /readyz) from ONE background nvidia-smi loop.
 
     Scrapes read the newest sample; they never start nvidia-smi.
     """

@@ -44,7 +44,7 @@ def fields_cmd(
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
-        from smiquery.cli.display import Column, render, use_color
+        from smiquery.cli.display import Column, render, terminal_width, use_color
         from smiquery.fields import CATALOGUE
 
         form = choose_format(fmt, sys.stdout)
@@ -96,7 +96,7 @@ def fields_cmd(
             *(sup if driver is not None else []),
             Column("help"),
         ]
-        text = render(records, form, columns=columns, color=use_color(sys.stdout))
+        text = render(records, form, columns=columns, color=use_color(sys.stdout), width=terminal_width(sys.stdout))
         if table:
             for r in records:
                 del r["shown"]

@@ -36,6 +36,7 @@ from smiquery.retry import RetryPolicy
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent, Notifier, Rule
     from smiquery.cli.display import LiveTable
+    from smiquery.cli.liveprocs import ProcessPoller
     from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
@@ -195,6 +196,8 @@ class _Run:
     #: a live stream: alert holds are measured on the sweeps' monotonic arrival, never on the wall-clock
     #: timestamps (a replay has only those)
     live_time: bool = False
+    #: polls the processes under each GPU for the live table
+    processes: ProcessPoller | None = None
 
 
 _EPILOG = """\b
@@ -298,6 +301,15 @@ def stream(
     exit_on_alert: Annotated[
         bool, typer.Option("--exit-on-alert", help="Exit with code 6 as soon as an alert fires.")
     ] = False,
+    toggle_processes: Annotated[
+        bool,
+        typer.Option(
+            "--processes",
+            "-p",
+            help="Toggle the processes under each GPU in the live table (user:command/pid(memory)); they are "
+            "shown by default where the terminal has room.",
+        ),
+    ] = False,
     on_alert: Annotated[
         list[str] | None,
         typer.Option(
@@ -333,6 +345,7 @@ def stream(
             alerts=alert or [],
             exit_on_alert=exit_on_alert,
             on_alert=on_alert or [],
+            show_processes=not toggle_processes,
         )
 
 
@@ -353,6 +366,7 @@ def _stream(
     exit_on_alert: bool,
     on_alert: Sequence[str] = (),
     tz: str | None = None,
+    show_processes: bool = True,
 ) -> None:
     seconds = parse_seconds(interval, "--interval")
     stop_after = parse_seconds(duration, "--duration") if duration is not None else None
@@ -365,8 +379,10 @@ def _stream(
         source, flds, title = _open_replay(replay_path, fields, rule_fields, ids, speed=speed, loop=loop, tz=tz)
     else:
         source, flds, title = _open_live(settings, fields, rule_fields, ids, seconds, pump_stop)
-    run = _open_outputs(output, flds, fmt, title, rules, exit_on_alert)
+    run = _open_outputs(output, flds, fmt, title, rules, exit_on_alert, stale_after=max(5.0, 3 * seconds))
     run.live_time = replay_path is None
+    if run.live is not None and replay_path is None and show_processes:
+        run.processes = _live_processes(run.live, settings, ids, seconds)
     if on_alert:
         run.notifier = _notifier(run, on_alert, settings)
     if ids and replay_path is None:
@@ -482,9 +498,11 @@ def _open_outputs(
     title: str,
     rules: Sequence[Rule],
     exit_on_alert: bool,
+    *,
+    stale_after: float = 5.0,
 ) -> _Run:
     """The recorder of ``--output``, and stdout as CSV, JSONL, the live table or a static table."""
-    from smiquery.alerts import AlertEvaluator
+    from smiquery.alerts import BUILTIN_RULES, AlertEvaluator, Rule
     from smiquery.cli.display import LiveTable, use_color
     from smiquery.recordings import CsvWriter, JsonlWriter, open_recorder
 
@@ -509,8 +527,30 @@ def _open_outputs(
     elif form == "jsonl":
         writers.append(JsonlWriter(out, flush=True))
     elif tty:
-        live = LiveTable(out, flds, title=title, color=use_color(out), evaluator=evaluator)
+        health = AlertEvaluator([Rule.parse(r) for r in (*BUILTIN_RULES, *_LIVE_HEALTH)])
+        live = LiveTable(
+            out, flds, title=title, color=use_color(out), evaluator=evaluator, health=health, stale_after=stale_after
+        )
     return _Run(writers, live, form == "table" and live is None, flds, evaluator, exit_on_alert)
+
+
+# Health colours the live table shows without any --alert: the built-in rules, and ECC errors the driver could not
+# correct or pages waiting to be retired (both mean the GPU needs attention now).
+_LIVE_HEALTH = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pending == Yes")
+
+
+def _live_processes(live: LiveTable, settings: Settings, ids: Sequence[str] | None, seconds: float) -> ProcessPoller:
+    """The poller of the processes under each GPU of the live table (every 2 s, or the interval if longer).
+
+    It starts with the first sweep, so that its nvidia-smi calls do not slow the stream's own start.
+    """
+    from smiquery.cli.liveprocs import ProcessPoller
+
+    poller = ProcessPoller(
+        live.set_processes, nvidia_smi=settings.nvidia_smi, gpus=ids, every=max(2.0, seconds), timeout=settings.timeout
+    )
+    live.show_processes = True
+    return poller
 
 
 def _notifier(run: _Run, on_alert: Sequence[str], settings: Settings) -> Notifier:
@@ -684,6 +724,8 @@ def _step(
 def _finish(pump: _Pump, source: SampleSource, run: _Run, outcome: _Outcome, interval: float) -> None:
     """Stop the source, tell the events that came with the end, close the handlers, writers and the live table."""
     pump.halt(max(5.0, 2 * interval))
+    if run.processes is not None:
+        run.processes.stop()
     while True:  # events that came with the end (the error that ended the source is raised instead)
         try:
             left_over = pump.queue.get_nowait()
@@ -721,14 +763,17 @@ def _take_sweep(sweep: Sweep, source: SampleSource, run: _Run) -> bool:
     run.events.flush()
     fired = False
     now = None
-    if run.live_time and run.evaluator is not None:
+    if run.live_time and (run.evaluator is not None or run.live is not None):
         from smiquery.alerts import arrival
 
         now = arrival(sweep)
     for sample in sweep:
         fired = _take_sample(sample, run, now) or fired
     run.sweeps += 1
+    if run.processes is not None and not run.processes.started:
+        run.processes.start()
     if run.live is not None:
+        run.live.update(sweep, now)
         if time.monotonic() - run.last_draw >= 0.1:
             _draw(run.live, source, run)
     elif run.static_table:
@@ -744,8 +789,6 @@ def _take_sample(sample: GpuSample, run: _Run, now: float | None = None) -> bool
     """Write one sample everywhere and evaluate the alerts (``now``: its monotonic arrival, live); True if one fired."""
     for w in run.writers:
         w.write(sample)
-    if run.live is not None:
-        run.live.update((sample,))
     fired = False
     if run.evaluator is not None:
         notifier = run.notifier

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -402,14 +403,15 @@ def test_make_demo_ends_with_the_report_and_the_plot(tmp_path, capsys, monkeypat
     assert (tmp_path / "report.txt").read_text().startswith("demo-8gpu.csv: 8 GPUs")
     if (tmp_path / "plot.png").exists():
         assert f"plot:   {tmp_path / 'plot.png'}" in out
-    # the demo installs only the core: without matplotlib it prints the command that draws the plot
+    # `make demo` installs the plot extra; without matplotlib the demo prints the venv's commands that draw it
     real = demo_script.importlib.util.find_spec
     monkeypatch.setattr(
         demo_script.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
     )
     assert demo_script._afterwards(DEMO, tmp_path / "bare") == 0
     out = capsys.readouterr().out
-    assert "pip install 'smiquery[plot]' && smiquery plot" in out
+    venv_bin = demo_script._here(Path(sys.executable).parent)
+    assert f"{venv_bin}/pip install -e '.[plot]' && {venv_bin}/smiquery plot" in out
     assert "--alert 'temperature.gpu > 85 for 3'" in out
 
 

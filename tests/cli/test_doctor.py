@@ -157,3 +157,20 @@ def test_a_healthy_gpu_passes_the_health_check_and_counts_mig_instances(inproc: 
     inproc.env = {"SMIQUERY_FAKE_XML": str(require_corpus() / "xml" / "netdata__a100-sxm4-mig.xml")}
     check = by_name(run_checks(FAKE_PATH, timeout=20))["memory and clock health"]
     assert check.status == "ok" and "2 MIG instances" in check.diagnosis
+
+
+@pytest.mark.parametrize(
+    ("fault", "check", "fix"),
+    [
+        ("version-mismatch", "driver/library match", "reboot (or reload the nvidia kernel modules)"),
+        ("permission", "driver reachable", "NVIDIA_MIG_MONITOR_DEVICES=all"),
+    ],
+)
+def test_the_fix_is_the_one_the_typed_error_carries(
+    inproc: InProcessRunner, host: None, fault: str, check: str, fix: str
+) -> None:
+    # nvidia-smi says "Failed to initialize NVML: ..." for both: the error's own hint wins over that text
+    inproc.fault = fault
+    result = by_name(run_checks(FAKE_PATH, timeout=20))[check]
+    assert result.status == "fail" and result.code == 4
+    assert fix in result.fix and "NVML could not start" not in result.fix

@@ -41,3 +41,14 @@ def test_details_interval_takes_off_and_refuses_a_negative() -> None:
     for off in ("off", "0"):
         later = CliRunner().invoke(app, ["export", "--details-interval", off, "--port", "70000"])
         assert later.exit_code == 2 and "--port" in later.output and "--details-interval" not in later.output
+
+
+def test_help_names_the_real_probe_endpoints_with_examples() -> None:
+    from typer.testing import CliRunner
+
+    from smiquery.cli import app
+
+    out = CliRunner().invoke(app, ["export", "--help"], terminal_width=100).stdout
+    assert "/livez" in out and "/readyz" in out and "Examples:" in out
+    examples = [ln.strip() for ln in out.split("Examples:", 1)[1].splitlines() if ln.strip()]
+    assert "curl -fsS localhost:9849/readyz" in examples

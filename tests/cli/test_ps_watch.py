@@ -84,23 +84,26 @@ def test_piped_csv_one_header_then_each_refresh_busiest_first_and_child_reaped(f
         "command",
     ]  # fmt: skip
     body = [ln.split(", ") for ln in lines[1:]]
-    assert len(body) == 8  # two refreshes of the four GPUs pmon watches, one process each
-    first, second = body[:4], body[4:]
+    assert len(body) == 16  # two refreshes of the 8 GPUs (two pmon children of 4), one process each
+    first, second = body[:8], body[8:]
     assert len({r[0] for r in first}) == 1 and first[0][0] != second[0][0]  # one instant per block
     for block in (first, second):
         sm = [int(r[5].removesuffix(" %")) for r in block]
         assert sm == sorted(sm, reverse=True)
-        assert sorted(r[1] for r in block) == ["0", "1", "2", "3"]
+        assert sorted(r[1] for r in block) == [str(i) for i in range(8)]
     assert all(r[7].endswith(" MiB") and int(r[7].split()[0]) > 60000 for r in body)  # pmon's fb column
     pids = pmon_pids(log)
-    assert len(pids) == 1 and gone(pids)
+    assert len(pids) == 2 and gone(pids)  # one pmon per 4 GPUs
 
 
 def test_sorting_and_missing_values_never_zero(fake_smi: MakeFake, mixed):
     smi = fake_smi()
 
     def records(*extra: str) -> list[dict[str, object]]:
-        proc = run("ps", "--watch", "-n", "1", "-F", "json", *extra, smi=smi, SMIQUERY_FAKE_PMON=str(mixed))
+        # one pmon child (4 GPUs): the capture is what it prints
+        proc = run(
+            "ps", "--watch", "-n", "1", "-i", "0,1,2,3", "-F", "json", *extra, smi=smi, SMIQUERY_FAKE_PMON=str(mixed)
+        )
         assert proc.returncode == 0, proc.stderr
         blocks = [json.loads(x) for x in proc.stdout.splitlines()]
         assert len(blocks) == 1
@@ -117,7 +120,7 @@ def test_sorting_and_missing_values_never_zero(fake_smi: MakeFake, mixed):
     assert {r["user"] for r in by_gpu} == {None}  # /proc cannot know these pids
     assert [r["command"] for r in by_gpu] == ["trainer", "nccl-watchdog", "tritonserver", "decoder"]
 
-    table = run("ps", "--watch", "-n", "1", "-F", "table", smi=smi, SMIQUERY_FAKE_PMON=str(mixed))
+    table = run("ps", "--watch", "-n", "1", "-i", "0,1,2,3", "-F", "table", smi=smi, SMIQUERY_FAKE_PMON=str(mixed))
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].startswith("# ") and lines[0].endswith("idle GPU 2")
@@ -125,7 +128,7 @@ def test_sorting_and_missing_values_never_zero(fake_smi: MakeFake, mixed):
     cells = {ln.split()[-1]: ln.split() for ln in lines[2:] if ln.strip()}
     assert cells["nccl-watchdog"][3:5] == ["n/a", "n/a"]  # missing: n/a, never 0
     assert cells["tritonserver"][5] == "n/a"
-    csv = run("ps", "--watch", "-n", "1", smi=smi, SMIQUERY_FAKE_PMON=str(mixed)).stdout.splitlines()
+    csv = run("ps", "--watch", "-n", "1", "-i", "0,1,2,3", smi=smi, SMIQUERY_FAKE_PMON=str(mixed)).stdout.splitlines()
     watchdog_csv = next(ln for ln in csv if "nccl-watchdog" in ln).split(", ")
     assert watchdog_csv[5:7] == ["[N/A]", "[N/A]"]
 
@@ -137,7 +140,7 @@ def test_user_and_full_command_line_come_from_proc(fake_smi: MakeFake, tmp_path)
         pmon = capture(
             tmp_path, row(0, busy.pid, "C", "50", "10", "300", name), row(0, NOBODY, "C", "1", "0", "10", name)
         )
-        proc = run("ps", "--watch", "-n", "1", "-F", "jsonl", smi=fake_smi(), SMIQUERY_FAKE_PMON=str(pmon))
+        proc = run("ps", "--watch", "-n", "1", "-i", "0", "-F", "jsonl", smi=fake_smi(), SMIQUERY_FAKE_PMON=str(pmon))
     finally:
         busy.kill()
         busy.wait()
@@ -155,7 +158,8 @@ def test_bad_sort_interval_and_options_without_watch_are_usage_errors(smi_path: 
     one_line_error(run("ps", "--watch", "--sort", "cpu", smi=smi_path), 2, "'cpu' is not one of")
     one_line_error(run("ps", "--watch", "--interval", "11", smi=smi_path), 2, "--interval")
     one_line_error(run("ps", "--sort", "sm", smi=smi_path), 2, "--sort only goes with --watch")
-    one_line_error(run("ps", "--watch", "-i", "0,1,2,3,4", smi=smi_path), 2, "at most 4 GPUs")
+    one_line_error(run("ps", "--watch", "--interval", "fast", smi=smi_path), 2, "--interval")
+    one_line_error(run("ps", "--duration", "1m", smi=smi_path), 2, "--duration only goes with --watch")
 
 
 def test_a_gpu_this_machine_lacks_is_a_usage_error(smi_path: Path):
@@ -246,7 +250,7 @@ def test_early_close_of_the_pipe_ends_cleanly_and_reaps_pmon(fake_smi: MakeFake,
     assert code == 0, err
     assert err == b""
     pids = pmon_pids(log)
-    assert len(pids) == 1 and gone(pids)
+    assert len(pids) == 2 and gone(pids)  # one pmon per 4 GPUs
 
 
 def test_ctrl_c_exits_130_and_reaps_pmon(fake_smi: MakeFake, tmp_path):
@@ -261,7 +265,7 @@ def test_ctrl_c_exits_130_and_reaps_pmon(fake_smi: MakeFake, tmp_path):
     assert proc.returncode == 130, err
     assert err == b""
     pids = pmon_pids(log)
-    assert len(pids) == 1 and gone(pids)
+    assert len(pids) == 2 and gone(pids)  # one pmon per 4 GPUs
 
 
 def test_sigterm_exits_143_and_reaps_pmon(fake_smi: MakeFake, tmp_path):
@@ -275,7 +279,7 @@ def test_sigterm_exits_143_and_reaps_pmon(fake_smi: MakeFake, tmp_path):
     assert proc.returncode == 143, err
     assert err == b""
     pids = pmon_pids(log)
-    assert len(pids) == 1 and gone(pids)
+    assert len(pids) == 2 and gone(pids)  # one pmon per 4 GPUs
 
 
 def test_live_table_on_a_terminal_redraws_in_place(smi_path: Path):
@@ -299,3 +303,43 @@ def test_help_documents_watch_and_its_options():
     assert proc.returncode == 0
     for word in ("--watch", "--interval", "--count", "--sort", "sm, mem, fb", "1 to 10", "nvidia-smi pmon"):
         assert word in proc.stdout, word
+
+
+# ------------------------------------------------------------------------------------- consistency, many GPUs
+
+
+def test_more_than_4_gpus_get_one_pmon_child_per_4_and_all_are_watched(fake_smi: MakeFake, tmp_path):
+    log = tmp_path / "calls.jsonl"
+    proc = run("ps", "--watch", "-n", "1", "-i", "0,1,2,3,4", "-F", "jsonl", smi=fake_smi(log=log))
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(json.loads(x)["gpu_index"] for x in proc.stdout.splitlines()) == [0, 1, 2, 3, 4]
+    calls = [json.loads(x)["argv"] for x in log.read_text().splitlines() if "pmon" in x]
+    assert sorted(c[c.index("-i") + 1] for c in calls) == ["0,1,2,3", "4"]
+
+
+def test_interval_takes_durations_like_stream_and_d_is_duration(fake_smi: MakeFake, tmp_path):
+    log = tmp_path / "calls.jsonl"
+    start = time.monotonic()
+    proc = run("ps", "--watch", "--interval", "2s", "-d", "5s", "-i", "0", "-F", "jsonl", smi=fake_smi(log=log))
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - start >= 5  # -d is the duration: it ran until then, then stopped by itself
+    calls = [json.loads(x)["argv"] for x in log.read_text().splitlines() if "pmon" in x]
+    assert calls and all(c[c.index("-d") + 1] == "2" for c in calls)  # pmon's own -d is its interval
+    half = run("ps", "--watch", "-l", "0.5", "-n", "1", "-i", "0", "-F", "jsonl", smi=fake_smi())
+    assert half.returncode == 0, half.stderr
+    assert half.stderr == "smiquery: note: nvidia-smi pmon refreshes every whole second (1 to 10); using 1 s for 0.5\n"
+
+
+def test_a_newline_in_a_command_line_does_not_break_the_table(fake_smi: MakeFake, tmp_path):
+    name = os.path.basename(sys.executable)[:15]
+    busy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "two\nlines"])
+    try:
+        pmon = capture(tmp_path, row(0, busy.pid, "C", "50", "10", "300", name))
+        proc = run("ps", "--watch", "-n", "1", "-i", "0", "-F", "table", smi=fake_smi(), SMIQUERY_FAKE_PMON=str(pmon))
+    finally:
+        busy.kill()
+        busy.wait()
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 3  # the instant, the titles, one row
+    assert lines[2].endswith("two?lines")

@@ -5,13 +5,23 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Annotated
 
 import typer
 
-from smiquery.cli._boundary import boundary
-from smiquery.cli._common import FormatOpt, GpusOpt, app, choose_format, parse_gpus, settings_of, unknown_gpus
+from smiquery.cli._boundary import boundary, say
+from smiquery.cli._common import (
+    FormatOpt,
+    GpusOpt,
+    app,
+    choose_format,
+    parse_gpus,
+    parse_seconds,
+    settings_of,
+    unknown_gpus,
+)
 from smiquery.cli.ps.proc import ProcInfo, proc_info
 from smiquery.cli.ps.watch import PsSort
 from smiquery.cli.ps.watch import watch as run_watch
@@ -27,9 +37,10 @@ JSON) where /proc cannot tell: another PID namespace (a container), or
 no permission.
 
 \b
---watch runs one nvidia-smi pmon (at most 4 GPUs: the first 4, or those of
---gpus) and shows every process's SM %, memory-controller % and GPU memory,
-refreshed every --interval seconds: redrawn in place on a terminal; piped,
+--watch runs nvidia-smi pmon, one child per 4 GPUs (pmon's limit), so every
+GPU (or each of --gpus) is watched, and shows every process's SM %,
+memory-controller % and GPU memory,
+refreshed every --interval (1 to 10 s): redrawn in place on a terminal; piped,
 one block per refresh (CSV rows under one header, JSON lines, a JSON array
 per line with --format json, or a table with --format table), flushed each
 time so `| head` works. An instant is known whole when pmon starts the next
@@ -42,7 +53,7 @@ Examples:
   smiquery ps
   smiquery ps --gpus 0 --format json
   smiquery ps --watch --sort fb
-  smiquery ps --watch --interval 5 --count 12 --format csv > busy.csv
+  smiquery ps --watch --interval 5s --duration 1m --format csv > busy.csv
 """
 )
 def ps(
@@ -53,16 +64,19 @@ def ps(
         bool, typer.Option("--watch", "-w", help="Live per-process GPU use (SM %, memory) from nvidia-smi pmon.")
     ] = False,
     interval: Annotated[
-        int | None,
+        str | None,
         typer.Option(
             "--interval",
-            "-d",
-            min=1,
-            max=10,
-            metavar="SECONDS",
-            help="--watch: seconds between refreshes, 1 to 10 (pmon's limits). [default: 1]",
+            "-l",
+            metavar="DURATION",
+            help="--watch: time between refreshes: 1, 2s, 5 (pmon refreshes every 1 to 10 whole seconds; a shorter "
+            "or fractional one is rounded up, with a note). [default: 1]",
             show_default=False,
         ),
+    ] = None,
+    duration: Annotated[
+        str | None,
+        typer.Option("--duration", "-d", metavar="DURATION", help="--watch: stop after this long: 30s, 10m, 1h."),
     ] = None,
     count: Annotated[
         int | None, typer.Option("--count", "-n", min=1, metavar="N", help="--watch: stop after N refreshes.")
@@ -89,15 +103,17 @@ def ps(
             code = run_watch(
                 settings,
                 gpus=gpus,
-                interval=interval or 1,
+                interval=pmon_interval(interval),
                 count=count,
+                duration=parse_seconds(duration, "--duration") if duration is not None else None,
                 sort=(sort or PsSort.sm).value,
                 fmt=fmt,
             )
             if code:
                 raise typer.Exit(code)
             return
-        given = [name for name, value in (("--interval", interval), ("--count", count), ("--sort", sort)) if value]
+        options = (("--interval", interval), ("--duration", duration), ("--count", count), ("--sort", sort))
+        given = [name for name, value in options if value]
         if given:
             verb = "goes" if len(given) == 1 else "go"
             raise UsageError(f"{' and '.join(given)} only {verb} with --watch; add --watch")
@@ -144,3 +160,20 @@ def ps(
         text = render(records, form, columns=columns, color=use_color(sys.stdout), empty="no compute processes")
         sys.stdout.write(text)
         sys.stdout.flush()
+
+
+def pmon_interval(text: str | None) -> int:
+    """``--interval`` as pmon takes it: whole seconds, 1 to 10 (shorter or fractional: rounded up, with a note).
+
+    Raises:
+        UsageError: not a duration, or longer than 10 s.
+    """
+    if text is None:
+        return 1
+    seconds = parse_seconds(text, "--interval")
+    if seconds > 10:
+        raise UsageError(f"--interval: nvidia-smi pmon refreshes at most every 10 s, not {text}; use 1 to 10 s")
+    whole = max(1, math.ceil(seconds - 1e-9))
+    if whole != seconds:
+        say(f"smiquery: note: nvidia-smi pmon refreshes every whole second (1 to 10); using {whole} s for {text}")
+    return whole

@@ -8,7 +8,9 @@ import queue
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
 from typing import IO, TYPE_CHECKING
@@ -18,7 +20,7 @@ from smiquery.cli._handoff import END, Failure, SourceEvent
 from smiquery.cli._options import Settings, choose_format, parse_gpus, unknown_gpus
 from smiquery.cli._signals import Signals
 from smiquery.cli.ps.proc import ProcCache
-from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError, StreamEndedError, UsageError
+from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError, StreamEndedError
 from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -361,12 +363,18 @@ class _Live:
 # ---------------------------------------------------------------------------------------------- the loop
 
 
-def _pump(source: PmonStream, into: queue.SimpleQueue[object]) -> None:
+def _close_quietly(source: PmonStream) -> None:
+    """Stop one pmon child (each reaps its own)."""
+    with contextlib.suppress(Exception):
+        source.close()
+
+
+def _pump(source: PmonStream, into: queue.SimpleQueue[object], group: int = 0) -> None:
     """Read instants in a thread, so the main thread stays free for Ctrl-C (the stream reaps its child)."""
     instants: Iterator[tuple[PmonRow, ...]] = source.samples()
     try:
         for instant in instants:
-            into.put(instant)
+            into.put(_Instant(group, instant))
     except BaseException as exc:  # handed to the main thread, which reports it
         into.put(Failure(exc))
     else:
@@ -374,6 +382,63 @@ def _pump(source: PmonStream, into: queue.SimpleQueue[object]) -> None:
     finally:
         with contextlib.suppress(Exception):
             instants.close()  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class _Instant:
+    """One instant of the pmon child watching group ``group`` of the GPUs."""
+
+    group: int
+    rows: tuple[PmonRow, ...]
+
+
+class _Merge:
+    """The instants of several pmon children (4 GPUs each) as one refresh of all GPUs.
+
+    A refresh is shown once every child has given a new instant, or when one gives its next before the others
+    (a slow or restarting child does not hold the view back; its GPUs keep their last rows).
+    """
+
+    def __init__(self, groups: int) -> None:
+        self.groups = groups
+        self.latest: dict[int, tuple[PmonRow, ...]] = {}
+        self.fresh: set[int] = set()
+
+    def add(self, item: _Instant) -> list[tuple[PmonRow, ...]]:
+        """The refreshes this instant completes (none, one, or two when it comes again before the others)."""
+        out: list[tuple[PmonRow, ...]] = []
+        if item.group in self.fresh:
+            out.append(self.merged())
+            self.fresh.clear()
+        self.latest[item.group] = item.rows
+        self.fresh.add(item.group)
+        if len(self.fresh) == self.groups:
+            out.append(self.merged())
+            self.fresh.clear()
+        return out
+
+    def merged(self) -> tuple[PmonRow, ...]:
+        return tuple(r for g in sorted(self.latest) for r in self.latest[g])
+
+
+def _gpu_groups(ids: tuple[str, ...] | None, settings: Settings) -> list[tuple[str, ...] | None]:
+    """The GPUs of each pmon child: 4 at most each (pmon's limit), so that every GPU is watched.
+
+    Without ``--gpus``, the GPUs are listed first; on a machine with at most 4 (or when listing fails, which the
+    child then reports with its typed error) one child watches pmon's default, all of them.
+    """
+    if ids:
+        return [ids[i : i + _MAX_GPUS] for i in range(0, len(ids), _MAX_GPUS)]
+    from smiquery.errors import SmiqueryError
+    from smiquery.oneshot import query
+
+    try:
+        indices = [str(s.index) for s in query(["index"], nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)]
+    except SmiqueryError:
+        return [None]
+    if len(indices) <= _MAX_GPUS:
+        return [None]
+    return [tuple(indices[i : i + _MAX_GPUS]) for i in range(0, len(indices), _MAX_GPUS)]
 
 
 def watch(
@@ -384,6 +449,7 @@ def watch(
     count: int | None,
     sort: str,
     fmt: Enum | None,
+    duration: float | None = None,
 ) -> int:
     """Run ``ps --watch`` until ``count`` refreshes, Ctrl-C or a fatal error.
 
@@ -392,6 +458,7 @@ def watch(
         gpus: the ``--gpus`` value.
         interval: seconds between refreshes (pmon's ``-d``, 1..10).
         count: stop after this many refreshes (None: until stopped).
+        duration: stop after this many seconds (None: until stopped).
         sort: the :class:`PsSort` value.
         fmt: the ``--format`` value (None: table on a terminal, CSV otherwise).
 
@@ -399,7 +466,6 @@ def watch(
         The exit code (0, 130 after Ctrl-C, 143 after SIGTERM).
 
     Raises:
-        UsageError: more than four GPUs.
         SmiqueryError: nvidia-smi pmon said it is unsupported, or failed before the first refresh in a way a
             restart cannot fix (or kept failing: see :data:`~smiquery.retry.FAIL_FAST_ATTEMPTS`). Once refreshes
             have been shown, other failures are retried under the stream's policy.
@@ -407,46 +473,55 @@ def watch(
     from smiquery.pmon import stream
 
     ids = parse_gpus(gpus)
-    if ids and len(ids) > _MAX_GPUS:
-        raise UsageError(f"--gpus: nvidia-smi pmon watches at most {_MAX_GPUS} GPUs; name up to {_MAX_GPUS}")
     out = sys.stdout
     form = choose_format(fmt, out)
     isatty = getattr(out, "isatty", None)
     tty = bool(isatty and isatty()) and form == "table"
     items: queue.SimpleQueue[object] = queue.SimpleQueue()
-    source = stream(
-        gpus=ids,
-        interval=interval,
-        select="um",
-        options="DT",
-        nvidia_smi=settings.nvidia_smi,
-        stall_timeout=max(settings.timeout, 3.0 * interval),
-        retry=RetryPolicy(
-            fail_fast=True
-        ),  # interactive: a fault before the first refresh ends the command with its typed error
-        on_event=lambda ev: items.put(SourceEvent(ev)),
-        runner=_PmonRunner(),
-    )
+    groups = _gpu_groups(ids, settings)
+    sources = [
+        stream(
+            gpus=group,
+            interval=interval,
+            select="um",
+            options="DT",
+            nvidia_smi=settings.nvidia_smi,
+            stall_timeout=max(settings.timeout, 3.0 * interval),
+            # interactive: a fault before the first refresh ends the command with its typed error
+            retry=RetryPolicy(fail_fast=True),
+            on_event=lambda ev: items.put(SourceEvent(ev)),
+            runner=_PmonRunner(),
+        )
+        for group in groups
+    ]
     view: _Live | _Blocks
     if tty:
         err_tty = getattr(sys.stderr, "isatty", None)
-        title = f"smiquery ps --watch · every {interval} s · sorted by {sort} · {source.argv[0]}"
+        children = f" · {len(sources)} pmon children" if len(sources) > 1 else ""
+        title = f"smiquery ps --watch · every {interval} s · sorted by {sort}{children} · {sources[0].argv[0]}"
         view = _Live(out, title, events_here=bool(err_tty and err_tty()))
     else:
         view = _Blocks(out, form)
     lines = _EventLines(view.note)
     procs = ProcCache()
-    thread = threading.Thread(target=_pump, args=(source, items), name="smiquery-pmon-pump", daemon=True)
+    threads = [
+        threading.Thread(target=_pump, args=(src, items, g), name=f"smiquery-pmon-pump-{g}", daemon=True)
+        for g, src in enumerate(sources)
+    ]
+    merge = _Merge(len(sources))
     failure: BaseException | None = None
     code = 0
     shown = 0
+    ended = 0
     with Signals() as sigs:
         try:
             if isinstance(view, _Live):
                 view.draw()
-            thread.start()
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + duration if duration is not None else None
             while count is None or shown < count:
-                if sigs.signum is not None:
+                if sigs.signum is not None or (deadline is not None and time.monotonic() >= deadline):
                     break
                 try:
                     item = items.get(timeout=0.1)
@@ -462,15 +537,24 @@ def watch(
                     failure = item.exc
                     break
                 if item is END:
-                    break
-                view.show(item, _records(item, sort, procs))  # type: ignore[arg-type]
-                shown += 1
+                    ended += 1
+                    if ended == len(sources):
+                        break
+                    continue
+                assert isinstance(item, _Instant)
+                for instant in merge.add(item):
+                    if count is not None and shown >= count:
+                        break
+                    view.show(instant, _records(instant, sort, procs))
+                    shown += 1
         except BrokenPipeError:
             quiet_stdout()  # the reader went away (`| head`): a normal end
         finally:
             sigs.closing = True
-            source.close()
-            thread.join(max(10.0, 2.0 * interval))
+            for src in sources:
+                _close_quietly(src)
+            for thread in threads:
+                thread.join(max(10.0, 2.0 * interval))
             view.close()
             code = sigs.exit_code
     if failure is not None and code == 0:
