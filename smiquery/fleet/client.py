@@ -260,15 +260,21 @@ class PrometheusClient:
         """The metric names among the series matching ``matchers`` between ``start`` and ``end``."""
         params: list[tuple[str, str]] = [("match[]", m) for m in matchers]
         params += [("start", _fmt(start)), ("end", _fmt(end))]
-        data = self._call("/api/v1/label/__name__/values", params, " or ".join(matchers))
+        data = self._call("/api/v1/label/__name__/values", params, " or ".join(matchers), post=False)
         return [str(n) for n in data] if isinstance(data, list) else []
 
     # ----------------------------------------------------------------------------------------------------------
 
-    def _call(self, path: str, params: Mapping[str, str] | Sequence[tuple[str, str]], what: str) -> Any:
-        body = urllib.parse.urlencode(params).encode("ascii")
-        headers = {**self._headers, "Content-Type": "application/x-www-form-urlencoded"}
-        request = urllib.request.Request(self.url + path, data=body, headers=headers, method="POST")
+    def _call(
+        self, path: str, params: Mapping[str, str] | Sequence[tuple[str, str]], what: str, *, post: bool = True
+    ) -> Any:
+        # POST where the API takes it: a long selector list does not run into a proxy's URL limit
+        encoded = urllib.parse.urlencode(params)
+        if post:
+            headers = {**self._headers, "Content-Type": "application/x-www-form-urlencoded"}
+            request = urllib.request.Request(self.url + path, data=encoded.encode("ascii"), headers=headers)
+        else:
+            request = urllib.request.Request(f"{self.url}{path}?{encoded}", headers=self._headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout, context=self._context) as resp:
                 raw = resp.read()

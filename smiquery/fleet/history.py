@@ -171,7 +171,9 @@ def fleet_frame(
     series_count = max(1, len(client.series([selector(n.metric("utilization.gpu"), node) for n in found], start, end)))
     per_query = max(2, min(max_points, _MAX_SAMPLES // series_count))
     pieces = chunks(grid0, end, step, per_query)
-    window = f"{step:g}s" if step >= 1 else f"{round(step * 1000)}ms"
+    # one millisecond short of the step: Prometheus 2 closes the window on the left, so a full step would give a
+    # sample to two points (a lost GPU one point too many); every sample still falls in exactly one window
+    window = f"{max(1, round(step * 1000) - 1)}ms"
 
     jobs: list[tuple[FleetNaming, str, float, float]] = []
     for n in found:
