@@ -162,7 +162,7 @@ def fleet_frame(
         raise UsageError("--end must be after --start")
     for pattern, what in ((node, "--node"), (namespace, "--namespace"), (pod, "--pod")):
         check_regex(pattern, what)
-    found = detect_namings(client, start, end, namings)
+    found = detect_namings(client, start, end, namings, node)
     if step is None:
         step = min(estimate_step(client, n, start, end, node) for n in found)
     if not step > 0:

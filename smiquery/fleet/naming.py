@@ -190,7 +190,11 @@ def check_regex(pattern: str | None, what: str) -> None:
 
 
 def detect_namings(
-    client: PrometheusClient, start: float, end: float, wanted: Sequence[str] | None = None
+    client: PrometheusClient,
+    start: float,
+    end: float,
+    wanted: Sequence[str] | None = None,
+    node: str | None = None,
 ) -> list[FleetNaming]:
     """The namings whose utilisation metric has series between ``start`` and ``end`` (a mixed fleet has several).
 
@@ -199,6 +203,7 @@ def detect_namings(
         start: Unix seconds.
         end: Unix seconds.
         wanted: only these namings (``--naming``); they are not looked up.
+        node: only series of instances matching this regex count.
 
     Raises:
         PrometheusError: no naming's series are there.
@@ -207,12 +212,14 @@ def detect_namings(
         return [naming_by_name(n) for n in dict.fromkeys(wanted)]
     names = {n.metric("utilization.gpu"): n for n in NAMINGS}
     pattern = "|".join(names)
-    found = set(client.metric_names([f'{{__name__=~"{pattern}"}}'], start, end))
+    on_node = "" if node is None else f",instance=~{json.dumps(node)}"
+    found = set(client.metric_names([f'{{__name__=~"{pattern}"{on_node}}}'], start, end))
     out = [n for metric, n in names.items() if metric in found]
     if not out:
+        where = "" if node is None else f" on instances matching {node!r}"
         raise PrometheusError(
-            f"no GPU metrics in Prometheus at {client.url} for that time ({', '.join(names)}); check the "
-            "exporters' scrape jobs, the time range, or name the metrics' naming with --naming"
+            f"no GPU metrics in Prometheus at {client.url} for that time{where} ({', '.join(names)}); check the "
+            "exporters' scrape jobs, the time range and --node"
         )
     return out
 

@@ -190,7 +190,7 @@ def snapshot(
     check_regex(node, "--node")
     when = time.time() if at is None else at
     window = f"{max(1, round(idle_minutes * 60))}s"
-    found = detect_namings(client, when - idle_minutes * 60, when, namings)
+    found = detect_namings(client, when - idle_minutes * 60, when, namings, node)
     queries: list[tuple[FleetNaming, str, str]] = []
     for n in found:
         for fld in _TOP_FIELDS:

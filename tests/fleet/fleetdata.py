@@ -180,8 +180,9 @@ def write_recording(path: Path, gpus: Sequence[SimGpu], start: int, n: int, step
                 if i > g.last_sample(n):
                     continue
                 u, um, used, total, temp, power = g.values(i, n)
-                fh.write(f"{stamp}, {k}, {g.uuid}, {g.name}, {u} %, {um} %, {used} MiB, {total} MiB, {temp}, "
-                         f"{power:.2f} W\n")
+                fh.write(
+                    f"{stamp}, {k}, {g.uuid}, {g.name}, {u} %, {um} %, {used} MiB, {total} MiB, {temp}, {power:.2f} W\n"
+                )
 
 
 def free_port() -> int:
