@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -296,10 +296,10 @@ def test_report_needs_a_recording_or_prometheus_not_both(fleet):
 
 
 class _Recorder(BaseHTTPRequestHandler):
-    seen: list[dict[str, str]] = []
+    seen: ClassVar[list[dict[str, str]]] = []
     status = 200
 
-    def do_POST(self) -> None:  # noqa: N802  (http.server's name)
+    def do_POST(self) -> None:
         type(self).seen.append(dict(self.headers))
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         body = b'{"status":"success","data":{"resultType":"vector","result":[]}}'
