@@ -172,7 +172,8 @@ def parse_time(text: str | float, *, now: float | None = None, what: str = "time
         if math.isfinite(value):
             return value
     try:
-        stamp = datetime.fromisoformat(raw.replace("z", "Z"))
+        # Python 3.10's fromisoformat does not read the Z of RFC 3339
+        stamp = datetime.fromisoformat(raw[:-1] + "+00:00" if raw[-1:] in "zZ" else raw)
     except ValueError:
         raise UsageError(
             f"{what}: {text!r} is not a time; give Unix seconds, RFC 3339 (2026-12-04T06:00:00Z) or now-2h"
