@@ -108,7 +108,8 @@ def bench_report(nodes: int, gpus: int, days: float, step: int) -> None:
             rows = sum(1 for _ in (tmp / "fleet.csv").open()) - 1
             print(f"  from Prometheus: {p:.2f} s; from the recording ({rows} rows): {r:.2f} s; ratio {p / r:.2f}x")
             print(
-                f"  same findings: {len(a['stalls'])} stalls, {len(a['alerts'])} alerts, energy of {len(a['energy_wh'])} GPUs"
+                f"  same findings: {len(a['stalls'])} stalls, {len(a['alerts'])} alerts, "
+                f"energy of {len(a['energy_wh'])} GPUs"
             )
 
 
