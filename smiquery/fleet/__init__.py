@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from smiquery.fleet.client import HttpConfig, PrometheusClient, load_http_config, parse_time
 from smiquery.fleet.history import MAX_POINTS, FleetGpuInfo, chunks, estimate_step, fleet_frame, gpu_names
-from smiquery.fleet.naming import FLEET_FIELDS, NAMINGS, FleetNaming, GpuKey, detect_namings, naming_by_name
 from smiquery.fleet.instant import SORT_KEYS, FleetGpu, filter_gpus, snapshot, sort_gpus
+from smiquery.fleet.naming import FLEET_FIELDS, NAMINGS, FleetNaming, GpuKey, detect_namings, naming_by_name
 
 __all__ = [
     "FLEET_FIELDS",

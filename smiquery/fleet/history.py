@@ -11,6 +11,7 @@ the catalogue's dtypes) plus ``instance``, ``namespace`` and ``pod``; ``index`` 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -89,24 +90,40 @@ def chunks(start: float, end: float, step: float, max_points: int = MAX_POINTS) 
     return out
 
 
-def estimate_step(client: PrometheusClient, naming: FleetNaming, start: float, end: float, node: str | None) -> float:
-    """The scrape interval of the utilisation series, from how many samples the busiest one has in an hour."""
+def estimate_step(
+    client: PrometheusClient,
+    naming: FleetNaming,
+    start: float,
+    end: float,
+    node: str | None,
+    series: Sequence[dict[str, str]] | None = None,
+) -> float:
+    """The scrape interval: the median time between raw samples of a few utilisation series.
+
+    Raw timestamps, not counts: a count in a window depends on whether the server closes the window on the left
+    (Prometheus 2) or not (3), and one sample more or less in an hour moves a 60 s interval to 59 s.
+    """
+    import numpy as np
+
+    metric = naming.metric("utilization.gpu")
+    if series is None:
+        series = client.series([selector(metric, node)], start, end)
+    picked = [s for s in series if s.get("__name__") == metric][:3]
     window = min(3600.0, max(end - start, 60.0))
-    metric = selector(naming.metric("utilization.gpu"), node)
-    probes = [end, min(end, start + window), (start + end) / 2]
-    for at in probes:
-        rows = client.query(f"max(count_over_time({metric}[{int(window)}s]))", at)
-        if rows:
-            count = float(rows[0]["value"][1])
-            if count >= 2:
-                raw = window / count
-                # scrape intervals are whole seconds (or tenths below 5 s): one sample more or less in the
-                # window (closed or open on the left, by server version) must not change the answer
-                return float(round(raw)) if raw >= 5 else max(0.1, round(raw, 1))
-    raise PrometheusError(
-        f"too few samples of {naming.metric('utilization.gpu')} between the times to tell the scrape interval; "
-        "give a longer range (or the step)"
-    )
+    diffs: list[float] = []
+    for labels in picked:
+        exact = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+        for at in (end, min(end, start + window), (start + end) / 2):
+            rows = client.query(f"{{{exact}}}[{int(window)}s]", at)
+            stamps = np.array([float(p[0]) for r in rows for p in r.get("values", [])])
+            if len(stamps) >= 3:
+                diffs.append(float(np.median(np.diff(np.sort(stamps)))))
+                break
+    if not diffs:
+        raise PrometheusError(
+            f"too few samples of {metric} between the times to tell the scrape interval; give a longer range"
+        )
+    return round(float(np.median(diffs)), 3)
 
 
 def _array(values: list[list[Any]], factor: float) -> tuple[np.ndarray, np.ndarray]:
@@ -163,12 +180,13 @@ def fleet_frame(
     for pattern, what in ((node, "--node"), (namespace, "--namespace"), (pod, "--pod")):
         check_regex(pattern, what)
     found = detect_namings(client, start, end, namings, node)
+    series = client.series([selector(n.metric("utilization.gpu"), node) for n in found], start, end)
     if step is None:
-        step = min(estimate_step(client, n, start, end, node) for n in found)
+        step = min(estimate_step(client, n, start, end, node, series) for n in found)
     if not step > 0:
         raise UsageError("step must be more than 0 seconds")
     grid0 = math.floor(start / step) * step  # on the grid of the step, as the samples of a fixed scrape are
-    series_count = max(1, len(client.series([selector(n.metric("utilization.gpu"), node) for n in found], start, end)))
+    series_count = max(1, len(series))
     per_query = max(2, min(max_points, _MAX_SAMPLES // series_count))
     pieces = chunks(grid0, end, step, per_query)
     # one millisecond short of the step: Prometheus 2 closes the window on the left, so a full step would give a

@@ -236,11 +236,16 @@ class PromServer:
         return self.popen.returncode
 
 
-def backfill(promtool: str, openmetrics: Path, data: Path) -> None:
-    """``promtool tsdb create-blocks-from openmetrics`` into ``data`` (Prometheus' --storage.tsdb.path)."""
+def backfill(promtool: str, openmetrics: Path, data: Path, max_block: str | None = None) -> None:
+    """``promtool tsdb create-blocks-from openmetrics`` into ``data`` (Prometheus' --storage.tsdb.path).
+
+    ``max_block`` (e.g. ``24h``): blocks that long, as a server's compaction makes them; promtool reads the input
+    once per block, so a week in the default 2 h blocks takes 84 passes.
+    """
     data.mkdir(parents=True, exist_ok=True)
+    flags = [f"--max-block-duration={max_block}"] if max_block else []
     done = subprocess.run(
-        [promtool, "tsdb", "create-blocks-from", "openmetrics", str(openmetrics), str(data)],
+        [promtool, "tsdb", "create-blocks-from", "openmetrics", *flags, str(openmetrics), str(data)],
         capture_output=True,
         text=True,
         timeout=1800,
