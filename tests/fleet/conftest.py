@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.exporter.test_exporter import pki  # noqa: F401  (a throwaway CA and server certificate, for TLS)
 from tests.exporter.test_rules import require_tool
 from tests.fleet.fleetdata import SimGpu, backfill, fleet_spec, started, write_openmetrics, write_recording
 

@@ -194,7 +194,7 @@ def free_port() -> int:
 class PromServer:
     """A Prometheus over a data directory of backfilled blocks, on 127.0.0.1 and a free port."""
 
-    def __init__(self, prometheus: str, data: Path, log: Path) -> None:
+    def __init__(self, prometheus: str, data: Path, log: Path, extra: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = data.parent / "prometheus.yml"
@@ -206,6 +206,7 @@ class PromServer:
             f"--storage.tsdb.path={data}",
             f"--web.listen-address=127.0.0.1:{self.port}",
             "--storage.tsdb.retention.time=3650d",
+            *extra,
         ]
         self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
         self.log = log

@@ -374,3 +374,58 @@ def test_fleet_gpu_json_keys_are_field_names():
         "temperature.gpu",
         "power.draw",
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a Prometheus behind TLS and basic auth (its own --web.config.file), as production servers often are
+
+
+@pytest.fixture
+def secured(pki: dict[str, Path], tmp_path: Path) -> Iterator[str]:
+    import time
+
+    import bcrypt
+
+    from tests.exporter.test_rules import require_tool
+    from tests.fleet.fleetdata import PromServer
+
+    prometheus = require_tool("prometheus")
+    hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(rounds=4)).decode()
+    web = tmp_path / "web.yml"
+    web.write_text(
+        f"tls_server_config:\n  cert_file: {pki['cert']}\n  key_file: {pki['key']}\n"
+        f"basic_auth_users:\n  ops: {hashed}\n"
+    )
+    (tmp_path / "data").mkdir()
+    server = PromServer(prometheus, tmp_path / "data", tmp_path / "prom.log", [f"--web.config.file={web}"])
+    url = f"https://127.0.0.1:{server.port}"
+    client = PrometheusClient(url, config=HttpConfig(username="ops", password="pw", ca_file=str(pki["ca"])))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.query("vector(1)")
+                break
+            except PrometheusUnreachableError:
+                assert server.popen.poll() is None, server.log.read_text()[-2000:]
+                assert time.monotonic() < deadline, "the TLS Prometheus did not answer in 120 s"
+                time.sleep(0.3)
+        yield url
+    finally:
+        server.stop()
+
+
+def test_tls_with_the_ca_file_and_basic_auth_from_an_http_config(secured, pki, tmp_path):
+    cfg = tmp_path / "http.yml"
+    cfg.write_text(f"basic_auth:\n  username: ops\n  password: pw\ntls_config:\n  ca_file: {pki['ca']}\n")
+    got = PrometheusClient(secured, config=load_http_config(cfg)).query("vector(7)")
+    assert got[0]["value"][1] == "7"
+    cfg.write_text(f"basic_auth:\n  username: ops\n  password: wrong\ntls_config:\n  ca_file: {pki['ca']}\n")
+    done = smiquery("top", "-p", secured, "--http-config", str(cfg), "--once", check=False)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"smiquery: error: Prometheus at {secured} refused the credentials (HTTP 401); check the bearer token or "
+        "basic_auth in --http-config"
+    ]
+    with pytest.raises(PrometheusUnreachableError, match=r"CERTIFICATE_VERIFY_FAILED.*give the server's CA"):
+        PrometheusClient(secured, config=HttpConfig(username="ops", password="pw")).query("vector(1)")
