@@ -429,3 +429,65 @@ def test_tls_with_the_ca_file_and_basic_auth_from_an_http_config(secured, pki, t
     ]
     with pytest.raises(PrometheusUnreachableError, match=r"CERTIFICATE_VERIFY_FAILED.*give the server's CA"):
         PrometheusClient(secured, config=HttpConfig(username="ops", password="pw")).query("vector(1)")
+
+
+def _frames(argv: list[str], wanted: int) -> tuple[list[list[str]], subprocess.Popen[str], threading.Thread]:
+    """Run a live ``top`` until it has drawn ``wanted`` screens (each starts with its title line)."""
+    import time
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    frames: list[list[str]] = []
+    lines: list[str] = []
+    got = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("smiquery top") and lines:
+                frames.append(list(lines))
+                lines.clear()
+                if len(frames) >= wanted:
+                    got.set()
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while not got.is_set() and proc.poll() is None and time.monotonic() < deadline:
+        got.wait(0.5)
+    return frames, proc, reader
+
+
+def _interrupt(proc: subprocess.Popen[str], reader: threading.Thread) -> int:
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(60)
+    reader.join(60)
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+    return rc
+
+
+def test_live_top_redraws_until_interrupted_and_exits_0(fleet):
+    argv = [sys.executable, "-m", "smiquery", "top", "-p", fleet.url, "--at", str(fleet.end), "--interval", "0.5"]
+    frames, proc, reader = _frames(argv, 2)
+    try:
+        assert len(frames) >= 2
+        for frame in frames[:2]:
+            assert sum(1 for line in frame if line.startswith("node-")) == 12
+            assert frame[-1] == "12 GPUs, 1 idle, 1 lost"
+    finally:
+        assert _interrupt(proc, reader) == 0
+
+
+def test_live_top_keeps_going_while_the_server_is_down():
+    url = f"http://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "smiquery", "top", "-p", url, "--interval", "0.5", "--timeout", "5"]
+    frames, proc, reader = _frames(argv, 2)
+    try:
+        assert len(frames) >= 2
+        assert frames[1][-1].startswith(f"last error: cannot reach Prometheus at {url}")
+    finally:
+        assert _interrupt(proc, reader) == 0
