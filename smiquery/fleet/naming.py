@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from smiquery.errors import PrometheusError, UsageError
@@ -79,7 +79,6 @@ class FleetNaming:
     uuid_label: str
     model_label: str = ""
     info_metric: str = ""
-    info_labels: Mapping[str, str] = field(default_factory=dict)
 
     def metric(self, fld: str) -> str:
         """The metric name of an nvidia-smi field."""

@@ -43,7 +43,7 @@ def load_range(
     config = load_http_config(http_config) if http_config is not None else None
     client = PrometheusClient(url, config=config, timeout=timeout)
     t1 = parse_time(end if end is not None else "now", what="--end")
-    t0 = parse_time(start, now=t1 if end is not None and not end.startswith("now") else None, what="--start")
+    t0 = parse_time(start, what="--start")
     return fleet_frame(client, t0, t1, node=node, namespace=namespace, pod=pod)
 
 
