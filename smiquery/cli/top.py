@@ -161,10 +161,14 @@ def top(
     ] = False,
     once: Annotated[bool, typer.Option("--once", help="One screen (or document), then exit.")] = False,
     fmt: Annotated[TopFormat, typer.Option("--format", "-F", case_sensitive=False, help="Output.")] = TopFormat.table,
-    interval: Annotated[float, typer.Option("--interval", min=0.5, metavar="SECONDS", help="Seconds between refreshes.")] = 5.0,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.5, metavar="SECONDS", help="Seconds between refreshes.")
+    ] = 5.0,
     naming: Annotated[
         list[str] | None,
-        typer.Option("--naming", metavar="NAME", help="Read only this naming: smiquery, dcgm, nvidia_smi (default: detected)."),
+        typer.Option(
+            "--naming", metavar="NAME", help="Read only this naming: smiquery, dcgm, nvidia_smi (default: detected)."
+        ),
     ] = None,
     http_config: Annotated[
         Path | None,
@@ -176,7 +180,9 @@ def top(
             "tls_config (ca_file).",
         ),
     ] = None,
-    timeout: Annotated[float, typer.Option("--timeout", min=0.1, metavar="SECONDS", help="Seconds to wait for each answer.")] = 10.0,
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=0.1, metavar="SECONDS", help="Seconds to wait for each answer.")
+    ] = 10.0,
     at: Annotated[
         str | None, typer.Option("--at", metavar="TIME", help="Look at a past moment (Unix seconds, RFC 3339).")
     ] = None,
