@@ -66,6 +66,9 @@ __all__ = [
     "OutputTooLargeError",
     "ParseError",
     "PortInUseError",
+    "PrometheusError",
+    "PrometheusQueryError",
+    "PrometheusUnreachableError",
     "RecordingError",
     "ReplayError",
     "ReportError",
@@ -194,6 +197,20 @@ class ReplayError(RecordingError):
 
 class ReportError(RecordingError, ValueError):
     """A recording cannot be analysed: unreadable, empty, or without a ``timestamp`` column."""
+
+
+class PrometheusError(SmiqueryError):
+    """A Prometheus server (``--prometheus``) answered in a way smiquery cannot use: not its HTTP API, no data."""
+
+
+class PrometheusUnreachableError(PrometheusError):
+    """A Prometheus server cannot be reached: refused, unknown host, TLS failure, timeout, or credentials refused."""
+
+    retryable = True
+
+
+class PrometheusQueryError(PrometheusError, ValueError):
+    """A Prometheus server rejected a query (bad PromQL, too many points or samples, a timed-out evaluation)."""
 
 
 class KernelLogError(SmiqueryError):

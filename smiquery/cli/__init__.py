@@ -50,6 +50,7 @@ def _load_app() -> Any:
     if not _registered:
         from smiquery.cli import doctor, export, fields, query, stream  # noqa: F401  (@app.command registers them)
         from smiquery.cli import inspect as _inspect  # noqa: F401
+        from smiquery.cli import top as _top  # noqa: F401
         from smiquery.cli._common import app
         from smiquery.cli.analysis import register as register_analysis
         from smiquery.cli.ps import command  # noqa: F401

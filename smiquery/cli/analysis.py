@@ -15,6 +15,17 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from smiquery.cli.fleet_options import (
+    EndOpt,
+    HttpConfigOpt,
+    NamespaceOpt,
+    NodeOpt,
+    PodOpt,
+    PrometheusOpt,
+    StartOpt,
+    read_source,
+)
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -68,7 +79,7 @@ Examples:
 """
 
 RecordingArg = Annotated[
-    Path,
+    Path | None,
     typer.Argument(
         metavar="REC",
         help="A recording from `smiquery stream --output` (.csv, .jsonl, .parquet) or a plain nvidia-smi CSV log.",
@@ -157,7 +168,7 @@ def _gpu_list(spec: str | None) -> list[int | str] | None:
 
 def plot(
     ctx: typer.Context,
-    recording: RecordingArg,
+    recording: RecordingArg = None,
     output: Annotated[
         Path | None,
         typer.Option(
@@ -191,6 +202,13 @@ def plot(
             "(same scales); auto: overlay up to 8 GPUs, multiples past that.",
         ),
     ] = PlotLayout.auto,
+    prometheus: PrometheusOpt = None,
+    start: StartOpt = None,
+    end: EndOpt = None,
+    node: NodeOpt = None,
+    namespace: NamespaceOpt = None,
+    pod: PodOpt = None,
+    http_config: HttpConfigOpt = None,
 ) -> None:
     """Draw a recording: one panel per field, one line per GPU, alert thresholds dashed, gaps where data is missing.
 
@@ -202,8 +220,9 @@ def plot(
     with _boundary(ctx):
         from smiquery.analysis import save_plot
 
-        target = output if output is not None else recording.with_suffix(".png")
-        df = _load(recording, fields, tz)
+        fleet = (prometheus, start, end, node, namespace, pod, http_config, tz)
+        df, name = read_source(recording, lambda rec: _load(rec, fields, tz), *fleet)
+        target = output if output is not None else recording.with_suffix(".png") if recording else Path("fleet.png")
         path = save_plot(
             df,
             target,
@@ -212,7 +231,7 @@ def plot(
             gpus=_gpu_list(gpus),
             width=width,
             dpi=dpi,
-            name=recording.name,
+            name=name,
             layout=layout.value,
         )
         typer.echo(f"wrote {path}")
@@ -220,7 +239,7 @@ def plot(
 
 def report(
     ctx: typer.Context,
-    recording: RecordingArg,
+    recording: RecordingArg = None,
     fmt: Annotated[
         ReportFormat, typer.Option("--format", "-F", help="Output format.", case_sensitive=False)
     ] = ReportFormat.text,
@@ -249,6 +268,13 @@ def report(
         ),
     ] = None,
     tz: TzOpt = None,
+    prometheus: PrometheusOpt = None,
+    start: StartOpt = None,
+    end: EndOpt = None,
+    node: NodeOpt = None,
+    namespace: NamespaceOpt = None,
+    pod: PodOpt = None,
+    http_config: HttpConfigOpt = None,
 ) -> None:
     """Summarise a recording: stalls, time over thresholds, memory-health counters, statistics, one verdict each.
 
@@ -263,13 +289,14 @@ def report(
             stall_seconds = parse_duration(min_stall, what="--min-stall")
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
-        df = _load(recording, fields, tz)
+        fleet = (prometheus, start, end, node, namespace, pod, http_config, tz)
+        df, name = read_source(recording, lambda rec: _load(rec, fields, tz), *fleet)
         result = analyze(
             df,
             rules=alert or None,
             min_stall=stall_seconds,
             stall_utilization=stall_utilization,
-            name=recording.name,
+            name=name,
         )
         if fmt is ReportFormat.json:
             text = result.to_json() + "\n"
@@ -277,6 +304,10 @@ def report(
             text = result.to_markdown()
         else:
             text = result.to_text()
+        if prometheus is not None:
+            from smiquery.fleet.report import name_gpus
+
+            text = name_gpus(text, fmt.value, df)
         if output is not None:
             output.write_text(text, encoding="utf-8")
         else:

@@ -1,0 +1,110 @@
+"""The ``--prometheus`` options of ``smiquery report`` and ``smiquery plot``: the fleet instead of a recording.
+
+The work is in :mod:`smiquery.fleet`; this module only names the options and picks the source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = [
+    "EndOpt",
+    "HttpConfigOpt",
+    "NamespaceOpt",
+    "NodeOpt",
+    "PodOpt",
+    "PrometheusOpt",
+    "StartOpt",
+    "read_source",
+]
+
+_PANEL = "Fleet (instead of REC)"
+
+PrometheusOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--prometheus",
+        metavar="URL",
+        rich_help_panel=_PANEL,
+        help="Read a time range of the fleet from this Prometheus server instead of a recording (with --start).",
+    ),
+]
+StartOpt = Annotated[
+    str | None,
+    typer.Option("--start", metavar="TIME", rich_help_panel=_PANEL, help="Start: Unix seconds, RFC 3339 or now-6h."),
+]
+EndOpt = Annotated[str | None, typer.Option("--end", metavar="TIME", rich_help_panel=_PANEL, help="End (default now).")]
+NodeOpt = Annotated[
+    str | None,
+    typer.Option("--node", metavar="REGEX", rich_help_panel=_PANEL, help="Only instances matching (anchored)."),
+]
+NamespaceOpt = Annotated[
+    str | None,
+    typer.Option("--namespace", metavar="REGEX", rich_help_panel=_PANEL, help="Only GPUs of pods in these namespaces."),
+]
+PodOpt = Annotated[
+    str | None, typer.Option("--pod", metavar="REGEX", rich_help_panel=_PANEL, help="Only GPUs of these pods (a job).")
+]
+HttpConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--http-config",
+        metavar="FILE",
+        dir_okay=False,
+        rich_help_panel=_PANEL,
+        help="Credentials and TLS for --prometheus, as promtool's --http.config.file.",
+    ),
+]
+
+
+def read_source(
+    recording: Path | None,
+    load: Callable[[Path], pd.DataFrame],
+    prometheus: str | None,
+    start: str | None,
+    end: str | None,
+    node: str | None,
+    namespace: str | None,
+    pod: str | None,
+    http_config: Path | None,
+    tz: str | None,
+) -> tuple[pd.DataFrame, str]:
+    """The frame to analyse and its name: the recording (through ``load``) or the range from Prometheus.
+
+    Raises:
+        UsageError: neither or both of REC and --prometheus; fleet options without --prometheus.
+    """
+    from smiquery.errors import UsageError
+
+    if prometheus is None:
+        given = [
+            n
+            for n, v in (
+                ("--start", start),
+                ("--end", end),
+                ("--node", node),
+                ("--namespace", namespace),
+                ("--pod", pod),
+                ("--http-config", http_config),
+            )
+            if v is not None
+        ]
+        if recording is None:
+            raise UsageError("give a recording (REC) or --prometheus URL with --start")
+        if given:
+            raise UsageError(f"{given[0]} goes with --prometheus; a recording is read whole")
+        return load(recording), recording.name
+    if recording is not None:
+        raise UsageError("give a recording (REC) or --prometheus, not both")
+    from smiquery.analysis import load_recording
+    from smiquery.fleet.report import load_range, range_name
+
+    df = load_range(prometheus, start, end, node=node, namespace=namespace, pod=pod, http_config=http_config)
+    return load_recording(df, tz=tz), range_name(prometheus, df)

@@ -1,0 +1,298 @@
+"""A time range of the fleet as the DataFrame a recording gives, for :func:`smiquery.analysis.report` and the plot.
+
+:func:`fleet_frame` asks range queries at the series' own resolution: ``step`` is the scrape interval (estimated
+from the data unless given), each point is ``last_over_time(metric[step])`` so that a GPU that stopped
+reporting ends there (no five-minute lookback carrying its last value on), and a long range is cut into chunks
+of at most the server's point limit (11,000 points per series; fewer when many series would pass its sample
+limit). The result has a recording's columns (``timestamp``, ``index``, ``uuid``, ``name`` and the fields, with
+the catalogue's dtypes) plus ``instance``, ``namespace`` and ``pod``; ``index`` numbers the GPUs of the range
+0..N-1 in (instance, GPU index) order and ``attrs["gpus"]`` says which GPU each number is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from smiquery.errors import PrometheusError, UsageError
+from smiquery.fleet.client import PrometheusClient
+from smiquery.fleet.naming import (
+    FLEET_FIELDS,
+    NAMESPACE_LABELS,
+    POD_LABELS,
+    FleetNaming,
+    GpuKey,
+    check_regex,
+    detect_namings,
+    first_label,
+    selector,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+__all__ = ["MAX_POINTS", "FleetGpuInfo", "chunks", "estimate_step", "fleet_frame", "gpu_names"]
+
+#: Prometheus refuses a range query of more than 11,000 points per series.
+MAX_POINTS = 11_000
+# Keep each chunk well under the server's default query.max-samples (50 million).
+_MAX_SAMPLES = 20_000_000
+
+
+@dataclass(frozen=True)
+class FleetGpuInfo:
+    """Which GPU a frame's ``index`` stands for."""
+
+    index: int
+    instance: str
+    gpu: str
+    uuid: str
+    name: str
+    naming: str
+    namespace: str
+    pod: str
+
+    def label(self) -> str:
+        """``instance/gpu`` with the UUID, as the report names the GPU."""
+        return f"{self.instance} GPU {self.gpu or '?'} ({self.uuid or 'no uuid'})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return {
+            "instance": self.instance,
+            "gpu": self.gpu,
+            "uuid": self.uuid,
+            "name": self.name,
+            "naming": self.naming,
+            "namespace": self.namespace,
+            "pod": self.pod,
+        }
+
+
+def chunks(start: float, end: float, step: float, max_points: int = MAX_POINTS) -> list[tuple[float, float]]:
+    """``[start, end]`` on the grid of ``step`` in pieces of at most ``max_points`` points each."""
+    if max_points < 2:
+        raise UsageError("max_points must be at least 2")
+    span = (max_points - 1) * step
+    out: list[tuple[float, float]] = []
+    t = start
+    while t <= end:
+        last = min(end, t + span)
+        last = t + math.floor((last - t) / step + 1e-9) * step
+        out.append((t, last))
+        t = last + step
+    return out
+
+
+def estimate_step(
+    client: PrometheusClient,
+    naming: FleetNaming,
+    start: float,
+    end: float,
+    node: str | None,
+    series: Sequence[dict[str, str]] | None = None,
+) -> float:
+    """The scrape interval: the median time between raw samples of a few utilisation series.
+
+    Raw timestamps, not counts: a count in a window depends on whether the server closes the window on the left
+    (Prometheus 2) or not (3), and one sample more or less in an hour moves a 60 s interval to 59 s.
+    """
+    import numpy as np
+
+    metric = naming.metric("utilization.gpu")
+    if series is None:
+        series = client.series([selector(metric, node)], start, end)
+    picked = [s for s in series if s.get("__name__") == metric][:3]
+    window = min(3600.0, max(end - start, 60.0))
+    diffs: list[float] = []
+    for labels in picked:
+        exact = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+        for at in (end, min(end, start + window), (start + end) / 2):
+            rows = client.query(f"{{{exact}}}[{int(window)}s]", at)
+            stamps = np.array([float(p[0]) for r in rows for p in r.get("values", [])])
+            if len(stamps) >= 3:
+                diffs.append(float(np.median(np.diff(np.sort(stamps)))))
+                break
+    if not diffs:
+        raise PrometheusError(
+            f"too few samples of {metric} between the times to tell the scrape interval; give a longer range"
+        )
+    return round(float(np.median(diffs)), 3)
+
+
+def _array(values: list[list[Any]], factor: float) -> tuple[np.ndarray, np.ndarray]:
+    import numpy as np
+
+    if not values:
+        return np.empty(0), np.empty(0)
+    times = np.fromiter((p[0] for p in values), dtype=np.float64, count=len(values))
+    nums = np.array([p[1] for p in values], dtype=np.float64) * factor
+    nums[~np.isfinite(nums)] = np.nan
+    return times, nums
+
+
+def fleet_frame(
+    client: PrometheusClient,
+    start: float,
+    end: float,
+    *,
+    namings: Sequence[str] | None = None,
+    node: str | None = None,
+    namespace: str | None = None,
+    pod: str | None = None,
+    step: float | None = None,
+    max_points: int = MAX_POINTS,
+    fields: Sequence[str] = FLEET_FIELDS,
+) -> pd.DataFrame:
+    """The GPUs of the fleet between ``start`` and ``end`` (Unix seconds) as a recording's DataFrame.
+
+    Args:
+        client: the server.
+        start: Unix seconds.
+        end: Unix seconds.
+        namings: only these namings (default: every one holding series in the range).
+        node: only instances matching this regex (anchored, as in PromQL).
+        namespace: only GPUs attributed to a namespace matching this regex (any time in the range).
+        pod: only GPUs attributed to a pod matching this regex.
+        step: seconds between points (default: the scrape interval).
+        max_points: points per series per query (the server refuses more than 11,000).
+        fields: nvidia-smi fields to read (each naming's metric for it; missing ones are left out).
+
+    Raises:
+        UsageError: ``end`` not after ``start``; a regex that does not compile.
+        PrometheusError: no GPU series in the range (or none left after the filters).
+        PrometheusUnreachableError, PrometheusQueryError: see :class:`PrometheusClient`.
+    """
+    import numpy as np
+    import pandas as pd
+
+    from smiquery.fields import resolve_fields
+    from smiquery.recordings.frames import make_frame, string_dtype
+
+    if not end > start:
+        raise UsageError("--end must be after --start")
+    for pattern, what in ((node, "--node"), (namespace, "--namespace"), (pod, "--pod")):
+        check_regex(pattern, what)
+    found = detect_namings(client, start, end, namings, node)
+    series = client.series([selector(n.metric("utilization.gpu"), node) for n in found], start, end)
+    if step is None:
+        step = min(estimate_step(client, n, start, end, node, series) for n in found)
+    if not step > 0:
+        raise UsageError("step must be more than 0 seconds")
+    grid0 = math.floor(start / step) * step  # on the grid of the step, as the samples of a fixed scrape are
+    series_count = max(1, len(series))
+    per_query = max(2, min(max_points, _MAX_SAMPLES // series_count))
+    pieces = chunks(grid0, end, step, per_query)
+    # one millisecond short of the step: Prometheus 2 closes the window on the left, so a full step would give a
+    # sample to two points (a lost GPU one point too many); every sample still falls in exactly one window
+    window = f"{max(1, round(step * 1000) - 1)}ms"
+
+    jobs: list[tuple[FleetNaming, str, float, float]] = []
+    for n in found:
+        for fld in fields:
+            if fld in n.metrics:
+                for a, b in pieces:
+                    jobs.append((n, fld, a, b))
+    infos: dict[str, dict[str, dict[str, str]]] = {}
+
+    def run(job: tuple[FleetNaming, str, float, float]) -> list[dict[str, Any]]:
+        n, fld, a, b = job
+        return client.query_range(f"last_over_time({selector(n.metric(fld), node)}[{window}])", a, b, step)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        info_futures = {
+            n.name: pool.submit(
+                client.query, f"last_over_time({selector(n.info_metric, node)}[{int(end - start) + 1}s])", end
+            )
+            for n in found
+            if n.info_metric
+        }
+        results = list(pool.map(run, jobs))
+        for name, fut in info_futures.items():
+            infos[name] = {r["metric"].get("uuid", ""): r["metric"] for r in fut.result()}
+
+    # GPU -> field -> list of (times, values); identity labels per GPU
+    data: dict[GpuKey, dict[str, list[tuple[np.ndarray, np.ndarray]]]] = {}
+    ident: dict[GpuKey, dict[str, str]] = {}
+    owner_of_uuid: dict[str, GpuKey] = {}
+    for (n, fld, _, _), result in zip(jobs, results, strict=True):
+        info = infos.get(n.name)
+        for s in result:
+            labels = s.get("metric", {})
+            key = n.key(labels, info)
+            owner = owner_of_uuid.get(key.uuid) if key.uuid else None
+            if owner is not None and owner != key:
+                continue
+            if key.uuid:
+                owner_of_uuid[key.uuid] = key
+            got = ident.setdefault(key, {"naming": n.name, "name": "", "namespace": "", "pod": ""})
+            got["name"] = got["name"] or n.model(labels, info)
+            got["namespace"] = got["namespace"] or first_label(labels, NAMESPACE_LABELS)
+            got["pod"] = got["pod"] or first_label(labels, POD_LABELS)
+            data.setdefault(key, {}).setdefault(fld, []).append(_array(s.get("values", []), n.factor(fld)))
+    keys = sorted(data, key=GpuKey.sort_key)
+    for pattern, what in ((namespace, "namespace"), (pod, "pod")):
+        if pattern is not None:
+            rx = re.compile(pattern)
+            keys = [k for k in keys if rx.fullmatch(ident[k][what]) is not None]
+    if not keys:
+        raise PrometheusError(
+            "no GPU series in Prometheus for that range and those filters; check --start/--end, --node, "
+            "--namespace and --pod"
+        )
+    present = [f for f in fields if any(f in data[k] for k in keys)]
+    cat = resolve_fields(["timestamp", "index", "uuid", "name", *present])
+    stamp_parts: list[np.ndarray] = []
+    index_parts: list[np.ndarray] = []
+    value_parts: dict[str, list[np.ndarray]] = {f: [] for f in present}
+    per_gpu: list[FleetGpuInfo] = []
+    lengths: list[int] = []
+    for i, key in enumerate(keys):
+        by_field = data[key]
+        times = np.unique(np.concatenate([t for parts in by_field.values() for t, _ in parts]))
+        stamp_parts.append(times)
+        index_parts.append(np.full(len(times), i, dtype=np.int64))
+        lengths.append(len(times))
+        for f in present:
+            col = np.full(len(times), np.nan)
+            for t, v in by_field.get(f, ()):
+                col[np.searchsorted(times, t)] = v
+            value_parts[f].append(col)
+        got = ident[key]
+        per_gpu.append(
+            FleetGpuInfo(i, key.instance, key.gpu, key.uuid, got["name"], got["naming"], got["namespace"], got["pod"])
+        )
+    seconds = np.concatenate(stamp_parts)
+    stamps = pd.to_datetime(np.round(seconds * 1000).astype(np.int64), unit="ms", utc=True).as_unit("ns")
+    text = string_dtype()
+    columns: list[Any] = [
+        stamps.array,
+        pd.array(np.concatenate(index_parts), dtype="Int64"),
+        pd.array(np.repeat([k.uuid or pd.NA for k in keys], lengths), dtype=text),
+        pd.array(np.repeat([g.name or pd.NA for g in per_gpu], lengths), dtype=text),
+    ]
+    for spec in cat[4:]:
+        values = np.concatenate(value_parts[spec.name])
+        if spec.kind.name == "FLOAT":
+            columns.append(pd.array(values, dtype="Float64"))
+        else:
+            columns.append(pd.array(np.round(values), dtype="Float64").astype("Int64"))
+    df = make_frame(cat, columns, {}, None)
+    df["instance"] = pd.array(np.repeat([k.instance for k in keys], lengths), dtype=text)
+    df["namespace"] = pd.array(np.repeat([g.namespace for g in per_gpu], lengths), dtype=text)
+    df["pod"] = pd.array(np.repeat([g.pod for g in per_gpu], lengths), dtype=text)
+    df.attrs["gpus"] = {g.index: g for g in per_gpu}
+    df.attrs["step"] = step
+    return df
+
+
+def gpu_names(df: pd.DataFrame) -> dict[int, FleetGpuInfo]:
+    """Which GPU each ``index`` of a :func:`fleet_frame` is (empty for a recording)."""
+    got = df.attrs.get("gpus")
+    return dict(got) if isinstance(got, dict) else {}

@@ -1,0 +1,269 @@
+"""The fleet now: one :class:`FleetGpu` per GPU from a handful of PromQL instant queries.
+
+:func:`snapshot` reads every naming the server holds (or the ones asked for), so a fleet where some nodes run
+``smiquery export`` and others dcgm-exporter is one list; a GPU exported twice (same UUID) is listed once. A
+GPU that reported during the idle window but has no sample now is listed as ``lost``. Alerts firing (the
+``ALERTS`` series of the server's rules) are matched to GPUs by UUID, else by instance and GPU index.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from smiquery.alerts.rules import STALL
+from smiquery.fleet.client import PrometheusClient
+from smiquery.fleet.naming import (
+    NAMESPACE_LABELS,
+    POD_LABELS,
+    FleetNaming,
+    GpuKey,
+    check_regex,
+    detect_namings,
+    first_label,
+    selector,
+)
+
+__all__ = ["SORT_KEYS", "FleetGpu", "filter_gpus", "snapshot", "sort_gpus"]
+
+_TOP_FIELDS = ("utilization.gpu", "memory.used", "memory.total", "temperature.gpu", "power.draw")
+
+
+@dataclass(frozen=True)
+class FleetGpu:
+    """One GPU of the fleet as it is now.
+
+    Attributes:
+        instance: the scrape target (node) it was exported from.
+        gpu: its index on that node ("" when unknown).
+        uuid: its UUID ("" when the exporter gives none).
+        name: its model.
+        naming: the naming its metrics came in.
+        utilization: utilization.gpu in percent (None: no sample now).
+        memory_used: MiB.
+        memory_total: MiB.
+        temperature: degrees C.
+        power: watts.
+        namespace: the Kubernetes namespace of the pod using it ("" without attribution).
+        pod: the pod using it.
+        alerts: names of the alerts firing for it.
+        idle: under the idle utilization for the whole window while holding memory.
+        lost: it reported during the window but has no sample now.
+    """
+
+    instance: str
+    gpu: str
+    uuid: str
+    name: str
+    naming: str
+    utilization: float | None
+    memory_used: float | None
+    memory_total: float | None
+    temperature: float | None
+    power: float | None
+    namespace: str = ""
+    pod: str = ""
+    alerts: tuple[str, ...] = ()
+    idle: bool = False
+    lost: bool = False
+
+    @property
+    def key(self) -> GpuKey:
+        """Its identity in the fleet."""
+        return GpuKey(self.instance, self.gpu, self.uuid)
+
+    @property
+    def state(self) -> str:
+        """``lost``, ``idle`` or ``ok``."""
+        return "lost" if self.lost else "idle" if self.idle else "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (units: percent, MiB, degrees C, watts)."""
+        return {
+            "instance": self.instance,
+            "gpu": self.gpu,
+            "uuid": self.uuid,
+            "name": self.name,
+            "naming": self.naming,
+            "utilization.gpu": self.utilization,
+            "memory.used": self.memory_used,
+            "memory.total": self.memory_total,
+            "temperature.gpu": self.temperature,
+            "power.draw": self.power,
+            "namespace": self.namespace,
+            "pod": self.pod,
+            "alerts": list(self.alerts),
+            "state": self.state,
+        }
+
+
+#: ``--sort`` keys: the attribute, largest first (``node`` sorts by instance and GPU index).
+SORT_KEYS: dict[str, str] = {
+    "util": "utilization",
+    "mem": "memory_used",
+    "temp": "temperature",
+    "power": "power",
+}
+
+
+def sort_gpus(gpus: Sequence[FleetGpu], by: str = "node") -> list[FleetGpu]:
+    """GPUs by node (instance, index), or by a value largest first (no value last, then by node)."""
+    ordered = sorted(gpus, key=lambda g: g.key.sort_key())
+    if by == "node":
+        return ordered
+    attr = SORT_KEYS[by]
+
+    def value(g: FleetGpu) -> float:
+        v = getattr(g, attr)
+        return -math.inf if v is None else float(v)
+
+    return sorted(ordered, key=value, reverse=True)
+
+
+def filter_gpus(
+    gpus: Sequence[FleetGpu],
+    *,
+    node: str | None = None,
+    namespace: str | None = None,
+    pod: str | None = None,
+    idle: bool = False,
+) -> list[FleetGpu]:
+    """The GPUs whose instance, namespace and pod match the (anchored) regexes; with ``idle`` only idle ones."""
+    checks: list[tuple[re.Pattern[str], str]] = []
+    for pattern, attr in ((node, "instance"), (namespace, "namespace"), (pod, "pod")):
+        if pattern is not None:
+            checks.append((re.compile(pattern), attr))
+
+    def keep(g: FleetGpu) -> bool:
+        return (g.idle or not idle) and all(rx.fullmatch(getattr(g, attr)) is not None for rx, attr in checks)
+
+    return [g for g in gpus if keep(g)]
+
+
+def _number(sample: dict[str, Any], factor: float) -> float | None:
+    try:
+        v = float(sample["value"][1]) * factor
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _info(client: PrometheusClient, naming: FleetNaming, node: str | None, at: float | None) -> dict[str, Any]:
+    if not naming.info_metric:
+        return {}
+    rows = client.query(f"last_over_time({selector(naming.info_metric, node)}[1h])", at)
+    return {r["metric"].get(naming.uuid_label, ""): r["metric"] for r in rows}
+
+
+def snapshot(
+    client: PrometheusClient,
+    *,
+    namings: Sequence[str] | None = None,
+    at: float | None = None,
+    node: str | None = None,
+    idle_minutes: float = 30.0,
+    idle_utilization: float = 5.0,
+    held_memory_mib: float = STALL.busy_memory_mib,
+) -> list[FleetGpu]:
+    """Every GPU of the fleet at ``at`` (default now), each listed once, ordered by node.
+
+    Args:
+        client: the server.
+        namings: read only these namings (default: every naming the server holds).
+        at: Unix seconds to look at (default now).
+        node: only instances matching this regex (anchored, as in PromQL); asked of the server.
+        idle_minutes: the window over which ``idle`` (and ``lost``) are judged.
+        idle_utilization: a GPU is idle when utilization.gpu stayed under this (percent) for the whole window...
+        held_memory_mib: ...while it holds at least this much memory now.
+
+    Raises:
+        PrometheusUnreachableError, PrometheusQueryError, PrometheusError: see :class:`PrometheusClient`;
+            no GPU metric at all.
+        UsageError: ``node`` is not a regex.
+    """
+    import time
+
+    check_regex(node, "--node")
+    when = time.time() if at is None else at
+    window = f"{max(1, round(idle_minutes * 60))}s"
+    found = detect_namings(client, when - idle_minutes * 60, when, namings, node)
+    queries: list[tuple[FleetNaming, str, str]] = []
+    for n in found:
+        for fld in _TOP_FIELDS:
+            queries.append((n, fld, selector(n.metric(fld), node)))
+        queries.append((n, "window", f"max_over_time({selector(n.metric('utilization.gpu'), node)}[{window}])"))
+    alert_sel = (
+        'ALERTS{alertstate="firing"}' if node is None else selector("ALERTS", node)[:-1] + ',alertstate="firing"}'
+    )
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [pool.submit(client.query, q, when) for _, _, q in queries]
+        alerts_future = pool.submit(client.query, alert_sel, when)
+        info_futures = {n.name: pool.submit(_info, client, n, node, when) for n in found}
+        results = [f.result() for f in futures]
+        alerts = alerts_future.result()
+        infos = {k: f.result() for k, f in info_futures.items()}
+    rows: dict[GpuKey, dict[str, Any]] = {}
+    seen_uuid: dict[str, GpuKey] = {}
+    for (n, fld, _), result in zip(queries, results, strict=True):
+        info = infos.get(n.name)
+        for sample in result:
+            labels = sample.get("metric", {})
+            key = n.key(labels, info)
+            owner = seen_uuid.get(key.uuid) if key.uuid else None
+            if owner is not None and owner != key:
+                continue  # the same GPU from a second exporter: listed once, under the first naming read
+            row = rows.get(key)
+            if row is None:
+                if key.uuid:
+                    seen_uuid[key.uuid] = key
+                row = rows[key] = {"naming": n.name, "labels": labels, "name": n.model(labels, info)}
+            factor = 1.0 if fld == "window" else n.factor(fld)
+            row[fld] = _number(sample, factor if fld != "window" else n.factor("utilization.gpu"))
+            if not row["name"]:
+                row["name"] = n.model(labels, info)
+            for extra in ("namespace", "pod"):
+                names = NAMESPACE_LABELS if extra == "namespace" else POD_LABELS
+                if not row.get(extra):
+                    row[extra] = first_label(labels, names)
+    firing: dict[GpuKey, list[str]] = {}
+    by_uuid = {k.uuid: k for k in rows if k.uuid}
+    by_index = {(k.instance, k.gpu): k for k in rows}
+    for a in alerts:
+        labels = a.get("metric", {})
+        uuid = labels.get("uuid") or labels.get("UUID") or ""
+        target = by_uuid.get(uuid) if uuid else by_index.get((labels.get("instance", ""), labels.get("gpu", "")))
+        if target is not None:
+            firing.setdefault(target, []).append(labels.get("alertname", "alert"))
+    out: list[FleetGpu] = []
+    for key, row in rows.items():
+        util = row.get("utilization.gpu")
+        used = row.get("memory.used")
+        peak = row.get("window")
+        lost = all(row.get(f) is None for f in _TOP_FIELDS)
+        idle = (
+            not lost and peak is not None and peak < idle_utilization and used is not None and used >= held_memory_mib
+        )
+        out.append(
+            FleetGpu(
+                instance=key.instance,
+                gpu=key.gpu,
+                uuid=key.uuid,
+                name=row["name"],
+                naming=row["naming"],
+                utilization=util,
+                memory_used=used,
+                memory_total=row.get("memory.total"),
+                temperature=row.get("temperature.gpu"),
+                power=row.get("power.draw"),
+                namespace=row.get("namespace", ""),
+                pod=row.get("pod", ""),
+                alerts=tuple(sorted(set(firing.get(key, ())))),
+                idle=idle,
+                lost=lost,
+            )
+        )
+    return sort_gpus(out)

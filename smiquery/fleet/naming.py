@@ -1,0 +1,240 @@
+"""The three ways GPU metrics are named in Prometheus, and which of them a server holds.
+
+``smiquery`` (``smiquery export``), ``dcgm`` (NVIDIA's dcgm-exporter, ``DCGM_FI_*``) and ``nvidia_smi``
+(utkuozdemir/nvidia_gpu_exporter, ``nvidia_smi_*``). Each names a few nvidia-smi fields, scales them to base
+units and labels the GPU its own way; :class:`FleetNaming` turns a series back into nvidia-smi's field, unit and
+GPU identity (instance, index, UUID, model, and the pod/namespace where Kubernetes attribution adds them).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from smiquery.errors import PrometheusError, UsageError
+
+if TYPE_CHECKING:
+    from smiquery.fleet.client import PrometheusClient
+
+__all__ = [
+    "FLEET_FIELDS",
+    "NAMESPACE_LABELS",
+    "NAMINGS",
+    "POD_LABELS",
+    "FleetNaming",
+    "GpuKey",
+    "check_regex",
+    "detect_namings",
+    "first_label",
+    "naming_by_name",
+    "selector",
+]
+
+_MiB = 1048576.0
+
+#: The nvidia-smi fields the fleet view reads (what the report and the plot need), in the order of a recording.
+FLEET_FIELDS: tuple[str, ...] = (
+    "utilization.gpu",
+    "utilization.memory",
+    "memory.used",
+    "memory.total",
+    "temperature.gpu",
+    "power.draw",
+    "clocks.current.sm",
+    "clocks_event_reasons.active",
+)
+
+
+@dataclass(frozen=True)
+class GpuKey:
+    """One GPU of the fleet: the scrape target it came from and its identity there."""
+
+    instance: str
+    gpu: str
+    uuid: str
+
+    def sort_key(self) -> tuple[str, int, str, str]:
+        """By instance, then GPU index as a number."""
+        return (self.instance, int(self.gpu) if self.gpu.isdigit() else 1 << 30, self.gpu, self.uuid)
+
+
+@dataclass(frozen=True)
+class FleetNaming:
+    """One naming: metric names per nvidia-smi field and where the GPU's identity sits in the labels.
+
+    Attributes:
+        name: ``smiquery``, ``dcgm`` or ``nvidia_smi``.
+        metrics: nvidia-smi field -> (metric name, factor from the metric's unit to nvidia-smi's).
+        gpu_label: the label holding the GPU index ("" when the naming has none on its metrics).
+        uuid_label: the label holding the UUID.
+        model_label: the label holding the model name ("" when none).
+        info_metric: a metric whose labels give index and model by UUID (nvidia_smi naming), or "".
+    """
+
+    name: str
+    metrics: Mapping[str, tuple[str, float]]
+    gpu_label: str
+    uuid_label: str
+    model_label: str = ""
+    info_metric: str = ""
+
+    def metric(self, fld: str) -> str:
+        """The metric name of an nvidia-smi field."""
+        return self.metrics[fld][0]
+
+    def factor(self, fld: str) -> float:
+        """What to multiply the metric's values by to get nvidia-smi's unit."""
+        return self.metrics[fld][1]
+
+    def key(self, labels: Mapping[str, str], info: Mapping[str, Mapping[str, str]] | None = None) -> GpuKey:
+        """The GPU a series belongs to."""
+        uuid = labels.get(self.uuid_label, "")
+        gpu = labels.get(self.gpu_label, "") if self.gpu_label else ""
+        if not gpu and info is not None:
+            gpu = info.get(uuid, {}).get("index", "")
+        return GpuKey(labels.get("instance", ""), gpu, uuid)
+
+    def model(self, labels: Mapping[str, str], info: Mapping[str, Mapping[str, str]] | None = None) -> str:
+        """The GPU's model name, from the series' labels or the info metric."""
+        if self.model_label:
+            return labels.get(self.model_label, "")
+        if info is not None:
+            return info.get(labels.get(self.uuid_label, ""), {}).get("name", "")
+        return ""
+
+
+NAMINGS: tuple[FleetNaming, ...] = (
+    FleetNaming(
+        "smiquery",
+        {
+            "utilization.gpu": ("smiquery_utilization_gpu_ratio", 100.0),
+            "utilization.memory": ("smiquery_utilization_memory_ratio", 100.0),
+            "memory.used": ("smiquery_memory_used_bytes", 1 / _MiB),
+            "memory.total": ("smiquery_memory_total_bytes", 1 / _MiB),
+            "temperature.gpu": ("smiquery_temperature_gpu_celsius", 1.0),
+            "power.draw": ("smiquery_power_draw_watts", 1.0),
+            "clocks.current.sm": ("smiquery_clocks_current_sm_hertz", 1e-6),
+            "clocks_event_reasons.active": ("smiquery_clocks_event_reasons_active_bitmask", 1.0),
+        },
+        gpu_label="gpu",
+        uuid_label="uuid",
+        model_label="name",
+    ),
+    FleetNaming(
+        "dcgm",
+        {
+            "utilization.gpu": ("DCGM_FI_DEV_GPU_UTIL", 1.0),
+            "utilization.memory": ("DCGM_FI_DEV_MEM_COPY_UTIL", 1.0),
+            "memory.used": ("DCGM_FI_DEV_FB_USED", 1.0),
+            "memory.total": ("DCGM_FI_DEV_FB_TOTAL", 1.0),
+            "temperature.gpu": ("DCGM_FI_DEV_GPU_TEMP", 1.0),
+            "power.draw": ("DCGM_FI_DEV_POWER_USAGE", 1.0),
+            "clocks.current.sm": ("DCGM_FI_DEV_SM_CLOCK", 1.0),
+            "clocks_event_reasons.active": ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", 1.0),
+        },
+        gpu_label="gpu",
+        uuid_label="UUID",
+        model_label="modelName",
+    ),
+    FleetNaming(
+        "nvidia_smi",
+        {
+            "utilization.gpu": ("nvidia_smi_utilization_gpu_ratio", 100.0),
+            "utilization.memory": ("nvidia_smi_utilization_memory_ratio", 100.0),
+            "memory.used": ("nvidia_smi_memory_used_bytes", 1 / _MiB),
+            "memory.total": ("nvidia_smi_memory_total_bytes", 1 / _MiB),
+            "temperature.gpu": ("nvidia_smi_temperature_gpu", 1.0),
+            "power.draw": ("nvidia_smi_power_draw_watts", 1.0),
+            "clocks.current.sm": ("nvidia_smi_clocks_current_sm_clock_hz", 1e-6),
+            "clocks_event_reasons.active": ("nvidia_smi_clocks_event_reasons_active", 1.0),
+        },
+        gpu_label="",
+        uuid_label="uuid",
+        info_metric="nvidia_smi_gpu_info",
+    ),
+)
+
+
+def naming_by_name(name: str) -> FleetNaming:
+    """The naming called ``name``.
+
+    Raises:
+        UsageError: an unknown name.
+    """
+    for n in NAMINGS:
+        if n.name == name:
+            return n
+    raise UsageError(f"--naming: {name!r} is not a naming; use {', '.join(n.name for n in NAMINGS)}")
+
+
+def selector(metric: str, node: str | None = None) -> str:
+    """``metric{instance=~"NODE"}`` (PromQL regexes are anchored), or the bare metric name."""
+    if node is None:
+        return metric
+    return f"{metric}{{instance=~{json.dumps(node)}}}"
+
+
+def check_regex(pattern: str | None, what: str) -> None:
+    """Fail as a usage error on a regex Python cannot compile (PromQL's RE2 is close to Python's ``re``)."""
+    import re
+
+    if pattern is None:
+        return
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise UsageError(f"{what}: {pattern!r} is not a regular expression: {exc}") from None
+
+
+def detect_namings(
+    client: PrometheusClient,
+    start: float,
+    end: float,
+    wanted: Sequence[str] | None = None,
+    node: str | None = None,
+) -> list[FleetNaming]:
+    """The namings whose utilisation metric has series between ``start`` and ``end`` (a mixed fleet has several).
+
+    Args:
+        client: the server.
+        start: Unix seconds.
+        end: Unix seconds.
+        wanted: only these namings (``--naming``); they are not looked up.
+        node: only series of instances matching this regex count.
+
+    Raises:
+        PrometheusError: no naming's series are there.
+    """
+    if wanted:
+        return [naming_by_name(n) for n in dict.fromkeys(wanted)]
+    names = {n.metric("utilization.gpu"): n for n in NAMINGS}
+    pattern = "|".join(names)
+    on_node = "" if node is None else f",instance=~{json.dumps(node)}"
+    found = set(client.metric_names([f'{{__name__=~"{pattern}"{on_node}}}'], start, end))
+    out = [n for metric, n in names.items() if metric in found]
+    if not out:
+        where = "" if node is None else f" on instances matching {node!r}"
+        raise PrometheusError(
+            f"no GPU metrics in Prometheus at {client.url} for that time{where} ({', '.join(names)}); check the "
+            "exporters' scrape jobs, the time range and --node"
+        )
+    return out
+
+
+def first_label(labels: Mapping[str, str], names: Iterable[str]) -> str:
+    """The first of ``names`` that is set in ``labels``.
+
+    ``exported_pod`` comes before ``pod``: with Kubernetes service discovery the target's own pod label takes the
+    plain name and the exporter's gets ``exported_``.
+    """
+    for n in names:
+        v = labels.get(n)
+        if v:
+            return v
+    return ""
+
+
+POD_LABELS = ("exported_pod", "pod")
+NAMESPACE_LABELS = ("exported_namespace", "namespace")

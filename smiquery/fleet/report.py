@@ -1,0 +1,87 @@
+"""``smiquery report`` and ``smiquery plot`` over a time range of the fleet: the command line's hook.
+
+:func:`load_range` turns the ``--prometheus``/``--start``/``--end`` options into the frame a recording gives
+(see :func:`smiquery.fleet.history.fleet_frame`), so the report and the plot run unchanged on it;
+:func:`name_gpus` adds to the rendered report which instance and UUID each GPU number stands for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING
+
+from smiquery.errors import UsageError
+from smiquery.fleet.client import PrometheusClient, load_http_config, parse_time
+from smiquery.fleet.history import fleet_frame, gpu_names
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["load_range", "name_gpus", "range_name"]
+
+
+def load_range(
+    url: str,
+    start: str | None,
+    end: str | None,
+    *,
+    node: str | None = None,
+    namespace: str | None = None,
+    pod: str | None = None,
+    http_config: str | os.PathLike[str] | None = None,
+    timeout: float = 60.0,
+) -> pd.DataFrame:
+    """The fleet between ``start`` and ``end`` (Unix seconds, RFC 3339, ``now-2h``; end default now).
+
+    Raises:
+        UsageError: no ``--start``, a time that is not one, ``--end`` before ``--start``.
+        PrometheusError: see :func:`smiquery.fleet.history.fleet_frame`.
+    """
+    if start is None:
+        raise UsageError("--prometheus needs --start (Unix seconds, RFC 3339 or now-2h)")
+    config = load_http_config(http_config) if http_config is not None else None
+    client = PrometheusClient(url, config=config, timeout=timeout)
+    t1 = parse_time(end if end is not None else "now", what="--end")
+    t0 = parse_time(start, what="--start")
+    return fleet_frame(client, t0, t1, node=node, namespace=namespace, pod=pod)
+
+
+def range_name(url: str, df: pd.DataFrame) -> str:
+    """What to call the range in the report: the server and the GPUs' nodes."""
+    nodes = sorted({g.instance for g in gpu_names(df).values()})
+    shown = ", ".join(nodes[:3]) + (f" and {len(nodes) - 3} more" if len(nodes) > 3 else "")
+    return f"{url} ({len(gpu_names(df))} GPUs on {shown})"
+
+
+def name_gpus(text: str, fmt: str, df: pd.DataFrame) -> str:
+    """The rendered report with which instance and UUID each GPU number is (JSON: ``gpu_names``).
+
+    A recording's frame (no fleet identities) gives ``text`` back unchanged, and so does an unknown format.
+    """
+    names = gpu_names(df)
+    if not names:
+        return text
+    if fmt == "json":
+        doc = json.loads(text)
+        doc["gpu_names"] = {str(i): g.to_dict() for i, g in names.items()}
+        return json.dumps(doc, indent=2) + "\n"
+    if fmt == "markdown":
+        lines = [
+            "",
+            "## GPUs",
+            "",
+            "| GPU | instance | index | UUID | model | namespace/pod |",
+            "|---|---|---|---|---|---|",
+        ]
+        for i, g in names.items():
+            pod = f"{g.namespace}/{g.pod}" if g.pod else ""
+            lines.append(f"| {i} | {g.instance} | {g.gpu} | {g.uuid} | {g.name} | {pod} |")
+        return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+    if fmt == "text":
+        lines = ["", "GPUs:"]
+        for i, g in names.items():
+            pod = f"  {g.namespace}/{g.pod}" if g.pod else ""
+            lines.append(f"  {i:>3}  {g.label()}  {g.name}{pod}")
+        return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+    return text
