@@ -68,11 +68,11 @@ Examples:
 """
 
 RecordingArg = Annotated[
-    Path,
+    list[Path],
     typer.Argument(
-        metavar="REC",
-        help="A recording from `smiquery stream --output` (.csv, .jsonl, .parquet) or a plain nvidia-smi CSV log.",
-        dir_okay=False,
+        metavar="REC...",
+        help="A recording from `smiquery stream --output` (.csv, .jsonl, .parquet) or a plain nvidia-smi CSV log; "
+        "several files or a quoted glob ('run*.csv') are read as one recording, in time order.",
     ),
 ]
 AlertOpt = Annotated[
@@ -127,7 +127,20 @@ def check_zone(tz: str | None) -> None:
         raise UsageError(f"--tz: {exc}") from None
 
 
-def _load(recording: Path, fields: str | None, tz: str | None) -> pd.DataFrame:
+def _label(recordings: list[Path]) -> str:
+    """How the report and the plot name the recording: ``run.csv``, ``run*.csv``, ``a.csv (+2 more)``."""
+    first = recordings[0].name
+    return first if len(recordings) == 1 else f"{first} (+{len(recordings) - 1} more)"
+
+
+def _default_image(recordings: list[Path]) -> Path:
+    """``plot``'s default output: the (first) recording's name with .png, without glob characters."""
+    first = recordings[0]
+    stem = first.stem.split("*")[0].split("?")[0].split("[")[0].rstrip(".-_") or "recording"
+    return first.with_name(stem + ".png")
+
+
+def _load(recording: list[Path], fields: str | None, tz: str | None) -> pd.DataFrame:
     """Read the recording once; warn on stderr (one line) about lines that could not be read.
 
     ``fields`` name the columns of a headerless log, or must agree with the recording's own.
@@ -142,7 +155,11 @@ def _load(recording: Path, fields: str | None, tz: str | None) -> pd.DataFrame:
     skipped = df.attrs.get("skipped")
     if isinstance(skipped, SkippedLines):
         with contextlib.suppress(OSError, ValueError):
-            print(f"smiquery: warning: {skipped.message(str(recording))}", file=sys.stderr, flush=True)
+            print(
+                f"smiquery: warning: {skipped.message(str(recording[0]) if len(recording) == 1 else _label(recording))}",
+                file=sys.stderr,
+                flush=True,
+            )
     return df
 
 
@@ -202,7 +219,7 @@ def plot(
     with _boundary(ctx):
         from smiquery.analysis import save_plot
 
-        target = output if output is not None else recording.with_suffix(".png")
+        target = output if output is not None else _default_image(recording)
         df = _load(recording, fields, tz)
         path = save_plot(
             df,
@@ -212,7 +229,7 @@ def plot(
             gpus=_gpu_list(gpus),
             width=width,
             dpi=dpi,
-            name=recording.name,
+            name=_label(recording),
             layout=layout.value,
         )
         typer.echo(f"wrote {path}")
@@ -269,7 +286,7 @@ def report(
             rules=alert or None,
             min_stall=stall_seconds,
             stall_utilization=stall_utilization,
-            name=recording.name,
+            name=_label(recording),
         )
         if fmt is ReportFormat.json:
             text = result.to_json() + "\n"
