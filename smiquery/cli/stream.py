@@ -265,7 +265,11 @@ def stream(
     output: Annotated[
         Path | None,
         typer.Option(
-            "--output", "-o", metavar="FILE", help="Also record to FILE (.csv, .jsonl or .parquet).", dir_okay=False
+            "--output",
+            "-o",
+            metavar="FILE",
+            help="Also record to FILE (.csv, .jsonl, or .parquet: a folder of parts); an existing one needs "
+            "--force or --append.",
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="--output: replace an existing recording.")] = False,

@@ -185,6 +185,10 @@ class ParquetDataset:
                 os.replace(tmp, self.path / META)
         except OSError as exc:
             raise RecordingError(f"cannot write {self.path}: {(exc.strerror or str(exc)).lower()}") from None
+        journal = self.path / JOURNAL
+        if journal.exists() and journal.stat().st_size > 0:
+            # a killed recorder's open part: its own part, before this run's rows
+            os.replace(journal, self.path / f"_closing-{self._next_number():06d}.jsonl")
         self._close_leftovers()
         self._journal = self._new_journal()
 
