@@ -155,11 +155,8 @@ def _load(recording: list[Path], fields: str | None, tz: str | None) -> pd.DataF
     skipped = df.attrs.get("skipped")
     if isinstance(skipped, SkippedLines):
         with contextlib.suppress(OSError, ValueError):
-            print(
-                f"smiquery: warning: {skipped.message(str(recording[0]) if len(recording) == 1 else _label(recording))}",
-                file=sys.stderr,
-                flush=True,
-            )
+            name = str(recording[0]) if len(recording) == 1 else _label(recording)
+            print(f"smiquery: warning: {skipped.message(name)}", file=sys.stderr, flush=True)
     return df
 
 

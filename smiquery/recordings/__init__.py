@@ -32,7 +32,7 @@ from smiquery.recordings.jsonl import JsonlWriter, json_value, read_jsonl, sampl
 from smiquery.recordings.parquet import ParquetWriter, read_parquet
 from smiquery.recordings.playback import Replay, replay
 from smiquery.recordings.recorder import Policy, TextRecorder
-from smiquery.recordings.sets import Sources, concat_frames, expand_sources, time_order
+from smiquery.recordings.sets import Sources, concat_frames, csv_zone, expand_sources, time_order
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -165,14 +165,17 @@ def read_recording(
     column (one GPU, e.g. ``timestamp, power.draw``) reads as GPU 0.
 
     Args:
-        source: the file (``.csv``, ``.jsonl``, ``.parquet``; other names are sniffed).
+        source: the file (``.csv``, ``.jsonl``, ``.parquet`` file or dataset folder; other names are sniffed), or
+            several, or a glob (``"run*.csv"``): a rotated set is read as one recording, its files in the order of
+            their first timestamps.
         fields: names, a preset or a comma list. For a headerless CSV log, its columns in order (required).
             For a recording that names its columns (a header, JSONL, Parquet), each must be one of them (all
             columns are read all the same).
         tz: the zone the recording was made in (an IANA name such as ``"Europe/Berlin"``, or a ``tzinfo``):
-            timestamps recorded without a zone are localized to it, ones with a zone converted to it. Default None
-            keeps them as recorded: naive for nvidia-smi's CSV (it prints local time with no zone), never assumed
-            to be UTC.
+            timestamps recorded without a zone are localized to it, ones with a zone converted to it. Default None:
+            the zone the recording names (``smiquery stream --output`` records it: ``run.csv.meta.json`` beside a
+            CSV, ``_smiquery.json`` in a Parquet dataset), else as recorded: naive for a plain nvidia-smi CSV log
+            (it prints local time with no zone), never assumed to be UTC.
 
     Returns:
         One row per sample, in file order; ``attrs["headerless"]`` is True when ``fields`` named the columns.
@@ -204,7 +207,7 @@ def _read_one(path: str, wanted: Sequence[Field] | None, zone: tzinfo | None) ->
         check_file(path)
         fmt = detect_format(path)
         if fmt == "csv":
-            df, as_columns = read_csv_recording(path, wanted, zone)
+            df, as_columns = read_csv_recording(path, wanted, zone if zone is not None else csv_zone(path))
         elif fmt == "parquet":
             df = read_parquet(path)
             set_zone(df, zone)

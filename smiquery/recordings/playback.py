@@ -22,7 +22,7 @@ from smiquery.recordings.csv import read_csv_samples
 from smiquery.recordings.dataset import dataset_files, is_dataset, recorded_zone
 from smiquery.recordings.jsonl import read_jsonl_samples
 from smiquery.recordings.parquet import read_parquet_samples
-from smiquery.recordings.sets import Sources, expand_sources
+from smiquery.recordings.sets import Sources, csv_zone, expand_sources
 from smiquery.recordings.values import field_for, with_gpu0, with_timestamp
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
@@ -157,7 +157,8 @@ class Replay(LatestSweep):
         if kind == "parquet":
             yield from read_parquet_samples(path, self.tz)
             return
-        yield from self._text_samples(path, kind, self.tz, drop)
+        zone = self.tz if self.tz is not None or kind != "csv" else csv_zone(path)
+        yield from self._text_samples(path, kind, zone, drop)
 
     def _text_samples(
         self, path: str, kind: RecordingFormat, tz: tzinfo | None, on_drop: Callable[[ParseError], None]

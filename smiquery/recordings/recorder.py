@@ -34,6 +34,7 @@ from smiquery.sample import GpuSample
 
 __all__ = [
     "FULL_DISK",
+    "META_SUFFIX",
     "Policy",
     "TextRecorder",
     "check_target",
@@ -46,6 +47,10 @@ Policy = Literal["new", "force", "append"]
 
 #: Errors of a write that mean "no room" (rows are dropped until there is some), not "cannot write here".
 FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+#: A CSV recording's metadata file beside it (``run.csv.meta.json``): the recorder's time zone, the fields. The CSV
+#: itself stays plain nvidia-smi CSV that any tool reads; JSONL keeps each timestamp's offset instead.
+META_SUFFIX = ".meta.json"
 
 _STAMP = "%Y%m%dT%H%M%S"
 _ROTATED_RE = r"\.\d{8}T\d{6}(?:-\d+)?"
@@ -131,6 +136,7 @@ def prune_rotated(files: Sequence[Path], keep: int | None, say: Callable[[str], 
         return
     for old in files[: len(files) - keep]:
         try:
+            old.with_name(old.name + META_SUFFIX).unlink(missing_ok=True)
             old.unlink()
         except FileNotFoundError:
             pass
@@ -225,6 +231,24 @@ class TextRecorder:
         self._started = time.time()
         if self._size == 0:
             self._header()
+        if self.kind == "csv":
+            self._write_meta()
+
+    def _write_meta(self) -> None:
+        """``run.csv.meta.json``: the zone the rows' wall-clock times are in (read back without ``--tz``)."""
+        from smiquery.recordings.frames import local_zone
+
+        key = getattr(local_zone(), "key", None)
+        meta = {"format": "smiquery-csv-meta", "version": 1, "tz": key if isinstance(key, str) else None}
+        meta["fields"] = [f.name for f in self.fields]
+        target = self.path.with_name(self.path.name + META_SUFFIX)
+        tmp = target.with_name(f".{target.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
+            os.replace(tmp, target)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self.say(f"smiquery: cannot write {target}: {_why(exc)}; the recording's time zone is not recorded")
 
     def _header(self) -> None:
         if self.kind == "csv":
@@ -285,8 +309,13 @@ class TextRecorder:
     def _rotate(self) -> None:
         self._sync()
         self._close_fd()
+        target = rotated_name(self.path, self._started)
         try:
-            os.rename(self.path, rotated_name(self.path, self._started))
+            os.rename(self.path, target)
+            if self.kind == "csv":
+                meta = self.path.with_name(self.path.name + META_SUFFIX)
+                if meta.exists():
+                    os.replace(meta, target.with_name(target.name + META_SUFFIX))
         except FileNotFoundError:
             pass  # moved away already (by logrotate): start the new file all the same
         except OSError as exc:

@@ -9,16 +9,18 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Sequence
+from datetime import tzinfo
 from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import RecordingError
 from smiquery.recordings.base import SkippedLines
 from smiquery.recordings.frames import MissingReasons, missing_reasons
+from smiquery.recordings.recorder import META_SUFFIX
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["Sources", "concat_frames", "expand_sources", "time_order"]
+__all__ = ["Sources", "concat_frames", "csv_zone", "expand_sources", "time_order"]
 
 Sources = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
@@ -43,7 +45,7 @@ def expand_sources(source: Sources, *, error: type[RecordingError] = RecordingEr
     for item in items:
         text = os.fspath(item)
         if _GLOB_CHARS & set(text) and not os.path.exists(text):
-            matches = sorted(glob.glob(text))
+            matches = sorted(m for m in glob.glob(text) if not m.endswith(META_SUFFIX))
             if not matches:
                 raise error(f"no recording matches {text}; check the pattern (quote it so the shell leaves it)")
             out.extend(matches)
@@ -52,6 +54,23 @@ def expand_sources(source: Sources, *, error: type[RecordingError] = RecordingEr
     if not out:
         raise error("no recording named; give a file, several, or a pattern such as 'run*.csv'")
     return list(dict.fromkeys(out))
+
+
+def csv_zone(path: str | os.PathLike[str]) -> tzinfo | None:
+    """The zone a CSV recording was made in, from its ``run.csv.meta.json``; None when it has none (a plain log).
+
+    Args:
+        path: the CSV file.
+    """
+    import json
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    try:
+        with open(os.fspath(path) + META_SUFFIX, encoding="utf-8") as fh:
+            name = json.load(fh).get("tz")
+        return ZoneInfo(name) if isinstance(name, str) and name else None
+    except (OSError, ValueError, AttributeError, ZoneInfoNotFoundError):
+        return None
 
 
 def _first_time(df: pd.DataFrame) -> Any:

@@ -310,6 +310,8 @@ def test_rotate_by_size_keeps_n_and_the_set_reads_as_one_in_time_order(fake_smi,
         stop(proc)
     rotated = sorted(tmp_path.glob("run.*T*.csv"))
     assert len(rotated) == 2  # --keep 2: the oldest went
+    metas = sorted(p.name.removesuffix(".meta.json") for p in tmp_path.glob("run.*T*.csv.meta.json"))
+    assert metas == [p.name for p in rotated]  # each rotated file keeps its zone; pruned ones lose theirs too
     for p in rotated:
         assert p.stat().st_size >= 4000 and p.read_text().startswith("timestamp")
     df = read_recording(str(tmp_path / "run*.csv"))
@@ -409,3 +411,26 @@ def test_a_glob_that_matches_nothing_says_so(tmp_path):
     (tmp_path / "x.csv").write_text("")
     with pytest.raises(UsageError, match="already exists"):
         open_recording(tmp_path / "x.csv", FIELDS)
+
+
+def test_a_csv_recording_knows_its_zone_across_a_dst_fall_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    walls = ["01:40", "02:00", "02:20", "02:40", "02:00", "02:20", "02:40", "03:00"]  # 2026-10-25: 02:xx twice
+    lines = [f"2026/10/25 {w}:00.000, 0, 50 %, 100.00 W" for w in walls]
+    rec = tmp_path / "run.csv"
+    w = open_recording(rec, FIELDS)
+    for s in parse_lines(lines, FIELDS):
+        w.write(s)
+    w.close()
+    import pandas as pd
+
+    plain = pd.read_csv(rec, skipinitialspace=True)  # still plain nvidia-smi CSV to other tools
+    assert list(plain.columns[:2]) == ["timestamp", "index"] and len(plain) == 8
+    assert json.loads((tmp_path / "run.csv.meta.json").read_text())["tz"] == "Europe/Berlin"
+    monkeypatch.setenv("TZ", "UTC")  # read elsewhere: the recording's own zone counts, not the reader's
+    stamps = read_recording(rec)["timestamp"]
+    assert str(stamps.dt.tz) == "Europe/Berlin"
+    assert stamps.is_monotonic_increasing  # the repeated hour resolved by row order
+    assert (stamps.iloc[-1] - stamps.iloc[0]).total_seconds() == 2 * 3600 + 20 * 60
+    played = [s.timestamp for s in replay(rec, speed=0)]
+    assert played == sorted(played) and played[0].tzinfo is not None
