@@ -69,7 +69,10 @@ __all__ = [
 
 
 def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> SampleWriter:
-    """A writer for ``--output PATH``, by suffix: ``.csv``, ``.jsonl``/``.ndjson`` or ``.parquet``/``.pq``.
+    """A writer for ``PATH`` (replaced if it exists), by suffix: ``.csv``, ``.jsonl``/``.ndjson``, ``.parquet``/``.pq``.
+
+    Parquet is a dataset folder of closed parts (:class:`~smiquery.recordings.dataset.ParquetDataset`).
+    :func:`open_recording` is the recorder ``smiquery stream --output`` uses (refusal, append, rotation).
 
     Raises:
         ValueError: an unknown suffix.
@@ -81,7 +84,15 @@ def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> Samp
     if suffix in (".jsonl", ".ndjson"):
         return JsonlWriter(open(path, "w", encoding="utf-8", newline=""), owns=True)
     if suffix in (".parquet", ".pq"):
-        return ParquetWriter(path)
+        # a dataset of closed parts: memory stays flat and a kill loses nothing (ParquetWriter holds every row)
+        import errno
+
+        target = Path(path)
+        if not target.parent.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "no such directory", os.fspath(target.parent))
+        if target.is_dir() and not is_dataset(target):
+            raise IsADirectoryError(errno.EISDIR, "is a directory (not a smiquery recording)", os.fspath(target))
+        return ParquetDataset(path, fields, policy="force")
     raise ValueError(f"cannot tell the format of {os.fspath(path)!r}: name it .csv, .jsonl or .parquet")
 
 

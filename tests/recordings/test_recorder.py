@@ -28,7 +28,7 @@ from smiquery import parse_lines
 from smiquery.cli import main
 from smiquery.errors import UsageError
 from smiquery.fields import resolve_fields
-from smiquery.recordings import ParquetDataset, open_recording, read_recording, replay
+from smiquery.recordings import ParquetDataset, TextRecorder, open_recording, read_recording, replay
 from tests.helpers import wait_for
 
 SAFE = ("NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_VISIBLE_DEVICES", "SMIQUERY_NVIDIA_SMI", "SMIQUERY_FAKE_")
@@ -434,3 +434,64 @@ def test_a_csv_recording_knows_its_zone_across_a_dst_fall_back(tmp_path, monkeyp
     assert (stamps.iloc[-1] - stamps.iloc[0]).total_seconds() == 2 * 3600 + 20 * 60
     played = [s.timestamp for s in replay(rec, speed=0)]
     assert played == sorted(played) and played[0].tzinfo is not None
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("100MB", (100_000_000, None)),
+        ("64MiB", (64 * 2**20, None)),
+        ("500k", (500_000, None)),
+        ("1h", (None, 3600.0)),
+        ("30m", (None, 1800.0)),
+    ],
+)
+def test_rotate_takes_a_size_or_a_duration(text, want):
+    from smiquery.cli.record import parse_rotate
+
+    assert parse_rotate(text) == want
+
+
+def test_rotate_rejects_what_is_neither(tmp_path, capsys):
+    code = cli(
+        "stream",
+        "--replay",
+        _demo(tmp_path),
+        "--speed",
+        "0",
+        "-F",
+        "csv",
+        "-o",
+        str(tmp_path / "r.csv"),
+        "--rotate",
+        "lots",
+    )
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        "smiquery: usage error: --rotate 'lots': give a size such as 100MB or 1GB, or a duration such as 1h or 30m"
+    )
+    assert not (tmp_path / "r.csv").exists()
+
+
+def test_rotation_by_duration_and_sighup_on_a_dataset_close_parts(tmp_path):
+    now = [0.0]
+    rec = TextRecorder(tmp_path / "run.jsonl", FIELDS, kind="jsonl", rotate_seconds=60, clock=lambda: now[0])
+    rows = samples(6)
+    for s in rows[:4]:
+        rec.write(s)
+    now[0] = 61.0
+    for s in rows[4:]:
+        rec.write(s)
+    rec.close()
+    rotated = list(tmp_path.glob("run.*T*.jsonl"))
+    assert len(rotated) == 1 and rows_in(rotated[0]) == 4 and rows_in(tmp_path / "run.jsonl") == 8
+    ds = ParquetDataset(tmp_path / "run.parquet", FIELDS)
+    for s in rows[:4]:
+        ds.write(s)
+    ds.reopen()  # what SIGHUP calls
+    for s in rows[4:]:
+        ds.write(s)
+    ds.close()
+    parts = sorted(p.name for p in (tmp_path / "run.parquet").glob("part-*.parquet"))
+    assert parts == ["part-000001.parquet", "part-000002.parquet"]
+    assert len(read_recording(tmp_path / "run.parquet")) == 12
