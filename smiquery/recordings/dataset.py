@@ -3,7 +3,7 @@
 ``smiquery stream --output run.parquet`` makes ``run.parquet`` a folder::
 
     run.parquet/
-      _smiquery.json        what is recorded: {"format", "version", "fields", "tz"}
+      _smiquery.json        what is recorded: {"format", "version", "fields", "tz"} (the zone of the first row)
       part-000001.parquet   closed parts, each a whole Parquet file (written aside, then renamed into place)
       part-000002.parquet
       _open.jsonl           the rows of the part being recorded, one JSON line per row, written as they come
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import RecordingError, UsageError
 from smiquery.fields import Field
-from smiquery.recordings.frames import local_zone, missing_reasons, to_dataframe
-from smiquery.recordings.recorder import FULL_DISK, Policy, TextRecorder, check_target, prune_rotated
+from smiquery.recordings.frames import missing_reasons, to_dataframe
+from smiquery.recordings.recorder import FULL_DISK, Policy, TextRecorder, check_target, prune_rotated, zone_name
 from smiquery.sample import GpuSample
 
 if TYPE_CHECKING:
@@ -51,12 +51,6 @@ def _quiet(line: str) -> None:
 def is_dataset(path: str | os.PathLike[str]) -> bool:
     """True for a folder ``smiquery stream --output X.parquet`` wrote (it holds ``_smiquery.json``)."""
     return os.path.isfile(os.path.join(path, META))
-
-
-def _zone_name() -> str | None:
-    zone = local_zone()
-    key = getattr(zone, "key", None)
-    return key if isinstance(key, str) else None
 
 
 def recorded_zone(path: str | os.PathLike[str]) -> tzinfo | None:
@@ -173,16 +167,14 @@ class ParquetDataset:
         self._closed = False
         self._reopen = False
         self._schema: Any = None
+        self._zone_due = True
         if check_target(self.path, policy):
             self._take_over(policy)
         try:
             self.path.mkdir(exist_ok=True)
             if not (self.path / META).exists():
                 meta = {"format": "smiquery-parquet-dataset", "version": 1, "fields": [f.name for f in self.fields]}
-                meta["tz"] = _zone_name()
-                tmp = self.path / f".{META}.tmp"
-                tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
-                os.replace(tmp, self.path / META)
+                self._put_meta(meta)
         except OSError as exc:
             raise RecordingError(f"cannot write {self.path}: {(exc.strerror or str(exc)).lower()}") from None
         journal = self.path / JOURNAL
@@ -191,6 +183,22 @@ class ParquetDataset:
             os.replace(journal, self.path / f"_closing-{self._next_number():06d}.jsonl")
         self._close_leftovers()
         self._journal = self._new_journal()
+
+    def _put_meta(self, meta: dict[str, Any]) -> None:
+        tmp = self.path / f".{META}.tmp"
+        tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path / META)
+
+    def _learn_zone(self, sample: GpuSample) -> None:
+        """Record the zone of the first row's timestamp (see :func:`~smiquery.recordings.recorder.zone_name`)."""
+        self._zone_due = False
+        try:
+            meta = json.loads((self.path / META).read_text(encoding="utf-8"))
+            if isinstance(meta, dict) and "tz" not in meta:
+                meta["tz"] = zone_name(sample)
+                self._put_meta(meta)
+        except (OSError, ValueError) as exc:
+            self.say(f"smiquery: cannot write {self.path / META}: {exc}; the recording's time zone is not recorded")
 
     def _take_over(self, policy: Policy) -> None:
         if self.path.is_file():
@@ -249,6 +257,8 @@ class ParquetDataset:
             self._reopen = False
             self.close_part()
         self._journal.write(sample)
+        if self._zone_due:
+            self._learn_zone(sample)
 
     def close_part(self) -> None:
         """Turn the journal into the next closed part (a full disk leaves the journal to a later try)."""

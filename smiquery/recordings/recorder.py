@@ -41,6 +41,7 @@ __all__ = [
     "prune_rotated",
     "rotated_name",
     "rotated_siblings",
+    "zone_name",
 ]
 
 Policy = Literal["new", "force", "append"]
@@ -58,6 +59,25 @@ _ROTATED_RE = r"\.\d{8}T\d{6}(?:-\d+)?"
 
 def _quiet(line: str) -> None:
     """The default of ``say``: nothing (the CLI passes its own)."""
+
+
+def zone_name(sample: GpuSample) -> str | None:
+    """The IANA zone a sample's timestamp is in (what a CSV's wall-clock times mean), or None when unknown.
+
+    A live sample carries this host's zone; a replayed one the zone ``--tz`` gave it, or none (naive times from a
+    plain log: recording a zone for them would be a guess).
+    """
+    ts = sample.timestamp
+    if not isinstance(ts, datetime) or ts.tzinfo is None:
+        return None
+    key = getattr(ts.tzinfo, "key", None)
+    if isinstance(key, str):
+        return key
+    from smiquery.recordings.frames import local_zone
+
+    local = local_zone()
+    key = getattr(local, "key", None)
+    return key if isinstance(key, str) and local.utcoffset(ts.replace(tzinfo=None)) == ts.utcoffset() else None
 
 
 def check_target(path: Path, policy: Policy) -> bool:
@@ -198,6 +218,7 @@ class TextRecorder:
         self._started = 0.0
         self._synced = 0.0
         self._dirty = False
+        self._meta_due = False
         exists = check_target(self.path, policy)
         if exists and policy == "append":
             self._check_columns()
@@ -231,15 +252,13 @@ class TextRecorder:
         self._started = time.time()
         if self._size == 0:
             self._header()
-        if self.kind == "csv":
-            self._write_meta()
+        # an appended file keeps the zone it was started with; a new one learns it from its first row
+        self._meta_due = self.kind == "csv" and not self.path.with_name(self.path.name + META_SUFFIX).exists()
 
-    def _write_meta(self) -> None:
+    def _write_meta(self, sample: GpuSample) -> None:
         """``run.csv.meta.json``: the zone the rows' wall-clock times are in (read back without ``--tz``)."""
-        from smiquery.recordings.frames import local_zone
-
-        key = getattr(local_zone(), "key", None)
-        meta = {"format": "smiquery-csv-meta", "version": 1, "tz": key if isinstance(key, str) else None}
+        self._meta_due = False
+        meta = {"format": "smiquery-csv-meta", "version": 1, "tz": zone_name(sample)}
         meta["fields"] = [f.name for f in self.fields]
         target = self.path.with_name(self.path.name + META_SUFFIX)
         tmp = target.with_name(f".{target.name}.tmp")
@@ -295,6 +314,8 @@ class TextRecorder:
             line = json.dumps(sample_to_json(sample), separators=(", ", ": ")) + "\n"
         if self._put(line.encode("utf-8")):
             self.rows += 1
+            if self._meta_due:
+                self._write_meta(sample)
         else:
             self.dropped += 1
             self._dropping += 1

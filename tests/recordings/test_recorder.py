@@ -20,6 +20,7 @@ import threading
 import tracemalloc
 from datetime import datetime
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import psutil
 import pytest
@@ -378,10 +379,9 @@ def test_parquet_memory_stays_flat_the_writer_holds_no_rows(tmp_path):
     assert len(read_recording(tmp_path / "b.parquet")) == 10_000
 
 
-def test_a_parquet_dataset_records_its_zone(tmp_path, monkeypatch):
-    monkeypatch.setenv("TZ", "Europe/Berlin")
+def test_a_parquet_dataset_records_its_zone(tmp_path):
     w = open_recording(tmp_path / "run.parquet", FIELDS)
-    for s in samples(3):
+    for s in parse_lines(["2026/01/01 00:00:00.000, 0, 5 %, 1.00 W"], FIELDS, tz=ZoneInfo("Europe/Berlin")):
         w.write(s)
     w.close()
     assert json.loads((tmp_path / "run.parquet" / "_smiquery.json").read_text())["tz"] == "Europe/Berlin"
@@ -414,12 +414,11 @@ def test_a_glob_that_matches_nothing_says_so(tmp_path):
 
 
 def test_a_csv_recording_knows_its_zone_across_a_dst_fall_back(tmp_path, monkeypatch):
-    monkeypatch.setenv("TZ", "Europe/Berlin")
     walls = ["01:40", "02:00", "02:20", "02:40", "02:00", "02:20", "02:40", "03:00"]  # 2026-10-25: 02:xx twice
     lines = [f"2026/10/25 {w}:00.000, 0, 50 %, 100.00 W" for w in walls]
     rec = tmp_path / "run.csv"
     w = open_recording(rec, FIELDS)
-    for s in parse_lines(lines, FIELDS):
+    for s in parse_lines(lines, FIELDS, tz=ZoneInfo("Europe/Berlin")):  # as a live stream in Berlin gives them
         w.write(s)
     w.close()
     import pandas as pd
@@ -495,3 +494,20 @@ def test_rotation_by_duration_and_sighup_on_a_dataset_close_parts(tmp_path):
     parts = sorted(p.name for p in (tmp_path / "run.parquet").glob("part-*.parquet"))
     assert parts == ["part-000001.parquet", "part-000002.parquet"]
     assert len(read_recording(tmp_path / "run.parquet")) == 12
+
+
+def test_replaying_a_plain_log_records_no_zone_it_does_not_know(tmp_path):
+    plain = tmp_path / "log.csv"
+    plain.write_text(
+        "timestamp, index, utilization.gpu [%]\n2026/01/01 00:00:00.000, 0, 5 %\n2026/01/01 00:00:01.000, 0, 7 %\n"
+    )
+    out = tmp_path / "copy.csv"
+    assert cli("stream", "--replay", str(plain), "--speed", "0", "-F", "csv", "-o", str(out)) == 0
+    assert json.loads((tmp_path / "copy.csv.meta.json").read_text())["tz"] is None  # naive times: no guess
+    assert read_recording(out)["timestamp"].dt.tz is None
+    berlin = tmp_path / "berlin.csv"
+    assert (
+        cli("stream", "--replay", str(plain), "--tz", "Europe/Berlin", "--speed", "0", "-F", "csv", "-o", str(berlin))
+        == 0
+    )
+    assert str(read_recording(berlin)["timestamp"].dt.tz) == "Europe/Berlin"  # the zone --tz named is kept
