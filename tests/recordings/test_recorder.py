@@ -511,3 +511,14 @@ def test_replaying_a_plain_log_records_no_zone_it_does_not_know(tmp_path):
         == 0
     )
     assert str(read_recording(berlin)["timestamp"].dt.tz) == "Europe/Berlin"  # the zone --tz named is kept
+
+
+def test_keep_prunes_the_oldest_parquet_parts(tmp_path):
+    ds = ParquetDataset(tmp_path / "run.parquet", FIELDS, part_rows=4, keep=2)
+    for s in samples(10):  # 20 rows: parts of 4, the last 4 closed by close()
+        ds.write(s)
+    ds.close()
+    parts = sorted(p.name for p in (tmp_path / "run.parquet").glob("part-*.parquet"))
+    assert parts == ["part-000004.parquet", "part-000005.parquet"]
+    df = read_recording(tmp_path / "run.parquet")
+    assert len(df) == 8 and df["timestamp"].is_monotonic_increasing  # the newest 8 rows
