@@ -24,7 +24,7 @@ __all__ = ["GpuSeries", "load_recording", "split_gpus"]
 
 
 def load_recording(
-    source: str | os.PathLike[str] | pd.DataFrame,
+    source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | pd.DataFrame,
     *,
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
@@ -35,7 +35,8 @@ def load_recording(
     Parquet; unreadable lines skipped and described in ``attrs["skipped"]``; a log without ``index`` is GPU 0).
 
     Args:
-        source: a path (``.csv``, ``.jsonl``, ``.parquet``; other names are sniffed) or a DataFrame.
+        source: a path (``.csv``, ``.jsonl``, ``.parquet`` file or dataset folder; other names are sniffed), several
+            paths or a glob (``"run*.csv"``: a rotated set, read as one recording in time order), or a DataFrame.
         fields: the columns of a headerless CSV log, in order; for a recording with a header (or JSONL, Parquet)
             each must be one of its columns.
         tz: the zone the recording was made in (e.g. ``"Europe/Berlin"``): naive timestamps are localized to it,
@@ -68,7 +69,10 @@ def load_recording(
         except (InvalidFieldError, InvalidTimeZoneError):
             raise
         except (OSError, ValueError, ImportError) as exc:
-            raise ReportError(f"cannot read recording {os.fspath(source)}: {exc}") from exc
+            name = (
+                os.fspath(source) if isinstance(source, (str, os.PathLike)) else ", ".join(os.fspath(p) for p in source)
+            )
+            raise ReportError(f"cannot read recording {name}: {exc}") from exc
     if "timestamp" not in df.columns:
         raise ReportError("the recording has no timestamp column; record with fields that include timestamp")
     bad = df["index"].isna() | df["timestamp"].isna()

@@ -79,11 +79,11 @@ Examples:
 """
 
 RecordingArg = Annotated[
-    Path | None,
+    list[Path] | None,
     typer.Argument(
-        metavar="REC",
-        help="A recording from `smiquery stream --output` (.csv, .jsonl, .parquet) or a plain nvidia-smi CSV log.",
-        dir_okay=False,
+        metavar="REC...",
+        help="A recording from `smiquery stream --output` (.csv, .jsonl, .parquet) or a plain nvidia-smi CSV log; "
+        "several files or a quoted glob ('run*.csv') are read as one recording, in time order.",
     ),
 ]
 AlertOpt = Annotated[
@@ -138,7 +138,20 @@ def check_zone(tz: str | None) -> None:
         raise UsageError(f"--tz: {exc}") from None
 
 
-def _load(recording: Path, fields: str | None, tz: str | None) -> pd.DataFrame:
+def _label(recordings: list[Path]) -> str:
+    """How the report and the plot name the recording: ``run.csv``, ``run*.csv``, ``a.csv (+2 more)``."""
+    first = recordings[0].name
+    return first if len(recordings) == 1 else f"{first} (+{len(recordings) - 1} more)"
+
+
+def _default_image(recordings: list[Path]) -> Path:
+    """``plot``'s default output: the (first) recording's name with .png, without glob characters."""
+    first = recordings[0]
+    stem = first.stem.split("*")[0].split("?")[0].split("[")[0].rstrip(".-_") or "recording"
+    return first.with_name(stem + ".png")
+
+
+def _load(recording: list[Path], fields: str | None, tz: str | None) -> pd.DataFrame:
     """Read the recording once; warn on stderr (one line) about lines that could not be read.
 
     ``fields`` name the columns of a headerless log, or must agree with the recording's own.
@@ -153,7 +166,8 @@ def _load(recording: Path, fields: str | None, tz: str | None) -> pd.DataFrame:
     skipped = df.attrs.get("skipped")
     if isinstance(skipped, SkippedLines):
         with contextlib.suppress(OSError, ValueError):
-            print(f"smiquery: warning: {skipped.message(str(recording))}", file=sys.stderr, flush=True)
+            name = str(recording[0]) if len(recording) == 1 else _label(recording)
+            print(f"smiquery: warning: {skipped.message(name)}", file=sys.stderr, flush=True)
     return df
 
 
@@ -221,8 +235,8 @@ def plot(
         from smiquery.analysis import save_plot
 
         fleet = (prometheus, start, end, node, namespace, pod, http_config, tz)
-        df, name = read_source(recording, lambda rec: _load(rec, fields, tz), *fleet)
-        target = output if output is not None else recording.with_suffix(".png") if recording else Path("fleet.png")
+        df, name = read_source(recording or [], lambda rec: _load(rec, fields, tz), _label, *fleet)
+        target = output if output is not None else _default_image(recording) if recording else Path("fleet.png")
         path = save_plot(
             df,
             target,
@@ -290,7 +304,7 @@ def report(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         fleet = (prometheus, start, end, node, namespace, pod, http_config, tz)
-        df, name = read_source(recording, lambda rec: _load(rec, fields, tz), *fleet)
+        df, name = read_source(recording or [], lambda rec: _load(rec, fields, tz), _label, *fleet)
         result = analyze(
             df,
             rules=alert or None,

@@ -65,8 +65,9 @@ HttpConfigOpt = Annotated[
 
 
 def read_source(
-    recording: Path | None,
-    load: Callable[[Path], pd.DataFrame],
+    recording: list[Path],
+    load: Callable[[list[Path]], pd.DataFrame],
+    label: Callable[[list[Path]], str],
     prometheus: str | None,
     start: str | None,
     end: str | None,
@@ -96,12 +97,12 @@ def read_source(
             )
             if v is not None
         ]
-        if recording is None:
+        if not recording:
             raise UsageError("give a recording (REC) or --prometheus URL with --start")
         if given:
             raise UsageError(f"{given[0]} goes with --prometheus; a recording is read whole")
-        return load(recording), recording.name
-    if recording is not None:
+        return load(recording), label(recording)
+    if recording:
         raise UsageError("give a recording (REC) or --prometheus, not both")
     from smiquery.analysis import load_recording
     from smiquery.fleet.report import load_range, range_name

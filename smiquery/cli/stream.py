@@ -29,7 +29,8 @@ from smiquery.cli._common import (
 )
 from smiquery.cli._handoff import END, Failure, SourceEvent
 from smiquery.cli._signals import Signals
-from smiquery.errors import NoDevicesFoundError, SmiqueryError, UsageError
+from smiquery.cli.record import RecordOptions, open_output, reopen_on_hup
+from smiquery.errors import NoDevicesFoundError, UsageError
 from smiquery.fields import PRESETS, Field, get_field
 from smiquery.retry import RetryPolicy
 
@@ -215,14 +216,23 @@ stderr when an alert fires and when it clears.
 Restarts of nvidia-smi, lost GPUs and errors print one line each on
 stderr (in the live table's footer when stderr is that terminal).
 --output records while displaying: .csv (nvidia-smi's format, read back by
---replay and smiquery.read_csv), .jsonl, or .parquet (rewritten every
-10,000 rows or 60 s, and at the end, so a crash loses at most that).
+--replay and smiquery.read_csv), .jsonl, or .parquet (a folder of closed
+part files plus a journal of the open one). Every row is written as it
+comes: a killed smiquery loses none; --flush-every bounds what a machine
+crash can lose (fsync). An existing recording is refused unless --force
+(replace) or --append (continue; same fields). A full disk drops rows
+until there is space and says how many. --rotate 100MB or 1h renames the
+file run.20261204T065000.csv and starts a new one (Parquet: a new part),
+--keep N keeps N of those; SIGHUP reopens the file (logrotate's create),
+a file truncated under it (copytruncate) is written on at its new end.
+Read a rotated set as one: smiquery report 'run*.csv'.
 Ctrl-C stops cleanly (exit 130) and every file ends on a whole row.
 
 \b
 Examples:
   smiquery stream
   smiquery stream --fields health --interval 250ms --output run.csv
+  smiquery stream -o run.csv --append --rotate 100MB --keep 20
   smiquery stream --format jsonl | jq '."temperature.gpu"'
   smiquery stream --alert 'temperature.gpu > 85 for 3' --alert 'utilization.gpu < 20 for 5m'
   smiquery stream --replay run.csv --speed 10
@@ -258,9 +268,36 @@ def stream(
     output: Annotated[
         Path | None,
         typer.Option(
-            "--output", "-o", metavar="FILE", help="Also record to FILE (.csv, .jsonl or .parquet).", dir_okay=False
+            "--output",
+            "-o",
+            metavar="FILE",
+            help="Also record to FILE (.csv, .jsonl, or .parquet: a folder of parts); an existing one needs "
+            "--force or --append.",
         ),
     ] = None,
+    force: Annotated[bool, typer.Option("--force", help="--output: replace an existing recording.")] = False,
+    append: Annotated[
+        bool, typer.Option("--append", help="--output: go on writing an existing recording (same fields).")
+    ] = False,
+    rotate: Annotated[
+        str | None,
+        typer.Option(
+            "--rotate",
+            metavar="SIZE|DURATION",
+            help="--output: start a new file at this size (100MB, 1GB) or after this long (1h, 1d is 24h).",
+        ),
+    ] = None,
+    keep: Annotated[
+        int | None, typer.Option("--keep", min=1, metavar="N", help="--rotate: keep the N newest rotated files.")
+    ] = None,
+    flush_every: Annotated[
+        str,
+        typer.Option(
+            "--flush-every",
+            metavar="DURATION",
+            help="--output: fsync this often (what a machine crash can lose; a killed smiquery loses no row).",
+        ),
+    ] = "10s",
     count: Annotated[int | None, typer.Option("--count", "-n", min=1, metavar="N", help="Stop after N sweeps.")] = None,
     duration: Annotated[
         str | None, typer.Option("--duration", "-d", metavar="DURATION", help="Stop after this long: 30s, 10m, 1h.")
@@ -270,8 +307,8 @@ def stream(
         typer.Option(
             "--replay",
             metavar="FILE",
-            help="Play a recording (.csv, .jsonl, .parquet) instead of running nvidia-smi.",
-            dir_okay=False,
+            help="Play a recording (.csv, .jsonl, .parquet) instead of running nvidia-smi; a quoted glob "
+            "('run*.csv') plays a rotated set as one.",
         ),
     ] = None,
     speed: Annotated[
@@ -336,6 +373,7 @@ def stream(
             gpus=gpus,
             fmt=fmt.value if fmt is not None else None,
             output=output,
+            record=RecordOptions(force, append, rotate, keep, flush_every),
             count=count,
             duration=duration,
             replay_path=replay,
@@ -360,6 +398,7 @@ def _stream(
     count: int | None,
     duration: str | None,
     replay_path: Path | None,
+    record: RecordOptions | None = None,
     speed: float,
     loop: bool,
     alerts: Sequence[str],
@@ -372,6 +411,8 @@ def _stream(
     stop_after = parse_seconds(duration, "--duration") if duration is not None else None
     rules, rule_fields = _rules(alerts)
     ids = parse_gpus(gpus)
+    record = record or RecordOptions()
+    record.check(output)
     pump_stop = threading.Event()
     if tz is not None and replay_path is None:
         raise UsageError("--tz goes with --replay: live samples carry this machine's own time zone")
@@ -379,7 +420,19 @@ def _stream(
         source, flds, title = _open_replay(replay_path, fields, rule_fields, ids, speed=speed, loop=loop, tz=tz)
     else:
         source, flds, title = _open_live(settings, fields, rule_fields, ids, seconds, pump_stop)
-    run = _open_outputs(output, flds, fmt, title, rules, exit_on_alert, stale_after=max(5.0, 3 * seconds))
+    notes: list[_Run] = []
+    run = _open_outputs(
+        output,
+        flds,
+        fmt,
+        title,
+        rules,
+        exit_on_alert,
+        record,
+        lambda line: _note(notes, line),
+        stale_after=max(5.0, 3 * seconds),
+    )
+    notes.append(run)
     run.live_time = replay_path is None
     if run.live is not None and replay_path is None and show_processes:
         run.processes = _live_processes(run.live, settings, ids, seconds)
@@ -393,7 +446,8 @@ def _stream(
         table = run.live
         run.events = EventPrinter(lambda line: table.note(line.removeprefix("smiquery: ")))
     try:
-        code = _pump_loop(source, run, count=count, stop_after=stop_after, interval=seconds, stop_event=pump_stop)
+        with reopen_on_hup(run.writers):
+            code = _pump_loop(source, run, count=count, stop_after=stop_after, interval=seconds, stop_event=pump_stop)
     except NoDevicesFoundError:
         wrong = unknown_gpus(ids, settings) if replay_path is None else None
         if wrong is None:
@@ -498,13 +552,15 @@ def _open_outputs(
     title: str,
     rules: Sequence[Rule],
     exit_on_alert: bool,
+    record: RecordOptions | None = None,
+    note: Callable[[str], None] = say,
     *,
     stale_after: float = 5.0,
 ) -> _Run:
     """The recorder of ``--output``, and stdout as CSV, JSONL, the live table or a static table."""
     from smiquery.alerts import BUILTIN_RULES, AlertEvaluator, Rule
     from smiquery.cli.display import LiveTable, use_color
-    from smiquery.recordings import CsvWriter, JsonlWriter, open_recorder
+    from smiquery.recordings import CsvWriter, JsonlWriter
 
     out = sys.stdout
     form = fmt or choose_format(None, out)
@@ -512,14 +568,7 @@ def _open_outputs(
     tty = bool(isatty and isatty())
     writers: list[SampleWriter] = []
     if output is not None:
-        try:
-            writers.append(open_recorder(output, flds))
-        except ValueError as exc:
-            raise UsageError(f"--output: {exc}") from None
-        except OSError as exc:
-            raise SmiqueryError(f"cannot write {output}: {exc.strerror or exc}; choose another --output") from None
-        except RuntimeError as exc:
-            raise SmiqueryError(str(exc)) from None
+        writers.append(open_output(output, flds, record or RecordOptions(), note))
     live: LiveTable | None = None
     evaluator = AlertEvaluator(rules) if rules else None
     if form == "csv":
@@ -551,6 +600,16 @@ def _live_processes(live: LiveTable, settings: Settings, ids: Sequence[str] | No
     )
     live.show_processes = True
     return poller
+
+
+def _note(runs: list[_Run], line: str) -> None:
+    """A recorder's notice (a full disk, a truncated file): the live table's footer when it owns stderr."""
+    run = runs[0] if runs else None
+    err_isatty = getattr(sys.stderr, "isatty", None)
+    if run is not None and run.live is not None and err_isatty is not None and err_isatty():
+        run.live.note(line.removeprefix("smiquery: "))
+    else:
+        say(line)
 
 
 def _notifier(run: _Run, on_alert: Sequence[str], settings: Settings) -> Notifier:

@@ -10,10 +10,10 @@ recorded unless ``tz=`` names the zone.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import tzinfo
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import RecordingError
 from smiquery.fields import Field, resolve_fields
@@ -26,10 +26,13 @@ from smiquery.recordings.base import (
     resolve_zone,
 )
 from smiquery.recordings.csv import CsvSource, CsvWriter, csv_header, read_csv, read_csv_recording
+from smiquery.recordings.dataset import ParquetDataset, is_dataset, read_dataset, recorded_zone
 from smiquery.recordings.frames import MissingReasons, missing_reasons, set_zone, to_dataframe
 from smiquery.recordings.jsonl import JsonlWriter, json_value, read_jsonl, sample_from_json, sample_to_json
 from smiquery.recordings.parquet import ParquetWriter, read_parquet
 from smiquery.recordings.playback import Replay, replay
+from smiquery.recordings.recorder import Policy, TextRecorder
+from smiquery.recordings.sets import Sources, concat_frames, csv_zone, expand_sources, time_order
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -39,16 +42,21 @@ __all__ = [
     "CsvWriter",
     "JsonlWriter",
     "MissingReasons",
+    "ParquetDataset",
     "ParquetWriter",
+    "Policy",
     "RecordingFormat",
     "Replay",
     "SampleWriter",
     "SkippedLines",
+    "Sources",
+    "TextRecorder",
     "csv_header",
     "detect_format",
     "json_value",
     "missing_reasons",
     "open_recorder",
+    "open_recording",
     "read_csv",
     "read_recording",
     "replay",
@@ -61,7 +69,10 @@ __all__ = [
 
 
 def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> SampleWriter:
-    """A writer for ``--output PATH``, by suffix: ``.csv``, ``.jsonl``/``.ndjson`` or ``.parquet``/``.pq``.
+    """A writer for ``PATH`` (replaced if it exists), by suffix: ``.csv``, ``.jsonl``/``.ndjson``, ``.parquet``/``.pq``.
+
+    Parquet is a dataset folder of closed parts (:class:`~smiquery.recordings.dataset.ParquetDataset`).
+    :func:`open_recording` is the recorder ``smiquery stream --output`` uses (refusal, append, rotation).
 
     Raises:
         ValueError: an unknown suffix.
@@ -73,8 +84,70 @@ def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> Samp
     if suffix in (".jsonl", ".ndjson"):
         return JsonlWriter(open(path, "w", encoding="utf-8", newline=""), owns=True)
     if suffix in (".parquet", ".pq"):
-        return ParquetWriter(path)
+        # a dataset of closed parts: memory stays flat and a kill loses nothing (ParquetWriter holds every row)
+        import errno
+
+        target = Path(path)
+        if not target.parent.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "no such directory", os.fspath(target.parent))
+        if target.is_dir() and not is_dataset(target):
+            raise IsADirectoryError(errno.EISDIR, "is a directory (not a smiquery recording)", os.fspath(target))
+        return ParquetDataset(path, fields, policy="force")
     raise ValueError(f"cannot tell the format of {os.fspath(path)!r}: name it .csv, .jsonl or .parquet")
+
+
+def open_recording(
+    path: str | os.PathLike[str],
+    fields: Sequence[Field],
+    *,
+    policy: Policy = "new",
+    rotate_bytes: int | None = None,
+    rotate_seconds: float | None = None,
+    keep: int | None = None,
+    flush_every: float = 10.0,
+    say: Callable[[str], None] | None = None,
+) -> TextRecorder | ParquetDataset:
+    """The recorder of ``smiquery stream --output PATH``, by suffix (see :mod:`smiquery.recordings.recorder`).
+
+    ``.csv`` and ``.jsonl``/``.ndjson`` are files written a line per row; ``.parquet``/``.pq`` is a dataset
+    folder of closed parts (:mod:`smiquery.recordings.dataset`). Nothing is held in memory but one part's close.
+
+    Args:
+        path: the recording.
+        fields: its columns.
+        policy: ``"new"`` refuses an existing recording, ``"force"`` replaces it, ``"append"`` goes on writing it.
+        rotate_bytes: start a new file (a new part) at this size.
+        rotate_seconds: start a new file (a new part) after this long.
+        keep: rotated files (parts) to keep; None keeps all.
+        flush_every: seconds between ``fsync`` calls.
+        say: where one-line notices go (a full disk, a truncated file).
+
+    Raises:
+        UsageError: an unknown suffix, an existing recording under ``"new"``, other columns under ``"append"``.
+        RecordingError: it cannot be written there.
+        RuntimeError: Parquet without pyarrow.
+    """
+    from smiquery.errors import UsageError
+
+    suffix = Path(path).suffix.lower()
+    common: dict[str, Any] = {
+        "policy": policy,
+        "rotate_bytes": rotate_bytes,
+        "rotate_seconds": rotate_seconds,
+        "keep": keep,
+        "flush_every": flush_every,
+    }
+    if say is not None:
+        common["say"] = say
+    if suffix == ".csv":
+        return TextRecorder(path, fields, kind="csv", **common)
+    if suffix in (".jsonl", ".ndjson"):
+        return TextRecorder(path, fields, kind="jsonl", **common)
+    if suffix in (".parquet", ".pq"):
+        return ParquetDataset(path, fields, **common)
+    raise UsageError(
+        f"--output {os.fspath(path)}: cannot tell the format from the name; name it .csv, .jsonl or .parquet"
+    )
 
 
 def _check_recorded(df: pd.DataFrame, wanted: Sequence[Field], path: str) -> None:
@@ -90,7 +163,7 @@ def _check_recorded(df: pd.DataFrame, wanted: Sequence[Field], path: str) -> Non
 
 
 def read_recording(
-    source: str | os.PathLike[str],
+    source: Sources,
     *,
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
@@ -103,14 +176,17 @@ def read_recording(
     column (one GPU, e.g. ``timestamp, power.draw``) reads as GPU 0.
 
     Args:
-        source: the file (``.csv``, ``.jsonl``, ``.parquet``; other names are sniffed).
+        source: the file (``.csv``, ``.jsonl``, ``.parquet`` file or dataset folder; other names are sniffed), or
+            several, or a glob (``"run*.csv"``): a rotated set is read as one recording, its files in the order of
+            their first timestamps.
         fields: names, a preset or a comma list. For a headerless CSV log, its columns in order (required).
             For a recording that names its columns (a header, JSONL, Parquet), each must be one of them (all
             columns are read all the same).
         tz: the zone the recording was made in (an IANA name such as ``"Europe/Berlin"``, or a ``tzinfo``):
-            timestamps recorded without a zone are localized to it, ones with a zone converted to it. Default None
-            keeps them as recorded: naive for nvidia-smi's CSV (it prints local time with no zone), never assumed
-            to be UTC.
+            timestamps recorded without a zone are localized to it, ones with a zone converted to it. Default None:
+            the zone the recording names (``smiquery stream --output`` records it: ``run.csv.meta.json`` beside a
+            CSV, ``_smiquery.json`` in a Parquet dataset), else as recorded: naive for a plain nvidia-smi CSV log
+            (it prints local time with no zone), never assumed to be UTC.
 
     Returns:
         One row per sample, in file order; ``attrs["headerless"]`` is True when ``fields`` named the columns.
@@ -121,23 +197,34 @@ def read_recording(
         InvalidFieldError: an unknown name in ``fields``.
         InvalidTimeZoneError: an unknown time zone name.
     """
+    zone = resolve_zone(tz)
+    wanted = resolve_fields(fields) if fields is not None else None
+    paths = expand_sources(source)
+    if len(paths) == 1:
+        return _read_one(paths[0], wanted, zone)
+    frames = [_read_one(p, wanted, zone) for p in paths]
+    return concat_frames([frames[i] for i in time_order(frames)])
+
+
+def _read_one(path: str, wanted: Sequence[Field] | None, zone: tzinfo | None) -> pd.DataFrame:
     import numpy as np
     import pandas as pd
 
-    zone = resolve_zone(tz)
-    wanted = resolve_fields(fields) if fields is not None else None
-    path = os.fspath(source)
-    check_file(path)
-    fmt = detect_format(path)
     as_columns = False
-    if fmt == "csv":
-        df, as_columns = read_csv_recording(path, wanted, zone)
-    elif fmt == "parquet":
-        df = read_parquet(path)
-        set_zone(df, zone)
+    if os.path.isdir(path) and is_dataset(path):
+        df = read_dataset(path)
+        set_zone(df, zone if zone is not None else recorded_zone(path))
     else:
-        df = read_jsonl(path, zone)
-        set_zone(df, zone)
+        check_file(path)
+        fmt = detect_format(path)
+        if fmt == "csv":
+            df, as_columns = read_csv_recording(path, wanted, zone if zone is not None else csv_zone(path))
+        elif fmt == "parquet":
+            df = read_parquet(path)
+            set_zone(df, zone)
+        else:
+            df = read_jsonl(path, zone)
+            set_zone(df, zone)
     if len(df) == 0:
         raise RecordingError(f"recording {path} holds no readable rows")
     if "index" not in df.columns:

@@ -28,7 +28,10 @@ __all__ = ["ParquetWriter", "read_parquet", "read_parquet_samples"]
 
 
 class ParquetWriter:
-    """Records samples to a Parquet file (pandas and pyarrow are imported on first use).
+    """Records samples to one Parquet file (pandas and pyarrow are imported on first use).
+
+    It holds every row in memory and rewrites the file: fine for short runs. For recordings left running use
+    :class:`~smiquery.recordings.dataset.ParquetDataset` (what ``stream --output x.parquet`` writes).
 
     Samples are buffered and the file is rewritten (to a temporary name, then renamed over the target) every
     ``chunk_rows`` samples or ``chunk_seconds`` seconds, and on :meth:`close`. So the file on disk is always a

@@ -18,8 +18,10 @@ from smiquery.errors import ParseError, ReplayError
 from smiquery.fields import Field, resolve_fields
 from smiquery.recordings.base import RecordingFormat, check_file, detect_format, resolve_zone
 from smiquery.recordings.csv import read_csv_samples
+from smiquery.recordings.dataset import dataset_files, is_dataset, recorded_zone
 from smiquery.recordings.jsonl import read_jsonl_samples
 from smiquery.recordings.parquet import read_parquet_samples
+from smiquery.recordings.sets import Sources, csv_zone, expand_sources
 from smiquery.recordings.values import field_for, with_gpu0, with_timestamp
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
@@ -42,7 +44,7 @@ class Replay(LatestSweep):
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: Sources,
         *,
         speed: float = 1.0,
         fields: str | Sequence[str] | None = None,
@@ -56,14 +58,17 @@ class Replay(LatestSweep):
     ) -> None:
         if speed < 0 or speed != speed:
             raise ValueError("speed must be 0 (as fast as possible) or more")
-        self.path = os.fspath(path)
-        check_file(self.path, ReplayError)
+        self.paths = expand_sources(path, error=ReplayError)
+        for p in self.paths:
+            if not is_dataset(p):
+                check_file(p, ReplayError)
+        self.path = self.paths[0] if len(self.paths) == 1 else f"{self.paths[0]} (+{len(self.paths) - 1} more)"
         self._columns = resolve_fields(columns) if columns is not None else None
         #: The zone timestamps are given in (``tz=``); None keeps them as recorded (naive when no zone was).
         self.tz: tzinfo | None = resolve_zone(tz)
         self.speed = float(speed)
         self.loop = loop
-        self.format: RecordingFormat = fmt or detect_format(self.path)
+        self.format: RecordingFormat = fmt or ("parquet" if is_dataset(self.paths[0]) else detect_format(self.paths[0]))
         self.gpus = normalize_gpus(gpus)
         self._wanted = resolve_fields(fields) if fields is not None else None
         if self._wanted is not None and not any(f.name == "index" for f in self._wanted):
@@ -81,6 +86,8 @@ class Replay(LatestSweep):
         #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
         self.gpu_count = 0
         self._peek_error: ParseError | None = None
+        if len(self.paths) > 1:
+            self.paths = self._time_ordered(self.paths, fmt)
         first = self._peek()
         if first is None and self._columns is not None:
             columns = ",".join(f.name for f in self._columns)
@@ -119,18 +126,52 @@ class Replay(LatestSweep):
         return with_gpu0(self._file_samples())
 
     def _file_samples(self) -> Iterator[GpuSample]:
-        if self.format == "parquet":
-            yield from read_parquet_samples(self.path, self.tz)
+        for path in self.paths:
+            yield from self._one_file(path, self.format if len(self.paths) == 1 else None)
+
+    def _time_ordered(self, paths: list[str], fmt: RecordingFormat | None) -> list[str]:
+        """Several files (a rotated set) in the order of their first timestamps, whatever their names."""
+        firsts: list[datetime | None] = []
+        for p in paths:
+            first = next(iter(self._one_file(p, fmt, lambda err: None)), None)
+            ts = first.timestamp if first is not None else None
+            firsts.append(ts.replace(tzinfo=None) if isinstance(ts, datetime) and ts.tzinfo is None else ts)
+        try:
+            return [p for _, p in sorted(zip(firsts, paths, strict=True), key=lambda t: (t[0] is None, t[0] or 0))]
+        except TypeError:  # naive and aware times mixed: the order given
+            return paths
+
+    def _one_file(
+        self, path: str, fmt: RecordingFormat | None, on_drop: Callable[[ParseError], None] | None = None
+    ) -> Iterator[GpuSample]:
+        drop = on_drop if on_drop is not None else self._on_drop
+        if is_dataset(path):
+            zone = self.tz if self.tz is not None else recorded_zone(path)
+            parts, journals = dataset_files(path)
+            for part in parts:
+                yield from read_parquet_samples(os.fspath(part), zone)
+            for journal in journals:
+                yield from self._text_samples(os.fspath(journal), "jsonl", zone, drop)
             return
+        kind = fmt or detect_format(path)
+        if kind == "parquet":
+            yield from read_parquet_samples(path, self.tz)
+            return
+        zone = self.tz if self.tz is not None or kind != "csv" else csv_zone(path)
+        yield from self._text_samples(path, kind, zone, drop)
+
+    def _text_samples(
+        self, path: str, kind: RecordingFormat, tz: tzinfo | None, on_drop: Callable[[ParseError], None]
+    ) -> Iterator[GpuSample]:
         try:
-            fh = open(self.path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115 - closed below
+            fh = open(path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115 - closed below
         except OSError as exc:
-            raise ReplayError(f"cannot read recording {self.path}: {exc.strerror or exc}") from exc
+            raise ReplayError(f"cannot read recording {path}: {exc.strerror or exc}") from exc
         try:
-            if self.format == "jsonl":
-                yield from read_jsonl_samples(fh, self._on_drop, self.tz)
+            if kind == "jsonl":
+                yield from read_jsonl_samples(fh, on_drop, tz)
             else:
-                yield from read_csv_samples(fh, self.path, self._on_drop, self._columns, self.tz)
+                yield from read_csv_samples(fh, path, on_drop, self._columns, tz)
         finally:
             fh.close()
 
@@ -330,7 +371,7 @@ class Replay(LatestSweep):
 
 
 def replay(
-    path: str | os.PathLike[str],
+    path: Sources,
     *,
     speed: float = 1.0,
     fields: str | Sequence[str] | None = None,
@@ -349,7 +390,9 @@ def replay(
 
     Args:
         path: a CSV in nvidia-smi's ``--format=csv`` format (with its header; units or not), a JSONL file as
-            written by ``smiquery stream --output x.jsonl``, or a Parquet file written by ``--output x.parquet``.
+            written by ``smiquery stream --output x.jsonl``, or a Parquet file or dataset folder written by
+            ``--output x.parquet``; or several of them, or a glob (``"run*.csv"``): a rotated set plays as one
+            recording, its files in the order of their first timestamps.
         speed: playback speed; 2 plays twice as fast, 0 as fast as possible. Gaps longer than
             :data:`MAX_GAP_SECONDS` (after scaling) are skipped. Recordings without timestamps are not paced.
         fields: only these fields (a preset, ``"a,b,c"`` or names); ``index`` is always kept. None: all.

@@ -287,6 +287,7 @@ def install_default(runner: Runner | None) -> Runner | None:
     previous, _installed = _installed, runner
     return previous
 
+
 def _run_to_end(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, bytes, bool]:
     """Read a one-shot child's output to its end; returns (stdout, stderr, finished in time).
 

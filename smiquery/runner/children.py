@@ -55,7 +55,6 @@ MAX_ERR_BYTES = 64 * 1024
 LINUX = sys.platform.startswith("linux")
 
 
-
 # ------------------------------------------------------------------------------------------ child bookkeeping
 
 # Children alive right now, with the pid of the process that started them: killed at interpreter exit so a loop
@@ -371,5 +370,3 @@ class PidWatch:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = None
-
-

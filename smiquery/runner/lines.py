@@ -307,5 +307,3 @@ class LineStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-

@@ -1,0 +1,154 @@
+"""The recorder of ``smiquery stream --output``: its options, opening it, and SIGHUP.
+
+The options are ``--force``, ``--append``, ``--rotate``, ``--keep`` and ``--flush-every``; every failure to open
+is one line naming the file; SIGHUP reopens it (logrotate's create mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from smiquery.cli._options import parse_seconds
+from smiquery.errors import RecordingError, SmiqueryError, UsageError
+from smiquery.fields import Field
+
+if TYPE_CHECKING:
+    from smiquery.recordings import ParquetDataset, Policy, TextRecorder
+
+__all__ = ["RecordOptions", "open_output", "parse_rotate", "parse_size", "reopen_on_hup"]
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, what: str) -> int:
+    """Bytes from ``100MB``, ``1.5GB``, ``500k``, ``64MiB`` (powers of 1000, or 1024 with ``i``).
+
+    Raises:
+        UsageError: not a positive size.
+    """
+    m = _SIZE_RE.match(text)
+    if m is None or float(m.group(1)) <= 0:
+        raise UsageError(f"{what} {text!r}: give a size such as 100MB or 1GB, or a duration such as 1h or 30m")
+    power = " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+def parse_rotate(text: str) -> tuple[int | None, float | None]:
+    """``--rotate``: a size (``100MB``: bytes) or a duration (``1h``: seconds).
+
+    Returns:
+        (bytes, None) or (None, seconds).
+
+    Raises:
+        UsageError: neither.
+    """
+    if re.search(r"b\s*$", text, re.IGNORECASE) or re.search(r"\d\s*[kgt]i?\s*$", text, re.IGNORECASE):
+        return parse_size(text, "--rotate"), None
+    try:
+        return None, parse_seconds(text, "--rotate")
+    except UsageError:
+        raise UsageError(
+            f"--rotate {text!r}: give a size such as 100MB or 1GB, or a duration such as 1h or 30m"
+        ) from None
+
+
+@dataclass(frozen=True)
+class RecordOptions:
+    """What ``stream`` was told about its ``--output``."""
+
+    force: bool = False
+    append: bool = False
+    rotate: str | None = None
+    keep: int | None = None
+    flush_every: str = "10s"
+
+    def check(self, output: Path | None) -> None:
+        """Options that need ``--output``, or each other, fail before anything starts.
+
+        Raises:
+            UsageError: a recorder option without ``--output``, ``--force`` with ``--append``, ``--keep``
+                without ``--rotate``.
+        """
+        named = [
+            n
+            for n, on in (
+                ("--force", self.force),
+                ("--append", self.append),
+                ("--rotate", self.rotate),
+                ("--keep", self.keep is not None),
+            )
+            if on
+        ]
+        if output is None and named:
+            raise UsageError(f"{named[0]} goes with --output FILE")
+        if self.force and self.append:
+            raise UsageError("--force replaces the recording and --append continues it: pass one of them")
+        if self.keep is not None and self.rotate is None:
+            raise UsageError("--keep N keeps N rotated files: pass --rotate SIZE|DURATION too")
+
+
+def open_output(
+    output: Path, fields: Sequence[Field], options: RecordOptions, say: Callable[[str], None]
+) -> TextRecorder | ParquetDataset:
+    """The recorder for ``--output``, every failure one line naming the file (exit 2 for a usage error).
+
+    Raises:
+        UsageError: an existing file without --force/--append, other columns under --append, an unknown suffix,
+            a bad --rotate or --flush-every.
+        SmiqueryError: the file cannot be created there, or Parquet without pyarrow.
+    """
+    from smiquery.recordings import open_recording
+
+    options.check(output)
+    rotate_bytes, rotate_seconds = parse_rotate(options.rotate) if options.rotate is not None else (None, None)
+    text = options.flush_every.strip()
+    flush_every = 0.0 if text in ("0", "0s") else parse_seconds(text, "--flush-every")
+    policy: Policy = "force" if options.force else "append" if options.append else "new"
+    try:
+        return open_recording(
+            output,
+            fields,
+            policy=policy,
+            rotate_bytes=rotate_bytes,
+            rotate_seconds=rotate_seconds,
+            keep=options.keep,
+            flush_every=flush_every,
+            say=say,
+        )
+    except (UsageError, RecordingError):
+        raise
+    except OSError as exc:
+        raise SmiqueryError(
+            f"cannot write {output}: {(exc.strerror or str(exc)).lower()}; choose another --output"
+        ) from None
+    except RuntimeError as exc:
+        raise SmiqueryError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def reopen_on_hup(recorders: Sequence[object]) -> Iterator[None]:
+    """While inside, SIGHUP makes each recorder reopen its file before its next row (logrotate's create mode).
+
+    Outside the main thread (no handler can be set there) it does nothing.
+    """
+    targets = [r for r in recorders if callable(getattr(r, "reopen", None))]
+    if not targets or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGHUP"):
+        yield
+        return
+
+    def on_hup(signum: int, frame: object) -> None:
+        for r in targets:
+            r.reopen()  # type: ignore[attr-defined]
+
+    saved = signal.signal(signal.SIGHUP, on_hup)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, saved)

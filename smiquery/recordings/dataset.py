@@ -1,0 +1,365 @@
+"""Parquet recordings as a dataset of closed part files, so that nothing is held in memory and a kill loses nothing.
+
+``smiquery stream --output run.parquet`` makes ``run.parquet`` a folder::
+
+    run.parquet/
+      _smiquery.json        what is recorded: {"format", "version", "fields", "tz"} (the zone of the first row)
+      part-000001.parquet   closed parts, each a whole Parquet file (written aside, then renamed into place)
+      part-000002.parquet
+      _open.jsonl           the rows of the part being recorded, one JSON line per row, written as they come
+
+A Parquet file is readable only once its footer is written, so the rows of the open part go to a journal
+(``_open.jsonl``) and become a part when it closes: after an hour, 50,000 rows, ``--rotate`` or SIGHUP. A killed
+recorder leaves whole parts and a journal of whole lines; :func:`read_dataset` (and so ``read_recording``,
+``report``, ``plot``) reads both as one recording. Tools that read Parquet datasets (pandas, pyarrow, DuckDB,
+Spark) read the closed parts: names starting with ``_`` are skipped by them. Closing a part renames the journal
+``_closing-N.jsonl`` first, so a crash while it closes leaves either the journal or the part, never both read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from datetime import tzinfo
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from smiquery.errors import RecordingError, UsageError
+from smiquery.fields import Field
+from smiquery.recordings.frames import missing_reasons, to_dataframe
+from smiquery.recordings.recorder import FULL_DISK, Policy, TextRecorder, check_target, prune_rotated, zone_name
+from smiquery.sample import GpuSample
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["META", "ParquetDataset", "dataset_files", "is_dataset", "read_dataset", "recorded_zone"]
+
+META = "_smiquery.json"
+JOURNAL = "_open.jsonl"
+_PART_RE = re.compile(r"^part-(\d+)\.parquet$")
+_CLOSING_RE = re.compile(r"^_closing-(\d+)\.jsonl$")
+
+
+def _quiet(line: str) -> None:
+    """The default of ``say``: nothing."""
+
+
+def is_dataset(path: str | os.PathLike[str]) -> bool:
+    """True for a folder ``smiquery stream --output X.parquet`` wrote (it holds ``_smiquery.json``)."""
+    return os.path.isfile(os.path.join(path, META))
+
+
+def recorded_zone(path: str | os.PathLike[str]) -> tzinfo | None:
+    """The time zone a dataset was recorded in (its ``_smiquery.json``), or None when it does not say."""
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    try:
+        with open(os.path.join(path, META), encoding="utf-8") as fh:
+            name = json.load(fh).get("tz")
+        return ZoneInfo(name) if isinstance(name, str) and name else None
+    except (OSError, ValueError, AttributeError, ZoneInfoNotFoundError):
+        return None
+
+
+def dataset_files(path: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]:
+    """The closed parts and the journals still to read (a closing one whose part is missing, the open one).
+
+    Args:
+        path: the dataset folder.
+
+    Returns:
+        (parts, journals), each oldest first.
+    """
+    root = Path(path)
+    parts: dict[int, Path] = {}
+    closing: dict[int, Path] = {}
+    for p in root.iterdir():
+        if m := _PART_RE.match(p.name):
+            parts[int(m.group(1))] = p
+        elif m := _CLOSING_RE.match(p.name):
+            closing[int(m.group(1))] = p
+    journals = [closing[n] for n in sorted(closing) if n not in parts]
+    if (root / JOURNAL).is_file():
+        journals.append(root / JOURNAL)
+    return [parts[n] for n in sorted(parts)], journals
+
+
+def read_dataset(path: str, *, error: type[RecordingError] = RecordingError) -> pd.DataFrame:
+    """A dataset folder as one DataFrame: its parts in order, then the rows of the journals.
+
+    Args:
+        path: the folder.
+        error: the error to raise.
+
+    Raises:
+        RecordingError: it holds no readable row, or a part is no Parquet file.
+    """
+    from smiquery.recordings.jsonl import read_jsonl
+    from smiquery.recordings.parquet import read_parquet
+    from smiquery.recordings.sets import concat_frames
+
+    parts, journals = dataset_files(path)
+    frames = [read_parquet(os.fspath(p), error=error) for p in parts]
+    for j in journals:
+        if os.path.getsize(j) == 0:
+            continue
+        try:
+            frames.append(read_jsonl(os.fspath(j), None))
+        except RecordingError:
+            continue  # a journal of only a torn line: nothing to add
+    if not frames:
+        raise error(f"recording {path} holds no readable rows yet")
+    return concat_frames(frames)
+
+
+class ParquetDataset:
+    """Records samples into a dataset folder (see the module): a JSONL journal, closed into Parquet parts.
+
+    Args:
+        path: the folder (``run.parquet``).
+        fields: the columns recorded.
+        policy: ``"new"``, ``"force"`` or ``"append"`` (see :func:`~smiquery.recordings.recorder.check_target`).
+        rotate_bytes: close the part once its journal holds this many bytes.
+        rotate_seconds: close the part after this long (default one hour).
+        keep: how many closed parts to keep (None: all).
+        flush_every: seconds between ``fsync`` calls of the journal.
+        part_rows: close the part at this many rows (bounds the memory a close takes).
+        say: where one-line notices go.
+        clock: monotonic seconds.
+
+    Raises:
+        UsageError: it exists and ``policy`` is ``"new"``, it is a file or another folder, or has other columns.
+        RecordingError: the folder cannot be made or written.
+        RuntimeError: pyarrow is not installed.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        fields: Sequence[Field],
+        *,
+        policy: Policy = "new",
+        rotate_bytes: int | None = None,
+        rotate_seconds: float | None = None,
+        keep: int | None = None,
+        flush_every: float = 10.0,
+        part_rows: int = 50_000,
+        say: Callable[[str], None] = _quiet,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError("writing Parquet needs pyarrow: pip install 'smiquery[parquet]'") from exc
+        self.path = Path(path)
+        self.fields = tuple(fields)
+        self.rotate_bytes = rotate_bytes
+        self.rotate_seconds = rotate_seconds if rotate_seconds is not None else 3600.0
+        self.keep = keep
+        self.part_rows = part_rows
+        self.say = say
+        self.clock = clock
+        self._flush_every = flush_every
+        self._closed = False
+        self._reopen = False
+        self._schema: Any = None
+        self._zone_due = True
+        if check_target(self.path, policy):
+            self._take_over(policy)
+        try:
+            self.path.mkdir(exist_ok=True)
+            if not (self.path / META).exists():
+                meta = {"format": "smiquery-parquet-dataset", "version": 1, "fields": [f.name for f in self.fields]}
+                self._put_meta(meta)
+        except OSError as exc:
+            raise RecordingError(f"cannot write {self.path}: {(exc.strerror or str(exc)).lower()}") from None
+        journal = self.path / JOURNAL
+        if journal.exists() and journal.stat().st_size > 0:
+            # a killed recorder's open part: its own part, before this run's rows
+            os.replace(journal, self.path / f"_closing-{self._next_number():06d}.jsonl")
+        self._close_leftovers()
+        self._journal = self._new_journal()
+
+    def _put_meta(self, meta: dict[str, Any]) -> None:
+        tmp = self.path / f".{META}.tmp"
+        tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path / META)
+
+    def _learn_zone(self, sample: GpuSample) -> None:
+        """Record the zone of the first row's timestamp (see :func:`~smiquery.recordings.recorder.zone_name`)."""
+        self._zone_due = False
+        try:
+            meta = json.loads((self.path / META).read_text(encoding="utf-8"))
+            if isinstance(meta, dict) and "tz" not in meta:
+                meta["tz"] = zone_name(sample)
+                self._put_meta(meta)
+        except (OSError, ValueError) as exc:
+            self.say(f"smiquery: cannot write {self.path / META}: {exc}; the recording's time zone is not recorded")
+
+    def _take_over(self, policy: Policy) -> None:
+        if self.path.is_file():
+            if policy == "append":
+                raise UsageError(
+                    f"--append: {self.path} is a single Parquet file from an older smiquery; record to another --output"
+                )
+            self.path.unlink()
+            return
+        if not is_dataset(self.path):
+            raise UsageError(f"{self.path} is a folder but no smiquery recording; choose another --output")
+        if policy == "force":
+            for p in self.path.iterdir():
+                if _PART_RE.match(p.name) or _CLOSING_RE.match(p.name) or p.name in (JOURNAL, META):
+                    p.unlink()
+            return
+        try:
+            have = json.loads((self.path / META).read_text(encoding="utf-8")).get("fields")
+        except (OSError, ValueError, AttributeError):
+            have = None
+        want = [f.name for f in self.fields]
+        if isinstance(have, list) and have != want:
+            raise UsageError(
+                f"--append: {self.path} records {','.join(map(str, have))}, not {','.join(want)}; "
+                "pass the same --fields or record to another --output"
+            )
+
+    def _new_journal(self) -> TextRecorder:
+        return TextRecorder(
+            self.path / JOURNAL,
+            self.fields,
+            kind="jsonl",
+            policy="append",
+            flush_every=self._flush_every,
+            say=self.say,
+            clock=self.clock,
+        )
+
+    def header(self) -> None:
+        """Nothing to write before the first row (kept for the writers' protocol)."""
+
+    def reopen(self) -> None:
+        """Close the open part before the next row (SIGHUP). Signal-safe."""
+        self._reopen = True
+
+    def write(self, sample: GpuSample) -> None:
+        """Write one sample to the journal; close the part first when it is due."""
+        j = self._journal
+        due = (
+            self._reopen
+            or j.rows >= self.part_rows
+            or (self.rotate_bytes is not None and j.size >= self.rotate_bytes)
+            or (j.rows > 0 and j.age >= self.rotate_seconds)
+        )
+        if due:
+            self._reopen = False
+            self.close_part()
+        self._journal.write(sample)
+        if self._zone_due:
+            self._learn_zone(sample)
+
+    def close_part(self) -> None:
+        """Turn the journal into the next closed part (a full disk leaves the journal to a later try)."""
+        self._journal.close()
+        journal = self.path / JOURNAL
+        if journal.exists() and journal.stat().st_size > 0:
+            n = self._next_number()
+            os.replace(journal, self.path / f"_closing-{n:06d}.jsonl")
+        self._close_leftovers()
+        self._journal = self._new_journal()
+
+    def _next_number(self) -> int:
+        numbers = [0]
+        for p in self.path.iterdir():
+            m = _PART_RE.match(p.name) or _CLOSING_RE.match(p.name)
+            if m:
+                numbers.append(int(m.group(1)))
+        return max(numbers) + 1
+
+    def _close_leftovers(self) -> None:
+        """Make parts of the closing journals (also a killed recorder's, on --append)."""
+        parts, journals = dataset_files(self.path)
+        done = {_PART_RE.match(p.name).group(1) for p in parts}  # type: ignore[union-attr]
+        for p in self.path.iterdir():
+            m = _CLOSING_RE.match(p.name)
+            if m and m.group(1) in done:
+                p.unlink()  # its part was renamed into place before the kill
+        for j in journals:
+            m = _CLOSING_RE.match(j.name)
+            if m is None:
+                continue
+            try:
+                self._write_part(j, self.path / f"part-{m.group(1)}.parquet")
+            except OSError as exc:
+                if exc.errno not in FULL_DISK:
+                    raise RecordingError(f"cannot write {self.path}: {(exc.strerror or str(exc)).lower()}") from None
+                self.say(f"smiquery: cannot close a part of {self.path}: the disk is full; its rows stay in {j.name}")
+                return
+            j.unlink()
+        prune_rotated(dataset_files(self.path)[0], self.keep, self.say)
+
+    def _write_part(self, journal: Path, target: Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from smiquery.recordings.jsonl import read_jsonl_samples
+
+        with open(journal, encoding="utf-8", errors="replace", newline="") as fh:
+            samples = list(read_jsonl_samples(fh, lambda err: None, None))
+        if not samples:
+            return
+        df = to_dataframe(samples)
+        del samples
+        missing = missing_reasons(df)
+        attrs = {
+            "fields": df.attrs.get("fields"),
+            "units": df.attrs.get("units"),
+            "missing": {c: {str(k): v for k, v in missing[c].items()} for c in missing},
+        }
+        df.attrs = {}
+        table = pa.Table.from_pandas(df, preserve_index=False)
+        if self._schema is None:
+            parts = dataset_files(self.path)[0]
+            if parts:
+                self._schema = pq.read_schema(parts[0]).remove_metadata()
+        if self._schema is not None:
+            try:
+                table = table.cast(self._schema)
+            except (pa.ArrowInvalid, ValueError, TypeError):
+                pass  # other types than the first part: still a readable part
+        else:
+            self._schema = table.schema.remove_metadata()
+        meta = dict(table.schema.metadata or {})
+        meta[b"PANDAS_ATTRS"] = json.dumps(attrs).encode("utf-8")
+        tmp = target.with_name(f".{target.name}.tmp")
+        try:
+            pq.write_table(table.replace_schema_metadata(meta), tmp)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        dfd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    @property
+    def rows(self) -> int:
+        """Rows in the open part."""
+        return self._journal.rows
+
+    def close(self) -> None:
+        """Close the open part into a Parquet part. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.close_part()
+        self._journal.close()
+        journal = self.path / JOURNAL
+        if journal.exists() and journal.stat().st_size == 0:
+            journal.unlink()

@@ -1,0 +1,441 @@
+"""``smiquery stream --output``: a recorder that can be left running for weeks.
+
+:func:`open_recording` picks the format by the file name. CSV and JSONL go to a :class:`TextRecorder`, Parquet to
+a :class:`~smiquery.recordings.dataset.ParquetDataset`. What both promise:
+
+* Every row is handed to the kernel when it arrives (one ``write`` per row, whole lines), so a killed smiquery
+  (SIGKILL) loses no written row; ``flush_every`` seconds bound what a crash of the machine can lose (``fsync``).
+* An existing recording is refused unless ``policy`` is ``"force"`` (replace it) or ``"append"`` (go on writing
+  it; its columns must be the ones recorded).
+* A full disk drops rows (the file is cut back to its last whole line, so it stays readable) and recording
+  resumes by itself once there is space; one line says so each time, with the count of rows lost.
+* ``rotate_bytes``/``rotate_seconds`` close the file and rename it ``run.20261204T065000.csv`` (the time it was
+  started), ``keep`` of those are kept. :meth:`TextRecorder.reopen` (SIGHUP, logrotate's ``create`` mode) opens the
+  path again; a file that shrank under the recorder (logrotate's ``copytruncate``) is written on at its new end.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+from smiquery.errors import RecordingError, UsageError
+from smiquery.fields import Field
+from smiquery.parsing import format_row, header_line
+from smiquery.recordings.jsonl import sample_to_json
+from smiquery.sample import GpuSample
+
+__all__ = [
+    "FULL_DISK",
+    "META_SUFFIX",
+    "Policy",
+    "TextRecorder",
+    "check_target",
+    "prune_rotated",
+    "rotated_name",
+    "rotated_siblings",
+    "zone_name",
+]
+
+Policy = Literal["new", "force", "append"]
+
+#: Errors of a write that mean "no room" (rows are dropped until there is some), not "cannot write here".
+FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+#: A CSV recording's metadata file beside it (``run.csv.meta.json``): the recorder's time zone, the fields. The CSV
+#: itself stays plain nvidia-smi CSV that any tool reads; JSONL keeps each timestamp's offset instead.
+META_SUFFIX = ".meta.json"
+
+_STAMP = "%Y%m%dT%H%M%S"
+_ROTATED_RE = r"\.\d{8}T\d{6}(?:-\d+)?"
+
+
+def _quiet(line: str) -> None:
+    """The default of ``say``: nothing (the CLI passes its own)."""
+
+
+def zone_name(sample: GpuSample) -> str | None:
+    """The IANA zone a sample's timestamp is in (what a CSV's wall-clock times mean), or None when unknown.
+
+    A live sample carries this host's zone; a replayed one the zone ``--tz`` gave it, or none (naive times from a
+    plain log: recording a zone for them would be a guess).
+    """
+    ts = sample.timestamp
+    if not isinstance(ts, datetime) or ts.tzinfo is None:
+        return None
+    key = getattr(ts.tzinfo, "key", None)
+    if isinstance(key, str):
+        return key
+    from smiquery.recordings.frames import local_zone
+
+    local = local_zone()
+    key = getattr(local, "key", None)
+    return key if isinstance(key, str) and local.utcoffset(ts.replace(tzinfo=None)) == ts.utcoffset() else None
+
+
+def check_target(path: Path, policy: Policy) -> bool:
+    """Refuse to replace a recording by accident.
+
+    Args:
+        path: the ``--output`` path.
+        policy: ``"new"`` (refuse an existing one), ``"force"`` (replace) or ``"append"``.
+
+    Returns:
+        True when ``path`` exists (and the policy lets it).
+
+    Raises:
+        UsageError: it exists and the policy is ``"new"``, or it is a directory that is no Parquet dataset.
+    """
+    exists = path.exists()
+    if exists and policy == "new":
+        raise UsageError(
+            f"{path} already exists; pass --append to go on writing it, --force to replace it, or another --output"
+        )
+    return exists
+
+
+def rotated_name(path: Path, started: float) -> Path:
+    """The name a rotated file takes: ``run.csv`` started at 06:50:00 becomes ``run.20261204T065000.csv``.
+
+    Args:
+        path: the live file.
+        started: when it was started (seconds since the epoch).
+
+    Returns:
+        A name not taken yet (``-2``, ``-3`` ... appended within one second).
+    """
+    stamp = datetime.fromtimestamp(started).strftime(_STAMP)
+    target = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
+    n = 2
+    while target.exists():
+        target = path.with_name(f"{path.stem}.{stamp}-{n}{path.suffix}")
+        n += 1
+    return target
+
+
+def rotated_siblings(path: Path) -> list[Path]:
+    """The rotated files of ``path``, oldest first (their names sort by the time they were started).
+
+    Args:
+        path: the live file (``run.csv``).
+
+    Returns:
+        ``run.<stamp>.csv`` files beside it.
+    """
+    pattern = re.compile(re.escape(path.stem) + _ROTATED_RE + re.escape(path.suffix) + "$")
+    try:
+        names = [p for p in path.parent.iterdir() if pattern.match(p.name)]
+    except OSError:
+        return []
+    return sorted(names, key=_stamp_key)
+
+
+def _stamp_key(p: Path) -> tuple[str, int]:
+    m = re.search(r"\.(\d{8}T\d{6})(?:-(\d+))?\.[^.]*$", p.name)
+    if m is None:
+        return (p.name, 0)
+    return (m.group(1), int(m.group(2) or 1))
+
+
+def prune_rotated(files: Sequence[Path], keep: int | None, say: Callable[[str], None]) -> None:
+    """Delete all but the newest ``keep`` of ``files`` (oldest first); None keeps them all.
+
+    Args:
+        files: rotated files or parts, oldest first.
+        keep: how many to keep.
+        say: where a failed delete is told.
+    """
+    if keep is None or len(files) <= keep:
+        return
+    for old in files[: len(files) - keep]:
+        try:
+            old.with_name(old.name + META_SUFFIX).unlink(missing_ok=True)
+            old.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            say(f"smiquery: cannot delete the old recording {old} (--keep): {exc.strerror or exc}")
+
+
+class TextRecorder:
+    """Records samples as nvidia-smi CSV (``kind="csv"``) or JSONL, one whole line per ``write`` call.
+
+    Args:
+        path: the file.
+        fields: the columns (CSV header; the columns an appended file must have).
+        kind: ``"csv"`` or ``"jsonl"``.
+        policy: what to do with an existing file (see :func:`check_target`).
+        rotate_bytes: start a new file once this one holds this many bytes.
+        rotate_seconds: start a new file after this long.
+        keep: how many rotated files to keep (None: all).
+        flush_every: seconds between ``fsync`` calls (what a machine crash can lose); 0 syncs every row.
+        say: where one-line notices go (full disk, truncation, recovery).
+        clock: monotonic seconds (tests pass their own).
+
+    Raises:
+        UsageError: the file exists and ``policy`` is ``"new"``, or an appended file has other columns.
+        RecordingError: the file cannot be created or opened there.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        fields: Sequence[Field],
+        *,
+        kind: Literal["csv", "jsonl"],
+        policy: Policy = "new",
+        rotate_bytes: int | None = None,
+        rotate_seconds: float | None = None,
+        keep: int | None = None,
+        flush_every: float = 10.0,
+        say: Callable[[str], None] = _quiet,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = Path(path)
+        self.fields = tuple(fields)
+        self.kind = kind
+        self.rotate_bytes = rotate_bytes
+        self.rotate_seconds = rotate_seconds
+        self.keep = keep
+        self.flush_every = flush_every
+        self.say = say
+        self.clock = clock
+        #: rows written, and rows dropped because the disk was full
+        self.rows = 0
+        self.dropped = 0
+        self._dropping = 0
+        self._reopen = False
+        self._fd = -1
+        self._size = 0
+        self._opened = 0.0
+        self._started = 0.0
+        self._synced = 0.0
+        self._dirty = False
+        self._meta_due = False
+        exists = check_target(self.path, policy)
+        if exists and policy == "append":
+            self._check_columns()
+        self._open(truncate=policy == "force")
+
+    # -- opening ---------------------------------------------------------------------------------------------
+
+    def _check_columns(self) -> None:
+        want = tuple(f.name for f in self.fields)
+        if self.kind == "csv":
+            from smiquery.recordings.csv import csv_header
+
+            have = csv_header(self.path)
+        else:
+            have = _jsonl_keys(self.path)
+        if have is not None and have != want:
+            raise UsageError(
+                f"--append: {self.path} records {','.join(have)}, not {','.join(want)}; "
+                "pass the same --fields or record to another --output"
+            )
+
+    def _open(self, *, truncate: bool = False) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+        try:
+            self._fd = os.open(self.path, flags, 0o644)
+            self._size = os.fstat(self._fd).st_size
+        except OSError as exc:
+            raise RecordingError(_cannot(self.path, exc, "choose another --output")) from None
+        self._opened = self.clock()
+        self._synced = self._opened
+        self._started = time.time()
+        if self._size == 0:
+            self._header()
+        # an appended file keeps the zone it was started with; a new one learns it from its first row
+        self._meta_due = self.kind == "csv" and not self.path.with_name(self.path.name + META_SUFFIX).exists()
+
+    def _write_meta(self, sample: GpuSample) -> None:
+        """``run.csv.meta.json``: the zone the rows' wall-clock times are in (read back without ``--tz``)."""
+        self._meta_due = False
+        meta = {"format": "smiquery-csv-meta", "version": 1, "tz": zone_name(sample)}
+        meta["fields"] = [f.name for f in self.fields]
+        target = self.path.with_name(self.path.name + META_SUFFIX)
+        tmp = target.with_name(f".{target.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
+            os.replace(tmp, target)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self.say(f"smiquery: cannot write {target}: {_why(exc)}; the recording's time zone is not recorded")
+
+    def _header(self) -> None:
+        if self.kind == "csv":
+            self._put((header_line(self.fields) + "\n").encode("utf-8"))
+
+    @property
+    def size(self) -> int:
+        """Bytes in the file being written."""
+        return self._size
+
+    @property
+    def age(self) -> float:
+        """Seconds since the file being written was opened."""
+        return self.clock() - self._opened
+
+    def header(self) -> None:
+        """The CSV header is written when the file is opened (kept for the writers' protocol)."""
+
+    def reopen(self) -> None:
+        """Open the path again before the next row (SIGHUP: logrotate moved the file away). Signal-safe."""
+        self._reopen = True
+
+    # -- writing ---------------------------------------------------------------------------------------------
+
+    def write(self, sample: GpuSample) -> None:
+        """Write one sample as one whole line; rotate, reopen or notice a truncation first.
+
+        Raises:
+            RecordingError: the file cannot be written for another reason than a full disk.
+        """
+        if self._fd < 0:
+            raise RecordingError(f"the recording {self.path} is closed")
+        if self._reopen:
+            self._reopen = False
+            self._close_fd()
+            self._open()
+        elif self._due():
+            self._rotate()
+        else:
+            self._check_truncated()
+        if self.kind == "csv":
+            line = format_row(sample, self.fields, units=True) + "\n"
+        else:
+            line = json.dumps(sample_to_json(sample), separators=(", ", ": ")) + "\n"
+        if self._put(line.encode("utf-8")):
+            self.rows += 1
+            if self._meta_due:
+                self._write_meta(sample)
+        else:
+            self.dropped += 1
+            self._dropping += 1
+        if self._dirty and self.clock() - self._synced >= self.flush_every:
+            self._sync()
+
+    def _due(self) -> bool:
+        if self.rotate_bytes is not None and self._size >= self.rotate_bytes:
+            return True
+        return self.rotate_seconds is not None and self.clock() - self._opened >= self.rotate_seconds
+
+    def _rotate(self) -> None:
+        self._sync()
+        self._close_fd()
+        target = rotated_name(self.path, self._started)
+        try:
+            os.rename(self.path, target)
+            if self.kind == "csv":
+                meta = self.path.with_name(self.path.name + META_SUFFIX)
+                if meta.exists():
+                    os.replace(meta, target.with_name(target.name + META_SUFFIX))
+        except FileNotFoundError:
+            pass  # moved away already (by logrotate): start the new file all the same
+        except OSError as exc:
+            raise RecordingError(_cannot(self.path, exc, "rotate it: check the folder's permissions")) from None
+        self._open()
+        prune_rotated(rotated_siblings(self.path), self.keep, self.say)
+
+    def _check_truncated(self) -> None:
+        try:
+            now = os.fstat(self._fd).st_size
+        except OSError:
+            return
+        if now < self._size:
+            self.say(f"smiquery: {self.path} shrank under the recorder (copytruncate?); writing on at its new end")
+            self._size = now
+            if now == 0:
+                self._header()
+        elif now > self._size:
+            self._size = now  # someone else appended: our next line still goes to the end
+
+    def _put(self, data: bytes) -> bool:
+        """Write ``data`` whole, or cut the file back to where it was and return False when the disk is full."""
+        start = self._size
+        done = 0
+        try:
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError as exc:
+            if exc.errno not in FULL_DISK:
+                raise RecordingError(_cannot(self.path, exc, "check the disk and the file")) from None
+            if done:
+                try:
+                    os.ftruncate(self._fd, start)  # no half line: the file stays readable
+                except OSError:
+                    pass
+            if self._dropping == 0:
+                self.say(
+                    f"smiquery: cannot write {self.path}: {_why(exc)}; rows are dropped until there is space again"
+                )
+            return False
+        self._size = start + done
+        self._dirty = True
+        if self._dropping:
+            lost = self._dropping
+            self._dropping = 0
+            self.say(f"smiquery: recording to {self.path} again; {lost} row(s) were lost while the disk was full")
+        return True
+
+    def _sync(self) -> None:
+        self._synced = self.clock()
+        if self._dirty and self._fd >= 0:
+            self._dirty = False
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                if exc.errno not in FULL_DISK | {errno.EINVAL}:
+                    raise RecordingError(_cannot(self.path, exc, "check the disk")) from None
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def close(self) -> None:
+        """Sync and close. Idempotent."""
+        if self._fd < 0:
+            return
+        try:
+            self._sync()
+        finally:
+            self._close_fd()
+
+
+def _jsonl_keys(path: Path) -> tuple[str, ...] | None:
+    """The field names of a JSONL recording's first readable line, or None when it has none."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    return tuple(k for k in obj if not k.startswith("_"))
+    except OSError as exc:
+        raise RecordingError(_cannot(path, exc, "check the file")) from None
+    return None
+
+
+def _why(exc: OSError) -> str:
+    if exc.errno == errno.ENOSPC:
+        return "the disk is full"
+    if exc.errno == errno.EDQUOT:
+        return "the disk quota is used up"
+    if exc.errno == errno.EFBIG:
+        return "the file is as large as this system lets it grow"
+    return (exc.strerror or str(exc)).lower()
+
+
+def _cannot(path: Path, exc: OSError, todo: str) -> str:
+    """``cannot write run.csv: permission denied; choose another --output`` (no ``[Errno 13]``)."""
+    return f"cannot write {path}: {_why(exc)}; {todo}"
