@@ -56,6 +56,7 @@ from smiquery.source import StreamStats, Sweep
 from smiquery.streams.sync import stream
 from smiquery.testing import InProcessRunner, use_runner
 from tests.conftest import assert_stopped
+from tests.helpers import wait_for
 from tests.leakcheck import no_leaks, wait_no_children
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,12 +126,6 @@ def recording(tmp_path: Path) -> Path:
     return write_recording(tmp_path / "sweep.csv")
 
 
-def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture

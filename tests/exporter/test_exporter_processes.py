@@ -19,7 +19,8 @@ from smiquery.exporter import PMON_METRICS, Exporter, SmiCollector, serve
 from smiquery.exporter.pmonwatch import process_instant
 from smiquery.pmon import parse_pmon
 from smiquery.source import StreamStats
-from tests.exporter.test_exporter import ROOT, cli, flat, get, wait_for
+from tests.exporter.test_exporter import ROOT, cli, flat, get
+from tests.helpers import wait_for
 from tests.leakcheck import no_leaks, wait_no_children
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"

@@ -26,7 +26,7 @@ class Fleet:
     recording: Path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped with the last fleet test: no Prometheus outlives them
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     promtool = require_tool("promtool")
     prometheus = require_tool("prometheus")

@@ -13,6 +13,7 @@ from smiquery import errors
 from smiquery.retry import RetryPolicy
 from smiquery.source import StreamEvent
 from smiquery.streams.sync import Stream, stream
+from tests.helpers import wait_for
 from tests.leakcheck import no_leaks, wait_no_children
 
 
@@ -175,10 +176,9 @@ def test_background_latest_is_non_blocking_and_fresh(fake_smi):
     with no_leaks(reap_timeout=3):
         s = Stream(interval=0.05, nvidia_smi=fake_smi()).start()
         try:
-            assert s.latest() in ((None, None),) or s.latest()[0] is not None
-            deadline = time.monotonic() + 5
-            while s.latest()[0] is None and time.monotonic() < deadline:
-                time.sleep(0.01)
+            first, first_age = s.latest()  # at once, whether or not a sweep is there yet
+            assert (first is None) == (first_age is None)
+            wait_for(lambda: s.latest()[0] is not None, 5, "a first sweep")
             sweep, age = s.latest()
             assert sweep is not None and len(sweep) == 8
             assert age is not None and age < 1.0
