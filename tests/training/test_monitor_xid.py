@@ -36,7 +36,7 @@ def test_an_xid_on_a_watched_gpu_is_an_alert_that_says_the_cause(fake_smi: MakeF
         alerts=(),
         handlers=[lambda e, c: got.append((e, dict(c)))],
         nvidia_smi=smi,
-        gpus=[fell.uuid],  # only the GPU that falls off is this run's
+        gpus=[str(fell.uuid)],  # only the GPU that falls off is this run's
         kernel_log=log,
     )
     with no_leaks(reap_timeout=5.0), monitor:
