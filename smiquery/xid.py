@@ -23,7 +23,7 @@ import select
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
@@ -36,7 +36,9 @@ __all__ = [
     "XidEvent",
     "XidFollower",
     "XidInfo",
+    "XidThread",
     "bus_key",
+    "describe",
     "follow",
     "gpu_for",
     "parse_line",
@@ -293,10 +295,11 @@ class XidFollower(Iterator[XidEvent]):
         self._ino = (st.st_dev, st.st_ino)
         self._buf = b""
         self._pos = 0
+        if not from_start:
+            # /dev/kmsg: SEEK_END skips the ring buffer's replay; a plain file: read on from its end
+            self._pos = os.lseek(fd, 0, os.SEEK_END)
         if not self._chardev:
             os.set_blocking(fd, True)
-            if not from_start:
-                self._pos = os.lseek(fd, 0, os.SEEK_END)
         return True
 
     def _close_fd(self) -> None:
@@ -400,7 +403,8 @@ def follow(
             (``/var/log/kern.log``, a saved ``dmesg``), followed like ``tail -F`` across rotation.
         after_seq: skip ``/dev/kmsg`` records up to this sequence number (a restart that remembers
             ``follower.last_seq`` counts nothing twice).
-        from_start: read a plain file from its beginning (False: only what is appended from now on).
+        from_start: read a plain file from its beginning, replay ``/dev/kmsg``'s ring buffer (False: only what is
+            logged from now on).
         poll: seconds between checks for new data and for :meth:`XidFollower.close`.
 
     Returns:
@@ -413,3 +417,82 @@ def follow(
     if not poll > 0:
         raise UsageError(f"poll must be a positive number of seconds, not {poll!r}")
     return XidFollower(os.fspath(path), after_seq=after_seq, from_start=from_start, poll=poll)
+
+
+def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -> str:
+    """One line for people: the code, the GPU, the catalogue's meaning and action.
+
+    For example ``Xid 79 on GPU 1 (GPU-5d..., PCI 0000:5d:00): GPU has fallen off the bus; action drain: Drain
+    the node and reboot it; ...``. A code the catalogue lacks is shown with the driver's own text.
+
+    Args:
+        event: the event.
+        gpu: the nvidia-smi index of the GPU at its PCI address, None when unknown.
+        uuid: that GPU's UUID, None when unknown.
+    """
+    where = ", ".join(x for x in (uuid, f"PCI {event.pci_bus_id}") if x)
+    who = f"GPU {gpu} ({where})" if gpu is not None else f"the GPU at {where}"
+    proc = f" [pid {event.pid}{' ' + event.process_name if event.process_name else ''}]" if event.pid else ""
+    info = event.info
+    if info is None:
+        return f"Xid {event.xid} on {who}{proc}: {event.message} (not in smiquery's Xid catalogue: see NVIDIA's)"
+    return f"Xid {event.xid} on {who}{proc}: {info.meaning}; action {info.action}: {info.advice}"
+
+
+class XidThread:
+    """A kernel log followed on a daemon thread: each new Xid event is handed to ``on_event``.
+
+    Args:
+        path: ``/dev/kmsg`` or a plain file.
+        on_event: called with each event, on the thread.
+        on_error: called once, on the thread, when reading fails after the log was opened or ``on_event`` raises
+            (the following ends).
+        from_start: see :func:`follow` (default False: only events logged from now on).
+        poll: see :func:`follow`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        on_event: Callable[[XidEvent], object],
+        on_error: Callable[[BaseException], object],
+        *,
+        from_start: bool = False,
+        poll: float = 0.5,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.on_event = on_event
+        self.on_error = on_error
+        self.from_start = from_start
+        self.poll = poll
+        self._follower: XidFollower | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> XidThread:
+        """Open the log (here, so that an unreadable one raises) and start the thread. Returns self.
+
+        Raises:
+            KernelLogError: the log cannot be opened.
+        """
+        self._follower = follow(self.path, from_start=self.from_start, poll=self.poll)
+        self._thread = threading.Thread(target=self._run, args=(self._follower,), name="smiquery-xid", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self, follower: XidFollower) -> None:
+        try:
+            with follower:
+                for event in follower:
+                    self.on_event(event)
+        except Exception as exc:
+            if not follower.closed:
+                self.on_error(exc)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop following (within ``poll`` seconds) and wait up to ``timeout`` seconds for the thread."""
+        follower = self._follower
+        if follower is not None:
+            follower.close()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)

@@ -30,6 +30,7 @@ from smiquery.cli._common import (
 from smiquery.cli._handoff import END, Failure, SourceEvent
 from smiquery.cli._signals import Signals
 from smiquery.cli.record import RecordOptions, open_output, reopen_on_hup
+from smiquery.cli.xidnotes import KernelLogOpt, start_xid_notes, xid_fields
 from smiquery.errors import NoDevicesFoundError, UsageError
 from smiquery.fields import PRESETS, Field, get_field
 from smiquery.retry import RetryPolicy
@@ -356,6 +357,7 @@ def stream(
             "firing with nvidia-smi -q -x, the processes, the last minutes of samples and the alert); repeatable.",
         ),
     ] = None,
+    kernel_log: KernelLogOpt = None,
 ) -> None:
     """Watch the GPUs live: one long-lived nvidia-smi (or a recording).
 
@@ -384,6 +386,7 @@ def stream(
             exit_on_alert=exit_on_alert,
             on_alert=on_alert or [],
             show_processes=not toggle_processes,
+            kernel_log=kernel_log,
         )
 
 
@@ -406,10 +409,13 @@ def _stream(
     on_alert: Sequence[str] = (),
     tz: str | None = None,
     show_processes: bool = True,
+    kernel_log: str | None = None,
 ) -> None:
     seconds = parse_seconds(interval, "--interval")
     stop_after = parse_seconds(duration, "--duration") if duration is not None else None
     rules, rule_fields = _rules(alerts)
+    if kernel_log:  # the Xid lines name the GPU at the PCI address the kernel gives
+        rule_fields = (*rule_fields, *(get_field(n) for n in xid_fields(replay_path)))
     ids = parse_gpus(gpus)
     record = record or RecordOptions()
     record.check(output)
@@ -433,6 +439,8 @@ def _stream(
         stale_after=max(5.0, 3 * seconds),
     )
     notes.append(run)
+    if kernel_log:
+        start_xid_notes(kernel_log, run.writers, lambda line: _note(notes, line))
     run.live_time = replay_path is None
     if run.live is not None and replay_path is None and show_processes:
         run.processes = _live_processes(run.live, settings, ids, seconds)

@@ -33,6 +33,7 @@ from smiquery.training.events import TRAINING_RULES, HandlerWorker, Position, Tr
 from smiquery.training.memory import FrameworkMemory, GapWatch, MemoryView, framework_values, gap_note
 from smiquery.training.metrics import JobMetrics, Totals
 from smiquery.training.share import ShareTracker
+from smiquery.training.xid import XidAlerts
 
 if TYPE_CHECKING:
     from smiquery.pmon import ProcessShare
@@ -125,6 +126,10 @@ class RunMonitor:
             ``smiquery_training_gpu_other_processes``. Off by default (one more child per run, pmon's 1 s minimum
             interval and four-GPU limit). Where pmon is not supported (older GeForce drivers) it is turned off with one
             note and the keys stay NaN; a failing or hung pmon never delays a training step.
+        kernel_log: also follow this kernel log (``/dev/kmsg``, or a file such as ``/var/log/kern.log``): each Xid
+            error logged on a watched GPU while the run goes on becomes an alert to the handlers (an
+            :class:`~smiquery.training.xid.XidAlert`: the code, its meaning and the action), so a run learns the cause
+            when its GPU fails. Unreadable: one note, the run goes on. See :mod:`smiquery.training.xid`.
 
     Raises:
         ValueError: ``log_every`` or ``interval`` is invalid.
@@ -153,6 +158,7 @@ class RunMonitor:
         source: SourceFactory | None = None,
         env: Mapping[str, str] | None = None,
         process_share: bool = False,
+        kernel_log: str | os.PathLike[str] | None = None,
     ) -> None:
         if log_every not in ("epoch", "batch"):
             raise ValueError(f"log_every must be 'epoch' or 'batch', not {log_every!r}")
@@ -182,6 +188,7 @@ class RunMonitor:
         self._source_factory: SourceFactory = source or _open_stream
         self._env = env
         self.process_share = bool(process_share)
+        self.kernel_log = kernel_log
         self.host = socket.gethostname()
         #: the alerts of the current (or last) run, with their training position
         self.alerts: list[TrainingAlert] = []
@@ -251,6 +258,7 @@ class RunMonitor:
         self._gaps = GapWatch()
         self._rejected: BaseException | None = None
         self._fields: list[str] = []
+        self._xid: XidAlerts | None = None
         self._share = ShareTracker(self.say, lambda: self._pos.epoch, self._watched_gpu) if self.process_share else None
 
     def say(self, message: str, level: int = logging.WARNING, *, key: str | None = None) -> None:
@@ -332,6 +340,7 @@ class RunMonitor:
         names = ["index", "uuid", "timestamp", *SUMMARY_FIELDS]
         names += [f.name for f in self.extra_fields]
         names += [f.name for r in self.rules for f in r.fields]
+        names += ["pci.bus_id"] if self.kernel_log else []  # names the GPU of an Xid
         self._fields = list(dict.fromkeys(names))
         try:
             self._source = self._open()
@@ -343,6 +352,7 @@ class RunMonitor:
         self._worker = HandlerWorker(lambda: self._notifier)
         self._reader = threading.Thread(target=self._read, name="smiquery-monitor-reader", daemon=True)
         self._reader.start()
+        self._xid = XidAlerts(self.kernel_log, self).start() if self.kernel_log else None
         _OPEN.add(self)
         if self._share is not None:
             self._share.start(interval=self.interval, gpus=self._devices.stream_gpus(), nvidia_smi=self.nvidia_smi)
@@ -794,6 +804,9 @@ class RunMonitor:
                 source.close(timeout)
             except Exception:
                 log.exception("smiquery: stopping nvidia-smi failed")
+        xid, self._xid = self._xid, None
+        if xid is not None:
+            xid.close(timeout)
         share = self._share
         if share is not None:
             share.close(timeout)

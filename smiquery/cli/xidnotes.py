@@ -1,0 +1,119 @@
+"""``smiquery stream --kernel-log PATH``: the driver's Xid errors, one line each, beside the live samples.
+
+nvidia-smi never reports Xids (a GPU that fell off the bus just stops answering); the kernel log says why. The
+follower runs on its own thread and names the GPU from the stream's own samples (their ``pci.bus_id``), so a GPU
+that fell off the bus is still named by the last sample it gave.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from smiquery.errors import KernelLogError, UsageError
+
+if TYPE_CHECKING:
+    from smiquery.recordings import SampleWriter
+    from smiquery.sample import GpuSample
+    from smiquery.xid import XidEvent, XidThread
+
+__all__ = ["XID_FIELDS", "KernelLogOpt", "XidNotes", "start_xid_notes", "xid_fields"]
+
+KernelLogOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--kernel-log",
+        metavar="PATH",
+        help="Also follow the kernel log (/dev/kmsg, needs root or CAP_SYSLOG; or a file such as "
+        "/var/log/kern.log) and print each NVIDIA Xid error logged from now on: the GPU, the code, what it means "
+        "and what to do. Adds pci.bus_id to the queried fields.",
+        show_default=False,
+    ),
+]
+
+#: What names a GPU in an Xid line: the kernel log gives only the PCI address.
+XID_FIELDS = ("index", "uuid", "pci.bus_id")
+
+
+def xid_fields(replay: Path | None) -> tuple[str, ...]:
+    """The fields ``--kernel-log`` needs queried.
+
+    Raises:
+        UsageError: with ``--replay`` (the kernel log is this machine's now, the recording is the past).
+    """
+    if replay is not None:
+        raise UsageError("--kernel-log goes with a live stream, not --replay: the kernel log is this machine's now")
+    return XID_FIELDS
+
+
+class XidNotes:
+    """A sample writer that keeps each GPU's PCI address, and the thread that turns Xid events into lines.
+
+    It sits among the stream's writers: every sample updates the address book; closing it stops the follower.
+
+    Args:
+        note: where a line goes (stderr, or the live table's footer when that owns the terminal).
+    """
+
+    def __init__(self, note: Callable[[str], None]) -> None:
+        self.note = note
+        #: (domain, bus, device) -> (index, uuid) from the newest sample at that address
+        self._gpus: dict[tuple[int, int, int], tuple[int | None, str | None]] = {}
+        self._thread: XidThread | None = None
+        self._lock = threading.Lock()
+
+    def write(self, sample: GpuSample) -> None:
+        """Remember the GPU at the sample's PCI address."""
+        from smiquery.xid import bus_key
+
+        bus = sample.get("pci.bus_id")
+        key = bus_key(bus) if isinstance(bus, str) else None
+        if key is not None:
+            with self._lock:
+                self._gpus[key] = (sample.index, sample.uuid)
+
+    def line(self, event: XidEvent) -> str:
+        """The line for one event."""
+        from smiquery.xid import bus_key, describe
+
+        key = bus_key(event.pci_bus_id)
+        with self._lock:
+            gpu, uuid = self._gpus.get(key, (None, None)) if key is not None else (None, None)
+        return f"smiquery: {describe(event, gpu, uuid)}"
+
+    def _event(self, event: XidEvent) -> None:
+        self.note(self.line(event))
+
+    def _failed(self, exc: BaseException) -> None:
+        self.note(f"smiquery: reading the kernel log stopped ({exc}); the stream goes on without Xid errors")
+
+    def start(self, path: str) -> None:
+        """Follow ``path`` from its end.
+
+        Raises:
+            KernelLogError: it cannot be opened.
+        """
+        from smiquery.xid import XidThread
+
+        self._thread = XidThread(path, self._event, self._failed).start()
+
+    def close(self) -> None:
+        """Stop following."""
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
+
+
+def start_xid_notes(path: str, writers: list[SampleWriter], note: Callable[[str], None]) -> None:
+    """Follow ``path`` for the stream: its notes join ``writers`` (closed with them); unreadable, one warning."""
+    notes = XidNotes(note)
+    try:
+        notes.start(path)
+    except KernelLogError as exc:
+        note(f"smiquery: {exc}; the stream goes on without Xid errors")
+        return
+    writers.append(notes)
