@@ -253,6 +253,9 @@ class Report:
         zone_changes: where the UTC offset changed in a recording read in its zone (``tz=``): (time, offset
             before, offset after).
         elapsed: seconds the run lasted along its timeline (steps back skipped); None: ``end - start``.
+        not_recorded: fields the stall check or a rule needs that the recording lacks (or holds no value of):
+            what they decide is not known, and the report says so rather than "none".
+        unchecked_rules: the rules (texts) that watch such a field.
     """
 
     source: str
@@ -277,6 +280,8 @@ class Report:
     clock_steps: list[ClockStep] = field(default_factory=list)
     zone_changes: list[tuple[datetime, str, str]] = field(default_factory=list)
     elapsed: float | None = None
+    not_recorded: tuple[str, ...] = ()
+    unchecked_rules: tuple[str, ...] = ()
 
     @property
     def duration(self) -> float:
