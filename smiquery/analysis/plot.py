@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.figure import Figure
 
-__all__ = ["DEFAULT_PLOT_FIELDS", "LAYOUTS", "OVERLAY_MAX_GPUS", "Layout", "plot_recording", "save_plot"]
+__all__ = ["DEFAULT_PLOT_FIELDS", "LAYOUTS", "OVERLAY_MAX_GPUS", "Layout", "plot_png", "plot_recording", "save_plot"]
 
 #: The panels drawn when no fields are given (those the recording has).
 DEFAULT_PLOT_FIELDS: tuple[str, ...] = ("utilization.gpu", "temperature.gpu", "memory.used", "power.draw")
@@ -673,3 +673,28 @@ def save_plot(
     path = Path(output)
     fig.savefig(path, dpi=fig.dpi)
     return path
+
+
+def plot_png(
+    source: str | os.PathLike[str] | pd.DataFrame, fields: str | Sequence[str] | None = None, **options: Any
+) -> bytes:
+    """Draw a recording (see :func:`plot_recording`) as PNG bytes, e.g. for :meth:`smiquery.analysis.Report.to_html`.
+
+    Args:
+        source: the recording or DataFrame.
+        fields: the fields to draw.
+        **options: passed to :func:`plot_recording`.
+
+    Returns:
+        The PNG image.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        ReportError: the recording cannot be read or lacks a requested field.
+    """
+    import io
+
+    fig = plot_recording(source, fields, **options)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=fig.dpi)
+    return buf.getvalue()

@@ -18,6 +18,8 @@ import typer
 if TYPE_CHECKING:
     import pandas as pd
 
+    from smiquery.analysis import Report
+
 __all__ = ["FailOn", "PlotLayout", "ReportFormat", "check_zone", "register"]
 
 
@@ -62,6 +64,7 @@ Exit codes: 0 ok, 1 unreadable recording, 2 bad option or alert,
 Examples:
   smiquery report run.csv
   smiquery report run.parquet --format markdown > report.md
+  smiquery report run.csv --html run.html
   smiquery report run.jsonl --format json --min-stall 2m --fail-on critical
   smiquery report log.csv --tz Europe/Berlin
   smiquery report noheader.csv --fields timestamp,index,utilization.gpu,temperature.gpu
@@ -249,11 +252,21 @@ def report(
         ),
     ] = None,
     tz: TzOpt = None,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            metavar="FILE",
+            help="Also write one self-contained HTML page (findings, tables and the plot inlined; loads nothing "
+            "from the network) to share in a ticket or a browser. The plot needs matplotlib.",
+        ),
+    ] = None,
 ) -> None:
     """Summarise a recording: stalls, time over thresholds, memory-health counters, statistics, one verdict each.
 
     Lines that cannot be read (the torn last line of a killed recorder, garbage) are skipped with one warning.
-    Times are shown as recorded (nvidia-smi's local time, no zone) unless --tz names the zone.
+    Times are shown as recorded (nvidia-smi's local time, no zone) unless --tz names the zone. --html FILE writes
+    the report and the plot as one page as well.
     """
     with _boundary(ctx):
         from smiquery.alerts import parse_duration
@@ -277,6 +290,8 @@ def report(
             text = result.to_markdown()
         else:
             text = result.to_text()
+        if html is not None:
+            _write_html(result, df, html, alert or None)
         if output is not None:
             output.write_text(text, encoding="utf-8")
         else:
@@ -288,6 +303,20 @@ def report(
             from smiquery.cli._boundary import ExitCode
 
             raise typer.Exit(ExitCode.ALERT)
+
+
+def _write_html(result: Report, df: pd.DataFrame, path: Path, rules: list[str] | None) -> None:
+    """The report's page with the plot inlined; without matplotlib, the page says how to get the plot."""
+    from smiquery.analysis import plot_png
+
+    try:
+        png: bytes | None = plot_png(df, rules=rules, name=result.source)
+        note = None
+    except ImportError as exc:
+        png, note = None, str(exc)
+        with contextlib.suppress(OSError, ValueError):
+            print(f"smiquery: warning: the page has no plot: {exc}", file=sys.stderr, flush=True)
+    path.write_text(result.to_html(png, note), encoding="utf-8")
 
 
 def register(app: typer.Typer) -> None:
