@@ -111,7 +111,7 @@ def test_chromium_loads_the_page_without_a_console_message_and_shows_the_plot(de
     console, shot = open_in_chromium(demo_page, tmp_path)
     assert console == []
     # the plot's lines are on screen: GPU 0's blue and GPU 1's orange, over thousands of pixels
-    assert colour_count(shot, GPU_BLUE) > 3000
+    assert colour_count(shot, GPU_BLUE) > 1000
     assert colour_count(shot, GPU_ORANGE) > 1000
     # and not blank: the plot area (below the findings) is far from all white
     rows = np.flatnonzero((np.abs(shot - np.array(GPU_BLUE)).max(axis=2) <= 40).any(axis=1))
