@@ -30,6 +30,7 @@ from smiquery.analysis.model import (
 from smiquery.analysis.plot import (
     DEFAULT_PLOT_FIELDS,
     LAYOUTS,
+    MULTIPLES_MAX_GPUS,
     OVERLAY_MAX_GPUS,
     Layout,
     plot_png,
@@ -42,6 +43,7 @@ __all__ = [
     "DEFAULT_PLOT_FIELDS",
     "DEFAULT_RULES",
     "LAYOUTS",
+    "MULTIPLES_MAX_GPUS",
     "OVERLAY_MAX_GPUS",
     "AlertSpan",
     "FieldStats",

@@ -360,13 +360,17 @@ def plot_recording(
 ) -> Figure:
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
-    Up to :data:`OVERLAY_MAX_GPUS` GPUs share each panel, in colours with no look-alike pair; with more, each field
-    gets small multiples instead: one small panel per GPU, titled ``GPU <index>``, the panels of a field sharing
-    their y scale and all panels their time axis (``layout`` chooses either way).
+    Up to :data:`OVERLAY_MAX_GPUS` GPUs share each panel, in colours with no look-alike pair; up to
+    :data:`MULTIPLES_MAX_GPUS`, each field gets small multiples instead: one small panel per GPU, titled
+    ``GPU <index>``, the panels of a field sharing their y scale and all panels their time axis; past that, one
+    heatmap per field with a row per GPU (:mod:`smiquery.analysis.heatmap`). ``layout`` chooses any of them.
 
     Missing values (``[N/A]``, a lost GPU) and gaps in time (the recording was stopped) show as breaks in the
     lines, never as zeros or straight joins. Long lines are drawn at about one point per pixel: overlaid, as the
-    mean of the samples a pixel stands for; in small multiples, as their lowest and highest value, so spikes show.
+    mean of the samples a pixel stands for inside a pale band from their lowest to highest value; in small
+    multiples, as their lowest and highest value: spikes and drops show either way. In a zone (``tz`` or recorded)
+    the time axis runs on instants and its ticks name local times, so a DST fall-back's repeated hour follows the
+    first; without one, a step back of the clock breaks the lines rather than drawing them backwards.
     Stalls (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
     shaded orange on its field's panel (in small multiples, each GPU's own stalls and alerts on its panels); a
     field with no value says so. The x axis names the time zone (or says
@@ -390,11 +394,13 @@ def plot_recording(
         shade: shade stalls and alerts.
         name: what to call the recording in the title (default: the file name).
         layout: ``overlay`` (every GPU in one panel per field), ``multiples`` (one small panel per GPU per field),
-            or ``auto``: overlay up to :data:`OVERLAY_MAX_GPUS` GPUs, small multiples past that.
+            ``heatmap`` (a row per GPU in one panel per field), or ``auto``: overlay up to :data:`OVERLAY_MAX_GPUS`
+            GPUs, small multiples up to :data:`MULTIPLES_MAX_GPUS`, heatmaps past that.
 
     Returns:
-        A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"``, each threshold line ``gid="threshold"``,
-        stall shading ``gid="stall"``, alert shading ``gid="alert"`` and a no-data note ``gid="no-data"``.
+        A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"`` (its band ``band-<index>``), each threshold
+        line ``gid="threshold"``, stall shading ``gid="stall"``, alert shading ``gid="alert"``, a no-data note
+        ``gid="no-data"``, a heatmap ``gid="heatmap-<field>"`` (its stall and alert outlines ``stall``, ``alert``).
 
     Raises:
         ImportError: matplotlib is not installed.

@@ -37,6 +37,7 @@ class PlotLayout(str, Enum):
     auto = "auto"
     overlay = "overlay"
     multiples = "multiples"
+    heatmap = "heatmap"
 
 
 class FailOn(str, Enum):
@@ -54,6 +55,7 @@ Examples:
   smiquery plot run.jsonl -o trace.svg --alert 'temperature.gpu > 83 for 10' --gpus 0,5
   smiquery plot noheader.csv --fields timestamp,index,utilization.gpu --tz Europe/Berlin
   smiquery plot sixteen-gpus.csv --layout overlay
+  smiquery plot sixty-four-gpus.csv --layout heatmap
 """
 
 _REPORT_EPILOG = """\b
@@ -190,17 +192,18 @@ def plot(
         typer.Option(
             "--layout",
             case_sensitive=False,
-            help="overlay: every GPU a line in one panel per field; multiples: one small panel per GPU per field "
-            "(same scales); auto: overlay up to 8 GPUs, multiples past that.",
+            help="overlay: every GPU a line in one panel per field (mean per pixel, min-max band); multiples: one "
+            "small panel per GPU per field (same scales); heatmap: one panel per field, a row per GPU; auto: overlay "
+            "up to 8 GPUs, multiples up to 16, heatmap past that.",
         ),
     ] = PlotLayout.auto,
 ) -> None:
     """Draw a recording: one panel per field, one line per GPU, alert thresholds dashed, gaps where data is missing.
 
-    Past 8 GPUs each field gets one small panel per GPU instead (--layout). Stalls are shaded grey and firing
-    alerts orange. For a headerless (noheader) log, --fields names its
-    columns in order. The time axis is the recording's clock (no zone unless --tz names one). Needs
-    matplotlib: pip install 'smiquery[plot]'.
+    Past 8 GPUs each field gets one small panel per GPU instead, past 16 a heatmap with a row per GPU (--layout).
+    Stalls are shaded grey and firing alerts orange (outlined on a heatmap). For a headerless (noheader) log,
+    --fields names its columns in order. The time axis is the recording's clock (no zone unless --tz names one).
+    Needs matplotlib: pip install 'smiquery[plot]'.
     """
     with _boundary(ctx):
         from smiquery.analysis import save_plot

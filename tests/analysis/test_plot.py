@@ -347,7 +347,7 @@ def test_more_than_eight_gpus_get_one_small_panel_each_per_field(tmp_path):
 def test_layout_is_chosen_either_way_and_checked(tmp_path):
     assert len(plot_recording(DEMO, "temperature.gpu", rules=[], layout="multiples").get_axes()) == 8
     assert len(plot_recording(DEMO, "temperature.gpu", rules=[]).get_axes()) == 1  # auto: 8 GPUs overlay
-    with pytest.raises(ValueError, match="layout must be one of auto, overlay, multiples"):
+    with pytest.raises(ValueError, match="layout must be one of auto, overlay, multiples, heatmap"):
         plot_recording(DEMO, "temperature.gpu", layout="grid")  # type: ignore[arg-type]
 
 
