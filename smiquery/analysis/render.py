@@ -245,7 +245,7 @@ def nothing_found(report: Report) -> str:
         clean.append("no GPU past a threshold")
     text = "nothing to report: " + ", ".join(clean) if clean else "nothing could be checked"
     if report.not_recorded:
-        text += f" ({', '.join(report.not_recorded)} not recorded: not known)"
+        text += "; what the fields not recorded would tell is not known"
     return text
 
 
