@@ -80,13 +80,15 @@ def heatmap_figure(
         x_range: the axis' first and last time (naive datetimes).
         marks: (stalls, alerts by field name) as (start, end, gpu) with naive datetimes.
         thresholds: per field name, (value, label) of the rules watching it, marked on its colour bar.
-        size: (width, panel height in inches, dpi, columns of cells).
+        size: (width, panel height in inches, dpi, most columns of cells: one a pixel or so).
     """
     import matplotlib.dates as mdates
     import numpy as np
     from matplotlib import colormaps
 
     width, panel_height, dpi, columns = size
+    # no more columns than about half a GPU's samples: each cell then holds one sample or more, none is left empty
+    columns = max(1, min(columns, max(len(x) for x in xs) // 2))
     height = max(panel_height, _MIN_PANEL, len(gpus) * _ROW_INCHES + 0.6)
     fig = figure(figsize=(width, height * len(flds) + 1.1), dpi=dpi, layout="constrained")
     axes = list(fig.subplots(len(flds), 1, sharex=True, squeeze=False)[:, 0])
@@ -111,7 +113,7 @@ def heatmap_figure(
             interpolation="nearest",
             cmap=cmap,
             vmin=vmin,
-            vmax=vmax if vmax > vmin else vmin + 1,
+            vmax=vmax if vmax > vmin else vmin + 1,  # a constant field: its one value at the scale's foot
             extent=(lo, hi, len(gpus) - 0.5, -0.5),
             gid=f"heatmap-{fld.name}",
         )
