@@ -119,3 +119,20 @@ def test_cell_means_average_each_gpus_samples_per_span_of_time():
     got = cell_means([x, x], [np.array([1.0, 3.0, np.nan, 10.0]), np.full(4, np.nan)], (lo, hi), 2)
     assert got[0].tolist() == [2.0, 10.0]
     assert np.isnan(got[1]).all()  # a GPU without values is missing, not 0
+
+
+def test_the_readme_shows_the_plot_the_script_draws_of_the_demo_recording(tmp_path):
+    root = Path(__file__).parents[2]
+    assert "![smiquery plot of the bundled 8-GPU demo recording" in (root / "README.md").read_text(encoding="utf-8")
+    assert "(docs/plot-demo.png)" in (root / "README.md").read_text(encoding="utf-8")
+    import subprocess
+    import sys
+
+    fresh = tmp_path / "plot-demo.png"
+    subprocess.run([sys.executable, str(root / "scripts" / "make_docs_plot.py"), "--out", str(fresh)], check=True,
+                   timeout=300, capture_output=True)  # fmt: skip
+    shown = matplotlib.image.imread(str(root / "docs" / "plot-demo.png"))
+    drawn = matplotlib.image.imread(str(fresh))
+    # the same picture (font rendering may differ by a pixel's shade): run the script again after a plot change
+    assert shown.shape == drawn.shape
+    assert float(np.abs(shown - drawn).mean()) < 0.01
