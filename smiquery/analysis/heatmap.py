@@ -89,9 +89,19 @@ def heatmap_figure(
     width, panel_height, dpi, columns = size
     # no more columns than about half a GPU's samples: each cell then holds one sample or more, none is left empty
     columns = max(1, min(columns, max(len(x) for x in xs) // 2))
+    # Placed by fixed margins in inches: constrained layout measures every tick of every colour bar, which takes
+    # longer than drawing the cells.
     height = max(panel_height, _MIN_PANEL, len(gpus) * _ROW_INCHES + 0.6)
-    fig = figure(figsize=(width, height * len(flds) + 1.1), dpi=dpi, layout="constrained")
-    axes = list(fig.subplots(len(flds), 1, sharex=True, squeeze=False)[:, 0])
+    top, head, gap, bottom, left, right, bar_width = 0.45, 0.3, 0.3, 0.95, 0.75, 0.95, 0.15
+    total = top + len(flds) * (head + height) + (len(flds) - 1) * gap + bottom
+    fig = figure(figsize=(width, total), dpi=dpi)
+    axes: list[Any] = []
+    for k in range(len(flds)):
+        y = total - top - head - height - k * (head + height + gap)  # the panel's foot, inches from the bottom
+        box = (left / width, y / total, (width - left - right) / width, height / total)
+        axes.append(fig.add_axes(box, sharex=axes[0] if axes else None))
+        if k < len(flds) - 1:
+            axes[-1].tick_params(labelbottom=False)
     lo, hi = (float(v) for v in mdates.date2num(list(x_range)))  # type: ignore[no-untyped-call]
     row_of = {g: r for r, g in enumerate(gpus)}
     stalls, alerts = marks
@@ -117,7 +127,8 @@ def heatmap_figure(
             extent=(lo, hi, len(gpus) - 0.5, -0.5),
             gid=f"heatmap-{fld.name}",
         )
-        bar = fig.colorbar(image, ax=ax, pad=0.01, fraction=0.025)
+        pos = ax.get_position()
+        bar = fig.colorbar(image, cax=fig.add_axes((pos.x1 + 0.1 / width, pos.y0, bar_width / width, pos.height)))
         if fld.unit:
             bar.set_label(fld.unit)
         for value, _ in thresholds.get(fld.name, []):
@@ -139,13 +150,34 @@ def heatmap_figure(
 def _outline(
     ax: Any, spans: Sequence[tuple[Any, Any, int]], row_of: dict[int, int], edge: str, gid: str, lw: float
 ) -> None:
-    """Each (start, end, gpu) span as an outline around its stretch of the GPU's row."""
+    """Each (start, end, gpu) span as an outline around its stretch of the GPU's row.
+
+    Spans of neighbouring rows that start and end within a hundredth of the run of each other (GPUs that stalled
+    together) share one outline, so 64 GPUs stalling at once are one box, not 64 stripes.
+    """
     import matplotlib.dates as mdates
     from matplotlib.patches import Rectangle
 
-    for start, end, gpu in spans:
-        if gpu not in row_of:
-            continue
-        s0, e0 = (float(v) for v in mdates.date2num([start, end]))  # type: ignore[no-untyped-call]
-        ax.add_patch(Rectangle((s0, row_of[gpu] - 0.5), max(e0 - s0, 0.0), 1.0, fill=False, edgecolor=edge,
+    lo, hi = ax.get_xlim()
+    slack = (hi - lo) / 100
+    placed = sorted(
+        (float(s0), float(e0), row_of[gpu])
+        for (start, end, gpu) in spans
+        if gpu in row_of
+        for s0, e0 in [mdates.date2num([start, end])]  # type: ignore[no-untyped-call]
+    )
+    boxes: list[list[float]] = []  # [start, end, first row, last row]
+    ending: dict[int, list[list[float]]] = {}  # the boxes whose last row is the key
+    for s0, e0, row in sorted(placed, key=lambda p: (p[2], p[0])):
+        above = ending.get(row - 1, [])
+        near = next((b for b in above if abs(b[0] - s0) <= slack and abs(b[1] - e0) <= slack), None)
+        if near is None:
+            near = [s0, e0, row, row]
+            boxes.append(near)
+        else:
+            above.remove(near)
+            near[0], near[1], near[3] = min(near[0], s0), max(near[1], e0), row
+        ending.setdefault(row, []).append(near)
+    for s0, e0, first, last in boxes:
+        ax.add_patch(Rectangle((s0, first - 0.5), max(e0 - s0, 0.0), last - first + 1, fill=False, edgecolor=edge,
                                linewidth=lw, gid=gid, zorder=3))  # fmt: skip

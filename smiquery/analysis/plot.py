@@ -695,13 +695,13 @@ def _title_and_legend(fig: Figure, title: str, panels: Sequence[_Panel], handles
     from matplotlib.patches import Patch
 
     multiples = layout == "multiples"
-    if layout == "heatmap":
-        fig.suptitle(title, x=0.01, ha="left", fontsize=11)
+    if layout == "heatmap":  # placed by fixed margins, as small multiples are
+        fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
         for gid, edge, text in (("stall", STALL_EDGE, "stall"), ("alert", ALERT_EDGE, "alert firing")):
             if any(p.get_gid() == gid for ax, *_ in panels for p in ax.patches):
                 handles.append(Patch(facecolor="none", edgecolor=edge, label=text))
         if handles:
-            fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False)
+            fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=8, frameon=False)
         return
 
     if multiples:
