@@ -156,7 +156,7 @@ def _outline(
     together) share one outline, so 64 GPUs stalling at once are one box, not 64 stripes.
     """
     import matplotlib.dates as mdates
-    from matplotlib.patches import Rectangle
+    from matplotlib.collections import PolyCollection
 
     lo, hi = ax.get_xlim()
     slack = (hi - lo) / 100
@@ -178,6 +178,7 @@ def _outline(
             above.remove(near)
             near[0], near[1], near[3] = min(near[0], s0), max(near[1], e0), row
         ending.setdefault(row, []).append(near)
-    for s0, e0, first, last in boxes:
-        ax.add_patch(Rectangle((s0, first - 0.5), max(e0 - s0, 0.0), last - first + 1, fill=False, edgecolor=edge,
-                               linewidth=lw, gid=gid, zorder=3))  # fmt: skip
+    if boxes:  # one artist for all: a patch each costs milliseconds to add and to draw
+        verts = [[(s0, a - 0.5), (e0, a - 0.5), (e0, b + 0.5), (s0, b + 0.5)] for s0, e0, a, b in boxes]
+        ax.add_collection(PolyCollection(verts, facecolors="none", edgecolors=edge, linewidths=lw, gid=gid, zorder=3),
+                          autolim=False)  # fmt: skip

@@ -400,7 +400,8 @@ def plot_recording(
     Returns:
         A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"`` (its band ``band-<index>``), each threshold
         line ``gid="threshold"``, stall shading ``gid="stall"``, alert shading ``gid="alert"``, a no-data note
-        ``gid="no-data"``, a heatmap ``gid="heatmap-<field>"`` (its stall and alert outlines ``stall``, ``alert``).
+        ``gid="no-data"``, a heatmap ``gid="heatmap-<field>"`` (its stall and alert outlines, one collection each per
+        panel, ``stall`` and ``alert``).
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -698,7 +699,7 @@ def _title_and_legend(fig: Figure, title: str, panels: Sequence[_Panel], handles
     if layout == "heatmap":  # placed by fixed margins, as small multiples are
         fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
         for gid, edge, text in (("stall", STALL_EDGE, "stall"), ("alert", ALERT_EDGE, "alert firing")):
-            if any(p.get_gid() == gid for ax, *_ in panels for p in ax.patches):
+            if any(c.get_gid() == gid for ax, *_ in panels for c in ax.collections):
                 handles.append(Patch(facecolor="none", edgecolor=edge, label=text))
         if handles:
             fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=8, frameon=False)

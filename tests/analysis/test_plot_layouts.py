@@ -78,10 +78,16 @@ def test_past_sixteen_gpus_each_field_is_one_heatmap_with_stalls_and_alerts_outl
     assert util.shape[0] == 64
     assert np.nanmin(util[7]) < 10 and np.nanmin(np.delete(util, 7, axis=0)) == 90  # GPU 7's stall is in its row
     util_ax, temp_ax = (im.axes for im in images.values())
-    stalls = [p for p in util_ax.patches if p.get_gid() == "stall"]
-    assert len(stalls) == 1 and stalls[0].get_y() == pytest.approx(7 - 0.5)  # outlined on GPU 7's row
-    alerts = [p for p in temp_ax.patches if p.get_gid() == "alert"]
-    assert [p.get_y() for p in alerts] == [pytest.approx(11 - 0.5)]
+
+    def boxes(ax: object, gid: str) -> list[tuple[float, float]]:
+        """(top, bottom) rows of each outline of that kind."""
+        (marks,) = [c for c in ax.collections if c.get_gid() == gid]  # type: ignore[attr-defined]
+        return [(p.vertices[:, 1].min(), p.vertices[:, 1].max()) for p in marks.get_paths()]
+
+    assert boxes(util_ax, "stall") == [(6.5, 7.5)]  # outlined on GPU 7's row only
+    assert boxes(temp_ax, "stall") == [(6.5, 7.5)]  # on every field's panel
+    assert boxes(temp_ax, "alert") == [(10.5, 11.5)]
+    assert not [c for c in util_ax.collections if c.get_gid() == "alert"]
     assert [t.get_text() for t in fig.legends[0].get_texts()] == ["stall", "alert firing"]
     labels = [t.get_text() for t in util_ax.get_yticklabels()]
     assert labels[:3] == ["0", "4", "8"] and len(labels) == 16
@@ -98,6 +104,20 @@ def test_auto_layout_by_gpu_count_and_heatmap_on_request(tmp_path):
     assert kind(plot_recording(many_gpus(tmp_path, 17, 20), "utilization.gpu", rules=[])) == "heatmap"
     eight = plot_recording(many_gpus(tmp_path, 8, 20), "utilization.gpu", rules=[], layout="heatmap")
     assert kind(eight) == "heatmap"
+
+
+def test_gpus_that_stall_together_share_one_outline(tmp_path):
+    lines = ["timestamp, index, utilization.gpu [%], memory.used [MiB]"]
+    for s in range(120):
+        for g in range(20):
+            util = 5 if g in range(4, 12) and 30 <= s < 90 else 90
+            lines.append(f"2026/01/01 00:{s // 60:02d}:{s % 60:02d}.000, {g}, {util} %, 40000 MiB")
+    path = tmp_path / "together.csv"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (ax,) = plot_recording(path, "utilization.gpu", rules=[]).get_axes()[:1]
+    (marks,) = [c for c in ax.collections if c.get_gid() == "stall"]
+    (box,) = marks.get_paths()
+    assert (box.vertices[:, 1].min(), box.vertices[:, 1].max()) == (3.5, 11.5)  # GPUs 4-11 in one box
 
 
 def test_cli_plot_layout_heatmap(tmp_path):
