@@ -33,10 +33,11 @@ demo: $(DEMO_STAMP)
 	$(PY) scripts/demo.py
 
 # Outside tools the tests use for real: prometheus/promtool, buildah (+ debootstrap), hadolint, kubernetes-validate,
-# check-jsonschema. Installed where we can (root with apt-get, pip into the venv); elsewhere the tests that need
-# them skip, except under CI=true where they fail.
+# check-jsonschema, chromium (opens `report --html` pages headless). Installed where we can (root with apt-get, pip
+# into the venv); elsewhere the tests that need them skip, except under CI=true where they fail.
 tools: $(STAMP)
 	-scripts/install-prometheus
+	-scripts/install-chromium
 	-scripts/install-container-tools $(VENV)
 
 # Most tests wait on nvidia-smi stand-ins rather than compute, so pytest-xdist's TEST_WORKERS processes keep 2 cores

@@ -2,14 +2,15 @@
 
 :func:`report` reads a recording (CSV, JSONL or Parquet, as ``smiquery stream --output`` writes them, or a
 DataFrame from :func:`smiquery.recordings.read_csv`) and returns a :class:`Report` of per-GPU statistics, time
-over thresholds, stalls, the alerts the rules would have fired and one-line findings; it renders as text, JSON or
-Markdown. :func:`stalls_and_alerts` finds only the stall and alert periods (what the plot shades), for less.
-:func:`plot_recording` and :func:`save_plot` need matplotlib (``pip install 'smiquery[plot]'``). pandas, numpy
+over thresholds, stalls, the alerts the rules would have fired and one-line findings; it renders as text, JSON,
+Markdown, or one self-contained HTML page with the plot inlined (:func:`plot_png`). :func:`stalls_and_alerts`
+finds only the stall and alert periods (what the plot shades), for less. :func:`plot_recording`, :func:`save_plot`
+and :func:`plot_png` need matplotlib (``pip install 'smiquery[plot]'``). pandas, numpy
 and matplotlib are imported on first use, so importing this package stays light.
 
 The modules, in the order data flows through them: ``load`` (the recording, one view per GPU), ``analyze`` (what
-happened), ``findings`` (what to act on), ``model`` (the records), ``render`` (text, Markdown, JSON), ``plot``;
-``series`` holds the column helpers the report and the plot share.
+happened), ``findings`` (what to act on), ``model`` (the records), ``render`` (text, Markdown, JSON), ``html`` (the
+page), ``plot``; ``series`` holds the column helpers the report and the plot share.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from smiquery.analysis.model import (
 from smiquery.analysis.plot import (
     DEFAULT_PLOT_FIELDS,
     LAYOUTS,
+    MULTIPLES_MAX_GPUS,
     OVERLAY_MAX_GPUS,
     Layout,
+    plot_png,
     plot_recording,
     save_plot,
 )
@@ -40,6 +43,7 @@ __all__ = [
     "DEFAULT_PLOT_FIELDS",
     "DEFAULT_RULES",
     "LAYOUTS",
+    "MULTIPLES_MAX_GPUS",
     "OVERLAY_MAX_GPUS",
     "AlertSpan",
     "FieldStats",
@@ -52,6 +56,7 @@ __all__ = [
     "ThresholdTime",
     "format_duration",
     "load_recording",
+    "plot_png",
     "plot_recording",
     "report",
     "save_plot",

@@ -125,6 +125,10 @@ def report(
         energy_wh=_energy(df, gpus),
         elapsed=max(float(g.times[-1]) for g in gpus) - min(float(g.times[0]) for g in gpus),
     )
+    result.not_recorded, result.unchecked_rules = _not_recorded(df, parsed)
+    if result.sweeps <= 1:  # a single snapshot stands for no length of time: no energy, no interval
+        result.energy_wh = {}
+        result.interval = 0.0
     result.clock_steps, result.zone_changes = _clock_changes(gpus)
     # time past thresholds and the alerts the rules would have fired; then stalls (as stalls_and_alerts finds them)
     result.alerts = _alerts(parsed, gpus, result.thresholds)
@@ -170,6 +174,24 @@ def stalls_and_alerts(
     return Periods(
         _stalls(gpus, StallRule(stall_utilization, busy_memory, min_stall)), _alerts(_parse_rules(rules), gpus)
     )
+
+
+def _not_recorded(df: pd.DataFrame, rules: Sequence[Rule]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The fields the stall check and the rules need that hold no value in the recording; the rules watching them."""
+
+    def recorded(attr: str) -> bool:
+        return attr in df.columns and bool(df[attr].notna().any())
+
+    missing: dict[str, None] = {}
+    if not recorded("utilization_gpu"):
+        missing["utilization.gpu"] = None
+    unchecked: list[str] = []
+    for rule in rules:
+        lacking = [c.field.name for c in (rule, *rule.when) if not recorded(c.field.attr)]
+        if lacking:
+            unchecked.append(str(rule))
+            missing.update(dict.fromkeys(lacking))
+    return tuple(missing), tuple(unchecked)
 
 
 def _stats(

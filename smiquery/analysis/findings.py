@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from smiquery.analysis.model import SEVERITY_ORDER, Finding, HealthCount, Report, Severity, Stretch
-from smiquery.analysis.render import clock_text, format_duration, gpu_list, value_text
+from smiquery.analysis.model import SEVERITY_ORDER, AlertSpan, Finding, HealthCount, Report, Severity, Stretch
+from smiquery.analysis.render import format_duration, gpu_list, time_text, value_text
 from smiquery.analysis.series import catalogue_field
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def findings(report: Report, rules: Sequence[Rule], gpus: list[GpuSeries]) -> li
         *_alert_findings(report, rules),
         *_memory_findings(gpus),
         *_imbalance_findings(report),
-        *(Finding(_health_kind(h.field), h.severity, (h.gpu,), _health_verdict(h)) for h in report.health),
+        *_same_words([Finding(_health_kind(h.field), h.severity, (h.gpu,), _health_verdict(h)) for h in report.health]),
         *_clock_findings(report),
     ]
     out.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.start or report.start, f.gpus))
@@ -87,49 +87,62 @@ def _stall_findings(report: Report, n_gpus: int) -> list[Finding]:
                 "stall_together",
                 "warning",
                 tuple(gpus_in),
-                f"{who} stalled together from {clock_text(start)} for {format_duration(length)} (utilization "
+                f"{who} stalled together from {time_text(report, start)} for {format_duration(length)} (utilization "
                 f"under {report.stall_utilization:g}%): a cause they share; check the input pipeline, e.g. "
                 "prefetching and TFRecord, or a checkpoint or evaluation pass",
                 length,
                 start,
             )
         )
-    for gpu, st in sorted(alone.items()):
-        total = sum(s.seconds for s in st)
-        n = len(st)
-        longest = max(st, key=lambda s: s.seconds)
-        out.append(
-            Finding(
-                "stall",
-                "warning",
-                (gpu,),
-                f"GPU {gpu} spent {format_duration(total)} under {report.stall_utilization:g}% utilization in "
-                f"{n} stretch{'es' if n != 1 else ''} (longest {format_duration(longest.seconds)} from "
-                f"{clock_text(longest.start)}): check the input pipeline, e.g. prefetching and TFRecord",
-                total,
-                st[0].start,
-            )
-        )
+    if alone:
+        out.append(_alone_stalls(report, alone))
     return out
 
 
+def _alone_stalls(report: Report, alone: dict[int, list[Stretch]]) -> Finding:
+    """The stalls no other GPU shared, as one finding naming every GPU that had one."""
+    every = [s for st in alone.values() for s in st]
+    longest = max(every, key=lambda s: s.seconds)
+    totals = sorted(sum(s.seconds for s in st) for st in alone.values())
+    n = len(every)
+    if len(alone) == 1:
+        spent = f"{gpu_list(list(alone))} spent {format_duration(totals[0])}"
+    else:
+        each = (
+            format_duration(totals[0])
+            if totals[0] == totals[-1]
+            else (f"{format_duration(totals[0])} to {format_duration(totals[-1])}")
+        )
+        spent = f"{gpu_list(sorted(alone))} each spent {each}"
+    where = "" if len(alone) == 1 else f" on GPU {longest.gpu}"
+    return Finding(
+        "stall",
+        "warning",
+        tuple(sorted(alone)),
+        f"{spent} under {report.stall_utilization:g}% utilization in {n} stretch{'es' if n != 1 else ''} "
+        f"(longest {format_duration(longest.seconds)}{where} from {time_text(report, longest.start)}): check the "
+        "input pipeline, e.g. prefetching and TFRecord",
+        sum(totals),
+        min(s.start for s in every),
+    )
+
+
 def _alert_findings(report: Report, rules: Sequence[Rule]) -> list[Finding]:
-    """One finding per rule and GPU that would have fired (utilization rules aside: the stalls say it better)."""
+    """One finding per rule that would have fired, naming its GPUs (utilization rules aside: stalls say it better)."""
     out: list[Finding] = []
-    seen: set[tuple[str, int]] = set()
-    for span in report.alerts:
-        rule = next((r for r in rules if str(r) == span.rule), None)
-        if rule is None or (span.rule, span.gpu) in seen:
+    for text in dict.fromkeys(a.rule for a in report.alerts):
+        rule = next((r for r in rules if str(r) == text), None)
+        if rule is None or rule.field.name == "utilization.gpu":
             continue
-        seen.add((span.rule, span.gpu))
-        if rule.field.name == "utilization.gpu":
-            continue
-        spans = [a for a in report.alerts if a.rule == span.rule and a.gpu == span.gpu]
-        total = sum(a.seconds for a in spans)
-        peak = max((a.peak for a in spans if a.peak is not None), default=None)
+        spans = [a for a in report.alerts if a.rule == text]
+        per: dict[int, float] = {}
+        for a in spans:
+            per[a.gpu] = per.get(a.gpu, 0.0) + a.seconds
+        peaks = [a for a in spans if a.peak is not None]
+        top = (max if rule.op in (">", ">=") else min)(peaks, key=lambda a: a.peak or 0.0) if peaks else None
         kind, severity, advice = _advice(rule)
-        out.append(Finding(kind, severity, (span.gpu,), _alert_verdict(rule, span.gpu, len(spans), total, peak, advice),
-                           total, spans[0].since))  # fmt: skip
+        verdict = _alert_verdict(rule, sorted(per), len(spans), sorted(per.values()), top, advice)
+        out.append(Finding(kind, severity, tuple(sorted(per)), verdict, max(per.values()), min(a.since for a in spans)))
     return out
 
 
@@ -141,18 +154,25 @@ def _advice(rule: Rule) -> tuple[str, Severity, str]:
     return kind, severity, advice
 
 
-def _alert_verdict(rule: Rule, gpu: int, n: int, total: float, peak: float | None, advice: str) -> str:
+def _alert_verdict(rule: Rule, gpus: list[int], n: int, totals: list[float], top: AlertSpan | None, advice: str) -> str:
     fld = rule.field
+    many = len(gpus) > 1
+    who = gpu_list(gpus)
+    if totals[0] == totals[-1] or not many:
+        length = format_duration(totals[-1])
+    else:
+        length = f"{format_duration(totals[0])} to {format_duration(totals[-1])}"
+    length += " each" if many else ""
     if fld.kind.is_bool:
         state = "active" if rule.threshold else "inactive"
-        text = f"GPU {gpu} had {fld.name.split('.')[-1]} {state} for {format_duration(total)}"
+        text = f"{who} had {fld.name.split('.')[-1]} {state} for {length}"
     else:
         limit = value_text(float(rule.threshold), fld) if isinstance(rule.threshold, (int, float)) else "?"
         words = _OP_WORDS.get(rule.op, rule.op)
-        text = f"GPU {gpu} was {words} {limit} ({fld.name}) for {format_duration(total)}"
+        text = f"{who} {'were' if many else 'was'} {words} {limit} ({fld.name}) for {length}"
     text += f" in {n} stretch{'es' if n != 1 else ''}"
-    if peak is not None and not fld.kind.is_bool:
-        text += f" (peak {value_text(peak, fld)})"
+    if top is not None and not fld.kind.is_bool:
+        text += f" (peak {value_text(top.peak, fld)}" + (f" on GPU {top.gpu})" if many else ")")
     return text + f", firing `{rule}`: {advice}"
 
 
@@ -162,22 +182,26 @@ def _memory_findings(gpus: list[GpuSeries]) -> list[Finding]:
 
     if "memory_used" not in gpus[0].columns or "memory_total" not in gpus[0].columns:
         return []
-    out: list[Finding] = []
+    full: dict[int, float] = {}
     for g in gpus:
         with np.errstate(divide="ignore", invalid="ignore"):  # a missing memory.total is NaN, not an error
             ratio = g.floats("memory_used") / g.floats("memory_total")
         if len(ratio) and (ratio >= 0.97).any():
-            peak_ratio = float(ratio[ratio == ratio].max())
-            out.append(
-                Finding(
-                    "memory_full",
-                    "warning",
-                    (g.index,),
-                    f"GPU {g.index} peaked at {peak_ratio:.0%} of its memory: an out-of-memory error is one batch "
-                    "away; lower the batch size or check for tensors kept across steps",
-                )
-            )
-    return out
+            full[g.index] = float(ratio[ratio == ratio].max())
+    if not full:
+        return []
+    lo, hi = min(full.values()), max(full.values())
+    peak = f"{hi:.0%}" if f"{lo:.0%}" == f"{hi:.0%}" else f"{lo:.0%} to {hi:.0%}"
+    many = len(full) > 1
+    return [
+        Finding(
+            "memory_full",
+            "warning",
+            tuple(sorted(full)),
+            f"{gpu_list(sorted(full))} peaked at {peak} of {'their' if many else 'its'} memory: an out-of-memory "
+            "error is one batch away; lower the batch size or check for tensors kept across steps",
+        )
+    ]
 
 
 def _imbalance_findings(report: Report) -> list[Finding]:
@@ -187,17 +211,19 @@ def _imbalance_findings(report: Report) -> list[Finding]:
         return []
     ordered = sorted(means.values())
     median = ordered[len(ordered) // 2]
-    return [
-        Finding(
-            "imbalance",
-            "info",
-            (gpu,),
-            f"GPU {gpu} averaged {m:.0f}% utilization against {median:.0f}% on the others: "
-            "unbalanced work or a straggler; check its share of the data and its PCIe/NVLink link",
-        )
-        for gpu, m in sorted(means.items())
-        if median >= 40 and m < median - 25
-    ]
+    return _same_words(
+        [
+            Finding(
+                "imbalance",
+                "info",
+                (gpu,),
+                f"GPU {gpu} averaged {m:.0f}% utilization against {median:.0f}% on the others: "
+                "unbalanced work or a straggler; check its share of the data and its PCIe/NVLink link",
+            )
+            for gpu, m in sorted(means.items())
+            if median >= 40 and m < median - 25
+        ]
+    )
 
 
 def _clock_findings(report: Report) -> list[Finding]:
@@ -207,7 +233,7 @@ def _clock_findings(report: Report) -> list[Finding]:
         first = report.clock_steps[0]
         n = len(report.clock_steps)
         text = (
-            f"The recorded clock went back {format_duration(first.seconds)} at {clock_text(first.at)}"
+            f"The recorded clock went back {format_duration(first.seconds)} at {time_text(report, first.at)}"
             + (f" ({n} times in all)" if n > 1 else "")
             + ": a DST change, an NTP step or a VM resume (nvidia-smi stamps local time with no zone); durations "
             "and energy skip the step"
@@ -220,12 +246,31 @@ def _clock_findings(report: Report) -> list[Finding]:
                 "clock",
                 "info",
                 report.gpus,
-                f"The clocks changed from {before} to {after} at {clock_text(at)} (daylight saving): times are "
+                f"The clocks changed from {before} to {after} at {time_text(report, at)} (daylight saving): times are "
                 "local wall-clock times, durations run on across the change",
                 0.0,
                 at,
             )
         )
+    return out
+
+
+def _same_words(found: list[Finding]) -> list[Finding]:
+    """Findings that say the same of several GPUs, as one naming them all (``GPUs 2, 6 have ...``)."""
+    groups: dict[tuple[str, Severity, str], list[Finding]] = {}
+    for f in found:
+        (gpu,) = f.gpus
+        key = (f.kind, f.severity, f.verdict.replace(f"GPU {gpu}'s ", "\0").replace(f"GPU {gpu} ", "\1"))
+        groups.setdefault(key, []).append(f)
+    out: list[Finding] = []
+    for (kind, severity, words), same in groups.items():
+        if len(same) == 1:
+            out.append(same[0])
+            continue
+        gpus = sorted(g for f in same for g in f.gpus)
+        who = gpu_list(gpus)
+        verdict = words.replace("\0", f"{who}' ").replace("\1", f"{who} ").replace(f"{who} has ", f"{who} have ")
+        out.append(Finding(kind, severity, tuple(gpus), verdict, same[0].seconds, same[0].start))
     return out
 
 

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.alerts.rules import STALL
+from smiquery.analysis.html import report_html
 from smiquery.analysis.render import report_dict, report_json, report_markdown, report_text
 
 if TYPE_CHECKING:
@@ -227,7 +228,7 @@ class Finding:
 
 @dataclass
 class Report:
-    """The analysis of one recording. Render it with :meth:`to_text`, :meth:`to_json` or :meth:`to_markdown`.
+    """The analysis of one recording; :meth:`to_text`, :meth:`to_json`, :meth:`to_markdown`, :meth:`to_html` render it.
 
     Attributes:
         source: where the recording came from.
@@ -253,6 +254,9 @@ class Report:
         zone_changes: where the UTC offset changed in a recording read in its zone (``tz=``): (time, offset
             before, offset after).
         elapsed: seconds the run lasted along its timeline (steps back skipped); None: ``end - start``.
+        not_recorded: fields the stall check or a rule needs that the recording lacks (or holds no value of):
+            what they decide is not known, and the report says so rather than "none".
+        unchecked_rules: the rules (texts) that watch such a field.
     """
 
     source: str
@@ -277,6 +281,8 @@ class Report:
     clock_steps: list[ClockStep] = field(default_factory=list)
     zone_changes: list[tuple[datetime, str, str]] = field(default_factory=list)
     elapsed: float | None = None
+    not_recorded: tuple[str, ...] = ()
+    unchecked_rules: tuple[str, ...] = ()
 
     @property
     def duration(self) -> float:
@@ -305,6 +311,15 @@ class Report:
     def to_markdown(self) -> str:
         """A Markdown report (GitHub tables), for a pull request, an issue or a notebook."""
         return report_markdown(self)
+
+    def to_html(self, plot_png: bytes | None = None, plot_note: str | None = None) -> str:
+        """One self-contained HTML page (no network, no script): findings, tables and ``plot_png`` inlined.
+
+        Args:
+            plot_png: the plot as PNG bytes (:func:`smiquery.analysis.plot_png`); None for a page without it.
+            plot_note: what the page says in the plot's place when there is none.
+        """
+        return report_html(self, plot_png, plot_note)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """A recorded run as a picture: one panel per field, one line per GPU, alert thresholds, gaps where data is missing.
 
-Up to eight GPUs share a panel per field; more get small multiples (one small panel per GPU, same scales).
+Up to eight GPUs share a panel per field (each line the mean of a pixel's samples, with a band from their lowest
+to highest value); up to 16 get small multiples (one small panel per GPU, same scales); more get heatmaps (a row
+per GPU, :mod:`smiquery.analysis.heatmap`).
 
 Needs matplotlib (``pip install 'smiquery[plot]'``). Figures are built with the object API on the Agg canvas, so
 nothing here touches pyplot's global state or needs a display.
@@ -17,8 +19,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.alerts import Rule
 from smiquery.analysis.analyze import DEFAULT_RULES, stalls_and_alerts
+from smiquery.analysis.heatmap import ALERT_EDGE, STALL_EDGE, heatmap_figure
 from smiquery.analysis.load import load_recording
-from smiquery.analysis.series import as_float, gpu_rows, line_points, wall_clock
+from smiquery.analysis.series import as_float, axis_clock, gpu_rows, line_band, line_points
 from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind, get_field, resolve_fields
 
@@ -29,7 +32,16 @@ if TYPE_CHECKING:
     import pandas as pd
     from matplotlib.figure import Figure
 
-__all__ = ["DEFAULT_PLOT_FIELDS", "LAYOUTS", "OVERLAY_MAX_GPUS", "Layout", "plot_recording", "save_plot"]
+__all__ = [
+    "DEFAULT_PLOT_FIELDS",
+    "LAYOUTS",
+    "MULTIPLES_MAX_GPUS",
+    "OVERLAY_MAX_GPUS",
+    "Layout",
+    "plot_png",
+    "plot_recording",
+    "save_plot",
+]
 
 #: The panels drawn when no fields are given (those the recording has).
 DEFAULT_PLOT_FIELDS: tuple[str, ...] = ("utilization.gpu", "temperature.gpu", "memory.used", "power.draw")
@@ -49,11 +61,14 @@ _GPU_COLOURS = (
 _DASHES = ("-", "--", ":", "-.")
 
 #: How GPUs share panels: ``overlay`` (one panel per field, every GPU a line in it), ``multiples`` (one small panel
-#: per GPU per field, the panels of a field sharing their scales) or ``auto``.
-Layout = Literal["auto", "overlay", "multiples"]
-LAYOUTS: tuple[str, ...] = ("auto", "overlay", "multiples")
+#: per GPU per field, the panels of a field sharing their scales), ``heatmap`` (one panel per field, a row per GPU)
+#: or ``auto``.
+Layout = Literal["auto", "overlay", "multiples", "heatmap"]
+LAYOUTS: tuple[str, ...] = ("auto", "overlay", "multiples", "heatmap")
 #: ``layout="auto"`` overlays up to this many GPUs (the palette's distinct colours) and draws small multiples past it.
 OVERLAY_MAX_GPUS = len(_GPU_COLOURS)
+#: ``layout="auto"`` draws small multiples up to this many GPUs and heatmaps past it.
+MULTIPLES_MAX_GPUS = 16
 # The narrowest small multiple, in inches: a field's grid has as many columns as fit the figure's width.
 _MULTIPLE_WIDTH = 1.5
 # The height of one row of small multiples, as a share of ``panel_height``.
@@ -77,6 +92,10 @@ def _style(position: int) -> tuple[str, str]:
     """(colour, line style) of the ``position``-th GPU drawn."""
     colour = _GPU_COLOURS[position % len(_GPU_COLOURS)]
     return colour, _DASHES[(position // len(_GPU_COLOURS)) % len(_DASHES)]
+
+
+def _zone(stamps: pd.Series) -> Any:
+    return getattr(stamps.dt, "tz", None)
 
 
 def _zone_label(stamps: pd.Series) -> str:
@@ -135,8 +154,16 @@ def _span_label(ax: Any, x: Any, text: str) -> None:
 
 
 def _naive(ts: Any) -> Any:
-    """A datetime as the plot's x axis holds it: wall-clock time in the recording's zone, without the zone."""
-    return ts.replace(tzinfo=None) if getattr(ts, "tzinfo", None) is not None else ts
+    """A datetime as the plot's x axis holds it: the recorded wall clock, or UTC when the recording has a zone.
+
+    In a zone the axis runs on instants (the ticks name local times), so a fall-back's repeated hour is drawn after
+    the first, never over it.
+    """
+    if getattr(ts, "tzinfo", None) is None:
+        return ts
+    from datetime import timezone
+
+    return ts.astimezone(timezone.utc).replace(tzinfo=None)
 
 
 def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field]:
@@ -195,10 +222,13 @@ def _load(
     return df, drawn or None
 
 
-def _use_multiples(layout: str, gpus: int) -> bool:
+def _layout_of(layout: str, gpus: int) -> str:
+    """The layout drawn: the one asked for, or for ``auto`` the one that reads for this many GPUs."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-    return layout == "multiples" or (layout == "auto" and gpus > OVERLAY_MAX_GPUS)
+    if layout != "auto":
+        return layout
+    return "overlay" if gpus <= OVERLAY_MAX_GPUS else "multiples" if gpus <= MULTIPLES_MAX_GPUS else "heatmap"
 
 
 # A panel: (axes, field, the GPUs drawn in it as (position, (index, rows)), first in its row, in the figure's
@@ -330,13 +360,17 @@ def plot_recording(
 ) -> Figure:
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
-    Up to :data:`OVERLAY_MAX_GPUS` GPUs share each panel, in colours with no look-alike pair; with more, each field
-    gets small multiples instead: one small panel per GPU, titled ``GPU <index>``, the panels of a field sharing
-    their y scale and all panels their time axis (``layout`` chooses either way).
+    Up to :data:`OVERLAY_MAX_GPUS` GPUs share each panel, in colours with no look-alike pair; up to
+    :data:`MULTIPLES_MAX_GPUS`, each field gets small multiples instead: one small panel per GPU, titled
+    ``GPU <index>``, the panels of a field sharing their y scale and all panels their time axis; past that, one
+    heatmap per field with a row per GPU (:mod:`smiquery.analysis.heatmap`). ``layout`` chooses any of them.
 
     Missing values (``[N/A]``, a lost GPU) and gaps in time (the recording was stopped) show as breaks in the
     lines, never as zeros or straight joins. Long lines are drawn at about one point per pixel: overlaid, as the
-    mean of the samples a pixel stands for; in small multiples, as their lowest and highest value, so spikes show.
+    mean of the samples a pixel stands for inside a pale band from their lowest to highest value; in small
+    multiples, as their lowest and highest value: spikes and drops show either way. In a zone (``tz`` or recorded)
+    the time axis runs on instants and its ticks name local times, so a DST fall-back's repeated hour follows the
+    first; without one, a step back of the clock breaks the lines rather than drawing them backwards.
     Stalls (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
     shaded orange on its field's panel (in small multiples, each GPU's own stalls and alerts on its panels); a
     field with no value says so. The x axis names the time zone (or says
@@ -360,11 +394,14 @@ def plot_recording(
         shade: shade stalls and alerts.
         name: what to call the recording in the title (default: the file name).
         layout: ``overlay`` (every GPU in one panel per field), ``multiples`` (one small panel per GPU per field),
-            or ``auto``: overlay up to :data:`OVERLAY_MAX_GPUS` GPUs, small multiples past that.
+            ``heatmap`` (a row per GPU in one panel per field), or ``auto``: overlay up to :data:`OVERLAY_MAX_GPUS`
+            GPUs, small multiples up to :data:`MULTIPLES_MAX_GPUS`, heatmaps past that.
 
     Returns:
-        A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"``, each threshold line ``gid="threshold"``,
-        stall shading ``gid="stall"``, alert shading ``gid="alert"`` and a no-data note ``gid="no-data"``.
+        A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"`` (its band ``band-<index>``), each threshold
+        line ``gid="threshold"``, stall shading ``gid="stall"``, alert shading ``gid="alert"``, a no-data note
+        ``gid="no-data"``, a heatmap ``gid="heatmap-<field>"`` (its stall and alert outlines, one collection each per
+        panel, ``stall`` and ``alert``).
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -377,33 +414,53 @@ def plot_recording(
     import numpy as np
     from matplotlib.figure import Figure
 
-    _use_multiples(layout, 0)  # a bad layout fails before the recording is read
+    _layout_of(layout, 0)  # a bad layout fails before the recording is read
     df, flds = _prepare(source, fields, gpus, tz)
     parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in (DEFAULT_RULES if rules is None else rules)]
     groups = gpu_rows(df["index"].to_numpy(dtype="int64"))
-    multiples = _use_multiples(layout, len(groups))
-    fig, panels = (_small_multiples if multiples else _overlay)(Figure, flds, groups, width, panel_height, dpi)
-    if max_points is None:  # about one point per pixel of a panel's width; a small multiple's two (lowest, highest)
-        across = panels[0][0].get_position().width * width if multiples else width
-        max_points = max(200, round(across * dpi) * (2 if multiples else 1))
-    scene = _scene(df, flds, groups, parsed, multiples, max_points, shade)
-    scene.first_ax = panels[0][0]
-    handles: list[Any] = []
-    for panel in panels:
-        lines = _draw_panel(scene, panel)
-        if panel[1] is flds[0] and not multiples:  # small multiples are titled by GPU instead
-            handles += lines
+    chosen = _layout_of(layout, len(groups))
+    multiples = chosen == "multiples"
     start, end = df["timestamp"].min(), df["timestamp"].max()
     x_start, x_end = _naive(start), _naive(end)
     if x_end == x_start:
         x_end = x_start + (end - start) + np.timedelta64(1, "s")
-    _time_axis(fig, panels, flds, multiples, (x_start, x_end), _zone_label(df["timestamp"]))
+    zone = _zone(df["timestamp"])
+    if chosen == "heatmap":
+        columns = max_points or max(200, round(width * dpi * 0.85))  # about one column a pixel of the panel
+        scene = _scene(df, flds, groups, parsed, False, columns, shade)
+        fig, axes = heatmap_figure(
+            Figure,
+            flds,
+            [idx for idx, _ in groups],
+            [scene.xs[idx] for idx, _ in groups],
+            {f.name: [scene.values[f.name][rows] for _, rows in groups] for f in flds},
+            (x_start, x_end),
+            (scene.stalls, scene.alerts),
+            {f.name: _thresholds(parsed, f) for f in flds},
+            (width, panel_height, dpi, columns),
+        )
+        panels: list[_Panel] = [(ax, fld, [], True, ax is axes[-1]) for ax, fld in zip(axes, flds, strict=True)]
+    else:
+        fig, panels = (_small_multiples if multiples else _overlay)(Figure, flds, groups, width, panel_height, dpi)
+        if max_points is None:  # about a point per pixel of a panel's width; a small multiple's two (lowest, highest)
+            across = panels[0][0].get_position().width * width if multiples else width
+            max_points = max(200, round(across * dpi) * (2 if multiples else 1))
+        scene = _scene(df, flds, groups, parsed, multiples, max_points, shade)
+        scene.first_ax = panels[0][0]
+    handles: list[Any] = []
+    if chosen != "heatmap":
+        for panel in panels:
+            lines = _draw_panel(scene, panel)
+            if panel[1] is flds[0] and not multiples:  # small multiples are titled by GPU instead
+                handles += lines
+    _time_axis(fig, panels, flds, multiples, (x_start, x_end), _zone_label(df["timestamp"]), zone)
     if title is None:
         if name is None:
             name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
         n = len(groups)
-        title = f"{name}: {n} GPU{'s' if n != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {end:%H:%M:%S}"
-    _title_and_legend(fig, title, panels, handles, multiples)
+        until = f"{end:%Y-%m-%d %H:%M:%S}" if end.date() != start.date() else f"{end:%H:%M:%S}"
+        title = f"{name}: {n} GPU{'s' if n != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {until}"
+    _title_and_legend(fig, title, panels, handles, chosen)
     return fig
 
 
@@ -451,7 +508,7 @@ def _scene(
 ) -> _Scene:
     import numpy as np
 
-    x_all = wall_clock(df["timestamp"])
+    x_all = axis_clock(df["timestamp"])
     xs = {idx: x_all[rows] for idx, rows in groups}
     diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs.values() if len(x) > 1]
     interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
@@ -516,6 +573,10 @@ def _draw_lines(scene: _Scene, ax: Any, fld: Field, members: Sequence[tuple[int,
             zorder=2,
         )
         lines.append(line)
+        band = None if multiples else line_band(scene.xs[idx], y_all[rows], scene.gap_limit, scene.max_points)
+        if band is not None:  # the mean hides a pixel's extremes: a band from its lowest to highest value shows them
+            xb, lo, hi = band
+            ax.fill_between(xb, lo, hi, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
     if not drawn:
         ax.text(
             0.5,
@@ -602,32 +663,47 @@ def _time_axis(
     multiples: bool,
     x_range: tuple[Any, Any],
     label: str,
+    zone: Any = None,
 ) -> None:
-    """The time axis under the bottom panel(s), labelled with the zone; small multiples get their scales here."""
+    """The time axis under the bottom panel(s), labelled with the zone; small multiples get their scales here.
+
+    With a zone the axis holds UTC and the ticks name the zone's local times.
+    """
     import matplotlib.dates as mdates
 
     x_start, x_end = x_range
     if multiples:
         # the same few times on every small panel (the title holds the date), worked out once for all of them
-        locator = mdates.AutoDateLocator(minticks=3, maxticks=4)  # type: ignore[no-untyped-call]
+        locator = mdates.AutoDateLocator(minticks=3, maxticks=4, tz=zone)  # type: ignore[no-untyped-call]
         lo, hi = mdates.date2num([x_start, x_end])  # type: ignore[no-untyped-call]
         locs = [v for v in locator.tick_values(x_start, x_end) if lo <= v <= hi]  # type: ignore[no-untyped-call]
-        labels = mdates.ConciseDateFormatter(locator, show_offset=False).format_ticks(locs)  # type: ignore[no-untyped-call]
+        formatter = mdates.ConciseDateFormatter(locator, tz=zone, show_offset=False)  # type: ignore[no-untyped-call]
+        labels = formatter.format_ticks(locs)  # type: ignore[no-untyped-call]
         _small_scales(panels, flds, x_range, locs, labels)
         inches = fig.get_size_inches()[1]
         fig.supxlabel(label, y=0.45 / inches, va="center", fontsize=9)
     else:
         last = panels[-1][0]
         last.set_xlim(x_start, x_end)
-        locator = mdates.AutoDateLocator()  # type: ignore[no-untyped-call]
+        locator = mdates.AutoDateLocator(tz=zone)  # type: ignore[no-untyped-call]
         last.xaxis.set_major_locator(locator)
-        last.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))  # type: ignore[no-untyped-call]
+        last.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=zone))  # type: ignore[no-untyped-call]
         last.set_xlabel(label, fontsize=9)
 
 
-def _title_and_legend(fig: Figure, title: str, panels: Sequence[_Panel], handles: list[Any], multiples: bool) -> None:
+def _title_and_legend(fig: Figure, title: str, panels: Sequence[_Panel], handles: list[Any], layout: str) -> None:
     """The title above, and below a legend of the GPUs' lines (overlaid panels only) and the kinds of shading drawn."""
     from matplotlib.patches import Patch
+
+    multiples = layout == "multiples"
+    if layout == "heatmap":  # placed by fixed margins, as small multiples are
+        fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
+        for gid, edge, text in (("stall", STALL_EDGE, "stall"), ("alert", ALERT_EDGE, "alert firing")):
+            if any(c.get_gid() == gid for ax, *_ in panels for c in ax.collections):
+                handles.append(Patch(facecolor="none", edgecolor=edge, label=text))
+        if handles:
+            fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=8, frameon=False)
+        return
 
     if multiples:
         fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
@@ -673,3 +749,28 @@ def save_plot(
     path = Path(output)
     fig.savefig(path, dpi=fig.dpi)
     return path
+
+
+def plot_png(
+    source: str | os.PathLike[str] | pd.DataFrame, fields: str | Sequence[str] | None = None, **options: Any
+) -> bytes:
+    """Draw a recording (see :func:`plot_recording`) as PNG bytes, e.g. for :meth:`smiquery.analysis.Report.to_html`.
+
+    Args:
+        source: the recording or DataFrame.
+        fields: the fields to draw.
+        **options: passed to :func:`plot_recording`.
+
+    Returns:
+        The PNG image.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        ReportError: the recording cannot be read or lacks a requested field.
+    """
+    import io
+
+    fig = plot_recording(source, fields, **options)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=fig.dpi)
+    return buf.getvalue()

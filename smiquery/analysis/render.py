@@ -21,13 +21,26 @@ if TYPE_CHECKING:
     from smiquery.analysis.model import FieldStats, Report, Stretch
 
 __all__ = [
+    "alert_rows",
     "clock_text",
+    "constant_text",
+    "energy_line",
     "format_duration",
     "gpu_list",
+    "gpu_stat_table",
+    "headline",
+    "notes",
+    "nothing_found",
+    "overall_rows",
     "report_dict",
     "report_json",
     "report_markdown",
     "report_text",
+    "stall_note",
+    "stall_rows",
+    "threshold_note",
+    "threshold_table",
+    "time_text",
     "value_text",
 ]
 
@@ -125,6 +138,7 @@ def report_dict(report: Report) -> dict[str, Any]:
         "samples_per_gpu": report.sweeps,
         "interval_seconds": round(report.interval, 3),
         "energy_wh": {str(g): round(wh, 3) for g, wh in report.energy_wh.items()},
+        "not_recorded": list(report.not_recorded),
         "rules": list(report.rules),
         "stall_utilization": report.stall_utilization,
         "min_stall_seconds": report.min_stall,
@@ -169,19 +183,104 @@ def report_json(report: Report, indent: int | None = 2) -> str:
     return json.dumps(report_dict(report), indent=indent, default=str)
 
 
-def _headline(report: Report) -> str:
+def headline(report: Report) -> str:
+    """The first line: the recording, its GPUs, its span (both dates when it crosses midnight), zone and interval."""
+    n = len(report.gpus)
+    gpus = f"{n} GPU{'s' if n != 1 else ''}"
+    if report.sweeps <= 1:
+        return (
+            f"{report.source}: {gpus}, one sample each at {_stamp(report.start)} ({_zone_name(report.start)}): "
+            "a single snapshot, so no durations, stalls or energy"
+        )
+    end = _stamp(report.end) if report.end.date() != report.start.date() else clock_text(report.end)
     return (
-        f"{report.source}: {len(report.gpus)} GPU{'s' if len(report.gpus) != 1 else ''}, {report.sweeps} samples each, "
-        f"{_stamp(report.start)} to {clock_text(report.end)} ({format_duration(report.duration)}, "
-        f"{_zone_name(report.start)}), every {report.interval:g} s"
+        f"{report.source}: {gpus}, {report.sweeps} samples each, {_stamp(report.start)} to {end} "
+        f"({format_duration(report.duration)}, {_zone_name(report.start)}), every {report.interval:g} s"
     )
 
 
-def _notes(report: Report) -> list[str]:
-    return [] if report.skipped is None else [report.skipped.message(report.source)]
+def time_text(report: Report, ts: datetime) -> str:
+    """A time in a report's words: the time of day, with the date too when the report spans more than one day."""
+    return _stamp(ts) if report.start.date() != report.end.date() else clock_text(ts)
 
 
-def _stall_rows(report: Report) -> list[list[str]]:
+def notes(report: Report) -> list[str]:
+    """Lines under the headline: unreadable lines skipped, fields the report needed but the recording lacks."""
+    out = [] if report.skipped is None else [report.skipped.message(report.source)]
+    if report.not_recorded:
+        out.append(
+            f"Not recorded: {', '.join(report.not_recorded)}; what needs "
+            + ("it" if len(report.not_recorded) == 1 else "them")
+            + " is not known (record with --fields including "
+            + ("it" if len(report.not_recorded) == 1 else "them")
+            + ")"
+        )
+    return out
+
+
+def stall_note(report: Report) -> str:
+    """What the stall section says when it found none: none, or that it could not look."""
+    if "utilization.gpu" in report.not_recorded:
+        return "not known: utilization.gpu was not recorded"
+    if report.sweeps <= 1:
+        return "not known: a single snapshot has no durations"
+    return "none"
+
+
+def threshold_note(report: Report) -> str:
+    """What the thresholds section says when no GPU got past one: none, and which rules could not be checked."""
+    unchecked = report.unchecked_rules
+    if not unchecked:
+        return "none"
+    checked = len(report.rules) - len(unchecked)
+    return ("none; " if checked else "") + "not checked (field not recorded): " + ", ".join(unchecked)
+
+
+def nothing_found(report: Report) -> str:
+    """The findings section when there are none: what was checked and found clean, and what could not be checked."""
+    clean = []
+    if "utilization.gpu" not in report.not_recorded and report.sweeps > 1:
+        clean.append("no stall")
+    if len(report.unchecked_rules) < len(report.rules):
+        clean.append("no GPU past a threshold")
+    text = "nothing to report: " + ", ".join(clean) if clean else "nothing could be checked"
+    if report.not_recorded:
+        text += "; what the fields not recorded would tell is not known"
+    return text
+
+
+def alert_rows(report: Report) -> list[list[str]]:
+    """GPU, rule, when it fired, how long it held, peak: one row per alert the rules would have fired."""
+    return [
+        [
+            str(a.gpu),
+            a.rule,
+            _stamp(a.fired),
+            format_duration(a.seconds) + ("" if a.cleared else " (still firing at the end)"),
+            _peak_text(a.peak, a.rule),
+        ]
+        for a in report.alerts
+    ]
+
+
+def gpu_stat_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """Per field a row, per GPU a cell of mean / p95 / max."""
+    by_key = {(s.field, s.gpu): s for s in report.stats}
+    rows = []
+    for name in dict.fromkeys(s.field for s in report.stats):
+        unit = next(s.unit for s in report.stats if s.field == name)
+        fld = _stat_field(name, unit)
+        cells = [f"{name} [{unit}]" if unit else name]
+        for g in report.gpus:
+            st = by_key.get((name, g))
+            cells.append(
+                "n/a" if st is None else f"{_stat(st.mean, fld)} / {_stat(st.p95, fld)} / {_stat(st.max, fld)}"
+            )
+        rows.append(cells)
+    return ["field", *[f"GPU {g}" for g in report.gpus]], rows
+
+
+def stall_rows(report: Report) -> list[list[str]]:
     """One row per stall, except that GPUs which stalled together (same start and length) share a row."""
     rows: list[list[str]] = []
     groups: list[list[Stretch]] = []
@@ -203,7 +302,8 @@ def _stall_rows(report: Report) -> list[list[str]]:
     return rows
 
 
-def _overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
+def overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): per varying field its mean, p95, max over all GPUs, and the GPUs of highest and lowest mean."""
     per: dict[str, list[FieldStats]] = {}
     for s in report.stats:
         per.setdefault(s.field, []).append(s)
@@ -229,7 +329,8 @@ def _overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def _threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
+def threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): per GPU that got past a threshold, the time past each rule's."""
     rules = list(dict.fromkeys(t.rule for t in report.thresholds))
     head = ["GPU", *rules]
     rows = []
@@ -251,59 +352,45 @@ def _threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
 
 def report_text(report: Report) -> str:
     """The report as plain text for a terminal."""
-    out = [_headline(report), *_notes(report), ""]
+    out = [headline(report), *notes(report), ""]
     out.append("Findings:")
     if report.findings:
         out += [f"  [{f.severity}] {f.verdict}" for f in report.findings]
     else:
-        out.append("  nothing to report: no stall, no GPU past a threshold")
+        out.append(f"  {nothing_found(report)}")
     out.append("")
     out.append(
         f"Stalls (utilization.gpu < {report.stall_utilization:g}% for at least "
         f"{format_duration(report.min_stall)}, with memory held):"
     )
-    if report.stalls:
-        out += _table(
-            ["GPU", "start", "length", "mean util"],
-            _stall_rows(report),
-            indent=2,
-        )
-    else:
-        out.append("  none")
+    out += (
+        _table(["GPU", "start", "length", "mean util"], stall_rows(report), indent=2)
+        if report.stalls
+        else [f"  {stall_note(report)}"]
+    )
     out.append("")
-    head, rows = _threshold_table(report)
+    head, rows = threshold_table(report)
     out.append("Time past thresholds:")
-    out += _table(head, rows, indent=2) if rows else ["  none"]
+    out += _table(head, rows, indent=2) if rows else [f"  {threshold_note(report)}"]
     if report.alerts:
         out.append("")
         out.append("Alerts the rules would have fired:")
-        out += _table(
-            ["GPU", "rule", "fired", "held", "peak"],
-            [
-                [
-                    str(a.gpu),
-                    a.rule,
-                    _stamp(a.fired),
-                    format_duration(a.seconds) + ("" if a.cleared else " (still firing at the end)"),
-                    _peak_text(a.peak, a.rule),
-                ]
-                for a in report.alerts
-            ],
-            indent=2,
-        )
+        out += _table(["GPU", "rule", "fired", "held", "peak"], alert_rows(report), indent=2)
     if report.energy_wh:
         out.append("")
-        out.append(_energy_line(report))
-    out.append("")
-    out.append("Statistics over all GPUs (per GPU: --format json or markdown):")
-    out += _table(*_overall_rows(report), indent=2)
+        out.append(energy_line(report))
+    if report.overall:
+        out.append("")
+        out.append("Statistics over all GPUs (per GPU: --format json or markdown):")
+        out += _table(*overall_rows(report), indent=2)
     if report.constants:
         out.append("")
-        out.append("Constant during the run: " + "; ".join(_constant_text(n, v) for n, v in report.constants.items()))
+        out.append("Constant during the run: " + "; ".join(constant_text(n, v) for n, v in report.constants.items()))
     return "\n".join(out) + "\n"
 
 
-def _energy_line(report: Report) -> str:
+def energy_line(report: Report) -> str:
+    """The energy the GPUs drew over the run, in all and per GPU."""
     total = sum(report.energy_wh.values())
     per = ", ".join(f"GPU {g}: {wh:.1f}" for g, wh in sorted(report.energy_wh.items()))
     return f"Energy (power.draw over the run): {total:.1f} Wh in all ({per} Wh)"
@@ -311,69 +398,43 @@ def _energy_line(report: Report) -> str:
 
 def report_markdown(report: Report) -> str:
     """The report in Markdown (GitHub tables), for a pull request, an issue or a notebook."""
-    out = [f"# GPU report: {report.source}", "", _headline(report).split(": ", 1)[1], *_notes(report), ""]
+    out = [f"# GPU report: {report.source}", "", headline(report).split(": ", 1)[1], *notes(report), ""]
     if report.energy_wh:
-        out += [_energy_line(report), ""]
+        out += [energy_line(report), ""]
     out += ["## Findings", ""]
     if report.findings:
         out += [f"- **{f.severity}**: {f.verdict}" for f in report.findings]
     else:
-        out.append("Nothing to report: no stall, no GPU past a threshold.")
+        out.append(nothing_found(report)[0].upper() + nothing_found(report)[1:] + ".")
     out += [
         "",
         f"## Stalls (utilization < {report.stall_utilization:g}% for at least {format_duration(report.min_stall)})",
         "",
     ]
     if report.stalls:
-        out += _md_table(
-            ["GPU", "start", "length", "mean util"],
-            _stall_rows(report),
-        )
+        out += _md_table(["GPU", "start", "length", "mean util"], stall_rows(report))
     else:
-        out.append("None.")
+        out.append(stall_note(report)[0].upper() + stall_note(report)[1:] + ".")
     out += ["", "## Time past thresholds", ""]
-    head, rows = _threshold_table(report)
-    out += _md_table(head, rows) if rows else ["None."]
+    head, rows = threshold_table(report)
+    out += _md_table(head, rows) if rows else [threshold_note(report)[0].upper() + threshold_note(report)[1:] + "."]
     if report.alerts:
         out += ["", "## Alerts the rules would have fired", ""]
-        out += _md_table(
-            ["GPU", "rule", "fired", "held", "peak"],
-            [
-                [
-                    str(a.gpu),
-                    f"`{a.rule}`",
-                    _stamp(a.fired),
-                    format_duration(a.seconds) + ("" if a.cleared else " (still firing)"),
-                    _peak_text(a.peak, a.rule),
-                ]
-                for a in report.alerts
-            ],
-        )
-    out += ["", "## Statistics (mean / p95 / max)", ""]
-    gpus = list(report.gpus)
-    by_key = {(s.field, s.gpu): s for s in report.stats}
-    names = list(dict.fromkeys(s.field for s in report.stats))
-    rows = []
-    for name in names:
-        unit = next(s.unit for s in report.stats if s.field == name)
-        cells = [f"{name} [{unit}]" if unit else name]
-        for g in gpus:
-            st = by_key.get((name, g))
-            fld = _stat_field(name, unit)
-            cells.append(
-                "n/a" if st is None else f"{_stat(st.mean, fld)} / {_stat(st.p95, fld)} / {_stat(st.max, fld)}"
-            )
-        rows.append(cells)
-    out += _md_table(["field", *[f"GPU {g}" for g in gpus]], rows)
+        rows = [[gpu, f"`{rule}`", *rest] for gpu, rule, *rest in alert_rows(report)]
+        out += _md_table(["GPU", "rule", "fired", "held", "peak"], rows)
+    if report.stats:
+        out += ["", "## Statistics (mean / p95 / max)", ""]
+        out += _md_table(*gpu_stat_table(report))
     if report.constants:
         out += [
             "",
-            "Constant during the run: " + "; ".join(_constant_text(n, v) for n, v in report.constants.items()),
+            "Constant during the run: " + "; ".join(constant_text(n, v) for n, v in report.constants.items()),
         ]
     return "\n".join(out) + "\n"
 
 
-def _constant_text(name: str, per_gpu: dict[int, Any]) -> str:
+def constant_text(name: str, per_gpu: dict[int, Any]) -> str:
+    """A field that never changed, with its value (per GPU when they differ)."""
     values = list(dict.fromkeys(per_gpu.values()))
     fld = catalogue_field(name)
     unit = f" {fld.unit}" if fld is not None and fld.unit and fld.unit != "%" else (fld.unit if fld else "")

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
-__all__ = ["as_float", "catalogue_field", "gpu_rows", "line_points", "wall_clock"]
+__all__ = ["as_float", "axis_clock", "catalogue_field", "gpu_rows", "line_band", "line_points"]
 
 _BY_ATTR: dict[str, Field] = {f.attr: f for f in CATALOGUE}
 
@@ -52,12 +52,16 @@ def gpu_rows(index: np.ndarray) -> list[tuple[int, Any]]:
     return [(int(index[a]), slice(a, b)) for a, b in pairwise(edges)]
 
 
-def wall_clock(stamps: pd.Series) -> np.ndarray:
-    """Timestamps as naive datetime64[ns]: the wall-clock time of the recording, in its zone when it has one."""
+def axis_clock(stamps: pd.Series) -> np.ndarray:
+    """Timestamps as a plot's time axis holds them, naive datetime64[ns]: the recorded wall clock, or UTC in a zone.
+
+    In a zone the instants never repeat (a fall-back's second 02:30 comes after the first); the axis' ticks name
+    the zone's local times. Without one, the wall clock may step back: the lines break there.
+    """
     import numpy as np
 
     if getattr(stamps.dt, "tz", None) is not None:
-        stamps = stamps.dt.tz_localize(None)
+        stamps = stamps.dt.tz_convert("UTC").dt.tz_localize(None)
     return np.asarray(stamps.to_numpy(dtype="datetime64[ns]"))
 
 
@@ -73,7 +77,8 @@ def line_points(
 
     if len(x) > max_points:
         # Means by default: with several GPUs in one panel, a noisy line drawn sample by sample (or as its min-max
-        # envelope) covers the others with a solid band. A panel of its own (small multiples) draws the envelope.
+        # envelope) covers the others; the overlay draws each bucket's extremes as a pale band (line_band) instead.
+        # A panel of its own (small multiples) draws the envelope.
         step = math.ceil(len(x) / max_points) if not envelope else math.ceil(2 * len(x) / max_points)
         n = (len(x) // step) * step
         blocks = y[:n].reshape(-1, step)
@@ -98,14 +103,50 @@ def line_points(
             y = np.concatenate((means, y[n:]))
         # points now stand up to two buckets apart: only a longer pause in time is a gap
         gap_limit *= step
+    x, (y,) = _broken(x, [y], gap_limit)
+    return x, y
+
+
+def line_band(
+    x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The lowest and highest value of each bucket :func:`line_points` averages: (x, lows, highs); None if it draws all.
+
+    Drawn as a band around the mean line, so that what the mean hides (a memory drop to 1 MiB every ten minutes
+    of a 34-hour run, a one-sample spike) still shows.
+    """
+    import numpy as np
+
+    if len(x) <= max_points:
+        return None
+    step = math.ceil(len(x) / max_points)
+    n = (len(x) // step) * step
+    blocks = y[:n].reshape(-1, step)
+    empty = np.isnan(blocks).all(axis=1)
+    lows = np.where(np.isnan(blocks), np.inf, blocks).min(axis=1)
+    highs = np.where(np.isnan(blocks), -np.inf, blocks).max(axis=1)
+    lows[empty] = np.nan
+    highs[empty] = np.nan
+    xb, (lo, hi) = _broken(
+        np.concatenate((x[:n:step], x[n:])),
+        [np.concatenate((lows, y[n:])), np.concatenate((highs, y[n:]))],
+        gap_limit * step,
+    )
+    return xb, lo, hi
+
+
+def _broken(x: np.ndarray, ys: list[np.ndarray], gap_limit: float) -> tuple[np.ndarray, list[np.ndarray]]:
+    """A NaN point inside each gap in time and at each step back of the clock, so a line breaks there."""
+    import numpy as np
+
     if len(x) > 1:
         secs = np.diff(x).astype("timedelta64[ns]").astype("float64") / 1e9
         # a step back of the recorded clock (a DST fall-back, an NTP step) breaks the line too: never drawn backwards
         back = secs < -REPORTED_STEP_BACK
         gaps = np.nonzero((secs > gap_limit) | back)[0]
         if len(gaps):
-            # a NaN point inside each gap (at a step back, on its first side) breaks the line there
+            # at a step back, the break sits on its first side
             mids = np.where(back[gaps], x[gaps], x[gaps] + (x[gaps + 1] - x[gaps]) // 2)
             x = np.insert(x, gaps + 1, mids)
-            y = np.insert(y, gaps + 1, np.nan)
-    return x, y
+            ys = [np.insert(y, gaps + 1, np.nan) for y in ys]
+    return x, ys

@@ -29,6 +29,8 @@ from smiquery.cli.fleet_options import (
 if TYPE_CHECKING:
     import pandas as pd
 
+    from smiquery.analysis import Report
+
 __all__ = ["FailOn", "PlotLayout", "ReportFormat", "check_zone", "register"]
 
 
@@ -46,6 +48,7 @@ class PlotLayout(str, Enum):
     auto = "auto"
     overlay = "overlay"
     multiples = "multiples"
+    heatmap = "heatmap"
 
 
 class FailOn(str, Enum):
@@ -63,6 +66,7 @@ Examples:
   smiquery plot run.jsonl -o trace.svg --alert 'temperature.gpu > 83 for 10' --gpus 0,5
   smiquery plot noheader.csv --fields timestamp,index,utilization.gpu --tz Europe/Berlin
   smiquery plot sixteen-gpus.csv --layout overlay
+  smiquery plot sixty-four-gpus.csv --layout heatmap
 """
 
 _REPORT_EPILOG = """\b
@@ -73,6 +77,7 @@ Exit codes: 0 ok, 1 unreadable recording, 2 bad option or alert,
 Examples:
   smiquery report run.csv
   smiquery report run.parquet --format markdown > report.md
+  smiquery report run.csv --html run.html
   smiquery report run.jsonl --format json --min-stall 2m --fail-on critical
   smiquery report log.csv --tz Europe/Berlin
   smiquery report noheader.csv --fields timestamp,index,utilization.gpu,temperature.gpu
@@ -212,8 +217,9 @@ def plot(
         typer.Option(
             "--layout",
             case_sensitive=False,
-            help="overlay: every GPU a line in one panel per field; multiples: one small panel per GPU per field "
-            "(same scales); auto: overlay up to 8 GPUs, multiples past that.",
+            help="overlay: every GPU a line in one panel per field (mean per pixel, min-max band); multiples: one "
+            "small panel per GPU per field (same scales); heatmap: one panel per field, a row per GPU; auto: overlay "
+            "up to 8 GPUs, multiples up to 16, heatmap past that.",
         ),
     ] = PlotLayout.auto,
     prometheus: PrometheusOpt = None,
@@ -226,10 +232,10 @@ def plot(
 ) -> None:
     """Draw a recording: one panel per field, one line per GPU, alert thresholds dashed, gaps where data is missing.
 
-    Past 8 GPUs each field gets one small panel per GPU instead (--layout). Stalls are shaded grey and firing
-    alerts orange. For a headerless (noheader) log, --fields names its
-    columns in order. The time axis is the recording's clock (no zone unless --tz names one). Needs
-    matplotlib: pip install 'smiquery[plot]'.
+    Past 8 GPUs each field gets one small panel per GPU instead, past 16 a heatmap with a row per GPU (--layout).
+    Stalls are shaded grey and firing alerts orange (outlined on a heatmap). For a headerless (noheader) log,
+    --fields names its columns in order. The time axis is the recording's clock (no zone unless --tz names one).
+    Needs matplotlib: pip install 'smiquery[plot]'.
     """
     with _boundary(ctx):
         from smiquery.analysis import save_plot
@@ -289,11 +295,21 @@ def report(
     namespace: NamespaceOpt = None,
     pod: PodOpt = None,
     http_config: HttpConfigOpt = None,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            metavar="FILE",
+            help="Also write one self-contained HTML page (findings, tables and the plot inlined; loads nothing "
+            "from the network) to share in a ticket or a browser. The plot needs matplotlib.",
+        ),
+    ] = None,
 ) -> None:
     """Summarise a recording: stalls, time over thresholds, memory-health counters, statistics, one verdict each.
 
     Lines that cannot be read (the torn last line of a killed recorder, garbage) are skipped with one warning.
-    Times are shown as recorded (nvidia-smi's local time, no zone) unless --tz names the zone.
+    Times are shown as recorded (nvidia-smi's local time, no zone) unless --tz names the zone. --html FILE writes
+    the report and the plot as one page as well.
     """
     with _boundary(ctx):
         from smiquery.alerts import parse_duration
@@ -322,6 +338,8 @@ def report(
             from smiquery.fleet.report import name_gpus
 
             text = name_gpus(text, fmt.value, df)
+        if html is not None:
+            _write_html(result, df, html, alert or None)
         if output is not None:
             output.write_text(text, encoding="utf-8")
         else:
@@ -333,6 +351,20 @@ def report(
             from smiquery.cli._boundary import ExitCode
 
             raise typer.Exit(ExitCode.ALERT)
+
+
+def _write_html(result: Report, df: pd.DataFrame, path: Path, rules: list[str] | None) -> None:
+    """The report's page with the plot inlined; without matplotlib, the page says how to get the plot."""
+    from smiquery.analysis import plot_png
+
+    try:
+        png: bytes | None = plot_png(df, rules=rules, name=result.source)
+        note = None
+    except ImportError as exc:
+        png, note = None, str(exc)
+        with contextlib.suppress(OSError, ValueError):
+            print(f"smiquery: warning: the page has no plot: {exc}", file=sys.stderr, flush=True)
+    path.write_text(result.to_html(png, note), encoding="utf-8")
 
 
 def register(app: typer.Typer) -> None:

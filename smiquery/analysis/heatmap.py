@@ -1,0 +1,184 @@
+"""Many GPUs as heatmaps: one panel per field, a row per GPU, time across, stalls and alerts outlined.
+
+Past 16 GPUs a line per GPU, or a small panel per GPU per field (64 GPUs: 256 panels), no longer reads;
+:func:`smiquery.analysis.plot_recording` draws these instead. Each cell is the mean of the samples of one GPU in
+one column of pixels; a stall is outlined black on the GPU's row in every panel, a firing alert orange on its
+field's panel, so short events that a mean would blur still show. Rule thresholds are marked on each colour bar.
+
+Needs matplotlib; drawn with the object API like :mod:`smiquery.analysis.plot`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    from smiquery.fields import Field
+
+__all__ = ["ALERT_EDGE", "STALL_EDGE", "cell_means", "heatmap_figure"]
+
+#: The outline of a stall on a GPU's row, and of a firing alert.
+STALL_EDGE = "#000000"
+ALERT_EDGE = "#e6550d"
+_MISSING = "#e8e8e8"
+# Height of one GPU's row (inches) and the least height of a panel.
+_ROW_INCHES = 0.055
+_MIN_PANEL = 1.6
+
+
+def cell_means(
+    xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], x_range: tuple[Any, Any], columns: int
+) -> np.ndarray:
+    """A (GPUs, columns) array: per GPU the mean of its values in each of ``columns`` equal spans of time, NaN if none.
+
+    Args:
+        xs: per GPU its sample times (datetime64[ns], on the plot's axis).
+        ys: per GPU its values (float, NaN where missing).
+        x_range: the first and last time of the axis.
+        columns: how many spans of time.
+    """
+    import numpy as np
+
+    lo, hi = (int(np.asarray(v, dtype="datetime64[ns]").astype("int64")) for v in x_range)
+    span = max(int(hi - lo), 1)
+    sums = np.zeros(len(xs) * columns)
+    counts = np.zeros(len(xs) * columns)
+    for row, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        ok = ~np.isnan(y)
+        at = (x[ok].astype("datetime64[ns]").astype("int64") - lo) * columns // span
+        cells = row * columns + np.clip(at, 0, columns - 1)
+        sums += np.bincount(cells, weights=y[ok], minlength=len(sums))
+        counts += np.bincount(cells, minlength=len(counts))
+    means = np.full(len(sums), np.nan)
+    np.divide(sums, counts, out=means, where=counts > 0)
+    return means.reshape(len(xs), columns)
+
+
+def heatmap_figure(
+    figure: type[Figure],
+    flds: Sequence[Field],
+    gpus: Sequence[int],
+    xs: Sequence[np.ndarray],
+    values: dict[str, Sequence[np.ndarray]],
+    x_range: tuple[Any, Any],
+    marks: tuple[list[tuple[Any, Any, int]], dict[str, list[tuple[Any, Any, int]]]],
+    thresholds: dict[str, list[tuple[float, str]]],
+    size: tuple[float, float, int, int],
+) -> tuple[Figure, list[Any]]:
+    """One heatmap panel per field, sharing the time axis; returns the figure and its panels (top to bottom).
+
+    Args:
+        figure: the Figure class to build.
+        flds: the fields, one panel each.
+        gpus: the GPU indices, one row each (top to bottom).
+        xs: per GPU its sample times (naive datetime64, as the axis holds them).
+        values: per field name, per GPU its values.
+        x_range: the axis' first and last time (naive datetimes).
+        marks: (stalls, alerts by field name) as (start, end, gpu) with naive datetimes.
+        thresholds: per field name, (value, label) of the rules watching it, marked on its colour bar.
+        size: (width, panel height in inches, dpi, most columns of cells: one a pixel or so).
+    """
+    import matplotlib.dates as mdates
+    import numpy as np
+    from matplotlib import colormaps
+
+    width, panel_height, dpi, columns = size
+    # no more columns than about half a GPU's samples: each cell then holds one sample or more, none is left empty
+    columns = max(1, min(columns, max(len(x) for x in xs) // 2))
+    # Placed by fixed margins in inches: constrained layout measures every tick of every colour bar, which takes
+    # longer than drawing the cells.
+    height = max(panel_height, _MIN_PANEL, len(gpus) * _ROW_INCHES + 0.6)
+    top, head, gap, bottom, left, right, bar_width = 0.45, 0.3, 0.3, 0.95, 0.75, 0.95, 0.15
+    total = top + len(flds) * (head + height) + (len(flds) - 1) * gap + bottom
+    fig = figure(figsize=(width, total), dpi=dpi)
+    axes: list[Any] = []
+    for k in range(len(flds)):
+        y = total - top - head - height - k * (head + height + gap)  # the panel's foot, inches from the bottom
+        box = (left / width, y / total, (width - left - right) / width, height / total)
+        axes.append(fig.add_axes(box, sharex=axes[0] if axes else None))
+        if k < len(flds) - 1:
+            axes[-1].tick_params(labelbottom=False)
+    lo, hi = (float(v) for v in mdates.date2num(list(x_range)))  # type: ignore[no-untyped-call]
+    row_of = {g: r for r, g in enumerate(gpus)}
+    stalls, alerts = marks
+    cmap = colormaps["viridis"].with_extremes(bad=_MISSING)
+    step = max(1, len(gpus) // 16)  # at most about 16 GPU labels
+    for ax, fld in zip(axes, flds, strict=True):
+        cells = cell_means(xs, values[fld.name], x_range, columns)
+        if fld.unit == "%":
+            vmin, vmax = 0.0, 100.0
+        elif fld.kind.is_bool:
+            vmin, vmax = 0.0, 1.0
+        elif np.isfinite(cells).any():
+            vmin, vmax = float(np.nanmin(cells)), float(np.nanmax(cells))
+        else:
+            vmin, vmax = 0.0, 1.0
+        image = ax.imshow(
+            np.ma.masked_invalid(cells),
+            aspect="auto",
+            interpolation="nearest",
+            cmap=cmap,
+            vmin=vmin,
+            vmax=vmax if vmax > vmin else vmin + 1,  # a constant field: its one value at the scale's foot
+            extent=(lo, hi, len(gpus) - 0.5, -0.5),
+            gid=f"heatmap-{fld.name}",
+        )
+        pos = ax.get_position()
+        bar = fig.colorbar(image, cax=fig.add_axes((pos.x1 + 0.1 / width, pos.y0, bar_width / width, pos.height)))
+        if fld.unit:
+            bar.set_label(fld.unit)
+        for value, _ in thresholds.get(fld.name, []):
+            if vmin <= value <= vmax:  # a white line under a dashed black one shows on any colour
+                bar.ax.axhline(value, color="#ffffff", linewidth=2.0)
+                bar.ax.axhline(value, color="#000000", linewidth=1.0, linestyle="--", gid="threshold")
+        _outline(ax, stalls, row_of, STALL_EDGE, "stall", 0.9)
+        _outline(ax, alerts.get(fld.name, []), row_of, ALERT_EDGE, "alert", 1.3)
+        ax.set_title(f"{fld.name} [{fld.unit}]" if fld.unit else fld.name, loc="left", fontsize=10)
+        ax.set_yticks(range(0, len(gpus), step), [str(g) for g in gpus[::step]], fontsize=7)
+        ax.set_ylabel("GPU")
+        if not np.isfinite(cells).any():
+            note = f"no values: {fld.name} was missing ([N/A] or not supported) in every sample"
+            ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=9, color="#555555",
+                    gid="no-data")  # fmt: skip
+    return fig, axes
+
+
+def _outline(
+    ax: Any, spans: Sequence[tuple[Any, Any, int]], row_of: dict[int, int], edge: str, gid: str, lw: float
+) -> None:
+    """Each (start, end, gpu) span as an outline around its stretch of the GPU's row.
+
+    Spans of neighbouring rows that start and end within a hundredth of the run of each other (GPUs that stalled
+    together) share one outline, so 64 GPUs stalling at once are one box, not 64 stripes.
+    """
+    import matplotlib.dates as mdates
+    from matplotlib.collections import PolyCollection
+
+    lo, hi = ax.get_xlim()
+    slack = (hi - lo) / 100
+    placed = sorted(
+        (float(s0), float(e0), row_of[gpu])
+        for (start, end, gpu) in spans
+        if gpu in row_of
+        for s0, e0 in [mdates.date2num([start, end])]  # type: ignore[no-untyped-call]
+    )
+    boxes: list[list[float]] = []  # [start, end, first row, last row]
+    ending: dict[int, list[list[float]]] = {}  # the boxes whose last row is the key
+    for s0, e0, row in sorted(placed, key=lambda p: (p[2], p[0])):
+        above = ending.get(row - 1, [])
+        near = next((b for b in above if abs(b[0] - s0) <= slack and abs(b[1] - e0) <= slack), None)
+        if near is None:
+            near = [s0, e0, row, row]
+            boxes.append(near)
+        else:
+            above.remove(near)
+            near[0], near[1], near[3] = min(near[0], s0), max(near[1], e0), row
+        ending.setdefault(row, []).append(near)
+    if boxes:  # one artist for all: a patch each costs milliseconds to add and to draw
+        verts = [[(s0, a - 0.5), (e0, a - 0.5), (e0, b + 0.5), (s0, b + 0.5)] for s0, e0, a, b in boxes]
+        ax.add_collection(PolyCollection(verts, facecolors="none", edgecolors=edge, linewidths=lw, gid=gid, zorder=3),
+                          autolim=False)  # fmt: skip

@@ -1,0 +1,139 @@
+"""A report as one self-contained HTML page: findings, tables and the plot, for a ticket or a browser.
+
+The page loads nothing: the style sheet is inline, the plot a PNG ``data:`` URI, and a content security policy
+forbids every other source, so a shared page works offline and leaks no request. The tables are those of the
+text and Markdown reports (:mod:`smiquery.analysis.render`).
+"""
+
+from __future__ import annotations
+
+import base64
+from html import escape
+from typing import TYPE_CHECKING
+
+from smiquery.analysis.render import (
+    alert_rows,
+    constant_text,
+    energy_line,
+    format_duration,
+    gpu_stat_table,
+    headline,
+    notes,
+    nothing_found,
+    overall_rows,
+    stall_note,
+    stall_rows,
+    threshold_note,
+    threshold_table,
+)
+
+if TYPE_CHECKING:
+    from smiquery.analysis.model import Report
+
+__all__ = ["report_html"]
+
+# No script, no outside request: images only as data: URIs, style only inline.
+_POLICY = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
+
+_STYLE = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; color: #1d1d1f;
+       margin: 0 auto; max-width: 1280px; padding: 16px 24px 48px; background: #fff; }
+h1 { font-size: 20px; margin: 8px 0 4px; }
+h2 { font-size: 16px; margin: 28px 0 8px; border-bottom: 1px solid #ddd; padding-bottom: 4px; }
+p.head { color: #444; margin: 0 0 4px; }
+p.note { color: #8a4b00; margin: 2px 0; }
+ul.findings { list-style: none; padding: 0; margin: 0; }
+ul.findings li { margin: 6px 0; padding: 6px 10px; border-left: 4px solid #999; background: #f7f7f7; }
+ul.findings li.critical { border-color: #c62828; background: #fdecea; }
+ul.findings li.warning { border-color: #ef6c00; background: #fff4e5; }
+ul.findings li.info { border-color: #1565c0; background: #e8f1fb; }
+.sev { font-weight: 600; text-transform: uppercase; font-size: 11px; margin-right: 6px; }
+table { border-collapse: collapse; margin: 4px 0; font-variant-numeric: tabular-nums; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; white-space: nowrap; }
+th { background: #f2f2f2; }
+td:first-child, th:first-child { text-align: left; }
+div.wide { overflow-x: auto; }
+figure { margin: 8px 0; }
+figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+"""
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    cells = "".join(f"<th>{escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<div class="wide"><table><thead><tr>{cells}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def _para(text: str) -> str:
+    return f"<p>{escape(text[:1].upper() + text[1:])}.</p>"
+
+
+def report_html(report: Report, plot_png: bytes | None = None, plot_note: str | None = None) -> str:
+    """The report as one HTML page that needs nothing else: no network, no script, no file beside it.
+
+    Args:
+        report: the report.
+        plot_png: the plot of the recording as PNG bytes, embedded as a ``data:`` URI; None for none.
+        plot_note: what to say in place of the plot when there is none (e.g. that matplotlib is missing).
+
+    Returns:
+        The page, UTF-8 text.
+    """
+    title = f"GPU report: {report.source}"
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{_POLICY}">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{escape(title)}</title>",
+        f"<style>{_STYLE}</style>",
+        "</head><body>",
+        f"<h1>{escape(title)}</h1>",
+        f'<p class="head">{escape(headline(report).split(": ", 1)[1])}</p>',
+        *(f'<p class="note">{escape(n)}</p>' for n in notes(report)),
+    ]
+    if report.energy_wh:
+        out.append(f'<p class="head">{escape(energy_line(report))}</p>')
+    out.append("<h2>Findings</h2>")
+    if report.findings:
+        items = "".join(
+            f'<li class="{f.severity}"><span class="sev">{f.severity}</span>{escape(f.verdict)}</li>'
+            for f in report.findings
+        )
+        out.append(f'<ul class="findings">{items}</ul>')
+    else:
+        out.append(_para(nothing_found(report)))
+    out.append("<h2>Plot</h2>")
+    if plot_png is not None:
+        data = base64.b64encode(plot_png).decode("ascii")
+        out.append(
+            f'<figure id="plot"><img alt="{escape(report.source)}: the recording over time" '
+            f'src="data:image/png;base64,{data}"></figure>'
+        )
+    else:
+        out.append(_para(plot_note or "no plot"))
+    out.append(
+        f"<h2>Stalls (utilization.gpu &lt; {report.stall_utilization:g}% for at least "
+        f"{escape(format_duration(report.min_stall))}, with memory held)</h2>"
+    )
+    out.append(
+        _table(["GPU", "start", "length", "mean util"], stall_rows(report))
+        if report.stalls
+        else _para(stall_note(report))
+    )
+    out.append("<h2>Time past thresholds</h2>")
+    head, rows = threshold_table(report)
+    out.append(_table(head, rows) if rows else _para(threshold_note(report)))
+    if report.alerts:
+        out.append("<h2>Alerts the rules would have fired</h2>")
+        out.append(_table(["GPU", "rule", "fired", "held", "peak"], alert_rows(report)))
+    if report.overall:
+        out.append("<h2>Statistics over all GPUs</h2>")
+        out.append(_table(*overall_rows(report)))
+        out.append("<h2>Statistics per GPU (mean / p95 / max)</h2>")
+        out.append(_table(*gpu_stat_table(report)))
+    if report.constants:
+        out.append("<h2>Constant during the run</h2>")
+        out.append(_para("; ".join(constant_text(n, v) for n, v in report.constants.items())))
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
