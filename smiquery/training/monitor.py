@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, cast
+from uuid import uuid4
 
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
@@ -106,10 +107,15 @@ class RunMonitor:
             same nvidia-smi; ``smiquery report`` and ``smiquery plot`` read it.
         metrics_port: serve the job's metrics (steps, samples, data wait, epoch, energy, framework memory) for
             Prometheus on this port (``pip install 'smiquery[export]'``).
-        metrics_addr: the address to bind for ``metrics_port``.
-        pushgateway: push the same metrics to this Pushgateway URL every ``push_interval`` seconds and at the end.
+        metrics_addr: the address to bind for ``metrics_port``: 127.0.0.1 like the exporter's; ``0.0.0.0`` for
+            a Prometheus on another machine or pod (then protect it with ``web_config``).
+        web_config: an exporter-toolkit web-config file (TLS, basic auth), as ``smiquery export --web-config``.
+        pushgateway: push the same metrics to this Pushgateway URL every ``push_interval`` seconds, grouped by
+            ``run_id`` and host; the group is deleted when the monitor closes.
         push_interval: seconds between pushes.
         job: the ``job`` label of pushed metrics.
+        run_id: the ``run`` label of the job's metrics (default ``SMIQUERY_RUN_ID`` from the environment, else a
+            new random id): the ranks of one job on a host share it only if you set it.
         framework: the framework's memory view, read at each epoch's end.
         first_sample_timeout: at the first epoch's end, seconds to wait for nvidia-smi's first sample when none
             has come yet (so that the log keys are known); later epoch ends never wait.
@@ -144,10 +150,12 @@ class RunMonitor:
         gpus: Sequence[int | str] | None = None,
         record: str | os.PathLike[str] | None = None,
         metrics_port: int | None = None,
-        metrics_addr: str = "0.0.0.0",
+        metrics_addr: str = "127.0.0.1",
+        web_config: str | os.PathLike[str] | None = None,
         pushgateway: str | None = None,
         push_interval: float = 15.0,
         job: str = "training",
+        run_id: str | None = None,
         framework: FrameworkMemory | None = None,
         first_sample_timeout: float = 5.0,
         source: SourceFactory | None = None,
@@ -174,9 +182,15 @@ class RunMonitor:
         self.record = record
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
+        if web_config is not None:  # a bad file is a mistake to fix before training, not a warning after it
+            from smiquery.exporter.webconfig import load_web_config
+
+            load_web_config(web_config)
+        self.web_config = web_config
         self.pushgateway = pushgateway
         self.push_interval = float(push_interval)
         self.job = job
+        self.run_id = run_id or os.environ.get("SMIQUERY_RUN_ID") or uuid4().hex[:12]
         self.framework = framework
         self.first_sample_timeout = first_sample_timeout
         self._source_factory: SourceFactory = source or _open_stream
