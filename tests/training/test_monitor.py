@@ -405,9 +405,11 @@ def test_metrics_listen_on_localhost_by_default_and_take_the_exporters_web_confi
         assert port
         with pytest.raises(urllib.error.HTTPError) as refused:
             _scrape(port)
+        refused.value.close()
         assert refused.value.code == 401
         with pytest.raises(urllib.error.HTTPError) as wrong:
             _scrape(port, "prometheus:guess")
+        wrong.value.close()
         assert wrong.value.code == 401
         assert "smiquery_training_steps_total" in _scrape(port, "prometheus:s3cret")
 
@@ -463,8 +465,8 @@ def test_pushes_are_grouped_by_run_and_the_group_is_deleted_on_a_clean_exit(inpr
             assert wait_for(lambda: bool(one.monitor.uuids()) and bool(two.monitor.uuids()))
             one.step(epoch=0, batch=0)
             host = one.monitor.host
-            group_a = f"/metrics/job/train-x/run/a/host/{host}"
-            group_b = f"/metrics/job/train-x/run/b/host/{host}"
+            group_a = f"/metrics/job/train-x/host/{host}/run/a"
+            group_b = f"/metrics/job/train-x/host/{host}/run/b"
             assert wait_for(lambda: {c[1] for c in gw.calls if c[0] == "PUT"} >= {group_a, group_b})
         pushed = [body for method, path, body in gw.calls if method == "PUT" and path == group_a]
         assert 'smiquery_training_steps_total{host="' + host + '",run="a"} 1.0' in pushed[-1]
