@@ -20,16 +20,23 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, cast
 from uuid import uuid4
 
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
-from smiquery.clock import elapsed
 from smiquery.fields import Field, resolve_fields
 from smiquery.training.devices import VisibleDevices, visible_devices
-from smiquery.training.epochs import BATCH, SUMMARY_FIELDS, EpochAccumulator, number, summary_spec, throughput_values
+from smiquery.training.epochs import (
+    BATCH,
+    BETWEEN,
+    SUMMARY_FIELDS,
+    EnergySplitter,
+    EpochAccumulator,
+    number,
+    summary_spec,
+    throughput_values,
+)
 from smiquery.training.events import TRAINING_RULES, HandlerWorker, Position, TrainingAlert
 from smiquery.training.memory import FrameworkMemory, GapWatch, MemoryView, framework_values, gap_note
 from smiquery.training.metrics import JobMetrics, Totals
@@ -240,8 +247,9 @@ class RunMonitor:
         self._done_epochs: dict[int, EpochAccumulator] = {}
         self._latest: dict[int, GpuSample] = {}
         self._last_t: dict[int, float] = {}
-        #: per GPU, the time its previous sample stands at for energy: nvidia-smi's timestamp, else arrival
-        self._last_stamp: dict[int, datetime | float] = {}
+        #: energy over nvidia-smi's timestamps, split at epoch boundaries
+        self._energy = EnergySplitter(self.interval)
+        self._wall_offset = time.time() - time.monotonic()  # arrival (monotonic) -> wall, for untimed samples
         self._batch_values: dict[str, float] = {}
         self._order: list[int] | None = None
         self._first = threading.Event()
@@ -496,7 +504,6 @@ class RunMonitor:
             except Exception as exc:
                 self.say(f"recording stopped: {exc}")
                 self._recorder = None
-        cap = max(3.0 * self.interval, 5.0)
         batch: dict[str, float] = {}
         with self._lock:
             acc = self._accs.get(pos.epoch)
@@ -507,20 +514,13 @@ class RunMonitor:
                 idx = s.index
                 assert idx is not None
                 # energy integrates over nvidia-smi's own timestamps (two sweeps delivered together are still an
-                # interval apart), the arrival without them; a step back counts 0, a jump one interval
+                # interval apart), the arrival without them
                 ts = s.timestamp if "timestamp" in s else None
-                stamp: datetime | float = ts if ts is not None else now
-                prev = self._last_stamp.get(idx)
-                seconds = None if prev is None else elapsed(prev, stamp)
-                if seconds is not None and seconds > cap:
-                    seconds = self.interval
-                self._last_stamp[idx] = stamp
+                wall = ts.timestamp() if ts is not None else now + self._wall_offset
                 self._last_t[idx] = now
-                acc.add(idx, s, seconds)
-                if seconds is not None:
-                    watts = number(s.get("power.draw"))
-                    if watts is not None:
-                        self.totals.joules[idx] = self.totals.joules.get(idx, 0.0) + watts * seconds
+                acc.add(idx, s, None)
+                watts = number(s.get("power.draw"))
+                self._credit(idx, self._energy.sample(idx, wall, watts, pos.epoch), pos.epoch, acc)
                 self._latest[idx] = s
                 if self.log_every == "batch":
                     for name, suffix in BATCH:
@@ -542,6 +542,19 @@ class RunMonitor:
                 worker = self._worker
                 if worker is not None and not worker.put(event, alert.context()):
                     self.say("alert handlers fall behind: events are being dropped", key="events-full")
+
+    def _credit(
+        self, idx: int, parts: Sequence[tuple[int | None, float]], owner: int | None, acc: EpochAccumulator
+    ) -> None:
+        """Add energy parts of GPU ``idx`` to the run's total and to their epochs (``acc`` is ``owner``'s)."""
+        for who, joules in parts:
+            self.totals.joules[idx] = self.totals.joules.get(idx, 0.0) + joules
+            if who == BETWEEN:
+                continue
+            target = acc if who == owner else self._accs.get(who)
+            if target is None:  # an epoch already summarised: folded back as a late part
+                target = self._accs[who] = EpochAccumulator(self._summary)
+            target.add_joules(idx, joules)
 
     def _watched_gpu(self, idx: int) -> bool:
         """Whether an nvidia-smi GPU seen by pmon is one this run watches."""
@@ -573,6 +586,8 @@ class RunMonitor:
         self._epoch_samples0 = self.totals.samples
         self._epoch_wait0 = self.totals.data_wait
         self.totals.epoch = epoch
+        with self._lock:
+            self._energy.mark(time.time(), epoch)
         self._pos = Position(epoch, 0, self._pos.step, "train")
         # the time up to the first step counts as data wait (the loader's first fetch); the gap since the
         # previous epoch's last step (validation, checkpoints) does not
@@ -669,6 +684,10 @@ class RunMonitor:
         now = time.monotonic()
         with self._lock:
             acc = self._accs.pop(epoch, None) or EpochAccumulator(self._summary)
+            wall = time.time()  # the epoch's energy runs up to now: the newest power stands for the rest
+            for idx in list(self._energy.last):
+                self._credit(idx, self._energy.tail(idx, wall, epoch), epoch, acc)
+            self._energy.mark(wall, BETWEEN if epoch is not None else None)
             setup = self._accs.pop(None, None)
             if setup is not None and not self.epochs:
                 acc.merge(setup)  # samples before the first epoch began: setup of the first epoch
