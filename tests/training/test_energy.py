@@ -6,6 +6,7 @@ epoch's ends) of the power the same run recorded, epoch 0 included, at 1 s and 0
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -81,14 +82,14 @@ def _hand_integral_wh(path: Path, gpu: int, start: float, end: float) -> float:
     watts = [float(w) for w in rows["power_draw"]]
 
     def at(t: float) -> float:
-        for (t0, w0), (t1, w1) in zip(zip(ts, watts, strict=True), zip(ts[1:], watts[1:], strict=True), strict=False):
+        for (t0, w0), (t1, w1) in itertools.pairwise(zip(ts, watts, strict=True)):
             if t0 <= t <= t1:
                 return w0 + (w1 - w0) * (t - t0) / (t1 - t0) if t1 > t0 else w1
         raise AssertionError(f"no recorded power around {t}")
 
     points = [(start, at(start))] + [(t, w) for t, w in zip(ts, watts, strict=True) if start < t < end]
     points.append((end, at(end)))
-    joules = sum((t1 - t0) * (w0 + w1) / 2 for (t0, w0), (t1, w1) in zip(points, points[1:], strict=False))
+    joules = sum((t1 - t0) * (w0 + w1) / 2 for (t0, w0), (t1, w1) in itertools.pairwise(points))
     return joules / 3600.0
 
 
