@@ -115,11 +115,12 @@ def test_each_epochs_energy_is_within_5_percent_of_the_hand_integral(inproc, tmp
         finally:
             monitor.close()
     df = read_recording(path)
-    first = min(t.to_pydatetime().timestamp() for t in df["timestamp"])
+    first = {g: min(t.to_pydatetime().timestamp() for t in df[df["index"] == g]["timestamp"]) for g in (0, 1)}
     for epoch, ((began, ended), values) in enumerate(zip(spans, logs, strict=True)):
         for gpu in (0, 1):
-            # nothing is measured before nvidia-smi's first sample
-            hand = _hand_integral_wh(path, gpu, max(began, first), ended)
+            # epoch 0 runs from the GPU's first sample (nothing is measured before it; the setup before the first
+            # epoch began counts in epoch 0); the others from their beginning
+            hand = _hand_integral_wh(path, gpu, first[gpu] if epoch == 0 else began, ended)
             got = values[f"gpu{gpu}_energy_wh"]
             assert got == pytest.approx(hand, rel=0.05), (epoch, gpu, got, hand)
         assert values["energy_wh"] == pytest.approx(values["gpu0_energy_wh"] + values["gpu1_energy_wh"])
