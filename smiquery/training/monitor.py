@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, cast
 from uuid import uuid4
 
@@ -38,7 +39,14 @@ from smiquery.training.epochs import (
     throughput_values,
 )
 from smiquery.training.events import TRAINING_RULES, HandlerWorker, Position, TrainingAlert
-from smiquery.training.memory import FrameworkMemory, GapWatch, MemoryView, framework_values, gap_note
+from smiquery.training.memory import (
+    FrameworkMemory,
+    GapWatch,
+    MemoryView,
+    framework_values,
+    gap_note,
+    growth_event,
+)
 from smiquery.training.metrics import JobMetrics, Totals
 from smiquery.training.share import ShareTracker
 
@@ -785,8 +793,21 @@ class RunMonitor:
             framework: its name for the message.
         """
         history = self._gaps.grew(idx, gap)
-        if history is not None:
-            self.say(gap_note(idx, framework, view, history), key=f"gap-{idx}")
+        if history is None or f"gap-{idx}" in self._said:
+            return
+        note = gap_note(idx, framework, view, history)
+        self.say(note, key=f"gap-{idx}")
+        # a real event, once per GPU: handlers (snapshot:DIR, webhooks) get it like an alert
+        newest = self.latest().get(idx)
+        at = newest.timestamp if newest is not None and newest.timestamp is not None else datetime.now().astimezone()
+        event = growth_event(idx, self.uuids().get(idx), history, at)
+        alert = self._alert(event, self._pos)
+        self.alerts.append(alert)
+        if self._notifier is None and self.handlers:
+            self._notifier = Notifier((), self.handlers)
+        worker = self._worker
+        if worker is not None and not worker.put(event, {**alert.context(), "message": note}):
+            self.say("alert handlers fall behind: events are being dropped", key="events-full")
 
     def uuids(self) -> dict[int, str]:
         """The UUID of each watched GPU seen so far (nvidia-smi index -> UUID)."""

@@ -31,7 +31,7 @@ from smiquery.testing import InProcessRunner, use_runner
 from smiquery.training.devices import visible_devices
 from smiquery.training.epochs import EpochAccumulator, summary_spec, throughput_values
 from smiquery.training.events import TRAINING_RULES, TRAINING_STALL_SECONDS, stall_rule
-from smiquery.training.memory import MemoryView
+from smiquery.training.memory import GROWTH_RULE_TEXT, MemoryView
 from smiquery.training.monitor import RunMonitor
 from smiquery.training.watch import watch
 from tests.conftest import FIXTURES, MakeFake
@@ -281,6 +281,36 @@ def test_framework_memory_maps_cuda_ordinals_and_words_the_gap():
     assert "gpu0_mem_gap_mib" not in values
     said = [n for n in monitor.notes if "outside PyTorch's pool" in n]
     assert len(said) == 1 and "GPU 1" in said[0]
+
+
+def test_a_growing_memory_gap_reaches_the_handlers_like_an_alert_once_per_gpu():
+    class Fake:
+        name = "PyTorch"
+
+        def available(self) -> str | None:
+            return None
+
+        def read(self) -> list[MemoryView]:
+            mib = 2**20
+            return [MemoryView(0, 500 * mib, 800 * mib, 1000 * mib)]
+
+    got: list[tuple[Any, dict[str, Any]]] = []
+    handler = CallbackHandler(lambda event, context: got.append((event, dict(context))))
+    # no alert rules at all: the memory event still goes to the handlers (snapshot:DIR, webhooks)
+    monitor, src = hand_monitor(framework=Fake(), gpus=[0], handlers=[handler], env={"CUDA_VISIBLE_DEVICES": "0"})
+    with no_leaks(reap_timeout=5.0):
+        for epoch, mem in enumerate((2000, 2300, 2700, 3200, 3800, 4500)):
+            monitor.begin_epoch(epoch)
+            deliver(monitor, src, sweep(mem=mem, gpus=1))
+            monitor.end_epoch(epoch)
+        assert wait_for(lambda: len(got) >= 1)
+        monitor.close()
+    assert len(got) == 1  # once per GPU, though it kept growing
+    event, context = got[0]
+    assert event.state == "firing" and event.gpu == 0 and event.uuid == UUIDS[0]
+    assert event.rule.text == GROWTH_RULE_TEXT and event.value == 3200.0 - 1000.0
+    assert context["epoch"] == 3 and "outside PyTorch's pool" in context["message"]
+    assert [a.event for a in monitor.alerts] == [event]
 
 
 # ----------------------------------------------------------------------------------- real nvidia-smi (fake)
