@@ -223,7 +223,7 @@ class EnergySplitter:
             return [(self.marks[-1][1] if self.marks else default, watts * self.interval)]
         start = prev
         done = self.credited.pop(idx, None)
-        if done is not None and done > prev:
+        if done is not None and prev < done <= wall + self.cap:  # far ahead: nvidia-smi's clock stepped back
             if done >= wall:  # sampled before an epoch's end, delivered after it: already credited
                 self.credited[idx] = done
                 return []

@@ -64,6 +64,14 @@ def test_two_sweeps_delivered_together_are_still_an_interval_apart():
     assert got == [(0, pytest.approx(300.0))]
 
 
+def test_an_epoch_end_credit_does_not_swallow_samples_after_nvidia_smis_clock_stepped_back():
+    e = EnergySplitter(1.0)
+    e.sample(0, 3600.0, 100.0, 0)
+    e.tail(0, 3600.5, 0)
+    e.sample(0, 0.0, 100.0, 0)  # an hour back (a DST fall-back in nvidia-smi's local time)
+    assert e.sample(0, 1.0, 100.0, 0) == [(0, pytest.approx(100.0))]
+
+
 def test_a_clock_step_back_counts_nothing_and_a_jump_one_interval():
     e = EnergySplitter(1.0)
     e.sample(0, 10.0, 100.0, 0)
