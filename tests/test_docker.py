@@ -412,7 +412,7 @@ def test_compose_prometheus_reaches_the_exporter_and_its_rules() -> None:
     # SmiqueryExporterDown looks for the job this config scrapes the exporter as
     rules = (DOCKER / mounts["/etc/prometheus/smiquery-rules.yml"]).read_text(encoding="utf-8")
     jobs = {job["job_name"] for job in config["scrape_configs"]}
-    assert set(re.findall(r'job="([^"]+)"', rules)) <= jobs == {"smiquery-exporter"}
+    assert set(re.findall(r'job="([^"]+)"', rules)) <= jobs == {"smiquery-exporter", "training"}
     for rule in config["rule_files"]:
         in_container = rule if rule.startswith("/") else f"/etc/prometheus/{rule}"
         assert in_container in mounts, f"rule file {rule} is not mounted"
@@ -440,7 +440,8 @@ def test_grafana_provisioning_matches_compose() -> None:
 
 # ------------------------------------------------------------------------------------------------ Kubernetes
 
-CRD_MANIFESTS = ("servicemonitor.yaml", "prometheusrule.yaml")  # Prometheus Operator kinds: no bundled schema
+# Prometheus Operator kinds: no bundled schema
+CRD_MANIFESTS = ("servicemonitor.yaml", "prometheusrule.yaml", "podmonitor.yaml")
 CORE_MANIFESTS = sorted(p.name for p in K8S.glob("*.yaml") if p.name not in CRD_MANIFESTS)
 
 
@@ -668,11 +669,15 @@ def test_plain_prometheus_scrape_config(tmp_path: Path) -> None:
     promtool = _tool("promtool")
     (cm,) = _yaml_docs(K8S / "prometheus-scrape-config.yaml")
     config = yaml.safe_load(cm["data"]["smiquery-scrape.yml"])
-    (job,) = config["scrape_configs"]
+    job, training = config["scrape_configs"]
     (sd,) = job.pop("kubernetes_sd_configs")
     assert sd["role"] == "pod" and sd["namespaces"]["names"] == ["gpu-monitoring"]
     assert sd["selectors"][0]["label"] == "app.kubernetes.io/name=smiquery-exporter"
     job["static_configs"] = [{"targets": ["127.0.0.1:9849"]}]
+    # training pods that ask for it by annotation (tensorflow-job.yaml), in any namespace
+    assert training["job_name"] == "smiquery-training"
+    assert training.pop("kubernetes_sd_configs") == [{"role": "pod"}]
+    training["static_configs"] = [{"targets": ["127.0.0.1:9400"]}]
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     done = _run([promtool, "check", "config", str(path)])
@@ -1326,7 +1331,7 @@ def test_an_alert_from_the_shipped_rules_reaches_the_webhook(tmp_path: Path) -> 
     prom_cfg = yaml.safe_load((DOCKER / "compose" / "prometheus.yml").read_text(encoding="utf-8"))
     prom_cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
     prom_cfg["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{am_port}"]}]
-    (job,) = prom_cfg["scrape_configs"]
+    (job,) = [j for j in prom_cfg["scrape_configs"] if j["job_name"] == "smiquery-exporter"]
     job["static_configs"] = [{"targets": [f"127.0.0.1:{dead_port}"]}]  # an exporter that is down
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(prom_cfg), encoding="utf-8")
 

@@ -10,7 +10,11 @@ Without nvidia-smi (a container started without ``--gpus all`` / the ``utility``
 training goes on.
 
 Environment: EPOCHS (default 5), STEPS (batches per epoch, default 200), GPU_SAMPLE_INTERVAL (seconds, default 1),
-CSV_LOG (a CSV file for the per-epoch logs, default none).
+CSV_LOG (a CSV file for the per-epoch logs, default none). The job's own Prometheus metrics (steps, samples, energy,
+``smiquery_training_gpu_info``; what GpuStalledPipeline and TrainingJobHung join to the exporter's GPUs, see
+docs/training.md): METRICS_PORT serves them (compose: 9400 on 127.0.0.1; Kubernetes: 9400 on the pod's address,
+METRICS_ADDR=0.0.0.0), METRICS_WEB_CONFIG protects them (TLS, basic auth: the exporter's web-config format),
+PUSHGATEWAY pushes them instead; SMIQUERY_RUN_ID names the run (the pod's name in Kubernetes).
 """
 
 from __future__ import annotations
@@ -43,7 +47,14 @@ def main() -> None:
     model.compile(optimizer="adam", loss="binary_crossentropy", metrics=["accuracy"])
 
     # GpuMonitor first, so that the callbacks after it (CSVLogger, TensorBoard) see its keys.
-    monitor = GpuMonitor(interval=interval)
+    port = os.environ.get("METRICS_PORT")
+    monitor = GpuMonitor(
+        interval=interval,
+        metrics_port=int(port) if port else None,
+        metrics_addr=os.environ.get("METRICS_ADDR", "127.0.0.1"),
+        web_config=os.environ.get("METRICS_WEB_CONFIG") or None,
+        pushgateway=os.environ.get("PUSHGATEWAY") or None,
+    )
     callbacks: list[keras.callbacks.Callback] = [monitor]
     if csv_log:
         callbacks.append(keras.callbacks.CSVLogger(csv_log))

@@ -488,6 +488,8 @@ class SnapshotHandler:
         self.taken: list[str] = []
         #: snapshots not taken (one already in progress, or the limit reached)
         self.skipped = 0
+        #: snapshots that failed (a full disk...): they count toward ``max_snapshots``
+        self.failed = 0
         self._history: collections.deque[tuple[float, Any]] = collections.deque(maxlen=max_rows)
         self._lock = threading.Lock()
         self._firing: set[tuple[str, object]] = set()
@@ -516,8 +518,10 @@ class SnapshotHandler:
                 return
             self._firing.add(key)
             busy = self._thread is not None and self._thread.is_alive()
-            if busy or len(self.taken) >= self.max_snapshots:
+            if busy or len(self.taken) + self.failed >= self.max_snapshots:
                 self.skipped += 1
+                why = "another snapshot is being written" if busy else f"the limit of {self.max_snapshots} is reached"
+                log.warning("smiquery: no snapshot for %s: %s", event.message(), why)
                 return
             samples = [s for _, s in self._history]
             self._thread = threading.Thread(
@@ -536,8 +540,11 @@ class SnapshotHandler:
                 timeout=self.timeout,
                 max_bytes=self.max_bytes,
             )
-        except Exception:
-            log.exception("smiquery: taking a snapshot for %s failed", event.message())
+        except Exception as exc:
+            with self._lock:
+                self.failed += 1
+            # one line per firing, no traceback: a full disk is an operator's matter, not a bug
+            log.warning("smiquery: no snapshot for %s: %s", event.message(), exc)
             return
         with self._lock:
             self.taken.append(folder)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -141,11 +142,33 @@ def take_snapshot(
         The folder's path.
 
     Raises:
-        OSError: the folder cannot be created.
+        OSError: the folder cannot be created or written (a full disk): nothing is left behind, no empty folder
+            and no truncated ``alert.json``.
     """
+    folder = _folder(directory, event)
+    try:
+        _fill(
+            folder, event, context, samples, nvidia_smi=nvidia_smi, timeout=timeout, max_bytes=max_bytes, runner=runner
+        )
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return str(folder)
+
+
+def _fill(
+    folder: Path,
+    event: AlertEvent,
+    context: Mapping[str, Any] | None,
+    samples: Sequence[GpuSample],
+    *,
+    nvidia_smi: str | os.PathLike[str] | None,
+    timeout: float,
+    max_bytes: int,
+    runner: Runner | None,
+) -> None:
     from smiquery.runner import default_runner, find_nvidia_smi  # subprocess, only once a snapshot is taken
 
-    folder = _folder(directory, event)
     payload = event_payload(event, context)
     payload["samples"] = len(samples)
     _write_capped(folder / "alert.json", json.dumps(payload, indent=2) + "\n", max_bytes)
@@ -157,7 +180,7 @@ def take_snapshot(
     except Exception as exc:
         for name in ("nvidia-smi-q.xml", "processes.csv"):
             _write_capped(folder / f"{name}.error.txt", f"{exc}\n", max_bytes)
-        return str(folder)
+        return
     run = runner or default_runner()
     _run(run, [binary, "-q", "-x"], timeout, folder / "nvidia-smi-q.xml", max_bytes)
     _details_json(folder, max_bytes)
@@ -168,4 +191,3 @@ def take_snapshot(
         folder / "processes.csv",
         max_bytes,
     )
-    return str(folder)

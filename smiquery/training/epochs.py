@@ -11,7 +11,17 @@ from smiquery.fields import Field
 if TYPE_CHECKING:
     from smiquery.sample import GpuSample
 
-__all__ = ["BATCH", "SUMMARY", "SUMMARY_FIELDS", "EpochAccumulator", "number", "summary_spec", "throughput_values"]
+__all__ = [
+    "BATCH",
+    "BETWEEN",
+    "SUMMARY",
+    "SUMMARY_FIELDS",
+    "EnergySplitter",
+    "EpochAccumulator",
+    "number",
+    "summary_spec",
+    "throughput_values",
+]
 
 #: Fields always streamed: what the epoch summary needs.
 SUMMARY_FIELDS: tuple[str, ...] = ("utilization.gpu", "temperature.gpu", "memory.used", "power.draw")
@@ -123,6 +133,10 @@ class EpochAccumulator:
             out[f"gpu{idx}_energy_wh"] = math.nan if joules is None else joules / 3600.0
         return out
 
+    def add_joules(self, idx: int, joules: float) -> None:
+        """Add energy of GPU ``idx`` to this epoch (a share of an interval, split at an epoch boundary)."""
+        self.joules[idx] = self.joules.get(idx, 0.0) + joules
+
     def merge(self, other: EpochAccumulator) -> None:
         """Add another accumulator's sums to this one (late sweeps of an epoch already summarised)."""
         for idx, accs in other.accs.items():
@@ -135,6 +149,98 @@ class EpochAccumulator:
         for idx, j in other.joules.items():
             self.joules[idx] = self.joules.get(idx, 0.0) + j
         self.sweeps += other.sweeps
+
+
+#: The owner of the time between one epoch's end and the next one's beginning: its energy counts in the run's total
+#: only, so that an epoch's energy is that of its own span.
+BETWEEN = -1
+
+Owner = int | None
+
+
+class EnergySplitter:
+    """Per GPU, integrates ``power.draw`` over nvidia-smi's timestamps and splits each interval at epoch boundaries.
+
+    Times are wall-clock seconds (nvidia-smi's timestamp of each sample; the training side marks an epoch's
+    beginning and end with ``time.time()``, the same clock on the same host). A sample's power stands for the
+    interval since that GPU's previous sample; where a mark falls inside it, each owner gets its part. At an epoch's
+    end, :meth:`tail` credits the newest power up to the end (the sample covering it arrives later), so that the
+    epoch's figure is whole when it is logged; the next sample counts only what is left.
+
+    Args:
+        interval: the sampling interval: a step back in the timestamps counts 0, a jump over ``max(3 * interval,
+            5 s)`` counts one interval.
+    """
+
+    __slots__ = ("cap", "credited", "interval", "last", "marks", "watts")
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.cap = max(3.0 * interval, 5.0)
+        self.last: dict[int, float] = {}
+        self.watts: dict[int, float] = {}
+        self.credited: dict[int, float] = {}
+        self.marks: list[tuple[float, Owner]] = []
+
+    def mark(self, wall: float, owner: Owner) -> None:
+        """From ``wall`` on, energy belongs to ``owner`` (an epoch, None for the setup, :data:`BETWEEN`)."""
+        self.marks.append((wall, owner))
+        if len(self.marks) > 8:  # a sample interval spans a few marks at most
+            del self.marks[0]
+
+    def _split(self, start: float, end: float, watts: float, default: Owner) -> list[tuple[Owner, float]]:
+        owner = default
+        cut = start
+        parts: list[tuple[Owner, float]] = []
+        for wall, who in self.marks:
+            if wall <= start:
+                owner = who
+            elif wall < end:
+                if wall > cut:
+                    parts.append((owner, watts * (wall - cut)))
+                owner, cut = who, wall
+        parts.append((owner, watts * (end - cut)))
+        return parts
+
+    def sample(self, idx: int, wall: float, watts: float | None, default: Owner) -> list[tuple[Owner, float]]:
+        """Energy of the interval ending at this sample of GPU ``idx``, as (owner, joules) parts.
+
+        Args:
+            idx: the GPU.
+            wall: the sample's time (nvidia-smi's timestamp).
+            watts: its ``power.draw``; None when not known (the interval counts nothing).
+            default: the owner before any mark (the epoch the sample arrived in).
+        """
+        prev = self.last.get(idx)
+        self.last[idx] = wall
+        if watts is None:
+            self.watts.pop(idx, None)
+            return []
+        self.watts[idx] = watts
+        if prev is None or wall <= prev:
+            return []  # the first sample, or the clock went back: nothing measured
+        if wall - prev > self.cap:
+            return [(self.marks[-1][1] if self.marks else default, watts * self.interval)]
+        start = prev
+        done = self.credited.pop(idx, None)
+        if done is not None and prev < done <= wall + self.cap:  # far ahead: nvidia-smi's clock stepped back
+            if done >= wall:  # sampled before an epoch's end, delivered after it: already credited
+                self.credited[idx] = done
+                return []
+            start = done
+        return self._split(start, wall, watts, default)
+
+    def tail(self, idx: int, wall: float, default: Owner) -> list[tuple[Owner, float]]:
+        """Credit GPU ``idx``'s newest power from its newest sample (or the last credit) up to ``wall`` now."""
+        prev = self.last.get(idx)
+        watts = self.watts.get(idx)
+        if watts is None or prev is None:
+            return []
+        start = max(prev, self.credited.get(idx, prev))
+        if not 0 < wall - start <= self.cap:
+            return []
+        self.credited[idx] = wall
+        return self._split(start, wall, watts, default)
 
 
 def summary_spec(extra: Iterable[Field]) -> list[tuple[str, str, str]]:

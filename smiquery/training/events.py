@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from smiquery.alerts import BUILTIN_RULES, AlertEvent
 
@@ -15,6 +17,7 @@ if TYPE_CHECKING:
     from smiquery.alerts import Notifier
 
 __all__ = [
+    "OPEN_MONITORS",
     "TRAINING_RULES",
     "TRAINING_STALL_SECONDS",
     "HandlerWorker",
@@ -148,3 +151,20 @@ class HandlerWorker:
             pass
         if self._thread is not threading.current_thread():
             self._thread.join(2.0)
+
+
+class _Closable(Protocol):
+    def close(self, timeout: float = 5.0) -> None: ...
+
+
+#: Monitors whose stream is open: closed at interpreter exit, so that no nvidia-smi outlives the process.
+OPEN_MONITORS: weakref.WeakSet[_Closable] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_monitors() -> None:
+    for monitor in list(OPEN_MONITORS):
+        try:
+            monitor.close(timeout=2.0)
+        except Exception:
+            pass

@@ -54,7 +54,9 @@ class GpuMonitor(Callback):  # type: ignore[misc]
     ``gpuN_energy_wh``, ``energy_wh``, ``samples_per_joule``, ``data_wait_frac``, PyTorch's memory view and the
     gap...), prefixed with ``prefix``, logged at the epoch's last global step; :attr:`epochs` keeps them too.
     Data wait is the time between one ``on_train_batch_end`` and the next ``on_train_batch_start`` (mostly the
-    data loader). nvidia-smi is stopped and reaped at the end of fit, on an exception, and at teardown.
+    data loader). nvidia-smi is stopped and reaped at the end of fit, on an exception, and at teardown. Under DDP one
+    monitor per host (local rank 0) watches every GPU of the host and counts the samples of all its ranks (each rank
+    takes a batch of the same size per step), so ``samples_per_joule`` is right for N ranks.
 
     Example::
 
@@ -105,6 +107,7 @@ class GpuMonitor(Callback):  # type: ignore[misc]
         self.prefix = prefix
         self.log_every = log_every
         self._trainer: Any = None
+        self._ranks_here = 1
         self.monitor.context_extra = self._context
 
     @property
@@ -152,6 +155,11 @@ class GpuMonitor(Callback):  # type: ignore[misc]
         self._trainer = trainer
         if getattr(trainer, "local_rank", 0) != 0:
             return  # one monitor per host: every rank would watch the same GPUs
+        # the host's monitor sums the energy of every GPU its ranks use, so it counts the samples of all of them:
+        # under DDP each rank of the host takes a batch of the same size per step (DistributedSampler)
+        world = int(getattr(trainer, "world_size", 1) or 1)
+        nodes = int(getattr(trainer, "num_nodes", 1) or 1)
+        self._ranks_here = max(1, world // max(1, nodes))
         self.monitor.start()
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
@@ -164,7 +172,9 @@ class GpuMonitor(Callback):  # type: ignore[misc]
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """A step is done: count it and its samples."""
-        self.monitor.step(None, batch_idx, samples=_batch_size(batch), step=int(trainer.global_step))
+        n = _batch_size(batch)
+        samples = n * self._ranks_here if n is not None else None
+        self.monitor.step(None, batch_idx, samples=samples, step=int(trainer.global_step))
         if self.log_every == "batch":
             self._log(trainer, self.monitor.batch_values())
 

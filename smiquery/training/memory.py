@@ -9,15 +9,18 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import TYPE_CHECKING, Protocol
 
+from smiquery.alerts import AlertEvent, Rule
 from smiquery.training.epochs import number
 
 if TYPE_CHECKING:
     from smiquery.sample import GpuSample
 
 __all__ = [
+    "GROWTH_RULE_TEXT",
     "FrameworkMemory",
     "GapWatch",
     "MemoryView",
@@ -25,6 +28,7 @@ __all__ = [
     "TorchMemory",
     "framework_values",
     "gap_note",
+    "growth_event",
     "torch_memory",
 ]
 
@@ -247,3 +251,20 @@ class TensorFlowMemory:
             peak = info.get("peak")
             out.append(MemoryView(k, float(info.get("current", 0)), float(peak) if peak else None, None))
         return out
+
+
+#: The ``text`` of the rule a growing memory gap is reported under (handlers and webhooks see it as the alert's name).
+GROWTH_RULE_TEXT = "memory gap grew epoch over epoch"
+
+
+def growth_event(idx: int, uuid: str | None, history: Sequence[float], at: datetime) -> AlertEvent:
+    """A growing driver-vs-framework gap as an alert event, so that handlers (snapshot:DIR, webhooks) get it.
+
+    Args:
+        idx: the nvidia-smi index.
+        uuid: its UUID, when known.
+        history: the gaps (MiB) of the last epochs, oldest first.
+        at: when it was found (the newest sample's time).
+    """
+    rule = replace(Rule.parse(f"memory.used > {max(0, int(history[0]))}"), text=GROWTH_RULE_TEXT)
+    return AlertEvent(rule, idx, uuid, round(history[-1], 1), "firing", at, at, 0.0)

@@ -10,7 +10,6 @@ plain-loop front door; the Keras and Lightning callbacks only translate their ho
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 import os
@@ -18,19 +17,34 @@ import re
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
+from uuid import uuid4
 
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
-from smiquery.clock import elapsed
 from smiquery.fields import Field, resolve_fields
 from smiquery.training.devices import VisibleDevices, visible_devices
-from smiquery.training.epochs import BATCH, SUMMARY_FIELDS, EpochAccumulator, number, summary_spec, throughput_values
-from smiquery.training.events import TRAINING_RULES, HandlerWorker, Position, TrainingAlert
-from smiquery.training.memory import FrameworkMemory, GapWatch, MemoryView, framework_values, gap_note
+from smiquery.training.epochs import (
+    BATCH,
+    BETWEEN,
+    SUMMARY_FIELDS,
+    EnergySplitter,
+    EpochAccumulator,
+    number,
+    summary_spec,
+    throughput_values,
+)
+from smiquery.training.events import OPEN_MONITORS, TRAINING_RULES, HandlerWorker, Position, TrainingAlert
+from smiquery.training.memory import (
+    FrameworkMemory,
+    GapWatch,
+    MemoryView,
+    framework_values,
+    gap_note,
+    growth_event,
+)
 from smiquery.training.metrics import JobMetrics, Totals
 from smiquery.training.share import ShareTracker
 from smiquery.training.xid import XidAlerts
@@ -59,15 +73,10 @@ def _open_stream(
     nvidia_smi: str | os.PathLike[str] | None,
     on_event: Callable[[StreamEvent], None],
 ) -> SampleSource:
-    """A live stream, listened to through ``subscribe()`` where the source has it, else ``on_event=``."""
-    from smiquery.streams.sync import Stream, stream
+    """A live stream whose events reach ``on_event``."""
+    from smiquery.streams.sync import stream
 
-    if hasattr(Stream, "subscribe"):
-        source: Any = stream(list(fields), interval=interval, gpus=gpus, nvidia_smi=nvidia_smi)
-        source.subscribe(on_event)
-        return cast("SampleSource", source)
-    old: Any = stream(list(fields), interval=interval, gpus=gpus, nvidia_smi=nvidia_smi, on_event=on_event)
-    return cast("SampleSource", old)
+    return stream(list(fields), interval=interval, gpus=gpus, nvidia_smi=nvidia_smi, on_event=on_event)
 
 
 class RunMonitor:
@@ -107,10 +116,15 @@ class RunMonitor:
             same nvidia-smi; ``smiquery report`` and ``smiquery plot`` read it.
         metrics_port: serve the job's metrics (steps, samples, data wait, epoch, energy, framework memory) for
             Prometheus on this port (``pip install 'smiquery[export]'``).
-        metrics_addr: the address to bind for ``metrics_port``.
-        pushgateway: push the same metrics to this Pushgateway URL every ``push_interval`` seconds and at the end.
+        metrics_addr: the address to bind for ``metrics_port``: 127.0.0.1 like the exporter's; ``0.0.0.0`` for
+            a Prometheus on another machine or pod (then protect it with ``web_config``).
+        web_config: an exporter-toolkit web-config file (TLS, basic auth), as ``smiquery export --web-config``.
+        pushgateway: push the same metrics to this Pushgateway URL every ``push_interval`` seconds, grouped by
+            ``run_id`` and host; the group is deleted when the monitor closes.
         push_interval: seconds between pushes.
         job: the ``job`` label of pushed metrics.
+        run_id: the ``run`` label of the job's metrics (default ``SMIQUERY_RUN_ID`` from the environment, else a
+            new random id): the ranks of one job on a host share it only if you set it.
         framework: the framework's memory view, read at each epoch's end.
         first_sample_timeout: at the first epoch's end, seconds to wait for nvidia-smi's first sample when none
             has come yet (so that the log keys are known); later epoch ends never wait.
@@ -149,10 +163,12 @@ class RunMonitor:
         gpus: Sequence[int | str] | None = None,
         record: str | os.PathLike[str] | None = None,
         metrics_port: int | None = None,
-        metrics_addr: str = "0.0.0.0",
+        metrics_addr: str = "127.0.0.1",
+        web_config: str | os.PathLike[str] | None = None,
         pushgateway: str | None = None,
         push_interval: float = 15.0,
         job: str = "training",
+        run_id: str | None = None,
         framework: FrameworkMemory | None = None,
         first_sample_timeout: float = 5.0,
         source: SourceFactory | None = None,
@@ -180,9 +196,15 @@ class RunMonitor:
         self.record = record
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
+        if web_config is not None:  # a bad file is a mistake to fix before training, not a warning after it
+            from smiquery.exporter.webconfig import load_web_config
+
+            load_web_config(web_config)
+        self.web_config = web_config
         self.pushgateway = pushgateway
         self.push_interval = float(push_interval)
         self.job = job
+        self.run_id = run_id or os.environ.get("SMIQUERY_RUN_ID") or uuid4().hex[:12]
         self.framework = framework
         self.first_sample_timeout = first_sample_timeout
         self._source_factory: SourceFactory = source or _open_stream
@@ -233,8 +255,9 @@ class RunMonitor:
         self._done_epochs: dict[int, EpochAccumulator] = {}
         self._latest: dict[int, GpuSample] = {}
         self._last_t: dict[int, float] = {}
-        #: per GPU, the time its previous sample stands at for energy: nvidia-smi's timestamp, else arrival
-        self._last_stamp: dict[int, datetime | float] = {}
+        #: energy over nvidia-smi's timestamps, split at epoch boundaries
+        self._energy = EnergySplitter(self.interval)
+        self._wall_offset = time.time() - time.monotonic()  # arrival (monotonic) -> wall, for untimed samples
         self._batch_values: dict[str, float] = {}
         self._order: list[int] | None = None
         self._first = threading.Event()
@@ -353,7 +376,7 @@ class RunMonitor:
         self._reader = threading.Thread(target=self._read, name="smiquery-monitor-reader", daemon=True)
         self._reader.start()
         self._xid = XidAlerts(self.kernel_log, self).start() if self.kernel_log else None
-        _OPEN.add(self)
+        OPEN_MONITORS.add(self)
         if self._share is not None:
             self._share.start(interval=self.interval, gpus=self._devices.stream_gpus(), nvidia_smi=self.nvidia_smi)
         return self
@@ -492,7 +515,6 @@ class RunMonitor:
             except Exception as exc:
                 self.say(f"recording stopped: {exc}")
                 self._recorder = None
-        cap = max(3.0 * self.interval, 5.0)
         batch: dict[str, float] = {}
         with self._lock:
             acc = self._accs.get(pos.epoch)
@@ -503,20 +525,13 @@ class RunMonitor:
                 idx = s.index
                 assert idx is not None
                 # energy integrates over nvidia-smi's own timestamps (two sweeps delivered together are still an
-                # interval apart), the arrival without them; a step back counts 0, a jump one interval
+                # interval apart), the arrival without them
                 ts = s.timestamp if "timestamp" in s else None
-                stamp: datetime | float = ts if ts is not None else now
-                prev = self._last_stamp.get(idx)
-                seconds = None if prev is None else elapsed(prev, stamp)
-                if seconds is not None and seconds > cap:
-                    seconds = self.interval
-                self._last_stamp[idx] = stamp
+                wall = ts.timestamp() if ts is not None else now + self._wall_offset
                 self._last_t[idx] = now
-                acc.add(idx, s, seconds)
-                if seconds is not None:
-                    watts = number(s.get("power.draw"))
-                    if watts is not None:
-                        self.totals.joules[idx] = self.totals.joules.get(idx, 0.0) + watts * seconds
+                acc.add(idx, s, None)
+                watts = number(s.get("power.draw"))
+                self._credit(idx, self._energy.sample(idx, wall, watts, pos.epoch), pos.epoch, acc)
                 self._latest[idx] = s
                 if self.log_every == "batch":
                     for name, suffix in BATCH:
@@ -538,6 +553,19 @@ class RunMonitor:
                 worker = self._worker
                 if worker is not None and not worker.put(event, alert.context()):
                     self.say("alert handlers fall behind: events are being dropped", key="events-full")
+
+    def _credit(
+        self, idx: int, parts: Sequence[tuple[int | None, float]], owner: int | None, acc: EpochAccumulator
+    ) -> None:
+        """Add energy parts of GPU ``idx`` to the run's total and to their epochs (``acc`` is ``owner``'s)."""
+        for who, joules in parts:
+            self.totals.joules[idx] = self.totals.joules.get(idx, 0.0) + joules
+            if who == BETWEEN:
+                continue
+            target = acc if who == owner else self._accs.get(who)
+            if target is None:  # an epoch already summarised: folded back as a late part
+                target = self._accs[who] = EpochAccumulator(self._summary)
+            target.add_joules(idx, joules)
 
     def _watched_gpu(self, idx: int) -> bool:
         """Whether an nvidia-smi GPU seen by pmon is one this run watches."""
@@ -569,6 +597,8 @@ class RunMonitor:
         self._epoch_samples0 = self.totals.samples
         self._epoch_wait0 = self.totals.data_wait
         self.totals.epoch = epoch
+        with self._lock:
+            self._energy.mark(time.time(), epoch)
         self._pos = Position(epoch, 0, self._pos.step, "train")
         # the time up to the first step counts as data wait (the loader's first fetch); the gap since the
         # previous epoch's last step (validation, checkpoints) does not
@@ -665,6 +695,10 @@ class RunMonitor:
         now = time.monotonic()
         with self._lock:
             acc = self._accs.pop(epoch, None) or EpochAccumulator(self._summary)
+            wall = time.time()  # the epoch's energy runs up to now: the newest power stands for the rest
+            for idx in list(self._energy.last):
+                self._credit(idx, self._energy.tail(idx, wall, epoch), epoch, acc)
+            self._energy.mark(wall, BETWEEN if epoch is not None else None)
             setup = self._accs.pop(None, None)
             if setup is not None and not self.epochs:
                 acc.merge(setup)  # samples before the first epoch began: setup of the first epoch
@@ -762,8 +796,21 @@ class RunMonitor:
             framework: its name for the message.
         """
         history = self._gaps.grew(idx, gap)
-        if history is not None:
-            self.say(gap_note(idx, framework, view, history), key=f"gap-{idx}")
+        if history is None or f"gap-{idx}" in self._said:
+            return
+        note = gap_note(idx, framework, view, history)
+        self.say(note, key=f"gap-{idx}")
+        # a real event, once per GPU: handlers (snapshot:DIR, webhooks) get it like an alert
+        newest = self.latest().get(idx)
+        at = newest.timestamp if newest is not None and newest.timestamp is not None else datetime.now().astimezone()
+        event = growth_event(idx, self.uuids().get(idx), history, at)
+        alert = self._alert(event, self._pos)
+        self.alerts.append(alert)
+        if self._notifier is None and self.handlers:
+            self._notifier = Notifier((), self.handlers)
+        worker = self._worker
+        if worker is not None and not worker.put(event, {**alert.context(), "message": note}):
+            self.say("alert handlers fall behind: events are being dropped", key="events-full")
 
     def uuids(self) -> dict[int, str]:
         """The UUID of each watched GPU seen so far (nvidia-smi index -> UUID)."""
@@ -833,23 +880,10 @@ class RunMonitor:
         self._metrics = None
         if metrics is not None:
             metrics.close()
-        _OPEN.discard(self)
+        OPEN_MONITORS.discard(self)
 
     def __enter__(self) -> RunMonitor:
         return self.start() if self._source is None and not self.running else self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# Monitors whose stream is open; closed at interpreter exit so that no nvidia-smi outlives the process.
-_OPEN: weakref.WeakSet[RunMonitor] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    for monitor in list(_OPEN):
-        try:
-            monitor.close(timeout=2.0)
-        except Exception:
-            pass

@@ -113,3 +113,52 @@ def test_a_cut_xml_leaves_a_reason_instead_of_details_json(tmp_path: Path) -> No
     folder = Path(take_snapshot(tmp_path, event, nvidia_smi="/opt/nvidia-smi", runner=runner, max_bytes=2000))
     assert not (folder / "details.json").exists()
     assert "parsing nvidia-smi-q.xml failed" in (folder / "details.json.error.txt").read_text()
+
+
+def _disk_full(monkeypatch: Any) -> None:
+    """Every file write fails as on a full disk, after creating the file (as a real ENOSPC leaves it: 0 bytes)."""
+    import errno
+
+    def full(self: Path, data: bytes) -> int:
+        self.open("wb").close()
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+
+
+def test_a_full_disk_leaves_nothing_behind_and_warns_once_per_firing(tmp_path: Path, monkeypatch: Any, caplog: Any):
+    snaps = tmp_path / "snaps"
+    snap = SnapshotHandler(snaps, nvidia_smi=str(tmp_path / "none"), max_snapshots=2)
+    notifier = Notifier(["temperature.gpu > 85"], [snap])
+    _disk_full(monkeypatch)
+    with caplog.at_level("WARNING", logger="smiquery"):
+        for temps in ([90, 91], [60, 90], [60, 90]):  # three firings, each kept firing for a while
+            for s in _samples(temps):
+                notifier.update(s)
+            assert snap.wait(30.0)
+    notifier.close()
+    assert list(snaps.iterdir()) == []  # no empty folder, no 0-byte alert.json
+    assert snap.taken == [] and snap.failed == 2  # failed snapshots count toward max_snapshots
+    assert snap.skipped == 1  # the third firing: the limit of 2 is reached
+    lines = [r for r in caplog.records if "snapshot" in r.getMessage()]
+    assert [r.exc_info for r in lines] == [None, None, None]  # no traceback
+    assert sum("No space left on device" in r.getMessage() for r in lines) == 2
+    assert sum("the limit of 2 is reached" in r.getMessage() for r in lines) == 1
+
+
+def test_a_snapshot_skipped_while_another_is_written_is_logged(tmp_path: Path, caplog: Any):
+    slow = tmp_path / "slow-nvidia-smi"
+    slow.write_text("#!/bin/sh\nsleep 3\n")
+    slow.chmod(0o755)
+    snap = SnapshotHandler(tmp_path / "snaps", nvidia_smi=str(slow), timeout=5.0)
+    notifier = Notifier(["temperature.gpu > 85"], [snap])
+    parser = CsvParser(["index", "uuid", "temperature.gpu"])
+    two = list(parser.parse([f"{g}, GPU-0000000{g}-1111-2222-3333-444444444444, 90" for g in (0, 1)]))
+    with caplog.at_level("WARNING", logger="smiquery"):
+        for s in two:  # both GPUs fire at once: the second snapshot is skipped, and says so
+            notifier.update(s)
+        assert snap.wait(60.0)
+    notifier.close()
+    assert snap.skipped == 1 and len(snap.taken) == 1
+    said = [r.getMessage() for r in caplog.records if "no snapshot for" in r.getMessage()]
+    assert len(said) == 1 and "GPU 1" in said[0] and "another snapshot is being written" in said[0]

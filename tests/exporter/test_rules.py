@@ -133,8 +133,14 @@ def test_the_issue_alerts_exist_with_their_thresholds():
     assert 'alert="temperature.gpu > 85 for 3"' in crit["expr"] and crit["labels"]["severity"] == "critical"
     assert "smiquery_alert_fired_total" in crit["expr"]  # an episode between two scrapes still fires
     stalled = rules["GpuStalledPipeline"]
-    assert "avg_over_time(smiquery_utilization_gpu_ratio[30m]) < 0.2" in stalled["expr"]
-    assert "on(uuid)" in stalled["expr"] and "rate(smiquery_training_steps_total[5m])" in stalled["expr"]
+    # every scrape under 20 % for 30 minutes: no 30-minute average before a 30-minute `for` (that fired ~55 late)
+    assert stalled["expr"].startswith("smiquery_utilization_gpu_ratio < 0.2") and stalled["for"] == "30m"
+    assert (
+        "smiquery_training_gpu_info" in stalled["expr"] and "rate(smiquery_training_steps_total[5m])" in stalled["expr"]
+    )
+    hung = rules["TrainingJobHung"]
+    assert "increase(smiquery_training_steps_total[10m]) == 0" in hung["expr"] and hung["for"] == "5m"
+    assert "hung collective" not in stalled["annotations"]["description"]
     # memory held at 0 % busy is also an idle inference server: no evidence of training, so no part of the rule
     assert "smiquery_process_used_memory_bytes" not in stalled["expr"]
     assert "smiquery_gpu_lost" in crit["expr"] and "smiquery_up" in crit["expr"]
@@ -278,7 +284,7 @@ def _cases(naming: str, step: int) -> list[dict[str, Any]]:
     g = [_gpu_labels(naming, i) for i in range(4)]
     temp = "DCGM_FI_DEV_GPU_TEMP" if naming == "dcgm" else "smiquery_temperature_gpu_celsius"
     util = "DCGM_FI_DEV_GPU_UTIL" if naming == "dcgm" else "smiquery_utilization_gpu_ratio"
-    low, high = ("5", "90") if naming == "dcgm" else ("0.05", "0.9")
+    low = "5" if naming == "dcgm" else "0.05"
     n = functools.partial(_n, step=step)
     interval = f"{step}s"
     out: list[dict[str, Any]] = []
@@ -335,31 +341,7 @@ def _cases(naming: str, step: int) -> list[dict[str, Any]]:
             ],
         }
     )
-    # low utilisation while training: GPU 0 trains (steps rise) at 5 %; GPU 1 is an idle inference server (a
-    # process holds memory at 0 %, no training metric for it); GPU 2 trains and is busy
-    training = {"job": "training", "instance": "trainer-1:8000", "host": "gpu-node-1"}
-    out.append(
-        {
-            "name": f"GpuStalledPipeline at {interval}: training evidence by UUID",
-            "interval": interval,
-            "input_series": [
-                _series(util, g[0], f"{low}x{n(40)}"),
-                _series("smiquery_training_steps_total", {**training, "uuid": U[0]}, f"0+10x{n(40)}"),
-                _series(util, g[1], f"0x{n(40)}"),
-                _series("smiquery_process_used_memory_bytes", {**_native_labels(1), "pid": "7"}, f"4e9x{n(40)}"),
-                _series(util, g[2], f"{high}x{n(40)}"),
-                _series("smiquery_training_steps_total", {**training, "uuid": U[2]}, f"0+10x{n(40)}"),
-            ],
-            "alert_rule_test": [
-                {"eval_time": "25m", "alertname": "GpuStalledPipeline", "exp_alerts": []},
-                {
-                    "eval_time": "35m",
-                    "alertname": "GpuStalledPipeline",
-                    "exp_alerts": [_alert("GpuStalledPipeline", g[0], "warning")],
-                },
-            ],
-        }
-    )
+    out += _training_cases(naming, step)
     # a pure inference fleet: processes hold memory at 0 % busy (--processes on), no training metric anywhere;
     # nothing says a job is starved, so nothing fires
     out.append(
@@ -493,6 +475,112 @@ def _allocated_idle_cases(naming: str, step: int) -> list[dict[str, Any]]:
     ]
 
 
+def _training_cases(naming: str, step: int) -> list[dict[str, Any]]:
+    """The training rules after an hour of healthy load: a starved job, a hung job, and what must stay quiet."""
+    g = [_gpu_labels(naming, i) for i in range(4)]
+    util = "DCGM_FI_DEV_GPU_UTIL" if naming == "dcgm" else "smiquery_utilization_gpu_ratio"
+    mem = "DCGM_FI_DEV_FB_USED" if naming == "dcgm" else "smiquery_memory_used_bytes"
+    low, high = ("5", "90") if naming == "dcgm" else ("0.05", "0.9")
+    held = "40000" if naming == "dcgm" else "4e10"
+    n = functools.partial(_n, step=step)
+    interval = f"{step}s"
+    trainer = {"job": "training", "instance": "trainer-1:8000", "host": "gpu-node-1"}
+    pushed = {"job": "training", "instance": "pushgateway:9091", "host": "gpu-node-1"}
+
+    def info(run: str, gpu: int, where: dict[str, str] = trainer) -> dict[str, str]:
+        return _series(
+            "smiquery_training_gpu_info", {**where, "run": run, "uuid": U[gpu], "gpu": str(gpu)}, f"1x{n(100)}"
+        )
+
+    def steps(run: str, values: str, where: dict[str, str] = trainer) -> dict[str, str]:
+        return _series("smiquery_training_steps_total", {**where, "run": run}, values)
+
+    # the load is healthy for an hour; from 60 min (the first low sample) it is not
+    drop = f"{high}x{n(60) - 1} {low}x{n(40)}"
+    at = lambda minutes, d=0: f"{round(minutes * 60) + d * step}s"  # noqa: E731
+    # GPU 0 (run a) is starved: steps still rise. GPU 1 (run b) takes steps on a busy GPU. GPU 2: an idle
+    # inference server (low, memory held, no training). GPU 3 (run c) hangs:
+    # steps stop at 60 min, so it is TrainingJobHung's, not this rule's.
+    stalled = {
+        "name": f"GpuStalledPipeline at {interval}: 30 min after the drop that follows an hour of load",
+        "interval": interval,
+        "input_series": [
+            _series(util, g[0], drop),
+            info("a", 0),
+            steps("a", f"0+10x{n(100)}"),
+            _series(util, g[1], f"{high}x{n(100)}"),
+            info("b", 1),
+            steps("b", f"0+10x{n(100)}"),
+            _series(util, g[2], drop),
+            _series(mem, g[2], f"{held}x{n(100)}"),
+            _series(util, g[3], drop),
+            info("c", 3),
+            steps("c", f"0+10x{n(60)} {10 * n(60)}x{n(40)}"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": at(60), "alertname": "GpuStalledPipeline", "exp_alerts": []},
+            {"eval_time": at(90, -1), "alertname": "GpuStalledPipeline", "exp_alerts": []},
+            {
+                "eval_time": at(90, +1),
+                "alertname": "GpuStalledPipeline",
+                "exp_alerts": [_alert("GpuStalledPipeline", g[0], "warning")],
+            },
+            {
+                "eval_time": at(99),
+                "alertname": "GpuStalledPipeline",
+                "exp_alerts": [_alert("GpuStalledPipeline", g[0], "warning")],
+            },
+        ],
+    }
+    # hung: run a (scraped) stops stepping at 60 min with its memory held and fires 15 min later (10 min with no
+    # increase, then for 5 min). Run b was killed at 60 min: its Pushgateway group stays, but its push time ages,
+    # so its GPU (memory held by something else) stays quiet. Run c, also pushed, hangs with its pusher alive.
+    # Run d is starved, not hung (steps rise).
+    flat = f"0+10x{n(60)} {10 * n(60)}x{n(40)}"
+    hung = {
+        "name": f"TrainingJobHung at {interval}: no step for 15 min with memory held",
+        "interval": interval,
+        "input_series": [
+            _series(util, g[0], drop),
+            _series(mem, g[0], f"{held}x{n(100)}"),
+            info("a", 0),
+            steps("a", flat),
+            _series(util, g[1], drop),
+            _series(mem, g[1], f"{held}x{n(100)}"),
+            info("b", 1, pushed),
+            steps("b", flat, pushed),
+            _series("push_time_seconds", {**pushed, "run": "b"}, f"0+{step}x{n(60)} 3600x{n(40)}"),
+            _series(util, g[2], drop),
+            _series(mem, g[2], f"{held}x{n(100)}"),
+            info("c", 2, pushed),
+            steps("c", flat, pushed),
+            _series("push_time_seconds", {**pushed, "run": "c"}, f"0+{step}x{n(100)}"),
+            _series(util, g[3], drop),
+            _series(mem, g[3], f"{held}x{n(100)}"),
+            info("d", 3),
+            steps("d", f"0+10x{n(100)}"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": at(60), "alertname": "TrainingJobHung", "exp_alerts": []},
+            {"eval_time": at(74), "alertname": "TrainingJobHung", "exp_alerts": []},
+            {
+                "eval_time": at(77),
+                "alertname": "TrainingJobHung",
+                "exp_alerts": [
+                    _alert("TrainingJobHung", g[0], "critical"),
+                    _alert("TrainingJobHung", g[2], "critical"),
+                ],
+            },
+            {
+                "eval_time": at(95),
+                "alertname": "GpuStalledPipeline",
+                "exp_alerts": [_alert("GpuStalledPipeline", g[3], "warning")],
+            },
+        ],
+    }
+    return [stalled, hung]
+
+
 def _without_annotations(rules: Path, dest: Path) -> Path:
     # promtool compares annotations too; the templates are checked by `promtool check rules` and the shipped test
     # file, so these interval tests compare labels only
@@ -543,7 +631,8 @@ def test_scrape_configs_service_monitor_and_rules_agree_on_the_job():
     for path in RULE_FILES.values():
         for expr in re.findall(r'up\{job="([^"]+)"\}', path.read_text(encoding="utf-8")):
             rule_jobs.add(expr)
-    assert jobs == k8s_jobs == {operator_job} == rule_jobs == {"smiquery-exporter"}
+    # the training pods' own job (smiquery-training) is no exporter: the rules join its series by uuid, not by job
+    assert jobs == k8s_jobs - {"smiquery-training"} == {operator_job} == rule_jobs == {"smiquery-exporter"}
     ports = {p["port"] for p in svc[0]["spec"]["ports"]}
     assert ports == {9849}
 

@@ -169,3 +169,30 @@ def test_process_share_passes_through(inproc: InProcessRunner, tmp_path: Path, m
         t.fit(Tiny(), loader())
     e = monitor.epochs[-1]
     assert e["gpu0_share"] == pytest.approx(0.75) and e["gpu0_other_processes"] == 1.0
+
+
+def test_ddp_with_two_ranks_counts_the_samples_of_both(tmp_path: Path):
+    """A real 2-rank DDP fit (gloo on CPU, Lightning's own launcher): samples per joule counts both ranks' samples,
+    as the energy is every watched GPU's."""
+    import subprocess
+    import sys
+
+    from smiquery.testing import fake_nvidia_smi
+
+    fake = fake_nvidia_smi(tmp_path / "bin")
+    out = tmp_path / "ddp.json"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    script = Path(__file__).with_name("ddp_fit.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(out), str(fake)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    assert doc["world"] == 2
+    # each rank: 40 of the 80 samples per epoch, in 5 steps of 8; the job: 80 samples per epoch
+    assert doc["steps"] == 10 and doc["samples"] == 160
+    for values in doc["epochs"]:
+        joules = values["energy_wh"] * 3600
+        assert joules == pytest.approx((values["gpu0_energy_wh"] + values["gpu1_energy_wh"]) * 3600)
+        assert values["samples_per_joule"] == pytest.approx(80 / joules)
+        assert values["steps_per_joule"] == pytest.approx(5 / joules)

@@ -90,8 +90,8 @@ def test_another_process_on_my_gpu_lowers_the_share_is_noted_and_exported(fake_s
     assert len(said) == 1 and "GPU 0" in said[0] and f"pid {OTHER}" in said[0] and "30% SM" in said[0]
     text = body.decode()
     uuid = m.uuids()[0]
-    assert f'smiquery_training_gpu_process_share{{host="{m.host}",uuid="{uuid}"}} 0.666' in text
-    assert f'smiquery_training_gpu_other_processes{{host="{m.host}",uuid="{uuid}"}} 1.0' in text
+    assert f'smiquery_training_gpu_process_share{{host="{m.host}",run="{m.run_id}",uuid="{uuid}"}} 0.666' in text
+    assert f'smiquery_training_gpu_other_processes{{host="{m.host}",run="{m.run_id}",uuid="{uuid}"}} 1.0' in text
 
 
 def test_a_descendant_of_the_run_counts_as_the_run(fake_smi: MakeFake, gpu0, monkeypatch):
