@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,19 +20,23 @@ def test_descriptor_matches_the_proto(tmp_path: Path) -> None:
         if os.environ.get("CI") == "true":
             pytest.fail("grpcio-tools is missing (the dev extra installs it)")
         pytest.skip("grpcio-tools is not installed (the dev extra installs it)")
-    from grpc_tools import protoc
-
-    rc = protoc.main(["protoc", f"-I{PROTO.parent}", f"--python_out={tmp_path}", str(PROTO)])
-    assert rc == 0
-    sys.path.insert(0, str(tmp_path))
-    try:
-        spec = importlib.util.spec_from_file_location("podresources_pb2", tmp_path / "podresources_pb2.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(tmp_path))
-    assert mod.DESCRIPTOR.serialized_pb == podresources.FILE_DESCRIPTOR
+    # In a child: the generated module registers the same file in protobuf's default pool, which the process
+    # that already imported smiquery's descriptor must not see twice (upb crashes on it instead of raising).
+    code = (
+        "import importlib.util, sys\n"
+        "from grpc_tools import protoc\n"
+        "proto, out = sys.argv[1], sys.argv[2]\n"
+        "assert protoc.main(['protoc', '-I' + proto.rsplit('/', 1)[0], '--python_out=' + out, proto]) == 0\n"
+        "spec = importlib.util.spec_from_file_location('podresources_pb2', out + '/podresources_pb2.py')\n"
+        "mod = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(mod)\n"
+        "sys.stdout.write(mod.DESCRIPTOR.serialized_pb.hex())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(PROTO), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert bytes.fromhex(done.stdout) == podresources.FILE_DESCRIPTOR
 
 
 def test_unknown_fields_of_a_newer_kubelet_are_skipped() -> None:
