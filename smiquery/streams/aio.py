@@ -394,6 +394,7 @@ class _Child:
         # One watchdog per child instead of a timer per read: it only acts while a read is waiting, and at the
         # deadline kills the child and ends its output, so the waiting read returns at once.
         self._deadline = 0.0
+        self._wake = 0.0  # when the watchdog looks next
         self._waiting = False
         self._watchdog: asyncio.Future[None] | None = None
 
@@ -417,6 +418,11 @@ class _Child:
         lines = self._lines
         loop = self._loop
         self._deadline = deadline
+        if deadline < self._wake and self._watchdog is not None:
+            # the deadline came closer (the first row turned the start-up deadline into the stall deadline): a
+            # watchdog asleep until the old one would see a hang only then
+            self._watchdog.cancel()
+            self._watchdog = None
         waited = 0.0
         while not lines:
             if self._eof:
@@ -491,6 +497,7 @@ class _Child:
         while True:
             left = self._deadline - loop.time()
             if left > 0 or not self._waiting:
+                self._wake = loop.time() + max(left, 0.05)
                 await asyncio.sleep(max(left, 0.05))
                 continue
             # After a pause (SIGSTOP) the timer and the pipe's data are due together: let the loop look at the

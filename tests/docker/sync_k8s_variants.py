@@ -1,7 +1,8 @@
 """Write the Kubernetes variants of docker/k8s/exporter.yaml (the one source of the DaemonSet).
 
 - ``exporter-kubernetes.yaml``: ``--kubernetes`` (which pod holds each GPU). Adds the kubelet's pod-resources
-  socket, mounted read-only, and NODE_NAME from the downward API; no RBAC.
+  socket, mounted read-only, NODE_NAME from the downward API, and the container as uid 0 without capabilities (the
+  socket is root's alone); no RBAC.
 - ``exporter-kubernetes-processes.yaml``: ``--kubernetes-processes`` (per-pod use of shared GPUs). The above plus
   ``hostPID: true`` and a ServiceAccount token with get/list on pods (ClusterRole + ClusterRoleBinding).
 
@@ -44,8 +45,9 @@ _HEADER_ATTRIBUTION = """\
 # the GPU (smiquery_gpu_allocation_info, pod/namespace/container labels). Apply INSTEAD of exporter.yaml (same
 # names). Differences from exporter.yaml: the kubelet's pod-resources socket directory is mounted read-only (a
 # hostPath, so the namespace is relabelled `privileged`, below), NODE_NAME comes from the downward API, and
-# `--kubernetes` is passed. No Kubernetes API access and no RBAC: the kubelet's socket says everything.
-# The image must have smiquery's k8s extra (`pip install 'smiquery[k8s]'`: grpcio, protobuf, kubernetes).
+# `--kubernetes` is passed; the container runs as uid 0 with no capability (the kubelet's socket is root's alone). No
+# Kubernetes API access and no RBAC: the kubelet's socket says everything.
+# docker/Dockerfile.exporter's image has what this needs (smiquery's k8s extra: grpcio, protobuf, kubernetes).
 """
 
 _HEADER_PROCESSES = """\
@@ -59,7 +61,7 @@ _HEADER_PROCESSES = """\
 # - a ServiceAccount token and a ClusterRole with get/list on pods: the exporter lists the pods of its own node
 #   (field selector spec.nodeName=$NODE_NAME) to name the pod of a cgroup.
 # hostPID shows the exporter every process of the node: opt in only where per-pod use of shared GPUs is wanted.
-# The image must have smiquery's k8s extra (`pip install 'smiquery[k8s]'`: grpcio, protobuf, kubernetes).
+# docker/Dockerfile.exporter's image has what this needs (smiquery's k8s extra: grpcio, protobuf, kubernetes).
 """
 
 _RBAC = """\
@@ -117,6 +119,16 @@ _SOCKET_VOLUME = """\
             path: /var/lib/kubelet/pod-resources
             type: Directory
 """
+_CONTAINER_SC = "          securityContext:\n            privileged: false\n"
+_AS_ROOT = """\
+          securityContext:
+            # The kubelet creates its pod-resources socket srwxr-xr-x root root: connecting to a unix socket needs
+            # write permission, so only uid 0 can. Root without a single capability (drop ALL, below), no privilege
+            # escalation, read-only root file system; the pod keeps runAsNonRoot for any other container.
+            runAsUser: 0
+            runAsNonRoot: false
+            privileged: false
+"""
 _SA_TOKEN = "# The exporter never talks to the Kubernetes API.\nautomountServiceAccountToken: false\n"
 _POD_TOKEN = "      automountServiceAccountToken: false\n"
 _SPEC = "    spec:\n      serviceAccountName: smiquery-exporter\n"
@@ -142,6 +154,7 @@ def attribution(base_text: str) -> str:
     text = _replace_once(text, _ENV_END, _ENV_END + _NODE_NAME)
     text = _replace_once(text, _MOUNTS, _MOUNTS + _SOCKET_MOUNT)
     text = _replace_once(text, _VOLUMES_END, _VOLUMES_END + _SOCKET_VOLUME)
+    text = _replace_once(text, _CONTAINER_SC, _AS_ROOT)
     return _HEADER_ATTRIBUTION + _NAMESPACE.format(what="A hostPath volume is") + text
 
 
@@ -152,6 +165,7 @@ def processes(base_text: str) -> str:
     text = _replace_once(text, _ENV_END, _ENV_END + _NODE_NAME)
     text = _replace_once(text, _MOUNTS, _MOUNTS + _SOCKET_MOUNT)
     text = _replace_once(text, _VOLUMES_END, _VOLUMES_END + _SOCKET_VOLUME)
+    text = _replace_once(text, _CONTAINER_SC, _AS_ROOT)
     text = _replace_once(
         text,
         _SA_TOKEN,

@@ -1271,7 +1271,7 @@ def test_recovers_by_itself_when_a_permanent_error_clears(exporter, inproc, reco
     # the same path, without half a minute of waiting.
     import smiquery.exporter.server as server
 
-    monkeypatch.setattr(server, "stream", functools.partial(stream, retry=RetryPolicy(permanent_retry=2.0)))
+    monkeypatch.setattr(server, "RetryPolicy", functools.partial(RetryPolicy, permanent_retry=2.0))
     exp = exporter(interval=0.1, revive_after=1.0)
 
     def waiting() -> bool:

@@ -428,6 +428,8 @@ def _build_view(snap: _Snapshot, gpus: Mapping[str, int | None], migs: Mapping[s
 
 
 def _error_kind(exc: BaseException) -> str:
+    if isinstance(exc, PermissionError):
+        return "permission_denied"
     code = getattr(exc, "code", None)
     if callable(code):
         try:

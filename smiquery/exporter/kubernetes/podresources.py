@@ -8,6 +8,8 @@ which works with any protobuf runtime from 4.21 on; ``tests/exporter/kubernetes/
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,15 +95,22 @@ def list_devices(socket_path: str, timeout: float) -> list[DeviceGrant]:
         Every device of every container, in the kubelet's order (resources of every name).
 
     Raises:
+        PermissionError: the socket is there but this user may not connect to it (the kubelet's is root's alone).
         grpc.RpcError: the socket is missing, nobody answers, the deadline passed or the kubelet refused.
     """
-    with grpc.insecure_channel(f"unix://{socket_path}") as channel:
-        call = channel.unary_unary(
-            LIST_METHOD,
-            request_serializer=ListPodResourcesRequest.SerializeToString,
-            response_deserializer=ListPodResourcesResponse.FromString,
-        )
-        answer = call(ListPodResourcesRequest(), timeout=timeout, wait_for_ready=False)
+    try:
+        with grpc.insecure_channel(f"unix://{socket_path}") as channel:
+            call = channel.unary_unary(
+                LIST_METHOD,
+                request_serializer=ListPodResourcesRequest.SerializeToString,
+                response_deserializer=ListPodResourcesResponse.FromString,
+            )
+            answer = call(ListPodResourcesRequest(), timeout=timeout, wait_for_ready=False)
+    except grpc.RpcError:
+        denied = _denied(socket_path)
+        if denied is not None:
+            raise PermissionError(denied) from None
+        raise
     out: list[DeviceGrant] = []
     for pod in answer.pod_resources:
         for ctr in pod.containers:
@@ -109,3 +118,22 @@ def list_devices(socket_path: str, timeout: float) -> list[DeviceGrant]:
                 for dev_id in dev.device_ids:
                     out.append(DeviceGrant(pod.namespace, pod.name, ctr.name, dev.resource_name, dev_id))
     return out
+
+
+def _denied(socket_path: str) -> str | None:
+    """Why connecting to an existing socket is refused to this process, with the fix; None when it is not that.
+
+    Connecting to a unix socket needs write permission on it, and the kubelet creates its pod-resources socket
+    ``srwxr-xr-x root root``: only uid 0 can use it. gRPC says no more than "Permission denied" deep in its details.
+    """
+    try:
+        st = os.stat(socket_path)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode) or os.access(socket_path, os.W_OK):
+        return None
+    return (
+        f"{socket_path} is {stat.filemode(st.st_mode)} owned by uid {st.st_uid} and this process runs as uid "
+        f"{os.geteuid()}: run the exporter's container as uid {st.st_uid} (the kubelet's socket is root's alone: "
+        "runAsUser: 0, as docker/k8s/exporter-kubernetes.yaml does)"
+    )

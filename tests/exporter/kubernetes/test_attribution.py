@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +22,7 @@ from smiquery.exporter.kubernetes.attribution import resolve_device
 from tests.exporter.kubernetes.kubelet import StandInKubelet
 from tests.helpers import wait_for
 
+ROOT = Path(__file__).resolve().parents[3]
 GPU0 = "GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"
 GPU1 = "GPU-c1b0d0c2-7b24-505e-e600-706601380be7"
 GPU2 = "GPU-08d66bca-5784-0341-346c-86e41bd1addc"
@@ -140,6 +144,35 @@ def test_socket_gone_and_back_is_never_silent(kubelet: StandInKubelet, caplog: p
     kubelet.start()
     assert att.refresh() and att.gpu_labels(GPU0, GPUS)["pod"] == "train-0"
     assert any("answers again" in r.getMessage() for r in caplog.records)
+
+
+_AS_USER = r"""
+import logging, os, sys
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from smiquery.exporter.kubernetes import Attribution
+att = Attribution(sys.argv[1], interval=1.0, timeout=5.0, mig_listing=lambda: "")
+if sys.argv[2] != "0":  # imports done (the interpreter may live under /root): now become the exporter's user
+    os.setgid(int(sys.argv[2]))
+    os.setuid(int(sys.argv[2]))
+print("ok" if att.refresh() else "failed", dict(att.errors))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another uid needs root")
+def test_a_socket_only_root_may_use_says_so_and_how_to_fix_it(kubelet: StandInKubelet) -> None:
+    """The kubelet's socket is ``srwxr-xr-x root root``: the exporter's non-root user cannot connect, and the log
+    line says that, not gRPC's bare UNAVAILABLE."""
+    usual(kubelet)
+    os.chmod(kubelet.socket_path, 0o755)
+    os.chmod(Path(kubelet.socket_path).parent, 0o755)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-c", _AS_USER, kubelet.socket_path]
+    as_nobody = subprocess.run([*argv, "65532"], capture_output=True, text=True, timeout=120, env=env)
+    assert as_nobody.stdout.startswith("failed {'permission_denied': 1}"), as_nobody.stdout + as_nobody.stderr
+    assert f"{kubelet.socket_path} is srwxr-xr-x owned by uid 0 and this process runs as uid 65532" in as_nobody.stderr
+    assert "runAsUser: 0" in as_nobody.stderr
+    as_root = subprocess.run([*argv, "0"], capture_output=True, text=True, timeout=120, env=env)
+    assert as_root.stdout.startswith("ok"), as_root.stdout + as_root.stderr
 
 
 def _metrics(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
