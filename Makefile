@@ -43,7 +43,7 @@ tools: $(STAMP)
 # Most tests wait on nvidia-smi stand-ins rather than compute, so pytest-xdist's TEST_WORKERS processes keep 2 cores
 # busy (TEST_WORKERS=0: one process). Sources are byte-compiled first: with PYTHONDONTWRITEBYTECODE set, every fake
 # nvidia-smi the tests spawn would compile smiquery again.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 test: $(STAMP) tools
 	$(PY) -m compileall -q smiquery
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup

@@ -41,9 +41,12 @@ from typing import Any
 import pytest
 import yaml
 
-# Under pytest-xdist (make test) every test of this file runs on one worker: the session's buildah storage, base
-# image and wheelhouse are built once, and two builds never compete for the same 2 cores.
-pytestmark = pytest.mark.xdist_group("buildah")
+# Under pytest-xdist (make test) the image builds run as two groups, each on one worker with its own buildah
+# session: the TensorFlow image and its variants, and the exporter image with its lock. The two chains overlap
+# (most of a vfs build is copying files, not computing) and each builds its images once; the stand-in base and the
+# wheelhouse are cached for both (scripts/make-base-image holds a lock, the wheelhouse is renamed into place).
+TF_BUILDS = pytest.mark.xdist_group("buildah-tensorflow")
+EXPORTER_BUILDS = pytest.mark.xdist_group("buildah-exporter")
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -1024,6 +1027,7 @@ def fake_smi_file(tmp_path: Path) -> Path:
     return path
 
 
+@TF_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tensorflow_image_config(buildah: Buildah, tf_image: Built) -> None:
@@ -1053,6 +1057,7 @@ def cfg_test(buildah: Buildah, image: str) -> list[str]:
     return list(test[1:])
 
 
+@TF_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tensorflow_image_with_injected_nvidia_smi(buildah: Buildah, tf_image: Built, fake_smi_file: Path) -> None:
@@ -1076,6 +1081,7 @@ def test_tensorflow_image_with_injected_nvidia_smi(buildah: Buildah, tf_image: B
         assert gate.returncode == 0, gate.stdout + gate.stderr
 
 
+@TF_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tensorflow_image_without_injection_says_gpus_all(buildah: Buildah, tf_image: Built) -> None:
@@ -1092,6 +1098,7 @@ def test_tensorflow_image_without_injection_says_gpus_all(buildah: Buildah, tf_i
         assert gate.returncode != 0 and CONTAINER_HINT in gate.stdout + gate.stderr
 
 
+@TF_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_copied_smi_stage_follows_the_alternatives_chain(
@@ -1118,6 +1125,7 @@ def test_copied_smi_stage_follows_the_alternatives_chain(
         assert kind.returncode == 0
 
 
+@TF_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_copied_smi_stage_fails_when_the_source_lacks_it(
@@ -1143,6 +1151,7 @@ def test_copied_smi_stage_fails_when_the_source_lacks_it(
         assert check.returncode == 0 and "nothing copied" in check.stdout, check.stdout + check.stderr
 
 
+@TF_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_copied_smi_stage_without_a_source_asks_for_one(
@@ -1158,6 +1167,7 @@ def test_copied_smi_stage_without_a_source_asks_for_one(
     assert "Successfully installed" not in text, "the build installed packages before failing"
 
 
+@EXPORTER_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_base_pinned_by_a_wrong_digest_fails_the_build(buildah: Buildah, base_image: str, tmp_path: Path) -> None:
@@ -1169,6 +1179,7 @@ def test_base_pinned_by_a_wrong_digest_fails_the_build(buildah: Buildah, base_im
     assert "0000000000000000" in log.read_text(encoding="utf-8")
 
 
+@EXPORTER_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_exporter_lock_is_what_the_builds_resolver_writes(
@@ -1189,6 +1200,7 @@ def test_exporter_lock_is_what_the_builds_resolver_writes(
         assert (out / name).read_text(encoding="utf-8") == (DOCKER / "requirements" / name).read_text(encoding="utf-8")
 
 
+@EXPORTER_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_exporter_image_config(buildah: Buildah, exporter_image: Built) -> None:
@@ -1207,6 +1219,7 @@ def test_exporter_image_config(buildah: Buildah, exporter_image: Built) -> None:
     assert re.fullmatch(r"\S+@sha256:[0-9a-f]{64}", labels["org.opencontainers.image.base.name"])
 
 
+@EXPORTER_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_exporter_image_is_small_and_has_no_pandas(buildah: Buildah, exporter_image: Built) -> None:
@@ -1245,6 +1258,7 @@ def _get(url: str, timeout: float = 5) -> tuple[int, str]:
             return int(exc.code), exc.read().decode("utf-8", "replace")
 
 
+@EXPORTER_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_exporter_image_serves_metrics(
@@ -1302,6 +1316,7 @@ def test_exporter_image_serves_metrics(
         _get(f"http://127.0.0.1:{port}/healthz", timeout=2)
 
 
+@EXPORTER_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_exporter_image_attributes_pods_as_the_kubernetes_variant_runs_it(
@@ -1549,6 +1564,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+@TF_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigterm_to_the_images_tini_stops_a_stream_and_nvidia_smi_goes(

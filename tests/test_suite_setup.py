@@ -1,0 +1,16 @@
+"""The test suite's own set-up: what `make test` relies on to finish in time."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.xdist_group("grouping-check")
+def test_xdist_groups_hold(request: pytest.FixtureRequest) -> None:
+    """`--dist loadgroup` keeps a group's tests on one worker, so that the image builds of tests/test_docker.py and
+    the Prometheus servers run once per group. pytest-xdist does it by suffixing the node id with "@group"; when a
+    pytest release stores node ids elsewhere, the suffix is lost, grouping silently stops and every worker builds
+    the images again (pytest 9.2 with pytest-xdist 3.8: the pin in pyproject.toml)."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("runs under pytest-xdist with --dist loadgroup (make test)")
+    assert request.node.nodeid.endswith("@grouping-check"), request.node.nodeid
