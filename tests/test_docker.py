@@ -1258,6 +1258,31 @@ def _get(url: str, timeout: float = 5) -> tuple[int, str]:
             return int(exc.code), exc.read().decode("utf-8", "replace")
 
 
+@contextlib.contextmanager
+def _image_exporter(
+    buildah: Buildah, ctr: str, argv: Sequence[str], smi: Path, log: Path, extra: Sequence[str] = ()
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The exporter running in ``ctr`` (output to ``log``); stopped with SIGTERM (SIGKILL after 15 s) on every path."""
+    with log.open("w", encoding="utf-8") as out:
+        proc = subprocess.Popen(
+            buildah.run_argv(ctr, argv, mount_smi=smi, extra=extra),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
+
+
 @EXPORTER_BUILDS
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -1270,47 +1295,31 @@ def test_exporter_image_serves_metrics(
     # network, so the test reaches it on loopback
     argv = [*cfg["Entrypoint"], "--bind", "127.0.0.1", "--port", str(port), "--interval", "1"]
     log = tmp_path / "exporter.log"
-    with buildah.container(exporter_image.tag) as ctr, log.open("w", encoding="utf-8") as out:
-        proc = subprocess.Popen(
-            buildah.run_argv(ctr, argv, mount_smi=fake_smi_file),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    with buildah.container(exporter_image.tag) as ctr, _image_exporter(buildah, ctr, argv, fake_smi_file, log) as proc:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        status, body = 0, ""
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                status, body = _get(base + "/healthz")
+                if status == 200:
+                    break
+            time.sleep(0.5)
+        assert status == 200, f"/healthz: {status} {body}\n{log.read_text(encoding='utf-8')}"
+        status, metrics = _get(base + "/metrics")
+        assert status == 200
+        temps = [ln for ln in metrics.splitlines() if ln.startswith("smiquery_temperature_gpu_celsius{")]
+        assert len(temps) == 8, metrics[:2000]
+        assert 'uuid="GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"' in metrics
+        # the image's HEALTHCHECK command, pointed at this port, as the image's (non-root) user
+        assert _get(base + "/livez")[0] == 200
+        check = [a.replace(":9849/", f":{port}/") for a in cfg["Healthcheck"]["Test"][1:]]
+        health = buildah.run(ctr, check, mount_smi=None)
+        assert health.returncode == 0, health.stderr
+        whoami = buildah.run(
+            ctr, ["/opt/smiquery/bin/python", "-c", "import os; print(os.getuid())"], mount_smi=None
         )
-        try:
-            base = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            status, body = 0, ""
-            while time.monotonic() < deadline and proc.poll() is None:
-                with contextlib.suppress(OSError):
-                    status, body = _get(base + "/healthz")
-                    if status == 200:
-                        break
-                time.sleep(0.5)
-            assert status == 200, f"/healthz: {status} {body}\n{log.read_text(encoding='utf-8')}"
-            status, metrics = _get(base + "/metrics")
-            assert status == 200
-            temps = [ln for ln in metrics.splitlines() if ln.startswith("smiquery_temperature_gpu_celsius{")]
-            assert len(temps) == 8, metrics[:2000]
-            assert 'uuid="GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"' in metrics
-            # the image's HEALTHCHECK command, pointed at this port, as the image's (non-root) user
-            assert _get(base + "/livez")[0] == 200
-            check = [a.replace(":9849/", f":{port}/") for a in cfg["Healthcheck"]["Test"][1:]]
-            health = buildah.run(ctr, check, mount_smi=None)
-            assert health.returncode == 0, health.stderr
-            whoami = buildah.run(
-                ctr, ["/opt/smiquery/bin/python", "-c", "import os; print(os.getuid())"], mount_smi=None
-            )
-            assert whoami.stdout.strip() == "65532"
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=15)
+        assert whoami.stdout.strip() == "65532"
     # stopped on every path: nothing listens any more
     with pytest.raises(urllib.error.URLError):
         _get(f"http://127.0.0.1:{port}/healthz", timeout=2)
@@ -1337,31 +1346,18 @@ def test_exporter_image_attributes_pods_as_the_kubernetes_variant_runs_it(
     extra = ["--user", "0:0", "-v", f"{short}:/var/lib/kubelet/pod-resources:ro"]
     log = tmp_path / "exporter.log"
     try:
-        with buildah.container(exporter_image.tag) as ctr, log.open("w", encoding="utf-8") as out:
-            proc = subprocess.Popen(
-                buildah.run_argv(ctr, argv, mount_smi=fake_smi_file, extra=extra),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                deadline = time.monotonic() + 90
-                metrics = ""
-                while time.monotonic() < deadline and proc.poll() is None:
-                    with contextlib.suppress(OSError):
-                        status, metrics = _get(f"http://127.0.0.1:{port}/metrics")
-                        if status == 200 and "smiquery_gpu_allocation_info{" in metrics:
-                            break
-                    time.sleep(0.5)
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=15)
+        with (
+            buildah.container(exporter_image.tag) as ctr,
+            _image_exporter(buildah, ctr, argv, fake_smi_file, log, extra) as proc,
+        ):
+            deadline = time.monotonic() + 90
+            metrics = ""
+            while time.monotonic() < deadline and proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    status, metrics = _get(f"http://127.0.0.1:{port}/metrics")
+                    if status == 200 and "smiquery_gpu_allocation_info{" in metrics:
+                        break
+                time.sleep(0.5)
     finally:
         kubelet.stop()
         shutil.rmtree(short, ignore_errors=True)

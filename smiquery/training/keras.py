@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import keras
 
 from smiquery._log import get_logger
-from smiquery.training.events import TrainingAlert
 from smiquery.training.memory import TensorFlowMemory
 from smiquery.training.monitor import RunMonitor
+from smiquery.training.view import MonitorView
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, AlertHandler, Rule
-    from smiquery.sample import GpuSample
 
 __all__ = ["GpuMonitor"]
 
@@ -51,7 +50,7 @@ def _scalar(value: Any) -> float | None:
             return None
 
 
-class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
+class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
     """Watches the GPUs while ``model.fit`` runs and writes what it saw into the epoch logs.
 
     At ``on_train_begin`` it starts ONE background nvidia-smi in loop mode; a thread reads its sweeps, stamps each
@@ -142,37 +141,6 @@ class GpuMonitor(keras.callbacks.Callback):  # type: ignore[misc]
         if log_every == "batch":
             # assigned per instance, so that epoch-only monitors keep the cheaper hook
             self.on_train_batch_end = self._batch_end_logging  # type: ignore[method-assign]
-
-    # ----------------------------------------------------------------------------------------- properties
-
-    @property
-    def alerts(self) -> list[TrainingAlert]:
-        """The alerts of the current (or last) fit, with their training context."""
-        return self.monitor.alerts
-
-    @property
-    def epochs(self) -> list[dict[str, float]]:
-        """Per epoch, the numbers added to the logs."""
-        return self.monitor.epochs
-
-    @property
-    def notes(self) -> list[str]:
-        """Messages said once (monitoring unavailable, rules dropped, framework view missing, growing gap)."""
-        return self.monitor.notes
-
-    @property
-    def cost(self) -> dict[str, float]:
-        """What monitoring cost in the last fit (see :attr:`smiquery.training.monitor.RunMonitor.cost`)."""
-        return self.monitor.cost
-
-    @property
-    def running(self) -> bool:
-        """True while the background nvidia-smi is being read."""
-        return self.monitor.running
-
-    def latest(self) -> dict[int, GpuSample]:
-        """The newest sample of each watched GPU (by nvidia-smi index)."""
-        return self.monitor.latest()
 
     # ----------------------------------------------------------------------------------------- keras hooks
 

@@ -21,9 +21,9 @@ except ImportError:  # the standalone package
             "smiquery.training.lightning needs PyTorch Lightning: pip install 'smiquery[lightning]'"
         ) from exc
 
-from smiquery.training.events import TrainingAlert
 from smiquery.training.memory import TorchMemory
 from smiquery.training.monitor import RunMonitor
+from smiquery.training.view import MonitorView
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, AlertHandler, Rule
@@ -47,7 +47,7 @@ def _batch_size(batch: Any) -> int | None:
     return None
 
 
-class GpuMonitor(Callback):  # type: ignore[misc]
+class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
     """Watches the GPUs while ``trainer.fit`` runs and logs what it saw per epoch through the trainer's loggers.
 
     The keys are those of :class:`~smiquery.training.monitor.RunMonitor` (``gpuN_util_mean``, ``gpuN_mem_used_max_mib``,
@@ -109,21 +109,6 @@ class GpuMonitor(Callback):  # type: ignore[misc]
         self._trainer: Any = None
         self._ranks_here = 1
         self.monitor.context_extra = self._context
-
-    @property
-    def alerts(self) -> list[TrainingAlert]:
-        """The alerts of the current (or last) fit, with their training position."""
-        return self.monitor.alerts
-
-    @property
-    def epochs(self) -> list[dict[str, float]]:
-        """Per epoch, the numbers logged."""
-        return self.monitor.epochs
-
-    @property
-    def notes(self) -> list[str]:
-        """Messages said once."""
-        return self.monitor.notes
 
     def _context(self) -> dict[str, Any]:
         trainer = self._trainer
