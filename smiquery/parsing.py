@@ -53,6 +53,11 @@ def _row_converter(convs: Sequence[Callable[[str], Value]]) -> Callable[[list[st
     return fn
 
 
+def bad_cell_reason(fld: Field, cell: str) -> str:
+    """Why a cell was rejected, for error lines: ``field 'memory.used': '7.5' is not a valid int``."""
+    return f"field {fld.name!r}: {cell!r} is not a valid {fld.kind.value}"
+
+
 def is_message(line: str) -> bool:
     """True for a line that is one of nvidia-smi's messages (an error, a warning, a notice), never a data row."""
     return line.lstrip().startswith(MESSAGE_PREFIXES)

@@ -61,14 +61,16 @@ class SkippedLines:
         count: how many lines were skipped.
         first_lineno: the line number (1-based) of the first one.
         first_line: that line's text (cut to 80 characters).
+        reason: what is wrong with that line (``field 'memory.used': '7.5' is not a valid int``), or "".
     """
 
     count: int
     first_lineno: int
     first_line: str = ""
+    reason: str = ""
 
     def message(self, name: str = "the recording") -> str:
-        """One line for a warning: ``skipped 2 unreadable lines in run.csv (first: line 316)``.
+        """One line for a warning: ``skipped 2 unreadable lines in run.csv (first: line 316: ...)``.
 
         Args:
             name: how to call the recording (its path).
@@ -77,12 +79,14 @@ class SkippedLines:
             The sentence, without a trailing period.
         """
         lines = "line" if self.count == 1 else "lines"
-        return f"skipped {self.count} unreadable {lines} in {name} (first: line {self.first_lineno})"
+        why = f": {self.reason}" if self.reason else ""
+        return f"skipped {self.count} unreadable {lines} in {name} (first: line {self.first_lineno}{why})"
 
     def unreadable(self) -> ParseError:
         """The error for a recording whose every row was skipped."""
+        why = self.reason or "does not fit the header"
         return ParseError(
-            f"no readable rows: {self.count} line(s) do not fit the header (first: line {self.first_lineno})",
+            f"no readable rows ({self.count} line(s) skipped, this one first): {why}",
             lineno=self.first_lineno,
             line=self.first_line,
         )

@@ -178,7 +178,8 @@ def _read_csv_python(
     skipped = None
     if parser.dropped or dropped:
         assert first is not None
-        skipped = SkippedLines(parser.dropped + dropped, first.lineno, (first.line or "")[:80])
+        why = first.reason if first.field is None else f"field {first.field!r}: {first.reason}"
+        skipped = SkippedLines(parser.dropped + dropped, first.lineno, (first.line or "")[:80], why)
         if not samples:
             raise skipped.unreadable()
     if samples:

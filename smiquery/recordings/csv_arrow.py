@@ -22,7 +22,7 @@ from smiquery.fields import Field, Kind
 # Cells are read by their kind's own converters and words (smiquery.kinds), so that both paths read a cell the
 # same way.
 from smiquery.kinds import missing_reason
-from smiquery.parsing import MESSAGE_PREFIXES, CsvParser
+from smiquery.parsing import MESSAGE_PREFIXES, CsvParser, bad_cell_reason
 from smiquery.recordings.base import NS_MAX, NS_MIN, SkippedLines
 from smiquery.recordings.frames import MissingReasons, empty_array, int_array, make_frame, string_dtype
 from smiquery.sample import Value
@@ -162,12 +162,17 @@ def probe_layout(src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo
     return None
 
 
-class _BadCell(Exception):
-    """A cell the parser's converter rejects, at its row position in the block being converted."""
+class _BadCells(Exception):
+    """The cells of one column the parser's converter rejects, at their row positions in the block being converted.
 
-    def __init__(self, row: int, cell: str, fld: Field) -> None:
-        super().__init__(row, cell, fld.name)
-        self.row = row
+    All of a column's bad cells are found in one pass, so that a file with thousands of them costs one more
+    conversion of the block, not one per bad row.
+    """
+
+    def __init__(self, rows: list[int], cell: str, fld: Field) -> None:
+        super().__init__(rows, cell, fld.name)
+        self.rows = rows
+        self.why = bad_cell_reason(fld, cell)
 
 
 # Why cells of one column are missing: (row positions, reason codes, reason words); row positions are local to a
@@ -178,16 +183,18 @@ _Why = tuple[Any, Any, tuple[str, ...]]
 class _Block:
     """One converted block: a pandas-ready part per column, the missing reasons per column, and the rows dropped.
 
-    ``bad`` holds the positions (in the block as read) of rows with a cell that does not fit its field.
+    ``bad`` holds the positions (in the block as read) of rows with a cell that does not fit its field, ``why``
+    what is wrong with the first of them.
     """
 
-    __slots__ = ("bad", "parts", "reasons", "rows")
+    __slots__ = ("bad", "parts", "reasons", "rows", "why")
 
-    def __init__(self, parts: list[Any], reasons: list[_Why | None], rows: int, bad: list[int]) -> None:
+    def __init__(self, parts: list[Any], reasons: list[_Why | None], rows: int, bad: list[int], why: str) -> None:
         self.parts = parts
         self.reasons = reasons
         self.rows = rows
         self.bad = bad
+        self.why = why
 
 
 class ArrowCsvReader:
@@ -326,6 +333,7 @@ class ArrowCsvReader:
         rows = 0
         starts: deque[int] = deque()
         first_bad: int | None = None  # row position (over the whole file, as read) of the first bad row
+        why = ""  # what is wrong with that row
         bad_rows = 0
         with ThreadPoolExecutor(_WORKERS) as pool:
             while batches or pending:
@@ -343,28 +351,30 @@ class ArrowCsvReader:
                 if block.bad:
                     bad_rows += len(block.bad)
                     if first_bad is None:
-                        first_bad = start + block.bad[0]
+                        first_bad, why = start + block.bad[0], block.why
                 blocks.append(block)
-        skipped = self._skipped(bad_rows, first_bad)
+        skipped = self._skipped(bad_rows, first_bad, why)
         if skipped is not None and rows == bad_rows:
             raise skipped.unreadable()
         return self._assemble(blocks, skipped)
 
-    def _skipped(self, bad_rows: int, first_bad: int | None) -> SkippedLines | None:
+    def _skipped(self, bad_rows: int, first_bad: int | None, why: str) -> SkippedLines | None:
         """What was skipped: rows of the wrong width (the reader's handler) and rows with a bad cell."""
         count = bad_rows + self.misfits
         if not count:
             return None
         data = self.src.data()
-        found: list[tuple[int, str]] = []
+        found: list[tuple[int, str, str]] = []
         if self.misfits:
             misfit = self.layout.first_misfit(data)
             if misfit is not None:
-                found.append(misfit)
+                lineno, line = misfit
+                width = f"expected {len(self.layout.fields)} columns, got {len(line.split(','))}"
+                found.append((lineno, line, width))
         if first_bad is not None:
-            found.append(self.layout.locate(data, first_bad))
-        lineno, line = min(found) if found else (0, "")
-        return SkippedLines(count, lineno, line[:80])
+            found.append((*self.layout.locate(data, first_bad), why))
+        lineno, line, reason = min(found) if found else (0, "", "")
+        return SkippedLines(count, lineno, line[:80], reason)
 
     def _assemble(self, blocks: list[_Block], skipped: SkippedLines | None = None) -> pd.DataFrame:
         import numpy as np
@@ -432,6 +442,7 @@ class ArrowCsvReader:
         pa, pc = self.pa, self.pc
         layout = self.layout
         bad: list[int] = []
+        first_why: tuple[int, str] | None = None  # the first bad row (as read) and what is wrong with it
         positions: Any = None  # current row -> row in the block as read, once rows were dropped
         while True:
             parts: list[Any] = []
@@ -446,12 +457,15 @@ class ArrowCsvReader:
                     del raw
                     parts.append(self._part(values, fld))
                     reasons.append(why)
-            except _BadCell as exc:
+            except _BadCells as exc:
                 if positions is None:
                     positions = np.arange(len(columns[0]))
-                bad.append(int(positions[exc.row]))
+                dropped = positions[exc.rows]
+                bad.extend(int(p) for p in dropped)
+                if first_why is None or int(dropped[0]) < first_why[0]:
+                    first_why = (int(dropped[0]), exc.why)
                 keep = np.ones(len(positions), dtype=bool)
-                keep[exc.row] = False
+                keep[exc.rows] = False
                 positions = positions[keep]
                 mask = pa.array(keep)
                 columns = [pc.filter(c, mask) for c in columns]
@@ -462,7 +476,7 @@ class ArrowCsvReader:
         # Hand the block's scratch memory back to the OS: the allocator would keep it, and NumPy (which holds
         # the converted parts) cannot reuse it.
         pa.default_memory_pool().release_unused()
-        return _Block(parts, reasons, rows, sorted(bad))
+        return _Block(parts, reasons, rows, sorted(bad), "" if first_why is None else first_why[1])
 
     def _nulls(self, col: Any) -> _Why | None:
         """The reasons for the nulls of a column the reader typed: each was ``[N/A]``."""
@@ -539,14 +553,18 @@ class ArrowCsvReader:
         pa = self.pa
         convert: Callable[[str], Value] = fld.kind.ops.converter(self.tz)
         values: list[Value] = []
+        bad: list[int] = []
         for row, cell in enumerate(col.to_pylist()):
             if cell is None:
                 values.append(None)
                 continue
             try:
                 values.append(convert(cell))
-            except Exception as exc:  # any converter failure means the cell does not fit the field
-                raise _BadCell(row, cell, fld) from exc
+            except Exception:  # any converter failure means the cell does not fit the field
+                bad.append(row)
+                values.append(None)
+        if bad:
+            raise _BadCells(bad, col[bad[0]].as_py(), fld)
         storage = fld.kind.ops.storage
         if storage == "int":
             try:
@@ -559,8 +577,10 @@ class ArrowCsvReader:
             for row, v in enumerate(values):
                 wall = None if v is None else v.astimezone(self.tz).replace(tzinfo=None)  # type: ignore[union-attr]
                 if wall is not None and not NS_MIN <= wall <= NS_MAX:
-                    raise _BadCell(row, col[row].as_py(), fld)
+                    bad.append(row)
                 naive.append(wall)
+            if bad:
+                raise _BadCells(bad, col[bad[0]].as_py(), fld)
             return pa.array(naive, pa.timestamp("us")).cast(pa.timestamp("ns"))
         arrow_type = {"float": pa.float64(), "bool": pa.bool_()}.get(storage, pa.string())
         return pa.array(values, arrow_type)

@@ -174,5 +174,6 @@ def read_jsonl(path: str, tz: tzinfo | None) -> pd.DataFrame:
         )
     df = to_dataframe(samples)
     if first is not None:
-        df.attrs["skipped"] = SkippedLines(count, first.lineno, (first.line or "")[:80])
+        why = first.reason if first.field is None else f"field {first.field!r}: {first.reason}"
+        df.attrs["skipped"] = SkippedLines(count, first.lineno, (first.line or "")[:80], why)
     return df

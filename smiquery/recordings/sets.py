@@ -127,7 +127,7 @@ def concat_frames(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
             skipped = (
                 s
                 if skipped is None
-                else SkippedLines(skipped.count + s.count, skipped.first_lineno, skipped.first_line)
+                else SkippedLines(skipped.count + s.count, skipped.first_lineno, skipped.first_line, skipped.reason)
             )
         for f in df.attrs.get("fields") or []:
             if f not in fields:

@@ -239,7 +239,7 @@ def test_torn_last_line_and_garbage_are_skipped_and_reported(tmp_path):
     assert r.skipped is not None
     assert (r.skipped.count, r.skipped.first_lineno) == (2, 317)
     assert r.gpus == tuple(range(8))
-    assert "skipped 2 unreadable lines in killed.csv (first: line 317)" in r.to_text()
+    assert "skipped 2 unreadable lines in killed.csv (first: line 317: expected 30 columns, got 1)" in r.to_text()
 
 
 def test_headerless_log_with_fields(tmp_path):
@@ -356,7 +356,9 @@ def test_cli_warns_once_about_skipped_lines_and_reads_headerless_logs(tmp_path):
     result = CliRunner().invoke(app, ["report", str(killed)])
     assert result.exit_code == 0, result.output
     warnings = [ln for ln in result.stderr.splitlines() if ln.startswith("smiquery: warning:")]
-    assert warnings == [f"smiquery: warning: skipped 1 unreadable line in {killed} (first: line 4802)"]
+    assert warnings == [
+        f"smiquery: warning: skipped 1 unreadable line in {killed} (first: line 4802: expected 30 columns, got 3)"
+    ]
     noheader = tmp_path / "noheader.csv"
     noheader.write_text("".join(f"2026/01/01 00:00:{s:02d}.000, 0, 7\n" for s in range(40)), encoding="utf-8")
     refused = CliRunner().invoke(app, ["report", str(noheader)])

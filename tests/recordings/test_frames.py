@@ -244,7 +244,41 @@ def test_read_csv_skips_a_row_with_a_bad_value_and_says_where() -> None:
     skipped = df.attrs["skipped"]
     assert (skipped.count, skipped.first_lineno) == (1, 5)
     assert skipped.first_line == ROWS[0].replace(" 33,", " hot,")[:80]
-    assert "(first: line 5)" in skipped.message("run.csv")
+    assert skipped.message("run.csv") == (
+        "skipped 1 unreadable line in run.csv (first: line 5: field 'temperature.gpu': 'hot' is not a valid integer)"
+    )
+
+
+def test_read_csv_drops_thousands_of_bad_cells_in_one_more_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CSV written by pandas from float columns: "33.0" in an integer field, on every row.
+    floats = [row.replace(" 33,", " 33.0,") for row in ROWS] * 1000
+    text = HEADER + "\n" + "\n".join([*floats, ROWS[1]]) + "\n"
+    passes = []
+    convert_block = csv_arrow.ArrowCsvReader._convert_block
+
+    def counted(self: csv_arrow.ArrowCsvReader, columns: Any) -> Any:
+        block = convert_block(self, columns)
+        passes.append(len(block.bad))
+        return block
+
+    chunk = csv_arrow.ArrowCsvReader._python_chunk
+    calls = []
+
+    def chunk_counted(self: csv_arrow.ArrowCsvReader, col: Any, fld: Any) -> Any:
+        calls.append(fld.name)
+        return chunk(self, col, fld)
+
+    monkeypatch.setattr(csv_arrow.ArrowCsvReader, "_convert_block", counted)
+    monkeypatch.setattr(csv_arrow.ArrowCsvReader, "_python_chunk", chunk_counted)
+    df = _read(text)
+    bad = sum(" 33.0," in row for row in floats)
+    assert len(df) == len(floats) + 1 - bad
+    assert df.attrs["skipped"].count == bad
+    assert df.attrs["skipped"].reason == "field 'temperature.gpu': '33.0' is not a valid integer"
+    # every bad cell of a column is found at once: one retry per block, not one per bad row
+    assert calls.count("temperature.gpu") <= 2 * len(passes)
+    with pytest.raises(ParseError, match=r"no readable rows \(1000 line\(s\) skipped.*'33.0' is not a valid integer"):
+        _read(HEADER + "\n" + "\n".join([floats[0]] * 1000) + "\n")
 
 
 def test_read_csv_skips_torn_and_garbage_lines() -> None:
@@ -505,7 +539,8 @@ def test_read_recording_of_a_single_gpu_jsonl_log_is_gpu_0_and_skips_a_torn_line
     assert df.columns.tolist() == ["index", "timestamp", "power_draw"]
     assert df["index"].tolist() == [0, 0]
     assert frames.missing_reasons(df) == {"power_draw": {1: "not_supported"}}
-    assert df.attrs["skipped"] == recordings.SkippedLines(1, 3, '{"timestamp": "2026-03-14T09:30:02.1')
+    torn = '{"timestamp": "2026-03-14T09:30:02.1'
+    assert df.attrs["skipped"] == recordings.SkippedLines(1, 3, torn, "not a JSON object")
 
 
 def test_read_recording_keeps_naive_csv_naive_in_every_format(tmp_path: Path) -> None:
