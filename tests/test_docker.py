@@ -1316,9 +1316,7 @@ def test_exporter_image_serves_metrics(
         check = [a.replace(":9849/", f":{port}/") for a in cfg["Healthcheck"]["Test"][1:]]
         health = buildah.run(ctr, check, mount_smi=None)
         assert health.returncode == 0, health.stderr
-        whoami = buildah.run(
-            ctr, ["/opt/smiquery/bin/python", "-c", "import os; print(os.getuid())"], mount_smi=None
-        )
+        whoami = buildah.run(ctr, ["/opt/smiquery/bin/python", "-c", "import os; print(os.getuid())"], mount_smi=None)
         assert whoami.stdout.strip() == "65532"
     # stopped on every path: nothing listens any more
     with pytest.raises(urllib.error.URLError):

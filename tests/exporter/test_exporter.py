@@ -126,8 +126,6 @@ def recording(tmp_path: Path) -> Path:
     return write_recording(tmp_path / "sweep.csv")
 
 
-
-
 @pytest.fixture
 def started(recording: Path) -> Iterator[Any]:
     """A factory: a started background stream over the in-process fake, closed at the end."""

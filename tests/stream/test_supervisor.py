@@ -103,8 +103,8 @@ def test_child_printing_only_notices_is_restarted(fake_smi, tmp_path):
         """
         sweep([0, 1])
         sweep([0, 1])
-        while True:
-            out("WARNING: infoROM is corrupted at gpu 0000:0B:00.0")
+        out("WARNING: infoROM is corrupted at gpu 0000:0B:00.0")
+        while True:  # one notice per line written, so the last line before a kill is always this one
             out("Unable to determine the device handle for GPU 0000:02:00.0: Unknown Error")
             time.sleep(DT)
         """,
@@ -126,7 +126,7 @@ def test_child_printing_only_notices_is_restarted(fake_smi, tmp_path):
     assert s.stats.starts >= 3
     assert s.stats.errors["NvidiaSmiTimeoutError"] >= 2
     assert s.stats.dropped_rows == 0  # messages are not data rows
-    # the child is killed while it sleeps after its pair of notices: a hang, quoting its last message
+    # the child is killed while it prints only notices: a hang, quoting its last message
     assert (s.stats.last_error or "").startswith("nvidia-smi printed no data row for 0.5 s")
     assert "Unknown Error" in (s.stats.last_error or "")
 
