@@ -480,3 +480,21 @@ def test_small_multiples_keep_a_one_sample_spike_and_dip(tmp_path):
     # the same recording overlaid is averaged per pixel: the spike is smoothed into its neighbours
     overlaid = gpu_lines(plot_recording(path, "utilization.gpu", rules=[], layout="overlay").get_axes()[0])
     assert max(float(v) for v in overlaid[1].get_ydata()) < 99.0
+
+
+def test_plotting_leaves_the_garbage_collector_as_it_found_it(tmp_path):
+    # The collector is paused while a figure is built and drawn; a paused one left behind would leak every cycle.
+    import gc
+
+    assert gc.isenabled()
+    save_plot(DEMO, tmp_path / "run.png", "temperature.gpu", layout="multiples")
+    assert gc.isenabled()
+    with pytest.raises(ReportError, match="not a number"):
+        plot_recording(DEMO, ["name"])  # fails inside the paused stretch
+    assert gc.isenabled()
+    gc.disable()  # a caller that runs without it keeps it off
+    try:
+        plot_recording(DEMO, "temperature.gpu", rules=[])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
