@@ -23,6 +23,7 @@ from smiquery.alerts import Rule
 from smiquery.analysis.analyze import DEFAULT_RULES, stalls_and_alerts
 from smiquery.analysis.heatmap import ALERT_EDGE, STALL_EDGE, heatmap_figure
 from smiquery.analysis.load import load_recording
+from smiquery.analysis.multiples import MultiplesData, cell_points, multiples_figure
 from smiquery.analysis.series import as_float, axis_clock, gpu_rows, line_band, line_points
 from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind, get_field, resolve_fields
@@ -71,10 +72,6 @@ LAYOUTS: tuple[str, ...] = ("auto", "overlay", "multiples", "heatmap")
 OVERLAY_MAX_GPUS = len(_GPU_COLOURS)
 #: ``layout="auto"`` draws small multiples up to this many GPUs and heatmaps past it.
 MULTIPLES_MAX_GPUS = 16
-# The narrowest small multiple, in inches: a field's grid has as many columns as fit the figure's width.
-_MULTIPLE_WIDTH = 1.5
-# The height of one row of small multiples, as a share of ``panel_height``.
-_MULTIPLE_HEIGHT = 0.6
 _THRESHOLD_COLOUR = "#000000"
 _GRID = "#dddddd"
 _STALL_SHADE = "#9e9e9e"
@@ -253,97 +250,6 @@ def _overlay(
     return fig, [(ax, fld, members, True, fld is flds[-1]) for ax, fld in zip(axes, flds)]
 
 
-def _small_multiples(
-    figure: type[Figure],
-    flds: Sequence[Field],
-    groups: Sequence[tuple[int, Any]],
-    width: float,
-    height: float,
-    dpi: int,
-) -> tuple[Figure, list[_Panel]]:
-    """Per field a titled grid with one small panel per GPU; a field's panels share their y scale, all their time.
-
-    Placed by fixed margins in inches, not by constrained layout, which takes seconds for dozens of panels. No axis is
-    shared (matplotlib checks every sibling of a shared axis on each access, and shared axes share their ticks):
-    :func:`_small_scales` gives them the same limits afterwards.
-    """
-    cols = min(len(groups), max(1, int(width // _MULTIPLE_WIDTH)))
-    rows = math.ceil(len(groups) / cols)
-    row_height = height * _MULTIPLE_HEIGHT
-    head, gap, below, top, bottom, left, right, between = 0.3, 0.3, 0.35, 0.45, 0.8, 0.65, 0.15, 0.15
-    block = head + rows * row_height + (rows - 1) * gap + below
-    total = top + block * len(flds) + bottom
-    fig = figure(figsize=(width, total), dpi=dpi)
-    col_width = (width - left - right - between * (cols - 1)) / cols
-    panels: list[_Panel] = []
-    for b, fld in enumerate(flds):
-        y0 = top + b * block  # inches from the top
-        fig.text(0.01, 1 - (y0 + 0.12) / total, f"{fld.name} [{fld.unit}]" if fld.unit else fld.name, ha="left",
-                 va="center", fontsize=10, gid=f"field-{fld.name}")  # fmt: skip
-        spec = fig.add_gridspec(
-            rows,
-            cols,
-            left=left / width,
-            right=1 - right / width,
-            top=1 - (y0 + head) / total,
-            bottom=1 - (y0 + block - below) / total,
-            wspace=between / col_width,
-            hspace=gap / row_height,
-        )
-        for k, group in enumerate(groups):
-            ax = fig.add_subplot(spec[k // cols, k % cols])
-            # times under the bottom row only, as for panels with a shared time axis; values beside the first column
-            first, bottom = k % cols == 0, b == len(flds) - 1 and k + cols >= len(groups)
-            if first or bottom:  # the others draw no tick labels: no need to size them
-                ax.tick_params(labelsize=7)
-            panels.append((ax, fld, [(k, group)], first, bottom))
-    return fig, panels
-
-
-def _small_scales(
-    panels: Sequence[_Panel], flds: Sequence[Field], x_range: tuple[Any, Any], x_locs: list[float], x_labels: list[str]
-) -> None:
-    """One y range per field and one time range for all small multiples, ticks only where they are labelled.
-
-    Tick objects are what a matplotlib panel costs most to draw, so values stand beside a field's first column
-    and times under the figure's bottom row, and the other panels get plain grid lines at the same places.
-    """
-    import matplotlib.dates as mdates
-    from matplotlib.collections import LineCollection
-    from matplotlib.ticker import MaxNLocator, NullLocator
-
-    # every panel has the same time range: its grid's vertical lines, as fractions of the width, are the same too
-    x_lo, x_hi = (float(v) for v in mdates.date2num(list(x_range)))  # type: ignore[no-untyped-call]
-    x_grid = [[((v - x_lo) / (x_hi - x_lo), 0.0), ((v - x_lo) / (x_hi - x_lo), 1.0)] for v in x_locs]
-    for fld in flds:
-        mine = [p for p in panels if p[1] is fld]
-        drawn = [p[0] for p in mine if not any(t.get_gid() == "no-data" for t in p[0].texts)] or [mine[0][0]]
-        lo = min(ax.get_ylim()[0] for ax in drawn)
-        hi = max(ax.get_ylim()[1] for ax in drawn)
-        if fld.unit != "%" and not fld.kind.is_bool:  # those have fixed ranges; others get room above and below
-            lo, hi = lo - (hi - lo) * 0.04, hi + (hi - lo) * 0.04
-        if fld.kind.is_bool:
-            y_locs, y_labels = [0.0, 1.0], ["no", "yes"]
-        else:
-            y_locs = [float(v) for v in MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)]
-            y_locs = [v for v in y_locs if lo <= v <= hi]
-            y_labels = []
-        # the grid of all the field's panels, in axes fractions: one collection a panel, no transform to blend
-        grid = x_grid + [[(0.0, (v - lo) / (hi - lo)), (1.0, (v - lo) / (hi - lo))] for v in y_locs]
-        for ax, _, _, first, bottom in mine:
-            ax.set_xlim(*x_range)
-            ax.set_ylim(lo, hi)
-            if bottom:
-                ax.set_xticks(x_locs, x_labels)
-            else:
-                ax.xaxis.set_major_locator(NullLocator())
-            if first:
-                ax.set_yticks(y_locs, y_labels or None)
-            else:
-                ax.yaxis.set_major_locator(NullLocator())
-            ax.add_collection(LineCollection(grid, colors=_GRID, linewidths=0.6, zorder=0.5, transform=ax.transAxes))
-
-
 def plot_recording(
     source: str | os.PathLike[str] | pd.DataFrame,
     fields: str | Sequence[str] | None = None,
@@ -403,7 +309,8 @@ def plot_recording(
         A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"`` (its band ``band-<index>``), each threshold
         line ``gid="threshold"``, stall shading ``gid="stall"``, alert shading ``gid="alert"``, a no-data note
         ``gid="no-data"``, a heatmap ``gid="heatmap-<field>"`` (its stall and alert outlines, one collection each per
-        panel, ``stall`` and ``alert``).
+        panel, ``stall`` and ``alert``). Small multiples are one panel per field (``gid="multiples-<field>"``) with a
+        cell per GPU, whose artists carry the label ``GPU <index>`` (:mod:`smiquery.analysis.multiples`).
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -461,15 +368,15 @@ def _draw(
     parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in (DEFAULT_RULES if rules is None else rules)]
     groups = gpu_rows(df["index"].to_numpy(dtype="int64"))
     chosen = _layout_of(layout, len(groups))
-    multiples = chosen == "multiples"
     start, end = df["timestamp"].min(), df["timestamp"].max()
     x_start, x_end = _naive(start), _naive(end)
     if x_end == x_start:
         x_end = x_start + (end - start) + np.timedelta64(1, "s")
     zone = _zone(df["timestamp"])
+    handles: list[Any] = []
     if chosen == "heatmap":
         columns = max_points or max(200, round(width * dpi * 0.85))  # about one column a pixel of the panel
-        scene = _scene(df, flds, groups, parsed, False, columns, shade)
+        scene = _scene(df, flds, groups, parsed, columns, shade)
         fig, axes = heatmap_figure(
             Figure,
             flds,
@@ -482,20 +389,22 @@ def _draw(
             (width, panel_height, dpi, columns),
         )
         panels: list[_Panel] = [(ax, fld, [], True, ax is axes[-1]) for ax, fld in zip(axes, flds, strict=True)]
+    elif chosen == "multiples":
+        max_points = max_points or cell_points(width, dpi, len(groups))
+        scene = _scene(df, flds, groups, parsed, max_points, shade)
+        data = _multiples_data(scene, flds, groups, parsed, (x_start, x_end), zone)
+        fig, axes = multiples_figure(Figure, data, width, panel_height, dpi, max_points)
+        panels = [(ax, fld, [], True, ax is axes[-1]) for ax, fld in zip(axes, flds, strict=True)]
     else:
-        fig, panels = (_small_multiples if multiples else _overlay)(Figure, flds, groups, width, panel_height, dpi)
-        if max_points is None:  # about a point per pixel of a panel's width; a small multiple's two (lowest, highest)
-            across = panels[0][0].get_position().width * width if multiples else width
-            max_points = max(200, round(across * dpi) * (2 if multiples else 1))
-        scene = _scene(df, flds, groups, parsed, multiples, max_points, shade)
+        fig, panels = _overlay(Figure, flds, groups, width, panel_height, dpi)
+        max_points = max_points or max(200, round(width * dpi))  # about a point per pixel of the width
+        scene = _scene(df, flds, groups, parsed, max_points, shade)
         scene.first_ax = panels[0][0]
-    handles: list[Any] = []
-    if chosen != "heatmap":
         for panel in panels:
             lines = _draw_panel(scene, panel)
-            if panel[1] is flds[0] and not multiples:  # small multiples are titled by GPU instead
+            if panel[1] is flds[0]:
                 handles += lines
-    _time_axis(fig, panels, flds, multiples, (x_start, x_end), _zone_label(df["timestamp"]), zone)
+    _time_axis(fig, panels, chosen, (x_start, x_end), _zone_label(df["timestamp"]), zone)
     if title is None:
         if name is None:
             name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
@@ -525,7 +434,6 @@ def _prepare(
 class _Scene:
     """What the panels of one figure share: each GPU's times, each field's values, the spans to shade."""
 
-    multiples: bool
     n_gpus: int
     xs: dict[int, np.ndarray]
     values: dict[str, np.ndarray]
@@ -544,7 +452,6 @@ def _scene(
     flds: Sequence[Field],
     groups: Sequence[tuple[int, Any]],
     rules: Sequence[Rule],
-    multiples: bool,
     max_points: int,
     shade: bool,
 ) -> _Scene:
@@ -566,7 +473,6 @@ def _scene(
             alerts.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
     values = {f.name: as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
     return _Scene(
-        multiples=multiples,
         n_gpus=len(groups),
         xs=xs,
         values=values,
@@ -581,41 +487,70 @@ def _scene(
     )
 
 
+def _multiples_data(
+    scene: _Scene,
+    flds: Sequence[Field],
+    groups: Sequence[tuple[int, Any]],
+    rules: Sequence[Rule],
+    x_range: tuple[Any, Any],
+    zone: Any,
+) -> MultiplesData:
+    """What the small multiples draw: each GPU's own stalls and alerts, merged; the same few times on every cell."""
+    import matplotlib.dates as mdates
+
+    x_start, x_end = x_range
+    locator = mdates.AutoDateLocator(minticks=3, maxticks=4, tz=zone)  # type: ignore[no-untyped-call]
+    lo, hi = mdates.date2num([x_start, x_end])  # type: ignore[no-untyped-call]
+    locs = [float(v) for v in locator.tick_values(x_start, x_end) if lo <= v <= hi]  # type: ignore[no-untyped-call]
+    formatter = mdates.ConciseDateFormatter(locator, tz=zone, show_offset=False)  # type: ignore[no-untyped-call]
+    labels = list(formatter.format_ticks(locs))  # type: ignore[no-untyped-call]
+
+    def own(spans: Iterable[tuple[Any, Any, int]], gpu: int) -> list[tuple[Any, Any]]:
+        return [(s, e) for s, e, _ in _merged((sp for sp in spans if sp[2] == gpu), scene.slack)]
+
+    return MultiplesData(
+        flds=flds,
+        gpus=[idx for idx, _ in groups],
+        colours=[_style(k)[0] for k in range(len(groups))],
+        xs=[scene.xs[idx] for idx, _ in groups],
+        values={f.name: [scene.values[f.name][rows] for _, rows in groups] for f in flds},
+        gap_limit=scene.gap_limit,
+        stalls={k: own(scene.stalls, idx) for k, (idx, _) in enumerate(groups)},
+        alerts={
+            name: {k: own(spans, idx) for k, (idx, _) in enumerate(groups)} for name, spans in scene.alerts.items()
+        },
+        thresholds={f.name: _thresholds(rules, f) for f in flds},
+        x_range=x_range,
+        x_ticks=(locs, labels),
+    )
+
+
 def _draw_panel(scene: _Scene, panel: _Panel) -> list[Any]:
-    """One panel: its GPUs' lines (returned, for the legend), shading, thresholds, title and scale."""
+    """One overlaid panel: its GPUs' lines (returned, for the legend), shading, thresholds, title and scale."""
     ax, fld, members, first, _ = panel
     lines = _draw_lines(scene, ax, fld, members)
     _shade(scene, ax, fld, {idx for _, (idx, _) in members})
-    has_values = scene.with_values[fld.name]  # in some GPU's panel: the scale is the field's, shared
-    _draw_thresholds(ax, _thresholds(scene.rules, fld) if has_values else [], first, scene.multiples)
-    _label_panel(ax, fld, members, first, has_values, scene.multiples)
+    has_values = scene.with_values[fld.name]
+    _draw_thresholds(ax, _thresholds(scene.rules, fld) if has_values else [], first)
+    _label_panel(ax, fld, has_values)
     return lines
 
 
 def _draw_lines(scene: _Scene, ax: Any, fld: Field, members: Sequence[tuple[int, tuple[int, Any]]]) -> list[Any]:
-    """A line per GPU; a note instead when none of them has a value."""
+    """A line per GPU, in a band from its lowest to highest values; a note instead when none of them has a value."""
     import numpy as np
 
-    multiples = scene.multiples
     drawn = 0
     lines: list[Any] = []
     y_all = scene.values[fld.name]
     for pos, (idx, rows) in members:
-        x, y = line_points(scene.xs[idx], y_all[rows], scene.gap_limit, scene.max_points, envelope=multiples)
+        x, y = line_points(scene.xs[idx], y_all[rows], scene.gap_limit, scene.max_points)
         drawn += int((~np.isnan(y)).sum())
         colour, dash = _style(pos)
-        (line,) = ax.plot(
-            x,
-            y,
-            color=colour,
-            linestyle="-" if multiples else dash,
-            linewidth=1.1,
-            label=f"GPU {idx}",
-            gid=f"gpu-{idx}",
-            zorder=2,
-        )
+        (line,) = ax.plot(x, y, color=colour, linestyle=dash, linewidth=1.1, label=f"GPU {idx}", gid=f"gpu-{idx}",
+                          zorder=2)  # fmt: skip
         lines.append(line)
-        band = None if multiples else line_band(scene.xs[idx], y_all[rows], scene.gap_limit, scene.max_points)
+        band = line_band(scene.xs[idx], y_all[rows], scene.gap_limit, scene.max_points)
         if band is not None:  # the mean hides a pixel's extremes: a band from its lowest to highest value shows them
             xb, lo, hi = band
             ax.fill_between(xb, lo, hi, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
@@ -623,39 +558,36 @@ def _draw_lines(scene: _Scene, ax: Any, fld: Field, members: Sequence[tuple[int,
         ax.text(
             0.5,
             0.5,
-            "no values" if multiples else f"no values: {fld.name} was missing ([N/A] or not supported) in every sample",
+            f"no values: {fld.name} was missing ([N/A] or not supported) in every sample",
             transform=ax.transAxes,
             ha="center",
             va="center",
-            fontsize=8 if multiples else 9,
+            fontsize=9,
             color="#555555",
             gid="no-data",
         )
-        if not multiples:  # small multiples share their y axis: clearing its ticks would clear them all
-            ax.set_yticks([])
+        ax.set_yticks([])
     return lines
 
 
 def _shade(scene: _Scene, ax: Any, fld: Field, here: set[int]) -> None:
     """Stalls grey on every panel, a rule's firing alerts orange on its field's panel: of the GPUs ``here``."""
-    multiples = scene.multiples
     for s0, e0, who in _merged((sp for sp in scene.stalls if sp[2] in here), scene.slack):
         ax.axvspan(s0, e0, color=_STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
-        if ax is scene.first_ax and not multiples:
+        if ax is scene.first_ax:
             _span_label(ax, s0, f"stall: {_gpu_names(who, scene.n_gpus)}")
     for s0, e0, who in _merged((sp for sp in scene.alerts.get(fld.name, []) if sp[2] in here), scene.slack):
         ax.axvspan(s0, e0, color=_ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
-        if not multiples:
-            _span_label(ax, s0, f"alert: {_gpu_names(who, scene.n_gpus)}")
+        _span_label(ax, s0, f"alert: {_gpu_names(who, scene.n_gpus)}")
 
 
-def _draw_thresholds(ax: Any, marks: Sequence[tuple[float, str]], first: bool, multiples: bool) -> None:
-    """Dashed threshold lines, labelled once per field (beside its first column)."""
+def _draw_thresholds(ax: Any, marks: Sequence[tuple[float, str]], first: bool) -> None:
+    """Dashed threshold lines, labelled at the panel's left edge."""
     for n, (value, label) in enumerate(marks):
         ax.axhline(value, color=_THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
         if not first:
             continue
-        above = n == len(marks) - 1 and not multiples  # the highest above its line, others below theirs
+        above = n == len(marks) - 1  # the highest above its line, others below theirs
         note = ax.annotate(
             label,
             xy=(0.0, value),
@@ -664,73 +596,48 @@ def _draw_thresholds(ax: Any, marks: Sequence[tuple[float, str]], first: bool, m
             textcoords="offset points",
             ha="left",
             va="bottom" if above else "top",
-            fontsize=7 if multiples else 8,
+            fontsize=8,
             color=_THRESHOLD_COLOUR,
             bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
             zorder=4,
         )
         note.set_in_layout(False)  # it lies inside the panel: no margin for it
-        note.set_clip_on(multiples)  # a long rule stays inside its small panel
+        note.set_clip_on(False)
 
 
-def _label_panel(
-    ax: Any, fld: Field, members: Sequence[tuple[int, tuple[int, Any]]], first: bool, has_values: bool, multiples: bool
-) -> None:
-    """The panel's title, unit and y range."""
+def _label_panel(ax: Any, fld: Field, has_values: bool) -> None:
+    """The panel's title, unit, y range and grid."""
     unit = fld.unit
-    if multiples:
-        # fixed title and label places: placing them around each panel's ticks costs tens of ms a panel
-        ax.set_title(f"GPU {members[0][1][0]}", loc="left", fontsize=8, pad=2, y=1.0)
-        ax.xaxis.set_label_coords(0.5, -0.2)
-        ax.yaxis.set_label_coords(-0.3, 0.5)
-        if first and unit:
-            ax.set_ylabel(unit, fontsize=8)
-    else:
-        ax.set_title(f"{fld.name} [{unit}]" if unit else fld.name, loc="left", fontsize=10)
-        if unit:
-            ax.set_ylabel(unit)
+    ax.set_title(f"{fld.name} [{unit}]" if unit else fld.name, loc="left", fontsize=10)
+    if unit:
+        ax.set_ylabel(unit)
     if unit == "%" and has_values:
         ax.set_ylim(-2, 105)
     elif fld.kind.is_bool and has_values:
         ax.set_ylim(-0.1, 1.1)
         ax.set_yticks([0, 1], ["no", "yes"])
-    if not multiples:
-        ax.grid(True, color=_GRID, linewidth=0.6)
+    ax.grid(True, color=_GRID, linewidth=0.6)
 
 
-def _time_axis(
-    fig: Figure,
-    panels: Sequence[_Panel],
-    flds: Sequence[Field],
-    multiples: bool,
-    x_range: tuple[Any, Any],
-    label: str,
-    zone: Any = None,
-) -> None:
-    """The time axis under the bottom panel(s), labelled with the zone; small multiples get their scales here.
+def _time_axis(fig: Figure, panels: Sequence[_Panel], layout: str, x_range: tuple[Any, Any], label: str,
+               zone: Any = None) -> None:  # fmt: skip
+    """The time axis under the bottom panel, labelled with the zone (in UTC with a zone, ticks in local time).
 
-    With a zone the axis holds UTC and the ticks name the zone's local times.
+    Small multiples and heatmaps label their own times; their zone goes under the figure.
     """
     import matplotlib.dates as mdates
 
     x_start, x_end = x_range
-    if multiples:
-        # the same few times on every small panel (the title holds the date), worked out once for all of them
-        locator = mdates.AutoDateLocator(minticks=3, maxticks=4, tz=zone)  # type: ignore[no-untyped-call]
-        lo, hi = mdates.date2num([x_start, x_end])  # type: ignore[no-untyped-call]
-        locs = [v for v in locator.tick_values(x_start, x_end) if lo <= v <= hi]  # type: ignore[no-untyped-call]
-        formatter = mdates.ConciseDateFormatter(locator, tz=zone, show_offset=False)  # type: ignore[no-untyped-call]
-        labels = formatter.format_ticks(locs)  # type: ignore[no-untyped-call]
-        _small_scales(panels, flds, x_range, locs, labels)
+    if layout == "multiples":
         inches = fig.get_size_inches()[1]
         fig.supxlabel(label, y=0.45 / inches, va="center", fontsize=9)
-    else:
-        last = panels[-1][0]
-        last.set_xlim(x_start, x_end)
-        locator = mdates.AutoDateLocator(tz=zone)  # type: ignore[no-untyped-call]
-        last.xaxis.set_major_locator(locator)
-        last.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=zone))  # type: ignore[no-untyped-call]
-        last.set_xlabel(label, fontsize=9)
+        return
+    last = panels[-1][0]
+    last.set_xlim(x_start, x_end)
+    locator = mdates.AutoDateLocator(tz=zone)  # type: ignore[no-untyped-call]
+    last.xaxis.set_major_locator(locator)
+    last.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=zone))  # type: ignore[no-untyped-call]
+    last.set_xlabel(label, fontsize=9)
 
 
 def _title_and_legend(fig: Figure, title: str, panels: Sequence[_Panel], handles: list[Any], layout: str) -> None:

@@ -34,6 +34,47 @@ def threshold_values(ax: Any) -> list[float]:
     return sorted(float(ln.get_ydata()[0]) for ln in ax.get_lines() if ln.get_gid() == "threshold")
 
 
+def layout_of(fig: Any) -> str:
+    """Which layout a figure was drawn in: small multiples name their panels, heatmaps hold images."""
+    axes = fig.get_axes()
+    if any((ax.get_gid() or "").startswith("multiples-") for ax in axes):
+        return "multiples"
+    return "heatmap" if any(ax.get_images() for ax in axes) else "overlay"
+
+
+def cells(ax: Any, gid: str | None = None) -> dict[int, list[Any]]:
+    """A small-multiples panel's artists (those with ``gid`` if given) by the GPU whose cell they are in."""
+    from smiquery.analysis.multiples import cell_of
+
+    out: dict[int, list[Any]] = {}
+    for artist in ax.get_children():
+        gpu = cell_of(artist)
+        if gpu is not None and (gid is None or artist.get_gid() == gid):
+            out.setdefault(gpu, []).append(artist)
+    return out
+
+
+def cell_boxes(ax: Any) -> list[tuple[float, float, float, float]]:
+    """Each cell's frame (x0, y0, x1, y1) in display pixels, in the order of the GPUs."""
+    (frames,) = [c for c in ax.collections if c.get_gid() == "frame"]
+    out = []
+    for seg in frames.get_segments():
+        pts = ax.transData.transform(seg)
+        out.append((pts[:, 0].min(), pts[:, 1].min(), pts[:, 0].max(), pts[:, 1].max()))
+    return out
+
+
+def inside(line: Any, box: tuple[float, float, float, float]) -> bool:
+    """Every drawn point of a cell's line lies inside the cell's frame."""
+    xy = np.column_stack([np.asarray(line.get_xdata(), dtype=float), np.asarray(line.get_ydata(), dtype=float)])
+    pts = line.get_transform().transform(xy[np.isfinite(xy).all(axis=1)])
+    x0, y0, x1, y1 = box
+    eps = 1e-3  # of a pixel: date numbers carry microseconds
+    return bool(len(pts)) and bool(
+        ((pts[:, 0] >= x0 - eps) & (pts[:, 0] <= x1 + eps) & (pts[:, 1] >= y0 - eps) & (pts[:, 1] <= y1 + eps)).all()
+    )
+
+
 def panel_pixels(fig: Any, ax: Any, image: np.ndarray) -> np.ndarray:
     """The PNG pixels inside one axes (inset by 2 px to skip the frame)."""
     box = ax.get_window_extent()
@@ -240,10 +281,12 @@ def test_cli_plot_layout(tmp_path, monkeypatch):
 
     monkeypatch.setattr(smiquery.analysis.plot, "plot_recording", spy)
     out = str(tmp_path / "p.png")
-    for layout, panels in (("multiples", 8), ("OVERLAY", 1), ("auto", 1)):
+    for layout, drawn_as in (("multiples", "multiples"), ("OVERLAY", "overlay"), ("auto", "overlay")):
         ok = CliRunner().invoke(cli.app, ["plot", str(DEMO), "-o", out, "-f", "temperature.gpu", "--layout", layout])
         assert ok.exit_code == 0, ok.output
-        assert len(drawn[-1].get_axes()) == panels
+        assert layout_of(drawn[-1]) == drawn_as
+        assert len(drawn[-1].get_axes()) == 1
+    assert sorted(cells(drawn[0].get_axes()[0])) == list(range(8))
     bad = CliRunner().invoke(cli.app, ["plot", str(DEMO), "-o", out, "--layout", "grid"])
     assert bad.exit_code == 2
     assert "grid" in bad.stderr
@@ -323,60 +366,78 @@ def test_more_than_eight_gpus_get_one_small_panel_each_per_field(tmp_path):
 
     assert OVERLAY_MAX_GPUS == 8
     fig = plot_recording(sixteen_gpus(tmp_path), "utilization.gpu,temperature.gpu", rules=["utilization.gpu < 20"])
-    axes = fig.get_axes()
-    assert len(axes) == 2 * 16
-    util, temp = axes[:16], axes[16:]
-    for block in (util, temp):
-        assert [ax.get_title(loc="left") for ax in block] == [f"GPU {g}" for g in range(16)]
-        assert [[ln.get_label() for ln in gpu_lines(ax)] for ax in block] == [[f"GPU {g}"] for g in range(16)]
-        # a GPU keeps its palette colour; each field's panels share one y scale, all panels one time axis
-        assert [gpu_lines(ax)[0].get_color() for ax in block[:8]] == [gpu_lines(ax)[0].get_color() for ax in block[8:]]
-        assert len({gpu_lines(ax)[0].get_color() for ax in block}) == 8
-        assert {ax.get_ylim() for ax in block} == {block[0].get_ylim()}
-    assert {ax.get_xlim() for ax in axes} == {axes[0].get_xlim()}
-    assert util[0].get_ylim() == (-2, 105)
-    assert temp[0].get_ylim()[1] > 15 * 5  # the hottest GPU fits on every temperature panel
-    assert [threshold_values(ax) for ax in util] == [[20.0]] * 16
+    util, temp = fig.get_axes()
+    assert [ax.get_gid() for ax in (util, temp)] == ["multiples-utilization.gpu", "multiples-temperature.gpu"]
+    fig.canvas.draw()
+    for ax in (util, temp):
+        assert [t.get_text() for t in ax.texts if t.get_gid() == "title"] == [f"GPU {g}" for g in range(16)]
+        lines = gpu_lines(ax)
+        assert [ln.get_label() for ln in lines] == [f"GPU {g}" for g in range(16)]
+        # a GPU keeps its palette colour
+        assert [ln.get_color() for ln in lines[:8]] == [ln.get_color() for ln in lines[8:]]
+        assert len({ln.get_color() for ln in lines}) == 8
+        # one scale per field: every GPU's line, the hottest included, inside its own cell; cells of one size
+        boxes = cell_boxes(ax)
+        assert all(inside(ln, box) for ln, box in zip(lines, boxes, strict=True))
+        assert len({(round(x1 - x0, 6), round(y1 - y0, 6)) for x0, y0, x1, y1 in boxes}) == 1
+        # values beside the first column, the same on every row
+        ticks = [(t.get_position()[1], t.get_text()) for t in ax.texts if t.get_gid() == "ytick"]
+        assert len(ticks) == 2 * len({text for _, text in ticks})  # 16 GPUs at 12 inches: two rows of 8
+    assert [t.get_text() for t in util.texts if t.get_gid() == "ytick"] == ["0", "50", "100"] * 2
+    assert {(cell_of_text, value) for cell_of_text, value in _thresholds_by_cell(util)} == {
+        (g, 20.0) for g in range(16)
+    }
+    assert not _thresholds_by_cell(temp)
     assert {t.get_text() for t in fig.texts} >= {"utilization.gpu [%]", "temperature.gpu [C]"}
     # the time shows under the figure's bottom row only
-    assert not any(t.get_visible() and t.get_text() for ax in [*util, *temp[:8]] for t in ax.get_xticklabels())
-    fig.canvas.draw()
-    assert any(t.get_text() for t in temp[-1].get_xticklabels())
+    assert not [t for t in util.texts if t.get_gid() == "xtick"]
+    times = [t for t in temp.texts if t.get_gid() == "xtick"]
+    assert times and all(t.get_text() for t in times)
+    lowest = min(y0 for _, y0, _, _ in cell_boxes(temp))
+    assert all(t.get_window_extent().y1 <= lowest for t in times)
+
+
+def _thresholds_by_cell(ax: Any) -> list[tuple[int, float]]:
+    return [(gpu, float(a.get_ydata()[0])) for gpu, found in cells(ax, "threshold").items() for a in found]
 
 
 def test_layout_is_chosen_either_way_and_checked(tmp_path):
-    assert len(plot_recording(DEMO, "temperature.gpu", rules=[], layout="multiples").get_axes()) == 8
-    assert len(plot_recording(DEMO, "temperature.gpu", rules=[]).get_axes()) == 1  # auto: 8 GPUs overlay
+    multiples = plot_recording(DEMO, "temperature.gpu", rules=[], layout="multiples")
+    assert layout_of(multiples) == "multiples"
+    assert sorted(cells(multiples.get_axes()[0])) == list(range(8))
+    assert layout_of(plot_recording(DEMO, "temperature.gpu", rules=[])) == "overlay"  # auto: 8 GPUs overlay
     with pytest.raises(ValueError, match="layout must be one of auto, overlay, multiples, heatmap"):
         plot_recording(DEMO, "temperature.gpu", layout="grid")  # type: ignore[arg-type]
 
 
 def test_small_multiples_shade_each_gpus_own_stalls_and_alerts(tmp_path):
     fig = plot_recording(DEMO, "utilization.gpu,temperature.gpu", layout="multiples")
-    util, temp = fig.get_axes()[:8], fig.get_axes()[8:]
-    assert all([p for p in ax.patches if p.get_gid() == "stall"] for ax in util)  # every GPU stalled
-    hot = [ax.get_title(loc="left") for ax in temp if any(p.get_gid() == "alert" for p in ax.patches)]
-    assert hot == ["GPU 5"]
+    util, temp = fig.get_axes()
+    assert sorted(cells(util, "stall")) == list(range(8))  # every GPU stalled
+    assert sorted(cells(temp, "stall")) == list(range(8))  # on every field's cells
+    assert sorted(cells(temp, "alert")) == [5]
+    assert not cells(util, "alert")
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert labels == ["stall", "alert firing"]  # the panels name the GPUs
+    assert labels == ["stall", "alert firing"]  # the cells name the GPUs
 
 
 def test_a_gpu_without_values_says_so_in_its_own_small_panel(tmp_path):
     fig = plot_recording(DEMO, "power.draw", rules=[], layout="multiples")
-    empty = [ax.get_title(loc="left") for ax in fig.get_axes() if any(t.get_gid() == "no-data" for t in ax.texts)]
-    assert empty == []  # the demo has power for every GPU
+    assert not cells(fig.get_axes()[0], "no-data")  # the demo has power for every GPU
     path = tmp_path / "na.csv"
     rows = "".join(
         f"2026/01/01 00:00:{s:02d}.000, {g}, {'[N/A]' if g == 1 else 100 + g}\n" for s in range(10) for g in range(3)
     )
     path.write_text("timestamp, index, power.draw [W]\n" + rows, encoding="utf-8")
     fig = plot_recording(path, "power.draw", rules=[], layout="multiples")
-    empty = [ax.get_title(loc="left") for ax in fig.get_axes() if any(t.get_gid() == "no-data" for t in ax.texts)]
-    assert empty == ["GPU 1"]
-    first, empty_panel, last = fig.get_axes()
-    assert first.get_ylim() == empty_panel.get_ylim() == last.get_ylim()  # the field's scale, kept where no values
-    assert first.get_ylim()[0] <= 100 and first.get_ylim()[1] >= 102
-    assert len(first.get_yticks()) > 1  # values beside the first column
+    (ax,) = fig.get_axes()
+    assert sorted(cells(ax, "no-data")) == [1]
+    first, empty, last = gpu_lines(ax)
+    assert np.isnan(np.asarray(empty.get_ydata(), dtype=float)).all()
+    boxes = cell_boxes(ax)
+    assert inside(first, boxes[0]) and inside(last, boxes[2])  # the field's scale holds 100 to 102
+    values = [float(t.get_text()) for t in ax.texts if t.get_gid() == "ytick"]
+    assert len(values) > 1 and min(values) <= 100 <= max(values)  # values beside the first column
 
 
 def test_headerless_log_plots_with_fields(tmp_path):
@@ -425,15 +486,15 @@ def test_small_multiples_shade_the_periods_the_report_finds():
 
     found = report(DEMO)
     fig = plot_recording(DEMO, "utilization.gpu,temperature.gpu", layout="multiples")
-    util, temp = fig.get_axes()[:8], fig.get_axes()[8:]
+    util, temp = fig.get_axes()
     date = matplotlib.dates.date2num  # type: ignore[attr-defined]
     for kind, panels, periods in (
         ("stall", util, [(s.gpu, s.start, s.end) for s in found.stalls]),
         ("alert", temp, [(a.gpu, a.fired, a.end) for a in found.alerts if a.rule.startswith("temperature.gpu")]),
     ):
         assert periods
-        for gpu, ax in enumerate(panels):
-            spans = [_span_x(p) for p in ax.patches if p.get_gid() == kind]
+        for gpu in range(8):
+            spans = [_span_x(p) for p in cells(panels, kind).get(gpu, [])]
             mine = [(float(date(s.replace(tzinfo=None))), float(date(e.replace(tzinfo=None)))) for g, s, e in periods
                     if g == gpu]  # fmt: skip
             # every period the report lists is shaded on its GPU's panel, and every shading starts and ends at one
@@ -462,21 +523,24 @@ def test_small_multiples_keep_a_one_sample_spike_and_dip(tmp_path):
             rows.append(f"{stamp}, {g}, {value} %\n")
     path.write_text("timestamp, index, utilization.gpu [%]\n" + "".join(rows), encoding="utf-8")
     fig = plot_recording(path, "utilization.gpu", rules=[], layout="multiples")
-    gpu0, gpu1 = (gpu_lines(ax)[0] for ax in fig.get_axes())
-    pixels = fig.get_axes()[0].get_window_extent().width
+    (ax,) = fig.get_axes()
+    gpu0, gpu1 = gpu_lines(ax)
+    x0, _, x1, _ = cell_boxes(ax)[0]
+    pixels = x1 - x0
+    date = matplotlib.dates.date2num  # type: ignore[attr-defined]
     for line, value, when in ((gpu1, 99.0, spike), (gpu0, 1.0, dip)):
         x, y = np.asarray(line.get_xdata()), np.asarray(line.get_ydata(), dtype=float)
         assert len(x) <= 2 * pixels + 2 < n / 10  # drawn at about two points (lowest, highest) per pixel of the panel
         where = int(np.flatnonzero(y == value)[0])  # the one sample survives, at its own time
-        assert x[where] == np.datetime64(start + timedelta(seconds=at(when)))
+        assert x[where] == date(np.datetime64(start + timedelta(seconds=at(when))))
         assert np.nanmin(y) >= 1.0 and np.nanmax(y) <= 99.0
         # the pause breaks the line, no straight join across it
         before, after = (
-            np.datetime64(start + timedelta(seconds=pause - 1)),
-            np.datetime64(start + timedelta(seconds=at(pause))),
+            date(np.datetime64(start + timedelta(seconds=pause - 1))),
+            date(np.datetime64(start + timedelta(seconds=at(pause)))),
         )
-        inside = (x > before) & (x < after)
-        assert inside.any() and np.isnan(y[inside]).all()
+        paused = (x > before) & (x < after)
+        assert paused.any() and np.isnan(y[paused]).all()
     # the same recording overlaid is averaged per pixel: the spike is smoothed into its neighbours
     overlaid = gpu_lines(plot_recording(path, "utilization.gpu", rules=[], layout="overlay").get_axes()[0])
     assert max(float(v) for v in overlaid[1].get_ydata()) < 99.0

@@ -94,11 +94,7 @@ def test_past_sixteen_gpus_each_field_is_one_heatmap_with_stalls_and_alerts_outl
 
 
 def test_auto_layout_by_gpu_count_and_heatmap_on_request(tmp_path):
-    def kind(fig: object) -> str:
-        axes = fig.get_axes()  # type: ignore[attr-defined]
-        if any(ax.get_images() for ax in axes):
-            return "heatmap"
-        return "overlay" if len(axes) == 1 else "multiples"
+    from tests.analysis.test_plot import layout_of as kind
 
     assert kind(plot_recording(many_gpus(tmp_path, 16, 20), "utilization.gpu", rules=[])) == "multiples"
     assert kind(plot_recording(many_gpus(tmp_path, 17, 20), "utilization.gpu", rules=[])) == "heatmap"

@@ -1,0 +1,305 @@
+"""Small multiples: per field one panel holding a cell per GPU, the cells of a field on one y scale, all on one time.
+
+Between the overlay (up to 8 GPUs, one line each in a panel per field) and the heatmap (past 16),
+:func:`smiquery.analysis.plot_recording` gives each GPU its own small cell. A field is one matplotlib ``Axes``
+whose data units are inches from its lower left corner; each cell draws its GPU's line, its stalls and alerts and
+the rule thresholds through its own transform from (time, value) to its place, so the artists keep their data in
+date numbers and the field's units. One ``Axes`` per cell would cost several milliseconds each to create and to draw
+(64 cells for 16 GPUs and 4 fields): the cells' frames and grids are two collections a field instead, and their
+labels plain text.
+
+Each cell's artists carry the label ``GPU <index>``: its line (``gid="gpu-<index>"``), stall and alert shading
+(``stall``, ``alert``), thresholds (``threshold``), its title (``title``) and a no-data note (``no-data``).
+A field's panel has ``gid="multiples-<field>"``; its tick labels are texts with ``gid`` ``xtick`` and ``ytick``.
+
+Needs matplotlib; drawn with the object API like :mod:`smiquery.analysis.plot`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from smiquery.analysis.series import line_points
+
+if TYPE_CHECKING:
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    from smiquery.fields import Field
+
+__all__ = ["CELL_INCHES", "MultiplesData", "cell_of", "multiples_figure"]
+
+#: The least width of a cell, in inches (a 12-inch figure holds 8 across).
+CELL_INCHES = 1.5
+# A cell's height, as a share of ``panel_height``.
+_CELL_HEIGHT = 0.6
+# Margins and gaps, in inches: above a field's cells (its name), between rows, below its cells (time labels); the
+# figure's top and bottom; left of the first column (values and unit), right of the last; between columns.
+_HEAD, _GAP, _BELOW, _TOP, _BOTTOM, _LEFT, _RIGHT, _BETWEEN = 0.3, 0.3, 0.35, 0.45, 0.8, 0.65, 0.15, 0.15
+_POINT = 1 / 72  # inches
+_GRID = "#dddddd"
+_FRAME = "#000000"
+_STALL_SHADE = "#9e9e9e"
+_ALERT_SHADE = "#f4a582"
+_THRESHOLD_COLOUR = "#000000"
+
+
+@dataclass
+class MultiplesData:
+    """What the cells draw.
+
+    Attributes:
+        flds: the fields, one panel each (top to bottom).
+        gpus: the GPU indices, one cell each (left to right, then down).
+        colours: each GPU's line colour.
+        xs: per GPU its sample times (naive datetime64, as the time axis holds them).
+        values: per field name, per GPU its values (float, NaN where missing).
+        gap_limit: seconds between samples past which a line breaks.
+        stalls: per GPU position its stalls as (start, end) naive datetimes, merged.
+        alerts: per field name, per GPU position its firing alerts as (start, end), merged.
+        thresholds: per field name its rule thresholds as (value, label).
+        x_range: the first and last time of the axis (naive datetimes).
+        x_ticks: where the times are labelled (date numbers) and their labels.
+    """
+
+    flds: Sequence[Field]
+    gpus: Sequence[int]
+    colours: Sequence[str]
+    xs: Sequence[np.ndarray]
+    values: dict[str, Sequence[np.ndarray]]
+    gap_limit: float
+    stalls: dict[int, list[tuple[Any, Any]]]
+    alerts: dict[str, dict[int, list[tuple[Any, Any]]]]
+    thresholds: dict[str, list[tuple[float, str]]]
+    x_range: tuple[Any, Any]
+    x_ticks: tuple[list[float], list[str]]
+
+
+@dataclass
+class _Grid:
+    """Where the cells lie, in inches."""
+
+    cols: int
+    rows: int
+    cell_width: float
+    cell_height: float
+    block: float  # the height of one field's block: head, cells, time labels
+    total: float  # the figure's height
+
+    def origin(self, k: int) -> tuple[float, float]:
+        """The lower left corner of cell ``k`` in its panel's units (inches from the panel's lower left)."""
+        col, row = k % self.cols, k // self.cols
+        return col * (self.cell_width + _BETWEEN), (self.rows - 1 - row) * (self.cell_height + _GAP)
+
+    def first(self, k: int) -> bool:
+        return k % self.cols == 0
+
+    def bottom(self, k: int, n: int) -> bool:
+        return k + self.cols >= n
+
+
+def _grid(n: int, n_fields: int, width: float, panel_height: float) -> _Grid:
+    cols = min(n, max(1, int(width // CELL_INCHES)))
+    rows = math.ceil(n / cols)
+    cell_height = panel_height * _CELL_HEIGHT
+    cell_width = (width - _LEFT - _RIGHT - _BETWEEN * (cols - 1)) / cols
+    block = _HEAD + rows * cell_height + (rows - 1) * _GAP + _BELOW
+    return _Grid(cols, rows, cell_width, cell_height, block, _TOP + block * n_fields + _BOTTOM)
+
+
+def cell_points(width: float, dpi: int, gpus: int) -> int:
+    """The most points of a cell's line: two (lowest, highest) per pixel of the cell's width."""
+    cell = _grid(gpus, 1, width, 1.0).cell_width
+    return max(200, round(cell * dpi) * 2)
+
+
+def _y_range(fld: Field, lines: Sequence[np.ndarray], marks: Sequence[tuple[float, str]]) -> tuple[float, float, bool]:
+    """The field's value range, shared by its cells, and whether any GPU has a value."""
+    import numpy as np
+
+    finite = [v[np.isfinite(v)] for v in lines]
+    present = [v for v in finite if len(v)]
+    if not present:
+        return 0.0, 1.0, False
+    if fld.kind.is_bool:
+        return -0.1, 1.1, True
+    if fld.unit == "%":
+        return -2.0, 105.0, True
+    lo = min(float(v.min()) for v in present)
+    hi = max(float(v.max()) for v in present)
+    for value, _ in marks:  # a rule's threshold shows on the scale
+        lo, hi = min(lo, value), max(hi, value)
+    if hi == lo:
+        pad = max(abs(lo) * 0.05, 1.0)
+        return lo - pad, hi + pad, True
+    pad = (hi - lo) * 0.09  # a little room above and below, as a panel's own margins would give
+    return lo - pad, hi + pad, True
+
+
+def _y_ticks(fld: Field, lo: float, hi: float) -> tuple[list[float], list[str]]:
+    from matplotlib.ticker import MaxNLocator
+
+    if fld.kind.is_bool:
+        return [0.0, 1.0], ["no", "yes"]
+    locs = [float(v) for v in MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi) if lo <= v <= hi]
+    return locs, [f"{v:g}" for v in locs]
+
+
+def cell_of(artist: Any) -> int | None:
+    """The GPU index a cell's artist belongs to (from its ``GPU <index>`` label), or None."""
+    label = artist.get_label()
+    if isinstance(label, str) and label.startswith("GPU "):
+        return int(label[4:])
+    return None
+
+
+def multiples_figure(
+    figure: type[Figure], data: MultiplesData, width: float, panel_height: float, dpi: int, max_points: int
+) -> tuple[Figure, list[Any]]:
+    """The figure: a titled panel of cells per field; returns it and the panels (top to bottom).
+
+    Args:
+        figure: the Figure class to build.
+        data: what to draw.
+        width: the figure's width in inches.
+        panel_height: ``plot_recording``'s panel height (a row of cells is 0.6 of it).
+        dpi: resolution.
+        max_points: the most points of a cell's line (lowest and highest of each stretch of samples past it).
+    """
+    grid = _grid(len(data.gpus), len(data.flds), width, panel_height)
+    fig = figure(figsize=(width, grid.total), dpi=dpi)
+    axes = []
+    for b, fld in enumerate(data.flds):
+        y0 = _TOP + b * grid.block  # inches from the top
+        fig.text(0.01, 1 - (y0 + 0.12) / grid.total, f"{fld.name} [{fld.unit}]" if fld.unit else fld.name, ha="left",
+                 va="center", fontsize=10, gid=f"field-{fld.name}")  # fmt: skip
+        top = y0 + _HEAD
+        height = grid.block - _HEAD - _BELOW
+        ax = fig.add_axes((_LEFT / width, 1 - (top + height) / grid.total, 1 - (_LEFT + _RIGHT) / width,
+                           height / grid.total), gid=f"multiples-{fld.name}")  # fmt: skip
+        ax.set_axis_off()
+        ax.set_autoscale_on(False)
+        ax.set_xlim(0, width - _LEFT - _RIGHT)
+        ax.set_ylim(0, height)
+        _draw_field(ax, fld, data, grid, max_points, last=b == len(data.flds) - 1)
+        axes.append(ax)
+    return fig, axes
+
+
+def _draw_field(ax: Any, fld: Field, data: MultiplesData, grid: _Grid, max_points: int, last: bool) -> None:
+    """One field's cells: lines, shading, thresholds, titles, scales, grid and frames."""
+    import matplotlib.dates as mdates
+    import numpy as np
+    from matplotlib.collections import LineCollection
+    from matplotlib.transforms import Affine2D
+
+    n = len(data.gpus)
+    lines = data.values[fld.name]
+    marks = data.thresholds.get(fld.name, [])
+    lo, hi, has_values = _y_range(fld, lines, marks)
+    if not has_values:
+        marks = []
+    y_locs, y_labels = _y_ticks(fld, lo, hi)
+    x_lo, x_hi = (float(v) for v in mdates.date2num(list(data.x_range)))  # type: ignore[no-untyped-call]
+    x_locs, x_labels = data.x_ticks
+    sx, sy = grid.cell_width / (x_hi - x_lo), grid.cell_height / (hi - lo)
+    gridlines: list[list[tuple[float, float]]] = []
+    frames: list[list[tuple[float, float]]] = []
+    for k, idx in enumerate(data.gpus):
+        ox, oy = grid.origin(k)
+        w, h = grid.cell_width, grid.cell_height
+        place = Affine2D().translate(-x_lo, -lo).scale(sx, sy).translate(ox, oy) + ax.transData
+        gridlines += [[(ox + (v - x_lo) * sx, oy), (ox + (v - x_lo) * sx, oy + h)] for v in x_locs]
+        gridlines += [[(ox, oy + (v - lo) * sy), (ox + w, oy + (v - lo) * sy)] for v in y_locs]
+        frames.append([(ox, oy), (ox + w, oy), (ox + w, oy + h), (ox, oy + h), (ox, oy)])
+        label = f"GPU {idx}"
+        _cell_line(ax, place, data, k, lines[k], max_points, label)
+        if not has_values or not np.isfinite(lines[k]).any():
+            ax.text(ox + w / 2, oy + h / 2, "no values", ha="center", va="center", fontsize=8, color="#555555",
+                    gid="no-data", label=label)  # fmt: skip
+        _cell_shading(ax, place, data, fld, k, (lo, hi), label)
+        first = grid.first(k)
+        _cell_thresholds(ax, place, marks, (x_lo, x_hi), (ox, oy, w, h), first, label)
+        ax.text(ox, oy + h + 2 * _POINT, label, ha="left", va="bottom", fontsize=8, gid="title", label=label)
+        if first:
+            for v, text in zip(y_locs, y_labels, strict=True):
+                ax.text(ox - 3 * _POINT, oy + (v - lo) * sy, text, ha="right", va="center", fontsize=7, gid="ytick")
+            if fld.unit:
+                ax.text(ox - 0.42, oy + h / 2, fld.unit, rotation=90, ha="center", va="center", fontsize=8, gid="unit")
+        if last and grid.bottom(k, n):
+            for v, text in zip(x_locs, x_labels, strict=True):
+                ax.text(ox + (v - x_lo) * sx, oy - 3 * _POINT, text, ha="center", va="top", fontsize=7, gid="xtick")
+    ax.add_collection(LineCollection(gridlines, colors=_GRID, linewidths=0.6, zorder=0.5, gid="grid"))
+    ax.add_collection(LineCollection(frames, colors=_FRAME, linewidths=0.8, zorder=2.5, gid="frame"))
+
+
+def _cell_line(
+    ax: Any, place: Any, data: MultiplesData, k: int, values: np.ndarray, max_points: int, label: str
+) -> None:
+    import matplotlib.dates as mdates
+
+    x, y = line_points(data.xs[k], values, data.gap_limit, max_points, envelope=True)
+    ax.plot(
+        mdates.date2num(x),  # type: ignore[no-untyped-call]
+        y,
+        color=data.colours[k],
+        linewidth=1.1,
+        label=label,
+        gid=f"gpu-{data.gpus[k]}",
+        zorder=2,
+        transform=place,
+    )
+
+
+def _cell_shading(
+    ax: Any, place: Any, data: MultiplesData, fld: Field, k: int, y_range: tuple[float, float], label: str
+) -> None:
+    """The GPU's stalls grey, its alerts of this field's rules orange, across the cell's height."""
+    import matplotlib.dates as mdates
+    from matplotlib.patches import Rectangle
+
+    lo, hi = y_range
+    spans = [(s, e, _STALL_SHADE, 0.22, "stall") for s, e in data.stalls.get(k, [])]
+    spans += [(s, e, _ALERT_SHADE, 0.35, "alert") for s, e in data.alerts.get(fld.name, {}).get(k, [])]
+    for start, end, colour, alpha, gid in spans:
+        x0, x1 = (float(v) for v in mdates.date2num([start, end]))  # type: ignore[no-untyped-call]
+        ax.add_patch(Rectangle((x0, lo), x1 - x0, hi - lo, transform=place, color=colour, alpha=alpha, linewidth=0,
+                               gid=gid, label=label, zorder=0))  # fmt: skip
+
+
+def _cell_thresholds(
+    ax: Any,
+    place: Any,
+    marks: Sequence[tuple[float, str]],
+    x_range: tuple[float, float],
+    box: tuple[float, float, float, float],
+    first: bool,
+    label: str,
+) -> None:
+    """Dashed threshold lines across the cell, labelled in the first column (inside the cell, cut at its edge)."""
+    from matplotlib.transforms import Bbox, TransformedBbox
+
+    x_lo, x_hi = x_range
+    for value, text in marks:
+        ax.plot([x_lo, x_hi], [value, value], transform=place, color=_THRESHOLD_COLOUR, linestyle="--",
+                linewidth=0.9, gid="threshold", label=label, zorder=3)  # fmt: skip
+        if not first:
+            continue
+        note = ax.annotate(
+            text,
+            xy=(x_lo, value),
+            xycoords=place,
+            xytext=(4, -2),
+            textcoords="offset points",
+            ha="left",
+            va="top",
+            fontsize=7,
+            color=_THRESHOLD_COLOUR,
+            bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
+            zorder=4,
+        )
+        note.set_clip_box(TransformedBbox(Bbox.from_bounds(*box), ax.transData))
+        note.set_clip_on(True)  # a long rule stays inside its cell
