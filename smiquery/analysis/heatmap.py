@@ -45,14 +45,17 @@ def cell_means(
 
     lo, hi = (int(np.asarray(v, dtype="datetime64[ns]").astype("int64")) for v in x_range)
     span = max(int(hi - lo), 1)
-    sums = np.zeros(len(xs) * columns)
-    counts = np.zeros(len(xs) * columns)
+    at_cells: list[np.ndarray] = [np.zeros(0, dtype="int64")]
+    weights: list[np.ndarray] = [np.zeros(0)]
     for row, (x, y) in enumerate(zip(xs, ys, strict=True)):
         ok = ~np.isnan(y)
         at = (x[ok].astype("datetime64[ns]").astype("int64") - lo) * columns // span
-        cells = row * columns + np.clip(at, 0, columns - 1)
-        sums += np.bincount(cells, weights=y[ok], minlength=len(sums))
-        counts += np.bincount(cells, minlength=len(counts))
+        at_cells.append(row * columns + np.clip(at, 0, columns - 1))
+        weights.append(y[ok])
+    # one count over all GPUs: a count per GPU would sweep every GPU's cells each time
+    cells = np.concatenate(at_cells)
+    sums = np.bincount(cells, weights=np.concatenate(weights), minlength=len(xs) * columns).astype(float)
+    counts = np.bincount(cells, minlength=len(xs) * columns)
     means = np.full(len(sums), np.nan)
     np.divide(sums, counts, out=means, where=counts > 0)
     return means.reshape(len(xs), columns)
@@ -137,7 +140,8 @@ def heatmap_figure(
                 bar.ax.axhline(value, color="#000000", linewidth=1.0, linestyle="--", gid="threshold")
         _outline(ax, stalls, row_of, STALL_EDGE, "stall", 0.9)
         _outline(ax, alerts.get(fld.name, []), row_of, ALERT_EDGE, "alert", 1.3)
-        ax.set_title(f"{fld.name} [{fld.unit}]" if fld.unit else fld.name, loc="left", fontsize=10)
+        # a fixed place: placed around the ticks, a title is measured again on every draw
+        ax.set_title(f"{fld.name} [{fld.unit}]" if fld.unit else fld.name, loc="left", fontsize=10, y=1.0, pad=4)
         ax.set_yticks(range(0, len(gpus), step), [str(g) for g in gpus[::step]], fontsize=7)
         ax.set_ylabel("GPU")
         if not np.isfinite(cells).any():
@@ -156,16 +160,18 @@ def _outline(
     together) share one outline, so 64 GPUs stalling at once are one box, not 64 stripes.
     """
     import matplotlib.dates as mdates
+    import numpy as np
     from matplotlib.collections import PolyCollection
 
     lo, hi = ax.get_xlim()
     slack = (hi - lo) / 100
-    placed = sorted(
-        (float(s0), float(e0), row_of[gpu])
-        for (start, end, gpu) in spans
-        if gpu in row_of
-        for s0, e0 in [mdates.date2num([start, end])]  # type: ignore[no-untyped-call]
-    )
+    kept = [(start, end, row_of[gpu]) for start, end, gpu in spans if gpu in row_of]
+    if not kept:
+        return
+    # the times of all spans converted at once: a conversion per span costs more than the rest of the outline
+    times = np.array([t for start, end, _ in kept for t in (start, end)], dtype="datetime64[ns]")
+    nums = mdates.date2num(times).reshape(-1, 2)  # type: ignore[no-untyped-call]
+    placed = [(float(s0), float(e0), row) for (s0, e0), (_, _, row) in zip(nums, kept, strict=True)]
     boxes: list[list[float]] = []  # [start, end, first row, last row]
     ending: dict[int, list[list[float]]] = {}  # the boxes whose last row is the key
     for s0, e0, row in sorted(placed, key=lambda p: (p[2], p[0])):
