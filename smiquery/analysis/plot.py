@@ -249,9 +249,9 @@ def _overlay(
     label of every panel on each draw (a third of the time of a four-panel plot of a day's recording).
     """
     n = len(flds)
-    total = height * n + 1.1
     top, head, bottom, left, right = 0.45, 0.35, 1.0, 0.9, 0.25  # title; a panel's title; times, zone and legend
-    panel = (total - top - bottom - head * n) / n
+    panel = max((height * n + 1.1 - top - bottom - head * n) / n, 0.6)  # the figure is ``height`` a panel + 1.1 in
+    total = top + bottom + n * (head + panel)
     fig = figure(figsize=(width, total), dpi=dpi)
     grid = {"left": left / width, "right": 1 - right / width, "top": 1 - (top + head) / total,
             "bottom": bottom / total, "hspace": head / panel}  # fmt: skip

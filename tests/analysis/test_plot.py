@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -562,3 +563,13 @@ def test_plotting_leaves_the_garbage_collector_as_it_found_it(tmp_path):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("layout", ["overlay", "multiples", "heatmap"])
+def test_a_small_panel_height_still_gives_panels_that_do_not_overlap(tmp_path, layout):
+    fig = plot_recording(DEMO, "utilization.gpu,temperature.gpu", rules=[], panel_height=0.3, layout=layout)
+    fig.savefig(tmp_path / "small.png")
+    panels = sorted((ax.get_position() for ax in fig.get_axes() if ax.get_label() != "<colorbar>"),
+                    key=lambda p: -p.y1)  # fmt: skip
+    assert all(p.height > 0 for p in panels)
+    assert all(upper.y0 >= lower.y1 for upper, lower in itertools.pairwise(panels) if upper.x0 == lower.x0)
