@@ -160,7 +160,7 @@ class ParseError(SmiqueryError, ValueError):
         lineno: 1-based line number in the input.
         line: the raw line.
         field: the field whose value did not fit, or None for a wrong column count.
-        reason: what is wrong, without the place (``'7.5' is not a valid int``).
+        reason: what is wrong, without the place (``'7.5' is not a valid integer``).
     """
 
     def __init__(self, message: str, *, lineno: int, line: str, field: str | None = None) -> None:

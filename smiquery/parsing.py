@@ -54,7 +54,7 @@ def _row_converter(convs: Sequence[Callable[[str], Value]]) -> Callable[[list[st
 
 
 def bad_cell_reason(fld: Field, cell: str) -> str:
-    """Why a cell was rejected, for error lines: ``field 'memory.used': '7.5' is not a valid int``."""
+    """Why a cell was rejected, for error lines: ``field 'memory.used': '7.5' is not a valid integer``."""
     return f"field {fld.name!r}: {cell!r} is not a valid {fld.kind.value}"
 
 

@@ -54,7 +54,7 @@ def cell_means(
         weights.append(y[ok])
     # one count over all GPUs: a count per GPU would sweep every GPU's cells each time
     cells = np.concatenate(at_cells)
-    sums = np.bincount(cells, weights=np.concatenate(weights), minlength=len(xs) * columns).astype(float)
+    sums = np.bincount(cells, weights=np.concatenate(weights), minlength=len(xs) * columns)
     counts = np.bincount(cells, minlength=len(xs) * columns)
     means = np.full(len(sums), np.nan)
     np.divide(sums, counts, out=means, where=counts > 0)

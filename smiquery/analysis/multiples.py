@@ -101,19 +101,23 @@ class _Grid:
         return k + self.cols >= n
 
 
-def _grid(n: int, n_fields: int, width: float, panel_height: float) -> _Grid:
+def _columns(n: int, width: float) -> tuple[int, float]:
+    """How many cells fit across, and their width in inches."""
     cols = min(n, max(1, int(width // CELL_INCHES)))
+    return cols, (width - _LEFT - _RIGHT - _BETWEEN * (cols - 1)) / cols
+
+
+def _grid(n: int, n_fields: int, width: float, panel_height: float) -> _Grid:
+    cols, cell_width = _columns(n, width)
     rows = math.ceil(n / cols)
     cell_height = panel_height * _CELL_HEIGHT
-    cell_width = (width - _LEFT - _RIGHT - _BETWEEN * (cols - 1)) / cols
     block = _HEAD + rows * cell_height + (rows - 1) * _GAP + _BELOW
     return _Grid(cols, rows, cell_width, cell_height, block, _TOP + block * n_fields + _BOTTOM)
 
 
 def cell_points(width: float, dpi: int, gpus: int) -> int:
     """The most points of a cell's line: two (lowest, highest) per pixel of the cell's width."""
-    cell = _grid(gpus, 1, width, 1.0).cell_width
-    return max(200, round(cell * dpi) * 2)
+    return max(200, round(_columns(gpus, width)[1] * dpi) * 2)
 
 
 def _y_range(fld: Field, lines: Sequence[np.ndarray], marks: Sequence[tuple[float, str]]) -> tuple[float, float, bool]:

@@ -61,13 +61,19 @@ class SkippedLines:
         count: how many lines were skipped.
         first_lineno: the line number (1-based) of the first one.
         first_line: that line's text (cut to 80 characters).
-        reason: what is wrong with that line (``field 'memory.used': '7.5' is not a valid int``), or "".
+        reason: what is wrong with that line (``field 'memory.used': '7.5' is not a valid integer``), or "".
     """
 
     count: int
     first_lineno: int
     first_line: str = ""
     reason: str = ""
+
+    @classmethod
+    def after(cls, count: int, first: ParseError) -> SkippedLines:
+        """``count`` skipped lines, the first of them the one ``first`` rejected."""
+        why = first.reason if first.field is None else f"field {first.field!r}: {first.reason}"
+        return cls(count, first.lineno, (first.line or "")[:80], why)
 
     def message(self, name: str = "the recording") -> str:
         """One line for a warning: ``skipped 2 unreadable lines in run.csv (first: line 316: ...)``.

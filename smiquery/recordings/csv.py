@@ -178,8 +178,7 @@ def _read_csv_python(
     skipped = None
     if parser.dropped or dropped:
         assert first is not None
-        why = first.reason if first.field is None else f"field {first.field!r}: {first.reason}"
-        skipped = SkippedLines(parser.dropped + dropped, first.lineno, (first.line or "")[:80], why)
+        skipped = SkippedLines.after(parser.dropped + dropped, first)
         if not samples:
             raise skipped.unreadable()
     if samples:

@@ -174,6 +174,5 @@ def read_jsonl(path: str, tz: tzinfo | None) -> pd.DataFrame:
         )
     df = to_dataframe(samples)
     if first is not None:
-        why = first.reason if first.field is None else f"field {first.field!r}: {first.reason}"
-        df.attrs["skipped"] = SkippedLines(count, first.lineno, (first.line or "")[:80], why)
+        df.attrs["skipped"] = SkippedLines.after(count, first)
     return df

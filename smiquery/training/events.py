@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -92,6 +92,25 @@ class TrainingAlert:
     step: int | None
     learning_rate: float | None
     phase: str
+
+    @classmethod
+    def at(
+        cls, event: AlertEvent, pos: Position, extra: Callable[[], Mapping[str, Any]] | None = None
+    ) -> TrainingAlert:
+        """The event where training was at ``pos``.
+
+        ``extra`` is the framework adapter's context: it may add the learning rate and its own step count.
+        """
+        lr: float | None = None
+        step: int | None = pos.step
+        if extra is not None:
+            try:
+                got = extra()
+                lr = got.get("learning_rate")
+                step = got.get("step", step)
+            except Exception:  # a half-built or torn-down model: context without these
+                pass
+        return cls(event, pos.epoch, pos.batch, step, lr, pos.phase)
 
     def context(self) -> dict[str, Any]:
         """The context as handlers receive it."""

@@ -548,7 +548,7 @@ class RunMonitor:
         for s in chosen:
             notifier.observe(s)
             for event in notifier.evaluate(s, now):
-                alert = self._alert(event, pos)
+                alert = TrainingAlert.at(event, pos, self.context_extra)
                 self.alerts.append(alert)
                 worker = self._worker
                 if worker is not None and not worker.put(event, alert.context()):
@@ -570,19 +570,6 @@ class RunMonitor:
     def _watched_gpu(self, idx: int) -> bool:
         """Whether an nvidia-smi GPU seen by pmon is one this run watches."""
         return self._devices.ids is None or self._devices.selects(idx, self.uuids().get(idx))
-
-    def _alert(self, event: AlertEvent, pos: Position) -> TrainingAlert:
-        lr: float | None = None
-        step: int | None = pos.step
-        extra = self.context_extra
-        if extra is not None:
-            try:
-                got = extra()
-                lr = got.get("learning_rate")
-                step = got.get("step", step)
-            except Exception:  # a half-built or torn-down model: context without these
-                pass
-        return TrainingAlert(event, pos.epoch, pos.batch, step, lr, pos.phase)
 
     # ------------------------------------------------------------------------------------ training side
 
@@ -804,7 +791,7 @@ class RunMonitor:
         newest = self.latest().get(idx)
         at = newest.timestamp if newest is not None and newest.timestamp is not None else datetime.now().astimezone()
         event = growth_event(idx, self.uuids().get(idx), history, at)
-        alert = self._alert(event, self._pos)
+        alert = TrainingAlert.at(event, self._pos, self.context_extra)
         self.alerts.append(alert)
         if self._notifier is None and self.handlers:
             self._notifier = Notifier((), self.handlers)

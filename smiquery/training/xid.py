@@ -112,18 +112,7 @@ class XidAlerts:
             )
             return
         alert = xid_alert(event, found.index, found.uuid, datetime.now().astimezone())
-        pos = self.monitor.position
-        step: int | None = pos.step
-        lr: float | None = None
-        extra = self.monitor.context_extra
-        if extra is not None:
-            try:
-                got = extra()
-                lr = got.get("learning_rate")
-                step = got.get("step", step)
-            except Exception:  # a half-built or torn-down model: context without these
-                pass
-        training = TrainingAlert(alert, pos.epoch, pos.batch, step, lr, pos.phase)
+        training = TrainingAlert.at(alert, self.monitor.position, self.monitor.context_extra)
         self.monitor.alerts.append(training)
         context: dict[str, Any] = training.context()
         self._notifier.dispatch(alert, context)
