@@ -1,0 +1,156 @@
+"""``Latest[T]``: the one background poller. Calls a function on an interval and keeps its newest result.
+
+Every periodic look at the machine (compute processes, ``-q -x`` details, the Kubernetes pod list, ...) is a
+``Latest`` around a plain function: the function does the work and raises on failure; ``Latest`` owns the thread,
+the interval, the newest value, its age and the last error. Readers (scrapes, the live table) never wait on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from smiquery._log import get_logger
+
+__all__ = ["Latest", "Snapshot"]
+
+T = TypeVar("T")
+log = get_logger("smiquery")
+
+
+@dataclass(frozen=True)
+class Snapshot(Generic[T]):
+    """What a :class:`Latest` holds at one moment.
+
+    Attributes:
+        value: the newest successful result (None before the first success).
+        age: seconds since that result was taken (None before the first success).
+        at: its wall-clock time, seconds since the epoch (None before the first success).
+        error: the last poll's error, one line (None when the last poll succeeded or none ran yet).
+        polls: polls run so far.
+        failures: failed polls, by exception class name.
+    """
+
+    value: T | None
+    age: float | None
+    at: float | None
+    error: str | None
+    polls: int
+    failures: Counter[str]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text.strip() else type(exc).__name__
+
+
+class Latest(Generic[T]):
+    """Runs ``fetch`` every ``interval`` seconds in a daemon thread; :meth:`get` returns the newest result.
+
+    A failing poll keeps the previous value (its age grows), records the error and is logged once per change of
+    message. Exceptions other than ``errors`` propagate out of :meth:`poll` (a bug is not a poll failure) and stop
+    the thread after being logged.
+
+    Args:
+        fetch: called with no arguments; its result becomes the newest value.
+        interval: seconds from the end of one poll to the start of the next.
+        name: the thread's name, and the subject of the log lines (``listing processes``).
+        errors: the exception types a poll may fail with.
+        on_value: called from the poller's thread with each new value.
+        clock: monotonic seconds (ages); ``wall``: seconds since the epoch (``at``). Injectable for tests.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[], T],
+        interval: float,
+        *,
+        name: str,
+        errors: tuple[type[BaseException], ...] = (Exception,),
+        on_value: Callable[[T], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"the {name} interval must be positive, got {interval!r}")
+        self.fetch = fetch
+        self.interval = float(interval)
+        self.name = name
+        self._errors = errors
+        self._on_value = on_value
+        self._clock = clock
+        self._wall = wall
+        self._value: tuple[T, float, float] | None = None
+        self._error: str | None = None
+        self._polls = 0
+        self._failures: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._first = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poll(self) -> T | None:
+        """Run one poll now, in the caller's thread. Returns the new value, or None when the poll failed."""
+        self._polls += 1
+        try:
+            value = self.fetch()
+        except self._errors as exc:
+            self._failures[type(exc).__name__] += 1
+            message = _one_line(exc)
+            if message != self._error:
+                log.warning("smiquery: %s failed: %s", self.name, message)
+            self._error = message
+            return None
+        finally:
+            self._first.set()
+        self._error = None
+        self._value = (value, self._clock(), self._wall())
+        if self._on_value is not None:
+            self._on_value(value)
+        return value
+
+    def get(self) -> Snapshot[T]:
+        """The newest value, its age and time, and the last error; never waits on a poll."""
+        got = self._value
+        value, age, at = (None, None, None) if got is None else (got[0], self._clock() - got[1], got[2])
+        return Snapshot(value, age, at, self._error, self._polls, Counter(self._failures))
+
+    def wait_first(self, timeout: float | None = None) -> bool:
+        """Wait until the first poll has finished (success or failure); False if ``timeout`` ran out first."""
+        return self._first.wait(timeout)
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is polling."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> Latest[T]:
+        """Poll in a background thread until :meth:`close` (the first poll at once). Returns self."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"smiquery-{self.name}", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+            except BaseException:
+                log.exception("smiquery: %s stopped on an unexpected error", self.name)
+                raise
+            self._stop.wait(self.interval)
+
+    def close(self, timeout: float = 15.0) -> None:
+        """Stop polling; wait up to ``timeout`` seconds for a poll under way (each should bound its own time)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __enter__(self) -> Latest[T]:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
