@@ -7,11 +7,31 @@ from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["GpuSample", "Schema", "Value"]
+__all__ = ["BusKey", "GpuSample", "Schema", "Value", "bus_key"]
 
 Value = int | float | bool | str | datetime | None
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
+
+#: (domain, bus, device) of a PCI address, as :func:`bus_key` gives it.
+BusKey = tuple[int, int, int]
+
+
+def bus_key(pci_bus_id: str) -> BusKey | None:
+    """(domain, bus, device) of a PCI bus id in any spelling (``00000000:3B:00.0``, ``0000:3b:00``, ``3b:00.0``).
+
+    The kernel log prints the domain with 4 digits and no function; nvidia-smi prints 8 digits and the function:
+    compare keys, not strings. None for text that is no bus id.
+    """
+    parts = pci_bus_id.strip().split(".")[0].split(":")
+    try:
+        if len(parts) == 3:
+            return int(parts[0], 16), int(parts[1], 16), int(parts[2], 16)
+        if len(parts) == 2:
+            return 0, int(parts[0], 16), int(parts[1], 16)
+    except ValueError:
+        return None
+    return None
 
 
 class Schema:

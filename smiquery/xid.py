@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
 from smiquery.errors import KernelLogError, UsageError
+from smiquery.sample import bus_key
 
 __all__ = [
     "DEFAULT_KERNEL_LOG",
@@ -37,7 +38,6 @@ __all__ = [
     "XidFollower",
     "XidInfo",
     "XidThread",
-    "bus_key",
     "describe",
     "follow",
     "gpu_for",
@@ -189,23 +189,6 @@ def parse_line(line: str) -> XidEvent | None:
         uptime=uptime,
         raw=line,
     )
-
-
-def bus_key(pci_bus_id: str) -> tuple[int, int, int] | None:
-    """(domain, bus, device) of a PCI bus id in any spelling (``00000000:3B:00.0``, ``0000:3b:00``, ``3b:00.0``).
-
-    The kernel log prints the domain with 4 digits and no function; nvidia-smi prints 8 digits and the function:
-    compare keys, not strings. None for text that is no bus id.
-    """
-    parts = pci_bus_id.strip().split(".")[0].split(":")
-    try:
-        if len(parts) == 3:
-            return int(parts[0], 16), int(parts[1], 16), int(parts[2], 16)
-        if len(parts) == 2:
-            return 0, int(parts[0], 16), int(parts[1], 16)
-    except ValueError:
-        return None
-    return None
 
 
 class _HasBus(Protocol):

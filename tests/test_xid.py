@@ -12,7 +12,8 @@ import pytest
 
 from smiquery.details import parse_xml
 from smiquery.errors import KernelLogError, UsageError
-from smiquery.xid import XID_CATALOGUE, XidEvent, XidFollower, bus_key, follow, gpu_for, parse_line
+from smiquery.sample import bus_key
+from smiquery.xid import XID_CATALOGUE, XidEvent, XidFollower, follow, gpu_for, parse_line
 
 FIXTURE = Path(__file__).parent / "fixtures" / "details-2gpu-mig.xml"
 DEADLINE = 30.0  # generous: the follower polls every 0.05 s in these tests

@@ -68,7 +68,7 @@ class XidNotes:
 
     def write(self, sample: GpuSample) -> None:
         """Remember the GPU at the sample's PCI address."""
-        from smiquery.xid import bus_key
+        from smiquery.sample import bus_key
 
         bus = sample.get("pci.bus_id")
         key = bus_key(bus) if isinstance(bus, str) else None
@@ -78,7 +78,8 @@ class XidNotes:
 
     def line(self, event: XidEvent) -> str:
         """The line for one event."""
-        from smiquery.xid import bus_key, describe
+        from smiquery.sample import bus_key
+        from smiquery.xid import describe
 
         key = bus_key(event.pci_bus_id)
         with self._lock:

@@ -36,7 +36,7 @@ from smiquery.exporter.state import (
     source_health,
 )
 from smiquery.kinds import to_number
-from smiquery.xid import bus_key
+from smiquery.sample import bus_key
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator
@@ -45,10 +45,10 @@ if TYPE_CHECKING:
     from smiquery.exporter.kubernetes import KubernetesHook
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
     from smiquery.exporter.poller import ProcessPoller
-    from smiquery.exporter.xidwatch import BusKey, XidWatcher
+    from smiquery.exporter.xidwatch import XidWatcher
     from smiquery.fields import Field
     from smiquery.oneshot import GpuProcess
-    from smiquery.sample import GpuSample
+    from smiquery.sample import BusKey, GpuSample
     from smiquery.source import Sweep
 
 __all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector"]

@@ -15,17 +15,15 @@ from typing import TYPE_CHECKING
 from smiquery._log import get_logger
 from smiquery.errors import KernelLogError
 from smiquery.exporter.families import counter, gauge
-from smiquery.xid import DEFAULT_KERNEL_LOG, XID_CATALOGUE, XidEvent, XidFollower, bus_key, follow
+from smiquery.sample import BusKey, bus_key
+from smiquery.xid import DEFAULT_KERNEL_LOG, XID_CATALOGUE, XidEvent, XidFollower, follow
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-__all__ = ["BusKey", "XidWatcher"]
+__all__ = ["XidWatcher"]
 
 log = get_logger("smiquery.exporter")
-
-#: (domain, bus, device) of a PCI address, as :func:`smiquery.xid.bus_key` gives it.
-BusKey = tuple[int, int, int]
 
 
 class XidWatcher:

@@ -23,22 +23,16 @@ from smiquery._log import get_logger
 from smiquery.fields import Field, resolve_fields
 from smiquery.parsing import CsvParser, is_message
 from smiquery.retry import RetryPolicy
-from smiquery.sample import GpuSample
+from smiquery.sample import BusKey, GpuSample, bus_key
 from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep, SweepGrouper
 from smiquery.streams.argv import FieldsArg, GpusArg, build_argv, normalize_gpus
 from smiquery.streams.engine import Engine
 
-__all__ = ["CsvRows", "CsvSource", "Identity", "bus_key"]
+__all__ = ["CsvRows", "CsvSource", "Identity"]
 
 log = get_logger("smiquery")
 
 _LOST_MESSAGE = re.compile(r"device handle for GPU ([0-9A-Fa-f:.]+): GPU is lost", re.IGNORECASE)
-
-
-def bus_key(bus_id: str) -> str:
-    """One spelling of a PCI bus id: ``00000000:02:00.0`` and ``0000:02:00.0`` name the same GPU."""
-    text = bus_id.strip().upper()
-    return text.split(":", 1)[-1] if text.count(":") >= 2 else text
 
 
 def _key(sample: GpuSample) -> str | None:
@@ -64,8 +58,8 @@ class Identity:
         self._emit = emit
         self.index_of: dict[str, int | None] = {}  # key -> index, from the newest undamaged sweep
         self.lost: dict[str, int | None] = {}  # key -> the index it had
-        self._bus: dict[str, str] = {}  # bus key -> key
-        self._said_lost: set[str] = set()  # bus keys nvidia-smi called lost since the last sweep
+        self._bus: dict[BusKey | None, str] = {}  # bus key -> key
+        self._said_lost: set[BusKey | None] = set()  # bus keys nvidia-smi called lost since the last sweep
 
     def message(self, line: str) -> None:
         """A driver message: remember a "GPU is lost" for its bus id."""

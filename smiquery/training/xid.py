@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 from smiquery.alerts import AlertEvent, Notifier, Rule
 from smiquery.errors import KernelLogError
 from smiquery.fields import get_field
+from smiquery.sample import bus_key
 from smiquery.training.events import TrainingAlert
-from smiquery.xid import XidEvent, XidInfo, XidThread, bus_key, describe
+from smiquery.xid import XidEvent, XidInfo, XidThread, describe
 
 if TYPE_CHECKING:
     import os

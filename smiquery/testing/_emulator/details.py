@@ -21,12 +21,12 @@ import re
 from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
+from smiquery.sample import bus_key
 from smiquery.testing._emulator.apps import load_apps
 from smiquery.testing._emulator.faults import Faults, startup
 from smiquery.testing._emulator.output import Output
 from smiquery.testing._emulator.recording import Recording, load_recording
 from smiquery.testing._emulator.settings import FakeUsageError, Settings
-from smiquery.xid import bus_key
 
 __all__ = ["run_details"]
 
