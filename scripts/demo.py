@@ -30,8 +30,8 @@ def main() -> int:
     if status.get("success"):
         gpus = len(status.get("data") or [])
         print(f"smiquery demo: nvidia-smi works; streaming this machine's {gpus} GPU(s) for 10 sweeps", flush=True)
-        recording = out_dir / "live.csv"
-        code = _run([*cmd, "--count", "10", "--output", str(recording)])
+        recording = out_dir / "live.csv"  # the demo's own scratch file: every run starts it afresh
+        code = _run([*cmd, "--count", "10", "--output", str(recording), "--force"])
         return code or _afterwards(recording, out_dir)
     why = str(status.get("error") or "nvidia-smi is not available").split(";")[0].split(":")[0]
     with resources.as_file(resources.files("smiquery") / "data" / "demo-8gpu.csv") as bundled:
