@@ -17,6 +17,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 from smiquery.fields import Field, Kind, get_field
 from smiquery.parsing import format_row, header_line
+from smiquery.printable import printable
 from smiquery.recordings import json_value, sample_to_json
 from smiquery.sample import GpuSample, Value
 
@@ -143,8 +144,11 @@ def render_table(
         color: emit ANSI colour codes.
 
     Returns:
-        The lines, title line first, without newlines.
+        The lines, title line first, without newlines. Control characters in cells and titles are shown escaped
+        (:func:`smiquery.printable.printable`).
     """
+    rows = [[printable(cell) for cell in row] for row in rows]  # text from others never reaches the terminal raw
+    titles = [printable(t) for t in titles]
     ncols = len(titles)
     widths = [len(t) for t in titles]
     for row in rows:
@@ -625,7 +629,7 @@ class LiveTable:
             for k, line in zip(shown, table[1:]):
                 top.append(line)
                 for proc in procs.get(k, ()) if isinstance(k, int) else ():
-                    text = f"  └ {proc}"
+                    text = f"  └ {printable(proc)}"
                     top.append(f"{_STYLES['dim']}{text}{_RESET}" if color else text)
         else:
             top.append("waiting for the first sample...")
