@@ -13,8 +13,10 @@ from prometheus_client.metrics_core import Metric
 
 from smiquery import __version__
 from smiquery._log import get_logger
+from smiquery.attribution import check_labels
 from smiquery.exporter.detailswatch import details_health, mig_families
 from smiquery.exporter.families import (
+    attribution_families,
     counter,
     gauge,
     merge_families,
@@ -24,6 +26,7 @@ from smiquery.exporter.families import (
     pmon_health,
     process_families,
     pstate_number,
+    workload_usage_families,
 )
 from smiquery.exporter.naming import NVSMI_INFO_LABELS, Naming, metric_specs, render
 from smiquery.exporter.state import (
@@ -40,9 +43,9 @@ from smiquery.sample import bus_key
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator
+    from smiquery.attribution import Attribution
     from smiquery.details import GpuDetails
     from smiquery.exporter.detailswatch import DetailsPoller
-    from smiquery.exporter.kubernetes import KubernetesHook
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
     from smiquery.exporter.poller import ProcessPoller
     from smiquery.exporter.xidwatch import XidWatcher
@@ -87,8 +90,8 @@ class SmiCollector:
         on_gpu_change: called ``(lost, index, uuid)`` when a GPU drops out or comes back.
         on_state: called ``(up, why)`` when fresh data stops or flows again.
         nvidia_smi_path: the binary, for ``smiquery_build_info``.
-        kubernetes: pod attribution (:mod:`smiquery.exporter.kubernetes`): its series, and pod labels on GPUs one
-            container holds.
+        attribution: which workload holds each GPU (:mod:`smiquery.attribution`): its series, the workload's labels
+            on GPUs one workload holds, and per-workload use when its backend ties processes to workloads.
     """
 
     def __init__(
@@ -108,7 +111,7 @@ class SmiCollector:
         on_gpu_change: Callable[[bool, int, str | None], None] | None = None,
         on_state: Callable[[bool, str], None] | None = None,
         nvidia_smi_path: str = "",
-        kubernetes: KubernetesHook | None = None,
+        attribution: Attribution | None = None,
     ) -> None:
         self.stream = stream
         flds: Sequence[Field] | None = fields if fields is not None else getattr(stream, "fields", None)
@@ -131,8 +134,11 @@ class SmiCollector:
         self.hostname = self.labels.get("Hostname") or hostname or socket.gethostname()
         self.render_errors = 0
         self._lock = threading.Lock()
-        self.kubernetes = kubernetes
-        self._cache_key: tuple[object, ...] = (object(), object(), object(), object())
+        self.attribution = attribution
+        if attribution is not None:
+            check_labels(attribution.backend, self.labels)
+        self._att_gpus: dict[str, int | None] = {}  # the newest fresh sweep's GPUs (UUID -> index), for attribution
+        self._cache_key: tuple[object, ...] = ()
         self._cache: bytes = b""
         self.alerts = alerts
         self.on_gpu_change = on_gpu_change
@@ -376,11 +382,12 @@ class SmiCollector:
         """
         if not sweep:
             return []
+        self._att_gpus = {s.uuid: s.index for s in sweep if s.uuid}
         per_gpu = []
         for s in sweep:
             pos = {n: i for i, n in enumerate(s.fields)}
             native = self._native_labels(s)
-            pod = self.kubernetes.gpu_labels(s.uuid, sweep) if self.kubernetes is not None else {}
+            pod = self.attribution.gpu_labels(s.uuid, self._att_gpus) if self.attribution is not None else {}
             native.update(pod)
             if self.naming == "dcgm":
                 dcgm = self._dcgm_labels(s)
@@ -662,13 +669,25 @@ class SmiCollector:
                 fams.extend(self.process_families(procs))
             if instant is not None:
                 fams.extend(self.pmon_families(instant))
-            if self.kubernetes is not None:
-                fams.extend(self.kubernetes.families(sweep if fresh else None, procs, instant))
+            if self.attribution is not None:
+                fams.extend(self._attribution_families(procs, instant))
         except Exception:  # a bug must not take /metrics down: the health metrics still go out
             self.render_errors += 1
             log.exception("smiquery exporter: building the GPU metrics failed")
             return []
         return merge_families(fams)  # DCGM's FB families get MIG samples too: one family per name
+
+    def _attribution_families(
+        self, procs: tuple[GpuProcess, ...] | None, instant: ProcessInstant | None
+    ) -> list[Metric]:
+        # stale data: the GPUs of the last fresh sweep keep their state
+        att = self.attribution
+        assert att is not None
+        uuid_label = "UUID" if self.naming == "dcgm" else "uuid"
+        out = attribution_families(att, self._att_gpus, uuid_label, self.labels)
+        if att.backend.processes and (instant is not None or procs is not None):
+            out += workload_usage_families(att, self._att_gpus, instant, procs, uuid_label, self.labels)
+        return out
 
     def _details_labels(self, gpu: GpuDetails) -> dict[str, str]:
         """The parent GPU's labels for its MIG series: as its CSV series have them, or from the details alone."""
@@ -740,9 +759,9 @@ class SmiCollector:
         procs = self._fresh_processes()
         instant = self.pmon.fresh() if self.pmon is not None else None
         details = self.details.fresh() if self.details is not None else None
-        key = (sweep if fresh else None, procs, instant, details, self.kubernetes.token if self.kubernetes else None)
+        key = (sweep if fresh else None, procs, instant, details, *(self.attribution.token if self.attribution else ()))
         with self._lock:
-            if any(a is not b for a, b in zip(key, self._cache_key)):
+            if len(key) != len(self._cache_key) or any(a is not b for a, b in zip(key, self._cache_key)):
                 self._cache = render(self._data_families(sweep, fresh, procs, instant, details)).encode()
                 self._cache_key = key
             body = self._cache

@@ -37,7 +37,7 @@ from smiquery.streams.sync import stream
 if TYPE_CHECKING:
     import os
 
-    from smiquery.exporter.kubernetes import KubernetesHook
+    from smiquery.attribution import Attribution
     from smiquery.fields import Field
     from smiquery.streams.argv import GpusArg
 
@@ -378,7 +378,7 @@ def serve(
     max_connections: int = 2048,
     request_timeout: float = 10.0,
     revive_after: float = 30.0,
-    kubernetes: KubernetesHook | None = None,
+    attribution: Attribution | None = None,
     details_interval: float | None = None,
     kernel_log: str | os.PathLike[str] | None = None,
 ) -> Exporter:
@@ -427,8 +427,8 @@ def serve(
         request_timeout: seconds a client has to send a whole request head (slow clients are cut off).
         revive_after: seconds after which a stream that stopped for good (its thread ended with an error) is
             replaced by a new one; meanwhile ``smiquery_next_attempt_timestamp_seconds`` says when.
-        kubernetes: pod attribution (:class:`~smiquery.exporter.kubernetes.KubernetesHook`), started and closed
-            with the exporter.
+        attribution: which workload holds each GPU (:class:`~smiquery.attribution.Attribution`, e.g. Kubernetes
+            pods), started and closed with the exporter.
         details_interval: also run ``nvidia-smi -q -x`` every this many seconds, in its own thread (never on a
             scrape), and export per-MIG-instance memory; None (the default here; the CLI's is 60) for none.
         kernel_log: also follow this kernel log (``/dev/kmsg``, or a plain file followed like ``tail -F``) and
@@ -533,7 +533,7 @@ def serve(
             on_gpu_change=events.on_gpu_change,
             on_state=events.on_state,
             nvidia_smi_path=str(getattr(s, "argv", ("",))[0]),
-            kubernetes=kubernetes,
+            attribution=attribution,
         )
         extra: Callable[[], bytes] = bytes
         if registry is not None:
@@ -565,8 +565,8 @@ def serve(
             poller.start()
         if watcher is not None:
             watcher.start()
-        if kubernetes is not None:
-            kubernetes.start()
+        if attribution is not None:
+            attribution.start()
         if details is not None:
             details.start()
         if xid is not None:
@@ -576,7 +576,7 @@ def serve(
             collector,
             poller,
             web.ssl_context is not None,
-            cleanup=functools.partial(_close_all, collector, details, xid, kubernetes),
+            cleanup=functools.partial(_close_all, collector, details, xid, attribution),
             make_stream=make_stream,
             revive_after=revive_after,
             pmon=watcher,
@@ -589,7 +589,7 @@ def serve(
             poller.close()
         if watcher is not None:
             watcher.close()
-        _close_all(None, details, xid, kubernetes)
+        _close_all(None, details, xid, attribution)
         raise
     log.info("smiquery exporter: serving %s/metrics (naming %s)", exp.url, naming)
     return exp
@@ -599,12 +599,12 @@ def _close_all(
     collector: SmiCollector | None,
     details: DetailsPoller | None,
     xid: XidWatcher | None,
-    kubernetes: KubernetesHook | None = None,
+    attribution: Attribution | None = None,
 ) -> None:
     if collector is not None:
         collector.close()
-    if kubernetes is not None:
-        kubernetes.close()
+    if attribution is not None:
+        attribution.close()
     if xid is not None:
         xid.close()
     if details is not None:
