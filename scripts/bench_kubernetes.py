@@ -12,10 +12,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from smiquery.attribution import Attribution
+from smiquery.attribution.kubernetes import KubernetesBackend
 from smiquery.exporter import serve
-from smiquery.exporter.kubernetes import Attribution, KubernetesHook
 from smiquery.testing import InProcessRunner, use_runner
-from tests.exporter.kubernetes.kubelet import StandInKubelet
+from tests.attribution.kubelet import StandInKubelet
 
 GPUS = [
     "GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b",
@@ -31,7 +32,7 @@ def main() -> None:
     # 64 pods: 4 GPUs held whole, 4 x 15 time-sliced replicas
     kubelet.grants = [("ns", f"p{i}", "c", "nvidia.com/gpu", (GPUS[i],)) for i in range(4)]
     kubelet.grants += [("ns", f"s{i}", "c", "nvidia.com/gpu", (f"{GPUS[i % 4]}::{i}",)) for i in range(60)]
-    att = Attribution(kubelet.socket_path, interval=5.0, mig_listing=str)
+    att = Attribution(KubernetesBackend(kubelet.socket_path), interval=5.0, mig_listing=str)
     times = []
     for _ in range(50):
         t0 = time.perf_counter()
@@ -40,7 +41,7 @@ def main() -> None:
     print(f"List refresh (64 pods): median {statistics.median(times) * 1e3:.2f} ms per interval")
     with use_runner(InProcessRunner()):
         off = serve(port=0, interval=0.2)
-        on = serve(port=0, interval=0.2, kubernetes=KubernetesHook(Attribution(kubelet.socket_path, interval=0.2)))
+        on = serve(port=0, interval=0.2, attribution=Attribution(KubernetesBackend(kubelet.socket_path), interval=0.2))
         try:
             time.sleep(2.0)  # both have sweeps and the attribution its first List
             for what, call in (("/metrics (cached per sweep)", "exposition"), ("full build (collect)", "collect")):

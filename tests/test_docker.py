@@ -1238,7 +1238,7 @@ def test_exporter_image_is_small_and_has_no_pandas(buildah: Buildah, exporter_im
         found = buildah.run(ctr, ["/opt/smiquery/bin/python", "-c", probe], mount_smi=None)
         assert found.returncode == 0 and found.stdout.strip() == "[]", found.stdout + found.stderr
         # --kubernetes-processes: the official client and what smiquery builds on it import in the image
-        k8s = "import kubernetes.client, smiquery.exporter.kubernetes.pods, smiquery.exporter.kubernetes.usage"
+        k8s = "import kubernetes.client, smiquery.attribution.kubernetes, smiquery.exporter.families"
         found = buildah.run(ctr, ["/opt/smiquery/bin/python", "-c", k8s], mount_smi=None)
         assert found.returncode == 0, found.stdout + found.stderr
 
@@ -1331,7 +1331,7 @@ def test_exporter_image_attributes_pods_as_the_kubernetes_variant_runs_it(
 ) -> None:
     """The image's own exporter with ``--kubernetes``, run as docker/k8s/exporter-kubernetes.yaml runs it (uid 0, the
     socket's directory mounted read-only at the default path), reads a stand-in kubelet's pod-resources socket."""
-    from tests.exporter.kubernetes.kubelet import StandInKubelet
+    from tests.attribution.kubelet import StandInKubelet
 
     gpu0 = "GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"
     short = Path(tempfile.mkdtemp(prefix="k25i-", dir="/tmp"))  # a unix socket path must stay under 108 bytes

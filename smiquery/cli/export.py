@@ -23,8 +23,8 @@ from smiquery.fields import resolve_fields
 from smiquery.streams.argv import normalize_gpus
 
 if TYPE_CHECKING:
+    from smiquery.attribution import Attribution
     from smiquery.exporter import Exporter, WebConfig
-    from smiquery.exporter.kubernetes import KubernetesHook
 
 __all__ = ["LogFormat", "Naming", "TopBy", "export"]
 
@@ -225,13 +225,12 @@ def export(
         from smiquery import exporter as exporter_mod
 
         checked = _check_exporter_options(label, top_processes, alert, web_config_file)
-        hook = _kubernetes_hook(
+        attribution = _kubernetes_attribution(
             kubernetes or kubernetes_processes,
             kubernetes_processes,
             pod_resources_socket,
             interval,
             checked.labels,
-            naming,
             nvidia_smi or settings.nvidia_smi,
         )
         if kubernetes_processes:
@@ -259,7 +258,7 @@ def export(
                 stale_after=stale_after,
                 web_config=checked.web,
                 alerts=checked.rules if checked.rules is not None else exporter_mod.DEFAULT_EXPORTER_ALERTS,
-                kubernetes=hook,
+                attribution=attribution,
                 details_interval=details_interval or None,
                 kernel_log=kernel_log or None,
             )
@@ -278,29 +277,30 @@ def export(
         raise typer.Exit(code)
 
 
-def _kubernetes_hook(
+def _kubernetes_attribution(
     on: bool,
     processes: bool,
     socket_path: str,
     interval: float,
     labels: dict[str, str],
-    naming: str,
     nvidia_smi: str | None,
-) -> KubernetesHook | None:
+) -> Attribution | None:
     """The exporter's pod attribution, or None; a missing k8s extra or a clashing label is a usage error."""
     if not on:
         return None
     try:
-        from smiquery.exporter.kubernetes import Attribution, KubernetesHook, PodDirectory
+        from smiquery.attribution import Attribution, check_labels
+        from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
     except ImportError as exc:
         raise typer.BadParameter(
             f"needs the k8s extra ({exc.name} is missing): pip install 'smiquery[k8s]'", param_hint="'--kubernetes'"
         ) from None
+    backend = KubernetesBackend(socket_path, pods=PodDirectory(max(interval, 15.0)) if processes else None)
     try:
-        att = Attribution(socket_path, interval=interval, naming=naming, labels=labels, nvidia_smi=nvidia_smi)
+        check_labels(backend, labels)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="'--label'") from None
-    return KubernetesHook(att, PodDirectory(max(interval, 15.0)) if processes else None)
+    return Attribution(backend, interval=interval, nvidia_smi=nvidia_smi)
 
 
 def _positive(value: float | None, option: str) -> None:

@@ -13,8 +13,10 @@ from prometheus_client.metrics_core import Metric
 
 from smiquery import __version__
 from smiquery._log import get_logger
+from smiquery.attribution import check_labels
 from smiquery.exporter.detailswatch import details_health, mig_families
 from smiquery.exporter.families import (
+    attribution_families,
     counter,
     gauge,
     merge_families,
@@ -24,6 +26,7 @@ from smiquery.exporter.families import (
     pmon_health,
     process_families,
     pstate_number,
+    workload_usage_families,
 )
 from smiquery.exporter.naming import NVSMI_INFO_LABELS, Naming, metric_specs, render
 from smiquery.exporter.state import (
@@ -40,9 +43,9 @@ from smiquery.sample import bus_key
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator
+    from smiquery.attribution import Attribution
     from smiquery.details import GpuDetails
     from smiquery.exporter.detailswatch import DetailsPoller
-    from smiquery.exporter.kubernetes import KubernetesHook
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
     from smiquery.exporter.poller import ProcessPoller
     from smiquery.exporter.xidwatch import XidWatcher
@@ -87,8 +90,8 @@ class SmiCollector:
         on_gpu_change: called ``(lost, index, uuid)`` when a GPU drops out or comes back.
         on_state: called ``(up, why)`` when fresh data stops or flows again.
         nvidia_smi_path: the binary, for ``smiquery_build_info``.
-        kubernetes: pod attribution (:mod:`smiquery.exporter.kubernetes`): its series, and pod labels on GPUs one
-            container holds.
+        attribution: which workload holds each GPU (:mod:`smiquery.attribution`): its series, the workload's labels
+            on GPUs one workload holds, and per-workload use when its backend ties processes to workloads.
     """
 
     def __init__(
@@ -108,7 +111,7 @@ class SmiCollector:
         on_gpu_change: Callable[[bool, int, str | None], None] | None = None,
         on_state: Callable[[bool, str], None] | None = None,
         nvidia_smi_path: str = "",
-        kubernetes: KubernetesHook | None = None,
+        attribution: Attribution | None = None,
     ) -> None:
         self.stream = stream
         flds: Sequence[Field] | None = fields if fields is not None else getattr(stream, "fields", None)
@@ -131,8 +134,11 @@ class SmiCollector:
         self.hostname = self.labels.get("Hostname") or hostname or socket.gethostname()
         self.render_errors = 0
         self._lock = threading.Lock()
-        self.kubernetes = kubernetes
-        self._cache_key: tuple[object, ...] = (object(), object(), object(), object())
+        self.attribution = attribution
+        if attribution is not None:
+            check_labels(attribution.backend, self.labels)
+        self._att_gpus: dict[str, int | None] = {}  # the newest fresh sweep's GPUs (UUID -> index), for attribution
+        self._cache_key: tuple[object, ...] = ()
         self._cache: bytes = b""
         self.alerts = alerts
         self.on_gpu_change = on_gpu_change
@@ -204,14 +210,11 @@ class SmiCollector:
             key = s.uuid or f"index:{s.index}"
             gpu = self._gpus.get(key)
             if gpu is None:
-                native = self._native_labels(s)
-                dcgm = self._dcgm_labels(s) if self.naming == "dcgm" else native
-                gpu = self._gpus[key] = TrackedGpu(s.index, s.uuid, native, dcgm)
+                gpu = self._gpus[key] = TrackedGpu(s.index, s.uuid, *self._sample_labels(s))
             elif not s.gpu_lost:
                 # Labels come from rows that carry them: a lost GPU's row (status tokens in every cell) keeps the
                 # labels it had, so its series keep their identity exactly when they matter.
-                native = self._native_labels(s)
-                dcgm = self._dcgm_labels(s) if self.naming == "dcgm" else native
+                native, dcgm = self._sample_labels(s)
                 if s.index != gpu.index:
                     self._evals.pop(key, None)  # renumbered after a driver reload: its alert holds start over
                 gpu.index, gpu.native, gpu.dcgm = s.index, {**gpu.native, **native}, {**gpu.dcgm, **dcgm}
@@ -268,21 +271,40 @@ class SmiCollector:
 
     def _unseen_gpu(self, idx: int | None, uuid: str | None) -> TrackedGpu:
         # A GPU the source reported lost before the collector saw a row of it: the labels that can be known.
+        native, dcgm = self._identity(idx, uuid, None, None, self.driver_version or None)
+        return TrackedGpu(idx, uuid, native, dcgm)
+
+    def _identity(
+        self, idx: int | None, uuid: str | None, name: str | None, bus: str | None, driver: str | None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """A GPU's labels: native, and DCGM's (the native ones again unless the naming is ``dcgm``).
+
+        ``name`` and ``bus`` None (not known): the native labels leave them out; ``driver`` None: no
+        ``DCGM_FI_DRIVER_VERSION``.
+        """
         gpu = "" if idx is None else str(idx)
-        native = {"gpu": gpu, "uuid": uuid or "", **self.labels}
+        native = {"gpu": gpu, "uuid": uuid or ""}
+        if name is not None and bus is not None:
+            native.update(name=name, pci_bus_id=bus)
+        native.update(self.labels)
         if self.naming != "dcgm":
-            return TrackedGpu(idx, uuid, native, native)
+            return native, native
         dcgm = {
             "gpu": gpu,
             "UUID": uuid or "",
             "device": f"nvidia{gpu}",
-            "modelName": "",
+            "modelName": name or "",
             "Hostname": self.hostname,
-            "pci_bus_id": "",
+            "pci_bus_id": bus or "",
         }
-        if self.driver_version:
-            dcgm["DCGM_FI_DRIVER_VERSION"] = self.driver_version
-        return TrackedGpu(idx, uuid, native, {**dcgm, **self.labels})
+        if driver is not None:
+            dcgm["DCGM_FI_DRIVER_VERSION"] = driver
+        return native, {**dcgm, **self.labels}
+
+    def _sample_labels(self, s: GpuSample) -> tuple[dict[str, str], dict[str, str]]:
+        drv = s.get("driver_version")
+        name, bus = str(s.get("name") or ""), str(s.get("pci.bus_id") or "")
+        return self._identity(s.index, s.uuid, name, bus, None if drv is None else str(drv))
 
     def _is_up(self, sweep: Sweep | None, age: float | None, health: SourceHealth) -> bool:
         if sweep is not None and sweep is self._down_sweep:
@@ -321,33 +343,6 @@ class SmiCollector:
 
     # ----------------------------------------------------------------------------------------- per sweep
 
-    def _dcgm_labels(self, s: GpuSample) -> dict[str, str]:
-        gpu = "" if s.index is None else str(s.index)
-        out = {
-            "gpu": gpu,
-            "UUID": s.uuid or "",
-            "device": f"nvidia{gpu}",
-            "modelName": str(s.get("name") or ""),
-            "Hostname": self.hostname,
-            "pci_bus_id": str(s.get("pci.bus_id") or ""),
-        }
-        drv = s.get("driver_version")
-        if drv is not None:
-            out["DCGM_FI_DRIVER_VERSION"] = str(drv)
-        out.update(self.labels)
-        return out
-
-    def _native_labels(self, s: GpuSample) -> dict[str, str]:
-        idx = s.index
-        out = {
-            "gpu": "" if idx is None else str(idx),
-            "uuid": s.uuid or "",
-            "name": str(s.get("name") or ""),
-            "pci_bus_id": str(s.get("pci.bus_id") or ""),
-        }
-        out.update(self.labels)
-        return out
-
     def _nvsmi_labels(self, s: GpuSample) -> dict[str, str]:
         return {"uuid": bare_uuid(s.uuid), **self.labels}
 
@@ -376,19 +371,15 @@ class SmiCollector:
         """
         if not sweep:
             return []
+        self._att_gpus = {s.uuid: s.index for s in sweep if s.uuid}
         per_gpu = []
         for s in sweep:
             pos = {n: i for i, n in enumerate(s.fields)}
-            native = self._native_labels(s)
-            pod = self.kubernetes.gpu_labels(s.uuid, sweep) if self.kubernetes is not None else {}
-            native.update(pod)
-            if self.naming == "dcgm":
-                dcgm = self._dcgm_labels(s)
-            elif self.naming == "nvidia_smi":
+            pod = self.attribution.gpu_labels(s.uuid, self._att_gpus) if self.attribution is not None else {}
+            native, dcgm = self._sample_labels(s)
+            if self.naming == "nvidia_smi":
                 dcgm = self._nvsmi_labels(s)
-            else:
-                dcgm = native
-            dcgm.update(pod)
+            native, dcgm = {**native, **pod}, {**dcgm, **pod}
             per_gpu.append((s.values(), pos, dcgm, native, s.raw))
         out: list[Metric] = []
         for spec in self.specs:
@@ -490,85 +481,67 @@ class SmiCollector:
             out.extend(self.xid.families(self._gpu_at_bus(), self.labels, inventory_known=known))
         return out
 
+    def _one(self, fam: Metric, value: float, labels: Mapping[str, str] | None = None) -> Metric:
+        """``fam`` with one sample: the constant labels (and ``labels``)."""
+        sample = fam.name + "_total" if fam.type == "counter" else fam.name
+        fam.add_sample(sample, {**self.labels, **labels} if labels else self.labels, value)
+        return fam
+
     def _health_head(self, sweep: Sweep | None, age: float | None) -> list[Metric]:
         st = self.stream.stats
         health = source_health(self.stream)
-        const = self.labels
-        out: list[Metric] = []
-
-        def one(fam: Metric, value: float, labels: Mapping[str, str] | None = None) -> None:
-            sample = fam.name + "_total" if fam.type == "counter" else fam.name
-            fam.add_sample(sample, {**const, **labels} if labels else const, value)
-            out.append(fam)
-
-        up = 1.0 if self._is_up(sweep, age, health) else 0.0
-        one(
-            gauge(
-                "smiquery_up",
-                f"1 when nvidia-smi delivers fresh samples (newest younger than {self.stale_after:g} s), else 0.",
-            ),
-            up,
+        one = self._one
+        up = gauge(
+            "smiquery_up",
+            f"1 when nvidia-smi delivers fresh samples (newest younger than {self.stale_after:g} s), else 0.",
         )
-        one(
-            gauge(
-                "smiquery_stream_info",
-                "The nvidia-smi stream's state (starting, running, retrying, failed...), its last error type and "
-                "whether that error needs a person (permanent); always 1.",
-            ),
-            1.0,
-            {
-                "state": health.state,
-                "last_error_type": health.last_error_type or "",
-                "permanent": "true" if health.permanent else "false",
-            },
+        info = gauge(
+            "smiquery_stream_info",
+            "The nvidia-smi stream's state (starting, running, retrying, failed...), its last error type and "
+            "whether that error needs a person (permanent); always 1.",
         )
+        state = {
+            "state": health.state,
+            "last_error_type": health.last_error_type or "",
+            "permanent": "true" if health.permanent else "false",
+        }
+        out = [one(up, 1.0 if self._is_up(sweep, age, health) else 0.0), one(info, 1.0, state)]
         next_at = health.next_retry_at if health.state == "retrying" else None
         if health.state == "failed" and self.revive_at is not None:
             next_at = self.revive_at
         if next_at is not None:
-            one(
-                gauge(
-                    "smiquery_next_attempt_timestamp_seconds",
-                    "Unix time at which nvidia-smi will be started again (while the stream retries).",
-                ),
-                float(next_at),
-            )
-        one(
-            gauge("smiquery_build_info", "smiquery's version, the driver and the nvidia-smi it runs; always 1."),
-            1.0,
-            {"version": __version__, "driver_version": self.driver_version, "nvidia_smi": self.nvidia_smi_path},
-        )
+            doc = "Unix time at which nvidia-smi will be started again (while the stream retries)."
+            out.append(one(gauge("smiquery_next_attempt_timestamp_seconds", doc), float(next_at)))
+        build = {"version": __version__, "driver_version": self.driver_version, "nvidia_smi": self.nvidia_smi_path}
+        doc = "smiquery's version, the driver and the nvidia-smi it runs; always 1."
+        out.append(one(gauge("smiquery_build_info", doc), 1.0, build))
         if sweep is not None and age is not None:
-            one(
-                gauge(
-                    "smiquery_last_sample_timestamp_seconds",
-                    "Unix time at which the newest sweep of nvidia-smi rows was received.",
-                ),
-                time.time() - age,
+            doc = "Unix time at which the newest sweep of nvidia-smi rows was received."
+            out.append(one(gauge("smiquery_last_sample_timestamp_seconds", doc), time.time() - age))
+            out.append(
+                one(gauge("smiquery_last_sample_age_seconds", "Age of the newest sweep of nvidia-smi rows."), age)
             )
-            one(gauge("smiquery_last_sample_age_seconds", "Age of the newest sweep of nvidia-smi rows."), age)
-        one(counter("smiquery_nvidia_smi_starts", "nvidia-smi loop processes started."), float(st.starts))
-        one(
-            counter("smiquery_nvidia_smi_restarts", "nvidia-smi loop processes restarted after a failure."),
-            float(st.restarts),
-        )
-        one(counter("smiquery_sweeps", "Complete sweeps (one row per GPU) received."), float(st.sweeps))
-        one(
-            counter("smiquery_dropped_rows", "Rows of nvidia-smi output rejected by the parser."),
-            float(st.dropped_rows),
-        )
+        out += [
+            one(counter("smiquery_nvidia_smi_starts", "nvidia-smi loop processes started."), float(st.starts)),
+            one(
+                counter("smiquery_nvidia_smi_restarts", "nvidia-smi loop processes restarted after a failure."),
+                float(st.restarts),
+            ),
+            one(counter("smiquery_sweeps", "Complete sweeps (one row per GPU) received."), float(st.sweeps)),
+            one(
+                counter("smiquery_dropped_rows", "Rows of nvidia-smi output rejected by the parser."),
+                float(st.dropped_rows),
+            ),
+        ]
         errors = counter("smiquery_nvidia_smi_errors", "nvidia-smi failures, by error type and source.")
-        for typ, n in sorted(dict(st.errors).items()):
-            errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "stream"}, float(n))
-        if self.processes is not None:
-            for typ, n in sorted(dict(self.processes.errors).items()):
-                errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "processes"}, float(n))
-        if self.pmon is not None:
-            for typ, n in sorted(dict(self.pmon.errors).items()):
-                errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "pmon"}, float(n))
-        if self.details is not None:
-            for typ, n in sorted(dict(self.details.errors).items()):
-                errors.add_sample(errors.name + "_total", {**const, "type": typ, "source": "details"}, float(n))
+        for source, owner in (
+            ("stream", st),
+            ("processes", self.processes),
+            ("pmon", self.pmon),
+            ("details", self.details),
+        ):
+            for typ, n in sorted(dict(owner.errors).items()) if owner is not None else ():
+                errors.add_sample(errors.name + "_total", {**self.labels, "type": typ, "source": source}, float(n))
         if errors.samples:
             out.append(errors)
         return out
@@ -606,41 +579,24 @@ class SmiCollector:
         return out
 
     def _health_tail(self, duration: float) -> list[Metric]:
-        const = self.labels
+        one = self._one
         out: list[Metric] = []
-
-        def one(fam: Metric, value: float, labels: Mapping[str, str] | None = None) -> None:
-            sample = fam.name + "_total" if fam.type == "counter" else fam.name
-            fam.add_sample(sample, {**const, **labels} if labels else const, value)
-            out.append(fam)
-
         if self.processes is not None and self.naming == "nvidia_smi":
             ok = self.processes.polls > 0 and self.processes.last_error is None
-            one(
-                gauge("nvidia_smi_compute_apps_last_collect_success", "1 when the last process listing worked."),
-                1.0 if ok else 0.0,
-            )
+            doc = "1 when the last process listing worked."
+            out.append(one(gauge("nvidia_smi_compute_apps_last_collect_success", doc), 1.0 if ok else 0.0))
         if self.processes is not None:
             _, _, when = self.processes.latest()
             if when is not None:
-                one(
-                    gauge(
-                        "smiquery_processes_last_success_timestamp_seconds",
-                        "Unix time of the newest successful listing of compute processes.",
-                    ),
-                    when,
-                )
+                doc = "Unix time of the newest successful listing of compute processes."
+                out.append(one(gauge("smiquery_processes_last_success_timestamp_seconds", doc), when))
         if self.pmon is not None:
             out.extend(pmon_health(self.pmon, self.labels))
         if self.render_errors:
-            one(
-                counter("smiquery_collection_errors", "Scrapes whose GPU metrics could not be built (a bug)."),
-                float(self.render_errors),
-            )
-        one(
-            gauge("smiquery_collection_duration_seconds", "Time spent building this scrape's metrics."),
-            duration,
-        )
+            doc = "Scrapes whose GPU metrics could not be built (a bug)."
+            out.append(one(counter("smiquery_collection_errors", doc), float(self.render_errors)))
+        doc = "Time spent building this scrape's metrics."
+        out.append(one(gauge("smiquery_collection_duration_seconds", doc), duration))
         return out
 
     def _data_families(
@@ -662,13 +618,25 @@ class SmiCollector:
                 fams.extend(self.process_families(procs))
             if instant is not None:
                 fams.extend(self.pmon_families(instant))
-            if self.kubernetes is not None:
-                fams.extend(self.kubernetes.families(sweep if fresh else None, procs, instant))
+            if self.attribution is not None:
+                fams.extend(self._attribution_families(procs, instant))
         except Exception:  # a bug must not take /metrics down: the health metrics still go out
             self.render_errors += 1
             log.exception("smiquery exporter: building the GPU metrics failed")
             return []
         return merge_families(fams)  # DCGM's FB families get MIG samples too: one family per name
+
+    def _attribution_families(
+        self, procs: tuple[GpuProcess, ...] | None, instant: ProcessInstant | None
+    ) -> list[Metric]:
+        # stale data: the GPUs of the last fresh sweep keep their state
+        att = self.attribution
+        assert att is not None
+        uuid_label = "UUID" if self.naming == "dcgm" else "uuid"
+        out = attribution_families(att, self._att_gpus, uuid_label, self.labels)
+        if att.backend.processes and (instant is not None or procs is not None):
+            out += workload_usage_families(att, self._att_gpus, instant, procs, uuid_label, self.labels)
+        return out
 
     def _details_labels(self, gpu: GpuDetails) -> dict[str, str]:
         """The parent GPU's labels for its MIG series: as its CSV series have them, or from the details alone."""
@@ -676,21 +644,7 @@ class SmiCollector:
             tracked = self._gpus.get(gpu.uuid or "")
         if tracked is not None:
             return dict(tracked.dcgm if self.naming == "dcgm" else tracked.native)
-        idx = str(gpu.index)
-        if self.naming != "dcgm":
-            return {"gpu": idx, "uuid": gpu.uuid or "", "name": gpu.name or "", "pci_bus_id": gpu.pci_bus_id or "",
-                    **self.labels}  # fmt: skip
-        out = {
-            "gpu": idx,
-            "UUID": gpu.uuid or "",
-            "device": f"nvidia{idx}",
-            "modelName": gpu.name or "",
-            "Hostname": self.hostname,
-            "pci_bus_id": gpu.pci_bus_id or "",
-        }
-        if gpu.driver_version:
-            out["DCGM_FI_DRIVER_VERSION"] = gpu.driver_version
-        return {**out, **self.labels}
+        return self._identity(gpu.index, gpu.uuid, gpu.name or "", gpu.pci_bus_id or "", gpu.driver_version or None)[1]
 
     def _gpu_at_bus(self) -> Callable[[BusKey], Mapping[str, str] | None]:
         """PCI key -> the ``gpu`` and ``uuid`` of the GPU there: the GPUs seen in the CSV, then in the details."""
@@ -740,9 +694,9 @@ class SmiCollector:
         procs = self._fresh_processes()
         instant = self.pmon.fresh() if self.pmon is not None else None
         details = self.details.fresh() if self.details is not None else None
-        key = (sweep if fresh else None, procs, instant, details, self.kubernetes.token if self.kubernetes else None)
+        key = (sweep if fresh else None, procs, instant, details, *(self.attribution.token if self.attribution else ()))
         with self._lock:
-            if any(a is not b for a, b in zip(key, self._cache_key)):
+            if len(key) != len(self._cache_key) or any(a is not b for a, b in zip(key, self._cache_key)):
                 self._cache = render(self._data_families(sweep, fresh, procs, instant, details)).encode()
                 self._cache_key = key
             body = self._cache

@@ -24,13 +24,33 @@ log = get_logger("smiquery.exporter")
 LogFormat = Literal["text", "json"]
 
 
-class _Bucket:
-    __slots__ = ("suppressed", "tokens", "updated")
+class _Limiter:
+    """Token buckets by key: a burst of ``burst`` lines, then one per ``period`` seconds; counts what it holds back."""
 
-    def __init__(self, burst: float, now: float) -> None:
-        self.tokens = burst
-        self.updated = now
+    def __init__(self, burst: int, period: float, clock: Callable[[], float]) -> None:
+        self.burst = float(burst)
+        self.period = period
+        self.clock = clock
         self.suppressed = 0
+        self._buckets: dict[object, tuple[float, float, int]] = {}  # key -> (tokens, updated, held back)
+        self._lock = threading.Lock()
+
+    def take(self, key: object) -> int | None:
+        """None when ``key`` is over its rate (the line is held back), else how many were held back before it."""
+        now = self.clock()
+        with self._lock:
+            tokens, updated, held = self._buckets.get(key, (self.burst, now, 0))
+            tokens = min(self.burst, tokens + (now - updated) / self.period)
+            if tokens < 1.0:
+                self._buckets[key] = (tokens, now, held + 1)
+                self.suppressed += 1
+                return None
+            self._buckets[key] = (tokens - 1.0, now, 0)
+            return held
+
+
+def _held_note(held: int) -> str:
+    return f" ({held} similar message{'s' if held != 1 else ''} suppressed)"
 
 
 class EventLog:
@@ -52,13 +72,14 @@ class EventLog:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.logger = logger
-        self.burst = float(burst)
-        self.period = period
-        self.clock = clock
-        self.suppressed = 0
-        self._buckets: dict[str, _Bucket] = {}
+        self._limit = _Limiter(burst, period, clock)
         self._lock = threading.Lock()
         self._fault: tuple[str | None, str] | None = None  # the failure last announced, until data flows again
+
+    @property
+    def suppressed(self) -> int:
+        """Lines held back so far."""
+        return self._limit.suppressed
 
     def emit(self, kind: str, level: int, message: str, **fields: Any) -> bool:
         """Log one line unless this kind is over its rate; returns whether it was logged.
@@ -72,21 +93,11 @@ class EventLog:
         Returns:
             True when the line went out.
         """
-        now = self.clock()
-        with self._lock:
-            b = self._buckets.get(kind)
-            if b is None:
-                b = self._buckets[kind] = _Bucket(self.burst, now)
-            b.tokens = min(self.burst, b.tokens + (now - b.updated) / self.period)
-            b.updated = now
-            if b.tokens < 1.0:
-                b.suppressed += 1
-                self.suppressed += 1
-                return False
-            b.tokens -= 1.0
-            held, b.suppressed = b.suppressed, 0
+        held = self._limit.take(kind)
+        if held is None:
+            return False
         if held:
-            message += f" ({held} similar message{'s' if held != 1 else ''} suppressed)"
+            message += _held_note(held)
         self.logger.log(level, message, extra={"event": kind, "fields": {**fields, "suppressed": held}})
         return True
 
@@ -177,32 +188,18 @@ class RateLimitFilter(logging.Filter):
 
     def __init__(self, burst: int = 5, period: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self.burst = float(burst)
-        self.period = period
-        self.clock = clock
-        self._buckets: dict[tuple[str, str], _Bucket] = {}
-        self._lock = threading.Lock()
+        self._limit = _Limiter(burst, period, clock)
 
     def filter(self, record: logging.LogRecord) -> bool:
         """Whether ``record`` goes out (errors and worse always do)."""
         if record.levelno >= logging.ERROR:
             return True
-        key = (record.name, str(record.msg))
-        now = self.clock()
-        with self._lock:
-            b = self._buckets.get(key)
-            if b is None:
-                b = self._buckets[key] = _Bucket(self.burst, now)
-            b.tokens = min(self.burst, b.tokens + (now - b.updated) / self.period)
-            b.updated = now
-            if b.tokens < 1.0:
-                b.suppressed += 1
-                return False
-            b.tokens -= 1.0
-            held, b.suppressed = b.suppressed, 0
+        held = self._limit.take((record.name, str(record.msg)))
+        if held is None:
+            return False
         if held and getattr(record, "event", None) is None:  # EventLog lines count their own
             # format now, so the note cannot clash with the record's own %-arguments
-            record.msg = f"{record.getMessage()} ({held} similar message{'s' if held != 1 else ''} suppressed)"
+            record.msg = record.getMessage() + _held_note(held)
             record.args = ()
         return True
 

@@ -1,4 +1,4 @@
-"""Metric families built from what the collector reads: processes, pmon instants, and their helpers."""
+"""Metric families built from what the collector reads: processes, pmon instants, attribution, and their helpers."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.metrics_core import Metric
 
+from smiquery.attribution import STATES, Workload
 from smiquery.exporter.naming import NVSMI_WORDS, PMON_SERIES
 from smiquery.exporter.state import bare_uuid
 from smiquery.kinds import to_number
 
 if TYPE_CHECKING:
+    from smiquery.attribution import Attribution
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
     from smiquery.oneshot import GpuProcess
     from smiquery.sample import Value
 
 __all__ = [
+    "attribution_families",
     "counter",
     "gauge",
     "merge_families",
@@ -26,6 +29,7 @@ __all__ = [
     "pmon_health",
     "process_families",
     "pstate_number",
+    "workload_usage_families",
 ]
 
 
@@ -216,4 +220,121 @@ def pmon_health(pmon: PmonWatcher, labels: Mapping[str, str]) -> list[Metric]:
         )
         when.add_sample(when.name, dict(labels), got.wall)
         out.append(when)
+    return out
+
+
+def attribution_families(
+    att: Attribution, gpus: Mapping[str, int | None], uuid_label: str, labels: Mapping[str, str]
+) -> list[Metric]:
+    """The attribution series: ``allocation_info``, the per-GPU state, unknown devices and the listing's health.
+
+    Args:
+        att: the attribution.
+        gpus: GPU UUID -> index (from the newest sweep).
+        uuid_label: ``uuid`` or ``UUID`` (dcgm naming).
+        labels: the constant labels.
+
+    Returns:
+        The families (the health ones always).
+    """
+    view = att.view(gpus)
+    b = att.backend
+    words = b.words
+
+    def gpu(uuid: str) -> dict[str, str]:
+        idx = gpus.get(uuid)
+        return {uuid_label: uuid, "gpu": "" if idx is None else str(idx)}
+
+    info = gauge("smiquery_gpu_allocation_info", words.allocated)
+    for uuid, holder, res, mig, profile in view.allocations:
+        one = {**gpu(uuid), **holder.labels(b.labels), "resource": res, "mig_uuid": mig, "mig_profile": profile}
+        info.add_sample(info.name, {**one, **labels}, 1.0)
+    prefix = f"smiquery_{b.name}"
+    state = gauge(
+        f"{prefix}_gpu_attribution_state",
+        "The GPU's attribution state (1 for the current one): " + ", ".join(STATES) + ".",
+    )
+    for uuid, now in sorted(view.states.items()):
+        for s in STATES:
+            state.add_sample(state.name, {**gpu(uuid), "state": s, **labels}, 1.0 if s == now else 0.0)
+    unknown = gauge(f"{prefix}_unknown_device_info", words.unknown_help)
+    for g in sorted(set(view.unknown), key=lambda g: (g.workload, g.device_id)):
+        one = {"device_id": g.device_id, "resource": g.resource, **g.workload.labels(b.labels)}
+        unknown.add_sample(unknown.name, {**one, **labels}, 1.0)
+    up = gauge(f"{prefix}_attribution_up", words.up)
+    up.add_sample(up.name, dict(labels), 1.0 if att.up else 0.0)
+    took = gauge(f"{prefix}_attribution_refresh_seconds", words.took)
+    took.add_sample(took.name, dict(labels), att.last_duration)
+    errs = counter(f"{prefix}_attribution_errors", words.errors)
+    for kind, n in sorted(att.errors.items()):
+        errs.add_sample(errs.name + "_total", {"type": kind, **labels}, float(n))
+    return [f for f in (info, state, unknown) if f.samples] + [up, took] + ([errs] if errs.samples else [])
+
+
+def workload_usage_families(
+    att: Attribution,
+    gpus: Mapping[str, int | None],
+    instant: ProcessInstant | None,
+    procs: Sequence[GpuProcess] | None,
+    uuid_label: str,
+    labels: Mapping[str, str],
+) -> list[Metric]:
+    """Per-workload use of each GPU: pmon SM and memory use (0-1) and GPU memory (compute apps), summed by workload.
+
+    Each process is tied to its workload by the backend (Kubernetes: its cgroup and the node's pods); what cannot
+    be tied (host processes, processes of another PID namespace, pods not listed yet, and pmon's own ``other`` row)
+    goes to the backend's ``other`` bucket per GPU, so the series of a GPU sum to what pmon saw on it. Series
+    (Kubernetes): ``smiquery_pod_gpu_utilization_ratio``, ``smiquery_pod_gpu_memory_utilization_ratio``,
+    ``smiquery_pod_gpu_memory_used_bytes``, labelled uuid, gpu and the workload's labels.
+
+    Args:
+        att: the attribution (its backend ties processes to workloads).
+        gpus: GPU UUID -> index (from the newest sweep).
+        instant: the newest pmon instant, or None.
+        procs: the newest compute-process list, or None.
+        uuid_label: ``uuid`` or ``UUID`` (dcgm naming).
+        labels: the constant labels.
+    """
+    b = att.backend
+    by_index = {idx: uuid for uuid, idx in gpus.items() if idx is not None}
+    seen: dict[int, Workload] = {}
+
+    def holder(pid: int | None) -> Workload:
+        if pid is None:
+            return b.other
+        if pid not in seen:
+            seen[pid] = b.owner(pid) or b.other
+        return seen[pid]
+
+    sm: dict[tuple[str, Workload], float] = {}
+    mem: dict[tuple[str, Workload], float] = {}
+    for row, _ in instant.rows if instant is not None else ():
+        uuid = by_index.get(row.gpu) if row.gpu is not None else None
+        if uuid is None:
+            continue
+        key = (uuid, holder(row.pid))
+        if row.sm is not None:
+            sm[key] = sm.get(key, 0.0) + row.sm / 100.0
+        if row.mem is not None:
+            mem[key] = mem.get(key, 0.0) + row.mem / 100.0
+    used: dict[tuple[str, Workload], float] = {}
+    for p in procs or ():
+        if p.used_memory is None or p.gpu_uuid not in gpus:
+            continue
+        key = (p.gpu_uuid, holder(p.pid))
+        used[key] = used.get(key, 0.0) + float(p.used_memory) * 1048576.0
+    whose = f"the {b.words.holder}'s processes"
+    out = []
+    for name, doc, values in (
+        ("gpu_utilization_ratio", f"SM use of {whose} on the GPU (pmon sm), 0-1.", sm),
+        ("gpu_memory_utilization_ratio", f"Memory-controller use of {whose} (pmon mem), 0-1.", mem),
+        ("gpu_memory_used_bytes", f"GPU memory used by {whose}, in bytes.", used),
+    ):
+        fam = gauge(f"smiquery_{b.workload}_{name}", f"{doc} {b.words.other}")
+        for (uuid, h), value in sorted(values.items()):
+            idx = gpus.get(uuid)
+            one = {uuid_label: uuid, "gpu": "" if idx is None else str(idx), **h.labels(b.labels)}
+            fam.add_sample(fam.name, {**one, **labels}, value)
+        if fam.samples:
+            out.append(fam)
     return out

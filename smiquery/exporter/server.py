@@ -13,7 +13,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from smiquery import __version__
 from smiquery._log import get_logger
@@ -37,7 +37,7 @@ from smiquery.streams.sync import stream
 if TYPE_CHECKING:
     import os
 
-    from smiquery.exporter.kubernetes import KubernetesHook
+    from smiquery.attribution import Attribution
     from smiquery.fields import Field
     from smiquery.streams.argv import GpusArg
 
@@ -230,23 +230,21 @@ class Exporter:
         self,
         server: HttpServer,
         collector: SmiCollector,
-        poller: ProcessPoller | None,
         tls: bool,
-        cleanup: Callable[[], None] = lambda: None,
+        parts: Sequence[_Part] = (),
         make_stream: Callable[[], Any] | None = None,
         revive_after: float = 30.0,
-        pmon: PmonWatcher | None = None,
     ) -> None:
         self.http = server
-        self.pmon = pmon
         self.collector = collector
         self.stream = collector.stream
-        self.poller = poller
+        self.poller = collector.processes
+        self.pmon = collector.pmon
         self.revive_after = revive_after
         self.revivals = 0
         self._make_stream = make_stream
         self._tls = tls
-        self._cleanup = cleanup
+        self._parts = parts
         self._stopped = threading.Event()
         self._lock = threading.Lock()
         host, port = server.sock.getsockname()[:2]
@@ -329,11 +327,7 @@ class Exporter:
                     if close is not None:
                         close()
                 finally:
-                    if self.poller is not None:
-                        self.poller.close()
-                    if self.pmon is not None:
-                        self.pmon.close()  # the pmon child is reaped here too
-                    self._cleanup()
+                    _close(self._parts)  # the pmon child is reaped here too
                     self._stopped.set()
 
     def serve_forever(self, poll: float = 0.5) -> None:
@@ -378,7 +372,7 @@ def serve(
     max_connections: int = 2048,
     request_timeout: float = 10.0,
     revive_after: float = 30.0,
-    kubernetes: KubernetesHook | None = None,
+    attribution: Attribution | None = None,
     details_interval: float | None = None,
     kernel_log: str | os.PathLike[str] | None = None,
 ) -> Exporter:
@@ -427,8 +421,8 @@ def serve(
         request_timeout: seconds a client has to send a whole request head (slow clients are cut off).
         revive_after: seconds after which a stream that stopped for good (its thread ended with an error) is
             replaced by a new one; meanwhile ``smiquery_next_attempt_timestamp_seconds`` says when.
-        kubernetes: pod attribution (:class:`~smiquery.exporter.kubernetes.KubernetesHook`), started and closed
-            with the exporter.
+        attribution: which workload holds each GPU (:class:`~smiquery.attribution.Attribution`, e.g. Kubernetes
+            pods), started and closed with the exporter.
         details_interval: also run ``nvidia-smi -q -x`` every this many seconds, in its own thread (never on a
             scrape), and export per-MIG-instance memory; None (the default here; the CLI's is 60) for none.
         kernel_log: also follow this kernel log (``/dev/kmsg``, or a plain file followed like ``tail -F``) and
@@ -478,11 +472,7 @@ def serve(
 
     _raise_fd_limit(max_connections + 256)
     sock = _make_socket(bind, port)  # fail on a taken port before nvidia-smi starts
-    s = None
-    poller = None
-    watcher = None
-    details = None
-    xid = None
+    s = poller = watcher = details = xid = collector = None
     events = EventLog()
     try:
         stream_fields = [f.name for f in _with_alert_fields(flds, evaluator)]
@@ -533,7 +523,7 @@ def serve(
             on_gpu_change=events.on_gpu_change,
             on_state=events.on_state,
             nvidia_smi_path=str(getattr(s, "argv", ("",))[0]),
-            kubernetes=kubernetes,
+            attribution=attribution,
         )
         extra: Callable[[], bytes] = bytes
         if registry is not None:
@@ -559,56 +549,42 @@ def serve(
             headers=web.headers,
             peer_check=web.peer_allowed if web.allowed_sans else None,
         )
-        s.start()
-        collector.start()
-        if poller is not None:
-            poller.start()
-        if watcher is not None:
-            watcher.start()
-        if kubernetes is not None:
-            kubernetes.start()
-        if details is not None:
-            details.start()
-        if xid is not None:
-            xid.start()
+        # started with the stream, closed after it (in this order)
+        parts = [p for p in (poller, watcher, collector, attribution, xid, details) if p is not None]
+        for part in (s, *parts):
+            part.start()
         exp = Exporter(
             http,
             collector,
-            poller,
             web.ssl_context is not None,
-            cleanup=functools.partial(_close_all, collector, details, xid, kubernetes),
+            parts=parts,
             make_stream=make_stream,
             revive_after=revive_after,
-            pmon=watcher,
         )
     except BaseException:
         sock.close()
-        if s is not None:
-            s.close()
-        if poller is not None:
-            poller.close()
-        if watcher is not None:
-            watcher.close()
-        _close_all(None, details, xid, kubernetes)
+        _close([p for p in (s, poller, watcher, collector, attribution, xid, details) if p is not None])
         raise
     log.info("smiquery exporter: serving %s/metrics (naming %s)", exp.url, naming)
     return exp
 
 
-def _close_all(
-    collector: SmiCollector | None,
-    details: DetailsPoller | None,
-    xid: XidWatcher | None,
-    kubernetes: KubernetesHook | None = None,
-) -> None:
-    if collector is not None:
-        collector.close()
-    if kubernetes is not None:
-        kubernetes.close()
-    if xid is not None:
-        xid.close()
-    if details is not None:
-        details.close()
+class _Part(Protocol):
+    """What the exporter starts besides the stream (pollers, watchers, the collector, attribution)."""
+
+    def start(self) -> object: ...
+
+    def close(self) -> None: ...
+
+
+def _close(parts: Sequence[_Part]) -> None:
+    """Close each part, in order, each even when one before it failed."""
+    for i, part in enumerate(parts):
+        try:
+            part.close()
+        except BaseException:
+            _close(parts[i + 1 :])
+            raise
 
 
 def _with_alert_fields(flds: Sequence[Field], evaluator: AlertEvaluator | None) -> list[Field]:

@@ -307,7 +307,7 @@ def test_every_rule_expression_evaluates_and_its_metrics_have_series(stack):
             if name.startswith("smiquery_training_"):
                 continue  # the training monitor's metrics, from another process (tests/training/test_deployed.py)
             if name == "smiquery_gpu_allocation_info":
-                continue  # --kubernetes, against a stand-in kubelet: tests/exporter/kubernetes/
+                continue  # --kubernetes, against a stand-in kubelet: tests/attribution/
             # by name: a matcher such as permanent="true" is legitimately empty on a healthy exporter
             assert stack.query(name), f"{rule['alert']}: {name} has no series"
 
@@ -339,7 +339,7 @@ def test_every_dashboard_expression_returns_series(stack):
             if "smiquery_training_" in target["expr"]:
                 continue  # the training row needs a training job's own metrics (tests/test_monitor.py serves them)
             if "smiquery_gpu_allocation_info" in target["expr"]:
-                continue  # the by-pod row needs --kubernetes and a kubelet (tests/exporter/kubernetes/)
+                continue  # the by-pod row needs --kubernetes and a kubelet (tests/attribution/)
             expr = substitute(target["expr"])
             assert stack.query(expr), f"{panel['title']}: {expr} returned no series"
 

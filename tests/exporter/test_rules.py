@@ -73,10 +73,39 @@ def training_names() -> set[str]:
 
 
 def kubernetes_names() -> set[str]:
-    """The series of ``--kubernetes`` and ``--kubernetes-processes`` (smiquery/exporter/kubernetes/)."""
-    src = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "smiquery" / "exporter" / "kubernetes").glob("*.py"))
-    names = set(re.findall(r'"(smiquery_(?:gpu_allocation|kubernetes|pod_gpu)_[a-z_]+)"', src))
-    assert {"smiquery_gpu_allocation_info", "smiquery_pod_gpu_utilization_ratio"} <= names, "scan is broken"
+    """The series of ``--kubernetes`` and ``--kubernetes-processes`` (smiquery/attribution/), as they come out."""
+    from smiquery.attribution import Attribution, Grant, Workload
+    from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
+    from smiquery.exporter.families import attribution_families, workload_usage_families
+    from smiquery.exporter.pmonwatch import ProcessInstant
+    from smiquery.oneshot import GpuProcess
+    from smiquery.pmon import PmonRow
+
+    gpu = "GPU-c1b0d0c2-7b24-505e-e600-706601380be7"
+    answers: list[Any] = [
+        OSError("kubelet away"),  # a failed List: the errors counter
+        [
+            Grant(Workload(("ns", "p", "c")), "nvidia.com/gpu", gpu),
+            Grant(Workload(("ns", "q", "c")), "nvidia.com/gpu", "x"),
+        ],
+    ]
+
+    def lister(socket: str, timeout: float) -> Any:
+        got = answers.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    backend = KubernetesBackend("/nonexistent", lister=lister, pods=PodDirectory(node="n", api=object()))
+    att = Attribution(backend, mig_listing=str)
+    att.refresh()
+    att.refresh()
+    instant = ProcessInstant(((PmonRow(0, 7, "C", 40, 20), None),), {0: 1}, 0.0, 0.0)
+    procs = [GpuProcess(pid=7, process_name="python", gpu_uuid=gpu, gpu_index=0, used_memory=1024)]
+    fams = attribution_families(att, {gpu: 0}, "uuid", {})
+    fams += workload_usage_families(att, {gpu: 0}, instant, procs, "uuid", {})
+    names = {s.name for f in fams for s in f.samples}
+    assert {"smiquery_gpu_allocation_info", "smiquery_pod_gpu_utilization_ratio"} <= names, "not every series"
     return names
 
 

@@ -2,7 +2,7 @@
 
 The messages come from ``podresources.proto`` (beside this module): its compiled descriptor is below, loaded into
 a pool of its own (so no other ``v1`` package in the process can clash) and turned into message classes at import,
-which works with any protobuf runtime from 4.21 on; ``tests/exporter/kubernetes/test_podresources.py`` compiles the
+which works with any protobuf runtime from 4.21 on; ``tests/attribution/test_podresources.py`` compiles the
 ``.proto`` with ``grpc_tools.protoc`` and checks the two agree.
 """
 
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pool, message_factory
+
+from smiquery.attribution import Grant, Workload
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -22,7 +23,6 @@ __all__ = [
     "LIST_METHOD",
     "ContainerDevices",
     "ContainerResources",
-    "DeviceGrant",
     "ListPodResourcesRequest",
     "ListPodResourcesResponse",
     "PodResources",
@@ -65,27 +65,10 @@ ContainerResources: Any = _message("ContainerResources")
 ContainerDevices: Any = _message("ContainerDevices")
 
 
-@dataclass(frozen=True)
-class DeviceGrant:
-    """One device the kubelet allocated to one container.
+def list_devices(socket_path: str, timeout: float) -> list[Grant]:
+    """Call ``List`` once and flatten the answer to one :class:`~smiquery.attribution.Grant` per device id.
 
-    Attributes:
-        namespace: the pod's namespace.
-        pod: the pod's name.
-        container: the container's name.
-        resource: the extended resource (``nvidia.com/gpu``, ``nvidia.com/mig-1g.5gb``...).
-        device_id: the id the device plugin gave (a GPU UUID, a MIG UUID, ``UUID::N`` for a time-sliced replica).
-    """
-
-    namespace: str
-    pod: str
-    container: str
-    resource: str
-    device_id: str
-
-
-def list_devices(socket_path: str, timeout: float) -> list[DeviceGrant]:
-    """Call ``List`` once and flatten the answer to one :class:`DeviceGrant` per device id.
+    The workload of each is (namespace, pod, container).
 
     Args:
         socket_path: the kubelet's pod-resources socket.
@@ -111,12 +94,13 @@ def list_devices(socket_path: str, timeout: float) -> list[DeviceGrant]:
         if denied is not None:
             raise PermissionError(denied) from None
         raise
-    out: list[DeviceGrant] = []
+    out: list[Grant] = []
     for pod in answer.pod_resources:
         for ctr in pod.containers:
             for dev in ctr.devices:
                 for dev_id in dev.device_ids:
-                    out.append(DeviceGrant(pod.namespace, pod.name, ctr.name, dev.resource_name, dev_id))
+                    holder = Workload((pod.namespace, pod.name, ctr.name))
+                    out.append(Grant(holder, dev.resource_name, dev_id))
     return out
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from smiquery.exporter.kubernetes import podresources as pr
+from smiquery.attribution import podresources as pr
 
 #: (namespace, pod, container, resource, device ids)
 Grant = tuple[str, str, str, str, tuple[str, ...]]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from smiquery.exporter.kubernetes import podresources
+from smiquery.attribution import podresources
 
 PROTO = Path(podresources.__file__).with_name("podresources.proto")
 

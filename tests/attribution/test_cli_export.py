@@ -15,11 +15,11 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from smiquery.testing import fake_nvidia_smi
-from tests.exporter.kubernetes.kubelet import StandInKubelet
+from tests.attribution.kubelet import StandInKubelet
 
 GPU0 = "GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"
 GPU1 = "GPU-c1b0d0c2-7b24-505e-e600-706601380be7"
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_export_kubernetes_serves_pod_labels_from_the_kubelet_socket(tmp_path: Path) -> None:

@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from smiquery.attribution import Attribution, resolve_device
+from smiquery.attribution.kubernetes import KubernetesBackend
 from smiquery.exporter import serve
-from smiquery.exporter.kubernetes import Attribution, KubernetesHook
-from smiquery.exporter.kubernetes.attribution import resolve_device
-from tests.exporter.kubernetes.kubelet import StandInKubelet
+from smiquery.exporter.families import attribution_families
+from tests.attribution.kubelet import StandInKubelet
 from tests.helpers import wait_for
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 GPU0 = "GPU-70a2e60b-a656-a12f-696b-8596a11d4d6b"
 GPU1 = "GPU-c1b0d0c2-7b24-505e-e600-706601380be7"
 GPU2 = "GPU-08d66bca-5784-0341-346c-86e41bd1addc"
@@ -63,16 +64,19 @@ def _render(fam: Any) -> str:
     return render([fam])
 
 
-def attribution(k: StandInKubelet, **kw: Any) -> Attribution:
-    kw.setdefault("timeout", 5.0)
-    return Attribution(k.socket_path, interval=0.1, mig_listing=lambda: LISTING, **kw)
+def attribution(k: StandInKubelet, timeout: float = 5.0) -> Attribution:
+    return Attribution(KubernetesBackend(k.socket_path, timeout=timeout), interval=0.1, mig_listing=lambda: LISTING)
+
+
+def families(att: Attribution) -> list[Any]:
+    return attribution_families(att, GPUS, "uuid", {})
 
 
 def test_allocations_states_and_labels_from_a_real_grpc_list(kubelet: StandInKubelet) -> None:
     usual(kubelet)
     att = attribution(kubelet)
     assert att.refresh() and att.up
-    got = samples(att.families(GPUS))
+    got = samples(families(att))
     info = {
         (d["uuid"], d["namespace"], d["pod"], d["container"], d["mig_uuid"])
         for d, _ in got["smiquery_gpu_allocation_info"]
@@ -110,9 +114,9 @@ def test_changes_are_followed_and_logged_once(kubelet: StandInKubelet, caplog: p
     kubelet.grants = [("team-a", "train-0", "main", "nvidia.com/gpu", (GPU0,))]
     att = attribution(kubelet)
     att.refresh()
-    att.families(GPUS)
+    families(att)
     att.refresh()
-    att.families(GPUS)  # nothing changed: nothing logged again
+    families(att)  # nothing changed: nothing logged again
     assert sum("GPU 0" in r.getMessage() and "exclusive" in r.getMessage() for r in caplog.records) == 1
     kubelet.grants = [("team-b", "train-9", "main", "nvidia.com/gpu", (GPU0,))]
     att.refresh()
@@ -132,7 +136,7 @@ def test_socket_gone_and_back_is_never_silent(kubelet: StandInKubelet, caplog: p
     kubelet.stop()
     assert not att.refresh() and not att.up
     assert not att.refresh()
-    got = samples(att.families(GPUS))
+    got = samples(families(att))
     assert got["smiquery_kubernetes_attribution_up"] == [({}, 0.0)]
     states = {d["uuid"]: d["state"] for d, v in got["smiquery_kubernetes_gpu_attribution_state"] if v == 1.0}
     assert set(states.values()) == {"unreachable"} and len(states) == 4
@@ -149,8 +153,9 @@ def test_socket_gone_and_back_is_never_silent(kubelet: StandInKubelet, caplog: p
 _AS_USER = r"""
 import logging, os, sys
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
-from smiquery.exporter.kubernetes import Attribution
-att = Attribution(sys.argv[1], interval=1.0, timeout=5.0, mig_listing=lambda: "")
+from smiquery.attribution import Attribution
+from smiquery.attribution.kubernetes import KubernetesBackend
+att = Attribution(KubernetesBackend(sys.argv[1], timeout=5.0), interval=1.0, mig_listing=lambda: "")
 if sys.argv[2] != "0":  # imports done (the interpreter may live under /root): now become the exporter's user
     os.setgid(int(sys.argv[2]))
     os.setuid(int(sys.argv[2]))
@@ -184,8 +189,7 @@ def _metrics(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 @pytest.mark.parametrize("naming", ["smiquery", "dcgm"])
 def test_exporter_serves_pod_labels_and_follows_the_kubelet(kubelet: StandInKubelet, inproc: Any, naming: str) -> None:
     usual(kubelet)
-    hook = KubernetesHook(attribution(kubelet, naming=naming))
-    exp = serve(port=0, interval=0.1, naming=naming, kubernetes=hook)  # type: ignore[arg-type]
+    exp = serve(port=0, interval=0.1, naming=naming, attribution=attribution(kubelet))  # type: ignore[arg-type]
     try:
         temp = "DCGM_FI_DEV_GPU_TEMP" if naming == "dcgm" else "smiquery_temperature_gpu_celsius"
         uu = "UUID" if naming == "dcgm" else "uuid"

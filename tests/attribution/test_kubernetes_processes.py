@@ -15,9 +15,10 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from smiquery.exporter.kubernetes.cgroups import PodCgroup, parse_cgroup, pod_of_pid
-from smiquery.exporter.kubernetes.pods import PodDirectory
-from smiquery.exporter.kubernetes.usage import pod_usage_families
+from smiquery.attribution import Attribution
+from smiquery.attribution.cgroups import PodCgroup, parse_cgroup, pod_of_pid
+from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
+from smiquery.exporter.families import workload_usage_families
 from smiquery.exporter.pmonwatch import ProcessInstant
 from smiquery.oneshot import GpuProcess
 from smiquery.pmon import PmonRow
@@ -190,7 +191,8 @@ def test_shared_gpu_use_is_split_by_pod_and_sums_to_the_device(api: _ApiServer, 
         GpuProcess(pid=101, process_name="python", gpu_uuid=GPU1, gpu_index=1, used_memory=1024),
         GpuProcess(pid=202, process_name="python", gpu_uuid=GPU1, gpu_index=1, used_memory=512),
     ]
-    fams = pod_usage_families({GPU1: 1}, instant, procs, pods.latest, cgroup_of=lambda pid: pod_of_pid(pid, str(proc)))
+    backend = KubernetesBackend(pods=pods, cgroup_of=lambda pid: pod_of_pid(pid, str(proc)))
+    fams = workload_usage_families(Attribution(backend), {GPU1: 1}, instant, procs, "uuid", {})
     got = {
         f.name: {(s.labels["namespace"], s.labels["pod"], s.labels["container"]): s.value for s in f.samples}
         for f in fams
@@ -209,5 +211,5 @@ def test_api_server_gone_is_said_once_and_use_goes_to_other(api: _ApiServer, cap
     assert pods.refresh() and pods.up
     api.close()
     assert not pods.refresh() and not pods.refresh()
-    assert not pods.up and sum(pods.errors.values()) == 2
+    assert not pods.up and sum(pods.failures.errors.values()) == 2
     assert sum("listing the pods of node node-7 failed" in r.getMessage() for r in caplog.records) == 1

@@ -1,0 +1,441 @@
+"""Attribution: which workload holds each GPU, and which workload a GPU process belongs to.
+
+A :class:`Backend` asks one scheduler what it allocated (Kubernetes: :mod:`.kubernetes`, the kubelet's pod-resources
+``List``) and, where it can, which workload a process belongs to. :class:`Attribution` polls a backend in the
+background (one :class:`~smiquery.sources.latest.Latest`) and answers, for the GPUs of the newest sweep, each GPU's
+state and holders; a scrape only reads. Device ids are read as NVIDIA's device plugin writes them: a GPU UUID, a MIG
+device UUID (mapped to its parent GPU through ``nvidia-smi -L``, or read from the old ``MIG-GPU-<uuid>/<gi>/<ci>``
+form), and ``<id>::<n>`` for a time-sliced replica. Nothing is silent: a failed listing is counted by kind and logged
+once per change, each GPU has one attribution state, and every change of state is logged once. The exporter turns
+all this into series (``smiquery_gpu_allocation_info``, ``smiquery_<backend>_attribution_up``...).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from smiquery._log import get_logger
+from smiquery.details import parse_list
+from smiquery.retry import one_line
+from smiquery.sources.latest import Latest
+
+__all__ = [
+    "STATES",
+    "Attribution",
+    "Backend",
+    "FailureLog",
+    "Grant",
+    "Resolved",
+    "View",
+    "Words",
+    "Workload",
+    "check_labels",
+    "resolve_device",
+]
+
+log = get_logger("smiquery.exporter")
+
+#: Every attribution state of a GPU.
+STATES: tuple[str, ...] = ("exclusive", "shared", "partitioned", "unallocated", "unreachable")
+
+_REPLICA_RE = re.compile(r"^(.*)::(\d+)$")
+_OLD_MIG_RE = re.compile(r"^MIG-(GPU-[0-9a-fA-F-]+)/(\d+)/(\d+)$")
+_MIG_LISTING_EVERY = 60.0  # seconds between nvidia-smi -L runs while a MIG id stays unknown
+
+
+@dataclass(frozen=True, order=True)
+class Workload:
+    """One workload that holds (part of) a GPU: its label values, in the order of its backend's ``labels``."""
+
+    values: tuple[str, ...]
+
+    def labels(self, names: Sequence[str]) -> dict[str, str]:
+        """Label name -> value."""
+        return dict(zip(names, self.values, strict=True))
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One device a backend allocated to one workload.
+
+    Attributes:
+        workload: who holds it.
+        resource: the extended resource (``nvidia.com/gpu``, ``nvidia.com/mig-1g.5gb``...).
+        device_id: the id the device plugin gave (a GPU UUID, a MIG UUID, ``UUID::N`` for a time-sliced replica).
+    """
+
+    workload: Workload
+    resource: str
+    device_id: str
+
+
+@dataclass(frozen=True)
+class Words:
+    """What a backend's log lines and series say, in its own words (``{...}``: filled in when said).
+
+    Attributes:
+        failed: a failed listing (``{why}``).
+        again: the listing works again.
+        unknown: a device id that names no GPU of this node (``{resource}``, ``{device}``).
+        allocated: HELP of ``smiquery_gpu_allocation_info``.
+        unknown_help: HELP of ``smiquery_<name>_unknown_device_info``.
+        up: HELP of ``smiquery_<name>_attribution_up``.
+        took: HELP of ``smiquery_<name>_attribution_refresh_seconds``.
+        errors: HELP of ``smiquery_<name>_attribution_errors_total``.
+        holder: a workload, in the HELP of the per-workload use series (``container``).
+        other: what the bucket of use no workload is found for means, in the same HELP texts.
+    """
+
+    failed: str
+    again: str
+    unknown: str
+    allocated: str
+    unknown_help: str
+    up: str
+    took: str
+    errors: str
+    holder: str
+    other: str
+
+
+class Backend(Protocol):
+    """One scheduler's answers: what it allocated and, where it knows, whose a process is.
+
+    Attributes:
+        name: its word in series names (``kubernetes``: ``smiquery_kubernetes_attribution_up``).
+        workload: its word for a workload in the per-workload use series (``pod``: ``smiquery_pod_gpu_*``).
+        labels: the label names of a :class:`Workload` (``namespace``, ``pod``, ``container``).
+        other: the workload use no workload is found for counts under.
+        words: its log lines and HELP texts.
+        processes: whether :meth:`owner` can tell (the Kubernetes backend: with its pod listing).
+        polls: background polls of its own besides :meth:`refresh` (started and closed with the attribution).
+    """
+
+    name: str
+    workload: str
+    labels: tuple[str, ...]
+    other: Workload
+    words: Words
+    processes: bool
+    polls: tuple[Latest[Any], ...]
+
+    def refresh(self) -> Sequence[Grant]:
+        """Ask once what is allocated now (devices of the resources read). Raises on failure."""
+        ...
+
+    def failure(self, exc: Exception) -> tuple[str, str]:
+        """A failed :meth:`refresh` as (kind, one line of why), for the error counts and the log."""
+        ...
+
+    def owner(self, pid: int) -> Workload | None:
+        """The workload a process belongs to (the host's pid); None when it is none or not known (yet)."""
+        ...
+
+
+def check_labels(backend: Backend, labels: Iterable[str]) -> None:
+    """Refuse constant labels that a workload's labels would overwrite.
+
+    Raises:
+        ValueError: a label named as one of the backend's (``pod``, ``namespace``, ``container``).
+    """
+    taken = sorted(set(labels) & set(backend.labels))
+    if taken:
+        raise ValueError(f"label name {taken[0]!r} is set by the exporter itself with --{backend.name}; pick another")
+
+
+class FailureLog:
+    """Failed calls counted by kind; each change of error logged once, and the recovery once.
+
+    Args:
+        failed: the warning for a failure, with ``{why}``.
+        again: the warning when calls work again.
+    """
+
+    def __init__(self, failed: str, again: str) -> None:
+        self.failed_text = failed
+        self.again_text = again
+        self.errors: Counter[str] = Counter()
+        self._logged: str | None = None
+
+    def failed(self, kind: str, why: str) -> None:
+        """Count a failure of this kind; log it unless the last failure said the same."""
+        self.errors[kind] += 1
+        if why != self._logged:
+            log.warning("smiquery exporter: %s", self.failed_text.format(why=why))
+            self._logged = why
+
+    def worked(self) -> None:
+        """A call worked: say so once after failures."""
+        if self._logged is not None:
+            log.warning("smiquery exporter: %s", self.again_text)
+            self._logged = None
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A device id read: its GPU and, for a MIG device, the instance.
+
+    Attributes:
+        gpu_uuid: the parent GPU's UUID (None: an id this node's GPUs do not explain).
+        mig_uuid: the MIG device's UUID (empty for a whole GPU or a replica of one).
+        mig_profile: the MIG profile (``1g.5gb``...) when ``nvidia-smi -L`` listed it.
+        replica: the time-slicing replica number, or None.
+    """
+
+    gpu_uuid: str | None
+    mig_uuid: str = ""
+    mig_profile: str = ""
+    replica: int | None = None
+
+
+def resolve_device(device_id: str, migs: Mapping[str, tuple[str, str]], gpus: Iterable[str]) -> Resolved:
+    """Read one device-plugin id.
+
+    Args:
+        device_id: as the backend lists it.
+        migs: MIG UUID -> (parent GPU UUID, profile), from ``nvidia-smi -L``.
+        gpus: the UUIDs of this node's GPUs.
+
+    Returns:
+        What the id names; ``gpu_uuid`` is None when it names nothing on this node.
+    """
+    replica = None
+    m = _REPLICA_RE.match(device_id)
+    if m:
+        device_id, replica = m.group(1), int(m.group(2))
+    if device_id.startswith("MIG-"):
+        hit = migs.get(device_id)
+        if hit is not None:
+            return Resolved(hit[0], device_id, hit[1], replica)
+        old = _OLD_MIG_RE.match(device_id)
+        if old and old.group(1) in set(gpus):
+            return Resolved(old.group(1), device_id, "", replica)
+        return Resolved(None, device_id, "", replica)
+    if device_id in set(gpus):
+        return Resolved(device_id, "", "", replica)
+    return Resolved(None, "", "", replica)
+
+
+def _mig_listing(nvidia_smi: str | None) -> Callable[[], str]:
+    def run() -> str:
+        from smiquery.runner import default_runner, find_nvidia_smi
+
+        runner = default_runner()
+        argv = [find_nvidia_smi(nvidia_smi, runner=runner), "-L"]
+        done = runner.run(argv, 10.0)
+        return done.stdout if done.returncode == 0 else ""
+
+    return run
+
+
+@dataclass(frozen=True)
+class _Listing:
+    grants: tuple[Grant, ...]
+    error: str | None  # None: the listing worked
+
+
+_NOT_YET = _Listing((), "not listed yet")
+
+
+@dataclass(frozen=True)
+class View:
+    """What is served for a set of GPUs (UUID -> index).
+
+    Attributes:
+        states: GPU UUID -> its attribution state (one of :data:`STATES`).
+        holders: GPU UUID -> the workloads holding (part of) it, sorted.
+        exclusive: GPU UUID -> the one workload holding it whole.
+        allocations: (GPU UUID, workload, resource, MIG UUID, MIG profile), one per distinct allocation.
+        unknown: the grants whose device id names no GPU of this node.
+    """
+
+    states: dict[str, str]
+    holders: dict[str, tuple[Workload, ...]]
+    exclusive: dict[str, Workload]
+    allocations: tuple[tuple[str, Workload, str, str, str], ...]
+    unknown: tuple[Grant, ...]
+
+
+class Attribution:
+    """Keeps a backend's allocations fresh (in the background) and says which workload holds each GPU.
+
+    Args:
+        backend: the scheduler asked.
+        interval: seconds between listings (the exporter passes its sample interval).
+        mig_listing: returns ``nvidia-smi -L`` output (tests inject one).
+        nvidia_smi: the binary for ``-L``.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        interval: float = 5.0,
+        mig_listing: Callable[[], str] | None = None,
+        nvidia_smi: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.last_duration = 0.0
+        self.failures = FailureLog(backend.words.failed, backend.words.again)
+        self._latest = Latest(self._list, interval, name=f"{backend.name}-attribution")
+        self._mig_listing = mig_listing or _mig_listing(nvidia_smi)
+        self._migs: dict[str, tuple[str, str]] = {}
+        self._mig_listed_at: float | None = None
+        self._state: dict[str, str] = {}  # uuid -> last logged state
+        self._unknown_logged: frozenset[tuple[str, str]] = frozenset()
+        self._lock = threading.Lock()
+        self._view_key: tuple[object, frozenset[tuple[str, int | None]]] | None = None
+        self._view: View | None = None
+
+    # ------------------------------------------------------------------------------------------ refreshing
+
+    def _list(self) -> _Listing:
+        t0 = time.perf_counter()
+        try:
+            grants = tuple(self.backend.refresh())
+        except Exception as exc:  # whatever the backend's call raises: attribution is off, never silent
+            self.last_duration = time.perf_counter() - t0
+            kind, why = self.backend.failure(exc)
+            self.failures.failed(kind, why)
+            new = _Listing((), f"{kind}: {why}")
+        else:
+            self.last_duration = time.perf_counter() - t0
+            self.failures.worked()
+            new = _Listing(grants, None)
+        old = self._listing()
+        return old if new == old else new  # the same object while nothing changed: see token
+
+    def _listing(self) -> _Listing:
+        return self._latest.get().value or _NOT_YET
+
+    @property
+    def token(self) -> tuple[object, ...]:
+        """What is served comes from: the same objects (compared by identity) while nothing changed."""
+        return (self._listing(), *(p.get().value for p in self.backend.polls))
+
+    @property
+    def up(self) -> bool:
+        """Whether the newest listing worked."""
+        return self._listing().error is None
+
+    @property
+    def errors(self) -> Counter[str]:
+        """Failed listings by kind."""
+        return self.failures.errors
+
+    def refresh(self) -> bool:
+        """List once now, in the caller's thread; errors are counted and logged once per change, never raised.
+
+        Returns:
+            Whether the call worked.
+        """
+        self._latest.poll()
+        return self.up
+
+    def start(self) -> Attribution:
+        """Refresh in the background until :meth:`close` (the backend's own polls too). Returns self."""
+        for poll in (self._latest, *self.backend.polls):
+            poll.start()
+        return self
+
+    def close(self) -> None:
+        """Stop refreshing (a call in progress ends by its deadline)."""
+        for poll in (self._latest, *self.backend.polls):
+            poll.close()
+
+    # ------------------------------------------------------------------------------------------ serving
+
+    def _migs_for(self, ids: Iterable[str]) -> dict[str, tuple[str, str]]:
+        wanted = {(_REPLICA_RE.sub(r"\1", i)) for i in ids if i.startswith("MIG-")} - set(self._migs)
+        now = time.monotonic()
+        if wanted and (self._mig_listed_at is None or now - self._mig_listed_at >= _MIG_LISTING_EVERY):
+            self._mig_listed_at = now
+            try:
+                listing = parse_list(self._mig_listing())
+            except Exception as exc:  # no listing: MIG ids stay unknown and say so
+                log.warning("smiquery exporter: nvidia-smi -L for MIG device ids failed: %s", one_line(exc))
+                listing = {}
+            for parent, devices in listing.items():
+                for _, profile, mig in devices:
+                    self._migs[mig] = (parent, profile)
+        return self._migs
+
+    def view(self, gpus: Mapping[str, int | None]) -> View:
+        """What is served for these GPUs (UUID -> index) now; recomputed only when either changed."""
+        listing = self._listing()
+        key = (listing, frozenset(gpus.items()))
+        with self._lock:
+            if self._view is not None and self._view_key == key:
+                return self._view
+            view = _build_view(listing, gpus, self._migs_for(g.device_id for g in listing.grants))
+            self._log_changes(view, gpus)
+            self._view, self._view_key = view, key
+            return view
+
+    def _log_changes(self, view: View, gpus: Mapping[str, int | None]) -> None:
+        for uuid, state in sorted(view.states.items()):
+            if self._state.get(uuid) != state:
+                holders = ", ".join("/".join(h.values) for h in view.holders.get(uuid, ()))
+                log.info(
+                    "smiquery exporter: GPU %s (%s) attribution: %s%s",
+                    gpus.get(uuid, "?"),
+                    uuid,
+                    state,
+                    f" ({holders})" if holders else "",
+                )
+                self._state[uuid] = state
+        unknown = frozenset((g.resource, g.device_id) for g in view.unknown)
+        for res, dev in sorted(unknown - self._unknown_logged):
+            log.warning("smiquery exporter: %s", self.backend.words.unknown.format(resource=res, device=dev))
+        self._unknown_logged = unknown
+
+    def gpu_labels(self, uuid: str | None, gpus: Mapping[str, int | None]) -> dict[str, str]:
+        """The workload's labels for a GPU one workload holds whole; empty otherwise."""
+        holder = self.view(gpus).exclusive.get(uuid) if uuid else None
+        return {} if holder is None else holder.labels(self.backend.labels)
+
+
+def _build_view(listing: _Listing, gpus: Mapping[str, int | None], migs: Mapping[str, tuple[str, str]]) -> View:
+    holders: dict[str, set[Workload]] = {}
+    whole: dict[str, set[Workload]] = {}
+    partitioned: set[str] = set()
+    allocations: dict[tuple[str, Workload, str, str, str], None] = {}
+    unknown: list[Grant] = []
+    for g in listing.grants:
+        r = resolve_device(g.device_id, migs, gpus)
+        if r.gpu_uuid is None:
+            unknown.append(g)
+            continue
+        holders.setdefault(r.gpu_uuid, set()).add(g.workload)
+        if r.mig_uuid:
+            partitioned.add(r.gpu_uuid)
+        else:
+            whole.setdefault(r.gpu_uuid, set()).add(g.workload)
+        allocations[(r.gpu_uuid, g.workload, g.resource, r.mig_uuid, r.mig_profile)] = None
+    states: dict[str, str] = {}
+    exclusive: dict[str, Workload] = {}
+    for uuid in gpus:
+        if listing.error is not None:
+            states[uuid] = "unreachable"
+        elif uuid in partitioned:
+            states[uuid] = "partitioned"
+        elif uuid not in holders:
+            states[uuid] = "unallocated"
+        elif len(holders[uuid]) == 1 and uuid in whole:
+            states[uuid] = "exclusive"
+            exclusive[uuid] = next(iter(holders[uuid]))
+        else:
+            states[uuid] = "shared"
+    return View(
+        states,
+        {u: tuple(sorted(hs)) for u, hs in holders.items()},
+        exclusive,
+        tuple(allocations),
+        tuple(unknown),
+    )
