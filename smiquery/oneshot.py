@@ -18,7 +18,7 @@ from smiquery.fields import Field, resolve_fields
 from smiquery.parsing import CsvParser, is_message, missing_reason
 from smiquery.runner import Completed, Runner, default_runner, find_nvidia_smi
 from smiquery.sample import GpuSample
-from smiquery.streams.argv import FieldsArg, GpusArg, build_argv, normalize_gpus
+from smiquery.streams.argv import GpusArg, build_argv, normalize_gpus
 
 if TYPE_CHECKING:
     import os
