@@ -13,8 +13,8 @@ from smiquery.kinds import to_number
 
 if TYPE_CHECKING:
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
-    from smiquery.oneshot import GpuProcess
     from smiquery.sample import Value
+    from smiquery.sources.apps import GpuProcess
 
 __all__ = [
     "counter",

@@ -21,10 +21,10 @@ from datetime import tzinfo
 
 from smiquery._log import get_logger
 from smiquery.fields import Field, FieldsArg, resolve_fields
-from smiquery.parsing import CsvParser, is_message
 from smiquery.retry import RetryPolicy
 from smiquery.sample import BusKey, GpuSample, bus_key
 from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep, SweepGrouper
+from smiquery.sources.query_gpu import CsvParser, is_message
 from smiquery.streams.argv import GpusArg, build_argv, normalize_gpus
 from smiquery.streams.engine import Engine
 

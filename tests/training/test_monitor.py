@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from smiquery.alerts import AlertEvaluator, CallbackHandler, Rule
-from smiquery.parsing import CsvParser
 from smiquery.runner import Completed, LineSource
 from smiquery.source import StreamStats, Sweep
+from smiquery.sources.query_gpu import CsvParser
 from smiquery.testing import InProcessRunner, use_runner
 from smiquery.training.devices import visible_devices
 from smiquery.training.epochs import EpochAccumulator, summary_spec, throughput_values

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from smiquery.exporter.pmonwatch import ProcessInstant
-    from smiquery.oneshot import GpuProcess
     from smiquery.source import Sweep
+    from smiquery.sources.apps import GpuProcess
 
 __all__ = ["Attribution", "KubernetesHook", "PodDirectory"]
 

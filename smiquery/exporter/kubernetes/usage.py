@@ -19,7 +19,7 @@ from smiquery.exporter.kubernetes.pods import NodePods
 
 if TYPE_CHECKING:
     from smiquery.exporter.pmonwatch import ProcessInstant
-    from smiquery.oneshot import GpuProcess
+    from smiquery.sources.apps import GpuProcess
 
 __all__ = ["OTHER", "pod_usage_families"]
 

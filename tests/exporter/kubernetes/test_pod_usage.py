@@ -19,8 +19,8 @@ from smiquery.exporter.kubernetes.cgroups import PodCgroup, parse_cgroup, pod_of
 from smiquery.exporter.kubernetes.pods import PodDirectory
 from smiquery.exporter.kubernetes.usage import pod_usage_families
 from smiquery.exporter.pmonwatch import ProcessInstant
-from smiquery.oneshot import GpuProcess
 from smiquery.pmon import PmonRow
+from smiquery.sources.apps import GpuProcess
 
 if importlib.util.find_spec("kubernetes") is None:
     if os.environ.get("CI") == "true":
