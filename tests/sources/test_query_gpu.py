@@ -1,4 +1,4 @@
-"""query(), processes() and get_gpu_status() against the fake nvidia-smi.
+"""query() and get_gpu_status() (smiquery.sources.query_gpu) against the fake nvidia-smi.
 
 Most tests run the fake in-process (:class:`smiquery.testing.InProcessRunner`: the same engine, faults and output
 as the executable, without starting a Python process per call); the tests about the subprocess boundary itself
@@ -20,13 +20,12 @@ from smiquery import errors
 from smiquery.errors import InfoRomWarning
 from smiquery.fields import PRESETS
 from smiquery.runner import SubprocessRunner, find_nvidia_smi
-from smiquery.sources.apps import processes, processes_df
 from smiquery.sources.query_gpu import get_gpu_status, query, query_df
 from smiquery.streams.argv import normalize_gpus
 from smiquery.testing import InProcessRunner, fake_nvidia_smi
 from tests.leakcheck import no_leaks
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 def test_default_query_returns_typed_records_per_gpu(fake_smi):
@@ -189,21 +188,6 @@ def test_driver_rejecting_a_field_maps_to_invalid_argument(fake_smi, runner):
     assert isinstance(err, errors.InvalidArgumentError)
     assert "device_minor" in str(err)
     assert not err.retryable
-
-
-def test_processes_joined_to_gpu_index(fake_inproc):
-    with no_leaks():
-        procs = processes(**fake_inproc())
-    assert procs, "the bundled recording has one training process per GPU"
-    assert all(p.gpu_index is not None for p in procs)
-    assert [p.gpu_index for p in procs] == sorted(p.gpu_index for p in procs)
-    assert all(isinstance(p.used_memory, int) for p in procs)
-    df = processes_df(**fake_inproc(), gpus=[2])
-    assert set(df["gpu_index"]) == {2}
-
-
-def test_processes_idle_machine_is_empty_not_error(fake_inproc):
-    assert processes(**fake_inproc(apps="")) == []
 
 
 # ------------------------------------------------------------------------------------------- get_gpu_status

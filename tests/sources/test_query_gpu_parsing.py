@@ -1,4 +1,4 @@
-"""smiquery.parsing: lines of nvidia-smi CSV in, typed records out; everything else is a ParseError."""
+"""The --query-gpu CSV parser (smiquery.sources.query_gpu): lines in, typed records out; all else a ParseError."""
 
 from __future__ import annotations
 
