@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from smiquery.fields import PRESETS, resolve_fields  # noqa: E402
-from smiquery.parsing import CsvParser, header_line  # noqa: E402
+from smiquery.sources.query_gpu import CsvParser, header_line  # noqa: E402
 
 GPUS = 8
 TARGET_READ = 3.0

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from smiquery.fields import resolve_fields  # noqa: E402
-from smiquery.parsing import header_line  # noqa: E402
+from smiquery.sources.query_gpu import header_line  # noqa: E402
 
 TARGET_TIME = 3.0
 ROUNDS = 3

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import smiquery
 from smiquery.fields import resolve_fields
-from smiquery.parsing import format_value, header_line
+from smiquery.sources.query_gpu import header_line
 from smiquery.testing import fake_nvidia_smi
 
 
@@ -87,7 +87,7 @@ def write_wide_recording(path: Path, gpus: int) -> None:
                 81559,
                 300.0 + (i % 400),
             ]
-            lines.append(", ".join(format_value(f, v, units=True) for f, v in zip(fields, values)))
+            lines.append(", ".join(f.format(v, units=True) for f, v in zip(fields, values)))
     path.write_text("\n".join(lines) + "\n")
 
 

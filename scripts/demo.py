@@ -17,7 +17,7 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from smiquery.oneshot import get_gpu_status
+from smiquery.sources.query_gpu import get_gpu_status
 
 ALERTS = ("temperature.gpu > 85 for 3", "utilization.gpu < 20 for 30s")
 

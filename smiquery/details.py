@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 
 from smiquery.errors import InfoRomWarning, NvidiaSmiTimeoutError, ParseError, failure_from_exit
 from smiquery.kinds import missing_reason
-from smiquery.oneshot import DEFAULT_TIMEOUT
 from smiquery.runner import default_runner, find_nvidia_smi
+from smiquery.sources.query_gpu import DEFAULT_TIMEOUT
 from smiquery.streams.argv import normalize_gpus
 
 if TYPE_CHECKING:

@@ -330,7 +330,7 @@ def _check_binary(done: _Progress, nvidia_smi: str | os.PathLike[str] | None, ti
 
 def _query_driver(done: _Progress, timeout: float) -> tuple[list[GpuSample] | None, list[warnings.WarningMessage]]:
     """2-6. driver, library match, GPUs, infoROM, persistence, MIG: one query (None when it failed)."""
-    from smiquery.oneshot import query
+    from smiquery.sources.query_gpu import query
 
     caught: list[warnings.WarningMessage] = []
     if done.broken is not None or done.binary is None:

@@ -14,8 +14,9 @@ import pytest
 
 from smiquery import recordings
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, parse_help_query_gpu
-from smiquery.parsing import CsvParser, missing_reason
+from smiquery.kinds import missing_reason
 from smiquery.sample import GpuSample
+from smiquery.sources.query_gpu import CsvParser
 from tests.corpus import require_corpus as _corpus_dir
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ import smiquery
 from smiquery.cli.display import display_value
 from smiquery.fields import CATALOGUE, Field, get_field
 from smiquery.kinds import FIELD_KINDS, MISSING_REASONS, UNITS, FieldKind, Kind, unit_info
-from smiquery.parsing import parse_lines
 from smiquery.recordings import to_dataframe
 from smiquery.sample import Value
+from smiquery.sources.query_gpu import parse_lines
 
 UTC = timezone.utc
 
@@ -46,7 +46,6 @@ def _field_of_kind(kind: Kind) -> Field:
 def test_every_kind_has_one_field_kind_and_the_old_homes_give_the_same_enum() -> None:
     assert set(FIELD_KINDS) == set(Kind)
     assert all(isinstance(k.ops, FieldKind) and k.ops.kind is k for k in Kind)
-    assert smiquery.Kind is Kind
     assert smiquery.fields.Kind is Kind
     assert Kind("integer") is Kind.INT
 

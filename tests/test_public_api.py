@@ -1,4 +1,4 @@
-"""The public surface: `__all__` is exactly the public names, no name shadows a module, one exception tree."""
+"""The public surface: `__all__` is the task API, documented; no name shadows a module; one exception tree."""
 
 from __future__ import annotations
 import __future__
@@ -7,6 +7,7 @@ import ast
 import builtins
 import importlib
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,23 @@ import smiquery
 from smiquery import errors
 
 PACKAGE = Path(smiquery.__file__).parent
+README = PACKAGE.parent / "README.md"
+#: The README's tasks, each by its own name: one snapshot, a stream, recordings, processes, details, a status dict.
+TASK_API = {
+    "GpuSample",
+    "RetryPolicy",
+    "SmiqueryError",
+    "Stream",
+    "__version__",
+    "details",
+    "get_gpu_status",
+    "processes",
+    "query",
+    "query_df",
+    "read_csv",
+    "replay",
+    "stream",
+}
 
 
 def _isort_key(name: str) -> tuple[int, str]:
@@ -31,6 +49,10 @@ def _public_names(module: ModuleType) -> set[str]:
         and not isinstance(value, ModuleType)  # submodules appear as attributes once imported
         and value is not __future__.annotations
     }
+
+
+def test_all_is_the_task_api():
+    assert set(smiquery.__all__) == TASK_API
 
 
 def test_all_names_resolve_and_are_sorted():
@@ -79,7 +101,7 @@ def test_no_public_name_is_also_a_submodule():
             if getattr(package, n, None) is not importlib.import_module(f"{package.__name__}.{n}")
         }
         assert not clashes, f"{package.__name__} exports names of its own submodules: {clashes}"
-    assert {"errors", "fields", "sample", "oneshot", "recordings"} <= _submodule_names(smiquery)
+    assert {"errors", "fields", "sample", "sources", "recordings"} <= _submodule_names(smiquery)
 
 
 def _exception_classes_by_module() -> dict[str, set[str]]:
@@ -116,7 +138,7 @@ def test_every_exception_class_is_defined_in_errors():
     assert not elsewhere, f"exception classes outside smiquery/errors.py: {elsewhere}"
 
 
-def test_root_exports_the_whole_error_tree():
+def test_the_error_tree_is_reachable_through_smiquery_errors():
     tree = {
         name
         for name, obj in vars(errors).items()
@@ -124,12 +146,16 @@ def test_root_exports_the_whole_error_tree():
     }
     public_tree = {n for n in tree if not n.startswith("_")}
     assert public_tree == _exception_classes_by_module()["smiquery.errors"]
-    assert public_tree <= set(smiquery.__all__)
     assert public_tree <= set(errors.__all__)
-    for name in public_tree:
-        assert getattr(smiquery, name) is getattr(errors, name)
-    assert issubclass(smiquery.PortInUseError, smiquery.ListenError)
-    assert issubclass(smiquery.ReportError, ValueError) and issubclass(smiquery.ReportError, smiquery.SmiqueryError)
+    assert public_tree & set(smiquery.__all__) == {"SmiqueryError"}  # the root of the tree; the rest by its home
+    assert smiquery.SmiqueryError is errors.SmiqueryError
+    assert all(issubclass(getattr(errors, n), (errors.SmiqueryError, Warning)) for n in public_tree)
+    assert issubclass(errors.PortInUseError, errors.ListenError)
+    assert issubclass(errors.ReportError, ValueError) and issubclass(errors.ReportError, errors.SmiqueryError)
+    # `import smiquery` alone makes every error reachable (smiquery.errors is its one eager import)
+    code = "import smiquery; print(*sorted(n for n in smiquery.errors.__all__ if hasattr(smiquery.errors, n)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert set(done.stdout.split()) == set(errors.__all__) >= public_tree
 
 
 def test_exceptions_have_one_home():
@@ -165,7 +191,33 @@ def test_recordings_names_have_one_home():
 
     assert smiquery.read_csv.__module__ == "smiquery.recordings.csv"
     assert smiquery.read_csv is recordings.read_csv
-    assert smiquery.to_dataframe is frames.to_dataframe
+    assert recordings.to_dataframe is frames.to_dataframe
     assert smiquery.replay is playback.replay
     assert not hasattr(frames, "read_csv")
     assert playback.__all__ == ["MAX_GAP_SECONDS", "Replay", "replay"]
+
+
+def test_every_name_is_documented():
+    readme = README.read_text(encoding="utf-8")
+    for name in smiquery.__all__:
+        if name != "__version__":
+            assert (getattr(smiquery, name).__doc__ or "").strip(), f"{name} has no docstring"
+        assert f"`{name}`" in readme, f"README.md never names `{name}`"
+    # the Architecture section's table says where each task's names live
+    table = readme[readme.index("## Architecture") :]
+    assert all(f"`{name}`" in table for name in smiquery.__all__ if name != "__version__")
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_every_readme_task_needs_at_most_four_import_paths():
+    for block in _python_blocks(README.read_text(encoding="utf-8")):
+        paths = set()
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.Import):
+                paths |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                paths.add(node.module)
+        assert len(paths) <= 4, sorted(paths)

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from smiquery.parsing import parse_lines
 from smiquery.sample import GpuSample, Schema
+from smiquery.sources.query_gpu import parse_lines
 
 UTC = timezone.utc
 FIELDS = ["timestamp", "index", "uuid", "temperature.gpu", "power.draw", "fan.speed"]

@@ -57,7 +57,7 @@ def test_import_smiquery_loads_only_the_errors() -> None:
 def test_errors_are_catchable_after_a_plain_import() -> None:
     code = (
         "import smiquery\n"
-        "try:\n    raise smiquery.NvidiaSmiNotFoundError()\n"
+        "try:\n    raise smiquery.errors.NvidiaSmiNotFoundError()\n"
         "except smiquery.SmiqueryError as exc:\n    print(type(exc).__name__)\n"
     )
     done = _run([sys.executable, "-c", code])
@@ -72,7 +72,7 @@ def test_fake_query_imports_neither_pandas_nor_the_runner(fake_smi: MakeFake) ->
     assert done.returncode == 0, done.stderr[-400:]
     assert len(done.stdout.splitlines()) == 8  # the bundled demo: 8 GPUs
     assert "smiquery.testing" in modules
-    assert not {"smiquery.runner", "smiquery.oneshot", "smiquery.streams.sync"} & modules
+    assert not {"smiquery.runner", "smiquery.sources.query_gpu", "smiquery.streams.sync"} & modules
     assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
 
 
@@ -97,16 +97,16 @@ def test_smiquery_query_imports_no_typer_and_no_pandas(fake_smi: MakeFake) -> No
 @pytest.mark.parametrize(
     ("name", "module"),
     [
-        ("CATALOGUE", "fields"),
-        ("Field", "fields"),
         ("GpuSample", "sample"),
+        ("RetryPolicy", "retry"),
         ("Stream", "streams.sync"),
         ("stream", "streams.sync"),
-        ("query", "oneshot"),
-        ("query_df", "oneshot"),
-        ("Sweep", "source"),
-        ("CsvParser", "parsing"),
+        ("query", "sources.query_gpu"),
+        ("query_df", "sources.query_gpu"),
+        ("get_gpu_status", "sources.query_gpu"),
+        ("processes", "sources.apps"),
         ("read_csv", "recordings"),
+        ("replay", "recordings"),
     ],
 )
 def test_lazy_names_resolve_to_their_modules_objects(name: str, module: str) -> None:
@@ -117,7 +117,7 @@ def test_lazy_names_resolve_to_their_modules_objects(name: str, module: str) -> 
 
 
 def test_submodules_resolve_after_a_plain_import() -> None:
-    names = ["fields", "oneshot", "parsing", "sample", "runner", "source", "streams", "aio", "pmon", "compat"]
+    names = ["fields", "sources", "sample", "runner", "source", "streams", "aio", "pmon", "compat"]
     code = f"import smiquery; print(*(getattr(smiquery, n).__name__ for n in {names!r}))"
     done = _run([sys.executable, "-c", code])
     assert done.returncode == 0, done.stderr[-400:]
@@ -150,7 +150,7 @@ def test_dir_lists_the_lazy_names_before_they_are_used() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["smiquery.oneshot", "smiquery.source", "smiquery.alerts.notify", "smiquery.exporter"]
+    "module", ["smiquery.streams.sync", "smiquery.source", "smiquery.alerts.notify", "smiquery.exporter"]
 )
 def test_library_logging_stays_quiet_without_logging_configured(module: str) -> None:
     # without the package's NullHandler, Python's last-resort handler would print these on stderr

@@ -19,9 +19,9 @@ import pytest
 from smiquery.alerts import AlertEvaluator
 from smiquery.analysis import report as analyze
 from smiquery.clock import Localizer
-from smiquery.parsing import parse_lines
 from smiquery.recordings import Replay, read_csv, read_recording
 from smiquery.source import Sweep
+from smiquery.sources.query_gpu import parse_lines
 from tests.training.test_monitor import deliver, hand_monitor
 
 BERLIN = ZoneInfo("Europe/Berlin")

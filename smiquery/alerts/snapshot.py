@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from smiquery.alerts.rules import AlertEvent, event_payload
 from smiquery.fields import resolve_fields
-from smiquery.parsing import format_row, header_line
+from smiquery.sources.query_gpu import format_row, header_line
 
 if TYPE_CHECKING:
     from smiquery.runner import Runner

@@ -48,13 +48,15 @@ _registered: list[Any] = []
 def _load_app() -> Any:
     """The typer app with every command registered (imported on first use: the fast path needs none of it)."""
     if not _registered:
-        from smiquery.cli import doctor, export, fields, query, stream  # noqa: F401  (@app.command registers them)
+        from smiquery.cli import doctor, export, fields, stream  # noqa: F401  (@app.command registers them)
         from smiquery.cli import inspect as _inspect  # noqa: F401
         from smiquery.cli import top as _top  # noqa: F401
         from smiquery.cli._common import app
         from smiquery.cli.analysis import register as register_analysis
         from smiquery.cli.ps import command  # noqa: F401
+        from smiquery.cli.query import register as register_query
 
+        register_query(app)
         register_analysis(app)
         app.registered_commands.sort(key=_command_rank)  # the headline command first in --help
         _registered.append(app)
@@ -67,27 +69,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _run_fast_query(opts: dict[str, str | bool]) -> int:
-    from smiquery.cli._options import Format, Settings
-    from smiquery.cli._query_body import run_query
-
-    def text(key: str) -> str | None:
-        value = opts.get(key)
-        return value if isinstance(value, str) else None
-
-    timeout = text("timeout")
-    settings = Settings(text("nvidia_smi"), float(timeout) if timeout else Settings().timeout, bool(opts.get("debug")))
-    fmt = text("fmt")
-    try:
-        run_query(settings, text("fields"), text("gpus"), Format(fmt) if fmt else None)
-    except Exception as exc:  # typer.Exit, raised by the boundary after its one line on stderr
-        code = getattr(exc, "exit_code", None)
-        if not isinstance(code, int):
-            raise
-        return code
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Run the command line (the ``smiquery`` console script and ``python -m smiquery``).
 
@@ -96,13 +77,13 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     Args:
         argv: the arguments (default ``sys.argv[1:]``).
     """
-    from smiquery.cli._fast import parse_fast_query
+    from smiquery.cli.query import parse_fast_query, run_fast_query
 
     args = list(argv) if argv is not None else sys.argv[1:]
     fast = parse_fast_query(args)
     if fast is not None:
         try:
-            sys.exit(_run_fast_query(fast))
+            sys.exit(run_fast_query(fast))
         except BrokenPipeError:
             quiet_stdout()
             sys.exit(ExitCode.OK)

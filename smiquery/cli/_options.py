@@ -165,7 +165,7 @@ def unknown_gpus(ids: Sequence[str] | None, settings: Settings) -> UsageError | 
         The error to raise, or None (the ids exist, or the listing failed too).
     """
     from smiquery.errors import SmiqueryError
-    from smiquery.oneshot import query
+    from smiquery.sources.query_gpu import query
 
     if not ids:
         return None

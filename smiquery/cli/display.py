@@ -16,10 +16,10 @@ from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 from smiquery.fields import Field, Kind, get_field
-from smiquery.parsing import format_row, header_line
 from smiquery.printable import printable
 from smiquery.recordings import json_value, sample_to_json
 from smiquery.sample import GpuSample, Value
+from smiquery.sources.query_gpu import format_row, header_line
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent

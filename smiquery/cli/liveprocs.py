@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from smiquery.cli.ps.proc import ProcCache
-from smiquery.oneshot import GpuProcess, processes
+from smiquery.sources.apps import GpuProcess, processes
 
 __all__ = ["ProcessPoller", "process_label"]
 
@@ -36,7 +36,7 @@ class ProcessPoller:
         gpus: only these GPUs.
         every: seconds between polls.
         timeout: seconds one poll may take.
-        lookup: the processes (default :func:`smiquery.oneshot.processes`).
+        lookup: the processes (default :func:`smiquery.sources.apps.processes`).
     """
 
     def __init__(

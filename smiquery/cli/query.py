@@ -1,32 +1,188 @@
-"""``smiquery query``: one snapshot, one row per GPU."""
+"""``smiquery query``: one snapshot, one row per GPU.
 
-from __future__ import annotations
+Importing typer and building its click command cost more than the query itself, and the one-shot query is what
+scripts run in a loop. So this module imports no typer: a command line :func:`parse_fast_query` fully understands
+goes straight to :func:`run_query`; anything else (help, an unknown or malformed option, any other command) goes
+through typer, which validates and reports it, and which :func:`register` teaches the same command.
+``tests/cli/test_cli.py`` checks, from typer's own parameters, that every option of ``query`` and of the root is
+read identically by both paths.
+"""
 
-import typer
+# No `from __future__ import annotations`: typer reads the command's annotations from the function itself, and the
+# command defined in register() names option types that only register() imports (typer stays off the fast path).
 
-from smiquery.cli._common import FieldsOpt, FormatOpt, GpusOpt, app, settings_of
-from smiquery.cli._query_body import run_query
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["query"]
+from smiquery.cli._boundary import boundary, warn_lines
+from smiquery.cli._options import Format, Settings, choose_format, parse_fields, parse_gpus, unknown_gpus
+from smiquery.errors import NoDevicesFoundError
+
+if TYPE_CHECKING:
+    import typer
+
+__all__ = [
+    "FAST_GLOBAL",
+    "FAST_GLOBAL_FLAGS",
+    "FAST_QUERY",
+    "parse_fast_query",
+    "register",
+    "run_fast_query",
+    "run_query",
+]
+
+#: Value options of the root, by every spelling, to the parameter they set.
+FAST_GLOBAL = {"--nvidia-smi": "nvidia_smi", "--timeout": "timeout"}
+#: Flags of the root.
+FAST_GLOBAL_FLAGS = {"--debug": "debug"}
+#: Value options of ``query``.
+FAST_QUERY = {
+    "--fields": "fields",
+    "-f": "fields",
+    "--gpus": "gpus",
+    "--id": "gpus",
+    "-i": "gpus",
+    "--format": "fmt",
+    "-F": "fmt",
+}
+_FORMATS = ("table", "csv", "jsonl", "json")
 
 
-@app.command(
-    epilog="""\b
+def run_query(settings: Settings, fields: str | None, gpus: str | None, fmt: Format | None) -> None:
+    """Print one snapshot (``smiquery query``).
+
+    Args:
+        settings: the global options.
+        fields: ``--fields``.
+        gpus: ``--gpus``.
+        fmt: ``--format``.
+
+    Raises:
+        typer.Exit: on any error, after one line on stderr.
+    """
+    with boundary(settings.debug):
+        flds = parse_fields(fields)
+        ids = parse_gpus(gpus)
+        form = choose_format(fmt, sys.stdout)
+        from smiquery.cli.display import render, terminal_width, use_color
+        from smiquery.sources.query_gpu import query
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                samples = query(flds, gpus=ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
+            except NoDevicesFoundError:
+                wrong = unknown_gpus(ids, settings)
+                if wrong is None:
+                    raise
+                raise wrong from None
+        warn_lines(caught)
+        text = render(samples, form, fields=flds, color=use_color(sys.stdout), width=terminal_width(sys.stdout))
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def parse_fast_query(argv: Sequence[str]) -> dict[str, str | bool] | None:
+    """The options of a plain ``[global options] query [options]`` command line, or None for anything else.
+
+    Args:
+        argv: the arguments after the program name.
+
+    Returns:
+        Parameter name -> value (``fmt`` lower-cased, ``debug`` True), or None to let typer parse it.
+    """
+    opts: dict[str, str | bool] = {}
+    table = FAST_GLOBAL
+    i = 0
+    seen_command = False
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not seen_command and arg == "query":
+            seen_command, table = True, FAST_QUERY
+            continue
+        if not seen_command and arg in FAST_GLOBAL_FLAGS:
+            opts[FAST_GLOBAL_FLAGS[arg]] = True
+            continue
+        # `--format=json` is one argument; click reads `-F=json` as the value "=json", so short ones never split
+        name, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        key = table.get(name)
+        if key is None or key in opts:
+            return None
+        if not eq:
+            if i >= len(argv) or argv[i].startswith("-"):
+                return None
+            value = argv[i]
+            i += 1
+        opts[key] = value
+    if not seen_command:
+        return None
+    fmt = opts.get("fmt")
+    if isinstance(fmt, str):
+        if fmt.lower() not in _FORMATS:
+            return None
+        opts["fmt"] = fmt.lower()
+    timeout = opts.get("timeout")
+    if isinstance(timeout, str):
+        try:
+            if not float(timeout) >= 0.1:
+                return None
+        except ValueError:
+            return None
+    return opts
+
+
+def run_fast_query(opts: dict[str, str | bool]) -> int:
+    """Run what :func:`parse_fast_query` read, without typer.
+
+    Args:
+        opts: its answer.
+
+    Returns:
+        The exit code.
+    """
+
+    def text(key: str) -> str | None:
+        value = opts.get(key)
+        return value if isinstance(value, str) else None
+
+    timeout = text("timeout")
+    settings = Settings(text("nvidia_smi"), float(timeout) if timeout else Settings().timeout, bool(opts.get("debug")))
+    fmt = text("fmt")
+    try:
+        run_query(settings, text("fields"), text("gpus"), Format(fmt) if fmt else None)
+    except Exception as exc:  # typer.Exit, raised by the boundary after its one line on stderr
+        code = getattr(exc, "exit_code", None)
+        if not isinstance(code, int):
+            raise
+        return code
+    return 0
+
+
+def register(app: "typer.Typer") -> None:
+    """Add the ``query`` command to a typer app.
+
+    Args:
+        app: the ``smiquery`` app.
+    """
+    import typer
+
+    from smiquery.cli._common import FieldsOpt, FormatOpt, GpusOpt, settings_of
+
+    def query(ctx: typer.Context, fields: FieldsOpt = None, gpus: GpusOpt = None, fmt: FormatOpt = None) -> None:
+        """Print one snapshot: one row per GPU.
+
+        CSV is nvidia-smi's own format (header with units), so `smiquery.read_csv` reads it back. JSON and JSONL
+        use field names as keys, ISO 8601 times, and null for missing values (reasons under "_missing").
+        """
+        run_query(settings_of(ctx), fields, gpus, fmt)
+
+    epilog = """\b
 Examples:
   smiquery query
   smiquery query --fields memory --gpus 0,1 --format json
   smiquery query --fields temperature.gpu,power.draw --format csv
 """
-)
-def query(
-    ctx: typer.Context,
-    fields: FieldsOpt = None,
-    gpus: GpusOpt = None,
-    fmt: FormatOpt = None,
-) -> None:
-    """Print one snapshot: one row per GPU.
-
-    CSV is nvidia-smi's own format (header with units), so `smiquery.read_csv` reads it back. JSON and JSONL
-    use field names as keys, ISO 8601 times, and null for missing values (reasons under "_missing").
-    """
-    run_query(settings_of(ctx), fields, gpus, fmt)
+    app.command(epilog=epilog)(query)

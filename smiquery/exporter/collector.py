@@ -50,9 +50,9 @@ if TYPE_CHECKING:
     from smiquery.exporter.poller import ProcessPoller
     from smiquery.exporter.xidwatch import XidWatcher
     from smiquery.fields import Field
-    from smiquery.oneshot import GpuProcess
     from smiquery.sample import BusKey, GpuSample
     from smiquery.source import Sweep
+    from smiquery.sources.apps import GpuProcess
 
 __all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector"]
 

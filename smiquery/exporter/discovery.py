@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from smiquery._log import get_logger
 from smiquery.errors import InvalidFieldError, NvidiaSmiFailedError, failure_from_exit
 from smiquery.fields import parse_help_query_gpu, resolve_fields
-from smiquery.oneshot import query
 from smiquery.runner import default_runner, find_nvidia_smi
+from smiquery.sources.query_gpu import query
 
 if TYPE_CHECKING:
     import os

@@ -15,8 +15,8 @@ from smiquery.kinds import to_number
 if TYPE_CHECKING:
     from smiquery.attribution import Attribution
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
-    from smiquery.oneshot import GpuProcess
     from smiquery.sample import Value
+    from smiquery.sources.apps import GpuProcess
 
 __all__ = [
     "attribution_families",

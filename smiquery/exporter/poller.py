@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from smiquery._log import get_logger
 from smiquery.errors import SmiqueryError
-from smiquery.oneshot import GpuProcess, processes
+from smiquery.sources.apps import GpuProcess, processes
 from smiquery.streams.argv import normalize_gpus
 
 if TYPE_CHECKING:

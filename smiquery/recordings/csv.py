@@ -14,12 +14,12 @@ from typing import IO, TYPE_CHECKING
 
 from smiquery.errors import ParseError, RecordingError, ReplayError
 from smiquery.fields import Field, resolve_fields
-from smiquery.parsing import CsvParser, format_row, header_line
 from smiquery.recordings.base import NS_MAX, NS_MIN, LineWriter, SkippedLines, resolve_zone
 from smiquery.recordings.csv_arrow import HEAD_BYTES, ArrowCsvReader, CsvInput, CsvSource, probe_layout
 from smiquery.recordings.frames import empty_array, local_zone, make_frame, to_dataframe
 from smiquery.recordings.values import RECORDED_WITHOUT_ZONE, in_zone, with_timestamp
 from smiquery.sample import GpuSample
+from smiquery.sources.query_gpu import CsvParser, format_row, header_line
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -32,7 +32,7 @@ _LINE_BREAK_RE = re.compile(r"\r\n|\r|\n")
 class CsvWriter(LineWriter):
     """Writes samples in nvidia-smi's own ``--format=csv`` layout: the header with units, then one line per sample.
 
-    ``smiquery.read_csv``, ``--replay`` and :class:`~smiquery.CsvParser` read the result back.
+    ``smiquery.read_csv``, ``--replay`` and :class:`~smiquery.sources.query_gpu.CsvParser` read the result back.
 
     Args:
         out: a text stream.
@@ -112,8 +112,8 @@ def read_csv(
     Gives the same columns, dtypes and ``attrs`` as :func:`to_dataframe` of the parsed records, plus
     ``attrs["notices"]`` (driver notice lines such as ``WARNING: infoROM is corrupted...``). With pyarrow
     installed (``smiquery[fast]``) the file is split by pyarrow's CSV reader and converted column by column
-    with vectorised kernels; without it the pure-Python :class:`~smiquery.CsvParser` is used (same result,
-    slower). One difference: past the first 4,000 rows, the fast path reads a ``0x``-prefixed number in an
+    with vectorised kernels; without it the pure-Python :class:`~smiquery.sources.query_gpu.CsvParser` is used
+    (same result, slower). One difference: past the first 4,000 rows, the fast path reads a ``0x``-prefixed number in an
     integer column as hex, where the parser rejects it (nvidia-smi prints hex only in hex fields).
 
     Args:

@@ -22,10 +22,10 @@ from smiquery.fields import Field, Kind
 # Cells are read by their kind's own converters and words (smiquery.kinds), so that both paths read a cell the
 # same way.
 from smiquery.kinds import missing_reason
-from smiquery.parsing import MESSAGE_PREFIXES, CsvParser, bad_cell_reason
 from smiquery.recordings.base import NS_MAX, NS_MIN, SkippedLines
 from smiquery.recordings.frames import MissingReasons, empty_array, int_array, make_frame, string_dtype
 from smiquery.sample import Value
+from smiquery.sources.query_gpu import MESSAGE_PREFIXES, CsvParser, bad_cell_reason
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -298,7 +298,7 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     order, and a field a sample did not query is ``<NA>`` without a reason.
 
     Args:
-        samples: the samples, e.g. from :func:`smiquery.parse_lines` or a stream.
+        samples: the samples, e.g. from :func:`smiquery.sources.query_gpu.parse_lines` or a stream.
 
     Returns:
         The DataFrame; an empty one (no rows, no columns) for no samples.

@@ -28,9 +28,9 @@ from typing import Literal
 
 from smiquery.errors import RecordingError, UsageError
 from smiquery.fields import Field
-from smiquery.parsing import format_row, header_line
 from smiquery.recordings.jsonl import sample_to_json
 from smiquery.sample import GpuSample
+from smiquery.sources.query_gpu import format_row, header_line
 
 __all__ = [
     "FULL_DISK",

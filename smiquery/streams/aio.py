@@ -24,14 +24,13 @@ from typing import IO, TYPE_CHECKING, Protocol
 
 from smiquery._log import get_logger
 from smiquery.errors import NvidiaSmiTimeoutError, SmiqueryError, StreamEndedError, failure_from_exit
-from smiquery.fields import resolve_fields
-from smiquery.oneshot import check_and_parse
-from smiquery.parsing import CsvParser
+from smiquery.fields import FieldsArg, resolve_fields
 from smiquery.retry import RetryPolicy
 from smiquery.runner import MAX_LINE_BYTES, TERM_GRACE, Completed, find_nvidia_smi, terminate_and_reap
 from smiquery.runner.children import OWN_GROUP, can_trampoline, exec_error, forget, submit_loop_child
 from smiquery.source import StreamEvent, Sweep
-from smiquery.streams.argv import FieldsArg, GpusArg, build_argv, normalize_gpus
+from smiquery.sources.query_gpu import CsvParser, check_and_parse
+from smiquery.streams.argv import GpusArg, build_argv, normalize_gpus
 from smiquery.streams.sweeps import CsvSource
 
 if TYPE_CHECKING:

@@ -14,9 +14,8 @@ from smiquery.errors import InvalidGpuIdError
 if TYPE_CHECKING:
     from smiquery.fields import Field
 
-__all__ = ["FieldsArg", "GpusArg", "build_argv", "normalize_gpus"]
+__all__ = ["GpusArg", "build_argv", "normalize_gpus"]
 
-FieldsArg = str | Sequence[str] | None
 GpusArg = int | str | Sequence[int | str] | None
 
 _UUID_RE = re.compile(r"(GPU|MIG)-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")

@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 from datetime import tzinfo
 
 from smiquery._log import get_logger
-from smiquery.fields import Field, resolve_fields
-from smiquery.parsing import CsvParser, is_message
+from smiquery.fields import Field, FieldsArg, resolve_fields
 from smiquery.retry import RetryPolicy
 from smiquery.sample import BusKey, GpuSample, bus_key
 from smiquery.source import LatestSweep, StreamEvent, StreamStats, Sweep, SweepGrouper
-from smiquery.streams.argv import FieldsArg, GpusArg, build_argv, normalize_gpus
+from smiquery.sources.query_gpu import CsvParser, is_message
+from smiquery.streams.argv import GpusArg, build_argv, normalize_gpus
 from smiquery.streams.engine import Engine
 
 __all__ = ["CsvRows", "CsvSource", "Identity"]

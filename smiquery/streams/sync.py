@@ -25,11 +25,12 @@ from datetime import tzinfo
 from typing import TYPE_CHECKING
 
 from smiquery._log import get_logger
+from smiquery.fields import FieldsArg
 from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, RetryPolicy
 from smiquery.runner import Runner, default_runner, find_nvidia_smi
 from smiquery.sample import GpuSample
 from smiquery.source import StreamEvent, Sweep
-from smiquery.streams.argv import FieldsArg, GpusArg
+from smiquery.streams.argv import GpusArg
 from smiquery.streams.sweeps import CsvSource
 from smiquery.streams.threaded import ThreadDriver
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from smiquery.alerts import AlertEvent, CallbackHandler, LogHandler, Notifier, Rule, WebhookHandler, event_payload
-from smiquery.parsing import CsvParser
+from smiquery.sources.query_gpu import CsvParser
 from tests.helpers import wait_for
 from tests.leakcheck import no_leaks
 

@@ -9,7 +9,6 @@ import pytest
 from smiquery.alerts import AlertEvaluator, Rule, parse_duration
 from smiquery.errors import InvalidRuleError
 from smiquery.fields import get_field
-from smiquery.parsing import format_value
 from smiquery.sample import GpuSample, Schema, Value
 
 T0 = datetime(2026, 3, 14, 9, 30, tzinfo=timezone.utc)
@@ -26,7 +25,7 @@ def sample(
 ) -> GpuSample:
     values: tuple[Value, ...] = (T0 + timedelta(seconds=second), index, temp, util, persistence, pstate)
     missing = {n: "not_available" for n, v in zip(SCHEMA.names, values) if v is None}
-    raw = tuple(format_value(get_field(n), v, missing.get(n)) for n, v in zip(SCHEMA.names, values))
+    raw = tuple(get_field(n).format(v, missing.get(n)) for n, v in zip(SCHEMA.names, values))
     return GpuSample(SCHEMA, values, raw, missing)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from smiquery.alerts import Notifier, SnapshotHandler, take_snapshot
 from smiquery.analysis import load_recording
-from smiquery.parsing import CsvParser
+from smiquery.sources.query_gpu import CsvParser
 from tests.conftest import MakeFake
 from tests.helpers import wait_for
 from tests.leakcheck import no_leaks

@@ -31,12 +31,12 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from smiquery import PRESETS
 from smiquery.cli import app, exit_code_for, main
-from smiquery.parsing import CsvParser
+from smiquery.fields import PRESETS
 from smiquery.recordings import replay
 from smiquery.runner import Runner, SubprocessRunner
 from smiquery.sample import GpuSample
+from smiquery.sources.query_gpu import CsvParser
 from smiquery.testing import FAULTS, InProcessRunner, use_runner
 from tests.conftest import assert_stopped
 
@@ -884,7 +884,7 @@ def _typer_parse(argv: list[str]) -> dict[str, object]:
 def test_fast_path_reads_every_query_option_as_typer_does():
     import typer.main
 
-    from smiquery.cli._fast import FAST_GLOBAL, FAST_GLOBAL_FLAGS, FAST_QUERY, parse_fast_query
+    from smiquery.cli.query import FAST_GLOBAL, FAST_GLOBAL_FLAGS, FAST_QUERY, parse_fast_query
 
     group = typer.main.get_command(app)
     from smiquery.cli._common import Settings

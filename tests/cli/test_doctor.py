@@ -80,7 +80,7 @@ def test_nvml_init_failure_gets_init_advice_not_field_advice(inproc: InProcessRu
 def test_unknown_nvml_version_is_not_reported_as_matching(host: None) -> None:
     # `nvidia-smi --version` failing (exit 9) while the query works: no NVML version to compare
     from smiquery.doctor import _gpu_checks
-    from smiquery.oneshot import query
+    from smiquery.sources.query_gpu import query
 
     samples = query(["index", "name", "driver_version"], runner=InProcessRunner(), timeout=20)
     match = by_name(_gpu_checks(samples, {}, []))["driver/library match"]
@@ -99,7 +99,7 @@ def test_gate_fails_only_on_what_stops_monitoring(inproc: InProcessRunner, host:
 
 def test_persistence_mode_off_is_a_warning(host: None) -> None:
     from smiquery.doctor import _gpu_checks
-    from smiquery.parsing import CsvParser
+    from smiquery.sources.query_gpu import CsvParser
 
     rows = list(CsvParser(["index", "name", "persistence_mode"]).parse(["0, NVIDIA H100, Disabled"]))
     pm = by_name(_gpu_checks(rows, {}, []))["persistence mode"]

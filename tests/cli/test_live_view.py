@@ -13,7 +13,7 @@ from pathlib import Path
 
 from smiquery.cli.display import LiveTable
 from smiquery.fields import resolve_fields
-from smiquery.parsing import CsvParser
+from smiquery.sources.query_gpu import CsvParser
 from tests.cli.screen import Screen
 
 DEMO = Path(str(resources.files("smiquery") / "data" / "demo-8gpu.csv"))

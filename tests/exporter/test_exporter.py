@@ -165,7 +165,7 @@ def labels_of(rec: dict[int, dict[str, str]], gpu: int, **extra: str) -> dict[st
 def test_core_import_does_not_need_prometheus_client():
     code = (
         "import sys; sys.modules['prometheus_client'] = None\n"  # as if it were not installed
-        "import smiquery, smiquery.cli.export, smiquery.oneshot\n"
+        "import smiquery, smiquery.cli.export, smiquery.sources.query_gpu\n"
         "assert 'smiquery.exporter' not in sys.modules\n"
         "try:\n"
         "    import smiquery.exporter\n"
@@ -987,7 +987,7 @@ def test_docs_list_every_native_metric_and_health_metric():
 
 
 def test_a_process_listed_twice_on_one_gpu_is_one_series():
-    from smiquery.oneshot import GpuProcess
+    from smiquery.sources.apps import GpuProcess
 
     col = SmiCollector(FrozenSource(), fields=list(CATALOGUE))
     rows = [
@@ -1464,7 +1464,7 @@ def _samples_of(text: str) -> dict[tuple[str, str], float]:
 
 @pytest.mark.parametrize("expected", _nvsmi_pairs(), ids=lambda p: p.stem)
 def test_nvidia_smi_naming_matches_nvidia_gpu_exporter_on_corpus_captures(expected):
-    from smiquery.parsing import CsvParser
+    from smiquery.sources.query_gpu import CsvParser
 
     capture = SHARED / "nvsmi-corpus" / "csv" / f"utkuozdemir__{expected.stem}.csv"
     rows = list(csv.reader(capture.read_text(encoding="utf-8").splitlines(), skipinitialspace=True))

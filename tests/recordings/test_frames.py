@@ -17,9 +17,9 @@ import pytest
 from smiquery import recordings
 from smiquery.errors import ParseError
 from smiquery.fields import get_field, resolve_fields
-from smiquery.parsing import CsvParser, format_row, header_line, parse_lines
 from smiquery.recordings import csv_arrow, frames
 from smiquery.sample import GpuSample, Schema
+from smiquery.sources.query_gpu import CsvParser, format_row, header_line, parse_lines
 from tests.corpus import require_corpus as _corpus_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -579,7 +579,7 @@ def test_read_recording_keeps_a_recorded_zone_and_converts_it(tmp_path: Path) ->
 
 
 def test_an_unknown_zone_is_a_typed_one_line_error(tmp_path: Path) -> None:
-    from smiquery import InvalidTimeZoneError
+    from smiquery.errors import InvalidTimeZoneError
     from smiquery.recordings import read_recording
 
     path = tmp_path / "log.csv"

@@ -25,11 +25,11 @@ from zoneinfo import ZoneInfo
 import psutil
 import pytest
 
-from smiquery import parse_lines
 from smiquery.cli import main
 from smiquery.errors import UsageError
 from smiquery.fields import resolve_fields
 from smiquery.recordings import ParquetDataset, TextRecorder, open_recording, read_recording, replay
+from smiquery.sources.query_gpu import parse_lines
 from tests.helpers import wait_for
 
 SAFE = ("NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_VISIBLE_DEVICES", "SMIQUERY_NVIDIA_SMI", "SMIQUERY_FAKE_")

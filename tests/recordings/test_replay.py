@@ -18,7 +18,6 @@ import pytest
 
 from smiquery.errors import InvalidFieldError, InvalidTimeZoneError, ReplayError
 from smiquery.fields import get_field
-from smiquery.parsing import CsvParser
 from smiquery.recordings import (
     CsvWriter,
     JsonlWriter,
@@ -31,6 +30,7 @@ from smiquery.recordings import (
 )
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import SweepGrouper
+from smiquery.sources.query_gpu import CsvParser
 from smiquery.streams.sync import stream
 from tests.corpus import require_corpus
 from tests.helpers import wait_for

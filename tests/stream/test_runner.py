@@ -11,8 +11,9 @@ import pytest
 
 from smiquery import errors
 from smiquery.errors import InfoRomWarning
-from smiquery.oneshot import processes, query
 from smiquery.runner import LineStream, SubprocessRunner, live_children
+from smiquery.sources.apps import processes
+from smiquery.sources.query_gpu import query
 from tests.leakcheck import no_leaks
 from tests.scripted import FIELDS, scripted_smi
 

@@ -53,7 +53,7 @@ def test_background_start_and_close(source):
 
 def test_grouper_never_learns_a_count_once():
     from smiquery.fields import resolve_fields
-    from smiquery.parsing import CsvParser
+    from smiquery.sources.query_gpu import CsvParser
 
     parser = CsvParser(resolve_fields(["index", "temperature.gpu"]))
     rows = [parser.feed(f"{i}, 40") for i in (0, 1, 0, 1, 2, 3, 0, 1, 2, 3)]
@@ -68,7 +68,7 @@ def test_grouper_never_learns_a_count_once():
 
 def test_a_damaged_first_sweep_does_not_fix_the_gpu_count():
     from smiquery.fields import resolve_fields
-    from smiquery.parsing import CsvParser
+    from smiquery.sources.query_gpu import CsvParser
 
     parser = CsvParser(resolve_fields(["index", "temperature.gpu"]))
     grouper = SweepGrouper()

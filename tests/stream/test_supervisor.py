@@ -379,7 +379,7 @@ def test_permanent_error_is_retried_slowly_and_recovers(fake_smi, tmp_path, faul
 
 
 def test_one_shot_query_still_fails_fast_on_permanent_errors(fake_smi):
-    from smiquery.oneshot import query
+    from smiquery.sources.query_gpu import query
 
     t0 = time.monotonic()
     with pytest.raises(errors.DriverVersionMismatchError):

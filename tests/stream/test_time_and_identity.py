@@ -21,9 +21,9 @@ import psutil
 import pytest
 
 from smiquery import aio, errors
-from smiquery.oneshot import query
 from smiquery.retry import RetryPolicy
 from smiquery.source import StreamEvent, Sweep
+from smiquery.sources.query_gpu import query
 from smiquery.streams.sync import stream
 from smiquery.testing import InProcessRunner
 from tests.conftest import MakeFake

@@ -10,8 +10,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from smiquery.parsing import CsvParser
 from smiquery.sample import GpuSample
+from smiquery.sources.query_gpu import CsvParser
 
 if TYPE_CHECKING:
     pass

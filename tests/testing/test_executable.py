@@ -19,8 +19,8 @@ import pytest
 
 from smiquery import errors
 from smiquery.fields import CATALOGUE, PRESETS, get_field, parse_help_query_gpu
-from smiquery.parsing import CsvParser, header_line
 from smiquery.sample import GpuSample
+from smiquery.sources.query_gpu import CsvParser, header_line
 from smiquery.testing import fake_nvidia_smi
 
 if TYPE_CHECKING:

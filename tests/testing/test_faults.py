@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from smiquery import errors
-from smiquery.parsing import CsvParser
+from smiquery.sources.query_gpu import CsvParser
 from smiquery.testing import ENV_VARS, FAULTS, InProcessLines, InProcessRunner, fake_nvidia_smi
 
 if TYPE_CHECKING:

@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from smiquery.alerts import AlertEvaluator, CallbackHandler, Rule
-from smiquery.parsing import CsvParser
 from smiquery.runner import Completed, LineSource
 from smiquery.source import StreamStats, Sweep
+from smiquery.sources.query_gpu import CsvParser
 from smiquery.testing import InProcessRunner, use_runner
 from smiquery.training.devices import visible_devices
 from smiquery.training.epochs import EpochAccumulator, summary_spec, throughput_values
@@ -159,6 +159,7 @@ def test_throughput_per_joule_and_data_wait_share():
 
 def test_training_stall_is_the_reports_stall_held_for_a_minute():
     from smiquery.analysis import report as analyze
+    from smiquery.recordings import to_dataframe
 
     assert TRAINING_STALL_SECONDS == 60.0
     assert stall_rule() in TRAINING_RULES
@@ -171,7 +172,7 @@ def test_training_stall_is_the_reports_stall_held_for_a_minute():
         for t in range(90)
     ]
     samples = list(parser.parse(lines))
-    report = analyze(__import__("smiquery").to_dataframe(samples))
+    report = analyze(to_dataframe(samples))
     assert report.stalls and report.stalls[0].seconds >= 60
     evaluator = AlertEvaluator([stall_rule()])
     fired = [e for s in samples for e in evaluator.update(s)]

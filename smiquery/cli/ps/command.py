@@ -118,7 +118,7 @@ def ps(
             verb = "goes" if len(given) == 1 else "go"
             raise UsageError(f"{' and '.join(given)} only {verb} with --watch; add --watch")
         from smiquery.cli.display import Column, render, use_color
-        from smiquery.oneshot import processes
+        from smiquery.sources.apps import processes
 
         ids = parse_gpus(gpus)
         form = choose_format(fmt, sys.stdout)

@@ -430,7 +430,7 @@ def _gpu_groups(ids: tuple[str, ...] | None, settings: Settings) -> list[tuple[s
     if ids:
         return [ids[i : i + _MAX_GPUS] for i in range(0, len(ids), _MAX_GPUS)]
     from smiquery.errors import SmiqueryError
-    from smiquery.oneshot import query
+    from smiquery.sources.query_gpu import query
 
     try:
         indices = [str(s.index) for s in query(["index"], nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)]

@@ -14,8 +14,7 @@ from typing import overload
 
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import Field, Kind, get_field
-from smiquery.kinds import strip_unit
-from smiquery.parsing import missing_reason
+from smiquery.kinds import missing_reason, strip_unit
 from smiquery.testing._emulator.settings import FakeUsageError, read_bundled
 
 _DEFAULT_DRIVER = "590.48.01"

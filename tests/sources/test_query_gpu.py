@@ -1,4 +1,4 @@
-"""query(), processes() and get_gpu_status() against the fake nvidia-smi.
+"""query() and get_gpu_status() (smiquery.sources.query_gpu) against the fake nvidia-smi.
 
 Most tests run the fake in-process (:class:`smiquery.testing.InProcessRunner`: the same engine, faults and output
 as the executable, without starting a Python process per call); the tests about the subprocess boundary itself
@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 
-import smiquery
 from smiquery import errors
 from smiquery.errors import InfoRomWarning
-from smiquery.oneshot import get_gpu_status, processes, processes_df, query, query_df
+from smiquery.fields import PRESETS
 from smiquery.runner import SubprocessRunner, find_nvidia_smi
+from smiquery.sources.query_gpu import get_gpu_status, query, query_df
 from smiquery.streams.argv import normalize_gpus
 from smiquery.testing import InProcessRunner, fake_nvidia_smi
 from tests.leakcheck import no_leaks
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 
 def test_default_query_returns_typed_records_per_gpu(fake_smi):
@@ -38,7 +38,7 @@ def test_default_query_returns_typed_records_per_gpu(fake_smi):
     assert isinstance(r.power_draw, float)
     assert r.uuid.startswith("GPU-")
     assert r.timestamp.tzinfo is not None
-    assert r.fields == smiquery.PRESETS["default"]
+    assert r.fields == PRESETS["default"]
 
 
 def test_missing_values_are_none_with_reason_never_zero(fake_inproc):
@@ -190,21 +190,6 @@ def test_driver_rejecting_a_field_maps_to_invalid_argument(fake_smi, runner):
     assert not err.retryable
 
 
-def test_processes_joined_to_gpu_index(fake_inproc):
-    with no_leaks():
-        procs = processes(**fake_inproc())
-    assert procs, "the bundled recording has one training process per GPU"
-    assert all(p.gpu_index is not None for p in procs)
-    assert [p.gpu_index for p in procs] == sorted(p.gpu_index for p in procs)
-    assert all(isinstance(p.used_memory, int) for p in procs)
-    df = processes_df(**fake_inproc(), gpus=[2])
-    assert set(df["gpu_index"]) == {2}
-
-
-def test_processes_idle_machine_is_empty_not_error(fake_inproc):
-    assert processes(**fake_inproc(apps="")) == []
-
-
 # ------------------------------------------------------------------------------------------- get_gpu_status
 
 
@@ -311,7 +296,7 @@ def test_throttle_fields_work_on_a_pre_535_driver_under_their_new_names(tmp_path
     with no_leaks():
         rows = query(preset, nvidia_smi=smi)
     assert [r.index for r in rows] == [0, 1]
-    assert rows[0].fields == smiquery.PRESETS[preset]
+    assert rows[0].fields == PRESETS[preset]
     assert rows[0]["clocks_event_reasons.active"] == 4  # 0x...04 in the recording: sw power cap
     assert rows[1].clocks_event_reasons_active == 1
     assert "clocks_throttle_reasons.active" not in rows[0].fields
@@ -325,4 +310,4 @@ def test_argv_sends_throttle_reasons_under_the_spelling_every_driver_accepts():
     names = argv[1].removeprefix("--query-gpu=").split(",")
     assert "clocks_throttle_reasons.hw_thermal_slowdown" in names
     assert not [n for n in names if n.startswith("clocks_event_reasons.")]
-    assert len(names) == len(smiquery.PRESETS["health"])
+    assert len(names) == len(PRESETS["health"])

@@ -1,4 +1,4 @@
-"""smiquery.parsing: lines of nvidia-smi CSV in, typed records out; everything else is a ParseError."""
+"""The --query-gpu CSV parser (smiquery.sources.query_gpu): lines in, typed records out; all else a ParseError."""
 
 from __future__ import annotations
 
@@ -11,16 +11,9 @@ from hypothesis import strategies as st
 
 from smiquery.errors import ParseError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field, resolve_fields
-from smiquery.parsing import (
-    MISSING_REASONS,
-    CsvParser,
-    format_row,
-    format_value,
-    header_line,
-    missing_reason,
-    parse_lines,
-)
+from smiquery.kinds import MISSING_REASONS, missing_reason
 from smiquery.sample import GpuSample, Value
+from smiquery.sources.query_gpu import CsvParser, format_row, header_line, parse_lines
 
 UTC = timezone.utc
 PROPERTY = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -266,7 +259,7 @@ def _rows(draw: st.DrawFn) -> tuple[tuple[Field, ...], list[tuple[Value, str | N
 def test_round_trip_format_then_parse(row: tuple[tuple[Field, ...], list[tuple[Value, str | None]], bool]) -> None:
     fields, cells, units = row
     header = header_line(fields)
-    line = ", ".join(format_value(f, v, r, units=units) for f, (v, r) in zip(fields, cells, strict=True))
+    line = ", ".join(f.format(v, r, units=units) for f, (v, r) in zip(fields, cells, strict=True))
     assume(line.rstrip("\r\n\t ") and line != header)
     parser = CsvParser(fields, tz=UTC)
     assert parser.feed(header) is None

@@ -1,28 +1,46 @@
-r"""Pure parsing of nvidia-smi ``--format=csv`` output: lines in, :class:`GpuSample` records out.
+r"""``--query-gpu``: its CSV parsed into :class:`GpuSample` records, and the one-shot ``query()``.
 
-No subprocess, no pandas. Handles header or no header, units or no units, status tokens, ``\r``, blank lines,
-stray notice lines, and rejects any row that does not fit with a :class:`ParseError`.
+The parser is pure (no subprocess, no pandas: recordings, replays, alerts and streams parse with it too). It handles
+header or no header, units or no units, status tokens, ``\r``, blank lines and stray notice lines, and rejects any
+row that does not fit with a :class:`ParseError`. ``query()`` validates fields and GPU ids before anything runs,
+runs nvidia-smi once through a :class:`~smiquery.runner.Runner` and judges its exit; long-running streams live in
+:mod:`smiquery.streams`.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from datetime import tzinfo
+from datetime import datetime, tzinfo
+from typing import TYPE_CHECKING, Any
 
-from smiquery.errors import InvalidFieldError, ParseError
-from smiquery.fields import Field, Kind, get_field
-from smiquery.kinds import CONVERT_ERRORS, MISSING_REASONS, missing_reason, strip_unit
+from smiquery.errors import InfoRomWarning, InvalidFieldError, NvidiaSmiFailedError, ParseError, failure_from_exit
+from smiquery.fields import Field, FieldsArg, Kind, get_field, resolve_fields
+from smiquery.kinds import CONVERT_ERRORS, missing_reason, strip_unit
 from smiquery.sample import GpuSample, Schema, Value
+from smiquery.streams.argv import GpusArg, build_argv, normalize_gpus
+
+if TYPE_CHECKING:
+    import os
+
+    import pandas as pd
+
+    from smiquery.runner import Completed, Runner
 
 __all__ = [
-    "MISSING_REASONS",
+    "DEFAULT_TIMEOUT",
+    "MESSAGE_PREFIXES",
     "CsvParser",
+    "bad_cell_reason",
+    "check_and_parse",
     "format_row",
-    "format_value",
+    "get_gpu_status",
     "header_line",
-    "missing_reason",
+    "is_message",
     "parse_lines",
+    "query",
+    "query_df",
 ]
 
 _HEADER_UNIT_RE = re.compile(r"^(.*?) \[([^\]]*)\]$")
@@ -61,10 +79,6 @@ def bad_cell_reason(fld: Field, cell: str) -> str:
 def is_message(line: str) -> bool:
     """True for a line that is one of nvidia-smi's messages (an error, a warning, a notice), never a data row."""
     return line.lstrip().startswith(MESSAGE_PREFIXES)
-
-
-def _converter(fld: Field, tz: tzinfo | None) -> Callable[[str], Value]:
-    return fld.kind.ops.converter(tz)
 
 
 def _split_header_cell(cell: str) -> tuple[str, str]:
@@ -130,7 +144,7 @@ class CsvParser:
         self._fields = fields
         self._units = tuple(header_units) if header_units is not None else tuple(f.header_unit or "" for f in fields)
         self.schema = Schema(tuple(f.name for f in fields))
-        self._convs = tuple(_converter(f, self.tz) for f in fields)
+        self._convs = tuple(f.kind.ops.converter(self.tz) for f in fields)
         self._ncols = len(fields)
         self._row = _row_converter(self._convs)
 
@@ -270,18 +284,6 @@ def parse_lines(
     return list(CsvParser(fields, strict=strict, tz=tz).parse(lines))
 
 
-def format_value(fld: Field, value: Value, reason: str | None = None, *, units: bool = False) -> str:
-    """Write one value the way nvidia-smi prints it (the inverse of parsing).
-
-    Args:
-        fld: the field.
-        value: the typed value, or None for a missing one.
-        reason: the missing reason, used when ``value`` is None (default ``not_available``).
-        units: append the header unit as nvidia-smi does without ``nounits``.
-    """
-    return fld.format(value, reason, units=units)
-
-
 def format_row(sample: GpuSample, fields: Sequence[Field] | None = None, *, units: bool = False) -> str:
     """One CSV line for ``sample`` in nvidia-smi's format (``, `` separated, no quoting, no newline).
 
@@ -289,11 +291,160 @@ def format_row(sample: GpuSample, fields: Sequence[Field] | None = None, *, unit
     """
     flds = fields or tuple(get_field(n) for n in sample.fields)
     missing = sample.missing
-    return ", ".join(
-        format_value(f, v, missing.get(f.name), units=units) for f, v in zip(flds, sample.values(), strict=True)
-    )
+    return ", ".join(f.format(v, missing.get(f.name), units=units) for f, v in zip(flds, sample.values(), strict=True))
 
 
 def header_line(fields: Sequence[Field]) -> str:
     """The header nvidia-smi prints for these fields (``name [unit]`` titles)."""
     return ", ".join(f.header for f in fields)
+
+
+# ------------------------------------------------------------------------------------------------ one shot
+
+#: Seconds a one-shot call waits by default: enough for a cold start without persistence mode, which takes 15-30 s
+#: on large hosts and in containers with a huge open-file limit (NVIDIA-SMI.md section 6).
+DEFAULT_TIMEOUT = 45.0
+
+
+def _messages_only(done: Completed, fields: Sequence[Field]) -> str:
+    """What nvidia-smi said, without the data rows it printed first (a one-column row is data, not a message)."""
+    probe = CsvParser(fields, strict=False)
+    said = [ln for ln in done.stdout.splitlines() if ln.strip() and (is_message(ln) or probe.feed(ln) is None)]
+    return "\n".join(said) + (("\n" + done.stderr) if done.stderr else "")
+
+
+def check_and_parse(
+    argv: Sequence[str], done: Completed, parser: CsvParser, fields: Sequence[Field]
+) -> list[GpuSample]:
+    """Judge a finished one-shot call: its typed error, or its rows (exit 14 keeps them and warns)."""
+    returncode = done.returncode
+    if returncode not in (0, 14):
+        raise failure_from_exit(argv, returncode, _messages_only(done, fields))
+    try:
+        samples = list(parser.parse(done.stdout.splitlines()))
+    except ParseError:
+        if returncode == 14:
+            raise failure_from_exit(argv, returncode, _messages_only(done, fields)) from None
+        raise
+    if not samples:
+        if returncode == 14:
+            raise failure_from_exit(argv, returncode, _messages_only(done, fields))
+        raise NvidiaSmiFailedError(
+            argv,
+            returncode,
+            done.output,
+            "nvidia-smi exited 0 but printed no GPU rows; run plain `nvidia-smi` to see what it prints, "
+            "or `smiquery doctor`",
+        )
+    if returncode == 14:
+        notice = parser.notices[0] if parser.notices else "infoROM warning"
+        warnings.warn(f"nvidia-smi exited 14 ({notice}); rows returned", InfoRomWarning, stacklevel=3)
+    return samples
+
+
+def query(
+    fields: FieldsArg = "default",
+    *,
+    gpus: GpusArg = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    runner: Runner | None = None,
+    tz: tzinfo | None = None,
+) -> list[GpuSample]:
+    """Take one snapshot: one record per GPU.
+
+    Args:
+        fields: a preset (``"default"``, ``"health"``, ``"memory"``...), ``"a,b,c"``, or a sequence of names or
+            resolved fields.
+        gpus: indices, UUIDs or PCI bus ids; None for all.
+        nvidia_smi: path of the binary (default: ``$SMIQUERY_NVIDIA_SMI``, PATH, the usual places).
+        timeout: seconds before the child is killed (the default fits a cold start without persistence mode).
+        runner: how to run it (tests inject one).
+        tz: time zone of the timestamps (default: the host's).
+
+    Returns:
+        One record per GPU, in nvidia-smi's order.
+
+    Raises:
+        InvalidFieldError: an unknown field (raised before anything runs).
+        InvalidGpuIdError: a malformed GPU id (raised before anything runs).
+        NvidiaSmiNotFoundError: no usable binary.
+        NvidiaSmiTimeoutError: no answer within ``timeout``.
+        NvidiaSmiFailedError: a non-zero exit, as its typed subclass.
+        ParseError: output that does not fit the fields.
+    """
+    from smiquery.runner import default_runner, find_nvidia_smi  # here: the parser's users never load subprocess
+
+    flds = resolve_fields(fields)
+    ids = normalize_gpus(gpus)
+    run = runner or default_runner()
+    argv = build_argv(find_nvidia_smi(nvidia_smi, runner=run), flds, ids)
+    done = run.run(argv, timeout)
+    return check_and_parse(argv, done, CsvParser(flds, tz=tz), flds)
+
+
+def query_df(
+    fields: FieldsArg = "default",
+    *,
+    gpus: GpusArg = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    runner: Runner | None = None,
+) -> pd.DataFrame:
+    """Like :func:`query`, as a pandas DataFrame (nullable dtypes, units in ``df.attrs["units"]``)."""
+    from smiquery.recordings.frames import to_dataframe
+
+    return to_dataframe(query(fields, gpus=gpus, nvidia_smi=nvidia_smi, timeout=timeout, runner=runner))
+
+
+# ------------------------------------------------------------------------------------------- get_gpu_status
+
+_STATUS_FIELDS = ("timestamp", "index", "name", "temperature.gpu", "utilization.gpu", "utilization.memory")
+_STATUS_KEYS = {
+    "index": "index",
+    "name": "name",
+    "temperature.gpu": "temperature_c",
+    "utilization.gpu": "gpu_util_percent",
+    "utilization.memory": "memory_util_percent",
+}
+
+
+def get_gpu_status(
+    fields: FieldsArg = None,
+    *,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    runner: Runner | None = None,
+) -> dict[str, Any]:
+    """One call for scripts and training loops; never raises for anything nvidia-smi does.
+
+    Success: ``{"success": True, "data": [{"index", "name", "temperature_c", "gpu_util_percent",
+    "memory_util_percent", "timestamp"}, ...]}`` (missing values are None; ``timestamp`` is ISO 8601; extra
+    ``fields`` add snake_case keys such as ``power_draw``). Failure: ``{"success": False, "error": "<one line>",
+    "error_type": "<exception class name>"}``. It returns within ``timeout`` seconds even when nvidia-smi hangs.
+
+    Args:
+        fields: extra fields to include (names or a comma list).
+        nvidia_smi: path of the binary.
+        timeout: the most seconds this call may take.
+        runner: how to run nvidia-smi.
+
+    Returns:
+        The status dict described above.
+    """
+    try:
+        flds = resolve_fields([*_STATUS_FIELDS, *(resolve_fields(fields) if fields else ())])
+        samples = query(flds, nvidia_smi=nvidia_smi, timeout=timeout, runner=runner)
+        data = []
+        for s in samples:
+            ts = s.timestamp
+            item: dict[str, Any] = {key: s[name] for name, key in _STATUS_KEYS.items()}
+            item["timestamp"] = ts.isoformat(timespec="milliseconds") if ts is not None else None
+            for f in flds[len(_STATUS_FIELDS) :]:
+                value = s[f.name]
+                item[f.attr] = value.isoformat() if isinstance(value, datetime) else value
+            data.append(item)
+        return {"success": True, "data": data}
+    except Exception as exc:  # the contract: a dict, never an exception
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        return {"success": False, "error": message, "error_type": type(exc).__name__}

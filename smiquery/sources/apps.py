@@ -1,0 +1,147 @@
+"""``--query-compute-apps``: which compute process holds memory on which GPU (``processes()``, ``processes_df()``)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+from smiquery.errors import InfoRomWarning, ParseError, failure_from_exit
+from smiquery.kinds import missing_reason
+from smiquery.runner import default_runner, find_nvidia_smi
+from smiquery.sources.query_gpu import DEFAULT_TIMEOUT, query
+from smiquery.streams.argv import GpusArg, normalize_gpus
+
+if TYPE_CHECKING:
+    import os
+
+    import pandas as pd
+
+    from smiquery.runner import Runner
+
+__all__ = ["GpuProcess", "processes", "processes_df"]
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A compute process holding memory on a GPU.
+
+    Attributes:
+        pid: process id (in nvidia-smi's PID namespace).
+        process_name: the name or path the driver recorded.
+        gpu_uuid: the GPU's UUID (the parent GPU's for a MIG instance).
+        gpu_index: the GPU's index, joined from ``--query-gpu``; None if that GPU was not listed.
+        used_memory: GPU memory used in MiB; None when nvidia-smi cannot tell (``[N/A]`` on Windows WDDM).
+        missing: field -> reason for missing values.
+    """
+
+    pid: int
+    process_name: str
+    gpu_uuid: str
+    gpu_index: int | None
+    used_memory: int | None
+    missing: dict[str, str] = field(default_factory=dict)
+
+
+_APPS_FIELDS = "pid,process_name,gpu_uuid,used_memory"
+
+
+def _parse_apps(argv: Sequence[str], stdout: str) -> list[tuple[int, str, str, int | None, dict[str, str]]]:
+    rows = []
+    for lineno, line in enumerate(stdout.splitlines(), 1):
+        line = line.rstrip("\r\n\t ")
+        if not line or line.startswith(("WARNING:", "ERROR:")):
+            continue  # exit 14 adds "WARNING: infoROM is corrupted at gpu ..." after the rows
+        cells = line.split(", ")
+        if len(cells) < 4:
+            raise ParseError("expected 4 columns (pid, process_name, gpu_uuid, used_memory)", lineno=lineno, line=line)
+        # process_name is the only free-text column; nvidia-smi does not quote, so rejoin surplus cells into it.
+        pid_s, name, uuid, mem_s = cells[0], ", ".join(cells[1:-2]), cells[-2], cells[-1]
+        missing: dict[str, str] = {}
+        try:
+            pid = int(pid_s)
+        except ValueError:
+            raise ParseError(f"{pid_s!r} is not a pid", lineno=lineno, line=line, field="pid") from None
+        mem: int | None
+        reason = missing_reason(mem_s)
+        if reason is not None:
+            mem = None
+            missing["used_memory"] = reason
+        else:
+            try:
+                mem = int(mem_s.removesuffix(" MiB"))
+            except ValueError:
+                raise ParseError(f"{mem_s!r} is not MiB", lineno=lineno, line=line, field="used_memory") from None
+        rows.append((pid, name, uuid.strip(), mem, missing))
+    return rows
+
+
+def processes(
+    *,
+    gpus: GpusArg = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    runner: Runner | None = None,
+) -> list[GpuProcess]:
+    """The compute processes on each GPU with their memory: the answer to "which job holds this memory?".
+
+    Runs ``--query-compute-apps`` and joins each row to its GPU's index. An idle machine has no rows, which
+    is not an error. Exit 14 (infoROM corrupted) keeps the rows and warns with :class:`InfoRomWarning`.
+
+    Args:
+        gpus: only these GPUs (indices, UUIDs or PCI bus ids).
+        nvidia_smi: path of the binary.
+        timeout: seconds per nvidia-smi call.
+        runner: how to run nvidia-smi.
+
+    Returns:
+        The processes sorted by GPU index, then pid.
+
+    Raises:
+        InvalidGpuIdError, NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, NvidiaSmiFailedError, ParseError.
+    """
+    ids = normalize_gpus(gpus)
+    runner = runner or default_runner()
+    binary = find_nvidia_smi(nvidia_smi, runner=runner)
+    run = runner.run
+    gpu_rows = query(["index", "uuid"], gpus=ids or None, nvidia_smi=binary, timeout=timeout, runner=runner)
+    by_uuid = {s.uuid: s.index for s in gpu_rows}
+    argv = [binary, "--query-compute-apps=" + _APPS_FIELDS, "--format=csv,noheader,nounits"]
+    done = run(argv, timeout)
+    if done.returncode not in (0, 14):
+        raise failure_from_exit(argv, done.returncode, done.output)
+    if done.returncode == 14:
+        notice = next((ln for ln in done.stdout.splitlines() if ln.startswith("WARNING:")), "infoROM warning")
+        warnings.warn(f"nvidia-smi exited 14 ({notice}); rows returned", InfoRomWarning, stacklevel=2)
+    out = []
+    for pid, name, uuid, mem, missing in _parse_apps(argv, done.stdout):
+        if ids and uuid not in by_uuid:
+            continue
+        out.append(GpuProcess(pid, name, uuid, by_uuid.get(uuid), mem, missing))
+    out.sort(key=lambda p: (p.gpu_index if p.gpu_index is not None else 1 << 30, p.pid))
+    return out
+
+
+def processes_df(
+    *,
+    gpus: GpusArg = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    runner: Runner | None = None,
+) -> pd.DataFrame:
+    """Like :func:`processes`, as a DataFrame with columns gpu_index, gpu_uuid, pid, process_name, used_memory."""
+    import pandas as pd
+
+    rows = processes(gpus=gpus, nvidia_smi=nvidia_smi, timeout=timeout, runner=runner)
+    df = pd.DataFrame(
+        {
+            "gpu_index": pd.array([p.gpu_index for p in rows], dtype="Int64"),
+            "gpu_uuid": pd.array([p.gpu_uuid for p in rows], dtype="string"),
+            "pid": pd.array([p.pid for p in rows], dtype="Int64"),
+            "process_name": pd.array([p.process_name for p in rows], dtype="string"),
+            "used_memory": pd.array([p.used_memory for p in rows], dtype="Int64"),
+        }
+    )
+    df.attrs["units"] = {"used_memory": "MiB"}
+    return cast("pd.DataFrame", df)
