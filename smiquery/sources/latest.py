@@ -19,7 +19,7 @@ from smiquery._log import get_logger
 __all__ = ["Latest", "Snapshot"]
 
 T = TypeVar("T")
-log = get_logger("smiquery")
+log = get_logger("smiquery.poll")  # not "smiquery": the exporter shows only errors of the stream supervisor's logger
 
 
 @dataclass(frozen=True)
