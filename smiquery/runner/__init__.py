@@ -190,7 +190,7 @@ class LineSource(Protocol):
 
     :class:`LineStream` reads a real child; :class:`smiquery.testing.InProcessRunner` serves one without a
     process. Nothing here decides that a child is hung: :meth:`readline` just reports that no line came in time,
-    and the caller (the stream supervisor) decides what silence means.
+    and the caller (the stream engine) decides what silence means.
     """
 
     argv: tuple[str, ...]
