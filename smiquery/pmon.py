@@ -444,16 +444,19 @@ class PmonStream:
         self.retry_policy = retry if retry is not None else RetryPolicy()
         self.on_event = on_event
         self.stats = StreamStats()
+        events: list[StreamEvent] = []
         self._engine: Engine[PmonRow] = Engine(
-            PmonRows(self.stats, self._emit),
+            PmonRows(self.stats, events.append),
             self.argv,
             self.retry_policy,
             startup_timeout=self.startup_timeout,
             stall_timeout=self.stall_timeout,
             stats=self.stats,
-            emit=self._emit,
+            events=events,
         )
-        self._driver: ThreadDriver[PmonRow] = ThreadDriver(self._engine, runner, sleep=sleep, finite=count is not None)
+        self._driver: ThreadDriver[PmonRow] = ThreadDriver(
+            self._engine, runner, self._emit, sleep=sleep, finite=count is not None
+        )
         self._error: BaseException | None = None
 
     @property

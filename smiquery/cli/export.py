@@ -383,7 +383,7 @@ def _serve_until_signal(exp: Exporter, bind: str) -> int:
         try:
             say(
                 f"smiquery export: serving {exp.url}/metrics (naming {exp.collector.naming}, every "
-                f"{exp.stream.interval:g} s); probes at /livez and /readyz; Ctrl-C or SIGTERM stops"
+                f"{getattr(exp.stream, 'interval', 0):g} s); probes at /livez and /readyz; Ctrl-C or SIGTERM stops"
             )
             if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
                 say("smiquery export: warning: listening on all interfaces without TLS")

@@ -32,7 +32,7 @@ from smiquery.exporter.naming import (
 from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.server import Exporter, serve
-from smiquery.exporter.state import SourceHealth, SweepSource, parse_labels, source_health
+from smiquery.exporter.state import SourceHealth, parse_labels, source_health
 from smiquery.exporter.webconfig import WebConfig, load_web_config
 from smiquery.exporter.xidwatch import XidWatcher
 
@@ -52,7 +52,6 @@ __all__ = [
     "ProcessPoller",
     "SmiCollector",
     "SourceHealth",
-    "SweepSource",
     "WebConfig",
     "XidWatcher",
     "configure_logging",

@@ -32,7 +32,6 @@ from smiquery.exporter.naming import NVSMI_INFO_LABELS, Naming, metric_specs, re
 from smiquery.exporter.state import (
     PMON_LABELS,
     SourceHealth,
-    SweepSource,
     TrackedGpu,
     bare_uuid,
     parse_labels,
@@ -51,7 +50,7 @@ if TYPE_CHECKING:
     from smiquery.exporter.xidwatch import XidWatcher
     from smiquery.fields import Field
     from smiquery.sample import BusKey, GpuSample
-    from smiquery.source import Sweep
+    from smiquery.source import SampleSource, Sweep
     from smiquery.sources.apps import GpuProcess
 
 __all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector"]
@@ -74,7 +73,8 @@ class SmiCollector:
     text is rendered once per sweep; only the health metrics are rendered for every scrape.
 
     Args:
-        stream: a started stream (anything with ``latest()``, ``stats``, ``running``, ``error``, ``interval``).
+        stream: a started :class:`~smiquery.source.SampleSource` (its ``interval``, when it has one, sets the
+            default ``stale_after``).
         fields: the fields the stream queries (default: ``stream.fields``).
         naming: ``smiquery`` or ``dcgm``.
         labels: constant labels added to every series.
@@ -96,7 +96,7 @@ class SmiCollector:
 
     def __init__(
         self,
-        stream: SweepSource,
+        stream: SampleSource,
         *,
         fields: Sequence[Field] | None = None,
         naming: Naming = "smiquery",
@@ -130,7 +130,8 @@ class SmiCollector:
                 raise ValueError(
                     f"label name {taken[0]!r} is set by the exporter itself with top processes; pick another name"
                 )
-        self.stale_after = float(stale_after) if stale_after is not None else max(3 * stream.interval, 15.0)
+        interval = getattr(stream, "interval", 0.0)  # a live stream's; a replay has none
+        self.stale_after = float(stale_after) if stale_after is not None else max(3 * interval, 15.0)
         self.hostname = self.labels.get("Hostname") or hostname or socket.gethostname()
         self.render_errors = 0
         self._lock = threading.Lock()

@@ -6,16 +6,15 @@ import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from smiquery.source import StreamStats, Sweep
+    from smiquery.source import SampleSource
 
 __all__ = [
     "PMON_LABELS",
     "RESERVED_LABELS",
     "SourceHealth",
-    "SweepSource",
     "TrackedGpu",
     "bare_uuid",
     "parse_labels",
@@ -23,34 +22,6 @@ __all__ = [
 ]
 
 _LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-class SweepSource(Protocol):
-    """What the collector reads: a started :class:`~smiquery.supervisor.Stream` (or a stand-in in tests)."""
-
-    @property
-    def interval(self) -> float:
-        """Seconds between samples."""
-        ...
-
-    @property
-    def stats(self) -> StreamStats:
-        """The stream's counters."""
-        ...
-
-    @property
-    def running(self) -> bool:
-        """True while the stream's thread is alive."""
-        ...
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that ended the stream, if any."""
-        ...
-
-    def latest(self) -> tuple[Sweep | None, float | None]:
-        """The newest sweep and its age in seconds."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -80,7 +51,7 @@ class SourceHealth:
     lost_uuids: dict[str, int | None] = dataclasses.field(default_factory=dict)
 
 
-def source_health(source: SweepSource) -> SourceHealth:
+def source_health(source: SampleSource) -> SourceHealth:
     """Read a source's state, whatever version of :class:`~smiquery.source.StreamStats` it carries.
 
     Attributes a source does not have yet read as "not known" (None, False, empty); a source whose thread ended

@@ -1,4 +1,4 @@
-"""Finding and running nvidia-smi: with :mod:`~smiquery.streams`, the only package that imports ``subprocess``.
+"""Finding and running nvidia-smi: the only package that imports ``subprocess`` (:mod:`.aio` on an event loop).
 
 Every child runs from an argument list (never a shell), in its own process group, under a deadline. On every
 path (normal end, exception, timeout, early stop, ``KeyboardInterrupt``, garbage collection) the whole group is
@@ -53,6 +53,7 @@ __all__ = [
     "find_nvidia_smi",
     "install_default",
     "live_children",
+    "no_answer",
     "terminate_and_reap",
 ]
 
@@ -150,6 +151,16 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner:
     raise NvidiaSmiNotFoundError(searched=["PATH", *searched])
 
 
+def no_answer(argv: Sequence[str], timeout: float) -> NvidiaSmiTimeoutError:
+    """The error of a one-shot child that did not finish within ``timeout`` seconds (it was killed)."""
+    return NvidiaSmiTimeoutError(
+        f"nvidia-smi did not answer within {timeout:g} s and was killed; the driver may be hung "
+        "(check `dmesg` for Xid errors) or slow without persistence mode (`nvidia-smi -pm 1`)",
+        argv=argv,
+        timeout=timeout,
+    )
+
+
 @dataclass(frozen=True)
 class Completed:
     """A finished nvidia-smi run.
@@ -179,7 +190,7 @@ class LineSource(Protocol):
 
     :class:`LineStream` reads a real child; :class:`smiquery.testing.InProcessRunner` serves one without a
     process. Nothing here decides that a child is hung: :meth:`readline` just reports that no line came in time,
-    and the caller (the stream supervisor) decides what silence means.
+    and the caller (the stream engine) decides what silence means.
     """
 
     argv: tuple[str, ...]
@@ -430,12 +441,7 @@ class SubprocessRunner:
         finally:
             terminate_and_reap(proc, grace)
         if not finished:
-            raise NvidiaSmiTimeoutError(
-                f"nvidia-smi did not answer within {timeout:g} s and was killed; the driver may be hung "
-                "(check `dmesg` for Xid errors) or slow without persistence mode (`nvidia-smi -pm 1`)",
-                argv=argv,
-                timeout=timeout,
-            )
+            raise no_answer(argv, timeout)
         rc = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         return Completed(tuple(argv), rc, decode(raw_out), decode(raw_err), time.monotonic() - start)
 

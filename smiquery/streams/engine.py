@@ -1,38 +1,43 @@
-"""The engine of every supervised nvidia-smi source, without I/O.
+"""The engine of every supervised nvidia-smi source: lines and the time in; items, events and deadlines out.
 
-A driver (thread, asyncio) runs this loop and nothing else::
+It does no I/O, reads no clock, starts no thread and calls no callback: every method takes the current monotonic
+time (``now``) from its driver, and the events it makes wait in :meth:`Engine.take_events` for the driver to
+hand to the listeners. A driver (thread, asyncio) runs this loop and nothing else::
 
     engine.begin(now)
-    while engine.starting(now):              # False once closed or past ``duration``
-        child = start the child              # on a typed error: items, delay = engine.failed(exc, now)
+    while not engine.done and engine.starting(now):     # False once closed or past ``duration``
+        child = start the child                         # on a typed error: items, delay = engine.failed(...)
         engine.started(now)
         while not engine.done and not engine.stopped(now):
             lines = read lines until engine.deadline()
             if none came by the deadline:
-                read once more without waiting     # a paused parent: rows wait in the pipe
+                read once more without waiting          # a paused parent: rows wait in the pipe
                 if still none: raise engine.expired(now)   # None: the deadline was the end of the stream
             deliver engine.feed(lines, now, idle)
-        on a typed error: got = engine.failed(exc, now); None: stop; else deliver the items, sleep the delay
+        on a typed error: got = engine.failed(exc, now, wall); None: stop; else deliver the items, wait the delay
+    engine.finish()
 
-The engine owns everything that must not differ between drivers: deadlines (start-up, stall, duration),
-counters and events (:class:`~smiquery.source.StreamStats`), the rows' meaning (a :class:`Rows`: CSV sweeps and
-GPU identity, or pmon instants) and the retry decision, which drives tenacity's ``Retrying.iter()`` (it does no
-I/O either) under one :class:`~smiquery.retry.RetryPolicy`.
+The engine owns everything that must not differ between drivers: deadlines (start-up, stall, duration), counters
+(:class:`~smiquery.source.StreamStats`) and events, the rows' meaning (a :class:`Rows`: CSV sweeps and GPU
+identity, or pmon instants) and the retry decision, which it asks of the tenacity strategies of the
+:class:`~smiquery.retry.RetryPolicy` through one ``RetryCallState`` per streak of failures.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Generic, Protocol, TypeVar
 
-from tenacity import DoSleep, RetryCallState
+from tenacity import RetryCallState
 
+from smiquery._log import get_logger
 from smiquery.errors import NvidiaSmiTimeoutError, SmiqueryError
-from smiquery.retry import RetryPolicy, Supervision
+from smiquery.retry import RetryPolicy, is_permanent, one_line
 from smiquery.source import StreamEvent, StreamStats
 
 __all__ = ["Engine", "Rows"]
+
+log = get_logger("smiquery")
 
 Item = TypeVar("Item")
 
@@ -42,7 +47,6 @@ class Rows(Protocol[Item]):
 
     Attributes:
         what: the command named in events and messages (``"nvidia-smi"``, ``"nvidia-smi pmon"``).
-        messages: the newest lines that were not rows (driver messages), for error messages.
     """
 
     what: str
@@ -76,7 +80,7 @@ class Engine(Generic[Item]):
         duration: seconds the whole stream may run (None: no limit).
         max_rows: stop after this many rows (None: no limit).
         stats: the counters to keep (shared with the rows' interpreter).
-        emit: hands an event to the source's listeners.
+        events: where events wait for :meth:`take_events` (shared with the rows' interpreter, which appends too).
     """
 
     def __init__(
@@ -90,23 +94,35 @@ class Engine(Generic[Item]):
         duration: float | None = None,
         max_rows: int | None = None,
         stats: StreamStats,
-        emit: Callable[[StreamEvent], None],
+        events: list[StreamEvent] | None = None,
     ) -> None:
         self.rows = rows
+        self.what = rows.what
         self.argv = tuple(argv)
         self.policy = policy
         self.startup_timeout = float(startup_timeout)
         self.stall_timeout = float(stall_timeout)
         self.duration = duration
         self.stats = stats
-        self.supervision = Supervision(policy, stats, emit, what=rows.what)
-        self._retrying = self.supervision.retrying(_no_sleep)
+        self.events: list[StreamEvent] = events if events is not None else []
+        self.closed = False  #: True once :meth:`close` was called (from any thread: a plain flag)
+        self._retrying = policy.retrying(stats)
         self._streak: RetryCallState | None = None
         self._budget = max_rows
         self._end: float | None = None
         self._row_deadline = 0.0
         self._delivered = False
-        self._closed = threading.Event()
+        self._healthy_since: float | None = None
+        self._failing = False
+
+    def _emit(self, event: StreamEvent) -> None:
+        self.events.append(event)
+
+    def take_events(self) -> list[StreamEvent]:
+        """The events made since the last call, oldest first, for the driver to hand to the listeners."""
+        events = self.events[:]
+        self.events.clear()
+        return events
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -118,7 +134,12 @@ class Engine(Generic[Item]):
         """A child is about to start: counted. False (nothing counted) once the stream is stopped."""
         if self.stopped(now):
             return False
-        self.supervision.started()
+        stats = self.stats
+        if stats.starts:
+            stats.restarts += 1
+        stats.starts += 1
+        stats.state = "starting"
+        stats.next_retry_at = None
         self.rows.child_started()
         self._delivered = False
         self._row_deadline = now + self.startup_timeout
@@ -130,16 +151,11 @@ class Engine(Generic[Item]):
 
     def stopped(self, now: float) -> bool:
         """True when the stream is closed or past its duration (``now`` 0 asks about the close alone)."""
-        return self._closed.is_set() or (self._end is not None and now >= self._end)
+        return self.closed or (self._end is not None and now >= self._end)
 
     def close(self) -> None:
         """End the stream at its next step. Any thread."""
-        self._closed.set()
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` was called."""
-        return self._closed.is_set()
+        self.closed = True
 
     @property
     def done(self) -> bool:
@@ -147,8 +163,10 @@ class Engine(Generic[Item]):
         return self._budget is not None and self._budget <= 0
 
     def finish(self) -> None:
-        """The stream is over without a failure: ``closed`` or ``ended``."""
-        self.supervision.finished(self._closed.is_set())
+        """The stream is over: ``closed`` or ``ended`` (unless it ``failed``)."""
+        if self.stats.state != "failed":
+            self.stats.state = "closed" if self.closed else "ended"
+        self.stats.next_retry_at = None
 
     # --------------------------------------------------------------------------------------------- data
 
@@ -163,12 +181,28 @@ class Engine(Generic[Item]):
         if n:
             if not self._delivered:
                 self._delivered = True
-                self.supervision.first_row()
+                self._first_row(now)
             self._row_deadline = now + self.stall_timeout
             self.stats.rows += n
             if self._budget is not None:
                 self._budget -= n
         return out
+
+    def _first_row(self, now: float) -> None:
+        """The child delivered its first row: running; after a long outage, say that data flows again."""
+        stats = self.stats
+        # A single restart says enough on its own; after a longer outage (or one that needed a person) the return
+        # of data is news worth one line.
+        outage = self._failing and (stats.attempt >= 2 or stats.permanent)
+        stats.state = "running"
+        stats.attempt = 0
+        stats.next_retry_at = None
+        stats.permanent = False
+        self._healthy_since = now
+        self._failing = False
+        if outage:
+            self._emit(StreamEvent("recovered", None, f"{self.what} delivers rows again"))
+            log.warning("smiquery: %s delivers rows again", self.what)
 
     def expired(self, now: float) -> SmiqueryError | None:
         """The deadline passed without a row (even after one more look at the pipe): the child is hung.
@@ -180,7 +214,7 @@ class Engine(Generic[Item]):
             return None
         if not self._delivered:
             return NvidiaSmiTimeoutError(
-                f"{self.rows.what} printed no row within {self.startup_timeout:g} s of starting and was killed; a "
+                f"{self.what} printed no row within {self.startup_timeout:g} s of starting and was killed; a "
                 "cold start without persistence mode can be this slow (`nvidia-smi -pm 1`), or the driver hangs "
                 "(check `dmesg` for Xid errors)",
                 argv=self.argv,
@@ -189,7 +223,7 @@ class Engine(Generic[Item]):
         said = self.rows.last_message()
         said = f" (it printed: {said})" if said else ""
         return NvidiaSmiTimeoutError(
-            f"{self.rows.what} printed no data row for {self.stall_timeout:g} s{said} and was killed (hung "
+            f"{self.what} printed no data row for {self.stall_timeout:g} s{said} and was killed (hung "
             "driver?); check `dmesg` for Xid errors and whether plain `nvidia-smi` answers",
             argv=self.argv,
             timeout=self.stall_timeout,
@@ -197,8 +231,13 @@ class Engine(Generic[Item]):
 
     # --------------------------------------------------------------------------------------------- retry
 
-    def failed(self, exc: SmiqueryError, now: float) -> tuple[list[Item], float] | None:
+    def failed(self, exc: SmiqueryError, now: float, wall: float) -> tuple[list[Item], float] | None:
         """The child failed (or could not start): what its cut output still makes, and how long to wait.
+
+        Args:
+            exc: the failure.
+            now: monotonic seconds.
+            wall: ``time.time()`` now, for :attr:`~smiquery.source.StreamStats.next_retry_at`.
 
         Returns:
             The items (a short sweep) and the seconds to wait before the next start; None when the stream was
@@ -207,31 +246,49 @@ class Engine(Generic[Item]):
         Raises:
             SmiqueryError: ``exc`` itself, when the policy gives up.
         """
-        if self._closed.is_set():
+        if self.closed:
             return None
         out: list[Item] = []
         self.rows.cut(out, now)
-        if self.supervision.failure(exc):
-            self._streak = None
+        stats = self.stats
+        stats.errors[type(exc).__name__] += 1
+        stats.last_error = one_line(exc)
+        stats.last_error_type = type(exc).__name__
+        stats.permanent = is_permanent(exc)
+        self._failing = True
+        self._emit(StreamEvent("error", exc, stats.last_error))
+        since, self._healthy_since = self._healthy_since, None
+        if since is not None and now - since >= self.policy.healthy_after and not is_permanent(exc):
+            detail = f"restarting {self.what} now after: {one_line(exc)} (it had run well for a while)"
+            log.warning("smiquery: %s", detail)
+            self._emit(StreamEvent("restart", exc, detail))
+            self._streak = None  # a fresh streak, restarted at once
             return out, 0.0
-        return out, self._decide(exc)
+        return out, self._decide(exc, now, wall)
 
-    def _decide(self, exc: SmiqueryError) -> float:
+    def _decide(self, exc: SmiqueryError, now: float, wall: float) -> float:
+        """Ask the policy's tenacity strategies about this failure of the streak: the wait, or give up (raise)."""
         retrying = self._retrying
-        if self._streak is None:
-            retrying.begin()
-            self._streak = RetryCallState(retrying, fn=None, args=(), kwargs={})
-            retrying.iter(self._streak)  # the first attempt, which just failed
         state = self._streak
+        if state is None:
+            state = self._streak = RetryCallState(retrying, fn=None, args=(), kwargs={})
+            state.start_time = now
+        else:
+            state.prepare_for_next_attempt()
         state.set_exception((type(exc), exc, exc.__traceback__))
-        try:
-            action = retrying.iter(state)  # raises exc when the policy gives up
-        except BaseException:
+        state.outcome_timestamp = now
+        if not retrying.retry(state) or retrying.stop(state):
             self._streak = None
-            raise
-        state.prepare_for_next_attempt()
-        return float(action) if isinstance(action, DoSleep) else 0.0
-
-
-def _no_sleep(seconds: float) -> None:
-    """The engine never sleeps: the driver waits the delay that :meth:`Engine.failed` returns."""
+            self.stats.state = "failed"
+            raise exc
+        wait = float(retrying.wait(state))
+        state.idle_for += wait
+        stats = self.stats
+        stats.state = "retrying"
+        stats.attempt = state.attempt_number
+        stats.next_retry_at = wall + wait
+        slow = " (this needs a person: retrying slowly)" if is_permanent(exc) else ""
+        detail = f"restarting {self.what} in {wait:.1f} s after: {one_line(exc)}{slow}"
+        self._emit(StreamEvent("restart", exc, detail))
+        log.warning("smiquery: %s", detail)
+        return wait

@@ -322,10 +322,11 @@ class CsvSource(LatestSweep):
         self._lock = threading.Lock()
         self._latest = None
         expected = [int(g) for g in self.gpus if g.isdigit()]
+        events: list[StreamEvent] = []
         self._rows = CsvRows(
             flds,
             self.stats,
-            self._emit,
+            events.append,
             expected=expected if len(expected) == len(self.gpus) else (),
             interval=self.interval,
             tz=tz,
@@ -339,7 +340,7 @@ class CsvSource(LatestSweep):
             duration=duration,
             max_rows=max_rows,
             stats=self.stats,
-            emit=self._emit,
+            events=events,
         )
 
     def latest(self) -> tuple[Sweep | None, float | None]:

@@ -93,7 +93,7 @@ class Stream(CsvSource):
         )
         self.max_samples = max_samples
         self.duration = duration
-        self._driver: ThreadDriver[GpuSample | Sweep] = ThreadDriver(self._engine, runner, sleep=sleep)
+        self._driver: ThreadDriver[GpuSample | Sweep] = ThreadDriver(self._engine, runner, self._emit, sleep=sleep)
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         # Only a weak reference: an abandoned iterator must be collectable at once (no cycle), so that dropping it

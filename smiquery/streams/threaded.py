@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 
 from smiquery.errors import SmiqueryError, StreamEndedError
 from smiquery.runner import TERM_GRACE, LineSource, Runner
+from smiquery.source import StreamEvent
 from smiquery.streams.engine import Engine
 
 __all__ = ["ThreadDriver"]
@@ -27,6 +28,7 @@ class ThreadDriver(Generic[Item]):
     Args:
         engine: the engine.
         runner: starts each child (``runner.lines(argv)``).
+        emit: hands each of the engine's events to the source's listeners.
         sleep: waits between attempts (tests inject one); None waits on an event that :meth:`close` sets.
         finite: True when the child ends by itself when done (``pmon -c N``): exit 0 then ends the stream.
     """
@@ -35,12 +37,14 @@ class ThreadDriver(Generic[Item]):
         self,
         engine: Engine[Item],
         runner: Runner,
+        emit: Callable[[StreamEvent], None],
         *,
         sleep: Callable[[float], None] | None = None,
         finite: bool = False,
     ) -> None:
         self.engine = engine
         self._runner = runner
+        self._emit = emit
         self._sleep = sleep
         self._finite = finite
         self._lock = threading.Lock()
@@ -49,6 +53,10 @@ class ThreadDriver(Generic[Item]):
         self._no_child = threading.Event()
         self._no_child.set()
         self._reader: int | None = None  # the thread reading a child now
+
+    def _tell(self) -> None:
+        for event in self.engine.take_events():
+            self._emit(event)
 
     def _pause(self, seconds: float) -> bool:
         """Wait between attempts, cut short by a close or the end of ``duration``; False when the stream stops."""
@@ -72,32 +80,9 @@ class ThreadDriver(Generic[Item]):
         try:
             while not engine.done and engine.starting(time.monotonic()):
                 try:
-                    child = self._runner.lines(engine.argv)
-                except SmiqueryError as exc:
-                    got = engine.failed(exc, time.monotonic())
-                    if got is None or not self._pause(got[1]):
-                        return
-                    continue
-                got = ([], 0.0)
-                with self._lock:
-                    self.child = child
-                    self._no_child.clear()
-                try:
-                    if engine.closed:
-                        child.terminate()
-                    engine.started(time.monotonic())
-                    yield from self._read(child)
-                except StreamEndedError as exc:
-                    if self._finite and exc.returncode == 0 and not engine.closed:
-                        return  # a finite child finished its count
-                    got = engine.failed(exc, time.monotonic())
-                except SmiqueryError as exc:
-                    got = engine.failed(exc, time.monotonic())
+                    got = yield from self._child()
                 finally:
-                    with self._lock:
-                        self.child = None
-                    child.close()
-                    self._no_child.set()
+                    self._tell()
                 if got is None:
                     return
                 cut, delay = got
@@ -110,6 +95,34 @@ class ThreadDriver(Generic[Item]):
         finally:
             self._reader = None
             engine.finish()
+
+    def _child(self) -> Generator[Item, None, tuple[list[Item], float] | None]:
+        """Start one child and read it to its end; returns what :meth:`Engine.failed` says (nothing: no failure)."""
+        engine = self.engine
+        try:
+            child = self._runner.lines(engine.argv)
+        except SmiqueryError as exc:
+            return engine.failed(exc, time.monotonic(), time.time())
+        with self._lock:
+            self.child = child
+            self._no_child.clear()
+        try:
+            if engine.closed:
+                child.terminate()
+            engine.started(time.monotonic())
+            yield from self._read(child)
+        except StreamEndedError as exc:
+            if self._finite and exc.returncode == 0 and not engine.closed:
+                return None  # a finite child finished its count
+            return engine.failed(exc, time.monotonic(), time.time())
+        except SmiqueryError as exc:
+            return engine.failed(exc, time.monotonic(), time.time())
+        finally:
+            with self._lock:
+                self.child = None
+            child.close()
+            self._no_child.set()
+        return [], 0.0
 
     def _read(self, child: LineSource) -> Generator[Item, None, None]:
         """Read one child until it fails (raises), the stream stops or the budget is spent (returns)."""
@@ -131,7 +144,9 @@ class ThreadDriver(Generic[Item]):
                         return
                     raise hung
                 continue
-            for item in engine.feed((line,), clock(), child.idle):
+            items = engine.feed((line,), clock(), child.idle)
+            self._tell()
+            for item in items:
                 if engine.stopped(clock() if timed else 0.0):
                     return  # nothing is delivered after close()
                 yield item

@@ -76,22 +76,7 @@ def test_bad_row_in_first_sweep_is_flagged_and_later_sweeps_are_whole(tmp_path):
     assert s.stats.lost_gpus == set()  # a dropped row is not a lost GPU
 
 
-def test_rows_an_interval_apart_are_never_one_sweep(tmp_path):
-    # Rows 0-1 of one instant, then (after an interval) rows 2-3 of the next: index order alone would merge them.
-    smi = scripted_smi(
-        tmp_path,
-        """
-        sweep([0, 1])
-        sweep([2, 3])
-        while True:
-            sweep([0, 1, 2, 3])
-        """,
-    )
-    with stream(FIELDS, interval=0.6, nvidia_smi=smi) as s:
-        sweeps = list(s.sweeps(count=4))
-    assert [[x.index for x in sw] for sw in sweeps[:2]] == [[0, 1], [2, 3]]
-    assert all(one_instant(sw) for sw in sweeps)
-    assert not sweeps[1].complete  # GPUs 0 and 1 are known by then: the short sweep says so
+# Rows an interval apart are two instants: the engine's logic, tests/stream/test_engine.py.
 
 
 # ------------------------------------------------------------------------------- 2. only data proves life

@@ -4,7 +4,6 @@ added), survives a paused parent, a close from its own callback and a flood, for
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import signal
 import subprocess
@@ -15,7 +14,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from zoneinfo import ZoneInfo
 
 import psutil
 import pytest
@@ -67,39 +65,7 @@ def one_instant_each(sweeps: list[Sweep]) -> None:
 # ------------------------------------------------------------------------------------------------- time
 
 
-@pytest.mark.parametrize("step", [-3600.0, -2.0, 3600.0])
-def test_a_clock_step_inside_a_sweep_neither_splits_it_nor_loses_a_gpu(fake_smi: MakeFake, driver: Any, step: float):
-    # row 12 of 8-GPU sweeps is GPU 4 of the second sweep: the wall clock jumps between GPU 3 and GPU 4
-    smi = fake_smi(fault=f"clock-step:12:{step:g}")
-    sweeps, events = driver(smi, 6, interval=0.5)
-    one_instant_each(sweeps)
-    assert [len(sw) for sw in sweeps] == [GPUS] * 6
-    assert all(sw.complete for sw in sweeps)
-    assert [e for e in events if e.kind in ("gpu_lost", "short_sweep")] == []
-    stamps = [s.timestamp for s in sweeps[1]]
-    jump = (stamps[4] - stamps[3]).total_seconds()
-    assert abs(jump - step) < 1.0  # the step really is inside this sweep
-
-
-def test_a_slow_row_is_still_the_same_instant(fake_smi: MakeFake, driver: Any):
-    smi = fake_smi(fault="slow-row:1:0.7")  # every sweep: GPU 3 and the rest arrive 70 % of an interval late
-    sweeps, events = driver(smi, 5, interval=1.0)
-    one_instant_each(sweeps)
-    assert [len(sw) for sw in sweeps] == [GPUS] * 5
-    assert [e for e in events if e.kind in ("gpu_lost", "short_sweep")] == []
-
-
-def test_dst_fall_back_resolved_by_row_order_in_a_live_stream(fake_smi: MakeFake):
-    smi = fake_smi(fault="dst-fallback:2")  # 02:59:58 CEST ... then 02:00:00 CET
-    sweeps, events = sync_sweeps(smi, 8, interval=0.5, tz=ZoneInfo("Europe/Berlin"))
-    stamps = [s.timestamp for sw in sweeps for s in sw]
-    assert all(t is not None and t.tzinfo is not None for t in stamps)
-    wall = [t.replace(tzinfo=None) for t in stamps if t is not None]
-    assert any(b < a for a, b in itertools.pairwise(wall)), "the fall-back is not in the sample"
-    instants = [t.timestamp() for t in stamps if t is not None]
-    assert instants == sorted(instants)  # the second 02:00 is after the first 02:59
-    assert all(sw.complete for sw in sweeps)
-    assert [e for e in events if e.kind == "gpu_lost"] == []
+# Clock steps and DST inside a sweep, and slow rows, are the engine's logic: tests/stream/test_engine.py.
 
 
 def test_sweeps_carry_their_monotonic_arrival_time(fake_smi: MakeFake, driver: Any):
