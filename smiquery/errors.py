@@ -72,6 +72,7 @@ __all__ = [
     "RecordingError",
     "ReplayError",
     "ReportError",
+    "ResourceLimitError",
     "SmiqueryError",
     "StreamEndedError",
     "UsageError",
@@ -269,6 +270,16 @@ class NvidiaSmiNotFoundError(SmiqueryError):
             or "nvidia-smi not found: install the NVIDIA driver, pass nvidia_smi=PATH / --nvidia-smi PATH or set "
             f"SMIQUERY_NVIDIA_SMI; {_CONTAINER_HINT}"
         )
+
+
+class ResourceLimitError(SmiqueryError):
+    """nvidia-smi could not be started because this process is at a resource limit (open files, processes, memory).
+
+    At its file-descriptor limit every spawn fails with EMFILE: nvidia-smi is there, this process cannot open the
+    pipes to run it. Retried, since descriptors are freed as connections close.
+    """
+
+    retryable = True
 
 
 class NvidiaSmiTimeoutError(SmiqueryError):

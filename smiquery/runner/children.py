@@ -23,6 +23,7 @@ from typing import Any
 
 from smiquery.errors import (
     NvidiaSmiNotFoundError,
+    ResourceLimitError,
 )
 
 __all__ = [
@@ -74,9 +75,21 @@ def live_children() -> list[int]:
         return [p.pid for p in _LIVE if p.returncode is None and _owned(p)]
 
 
-def exec_error(path: str, exc: OSError) -> NvidiaSmiNotFoundError:
-    """The one-line reason an existing path could not be executed, or that it does not exist."""
+#: errno values of a spawn that failed for want of a resource of this process, not for anything about nvidia-smi.
+_LIMITS = {
+    errno.EMFILE: "this process has too many open files; raise its limit (`ulimit -n`, systemd LimitNOFILE=, "
+    "or the container's nofile ulimit) or close what leaks descriptors",
+    errno.ENFILE: "the system's open-file table is full; raise fs.file-max or find what holds the files",
+    errno.EAGAIN: "too many processes for this user (or cgroup pids.max); raise the limit (`ulimit -u`, TasksMax=)",
+    errno.ENOMEM: "out of memory for a new process; free memory or raise the cgroup's memory limit",
+}
+
+
+def exec_error(path: str, exc: OSError) -> NvidiaSmiNotFoundError | ResourceLimitError:
+    """The one-line reason ``path`` could not be started: missing, not executable, or a limit of this process."""
     code = exc.errno
+    if code in _LIMITS:
+        return ResourceLimitError(f"cannot start {path}: {exc.strerror or os.strerror(code)}: {_LIMITS[code]}")
     if code == errno.ENOENT and not os.path.exists(path):
         return NvidiaSmiNotFoundError(f"nvidia-smi not found: {path} does not exist")
     if code == errno.ENOENT:
@@ -126,10 +139,10 @@ def popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) -
     argv = list(argv)
     status_r = status_w = -1
     cmd = argv
-    if pdeathsig:
-        status_r, status_w = os.pipe()
-        cmd = [sys.executable, "-S", "-E", "-s", "-c", _TRAMPOLINE, str(os.getpid()), str(status_w), *argv]
     try:
+        if pdeathsig:
+            status_r, status_w = os.pipe()
+            cmd = [sys.executable, "-S", "-E", "-s", "-c", _TRAMPOLINE, str(os.getpid()), str(status_w), *argv]
         proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
@@ -140,9 +153,9 @@ def popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) -
             **OWN_GROUP,
         )
     except OSError as exc:
-        if pdeathsig:
-            os.close(status_r)
-            os.close(status_w)
+        for fd in (status_r, status_w):
+            if fd >= 0:
+                os.close(fd)
         raise exec_error(argv[0], exc) from exc
     setattr(proc, _OWNER_ATTR, os.getpid())
     with _LIVE_LOCK:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -168,3 +170,40 @@ def test_one_shot_helper_holding_the_pipe_and_a_hang_on_either_exit_watch(tmp_pa
 
 def test_every_child_of_this_module_was_reaped():
     assert live_children() == []
+
+
+EMFILE_SCRIPT = r"""
+import resource, sys
+import smiquery.runner, smiquery.runner.children, smiquery.sources.query_gpu
+from smiquery.sources.query_gpu import query
+from smiquery.errors import ResourceLimitError, NvidiaSmiNotFoundError
+from smiquery.fields import resolve_fields
+resolve_fields(["index"])  # the catalogue is read on first use: before the descriptors run out
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+held = []
+try:
+    while True:
+        held.append(open("/dev/null"))
+except OSError:
+    pass
+try:
+    query(["index"], nvidia_smi=sys.argv[1], timeout=30)
+except ResourceLimitError as exc:
+    print("limit:", exc)
+except NvidiaSmiNotFoundError as exc:
+    print("not found:", exc)
+for f in held:
+    f.close()
+print("after:", len(query(["index"], nvidia_smi=sys.argv[1], timeout=30)))
+"""
+
+
+def test_a_process_out_of_file_descriptors_is_told_to_raise_the_limit(fake_smi):
+    fake = fake_smi()
+    done = subprocess.run(
+        [sys.executable, "-c", EMFILE_SCRIPT, str(fake)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-800:]
+    first, after = done.stdout.splitlines()
+    assert first.startswith("limit: cannot start") and "too many open files" in first and "ulimit -n" in first
+    assert after.startswith("after: ") and int(after.split()[1]) > 0  # the same call works once descriptors free up
