@@ -63,7 +63,7 @@ if what == "read":
     df = smiquery.recordings.read_csv(path)
     size = int(df.memory_usage(deep=True).sum())
 elif what == "report":
-    smiquery.analysis.report(path).to_text()
+    smiquery.analysis.report_text(smiquery.analysis.report(path))
 elif what == "plot":
     smiquery.analysis.save_plot(path, path + ".png")
 elif what == "heatmap":

@@ -48,12 +48,13 @@ def main() -> int:
 def _afterwards(recording: Path, out_dir: Path) -> int:
     """Write the report and the plot of ``recording`` and print where they are."""
     from smiquery.analysis import report as analyze
+    from smiquery.analysis import report_text
 
     out_dir.mkdir(parents=True, exist_ok=True)
     report_path = out_dir / "report.txt"
     plot_path = out_dir / "plot.png"
     report = analyze(recording, rules=ALERTS)
-    report_path.write_text(report.to_text(), encoding="utf-8")
+    report_path.write_text(report_text(report), encoding="utf-8")
     print()
     print("What happened, in short:")
     for finding in report.findings[:4]:

@@ -18,6 +18,7 @@ import pytest
 
 from smiquery.alerts import AlertEvaluator
 from smiquery.analysis import report as analyze
+from smiquery.analysis import report_text
 from smiquery.clock import Localizer
 from smiquery.recordings import Replay, read_csv, read_recording
 from smiquery.source import Sweep
@@ -115,7 +116,7 @@ def test_report_in_its_zone_has_true_span_and_energy_and_names_the_change_once(f
     clock = [f for f in report.findings if f.kind == "clock"]
     assert len(clock) == 1
     assert "from UTC+02:00 to UTC+01:00" in clock[0].verdict
-    assert "UTC+02:00 to UTC+01:00" in report.to_text()
+    assert "UTC+02:00 to UTC+01:00" in report_text(report)
 
 
 def test_report_without_a_zone_never_goes_negative_and_reports_the_step_back_once(fallback):

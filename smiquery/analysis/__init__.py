@@ -2,11 +2,12 @@
 
 :func:`report` reads a recording (CSV, JSONL or Parquet, as ``smiquery stream --output`` writes them, or a
 DataFrame from :func:`smiquery.recordings.read_csv`) and returns a :class:`Report` of per-GPU statistics, time
-over thresholds, stalls, the alerts the rules would have fired and one-line findings; it renders as text, JSON,
-Markdown, or one self-contained HTML page with the plot inlined (:func:`plot_png`). :func:`stalls_and_alerts`
-finds only the stall and alert periods (what the plot shades), for less. :func:`plot_recording`, :func:`save_plot`
-and :func:`plot_png` need matplotlib (``pip install 'smiquery[plot]'``). pandas, numpy
-and matplotlib are imported on first use, so importing this package stays light.
+over thresholds, stalls, the alerts the rules would have fired and one-line findings; :func:`report_text`,
+:func:`report_json`, :func:`report_markdown` and :func:`report_html` (one self-contained page with the plot
+inlined, :func:`plot_png`) render it. :func:`stalls_and_alerts` finds only the stall and alert periods (what the
+plot shades), for less. :func:`plot_recording`, :func:`save_plot` and :func:`plot_png` need matplotlib
+(``pip install 'smiquery[plot]'``). pandas, numpy and matplotlib are imported on first use, so importing this
+package stays light.
 
 The modules, in the order data flows through them: ``load`` (the recording, one view per GPU), ``analyze`` (what
 happened), ``findings`` (what to act on), ``model`` (the records), ``render`` (text, Markdown, JSON), ``html`` (the
@@ -16,6 +17,7 @@ page), ``plot``; ``series`` holds the column helpers the report and the plot sha
 from __future__ import annotations
 
 from smiquery.analysis.analyze import DEFAULT_RULES, report, stalls_and_alerts
+from smiquery.analysis.html import report_html
 from smiquery.analysis.load import load_recording
 from smiquery.analysis.model import (
     AlertSpan,
@@ -37,7 +39,7 @@ from smiquery.analysis.plot import (
     plot_recording,
     save_plot,
 )
-from smiquery.analysis.render import format_duration
+from smiquery.analysis.render import format_duration, report_json, report_markdown, report_text
 
 __all__ = [
     "DEFAULT_PLOT_FIELDS",
@@ -59,6 +61,10 @@ __all__ = [
     "plot_png",
     "plot_recording",
     "report",
+    "report_html",
+    "report_json",
+    "report_markdown",
+    "report_text",
     "save_plot",
     "stalls_and_alerts",
 ]

@@ -11,8 +11,6 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.alerts.rules import STALL
-from smiquery.analysis.html import report_html
-from smiquery.analysis.render import report_dict, report_json, report_markdown, report_text
 
 if TYPE_CHECKING:
     from smiquery.clock import ClockStep
@@ -228,7 +226,7 @@ class Finding:
 
 @dataclass
 class Report:
-    """The analysis of one recording; :meth:`to_text`, :meth:`to_json`, :meth:`to_markdown`, :meth:`to_html` render it.
+    """The analysis of one recording; the ``report_*`` functions of :mod:`smiquery.analysis` render it.
 
     Attributes:
         source: where the recording came from.
@@ -298,28 +296,53 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready dicts and lists."""
-        return report_dict(self)
-
-    def to_json(self, indent: int | None = 2) -> str:
-        """The report as a JSON document (see :meth:`to_dict`)."""
-        return report_json(self, indent)
-
-    def to_text(self) -> str:
-        """A plain-text report for a terminal."""
-        return report_text(self)
-
-    def to_markdown(self) -> str:
-        """A Markdown report (GitHub tables), for a pull request, an issue or a notebook."""
-        return report_markdown(self)
-
-    def to_html(self, plot_png: bytes | None = None, plot_note: str | None = None) -> str:
-        """One self-contained HTML page (no network, no script): findings, tables and ``plot_png`` inlined.
-
-        Args:
-            plot_png: the plot as PNG bytes (:func:`smiquery.analysis.plot_png`); None for a page without it.
-            plot_note: what the page says in the plot's place when there is none.
-        """
-        return report_html(self, plot_png, plot_note)
+        return {
+            "source": self.source,
+            "gpus": list(self.gpus),
+            "start": self.start.isoformat(),
+            "end": self.end.isoformat(),
+            "duration_seconds": round(self.duration, 3),
+            "samples_per_gpu": self.sweeps,
+            "interval_seconds": round(self.interval, 3),
+            "energy_wh": {str(g): round(wh, 3) for g, wh in self.energy_wh.items()},
+            "not_recorded": list(self.not_recorded),
+            "rules": list(self.rules),
+            "stall_utilization": self.stall_utilization,
+            "min_stall_seconds": self.min_stall,
+            "findings": [f.to_dict() for f in self.findings],
+            "stalls": [s.to_dict() for s in self.stalls],
+            "thresholds": [
+                {
+                    "rule": t.rule,
+                    "gpu": t.gpu,
+                    "seconds": round(t.seconds, 3),
+                    "stretches": t.stretches,
+                    "longest_seconds": round(t.longest, 3),
+                    "peak": t.peak,
+                }
+                for t in self.thresholds
+            ],
+            "alerts": [a.to_dict() for a in self.alerts],
+            "stats": [
+                {
+                    "field": s.field,
+                    "unit": s.unit,
+                    "gpu": s.gpu,
+                    "mean": round(s.mean, 4),
+                    "p95": round(s.p95, 4),
+                    "max": s.max,
+                    "min": s.min,
+                    "count": s.count,
+                    "missing": s.missing,
+                }
+                for s in self.stats
+            ],
+            "constants": {name: {str(g): v for g, v in per.items()} for name, per in self.constants.items()},
+            "health": [h.to_dict() for h in self.health],
+            "skipped_lines": None
+            if self.skipped is None
+            else {"count": self.skipped.count, "first_line": self.skipped.first_lineno},
+        }
 
 
 @dataclass(frozen=True)

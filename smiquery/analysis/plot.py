@@ -715,7 +715,7 @@ def save_plot(
 def plot_png(
     source: str | os.PathLike[str] | pd.DataFrame, fields: str | Sequence[str] | None = None, **options: Any
 ) -> bytes:
-    """Draw a recording (see :func:`plot_recording`) as PNG bytes, e.g. for :meth:`smiquery.analysis.Report.to_html`.
+    """Draw a recording (see :func:`plot_recording`) as PNG bytes, e.g. for :func:`smiquery.analysis.report_html`.
 
     Args:
         source: the recording or DataFrame.

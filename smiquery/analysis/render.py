@@ -32,7 +32,6 @@ __all__ = [
     "notes",
     "nothing_found",
     "overall_rows",
-    "report_dict",
     "report_json",
     "report_markdown",
     "report_text",
@@ -127,60 +126,9 @@ def value_text(value: float | None, fld: Field) -> str:
     return f"{text}{u}" if u == "%" else f"{text} {u}"
 
 
-def report_dict(report: Report) -> dict[str, Any]:
-    """The report as JSON-ready dicts and lists."""
-    return {
-        "source": report.source,
-        "gpus": list(report.gpus),
-        "start": report.start.isoformat(),
-        "end": report.end.isoformat(),
-        "duration_seconds": round(report.duration, 3),
-        "samples_per_gpu": report.sweeps,
-        "interval_seconds": round(report.interval, 3),
-        "energy_wh": {str(g): round(wh, 3) for g, wh in report.energy_wh.items()},
-        "not_recorded": list(report.not_recorded),
-        "rules": list(report.rules),
-        "stall_utilization": report.stall_utilization,
-        "min_stall_seconds": report.min_stall,
-        "findings": [f.to_dict() for f in report.findings],
-        "stalls": [s.to_dict() for s in report.stalls],
-        "thresholds": [
-            {
-                "rule": t.rule,
-                "gpu": t.gpu,
-                "seconds": round(t.seconds, 3),
-                "stretches": t.stretches,
-                "longest_seconds": round(t.longest, 3),
-                "peak": t.peak,
-            }
-            for t in report.thresholds
-        ],
-        "alerts": [a.to_dict() for a in report.alerts],
-        "stats": [
-            {
-                "field": s.field,
-                "unit": s.unit,
-                "gpu": s.gpu,
-                "mean": round(s.mean, 4),
-                "p95": round(s.p95, 4),
-                "max": s.max,
-                "min": s.min,
-                "count": s.count,
-                "missing": s.missing,
-            }
-            for s in report.stats
-        ],
-        "constants": {name: {str(g): v for g, v in per.items()} for name, per in report.constants.items()},
-        "health": [h.to_dict() for h in report.health],
-        "skipped_lines": None
-        if report.skipped is None
-        else {"count": report.skipped.count, "first_line": report.skipped.first_lineno},
-    }
-
-
 def report_json(report: Report, indent: int | None = 2) -> str:
-    """The report as a JSON document (see :func:`report_dict`)."""
-    return json.dumps(report_dict(report), indent=indent, default=str)
+    """The report as a JSON document (see :meth:`~smiquery.analysis.Report.to_dict`)."""
+    return json.dumps(report.to_dict(), indent=indent, default=str)
 
 
 def headline(report: Report) -> str:

@@ -314,6 +314,7 @@ def report(
     with _boundary(ctx):
         from smiquery.alerts import parse_duration
         from smiquery.analysis import report as analyze
+        from smiquery.analysis import report_json, report_markdown, report_text
 
         try:
             stall_seconds = parse_duration(min_stall, what="--min-stall")
@@ -329,11 +330,11 @@ def report(
             name=name,
         )
         if fmt is ReportFormat.json:
-            text = result.to_json() + "\n"
+            text = report_json(result) + "\n"
         elif fmt is ReportFormat.markdown:
-            text = result.to_markdown()
+            text = report_markdown(result)
         else:
-            text = result.to_text()
+            text = report_text(result)
         if prometheus is not None:
             from smiquery.fleet.report import name_gpus
 
@@ -355,7 +356,7 @@ def report(
 
 def _write_html(result: Report, df: pd.DataFrame, path: Path, rules: list[str] | None) -> None:
     """The report's page with the plot inlined; without matplotlib, the page says how to get the plot."""
-    from smiquery.analysis import plot_png
+    from smiquery.analysis import plot_png, report_html
 
     try:
         png: bytes | None = plot_png(df, rules=rules, name=result.source)
@@ -364,7 +365,7 @@ def _write_html(result: Report, df: pd.DataFrame, path: Path, rules: list[str] |
         png, note = None, str(exc)
         with contextlib.suppress(OSError, ValueError):
             print(f"smiquery: warning: the page has no plot: {exc}", file=sys.stderr, flush=True)
-    path.write_text(result.to_html(png, note), encoding="utf-8")
+    path.write_text(report_html(result, png, note), encoding="utf-8")
 
 
 def register(app: typer.Typer) -> None:

@@ -23,13 +23,12 @@ from smiquery.errors import PrometheusError, UsageError
 from smiquery.fleet.client import PrometheusClient
 from smiquery.fleet.naming import (
     FLEET_FIELDS,
-    NAMESPACE_LABELS,
-    POD_LABELS,
     FleetNaming,
     GpuKey,
     check_regex,
     detect_namings,
-    first_label,
+    gpu_series,
+    info_labels,
     selector,
 )
 
@@ -199,43 +198,23 @@ def fleet_frame(
             if fld in n.metrics:
                 for a, b in pieces:
                     jobs.append((n, fld, a, b))
-    infos: dict[str, dict[str, dict[str, str]]] = {}
 
     def run(job: tuple[FleetNaming, str, float, float]) -> list[dict[str, Any]]:
         n, fld, a, b = job
         return client.query_range(f"last_over_time({selector(n.metric(fld), node)}[{window}])", a, b, step)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        info_futures = {
-            n.name: pool.submit(
-                client.query, f"last_over_time({selector(n.info_metric, node)}[{int(end - start) + 1}s])", end
-            )
-            for n in found
-            if n.info_metric
-        }
+        span = f"{int(end - start) + 1}s"
+        info_futures = {n.name: pool.submit(info_labels, client, n, node, end, span) for n in found}
         results = list(pool.map(run, jobs))
-        for name, fut in info_futures.items():
-            infos[name] = {r["metric"].get("uuid", ""): r["metric"] for r in fut.result()}
+        infos = {name: fut.result() for name, fut in info_futures.items()}
 
     # GPU -> field -> list of (times, values); identity labels per GPU
     data: dict[GpuKey, dict[str, list[tuple[np.ndarray, np.ndarray]]]] = {}
     ident: dict[GpuKey, dict[str, str]] = {}
-    owner_of_uuid: dict[str, GpuKey] = {}
-    for (n, fld, _, _), result in zip(jobs, results, strict=True):
-        info = infos.get(n.name)
-        for s in result:
-            labels = s.get("metric", {})
-            key = n.key(labels, info)
-            owner = owner_of_uuid.get(key.uuid) if key.uuid else None
-            if owner is not None and owner != key:
-                continue
-            if key.uuid:
-                owner_of_uuid[key.uuid] = key
-            got = ident.setdefault(key, {"naming": n.name, "name": "", "namespace": "", "pod": ""})
-            got["name"] = got["name"] or n.model(labels, info)
-            got["namespace"] = got["namespace"] or first_label(labels, NAMESPACE_LABELS)
-            got["pod"] = got["pod"] or first_label(labels, POD_LABELS)
-            data.setdefault(key, {}).setdefault(fld, []).append(_array(s.get("values", []), n.factor(fld)))
+    read = ((n, fld, result) for (n, fld, _, _), result in zip(jobs, results, strict=True))
+    for n, fld, key, s in gpu_series(read, infos, ident):
+        data.setdefault(key, {}).setdefault(fld, []).append(_array(s.get("values", []), n.factor(fld)))
     keys = sorted(data, key=GpuKey.sort_key)
     for pattern, what in ((namespace, "namespace"), (pod, "pod")):
         if pattern is not None:

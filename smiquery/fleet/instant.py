@@ -17,16 +17,7 @@ from typing import Any
 
 from smiquery.alerts.rules import STALL
 from smiquery.fleet.client import PrometheusClient
-from smiquery.fleet.naming import (
-    NAMESPACE_LABELS,
-    POD_LABELS,
-    FleetNaming,
-    GpuKey,
-    check_regex,
-    detect_namings,
-    first_label,
-    selector,
-)
+from smiquery.fleet.naming import FleetNaming, GpuKey, check_regex, detect_namings, gpu_series, info_labels, selector
 
 __all__ = ["SORT_KEYS", "FleetGpu", "filter_gpus", "snapshot", "sort_gpus"]
 
@@ -152,13 +143,6 @@ def _number(sample: dict[str, Any], factor: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _info(client: PrometheusClient, naming: FleetNaming, node: str | None, at: float | None) -> dict[str, Any]:
-    if not naming.info_metric:
-        return {}
-    rows = client.query(f"last_over_time({selector(naming.info_metric, node)}[1h])", at)
-    return {r["metric"].get(naming.uuid_label, ""): r["metric"] for r in rows}
-
-
 def snapshot(
     client: PrometheusClient,
     *,
@@ -202,33 +186,15 @@ def snapshot(
     with ThreadPoolExecutor(max_workers=8) as pool:
         futures = [pool.submit(client.query, q, when) for _, _, q in queries]
         alerts_future = pool.submit(client.query, alert_sel, when)
-        info_futures = {n.name: pool.submit(_info, client, n, node, when) for n in found}
+        info_futures = {n.name: pool.submit(info_labels, client, n, node, when, "1h") for n in found}
         results = [f.result() for f in futures]
         alerts = alerts_future.result()
         infos = {k: f.result() for k, f in info_futures.items()}
-    rows: dict[GpuKey, dict[str, Any]] = {}
-    seen_uuid: dict[str, GpuKey] = {}
-    for (n, fld, _), result in zip(queries, results, strict=True):
-        info = infos.get(n.name)
-        for sample in result:
-            labels = sample.get("metric", {})
-            key = n.key(labels, info)
-            owner = seen_uuid.get(key.uuid) if key.uuid else None
-            if owner is not None and owner != key:
-                continue  # the same GPU from a second exporter: listed once, under the first naming read
-            row = rows.get(key)
-            if row is None:
-                if key.uuid:
-                    seen_uuid[key.uuid] = key
-                row = rows[key] = {"naming": n.name, "labels": labels, "name": n.model(labels, info)}
-            factor = 1.0 if fld == "window" else n.factor(fld)
-            row[fld] = _number(sample, factor if fld != "window" else n.factor("utilization.gpu"))
-            if not row["name"]:
-                row["name"] = n.model(labels, info)
-            for extra in ("namespace", "pod"):
-                names = NAMESPACE_LABELS if extra == "namespace" else POD_LABELS
-                if not row.get(extra):
-                    row[extra] = first_label(labels, names)
+    idents: dict[GpuKey, dict[str, str]] = {}
+    rows: dict[GpuKey, dict[str, float | None]] = {}
+    read = ((n, fld, result) for (n, fld, _), result in zip(queries, results, strict=True))
+    for n, fld, key, sample in gpu_series(read, infos, idents):
+        rows.setdefault(key, {})[fld] = _number(sample, n.factor("utilization.gpu" if fld == "window" else fld))
     firing: dict[GpuKey, list[str]] = {}
     by_uuid = {k.uuid: k for k in rows if k.uuid}
     by_index = {(k.instance, k.gpu): k for k in rows}
@@ -240,6 +206,7 @@ def snapshot(
             firing.setdefault(target, []).append(labels.get("alertname", "alert"))
     out: list[FleetGpu] = []
     for key, row in rows.items():
+        ident = idents[key]
         util = row.get("utilization.gpu")
         used = row.get("memory.used")
         peak = row.get("window")
@@ -252,15 +219,15 @@ def snapshot(
                 instance=key.instance,
                 gpu=key.gpu,
                 uuid=key.uuid,
-                name=row["name"],
-                naming=row["naming"],
+                name=ident["name"],
+                naming=ident["naming"],
                 utilization=util,
                 memory_used=used,
                 memory_total=row.get("memory.total"),
                 temperature=row.get("temperature.gpu"),
                 power=row.get("power.draw"),
-                namespace=row.get("namespace", ""),
-                pod=row.get("pod", ""),
+                namespace=ident["namespace"],
+                pod=ident["pod"],
                 alerts=tuple(sorted(set(firing.get(key, ())))),
                 idle=idle,
                 lost=lost,

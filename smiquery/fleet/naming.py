@@ -9,9 +9,9 @@ GPU identity (instance, index, UUID, model, and the pod/namespace where Kubernet
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import PrometheusError, UsageError
 
@@ -28,6 +28,8 @@ __all__ = [
     "check_regex",
     "detect_namings",
     "first_label",
+    "gpu_series",
+    "info_labels",
     "naming_by_name",
     "selector",
 ]
@@ -238,3 +240,39 @@ def first_label(labels: Mapping[str, str], names: Iterable[str]) -> str:
 
 POD_LABELS = ("exported_pod", "pod")
 NAMESPACE_LABELS = ("exported_namespace", "namespace")
+
+
+def info_labels(
+    client: PrometheusClient, naming: FleetNaming, node: str | None, at: float | None, window: str
+) -> dict[str, Mapping[str, str]]:
+    """The labels of the naming's info metric over ``window`` up to ``at``, by UUID (empty for a naming without)."""
+    if not naming.info_metric:
+        return {}
+    rows = client.query(f"last_over_time({selector(naming.info_metric, node)}[{window}])", at)
+    return {r["metric"].get(naming.uuid_label, ""): r["metric"] for r in rows}
+
+
+def gpu_series(
+    results: Iterable[tuple[FleetNaming, str, Sequence[dict[str, Any]]]],
+    infos: Mapping[str, Mapping[str, Mapping[str, str]]],
+    idents: dict[GpuKey, dict[str, str]],
+) -> Iterator[tuple[FleetNaming, str, GpuKey, dict[str, Any]]]:
+    """Each series of query ``results`` (naming, field, the series) with the GPU it belongs to.
+
+    A GPU exported twice (its UUID under another key: a second exporter) is read once, under the first naming
+    that gave it. ``idents`` gathers what each GPU is: its ``naming``, ``name`` (model), ``namespace`` and ``pod``,
+    the first found of each. ``infos`` holds :func:`info_labels` by naming.
+    """
+    owners: dict[str, GpuKey] = {}
+    for n, fld, result in results:
+        info = infos.get(n.name)
+        for series in result:
+            labels = series.get("metric", {})
+            key = n.key(labels, info)
+            if key.uuid and owners.setdefault(key.uuid, key) != key:
+                continue
+            got = idents.setdefault(key, {"naming": n.name, "name": "", "namespace": "", "pod": ""})
+            got["name"] = got["name"] or n.model(labels, info)
+            got["namespace"] = got["namespace"] or first_label(labels, NAMESPACE_LABELS)
+            got["pod"] = got["pod"] or first_label(labels, POD_LABELS)
+            yield n, fld, key, series

@@ -305,6 +305,7 @@ class ParquetDataset:
         import pyarrow.parquet as pq
 
         from smiquery.recordings.jsonl import read_jsonl_samples
+        from smiquery.recordings.parquet import write_table
 
         with open(journal, encoding="utf-8", errors="replace", newline="") as fh:
             samples = list(read_jsonl_samples(fh, lambda err: None, None))
@@ -313,11 +314,7 @@ class ParquetDataset:
         df = to_dataframe(samples)
         del samples
         missing = missing_reasons(df)
-        attrs = {
-            "fields": df.attrs.get("fields"),
-            "units": df.attrs.get("units"),
-            "missing": {c: {str(k): v for k, v in missing[c].items()} for c in missing},
-        }
+        attrs = {"fields": df.attrs.get("fields"), "units": df.attrs.get("units")}
         df.attrs = {}
         table = pa.Table.from_pandas(df, preserve_index=False)
         if self._schema is None:
@@ -331,11 +328,9 @@ class ParquetDataset:
                 pass  # other types than the first part: still a readable part
         else:
             self._schema = table.schema.remove_metadata()
-        meta = dict(table.schema.metadata or {})
-        meta[b"PANDAS_ATTRS"] = json.dumps(attrs).encode("utf-8")
         tmp = target.with_name(f".{target.name}.tmp")
         try:
-            pq.write_table(table.replace_schema_metadata(meta), tmp)
+            write_table(table, attrs, missing, tmp)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp, target)

@@ -10,7 +10,7 @@ import errno
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import tzinfo
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +24,16 @@ from smiquery.sample import GpuSample, Schema, Value
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["ParquetWriter", "read_parquet", "read_parquet_samples"]
+__all__ = ["ParquetWriter", "read_parquet", "read_parquet_samples", "write_table"]
+
+
+def write_table(table: Any, attrs: Mapping[str, Any], missing: Mapping[str, Mapping[int, str]], path: Path) -> None:
+    """Write an Arrow ``table`` to ``path`` with ``attrs`` and the ``missing`` reasons as the attrs pandas restores."""
+    import pyarrow.parquet as pq
+
+    attrs = {**attrs, "missing": {c: {str(k): v for k, v in m.items()} for c, m in missing.items()}}
+    meta = {**(table.schema.metadata or {}), b"PANDAS_ATTRS": json.dumps(attrs).encode("utf-8")}
+    pq.write_table(table.replace_schema_metadata(meta), path)
 
 
 class ParquetWriter:
@@ -81,7 +90,6 @@ class ParquetWriter:
     def flush(self) -> None:
         """Write every sample so far to the file (atomically)."""
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         self._since = time.monotonic()
         if self._pending:
@@ -106,11 +114,8 @@ class ParquetWriter:
             return
         whole = pa.concat_tables(self._tables) if len(self._tables) > 1 else self._tables[0]
         self._tables = [whole]
-        attrs = {**self._attrs, "missing": {c: {str(k): v for k, v in m.items()} for c, m in self._missing.items()}}
-        meta = dict(whole.schema.metadata or {})
-        meta[b"PANDAS_ATTRS"] = json.dumps(attrs).encode("utf-8")
         tmp = self._tmp_path()
-        pq.write_table(whole.replace_schema_metadata(meta), tmp)
+        write_table(whole, self._attrs, self._missing, tmp)
         os.replace(tmp, self.path)
 
     def _tmp_path(self) -> Path:

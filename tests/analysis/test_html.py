@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from smiquery.analysis import report
+from smiquery.analysis import report, report_html
 from tests.analysis.test_report import DEMO, _app
 
 try:
@@ -102,7 +102,7 @@ def test_the_page_holds_the_findings_tables_and_the_plot_and_needs_nothing_else(
 
 
 def test_text_from_the_recording_is_escaped(tmp_path):
-    page = report(DEMO, name="<b>run</b> & co").to_html(None, "no plot here")
+    page = report_html(report(DEMO, name="<b>run</b> & co"), None, "no plot here")
     assert "&lt;b&gt;run&lt;/b&gt; &amp; co" in page and "<b>run</b>" not in page
     assert "No plot here." in page
 
@@ -122,16 +122,13 @@ def test_chromium_loads_the_page_without_a_console_message_and_shows_the_plot(de
 def test_the_checks_fail_on_a_page_without_the_plot_or_one_that_loads_from_outside(tmp_path):
     """The same checks see a page with no plot, and an outside image the page's policy blocks."""
     bare = tmp_path / "bare.html"
-    bare.write_text(report(DEMO).to_html(None, "no plot"), encoding="utf-8")
+    bare.write_text(report_html(report(DEMO), None, "no plot"), encoding="utf-8")
     console, shot = open_in_chromium(bare, tmp_path)
     assert console == []
     assert colour_count(shot, GPU_BLUE) < 100
     leaky = tmp_path / "leaky.html"
-    text = (
-        report(DEMO)
-        .to_html(None, "no plot")
-        .replace("<h2>Plot</h2>", '<h2>Plot</h2><img src="http://127.0.0.1:9/x.png">')
-    )
+    page = report_html(report(DEMO), None, "no plot")
+    text = page.replace("<h2>Plot</h2>", '<h2>Plot</h2><img src="http://127.0.0.1:9/x.png">')
     leaky.write_text(text, encoding="utf-8")
     console, _ = open_in_chromium(leaky, tmp_path)
     assert len(console) == 1 and "Content Security Policy" in console[0]

@@ -10,7 +10,16 @@ from typing import Any
 
 import pytest
 
-from smiquery.analysis import DEFAULT_RULES, Report, format_duration, report, stalls_and_alerts
+from smiquery.analysis import (
+    DEFAULT_RULES,
+    Report,
+    format_duration,
+    report,
+    report_json,
+    report_markdown,
+    report_text,
+    stalls_and_alerts,
+)
 from smiquery.errors import ReportError
 from smiquery.fields import resolve_fields
 from smiquery.recordings import open_recorder, replay
@@ -79,7 +88,7 @@ def test_statistics_per_gpu(demo):
 
 
 def test_text_report(demo):
-    text = demo.to_text()
+    text = report_text(demo)
     assert text.startswith("demo-8gpu.csv: 8 GPUs, 600 samples each, 2026-03-14 09:30:00")
     assert "[critical] GPU 5 was over 85 C" in text
     assert "check the input pipeline, e.g. prefetching and TFRecord" in text
@@ -90,7 +99,7 @@ def test_text_report(demo):
 
 
 def test_json_report(demo):
-    doc = json.loads(demo.to_json())
+    doc = json.loads(report_json(demo))
     assert doc["gpus"] == list(range(8))
     assert len(doc["stalls"]) == 8
     assert doc["stalls"][0]["start"].startswith("2026-03-14T09:35:00")
@@ -101,7 +110,7 @@ def test_json_report(demo):
 
 
 def test_markdown_report(demo):
-    md = demo.to_markdown()
+    md = report_markdown(demo)
     assert md.startswith("# GPU report: demo-8gpu.csv")
     assert "| GPU | start | length | mean util |" in md
     assert "| temperature.gpu [C] |" in md
@@ -199,7 +208,7 @@ def test_nothing_to_report(tmp_path):
     rows = [(s, g, "95 %", "5000 MiB") for s in range(60) for g in (0, 1)]
     r = report(_write(tmp_path / "fine.csv", rows))
     assert r.findings == []
-    assert "nothing to report" in r.to_text()
+    assert "nothing to report" in report_text(r)
 
 
 def test_unreadable_recordings(tmp_path):
@@ -239,7 +248,7 @@ def test_torn_last_line_and_garbage_are_skipped_and_reported(tmp_path):
     assert r.skipped is not None
     assert (r.skipped.count, r.skipped.first_lineno) == (2, 317)
     assert r.gpus == tuple(range(8))
-    assert "skipped 2 unreadable lines in killed.csv (first: line 317: expected 30 columns, got 1)" in r.to_text()
+    assert "skipped 2 unreadable lines in killed.csv (first: line 317: expected 30 columns, got 1)" in report_text(r)
 
 
 def test_headerless_log_with_fields(tmp_path):
@@ -338,7 +347,7 @@ def test_memory_health_counters_are_findings(demo):
 
 
 def test_statistics_are_short_and_rounded_to_the_unit(demo):
-    text = demo.to_text()
+    text = report_text(demo)
     stats = text[text.index("Statistics over all GPUs") :].splitlines()
     assert len(stats) < 20  # one line per field, not one block per field and GPU
     mem = next(line for line in stats if line.lstrip().startswith("memory.used [MiB]"))
@@ -378,7 +387,7 @@ def test_cli_warns_once_about_skipped_lines_and_reads_headerless_logs(tmp_path):
 
 
 def test_gpus_that_stalled_together_share_one_row(demo):
-    text = demo.to_text()
+    text = report_text(demo)
     section = text[text.index("Stalls (") : text.index("Time past thresholds")].splitlines()
     rows = [line for line in section[2:] if line.strip()]
     assert len(rows) == 1
@@ -428,8 +437,8 @@ def test_energy_per_gpu_integrates_power_over_the_run(tmp_path):
     result = report(rec)
     assert result.energy_wh[0] == pytest.approx(100 * 60 / 3600)  # 1.67 Wh
     assert result.energy_wh[1] == pytest.approx(300 * 59 / 3600)  # the missing second is not guessed
-    assert "Energy (power.draw over the run): 6.6 Wh in all" in result.to_text()
-    assert json.loads(result.to_json())["energy_wh"] == {"0": 1.667, "1": 4.917}
+    assert "Energy (power.draw over the run): 6.6 Wh in all" in report_text(result)
+    assert json.loads(report_json(result))["energy_wh"] == {"0": 1.667, "1": 4.917}
 
 
 # ------------------------------------------------------------------------------------- --tz and --fields (CLI)
@@ -528,7 +537,7 @@ def test_statistics_of_a_column_outside_the_catalogue_are_rounded_to_its_unit(tm
     df["fb_estimate"] = df["memory_used"] / 3  # a derived column in MiB, with fractions
     df["board_watts"] = df["memory_used"] / 1000  # a derived column in W
     df.attrs["units"] = {**df.attrs["units"], "fb_estimate": "MiB", "board_watts": "W"}
-    text = report(df).to_text()
+    text = report_text(report(df))
     stats = text[text.index("Statistics over all GPUs") :].splitlines()
     mib = next(line for line in stats if line.lstrip().startswith("fb_estimate [MiB]"))
     assert "23343" in mib and "." not in mib.split("]", 1)[1]  # whole MiB: never "23343.1"

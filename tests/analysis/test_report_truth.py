@@ -10,7 +10,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from typer.testing import CliRunner
 
-from smiquery.analysis import report
+from smiquery.analysis import report, report_json, report_markdown, report_text
 from tests.analysis.test_report import _app
 
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -104,7 +104,7 @@ def test_a_log_without_utilization_does_not_claim_no_stall(tmp_path):
     )
     r = report(path)
     assert "utilization.gpu" in r.not_recorded
-    text = r.to_text()
+    text = report_text(r)
     assert "no stall" not in text
     assert "not known: utilization.gpu was not recorded" in text
     assert "Not recorded: utilization.gpu" in text
@@ -113,8 +113,8 @@ def test_a_log_without_utilization_does_not_claim_no_stall(tmp_path):
     (unchecked,) = [line for line in text.splitlines() if "not checked (field not recorded): " in line]
     assert "clocks_event_reasons.hw_thermal_slowdown == Active for 1m" in unchecked
     assert "temperature.gpu > 85" not in unchecked
-    assert json.loads(r.to_json())["not_recorded"][0] == "utilization.gpu"
-    md = r.to_markdown()
+    assert json.loads(report_json(r))["not_recorded"][0] == "utilization.gpu"
+    md = report_markdown(r)
     assert "Not known: utilization.gpu was not recorded." in md and "no stall" not in md
 
 
@@ -124,7 +124,7 @@ def test_utilization_that_is_na_throughout_is_not_recorded_either(tmp_path):
         "timestamp, index, utilization.gpu [%], memory.used [MiB]",
         [f"2026/01/01 12:00:{s:02d}.000, 0, [N/A], 4096 MiB" for s in range(60)],
     )
-    assert "no stall" not in report(path).to_text()
+    assert "no stall" not in report_text(report(path))
 
 
 def test_a_single_snapshot_has_no_interval_or_energy(tmp_path):
@@ -135,7 +135,7 @@ def test_a_single_snapshot_has_no_interval_or_energy(tmp_path):
     )
     r = report(path)
     assert r.energy_wh == {}
-    text = r.to_text()
+    text = report_text(r)
     assert text.splitlines()[0] == (
         "one.csv: 2 GPUs, one sample each at 2026-01-01 12:00:00 (recorder's local time): "
         "a single snapshot, so no durations, stalls or energy"
@@ -150,7 +150,7 @@ def test_a_span_over_midnight_shows_both_dates(tmp_path):
         for s in range(300)
     ]
     r = report(_csv(tmp_path / "night.csv", "timestamp, index, utilization.gpu [%], memory.used [MiB]", rows))
-    head = r.to_text().splitlines()[0]
+    head = report_text(r).splitlines()[0]
     assert "2026-01-01 23:58:00 to 2026-01-02 00:02:59" in head
     (stall,) = [f for f in r.findings if f.kind == "stall"]
     assert "from 2026-01-01 23:59:00" in stall.verdict
@@ -171,4 +171,4 @@ def test_the_same_finding_on_many_gpus_is_one_line_naming_them(tmp_path):
     full = [f for f in r.findings if f.kind == "memory_full"]
     assert len(full) == 1 and full[0].gpus == (1, 3)
     assert full[0].verdict.startswith("GPUs 1, 3 peaked at 99% of their memory")
-    assert sum(1 for line in r.to_text().splitlines() if "peaked at" in line) == 1
+    assert sum(1 for line in report_text(r).splitlines() if "peaked at" in line) == 1

@@ -70,7 +70,7 @@ def execute(argv: Sequence[str], settings: Settings, env: Mapping[str, str], out
         try:
             settings = settings.with_env(env)
             faults = parse_faults(settings.fault)
-            out.begin(argv, settings, faults)
+            out.begin(argv, settings.log, grandchild=faults.grandchild, ignore_term=faults.ignore_term)
             code = _dispatch(argv, settings, faults, out)
         except FakeExit as exc:
             code = exc.code

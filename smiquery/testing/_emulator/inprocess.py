@@ -20,7 +20,7 @@ from smiquery.errors import (
     failure_from_exit,
 )
 from smiquery.testing._emulator.engine import execute
-from smiquery.testing._emulator.faults import Faults, check_settings
+from smiquery.testing._emulator.faults import check_settings
 from smiquery.testing._emulator.output import Output, log_invocation
 from smiquery.testing._emulator.settings import MemoryState, Settings
 
@@ -111,12 +111,12 @@ class _ChannelOutput(Output):
             self.channel.err += (text + "\n").encode("utf-8")
             self.channel.cond.notify_all()
 
-    def begin(self, argv: Sequence[str], settings: Settings, faults: Faults) -> None:
+    def begin(self, argv: Sequence[str], log: str | None, *, grandchild: bool, ignore_term: bool) -> None:
         # `grandchild` needs a process: in-process it does nothing
         with self.channel.cond:
-            self.channel.ignore_term = faults.ignore_term
-        if settings.log:
-            log_invocation(settings.log, argv)
+            self.channel.ignore_term = ignore_term
+        if log:
+            log_invocation(log, argv)
 
 
 def _engine_thread(argv: Sequence[str], settings: Settings, env: Mapping[str, str], channel: _Channel) -> None:
@@ -514,22 +514,21 @@ class InProcessRunner:
 def use_runner(runner: _R) -> Iterator[_R]:
     """Run every nvidia-smi call that gets no ``runner=`` through ``runner``, in every thread, inside the block.
 
-    For tests of code that builds its own runner: the CLI (``smiquery.cli.main``), the exporter, ``GpuMonitor``
-    and the Keras and Lightning callbacks. With an :class:`InProcessRunner`, no binary is looked up (``--nvidia-smi``
-    may name any path, or none) and no process is started. On exit the previous default comes back (blocks nest);
-    the runner is not closed. Code that passes its own ``runner=`` keeps it. :mod:`smiquery.aio` starts its children
-    with asyncio, not through a runner, and is not covered. Nothing else (no environment variable, no setting)
-    changes the default, so production code always runs the real nvidia-smi.
+    For tests of code that builds its own runner: the CLI, the exporter, ``GpuMonitor`` and the Keras and Lightning
+    callbacks. With an :class:`InProcessRunner`, no binary is looked up (``--nvidia-smi`` may name any path, or none)
+    and no process is started. On exit the previous default comes back (blocks nest); the runner is not closed. Code
+    that passes its own ``runner=`` keeps it. :mod:`smiquery.aio` starts its children with asyncio, not through a
+    runner, and is not covered. Nothing else (no environment variable, no setting) changes the default, so production
+    code always runs the real nvidia-smi.
 
     Example::
 
-        from smiquery.cli import main
+        from smiquery import errors, query
         from smiquery.testing import InProcessRunner, use_runner
 
-        def test_query_exits_4_without_a_driver(capsys):
-            with use_runner(InProcessRunner(fault="driver-not-loaded")), pytest.raises(SystemExit) as info:
-                main(["query"])
-            assert info.value.code == 4
+        def test_query_without_a_driver():
+            with use_runner(InProcessRunner(fault="driver-not-loaded")), pytest.raises(errors.DriverNotLoadedError):
+                query()  # no runner= given: the one of the block
 
     Args:
         runner: the runner to use (any :class:`~smiquery.runner.Runner`).

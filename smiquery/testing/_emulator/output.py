@@ -7,12 +7,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, BinaryIO, NoReturn
-
-if TYPE_CHECKING:
-    from smiquery.testing._emulator.faults import Faults
-    from smiquery.testing._emulator.settings import Settings
-
+from typing import BinaryIO, NoReturn
 
 HELP_HINT = "Please run 'nvidia-smi -h' for help."
 
@@ -49,15 +44,15 @@ class Output:
         """One line on stderr."""
         print(text, file=sys.stderr)
 
-    def begin(self, argv: Sequence[str], settings: Settings, faults: Faults) -> None:
-        """What happens once the faults are known, before nvidia-smi's own work: grandchild, signals, log."""
-        if faults.grandchild:
+    def begin(self, argv: Sequence[str], log: str | None, *, grandchild: bool, ignore_term: bool) -> None:
+        """What happens once the faults are known, before nvidia-smi's own work: grandchild, signals, ``log``."""
+        if grandchild:
             start_grandchild()
-        if faults.ignore_term and hasattr(signal, "SIGTERM"):
+        if ignore_term and hasattr(signal, "SIGTERM"):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # logged after SIGTERM is ignored: a test that sees the line may rely on it
-        if settings.log:
-            log_invocation(settings.log, argv)
+        if log:
+            log_invocation(log, argv)
 
 
 def hang(out: Output) -> NoReturn:
