@@ -47,7 +47,7 @@ _CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import numpy, pandas, pyarrow, pyarrow.csv, pyarrow.compute
-import smiquery.recordings.frames, smiquery.analysis, smiquery.recordings
+import smiquery.frames, smiquery.analysis, smiquery.recordings
 what, path = sys.argv[2], sys.argv[3]
 try:  # in every child, so that the baseline child counts the same imports
     import matplotlib

@@ -186,8 +186,8 @@ def test_import_does_not_pull_optional_or_heavy_modules():
 
 def test_recordings_names_have_one_home():
     # the recordings package owns reading and writing; frames only converts, playback only paces
-    from smiquery import recordings
-    from smiquery.recordings import frames, playback
+    from smiquery import frames, recordings
+    from smiquery.recordings import playback
 
     assert smiquery.read_csv.__module__ == "smiquery.recordings.csv"
     assert smiquery.read_csv is recordings.read_csv

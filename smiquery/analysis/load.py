@@ -29,7 +29,7 @@ def load_recording(
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
 ) -> pd.DataFrame:
-    """A recording as a DataFrame with the columns of :func:`smiquery.recordings.frames.to_dataframe`, sorted by GPU.
+    """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`, sorted by GPU.
 
     Files are read by :func:`smiquery.recordings.read_recording` (CSV with or without units or header, JSONL,
     Parquet; unreadable lines skipped and described in ``attrs["skipped"]``; a log without ``index`` is GPU 0).

@@ -172,7 +172,7 @@ def fleet_frame(
     import pandas as pd
 
     from smiquery.fields import resolve_fields
-    from smiquery.recordings.frames import make_frame, string_dtype
+    from smiquery.frames import make_frame, string_dtype
 
     if not end > start:
         raise UsageError("--end must be after --start")

@@ -1,7 +1,7 @@
 """Recordings, the one owner of their I/O: nvidia-smi CSV (plain logs too), JSONL and Parquet, written and read.
 
 One module per format, each with a writer and readers (:mod:`~smiquery.recordings.csv`,
-:mod:`~smiquery.recordings.jsonl`, :mod:`~smiquery.recordings.parquet`); :mod:`~smiquery.recordings.frames`
+:mod:`~smiquery.recordings.jsonl`, :mod:`~smiquery.recordings.parquet`); :mod:`~smiquery.frames`
 turns samples into DataFrames and :mod:`~smiquery.recordings.playback` plays a recording back, paced. This front
 picks the format by the file name (:func:`open_recorder`, :func:`read_recording`). Readers keep timestamps as
 recorded unless ``tz=`` names the zone.
@@ -17,17 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import RecordingError
 from smiquery.fields import Field, resolve_fields
+from smiquery.frames import MissingReasons, SkippedLines, missing_reasons, set_zone, to_dataframe
 from smiquery.recordings.base import (
     RecordingFormat,
     SampleWriter,
-    SkippedLines,
     check_file,
     detect_format,
     resolve_zone,
 )
 from smiquery.recordings.csv import CsvSource, CsvWriter, csv_header, read_csv, read_csv_recording
 from smiquery.recordings.dataset import ParquetDataset, is_dataset, read_dataset, recorded_zone
-from smiquery.recordings.frames import MissingReasons, missing_reasons, set_zone, to_dataframe
 from smiquery.recordings.jsonl import JsonlWriter, json_value, read_jsonl, sample_from_json, sample_to_json
 from smiquery.recordings.parquet import ParquetWriter, read_parquet
 from smiquery.recordings.playback import Replay, replay
@@ -168,7 +167,7 @@ def read_recording(
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
 ) -> pd.DataFrame:
-    """Read any recording into a DataFrame with the columns of :func:`~smiquery.recordings.frames.to_dataframe`.
+    """Read any recording into a DataFrame with the columns of :func:`~smiquery.frames.to_dataframe`.
 
     CSV (smiquery's or plain ``nvidia-smi --query-gpu=... --format=csv[,nounits][,noheader] -l 1 > log.csv``),
     JSONL and Parquet as ``smiquery stream --output`` writes them. Unreadable lines (a torn last line, garbage)

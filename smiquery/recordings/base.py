@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import datetime, tzinfo
 from pathlib import Path
 from typing import IO, Literal, Protocol
 
-from smiquery.errors import InvalidTimeZoneError, ParseError, RecordingError
+from smiquery.errors import InvalidTimeZoneError, RecordingError
 from smiquery.sample import GpuSample
 
 __all__ = [
@@ -17,7 +16,6 @@ __all__ = [
     "LineWriter",
     "RecordingFormat",
     "SampleWriter",
-    "SkippedLines",
     "check_file",
     "detect_format",
     "resolve_zone",
@@ -51,51 +49,6 @@ def resolve_zone(tz: tzinfo | str | None) -> tzinfo | None:
         return ZoneInfo(tz.strip())
     except (ZoneInfoNotFoundError, ValueError, OSError):
         raise InvalidTimeZoneError(tz) from None
-
-
-@dataclass(frozen=True)
-class SkippedLines:
-    """Lines of a recording that readers skipped: torn (a killed recorder's last line), garbled or not fitting.
-
-    Attributes:
-        count: how many lines were skipped.
-        first_lineno: the line number (1-based) of the first one.
-        first_line: that line's text (cut to 80 characters).
-        reason: what is wrong with that line (``field 'memory.used': '7.5' is not a valid integer``), or "".
-    """
-
-    count: int
-    first_lineno: int
-    first_line: str = ""
-    reason: str = ""
-
-    @classmethod
-    def after(cls, count: int, first: ParseError) -> SkippedLines:
-        """``count`` skipped lines, the first of them the one ``first`` rejected."""
-        why = first.reason if first.field is None else f"field {first.field!r}: {first.reason}"
-        return cls(count, first.lineno, (first.line or "")[:80], why)
-
-    def message(self, name: str = "the recording") -> str:
-        """One line for a warning: ``skipped 2 unreadable lines in run.csv (first: line 316: ...)``.
-
-        Args:
-            name: how to call the recording (its path).
-
-        Returns:
-            The sentence, without a trailing period.
-        """
-        lines = "line" if self.count == 1 else "lines"
-        why = f": {self.reason}" if self.reason else ""
-        return f"skipped {self.count} unreadable {lines} in {name} (first: line {self.first_lineno}{why})"
-
-    def unreadable(self) -> ParseError:
-        """The error for a recording whose every row was skipped."""
-        why = self.reason or "does not fit the header"
-        return ParseError(
-            f"no readable rows ({self.count} line(s) skipped, this one first): {why}",
-            lineno=self.first_lineno,
-            line=self.first_line,
-        )
 
 
 def detect_format(path: str | os.PathLike[str]) -> RecordingFormat:

@@ -18,12 +18,12 @@ from typing import IO, TYPE_CHECKING, Any, Union
 from smiquery.clock import localize_by_order
 from smiquery.errors import ParseError
 from smiquery.fields import Field, Kind
+from smiquery.frames import MissingReasons, SkippedLines, empty_array, int_array, make_frame, string_dtype
 
 # Cells are read by their kind's own converters and words (smiquery.kinds), so that both paths read a cell the
 # same way.
 from smiquery.kinds import missing_reason
-from smiquery.recordings.base import NS_MAX, NS_MIN, SkippedLines
-from smiquery.recordings.frames import MissingReasons, empty_array, int_array, make_frame, string_dtype
+from smiquery.recordings.base import NS_MAX, NS_MIN
 from smiquery.sample import Value
 from smiquery.sources.query_gpu import MESSAGE_PREFIXES, CsvParser, bad_cell_reason
 

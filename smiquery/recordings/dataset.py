@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import RecordingError, UsageError
 from smiquery.fields import Field
-from smiquery.recordings.frames import missing_reasons, to_dataframe
+from smiquery.frames import missing_reasons, to_dataframe
 from smiquery.recordings.recorder import FULL_DISK, Policy, TextRecorder, check_target, prune_rotated, zone_name
 from smiquery.sample import GpuSample
 

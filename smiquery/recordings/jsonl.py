@@ -14,8 +14,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 from smiquery.clock import Localizer
 from smiquery.errors import ParseError, RecordingError
-from smiquery.recordings.base import LineWriter, SkippedLines, resolve_zone
-from smiquery.recordings.frames import to_dataframe
+from smiquery.frames import SkippedLines, to_dataframe
+from smiquery.recordings.base import LineWriter, resolve_zone
 from smiquery.recordings.values import build_sample, field_for, typed_value, with_gpu0
 from smiquery.sample import GpuSample, Schema, Value
 

@@ -1,4 +1,4 @@
-"""Parquet recordings: the columns and attrs of :func:`~smiquery.recordings.frames.to_dataframe`; written and read.
+"""Parquet recordings: the columns and attrs of :func:`~smiquery.frames.to_dataframe`; written and read.
 
 :class:`ParquetWriter` writes them (``smiquery stream --output run.parquet``), :func:`read_parquet` reads one into
 a DataFrame and :func:`read_parquet_samples` as samples. pandas and pyarrow are imported on first use.
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from smiquery.clock import Localizer
 from smiquery.errors import RecordingError, ReplayError
-from smiquery.recordings.frames import missing_reasons, to_dataframe
+from smiquery.frames import missing_reasons, to_dataframe
 from smiquery.recordings.values import build_sample, field_for, typed_value
 from smiquery.sample import GpuSample, Schema, Value
 
@@ -45,7 +45,7 @@ class ParquetWriter:
     Samples are buffered and the file is rewritten (to a temporary name, then renamed over the target) every
     ``chunk_rows`` samples or ``chunk_seconds`` seconds, and on :meth:`close`. So the file on disk is always a
     complete, readable Parquet file, and a crash (even SIGKILL) loses at most the last unwritten chunk. Columns
-    and ``df.attrs`` are those of :func:`~smiquery.recordings.frames.to_dataframe`; ``pandas.read_parquet``
+    and ``df.attrs`` are those of :func:`~smiquery.frames.to_dataframe`; ``pandas.read_parquet``
     restores both.
 
     Args:

@@ -73,7 +73,7 @@ def zone_name(sample: GpuSample) -> str | None:
     key = getattr(ts.tzinfo, "key", None)
     if isinstance(key, str):
         return key
-    from smiquery.recordings.frames import local_zone
+    from smiquery.frames import local_zone
 
     local = local_zone()
     key = getattr(local, "key", None)

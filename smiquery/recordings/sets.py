@@ -13,8 +13,7 @@ from datetime import tzinfo
 from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import RecordingError
-from smiquery.recordings.base import SkippedLines
-from smiquery.recordings.frames import MissingReasons, missing_reasons
+from smiquery.frames import MissingReasons, SkippedLines, missing_reasons
 from smiquery.recordings.recorder import META_SUFFIX
 
 if TYPE_CHECKING:

@@ -392,7 +392,7 @@ def query_df(
     runner: Runner | None = None,
 ) -> pd.DataFrame:
     """Like :func:`query`, as a pandas DataFrame (nullable dtypes, units in ``df.attrs["units"]``)."""
-    from smiquery.recordings.frames import to_dataframe
+    from smiquery.frames import to_dataframe
 
     return to_dataframe(query(fields, gpus=gpus, nvidia_smi=nvidia_smi, timeout=timeout, runner=runner))
 

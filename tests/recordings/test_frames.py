@@ -1,4 +1,4 @@
-"""smiquery.recordings.frames and read_csv: samples and recorded CSV files -> DataFrames with typed columns."""
+"""smiquery.frames and read_csv: samples and recorded CSV files -> DataFrames with typed columns."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from zoneinfo import ZoneInfo
 import pandas as pd
 import pytest
 
-from smiquery import recordings
+from smiquery import frames, recordings
 from smiquery.errors import ParseError
 from smiquery.fields import get_field, resolve_fields
-from smiquery.recordings import csv_arrow, frames
+from smiquery.recordings import csv_arrow
 from smiquery.sample import GpuSample, Schema
 from smiquery.sources.query_gpu import CsvParser, format_row, header_line, parse_lines
 from tests.corpus import require_corpus as _corpus_dir

@@ -8,22 +8,23 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone, tzinfo
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from smiquery.clock import localize_by_order
-from smiquery.errors import InvalidFieldError
+from smiquery.errors import InvalidFieldError, ParseError
 from smiquery.fields import Field, Kind, get_field
 from smiquery.sample import GpuSample, Value
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from smiquery.recordings.base import SkippedLines
 
 __all__ = [
     "MissingReasons",
+    "SkippedLines",
     "empty_array",
     "int_array",
     "local_zone",
@@ -344,3 +345,48 @@ def set_zone(df: pd.DataFrame, tz: tzinfo | None) -> None:
         df["timestamp"] = localize_by_order(stamps, tz).as_unit("ns").array
     else:
         df["timestamp"] = stamps.dt.tz_convert(tz)
+
+
+@dataclass(frozen=True)
+class SkippedLines:
+    """Lines of a recording that readers skipped: torn (a killed recorder's last line), garbled or not fitting.
+
+    Attributes:
+        count: how many lines were skipped.
+        first_lineno: the line number (1-based) of the first one.
+        first_line: that line's text (cut to 80 characters).
+        reason: what is wrong with that line (``field 'memory.used': '7.5' is not a valid integer``), or "".
+    """
+
+    count: int
+    first_lineno: int
+    first_line: str = ""
+    reason: str = ""
+
+    @classmethod
+    def after(cls, count: int, first: ParseError) -> SkippedLines:
+        """``count`` skipped lines, the first of them the one ``first`` rejected."""
+        why = first.reason if first.field is None else f"field {first.field!r}: {first.reason}"
+        return cls(count, first.lineno, (first.line or "")[:80], why)
+
+    def message(self, name: str = "the recording") -> str:
+        """One line for a warning: ``skipped 2 unreadable lines in run.csv (first: line 316: ...)``.
+
+        Args:
+            name: how to call the recording (its path).
+
+        Returns:
+            The sentence, without a trailing period.
+        """
+        lines = "line" if self.count == 1 else "lines"
+        why = f": {self.reason}" if self.reason else ""
+        return f"skipped {self.count} unreadable {lines} in {name} (first: line {self.first_lineno}{why})"
+
+    def unreadable(self) -> ParseError:
+        """The error for a recording whose every row was skipped."""
+        why = self.reason or "does not fit the header"
+        return ParseError(
+            f"no readable rows ({self.count} line(s) skipped, this one first): {why}",
+            lineno=self.first_lineno,
+            line=self.first_line,
+        )
