@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from smiquery.exporter.httpd import HttpServer, Request, Response
-    from smiquery.exporter.webconfig import WebConfig
+    from smiquery.http.server import HttpServer, Request, Response
+    from smiquery.http.webconfig import WebConfig
     from smiquery.pmon import ProcessShare
     from smiquery.training.memory import MemoryView
 
@@ -99,8 +99,8 @@ class JobMetrics:
 
     def _serve(self, port: int, addr: str, web_config: str | os.PathLike[str] | None) -> None:
         """Serve /metrics with the exporter's HTTP server (its TLS and basic auth from a web-config file)."""
-        from smiquery.exporter.httpd import HttpServer
-        from smiquery.exporter.webconfig import WebConfig, load_web_config
+        from smiquery.http.server import HttpServer
+        from smiquery.http.webconfig import WebConfig, load_web_config
 
         web = load_web_config(web_config) if web_config is not None else WebConfig()
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -129,7 +129,7 @@ class JobMetrics:
     def _answer(self, req: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        from smiquery.exporter.httpd import Response
+        from smiquery.http.server import Response
 
         web = self._web
         assert web is not None

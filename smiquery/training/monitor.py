@@ -197,7 +197,7 @@ class RunMonitor:
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
         if web_config is not None:  # a bad file is a mistake to fix before training, not a warning after it
-            from smiquery.exporter.webconfig import load_web_config
+            from smiquery.http.webconfig import load_web_config
 
             load_web_config(web_config)
         self.web_config = web_config
