@@ -22,14 +22,14 @@ from smiquery.errors import ListenError, PortInUseError
 from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
 from smiquery.exporter.detailswatch import DetailsPoller
 from smiquery.exporter.events import EventLog
-from smiquery.http.server import HttpServer, Request, Response
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.state import parse_labels
-from smiquery.http.webconfig import WebConfig, load_web_config
 from smiquery.exporter.xidwatch import XidWatcher
 from smiquery.fields import resolve_fields
+from smiquery.http.server import HttpServer, Request, Response
+from smiquery.http.webconfig import WebConfig, load_web_config
 from smiquery.retry import RetryPolicy
 from smiquery.streams.argv import normalize_gpus
 from smiquery.streams.sync import stream
