@@ -213,19 +213,10 @@ class RunMonitor:
         self.process_share = bool(process_share)
         #: what the run feeds besides its logs
         self.outputs: tuple[Output, ...] = tuple(outputs)
-        #: the alerts of the current (or last) run, with their training position
-        self.alerts: list[TrainingAlert] = []
-        #: per epoch, the numbers added to the logs (corrected when late sweeps arrive)
-        self.epochs: list[dict[str, float]] = []
         #: messages said once (monitoring unavailable, rules dropped, framework view missing, growing gap)
         self.notes: list[str] = []
         #: rules dropped because this driver lacks their field
         self.dropped_rules: list[Rule] = []
-        #: counters of the run (steps, samples, data wait, energy): what the metrics report
-        self.totals = Totals()
-        #: wall time of the run's phases: ``first_data`` (start to first sample, s), ``epoch_end_max`` (longest
-        #: :meth:`end_epoch` on the training thread, s), ``reader_cpu`` and ``worker_cpu`` (thread CPU time, s)
-        self.cost: dict[str, float] = {}
         #: optional function returning extra alert context (the learning rate), called on the reading thread
         self.context_extra: Callable[[], Mapping[str, Any]] | None = None
         self._said: set[str] = set()
@@ -237,10 +228,15 @@ class RunMonitor:
     # ------------------------------------------------------------------------------------------ state
 
     def _reset(self) -> None:
-        self.alerts = []
-        self.epochs = []
+        #: the alerts of the current (or last) run, with their training position
+        self.alerts: list[TrainingAlert] = []
+        #: per epoch, the numbers added to the logs (corrected when late sweeps arrive)
+        self.epochs: list[dict[str, float]] = []
+        #: counters of the run (steps, samples, data wait, energy): what the metrics report
         self.totals = Totals()
-        self.cost = {
+        #: wall time of the run's phases: ``first_data`` (start to first sample, s), ``epoch_end_max`` (longest
+        #: :meth:`end_epoch` on the training thread, s), ``reader_cpu`` and ``worker_cpu`` (thread CPU time, s)
+        self.cost: dict[str, float] = {
             "first_data": math.nan,
             "start": 0.0,
             "close": 0.0,

@@ -78,10 +78,10 @@ class Recording:
 
 
 class KernelLog:
-    """The kernel log followed while the run goes on: each Xid on a watched GPU becomes an alert to its handlers.
+    """The kernel log followed while the run goes on: each Xid on a watched GPU is an alert to the run's handlers.
 
-    An :class:`~smiquery.training.xid.XidAlert` (the code, its meaning and the action), so a run learns the cause when
-    its GPU fails. Unreadable: one note, the run goes on. See :mod:`smiquery.training.xid`.
+    An :class:`~smiquery.training.xid.XidAlert` (code, meaning, action): a run learns why its GPU failed.
+    Unreadable: one note, the run goes on.
 
     Args:
         path: ``/dev/kmsg``, or a file such as ``/var/log/kern.log``.
@@ -128,20 +128,17 @@ def run_monitor(
     Args:
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
-        record: write every sample of the watched GPUs to this file (``.csv``, ``.jsonl``, ``.parquet``) from the
-            same nvidia-smi (a :class:`Recording`); ``smiquery report`` and ``smiquery plot`` read it.
-        metrics_port: serve the job's metrics (steps, samples, data wait, epoch, energy, framework memory) for
-            Prometheus on this port (``pip install 'smiquery[export]'``; see
-            :class:`~smiquery.training.metrics.JobMetrics`).
+        record: a :class:`Recording` of every sample of the watched GPUs to this file (``.csv``, ``.jsonl``,
+            ``.parquet``), from the same nvidia-smi; ``smiquery report`` and ``smiquery plot`` read it.
+        metrics_port: serve the job's :class:`~smiquery.training.metrics.JobMetrics` for Prometheus on this port.
         metrics_addr: the address to bind for ``metrics_port`` (default 127.0.0.1).
-        web_config: an exporter-toolkit web-config file (TLS, basic auth), as ``smiquery export --web-config``.
-        pushgateway: push the same metrics to this Pushgateway URL every ``push_interval`` seconds, grouped by
-            ``run_id`` and host; the group is deleted when the monitor closes.
+        web_config: an exporter-toolkit web-config file (TLS, basic auth) for ``metrics_port``.
+        pushgateway: push the job's metrics to this Pushgateway URL (grouped by ``run_id`` and host).
         push_interval: seconds between pushes.
         job: the ``job`` label of pushed metrics.
         run_id: the ``run`` label of the job's metrics (default ``SMIQUERY_RUN_ID``, else a new random id).
-        kernel_log: also follow this kernel log (``/dev/kmsg``...): each Xid error on a watched GPU becomes an alert
-            to the handlers (a :class:`KernelLog`).
+        kernel_log: follow this kernel log (``/dev/kmsg``...): each Xid on a watched GPU becomes an alert to the
+            handlers (a :class:`KernelLog`).
         **options: the monitor's own arguments (``alerts``, ``handlers``, ``log_every``, ``nvidia_smi``, ``gpus``,
             ``framework``, ``process_share``, ``first_sample_timeout``...).
 
