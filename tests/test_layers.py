@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("smiquery.sample", "smiquery.clock"),
     ("smiquery.kinds",),
     ("smiquery.fields",),
+    ("smiquery.frames",),
     ("smiquery.retry", "smiquery.source"),
     ("smiquery.runner",),
     ("smiquery.streams.argv", "smiquery.streams.engine"),

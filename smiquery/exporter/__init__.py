@@ -33,8 +33,8 @@ from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.server import Exporter, serve
 from smiquery.exporter.state import SourceHealth, parse_labels, source_health
-from smiquery.exporter.webconfig import WebConfig, load_web_config
 from smiquery.exporter.xidwatch import XidWatcher
+from smiquery.http.webconfig import WebConfig, load_web_config
 
 __all__ = [
     "DCGM_MAP",

@@ -22,14 +22,14 @@ from smiquery.errors import ListenError, PortInUseError
 from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
 from smiquery.exporter.detailswatch import DetailsPoller
 from smiquery.exporter.events import EventLog
-from smiquery.exporter.httpd import HttpServer, Request, Response
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.state import parse_labels
-from smiquery.exporter.webconfig import WebConfig, load_web_config
 from smiquery.exporter.xidwatch import XidWatcher
 from smiquery.fields import resolve_fields
+from smiquery.http.server import HttpServer, Request, Response
+from smiquery.http.webconfig import WebConfig, load_web_config
 from smiquery.retry import RetryPolicy
 from smiquery.streams.argv import normalize_gpus
 from smiquery.streams.sync import stream
@@ -221,7 +221,7 @@ class Exporter:
         stream: the background :class:`~smiquery.streams.sync.Stream` (a new one after a revival).
         poller: the :class:`ProcessPoller`, when ``processes=True``.
         pmon: the :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, when ``top_processes`` is above 0.
-        http: the :class:`~smiquery.exporter.httpd.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
+        http: the :class:`~smiquery.http.server.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
         revive_after: seconds before a stream that stopped for good is replaced.
         revivals: how many times that happened.
     """

@@ -20,7 +20,7 @@ import keras
 
 from smiquery._log import get_logger
 from smiquery.training.memory import TensorFlowMemory
-from smiquery.training.monitor import RunMonitor
+from smiquery.training.outputs import run_monitor
 from smiquery.training.view import MonitorView
 
 if TYPE_CHECKING:
@@ -90,8 +90,8 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         framework_memory: read TensorFlow's per-GPU allocation and report the gap to the driver's figure.
         batch_size: samples per step, for ``samples_per_joule`` and the samples counter (default: ``fit``'s
             ``batch_size`` when it was given).
-        **options: any other :class:`~smiquery.training.monitor.RunMonitor` argument (``record``, ``metrics_port``,
-            ``pushgateway``, ``first_sample_timeout``, ``process_share`` for ``gpuN_share`` and
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``record``, ``metrics_port``,
+            ``pushgateway``, ``kernel_log``, ``first_sample_timeout``, ``process_share`` for ``gpuN_share`` and
             ``gpuN_other_processes``...).
 
     Raises:
@@ -118,12 +118,12 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         **options: Any,
     ) -> None:
         super().__init__()
-        self.monitor = RunMonitor(
+        self.monitor = run_monitor(
             fields,
             interval,
-            alerts,
-            handlers,
-            log_every,
+            alerts=alerts,
+            handlers=handlers,
+            log_every=log_every,
             nvidia_smi=nvidia_smi,
             gpus=gpus,
             framework=TensorFlowMemory() if framework_memory else None,

@@ -22,7 +22,7 @@ except ImportError:  # the standalone package
         ) from exc
 
 from smiquery.training.memory import TorchMemory
-from smiquery.training.monitor import RunMonitor
+from smiquery.training.outputs import run_monitor
 from smiquery.training.view import MonitorView
 
 if TYPE_CHECKING:
@@ -74,8 +74,8 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
         framework_memory: read PyTorch's allocated, peak and reserved memory per device.
         nvidia_smi: path of nvidia-smi.
         gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
-        **options: any other :class:`~smiquery.training.monitor.RunMonitor` argument (``record``, ``metrics_port``,
-            ``pushgateway``, ``process_share`` for ``gpuN_share`` and ``gpuN_other_processes``...).
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``record``, ``metrics_port``,
+            ``pushgateway``, ``kernel_log``, ``process_share`` for ``gpuN_share`` and ``gpuN_other_processes``...).
     """
 
     def __init__(
@@ -93,12 +93,12 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
         **options: Any,
     ) -> None:
         super().__init__()
-        self.monitor = RunMonitor(
+        self.monitor = run_monitor(
             fields,
             interval,
-            alerts,
-            handlers,
-            log_every,
+            alerts=alerts,
+            handlers=handlers,
+            log_every=log_every,
             nvidia_smi=nvidia_smi,
             gpus=gpus,
             framework=TorchMemory() if framework_memory else None,

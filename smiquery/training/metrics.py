@@ -1,8 +1,8 @@
 """The job's own Prometheus metrics: steps, samples, data wait, epoch, energy, framework memory and process share.
 
 Computed from a monitor's counters at scrape (or push) time, so that a training step costs nothing here; served on
-``metrics_port`` (by the exporter's HTTP server, with its web-config for TLS and basic auth) and/or pushed to a
-Pushgateway (``pip install 'smiquery[export]'``).
+``metrics_port`` (by :mod:`smiquery.http`'s server, with the exporter's web-config for TLS and basic auth) and/or
+pushed to a Pushgateway (``pip install 'smiquery[export]'``).
 
 The job's counters (steps, samples, data wait, epoch) are job-level, labelled ``{run, host}``: one series per run,
 so that ``sum(rate(...))`` counts each step once whatever the number of GPUs. The GPUs of a run are joined through
@@ -12,95 +12,110 @@ carry ``{run, host, uuid}``.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+from uuid import uuid4
 
 if TYPE_CHECKING:
-    from smiquery.exporter.httpd import HttpServer, Request, Response
-    from smiquery.exporter.webconfig import WebConfig
-    from smiquery.pmon import ProcessShare
-    from smiquery.training.memory import MemoryView
+    from smiquery.http.server import HttpServer, Request, Response
+    from smiquery.http.webconfig import WebConfig
+    from smiquery.sample import GpuSample
+    from smiquery.training.monitor import RunMonitor
 
-__all__ = ["JobMetrics", "MonitoredJob", "Totals"]
-
-
-@dataclass
-class Totals:
-    """Counters of a run, read by the metrics collector at scrape time (no per-step Prometheus cost).
-
-    Attributes:
-        steps: steps taken.
-        samples: training samples processed (when the adapter knows batch sizes).
-        data_wait: seconds spent between steps.
-        epoch: the current epoch (0-based) or None.
-        joules: energy per nvidia-smi index since the run began.
-        memory: the newest framework memory view per nvidia-smi index.
-    """
-
-    steps: int = 0
-    samples: int = 0
-    data_wait: float = 0.0
-    epoch: int | None = None
-    joules: dict[int, float] = field(default_factory=dict)
-    memory: dict[int, MemoryView] = field(default_factory=dict)
-
-
-class MonitoredJob(Protocol):
-    """What the metrics read of a run (a :class:`~smiquery.training.monitor.RunMonitor`)."""
-
-    totals: Totals
-    host: str
-    job: str
-    run_id: str
-    process_share: bool
-    metrics_port: int | None
-    metrics_addr: str
-    web_config: str | os.PathLike[str] | None
-    pushgateway: str | None
-    push_interval: float
-
-    def uuids(self) -> dict[int, str]:
-        """The UUID of each watched GPU (nvidia-smi index -> UUID)."""
-        ...
-
-    def process_shares(self) -> dict[int, ProcessShare]:
-        """The newest pmon instant's share per watched GPU."""
-        ...
-
-    def say(self, message: str, level: int = logging.WARNING, *, key: str | None = None) -> None:
-        """Log a message once per run."""
-        ...
+__all__ = ["JobMetrics"]
 
 
 class JobMetrics:
-    """The job's own metrics, computed from the monitor's counters at scrape (or push) time."""
+    """The job's own metrics, computed from a run's counters at scrape (or push) time: an output of a run.
 
-    def __init__(self, monitor: MonitoredJob) -> None:
-        from prometheus_client import CollectorRegistry
+    Each run of its :class:`~smiquery.training.monitor.RunMonitor` serves them on ``metrics_port`` and/or pushes
+    them to ``pushgateway``; a failure to do so (the port taken, no ``prometheus_client``) is said once and training
+    goes on.
 
-        self.monitor = monitor
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(monitor))
+    Args:
+        metrics_port: serve them for Prometheus on this port (0: any free one, see :attr:`port`).
+        metrics_addr: the address to bind for ``metrics_port``: 127.0.0.1 like the exporter's; ``0.0.0.0`` for a
+            Prometheus on another machine or pod (then protect it with ``web_config``).
+        web_config: an exporter-toolkit web-config file (TLS, basic auth), as ``smiquery export --web-config``.
+        pushgateway: push them to this Pushgateway URL every ``push_interval`` seconds, grouped by ``run_id`` and
+            host; the group is deleted when the run closes.
+        push_interval: seconds between pushes.
+        job: the ``job`` label of pushed metrics.
+        run_id: the ``run`` label of the job's metrics (default ``SMIQUERY_RUN_ID`` from the environment, else a new
+            random id): the ranks of one job on a host share it only if you set it.
+
+    Raises:
+        ValueError: ``metrics_port`` or ``pushgateway`` is invalid.
+        WebConfigError: the web-config file is.
+    """
+
+    fields: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        metrics_port: int | None = None,
+        metrics_addr: str = "127.0.0.1",
+        web_config: str | os.PathLike[str] | None = None,
+        pushgateway: str | None = None,
+        push_interval: float = 15.0,
+        job: str = "training",
+        run_id: str | None = None,
+    ) -> None:
+        if metrics_port is not None and not 0 <= metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be 0-65535, not {metrics_port}")
+        if pushgateway is not None and not pushgateway.lower().startswith(("http://", "https://")):
+            raise ValueError("pushgateway must be an http:// or https:// URL")
+        if web_config is not None:  # a bad file is a mistake to fix before training, not a warning after it
+            from smiquery.http.webconfig import load_web_config
+
+            load_web_config(web_config)
+        self.metrics_port = metrics_port
+        self.metrics_addr = metrics_addr
+        self.web_config = web_config
+        self.pushgateway = pushgateway
+        self.push_interval = float(push_interval)
+        self.job = job
+        self.run_id = run_id or os.environ.get("SMIQUERY_RUN_ID") or uuid4().hex[:12]
+        self.host = socket.gethostname()
+        self.monitor: RunMonitor | None = None
+        self.registry: Any = None
         self._http: HttpServer | None = None
         self._port: int | None = None
         self._web: WebConfig | None = None
         self._stop = threading.Event()
         self._pusher: threading.Thread | None = None
-        if monitor.metrics_port is not None:
-            self._serve(monitor.metrics_port, monitor.metrics_addr, monitor.web_config)
-        if monitor.pushgateway is not None:
-            self._pusher = threading.Thread(target=self._push_loop, name="smiquery-monitor-push", daemon=True)
+
+    def open(self, monitor: RunMonitor) -> None:
+        """Serve and/or push ``monitor``'s run; a failure is said once (``the training metrics are off``)."""
+        self.monitor = monitor
+        try:
+            from prometheus_client import CollectorRegistry
+
+            self.registry = CollectorRegistry(auto_describe=False)
+            self.registry.register(self)
+            self._stop = threading.Event()
+            if self.metrics_port is not None:
+                self._serve(self.metrics_port, self.metrics_addr, self.web_config)
+        except Exception as exc:
+            self.monitor = None
+            monitor.say(f"the training metrics are off: {exc}")
+            return
+        if self.pushgateway is not None:
+            self._pusher = threading.Thread(
+                target=self._push_loop, args=(monitor,), name="smiquery-monitor-push", daemon=True
+            )
             self._pusher.start()
 
+    def take(self, samples: Sequence[GpuSample]) -> None:
+        """Nothing: the metrics read the run's counters when scraped or pushed."""
+
     def _serve(self, port: int, addr: str, web_config: str | os.PathLike[str] | None) -> None:
-        """Serve /metrics with the exporter's HTTP server (its TLS and basic auth from a web-config file)."""
-        from smiquery.exporter.httpd import HttpServer
-        from smiquery.exporter.webconfig import WebConfig, load_web_config
+        """Serve /metrics with the shared HTTP server (its TLS and basic auth from a web-config file)."""
+        from smiquery.http.server import HttpServer
+        from smiquery.http.webconfig import WebConfig, load_web_config
 
         web = load_web_config(web_config) if web_config is not None else WebConfig()
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -129,7 +144,7 @@ class JobMetrics:
     def _answer(self, req: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        from smiquery.exporter.httpd import Response
+        from smiquery.http.server import Response
 
         web = self._web
         assert web is not None
@@ -143,68 +158,74 @@ class JobMetrics:
 
     @property
     def port(self) -> int | None:
-        """The port actually bound (for ``metrics_port=0``)."""
+        """The port actually bound while a run is served (for ``port=0``), else None."""
         return self._port
 
     def grouping_key(self) -> dict[str, str]:
         """The Pushgateway group of this run: one per run and host, so that two jobs on a host never share one."""
-        return {"run": self.monitor.run_id, "host": self.monitor.host}
+        return {"run": self.run_id, "host": self.host}
 
     def push(self) -> None:
         """Push the metrics to the Pushgateway now (replacing this run's group)."""
         from prometheus_client import push_to_gateway
 
-        m = self.monitor
-        assert m.pushgateway is not None
-        push_to_gateway(m.pushgateway, job=m.job, registry=self.registry, grouping_key=self.grouping_key(), timeout=2.0)
+        assert self.pushgateway is not None
+        push_to_gateway(
+            self.pushgateway, job=self.job, registry=self.registry, grouping_key=self.grouping_key(), timeout=2.0
+        )
 
     def delete(self) -> None:
         """Delete this run's group from the Pushgateway (the run ended: its series must not outlive it)."""
         from prometheus_client import delete_from_gateway
 
-        m = self.monitor
-        assert m.pushgateway is not None
-        delete_from_gateway(m.pushgateway, job=m.job, grouping_key=self.grouping_key(), timeout=2.0)
+        assert self.pushgateway is not None
+        delete_from_gateway(self.pushgateway, job=self.job, grouping_key=self.grouping_key(), timeout=2.0)
 
-    def _push_loop(self) -> None:
-        while not self._stop.wait(self.monitor.push_interval):
+    def _push_loop(self, monitor: RunMonitor) -> None:
+        while not self._stop.wait(self.push_interval):
             try:
                 self.push()
             except Exception as exc:
-                self.monitor.say(f"pushing training metrics failed ({type(exc).__name__})", key="push-failed")
+                monitor.say(f"pushing training metrics failed ({type(exc).__name__})", key="push-failed")
 
-    def close(self) -> None:
-        """Stop pushing and delete the run's Pushgateway group; stop serving.
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop pushing and delete the run's Pushgateway group; stop serving. Idempotent.
 
         A process killed before this (SIGKILL, the OOM killer, a lost node) leaves its group behind, with a
         ``push_time_seconds`` that stops advancing: rules that must ignore it compare that with ``time()``.
+
+        Args:
+            timeout: unused: pushing stops within 3 s, the group's deletion within 2 s.
         """
+        monitor, self.monitor = self.monitor, None
+        if monitor is None:
+            return  # not serving a run
         self._stop.set()
         if self._pusher is not None:
             self._pusher.join(3.0)
-        if self.monitor.pushgateway is not None:
+            self._pusher = None
+        if self.pushgateway is not None:
             try:
                 self.delete()
             except Exception as exc:
-                self.monitor.say(f"deleting the training metrics' group failed ({type(exc).__name__})", key="push-del")
+                monitor.say(f"deleting the training metrics' group failed ({type(exc).__name__})", key="push-del")
         if self._http is not None:
             self._http.shutdown()
             self._http = None
+        self._port = None
 
-
-class _Collector:
-    """prometheus_client collector over a run's totals, one series per watched GPU (by UUID)."""
-
-    def __init__(self, monitor: MonitoredJob) -> None:
-        self.monitor = monitor
+    # ------------------------------------------------------------------------------------- the collector
 
     def collect(self) -> Iterator[Any]:
+        """The job's families over its run's totals, one series per watched GPU (by UUID): prometheus_client's."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         m = self.monitor
+        if m is None:
+            return
         t = m.totals
         uuids = m.uuids()
-        job = [m.run_id, m.host]
+        job = [self.run_id, self.host]
         job_labels = ["run", "host"]
         steps = CounterMetricFamily("smiquery_training_steps", "Optimizer steps taken by the job.", labels=job_labels)
         steps.add_metric(job, float(t.steps))
@@ -242,8 +263,8 @@ class _Collector:
             labels=labels,
         )
         for idx, uuid in sorted(uuids.items()):
-            info.add_metric([m.run_id, m.host, uuid, str(idx)], 1.0)
-            lv = [m.run_id, m.host, uuid]
+            info.add_metric([*job, uuid, str(idx)], 1.0)
+            lv = [*job, uuid]
             joules = t.joules.get(idx)
             if joules is not None:  # no power.draw (N/A on this GPU): no series rather than a made-up 0
                 energy.add_metric(lv, joules)
@@ -259,8 +280,7 @@ class _Collector:
         if m.process_share:
             yield from self._share_families(m, uuids, labels)
 
-    @staticmethod
-    def _share_families(m: MonitoredJob, uuids: Mapping[int, str], labels: list[str]) -> Iterator[Any]:
+    def _share_families(self, m: RunMonitor, uuids: Mapping[int, str], labels: list[str]) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
         share = GaugeMetricFamily(
@@ -279,6 +299,6 @@ class _Collector:
             if got is None:
                 continue  # no pmon sample of this GPU: no series rather than a made-up 0
             if got.share is not None:
-                share.add_metric([m.run_id, m.host, uuid], got.share)
-            others.add_metric([m.run_id, m.host, uuid], float(len(got.other_pids)))
+                share.add_metric([self.run_id, self.host, uuid], got.share)
+            others.add_metric([self.run_id, self.host, uuid], float(len(got.other_pids)))
         yield from (share, others)

@@ -1,10 +1,11 @@
 """The framework-neutral training run monitor: one nvidia-smi beside a training loop, summarised per epoch.
 
-:class:`RunMonitor` owns the stream, the alerts stamped with the training position, the recording and the energy
+:class:`RunMonitor` owns the stream, the epochs, the alerts stamped with the training position and the energy
 figures; it hands the per-epoch sums to :mod:`~smiquery.training.epochs`, the framework's memory view to
-:mod:`~smiquery.training.memory`, the process share (one ``nvidia-smi pmon``) to :mod:`~smiquery.training.share` and
-the job's Prometheus metrics to :mod:`~smiquery.training.metrics`. :func:`smiquery.training.watch.watch` is its
-plain-loop front door; the Keras and Lightning callbacks only translate their hooks into
+:mod:`~smiquery.training.memory` and the process share (one ``nvidia-smi pmon``) to :mod:`~smiquery.training.share`.
+What a run feeds besides its logs (a recording, the job's Prometheus metrics, the kernel log's Xid alerts) are
+:class:`Output` objects passed in, built by :func:`smiquery.training.outputs.run_monitor` from the keywords of
+:func:`smiquery.training.watch.watch` and the Keras and Lightning callbacks, which only translate their hooks into
 :meth:`RunMonitor.begin_epoch`, :meth:`RunMonitor.step` and :meth:`RunMonitor.end_epoch`.
 """
 
@@ -14,13 +15,12 @@ import logging
 import math
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
-from uuid import uuid4
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
@@ -37,25 +37,16 @@ from smiquery.training.epochs import (
     throughput_values,
 )
 from smiquery.training.events import OPEN_MONITORS, TRAINING_RULES, HandlerWorker, Position, TrainingAlert
-from smiquery.training.memory import (
-    FrameworkMemory,
-    GapWatch,
-    MemoryView,
-    framework_values,
-    gap_note,
-    growth_event,
-)
-from smiquery.training.metrics import JobMetrics, Totals
+from smiquery.training.memory import FrameworkMemory, GapWatch, MemoryView, framework_values, gap_note, growth_event
 from smiquery.training.share import ShareTracker
-from smiquery.training.xid import XidAlerts
 
 if TYPE_CHECKING:
+    from smiquery.alerts import AlertEvent
     from smiquery.pmon import ProcessShare
-    from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
 
-__all__ = ["RunMonitor"]
+__all__ = ["Output", "RunMonitor", "Totals"]
 
 log = get_logger("smiquery.training.monitor")
 
@@ -63,6 +54,53 @@ _REJECTED_RE = re.compile(r"""Field\s+["']([^"']+)["']\s+is not a valid field"""
 
 
 SourceFactory = Callable[..., "SampleSource"]
+
+
+@dataclass
+class Totals:
+    """Counters of a run, read by the job's metrics at scrape time (no per-step Prometheus cost).
+
+    Attributes:
+        steps: steps taken.
+        samples: training samples processed (when the adapter knows batch sizes).
+        data_wait: seconds spent between steps.
+        epoch: the current epoch (0-based) or None.
+        joules: energy per nvidia-smi index since the run began.
+        memory: the newest framework memory view per nvidia-smi index.
+    """
+
+    steps: int = 0
+    samples: int = 0
+    data_wait: float = 0.0
+    epoch: int | None = None
+    joules: dict[int, float] = field(default_factory=dict)
+    memory: dict[int, MemoryView] = field(default_factory=dict)
+
+
+class Output(Protocol):
+    """What a run feeds besides its logs: a recording, the job's metrics, the kernel log's Xid alerts.
+
+    Opened with each run once its stream is (never when GPU monitoring is off), fed the watched GPUs' samples of
+    every sweep on the reading thread, closed with the run. An output says its own failures through
+    :meth:`RunMonitor.say` and never raises into training.
+
+    Attributes:
+        fields: nvidia-smi fields it needs streamed beyond the monitor's own.
+    """
+
+    fields: tuple[str, ...]
+
+    def open(self, monitor: RunMonitor) -> None:
+        """Start feeding ``monitor``'s run."""
+        ...
+
+    def take(self, samples: Sequence[GpuSample]) -> None:
+        """One sweep's samples of the watched GPUs."""
+        ...
+
+    def close(self, timeout: float) -> None:
+        """Stop; idempotent."""
+        ...
 
 
 def _open_stream(
@@ -83,9 +121,9 @@ class RunMonitor:
     """Watches the GPUs while a training run goes on, whatever the framework.
 
     It starts ONE nvidia-smi in loop mode (:meth:`start`) and a reading thread that stamps every sweep with the
-    training position at the moment it arrived, sums it into that epoch's accumulator (constant memory), appends
-    it to the recording and checks it against the alert rules. Alert handlers run on a separate worker thread
-    behind a bounded queue, so a slow webhook delays nothing. The training thread only moves the position
+    training position at the moment it arrived, sums it into that epoch's accumulator (constant memory), hands it
+    to the outputs (a recording...) and checks it against the alert rules. Alert handlers run on a separate worker
+    thread behind a bounded queue, so a slow webhook delays nothing. The training thread only moves the position
     (:meth:`step`, :meth:`begin_epoch`) and collects each epoch's numbers (:meth:`end_epoch`, which never waits
     on nvidia-smi except, once, for the first sample).
 
@@ -100,7 +138,8 @@ class RunMonitor:
     With ``process_share=True``, per watched GPU also ``gpuN_share`` (the run's part of the SM use, 0..1) and
     ``gpuN_other_processes`` (other processes seen on it during the epoch); see ``process_share`` below.
 
-    Use :func:`smiquery.training.watch.watch` in a plain loop; the Keras and Lightning callbacks wrap it.
+    Use :func:`smiquery.training.watch.watch` in a plain loop; the Keras and Lightning callbacks wrap it;
+    :func:`smiquery.training.outputs.run_monitor` builds one with the outputs their keywords ask for.
 
     Args:
         fields: extra fields to summarise per epoch (names or a comma list), beyond the built-in summary.
@@ -112,19 +151,6 @@ class RunMonitor:
         log_every: ``"epoch"``, or ``"batch"`` to offer the newest sample per step (:meth:`batch_values`).
         nvidia_smi: path of nvidia-smi (default: ``$SMIQUERY_NVIDIA_SMI``, PATH, the usual places).
         gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
-        record: write every sample of the watched GPUs to this file (``.csv``, ``.jsonl``, ``.parquet``) from the
-            same nvidia-smi; ``smiquery report`` and ``smiquery plot`` read it.
-        metrics_port: serve the job's metrics (steps, samples, data wait, epoch, energy, framework memory) for
-            Prometheus on this port (``pip install 'smiquery[export]'``).
-        metrics_addr: the address to bind for ``metrics_port``: 127.0.0.1 like the exporter's; ``0.0.0.0`` for
-            a Prometheus on another machine or pod (then protect it with ``web_config``).
-        web_config: an exporter-toolkit web-config file (TLS, basic auth), as ``smiquery export --web-config``.
-        pushgateway: push the same metrics to this Pushgateway URL every ``push_interval`` seconds, grouped by
-            ``run_id`` and host; the group is deleted when the monitor closes.
-        push_interval: seconds between pushes.
-        job: the ``job`` label of pushed metrics.
-        run_id: the ``run`` label of the job's metrics (default ``SMIQUERY_RUN_ID`` from the environment, else a
-            new random id): the ranks of one job on a host share it only if you set it.
         framework: the framework's memory view, read at each epoch's end.
         first_sample_timeout: at the first epoch's end, seconds to wait for nvidia-smi's first sample when none
             has come yet (so that the log keys are known); later epoch ends never wait.
@@ -140,10 +166,9 @@ class RunMonitor:
             ``smiquery_training_gpu_other_processes``. Off by default (one more child per run, pmon's 1 s minimum
             interval and four-GPU limit). Where pmon is not supported (older GeForce drivers) it is turned off with one
             note and the keys stay NaN; a failing or hung pmon never delays a training step.
-        kernel_log: also follow this kernel log (``/dev/kmsg``, or a file such as ``/var/log/kern.log``): each Xid
-            error logged on a watched GPU while the run goes on becomes an alert to the handlers (an
-            :class:`~smiquery.training.xid.XidAlert`: the code, its meaning and the action), so a run learns the cause
-            when its GPU fails. Unreadable: one note, the run goes on. See :mod:`smiquery.training.xid`.
+        outputs: what the run feeds besides its logs, opened and closed with each run (see :class:`Output`):
+            :class:`~smiquery.training.outputs.Recording`, :class:`~smiquery.training.metrics.JobMetrics`,
+            :class:`~smiquery.training.outputs.KernelLog`.
 
     Raises:
         ValueError: ``log_every`` or ``interval`` is invalid.
@@ -161,29 +186,17 @@ class RunMonitor:
         *,
         nvidia_smi: str | os.PathLike[str] | None = None,
         gpus: Sequence[int | str] | None = None,
-        record: str | os.PathLike[str] | None = None,
-        metrics_port: int | None = None,
-        metrics_addr: str = "127.0.0.1",
-        web_config: str | os.PathLike[str] | None = None,
-        pushgateway: str | None = None,
-        push_interval: float = 15.0,
-        job: str = "training",
-        run_id: str | None = None,
         framework: FrameworkMemory | None = None,
         first_sample_timeout: float = 5.0,
         source: SourceFactory | None = None,
         env: Mapping[str, str] | None = None,
         process_share: bool = False,
-        kernel_log: str | os.PathLike[str] | None = None,
+        outputs: Sequence[Output] = (),
     ) -> None:
         if log_every not in ("epoch", "batch"):
             raise ValueError(f"log_every must be 'epoch' or 'batch', not {log_every!r}")
         if not interval > 0:
             raise ValueError("interval must be positive")
-        if metrics_port is not None and not 0 <= metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be 0-65535, not {metrics_port}")
-        if pushgateway is not None and not pushgateway.lower().startswith(("http://", "https://")):
-            raise ValueError("pushgateway must be an http:// or https:// URL")
         self.interval = float(interval)
         self.log_every = log_every
         self.rules: tuple[Rule, ...] = tuple(
@@ -193,38 +206,17 @@ class RunMonitor:
         self.extra_fields: tuple[Field, ...] = resolve_fields(fields) if fields else ()
         self.nvidia_smi = nvidia_smi
         self.gpus_override = tuple(str(g) for g in gpus) if gpus is not None else None
-        self.record = record
-        self.metrics_port = metrics_port
-        self.metrics_addr = metrics_addr
-        if web_config is not None:  # a bad file is a mistake to fix before training, not a warning after it
-            from smiquery.exporter.webconfig import load_web_config
-
-            load_web_config(web_config)
-        self.web_config = web_config
-        self.pushgateway = pushgateway
-        self.push_interval = float(push_interval)
-        self.job = job
-        self.run_id = run_id or os.environ.get("SMIQUERY_RUN_ID") or uuid4().hex[:12]
         self.framework = framework
         self.first_sample_timeout = first_sample_timeout
         self._source_factory: SourceFactory = source or _open_stream
         self._env = env
         self.process_share = bool(process_share)
-        self.kernel_log = kernel_log
-        self.host = socket.gethostname()
-        #: the alerts of the current (or last) run, with their training position
-        self.alerts: list[TrainingAlert] = []
-        #: per epoch, the numbers added to the logs (corrected when late sweeps arrive)
-        self.epochs: list[dict[str, float]] = []
+        #: what the run feeds besides its logs
+        self.outputs: tuple[Output, ...] = tuple(outputs)
         #: messages said once (monitoring unavailable, rules dropped, framework view missing, growing gap)
         self.notes: list[str] = []
         #: rules dropped because this driver lacks their field
         self.dropped_rules: list[Rule] = []
-        #: counters of the run (steps, samples, data wait, energy): what the metrics report
-        self.totals = Totals()
-        #: wall time of the run's phases: ``first_data`` (start to first sample, s), ``epoch_end_max`` (longest
-        #: :meth:`end_epoch` on the training thread, s), ``reader_cpu`` and ``worker_cpu`` (thread CPU time, s)
-        self.cost: dict[str, float] = {}
         #: optional function returning extra alert context (the learning rate), called on the reading thread
         self.context_extra: Callable[[], Mapping[str, Any]] | None = None
         self._said: set[str] = set()
@@ -236,10 +228,15 @@ class RunMonitor:
     # ------------------------------------------------------------------------------------------ state
 
     def _reset(self) -> None:
-        self.alerts = []
-        self.epochs = []
+        #: the alerts of the current (or last) run, with their training position
+        self.alerts: list[TrainingAlert] = []
+        #: per epoch, the numbers added to the logs (corrected when late sweeps arrive)
+        self.epochs: list[dict[str, float]] = []
+        #: counters of the run (steps, samples, data wait, energy): what the metrics report
         self.totals = Totals()
-        self.cost = {
+        #: wall time of the run's phases: ``first_data`` (start to first sample, s), ``epoch_end_max`` (longest
+        #: :meth:`end_epoch` on the training thread, s), ``reader_cpu`` and ``worker_cpu`` (thread CPU time, s)
+        self.cost: dict[str, float] = {
             "first_data": math.nan,
             "start": 0.0,
             "close": 0.0,
@@ -266,8 +263,7 @@ class RunMonitor:
         self._reader: threading.Thread | None = None
         self._worker: HandlerWorker | None = None
         self._notifier: Notifier | None = None
-        self._recorder: SampleWriter | None = None
-        self._metrics: JobMetrics | None = None
+        self._opened: tuple[Output, ...] = ()
         self._devices = VisibleDevices(None)
         self._cuda = VisibleDevices(None)
         self._started_at = 0.0
@@ -281,7 +277,6 @@ class RunMonitor:
         self._gaps = GapWatch()
         self._rejected: BaseException | None = None
         self._fields: list[str] = []
-        self._xid: XidAlerts | None = None
         self._share = ShareTracker(self.say, lambda: self._pos.epoch, self._watched_gpu) if self.process_share else None
 
     def say(self, message: str, level: int = logging.WARNING, *, key: str | None = None) -> None:
@@ -324,15 +319,14 @@ class RunMonitor:
         return self._share.latest() if self._share is not None else {}
 
     @property
-    def metrics_bound_port(self) -> int | None:
-        """The port the metrics are served on (useful with ``metrics_port=0``), or None."""
-        metrics = self._metrics
-        return metrics.port if metrics is not None else None
+    def stream_fields(self) -> list[str]:
+        """The fields nvidia-smi is asked for (the summary's, the extra fields, the rules' and the outputs')."""
+        return list(self._fields)
 
     # ------------------------------------------------------------------------------------------ start
 
     def start(self) -> RunMonitor:
-        """Start monitoring a run: the stream, its reading thread, the handler worker, recording and metrics.
+        """Start monitoring a run: the stream, its reading thread, the handler worker and the outputs.
 
         Starting again closes the previous run first. Failures are said once and never raised: training goes on
         without GPU numbers.
@@ -363,7 +357,7 @@ class RunMonitor:
         names = ["index", "uuid", "timestamp", *SUMMARY_FIELDS]
         names += [f.name for f in self.extra_fields]
         names += [f.name for r in self.rules for f in r.fields]
-        names += ["pci.bus_id"] if self.kernel_log else []  # names the GPU of an Xid
+        names += [name for out in self.outputs for name in out.fields]
         self._fields = list(dict.fromkeys(names))
         try:
             self._source = self._open()
@@ -371,11 +365,12 @@ class RunMonitor:
             self.say(f"GPU monitoring is off: {exc}")
             self._source = None
             return self
-        self._start_outputs()
+        for out in self.outputs:
+            out.open(self)
+        self._opened = self.outputs
         self._worker = HandlerWorker(lambda: self._notifier)
         self._reader = threading.Thread(target=self._read, name="smiquery-monitor-reader", daemon=True)
         self._reader.start()
-        self._xid = XidAlerts(self.kernel_log, self).start() if self.kernel_log else None
         OPEN_MONITORS.add(self)
         if self._share is not None:
             self._share.start(interval=self.interval, gpus=self._devices.stream_gpus(), nvidia_smi=self.nvidia_smi)
@@ -389,20 +384,6 @@ class RunMonitor:
             nvidia_smi=self.nvidia_smi,
             on_event=self._on_source_event,
         )
-
-    def _start_outputs(self) -> None:
-        if self.record is not None:
-            try:
-                from smiquery.recordings import open_recorder
-
-                self._recorder = open_recorder(self.record, resolve_fields(self._fields))
-            except Exception as exc:
-                self.say(f"cannot record to {os.fspath(self.record)!r} ({exc}): the run is not recorded")
-        if self.metrics_port is not None or self.pushgateway is not None:
-            try:
-                self._metrics = JobMetrics(self)
-            except Exception as exc:
-                self.say(f"the training metrics are off: {exc}")
 
     def _on_source_event(self, event: StreamEvent) -> None:
         err = event.error
@@ -501,20 +482,14 @@ class RunMonitor:
             self.cost["reader_cpu"] = time.thread_time()
 
     def _take(self, sweep: Sweep, select: bool) -> None:
-        """Stamp one sweep with the position now, sum it into that epoch, record it, check the rules."""
+        """Stamp one sweep with the position now, sum it into that epoch, hand it to the outputs, check the rules."""
         pos = self._pos
         now = arrival(sweep)
         chosen = [s for s in sweep if s.index is not None and (not select or self._devices.selects(s.index, s.uuid))]
         if not chosen:
             return
-        recorder = self._recorder
-        if recorder is not None:
-            try:
-                for s in chosen:
-                    recorder.write(s)
-            except Exception as exc:
-                self.say(f"recording stopped: {exc}")
-                self._recorder = None
+        for out in self._opened:
+            out.take(chosen)
         batch: dict[str, float] = {}
         with self._lock:
             acc = self._accs.get(pos.epoch)
@@ -548,11 +523,16 @@ class RunMonitor:
         for s in chosen:
             notifier.observe(s)
             for event in notifier.evaluate(s, now):
-                alert = TrainingAlert.at(event, pos, self.context_extra)
-                self.alerts.append(alert)
-                worker = self._worker
-                if worker is not None and not worker.put(event, alert.context()):
-                    self.say("alert handlers fall behind: events are being dropped", key="events-full")
+                self._alert(event, pos)
+
+    def _alert(self, event: AlertEvent, pos: Position, message: str | None = None) -> None:
+        """Keep ``event`` stamped with ``pos`` and queue it for the handlers (with ``message`` in its context)."""
+        alert = TrainingAlert.at(event, pos, self.context_extra)
+        self.alerts.append(alert)
+        context = alert.context() if message is None else {**alert.context(), "message": message}
+        worker = self._worker
+        if worker is not None and not worker.put(event, context):
+            self.say("alert handlers fall behind: events are being dropped", key="events-full")
 
     def _credit(
         self, idx: int, parts: Sequence[tuple[int | None, float]], owner: int | None, acc: EpochAccumulator
@@ -790,14 +770,9 @@ class RunMonitor:
         # a real event, once per GPU: handlers (snapshot:DIR, webhooks) get it like an alert
         newest = self.latest().get(idx)
         at = newest.timestamp if newest is not None and newest.timestamp is not None else datetime.now().astimezone()
-        event = growth_event(idx, self.uuids().get(idx), history, at)
-        alert = TrainingAlert.at(event, self._pos, self.context_extra)
-        self.alerts.append(alert)
         if self._notifier is None and self.handlers:
             self._notifier = Notifier((), self.handlers)
-        worker = self._worker
-        if worker is not None and not worker.put(event, {**alert.context(), "message": note}):
-            self.say("alert handlers fall behind: events are being dropped", key="events-full")
+        self._alert(growth_event(idx, self.uuids().get(idx), history, at), self._pos, note)
 
     def uuids(self) -> dict[int, str]:
         """The UUID of each watched GPU seen so far (nvidia-smi index -> UUID)."""
@@ -807,7 +782,7 @@ class RunMonitor:
     # ------------------------------------------------------------------------------------------ close
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop monitoring: nvidia-smi terminated and reaped, threads ended, recording closed, metrics pushed.
+        """Stop monitoring: nvidia-smi terminated and reaped, threads ended, outputs closed (recording, metrics...).
 
         Alert handlers get at most about two seconds to finish (a dead webhook is cut off and counted).
         Idempotent; safe from any thread.
@@ -821,7 +796,7 @@ class RunMonitor:
                 self._source is None
                 and self._reader is None
                 and self._worker is None
-                and self._metrics is None
+                and not self._opened
                 and not (self._share is not None and self._share.open)
             ):
                 return  # nothing open: keep the last run's cost figures
@@ -838,9 +813,6 @@ class RunMonitor:
                 source.close(timeout)
             except Exception:
                 log.exception("smiquery: stopping nvidia-smi failed")
-        xid, self._xid = self._xid, None
-        if xid is not None:
-            xid.close(timeout)
         share = self._share
         if share is not None:
             share.close(timeout)
@@ -854,19 +826,11 @@ class RunMonitor:
             worker.close()
             self.cost["worker_cpu"] = worker.cpu
         self._worker = None
+        opened, self._opened = self._opened, ()
+        for out in opened:
+            out.close(timeout)
         if self._notifier is not None:
             self._notifier.close(timeout=2.0)
-        recorder = self._recorder
-        self._recorder = None
-        if recorder is not None:
-            try:
-                recorder.close()
-            except Exception:
-                log.exception("smiquery: closing the recording failed")
-        metrics = self._metrics
-        self._metrics = None
-        if metrics is not None:
-            metrics.close()
         OPEN_MONITORS.discard(self)
 
     def __enter__(self) -> RunMonitor:

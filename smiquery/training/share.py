@@ -109,8 +109,8 @@ class _ShareAcc:
 def instant_shares(rows: Iterable[PmonRow], mine: Iterable[int]) -> dict[int, ProcessShare]:
     """Per GPU of one pmon instant, the SM use of ``mine`` against every other process.
 
-    Unlike :func:`smiquery.pmon.process_share` every GPU in the instant is reported, also one the run does not
-    use (its share is then 0 when others keep it busy) and an idle one (share None).
+    :func:`smiquery.pmon.process_share` for the GPUs the run is on; unlike it, every other GPU in the instant is
+    reported too (its share is then 0 when others keep it busy, None when it is idle).
 
     Args:
         rows: one pmon instant.
@@ -119,37 +119,16 @@ def instant_shares(rows: Iterable[PmonRow], mine: Iterable[int]) -> dict[int, Pr
     Returns:
         GPU index -> share; ``share`` is None when no process reported SM use.
     """
-    from smiquery.pmon import ProcessShare
+    from smiquery.pmon import ProcessShare, process_share
 
-    own = set(mine)
-    per: dict[int, tuple[list[int], list[int], dict[int, None]]] = {}
-    for row in rows:
-        if row.gpu is None:
-            continue
-        m, o, pids = per.setdefault(row.gpu, ([], [], {}))
-        if row.pid is None:
-            continue
-        if row.pid in own:
-            if row.sm is not None:
-                m.append(row.sm)
-        else:
-            pids[row.pid] = None
-            if row.sm is not None:
-                o.append(row.sm)
-    out: dict[int, ProcessShare] = {}
-    for gpu, (m, o, pids) in per.items():
-        mine_sm = sum(m) if m else None
-        others_sm = sum(o) if o else None
-        total = (mine_sm or 0) + (others_sm or 0)
-        out[gpu] = ProcessShare(
-            gpu=gpu,
-            mine_sm=mine_sm,
-            others_sm=others_sm,
-            share=(mine_sm or 0) / total if total > 0 else None,
-            mine_fb=None,
-            others_fb=None,
-            other_pids=tuple(pids),
-        )
+    rows = list(rows)
+    out = process_share(rows, set(mine))
+    for gpu in dict.fromkeys(r.gpu for r in rows if r.gpu is not None and r.gpu not in out):
+        on = [r for r in rows if r.gpu == gpu and r.pid is not None]
+        sm = [r.sm for r in on if r.sm is not None]
+        others_sm = sum(sm) if sm else None
+        pids = tuple(dict.fromkeys(r.pid for r in on if r.pid is not None))
+        out[gpu] = ProcessShare(gpu, None, others_sm, 0.0 if others_sm else None, None, None, pids)
     return out
 
 

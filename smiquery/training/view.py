@@ -1,4 +1,4 @@
-"""What the framework callbacks (Keras, Lightning) show of their :class:`~smiquery.training.monitor.RunMonitor`."""
+"""What the callbacks (Keras, Lightning) and a plain loop's ``Watch`` show of their ``RunMonitor``."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ if TYPE_CHECKING:
 
 
 class MonitorView:
-    """Read-only views of ``self.monitor``, the same in every framework's callback."""
+    """Read-only views of ``self.monitor``, the same in every framework's callback and in a plain loop's watch."""
 
     monitor: RunMonitor
 
     @property
     def alerts(self) -> list[TrainingAlert]:
-        """The alerts of the current (or last) fit, with their training position."""
+        """The alerts of the current (or last) run, with their training position."""
         return self.monitor.alerts
 
     @property
     def epochs(self) -> list[dict[str, float]]:
-        """Per epoch, the numbers added to the framework's logs."""
+        """Per epoch, the numbers added to the framework's logs (or handed to ``on_epoch``)."""
         return self.monitor.epochs
 
     @property
@@ -32,7 +32,7 @@ class MonitorView:
 
     @property
     def cost(self) -> dict[str, float]:
-        """What monitoring cost in the last fit (see :attr:`smiquery.training.monitor.RunMonitor.cost`)."""
+        """What monitoring cost in the last run (see :attr:`smiquery.training.monitor.RunMonitor.cost`)."""
         return self.monitor.cost
 
     @property

@@ -7,15 +7,16 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from smiquery._log import get_logger
-from smiquery.training.events import TrainingAlert
 from smiquery.training.monitor import RunMonitor
+from smiquery.training.outputs import run_monitor
+from smiquery.training.view import MonitorView
 
 __all__ = ["Watch", "watch"]
 
 log = get_logger("smiquery.training.watch")
 
 
-class Watch:
+class Watch(MonitorView):
     """A :class:`RunMonitor` for a hand-written loop, as :func:`watch` returns it.
 
     Attributes:
@@ -79,16 +80,6 @@ class Watch:
                 log.exception("smiquery: the on_epoch function failed")
         return values
 
-    @property
-    def epochs(self) -> list[dict[str, float]]:
-        """The epochs summarised so far."""
-        return self.monitor.epochs
-
-    @property
-    def alerts(self) -> list[TrainingAlert]:
-        """The alerts so far, with the training position of each."""
-        return self.monitor.alerts
-
     def __enter__(self) -> Watch:
         return self
 
@@ -126,12 +117,11 @@ def watch(
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
         on_epoch: called with ``(epoch, values)`` when an epoch is summarised (to log them).
-        **options: any other :class:`RunMonitor` argument (``alerts``, ``handlers``, ``record``, ``metrics_port``,
-            ``pushgateway``, ``framework``, ``nvidia_smi``, ``gpus``, ``process_share``...).
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``alerts``, ``handlers``,
+            ``record``, ``metrics_port``, ``pushgateway``, ``kernel_log``, ``framework``, ``nvidia_smi``, ``gpus``,
+            ``process_share``...).
 
     Returns:
         A context manager; leaving it summarises the last epoch and reaps nvidia-smi.
     """
-    monitor = RunMonitor(fields, interval, **options)
-    monitor.start()
-    return Watch(monitor, on_epoch)
+    return Watch(run_monitor(fields, interval, **options).start(), on_epoch)

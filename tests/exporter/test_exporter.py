@@ -1303,7 +1303,7 @@ def _raw_get(port: int, path: str = "/metrics", timeout: float = 10.0) -> int:
 
 
 def test_slow_clients_cost_no_thread_and_good_clients_are_served(exporter):
-    from smiquery.exporter.httpd import thread_count
+    from smiquery.http.server import thread_count
 
     exp = exporter(interval=0.1, max_connections=64, request_timeout=2.0)
     wait_for(lambda: _raw_get(exp.port, "/readyz") == 200, 20, "ready")
@@ -1404,26 +1404,6 @@ def test_web_config_tls_with_client_certificates(exporter, tmp_path, pki):
     wait_for(lambda: get(exp.url + "/readyz", context=client_context(pki, "client"))[0] == 200, 20, "ready")
     with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
         get(exp.url + "/metrics", context=client_context(pki, None), timeout=3)
-
-
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        ("basic_auth_users:\n  u: plain\n", "not a bcrypt hash"),
-        ("tls_server_config:\n  cert_file: /nonexistent.pem\n  key_file: /nonexistent.key\n", "cannot load"),
-        ("nonsense: 1\n", "unknown key(s) nonsense"),
-        ("tls_server_config:\n  cert_file: a\n  bogus: 1\n", "unknown tls_server_config key(s) bogus"),
-        ("[1, 2", "not valid YAML"),
-    ],
-)
-def test_web_config_errors_say_what_is_wrong(tmp_path, text, message):
-    from smiquery.errors import WebConfigError
-    from smiquery.exporter import load_web_config
-
-    cfg = tmp_path / "web.yml"
-    cfg.write_text(text, encoding="utf-8")
-    with pytest.raises(WebConfigError, match=re.escape(message)):
-        load_web_config(cfg)
 
 
 # ------------------------------------------------------------------------------ v2: nvidia_gpu_exporter naming

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from smiquery.training.metrics import JobMetrics
 from smiquery.training.monitor import RunMonitor
 from tests.exporter.test_rules import require_tool
 from tests.helpers import wait_for
@@ -107,7 +108,8 @@ def _ready(url: str) -> bool:
 @pytest.mark.timeout(300)
 def test_the_compose_prometheus_fires_the_stall_alert_for_the_starved_gpu_only(inproc, tmp_path):
     prometheus = require_tool("prometheus")
-    monitor = RunMonitor(interval=0.2, alerts=(), metrics_port=0, gpus=[0, 1], run_id="compose-run").start()
+    metrics = JobMetrics(metrics_port=0, run_id="compose-run")
+    monitor = RunMonitor(interval=0.2, alerts=(), gpus=[0, 1], outputs=[metrics]).start()
     stop = threading.Event()
     exporter: _StandInExporter | None = None
     proc: subprocess.Popen[bytes] | None = None
@@ -124,7 +126,7 @@ def test_the_compose_prometheus_fires_the_stall_alert_for_the_starved_gpu_only(i
         assert wait_for(lambda: len(monitor.uuids()) == 2)
         uuids = monitor.uuids()
         exporter = _StandInExporter({uuids[0]: (0, 0.05), uuids[1]: (1, 0.9)})
-        port = monitor.metrics_bound_port
+        port = metrics.port
         assert port
         config = _prometheus_files(tmp_path, exporter.port, port)
         prom_port = _free_port()

@@ -15,6 +15,7 @@ import pytest
 from smiquery.recordings import read_recording
 from smiquery.training.epochs import BETWEEN, EnergySplitter
 from smiquery.training.monitor import RunMonitor
+from smiquery.training.outputs import Recording
 from tests.helpers import wait_for
 from tests.leakcheck import no_leaks
 
@@ -107,7 +108,7 @@ def test_each_epochs_energy_is_within_5_percent_of_the_hand_integral(inproc, tmp
     spans: list[tuple[float, float]] = []
     logs: list[dict[str, float]] = []
     with no_leaks(reap_timeout=5.0):
-        monitor = RunMonitor(interval=interval, alerts=(), record=path, gpus=[0, 1]).start()
+        monitor = RunMonitor(interval=interval, alerts=(), gpus=[0, 1], outputs=[Recording(path)]).start()
         try:
             assert wait_for(lambda: len(monitor.latest()) == 2)
             for epoch in range(3):

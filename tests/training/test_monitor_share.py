@@ -15,6 +15,7 @@ from collections.abc import Callable
 import psutil
 import pytest
 
+from smiquery.training.metrics import JobMetrics
 from smiquery.training.monitor import RunMonitor
 from smiquery.training.share import own_pids
 from smiquery.training.watch import watch
@@ -71,6 +72,7 @@ def test_a_gpu_only_the_run_uses_has_share_one_and_no_other_process(fake_smi: Ma
 
 def test_another_process_on_my_gpu_lowers_the_share_is_noted_and_exported(fake_smi: MakeFake, gpu0, monkeypatch):
     monkeypatch.setenv("SMIQUERY_FAKE_PMON_PROCS", f"0:parent:60:10,0:{OTHER}:30:5")
+    metrics = JobMetrics(metrics_port=0, metrics_addr="127.0.0.1")
     with no_leaks(reap_timeout=5.0):
         m = RunMonitor(
             nvidia_smi=str(fake_smi()),
@@ -78,20 +80,20 @@ def test_another_process_on_my_gpu_lowers_the_share_is_noted_and_exported(fake_s
             alerts=(),
             env=gpu0,
             process_share=True,
-            metrics_port=0,
-            metrics_addr="127.0.0.1",
+            outputs=[metrics],
         )
         with m:
             values = one_epoch(m, until=lambda: 0 in m.process_shares() and bool(m.uuids()))
-            body = urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_bound_port}/metrics", timeout=10).read()
+            body = urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10).read()
     assert values["gpu0_share"] == pytest.approx(60 / 90)
     assert values["gpu0_other_processes"] == 1.0
     said = [n for n in m.notes if "another process" in n]
     assert len(said) == 1 and "GPU 0" in said[0] and f"pid {OTHER}" in said[0] and "30% SM" in said[0]
     text = body.decode()
     uuid = m.uuids()[0]
-    assert f'smiquery_training_gpu_process_share{{host="{m.host}",run="{m.run_id}",uuid="{uuid}"}} 0.666' in text
-    assert f'smiquery_training_gpu_other_processes{{host="{m.host}",run="{m.run_id}",uuid="{uuid}"}} 1.0' in text
+    job = f'host="{metrics.host}",run="{metrics.run_id}"'
+    assert f'smiquery_training_gpu_process_share{{{job},uuid="{uuid}"}} 0.666' in text
+    assert f'smiquery_training_gpu_other_processes{{{job},uuid="{uuid}"}} 1.0' in text
 
 
 def test_a_descendant_of_the_run_counts_as_the_run(fake_smi: MakeFake, gpu0, monkeypatch):

@@ -1,4 +1,4 @@
-"""``RunMonitor(kernel_log=...)``: an Xid on a watched GPU reaches the run's handlers as an alert with its cause.
+"""``KernelLog`` (``kernel_log=``): an Xid on a watched GPU reaches the run's handlers as an alert with its cause.
 
 The fake nvidia-smi executable is the monitor's real child; a plain file in ``/dev/kmsg``'s record format stands
 in for the kernel log, and the test appends the driver's record while the run goes on.
@@ -13,6 +13,7 @@ from typing import Any
 import smiquery
 from smiquery.alerts import AlertEvent, event_payload
 from smiquery.training.monitor import RunMonitor
+from smiquery.training.outputs import KernelLog
 from smiquery.training.xid import XidAlert
 from smiquery.xid import XID_CATALOGUE
 from tests.conftest import MakeFake
@@ -37,7 +38,7 @@ def test_an_xid_on_a_watched_gpu_is_an_alert_that_says_the_cause(fake_smi: MakeF
         handlers=[lambda e, c: got.append((e, dict(c)))],
         nvidia_smi=smi,
         gpus=[str(fell.uuid)],  # only the GPU that falls off is this run's
-        kernel_log=log,
+        outputs=[KernelLog(log)],
     )
     with no_leaks(reap_timeout=5.0), monitor:
         monitor.begin_epoch(2)
@@ -60,7 +61,8 @@ def test_an_xid_on_a_watched_gpu_is_an_alert_that_says_the_cause(fake_smi: MakeF
 
 
 def test_an_unreadable_kernel_log_is_one_note_and_the_run_goes_on(fake_smi: MakeFake, tmp_path: Path) -> None:
-    monitor = RunMonitor(interval=0.05, alerts=(), nvidia_smi=str(fake_smi()), kernel_log=tmp_path / "missing")
+    missing = KernelLog(tmp_path / "missing")
+    monitor = RunMonitor(interval=0.05, alerts=(), nvidia_smi=str(fake_smi()), outputs=[missing])
     with no_leaks(reap_timeout=5.0), monitor:
         wait_for(lambda: monitor.latest(), what="samples although the kernel log is missing")
     notes = [n for n in monitor.notes if "kernel log" in n]

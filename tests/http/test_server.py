@@ -1,7 +1,8 @@
-"""The exporter's HTTP server under hostile clients: raw sockets, real TLS, a fuzzed request path (issue 24).
+"""The HTTP server of the exporter and the training metrics under hostile clients: raw sockets, real TLS, a fuzzed
+request path (issue 24), and the web-config file that sets its TLS and basic auth.
 
-These run :class:`~smiquery.exporter.httpd.HttpServer` directly with a small router (basic auth from a real
-:class:`~smiquery.exporter.webconfig.WebConfig`), so no nvidia-smi is involved; ``serve()`` wires the same pieces.
+These run :class:`~smiquery.http.server.HttpServer` directly with a small router (basic auth from a real
+:class:`~smiquery.http.webconfig.WebConfig`), so no nvidia-smi is involved; ``serve()`` wires the same pieces.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from smiquery.errors import WebConfigError
-from smiquery.exporter.httpd import HttpServer, Request, Response, _parse
-from smiquery.exporter.webconfig import WebConfig, load_web_config
+from smiquery.http.server import HttpServer, Request, Response, _parse
+from smiquery.http.webconfig import WebConfig, load_web_config
 
 BIG = b"# metrics\n" + b"x" * 262_144 + b"\n"  # big enough to fill socket buffers
 
@@ -541,51 +542,18 @@ def test_only_one_bcrypt_check_runs_at_a_time(monkeypatch):
     assert len(web._bad) == 8
 
 
-# ------------------------------------------------------------------------------ item 8: gzip and OpenMetrics
-
-
-@pytest.fixture
-def exporter_url(inproc: Any) -> Iterator[str]:
-    from smiquery.exporter import serve
-
-    exp = serve(port=0, interval=0.1)
-    try:
-        deadline = time.monotonic() + 30
-        while livez(exp.port) != 200 or b"smiquery_up 1.0" not in scrape(exp.url)[2]:
-            assert time.monotonic() < deadline, "the exporter never served fresh data"
-            time.sleep(0.05)
-        yield exp.url
-    finally:
-        exp.stop()
-
-
-def scrape(url: str, **headers: str) -> tuple[str, dict[str, str], bytes]:
-    import urllib.request
-
-    req = urllib.request.Request(url + "/metrics", headers=headers)
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return r.headers.get("Content-Type", ""), {k.lower(): v for k, v in r.headers.items()}, r.read()
-
-
-def test_gzip_when_the_scraper_asks(exporter_url):
-    import gzip
-
-    _, plain_headers, plain = scrape(exporter_url)
-    assert "content-encoding" not in plain_headers
-    _, headers, packed = scrape(exporter_url, **{"Accept-Encoding": "gzip"})
-    assert headers["content-encoding"] == "gzip"
-    text = gzip.decompress(packed)
-    assert b"smiquery_up 1.0" in text and text.startswith(plain[:200])
-    assert len(packed) * 4 < len(text)
-
-
-def test_openmetrics_when_accept_asks_for_it(exporter_url):
-    from prometheus_client.openmetrics.parser import text_string_to_metric_families
-
-    ctype, _, body = scrape(exporter_url, Accept="application/openmetrics-text; version=1.0.0,text/plain;q=0.5")
-    assert ctype.startswith("application/openmetrics-text")
-    assert body.endswith(b"# EOF\n")
-    names = {f.name for f in text_string_to_metric_families(body.decode())}
-    assert "smiquery_up" in names
-    ctype, _, body = scrape(exporter_url, Accept="text/plain")
-    assert ctype.startswith("text/plain; version=0.0.4") and not body.endswith(b"# EOF\n")
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("basic_auth_users:\n  u: plain\n", "not a bcrypt hash"),
+        ("tls_server_config:\n  cert_file: /nonexistent.pem\n  key_file: /nonexistent.key\n", "cannot load"),
+        ("nonsense: 1\n", "unknown key(s) nonsense"),
+        ("tls_server_config:\n  cert_file: a\n  bogus: 1\n", "unknown tls_server_config key(s) bogus"),
+        ("[1, 2", "not valid YAML"),
+    ],
+)
+def test_web_config_errors_say_what_is_wrong(tmp_path, text, message):
+    cfg = tmp_path / "web.yml"
+    cfg.write_text(text, encoding="utf-8")
+    with pytest.raises(WebConfigError, match=re.escape(message)):
+        load_web_config(cfg)

@@ -1,0 +1,158 @@
+"""What a run feeds besides its logs, and the one place the user's keywords become those outputs.
+
+A :class:`~smiquery.training.monitor.RunMonitor` is the core (one stream, the epochs, the alerts); its outputs are
+passed in: a :class:`Recording` of every sample, the job's :class:`~smiquery.training.metrics.JobMetrics` (served
+and/or pushed), the :class:`KernelLog`'s Xid alerts. :func:`run_monitor` builds the monitor with the outputs that
+the keywords of :func:`~smiquery.training.watch.watch` and the Keras and Lightning callbacks ask for.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from smiquery._log import get_logger
+from smiquery.training.metrics import JobMetrics
+from smiquery.training.monitor import Output, RunMonitor
+from smiquery.training.xid import XidAlerts
+
+if TYPE_CHECKING:
+    from smiquery.recordings import SampleWriter
+    from smiquery.sample import GpuSample
+
+__all__ = ["KernelLog", "Recording", "run_monitor"]
+
+log = get_logger("smiquery.training.outputs")
+
+
+class Recording:
+    """Every sample of the watched GPUs, from the run's own nvidia-smi, written to a file per run.
+
+    ``smiquery report`` and ``smiquery plot`` read it. A file that cannot be opened, or a write that fails, is said
+    once and the run goes on unrecorded.
+
+    Args:
+        path: ``.csv``, ``.jsonl`` or ``.parquet``.
+    """
+
+    fields: tuple[str, ...] = ()
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = path
+        self._writer: SampleWriter | None = None
+        self._monitor: RunMonitor | None = None
+
+    def open(self, monitor: RunMonitor) -> None:
+        """Open the file with the fields the run streams."""
+        self._monitor = monitor
+        try:
+            from smiquery.fields import resolve_fields
+            from smiquery.recordings import open_recorder
+
+            self._writer = open_recorder(self.path, resolve_fields(monitor.stream_fields))
+        except Exception as exc:
+            monitor.say(f"cannot record to {os.fspath(self.path)!r} ({exc}): the run is not recorded")
+
+    def take(self, samples: Sequence[GpuSample]) -> None:
+        """Append one sweep's samples."""
+        writer = self._writer
+        if writer is None:
+            return
+        try:
+            for s in samples:
+                writer.write(s)
+        except Exception as exc:
+            self._writer = None
+            if self._monitor is not None:
+                self._monitor.say(f"recording stopped: {exc}")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close the file."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:
+                log.exception("smiquery: closing the recording failed")
+
+
+class KernelLog:
+    """The kernel log followed while the run goes on: each Xid on a watched GPU is an alert to the run's handlers.
+
+    An :class:`~smiquery.training.xid.XidAlert` (code, meaning, action): a run learns why its GPU failed.
+    Unreadable: one note, the run goes on.
+
+    Args:
+        path: ``/dev/kmsg``, or a file such as ``/var/log/kern.log``.
+    """
+
+    #: the PCI address names the GPU of an Xid
+    fields: tuple[str, ...] = ("pci.bus_id",)
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = path
+        self._xid: XidAlerts | None = None
+
+    def open(self, monitor: RunMonitor) -> None:
+        """Follow the log from its end."""
+        self._xid = XidAlerts(self.path, monitor).start()
+
+    def take(self, samples: Sequence[GpuSample]) -> None:
+        """Nothing: the follower reads the run's newest samples when an Xid comes."""
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop following."""
+        xid, self._xid = self._xid, None
+        if xid is not None:
+            xid.close(timeout)
+
+
+def run_monitor(
+    fields: str | Sequence[str] | None = None,
+    interval: float = 1.0,
+    *,
+    record: str | os.PathLike[str] | None = None,
+    metrics_port: int | None = None,
+    metrics_addr: str = "127.0.0.1",
+    web_config: str | os.PathLike[str] | None = None,
+    pushgateway: str | None = None,
+    push_interval: float = 15.0,
+    job: str = "training",
+    run_id: str | None = None,
+    kernel_log: str | os.PathLike[str] | None = None,
+    **options: Any,
+) -> RunMonitor:
+    """A :class:`~smiquery.training.monitor.RunMonitor` with the outputs these keywords ask for (not started).
+
+    Args:
+        fields: extra fields to summarise per epoch.
+        interval: seconds between samples.
+        record: a :class:`Recording` of every sample of the watched GPUs to this file (``.csv``, ``.jsonl``,
+            ``.parquet``), from the same nvidia-smi; ``smiquery report`` and ``smiquery plot`` read it.
+        metrics_port: serve the job's :class:`~smiquery.training.metrics.JobMetrics` for Prometheus on this port.
+        metrics_addr: the address to bind for ``metrics_port`` (default 127.0.0.1).
+        web_config: an exporter-toolkit web-config file (TLS, basic auth) for ``metrics_port``.
+        pushgateway: push the job's metrics to this Pushgateway URL (grouped by ``run_id`` and host).
+        push_interval: seconds between pushes.
+        job: the ``job`` label of pushed metrics.
+        run_id: the ``run`` label of the job's metrics (default ``SMIQUERY_RUN_ID``, else a new random id).
+        kernel_log: follow this kernel log (``/dev/kmsg``...): each Xid on a watched GPU becomes an alert to the
+            handlers (a :class:`KernelLog`).
+        **options: the monitor's own arguments (``alerts``, ``handlers``, ``log_every``, ``nvidia_smi``, ``gpus``,
+            ``framework``, ``process_share``, ``first_sample_timeout``...).
+
+    Raises:
+        ValueError: an argument is invalid (``log_every``, ``interval``, ``metrics_port``, ``pushgateway``).
+        WebConfigError: the web-config file is.
+        InvalidFieldError: a field name is unknown.
+        InvalidRuleError: an alert expression cannot be parsed.
+    """
+    outputs: list[Output] = [] if record is None else [Recording(record)]
+    # checked even when unused: a bad web-config file is a mistake to fix before training, not a warning after it
+    metrics = JobMetrics(metrics_port, metrics_addr, web_config, pushgateway, push_interval, job, run_id)
+    if metrics_port is not None or pushgateway is not None:
+        outputs.append(metrics)
+    if kernel_log:
+        outputs.append(KernelLog(kernel_log))
+    return RunMonitor(fields, interval, outputs=outputs, **options)
