@@ -19,7 +19,7 @@ from smiquery.errors import KernelLogError, UsageError
 if TYPE_CHECKING:
     from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
-    from smiquery.xid import XidEvent, XidThread
+    from smiquery.sources.xid import XidEvent, XidWatcher
 
 __all__ = ["XID_FIELDS", "KernelLogOpt", "XidNotes", "start_xid_notes", "xid_fields"]
 
@@ -51,9 +51,9 @@ def xid_fields(replay: Path | None) -> tuple[str, ...]:
 
 
 class XidNotes:
-    """A sample writer that keeps each GPU's PCI address, and the thread that turns Xid events into lines.
+    """A sample writer that keeps each GPU's newest sample, and the watcher that turns Xid events into lines.
 
-    It sits among the stream's writers: every sample updates the address book; closing it stops the follower.
+    It sits among the stream's writers: every sample updates the GPUs it names; closing it stops the watcher.
 
     Args:
         note: where a line goes (stderr, or the live table's footer when that owns the terminal).
@@ -61,35 +61,26 @@ class XidNotes:
 
     def __init__(self, note: Callable[[str], None]) -> None:
         self.note = note
-        #: (domain, bus, device) -> (index, uuid) from the newest sample at that address
-        self._gpus: dict[tuple[int, int, int], tuple[int | None, str | None]] = {}
-        self._thread: XidThread | None = None
+        self._gpus: dict[str, GpuSample] = {}  # PCI address -> the newest sample from there
+        self._watcher: XidWatcher | None = None
         self._lock = threading.Lock()
 
     def write(self, sample: GpuSample) -> None:
         """Remember the GPU at the sample's PCI address."""
-        from smiquery.sample import bus_key
-
         bus = sample.get("pci.bus_id")
-        key = bus_key(bus) if isinstance(bus, str) else None
-        if key is not None:
+        if isinstance(bus, str):
             with self._lock:
-                self._gpus[key] = (sample.index, sample.uuid)
+                self._gpus[bus] = sample
 
     def line(self, event: XidEvent) -> str:
         """The line for one event."""
-        from smiquery.sample import bus_key
-        from smiquery.xid import describe
+        from smiquery.sources.xid import describe, gpu_for
 
-        key = bus_key(event.pci_bus_id)
         with self._lock:
-            gpu, uuid = self._gpus.get(key, (None, None)) if key is not None else (None, None)
-        return f"smiquery: {describe(event, gpu, uuid)}"
+            gpu = gpu_for(event, self._gpus.values())
+        return f"smiquery: {describe(event, gpu.index, gpu.uuid) if gpu is not None else describe(event)}"
 
-    def _event(self, event: XidEvent) -> None:
-        self.note(self.line(event))
-
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException, _opened: bool) -> None:
         self.note(f"smiquery: reading the kernel log stopped ({exc}); the stream goes on without Xid errors")
 
     def start(self, path: str) -> None:
@@ -98,15 +89,16 @@ class XidNotes:
         Raises:
             KernelLogError: it cannot be opened.
         """
-        from smiquery.xid import XidThread
+        from smiquery.sources.xid import XidWatcher
 
-        self._thread = XidThread(path, self._event, self._failed).start()
+        events = XidWatcher(path, on_event=lambda e: self.note(self.line(e)), on_error=self._failed, from_start=False)
+        self._watcher = events.start()
 
     def close(self) -> None:
         """Stop following."""
-        if self._thread is not None:
-            self._thread.close()
-            self._thread = None
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
 
 
 def start_xid_notes(path: str, writers: list[SampleWriter], note: Callable[[str], None]) -> None:

@@ -33,7 +33,6 @@ from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.server import Exporter, serve
 from smiquery.exporter.state import SourceHealth, parse_labels, source_health
-from smiquery.exporter.xidwatch import XidWatcher
 from smiquery.http.webconfig import WebConfig, load_web_config
 
 __all__ = [
@@ -53,7 +52,6 @@ __all__ = [
     "SmiCollector",
     "SourceHealth",
     "WebConfig",
-    "XidWatcher",
     "configure_logging",
     "load_web_config",
     "metric_specs",

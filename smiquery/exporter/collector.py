@@ -27,6 +27,7 @@ from smiquery.exporter.families import (
     process_families,
     pstate_number,
     workload_usage_families,
+    xid_families,
 )
 from smiquery.exporter.naming import NVSMI_INFO_LABELS, Naming, metric_specs, render
 from smiquery.exporter.state import (
@@ -47,11 +48,11 @@ if TYPE_CHECKING:
     from smiquery.exporter.detailswatch import DetailsPoller
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
     from smiquery.exporter.poller import ProcessPoller
-    from smiquery.exporter.xidwatch import XidWatcher
     from smiquery.fields import Field
     from smiquery.sample import BusKey, GpuSample
     from smiquery.source import SampleSource, Sweep
     from smiquery.sources.apps import GpuProcess
+    from smiquery.sources.xid import XidWatcher
 
 __all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector"]
 
@@ -83,7 +84,7 @@ class SmiCollector:
             memory use from ``nvidia-smi pmon``); None for none.
         details: a :class:`~smiquery.exporter.detailswatch.DetailsPoller` (``nvidia-smi -q -x`` on its own
             cadence) to add per-MIG-instance memory; None for none.
-        xid: a :class:`~smiquery.exporter.xidwatch.XidWatcher` to add ``smiquery_xid_errors_total``; None for none.
+        xid: a :class:`~smiquery.sources.xid.XidWatcher` to add ``smiquery_xid_errors_total``; None for none.
         stale_after: seconds after which the newest sweep counts as stale (default ``max(3 * interval, 15)``).
         hostname: the DCGM ``Hostname`` label (default: this host's name).
         alerts: an :class:`~smiquery.alerts.AlertEvaluator` fed every sample (``smiquery_alert_firing``).
@@ -479,7 +480,7 @@ class SmiCollector:
         if self.xid is not None:
             # the GPUs are known once the CSV has a sweep and, when details run, their first answer is in
             known = bool(self._gpus) and (self.details is None or self.details.latest()[0] is not None)
-            out.extend(self.xid.families(self._gpu_at_bus(), self.labels, inventory_known=known))
+            out.extend(xid_families(self.xid, self._gpu_at_bus(), self.labels, inventory_known=known))
         return out
 
     def _one(self, fam: Metric, value: float, labels: Mapping[str, str] | None = None) -> Metric:

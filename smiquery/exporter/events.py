@@ -146,7 +146,7 @@ class EventLog:
         """Log an Xid event from the kernel log (WARNING, rate-limited per code), with what to do about it.
 
         Args:
-            event: a :class:`~smiquery.xid.XidEvent`.
+            event: a :class:`~smiquery.sources.xid.XidEvent`.
         """
         info = getattr(event, "info", None)
         what = f"{info.meaning}; {info.advice}" if info is not None else "see NVIDIA's Xid catalogue"

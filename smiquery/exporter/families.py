@@ -1,8 +1,8 @@
-"""Metric families built from what the collector reads: processes, pmon instants, attribution, and their helpers."""
+"""Metric families built from what the collector reads: processes, pmon instants, attribution, Xid counts, helpers."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client.metrics_core import Metric
@@ -11,12 +11,14 @@ from smiquery.attribution import STATES, Workload
 from smiquery.exporter.naming import NVSMI_WORDS, PMON_SERIES
 from smiquery.exporter.state import bare_uuid
 from smiquery.kinds import to_number
+from smiquery.sources.xid import XID_CATALOGUE
 
 if TYPE_CHECKING:
     from smiquery.attribution import Attribution
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
-    from smiquery.sample import Value
+    from smiquery.sample import BusKey, Value
     from smiquery.sources.apps import GpuProcess
+    from smiquery.sources.xid import XidWatcher
 
 __all__ = [
     "attribution_families",
@@ -30,6 +32,7 @@ __all__ = [
     "process_families",
     "pstate_number",
     "workload_usage_families",
+    "xid_families",
 ]
 
 
@@ -338,3 +341,59 @@ def workload_usage_families(
         if fam.samples:
             out.append(fam)
     return out
+
+
+def xid_families(
+    xid: XidWatcher,
+    gpus: Callable[[BusKey], Mapping[str, str] | None],
+    labels: Mapping[str, str],
+    *,
+    inventory_known: bool = True,
+) -> list[Metric]:
+    """``smiquery_xid_errors_total`` and ``smiquery_xid_source_up``.
+
+    ``smiquery_xid_errors_total`` is a counter: every event counts, repeats too, and it never needs a reset.
+    ``/dev/kmsg`` replays its ring buffer to every new reader; each record is counted once (its sequence number),
+    and the replay after an exporter restart gives the counter back the value it had (Prometheus sees no
+    increase), as long as the ring buffer still holds those records.
+
+    Args:
+        xid: the watcher following the kernel log.
+        gpus: PCI key -> ``{"gpu": ..., "uuid": ...}`` of the GPU at that address; None for an address no GPU
+            has (the GPU fell off the bus before the exporter saw it): its events are counted with ``gpu`` and
+            ``uuid`` empty.
+        labels: the constant labels.
+        inventory_known: whether the GPUs have been listed yet; until then an event at an address no GPU is
+            known at is held back, so that its series does not change labels once the GPU is seen.
+
+    Returns:
+        The families (the counter only once an event was counted).
+    """
+    up = gauge(
+        "smiquery_xid_source_up",
+        f"1 while the kernel log ({xid.path}) is read for Xid errors, else 0 (no permission, missing).",
+    )
+    up.add_sample(up.name, {**labels, "path": xid.path}, 1.0 if xid.up else 0.0)
+    fam = counter(
+        "smiquery_xid_errors",
+        "Xid errors the NVIDIA driver logged in the kernel log, by GPU and code (every event counts).",
+    )
+    for (key, code), n in sorted(xid.counts().items()):
+        found = gpus(key)
+        if found is None and not inventory_known:
+            continue
+        gpu = found or {}
+        info = XID_CATALOGUE.get(code)
+        fam.add_sample(
+            fam.name + "_total",
+            {
+                **labels,
+                "gpu": gpu.get("gpu", ""),
+                "uuid": gpu.get("uuid", ""),
+                "pci_bus_id": xid.bus_text(key),
+                "xid": str(code),
+                "action": info.action if info is not None else "unknown",
+            },
+            float(n),
+        )
+    return [up, fam] if fam.samples else [up]

@@ -26,11 +26,11 @@ from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
 from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.state import parse_labels
-from smiquery.exporter.xidwatch import XidWatcher
 from smiquery.fields import resolve_fields
 from smiquery.http.server import HttpServer, Request, Response
 from smiquery.http.webconfig import WebConfig, load_web_config
 from smiquery.retry import RetryPolicy
+from smiquery.sources.xid import XidWatcher
 from smiquery.streams.argv import normalize_gpus
 from smiquery.streams.sync import stream
 
@@ -508,7 +508,7 @@ def serve(
         if details_interval is not None:
             details = DetailsPoller(details_interval, gpus=gpus, nvidia_smi=nvidia_smi)
         if kernel_log is not None:
-            xid = XidWatcher(os.fspath(kernel_log), on_event=events.on_xid)
+            xid = XidWatcher(kernel_log, on_event=events.on_xid, on_error=_xid_failed, retry=_XID_RETRY)
         collector = SmiCollector(
             s,
             fields=flds,
@@ -585,6 +585,24 @@ def _close(parts: Sequence[_Part]) -> None:
         except BaseException:
             _close(parts[i + 1 :])
             raise
+
+
+_XID_RETRY = 30.0  # seconds between attempts to open a kernel log that could not be opened
+
+
+def _xid_failed(exc: BaseException, opened: bool) -> None:
+    """The exporter's warning when reading the kernel log fails, or (once) when it cannot be opened."""
+    if opened:
+        text = str(exc).splitlines()
+        log.warning("smiquery exporter: reading the kernel log failed: %s", text[0] if text else type(exc).__name__)
+        return
+    log.warning(
+        "smiquery exporter: cannot read the kernel log (%s); smiquery_xid_source_up is 0 and Xid errors are not "
+        "counted until it can be read (tried again every %g s). Give the exporter CAP_SYSLOG (or run it as root), "
+        "point --kernel-log at a readable file, or turn it off with --kernel-log ''",
+        exc,
+        _XID_RETRY,
+    )
 
 
 def _with_alert_fields(flds: Sequence[Field], evaluator: AlertEvaluator | None) -> list[Field]:

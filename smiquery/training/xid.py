@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 from smiquery.alerts import AlertEvent, Notifier, Rule
 from smiquery.errors import KernelLogError
 from smiquery.fields import get_field
-from smiquery.sample import bus_key
+from smiquery.sources.xid import XidEvent, XidInfo, XidWatcher, describe, gpu_for
 from smiquery.training.events import TrainingAlert
-from smiquery.xid import XidEvent, XidInfo, XidThread, describe
 
 if TYPE_CHECKING:
     import os
@@ -89,24 +88,21 @@ class XidAlerts:
         self.path = path
         self.monitor = monitor
         self._notifier = Notifier((), monitor.handlers)
-        self._thread: XidThread | None = None
+        self._watcher: XidWatcher | None = None
 
     def start(self) -> XidAlerts:
         """Follow the log from its end; an unreadable one is said once and the run goes on. Returns self."""
         try:
-            self._thread = XidThread(self.path, self._event, self._failed).start()
+            self._watcher = XidWatcher(self.path, on_event=self._event, on_error=self._failed, from_start=False).start()
         except KernelLogError as exc:
             self.monitor.say(f"{exc}: Xid errors are not reported to this run")
         return self
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, exc: BaseException, _opened: bool) -> None:
         self.monitor.say(f"reading the kernel log stopped ({exc}): Xid errors are no longer reported to this run")
 
     def _event(self, event: XidEvent) -> None:
-        key = bus_key(event.pci_bus_id)
-        found = next(
-            (s for s in self.monitor.latest().values() if key is not None and _bus(s.get("pci.bus_id")) == key), None
-        )
+        found = gpu_for(event, self.monitor.latest().values())
         if found is None:
             self.monitor.say(
                 f"{describe(event)} (not a GPU this run watches)", logging.INFO, key=f"xid-other-{event.pci_bus_id}"
@@ -120,10 +116,6 @@ class XidAlerts:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop following."""
-        if self._thread is not None:
-            self._thread.close(timeout)
-            self._thread = None
-
-
-def _bus(value: object) -> tuple[int, int, int] | None:
-    return bus_key(value) if isinstance(value, str) else None
+        if self._watcher is not None:
+            self._watcher.close(timeout)
+            self._watcher = None

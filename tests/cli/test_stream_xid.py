@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO
 
 import smiquery
-from smiquery.xid import XID_CATALOGUE
+from smiquery.sources.xid import XID_CATALOGUE
 from tests.cli.test_cli import argv, cli_env
 from tests.conftest import MakeFake
 

@@ -698,7 +698,7 @@ def test_xid_unit_tests_make_every_alert_fire_and_not_fire():
 
 
 def test_every_critical_xid_has_a_rule_whose_description_is_the_catalogue_entry():
-    from smiquery.xid import XID_CATALOGUE
+    from smiquery.sources.xid import XID_CATALOGUE
 
     by_code: dict[int, dict[str, Any]] = {}
     for rule in load_xid_rules():

@@ -9,8 +9,9 @@ what to do, from NVIDIA's public Xid catalogue.
 
 ``/dev/kmsg`` replays its whole ring buffer to every new reader: each record carries a sequence number, and a
 follower yields each sequence number once (give ``after_seq=`` the last one you handled to resume without
-counting twice). A follower runs in its own thread for an exporter: :meth:`XidFollower.close` may be called from
-any other thread and ends the iteration within ``poll`` seconds.
+counting twice). :meth:`XidFollower.close` may be called from any other thread and ends the iteration within
+``poll`` seconds. :class:`XidWatcher` is the one thread that follows a log, for the exporter, the training monitor
+and the stream CLI alike: it counts the events per GPU and code and hands each to its listener.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, TypeVar
 
+from smiquery._log import get_logger
 from smiquery.errors import KernelLogError, UsageError
-from smiquery.sample import bus_key
+from smiquery.sample import BusKey, bus_key
 
 __all__ = [
     "DEFAULT_KERNEL_LOG",
@@ -37,12 +39,14 @@ __all__ = [
     "XidEvent",
     "XidFollower",
     "XidInfo",
-    "XidThread",
+    "XidWatcher",
     "describe",
     "follow",
     "gpu_for",
     "parse_line",
 ]
+
+log = get_logger("smiquery.xid")
 
 #: Where the kernel log is read from by default.
 DEFAULT_KERNEL_LOG = "/dev/kmsg"
@@ -191,19 +195,21 @@ def parse_line(line: str) -> XidEvent | None:
     )
 
 
-class _HasBus(Protocol):
-    @property
-    def pci_bus_id(self) -> str | None: ...
-
-
-_G = TypeVar("_G", bound=_HasBus)
+_G = TypeVar("_G")
 
 
 def gpu_for(event: XidEvent, gpus: Iterable[_G]) -> _G | None:
-    """The GPU (a :class:`~smiquery.details.GpuDetails`, or anything with ``pci_bus_id``) the event is about."""
+    """The GPU the event is about, matched by PCI address; None when none of ``gpus`` is at it.
+
+    Args:
+        event: the event.
+        gpus: :class:`~smiquery.details.GpuDetails`, samples that queried ``pci.bus_id``, or anything else with a
+            ``pci_bus_id`` attribute (one without it, or whose address is None, matches nothing).
+    """
     key = bus_key(event.pci_bus_id)
     for gpu in gpus:
-        if gpu.pci_bus_id and bus_key(gpu.pci_bus_id) == key:
+        bus = getattr(gpu, "pci_bus_id", None)
+        if key is not None and isinstance(bus, str) and bus_key(bus) == key:
             return gpu
     return None
 
@@ -422,60 +428,145 @@ def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -
     return f"Xid {event.xid} on {who}{proc}: {info.meaning}; action {info.action}: {info.advice}"
 
 
-class XidThread:
-    """A kernel log followed on a daemon thread: each new Xid event is handed to ``on_event``.
+class XidWatcher:
+    """A kernel log followed on a daemon thread: each new Xid event is counted by GPU and code, then handed on.
+
+    The one follower thread of the exporter (which retries a log it cannot read and serves the counts), the
+    training monitor and the stream CLI (which follow from the log's end and stop at the first failure).
 
     Args:
-        path: ``/dev/kmsg`` or a plain file.
-        on_event: called with each event, on the thread.
-        on_error: called once, on the thread, when reading fails after the log was opened or ``on_event`` raises
-            (the following ends).
-        from_start: see :func:`follow` (default False: only events logged from now on).
+        path: ``/dev/kmsg`` or a plain file followed like ``tail -F``.
+        on_event: called with each new event, on the thread, after it was counted; what it raises is logged and
+            the following goes on.
+        on_error: called on the thread with the error and whether the log had been opened: each time reading
+            fails, and (with ``retry``) the first time the log cannot be opened; later attempts are quiet.
+        from_start: see :func:`follow` (False: only events logged from now on).
+        retry: seconds before the log is opened again after it could not be, or after reading failed (resuming
+            after the last event counted, so a replayed record is not counted twice). None: :meth:`start` opens
+            the log, raising when it cannot, and a failure ends the following.
         poll: see :func:`follow`.
+
+    Attributes:
+        up: True while the log is open and read.
+        last_error: the last failure, one line (None while ``up``).
+        events: events counted so far.
+        attempts: times the log was opened or tried.
     """
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
-        on_event: Callable[[XidEvent], object],
-        on_error: Callable[[BaseException], object],
+        path: str | os.PathLike[str] = DEFAULT_KERNEL_LOG,
         *,
-        from_start: bool = False,
+        on_event: Callable[[XidEvent], object] | None = None,
+        on_error: Callable[[BaseException, bool], object] | None = None,
+        from_start: bool = True,
+        retry: float | None = None,
         poll: float = 0.5,
     ) -> None:
         self.path = os.fspath(path)
         self.on_event = on_event
         self.on_error = on_error
         self.from_start = from_start
+        self.retry = retry
         self.poll = poll
+        self.up = False
+        self.last_error: str | None = None
+        self.events = 0
+        self.attempts = 0
+        self._counts: dict[tuple[BusKey, int], int] = {}
+        self._bus_text: dict[BusKey, str] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._follower: XidFollower | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> XidThread:
-        """Open the log (here, so that an unreadable one raises) and start the thread. Returns self.
+    def counts(self) -> dict[tuple[BusKey, int], int]:
+        """A copy of the counts: ``(bus key, xid) -> events``."""
+        with self._lock:
+            return dict(self._counts)
+
+    def bus_text(self, key: BusKey) -> str:
+        """The PCI address as the kernel printed it for ``key``."""
+        return self._bus_text.get(key, "")
+
+    def start(self) -> XidWatcher:
+        """Start the thread (without ``retry``, open the log first, here). Returns self.
 
         Raises:
-            KernelLogError: the log cannot be opened.
+            KernelLogError: without ``retry``, the log cannot be opened.
         """
-        self._follower = follow(self.path, from_start=self.from_start, poll=self.poll)
-        self._thread = threading.Thread(target=self._run, args=(self._follower,), name="smiquery-xid", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            if self.retry is None:
+                self._follower = self._open(None, self.from_start)
+            self._thread = threading.Thread(target=self._run, name="smiquery-xid", daemon=True)
+            self._thread.start()
         return self
 
-    def _run(self, follower: XidFollower) -> None:
-        try:
-            with follower:
-                for event in follower:
-                    self.on_event(event)
-        except Exception as exc:
-            if not follower.closed:
-                self.on_error(exc)
+    def _open(self, after_seq: int | None, from_start: bool) -> XidFollower:
+        self.attempts += 1
+        follower = follow(self.path, after_seq=after_seq, from_start=from_start, poll=self.poll)
+        self.up, self.last_error = True, None
+        return follower
+
+    def _count(self, event: XidEvent) -> None:
+        key = bus_key(event.pci_bus_id)
+        if key is None:
+            return
+        with self._lock:
+            self._counts[(key, event.xid)] = self._counts.get((key, event.xid), 0) + 1
+            self._bus_text.setdefault(key, event.pci_bus_id)
+            self.events += 1
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:  # a listener's bug must not stop the counting
+                log.exception("smiquery: an Xid listener failed")
+
+    def _report(self, exc: BaseException, opened: bool) -> None:
+        if self.on_error is not None and not self._stop.is_set():
+            self.on_error(exc, opened)
+
+    def _run(self) -> None:
+        follower = self._follower  # opened by start() without retry
+        after_seq: int | None = None
+        from_start = self.from_start
+        warned = False
+        while follower is not None or not self._stop.is_set():
+            if follower is None:
+                try:
+                    follower = self._open(after_seq, from_start)
+                except KernelLogError as exc:
+                    self.up, self.last_error = False, exc.reason
+                    if not warned:
+                        warned = True
+                        self._report(exc, False)
+                    self._stop.wait(self.retry or 0.0)  # retry is set: without it, start() opened the log
+                    continue
+                self._follower = follower
+                if self._stop.is_set():  # close() may have looked before the follower was there
+                    follower.close()
+            try:
+                with follower:  # iterated even when closed: that closes its descriptor
+                    for event in follower:
+                        self._count(event)
+            except Exception as exc:  # a read error (or a bug): resume after what was counted, not from the start
+                text = str(exc)
+                self.up, self.last_error = False, text.splitlines()[0] if text else type(exc).__name__
+                self._report(exc, True)
+                if self.retry is not None:
+                    self._stop.wait(self.retry)
+            if self.retry is None:
+                break
+            after_seq = follower.last_seq if follower.last_seq >= 0 else None
+            from_start = False  # a plain file: what was read is not read again
+            follower = None
+        self.up = False
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop following (within ``poll`` seconds) and wait up to ``timeout`` seconds for the thread."""
+        """Stop following (the thread sees it within ``poll`` seconds) and wait up to ``timeout`` seconds for it."""
+        self._stop.set()
         follower = self._follower
         if follower is not None:
             follower.close()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)

@@ -1,4 +1,5 @@
-"""Xid events from the kernel log: the line formats, the catalogue, and a follower that tails, rotates and dedupes."""
+"""Xid events from the kernel log: the line formats, the catalogue, a follower that tails, rotates and dedupes, and
+the one watcher thread that counts them."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 from smiquery.details import parse_xml
 from smiquery.errors import KernelLogError, UsageError
 from smiquery.sample import bus_key
-from smiquery.xid import XID_CATALOGUE, XidEvent, XidFollower, follow, gpu_for, parse_line
+from smiquery.sources.xid import XID_CATALOGUE, XidEvent, XidFollower, XidWatcher, follow, gpu_for, parse_line
+from tests.helpers import wait_for
 
-FIXTURE = Path(__file__).parent / "fixtures" / "details-2gpu-mig.xml"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "details-2gpu-mig.xml"
 DEADLINE = 30.0  # generous: the follower polls every 0.05 s in these tests
 
 KMSG = "4,{seq},{us},-;NVRM: Xid (PCI:0000:{bus}:00): {code}, pid={pid}, name=python, {text}"
@@ -221,3 +223,56 @@ def test_dev_kmsg_is_read_without_hanging():
     except KernelLogError as exc:  # readable by mode, refused by the kernel (dmesg_restrict, a container)
         pytest.skip(str(exc))
     c.stop()
+
+
+# ------------------------------------------------------------------------------------------------ the watcher
+
+
+def test_a_restarted_watcher_gets_the_same_counts_back_from_the_replay(tmp_path):
+    log = tmp_path / "kmsg.txt"
+    log.write_text("".join(f"4,{900 + i},{i},-;NVRM: Xid (PCI:0000:18:00): 13, pid={i}, Graphics Exception\n"
+                           for i in range(3)))  # fmt: skip
+    counts = []
+    for _ in range(2):  # an exporter restart: the second reader sees the same records again
+        w = XidWatcher(log, poll=0.05).start()
+        try:
+            wait_for(lambda w=w: w.events == 3, what="three events")
+            counts.append(w.counts())
+        finally:
+            w.close()
+    assert counts[0] == counts[1] == {((0, 0x18, 0), 13): 3}
+    assert w.bus_text((0, 0x18, 0)) == "0000:18:00"
+
+
+def test_with_retry_an_unreadable_log_is_one_error_however_many_attempts(tmp_path):
+    errors: list[tuple[BaseException, bool]] = []
+    w = XidWatcher(tmp_path / "missing", on_error=lambda e, opened: errors.append((e, opened)), retry=0.02)
+    w.start()  # no raise: the thread tries again every `retry` seconds
+    try:
+        wait_for(lambda: w.attempts >= 5, what="five attempts")
+        assert not w.up and w.last_error == "no such file"
+    finally:
+        w.close()
+    assert len(errors) == 1 and isinstance(errors[0][0], KernelLogError) and errors[0][1] is False
+
+
+def test_without_retry_start_raises_and_a_failing_listener_does_not_stop_the_following(tmp_path, caplog):
+    with pytest.raises(KernelLogError, match="no such file"):
+        XidWatcher(tmp_path / "missing").start()
+    log = tmp_path / "kern.log"
+    append(log, kmsg(1, 79))  # before the start: not news with from_start=False
+    seen: queue.Queue[XidEvent] = queue.Queue()
+
+    def listener(event: XidEvent) -> None:
+        seen.put(event)
+        raise RuntimeError("a listener's bug")
+
+    w = XidWatcher(log, on_event=listener, from_start=False, poll=0.05).start()
+    try:
+        assert w.up
+        append(log, kmsg(2, 48), kmsg(3, 94))
+        assert [seen.get(timeout=DEADLINE).xid for _ in range(2)] == [48, 94]
+    finally:
+        w.close()
+    assert w.counts() == {((0, 7, 0), 48): 1, ((0, 7, 0), 94): 1}
+    assert "an Xid listener failed" in caplog.text
