@@ -72,13 +72,12 @@ class XidNotes:
             with self._lock:
                 self._gpus[bus] = sample
 
-    def line(self, event: XidEvent) -> str:
-        """The line for one event."""
+    def _event(self, event: XidEvent) -> None:
         from smiquery.sources.xid import describe, gpu_for
 
         with self._lock:
             gpu = gpu_for(event, self._gpus.values())
-        return f"smiquery: {describe(event, gpu.index, gpu.uuid) if gpu is not None else describe(event)}"
+        self.note(f"smiquery: {describe(event, gpu.index, gpu.uuid) if gpu is not None else describe(event)}")
 
     def _failed(self, exc: BaseException, _opened: bool) -> None:
         self.note(f"smiquery: reading the kernel log stopped ({exc}); the stream goes on without Xid errors")
@@ -91,8 +90,7 @@ class XidNotes:
         """
         from smiquery.sources.xid import XidWatcher
 
-        events = XidWatcher(path, on_event=lambda e: self.note(self.line(e)), on_error=self._failed, from_start=False)
-        self._watcher = events.start()
+        self._watcher = XidWatcher(path, on_event=self._event, on_error=self._failed, from_start=False).start()
 
     def close(self) -> None:
         """Stop following."""
