@@ -168,7 +168,7 @@ class RunMonitor:
             note and the keys stay NaN; a failing or hung pmon never delays a training step.
         outputs: what the run feeds besides its logs, opened and closed with each run (see :class:`Output`):
             :class:`~smiquery.training.outputs.Recording`, :class:`~smiquery.training.metrics.JobMetrics`,
-            :class:`~smiquery.training.outputs.KernelLog`.
+            :class:`~smiquery.training.xid.KernelLog`.
 
     Raises:
         ValueError: ``log_every`` or ``interval`` is invalid.

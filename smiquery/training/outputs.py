@@ -2,8 +2,9 @@
 
 A :class:`~smiquery.training.monitor.RunMonitor` is the core (one stream, the epochs, the alerts); its outputs are
 passed in: a :class:`Recording` of every sample, the job's :class:`~smiquery.training.metrics.JobMetrics` (served
-and/or pushed), the :class:`KernelLog`'s Xid alerts. :func:`run_monitor` builds the monitor with the outputs that
-the keywords of :func:`~smiquery.training.watch.watch` and the Keras and Lightning callbacks ask for.
+and/or pushed), the :class:`~smiquery.training.xid.KernelLog`'s Xid alerts. :func:`run_monitor` builds the monitor
+with the outputs that the keywords of :func:`~smiquery.training.watch.watch` and the Keras and Lightning callbacks
+ask for.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 from smiquery._log import get_logger
 from smiquery.training.metrics import JobMetrics
 from smiquery.training.monitor import Output, RunMonitor
-from smiquery.training.xid import XidAlerts
+from smiquery.training.xid import KernelLog
 
 if TYPE_CHECKING:
     from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
 
-__all__ = ["KernelLog", "Recording", "run_monitor"]
+__all__ = ["Recording", "run_monitor"]
 
 log = get_logger("smiquery.training.outputs")
 
@@ -77,37 +78,6 @@ class Recording:
                 log.exception("smiquery: closing the recording failed")
 
 
-class KernelLog:
-    """The kernel log followed while the run goes on: each Xid on a watched GPU is an alert to the run's handlers.
-
-    An :class:`~smiquery.training.xid.XidAlert` (code, meaning, action): a run learns why its GPU failed.
-    Unreadable: one note, the run goes on.
-
-    Args:
-        path: ``/dev/kmsg``, or a file such as ``/var/log/kern.log``.
-    """
-
-    #: the PCI address names the GPU of an Xid
-    fields: tuple[str, ...] = ("pci.bus_id",)
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = path
-        self._xid: XidAlerts | None = None
-
-    def open(self, monitor: RunMonitor) -> None:
-        """Follow the log from its end."""
-        self._xid = XidAlerts(self.path, monitor).start()
-
-    def take(self, samples: Sequence[GpuSample]) -> None:
-        """Nothing: the follower reads the run's newest samples when an Xid comes."""
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop following."""
-        xid, self._xid = self._xid, None
-        if xid is not None:
-            xid.close(timeout)
-
-
 def run_monitor(
     fields: str | Sequence[str] | None = None,
     interval: float = 1.0,
@@ -138,7 +108,7 @@ def run_monitor(
         job: the ``job`` label of pushed metrics.
         run_id: the ``run`` label of the job's metrics (default ``SMIQUERY_RUN_ID``, else a new random id).
         kernel_log: follow this kernel log (``/dev/kmsg``...): each Xid on a watched GPU becomes an alert to the
-            handlers (a :class:`KernelLog`).
+            handlers (a :class:`~smiquery.training.xid.KernelLog`).
         **options: the monitor's own arguments (``alerts``, ``handlers``, ``log_every``, ``nvidia_smi``, ``gpus``,
             ``framework``, ``process_share``, ``first_sample_timeout``...).
 

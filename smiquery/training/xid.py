@@ -1,13 +1,14 @@
 """Xid errors as alerts of a training run: the run learns why its GPU stopped, not only that it did.
 
-``RunMonitor(kernel_log=PATH)`` follows the kernel log (from the moment the run starts) on its own thread; each
-Xid on a GPU the run watches becomes an :class:`XidAlert` (an :class:`~smiquery.alerts.AlertEvent` that says the
-code, its meaning and the action) stamped with the training position, kept in ``monitor.alerts`` and handed to
-the monitor's handlers like a fired rule.
+A :class:`KernelLog` output (``kernel_log=PATH`` on ``watch()`` and the callbacks) follows the kernel log from the
+moment the run starts, on its own thread; each Xid on a GPU the run watches becomes an :class:`XidAlert` (an
+:class:`~smiquery.alerts.AlertEvent` that says the code, its meaning and the action) stamped with the training
+position, kept in ``monitor.alerts`` and handed to the monitor's handlers like a fired rule.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,10 +22,12 @@ from smiquery.training.events import TrainingAlert
 
 if TYPE_CHECKING:
     import os
+    from collections.abc import Sequence
 
+    from smiquery.sample import GpuSample
     from smiquery.training.monitor import RunMonitor
 
-__all__ = ["XidAlert", "XidAlerts", "xid_alert"]
+__all__ = ["KernelLog", "XidAlert", "xid_alert"]
 
 
 @dataclass(frozen=True)
@@ -72,50 +75,58 @@ def xid_alert(event: XidEvent, gpu: int | None, uuid: str | None, at: datetime |
     )
 
 
-class XidAlerts:
-    """The kernel log of a :class:`~smiquery.training.monitor.RunMonitor`, followed while it runs.
+class KernelLog:
+    """The kernel log followed while the run goes on: each Xid on a watched GPU is an alert to the run's handlers.
 
-    Events on a GPU the run does not watch (none of its samples has that PCI address) are said once per address
-    at INFO and not alerted. Handlers are called on the follower's thread (Xids are rare, and a GPU that fell off
-    the bus may have stopped the sample thread).
+    An :class:`XidAlert` (code, meaning, action), stamped with the training position, kept in ``monitor.alerts``
+    and handed to the handlers like a fired rule: a run learns why its GPU failed. Events on a GPU the run does not
+    watch (none of its samples has that PCI address) are said once per address at INFO and not alerted. Handlers
+    are called on the watcher's thread (Xids are rare, and a GPU that fell off the bus may have stopped the sample
+    thread). Unreadable: one note, the run goes on.
 
     Args:
-        path: ``/dev/kmsg`` or a plain file.
-        monitor: the monitor whose samples name the GPUs and whose handlers get the alerts.
+        path: ``/dev/kmsg``, or a file such as ``/var/log/kern.log``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], monitor: RunMonitor) -> None:
+    #: the PCI address names the GPU of an Xid
+    fields: tuple[str, ...] = ("pci.bus_id",)
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = path
-        self.monitor = monitor
-        self._notifier = Notifier((), monitor.handlers)
         self._watcher: XidWatcher | None = None
 
-    def start(self) -> XidAlerts:
-        """Follow the log from its end; an unreadable one is said once and the run goes on. Returns self."""
+    def open(self, monitor: RunMonitor) -> None:
+        """Follow the log from its end."""
+
+        def failed(exc: BaseException, _opened: bool) -> None:
+            monitor.say(f"reading the kernel log stopped ({exc}): Xid errors are no longer reported to this run")
+
+        on_event = functools.partial(_alert, monitor, Notifier((), monitor.handlers))
         try:
-            self._watcher = XidWatcher(self.path, on_event=self._event, on_error=self._failed, from_start=False).start()
+            self._watcher = XidWatcher(self.path, on_event=on_event, on_error=failed, from_start=False).start()
         except KernelLogError as exc:
-            self.monitor.say(f"{exc}: Xid errors are not reported to this run")
-        return self
+            monitor.say(f"{exc}: Xid errors are not reported to this run")
 
-    def _failed(self, exc: BaseException, _opened: bool) -> None:
-        self.monitor.say(f"reading the kernel log stopped ({exc}): Xid errors are no longer reported to this run")
-
-    def _event(self, event: XidEvent) -> None:
-        found = gpu_for(event, self.monitor.latest().values())
-        if found is None:
-            self.monitor.say(
-                f"{describe(event)} (not a GPU this run watches)", logging.INFO, key=f"xid-other-{event.pci_bus_id}"
-            )
-            return
-        alert = xid_alert(event, found.index, found.uuid, datetime.now().astimezone())
-        training = TrainingAlert.at(alert, self.monitor.position, self.monitor.context_extra)
-        self.monitor.alerts.append(training)
-        context: dict[str, Any] = training.context()
-        self._notifier.dispatch(alert, context)
+    def take(self, samples: Sequence[GpuSample]) -> None:
+        """Nothing: the watcher reads the run's newest samples when an Xid comes."""
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop following."""
-        if self._watcher is not None:
-            self._watcher.close(timeout)
-            self._watcher = None
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.close(timeout)
+
+
+def _alert(monitor: RunMonitor, notifier: Notifier, event: XidEvent) -> None:
+    """Alert ``monitor``'s run of ``event`` when it is on a GPU the run watches; else say it once per address."""
+    found = gpu_for(event, monitor.latest().values())
+    if found is None:
+        monitor.say(
+            f"{describe(event)} (not a GPU this run watches)", logging.INFO, key=f"xid-other-{event.pci_bus_id}"
+        )
+        return
+    alert = xid_alert(event, found.index, found.uuid, datetime.now().astimezone())
+    training = TrainingAlert.at(alert, monitor.position, monitor.context_extra)
+    monitor.alerts.append(training)
+    context: dict[str, Any] = training.context()
+    notifier.dispatch(alert, context)
