@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
 
@@ -14,3 +17,11 @@ def test_xdist_groups_hold(request: pytest.FixtureRequest) -> None:
     if not getattr(request.config.option, "loadgroup", False):
         pytest.skip("runs under pytest-xdist with --dist loadgroup (make test)")
     assert request.node.nodeid.endswith("@grouping-check"), request.node.nodeid
+
+
+def test_no_build_output_is_tracked():
+    """Wheels, sdists and eggs are built, never committed (a stray wheel once sat at the root, used by nothing)."""
+    root = Path(__file__).resolve().parents[1]
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout
+    built = [p for p in tracked.splitlines() if p.endswith((".whl", ".tar.gz", ".egg", ".zip")) or ".egg-info/" in p]
+    assert built == []
