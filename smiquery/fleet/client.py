@@ -265,9 +265,10 @@ class PrometheusClient:
         if at is not None:
             params["time"] = _fmt(at)
         data = self._call("/api/v1/query", params, expr)
-        result = data.get("result")
-        if data.get("resultType") == "scalar" or not isinstance(result, list):
-            raise PrometheusError(f"the query {expr!r} gave a {data.get('resultType')}, not series")
+        result = data.get("result") if isinstance(data, dict) else None
+        if not isinstance(result, list) or data.get("resultType") == "scalar":
+            kind = printable(data.get("resultType")) if isinstance(data, dict) else "malformed answer"
+            raise PrometheusError(f"the query {expr!r} gave a {kind}, not series")
         return result
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
@@ -280,7 +281,7 @@ class PrometheusClient:
             "timeout": f"{self.timeout:g}s",
         }
         data = self._call("/api/v1/query_range", params, expr)
-        result = data.get("result")
+        result = data.get("result") if isinstance(data, dict) else None
         return result if isinstance(result, list) else []
 
     def series(self, matchers: Sequence[str], start: float, end: float) -> list[dict[str, str]]:
