@@ -407,7 +407,7 @@ class PrometheusClient:
 _CHUNK = 1 << 16
 #: What a redirect may not leave: scheme, host and port.
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-MAX_REDIRECTS = 5
+_MAX_REDIRECTS = 5
 
 
 def _mib(size: int) -> str:
@@ -559,9 +559,9 @@ class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
                 "the credentials stay with the server given; give that server as --prometheus if it is the one"
             )
         hops = getattr(req, "smiquery_redirects", 0) + 1
-        if hops > MAX_REDIRECTS:
+        if hops > _MAX_REDIRECTS:
             raise PrometheusError(
-                f"Prometheus at {self._base} redirected more than {MAX_REDIRECTS} times (last to {shown}); give "
+                f"Prometheus at {self._base} redirected more than {_MAX_REDIRECTS} times (last to {shown}); give "
                 "--prometheus the URL it ends at"
             )
         new = urllib.request.Request(target, data=req.data, headers=dict(req.headers), method=req.get_method())
