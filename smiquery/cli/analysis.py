@@ -18,6 +18,7 @@ import typer
 from smiquery.cli.fleet_options import (
     EndOpt,
     HttpConfigOpt,
+    MaxAnswerOpt,
     NamespaceOpt,
     NodeOpt,
     PodOpt,
@@ -229,6 +230,7 @@ def plot(
     namespace: NamespaceOpt = None,
     pod: PodOpt = None,
     http_config: HttpConfigOpt = None,
+    max_answer: MaxAnswerOpt = None,
 ) -> None:
     """Draw a recording: one panel per field, one line per GPU, alert thresholds dashed, gaps where data is missing.
 
@@ -241,7 +243,9 @@ def plot(
         from smiquery.analysis import save_plot
 
         fleet = (prometheus, start, end, node, namespace, pod, http_config, tz)
-        df, name = read_source(recording or [], lambda rec: _load(rec, fields, tz), _label, *fleet)
+        df, name = read_source(
+            recording or [], lambda rec: _load(rec, fields, tz), _label, *fleet, max_answer=max_answer
+        )
         target = output if output is not None else _default_image(recording) if recording else Path("fleet.png")
         path = save_plot(
             df,
@@ -295,6 +299,7 @@ def report(
     namespace: NamespaceOpt = None,
     pod: PodOpt = None,
     http_config: HttpConfigOpt = None,
+    max_answer: MaxAnswerOpt = None,
     html: Annotated[
         Path | None,
         typer.Option(
@@ -321,7 +326,9 @@ def report(
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
         fleet = (prometheus, start, end, node, namespace, pod, http_config, tz)
-        df, name = read_source(recording or [], lambda rec: _load(rec, fields, tz), _label, *fleet)
+        df, name = read_source(
+            recording or [], lambda rec: _load(rec, fields, tz), _label, *fleet, max_answer=max_answer
+        )
         result = analyze(
             df,
             rules=alert or None,

@@ -15,8 +15,10 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = [
+    "MAX_ANSWER_HELP",
     "EndOpt",
     "HttpConfigOpt",
+    "MaxAnswerOpt",
     "NamespaceOpt",
     "NodeOpt",
     "PodOpt",
@@ -63,6 +65,16 @@ HttpConfigOpt = Annotated[
     ),
 ]
 
+#: Also the help of ``smiquery top --max-answer``.
+MAX_ANSWER_HELP = (
+    "Largest answer to read from --prometheus, in MiB (default 512, room for a range of thousands of GPUs); a "
+    "larger one is an error, read no further."
+)
+MaxAnswerOpt = Annotated[
+    int | None,
+    typer.Option("--max-answer", metavar="MIB", min=1, rich_help_panel=_PANEL, help=MAX_ANSWER_HELP),
+]
+
 
 def read_source(
     recording: list[Path],
@@ -76,8 +88,11 @@ def read_source(
     pod: str | None,
     http_config: Path | None,
     tz: str | None,
+    max_answer: int | None = None,
 ) -> tuple[pd.DataFrame, str]:
     """The frame to analyse and its name: the recording (through ``load``) or the range from Prometheus.
+
+    ``max_answer`` is ``--max-answer`` in MiB (None: the client's default).
 
     Raises:
         UsageError: neither or both of REC and --prometheus; fleet options without --prometheus.
@@ -94,6 +109,7 @@ def read_source(
                 ("--namespace", namespace),
                 ("--pod", pod),
                 ("--http-config", http_config),
+                ("--max-answer", max_answer),
             )
             if v is not None
         ]
@@ -107,5 +123,14 @@ def read_source(
     from smiquery.analysis import load_recording
     from smiquery.fleet.report import load_range, range_name
 
-    df = load_range(prometheus, start, end, node=node, namespace=namespace, pod=pod, http_config=http_config)
+    df = load_range(
+        prometheus,
+        start,
+        end,
+        node=node,
+        namespace=namespace,
+        pod=pod,
+        http_config=http_config,
+        max_answer_bytes=None if max_answer is None else max_answer * 2**20,
+    )
     return load_recording(df, tz=tz), range_name(prometheus, df)

@@ -17,6 +17,7 @@ import typer
 
 from smiquery.cli._boundary import boundary
 from smiquery.cli._common import app, settings_of
+from smiquery.cli.fleet_options import MAX_ANSWER_HELP
 
 if TYPE_CHECKING:
     from smiquery.fleet import FleetGpu
@@ -181,8 +182,15 @@ def top(
         ),
     ] = None,
     timeout: Annotated[
-        float, typer.Option("--timeout", min=0.1, metavar="SECONDS", help="Seconds to wait for each answer.")
+        float,
+        typer.Option(
+            "--timeout",
+            min=0.1,
+            metavar="SECONDS",
+            help="Seconds for each whole answer (connect, headers and body together).",
+        ),
     ] = 10.0,
+    max_answer: Annotated[int | None, typer.Option("--max-answer", metavar="MIB", min=1, help=MAX_ANSWER_HELP)] = None,
     at: Annotated[
         str | None, typer.Option("--at", metavar="TIME", help="Look at a past moment (Unix seconds, RFC 3339).")
     ] = None,
@@ -197,12 +205,14 @@ def top(
 
     with boundary(settings_of(ctx).debug):
         from smiquery.fleet import PrometheusClient, filter_gpus, load_http_config, parse_time, snapshot, sort_gpus
+        from smiquery.fleet.client import DEFAULT_MAX_ANSWER_BYTES
         from smiquery.fleet.naming import check_regex
 
         for pattern, what in ((node, "--node"), (namespace, "--namespace"), (pod, "--pod")):
             check_regex(pattern, what)
         config = load_http_config(http_config) if http_config is not None else None
-        client = PrometheusClient(prometheus, config=config, timeout=timeout)
+        limit = DEFAULT_MAX_ANSWER_BYTES if max_answer is None else max_answer * 2**20
+        client = PrometheusClient(prometheus, config=config, timeout=timeout, max_answer_bytes=limit)
         when = parse_time(at, what="--at") if at is not None else None
         live = not once
         error = ""

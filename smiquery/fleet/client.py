@@ -4,15 +4,21 @@ Credentials and TLS are given as Prometheus' own clients take them (promtool's `
 :func:`load_http_config` reads that YAML (``authorization``/``bearer_token``, ``basic_auth``, ``tls_config``).
 Every failure is one typed error with a one-line message: :class:`~smiquery.errors.PrometheusUnreachableError`
 (refused, unknown host, TLS, timeout, credentials refused) or :class:`~smiquery.errors.PrometheusQueryError`
-(the server rejected the query). Only the standard library is used.
+(the server rejected the query, or its answer is over the size limit). The server is not trusted with the
+client's memory, time or credentials: an answer is capped in size, has one deadline as a whole, and is followed
+through redirects only within its origin. Only the standard library is used.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
+import socket
 import ssl
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -23,8 +29,15 @@ from datetime import datetime, timezone
 from typing import Any
 
 from smiquery.errors import PrometheusError, PrometheusQueryError, PrometheusUnreachableError, UsageError
+from smiquery.printable import printable
 
-__all__ = ["HttpConfig", "PrometheusClient", "load_http_config", "parse_time"]
+__all__ = ["DEFAULT_MAX_ANSWER_BYTES", "HttpConfig", "PrometheusClient", "load_http_config", "parse_time"]
+
+#: The largest answer read by default: 512 MiB. The largest answer smiquery itself asks for is one chunk of
+#: :func:`~smiquery.fleet.history.fleet_frame`, at most 20 million samples (kept under the server's default
+#: ``query.max-samples``), and a sample of a range answer (``[1733292000,"312.45"],``) takes 18 to 24 bytes of
+#: JSON: 360 to 480 MB for a fleet of thousands of GPUs. A server that sends more is broken or hostile.
+DEFAULT_MAX_ANSWER_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -189,21 +202,41 @@ class PrometheusClient:
     Args:
         url: the server's base URL, e.g. ``http://prometheus:9090`` (a path prefix is kept).
         config: credentials and TLS (see :func:`load_http_config`).
-        timeout: seconds to wait for each answer; also sent as the query's ``timeout``.
+        timeout: seconds for each whole answer: connecting, TLS, headers, body and redirects together (not each
+            read of the socket, so a server that trickles its answer is cut at this time too); also sent as the
+            query's ``timeout``.
+        max_answer_bytes: the largest answer read (:data:`DEFAULT_MAX_ANSWER_BYTES`, 512 MiB, holds the largest
+            chunk :func:`~smiquery.fleet.history.fleet_frame` asks for). One over it, announced by Content-Length
+            or seen while reading (in chunks: memory stays bounded), is a
+            :class:`~smiquery.errors.PrometheusQueryError` naming the limit.
+
+    Redirects are followed only within the URL's origin (scheme, host and port), at most 5, with the same
+    method, body and headers; one to another origin is a :class:`~smiquery.errors.PrometheusError` naming its
+    Location, so the credentials never leave the server given.
 
     Raises:
-        UsageError: a URL that is not http(s).
+        UsageError: a URL that is not http(s), a timeout or size limit that is not positive.
     """
 
-    def __init__(self, url: str, *, config: HttpConfig | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        config: HttpConfig | None = None,
+        timeout: float = 30.0,
+        max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
+    ) -> None:
         parsed = urllib.parse.urlsplit(url.strip())
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise UsageError(f"--prometheus: {url!r} is not an http(s) URL; give e.g. http://prometheus:9090")
         if not timeout > 0:
             raise UsageError("--timeout: must be more than 0 seconds")
+        if not max_answer_bytes > 0:
+            raise UsageError("--max-answer: must be more than 0")
         self.url = url.strip().rstrip("/")
         self.config = config or HttpConfig()
         self.timeout = float(timeout)
+        self.max_answer_bytes = int(max_answer_bytes)
         self._headers = {"Accept": "application/json", "User-Agent": "smiquery-fleet"}
         cfg = self.config
         if cfg.bearer_token:
@@ -232,9 +265,10 @@ class PrometheusClient:
         if at is not None:
             params["time"] = _fmt(at)
         data = self._call("/api/v1/query", params, expr)
-        result = data.get("result")
-        if data.get("resultType") == "scalar" or not isinstance(result, list):
-            raise PrometheusError(f"the query {expr!r} gave a {data.get('resultType')}, not series")
+        result = data.get("result") if isinstance(data, dict) else None
+        if not isinstance(result, list) or data.get("resultType") == "scalar":
+            kind = printable(data.get("resultType")) if isinstance(data, dict) else "malformed answer"
+            raise PrometheusError(f"the query {expr!r} gave a {kind}, not series")
         return result
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
@@ -247,7 +281,7 @@ class PrometheusClient:
             "timeout": f"{self.timeout:g}s",
         }
         data = self._call("/api/v1/query_range", params, expr)
-        result = data.get("result")
+        result = data.get("result") if isinstance(data, dict) else None
         return result if isinstance(result, list) else []
 
     def series(self, matchers: Sequence[str], start: float, end: float) -> list[dict[str, str]]:
@@ -276,37 +310,31 @@ class PrometheusClient:
             request = urllib.request.Request(self.url + path, data=encoded.encode("ascii"), headers=headers)
         else:
             request = urllib.request.Request(f"{self.url}{path}?{encoded}", headers=self._headers)
+        deadline = _Deadline(self.timeout)
+        opener = urllib.request.build_opener(
+            _DeadlineHTTPHandler(deadline),
+            _DeadlineHTTPSHandler(deadline, self._context),
+            _SameOriginRedirects(self.url),
+        )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout, context=self._context) as resp:
-                raw = resp.read()
-                status = resp.status
-        except urllib.error.HTTPError as exc:
-            status, raw = exc.code, exc.read()
-            exc.close()
-        except TimeoutError:
-            raise PrometheusUnreachableError(
-                f"Prometheus at {self.url} did not answer within {self.timeout:g} s; raise --timeout or narrow the "
-                "query (--node, a shorter range)"
-            ) from None
-        except urllib.error.URLError as exc:
-            reason = exc.reason
-            if isinstance(reason, TimeoutError):
-                raise PrometheusUnreachableError(
-                    f"Prometheus at {self.url} did not answer within {self.timeout:g} s; raise --timeout"
-                ) from None
-            if isinstance(reason, ssl.SSLError):
-                raise PrometheusUnreachableError(
-                    f"TLS with Prometheus at {self.url} failed: {reason}; give the server's CA in --http-config "
-                    "(tls_config: ca_file)"
-                ) from None
-            text = getattr(reason, "strerror", None) or str(reason)
-            raise PrometheusUnreachableError(
-                f"cannot reach Prometheus at {self.url}: {text}; check --prometheus and that the server is up"
-            ) from None
-        except OSError as exc:
-            raise PrometheusUnreachableError(
-                f"cannot reach Prometheus at {self.url}: {exc.strerror or exc}; check --prometheus"
-            ) from None
+            try:
+                with opener.open(request, timeout=self.timeout) as resp:
+                    status = resp.status
+                    raw = self._read_capped(resp, resp.headers)
+            except urllib.error.HTTPError as exc:
+                with exc:
+                    status = exc.code
+                    raw = self._read_capped(exc.fp, exc.headers) if exc.fp is not None else bytearray()
+        except PrometheusError:
+            raise
+        except (OSError, http.client.HTTPException) as exc:
+            if deadline.expired:
+                raise self._timed_out() from None
+            raise self._unreachable(exc) from None
+        finally:
+            deadline.cancel()
+        if deadline.expired:  # the answer was cut short at the deadline
+            raise self._timed_out()
         if status in (401, 403):
             raise PrometheusUnreachableError(
                 f"Prometheus at {self.url} refused the credentials (HTTP {status}); check the bearer token or "
@@ -322,10 +350,225 @@ class PrometheusClient:
                 "URL, e.g. http://prometheus:9090"
             )
         if doc.get("status") != "success":
-            error = " ".join(str(doc.get("error", "unknown error")).split())
-            kind = doc.get("errorType", "error")
+            error = printable(" ".join(str(doc.get("error", "unknown error")).split()))
+            kind = printable(doc.get("errorType", "error"))
             raise PrometheusQueryError(f"Prometheus rejected the query {what!r} ({kind}): {error}")
         return doc.get("data")
+
+    def _read_capped(self, body: Any, headers: Any) -> bytearray:
+        """The body, read a chunk at a time and given up as soon as it passes ``max_answer_bytes``."""
+        limit = self.max_answer_bytes
+        declared = str(headers.get("Content-Length") or "").strip() if headers is not None else ""
+        if declared.isdigit() and int(declared) > limit:
+            raise self._too_big(f"announces {int(declared):,} bytes")
+        got = bytearray()
+        while True:
+            # read1: at most one read of the socket, so the deadline's cut is seen at once
+            piece = body.read1(_CHUNK)
+            if not piece:
+                return got
+            got += piece
+            if len(got) > limit:
+                raise self._too_big(f"sent more than {limit:,} bytes")
+
+    def _too_big(self, how: str) -> PrometheusQueryError:
+        return PrometheusQueryError(
+            f"the answer of Prometheus at {self.url} {how}, over the limit of {_mib(self.max_answer_bytes)}; raise "
+            "--max-answer (max_answer_bytes=) or narrow the query (--node, a shorter range)"
+        )
+
+    def _timed_out(self) -> PrometheusUnreachableError:
+        return PrometheusUnreachableError(
+            f"Prometheus at {self.url} did not give its whole answer within {self.timeout:g} s; raise --timeout or "
+            "narrow the query (--node, a shorter range)"
+        )
+
+    def _unreachable(self, exc: OSError | http.client.HTTPException) -> PrometheusUnreachableError:
+        reason: object = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        if isinstance(reason, TimeoutError):
+            return self._timed_out()
+        if isinstance(reason, ssl.SSLError):
+            return PrometheusUnreachableError(
+                f"TLS with Prometheus at {self.url} failed: {reason}; give the server's CA in --http-config "
+                "(tls_config: ca_file)"
+            )
+        if isinstance(reason, http.client.HTTPException):
+            text = f"the answer broke off ({type(reason).__name__})"
+        else:
+            text = getattr(reason, "strerror", None) or str(reason) or type(reason).__name__
+        return PrometheusUnreachableError(
+            f"cannot reach Prometheus at {self.url}: {text}; check --prometheus and that the server is up"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one deadline per answer, a capped body, redirects kept within the origin
+
+_CHUNK = 1 << 16
+#: What a redirect may not leave: scheme, host and port.
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_MAX_REDIRECTS = 5
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:g} MiB"
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:  # not a number: no origin of ours
+        return (scheme, "", -1)
+    return (scheme, (parts.hostname or "").lower(), port or _DEFAULT_PORTS.get(scheme))
+
+
+class _Deadline:
+    """One deadline for a whole answer: connect, TLS, headers, body and any redirects together.
+
+    A socket timeout alone bounds each read, not the answer: a server sending one byte a second never trips it.
+    At the deadline a timer shuts down the socket of every connection made for the answer, which ends whatever
+    read is blocked on it; :attr:`expired` then tells the caller why the answer ended.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self._at = time.monotonic() + seconds
+        self._lock = threading.Lock()
+        self._connections: list[http.client.HTTPConnection | socket.socket] = []
+        self.expired = False
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def remaining(self) -> float:
+        """Seconds left.
+
+        Raises:
+            TimeoutError: none.
+        """
+        left = self._at - time.monotonic()
+        if left <= 0 or self.expired:
+            raise TimeoutError("deadline passed")
+        return left
+
+    def watch(self, connection: http.client.HTTPConnection | socket.socket) -> None:
+        """Cut ``connection`` (or the socket) at the deadline, at once if it has passed.
+
+        Watch the connection while it connects (its socket is on ``.sock`` then, during a TLS handshake too) and
+        its socket once connected: urllib takes ``.sock`` off the connection when the headers are in, and the
+        response reads the body from the socket itself.
+        """
+        with self._lock:
+            self._connections.append(connection)
+            if self.expired:
+                _cut(connection)
+
+    def cancel(self) -> None:
+        """The answer is in: no cut."""
+        self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for connection in self._connections:
+                _cut(connection)
+
+
+def _cut(connection: http.client.HTTPConnection | socket.socket) -> None:
+    sock = connection if isinstance(connection, socket.socket) else connection.sock
+    if sock is not None:
+        try:
+            # the plain socket's shutdown, also under TLS: it ends a read blocked in another thread at once
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class _DeadlineHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, host: str, *, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(host, **kwargs)
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        self.timeout = self._deadline.remaining()  # each socket operation: at most what is left
+        self._deadline.watch(self)
+        super().connect()
+        self._deadline.watch(self.sock)
+
+
+class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
+    def __init__(self, host: str, *, deadline: _Deadline, **kwargs: Any) -> None:
+        super().__init__(host, **kwargs)
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        self.timeout = self._deadline.remaining()
+        self._deadline.watch(self)  # the plain socket is on .sock during the handshake too
+        super().connect()
+        self._deadline.watch(self.sock)
+
+
+class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline) -> None:
+        super().__init__()
+        self._deadline = deadline
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_DeadlineHTTPConnection, req, deadline=self._deadline)  # type: ignore[arg-type]
+
+
+class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline, context: ssl.SSLContext | None) -> None:
+        super().__init__(context=context)
+        self._deadline = deadline
+        self._tls = context
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(
+            _DeadlineHTTPSConnection,  # type: ignore[arg-type]
+            req,
+            deadline=self._deadline,
+            context=self._tls,
+        )
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow a redirect only within the server's origin, with the same method, body and headers.
+
+    Credentials are sent on every request, so a redirect elsewhere (another host, port or scheme) would hand them
+    to whoever the Location names: it is an error naming that Location instead. Within the origin a 301, 302 or 303
+    keeps POST and its body as a 307 or 308 does (a query is the same query at its new path). The redirect's own
+    body is never read.
+    """
+
+    def __init__(self, base: str) -> None:
+        super().__init__()
+        self._base = base
+
+    def http_error_302(self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any) -> Any:
+        location = headers.get("Location")
+        if location is None:
+            return None  # the 3xx itself becomes the answer (not the API's JSON)
+        fp.close()
+        target = urllib.parse.urljoin(req.full_url, location.strip())
+        shown = printable(target)
+        if _origin(target) != _origin(req.full_url):
+            raise PrometheusError(
+                f"Prometheus at {self._base} redirected (HTTP {code}) to {shown}, another origin; not followed, so "
+                "the credentials stay with the server given; give that server as --prometheus if it is the one"
+            )
+        hops = getattr(req, "smiquery_redirects", 0) + 1
+        if hops > _MAX_REDIRECTS:
+            raise PrometheusError(
+                f"Prometheus at {self._base} redirected more than {_MAX_REDIRECTS} times (last to {shown}); give "
+                "--prometheus the URL it ends at"
+            )
+        new = urllib.request.Request(target, data=req.data, headers=dict(req.headers), method=req.get_method())
+        new.smiquery_redirects = hops  # type: ignore[attr-defined]
+        return self.parent.open(new, timeout=req.timeout)
+
+    http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
 
 def _fmt(t: float) -> str:

@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING
 
 from smiquery.errors import UsageError
-from smiquery.fleet.client import PrometheusClient, load_http_config, parse_time
+from smiquery.fleet.client import DEFAULT_MAX_ANSWER_BYTES, PrometheusClient, load_http_config, parse_time
 from smiquery.fleet.history import fleet_frame, gpu_names
 
 if TYPE_CHECKING:
@@ -31,8 +31,11 @@ def load_range(
     pod: str | None = None,
     http_config: str | os.PathLike[str] | None = None,
     timeout: float = 60.0,
+    max_answer_bytes: int | None = None,
 ) -> pd.DataFrame:
     """The fleet between ``start`` and ``end`` (Unix seconds, RFC 3339, ``now-2h``; end default now).
+
+    ``timeout`` bounds each whole answer; ``max_answer_bytes`` caps each (None: the client's default).
 
     Raises:
         UsageError: no ``--start``, a time that is not one, ``--end`` before ``--start``.
@@ -41,7 +44,8 @@ def load_range(
     if start is None:
         raise UsageError("--prometheus needs --start (Unix seconds, RFC 3339 or now-2h)")
     config = load_http_config(http_config) if http_config is not None else None
-    client = PrometheusClient(url, config=config, timeout=timeout)
+    limit = DEFAULT_MAX_ANSWER_BYTES if max_answer_bytes is None else max_answer_bytes
+    client = PrometheusClient(url, config=config, timeout=timeout, max_answer_bytes=limit)
     t1 = parse_time(end if end is not None else "now", what="--end")
     t0 = parse_time(start, what="--start")
     return fleet_frame(client, t0, t1, node=node, namespace=namespace, pod=pod)
