@@ -19,7 +19,7 @@ from smiquery.analysis.findings import findings
 from smiquery.analysis.load import GpuSeries, load_recording, split_gpus
 from smiquery.analysis.model import AlertSpan, FieldStats, HealthCount, Periods, Report, Stretch, ThresholdTime
 from smiquery.analysis.series import catalogue_field
-from smiquery.clock import REPORTED_STEP_BACK, ClockStep
+from smiquery.clock import REPORTED_STEP_BACK, ClockStep, later
 from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind
 
@@ -415,7 +415,7 @@ def _stretch(g: GpuSeries, first: int, last: int, values: np.ndarray | None, pic
     import numpy as np
 
     seconds = float(g.times[last] - g.times[first] + g.dur[last])
-    end = g.stamp(last) + timedelta(seconds=float(g.dur[last]))
+    end = later(g.stamp(last), timedelta(seconds=float(g.dur[last])))
     peak = mean = None
     if values is not None:
         window = values[first : last + 1]

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.alerts.rules import STALL
+from smiquery.clock import seconds_between
 
 if TYPE_CHECKING:
     from smiquery.clock import ClockStep
@@ -287,7 +288,7 @@ class Report:
         """Seconds from the first sample to the last, never negative: a step back of the clock is skipped."""
         if self.elapsed is not None:
             return self.elapsed
-        return max(0.0, (self.end - self.start).total_seconds())
+        return max(0.0, seconds_between(self.start, self.end))
 
     def time_over(self, rule: str, gpu: int) -> float:
         """Seconds GPU ``gpu`` spent past the threshold of ``rule`` (its text as given); 0 when never."""

@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from smiquery.analysis.series import catalogue_field
+from smiquery.clock import seconds_between
 from smiquery.fields import Field, Kind
 
 if TYPE_CHECKING:
@@ -236,7 +237,7 @@ def stall_rows(report: Report) -> list[list[str]]:
         last = groups[-1][0] if groups else None
         if (
             last is not None
-            and abs((st.start - last.start).total_seconds()) <= 2 * report.interval
+            and abs(seconds_between(last.start, st.start)) <= 2 * report.interval
             and abs(st.seconds - last.seconds) <= 2 * report.interval
         ):
             groups[-1].append(st)
