@@ -121,6 +121,7 @@ def report(
         stall_utilization=stall_utilization,
         min_stall=min_stall,
         skipped=skipped,
+        skipped_files=tuple(df.attrs.get("skipped_files") or ()),
         health=_health(df, gpus),
         energy_wh=_energy(df, gpus),
         elapsed=max(float(g.times[-1]) for g in gpus) - min(float(g.times[0]) for g in gpus),

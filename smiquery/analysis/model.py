@@ -239,6 +239,7 @@ class Report:
         stats: per field and GPU statistics of the fields that vary.
         overall: the same fields over all GPUs together (``gpu`` is -1).
         skipped: the lines of the recording that could not be read, if any.
+        skipped_files: files of a set skipped, one line each with why (no rows yet, gone since listed).
         health: memory-health counters (ECC, retired pages, remapped rows) that were non-zero, per GPU.
         constants: fields that never changed, with their value per GPU.
         thresholds: time past each rule's threshold, per GPU (only GPUs that got past it).
@@ -274,6 +275,7 @@ class Report:
     stall_utilization: float = STALL.utilization
     min_stall: float = STALL.min_seconds
     skipped: SkippedLines | None = None
+    skipped_files: tuple[str, ...] = ()
     health: list[HealthCount] = field(default_factory=list)
     overall: list[FieldStats] = field(default_factory=list)
     energy_wh: dict[int, float] = field(default_factory=dict)
@@ -343,6 +345,7 @@ class Report:
             "skipped_lines": None
             if self.skipped is None
             else {"count": self.skipped.count, "first_line": self.skipped.first_lineno},
+            "skipped_files": list(self.skipped_files),
         }
 
 

@@ -154,8 +154,10 @@ def time_text(report: Report, ts: datetime) -> str:
 
 
 def notes(report: Report) -> list[str]:
-    """Lines under the headline: unreadable lines skipped, fields the report needed but the recording lacks."""
-    out = [] if report.skipped is None else [report.skipped.message(report.source)]
+    """Lines under the headline: files and lines skipped, fields the report needed but the recording lacks."""
+    out = list(report.skipped_files)
+    if report.skipped is not None:
+        out.append(report.skipped.message(report.source))
     if report.not_recorded:
         out.append(
             f"Not recorded: {', '.join(report.not_recorded)}; what needs "
