@@ -71,7 +71,7 @@ def read_members(paths: Sequence[str], read: Callable[[str], pd.DataFrame]) -> p
         The rows of all members, as :func:`concat_frames` joins them.
 
     Raises:
-        RecordingError: no member holds a row (the first member's error).
+        RecordingError: no member holds a row (the error names the first, as for one file).
     """
     frames: list[pd.DataFrame] = []
     notes: list[str] = []
