@@ -12,6 +12,9 @@ corrects it or a VM resumes. Two rules follow, shared by the parser, replay, ``r
   row by row; :func:`localize_by_order` to a whole column at once.
 * Without a zone, a duration between two stamps never goes negative: :func:`clamped_steps` counts a step back as
   0 (and a forward jump past a limit as one interval), and the report names each step back once.
+* In a zone, a duration is the time that really passed: :func:`seconds_between` and :func:`later` go through
+  UTC, because Python subtracts (and compares) two aware times that share one ``tzinfo`` as wall-clock times,
+  blind to the offset change between them (01:59:59 CET to 03:00:00 CEST would be 3601 s, not 1 s).
 
 Live holds (``for 30s``) need neither: they are measured on a monotonic clock (see :mod:`smiquery.alerts`).
 """
@@ -26,7 +29,17 @@ if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
-__all__ = ["ClockStep", "Localizer", "clamped_steps", "localize_by_order", "timeline", "to_zone"]
+__all__ = [
+    "ClockStep",
+    "Localizer",
+    "clamped_steps",
+    "elapsed",
+    "later",
+    "localize_by_order",
+    "seconds_between",
+    "timeline",
+    "to_zone",
+]
 
 _UTC = timezone.utc
 _EPOCH = datetime(1970, 1, 1, tzinfo=_UTC)
@@ -126,6 +139,27 @@ def _stable(dt: datetime) -> datetime:
 def to_zone(dt: datetime, tz: tzinfo) -> datetime:
     """An aware time converted to ``tz``; one in the hour a fall-back repeats keeps its instant (see _stable)."""
     return _stable(dt.astimezone(tz))
+
+
+def seconds_between(start: datetime, end: datetime) -> float:
+    """Seconds from ``start`` to ``end`` as they really passed (negative when ``end`` is earlier).
+
+    Aware times are taken by their instants, across any DST change between them; naive ones by their wall times.
+
+    Raises:
+        TypeError: one is naive and the other aware.
+    """
+    if start.tzinfo is not None and end.tzinfo is not None:
+        start, end = start.astimezone(_UTC), end.astimezone(_UTC)
+    return (end - start).total_seconds()
+
+
+def later(dt: datetime, delta: timedelta) -> datetime:
+    """``dt`` moved ``delta`` of real time on, shown in its own zone (a naive time: its wall time moved)."""
+    tz = dt.tzinfo
+    if tz is None or isinstance(tz, timezone):
+        return dt + delta
+    return to_zone(dt.astimezone(_UTC) + delta, tz)
 
 
 def _ns(dt: datetime) -> int:
@@ -231,13 +265,16 @@ def timeline(stamps: np.ndarray, cap: float | None = None, interval: float | Non
 
 
 def elapsed(since: datetime | float | None, now: datetime | float) -> float:
-    """Seconds from ``since`` to ``now`` (datetimes or clock seconds); 0, never negative, when time went back."""
+    """Seconds from ``since`` to ``now`` (datetimes or clock seconds); 0, never negative, when time went back.
+
+    Aware datetimes count the time that really passed (see :func:`seconds_between`), across a DST change too.
+    """
     if since is None:
         return 0.0
     if isinstance(since, datetime) and isinstance(now, datetime):
         if (since.tzinfo is None) != (now.tzinfo is None):
             return 0.0
-        return max(0.0, (now - since).total_seconds())
+        return max(0.0, seconds_between(since, now))
     if isinstance(since, (int, float)) and isinstance(now, (int, float)):
         return max(0.0, float(now) - float(since))
     return 0.0

@@ -8,8 +8,11 @@ timestamps, not over when sweeps were delivered.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from datetime import datetime, timedelta, timezone
-from itertools import pairwise
+from itertools import islice, pairwise
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
@@ -228,3 +231,101 @@ def test_monitor_energy_of_two_sweeps_delivered_together_is_one_interval():
         monitor.close()
     assert values["gpu0_energy_wh"] == pytest.approx(100.0 / 3600.0)
     assert not math.isnan(values["gpu0_energy_wh"])
+
+
+# ------------------------------------------------------------------- replayed holds in a zone (true elapsed time)
+
+TEMP_HEADER = "timestamp, index, temperature.gpu"
+
+
+def _walls_csv(path: Path, first: datetime, rows: int = 40) -> Path:
+    """GPU 0 at 90 C, one row a second of true time from ``first`` (UTC), stamped in Berlin's wall time."""
+    lines = [TEMP_HEADER]
+    for k in range(rows):
+        wall = (first + timedelta(seconds=k)).astimezone(BERLIN).replace(tzinfo=None)
+        lines.append(f"{_stamp(wall)}, 0, 90")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# 2026-03-29: Berlin goes from 01:59:59 CET to 03:00:00 CEST; 20 rows before the skip, 20 after
+SPRING = datetime(2026, 3, 29, 0, 59, 40, tzinfo=timezone.utc)  # 01:59:40 CET
+# 2026-10-25: Berlin goes from 02:59:59 CEST back to 02:00:00 CET; 20 rows before, 20 after
+FALL = datetime(2026, 10, 25, 0, 59, 40, tzinfo=timezone.utc)  # 02:59:40 CEST
+
+
+def _replay_alert(path: Path, rule: str) -> subprocess.CompletedProcess[str]:
+    """``smiquery stream --replay`` as a user runs it, as fast as it goes."""
+    args = ["stream", "--replay", path, "--tz", "Europe/Berlin", "--alert", rule, "--speed", 0, "--format", "csv"]
+    return subprocess.run(
+        [sys.executable, "-m", "smiquery", *map(str, args)],
+        env={**os.environ, "NO_COLOR": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_replayed_hold_across_a_spring_forward_counts_true_time(tmp_path):
+    path = _walls_csv(tmp_path / "spring.csv", SPRING)
+    assert "2026/03/29 01:59:59.000, 0, 90\n2026/03/29 03:00:00.000, 0, 90" in path.read_text()
+    # 39 s really passed: the skipped hour is no time at all
+    long = _replay_alert(path, "temperature.gpu > 85 for 5m")
+    assert long.returncode == 0, long.stderr
+    assert "ALERT" not in long.stderr and "held 36" not in long.stderr
+    short = _replay_alert(path, "temperature.gpu > 85 for 20s")
+    assert short.returncode == 0, short.stderr
+    alerts = [line for line in short.stderr.splitlines() if "ALERT firing" in line]
+    assert len(alerts) == 1, short.stderr
+    assert "held 20.0 s at 2026-03-29 03:00:00" in alerts[0]
+
+
+def test_replayed_hold_across_a_fall_back_is_not_shortened_or_delayed(tmp_path):
+    path = _walls_csv(tmp_path / "fall.csv", FALL)
+    assert "2026/10/25 02:59:59.000, 0, 90\n2026/10/25 02:00:00.000, 0, 90" in path.read_text()
+    long = _replay_alert(path, "temperature.gpu > 85 for 5m")
+    assert long.returncode == 0, long.stderr
+    assert "ALERT" not in long.stderr
+    short = _replay_alert(path, "temperature.gpu > 85 for 20s")
+    alerts = [line for line in short.stderr.splitlines() if "ALERT firing" in line]
+    assert len(alerts) == 1, short.stderr
+    # the 21st row, 20 s after the first: the second 02:00:00 (CET), not a second later
+    assert "held 20.0 s at 2026-10-25 02:00:00" in alerts[0]
+
+
+def test_replay_paces_and_loops_across_a_spring_forward_by_true_time(tmp_path):
+    path = _walls_csv(tmp_path / "spring.csv", SPRING)
+    now = [0.0]
+    naps: list[float] = []
+
+    def nap(seconds: float) -> None:
+        naps.append(seconds)
+        now[0] += seconds
+
+    with Replay(path, speed=1, tz="Europe/Berlin", sleep=nap, clock=lambda: now[0]) as rec:
+        assert len(list(rec)) == 40
+    assert sum(naps) == pytest.approx(39.0)  # every second waited, the skipped hour not taken for a gap
+    with Replay(path, speed=0, tz="Europe/Berlin", loop=True) as rec:
+        stamps = [s.timestamp for s in islice(rec, 80) if s.timestamp is not None]
+    utc = [t.astimezone(timezone.utc) for t in stamps]
+    # the second lap follows the first a second later, as a recording one second a row would
+    assert [(b - a).total_seconds() for a, b in pairwise(utc)] == [1.0] * 79
+
+
+def test_report_of_a_stall_across_a_spring_forward_has_its_true_length(tmp_path):
+    lines = [HEADER]
+    for k in range(240):  # 01:50 CET on, every 5 s; both GPUs stalled from 01:58:20 CET to 03:03:20 CEST
+        wall = (datetime(2026, 3, 29, 0, 50, tzinfo=timezone.utc) + timedelta(seconds=5 * k)).astimezone(BERLIN)
+        util = 0 if 100 <= k < 160 else 90
+        lines += [f"{_stamp(wall.replace(tzinfo=None))}, {g}, 100.00, {util}, 4096" for g in (0, 1)]
+    path = tmp_path / "stall.csv"
+    path.write_text("\n".join(lines) + "\n")
+    report = analyze(path, tz="Europe/Berlin")
+    together = [f for f in report.findings if f.kind == "stall_together"]
+    assert len(together) == 1
+    assert "from 01:58:20 for 5 min" in together[0].verdict
+    assert together[0].seconds == pytest.approx(300.0)
+    assert [s.end.astimezone(timezone.utc) - s.start.astimezone(timezone.utc) for s in report.stalls] == [
+        timedelta(minutes=5)
+    ] * 2

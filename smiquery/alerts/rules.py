@@ -5,8 +5,9 @@ share it. Also home of the small duration parser the CLI uses for ``--interval``
 
 Time (how long a ``for 30s`` hold has held): live, it is measured on a monotonic clock, the arrival time of each
 sample, never by subtracting nvidia-smi's timestamps, which are the host's wall clock and jump with a DST change,
-an NTP step or a VM resume. A recording has only its timestamps; there each step between two samples counts, and a
-step back counts 0.
+an NTP step or a VM resume. A recording has only its timestamps; there each step between two samples counts as the
+time that really passed (in a zone, across a DST change: :func:`smiquery.clock.seconds_between`), and a step back
+counts 0.
 
 A GPU is *stalled* while a job holds it (``memory.used`` at least :attr:`StallRule.busy_memory_mib`) but gives it
 no work (``utilization.gpu`` under :attr:`StallRule.utilization`); :data:`STALL` is the one definition that
@@ -368,7 +369,8 @@ class AlertEvaluator:
     * ``now`` given to :meth:`update`: the sample's arrival on a monotonic clock. Live sources pass it
       (``time.monotonic()`` when the row was read), so that a DST fall-back, an NTP step or a VM resume moving
       nvidia-smi's wall-clock timestamps neither stretches nor suppresses a hold;
-    * the sample's ``timestamp`` (a recording, which has nothing else): a step back counts 0, never negative;
+    * the sample's ``timestamp`` (a recording, which has nothing else): the time that really passed between two
+      aware ones (a skipped DST hour is no time), a step back 0, never negative;
     * ``clock()``.
 
     Event times (``since``, ``at``) are the samples' timestamps when they have one, else the hold clock's reading.

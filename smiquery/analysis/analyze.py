@@ -19,7 +19,7 @@ from smiquery.analysis.findings import findings
 from smiquery.analysis.load import GpuSeries, load_recording, split_gpus
 from smiquery.analysis.model import AlertSpan, FieldStats, HealthCount, Periods, Report, Stretch, ThresholdTime
 from smiquery.analysis.series import catalogue_field
-from smiquery.clock import REPORTED_STEP_BACK, ClockStep
+from smiquery.clock import REPORTED_STEP_BACK, ClockStep, later
 from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind
 
@@ -121,6 +121,7 @@ def report(
         stall_utilization=stall_utilization,
         min_stall=min_stall,
         skipped=skipped,
+        skipped_files=tuple(df.attrs.get("skipped_files") or ()),
         health=_health(df, gpus),
         energy_wh=_energy(df, gpus),
         elapsed=max(float(g.times[-1]) for g in gpus) - min(float(g.times[0]) for g in gpus),
@@ -415,7 +416,7 @@ def _stretch(g: GpuSeries, first: int, last: int, values: np.ndarray | None, pic
     import numpy as np
 
     seconds = float(g.times[last] - g.times[first] + g.dur[last])
-    end = g.stamp(last) + timedelta(seconds=float(g.dur[last]))
+    end = later(g.stamp(last), timedelta(seconds=float(g.dur[last])))
     peak = mean = None
     if values is not None:
         window = values[first : last + 1]

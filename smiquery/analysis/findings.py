@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from smiquery.analysis.model import SEVERITY_ORDER, AlertSpan, Finding, HealthCount, Report, Severity, Stretch
 from smiquery.analysis.render import format_duration, gpu_list, time_text, value_text
 from smiquery.analysis.series import catalogue_field
+from smiquery.clock import seconds_between
 
 if TYPE_CHECKING:
     from smiquery.alerts import Rule
@@ -80,7 +81,7 @@ def _stall_findings(report: Report, n_gpus: int) -> list[Finding]:
             continue
         start = min(s.start for s in group)
         end = max(s.end for s in group)
-        length = (end - start).total_seconds()
+        length = seconds_between(start, end)
         who = f"All {n_gpus} GPUs" if len(gpus_in) == n_gpus else gpu_list(gpus_in)
         out.append(
             Finding(

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from datetime import datetime, tzinfo
+from datetime import datetime, timezone, tzinfo
 from typing import TYPE_CHECKING, Any, cast
 
 from smiquery.analysis.series import as_float, gpu_rows
-from smiquery.clock import timeline
+from smiquery.clock import timeline, to_zone
 from smiquery.errors import InvalidFieldError, InvalidTimeZoneError, RecordingError, ReportError
 
 if TYPE_CHECKING:
@@ -137,10 +137,9 @@ class GpuSeries:
         """The time of sample ``i`` as a ``datetime`` (aware when the recording names its zone)."""
         import pandas as pd
 
-        ts = pd.Timestamp(self.stamps[i])
-        if self.zone is not None:
-            ts = ts.tz_localize("UTC").tz_convert(self.zone)
-        return cast(datetime, ts.to_pydatetime())
+        ts = cast(datetime, pd.Timestamp(self.stamps[i]).to_pydatetime())
+        # to_zone: a time of a fall-back's repeated hour keeps its instant when compared or subtracted
+        return ts if self.zone is None else to_zone(ts.replace(tzinfo=timezone.utc), self.zone)
 
     def floats(self, column: str) -> np.ndarray:
         """A numeric column as float64, NaN where missing."""

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.alerts.rules import STALL
+from smiquery.clock import seconds_between
 
 if TYPE_CHECKING:
     from smiquery.clock import ClockStep
@@ -238,6 +239,7 @@ class Report:
         stats: per field and GPU statistics of the fields that vary.
         overall: the same fields over all GPUs together (``gpu`` is -1).
         skipped: the lines of the recording that could not be read, if any.
+        skipped_files: files of a set skipped, one line each with why (no rows yet, gone since listed).
         health: memory-health counters (ECC, retired pages, remapped rows) that were non-zero, per GPU.
         constants: fields that never changed, with their value per GPU.
         thresholds: time past each rule's threshold, per GPU (only GPUs that got past it).
@@ -273,6 +275,7 @@ class Report:
     stall_utilization: float = STALL.utilization
     min_stall: float = STALL.min_seconds
     skipped: SkippedLines | None = None
+    skipped_files: tuple[str, ...] = ()
     health: list[HealthCount] = field(default_factory=list)
     overall: list[FieldStats] = field(default_factory=list)
     energy_wh: dict[int, float] = field(default_factory=dict)
@@ -287,7 +290,7 @@ class Report:
         """Seconds from the first sample to the last, never negative: a step back of the clock is skipped."""
         if self.elapsed is not None:
             return self.elapsed
-        return max(0.0, (self.end - self.start).total_seconds())
+        return max(0.0, seconds_between(self.start, self.end))
 
     def time_over(self, rule: str, gpu: int) -> float:
         """Seconds GPU ``gpu`` spent past the threshold of ``rule`` (its text as given); 0 when never."""
@@ -342,6 +345,7 @@ class Report:
             "skipped_lines": None
             if self.skipped is None
             else {"count": self.skipped.count, "first_line": self.skipped.first_lineno},
+            "skipped_files": list(self.skipped_files),
         }
 
 

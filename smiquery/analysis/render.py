@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from smiquery.analysis.series import catalogue_field
+from smiquery.clock import seconds_between
 from smiquery.fields import Field, Kind
 
 if TYPE_CHECKING:
@@ -153,8 +154,10 @@ def time_text(report: Report, ts: datetime) -> str:
 
 
 def notes(report: Report) -> list[str]:
-    """Lines under the headline: unreadable lines skipped, fields the report needed but the recording lacks."""
-    out = [] if report.skipped is None else [report.skipped.message(report.source)]
+    """Lines under the headline: files and lines skipped, fields the report needed but the recording lacks."""
+    out = list(report.skipped_files)
+    if report.skipped is not None:
+        out.append(report.skipped.message(report.source))
     if report.not_recorded:
         out.append(
             f"Not recorded: {', '.join(report.not_recorded)}; what needs "
@@ -236,7 +239,7 @@ def stall_rows(report: Report) -> list[list[str]]:
         last = groups[-1][0] if groups else None
         if (
             last is not None
-            and abs((st.start - last.start).total_seconds()) <= 2 * report.interval
+            and abs(seconds_between(last.start, st.start)) <= 2 * report.interval
             and abs(st.seconds - last.seconds) <= 2 * report.interval
         ):
             groups[-1].append(st)

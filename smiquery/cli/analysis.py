@@ -158,20 +158,23 @@ def _default_image(recordings: list[Path]) -> Path:
 
 
 def _load(recording: list[Path], fields: str | None, tz: str | None) -> pd.DataFrame:
-    """Read the recording once; warn on stderr (one line) about lines that could not be read.
+    """Read the recording once; warn on stderr (a line each) about files of a set and lines that were skipped.
 
     ``fields`` name the columns of a headerless log, or must agree with the recording's own.
     """
     from smiquery.analysis import load_recording
     from smiquery.cli._options import parse_fields
+    from smiquery.printable import printable
     from smiquery.recordings import SkippedLines
 
     check_zone(tz)
     names = ",".join(f.name for f in parse_fields(fields)) if fields is not None else None
     df = load_recording(recording, fields=names, tz=tz)
     skipped = df.attrs.get("skipped")
-    if isinstance(skipped, SkippedLines):
-        with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError):
+        for note in df.attrs.get("skipped_files") or ():  # a rotated set's member without rows, or gone
+            print(f"smiquery: warning: {printable(note)}", file=sys.stderr, flush=True)
+        if isinstance(skipped, SkippedLines):
             name = str(recording[0]) if len(recording) == 1 else _label(recording)
             print(f"smiquery: warning: {skipped.message(name)}", file=sys.stderr, flush=True)
     return df

@@ -31,7 +31,7 @@ from smiquery.recordings.jsonl import JsonlWriter, json_value, read_jsonl, sampl
 from smiquery.recordings.parquet import ParquetWriter, read_parquet
 from smiquery.recordings.playback import Replay, replay
 from smiquery.recordings.recorder import Policy, TextRecorder
-from smiquery.recordings.sets import Sources, concat_frames, csv_zone, expand_sources, time_order
+from smiquery.recordings.sets import Sources, csv_zone, expand_sources, no_rows, read_members
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -189,10 +189,12 @@ def read_recording(
 
     Returns:
         One row per sample, in file order; ``attrs["headerless"]`` is True when ``fields`` named the columns.
+        A file of several that holds no row yet (just rotated) or is gone since it was listed is skipped, one line
+        each in ``attrs["skipped_files"]``.
 
     Raises:
         RecordingError: the file is missing, empty, not a recording (a headerless log without ``fields``), holds
-            no readable row, or lacks one of ``fields``.
+            no readable row (of several: none of them holds one), or lacks one of ``fields``.
         InvalidFieldError: an unknown name in ``fields``.
         InvalidTimeZoneError: an unknown time zone name.
     """
@@ -200,12 +202,15 @@ def read_recording(
     wanted = resolve_fields(fields) if fields is not None else None
     paths = expand_sources(source)
     if len(paths) == 1:
-        return _read_one(paths[0], wanted, zone)
-    frames = [_read_one(p, wanted, zone) for p in paths]
-    return concat_frames([frames[i] for i in time_order(frames)])
+        df = _read_one(paths[0], wanted, zone)
+        if len(df) == 0:
+            raise no_rows(paths[0])
+        return df
+    return read_members(paths, lambda p: _read_one(p, wanted, zone))
 
 
 def _read_one(path: str, wanted: Sequence[Field] | None, zone: tzinfo | None) -> pd.DataFrame:
+    """One file or dataset as a frame; without rows when it holds none (a header alone), the caller decides."""
     import numpy as np
     import pandas as pd
 
@@ -224,8 +229,8 @@ def _read_one(path: str, wanted: Sequence[Field] | None, zone: tzinfo | None) ->
         else:
             df = read_jsonl(path, zone)
             set_zone(df, zone)
-    if len(df) == 0:
-        raise RecordingError(f"recording {path} holds no readable rows")
+    if len(df) == 0 and isinstance(df.attrs.get("skipped"), SkippedLines):
+        raise no_rows(path)  # only unreadable lines: not a file just started
     if "index" not in df.columns:
         # A single-GPU log (`--query-gpu=timestamp,power.draw`): its one GPU is GPU 0.
         at = 1 if "timestamp" in df.columns else 0

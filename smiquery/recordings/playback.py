@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta, tzinfo
 
+from smiquery.clock import later, seconds_between
 from smiquery.errors import ParseError, ReplayError
 from smiquery.fields import Field, resolve_fields
 from smiquery.recordings.base import RecordingFormat, check_file, detect_format, resolve_zone
@@ -258,11 +259,11 @@ class Replay(LatestSweep):
                 if ts is not None:
                     if first_ts is None:
                         first_ts = ts
-                    elif second_ts is None and ts - first_ts >= timedelta(milliseconds=50):
+                    elif second_ts is None and seconds_between(first_ts, ts) >= 0.05:
                         second_ts = ts
                     last_ts = ts
                     if shift:
-                        ts = ts + shift
+                        ts = later(ts, shift)
                         sample = with_timestamp(sample, ts)
                     anchor = self._pace(anchor, ts)
                 got += 1
@@ -272,8 +273,8 @@ class Replay(LatestSweep):
             if not self.loop or got == 0:
                 return
             if first_ts is not None and last_ts is not None:
-                step = (second_ts - first_ts) if second_ts is not None else timedelta(seconds=1)
-                shift += (last_ts - first_ts) + step
+                step = seconds_between(first_ts, second_ts) if second_ts is not None else 1.0
+                shift += timedelta(seconds=seconds_between(first_ts, last_ts) + step)
 
     def _pace(self, anchor: tuple[float, datetime] | None, ts: datetime) -> tuple[float, datetime]:
         now = self._clock()
@@ -282,7 +283,7 @@ class Replay(LatestSweep):
         if anchor is None:
             return (now, ts)
         wall0, ts0 = anchor
-        offset = (ts - ts0).total_seconds() / self.speed
+        offset = seconds_between(ts0, ts) / self.speed
         if offset < 0:
             return (now, ts)  # time went backwards in the file: start pacing afresh
         target = wall0 + offset

@@ -1,14 +1,15 @@
 """Several files read as one recording: a rotated set (``run*.csv``), a list of files, a Parquet dataset's parts.
 
-:func:`expand_sources` turns what a user names (paths, globs) into files; :func:`concat_frames` joins their frames
-with their ``attrs`` (missing-value reasons re-numbered, skipped lines counted together).
+:func:`expand_sources` turns what a user names (paths, globs) into files; :func:`read_members` reads them as one,
+skipping a member that holds no row or is gone; :func:`concat_frames` joins their frames with their ``attrs``
+(missing-value reasons re-numbered, skipped lines counted together).
 """
 
 from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import tzinfo
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from smiquery.recordings.recorder import META_SUFFIX
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["Sources", "concat_frames", "csv_zone", "expand_sources", "time_order"]
+__all__ = ["Sources", "concat_frames", "csv_zone", "expand_sources", "no_rows", "read_members", "time_order"]
 
 Sources = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
@@ -53,6 +54,57 @@ def expand_sources(source: Sources, *, error: type[RecordingError] = RecordingEr
     if not out:
         raise error("no recording named; give a file, several, or a pattern such as 'run*.csv'")
     return list(dict.fromkeys(out))
+
+
+def read_members(paths: Sequence[str], read: Callable[[str], pd.DataFrame]) -> pd.DataFrame:
+    """The files of a set read as one recording, in the order of their first timestamps.
+
+    A rotating recorder starts a new file with only its header (or nothing yet) and prunes the oldest: a member
+    that holds no row, is empty, or is gone by the time it is read, is skipped. Each skip is one line in the
+    frame's ``attrs["skipped_files"]`` (``skipped run.csv: it holds no rows``); other errors are raised.
+
+    Args:
+        paths: the members (:func:`expand_sources`).
+        read: reads one member into a frame, without rows when it holds none.
+
+    Returns:
+        The rows of all members, as :func:`concat_frames` joins them.
+
+    Raises:
+        RecordingError: no member holds a row (the error names the first, as for one file).
+    """
+    frames: list[pd.DataFrame] = []
+    notes: list[str] = []
+    for path in paths:
+        try:
+            df = read(path)
+        except (RecordingError, OSError):
+            if os.path.lexists(path) and not _empty(path):
+                raise
+            df = None
+        if df is not None and len(df):
+            frames.append(df)
+        else:
+            why = "holds no rows" if os.path.lexists(path) else "is gone (rotation pruned it after it was listed?)"
+            notes.append(f"skipped {path}: it {why}")
+    if not frames:
+        raise no_rows(paths[0])
+    out = concat_frames([frames[i] for i in time_order(frames)])
+    if notes:
+        out.attrs["skipped_files"] = notes
+    return out
+
+
+def no_rows(path: str) -> RecordingError:
+    """The error for a recording (or a set) without a single readable row."""
+    return RecordingError(f"recording {path} holds no readable rows")
+
+
+def _empty(path: str) -> bool:
+    try:
+        return os.path.getsize(path) == 0
+    except OSError:
+        return False
 
 
 def csv_zone(path: str | os.PathLike[str]) -> tzinfo | None:
