@@ -230,7 +230,9 @@ class RunMonitor:
     def _reset(self) -> None:
         #: the alerts of the current (or last) run, with their training position
         self.alerts: list[TrainingAlert] = []
-        #: per epoch, the numbers added to the logs (corrected when late sweeps arrive)
+        #: per epoch, the numbers added to the logs (corrected when late sweeps arrive); the first epoch's record
+        #: also has ``energy_held_back_s``: how long before nvidia-smi's first sample the energy is that sample's
+        #: power held back to the run's start (an estimate, where nothing was measured)
         self.epochs: list[dict[str, float]] = []
         #: counters of the run (steps, samples, data wait, energy): what the metrics report
         self.totals = Totals()
@@ -337,6 +339,7 @@ class RunMonitor:
         self.close()
         self._reset()
         self._started_at = self._epoch_start = time.monotonic()
+        self._energy.start(time.time())
         try:
             return self._start()
         finally:
@@ -666,6 +669,9 @@ class RunMonitor:
             for idx in list(self._energy.last):
                 self._credit(idx, self._energy.tail(idx, wall, epoch), epoch, acc)
             self._energy.mark(wall, BETWEEN if epoch is not None else None)
+            held = self._energy.held.pop(epoch, 0.0) if epoch is not None else 0.0
+            if not self.epochs:
+                held += self._energy.held.pop(None, 0.0)
             setup = self._accs.pop(None, None)
             if setup is not None and not self.epochs:
                 acc.merge(setup)  # samples before the first epoch began: setup of the first epoch
@@ -707,7 +713,10 @@ class RunMonitor:
                 values.update(self._share.epoch_values(epoch, order, first=not self.epochs))
         if epoch is not None:
             self._done_epochs[epoch] = acc
-        self.epochs.append(dict(values))  # a copy: late sweeps correct this record, not the logs handed out
+        record = dict(values)  # a copy: late sweeps correct this record, not the logs handed out
+        if held > 0:
+            record["energy_held_back_s"] = held
+        self.epochs.append(record)
         return values
 
     def _fold_late(self, late: Mapping[int, EpochAccumulator], order: Sequence[int]) -> int:
