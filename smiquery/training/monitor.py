@@ -220,6 +220,7 @@ class RunMonitor:
         #: optional function returning extra alert context (the learning rate), called on the reading thread
         self.context_extra: Callable[[], Mapping[str, Any]] | None = None
         self._said: set[str] = set()
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._closing = threading.Lock()
         self._summary = summary_spec(self.extra_fields)
@@ -338,6 +339,7 @@ class RunMonitor:
         """
         self.close()
         self._reset()
+        self._pid = os.getpid()  # only the process that started the run closes it (not a forked child)
         self._started_at = self._epoch_start = time.monotonic()
         self._energy.start(time.time())
         try:
@@ -800,6 +802,9 @@ class RunMonitor:
             timeout: most seconds to wait for the stream to stop.
         """
         began = time.monotonic()
+        if self._pid != os.getpid():
+            self._forget()
+            return
         with self._closing:
             if (
                 self._source is None
@@ -811,6 +816,18 @@ class RunMonitor:
                 return  # nothing open: keep the last run's cost figures
             self._close_locked(timeout)
         self.cost["close"] = time.monotonic() - began
+
+    def _forget(self) -> None:
+        """In a forked child (a data-loader worker): let go of the parent's run without touching it.
+
+        The stream, the recording's open part, the served port and the Pushgateway group are the parent's: closing
+        them here would end the parent's run under it (its rows going to a deleted file, its group deleted).
+        """
+        self._source = self._reader = self._worker = self._notifier = None
+        self._opened = ()
+        self._share = None
+        self._pid = os.getpid()
+        OPEN_MONITORS.discard(self)
 
     def _close_locked(self, timeout: float) -> None:
         self._stop.set()

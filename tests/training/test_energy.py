@@ -152,7 +152,8 @@ def test_the_first_sample_holds_its_power_back_to_the_runs_start():
 
 def _constant_power(path: Path, watts: float) -> Path:
     head = "timestamp, index, uuid, name, temperature.gpu, utilization.gpu [%], memory.used [MiB], power.draw [W]"
-    row = f"2026/03/14 09:30:00.000, 0, GPU-00000000-1111-2222-3333-444444444444, NVIDIA H100, 60, 95 %, 2000 MiB, {watts} W"
+    uuid = "GPU-00000000-1111-2222-3333-444444444444"
+    row = f"2026/03/14 09:30:00.000, 0, {uuid}, NVIDIA H100, 60, 95 %, 2000 MiB, {watts} W"
     path.write_text(f"{head}\n{row}\n", encoding="utf-8")
     return path
 

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
@@ -463,3 +464,39 @@ def test_a_snapshot_handler_on_the_monitor_saves_the_recent_samples(tmp_path):
     assert alert["context"]["epoch"] == 0 and alert["event"]["gpu"] == 0
     lines = (folder / "samples.csv").read_text().splitlines()
     assert lines[0].startswith("index, uuid") and len(lines) == 1 + 3  # the history up to the firing sample
+
+
+# ------------------------------------------------------------------------------------ forked children
+
+
+@pytest.mark.parametrize("how", ["exit", "close", "os._exit", "pool"])
+def test_a_forked_child_leaves_its_parents_run_alone(fake_smi, tmp_path, how):
+    # DataLoader workers are forked from the training process: when one exits, the parent's run goes on, its
+    # recording whole (rows after the fork in the final file) and its Pushgateway group in place until it ends
+    from smiquery.recordings import read_recording
+    from tests.training.test_metrics import _Gateway
+
+    out = tmp_path / "run.parquet"
+    result = tmp_path / "result.json"
+    script = Path(__file__).with_name("fork_run.py")
+    with _Gateway() as gw:
+        done = subprocess.run(
+            [sys.executable, str(script), how, str(out), gw.url, str(fake_smi()), str(result)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        calls = list(gw.calls)
+    doc = json.loads(result.read_text(encoding="utf-8"))
+    assert doc["journal_kept"] and doc["running"], doc
+    # the parent's recording went on after the fork, into parts of its own
+    stamps = [t.to_pydatetime().timestamp() for t in read_recording(out)["timestamp"]]
+    assert min(stamps) < doc["forked"] < doc["forked"] + 0.5 < max(stamps)
+    assert sorted(p.name for p in out.iterdir()) == ["_smiquery.json", "part-000001.parquet"]
+    # one DELETE: the parent's, when its run ended (a child's would come before the parent's last pushes)
+    deletes = [path for method, path, _ in calls if method == "DELETE"]
+    assert len(deletes) == 1 and deletes[0].endswith("/run/fork"), calls
+    assert calls[-1][0] == "DELETE"
+    assert any(method == "PUT" for method, _, _ in calls)
