@@ -137,6 +137,11 @@ class EpochAccumulator:
         """Add energy of GPU ``idx`` to this epoch (a share of an interval, split at an epoch boundary)."""
         self.joules[idx] = self.joules.get(idx, 0.0) + joules
 
+    def drop(self, idx: int) -> None:
+        """Forget GPU ``idx`` (it turned out not to be the run's)."""
+        self.accs.pop(idx, None)
+        self.joules.pop(idx, None)
+
     def merge(self, other: EpochAccumulator) -> None:
         """Add another accumulator's sums to this one (late sweeps of an epoch already summarised)."""
         for idx, accs in other.accs.items():
@@ -244,6 +249,11 @@ class EnergySplitter:
                 return []
             start = done
         return self._split(start, wall, watts, default)
+
+    def drop(self, idx: int) -> None:
+        """Forget GPU ``idx`` (it turned out not to be the run's)."""
+        for known in (self.last, self.watts, self.credited):
+            known.pop(idx, None)
 
     def tail(self, idx: int, wall: float, default: Owner) -> list[tuple[Owner, float]]:
         """Credit GPU ``idx``'s newest power from its newest sample (or the last credit) up to ``wall`` now."""

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
 from smiquery.fields import Field, resolve_fields
-from smiquery.training.devices import VisibleDevices, visible_devices
+from smiquery.training.devices import OrderCheck, VisibleDevices, visible_devices
 from smiquery.training.epochs import (
     BATCH,
     BETWEEN,
@@ -156,7 +156,8 @@ class RunMonitor:
             has come yet (so that the log keys are known); later epoch ends never wait.
         source: a function ``(fields, interval=, gpus=, nvidia_smi=, on_event=)`` returning a
             :class:`~smiquery.source.SampleSource`; default a live :func:`smiquery.stream`.
-        env: the environment whose ``CUDA_VISIBLE_DEVICES`` is read (default ``os.environ``).
+        env: the environment whose ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` are read (default
+            ``os.environ``); indices on a host of mixed models are checked (see :mod:`~smiquery.training.devices`).
         process_share: also run one ``nvidia-smi pmon`` (a second child, started and reaped with the monitor) and report
             how much of each GPU's SM use is the run's own (this process and its descendants, see
             :func:`~smiquery.training.share.own_pids`) against other processes: ``gpuN_share`` = own SM % / all
@@ -269,6 +270,8 @@ class RunMonitor:
         self._opened: tuple[Output, ...] = ()
         self._devices = VisibleDevices(None)
         self._cuda = VisibleDevices(None)
+        self._unsure = False  # indices in CUDA's default order, checked by _order_check
+        self._order_check: OrderCheck | None = None
         self._started_at = 0.0
         self._epoch_start = 0.0
         self._epoch_step0 = 0
@@ -359,6 +362,7 @@ class RunMonitor:
         if self._devices.none:
             self.say("CUDA_VISIBLE_DEVICES hides every GPU: GPU monitoring is off")
             return self
+        self._unsure = self.gpus_override is None and self._devices.order_unsure
         names = ["index", "uuid", "timestamp", *SUMMARY_FIELDS]
         names += [f.name for f in self.extra_fields]
         names += [f.name for r in self.rules for f in r.fields]
@@ -377,15 +381,39 @@ class RunMonitor:
         self._reader = threading.Thread(target=self._read, name="smiquery-monitor-reader", daemon=True)
         self._reader.start()
         OPEN_MONITORS.add(self)
+        if self._unsure:
+            self._order_check = OrderCheck(self._cuda, self.nvidia_smi, self._order_known).start()
         if self._share is not None:
-            self._share.start(interval=self.interval, gpus=self._devices.stream_gpus(), nvidia_smi=self.nvidia_smi)
+            self._share.start(interval=self.interval, gpus=self._stream_gpus(), nvidia_smi=self.nvidia_smi)
         return self
+
+    def _stream_gpus(self) -> Sequence[str] | None:  # every GPU while CUDA's order is unsure
+        return None if self._unsure else self._devices.stream_gpus()
+
+    def _order_known(self, devices: VisibleDevices | None, message: str, final: bool) -> None:
+        """What :class:`~smiquery.training.devices.OrderCheck` found: the job's GPUs (until the keys are fixed)."""
+        if devices is not None:
+            with self._lock:
+                if self._order is not None:
+                    return  # the first epoch is logged: its keys stay
+                self._devices = devices
+                for idx in [i for i, s in self._latest.items() if not devices.selects(i, s.uuid)]:
+                    for acc in self._accs.values():
+                        acc.drop(idx)
+                    self._energy.drop(idx)
+                    self._latest.pop(idx, None)
+                    self._last_t.pop(idx, None)
+                    self.totals.joules.pop(idx, None)
+            if len(devices.ids or ()) == len(self._cuda.ids or ()) == 1:
+                self._cuda = devices  # cuda:0 is that GPU (the framework's memory view)
+        if message:
+            self.say(message, logging.INFO if devices is not None else logging.WARNING, key=f"gpu-order-{final}")
 
     def _open(self) -> SampleSource:
         return self._source_factory(
             self._fields,
             interval=self.interval,
-            gpus=self._devices.stream_gpus(),
+            gpus=self._stream_gpus(),
             nvidia_smi=self.nvidia_smi,
             on_event=self._on_source_event,
         )
@@ -451,7 +479,7 @@ class RunMonitor:
     # --------------------------------------------------------------------------------------- reading
 
     def _read(self) -> None:
-        select = self._devices.ids is not None and self._devices.stream_gpus() is None
+        select = self._unsure or (self._devices.ids is not None and self._devices.stream_gpus() is None)
         try:
             while not self._stop.is_set():
                 source = self._source
@@ -682,6 +710,8 @@ class RunMonitor:
             late = {k: self._accs.pop(k) for k in list(self._accs) if k is not None and epoch is not None and k < epoch}
             latest = dict(self._latest)
             fresh = now - max(self._last_t.values(), default=-math.inf) <= max(3 * self.interval, 5.0)
+        if self._order_check is not None:
+            self._order_check.close(0.0)  # the keys are fixed from here on
         if self._order is None:
             order = sorted(set(acc.accs) | set(latest))
             if not order and self._devices.ids and all(i.isdigit() for i in self._devices.ids):
@@ -823,7 +853,7 @@ class RunMonitor:
         The stream, the recording's open part, the served port and the Pushgateway group are the parent's: closing
         them here would end the parent's run under it (its rows going to a deleted file, its group deleted).
         """
-        self._source = self._reader = self._worker = self._notifier = None
+        self._source = self._reader = self._worker = self._notifier = self._order_check = None
         self._opened = ()
         self._share = None
         self._pid = os.getpid()
@@ -839,6 +869,9 @@ class RunMonitor:
                 source.close(timeout)
             except Exception:
                 log.exception("smiquery: stopping nvidia-smi failed")
+        check, self._order_check = self._order_check, None
+        if check is not None:
+            check.close(timeout)
         share = self._share
         if share is not None:
             share.close(timeout)
