@@ -137,11 +137,6 @@ class EpochAccumulator:
         """Add energy of GPU ``idx`` to this epoch (a share of an interval, split at an epoch boundary)."""
         self.joules[idx] = self.joules.get(idx, 0.0) + joules
 
-    def drop(self, idx: int) -> None:
-        """Forget GPU ``idx`` (it turned out not to be the run's)."""
-        self.accs.pop(idx, None)
-        self.joules.pop(idx, None)
-
     def merge(self, other: EpochAccumulator) -> None:
         """Add another accumulator's sums to this one (late sweeps of an epoch already summarised)."""
         for idx, accs in other.accs.items():
@@ -171,9 +166,9 @@ class EnergySplitter:
     interval since that GPU's previous sample; where a mark falls inside it, each owner gets its part. At an epoch's
     end, :meth:`tail` credits the newest power up to the end (the sample covering it arrives later), so that the
     epoch's figure is whole when it is logged; the next sample counts only what is left. Before a GPU's first sample
-    nothing is measured: once the run's start is known (:meth:`start`), the first sample's power is held back to it
-    (nvidia-smi takes a moment to start; without this the first epoch lost that moment), and :attr:`held` says for
-    how long, per owner.
+    nothing is measured: once the run's start is known (:meth:`start`), the first sample's power is held back to it,
+    or to the end of the last epoch already logged (nvidia-smi takes a moment to start; without this the first epoch
+    lost that moment), and :attr:`held` says for how long, per owner.
 
     Args:
         interval: the sampling interval: a step back in the timestamps counts 0, a jump over ``max(3 * interval,
@@ -233,10 +228,14 @@ class EnergySplitter:
             self.watts.pop(idx, None)
             return []
         self.watts[idx] = watts
-        if prev is None and self.began is not None and self.began < wall:
-            for who, seconds in self._split(self.began, wall, 1.0, None):
-                self.held[who] = max(self.held.get(who, 0.0), seconds)
-            return self._split(self.began, wall, watts, None)
+        if prev is None and self.began is not None:
+            # not into an epoch already logged: nothing is made up for it
+            began = max([self.began] + [w for w, who in self.marks if who == BETWEEN and w < wall])
+            if began < wall:
+                for who, seconds in self._split(began, wall, 1.0, None):
+                    if who != BETWEEN:
+                        self.held[who] = max(self.held.get(who, 0.0), seconds)
+                return self._split(began, wall, watts, None)
         if prev is None or wall <= prev:
             return []  # the first sample (the run's start unknown), or the clock went back: nothing measured
         if wall - prev > self.cap:

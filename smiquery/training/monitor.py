@@ -270,7 +270,7 @@ class RunMonitor:
         self._opened: tuple[Output, ...] = ()
         self._devices = VisibleDevices(None)
         self._cuda = VisibleDevices(None)
-        self._unsure = False  # indices in CUDA's default order, checked by _order_check
+        self._unsure = self._moved = False  # indices in CUDA's default order, checked by _order_check
         self._order_check: OrderCheck | None = None
         self._started_at = 0.0
         self._epoch_start = 0.0
@@ -384,11 +384,8 @@ class RunMonitor:
         if self._unsure:
             self._order_check = OrderCheck(self._cuda, self.nvidia_smi, self._order_known).start()
         if self._share is not None:
-            self._share.start(interval=self.interval, gpus=self._stream_gpus(), nvidia_smi=self.nvidia_smi)
+            self._share.start(interval=self.interval, gpus=self._devices.stream_gpus(), nvidia_smi=self.nvidia_smi)
         return self
-
-    def _stream_gpus(self) -> Sequence[str] | None:  # every GPU while CUDA's order is unsure
-        return None if self._unsure else self._devices.stream_gpus()
 
     def _order_known(self, devices: VisibleDevices | None, message: str, final: bool) -> None:
         """What :class:`~smiquery.training.devices.OrderCheck` found: the job's GPUs (until the keys are fixed)."""
@@ -397,13 +394,15 @@ class RunMonitor:
                 if self._order is not None:
                     return  # the first epoch is logged: its keys stay
                 self._devices = devices
+                accs = self._accs.values()
                 for idx in [i for i, s in self._latest.items() if not devices.selects(i, s.uuid)]:
-                    for acc in self._accs.values():
-                        acc.drop(idx)
-                    self._energy.drop(idx)
-                    self._latest.pop(idx, None)
-                    self._last_t.pop(idx, None)
-                    self.totals.joules.pop(idx, None)
+                    self._energy.drop(idx)  # the GPU turned out not to be the job's: forget it
+                    known: list[dict[int, Any]] = [self._latest, self._last_t, self.totals.joules]
+                    for known_by_gpu in known + [a.accs for a in accs] + [a.joules for a in accs]:
+                        known_by_gpu.pop(idx, None)
+                self._moved, source = True, self._source
+            if source is not None:
+                source.close(2.0)  # the reader opens a stream of the job's GPUs
             if len(devices.ids or ()) == len(self._cuda.ids or ()) == 1:
                 self._cuda = devices  # cuda:0 is that GPU (the framework's memory view)
         if message:
@@ -413,7 +412,7 @@ class RunMonitor:
         return self._source_factory(
             self._fields,
             interval=self.interval,
-            gpus=self._stream_gpus(),
+            gpus=self._devices.stream_gpus(),
             nvidia_smi=self.nvidia_smi,
             on_event=self._on_source_event,
         )
@@ -496,6 +495,10 @@ class RunMonitor:
                 rejected = self._rejected or (failure if failure is not None and self._is_rejection(failure) else None)
                 if self._stop.is_set():
                     return
+                if self._moved:
+                    self._moved = False
+                    self._source = self._open()
+                    continue
                 if rejected is not None:
                     self._rejected = None
                     try:
@@ -848,11 +851,7 @@ class RunMonitor:
         self.cost["close"] = time.monotonic() - began
 
     def _forget(self) -> None:
-        """In a forked child (a data-loader worker): let go of the parent's run without touching it.
-
-        The stream, the recording's open part, the served port and the Pushgateway group are the parent's: closing
-        them here would end the parent's run under it (its rows going to a deleted file, its group deleted).
-        """
+        """In a forked child (a data-loader worker): let go of the parent's run, which closing would end under it."""
         self._source = self._reader = self._worker = self._notifier = self._order_check = None
         self._opened = ()
         self._share = None
