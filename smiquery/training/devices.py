@@ -1,13 +1,23 @@
-"""Which GPUs a training process sees: ``CUDA_VISIBLE_DEVICES`` read the way CUDA reads it, mapped to nvidia-smi."""
+"""Which GPUs a training process sees: ``CUDA_VISIBLE_DEVICES`` read the way CUDA reads it, mapped to nvidia-smi.
+
+CUDA numbers GPUs fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; nvidia-smi numbers them by PCI bus. The two
+agree on a host whose GPUs are all one model; on a mixed host :class:`OrderCheck` finds the GPUs the job really
+runs on (its processes in ``--query-compute-apps``) or says that the mapping needs ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+"""
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["VisibleDevices", "visible_devices"]
+if TYPE_CHECKING:
+    from smiquery.sources.apps import GpuProcess
+    from smiquery.sources.latest import Latest
+
+__all__ = ["OrderCheck", "VisibleDevices", "job_devices", "visible_devices"]
 
 _UUID_PREFIX_RE = re.compile(r"GPU-[0-9a-fA-F-]+")
 _FULL_UUID_RE = re.compile(r"GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
@@ -21,10 +31,17 @@ class VisibleDevices:
         ids: indices (``"1"``) or UUIDs (``"GPU-8932f937-..."``, prefixes allowed as CUDA allows them), in the
             order CUDA numbers them (``cuda:0`` is ``ids[0]``); None when the variable is unset (all GPUs).
         note: why something could not be honoured (MIG instances, an invalid entry), or ``""``.
+        pci_order: ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: indices are nvidia-smi's on any host.
     """
 
     ids: tuple[str, ...] | None
     note: str = ""
+    pci_order: bool = False
+
+    @property
+    def order_unsure(self) -> bool:
+        """Indices in CUDA's default order (fastest first): nvidia-smi's only if the GPUs are all one model."""
+        return bool(self.ids) and not self.pci_order and any(i.isdigit() for i in self.ids or ())
 
     @property
     def none(self) -> bool:
@@ -77,8 +94,9 @@ def visible_devices(env: Mapping[str, str] | None = None) -> VisibleDevices:
     Entries are indices or UUIDs (whole or a unique prefix such as ``GPU-8932f937``); CUDA stops at the first
     invalid entry (``"0,2,-1,3"`` means 0 and 2), and ``""`` or ``-1`` hides every GPU. Indices follow
     nvidia-smi's (PCI bus) order only when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or the GPUs are all the same model;
-    CUDA's default order puts the fastest GPU first. MIG instances (``MIG-...``) cannot be mapped to their
-    parent GPU from the variable alone; then every GPU is watched and :attr:`VisibleDevices.note` says why.
+    CUDA's default order puts the fastest GPU first (see :class:`OrderCheck`). MIG instances (``MIG-...``) cannot be
+    mapped to their parent GPU from the variable alone; then every GPU is watched and :attr:`VisibleDevices.note`
+    says why.
 
     Args:
         env: the environment to read (default ``os.environ``).
@@ -88,8 +106,9 @@ def visible_devices(env: Mapping[str, str] | None = None) -> VisibleDevices:
     """
     environ = os.environ if env is None else env
     raw = environ.get("CUDA_VISIBLE_DEVICES")
+    pci = environ.get("CUDA_DEVICE_ORDER", "").strip() == "PCI_BUS_ID"
     if raw is None:
-        return VisibleDevices(None)
+        return VisibleDevices(None, pci_order=pci)
     ids: list[str] = []
     note = ""
     for part in raw.split(","):
@@ -110,4 +129,100 @@ def visible_devices(env: Mapping[str, str] | None = None) -> VisibleDevices:
                     f"CUDA_VISIBLE_DEVICES={raw!r}: {item!r} is not a GPU index or UUID; CUDA ignores it and the rest"
                 )
             break  # CUDA stops at the first invalid entry
-    return VisibleDevices(tuple(dict.fromkeys(ids)), note)
+    return VisibleDevices(tuple(dict.fromkeys(ids)), note, pci)
+
+
+def job_devices(
+    cuda: VisibleDevices, gpus: Mapping[int, tuple[str, str]], apps: Iterable[GpuProcess], mine: Iterable[int]
+) -> tuple[VisibleDevices | None, str, bool]:
+    """Which GPUs a job whose ``CUDA_VISIBLE_DEVICES`` names indices in CUDA's default order really uses.
+
+    Args:
+        cuda: what the job's environment says.
+        gpus: every GPU nvidia-smi lists: index -> (UUID, name).
+        apps: the compute processes on them.
+        mine: the job's own pids (this process and its descendants).
+
+    Returns:
+        ``(watch, message, final)``: the GPUs to watch instead (None: keep the indices), what to say (``""``:
+        nothing) and whether it is settled. One model: nothing to change. Mixed models with the job's processes
+        on some GPUs: those GPUs, said. Mixed models and none of the job's processes yet: the warning, not final.
+    """
+    names = sorted({name for _uuid, name in gpus.values()})
+    if len(names) <= 1:
+        return None, "", True
+    ours = set(mine)
+    uuids = {p.gpu_uuid.lower() for p in apps if p.pid in ours and p.gpu_uuid}
+    found = [idx for idx, (uuid, _name) in sorted(gpus.items()) if uuid.lower() in uuids]
+    said = (
+        f"CUDA_VISIBLE_DEVICES={','.join(cuda.ids or ())} counts GPUs fastest first (CUDA_DEVICE_ORDER is not "
+        f"PCI_BUS_ID) and nvidia-smi by PCI bus, and this host mixes {' and '.join(names)}"
+    )
+    if found:
+        which = ", ".join(f"{idx} ({gpus[idx][1]})" for idx in found)
+        return (
+            VisibleDevices(tuple(gpus[i][0] for i in found)),
+            f"{said}: watching GPU {which}, where this job runs",
+            True,
+        )
+    return (
+        None,
+        (
+            f"{said}: watching nvidia-smi's GPU {','.join(cuda.ids or ())}, which may not be the job's; set "
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID (or name the GPUs by UUID) so that the watched GPUs are the job's"
+        ),
+        False,
+    )
+
+
+class OrderCheck:
+    """Polls nvidia-smi (its GPUs' names, then the compute processes) until :func:`job_devices` is settled.
+
+    Args:
+        cuda: what the job's environment says.
+        nvidia_smi: the binary.
+        decided: called from the poller's thread with each answer of :func:`job_devices`.
+        interval: seconds between looks while the job's processes are not on a GPU yet.
+    """
+
+    def __init__(
+        self,
+        cuda: VisibleDevices,
+        nvidia_smi: str | os.PathLike[str] | None,
+        decided: Callable[[VisibleDevices | None, str, bool], None],
+        interval: float = 2.0,
+    ) -> None:
+        from smiquery.sources.latest import Latest
+
+        self.cuda = cuda
+        self.nvidia_smi = nvidia_smi
+        self._decided = decided
+        self._poller: Latest[tuple[VisibleDevices | None, str, bool]] = Latest(
+            self._look, interval, name="gpu-order", on_value=self._answer
+        )
+
+    def _look(self) -> tuple[VisibleDevices | None, str, bool]:
+        from smiquery.sources.apps import processes
+        from smiquery.sources.query_gpu import query
+        from smiquery.training.share import own_pids
+
+        rows = query(["index", "uuid", "name"], nvidia_smi=self.nvidia_smi)
+        gpus = {s.index: (s.uuid or "", str(s.get("name") or "")) for s in rows if s.index is not None}
+        if len({name for _uuid, name in gpus.values()}) <= 1:
+            return None, "", True
+        apps = processes(nvidia_smi=self.nvidia_smi)
+        return job_devices(self.cuda, gpus, apps, own_pids(p.pid for p in apps))
+
+    def _answer(self, answer: tuple[VisibleDevices | None, str, bool]) -> None:
+        self._decided(*answer)
+        if answer[2]:
+            self._poller.close()
+
+    def start(self) -> OrderCheck:
+        """Look now and every ``interval`` seconds until settled or closed."""
+        self._poller.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop looking."""
+        self._poller.close(timeout)

@@ -165,14 +165,17 @@ class EnergySplitter:
     beginning and end with ``time.time()``, the same clock on the same host). A sample's power stands for the
     interval since that GPU's previous sample; where a mark falls inside it, each owner gets its part. At an epoch's
     end, :meth:`tail` credits the newest power up to the end (the sample covering it arrives later), so that the
-    epoch's figure is whole when it is logged; the next sample counts only what is left.
+    epoch's figure is whole when it is logged; the next sample counts only what is left. Before a GPU's first sample
+    nothing is measured: once the run's start is known (:meth:`start`), the first sample's power is held back to it,
+    or to the end of the last epoch already logged (nvidia-smi takes a moment to start; without this the first epoch
+    lost that moment), and :attr:`held` says for how long, per owner.
 
     Args:
         interval: the sampling interval: a step back in the timestamps counts 0, a jump over ``max(3 * interval,
             5 s)`` counts one interval.
     """
 
-    __slots__ = ("cap", "credited", "interval", "last", "marks", "watts")
+    __slots__ = ("began", "cap", "credited", "held", "interval", "last", "marks", "watts")
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
@@ -181,6 +184,14 @@ class EnergySplitter:
         self.watts: dict[int, float] = {}
         self.credited: dict[int, float] = {}
         self.marks: list[tuple[float, Owner]] = []
+        self.began: float | None = None
+        #: seconds whose energy is a first sample's power held back to the run's start, per owner (the longest of
+        #: the GPUs)
+        self.held: dict[Owner, float] = {}
+
+    def start(self, wall: float) -> None:
+        """The run began at ``wall``: each GPU's first sample stands for the time since then."""
+        self.began = wall
 
     def mark(self, wall: float, owner: Owner) -> None:
         """From ``wall`` on, energy belongs to ``owner`` (an epoch, None for the setup, :data:`BETWEEN`)."""
@@ -217,8 +228,16 @@ class EnergySplitter:
             self.watts.pop(idx, None)
             return []
         self.watts[idx] = watts
+        if prev is None and self.began is not None:
+            # not into an epoch already logged: nothing is made up for it
+            began = max([self.began] + [w for w, who in self.marks if who == BETWEEN and w < wall])
+            if began < wall:
+                for who, seconds in self._split(began, wall, 1.0, None):
+                    if who != BETWEEN:
+                        self.held[who] = max(self.held.get(who, 0.0), seconds)
+                return self._split(began, wall, watts, None)
         if prev is None or wall <= prev:
-            return []  # the first sample, or the clock went back: nothing measured
+            return []  # the first sample (the run's start unknown), or the clock went back: nothing measured
         if wall - prev > self.cap:
             return [(self.marks[-1][1] if self.marks else default, watts * self.interval)]
         start = prev
@@ -229,6 +248,11 @@ class EnergySplitter:
                 return []
             start = done
         return self._split(start, wall, watts, default)
+
+    def drop(self, idx: int) -> None:
+        """Forget GPU ``idx`` (it turned out not to be the run's)."""
+        for known in (self.last, self.watts, self.credited):
+            known.pop(idx, None)
 
     def tail(self, idx: int, wall: float, default: Owner) -> list[tuple[Owner, float]]:
         """Credit GPU ``idx``'s newest power from its newest sample (or the last credit) up to ``wall`` now."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 import time
@@ -176,7 +177,8 @@ class _Closable(Protocol):
     def close(self, timeout: float = 5.0) -> None: ...
 
 
-#: Monitors whose stream is open: closed at interpreter exit, so that no nvidia-smi outlives the process.
+#: Monitors whose stream this process opened: closed at interpreter exit, so that no nvidia-smi outlives the process.
+#: A forked child (a data-loader worker) starts with none: the parent's monitors are the parent's to close.
 OPEN_MONITORS: weakref.WeakSet[_Closable] = weakref.WeakSet()
 
 
@@ -187,3 +189,7 @@ def _close_open_monitors() -> None:
             monitor.close(timeout=2.0)
         except Exception:
             pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=OPEN_MONITORS.clear)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
 from smiquery.fields import Field, resolve_fields
-from smiquery.training.devices import VisibleDevices, visible_devices
+from smiquery.training.devices import OrderCheck, VisibleDevices, visible_devices
 from smiquery.training.epochs import (
     BATCH,
     BETWEEN,
@@ -156,7 +156,8 @@ class RunMonitor:
             has come yet (so that the log keys are known); later epoch ends never wait.
         source: a function ``(fields, interval=, gpus=, nvidia_smi=, on_event=)`` returning a
             :class:`~smiquery.source.SampleSource`; default a live :func:`smiquery.stream`.
-        env: the environment whose ``CUDA_VISIBLE_DEVICES`` is read (default ``os.environ``).
+        env: the environment whose ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` are read (default
+            ``os.environ``); indices on a host of mixed models are checked (see :mod:`~smiquery.training.devices`).
         process_share: also run one ``nvidia-smi pmon`` (a second child, started and reaped with the monitor) and report
             how much of each GPU's SM use is the run's own (this process and its descendants, see
             :func:`~smiquery.training.share.own_pids`) against other processes: ``gpuN_share`` = own SM % / all
@@ -220,6 +221,7 @@ class RunMonitor:
         #: optional function returning extra alert context (the learning rate), called on the reading thread
         self.context_extra: Callable[[], Mapping[str, Any]] | None = None
         self._said: set[str] = set()
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._closing = threading.Lock()
         self._summary = summary_spec(self.extra_fields)
@@ -230,7 +232,9 @@ class RunMonitor:
     def _reset(self) -> None:
         #: the alerts of the current (or last) run, with their training position
         self.alerts: list[TrainingAlert] = []
-        #: per epoch, the numbers added to the logs (corrected when late sweeps arrive)
+        #: per epoch, the numbers added to the logs (corrected when late sweeps arrive); the first epoch's record
+        #: also has ``energy_held_back_s``: how long before nvidia-smi's first sample the energy is that sample's
+        #: power held back to the run's start (an estimate, where nothing was measured)
         self.epochs: list[dict[str, float]] = []
         #: counters of the run (steps, samples, data wait, energy): what the metrics report
         self.totals = Totals()
@@ -266,6 +270,8 @@ class RunMonitor:
         self._opened: tuple[Output, ...] = ()
         self._devices = VisibleDevices(None)
         self._cuda = VisibleDevices(None)
+        self._unsure = self._moved = False  # indices in CUDA's default order, checked by _order_check
+        self._order_check: OrderCheck | None = None
         self._started_at = 0.0
         self._epoch_start = 0.0
         self._epoch_step0 = 0
@@ -336,7 +342,9 @@ class RunMonitor:
         """
         self.close()
         self._reset()
+        self._pid = os.getpid()  # only the process that started the run closes it (not a forked child)
         self._started_at = self._epoch_start = time.monotonic()
+        self._energy.start(time.time())
         try:
             return self._start()
         finally:
@@ -354,6 +362,7 @@ class RunMonitor:
         if self._devices.none:
             self.say("CUDA_VISIBLE_DEVICES hides every GPU: GPU monitoring is off")
             return self
+        self._unsure = self.gpus_override is None and self._devices.order_unsure
         names = ["index", "uuid", "timestamp", *SUMMARY_FIELDS]
         names += [f.name for f in self.extra_fields]
         names += [f.name for r in self.rules for f in r.fields]
@@ -372,9 +381,32 @@ class RunMonitor:
         self._reader = threading.Thread(target=self._read, name="smiquery-monitor-reader", daemon=True)
         self._reader.start()
         OPEN_MONITORS.add(self)
+        if self._unsure:
+            self._order_check = OrderCheck(self._cuda, self.nvidia_smi, self._order_known).start()
         if self._share is not None:
             self._share.start(interval=self.interval, gpus=self._devices.stream_gpus(), nvidia_smi=self.nvidia_smi)
         return self
+
+    def _order_known(self, devices: VisibleDevices | None, message: str, final: bool) -> None:
+        """What :class:`~smiquery.training.devices.OrderCheck` found: the job's GPUs (until the keys are fixed)."""
+        if devices is not None:
+            with self._lock:
+                if self._order is not None:
+                    return  # the first epoch is logged: its keys stay
+                self._devices = devices
+                accs = self._accs.values()
+                for idx in [i for i, s in self._latest.items() if not devices.selects(i, s.uuid)]:
+                    self._energy.drop(idx)  # the GPU turned out not to be the job's: forget it
+                    known: list[dict[int, Any]] = [self._latest, self._last_t, self.totals.joules]
+                    for known_by_gpu in known + [a.accs for a in accs] + [a.joules for a in accs]:
+                        known_by_gpu.pop(idx, None)
+                self._moved, source = True, self._source
+            if source is not None:
+                source.close(2.0)  # the reader opens a stream of the job's GPUs
+            if len(devices.ids or ()) == len(self._cuda.ids or ()) == 1:
+                self._cuda = devices  # cuda:0 is that GPU (the framework's memory view)
+        if message:
+            self.say(message, logging.INFO if devices is not None else logging.WARNING, key=f"gpu-order-{final}")
 
     def _open(self) -> SampleSource:
         return self._source_factory(
@@ -446,7 +478,7 @@ class RunMonitor:
     # --------------------------------------------------------------------------------------- reading
 
     def _read(self) -> None:
-        select = self._devices.ids is not None and self._devices.stream_gpus() is None
+        select = self._unsure or (self._devices.ids is not None and self._devices.stream_gpus() is None)
         try:
             while not self._stop.is_set():
                 source = self._source
@@ -463,6 +495,10 @@ class RunMonitor:
                 rejected = self._rejected or (failure if failure is not None and self._is_rejection(failure) else None)
                 if self._stop.is_set():
                     return
+                if self._moved:
+                    self._moved = False
+                    self._source = self._open()
+                    continue
                 if rejected is not None:
                     self._rejected = None
                     try:
@@ -666,6 +702,9 @@ class RunMonitor:
             for idx in list(self._energy.last):
                 self._credit(idx, self._energy.tail(idx, wall, epoch), epoch, acc)
             self._energy.mark(wall, BETWEEN if epoch is not None else None)
+            held = self._energy.held.pop(epoch, 0.0) if epoch is not None else 0.0
+            if not self.epochs:
+                held += self._energy.held.pop(None, 0.0)
             setup = self._accs.pop(None, None)
             if setup is not None and not self.epochs:
                 acc.merge(setup)  # samples before the first epoch began: setup of the first epoch
@@ -674,6 +713,8 @@ class RunMonitor:
             late = {k: self._accs.pop(k) for k in list(self._accs) if k is not None and epoch is not None and k < epoch}
             latest = dict(self._latest)
             fresh = now - max(self._last_t.values(), default=-math.inf) <= max(3 * self.interval, 5.0)
+        if self._order_check is not None:
+            self._order_check.close(0.0)  # the keys are fixed from here on
         if self._order is None:
             order = sorted(set(acc.accs) | set(latest))
             if not order and self._devices.ids and all(i.isdigit() for i in self._devices.ids):
@@ -707,7 +748,10 @@ class RunMonitor:
                 values.update(self._share.epoch_values(epoch, order, first=not self.epochs))
         if epoch is not None:
             self._done_epochs[epoch] = acc
-        self.epochs.append(dict(values))  # a copy: late sweeps correct this record, not the logs handed out
+        record = dict(values)  # a copy: late sweeps correct this record, not the logs handed out
+        if held > 0:
+            record["energy_held_back_s"] = held
+        self.epochs.append(record)
         return values
 
     def _fold_late(self, late: Mapping[int, EpochAccumulator], order: Sequence[int]) -> int:
@@ -791,6 +835,9 @@ class RunMonitor:
             timeout: most seconds to wait for the stream to stop.
         """
         began = time.monotonic()
+        if self._pid != os.getpid():
+            self._forget()
+            return
         with self._closing:
             if (
                 self._source is None
@@ -803,6 +850,14 @@ class RunMonitor:
             self._close_locked(timeout)
         self.cost["close"] = time.monotonic() - began
 
+    def _forget(self) -> None:
+        """In a forked child (a data-loader worker): let go of the parent's run, which closing would end under it."""
+        self._source = self._reader = self._worker = self._notifier = self._order_check = None
+        self._opened = ()
+        self._share = None
+        self._pid = os.getpid()
+        OPEN_MONITORS.discard(self)
+
     def _close_locked(self, timeout: float) -> None:
         self._stop.set()
         self._pos = Position(self._pos.epoch, self._pos.batch, self._pos.step, "done")
@@ -813,6 +868,9 @@ class RunMonitor:
                 source.close(timeout)
             except Exception:
                 log.exception("smiquery: stopping nvidia-smi failed")
+        check, self._order_check = self._order_check, None
+        if check is not None:
+            check.close(timeout)
         share = self._share
         if share is not None:
             share.close(timeout)

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
@@ -463,3 +464,122 @@ def test_a_snapshot_handler_on_the_monitor_saves_the_recent_samples(tmp_path):
     assert alert["context"]["epoch"] == 0 and alert["event"]["gpu"] == 0
     lines = (folder / "samples.csv").read_text().splitlines()
     assert lines[0].startswith("index, uuid") and len(lines) == 1 + 3  # the history up to the firing sample
+
+
+# ------------------------------------------------------------------------------------ forked children
+
+
+@pytest.mark.parametrize("how", ["exit", "close", "os._exit", "pool"])
+def test_a_forked_child_leaves_its_parents_run_alone(fake_smi, tmp_path, how):
+    # DataLoader workers are forked from the training process: when one exits, the parent's run goes on, its
+    # recording whole (rows after the fork in the final file) and its Pushgateway group in place until it ends
+    from smiquery.recordings import read_recording
+    from tests.training.test_metrics import _Gateway
+
+    out = tmp_path / "run.parquet"
+    result = tmp_path / "result.json"
+    script = Path(__file__).with_name("fork_run.py")
+    with _Gateway() as gw:
+        done = subprocess.run(
+            [sys.executable, str(script), how, str(out), gw.url, str(fake_smi()), str(result)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        calls = list(gw.calls)
+    doc = json.loads(result.read_text(encoding="utf-8"))
+    assert doc["journal_kept"] and doc["running"], doc
+    # the parent's recording went on after the fork, into parts of its own
+    stamps = [t.to_pydatetime().timestamp() for t in read_recording(out)["timestamp"]]
+    assert min(stamps) < doc["forked"] < doc["forked"] + 0.5 < max(stamps)
+    assert sorted(p.name for p in out.iterdir()) == ["_smiquery.json", "part-000001.parquet"]
+    # one DELETE: the parent's, when its run ended (a child's would come before the parent's last pushes)
+    deletes = [path for method, path, _ in calls if method == "DELETE"]
+    assert len(deletes) == 1 and deletes[0].endswith("/run/fork"), calls
+    assert calls[-1][0] == "DELETE"
+    assert any(method == "PUT" for method, _, _ in calls)
+
+
+# ---------------------------------------------------------------------------- CUDA's order against nvidia-smi's
+
+_RTX = "GPU-40800000-1111-2222-3333-444444444444"
+_H100 = "GPU-10000000-1111-2222-3333-444444444444"
+
+
+def _two_gpus(path: Path, names: tuple[str, str]) -> Path:
+    """nvidia-smi's GPU 0 and GPU 1 (by PCI bus), drawing 120 W and 650 W."""
+    head = "timestamp, index, uuid, name, temperature.gpu, utilization.gpu [%], memory.used [MiB], power.draw [W]"
+    rows = [f"2026/03/14 09:30:00.000, {i}, {u}, {n}, 60, 90 %, 1000 MiB, {w} W" for i, (u, n, w) in
+            enumerate(zip((_RTX, _H100), names, (120, 650), strict=True))]  # fmt: skip
+    path.write_text("\n".join([head, *rows]) + "\n", encoding="utf-8")
+    return path
+
+
+def _apps(path: Path, rows: list[tuple[int, str]]) -> Path:
+    lines = ["pid, process_name, gpu_uuid, used_gpu_memory [MiB]"]
+    lines += [f"{pid}, python, {uuid}, 2048 MiB" for pid, uuid in rows]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _run_one_epoch(smi: Path, env: dict[str, str], wait: Any = None) -> RunMonitor:
+    monitor = RunMonitor(interval=0.05, alerts=(), nvidia_smi=smi, env=env).start()
+    try:
+        assert wait_for(lambda: monitor.latest() and (wait is None or wait(monitor)), 30, "the watched GPU")
+        monitor.begin_epoch(0)
+        monitor.end_epoch(0)
+    finally:
+        monitor.close()
+    return monitor
+
+
+def test_on_a_mixed_host_the_monitor_watches_the_gpu_the_job_runs_on(fake_smi, tmp_path, caplog):
+    # CUDA_VISIBLE_DEVICES=0 is the fastest GPU to CUDA (the H100, nvidia-smi's GPU 1), not nvidia-smi's GPU 0
+    rec = _two_gpus(tmp_path / "mixed.csv", ("NVIDIA GeForce RTX 4080", "NVIDIA H100 80GB HBM3"))
+    smi = fake_smi(recording=rec, apps=_apps(tmp_path / "apps.csv", [(4242, _RTX), (os.getpid(), _H100)]))
+    with caplog.at_level(logging.INFO, logger="smiquery"):
+        monitor = _run_one_epoch(smi, {"CUDA_VISIBLE_DEVICES": "0"}, lambda m: 1 in m.latest())
+    assert set(monitor.latest()) == {1}
+    values = monitor.epochs[0]
+    assert values["gpu1_power_mean_w"] == 650 and "gpu0_power_mean_w" not in values
+    assert [n for n in monitor.notes if "CUDA_DEVICE_ORDER" in n] == [
+        "CUDA_VISIBLE_DEVICES=0 counts GPUs fastest first (CUDA_DEVICE_ORDER is not PCI_BUS_ID) and nvidia-smi by "
+        "PCI bus, and this host mixes NVIDIA GeForce RTX 4080 and NVIDIA H100 80GB HBM3: watching GPU 1 "
+        "(NVIDIA H100 80GB HBM3), where this job runs"
+    ]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "CUDA" in r.getMessage()]
+
+
+def test_on_a_mixed_host_without_the_jobs_process_the_monitor_says_the_mapping_needs_pci_bus_order(
+    fake_smi, tmp_path, caplog
+):
+    rec = _two_gpus(tmp_path / "mixed.csv", ("NVIDIA GeForce RTX 4080", "NVIDIA H100 80GB HBM3"))
+    smi = fake_smi(recording=rec, apps=_apps(tmp_path / "apps.csv", [(4242, _RTX)]))
+    with caplog.at_level(logging.WARNING, logger="smiquery"):
+        monitor = _run_one_epoch(smi, {"CUDA_VISIBLE_DEVICES": "0"}, lambda m: m.notes)
+    said = [n for n in monitor.notes if "CUDA_DEVICE_ORDER=PCI_BUS_ID" in n]
+    assert len(said) == 1 and "may not be the job's" in said[0]
+    assert len([r for r in caplog.records if "CUDA_DEVICE_ORDER=PCI_BUS_ID" in r.getMessage()]) == 1
+    assert set(monitor.latest()) == {0}  # nvidia-smi's GPU 0, as the warning says
+
+
+@pytest.mark.parametrize(
+    ("names", "env"),
+    [
+        (("NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"), {"CUDA_VISIBLE_DEVICES": "0"}),
+        (
+            ("NVIDIA GeForce RTX 4080", "NVIDIA H100 80GB HBM3"),
+            {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+        ),
+        (("NVIDIA GeForce RTX 4080", "NVIDIA H100 80GB HBM3"), {"CUDA_VISIBLE_DEVICES": _RTX}),
+    ],
+    ids=["one-model", "pci-bus-order", "uuid"],
+)
+def test_where_indices_are_nvidia_smis_nothing_is_said(fake_smi, tmp_path, names, env):
+    rec = _two_gpus(tmp_path / "gpus.csv", names)
+    smi = fake_smi(recording=rec, apps=_apps(tmp_path / "apps.csv", [(os.getpid(), _H100)]))
+    monitor = _run_one_epoch(smi, env)
+    assert set(monitor.latest()) == {0}
+    assert not [n for n in monitor.notes if "CUDA" in n]
