@@ -200,7 +200,7 @@ _G = TypeVar("_G", bound=_HasBus)
 
 
 def gpu_for(event: XidEvent, gpus: Iterable[_G]) -> _G | None:
-    """The GPU (a :class:`~smiquery.details.GpuDetails`, or anything with ``pci_bus_id``) the event is about."""
+    """The GPU (a :class:`~smiquery.sources.details.GpuDetails`, or anything with ``pci_bus_id``) the event is about."""
     key = bus_key(event.pci_bus_id)
     for gpu in gpus:
         if gpu.pci_bus_id and bus_key(gpu.pci_bus_id) == key:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from smiquery.details import parse_xml
 from smiquery.errors import KernelLogError, UsageError
 from smiquery.sample import bus_key
+from smiquery.sources.details import parse_xml
 from smiquery.xid import XID_CATALOGUE, XidEvent, XidFollower, follow, gpu_for, parse_line
 
 FIXTURE = Path(__file__).parent / "fixtures" / "details-2gpu-mig.xml"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from smiquery.exporter.httpd import HttpServer, Request, Response
     from smiquery.exporter.webconfig import WebConfig
-    from smiquery.pmon import ProcessShare
+    from smiquery.sources.pmon import ProcessShare
     from smiquery.training.memory import MemoryView
 
 __all__ = ["JobMetrics", "MonitoredJob", "Totals"]

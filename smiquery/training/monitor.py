@@ -50,10 +50,10 @@ from smiquery.training.share import ShareTracker
 from smiquery.training.xid import XidAlerts
 
 if TYPE_CHECKING:
-    from smiquery.pmon import ProcessShare
     from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
+    from smiquery.sources.pmon import ProcessShare
 
 __all__ = ["RunMonitor"]
 
