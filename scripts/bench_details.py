@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark ``smiquery.details.parse_xml`` against a bare ElementTree parse of the same bytes, in one process.
+"""Benchmark ``smiquery.sources.details.parse_xml`` against a bare ElementTree parse of the same bytes, in one process.
 
 For each document (the corpus's ``-q -x`` captures, read in place from ../shared/nvsmi-corpus/xml, and an 8-GPU
 document made by repeating the A100 MIG capture's GPU eight times, the size of a real 8-GPU server's output) it
@@ -32,7 +32,7 @@ from typing import cast
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from smiquery.details import parse_xml  # noqa: E402
+from smiquery.sources.details import parse_xml  # noqa: E402
 
 CORPUS = ROOT.parent / "shared" / "nvsmi-corpus" / "xml"
 FIXTURE = ROOT / "tests" / "fixtures" / "details-2gpu-mig.xml"

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from smiquery.pmon import PmonParser, _Grouper, top_processes  # noqa: E402
+from smiquery.sources.pmon import InstantGrouper, PmonParser, top_processes  # noqa: E402
 
 SPLIT_TARGET = 12.0
 RSS_TARGET_MIB = 2.0
@@ -97,7 +97,7 @@ def main() -> int:
     stream_parser = PmonParser(strict=False)
     for h in HEADER:
         stream_parser.feed(h)
-    grouper = _Grouper()
+    grouper = InstantGrouper()
     rss_at: dict[int, float] = {}
     instants = 0
     for i, line in enumerate(_lines(1_000_000), 1):

@@ -15,7 +15,7 @@ from smiquery.errors import SmiqueryError
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (and re) at run time
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
-    from smiquery import aio, compat, fields, pmon, runner, sample, source, sources, streams  # noqa: F401
+    from smiquery import aio, compat, fields, runner, sample, source, sources, streams  # noqa: F401
     from smiquery.recordings.csv import read_csv
     from smiquery.recordings.playback import replay
     from smiquery.retry import RetryPolicy
@@ -48,7 +48,7 @@ _LAZY = {
 }
 # Submodules reachable after a plain `import smiquery` (`smiquery.aio.query(...)`, `smiquery.fields.CATALOGUE`),
 # imported on first use: the adoption modules, and those that `import smiquery` used to import eagerly.
-_LAZY_MODULES = frozenset({"aio", "compat", "pmon", "fields", "runner", "sample", "source", "sources", "streams"})
+_LAZY_MODULES = frozenset({"aio", "compat", "fields", "runner", "sample", "source", "sources", "streams"})
 
 
 def __getattr__(name: str) -> object:

@@ -371,11 +371,11 @@ _HW_SLOWDOWN = ("hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown",
 
 def _details_check(binary: str, timeout: float) -> CheckResult:
     """9. memory and clock health from ``nvidia-smi -q -x``: row remaps and page retirements, hardware slowdowns."""
-    from smiquery.details import inspect
+    from smiquery.sources.details import details
 
     name = "memory and clock health"
     try:
-        gpus = inspect(nvidia_smi=binary, timeout=max(timeout, 10.0))  # -q -x is slow on big servers
+        gpus = details(nvidia_smi=binary, timeout=max(timeout, 10.0))  # -q -x is slow on big servers
     except SmiqueryError as exc:
         return CheckResult(
             name,

@@ -117,7 +117,7 @@ def test_lazy_names_resolve_to_their_modules_objects(name: str, module: str) -> 
 
 
 def test_submodules_resolve_after_a_plain_import() -> None:
-    names = ["fields", "sources", "sample", "runner", "source", "streams", "aio", "pmon", "compat"]
+    names = ["fields", "sources", "sample", "runner", "source", "streams", "aio", "compat"]
     code = f"import smiquery; print(*(getattr(smiquery, n).__name__ for n in {names!r}))"
     done = _run([sys.executable, "-c", code])
     assert done.returncode == 0, done.stderr[-400:]

@@ -87,11 +87,11 @@ def _samples_csv(samples: Sequence[GpuSample], max_bytes: int) -> str:
 
 
 def _details_json(folder: Path, max_bytes: int) -> None:
-    """``details.json``: the saved ``-q -x`` parsed (:func:`smiquery.details.parse_xml`), or why it could not be."""
+    """``details.json``: the saved ``-q -x`` parsed (:func:`~smiquery.sources.details.parse_xml`), or why not."""
     import warnings
 
-    from smiquery.details import parse_xml
     from smiquery.errors import SmiqueryError
+    from smiquery.sources.details import parse_xml
 
     xml = folder / "nvidia-smi-q.xml"
     if not xml.is_file():
@@ -122,8 +122,8 @@ def take_snapshot(
 
     The folder (``DIR/<time>-<field>-gpu<N>``) holds ``alert.json`` (the event and its context),
     ``nvidia-smi-q.xml`` (``nvidia-smi -q -x``), ``details.json`` (that XML parsed by
-    :func:`smiquery.details.parse_xml`: memory, clock event reasons by name, retired pages, remapped rows, processes,
-    MIG instances; ``details.json.error.txt`` when it cannot be parsed), ``processes.csv`` (the compute
+    :func:`smiquery.sources.details.parse_xml`: memory, clock event reasons by name, retired pages, remapped rows,
+    processes, MIG instances; ``details.json.error.txt`` when it cannot be parsed), ``processes.csv`` (the compute
     processes) and ``samples.csv`` (the recent samples, in nvidia-smi's CSV layout, which ``smiquery report``
     reads). Each nvidia-smi call is
     bounded by ``timeout`` and each file by ``max_bytes``; a call that fails leaves ``<file>.error.txt`` saying why.

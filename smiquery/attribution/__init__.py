@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from smiquery._log import get_logger
-from smiquery.details import parse_list
 from smiquery.retry import one_line
+from smiquery.sources.details import parse_list
 from smiquery.sources.latest import Latest
 
 __all__ = [

@@ -48,8 +48,8 @@ _registered: list[Any] = []
 def _load_app() -> Any:
     """The typer app with every command registered (imported on first use: the fast path needs none of it)."""
     if not _registered:
+        from smiquery.cli import details as _details  # noqa: F401
         from smiquery.cli import doctor, export, fields, stream  # noqa: F401  (@app.command registers them)
-        from smiquery.cli import inspect as _inspect  # noqa: F401
         from smiquery.cli import top as _top  # noqa: F401
         from smiquery.cli._common import app
         from smiquery.cli.analysis import register as register_analysis

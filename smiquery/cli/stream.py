@@ -38,10 +38,10 @@ from smiquery.retry import RetryPolicy
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent, Notifier, Rule
     from smiquery.cli.display import LiveTable
-    from smiquery.cli.liveprocs import ProcessPoller
     from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
+    from smiquery.sources.latest import Latest
 
 __all__ = ["EventPrinter", "stream", "subscribe"]
 
@@ -199,7 +199,7 @@ class _Run:
     #: timestamps (a replay has only those)
     live_time: bool = False
     #: polls the processes under each GPU for the live table
-    processes: ProcessPoller | None = None
+    processes: Latest[dict[int, list[str]]] | None = None
 
 
 _EPILOG = """\b
@@ -596,14 +596,16 @@ def _open_outputs(
 _LIVE_HEALTH = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pending == Yes")
 
 
-def _live_processes(live: LiveTable, settings: Settings, ids: Sequence[str] | None, seconds: float) -> ProcessPoller:
+def _live_processes(
+    live: LiveTable, settings: Settings, ids: Sequence[str] | None, seconds: float
+) -> Latest[dict[int, list[str]]]:
     """The poller of the processes under each GPU of the live table (every 2 s, or the interval if longer).
 
     It starts with the first sweep, so that its nvidia-smi calls do not slow the stream's own start.
     """
-    from smiquery.cli.liveprocs import ProcessPoller
+    from smiquery.cli.liveprocs import live_processes
 
-    poller = ProcessPoller(
+    poller = live_processes(
         live.set_processes, nvidia_smi=settings.nvidia_smi, gpus=ids, every=max(2.0, seconds), timeout=settings.timeout
     )
     live.show_processes = True
@@ -792,7 +794,7 @@ def _finish(pump: _Pump, source: SampleSource, run: _Run, outcome: _Outcome, int
     """Stop the source, tell the events that came with the end, close the handlers, writers and the live table."""
     pump.halt(max(5.0, 2 * interval))
     if run.processes is not None:
-        run.processes.stop()
+        run.processes.close(2.0)
     while True:  # events that came with the end (the error that ended the source is raised instead)
         try:
             left_over = pump.queue.get_nowait()
@@ -837,8 +839,8 @@ def _take_sweep(sweep: Sweep, source: SampleSource, run: _Run) -> bool:
     for sample in sweep:
         fired = _take_sample(sample, run, now) or fired
     run.sweeps += 1
-    if run.processes is not None and not run.processes.started:
-        run.processes.start()
+    if run.processes is not None:
+        run.processes.start()  # with the first sweep; once
     if run.live is not None:
         run.live.update(sweep, now)
         if time.monotonic() - run.last_draw >= 0.1:

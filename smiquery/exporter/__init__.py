@@ -17,7 +17,6 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     ) from _exc
 
 from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
-from smiquery.exporter.detailswatch import DetailsPoller
 from smiquery.exporter.events import EventLog, configure_logging
 from smiquery.exporter.naming import (
     DCGM_MAP,
@@ -30,7 +29,6 @@ from smiquery.exporter.naming import (
     render,
 )
 from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
-from smiquery.exporter.poller import ProcessPoller
 from smiquery.exporter.server import Exporter, serve
 from smiquery.exporter.state import SourceHealth, parse_labels, source_health
 from smiquery.http.webconfig import WebConfig, load_web_config
@@ -41,14 +39,12 @@ __all__ = [
     "HEALTH_METRICS",
     "IDENTITY_FIELDS",
     "PMON_METRICS",
-    "DetailsPoller",
     "EventLog",
     "Exporter",
     "MetricSpec",
     "Naming",
     "PmonWatcher",
     "ProcessInstant",
-    "ProcessPoller",
     "SmiCollector",
     "SourceHealth",
     "WebConfig",

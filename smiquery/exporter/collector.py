@@ -14,7 +14,7 @@ from prometheus_client.metrics_core import Metric
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.attribution import check_labels
-from smiquery.exporter.detailswatch import details_health, mig_families
+from smiquery.exporter.detailswatch import details_health, fresh_details, mig_families
 from smiquery.exporter.families import (
     attribution_families,
     counter,
@@ -44,14 +44,13 @@ from smiquery.sample import bus_key
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator
     from smiquery.attribution import Attribution
-    from smiquery.details import GpuDetails
-    from smiquery.exporter.detailswatch import DetailsPoller
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
-    from smiquery.exporter.poller import ProcessPoller
     from smiquery.fields import Field
     from smiquery.sample import BusKey, GpuSample
     from smiquery.source import SampleSource, Sweep
     from smiquery.sources.apps import GpuProcess
+    from smiquery.sources.details import GpuDetails
+    from smiquery.sources.latest import Latest
     from smiquery.sources.xid import XidWatcher
 
 __all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector"]
@@ -79,10 +78,11 @@ class SmiCollector:
         fields: the fields the stream queries (default: ``stream.fields``).
         naming: ``smiquery`` or ``dcgm``.
         labels: constant labels added to every series.
-        processes: a :class:`ProcessPoller` to add per-process GPU memory; None for none.
+        processes: a :class:`~smiquery.sources.latest.Latest` listing the compute processes
+            (:func:`~smiquery.exporter.server.process_poller`) to add per-process GPU memory; None for none.
         pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher` to add the busiest processes per GPU (SM and
             memory use from ``nvidia-smi pmon``); None for none.
-        details: a :class:`~smiquery.exporter.detailswatch.DetailsPoller` (``nvidia-smi -q -x`` on its own
+        details: a :func:`~smiquery.exporter.detailswatch.details_poller` (``nvidia-smi -q -x`` on its own
             cadence) to add per-MIG-instance memory; None for none.
         xid: a :class:`~smiquery.sources.xid.XidWatcher` to add ``smiquery_xid_errors_total``; None for none.
         stale_after: seconds after which the newest sweep counts as stale (default ``max(3 * interval, 15)``).
@@ -102,9 +102,9 @@ class SmiCollector:
         fields: Sequence[Field] | None = None,
         naming: Naming = "smiquery",
         labels: Mapping[str, str] | Iterable[str] | None = None,
-        processes: ProcessPoller | None = None,
+        processes: Latest[tuple[GpuProcess, ...]] | None = None,
         pmon: PmonWatcher | None = None,
-        details: DetailsPoller | None = None,
+        details: Latest[tuple[GpuDetails, ...]] | None = None,
         xid: XidWatcher | None = None,
         stale_after: float | None = None,
         hostname: str | None = None,
@@ -467,8 +467,8 @@ class SmiCollector:
 
     def _slow_key(self) -> tuple[object, ...]:
         # what the details' and the Xid watcher's families depend on: they change rarely, scrapes are frequent
-        got = self.details.fresh() if self.details is not None else None
-        latest = self.details.latest()[0] if self.details is not None else None
+        got = fresh_details(self.details) if self.details is not None else None
+        latest = self.details.get().value if self.details is not None else None
         xid = (self.xid.events, self.xid.up) if self.xid is not None else None
         return (got is not None, latest, xid, self._gpu_version)
 
@@ -479,7 +479,7 @@ class SmiCollector:
             out.extend(details_health(self.details, self.labels))
         if self.xid is not None:
             # the GPUs are known once the CSV has a sweep and, when details run, their first answer is in
-            known = bool(self._gpus) and (self.details is None or self.details.latest()[0] is not None)
+            known = bool(self._gpus) and (self.details is None or self.details.get().value is not None)
             out.extend(xid_families(self.xid, self._gpu_at_bus(), self.labels, inventory_known=known))
         return out
 
@@ -536,13 +536,13 @@ class SmiCollector:
             ),
         ]
         errors = counter("smiquery_nvidia_smi_errors", "nvidia-smi failures, by error type and source.")
-        for source, owner in (
-            ("stream", st),
-            ("processes", self.processes),
-            ("pmon", self.pmon),
-            ("details", self.details),
+        for source, failures in (
+            ("stream", st.errors),
+            ("processes", self.processes.get().failures if self.processes is not None else None),
+            ("pmon", self.pmon.errors if self.pmon is not None else None),
+            ("details", self.details.get().failures if self.details is not None else None),
         ):
-            for typ, n in sorted(dict(owner.errors).items()) if owner is not None else ():
+            for typ, n in sorted(dict(failures).items()) if failures is not None else ():
                 errors.add_sample(errors.name + "_total", {**self.labels, "type": typ, "source": source}, float(n))
         if errors.samples:
             out.append(errors)
@@ -583,12 +583,13 @@ class SmiCollector:
     def _health_tail(self, duration: float) -> list[Metric]:
         one = self._one
         out: list[Metric] = []
-        if self.processes is not None and self.naming == "nvidia_smi":
-            ok = self.processes.polls > 0 and self.processes.last_error is None
+        listed = self.processes.get() if self.processes is not None else None
+        if listed is not None and self.naming == "nvidia_smi":
+            ok = listed.polls > 0 and listed.error is None
             doc = "1 when the last process listing worked."
             out.append(one(gauge("nvidia_smi_compute_apps_last_collect_success", doc), 1.0 if ok else 0.0))
-        if self.processes is not None:
-            _, _, when = self.processes.latest()
+        if listed is not None:
+            when = listed.at
             if when is not None:
                 doc = "Unix time of the newest successful listing of compute processes."
                 out.append(one(gauge("smiquery_processes_last_success_timestamp_seconds", doc), when))
@@ -651,7 +652,7 @@ class SmiCollector:
     def _gpu_at_bus(self) -> Callable[[BusKey], Mapping[str, str] | None]:
         """PCI key -> the ``gpu`` and ``uuid`` of the GPU there: the GPUs seen in the CSV, then in the details."""
         found: dict[BusKey, dict[str, str]] = {}
-        details = self.details.latest()[0] if self.details is not None else None
+        details = self.details.get().value if self.details is not None else None
         for d in details or ():
             key = bus_key(d.pci_bus_id or "")
             if key is not None:
@@ -667,10 +668,7 @@ class SmiCollector:
     def _fresh_processes(self) -> tuple[GpuProcess, ...] | None:
         if self.processes is None:
             return None
-        procs, age, _ = self.processes.latest()
-        if procs is None or age is None or age > max(3 * self.processes.interval, self.stale_after):
-            return None
-        return procs
+        return self.processes.get().fresh(max(3 * self.processes.interval, self.stale_after))
 
     def collect(self) -> Iterator[Metric]:
         """Yield the GPU, process and health metric families (the ``prometheus_client`` collector protocol)."""
@@ -678,7 +676,7 @@ class SmiCollector:
         self.refresh()
         sweep, age = self.stream.latest()
         instant = self.pmon.fresh() if self.pmon is not None else None
-        details = self.details.fresh() if self.details is not None else None
+        details = fresh_details(self.details) if self.details is not None else None
         fams = self._data_families(sweep, self._fresh(sweep, age), self._fresh_processes(), instant, details)
         yield from fams
         yield from self.health_families(sweep, age, time.perf_counter() - t0)
@@ -695,7 +693,7 @@ class SmiCollector:
         fresh = self._fresh(sweep, age)
         procs = self._fresh_processes()
         instant = self.pmon.fresh() if self.pmon is not None else None
-        details = self.details.fresh() if self.details is not None else None
+        details = fresh_details(self.details) if self.details is not None else None
         key = (sweep if fresh else None, procs, instant, details, *(self.attribution.token if self.attribution else ()))
         with self._lock:
             if len(key) != len(self._cache_key) or any(a is not b for a, b in zip(key, self._cache_key)):

@@ -1,22 +1,18 @@
-"""The details poller: ``nvidia-smi -q -x`` on its own slow cadence, in its own thread, and the MIG families.
+"""The details poll: ``nvidia-smi -q -x`` on its own slow cadence, in its own thread, and the MIG families.
 
-``-q -x`` takes 0.4-6 s on big servers, so it never runs on the scrape path: :class:`DetailsPoller` runs it every
-``interval`` seconds (60 by default) and a scrape reads the newest result. :func:`mig_families` turns that result
-into per-MIG-instance memory series.
+``-q -x`` takes 0.4-6 s on big servers, so it never runs on the scrape path: :func:`details_poller` runs it every
+``interval`` seconds (60 by default) in a :class:`~smiquery.sources.latest.Latest` and a scrape reads the newest
+result. :func:`mig_families` turns that result into per-MIG-instance memory series.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from smiquery._log import get_logger
-from smiquery.details import GpuDetails, inspect
-from smiquery.errors import SmiqueryError
 from smiquery.exporter.families import gauge
+from smiquery.sources.details import GpuDetails, details
+from smiquery.sources.latest import Latest
 from smiquery.streams.argv import normalize_gpus
 
 if TYPE_CHECKING:
@@ -27,12 +23,21 @@ if TYPE_CHECKING:
     from smiquery.runner import Runner
     from smiquery.streams.argv import GpusArg
 
-__all__ = ["DEFAULT_DETAILS_INTERVAL", "MIG_METRICS", "DetailsPoller", "details_health", "mig_families"]
-
-log = get_logger("smiquery.exporter")
+__all__ = [
+    "DEFAULT_DETAILS_INTERVAL",
+    "DETAILS_TIMEOUT",
+    "MIG_METRICS",
+    "details_health",
+    "details_poller",
+    "details_stale_after",
+    "fresh_details",
+    "mig_families",
+]
 
 #: Seconds between ``nvidia-smi -q -x`` runs by default (the CLI's ``--details-interval``).
 DEFAULT_DETAILS_INTERVAL = 60.0
+#: Seconds one details poll may take (``-q -x`` and, with MIG, ``-L``).
+DETAILS_TIMEOUT = 45.0
 
 #: The per-MIG-instance families: (native name, DCGM name, MigDevice attribute, help).
 MIG_METRICS: tuple[tuple[str, str, str, str], ...] = (
@@ -42,112 +47,45 @@ MIG_METRICS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
-class DetailsPoller:
-    """Runs :func:`smiquery.inspect` every ``interval`` seconds in a supervised background thread.
+def details_poller(
+    interval: float = DEFAULT_DETAILS_INTERVAL,
+    *,
+    gpus: GpusArg = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    runner: Runner | None = None,
+) -> Latest[tuple[GpuDetails, ...]]:
+    """:func:`smiquery.details` every ``interval`` seconds, in a background :class:`Latest` (scrapes read its newest).
 
-    A failure (nvidia-smi's typed errors, or a bug) is counted by type and logged once per kind in a row; the
-    thread goes on to the next poll. Scrapes read :meth:`latest` only.
+    Each poll may take :data:`DETAILS_TIMEOUT` seconds (``-q -x`` and, with MIG, ``-L``): not tied to the interval,
+    a slow poll delays the next, it is not cut short. A failure, of nvidia-smi or a bug, is counted by type and
+    logged once per message in a row; the next poll runs.
 
     Args:
         interval: seconds between polls.
         gpus: only these GPUs.
         nvidia_smi: path of the binary.
-        timeout: seconds one poll may take (``-q -x`` and, with MIG, ``-L``).
         runner: how to run nvidia-smi (tests inject one).
+
+    Raises:
+        ValueError: an interval that is not positive.
+        InvalidGpuIdError: a malformed GPU id.
     """
+    ids = normalize_gpus(gpus) or None
+    return Latest(
+        lambda: tuple(details(ids, nvidia_smi=nvidia_smi, timeout=DETAILS_TIMEOUT, runner=runner)),
+        interval,
+        name="nvidia-smi -q -x",
+    )
 
-    def __init__(
-        self,
-        interval: float = DEFAULT_DETAILS_INTERVAL,
-        *,
-        gpus: GpusArg = None,
-        nvidia_smi: str | os.PathLike[str] | None = None,
-        timeout: float = 45.0,
-        runner: Runner | None = None,
-    ) -> None:
-        if not interval > 0:
-            raise ValueError("the details interval must be positive")
-        self.interval = float(interval)
-        self.gpus = normalize_gpus(gpus)
-        self.nvidia_smi = nvidia_smi
-        self.timeout = float(timeout)  # not tied to the interval: a slow poll delays the next, it is not cut short
-        self.runner = runner
-        self.errors: Counter[str] = Counter()
-        self.polls = 0
-        self.last_error: str | None = None
-        self._latest: tuple[tuple[GpuDetails, ...], float, float] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    @property
-    def stale_after(self) -> float:
-        """Seconds after which the newest result is no longer served: three polls missed."""
-        return 3 * self.interval + self.timeout
+def details_stale_after(poller: Latest[tuple[GpuDetails, ...]]) -> float:
+    """Seconds after which the newest details are no longer served: three polls missed."""
+    return 3 * poller.interval + DETAILS_TIMEOUT
 
-    def poll(self) -> None:
-        """Run one poll now (errors are counted, never raised)."""
-        self.polls += 1
-        try:
-            got = inspect(self.gpus or None, nvidia_smi=self.nvidia_smi, timeout=self.timeout, runner=self.runner)
-        except SmiqueryError as exc:
-            self._failed(type(exc).__name__, str(exc))
-            return
-        self.last_error = None
-        self._latest = (tuple(got), time.monotonic(), time.time())
 
-    def _failed(self, kind: str, text: str) -> None:
-        self.errors[kind] += 1
-        line = text.splitlines()[0] if text else kind
-        if self.last_error != line:  # one line per kind of failure in a row, not one per poll
-            log.warning("smiquery exporter: nvidia-smi -q -x failed: %s", line)
-        self.last_error = line
-
-    def latest(self) -> tuple[tuple[GpuDetails, ...] | None, float | None, float | None]:
-        """The newest details, their age in seconds and their wall-clock time; Nones before the first success."""
-        got = self._latest
-        if got is None:
-            return None, None, None
-        return got[0], time.monotonic() - got[1], got[2]
-
-    def fresh(self) -> tuple[GpuDetails, ...] | None:
-        """The newest details while younger than :attr:`stale_after`, else None."""
-        got, age, _ = self.latest()
-        if got is None or age is None or age > self.stale_after:
-            return None
-        return got
-
-    def start(self) -> DetailsPoller:
-        """Poll in a background thread until :meth:`close`. Returns self."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="smiquery-details", daemon=True)
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            try:
-                self.poll()
-            except Exception as exc:  # a bug must not end the thread: counted, logged, the next poll runs
-                log.exception("smiquery exporter: polling nvidia-smi -q -x failed")
-                self._failed(type(exc).__name__, str(exc))
-            # the cadence is kept from the start of each poll, so a slow -q -x does not stretch it
-            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
-
-    @property
-    def running(self) -> bool:
-        """True while the polling thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop polling; wait up to ``timeout`` seconds for a poll in progress.
-
-        A slow ``-q -x`` is not waited for to its end (a stopping exporter must exit within its grace period): its
-        call stays bounded by the poll's own timeout.
-        """
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+def fresh_details(poller: Latest[tuple[GpuDetails, ...]]) -> tuple[GpuDetails, ...] | None:
+    """The newest details while younger than :func:`details_stale_after`, else None."""
+    return poller.get().fresh(details_stale_after(poller))
 
 
 def mig_families(
@@ -205,8 +143,8 @@ def mig_families(
     return out
 
 
-def details_health(poller: DetailsPoller, labels: Mapping[str, str]) -> list[Metric]:
-    """The details poller's health: whether its newest result is fresh, and when it was taken.
+def details_health(poller: Latest[tuple[GpuDetails, ...]], labels: Mapping[str, str]) -> list[Metric]:
+    """The details poll's health: whether its newest result is fresh, and when it was taken.
 
     Args:
         poller: the poller.
@@ -217,11 +155,12 @@ def details_health(poller: DetailsPoller, labels: Mapping[str, str]) -> list[Met
     """
     up = gauge(
         "smiquery_details_up",
-        f"1 when nvidia-smi -q -x answered within the last {poller.stale_after:g} s (MIG series are served), else 0.",
+        f"1 when nvidia-smi -q -x answered within the last {details_stale_after(poller):g} s (MIG series are "
+        "served), else 0.",
     )
-    up.add_sample(up.name, dict(labels), 1.0 if poller.fresh() is not None else 0.0)
+    up.add_sample(up.name, dict(labels), 1.0 if fresh_details(poller) is not None else 0.0)
     out = [up]
-    _, _, wall = poller.latest()
+    wall = poller.get().at
     if wall is not None:
         when = gauge("smiquery_details_last_success_timestamp_seconds", "Unix time of the newest nvidia-smi -q -x.")
         when.add_sample(when.name, dict(labels), wall)

@@ -1,7 +1,7 @@
-"""The exporter's per-process source: one supervised ``nvidia-smi pmon`` in a background thread, top-N kept.
+"""The exporter's per-process source: one supervised ``nvidia-smi pmon`` followed by a ``Latest``, top-N kept.
 
 :class:`PmonWatcher` keeps only the newest instant, already cut down to the ``top`` busiest processes of each GPU
-plus one ``other`` row (:func:`smiquery.pmon.top_processes`), so a scrape builds a bounded set of series from it.
+plus one ``other`` row (:func:`smiquery.sources.pmon.top_processes`), so a scrape builds a bounded set of series.
 """
 
 from __future__ import annotations
@@ -9,14 +9,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from smiquery import pmon
-from smiquery._log import get_logger
-from smiquery.errors import SmiqueryError
+from smiquery.errors import StreamEndedError
 from smiquery.retry import RetryPolicy
+from smiquery.sources import pmon
+from smiquery.sources.latest import Latest
+from smiquery.streams.pmon import PmonStream, stream
 
 if TYPE_CHECKING:
     import os
@@ -25,8 +26,6 @@ if TYPE_CHECKING:
     from smiquery.streams.argv import GpusArg
 
 __all__ = ["TOP_PROCESSES_BY", "PmonWatcher", "ProcessInstant", "process_instant"]
-
-log = get_logger("smiquery.exporter")
 
 
 @dataclass(frozen=True)
@@ -118,10 +117,10 @@ def process_instant(
 
 
 class PmonWatcher:
-    """Follows ``nvidia-smi pmon`` in a background thread and keeps its newest instant, cut to the top processes.
+    """Follows ``nvidia-smi pmon`` in a background ``Latest`` and keeps its newest instant, cut to the top processes.
 
-    The stream is :func:`smiquery.pmon.stream` (one child, stall detection, restarts with backoff). An error that
-    needs a person (pmon not supported on this GPU or driver, NVML missing...) ends it: one warning is logged,
+    The stream is :func:`smiquery.streams.pmon.stream` (one child, stall detection, restarts with backoff). An error
+    that needs a person (pmon not supported on this GPU or driver, NVML missing...) ends it: one warning is logged,
     nothing is served, and a new stream is tried every ``retry_after`` seconds (logged again only when the error
     changes). Every child is reaped by :meth:`close`.
 
@@ -136,7 +135,7 @@ class PmonWatcher:
         stale_after: seconds after which the newest instant is not served (default ``max(4 * interval, 10)``).
         retry_after: seconds between attempts after an error that needs a person.
         user_of: pid -> user name (tests inject one).
-        make_stream: builds the pmon stream (tests inject one); default :func:`smiquery.pmon.stream`.
+        make_stream: builds the pmon stream (tests inject one); default :func:`smiquery.streams.pmon.stream`.
 
     Raises:
         ValueError: ``top`` below 1, or an interval pmon rejects.
@@ -155,7 +154,7 @@ class PmonWatcher:
         stale_after: float | None = None,
         retry_after: float = 300.0,
         user_of: Callable[[int], str | None] = pmon.process_user,
-        make_stream: Callable[[], pmon.PmonStream] | None = None,
+        make_stream: Callable[[], PmonStream] | None = None,
         by: str = "name",
     ) -> None:
         if isinstance(top, bool) or not isinstance(top, int) or top < 1:
@@ -166,22 +165,15 @@ class PmonWatcher:
         self.by = by
         self.interval = interval
         self.stale_after = float(stale_after) if stale_after is not None else max(4.0 * interval, 10.0)
-        self.retry_after = float(retry_after)
+        #: pmon's failures by error type: each restart's error, and each end of a stream
         self.errors: Counter[str] = Counter()
-        self.last_error: str | None = None
         self.last_error_type: str | None = None
-        self.starts = 0
-        self.instants = 0
         self._user_of = user_of
-        self._failed = False
-        self._logged: str | None = None
-        self._latest: ProcessInstant | None = None
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._closed = False
 
-        def default_stream() -> pmon.PmonStream:
-            return pmon.stream(
+        def default_stream() -> PmonStream:
+            return stream(
                 gpus=gpus,
                 interval=interval,
                 select="um",
@@ -190,123 +182,83 @@ class PmonWatcher:
                 stall_timeout=stall_timeout,
                 retry=RetryPolicy(
                     max_restarts=None, backoff_max=30.0, permanent_retry=None
-                ),  # raised here, logged once and retried every retry_after by _run
+                ),  # raised here, logged once and opened again every retry_after by the Latest
                 on_event=self._on_event,
             )
 
         self._make = make_stream or default_stream
         # made here, so that a bad interval, GPU id or binary fails the exporter's start, not a thread
-        self._stream: pmon.PmonStream | None = self._make()
-
-    # --------------------------------------------------------------------------------------------- state
+        self._stream: PmonStream | None = self._make()
+        self._made: PmonStream | None = self._stream
+        self.poll: Latest[ProcessInstant] = Latest.following(
+            self._instants, retry_after, name="nvidia-smi pmon", on_close=self._close_stream
+        )
 
     def _on_event(self, event: StreamEvent) -> None:
         if event.kind == "error" and event.error is not None:
-            name = type(event.error).__name__
-            self.errors[name] += 1
-            self.last_error_type, self.last_error = name, event.detail or name
+            self.errors[type(event.error).__name__] += 1
+            self.last_error_type = type(event.error).__name__
+
+    def _instants(self) -> Iterator[ProcessInstant]:
+        """One stream's instants, cut to the top processes; its end is an error (pmon never ends by itself)."""
+        with self._lock:
+            made, self._made = self._made, None
+        counted = self.errors.copy()
+        new: PmonStream | None = None
+        try:
+            new = made if made is not None else self._make()
+            with self._lock:
+                if self._closed:
+                    return  # never iterated: no child to reap
+                self._stream = new
+            for instant in new.samples():
+                yield process_instant(instant, self.top, user_of=self._user_of, by=self.by)
+        except Exception as exc:
+            name = self.last_error_type = type(exc).__name__
+            if self.errors[name] == counted[name]:
+                self.errors[name] += 1  # raised without an error event (e.g. while starting the child)
+            raise
+        finally:
+            if new is not None:
+                new.close()
+        if not self._closed:  # without -c pmon never ends by itself: the stream restarts it
+            self.last_error_type = "StreamEndedError"
+            raise StreamEndedError(list(new.argv), 0, "", "nvidia-smi pmon ended by itself")
+
+    def _close_stream(self) -> None:
+        with self._lock:
+            self._closed = True
+            current = self._stream
+        if current is not None:
+            current.close()
 
     @property
     def state(self) -> str:
         """``starting``, ``running``, ``retrying`` (pmon restarts after an error), ``failed`` or ``closed``."""
-        if self._stop.is_set():
+        if self._closed:
             return "closed"
-        if self._failed:
+        snap = self.poll.get()
+        if snap.error is not None:
             return "failed"
         s = self._stream
         st = str(s.stats.state) if s is not None else "starting"
-        if st == "running" and self._latest is None:
+        if st == "running" and snap.value is None:
             return "starting"
         return st if st in ("starting", "running", "retrying") else "failed"
 
     def latest(self) -> tuple[ProcessInstant | None, float | None]:
         """The newest instant and its age in seconds (Nones before the first)."""
-        got = self._latest
-        if got is None:
-            return None, None
-        return got, time.monotonic() - got.received
+        snap = self.poll.get()
+        return snap.value, snap.age
 
     def fresh(self) -> ProcessInstant | None:
         """The newest instant when it is younger than ``stale_after`` and pmon still runs, else None."""
-        got, age = self.latest()
-        if got is None or age is None or age > self.stale_after or self.state in ("failed", "closed"):
-            return None
-        return got
-
-    # ---------------------------------------------------------------------------------------------- work
-
-    def _take(self, instant: tuple[pmon.PmonRow, ...]) -> None:
-        self._latest = process_instant(instant, self.top, user_of=self._user_of, by=self.by)
-        self.instants += 1
-        if self._logged is not None:
-            log.info("smiquery exporter: nvidia-smi pmon works again; per-process metrics are back")
-            self._logged = None
-        self._failed = False
-
-    def _give_up(self, name: str, first: str) -> None:
-        self.last_error, self.last_error_type = first, name
-        self._failed = True
-        if name != self._logged:
-            log.warning(
-                "smiquery exporter: nvidia-smi pmon cannot run (%s: %s); no per-process metrics, the GPU metrics "
-                "go on; trying again every %g s",
-                name,
-                first,
-                self.retry_after,
-            )
-            self._logged = name
-        else:
-            log.debug("smiquery exporter: nvidia-smi pmon still cannot run: %s", first)
-
-    def _failure(self, exc: BaseException, counted_before: int) -> None:
-        name = type(exc).__name__
-        if self.errors[name] == counted_before:
-            self.errors[name] += 1  # raised without an error event (e.g. while starting the child)
-        self._give_up(name, str(exc).splitlines()[0] if str(exc) else name)
-
-    def _follow(self, stream: pmon.PmonStream) -> None:
-        self.starts += 1
-        before = self.errors.copy()
-        try:
-            for instant in stream.samples():
-                self._take(instant)
-                if self._stop.is_set():
-                    return
-        except SmiqueryError as exc:
-            self._failure(exc, before[type(exc).__name__])
-            return
-        except Exception as exc:  # a bug must not end the exporter
-            log.exception("smiquery exporter: following nvidia-smi pmon failed")
-            self._failure(exc, before[type(exc).__name__])
-            return
-        finally:
-            stream.close()
-        if not self._stop.is_set():  # without -c pmon never ends by itself: the stream restarts it
-            self._give_up("StreamEndedError", "nvidia-smi pmon ended by itself")
-
-    def _run(self) -> None:
-        stream = self._stream
-        while not self._stop.is_set():
-            if stream is not None:
-                self._follow(stream)
-            if self._stop.wait(self.retry_after):
-                return
-            try:
-                new = self._make()
-            except SmiqueryError as exc:
-                self._failure(exc, self.errors[type(exc).__name__])
-                stream = None
-                continue
-            with self._lock:
-                if self._stop.is_set():
-                    return  # never iterated: no child to reap
-                self._stream = stream = new
+        got = self.poll.get().fresh(self.stale_after)
+        return None if got is None or self.state in ("failed", "closed") else got
 
     def start(self) -> PmonWatcher:
         """Follow pmon in a background thread until :meth:`close`. Returns self."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="smiquery-pmon", daemon=True)
-            self._thread.start()
+        self.poll.start()
         return self
 
     def close(self, timeout: float = 15.0) -> None:
@@ -315,10 +267,4 @@ class PmonWatcher:
         Args:
             timeout: seconds to wait for the thread.
         """
-        with self._lock:
-            self._stop.set()
-            stream = self._stream
-        if stream is not None:
-            stream.close()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        self.poll.close(timeout)

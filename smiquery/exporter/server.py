@@ -20,11 +20,11 @@ from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator
 from smiquery.errors import ListenError, PortInUseError
 from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
-from smiquery.exporter.detailswatch import DetailsPoller
+from smiquery.exporter.detailswatch import details_poller
 from smiquery.exporter.events import EventLog
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
-from smiquery.exporter.poller import ProcessPoller
+from smiquery.exporter.poller import process_poller
 from smiquery.exporter.state import parse_labels
 from smiquery.fields import resolve_fields
 from smiquery.http.server import HttpServer, Request, Response
@@ -219,7 +219,7 @@ class Exporter:
     Attributes:
         collector: the :class:`SmiCollector` behind ``/metrics``.
         stream: the background :class:`~smiquery.streams.sync.Stream` (a new one after a revival).
-        poller: the :class:`ProcessPoller`, when ``processes=True``.
+        poller: the process poll (:func:`~smiquery.exporter.poller.process_poller`), when ``processes=True``.
         pmon: the :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, when ``top_processes`` is above 0.
         http: the :class:`~smiquery.http.server.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
         revive_after: seconds before a stream that stopped for good is replaced.
@@ -492,7 +492,7 @@ def serve(
 
         s = make_stream()
         if processes:
-            poller = ProcessPoller(processes_interval, gpus=gpus, nvidia_smi=nvidia_smi)
+            poller = process_poller(processes_interval, gpus=gpus, nvidia_smi=nvidia_smi)
         if top_processes:
             pmon_interval = min(10, max(1, round(interval)))  # pmon takes whole seconds, 1 to 10
             watcher = PmonWatcher(
@@ -506,7 +506,7 @@ def serve(
                 stale_after=max(stale_after, 2.0 * pmon_interval + 1.0) if stale_after is not None else None,
             )
         if details_interval is not None:
-            details = DetailsPoller(details_interval, gpus=gpus, nvidia_smi=nvidia_smi)
+            details = details_poller(details_interval, gpus=gpus, nvidia_smi=nvidia_smi)
         if kernel_log is not None:
             xid = XidWatcher(kernel_log, on_event=events.on_xid, on_error=_xid_failed, retry=_XID_RETRY)
         collector = SmiCollector(

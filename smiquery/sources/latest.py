@@ -3,6 +3,7 @@
 Every periodic look at the machine (compute processes, ``-q -x`` details, the Kubernetes pod list, ...) is a
 ``Latest`` around a plain function: the function does the work and raises on failure; ``Latest`` owns the thread,
 the interval, the newest value, its age and the last error. Readers (scrapes, the live table) never wait on it.
+:meth:`Latest.following` keeps the newest value of a stream instead (pmon's instants), opened again after it fails.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -42,6 +43,10 @@ class Snapshot(Generic[T]):
     polls: int
     failures: Counter[str]
 
+    def fresh(self, max_age: float) -> T | None:
+        """The value while it is at most ``max_age`` seconds old, else None."""
+        return self.value if self.age is not None and self.age <= max_age else None
+
 
 def _one_line(exc: BaseException) -> str:
     text = str(exc)
@@ -52,8 +57,8 @@ class Latest(Generic[T]):
     """Runs ``fetch`` every ``interval`` seconds in a daemon thread; :meth:`get` returns the newest result.
 
     A failing poll keeps the previous value (its age grows), records the error and is logged once per change of
-    message. Exceptions other than ``errors`` propagate out of :meth:`poll` (a bug is not a poll failure) and stop
-    the thread after being logged.
+    message; the first success after a failure is logged too. Exceptions other than ``errors`` propagate out of
+    :meth:`poll` (a bug is not a poll failure) and stop the thread after being logged.
 
     Args:
         fetch: called with no arguments; its result becomes the newest value.
@@ -91,6 +96,43 @@ class Latest(Generic[T]):
         self._stop = threading.Event()
         self._first = threading.Event()
         self._thread: threading.Thread | None = None
+        self._values: Callable[[], Iterable[T]] | None = None
+        self._on_close: Callable[[], None] | None = None
+
+    @classmethod
+    def following(
+        cls,
+        values: Callable[[], Iterable[T]],
+        retry_after: float,
+        *,
+        name: str,
+        errors: tuple[type[BaseException], ...] = (Exception,),
+        on_close: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> Latest[T]:
+        """Keep the newest value of a stream: ``values()`` is iterated in the thread, each value the newest.
+
+        When the iteration fails with one of ``errors`` (recorded and logged as a failed poll) or ends, ``values()``
+        is called again ``retry_after`` seconds later. :attr:`Snapshot.polls` counts the calls.
+
+        Args:
+            values: opens the stream (called in the thread, so that a failure to open is a failed poll).
+            retry_after: seconds between the end of one stream and the opening of the next.
+            name: the thread's name, and the subject of the log lines.
+            errors: the exception types a stream may fail with.
+            clock: monotonic seconds (ages); ``wall``: seconds since the epoch. Injectable for tests.
+            wall: see ``clock``.
+            on_close: called by :meth:`close` after the thread was told to stop: ends a blocked iteration (closes
+                the stream).
+        """
+
+        def unused() -> T:
+            raise RuntimeError(f"{name} follows a stream: there is nothing to poll")
+
+        latest = cls(unused, retry_after, name=name, errors=errors, clock=clock, wall=wall)
+        latest._values, latest._on_close = values, on_close
+        return latest
 
     def poll(self) -> T | None:
         """Run one poll now, in the caller's thread. Returns the new value, or None when the poll failed."""
@@ -98,19 +140,40 @@ class Latest(Generic[T]):
         try:
             value = self.fetch()
         except self._errors as exc:
-            self._failures[type(exc).__name__] += 1
-            message = _one_line(exc)
-            if message != self._error:
-                log.warning("smiquery: %s failed: %s", self.name, message)
-            self._error = message
+            self._failed(exc)
             return None
         finally:
             self._first.set()
+        self._took(value)
+        return value
+
+    def _follow(self, values: Callable[[], Iterable[T]]) -> None:
+        self._polls += 1
+        try:
+            for value in values():
+                self._took(value)
+                self._first.set()
+                if self._stop.is_set():
+                    return
+        except self._errors as exc:
+            self._failed(exc)
+        finally:
+            self._first.set()
+
+    def _failed(self, exc: BaseException) -> None:
+        self._failures[type(exc).__name__] += 1
+        message = _one_line(exc)
+        if message != self._error:
+            log.warning("smiquery: %s failed: %s", self.name, message)
+        self._error = message
+
+    def _took(self, value: T) -> None:
+        if self._error is not None:
+            log.info("smiquery: %s works again", self.name)
         self._error = None
         self._value = (value, self._clock(), self._wall())
         if self._on_value is not None:
             self._on_value(value)
-        return value
 
     def get(self) -> Snapshot[T]:
         """The newest value, its age and time, and the last error; never waits on a poll."""
@@ -135,9 +198,13 @@ class Latest(Generic[T]):
         return self
 
     def _run(self) -> None:
+        values = self._values
         while not self._stop.is_set():
             try:
-                self.poll()
+                if values is None:
+                    self.poll()
+                else:
+                    self._follow(values)
             except BaseException:
                 log.exception("smiquery: %s stopped on an unexpected error", self.name)
                 raise
@@ -146,6 +213,8 @@ class Latest(Generic[T]):
     def close(self, timeout: float = 15.0) -> None:
         """Stop polling; wait up to ``timeout`` seconds for a poll under way (each should bound its own time)."""
         self._stop.set()
+        if self._on_close is not None:
+            self._on_close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 

@@ -203,8 +203,8 @@ def gpu_for(event: XidEvent, gpus: Iterable[_G]) -> _G | None:
 
     Args:
         event: the event.
-        gpus: :class:`~smiquery.details.GpuDetails`, samples that queried ``pci.bus_id``, or anything else with a
-            ``pci_bus_id`` attribute (one without it, or whose address is None, matches nothing).
+        gpus: :class:`~smiquery.sources.details.GpuDetails`, samples that queried ``pci.bus_id``, or anything else
+            with a ``pci_bus_id`` attribute (one without it, or whose address is None, matches nothing).
     """
     key = bus_key(event.pci_bus_id)
     for gpu in gpus:

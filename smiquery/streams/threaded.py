@@ -1,6 +1,6 @@
 """The thread driver of the engine: reads a child's lines with deadlines, sleeps between starts, reaps.
 
-:class:`~smiquery.streams.sync.Stream` (CSV) and :class:`~smiquery.pmon.PmonStream` both run their
+:class:`~smiquery.streams.sync.Stream` (CSV) and :class:`~smiquery.streams.pmon.PmonStream` both run their
 :class:`~smiquery.streams.engine.Engine` through one :class:`ThreadDriver`: the loop, the child's life and
 :meth:`ThreadDriver.close` exist once.
 """

@@ -42,9 +42,9 @@ from smiquery.training.share import ShareTracker
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent
-    from smiquery.pmon import ProcessShare
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
+    from smiquery.sources.pmon import ProcessShare
 
 __all__ = ["Output", "RunMonitor", "Totals"]
 

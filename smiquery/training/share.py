@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 from smiquery._log import get_logger
 
 if TYPE_CHECKING:
-    from smiquery.pmon import PmonRow, PmonStream, ProcessShare
     from smiquery.source import StreamEvent
+    from smiquery.sources.pmon import PmonRow, ProcessShare
+    from smiquery.streams.pmon import PmonStream
 
 __all__ = ["ShareTracker", "instant_shares", "own_pids"]
 
@@ -109,8 +110,8 @@ class _ShareAcc:
 def instant_shares(rows: Iterable[PmonRow], mine: Iterable[int]) -> dict[int, ProcessShare]:
     """Per GPU of one pmon instant, the SM use of ``mine`` against every other process.
 
-    :func:`smiquery.pmon.process_share` for the GPUs the run is on; unlike it, every other GPU in the instant is
-    reported too (its share is then 0 when others keep it busy, None when it is idle).
+    :func:`smiquery.sources.pmon.process_share` for the GPUs the run is on; unlike it, every other GPU in the instant
+    is reported too (its share is then 0 when others keep it busy, None when it is idle).
 
     Args:
         rows: one pmon instant.
@@ -119,7 +120,7 @@ def instant_shares(rows: Iterable[PmonRow], mine: Iterable[int]) -> dict[int, Pr
     Returns:
         GPU index -> share; ``share`` is None when no process reported SM use.
     """
-    from smiquery.pmon import ProcessShare, process_share
+    from smiquery.sources.pmon import ProcessShare, process_share
 
     rows = list(rows)
     out = process_share(rows, set(mine))
@@ -151,10 +152,10 @@ def _open_pmon(
 ) -> PmonStream:
     """The one ``nvidia-smi pmon`` stream of a monitor with ``process_share`` (SM use only, 1..10 s apart).
 
-    The only place the monitor builds a pmon stream, so that a change in :func:`smiquery.pmon.stream`'s options
+    The only place the monitor builds a pmon stream, so that a change in :func:`smiquery.streams.pmon.stream`'s options
     is adapted here. Failures arrive through ``on_event`` (an unsupported pmon as an ``error`` event).
     """
-    from smiquery import pmon
+    from smiquery.streams import pmon
 
     seconds = max(1, min(10, round(interval)))
     ids = list(gpus)[:4] if gpus else None  # pmon watches four GPUs at most

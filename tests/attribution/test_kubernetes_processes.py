@@ -20,8 +20,8 @@ from smiquery.attribution.cgroups import PodCgroup, parse_cgroup, pod_of_pid
 from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
 from smiquery.exporter.families import workload_usage_families
 from smiquery.exporter.pmonwatch import ProcessInstant
-from smiquery.pmon import PmonRow
 from smiquery.sources.apps import GpuProcess
+from smiquery.sources.pmon import PmonRow
 
 if importlib.util.find_spec("kubernetes") is None:
     if os.environ.get("CI") == "true":

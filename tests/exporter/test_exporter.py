@@ -41,13 +41,13 @@ from smiquery.errors import InvalidFieldError, NvidiaSmiTimeoutError, PortInUseE
 from smiquery.exporter import (
     DCGM_MAP,
     Exporter,
-    ProcessPoller,
     SmiCollector,
     metric_specs,
     parse_labels,
     render,
     serve,
 )
+from smiquery.exporter.poller import process_poller
 from smiquery.fields import CATALOGUE, Kind, resolve_fields
 from smiquery.retry import RetryPolicy
 from smiquery.runner import SubprocessRunner
@@ -247,7 +247,7 @@ def test_bools_enums_and_bitmasks(started, recording):
 
 def test_constant_labels_on_every_series(started, inproc):
     s = started("health")
-    poller = ProcessPoller(60)
+    poller = process_poller(60)
     poller.poll()
     col = SmiCollector(s, labels=["site=lab", "rack=r7"], processes=poller)
     families = list(col.collect())
@@ -273,7 +273,7 @@ def test_gpu_lost_mid_stream_shows_in_health_and_series_vanish(started, recordin
 def test_processes_memory_per_pid(started, inproc, recording):
     s = started("health")
     inproc.recording = recording
-    poller = ProcessPoller(60)
+    poller = process_poller(60)
     poller.poll()
     reg = collected(SmiCollector(s, processes=poller))
     rec = recorded(recording)
@@ -286,10 +286,11 @@ def test_processes_memory_per_pid(started, inproc, recording):
 
 def test_processes_poll_failure_is_counted_not_raised(inproc):
     inproc.fault = "driver-not-loaded"
-    poller = ProcessPoller(60)
+    poller = process_poller(60)
     poller.poll()
-    assert poller.errors == {"DriverNotLoadedError": 1}
-    assert poller.latest() == (None, None, None)
+    snap = poller.get()
+    assert snap.failures == {"DriverNotLoadedError": 1}
+    assert (snap.value, snap.age, snap.at) == (None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------- naming

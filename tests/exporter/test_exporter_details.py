@@ -20,7 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from smiquery.exporter.detailswatch import DetailsPoller
+from smiquery.exporter.detailswatch import details_poller, fresh_details
 from smiquery.testing import InProcessRunner
 from tests.corpus import require_corpus
 from tests.helpers import wait_for
@@ -137,12 +137,12 @@ def test_a_mig_reconfiguration_updates_the_series_without_a_restart(
 
 
 def test_a_failing_details_poll_is_counted_and_leaves_the_mig_series_out() -> None:
-    poller = DetailsPoller(60, runner=InProcessRunner(fault="garbage", env={"SMIQUERY_FAKE_XML": str(FIXTURE)}))
+    poller = details_poller(60, runner=InProcessRunner(fault="garbage", env={"SMIQUERY_FAKE_XML": str(FIXTURE)}))
     poller.poll()
-    assert sum(poller.errors.values()) == 1 and poller.last_error
-    assert poller.fresh() is None
+    assert sum(poller.get().failures.values()) == 1 and poller.get().error
+    assert fresh_details(poller) is None
     with pytest.raises(ValueError, match="positive"):
-        DetailsPoller(0)
+        details_poller(0)
 
 
 # ------------------------------------------------------------------------------------------------------- Xid

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from smiquery.exporter import PMON_METRICS, Exporter, SmiCollector, serve
 from smiquery.exporter.pmonwatch import process_instant
-from smiquery.pmon import parse_pmon
 from smiquery.source import StreamStats
+from smiquery.sources.pmon import parse_pmon
 from tests.exporter.test_exporter import ROOT, cli, flat, get
 from tests.helpers import wait_for
 from tests.leakcheck import no_leaks, wait_no_children
@@ -431,7 +431,7 @@ def test_by_default_series_are_per_process_name_and_short_lived_pids_add_none(ex
 
 
 def test_by_name_the_series_stay_bounded_whatever_pids_come_and_go():
-    from smiquery.pmon import PmonRow
+    from smiquery.sources.pmon import PmonRow
 
     col = SmiCollector(_Idle(), fields=[])
     series: dict[str, set[tuple[tuple[str, str], ...]]] = {"name": set(), "pid": set()}

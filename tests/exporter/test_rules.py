@@ -78,8 +78,8 @@ def kubernetes_names() -> set[str]:
     from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
     from smiquery.exporter.families import attribution_families, workload_usage_families
     from smiquery.exporter.pmonwatch import ProcessInstant
-    from smiquery.pmon import PmonRow
     from smiquery.sources.apps import GpuProcess
+    from smiquery.sources.pmon import PmonRow
 
     gpu = "GPU-c1b0d0c2-7b24-505e-e600-706601380be7"
     answers: list[Any] = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -89,3 +90,41 @@ def test_the_thread_polls_until_closed_and_delivers_values():
 def test_the_interval_must_be_positive():
     with pytest.raises(ValueError, match="interval must be positive"):
         Latest(lambda: 1, 0, name="details")
+
+
+def test_a_snapshot_is_fresh_up_to_its_max_age():
+    clock = Clock()
+    latest = Latest(lambda: "v", 5.0, name="x", clock=clock)
+    assert latest.get().fresh(10.0) is None  # nothing yet
+    latest.poll()
+    clock.now += 10.0
+    assert latest.get().fresh(10.0) == "v" and latest.get().fresh(9.9) is None
+
+
+def test_following_keeps_the_newest_value_and_opens_the_stream_again_after_a_failure(
+    caplog: pytest.LogCaptureFixture,
+):
+    caplog.set_level("INFO", logger="smiquery.poll")
+    opened: list[int] = []
+    three = threading.Event()
+    closed = threading.Event()
+
+    def values() -> Iterator[int]:
+        opened.append(len(opened))
+        if len(opened) == 1:
+            yield 1
+            raise NvidiaSmiFailedError(["nvidia-smi", "pmon"], 3, "Not supported on the device(s)")
+        yield 2
+        three.set()
+        closed.wait(30)  # blocked, as a stream between instants, until close() ends it
+        yield 3
+
+    latest = Latest.following(values, 0.01, name="nvidia-smi pmon", errors=(NvidiaSmiFailedError,), on_close=closed.set)
+    with latest:
+        assert three.wait(30)
+        snap = latest.get()
+        assert snap.value == 2 and snap.error is None and snap.polls == 2
+        assert snap.failures == {"NvidiaSmiFailedError": 1}
+    assert not latest.running and opened == [0, 1]
+    assert "nvidia-smi pmon failed: nvidia-smi exited with code 3" in caplog.text
+    assert "nvidia-smi pmon works again" in caplog.text

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from smiquery.details import parse_xml
 from smiquery.errors import KernelLogError, UsageError
 from smiquery.sample import bus_key
+from smiquery.sources.details import parse_xml
 from smiquery.sources.xid import XID_CATALOGUE, XidEvent, XidFollower, XidWatcher, follow, gpu_for, parse_line
 from tests.helpers import wait_for
 

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from smiquery import aio, errors, pmon
+from smiquery import aio, errors
 from smiquery.retry import FAIL_FAST_ATTEMPTS, RetryPolicy
 from smiquery.runner import live_children
 from smiquery.source import StreamEvent, StreamStats
+from smiquery.sources.pmon import PmonRow
+from smiquery.streams import pmon
 from tests.conftest import MakeFake
 
 
@@ -151,7 +153,7 @@ def test_pmon_close_during_a_slow_retry_ends_the_stream(fake_smi: MakeFake, monk
     monkeypatch.setenv("SMIQUERY_FAKE_PMON_UNSUPPORTED", "1")
     p = pmon.stream(nvidia_smi=fake_smi(), retry=RetryPolicy(permanent_retry=3600))
     done = threading.Event()
-    rows: list[pmon.PmonRow] = []
+    rows: list[PmonRow] = []
 
     def consume() -> None:
         rows.extend(p)

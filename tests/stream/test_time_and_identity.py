@@ -221,7 +221,7 @@ def test_a_flooding_loop_child_keeps_memory_flat(fake_smi: MakeFake):
 
 
 def iter_pmon(smi: Path, **kw: Any) -> Iterator[Any]:
-    from smiquery import pmon
+    from smiquery.streams import pmon
 
     with pmon.stream(nvidia_smi=smi, **kw) as p:
         yield from p
@@ -229,7 +229,7 @@ def iter_pmon(smi: Path, **kw: Any) -> Iterator[Any]:
 
 @pytest.mark.parametrize("kind", ["sync", "aio", "pmon"])
 def test_every_driver_has_one_retry_policy_and_one_stats_shape(fake_smi: MakeFake, kind: str):
-    from smiquery import pmon
+    from smiquery.streams import pmon
 
     policy = RetryPolicy(backoff_initial=0.01, backoff_max=0.02, max_restarts=2)
     smi = fake_smi(fault="crash-after:10")
@@ -259,7 +259,7 @@ def test_every_driver_has_one_retry_policy_and_one_stats_shape(fake_smi: MakeFak
 
 
 def test_defaults_are_one_policy():
-    from smiquery import pmon
+    from smiquery.streams import pmon
 
     defaults = {
         stream(nvidia_smi=sys.executable).retry_policy,

@@ -116,7 +116,7 @@ class ProcCache:
         return self._known[key]
 
     def _read(self, pid: int, name: str | None) -> tuple[str | None, str | None]:
-        from smiquery.pmon import process_user
+        from smiquery.sources.pmon import process_user
 
         proc = self.root / str(pid)
         try:

@@ -25,9 +25,10 @@ from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from smiquery.cli.display import Column
-    from smiquery.pmon import PmonRow, PmonStream
     from smiquery.runner import Completed, LineSource
     from smiquery.source import StreamEvent
+    from smiquery.sources.pmon import PmonRow
+    from smiquery.streams.pmon import PmonStream
 
 __all__ = ["PsSort", "watch"]
 
@@ -199,7 +200,7 @@ class _EventLines:
 
 
 def _records(instant: Sequence[PmonRow], sort: str, procs: ProcCache) -> list[dict[str, object]]:
-    from smiquery.pmon import sort_rows
+    from smiquery.sources.pmon import sort_rows
 
     rows = sorted((r for r in instant if not r.idle), key=lambda r: (r.gpu if r.gpu is not None else -1, r.pid or 0))
     rows = sort_rows(rows, sort, descending=sort in _DESCENDING)
@@ -470,7 +471,7 @@ def watch(
             restart cannot fix (or kept failing: see :data:`~smiquery.retry.FAIL_FAST_ATTEMPTS`). Once refreshes
             have been shown, other failures are retried under the stream's policy.
     """
-    from smiquery.pmon import stream
+    from smiquery.streams.pmon import stream
 
     ids = parse_gpus(gpus)
     out = sys.stdout

@@ -1,6 +1,6 @@
 """``nvidia-smi -q -x``, typed: what the ``--query-gpu`` CSV cannot say.
 
-:func:`inspect` runs ``nvidia-smi -q -x`` once (and ``nvidia-smi -L`` when a GPU has MIG enabled, for the MIG
+:func:`details` runs ``nvidia-smi -q -x`` once (and ``nvidia-smi -L`` when a GPU has MIG enabled, for the MIG
 UUIDs and profiles), bounded by one timeout like :func:`smiquery.query`, and returns one :class:`GpuDetails` per
 GPU: identity, memory, active clock event reasons by name, retired pages, remapped rows, processes with their
 type, inforom and bridge chip versions, MIG mode and :class:`MigDevice` instances. :func:`parse_xml` reads a
@@ -16,7 +16,7 @@ Safety: the XML comes from the local nvidia-smi, but is parsed with :mod:`xml.et
 fetches external entities or DTDs; a document declaring entities of its own (``<!ENTITY``, the way to blow up
 an XML parser) is refused with :class:`~smiquery.errors.ParseError` before parsing.
 
-``-q -x`` takes 0.4-6 s on multi-GPU servers: keep it off any fast path. An exporter calls :func:`inspect` on
+``-q -x`` takes 0.4-6 s on multi-GPU servers: keep it off any fast path. An exporter calls :func:`details` on
 its own slow cadence from its own thread; each call is independent and holds no state but the warn-once set.
 """
 
@@ -51,7 +51,7 @@ __all__ = [
     "MigDevice",
     "RemappedRows",
     "RetiredPages",
-    "inspect",
+    "details",
     "parse_list",
     "parse_xml",
 ]
@@ -538,10 +538,10 @@ def _join_listing(gpus: list[GpuDetails], listing: Mapping[str, list[tuple[int, 
     return out
 
 
-# ------------------------------------------------------------------------------------------------ inspect
+# ------------------------------------------------------------------------------------------------ details
 
 
-def inspect(
+def details(
     gpus: GpusArg = None,
     *,
     nvidia_smi: str | os.PathLike[str] | None = None,
@@ -582,8 +582,8 @@ def inspect(
         start = done.stdout.find("<nvidia_smi_log")
     if start < 0:
         raise failure_from_exit(argv, done.returncode or 1, done.output)
-    details = parse_xml(done.stdout[start:])
-    if any(g.mig_devices for g in details):
+    found = parse_xml(done.stdout[start:])
+    if any(g.mig_devices for g in found):
         left = deadline - time.monotonic()
         if left <= 0:
             raise NvidiaSmiTimeoutError(
@@ -593,5 +593,5 @@ def inspect(
         listed = run.run(largv, left)
         if listed.returncode != 0:
             raise failure_from_exit(largv, listed.returncode, listed.output)
-        details = _join_listing(details, parse_list(listed.stdout))
-    return details
+        found = _join_listing(found, parse_list(listed.stdout))
+    return found

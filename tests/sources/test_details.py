@@ -1,4 +1,4 @@
-"""`nvidia-smi -q -x` typed: every corpus XML, the MIG capture, the DTD versions, and inspect() over the fake."""
+"""`nvidia-smi -q -x` typed: every corpus XML, the MIG capture, the DTD versions, and details() over the fake."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ from pathlib import Path
 import pytest
 
 import smiquery
-from smiquery import details
-from smiquery.details import GpuDetails, inspect, parse_list, parse_xml
 from smiquery.errors import DriverNotLoadedError, NoDevicesFoundError, NvidiaSmiTimeoutError, ParseError
+from smiquery.sources import details as details_module
+from smiquery.sources.details import GpuDetails, details, parse_list, parse_xml
 from smiquery.testing import InProcessRunner
 from tests.corpus import require_corpus
 
-FIXTURE = Path(__file__).parent / "fixtures" / "details-2gpu-mig.xml"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "details-2gpu-mig.xml"
 _UUID = re.compile(r"GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}")
 
 
 @pytest.fixture(autouse=True)
 def _fresh_warn_once(monkeypatch):
-    monkeypatch.setattr(details, "_warned", set())
+    monkeypatch.setattr(details_module, "_warned", set())
 
 
 def _corpus_xml() -> list[Path]:
@@ -177,33 +177,33 @@ def _fake(**env: str) -> InProcessRunner:
     return InProcessRunner(env={"SMIQUERY_FAKE_XML": str(FIXTURE), **env})
 
 
-def test_inspect_joins_the_mig_uuids_and_profiles_from_dash_l():
-    a, b = smiquery.inspect(runner=_fake())
+def test_details_joins_the_mig_uuids_and_profiles_from_dash_l():
+    a, b = smiquery.details(runner=_fake())
     assert [(d.profile, d.memory_total) for d in a.mig_devices] == [("3g.40gb", 40192), ("1g.10gb", 9728)]
     uuids = [d.uuid or "" for d in a.mig_devices]
     assert all(u.startswith("MIG-") for u in uuids) and len(set(uuids)) == 2
     assert b.uuid == "GPU-66666666-7777-8888-9999-000000000000"
 
 
-def test_inspect_selects_gpus_and_reports_an_unknown_one():
+def test_details_selects_gpus_and_reports_an_unknown_one():
     runner = _fake()
-    (only,) = inspect("00000000:0F:00.0", runner=runner)
+    (only,) = details("00000000:0F:00.0", runner=runner)
     assert only.uuid == "GPU-66666666-7777-8888-9999-000000000000"
     with pytest.raises(NoDevicesFoundError):
-        inspect(5, runner=runner)
+        details(5, runner=runner)
 
 
-def test_inspect_against_the_recording_without_an_xml():
-    gpus = inspect(runner=InProcessRunner())
+def test_details_against_the_recording_without_an_xml():
+    gpus = details(runner=InProcessRunner())
     assert len(gpus) == 8
     assert gpus[0].name == "NVIDIA H100 80GB HBM3" and gpus[0].memory_total == 81559
     assert gpus[0].processes and gpus[0].processes[0].used_memory == 69126
 
 
-def test_inspect_raises_typed_errors_for_faults():
+def test_details_raises_typed_errors_for_faults():
     with pytest.raises(DriverNotLoadedError):
-        inspect(runner=_fake(SMIQUERY_FAKE_FAULT="driver-not-loaded"))
+        details(runner=_fake(SMIQUERY_FAKE_FAULT="driver-not-loaded"))
     with pytest.raises(ParseError):
-        inspect(runner=_fake(SMIQUERY_FAKE_FAULT="truncated"))
+        details(runner=_fake(SMIQUERY_FAKE_FAULT="truncated"))
     with pytest.raises(NvidiaSmiTimeoutError):
-        inspect(runner=_fake(SMIQUERY_FAKE_FAULT="hang"), timeout=1.0)
+        details(runner=_fake(SMIQUERY_FAKE_FAULT="hang"), timeout=1.0)

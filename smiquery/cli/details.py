@@ -17,7 +17,7 @@ from smiquery.cli._common import GpusOpt, app, parse_gpus, settings_of
 from smiquery.errors import RecordingError
 
 if TYPE_CHECKING:
-    from smiquery.details import GpuDetails
+    from smiquery.sources.details import GpuDetails
 
 __all__ = ["inspect_cmd", "render_details"]
 
@@ -124,7 +124,7 @@ def inspect_cmd(
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
-        from smiquery.details import inspect, parse_xml
+        from smiquery.sources.details import details, parse_xml
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -133,13 +133,13 @@ def inspect_cmd(
                     text = xml.read_bytes()
                 except OSError as exc:
                     raise RecordingError(f"cannot read {xml}: {exc.strerror or exc}; give a saved -q -x file") from None
-                details = parse_xml(text)
+                found = parse_xml(text)
             else:
                 ids = parse_gpus(gpus)
-                details = inspect(ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
+                found = details(ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
         warn_lines(caught)
         if fmt is InspectFormat.json:
-            sys.stdout.write(json.dumps([g.to_dict() for g in details], indent=2) + "\n")
+            sys.stdout.write(json.dumps([g.to_dict() for g in found], indent=2) + "\n")
         else:
-            sys.stdout.write(render_details(details))
+            sys.stdout.write(render_details(found))
         sys.stdout.flush()

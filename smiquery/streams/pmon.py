@@ -1,0 +1,220 @@
+"""The pmon stream: one supervised ``nvidia-smi pmon`` child, parsed into rows and cut into instants.
+
+The surface itself (the fixed-width parser, the argv, the engine's interpreter, instants and summaries) is
+:mod:`smiquery.sources.pmon`; this is its thread driver, as :mod:`smiquery.streams.sync` is the CSV stream's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+from smiquery._log import get_logger
+from smiquery.retry import RetryPolicy
+from smiquery.runner import Runner, default_runner, find_nvidia_smi
+from smiquery.source import StreamEvent, StreamStats
+from smiquery.sources.pmon import InstantGrouper, PmonRow, PmonRows, build_pmon_argv
+from smiquery.streams.argv import GpusArg, normalize_gpus
+from smiquery.streams.engine import Engine
+from smiquery.streams.threaded import ThreadDriver
+
+__all__ = ["PmonStream", "stream"]
+
+log = get_logger("smiquery")
+
+
+class PmonStream:
+    """One long-lived ``nvidia-smi pmon`` child, parsed into :class:`PmonRow` records and instants.
+
+    Iterate it for rows, or call :meth:`samples` for one tuple of rows per interval. The same engine and
+    guarantees as the CSV stream (:class:`~smiquery.streams.sync.Stream`), under the same
+    :class:`~smiquery.retry.RetryPolicy`: one child at a time, every child reaped on every path (early stop,
+    exception, close from any thread, garbage collection); no row within ``startup_timeout`` of a start, or none
+    for ``stall_timeout`` once rows flow, counts as a hang (killed, restarted); failures are retried under the
+    policy. ``-`` stays None. Counters and the retry state are in :attr:`stats`.
+
+    See :func:`stream` for the arguments.
+    """
+
+    def __init__(
+        self,
+        *,
+        gpus: GpusArg = None,
+        interval: int = 1,
+        count: int | None = None,
+        select: str = "um",
+        options: str = "DT",
+        nvidia_smi: str | os.PathLike[str] | None = None,
+        stall_timeout: float | None = None,
+        startup_timeout: float = 45.0,
+        retry: RetryPolicy | None = None,
+        on_event: Callable[[StreamEvent], None] | None = None,
+        runner: Runner | None = None,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        if startup_timeout <= 0:
+            raise ValueError("startup_timeout must be positive")
+        self.gpus = normalize_gpus(gpus)
+        runner = runner or default_runner()
+        self.argv = tuple(
+            build_pmon_argv(
+                find_nvidia_smi(nvidia_smi, runner=runner),
+                self.gpus,
+                interval=interval,
+                count=count,
+                select=select,
+                options=options,
+            )
+        )
+        self.count = count
+        self.stall_timeout = stall_timeout if stall_timeout is not None else max(3.0 * interval, 10.0)
+        self.startup_timeout = float(startup_timeout)
+        #: The :class:`~smiquery.retry.RetryPolicy` this stream runs under.
+        self.retry_policy = retry if retry is not None else RetryPolicy()
+        self.on_event = on_event
+        self.stats = StreamStats()
+        events: list[StreamEvent] = []
+        self._engine: Engine[PmonRow] = Engine(
+            PmonRows(self.stats, events.append),
+            self.argv,
+            self.retry_policy,
+            startup_timeout=self.startup_timeout,
+            stall_timeout=self.stall_timeout,
+            stats=self.stats,
+            events=events,
+        )
+        self._driver: ThreadDriver[PmonRow] = ThreadDriver(
+            self._engine, runner, self._emit, sleep=sleep, finite=count is not None
+        )
+        self._error: BaseException | None = None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that ended the stream (given up), if any."""
+        return self._error
+
+    def _emit(self, event: StreamEvent) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:
+                log.exception("smiquery pmon on_event callback failed")
+
+    def __iter__(self) -> Iterator[PmonRow]:
+        try:
+            yield from self._driver.items()
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit):
+                self.stats.state = "failed"
+                self._error = exc
+            raise
+
+    def samples(self, count: int | None = None) -> Iterator[tuple[PmonRow, ...]]:
+        """Yield one tuple of rows per interval (every process on every watched GPU at that instant).
+
+        An instant ends when a (GPU, pid) pair repeats or the timestamp changes, so each is yielded when the
+        next begins (the last one when the stream ends). The rows a child printed before it failed and was
+        restarted are dropped, not yielded: a crash mid-instant would otherwise show an instant missing processes.
+
+        Args:
+            count: stop after this many instants.
+        """
+        grouper = InstantGrouper()
+        done = 0
+        rows = iter(self)
+        child = None
+        try:
+            for row in rows:
+                if child is not None and self.stats.starts != child:
+                    grouper.discard()  # cut short by a restart: possibly incomplete, so not an instant
+                child = self.stats.starts
+                sample = grouper.feed(row)
+                if sample is not None:
+                    yield sample
+                    done += 1
+                    if count is not None and done >= count:
+                        return
+            last = grouper.flush()
+            if last is not None:
+                yield last
+        finally:
+            close = getattr(rows, "close", None)
+            if close is not None:
+                close()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop: the child is terminated and reaped. Idempotent, safe from any thread (a callback included)."""
+        if self.stats.state not in ("ended", "failed"):
+            self.stats.state = "closed"
+        self._driver.close(timeout, None, None)
+
+    def __enter__(self) -> PmonStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def stream(
+    *,
+    gpus: GpusArg = None,
+    interval: int = 1,
+    count: int | None = None,
+    select: str = "um",
+    options: str = "DT",
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    stall_timeout: float | None = None,
+    startup_timeout: float = 45.0,
+    retry: RetryPolicy | None = None,
+    on_event: Callable[[StreamEvent], None] | None = None,
+    runner: Runner | None = None,
+    sleep: Callable[[float], None] | None = None,
+) -> PmonStream:
+    """Watch per-process GPU use with one supervised ``nvidia-smi pmon`` child.
+
+    Example::
+
+        with smiquery.streams.pmon.stream(interval=1) as p:
+            for instant in p.samples(count=5):
+                for row in top_processes(instant, 3)[0]:
+                    print(row.pid, row.command, row.sm)
+
+    Args:
+        gpus: indices, UUIDs or PCI bus ids (at most 4: a pmon limit); None for the first 4.
+        interval: seconds between samples (1..10).
+        count: stop after this many samples (the child exits by itself); None runs until closed.
+        select: ``u`` utilisation and/or ``m`` framebuffer memory.
+        options: ``D`` and/or ``T`` to stamp each line with the date and time.
+        nvidia_smi: path of the binary.
+        stall_timeout: seconds without a line, once rows flow, before the child counts as hung (default
+            ``max(3*interval, 10)``).
+        startup_timeout: seconds a freshly started child may take to print its first row.
+        retry: how to wait between starts and when to give up (default ``RetryPolicy()``, the CSV stream's;
+            ``RetryPolicy(permanent_retry=None)`` raises a fault that needs a person at once,
+            ``RetryPolicy(fail_fast=True)`` suits interactive use).
+        on_event: called with each :class:`~smiquery.source.StreamEvent` (restart, error, recovered, dropped_row).
+        runner: how to run nvidia-smi (tests inject one).
+        sleep: how to wait between restarts (tests inject one; the default wait is cut short by ``close()``).
+
+    Returns:
+        A :class:`PmonStream` (nothing runs until it is iterated).
+
+    Raises:
+        InvalidGpuIdError: a malformed GPU id.
+        NvidiaSmiNotFoundError: no usable binary.
+        ValueError: an interval, count, select or options value pmon would reject, or a bad retry setting.
+    """
+    return PmonStream(
+        gpus=gpus,
+        interval=interval,
+        count=count,
+        select=select,
+        options=options,
+        nvidia_smi=nvidia_smi,
+        stall_timeout=stall_timeout,
+        startup_timeout=startup_timeout,
+        retry=retry,
+        on_event=on_event,
+        runner=runner,
+        sleep=sleep,
+    )
