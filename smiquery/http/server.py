@@ -9,8 +9,9 @@ never a thread. When ``max_connections`` sockets are open, the one that has wait
 With ``auth`` (basic auth), credentials are settled before a request reaches a worker: a known answer (a
 credential that passed or failed before, none at all) at once in the selector thread, anything else by one
 verifier thread of its own, at most ``auth_queue`` checks waiting or running; past that bound the request is
-answered 429 at once. So guesses, however many, never hold a worker, and a scrape with a credential that passed
-before never waits on bcrypt.
+answered 429 after ``shed_delay`` (the connection parked meanwhile, no thread held), so that a guesser that
+retries at once does not turn into a flood of connections. So guesses, however many, never hold a worker, and a
+scrape with a credential that passed before never waits on bcrypt.
 
 Whatever one connection does, the failure stays with it: every step on a connection runs under a guard that
 closes that connection alone, and the loop itself goes on after any error. Request heads are parsed strictly
@@ -136,6 +137,7 @@ class _Conn:
     closed: bool = False
     eof: bool = False  # the client sent FIN: answer what is complete, then close
     read_wants_write: bool = False  # TLS: reading needs the socket writable first
+    held: bytes | None = None  # a response to send once ``deadline`` passes (a shed request's 429)
 
 
 class _Throttle:
@@ -182,7 +184,8 @@ class HttpServer:
         auth: basic auth checked before ``handler`` sees a request (401 for a refusal, the handler never called);
             its slow checks run on one verifier thread, never on the workers.
         auth_queue: checks waiting for or running on the verifier at most; past it a request is answered 429
-            (``Retry-After: 1``) at once and its connection closed.
+            (``Retry-After: 1``) and its connection closed.
+        shed_delay: seconds such a 429 waits (to within a quarter of a second) before it is sent.
     """
 
     def __init__(
@@ -203,6 +206,7 @@ class HttpServer:
         peer_check: Callable[[ssl.SSLSocket], bool] | None = None,
         auth: Auth | None = None,
         auth_queue: int = 16,
+        shed_delay: float = 1.0,
     ) -> None:
         self.sock = sock
         self.handler = handler
@@ -216,6 +220,7 @@ class HttpServer:
         self.peer_check = peer_check
         self.auth = auth
         self.auth_queue = auth_queue
+        self.shed_delay = shed_delay
         self._extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.evicted = 0
         self.timed_out = 0
@@ -430,7 +435,7 @@ class HttpServer:
     def _process(self, conn: _Conn) -> None:
         """Answer the complete requests in the buffer, in order, then wait for what comes next."""
         for _ in range(_TURN):
-            if conn.closed or conn.busy or conn.out:
+            if conn.closed or conn.busy or conn.out or conn.held is not None:
                 return
             head, error = self._take(conn)
             if head is None and not error:
@@ -459,8 +464,11 @@ class HttpServer:
             if known is None:
                 if self._checking >= self.auth_queue:
                     self.shed += 1
-                    self._start(conn, self._encode(_TOO_MANY, True, req.method == "HEAD"), True)
-                    continue
+                    conn.held = self._encode(_TOO_MANY, True, req.method == "HEAD")
+                    conn.buf.clear()
+                    conn.deadline = time.monotonic() + self.shed_delay
+                    self._unwatch(conn)
+                    return
                 self._checking += 1
                 self._park(conn)
                 self._checks.put((conn, req))
@@ -543,6 +551,10 @@ class HttpServer:
 
     def _expire(self, now: float) -> None:
         for conn in [c for c in self._conns.values() if c.deadline <= now and not c.busy]:
+            if conn.held is not None:
+                data, conn.held = conn.held, None
+                self._guard(conn, self._start, conn, data, True)
+                continue
             if conn.started and conn.buf and not conn.out and not conn.handshaking:
                 self.timed_out += 1
                 with contextlib.suppress(Exception):

@@ -577,7 +577,7 @@ def test_password_guesses_never_hold_the_workers_that_serve_a_known_credential(m
         ]
         for t in attackers:
             t.start()
-        # one guess is in bcrypt (blocked), 3 wait behind it, the other 16 were answered 429 at once
+        # one guess is in bcrypt (blocked), 3 wait behind it, the other 16 were answered 429 (after shed_delay)
         _wait(lambda: blocked.began == 1 and server.pending_checks == 4 and len(answers) == 16, "attackers queued")
         assert answers == [429] * 16
         for _ in range(20):  # before: each waited behind the guesses holding both workers (here: forever)
@@ -594,6 +594,30 @@ def test_password_guesses_never_hold_the_workers_that_serve_a_known_credential(m
     finally:
         blocked.release.set()
         server.shutdown()
+
+
+def test_a_shed_guess_waits_for_its_429_without_a_thread(auth_web, monkeypatch):
+    """Past the queue a guesser is answered 429 after ``shed_delay``: retrying at once cannot flood the server."""
+    import bcrypt
+
+    from smiquery.http.server import thread_count
+
+    blocked = _Blocked()
+    monkeypatch.setattr(bcrypt, "checkpw", blocked)
+    with running(auth_web, auth_queue=1, shed_delay=1.0) as server:
+        port = port_of(server)
+        first = threading.Thread(target=_get, args=(port, _auth("prometheus", "first guess"), 120))
+        first.start()
+        try:
+            _wait(lambda: blocked.began == 1, "the first guess in bcrypt")
+            threads = thread_count()
+            t0 = time.monotonic()
+            assert _get(port, _auth("prometheus", "second guess")) == 429
+            assert time.monotonic() - t0 >= 0.9  # held, not answered at once
+            assert thread_count() == threads and server.shed == 1
+        finally:
+            blocked.release.set()
+            first.join(60)
 
 
 def test_a_credential_checked_by_the_verifier_is_answered_like_any_other_and_pipelining_goes_on(auth_web):
