@@ -10,10 +10,16 @@ The exporter runs as its own process (`python -m smiquery export`) on the fake n
 3. 1,000 slowloris sockets (a request head trickled one byte a second, reconnecting when cut off) while 20
    good clients scrape: good p99 < 100 ms, no errors, exporter RSS growth < 20 MB, thread count unchanged;
 4. a permanent error (driver/library version mismatch) injected, then cleared: the time from clearing it to
-   fresh data (/readyz 200), which must stay within one permanent-retry period (30 s) plus a few intervals.
+   fresh data (/readyz 200), which must stay within one permanent-retry period (30 s) plus a few intervals;
+5. basic auth (a second exporter with ``--web-config-file``, one user, bcrypt cost 10): one valid user scraping
+   OpenMetrics on a kept-alive connection (its credential checked once, then remembered), first alone, then
+   while 20 and 100 guessers send wrong passwords (a new one each time, a new connection each): the valid
+   scrape's p50 and p99, and their ratio to the no-guesser baseline in the same exporter; target: at most
+   ``AUTH_ADDED_MS`` added to p50 and ``AUTH_P99_MAX_MS`` p99.
 
-    python scripts/bench_exporter.py                # about a minute and a half
+    python scripts/bench_exporter.py                # about two minutes
     python scripts/bench_exporter.py --scrapes 5000
+    python scripts/bench_exporter.py --auth-only    # phase 5 alone (about 30 s)
 
 Exit status: 0 when every target is met, 1 otherwise.
 """
@@ -21,6 +27,7 @@ Exit status: 0 when every target is met, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import http.client
 import multiprocessing
@@ -48,6 +55,9 @@ RSS_GROWTH_MAX_MB = 2.0
 MANY_P99_MAX_MS = 100.0
 SLOW_RSS_MAX_MB = 20.0
 PERMANENT_RETRY_S = 30.0
+AUTH_ADDED_MS = 5.0
+AUTH_P99_MAX_MS = 50.0
+OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
 
 def status_field(pid: int, key: str) -> int:
@@ -244,6 +254,146 @@ def baseline(body: bytes, cpu: int, clients: int) -> tuple[float, float]:
     return percentile(lat, 0.99) * 1e3, len(lat) / took
 
 
+def _guessers(host: str, port: int, clients: int, stop: Any, out: Any) -> None:
+    """One load process: ``clients`` threads sending a new wrong password each, on a new connection each, until
+    ``stop``; puts the count of each status answered (0: no answer)."""
+    codes: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def run(who: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            cred = base64.b64encode(f"prometheus:guess-{os.getpid()}-{who}-{n}".encode()).decode()
+            head = f"GET /metrics HTTP/1.1\r\nHost: {host}\r\nAuthorization: Basic {cred}\r\nConnection: close\r\n\r\n"
+            try:
+                with socket.create_connection((host, port), timeout=30) as s:
+                    s.sendall(head.encode())
+                    first = s.recv(65536)
+                    while s.recv(65536):
+                        pass
+                code = int(first.split(b" ", 2)[1]) if first.startswith(b"HTTP/1.1 ") else 0
+            except (OSError, ValueError, IndexError):
+                code = 0
+            with lock:
+                codes[code] = codes.get(code, 0) + 1
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    out.put(codes)
+
+
+class Guessers:
+    """``clients`` password guessers spread over ``procs`` processes (see :func:`_guessers`)."""
+
+    def __init__(self, host: str, port: int, clients: int, procs: int = 4) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.stop = ctx.Event()
+        self.out: Any = ctx.Queue()
+        share = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+        self.procs = [ctx.Process(target=_guessers, args=(host, port, n, self.stop, self.out)) for n in share if n]
+        for proc in self.procs:
+            proc.start()
+
+    def finish(self) -> dict[int, int]:
+        self.stop.set()
+        codes: dict[int, int] = {}
+        for _ in self.procs:
+            for code, n in self.out.get(timeout=120).items():
+                codes[code] = codes.get(code, 0) + n
+        for proc in self.procs:
+            proc.join()
+        return codes
+
+
+def valid_scrapes(host: str, port: int, auth: str, count: int, limit_s: float) -> tuple[list[float], int]:
+    """``count`` OpenMetrics scrapes (a worker's job) by a valid user on one kept-alive connection, or as many as
+    ``limit_s`` allows: (latencies, failures)."""
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    lat: list[float] = []
+    failures = 0
+    end = time.monotonic() + limit_s
+    try:
+        while len(lat) < count and time.monotonic() < end:
+            t0 = time.perf_counter()
+            try:
+                conn.request("GET", "/metrics", headers={"Authorization": auth, "Accept": OPENMETRICS})
+                r = conn.getresponse()
+                r.read()
+                ok = r.status == 200
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                ok = False
+            lat.append(time.perf_counter() - t0)
+            failures += 0 if ok else 1
+    finally:
+        conn.close()
+    return lat, failures
+
+
+def auth_phase(
+    env: dict[str, str], fake: Path, tmp: Path, server_cpu: int, client_cpu: int, args: Any
+) -> list[tuple[str, str, str, bool]]:
+    """Phase 5: a valid user's scrapes with 0, then each of ``args.guessers``, password guessers (rows)."""
+    import bcrypt
+
+    web = tmp / "web.yml"
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=args.auth_cost)).decode()
+    web.write_text(f"basic_auth_users:\n  prometheus: '{hashed}'\n", encoding="utf-8")
+    argv = [
+        sys.executable, "-m", "smiquery", "export", "--port", "0", "--interval", str(args.interval),
+        "--fields", args.fields, "--nvidia-smi", str(fake), "--web-config-file", str(web),
+    ]  # fmt: skip
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    rows: list[tuple[str, str, str, bool]] = []
+    try:
+        os.sched_setaffinity(proc.pid, {server_cpu})
+        os.sched_setaffinity(0, {client_cpu})
+        assert proc.stderr is not None
+        line = ""
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            if not line:
+                raise RuntimeError(f"the exporter with basic auth did not start: {line}")
+        threading.Thread(target=proc.stderr.read, daemon=True).start()
+        m = re.search(r"http://([\d.]+):(\d+)/metrics", line)
+        assert m is not None
+        host, port = m.group(1), int(m.group(2))
+        auth = "Basic " + base64.b64encode(b"prometheus:s3cret").decode()
+        valid_scrapes(host, port, auth, 50, 30)  # its bcrypt check, then warm
+        base, _ = valid_scrapes(host, port, auth, args.auth_scrapes, 30)
+        b50, b99 = percentile(base, 0.5) * 1e3, percentile(base, 0.99) * 1e3
+        rows.append(("auth, 0 guessers: valid scrape", f"p50 {b50:.2f} ms, p99 {b99:.2f} ms ({len(base)} scrapes)",
+                     "(baseline)", True))  # fmt: skip
+        for n in args.guessers:
+            guess = Guessers(host, port, n)
+            try:
+                time.sleep(1.0)  # under way
+                lat, bad = valid_scrapes(host, port, auth, args.auth_scrapes, 30)
+            finally:
+                codes = guess.finish()
+            p50, p99 = percentile(lat, 0.5) * 1e3, percentile(lat, 0.99) * 1e3
+            answered = ", ".join(f"{k or 'none'}: {v}" for k, v in sorted(codes.items()))
+            rows += [
+                (f"auth, {n} guessers: valid p50", f"{p50:.2f} ms (x{p50 / b50:.2f}, {p50 - b50:+.2f} ms; "
+                 f"{len(lat)} scrapes, {bad} failed)", f"+<= {AUTH_ADDED_MS:g} ms",
+                 p50 - b50 <= AUTH_ADDED_MS and bad == 0),
+                (f"auth, {n} guessers: valid p99", f"{p99:.2f} ms (x{p99 / b99:.2f}); guesses answered {answered}",
+                 f"< {AUTH_P99_MAX_MS:g} ms", p99 < AUTH_P99_MAX_MS),
+            ]  # fmt: skip
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return rows
+
+
 def nvidia_smi_children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -276,6 +426,11 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=200, help="clients opening new connections (default 200)")
     ap.add_argument("--slow", type=int, default=1000, help="slowloris sockets (default 1000)")
     ap.add_argument("--no-fault", action="store_true", help="skip the permanent-error recovery phase")
+    ap.add_argument("--guessers", type=lambda v: [int(x) for x in v.split(",")], default=[20, 100],
+                    help="password guessers in phase 5, comma-separated (default 20,100)")  # fmt: skip
+    ap.add_argument("--auth-cost", type=int, default=10, help="bcrypt cost of the phase 5 user (default 10)")
+    ap.add_argument("--auth-scrapes", type=int, default=300, help="valid scrapes per phase 5 step (default 300)")
+    ap.add_argument("--auth-only", action="store_true", help="run phase 5 (basic auth under guessing) alone")
     args = ap.parse_args()
     if args.scrapes < 1000:
         ap.error("--scrapes must be at least 1000 (memory is compared from scrape 1,000 on)")
@@ -295,6 +450,11 @@ def main() -> int:
             "--fields", args.fields, "--nvidia-smi", str(fake),
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        if args.auth_only:
+            rows = auth_phase(env, fake, Path(tmp), server_cpu, client_cpu, args)
+            print(f"smiquery export bench, phase 5 alone: exporter on CPU {server_cpu}, clients on CPU {client_cpu}, "
+                  f"bcrypt cost {args.auth_cost}, {time.monotonic() - t_bench:.0f} s in all")  # fmt: skip
+            return report(rows)
         proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
         try:
             os.sched_setaffinity(proc.pid, {server_cpu})
@@ -431,13 +591,19 @@ def main() -> int:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
         exit_code = proc.returncode
+        rows.append(("exporter exit on SIGTERM", str(exit_code), "143", exit_code == 143))
+        rows += auth_phase(env, fake, Path(tmp), server_cpu, client_cpu, args)
 
-    rows.append(("exporter exit on SIGTERM", str(exit_code), "143", exit_code == 143))
     print(
         f"smiquery export bench: {args.scrapes} scrapes on one connection, fields {args.fields}, interval "
         f"{args.interval:g} s, {size} bytes per scrape, exporter on CPU {server_cpu}, client on CPU {client_cpu}, "
         f"{time.monotonic() - t_bench:.0f} s in all"
     )
+    return report(rows)
+
+
+def report(rows: list[tuple[str, str, str, bool]]) -> int:
+    """Print the table; the exit status (0 when every target is met)."""
     width = max(len(r[0]) for r in rows)
     for name, got, target, ok in rows:
         print(f"  {name:<{width}}  {got:<52} target {target:<14} {'PASS' if ok else 'FAIL'}")

@@ -548,6 +548,7 @@ def serve(
             inline=router.fast,
             headers=web.headers,
             peer_check=web.peer_allowed if web.allowed_sans else None,
+            auth=web if web.users else None,
         )
         # started with the stream, closed after it (in this order)
         parts = [p for p in (poller, watcher, collector, attribution, xid, details) if p is not None]

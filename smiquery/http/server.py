@@ -3,13 +3,21 @@
 The selector thread owns every socket: it accepts (listen backlog 1024), runs TLS handshakes, reads request heads
 and writes responses, all without blocking, and enforces per-connection deadlines (a whole request head from its
 first byte, a whole response once it starts, and an idle limit between requests). Workers only compute the
-responses the selector thread should not (bcrypt checks, a slow extra registry): a slow reader costs a buffer,
+responses the selector thread should not (OpenMetrics, a slow extra registry): a slow reader costs a buffer,
 never a thread. When ``max_connections`` sockets are open, the one that has waited longest makes room.
+
+With ``auth`` (basic auth), credentials are settled before a request reaches a worker: a known answer (a
+credential that passed or failed before, none at all) at once in the selector thread, anything else by one
+verifier thread of its own, at most ``auth_queue`` checks waiting or running; past that bound the request is
+answered 429 after ``shed_delay`` (the connection parked meanwhile, no thread held), so that a guesser that
+retries at once does not turn into a flood of connections. So guesses, however many, never hold a worker, and a
+scrape with a credential that passed before never waits on bcrypt.
 
 Whatever one connection does, the failure stays with it: every step on a connection runs under a guard that
 closes that connection alone, and the loop itself goes on after any error. Request heads are parsed strictly
 (RFC 9112): CRLF line ends only, token method and header names, no control characters, one Host (required in
-HTTP/1.1), at most one Content-Length of plain ASCII digits and no body at all. Threads: 1 + ``workers``, always.
+HTTP/1.1), at most one Content-Length of plain ASCII digits and no body at all. Threads: 1 + ``workers`` (+ 1
+verifier with ``auth``), always.
 """
 
 from __future__ import annotations
@@ -22,15 +30,17 @@ import re
 import selectors
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from smiquery._log import get_logger
 
-__all__ = ["HttpServer", "Request", "Response"]
+__all__ = ["Auth", "HttpServer", "Request", "Response"]
 
 log = get_logger("smiquery.exporter")
 
@@ -47,6 +57,7 @@ _REASONS = {
     406: "Not Acceptable",
     408: "Request Timeout",
     413: "Content Too Large",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
     503: "Service Unavailable",
@@ -95,6 +106,20 @@ class Response:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+class Auth(Protocol):
+    """Basic auth as :class:`~smiquery.http.webconfig.WebConfig` does it: a quick answer, or a slow check."""
+
+    def verdict(self, header: str | None) -> bool | None:
+        """The answer for an ``Authorization`` value (None too) when it is known without a slow check, else None."""
+
+    def authorized(self, header: str | None) -> bool:
+        """The answer, after the slow (bcrypt) check when it takes one; called on the verifier thread only."""
+
+
+_UNAUTHORIZED = Response(401, b"unauthorized\n", headers={"WWW-Authenticate": 'Basic realm="smiquery"'})
+_TOO_MANY = Response(429, b"too many password checks waiting: retry later\n", headers={"Retry-After": "1"})
+
+
 @dataclass(eq=False)
 class _Conn:
     sock: socket.socket
@@ -112,6 +137,7 @@ class _Conn:
     closed: bool = False
     eof: bool = False  # the client sent FIN: answer what is complete, then close
     read_wants_write: bool = False  # TLS: reading needs the socket writable first
+    held: bytes | None = None  # a response to send once ``deadline`` passes (a shed request's 429)
 
 
 class _Throttle:
@@ -155,6 +181,11 @@ class HttpServer:
         headers: headers added to every response (``Strict-Transport-Security``...).
         peer_check: called with each TLS connection once its handshake is done; False closes it (for an allow
             list of client certificate names).
+        auth: basic auth checked before ``handler`` sees a request (401 for a refusal, the handler never called);
+            its slow checks run on one verifier thread, never on the workers.
+        auth_queue: checks waiting for or running on the verifier at most; past it a request is answered 429
+            (``Retry-After: 1``) and its connection closed.
+        shed_delay: seconds such a 429 waits (to within a quarter of a second) before it is sent.
     """
 
     def __init__(
@@ -173,6 +204,9 @@ class HttpServer:
         inline: Callable[[Request], bool] | None = None,
         headers: Mapping[str, str] | None = None,
         peer_check: Callable[[ssl.SSLSocket], bool] | None = None,
+        auth: Auth | None = None,
+        auth_queue: int = 16,
+        shed_delay: float = 1.0,
     ) -> None:
         self.sock = sock
         self.handler = handler
@@ -184,10 +218,15 @@ class HttpServer:
         self.server_header = server_header
         self.inline = inline
         self.peer_check = peer_check
+        self.auth = auth
+        self.auth_queue = auth_queue
+        self.shed_delay = shed_delay
         self._extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.evicted = 0
         self.timed_out = 0
         self.failures = 0  # connections closed because handling them raised (each one contained)
+        self.shed = 0  # requests answered 429: the verifier's queue was full
+        self._checking = 0  # checks handed to the verifier and not yet back (the selector thread's count)
         self._throttle = _Throttle()
         self._handler_throttle = _Throttle()
         sock.listen(backlog)
@@ -201,12 +240,16 @@ class HttpServer:
         self._conns: dict[socket.socket, _Conn] = {}
         self._ready: deque[_Conn] = deque()  # complete requests still buffered after a connection's turn
         self._back: queue.SimpleQueue[tuple[_Conn, bytes, bool]] = queue.SimpleQueue()  # answers from workers
-        self._jobs: queue.SimpleQueue[tuple[_Conn, bytes] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[_Conn, Request] | None] = queue.SimpleQueue()
+        self._checks: queue.SimpleQueue[tuple[_Conn, Request] | None] = queue.SimpleQueue()
+        self._checked: queue.SimpleQueue[tuple[_Conn, Request, bool]] = queue.SimpleQueue()  # verifier answers
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, name="smiquery-http", daemon=True)]
         self._threads += [
             threading.Thread(target=self._work, name=f"smiquery-http-{i}", daemon=True) for i in range(workers)
         ]
+        if auth is not None:
+            self._threads.append(threading.Thread(target=self._verify, name="smiquery-http-auth", daemon=True))
         for t in self._threads:
             t.start()
 
@@ -214,6 +257,11 @@ class HttpServer:
     def open_connections(self) -> int:
         """Client sockets open now."""
         return len(self._conns)
+
+    @property
+    def pending_checks(self) -> int:
+        """Password checks handed to the verifier thread and not answered yet (running or waiting)."""
+        return self._checking
 
     @property
     def alive(self) -> bool:
@@ -387,7 +435,7 @@ class HttpServer:
     def _process(self, conn: _Conn) -> None:
         """Answer the complete requests in the buffer, in order, then wait for what comes next."""
         for _ in range(_TURN):
-            if conn.closed or conn.busy or conn.out:
+            if conn.closed or conn.busy or conn.out or conn.held is not None:
                 return
             head, error = self._take(conn)
             if head is None and not error:
@@ -409,21 +457,56 @@ class HttpServer:
                 continue
             assert head is not None
             req, error = _parse(head, conn.client)
-            fast = req is None
-            if req is not None and self.inline is not None:
-                try:
-                    fast = self.inline(req)
-                except Exception:
-                    fast = False
-            if fast:
-                self._start(conn, *self._respond(head, conn.client, (req, error)))
+            if req is None:
+                self._start(conn, self._error(error), True)
                 continue
-            conn.busy = True
-            self._unwatch(conn)
-            self._jobs.put((conn, head))
-            return
+            known = True if self.auth is None else self.auth.verdict(req.headers.get("authorization"))
+            if known is None:
+                if self._checking >= self.auth_queue:
+                    self.shed += 1
+                    conn.held = self._encode(_TOO_MANY, True, req.method == "HEAD")
+                    conn.buf.clear()
+                    conn.deadline = time.monotonic() + self.shed_delay
+                    self._unwatch(conn)
+                    return
+                self._checking += 1
+                self._park(conn)
+                self._checks.put((conn, req))
+                return
+            if not self._dispatch(conn, req, known):
+                return
         if not conn.closed and not conn.busy and not conn.out:
             self._ready.append(conn)  # more pipelined requests: after the other connections' turn
+
+    def _park(self, conn: _Conn) -> None:
+        """Stop reading ``conn`` while a thread works on its request (no deadline, no eviction meanwhile)."""
+        conn.busy = True
+        self._unwatch(conn)
+
+    def _dispatch(self, conn: _Conn, req: Request, allowed: bool) -> bool:
+        """Answer ``req`` now (a refusal, or what ``inline`` calls cheap) or hand it to a worker (then False)."""
+        if not allowed:
+            self._start(conn, *self._reply(req, _UNAUTHORIZED))
+            return True
+        try:
+            fast = self.inline is not None and self.inline(req)
+        except Exception:
+            fast = False
+        if fast:
+            self._start(conn, *self._respond(req))
+            return True
+        self._park(conn)
+        self._jobs.put((conn, req))
+        return False
+
+    def _checked_one(self, conn: _Conn, req: Request, allowed: bool) -> None:
+        """The verifier's answer for ``conn``'s request: go on with it, then with what the client sent after it."""
+        conn.busy = False
+        if conn.closed or self._stop.is_set():
+            self._close(conn)
+            return
+        if self._dispatch(conn, req, allowed) and not conn.closed and not conn.out:
+            self._process(conn)
 
     def _start(self, conn: _Conn, data: bytes, close: bool) -> None:
         """Begin writing one response (within ``write_timeout``)."""
@@ -468,6 +551,10 @@ class HttpServer:
 
     def _expire(self, now: float) -> None:
         for conn in [c for c in self._conns.values() if c.deadline <= now and not c.busy]:
+            if conn.held is not None:
+                data, conn.held = conn.held, None
+                self._guard(conn, self._start, conn, data, True)
+                continue
             if conn.started and conn.buf and not conn.out and not conn.handshaking:
                 self.timed_out += 1
                 with contextlib.suppress(Exception):
@@ -496,6 +583,13 @@ class HttpServer:
             except queue.Empty:
                 break
             self._guard(conn, self._deliver, conn, data, close)
+        while True:
+            try:
+                conn, req, allowed = self._checked.get_nowait()
+            except queue.Empty:
+                break
+            self._checking -= 1
+            self._guard(conn, self._checked_one, conn, req, allowed)
         now = time.monotonic()
         if now >= next_sweep:
             self._expire(now)
@@ -525,32 +619,50 @@ class HttpServer:
             job = self._jobs.get()
             if job is None:
                 return
-            conn, head = job
+            conn, req = job
             try:
-                data, close = self._respond(head, conn.client)
+                data, close = self._respond(req)
             except Exception:
                 self._handler_throttle.warn("smiquery exporter: answering %s failed", conn.client)
                 data, close = self._error(500), True
             self._back.put((conn, data, close))
             self._wake()
 
+    def _verify(self) -> None:
+        """The verifier thread: one slow password check after another, at a lower CPU priority than the rest."""
+        if sys.platform == "linux":  # a thread's own nice value (elsewhere the id could name another process)
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        assert self.auth is not None
+        while True:
+            job = self._checks.get()
+            if job is None:
+                return
+            conn, req = job
+            try:
+                allowed = self.auth.authorized(req.headers.get("authorization"))
+            except Exception:
+                self._handler_throttle.warn("smiquery exporter: checking the password of %s failed", conn.client)
+                allowed = False
+            self._checked.put((conn, req, allowed))
+            self._wake()
+
     def _error(self, status: int) -> bytes:
         return self._encode(Response(status, f"{_REASONS.get(status, 'error')}\n".encode()), True, False)
 
-    def _respond(
-        self, head: bytes, client: str, parsed: tuple[Request | None, int] | None = None
-    ) -> tuple[bytes, bool]:
-        """The response bytes for one request head, and whether to close afterwards."""
-        req, error = parsed if parsed is not None else _parse(head, client)
-        if req is None:
-            return self._error(error), True
-        conn_hdr = req.headers.get("connection", "").lower()
-        close = "close" in conn_hdr or (req.version == "HTTP/1.0" and "keep-alive" not in conn_hdr)
+    def _respond(self, req: Request) -> tuple[bytes, bool]:
+        """The handler's response bytes for one request, and whether to close afterwards."""
         try:
             resp = self.handler(req)
         except Exception:
             self._handler_throttle.warn("smiquery exporter: handling %s %s failed", req.method, req.path)
             resp = Response(500, b"internal error\n")
+        return self._reply(req, resp)
+
+    def _reply(self, req: Request, resp: Response) -> tuple[bytes, bool]:
+        """``resp`` encoded for ``req`` (no body for HEAD), and whether to close afterwards."""
+        conn_hdr = req.headers.get("connection", "").lower()
+        close = "close" in conn_hdr or (req.version == "HTTP/1.0" and "keep-alive" not in conn_hdr)
         return self._encode(resp, close, req.method == "HEAD"), close
 
     def _encode(self, resp: Response, close: bool, head: bool) -> bytes:
@@ -572,6 +684,7 @@ class HttpServer:
         self._wake()
         for _ in self._threads[1:]:
             self._jobs.put(None)
+        self._checks.put(None)
         deadline = time.monotonic() + timeout
         for t in self._threads:
             if t is not threading.current_thread():

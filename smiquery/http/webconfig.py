@@ -148,14 +148,22 @@ class WebConfig:
                 del self._bad[key]
         return None
 
-    def cached(self, header: str | None) -> bool:
-        """Whether :meth:`authorized` answers ``header`` without a bcrypt check (no users, malformed, or seen)."""
+    def verdict(self, header: str | None) -> bool | None:
+        """The answer to ``header`` that needs no bcrypt check, or None when only :meth:`authorized` can tell.
+
+        True without users or for a credential that passed before; False for no or a malformed header (no user
+        name is involved, so answering at once says nothing) and for a credential that failed recently.
+        """
         if not self.users:
             return True
         cred = _credentials(header)
         if cred is None:
-            return True  # refused at once: no user name is involved, so the time says nothing
-        return self._known(self._key(*cred)) is not None
+            return False
+        return self._known(self._key(*cred))
+
+    def cached(self, header: str | None) -> bool:
+        """Whether :meth:`authorized` answers ``header`` without a bcrypt check (no users, malformed, or seen)."""
+        return self.verdict(header) is not None
 
     def authorized(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header value passes basic auth (always True without users).
@@ -163,7 +171,9 @@ class WebConfig:
         A bcrypt check costs tens of milliseconds by design, so: a credential that passed once is remembered (as
         a salted digest, never in clear) and scrapes stay fast; one that failed is remembered for five minutes
         and refused at once; an unknown user is checked against a dummy hash of the same cost (the time does not
-        tell whether a user exists); and only one check runs at a time.
+        tell whether a user exists); and only one check runs at a time in the process. This blocks for the
+        check: :class:`~smiquery.http.server.HttpServer` calls it on its own verifier thread (``auth=``) when
+        :meth:`verdict` cannot answer, so that no worker waits on bcrypt.
 
         Args:
             header: the header value, or None when absent.
@@ -171,16 +181,12 @@ class WebConfig:
         Returns:
             True when access is allowed.
         """
-        if not self.users:
-            return True
-        cred = _credentials(header)
-        if cred is None:
-            return False
-        user, password = cred
-        key = self._key(user, password)
-        known = self._known(key)
+        known = self.verdict(header)
         if known is not None:
             return known
+        cred = _credentials(header)
+        assert cred is not None  # verdict() answered False otherwise
+        user, password = cred
         import bcrypt
 
         with _BCRYPT:
@@ -188,6 +194,7 @@ class WebConfig:
                 good = bcrypt.checkpw(password.encode(), self._hash_for(user)) and user in self.users
             except ValueError:
                 good = False
+        key = self._key(user, password)
         with self._lock:
             if good:
                 self._ok.add(key)

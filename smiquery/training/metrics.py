@@ -139,6 +139,7 @@ class JobMetrics:
             server_header="smiquery-training",
             headers=web.headers,
             peer_check=web.peer_allowed if web.allowed_sans else None,
+            auth=web if web.users else None,
         )
 
     def _answer(self, req: Request) -> Response:
