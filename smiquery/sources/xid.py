@@ -4,14 +4,16 @@ nvidia-smi never reports Xids; the driver writes them to the kernel log as
 ``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., name=..., GPU has fallen off the bus.``. :func:`follow` reads
 ``/dev/kmsg`` (or a plain file, followed like ``tail -F``) and yields one :class:`XidEvent` per Xid line;
 :func:`parse_line` reads one line in any of the formats (``/dev/kmsg`` records, ``dmesg`` with or without
-``[seconds]`` stamps, syslog ``kern.log`` lines). :data:`XID_CATALOGUE` gives each common code a short meaning and
-what to do, from NVIDIA's public Xid catalogue.
+``[seconds]`` stamps, syslog and journal lines) and takes it only when the kernel wrote it: anyone can log a line
+that looks like an Xid, and :func:`refusal` says why such a line is refused. :data:`XID_CATALOGUE` gives each
+common code a short meaning and what to do, from NVIDIA's public Xid catalogue.
 
 ``/dev/kmsg`` replays its whole ring buffer to every new reader: each record carries a sequence number, and a
 follower yields each sequence number once (give ``after_seq=`` the last one you handled to resume without
-counting twice). :meth:`XidFollower.close` may be called from any other thread and ends the iteration within
-``poll`` seconds. :class:`XidWatcher` is the one thread that follows a log, for the exporter, the training monitor
-and the stream CLI alike: it counts the events per GPU and code and hands each to its listener.
+counting twice); any other line is known by its own stamp and text. :meth:`XidFollower.close` may be called from
+any other thread and ends the iteration within ``poll`` seconds. :class:`XidWatcher` is the one thread that follows
+a log, for the exporter, the training monitor and the stream CLI alike: it counts the events per GPU and code
+(bounded) and the refused lines by reason, and hands each event to its listener.
 """
 
 from __future__ import annotations
