@@ -2,7 +2,8 @@
 
 nvidia-smi never reports Xids (a GPU that fell off the bus just stops answering); the kernel log says why. The
 follower runs on its own thread and names the GPU from the stream's own samples (their ``pci.bus_id``), so a GPU
-that fell off the bus is still named by the last sample it gave.
+that fell off the bus is still named by the last sample it gave. Lines that look like an Xid but that the kernel did
+not write (``logger 'NVRM: Xid ...'``) are not shown as Xids: a note says so, at most once a minute.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ KernelLogOpt = Annotated[
         metavar="PATH",
         help="Also follow the kernel log (/dev/kmsg, needs root or CAP_SYSLOG; or a file such as "
         "/var/log/kern.log) and print each NVIDIA Xid error logged from now on: the GPU, the code, what it means "
-        "and what to do. Adds pci.bus_id to the queried fields.",
+        "and what to do; only lines the kernel wrote count. Adds pci.bus_id to the queried fields.",
         show_default=False,
     ),
 ]
@@ -90,7 +91,13 @@ class XidNotes:
         """
         from smiquery.sources.xid import XidWatcher
 
-        self._watcher = XidWatcher(path, on_event=self._event, on_error=self._failed, from_start=False).start()
+        self._watcher = XidWatcher(
+            path,
+            on_event=self._event,
+            on_error=self._failed,
+            from_start=False,
+            on_refused=lambda text: self.note(f"smiquery: {text}"),
+        ).start()
 
     def close(self) -> None:
         """Stop following."""

@@ -469,7 +469,7 @@ class SmiCollector:
         # what the details' and the Xid watcher's families depend on: they change rarely, scrapes are frequent
         got = fresh_details(self.details) if self.details is not None else None
         latest = self.details.get().value if self.details is not None else None
-        xid = (self.xid.events, self.xid.up) if self.xid is not None else None
+        xid = (self.xid.events, sum(self.xid.rejected().values()), self.xid.up) if self.xid is not None else None
         return (got is not None, latest, xid, self._gpu_version)
 
     def _slow_health(self) -> list[Metric]:

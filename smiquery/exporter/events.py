@@ -143,7 +143,10 @@ class EventLog:
             self.emit("gpu_back", logging.INFO, f"{who} is back", gpu=index, uuid=uuid)
 
     def on_xid(self, event: Any) -> None:
-        """Log an Xid event from the kernel log (WARNING, rate-limited per code), with what to do about it.
+        """Log an Xid event from the kernel log (WARNING), with what to do about it.
+
+        All codes share one rate (a burst, then one a minute, counting what was held back): a flood of lines of
+        many codes is a few lines, and the counts are in ``smiquery_xid_errors_total``.
 
         Args:
             event: a :class:`~smiquery.sources.xid.XidEvent`.
@@ -151,7 +154,7 @@ class EventLog:
         info = getattr(event, "info", None)
         what = f"{info.meaning}; {info.advice}" if info is not None else "see NVIDIA's Xid catalogue"
         self.emit(
-            f"xid_{event.xid}",
+            "xid",
             logging.WARNING,
             f"Xid {event.xid} on the GPU at PCI {event.pci_bus_id}: {what}",
             xid=event.xid,

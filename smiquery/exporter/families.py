@@ -350,12 +350,15 @@ def xid_families(
     *,
     inventory_known: bool = True,
 ) -> list[Metric]:
-    """``smiquery_xid_errors_total`` and ``smiquery_xid_source_up``.
+    """``smiquery_xid_errors_total``, ``smiquery_xid_rejected_lines_total`` and ``smiquery_xid_source_up``.
 
     ``smiquery_xid_errors_total`` is a counter: every event counts, repeats too, and it never needs a reset.
     ``/dev/kmsg`` replays its ring buffer to every new reader; each record is counted once (its sequence number),
     and the replay after an exporter restart gives the counter back the value it had (Prometheus sees no
-    increase), as long as the ring buffer still holds those records.
+    increase), as long as the ring buffer still holds those records. The watcher keeps at most
+    :attr:`~smiquery.sources.xid.XidWatcher.MAX_SERIES` (bus, code) pairs; the events of pairs it let go are the
+    series with ``xid="other"``. Lines that look like an Xid but that the kernel did not write are not counted
+    there but in ``smiquery_xid_rejected_lines_total{reason}``.
 
     Args:
         xid: the watcher following the kernel log.
@@ -367,7 +370,7 @@ def xid_families(
             known at is held back, so that its series does not change labels once the GPU is seen.
 
     Returns:
-        The families (the counter only once an event was counted).
+        The families (the event counter only once an event was counted).
     """
     up = gauge(
         "smiquery_xid_source_up",
@@ -378,7 +381,7 @@ def xid_families(
         "smiquery_xid_errors",
         "Xid errors the NVIDIA driver logged in the kernel log, by GPU and code (every event counts).",
     )
-    for (key, code), n in sorted(xid.counts().items()):
+    for key, code, bus, n in xid.series():
         found = gpus(key)
         if found is None and not inventory_known:
             continue
@@ -390,10 +393,20 @@ def xid_families(
                 **labels,
                 "gpu": gpu.get("gpu", ""),
                 "uuid": gpu.get("uuid", ""),
-                "pci_bus_id": xid.bus_text(key),
+                "pci_bus_id": bus,
                 "xid": str(code),
                 "action": info.action if info is not None else "unknown",
             },
             float(n),
         )
-    return [up, fam] if fam.samples else [up]
+    if xid.other:
+        other = {"gpu": "", "uuid": "", "pci_bus_id": "other", "xid": "other", "action": "unknown"}
+        fam.add_sample(fam.name + "_total", {**labels, **other}, float(xid.other))
+    rejected = counter(
+        "smiquery_xid_rejected_lines",
+        "Kernel-log lines that look like an Xid but were not counted: not_kernel (not written by the kernel), "
+        "unknown_format (no kernel-log line format), malformed (the bus id or code does not parse).",
+    )
+    for reason, n in xid.rejected().items():
+        rejected.add_sample(rejected.name + "_total", {**labels, "reason": reason}, float(n))
+    return [up, fam, rejected] if fam.samples else [up, rejected]

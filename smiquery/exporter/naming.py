@@ -97,6 +97,7 @@ HEALTH_METRICS: tuple[str, ...] = (
     "smiquery_mig_memory_total_bytes",
     "smiquery_xid_source_up",
     "smiquery_xid_errors_total",
+    "smiquery_xid_rejected_lines_total",
 )
 
 #: Per-process series from ``nvidia-smi pmon`` (``--top-processes N``): pmon column -> (metric, multiplier,

@@ -7,6 +7,7 @@ import errno
 import functools
 import gzip
 import ipaddress
+import logging
 import os
 import socket
 import ssl
@@ -508,7 +509,13 @@ def serve(
         if details_interval is not None:
             details = details_poller(details_interval, gpus=gpus, nvidia_smi=nvidia_smi)
         if kernel_log is not None:
-            xid = XidWatcher(kernel_log, on_event=events.on_xid, on_error=_xid_failed, retry=_XID_RETRY)
+            xid = XidWatcher(
+                kernel_log,
+                on_event=events.on_xid,
+                on_error=_xid_failed,
+                retry=_XID_RETRY,
+                on_refused=lambda text: events.emit("xid_refused", logging.WARNING, f"smiquery exporter: {text}"),
+            )
         collector = SmiCollector(
             s,
             fields=flds,

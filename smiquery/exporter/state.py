@@ -152,7 +152,7 @@ RESERVED_LABELS = frozenset(
     | {"UUID", "device", "modelName", "DCGM_FI_DRIVER_VERSION"}
     # MIG instances (--details-interval) and Xid errors (--kernel-log)
     | {"mig_uuid", "gpu_instance_id", "compute_instance_id", "profile", "GPU_I_ID", "GPU_I_PROFILE"}
-    | {"xid", "action", "path"}
+    | {"xid", "action", "path", "reason"}
 )
 
 

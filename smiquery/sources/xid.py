@@ -4,25 +4,29 @@ nvidia-smi never reports Xids; the driver writes them to the kernel log as
 ``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., name=..., GPU has fallen off the bus.``. :func:`follow` reads
 ``/dev/kmsg`` (or a plain file, followed like ``tail -F``) and yields one :class:`XidEvent` per Xid line;
 :func:`parse_line` reads one line in any of the formats (``/dev/kmsg`` records, ``dmesg`` with or without
-``[seconds]`` stamps, syslog ``kern.log`` lines). :data:`XID_CATALOGUE` gives each common code a short meaning and
-what to do, from NVIDIA's public Xid catalogue.
+``[seconds]`` stamps, syslog and journal lines) and takes it only when the kernel wrote it: anyone can log a line
+that looks like an Xid, and :func:`refusal` says why such a line is refused. :data:`XID_CATALOGUE` gives each
+common code a short meaning and what to do, from NVIDIA's public Xid catalogue.
 
 ``/dev/kmsg`` replays its whole ring buffer to every new reader: each record carries a sequence number, and a
 follower yields each sequence number once (give ``after_seq=`` the last one you handled to resume without
-counting twice). :meth:`XidFollower.close` may be called from any other thread and ends the iteration within
-``poll`` seconds. :class:`XidWatcher` is the one thread that follows a log, for the exporter, the training monitor
-and the stream CLI alike: it counts the events per GPU and code and hands each to its listener.
+counting twice); any other line is known by its own stamp and text. :meth:`XidFollower.close` may be called from
+any other thread and ends the iteration within ``poll`` seconds. :class:`XidWatcher` is the one thread that follows
+a log, for the exporter, the training monitor and the stream CLI alike: it counts the events per GPU and code
+(bounded) and the refused lines by reason, and hands each event to its listener.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import select
 import stat
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
@@ -30,11 +34,14 @@ from typing import Literal, TypeVar
 
 from smiquery._log import get_logger
 from smiquery.errors import KernelLogError, UsageError
+from smiquery.printable import printable
 from smiquery.sample import BusKey, bus_key
 
 __all__ = [
     "DEFAULT_KERNEL_LOG",
+    "REJECT_REASONS",
     "XID_CATALOGUE",
+    "RejectReason",
     "XidAction",
     "XidEvent",
     "XidFollower",
@@ -44,6 +51,7 @@ __all__ = [
     "follow",
     "gpu_for",
     "parse_line",
+    "refusal",
 ]
 
 log = get_logger("smiquery.xid")
@@ -153,33 +161,93 @@ class XidEvent:
 _XID_RE = re.compile(
     r"NVRM: Xid \((?:PCI:)?([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\): (\d+),\s*(.*)"
 )
-_KMSG_RE = re.compile(r"^(\d+),(\d+),(\d+),[^;]*;(.*)$")
-_STAMP_RE = re.compile(r"\[\s*(\d+\.\d+)\]")
+_MARK = "NVRM: Xid"  # a line without it is no Xid line (the fast path)
+_MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)"
+_DAY = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
+_TIME = r"\d\d:\d\d:\d\d(?:\.\d+)?"
+# a /dev/kmsg record: "PRI,SEQ,MICROSECONDS,FLAGS[,caller=T1];TEXT"
+_KMSG_RE = re.compile(r"(\d+),(\d+),(\d+),[^;]*;")
+# a syslog or journal line, up to its tag: an optional "<PRI>", the wall-clock stamp (traditional; ISO from rsyslog
+# and journalctl -o short-iso; journalctl -o short-full, short-unix, short-monotonic, short-delta), the host, the tag
+_SYSLOG_RE = re.compile(
+    rf"(?:<(?P<pri>\d{{1,3}})>)?(?:{_MONTH} [ \d]\d {_TIME}|\d{{4}}-\d\d-\d\dT{_TIME}(?:Z|[+-]\d\d:?\d\d)?"
+    rf"|{_DAY} \d{{4}}-\d\d-\d\d {_TIME} \S+|\d+\.\d+|\[\s*\d+\.\d+(?: <\s*\d+\.\d+>)?\]) \S+ (?P<tag>[^\s:]+): "
+)
+# RFC 5424: "<PRI>1 STAMP HOST APP-NAME PROCID MSGID STRUCTURED-DATA MSG"
+_RFC5424_RE = re.compile(r"<(?P<pri>\d{1,3})>1 \S+ \S+ (?P<tag>\S+) \S+ \S+ (?:-|(?:\[(?:[^\]\\]|\\.)*\])+) ?\ufeff?")
+# dmesg: "[  123.456789] " or dmesg -T's "[Sat Dec  5 10:00:00 2026] ", after dmesg -x's "kern  :warn  : "
+_DMESG_RE = re.compile(
+    rf"(?:(?P<fac>[a-z0-9]+) *:[a-z]+ *: )?"
+    rf"(?:\[\s*(?P<uptime>\d+\.\d+)\]|\[{_DAY} {_MONTH} [ \d]\d {_TIME} \d{{4}}\]) ?"
+)
+_UPTIME_RE = re.compile(r"\[\s*(\d+\.\d+)\] ?")  # the kernel's own stamp at the start of a syslog message
+_CALLER_RE = re.compile(r"\[\s*[CT]\d+\] ?")  # CONFIG_PRINTK_CALLER's "[    T123] "
 _PID_RE = re.compile(r"pid=(\d+)")
 _NAME_RE = re.compile(r"name=([^,]*)")
 
+#: Why a line with an Xid in it is refused: ``not_kernel`` (its format names another writer: a syslog tag or
+#: RFC 5424 app name other than ``kernel``, a syslog priority or ``/dev/kmsg`` facility other than the kernel's, a
+#: ``dmesg -x`` facility other than ``kern``), ``unknown_format`` (no kernel-log line format, or the Xid is not where
+#: the kernel's message starts), ``malformed`` (the kernel's line, but its bus id or code does not parse).
+REJECT_REASONS = ("not_kernel", "unknown_format", "malformed")
+RejectReason = Literal["not_kernel", "unknown_format", "malformed"]
+
 
 def parse_line(line: str) -> XidEvent | None:
-    """The Xid event in one kernel-log line, or None when the line is no Xid.
+    """The Xid event in one kernel-log line, or None when the line is no Xid written by the kernel.
 
-    Reads ``/dev/kmsg`` records (``6,1234,5678901,-;NVRM: Xid ...``), ``dmesg`` lines (``[ 5.678901] NVRM: ...``,
-    or ``dmesg -T``'s wall-clock stamps) and syslog lines (``... kernel: [5.67] NVRM: Xid ...``).
+    Only the kernel writes Xid lines; anyone can write a line that looks like one (``logger 'NVRM: Xid ...'``).
+    A line counts only when the Xid text starts the kernel's own message in one of these formats:
+
+    * ``/dev/kmsg`` records (``4,1234,5678901,-;NVRM: Xid ...``) of the kernel facility (what a program writes to
+      ``/dev/kmsg`` gets the user facility);
+    * ``dmesg`` lines: ``[ 5.678901] NVRM: Xid ...``, ``dmesg -T``'s ``[Sat Dec  5 10:00:00 2026] NVRM: Xid ...``,
+      ``dmesg -x``'s ``kern  :warn  : [...]``;
+    * syslog and journal lines whose tag is exactly ``kernel``: ``Dec  5 10:00:00 host kernel: [5.67] NVRM: Xid
+      ...``, rsyslog's ISO stamps, the ``journalctl -k`` (``-o short*``) formats, RFC 5424 with app name ``kernel``.
+
+    :func:`refusal` says why a line with an Xid in it is refused.
     """
+    got = _read(line)
+    return got if isinstance(got, XidEvent) else None
+
+
+def refusal(line: str) -> RejectReason | None:
+    """Why :func:`parse_line` refuses a line that has an Xid in it (one of :data:`REJECT_REASONS`); None otherwise."""
+    got = _read(line)
+    return got if isinstance(got, str) else None
+
+
+def _read(line: str) -> XidEvent | RejectReason | None:
+    """The event, the reason a line with an Xid in it is refused, or None for a line without one."""
     line = line.rstrip("\r\n")
+    if _MARK not in line:
+        return None
     seq: int | None = None
     uptime: float | None = None
-    text = line
-    m = _KMSG_RE.match(line)
-    if m:
-        seq = int(m.group(2))
-        uptime = int(m.group(3)) / 1e6
-        text = m.group(4)
-    x = _XID_RE.search(text)
+    if m := _KMSG_RE.match(line):
+        if int(m.group(1)) >> 3:  # the facility: the kernel's is 0, a write to /dev/kmsg gets at least "user"
+            return "not_kernel"
+        seq, uptime = int(m.group(2)), int(m.group(3)) / 1e6
+    elif m := _RFC5424_RE.match(line) or _SYSLOG_RE.match(line):
+        pri = m.group("pri")
+        if m.group("tag") != "kernel" or (pri is not None and int(pri) >> 3):
+            return "not_kernel"
+        if stamp := _UPTIME_RE.match(line, m.end()):
+            uptime = float(stamp.group(1))
+            m = stamp
+    elif m := _DMESG_RE.match(line):
+        if m.group("fac") not in (None, "kern"):
+            return "not_kernel"
+        uptime = float(m.group("uptime")) if m.group("uptime") else None
+    else:
+        return "unknown_format"
+    start = m.end()
+    if caller := _CALLER_RE.match(line, start):
+        start = caller.end()
+    x = _XID_RE.match(line, start)
     if x is None:
-        return None
-    if uptime is None:
-        stamp = _STAMP_RE.search(text, 0, x.start())
-        uptime = float(stamp.group(1)) if stamp else None
+        return "malformed" if line.startswith(_MARK, start) else "unknown_format"
     message = x.group(3).strip()
     pid = _PID_RE.search(message)
     name = _NAME_RE.search(message)
@@ -216,19 +284,29 @@ def gpu_for(event: XidEvent, gpus: Iterable[_G]) -> _G | None:
 
 # ------------------------------------------------------------------------------------------------ following
 
-_DEDUPE_KEEP = 4096  # stamped lines remembered, to skip them when a followed file is re-read after rotation
+_DEDUPE_KEEP = 4096  # lines remembered, to skip them when a followed file is read again (rewritten, rotated)
 
 
 class XidFollower(Iterator[XidEvent]):
     """An iterator of Xid events from a kernel log, open until :meth:`close` (see :func:`follow`)."""
 
-    def __init__(self, path: str, *, after_seq: int | None, from_start: bool, poll: float) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        after_seq: int | None,
+        from_start: bool,
+        poll: float,
+        on_reject: Callable[[RejectReason, str], object] | None = None,
+    ) -> None:
         self.path = path
         self.poll = poll
+        self.on_reject = on_reject
         #: the highest ``/dev/kmsg`` sequence number handed out (pass it as ``after_seq`` to resume)
         self.last_seq = after_seq if after_seq is not None else -1
         self._closed = threading.Event()
-        self._seen: OrderedDict[tuple[float, str], None] = OrderedDict()
+        self._seen: OrderedDict[tuple[bytes, int], None] = OrderedDict()  # (line digest, its occurrence)
+        self._pass: OrderedDict[bytes, int] = OrderedDict()  # line digest -> times read since the file was opened
         self._fd = -1
         self._buf = b""
         self._pos = 0
@@ -284,6 +362,7 @@ class XidFollower(Iterator[XidEvent]):
         self._ino = (st.st_dev, st.st_ino)
         self._buf = b""
         self._pos = 0
+        self._pass.clear()
         if not from_start:
             # /dev/kmsg: SEEK_END skips the ring buffer's replay; a plain file: read on from its end
             self._pos = os.lseek(fd, 0, os.SEEK_END)
@@ -346,20 +425,31 @@ class XidFollower(Iterator[XidEvent]):
             return False  # gone for now (mid-rotation): keep reading the old one until a new one appears
         if (st.st_dev, st.st_ino) != self._ino:
             return True
-        if st.st_size < self._pos:  # truncated in place (copytruncate)
+        if st.st_size < self._pos:  # truncated in place (copytruncate, or rewritten)
             self._pos = 0
             self._buf = b""
+            self._pass.clear()
         return False
 
     def _fresh(self, event: XidEvent) -> bool:
+        """Whether the event was not handed out before.
+
+        A ``/dev/kmsg`` record is known by its sequence number. Any other line carries its own stamp (the kernel's
+        ``[seconds]`` or the wall-clock one of ``dmesg -T`` and syslog), so the same line read again is the same
+        record: a line is known by its text and by how many times that text was read since the file was opened or
+        truncated (the same text twice in one reading is two events; read again after a rewrite, it is none).
+        """
         if event.seq is not None:
             if event.seq <= self.last_seq:
                 return False
             self.last_seq = event.seq
             return True
-        if event.uptime is None:
-            return True  # nothing to tell a repeat from a new event by
-        key = (event.uptime, event.raw[-200:])
+        digest = hashlib.blake2b(event.raw.encode("utf-8", "replace"), digest_size=16).digest()
+        occurrence = self._pass.pop(digest, 0)
+        self._pass[digest] = occurrence + 1
+        if len(self._pass) > _DEDUPE_KEEP:
+            self._pass.popitem(last=False)
+        key = (digest, occurrence)
         if key in self._seen:
             return False
         self._seen[key] = None
@@ -371,9 +461,12 @@ class XidFollower(Iterator[XidEvent]):
         try:
             lines = self._kmsg_records() if self._chardev else self._file_lines()
             for line in lines:
-                event = parse_line(line)
-                if event is not None and self._fresh(event):
-                    yield event
+                got = _read(line)
+                if isinstance(got, XidEvent):
+                    if self._fresh(got):
+                        yield got
+                elif got is not None and self.on_reject is not None:
+                    self.on_reject(got, line)
         finally:
             self._close_fd()
 
@@ -384,6 +477,7 @@ def follow(
     after_seq: int | None = None,
     from_start: bool = True,
     poll: float = 0.5,
+    on_reject: Callable[[RejectReason, str], object] | None = None,
 ) -> XidFollower:
     """Follow a kernel log and yield each Xid event once, until the follower is closed.
 
@@ -395,6 +489,8 @@ def follow(
         from_start: read a plain file from its beginning, replay ``/dev/kmsg``'s ring buffer (False: only what is
             logged from now on).
         poll: seconds between checks for new data and for :meth:`XidFollower.close`.
+        on_reject: called on the reading thread with the reason and the line for each line with an Xid in it that
+            :func:`parse_line` refuses (see :func:`refusal`).
 
     Returns:
         The follower: iterate it for :class:`XidEvent`; ``close()`` from any thread.
@@ -405,7 +501,7 @@ def follow(
     """
     if not poll > 0:
         raise UsageError(f"poll must be a positive number of seconds, not {poll!r}")
-    return XidFollower(os.fspath(path), after_seq=after_seq, from_start=from_start, poll=poll)
+    return XidFollower(os.fspath(path), after_seq=after_seq, from_start=from_start, poll=poll, on_reject=on_reject)
 
 
 def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -> str:
@@ -428,11 +524,23 @@ def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -
     return f"Xid {event.xid} on {who}{proc}: {info.meaning}; action {info.action}: {info.advice}"
 
 
+_REFUSED = {
+    "not_kernel": "was not written by the kernel",
+    "unknown_format": "is in no kernel-log format smiquery reads",
+    "malformed": "does not parse",
+}
+
+
 class XidWatcher:
     """A kernel log followed on a daemon thread: each new Xid event is counted by GPU and code, then handed on.
 
     The one follower thread of the exporter (which retries a log it cannot read and serves the counts), the
     training monitor and the stream CLI (which follow from the log's end and stop at the first failure).
+
+    What it keeps is bounded whatever the log holds: counts for the :attr:`MAX_SERIES` (bus, code) pairs with the
+    newest events (an older pair's count moves to :attr:`other`), and one count per refusal reason. Lines with an
+    Xid that the kernel did not write (see :func:`parse_line`) are counted by reason (:meth:`rejected`) and noted
+    at most once a minute, with how many were refused since the last note.
 
     Args:
         path: ``/dev/kmsg`` or a plain file followed like ``tail -F``.
@@ -445,13 +553,23 @@ class XidWatcher:
             after the last event counted, so a replayed record is not counted twice). None: :meth:`start` opens
             the log, raising when it cannot, and a failure ends the following.
         poll: see :func:`follow`.
+        on_refused: called on the thread with one line about a refused line (the reason, the line with control
+            characters escaped, how many more were refused since the last note), at most once a minute; None
+            (the default) logs it as a WARNING.
+        clock: a monotonic clock for that minute (tests inject one).
 
     Attributes:
         up: True while the log is open and read.
         last_error: the last failure, one line (None while ``up``).
         events: events counted so far.
+        other: events no longer counted under their (bus, code) pair, to keep at most :attr:`MAX_SERIES` pairs.
         attempts: times the log was opened or tried.
     """
+
+    #: (bus, code) pairs counted at most: the pair whose last event is the oldest gives its count to ``other``
+    MAX_SERIES = 256
+    #: seconds between two notes about refused lines
+    REFUSED_EVERY = 60.0
 
     def __init__(
         self,
@@ -462,6 +580,8 @@ class XidWatcher:
         from_start: bool = True,
         retry: float | None = None,
         poll: float = 0.5,
+        on_refused: Callable[[str], object] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = os.fspath(path)
         self.on_event = on_event
@@ -471,23 +591,35 @@ class XidWatcher:
         self.poll = poll
         self.up = False
         self.last_error: str | None = None
+        self.on_refused = on_refused
+        self.clock = clock
         self.events = 0
+        self.other = 0
         self.attempts = 0
-        self._counts: dict[tuple[BusKey, int], int] = {}
-        self._bus_text: dict[BusKey, str] = {}
+        # (bus key, code) -> [events, the bus id as the kernel printed it], least recently counted first
+        self._series: OrderedDict[tuple[BusKey, int], tuple[int, str]] = OrderedDict()
+        self._rejected = dict.fromkeys(REJECT_REASONS, 0)
+        self._refused_at: float | None = None  # when the last note about a refused line went out
+        self._refused_held = 0  # lines refused since then
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._follower: XidFollower | None = None
         self._thread: threading.Thread | None = None
 
     def counts(self) -> dict[tuple[BusKey, int], int]:
-        """A copy of the counts: ``(bus key, xid) -> events``."""
+        """A copy of the counts: ``(bus key, xid) -> events`` (at most :attr:`MAX_SERIES` pairs)."""
         with self._lock:
-            return dict(self._counts)
+            return {key: n for key, (n, _) in self._series.items()}
 
-    def bus_text(self, key: BusKey) -> str:
-        """The PCI address as the kernel printed it for ``key``."""
-        return self._bus_text.get(key, "")
+    def series(self) -> list[tuple[BusKey, int, str, int]]:
+        """The counts with the PCI address as the kernel printed it: ``(bus key, xid, address, events)``, sorted."""
+        with self._lock:
+            return sorted((key, code, text, n) for (key, code), (n, text) in self._series.items())
+
+    def rejected(self) -> dict[str, int]:
+        """Lines with an Xid in them that were refused, by reason (every one of :data:`REJECT_REASONS`)."""
+        with self._lock:
+            return dict(self._rejected)
 
     def start(self) -> XidWatcher:
         """Start the thread (without ``retry``, open the log first, here). Returns self.
@@ -504,7 +636,7 @@ class XidWatcher:
 
     def _open(self, after_seq: int | None, from_start: bool) -> XidFollower:
         self.attempts += 1
-        follower = follow(self.path, after_seq=after_seq, from_start=from_start, poll=self.poll)
+        follower = follow(self.path, after_seq=after_seq, from_start=from_start, poll=self.poll, on_reject=self._reject)
         self.up, self.last_error = True, None
         return follower
 
@@ -513,14 +645,36 @@ class XidWatcher:
         if key is None:
             return
         with self._lock:
-            self._counts[(key, event.xid)] = self._counts.get((key, event.xid), 0) + 1
-            self._bus_text.setdefault(key, event.pci_bus_id)
+            n, text = self._series.pop((key, event.xid), (0, event.pci_bus_id))
+            self._series[(key, event.xid)] = (n + 1, text)
+            if len(self._series) > self.MAX_SERIES:
+                self.other += self._series.popitem(last=False)[1][0]
             self.events += 1
         if self.on_event is not None:
             try:
                 self.on_event(event)
             except Exception:  # a listener's bug must not stop the counting
                 log.exception("smiquery: an Xid listener failed")
+
+    def _reject(self, reason: RejectReason, line: str) -> None:
+        now = self.clock()
+        with self._lock:
+            self._rejected[reason] += 1
+            if self._refused_at is not None and now - self._refused_at < self.REFUSED_EVERY:
+                self._refused_held += 1
+                return
+            held, self._refused_held, self._refused_at = self._refused_held, 0, now
+        shown = line.rstrip("\r\n")
+        shown = printable(shown if len(shown) <= 200 else shown[:200] + "...")
+        more = f"; {held} more refused since the last note" if held else ""
+        text = f"ignored a line that looks like an Xid but {_REFUSED[reason]} ({reason}): {shown}{more}"
+        if self.on_refused is None:
+            log.warning("smiquery: %s", text)
+            return
+        try:
+            self.on_refused(text)
+        except Exception:  # a listener's bug must not stop the following
+            log.exception("smiquery: an Xid listener failed")
 
     def _report(self, exc: BaseException, opened: bool) -> None:
         if self.on_error is not None and not self._stop.is_set():

@@ -79,6 +79,44 @@ def test_an_xid_appended_while_streaming_names_the_gpu_and_the_cause(fake_smi: M
     assert not any("Xid 48" in x for x in rest)  # the old line was not shown, before or after
 
 
+def test_xid_lines_the_kernel_did_not_write_are_one_note_not_an_xid(fake_smi: MakeFake, tmp_path: Path) -> None:
+    smi = fake_smi()
+    log = tmp_path / "syslog"
+    log.write_text("")
+    forged = "NVRM: Xid (PCI:0000:5d:00): 79, pid=4242, name=python, GPU has fallen off the bus."
+    with subprocess.Popen(
+        argv("stream", "-l", "200ms", "--format", "csv", "--kernel-log", log, smi=smi),
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as p:
+        assert p.stdout is not None and p.stderr is not None
+        out, err = _lines(p.stdout), _lines(p.stderr)
+        try:
+            _until(out, "GPU-")
+            with log.open("a") as f:  # `logger`'s default tag, a program's tag, RFC 5424, a bare priority
+                f.write(f"Dec  5 10:00:00 node7 user: {forged}\nDec  5 10:00:00 node7 bob[4242]: {forged}\n")
+                f.write(f"<14>1 2026-12-05T10:00:00.123456+00:00 node7 bob - - - {forged}\n<14>{forged}\n")
+            note = _until(err, "looks like an Xid")
+            with log.open("a") as f:  # the kernel's own line marks the end of what the forged ones could do
+                f.write("Dec  5 10:00:01 node7 kernel: NVRM: Xid (PCI:0000:5d:00): 48, pid=7, name=python, DBE\n")
+            between = []
+            while "Xid 48" not in (xid := err.get(timeout=DEADLINE) or "the end"):
+                assert xid != "the end", "the output ended before the kernel's Xid 48"
+                between.append(xid)
+            p.send_signal(signal.SIGINT)
+            p.wait(DEADLINE)
+        finally:
+            if p.poll() is None:
+                p.kill()
+    assert "was not written by the kernel (not_kernel)" in note and "node7 user:" in note
+    assert "Xid 79" not in note and XID_CATALOGUE[48].meaning in xid
+    rest = between
+    while (more := err.get(timeout=DEADLINE)) is not None:
+        rest.append(more)
+    assert not any("Xid 79" in x or "looks like an Xid" in x for x in rest)  # one note, and no Xid 79
+
+
 def test_an_unreadable_kernel_log_is_one_warning_and_the_stream_goes_on(fake_smi: MakeFake, tmp_path: Path) -> None:
     proc = subprocess.run(
         argv(

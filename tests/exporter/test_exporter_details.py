@@ -179,6 +179,35 @@ def test_xid_lines_in_kmsg_and_dmesg_formats_count_per_gpu_and_code(
     assert samples(body, "smiquery_xid_source_up") == [({"path": str(log)}, 1.0)]
 
 
+def rejected(url: str) -> dict[str, float]:
+    return {lab["reason"]: v for lab, v in samples(scrape(url), "smiquery_xid_rejected_lines_total")}
+
+
+def test_xid_lines_the_kernel_did_not_write_are_refused_and_counted_by_reason(
+    exporter: Any, inproc: InProcessRunner, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="smiquery")
+    log = tmp_path / "syslog"
+    log.write_text("Dec  5 09:59:59 node7 systemd[1]: Started Session 1 of user bob.\n", encoding="utf-8")
+    exp = exporter(interval=0.1, kernel_log=str(log))
+    wait_for(lambda: rejected(exp.url) == {"not_kernel": 0.0, "unknown_format": 0.0, "malformed": 0.0},
+             what="the rejected-lines counter at 0")  # fmt: skip
+    fell_off = "NVRM: Xid (PCI:0000:18:00): 79, pid=4242, name=python, GPU has fallen off the bus."
+    with log.open("a", encoding="utf-8") as f:  # what `logger`, a program's own tag and a relay write
+        for forged in ("user: ", "bob[4242]: ", "kernelx: ", "mallory: [ 1.0] kernel: "):
+            f.write(f"Dec  5 10:00:00 node7 {forged}{fell_off}\n")
+        f.write(f"<14>1 2026-12-05T10:00:00.123456+00:00 node7 bob - - - {fell_off}\n<14>{fell_off}\n")
+    wait_for(lambda: sum(rejected(exp.url).values()) == 6, what="six refused lines")
+    assert rejected(exp.url) == {"not_kernel": 5.0, "unknown_format": 1.0, "malformed": 0.0}
+    assert xids(exp.url) == {}  # a healthy GPU shows no Xid
+    with log.open("a", encoding="utf-8") as f:  # the kernel's own line, as rsyslog writes it
+        f.write(f"Dec  5 10:00:01 node7 kernel: [ 5678.901234] {fell_off}\n")
+    wait_for(lambda: xids(exp.url) == {(CSV_GPU0[1], "79"): 1.0}, what="the kernel's Xid 79")
+    assert sum(rejected(exp.url).values()) == 6
+    refused = [r.getMessage() for r in caplog.records if "looks like an Xid" in r.getMessage()]
+    assert len(refused) == 1 and "(not_kernel)" in refused[0]  # one note a minute, not one per line
+
+
 def test_an_unreadable_kernel_log_warns_once_and_the_gpu_metrics_go_on(
     exporter: Any, inproc: InProcessRunner, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
