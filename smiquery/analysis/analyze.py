@@ -27,10 +27,24 @@ if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
-__all__ = ["DEFAULT_RULES", "report", "stalls_and_alerts"]
+__all__ = ["DEFAULT_RULES", "report", "report_fields", "stalls_and_alerts"]
 
 #: Thresholds the report (and :mod:`smiquery.analysis.plot`) use when no rules are given: the built-in health rules.
 DEFAULT_RULES: tuple[str, ...] = BUILTIN_RULES
+
+def report_fields(rules: Iterable[Rule | str] | None = None) -> tuple[str, ...]:
+    """The fields a report of the recording needs: what the stall check and the rules watch (``while`` fields too).
+
+    ``smiquery stream --output`` records these besides the default preset, so that ``smiquery report`` of the
+    recording says nothing is "not recorded".
+
+    Args:
+        rules: the rules (default :data:`DEFAULT_RULES`).
+    """
+    names = ["timestamp", "index", "utilization.gpu", "memory.used"]
+    names += [f.name for r in _parse_rules(rules) for f in r.fields]
+    return tuple(dict.fromkeys(names))
+
 
 _SKIP_STATS = frozenset({"index", "count", "timestamp"})
 
@@ -424,7 +438,7 @@ def _stretch(g: GpuSeries, first: int, last: int, values: np.ndarray | None, pic
         if len(window):
             peak = float(window.max() if pick_max else window.min())
             mean = float(window.mean())
-    return Stretch(g.index, g.stamp(first), end, seconds, last - first + 1, peak, mean)
+    return Stretch(g.index, g.stamp(first), end, seconds, last - first + 1, peak, mean, last == len(g.times) - 1)
 
 
 def _fired_at(rule: Rule, g: GpuSeries, first: int, last: int, cond: np.ndarray) -> int | None:

@@ -414,6 +414,8 @@ def _stream(
     seconds = parse_seconds(interval, "--interval")
     stop_after = parse_seconds(duration, "--duration") if duration is not None else None
     rules, rule_fields = _rules(alerts)
+    if output is not None and fields is None and replay_path is None:
+        rule_fields = (*rule_fields, *_report_fields())  # what `smiquery report` of the recording needs
     if kernel_log:  # the Xid lines name the GPU at the PCI address the kernel gives
         rule_fields = (*rule_fields, *(get_field(n) for n in xid_fields(replay_path)))
     ids = parse_gpus(gpus)
@@ -463,6 +465,13 @@ def _stream(
         raise wrong from None
     if code:
         raise typer.Exit(code)
+
+
+def _report_fields() -> tuple[Field, ...]:
+    """The fields the default report checks (the built-in rules, the stall check): the default recording has them."""
+    from smiquery.analysis.analyze import report_fields
+
+    return tuple(get_field(n) for n in report_fields())
 
 
 def _rules(alerts: Sequence[str]) -> tuple[list[Rule], tuple[Field, ...]]:
