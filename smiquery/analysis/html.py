@@ -12,6 +12,8 @@ from html import escape
 from typing import TYPE_CHECKING
 
 from smiquery.analysis.render import (
+    THRESHOLDS_NOTE,
+    THRESHOLDS_TITLE,
     alert_rows,
     constant_text,
     energy_line,
@@ -23,8 +25,6 @@ from smiquery.analysis.render import (
     overall_rows,
     stall_note,
     stall_rows,
-    THRESHOLDS_NOTE,
-    THRESHOLDS_TITLE,
     threshold_note,
     threshold_table,
 )

@@ -319,8 +319,10 @@ def threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
 
 
 def threshold_of(rule: str) -> str:
-    """A rule's condition without its hold: ``"utilization.gpu < 20 for 30m while ..."`` -> ``"utilization.gpu < 20
-    while ..."`` (what time past a threshold counts)."""
+    """A rule's condition without its hold: what time past a threshold counts.
+
+    ``"utilization.gpu < 20 for 30m while memory.used > 1024"`` -> ``"utilization.gpu < 20 while memory.used > 1024"``.
+    """
     return re.sub(r"\s+for\s+\S+(?:\s+samples?)?(?=\s+while\s|$)", "", rule.strip())
 
 

@@ -95,9 +95,15 @@ class RecordOptions:
 
 
 def open_output(
-    output: Path, fields: Sequence[Field], options: RecordOptions, say: Callable[[str], None]
+    output: Path,
+    fields: Sequence[Field],
+    options: RecordOptions,
+    say: Callable[[str], None],
+    rules: Sequence[str] = (),
 ) -> TextRecorder | ParquetDataset:
     """The recorder for ``--output``, every failure one line naming the file (exit 2 for a usage error).
+
+    ``rules`` (the ``--alert`` rules) are recorded beside it, for ``smiquery report`` to check.
 
     Raises:
         UsageError: an existing file without --force/--append, other columns under --append, an unknown suffix,
@@ -121,6 +127,7 @@ def open_output(
             keep=options.keep,
             flush_every=flush_every,
             say=say,
+            rules=rules,
         )
     except (UsageError, RecordingError):
         raise

@@ -585,7 +585,7 @@ def _open_outputs(
     tty = bool(isatty and isatty())
     writers: list[SampleWriter] = []
     if output is not None:
-        writers.append(open_output(output, flds, record or RecordOptions(), note))
+        writers.append(open_output(output, flds, record or RecordOptions(), note, [str(r) for r in rules]))
     live: LiveTable | None = None
     evaluator = AlertEvaluator(rules) if rules else None
     if form == "csv":

@@ -71,3 +71,20 @@ def test_a_stall_or_alert_still_going_at_the_end_says_so(tmp_path):
     ended = report(_idle(tmp_path / "ended.csv", gpu1_idle_from=70), rules=["utilization.gpu < 20 for 3"])
     assert [a.ongoing for a in ended.alerts] == [False]
     assert "ongoing" not in report_text(ended)
+
+
+def test_a_report_of_a_recording_made_with_alert_rules_checks_those_rules(inproc, tmp_path):
+    rule = "utilization.gpu >= 0 for 2"  # holds on every sample of the fake: fires, and is still firing at the end
+    for name in ("run.csv", "run.jsonl", "run.parquet"):
+        rec = tmp_path / name
+        proc = run("stream", "-l", "50ms", "--count", "4", "-F", "csv", "-a", rule, "-o", rec, smi=FAKE_PATH)
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(run("report", rec, "--format", "json").stdout)
+        assert rule in doc["rules"] and "temperature.gpu > 85 for 3" in doc["rules"]
+        mine = [a for a in doc["alerts"] if a["rule"] == rule]
+        assert mine and all(a["ongoing"] for a in mine)
+        text = run("report", rec).stdout
+        assert f"{rule}" in text and "(ongoing at the end)" in text
+        # the rules given on the command line replace them
+        only = json.loads(run("report", rec, "--format", "json", "-a", "temperature.gpu > 99").stdout)
+        assert only["rules"] == ["temperature.gpu > 99"]
