@@ -467,6 +467,14 @@ def _stream(
         raise typer.Exit(code)
 
 
+def _made_with(path: Path) -> list[str]:
+    """The fields ``stream --output`` recorded into ``path`` (its ``.meta.json``); empty for any other log."""
+    from smiquery.recordings.recorder import META_SUFFIX, read_meta
+
+    names = read_meta(f"{path}{META_SUFFIX}").get("fields")
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
 def _report_fields() -> tuple[Field, ...]:
     """The fields the default report checks (the built-in rules, the stall check): the default recording has them."""
     from smiquery.analysis.analyze import report_fields
@@ -508,11 +516,14 @@ def _open_replay(
     wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None
     columns = _replay_columns(path, fields)
     if wanted is None:
-        # The default preset when the recording has it, else every recorded column.
+        # What `stream --output` recorded; else the default preset when the recording has it, else every column.
         probe = Replay(path, speed=speed, gpus=ids, loop=loop, tz=tz)
         have = {f.name for f in probe.recorded_fields}
         default = parse_fields("default", rule_fields)
-        if all(f.name in have for f in default):
+        made = _made_with(path)  # a recording of `stream --output`: the fields it was made with
+        if made and all(n in have for n in made):
+            wanted = parse_fields(",".join(made), rule_fields)
+        elif all(f.name in have for f in default):
             wanted = default
         else:
             lacking = [f.name for f in rule_fields if f.name not in have]

@@ -88,3 +88,24 @@ def test_a_report_of_a_recording_made_with_alert_rules_checks_those_rules(inproc
         # the rules given on the command line replace them
         only = json.loads(run("report", rec, "--format", "json", "-a", "temperature.gpu > 99").stdout)
         assert only["rules"] == ["temperature.gpu > 99"]
+
+
+def test_smiquery_record_points_at_stream_output():
+    bare = run("record")
+    assert bare.returncode == 2
+    assert "there is no `smiquery record`: record with `smiquery stream --output run.csv`" in bare.stderr
+    given = run("record", "-o", "x.csv", "-l", "1s")
+    assert "record with `smiquery stream -o x.csv -l 1s`, then `smiquery report`" in given.stderr
+    assert len(given.stderr.splitlines()) == 1
+    assert " record " not in run("--help").stdout  # not a command of its own
+
+
+def test_a_parse_error_on_a_binary_line_quotes_a_short_escaped_excerpt():
+    from smiquery.errors import ParseError
+
+    garbage = bytes(range(256)).decode("latin-1") * 3
+    text = str(ParseError("expected 3 columns, got 1", lineno=2, line=garbage))
+    excerpt = text.split(": ", 2)[2]
+    assert len(excerpt) <= 82 and excerpt.endswith("...'")
+    assert excerpt.startswith("'\\x00\\x01") and "\\\\" not in excerpt  # escaped once, not repr'd twice
+    assert all(c.isprintable() for c in text)
