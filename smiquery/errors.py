@@ -169,9 +169,18 @@ class ParseError(SmiqueryError, ValueError):
         self.lineno = lineno
         self.line = line
         self.field = field
-        shown = line if len(line) <= 200 else line[:197] + "..."
+        from smiquery.printable import printable
+
+        # a short excerpt, control bytes (a binary file) as escapes never cut in two: one readable line
+        shown = ""
+        for ch in line:
+            piece = printable(ch)
+            if len(shown) + len(piece) > 77:
+                shown += "..."
+                break
+            shown += piece
         where = f"line {lineno}" + (f", field {field!r}" if field else "")
-        super().__init__(f"{where}: {message}: {shown!r}")
+        super().__init__(f"{where}: {message}: '{shown}'")
 
 
 class InvalidRuleError(SmiqueryError, ValueError):

@@ -27,10 +27,25 @@ if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
-__all__ = ["DEFAULT_RULES", "report", "stalls_and_alerts"]
+__all__ = ["DEFAULT_RULES", "report", "report_fields", "stalls_and_alerts"]
 
 #: Thresholds the report (and :mod:`smiquery.analysis.plot`) use when no rules are given: the built-in health rules.
 DEFAULT_RULES: tuple[str, ...] = BUILTIN_RULES
+
+
+def report_fields(rules: Iterable[Rule | str] | None = None) -> tuple[str, ...]:
+    """The fields a report of the recording needs: what the stall check and the rules watch (``while`` fields too).
+
+    ``smiquery stream --output`` records these besides the default preset, so that ``smiquery report`` of the
+    recording says nothing is "not recorded".
+
+    Args:
+        rules: the rules (default :data:`DEFAULT_RULES`).
+    """
+    names = ["timestamp", "index", "utilization.gpu", "memory.used"]
+    names += [f.name for r in _parse_rules(rules) for f in r.fields]
+    return tuple(dict.fromkeys(names))
+
 
 _SKIP_STATS = frozenset({"index", "count", "timestamp"})
 
@@ -55,9 +70,11 @@ def _numeric_fields(df: pd.DataFrame) -> list[Field]:
     return out
 
 
-def _parse_rules(rules: Iterable[Rule | str] | None) -> tuple[Rule, ...]:
-    chosen = DEFAULT_RULES if rules is None else rules
-    return tuple(r if isinstance(r, Rule) else Rule.parse(r) for r in chosen)
+def _parse_rules(rules: Iterable[Rule | str] | None, df: pd.DataFrame | None = None) -> tuple[Rule, ...]:
+    """The rules given; by default the built-in ones and those the recording was made with (``attrs["rules"]``)."""
+    chosen = [*DEFAULT_RULES, *(df.attrs.get("rules") or () if df is not None else ())] if rules is None else rules
+    parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in chosen]
+    return tuple({str(r): r for r in parsed}.values())
 
 
 def report(
@@ -84,7 +101,9 @@ def report(
     Args:
         source: a recording path (CSV, JSONL, Parquet) or a DataFrame in the shape of
             :func:`smiquery.recordings.read_csv`.
-        rules: rules (or ``--alert`` expressions) whose thresholds are checked; default :data:`DEFAULT_RULES`.
+        rules: rules (or ``--alert`` expressions) whose thresholds are checked; default :data:`DEFAULT_RULES` and
+            the ``--alert`` rules the recording was made with (``smiquery stream --alert ... --output`` records
+            them beside it).
         stall_utilization: utilization (percent) under which a GPU is stalled.
         min_stall: shortest stall reported, in seconds.
         busy_memory: memory used (MiB) from which a GPU counts as held by a job.
@@ -104,7 +123,7 @@ def report(
         raise ReportError("the recording holds no samples")
     skipped = df.attrs.get("skipped")
     label = name or (os.path.basename(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "recording")
-    parsed = _parse_rules(rules)
+    parsed = _parse_rules(rules, df)
     gpus, interval = split_gpus(df)
     stats, constants, overall = _stats(df, gpus)
     result = Report(
@@ -154,7 +173,7 @@ def stalls_and_alerts(
 
     Args:
         source: a recording path (CSV, JSONL, Parquet) or a DataFrame, as for :func:`report`.
-        rules: rules whose alerts are found; default :data:`DEFAULT_RULES`.
+        rules: rules whose alerts are found; default as for :func:`report`.
         stall_utilization: utilization (percent) under which a GPU is stalled.
         min_stall: shortest stall reported, in seconds.
         busy_memory: memory used (MiB) from which a GPU counts as held by a job.
@@ -173,7 +192,7 @@ def stalls_and_alerts(
         raise ReportError("the recording holds no samples")
     gpus, _ = split_gpus(df)
     return Periods(
-        _stalls(gpus, StallRule(stall_utilization, busy_memory, min_stall)), _alerts(_parse_rules(rules), gpus)
+        _stalls(gpus, StallRule(stall_utilization, busy_memory, min_stall)), _alerts(_parse_rules(rules, df), gpus)
     )
 
 
@@ -424,7 +443,7 @@ def _stretch(g: GpuSeries, first: int, last: int, values: np.ndarray | None, pic
         if len(window):
             peak = float(window.max() if pick_max else window.min())
             mean = float(window.mean())
-    return Stretch(g.index, g.stamp(first), end, seconds, last - first + 1, peak, mean)
+    return Stretch(g.index, g.stamp(first), end, seconds, last - first + 1, peak, mean, last == len(g.times) - 1)
 
 
 def _fired_at(rule: Rule, g: GpuSeries, first: int, last: int, cond: np.ndarray) -> int | None:

@@ -12,6 +12,8 @@ from html import escape
 from typing import TYPE_CHECKING
 
 from smiquery.analysis.render import (
+    THRESHOLDS_NOTE,
+    THRESHOLDS_TITLE,
     alert_rows,
     constant_text,
     energy_line,
@@ -121,7 +123,8 @@ def report_html(report: Report, plot_png: bytes | None = None, plot_note: str | 
         if report.stalls
         else _para(stall_note(report))
     )
-    out.append("<h2>Time past thresholds</h2>")
+    out.append(f"<h2>{THRESHOLDS_TITLE}</h2>")
+    out.append(_para(THRESHOLDS_NOTE))
     head, rows = threshold_table(report)
     out.append(_table(head, rows) if rows else _para(threshold_note(report)))
     if report.alerts:

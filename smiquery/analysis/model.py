@@ -74,6 +74,7 @@ class Stretch:
         samples: samples in the stretch.
         peak: the most extreme value of the watched field (max for ``>``, min for ``<``).
         mean: the mean of the watched field.
+        ongoing: the recording ended while it still held (its end is the recording's end, not its own).
     """
 
     gpu: int
@@ -83,6 +84,7 @@ class Stretch:
     samples: int
     peak: float | None = None
     mean: float | None = None
+    ongoing: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
@@ -94,12 +96,13 @@ class Stretch:
             "samples": self.samples,
             "peak": self.peak,
             "mean": None if self.mean is None else round(self.mean, 3),
+            "ongoing": self.ongoing,
         }
 
 
 @dataclass(frozen=True)
 class ThresholdTime:
-    """How long one GPU spent past one rule's threshold (ignoring the rule's hold).
+    """How long one GPU spent past one rule's threshold (ignoring the rule's hold): not whether the rule fired.
 
     Attributes:
         rule: the rule's text.
@@ -130,7 +133,7 @@ class AlertSpan:
         end: when the condition stopped holding (or the recording ended).
         seconds: from ``since`` to ``end``.
         peak: the most extreme value of the rule's field.
-        cleared: False when the recording ended while it was still firing.
+        cleared: False when the recording ended while it was still firing (see :attr:`ongoing`).
     """
 
     rule: str
@@ -141,6 +144,11 @@ class AlertSpan:
     seconds: float
     peak: float | None
     cleared: bool
+
+    @property
+    def ongoing(self) -> bool:
+        """Whether it was still firing when the recording ended (its end is the recording's end)."""
+        return not self.cleared
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
@@ -153,6 +161,7 @@ class AlertSpan:
             "seconds": round(self.seconds, 3),
             "peak": self.peak,
             "cleared": self.cleared,
+            "ongoing": self.ongoing,
         }
 
 
@@ -242,7 +251,8 @@ class Report:
         skipped_files: files of a set skipped, one line each with why (no rows yet, gone since listed).
         health: memory-health counters (ECC, retired pages, remapped rows) that were non-zero, per GPU.
         constants: fields that never changed, with their value per GPU.
-        thresholds: time past each rule's threshold, per GPU (only GPUs that got past it).
+        thresholds: time past each rule's threshold, per GPU (only GPUs that got past it), whether or not the
+            condition held long enough for the rule to fire (:attr:`alerts` are the firings).
         stalls: stretches of at least ``min_stall`` seconds under the stall utilization while memory was held.
         alerts: alerts the rules would have fired during the run.
         findings: what to act on, most severe first.
@@ -297,6 +307,11 @@ class Report:
         norm = " ".join(rule.split())
         return sum(t.seconds for t in self.thresholds if t.gpu == gpu and t.rule == norm)
 
+    def alerts_fired(self, rule: str, gpu: int) -> int:
+        """How many times ``rule`` (its text as given) would have fired on GPU ``gpu``."""
+        norm = " ".join(rule.split())
+        return sum(1 for a in self.alerts if a.gpu == gpu and a.rule == norm)
+
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready dicts and lists."""
         return {
@@ -318,10 +333,11 @@ class Report:
                 {
                     "rule": t.rule,
                     "gpu": t.gpu,
-                    "seconds": round(t.seconds, 3),
+                    "seconds_past_threshold": round(t.seconds, 3),
                     "stretches": t.stretches,
                     "longest_seconds": round(t.longest, 3),
                     "peak": t.peak,
+                    "alerts_fired": self.alerts_fired(t.rule, t.gpu),
                 }
                 for t in self.thresholds
             ],

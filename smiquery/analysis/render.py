@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from smiquery.analysis.model import FieldStats, Report, Stretch
 
 __all__ = [
+    "ONGOING",
+    "THRESHOLDS_NOTE",
+    "THRESHOLDS_TITLE",
     "alert_rows",
     "clock_text",
     "constant_text",
@@ -39,6 +42,7 @@ __all__ = [
     "stall_note",
     "stall_rows",
     "threshold_note",
+    "threshold_of",
     "threshold_table",
     "time_text",
     "value_text",
@@ -207,7 +211,7 @@ def alert_rows(report: Report) -> list[list[str]]:
             str(a.gpu),
             a.rule,
             _stamp(a.fired),
-            format_duration(a.seconds) + ("" if a.cleared else " (still firing at the end)"),
+            format_duration(a.seconds) + (ONGOING if a.ongoing else ""),
             _peak_text(a.peak, a.rule),
         ]
         for a in report.alerts
@@ -249,7 +253,8 @@ def stall_rows(report: Report) -> list[list[str]]:
         means = [x.mean for x in group if x.mean is not None]
         mean = sum(means) / len(means) if means else None
         who = gpu_list([x.gpu for x in group]).removeprefix("GPUs ").removeprefix("GPU ")
-        rows.append([who, _stamp(group[0].start), format_duration(group[0].seconds), f"{_num(mean)}%"])
+        length = format_duration(group[0].seconds) + (ONGOING if any(x.ongoing for x in group) else "")
+        rows.append([who, _stamp(group[0].start), length, f"{_num(mean)}%"])
     return rows
 
 
@@ -281,9 +286,16 @@ def overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
 
 
 def threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
-    """(header, rows): per GPU that got past a threshold, the time past each rule's."""
+    """(header, rows): per GPU that got past a threshold, the time past each rule's, and whether the rule fired.
+
+    A column is headed by the rule's condition without its hold (``utilization.gpu < 20``, not ``... for 30m``;
+    the whole rule where two rules share a condition): time past a threshold is not an alert; a cell says how
+    often the rule fired there (``fired 1x``) or that it did not.
+    """
     rules = list(dict.fromkeys(t.rule for t in report.thresholds))
-    head = ["GPU", *rules]
+    conditions = [threshold_of(r) for r in rules]
+    # two rules of one threshold (other holds) keep their whole text, so their "fired" cells are told apart
+    head = ["GPU", *(c if conditions.count(c) == 1 else r for c, r in zip(conditions, rules, strict=True))]
     rows = []
     for g in report.gpus:
         cells = [f"GPU {g}"]
@@ -293,12 +305,32 @@ def threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
             if got:
                 any_time = True
                 t = got[0]
-                cells.append(f"{format_duration(t.seconds)} ({t.stretches}x)")
+                n = t.stretches
+                fired = report.alerts_fired(r, g)
+                cells.append(
+                    f"{format_duration(t.seconds)} in {n} stretch{'es' if n != 1 else ''}, "
+                    + (f"fired {fired}x" if fired else "not fired")
+                )
             else:
                 cells.append("-")
         if any_time:
             rows.append(cells)
     return head, rows
+
+
+def threshold_of(rule: str) -> str:
+    """A rule's condition without its hold: what time past a threshold counts.
+
+    ``"utilization.gpu < 20 for 30m while memory.used > 1024"`` -> ``"utilization.gpu < 20 while memory.used > 1024"``.
+    """
+    return re.sub(r"\s+for\s+\S+(?:\s+samples?)?(?=\s+while\s|$)", "", rule.strip())
+
+
+#: The heading of the time-past-thresholds section, and the line that says what it counts.
+THRESHOLDS_TITLE = "Time past thresholds"
+THRESHOLDS_NOTE = "how long each rule's condition held, long enough to fire or not; the firings are the alerts"
+#: What a stall's or alert's length says when the recording ended while it still held.
+ONGOING = " (ongoing at the end)"
 
 
 def report_text(report: Report) -> str:
@@ -321,7 +353,7 @@ def report_text(report: Report) -> str:
     )
     out.append("")
     head, rows = threshold_table(report)
-    out.append("Time past thresholds:")
+    out.append(f"{THRESHOLDS_TITLE} ({THRESHOLDS_NOTE}):")
     out += _table(head, rows, indent=2) if rows else [f"  {threshold_note(report)}"]
     if report.alerts:
         out.append("")
@@ -366,7 +398,7 @@ def report_markdown(report: Report) -> str:
         out += _md_table(["GPU", "start", "length", "mean util"], stall_rows(report))
     else:
         out.append(stall_note(report)[0].upper() + stall_note(report)[1:] + ".")
-    out += ["", "## Time past thresholds", ""]
+    out += ["", f"## {THRESHOLDS_TITLE}", "", THRESHOLDS_NOTE[0].upper() + THRESHOLDS_NOTE[1:] + ".", ""]
     head, rows = threshold_table(report)
     out += _md_table(head, rows) if rows else [threshold_note(report)[0].upper() + threshold_note(report)[1:] + "."]
     if report.alerts:

@@ -98,7 +98,8 @@ AlertOpt = Annotated[
         "--alert",
         "-a",
         metavar="EXPR",
-        help="Rule whose threshold to use (repeatable; default: the built-in health rules), "
+        help="Rule whose threshold to use (repeatable; default: the built-in health rules and the --alert rules "
+        "the recording was made with), "
         "e.g. 'temperature.gpu > 85 for 3' (3 samples) or '... for 30s' (30 seconds).",
     ),
 ]

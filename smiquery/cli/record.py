@@ -1,7 +1,8 @@
 """The recorder of ``smiquery stream --output``: its options, opening it, and SIGHUP.
 
 The options are ``--force``, ``--append``, ``--rotate``, ``--keep`` and ``--flush-every``; every failure to open
-is one line naming the file; SIGHUP reopens it (logrotate's create mode).
+is one line naming the file; SIGHUP reopens it (logrotate's create mode). ``smiquery record``, the word users
+type first, is no command of its own: it says to record with ``smiquery stream --output``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import typer
+
+from smiquery.cli._common import app, settings_of
 from smiquery.cli._options import parse_seconds
 from smiquery.errors import RecordingError, SmiqueryError, UsageError
 from smiquery.fields import Field
@@ -23,6 +27,20 @@ if TYPE_CHECKING:
     from smiquery.recordings import ParquetDataset, Policy, TextRecorder
 
 __all__ = ["RecordOptions", "open_output", "parse_rotate", "parse_size", "reopen_on_hup"]
+
+
+@app.command("record", hidden=True, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def record(ctx: typer.Context) -> None:
+    """Not a command: recording is ``smiquery stream --output FILE``; says so, with the arguments given."""
+    from smiquery.cli._boundary import boundary
+    from smiquery.printable import printable
+
+    args = [printable(a) for a in ctx.args]
+    has_output = any(a in ("-o", "--output") or a.startswith("--output=") for a in args)
+    command = " ".join(["smiquery stream", *([] if has_output else ["--output run.csv"]), *args])
+    with boundary(settings_of(ctx).debug):
+        raise UsageError(f"there is no `smiquery record`: record with `{command}`, then `smiquery report` the file")
+
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
@@ -95,9 +113,15 @@ class RecordOptions:
 
 
 def open_output(
-    output: Path, fields: Sequence[Field], options: RecordOptions, say: Callable[[str], None]
+    output: Path,
+    fields: Sequence[Field],
+    options: RecordOptions,
+    say: Callable[[str], None],
+    rules: Sequence[str] = (),
 ) -> TextRecorder | ParquetDataset:
     """The recorder for ``--output``, every failure one line naming the file (exit 2 for a usage error).
+
+    ``rules`` (the ``--alert`` rules) are recorded beside it, for ``smiquery report`` to check.
 
     Raises:
         UsageError: an existing file without --force/--append, other columns under --append, an unknown suffix,
@@ -121,6 +145,7 @@ def open_output(
             keep=options.keep,
             flush_every=flush_every,
             say=say,
+            rules=rules,
         )
     except (UsageError, RecordingError):
         raise

@@ -414,6 +414,8 @@ def _stream(
     seconds = parse_seconds(interval, "--interval")
     stop_after = parse_seconds(duration, "--duration") if duration is not None else None
     rules, rule_fields = _rules(alerts)
+    if output is not None and fields is None and replay_path is None:
+        rule_fields = (*rule_fields, *_report_fields())  # what `smiquery report` of the recording needs
     if kernel_log:  # the Xid lines name the GPU at the PCI address the kernel gives
         rule_fields = (*rule_fields, *(get_field(n) for n in xid_fields(replay_path)))
     ids = parse_gpus(gpus)
@@ -465,6 +467,21 @@ def _stream(
         raise typer.Exit(code)
 
 
+def _made_with(path: Path) -> list[str]:
+    """The fields ``stream --output`` recorded into ``path`` (its ``.meta.json``); empty for any other log."""
+    from smiquery.recordings.recorder import META_SUFFIX, read_meta
+
+    names = read_meta(f"{path}{META_SUFFIX}").get("fields")
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
+def _report_fields() -> tuple[Field, ...]:
+    """The fields the default report checks (the built-in rules, the stall check): the default recording has them."""
+    from smiquery.analysis.analyze import report_fields
+
+    return tuple(get_field(n) for n in report_fields())
+
+
 def _rules(alerts: Sequence[str]) -> tuple[list[Rule], tuple[Field, ...]]:
     """The ``--alert`` rules, and the fields they need queried besides the shown ones."""
     from smiquery.alerts import Rule
@@ -499,11 +516,14 @@ def _open_replay(
     wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None
     columns = _replay_columns(path, fields)
     if wanted is None:
-        # The default preset when the recording has it, else every recorded column.
+        # What `stream --output` recorded; else the default preset when the recording has it, else every column.
         probe = Replay(path, speed=speed, gpus=ids, loop=loop, tz=tz)
         have = {f.name for f in probe.recorded_fields}
         default = parse_fields("default", rule_fields)
-        if all(f.name in have for f in default):
+        made = _made_with(path)  # a recording of `stream --output`: the fields it was made with
+        if made and all(n in have for n in made):
+            wanted = parse_fields(",".join(made), rule_fields)
+        elif all(f.name in have for f in default):
             wanted = default
         else:
             lacking = [f.name for f in rule_fields if f.name not in have]
@@ -576,7 +596,7 @@ def _open_outputs(
     tty = bool(isatty and isatty())
     writers: list[SampleWriter] = []
     if output is not None:
-        writers.append(open_output(output, flds, record or RecordOptions(), note))
+        writers.append(open_output(output, flds, record or RecordOptions(), note, [str(r) for r in rules]))
     live: LiveTable | None = None
     evaluator = AlertEvaluator(rules) if rules else None
     if form == "csv":

@@ -154,6 +154,7 @@ class SmiCollector:
         self._down_sweep: Sweep | None = None
         self._last_sweep: Sweep | None = None
         self._up: bool | None = None
+        self._born = time.monotonic()  # a missing first sample is only news once it is overdue
         self._refresh_lock = threading.Lock()
         self.revive_at: float | None = None  # set by the exporter while a stopped stream waits to be replaced
         self._gpu_version = 0  # bumped whenever a sweep is taken in or the lost set may change
@@ -195,11 +196,17 @@ class SmiCollector:
                     self._down_sweep = sweep
                     self._evals.clear()
                 self._gpu_version += 1
+                if not up and self._up is None and sweep is None and not self._first_overdue(health):
+                    return  # a normal start: nothing to say until the first sample is late
                 if self._up is not None or not up:
                     why = "ok" if up else self.health()[1]
                     if self.on_state is not None and (self._up is not None or health.state != "starting"):
                         self.on_state(up, why)
                 self._up = up
+
+    def _first_overdue(self, health: SourceHealth) -> bool:
+        """Whether the first sample is late: the stream failed, or none came within ``stale_after`` of the start."""
+        return health.state == "retrying" or not health.running or time.monotonic() - self._born > self.stale_after
 
     def _take(self, sweep: Sweep, health: SourceHealth, arrived: float | None = None) -> None:
         present: set[str] = set()

@@ -26,7 +26,7 @@ from smiquery.recordings.base import (
     resolve_zone,
 )
 from smiquery.recordings.csv import CsvSource, CsvWriter, csv_header, read_csv, read_csv_recording
-from smiquery.recordings.dataset import ParquetDataset, is_dataset, read_dataset, recorded_zone
+from smiquery.recordings.dataset import ParquetDataset, is_dataset, read_dataset, recorded_rules, recorded_zone
 from smiquery.recordings.jsonl import JsonlWriter, json_value, read_jsonl, sample_from_json, sample_to_json
 from smiquery.recordings.parquet import ParquetWriter, read_parquet
 from smiquery.recordings.playback import Replay, replay
@@ -105,6 +105,7 @@ def open_recording(
     keep: int | None = None,
     flush_every: float = 10.0,
     say: Callable[[str], None] | None = None,
+    rules: Sequence[str] = (),
 ) -> TextRecorder | ParquetDataset:
     """The recorder of ``smiquery stream --output PATH``, by suffix (see :mod:`smiquery.recordings.recorder`).
 
@@ -120,6 +121,9 @@ def open_recording(
         keep: rotated files (parts) to keep; None keeps all.
         flush_every: seconds between ``fsync`` calls.
         say: where one-line notices go (a full disk, a truncated file).
+        rules: the run's ``--alert`` rules, recorded beside it (``run.csv.meta.json``, the dataset's
+            ``_smiquery.json``): :func:`read_recording` gives them back in ``attrs["rules"]``, and a report of
+            the recording checks them.
 
     Raises:
         UsageError: an unknown suffix, an existing recording under ``"new"``, other columns under ``"append"``.
@@ -135,6 +139,7 @@ def open_recording(
         "rotate_seconds": rotate_seconds,
         "keep": keep,
         "flush_every": flush_every,
+        "rules": tuple(rules),
     }
     if say is not None:
         common["say"] = say
@@ -231,6 +236,9 @@ def _read_one(path: str, wanted: Sequence[Field] | None, zone: tzinfo | None) ->
             set_zone(df, zone)
     if len(df) == 0 and isinstance(df.attrs.get("skipped"), SkippedLines):
         raise no_rows(path)  # only unreadable lines: not a file just started
+    rules = recorded_rules(path)
+    if rules:
+        df.attrs["rules"] = list(rules)
     if "index" not in df.columns:
         # A single-GPU log (`--query-gpu=timestamp,power.draw`): its one GPU is GPU 0.
         at = 1 if "timestamp" in df.columns else 0

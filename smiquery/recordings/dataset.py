@@ -30,13 +30,22 @@ from typing import TYPE_CHECKING, Any
 from smiquery.errors import RecordingError, UsageError
 from smiquery.fields import Field
 from smiquery.frames import missing_reasons, to_dataframe
-from smiquery.recordings.recorder import FULL_DISK, Policy, TextRecorder, check_target, prune_rotated, zone_name
+from smiquery.recordings.recorder import (
+    FULL_DISK,
+    META_SUFFIX,
+    Policy,
+    TextRecorder,
+    check_target,
+    prune_rotated,
+    read_meta,
+    zone_name,
+)
 from smiquery.sample import GpuSample
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["META", "ParquetDataset", "dataset_files", "is_dataset", "read_dataset", "recorded_zone"]
+__all__ = ["META", "ParquetDataset", "dataset_files", "is_dataset", "read_dataset", "recorded_rules", "recorded_zone"]
 
 META = "_smiquery.json"
 JOURNAL = "_open.jsonl"
@@ -63,6 +72,19 @@ def recorded_zone(path: str | os.PathLike[str]) -> tzinfo | None:
         return ZoneInfo(name) if isinstance(name, str) and name else None
     except (OSError, ValueError, AttributeError, ZoneInfoNotFoundError):
         return None
+
+
+def recorded_rules(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The ``--alert`` rules a recording was made with; empty when it names none.
+
+    They are in ``run.csv.meta.json`` beside a file, in ``_smiquery.json`` of a dataset.
+
+    Args:
+        path: the recording (a file or a Parquet dataset folder).
+    """
+    meta = read_meta(os.path.join(path, META) if os.path.isdir(path) else os.fspath(path) + META_SUFFIX)
+    rules = meta.get("rules")
+    return tuple(r for r in rules if isinstance(r, str)) if isinstance(rules, list) else ()
 
 
 def dataset_files(path: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]:
@@ -130,6 +152,7 @@ class ParquetDataset:
         part_rows: close the part at this many rows (bounds the memory a close takes).
         say: where one-line notices go.
         clock: monotonic seconds.
+        rules: the ``--alert`` rules of the run, recorded in ``_smiquery.json`` so that a report checks them too.
 
     Raises:
         UsageError: it exists and ``policy`` is ``"new"``, it is a file or another folder, or has other columns.
@@ -150,6 +173,7 @@ class ParquetDataset:
         part_rows: int = 50_000,
         say: Callable[[str], None] = _quiet,
         clock: Callable[[], float] = time.monotonic,
+        rules: Sequence[str] = (),
     ) -> None:
         try:
             import pyarrow  # noqa: F401
@@ -172,8 +196,14 @@ class ParquetDataset:
             self._take_over(policy)
         try:
             self.path.mkdir(exist_ok=True)
-            if not (self.path / META).exists():
-                meta = {"format": "smiquery-parquet-dataset", "version": 1, "fields": [f.name for f in self.fields]}
+            meta = read_meta(self.path / META)
+            had = list(meta.get("rules") or ())
+            merged = list(dict.fromkeys([*had, *rules]))
+            if not meta or merged != had:  # a new dataset, or this run adds rules to it
+                names = [f.name for f in self.fields]
+                meta = meta or {"format": "smiquery-parquet-dataset", "version": 1, "fields": names}
+                if merged:
+                    meta["rules"] = merged
                 self._put_meta(meta)
         except OSError as exc:
             raise RecordingError(f"cannot write {self.path}: {(exc.strerror or str(exc)).lower()}") from None

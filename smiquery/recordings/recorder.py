@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from smiquery.errors import RecordingError, UsageError
 from smiquery.fields import Field
@@ -39,6 +39,7 @@ __all__ = [
     "TextRecorder",
     "check_target",
     "prune_rotated",
+    "read_meta",
     "rotated_name",
     "rotated_siblings",
     "zone_name",
@@ -49,8 +50,9 @@ Policy = Literal["new", "force", "append"]
 #: Errors of a write that mean "no room" (rows are dropped until there is some), not "cannot write here".
 FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
-#: A CSV recording's metadata file beside it (``run.csv.meta.json``): the recorder's time zone, the fields. The CSV
-#: itself stays plain nvidia-smi CSV that any tool reads; JSONL keeps each timestamp's offset instead.
+#: A recording's metadata file beside it (``run.csv.meta.json``): the recorder's time zone, the fields, the ``--alert``
+#: rules. The CSV itself stays plain nvidia-smi CSV that any tool reads; JSONL keeps each timestamp's offset instead
+#: (its file beside it is written only to hold the rules).
 META_SUFFIX = ".meta.json"
 
 _STAMP = "%Y%m%dT%H%M%S"
@@ -59,6 +61,16 @@ _ROTATED_RE = r"\.\d{8}T\d{6}(?:-\d+)?"
 
 def _quiet(line: str) -> None:
     """The default of ``say``: nothing (the CLI passes its own)."""
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A recording's metadata file (``run.csv.meta.json``, a dataset's ``_smiquery.json``); empty when unreadable."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            meta = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def zone_name(sample: GpuSample) -> str | None:
@@ -178,6 +190,7 @@ class TextRecorder:
         flush_every: seconds between ``fsync`` calls (what a machine crash can lose); 0 syncs every row.
         say: where one-line notices go (full disk, truncation, recovery).
         clock: monotonic seconds (tests pass their own).
+        rules: the ``--alert`` rules of the run, recorded beside it so that a report of it checks them too.
 
     Raises:
         UsageError: the file exists and ``policy`` is ``"new"``, or an appended file has other columns.
@@ -197,10 +210,12 @@ class TextRecorder:
         flush_every: float = 10.0,
         say: Callable[[str], None] = _quiet,
         clock: Callable[[], float] = time.monotonic,
+        rules: Sequence[str] = (),
     ) -> None:
         self.path = Path(path)
         self.fields = tuple(fields)
         self.kind = kind
+        self.rules = tuple(rules)
         self.rotate_bytes = rotate_bytes
         self.rotate_seconds = rotate_seconds
         self.keep = keep
@@ -252,22 +267,30 @@ class TextRecorder:
         self._started = time.time()
         if self._size == 0:
             self._header()
-        # an appended file keeps the zone it was started with; a new one learns it from its first row
-        self._meta_due = self.kind == "csv" and not self.path.with_name(self.path.name + META_SUFFIX).exists()
+        # an appended file keeps the zone it was started with (and adds this run's rules); a new one learns it from
+        # its first row
+        meta = self.path.with_name(self.path.name + META_SUFFIX)
+        self._meta_due = (self.kind == "csv" or bool(self.rules)) and (
+            not meta.exists() or not set(self.rules) <= set(read_meta(meta).get("rules") or ())
+        )
 
     def _write_meta(self, sample: GpuSample) -> None:
-        """``run.csv.meta.json``: the zone the rows' wall-clock times are in (read back without ``--tz``)."""
+        """``run.csv.meta.json``: the zone the rows' wall-clock times are in (read back without ``--tz``), the rules."""
         self._meta_due = False
-        meta = {"format": "smiquery-csv-meta", "version": 1, "tz": zone_name(sample)}
-        meta["fields"] = [f.name for f in self.fields]
         target = self.path.with_name(self.path.name + META_SUFFIX)
+        meta = read_meta(target)
+        if not meta:
+            zone = zone_name(sample) if self.kind == "csv" else None  # JSONL rows carry their offsets
+            meta = {"format": "smiquery-csv-meta", "version": 1, "tz": zone, "fields": [f.name for f in self.fields]}
+        if self.rules:
+            meta["rules"] = list(dict.fromkeys([*(meta.get("rules") or ()), *self.rules]))
         tmp = target.with_name(f".{target.name}.tmp")
         try:
             tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
             os.replace(tmp, target)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            self.say(f"smiquery: cannot write {target}: {_why(exc)}; the recording's time zone is not recorded")
+            self.say(f"smiquery: cannot write {target}: {_why(exc)}; the recording's zone and rules are not recorded")
 
     def _header(self) -> None:
         if self.kind == "csv":

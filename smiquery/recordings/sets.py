@@ -193,6 +193,9 @@ def concat_frames(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
         bare.append(copy)
     out: pd.DataFrame = pd.concat(bare, ignore_index=True)
     out.attrs = {**frames[0].attrs, "fields": fields, "units": units, "missing": MissingReasons(columns)}
+    rules = list(dict.fromkeys(r for df in frames for r in df.attrs.get("rules") or ()))
+    if rules:
+        out.attrs["rules"] = rules
     if skipped is not None:
         out.attrs["skipped"] = skipped
     else:
