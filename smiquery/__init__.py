@@ -16,7 +16,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (and re) 
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from smiquery import aio, compat, fields, runner, sample, source, sources, streams  # noqa: F401
-    from smiquery.recordings.csv import read_csv
+    from smiquery.recordings.csvfile import read_csv
     from smiquery.recordings.playback import replay
     from smiquery.retry import RetryPolicy
     from smiquery.sample import GpuSample
@@ -43,7 +43,7 @@ _LAZY = {
     "query_df": "smiquery.sources.query_gpu",
     "stream": "smiquery.streams.sync",
     # these import pandas on first use
-    "read_csv": "smiquery.recordings.csv",
+    "read_csv": "smiquery.recordings.csvfile",
     "replay": "smiquery.recordings.playback",
 }
 # Submodules reachable after a plain `import smiquery` (`smiquery.aio.query(...)`, `smiquery.fields.CATALOGUE`),

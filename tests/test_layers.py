@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("smiquery.alerts",),
     ("smiquery.analysis",),
     ("smiquery.fleet",),
-    ("smiquery.http",),
+    ("smiquery.httpd",),
     ("smiquery.attribution",),
     ("smiquery.exporter",),
     ("smiquery.training",),
@@ -128,7 +128,7 @@ def test_the_contract_sees_type_only_and_function_level_imports(tmp_path: Path):
     ("module", "lower", "higher"),
     [
         ("smiquery.sources.xid", "smiquery.sample", "smiquery.exporter"),
-        ("smiquery.exporter", "smiquery.http", "smiquery.cli"),
+        ("smiquery.exporter", "smiquery.httpd", "smiquery.cli"),
     ],
 )
 def test_layers_are_ordered(module: str, lower: str, higher: str):

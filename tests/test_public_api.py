@@ -189,7 +189,7 @@ def test_recordings_names_have_one_home():
     from smiquery import frames, recordings
     from smiquery.recordings import playback
 
-    assert smiquery.read_csv.__module__ == "smiquery.recordings.csv"
+    assert smiquery.read_csv.__module__ == "smiquery.recordings.csvfile"
     assert smiquery.read_csv is recordings.read_csv
     assert recordings.to_dataframe is frames.to_dataframe
     assert smiquery.replay is playback.replay

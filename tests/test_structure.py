@@ -6,6 +6,7 @@ Read from the source (no import), so that a cycle hidden in a function is found 
 from __future__ import annotations
 
 import ast
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -134,3 +135,9 @@ def test_no_module_is_oversized(module: str):
 def test_few_private_names_cross_modules():
     _, private = _graph()
     assert len(private) <= MAX_PRIVATE_IMPORTS, "\n".join(private)
+
+
+def test_no_module_is_named_after_a_standard_library_module():
+    """``smiquery.inspect`` once shadowed ``inspect`` for star-importers and confused tracebacks: never again."""
+    clashes = [m for m in MODULES if m != "smiquery" and m.rpartition(".")[2] in sys.stdlib_module_names]
+    assert clashes == []

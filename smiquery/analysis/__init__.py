@@ -17,7 +17,7 @@ page), ``plot``; ``series`` holds the column helpers the report and the plot sha
 from __future__ import annotations
 
 from smiquery.analysis.analyze import DEFAULT_RULES, report, stalls_and_alerts
-from smiquery.analysis.html import report_html
+from smiquery.analysis.htmlpage import report_html
 from smiquery.analysis.load import load_recording
 from smiquery.analysis.model import (
     AlertSpan,

@@ -31,7 +31,7 @@ from smiquery.exporter.naming import (
 from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.server import Exporter, serve
 from smiquery.exporter.state import SourceHealth, parse_labels, source_health
-from smiquery.http.webconfig import WebConfig, load_web_config
+from smiquery.httpd.webconfig import WebConfig, load_web_config
 
 __all__ = [
     "DCGM_MAP",

@@ -28,8 +28,8 @@ from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
 from smiquery.exporter.poller import process_poller
 from smiquery.exporter.state import parse_labels
 from smiquery.fields import resolve_fields
-from smiquery.http.server import HttpServer, Request, Response
-from smiquery.http.webconfig import WebConfig, load_web_config
+from smiquery.httpd.server import HttpServer, Request, Response
+from smiquery.httpd.webconfig import WebConfig, load_web_config
 from smiquery.retry import RetryPolicy
 from smiquery.sources.xid import XidWatcher
 from smiquery.streams.argv import normalize_gpus
@@ -222,7 +222,7 @@ class Exporter:
         stream: the background :class:`~smiquery.streams.sync.Stream` (a new one after a revival).
         poller: the process poll (:func:`~smiquery.exporter.poller.process_poller`), when ``processes=True``.
         pmon: the :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, when ``top_processes`` is above 0.
-        http: the :class:`~smiquery.http.server.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
+        http: the :class:`~smiquery.httpd.server.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
         revive_after: seconds before a stream that stopped for good is replaced.
         revivals: how many times that happened.
     """

@@ -1,6 +1,6 @@
 """Recordings, the one owner of their I/O: nvidia-smi CSV (plain logs too), JSONL and Parquet, written and read.
 
-One module per format, each with a writer and readers (:mod:`~smiquery.recordings.csv`,
+One module per format, each with a writer and readers (:mod:`~smiquery.recordings.csvfile`,
 :mod:`~smiquery.recordings.jsonl`, :mod:`~smiquery.recordings.parquet`); :mod:`~smiquery.frames`
 turns samples into DataFrames and :mod:`~smiquery.recordings.playback` plays a recording back, paced. This front
 picks the format by the file name (:func:`open_recorder`, :func:`read_recording`). Readers keep timestamps as
@@ -25,7 +25,7 @@ from smiquery.recordings.base import (
     detect_format,
     resolve_zone,
 )
-from smiquery.recordings.csv import CsvSource, CsvWriter, csv_header, read_csv, read_csv_recording
+from smiquery.recordings.csvfile import CsvSource, CsvWriter, csv_header, read_csv, read_csv_recording
 from smiquery.recordings.dataset import ParquetDataset, is_dataset, read_dataset, recorded_rules, recorded_zone
 from smiquery.recordings.jsonl import JsonlWriter, json_value, read_jsonl, sample_from_json, sample_to_json
 from smiquery.recordings.parquet import ParquetWriter, read_parquet

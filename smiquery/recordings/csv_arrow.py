@@ -1,6 +1,6 @@
 """Recorded nvidia-smi CSV -> DataFrame, the fast path: pyarrow splits the file and vectorised kernels convert it.
 
-:func:`smiquery.recordings.csv.read_csv` probes the first lines (:func:`probe_layout`) and hands the file to
+:func:`smiquery.recordings.csvfile.read_csv` probes the first lines (:func:`probe_layout`) and hands the file to
 :class:`ArrowCsvReader` when pyarrow is installed; the pure-Python parser reads it otherwise, to the same result.
 """
 

@@ -18,7 +18,7 @@ from smiquery.clock import later, seconds_between
 from smiquery.errors import ParseError, ReplayError
 from smiquery.fields import Field, resolve_fields
 from smiquery.recordings.base import RecordingFormat, check_file, detect_format, resolve_zone
-from smiquery.recordings.csv import read_csv_samples
+from smiquery.recordings.csvfile import read_csv_samples
 from smiquery.recordings.dataset import dataset_files, is_dataset, recorded_zone
 from smiquery.recordings.jsonl import read_jsonl_samples
 from smiquery.recordings.parquet import read_parquet_samples

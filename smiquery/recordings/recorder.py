@@ -244,7 +244,7 @@ class TextRecorder:
     def _check_columns(self) -> None:
         want = tuple(f.name for f in self.fields)
         if self.kind == "csv":
-            from smiquery.recordings.csv import csv_header
+            from smiquery.recordings.csvfile import csv_header
 
             have = csv_header(self.path)
         else:

@@ -1,7 +1,7 @@
 """The job's own Prometheus metrics: steps, samples, data wait, epoch, energy, framework memory and process share.
 
 Computed from a monitor's counters at scrape (or push) time, so that a training step costs nothing here; served on
-``metrics_port`` (by :mod:`smiquery.http`'s server, with the exporter's web-config for TLS and basic auth) and/or
+``metrics_port`` (by :mod:`smiquery.httpd`'s server, with the exporter's web-config for TLS and basic auth) and/or
 pushed to a Pushgateway (``pip install 'smiquery[export]'``).
 
 The job's counters (steps, samples, data wait, epoch) are job-level, labelled ``{run, host}``: one series per run,
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
 if TYPE_CHECKING:
-    from smiquery.http.server import HttpServer, Request, Response
-    from smiquery.http.webconfig import WebConfig
+    from smiquery.httpd.server import HttpServer, Request, Response
+    from smiquery.httpd.webconfig import WebConfig
     from smiquery.sample import GpuSample
     from smiquery.training.monitor import RunMonitor
 
@@ -69,7 +69,7 @@ class JobMetrics:
         if pushgateway is not None and not pushgateway.lower().startswith(("http://", "https://")):
             raise ValueError("pushgateway must be an http:// or https:// URL")
         if web_config is not None:  # a bad file is a mistake to fix before training, not a warning after it
-            from smiquery.http.webconfig import load_web_config
+            from smiquery.httpd.webconfig import load_web_config
 
             load_web_config(web_config)
         self.metrics_port = metrics_port
@@ -114,8 +114,8 @@ class JobMetrics:
 
     def _serve(self, port: int, addr: str, web_config: str | os.PathLike[str] | None) -> None:
         """Serve /metrics with the shared HTTP server (its TLS and basic auth from a web-config file)."""
-        from smiquery.http.server import HttpServer
-        from smiquery.http.webconfig import WebConfig, load_web_config
+        from smiquery.httpd.server import HttpServer
+        from smiquery.httpd.webconfig import WebConfig, load_web_config
 
         web = load_web_config(web_config) if web_config is not None else WebConfig()
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -145,7 +145,7 @@ class JobMetrics:
     def _answer(self, req: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        from smiquery.http.server import Response
+        from smiquery.httpd.server import Response
 
         web = self._web
         assert web is not None

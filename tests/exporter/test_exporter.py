@@ -1304,7 +1304,7 @@ def _raw_get(port: int, path: str = "/metrics", timeout: float = 10.0) -> int:
 
 
 def test_slow_clients_cost_no_thread_and_good_clients_are_served(exporter):
-    from smiquery.http.server import thread_count
+    from smiquery.httpd.server import thread_count
 
     exp = exporter(interval=0.1, max_connections=64, request_timeout=2.0)
     wait_for(lambda: _raw_get(exp.port, "/readyz") == 200, 20, "ready")

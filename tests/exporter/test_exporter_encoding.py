@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.http.test_server import livez
+from tests.httpd.test_server import livez
 
 
 @pytest.fixture

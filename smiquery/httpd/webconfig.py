@@ -172,7 +172,7 @@ class WebConfig:
         a salted digest, never in clear) and scrapes stay fast; one that failed is remembered for five minutes
         and refused at once; an unknown user is checked against a dummy hash of the same cost (the time does not
         tell whether a user exists); and only one check runs at a time in the process. This blocks for the
-        check: :class:`~smiquery.http.server.HttpServer` calls it on its own verifier thread (``auth=``) when
+        check: :class:`~smiquery.httpd.server.HttpServer` calls it on its own verifier thread (``auth=``) when
         :meth:`verdict` cannot answer, so that no worker waits on bcrypt.
 
         Args:

@@ -107,7 +107,7 @@ class Response:
 
 
 class Auth(Protocol):
-    """Basic auth as :class:`~smiquery.http.webconfig.WebConfig` does it: a quick answer, or a slow check."""
+    """Basic auth as :class:`~smiquery.httpd.webconfig.WebConfig` does it: a quick answer, or a slow check."""
 
     def verdict(self, header: str | None) -> bool | None:
         """The answer for an ``Authorization`` value (None too) when it is known without a slow check, else None."""
