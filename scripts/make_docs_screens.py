@@ -7,7 +7,7 @@ job on each) or the bundled 8-GPU demo recording (``smiquery/data/demo-8gpu.csv`
 Prometheus over a backfilled hour of a small fleet (``tests/fleet/fleetdata.py``; skipped without prometheus and
 promtool). The pictures are ``smiquery plot`` of the demo recording and a headless Chromium screenshot of
 ``smiquery report --html`` of it (skipped without chromium). Everything goes to ``docs/snippets/`` (text, included
-by the pages with ``--8<--``) and ``docs/`` (the pictures).
+by the pages with ``--8<--``; the README shows the live table too) and ``docs/`` (the pictures).
 
 Usage: python scripts/make_docs_screens.py [--only NAME,...] [--out DIR] [--list]
 """
@@ -34,6 +34,7 @@ DEMO = ROOT / "smiquery" / "data" / "demo-8gpu.csv"
 SNIPPETS = ROOT / "docs" / "snippets"
 IMAGES = ROOT / "docs"
 WIDTH, HEIGHT = 100, 30
+README_BEGIN, README_END = "<!-- live-view:begin -->", "<!-- live-view:end -->"
 
 
 class Context:
@@ -130,6 +131,14 @@ def stream(ctx: Context) -> None:
     argv = ctx.smiquery("stream", "--interval", "500ms")
     screen = terminal(argv, width=110, height=26, ready=_sweeps_at_least(6, processes=True))
     write(ctx, "stream", "smiquery stream --interval 500ms", screen)
+    if ctx.out == SNIPPETS:  # the README shows the same screen, between its live-view markers
+        readme = ROOT / "README.md"
+        text = readme.read_text(encoding="utf-8")
+        head, rest = text.split(README_BEGIN, 1)
+        _, tail = rest.split(README_END, 1)
+        shown = (ctx.out / "stream.txt").read_text(encoding="utf-8").rstrip("\n")
+        readme.write_text(f"{head}{README_BEGIN}\n```\n{shown}\n```\n{README_END}{tail}", encoding="utf-8")
+        print(f"wrote {readme}")
 
 
 def query(ctx: Context) -> None:

@@ -101,3 +101,10 @@ def test_mkdocs_build_strict(tmp_path):
         encoding="utf-8"
     )
     assert "get_gpu_status" in api
+
+
+def test_the_readme_is_a_newcomers_page():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200, "README.md is over 200 lines: move the detail into docs/"
+    # the live view it shows is the one the script captured for the docs
+    assert (DOCS / "snippets" / "stream.txt").read_text(encoding="utf-8").rstrip() in readme
