@@ -7,7 +7,7 @@ VERSION = $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 STAMP := $(VENV)/.installed
 CORE_STAMP := $(VENV)/.installed-core
 
-.PHONY: install tools demo test lint typecheck check bench soak fixtures docker clean
+.PHONY: install tools demo test lint typecheck check bench soak fixtures docker docs docs-screens clean
 
 # The core; the tests also need the dev tools, TensorFlow (CPU) and matplotlib.
 $(CORE_STAMP): pyproject.toml
@@ -18,7 +18,7 @@ $(CORE_STAMP): pyproject.toml
 
 $(STAMP): $(CORE_STAMP)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,export,k8s,keras-test,lightning,plot,fast]'
+	$(PY) -m pip install -q -e '.[dev,docs,export,k8s,keras-test,lightning,plot,fast]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -78,8 +78,16 @@ docker:
 	$(DOCKER) build -f docker/Dockerfile.tensorflow --build-arg SMIQUERY_VERSION=$(VERSION) -t smiquery-tensorflow:$(VERSION) -t smiquery-tensorflow:latest .
 	$(DOCKER) build -f docker/Dockerfile.exporter --build-arg SMIQUERY_VERSION=$(VERSION) -t smiquery-exporter:$(VERSION) -t smiquery-exporter:latest .
 
+# The docs site (mkdocs.yml, docs/) into site/; --strict: a broken link, anchor or docstring fails.
+# docs-screens captures the screens and pictures the pages show (tmux; prometheus and chromium where installed).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-screens: $(STAMP)
+	$(PY) scripts/make_docs_screens.py
+
 fixtures:
 	scripts/record-fixtures tests/fixtures
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist site

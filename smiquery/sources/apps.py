@@ -99,7 +99,11 @@ def processes(
         The processes sorted by GPU index, then pid.
 
     Raises:
-        InvalidGpuIdError, NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, NvidiaSmiFailedError, ParseError.
+        InvalidGpuIdError: a malformed GPU id (before anything runs).
+        NvidiaSmiNotFoundError: no nvidia-smi to run.
+        NvidiaSmiTimeoutError: it did not answer in time (it was killed).
+        NvidiaSmiFailedError: it failed (a subclass per exit code).
+        ParseError: a row that does not fit.
     """
     ids = normalize_gpus(gpus)
     runner = runner or default_runner()

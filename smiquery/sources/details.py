@@ -564,7 +564,10 @@ def details(
 
     Raises:
         InvalidGpuIdError: a malformed GPU id (before anything runs).
-        NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, NvidiaSmiFailedError (typed by exit code), ParseError.
+        NvidiaSmiNotFoundError: no nvidia-smi to run.
+        NvidiaSmiTimeoutError: it did not answer in time (it was killed).
+        NvidiaSmiFailedError: it failed (a subclass per exit code).
+        ParseError: its XML does not fit.
     """
     budget = timeout
     deadline = time.monotonic() + budget

@@ -137,10 +137,11 @@ def test_cell_means_average_each_gpus_samples_per_span_of_time():
     assert np.isnan(got[1]).all()  # a GPU without values is missing, not 0
 
 
-def test_the_readme_shows_the_plot_the_script_draws_of_the_demo_recording(tmp_path):
+def test_the_docs_show_the_plot_the_script_draws_of_the_demo_recording(tmp_path):
     root = Path(__file__).parents[2]
-    assert "![smiquery plot of the bundled 8-GPU demo recording" in (root / "README.md").read_text(encoding="utf-8")
-    assert "(docs/plot-demo.png)" in (root / "README.md").read_text(encoding="utf-8")
+    page = (root / "docs" / "recording.md").read_text(encoding="utf-8")
+    assert "![smiquery plot of the bundled 8-GPU demo recording" in page
+    assert "(plot-demo.png)" in page
     import subprocess
     import sys
 
