@@ -241,14 +241,14 @@ def _instant_time(instant: Sequence[PmonRow]) -> datetime:
 
 
 def _columns(table: bool) -> list[Column]:
-    from smiquery.cli.display import Column
+    from smiquery.cli.display import UNKNOWN_USER, Column
 
     return [
         *([] if table else [Column("time")]),
         Column("gpu_index", "gpu" if table else "gpu_index", right=True),
         Column("pid", right=True),
         *([] if table else [Column("type")]),
-        Column("user"),
+        Column("user", missing=UNKNOWN_USER),
         Column("sm", unit="%", right=True),
         Column("mem", unit="%", right=True),
         Column("used_memory", "gpu mem" if table else "used_memory", unit="MiB", right=True),
