@@ -441,6 +441,8 @@ def _stream(
         stale_after=max(5.0, 3 * seconds),
     )
     notes.append(run)
+    if run.live is not None and fields is not None and "uuid" in (f.strip() for f in fields.split(",")):
+        run.live.uuid = True  # asked for: shown at any width
     if kernel_log:
         start_xid_notes(kernel_log, run.writers, lambda line: _note(notes, line))
     run.live_time = replay_path is None
