@@ -346,7 +346,7 @@ def stream(
         typer.Option(
             "--processes",
             "-p",
-            help="Toggle the processes under each GPU in the live table (user:command/pid(memory)); they are "
+            help="Toggle the processes of each GPU in the live table (user/command(memory)); they are "
             "shown by default where the terminal has room.",
         ),
     ] = False,
