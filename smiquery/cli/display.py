@@ -547,7 +547,7 @@ class LiveTable:
         self._received = arrived
 
     def set_processes(self, by_gpu: Mapping[int, Sequence[str]]) -> None:
-        """The processes to list under each GPU index, already as text (``user:command/pid(1234MiB)``)."""
+        """The processes to list under each GPU index, already as text (``user/command(1234MiB)``)."""
         self._procs = {k: list(v) for k, v in by_gpu.items()}
 
     def note(self, event: AlertEvent | str) -> None:
