@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any, Literal
 
+from smiquery.cli.keys import Viewport
 from smiquery.fields import Field, Kind, get_field
 from smiquery.printable import printable
 from smiquery.recordings import json_value, sample_to_json
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MISSING_MARKS",
+    "UNKNOWN_USER",
     "Column",
     "LiveTable",
     "clip",
@@ -51,6 +53,8 @@ MISSING_MARKS: dict[str, str] = {
     "unknown_error": "error",
 }
 MISSING_LEGEND = "n/a = not available, n/s = not supported"
+#: A process whose user is not known (another PID namespace, gone): the same mark in ``stream`` and ``ps``.
+UNKNOWN_USER = "?"
 
 _RESET = "\x1b[0m"
 _STYLES = {
@@ -237,6 +241,7 @@ class Column:
         right: right-align in tables (numbers).
         style: a cell's style name (``"firing"``, ``"missing"``, ...) from its value, for coloured tables.
         table_text: how a table shows a present value (default ``str``).
+        missing: how a table shows a missing value.
     """
 
     key: str
@@ -245,6 +250,7 @@ class Column:
     right: bool = False
     style: Callable[[object], str | None] | None = None
     table_text: Callable[[object], str] | None = None
+    missing: str = "n/a"
 
     @property
     def heading(self) -> str:
@@ -334,7 +340,7 @@ def render(
         for c in columns:
             value = r.get(c.key)
             if value is None:
-                row.append("n/a")
+                row.append(c.missing)
                 style.append("missing")
                 continue
             text = c.table_text(value) if c.table_text is not None else str(value)
@@ -461,13 +467,15 @@ def wrap_last_column(lines: Sequence[str], cols: int) -> list[str]:
 
 
 class LiveTable:
-    """A table of the newest sample of each GPU, redrawn in place on a terminal (ANSI, no curses).
+    """The newest sample of each GPU, one line each, redrawn in place on a terminal (ANSI, no curses).
 
     Each frame moves the cursor home and rewrites every line, clearing what is left of the old frame, in one
-    write. The footer (sample age, counters, alerts, what is not shown) is always drawn: when the terminal is too
-    short, the processes go first, then GPU rows (those in trouble are kept), and the footer says how many GPUs
-    are not shown. A GPU that stopped reporting keeps its last numbers, dimmed and marked ``stale`` in its row; a
-    lost one is marked ``LOST``.
+    write: a title, a summary line (GPUs, busy, idle, lost, mean utilization, the hottest), the GPU lines
+    (:func:`~smiquery.cli.gpuview.gpu_lines`), then the footer (which GPUs are shown of how many, sample age,
+    counters, alerts). The footer is always drawn: when the terminal is too short, the processes under the GPUs
+    go first, then GPU rows scroll (:meth:`key`: arrows, PgUp/PgDn, Home/End; sort keys; ``/`` filters), and GPUs
+    in trouble (lost, stale, past a firing rule) are never the ones left out. A GPU that stopped reporting keeps
+    its last numbers, dimmed and marked ``stale`` in its row; a lost one is marked ``LOST``.
 
     Args:
         out: the terminal.
@@ -478,7 +486,8 @@ class LiveTable:
         size: returns (columns, lines) of the terminal.
         health: an evaluator of health rules (the built-in ones) that colours cells too, fed by :meth:`update`.
         stale_after: seconds without a sample after which every row is marked stale (the source went quiet).
-        processes: show the processes under each GPU (where the terminal has room).
+        processes: show the processes of each GPU, on its line or under it (where the terminal has room).
+        uuid: show the UUID whatever the width (otherwise only on a terminal 200 columns wide or more).
     """
 
     def __init__(
@@ -493,6 +502,7 @@ class LiveTable:
         health: AlertEvaluator | None = None,
         stale_after: float = 5.0,
         processes: bool = False,
+        uuid: bool = False,
     ) -> None:
         self.out = out
         self.fields = tuple(f for f in fields if f.kind is not Kind.TIMESTAMP)
@@ -502,6 +512,8 @@ class LiveTable:
         self.health = health
         self.stale_after = stale_after
         self.show_processes = processes
+        self.uuid = uuid
+        self.view = Viewport(SORT_KEYS, "index")
         self._size = size or terminal_size
         self._rows: dict[object, GpuSample] = {}
         self._seen: dict[object, tuple[int, float]] = {}  # key -> (sweep, monotonic time) it last came in
@@ -535,7 +547,7 @@ class LiveTable:
         self._received = arrived
 
     def set_processes(self, by_gpu: Mapping[int, Sequence[str]]) -> None:
-        """The processes to list under each GPU index, already as text (``user:command/pid(1234MiB)``)."""
+        """The processes to list under each GPU index, already as text (``user/command(1234MiB)``)."""
         self._procs = {k: list(v) for k, v in by_gpu.items()}
 
     def note(self, event: AlertEvent | str) -> None:
@@ -563,13 +575,6 @@ class LiveTable:
         if sweep < self._sweeps - 1 or quiet > self.stale_after:
             return f"stale {quiet:.0f}s"
         return ""
-
-    def _fit(self, samples: Sequence[GpuSample], marks: Sequence[str], cols: int) -> tuple[list[str], list[str]]:
-        """The table lines that fit ``cols`` columns, and the names of the fields left out (:func:`fit_samples`).
-
-        The state column (LOST, stale) is there when a row has a mark, and never left out.
-        """
-        return fit_samples(samples, self.fields, cols, color=self.color, cell_state=self._cell_state, marks=marks)
 
     def _footer(self, stats: Mapping[str, object] | None, cols: int, now: float) -> list[str]:
         """The footer lines after the table: age and counters, errors, firing alerts, recent events."""
@@ -600,61 +605,109 @@ class LiveTable:
             lines.append(f"{_STYLES['dim']}{msg}{_RESET}" if color else msg)
         return lines
 
+    def key(self, key: str) -> bool:
+        """Take one key (scroll, sort, filter: :class:`~smiquery.cli.keys.Viewport`); True when a redraw is due."""
+        return self.view.key(key)
+
+    def _words(self, key: object) -> str:
+        """What the filter looks in: the index, name, UUID and processes of a GPU."""
+        s = self._rows[key]
+        procs = self._procs.get(key, ()) if isinstance(key, int) else ()
+        return (
+            " ".join(str(s.get(n)) for n in ("index", "name", "uuid", "pci.bus_id") if n in s) + " " + " ".join(procs)
+        )
+
+    def _ordered(self, keys: Sequence[object]) -> list[object]:
+        """``keys`` in the viewport's sort order: by index, or by a value, largest first (missing last)."""
+        name = _SORT_FIELDS.get(self.view.sort)
+        if name is None:
+            return list(keys)
+
+        def value(k: object) -> float:
+            v = self._rows[k].get(name)
+            return -float(v) if isinstance(v, (int, float)) else float("inf")
+
+        return sorted(keys, key=value)
+
     def frame(self, stats: Mapping[str, object] | None = None, status: str = "") -> str:
         """The text of one frame, escape sequences included."""
+        from smiquery.cli.gpuview import gpu_lines, summary_line
+
         cols, lines_avail = self._size()
-        color = self.color
         now = time.monotonic()
         lost: Collection[object] = stats.get("lost_gpus") or () if stats is not None else ()  # type: ignore[assignment]
         keys = sorted(self._rows, key=_sort_key)
         marks = {k: self._mark(k, self._rows[k], lost, now) for k in keys}
         footer = self._footer(stats, cols, now)
-        head = [f"{_STYLES['header']}{self.title}{_RESET}" if color else self.title] if self.title else []
-        # Room for the table: the title, the blank line, the footer and the legend (at least 2 lines) stay.
-        room = lines_avail - 1 - len(head) - 1 - len(footer) - 2 if lines_avail > 0 else 1 << 30
-        shown = keys
-        not_shown: list[object] = []
-        procs = self._procs if self.show_processes else {}
-        proc_lines = sum(len(procs.get(k, ())) for k in keys if isinstance(k, int))
-        procs_hidden = bool(proc_lines) and 1 + len(keys) + proc_lines > room
-        if procs_hidden:
-            procs = {}
-        if 1 + len(keys) > room:
-            shown, not_shown = _rows_that_fit(keys, marks, max(1, room - 2), self._rows, self._cell_state)
-        samples = [self._rows[k] for k in shown]
-        table, hidden = self._fit(samples, [marks[k] for k in shown], cols)
+        head = [self._paint(self.title, "header")] if self.title else []
+        if len(keys) > 1:
+            head.append(summary_line([self._rows[k] for k in keys], [marks[k] for k in keys]))
+        view = self.view
+        matching = self._ordered([k for k in keys if view.matches(self._words(k))])
+        samples = [self._rows[k] for k in matching]
+        cells, styles = sample_rows(samples, self.fields, cell_state=self._cell_state)
+        for style, k in zip(styles, matching):
+            if marks[k].startswith("stale"):  # old numbers: dimmed, whatever they were
+                style[:] = ["dim"] * len(style)
+        procs = [self._procs.get(k, []) if isinstance(k, int) else [] for k in matching]
+        fitted = gpu_lines(
+            samples,
+            self.fields,
+            cells,
+            styles,
+            cols,
+            marks=[marks[k] for k in matching],
+            procs=procs if self.show_processes else None,
+            uuid=self.uuid,
+            paint=self._paint,
+        )
+        extra: list[str] = hidden_note(fitted.hidden, cols)
+        keys_help = "keys ↑↓ PgUp PgDn Home End · sort u/m/t/p/i · / filter"
+        extra += _wrap([MISSING_LEGEND, *([status] if status else []), keys_help, "Ctrl-C to stop"], cols)
+        limit = lines_avail - 1 if lines_avail > 0 else 1 << 30
+        # Room for the GPU lines: the title and summary, the column titles, a blank line, the position line,
+        # the footer and the legend stay (the legend goes first on a very short terminal).
+        fixed = len(head) + 1 + 1 + 1 + len(footer)
+        extra = extra[: max(0, min(len(extra), limit - fixed - min(3, len(matching))))]
+        room = max(1, limit - fixed - len(extra))
+        rows = dict(zip(matching, fitted.rows))
+        procs_cut = sum(len(r) for r in fitted.rows) > room and any(len(r) > 1 for r in fitted.rows)
+        if procs_cut:
+            rows = {k: r[:1] for k, r in rows.items()}
+        shown = view.window(matching, room, lambda k: self._trouble(k, marks))
         top = list(head)
         if samples:
-            top.append(table[0])
-            for k, line in zip(shown, table[1:]):
-                top.append(line)
-                for proc in procs.get(k, ()) if isinstance(k, int) else ():
-                    text = f"  └ {printable(proc)}"
-                    top.append(f"{_STYLES['dim']}{text}{_RESET}" if color else text)
+            top.append(fitted.header)
+            for k in shown:
+                top += rows[k]
+        elif keys:
+            top.append(f"no GPU matches the filter '{printable(view.filter)}'")
         else:
             top.append("waiting for the first sample...")
-        bottom = [""]
-        if not_shown:
-            text = f"+{len(not_shown)} GPUs not shown ({_ranges(not_shown)}): terminal too short"
-            bottom.append(f"{_STYLES['pending']}{text}{_RESET}" if color else text)
-        bottom += footer
-        extra: list[str] = []
-        if procs_hidden:
-            extra.append("processes not shown: terminal too short")
-        extra += hidden_note(hidden, cols)
-        extra += _wrap([MISSING_LEGEND, *([status] if status else []), "Ctrl-C to stop"], cols)
-        extra = [f"{_STYLES['dim']}{x}{_RESET}" if color else x for x in extra]
-        limit = lines_avail - 1
-        if lines_avail > 0 and len(top) + len(bottom) + len(extra) > limit:
-            # a short terminal: the legend goes first, then the table's last lines; the footer stays
-            extra = extra[: max(0, limit - len(top) - len(bottom))]
-            top = top[: max(1, limit - len(bottom) - len(extra))]
+        where = view.status("GPUs", len(shown), len(matching), len(keys))
+        if len(shown) < len(matching):
+            where = where.replace(" GPUs shown", f" GPUs shown ({_ranges(shown)})", 1) + " · PgDn/↓ for more"
+        if view.sort != "index":
+            where = " · ".join(x for x in (where, f"sorted by {view.sort}") if x)
+        if procs_cut:
+            where = " · ".join(x for x in (where, "processes not shown: terminal too short") if x)
+        bottom = ["", *([self._paint(where, "pending")] if where else []), *footer]
+        extra = [self._paint(x, "dim") for x in extra]
         lines = top + bottom + extra
-        if lines_avail > 0:
-            lines = lines[: max(1, limit)]
+        if len(lines) > limit:  # a terminal too short even for that: the table's last lines go, the footer stays
+            top = top[: max(1, limit - len(bottom) - len(extra))]
+            lines = (top + bottom + extra)[: max(1, limit)]
         body = "".join(clip(line, cols) + "\x1b[K\n" for line in lines)
         start = "" if self._started else "\x1b[?25l\x1b[2J"
         return f"{start}\x1b[H{body}\x1b[J"
+
+    def _paint(self, text: str, style: str | None) -> str:
+        return f"{_STYLES[style]}{text}{_RESET}" if self.color and style and text else text
+
+    def _trouble(self, key: object, marks: Mapping[object, str]) -> bool:
+        """A GPU never hidden when rows must be cut: lost, stale, reset, or with a cell past a firing rule."""
+        s = self._rows[key]
+        return bool(marks[key]) or any(self._cell_state(s, name) == "firing" for name in s.fields)
 
     def redraw(self, stats: Mapping[str, object] | None = None, status: str = "") -> None:
         """Draw one frame now."""
@@ -671,28 +724,6 @@ class LiveTable:
                 self.out.flush()
             except (OSError, ValueError):
                 pass
-
-
-def _rows_that_fit(
-    keys: Sequence[object],
-    marks: Mapping[object, str],
-    room: int,
-    rows: Mapping[object, GpuSample],
-    cell_state: Callable[[GpuSample, str], CellState],
-) -> tuple[list[object], list[object]]:
-    """The GPUs shown in ``room`` rows, in order, and those left out: GPUs in trouble first, then by index."""
-
-    def trouble(k: object) -> bool:
-        s = rows[k]
-        return bool(marks[k]) or any(cell_state(s, name) == "firing" for name in s.fields)
-
-    first = [k for k in keys if trouble(k)]
-    chosen = set(first[:room])
-    for k in keys:
-        if len(chosen) >= room:
-            break
-        chosen.add(k)
-    return [k for k in keys if k in chosen], [k for k in keys if k not in chosen]
 
 
 def _ranges(keys: Sequence[object]) -> str:
@@ -760,6 +791,12 @@ def _wrap(parts: Sequence[str], cols: int, sep: str = " · ") -> list[str]:
     if current:
         lines.append(current)
     return lines
+
+
+# The viewport's sort names and the field each orders by (largest first); "index" keeps the GPUs' order.
+_SORT_FIELDS = {"util": "utilization.gpu", "mem": "memory.used", "temp": "temperature.gpu", "power": "power.draw"}
+#: The sort keys of the live table.
+SORT_KEYS = {"u": "util", "m": "mem", "t": "temp", "p": "power", "i": "index"}
 
 
 def _sort_key(key: object) -> tuple[int, str]:

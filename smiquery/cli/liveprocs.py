@@ -1,7 +1,7 @@
 """The processes under each GPU in ``smiquery stream``'s live table, polled beside the stream.
 
 One ``nvidia-smi --query-compute-apps`` every few seconds in a :class:`~smiquery.sources.latest.Latest` (never in
-the stream's way); each process is shown as gpustat does, ``user:command/pid(1234MiB)``.
+the stream's way); each process is shown as gpustat does, ``user/command(1234MiB)``.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 
+from smiquery.cli.display import UNKNOWN_USER
 from smiquery.cli.ps.proc import ProcCache
 from smiquery.sources.apps import GpuProcess, processes
 from smiquery.sources.latest import Latest
@@ -17,14 +18,14 @@ __all__ = ["live_processes", "process_label"]
 
 
 def process_label(proc: GpuProcess, user: str | None) -> str:
-    """``user:command/pid(memory)`` as gpustat shows a process (``?`` for what is not known).
+    """``user/command(memory)`` as gpustat shows a process (:data:`UNKNOWN_USER` for a user not known).
 
     A newline or tab in the name the driver recorded becomes a space: one process is one line.
     """
     name = " ".join(proc.process_name.split()) or "?"
     command = os.path.basename(name.split(" ", 1)[0]) or name
     memory = f"{proc.used_memory}MiB" if proc.used_memory is not None else "n/a"
-    return f"{user or '?'}:{command}/{proc.pid}({memory})"
+    return f"{user or UNKNOWN_USER}/{command}({memory})"
 
 
 def live_processes(

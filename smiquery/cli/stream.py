@@ -200,6 +200,8 @@ class _Run:
     live_time: bool = False
     #: polls the processes under each GPU for the live table
     processes: Latest[dict[int, list[str]]] | None = None
+    #: stderr is the live table's terminal: events and alerts go to its footer, never as lines that tear it
+    events_in_footer: bool = False
 
 
 _EPILOG = """\b
@@ -344,7 +346,7 @@ def stream(
         typer.Option(
             "--processes",
             "-p",
-            help="Toggle the processes under each GPU in the live table (user:command/pid(memory)); they are "
+            help="Toggle the processes of each GPU in the live table (user/command(memory)); they are "
             "shown by default where the terminal has room.",
         ),
     ] = False,
@@ -441,6 +443,8 @@ def _stream(
         stale_after=max(5.0, 3 * seconds),
     )
     notes.append(run)
+    if run.live is not None and fields is not None and "uuid" in (f.strip() for f in fields.split(",")):
+        run.live.uuid = True  # asked for: shown at any width
     if kernel_log:
         start_xid_notes(kernel_log, run.writers, lambda line: _note(notes, line))
     run.live_time = replay_path is None
@@ -454,6 +458,7 @@ def _stream(
     if run.live is not None and err_isatty is not None and err_isatty():
         # stderr is the same terminal: a line there would tear the table, so events go to its footer
         table = run.live
+        run.events_in_footer = True
         run.events = EventPrinter(lambda line: table.note(line.removeprefix("smiquery: ")))
     try:
         with reopen_on_hup(run.writers):
@@ -719,10 +724,13 @@ def _pump_loop(
     Returns:
         The exit code (0, 6, 130 or 143); a source failure is raised after the outputs are closed.
     """
+    from smiquery.cli.keys import KeyReader
+
     pump = _Pump(source, stop_event)
     outcome = _Outcome()
     deadline = time.monotonic() + stop_after if stop_after is not None else None
-    with Signals() as sigs:
+    keys = KeyReader(lambda key: pump.queue.put(_Key(key))) if run.live is not None else contextlib.nullcontext()
+    with Signals() as sigs, keys:
         try:
             _start(pump, source, run)
             while _step(pump, source, run, outcome, sigs, deadline=deadline, count=count):
@@ -738,6 +746,13 @@ def _pump_loop(
     if outcome.failure is not None:
         raise outcome.failure
     return outcome.code
+
+
+@dataclass(frozen=True)
+class _Key:
+    """A key typed on the live table's terminal (scroll, sort, filter)."""
+
+    name: str
 
 
 @dataclass
@@ -786,6 +801,10 @@ def _step(
         item = pump.queue.get(timeout=wait)
     except queue.Empty:
         if run.live is not None and time.monotonic() - run.last_draw >= 0.5:
+            _draw(run.live, source, run)
+        return True
+    if isinstance(item, _Key):
+        if run.live is not None and run.live.key(item.name):
             _draw(run.live, source, run)
         return True
     if isinstance(item, SourceEvent):
@@ -887,9 +906,10 @@ def _take_sample(sample: GpuSample, run: _Run, now: float | None = None) -> bool
         for ev in events:
             if notifier is not None:
                 notifier.dispatch(ev, {"source": "smiquery stream"})
-            say(f"smiquery: {ev.message()}")
             if run.live is not None:
                 run.live.note(ev)
+            if run.live is None or not run.events_in_footer:
+                say(f"smiquery: {ev.message()}")
             if ev.state == "firing":
                 run.alert_fired = True
                 fired = True

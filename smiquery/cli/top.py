@@ -6,6 +6,8 @@ import contextlib
 import csv
 import io
 import json
+import queue
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -17,12 +19,17 @@ import typer
 
 from smiquery.cli._boundary import boundary
 from smiquery.cli._common import app, settings_of
+from smiquery.cli._signals import Signals
 from smiquery.cli.fleet_options import MAX_ANSWER_HELP
+from smiquery.cli.keys import KeyReader, Viewport
 
 if TYPE_CHECKING:
     from smiquery.fleet import FleetGpu
 
-__all__ = ["TopFormat", "TopSort", "render_screen", "top"]
+__all__ = ["TOP_KEYS", "TopFormat", "TopSort", "render_screen", "top"]
+
+#: The sort keys of the live screen: utilization, memory, temperature, power, and back to node order.
+TOP_KEYS = {"u": "util", "m": "mem", "t": "temp", "p": "power", "i": "node", "n": "node"}
 
 
 class TopSort(str, Enum):
@@ -86,8 +93,17 @@ def _row(g: FleetGpu, with_name: bool, with_pod: bool) -> list[str]:
     return cells
 
 
-def render_screen(gpus: Sequence[FleetGpu], cols: int, lines: int, title: str, total: int | None = None) -> list[str]:
+def render_screen(
+    gpus: Sequence[FleetGpu],
+    cols: int,
+    lines: int,
+    title: str,
+    total: int | None = None,
+    view: Viewport | None = None,
+) -> list[str]:
     """One screen: a title, the table cut to ``lines`` (0: no limit) and ``cols``, and what was left out.
+
+    GPUs in trouble (lost, with an alert firing) are never the ones left out; the others scroll (``view``).
 
     Args:
         gpus: the GPUs to show, in order.
@@ -95,33 +111,37 @@ def render_screen(gpus: Sequence[FleetGpu], cols: int, lines: int, title: str, t
         lines: terminal height (0: no limit).
         title: the first line.
         total: GPUs in the fleet before filters (for the footer).
+        view: the scroll offset and filter typed (None: the first rows, no filter).
     """
     from smiquery.cli.display import clip, render_table
 
+    view = view or Viewport(TOP_KEYS, "node")
+    matching = [g for g in gpus if view.matches(" ".join((g.instance, g.gpu or "", g.name, g.pod, *g.alerts)))]
     with_pod = any(g.pod for g in gpus)
-    # rows for the table: title, header, footer (at most two lines) stay
-    room = max(1, lines - 4) if lines > 0 else len(gpus)
-    shown = list(gpus[:room])
-    right_of = {"UTIL %": True, "MEM MiB": True, "TEMP C": True, "POWER W": True}
+    # rows for the table: the title, the header, a line saying what is shown and the summary stay
+    room = max(1, lines - 5) if lines > 0 else len(matching)
+    shown = view.window(matching, room, lambda g: g.lost or bool(g.alerts))
+    right_of = {"UTIL %": True, "MEM MiB": True, "TEMP C": True, "PWR W": True}
     table: list[str] = []
     for with_name in (True, False):
-        titles = ["NODE", "GPU", *(["NAME"] if with_name else []), "UTIL %", "MEM MiB", "TEMP C", "POWER W"]
+        titles = ["NODE", "GPU", *(["NAME"] if with_name else []), "UTIL %", "MEM MiB", "TEMP C", "PWR W"]
         titles += [*(["POD"] if with_pod else []), "STATE"]
         rows = [_row(g, with_name, with_pod) for g in shown]
         table = render_table(rows, titles, right=[right_of.get(t, False) for t in titles])
         if cols <= 0 or max(len(x) for x in table) <= cols:
             break
     out = [title, *table]
-    if not gpus:
+    if not matching:
         out.append("no GPU matches")
-    footer = []
-    if len(shown) < len(gpus):
-        footer.append(f"{len(gpus) - len(shown)} more GPUs not shown (a taller terminal or --format json shows all)")
+    where = view.status("GPUs", len(shown), len(matching), len(gpus))
+    if len(shown) < len(matching):
+        where += " · PgDn/↓ for more (--format json shows all)"
+    if where:
+        out.append(where)
     idle = sum(1 for g in gpus if g.idle)
     lost = sum(1 for g in gpus if g.lost)
     summary = f"{len(gpus)} GPUs" + (f" of {total}" if total is not None and total != len(gpus) else "")
-    footer.append(f"{summary}, {idle} idle, {lost} lost")
-    out += footer
+    out.append(f"{summary}, {idle} idle, {lost} lost")
     return [clip(x, cols) for x in out] if cols > 0 else out
 
 
@@ -201,8 +221,6 @@ def top(
     detected). With Kubernetes attribution the pod shows too. IDLE: under 5% utilization for the last 30 minutes
     while holding at least 1 GiB; LOST: reported in the last 30 minutes but not now.
     """
-    from smiquery.cli.display import terminal_size
-
     with boundary(settings_of(ctx).debug):
         from smiquery.fleet import PrometheusClient, filter_gpus, load_http_config, parse_time, snapshot, sort_gpus
         from smiquery.fleet.client import DEFAULT_MAX_ANSWER_BYTES
@@ -215,36 +233,75 @@ def top(
         client = PrometheusClient(prometheus, config=config, timeout=timeout, max_answer_bytes=limit)
         when = parse_time(at, what="--at") if at is not None else None
         live = not once
+        tty = live and fmt is TopFormat.table and sys.stdout.isatty()
+        view = Viewport(TOP_KEYS, sort.value)
+        keys: queue.SimpleQueue[str] = queue.SimpleQueue()
+        reader = KeyReader(keys.put) if tty else contextlib.nullcontext()
         error = ""
-        try:
-            while True:
-                try:
-                    every = snapshot(client, namings=naming, at=when, node=node)
-                    error = ""
-                except Exception as exc:
-                    from smiquery.errors import PrometheusError
+        with Signals() as sigs, reader:
+            try:
+                while sigs.signum is None:
+                    try:
+                        every = snapshot(client, namings=naming, at=when, node=node)
+                        error = ""
+                    except Exception as exc:
+                        from smiquery.errors import PrometheusError
 
-                    if not live or not isinstance(exc, PrometheusError):
-                        raise
-                    every, error = [], str(exc)
-                gpus = sort_gpus(filter_gpus(every, namespace=namespace, pod=pod, idle=idle), sort.value)
-                if fmt is TopFormat.json:
-                    sys.stdout.write(json.dumps([g.to_dict() for g in gpus], indent=None if live else 2) + "\n")
-                elif fmt is TopFormat.csv:
-                    sys.stdout.write(_csv(gpus))
-                else:
-                    cols, lines = terminal_size()
-                    stamp = time.strftime("%H:%M:%S", time.localtime(when)) if when else time.strftime("%H:%M:%S")
-                    title = f"smiquery top  {client.url}  {stamp}" + ("  (idle only)" if idle else "")
-                    screen = render_screen(gpus, cols, lines - (1 if error else 0), title, len(every))
-                    if error:
-                        screen.append(f"last error: {error}")
-                    clear = "\x1b[H\x1b[2J" if live and sys.stdout.isatty() else ""
-                    sys.stdout.write(clear + "\n".join(screen) + "\n")
-                sys.stdout.flush()
-                if not live:
-                    return
-                time.sleep(interval)
-        except KeyboardInterrupt:
-            with contextlib.suppress(OSError):
-                sys.stdout.flush()
+                        if not live or not isinstance(exc, PrometheusError):
+                            raise
+                        every, error = [], str(exc)
+                    filtered = filter_gpus(every, namespace=namespace, pod=pod, idle=idle)
+                    while True:
+                        gpus = sort_gpus(filtered, view.sort)
+                        if fmt is TopFormat.json:
+                            sys.stdout.write(json.dumps([g.to_dict() for g in gpus], indent=None if live else 2) + "\n")
+                        elif fmt is TopFormat.csv:
+                            sys.stdout.write(_csv(gpus))
+                        else:
+                            stamp = time.strftime("%H:%M:%S", time.localtime(when) if when else time.localtime())
+                            title = f"smiquery top  {client.url}  {stamp}" + ("  (idle only)" if idle else "")
+                            _show(gpus, title, len(every), error, view, tty)
+                        sys.stdout.flush()
+                        if not live or not _wait(keys, view, sigs, interval):
+                            break  # a new snapshot is due (or --once)
+                    if not live:
+                        return
+            except KeyboardInterrupt:  # a second Ctrl-C while Prometheus answers slowly
+                sigs.signum = sigs.signum or signal.SIGINT
+            finally:
+                with contextlib.suppress(OSError):
+                    sys.stdout.flush()
+        if sigs.signum is not None:
+            raise typer.Exit(sigs.exit_code)
+
+
+def _show(gpus: Sequence[FleetGpu], title: str, total: int, error: str, view: Viewport, tty: bool) -> None:
+    """One screen: on a terminal drawn in place (cursor home, lines rewritten, the rest cleared), never scrolled."""
+    from smiquery.cli.display import clip, terminal_size
+
+    cols, lines = terminal_size()
+    screen = render_screen(gpus, cols, lines - (1 if error else 0), title, total, view)
+    if error:
+        screen.append(f"last error: {error}")
+    if not tty:
+        sys.stdout.write("\n".join(screen) + "\n")
+        return
+    if lines > 0:
+        screen = screen[: max(1, lines - 1)]  # the cursor's line stays free: the title never scrolls away
+    sys.stdout.write("\x1b[H" + "".join(clip(x, cols) + "\x1b[K\n" for x in screen) + "\x1b[J")
+
+
+def _wait(keys: queue.SimpleQueue[str], view: Viewport, sigs: Signals, interval: float) -> bool:
+    """Wait ``interval`` seconds for a key; True when one changed the view (redraw now), False when time is up."""
+    end = time.monotonic() + interval
+    while sigs.signum is None:
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            key = keys.get(timeout=min(left, 0.1))
+        except queue.Empty:
+            continue
+        if view.key(key):
+            return True
+    return False

@@ -73,6 +73,10 @@ class Screen:
         lines = self._tmux("capture-pane", "-p", "-S", "-", "-t", "t").splitlines()
         return "\n".join(x for x in lines if not x.startswith("Pane is dead")).strip("\n") + "\n"
 
+    def scrollback(self) -> int:
+        """How many lines have scrolled off the top of the window into its history."""
+        return int(self._tmux("display-message", "-p", "-t", "t", "#{history_size}").strip())
+
     def styled(self) -> str:
         """The screen with its colours as escape sequences (``capture-pane -e``)."""
         return self._tmux("capture-pane", "-p", "-e", "-t", "t")

@@ -45,21 +45,85 @@ def many_gpus(path: Path, gpus: int, sweeps: int = 50) -> Path:
     return path
 
 
+GPU_LINE = re.compile(r"^\s*(LOST|stale \d+s)?\s+(\d+)\s+H100 80GB\s")
+
+
+def shown_gpus(text: str) -> list[int]:
+    return [int(m.group(2)) for line in text.splitlines() if (m := GPU_LINE.match(line))]
+
+
 def test_64_gpus_on_200x50_keep_the_footer_and_show_the_lost_gpu(fake_smi, tmp_path):
     rec = many_gpus(tmp_path / "g64.csv", 64)
     smi = fake_smi(recording=rec, fault=f"drop-gpu-after:{64 * 3}:60", apps="")
     with Screen(cli("--nvidia-smi", smi, "stream", "-l", "200ms"), columns=200, rows=50, env=env()) as screen:
-        text = screen.wait_for(lambda t: "LOST GPU 60" in t and "GPUs not shown" in t)
+        text = screen.wait_for(lambda t: "LOST GPU 60" in t and "GPUs shown" in t)
         lines = text.splitlines()
         assert len(lines) <= 50 and all(len(line) <= 200 for line in lines)
-        rows = [line for line in lines if re.match(r"^\s*(LOST|stale \d+s)?\s+\d+\s+NVIDIA", line)]
-        shown = [int(re.sub(r"^\s*(LOST|stale \d+s)?\s+", "", r).split()[0]) for r in rows]
-        not_shown = re.search(r"\+(\d+) GPUs not shown \(GPU ([\d,-]+)\): terminal too short", text)
-        assert not_shown is not None, text
-        assert len(shown) + int(not_shown.group(1)) == 64  # every GPU is either a row or counted
+        shown = shown_gpus(text)
+        where = re.search(r"(\d+) of 64 GPUs shown \(GPU ([\d,-]+)\)", text)
+        assert where is not None and int(where.group(1)) == len(shown), text  # the footer counts what is shown
         assert 60 in shown  # the lost GPU is kept on screen although it is past the rows that fit
-        assert next(r for r in rows if re.search(r"\s60\s", r)).lstrip().startswith("LOST")
+        assert next(r for r in lines if re.search(r"\s60\s+H100", r)).lstrip().startswith("LOST")
+        assert re.search(r"^64 GPUs · \d+ busy · \d+ idle · 1 lost · mean util \d+ %", text, re.M), text
         assert "sample age" in text and "Ctrl-C to stop" in text  # the footer and legend stay
+        screen.keys("C-c")
+        assert screen.exit_status() == 130
+
+
+def test_8_gpus_at_80x24_one_line_each_with_its_name(fake_smi):
+    argv = cli("--nvidia-smi", fake_smi(), "stream", "-l", "200ms")
+    with Screen(argv, columns=80, rows=24, env=env()) as screen:
+        text = screen.wait_for(lambda t: len(shown_gpus(t)) == 8 and "PWR W" in t)
+        lines = text.splitlines()
+        assert all(len(line) <= 80 for line in lines) and len(lines) <= 24
+        head = next(line for line in lines if line.lstrip().startswith("GPU"))
+        assert head.split()[:8] == ["GPU", "NAME", "TEMP", "C", "UTIL", "%", "MUTIL", "%"], head
+        assert "MEM MiB" in head and "[" not in head  # short titles, units once
+        for g in range(8):  # each GPU's name, temperature, utilization, memory and power on its one line
+            line = next(x for x in lines if re.match(rf"^\s+{g}\s+H100 80GB\s", x))
+            assert re.search(r"H100 80GB\s+\d+\s+\d+\s+[█░]{10}\s+\d+\s+\d+/81559\s+\d+\.\d\d", line), line
+        assert "GPU-" not in text  # no UUID at 80 columns
+        assert "8 GPUs ·" in text
+        screen.keys("C-c")
+        assert screen.exit_status() == 130
+
+
+def test_64_gpus_at_80x24_summary_line_and_pgdn_scrolls_to_later_gpus(tmp_path):
+    rec = many_gpus(tmp_path / "g64.csv", 64)
+    argv = cli("stream", "--replay", rec, "--speed", "0.5", "--loop")
+    with Screen(argv, columns=80, rows=24, env=env()) as screen:
+        text = screen.wait_for(lambda t: "of 64 GPUs shown" in t)
+        assert re.search(r"^64 GPUs · \d+ busy · \d+ idle · 0 lost · mean util \d+ % · hottest GPU \d+", text, re.M)
+        first = shown_gpus(text)
+        assert first == list(range(len(first))) and 8 <= len(first) < 64, text
+        assert len(text.splitlines()) <= 24
+        screen.keys("NPage")
+        text = screen.wait_for(lambda t: shown_gpus(t) and min(shown_gpus(t)) >= len(first))
+        assert shown_gpus(text) == list(range(len(first), 2 * len(first)))
+        screen.keys("End")
+        text = screen.wait_for(lambda t: 63 in shown_gpus(t))
+        screen.keys("Home")
+        screen.wait_for(lambda t: 0 in shown_gpus(t))
+        screen.keys("/", "6", "3", "Enter")  # the filter: GPUs whose index, name, UUID or processes hold "63"
+        text = screen.wait_for(lambda t: shown_gpus(t) == [63])
+        assert "filter: 63 (1 of 64)" in text
+        screen.keys("Escape", "t")  # no filter, hottest first
+        text = screen.wait_for(lambda t: "sorted by temp" in t and len(shown_gpus(t)) > 1)
+        screen.keys("C-c")
+        assert screen.exit_status() == 130
+    stty = subprocess.run(["stty", "-a"], capture_output=True, text=True, check=False)
+    assert stty.returncode != 0 or "icanon" in stty.stdout  # (this terminal was never changed)
+
+
+def test_alerts_never_scroll_the_screen_at_80x24():
+    # two rules that fire and clear on the demo: their lines go to the footer, never as lines that scroll
+    rules = ("--alert", "temperature.gpu > 85 for 3", "--alert", "utilization.gpu > 90 for 2")
+    argv = cli("stream", "--replay", DEMO, "--speed", "0", "--loop", *rules)
+    with Screen(argv, columns=80, rows=24, env=env()) as screen:
+        text = screen.wait_for(lambda t: int((re.findall(r"sweeps (\d+)", t) or ["0"])[0]) > 600, timeout=120)
+        assert screen.scrollback() == 0, screen.final_text()
+        assert "ALERT firing" in text and "ALERT cleared" in text
+        assert "replay demo-8gpu.csv" in text.splitlines()[0]  # the title is still the first line
         screen.keys("C-c")
         assert screen.exit_status() == 130
 
@@ -69,7 +133,7 @@ def test_a_stream_that_went_quiet_marks_every_row_stale(fake_smi):
     argv = cli("--nvidia-smi", smi, "--timeout", "60", "stream", "-l", "200ms")
     with Screen(argv, columns=120, rows=30, env=env()) as screen:
         text = screen.wait_for(lambda t: t.count("stale") >= 8, timeout=60)
-        rows = [line for line in text.splitlines() if "NVIDIA H100" in line]
+        rows = [line for line in text.splitlines() if "H100 80GB" in line]
         assert len(rows) == 8 and all(re.match(r"^stale \d+s\s+\d", r) for r in rows), text
         assert re.search(r"sample age ([5-9]|\d\d+)\.\d s", text)
         screen.keys("C-c")
@@ -83,7 +147,7 @@ def test_a_gpu_missing_from_the_sweeps_is_marked_stale_in_its_row():
     for _ in range(2):
         table.update(list(CsvParser(flds).parse(["0, 42"])))
     lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", table.frame()).splitlines()
-    assert lines[0].split() == ["state", "index", "temperature.gpu", "[C]"]
+    assert lines[0].startswith("2 GPUs · ") and lines[1].split() == ["STATE", "GPU", "TEMP", "C"]
     gpu0 = next(x for x in lines if re.match(r"^\s+0\s", x))
     gpu1 = next(x for x in lines if re.search(r"\s1\s+41", x))
     assert gpu1.startswith("stale ") and "42" in gpu0 and not gpu0.lstrip().startswith("stale")
@@ -113,24 +177,28 @@ def test_processes_show_under_their_gpu_and_p_hides_them(fake_smi, tmp_path):
             encoding="utf-8",
         )
         smi = fake_smi(apps=apps)
-        want = f"{getpass.getuser()}:sleep/{sleeper.pid}(1234MiB)"
+        want = f"{getpass.getuser()}/sleep(1234MiB)"
         argv = cli("--nvidia-smi", smi, "stream", "-l", "200ms")
-        with Screen(argv, columns=120, rows=30, env=env()) as screen:
+        with Screen(argv, columns=120, rows=30, env=env()) as screen:  # wide: on the GPU's own line
+            text = screen.wait_for(lambda t: want in t)
+            line = next(x for x in text.splitlines() if want in x)
+            assert re.match(r"^\s+0\s+H100 80GB\s.*\d\s+" + re.escape(want) + "$", line), text
+            assert "PROCESSES" in text
+        with Screen(argv, columns=80, rows=30, env=env()) as screen:  # narrow: indented under it
             text = screen.wait_for(lambda t: want in t)
             lines = text.splitlines()
             at = next(i for i, line in enumerate(lines) if want in line)
-            assert re.match(r"^\s+0\s+NVIDIA", lines[at - 1]), text  # right under GPU 0
-            assert lines[at].strip() == f"└ {want}"
+            assert re.match(r"^\s+0\s+H100 80GB", lines[at - 1]) and lines[at] == f"    {want}", text
         with Screen([*argv, "-p"], columns=120, rows=30, env=env()) as screen:
             text = screen.wait_for(lambda t: int((re.findall(r"sweeps (\d+)", t) or ["0"])[0]) >= 15)
-            assert "└" not in text and "processes not shown" not in text
+            assert want not in text and "PROCESSES" not in text and "processes not shown" not in text
         # the bundled processes (one per GPU) on a terminal too short for them: the GPUs stay, the processes go,
         # and the footer says so
         argv = cli("--nvidia-smi", fake_smi(), "stream", "-l", "200ms")
-        with Screen(argv, columns=120, rows=20, env=env()) as screen:
+        with Screen(argv, columns=80, rows=20, env=env()) as screen:
             text = screen.wait_for(lambda t: "processes not shown: terminal too short" in t)
-            assert len([line for line in text.splitlines() if "NVIDIA H100" in line]) == 8
-            assert "└" not in text
+            assert len(shown_gpus(text)) == 8
+            assert "MiB)" not in text
     finally:
         sleeper.kill()
         sleeper.wait()

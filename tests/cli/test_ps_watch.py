@@ -343,3 +343,33 @@ def test_a_newline_in_a_command_line_does_not_break_the_table(fake_smi: MakeFake
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert len(lines) == 3  # the instant, the titles, one row
     assert lines[2].endswith("two?lines")
+
+
+def test_64_processes_at_80x24_keep_the_footer_say_what_is_shown_and_scroll(monkeypatch):
+    import io
+    import re
+
+    from smiquery.cli import display
+    from smiquery.cli.ps.watch import _Live
+
+    monkeypatch.setattr(display, "terminal_size", lambda: (80, 24))
+    out = io.StringIO()
+    live = _Live(out, "smiquery ps --watch", events_here=True)
+    records = [
+        {"gpu_index": i % 8, "pid": 1000 + i, "user": None, "sm": 50, "mem": 10, "used_memory": 100, "command": "x"}
+        for i in range(64)
+    ]
+
+    def screen() -> list[str]:
+        frame = out.getvalue().rsplit("\x1b[H", 1)[1]
+        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", frame).splitlines()
+
+    live.show([], records)
+    lines = screen()
+    assert len(lines) <= 23 and lines[-1].endswith("Ctrl-C to stop"), lines  # the footer stays
+    pids = [int(x.split()[1]) for x in lines if re.match(r"^\s*\d+\s+\d{4}\s", x)]
+    assert re.search(rf"{len(pids)} of 64 processes shown · PgDn", "\n".join(lines))  # says what it dropped
+    assert pids == list(range(1000, 1000 + len(pids))) and all(" ? " in x for x in lines if "  x" in x)
+    live.key("pgdn")
+    later = [int(x.split()[1]) for x in screen() if re.match(r"^\s*\d+\s+\d{4}\s", x)]
+    assert min(later) == 1000 + len(pids)

@@ -152,9 +152,9 @@ def test_table_fits_the_terminal_and_counts_what_is_not_shown(fleet):
     screen = render_screen(gpus, 60, 10, "title")
     assert len(screen) <= 10
     assert all(len(line) <= 60 for line in screen)
-    assert "6 more GPUs not shown" in "\n".join(screen)
+    assert "5 of 12 GPUs shown" in "\n".join(screen)
     full = render_screen(gpus, 0, 0, "title")
-    assert not any("not shown" in line for line in full)
+    assert not any("shown" in line for line in full)
     assert sum(1 for line in full if line.startswith("node-")) == 12
 
 
@@ -470,7 +470,20 @@ def _interrupt(proc: subprocess.Popen[str], reader: threading.Thread) -> int:
     return rc
 
 
-def test_live_top_redraws_until_interrupted_and_exits_0(fleet):
+def test_gpus_in_trouble_are_never_the_ones_cut_and_the_title_stays(fleet):
+    from smiquery.cli.top import render_screen
+
+    gpus = snapshot(PrometheusClient(fleet.url), at=fleet.end)
+    trouble = {(g.instance, g.gpu) for g in gpus if g.lost or g.alerts}
+    assert len(trouble) >= 2  # the lost GPU and the hot one with its alert firing
+    screen = render_screen(gpus, 100, 7, "title")
+    assert screen[0] == "title" and len(screen) <= 7
+    shown = {tuple(line.split()[:2]) for line in screen if line.startswith("node-")}
+    assert trouble <= shown, screen  # both past the rows that fit in node order, both kept
+    assert f"{len(shown)} of 12 GPUs shown" in "\n".join(screen)
+
+
+def test_live_top_redraws_until_interrupted_and_exits_130(fleet):
     argv = [sys.executable, "-m", "smiquery", "top", "-p", fleet.url, "--at", str(fleet.end), "--interval", "0.5"]
     frames, proc, reader = _frames(argv, 2)
     try:
@@ -479,7 +492,7 @@ def test_live_top_redraws_until_interrupted_and_exits_0(fleet):
             assert sum(1 for line in frame if line.startswith("node-")) == 12
             assert frame[-1] == "12 GPUs, 1 idle, 1 lost"
     finally:
-        assert _interrupt(proc, reader) == 0
+        assert _interrupt(proc, reader) == 130  # Ctrl-C: 130, as stream and ps --watch
 
 
 def test_live_top_keeps_going_while_the_server_is_down():
@@ -490,4 +503,4 @@ def test_live_top_keeps_going_while_the_server_is_down():
         assert len(frames) >= 2
         assert frames[1][-1].startswith(f"last error: cannot reach Prometheus at {url}")
     finally:
-        assert _interrupt(proc, reader) == 0
+        assert _interrupt(proc, reader) == 130  # Ctrl-C: 130, as stream and ps --watch

@@ -117,7 +117,7 @@ def ps(
         if given:
             verb = "goes" if len(given) == 1 else "go"
             raise UsageError(f"{' and '.join(given)} only {verb} with --watch; add --watch")
-        from smiquery.cli.display import Column, render, use_color
+        from smiquery.cli.display import UNKNOWN_USER, Column, render, use_color
         from smiquery.sources.apps import processes
 
         ids = parse_gpus(gpus)
@@ -151,7 +151,7 @@ def ps(
             Column("gpu_index", "gpu" if table else "gpu_index", right=True),
             *([] if table else [Column("gpu_uuid")]),
             Column("pid", right=True),
-            Column("user"),
+            Column("user", missing=UNKNOWN_USER),
             Column("cpu_percent", "cpu" if table else "cpu_percent", unit="%", right=True),
             Column("used_memory", "used_memory" if not table else "gpu mem", unit="MiB", right=True),
             Column("process_name", "process" if table else "process_name"),

@@ -19,6 +19,7 @@ from smiquery.cli._boundary import cli_text, quiet_stdout, say
 from smiquery.cli._handoff import END, Failure, SourceEvent
 from smiquery.cli._options import Settings, choose_format, parse_gpus, unknown_gpus
 from smiquery.cli._signals import Signals
+from smiquery.cli.keys import KEY_HELP, KeyReader, Viewport
 from smiquery.cli.ps.proc import ProcCache
 from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError, StreamEndedError
 from smiquery.retry import RetryPolicy
@@ -241,14 +242,14 @@ def _instant_time(instant: Sequence[PmonRow]) -> datetime:
 
 
 def _columns(table: bool) -> list[Column]:
-    from smiquery.cli.display import Column
+    from smiquery.cli.display import UNKNOWN_USER, Column
 
     return [
         *([] if table else [Column("time")]),
         Column("gpu_index", "gpu" if table else "gpu_index", right=True),
         Column("pid", right=True),
         *([] if table else [Column("type")]),
-        Column("user"),
+        Column("user", missing=UNKNOWN_USER),
         Column("sm", unit="%", right=True),
         Column("mem", unit="%", right=True),
         Column("used_memory", "gpu mem" if table else "used_memory", unit="MiB", right=True),
@@ -317,18 +318,40 @@ class _Live:
         self.events_here = events_here
         self.columns = _columns(True)
         self._events: list[str] = []
-        self._body: list[str] = ["waiting for the first sample..."]
+        self._records: list[dict[str, object]] = []
+        self._after: list[str] = []
+        self._waiting = True
         self._started = False
+        self.view = Viewport({}, "")
 
     def show(self, instant: Sequence[PmonRow], records: list[dict[str, object]]) -> None:
-        from smiquery.cli.display import render
-
-        table = render(records, "table", columns=self.columns, color=self.color, empty="no processes")
-        self._body = table.splitlines()
+        self._records = records
+        self._waiting = False
         idle = _idle_gpus(instant)
         when = _instant_time(instant).strftime("%H:%M:%S")
-        self._body += ["", f"sampled {when}" + (f" · idle GPU {', '.join(map(str, idle))}" if idle else "")]
+        self._after = [f"sampled {when}" + (f" · idle GPU {', '.join(map(str, idle))}" if idle else "")]
         self.draw()
+
+    def key(self, key: str) -> None:
+        """Scroll or filter the processes (arrows, PgUp/PgDn, Home/End, ``/``)."""
+        if self.view.key(key):
+            self.draw()
+
+    def _body(self, room: int) -> list[str]:
+        """The table with the rows that fit ``room`` lines, and a line saying which are shown of how many."""
+        from smiquery.cli.display import render
+
+        if self._waiting:
+            return ["waiting for the first sample..."]
+        view = self.view
+        words = ("gpu_index", "pid", "user", "command")
+        matching = [r for r in self._records if view.matches(" ".join(str(r.get(k)) for k in words))]
+        shown = view.window(matching, max(1, room - 2), lambda r: False)
+        table = render(shown, "table", columns=self.columns, color=self.color, empty="no processes").splitlines()
+        where = view.status("processes", len(shown), len(matching), len(self._records))
+        if len(shown) < len(matching):
+            where += " · PgDn/↓ for more"
+        return [*table, "", *([where] if where else []), *self._after]
 
     def note(self, line: str) -> None:
         if not self.events_here:
@@ -343,9 +366,12 @@ class _Live:
 
         cols, rows = terminal_size()
         dim = ("\x1b[2m", "\x1b[0m") if self.color else ("", "")
-        lines = [f"\x1b[1m{self.title}\x1b[0m" if self.color else self.title, *self._body]
-        lines += [f"{dim[0]}{e}{dim[1]}" for e in self._events]
-        lines.append(f"{dim[0]}n/a = not available · Ctrl-C to stop{dim[1]}")
+        after = [f"{dim[0]}{e}{dim[1]}" for e in self._events]
+        after.append(f"{dim[0]}n/a = not available, ? = user not known{dim[1]}")
+        after.append(f"{dim[0]}{KEY_HELP} · Ctrl-C to stop{dim[1]}")
+        room = rows - 1 - 1 - len(after) - 1 - 2 if rows > 0 else 1 << 30  # title, header, blank, footer lines
+        title = f"\x1b[1m{self.title}\x1b[0m" if self.color else self.title
+        lines = [title, *self._body(room), *after]
         if rows > 0 and len(lines) > rows - 1:
             lines = lines[: max(1, rows - 1)]
         start = "" if self._started else "\x1b[?25l\x1b[2J"
@@ -383,6 +409,13 @@ def _pump(source: PmonStream, into: queue.SimpleQueue[object], group: int = 0) -
     finally:
         with contextlib.suppress(Exception):
             instants.close()  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class _Typed:
+    """A key typed on the live table's terminal."""
+
+    key: str
 
 
 @dataclass(frozen=True)
@@ -514,7 +547,9 @@ def watch(
     code = 0
     shown = 0
     ended = 0
-    with Signals() as sigs:
+    live = view if isinstance(view, _Live) else None
+    reader = KeyReader(lambda key: items.put(_Typed(key))) if live is not None else contextlib.nullcontext()
+    with Signals() as sigs, reader:
         try:
             if isinstance(view, _Live):
                 view.draw()
@@ -527,6 +562,10 @@ def watch(
                 try:
                     item = items.get(timeout=0.1)
                 except queue.Empty:
+                    continue
+                if isinstance(item, _Typed):
+                    if live is not None:
+                        live.key(item.key)
                     continue
                 if isinstance(item, SourceEvent):
                     if item.event.kind == "error" and _unsupported(item.event.error):

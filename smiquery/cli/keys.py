@@ -1,0 +1,221 @@
+"""Keys for the live views (``stream``, ``ps --watch``, ``top``): read without blocking, and what they scroll.
+
+:class:`KeyReader` puts the terminal in cbreak mode (Ctrl-C still sends SIGINT) and reads keys in a thread, so the
+view goes on redrawing while nobody types; the terminal's settings are restored when it closes, on every exit
+path. :class:`Viewport` is what the keys change: the first row shown, the sort order and a filter text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any, TypeVar
+
+__all__ = ["KEY_HELP", "KeyReader", "Viewport", "parse_keys"]
+
+K = TypeVar("K")
+
+#: The keys every live view takes, as its legend says them.
+KEY_HELP = "↑↓ PgUp PgDn Home End scroll · / filter"
+
+_SEQUENCES = {
+    "\x1b[A": "up",
+    "\x1b[B": "down",
+    "\x1bOA": "up",
+    "\x1bOB": "down",
+    "\x1b[5~": "pgup",
+    "\x1b[6~": "pgdn",
+    "\x1b[H": "home",
+    "\x1b[F": "end",
+    "\x1bOH": "home",
+    "\x1bOF": "end",
+    "\x1b[1~": "home",
+    "\x1b[4~": "end",
+    "\x1b[7~": "home",
+    "\x1b[8~": "end",
+}
+
+
+def parse_keys(data: str) -> list[str]:
+    """Key names in what a terminal sent (an escape sequence not known here is skipped whole).
+
+    The names: ``up``, ``down``, ``pgup``, ``pgdn``, ``home``, ``end``, ``enter``, ``backspace``, ``esc``, or
+    the character typed.
+    """
+    keys: list[str] = []
+    i = 0
+    while i < len(data):
+        ch = data[i]
+        if ch == "\x1b":
+            match = next((s for s in _SEQUENCES if data.startswith(s, i)), None)
+            if match is not None:
+                keys.append(_SEQUENCES[match])
+                i += len(match)
+                continue
+            if i + 1 < len(data) and data[i + 1] in "[O":
+                j = i + 2
+                while j < len(data) and not (data[j].isalpha() or data[j] == "~"):
+                    j += 1
+                i = j + 1  # an unknown sequence: skipped
+                continue
+            keys.append("esc")
+        elif ch in "\r\n":
+            keys.append("enter")
+        elif ch in "\x7f\x08":
+            keys.append("backspace")
+        elif ch >= " ":
+            keys.append(ch)
+        i += 1
+    return keys
+
+
+class KeyReader:
+    """Reads keys from a terminal in a thread and hands each to ``on_key`` (from that thread).
+
+    Nothing happens when ``stream`` is no terminal (a pipe, ``--once``): the output stays as it is. Use it as a
+    context manager: the terminal's settings are restored on leaving it, whatever ended the command.
+
+    Args:
+        on_key: called with each key name (:func:`parse_keys`).
+        stream: the terminal (default stdin).
+    """
+
+    def __init__(self, on_key: Callable[[str], None], stream: IO[str] | None = None) -> None:
+        self.on_key = on_key
+        self.stream = stream if stream is not None else sys.stdin
+        self._saved: list[Any] | None = None
+        self._fd = -1
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> KeyReader:
+        try:
+            import termios
+            import tty
+
+            fd = self.stream.fileno()
+            if not os.isatty(fd):
+                return self
+            self._saved = termios.tcgetattr(fd)
+            tty.setcbreak(fd)
+        except (ImportError, OSError, ValueError, AttributeError):
+            return self
+        self._fd = fd
+        self._thread = threading.Thread(target=self._run, name="smiquery-keys", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        pending = b""
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([self._fd], [], [], 0.1)
+                if not ready:
+                    continue
+                data = os.read(self._fd, 64)
+            except (OSError, ValueError):
+                return
+            if not data:
+                return
+            pending += data
+            try:
+                text = pending.decode("utf-8")
+            except UnicodeDecodeError:
+                if len(pending) < 4:
+                    continue  # half a character
+                text = pending.decode("utf-8", "replace")
+            pending = b""
+            for key in parse_keys(text):
+                self.on_key(key)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        if self._saved is not None:
+            import termios
+
+            with contextlib.suppress(OSError, ValueError):
+                termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
+            self._saved = None
+
+
+class Viewport:
+    """The part of a long list a live view shows: the scroll offset, the sort order and a filter.
+
+    Args:
+        sorts: sort key character -> sort name (``{"u": "util"}``).
+        sort: the sort name to start with.
+    """
+
+    def __init__(self, sorts: Mapping[str, str], sort: str) -> None:
+        self.sorts = dict(sorts)
+        self.sort = sort
+        self.offset = 0
+        self.filter = ""
+        self.typing = False  # the filter is being typed after ``/``
+        self.page = 1  # rows the last frame had room for (PgDn moves by this)
+
+    def key(self, key: str) -> bool:
+        """Take one key; True when the view changed (redraw now)."""
+        if self.typing:
+            if key == "enter":
+                self.typing = False
+            elif key == "esc":
+                self.typing, self.filter = False, ""
+            elif key == "backspace":
+                self.filter = self.filter[:-1]
+            elif len(key) == 1:
+                self.filter += key
+            else:
+                return False
+            self.offset = 0
+            return True
+        moves = {"up": -1, "down": 1, "pgup": -max(1, self.page), "pgdn": max(1, self.page)}
+        if key in moves:
+            self.offset = max(0, self.offset + moves[key])
+        elif key == "home":
+            self.offset = 0
+        elif key == "end":
+            self.offset = 1 << 30  # clamped by the next frame
+        elif key == "/":
+            self.typing, self.filter, self.offset = True, "", 0
+        elif key == "esc" and self.filter:
+            self.filter, self.offset = "", 0
+        elif key in self.sorts:
+            self.sort, self.offset = self.sorts[key], 0
+        else:
+            return False
+        return True
+
+    def matches(self, text: str) -> bool:
+        """Whether a row whose words are ``text`` passes the filter (case-insensitive substring)."""
+        return not self.filter or self.filter.lower() in text.lower()
+
+    def window(self, keys: Sequence[K], room: int, pinned: Callable[[K], bool]) -> list[K]:
+        """The rows shown in ``room`` lines, in their order: pinned ones (in trouble) always, the rest scrolled.
+
+        The offset is clamped so that the last page is full.
+        """
+        keep = [k for k in keys if pinned(k)][: max(1, room)]
+        kept = set(map(id, keep))
+        rest = [k for k in keys if id(k) not in kept]
+        fit = max(0, room - len(keep))
+        self.page = max(1, fit)
+        self.offset = max(0, min(self.offset, len(rest) - fit))
+        chosen = kept | set(map(id, rest[self.offset : self.offset + fit]))
+        return [k for k in keys if id(k) in chosen]
+
+    def status(self, what: str, shown: int, matching: int, total: int) -> str:
+        """The footer's words: ``rows 16-30 of 64 shown · filter 'a100' · sorted by util`` (empty: nothing to say)."""
+        parts: list[str] = []
+        if shown < matching or matching < total:
+            first = self.offset + 1 if shown else 0
+            parts.append(f"{shown} of {matching} {what} shown" + (f" (from {first})" if self.offset else ""))
+        if self.typing or self.filter:
+            parts.append(f"filter: {self.filter}" + ("▏" if self.typing else "") + f" ({matching} of {total})")
+        return " · ".join(parts)
