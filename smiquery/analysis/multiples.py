@@ -259,7 +259,7 @@ def _draw_field(
                     gid="no-data", label=label)  # fmt: skip
         _cell_shading(ax, place, data, fld, k, (lo, hi), label)
         first = grid.first(k)
-        _cell_thresholds(ax, place, marks, (x_lo, x_hi), (ox, oy, w, h), first, label)
+        _cell_thresholds(ax, place, marks, (x_lo, x_hi, lo, sy), (ox, oy, w, h), first, label)
         ax.text(ox, oy + h + 2 * _POINT, label, ha="left", va="bottom", fontsize=8, gid="title", label=label)
         if first:
             for v, text in zip(y_locs, y_labels, strict=True):
@@ -312,25 +312,26 @@ def _cell_thresholds(
     ax: Any,
     place: Any,
     marks: Sequence[tuple[float, str]],
-    x_range: tuple[float, float],
+    scale: tuple[float, float, float, float],
     box: tuple[float, float, float, float],
     first: bool,
     label: str,
 ) -> None:
     """Dashed threshold lines across the cell, labelled in the first column.
 
+    ``scale``: the cell's first and last time (date numbers), its lowest value and inches per unit of value;
+    ``box``: the cell's corner and size in inches.
+
     A label lies inside the cell, under its line (else over it), none over another; a label with no room is left
     off, a long one is cut short with "…".
     """
-    x_lo, x_hi = x_range
+    x_lo, x_hi, lo, per_inch = scale
     for value, _ in marks:
         ax.plot([x_lo, x_hi], [value, value], transform=place, color=_THRESHOLD_COLOUR, linestyle="--",
                 linewidth=0.9, gid="threshold", label=label, zorder=3)  # fmt: skip
     if not first or not marks:
         return
     ox, oy, w, h = box
-    lo = place.inverted().transform(ax.transData.transform((ox, oy)))[1]  # the cell's lowest value
-    per_inch = h / (place.inverted().transform(ax.transData.transform((ox, oy + h)))[1] - lo)
     room = w * 72 - 8  # points a label may take
     texts, boxes = [], []
     for value, text in marks:
