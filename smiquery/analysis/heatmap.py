@@ -5,13 +5,21 @@ Past 16 GPUs a line per GPU, or a small panel per GPU per field (64 GPUs: 256 pa
 one column of pixels; a stall is outlined black on the GPU's row in every panel, a firing alert orange on its
 field's panel, so short events that a mean would blur still show. Rule thresholds are marked on each colour bar.
 
+Each field's colours span its physical range where it has one (0 to 100 %, 0 to ``memory.total``, 0 to
+``power.limit`` when recorded, a fixed 0 to 100 C for temperatures), widened to any value past it, else the
+data's range; the colour bar names the range and its ticks are plain numbers (no offset, no powers of ten), and
+the panel's title says where the range comes from.
+
 Needs matplotlib; drawn with the object API like :mod:`smiquery.analysis.plot`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+from smiquery.analysis.series import text_size
 
 if TYPE_CHECKING:
     import numpy as np
@@ -19,12 +27,16 @@ if TYPE_CHECKING:
 
     from smiquery.fields import Field
 
-__all__ = ["ALERT_EDGE", "STALL_EDGE", "cell_means", "heatmap_figure"]
+__all__ = ["ALERT_EDGE", "STALL_EDGE", "Scale", "cell_means", "heatmap_figure"]
+
+#: A field's physical colour range: (lowest, highest, where it comes from, e.g. ``"0 to memory.total"``).
+Scale = tuple[float, float, str]
 
 #: The outline of a stall on a GPU's row, and of a firing alert.
 STALL_EDGE = "#000000"
 ALERT_EDGE = "#e6550d"
 _MISSING = "#e8e8e8"
+_BAR_FONT = 8  # the colour bars' ticks and labels
 # Height of one GPU's row (inches) and the least height of a panel.
 _ROW_INCHES = 0.055
 _MIN_PANEL = 1.6
@@ -71,6 +83,7 @@ def heatmap_figure(
     marks: tuple[list[tuple[Any, Any, int]], dict[str, list[tuple[Any, Any, int]]]],
     thresholds: dict[str, list[tuple[float, str]]],
     size: tuple[float, float, int, int],
+    scales: dict[str, Scale] | None = None,
 ) -> tuple[Figure, list[Any]]:
     """One heatmap panel per field, sharing the time axis; returns the figure and its panels (top to bottom).
 
@@ -84,6 +97,8 @@ def heatmap_figure(
         marks: (stalls, alerts by field name) as (start, end, gpu) with naive datetimes.
         thresholds: per field name, (value, label) of the rules watching it, marked on its colour bar.
         size: (width, panel height in inches, dpi, most columns of cells: one a pixel or so).
+        scales: per field name its physical colour range (:data:`Scale`); a field without one is coloured on the
+            range of its values (percentages on 0 to 100 and booleans on no to yes either way).
     """
     import matplotlib.dates as mdates
     import numpy as np
@@ -92,10 +107,18 @@ def heatmap_figure(
     width, panel_height, dpi, columns = size
     # no more columns than about half a GPU's samples: each cell then holds one sample or more, none is left empty
     columns = max(1, min(columns, max(len(x) for x in xs) // 2))
+    panels = []
+    for fld in flds:
+        cells = cell_means(xs, values[fld.name], x_range, columns)
+        vmin, vmax, source = _colour_range(fld, cells, (scales or {}).get(fld.name))
+        panels.append((fld, cells, vmin, vmax, source, _bar_ticks(vmin, vmax)))
     # Placed by fixed margins in inches: constrained layout measures every tick of every colour bar, which takes
-    # longer than drawing the cells.
+    # longer than drawing the cells. Right of the panels: a gap, the colour bar, its ticks, their widest label and
+    # the bar's label.
     height = max(panel_height, _MIN_PANEL, len(gpus) * _ROW_INCHES + 0.6)
-    top, head, gap, bottom, left, right, bar_width = 0.45, 0.3, 0.3, 0.95, 0.75, 0.95, 0.15
+    widest = max(text_size(t, _BAR_FONT)[0] for *_, (_, labels) in panels for t in labels)
+    top, head, gap, bottom, left, bar_width = 0.45, 0.3, 0.3, 0.95, 0.75, 0.15
+    right = 0.1 + bar_width + (7 + widest + 5 + text_size("0", _BAR_FONT)[1]) / 72 + 0.12
     total = top + len(flds) * (head + height) + (len(flds) - 1) * gap + bottom
     fig = figure(figsize=(width, total), dpi=dpi)
     axes: list[Any] = []
@@ -110,30 +133,25 @@ def heatmap_figure(
     stalls, alerts = marks
     cmap = colormaps["viridis"].with_extremes(bad=_MISSING)
     step = max(1, len(gpus) // 16)  # at most about 16 GPU labels
-    for ax, fld in zip(axes, flds, strict=True):
-        cells = cell_means(xs, values[fld.name], x_range, columns)
-        if fld.unit == "%":
-            vmin, vmax = 0.0, 100.0
-        elif fld.kind.is_bool:
-            vmin, vmax = 0.0, 1.0
-        elif np.isfinite(cells).any():
-            vmin, vmax = float(np.nanmin(cells)), float(np.nanmax(cells))
-        else:
-            vmin, vmax = 0.0, 1.0
+    for ax, (fld, cells, vmin, vmax, source, (locs, labels)) in zip(axes, panels, strict=True):
         image = ax.imshow(
             np.ma.masked_invalid(cells),
             aspect="auto",
             interpolation="nearest",
             cmap=cmap,
             vmin=vmin,
-            vmax=vmax if vmax > vmin else vmin + 1,  # a constant field: its one value at the scale's foot
+            vmax=vmax,
             extent=(lo, hi, len(gpus) - 0.5, -0.5),
             gid=f"heatmap-{fld.name}",
         )
         pos = ax.get_position()
         bar = fig.colorbar(image, cax=fig.add_axes((pos.x1 + 0.1 / width, pos.y0, bar_width / width, pos.height)))
-        if fld.unit:
-            bar.set_label(fld.unit)
+        # plain numbers, fixed: a scalar formatter would write 40,000 to 40,001 as "+4e4" and offsets
+        bar.set_ticks(locs, labels=labels, fontsize=_BAR_FONT)
+        scale = f"{_number(vmin)} to {_number(vmax)} {fld.unit}".rstrip()
+        bar_inches = pos.height * total
+        fits = text_size(scale, _BAR_FONT)[0] / 72 <= bar_inches - 0.1
+        bar.set_label(scale if fits else fld.unit, fontsize=_BAR_FONT, labelpad=4)
         for value, _ in thresholds.get(fld.name, []):
             if vmin <= value <= vmax:  # a white line under a dashed black one shows on any colour
                 bar.ax.axhline(value, color="#ffffff", linewidth=2.0)
@@ -141,7 +159,8 @@ def heatmap_figure(
         _outline(ax, stalls, row_of, STALL_EDGE, "stall", 0.9)
         _outline(ax, alerts.get(fld.name, []), row_of, ALERT_EDGE, "alert", 1.3)
         # a fixed place: placed around the ticks, a title is measured again on every draw
-        ax.set_title(f"{fld.name} [{fld.unit}]" if fld.unit else fld.name, loc="left", fontsize=10, y=1.0, pad=4)
+        name = f"{fld.name} [{fld.unit}]" if fld.unit else fld.name
+        ax.set_title(f"{name}, colour: {source}" if source else name, loc="left", fontsize=10, y=1.0, pad=4)
         ax.set_yticks(range(0, len(gpus), step), [str(g) for g in gpus[::step]], fontsize=7)
         ax.set_ylabel("GPU")
         if not np.isfinite(cells).any():
@@ -149,6 +168,50 @@ def heatmap_figure(
             ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=9, color="#555555",
                     gid="no-data")  # fmt: skip
     return fig, axes
+
+
+def _colour_range(fld: Field, cells: np.ndarray, scale: Scale | None) -> tuple[float, float, str]:
+    """The field's colour range and where it comes from (for the panel's title; empty where it goes without saying).
+
+    A physical range is widened to any value past it; without one, the values' own range (a constant value in the
+    middle of a range around it, not at its foot).
+    """
+    import numpy as np
+
+    finite = cells[np.isfinite(cells)]
+    if fld.kind.is_bool:
+        return 0.0, 1.0, ""
+    if scale is None and fld.unit == "%":
+        scale = (0.0, 100.0, "")
+    if not len(finite):
+        return (scale[0], scale[1], scale[2]) if scale is not None else (0.0, 1.0, "")
+    low, high = float(finite.min()), float(finite.max())
+    if scale is not None:
+        vmin, vmax, source = scale
+        if low < vmin or high > vmax:
+            source = f"{source}, widened to the values" if source else "widened to the values"
+        return min(vmin, low), max(vmax, high), source
+    if high == low:
+        pad = max(abs(low) * 0.05, 1.0)
+        return low - pad, high + pad, "around the one value"
+    return low, high, "the values' range"
+
+
+def _number(value: float) -> str:
+    """A plain number for a colour bar: 81,559, 0.5, -20; never an offset or a power of ten."""
+    if float(value).is_integer() and abs(value) < 1e15:
+        return f"{int(value):,}"
+    digits = max(0, 3 - math.floor(math.log10(abs(value)))) if value else 0
+    return f"{value:,.{digits}f}".rstrip("0").rstrip(".")
+
+
+def _bar_ticks(vmin: float, vmax: float) -> tuple[list[float], list[str]]:
+    """About five round values inside the colour range, and their labels."""
+    from matplotlib.ticker import MaxNLocator
+
+    locs = [float(v) for v in MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]).tick_values(vmin, vmax)]
+    locs = [v for v in locs if vmin - 1e-9 * abs(vmax - vmin) <= v <= vmax + 1e-9 * abs(vmax - vmin)]
+    return locs, [_number(0.0 if abs(v) < 1e-12 * max(abs(vmin), abs(vmax), 1) else v) for v in locs]
 
 
 def _outline(

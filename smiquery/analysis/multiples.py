@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from smiquery.analysis.series import line_points
+from smiquery.analysis.series import line_points, stack_labels, text_size
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,9 +36,13 @@ __all__ = ["CELL_INCHES", "MultiplesData", "cell_of", "multiples_figure"]
 CELL_INCHES = 1.5
 # A cell's height, as a share of ``panel_height``.
 _CELL_HEIGHT = 0.6
-# Margins and gaps, in inches: above a field's cells (its name), between rows, below its cells (time labels); the
-# figure's top and bottom; left of the first column (values and unit), right of the last; between columns.
-_HEAD, _GAP, _BELOW, _TOP, _BOTTOM, _LEFT, _RIGHT, _BETWEEN = 0.3, 0.3, 0.35, 0.45, 0.8, 0.65, 0.15, 0.15
+# Margins and gaps, in inches: above a field's cells (its name, then the cells' titles), between rows, below its
+# cells (time labels); the figure's top and bottom; left of the first column (values and unit: the least, more for
+# wide values), right of the last; between columns.
+_HEAD, _GAP, _BELOW, _TOP, _BOTTOM, _LEFT, _RIGHT, _BETWEEN = 0.45, 0.3, 0.35, 0.45, 0.8, 0.65, 0.15, 0.15
+# A field's panel reaches this far past its cells on every side, so that the frames and lines along the cells'
+# outer edges are drawn whole, not clipped at the panel's edge.
+_PAD = 0.1
 _POINT = 1 / 72  # inches
 _GRID = "#dddddd"
 _FRAME = "#000000"
@@ -101,14 +105,14 @@ class _Grid:
         return k + self.cols >= n
 
 
-def _columns(n: int, width: float) -> tuple[int, float]:
-    """How many cells fit across, and their width in inches."""
-    cols = min(n, max(1, int(width // CELL_INCHES)))
-    return cols, (width - _LEFT - _RIGHT - _BETWEEN * (cols - 1)) / cols
+def _columns(n: int, width: float, left: float = _LEFT) -> tuple[int, float]:
+    """How many cells fit across, and their width in inches (``left`` of them the values and the unit)."""
+    cols = min(n, max(1, int((width - left + _LEFT) // CELL_INCHES)))
+    return cols, (width - left - _RIGHT - _BETWEEN * (cols - 1)) / cols
 
 
-def _grid(n: int, n_fields: int, width: float, panel_height: float) -> _Grid:
-    cols, cell_width = _columns(n, width)
+def _grid(n: int, n_fields: int, width: float, panel_height: float, left: float = _LEFT) -> _Grid:
+    cols, cell_width = _columns(n, width, left)
     rows = math.ceil(n / cols)
     cell_height = panel_height * _CELL_HEIGHT
     block = _HEAD + rows * cell_height + (rows - 1) * _GAP + _BELOW
@@ -152,6 +156,16 @@ def _y_ticks(fld: Field, lo: float, hi: float) -> tuple[list[float], list[str]]:
     return locs, [f"{v:g}" for v in locs]
 
 
+def _left(scales: Sequence[tuple[Field, list[str]]]) -> tuple[float, float]:
+    """The margin left of the cells and how far left of a cell the unit's middle lies (inches).
+
+    Room for the widest value label and the unit beside it.
+    """
+    widest = max((text_size(t, 7)[0] for _, labels in scales for t in labels), default=0.0) / 72
+    unit = (3 * _POINT + widest + 4 * _POINT + text_size("M", 8)[1] / 2 / 72) if widest else 0.42
+    return max(_LEFT, unit + text_size("M", 8)[1] / 2 / 72 + 0.08), unit
+
+
 def cell_of(artist: Any) -> int | None:
     """The GPU index a cell's artist belongs to (from its ``GPU <index>`` label), or None."""
     label = artist.get_label()
@@ -173,43 +187,62 @@ def multiples_figure(
         dpi: resolution.
         max_points: the most points of a cell's line (lowest and highest of each stretch of samples past it).
     """
-    grid = _grid(len(data.gpus), len(data.flds), width, panel_height)
+    scales = []
+    for fld in data.flds:
+        marks = data.thresholds.get(fld.name, [])
+        lo, hi, has_values = _y_range(fld, data.values[fld.name], marks)
+        scales.append((lo, hi, has_values, *_y_ticks(fld, lo, hi)))
+    left, unit_at = _left([(fld, sc[4]) for fld, sc in zip(data.flds, scales, strict=True)])
+    grid = _grid(len(data.gpus), len(data.flds), width, panel_height, left)
     fig = figure(figsize=(width, grid.total), dpi=dpi)
     axes = []
     for b, fld in enumerate(data.flds):
         y0 = _TOP + b * grid.block  # inches from the top
-        fig.text(0.01, 1 - (y0 + 0.12) / grid.total, f"{fld.name} [{fld.unit}]" if fld.unit else fld.name, ha="left",
+        fig.text(0.01, 1 - (y0 + 0.13) / grid.total, f"{fld.name} [{fld.unit}]" if fld.unit else fld.name, ha="left",
                  va="center", fontsize=10, gid=f"field-{fld.name}")  # fmt: skip
         top = y0 + _HEAD
         height = grid.block - _HEAD - _BELOW
-        ax = fig.add_axes((_LEFT / width, 1 - (top + height) / grid.total, 1 - (_LEFT + _RIGHT) / width,
-                           height / grid.total), gid=f"multiples-{fld.name}")  # fmt: skip
+        # the panel: the cells, and _PAD around them; its data units are inches from the first cell's corner
+        ax = fig.add_axes(((left - _PAD) / width, 1 - (top + height + _PAD) / grid.total,
+                           (width - left - _RIGHT + 2 * _PAD) / width, (height + 2 * _PAD) / grid.total),
+                          gid=f"multiples-{fld.name}")  # fmt: skip
         ax.set_axis_off()
         ax.set_autoscale_on(False)
-        ax.set_xlim(0, width - _LEFT - _RIGHT)
-        ax.set_ylim(0, height)
-        _draw_field(ax, fld, data, grid, max_points, last=b == len(data.flds) - 1)
+        ax.set_xlim(-_PAD, width - left - _RIGHT + _PAD)
+        ax.set_ylim(-_PAD, height + _PAD)
+        _draw_field(ax, fld, data, grid, max_points, (b == len(data.flds) - 1, scales[b], unit_at))
         axes.append(ax)
     return fig, axes
 
 
-def _draw_field(ax: Any, fld: Field, data: MultiplesData, grid: _Grid, max_points: int, last: bool) -> None:
-    """One field's cells: lines, shading, thresholds, titles, scales, grid and frames."""
+def _draw_field(
+    ax: Any,
+    fld: Field,
+    data: MultiplesData,
+    grid: _Grid,
+    max_points: int,
+    where: tuple[bool, tuple[float, float, bool, list[float], list[str]], float],
+) -> None:
+    """One field's cells: lines, shading, thresholds, titles, scales, grid and frames.
+
+    ``where``: whether it is the figure's last field (the times go under it), its scale (lowest, highest, whether
+    any GPU has a value, the values labelled and their labels) and how far left of a cell its unit goes (inches).
+    """
     import matplotlib.dates as mdates
     import numpy as np
     from matplotlib.collections import LineCollection
     from matplotlib.transforms import Affine2D
 
+    last, (lo, hi, has_values, y_locs, y_labels), unit_at = where
     n = len(data.gpus)
     lines = data.values[fld.name]
-    marks = data.thresholds.get(fld.name, [])
-    lo, hi, has_values = _y_range(fld, lines, marks)
-    if not has_values:
-        marks = []
-    y_locs, y_labels = _y_ticks(fld, lo, hi)
+    marks = data.thresholds.get(fld.name, []) if has_values else []
     x_lo, x_hi = (float(v) for v in mdates.date2num(list(data.x_range)))  # type: ignore[no-untyped-call]
-    x_locs, x_labels = data.x_ticks
     sx, sy = grid.cell_width / (x_hi - x_lo), grid.cell_height / (hi - lo)
+    # the times labelled: those whose label stays over its own cell (none runs into the next cell's)
+    x_ticks = [(v, t) for v, t in zip(*data.x_ticks, strict=True)
+               if text_size(t, 7)[0] / 2 / 72 <= min(v - x_lo, x_hi - v) * sx + _BETWEEN / 2 - 0.01]  # fmt: skip
+    x_locs = [v for v, _ in x_ticks]
     gridlines: list[list[tuple[float, float]]] = []
     frames: list[list[tuple[float, float]]] = []
     for k, idx in enumerate(data.gpus):
@@ -226,15 +259,16 @@ def _draw_field(ax: Any, fld: Field, data: MultiplesData, grid: _Grid, max_point
                     gid="no-data", label=label)  # fmt: skip
         _cell_shading(ax, place, data, fld, k, (lo, hi), label)
         first = grid.first(k)
-        _cell_thresholds(ax, place, marks, (x_lo, x_hi), (ox, oy, w, h), first, label)
+        _cell_thresholds(ax, place, marks, (x_lo, x_hi, lo, sy), (ox, oy, w, h), first, label)
         ax.text(ox, oy + h + 2 * _POINT, label, ha="left", va="bottom", fontsize=8, gid="title", label=label)
         if first:
             for v, text in zip(y_locs, y_labels, strict=True):
                 ax.text(ox - 3 * _POINT, oy + (v - lo) * sy, text, ha="right", va="center", fontsize=7, gid="ytick")
             if fld.unit:
-                ax.text(ox - 0.42, oy + h / 2, fld.unit, rotation=90, ha="center", va="center", fontsize=8, gid="unit")
+                ax.text(ox - unit_at, oy + h / 2, fld.unit, rotation=90, ha="center", va="center", fontsize=8,
+                        gid="unit")  # fmt: skip
         if last and grid.bottom(k, n):
-            for v, text in zip(x_locs, x_labels, strict=True):
+            for v, text in x_ticks:
                 ax.text(ox + (v - x_lo) * sx, oy - 3 * _POINT, text, ha="center", va="top", fontsize=7, gid="xtick")
     ax.add_collection(LineCollection(gridlines, colors=_GRID, linewidths=0.6, zorder=0.5, gid="grid"))
     ax.add_collection(LineCollection(frames, colors=_FRAME, linewidths=0.8, zorder=2.5, gid="frame"))
@@ -278,25 +312,44 @@ def _cell_thresholds(
     ax: Any,
     place: Any,
     marks: Sequence[tuple[float, str]],
-    x_range: tuple[float, float],
+    scale: tuple[float, float, float, float],
     box: tuple[float, float, float, float],
     first: bool,
     label: str,
 ) -> None:
-    """Dashed threshold lines across the cell, labelled in the first column (inside the cell, cut at its edge)."""
-    from matplotlib.transforms import Bbox, TransformedBbox
+    """Dashed threshold lines across the cell, labelled in the first column.
 
-    x_lo, x_hi = x_range
-    for value, text in marks:
+    ``scale``: the cell's first and last time (date numbers), its lowest value and inches per unit of value;
+    ``box``: the cell's corner and size in inches.
+
+    A label lies inside the cell, under its line (else over it), none over another; a label with no room is left
+    off, a long one is cut short with "…".
+    """
+    x_lo, x_hi, lo, per_inch = scale
+    for value, _ in marks:
         ax.plot([x_lo, x_hi], [value, value], transform=place, color=_THRESHOLD_COLOUR, linestyle="--",
                 linewidth=0.9, gid="threshold", label=label, zorder=3)  # fmt: skip
-        if not first:
+    if not first or not marks:
+        return
+    ox, oy, w, h = box
+    room = w * 72 - 8  # points a label may take
+    texts, boxes = [], []
+    for value, text in marks:
+        width, height = text_size(text, 7)
+        while width > room and len(text) > 1:
+            text = text[: max(1, int(len(text) * room / width) - 1)].rstrip() + "…"
+            width, height = text_size(text, 7)
+        y = (value - lo) * per_inch * 72
+        texts.append(text)
+        boxes.append((4.0, width + 2, height + 2, [y - 2, y + height + 4]))
+    for text, at in zip(texts, stack_labels(boxes, (0, 0, w * 72, h * 72)), strict=True):
+        if at is None:
             continue
-        note = ax.annotate(
+        ax.annotate(
             text,
-            xy=(x_lo, value),
-            xycoords=place,
-            xytext=(4, -2),
+            xy=(ox, oy),
+            xycoords="data",
+            xytext=(at[0] + 1, at[1] - 1),
             textcoords="offset points",
             ha="left",
             va="top",
@@ -304,6 +357,5 @@ def _cell_thresholds(
             color=_THRESHOLD_COLOUR,
             bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
             zorder=4,
+            label=label,
         )
-        note.set_clip_box(TransformedBbox(Bbox.from_bounds(*box), ax.transData))
-        note.set_clip_on(True)  # a long rule stays inside its cell

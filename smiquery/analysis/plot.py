@@ -24,7 +24,15 @@ from smiquery.analysis.analyze import DEFAULT_RULES, stalls_and_alerts
 from smiquery.analysis.heatmap import ALERT_EDGE, STALL_EDGE, heatmap_figure
 from smiquery.analysis.load import load_recording
 from smiquery.analysis.multiples import MultiplesData, cell_points, multiples_figure
-from smiquery.analysis.series import as_float, axis_clock, gpu_rows, line_band, line_points
+from smiquery.analysis.series import (
+    as_float,
+    axis_clock,
+    gpu_rows,
+    line_band,
+    line_points,
+    stack_labels,
+    text_size,
+)
 from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind, get_field, resolve_fields
 
@@ -136,22 +144,6 @@ def _gpu_names(gpus: Sequence[int], total: int) -> str:
     return "GPUs " + ",".join(str(g) for g in gpus)
 
 
-def _span_label(ax: Any, x: Any, text: str) -> None:
-    """A small label inside the top left corner of a shaded span."""
-    ax.annotate(
-        text,
-        xy=(x, 1.0),
-        xycoords=("data", "axes fraction"),
-        xytext=(3, -3),
-        textcoords="offset points",
-        ha="left",
-        va="top",
-        fontsize=7.5,
-        color="#333333",
-        zorder=5,
-    )
-
-
 def _naive(ts: Any) -> Any:
     """A datetime as the plot's x axis holds it: the recorded wall clock, or UTC when the recording has a zone.
 
@@ -221,6 +213,41 @@ def _load(
     return df, drawn or None
 
 
+# The heatmap's colour range of fields with a physical one: 0 to the recorded limit (the first of these columns with
+# a value), or fixed.
+_LIMITS: dict[str, tuple[str, ...]] = {
+    "memory.used": ("memory.total",),
+    "memory.free": ("memory.total",),
+    "memory.reserved": ("memory.total",),
+    "protected_memory.used": ("protected_memory.total",),
+    "protected_memory.free": ("protected_memory.total",),
+    "power.draw": ("power.limit", "enforced.power.limit"),
+    "power.draw.average": ("power.limit", "enforced.power.limit"),
+    "power.draw.instant": ("power.limit", "enforced.power.limit"),
+    "module.power.draw.average": ("module.power.limit", "module.enforced.power.limit"),
+    "module.power.draw.instant": ("module.power.limit", "module.enforced.power.limit"),
+}
+_FIXED: dict[str, tuple[float, float]] = {"temperature.gpu": (0.0, 100.0), "temperature.memory": (0.0, 100.0)}
+
+
+def _physical_scale(fld: Field, df: pd.DataFrame) -> tuple[float, float, str] | None:
+    """A field's physical range for a heatmap's colours: 0 to 100 %, 0 to its recorded limit, a fixed one; or None."""
+    import numpy as np
+
+    if fld.unit == "%":
+        return 0.0, 100.0, ""
+    if fld.name in _FIXED:
+        lo, hi = _FIXED[fld.name]
+        return lo, hi, f"fixed {lo:g} to {hi:g}"
+    for name in _LIMITS.get(fld.name, ()):
+        limit = get_field(name)
+        if limit.attr in df.columns:
+            values = as_float(df[limit.attr])
+            if np.isfinite(values).any():
+                return 0.0, float(np.nanmax(values)), f"0 to {name}"
+    return None
+
+
 def _layout_of(layout: str, gpus: int) -> str:
     """The layout drawn: the one asked for, or for ``auto`` the one that reads for this many GPUs."""
     if layout not in LAYOUTS:
@@ -249,7 +276,10 @@ def _overlay(
     label of every panel on each draw (a third of the time of a four-panel plot of a day's recording).
     """
     n = len(flds)
-    top, head, bottom, left, right = 0.45, 0.35, 1.0, 0.9, 0.25  # title; a panel's title; times, zone and legend
+    # the legend: a GPU's line each, and the two kinds of shading
+    rows = math.ceil((len(groups) + 2) / _legend_columns(len(groups) + 2, width))
+    top, head, left, right = 0.45, 0.35, 0.9, 0.25  # the title; a panel's title; values and unit; the last tick
+    bottom = 0.8 + 0.2 * rows  # times, the zone, the legend's rows
     panel = max((height * n + 1.1 - top - bottom - head * n) / n, 0.6)  # the figure is ``height`` a panel + 1.1 in
     total = top + bottom + n * (head + panel)
     fig = figure(figsize=(width, total), dpi=dpi)
@@ -258,6 +288,11 @@ def _overlay(
     axes = fig.subplots(n, 1, sharex=True, squeeze=False, gridspec_kw=grid)[:, 0]
     members = list(enumerate(groups))
     return fig, [(ax, fld, members, True, fld is flds[-1]) for ax, fld in zip(axes, flds)]
+
+
+def _legend_columns(entries: int, width: float) -> int:
+    """How many legend entries go in a row: up to 10, as many as the figure's width holds (about an inch each)."""
+    return max(1, min(entries, 10, int((width - 0.4) / 1.1)))
 
 
 def plot_recording(
@@ -401,6 +436,7 @@ def _draw(
             (scene.stalls, scene.alerts),
             {f.name: _thresholds(parsed, f) for f in flds},
             (width, panel_height, dpi, columns),
+            {f.name: sc for f in flds if (sc := _physical_scale(f, df)) is not None},
         )
         panels: list[_Panel] = [(ax, fld, [], True, ax is axes[-1]) for ax, fld in zip(axes, flds, strict=True)]
     elif chosen == "multiples":
@@ -415,7 +451,7 @@ def _draw(
         scene = _scene(df, flds, groups, parsed, max_points, shade)
         scene.first_ax = panels[0][0]
         for panel in panels:
-            lines = _draw_panel(scene, panel)
+            lines = _draw_panel(scene, panel, (x_start, x_end))
             if panel[1] is flds[0]:
                 handles += lines
     _time_axis(fig, panels, chosen, (x_start, x_end), _zone_label(df["timestamp"]), zone)
@@ -539,14 +575,16 @@ def _multiples_data(
     )
 
 
-def _draw_panel(scene: _Scene, panel: _Panel) -> list[Any]:
+def _draw_panel(scene: _Scene, panel: _Panel, x_range: tuple[Any, Any]) -> list[Any]:
     """One overlaid panel: its GPUs' lines (returned, for the legend), shading, thresholds, title and scale."""
     ax, fld, members, first, _ = panel
     lines = _draw_lines(scene, ax, fld, members)
-    _shade(scene, ax, fld, {idx for _, (idx, _) in members})
+    spans = _shade(scene, ax, fld, {idx for _, (idx, _) in members})
     has_values = scene.with_values[fld.name]
-    _draw_thresholds(ax, _thresholds(scene.rules, fld) if has_values else [], first)
+    marks = _thresholds(scene.rules, fld) if has_values else []
+    _draw_thresholds(ax, marks)
     _label_panel(ax, fld, has_values)
+    _place_notes(ax, marks if first else [], spans, x_range)
     return lines
 
 
@@ -584,37 +622,67 @@ def _draw_lines(scene: _Scene, ax: Any, fld: Field, members: Sequence[tuple[int,
     return lines
 
 
-def _shade(scene: _Scene, ax: Any, fld: Field, here: set[int]) -> None:
-    """Stalls grey on every panel, a rule's firing alerts orange on its field's panel: of the GPUs ``here``."""
+def _shade(scene: _Scene, ax: Any, fld: Field, here: set[int]) -> list[tuple[Any, str]]:
+    """Stalls grey on every panel, a rule's firing alerts orange on its field's panel: of the GPUs ``here``.
+
+    Returns the labels of the spans, as (start, text): the stalls' on the first panel only, the alerts' on theirs.
+    """
+    notes: list[tuple[Any, str]] = []
     for s0, e0, who in _merged((sp for sp in scene.stalls if sp[2] in here), scene.slack):
         ax.axvspan(s0, e0, color=_STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
         if ax is scene.first_ax:
-            _span_label(ax, s0, f"stall: {_gpu_names(who, scene.n_gpus)}")
+            notes.append((s0, f"stall: {_gpu_names(who, scene.n_gpus)}"))
     for s0, e0, who in _merged((sp for sp in scene.alerts.get(fld.name, []) if sp[2] in here), scene.slack):
         ax.axvspan(s0, e0, color=_ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
-        _span_label(ax, s0, f"alert: {_gpu_names(who, scene.n_gpus)}")
+        notes.append((s0, f"alert: {_gpu_names(who, scene.n_gpus)}"))
+    return notes
 
 
-def _draw_thresholds(ax: Any, marks: Sequence[tuple[float, str]], first: bool) -> None:
-    """Dashed threshold lines, labelled at the panel's left edge."""
-    for n, (value, label) in enumerate(marks):
+def _draw_thresholds(ax: Any, marks: Sequence[tuple[float, str]]) -> None:
+    """Dashed threshold lines across the panel (:func:`_place_notes` labels them)."""
+    for value, _ in marks:
         ax.axhline(value, color=_THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
-        if not first:
+
+
+_NOTE_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
+
+
+def _place_notes(
+    ax: Any, marks: Sequence[tuple[float, str]], spans: Sequence[tuple[Any, str]], x_range: tuple[Any, Any]
+) -> None:
+    """Label the thresholds and spans: all inside the panel, none over another.
+
+    Threshold labels go at the panel's left edge (under their line, else over it), then each span's label in its
+    top left corner (moved down under a label in its way).
+
+    Placed by measured text sizes against the panel's size in points (:func:`stack_labels`), so no label runs into
+    the panel's title or out of the figure. A label with no room left is not drawn (its line or shading is).
+    """
+    import matplotlib.dates as mdates
+
+    if not marks and not spans:
+        return
+    pos, (fig_w, fig_h) = ax.get_position(), ax.get_figure().get_size_inches()
+    width, height = pos.width * fig_w * 72, pos.height * fig_h * 72  # the panel in points
+    y_lo, y_hi = ax.get_ylim()  # the panel's scale (autoscaled now, from its lines and thresholds)
+    x_lo, x_hi = (float(v) for v in mdates.date2num(list(x_range)))  # type: ignore[no-untyped-call]
+    notes: list[tuple[str, float, dict[str, Any]]] = []
+    boxes: list[tuple[float, float, float, list[float]]] = []
+    for value, text in marks:
+        w, h = text_size(text, 8)
+        y = (value - y_lo) / (y_hi - y_lo) * height
+        boxes.append((4, w + 2, h + 2, [y - 2, y + 2 + h + 2]))
+        notes.append((text, 8, {"color": _THRESHOLD_COLOUR, "bbox": _NOTE_BOX, "zorder": 4}))
+    for start, text in spans:
+        w, h = text_size(text, 7.5)
+        x = (float(mdates.date2num(start)) - x_lo) / (x_hi - x_lo) * width  # type: ignore[no-untyped-call]
+        boxes.append((x + 3, w, h, [height - 3]))
+        notes.append((text, 7.5, {"color": "#333333", "zorder": 5}))
+    for (text, size, style), at in zip(notes, stack_labels(boxes, (0, 0, width, height)), strict=True):
+        if at is None:
             continue
-        above = n == len(marks) - 1  # the highest above its line, others below theirs
-        note = ax.annotate(
-            label,
-            xy=(0.0, value),
-            xycoords=("axes fraction", "data"),
-            xytext=(4, 2 if above else -2),
-            textcoords="offset points",
-            ha="left",
-            va="bottom" if above else "top",
-            fontsize=8,
-            color=_THRESHOLD_COLOUR,
-            bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
-            zorder=4,
-        )
+        note = ax.annotate(text, xy=(0, 0), xycoords="axes fraction", xytext=(at[0] + 1, at[1] - 1),
+                           textcoords="offset points", ha="left", va="top", fontsize=size, **style)  # fmt: skip
         note.set_in_layout(False)  # it lies inside the panel: no margin for it
         note.set_clip_on(False)
 
@@ -677,7 +745,7 @@ def _title_and_legend(fig: Figure, title: str, panels: Sequence[_Panel], handles
         fig.legend(
             handles=handles,
             loc="lower center",
-            ncols=min(len(handles), 10),
+            ncols=_legend_columns(len(handles), fig.get_size_inches()[0]),
             fontsize=8,
             frameon=False,
         )

@@ -1,11 +1,14 @@
-"""Column helpers shared by the report and the plot: numbers, GPUs' rows, times, and a line's points.
+"""Column helpers shared by the report and the plot: numbers, GPUs' rows, times, a line's points; text measures.
 
-pandas and numpy are imported inside the functions, so importing this module stays light.
+The plot's text measures (:func:`text_size`, :func:`stack_labels`) let its layouts leave room for their labels.
+
+pandas, numpy and matplotlib are imported inside the functions, so importing this module stays light.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +19,16 @@ if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
-__all__ = ["as_float", "axis_clock", "catalogue_field", "gpu_rows", "line_band", "line_points"]
+__all__ = [
+    "as_float",
+    "axis_clock",
+    "catalogue_field",
+    "gpu_rows",
+    "line_band",
+    "line_points",
+    "stack_labels",
+    "text_size",
+]
 
 _BY_ATTR: dict[str, Field] = {f.attr: f for f in CATALOGUE}
 
@@ -150,3 +162,52 @@ def _broken(x: np.ndarray, ys: list[np.ndarray], gap_limit: float) -> tuple[np.n
             x = np.insert(x, gaps + 1, mids)
             ys = [np.insert(y, gaps + 1, np.nan) for y in ys]
     return x, ys
+
+
+def text_size(text: str, fontsize: float) -> tuple[float, float]:
+    """(width, height) in points of one line of ``text`` in matplotlib's default font at ``fontsize``.
+
+    Measured from the font's glyphs without a renderer (a fraction of a millisecond), so a layout placed by fixed
+    margins can make room for its widest label; the height is that of a text box (the font's line height).
+    """
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import text_to_path
+
+    width, _, _ = text_to_path.get_text_width_height_descent(text, FontProperties(size=fontsize), ismath=False)
+    return float(width), 1.2 * fontsize
+
+
+def stack_labels(
+    boxes: Sequence[tuple[float, float, float, Sequence[float]]], area: tuple[float, float, float, float]
+) -> list[tuple[float, float] | None]:
+    """Where each label goes, (left, top), so that no two overlap and each stays inside ``area``; None if none fits.
+
+    Args:
+        boxes: per label, in the order of priority: (left, width, height, the tops it would rather have, best
+            first). All in points, y upwards.
+        area: (left, bottom, right, top) the labels must stay in.
+
+    Each label takes its first wanted top where it fits beside the labels placed before it; failing all of them,
+    the highest top below its first wish that does (stepping down under each label in the way). A label that would
+    run past the right edge is moved left to end there.
+    """
+    x_lo, y_lo, x_hi, y_hi = area
+    placed: list[tuple[float, float, float, float]] = []  # (x0, y0, x1, y1)
+    out: list[tuple[float, float] | None] = []
+
+    def clear(x0: float, x1: float, top: float, height: float) -> bool:
+        if top > y_hi + 1e-6 or top - height < y_lo - 1e-6:
+            return False
+        return all(x1 <= a0 or x0 >= a1 or top - height >= b1 or top <= b0 for a0, b0, a1, b1 in placed)
+
+    for left, width, height, wanted in boxes:
+        x0 = max(x_lo, min(left, x_hi - width))  # moved in from the right edge, never past the left one
+        x1 = x0 + width
+        tops = [min(t, y_hi) for t in wanted]
+        # then under each label in the way of the first wish, highest first
+        tops += sorted((b0 for a0, b0, a1, _ in placed if not (x1 <= a0 or x0 >= a1) and b0 <= tops[0]), reverse=True)
+        top = next((t for t in tops if clear(x0, x1, t, height)), None)
+        if top is not None:
+            placed.append((x0, top - height, x1, top))
+        out.append(None if top is None else (x0, top))
+    return out
