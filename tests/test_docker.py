@@ -1231,14 +1231,15 @@ def test_exporter_image_is_small_and_has_no_pandas(buildah: Buildah, exporter_im
         assert done.returncode == 0, done.stderr
         added = int(done.stdout)
         print(f"exporter image: {added / 1e6:.1f} MB over its base")
-        # About 200 MB, 130 of them the official Kubernetes client (thousands of generated modules, byte-compiled for a
-        # read-only root) that --kubernetes-processes needs; without the k8s extra the image added under 80 MB.
-        assert added < 230e6, f"{added / 1e6:.1f} MB over the base"
-        probe = "import importlib.util as u; print([m for m in ('pandas', 'numpy', 'pyarrow') if u.find_spec(m)])"
+        # Under 80 MB before the k8s extra; the official Kubernetes client (130 MB of byte-compiled generated modules)
+        # is gone: --kubernetes-processes lists pods on the standard library. Issue 36's goal: under 90 MB.
+        assert added < 90e6, f"{added / 1e6:.1f} MB over the base"
+        mods = "('pandas', 'numpy', 'pyarrow', 'kubernetes')"
+        probe = f"import importlib.util as u; print([m for m in {mods} if u.find_spec(m)])"
         found = buildah.run(ctr, ["/opt/smiquery/bin/python", "-c", probe], mount_smi=None)
         assert found.returncode == 0 and found.stdout.strip() == "[]", found.stdout + found.stderr
-        # --kubernetes-processes: the official client and what smiquery builds on it import in the image
-        k8s = "import kubernetes.client, smiquery.attribution.kubernetes, smiquery.exporter.families"
+        # --kubernetes-processes: what smiquery builds it on imports in the image (grpcio for the kubelet's socket)
+        k8s = "import grpc, smiquery.attribution.kubernetes, smiquery.attribution.podresources"
         found = buildah.run(ctr, ["/opt/smiquery/bin/python", "-c", k8s], mount_smi=None)
         assert found.returncode == 0, found.stdout + found.stderr
 
