@@ -446,9 +446,26 @@ def test_grafana_provisioning_matches_compose() -> None:
 
 # ------------------------------------------------------------------------------------------------ Kubernetes
 
-# Prometheus Operator kinds: no bundled schema
-CRD_MANIFESTS = ("servicemonitor.yaml", "prometheusrule.yaml", "podmonitor.yaml")
-CORE_MANIFESTS = sorted(p.name for p in K8S.glob("*.yaml") if p.name not in CRD_MANIFESTS)
+# Prometheus Operator kinds (no bundled schema) live in monitoring/; kustomization.yaml is kustomize's, not the API's
+MONITORING = K8S / "monitoring"
+CORE_MANIFESTS = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def _kustomize(path: Path) -> list[dict[str, Any]]:
+    """``kubectl kustomize PATH`` (kubectl's built-in kustomize; no cluster needed): the built objects."""
+    done = _run([_tool("kubectl"), "kustomize", str(path)], check=True)
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def test_kube_prometheus_stack_selects_all_three_monitoring_objects() -> None:
+    """kube-prometheus-stack's default serviceMonitorSelector, podMonitorSelector and ruleSelector are all
+    ``matchLabels: {release: <release>}``: one label, set once in monitoring/kustomization.yaml, reaches all three."""
+    docs = _kustomize(MONITORING)
+    kinds = {d["kind"]: d["metadata"]["labels"] for d in docs}
+    assert sorted(kinds) == ["PodMonitor", "PrometheusRule", "ServiceMonitor"]
+    assert all(labels.get("release") == "kube-prometheus-stack" for labels in kinds.values()), kinds
+    for name in ("servicemonitor.yaml", "podmonitor.yaml", "prometheusrule.yaml"):  # nowhere else to drift
+        assert "release" not in _yaml_docs(MONITORING / name)[0]["metadata"]["labels"], name
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS, ids=lambda v: v or "newest")
@@ -483,7 +500,7 @@ def _servicemonitor_errors(doc: dict[str, Any], schema_file: str = "servicemonit
 
 def test_servicemonitor_matches_the_crd_subset() -> None:
     """ServiceMonitor is a CRD that kubernetes-validate has no schema for: a subset of the CRD's schema instead."""
-    (doc,) = _yaml_docs(K8S / "servicemonitor.yaml")
+    (doc,) = _yaml_docs(MONITORING / "servicemonitor.yaml")
     assert _servicemonitor_errors(doc) == []
     doc["spec"]["endpoints"][0]["scrapeTimout"] = "10s"
     doc["spec"]["endpoints"][0]["interval"] = "15 seconds"
@@ -526,7 +543,7 @@ def test_exporter_daemonset_design() -> None:
     labels = ds["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= labels.items()
     assert svc["spec"]["ports"][0]["targetPort"] == ctr["ports"][0]["name"]
-    (mon,) = _yaml_docs(K8S / "servicemonitor.yaml")
+    (mon,) = _yaml_docs(MONITORING / "servicemonitor.yaml")
     assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert mon["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
     assert mon["metadata"]["namespace"] == svc["metadata"]["namespace"] == ds["metadata"]["namespace"]
@@ -644,30 +661,29 @@ def test_networkpolicy_lets_only_prometheus_reach_the_metrics_port() -> None:
 
 
 def test_prometheusrule_carries_the_rule_file() -> None:
-    """k8s/prometheusrule.yaml is generated from prometheus/smiquery-rules.yml: same groups, same comments."""
+    """k8s/monitoring/prometheusrule.yaml is generated from prometheus/smiquery-rules.yml: same groups and comments."""
     sys.path.insert(0, str(HELPERS))
     try:
         import sync_prometheus_rule
     finally:
         sys.path.remove(str(HELPERS))
     rules_text = (DOCKER / "prometheus" / "smiquery-rules.yml").read_text(encoding="utf-8")
-    manifest_text = (K8S / "prometheusrule.yaml").read_text(encoding="utf-8")
+    manifest_text = (MONITORING / "prometheusrule.yaml").read_text(encoding="utf-8")
     hint = "run: python tests/docker/sync_prometheus_rule.py"
     assert manifest_text == sync_prometheus_rule.generated(rules_text), hint
-    (doc,) = _yaml_docs(K8S / "prometheusrule.yaml")
+    (doc,) = _yaml_docs(MONITORING / "prometheusrule.yaml")
     assert doc["spec"]["groups"] == yaml.safe_load(rules_text)["groups"], hint
     assert (doc["apiVersion"], doc["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
     assert _servicemonitor_errors(doc, "prometheusrule.schema.json") == []
     doc["spec"]["groups"][0]["rules"][0]["fro"] = "5m"
     assert len(_servicemonitor_errors(doc, "prometheusrule.schema.json")) == 1
-    (mon,) = _yaml_docs(K8S / "servicemonitor.yaml")
+    (mon,) = _yaml_docs(MONITORING / "servicemonitor.yaml")
     assert doc["metadata"]["namespace"] == mon["metadata"]["namespace"]
-    assert doc["metadata"]["labels"]["release"] == mon["metadata"]["labels"]["release"]
 
 
 def test_prometheusrule_rules_pass_promtool(tmp_path: Path) -> None:
     promtool = _tool("promtool")
-    (doc,) = _yaml_docs(K8S / "prometheusrule.yaml")
+    (doc,) = _yaml_docs(MONITORING / "prometheusrule.yaml")
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": doc["spec"]["groups"]}), encoding="utf-8")
     done = _run([promtool, "check", "rules", str(path)])
