@@ -164,10 +164,19 @@ def export(
         list[str] | None,
         typer.Option(
             "--alert",
-            help="smiquery alert rule evaluated on every sample, exported as smiquery_alert_firing (repeat; "
-            "'none' for none). Default: 'temperature.gpu > 85 for 3'.",
+            help="smiquery alert rule evaluated on every sample, exported as smiquery_alert_firing{alert=RULE} "
+            "(repeat; 'none' for none), beside the default rule 'temperature.gpu > 85 for 3' that the shipped "
+            "GpuTemperatureCritical matches.",
         ),
     ] = None,
+    default_alerts: Annotated[
+        bool,
+        typer.Option(
+            "--default-alerts/--no-default-alerts",
+            help="Evaluate the default rule 'temperature.gpu > 85 for 3' whatever --alert says. Turning it off "
+            "silences GpuTemperatureCritical (SmiqueryDefaultAlertMissing says so).",
+        ),
+    ] = True,
     log_format: Annotated[
         LogFormat, typer.Option(case_sensitive=False, help="Log lines on stderr: text or json.")
     ] = "text",
@@ -257,7 +266,9 @@ def export(
                 nvidia_smi=nvidia_smi if nvidia_smi is not None else settings.nvidia_smi,
                 stale_after=stale_after,
                 web_config=checked.web,
-                alerts=checked.rules if checked.rules is not None else exporter_mod.DEFAULT_EXPORTER_ALERTS,
+                alerts=_alert_rules(
+                    checked.rules or [], exporter_mod.DEFAULT_EXPORTER_ALERTS if default_alerts else ()
+                ),
                 attribution=attribution,
                 details_interval=details_interval or None,
                 kernel_log=kernel_log or None,
@@ -275,6 +286,11 @@ def export(
         code = _serve_until_signal(exp, bind)
     if code:
         raise typer.Exit(code)
+
+
+def _alert_rules(given: list[str], defaults: tuple[str, ...]) -> list[str]:
+    """The default rules (whose text the shipped Prometheus rules match), then the given ones, each rule once."""
+    return list(dict.fromkeys([*defaults, *given]))
 
 
 def _kubernetes_attribution(
