@@ -701,9 +701,23 @@ def test_plain_prometheus_scrape_config(tmp_path: Path) -> None:
     assert sd["role"] == "pod" and sd["namespaces"]["names"] == ["gpu-monitoring"]
     assert sd["selectors"][0]["label"] == "app.kubernetes.io/name=smiquery-exporter"
     job["static_configs"] = [{"targets": ["127.0.0.1:9849"]}]
-    # training pods that ask for it by annotation (tensorflow-job.yaml), in any namespace
+    # smiquery's training pods only, selected as the PodMonitor selects them, in any namespace
     assert training["job_name"] == "smiquery-training"
-    assert training.pop("kubernetes_sd_configs") == [{"role": "pod"}]
+    (mon,) = _yaml_docs(MONITORING / "podmonitor.yaml")
+    ((key, value),) = mon["spec"]["selector"]["matchLabels"].items()
+    (tsd,) = training.pop("kubernetes_sd_configs")
+    assert tsd["role"] == "pod" and "namespaces" not in tsd and tsd["selectors"][0]["label"] == f"{key}={value}"
+    keep = {(tuple(r["source_labels"]), r["regex"]) for r in training["relabel_configs"] if r.get("action") == "keep"}
+    label_meta = "__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in key)
+    port = mon["spec"]["podMetricsEndpoints"][0]["port"]
+    assert {((label_meta,), value), (("__meta_kubernetes_pod_container_port_name",), port)} <= keep
+    # the trainer's labels never overwrite the target's; discovery's address is used as it is (IPv6 pod IPs come
+    # bracketed from discovery; a hand-made host:port rewrite would break them)
+    assert not training.get("honor_labels")
+    assert all(r.get("target_label") != "__address__" for r in training["relabel_configs"])
+    job_pod = _by_kind(_yaml_docs(K8S / "tensorflow-job.yaml"), "Job")["spec"]["template"]
+    assert job_pod["metadata"]["labels"][key] == value
+    assert port in [p["name"] for c in job_pod["spec"]["containers"] for p in c.get("ports", [])]
     training["static_configs"] = [{"targets": ["127.0.0.1:9400"]}]
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
