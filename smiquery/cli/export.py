@@ -11,7 +11,7 @@ import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -283,7 +283,7 @@ def export(
             raise typer.BadParameter(
                 f"cannot load them: {exc}", param_hint="'--tls-cert/--tls-key/--client-ca'"
             ) from None
-        code = _serve_until_signal(exp, bind)
+        code = _serve_until_signal(exp, bind, log_format)
     if code:
         raise typer.Exit(code)
 
@@ -393,16 +393,24 @@ def _check_exporter_options(
     return _Checked(labels, rules, web)
 
 
-def _serve_until_signal(exp: Exporter, bind: str) -> int:
+def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> int:
     """Serve until SIGTERM (exit 143) or SIGINT (exit 130); the stream is closed and nvidia-smi reaped either way."""
+    from smiquery.exporter.events import json_line
+
+    def tell(text: str, level: int, event: str, **fields: Any) -> None:
+        say(json_line(text, level=level, event=event, **fields) if log_format == "json" else f"smiquery export: {text}")
+
     with Signals() as sigs:
         try:
-            say(
-                f"smiquery export: serving {exp.url}/metrics (naming {exp.collector.naming}, every "
-                f"{getattr(exp.stream, 'interval', 0):g} s); probes at /livez and /readyz; Ctrl-C or SIGTERM stops"
+            tell(
+                f"serving {exp.url}/metrics (naming {exp.collector.naming}, every "
+                f"{getattr(exp.stream, 'interval', 0):g} s); probes at /livez and /readyz; Ctrl-C or SIGTERM stops",
+                logging.INFO,
+                "serving",
+                url=f"{exp.url}/metrics",
             )
             if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
-                say("smiquery export: warning: listening on all interfaces without TLS")
+                tell("warning: listening on all interfaces without TLS", logging.WARNING, "no_tls_on_all_interfaces")
             while not sigs.wake.wait(0.5):
                 if exp.stopped:
                     break

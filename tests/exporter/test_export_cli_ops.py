@@ -32,7 +32,7 @@ def _exporter(smi: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen[str
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline()
-        text = json.loads(line)["message"] if line.startswith("{") else line
+        text = json.loads(line)["msg"] if line.startswith("{") else line
         assert "serving http://" in text, line
         yield text.split("serving ", 1)[1].split("/metrics", 1)[0], proc
     finally:
@@ -76,3 +76,15 @@ def test_no_default_alerts_turns_it_off_and_the_guard_rule_exists(fake_smi) -> N
     assert (
         'smiquery_alert_fired_total{alert="temperature.gpu > 85 for 3"}' in rules["SmiqueryDefaultAlertMissing"]["expr"]
     )
+
+
+def test_json_log_format_makes_every_line_json(fake_smi) -> None:
+    """Log collectors parse each stderr line: the serving line and the all-interfaces warning were plain text."""
+    with _exporter(fake_smi(), "--log-format", "json", "--bind", "0.0.0.0") as (url, proc):
+        wait_for(lambda: "smiquery_up 1.0" in _get(url.replace("0.0.0.0", "127.0.0.1") + "/metrics"), what="data")
+        proc.terminate()
+        assert proc.wait(15) == 143
+        assert proc.stderr is not None
+        rest = proc.stderr.read().splitlines()
+    lines = [json.loads(line) for line in rest]  # every one parses
+    assert any(d.get("event") == "no_tls_on_all_interfaces" and d["level"] == "warning" for d in lines), rest
