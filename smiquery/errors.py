@@ -17,6 +17,7 @@ Every exception class of the package is defined here (the modules that raise the
     │   └── ReportError (+ValueError)        ... or analysed (no timestamp)
     ├── WebConfigError (+ValueError)         the exporter's web configuration file is unreadable or wrong
     ├── KernelLogError                       the kernel log (``/dev/kmsg``, a file) cannot be read: path, reason
+    ├── KubernetesApiError                   the API server refused or garbled this node's pod list: status
     ├── ListenError                          the HTTP server cannot listen where asked: port, bind, option
     │   └── PortInUseError                   another program holds the port
     ├── NvidiaSmiNotFoundError               binary missing or not executable; never retried
@@ -56,6 +57,7 @@ __all__ = [
     "InvalidRuleError",
     "InvalidTimeZoneError",
     "KernelLogError",
+    "KubernetesApiError",
     "ListenError",
     "NoDevicesFoundError",
     "NotSupportedError",
@@ -243,6 +245,18 @@ class KernelLogError(SmiqueryError):
             else "pass /dev/kmsg or a kernel log file such as /var/log/kern.log"
         )
         super().__init__(f"cannot read the kernel log {path}: {reason}; {hint}")
+
+
+class KubernetesApiError(SmiqueryError):
+    """The Kubernetes API server answered this node's pod list with an error, too much, or not a PodList.
+
+    Attributes:
+        status: the HTTP status (0 when the answer itself was unusable).
+    """
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        self.status = status
+        super().__init__(message)
 
 
 class ListenError(SmiqueryError):

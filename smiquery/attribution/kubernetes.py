@@ -2,17 +2,24 @@
 
 :class:`KubernetesBackend` lists the kubelet's device allocations over its unix socket (:mod:`.podresources`, with a
 deadline). With per-pod use of shared GPUs (``--kubernetes-processes``) it ties a process to its container through
-``/proc/<pid>/cgroup`` (:mod:`.cgroups`) and this node's pods from the Kubernetes API (:class:`PodDirectory`: the
-official ``kubernetes`` client, one list call per refresh, ``fieldSelector=spec.nodeName=<node>``, so the exporter's
-ServiceAccount needs only get and list on pods; in-cluster config when there, else a kubeconfig: ``KUBECONFIG`` or
-``~/.kube/config``). Needs the ``k8s`` extra (grpcio, protobuf; kubernetes for per-pod use).
+``/proc/<pid>/cgroup`` (:mod:`.cgroups`) and this node's pods from the Kubernetes API (:class:`PodDirectory`: one
+``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`` per refresh over HTTPS with the pod's service account, its
+token and CA from ``/var/run/secrets/kubernetes.io/serviceaccount`` and the API server from
+``KUBERNETES_SERVICE_HOST``/``KUBERNETES_SERVICE_PORT``, on the standard library, with one deadline and a bounded
+answer; so the exporter's ServiceAccount needs only list on pods, and no Kubernetes client is installed). Needs the
+``k8s`` extra (grpcio, protobuf) for the pod-resources socket only.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import http.client
+import json
 import os
 import socket
+import ssl
+import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,16 +27,20 @@ from typing import Any
 from smiquery.attribution import FailureLog, Grant, Words, Workload
 from smiquery.attribution.cgroups import PodCgroup, pod_of_pid
 from smiquery.attribution.podresources import DEFAULT_SOCKET, list_devices
+from smiquery.errors import KubernetesApiError
 from smiquery.retry import one_line
 from smiquery.sources.latest import Latest
 
 __all__ = [
     "DEFAULT_RESOURCES",
+    "MAX_POD_LIST_BYTES",
     "OTHER",
     "POD_LABELS",
+    "SERVICE_ACCOUNT",
     "KubernetesBackend",
     "NodePods",
     "PodDirectory",
+    "get_node_pods",
     "node_name",
 ]
 
@@ -40,6 +51,11 @@ DEFAULT_RESOURCES: tuple[str, ...] = ("nvidia.com/gpu", "nvidia.com/mig-*")
 POD_LABELS: tuple[str, ...] = ("namespace", "pod", "container")
 #: Use of processes no container is found for.
 OTHER = Workload(("", "other", ""))
+#: Where the kubelet mounts a pod's service account: ``token`` (re-read on every call: the kubelet rotates it),
+#: ``ca.crt`` (the cluster's CA, the only one trusted).
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+#: The largest pod list read (bytes); a node's 110 pods are a few MB of JSON. A bigger answer is an error.
+MAX_POD_LIST_BYTES = 32 * 1024 * 1024
 
 
 def _words(socket_path: str) -> Words:
@@ -79,15 +95,121 @@ class NodePods:
         return Workload((pod[0], pod[1], self.containers.get(container_id, "")))
 
 
-def _load_client() -> Any:
-    from kubernetes import client, config
+def _api_address() -> tuple[str, int]:
+    host = os.environ.get("KUBERNETES_SERVICE_HOST", "")
+    if not host:
+        raise KubernetesApiError(
+            "KUBERNETES_SERVICE_HOST is not set: --kubernetes-processes must run in a pod of the cluster "
+            "(the kubelet sets it, with the service account's token and CA)"
+        )
+    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise KubernetesApiError(f"KUBERNETES_SERVICE_PORT={port!r} is not a port number") from None
+
+
+def _status_message(body: bytes) -> str:
+    """The ``message`` of a ``Status`` answer (what RBAC or the server says), else the first line of the body."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    text = doc.get("message") if isinstance(doc, dict) else None
+    if not isinstance(text, str):
+        text = body.decode("utf-8", "replace")
+    return " ".join(text.split())[:300]
+
+
+def get_node_pods(
+    node: str,
+    *,
+    timeout: float = 10.0,
+    service_account: str = SERVICE_ACCOUNT,
+    max_bytes: int = MAX_POD_LIST_BYTES,
+) -> dict[str, Any]:
+    """``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`` from in the cluster: the decoded ``PodList``.
+
+    HTTPS to ``KUBERNETES_SERVICE_HOST``:``KUBERNETES_SERVICE_PORT``, verified against the service account's
+    ``ca.crt`` only, with its ``token`` as the bearer. ``timeout`` bounds the whole call (connecting, TLS, the answer),
+    not each read; an answer over ``max_bytes`` is dropped.
+
+    Raises:
+        KubernetesApiError: not in a pod, a refused request (401, 403...: the server's message), an answer too big
+            or not a PodList.
+        OSError: the server unreachable, the service account unreadable, a TLS failure, or ``TimeoutError``.
+    """
+    deadline = time.monotonic() + timeout
+    host, port = _api_address()
+    with open(os.path.join(service_account, "token"), encoding="utf-8") as f:
+        token = f.read().strip()
+    context = ssl.create_default_context(cafile=os.path.join(service_account, "ca.crt"))
+    query = urllib.parse.urlencode({"fieldSelector": f"spec.nodeName={node}"})
+    conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=context)
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"the API server did not answer within {timeout:g} s")
+        return remaining
 
     try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        # KUBECONFIG read now, not when the client was imported
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # type: ignore[no-untyped-call]
-    return client.CoreV1Api()
+        conn.connect()
+        sock = conn.sock  # kept: getresponse() may hand the socket to the response and forget it
+        assert sock is not None
+        sock.settimeout(left())
+        conn.request(
+            "GET",
+            f"/api/v1/pods?{query}",
+            headers={"Authorization": f"Bearer {token}", "Accept": "application/json", "User-Agent": "smiquery"},
+        )
+        resp = conn.getresponse()
+        size = resp.getheader("Content-Length")
+        if resp.status == 200 and size is not None and size.isdigit() and int(size) > max_bytes:
+            raise KubernetesApiError(f"the pod list is {size} bytes, over the {max_bytes} read", resp.status)
+        limit = max_bytes if resp.status == 200 else 4096
+        body = bytearray()
+        while True:
+            sock.settimeout(left())
+            chunk = resp.read1(65536)
+            if not chunk:
+                break
+            body += chunk
+            if len(body) > limit:
+                if resp.status == 200:
+                    raise KubernetesApiError(f"the pod list is over the {max_bytes} bytes read", resp.status)
+                break
+    finally:
+        conn.close()
+    if resp.status != 200:
+        hint = "; the exporter's ServiceAccount needs list on pods" if resp.status in (401, 403) else ""
+        raise KubernetesApiError(
+            f"the API server answered {resp.status} {resp.reason}: {_status_message(bytes(body))}{hint}", resp.status
+        )
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise KubernetesApiError(f"the pod list is not JSON ({exc})", resp.status) from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
+        raise KubernetesApiError("the answer is not a PodList (no items)", resp.status)
+    return doc
+
+
+def _node_pods(doc: dict[str, Any]) -> NodePods:
+    pods: dict[str, tuple[str, str]] = {}
+    containers: dict[str, str] = {}
+    for pod in doc["items"]:
+        if not isinstance(pod, dict):
+            continue
+        meta = pod.get("metadata") or {}
+        pods[str(meta.get("uid", ""))] = (str(meta.get("namespace", "")), str(meta.get("name", "")))
+        status = pod.get("status") or {}
+        for key in ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses"):
+            for st in status.get(key) or ():
+                cid = str(st.get("containerID") or "")
+                if cid:
+                    containers[cid.split("://", 1)[-1]] = str(st.get("name", ""))
+    return NodePods(pods, containers)
 
 
 class PodDirectory:
@@ -98,19 +220,29 @@ class PodDirectory:
     Args:
         interval: seconds between listings.
         node: the node's name (default :func:`node_name`).
-        timeout: each call's deadline in seconds.
-        api: a ``CoreV1Api`` (tests may pass one); default: built from in-cluster config or a kubeconfig.
+        timeout: each call's deadline in seconds (the whole call: connecting, TLS and the answer).
+        service_account: the folder with the service account's ``token`` and ``ca.crt``.
+        max_bytes: the largest answer read; a bigger one is a failed listing.
     """
 
-    def __init__(self, interval: float = 15.0, *, node: str | None = None, timeout: float = 10.0, api: Any = None):
+    def __init__(
+        self,
+        interval: float = 15.0,
+        *,
+        node: str | None = None,
+        timeout: float = 10.0,
+        service_account: str = SERVICE_ACCOUNT,
+        max_bytes: int = MAX_POD_LIST_BYTES,
+    ) -> None:
         self.node = node or node_name()
         self.timeout = float(timeout)
+        self.service_account = service_account
+        self.max_bytes = max_bytes
         self.up = False
         self.failures = FailureLog(
             f"listing the pods of node {self.node} failed: {{why}}", f"listing the pods of node {self.node} works again"
         )
         self.poll = Latest(self._list, interval, name="kubernetes-pods")
-        self._api = api
 
     @property
     def latest(self) -> NodePods:
@@ -124,30 +256,19 @@ class PodDirectory:
 
     def _list(self) -> NodePods:
         try:
-            if self._api is None:
-                self._api = _load_client()
-            got = self._api.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={self.node}", _request_timeout=self.timeout
+            new = _node_pods(
+                get_node_pods(
+                    self.node, timeout=self.timeout, service_account=self.service_account, max_bytes=self.max_bytes
+                )
             )
-        except Exception as exc:  # the API server, RBAC or config: per-pod usage goes to "other", said once
+        except (OSError, http.client.HTTPException, KubernetesApiError) as exc:
+            # the API server, RBAC or TLS: per-pod use goes to "other", said once
             self.failures.failed(type(exc).__name__, one_line(exc))
             self.up = False
             return self.latest
-        pods: dict[str, tuple[str, str]] = {}
-        containers: dict[str, str] = {}
-        for pod in got.items or ():
-            meta = pod.metadata
-            pods[str(meta.uid)] = (str(meta.namespace), str(meta.name))
-            status = pod.status
-            for st in [
-                *(getattr(status, "container_statuses", None) or ()),
-                *(getattr(status, "init_container_statuses", None) or ()),
-            ]:
-                cid = st.container_id or ""
-                containers[cid.split("://", 1)[-1]] = str(st.name)
         self.failures.worked()
         self.up = True
-        new, old = NodePods(pods, containers), self.poll.get().value
+        old = self.poll.get().value
         return old if new == old else new  # the same object while nothing changed: the exporter's cache key
 
 

@@ -11,7 +11,7 @@ import logging
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -164,10 +164,19 @@ def export(
         list[str] | None,
         typer.Option(
             "--alert",
-            help="smiquery alert rule evaluated on every sample, exported as smiquery_alert_firing (repeat; "
-            "'none' for none). Default: 'temperature.gpu > 85 for 3'.",
+            help="smiquery alert rule evaluated on every sample, exported as smiquery_alert_firing{alert=RULE} "
+            "(repeat; 'none' for none), beside the default rule 'temperature.gpu > 85 for 3' that the shipped "
+            "GpuTemperatureCritical matches.",
         ),
     ] = None,
+    default_alerts: Annotated[
+        bool,
+        typer.Option(
+            "--default-alerts/--no-default-alerts",
+            help="Evaluate the default rule 'temperature.gpu > 85 for 3' whatever --alert says. Turning it off "
+            "silences GpuTemperatureCritical (SmiqueryDefaultAlertMissing says so).",
+        ),
+    ] = True,
     log_format: Annotated[
         LogFormat, typer.Option(case_sensitive=False, help="Log lines on stderr: text or json.")
     ] = "text",
@@ -257,7 +266,9 @@ def export(
                 nvidia_smi=nvidia_smi if nvidia_smi is not None else settings.nvidia_smi,
                 stale_after=stale_after,
                 web_config=checked.web,
-                alerts=checked.rules if checked.rules is not None else exporter_mod.DEFAULT_EXPORTER_ALERTS,
+                alerts=_alert_rules(
+                    checked.rules or [], exporter_mod.DEFAULT_EXPORTER_ALERTS if default_alerts else ()
+                ),
                 attribution=attribution,
                 details_interval=details_interval or None,
                 kernel_log=kernel_log or None,
@@ -272,9 +283,14 @@ def export(
             raise typer.BadParameter(
                 f"cannot load them: {exc}", param_hint="'--tls-cert/--tls-key/--client-ca'"
             ) from None
-        code = _serve_until_signal(exp, bind)
+        code = _serve_until_signal(exp, bind, log_format)
     if code:
         raise typer.Exit(code)
+
+
+def _alert_rules(given: list[str], defaults: tuple[str, ...]) -> list[str]:
+    """The default rules (whose text the shipped Prometheus rules match), then the given ones, each rule once."""
+    return list(dict.fromkeys([*defaults, *given]))
 
 
 def _kubernetes_attribution(
@@ -377,16 +393,24 @@ def _check_exporter_options(
     return _Checked(labels, rules, web)
 
 
-def _serve_until_signal(exp: Exporter, bind: str) -> int:
+def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> int:
     """Serve until SIGTERM (exit 143) or SIGINT (exit 130); the stream is closed and nvidia-smi reaped either way."""
+    from smiquery.exporter.events import json_line
+
+    def tell(text: str, level: int, event: str, **fields: Any) -> None:
+        say(json_line(text, level=level, event=event, **fields) if log_format == "json" else f"smiquery export: {text}")
+
     with Signals() as sigs:
         try:
-            say(
-                f"smiquery export: serving {exp.url}/metrics (naming {exp.collector.naming}, every "
-                f"{getattr(exp.stream, 'interval', 0):g} s); probes at /livez and /readyz; Ctrl-C or SIGTERM stops"
+            tell(
+                f"serving {exp.url}/metrics (naming {exp.collector.naming}, every "
+                f"{getattr(exp.stream, 'interval', 0):g} s); probes at /livez and /readyz; Ctrl-C or SIGTERM stops",
+                logging.INFO,
+                "serving",
+                url=f"{exp.url}/metrics",
             )
             if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
-                say("smiquery export: warning: listening on all interfaces without TLS")
+                tell("warning: listening on all interfaces without TLS", logging.WARNING, "no_tls_on_all_interfaces")
             while not sigs.wake.wait(0.5):
                 if exp.stopped:
                     break

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from smiquery._log import get_logger
 
-__all__ = ["EventLog", "JsonFormatter", "RateLimitFilter", "configure_logging"]
+__all__ = ["EventLog", "JsonFormatter", "RateLimitFilter", "configure_logging", "json_line"]
 
 log = get_logger("smiquery.exporter")
 
@@ -233,6 +233,17 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
+
+
+def json_line(message: str, *, level: int = logging.INFO, event: str | None = None, **fields: Any) -> str:
+    """One line as :class:`JsonFormatter` writes it, for what the CLI prints itself (``serving ...``, warnings).
+
+    Under ``--log-format json`` every line on stderr is then JSON.
+    """
+    record = logging.LogRecord("smiquery.exporter", level, __file__, 0, message, None, None)
+    record.event = event
+    record.fields = fields
+    return JsonFormatter().format(record)
 
 
 def configure_logging(fmt: LogFormat = "text", level: int = logging.INFO) -> logging.Handler:

@@ -1,4 +1,4 @@
-"""Write docker/k8s/prometheusrule.yaml from docker/prometheus/smiquery-rules.yml (the one source of the rules).
+"""Write docker/k8s/monitoring/prometheusrule.yaml from docker/prometheus/smiquery-rules.yml (the rules' one source).
 
 The PrometheusRule (Prometheus Operator) carries the plain rule file's groups, comments included, under ``spec``.
 tests/test_docker.py fails when the two differ; run ``python tests/docker/sync_prometheus_rule.py`` after editing the
@@ -12,7 +12,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RULES = ROOT / "docker" / "prometheus" / "smiquery-rules.yml"
-MANIFEST = ROOT / "docker" / "k8s" / "prometheusrule.yaml"
+MANIFEST = ROOT / "docker" / "k8s" / "monitoring" / "prometheusrule.yaml"
 
 HEADER = """\
 # GENERATED from docker/prometheus/smiquery-rules.yml by tests/docker/sync_prometheus_rule.py: edit the rule file,
@@ -20,8 +20,9 @@ HEADER = """\
 #
 # smiquery's alert rules for the Prometheus Operator. They match the series of the `smiquery-exporter` job, which is
 # the job name servicemonitor.yaml gives (the Service's name) and prometheus-scrape-config.yaml sets. The `release`
-# label is what kube-prometheus-stack's default ruleSelector matches: set it to your Helm release name (or match your
-# Prometheus's ruleSelector). Alertmanager routes the alerts (docker/alertmanager/alertmanager.yml: an example).
+# label that kube-prometheus-stack's default ruleSelector matches comes from kustomization.yaml here (one place for
+# the three monitoring objects; `kubectl apply -k docker/k8s/monitoring`). Alertmanager routes the alerts
+# (docker/alertmanager/alertmanager.yml: an example).
 apiVersion: monitoring.coreos.com/v1
 kind: PrometheusRule
 metadata:
@@ -30,7 +31,6 @@ metadata:
   labels:
     app.kubernetes.io/name: smiquery-exporter
     app.kubernetes.io/part-of: smiquery
-    release: kube-prometheus-stack
 spec:
 """
 

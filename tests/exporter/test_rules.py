@@ -96,7 +96,7 @@ def kubernetes_names() -> set[str]:
             raise got
         return got
 
-    backend = KubernetesBackend("/nonexistent", lister=lister, pods=PodDirectory(node="n", api=object()))
+    backend = KubernetesBackend("/nonexistent", lister=lister, pods=PodDirectory(node="n"))
     att = Attribution(backend, mig_listing=str)
     att.refresh()
     att.refresh()
@@ -648,7 +648,7 @@ def test_scrape_configs_service_monitor_and_rules_agree_on_the_job():
     cm = yaml.safe_load((k8s / "prometheus-scrape-config.yaml").read_text(encoding="utf-8"))
     k8s_jobs = {j["job_name"] for j in yaml.safe_load(cm["data"]["smiquery-scrape.yml"])["scrape_configs"]}
     # the Prometheus Operator names the job after the Service unless the ServiceMonitor sets jobLabel
-    monitor = yaml.safe_load((k8s / "servicemonitor.yaml").read_text(encoding="utf-8"))
+    monitor = yaml.safe_load((k8s / "monitoring" / "servicemonitor.yaml").read_text(encoding="utf-8"))
     services = [d for d in yaml.safe_load_all((k8s / "exporter.yaml").read_text(encoding="utf-8")) if d]
     selected = monitor["spec"]["selector"]["matchLabels"]
     svc = [
