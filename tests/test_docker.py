@@ -4,7 +4,7 @@ No Docker engine and no image registry here, so the images are built with builda
 --storage-driver vfs``) on a stand-in base made locally from Debian's packages (scripts/make-base-image: Python,
 pip and venv, no TensorFlow), offline from a folder of wheels. tests/docker/nvidia-smi (the fake, replaying the
 bundled 8-GPU recording) is bind-mounted at /usr/bin/nvidia-smi, where the NVIDIA Container Toolkit puts the
-host's. Outside tools (buildah, debootstrap, hadolint, kubernetes-validate, check-jsonschema, promtool) skip
+host's. Outside tools (buildah, debootstrap, hadolint, kubectl, kubernetes-validate, check-jsonschema, promtool) skip
 their tests when missing, except under ``CI=true`` where a missing tool fails (scripts/install-container-tools).
 
 The base image and the wheels are cached in $SMIQUERY_BUILDAH_ROOT (default /var/tmp/smiquery-buildah) and made
@@ -446,42 +446,148 @@ def test_grafana_provisioning_matches_compose() -> None:
 
 # ------------------------------------------------------------------------------------------------ Kubernetes
 
-# Prometheus Operator kinds (no bundled schema) live in monitoring/; kustomization.yaml is kustomize's, not the API's
+# The manifests are a kustomize base (k8s/base: the restricted exporter) with components (k8s/components: each adds
+# one thing, composable with the others) and ready-made overlays (k8s/overlays). Every test builds with
+# `kubectl kustomize` (kubectl's built-in kustomize; no cluster needed) and checks what a cluster would receive.
+BASE = K8S / "base"
 MONITORING = K8S / "monitoring"
-CORE_MANIFESTS = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+COMPONENTS = K8S / "components"
+OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+# per-pod-use includes pod-attribution: one of the two, or neither
+ATTRIBUTION = (None, "pod-attribution", "per-pod-use")
+ADD_ONS = ("xid-kmsg", "prometheus-operator", "plain-prometheus", "runtimeclass")
+# Prometheus Operator kinds: kubernetes-validate has no schema for them (JSON-schema subsets below instead)
+OPERATOR_GROUP = "monitoring.coreos.com/"
+
+
+def _kubectl_with_components() -> str:
+    """kubectl whose built-in kustomize knows components (kustomize 4+, kubectl 1.21+; Debian's kubernetes-client
+    1.20 is older)."""
+    kubectl = _tool("kubectl")
+    done = _run([kubectl, "version", "--client"], check=True)
+    found = re.search(r"Kustomize Version: v(\d+)\.", done.stdout)
+    if found is None or int(found.group(1)) < 4:
+        _missing(f"kubectl's kustomize is too old for components ({done.stdout.strip()}; needs kubectl 1.21 or newer)")
+    return kubectl
 
 
 def _kustomize(path: Path) -> list[dict[str, Any]]:
-    """``kubectl kustomize PATH`` (kubectl's built-in kustomize; no cluster needed): the built objects."""
-    done = _run([_tool("kubectl"), "kustomize", str(path)], check=True)
+    """``kubectl kustomize PATH``: the built objects."""
+    done = _run([_kubectl_with_components(), "kustomize", str(path)], check=True)
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
-def test_kube_prometheus_stack_selects_all_three_monitoring_objects() -> None:
+def _kustomization(where: Path, components: Sequence[str], base: Path = BASE) -> Path:
+    """A kustomization of one's own in ``where``: the base with these components, listed in this order."""
+    where.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(base, where)],
+        "components": [os.path.relpath(COMPONENTS / c, where) for c in components],
+    }
+    (where / "kustomization.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
+    return where
+
+
+def _with(tmp_path: Path, *components: str) -> list[dict[str, Any]]:
+    return _kustomize(_kustomization(tmp_path / "-".join(components or ("base",)), components))
+
+
+def _combinations() -> list[tuple[str, ...]]:
+    """Every way of composing the components (attribution: one of the two or neither; every subset of the rest),
+    with the Xid component listed before and after the attribution."""
+    import itertools
+
+    combos: list[tuple[str, ...]] = []
+    for attribution in ATTRIBUTION:
+        for n in range(len(ADD_ONS) + 1):
+            for subset in itertools.combinations(ADD_ONS, n):
+                combos.append(((attribution,) if attribution else ()) + subset)
+                if attribution and "xid-kmsg" in subset:
+                    combos.append((*subset, attribution))
+    return combos
+
+
+def _sync_script(name: str) -> Any:
+    sys.path.insert(0, str(HELPERS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(HELPERS))
+
+
+def _pod_of(docs: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = _by_kind(docs, "DaemonSet")["spec"]["template"]["spec"]
+    (ctr,) = pod["containers"]
+    return pod, ctr
+
+
+def test_component_and_overlay_folders_are_what_the_tests_compose() -> None:
+    found = sorted(p.name for p in COMPONENTS.iterdir() if (p / "kustomization.yaml").is_file())
+    assert found == sorted([a for a in ATTRIBUTION if a] + list(ADD_ONS))
+    assert OVERLAYS, "no overlays"
+
+
+def test_kube_prometheus_stack_selects_every_monitoring_object() -> None:
     """kube-prometheus-stack's default serviceMonitorSelector, podMonitorSelector and ruleSelector are all
-    ``matchLabels: {release: <release>}``: one label, set once in monitoring/kustomization.yaml, reaches all three."""
+    ``matchLabels: {release: <release>}``: one label, set once in monitoring/kustomization.yaml, reaches them all."""
     docs = _kustomize(MONITORING)
-    kinds = {d["kind"]: d["metadata"]["labels"] for d in docs}
-    assert sorted(kinds) == ["PodMonitor", "PrometheusRule", "ServiceMonitor"]
-    assert all(labels.get("release") == "kube-prometheus-stack" for labels in kinds.values()), kinds
-    for name in ("servicemonitor.yaml", "podmonitor.yaml", "prometheusrule.yaml"):  # nowhere else to drift
-        assert "release" not in _yaml_docs(MONITORING / name)[0]["metadata"]["labels"], name
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+    assert kinds == [
+        ("PodMonitor", "smiquery-training"),
+        ("PrometheusRule", "smiquery"),
+        ("PrometheusRule", "smiquery-xid"),
+        ("ServiceMonitor", "smiquery-exporter"),
+    ]
+    assert all(d["metadata"]["labels"].get("release") == "kube-prometheus-stack" for d in docs), docs
+    for path in MONITORING.glob("*.yaml"):  # nowhere else to drift
+        if path.name != "kustomization.yaml":
+            assert "release" not in _yaml_docs(path)[0]["metadata"]["labels"], path.name
+
+
+def _validate_built(tmp_path: Path, builds: dict[str, list[dict[str, Any]]], version: str | None) -> None:
+    validate = _tool("kubernetes-validate")
+    files, count = [], 0
+    for name, docs in builds.items():
+        core = [d for d in docs if not d["apiVersion"].startswith(OPERATOR_GROUP)]
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump_all(core), encoding="utf-8")
+        files.append(str(path))
+        count += len(core)
+    argv = [validate, "--strict"] + (["-k", version] if version else [])
+    done = _run([*argv, *files], timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "WARN" not in out, out  # e.g. a kind it has no schema for
+    assert done.stdout.count("passed") == count, out
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS, ids=lambda v: v or "newest")
-def test_kubernetes_manifests_validate(version: str | None) -> None:
-    validate = _tool("kubernetes-validate")
-    argv = [validate, "--strict"] + (["-k", version] if version else [])
-    done = _run([*argv, *(str(K8S / n) for n in CORE_MANIFESTS)])
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "WARN" not in done.stdout + done.stderr, done.stdout + done.stderr  # e.g. a kind it has no schema for
-    assert done.stdout.count("passed") == sum(len(_yaml_docs(K8S / n)) for n in CORE_MANIFESTS)
+def test_every_overlay_and_composition_builds_and_validates(version: str | None, tmp_path: Path) -> None:
+    builds = {"tensorflow-job": _yaml_docs(K8S / "tensorflow-job.yaml")}
+    for overlay in OVERLAYS:
+        builds[f"overlay-{overlay}"] = _kustomize(K8S / "overlays" / overlay)
+    for combo in _combinations():
+        docs = _with(tmp_path / "k", *combo)
+        builds["with-" + "-".join(combo or ("base",))] = docs
+        pod, ctr = _pod_of(docs)
+        # composing never duplicates anything (a second volume or argument of the same name would be rejected by the
+        # API server or silently win)
+        for items, key in ((pod["volumes"], "name"), (ctr["volumeMounts"], "mountPath"), (ctr["env"], "name")):
+            names = [i[key] for i in items]
+            assert len(names) == len(set(names)), (combo, names)
+        flags = [a for a in ctr["args"] if a.startswith("--")]
+        assert len(flags) == len(set(flags)), (combo, ctr["args"])
+        keys = [(d["kind"], d["metadata"]["name"]) for d in docs]
+        assert len(keys) == len(set(keys)), (combo, keys)
+    _validate_built(tmp_path, builds, version)
 
 
 def test_kubernetes_validation_really_checks(tmp_path: Path) -> None:
     validate = _tool("kubernetes-validate")
     bad = tmp_path / "exporter.yaml"
-    text = (K8S / "exporter.yaml").read_text(encoding="utf-8")
+    text = (BASE / "exporter.yaml").read_text(encoding="utf-8")
     bad.write_text(text.replace("readOnlyRootFilesystem", "readOnlyRootFileSystem"))
     done = _run([validate, "--strict", "-k", K8S_VERSIONS[0], str(bad)])
     assert done.returncode != 0 and "readOnlyRootFileSystem" in done.stdout + done.stderr
@@ -507,11 +613,10 @@ def test_servicemonitor_matches_the_crd_subset() -> None:
     assert len(_servicemonitor_errors(doc)) == 2
 
 
-def test_exporter_daemonset_design() -> None:
-    docs = _yaml_docs(K8S / "exporter.yaml")
+def test_exporter_daemonset_design(tmp_path: Path) -> None:
+    docs = _kustomize(BASE)
     ds = _by_kind(docs, "DaemonSet")
-    pod = ds["spec"]["template"]["spec"]
-    (ctr,) = pod["containers"]
+    pod, ctr = _pod_of(docs)
     env = {e["name"]: e.get("value") for e in ctr["env"]}
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
     assert pod["runtimeClassName"] == "nvidia"
@@ -532,48 +637,30 @@ def test_exporter_daemonset_design() -> None:
     # probes: the server, never the GPU's state (one bad GPU must not stall a rollout or restart the exporter)
     assert ctr["readinessProbe"]["httpGet"]["path"] == ctr["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert ctr["ports"][0]["containerPort"] == 9849 and _option(ctr["args"], "--port") == "9849"
+    # restricted: no Xid from /dev/kmsg unless the component turns it on
+    assert _option(ctr["args"], "--kernel-log") == ""
     sc, psc = ctr["securityContext"], pod["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert sc["privileged"] is False and sc["capabilities"]["drop"] == ["ALL"]
     assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0
     assert not pod.get("hostPID") and not pod.get("hostNetwork")
     assert not any("hostPath" in v for v in pod.get("volumes", []))
+    assert pod["automountServiceAccountToken"] is False
+    assert _by_kind(docs, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     # Service -> DaemonSet pods, ServiceMonitor -> Service, by labels and port name
     svc = _by_kind(docs, "Service")
     labels = ds["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= labels.items()
     assert svc["spec"]["ports"][0]["targetPort"] == ctr["ports"][0]["name"]
-    (mon,) = _yaml_docs(MONITORING / "servicemonitor.yaml")
+    mon = _by_kind(_with(tmp_path, "prometheus-operator"), "ServiceMonitor")
     assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert mon["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"]
     assert mon["metadata"]["namespace"] == svc["metadata"]["namespace"] == ds["metadata"]["namespace"]
 
 
-def _sync_script(name: str) -> Any:
-    sys.path.insert(0, str(HELPERS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(HELPERS))
-
-
-def test_kubernetes_variants_are_generated_from_exporter_yaml() -> None:
-    sync = _sync_script("sync_k8s_variants")
-    base = (K8S / "exporter.yaml").read_text(encoding="utf-8")
-    hint = "run: python tests/docker/sync_k8s_variants.py"
-    assert (K8S / "exporter-kubernetes.yaml").read_text(encoding="utf-8") == sync.attribution(base), hint
-    assert (K8S / "exporter-kubernetes-processes.yaml").read_text(encoding="utf-8") == sync.processes(base), hint
-
-
-def _pod_of(docs: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    pod = _by_kind(docs, "DaemonSet")["spec"]["template"]["spec"]
-    (ctr,) = pod["containers"]
-    return pod, ctr
-
-
 def _without_kubernetes(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A variant's objects with what the variant adds taken out again: what exporter.yaml must be."""
-    docs = copy.deepcopy([d for d in docs if d["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding")])
+    """A composition's objects with what pod-attribution and per-pod-use add taken out again: what the base is."""
+    docs = copy.deepcopy([d for d in docs if d["kind"] not in ("ClusterRole", "ClusterRoleBinding")])
     pod, ctr = _pod_of(docs)
     pod.pop("hostPID", None)
     pod["automountServiceAccountToken"] = False
@@ -584,13 +671,16 @@ def _without_kubernetes(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ctr["securityContext"].pop("runAsUser", None)
     ctr["securityContext"].pop("runAsNonRoot", None)
     pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "pod-resources"]
+    labels = _by_kind(docs, "Namespace")["metadata"]["labels"]
+    labels["pod-security.kubernetes.io/enforce"] = "restricted"
+    labels.pop("pod-security.kubernetes.io/audit")
     return docs
 
 
-@pytest.mark.parametrize("name", ["exporter-kubernetes.yaml", "exporter-kubernetes-processes.yaml"])
-def test_kubernetes_variants_add_the_socket_node_name_and_nothing_else(name: str) -> None:
-    docs = _yaml_docs(K8S / name)
-    assert _without_kubernetes(docs) == _yaml_docs(K8S / "exporter.yaml"), "a variant drifted from exporter.yaml"
+@pytest.mark.parametrize("component", ["pod-attribution", "per-pod-use"])
+def test_attribution_adds_the_socket_node_name_and_nothing_else(component: str, tmp_path: Path) -> None:
+    docs = _with(tmp_path, component)
+    assert _without_kubernetes(docs) == _kustomize(BASE), "the component changes more than attribution needs"
     pod, ctr = _pod_of(docs)
     (mount,) = [m for m in ctr["volumeMounts"] if m["name"] == "pod-resources"]
     (volume,) = [v for v in pod["volumes"] if v["name"] == "pod-resources"]
@@ -601,21 +691,20 @@ def test_kubernetes_variants_add_the_socket_node_name_and_nothing_else(name: str
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     sc = ctr["securityContext"]
     assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    assert "add" not in sc["capabilities"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     # the kubelet's socket is root's alone (srwxr-xr-x root root): the exporter's container runs as uid 0, with no
     # capability at all (tests/exporter/kubernetes: a non-root user is refused and told this)
     assert sc["runAsUser"] == 0 and sc["runAsNonRoot"] is False and sc["privileged"] is False
+    # a hostPath is beyond baseline: the component says so by relabelling; the base stays restricted
     ns = _by_kind(docs, "Namespace")
-    (base_ns,) = _yaml_docs(K8S / "namespace.yaml")
-    assert ns["metadata"]["name"] == base_ns["metadata"]["name"] == _by_kind(docs, "DaemonSet")["metadata"]["namespace"]
-    # a hostPath is beyond baseline: the variant says so by relabelling; the default stays restricted
+    assert ns["metadata"]["name"] == _by_kind(docs, "DaemonSet")["metadata"]["namespace"]
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/audit"] == "restricted"
-    assert base_ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
 
 
-def test_attribution_variant_has_no_api_access_and_no_host_pids() -> None:
-    docs = _yaml_docs(K8S / "exporter-kubernetes.yaml")
+def test_attribution_has_no_api_access_and_no_host_pids(tmp_path: Path) -> None:
+    docs = _kustomize(K8S / "overlays" / "pod-attribution")
     pod, ctr = _pod_of(docs)
     assert "--kubernetes" in ctr["args"] and "--kubernetes-processes" not in ctr["args"]
     assert not pod.get("hostPID") and pod["automountServiceAccountToken"] is False
@@ -623,8 +712,8 @@ def test_attribution_variant_has_no_api_access_and_no_host_pids() -> None:
     assert not {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"} & {d["kind"] for d in docs}
 
 
-def test_processes_variant_has_host_pids_and_only_get_list_pods() -> None:
-    docs = _yaml_docs(K8S / "exporter-kubernetes-processes.yaml")
+def test_per_pod_use_has_host_pids_and_only_get_list_pods() -> None:
+    docs = _kustomize(K8S / "overlays" / "per-pod-use")
     pod, ctr = _pod_of(docs)
     assert "--kubernetes-processes" in ctr["args"] and pod["hostPID"] is True
     assert pod["automountServiceAccountToken"] is True
@@ -636,6 +725,7 @@ def test_processes_variant_has_host_pids_and_only_get_list_pods() -> None:
         "name": "smiquery-exporter-pods",
     }
     sa = _by_kind(docs, "ServiceAccount")
+    assert sa["automountServiceAccountToken"] is True
     (subject,) = binding["subjects"]
     assert subject == {
         "kind": "ServiceAccount",
@@ -646,9 +736,61 @@ def test_processes_variant_has_host_pids_and_only_get_list_pods() -> None:
     assert not {"Role", "RoleBinding"} & {d["kind"] for d in docs}
 
 
+@pytest.mark.parametrize("attribution", ["pod-attribution", "per-pod-use"])
+@pytest.mark.parametrize("xid_first", [False, True], ids=["xid-last", "xid-first"])
+def test_xid_component_keeps_attribution(attribution: str, xid_first: bool, tmp_path: Path) -> None:
+    """Xid from /dev/kmsg composed with either attribution, in either order: --kernel-log becomes /dev/kmsg and every
+    argument the attribution added stays (a patch replacing the whole args list used to drop --kubernetes)."""
+    order = ("xid-kmsg", attribution) if xid_first else (attribution, "xid-kmsg")
+    docs = _with(tmp_path, *order)
+    pod, ctr = _pod_of(docs)
+    alone = _pod_of(_with(tmp_path, attribution))[1]["args"]
+    assert _option(ctr["args"], "--kernel-log") == "/dev/kmsg" and ctr["args"].count("--kernel-log") == 1
+    assert [a for a in ctr["args"] if a != "/dev/kmsg"] == [a for a in alone if a != ""], ctr["args"]
+    assert "--kubernetes" in ctr["args"]
+    if attribution == "per-pod-use":
+        assert "--kubernetes-processes" in ctr["args"] and pod["hostPID"] is True
+    mounts = {m["name"]: m for m in ctr["volumeMounts"]}
+    assert mounts["kmsg"] == {"name": "kmsg", "mountPath": "/dev/kmsg", "readOnly": True}
+    assert mounts["pod-resources"]["readOnly"] is True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["kmsg"]["hostPath"] == {"path": "/dev/kmsg", "type": "CharDevice"}
+    # root for the socket and for CAP_SYSLOG, that capability alone
+    sc = ctr["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]} and sc["runAsUser"] == 0
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+
+
+def test_xid_component_alone_changes_only_its_own(tmp_path: Path) -> None:
+    docs, base = _with(tmp_path, "xid-kmsg"), _kustomize(BASE)
+    pod, ctr = _pod_of(docs)
+    base_pod, base_ctr = _pod_of(base)
+    assert ctr["args"] == [a if a != "" else "/dev/kmsg" for a in base_ctr["args"]]
+    assert [v for v in pod["volumes"] if v["name"] != "kmsg"] == base_pod["volumes"]
+    assert _by_kind(docs, "Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert not pod.get("hostPID") and pod["automountServiceAccountToken"] is False
+
+
+def test_xid_component_refuses_a_base_whose_kernel_log_moved(tmp_path: Path) -> None:
+    """The component changes args[5] only after testing args[4] is --kernel-log: a reordered base fails the build
+    instead of having some other argument replaced."""
+    base = tmp_path / "base"
+    shutil.copytree(BASE, base)
+    text = (base / "exporter.yaml").read_text(encoding="utf-8")
+    moved = '["--kernel-log", "", "--bind", "0.0.0.0", "--port", "9849"]'
+    (base / "exporter.yaml").write_text(
+        text.replace('["--bind", "0.0.0.0", "--port", "9849", "--kernel-log", ""]', moved), encoding="utf-8"
+    )
+    assert moved in (base / "exporter.yaml").read_text(encoding="utf-8")
+    where = _kustomization(tmp_path / "mine", ["pod-attribution", "xid-kmsg"], base=base)
+    done = _run([_kubectl_with_components(), "kustomize", str(where)])
+    assert done.returncode != 0 and "test failed" in done.stderr, done.stdout + done.stderr
+
+
 def test_networkpolicy_lets_only_prometheus_reach_the_metrics_port() -> None:
-    (policy,) = _yaml_docs(K8S / "networkpolicy.yaml")
-    ds = _by_kind(_yaml_docs(K8S / "exporter.yaml"), "DaemonSet")
+    docs = _kustomize(BASE)
+    policy = _by_kind(docs, "NetworkPolicy")
+    ds = _by_kind(docs, "DaemonSet")
     spec = policy["spec"]
     assert policy["metadata"]["namespace"] == ds["metadata"]["namespace"]
     assert spec["podSelector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
@@ -660,18 +802,45 @@ def test_networkpolicy_lets_only_prometheus_reach_the_metrics_port() -> None:
     assert rule["ports"] == [{"port": ctr["ports"][0]["name"], "protocol": "TCP"}]
 
 
-def test_prometheusrule_carries_the_rule_file() -> None:
-    """k8s/monitoring/prometheusrule.yaml is generated from prometheus/smiquery-rules.yml: same groups and comments."""
-    sys.path.insert(0, str(HELPERS))
-    try:
-        import sync_prometheus_rule
-    finally:
-        sys.path.remove(str(HELPERS))
-    rules_text = (DOCKER / "prometheus" / "smiquery-rules.yml").read_text(encoding="utf-8")
-    manifest_text = (MONITORING / "prometheusrule.yaml").read_text(encoding="utf-8")
+# dcgm-exporter's Helm values an operator looks for, and what docs/kubernetes.md must name for each
+HELM_VALUES = (
+    "tolerations",
+    "nodeSelector",
+    "resources",
+    "priorityClassName",
+    "extraArgs",
+    "imagePullSecrets",
+    "serviceMonitor",
+)
+
+
+def test_docs_name_every_component_overlay_and_helm_value() -> None:
+    text = (ROOT / "docs" / "kubernetes.md").read_text(encoding="utf-8")
+    for name in [a for a in ATTRIBUTION if a] + list(ADD_ONS):
+        assert f"components/{name}" in text, name
+    for overlay in OVERLAYS:
+        assert f"overlays/{overlay}" in text, overlay
+    for value in HELM_VALUES:
+        assert f"`{value}`" in text, value
+    assert "exporter-kubernetes" not in text and "patches/exporter-kmsg" not in text, "a path that is gone"
+
+
+@pytest.mark.parametrize(
+    ("rules", "manifest", "make"),
+    [
+        ("smiquery-rules.yml", "prometheusrule.yaml", "generated"),
+        ("smiquery-xid-rules.yml", "prometheusrule-xid.yaml", "generated_xid"),
+    ],
+)
+def test_prometheusrule_carries_the_rule_file(rules: str, manifest: str, make: str) -> None:
+    """Each PrometheusRule in k8s/monitoring/ is generated from its rule file in prometheus/: same groups and
+    comments (the Xid rules too: Operator users get them with the prometheus-operator component)."""
+    sync = _sync_script("sync_prometheus_rule")
+    rules_text = (DOCKER / "prometheus" / rules).read_text(encoding="utf-8")
+    manifest_text = (MONITORING / manifest).read_text(encoding="utf-8")
     hint = "run: python tests/docker/sync_prometheus_rule.py"
-    assert manifest_text == sync_prometheus_rule.generated(rules_text), hint
-    (doc,) = _yaml_docs(MONITORING / "prometheusrule.yaml")
+    assert manifest_text == getattr(sync, make)(rules_text), hint
+    (doc,) = _yaml_docs(MONITORING / manifest)
     assert doc["spec"]["groups"] == yaml.safe_load(rules_text)["groups"], hint
     assert (doc["apiVersion"], doc["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
     assert _servicemonitor_errors(doc, "prometheusrule.schema.json") == []
@@ -681,9 +850,10 @@ def test_prometheusrule_carries_the_rule_file() -> None:
     assert doc["metadata"]["namespace"] == mon["metadata"]["namespace"]
 
 
-def test_prometheusrule_rules_pass_promtool(tmp_path: Path) -> None:
+@pytest.mark.parametrize("manifest", ["prometheusrule.yaml", "prometheusrule-xid.yaml"])
+def test_prometheusrule_rules_pass_promtool(manifest: str, tmp_path: Path) -> None:
     promtool = _tool("promtool")
-    (doc,) = _yaml_docs(MONITORING / "prometheusrule.yaml")
+    (doc,) = _yaml_docs(MONITORING / manifest)
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump({"groups": doc["spec"]["groups"]}), encoding="utf-8")
     done = _run([promtool, "check", "rules", str(path)])
@@ -694,7 +864,7 @@ def test_plain_prometheus_scrape_config(tmp_path: Path) -> None:
     """promtool checks the embedded job. Debian's promtool is built without Kubernetes discovery, so the
     kubernetes_sd_configs block is checked here by hand and swapped for a static target for promtool."""
     promtool = _tool("promtool")
-    (cm,) = _yaml_docs(K8S / "prometheus-scrape-config.yaml")
+    (cm,) = _yaml_docs(COMPONENTS / "plain-prometheus" / "prometheus-scrape-config.yaml")
     config = yaml.safe_load(cm["data"]["smiquery-scrape.yml"])
     job, training = config["scrape_configs"]
     (sd,) = job.pop("kubernetes_sd_configs")
@@ -1360,7 +1530,7 @@ def test_exporter_image_serves_metrics(
 def test_exporter_image_attributes_pods_as_the_kubernetes_variant_runs_it(
     buildah: Buildah, exporter_image: Built, fake_smi_file: Path, tmp_path: Path
 ) -> None:
-    """The image's own exporter with ``--kubernetes``, run as docker/k8s/exporter-kubernetes.yaml runs it (uid 0, the
+    """The image's own exporter with ``--kubernetes``, run as docker/k8s/components/pod-attribution runs it (uid 0, the
     socket's directory mounted read-only at the default path), reads a stand-in kubelet's pod-resources socket."""
     from tests.attribution.kubelet import StandInKubelet
 

@@ -1,7 +1,10 @@
-"""Write docker/k8s/monitoring/prometheusrule.yaml from docker/prometheus/smiquery-rules.yml (the rules' one source).
+"""Write the PrometheusRules in docker/k8s/monitoring/ from the rule files in docker/prometheus/ (their one source).
 
-The PrometheusRule (Prometheus Operator) carries the plain rule file's groups, comments included, under ``spec``.
-tests/test_docker.py fails when the two differ; run ``python tests/docker/sync_prometheus_rule.py`` after editing the
+- ``prometheusrule.yaml`` (PrometheusRule ``smiquery``) from ``smiquery-rules.yml``;
+- ``prometheusrule-xid.yaml`` (PrometheusRule ``smiquery-xid``) from ``smiquery-xid-rules.yml``.
+
+Each PrometheusRule (Prometheus Operator) carries its rule file's groups, comments included, under ``spec``.
+tests/test_docker.py fails when they differ; run ``python tests/docker/sync_prometheus_rule.py`` after editing a
 rule file.
 """
 
@@ -13,6 +16,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RULES = ROOT / "docker" / "prometheus" / "smiquery-rules.yml"
 MANIFEST = ROOT / "docker" / "k8s" / "monitoring" / "prometheusrule.yaml"
+XID_RULES = ROOT / "docker" / "prometheus" / "smiquery-xid-rules.yml"
+XID_MANIFEST = ROOT / "docker" / "k8s" / "monitoring" / "prometheusrule-xid.yaml"
 
 HEADER = """\
 # GENERATED from docker/prometheus/smiquery-rules.yml by tests/docker/sync_prometheus_rule.py: edit the rule file,
@@ -35,22 +40,51 @@ spec:
 """
 
 
-def generated(rules_text: str) -> str:
-    """The manifest for ``rules_text``: its lines from ``groups:`` on, indented under ``spec``."""
+XID_HEADER = """\
+# GENERATED from docker/prometheus/smiquery-xid-rules.yml by tests/docker/sync_prometheus_rule.py: edit the rule
+# file, then run `python tests/docker/sync_prometheus_rule.py` (tests/test_docker.py checks that the two agree).
+#
+# smiquery's Xid rules for the Prometheus Operator: one alert per critical Xid code and SmiqueryXidSourceDown, on the
+# series the exporter exports with --kernel-log /dev/kmsg (docker/k8s/components/xid-kmsg). Without that component
+# the series are absent and these rules stay silent. The `release` label kube-prometheus-stack's default ruleSelector
+# matches comes from kustomization.yaml here.
+apiVersion: monitoring.coreos.com/v1
+kind: PrometheusRule
+metadata:
+  name: smiquery-xid
+  namespace: gpu-monitoring
+  labels:
+    app.kubernetes.io/name: smiquery-exporter
+    app.kubernetes.io/part-of: smiquery
+spec:
+"""
+
+
+def _spec(rules_text: str) -> str:
     lines = rules_text.splitlines(keepends=True)
     start = next(i for i, line in enumerate(lines) if line.startswith("groups:"))
-    body = "".join(("  " + line) if line.strip() else "\n" for line in lines[start:])
-    return HEADER + body
+    return "".join(("  " + line) if line.strip() else "\n" for line in lines[start:])
+
+
+def generated(rules_text: str) -> str:
+    """prometheusrule.yaml for ``rules_text``: its lines from ``groups:`` on, indented under ``spec``."""
+    return HEADER + _spec(rules_text)
+
+
+def generated_xid(rules_text: str) -> str:
+    """prometheusrule-xid.yaml for the Xid rule file's ``rules_text``."""
+    return XID_HEADER + _spec(rules_text)
 
 
 def main() -> int:
-    new = generated(RULES.read_text(encoding="utf-8"))
-    old = MANIFEST.read_text(encoding="utf-8") if MANIFEST.exists() else ""
-    if new != old:
-        MANIFEST.write_text(new, encoding="utf-8")
-        print(f"updated {MANIFEST.relative_to(ROOT)}")
-    else:
-        print(f"{MANIFEST.relative_to(ROOT)} already up to date")
+    for rules, manifest, make in ((RULES, MANIFEST, generated), (XID_RULES, XID_MANIFEST, generated_xid)):
+        new = make(rules.read_text(encoding="utf-8"))
+        old = manifest.read_text(encoding="utf-8") if manifest.exists() else ""
+        if new != old:
+            manifest.write_text(new, encoding="utf-8")
+            print(f"updated {manifest.relative_to(ROOT)}")
+        else:
+            print(f"{manifest.relative_to(ROOT)} already up to date")
     return 0
 
 

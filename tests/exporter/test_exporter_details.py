@@ -236,26 +236,35 @@ def _tool(name: str) -> str:
     return found
 
 
-def test_the_kmsg_patch_gives_the_daemonset_what_reading_dev_kmsg_needs_and_no_more(tmp_path: Path) -> None:
+def test_the_kmsg_component_gives_the_daemonset_what_reading_dev_kmsg_needs_and_no_more(tmp_path: Path) -> None:
     k8s = Path(__file__).resolve().parents[2] / "docker" / "k8s"
-    docs = [d for d in yaml.safe_load_all((k8s / "exporter.yaml").read_text(encoding="utf-8")) if d]
+    docs = [d for d in yaml.safe_load_all((k8s / "base" / "exporter.yaml").read_text(encoding="utf-8")) if d]
     ds = next(d for d in docs if d["kind"] == "DaemonSet")
     base = ds["spec"]["template"]["spec"]["containers"][0]
-    assert base["args"][-2:] == ["--kernel-log", ""]  # restricted level: off unless patched
-    src = tmp_path / "ds.yaml"
-    src.write_text(yaml.safe_dump(ds), encoding="utf-8")
-    patch = k8s / "patches" / "exporter-kmsg.yaml"
-    argv = [_tool("kubectl"), "patch", "-f", str(src), "--local", "--type", "strategic", "--patch-file", str(patch)]
+    assert base["args"][-2:] == ["--kernel-log", ""]  # restricted level: off unless the component turns it on
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "resources": [str(Path("..") / Path(os.path.relpath(k8s / "base", tmp_path)))],
+                "components": [str(Path("..") / Path(os.path.relpath(k8s / "components" / "xid-kmsg", tmp_path)))],
+            }
+        ),
+        encoding="utf-8",
+    )
     done = subprocess.run(
-        [*argv, "-o", "yaml"],
+        [_tool("kubectl"), "kustomize", str(mine)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
+    built = [d for d in yaml.safe_load_all(done.stdout) if d]
+    ds_out = next(d for d in built if d["kind"] == "DaemonSet")
     out = tmp_path / "patched.yaml"
-    out.write_text(done.stdout, encoding="utf-8")
-    spec = yaml.safe_load(done.stdout)["spec"]["template"]["spec"]
+    out.write_text(yaml.safe_dump(ds_out), encoding="utf-8")
+    spec = ds_out["spec"]["template"]["spec"]
     ctr = spec["containers"][0]
     assert ctr["args"][-2:] == ["--kernel-log", "/dev/kmsg"]
     assert ctr["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["SYSLOG"]}

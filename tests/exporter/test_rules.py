@@ -645,11 +645,13 @@ def test_scrape_configs_service_monitor_and_rules_agree_on_the_job():
     prom = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text(encoding="utf-8"))
     jobs = {j["job_name"] for j in prom["scrape_configs"]}
     k8s = ROOT / "docker" / "k8s"
-    cm = yaml.safe_load((k8s / "prometheus-scrape-config.yaml").read_text(encoding="utf-8"))
+    cm = yaml.safe_load(
+        (k8s / "components" / "plain-prometheus" / "prometheus-scrape-config.yaml").read_text(encoding="utf-8")
+    )
     k8s_jobs = {j["job_name"] for j in yaml.safe_load(cm["data"]["smiquery-scrape.yml"])["scrape_configs"]}
     # the Prometheus Operator names the job after the Service unless the ServiceMonitor sets jobLabel
     monitor = yaml.safe_load((k8s / "monitoring" / "servicemonitor.yaml").read_text(encoding="utf-8"))
-    services = [d for d in yaml.safe_load_all((k8s / "exporter.yaml").read_text(encoding="utf-8")) if d]
+    services = [d for d in yaml.safe_load_all((k8s / "base" / "exporter.yaml").read_text(encoding="utf-8")) if d]
     selected = monitor["spec"]["selector"]["matchLabels"]
     svc = [
         s for s in services if s["kind"] == "Service" and selected.items() <= s["metadata"].get("labels", {}).items()
