@@ -119,7 +119,8 @@ def write(ctx: Context, name: str, shown: str, screen: str) -> None:
 def _sweeps_at_least(n: int, *, processes: bool) -> Callable[[str], bool]:
     def ready(screen: str) -> bool:
         sweeps = re.search(r"sweeps (\d+)", screen)
-        return sweeps is not None and int(sweeps.group(1)) >= n and ("└" in screen or "PROCESSES" in screen or not processes)
+        shown = "└" in screen or "PROCESSES" in screen  # processes under their GPU, or on its line
+        return sweeps is not None and int(sweeps.group(1)) >= n and (shown or not processes)
 
     return ready
 
