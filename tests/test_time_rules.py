@@ -329,3 +329,14 @@ def test_report_of_a_stall_across_a_spring_forward_has_its_true_length(tmp_path)
     assert [s.end.astimezone(timezone.utc) - s.start.astimezone(timezone.utc) for s in report.stalls] == [
         timedelta(minutes=5)
     ] * 2
+
+
+def test_stream_help_and_docs_name_the_clock_that_holds_an_alert():
+    from tests.cli.test_cli import run
+
+    said = "timed live by when the rows arrive (a monotonic clock"
+    flat = " ".join(run("stream", "--help").stdout.split())
+    assert said in flat and "in --replay by the samples' timestamps" in flat
+    assert "own timestamps" not in flat  # live, the wall-clock timestamps never time a hold
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "cli.md").read_text(encoding="utf-8").split())
+    assert said in docs and "in a `--replay` by the samples' timestamps" in docs

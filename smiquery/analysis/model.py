@@ -1,7 +1,8 @@
 """What the report of a recording holds: statistics, stretches, alerts, health counters and findings.
 
-The records are plain frozen dataclasses with ``to_dict`` for JSON; :class:`Report` renders itself through
-:mod:`smiquery.analysis.render`.
+The records are plain frozen dataclasses with ``to_dict`` for JSON; :mod:`smiquery.analysis.render` and
+:mod:`smiquery.analysis.htmlpage` render a :class:`Report`, and a notebook shows one through the page that
+:func:`use_html_renderer` names.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from smiquery.alerts.rules import STALL
 from smiquery.clock import seconds_between
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from smiquery.clock import ClockStep
     from smiquery.recordings import SkippedLines
 
@@ -28,6 +31,7 @@ __all__ = [
     "Severity",
     "Stretch",
     "ThresholdTime",
+    "use_html_renderer",
 ]
 
 Severity = Literal["critical", "warning", "info"]
@@ -234,6 +238,17 @@ class Finding:
         }
 
 
+#: What :meth:`Report._repr_html_` draws with: the page lives above this module, so :mod:`smiquery.analysis` sets it
+#: (through :func:`use_html_renderer`) when the package is imported, which happens before any report exists.
+_html_renderer: Callable[[Report], str] | None = None
+
+
+def use_html_renderer(render: Callable[[Report], str]) -> None:
+    """Make ``render`` what a notebook shows a :class:`Report` with (:meth:`Report._repr_html_`)."""
+    global _html_renderer
+    _html_renderer = render
+
+
 @dataclass
 class Report:
     """The analysis of one recording; the ``report_*`` functions of :mod:`smiquery.analysis` render it.
@@ -311,6 +326,10 @@ class Report:
         """How many times ``rule`` (its text as given) would have fired on GPU ``gpu``."""
         norm = " ".join(rule.split())
         return sum(1 for a in self.alerts if a.gpu == gpu and a.rule == norm)
+
+    def _repr_html_(self) -> str | None:
+        """The report as :func:`~smiquery.analysis.report_html` draws it (no plot): how a notebook shows it."""
+        return None if _html_renderer is None else _html_renderer(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready dicts and lists."""

@@ -125,9 +125,11 @@ _EPILOG = """\b
 \b
 Alerts: FIELD OP VALUE [for N | for DURATION], OP one of > >= < <= == !=.
 'for 3' (or 'for 3 samples') fires when 3 consecutive samples of a GPU
-pass the threshold; 'for 30s', 'for 5m' when it holds that long by the
-samples' own timestamps; no 'for' fires on one sample. One line goes to
-stderr when an alert fires and when it clears.
+pass the threshold; 'for 30s', 'for 5m' when it holds that long, timed
+live by when the rows arrive (a monotonic clock: a DST or NTP step of
+nvidia-smi's timestamps changes nothing), in --replay by the samples'
+timestamps; no 'for' fires on one sample. One line goes to stderr when
+an alert fires and when it clears.
 
 \b
 Restarts of nvidia-smi, lost GPUs and errors print one line each on

@@ -134,18 +134,30 @@ def processes_df(
     timeout: float = DEFAULT_TIMEOUT,
     runner: Runner | None = None,
 ) -> pd.DataFrame:
-    """Like :func:`processes`, as a DataFrame with columns gpu_index, gpu_uuid, pid, process_name, used_memory."""
+    """Like :func:`processes`, as a DataFrame with columns gpu_index, gpu_uuid, pid, process_name, used_memory.
+
+    Named and typed as every smiquery DataFrame (:func:`smiquery.query_df`): snake_case columns, nullable dtypes
+    (``Int64``, ``string``), units in ``df.attrs["units"]``, why a cell is missing in ``df.attrs["missing"]``.
+    """
     import pandas as pd
 
+    from smiquery.frames import MissingReasons, int_array, string_dtype
+
     rows = processes(gpus=gpus, nvidia_smi=nvidia_smi, timeout=timeout, runner=runner)
+    text = string_dtype()
     df = pd.DataFrame(
         {
-            "gpu_index": pd.array([p.gpu_index for p in rows], dtype="Int64"),
-            "gpu_uuid": pd.array([p.gpu_uuid for p in rows], dtype="string"),
-            "pid": pd.array([p.pid for p in rows], dtype="Int64"),
-            "process_name": pd.array([p.process_name for p in rows], dtype="string"),
-            "used_memory": pd.array([p.used_memory for p in rows], dtype="Int64"),
+            "gpu_index": int_array([p.gpu_index for p in rows]),
+            "gpu_uuid": pd.array([p.gpu_uuid for p in rows], dtype=text),
+            "pid": int_array([p.pid for p in rows]),
+            "process_name": pd.array([p.process_name for p in rows], dtype=text),
+            "used_memory": int_array([p.used_memory for p in rows]),
         }
     )
     df.attrs["units"] = {"used_memory": "MiB"}
+    missing: dict[str, dict[int, str]] = {}
+    for i, p in enumerate(rows):
+        for column, reason in p.missing.items():
+            missing.setdefault(column, {})[i] = reason
+    df.attrs["missing"] = MissingReasons.from_dicts(missing)
     return cast("pd.DataFrame", df)

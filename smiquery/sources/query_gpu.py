@@ -391,7 +391,11 @@ def query_df(
     timeout: float = DEFAULT_TIMEOUT,
     runner: Runner | None = None,
 ) -> pd.DataFrame:
-    """Like :func:`query`, as a pandas DataFrame (nullable dtypes, units in ``df.attrs["units"]``)."""
+    """Like :func:`query`, as a pandas DataFrame (nullable dtypes, units in ``df.attrs["units"]``).
+
+    Its columns are named and typed as in every DataFrame smiquery gives (:func:`smiquery.frames.to_dataframe`):
+    ``memory.used`` is the ``Int64`` column ``memory_used``.
+    """
     from smiquery.frames import to_dataframe
 
     return to_dataframe(query(fields, gpus=gpus, nvidia_smi=nvidia_smi, timeout=timeout, runner=runner))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from datetime import tzinfo
 from typing import TYPE_CHECKING
@@ -37,7 +38,16 @@ from smiquery.streams.threaded import ThreadDriver
 if TYPE_CHECKING:
     import os
 
-__all__ = ["DEFAULT_PERMANENT_RETRY", "DEFAULT_STARTUP_TIMEOUT", "FAIL_FAST_ATTEMPTS", "Stream", "stream"]
+    import pandas as pd
+
+__all__ = [
+    "DEFAULT_HISTORY_SWEEPS",
+    "DEFAULT_PERMANENT_RETRY",
+    "DEFAULT_STARTUP_TIMEOUT",
+    "FAIL_FAST_ATTEMPTS",
+    "Stream",
+    "stream",
+]
 
 log = get_logger("smiquery")
 
@@ -45,12 +55,17 @@ log = get_logger("smiquery")
 #: on large hosts and in containers with a huge open-file limit (NVIDIA-SMI.md section 6).
 DEFAULT_STARTUP_TIMEOUT = 45.0
 
+#: Sweeps a stream keeps for :meth:`Stream.history`: an hour at the default interval of 1 s (about 4 MB per GPU
+#: with the default fields).
+DEFAULT_HISTORY_SWEEPS = 3600
+
 
 class Stream(CsvSource):
     """One long-lived nvidia-smi in loop mode: a live :class:`~smiquery.source.SampleSource`.
 
     Iterate it for samples (one per GPU per instant), or call :meth:`sweeps` for whole instants. Or call
-    :meth:`start` to run it in a background thread and read :meth:`latest` from any thread without blocking.
+    :meth:`start` to run it in a background thread and read :meth:`latest` (the newest sweep) or :meth:`history`
+    (the recent sweeps as a DataFrame, at most ``history_sweeps`` of them) from any thread without blocking.
     Use it as a context manager (or call :meth:`close`): the child is always reaped. The module docstring says
     what it guarantees; :attr:`stats` shows counters and the retry state; :meth:`subscribe` (or ``on_event``)
     hears every restart, error, recovery, dropped row, short sweep and lost, returning or renumbered GPU.
@@ -76,7 +91,10 @@ class Stream(CsvSource):
         runner: Runner | None = None,
         sleep: Callable[[float], None] | None = None,
         tz: tzinfo | None = None,
+        history_sweeps: int = DEFAULT_HISTORY_SWEEPS,
     ) -> None:
+        if history_sweeps < 0:
+            raise ValueError("history_sweeps must be 0 or more")
         runner = runner or default_runner()
         super().__init__(
             fields,
@@ -99,10 +117,17 @@ class Stream(CsvSource):
         # Only a weak reference: an abandoned iterator must be collectable at once (no cycle), so that dropping it
         # closes the generator and reaps the child immediately.
         self._gen_ref: weakref.ref[Generator[GpuSample | Sweep, None, None]] | None = None
+        self._history: deque[Sweep] = deque(maxlen=history_sweeps)
+        self._history_lock = threading.Lock()
+        self._tz = tz
 
     def _items(self) -> Generator[GpuSample | Sweep, None, None]:
         try:
-            yield from self._driver.items()
+            for item in self._driver.items():
+                if isinstance(item, Sweep):
+                    with self._history_lock:
+                        self._history.append(item)
+                yield item
         except BaseException as exc:
             if not isinstance(exc, GeneratorExit):
                 self.stats.state = "failed"
@@ -166,6 +191,36 @@ class Stream(CsvSource):
         ready.wait()
         return self
 
+    def history(self, n: int | None = None) -> pd.DataFrame:
+        """The last ``n`` sweeps the stream delivered as a DataFrame: what a notebook plots while it runs.
+
+        The stream keeps its newest ``history_sweeps`` sweeps (default :data:`DEFAULT_HISTORY_SWEEPS`), older ones
+        are dropped; a sweep counts once read, whether by :meth:`start`'s background thread or by iterating.
+        Any thread, without blocking the stream.
+
+        Args:
+            n: only the newest ``n`` sweeps; None for all that are kept.
+
+        Returns:
+            One row per sample, oldest first, with the columns, dtypes and attrs of :func:`smiquery.query_df`
+            (snake_case names, nullable dtypes, ``df.attrs["units"]``); no rows but the stream's columns before
+            the first sweep.
+
+        Raises:
+            ValueError: a negative ``n``.
+        """
+        from smiquery.frames import empty_array, local_zone, make_frame, to_dataframe
+
+        if n is not None and n < 0:
+            raise ValueError("n must be 0 or more")
+        with self._history_lock:
+            kept = list(self._history)
+        sweeps = kept[len(kept) - n :] if n is not None and n < len(kept) else kept
+        samples = [sample for sweep in sweeps for sample in sweep]
+        if samples:
+            return to_dataframe(samples)
+        return make_frame(self.fields, [empty_array(f, self._tz or local_zone()) for f in self.fields], {}, None)
+
     @property
     def error(self) -> BaseException | None:
         """The error that ended the stream (given up after ``max_attempts``/``max_restarts``), if any."""
@@ -224,6 +279,7 @@ def stream(
     runner: Runner | None = None,
     sleep: Callable[[float], None] | None = None,
     tz: tzinfo | None = None,
+    history_sweeps: int = DEFAULT_HISTORY_SWEEPS,
 ) -> Stream:
     """Sample continuously from ONE nvidia-smi child in loop mode (``-l`` for whole seconds, ``-lms`` below).
 
@@ -250,6 +306,7 @@ def stream(
         runner: how to run nvidia-smi (tests inject one).
         sleep: how to wait between attempts (tests inject one; default: a wait that ``close()`` cuts short).
         tz: time zone of the timestamps.
+        history_sweeps: how many of the newest sweeps :meth:`Stream.history` keeps (0: none).
 
     Returns:
         A :class:`Stream` (not started until iterated or :meth:`Stream.start` is called).
@@ -258,7 +315,7 @@ def stream(
         InvalidFieldError: an unknown field, before anything runs.
         InvalidGpuIdError: a malformed GPU id, before anything runs.
         NvidiaSmiNotFoundError: no usable binary, before anything runs.
-        ValueError: a non-positive interval or timeout.
+        ValueError: a non-positive interval or timeout, a negative ``history_sweeps``.
     """
     return Stream(
         fields,
@@ -274,4 +331,5 @@ def stream(
         runner=runner,
         sleep=sleep,
         tz=tz,
+        history_sweeps=history_sweeps,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import sys
 from datetime import datetime, timedelta
@@ -15,6 +16,7 @@ from smiquery.analysis import (
     Report,
     format_duration,
     report,
+    report_html,
     report_json,
     report_markdown,
     report_text,
@@ -115,6 +117,16 @@ def test_markdown_report(demo):
     assert "| GPU | start | length | mean util |" in md
     assert "| temperature.gpu [C] |" in md
     assert "- **critical**: GPU 5 was over 85 C" in md
+
+
+def test_a_report_shows_itself_in_a_notebook_as_the_html_page(demo):
+    shown = demo._repr_html_()  # what Jupyter calls to display the value of a cell
+    assert shown == report_html(demo)
+    assert "<h2>Findings</h2>" in shown
+    assert demo.findings
+    for finding in demo.findings:
+        assert html.escape(finding.verdict) in shown
+    assert "<img" not in shown  # no plot: drawing one would make every display of a report slow
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])

@@ -12,7 +12,8 @@ import pytest
 from smiquery import errors
 from smiquery.retry import RetryPolicy
 from smiquery.source import StreamEvent
-from smiquery.streams.sync import Stream, stream
+from smiquery.sources.query_gpu import query_df
+from smiquery.streams.sync import DEFAULT_HISTORY_SWEEPS, Stream, stream
 from tests.helpers import wait_for
 from tests.leakcheck import no_leaks, wait_no_children
 
@@ -192,6 +193,38 @@ def test_background_latest_is_non_blocking_and_fresh(fake_smi):
                 iter(other)
         finally:
             other.close()
+
+
+def test_history_is_the_newest_sweeps_as_the_dataframe_query_df_gives(fake_inproc):
+    with stream(interval=0.05, history_sweeps=5, **fake_inproc()) as s:
+        before = s.history()
+        seen = list(s.sweeps(count=12))
+        df, newest = s.history(), s.history(n=2)
+    snapshot = query_df(**fake_inproc())
+    assert before.empty and list(before.columns) == list(snapshot.columns)
+    assert len(df) == 5 * 8  # the bound: the seven older sweeps are gone
+    assert list(df.columns) == list(snapshot.columns)
+    assert df.dtypes.to_dict() == snapshot.dtypes.to_dict()
+    assert df.attrs["units"]["memory_used"] == "MiB"
+    kept = [x for sweep in seen[-5:] for x in sweep]
+    assert df["timestamp"].tolist() == [x.timestamp for x in kept]
+    assert df["memory_used"].tolist() == [x.memory_used for x in kept]
+    assert newest["timestamp"].tolist() == df["timestamp"].tolist()[-16:]
+    assert s.history(n=0).empty
+    with pytest.raises(ValueError, match="0 or more"):
+        s.history(n=-1)
+    assert DEFAULT_HISTORY_SWEEPS == stream.__kwdefaults__["history_sweeps"] == 3600
+
+
+def test_a_background_stream_fills_its_history(fake_inproc):
+    s = stream(interval=0.05, **fake_inproc()).start()
+    try:
+        wait_for(lambda: len(s.history()) >= 3 * 8, 30, "three sweeps in the history")
+        df = s.history()
+        assert df["timestamp"].is_monotonic_increasing
+        assert set(df["index"]) == set(range(8))
+    finally:
+        s.close()
 
 
 def test_stream_validates_before_running(fake_smi, tmp_path):
