@@ -212,7 +212,8 @@ def job_of_pid(pid: int, proc: str = "/proc") -> str | None:
 
 
 def _why(tool: str, done: Completed) -> SlurmError:
-    text = " ".join((done.stderr or done.stdout).split())[:300] or f"exit status {done.returncode}"
+    text = " ".join((done.stderr or done.stdout).replace(f"{tool}: ", "").split())[:300]
+    text = text or f"exit status {done.returncode}"
     low = text.lower()
     if "munge" in low or "authentication" in low or "credential" in low:
         return SlurmError(
