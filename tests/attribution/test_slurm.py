@@ -159,7 +159,8 @@ def test_label_values_are_bounded_and_escaped() -> None:
             "slurmctld does not answer",
         ),
         (
-            "squeue: error: Munge decode failed: Invalid credential\nsqueue: error: authentication: Invalid credential\n",
+            "squeue: error: Munge decode failed: Invalid credential\n"
+            "squeue: error: authentication: Invalid credential\n",
             "auth",
             "munge authentication failed",
         ),
