@@ -75,6 +75,7 @@ __all__ = [
     "ReplayError",
     "ReportError",
     "ResourceLimitError",
+    "SlurmError",
     "SmiqueryError",
     "StreamEndedError",
     "UsageError",
@@ -256,6 +257,18 @@ class KubernetesApiError(SmiqueryError):
 
     def __init__(self, message: str, status: int = 0) -> None:
         self.status = status
+        super().__init__(message)
+
+
+class SlurmError(SmiqueryError):
+    """Slurm's client commands could not say which job holds which GPU (missing, slurmctld down, munge...).
+
+    Attributes:
+        kind: ``not_found``, ``controller_unreachable``, ``auth``, ``timeout``, ``minors`` or ``failed``.
+    """
+
+    def __init__(self, message: str, kind: str = "failed") -> None:
+        self.kind = kind
         super().__init__(message)
 
 

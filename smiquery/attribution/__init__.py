@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from smiquery._log import get_logger
+from smiquery.printable import printable
 from smiquery.retry import one_line
 from smiquery.sources.details import parse_list
 from smiquery.sources.latest import Latest
@@ -381,7 +382,7 @@ class Attribution:
     def _log_changes(self, view: View, gpus: Mapping[str, int | None]) -> None:
         for uuid, state in sorted(view.states.items()):
             if self._state.get(uuid) != state:
-                holders = ", ".join("/".join(h.values) for h in view.holders.get(uuid, ()))
+                holders = printable(", ".join("/".join(h.values) for h in view.holders.get(uuid, ())))
                 log.info(
                     "smiquery exporter: GPU %s (%s) attribution: %s%s",
                     gpus.get(uuid, "?"),

@@ -80,6 +80,7 @@ Examples:
   smiquery export --interval 15s --fields health --label cluster=a100-pod3
   smiquery export --bind 0.0.0.0 --port 9400 --naming dcgm
   smiquery export --processes --top-processes 5
+  smiquery export --slurm --bind 0.0.0.0
   smiquery export --web-config-file web.yml
   curl -s localhost:9849/metrics | grep smiquery_temperature_gpu_celsius
   curl -fsS localhost:9849/readyz
@@ -206,6 +207,32 @@ def export(
             "implies --kubernetes, --processes and --top-processes 16 or more; needs hostPID and RBAC list pods).",
         ),
     ] = False,
+    slurm: Annotated[
+        bool,
+        typer.Option(
+            "--slurm/--no-slurm",
+            help="Say which Slurm job holds each GPU (squeue and scontrol, on their own thread): "
+            "smiquery_gpu_allocation_info, slurm_* labels on GPUs one job holds, per-job use and "
+            "smiquery_gpu_unallocated_use from process cgroups (implies --processes).",
+        ),
+    ] = False,
+    slurm_node: Annotated[
+        str | None,
+        typer.Option(
+            "--slurm-node", help="This node's Slurm name (default: SLURMD_NODENAME, else the short host name)."
+        ),
+    ] = None,
+    slurm_interval: Annotated[
+        float,
+        _duration(
+            "--slurm-interval",
+            "Seconds between Slurm listings (one squeue per listing, plus squeue and scontrol per new job; "
+            "slurmctld answers every node).",
+        ),
+    ] = 10.0,
+    slurm_bin_dir: Annotated[
+        str | None, typer.Option("--slurm-bin-dir", help="Where squeue and scontrol are (default: PATH).")
+    ] = None,
     details_interval: Annotated[
         float,
         _duration_or_off(
@@ -230,6 +257,7 @@ def export(
     settings = settings_of(ctx)
     with boundary(settings.debug):
         _check_plain_options(interval, processes_interval, stale_after, bind, fields, gpus)
+        _positive(slurm_interval, "--slurm-interval")
         _check_tls(tls_cert, tls_key, client_ca, web_config_file)
         from smiquery import exporter as exporter_mod
 
@@ -242,6 +270,13 @@ def export(
             checked.labels,
             nvidia_smi or settings.nvidia_smi,
         )
+        if slurm:
+            if attribution is not None:
+                raise typer.BadParameter("give either --kubernetes or --slurm, not both", param_hint="'--slurm'")
+            attribution = _slurm_attribution(
+                slurm_node, slurm_bin_dir, slurm_interval, checked.labels, nvidia_smi or settings.nvidia_smi
+            )
+            processes = True
         if kubernetes_processes:
             processes, top_processes = True, max(top_processes, 16)
         configured = [h for h in logging.getLogger("smiquery").handlers if not isinstance(h, logging.NullHandler)]
@@ -312,6 +347,21 @@ def _kubernetes_attribution(
             f"needs the k8s extra ({exc.name} is missing): pip install 'smiquery[k8s]'", param_hint="'--kubernetes'"
         ) from None
     backend = KubernetesBackend(socket_path, pods=PodDirectory(max(interval, 15.0)) if processes else None)
+    try:
+        check_labels(backend, labels)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--label'") from None
+    return Attribution(backend, interval=interval, nvidia_smi=nvidia_smi)
+
+
+def _slurm_attribution(
+    node: str | None, bin_dir: str | None, interval: float, labels: dict[str, str], nvidia_smi: str | None
+) -> Attribution:
+    """The exporter's Slurm job attribution; a clashing label is a usage error."""
+    from smiquery.attribution import Attribution, check_labels
+    from smiquery.attribution.slurm import SlurmBackend
+
+    backend = SlurmBackend(node, bin_dir=bin_dir, nvidia_smi=nvidia_smi)
     try:
         check_labels(backend, labels)
     except ValueError as exc:

@@ -26,6 +26,7 @@ from smiquery.exporter.families import (
     pmon_health,
     process_families,
     pstate_number,
+    unallocated_use_families,
     workload_usage_families,
     xid_families,
 )
@@ -646,6 +647,8 @@ class SmiCollector:
         out = attribution_families(att, self._att_gpus, uuid_label, self.labels)
         if att.backend.processes and (instant is not None or procs is not None):
             out += workload_usage_families(att, self._att_gpus, instant, procs, uuid_label, self.labels)
+        if att.backend.processes and procs is not None:
+            out += unallocated_use_families(att, self._att_gpus, procs, uuid_label, self.labels)
         return out
 
     def _details_labels(self, gpu: GpuDetails) -> dict[str, str]:

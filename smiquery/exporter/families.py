@@ -31,6 +31,7 @@ __all__ = [
     "pmon_health",
     "process_families",
     "pstate_number",
+    "unallocated_use_families",
     "workload_usage_families",
     "xid_families",
 ]
@@ -410,3 +411,37 @@ def xid_families(
     for reason, n in xid.rejected().items():
         rejected.add_sample(rejected.name + "_total", {**labels, "reason": reason}, float(n))
     return [up, fam, rejected] if fam.samples else [up, rejected]
+
+
+def unallocated_use_families(
+    att: Attribution,
+    gpus: Mapping[str, int | None],
+    procs: Sequence[GpuProcess],
+    uuid_label: str,
+    labels: Mapping[str, str],
+) -> list[Metric]:
+    """``smiquery_gpu_unallocated_use``: a workload's process on a GPU the scheduler did not give that workload.
+
+    Only while the listing works (never from a stale or failed one) and only for processes the backend ties to a
+    workload it listed; labelled uuid, gpu and the workload's labels.
+    """
+    if not att.up:
+        return []
+    b = att.backend
+    view = att.view(gpus)
+    found: set[tuple[str, Workload]] = set()
+    for p in procs:
+        if p.gpu_uuid not in gpus or p.pid is None:
+            continue
+        owner = b.owner(p.pid)
+        if owner is not None and owner != b.other and owner not in view.holders.get(p.gpu_uuid, ()):
+            found.add((p.gpu_uuid, owner))
+    fam = gauge(
+        "smiquery_gpu_unallocated_use",
+        f"A {b.words.holder} running on a GPU the scheduler did not allocate to it (1): a finding.",
+    )
+    for uuid, owner in sorted(found):
+        idx = gpus.get(uuid)
+        one = {uuid_label: uuid, "gpu": "" if idx is None else str(idx), **owner.labels(b.labels)}
+        fam.add_sample(fam.name, {**one, **labels}, 1.0)
+    return [fam] if fam.samples else []

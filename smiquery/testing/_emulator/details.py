@@ -88,6 +88,8 @@ def _synthesized(rec: Recording, settings: Settings) -> str:
         mig = cell("mig.mode.current")
         out.append(f"\t\t<mig_mode>\n\t\t\t<current_mig>{mig}</current_mig>\n\t\t</mig_mode>")
         out.append(f"\t\t<uuid>{escape(ident['uuid'])}</uuid>")
+        # the device's /dev/nvidia<minor>: real drivers number them in probe order, as the recording's GPUs are
+        out.append(f"\t\t<minor_number>{pos}</minor_number>")
         out.append(f"\t\t<pci>\n\t\t\t<pci_bus_id>{escape(ident['pci.bus_id'])}</pci_bus_id>\n\t\t</pci>")
         out.append("\t\t<fb_memory_usage>")
         for part in ("total", "used", "free"):
