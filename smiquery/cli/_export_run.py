@@ -30,7 +30,18 @@ if TYPE_CHECKING:
     from smiquery.attribution import Attribution
     from smiquery.exporter import Exporter
 
-__all__ = ["EXEC_ENV", "HANDOFF_ENV", "ExportOptions", "LogFormat", "Naming", "TopBy", "hand_off", "main", "run_export"]
+__all__ = [
+    "EXEC_ENV",
+    "HANDOFF_ENV",
+    "MODULES_ENV",
+    "ExportOptions",
+    "LogFormat",
+    "Naming",
+    "TopBy",
+    "hand_off",
+    "main",
+    "run_export",
+]
 
 # The exporter's own choices (smiquery.exporter.naming.Naming, smiquery.exporter.events.LogFormat). Spelled here
 # because importing the exporter needs prometheus_client, which `smiquery --help` must not; mypy checks that
@@ -42,6 +53,9 @@ TopBy = Literal["name", "pid"]
 #: The environment variable that carries the parsed options (JSON) across ``os.execv``; removed on arrival, so
 #: nvidia-smi and the other children never see it.
 HANDOFF_ENV = "SMIQUERY_EXPORT_OPTIONS"
+#: A file to which the serving process writes the names of the modules it has loaded (one a line) once it serves:
+#: how the tests and ``scripts/bench_exporter.py`` check what the exporter keeps resident.
+MODULES_ENV = "SMIQUERY_EXPORT_MODULES_FILE"
 #: Set to ``0`` to keep ``smiquery export`` in the process typer parsed it in (debugging, profiling that process).
 EXEC_ENV = "SMIQUERY_EXPORT_EXEC"
 
@@ -195,6 +209,7 @@ def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> i
                 "serving",
                 url=f"{exp.url}/metrics",
             )
+            _write_modules(os.environ.get(MODULES_ENV))
             if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
                 tell("warning: listening on all interfaces without TLS", logging.WARNING, "no_tls_on_all_interfaces")
             while not sigs.wake.wait(0.5):
@@ -206,6 +221,12 @@ def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> i
             sigs.closing = True
             exp.stop()
     return sigs.exit_code
+
+
+def _write_modules(path: str | None) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as out:
+            out.write("".join(f"{name}\n" for name in sorted(sys.modules)))
 
 
 def _interpreter_flags() -> list[str]:
