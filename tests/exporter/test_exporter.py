@@ -1229,7 +1229,8 @@ def test_build_info_and_livez_while_nvidia_smi_cannot_start(exporter, inproc):
     code, body = get(exp.url + "/metrics")
     assert code == 200 and "smiquery_up 0.0" in body
     assert re.search(r'smiquery_stream_info\{last_error_type="\w+Error"', body)
-    assert re.search(r'smiquery_build_info\{driver_version="[^"]*",nvidia_smi="[^"]+nvidia-smi",revision="\w+",version="', body)
+    build = r'smiquery_build_info\{driver_version="[^"]*",nvidia_smi="[^"]+nvidia-smi",revision="\w+",version="'
+    assert re.search(build, body)
     assert get(exp.url + "/livez") == (200, "ok\n")
     assert get(exp.url + "/readyz")[0] == 503
 
