@@ -44,10 +44,6 @@ def _command_rank(info: Any) -> int:
 
 _registered: list[Any] = []
 
-#: True while :func:`main` runs as the process's own entry (``argv`` not given): ``export`` may then replace the
-#: process image with its lean server (:mod:`smiquery.cli._export_run`); a program calling ``main(args)`` keeps it.
-process_entry = False
-
 
 def _load_app() -> Any:
     """The typer app with every command registered (imported on first use: the fast path needs none of it)."""
@@ -83,9 +79,12 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """
     from smiquery.cli.query import parse_fast_query, run_fast_query
 
-    global process_entry
-    process_entry = argv is None
     args = list(argv) if argv is not None else sys.argv[1:]
+    if argv is None and "export" in args:
+        # the whole process: `export` may replace its image with the lean server; `main(args)` from a program never
+        from smiquery.cli import _export_run
+
+        _export_run.process_entry = True
     fast = parse_fast_query(args)
     if fast is not None:
         try:

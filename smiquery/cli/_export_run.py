@@ -40,7 +40,9 @@ __all__ = [
     "TopBy",
     "hand_off",
     "main",
+    "process_entry",
     "run_export",
+    "whole_process",
 ]
 
 # The exporter's own choices (smiquery.exporter.naming.Naming, smiquery.exporter.events.LogFormat). Spelled here
@@ -60,6 +62,10 @@ MODULES_ENV = "SMIQUERY_EXPORT_MODULES_FILE"
 EXEC_ENV = "SMIQUERY_EXPORT_EXEC"
 
 _ALL_INTERFACES = {"0.0.0.0", "::", "[::]"}
+
+#: Set by :func:`smiquery.cli.main` when it is the process's own entry (the console script, ``python -m smiquery``):
+#: only then may ``export`` replace the process image; a program calling ``main(args)`` or typer's runner never.
+process_entry = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,11 @@ class ExportOptions:
 def _invalid(option: str, message: str) -> UsageError:
     """A usage error worded as typer words its own (``Invalid value for '--bind': ...``), exit 2."""
     return UsageError(f"Invalid value for '{option}': {message}")
+
+
+def whole_process() -> bool:
+    """Whether ``export`` runs as the whole process (:data:`process_entry`), so it may hand off with ``os.execv``."""
+    return process_entry
 
 
 def _kubernetes_attribution(opts: ExportOptions) -> Attribution | None:

@@ -20,7 +20,7 @@ import typer
 
 from smiquery.cli._boundary import boundary
 from smiquery.cli._common import app, seconds_option, settings_of
-from smiquery.cli._export_run import ExportOptions, LogFormat, Naming, TopBy, hand_off, run_export
+from smiquery.cli._export_run import ExportOptions, LogFormat, Naming, TopBy, hand_off, run_export, whole_process
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError, SmiqueryError
 from smiquery.fields import resolve_fields
 from smiquery.streams.argv import normalize_gpus
@@ -275,7 +275,7 @@ def export(
             kernel_log=kernel_log or None,
             debug=settings.debug,
         )
-        if _process_entry():
+        if whole_process():
             hand_off(opts, sys.argv[1:])  # returns only when the process image cannot be replaced
         code = run_export(opts)
     if code:
@@ -284,13 +284,6 @@ def export(
 
 def _text(path: Path | None) -> str | None:
     return None if path is None else str(path)
-
-
-def _process_entry() -> bool:
-    """Whether this command is the whole process (the console script or ``python -m smiquery``, not a test runner)."""
-    from smiquery import cli
-
-    return bool(getattr(cli, "process_entry", False))
 
 
 def _alert_rules(given: list[str], defaults: tuple[str, ...]) -> list[str]:
