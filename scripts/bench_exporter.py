@@ -11,6 +11,10 @@ The exporter runs as its own process (`python -m smiquery export`) on the fake n
    good clients scrape: good p99 < 100 ms, no errors, exporter RSS growth < 20 MB, thread count unchanged;
 4. a permanent error (driver/library version mismatch) injected, then cleared: the time from clearing it to
    fresh data (/readyz 200), which must stay within one permanent-retry period (30 s) plus a few intervals;
+0. memory: the exporter serving 8 GPUs at 1 Hz, scraped once a second: its RSS after ``--rss-scrapes`` scrapes
+   (target < 32 MiB), beside the peak RSS of ``python -c pass`` measured in the same run, and that the serving
+   process (the same pid, after ``smiquery export`` hands over to its lean server) holds no typer, click, rich or
+   pydantic;
 5. basic auth (a second exporter with ``--web-config-file``, one user, bcrypt cost 10): one valid user scraping
    OpenMetrics on a kept-alive connection (its credential checked once, then remembered), first alone, then
    while 20 and 100 guessers send wrong passwords (a new one each time, a new connection each): the valid
@@ -20,6 +24,7 @@ The exporter runs as its own process (`python -m smiquery export`) on the fake n
     python scripts/bench_exporter.py                # about two minutes
     python scripts/bench_exporter.py --scrapes 5000
     python scripts/bench_exporter.py --auth-only    # phase 5 alone (about 30 s)
+    python scripts/bench_exporter.py --rss-only     # phase 0 alone (about 35 s)
 
 Exit status: 0 when every target is met, 1 otherwise.
 """
@@ -57,6 +62,8 @@ SLOW_RSS_MAX_MB = 20.0
 PERMANENT_RETRY_S = 30.0
 AUTH_ADDED_MS = 5.0
 AUTH_P99_MAX_MS = 50.0
+RSS_MAX_MIB = 32.0
+CLI_ONLY = ("typer", "click", "rich", "pydantic", "pydantic_core")
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 
 
@@ -394,6 +401,58 @@ def auth_phase(
     return rows
 
 
+def python_pass_mib() -> float:
+    """The RSS of a bare interpreter (``python -c pass`` that reads its own VmRSS before it ends, importing nothing).
+
+    Not ``ru_maxrss`` of the child: that counts the pages it shared with this script before the exec.
+    """
+    code = "print(open('/proc/self/status').read())"
+    status = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024.0  # type: ignore[union-attr]
+
+
+def rss_phase(
+    env: dict[str, str], fake: Path, tmp: Path, server_cpu: int, scrapes: int
+) -> list[tuple[str, str, str, bool]]:
+    """Phase 0: the exporter's RSS at 1 Hz, scraped once a second, against ``python -c pass``."""
+    modules = tmp / "modules.txt"
+    argv = [sys.executable, "-m", "smiquery", "export", "--port", "0", "--interval", "1", "--fields", "health",
+            "--nvidia-smi", str(fake)]  # fmt: skip
+    run_env = {**env, "SMIQUERY_EXPORT_MODULES_FILE": str(modules)}
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=run_env, start_new_session=True)
+    try:
+        os.sched_setaffinity(proc.pid, {server_cpu})
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        m = re.search(r"http://([\d.]+):(\d+)/metrics", line)
+        if not m:
+            return [("RSS at 1 Hz", f"exporter did not start: {line.strip()}", f"< {RSS_MAX_MIB:g} MiB", False)]
+        threading.Thread(target=proc.stderr.read, daemon=True).start()
+        host, port = m.group(1), int(m.group(2))
+        ok = 0
+        next_at = time.monotonic()
+        for _ in range(scrapes):
+            next_at += 1.0
+            ok += one_scrape(host, port)[1]
+            time.sleep(max(0.0, next_at - time.monotonic()))
+        rss = rss_mb(proc.pid)
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
+    base = python_pass_mib()
+    loaded = modules.read_text(encoding="utf-8").split() if modules.exists() else []
+    cli = sorted({m.split(".")[0] for m in loaded} & set(CLI_ONLY))
+    lean = b"smiquery.cli._export_run" in cmdline and loaded and not cli
+    return [
+        (f"RSS at 1 Hz, {scrapes} scrapes", f"{rss:.1f} MiB (python -c pass: {base:.1f} MiB, x{rss / base:.2f}; "
+         f"{ok} of {scrapes} scrapes ok)", f"< {RSS_MAX_MIB:g} MiB", rss < RSS_MAX_MIB and ok == scrapes),
+        ("serving process: no CLI framework", "none loaded" if lean else f"loaded: {cli or 'not handed over'}",
+         "none", bool(lean)),
+    ]  # fmt: skip
+
+
 def nvidia_smi_children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -431,6 +490,10 @@ def main() -> int:
     ap.add_argument("--auth-cost", type=int, default=10, help="bcrypt cost of the phase 5 user (default 10)")
     ap.add_argument("--auth-scrapes", type=int, default=300, help="valid scrapes per phase 5 step (default 300)")
     ap.add_argument("--auth-only", action="store_true", help="run phase 5 (basic auth under guessing) alone")
+    ap.add_argument("--rss-only", action="store_true", help="run phase 0 (memory at 1 Hz) alone")
+    ap.add_argument(
+        "--rss-scrapes", type=int, default=30, help="scrapes, one a second, before RSS is read (default 30)"
+    )
     args = ap.parse_args()
     if args.scrapes < 1000:
         ap.error("--scrapes must be at least 1000 (memory is compared from scrape 1,000 on)")
@@ -450,6 +513,12 @@ def main() -> int:
             "--fields", args.fields, "--nvidia-smi", str(fake),
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        if args.rss_only:
+            rows = rss_phase(env, fake, Path(tmp), server_cpu, args.rss_scrapes)
+            print(f"smiquery export bench, phase 0 alone: 8 GPUs, health preset, interval 1 s, one scrape a second, "
+                  f"exporter on CPU {server_cpu}, {time.monotonic() - t_bench:.0f} s in all")  # fmt: skip
+            return report(rows)
+        rows += rss_phase(env, fake, Path(tmp), server_cpu, args.rss_scrapes)
         if args.auth_only:
             rows = auth_phase(env, fake, Path(tmp), server_cpu, client_cpu, args)
             print(f"smiquery export bench, phase 5 alone: exporter on CPU {server_cpu}, clients on CPU {client_cpu}, "

@@ -80,6 +80,11 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     from smiquery.cli.query import parse_fast_query, run_fast_query
 
     args = list(argv) if argv is not None else sys.argv[1:]
+    if argv is None and "export" in args:
+        # the whole process: `export` may replace its image with the lean server; `main(args)` from a program never
+        from smiquery.cli import _export_run
+
+        _export_run.process_entry = True
     fast = parse_fast_query(args)
     if fast is not None:
         try:

@@ -3,39 +3,34 @@
 Errors go through the one boundary of the command line (:mod:`smiquery.cli._boundary`): 1 the port is taken (or
 needs root) or the exporter cannot run, 2 a bad option (including a --bind address that is not on this machine), 3
 nvidia-smi not found; a stop by SIGTERM exits 143, by SIGINT (Ctrl-C) 130, as every long-running command does.
+
+Run as its own process (the ``smiquery`` console script, ``python -m smiquery``), the command hands its parsed options
+to :mod:`smiquery.cli._export_run` with ``os.execv`` (same pid), so the serving process holds no typer, click, rich
+or pydantic; called in another program (typer's test runner) it serves in that process.
 """
 
 from __future__ import annotations
 
-import logging
-import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from smiquery.cli._boundary import boundary, say
+from smiquery.cli._boundary import boundary
 from smiquery.cli._common import app, seconds_option, settings_of
-from smiquery.cli._signals import Signals
-from smiquery.errors import InvalidFieldError, InvalidGpuIdError, ListenError, SmiqueryError
+from smiquery.cli._export_run import ExportOptions, LogFormat, Naming, TopBy, hand_off, run_export, whole_process
+from smiquery.errors import InvalidFieldError, InvalidGpuIdError, SmiqueryError
 from smiquery.fields import resolve_fields
 from smiquery.streams.argv import normalize_gpus
 
 if TYPE_CHECKING:
-    from smiquery.attribution import Attribution
-    from smiquery.exporter import Exporter, WebConfig
+    from smiquery.exporter import WebConfig
 
 __all__ = ["LogFormat", "Naming", "TopBy", "export"]
 
-# The exporter's own choices (smiquery.exporter.naming.Naming, smiquery.exporter.events.LogFormat). Spelled here
-# because importing the exporter needs prometheus_client, which `smiquery --help` must not; mypy checks that
-# these are the values `serve` and `configure_logging` take, tests/cli/test_export.py that they are all of them.
-Naming = Literal["smiquery", "dcgm", "nvidia_smi"]
-LogFormat = Literal["text", "json"]
-TopBy = Literal["name", "pid"]
 
-_ALL_INTERFACES = {"0.0.0.0", "::", "[::]"}
 _DURATION_HINT = " Takes 5, 0.5, 250ms, 2s, 1m."
 
 
@@ -85,6 +80,14 @@ Examples:
   curl -s localhost:9849/metrics | grep smiquery_temperature_gpu_celsius
   curl -fsS localhost:9849/readyz
 """
+
+
+def _version(value: bool) -> None:
+    if value:
+        from smiquery import __version__
+
+        typer.echo(f"smiquery {__version__}")
+        raise typer.Exit(0)
 
 
 @app.command("export", epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
@@ -249,6 +252,17 @@ def export(
             "root) or a plain file followed like tail -F. '': off.",
         ),
     ] = "/dev/kmsg",
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            "-V",
+            callback=_version,
+            is_eager=True,
+            help="Print smiquery's version and exit.",
+            show_default=False,
+        ),
+    ] = False,
 ) -> None:
     """Serve Prometheus metrics on /metrics (probes at /livez and /readyz) from ONE background nvidia-smi loop.
 
@@ -261,112 +275,54 @@ def export(
         _check_tls(tls_cert, tls_key, client_ca, web_config_file)
         from smiquery import exporter as exporter_mod
 
+        if slurm and (kubernetes or kubernetes_processes):
+            raise typer.BadParameter("give either --kubernetes or --slurm, not both", param_hint="'--slurm'")
         checked = _check_exporter_options(label, top_processes, alert, web_config_file)
-        attribution = _kubernetes_attribution(
-            kubernetes or kubernetes_processes,
-            kubernetes_processes,
-            pod_resources_socket,
-            interval,
-            checked.labels,
-            nvidia_smi or settings.nvidia_smi,
+        opts = ExportOptions(
+            port=port,
+            bind=bind,
+            interval=interval,
+            fields=fields,
+            gpus=gpus,
+            labels=checked.labels,
+            naming=naming,
+            processes=processes,
+            processes_interval=processes_interval,
+            top_processes=top_processes,
+            top_processes_by=top_processes_by,
+            tls_cert=_text(tls_cert),
+            tls_key=_text(tls_key),
+            client_ca=_text(client_ca),
+            web_config_file=_text(web_config_file),
+            alerts=_alert_rules(checked.rules or [], exporter_mod.DEFAULT_EXPORTER_ALERTS if default_alerts else ()),
+            log_format=log_format,
+            stale_after=stale_after,
+            nvidia_smi=nvidia_smi if nvidia_smi is not None else settings.nvidia_smi,
+            kubernetes=kubernetes,
+            pod_resources_socket=pod_resources_socket,
+            kubernetes_processes=kubernetes_processes,
+            slurm=slurm,
+            slurm_node=slurm_node,
+            slurm_interval=slurm_interval,
+            slurm_bin_dir=slurm_bin_dir,
+            details_interval=details_interval or None,
+            kernel_log=kernel_log or None,
+            debug=settings.debug,
         )
-        if slurm:
-            if attribution is not None:
-                raise typer.BadParameter("give either --kubernetes or --slurm, not both", param_hint="'--slurm'")
-            attribution = _slurm_attribution(
-                slurm_node, slurm_bin_dir, slurm_interval, checked.labels, nvidia_smi or settings.nvidia_smi
-            )
-            processes = True
-        if kubernetes_processes:
-            processes, top_processes = True, max(top_processes, 16)
-        configured = [h for h in logging.getLogger("smiquery").handlers if not isinstance(h, logging.NullHandler)]
-        if not configured and not logging.getLogger().handlers:
-            exporter_mod.configure_logging(log_format)
-        try:
-            exp = exporter_mod.serve(
-                port=port,
-                bind=bind,
-                interval=interval,
-                fields=fields,
-                gpus=gpus,
-                labels=checked.labels,
-                naming=naming,
-                processes=processes,
-                processes_interval=processes_interval,
-                top_processes=top_processes,
-                top_processes_by=top_processes_by,
-                tls_cert=tls_cert,
-                tls_key=tls_key,
-                client_ca=client_ca,
-                nvidia_smi=nvidia_smi if nvidia_smi is not None else settings.nvidia_smi,
-                stale_after=stale_after,
-                web_config=checked.web,
-                alerts=_alert_rules(
-                    checked.rules or [], exporter_mod.DEFAULT_EXPORTER_ALERTS if default_alerts else ()
-                ),
-                attribution=attribution,
-                details_interval=details_interval or None,
-                kernel_log=kernel_log or None,
-            )
-        except ListenError as exc:
-            if exc.option == "--bind":
-                raise typer.BadParameter(str(exc), param_hint="'--bind'") from None
-            raise
-        except SmiqueryError:
-            raise
-        except OSError as exc:  # unreadable or mismatched TLS files (ssl.SSLError is an OSError)
-            raise typer.BadParameter(
-                f"cannot load them: {exc}", param_hint="'--tls-cert/--tls-key/--client-ca'"
-            ) from None
-        code = _serve_until_signal(exp, bind, log_format)
+        if whole_process():
+            hand_off(opts, sys.argv[1:])  # returns only when the process image cannot be replaced
+        code = run_export(opts)
     if code:
         raise typer.Exit(code)
+
+
+def _text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def _alert_rules(given: list[str], defaults: tuple[str, ...]) -> list[str]:
     """The default rules (whose text the shipped Prometheus rules match), then the given ones, each rule once."""
     return list(dict.fromkeys([*defaults, *given]))
-
-
-def _kubernetes_attribution(
-    on: bool,
-    processes: bool,
-    socket_path: str,
-    interval: float,
-    labels: dict[str, str],
-    nvidia_smi: str | None,
-) -> Attribution | None:
-    """The exporter's pod attribution, or None; a missing k8s extra or a clashing label is a usage error."""
-    if not on:
-        return None
-    try:
-        from smiquery.attribution import Attribution, check_labels
-        from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
-    except ImportError as exc:
-        raise typer.BadParameter(
-            f"needs the k8s extra ({exc.name} is missing): pip install 'smiquery[k8s]'", param_hint="'--kubernetes'"
-        ) from None
-    backend = KubernetesBackend(socket_path, pods=PodDirectory(max(interval, 15.0)) if processes else None)
-    try:
-        check_labels(backend, labels)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="'--label'") from None
-    return Attribution(backend, interval=interval, nvidia_smi=nvidia_smi)
-
-
-def _slurm_attribution(
-    node: str | None, bin_dir: str | None, interval: float, labels: dict[str, str], nvidia_smi: str | None
-) -> Attribution:
-    """The exporter's Slurm job attribution; a clashing label is a usage error."""
-    from smiquery.attribution import Attribution, check_labels
-    from smiquery.attribution.slurm import SlurmBackend
-
-    backend = SlurmBackend(node, bin_dir=bin_dir, nvidia_smi=nvidia_smi)
-    try:
-        check_labels(backend, labels)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="'--label'") from None
-    return Attribution(backend, interval=interval, nvidia_smi=nvidia_smi)
 
 
 def _positive(value: float | None, option: str) -> None:
@@ -441,32 +397,3 @@ def _check_exporter_options(
         except WebConfigError as exc:
             raise typer.BadParameter(str(exc), param_hint="'--web-config-file'") from None
     return _Checked(labels, rules, web)
-
-
-def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> int:
-    """Serve until SIGTERM (exit 143) or SIGINT (exit 130); the stream is closed and nvidia-smi reaped either way."""
-    from smiquery.exporter.events import json_line
-
-    def tell(text: str, level: int, event: str, **fields: Any) -> None:
-        say(json_line(text, level=level, event=event, **fields) if log_format == "json" else f"smiquery export: {text}")
-
-    with Signals() as sigs:
-        try:
-            tell(
-                f"serving {exp.url}/metrics (naming {exp.collector.naming}, every "
-                f"{getattr(exp.stream, 'interval', 0):g} s); probes at /livez and /readyz; Ctrl-C or SIGTERM stops",
-                logging.INFO,
-                "serving",
-                url=f"{exp.url}/metrics",
-            )
-            if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
-                tell("warning: listening on all interfaces without TLS", logging.WARNING, "no_tls_on_all_interfaces")
-            while not sigs.wake.wait(0.5):
-                if exp.stopped:
-                    break
-        except KeyboardInterrupt:
-            sigs.signum = sigs.signum or signal.SIGINT
-        finally:
-            sigs.closing = True
-            exp.stop()
-    return sigs.exit_code

@@ -14,6 +14,7 @@ from prometheus_client.metrics_core import Metric
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.attribution import check_labels
+from smiquery.exporter.build import revision, self_families
 from smiquery.exporter.detailswatch import details_health, fresh_details, mig_families
 from smiquery.exporter.families import (
     attribution_families,
@@ -94,6 +95,9 @@ class SmiCollector:
         nvidia_smi_path: the binary, for ``smiquery_build_info``.
         attribution: which workload holds each GPU (:mod:`smiquery.attribution`): its series, the workload's labels
             on GPUs one workload holds, and per-workload use when its backend ties processes to workloads.
+        process_metrics: also the standard ``process_*`` self-metrics of this process (prometheus_client's
+            ``ProcessCollector``: CPU seconds, resident and virtual memory, open and max fds, start time), as
+            :func:`~smiquery.exporter.serve` asks; off by default, as a registry of your own may have them already.
     """
 
     def __init__(
@@ -114,8 +118,14 @@ class SmiCollector:
         on_state: Callable[[bool, str], None] | None = None,
         nvidia_smi_path: str = "",
         attribution: Attribution | None = None,
+        process_metrics: bool = False,
     ) -> None:
         self.stream = stream
+        self._process_collector: object | None = None
+        if process_metrics:
+            from prometheus_client.process_collector import ProcessCollector
+
+            self._process_collector = ProcessCollector(registry=None)
         flds: Sequence[Field] | None = fields if fields is not None else getattr(stream, "fields", None)
         if flds is None:
             raise ValueError("pass fields= for a stream without a .fields attribute")
@@ -522,8 +532,13 @@ class SmiCollector:
         if next_at is not None:
             doc = "Unix time at which nvidia-smi will be started again (while the stream retries)."
             out.append(one(gauge("smiquery_next_attempt_timestamp_seconds", doc), float(next_at)))
-        build = {"version": __version__, "driver_version": self.driver_version, "nvidia_smi": self.nvidia_smi_path}
-        doc = "smiquery's version, the driver and the nvidia-smi it runs; always 1."
+        build = {
+            "version": __version__,
+            "revision": revision(),
+            "driver_version": self.driver_version,
+            "nvidia_smi": self.nvidia_smi_path,
+        }
+        doc = "smiquery's version, its source revision (a commit, or unknown), the driver and its nvidia-smi; always 1."
         out.append(one(gauge("smiquery_build_info", doc), 1.0, build))
         if sweep is not None and age is not None:
             doc = "Unix time at which the newest sweep of nvidia-smi rows was received."
@@ -608,6 +623,8 @@ class SmiCollector:
             out.append(one(counter("smiquery_collection_errors", doc), float(self.render_errors)))
         doc = "Time spent building this scrape's metrics."
         out.append(one(gauge("smiquery_collection_duration_seconds", doc), duration))
+        if self._process_collector is not None:
+            out += self_families(self._process_collector, self.labels)
         return out
 
     def _data_families(

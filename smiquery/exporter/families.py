@@ -249,7 +249,8 @@ def attribution_families(
         idx = gpus.get(uuid)
         return {uuid_label: uuid, "gpu": "" if idx is None else str(idx)}
 
-    info = gauge("smiquery_gpu_allocation_info", words.allocated)
+    # the backends' help says how to join on the GPU's label: under DCGM naming that label is UUID
+    info = gauge("smiquery_gpu_allocation_info", words.allocated.replace("on(uuid)", f"on({uuid_label})"))
     for uuid, holder, res, mig, profile in view.allocations:
         one = {**gpu(uuid), **holder.labels(b.labels), "resource": res, "mig_uuid": mig, "mig_profile": profile}
         info.add_sample(info.name, {**one, **labels}, 1.0)

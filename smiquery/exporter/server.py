@@ -376,6 +376,7 @@ def serve(
     attribution: Attribution | None = None,
     details_interval: float | None = None,
     kernel_log: str | os.PathLike[str] | None = None,
+    process_metrics: bool = True,
 ) -> Exporter:
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
@@ -428,6 +429,8 @@ def serve(
             scrape), and export per-MIG-instance memory; None (the default here; the CLI's is 60) for none.
         kernel_log: also follow this kernel log (``/dev/kmsg``, or a plain file followed like ``tail -F``) and
             count ``smiquery_xid_errors_total``; None (the default here; the CLI's is ``/dev/kmsg``) for none.
+        process_metrics: serve the standard ``process_*`` metrics of this process (CPU seconds, resident memory,
+            open fds, start time: prometheus_client's ``ProcessCollector``), unless ``registry`` has them already.
 
     Returns:
         The running :class:`Exporter`.
@@ -531,6 +534,7 @@ def serve(
             on_state=events.on_state,
             nvidia_smi_path=str(getattr(s, "argv", ("",))[0]),
             attribution=attribution,
+            process_metrics=process_metrics and not _has_process_metrics(registry),
         )
         extra: Callable[[], bytes] = bytes
         if registry is not None:
@@ -575,6 +579,16 @@ def serve(
         raise
     log.info("smiquery exporter: serving %s/metrics (naming %s)", exp.url, naming)
     return exp
+
+
+def _has_process_metrics(registry: Any) -> bool:
+    """Whether the user's registry serves ``process_*`` already (prometheus_client's default registry does)."""
+    if registry is None:
+        return False
+    try:
+        return registry.get_sample_value("process_start_time_seconds") is not None
+    except Exception:  # a registry-like object without get_sample_value, or a failing collector
+        return False
 
 
 class _Part(Protocol):

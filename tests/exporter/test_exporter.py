@@ -526,7 +526,7 @@ GOLDEN_HEALTH_PRESET = """\
 # TYPE smiquery_up gauge
 # HELP smiquery_stream_info The nvidia-smi stream's state (starting, running, retrying, failed...), its last error type and whether that error needs a person (permanent); always 1.
 # TYPE smiquery_stream_info gauge
-# HELP smiquery_build_info smiquery's version, the driver and the nvidia-smi it runs; always 1.
+# HELP smiquery_build_info smiquery's version, its source revision (a commit, or unknown), the driver and its nvidia-smi; always 1.
 # TYPE smiquery_build_info gauge
 # HELP smiquery_last_sample_timestamp_seconds Unix time at which the newest sweep of nvidia-smi rows was received.
 # TYPE smiquery_last_sample_timestamp_seconds gauge
@@ -1229,7 +1229,8 @@ def test_build_info_and_livez_while_nvidia_smi_cannot_start(exporter, inproc):
     code, body = get(exp.url + "/metrics")
     assert code == 200 and "smiquery_up 0.0" in body
     assert re.search(r'smiquery_stream_info\{last_error_type="\w+Error"', body)
-    assert re.search(r'smiquery_build_info\{driver_version="[^"]*",nvidia_smi="[^"]+nvidia-smi",version="', body)
+    build = r'smiquery_build_info\{driver_version="[^"]*",nvidia_smi="[^"]+nvidia-smi",revision="\w+",version="'
+    assert re.search(build, body)
     assert get(exp.url + "/livez") == (200, "ok\n")
     assert get(exp.url + "/readyz")[0] == 503
 

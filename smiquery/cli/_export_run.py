@@ -1,0 +1,317 @@
+"""The serving half of ``smiquery export``: runs the exporter from options typer already parsed, without typer.
+
+``smiquery export`` is a long-running process on every GPU node, so what it keeps resident counts. typer (with
+click, rich and pydantic) parses and checks the command line as for every command; then, when the command runs as
+its own process (the ``smiquery`` console script or ``python -m smiquery``), :func:`hand_off` replaces the process
+image (``os.execv``: same pid, same signals and exit codes) with ``python -m smiquery.cli._export_run``, which
+reads the parsed options back (:data:`HANDOFF_ENV`, JSON) and imports only the exporter's path. Called inside
+another program (typer's test runner), the command runs :func:`run_export` in that process instead.
+
+One option table stays the truth: the typer command (``smiquery export --help``). This module adds no parser; it is
+started by ``smiquery export`` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
+
+from smiquery.cli._boundary import ExitCode, boundary, say
+from smiquery.cli._signals import Signals
+from smiquery.errors import ListenError, SmiqueryError, UsageError
+
+if TYPE_CHECKING:
+    from smiquery.attribution import Attribution
+    from smiquery.exporter import Exporter
+
+__all__ = [
+    "EXEC_ENV",
+    "HANDOFF_ENV",
+    "MODULES_ENV",
+    "ExportOptions",
+    "LogFormat",
+    "Naming",
+    "TopBy",
+    "hand_off",
+    "main",
+    "process_entry",
+    "run_export",
+    "whole_process",
+]
+
+# The exporter's own choices (smiquery.exporter.naming.Naming, smiquery.exporter.events.LogFormat). Spelled here
+# because importing the exporter needs prometheus_client, which `smiquery --help` must not; mypy checks that
+# these are the values `serve` and `configure_logging` take, tests/cli/test_export.py that they are all of them.
+Naming = Literal["smiquery", "dcgm", "nvidia_smi"]
+LogFormat = Literal["text", "json"]
+TopBy = Literal["name", "pid"]
+
+#: The environment variable that carries the parsed options (JSON) across ``os.execv``; removed on arrival, so
+#: nvidia-smi and the other children never see it.
+HANDOFF_ENV = "SMIQUERY_EXPORT_OPTIONS"
+#: A file to which the serving process writes the names of the modules it has loaded (one a line) once it serves:
+#: how the tests and ``scripts/bench_exporter.py`` check what the exporter keeps resident.
+MODULES_ENV = "SMIQUERY_EXPORT_MODULES_FILE"
+#: Set to ``0`` to keep ``smiquery export`` in the process typer parsed it in (debugging, profiling that process).
+EXEC_ENV = "SMIQUERY_EXPORT_EXEC"
+
+_ALL_INTERFACES = {"0.0.0.0", "::", "[::]"}
+
+#: Set by :func:`smiquery.cli.main` when it is the process's own entry (the console script, ``python -m smiquery``):
+#: only then may ``export`` replace the process image; a program calling ``main(args)`` or typer's runner never.
+process_entry = False
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """``smiquery export``'s options after typer parsed and checked them: plain values that survive JSON.
+
+    Attributes mirror the command's options (``--help`` documents each); ``labels`` and ``alerts`` are the checked
+    results (``--label`` parsed, the default rules merged in), ``nvidia_smi`` the command's or the global one.
+    """
+
+    port: int = 9849
+    bind: str = "127.0.0.1"
+    interval: float = 5.0
+    fields: str = "health"
+    gpus: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    naming: Naming = "smiquery"
+    processes: bool = False
+    processes_interval: float = 15.0
+    top_processes: int = 0
+    top_processes_by: TopBy = "name"
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    client_ca: str | None = None
+    web_config_file: str | None = None
+    alerts: list[str] = field(default_factory=list)
+    log_format: LogFormat = "text"
+    stale_after: float | None = None
+    nvidia_smi: str | None = None
+    kubernetes: bool = False
+    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    kubernetes_processes: bool = False
+    slurm: bool = False
+    slurm_node: str | None = None
+    slurm_interval: float = 10.0
+    slurm_bin_dir: str | None = None
+    details_interval: float | None = 60.0
+    kernel_log: str | None = "/dev/kmsg"
+    debug: bool = False
+
+    def to_json(self) -> str:
+        """The options as one JSON object."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ExportOptions:
+        """The options :meth:`to_json` wrote (unknown keys are an error: both ends are one installed smiquery)."""
+        return cls(**json.loads(text))
+
+
+def _invalid(option: str, message: str) -> UsageError:
+    """A usage error worded as typer words its own (``Invalid value for '--bind': ...``), exit 2."""
+    return UsageError(f"Invalid value for '{option}': {message}")
+
+
+def whole_process() -> bool:
+    """Whether ``export`` runs as the whole process (:data:`process_entry`), so it may hand off with ``os.execv``."""
+    return process_entry
+
+
+def _kubernetes_attribution(opts: ExportOptions) -> Attribution | None:
+    """The exporter's pod attribution, or None; a missing k8s extra or a clashing label is a usage error."""
+    if not (opts.kubernetes or opts.kubernetes_processes):
+        return None
+    try:
+        from smiquery.attribution import Attribution, check_labels
+        from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
+    except ImportError as exc:
+        missing = f"needs the k8s extra ({exc.name} is missing): pip install 'smiquery[k8s]'"
+        raise _invalid("--kubernetes", missing) from None
+    pods = PodDirectory(max(opts.interval, 15.0)) if opts.kubernetes_processes else None
+    backend = KubernetesBackend(opts.pod_resources_socket, pods=pods)
+    try:
+        check_labels(backend, opts.labels)
+    except ValueError as exc:
+        raise _invalid("--label", str(exc)) from None
+    return Attribution(backend, interval=opts.interval, nvidia_smi=opts.nvidia_smi)
+
+
+def _slurm_attribution(opts: ExportOptions) -> Attribution | None:
+    """The exporter's Slurm job attribution, or None; a clashing label is a usage error."""
+    if not opts.slurm:
+        return None
+    from smiquery.attribution import Attribution, check_labels
+    from smiquery.attribution.slurm import SlurmBackend
+
+    backend = SlurmBackend(opts.slurm_node, bin_dir=opts.slurm_bin_dir, nvidia_smi=opts.nvidia_smi)
+    try:
+        check_labels(backend, opts.labels)
+    except ValueError as exc:
+        raise _invalid("--label", str(exc)) from None
+    return Attribution(backend, interval=opts.slurm_interval, nvidia_smi=opts.nvidia_smi)
+
+
+def run_export(opts: ExportOptions) -> int:
+    """Serve until SIGTERM or SIGINT; errors propagate (the caller's :func:`~smiquery.cli._boundary.boundary`).
+
+    Args:
+        opts: the parsed options.
+
+    Returns:
+        0, or 143 (SIGTERM) / 130 (SIGINT) after a clean stop.
+
+    Raises:
+        UsageError: an address that cannot be listened on, unloadable TLS files, a missing k8s extra.
+        SmiqueryError: the port is taken, nvidia-smi is missing, ...
+    """
+    from smiquery import exporter as exporter_mod
+
+    attribution = _kubernetes_attribution(opts) or _slurm_attribution(opts)
+    processes, top_processes = opts.processes or opts.slurm, opts.top_processes
+    if opts.kubernetes_processes:
+        processes, top_processes = True, max(top_processes, 16)
+    configured = [h for h in logging.getLogger("smiquery").handlers if not isinstance(h, logging.NullHandler)]
+    if not configured and not logging.getLogger().handlers:
+        exporter_mod.configure_logging(opts.log_format)
+    web = None
+    if opts.web_config_file is not None:
+        try:
+            web = exporter_mod.load_web_config(opts.web_config_file)
+        except SmiqueryError as exc:
+            raise _invalid("--web-config-file", str(exc)) from None
+    try:
+        exp = exporter_mod.serve(
+            port=opts.port,
+            bind=opts.bind,
+            interval=opts.interval,
+            fields=opts.fields,
+            gpus=opts.gpus,
+            labels=opts.labels,
+            naming=opts.naming,
+            processes=processes,
+            processes_interval=opts.processes_interval,
+            top_processes=top_processes,
+            top_processes_by=opts.top_processes_by,
+            tls_cert=opts.tls_cert,
+            tls_key=opts.tls_key,
+            client_ca=opts.client_ca,
+            nvidia_smi=opts.nvidia_smi,
+            stale_after=opts.stale_after,
+            web_config=web,
+            alerts=opts.alerts,
+            attribution=attribution,
+            details_interval=opts.details_interval,
+            kernel_log=opts.kernel_log,
+        )
+    except ListenError as exc:
+        if exc.option == "--bind":
+            raise _invalid("--bind", str(exc)) from None
+        raise
+    except SmiqueryError:
+        raise
+    except OSError as exc:  # unreadable or mismatched TLS files (ssl.SSLError is an OSError)
+        raise _invalid("--tls-cert/--tls-key/--client-ca", f"cannot load them: {exc}") from None
+    return _serve_until_signal(exp, opts.bind, opts.log_format)
+
+
+def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> int:
+    """Serve until SIGTERM (exit 143) or SIGINT (exit 130); the stream is closed and nvidia-smi reaped either way."""
+    from smiquery.exporter.events import json_line
+
+    def tell(text: str, level: int, event: str, **fields: Any) -> None:
+        say(json_line(text, level=level, event=event, **fields) if log_format == "json" else f"smiquery export: {text}")
+
+    with Signals() as sigs:
+        try:
+            tell(
+                f"serving {exp.url}/metrics (naming {exp.collector.naming}, every "
+                f"{getattr(exp.stream, 'interval', 0):g} s); probes at /livez and /readyz; Ctrl-C or SIGTERM stops",
+                logging.INFO,
+                "serving",
+                url=f"{exp.url}/metrics",
+            )
+            _write_modules(os.environ.get(MODULES_ENV))
+            if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
+                tell("warning: listening on all interfaces without TLS", logging.WARNING, "no_tls_on_all_interfaces")
+            while not sigs.wake.wait(0.5):
+                if exp.stopped:
+                    break
+        except KeyboardInterrupt:
+            sigs.signum = sigs.signum or signal.SIGINT
+        finally:
+            sigs.closing = True
+            exp.stop()
+    return sigs.exit_code
+
+
+def _write_modules(path: str | None) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as out:
+            out.write("".join(f"{name}\n" for name in sorted(sys.modules)))
+
+
+def _interpreter_flags() -> list[str]:
+    """This interpreter's command-line flags (``-X importtime``, ``-W ...``, ``-u``, ...), for the new image."""
+    import subprocess
+
+    flags = getattr(subprocess, "_args_from_interpreter_flags", None)  # the stdlib's own (multiprocessing uses it)
+    return [str(f) for f in flags()] if callable(flags) else []
+
+
+def hand_off(opts: ExportOptions, argv: list[str]) -> None:
+    """Replace this process with the lean exporter (``os.execv``); returns only when that cannot be done.
+
+    Args:
+        opts: the parsed options.
+        argv: the command line as given (after ``smiquery``), shown after the module in ``ps``.
+    """
+    if os.environ.get(EXEC_ENV, "1") == "0":
+        return
+    exe = sys.executable
+    if not exe or not os.access(exe, os.X_OK):
+        return
+    new_argv = [exe, *_interpreter_flags(), "-m", "smiquery.cli._export_run", *argv]
+    env = {**os.environ, HANDOFF_ENV: opts.to_json()}
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        os.execve(exe, new_argv, env)
+    except OSError:
+        return  # run in this process instead
+
+
+def main() -> NoReturn:
+    """``python -m smiquery.cli._export_run``: serve the options ``smiquery export`` handed over."""
+    text = os.environ.pop(HANDOFF_ENV, None)
+    if text is None:
+        say("smiquery: usage error: this module is started by `smiquery export`; run that (see `smiquery export -h`)")
+        sys.exit(ExitCode.USAGE)
+    opts = ExportOptions.from_json(text)
+    try:
+        with boundary(opts.debug):
+            sys.exit(run_export(opts))
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        sys.exit(ExitCode.INTERRUPTED)
+    except Exception as exc:  # typer.Exit, raised by the boundary after its one line on stderr
+        code = getattr(exc, "exit_code", None)
+        if not isinstance(code, int):
+            raise
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""What the exporter says about itself: the source revision it was built from, and its process's own metrics.
+
+The revision is the first of: ``smiquery/_revision.py`` (``REVISION = "<commit>"``, written by a build that knows
+it, e.g. ``echo 'REVISION = "abc123"' > smiquery/_revision.py`` before building the wheel or image), the commit
+pip recorded when it installed smiquery from a git URL (``direct_url.json`` of the installed distribution), the
+commit checked out when smiquery runs from a git checkout (read from ``.git``, no git binary run); else
+``unknown``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+__all__ = ["revision", "self_families"]
+
+_SHA = re.compile(r"[0-9a-f]{7,64}")
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@lru_cache(maxsize=1)
+def revision() -> str:
+    """The source revision smiquery was built from (a commit id), or ``unknown``."""
+    for found in (_baked(), _pip_recorded(), _git_checkout()):
+        if found:
+            return found
+    return "unknown"
+
+
+def _baked() -> str | None:
+    try:
+        _revision = importlib.import_module("smiquery._revision")  # written by a build, absent in a checkout
+    except ImportError:
+        return None
+    value = str(getattr(_revision, "REVISION", "")).strip()
+    return value or None
+
+
+def _pip_recorded() -> str | None:
+    for info in sorted(_PACKAGE.parent.glob("smiquery-*.dist-info/direct_url.json")):
+        try:
+            commit = json.loads(info.read_text(encoding="utf-8")).get("vcs_info", {}).get("commit_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(commit, str) and _SHA.fullmatch(commit):
+            return commit
+    return None
+
+
+def _git_checkout() -> str | None:
+    git = _PACKAGE.parent / ".git"
+    try:
+        if git.is_file():  # a worktree: "gitdir: <path>"
+            git = Path(git.read_text(encoding="utf-8").split(":", 1)[1].strip())
+        head = (git / "HEAD").read_text(encoding="utf-8").strip()
+        if not head.startswith("ref: "):
+            return head if _SHA.fullmatch(head) else None
+        ref = head[5:]
+        common = git / "commondir"
+        roots = [git, (git / common.read_text(encoding="utf-8").strip()).resolve()] if common.is_file() else [git]
+        for root in roots:
+            loose = root / ref
+            if loose.is_file():
+                value = loose.read_text(encoding="utf-8").strip()
+                return value if _SHA.fullmatch(value) else None
+        for root in roots:
+            packed = root / "packed-refs"
+            if packed.is_file():
+                for line in packed.read_text(encoding="utf-8").splitlines():
+                    parts = line.split()
+                    if len(parts) == 2 and parts[1] == ref and _SHA.fullmatch(parts[0]):
+                        return parts[0]
+    except (OSError, IndexError):
+        return None
+    return None
+
+
+def self_families(collector: object, labels: Mapping[str, str]) -> list[Metric]:
+    """prometheus_client's standard ``process_*`` families (CPU, memory, fds, start time) with the constant labels.
+
+    Args:
+        collector: a ``prometheus_client.ProcessCollector`` (not registered anywhere).
+        labels: the ``--label`` labels, on every series as on the exporter's own.
+
+    Returns:
+        The families (none where /proc is not there).
+    """
+    fams: list[Metric] = list(collector.collect())  # type: ignore[attr-defined]
+    if labels:
+        for fam in fams:
+            fam.samples = [s._replace(labels={**s.labels, **labels}) for s in fam.samples]
+    return fams
