@@ -23,6 +23,7 @@ from smiquery.cli.fleet_options import (
     NodeOpt,
     PodOpt,
     PrometheusOpt,
+    SlurmJobOpt,
     StartOpt,
     read_source,
 )
@@ -41,6 +42,7 @@ class ReportFormat(str, Enum):
     text = "text"
     json = "json"
     markdown = "markdown"
+    summary = "summary"
 
 
 class PlotLayout(str, Enum):
@@ -82,6 +84,7 @@ Examples:
   smiquery report run.jsonl --format json --min-stall 2m --fail-on critical
   smiquery report log.csv --tz Europe/Berlin
   smiquery report noheader.csv --fields timestamp,index,utilization.gpu,temperature.gpu
+  smiquery report --prometheus http://prom:9090 --slurm-job 4242 --format summary
 """
 
 RecordingArg = Annotated[
@@ -269,7 +272,14 @@ def report(
     ctx: typer.Context,
     recording: RecordingArg = None,
     fmt: Annotated[
-        ReportFormat, typer.Option("--format", "-F", help="Output format.", case_sensitive=False)
+        ReportFormat,
+        typer.Option(
+            "--format",
+            "-F",
+            help="Output format; summary: a line per GPU (utilization, memory, energy, stalls) and one line of "
+            "advice, as the Slurm epilog appends to a job's output.",
+            case_sensitive=False,
+        ),
     ] = ReportFormat.text,
     alert: AlertOpt = None,
     min_stall: Annotated[
@@ -302,6 +312,7 @@ def report(
     node: NodeOpt = None,
     namespace: NamespaceOpt = None,
     pod: PodOpt = None,
+    slurm_job: SlurmJobOpt = None,
     http_config: HttpConfigOpt = None,
     max_answer: MaxAnswerOpt = None,
     html: Annotated[
@@ -331,7 +342,12 @@ def report(
             raise typer.BadParameter(str(exc)) from None
         fleet = (prometheus, start, end, node, namespace, pod, http_config, tz)
         df, name = read_source(
-            recording or [], lambda rec: _load(rec, fields, tz), _label, *fleet, max_answer=max_answer
+            recording or [],
+            lambda rec: _load(rec, fields, tz),
+            _label,
+            *fleet,
+            max_answer=max_answer,
+            slurm_job=slurm_job,
         )
         result = analyze(
             df,
@@ -340,13 +356,17 @@ def report(
             stall_utilization=stall_utilization,
             name=name,
         )
-        if fmt is ReportFormat.json:
+        if fmt is ReportFormat.summary:
+            from smiquery.fleet.slurm import job_summary
+
+            text = job_summary(result, df)
+        elif fmt is ReportFormat.json:
             text = report_json(result) + "\n"
         elif fmt is ReportFormat.markdown:
             text = report_markdown(result)
         else:
             text = report_text(result)
-        if prometheus is not None:
+        if prometheus is not None and fmt is not ReportFormat.summary:
             from smiquery.fleet.report import name_gpus
 
             text = name_gpus(text, fmt.value, df)

@@ -23,6 +23,7 @@ __all__ = [
     "NodeOpt",
     "PodOpt",
     "PrometheusOpt",
+    "SlurmJobOpt",
     "StartOpt",
     "read_source",
 ]
@@ -53,6 +54,16 @@ NamespaceOpt = Annotated[
 ]
 PodOpt = Annotated[
     str | None, typer.Option("--pod", metavar="REGEX", rich_help_panel=_PANEL, help="Only GPUs of these pods (a job).")
+]
+SlurmJobOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--slurm-job",
+        metavar="ID",
+        rich_help_panel=_PANEL,
+        help="Only the GPUs this Slurm job held, over the job's own time range (from `export --slurm`'s series; "
+        "--start then only bounds the search, default 30 days back).",
+    ),
 ]
 HttpConfigOpt = Annotated[
     Path | None,
@@ -89,10 +100,11 @@ def read_source(
     http_config: Path | None,
     tz: str | None,
     max_answer: int | None = None,
+    slurm_job: str | None = None,
 ) -> tuple[pd.DataFrame, str]:
     """The frame to analyse and its name: the recording (through ``load``) or the range from Prometheus.
 
-    ``max_answer`` is ``--max-answer`` in MiB (None: the client's default).
+    ``max_answer`` is ``--max-answer`` in MiB (None: the client's default); ``slurm_job`` is ``--slurm-job``.
 
     Raises:
         UsageError: neither or both of REC and --prometheus; fleet options without --prometheus.
@@ -108,6 +120,7 @@ def read_source(
                 ("--node", node),
                 ("--namespace", namespace),
                 ("--pod", pod),
+                ("--slurm-job", slurm_job),
                 ("--http-config", http_config),
                 ("--max-answer", max_answer),
             )
@@ -130,6 +143,7 @@ def read_source(
         node=node,
         namespace=namespace,
         pod=pod,
+        slurm_job=slurm_job,
         http_config=http_config,
         max_answer_bytes=None if max_answer is None else max_answer * 2**20,
     )

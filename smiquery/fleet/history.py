@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -145,6 +145,7 @@ def fleet_frame(
     node: str | None = None,
     namespace: str | None = None,
     pod: str | None = None,
+    uuids: Collection[str] | None = None,
     step: float | None = None,
     max_points: int = MAX_POINTS,
     fields: Sequence[str] = FLEET_FIELDS,
@@ -159,6 +160,7 @@ def fleet_frame(
         node: only instances matching this regex (anchored, as in PromQL).
         namespace: only GPUs attributed to a namespace matching this regex (any time in the range).
         pod: only GPUs attributed to a pod matching this regex.
+        uuids: only GPUs with these UUIDs (a Slurm job's: :func:`smiquery.fleet.slurm.job_range`).
         step: seconds between points (default: the scrape interval).
         max_points: points per series per query (the server refuses more than 11,000).
         fields: nvidia-smi fields to read (each naming's metric for it; missing ones are left out).
@@ -220,6 +222,8 @@ def fleet_frame(
         if pattern is not None:
             rx = re.compile(pattern)
             keys = [k for k in keys if rx.fullmatch(ident[k][what]) is not None]
+    if uuids is not None:
+        keys = [k for k in keys if k.uuid in uuids]
     if not keys:
         raise PrometheusError(
             "no GPU series in Prometheus for that range and those filters; check --start/--end, --node, "

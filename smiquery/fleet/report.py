@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from smiquery.errors import UsageError
 from smiquery.fleet.client import DEFAULT_MAX_ANSWER_BYTES, PrometheusClient, load_http_config, parse_time
 from smiquery.fleet.history import fleet_frame, gpu_names
+from smiquery.fleet.slurm import JOB_LOOKBACK, SlurmJob, host_pattern, job_range
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -29,33 +30,70 @@ def load_range(
     node: str | None = None,
     namespace: str | None = None,
     pod: str | None = None,
+    slurm_job: str | None = None,
     http_config: str | os.PathLike[str] | None = None,
     timeout: float = 60.0,
     max_answer_bytes: int | None = None,
 ) -> pd.DataFrame:
     """The fleet between ``start`` and ``end`` (Unix seconds, RFC 3339, ``now-2h``; end default now).
 
-    ``timeout`` bounds each whole answer; ``max_answer_bytes`` caps each (None: the client's default).
+    ``slurm_job``: only the GPUs that Slurm job held, over the job's own time range (the first and the last
+    sample of its ``smiquery_gpu_allocation_info``; ``start`` then only bounds the search and defaults to 30 days
+    back). ``timeout`` bounds each whole answer; ``max_answer_bytes`` caps each (None: the client's default).
 
     Raises:
         UsageError: no ``--start``, a time that is not one, ``--end`` before ``--start``.
         PrometheusError: see :func:`smiquery.fleet.history.fleet_frame`.
     """
-    if start is None:
+    if start is None and slurm_job is None:
         raise UsageError("--prometheus needs --start (Unix seconds, RFC 3339 or now-2h)")
     config = load_http_config(http_config) if http_config is not None else None
     limit = DEFAULT_MAX_ANSWER_BYTES if max_answer_bytes is None else max_answer_bytes
     client = PrometheusClient(url, config=config, timeout=timeout, max_answer_bytes=limit)
     t1 = parse_time(end if end is not None else "now", what="--end")
-    t0 = parse_time(start, what="--start")
+    if slurm_job is not None:
+        return _job_frame(client, slurm_job, start, t1, node=node, namespace=namespace, pod=pod)
+    t0 = parse_time(start or "", what="--start")
     return fleet_frame(client, t0, t1, node=node, namespace=namespace, pod=pod)
+
+
+def _job_frame(
+    client: PrometheusClient,
+    job_id: str,
+    start: str | None,
+    end: float,
+    *,
+    node: str | None,
+    namespace: str | None,
+    pod: str | None,
+) -> pd.DataFrame:
+    """The frame of the GPUs Slurm job ``job_id`` held over its own time range."""
+    t0 = parse_time(start, what="--start") if start is not None else end - JOB_LOOKBACK
+    job = job_range(client, job_id, t0, end)
+    step = job.step
+    last = job.end if job.end > job.start else job.start + (step or 1.0)
+    uuids = {g.uuid for g in job.gpus}
+    df = fleet_frame(
+        client,
+        job.start,
+        last,
+        node=node if node is not None else host_pattern(job.gpus),
+        namespace=namespace,
+        pod=pod,
+        uuids=uuids,
+        step=step,
+    )
+    df.attrs["slurm_job"] = job
+    return df
 
 
 def range_name(url: str, df: pd.DataFrame) -> str:
     """What to call the range in the report: the server and the GPUs' nodes."""
     nodes = sorted({g.instance for g in gpu_names(df).values()})
     shown = ", ".join(nodes[:3]) + (f" and {len(nodes) - 3} more" if len(nodes) > 3 else "")
-    return f"{url} ({len(gpu_names(df))} GPUs on {shown})"
+    job = df.attrs.get("slurm_job")
+    what = f"{job.title()}: " if isinstance(job, SlurmJob) else ""
+    return f"{url} ({what}{len(gpu_names(df))} GPUs on {shown})"
 
 
 def name_gpus(text: str, fmt: str, df: pd.DataFrame) -> str:
