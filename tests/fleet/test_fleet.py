@@ -8,7 +8,10 @@ UUID). The same samples are also an nvidia-smi CSV recording, which the report m
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -431,24 +434,42 @@ def test_tls_with_the_ca_file_and_basic_auth_from_an_http_config(secured, pki, t
         PrometheusClient(secured, config=HttpConfig(username="ops", password="pw")).query("vector(1)")
 
 
-def _frames(argv: list[str], wanted: int) -> tuple[list[list[str]], subprocess.Popen[str], threading.Thread]:
-    """Run a live ``top`` until it has drawn ``wanted`` screens (each starts with its title line)."""
+def _frames(argv: list[str], wanted: int) -> tuple[list[list[str]], subprocess.Popen[bytes], threading.Thread]:
+    """Run a live ``top`` on a terminal (a pty) until it has drawn ``wanted`` screens (each starts with its title)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
     import time
 
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
+    proc = subprocess.Popen(argv, stdout=slave, stderr=subprocess.PIPE, cwd=ROOT)
+    os.close(slave)
     frames: list[list[str]] = []
     lines: list[str] = []
     got = threading.Event()
 
     def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("smiquery top") and lines:
-                frames.append(list(lines))
-                lines.clear()
-                if len(frames) >= wanted:
-                    got.set()
-            lines.append(line.rstrip("\n"))
+        with open(master, "rb", buffering=0) as fh:
+            pending = b""
+            while True:
+                try:
+                    piece = fh.read(4096)
+                except OSError:  # the child closed the terminal
+                    return
+                if not piece:
+                    return
+                pending += piece
+                *done, pending = pending.split(b"\n")
+                for raw in done:
+                    line = raw.decode().replace("\x1b[H\x1b[2J", "").rstrip("\r")
+                    if line.startswith("smiquery top") and lines:
+                        frames.append(list(lines))
+                        lines.clear()
+                        if len(frames) >= wanted:
+                            got.set()
+                    lines.append(line)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -458,15 +479,14 @@ def _frames(argv: list[str], wanted: int) -> tuple[list[list[str]], subprocess.P
     return frames, proc, reader
 
 
-def _interrupt(proc: subprocess.Popen[str], reader: threading.Thread) -> int:
+def _interrupt(proc: subprocess.Popen[bytes], reader: threading.Thread) -> int:
     import signal
 
     proc.send_signal(signal.SIGINT)
     rc = proc.wait(60)
     reader.join(60)
-    for pipe in (proc.stdout, proc.stderr):
-        if pipe is not None:
-            pipe.close()
+    if proc.stderr is not None:
+        proc.stderr.close()
     return rc
 
 
@@ -491,3 +511,28 @@ def test_live_top_keeps_going_while_the_server_is_down():
         assert frames[1][-1].startswith(f"last error: cannot reach Prometheus at {url}")
     finally:
         assert _interrupt(proc, reader) == 0
+
+
+def test_piped_top_prints_one_document_and_exits(fleet):
+    # not a terminal: one table, or one CSV/JSON document, then exit 0 (no --once needed), so `> fleet.csv` is a CSV
+    t = ["--at", str(fleet.end), "--interval", "0.5"]
+    for fmt, check in (
+        ("table", lambda out: out.count("smiquery top") == 1),
+        ("csv", lambda out: len(list(csv.reader(io.StringIO(out)))) == 13),
+        ("json", lambda out: len(json.loads(out)) == 12),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "smiquery", "top", "-p", fleet.url, "--format", fmt, *t],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert done.returncode == 0, done.stderr
+        assert check(done.stdout), (fmt, done.stdout[:300])
+
+
+def test_report_and_plot_take_p_for_prometheus(fleet):
+    t = ["--start", str(fleet.start), "--end", str(fleet.end), "--node", "node-00:.*", "--format", "json"]
+    doc = json.loads(smiquery("report", "-p", fleet.url, *t).stdout)
+    assert doc["gpus"] == [0, 1]
