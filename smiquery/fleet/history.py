@@ -6,7 +6,8 @@ reporting ends there (no five-minute lookback carrying its last value on), and a
 of at most the server's point limit (11,000 points per series; fewer when many series would pass its sample
 limit). The result has a recording's columns (``timestamp``, ``index``, ``uuid``, ``name`` and the fields, with
 the catalogue's dtypes) plus ``instance``, ``namespace`` and ``pod``; ``index`` numbers the GPUs of the range
-0..N-1 in (instance, GPU index) order and ``attrs["gpus"]`` says which GPU each number is.
+0..N-1 in (instance, GPU index) order and ``attrs["gpus"]`` says which GPU each number is (``attrs["gpu_names"]``:
+the :class:`~smiquery.analysis.model.GpuName` the report names it by: node, index on the node, pod or job).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
+    from smiquery.analysis.model import GpuName
+
 __all__ = ["MAX_POINTS", "FleetGpuInfo", "chunks", "estimate_step", "fleet_frame", "gpu_names"]
 
 #: Prometheus refuses a range query of more than 11,000 points per series.
@@ -56,6 +59,15 @@ class FleetGpuInfo:
     naming: str
     namespace: str
     pod: str
+    node: str = ""
+    job: str = ""
+
+    def gpu_name(self) -> GpuName:
+        """How the report names this GPU (see :func:`smiquery.analysis.render.gpu_name`)."""
+        from smiquery.analysis.model import GpuName  # not at import: `top` needs no analysis
+
+        held = f"{self.namespace}/{self.pod}" if self.namespace and self.pod else self.pod
+        return GpuName(self.node or self.instance, self.instance, self.gpu, self.uuid, held, self.job)
 
     def label(self) -> str:
         """``instance/gpu`` with the UUID, as the report names the GPU."""
@@ -71,6 +83,8 @@ class FleetGpuInfo:
             "naming": self.naming,
             "namespace": self.namespace,
             "pod": self.pod,
+            "node": self.node or self.instance,
+            "job": self.job,
         }
 
 
@@ -245,7 +259,18 @@ def fleet_frame(
             value_parts[f].append(col)
         got = ident[key]
         per_gpu.append(
-            FleetGpuInfo(i, key.instance, key.gpu, key.uuid, got["name"], got["naming"], got["namespace"], got["pod"])
+            FleetGpuInfo(
+                i,
+                key.instance,
+                key.gpu,
+                key.uuid,
+                got["name"],
+                got["naming"],
+                got["namespace"],
+                got["pod"],
+                got["node"],
+                got["job"],
+            )
         )
     seconds = np.concatenate(stamp_parts)
     stamps = pd.to_datetime(np.round(seconds * 1000).astype(np.int64), unit="ms", utc=True).as_unit("ns")
@@ -267,6 +292,7 @@ def fleet_frame(
     df["namespace"] = pd.array(np.repeat([g.namespace for g in per_gpu], lengths), dtype=text)
     df["pod"] = pd.array(np.repeat([g.pod for g in per_gpu], lengths), dtype=text)
     df.attrs["gpus"] = {g.index: g for g in per_gpu}
+    df.attrs["gpu_names"] = {g.index: g.gpu_name() for g in per_gpu}  # the report names GPUs by these
     df.attrs["step"] = step
     return df
 

@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -207,10 +208,44 @@ def test_a_range_in_many_chunks_gives_the_same_frame(fleet):
     pd.testing.assert_frame_equal(whole, pieces)
 
 
+_NAME_KEYS = ("index", "instance", "uuid", "node", "pod", "job")
+
+
+def _unnamed(doc: dict[str, Any]) -> dict[str, Any]:
+    """A fleet report's JSON as a recording's: each GPU reference back to the report's number, verdicts left out."""
+
+    def number(ref: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in ref.items() if k not in _NAME_KEYS}
+        out["gpu"] = ref["index"]
+        return dict(sorted(out.items()))
+
+    got = {k: v for k, v in doc.items() if k != "gpu_names"}
+    for key in ("stalls", "alerts", "thresholds", "stats", "health"):
+        got[key] = [number(r) for r in doc[key]]
+    got["findings"] = [
+        {**{k: v for k, v in f.items() if k != "verdict"}, "gpus": [r["index"] for r in f["gpus"]]}
+        for f in doc["findings"]
+    ]
+    return got
+
+
+def _sorted_keys(doc: dict[str, Any]) -> dict[str, Any]:
+    got = dict(doc)
+    for key in ("stalls", "alerts", "thresholds", "stats", "health"):
+        got[key] = [dict(sorted(r.items())) for r in doc[key]]
+    got["findings"] = [{k: v for k, v in f.items() if k != "verdict"} for f in doc["findings"]]
+    return got
+
+
 def test_the_report_from_prometheus_equals_the_report_of_the_recording(fleet):
     df = fleet_frame(PrometheusClient(fleet.url), fleet.start, fleet.end)
-    from_prom = report(df, name="x").to_dict()
+    named = report(df, name="x")
     from_rec = report(load_recording(fleet.recording, tz="UTC"), name="x").to_dict()
+    # the same analysis: the same stalls, alerts, thresholds, energy and findings; only the names differ
+    assert _unnamed(named.to_dict()) == _sorted_keys(from_rec)
+    bare = df.copy()
+    bare.attrs = {k: v for k, v in df.attrs.items() if k != "gpu_names"}
+    from_prom = report(bare, name="x").to_dict()  # without names, word for word the recording's report
     assert from_prom == from_rec
     # and the report is about something: the stall, the idle GPU's alert, the hot GPU's energy
     order = sorted(fleet.gpus, key=lambda g: (g.instance, g.index))
@@ -229,12 +264,43 @@ def test_report_command_names_each_gpu_by_instance_and_uuid(fleet):
     ).stdout
     doc = json.loads(out)
     rec = json.loads(smiquery("report", str(fleet.recording), "--tz", "UTC", "--format", "json").stdout)
-    for key in ("stalls", "alerts", "energy_wh", "findings", "thresholds"):
-        assert doc[key] == rec[key], key
+    plain, want = _unnamed(doc), _sorted_keys(rec)
+    for key in ("stalls", "alerts", "energy_wh", "findings", "thresholds", "stats", "health"):
+        assert plain[key] == want[key], key
     order = sorted(fleet.gpus, key=lambda g: (g.instance, g.index))
     assert {int(k): (v["instance"], v["uuid"]) for k, v in doc["gpu_names"].items()} == {
         i: (g.instance, g.uuid) for i, g in enumerate(order)
     }
+
+
+def test_every_finding_names_its_gpus_by_node_and_index_on_the_node(fleet):
+    t = ["--start", str(fleet.start), "--end", str(fleet.end)]
+    doc = json.loads(smiquery("report", "-p", fleet.url, *t, "--format", "json").stdout)
+    order = sorted(fleet.gpus, key=lambda g: (g.instance, g.index))
+    assert doc["findings"]
+    # every GPU reference in JSON: instance, the index on the node, uuid; they are the fleet's GPUs
+    refs = [r for f in doc["findings"] for r in f["gpus"]]
+    refs += [r for key in ("stalls", "alerts", "thresholds", "stats") for r in doc[key]]
+    assert refs
+    for r in refs:
+        g = order[r["index"]]
+        assert (r["instance"], r["gpu"], r["uuid"]) == (g.instance, str(g.index), g.uuid)
+    for f in doc["findings"]:
+        if f["kind"] == "clock":
+            continue
+        for r in f["gpus"]:
+            node = r.get("node", r["instance"])
+            assert f"{node} GPU" in f["verdict"] or f"{node} GPUs" in f["verdict"], f["verdict"]
+        # the report's own numbers (0..11) never stand for a GPU: each node has GPUs 0 and 1 only
+        assert re.search(r"GPUs? (?:[2-9]|1\d)\b", f["verdict"]) is None, f["verdict"]
+    # the dcgm nodes go by their Hostname label, the pod that held the GPU where known
+    hot = next(g for g in order if g.profile == "hot")
+    text = smiquery("report", "-p", fleet.url, *t).stdout
+    assert f"{hot.instance} GPU {hot.index}" in text
+    assert re.search(r"GPUs? (?:[2-9]|1\d)\b", text.split("\nGPUs:")[0]) is None
+    pods = [g for g in order if g.pod]
+    if pods:
+        assert any(f"({g.namespace}/{g.pod})" in text for g in pods)
 
 
 def test_report_of_one_job_by_pod_and_of_one_node(fleet):
