@@ -7,6 +7,7 @@ GPUs' samples (memory nearly full), and words it for people with what to check.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from smiquery.analysis.model import SEVERITY_ORDER, AlertSpan, Finding, HealthCount, Report, Severity, Stretch
@@ -86,14 +87,27 @@ def _stall_findings(report: Report, n_gpus: int) -> list[Finding]:
         end = max(s.end for s in group)
         length = seconds_between(start, end)
         who = f"All {n_gpus} GPUs" if len(gpus_in) == n_gpus else gpu_list(gpus_in, report.names)
+        # what was measured: how long all of them were stalled at once, not the span from the first to the last
+        together, at, most = _all_at_once(group)
+        if at is not None and together >= length:
+            when = f"stalled together from {time_text(report, start)} for {format_duration(length)}"
+        elif at is not None:
+            when = (
+                f"stalled together from {time_text(report, at)} for {format_duration(together)}, all at once (their "
+                f"stalls spanned {format_duration(length)} from {time_text(report, start)})"
+            )
+        else:
+            when = (
+                f"stalled in overlapping stretches from {time_text(report, start)} over {format_duration(length)}, "
+                f"never all at once (at most {most} at a time)"
+            )
         out.append(
             Finding(
                 "stall_together",
                 "warning",
                 tuple(gpus_in),
-                f"{who} stalled together from {time_text(report, start)} for {format_duration(length)} (utilization "
-                f"under {report.stall_utilization:g}%): a cause they share; check the input pipeline, e.g. "
-                "prefetching and TFRecord, or a checkpoint or evaluation pass",
+                f"{who} {when} (utilization under {report.stall_utilization:g}%): a cause they share; check the "
+                "input pipeline, e.g. prefetching and TFRecord, or a checkpoint or evaluation pass",
                 length,
                 start,
             )
@@ -307,6 +321,28 @@ def _health_verdict(h: HealthCount, report: Report) -> str:
     else:
         advice = "corrected errors: watch whether the count keeps rising"
     return f"{text}: {advice} (nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER)"
+
+
+def _all_at_once(group: Sequence[Stretch]) -> tuple[float, datetime | None, int]:
+    """(seconds during which every GPU of ``group`` was stalled at once, when that first began, most GPUs at once)."""
+    events = sorted([(s.start, 1, s.gpu) for s in group] + [(s.end, -1, s.gpu) for s in group], key=lambda e: e[:2])
+    wanted = len({s.gpu for s in group})
+    open_: dict[int, int] = {}
+    together = 0.0
+    first: datetime | None = None
+    since: datetime | None = None
+    most = 0
+    for at, step, gpu in events:
+        if since is not None:
+            together += seconds_between(since, at)
+            since = None
+        open_[gpu] = open_.get(gpu, 0) + step
+        stalled = sum(1 for n in open_.values() if n > 0)
+        most = max(most, stalled)
+        if stalled == wanted:
+            since = at
+            first = first or at
+    return together, first if together > 0 else None, most
 
 
 def _overlapping(stalls: Sequence[Stretch]) -> list[list[Stretch]]:
