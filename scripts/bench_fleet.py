@@ -31,8 +31,10 @@ from smiquery.fleet import PrometheusClient, fleet_frame, snapshot  # noqa: E402
 from tests.fleet.fleetdata import (  # noqa: E402
     backfill,
     fleet_spec,
+    sorted_keys,
     started,
     tool,
+    unnamed,
     write_openmetrics,
     write_recording,
 )
@@ -103,7 +105,8 @@ def bench_report(nodes: int, gpus: int, days: float, step: int) -> int:
                 from_rec = report(load_recording(tmp / "fleet.csv", tz="UTC"), name="fleet")
                 rec_t.append(time.perf_counter() - t)
             p, r = min(prom_t), min(rec_t)
-            a, b = from_prom.to_dict(), from_rec.to_dict()
+            # the fleet's report names GPUs by node; all else must be the recording's report
+            a, b = unnamed(from_prom.to_dict()), sorted_keys(from_rec.to_dict())
             if a != b:
                 print(f"  DIFFERENT REPORTS: {[k for k in a if a[k] != b[k]]} (times {p:.2f} s vs {r:.2f} s)")
                 return 1

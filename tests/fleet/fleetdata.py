@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 MiB = 1048576
 
@@ -268,3 +268,33 @@ def started(prometheus: str, data: Path, log: Path) -> Iterator[PromServer]:
 
 def tool(name: str) -> str | None:
     return shutil.which(name) or (f"/usr/bin/{name}" if os.path.exists(f"/usr/bin/{name}") else None)
+
+
+_NAME_KEYS = ("index", "instance", "uuid", "node", "pod", "job")
+
+
+def unnamed(doc: dict[str, Any]) -> dict[str, Any]:
+    """A fleet report's JSON as a recording's: each GPU reference back to the report's number, verdicts left out."""
+
+    def number(ref: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in ref.items() if k not in _NAME_KEYS}
+        out["gpu"] = ref["index"]
+        return dict(sorted(out.items()))
+
+    got = {k: v for k, v in doc.items() if k != "gpu_names"}
+    for key in ("stalls", "alerts", "thresholds", "stats", "health"):
+        got[key] = [number(r) for r in doc[key]]
+    got["findings"] = [
+        {**{k: v for k, v in f.items() if k != "verdict"}, "gpus": [r["index"] for r in f["gpus"]]}
+        for f in doc["findings"]
+    ]
+    return got
+
+
+def sorted_keys(doc: dict[str, Any]) -> dict[str, Any]:
+    """A recording's report JSON as :func:`unnamed` gives a fleet's: keys sorted, verdicts left out."""
+    got = dict(doc)
+    for key in ("stalls", "alerts", "thresholds", "stats", "health"):
+        got[key] = [dict(sorted(r.items())) for r in doc[key]]
+    got["findings"] = [{k: v for k, v in f.items() if k != "verdict"} for f in doc["findings"]]
+    return got

@@ -38,7 +38,7 @@ from smiquery.fleet import (
 )
 from smiquery.fleet.history import chunks
 from tests.fleet.conftest import STEP, Fleet
-from tests.fleet.fleetdata import free_port
+from tests.fleet.fleetdata import free_port, sorted_keys, unnamed
 
 pytestmark = pytest.mark.xdist_group("prometheus")
 
@@ -208,41 +208,12 @@ def test_a_range_in_many_chunks_gives_the_same_frame(fleet):
     pd.testing.assert_frame_equal(whole, pieces)
 
 
-_NAME_KEYS = ("index", "instance", "uuid", "node", "pod", "job")
-
-
-def _unnamed(doc: dict[str, Any]) -> dict[str, Any]:
-    """A fleet report's JSON as a recording's: each GPU reference back to the report's number, verdicts left out."""
-
-    def number(ref: dict[str, Any]) -> dict[str, Any]:
-        out = {k: v for k, v in ref.items() if k not in _NAME_KEYS}
-        out["gpu"] = ref["index"]
-        return dict(sorted(out.items()))
-
-    got = {k: v for k, v in doc.items() if k != "gpu_names"}
-    for key in ("stalls", "alerts", "thresholds", "stats", "health"):
-        got[key] = [number(r) for r in doc[key]]
-    got["findings"] = [
-        {**{k: v for k, v in f.items() if k != "verdict"}, "gpus": [r["index"] for r in f["gpus"]]}
-        for f in doc["findings"]
-    ]
-    return got
-
-
-def _sorted_keys(doc: dict[str, Any]) -> dict[str, Any]:
-    got = dict(doc)
-    for key in ("stalls", "alerts", "thresholds", "stats", "health"):
-        got[key] = [dict(sorted(r.items())) for r in doc[key]]
-    got["findings"] = [{k: v for k, v in f.items() if k != "verdict"} for f in doc["findings"]]
-    return got
-
-
 def test_the_report_from_prometheus_equals_the_report_of_the_recording(fleet):
     df = fleet_frame(PrometheusClient(fleet.url), fleet.start, fleet.end)
     named = report(df, name="x")
     from_rec = report(load_recording(fleet.recording, tz="UTC"), name="x").to_dict()
     # the same analysis: the same stalls, alerts, thresholds, energy and findings; only the names differ
-    assert _unnamed(named.to_dict()) == _sorted_keys(from_rec)
+    assert unnamed(named.to_dict()) == sorted_keys(from_rec)
     bare = df.copy()
     bare.attrs = {k: v for k, v in df.attrs.items() if k != "gpu_names"}
     from_prom = report(bare, name="x").to_dict()  # without names, word for word the recording's report
@@ -264,7 +235,7 @@ def test_report_command_names_each_gpu_by_instance_and_uuid(fleet):
     ).stdout
     doc = json.loads(out)
     rec = json.loads(smiquery("report", str(fleet.recording), "--tz", "UTC", "--format", "json").stdout)
-    plain, want = _unnamed(doc), _sorted_keys(rec)
+    plain, want = unnamed(doc), sorted_keys(rec)
     for key in ("stalls", "alerts", "energy_wh", "findings", "thresholds", "stats", "health"):
         assert plain[key] == want[key], key
     order = sorted(fleet.gpus, key=lambda g: (g.instance, g.index))
