@@ -139,17 +139,6 @@ def estimate_step(
     return round(float(np.median(diffs)), 3)
 
 
-def _array(values: list[list[Any]], factor: float) -> tuple[np.ndarray, np.ndarray]:
-    import numpy as np
-
-    if not values:
-        return np.empty(0), np.empty(0)
-    times = np.fromiter((p[0] for p in values), dtype=np.float64, count=len(values))
-    nums = np.array([p[1] for p in values], dtype=np.float64) * factor
-    nums[~np.isfinite(nums)] = np.nan
-    return times, nums
-
-
 def fleet_frame(
     client: PrometheusClient,
     start: float,
@@ -202,9 +191,6 @@ def fleet_frame(
     series_count = max(1, len(series))
     per_query = max(2, min(max_points, _MAX_SAMPLES // series_count))
     pieces = chunks(grid0, end, step, per_query)
-    # one millisecond short of the step: Prometheus 2 closes the window on the left, so a full step would give a
-    # sample to two points (a lost GPU one point too many); every sample still falls in exactly one window
-    window = f"{max(1, round(step * 1000) - 1)}ms"
 
     jobs: list[tuple[FleetNaming, str, float, float]] = []
     for n in found:
@@ -214,8 +200,13 @@ def fleet_frame(
                     jobs.append((n, fld, a, b))
 
     def run(job: tuple[FleetNaming, str, float, float]) -> list[dict[str, Any]]:
+        # the raw samples, as scraped (no evaluation at every step): a range selector over the chunk, which holds
+        # the samples after the previous chunk's end up to its own (one millisecond more than the span: the
+        # window is open on the left in Prometheus 3); a sample on a boundary that a server gives twice is read once
         n, fld, a, b = job
-        return client.query_range(f"last_over_time({selector(n.metric(fld), node)}[{window}])", a, b, step)
+        width = max(1, round((b - a + step) * 1000) - 1)
+        got = client.query_samples(f"{selector(n.metric(fld), node)}[{width}ms]", b)
+        return [{"metric": labels, "times": times, "nums": nums} for labels, times, nums in got]
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         span = f"{int(end - start) + 1}s"
@@ -228,7 +219,9 @@ def fleet_frame(
     ident: dict[GpuKey, dict[str, str]] = {}
     read = ((n, fld, result) for (n, fld, _, _), result in zip(jobs, results, strict=True))
     for n, fld, key, s in gpu_series(read, infos, ident):
-        data.setdefault(key, {}).setdefault(fld, []).append(_array(s.get("values", []), n.factor(fld)))
+        nums = s["nums"] * n.factor(fld)
+        nums[~np.isfinite(nums)] = np.nan
+        data.setdefault(key, {}).setdefault(fld, []).append((s["times"], nums))
     keys = sorted(data, key=GpuKey.sort_key)
     for pattern, what in ((namespace, "namespace"), (pod, "pod")):
         if pattern is not None:
@@ -249,13 +242,15 @@ def fleet_frame(
     for i, key in enumerate(keys):
         by_field = data[key]
         times = np.unique(np.concatenate([t for parts in by_field.values() for t, _ in parts]))
+        times = times[(times >= grid0 - step) & (times <= end)]
         stamp_parts.append(times)
         index_parts.append(np.full(len(times), i, dtype=np.int64))
         lengths.append(len(times))
         for f in present:
             col = np.full(len(times), np.nan)
             for t, v in by_field.get(f, ()):
-                col[np.searchsorted(times, t)] = v
+                keep = (t >= grid0 - step) & (t <= end)
+                col[np.searchsorted(times, t[keep])] = v[keep]
             value_parts[f].append(col)
         got = ident[key]
         per_gpu.append(

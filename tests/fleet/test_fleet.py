@@ -192,10 +192,12 @@ class CountingClient(PrometheusClient):
         super().__init__(url)
         self.ranges: list[tuple[float, float]] = []
 
-    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
-        self.ranges.append((start, end))
-        assert (end - start) / step + 1 <= 100
-        return super().query_range(expr, start, end, step)
+    def query_samples(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], Any, Any]]:
+        width = int(re.search(r"\[(\d+)ms\]$", expr).group(1)) / 1000  # type: ignore[union-attr]
+        assert at is not None
+        self.ranges.append((at - width, at))
+        assert width <= 100 * STEP  # at most 100 samples of each series per query
+        return super().query_samples(expr, at)
 
 
 def test_a_range_in_many_chunks_gives_the_same_frame(fleet):
