@@ -575,3 +575,25 @@ def test_report_and_plot_take_p_for_prometheus(fleet):
     t = ["--start", str(fleet.start), "--end", str(fleet.end), "--node", "node-00:.*", "--format", "json"]
     doc = json.loads(smiquery("report", "-p", fleet.url, *t).stdout)
     assert doc["gpus"] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a second engine: VictoriaMetrics serves the same API, and top and report give the same answers from it
+
+
+def test_top_gives_the_same_answer_from_victoria_metrics(fleet, vm_fleet):
+    t = ["--at", str(fleet.end), "--format", "json", "--once"]
+    prom = json.loads(smiquery("top", "-p", fleet.url, *t).stdout)
+    vm = json.loads(smiquery("top", "-p", vm_fleet.url, *t).stdout)
+    assert len(prom) == 12
+    assert vm == prom
+
+
+def test_report_gives_the_same_answer_from_victoria_metrics(fleet, vm_fleet):
+    t = ["--start", str(fleet.start), "--end", str(fleet.end), "--format", "json"]
+    prom = json.loads(smiquery("report", "-p", fleet.url, *t).stdout)
+    vm = json.loads(smiquery("report", "-p", vm_fleet.url, *t).stdout)
+    prom.pop("source")
+    vm.pop("source")
+    assert vm == prom
+    assert prom["findings"] and prom["stalls"]
