@@ -1,10 +1,11 @@
 """A time range of the fleet as the DataFrame a recording gives, for :func:`smiquery.analysis.report` and the plot.
 
-:func:`fleet_frame` asks range queries at the series' own resolution: ``step`` is the scrape interval (estimated
-from the data unless given), each point is ``last_over_time(metric[step])`` so that a GPU that stopped
-reporting ends there (no five-minute lookback carrying its last value on), and a long range is cut into chunks
-of at most the server's point limit (11,000 points per series; fewer when many series would pass its sample
-limit). The result has a recording's columns (``timestamp``, ``index``, ``uuid``, ``name`` and the fields, with
+:func:`fleet_frame` reads the raw samples, as scraped: instant queries of range selectors (``metric[Nms]``), so a
+GPU that stopped reporting ends there (no five-minute lookback carrying its last value on) and nothing is
+evaluated at every step; a long range is cut into chunks of at most 11,000 scrape intervals (``step``, estimated
+from the data unless given; fewer when many series would pass the server's sample limit), and each chunk's samples
+are parsed by numpy (:meth:`~smiquery.fleet.client.PrometheusClient.query_samples`).
+The result has a recording's columns (``timestamp``, ``index``, ``uuid``, ``name`` and the fields, with
 the catalogue's dtypes) plus ``instance``, ``namespace`` and ``pod``; ``index`` numbers the GPUs of the range
 0..N-1 in (instance, GPU index) order and ``attrs["gpus"]`` says which GPU each number is (``attrs["gpu_names"]``:
 the :class:`~smiquery.analysis.model.GpuName` the report names it by: node, index on the node, pod or job).
@@ -162,8 +163,8 @@ def fleet_frame(
         node: only instances matching this regex (anchored, as in PromQL).
         namespace: only GPUs attributed to a namespace matching this regex (any time in the range).
         pod: only GPUs attributed to a pod matching this regex.
-        step: seconds between points (default: the scrape interval).
-        max_points: points per series per query (the server refuses more than 11,000).
+        step: the scrape interval, which sizes the chunks (default: estimated from the data).
+        max_points: scrape intervals per chunk (at most 11,000, as a range query could hold).
         fields: nvidia-smi fields to read (each naming's metric for it; missing ones are left out).
 
     Raises:
