@@ -271,11 +271,17 @@ def fleet_frame(
     seconds = np.concatenate(stamp_parts)
     stamps = pd.to_datetime(np.round(seconds * 1000).astype(np.int64), unit="ms", utc=True).as_unit("ns")
     text = string_dtype()
+    rows_of = np.repeat(np.arange(len(keys)), lengths)
+
+    def per_row(per_gpu_values: list[Any]) -> Any:
+        # one string per GPU, taken for each of its rows (not a Python string per row to convert)
+        return pd.array(per_gpu_values, dtype=text).take(rows_of)
+
     columns: list[Any] = [
         stamps.array,
         pd.array(np.concatenate(index_parts), dtype="Int64"),
-        pd.array(np.repeat([k.uuid or pd.NA for k in keys], lengths), dtype=text),
-        pd.array(np.repeat([g.name or pd.NA for g in per_gpu], lengths), dtype=text),
+        per_row([k.uuid or pd.NA for k in keys]),
+        per_row([g.name or pd.NA for g in per_gpu]),
     ]
     for spec in cat[4:]:
         values = np.concatenate(value_parts[spec.name])
@@ -284,9 +290,9 @@ def fleet_frame(
         else:
             columns.append(pd.array(np.round(values), dtype="Float64").astype("Int64"))
     df = make_frame(cat, columns, {}, None)
-    df["instance"] = pd.array(np.repeat([k.instance for k in keys], lengths), dtype=text)
-    df["namespace"] = pd.array(np.repeat([g.namespace for g in per_gpu], lengths), dtype=text)
-    df["pod"] = pd.array(np.repeat([g.pod for g in per_gpu], lengths), dtype=text)
+    df["instance"] = per_row([k.instance for k in keys])
+    df["namespace"] = per_row([g.namespace for g in per_gpu])
+    df["pod"] = per_row([g.pod for g in per_gpu])
     df.attrs["gpus"] = {g.index: g for g in per_gpu}
     df.attrs["gpu_names"] = {g.index: g.gpu_name() for g in per_gpu}  # the report names GPUs by these
     df.attrs["step"] = step
