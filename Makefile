@@ -32,12 +32,13 @@ $(DEMO_STAMP): $(CORE_STAMP)
 demo: $(DEMO_STAMP)
 	$(PY) scripts/demo.py
 
-# Outside tools the tests use for real: prometheus/promtool, slurm-wlm and munge (a real one-node Slurm), buildah
-# (+ debootstrap), hadolint, kubernetes-validate, check-jsonschema, chromium (opens `report --html` pages headless).
-# Installed where we can (root with apt-get, pip into the venv); elsewhere the tests that need them skip, except
-# under CI=true where they fail.
+# Outside tools the tests use for real: prometheus/promtool, victoria-metrics (the fleet tests' second engine),
+# slurm-wlm and munge (a real one-node Slurm), buildah (+ debootstrap), hadolint, kubernetes-validate,
+# check-jsonschema, chromium (opens `report --html` pages headless). Installed where we can (root with apt-get, pip
+# into the venv); elsewhere the tests that need them skip, except under CI=true where they fail.
 tools: $(STAMP)
 	-scripts/install-prometheus
+	-scripts/install-victoria-metrics
 	-scripts/install-slurm
 	-scripts/install-chromium
 	-scripts/install-container-tools $(VENV)

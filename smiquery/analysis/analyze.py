@@ -17,7 +17,7 @@ from smiquery.alerts import BUILTIN_RULES, Rule
 from smiquery.alerts.rules import STALL, StallRule
 from smiquery.analysis.findings import findings
 from smiquery.analysis.load import GpuSeries, load_recording, split_gpus
-from smiquery.analysis.model import AlertSpan, FieldStats, HealthCount, Periods, Report, Stretch, ThresholdTime
+from smiquery.analysis.model import AlertSpan, FieldStats, GpuName, HealthCount, Periods, Report, Stretch, ThresholdTime
 from smiquery.analysis.series import catalogue_field
 from smiquery.clock import REPORTED_STEP_BACK, ClockStep, later
 from smiquery.errors import ReportError
@@ -144,6 +144,7 @@ def report(
         health=_health(df, gpus),
         energy_wh=_energy(df, gpus),
         elapsed=max(float(g.times[-1]) for g in gpus) - min(float(g.times[0]) for g in gpus),
+        names=_names(df, [g.index for g in gpus]),
     )
     result.not_recorded, result.unchecked_rules = _not_recorded(df, parsed)
     if result.sweeps <= 1:  # a single snapshot stands for no length of time: no energy, no interval
@@ -268,6 +269,14 @@ def _stats(
 
 # Counters and flags of memory health (nvidia-smi names, by prefix or exact name).
 _HEALTH_PREFIXES = ("ecc.errors.", "retired_pages.", "remapped_rows.")
+
+
+def _names(df: pd.DataFrame, gpus: Sequence[int]) -> dict[int, GpuName]:
+    """A fleet frame's GPU names (``attrs["gpu_names"]``, see :class:`GpuName`) of the GPUs in the report."""
+    got = df.attrs.get("gpu_names")
+    if not isinstance(got, dict):
+        return {}
+    return {g: got[g] for g in gpus if isinstance(got.get(g), GpuName)}
 
 
 def _health(df: pd.DataFrame, gpus: list[GpuSeries]) -> list[HealthCount]:

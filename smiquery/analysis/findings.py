@@ -7,10 +7,11 @@ GPUs' samples (memory nearly full), and words it for people with what to check.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING
 
 from smiquery.analysis.model import SEVERITY_ORDER, AlertSpan, Finding, HealthCount, Report, Severity, Stretch
-from smiquery.analysis.render import format_duration, gpu_list, time_text, value_text
+from smiquery.analysis.render import format_duration, gpu_list, gpu_name, time_text, value_text
 from smiquery.analysis.series import catalogue_field
 from smiquery.clock import seconds_between
 
@@ -61,9 +62,12 @@ def findings(report: Report, rules: Sequence[Rule], gpus: list[GpuSeries]) -> li
     out = [
         *_stall_findings(report, len(gpus)),
         *_alert_findings(report, rules),
-        *_memory_findings(gpus),
+        *_memory_findings(gpus, report),
         *_imbalance_findings(report),
-        *_same_words([Finding(_health_kind(h.field), h.severity, (h.gpu,), _health_verdict(h)) for h in report.health]),
+        *_same_words(
+            [Finding(_health_kind(h.field), h.severity, (h.gpu,), _health_verdict(h, report)) for h in report.health],
+            report,
+        ),
         *_clock_findings(report),
     ]
     out.sort(key=lambda f: (SEVERITY_ORDER[f.severity], f.start or report.start, f.gpus))
@@ -82,15 +86,28 @@ def _stall_findings(report: Report, n_gpus: int) -> list[Finding]:
         start = min(s.start for s in group)
         end = max(s.end for s in group)
         length = seconds_between(start, end)
-        who = f"All {n_gpus} GPUs" if len(gpus_in) == n_gpus else gpu_list(gpus_in)
+        who = f"All {n_gpus} GPUs" if len(gpus_in) == n_gpus else gpu_list(gpus_in, report.names)
+        # what was measured: how long all of them were stalled at once, not the span from the first to the last
+        together, at, most = _all_at_once(group)
+        if at is not None and together >= length:
+            when = f"stalled together from {time_text(report, start)} for {format_duration(length)}"
+        elif at is not None:
+            when = (
+                f"stalled together from {time_text(report, at)} for {format_duration(together)}, all at once (their "
+                f"stalls spanned {format_duration(length)} from {time_text(report, start)})"
+            )
+        else:
+            when = (
+                f"stalled in overlapping stretches from {time_text(report, start)} over {format_duration(length)}, "
+                f"never all at once (at most {most} at a time)"
+            )
         out.append(
             Finding(
                 "stall_together",
                 "warning",
                 tuple(gpus_in),
-                f"{who} stalled together from {time_text(report, start)} for {format_duration(length)} (utilization "
-                f"under {report.stall_utilization:g}%): a cause they share; check the input pipeline, e.g. "
-                "prefetching and TFRecord, or a checkpoint or evaluation pass",
+                f"{who} {when} (utilization under {report.stall_utilization:g}%): a cause they share; check the "
+                "input pipeline, e.g. prefetching and TFRecord, or a checkpoint or evaluation pass",
                 length,
                 start,
             )
@@ -107,15 +124,15 @@ def _alone_stalls(report: Report, alone: dict[int, list[Stretch]]) -> Finding:
     totals = sorted(sum(s.seconds for s in st) for st in alone.values())
     n = len(every)
     if len(alone) == 1:
-        spent = f"{gpu_list(list(alone))} spent {format_duration(totals[0])}"
+        spent = f"{gpu_list(list(alone), report.names)} spent {format_duration(totals[0])}"
     else:
         each = (
             format_duration(totals[0])
             if totals[0] == totals[-1]
             else (f"{format_duration(totals[0])} to {format_duration(totals[-1])}")
         )
-        spent = f"{gpu_list(sorted(alone))} each spent {each}"
-    where = "" if len(alone) == 1 else f" on GPU {longest.gpu}"
+        spent = f"{gpu_list(sorted(alone), report.names)} each spent {each}"
+    where = "" if len(alone) == 1 else f" on {gpu_name(longest.gpu, report.names)}"
     return Finding(
         "stall",
         "warning",
@@ -142,7 +159,7 @@ def _alert_findings(report: Report, rules: Sequence[Rule]) -> list[Finding]:
         peaks = [a for a in spans if a.peak is not None]
         top = (max if rule.op in (">", ">=") else min)(peaks, key=lambda a: a.peak or 0.0) if peaks else None
         kind, severity, advice = _advice(rule)
-        verdict = _alert_verdict(rule, sorted(per), len(spans), sorted(per.values()), top, advice)
+        verdict = _alert_verdict(rule, sorted(per), len(spans), sorted(per.values()), top, advice, report)
         out.append(Finding(kind, severity, tuple(sorted(per)), verdict, max(per.values()), min(a.since for a in spans)))
     return out
 
@@ -155,10 +172,12 @@ def _advice(rule: Rule) -> tuple[str, Severity, str]:
     return kind, severity, advice
 
 
-def _alert_verdict(rule: Rule, gpus: list[int], n: int, totals: list[float], top: AlertSpan | None, advice: str) -> str:
+def _alert_verdict(
+    rule: Rule, gpus: list[int], n: int, totals: list[float], top: AlertSpan | None, advice: str, report: Report
+) -> str:
     fld = rule.field
     many = len(gpus) > 1
-    who = gpu_list(gpus)
+    who = gpu_list(gpus, report.names)
     if totals[0] == totals[-1] or not many:
         length = format_duration(totals[-1])
     else:
@@ -173,11 +192,11 @@ def _alert_verdict(rule: Rule, gpus: list[int], n: int, totals: list[float], top
         text = f"{who} {'were' if many else 'was'} {words} {limit} ({fld.name}) for {length}"
     text += f" in {n} stretch{'es' if n != 1 else ''}"
     if top is not None and not fld.kind.is_bool:
-        text += f" (peak {value_text(top.peak, fld)}" + (f" on GPU {top.gpu})" if many else ")")
+        text += f" (peak {value_text(top.peak, fld)}" + (f" on {gpu_name(top.gpu, report.names)})" if many else ")")
     return text + f", firing `{rule}`: {advice}"
 
 
-def _memory_findings(gpus: list[GpuSeries]) -> list[Finding]:
+def _memory_findings(gpus: list[GpuSeries], report: Report) -> list[Finding]:
     """GPUs whose memory was at least 97% full at some point: an out-of-memory error is one batch away."""
     import numpy as np
 
@@ -199,8 +218,8 @@ def _memory_findings(gpus: list[GpuSeries]) -> list[Finding]:
             "memory_full",
             "warning",
             tuple(sorted(full)),
-            f"{gpu_list(sorted(full))} peaked at {peak} of {'their' if many else 'its'} memory: an out-of-memory "
-            "error is one batch away; lower the batch size or check for tensors kept across steps",
+            f"{gpu_list(sorted(full), report.names)} peaked at {peak} of {'their' if many else 'its'} memory: an "
+            "out-of-memory error is one batch away; lower the batch size or check for tensors kept across steps",
         )
     ]
 
@@ -218,12 +237,13 @@ def _imbalance_findings(report: Report) -> list[Finding]:
                 "imbalance",
                 "info",
                 (gpu,),
-                f"GPU {gpu} averaged {m:.0f}% utilization against {median:.0f}% on the others: "
+                f"{gpu_name(gpu, report.names)} averaged {m:.0f}% utilization against {median:.0f}% on the others: "
                 "unbalanced work or a straggler; check its share of the data and its PCIe/NVLink link",
             )
             for gpu, m in sorted(means.items())
             if median >= 40 and m < median - 25
-        ]
+        ],
+        report,
     )
 
 
@@ -256,12 +276,13 @@ def _clock_findings(report: Report) -> list[Finding]:
     return out
 
 
-def _same_words(found: list[Finding]) -> list[Finding]:
+def _same_words(found: list[Finding], report: Report) -> list[Finding]:
     """Findings that say the same of several GPUs, as one naming them all (``GPUs 2, 6 have ...``)."""
     groups: dict[tuple[str, Severity, str], list[Finding]] = {}
     for f in found:
         (gpu,) = f.gpus
-        key = (f.kind, f.severity, f.verdict.replace(f"GPU {gpu}'s ", "\0").replace(f"GPU {gpu} ", "\1"))
+        name = gpu_name(gpu, report.names)
+        key = (f.kind, f.severity, f.verdict.replace(f"{name}'s ", "\0").replace(f"{name} ", "\1"))
         groups.setdefault(key, []).append(f)
     out: list[Finding] = []
     for (kind, severity, words), same in groups.items():
@@ -269,7 +290,7 @@ def _same_words(found: list[Finding]) -> list[Finding]:
             out.append(same[0])
             continue
         gpus = sorted(g for f in same for g in f.gpus)
-        who = gpu_list(gpus)
+        who = gpu_list(gpus, report.names)
         verdict = words.replace("\0", f"{who}' ").replace("\1", f"{who} ").replace(f"{who} has ", f"{who} have ")
         out.append(Finding(kind, severity, tuple(gpus), verdict, same[0].seconds, same[0].start))
     return out
@@ -279,10 +300,10 @@ def _health_kind(name: str) -> str:
     return "ecc" if name.startswith("ecc.") else "retired_pages" if name.startswith("retired_") else "remapped_rows"
 
 
-def _health_verdict(h: HealthCount) -> str:
+def _health_verdict(h: HealthCount, report: Report) -> str:
     fld = catalogue_field(h.field)
     is_flag = fld is not None and fld.kind.is_bool
-    where = f"GPU {h.gpu}"
+    where = gpu_name(h.gpu, report.names)
     if is_flag:
         if h.field.endswith(".failure"):
             return f"{where} reported {h.field}: row remapping failed; drain it and have it checked (RMA)"
@@ -300,6 +321,28 @@ def _health_verdict(h: HealthCount) -> str:
     else:
         advice = "corrected errors: watch whether the count keeps rising"
     return f"{text}: {advice} (nvidia-smi -q -d ECC,PAGE_RETIREMENT,ROW_REMAPPER)"
+
+
+def _all_at_once(group: Sequence[Stretch]) -> tuple[float, datetime | None, int]:
+    """(seconds during which every GPU of ``group`` was stalled at once, when that first began, most GPUs at once)."""
+    events = sorted([(s.start, 1, s.gpu) for s in group] + [(s.end, -1, s.gpu) for s in group], key=lambda e: e[:2])
+    wanted = len({s.gpu for s in group})
+    open_: dict[int, int] = {}
+    together = 0.0
+    first: datetime | None = None
+    since: datetime | None = None
+    most = 0
+    for at, step, gpu in events:
+        if since is not None:
+            together += seconds_between(since, at)
+            since = None
+        open_[gpu] = open_.get(gpu, 0) + step
+        stalled = sum(1 for n in open_.values() if n > 0)
+        most = max(most, stalled)
+        if stalled == wanted:
+            since = at
+            first = first or at
+    return together, first if together > 0 else None, most
 
 
 def _overlapping(stalls: Sequence[Stretch]) -> list[list[Stretch]]:

@@ -137,6 +137,6 @@ def report_html(report: Report, plot_png: bytes | None = None, plot_note: str | 
         out.append(_table(*gpu_stat_table(report)))
     if report.constants:
         out.append("<h2>Constant during the run</h2>")
-        out.append(_para("; ".join(constant_text(n, v) for n, v in report.constants.items())))
+        out.append(_para("; ".join(constant_text(n, v, report.names) for n, v in report.constants.items())))
     out.append("</body></html>")
     return "\n".join(out) + "\n"

@@ -25,6 +25,7 @@ __all__ = [
     "AlertSpan",
     "FieldStats",
     "Finding",
+    "GpuName",
     "HealthCount",
     "Periods",
     "Report",
@@ -37,6 +38,41 @@ __all__ = [
 Severity = Literal["critical", "warning", "info"]
 #: Findings sort by this: the most severe first.
 SEVERITY_ORDER: dict[str, int] = {"critical": 0, "warning": 1, "info": 2}
+
+
+@dataclass(frozen=True)
+class GpuName:
+    """Which GPU of which node a report's GPU number is, as an operator names it (a fleet's report only).
+
+    A recording's report numbers its GPUs by nvidia-smi's index and has no names; a report of a range of the fleet
+    numbers them 0..N-1 and names each by these. :func:`smiquery.analysis.render.gpu_name` words them.
+
+    Attributes:
+        node: the node as people call it (the ``node`` or ``Hostname`` label; else the instance).
+        instance: the scrape target (Prometheus' ``instance`` label).
+        gpu: the GPU's index on its node.
+        uuid: its UUID ("" when not known).
+        pod: ``namespace/pod`` that held it, where known.
+        job: the Slurm job that held it, where known.
+    """
+
+    node: str
+    instance: str
+    gpu: str
+    uuid: str = ""
+    pod: str = ""
+    job: str = ""
+
+    def to_dict(self, index: int) -> dict[str, Any]:
+        """JSON-ready: ``index`` (the report's number), ``instance``, ``gpu`` (on its node), ``uuid``, what is known."""
+        out: dict[str, Any] = {"index": index, "instance": self.instance, "gpu": self.gpu, "uuid": self.uuid}
+        if self.node != self.instance:
+            out["node"] = self.node
+        if self.pod:
+            out["pod"] = self.pod
+        if self.job:
+            out["job"] = self.job
+        return out
 
 
 @dataclass(frozen=True)
@@ -282,6 +318,9 @@ class Report:
         not_recorded: fields the stall check or a rule needs that the recording lacks (or holds no value of):
             what they decide is not known, and the report says so rather than "none".
         unchecked_rules: the rules (texts) that watch such a field.
+        names: per GPU number, which GPU of which node it is (a fleet's report; empty for a recording, whose GPUs
+            are named by their index). In JSON every GPU reference then carries ``instance``, ``gpu`` (the index on
+            its node) and ``uuid`` (and ``index``, the report's number, which ``energy_wh`` and ``gpus`` use).
     """
 
     source: str
@@ -309,6 +348,7 @@ class Report:
     elapsed: float | None = None
     not_recorded: tuple[str, ...] = ()
     unchecked_rules: tuple[str, ...] = ()
+    names: dict[int, GpuName] = field(default_factory=dict)
 
     @property
     def duration(self) -> float:
@@ -331,8 +371,15 @@ class Report:
         """The report as :func:`~smiquery.analysis.report_html` draws it (no plot): how a notebook shows it."""
         return None if _html_renderer is None else _html_renderer(self)
 
+    def ref(self, gpu: int) -> dict[str, Any]:
+        """How JSON names GPU ``gpu``: ``{"gpu": 3}`` in a recording's report; in a fleet's, its node and UUID too."""
+        name = self.names.get(gpu)
+        return {"gpu": gpu} if name is None else name.to_dict(gpu)
+
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready dicts and lists."""
+        ref = self.ref
+        named = bool(self.names)
         return {
             "source": self.source,
             "gpus": list(self.gpus),
@@ -346,12 +393,14 @@ class Report:
             "rules": list(self.rules),
             "stall_utilization": self.stall_utilization,
             "min_stall_seconds": self.min_stall,
-            "findings": [f.to_dict() for f in self.findings],
-            "stalls": [s.to_dict() for s in self.stalls],
+            "findings": [
+                {**f.to_dict(), "gpus": [ref(g) for g in f.gpus]} if named else f.to_dict() for f in self.findings
+            ],
+            "stalls": [{**s.to_dict(), **ref(s.gpu)} for s in self.stalls],
             "thresholds": [
                 {
                     "rule": t.rule,
-                    "gpu": t.gpu,
+                    **ref(t.gpu),
                     "seconds_past_threshold": round(t.seconds, 3),
                     "stretches": t.stretches,
                     "longest_seconds": round(t.longest, 3),
@@ -360,12 +409,12 @@ class Report:
                 }
                 for t in self.thresholds
             ],
-            "alerts": [a.to_dict() for a in self.alerts],
+            "alerts": [{**a.to_dict(), **ref(a.gpu)} for a in self.alerts],
             "stats": [
                 {
                     "field": s.field,
                     "unit": s.unit,
-                    "gpu": s.gpu,
+                    **ref(s.gpu),
                     "mean": round(s.mean, 4),
                     "p95": round(s.p95, 4),
                     "max": s.max,
@@ -376,7 +425,7 @@ class Report:
                 for s in self.stats
             ],
             "constants": {name: {str(g): v for g, v in per.items()} for name, per in self.constants.items()},
-            "health": [h.to_dict() for h in self.health],
+            "health": [{**h.to_dict(), **ref(h.gpu)} for h in self.health],
             "skipped_lines": None
             if self.skipped is None
             else {"count": self.skipped.count, "first_line": self.skipped.first_lineno},

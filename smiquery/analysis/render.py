@@ -10,16 +10,17 @@ import functools
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from smiquery.analysis.series import catalogue_field
 from smiquery.clock import seconds_between
 from smiquery.fields import Field, Kind
+from smiquery.printable import printable
 
 if TYPE_CHECKING:
-    from smiquery.analysis.model import FieldStats, Report, Stretch
+    from smiquery.analysis.model import FieldStats, GpuName, Report, Stretch
 
 __all__ = [
     "ONGOING",
@@ -31,6 +32,7 @@ __all__ = [
     "energy_line",
     "format_duration",
     "gpu_list",
+    "gpu_name",
     "gpu_stat_table",
     "headline",
     "notes",
@@ -108,14 +110,55 @@ def _peak_text(peak: float | None, rule: str) -> str:
     return _num(peak) if fld is None else _stat(peak, fld)
 
 
-def gpu_list(gpus: Sequence[int]) -> str:
-    """``"GPU 3"``, ``"GPUs 0-7"``, ``"GPUs 1, 3"``."""
-    g = sorted(gpus)
+def gpu_name(gpu: int, names: Mapping[int, GpuName] | None = None) -> str:
+    """How a report names one GPU: ``GPU 3`` in a recording's, ``gpu-node-2 GPU 1 (team-a/train-0)`` in a fleet's.
+
+    In a fleet's report (``names``: :attr:`Report.names`) a GPU is its node and its index there, with the pod or
+    Slurm job that held it where known. The one naming of GPUs for every part of a report, recording or fleet.
+    """
+    name = names.get(gpu) if names else None
+    if name is None:
+        return f"GPU {gpu}"
+    return f"{printable(name.node)} GPU {printable(name.gpu or '?')}{_held(name)}"
+
+
+def _held(name: GpuName) -> str:
+    if name.pod:
+        return f" ({printable(name.pod)})"
+    return f" (Slurm job {printable(name.job)})" if name.job else ""
+
+
+def _numbers(g: Sequence[int]) -> str:
     if len(g) == 1:
         return f"GPU {g[0]}"
-    if g == list(range(g[0], g[-1] + 1)):
+    if list(g) == list(range(g[0], g[-1] + 1)):
         return f"GPUs {g[0]}-{g[-1]}"
     return "GPUs " + ", ".join(str(x) for x in g)
+
+
+def gpu_list(gpus: Sequence[int], names: Mapping[int, GpuName] | None = None) -> str:
+    """``"GPU 3"``, ``"GPUs 0-7"``, ``"GPUs 1, 3"``; in a fleet's report per node: ``"node-1 GPUs 0-7; node-4 GPU 2"``.
+
+    With ``names`` each node's GPUs go by their index on the node, with the pod or job where one held them all.
+    """
+    g = sorted(gpus)
+    if not names or any(x not in names for x in g):
+        return _numbers(g)
+    if len(g) == 1:
+        return gpu_name(g[0], names)
+    by_node: dict[str, list[GpuName]] = {}
+    for x in g:
+        by_node.setdefault(names[x].node, []).append(names[x])
+    parts = []
+    for node, on in by_node.items():
+        local = sorted(on, key=lambda n: (not n.gpu.isdigit(), int(n.gpu) if n.gpu.isdigit() else 0, n.gpu))
+        if all(n.gpu.isdigit() for n in on):
+            which = _numbers([int(n.gpu) for n in local])
+        else:
+            which = ("GPU " if len(on) == 1 else "GPUs ") + ", ".join(printable(n.gpu or "?") for n in local)
+        held = {_held(n) for n in on}
+        parts.append(f"{printable(node)} {which}{held.pop() if len(held) == 1 else ''}")
+    return "; ".join(parts)
 
 
 def _unit(fld: Field) -> str:
@@ -208,7 +251,7 @@ def alert_rows(report: Report) -> list[list[str]]:
     """GPU, rule, when it fired, how long it held, peak: one row per alert the rules would have fired."""
     return [
         [
-            str(a.gpu),
+            str(a.gpu) if not report.names else gpu_name(a.gpu, report.names),
             a.rule,
             _stamp(a.fired),
             format_duration(a.seconds) + (ONGOING if a.ongoing else ""),
@@ -232,7 +275,7 @@ def gpu_stat_table(report: Report) -> tuple[list[str], list[list[str]]]:
                 "n/a" if st is None else f"{_stat(st.mean, fld)} / {_stat(st.p95, fld)} / {_stat(st.max, fld)}"
             )
         rows.append(cells)
-    return ["field", *[f"GPU {g}" for g in report.gpus]], rows
+    return ["field", *[gpu_name(g, report.names) for g in report.gpus]], rows
 
 
 def stall_rows(report: Report) -> list[list[str]]:
@@ -252,7 +295,9 @@ def stall_rows(report: Report) -> list[list[str]]:
     for group in groups:
         means = [x.mean for x in group if x.mean is not None]
         mean = sum(means) / len(means) if means else None
-        who = gpu_list([x.gpu for x in group]).removeprefix("GPUs ").removeprefix("GPU ")
+        who = gpu_list([x.gpu for x in group], report.names)
+        if not report.names:
+            who = who.removeprefix("GPUs ").removeprefix("GPU ")
         length = format_duration(group[0].seconds) + (ONGOING if any(x.ongoing for x in group) else "")
         rows.append([who, _stamp(group[0].start), length, f"{_num(mean)}%"])
     return rows
@@ -276,8 +321,8 @@ def overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
             _stat(o.mean, fld),
             _stat(o.p95, fld),
             _stat(o.max, fld),
-            f"GPU {hi.gpu}: {_stat(hi.mean, fld)}",
-            f"GPU {lo.gpu}: {_stat(lo.mean, fld)}",
+            f"{gpu_name(hi.gpu, report.names)}: {_stat(hi.mean, fld)}",
+            f"{gpu_name(lo.gpu, report.names)}: {_stat(lo.mean, fld)}",
         ]
         if any_missing:
             row.append(str(o.missing))
@@ -298,7 +343,7 @@ def threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
     head = ["GPU", *(c if conditions.count(c) == 1 else r for c, r in zip(conditions, rules, strict=True))]
     rows = []
     for g in report.gpus:
-        cells = [f"GPU {g}"]
+        cells = [gpu_name(g, report.names)]
         any_time = False
         for r in rules:
             got = [t for t in report.thresholds if t.gpu == g and t.rule == r]
@@ -368,14 +413,17 @@ def report_text(report: Report) -> str:
         out += _table(*overall_rows(report), indent=2)
     if report.constants:
         out.append("")
-        out.append("Constant during the run: " + "; ".join(constant_text(n, v) for n, v in report.constants.items()))
+        out.append(
+            "Constant during the run: "
+            + "; ".join(constant_text(n, v, report.names) for n, v in report.constants.items())
+        )
     return "\n".join(out) + "\n"
 
 
 def energy_line(report: Report) -> str:
     """The energy the GPUs drew over the run, in all and per GPU."""
     total = sum(report.energy_wh.values())
-    per = ", ".join(f"GPU {g}: {wh:.1f}" for g, wh in sorted(report.energy_wh.items()))
+    per = ", ".join(f"{gpu_name(g, report.names)}: {wh:.1f}" for g, wh in sorted(report.energy_wh.items()))
     return f"Energy (power.draw over the run): {total:.1f} Wh in all ({per} Wh)"
 
 
@@ -411,20 +459,21 @@ def report_markdown(report: Report) -> str:
     if report.constants:
         out += [
             "",
-            "Constant during the run: " + "; ".join(constant_text(n, v) for n, v in report.constants.items()),
+            "Constant during the run: "
+            + "; ".join(constant_text(n, v, report.names) for n, v in report.constants.items()),
         ]
     return "\n".join(out) + "\n"
 
 
-def constant_text(name: str, per_gpu: dict[int, Any]) -> str:
-    """A field that never changed, with its value (per GPU when they differ)."""
+def constant_text(name: str, per_gpu: dict[int, Any], names: Mapping[int, GpuName] | None = None) -> str:
+    """A field that never changed, with its value (per GPU when they differ; ``names``: a fleet's GPU names)."""
     values = list(dict.fromkeys(per_gpu.values()))
     fld = catalogue_field(name)
     unit = f" {fld.unit}" if fld is not None and fld.unit and fld.unit != "%" else (fld.unit if fld else "")
     num = _num if fld is None else functools.partial(_stat, fld=fld)
     if len(values) == 1:
         return f"{name} {num(values[0])}{unit}"
-    return f"{name} " + ", ".join(f"GPU {g}: {num(v)}{unit}" for g, v in per_gpu.items())
+    return f"{name} " + ", ".join(f"{gpu_name(g, names)}: {num(v)}{unit}" for g, v in per_gpu.items())
 
 
 def _table(head: list[str], rows: list[list[str]], indent: int = 0) -> list[str]:

@@ -34,6 +34,7 @@ PrometheusOpt = Annotated[
     str | None,
     typer.Option(
         "--prometheus",
+        "-p",
         metavar="URL",
         rich_help_panel=_PANEL,
         help="Read a time range of the fleet from this Prometheus server instead of a recording (with --start).",

@@ -180,7 +180,9 @@ def top(
         bool,
         typer.Option("--idle", help="Only GPUs under 5% utilization for the last 30 min while holding memory."),
     ] = False,
-    once: Annotated[bool, typer.Option("--once", help="One screen (or document), then exit.")] = False,
+    once: Annotated[
+        bool, typer.Option("--once", help="One screen, then exit (piped, or --format csv/json: always one).")
+    ] = False,
     fmt: Annotated[TopFormat, typer.Option("--format", "-F", case_sensitive=False, help="Output.")] = TopFormat.table,
     interval: Annotated[
         float, typer.Option("--interval", min=0.5, metavar="SECONDS", help="Seconds between refreshes.")
@@ -232,8 +234,9 @@ def top(
         limit = DEFAULT_MAX_ANSWER_BYTES if max_answer is None else max_answer * 2**20
         client = PrometheusClient(prometheus, config=config, timeout=timeout, max_answer_bytes=limit)
         when = parse_time(at, what="--at") if at is not None else None
-        live = not once
-        tty = live and fmt is TopFormat.table and sys.stdout.isatty()
+        # only a terminal gets the live view: piped, or as csv/json, one document (a file of one CSV, not many)
+        live = not once and fmt is TopFormat.table and sys.stdout.isatty()
+        tty = live
         view = Viewport(TOP_KEYS, sort.value)
         keys: queue.SimpleQueue[str] = queue.SimpleQueue()
         reader = KeyReader(keys.put) if tty else contextlib.nullcontext()

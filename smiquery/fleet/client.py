@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from base64 import b64encode
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -300,8 +301,43 @@ class PrometheusClient:
 
     # ----------------------------------------------------------------------------------------------------------
 
+    def query_samples(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], Any, Any]]:
+        """An instant query of a range selector (``metric[7d]``): per series its labels, times and values as arrays.
+
+        The same answer as :meth:`query`, read without building a Python object per sample: the labels are JSON,
+        each series' ``[[t, "v"], ...]`` is handed to numpy whole. An answer of any other shape (an error, a vector)
+        is read as :meth:`query` reads it.
+        """
+        import numpy as np
+
+        params = {"query": expr, "timeout": f"{self.timeout:g}s"}
+        if at is not None:
+            params["time"] = _fmt(at)
+        raw = self._call("/api/v1/query", params, expr, decoded=False)
+        text = raw.decode("utf-8", "replace")
+        fast = _matrix(text)
+        if fast is None:
+            data = self._decode(bytes(raw), "/api/v1/query", 200, expr)
+            result = data.get("result") if isinstance(data, dict) else None
+            fast = []
+            try:
+                for r in result if isinstance(result, list) else []:
+                    values = r.get("values") or []
+                    times = np.array([float(p[0]) for p in values], dtype=np.float64)
+                    nums = np.array([float(p[1]) for p in values], dtype=np.float64)
+                    fast.append((r.get("metric", {}), times, nums))
+            except (AttributeError, TypeError, ValueError, IndexError):
+                raise PrometheusError(f"the answer to {expr!r} holds a sample that is not [time, value]") from None
+        return fast
+
     def _call(
-        self, path: str, params: Mapping[str, str] | Sequence[tuple[str, str]], what: str, *, post: bool = True
+        self,
+        path: str,
+        params: Mapping[str, str] | Sequence[tuple[str, str]],
+        what: str,
+        *,
+        post: bool = True,
+        decoded: bool = True,
     ) -> Any:
         # POST where the API takes it: a long selector list does not run into a proxy's URL limit
         encoded = urllib.parse.urlencode(params)
@@ -340,6 +376,11 @@ class PrometheusClient:
                 f"Prometheus at {self.url} refused the credentials (HTTP {status}); check the bearer token or "
                 "basic_auth in --http-config"
             )
+        if not decoded and status == 200:
+            return raw
+        return self._decode(bytes(raw), path, status, what)
+
+    def _decode(self, raw: bytes, path: str, status: int, what: str) -> Any:
         try:
             doc = json.loads(raw)
         except ValueError:
@@ -569,6 +610,56 @@ class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
         return self.parent.open(new, timeout=req.timeout)
 
     http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
+
+_MATRIX_HEAD = '{"status":"success","data":{"resultType":"matrix","result":['
+_SERIES_HEAD = '{"metric":'
+_VALUES_HEAD = ',"values":['
+
+
+def _matrix(text: str) -> list[tuple[dict[str, str], Any, Any]] | None:
+    """A successful matrix answer's series as (labels, times, values), numpy parsing the samples; None: another shape.
+
+    Each series' samples (``[1733292000.5,"312.45"],...``: numbers and quoted numbers, ``"NaN"`` and ``"+Inf"``
+    included) are read by ``numpy.fromstring`` in one call; the labels by the JSON decoder. Anything unexpected (a
+    warning, another key order, a count that does not add up) gives None, and the caller reads the answer as JSON.
+    """
+    import numpy as np
+
+    if not text.startswith(_MATRIX_HEAD):
+        return None
+    decoder = json.JSONDecoder()
+    out: list[tuple[dict[str, str], Any, Any]] = []
+    pos = len(_MATRIX_HEAD)
+    while text.startswith(_SERIES_HEAD, pos):
+        try:
+            labels, pos = decoder.raw_decode(text, pos + len(_SERIES_HEAD))
+        except ValueError:
+            return None
+        if not isinstance(labels, dict) or not text.startswith(_VALUES_HEAD, pos):
+            return None
+        pos += len(_VALUES_HEAD)
+        stop = text.find("]]", pos)
+        if stop < 0:
+            return None
+        body = text[pos + 1 : stop].replace('"', "").replace("],[", ",")
+        n = text.count("],[", pos, stop) + 1
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # numpy warns (and stops short) at what is not a number
+                nums = np.fromstring(body, dtype=np.float64, sep=",") if body else np.empty(0)
+        except (ValueError, DeprecationWarning):
+            return None
+        if len(nums) != 2 * n or not text.startswith("}", stop + 2):
+            return None
+        pairs = nums.reshape(n, 2)
+        out.append(({str(k): str(v) for k, v in labels.items()}, pairs[:, 0].copy(), pairs[:, 1].copy()))
+        pos = stop + 3
+        if text.startswith(",", pos):
+            pos += 1
+    if not text.startswith("]", pos):
+        return None
+    return out
 
 
 def _fmt(t: float) -> str:

@@ -1,12 +1,14 @@
 """A time range of the fleet as the DataFrame a recording gives, for :func:`smiquery.analysis.report` and the plot.
 
-:func:`fleet_frame` asks range queries at the series' own resolution: ``step`` is the scrape interval (estimated
-from the data unless given), each point is ``last_over_time(metric[step])`` so that a GPU that stopped
-reporting ends there (no five-minute lookback carrying its last value on), and a long range is cut into chunks
-of at most the server's point limit (11,000 points per series; fewer when many series would pass its sample
-limit). The result has a recording's columns (``timestamp``, ``index``, ``uuid``, ``name`` and the fields, with
+:func:`fleet_frame` reads the raw samples, as scraped: instant queries of range selectors (``metric[Nms]``), so a
+GPU that stopped reporting ends there (no five-minute lookback carrying its last value on) and nothing is
+evaluated at every step; a long range is cut into chunks of at most 11,000 scrape intervals (``step``, estimated
+from the data unless given; fewer when many series would pass the server's sample limit), and each chunk's samples
+are parsed by numpy (:meth:`~smiquery.fleet.client.PrometheusClient.query_samples`).
+The result has a recording's columns (``timestamp``, ``index``, ``uuid``, ``name`` and the fields, with
 the catalogue's dtypes) plus ``instance``, ``namespace`` and ``pod``; ``index`` numbers the GPUs of the range
-0..N-1 in (instance, GPU index) order and ``attrs["gpus"]`` says which GPU each number is.
+0..N-1 in (instance, GPU index) order and ``attrs["gpus"]`` says which GPU each number is (``attrs["gpu_names"]``:
+the :class:`~smiquery.analysis.model.GpuName` the report names it by: node, index on the node, pod or job).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
+    from smiquery.analysis.model import GpuName
+
 __all__ = ["MAX_POINTS", "FleetGpuInfo", "chunks", "estimate_step", "fleet_frame", "gpu_names"]
 
 #: Prometheus refuses a range query of more than 11,000 points per series.
@@ -56,6 +60,15 @@ class FleetGpuInfo:
     naming: str
     namespace: str
     pod: str
+    node: str = ""
+    job: str = ""
+
+    def gpu_name(self) -> GpuName:
+        """How the report names this GPU (see :func:`smiquery.analysis.render.gpu_name`)."""
+        from smiquery.analysis.model import GpuName  # not at import: `top` needs no analysis
+
+        held = f"{self.namespace}/{self.pod}" if self.namespace and self.pod else self.pod
+        return GpuName(self.node or self.instance, self.instance, self.gpu, self.uuid, held, self.job)
 
     def label(self) -> str:
         """``instance/gpu`` with the UUID, as the report names the GPU."""
@@ -71,6 +84,8 @@ class FleetGpuInfo:
             "naming": self.naming,
             "namespace": self.namespace,
             "pod": self.pod,
+            "node": self.node or self.instance,
+            "job": self.job,
         }
 
 
@@ -125,17 +140,6 @@ def estimate_step(
     return round(float(np.median(diffs)), 3)
 
 
-def _array(values: list[list[Any]], factor: float) -> tuple[np.ndarray, np.ndarray]:
-    import numpy as np
-
-    if not values:
-        return np.empty(0), np.empty(0)
-    times = np.fromiter((p[0] for p in values), dtype=np.float64, count=len(values))
-    nums = np.array([p[1] for p in values], dtype=np.float64) * factor
-    nums[~np.isfinite(nums)] = np.nan
-    return times, nums
-
-
 def fleet_frame(
     client: PrometheusClient,
     start: float,
@@ -161,8 +165,8 @@ def fleet_frame(
         namespace: only GPUs attributed to a namespace matching this regex (any time in the range).
         pod: only GPUs attributed to a pod matching this regex.
         uuids: only GPUs with these UUIDs (a Slurm job's: :func:`smiquery.fleet.slurm.job_range`).
-        step: seconds between points (default: the scrape interval).
-        max_points: points per series per query (the server refuses more than 11,000).
+        step: the scrape interval, which sizes the chunks (default: estimated from the data).
+        max_points: scrape intervals per chunk (at most 11,000, as a range query could hold).
         fields: nvidia-smi fields to read (each naming's metric for it; missing ones are left out).
 
     Raises:
@@ -190,9 +194,6 @@ def fleet_frame(
     series_count = max(1, len(series))
     per_query = max(2, min(max_points, _MAX_SAMPLES // series_count))
     pieces = chunks(grid0, end, step, per_query)
-    # one millisecond short of the step: Prometheus 2 closes the window on the left, so a full step would give a
-    # sample to two points (a lost GPU one point too many); every sample still falls in exactly one window
-    window = f"{max(1, round(step * 1000) - 1)}ms"
 
     jobs: list[tuple[FleetNaming, str, float, float]] = []
     for n in found:
@@ -202,8 +203,13 @@ def fleet_frame(
                     jobs.append((n, fld, a, b))
 
     def run(job: tuple[FleetNaming, str, float, float]) -> list[dict[str, Any]]:
+        # the raw samples, as scraped (no evaluation at every step): a range selector over the chunk, which holds
+        # the samples after the previous chunk's end up to its own (one millisecond more than the span: the
+        # window is open on the left in Prometheus 3); a sample on a boundary that a server gives twice is read once
         n, fld, a, b = job
-        return client.query_range(f"last_over_time({selector(n.metric(fld), node)}[{window}])", a, b, step)
+        width = max(1, round((b - a + step) * 1000) - 1)
+        got = client.query_samples(f"{selector(n.metric(fld), node)}[{width}ms]", b)
+        return [{"metric": labels, "times": times, "nums": nums} for labels, times, nums in got]
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         span = f"{int(end - start) + 1}s"
@@ -216,7 +222,9 @@ def fleet_frame(
     ident: dict[GpuKey, dict[str, str]] = {}
     read = ((n, fld, result) for (n, fld, _, _), result in zip(jobs, results, strict=True))
     for n, fld, key, s in gpu_series(read, infos, ident):
-        data.setdefault(key, {}).setdefault(fld, []).append(_array(s.get("values", []), n.factor(fld)))
+        nums = s["nums"] * n.factor(fld)
+        nums[~np.isfinite(nums)] = np.nan
+        data.setdefault(key, {}).setdefault(fld, []).append((s["times"], nums))
     keys = sorted(data, key=GpuKey.sort_key)
     for pattern, what in ((namespace, "namespace"), (pod, "pod")):
         if pattern is not None:
@@ -239,26 +247,45 @@ def fleet_frame(
     for i, key in enumerate(keys):
         by_field = data[key]
         times = np.unique(np.concatenate([t for parts in by_field.values() for t, _ in parts]))
+        times = times[(times >= grid0 - step) & (times <= end)]
         stamp_parts.append(times)
         index_parts.append(np.full(len(times), i, dtype=np.int64))
         lengths.append(len(times))
         for f in present:
             col = np.full(len(times), np.nan)
             for t, v in by_field.get(f, ()):
-                col[np.searchsorted(times, t)] = v
+                keep = (t >= grid0 - step) & (t <= end)
+                col[np.searchsorted(times, t[keep])] = v[keep]
             value_parts[f].append(col)
         got = ident[key]
         per_gpu.append(
-            FleetGpuInfo(i, key.instance, key.gpu, key.uuid, got["name"], got["naming"], got["namespace"], got["pod"])
+            FleetGpuInfo(
+                i,
+                key.instance,
+                key.gpu,
+                key.uuid,
+                got["name"],
+                got["naming"],
+                got["namespace"],
+                got["pod"],
+                got["node"],
+                got["job"],
+            )
         )
     seconds = np.concatenate(stamp_parts)
     stamps = pd.to_datetime(np.round(seconds * 1000).astype(np.int64), unit="ms", utc=True).as_unit("ns")
     text = string_dtype()
+    rows_of = np.repeat(np.arange(len(keys)), lengths)
+
+    def per_row(per_gpu_values: list[Any]) -> Any:
+        # one string per GPU, taken for each of its rows (not a Python string per row to convert)
+        return pd.array(per_gpu_values, dtype=text).take(rows_of)
+
     columns: list[Any] = [
         stamps.array,
         pd.array(np.concatenate(index_parts), dtype="Int64"),
-        pd.array(np.repeat([k.uuid or pd.NA for k in keys], lengths), dtype=text),
-        pd.array(np.repeat([g.name or pd.NA for g in per_gpu], lengths), dtype=text),
+        per_row([k.uuid or pd.NA for k in keys]),
+        per_row([g.name or pd.NA for g in per_gpu]),
     ]
     for spec in cat[4:]:
         values = np.concatenate(value_parts[spec.name])
@@ -267,10 +294,11 @@ def fleet_frame(
         else:
             columns.append(pd.array(np.round(values), dtype="Float64").astype("Int64"))
     df = make_frame(cat, columns, {}, None)
-    df["instance"] = pd.array(np.repeat([k.instance for k in keys], lengths), dtype=text)
-    df["namespace"] = pd.array(np.repeat([g.namespace for g in per_gpu], lengths), dtype=text)
-    df["pod"] = pd.array(np.repeat([g.pod for g in per_gpu], lengths), dtype=text)
+    df["instance"] = per_row([k.instance for k in keys])
+    df["namespace"] = per_row([g.namespace for g in per_gpu])
+    df["pod"] = per_row([g.pod for g in per_gpu])
     df.attrs["gpus"] = {g.index: g for g in per_gpu}
+    df.attrs["gpu_names"] = {g.index: g.gpu_name() for g in per_gpu}  # the report names GPUs by these
     df.attrs["step"] = step
     return df
 

@@ -20,8 +20,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FLEET_FIELDS",
+    "JOB_LABELS",
     "NAMESPACE_LABELS",
     "NAMINGS",
+    "NODE_LABELS",
     "POD_LABELS",
     "FleetNaming",
     "GpuKey",
@@ -240,6 +242,10 @@ def first_label(labels: Mapping[str, str], names: Iterable[str]) -> str:
 
 POD_LABELS = ("exported_pod", "pod")
 NAMESPACE_LABELS = ("exported_namespace", "namespace")
+#: Where a node's own name sits, when it is not the scrape target's address (dcgm-exporter's ``Hostname``).
+NODE_LABELS = ("exported_node", "node", "Hostname")
+#: Where a Slurm job id sits, where an exporter labels it (dcgm-exporter's HPC job mapping: ``hpc_job``).
+JOB_LABELS = ("slurm_job_id", "slurm_job", "hpc_job")
 
 
 def info_labels(
@@ -260,8 +266,9 @@ def gpu_series(
     """Each series of query ``results`` (naming, field, the series) with the GPU it belongs to.
 
     A GPU exported twice (its UUID under another key: a second exporter) is read once, under the first naming
-    that gave it. ``idents`` gathers what each GPU is: its ``naming``, ``name`` (model), ``namespace`` and ``pod``,
-    the first found of each. ``infos`` holds :func:`info_labels` by naming.
+    that gave it. ``idents`` gathers what each GPU is: its ``naming``, ``name`` (model), ``namespace``, ``pod``,
+    ``node`` (:data:`NODE_LABELS`) and ``job`` (:data:`JOB_LABELS`), the first found of each. ``infos`` holds
+    :func:`info_labels` by naming.
     """
     owners: dict[str, GpuKey] = {}
     for n, fld, result in results:
@@ -271,8 +278,12 @@ def gpu_series(
             key = n.key(labels, info)
             if key.uuid and owners.setdefault(key.uuid, key) != key:
                 continue
-            got = idents.setdefault(key, {"naming": n.name, "name": "", "namespace": "", "pod": ""})
+            got = idents.setdefault(
+                key, {"naming": n.name, "name": "", "namespace": "", "pod": "", "node": "", "job": ""}
+            )
             got["name"] = got["name"] or n.model(labels, info)
+            got["node"] = got["node"] or first_label(labels, NODE_LABELS)
+            got["job"] = got["job"] or first_label(labels, JOB_LABELS)
             got["namespace"] = got["namespace"] or first_label(labels, NAMESPACE_LABELS)
             got["pod"] = got["pod"] or first_label(labels, POD_LABELS)
             yield n, fld, key, series

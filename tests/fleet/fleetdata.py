@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 MiB = 1048576
 
@@ -266,5 +266,107 @@ def started(prometheus: str, data: Path, log: Path) -> Iterator[PromServer]:
         server.stop()
 
 
+class VmServer:
+    """A single-node VictoriaMetrics on 127.0.0.1 and a free port, holding the samples of an OpenMetrics file."""
+
+    def __init__(self, binary: str, data: Path, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = log.open("w")
+        argv = [
+            binary,
+            f"-storageDataPath={data}",
+            f"-httpListenAddr=127.0.0.1:{self.port}",
+            "-retentionPeriod=100y",
+            "-search.latencyOffset=0s",  # what was imported is there at once, not 30 s later
+        ]
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
+        self.log = log
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise AssertionError(
+                    f"victoria-metrics exited {self.popen.returncode}:\n{self.log.read_text()[-3000:]}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"victoria-metrics not ready after {timeout} s:\n{self.log.read_text()[-3000:]}")
+
+    def load(self, openmetrics: Path) -> None:
+        """Import the file's samples (its seconds as the text format's milliseconds) and flush them to search."""
+        lines = []
+        for line in openmetrics.read_text(encoding="utf-8").splitlines():
+            if not line or line.startswith("#"):
+                continue
+            head, value, stamp = line.rsplit(" ", 2)
+            lines.append(f"{head} {value} {round(float(stamp) * 1000)}")
+        body = ("\n".join(lines) + "\n").encode()
+        request = urllib.request.Request(self.url + "/api/v1/import/prometheus", data=body, method="POST")
+        with urllib.request.urlopen(request, timeout=120) as r:
+            assert r.status in (200, 204), r.status
+        with urllib.request.urlopen(self.url + "/internal/force_flush", timeout=60) as r:
+            assert r.status == 200
+
+    def stop(self) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+
+@contextlib.contextmanager
+def started_vm(binary: str, openmetrics: Path, data: Path, log: Path) -> Iterator[VmServer]:
+    """A running VictoriaMetrics holding ``openmetrics``' samples; stopped when the generator is closed."""
+    server = VmServer(binary, data, log)
+    try:
+        server.wait_ready()
+        server.load(openmetrics)
+        yield server
+    finally:
+        server.stop()
+
+
 def tool(name: str) -> str | None:
     return shutil.which(name) or (f"/usr/bin/{name}" if os.path.exists(f"/usr/bin/{name}") else None)
+
+
+_NAME_KEYS = ("index", "instance", "uuid", "node", "pod", "job")
+
+
+def unnamed(doc: dict[str, Any]) -> dict[str, Any]:
+    """A fleet report's JSON as a recording's: each GPU reference back to the report's number, verdicts left out."""
+
+    def number(ref: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in ref.items() if k not in _NAME_KEYS}
+        out["gpu"] = ref["index"]
+        return dict(sorted(out.items()))
+
+    got = {k: v for k, v in doc.items() if k != "gpu_names"}
+    for key in ("stalls", "alerts", "thresholds", "stats", "health"):
+        got[key] = [number(r) for r in doc[key]]
+    got["findings"] = [
+        {**{k: v for k, v in f.items() if k != "verdict"}, "gpus": [r["index"] for r in f["gpus"]]}
+        for f in doc["findings"]
+    ]
+    return got
+
+
+def sorted_keys(doc: dict[str, Any]) -> dict[str, Any]:
+    """A recording's report JSON as :func:`unnamed` gives a fleet's: keys sorted, verdicts left out."""
+    got = dict(doc)
+    for key in ("stalls", "alerts", "thresholds", "stats", "health"):
+        got[key] = [dict(sorted(r.items())) for r in doc[key]]
+    got["findings"] = [{k: v for k, v in f.items() if k != "verdict"} for f in doc["findings"]]
+    return got

@@ -8,7 +8,11 @@ UUID). The same samples are also an nvidia-smi CSV recording, which the report m
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -34,7 +38,7 @@ from smiquery.fleet import (
 )
 from smiquery.fleet.history import chunks
 from tests.fleet.conftest import STEP, Fleet
-from tests.fleet.fleetdata import free_port
+from tests.fleet.fleetdata import free_port, sorted_keys, unnamed
 
 pytestmark = pytest.mark.xdist_group("prometheus")
 
@@ -188,10 +192,12 @@ class CountingClient(PrometheusClient):
         super().__init__(url)
         self.ranges: list[tuple[float, float]] = []
 
-    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
-        self.ranges.append((start, end))
-        assert (end - start) / step + 1 <= 100
-        return super().query_range(expr, start, end, step)
+    def query_samples(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], Any, Any]]:
+        width = int(re.search(r"\[(\d+)ms\]$", expr).group(1)) / 1000  # type: ignore[union-attr]
+        assert at is not None
+        self.ranges.append((at - width, at))
+        assert width <= 100 * STEP  # at most 100 samples of each series per query
+        return super().query_samples(expr, at)
 
 
 def test_a_range_in_many_chunks_gives_the_same_frame(fleet):
@@ -206,8 +212,13 @@ def test_a_range_in_many_chunks_gives_the_same_frame(fleet):
 
 def test_the_report_from_prometheus_equals_the_report_of_the_recording(fleet):
     df = fleet_frame(PrometheusClient(fleet.url), fleet.start, fleet.end)
-    from_prom = report(df, name="x").to_dict()
+    named = report(df, name="x")
     from_rec = report(load_recording(fleet.recording, tz="UTC"), name="x").to_dict()
+    # the same analysis: the same stalls, alerts, thresholds, energy and findings; only the names differ
+    assert unnamed(named.to_dict()) == sorted_keys(from_rec)
+    bare = df.copy()
+    bare.attrs = {k: v for k, v in df.attrs.items() if k != "gpu_names"}
+    from_prom = report(bare, name="x").to_dict()  # without names, word for word the recording's report
     assert from_prom == from_rec
     # and the report is about something: the stall, the idle GPU's alert, the hot GPU's energy
     order = sorted(fleet.gpus, key=lambda g: (g.instance, g.index))
@@ -226,12 +237,43 @@ def test_report_command_names_each_gpu_by_instance_and_uuid(fleet):
     ).stdout
     doc = json.loads(out)
     rec = json.loads(smiquery("report", str(fleet.recording), "--tz", "UTC", "--format", "json").stdout)
-    for key in ("stalls", "alerts", "energy_wh", "findings", "thresholds"):
-        assert doc[key] == rec[key], key
+    plain, want = unnamed(doc), sorted_keys(rec)
+    for key in ("stalls", "alerts", "energy_wh", "findings", "thresholds", "stats", "health"):
+        assert plain[key] == want[key], key
     order = sorted(fleet.gpus, key=lambda g: (g.instance, g.index))
     assert {int(k): (v["instance"], v["uuid"]) for k, v in doc["gpu_names"].items()} == {
         i: (g.instance, g.uuid) for i, g in enumerate(order)
     }
+
+
+def test_every_finding_names_its_gpus_by_node_and_index_on_the_node(fleet):
+    t = ["--start", str(fleet.start), "--end", str(fleet.end)]
+    doc = json.loads(smiquery("report", "-p", fleet.url, *t, "--format", "json").stdout)
+    order = sorted(fleet.gpus, key=lambda g: (g.instance, g.index))
+    assert doc["findings"]
+    # every GPU reference in JSON: instance, the index on the node, uuid; they are the fleet's GPUs
+    refs = [r for f in doc["findings"] for r in f["gpus"]]
+    refs += [r for key in ("stalls", "alerts", "thresholds", "stats") for r in doc[key]]
+    assert refs
+    for r in refs:
+        g = order[r["index"]]
+        assert (r["instance"], r["gpu"], r["uuid"]) == (g.instance, str(g.index), g.uuid)
+    for f in doc["findings"]:
+        if f["kind"] == "clock":
+            continue
+        for r in f["gpus"]:
+            node = r.get("node", r["instance"])
+            assert f"{node} GPU" in f["verdict"] or f"{node} GPUs" in f["verdict"], f["verdict"]
+        # the report's own numbers (0..11) never stand for a GPU: each node has GPUs 0 and 1 only
+        assert re.search(r"GPUs? (?:[2-9]|1\d)\b", f["verdict"]) is None, f["verdict"]
+    # the dcgm nodes go by their Hostname label, the pod that held the GPU where known
+    hot = next(g for g in order if g.profile == "hot")
+    text = smiquery("report", "-p", fleet.url, *t).stdout
+    assert f"{hot.instance} GPU {hot.index}" in text
+    assert re.search(r"GPUs? (?:[2-9]|1\d)\b", text.split("\nGPUs:")[0]) is None
+    pods = [g for g in order if g.pod]
+    if pods:
+        assert any(f"({g.namespace}/{g.pod})" in text for g in pods)
 
 
 def test_report_of_one_job_by_pod_and_of_one_node(fleet):
@@ -431,24 +473,42 @@ def test_tls_with_the_ca_file_and_basic_auth_from_an_http_config(secured, pki, t
         PrometheusClient(secured, config=HttpConfig(username="ops", password="pw")).query("vector(1)")
 
 
-def _frames(argv: list[str], wanted: int) -> tuple[list[list[str]], subprocess.Popen[str], threading.Thread]:
-    """Run a live ``top`` until it has drawn ``wanted`` screens (each starts with its title line)."""
+def _frames(argv: list[str], wanted: int) -> tuple[list[list[str]], subprocess.Popen[bytes], threading.Thread]:
+    """Run a live ``top`` on a terminal (a pty) until it has drawn ``wanted`` screens (each starts with its title)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
     import time
 
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
+    proc = subprocess.Popen(argv, stdout=slave, stderr=subprocess.PIPE, cwd=ROOT)
+    os.close(slave)
     frames: list[list[str]] = []
     lines: list[str] = []
     got = threading.Event()
 
     def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("smiquery top") and lines:
-                frames.append(list(lines))
-                lines.clear()
-                if len(frames) >= wanted:
-                    got.set()
-            lines.append(line.rstrip("\n"))
+        with open(master, "rb", buffering=0) as fh:
+            pending = b""
+            while True:
+                try:
+                    piece = fh.read(4096)
+                except OSError:  # the child closed the terminal
+                    return
+                if not piece:
+                    return
+                pending += piece
+                *done, pending = pending.split(b"\n")
+                for raw in done:
+                    line = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw.decode()).rstrip("\r")  # the redraw's codes
+                    if line.startswith("smiquery top") and lines:
+                        frames.append(list(lines))
+                        lines.clear()
+                        if len(frames) >= wanted:
+                            got.set()
+                    lines.append(line)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -458,15 +518,14 @@ def _frames(argv: list[str], wanted: int) -> tuple[list[list[str]], subprocess.P
     return frames, proc, reader
 
 
-def _interrupt(proc: subprocess.Popen[str], reader: threading.Thread) -> int:
+def _interrupt(proc: subprocess.Popen[bytes], reader: threading.Thread) -> int:
     import signal
 
     proc.send_signal(signal.SIGINT)
     rc = proc.wait(60)
     reader.join(60)
-    for pipe in (proc.stdout, proc.stderr):
-        if pipe is not None:
-            pipe.close()
+    if proc.stderr is not None:
+        proc.stderr.close()
     return rc
 
 
@@ -504,3 +563,50 @@ def test_live_top_keeps_going_while_the_server_is_down():
         assert frames[1][-1].startswith(f"last error: cannot reach Prometheus at {url}")
     finally:
         assert _interrupt(proc, reader) == 130  # Ctrl-C: 130, as stream and ps --watch
+
+
+def test_piped_top_prints_one_document_and_exits(fleet):
+    # not a terminal: one table, or one CSV/JSON document, then exit 0 (no --once needed), so `> fleet.csv` is a CSV
+    t = ["--at", str(fleet.end), "--interval", "0.5"]
+    for fmt, check in (
+        ("table", lambda out: out.count("smiquery top") == 1),
+        ("csv", lambda out: len(list(csv.reader(io.StringIO(out)))) == 13),
+        ("json", lambda out: len(json.loads(out)) == 12),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "smiquery", "top", "-p", fleet.url, "--format", fmt, *t],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert done.returncode == 0, done.stderr
+        assert check(done.stdout), (fmt, done.stdout[:300])
+
+
+def test_report_and_plot_take_p_for_prometheus(fleet):
+    t = ["--start", str(fleet.start), "--end", str(fleet.end), "--node", "node-00:.*", "--format", "json"]
+    doc = json.loads(smiquery("report", "-p", fleet.url, *t).stdout)
+    assert doc["gpus"] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a second engine: VictoriaMetrics serves the same API, and top and report give the same answers from it
+
+
+def test_top_gives_the_same_answer_from_victoria_metrics(fleet, vm_fleet):
+    t = ["--at", str(fleet.end), "--format", "json", "--once"]
+    prom = json.loads(smiquery("top", "-p", fleet.url, *t).stdout)
+    vm = json.loads(smiquery("top", "-p", vm_fleet.url, *t).stdout)
+    assert len(prom) == 12
+    assert vm == prom
+
+
+def test_report_gives_the_same_answer_from_victoria_metrics(fleet, vm_fleet):
+    t = ["--start", str(fleet.start), "--end", str(fleet.end), "--format", "json"]
+    prom = json.loads(smiquery("report", "-p", fleet.url, *t).stdout)
+    vm = json.loads(smiquery("report", "-p", vm_fleet.url, *t).stdout)
+    prom.pop("source")
+    vm.pop("source")
+    assert vm == prom
+    assert prom["findings"] and prom["stalls"]
