@@ -176,6 +176,87 @@ def test_dockerfiles_follow_the_design() -> None:
     assert re.findall(r"^\s*CMD\s+(\S)", tf, re.M) == ["["]
 
 
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """A Dockerfile's instructions as (stage, text), continuation lines joined, comments dropped (the parser drops
+    comment lines inside a continuation too). The stage is the current FROM's name (or its index)."""
+    found: list[tuple[str, str]] = []
+    stage, parts = "", []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        parts.append(stripped.removesuffix("\\").strip())
+        if stripped.endswith("\\"):
+            continue
+        joined, parts = " ".join(parts), []
+        m = re.match(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?", joined, re.I)
+        if m:
+            stage = m.group(2) or str(sum(1 for _, i in found if i.upper().startswith("FROM ")))
+        found.append((stage, joined))
+    return found
+
+
+def _final_stages(instructions: Sequence[tuple[str, str]]) -> set[str]:
+    """The stages the image of the last stage is made of: the last one and every stage it is built FROM."""
+    parent = {}
+    for stage, text in instructions:
+        m = re.match(r"FROM\s+(\S+)", text, re.I)
+        if m:
+            parent[stage] = m.group(1)
+    chain, stage = set(), instructions[-1][0]
+    while stage in parent and stage not in chain:
+        chain.add(stage)
+        stage = parent[stage]
+    return chain
+
+
+def _layer_leftovers(text: str) -> list[str]:
+    """What a Dockerfile's RUN layers leave behind: apt lists, .deb files in the final image, pip's cache."""
+    problems = []
+    instructions = _instructions(text)
+    final = _final_stages(instructions)
+    for stage, instruction in instructions:
+        if not instruction.upper().startswith("RUN "):
+            continue
+        commands = [c.strip() for c in re.split(r"&&|\|\||;", instruction[4:])]
+        for cmd in commands:
+            if re.search(r"\bpip3?\s+(?:\S+\s+)*?(install|wheel|download)\b", cmd) and "--no-cache-dir" not in cmd:
+                problems.append(f"{stage}: pip without --no-cache-dir: {cmd[:80]}")
+        installs = [i for i, c in enumerate(commands) if re.search(r"\bapt-get\s+(?:-\S+\s+)*install\b", c)]
+        if not installs:
+            continue
+        if not any(re.search(r"\bapt-get\s+update\b", c) for c in commands[: installs[0]]):
+            problems.append(f"{stage}: apt-get install without apt-get update in the same RUN")
+        if commands[-1] != "rm -rf /var/lib/apt/lists/*":
+            problems.append(f"{stage}: an apt-get install layer that does not end with rm -rf /var/lib/apt/lists/*")
+        if stage in final and not any(c == "apt-get clean" for c in commands[installs[-1] :]):
+            problems.append(f"{stage}: apt-get install in the final image without apt-get clean after it")
+    return problems
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_layers_leave_no_apt_lists_or_pip_cache(name: str) -> None:
+    """Every apt-get install layer updates, installs and removes the lists in one RUN (plus apt-get clean in the
+    stages the final image is made of: the exporter's apt layer is in a builder); every pip runs without a cache."""
+    text = (DOCKER / name).read_text(encoding="utf-8")
+    assert "apt-get install" in text or "pip" in text
+    assert _layer_leftovers(text) == []
+
+
+def test_layer_check_really_checks() -> None:
+    tf = (DOCKER / "Dockerfile.tensorflow").read_text(encoding="utf-8")
+    assert _final_stages(_instructions(tf)) == {"toolkit", "runtime"}
+    lists = tf.replace("\\\n    && rm -rf /var/lib/apt/lists/*", "", 1)
+    clean = tf.replace("\\\n    && apt-get clean ", "", 1)
+    cache = tf.replace("pip install --no-cache-dir --no-index", "pip install --no-index", 1)
+    assert lists != tf and clean != tf and cache != tf
+    (problem,) = _layer_leftovers(lists)
+    assert problem == "runtime: an apt-get install layer that does not end with rm -rf /var/lib/apt/lists/*"
+    assert _layer_leftovers(clean) == ["runtime: apt-get install in the final image without apt-get clean after it"]
+    (problem,) = _layer_leftovers(cache)
+    assert problem.startswith("runtime: pip without --no-cache-dir")
+
+
 def _load_script(name: str) -> Any:
     """A stand-alone script of docker/ as a module (they run inside image builds, not from the package)."""
     spec = importlib.util.spec_from_file_location(name.replace("-", "_").removesuffix(".py"), DOCKER / name)
@@ -290,15 +371,16 @@ def test_exporter_requirements_are_smiquerys_without_pandas() -> None:
         assert pins and len(pins) == len(_requirement_names((reqs / name).read_text().splitlines())), name
 
 
-def test_starting_the_exporter_imports_no_pandas(tmp_path: Path) -> None:
-    """The exporter image has no pandas: the exporter, started for real and serving, never imports it."""
-    port = _free_port()
+@contextlib.contextmanager
+def _serving_exporter(
+    argv: Sequence[str], port: int, log: Path, python: Sequence[str] = ()
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`smiquery export ARGV` from the source tree on the fake nvidia-smi, until /healthz answers 200 on `port`;
+    stopped (SIGTERM) on leaving. Its stderr goes to `log`."""
     env = {**os.environ, "SMIQUERY_NVIDIA_SMI": str(FAKE_SMI), "PYTHONPATH": str(ROOT)}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the fake's python3
-    argv = [sys.executable, "-X", "importtime", "-m", "smiquery", "export", "--bind", "127.0.0.1"]
-    log = tmp_path / "importtime.log"
     with log.open("w", encoding="utf-8") as err:
-        proc = subprocess.Popen([*argv, "--port", str(port), "--interval", "1"], env=env, stderr=err)
+        proc = subprocess.Popen([sys.executable, *python, "-m", "smiquery", "export", *argv], env=env, stderr=err)
         try:
             deadline = time.monotonic() + 60
             status = 0
@@ -309,10 +391,30 @@ def test_starting_the_exporter_imports_no_pandas(tmp_path: Path) -> None:
                         break
                 time.sleep(0.3)
             assert status == 200, log.read_text(encoding="utf-8")[-3000:]
-            assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 200
+            yield proc
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+def _wait_for_metrics(port: int, needle: str, log: Path, timeout: float = 60) -> str:
+    """/metrics once it contains `needle` (the first sample can come after /healthz answers)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = _get(f"http://127.0.0.1:{port}/metrics")
+        if status == 200 and needle in body:
+            return body
+        assert time.monotonic() < deadline, f"no {needle} in /metrics\n{log.read_text(encoding='utf-8')[-3000:]}"
+        time.sleep(0.3)
+
+
+def test_starting_the_exporter_imports_no_pandas(tmp_path: Path) -> None:
+    """The exporter image has no pandas: the exporter, started for real and serving, never imports it."""
+    port = _free_port()
+    log = tmp_path / "importtime.log"
+    argv = ["--bind", "127.0.0.1", "--port", str(port), "--interval", "1"]
+    with _serving_exporter(argv, port, log, python=["-X", "importtime"]):
+        assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 200
     imported = {ln.rsplit("|", 1)[-1].strip() for ln in log.read_text(encoding="utf-8").splitlines() if "|" in ln}
     assert "smiquery.exporter" in imported or any(m.startswith("smiquery.exporter") for m in imported)
     heavy = sorted(m for m in imported if m.split(".")[0] in {"pandas", "numpy", "pyarrow"})
@@ -322,9 +424,13 @@ def test_starting_the_exporter_imports_no_pandas(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------- compose file
 
 
-def test_compose_validates_against_the_compose_spec() -> None:
+KMSG_OVERRIDE = DOCKER / "compose" / "compose.kmsg.yaml"
+
+
+@pytest.mark.parametrize("path", [DOCKER / "compose.yaml", KMSG_OVERRIDE], ids=lambda p: p.name)
+def test_compose_validates_against_the_compose_spec(path: Path) -> None:
     checker = _tool("check-jsonschema")
-    done = _run([checker, "--builtin-schema", "vendor.compose-spec", str(DOCKER / "compose.yaml")])
+    done = _run([checker, "--builtin-schema", "vendor.compose-spec", str(path)])
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -428,6 +534,99 @@ def test_compose_prometheus_reaches_the_exporter_and_its_rules() -> None:
     assert f"127.0.0.1:{port}" in targets or f"smiquery-exporter:{port}" in targets, targets
     if f"127.0.0.1:{port}" in targets:  # loopback: both must be in the same (host) network namespace
         assert prom.get("network_mode") == exporter.get("network_mode") == "host"
+
+
+def _prometheus_mounts() -> dict[str, Path]:
+    """The files compose mounts into Prometheus: container path -> file in docker/."""
+    volumes = _compose()["services"]["prometheus"]["volumes"]
+    return {v.split(":")[1]: DOCKER / v.split(":")[0] for v in volumes if v.startswith("./")}
+
+
+def test_compose_prometheus_loads_the_xid_rules() -> None:
+    config = yaml.safe_load((DOCKER / "compose" / "prometheus.yml").read_text(encoding="utf-8"))
+    assert config["rule_files"] == ["smiquery-rules.yml", "smiquery-xid-rules.yml"]
+    mounts = _prometheus_mounts()
+    assert mounts["/etc/prometheus/smiquery-xid-rules.yml"] == DOCKER / "prometheus" / "smiquery-xid-rules.yml"
+    assert mounts["/etc/prometheus/smiquery-rules.yml"] == DOCKER / "prometheus" / "smiquery-rules.yml"
+
+
+def test_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
+    """promtool checks compose/prometheus.yml with exactly the files compose mounts beside it (rules included); the
+    same check without the Xid rules mounted fails, so the rule files are really checked."""
+    promtool = _tool("promtool")
+
+    def check(mounts: dict[str, Path], root: Path) -> subprocess.CompletedProcess[str]:
+        for inside, source in mounts.items():
+            target = root / inside.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
+        return _run([promtool, "check", "config", str(root / "etc/prometheus/prometheus.yml")])
+
+    mounts = _prometheus_mounts()
+    done = check(mounts, tmp_path / "all")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"Checking \S*/smiquery-xid-rules\.yml\n\s*SUCCESS: [1-9][0-9]* rules found", done.stdout)
+    del mounts["/etc/prometheus/smiquery-xid-rules.yml"]
+    done = check(mounts, tmp_path / "no-xid")
+    assert done.returncode != 0 and "smiquery-xid-rules.yml" in done.stdout + done.stderr
+
+
+def _comment_above(text: str, line: str) -> str:
+    """The comment lines right above the one line of a file equal to `line` (stripped)."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    i = lines.index(line)
+    above = []
+    while i > 0 and lines[i - 1].startswith("#"):
+        i -= 1
+        above.insert(0, lines[i].lstrip("# "))
+    return " ".join(above)
+
+
+def test_compose_exporter_reads_no_kernel_log_and_says_why() -> None:
+    """Without the override the exporter runs non-root with no capability and no /dev/kmsg, so Xid is off
+    (--kernel-log '') instead of failing to read the default /dev/kmsg."""
+    exporter = _compose()["services"]["smiquery-exporter"]
+    assert _option(exporter["command"], "--kernel-log") == ""
+    assert exporter["user"] == "65532:65532" and exporter["cap_drop"] == ["ALL"]
+    assert "cap_add" not in exporter and "devices" not in exporter
+    text = (DOCKER / "compose.yaml").read_text(encoding="utf-8")
+    why = _comment_above(text, "command: " + json.dumps(exporter["command"]))
+    for reason in ("--kernel-log ''", "/dev/kmsg", "CAP_SYSLOG", "uid 0", "compose/compose.kmsg.yaml"):
+        assert reason in why, f"the comment above the exporter's command does not say {reason!r}: {why}"
+
+
+def test_compose_kmsg_override_adds_exactly_the_device_the_capability_and_uid_0() -> None:
+    override = yaml.safe_load(KMSG_OVERRIDE.read_text(encoding="utf-8"))
+    assert list(override) == ["services"] and list(override["services"]) == ["smiquery-exporter"]
+    kmsg = override["services"]["smiquery-exporter"]
+    assert set(kmsg) == {"command", "user", "devices", "cap_add"}
+    assert kmsg["devices"] == ["/dev/kmsg:/dev/kmsg:r"], "the host's /dev/kmsg, read-only"
+    assert kmsg["cap_add"] == ["SYSLOG"]
+    assert str(kmsg["user"]).split(":")[0] == "0"
+    # Compose replaces a whole command: the base's, with only the kernel log's value changed
+    base = _compose()["services"]["smiquery-exporter"]
+    expected = list(base["command"])
+    expected[expected.index("--kernel-log") + 1] = "/dev/kmsg"
+    assert kmsg["command"] == expected
+    # what the merged service keeps from the base: no other capability, no privilege escalation, read-only root
+    assert base["cap_drop"] == ["ALL"] and base["read_only"] is True
+    assert base["security_opt"] == ["no-new-privileges:true"]
+    # the command lines that name it point at the file
+    for doc in (DOCKER / "compose.yaml", DOCKER / "README.md"):
+        named = re.findall(r"-f (docker/compose/\S+\.yaml)", doc.read_text(encoding="utf-8"))
+        assert named and all((ROOT / n) == KMSG_OVERRIDE for n in named), (doc.name, named)
+
+
+def test_compose_exporter_command_serves_without_xid(tmp_path: Path) -> None:
+    """The exporter started with compose's arguments (the fake nvidia-smi, a free port) serves the GPUs and neither
+    exports smiquery_xid_source_up nor warns about a kernel log it cannot read."""
+    argv = list(_compose()["services"]["smiquery-exporter"]["command"])
+    argv[argv.index("--port") + 1] = str(port := _free_port())
+    log = tmp_path / "exporter.log"
+    with _serving_exporter([*argv, "--interval", "1"], port, log):
+        metrics = _wait_for_metrics(port, "smiquery_memory_total_bytes{", log)
+    assert "smiquery_xid_source_up" not in metrics
+    assert "kernel log" not in log.read_text(encoding="utf-8")
 
 
 def test_grafana_provisioning_matches_compose() -> None:
@@ -1612,6 +1811,7 @@ def test_an_alert_from_the_shipped_rules_reaches_the_webhook(tmp_path: Path) -> 
     (down,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "SmiqueryExporterDown"]
     down["for"] = "0s"
     (tmp_path / "smiquery-rules.yml").write_text(yaml.safe_dump(rules), encoding="utf-8")
+    shutil.copyfile(DOCKER / "prometheus" / "smiquery-xid-rules.yml", tmp_path / "smiquery-xid-rules.yml")
     prom_cfg = yaml.safe_load((DOCKER / "compose" / "prometheus.yml").read_text(encoding="utf-8"))
     prom_cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
     prom_cfg["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{am_port}"]}]
