@@ -13,8 +13,9 @@ nvidia-smi's ``N/A`` is ``None`` with its reason in the record's ``missing`` map
 no DTD or an unknown one is read by element name (every known spelling) and warns once per DTD name.
 
 Safety: the XML comes from the local nvidia-smi, but is parsed with :mod:`xml.etree.ElementTree`, which never
-fetches external entities or DTDs; a document declaring entities of its own (``<!ENTITY``, the way to blow up
-an XML parser) is refused with :class:`~smiquery.errors.ParseError` before parsing.
+fetches external entities or DTDs; a document declaring entities of its own (``<!ENTITY``, the way to blow up an
+XML parser) is refused with :class:`~smiquery.errors.ParseError` by an expat pass that stops at the first entity
+declaration, wherever it stands, before anything is expanded.
 
 ``-q -x`` takes 0.4-6 s on multi-GPU servers: keep it off any fast path. An exporter calls :func:`details` on
 its own slow cadence from its own thread; each call is independent and holds no state but the warn-once set.
@@ -31,6 +32,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+from xml.parsers import expat
 
 from smiquery.errors import InfoRomWarning, NvidiaSmiTimeoutError, ParseError, failure_from_exit
 from smiquery.kinds import missing_reason
@@ -60,7 +62,6 @@ __all__ = [
 KNOWN_DTD_VERSIONS = (7, 8, 9, 10, 11, 12, 13)
 
 _DTD_RE = re.compile(r"nvsmi_device_v(\d+)\.dtd")
-_ENTITY_RE = re.compile(r"<!ENTITY", re.IGNORECASE)
 _MIB_RE = re.compile(r"(-?\d+)\s*MiB")
 
 
@@ -458,10 +459,35 @@ def _gpu(index: int, gpu: ET.Element, reading: _Reading, driver: str | None) -> 
     )
 
 
+class _Refused(Exception):
+    pass
+
+
+def _refuse_dtd(text: str) -> None:
+    """Raise ParseError when the document declares an entity (nvidia-smi never does; its DTD declares elements only).
+
+    An expat pass with handlers that stop at the first entity declaration, wherever it stands: comments, processing
+    instructions or whitespace before the DOCTYPE hide nothing, and no entity is ever expanded. Element and attribute
+    declarations (older drivers inline their whole DTD) are harmless and pass.
+    """
+
+    def entity(*_args: object) -> None:
+        raise _Refused("the XML declares entities")
+
+    parser = expat.ParserCreate()
+    parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
+    parser.EntityDeclHandler = entity
+    parser.UnparsedEntityDeclHandler = entity
+    try:
+        parser.Parse(text, True)
+    except _Refused as exc:
+        raise ParseError(f"{exc}; refused (nvidia-smi never does)", lineno=1, line=text[:200]) from None
+    except expat.ExpatError:
+        pass  # not well-formed: ElementTree says where
+
+
 def _parse_root(text: str) -> ET.Element:
-    start = text.find("<nvidia_smi_log")
-    if _ENTITY_RE.search(text, 0, start if start >= 0 else len(text)):
-        raise ParseError("the XML declares entities; refused (nvidia-smi never does)", lineno=1, line=text[:200])
+    _refuse_dtd(text)
     try:
         root = ET.fromstring(text)
     except ET.ParseError as exc:

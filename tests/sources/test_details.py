@@ -157,6 +157,35 @@ def test_bad_xml_is_a_parse_error(text, match):
         parse_xml(text)
 
 
+LAUGHS = '<!ENTITY l0 "ha">' + "".join(f'<!ENTITY l{i} "{f"&l{i - 1};" * 10}">' for i in range(1, 6))
+GPU_NAMED = '<nvidia_smi_log><driver_version>590.48.01</driver_version><gpu id="00000000:18:00.0">'
+GPU_NAMED += "<product_name>&l5;</product_name></gpu></nvidia_smi_log>"
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        "",
+        "<!--<nvidia_smi_log-->",
+        "<!-- a comment -->\n\n",
+        "<?xml-stylesheet href='x'?>",
+        "   \n\t",
+    ],
+    ids=["plain", "comment-naming-the-root", "comment", "processing-instruction", "whitespace"],
+)
+def test_no_entity_declaration_is_accepted_whatever_precedes_it(before):
+    text = f'<?xml version="1.0"?>{before}<!DOCTYPE nvidia_smi_log [{LAUGHS}]>{GPU_NAMED}'
+    with pytest.raises(ParseError, match="declares entities; refused"):
+        parse_xml(text)
+
+
+def test_a_named_dtd_and_an_inlined_one_without_entities_are_read():
+    named = '<?xml version="1.0"?><!DOCTYPE nvidia_smi_log SYSTEM "nvsmi_device_v12.dtd"><nvidia_smi_log/>'
+    inlined = '<?xml version="1.0"?><!DOCTYPE nvidia_smi_log [<!-- nvsmi_device_v7.dtd -->'
+    inlined += "<!ELEMENT nvidia_smi_log ANY>]><nvidia_smi_log/>"
+    assert parse_xml(named) == [] and parse_xml(inlined) == []
+
+
 def test_parse_list_reads_gpus_and_mig_devices():
     text = (
         "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-11111111-2222-3333-4444-555555555555)\n"
