@@ -28,6 +28,7 @@ from smiquery.errors import (
     SmiqueryError,
     UsageError,
 )
+from smiquery.printable import printable
 
 __all__ = ["ExitCode", "boundary", "cli_text", "exit_code_for", "fail", "quiet_stdout", "say", "warn_lines"]
 
@@ -124,7 +125,6 @@ _PY_ARGS = (
     (r"\binterval=", "--interval "),
     (r"\btimeout=", "--timeout "),
 )
-_UNPRINTABLE = r"[^\t\x20-\x7e\u00a0-\ud7ff\ue000-\ufffd]"
 _QUOTED = r"(?<=[\s:(])(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")"
 _ESCAPE = r"\\x[0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}"
 _MAX_MESSAGE = 400
@@ -155,7 +155,7 @@ def cli_text(message: str) -> str:
     for pattern, repl in _PY_ARGS:
         text = re.sub(pattern, repl, text)
     text = " ".join(text.split())
-    text = re.sub(_UNPRINTABLE, lambda m: f"\\x{ord(m.group(0)) & 0xFF:02x}", text.replace("\ufffd", "?"))
+    text = printable(text.replace("\ufffd", "?"))
     if len(text) > _MAX_MESSAGE:
         text = text[: _MAX_MESSAGE - 3] + "..."
     return text

@@ -15,6 +15,7 @@ import typer
 from smiquery.cli._boundary import boundary, warn_lines
 from smiquery.cli._common import GpusOpt, app, parse_gpus, settings_of
 from smiquery.errors import RecordingError
+from smiquery.printable import printable
 
 if TYPE_CHECKING:
     from smiquery.sources.details import GpuDetails
@@ -141,5 +142,5 @@ def inspect_cmd(
         if fmt is InspectFormat.json:
             sys.stdout.write(json.dumps([g.to_dict() for g in found], indent=2) + "\n")
         else:
-            sys.stdout.write(render_details(found))
+            sys.stdout.write("\n".join(printable(line) for line in render_details(found).split("\n")))
         sys.stdout.flush()

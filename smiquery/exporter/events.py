@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from smiquery._log import get_logger
+from smiquery.printable import printable
 
 __all__ = ["EventLog", "JsonFormatter", "RateLimitFilter", "configure_logging", "json_line"]
 
@@ -213,6 +214,13 @@ def _not_the_streams_echo(record: logging.LogRecord) -> bool:
     return record.name != "smiquery" or record.levelno >= logging.ERROR
 
 
+class _TextFormatter(logging.Formatter):
+    """Log lines as text, with control characters in any part (a process name, a label) shown escaped."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(printable(line) for line in super().format(record).split("\n"))
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message, and the event's fields."""
 
@@ -265,7 +273,7 @@ def configure_logging(fmt: LogFormat = "text", level: int = logging.INFO) -> log
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s smiquery export: %(levelname)s: %(message)s"))
+        handler.setFormatter(_TextFormatter("%(asctime)s smiquery export: %(levelname)s: %(message)s"))
     root = logging.getLogger("smiquery")
     root.addHandler(handler)
     root.setLevel(level)

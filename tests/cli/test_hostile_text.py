@@ -58,3 +58,22 @@ def test_fleet_label_values_are_escaped_in_top():
     screen = "\n".join(render_screen([gpu], 0, 0, "fleet"))
     assert "\\x1b[2J" in screen and "ns\\u202e/pod\\x07" in screen
     assert not [ch for ch in RAW if ch in screen]
+
+
+def test_messages_and_log_lines_show_control_and_bidi_characters_escaped():
+    import logging
+
+    from smiquery.cli._boundary import cli_text
+    from smiquery.exporter.events import configure_logging
+
+    assert (
+        cli_text(f"process {HOSTILE} failed")
+        == "process H100\\x1b]0;pwned\\x07\\x1b[2J\\x1b[8m\\x9b2J\\u202egpu failed"
+    )
+    handler = configure_logging("text")
+    try:
+        record = logging.LogRecord("smiquery.exporter", logging.WARNING, __file__, 1, "pod %s", (HOSTILE,), None)
+        line = handler.format(record)
+    finally:
+        logging.getLogger("smiquery").removeHandler(handler)
+    assert "\\u202egpu" in line and not [ch for ch in RAW if ch in line]
