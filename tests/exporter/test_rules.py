@@ -739,3 +739,114 @@ def test_dashboard_shows_mig_memory_and_says_mig_utilisation_is_not_available():
     exprs = dashboard_exprs()
     assert not [e for e in exprs if "mig" in e.lower() and "util" in e.lower()]  # never a made-up 0
     assert any("smiquery_xid_errors_total" in e for e in exprs)
+
+
+# ------------------------------------------------------------------------------- the by-Slurm-job row
+
+
+def test_dashboard_has_a_by_slurm_job_row_beside_the_by_pod_row():
+    dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    job = variables["slurm_job"]
+    assert job["type"] == "query" and job["includeAll"] and job["multi"]
+    assert job["query"]["query"] == (
+        'label_values(smiquery_gpu_allocation_info{instance=~"$instance", slurm_job_id!=""}, slurm_job_id)'
+    )
+    rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
+    pod_row = next(i for i, t in enumerate(rows) if t.startswith("By pod"))
+    assert rows[pod_row + 1] == "By Slurm job (smiquery export --slurm)"
+    panels = {p["title"]: p for p in dash["panels"]}
+    pairs = {
+        "GPU utilisation by pod": "GPU utilisation by Slurm job",
+        "GPU memory by pod": "GPU memory by Slurm job",
+        "Allocated but idle": "Allocated but idle (Slurm)",
+    }
+    for pod_title, job_title in pairs.items():
+        pod, mine = panels[pod_title], panels[job_title]
+        # the same panel shapes: type, size, units, legend and table settings, the idle filter
+        for key in ("type", "fieldConfig", "options", "transformations"):
+            assert mine.get(key) == pod.get(key), (job_title, key)
+        assert (mine["gridPos"]["w"], mine["gridPos"]["h"]) == (pod["gridPos"]["w"], pod["gridPos"]["h"])
+        (target,) = mine["targets"]
+        assert target["expr"].startswith(SLURM_SELECTOR) and "* on(instance, uuid) group_left()" in target["expr"]
+        assert {k: v for k, v in target.items() if k not in ("expr", "legendFormat")} == {
+            k: v for k, v in pod["targets"][0].items() if k not in ("expr", "legendFormat")
+        }
+    boxes = [(p["gridPos"]["x"], p["gridPos"]["y"], p["gridPos"]["w"], p["gridPos"]["h"]) for p in dash["panels"]]
+    for i, (x, y, w, h) in enumerate(boxes):  # no panel drawn over another
+        for x2, y2, w2, h2 in boxes[i + 1 :]:
+            assert x + w <= x2 or x2 + w2 <= x or y + h <= y2 or y2 + h2 <= y, (x, y, x2, y2)
+
+
+SLURM_SELECTOR = 'smiquery_gpu_allocation_info{instance=~"$instance", slurm_job_id!="", slurm_job_id=~"$slurm_job"}'
+JOB_TITLES = ("GPU utilisation by Slurm job", "GPU memory by Slurm job", "Allocated but idle (Slurm)")
+
+
+def _slurm_case(exprs: dict[str, str], slurm_job: str) -> dict[str, Any]:
+    """Evaluated at 30 min, one sample a minute, as an exporter with --slurm writes them: job 4242 got GPU 0 at
+    minute 10 (the device series carry its labels from then on, and had none before), job 4243 holds GPU 1 throughout
+    and leaves it idle, a pod holds GPU 2 (--kubernetes, no Slurm labels), GPU 3 is nobody's."""
+    node = {"instance": "gpu07:9849", "job": "smiquery-exporter"}
+
+    def job(gpu: int, jid: str, user: str) -> dict[str, str]:
+        return {
+            **node,
+            "uuid": U[gpu],
+            "gpu": str(gpu),
+            "slurm_job_id": jid,
+            "slurm_user": user,
+            "slurm_account": "physics",
+            "slurm_partition": "gpu",
+            "slurm_job_name": f"train {jid}",
+            "resource": "gpu",
+        }
+
+    def dev(gpu: int, **extra: str) -> dict[str, str]:
+        return {**node, "uuid": U[gpu], "gpu": str(gpu), "name": "NVIDIA H100", **extra}
+
+    j42, j43 = job(0, "4242", "alice"), job(1, "4243", "bob")
+    labels42 = {k: v for k, v in j42.items() if k.startswith("slurm_")}
+    labels43 = {k: v for k, v in j43.items() if k.startswith("slurm_")}
+    pod = {"namespace": "ml", "pod": "train-0"}
+    series = [
+        _series("smiquery_gpu_allocation_info", j42, "_x9 1x20"),
+        _series("smiquery_gpu_allocation_info", j43, "1x30"),
+        _series("smiquery_gpu_allocation_info", {**node, "uuid": U[2], "gpu": "2", **pod, "resource": "x"}, "1x30"),
+        _series("smiquery_utilization_gpu_ratio", dev(0), "0x9"),
+        _series("smiquery_utilization_gpu_ratio", dev(0, **labels42), "_x9 0.9x20"),
+        _series("smiquery_utilization_gpu_ratio", dev(1, **labels43), "0.01x30"),
+        _series("smiquery_utilization_gpu_ratio", dev(2, **pod), "0.5x30"),
+        _series("smiquery_utilization_gpu_ratio", dev(3), "0.3x30"),
+        _series("smiquery_memory_used_bytes", dev(0), "1e9x9"),
+        _series("smiquery_memory_used_bytes", dev(0, **labels42), "_x9 2e9x20"),
+        _series("smiquery_memory_used_bytes", dev(1, **labels43), "5e8x30"),
+        _series("smiquery_memory_used_bytes", dev(2, **pod), "7e9x30"),
+    ]
+    want = {
+        "GPU utilisation by Slurm job": {"4242": 0.9, "4243": 0.01},
+        "GPU memory by Slurm job": {"4242": 2e9, "4243": 5e8},
+        "Allocated but idle (Slurm)": {"4242": 0.9, "4243": 0.01},
+    }
+    tests = []
+    for title, expr in exprs.items():
+        got = {j: v for j, v in want[title].items() if slurm_job in (".*", j)}
+        samples = [{"labels": _sel("", {"4242": j42, "4243": j43}[j]), "value": v} for j, v in got.items()]
+        expr = expr.replace("$instance", ".*").replace("$slurm_job", slurm_job)
+        tests.append({"expr": expr, "eval_time": "30m", "exp_samples": samples})
+    return {"interval": "1m", "input_series": series, "promql_expr_test": tests}
+
+
+@pytest.mark.parametrize("slurm_job", [".*", "4243"])
+def test_by_slurm_job_queries_return_one_series_per_job_and_gpu(tmp_path, slurm_job):
+    """promtool evaluates the row's queries on series as the exporter writes them: one series per job on each GPU it
+    holds, the job's own figures, no pod and no unallocated GPU; a job that got its GPU inside the idle table's 30
+    minutes is no duplicate-series error."""
+    dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    exprs = {p["title"]: p["targets"][0]["expr"] for p in dash["panels"] if p["title"] in JOB_TITLES}
+    assert set(exprs) == set(JOB_TITLES)
+    (tmp_path / "none.yml").write_text("groups: []\n", encoding="utf-8")
+    spec = {"rule_files": ["none.yml"], "evaluation_interval": "1m", "tests": [_slurm_case(exprs, slurm_job)]}
+    test_file = tmp_path / "slurm.test.yml"
+    test_file.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    done = promtool("test", "rules", str(test_file))
+    assert done.returncode == 0, done.stdout + done.stderr
