@@ -89,7 +89,7 @@ def _stall_findings(report: Report, n_gpus: int) -> list[Finding]:
         who = f"All {n_gpus} GPUs" if len(gpus_in) == n_gpus else gpu_list(gpus_in, report.names)
         # what was measured: how long all of them were stalled at once, not the span from the first to the last
         together, at, most = _all_at_once(group)
-        if at is not None and together >= length:
+        if at is not None and length - together < 1.0:  # the same stretch, but for rows a few ms apart
             when = f"stalled together from {time_text(report, start)} for {format_duration(length)}"
         elif at is not None:
             when = (
