@@ -542,17 +542,20 @@ def _prometheus_mounts() -> dict[str, Path]:
     return {v.split(":")[1]: DOCKER / v.split(":")[0] for v in volumes if v.startswith("./")}
 
 
-def test_compose_prometheus_loads_the_xid_rules() -> None:
+COMPOSE_RULE_FILES = ["smiquery-rules.yml", "smiquery-xid-rules.yml", "smiquery-fleet-rules.yml"]
+
+
+def test_compose_prometheus_loads_the_xid_and_fleet_rules() -> None:
     config = yaml.safe_load((DOCKER / "compose" / "prometheus.yml").read_text(encoding="utf-8"))
-    assert config["rule_files"] == ["smiquery-rules.yml", "smiquery-xid-rules.yml"]
+    assert config["rule_files"] == COMPOSE_RULE_FILES
     mounts = _prometheus_mounts()
-    assert mounts["/etc/prometheus/smiquery-xid-rules.yml"] == DOCKER / "prometheus" / "smiquery-xid-rules.yml"
-    assert mounts["/etc/prometheus/smiquery-rules.yml"] == DOCKER / "prometheus" / "smiquery-rules.yml"
+    for rules in COMPOSE_RULE_FILES:
+        assert mounts[f"/etc/prometheus/{rules}"] == DOCKER / "prometheus" / rules
 
 
 def test_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     """promtool checks compose/prometheus.yml with exactly the files compose mounts beside it (rules included); the
-    same check without the Xid rules mounted fails, so the rule files are really checked."""
+    same check without one rule file mounted fails, so the rule files are really checked."""
     promtool = _tool("promtool")
 
     def check(mounts: dict[str, Path], root: Path) -> subprocess.CompletedProcess[str]:
@@ -565,10 +568,13 @@ def test_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     mounts = _prometheus_mounts()
     done = check(mounts, tmp_path / "all")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"Checking \S*/smiquery-xid-rules\.yml\n\s*SUCCESS: [1-9][0-9]* rules found", done.stdout)
-    del mounts["/etc/prometheus/smiquery-xid-rules.yml"]
-    done = check(mounts, tmp_path / "no-xid")
-    assert done.returncode != 0 and "smiquery-xid-rules.yml" in done.stdout + done.stderr
+    for rules in COMPOSE_RULE_FILES:
+        found = re.search(rf"Checking \S*/{re.escape(rules)}\n\s*SUCCESS: ([0-9]+) rules found", done.stdout)
+        assert found and int(found[1]) > 0, (rules, done.stdout)
+    for rules in ("smiquery-xid-rules.yml", "smiquery-fleet-rules.yml"):
+        missing = {inside: source for inside, source in mounts.items() if inside != f"/etc/prometheus/{rules}"}
+        done = check(missing, tmp_path / f"no-{rules}")
+        assert done.returncode != 0 and rules in done.stdout + done.stderr
 
 
 def _comment_above(text: str, line: str) -> str:
@@ -736,6 +742,7 @@ def test_kube_prometheus_stack_selects_every_monitoring_object() -> None:
     assert kinds == [
         ("PodMonitor", "smiquery-training"),
         ("PrometheusRule", "smiquery"),
+        ("PrometheusRule", "smiquery-fleet"),
         ("PrometheusRule", "smiquery-xid"),
         ("ServiceMonitor", "smiquery-exporter"),
     ]
@@ -1029,11 +1036,12 @@ def test_docs_name_every_component_overlay_and_helm_value() -> None:
     [
         ("smiquery-rules.yml", "prometheusrule.yaml", "generated"),
         ("smiquery-xid-rules.yml", "prometheusrule-xid.yaml", "generated_xid"),
+        ("smiquery-fleet-rules.yml", "prometheusrule-fleet.yaml", "generated_fleet"),
     ],
 )
 def test_prometheusrule_carries_the_rule_file(rules: str, manifest: str, make: str) -> None:
     """Each PrometheusRule in k8s/monitoring/ is generated from its rule file in prometheus/: same groups and
-    comments (the Xid rules too: Operator users get them with the prometheus-operator component)."""
+    comments (the Xid and fleet rules too: Operator users get them with the prometheus-operator component)."""
     sync = _sync_script("sync_prometheus_rule")
     rules_text = (DOCKER / "prometheus" / rules).read_text(encoding="utf-8")
     manifest_text = (MONITORING / manifest).read_text(encoding="utf-8")
@@ -1049,7 +1057,7 @@ def test_prometheusrule_carries_the_rule_file(rules: str, manifest: str, make: s
     assert doc["metadata"]["namespace"] == mon["metadata"]["namespace"]
 
 
-@pytest.mark.parametrize("manifest", ["prometheusrule.yaml", "prometheusrule-xid.yaml"])
+@pytest.mark.parametrize("manifest", ["prometheusrule.yaml", "prometheusrule-xid.yaml", "prometheusrule-fleet.yaml"])
 def test_prometheusrule_rules_pass_promtool(manifest: str, tmp_path: Path) -> None:
     promtool = _tool("promtool")
     (doc,) = _yaml_docs(MONITORING / manifest)
@@ -1811,7 +1819,8 @@ def test_an_alert_from_the_shipped_rules_reaches_the_webhook(tmp_path: Path) -> 
     (down,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "SmiqueryExporterDown"]
     down["for"] = "0s"
     (tmp_path / "smiquery-rules.yml").write_text(yaml.safe_dump(rules), encoding="utf-8")
-    shutil.copyfile(DOCKER / "prometheus" / "smiquery-xid-rules.yml", tmp_path / "smiquery-xid-rules.yml")
+    for rules in ("smiquery-xid-rules.yml", "smiquery-fleet-rules.yml"):
+        shutil.copyfile(DOCKER / "prometheus" / rules, tmp_path / rules)
     prom_cfg = yaml.safe_load((DOCKER / "compose" / "prometheus.yml").read_text(encoding="utf-8"))
     prom_cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
     prom_cfg["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{am_port}"]}]
