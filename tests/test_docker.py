@@ -243,6 +243,69 @@ def test_layers_leave_no_apt_lists_or_pip_cache(name: str) -> None:
     assert _layer_leftovers(text) == []
 
 
+def _revision_step(instructions: Sequence[tuple[str, str]]) -> str:
+    """The exporter's builder RUN that writes smiquery/_revision.py, after checking where it sits: the build
+    argument declared in that stage before it, the package copied in before it, the wheel built after it."""
+    builder = [text for stage, text in instructions if stage == "builder"]
+    (step,) = [i for i, text in enumerate(builder) if text.startswith("RUN ") and "smiquery/_revision.py" in text]
+    copied = builder.index("COPY smiquery/ smiquery/")
+    (arg,) = [i for i, text in enumerate(builder) if re.fullmatch(r'ARG SMIQUERY_REVISION(="")?', text)]
+    (wheel,) = [i for i, text in enumerate(builder) if text.startswith("RUN ") and " pip wheel " in text]
+    assert copied < step < wheel and arg < step, builder
+    return builder[step].removeprefix("RUN ")
+
+
+@pytest.mark.parametrize(
+    ("given", "written"),
+    [("0123abcdef4567", 'REVISION = "0123abcdef4567"\n'), ("v1.2.3-rc_1", 'REVISION = "v1.2.3-rc_1"\n'), ("", None)],
+)
+def test_exporter_image_bakes_the_revision_build_argument(given: str, written: str | None, tmp_path: Path) -> None:
+    """SMIQUERY_REVISION, given to the exporter's build, becomes smiquery/_revision.py in the package it builds (what
+    smiquery_build_info's revision label reads); not given, no file is written. The step runs here with sh, as the
+    build's RUN would, in a copy of the build's working directory."""
+    step = _revision_step(_instructions((DOCKER / "Dockerfile.exporter").read_text(encoding="utf-8")))
+    (tmp_path / "smiquery").mkdir()
+    done = subprocess.run(
+        ["/bin/sh", "-c", step],
+        cwd=tmp_path,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SMIQUERY_REVISION": given},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    baked = tmp_path / "smiquery" / "_revision.py"
+    if written is None:
+        assert not baked.exists()
+        return
+    assert baked.read_text(encoding="utf-8") == written
+    spec = importlib.util.spec_from_file_location("baked_revision", baked)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    baked_value = module.REVISION
+    assert baked_value == given
+
+
+def test_exporter_image_refuses_a_revision_that_is_not_an_id(tmp_path: Path) -> None:
+    """A quote in SMIQUERY_REVISION would end the string literal in smiquery/_revision.py: the build stops instead,
+    saying what to pass, and writes nothing."""
+    step = _revision_step(_instructions((DOCKER / "Dockerfile.exporter").read_text(encoding="utf-8")))
+    (tmp_path / "smiquery").mkdir()
+    done = subprocess.run(
+        ["/bin/sh", "-c", step],
+        cwd=tmp_path,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SMIQUERY_REVISION": 'x"; import os  #'},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0 and "use a commit id" in done.stderr
+    assert not (tmp_path / "smiquery" / "_revision.py").exists()
+
+
 def test_layer_check_really_checks() -> None:
     tf = (DOCKER / "Dockerfile.tensorflow").read_text(encoding="utf-8")
     assert _final_stages(_instructions(tf)) == {"toolkit", "runtime"}
