@@ -243,6 +243,69 @@ def test_layers_leave_no_apt_lists_or_pip_cache(name: str) -> None:
     assert _layer_leftovers(text) == []
 
 
+def _revision_step(instructions: Sequence[tuple[str, str]]) -> str:
+    """The exporter's builder RUN that writes smiquery/_revision.py, after checking where it sits: the build
+    argument declared in that stage before it, the package copied in before it, the wheel built after it."""
+    builder = [text for stage, text in instructions if stage == "builder"]
+    (step,) = [i for i, text in enumerate(builder) if text.startswith("RUN ") and "smiquery/_revision.py" in text]
+    copied = builder.index("COPY smiquery/ smiquery/")
+    (arg,) = [i for i, text in enumerate(builder) if re.fullmatch(r'ARG SMIQUERY_REVISION(="")?', text)]
+    (wheel,) = [i for i, text in enumerate(builder) if text.startswith("RUN ") and " pip wheel " in text]
+    assert copied < step < wheel and arg < step, builder
+    return builder[step].removeprefix("RUN ")
+
+
+@pytest.mark.parametrize(
+    ("given", "written"),
+    [("0123abcdef4567", 'REVISION = "0123abcdef4567"\n'), ("v1.2.3-rc_1", 'REVISION = "v1.2.3-rc_1"\n'), ("", None)],
+)
+def test_exporter_image_bakes_the_revision_build_argument(given: str, written: str | None, tmp_path: Path) -> None:
+    """SMIQUERY_REVISION, given to the exporter's build, becomes smiquery/_revision.py in the package it builds (what
+    smiquery_build_info's revision label reads); not given, no file is written. The step runs here with sh, as the
+    build's RUN would, in a copy of the build's working directory."""
+    step = _revision_step(_instructions((DOCKER / "Dockerfile.exporter").read_text(encoding="utf-8")))
+    (tmp_path / "smiquery").mkdir()
+    done = subprocess.run(
+        ["/bin/sh", "-c", step],
+        cwd=tmp_path,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SMIQUERY_REVISION": given},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    baked = tmp_path / "smiquery" / "_revision.py"
+    if written is None:
+        assert not baked.exists()
+        return
+    assert baked.read_text(encoding="utf-8") == written
+    spec = importlib.util.spec_from_file_location("baked_revision", baked)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    baked_value = module.REVISION
+    assert baked_value == given
+
+
+def test_exporter_image_refuses_a_revision_that_is_not_an_id(tmp_path: Path) -> None:
+    """A quote in SMIQUERY_REVISION would end the string literal in smiquery/_revision.py: the build stops instead,
+    saying what to pass, and writes nothing."""
+    step = _revision_step(_instructions((DOCKER / "Dockerfile.exporter").read_text(encoding="utf-8")))
+    (tmp_path / "smiquery").mkdir()
+    done = subprocess.run(
+        ["/bin/sh", "-c", step],
+        cwd=tmp_path,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SMIQUERY_REVISION": 'x"; import os  #'},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0 and "use a commit id" in done.stderr
+    assert not (tmp_path / "smiquery" / "_revision.py").exists()
+
+
 def test_layer_check_really_checks() -> None:
     tf = (DOCKER / "Dockerfile.tensorflow").read_text(encoding="utf-8")
     assert _final_stages(_instructions(tf)) == {"toolkit", "runtime"}
@@ -542,17 +605,20 @@ def _prometheus_mounts() -> dict[str, Path]:
     return {v.split(":")[1]: DOCKER / v.split(":")[0] for v in volumes if v.startswith("./")}
 
 
-def test_compose_prometheus_loads_the_xid_rules() -> None:
+COMPOSE_RULE_FILES = ["smiquery-rules.yml", "smiquery-xid-rules.yml", "smiquery-fleet-rules.yml"]
+
+
+def test_compose_prometheus_loads_the_xid_and_fleet_rules() -> None:
     config = yaml.safe_load((DOCKER / "compose" / "prometheus.yml").read_text(encoding="utf-8"))
-    assert config["rule_files"] == ["smiquery-rules.yml", "smiquery-xid-rules.yml"]
+    assert config["rule_files"] == COMPOSE_RULE_FILES
     mounts = _prometheus_mounts()
-    assert mounts["/etc/prometheus/smiquery-xid-rules.yml"] == DOCKER / "prometheus" / "smiquery-xid-rules.yml"
-    assert mounts["/etc/prometheus/smiquery-rules.yml"] == DOCKER / "prometheus" / "smiquery-rules.yml"
+    for rules in COMPOSE_RULE_FILES:
+        assert mounts[f"/etc/prometheus/{rules}"] == DOCKER / "prometheus" / rules
 
 
 def test_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     """promtool checks compose/prometheus.yml with exactly the files compose mounts beside it (rules included); the
-    same check without the Xid rules mounted fails, so the rule files are really checked."""
+    same check without one rule file mounted fails, so the rule files are really checked."""
     promtool = _tool("promtool")
 
     def check(mounts: dict[str, Path], root: Path) -> subprocess.CompletedProcess[str]:
@@ -565,10 +631,13 @@ def test_compose_prometheus_config_passes_promtool(tmp_path: Path) -> None:
     mounts = _prometheus_mounts()
     done = check(mounts, tmp_path / "all")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"Checking \S*/smiquery-xid-rules\.yml\n\s*SUCCESS: [1-9][0-9]* rules found", done.stdout)
-    del mounts["/etc/prometheus/smiquery-xid-rules.yml"]
-    done = check(mounts, tmp_path / "no-xid")
-    assert done.returncode != 0 and "smiquery-xid-rules.yml" in done.stdout + done.stderr
+    for rules in COMPOSE_RULE_FILES:
+        found = re.search(rf"Checking \S*/{re.escape(rules)}\n\s*SUCCESS: ([0-9]+) rules found", done.stdout)
+        assert found and int(found[1]) > 0, (rules, done.stdout)
+    for rules in ("smiquery-xid-rules.yml", "smiquery-fleet-rules.yml"):
+        missing = {inside: source for inside, source in mounts.items() if inside != f"/etc/prometheus/{rules}"}
+        done = check(missing, tmp_path / f"no-{rules}")
+        assert done.returncode != 0 and rules in done.stdout + done.stderr
 
 
 def _comment_above(text: str, line: str) -> str:
@@ -736,6 +805,7 @@ def test_kube_prometheus_stack_selects_every_monitoring_object() -> None:
     assert kinds == [
         ("PodMonitor", "smiquery-training"),
         ("PrometheusRule", "smiquery"),
+        ("PrometheusRule", "smiquery-fleet"),
         ("PrometheusRule", "smiquery-xid"),
         ("ServiceMonitor", "smiquery-exporter"),
     ]
@@ -1029,11 +1099,12 @@ def test_docs_name_every_component_overlay_and_helm_value() -> None:
     [
         ("smiquery-rules.yml", "prometheusrule.yaml", "generated"),
         ("smiquery-xid-rules.yml", "prometheusrule-xid.yaml", "generated_xid"),
+        ("smiquery-fleet-rules.yml", "prometheusrule-fleet.yaml", "generated_fleet"),
     ],
 )
 def test_prometheusrule_carries_the_rule_file(rules: str, manifest: str, make: str) -> None:
     """Each PrometheusRule in k8s/monitoring/ is generated from its rule file in prometheus/: same groups and
-    comments (the Xid rules too: Operator users get them with the prometheus-operator component)."""
+    comments (the Xid and fleet rules too: Operator users get them with the prometheus-operator component)."""
     sync = _sync_script("sync_prometheus_rule")
     rules_text = (DOCKER / "prometheus" / rules).read_text(encoding="utf-8")
     manifest_text = (MONITORING / manifest).read_text(encoding="utf-8")
@@ -1049,7 +1120,7 @@ def test_prometheusrule_carries_the_rule_file(rules: str, manifest: str, make: s
     assert doc["metadata"]["namespace"] == mon["metadata"]["namespace"]
 
 
-@pytest.mark.parametrize("manifest", ["prometheusrule.yaml", "prometheusrule-xid.yaml"])
+@pytest.mark.parametrize("manifest", ["prometheusrule.yaml", "prometheusrule-xid.yaml", "prometheusrule-fleet.yaml"])
 def test_prometheusrule_rules_pass_promtool(manifest: str, tmp_path: Path) -> None:
     promtool = _tool("promtool")
     (doc,) = _yaml_docs(MONITORING / manifest)
@@ -1811,7 +1882,8 @@ def test_an_alert_from_the_shipped_rules_reaches_the_webhook(tmp_path: Path) -> 
     (down,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "SmiqueryExporterDown"]
     down["for"] = "0s"
     (tmp_path / "smiquery-rules.yml").write_text(yaml.safe_dump(rules), encoding="utf-8")
-    shutil.copyfile(DOCKER / "prometheus" / "smiquery-xid-rules.yml", tmp_path / "smiquery-xid-rules.yml")
+    for rules in ("smiquery-xid-rules.yml", "smiquery-fleet-rules.yml"):
+        shutil.copyfile(DOCKER / "prometheus" / rules, tmp_path / rules)
     prom_cfg = yaml.safe_load((DOCKER / "compose" / "prometheus.yml").read_text(encoding="utf-8"))
     prom_cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
     prom_cfg["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{am_port}"]}]

@@ -1,7 +1,8 @@
 """Write the PrometheusRules in docker/k8s/monitoring/ from the rule files in docker/prometheus/ (their one source).
 
 - ``prometheusrule.yaml`` (PrometheusRule ``smiquery``) from ``smiquery-rules.yml``;
-- ``prometheusrule-xid.yaml`` (PrometheusRule ``smiquery-xid``) from ``smiquery-xid-rules.yml``.
+- ``prometheusrule-xid.yaml`` (PrometheusRule ``smiquery-xid``) from ``smiquery-xid-rules.yml``;
+- ``prometheusrule-fleet.yaml`` (PrometheusRule ``smiquery-fleet``) from ``smiquery-fleet-rules.yml``.
 
 Each PrometheusRule (Prometheus Operator) carries its rule file's groups, comments included, under ``spec``.
 tests/test_docker.py fails when they differ; run ``python tests/docker/sync_prometheus_rule.py`` after editing a
@@ -18,6 +19,8 @@ RULES = ROOT / "docker" / "prometheus" / "smiquery-rules.yml"
 MANIFEST = ROOT / "docker" / "k8s" / "monitoring" / "prometheusrule.yaml"
 XID_RULES = ROOT / "docker" / "prometheus" / "smiquery-xid-rules.yml"
 XID_MANIFEST = ROOT / "docker" / "k8s" / "monitoring" / "prometheusrule-xid.yaml"
+FLEET_RULES = ROOT / "docker" / "prometheus" / "smiquery-fleet-rules.yml"
+FLEET_MANIFEST = ROOT / "docker" / "k8s" / "monitoring" / "prometheusrule-fleet.yaml"
 
 HEADER = """\
 # GENERATED from docker/prometheus/smiquery-rules.yml by tests/docker/sync_prometheus_rule.py: edit the rule file,
@@ -60,6 +63,26 @@ spec:
 """
 
 
+FLEET_HEADER = """\
+# GENERATED from docker/prometheus/smiquery-fleet-rules.yml by tests/docker/sync_prometheus_rule.py: edit the rule
+# file, then run `python tests/docker/sync_prometheus_rule.py` (tests/test_docker.py checks that the two agree).
+#
+# smiquery's fleet recording rules for the Prometheus Operator (docs/fleet.md): GPUs allocated and idle, power,
+# GPU-hours and Wh per Kubernetes namespace/pod (from smiquery_gpu_allocation_info: the exporter with pod attribution,
+# docker/k8s/components/pod-attribution) and per Slurm job (dcgm-exporter's hpc_job label). Without either they record
+# nothing. The `release` label kube-prometheus-stack's default ruleSelector matches comes from kustomization.yaml here.
+apiVersion: monitoring.coreos.com/v1
+kind: PrometheusRule
+metadata:
+  name: smiquery-fleet
+  namespace: gpu-monitoring
+  labels:
+    app.kubernetes.io/name: smiquery-exporter
+    app.kubernetes.io/part-of: smiquery
+spec:
+"""
+
+
 def _spec(rules_text: str) -> str:
     lines = rules_text.splitlines(keepends=True)
     start = next(i for i, line in enumerate(lines) if line.startswith("groups:"))
@@ -76,8 +99,21 @@ def generated_xid(rules_text: str) -> str:
     return XID_HEADER + _spec(rules_text)
 
 
+def generated_fleet(rules_text: str) -> str:
+    """prometheusrule-fleet.yaml for the fleet rule file's ``rules_text``."""
+    return FLEET_HEADER + _spec(rules_text)
+
+
+# each rule file, its PrometheusRule and the function that writes the one from the other
+PAIRS = (
+    (RULES, MANIFEST, generated),
+    (XID_RULES, XID_MANIFEST, generated_xid),
+    (FLEET_RULES, FLEET_MANIFEST, generated_fleet),
+)
+
+
 def main() -> int:
-    for rules, manifest, make in ((RULES, MANIFEST, generated), (XID_RULES, XID_MANIFEST, generated_xid)):
+    for rules, manifest, make in PAIRS:
         new = make(rules.read_text(encoding="utf-8"))
         old = manifest.read_text(encoding="utf-8") if manifest.exists() else ""
         if new != old:
