@@ -126,38 +126,35 @@ def whole_process() -> bool:
     return process_entry
 
 
-def _kubernetes_attribution(opts: ExportOptions) -> Attribution | None:
-    """The exporter's pod attribution, or None; a missing k8s extra or a clashing label is a usage error."""
-    if not (opts.kubernetes or opts.kubernetes_processes):
+def _attribution(opts: ExportOptions) -> Attribution | None:
+    """The exporter's workload attribution (Kubernetes pods or Slurm jobs), or None.
+
+    A missing k8s extra or a label that clashes with the backend's labels is a usage error.
+    """
+    if not (opts.kubernetes or opts.kubernetes_processes or opts.slurm):
         return None
-    try:
-        from smiquery.attribution import Attribution, check_labels
-        from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
-    except ImportError as exc:
-        missing = f"needs the k8s extra ({exc.name} is missing): pip install 'smiquery[k8s]'"
-        raise _invalid("--kubernetes", missing) from None
-    pods = PodDirectory(max(opts.interval, 15.0)) if opts.kubernetes_processes else None
-    backend = KubernetesBackend(opts.pod_resources_socket, pods=pods)
+    from smiquery.attribution import Attribution, Backend, check_labels
+
+    backend: Backend
+    interval = opts.interval
+    if opts.slurm:
+        from smiquery.attribution.slurm import SlurmBackend
+
+        backend = SlurmBackend(opts.slurm_node, bin_dir=opts.slurm_bin_dir, nvidia_smi=opts.nvidia_smi)
+        interval = opts.slurm_interval
+    else:
+        try:
+            from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
+        except ImportError as exc:
+            missing = f"needs the k8s extra ({exc.name} is missing): pip install 'smiquery[k8s]'"
+            raise _invalid("--kubernetes", missing) from None
+        pods = PodDirectory(max(opts.interval, 15.0)) if opts.kubernetes_processes else None
+        backend = KubernetesBackend(opts.pod_resources_socket, pods=pods)
     try:
         check_labels(backend, opts.labels)
     except ValueError as exc:
         raise _invalid("--label", str(exc)) from None
-    return Attribution(backend, interval=opts.interval, nvidia_smi=opts.nvidia_smi)
-
-
-def _slurm_attribution(opts: ExportOptions) -> Attribution | None:
-    """The exporter's Slurm job attribution, or None; a clashing label is a usage error."""
-    if not opts.slurm:
-        return None
-    from smiquery.attribution import Attribution, check_labels
-    from smiquery.attribution.slurm import SlurmBackend
-
-    backend = SlurmBackend(opts.slurm_node, bin_dir=opts.slurm_bin_dir, nvidia_smi=opts.nvidia_smi)
-    try:
-        check_labels(backend, opts.labels)
-    except ValueError as exc:
-        raise _invalid("--label", str(exc)) from None
-    return Attribution(backend, interval=opts.slurm_interval, nvidia_smi=opts.nvidia_smi)
+    return Attribution(backend, interval=interval, nvidia_smi=opts.nvidia_smi)
 
 
 def run_export(opts: ExportOptions) -> int:
@@ -175,7 +172,7 @@ def run_export(opts: ExportOptions) -> int:
     """
     from smiquery import exporter as exporter_mod
 
-    attribution = _kubernetes_attribution(opts) or _slurm_attribution(opts)
+    attribution = _attribution(opts)
     processes, top_processes = opts.processes or opts.slurm, opts.top_processes
     if opts.kubernetes_processes:
         processes, top_processes = True, max(top_processes, 16)
