@@ -37,13 +37,7 @@ from tenacity.wait import wait_base
 from smiquery.errors import SmiqueryError
 from smiquery.source import StreamStats
 
-__all__ = [
-    "DEFAULT_PERMANENT_RETRY",
-    "FAIL_FAST_ATTEMPTS",
-    "RetryPolicy",
-    "is_permanent",
-    "one_line",
-]
+__all__ = ["DEFAULT_PERMANENT_RETRY", "FAIL_FAST_ATTEMPTS", "RetryPolicy", "is_permanent", "one_line"]
 
 #: With ``fail_fast``, how many starts a transient fault gets before any row has arrived.
 FAIL_FAST_ATTEMPTS = 6
@@ -126,10 +120,7 @@ class RetryPolicy:
         The engine asks them about each failure itself; nothing ever calls or sleeps through this ``Retrying``.
         """
         return Retrying(
-            stop=self._stop(stats),
-            wait=self._wait(),
-            retry=retry_if_exception_type(SmiqueryError),
-            reraise=True,
+            stop=self._stop(stats), wait=self._wait(), retry=retry_if_exception_type(SmiqueryError), reraise=True
         )
 
     def _wait(self) -> Callable[[RetryCallState], float]:

@@ -377,11 +377,7 @@ class Notifier:
                 log.exception("smiquery alert handler %r failed", handler)
 
     def update(
-        self,
-        sample: Any,
-        context: Context | Callable[[], Context] | None = None,
-        *,
-        now: float | None = None,
+        self, sample: Any, context: Context | Callable[[], Context] | None = None, *, now: float | None = None
     ) -> list[AlertEvent]:
         """Evaluate one sample and dispatch what it causes.
 

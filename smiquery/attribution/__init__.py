@@ -434,9 +434,5 @@ def _build_view(listing: _Listing, gpus: Mapping[str, int | None], migs: Mapping
         else:
             states[uuid] = "shared"
     return View(
-        states,
-        {u: tuple(sorted(hs)) for u, hs in holders.items()},
-        exclusive,
-        tuple(allocations),
-        tuple(unknown),
+        states, {u: tuple(sorted(hs)) for u, hs in holders.items()}, exclusive, tuple(allocations), tuple(unknown)
     )

@@ -122,11 +122,7 @@ def _status_message(body: bytes) -> str:
 
 
 def get_node_pods(
-    node: str,
-    *,
-    timeout: float = 10.0,
-    service_account: str = SERVICE_ACCOUNT,
-    max_bytes: int = MAX_POD_LIST_BYTES,
+    node: str, *, timeout: float = 10.0, service_account: str = SERVICE_ACCOUNT, max_bytes: int = MAX_POD_LIST_BYTES
 ) -> dict[str, Any]:
     """``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`` from in the cluster: the decoded ``PodList``.
 

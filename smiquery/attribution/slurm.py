@@ -217,8 +217,7 @@ def _why(tool: str, done: Completed) -> SlurmError:
     low = text.lower()
     if "munge" in low or "authentication" in low or "credential" in low:
         return SlurmError(
-            f"{tool}: {text}: munge authentication failed; start munged and give every host the same munge.key",
-            "auth",
+            f"{tool}: {text}: munge authentication failed; start munged and give every host the same munge.key", "auth"
         )
     if "unable to contact slurm controller" in low or "connection refused" in low or "connect failure" in low:
         return SlurmError(
