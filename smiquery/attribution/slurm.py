@@ -1,20 +1,10 @@
 """The Slurm backend: which job holds each GPU of this node (Slurm's own allocation), and whose a process is.
 
-Every refresh asks Slurm, with the client commands and a deadline per call (argv lists, no shell):
-
-- ``squeue -h -w NODE -t R,S -o '%A|%S|%u|%a|%P'``: the jobs running (or suspended, still holding their GPUs) on
-  this node, one line each; none of these fields can hold a newline or ``|``;
-- for a job not seen before: ``squeue -h -j ID -o %j`` (its name, exactly: a job name may hold quotes and newlines)
-  and ``scontrol -d show job ID``, whose per-node lines ``Nodes=NODES ... GRES=gpu:2(IDX:0-1)`` say which of the
-  node's GPUs it holds. A job's allocation is kept by (job id, start time) until it leaves the listing.
-
-``IDX`` is a position in the node's GRES list, which Slurm orders by device file, that is by minor number
-(``/dev/nvidia<minor>``): the ``k``-th GPU by ``nvidia-smi -q -x``'s ``<minor_number>`` (never nvidia-smi's index,
-which can differ). This assumes the node's gres.conf lists all its GPUs (``AutoDetect=nvml`` does, as does
-``File=/dev/nvidia[0-N]``).
-
-A process is tied to its job through ``/proc/<pid>/cgroup`` (:func:`job_of_cgroup`): Slurm's cgroup v1 layout
-``/slurm/uid_U/job_J/step_S`` and v2 layout ``.../slurmstepd.scope/job_J/step_S/...``.
+Each refresh runs ``squeue -w NODE`` for the jobs running (or suspended) here and, for a job not seen before, its
+exact name (``squeue -j ID -o %j``) and ``scontrol -d show job ID``, whose ``Nodes=... GRES=gpu:2(IDX:0-1)`` lines
+say which GPUs it holds; a job's allocation is kept by (job id, start time). ``IDX`` is a position in the node's
+GRES list, ordered by minor number (``/dev/nvidia<minor>``, from ``nvidia-smi -q -x``; never nvidia-smi's index),
+assuming gres.conf lists all its GPUs. A process is tied to its job through ``/proc/<pid>/cgroup``.
 """
 
 from __future__ import annotations
@@ -141,13 +131,7 @@ def gpu_indices(gres: str) -> list[int]:
 
 @dataclass(frozen=True)
 class SlurmJob:
-    """One job running on this node.
-
-    Attributes:
-        job_id: the job id (for an array task, its own id).
-        workload: its labels (job id, user, account, partition, name; bounded).
-        indices: the GRES ``IDX`` positions of the GPUs it holds on this node.
-    """
+    """One job running on this node: its id (an array task's own), labels and the GRES ``IDX`` of its GPUs here."""
 
     job_id: str
     workload: Workload
@@ -236,9 +220,9 @@ class SlurmBackend:
         bin_dir: where squeue and scontrol are (default: PATH).
         nvidia_smi: the binary read for minor numbers (``-q -x``).
         processes: tie processes to jobs (cgroups) for per-job use and ``smiquery_gpu_unallocated_use``.
-        run: ``(argv, timeout) -> Completed`` for the Slurm commands (tests inject one); default: a subprocess.
-        minors: returns minor number -> GPU UUID (tests inject one); default: ``nvidia-smi -q -x``.
-        job_of: pid -> job id (tests pass a fixture reader).
+        run: ``(argv, timeout) -> Completed`` for the Slurm commands; default: a subprocess.
+        minors: returns minor number -> GPU UUID; default: ``nvidia-smi -q -x``.
+        job_of: pid -> job id.
     """
 
     name = "slurm"
@@ -352,9 +336,7 @@ class SlurmBackend:
 
     def failure(self, exc: Exception) -> tuple[str, str]:
         """A failed listing: its kind (``not_found``, ``controller_unreachable``, ``auth``, ``timeout``...) and why."""
-        if isinstance(exc, SlurmError):
-            return exc.kind, one_line(exc)
-        return type(exc).__name__, one_line(exc)
+        return exc.kind if isinstance(exc, SlurmError) else type(exc).__name__, one_line(exc)
 
     def owner(self, pid: int) -> Workload | None:
         """The job of a process (its cgroup names the job; the newest listing names its user, account...)."""
