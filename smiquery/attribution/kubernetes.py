@@ -312,27 +312,22 @@ class KubernetesBackend:
         return None if cg is None else self.pods.latest.holder(cg.pod_uid, cg.container_id)
 
 
+def _ask(exc: BaseException, method: str) -> object:
+    """What an RpcError's ``code()`` or ``details()`` says; None when it has none (or is half-built)."""
+    fn = getattr(exc, method, None)
+    try:
+        return fn() if callable(fn) else None
+    except Exception:
+        return None
+
+
 def _error_kind(exc: BaseException) -> str:
     if isinstance(exc, PermissionError):
         return "permission_denied"
-    code = getattr(exc, "code", None)
-    if callable(code):
-        try:
-            name = getattr(code(), "name", None)
-        except Exception:  # a half-built RpcError: its class name will do
-            name = None
-        if isinstance(name, str):
-            return name.lower()
-    return type(exc).__name__
+    name = getattr(_ask(exc, "code"), "name", None)
+    return name.lower() if isinstance(name, str) else type(exc).__name__
 
 
 def _rpc_detail(exc: BaseException) -> str:
-    details = getattr(exc, "details", None)
-    if callable(details):
-        try:
-            text = details()
-        except Exception:  # a half-built RpcError: fall back to its message
-            text = None
-        if isinstance(text, str) and text:
-            return text.splitlines()[0]
-    return one_line(exc)
+    text = _ask(exc, "details")
+    return text.splitlines()[0] if isinstance(text, str) and text else one_line(exc)

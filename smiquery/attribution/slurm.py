@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smiquery.attribution import Grant, Words, Workload
+from smiquery.attribution.cgroups import cgroup_paths, read_cgroup
 from smiquery.errors import NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, SlurmError
 from smiquery.retry import one_line
 from smiquery.runner import Completed, SubprocessRunner, default_runner, find_nvidia_smi
@@ -177,22 +178,14 @@ def minor_numbers(xml_text: str) -> dict[int, str]:
 
 def job_of_cgroup(text: str) -> str | None:
     """The Slurm job id in the text of ``/proc/<pid>/cgroup`` (cgroup v1 or v2 layout), or None."""
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3:
-            m = _CGROUP_JOB_RE.search(parts[2])
-            if m:
-                return m.group(1)
-    return None
+    found = (_CGROUP_JOB_RE.search(path) for path in cgroup_paths(text))
+    return next((m.group(1) for m in found if m), None)
 
 
 def job_of_pid(pid: int, proc: str = "/proc") -> str | None:
     """The Slurm job of a process (host pid), or None (no job, gone, or not visible from here)."""
-    try:
-        with open(os.path.join(proc, str(pid), "cgroup"), encoding="utf-8", errors="replace") as fh:
-            return job_of_cgroup(fh.read())
-    except OSError:
-        return None
+    text = read_cgroup(pid, proc)
+    return None if text is None else job_of_cgroup(text)
 
 
 def _why(tool: str, done: Completed) -> SlurmError:
