@@ -125,13 +125,10 @@ class UsageError(SmiqueryError, ValueError):
 
 
 class ParseError(SmiqueryError, ValueError):
-    """A line of nvidia-smi output does not fit the requested fields.
+    """A line of nvidia-smi output (``line``, number ``lineno`` from 1) does not fit the requested fields.
 
-    Attributes:
-        lineno: 1-based line number in the input.
-        line: the raw line.
-        field: the field whose value did not fit, or None for a wrong column count.
-        reason: what is wrong, without the place (``'7.5' is not a valid integer``).
+    ``field`` is the field whose value did not fit (None: a wrong column count); ``reason`` says what is wrong,
+    without the place (``'7.5' is not a valid integer``).
     """
 
     def __init__(self, message: str, *, lineno: int, line: str, field: str | None = None) -> None:
@@ -294,13 +291,7 @@ class OutputTooLargeError(SmiqueryError):
 
 
 class NvidiaSmiFailedError(SmiqueryError):
-    """nvidia-smi exited non-zero.
-
-    Attributes:
-        argv: the command that ran.
-        returncode: its exit status (negative for a signal).
-        output: everything it printed (nvidia-smi prints its errors on stdout).
-    """
+    """nvidia-smi (``argv``) exited non-zero: ``returncode`` (negative for a signal), ``output`` all it printed."""
 
     retryable = True
     hint = "run `smiquery doctor` for a diagnosis"
@@ -425,17 +416,9 @@ def _message_lines(output: str) -> list[str]:
 
 
 def failure_from_exit(argv: Sequence[str], returncode: int, output: str) -> NvidiaSmiFailedError:
-    """Map an nvidia-smi exit status and its output to the matching typed error.
+    """The typed error for an nvidia-smi exit status and its output (stdout and stderr together).
 
-    The one place where exit codes and messages are interpreted.
-
-    Args:
-        argv: the command that ran.
-        returncode: its exit status.
-        output: what it printed (stdout and stderr together).
-
-    Returns:
-        The error to raise; a plain NvidiaSmiFailedError when nothing more specific fits.
+    The one place where exit codes and messages are interpreted; a plain NvidiaSmiFailedError when nothing fits.
     """
     low = "\n".join(_message_lines(output)).lower()
     for fragment, cls in _BY_MESSAGE:
