@@ -128,12 +128,7 @@ class WebhookHandler:
     first event; :meth:`close` stops it. Logs and ``repr`` show the URL's scheme and host only, never its path,
     query or the headers (for most webhooks the URL is the secret).
 
-    Args:
-        url: the endpoint (``http://`` or ``https://``).
-        timeout: seconds for one POST (connect and read).
-        min_interval: least seconds between two POSTs.
-        queue_size: most events waiting to be sent.
-        headers: extra HTTP headers (for example an authorization token).
+    ``timeout`` bounds one POST (connect and read); ``headers`` are extra HTTP headers (an authorization token).
 
     Raises:
         ValueError: the URL is not http(s), or a number is out of range.
@@ -259,12 +254,9 @@ class WebhookHandler:
             )
 
     def close(self, timeout: float | None = None) -> None:
-        """Send what is queued within ``timeout``, then stop; what is still waiting then is dropped and counted.
+        """Send what is queued within ``timeout`` (default 2 s), then stop; what still waits is dropped and counted.
 
         A later event starts a new thread, so a handler can serve one training run after another.
-
-        Args:
-            timeout: most seconds to wait (default 2): a dead endpoint never holds the caller longer.
         """
         limit = 2.0 if timeout is None else max(0.0, timeout)
         with self._cond:
@@ -280,12 +272,8 @@ class WebhookHandler:
                 box.queue.clear()
                 self.dropped += left
             if thread is not None and thread.is_alive():
-                log.warning(
-                    "smiquery webhook %s did not answer within %.1f s at close: %d event(s) dropped",
-                    self.shown,
-                    limit,
-                    left,
-                )
+                msg = "smiquery webhook %s did not answer within %.1f s at close: %d event(s) dropped"
+                log.warning(msg, self.shown, limit, left)
             # a fresh outbox for the next run; the old thread ends after its POST times out
             self._box = _Outbox()
 
@@ -299,18 +287,13 @@ class WebhookHandler:
 class Notifier:
     """Evaluates alert rules over samples and hands each event to handlers.
 
-    A handler that raises is logged and skipped; nothing reaches the caller. Use :meth:`update` for one call
-    that does both, or :meth:`evaluate` and :meth:`dispatch` when the context is only known later.
-
-    Example::
+    ``rules`` are rules or ``--alert`` expressions; ``handlers`` default to a :class:`LogHandler`. A handler that
+    raises is logged and skipped. Use :meth:`update` for one call that does both, or :meth:`evaluate` and
+    :meth:`dispatch` when the context is only known later::
 
         notifier = Notifier(["temperature.gpu > 85 for 3"], [LogHandler(), WebhookHandler(url)])
         for sample in smiquery.stream("health"):
             notifier.update(sample, now=time.monotonic())
-
-    Args:
-        rules: rules or expressions in the CLI's ``--alert`` syntax.
-        handlers: where events go (default: a :class:`LogHandler`).
     """
 
     def __init__(
@@ -352,18 +335,14 @@ class Notifier:
     def update(
         self, sample: Any, context: Context | Callable[[], Context] | None = None, *, now: float | None = None
     ) -> list[AlertEvent]:
-        """Evaluate one sample and dispatch what it causes.
+        """Evaluate one sample and dispatch (and return) the events it causes.
 
         Args:
             sample: one :class:`~smiquery.GpuSample`.
             context: extra facts for the handlers, or a function computing them (called only when an event
                 happens).
-            now: for a live sample, ``time.monotonic()`` when it arrived: ``for 30s`` holds are then measured on
-                that clock, which a DST change or an NTP step of the wall clock does not move. None (a
-                recording): by the samples' timestamps.
-
-        Returns:
-            The events dispatched.
+            now: for a live sample, ``time.monotonic()`` when it arrived (holds are measured on it); None for a
+                recording (by the samples' timestamps).
         """
         if self._observers:
             self.observe(sample)
@@ -420,14 +399,8 @@ class SnapshotHandler:
     keeps firing on a GPU gets one snapshot until it clears; one asked for while another is being written is skipped
     and counted in :attr:`skipped`.
 
-    Args:
-        directory: where the folders go (created when missing).
-        minutes: how much sample history to keep and save.
-        nvidia_smi: the binary for ``-q -x`` and the process list.
-        timeout: seconds for each nvidia-smi call.
-        max_bytes: most bytes per saved file (the rest is cut, and says so).
-        max_snapshots: most folders this handler writes in all.
-        max_rows: most samples kept in memory, whatever ``minutes`` says.
+    ``minutes`` of sample history are kept (at most ``max_rows``) and saved; ``timeout`` bounds each nvidia-smi call,
+    ``max_bytes`` each file, ``max_snapshots`` the folders this handler writes in all.
     """
 
     def __init__(

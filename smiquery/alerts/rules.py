@@ -130,12 +130,8 @@ class Rule:
     1024``: idle while a job holds memory).
 
     Attributes:
-        field: the catalogue field the rule watches (aliases are resolved).
-        op: the comparison.
         threshold: the value compared against, typed for the field (number, bool or text).
-        hold_samples: consecutive samples needed to fire, when the hold is a count.
-        hold_seconds: seconds the condition must hold to fire, when the hold is a duration.
-        text: the expression as written.
+        hold_samples: consecutive samples needed to fire, when the hold is a count (else ``hold_seconds``).
         when: the ``while`` conditions (rules without a hold), all of which must hold as well.
     """
 
@@ -212,13 +208,11 @@ class Rule:
     def matches(self, sample: GpuSample) -> bool | None:
         """Whether this sample meets the condition and its ``while`` conditions (ignoring the hold); None: unknown."""
         verdict = self.holds(sample.get(self.field.name))
-        if not verdict or not self.when:
-            return verdict
         for cond in self.when:
-            extra = cond.holds(sample.get(cond.field.name))
-            if not extra:
-                return extra
-        return True
+            if not verdict:
+                break
+            verdict = cond.holds(sample.get(cond.field.name))
+        return verdict
 
     @property
     def fields(self) -> tuple[Field, ...]:
@@ -234,15 +228,11 @@ class AlertEvent:
     """A rule that started firing or stopped firing on one GPU.
 
     Attributes:
-        rule: the rule.
-        gpu: the GPU index (None when the samples carry no index).
-        uuid: the GPU UUID, when queried.
+        gpu: the GPU index (None when the samples carry no index); ``uuid`` when queried.
         value: the value that decided the change.
-        state: ``"firing"`` or ``"cleared"``.
-        since: when the condition started to hold (the first matching sample's time).
-        at: the time of the sample that caused the event.
-        duration: seconds the condition held, from ``since`` to ``at`` as the evaluator measured them (live: on
-            the monotonic clock, so not always ``at - since`` when the wall clock stepped in between).
+        since: when the condition started to hold (the first matching sample's time); ``at``: the event's sample.
+        duration: seconds the condition held as the evaluator measured them (live: on the monotonic clock, so not
+            always ``at - since``).
     """
 
     rule: Rule
@@ -429,11 +419,7 @@ def _key(sample: GpuSample) -> object:
 
 
 def arrival(batch: object) -> float:
-    """When a sweep (or sample) arrived, in monotonic seconds: its ``arrived`` stamp, else now.
-
-    A live source stamps each sweep with ``time.monotonic()`` as its rows are read (``sweep.arrived``); a
-    consumer that evaluates alerts passes this to :meth:`AlertEvaluator.update` as ``now``.
-    """
+    """When a sweep (or sample) arrived, in monotonic seconds (its ``arrived``, else now): ``update``'s ``now``."""
     stamp = getattr(batch, "arrived", None)
     return float(stamp) if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) else time.monotonic()
 
@@ -442,11 +428,7 @@ def arrival(batch: object) -> float:
 class StallRule:
     """The stall definition: a GPU held by a job but given no work, for at least ``min_seconds``.
 
-    Attributes:
-        utilization: utilization (percent) under which a GPU does no useful work.
-        busy_memory_mib: memory used (MiB) from which a GPU counts as held by a job (an idle GPU without a job
-            is not stalled).
-        min_seconds: the shortest stretch reported as a stall.
+    Held: ``busy_memory_mib`` used; no work: ``utilization.gpu`` under ``utilization`` percent.
     """
 
     utilization: float = 20.0
