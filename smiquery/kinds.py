@@ -7,6 +7,7 @@ pandas nor pyarrow (:meth:`FieldKind.arrow_cast` imports pyarrow when called).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,10 +160,7 @@ def _str(v: str) -> str:
     return v
 
 
-def _hex(v: str) -> int:
-    return int(v, 16)
-
-
+_hex = functools.partial(int, base=16)
 _MAJOR_MINOR_RE = re.compile(r"\d+\.\d+")
 
 
@@ -242,13 +240,7 @@ CONVERT_ERRORS = (ValueError, KeyError, TypeError, OverflowError, _NotAValue)
 
 Storage = Literal["int", "float", "bool", "timestamp", "string"]
 MetricStyle = Literal["number", "bool", "bitmask", "info", "none"]
-_DTYPES: dict[str, str] = {
-    "int": "Int64",
-    "float": "Float64",
-    "bool": "boolean",
-    "timestamp": "datetime64[ns]",
-    "string": "string",
-}
+_DTYPES = {"int": "Int64", "float": "Float64", "bool": "boolean", "timestamp": "datetime64[ns]", "string": "string"}
 
 
 @dataclass(frozen=True)

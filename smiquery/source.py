@@ -95,26 +95,18 @@ class SweepGrouper:
             self._count = expected
         else:
             self._expected = tuple(expected)
-        self.known: dict[int, None] = {}
-        self.established = False
+        self.restart()
+
+    def restart(self) -> None:
+        """A new child: forget the unfinished sweep and learn the GPU set anew (unless it was given)."""
+        self.known: dict[int, None] = dict.fromkeys(self._expected)
+        self.established = bool(self.known)
         self._current: list[GpuSample] = []
         self._present: set[int] = set()
         self._last_index: int | None = None
         self._last_time: datetime | None = None
         self._damaged = False
         self._closed_early_at: int | None = None
-        self.restart()
-
-    def restart(self) -> None:
-        """A new child: forget the unfinished sweep and learn the GPU set anew (unless it was given)."""
-        self.known = dict.fromkeys(self._expected)
-        self.established = bool(self.known)
-        self._current = []
-        self._present = set()
-        self._last_index = None
-        self._last_time = None
-        self._damaged = False
-        self._closed_early_at = None
 
     @staticmethod
     def _index(sample: GpuSample) -> int | None:
