@@ -59,6 +59,10 @@ CHECK_NAMES = (
 
 _FIX_CONTAINER = "start the container with --gpus all (or set NVIDIA_DRIVER_CAPABILITIES=compute,utility)"
 _FIX_VISIBLE = "set NVIDIA_VISIBLE_DEVICES=all (or GPU indices/UUIDs), or start the container with --gpus all"
+_FIX_INSTALL = (
+    "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI; in a container, start it with "
+    "--gpus all"
+)
 _FIX_DRIVER = "check the driver with `lsmod | grep nvidia` and `dmesg`, or reinstall it"
 _FIX_NVML_INIT = (
     "NVML could not start: check that the driver is loaded (`lsmod | grep nvidia`), that /dev/nvidia* are "
@@ -253,12 +257,7 @@ def _check_binary(done: _Progress, nvidia_smi: str | os.PathLike[str] | None, ti
         done.binary = binary = find_nvidia_smi(nvidia_smi)
     except NvidiaSmiNotFoundError as exc:
         done.failure = exc
-        fix = (
-            _FIX_CONTAINER
-            if done.ctr
-            else "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI; "
-            "in a container, start it with --gpus all"
-        )
+        fix = _FIX_CONTAINER if done.ctr else _FIX_INSTALL
         done.results.append(CheckResult("nvidia-smi found", "fail", _one_line(str(exc).split(";")[0]), fix, 3))
         done.broken = "nvidia-smi not found"
         return

@@ -182,11 +182,8 @@ class WebhookHandler:
                 self.dropped += 1
                 if not self._dropping:
                     self._dropping = True
-                    log.warning(
-                        "smiquery webhook %s: %d events already waiting; dropping new ones until it catches up",
-                        self.shown,
-                        self.queue_size,
-                    )
+                    msg = "smiquery webhook %s: %d events already waiting; dropping new ones until it catches up"
+                    log.warning(msg, self.shown, self.queue_size)
                 return
             self._dropping = False
             box.queue.append(body)
@@ -233,25 +230,17 @@ class WebhookHandler:
                 self._failing = False
                 log.info("smiquery webhook %s works again (%d failed in all)", self.shown, self.failed)
 
-    def _scrub(self, text: str) -> str:
-        """Remove the URL (and its path and query) from an error text."""
-        parts = urllib.parse.urlsplit(self.url)
-        for secret in (self.url, parts.path, parts.query, *self.headers.values()):
-            if secret and len(secret) > 1 and secret != "/":
-                text = text.replace(secret, "...")
-        return text
-
     def _failure(self, reason: str) -> None:
         self.failed += 1
-        reason = self._scrub(reason)
+        parts = urllib.parse.urlsplit(self.url)
+        for secret in (self.url, parts.path, parts.query, *self.headers.values()):  # never logged, never kept
+            if secret and len(secret) > 1 and secret != "/":
+                reason = reason.replace(secret, "...")
         self.last_error = reason
         if not self._failing:
             self._failing = True
-            log.warning(
-                "smiquery webhook %s failed: %s (no retry; further failures are not logged until one succeeds)",
-                self.shown,
-                reason,
-            )
+            msg = "smiquery webhook %s failed: %s (no retry; further failures are not logged until one succeeds)"
+            log.warning(msg, self.shown, reason)
 
     def close(self, timeout: float | None = None) -> None:
         """Send what is queued within ``timeout`` (default 2 s), then stop; what still waits is dropped and counted.
