@@ -28,10 +28,8 @@ del TYPE_CHECKING  # not a public name
 
 __version__ = "0.1.0"
 
-# Only the errors are imported eagerly (they are light, and `except smiquery.SmiqueryError` needs no other import):
-# every other public name is imported from its module on first use, so `import smiquery` (and every fake
-# nvidia-smi the tests start) stays a fraction of the interpreter's own start-up. Neither subprocess, logging nor
-# pandas is imported until something needs it; tests/test_startup.py checks.
+# Only the errors are imported eagerly: every other public name is imported from its module on first use, so that
+# `import smiquery` stays a fraction of the interpreter's own start-up (tests/test_startup.py checks).
 _LAZY = {
     "GpuSample": "smiquery.sample",
     "RetryPolicy": "smiquery.retry",
@@ -46,8 +44,7 @@ _LAZY = {
     "read_csv": "smiquery.recordings.csvfile",
     "replay": "smiquery.recordings.playback",
 }
-# Submodules reachable after a plain `import smiquery` (`smiquery.aio.query(...)`, `smiquery.fields.CATALOGUE`),
-# imported on first use: the adoption modules, and those that `import smiquery` used to import eagerly.
+# Submodules reachable after a plain `import smiquery` (`smiquery.fields.CATALOGUE`), imported on first use.
 _LAZY_MODULES = frozenset({"aio", "compat", "fields", "runner", "sample", "source", "sources", "streams"})
 
 

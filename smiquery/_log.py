@@ -1,8 +1,4 @@
-"""smiquery's loggers: quiet unless the application configures logging (the CLI and the exporter do).
-
-The package logger gets its NullHandler here, when the first module that logs is imported, rather than in
-``import smiquery``, which imports no logging at all (it would cost as much as the interpreter's own start-up).
-"""
+"""smiquery's loggers: quiet (a NullHandler, set when the first module that logs is imported) unless configured."""
 
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """Time rules for nvidia-smi's timestamps: wall-clock stamps put in a zone by row order, and steps that never go back.
 
-nvidia-smi stamps each row with the host's *local wall-clock* time and no zone (``2026/10/25 02:30:00.123``).
-On a real host that clock repeats an hour when daylight saving ends, skips one when it starts, and steps when NTP
-corrects it or a VM resumes. Two rules follow, shared by the parser, replay, ``read_csv``, the report and the plot:
-
-* A zone (``tz=``) resolves a wall time that the fall-back repeats by the *order* of the rows: the second
-  02:30 comes after the first. An ambiguous time takes the first of its two instants (``fold=0``) unless that
-  would put it before the previous row while the second (``fold=1``) would not, and is the nearer of the two to
-  it (so a small step back inside the repeated hour, jitter or NTP, stays in the first pass). A wall time the
-  spring-forward skips is shifted forward by the skip (02:30 becomes 03:30). :class:`Localizer` applies the rule
-  row by row; :func:`localize_by_order` to a whole column at once.
-* Without a zone, a duration between two stamps never goes negative: :func:`clamped_steps` counts a step back as
-  0 (and a forward jump past a limit as one interval), and the report names each step back once.
-* In a zone, a duration is the time that really passed: :func:`seconds_between` and :func:`later` go through
-  UTC, because Python subtracts (and compares) two aware times that share one ``tzinfo`` as wall-clock times,
-  blind to the offset change between them (01:59:59 CET to 03:00:00 CEST would be 3601 s, not 1 s).
-
-Live holds (``for 30s``) need neither: they are measured on a monotonic clock (see :mod:`smiquery.alerts`).
+nvidia-smi stamps rows with the host's local wall-clock time and no zone; that clock repeats an hour when daylight
+saving ends, skips one when it starts, and steps with NTP or a VM resume. The rules, shared by the parser, replay,
+``read_csv``, the report and the plot: in a zone, a repeated wall time is resolved by the *order* of the rows
+(:class:`Localizer`, :func:`localize_by_order`) and a skipped one shifted forward by the skip; a duration is the time
+that really passed (:func:`seconds_between`, through UTC: Python subtracts two aware times of one ``tzinfo`` as wall
+times); without a zone a step back counts 0 (:func:`clamped_steps`). Live holds use a monotonic clock instead.
 """
 
 from __future__ import annotations
@@ -49,13 +38,11 @@ REPORTED_STEP_BACK = 1.0
 
 
 class Localizer:
-    """Puts wall-clock times, row after row of one timeline, into a zone; see the module's rule.
+    """Puts wall-clock times, row after row of one timeline (one file or stream), into ``tz`` (None: the host's).
 
-    One localizer per timeline: the rows of one file or one stream in their order (the rows of several GPUs share
-    a timestamp and interleave; that is still one timeline).
-
-    Args:
-        tz: the zone; None for the host's own zone (as :meth:`datetime.astimezone` takes it).
+    An ambiguous time (the hour a fall-back repeats) takes its first instant unless that would put it before the
+    previous row while the second would not and is the nearer of the two to it (so jitter inside the repeated hour
+    stays in the first pass). A wall time the spring-forward skips is shifted forward by the skip.
     """
 
     __slots__ = ("_fixed", "last", "tz")
@@ -86,10 +73,7 @@ class Localizer:
         return self._resolve(naive)
 
     def plain_hour(self, naive: datetime) -> bool:
-        """True when the hour of ``naive`` holds no zone change (every wall time in it exists once, one offset).
-
-        Zones change on whole hours, so a parser may reuse one offset for all of such an hour's rows.
-        """
+        """True when the hour of ``naive`` holds no zone change, so a parser may reuse one offset for all its rows."""
         if self._fixed:
             return True
         start = naive.replace(minute=0, second=0, microsecond=0, tzinfo=None, fold=0)
@@ -169,17 +153,9 @@ def _ns(dt: datetime) -> int:
 
 
 def localize_by_order(naive: Any, tz: tzinfo) -> pd.DatetimeIndex:
-    """Vectorised :class:`Localizer`: a column of wall times (in file order) as instants in ``tz``.
+    """Vectorised :class:`Localizer`: ``datetime64[ns]`` wall times in file order as an aware ``DatetimeIndex``.
 
-    Rows that are neither repeated nor skipped by a clock change go through pandas at once; only the rows of a
-    repeated or skipped hour are resolved one by one, each after the row before it.
-
-    Args:
-        naive: wall times, ``datetime64[ns]`` (a ``DatetimeIndex``, Series or array; NaT for missing).
-        tz: the zone.
-
-    Returns:
-        An aware ``DatetimeIndex`` in ``tz``, NaT where the input was.
+    NaT stays NaT; only the rows of a repeated or skipped hour are resolved one by one.
     """
     import numpy as np
     import pandas as pd
@@ -209,13 +185,7 @@ def localize_by_order(naive: Any, tz: tzinfo) -> pd.DatetimeIndex:
 
 @dataclass(frozen=True)
 class ClockStep:
-    """The recorded clock stepped back: a DST fall-back read without a zone, an NTP correction, a VM resume.
-
-    Attributes:
-        at: the last time before the step (as recorded).
-        to: the first time after it.
-        seconds: how far back it went (positive).
-    """
+    """The recorded clock stepped back (DST read without a zone, NTP, a VM resume) ``seconds`` from ``at`` to ``to``."""
 
     at: datetime
     to: datetime
@@ -229,9 +199,6 @@ def clamped_steps(seconds: np.ndarray, cap: float | None = None, interval: float
         seconds: times in seconds, in the order they were taken (any origin).
         cap: a forward step longer than this is a gap (the clock jumped, the stream stopped); None: none is.
         interval: what such a step counts instead (default ``cap``'s third, the usual spacing).
-
-    Returns:
-        ``len(seconds) - 1`` steps (float64).
     """
     import numpy as np
 
@@ -243,16 +210,7 @@ def clamped_steps(seconds: np.ndarray, cap: float | None = None, interval: float
 
 
 def timeline(stamps: np.ndarray, cap: float | None = None, interval: float | None = None) -> np.ndarray:
-    """Seconds from the first time along one timeline, each step clamped as :func:`clamped_steps` clamps it.
-
-    Args:
-        stamps: ``datetime64[ns]`` times in the order they were taken.
-        cap: see :func:`clamped_steps`.
-        interval: see :func:`clamped_steps`.
-
-    Returns:
-        Non-decreasing seconds, 0 at the first time.
-    """
+    """Seconds from the first of ``datetime64[ns]`` ``stamps``, each step clamped as :func:`clamped_steps` does."""
     import numpy as np
 
     ns = np.asarray(stamps, dtype="datetime64[ns]").astype("int64")

@@ -20,6 +20,7 @@ from smiquery.errors import (
     DriverVersionMismatchError,
     GpuLostError,
     InsufficientPermissionsError,
+    InvalidArgumentError,
     NoDevicesFoundError,
     NvidiaSmiFailedError,
     NvidiaSmiNotFoundError,
@@ -27,11 +28,12 @@ from smiquery.errors import (
     NvmlNotFoundError,
     ParseError,
     SmiqueryError,
+    failure_from_exit,
 )
 from smiquery.fields import PRESETS
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterable, Sequence
 
     from smiquery.sample import GpuSample
 
@@ -57,6 +59,10 @@ CHECK_NAMES = (
 
 _FIX_CONTAINER = "start the container with --gpus all (or set NVIDIA_DRIVER_CAPABILITIES=compute,utility)"
 _FIX_VISIBLE = "set NVIDIA_VISIBLE_DEVICES=all (or GPU indices/UUIDs), or start the container with --gpus all"
+_FIX_INSTALL = (
+    "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI; in a container, start it with "
+    "--gpus all"
+)
 _FIX_DRIVER = "check the driver with `lsmod | grep nvidia` and `dmesg`, or reinstall it"
 _FIX_NVML_INIT = (
     "NVML could not start: check that the driver is loaded (`lsmod | grep nvidia`), that /dev/nvidia* are "
@@ -91,14 +97,9 @@ class CheckResult:
 
 
 def exit_code(results: Sequence[CheckResult], *, gate: bool = False) -> int:
-    """The exit code for a set of results.
+    """The exit code for results: the first failure's code (3, 4, 5 or 1), else 1 for a warning, else 0.
 
-    Args:
-        results: from :func:`run_checks`.
-        gate: health-check mode: only failures count (warnings exit 0).
-
-    Returns:
-        The code of the first failure (3, 4, 5 or 1); else 1 for a warning without ``gate``; else 0.
+    ``gate=True`` (health checks) counts failures only.
     """
     failed = [r for r in results if r.failed]
     if failed:
@@ -109,23 +110,16 @@ def exit_code(results: Sequence[CheckResult], *, gate: bool = False) -> int:
 
 
 def in_container() -> str | None:
-    """Why this looks like a container, or None.
-
-    Returns:
-        The evidence (``/.dockerenv exists``), or None outside a container.
-    """
-    if os.path.exists("/.dockerenv"):
-        return "/.dockerenv exists"
-    if os.path.exists("/run/.containerenv"):
-        return "/run/.containerenv exists"
+    """Why this looks like a container (``/.dockerenv exists``), or None outside one."""
+    for marker in ("/.dockerenv", "/run/.containerenv"):
+        if os.path.exists(marker):
+            return f"{marker} exists"
     try:
         text = Path("/proc/1/cgroup").read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
-    for word in ("docker", "kubepods", "containerd", "libpod"):
-        if word in text:
-            return f"/proc/1/cgroup mentions {word}"
-    return None
+    found = [w for w in ("docker", "kubepods", "containerd", "libpod") if w in text]
+    return f"/proc/1/cgroup mentions {found[0]}" if found else None
 
 
 def _one_line(text: str) -> str:
@@ -151,26 +145,6 @@ def _parse_version(text: str) -> dict[str, str]:
     return out
 
 
-def _code_of(exc: BaseException) -> int:
-    if isinstance(exc, NvidiaSmiNotFoundError):
-        return 3
-    if isinstance(
-        exc,
-        (
-            DriverNotLoadedError,
-            NvmlNotFoundError,
-            DriverVersionMismatchError,
-            NoDevicesFoundError,
-            GpuLostError,
-            InsufficientPermissionsError,
-        ),
-    ):
-        return 4
-    if isinstance(exc, NvidiaSmiTimeoutError):
-        return 5
-    return 1
-
-
 def _message(exc: BaseException) -> str:
     """nvidia-smi's own message (the first line that is no CSV row), else the error's text."""
     output = getattr(exc, "output", None)
@@ -182,12 +156,7 @@ def _message(exc: BaseException) -> str:
 
 # Errors whose hint is the fix for their cause wherever they happen (a field error's hint is not: at NVML start-up,
 # "Not Supported" means NVML could not start, and the text decides).
-_CAUSE_ERRORS: tuple[type[BaseException], ...] = (
-    DriverVersionMismatchError,
-    InsufficientPermissionsError,
-    GpuLostError,
-    NoDevicesFoundError,
-)
+_CAUSE_ERRORS = (DriverVersionMismatchError, InsufficientPermissionsError, GpuLostError, NoDevicesFoundError)
 
 
 def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
@@ -201,10 +170,10 @@ def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
         fix = _FIX_CONTAINER if in_ctr else "reinstall the driver's utility libraries (libnvidia-ml.so)"
     elif isinstance(exc, DriverNotLoadedError):
         fix = _FIX_DRIVER
-    elif isinstance(exc, _CAUSE_ERRORS) and str(getattr(exc, "hint", None) or ""):
+    elif isinstance(exc, _CAUSE_ERRORS):
         # the typed error knows its cause whatever the text around it ("Failed to initialize NVML: Driver/library
         # version mismatch" wants a reboot, not NVML start-up advice)
-        fix = str(getattr(exc, "hint", ""))
+        fix = exc.hint
     elif "Failed to initialize NVML" in message:
         fix = _FIX_NVML_INIT
     else:
@@ -212,23 +181,15 @@ def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
         if not hint or "smiquery doctor" in hint:
             hint = "run plain `nvidia-smi` to see the whole message, and check `dmesg` for Xid errors"
         fix = hint
-    return CheckResult(name, "fail", message, fix, _code_of(exc))
+    return CheckResult(name, "fail", message, fix, exc.exit_status if isinstance(exc, SmiqueryError) else 1)
 
 
 def driver_fields(binary: str, timeout: float) -> dict[str, str]:
-    """Names (and aliases) ``nvidia-smi --help-query-gpu`` lists, with their descriptions.
-
-    Args:
-        binary: the nvidia-smi to ask.
-        timeout: seconds for the call.
-
-    Returns:
-        Field name (or alias) -> description.
+    """Field name (or alias) -> description, as ``binary --help-query-gpu`` lists them (``timeout`` seconds).
 
     Raises:
         NvidiaSmiFailedError: nvidia-smi failed, or listed no fields.
     """
-    from smiquery.errors import failure_from_exit
     from smiquery.fields import parse_help_query_gpu
     from smiquery.runner import default_runner
 
@@ -261,14 +222,10 @@ class _Progress:
 
 
 def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> list[CheckResult]:
-    """Run every check against an nvidia-smi.
-
-    Args:
-        nvidia_smi: the binary (None: ``$SMIQUERY_NVIDIA_SMI``, PATH, the usual places).
-        timeout: seconds per nvidia-smi call.
+    """Run every check against an nvidia-smi (None: the one found), ``timeout`` seconds per call; never raises.
 
     Returns:
-        One result per check, in the order of :data:`CHECK_NAMES`; nothing is raised.
+        One result per check, in the order of :data:`CHECK_NAMES`.
     """
     done = _Progress(in_container())
     _check_binary(done, nvidia_smi, timeout)
@@ -294,19 +251,13 @@ def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float 
 
 def _check_binary(done: _Progress, nvidia_smi: str | os.PathLike[str] | None, timeout: float) -> None:
     """1. the binary, and its version."""
-    from smiquery.errors import failure_from_exit
     from smiquery.runner import default_runner, find_nvidia_smi
 
     try:
         done.binary = binary = find_nvidia_smi(nvidia_smi)
     except NvidiaSmiNotFoundError as exc:
         done.failure = exc
-        fix = (
-            _FIX_CONTAINER
-            if done.ctr
-            else "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI; "
-            "in a container, start it with --gpus all"
-        )
+        fix = _FIX_CONTAINER if done.ctr else _FIX_INSTALL
         done.results.append(CheckResult("nvidia-smi found", "fail", _one_line(str(exc).split(";")[0]), fix, 3))
         done.broken = "nvidia-smi not found"
         return
@@ -341,9 +292,7 @@ def _query_driver(done: _Progress, timeout: float) -> tuple[list[GpuSample] | No
             warnings.simplefilter("always")
             try:
                 samples = query(names, nvidia_smi=done.binary, timeout=timeout)
-            except NvidiaSmiFailedError as exc:
-                if type(exc).__name__ != "InvalidArgumentError":
-                    raise
+            except InvalidArgumentError:
                 samples = query(names[:3], nvidia_smi=done.binary, timeout=timeout)
         done.failure = None
         return samples, caught
@@ -377,18 +326,14 @@ def _details_check(binary: str, timeout: float) -> CheckResult:
     try:
         gpus = details(nvidia_smi=binary, timeout=max(timeout, 10.0))  # -q -x is slow on big servers
     except SmiqueryError as exc:
-        return CheckResult(
-            name,
-            "warn",
-            f"nvidia-smi -q -x failed: {_message(exc)}",
-            "run `nvidia-smi -q` by hand; the health details (ECC rows, slowdowns) cannot be read",
-        )
+        fix = "run `nvidia-smi -q` by hand; the health details (ECC rows, slowdowns) cannot be read"
+        return CheckResult(name, "warn", f"nvidia-smi -q -x failed: {_message(exc)}", fix)
     failed = [g.index for g in gpus if g.remapped_rows is not None and g.remapped_rows.failure]
     if failed:
         return CheckResult(
             name,
             "fail",
-            f"row remapping failed on GPU {', '.join(map(str, failed))}: its memory cannot be repaired",
+            f"row remapping failed on GPU {_listed(failed)}: its memory cannot be repaired",
             "drain the GPU's jobs and have the GPU serviced (RMA); check `dmesg` for Xid 64",
         )
     pending = [
@@ -399,21 +344,22 @@ def _details_check(binary: str, timeout: float) -> CheckResult:
     ]
     slow = {g.index: [r for r in g.clock_event_reasons or () if r in _HW_SLOWDOWN] for g in gpus}
     slow = {i: r for i, r in slow.items() if r}
-    if pending or slow:
-        said = []
-        if pending:
-            said.append(f"a row remap or page retirement waits for a reset on GPU {', '.join(map(str, pending))}")
-        if slow:
-            said.append("; ".join(f"GPU {i} slowed by {', '.join(r)}" for i, r in slow.items()))
-        fixes = []
-        if pending:
-            fixes.append("reset the GPU when idle (`nvidia-smi -r -i N`) or reboot so the repair takes effect")
-        if slow:
-            fixes.append("check cooling and power (fans, inlet temperature, power supply)")
+    said, fixes = [], []
+    if pending:
+        said.append(f"a row remap or page retirement waits for a reset on GPU {_listed(pending)}")
+        fixes.append("reset the GPU when idle (`nvidia-smi -r -i N`) or reboot so the repair takes effect")
+    if slow:
+        said.append("; ".join(f"GPU {i} slowed by {', '.join(r)}" for i, r in slow.items()))
+        fixes.append("check cooling and power (fans, inlet temperature, power supply)")
+    if said:
         return CheckResult(name, "warn", "; ".join(said), "; ".join(fixes))
     mig = sum(len(g.mig_devices) for g in gpus)
     extra = f"; {mig} MIG instance{'s' if mig != 1 else ''}" if mig else ""
     return CheckResult(name, "ok", f"no pending or failed memory repairs, no hardware slowdown{extra}")
+
+
+def _listed(items: Iterable[object]) -> str:
+    return ", ".join(map(str, items))
 
 
 def _default_fields_check(done: _Progress, binary: str, timeout: float) -> CheckResult:
@@ -425,12 +371,8 @@ def _default_fields_check(done: _Progress, binary: str, timeout: float) -> Check
         return _failure(name, exc, in_ctr=done.ctr is not None)
     lacking = [n for n in PRESETS["default"] if n not in have]
     if lacking:
-        return CheckResult(
-            name,
-            "warn",
-            f"this driver lacks {', '.join(lacking)}",
-            "pass --fields without them (see `smiquery fields --supported`) or upgrade the driver",
-        )
+        fix = "pass --fields without them (see `smiquery fields --supported`) or upgrade the driver"
+        return CheckResult(name, "warn", f"this driver lacks {_listed(lacking)}", fix)
     return CheckResult(name, "ok", f"all {len(PRESETS['default'])} supported")
 
 
@@ -442,73 +384,47 @@ def _gpu_checks(
     drv = version.get("driver") or (drivers[0] if drivers else "")
     out.append(CheckResult("driver reachable", "ok", f"driver {', '.join(drivers) or drv or '(version unknown)'}"))
     nvml = version.get("nvml", "")
+    name = "driver/library match"
     if nvml and drv and nvml.split(".")[0] != drv.split(".")[0]:
-        out.append(
-            CheckResult(
-                "driver/library match",
-                "fail",
-                f"NVML {nvml} but driver {drv}",
-                "reboot (or reload the nvidia kernel modules) so the driver matches the library",
-                4,
-            )
-        )
+        fix = "reboot (or reload the nvidia kernel modules) so the driver matches the library"
+        out.append(CheckResult(name, "fail", f"NVML {nvml} but driver {drv}", fix, 4))
     elif nvml and drv:
-        out.append(CheckResult("driver/library match", "ok", f"NVML {nvml} matches driver {drv}"))
+        out.append(CheckResult(name, "ok", f"NVML {nvml} matches driver {drv}"))
     else:
         # A mismatch makes every query fail; this one worked, so the two agree even without version numbers.
-        out.append(CheckResult("driver/library match", "ok", "nvidia-smi queries the driver (NVML version not shown)"))
+        out.append(CheckResult(name, "ok", "nvidia-smi queries the driver (NVML version not shown)"))
     lost = [s.index for s in samples if s.gpu_lost]
     gpu_names = sorted({str(s.get("name")) for s in samples if s.get("name")})
     if not samples:
         out.append(CheckResult("GPU count", "fail", "0 GPUs", "check `nvidia-smi -L` and NVIDIA_VISIBLE_DEVICES", 4))
     elif lost:
-        out.append(
-            CheckResult(
-                "GPU count",
-                "fail",
-                f"{len(samples)} GPUs; GPU {', '.join(map(str, lost))} is lost (fell off the bus)",
-                "check `dmesg` for Xid 79; the GPU needs a reset or the machine a reboot",
-                4,
-            )
-        )
+        said = f"{len(samples)} GPUs; GPU {_listed(lost)} is lost (fell off the bus)"
+        fix = "check `dmesg` for Xid 79; the GPU needs a reset or the machine a reboot"
+        out.append(CheckResult("GPU count", "fail", said, fix, 4))
     else:
         plural = "s" if len(samples) != 1 else ""
         out.append(CheckResult("GPU count", "ok", f"{len(samples)} GPU{plural}: {', '.join(gpu_names)}"))
     rom = [str(w.message) for w in caught if "infoROM" in str(w.message) or "exited 14" in str(w.message)]
     if rom:
-        out.append(
-            CheckResult(
-                "infoROM",
-                "warn",
-                _one_line(rom[0]),
-                "the GPU's infoROM is corrupted; values still read, but report it to the vendor (RMA)",
-            )
-        )
+        fix = "the GPU's infoROM is corrupted; values still read, but report it to the vendor (RMA)"
+        out.append(CheckResult("infoROM", "warn", _one_line(rom[0]), fix))
     pm = [(s.index, s.get("persistence_mode")) for s in samples]
-    off = [str(i) for i, v in pm if v is False]
+    off = [i for i, v in pm if v is False]
     if all(v is None for _, v in pm):
         out.append(CheckResult("persistence mode", "skip", "not reported by this driver (n/a)"))
     elif off:
-        out.append(
-            CheckResult(
-                "persistence mode",
-                "warn",
-                f"disabled on GPU {', '.join(off)}: every nvidia-smi call re-initialises the driver (slow)",
-                "run `sudo nvidia-smi -pm 1` or enable the nvidia-persistenced service",
-            )
-        )
+        said = f"disabled on GPU {_listed(off)}: every nvidia-smi call re-initialises the driver (slow)"
+        fix = "run `sudo nvidia-smi -pm 1` or enable the nvidia-persistenced service"
+        out.append(CheckResult("persistence mode", "warn", said, fix))
     else:
         out.append(CheckResult("persistence mode", "ok", "enabled"))
     mig = [(s.index, s.get("mig.mode.current")) for s in samples]
-    on = [str(i) for i, v in mig if v is True]
+    on = [i for i, v in mig if v is True]
     if all(v is None for _, v in mig):
         out.append(CheckResult("MIG mode", "ok", "not supported or not reported (n/a)"))
     elif on:
-        out.append(
-            CheckResult(
-                "MIG mode", "ok", f"enabled on GPU {', '.join(on)}: GPU utilization is n/a there; use MIG devices"
-            )
-        )
+        said = f"enabled on GPU {_listed(on)}: GPU utilization is n/a there; use MIG devices"
+        out.append(CheckResult("MIG mode", "ok", said))
     else:
         out.append(CheckResult("MIG mode", "ok", "disabled"))
     return out
@@ -524,31 +440,23 @@ def _container_checks(ctr: str | None, *, found: bool, failure: BaseException | 
     missing_tool = "nvidia-smi" if not found else "libnvidia-ml.so" if isinstance(failure, NvmlNotFoundError) else ""
     caps = os.environ.get("NVIDIA_DRIVER_CAPABILITIES")
     name = "NVIDIA_DRIVER_CAPABILITIES"
-    if caps is None:
-        if missing_tool:
-            out.append(CheckResult(name, "warn", f"unset: {missing_tool} is not mounted without it", _FIX_CONTAINER))
-        else:
-            out.append(CheckResult(name, "ok", "unset (nvidia-smi is mounted anyway)"))
+    if caps is None and missing_tool:
+        out.append(CheckResult(name, "warn", f"unset: {missing_tool} is not mounted without it", _FIX_CONTAINER))
+    elif caps is None:
+        out.append(CheckResult(name, "ok", "unset (nvidia-smi is mounted anyway)"))
+    elif {w.strip().lower() for w in caps.split(",")} & {"utility", "all"}:
+        out.append(CheckResult(name, "ok", f"{caps} (includes utility)"))
+    elif working or not missing_tool:
+        out.append(CheckResult(name, "ok", f"{caps} (lacks utility, but nvidia-smi and NVML are there)"))
     else:
-        words = {w.strip().lower() for w in caps.split(",")}
-        if words & {"utility", "all"}:
-            out.append(CheckResult(name, "ok", f"{caps} (includes utility)"))
-        elif working or not missing_tool:
-            out.append(CheckResult(name, "ok", f"{caps} (lacks utility, but nvidia-smi and NVML are there)"))
-        else:
-            out.append(
-                CheckResult(name, "warn", f"{caps!r} lacks utility: {missing_tool} is not mounted", _FIX_CONTAINER)
-            )
+        out.append(CheckResult(name, "warn", f"{caps!r} lacks utility: {missing_tool} is not mounted", _FIX_CONTAINER))
     visible = os.environ.get("NVIDIA_VISIBLE_DEVICES")
-    no_gpu = isinstance(failure, (NoDevicesFoundError, DriverNotLoadedError))
-    value = (visible or "").strip().lower()
+    shown = "unset" if visible is None else repr(visible)
     name = "NVIDIA_VISIBLE_DEVICES"
-    if value in ("", "void", "none"):
-        shown = "unset" if visible is None else repr(visible)
-        if no_gpu:
-            out.append(CheckResult(name, "warn", f"{shown}: no GPU is passed in", _FIX_VISIBLE))
-        else:
-            out.append(CheckResult(name, "ok", f"{shown} (GPUs are reachable anyway)" if working else shown))
-    else:
+    if (visible or "").strip().lower() not in ("", "void", "none"):
         out.append(CheckResult(name, "ok", visible or ""))
+    elif isinstance(failure, (NoDevicesFoundError, DriverNotLoadedError)):
+        out.append(CheckResult(name, "warn", f"{shown}: no GPU is passed in", _FIX_VISIBLE))
+    else:
+        out.append(CheckResult(name, "ok", f"{shown} (GPUs are reachable anyway)" if working else shown))
     return out

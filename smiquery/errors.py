@@ -1,41 +1,9 @@
-"""The exception tree. Every failure smiquery reports is one of these, with a message that says what to do.
+"""The exception tree: every failure smiquery reports is one of these, with a message that says what to do.
 
 Every exception class of the package is defined here (the modules that raise them re-export them), and
-``smiquery`` exports the whole tree.
-
-::
-
-    SmiqueryError
-    ├── InvalidFieldError (+ValueError)      unknown or malformed field name; never retried
-    ├── InvalidGpuIdError (+ValueError)      malformed GPU id; never retried
-    ├── InvalidRuleError (+ValueError)       an alert expression that cannot be parsed: text, reason
-    ├── InvalidTimeZoneError (+ValueError)   an unknown time zone name (``tz=``, ``--tz``); never retried
-    ├── ParseError (+ValueError)             a row that does not fit: lineno, raw line, field
-    ├── UsageError (+ValueError)             a command-line option value that does not fit (exit 2)
-    ├── RecordingError                       a recording that cannot be read (missing, empty, no header)
-    │   ├── ReplayError                      ... or played back (lacks the fields asked for)
-    │   └── ReportError (+ValueError)        ... or analysed (no timestamp)
-    ├── WebConfigError (+ValueError)         the exporter's web configuration file is unreadable or wrong
-    ├── KernelLogError                       the kernel log (``/dev/kmsg``, a file) cannot be read: path, reason
-    ├── KubernetesApiError                   the API server refused or garbled this node's pod list: status
-    ├── ListenError                          the HTTP server cannot listen where asked: port, bind, option
-    │   └── PortInUseError                   another program holds the port
-    ├── NvidiaSmiNotFoundError               binary missing or not executable; never retried
-    ├── NvidiaSmiTimeoutError                no answer, or no row within the stall timeout
-    ├── OutputTooLargeError                  a one-shot child printed more than the cap (a wrong binary?)
-    └── NvidiaSmiFailedError                 non-zero exit: argv, returncode, output
-        ├── StreamEndedError                 a loop child ended its output (it never does by itself)
-        ├── InvalidArgumentError       (2)   nvidia-smi rejected a field or option
-        ├── NotSupportedError          (3)
-        ├── InsufficientPermissionsError (4)
-        ├── NoDevicesFoundError        (6)   no GPU, or no GPU matches the id
-        ├── DriverNotLoadedError       (9)   driver not loaded or not reachable
-        ├── NvmlNotFoundError         (12)   libnvidia-ml.so missing (containers without ``utility``)
-        ├── GpuLostError              (15)   GPU fell off the bus
-        └── DriverVersionMismatchError (18)  kernel module and user-space library differ
-
-    UserWarning
-    └── InfoRomWarning                       exit 14 (infoROM corrupted) with valid rows; the rows are returned
+``smiquery`` exports the whole tree. Each class's ``exit_status`` is the command line's documented exit code for it
+(2 usage, 3 nvidia-smi missing, 4 driver, 5 timeout, 1 anything else); :func:`failure_from_exit` maps nvidia-smi's
+exit codes (``exit N`` below) and messages to classes.
 """
 
 from __future__ import annotations
@@ -90,18 +58,21 @@ _CONTAINER_HINT = (
 
 
 class SmiqueryError(Exception):
-    """Base of every error smiquery raises."""
+    """Base of every error smiquery raises.
+
+    Attributes:
+        retryable: whether a long-lived source retries it soon (else it waits for a person to fix the cause).
+        exit_status: the command line's exit code for it: 2 usage, 3 nvidia-smi missing, 4 driver, 5 timeout, else 1.
+    """
 
     retryable = False
+    exit_status = 1
 
 
 class InvalidFieldError(SmiqueryError, ValueError):
-    """A field name is not in the catalogue (or was rejected by nvidia-smi).
+    """A field name is not in the catalogue (or is malformed); ``field`` is the name, ``suggestions`` the closest."""
 
-    Attributes:
-        field: the offending name.
-        suggestions: the closest valid names.
-    """
+    exit_status = 2
 
     def __init__(self, field: str, suggestions: Sequence[str] = (), *, detail: str | None = None) -> None:
         self.field = field
@@ -120,6 +91,8 @@ class InvalidFieldError(SmiqueryError, ValueError):
 class InvalidGpuIdError(SmiqueryError, ValueError):
     """A GPU id is neither an index, a GPU UUID, nor a PCI bus id."""
 
+    exit_status = 2
+
     def __init__(self, gpu_id: object) -> None:
         self.gpu_id = gpu_id
         super().__init__(
@@ -128,13 +101,7 @@ class InvalidGpuIdError(SmiqueryError, ValueError):
 
 
 class WebConfigError(SmiqueryError, ValueError):
-    """The web configuration file is unreadable or wrong.
-
-    Attributes:
-        path: the file.
-    """
-
-    retryable = False
+    """The web configuration file (``path``) is unreadable or wrong."""
 
     def __init__(self, path: str | os.PathLike[str], reason: str) -> None:
         self.path = str(path)
@@ -142,11 +109,9 @@ class WebConfigError(SmiqueryError, ValueError):
 
 
 class InvalidTimeZoneError(SmiqueryError, ValueError):
-    """A time zone name that is not an IANA zone (``tz="Mars/Olympus"``, ``--tz``); the CLI exits 2.
+    """A time zone name (``zone``) that is not an IANA zone (``tz="Mars/Olympus"``, ``--tz``)."""
 
-    Attributes:
-        zone: the name as given.
-    """
+    exit_status = 2
 
     def __init__(self, zone: str) -> None:
         self.zone = zone
@@ -154,17 +119,16 @@ class InvalidTimeZoneError(SmiqueryError, ValueError):
 
 
 class UsageError(SmiqueryError, ValueError):
-    """A command-line option value that does not fit, found by a command (the CLI exits 2)."""
+    """A command-line option value that does not fit, found by a command."""
+
+    exit_status = 2
 
 
 class ParseError(SmiqueryError, ValueError):
-    """A line of nvidia-smi output does not fit the requested fields.
+    """A line of nvidia-smi output (``line``, number ``lineno`` from 1) does not fit the requested fields.
 
-    Attributes:
-        lineno: 1-based line number in the input.
-        line: the raw line.
-        field: the field whose value did not fit, or None for a wrong column count.
-        reason: what is wrong, without the place (``'7.5' is not a valid integer``).
+    ``field`` is the field whose value did not fit (None: a wrong column count); ``reason`` says what is wrong,
+    without the place (``'7.5' is not a valid integer``).
     """
 
     def __init__(self, message: str, *, lineno: int, line: str, field: str | None = None) -> None:
@@ -187,11 +151,9 @@ class ParseError(SmiqueryError, ValueError):
 
 
 class InvalidRuleError(SmiqueryError, ValueError):
-    """An alert expression that cannot be parsed, or that names an unknown field.
+    """An alert expression (``text``) that cannot be parsed, or that names an unknown field; ``reason`` says why."""
 
-    Attributes:
-        text: the expression as given.
-    """
+    exit_status = 2
 
     def __init__(self, text: str, reason: str) -> None:
         self.text = text
@@ -229,12 +191,7 @@ class PrometheusQueryError(PrometheusError, ValueError):
 
 
 class KernelLogError(SmiqueryError):
-    """The kernel log cannot be read (no permission, missing, not a log).
-
-    Attributes:
-        path: the path given.
-        reason: what went wrong, in a few words.
-    """
+    """The kernel log (``path``) cannot be read: no permission, missing, not a log (``reason``, a few words)."""
 
     def __init__(self, path: str, reason: str) -> None:
         self.path = path
@@ -249,11 +206,7 @@ class KernelLogError(SmiqueryError):
 
 
 class KubernetesApiError(SmiqueryError):
-    """The Kubernetes API server answered this node's pod list with an error, too much, or not a PodList.
-
-    Attributes:
-        status: the HTTP status (0 when the answer itself was unusable).
-    """
+    """The Kubernetes API server answered this node's pod list with an error (HTTP ``status``), too much, or junk."""
 
     def __init__(self, message: str, status: int = 0) -> None:
         self.status = status
@@ -263,8 +216,7 @@ class KubernetesApiError(SmiqueryError):
 class SlurmError(SmiqueryError):
     """Slurm's client commands could not say which job holds which GPU (missing, slurmctld down, munge...).
 
-    Attributes:
-        kind: ``not_found``, ``controller_unreachable``, ``auth``, ``timeout``, ``minors`` or ``failed``.
+    ``kind``: ``not_found``, ``controller_unreachable``, ``auth``, ``timeout``, ``minors`` or ``failed``.
     """
 
     def __init__(self, message: str, kind: str = "failed") -> None:
@@ -273,13 +225,7 @@ class SlurmError(SmiqueryError):
 
 
 class ListenError(SmiqueryError):
-    """The HTTP server cannot listen where asked.
-
-    Attributes:
-        port: the port asked for.
-        bind: the address asked for.
-        option: the option to change, ``--port`` or ``--bind``.
-    """
+    """The HTTP server cannot listen on ``bind``:``port``; ``option`` (``--port``, ``--bind``) is the one to change."""
 
     def __init__(self, message: str, *, port: int, bind: str, option: str = "--port") -> None:
         self.port = port
@@ -299,6 +245,8 @@ class InfoRomWarning(UserWarning):
 class NvidiaSmiNotFoundError(SmiqueryError):
     """The nvidia-smi binary is missing or cannot be executed."""
 
+    exit_status = 3
+
     def __init__(self, message: str | None = None, *, searched: Sequence[str] = ()) -> None:
         self.searched = tuple(searched)
         super().__init__(
@@ -309,10 +257,9 @@ class NvidiaSmiNotFoundError(SmiqueryError):
 
 
 class ResourceLimitError(SmiqueryError):
-    """nvidia-smi could not be started because this process is at a resource limit (open files, processes, memory).
+    """nvidia-smi could not be started: this process is at a resource limit (open files, processes, memory).
 
-    At its file-descriptor limit every spawn fails with EMFILE: nvidia-smi is there, this process cannot open the
-    pipes to run it. Retried, since descriptors are freed as connections close.
+    Retried, since descriptors are freed as connections close.
     """
 
     retryable = True
@@ -322,6 +269,7 @@ class NvidiaSmiTimeoutError(SmiqueryError):
     """nvidia-smi gave no answer (or no complete row) in time; the child was killed."""
 
     retryable = True
+    exit_status = 5
 
     def __init__(self, message: str, *, argv: Sequence[str] = (), timeout: float | None = None) -> None:
         self.argv = tuple(argv)
@@ -330,10 +278,7 @@ class NvidiaSmiTimeoutError(SmiqueryError):
 
 
 class OutputTooLargeError(SmiqueryError):
-    """A one-shot nvidia-smi printed more than :attr:`limit` bytes; it was killed and its output dropped.
-
-    nvidia-smi's answers are kilobytes: this much is a wrong binary on PATH or a broken driver printing garbage.
-    """
+    """A one-shot nvidia-smi printed more than ``limit`` bytes (a wrong binary?); it was killed, its output dropped."""
 
     def __init__(self, argv: Sequence[str], limit: int) -> None:
         self.argv = tuple(argv)
@@ -346,13 +291,7 @@ class OutputTooLargeError(SmiqueryError):
 
 
 class NvidiaSmiFailedError(SmiqueryError):
-    """nvidia-smi exited non-zero.
-
-    Attributes:
-        argv: the command that ran.
-        returncode: its exit status (negative for a signal).
-        output: everything it printed (nvidia-smi prints its errors on stdout).
-    """
+    """nvidia-smi (``argv``) exited non-zero: ``returncode`` (negative for a signal), ``output`` all it printed."""
 
     retryable = True
     hint = "run `smiquery doctor` for a diagnosis"
@@ -361,7 +300,7 @@ class NvidiaSmiFailedError(SmiqueryError):
         self.argv = tuple(argv)
         self.returncode = returncode
         self.output = output
-        first = _message_lines(output)[0] if _message_lines(output) else ""
+        first = self.first_line
         if len(first) > 160:
             first = first[:157] + "..."
         said = f": {first}" if first else ""
@@ -401,6 +340,7 @@ class InsufficientPermissionsError(NvidiaSmiFailedError):
     """nvidia-smi lacks permission (exit 4)."""
 
     retryable = False
+    exit_status = 4
     hint = "run as a user with access to /dev/nvidia*; on MIG in containers set NVIDIA_MIG_MONITOR_DEVICES=all"
 
 
@@ -408,12 +348,14 @@ class NoDevicesFoundError(NvidiaSmiFailedError):
     """No GPU was found, or none matches the requested id (exit 6)."""
 
     retryable = False
+    exit_status = 4
     hint = f"check the GPU ids with `nvidia-smi -L`; {_CONTAINER_HINT} and NVIDIA_VISIBLE_DEVICES=all"
 
 
 class DriverNotLoadedError(NvidiaSmiFailedError):
     """The NVIDIA driver is not loaded or cannot be reached (exit 9)."""
 
+    exit_status = 4
     hint = f"check the driver with `lsmod | grep nvidia` and `dmesg`, or reinstall it; {_CONTAINER_HINT}"
 
 
@@ -421,12 +363,14 @@ class NvmlNotFoundError(NvidiaSmiFailedError):
     """libnvidia-ml.so cannot be found or loaded (exit 12)."""
 
     retryable = False
+    exit_status = 4
     hint = f"{_CONTAINER_HINT}; on a host, reinstall the driver's utility libraries"
 
 
 class GpuLostError(NvidiaSmiFailedError):
     """A GPU fell off the bus or is inaccessible (exit 15)."""
 
+    exit_status = 4
     hint = "check `dmesg` for Xid 79; the GPU needs a reset or the machine a reboot"
 
 
@@ -434,6 +378,7 @@ class DriverVersionMismatchError(NvidiaSmiFailedError):
     """The loaded kernel module and the NVML library differ (exit 18), usually after a driver upgrade."""
 
     retryable = False
+    exit_status = 4
     hint = "reboot (or reload the nvidia kernel modules) so the loaded driver matches the installed library"
 
 
@@ -471,17 +416,9 @@ def _message_lines(output: str) -> list[str]:
 
 
 def failure_from_exit(argv: Sequence[str], returncode: int, output: str) -> NvidiaSmiFailedError:
-    """Map an nvidia-smi exit status and its output to the matching typed error.
+    """The typed error for an nvidia-smi exit status and its output (stdout and stderr together).
 
-    The one place where exit codes and messages are interpreted.
-
-    Args:
-        argv: the command that ran.
-        returncode: its exit status.
-        output: what it printed (stdout and stderr together).
-
-    Returns:
-        The error to raise; a plain NvidiaSmiFailedError when nothing more specific fits.
+    The one place where exit codes and messages are interpreted; a plain NvidiaSmiFailedError when nothing fits.
     """
     low = "\n".join(_message_lines(output)).lower()
     for fragment, cls in _BY_MESSAGE:

@@ -1,10 +1,7 @@
 """The ``--query-gpu`` field catalogue (names, aliases, units, value kinds, presets) and the one field resolver.
 
-The catalogue is data: ``fields.csv`` beside this module, one row per field that ``nvidia-smi --help-query-gpu``
-lists on drivers 465 to 610, read once on first use (``import smiquery`` never reads it). Every other module takes
-field facts from here (the argv, record attributes and metric names) and turns what a caller asked for into
-fields with :func:`resolve_fields`; what a field's kind does with its cells (parse, format, display, dtype, metric
-value) lives in :mod:`smiquery.kinds`.
+The catalogue is data: ``fields.csv`` beside this module, one row per field ``nvidia-smi --help-query-gpu`` lists on
+drivers 465 to 610, read on first use. What a field's kind does with its cells lives in :mod:`smiquery.kinds`.
 """
 
 from __future__ import annotations
@@ -43,16 +40,13 @@ class Field:
 
     Attributes:
         name: canonical name, as nvidia-smi prints it in the CSV header.
-        kind: value kind; decides the parsed Python type.
         unit: physical unit of the value (``"MiB"``, ``"W"``, ``"C"``...), empty when dimensionless.
         header_unit: unit nvidia-smi prints as ``name [unit]`` in the header (temperatures print none).
         aliases: other names nvidia-smi accepts for it (``gpu_name`` for ``name``).
         since: first driver branch known to list it.
-        help: one line saying what it measures.
         attr: Python attribute and DataFrame column name (dots become underscores).
-        argv_name: the spelling smiquery sends in ``--query-gpu``: an older alias where every driver accepts it
-            (``clocks_throttle_reasons.active``), else ``name``. Output maps columns by position, so records,
-            frames and metrics keep ``name`` whichever spelling was sent.
+        argv_name: the spelling sent in ``--query-gpu``: an older alias where every driver accepts it
+            (``clocks_throttle_reasons.active``), else ``name``.
     """
 
     name: str
@@ -77,11 +71,7 @@ class Field:
         return f"{self.name} [{self.header_unit}]" if self.header_unit else self.name
 
     def parse(self, cell: str, *, tz: tzinfo | None = None) -> Value:
-        """One CSV cell of this field -> its value (None for a status token; a header unit suffix is stripped).
-
-        Raises:
-            ValueError: the cell is no value of this field's kind.
-        """
+        """One CSV cell of this field -> its value (None for a status token); ValueError when it does not fit."""
         return self.kind.ops.parse(cell, self.header_unit or "", tz=tz)
 
     def format(self, value: Value, reason: str | None = None, *, units: bool = False) -> str:
@@ -178,14 +168,7 @@ def __getattr__(name: str) -> object:
 
 
 def get_field(name: str, *, known: Iterable[str] | None = None) -> Field:
-    """Look a field up by canonical name or alias.
-
-    Args:
-        name: a name nvidia-smi accepts (``"memory.used"``, ``"gpu_name"``, ``"clocks.gr"``).
-        known: extra names discovered from this machine's ``--help-query-gpu`` (unknown kinds parse as strings).
-
-    Returns:
-        The catalogue entry.
+    """Look a field up by canonical name or alias; ``known``: names this driver lists beyond the catalogue (strings).
 
     Raises:
         InvalidFieldError: the name is not a field; the message names the closest valid ones.
@@ -200,18 +183,12 @@ def get_field(name: str, *, known: Iterable[str] | None = None) -> Field:
 
 
 def resolve_fields(fields: FieldsArg = "default", *, known: Iterable[str] | None = None) -> tuple[Field, ...]:
-    """Turn what a caller asked for into catalogue fields: THE field resolver, which every caller uses.
-
-    Duplicates are dropped (nvidia-smi would print them twice). Validation happens here, before anything runs.
-    Fields already resolved pass through, so a caller resolves once and hands the fields on.
+    """Turn what a caller asked for into catalogue fields, in order, without duplicates: THE field resolver.
 
     Args:
-        fields: a preset (``"default"``, ``"health"``...), ``"a,b,c"``, or a sequence of names or fields; None
-            means default.
+        fields: a preset (``"default"``, ``"health"``...), ``"a,b,c"``, or a sequence of names or fields (resolved
+            fields pass through); None means default.
         known: names this machine's driver lists; also limits ``"all"`` to them.
-
-    Returns:
-        The fields in the order asked for.
 
     Raises:
         InvalidFieldError: a name is unknown or malformed.
@@ -260,17 +237,10 @@ _HELP_NAME_RE = re.compile(r'"([^"]+)"')
 
 
 def parse_help_query_gpu(text: str) -> list[HelpEntry]:
-    """Read the output of ``nvidia-smi --help-query-gpu``.
+    """The entries of ``nvidia-smi --help-query-gpu`` output, in printed order.
 
-    A property entry is a line that starts with a double quote right after a blank line
-    (``"name" or "alias"``); the lines below it, up to the next blank line, describe it. Section headings and
-    prose in between are skipped. Works for the ``--query-gpu=`` (465-era) and ``--query-gpu`` (590+) titles.
-
-    Args:
-        text: the help output.
-
-    Returns:
-        The entries in printed order.
+    An entry is a line starting with a double quote right after a blank line (``"name" or "alias"``); the lines
+    below it, up to the next blank line, describe it. Headings and prose in between are skipped.
     """
     lines = text.replace("\r", "").split("\n")
     entries: list[HelpEntry] = []

@@ -7,6 +7,7 @@ pandas nor pyarrow (:meth:`FieldKind.arrow_cast` imports pyarrow when called).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,10 +60,7 @@ class Kind(str, Enum):
 
     @property
     def is_quantity(self) -> bool:
-        """True for integers and decimals: measurements and counts, which statistics and plots apply to.
-
-        Hex ids and bitmasks are numbers too (:attr:`is_numeric`) but no quantities.
-        """
+        """True for integers and decimals (measurements, counts); hex ids and bitmasks are numeric but no quantities."""
         return self is Kind.INT or self is Kind.FLOAT
 
     @property
@@ -70,8 +68,6 @@ class Kind(str, Enum):
         """The object that parses, formats, displays, types and exports this kind's values."""
         return FIELD_KINDS[self]
 
-
-# ------------------------------------------------------------------------------------------ status tokens
 
 #: Status tokens nvidia-smi prints instead of a value, and the reason smiquery records for each.
 MISSING_REASONS: dict[str, str] = {
@@ -92,16 +88,13 @@ _TOKEN_FOR_REASON = {v: k for k, v in reversed(MISSING_REASONS.items())}
 def missing_reason(cell: str) -> str | None:
     """The missing-value reason for a status-token cell, or None when the cell holds a value.
 
-    Known tokens map to short reasons (``"[N/A]"`` -> ``"not_available"``); any other ``[...]`` token is kept
-    verbatim as its own reason.
+    ``"[N/A]"`` -> ``"not_available"``; any other ``[...]`` token is its own reason.
     """
     cell = cell.strip()
     reason = MISSING_REASONS.get(cell)
-    if reason is not None:
-        return reason
-    if len(cell) >= 2 and cell[0] == "[" and cell[-1] == "]":
+    if reason is None and len(cell) >= 2 and cell[0] == "[" and cell[-1] == "]":
         return cell
-    return None
+    return reason
 
 
 def missing_token(reason: str | None) -> str:
@@ -113,24 +106,17 @@ def missing_token(reason: str | None) -> str:
 def strip_unit(cell: str, unit: str) -> str:
     """A cell without surrounding spaces and without its `` unit`` suffix (nvidia-smi's default csv format)."""
     text = cell.strip()
-    if unit and text.endswith(" " + unit):
-        return text[: -len(unit) - 1]
-    return text
-
-
-# ------------------------------------------------------------------------------------------------- units
+    return text[: -len(unit) - 1] if unit and text.endswith(" " + unit) else text
 
 
 @dataclass(frozen=True)
 class Unit:
-    """What smiquery knows about one of nvidia-smi's units.
+    """One of nvidia-smi's units (``symbol``, ``"MiB"``).
 
     Attributes:
-        symbol: the unit as nvidia-smi prints it (``"MiB"``).
-        digits: decimals nvidia-smi prints for a decimal value in this unit, and so the decimals a table shows;
-            None when it prints as many as the value needs.
+        digits: decimals nvidia-smi prints (and a table shows) for a decimal value; None: as many as it needs.
         summary_digits: decimals a report gives a statistic (mean, p95, max) in this unit.
-        base: the Prometheus base unit a metric in this unit is exported in (``"bytes"``), empty for none.
+        base: the Prometheus base unit a metric is exported in (``"bytes"``), empty for none.
         scale: factor from this unit to ``base`` (MiB -> bytes: 1048576).
     """
 
@@ -164,11 +150,8 @@ def unit_info(symbol: str) -> Unit:
     return UNITS.get(symbol) or (_NO_UNIT if not symbol else Unit(symbol))
 
 
-# ------------------------------------------------------------------------------------------ cell grammars
-
-
-class _NotAValue(Exception):
-    """Raised by a fast converter for a cell that must go the slow way (status token or odd spacing)."""
+class _NotAValue(Exception):  # a cell that must go the slow way (status token or odd spacing)
+    pass
 
 
 def _str(v: str) -> str:
@@ -177,10 +160,7 @@ def _str(v: str) -> str:
     return v
 
 
-def _hex(v: str) -> int:
-    return int(v, 16)
-
-
+_hex = functools.partial(int, base=16)
 _MAJOR_MINOR_RE = re.compile(r"\d+\.\d+")
 
 
@@ -260,21 +240,14 @@ CONVERT_ERRORS = (ValueError, KeyError, TypeError, OverflowError, _NotAValue)
 
 Storage = Literal["int", "float", "bool", "timestamp", "string"]
 MetricStyle = Literal["number", "bool", "bitmask", "info", "none"]
-_DTYPES: dict[str, str] = {
-    "int": "Int64",
-    "float": "Float64",
-    "bool": "boolean",
-    "timestamp": "datetime64[ns]",
-    "string": "string",
-}
+_DTYPES = {"int": "Int64", "float": "Float64", "bool": "boolean", "timestamp": "datetime64[ns]", "string": "string"}
 
 
 @dataclass(frozen=True)
 class FieldKind:
-    """Everything smiquery does with one kind's values, from the CSV cell to the table, frame and metric.
+    """Everything smiquery does with one :class:`Kind`'s values, from the CSV cell to the table, frame and metric.
 
     Attributes:
-        kind: the :class:`Kind`.
         storage: how values are held: ``"int"``, ``"float"``, ``"bool"``, ``"timestamp"`` or ``"string"``.
         words: for two-state kinds, nvidia-smi's words for True and False (``("Enabled", "Disabled")``).
         metric: how the exporter shows it: ``"number"`` (a gauge in the unit's base unit), ``"bool"`` (1/0),
@@ -288,20 +261,11 @@ class FieldKind:
 
     @property
     def dtype(self) -> str:
-        """The nullable pandas dtype of a column of this kind (``"Int64"``, ``"Float64"``, ``"boolean"``...).
-
-        Timestamps are ``datetime64[ns]``, zone-aware (``datetime64[ns, tz]``) when the values name a zone.
-        """
+        """The nullable pandas dtype of a column of this kind (``"Int64"``...; timestamps ``datetime64[ns]``)."""
         return _DTYPES[self.storage]
 
-    # --------------------------------------------------------------------------------------- parsing
-
     def converter(self, tz: tzinfo | None = None) -> Callable[[str], Value]:
-        """A function from a bare cell (no unit, no status token, trimmed) to its value, raising otherwise.
-
-        The parser's hot path calls it once per cell; it raises one of :data:`CONVERT_ERRORS` for a cell that
-        does not fit (a status token among them).
-        """
+        """A function from a bare cell (no unit, trimmed) to its value; one of :data:`CONVERT_ERRORS` otherwise."""
         storage = self.storage
         if storage == "int":
             return _hex if self.kind in (Kind.HEX, Kind.BITMASK) else int
@@ -360,9 +324,7 @@ class FieldKind:
     def arrow_cast(self, col: Any) -> Any | None:
         """A column of bare cells (a pyarrow string array; nulls for tokens) cast to this kind's Arrow type.
 
-        The vectorised twin of :meth:`converter`: it returns None, rather than a differently typed column, when
-        some cell would read otherwise cell by cell (then the caller converts the column with :meth:`converter`).
-        Needs pyarrow, imported here only.
+        The vectorised :meth:`converter`: None when some cell would read otherwise cell by cell.
         """
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -398,13 +360,11 @@ class FieldKind:
             return None
         return col
 
-    # ------------------------------------------------------------------------------------- formatting
-
     def format(self, value: Value, unit: str = "", *, reason: str | None = None, suffix: str = "") -> str:
         """A value written as nvidia-smi prints it in CSV, so that :meth:`parse` gives it back.
 
         Args:
-            value: the value, or None for a missing one (written as its status token).
+            value: the value, or None for a missing one (written as the status token for ``reason``).
             unit: the field's unit; decides the decimals of a decimal value (``W``: two).
             reason: the missing reason when ``value`` is None (default ``not_available``).
             suffix: a unit to append as nvidia-smi's default format does (``"MiB"``); never after a token.
@@ -433,11 +393,7 @@ class FieldKind:
     def display(self, value: Value, unit: str = "", *, missing: str = "n/a", with_unit: bool = False) -> str:
         """A value as a table shows it: nvidia-smi's spelling, decimals rounded to the unit's precision.
 
-        Args:
-            value: the value, or None (shown as ``missing``).
-            unit: the field's unit.
-            missing: the text for a missing value.
-            with_unit: append the unit (``"70 %"``; tables put it in the title instead).
+        ``missing`` is shown for None; ``with_unit`` appends the unit (``"70 %"``; tables put it in the title).
         """
         if value is None:
             return missing
@@ -457,25 +413,15 @@ class FieldKind:
             return known.summary_digits
         return 0 if self.storage == "int" else 1
 
-    # ------------------------------------------------------------------------------------------ numbers
-
-    def to_number(self, value: Value) -> float | None:
-        """The value as a float for a metric: numbers as they are, two-state values 1/0; None for text."""
-        if self.storage in ("int", "float", "bool") and isinstance(value, (int, float)):
-            return float(value)
-        return None
-
     def to_base(self, value: Value, unit: str = "") -> float | None:
         """The value in the unit's Prometheus base unit (MiB -> bytes, MHz -> Hz, % -> ratio); None for text."""
-        number = self.to_number(value)
+        number = to_number(value)
         return None if number is None else number * unit_info(unit).scale
 
 
 def to_number(value: Value) -> float | None:
     """Any parsed value as a float when it is a number or a bool (1/0); None for text, timestamps and None."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 #: The :class:`FieldKind` of every :class:`Kind`.

@@ -1,11 +1,8 @@
 r"""``printable()``: untrusted text made safe for a terminal, a log line or a Markdown table.
 
-Process names (any user chooses them), GPU names, pod and job names, label values read back from a server and every
-cell of a recording someone sent are text from others. Written raw, ``ESC ] 0 ; ... BEL`` retitles the operator's
-terminal, ``ESC [ 2 J`` clears it, ``ESC [ 8 m`` hides what follows, C1 ``\x9b`` does the same on some terminals and
-a right-to-left override (``U+202E``) reverses what is shown. Every human-facing output passes such text through
-:func:`printable`, which shows each of these characters as a visible escape (``\x1b``, ``\u202e``). HTML escapes as
-HTML does; CSV, JSON and Parquet keep the bytes (they are data).
+Process, GPU, pod and job names and every cell of a recording are text from others: written raw, escape sequences
+retitle, clear or hide the operator's terminal and a right-to-left override reverses what is shown. Every
+human-facing output passes such text through :func:`printable`; CSV, JSON and Parquet keep the bytes (they are data).
 """
 
 from __future__ import annotations

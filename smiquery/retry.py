@@ -1,19 +1,7 @@
 """The one retry policy of every long-lived source: the CSV stream, the pmon stream and the asyncio stream.
 
-A :class:`RetryPolicy` is a set of tenacity strategies: :meth:`RetryPolicy.retrying` builds them into one
-``Retrying`` for a source, and the stream engine (:mod:`smiquery.streams.engine`) asks them, through a
-``RetryCallState`` that it keeps for the current streak of failures (its clock passed in, never read), how long
-to wait before the next start and whether to give up:
-
-* a transient fault (crash, hang, a child that ends) waits ``backoff_initial * 2 ** (attempt - 1)`` plus up to
-  ``backoff_initial`` of jitter, capped at ``backoff_max`` (``wait_exponential_jitter``);
-* a fault that needs a person (driver/library mismatch, NVML missing, no devices, a rejected field, the binary
-  gone, an unsupported command) waits ``permanent_retry`` seconds, +-10 %, so the source recovers by itself once
-  the cause is fixed;
-* one good row does not reset the backoff: only a failure after ``healthy_after`` seconds of good data starts a
-  fresh streak (restarted at once);
-* ``fail_fast`` (interactive use): until the first row, a fault that needs a person ends the source at once and
-  a transient one after :data:`FAIL_FAST_ATTEMPTS` starts.
+A :class:`RetryPolicy` is a set of tenacity strategies, which the stream engine (:mod:`smiquery.streams.engine`) asks
+how long to wait before the next start and whether to give up.
 """
 
 from __future__ import annotations
@@ -37,13 +25,7 @@ from tenacity.wait import wait_base
 from smiquery.errors import SmiqueryError
 from smiquery.source import StreamStats
 
-__all__ = [
-    "DEFAULT_PERMANENT_RETRY",
-    "FAIL_FAST_ATTEMPTS",
-    "RetryPolicy",
-    "is_permanent",
-    "one_line",
-]
+__all__ = ["DEFAULT_PERMANENT_RETRY", "FAIL_FAST_ATTEMPTS", "RetryPolicy", "is_permanent", "one_line"]
 
 #: With ``fail_fast``, how many starts a transient fault gets before any row has arrived.
 FAIL_FAST_ATTEMPTS = 6
@@ -81,10 +63,15 @@ _stop_if_permanent = _StopIf(lambda state: is_permanent(_failure(state)))
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How a long-lived source waits between starts and when it gives up (see the module docstring).
+    """How a long-lived source waits between starts and when it gives up.
+
+    A transient fault (crash, hang, a child that ends) waits ``backoff_initial * 2 ** (attempt - 1)`` plus jitter,
+    capped at ``backoff_max``; a fault that needs a person (driver/library mismatch, NVML missing, no devices, a
+    rejected field, the binary gone) waits ``permanent_retry`` seconds, so the source recovers once it is fixed. Only
+    a failure after ``healthy_after`` seconds of good data starts a fresh streak (restarted at once).
 
     Attributes:
-        backoff_initial: first delay after a transient failure, in seconds; doubles per failure of a streak.
+        backoff_initial: first delay after a transient failure, in seconds.
         backoff_max: the longest delay after a transient failure.
         jitter: add up to ``backoff_initial`` at random to transient delays and spread permanent ones by +-10 %
             (so a fleet does not restart in step).
@@ -126,10 +113,7 @@ class RetryPolicy:
         The engine asks them about each failure itself; nothing ever calls or sleeps through this ``Retrying``.
         """
         return Retrying(
-            stop=self._stop(stats),
-            wait=self._wait(),
-            retry=retry_if_exception_type(SmiqueryError),
-            reraise=True,
+            stop=self._stop(stats), wait=self._wait(), retry=retry_if_exception_type(SmiqueryError), reraise=True
         )
 
     def _wait(self) -> Callable[[RetryCallState], float]:

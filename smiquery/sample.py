@@ -18,10 +18,9 @@ BusKey = tuple[int, int, int]
 
 
 def bus_key(pci_bus_id: str) -> BusKey | None:
-    """(domain, bus, device) of a PCI bus id in any spelling (``00000000:3B:00.0``, ``0000:3b:00``, ``3b:00.0``).
+    """(domain, bus, device) of a PCI bus id in any spelling (``00000000:3B:00.0``, ``0000:3b:00``); None if none.
 
-    The kernel log prints the domain with 4 digits and no function; nvidia-smi prints 8 digits and the function:
-    compare keys, not strings. None for text that is no bus id.
+    The kernel log and nvidia-smi spell the same address differently: compare keys, not strings.
     """
     parts = pci_bus_id.strip().split(".")[0].split(":")
     try:
@@ -64,23 +63,12 @@ class GpuSample(Mapping[str, Value]):
     Values are typed per the field catalogue. A status token (``[N/A]``, ``[Not Supported]``...) is ``None``,
     never 0, and its reason is kept in :attr:`missing`.
 
-    Fields are reachable by nvidia-smi name or attribute name::
-
-        s["temperature.gpu"] == s.temperature_gpu
-
-    As a :class:`~collections.abc.Mapping` it works wherever a dict does: ``dict(s)``,
-    ``json.dumps(dict(s), default=str)``, ``pd.DataFrame([s, ...])`` (one column per field), ``{**s}``.
-    ``values()`` returns the values as a tuple in query order (cheap: the record stores them that way).
-
-    Attributes:
-        index: the GPU's nvidia-smi index, when queried.
-        uuid: the GPU's UUID, when queried.
-        timestamp: when nvidia-smi sampled the row (timezone-aware), when queried.
-        gpu_lost: True when nvidia-smi reported ``[GPU is lost]`` in this row.
+    Fields are reachable by nvidia-smi name or attribute name (``s["temperature.gpu"] == s.temperature_gpu``), and as
+    a :class:`~collections.abc.Mapping` it works wherever a dict does (``dict(s)``, ``pd.DataFrame([s, ...])``).
     """
 
     # One slot holding (schema, values, raw, missing or None, gpu_lost): a sample is built for every row of a
-    # stream, and setting one slot costs about as little as the tuple this class used to be.
+    # stream, and setting one slot is about as cheap as building a tuple.
     __slots__ = ("_s",)
     _s: tuple[Schema, tuple[Value, ...], tuple[str, ...], Mapping[str, str] | None, bool]
 
@@ -92,11 +80,7 @@ class GpuSample(Mapping[str, Value]):
         missing: Mapping[str, str] | None = None,
         gpu_lost: bool = False,
     ) -> None:
-        """Build a sample; ``values`` and ``raw`` hold one entry per field of ``schema``.
-
-        Raises:
-            ValueError: ``values`` or ``raw`` does not hold one entry per field.
-        """
+        """Build a sample; ``values`` and ``raw`` hold one entry per field of ``schema`` (else ValueError)."""
         if len(values) != len(schema.names) or len(raw) != len(schema.names):
             raise ValueError("a GpuSample needs one value and one raw cell per field")
         _store(self, (schema, tuple(values), tuple(raw), missing or None, bool(gpu_lost)))
@@ -109,23 +93,20 @@ class GpuSample(Mapping[str, Value]):
     @property
     def index(self) -> int | None:
         """The GPU index, or None when ``index`` was not queried (or was missing)."""
-        schema, values = self._s[0], self._s[1]
-        p = schema.pos_index
-        return None if p is None else values[p]  # type: ignore[return-value]
+        p = self._s[0].pos_index
+        return None if p is None else self._s[1][p]  # type: ignore[return-value]
 
     @property
     def uuid(self) -> str | None:
         """The GPU UUID, or None when not queried."""
-        schema, values = self._s[0], self._s[1]
-        p = schema.pos_uuid
-        return None if p is None else values[p]  # type: ignore[return-value]
+        p = self._s[0].pos_uuid
+        return None if p is None else self._s[1][p]  # type: ignore[return-value]
 
     @property
     def timestamp(self) -> datetime | None:
         """The sample time (timezone-aware), or None when not queried."""
-        schema, values = self._s[0], self._s[1]
-        p = schema.pos_timestamp
-        return None if p is None else values[p]  # type: ignore[return-value]
+        p = self._s[0].pos_timestamp
+        return None if p is None else self._s[1][p]  # type: ignore[return-value]
 
     @property
     def fields(self) -> tuple[str, ...]:

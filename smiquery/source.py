@@ -35,15 +35,11 @@ __all__ = [
 class Sweep(tuple[GpuSample, ...]):
     """All GPUs' samples for one instant (one iteration of nvidia-smi's loop), in nvidia-smi's order.
 
-    A sweep never mixes instants. It may be short: ``missing`` names the GPU indices the source knows of that
-    have no row in it (a cut sweep, a dropped row, a GPU that dropped out), and ``complete`` is False then.
-
     Attributes:
-        missing: indices of known GPUs absent from this sweep.
+        missing: indices of known GPUs absent from this sweep (a cut sweep, a dropped row, a GPU that dropped out).
         damaged: True when a row inside this sweep was rejected by the parser or the child ended mid-sweep.
-        arrived: monotonic time (``time.monotonic()``) at which a live stream read the sweep's last row; None
-            for a replay, which has only the recorded times. Hold alerts and ages on this, never on the
-            timestamps: nvidia-smi stamps rows in local wall-clock time, which jumps (DST, NTP steps).
+        arrived: ``time.monotonic()`` when a live stream read the sweep's last row (None for a replay): hold alerts
+            and ages on this, never on nvidia-smi's wall-clock timestamps, which jump (DST, NTP steps).
     """
 
     missing: frozenset[int]
@@ -77,21 +73,13 @@ class Sweep(tuple[GpuSample, ...]):
 class SweepGrouper:
     """Groups samples into sweeps, one instant each, for streams and replays alike.
 
-    nvidia-smi marks no boundary between the iterations of its loop: it queries every GPU, prints one row per GPU
-    in index order, then sleeps one interval. So the GPUs of one iteration are contiguous in index order, and a
-    new instant starts when a GPU index does not increase (it repeats or goes back). Order decides; arrival is
-    only a hint: a row whose index increases starts a new instant only when the reader waited at least 90 % of
-    the interval for it (``idle``) and its timestamp does not say it belongs to the current instant. A slow row
-    (a loaded host, 30-70 % of the interval late) and a wall-clock step between two rows of one iteration (DST,
-    NTP) therefore never split a sweep; rows read in one go after a pause (``idle`` 0) group by order alone.
+    nvidia-smi prints one row per GPU in index order per iteration, with no boundary, so a new instant starts when a
+    GPU index does not increase. Arrival is only a hint: a row whose index increases starts a new instant only when
+    the reader waited at least 90 % of the interval for it (``idle``) and its timestamp does not place it in the
+    current instant, so a slow row or a wall-clock step never splits a sweep.
 
-    The known GPU set is learnt from the rows (or given as ``expected``) and learnt anew after :meth:`restart`
-    (a new child may see other GPUs). Once one whole cycle has been seen, a sweep is published as soon as every
-    known GPU has its row, else when the next instant begins (one interval later, while a GPU is missing).
-    Nothing is learnt once and kept: a first sweep cut short does not make later sweeps short.
-
-    A sweep that ends without some known GPU carries it in :attr:`Sweep.missing`; one with a dropped row inside
-    (see :meth:`damage`) or cut by the end of the input is :attr:`Sweep.damaged`.
+    The known GPU set is learnt from the rows (or given as ``expected``), anew after :meth:`restart`. Once one whole
+    cycle has been seen, a sweep is published as soon as every known GPU has its row, else when the next begins.
 
     Args:
         expected: the GPU indices to expect (for ``-i 0,1``), or how many GPUs a whole sweep has; 0 to learn.
@@ -107,26 +95,18 @@ class SweepGrouper:
             self._count = expected
         else:
             self._expected = tuple(expected)
-        self.known: dict[int, None] = {}
-        self.established = False
+        self.restart()
+
+    def restart(self) -> None:
+        """A new child: forget the unfinished sweep and learn the GPU set anew (unless it was given)."""
+        self.known: dict[int, None] = dict.fromkeys(self._expected)
+        self.established = bool(self.known)
         self._current: list[GpuSample] = []
         self._present: set[int] = set()
         self._last_index: int | None = None
         self._last_time: datetime | None = None
         self._damaged = False
         self._closed_early_at: int | None = None
-        self.restart()
-
-    def restart(self) -> None:
-        """A new child: forget the unfinished sweep and learn the GPU set anew (unless it was given)."""
-        self.known = dict.fromkeys(self._expected)
-        self.established = bool(self.known)
-        self._current = []
-        self._present = set()
-        self._last_index = None
-        self._last_time = None
-        self._damaged = False
-        self._closed_early_at = None
 
     @staticmethod
     def _index(sample: GpuSample) -> int | None:
@@ -192,8 +172,7 @@ class SweepGrouper:
 
     def feed(self, sample: GpuSample, idle: float | None = None) -> list[Sweep]:
         """Add one sample; returns the sweeps it closed (the previous instant, and this one if it is whole)."""
-        done = [s for s in (self.boundary(sample, idle), self.add(sample)) if s is not None]
-        return done
+        return [s for s in (self.boundary(sample, idle), self.add(sample)) if s is not None]
 
     def damage(self) -> None:
         """Mark the current sweep damaged: a row of this instant was rejected."""
@@ -230,10 +209,7 @@ class SweepGrouper:
 
 
 class LatestSweep:
-    """What sources share: the newest sweep and the event listeners.
-
-    The reading thread publishes each sweep; any thread reads :meth:`latest` without blocking.
-    """
+    """What sources share: the newest sweep (published by the reading thread, read by any) and the event listeners."""
 
     _lock: threading.Lock
     _latest: tuple[Sweep, float] | None
@@ -249,13 +225,9 @@ class LatestSweep:
             self._latest = (sweep, time.monotonic())
 
     def subscribe(self, callback: Callable[[StreamEvent], None]) -> Callable[[], None]:
-        """Call ``callback`` with every :class:`StreamEvent` from now on.
+        """Call ``callback`` with every :class:`StreamEvent` from now on; returns a function that unsubscribes it.
 
-        Callbacks run on the reading thread, so they must be quick (hand slow work to a queue); an exception in
-        one is logged and never reaches the source.
-
-        Returns:
-            A function that unsubscribes ``callback``.
+        Callbacks run on the reading thread, so they must be quick; an exception in one is logged, never raised.
         """
         self._listeners = (*self._listeners, callback)
 
@@ -306,20 +278,10 @@ EventKind = Literal[
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """Something that happened to a source.
+    """Something that happened to a source (``kind``), the ``error`` behind it, and the ``gpu`` and ``uuid`` concerned.
 
-    Kinds: ``restart`` (a child is about to be started again; ``detail`` says when and why), ``error`` (a
-    failure, ``error`` holds it), ``recovered`` (data flows again after errors), ``dropped_row`` (a line the
-    parser rejected), ``short_sweep`` (a sweep without all known GPUs), ``gpu_lost`` and ``gpu_back`` (``uuid``
-    names the GPU; ``gpu`` is the index it had), ``gpu_renumbered`` (after a restart a GPU delivers under another
-    index).
-
-    Attributes:
-        kind: what happened.
-        error: the error behind it, if any.
-        detail: one line for people.
-        gpu: the GPU index concerned, if any.
-        uuid: that GPU's UUID, when known.
+    ``detail`` is one line for people. ``restart``: a child is about to be started again; ``gpu_renumbered``: after a
+    restart a GPU delivers under another index; ``short_sweep``: a sweep without all known GPUs.
     """
 
     kind: str
@@ -344,9 +306,8 @@ class StreamStats:
         starts: nvidia-smi children started in all.
         dropped_rows: lines rejected by the parser (garbage, truncated, wrong column count).
         errors: failures by error class name.
-        lost_gpus: indices currently lost: ``[GPU is lost]`` cells, nvidia-smi's "GPU is lost" message, or rows
-            that stopped appearing. An index that another GPU took over after a restart (renumbering) is not in
-            it: see ``lost_uuids``.
+        lost_gpus: indices currently lost: ``[GPU is lost]`` cells, nvidia-smi's message, or rows that stopped
+            (not an index another GPU took over after a restart: see ``lost_uuids``).
         lost_uuids: UUIDs currently lost (when ``uuid`` is queried), with the index each had when last seen.
         gpu_lost_events: how many times a GPU was found lost.
         known_gpus: the GPU indices of the newest whole sweep, with their UUIDs when ``uuid`` is queried.
@@ -380,13 +341,10 @@ class StreamStats:
 
 @runtime_checkable
 class SampleSource(Protocol):
-    """Anything that delivers samples over time; consumers (CLI, exporter, training monitors) use only this.
+    """Anything that delivers samples over time (a live stream, a replay); consumers use only this.
 
-    Implemented by a live :class:`~smiquery.streams.sync.Stream` and a :class:`~smiquery.recordings.playback.Replay`.
-
-    Iterate it for samples (one per GPU per instant), call :meth:`sweeps` for whole instants, or :meth:`start`
-    it in a background thread and read :meth:`latest` from any thread. ``stats`` is always readable;
-    :meth:`subscribe` hears each :class:`StreamEvent`. Use it as a context manager (or call :meth:`close`).
+    Iterate it for samples, call :meth:`sweeps` for whole instants, or :meth:`start` it in a background thread and
+    read :meth:`latest` from any thread. Use it as a context manager (or call :meth:`close`).
     """
 
     fields: tuple[Field, ...]
@@ -407,11 +365,7 @@ class SampleSource(Protocol):
         ...
 
     def subscribe(self, callback: Callable[[StreamEvent], None]) -> Callable[[], None]:
-        """Call ``callback`` with every event (on the reading thread: be quick; its exceptions are logged).
-
-        Returns:
-            A function that unsubscribes.
-        """
+        """Call ``callback`` with every event (on the reading thread: be quick); returns the unsubscribe function."""
         ...
 
     def close(self, timeout: float = 5.0) -> None:

@@ -140,6 +140,16 @@ def test_every_exception_class_is_defined_in_errors():
     assert not elsewhere, f"exception classes outside smiquery/errors.py: {elsewhere}"
 
 
+def test_each_error_carries_the_documented_exit_code():
+    from smiquery.cli._boundary import exit_code_for
+
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.SmiqueryError)]
+    assert len(classes) > 30, "scan is broken"
+    for cls in classes:
+        assert cls.exit_status == exit_code_for(cls.__new__(cls)), cls.__name__
+    assert errors.NvidiaSmiNotFoundError.exit_status == 3 and errors.GpuLostError.exit_status == 4
+
+
 def test_the_error_tree_is_reachable_through_smiquery_errors():
     tree = {
         name

@@ -1,12 +1,9 @@
 """Alerts: rules over samples, where their events go, and the evidence saved when one fires.
 
-:mod:`smiquery.alerts.rules` parses rules (``temperature.gpu > 85 for 3``), evaluates them per GPU, turns an
-event into its JSON payload and defines a stall; it is pure. :mod:`smiquery.alerts.notify` hands events to
-handlers (log, callback, webhook, snapshot) and :mod:`smiquery.alerts.snapshot` writes a snapshot folder. Imports
-flow one way: notify -> snapshot -> rules.
-
-Every name below is imported from its module on first use: the rules are read on every duration option of the
-CLI, and should not bring in the webhook's HTTP client and threads.
+Modules :mod:`~smiquery.alerts.rules` (pure), :mod:`~smiquery.alerts.notify` (the handlers) and
+:mod:`~smiquery.alerts.snapshot`; imports flow notify -> snapshot -> rules. Every name below is imported from its
+module on first use: the CLI reads the rules for every duration option, and should not bring in the webhook's HTTP
+client and threads.
 """
 
 from __future__ import annotations
@@ -38,34 +35,15 @@ if typing.TYPE_CHECKING:
     from smiquery.alerts.snapshot import take_snapshot
 
 _LAZY = {
-    **dict.fromkeys(
-        (
-            "BUILTIN_RULES",
-            "STALL",
-            "AlertEvaluator",
-            "AlertEvent",
-            "Rule",
-            "StallRule",
-            "arrival",
-            "event_payload",
-            "parse_duration",
-        ),
-        "smiquery.alerts.rules",
-    ),
-    **dict.fromkeys(
-        (
-            "HANDLER_SPECS",
-            "AlertHandler",
-            "CallbackHandler",
-            "LogHandler",
-            "Notifier",
-            "SnapshotHandler",
-            "WebhookHandler",
-            "handler_from_spec",
-        ),
-        "smiquery.alerts.notify",
-    ),
-    "take_snapshot": "smiquery.alerts.snapshot",
+    name: module
+    for module, names in {
+        "smiquery.alerts.rules": "BUILTIN_RULES STALL AlertEvaluator AlertEvent Rule StallRule arrival event_payload "
+        "parse_duration",
+        "smiquery.alerts.notify": "HANDLER_SPECS AlertHandler CallbackHandler LogHandler Notifier SnapshotHandler "
+        "WebhookHandler handler_from_spec",
+        "smiquery.alerts.snapshot": "take_snapshot",
+    }.items()
+    for name in names.split()
 }
 
 

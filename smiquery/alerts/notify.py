@@ -49,25 +49,12 @@ class AlertHandler(Protocol):
 
 
 def _context_text(context: Context) -> str:
-    if not context:
-        return ""
-    return " [" + ", ".join(f"{k}={_short(v)}" for k, v in context.items()) + "]"
-
-
-def _short(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return str(value)
+    shown = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in context.items())
+    return f" [{shown}]" if shown else ""
 
 
 class LogHandler:
-    """Logs each event as one line: firing at WARNING, cleared at INFO (by default).
-
-    Args:
-        logger: a logger or its name (default ``smiquery.alerts``).
-        firing_level: level for a rule that starts firing.
-        cleared_level: level for a rule that clears.
-    """
+    """Logs each event as one line to ``logger`` (default ``smiquery.alerts``): firing at WARNING, cleared at INFO."""
 
     def __init__(
         self,
@@ -87,10 +74,9 @@ class LogHandler:
 
 
 class CallbackHandler:
-    """Calls ``fn(event, context)`` for each event; an exception from ``fn`` is logged, never raised.
+    """Calls ``fn(event, context)`` for each event; an exception from ``fn`` is logged and counted, never raised.
 
-    Args:
-        fn: the function; it runs in the thread that evaluated the sample, so it should return quickly.
+    ``fn`` runs in the thread that evaluated the sample, so it should return quickly.
     """
 
     def __init__(self, fn: Callable[[AlertEvent, Context], object]) -> None:
@@ -107,13 +93,9 @@ class CallbackHandler:
 
 
 def redact_url(url: str) -> str:
-    """A URL safe to log: scheme, host and port only (a webhook's path and query are often its secret).
+    """A URL safe to log: ``"https://hooks.slack.com/..."`` (a webhook's path and query are often its secret).
 
-    Args:
-        url: the URL.
-
-    Returns:
-        For example ``"https://hooks.slack.com/..."``; ``"<webhook>"`` when it cannot be read.
+    ``"<webhook>"`` when it cannot be read.
     """
     try:
         parts = urllib.parse.urlsplit(url)
@@ -140,20 +122,13 @@ class _Outbox:
 class WebhookHandler:
     """POSTs each event as JSON (see :func:`~smiquery.alerts.rules.event_payload`) from a background thread.
 
-    The caller only appends to a bounded queue, so a slow or dead endpoint never slows it down. There are no
-    retries: a failed POST is counted and logged once per failure streak (the next success logs the recovery).
-    At most one POST is made per ``min_interval`` seconds; events that arrive while ``queue_size`` are waiting are
-    dropped and counted in :attr:`dropped`. The thread starts with the first event; :meth:`close` stops it.
+    The caller only appends to a bounded queue, so a slow or dead endpoint never slows it down. No retries: a failed
+    POST is counted and logged once per failure streak. At most one POST per ``min_interval`` seconds; events that
+    arrive while ``queue_size`` are waiting are dropped and counted in :attr:`dropped`. The thread starts with the
+    first event; :meth:`close` stops it. Logs and ``repr`` show the URL's scheme and host only, never its path,
+    query or the headers (for most webhooks the URL is the secret).
 
-    The URL's path and query and the headers are never logged (for Slack, Teams and most webhooks the URL is the
-    secret): logs and ``repr`` show the scheme and host only.
-
-    Args:
-        url: the endpoint (``http://`` or ``https://``).
-        timeout: seconds for one POST (connect and read).
-        min_interval: least seconds between two POSTs.
-        queue_size: most events waiting to be sent.
-        headers: extra HTTP headers (for example an authorization token).
+    ``timeout`` bounds one POST (connect and read); ``headers`` are extra HTTP headers (an authorization token).
 
     Raises:
         ValueError: the URL is not http(s), or a number is out of range.
@@ -207,11 +182,8 @@ class WebhookHandler:
                 self.dropped += 1
                 if not self._dropping:
                     self._dropping = True
-                    log.warning(
-                        "smiquery webhook %s: %d events already waiting; dropping new ones until it catches up",
-                        self.shown,
-                        self.queue_size,
-                    )
+                    msg = "smiquery webhook %s: %d events already waiting; dropping new ones until it catches up"
+                    log.warning(msg, self.shown, self.queue_size)
                 return
             self._dropping = False
             box.queue.append(body)
@@ -258,33 +230,22 @@ class WebhookHandler:
                 self._failing = False
                 log.info("smiquery webhook %s works again (%d failed in all)", self.shown, self.failed)
 
-    def _scrub(self, text: str) -> str:
-        """Remove the URL (and its path and query) from an error text."""
-        parts = urllib.parse.urlsplit(self.url)
-        for secret in (self.url, parts.path, parts.query, *self.headers.values()):
-            if secret and len(secret) > 1 and secret != "/":
-                text = text.replace(secret, "...")
-        return text
-
     def _failure(self, reason: str) -> None:
         self.failed += 1
-        reason = self._scrub(reason)
+        parts = urllib.parse.urlsplit(self.url)
+        for secret in (self.url, parts.path, parts.query, *self.headers.values()):  # never logged, never kept
+            if secret and len(secret) > 1 and secret != "/":
+                reason = reason.replace(secret, "...")
         self.last_error = reason
         if not self._failing:
             self._failing = True
-            log.warning(
-                "smiquery webhook %s failed: %s (no retry; further failures are not logged until one succeeds)",
-                self.shown,
-                reason,
-            )
+            msg = "smiquery webhook %s failed: %s (no retry; further failures are not logged until one succeeds)"
+            log.warning(msg, self.shown, reason)
 
     def close(self, timeout: float | None = None) -> None:
-        """Send what is queued within ``timeout``, then stop; what is still waiting then is dropped and counted.
+        """Send what is queued within ``timeout`` (default 2 s), then stop; what still waits is dropped and counted.
 
         A later event starts a new thread, so a handler can serve one training run after another.
-
-        Args:
-            timeout: most seconds to wait (default 2): a dead endpoint never holds the caller longer.
         """
         limit = 2.0 if timeout is None else max(0.0, timeout)
         with self._cond:
@@ -300,12 +261,8 @@ class WebhookHandler:
                 box.queue.clear()
                 self.dropped += left
             if thread is not None and thread.is_alive():
-                log.warning(
-                    "smiquery webhook %s did not answer within %.1f s at close: %d event(s) dropped",
-                    self.shown,
-                    limit,
-                    left,
-                )
+                msg = "smiquery webhook %s did not answer within %.1f s at close: %d event(s) dropped"
+                log.warning(msg, self.shown, limit, left)
             # a fresh outbox for the next run; the old thread ends after its POST times out
             self._box = _Outbox()
 
@@ -319,18 +276,13 @@ class WebhookHandler:
 class Notifier:
     """Evaluates alert rules over samples and hands each event to handlers.
 
-    A handler that raises is logged and skipped; nothing reaches the caller. Use :meth:`update` for one call
-    that does both, or :meth:`evaluate` and :meth:`dispatch` when the context is only known later.
-
-    Example::
+    ``rules`` are rules or ``--alert`` expressions; ``handlers`` default to a :class:`LogHandler`. A handler that
+    raises is logged and skipped. Use :meth:`update` for one call that does both, or :meth:`evaluate` and
+    :meth:`dispatch` when the context is only known later::
 
         notifier = Notifier(["temperature.gpu > 85 for 3"], [LogHandler(), WebhookHandler(url)])
         for sample in smiquery.stream("health"):
             notifier.update(sample, now=time.monotonic())
-
-    Args:
-        rules: rules or expressions in the CLI's ``--alert`` syntax.
-        handlers: where events go (default: a :class:`LogHandler`).
     """
 
     def __init__(
@@ -343,12 +295,8 @@ class Notifier:
             tuple(handlers) if handlers is not None else (LogHandler(),)
         )
         self.handler_failures = 0
-        observers: list[Callable[[Any], object]] = []
-        for h in self.handlers:
-            observe: Any = getattr(h, "observe", None)
-            if callable(observe):
-                observers.append(observe)
-        self._observers = tuple(observers)
+        observers = (getattr(h, "observe", None) for h in self.handlers)
+        self._observers: tuple[Callable[[Any], object], ...] = tuple(o for o in observers if callable(o))
 
     @property
     def rules(self) -> tuple[Rule, ...]:
@@ -356,10 +304,7 @@ class Notifier:
         return self.evaluator.rules
 
     def evaluate(self, sample: Any, now: float | None = None) -> list[AlertEvent]:
-        """Feed one sample to the rules; returns the events it caused without dispatching them.
-
-        ``now`` is the sample's arrival in monotonic seconds, for a live sample (see :meth:`update`).
-        """
+        """Feed one sample (arrived at monotonic ``now``, see :meth:`update`); the events it caused, not dispatched."""
         try:
             return self.evaluator.update(sample, now)
         except Exception:
@@ -377,24 +322,16 @@ class Notifier:
                 log.exception("smiquery alert handler %r failed", handler)
 
     def update(
-        self,
-        sample: Any,
-        context: Context | Callable[[], Context] | None = None,
-        *,
-        now: float | None = None,
+        self, sample: Any, context: Context | Callable[[], Context] | None = None, *, now: float | None = None
     ) -> list[AlertEvent]:
-        """Evaluate one sample and dispatch what it causes.
+        """Evaluate one sample and dispatch (and return) the events it causes.
 
         Args:
             sample: one :class:`~smiquery.GpuSample`.
             context: extra facts for the handlers, or a function computing them (called only when an event
                 happens).
-            now: for a live sample, ``time.monotonic()`` when it arrived: ``for 30s`` holds are then measured on
-                that clock, which a DST change or an NTP step of the wall clock does not move. None (a
-                recording): by the samples' timestamps.
-
-        Returns:
-            The events dispatched.
+            now: for a live sample, ``time.monotonic()`` when it arrived (holds are measured on it); None for a
+                recording (by the samples' timestamps).
         """
         if self._observers:
             self.observe(sample)
@@ -422,8 +359,7 @@ class Notifier:
     def close(self, timeout: float = 2.0) -> None:
         """Close the handlers that have a ``close()`` (webhook threads), all within about ``timeout`` seconds.
 
-        Args:
-            timeout: the time all handlers share; what a handler has not sent by then is dropped and counted.
+        What a handler has not sent by then is dropped and counted.
         """
         deadline = time.monotonic() + timeout
         for handler in self.handlers:
@@ -448,21 +384,12 @@ class Notifier:
 class SnapshotHandler:
     """Saves the evidence when an alert fires: one timestamped folder per firing (see :mod:`smiquery.alerts.snapshot`).
 
-    The folder holds ``nvidia-smi -q -x`` output, the compute-process list, the last ``minutes`` of samples as a
-    CSV recording (``smiquery report`` reads it) and the alert as JSON. Each snapshot is taken on a background
-    thread, bounded in time (``timeout`` per nvidia-smi call) and size (``max_bytes`` per file, ``max_snapshots``
-    folders per handler), so the caller (a training loop, a stream) never waits. A rule that keeps firing on a GPU
-    gets one snapshot until it clears; a snapshot asked for while another is being written is skipped and
-    counted in :attr:`skipped`.
+    Each snapshot is taken on a background thread, bounded in time and size, so the caller never waits. A rule that
+    keeps firing on a GPU gets one snapshot until it clears; one asked for while another is being written is skipped
+    and counted in :attr:`skipped`.
 
-    Args:
-        directory: where the folders go (created when missing).
-        minutes: how much sample history to keep and save.
-        nvidia_smi: the binary for ``-q -x`` and the process list.
-        timeout: seconds for each nvidia-smi call.
-        max_bytes: most bytes per saved file (the rest is cut, and says so).
-        max_snapshots: most folders this handler writes in all.
-        max_rows: most samples kept in memory, whatever ``minutes`` says.
+    ``minutes`` of sample history are kept (at most ``max_rows``) and saved; ``timeout`` bounds each nvidia-smi call,
+    ``max_bytes`` each file, ``max_snapshots`` the folders this handler writes in all.
     """
 
     def __init__(
@@ -551,23 +478,14 @@ class SnapshotHandler:
         log.warning("smiquery: snapshot for %s saved in %s", event.message(), folder)
 
     def wait(self, timeout: float = 30.0) -> bool:
-        """Wait for the snapshot in progress, if any; True when none is left running.
-
-        Args:
-            timeout: most seconds to wait.
-        """
+        """Wait at most ``timeout`` seconds for the snapshot in progress, if any; True when none is left running."""
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
-            return not thread.is_alive()
-        return True
+        return thread is None or not thread.is_alive()
 
     def close(self, timeout: float | None = None) -> None:
-        """Give a snapshot in progress up to ``timeout`` seconds (default 2); it finishes on its own thread after.
-
-        Args:
-            timeout: most seconds to wait.
-        """
+        """Give a snapshot in progress up to ``timeout`` seconds (default 2); it finishes on its own thread after."""
         self.wait(2.0 if timeout is None else timeout)
 
 
@@ -576,17 +494,10 @@ HANDLER_SPECS: tuple[str, ...] = ("log", "webhook:URL", "snapshot:DIR")
 
 
 def handler_from_spec(spec: str, *, nvidia_smi: str | os.PathLike[str] | None = None) -> AlertHandler:
-    """An alert handler from a command-line spec, as ``--on-alert`` takes it.
+    """An alert handler from a command-line spec, as ``--on-alert`` takes it (``nvidia_smi``: for a snapshot).
 
     ``log`` logs each event; ``webhook:URL`` posts it (``webhook:https://hooks.example.com/T0/B1/xyz``);
     ``snapshot:DIR`` saves the evidence into a new folder under DIR for each firing (see :class:`SnapshotHandler`).
-
-    Args:
-        spec: the spec.
-        nvidia_smi: the binary a snapshot should call.
-
-    Returns:
-        The handler.
 
     Raises:
         ValueError: an unknown kind or a missing argument; the message lists the kinds.

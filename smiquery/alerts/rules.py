@@ -1,17 +1,7 @@
 """Alert rules (``temperature.gpu > 85 for 3``): parsing, evaluation per GPU, an event's JSON, what a stall is.
 
-Pure: no IO and no clock of its own beyond an injectable one, so the CLI, the exporter and a Keras callback can
-share it. Also home of the small duration parser the CLI uses for ``--interval`` and ``--duration``.
-
-Time (how long a ``for 30s`` hold has held): live, it is measured on a monotonic clock, the arrival time of each
-sample, never by subtracting nvidia-smi's timestamps, which are the host's wall clock and jump with a DST change,
-an NTP step or a VM resume. A recording has only its timestamps; there each step between two samples counts as the
-time that really passed (in a zone, across a DST change: :func:`smiquery.clock.seconds_between`), and a step back
-counts 0.
-
-A GPU is *stalled* while a job holds it (``memory.used`` at least :attr:`StallRule.busy_memory_mib`) but gives it
-no work (``utilization.gpu`` under :attr:`StallRule.utilization`); :data:`STALL` is the one definition that
-``smiquery report``, ``smiquery plot`` and the training monitor share.
+Pure (no IO; an injectable clock), so the CLI, the exporter and the training callbacks share it; also home of the
+duration parser behind ``--interval`` and ``--duration``, and of :data:`STALL`, the one definition of a stalled GPU.
 """
 
 from __future__ import annotations
@@ -84,17 +74,10 @@ BUILTIN_RULES: tuple[str, ...] = (
 
 
 def parse_duration(text: str | float, *, what: str = "duration") -> float:
-    """Seconds from ``"250ms"``, ``"2s"``, ``"10m"``, ``"1h"``, ``"1d"`` or a plain number of seconds.
-
-    Args:
-        text: the duration; a bare number means seconds.
-        what: what the duration is for, used in the error message.
-
-    Returns:
-        The duration in seconds (always positive).
+    """Seconds (always positive) from ``"250ms"``, ``"2s"``, ``"10m"``, ``"1h"``, ``"1d"`` or a number of seconds.
 
     Raises:
-        ValueError: the text is not a positive duration; the message shows accepted forms.
+        ValueError: the text is not a positive duration; the message names it as ``what`` and shows accepted forms.
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         seconds = float(text)
@@ -142,18 +125,13 @@ class Rule:
     """One alert condition: ``FIELD OP VALUE [for HOLD] [while FIELD OP VALUE]...``.
 
     ``for 3`` (or ``for 3 samples``) holds for three consecutive samples of a GPU; ``for 30s``, ``for 5m`` and
-    ``for 1h`` hold for that long: live by the samples' arrival on a monotonic clock, in a recording by their
-    timestamps (a step back of the clock counts 0). Without ``for`` one sample is enough.
-    ``while`` adds conditions that must hold on the same sample too (``utilization.gpu < 20 for 30m while
-    memory.used > 1024``: idle while a job holds memory); they take no hold of their own.
+    ``for 1h`` hold for that long (see :class:`AlertEvaluator`). Without ``for`` one sample is enough. ``while`` adds
+    conditions, without a hold, that the same sample must meet (``utilization.gpu < 20 for 30m while memory.used >
+    1024``: idle while a job holds memory).
 
     Attributes:
-        field: the catalogue field the rule watches (aliases are resolved).
-        op: the comparison.
         threshold: the value compared against, typed for the field (number, bool or text).
-        hold_samples: consecutive samples needed to fire, when the hold is a count.
-        hold_seconds: seconds the condition must hold to fire, when the hold is a duration.
-        text: the expression as written.
+        hold_samples: consecutive samples needed to fire, when the hold is a count (else ``hold_seconds``).
         when: the ``while`` conditions (rules without a hold), all of which must hold as well.
     """
 
@@ -167,14 +145,7 @@ class Rule:
 
     @classmethod
     def parse(cls, text: str) -> Rule:
-        """Parse an expression such as ``"temperature.gpu > 85 for 3"`` or ``"utilization.gpu < 20 for 5m"``.
-
-        Args:
-            text: the expression. Operators: ``> >= < <= == !=`` (``=`` means ``==``). Conditions after
-                ``while`` must hold as well (``... for 30m while memory.used > 1024``).
-
-        Returns:
-            The rule.
+        """Parse an expression such as ``"temperature.gpu > 85 for 3"``; operators ``> >= < <= == !=`` (``=``: ``==``).
 
         Raises:
             InvalidRuleError: malformed expression, unknown field, or a value that does not fit the field.
@@ -235,18 +206,13 @@ class Rule:
             return None
 
     def matches(self, sample: GpuSample) -> bool | None:
-        """Whether this sample meets the condition and its ``while`` conditions (ignoring the hold).
-
-        None when a value that decides it is missing (or not queried).
-        """
+        """Whether this sample meets the condition and its ``while`` conditions (ignoring the hold); None: unknown."""
         verdict = self.holds(sample.get(self.field.name))
-        if not verdict or not self.when:
-            return verdict
         for cond in self.when:
-            extra = cond.holds(sample.get(cond.field.name))
-            if not extra:
-                return extra
-        return True
+            if not verdict:
+                break
+            verdict = cond.holds(sample.get(cond.field.name))
+        return verdict
 
     @property
     def fields(self) -> tuple[Field, ...]:
@@ -262,15 +228,11 @@ class AlertEvent:
     """A rule that started firing or stopped firing on one GPU.
 
     Attributes:
-        rule: the rule.
-        gpu: the GPU index (None when the samples carry no index).
-        uuid: the GPU UUID, when queried.
+        gpu: the GPU index (None when the samples carry no index); ``uuid`` when queried.
         value: the value that decided the change.
-        state: ``"firing"`` or ``"cleared"``.
-        since: when the condition started to hold (the first matching sample's time).
-        at: the time of the sample that caused the event.
-        duration: seconds the condition held, from ``since`` to ``at`` as the evaluator measured them (live: on
-            the monotonic clock, so not always ``at - since`` when the wall clock stepped in between).
+        since: when the condition started to hold (the first matching sample's time); ``at``: the event's sample.
+        duration: seconds the condition held as the evaluator measured them (live: on the monotonic clock, so not
+            always ``at - since``).
     """
 
     rule: Rule
@@ -329,11 +291,7 @@ def _jsonable(value: object) -> Any:
 
 
 def event_payload(event: AlertEvent, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The JSON body of an event: what a webhook posts and a snapshot's ``alert.json`` holds.
-
-    Args:
-        event: the alert event.
-        context: where it happened (for example ``{"epoch": 3, "batch": 120, "learning_rate": 0.001}``).
+    """The JSON body of an event (what a webhook posts, a snapshot's ``alert.json``), ``context`` where it happened.
 
     Returns:
         ``{"source": "smiquery", "host": ..., "message": ..., "event": event.to_dict(), "context": {...}}``,
@@ -360,24 +318,13 @@ class _Track:
 class AlertEvaluator:
     """Tracks each rule on each GPU and reports state changes.
 
-    Feed it every sample with :meth:`update`; it returns an event when a rule starts firing (its condition held
-    for the hold) and once more when it clears (the condition stopped holding). Nothing is repeated while the
-    state stays the same. A missing value neither fires nor clears: the state is kept as it was.
+    :meth:`update` returns an event when a rule starts firing (its condition held for the hold) and once more when
+    it clears; nothing while the state stays the same. A missing value neither fires nor clears.
 
-    How long a condition has held (for ``for 30s``) is summed step by step between its samples, on the first of:
-
-    * ``now`` given to :meth:`update`: the sample's arrival on a monotonic clock. Live sources pass it
-      (``time.monotonic()`` when the row was read), so that a DST fall-back, an NTP step or a VM resume moving
-      nvidia-smi's wall-clock timestamps neither stretches nor suppresses a hold;
-    * the sample's ``timestamp`` (a recording, which has nothing else): the time that really passed between two
-      aware ones (a skipped DST hour is no time), a step back 0, never negative;
-    * ``clock()``.
-
-    Event times (``since``, ``at``) are the samples' timestamps when they have one, else the hold clock's reading.
-
-    Args:
-        rules: the rules (objects or expressions).
-        clock: monotonic seconds, read for samples given no ``now`` and carrying no timestamp.
+    How long a condition has held is summed step by step between its samples, on the first of: ``now`` (a live
+    sample's arrival on a monotonic clock, which DST, NTP steps and VM resumes do not move, unlike nvidia-smi's
+    wall-clock timestamps); the samples' timestamps (a recording: the time that really passed, a step back 0);
+    ``clock()``. Event times (``since``, ``at``) are the samples' timestamps when they have one, else the hold clock.
     """
 
     def __init__(self, rules: Iterable[Rule | str], clock: Callable[[], float] = time.monotonic) -> None:
@@ -391,12 +338,7 @@ class AlertEvaluator:
         return tuple({f.name: f for r in self.rules for f in r.fields}.values())
 
     def update(self, sample: GpuSample, now: float | None = None) -> list[AlertEvent]:
-        """Take one sample of one GPU.
-
-        Args:
-            sample: the sample.
-            now: when it arrived, in monotonic seconds (``time.monotonic()``); live sources pass it. None: the
-                hold is measured by the samples' timestamps (a recording), or by ``clock`` without them.
+        """Take one sample of one GPU that arrived at ``now`` (``time.monotonic()``; None for a recording).
 
         Returns:
             The events this sample caused (usually none).
@@ -404,7 +346,8 @@ class AlertEvaluator:
         if not self.rules:
             return []
         gpu = sample.index if "index" in sample else None
-        key: object = gpu if gpu is not None else (sample.uuid if "uuid" in sample else None)
+        uuid = sample.uuid if "uuid" in sample else None
+        key = _key(sample)
         ts = sample.timestamp if "timestamp" in sample else None
         tick: datetime | float = now if now is not None else ts if ts is not None else self.clock()
         shown: datetime | float = ts if ts is not None else tick
@@ -426,12 +369,12 @@ class AlertEvaluator:
                 track.count += 1
                 if not track.firing and self._held(rule, track):
                     track.firing = True
-                    events.append(self._event(rule, sample, gpu, value, "firing", track.since, shown, track.held))
+                    events.append(AlertEvent(rule, gpu, uuid, value, "firing", track.since, shown, track.held))
             else:
                 if track.firing:
                     assert track.since is not None
                     held = track.held + elapsed(track.last, tick)
-                    events.append(self._event(rule, sample, gpu, value, "cleared", track.since, shown, held))
+                    events.append(AlertEvent(rule, gpu, uuid, value, "cleared", track.since, shown, held))
                 track.count, track.since, track.firing, track.held, track.last = 0, None, False, 0.0, None
         return events
 
@@ -440,20 +383,6 @@ class AlertEvaluator:
         if rule.hold_seconds is not None:
             return track.held >= rule.hold_seconds
         return track.count >= (rule.hold_samples or 1)
-
-    @staticmethod
-    def _event(
-        rule: Rule,
-        sample: GpuSample,
-        gpu: int | None,
-        value: Value,
-        state: State,
-        since: datetime | float,
-        now: datetime | float,
-        held: float,
-    ) -> AlertEvent:
-        uuid = sample.uuid if "uuid" in sample else None
-        return AlertEvent(rule, gpu, uuid, value, state, since, now, held)
 
     def firing(self) -> list[tuple[Rule, int | None]]:
         """The (rule, GPU) pairs firing now."""
@@ -470,8 +399,7 @@ class AlertEvaluator:
 
     def cell_state(self, sample: GpuSample, field_name: str) -> Literal["firing", "pending", "ok"]:
         """The worst state of the rules on ``field_name`` for this sample's GPU (for colouring a table cell)."""
-        gpu = sample.index if "index" in sample else None
-        key: object = gpu if gpu is not None else (sample.uuid if "uuid" in sample else None)
+        key = _key(sample)
         worst: Literal["firing", "pending", "ok"] = "ok"
         for i, rule in enumerate(self.rules):
             if rule.field.name != field_name:
@@ -484,12 +412,14 @@ class AlertEvaluator:
         return worst
 
 
-def arrival(batch: object) -> float:
-    """When a sweep (or sample) arrived, in monotonic seconds: its ``arrived`` stamp, else now.
+def _key(sample: GpuSample) -> object:
+    """A GPU's key in the evaluator's state: its index, else its UUID, else None."""
+    gpu = sample.index if "index" in sample else None
+    return gpu if gpu is not None else (sample.uuid if "uuid" in sample else None)
 
-    A live source stamps each sweep with ``time.monotonic()`` as its rows are read (``sweep.arrived``); a
-    consumer that evaluates alerts passes this to :meth:`AlertEvaluator.update` as ``now``.
-    """
+
+def arrival(batch: object) -> float:
+    """When a sweep (or sample) arrived, in monotonic seconds (its ``arrived``, else now): ``update``'s ``now``."""
     stamp = getattr(batch, "arrived", None)
     return float(stamp) if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) else time.monotonic()
 
@@ -498,11 +428,7 @@ def arrival(batch: object) -> float:
 class StallRule:
     """The stall definition: a GPU held by a job but given no work, for at least ``min_seconds``.
 
-    Attributes:
-        utilization: utilization (percent) under which a GPU does no useful work.
-        busy_memory_mib: memory used (MiB) from which a GPU counts as held by a job (an idle GPU without a job
-            is not stalled).
-        min_seconds: the shortest stretch reported as a stall.
+    Held: ``busy_memory_mib`` used; no work: ``utilization.gpu`` under ``utilization`` percent.
     """
 
     utilization: float = 20.0
@@ -512,14 +438,8 @@ class StallRule:
     def mask(self, utilization: np.ndarray, memory_used: np.ndarray | None = None) -> np.ndarray:
         """Which samples show a stalled GPU: 1.0 stalled, 0.0 not, NaN where a deciding value is missing.
 
-        Without ``memory_used``, utilization alone decides.
-
-        Args:
-            utilization: ``utilization.gpu`` per sample as float64, NaN where missing.
-            memory_used: ``memory.used`` per sample as float64 (NaN where missing), or None.
-
-        Returns:
-            A float64 array of the same length.
+        ``utilization`` and ``memory_used`` are float64 arrays, NaN where missing; without ``memory_used``,
+        utilization alone decides.
         """
         import numpy as np
 

@@ -118,76 +118,40 @@ def take_snapshot(
     max_bytes: int = 8 * 2**20,
     runner: Runner | None = None,
 ) -> str:
-    """Write one snapshot folder and return its path.
+    """Write one snapshot folder (``DIR/<time>-<field>-gpu<N>``) and return its path.
 
-    The folder (``DIR/<time>-<field>-gpu<N>``) holds ``alert.json`` (the event and its context),
-    ``nvidia-smi-q.xml`` (``nvidia-smi -q -x``), ``details.json`` (that XML parsed by
-    :func:`smiquery.sources.details.parse_xml`: memory, clock event reasons by name, retired pages, remapped rows,
-    processes, MIG instances; ``details.json.error.txt`` when it cannot be parsed), ``processes.csv`` (the compute
-    processes) and ``samples.csv`` (the recent samples, in nvidia-smi's CSV layout, which ``smiquery report``
-    reads). Each nvidia-smi call is
-    bounded by ``timeout`` and each file by ``max_bytes``; a call that fails leaves ``<file>.error.txt`` saying why.
-
-    Args:
-        directory: the parent folder (created when missing).
-        event: the alert.
-        context: where training was (epoch, batch...), if known.
-        samples: the recent samples, oldest first.
-        nvidia_smi: the binary.
-        timeout: seconds per nvidia-smi call.
-        max_bytes: most bytes per file.
-        runner: how to run nvidia-smi (default a real subprocess).
-
-    Returns:
-        The folder's path.
+    It holds ``alert.json`` (the event and its ``context``), ``nvidia-smi-q.xml`` (``nvidia-smi -q -x``),
+    ``details.json`` (that XML parsed by :func:`smiquery.sources.details.parse_xml`), ``processes.csv`` (the compute
+    processes) and ``samples.csv`` (the recent ``samples``, oldest first, as a recording ``smiquery report`` reads).
+    Each nvidia-smi call is bounded by ``timeout`` and each file by ``max_bytes``; a call that fails leaves
+    ``<file>.error.txt`` saying why. ``runner`` runs nvidia-smi (default a real subprocess).
 
     Raises:
         OSError: the folder cannot be created or written (a full disk): nothing is left behind, no empty folder
             and no truncated ``alert.json``.
     """
+    from smiquery.runner import default_runner, find_nvidia_smi  # subprocess, only once a snapshot is taken
+
     folder = _folder(directory, event)
     try:
-        _fill(
-            folder, event, context, samples, nvidia_smi=nvidia_smi, timeout=timeout, max_bytes=max_bytes, runner=runner
-        )
+        payload = event_payload(event, context)
+        payload["samples"] = len(samples)
+        _write_capped(folder / "alert.json", json.dumps(payload, indent=2) + "\n", max_bytes)
+        csv = _samples_csv(samples, max_bytes)
+        if csv:
+            _write_capped(folder / "samples.csv", csv, max_bytes)
+        try:
+            binary = find_nvidia_smi(nvidia_smi, runner=runner)
+        except Exception as exc:
+            for name in ("nvidia-smi-q.xml", "processes.csv"):
+                _write_capped(folder / f"{name}.error.txt", f"{exc}\n", max_bytes)
+            return str(folder)
+        run = runner or default_runner()
+        _run(run, [binary, "-q", "-x"], timeout, folder / "nvidia-smi-q.xml", max_bytes)
+        _details_json(folder, max_bytes)
+        argv = [binary, f"--query-compute-apps={_APPS_FIELDS}", "--format=csv"]
+        _run(run, argv, timeout, folder / "processes.csv", max_bytes)
     except OSError:
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return str(folder)
-
-
-def _fill(
-    folder: Path,
-    event: AlertEvent,
-    context: Mapping[str, Any] | None,
-    samples: Sequence[GpuSample],
-    *,
-    nvidia_smi: str | os.PathLike[str] | None,
-    timeout: float,
-    max_bytes: int,
-    runner: Runner | None,
-) -> None:
-    from smiquery.runner import default_runner, find_nvidia_smi  # subprocess, only once a snapshot is taken
-
-    payload = event_payload(event, context)
-    payload["samples"] = len(samples)
-    _write_capped(folder / "alert.json", json.dumps(payload, indent=2) + "\n", max_bytes)
-    csv = _samples_csv(samples, max_bytes)
-    if csv:
-        _write_capped(folder / "samples.csv", csv, max_bytes)
-    try:
-        binary = find_nvidia_smi(nvidia_smi, runner=runner)
-    except Exception as exc:
-        for name in ("nvidia-smi-q.xml", "processes.csv"):
-            _write_capped(folder / f"{name}.error.txt", f"{exc}\n", max_bytes)
-        return
-    run = runner or default_runner()
-    _run(run, [binary, "-q", "-x"], timeout, folder / "nvidia-smi-q.xml", max_bytes)
-    _details_json(folder, max_bytes)
-    _run(
-        run,
-        [binary, f"--query-compute-apps={_APPS_FIELDS}", "--format=csv"],
-        timeout,
-        folder / "processes.csv",
-        max_bytes,
-    )

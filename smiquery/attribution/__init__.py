@@ -1,13 +1,8 @@
 """Attribution: which workload holds each GPU, and which workload a GPU process belongs to.
 
-A :class:`Backend` asks one scheduler what it allocated (Kubernetes: :mod:`.kubernetes`, the kubelet's pod-resources
-``List``) and, where it can, which workload a process belongs to. :class:`Attribution` polls a backend in the
-background (one :class:`~smiquery.sources.latest.Latest`) and answers, for the GPUs of the newest sweep, each GPU's
-state and holders; a scrape only reads. Device ids are read as NVIDIA's device plugin writes them: a GPU UUID, a MIG
-device UUID (mapped to its parent GPU through ``nvidia-smi -L``, or read from the old ``MIG-GPU-<uuid>/<gi>/<ci>``
-form), and ``<id>::<n>`` for a time-sliced replica. Nothing is silent: a failed listing is counted by kind and logged
-once per change, each GPU has one attribution state, and every change of state is logged once. The exporter turns
-all this into series (``smiquery_gpu_allocation_info``, ``smiquery_<backend>_attribution_up``...).
+A :class:`Backend` (:mod:`.kubernetes`, :mod:`.slurm`) asks one scheduler what it allocated and, where it can, whose
+a process is; :class:`Attribution` polls it in the background and says each GPU's state and holders. A failed
+listing is counted by kind and logged once per change, and every change of a GPU's state is logged once.
 """
 
 from __future__ import annotations
@@ -80,17 +75,11 @@ class Grant:
 class Words:
     """What a backend's log lines and series say, in its own words (``{...}``: filled in when said).
 
-    Attributes:
-        failed: a failed listing (``{why}``).
-        again: the listing works again.
-        unknown: a device id that names no GPU of this node (``{resource}``, ``{device}``).
-        allocated: HELP of ``smiquery_gpu_allocation_info``.
-        unknown_help: HELP of ``smiquery_<name>_unknown_device_info``.
-        up: HELP of ``smiquery_<name>_attribution_up``.
-        took: HELP of ``smiquery_<name>_attribution_refresh_seconds``.
-        errors: HELP of ``smiquery_<name>_attribution_errors_total``.
-        holder: a workload, in the HELP of the per-workload use series (``container``).
-        other: what the bucket of use no workload is found for means, in the same HELP texts.
+    ``failed`` (``{why}``), ``again`` and ``unknown`` (``{resource}``, ``{device}``: a device id that names no GPU of
+    this node) are log lines; ``allocated``, ``unknown_help``, ``up``, ``took`` and ``errors`` the HELP texts of
+    ``smiquery_gpu_allocation_info`` and ``smiquery_<name>_{unknown_device_info, attribution_up,
+    attribution_refresh_seconds, attribution_errors_total}``; ``holder`` names a workload (``container``) and
+    ``other`` the bucket of use no workload is found for, in the per-workload use series' HELP.
     """
 
     failed: str
@@ -113,9 +102,8 @@ class Backend(Protocol):
         workload: its word for a workload in the per-workload use series (``pod``: ``smiquery_pod_gpu_*``).
         labels: the label names of a :class:`Workload` (``namespace``, ``pod``, ``container``).
         other: the workload use no workload is found for counts under.
-        words: its log lines and HELP texts.
-        processes: whether :meth:`owner` can tell (the Kubernetes backend: with its pod listing).
-        polls: background polls of its own besides :meth:`refresh` (started and closed with the attribution).
+        processes: whether :meth:`owner` can tell.
+        polls: background polls of its own (started and closed with the attribution).
     """
 
     name: str
@@ -151,12 +139,7 @@ def check_labels(backend: Backend, labels: Iterable[str]) -> None:
 
 
 class FailureLog:
-    """Failed calls counted by kind; each change of error logged once, and the recovery once.
-
-    Args:
-        failed: the warning for a failure, with ``{why}``.
-        again: the warning when calls work again.
-    """
+    """Failed calls counted by kind; each change of error logged once (``failed``, with ``{why}``), recovery once."""
 
     def __init__(self, failed: str, again: str) -> None:
         self.failed_text = failed
@@ -180,13 +163,9 @@ class FailureLog:
 
 @dataclass(frozen=True)
 class Resolved:
-    """A device id read: its GPU and, for a MIG device, the instance.
+    """A device id read: its GPU (``gpu_uuid``, None when none of this node's) and, for a MIG device, the instance.
 
-    Attributes:
-        gpu_uuid: the parent GPU's UUID (None: an id this node's GPUs do not explain).
-        mig_uuid: the MIG device's UUID (empty for a whole GPU or a replica of one).
-        mig_profile: the MIG profile (``1g.5gb``...) when ``nvidia-smi -L`` listed it.
-        replica: the time-slicing replica number, or None.
+    ``mig_profile`` is set when ``nvidia-smi -L`` listed it; ``replica`` is the time-slicing replica, or None.
     """
 
     gpu_uuid: str | None
@@ -196,15 +175,12 @@ class Resolved:
 
 
 def resolve_device(device_id: str, migs: Mapping[str, tuple[str, str]], gpus: Iterable[str]) -> Resolved:
-    """Read one device-plugin id.
+    """Read one device-plugin id: a GPU UUID, a MIG UUID, the old ``MIG-GPU-<uuid>/<gi>/<ci>``, ``<id>::<n>``.
 
     Args:
         device_id: as the backend lists it.
         migs: MIG UUID -> (parent GPU UUID, profile), from ``nvidia-smi -L``.
         gpus: the UUIDs of this node's GPUs.
-
-    Returns:
-        What the id names; ``gpu_uuid`` is None when it names nothing on this node.
     """
     replica = None
     m = _REPLICA_RE.match(device_id)
@@ -246,14 +222,10 @@ _NOT_YET = _Listing((), "not listed yet")
 
 @dataclass(frozen=True)
 class View:
-    """What is served for a set of GPUs (UUID -> index).
+    """What is served for a set of GPUs.
 
-    Attributes:
-        states: GPU UUID -> its attribution state (one of :data:`STATES`).
-        holders: GPU UUID -> the workloads holding (part of) it, sorted.
-        exclusive: GPU UUID -> the one workload holding it whole.
-        allocations: (GPU UUID, workload, resource, MIG UUID, MIG profile), one per distinct allocation.
-        unknown: the grants whose device id names no GPU of this node.
+    By GPU UUID: its state (one of :data:`STATES`), the workloads holding (part of) it, the one holding it whole;
+    each distinct (GPU UUID, workload, resource, MIG UUID, MIG profile); the grants naming no GPU of this node.
     """
 
     states: dict[str, str]
@@ -264,13 +236,9 @@ class View:
 
 
 class Attribution:
-    """Keeps a backend's allocations fresh (in the background) and says which workload holds each GPU.
+    """Keeps a backend's allocations fresh (every ``interval`` s, in the background); says which workload holds a GPU.
 
-    Args:
-        backend: the scheduler asked.
-        interval: seconds between listings (the exporter passes its sample interval).
-        mig_listing: returns ``nvidia-smi -L`` output (tests inject one).
-        nvidia_smi: the binary for ``-L``.
+    ``mig_listing`` returns ``nvidia-smi -L`` output (default: runs ``nvidia_smi -L``).
     """
 
     def __init__(
@@ -331,11 +299,7 @@ class Attribution:
         return self.failures.errors
 
     def refresh(self) -> bool:
-        """List once now, in the caller's thread; errors are counted and logged once per change, never raised.
-
-        Returns:
-            Whether the call worked.
-        """
+        """List once now, in the caller's thread; whether it worked (errors are counted and logged, never raised)."""
         self._latest.poll()
         return self.up
 
@@ -434,9 +398,5 @@ def _build_view(listing: _Listing, gpus: Mapping[str, int | None], migs: Mapping
         else:
             states[uuid] = "shared"
     return View(
-        states,
-        {u: tuple(sorted(hs)) for u, hs in holders.items()},
-        exclusive,
-        tuple(allocations),
-        tuple(unknown),
+        states, {u: tuple(sorted(hs)) for u, hs in holders.items()}, exclusive, tuple(allocations), tuple(unknown)
     )

@@ -1,13 +1,8 @@
-"""Which pod and container a process belongs to, from ``/proc/<pid>/cgroup``.
+"""Which pod and container a process belongs to, from ``/proc/<pid>/cgroup`` (cgroup v1 and v2).
 
-The kubelet puts every container in a cgroup whose path names the pod's UID and the container's id. The forms
-read here (cgroup v1 and v2, systemd and cgroupfs drivers):
-
-- systemd: ``/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid with _>.slice/<runtime>-<id>.scope``
-  with ``<runtime>`` ``cri-containerd``, ``crio`` or ``docker``;
-- cgroupfs: ``/kubepods/burstable/pod<uid>/<id>`` (the QoS level is left out for guaranteed pods).
-
-On cgroup v1 every controller line carries the path; the v2 line is ``0::<path>``.
+The kubelet's cgroup paths name the pod's UID and the container's id: with the systemd driver
+``/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid with _>.slice/<runtime>-<id>.scope``
+(``cri-containerd``, ``crio`` or ``docker``), with cgroupfs ``/kubepods/burstable/pod<uid>/<id>``.
 """
 
 from __future__ import annotations
@@ -16,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["PodCgroup", "parse_cgroup", "pod_of_pid"]
+__all__ = ["PodCgroup", "cgroup_paths", "parse_cgroup", "pod_of_pid", "read_cgroup"]
 
 _POD_RE = re.compile(r"pod([0-9a-fA-F]{8}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{12})")
 _CTR_RE = re.compile(r"^(?:cri-containerd-|crio-|docker-)?([0-9a-f]{64})(?:\.scope)?$")
@@ -24,32 +19,29 @@ _CTR_RE = re.compile(r"^(?:cri-containerd-|crio-|docker-)?([0-9a-f]{64})(?:\.sco
 
 @dataclass(frozen=True)
 class PodCgroup:
-    """A process's pod and container, as its cgroup names them.
-
-    Attributes:
-        pod_uid: the pod's UID (with dashes, as the API writes it).
-        container_id: the container's 64-hex id (without the runtime prefix).
-    """
+    """A process's pod (UID with dashes, as the API writes it) and container (64-hex id, no runtime prefix)."""
 
     pod_uid: str
     container_id: str
 
 
+def cgroup_paths(text: str) -> list[str]:
+    """The paths in the text of ``/proc/<pid>/cgroup`` (v1: one line per controller; v2: ``0::<path>``)."""
+    return [parts[2] for parts in (line.split(":", 2) for line in text.splitlines()) if len(parts) == 3]
+
+
+def read_cgroup(pid: int, proc: str = "/proc") -> str | None:
+    """The text of ``/proc/<pid>/cgroup`` (``proc``: the mount to read), or None for a process gone or not visible."""
+    try:
+        with open(os.path.join(proc, str(pid), "cgroup"), encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
 def parse_cgroup(text: str) -> PodCgroup | None:
-    """Read the pod and container from the text of ``/proc/<pid>/cgroup``.
-
-    Args:
-        text: the file's text (v1: one line per controller; v2: ``0::<path>``).
-
-    Returns:
-        The pod and container, or None for a process outside any pod (a host process, the pod's pause container
-        is included as it is a container of the pod).
-    """
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        path = parts[2]
+    """The pod and container in the text of ``/proc/<pid>/cgroup``, or None for a process outside any pod."""
+    for path in cgroup_paths(text):
         pod = _POD_RE.search(path)
         if pod is None:
             continue
@@ -62,14 +54,6 @@ def parse_cgroup(text: str) -> PodCgroup | None:
 
 
 def pod_of_pid(pid: int, proc: str = "/proc") -> PodCgroup | None:
-    """The pod and container of a process, or None (not in a pod, gone, or not visible from here).
-
-    Args:
-        pid: the process id as this host's PID namespace numbers it (the exporter needs ``hostPID``).
-        proc: the ``/proc`` mount to read (tests pass a fixture tree).
-    """
-    try:
-        with open(os.path.join(proc, str(pid), "cgroup"), encoding="utf-8", errors="replace") as fh:
-            return parse_cgroup(fh.read())
-    except OSError:
-        return None
+    """The pod and container of a host pid (the exporter needs ``hostPID``), or None (not in a pod, gone, not seen)."""
+    text = read_cgroup(pid, proc)
+    return None if text is None else parse_cgroup(text)

@@ -1,13 +1,9 @@
 """The Kubernetes backend: which pod holds each GPU (the kubelet's pod-resources ``List``), and whose a process is.
 
-:class:`KubernetesBackend` lists the kubelet's device allocations over its unix socket (:mod:`.podresources`, with a
-deadline). With per-pod use of shared GPUs (``--kubernetes-processes``) it ties a process to its container through
-``/proc/<pid>/cgroup`` (:mod:`.cgroups`) and this node's pods from the Kubernetes API (:class:`PodDirectory`: one
-``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`` per refresh over HTTPS with the pod's service account, its
-token and CA from ``/var/run/secrets/kubernetes.io/serviceaccount`` and the API server from
-``KUBERNETES_SERVICE_HOST``/``KUBERNETES_SERVICE_PORT``, on the standard library, with one deadline and a bounded
-answer; so the exporter's ServiceAccount needs only list on pods, and no Kubernetes client is installed). Needs the
-``k8s`` extra (grpcio, protobuf) for the pod-resources socket only.
+The allocations come over the kubelet's unix socket (:mod:`.podresources`; the ``k8s`` extra). For per-pod use of
+shared GPUs (``--kubernetes-processes``) a process is tied to its container through ``/proc/<pid>/cgroup``
+(:mod:`.cgroups`) and this node's pods, listed from the API server on the standard library (:class:`PodDirectory`;
+the exporter's ServiceAccount needs only list on pods).
 """
 
 from __future__ import annotations
@@ -122,17 +118,12 @@ def _status_message(body: bytes) -> str:
 
 
 def get_node_pods(
-    node: str,
-    *,
-    timeout: float = 10.0,
-    service_account: str = SERVICE_ACCOUNT,
-    max_bytes: int = MAX_POD_LIST_BYTES,
+    node: str, *, timeout: float = 10.0, service_account: str = SERVICE_ACCOUNT, max_bytes: int = MAX_POD_LIST_BYTES
 ) -> dict[str, Any]:
     """``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`` from in the cluster: the decoded ``PodList``.
 
     HTTPS to ``KUBERNETES_SERVICE_HOST``:``KUBERNETES_SERVICE_PORT``, verified against the service account's
-    ``ca.crt`` only, with its ``token`` as the bearer. ``timeout`` bounds the whole call (connecting, TLS, the answer),
-    not each read; an answer over ``max_bytes`` is dropped.
+    ``ca.crt`` only, its ``token`` the bearer; ``timeout`` bounds the whole call; an answer over ``max_bytes`` fails.
 
     Raises:
         KubernetesApiError: not in a pod, a refused request (401, 403...: the server's message), an answer too big
@@ -213,16 +204,9 @@ def _node_pods(doc: dict[str, Any]) -> NodePods:
 
 
 class PodDirectory:
-    """Lists this node's pods in the background (a :class:`~smiquery.sources.latest.Latest`); keeps the newest.
+    """Lists this node's pods (:func:`get_node_pods`) every ``interval`` seconds in the background; keeps the newest.
 
     A failed listing keeps the last one (``up`` turns False); errors are counted and logged once per change.
-
-    Args:
-        interval: seconds between listings.
-        node: the node's name (default :func:`node_name`).
-        timeout: each call's deadline in seconds (the whole call: connecting, TLS and the answer).
-        service_account: the folder with the service account's ``token`` and ``ca.crt``.
-        max_bytes: the largest answer read; a bigger one is a failed listing.
     """
 
     def __init__(
@@ -280,8 +264,8 @@ class KubernetesBackend:
         resources: extended-resource patterns read (``fnmatch``; others are ignored).
         timeout: each ``List`` call's deadline in seconds.
         pods: this node's pods, for :meth:`owner` (per-pod use of shared GPUs); None: no process is tied to a pod.
-        lister: ``(socket, timeout) -> grants`` (tests inject one); default: the gRPC call.
-        cgroup_of: pid -> its pod cgroup (tests pass a fixture reader).
+        lister: ``(socket, timeout) -> grants``; default: the gRPC call.
+        cgroup_of: pid -> its pod cgroup.
     """
 
     name = "kubernetes"
@@ -328,27 +312,22 @@ class KubernetesBackend:
         return None if cg is None else self.pods.latest.holder(cg.pod_uid, cg.container_id)
 
 
+def _ask(exc: BaseException, method: str) -> object:
+    """What an RpcError's ``code()`` or ``details()`` says; None when it has none (or is half-built)."""
+    fn = getattr(exc, method, None)
+    try:
+        return fn() if callable(fn) else None
+    except Exception:
+        return None
+
+
 def _error_kind(exc: BaseException) -> str:
     if isinstance(exc, PermissionError):
         return "permission_denied"
-    code = getattr(exc, "code", None)
-    if callable(code):
-        try:
-            name = getattr(code(), "name", None)
-        except Exception:  # a half-built RpcError: its class name will do
-            name = None
-        if isinstance(name, str):
-            return name.lower()
-    return type(exc).__name__
+    name = getattr(_ask(exc, "code"), "name", None)
+    return name.lower() if isinstance(name, str) else type(exc).__name__
 
 
 def _rpc_detail(exc: BaseException) -> str:
-    details = getattr(exc, "details", None)
-    if callable(details):
-        try:
-            text = details()
-        except Exception:  # a half-built RpcError: fall back to its message
-            text = None
-        if isinstance(text, str) and text:
-            return text.splitlines()[0]
-    return one_line(exc)
+    text = _ask(exc, "details")
+    return text.splitlines()[0] if isinstance(text, str) and text else one_line(exc)

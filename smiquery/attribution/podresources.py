@@ -1,9 +1,7 @@
 """The kubelet's pod-resources API (v1 ``List``) over its unix socket, with ``grpcio``.
 
-The messages come from ``podresources.proto`` (beside this module): its compiled descriptor is below, loaded into
-a pool of its own (so no other ``v1`` package in the process can clash) and turned into message classes at import,
-which works with any protobuf runtime from 4.21 on; ``tests/attribution/test_podresources.py`` compiles the
-``.proto`` with ``grpc_tools.protoc`` and checks the two agree.
+The messages come from ``podresources.proto`` (beside this module), compiled below and loaded into a pool of its own
+(so no other ``v1`` package can clash), which works with any protobuf runtime from 4.21 on.
 """
 
 from __future__ import annotations
@@ -66,16 +64,9 @@ ContainerDevices: Any = _message("ContainerDevices")
 
 
 def list_devices(socket_path: str, timeout: float) -> list[Grant]:
-    """Call ``List`` once and flatten the answer to one :class:`~smiquery.attribution.Grant` per device id.
+    """Call ``List`` once (``timeout``: its deadline, connecting included): one Grant per device id of any resource.
 
-    The workload of each is (namespace, pod, container).
-
-    Args:
-        socket_path: the kubelet's pod-resources socket.
-        timeout: the call's deadline in seconds (connecting included).
-
-    Returns:
-        Every device of every container, in the kubelet's order (resources of every name).
+    The workload of each is (namespace, pod, container), in the kubelet's order.
 
     Raises:
         PermissionError: the socket is there but this user may not connect to it (the kubelet's is root's alone).

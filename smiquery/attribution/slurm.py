@@ -1,20 +1,10 @@
 """The Slurm backend: which job holds each GPU of this node (Slurm's own allocation), and whose a process is.
 
-Every refresh asks Slurm, with the client commands and a deadline per call (argv lists, no shell):
-
-- ``squeue -h -w NODE -t R,S -o '%A|%S|%u|%a|%P'``: the jobs running (or suspended, still holding their GPUs) on
-  this node, one line each; none of these fields can hold a newline or ``|``;
-- for a job not seen before: ``squeue -h -j ID -o %j`` (its name, exactly: a job name may hold quotes and newlines)
-  and ``scontrol -d show job ID``, whose per-node lines ``Nodes=NODES ... GRES=gpu:2(IDX:0-1)`` say which of the
-  node's GPUs it holds. A job's allocation is kept by (job id, start time) until it leaves the listing.
-
-``IDX`` is a position in the node's GRES list, which Slurm orders by device file, that is by minor number
-(``/dev/nvidia<minor>``): the ``k``-th GPU by ``nvidia-smi -q -x``'s ``<minor_number>`` (never nvidia-smi's index,
-which can differ). This assumes the node's gres.conf lists all its GPUs (``AutoDetect=nvml`` does, as does
-``File=/dev/nvidia[0-N]``).
-
-A process is tied to its job through ``/proc/<pid>/cgroup`` (:func:`job_of_cgroup`): Slurm's cgroup v1 layout
-``/slurm/uid_U/job_J/step_S`` and v2 layout ``.../slurmstepd.scope/job_J/step_S/...``.
+Each refresh runs ``squeue -w NODE`` for the jobs running (or suspended) here and, for a job not seen before, its
+exact name (``squeue -j ID -o %j``) and ``scontrol -d show job ID``, whose ``Nodes=... GRES=gpu:2(IDX:0-1)`` lines
+say which GPUs it holds; a job's allocation is kept by (job id, start time). ``IDX`` is a position in the node's
+GRES list, ordered by minor number (``/dev/nvidia<minor>``, from ``nvidia-smi -q -x``; never nvidia-smi's index),
+assuming gres.conf lists all its GPUs. A process is tied to its job through ``/proc/<pid>/cgroup``.
 """
 
 from __future__ import annotations
@@ -29,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from smiquery.attribution import Grant, Words, Workload
+from smiquery.attribution.cgroups import cgroup_paths, read_cgroup
 from smiquery.errors import NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, SlurmError
 from smiquery.retry import one_line
 from smiquery.runner import Completed, SubprocessRunner, default_runner, find_nvidia_smi
@@ -141,13 +132,7 @@ def gpu_indices(gres: str) -> list[int]:
 
 @dataclass(frozen=True)
 class SlurmJob:
-    """One job running on this node.
-
-    Attributes:
-        job_id: the job id (for an array task, its own id).
-        workload: its labels (job id, user, account, partition, name; bounded).
-        indices: the GRES ``IDX`` positions of the GPUs it holds on this node.
-    """
+    """One job running on this node: its id (an array task's own), labels and the GRES ``IDX`` of its GPUs here."""
 
     job_id: str
     workload: Workload
@@ -193,22 +178,14 @@ def minor_numbers(xml_text: str) -> dict[int, str]:
 
 def job_of_cgroup(text: str) -> str | None:
     """The Slurm job id in the text of ``/proc/<pid>/cgroup`` (cgroup v1 or v2 layout), or None."""
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3:
-            m = _CGROUP_JOB_RE.search(parts[2])
-            if m:
-                return m.group(1)
-    return None
+    found = (_CGROUP_JOB_RE.search(path) for path in cgroup_paths(text))
+    return next((m.group(1) for m in found if m), None)
 
 
 def job_of_pid(pid: int, proc: str = "/proc") -> str | None:
     """The Slurm job of a process (host pid), or None (no job, gone, or not visible from here)."""
-    try:
-        with open(os.path.join(proc, str(pid), "cgroup"), encoding="utf-8", errors="replace") as fh:
-            return job_of_cgroup(fh.read())
-    except OSError:
-        return None
+    text = read_cgroup(pid, proc)
+    return None if text is None else job_of_cgroup(text)
 
 
 def _why(tool: str, done: Completed) -> SlurmError:
@@ -217,8 +194,7 @@ def _why(tool: str, done: Completed) -> SlurmError:
     low = text.lower()
     if "munge" in low or "authentication" in low or "credential" in low:
         return SlurmError(
-            f"{tool}: {text}: munge authentication failed; start munged and give every host the same munge.key",
-            "auth",
+            f"{tool}: {text}: munge authentication failed; start munged and give every host the same munge.key", "auth"
         )
     if "unable to contact slurm controller" in low or "connection refused" in low or "connect failure" in low:
         return SlurmError(
@@ -237,9 +213,9 @@ class SlurmBackend:
         bin_dir: where squeue and scontrol are (default: PATH).
         nvidia_smi: the binary read for minor numbers (``-q -x``).
         processes: tie processes to jobs (cgroups) for per-job use and ``smiquery_gpu_unallocated_use``.
-        run: ``(argv, timeout) -> Completed`` for the Slurm commands (tests inject one); default: a subprocess.
-        minors: returns minor number -> GPU UUID (tests inject one); default: ``nvidia-smi -q -x``.
-        job_of: pid -> job id (tests pass a fixture reader).
+        run: ``(argv, timeout) -> Completed`` for the Slurm commands; default: a subprocess.
+        minors: returns minor number -> GPU UUID; default: ``nvidia-smi -q -x``.
+        job_of: pid -> job id.
     """
 
     name = "slurm"
@@ -353,9 +329,7 @@ class SlurmBackend:
 
     def failure(self, exc: Exception) -> tuple[str, str]:
         """A failed listing: its kind (``not_found``, ``controller_unreachable``, ``auth``, ``timeout``...) and why."""
-        if isinstance(exc, SlurmError):
-            return exc.kind, one_line(exc)
-        return type(exc).__name__, one_line(exc)
+        return exc.kind if isinstance(exc, SlurmError) else type(exc).__name__, one_line(exc)
 
     def owner(self, pid: int) -> Workload | None:
         """The job of a process (its cgroup names the job; the newest listing names its user, account...)."""
