@@ -1,14 +1,11 @@
 """A Keras callback that watches the GPUs during ``model.fit``: :class:`GpuMonitor` (``pip install 'smiquery[keras]'``).
 
-A thin adapter over :class:`smiquery.training.monitor.RunMonitor` (one nvidia-smi, per-epoch aggregation, alerts
-with the training position, recording, metrics): this module only maps Keras's hooks; TensorFlow's memory view is
-:class:`smiquery.training.memory.TensorFlowMemory`.
-``import smiquery`` never imports this module (it imports Keras).
+It only maps Keras's hooks onto :class:`smiquery.training.monitor.RunMonitor`. ``import smiquery`` never imports
+this module (it imports Keras).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -53,25 +50,15 @@ def _scalar(value: Any) -> float | None:
 class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
     """Watches the GPUs while ``model.fit`` runs and writes what it saw into the epoch logs.
 
-    At ``on_train_begin`` it starts ONE background nvidia-smi in loop mode; a thread reads its sweeps, stamps each
-    with the epoch and batch at the moment it arrived and sums it into that epoch (constant memory); alert
-    handlers run on their own thread. At ``on_train_end`` the child is stopped and reaped. Keras does not call
-    ``on_train_end`` when ``fit`` (or a custom loop driving a ``CallbackList``) raises, so a watchdog notices that
-    the loop has left the stack and stops it then, within 0.2 s. The batch hooks only count steps and time the gap
-    between them (data wait); nvidia-smi is never called per batch.
+    ``on_train_begin`` starts ONE background nvidia-smi, ``on_train_end`` stops and reaps it; when ``fit`` (or a
+    custom loop driving a ``CallbackList``) raises, Keras skips ``on_train_end``, so a watchdog notices the loop
+    leaving the stack and stops it within 0.2 s. The batch hooks only count steps and time the data wait.
 
-    Per epoch it adds the keys of :class:`~smiquery.training.monitor.RunMonitor` to ``logs`` (so ``History``,
-    ``CSVLogger`` and ``TensorBoard`` record them): ``gpuN_util_mean``, ``gpuN_util_max``, ``gpuN_temp_max``,
-    ``gpuN_mem_used_max_mib``, ``gpuN_power_mean_w``, ``gpuN_energy_wh``, the extra fields, TensorFlow's view
-    (``gpuN_mem_framework_mib`` and ``_peak_mib``, ``gpuN_mem_gap_mib``: driver-used minus TensorFlow's peak), and
-    ``energy_wh``, ``steps_per_joule``, ``samples_per_joule``, ``data_wait_s``, ``data_wait_frac``. List
-    ``GpuMonitor`` before the callbacks that read logs (``CSVLogger``, ``TensorBoard``); it warns once otherwise.
-
-    With ``log_every="batch"`` each batch's logs also get ``gpuN_util``, ``gpuN_temp``, ``gpuN_mem_used_mib`` and
-    ``gpuN_power_w`` (the newest sample, prepared off the training thread).
-
-    When an alert fires or clears, the handlers get the event with its context: epoch, batch, step, learning
-    rate and phase at the moment the sample arrived (see :class:`~smiquery.training.events.TrainingAlert`).
+    Each epoch's logs get the keys of :class:`~smiquery.training.monitor.RunMonitor` (so ``History``, ``CSVLogger``
+    and ``TensorBoard`` record them), with TensorFlow's memory view; list ``GpuMonitor`` before the callbacks that
+    read logs (it warns once otherwise). With ``log_every="batch"`` each batch's logs also get ``gpuN_util``,
+    ``gpuN_temp``, ``gpuN_mem_used_mib`` and ``gpuN_power_w``. Alert handlers get the epoch, batch, step, learning
+    rate and phase at the sample's arrival (:class:`~smiquery.training.events.TrainingAlert`).
 
     Example::
 
@@ -79,20 +66,15 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         model.fit(x, y, epochs=10, callbacks=[monitor, keras.callbacks.CSVLogger("train.csv")])
 
     Args:
-        fields: extra fields to summarise per epoch (names or a comma list), beyond the built-in summary.
+        fields: extra fields to summarise per epoch.
         interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.training.events.TRAINING_RULES`, ``()``
-            for none.
-        handlers: where alert events go (default: a :class:`~smiquery.alerts.LogHandler`).
+        alerts: rules or ``--alert`` expressions; None for the training defaults, ``()`` for none.
+        handlers: where alert events go (default: a log line).
         log_every: ``"epoch"``, or ``"batch"`` to add the newest sample to every batch's logs as well.
-        nvidia_smi: path of nvidia-smi.
-        gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
         framework_memory: read TensorFlow's per-GPU allocation and report the gap to the driver's figure.
-        batch_size: samples per step, for ``samples_per_joule`` and the samples counter (default: ``fit``'s
-            ``batch_size`` when it was given).
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``record``, ``metrics_port``,
-            ``pushgateway``, ``kernel_log``, ``first_sample_timeout``, ``process_share`` for ``gpuN_share`` and
-            ``gpuN_other_processes``...).
+        batch_size: samples per step (default: ``fit``'s ``batch_size`` when it was given).
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``nvidia_smi``, ``gpus``,
+            ``record``, ``metrics_port``, ``pushgateway``, ``kernel_log``, ``process_share``...).
 
     Raises:
         ValueError: ``log_every`` or ``interval`` is invalid.
@@ -111,23 +93,14 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         handlers: Sequence[AlertHandler | Callable[[AlertEvent, Mapping[str, Any]], object]] | None = None,
         log_every: Literal["epoch", "batch"] = "epoch",
         *,
-        nvidia_smi: str | os.PathLike[str] | None = None,
-        gpus: Sequence[int | str] | None = None,
         framework_memory: bool = True,
         batch_size: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
+        framework = TensorFlowMemory() if framework_memory else None
         self.monitor = run_monitor(
-            fields,
-            interval,
-            alerts=alerts,
-            handlers=handlers,
-            log_every=log_every,
-            nvidia_smi=nvidia_smi,
-            gpus=gpus,
-            framework=TensorFlowMemory() if framework_memory else None,
-            **options,
+            fields, interval, alerts=alerts, handlers=handlers, log_every=log_every, framework=framework, **options
         )
         self.monitor.context_extra = self._context
         self.framework_memory = framework_memory
