@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
 from smiquery.fields import Field, resolve_fields
-from smiquery.training.devices import OrderCheck, VisibleDevices, visible_devices
+from smiquery.training.devices import VisibleDevices, order_check, visible_devices
 from smiquery.training.epochs import (
     BATCH,
     BETWEEN,
@@ -40,6 +40,7 @@ from smiquery.training.share import ShareTracker
 if TYPE_CHECKING:
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
+    from smiquery.sources.latest import Latest
     from smiquery.sources.pmon import ProcessShare
 
 __all__ = ["Output", "RunMonitor", "Totals"]
@@ -230,7 +231,7 @@ class RunMonitor:
         self._opened: tuple[Output, ...] = ()
         self._devices = self._cuda = VisibleDevices(None)
         self._unsure = self._moved = False  # indices in CUDA's default order, checked by _order_check
-        self._order_check: OrderCheck | None = None
+        self._order_check: Latest[Any] | None = None
         self._started_at = 0.0
         self._epoch0 = (0.0, 0, 0, 0.0)  # the epoch's start: monotonic time, steps, samples, data wait
         self._step_end: float | None = None
@@ -325,13 +326,13 @@ class RunMonitor:
         self._reader.start()
         OPEN_MONITORS.add(self)
         if self._unsure:
-            self._order_check = OrderCheck(self._cuda, self.nvidia_smi, self._order_known).start()
+            self._order_check = order_check(self._cuda, self.nvidia_smi, self._order_known).start()
         if self._share is not None:
             self._share.start(interval=self.interval, gpus=self._devices.stream_gpus(), nvidia_smi=self.nvidia_smi)
         return self
 
     def _order_known(self, devices: VisibleDevices | None, message: str, final: bool) -> None:
-        """What :class:`~smiquery.training.devices.OrderCheck` found: the job's GPUs (until the keys are fixed)."""
+        """What :func:`~smiquery.training.devices.order_check` found: the job's GPUs (until the keys are fixed)."""
         if devices is not None:
             with self._lock:
                 if self._order is not None:
