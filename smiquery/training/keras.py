@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import FrameType
+from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
 import keras
@@ -107,15 +107,11 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         self.batch_size = batch_size
         self._batch_size: int | None = batch_size
         self._steps0: int | None = None
-        self._watched: tuple[int, int, Any] | None = None
         self._watchdog: threading.Thread | None = None
         self._stop = threading.Event()
-        self._said_order = False
         if log_every == "batch":
             # assigned per instance, so that epoch-only monitors keep the cheaper hook
             self.on_train_batch_end = self._batch_end_logging  # type: ignore[method-assign]
-
-    # ----------------------------------------------------------------------------------------- keras hooks
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Start the background nvidia-smi and the threads that read and watch it."""
@@ -123,7 +119,8 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         caller = sys._getframe(1)
         self._check_order(caller)
         self.monitor.start()
-        self._steps0 = self._optimizer_steps()
+        steps = _scalar(getattr(self._optimizer(), "iterations", None))
+        self._steps0 = None if steps is None else int(steps)
         if self.monitor.running:
             self._watch_loop(caller)
 
@@ -165,19 +162,11 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         """Stop the background nvidia-smi (reaped) and the threads."""
         self.close()
 
-    # ------------------------------------------------------------------------------------------- context
-
     def _optimizer(self) -> Any:
         try:
-            model = self.model
+            return getattr(self.model, "optimizer", None)
         except Exception:
             return None
-        return getattr(model, "optimizer", None)
-
-    def _optimizer_steps(self) -> int | None:
-        opt = self._optimizer()
-        steps = _scalar(getattr(opt, "iterations", None)) if opt is not None else None
-        return None if steps is None else int(steps)
 
     def _learning_rate(self) -> float | None:
         opt = self._optimizer()
@@ -201,12 +190,8 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
             out["step"] = self._steps0 + self.monitor.position.step
         return out
 
-    # ------------------------------------------------------------------------------------- callback order
-
     def _check_order(self, caller: FrameType) -> None:
         """Warn once when callbacks that read the logs run before this one (they would get no GPU columns)."""
-        if self._said_order:
-            return
         try:
             owner = caller.f_locals.get("self")
             callbacks = list(getattr(owner, "callbacks", None) or [])
@@ -220,14 +205,11 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
             if type(cb).__name__ not in _DEFAULT_CALLBACKS
         ]
         if before:
-            self._said_order = True
             self.monitor.say(
                 f"GpuMonitor comes after {', '.join(before)} in callbacks: those get no GPU columns in their epoch "
                 "logs; list GpuMonitor first",
                 key="order",
             )
-
-    # -------------------------------------------------------------------------------------------- watchdog
 
     def _watch_loop(self, caller: FrameType) -> None:
         """Remember the frame of the loop that drives us, and stop monitoring when it leaves the stack."""
@@ -256,33 +238,23 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         if found is None:
             return  # driven from module level: the interpreter's exit closes it
         # ids only: holding the frame would keep the training data alive after the loop returns
-        self._watched = (threading.get_ident(), id(found), found.f_code)
+        watched = (threading.get_ident(), id(found), found.f_code)
         self._stop = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch, name="smiquery-keras-watchdog", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, args=watched, name="smiquery-keras-watchdog", daemon=True)
         self._watchdog.start()
 
-    def _loop_running(self) -> bool:
-        if self._watched is None:
-            return True
-        tid, fid, code = self._watched
-        frame = sys._current_frames().get(tid)
-        while frame is not None:
-            if id(frame) == fid and frame.f_code is code:
-                return True
-            frame = frame.f_back
-        return False
-
-    def _watch(self) -> None:
+    def _watch(self, tid: int, fid: int, code: CodeType) -> None:
         try:
             while not self._stop.wait(_WATCH_PERIOD):
-                if not self._loop_running():
+                frame = sys._current_frames().get(tid)
+                while frame is not None and not (id(frame) == fid and frame.f_code is code):
+                    frame = frame.f_back
+                if frame is None:
                     log.debug("smiquery: the training loop ended without on_train_end (an exception); stopping it")
                     self.monitor.close()
                     return
         finally:
             self.monitor.cost["watchdog_cpu"] = time.thread_time()
-
-    # ----------------------------------------------------------------------------------------------- close
 
     def close(self) -> None:
         """Stop monitoring: the nvidia-smi child is terminated and reaped, the threads end. Idempotent."""
@@ -292,7 +264,6 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         if watchdog is not None and watchdog is not threading.current_thread():
             watchdog.join(2.0)
         self._watchdog = None
-        self._watched = None
 
     def __enter__(self) -> GpuMonitor:
         return self

@@ -117,8 +117,6 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
             except Exception as exc:
                 self.monitor.say(f"logging GPU numbers to {type(logger).__name__} failed: {exc}", key="log-failed")
 
-    # ------------------------------------------------------------------------------------------ hooks
-
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Start the background nvidia-smi (on local rank 0 only: one per host)."""
         self._trainer = trainer

@@ -196,8 +196,6 @@ class JobMetrics:
             self._http = None
         self._port = None
 
-    # ------------------------------------------------------------------------------------- the collector
-
     def collect(self) -> Iterator[Any]:
         """The job's families over its run's totals, one series per watched GPU (by UUID): prometheus_client's."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

@@ -108,18 +108,12 @@ def _open_stream(fields: Sequence[str], **options: Any) -> SampleSource:
 class RunMonitor:
     """Watches the GPUs while a training run goes on, whatever the framework.
 
-    :meth:`start` runs ONE nvidia-smi in loop mode and a reading thread that stamps every sweep with the training
-    position at its arrival, sums it into that epoch (constant memory), hands it to the outputs and checks the alert
-    rules; handlers run on a worker thread behind a bounded queue. The training thread only moves the position
-    (:meth:`step`, :meth:`begin_epoch`) and collects each epoch's numbers (:meth:`end_epoch`, which never waits on
-    nvidia-smi except, once, for the first sample).
-
-    Epoch keys per watched GPU ``N`` (nvidia-smi's index): ``gpuN_util_mean``, ``gpuN_util_max``, ``gpuN_temp_max``,
-    ``gpuN_mem_used_max_mib``, ``gpuN_power_mean_w``, ``gpuN_energy_wh``, the mean/max (or share true) of each extra
-    field, the framework's memory view (``gpuN_mem_framework_mib``, ``_peak_mib``, ``_reserved_mib``,
-    ``gpuN_mem_gap_mib``) and with ``process_share`` ``gpuN_share`` and ``gpuN_other_processes``. Job keys:
-    ``energy_wh``, ``steps_per_joule``, ``samples_per_joule``, ``data_wait_s``, ``data_wait_frac`` and
-    ``gpu_late_sweeps`` (sweeps that arrived after their epoch was summarised; :attr:`epochs` is corrected).
+    :meth:`start` runs ONE nvidia-smi and a reading thread that stamps each sweep with the training position at its
+    arrival, sums it into that epoch, feeds the outputs and checks the alert rules (handlers run on their own
+    thread). The training thread only moves the position (:meth:`step`, :meth:`begin_epoch`) and collects each
+    epoch's keys (:meth:`end_epoch`): per GPU ``gpuN_util_mean``, ``_util_max``, ``_temp_max``, ``_mem_used_max_mib``,
+    ``_power_mean_w``, ``_energy_wh``, the extra fields, the framework's memory view and the process share; for the
+    job ``energy_wh``, ``steps_per_joule``, ``samples_per_joule``, ``data_wait_s``, ``data_wait_frac``.
 
     Args:
         fields: extra fields to summarise per epoch (names or a comma list).
@@ -132,15 +126,11 @@ class RunMonitor:
         gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
         framework: the framework's memory view, read at each epoch's end.
         first_sample_timeout: seconds the first epoch's end waits for nvidia-smi's first sample.
-        source: a function ``(fields, interval=, gpus=, nvidia_smi=, on_event=)`` returning a
-            :class:`~smiquery.source.SampleSource`; default a live :func:`smiquery.stream`.
-        env: the environment whose ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` are read (default
-            ``os.environ``).
-        process_share: also run one ``nvidia-smi pmon`` and report the run's part of each GPU's SM use (see
-            :class:`~smiquery.training.share.ShareTracker`); off by default (one more child, pmon's 1 s minimum
-            interval and four-GPU limit).
-        outputs: what the run feeds besides its logs (:class:`~smiquery.training.outputs.Recording`,
-            :class:`~smiquery.training.metrics.JobMetrics`, :class:`~smiquery.training.xid.KernelLog`).
+        source: ``(fields, interval=, gpus=, nvidia_smi=, on_event=) -> SampleSource``; default :func:`smiquery.stream`.
+        env: the environment whose ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` are read.
+        process_share: also run one ``nvidia-smi pmon`` for ``gpuN_share`` and ``gpuN_other_processes`` (see
+            :class:`~smiquery.training.share.ShareTracker`).
+        outputs: what the run feeds besides its logs (see :class:`Output`).
 
     Raises:
         ValueError: ``log_every`` or ``interval`` is invalid.
@@ -279,8 +269,6 @@ class RunMonitor:
         """The fields nvidia-smi is asked for (the summary's, the extra fields, the rules' and the outputs')."""
         return list(self._fields)
 
-    # ------------------------------------------------------------------------------------------ start
-
     def start(self) -> RunMonitor:
         """Start a run: the stream, its reading thread, the handler worker and the outputs; returns self.
 
@@ -409,8 +397,6 @@ class RunMonitor:
         self._notifier = Notifier(self.rules, self.handlers) if self.rules else None
         return True
 
-    # --------------------------------------------------------------------------------------- reading
-
     def _read(self) -> None:
         select = self._unsure or (self._devices.ids is not None and self._devices.stream_gpus() is None)
         try:
@@ -520,8 +506,6 @@ class RunMonitor:
     def _watched_gpu(self, idx: int) -> bool:
         """Whether an nvidia-smi GPU seen by pmon is one this run watches."""
         return self._devices.ids is None or self._devices.selects(idx, self.uuids().get(idx))
-
-    # ------------------------------------------------------------------------------------ training side
 
     def begin_epoch(self, epoch: int) -> None:
         """Training enters ``epoch`` (0-based): samples arriving from now on belong to it."""
@@ -677,8 +661,6 @@ class RunMonitor:
                 self.epochs[k].update(base.values(order))
         return count
 
-    # -------------------------------------------------------------------------------------- framework view
-
     def _framework_values(self, latest: Mapping[int, GpuSample]) -> dict[str, float]:
         fw = self.framework
         if fw is None:
@@ -727,8 +709,6 @@ class RunMonitor:
         """The UUID of each watched GPU seen so far (nvidia-smi index -> UUID)."""
         with self._lock:
             return {idx: s.uuid for idx, s in self._latest.items() if s.uuid}
-
-    # ------------------------------------------------------------------------------------------ close
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop: nvidia-smi terminated and reaped, threads ended, outputs closed. Idempotent; safe from any thread.
