@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import atexit
-import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from smiquery.alerts import BUILTIN_RULES, AlertEvent
 
@@ -18,7 +15,6 @@ if TYPE_CHECKING:
     from smiquery.alerts import Notifier
 
 __all__ = [
-    "OPEN_MONITORS",
     "TRAINING_RULES",
     "TRAINING_STALL_SECONDS",
     "HandlerWorker",
@@ -160,24 +156,3 @@ class HandlerWorker:
             pass
         if self._thread is not threading.current_thread():
             self._thread.join(2.0)
-
-
-class _Closable(Protocol):
-    def close(self, timeout: float = 5.0) -> None: ...
-
-
-#: Monitors whose stream this process opened, closed at interpreter exit; a forked child starts with none.
-OPEN_MONITORS: weakref.WeakSet[_Closable] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_monitors() -> None:
-    for monitor in list(OPEN_MONITORS):
-        try:
-            monitor.close(timeout=2.0)
-        except Exception:
-            pass
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=OPEN_MONITORS.clear)

@@ -17,8 +17,8 @@ import keras
 
 from smiquery._log import get_logger
 from smiquery.training.memory import TensorFlowMemory
+from smiquery.training.monitor import MonitorView
 from smiquery.training.outputs import run_monitor
-from smiquery.training.view import MonitorView
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, AlertHandler, Rule

@@ -20,8 +20,8 @@ except ImportError:  # the standalone package
         ) from exc
 
 from smiquery.training.memory import TorchMemory
+from smiquery.training.monitor import MonitorView
 from smiquery.training.outputs import run_monitor
-from smiquery.training.view import MonitorView
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, AlertHandler, Rule

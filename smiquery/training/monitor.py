@@ -8,12 +8,14 @@ The Keras and Lightning callbacks and :func:`~smiquery.training.watch.watch` onl
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -33,7 +35,7 @@ from smiquery.training.epochs import (
     summary_spec,
     throughput_values,
 )
-from smiquery.training.events import OPEN_MONITORS, TRAINING_RULES, HandlerWorker, Position, TrainingAlert
+from smiquery.training.events import TRAINING_RULES, HandlerWorker, Position, TrainingAlert
 from smiquery.training.memory import FrameworkMemory, GapWatch, MemoryView, framework_values, gap_note, growth_event
 from smiquery.training.share import ShareTracker
 
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
     from smiquery.sources.latest import Latest
     from smiquery.sources.pmon import ProcessShare
 
-__all__ = ["Output", "RunMonitor", "Totals"]
+__all__ = ["OPEN_MONITORS", "MonitorView", "Output", "RunMonitor", "Totals"]
 
 log = get_logger("smiquery.training.monitor")
 
@@ -775,3 +777,55 @@ def _is_rejection(exc: BaseException) -> bool:
     from smiquery.errors import InvalidArgumentError, InvalidFieldError
 
     return isinstance(exc, (InvalidArgumentError, InvalidFieldError))
+
+
+#: Monitors whose stream this process opened, closed at interpreter exit; a forked child starts with none.
+OPEN_MONITORS: weakref.WeakSet[RunMonitor] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_monitors() -> None:
+    for monitor in list(OPEN_MONITORS):
+        try:
+            monitor.close(timeout=2.0)
+        except Exception:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=OPEN_MONITORS.clear)
+
+
+class MonitorView:
+    """Read-only views of ``self.monitor``, the same in every framework's callback and in a plain loop's watch."""
+
+    monitor: RunMonitor
+
+    @property
+    def alerts(self) -> list[TrainingAlert]:
+        """The alerts of the current (or last) run, with their training position."""
+        return self.monitor.alerts
+
+    @property
+    def epochs(self) -> list[dict[str, float]]:
+        """Per epoch, the numbers added to the framework's logs (or handed to ``on_epoch``)."""
+        return self.monitor.epochs
+
+    @property
+    def notes(self) -> list[str]:
+        """Messages said once (monitoring unavailable, rules dropped, framework view missing, growing gap)."""
+        return self.monitor.notes
+
+    @property
+    def cost(self) -> dict[str, float]:
+        """What monitoring cost in the last run (see :attr:`RunMonitor.cost`)."""
+        return self.monitor.cost
+
+    @property
+    def running(self) -> bool:
+        """True while the background nvidia-smi is being read."""
+        return self.monitor.running
+
+    def latest(self) -> dict[int, GpuSample]:
+        """The newest sample of each watched GPU (by nvidia-smi index)."""
+        return self.monitor.latest()

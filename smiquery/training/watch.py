@@ -7,9 +7,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from smiquery._log import get_logger
-from smiquery.training.monitor import RunMonitor
+from smiquery.training.monitor import MonitorView, RunMonitor
 from smiquery.training.outputs import run_monitor
-from smiquery.training.view import MonitorView
 
 __all__ = ["Watch", "watch"]
 
