@@ -14,14 +14,7 @@ from smiquery.alerts import BUILTIN_RULES, AlertEvent
 if TYPE_CHECKING:
     from smiquery.alerts import Notifier
 
-__all__ = [
-    "TRAINING_RULES",
-    "TRAINING_STALL_SECONDS",
-    "HandlerWorker",
-    "Position",
-    "TrainingAlert",
-    "stall_rule",
-]
+__all__ = ["TRAINING_RULES", "TRAINING_STALL_SECONDS", "HandlerWorker", "Position", "TrainingAlert", "stall_rule"]
 
 _EVENT_QUEUE = 1000
 
@@ -100,13 +93,7 @@ class TrainingAlert:
 
     def context(self) -> dict[str, Any]:
         """The context as handlers receive it."""
-        return {
-            "epoch": self.epoch,
-            "batch": self.batch,
-            "step": self.step,
-            "learning_rate": self.learning_rate,
-            "phase": self.phase,
-        }
+        return {name: getattr(self, name) for name in ("epoch", "batch", "step", "learning_rate", "phase")}
 
     def to_dict(self) -> dict[str, Any]:
         """The event and its context as one JSON-ready dict."""

@@ -68,13 +68,12 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
     Args:
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions; None for the training defaults, ``()`` for none.
+        alerts: rules or ``--alert`` expressions (default the training rules).
         handlers: where alert events go (default: a log line).
         log_every: ``"epoch"``, or ``"batch"`` to add the newest sample to every batch's logs as well.
         framework_memory: read TensorFlow's per-GPU allocation and report the gap to the driver's figure.
         batch_size: samples per step (default: ``fit``'s ``batch_size`` when it was given).
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``nvidia_smi``, ``gpus``,
-            ``record``, ``metrics_port``, ``pushgateway``, ``kernel_log``, ``process_share``...).
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor`.
 
     Raises:
         ValueError: ``log_every`` or ``interval`` is invalid.

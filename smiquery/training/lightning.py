@@ -62,13 +62,12 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
     Args:
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions; None for the training defaults, ``()`` for none.
+        alerts: rules or ``--alert`` expressions (default the training rules).
         handlers: where alert events go (default: a log line).
         log_every: ``"epoch"``, or ``"batch"`` to log the newest sample at every step as well.
         prefix: put before every logged key (``"gpu/"`` groups them in TensorBoard).
         framework_memory: read PyTorch's allocated, peak and reserved memory per device.
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``nvidia_smi``, ``gpus``,
-            ``record``, ``metrics_port``, ``pushgateway``, ``kernel_log``, ``process_share``...).
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor`.
     """
 
     def __init__(

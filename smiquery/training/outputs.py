@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
 
-__all__ = ["Recording", "run_monitor"]
+__all__ = ["METRICS_KEYWORDS", "Recording", "run_monitor"]
 
 log = get_logger("smiquery.training.outputs")
 
@@ -67,18 +67,15 @@ class Recording:
                 log.exception("smiquery: closing the recording failed")
 
 
+#: The keywords of :func:`run_monitor` that go to the job's :class:`~smiquery.training.metrics.JobMetrics`.
+METRICS_KEYWORDS = ("metrics_port", "metrics_addr", "web_config", "pushgateway", "push_interval", "job", "run_id")
+
+
 def run_monitor(
     fields: str | Sequence[str] | None = None,
     interval: float = 1.0,
     *,
     record: str | os.PathLike[str] | None = None,
-    metrics_port: int | None = None,
-    metrics_addr: str = "127.0.0.1",
-    web_config: str | os.PathLike[str] | None = None,
-    pushgateway: str | None = None,
-    push_interval: float = 15.0,
-    job: str = "training",
-    run_id: str | None = None,
     kernel_log: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> RunMonitor:
@@ -88,17 +85,11 @@ def run_monitor(
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
         record: a :class:`Recording` of every sample to this file.
-        metrics_port: serve the job's :class:`~smiquery.training.metrics.JobMetrics` on this port.
-        metrics_addr: the address to bind for ``metrics_port`` (default 127.0.0.1).
-        web_config: an exporter-toolkit web-config file (TLS, basic auth) for ``metrics_port``.
-        pushgateway: push the job's metrics to this Pushgateway URL.
-        push_interval: seconds between pushes.
-        job: the ``job`` label of pushed metrics.
-        run_id: the ``run`` label of the job's metrics (default ``SMIQUERY_RUN_ID``, else a new random id).
         kernel_log: follow this kernel log (``/dev/kmsg``...): each Xid on a watched GPU becomes an alert
             (a :class:`~smiquery.training.xid.KernelLog`).
-        **options: the monitor's own arguments (``alerts``, ``handlers``, ``log_every``, ``nvidia_smi``, ``gpus``,
-            ``framework``, ``process_share``, ``first_sample_timeout``...).
+        **options: :data:`METRICS_KEYWORDS` (``metrics_port=``, ``pushgateway=``...: the job's
+            :class:`~smiquery.training.metrics.JobMetrics`, served and/or pushed), and the monitor's own arguments
+            (``alerts``, ``handlers``, ``log_every``, ``nvidia_smi``, ``gpus``, ``framework``, ``process_share``...).
 
     Raises:
         ValueError: an argument is invalid.
@@ -107,9 +98,9 @@ def run_monitor(
         InvalidRuleError: an alert expression cannot be parsed.
     """
     outputs: list[Output] = [] if record is None else [Recording(record)]
-    # checked even when unused: a bad web-config file is a mistake to fix before training, not a warning after it
-    metrics = JobMetrics(metrics_port, metrics_addr, web_config, pushgateway, push_interval, job, run_id)
-    if metrics_port is not None or pushgateway is not None:
+    # made even when unused: a bad web-config file is a mistake to fix before training, not a warning after it
+    metrics = JobMetrics(**{k: options.pop(k) for k in METRICS_KEYWORDS if k in options})
+    if metrics.metrics_port is not None or metrics.pushgateway is not None:
         outputs.append(metrics)
     if kernel_log:
         outputs.append(KernelLog(kernel_log))
