@@ -35,6 +35,7 @@ __all__ = [
 _GAP_GROWTH_MIB = 256.0
 _GAP_EPOCHS = 3
 _MIB = 2.0**20
+_NO_GAP = "the driver-vs-framework memory gap is not reported"
 
 
 @dataclass(frozen=True)
@@ -152,13 +153,10 @@ class TorchMemory:
         try:
             import torch
         except Exception as exc:
-            return f"cannot import torch ({exc}): the driver-vs-framework memory gap is not reported"
+            return f"cannot import torch ({exc}): {_NO_GAP}"
         if not torch.cuda.is_available():
             build = "a CPU-only build" if not torch.version.cuda else "unable to use CUDA here"
-            return (
-                f"PyTorch is {build} while nvidia-smi sees GPUs: training runs on the CPU and the "
-                "driver-vs-framework memory gap is not reported"
-            )
+            return f"PyTorch is {build} while nvidia-smi sees GPUs: training runs on the CPU and {_NO_GAP}"
         return None
 
     def read(self) -> list[MemoryView]:
@@ -191,12 +189,11 @@ class TensorFlowMemory:
         try:
             import keras
         except Exception as exc:
-            return f"cannot import keras ({exc}): the driver-vs-framework memory gap is not reported"
+            return f"cannot import keras ({exc}): {_NO_GAP}"
         backend = keras.backend.backend()
         if backend != "tensorflow":
             return (
-                f"the Keras backend is {backend}: the framework's memory view is read only with TensorFlow; "
-                "the driver-vs-framework memory gap is not reported"
+                f"the Keras backend is {backend}: the framework's memory view is read only with TensorFlow; {_NO_GAP}"
             )
         try:
             import tensorflow as tf
@@ -210,12 +207,11 @@ class TensorFlowMemory:
         if not cuda:
             return (
                 "TensorFlow is a CPU-only build (tf.test.is_built_with_cuda() is False) while nvidia-smi sees GPUs: "
-                "this training runs on the CPU (install the CUDA build, e.g. tensorflow[and-cuda]); "
-                "the driver-vs-framework memory gap is not reported"
+                f"this training runs on the CPU (install the CUDA build, e.g. tensorflow[and-cuda]); {_NO_GAP}"
             )
         return (
             "TensorFlow sees no GPU although nvidia-smi does (CUDA_VISIBLE_DEVICES, or CUDA libraries that do not "
-            "match the driver; see TensorFlow's start-up log): the driver-vs-framework memory gap is not reported"
+            f"match the driver; see TensorFlow's start-up log): {_NO_GAP}"
         )
 
     def read(self) -> list[MemoryView]:

@@ -38,9 +38,8 @@ class Watch(MonitorView):
 
     def step(self, epoch: int | None = None, batch: int | None = None, *, samples: int | None = None) -> None:
         """One step is done (see :meth:`RunMonitor.step`); a new ``epoch`` summarises the previous one."""
-        if epoch is not None and self._epoch is not None and epoch != self._epoch:
-            self.end_epoch()
         if epoch is not None and epoch != self._epoch:
+            self.end_epoch()  # the previous one, if any
             self._epoch = epoch
             self.monitor.begin_epoch(epoch)
         self.monitor.step(None, batch, samples=samples)
