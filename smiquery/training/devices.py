@@ -1,7 +1,7 @@
 """Which GPUs a training process sees: ``CUDA_VISIBLE_DEVICES`` read the way CUDA reads it, mapped to nvidia-smi.
 
 CUDA numbers GPUs fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; nvidia-smi numbers them by PCI bus. The two
-agree on a host whose GPUs are all one model; on a mixed host :class:`OrderCheck` finds the GPUs the job really
+agree on a host whose GPUs are all one model; on a mixed host :func:`order_check` finds the GPUs the job really
 runs on (its processes in ``--query-compute-apps``) or says that the mapping needs ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
 """
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from smiquery.sources.apps import GpuProcess
     from smiquery.sources.latest import Latest
 
-__all__ = ["OrderCheck", "VisibleDevices", "job_devices", "visible_devices"]
+__all__ = ["VisibleDevices", "job_devices", "order_check", "visible_devices"]
 
 _UUID_PREFIX_RE = re.compile(r"GPU-[0-9a-fA-F-]+")
 _FULL_UUID_RE = re.compile(r"GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
@@ -89,20 +89,11 @@ class VisibleDevices:
 
 
 def visible_devices(env: Mapping[str, str] | None = None) -> VisibleDevices:
-    """Read ``CUDA_VISIBLE_DEVICES`` the way CUDA does.
+    """Read ``CUDA_VISIBLE_DEVICES`` of ``env`` (default ``os.environ``) the way CUDA does.
 
-    Entries are indices or UUIDs (whole or a unique prefix such as ``GPU-8932f937``); CUDA stops at the first
-    invalid entry (``"0,2,-1,3"`` means 0 and 2), and ``""`` or ``-1`` hides every GPU. Indices follow
-    nvidia-smi's (PCI bus) order only when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or the GPUs are all the same model;
-    CUDA's default order puts the fastest GPU first (see :class:`OrderCheck`). MIG instances (``MIG-...``) cannot be
-    mapped to their parent GPU from the variable alone; then every GPU is watched and :attr:`VisibleDevices.note`
-    says why.
-
-    Args:
-        env: the environment to read (default ``os.environ``).
-
-    Returns:
-        The visible devices.
+    Entries are indices or UUIDs (whole or a unique prefix); CUDA stops at the first invalid entry (``"0,2,-1,3"``
+    means 0 and 2), and ``""`` or ``-1`` hides every GPU. MIG instances (``MIG-...``) do not tell their parent GPU:
+    then every GPU is watched and :attr:`VisibleDevices.note` says why.
     """
     environ = os.environ if env is None else env
     raw = environ.get("CUDA_VISIBLE_DEVICES")
@@ -135,18 +126,11 @@ def visible_devices(env: Mapping[str, str] | None = None) -> VisibleDevices:
 def job_devices(
     cuda: VisibleDevices, gpus: Mapping[int, tuple[str, str]], apps: Iterable[GpuProcess], mine: Iterable[int]
 ) -> tuple[VisibleDevices | None, str, bool]:
-    """Which GPUs a job whose ``CUDA_VISIBLE_DEVICES`` names indices in CUDA's default order really uses.
+    """Which GPUs a job whose ``CUDA_VISIBLE_DEVICES`` (``cuda``) names indices in CUDA's default order uses.
 
-    Args:
-        cuda: what the job's environment says.
-        gpus: every GPU nvidia-smi lists: index -> (UUID, name).
-        apps: the compute processes on them.
-        mine: the job's own pids (this process and its descendants).
-
-    Returns:
-        ``(watch, message, final)``: the GPUs to watch instead (None: keep the indices), what to say (``""``:
-        nothing) and whether it is settled. One model: nothing to change. Mixed models with the job's processes
-        on some GPUs: those GPUs, said. Mixed models and none of the job's processes yet: the warning, not final.
+    ``gpus`` maps every nvidia-smi index to (UUID, name), ``apps`` are the compute processes, ``mine`` the job's pids.
+    Returns ``(watch, message, final)``: the GPUs to watch instead (None: keep the indices), what to say (``""``:
+    nothing) and whether it is settled (not while the job has no process on a GPU of a mixed host).
     """
     names = sorted({name for _uuid, name in gpus.values()})
     if len(names) <= 1:
@@ -175,54 +159,33 @@ def job_devices(
     )
 
 
-class OrderCheck:
-    """Polls nvidia-smi (its GPUs' names, then the compute processes) until :func:`job_devices` is settled.
+def order_check(
+    cuda: VisibleDevices,
+    nvidia_smi: str | os.PathLike[str] | None,
+    decided: Callable[[VisibleDevices | None, str, bool], None],
+    interval: float = 2.0,
+) -> Latest[tuple[VisibleDevices | None, str, bool]]:
+    """A poller (not started) of the GPUs' names, then the compute processes, until :func:`job_devices` settles.
 
-    Args:
-        cuda: what the job's environment says.
-        nvidia_smi: the binary.
-        decided: called from the poller's thread with each answer of :func:`job_devices`.
-        interval: seconds between looks while the job's processes are not on a GPU yet.
+    ``decided`` gets each answer on the poller's thread; ``interval``: seconds between looks.
     """
+    from smiquery.sources.apps import processes
+    from smiquery.sources.latest import Latest
+    from smiquery.sources.query_gpu import query
+    from smiquery.training.share import own_pids
 
-    def __init__(
-        self,
-        cuda: VisibleDevices,
-        nvidia_smi: str | os.PathLike[str] | None,
-        decided: Callable[[VisibleDevices | None, str, bool], None],
-        interval: float = 2.0,
-    ) -> None:
-        from smiquery.sources.latest import Latest
-
-        self.cuda = cuda
-        self.nvidia_smi = nvidia_smi
-        self._decided = decided
-        self._poller: Latest[tuple[VisibleDevices | None, str, bool]] = Latest(
-            self._look, interval, name="gpu-order", on_value=self._answer
-        )
-
-    def _look(self) -> tuple[VisibleDevices | None, str, bool]:
-        from smiquery.sources.apps import processes
-        from smiquery.sources.query_gpu import query
-        from smiquery.training.share import own_pids
-
-        rows = query(["index", "uuid", "name"], nvidia_smi=self.nvidia_smi)
+    def look() -> tuple[VisibleDevices | None, str, bool]:
+        rows = query(["index", "uuid", "name"], nvidia_smi=nvidia_smi)
         gpus = {s.index: (s.uuid or "", str(s.get("name") or "")) for s in rows if s.index is not None}
         if len({name for _uuid, name in gpus.values()}) <= 1:
             return None, "", True
-        apps = processes(nvidia_smi=self.nvidia_smi)
-        return job_devices(self.cuda, gpus, apps, own_pids(p.pid for p in apps))
+        apps = processes(nvidia_smi=nvidia_smi)
+        return job_devices(cuda, gpus, apps, own_pids(p.pid for p in apps))
 
-    def _answer(self, answer: tuple[VisibleDevices | None, str, bool]) -> None:
-        self._decided(*answer)
-        if answer[2]:
-            self._poller.close()
+    def answer(got: tuple[VisibleDevices | None, str, bool]) -> None:
+        decided(*got)
+        if got[2]:
+            poller.close()
 
-    def start(self) -> OrderCheck:
-        """Look now and every ``interval`` seconds until settled or closed."""
-        self._poller.start()
-        return self
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop looking."""
-        self._poller.close(timeout)
+    poller: Latest[tuple[VisibleDevices | None, str, bool]] = Latest(look, interval, name="gpu-order", on_value=answer)
+    return poller

@@ -53,33 +53,19 @@ class _Acc:
         self.total = 0.0
         self.max = -math.inf
 
-    def add(self, x: float) -> None:
-        self.n += 1
-        self.total += x
-        if x > self.max:
-            self.max = x
-
     def value(self, stat: str) -> float:
-        if not self.n:
-            return math.nan
         return self.total / self.n if stat == "mean" else self.max
 
 
 def number(value: object) -> float | None:
-    """A float from a sample value; None for missing, text or anything else that is not a number."""
-    if value is None or isinstance(value, str):
-        return None
-    if isinstance(value, bool):
-        return 1.0 if value else 0.0
+    """A float from a sample value (a bool counts 1 or 0); None for missing, text or anything else."""
     if isinstance(value, (int, float)):
         return float(value)
     return None
 
 
 class EpochAccumulator:
-    """The running sums of one epoch: per GPU and field count/sum/max, energy in joules, sweeps seen.
-
-    Constant memory whatever the epoch's length; fed by the reading thread, read once at the epoch's end.
+    """The running sums of one epoch (constant memory): per GPU and field count/sum/max, joules, sweeps seen.
 
     Args:
         summary: (field, log key suffix, statistic) triples to keep.
@@ -93,22 +79,16 @@ class EpochAccumulator:
         self.joules: dict[int, float] = {}
         self.sweeps = 0
 
-    def add(self, idx: int, sample: GpuSample, seconds: float | None) -> None:
-        """Add one sample of GPU ``idx``; ``seconds`` since that GPU's previous sample integrates ``power.draw``."""
-        accs = self.accs.get(idx)
-        if accs is None:
-            accs = self.accs[idx] = {}
+    def add(self, idx: int, sample: GpuSample) -> None:
+        """Add one sample of GPU ``idx``."""
+        accs = self.accs.setdefault(idx, {})
         for name, _suffix, _stat in self.summary:
             v = number(sample.get(name))
             if v is not None:
-                acc = accs.get(name)
-                if acc is None:
-                    acc = accs[name] = _Acc()
-                acc.add(v)
-        if seconds is not None:
-            watts = number(sample.get("power.draw"))
-            if watts is not None:
-                self.joules[idx] = self.joules.get(idx, 0.0) + watts * seconds
+                acc = accs.get(name) or accs.setdefault(name, _Acc())
+                acc.n += 1
+                acc.total += v
+                acc.max = max(acc.max, v)
 
     def values(self, order: Sequence[int], latest: Mapping[int, GpuSample] | None = None) -> dict[str, float]:
         """The log keys for the GPUs in ``order``: NaN where the epoch had no value.
@@ -123,18 +103,14 @@ class EpochAccumulator:
             last = latest.get(idx) if latest is not None and not accs else None
             for name, suffix, stat in self.summary:
                 a = accs.get(name)
-                if a is not None and a.n:
-                    v = a.value(stat)
-                else:
-                    x = number(last.get(name)) if last is not None else None
-                    v = math.nan if x is None else x
-                out[f"gpu{idx}_{suffix}"] = v
+                x = a.value(stat) if a is not None else number(last.get(name)) if last is not None else None
+                out[f"gpu{idx}_{suffix}"] = math.nan if x is None else x
             joules = self.joules.get(idx)
             out[f"gpu{idx}_energy_wh"] = math.nan if joules is None else joules / 3600.0
         return out
 
     def add_joules(self, idx: int, joules: float) -> None:
-        """Add energy of GPU ``idx`` to this epoch (a share of an interval, split at an epoch boundary)."""
+        """Add energy of GPU ``idx`` to this epoch."""
         self.joules[idx] = self.joules.get(idx, 0.0) + joules
 
     def merge(self, other: EpochAccumulator) -> None:
@@ -147,12 +123,11 @@ class EpochAccumulator:
                 m.total += a.total
                 m.max = max(m.max, a.max)
         for idx, j in other.joules.items():
-            self.joules[idx] = self.joules.get(idx, 0.0) + j
+            self.add_joules(idx, j)
         self.sweeps += other.sweeps
 
 
-#: The owner of the time between one epoch's end and the next one's beginning: its energy counts in the run's total
-#: only, so that an epoch's energy is that of its own span.
+#: The owner of the time between two epochs: its energy counts in the run's total only.
 BETWEEN = -1
 
 Owner = int | None
@@ -161,14 +136,11 @@ Owner = int | None
 class EnergySplitter:
     """Per GPU, integrates ``power.draw`` over nvidia-smi's timestamps and splits each interval at epoch boundaries.
 
-    Times are wall-clock seconds (nvidia-smi's timestamp of each sample; the training side marks an epoch's
-    beginning and end with ``time.time()``, the same clock on the same host). A sample's power stands for the
-    interval since that GPU's previous sample; where a mark falls inside it, each owner gets its part. At an epoch's
-    end, :meth:`tail` credits the newest power up to the end (the sample covering it arrives later), so that the
-    epoch's figure is whole when it is logged; the next sample counts only what is left. Before a GPU's first sample
-    nothing is measured: once the run's start is known (:meth:`start`), the first sample's power is held back to it,
-    or to the end of the last epoch already logged (nvidia-smi takes a moment to start; without this the first epoch
-    lost that moment), and :attr:`held` says for how long, per owner.
+    Times are wall-clock seconds (nvidia-smi's timestamps; the training side marks epochs with ``time.time()``). A
+    sample's power stands for the interval since that GPU's previous sample, split between the owners of the marks
+    inside it. At an epoch's end :meth:`tail` credits the newest power up to the end, so that the logged figure is
+    whole; the next sample counts only what is left. A GPU's first sample's power is held back to the run's start
+    (:meth:`start`) or the end of the last epoch logged; :attr:`held` says for how long, per owner.
 
     Args:
         interval: the sampling interval: a step back in the timestamps counts 0, a jump over ``max(3 * interval,
@@ -185,8 +157,7 @@ class EnergySplitter:
         self.credited: dict[int, float] = {}
         self.marks: list[tuple[float, Owner]] = []
         self.began: float | None = None
-        #: seconds whose energy is a first sample's power held back to the run's start, per owner (the longest of
-        #: the GPUs)
+        #: seconds of a first sample's power held back, per owner (the longest of the GPUs)
         self.held: dict[Owner, float] = {}
 
     def start(self, wall: float) -> None:
@@ -214,13 +185,9 @@ class EnergySplitter:
         return parts
 
     def sample(self, idx: int, wall: float, watts: float | None, default: Owner) -> list[tuple[Owner, float]]:
-        """Energy of the interval ending at this sample of GPU ``idx``, as (owner, joules) parts.
+        """Energy of the interval ending at this sample of GPU ``idx`` (at ``wall``), as (owner, joules) parts.
 
-        Args:
-            idx: the GPU.
-            wall: the sample's time (nvidia-smi's timestamp).
-            watts: its ``power.draw``; None when not known (the interval counts nothing).
-            default: the owner before any mark (the epoch the sample arrived in).
+        ``watts`` None counts nothing; ``default`` owns the time before any mark (the epoch the sample arrived in).
         """
         prev = self.last.get(idx)
         self.last[idx] = wall
@@ -283,18 +250,9 @@ def summary_spec(extra: Iterable[Field]) -> list[tuple[str, str, str]]:
 def throughput_values(
     energy_wh: float, steps: int, samples: int | None, seconds: float, data_wait: float | None
 ) -> dict[str, float]:
-    """The job-level keys of one epoch: total energy, steps and samples per joule, data-wait time and share.
+    """The job-level keys of one epoch (``seconds`` is its wall time, ``energy_wh`` NaN when unknown).
 
-    Args:
-        energy_wh: energy of every watched GPU over the epoch (NaN when unknown).
-        steps: optimizer steps in the epoch.
-        samples: training samples in the epoch, when known.
-        seconds: the epoch's wall time.
-        data_wait: seconds spent between steps (waiting for input), when measured.
-
-    Returns:
-        ``energy_wh``, ``steps_per_joule``, ``samples_per_joule`` (when samples are known), ``data_wait_s`` and
-        ``data_wait_frac`` (when measured).
+    ``energy_wh``, ``steps_per_joule``, and where known ``samples_per_joule``, ``data_wait_s``, ``data_wait_frac``.
     """
     joules = energy_wh * 3600.0
     ok = joules > 0 and not math.isnan(joules)

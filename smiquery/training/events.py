@@ -2,56 +2,37 @@
 
 from __future__ import annotations
 
-import atexit
-import os
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from smiquery.alerts import BUILTIN_RULES, AlertEvent
 
 if TYPE_CHECKING:
     from smiquery.alerts import Notifier
 
-__all__ = [
-    "OPEN_MONITORS",
-    "TRAINING_RULES",
-    "TRAINING_STALL_SECONDS",
-    "HandlerWorker",
-    "Position",
-    "TrainingAlert",
-    "stall_rule",
-]
+__all__ = ["TRAINING_RULES", "TRAINING_STALL_SECONDS", "HandlerWorker", "Position", "TrainingAlert", "stall_rule"]
 
 _EVENT_QUEUE = 1000
 
 
-#: Seconds of low utilisation (with memory held) after which the training monitor calls it a data-pipeline stall.
-#: The condition itself is the one ``smiquery report`` calls a stall (see :func:`stall_rule`); a minute is long
-#: enough to ignore a checkpoint or an evaluation pass and short enough to be useful during a run.
+#: Seconds of ``smiquery report``'s stall condition after which the training monitor alerts: long enough to ignore a
+#: checkpoint or an evaluation pass, short enough to be useful during a run.
 TRAINING_STALL_SECONDS = 60.0
 
 
 def stall_rule(seconds: float = TRAINING_STALL_SECONDS) -> str:
-    """The stall alert as an expression: ``smiquery report``'s stall condition held for ``seconds``.
-
-    Args:
-        seconds: how long utilisation must stay low.
-
-    Returns:
-        For example ``"utilization.gpu < 20 for 60s while memory.used >= 1024"``.
-    """
+    """The stall alert: ``smiquery report``'s stall condition held for ``seconds``, as an expression."""
     from smiquery.alerts.rules import STALL
 
     return f"utilization.gpu < {STALL.utilization:g} for {seconds:g}s while memory.used >= {STALL.busy_memory_mib:g}"
 
 
-#: The default rules of a training monitor: the built-in health rules, with the 30-minute idle rule (meant for a
-#: fleet) replaced by the one-minute data-pipeline stall of :func:`stall_rule`.
+#: The default rules of a training monitor: the built-in health rules, the fleet's 30-minute idle rule replaced by
+#: :func:`stall_rule`.
 TRAINING_RULES: tuple[str, ...] = (
     *(r for r in BUILTIN_RULES if not r.startswith("utilization.gpu <")),
     stall_rule(),
@@ -76,15 +57,15 @@ class Position(NamedTuple):
 
 @dataclass(frozen=True)
 class TrainingAlert:
-    """An alert event with where training was when its sample arrived.
+    """An alert event with where training was when its sample arrived (see :class:`Position`).
 
     Attributes:
         event: the alert event (rule, GPU, value, state, duration).
         epoch: the epoch (0-based) or None before the first epoch began.
-        batch: steps taken in this epoch when the sample arrived, if known.
+        batch: steps taken in this epoch, if known.
         step: steps taken since training began (the framework's count where it has one).
         learning_rate: the learning rate at that moment, if the adapter can read it.
-        phase: ``"train"``, ``"validation"``, ``"setup"`` (before the first epoch) or ``"done"``.
+        phase: ``"train"``, ``"validation"``, ``"setup"`` or ``"done"``.
     """
 
     event: AlertEvent
@@ -98,10 +79,7 @@ class TrainingAlert:
     def at(
         cls, event: AlertEvent, pos: Position, extra: Callable[[], Mapping[str, Any]] | None = None
     ) -> TrainingAlert:
-        """The event where training was at ``pos``.
-
-        ``extra`` is the framework adapter's context: it may add the learning rate and its own step count.
-        """
+        """The event where training was at ``pos``; ``extra`` may add the learning rate and the framework's step."""
         lr: float | None = None
         step: int | None = pos.step
         if extra is not None:
@@ -115,13 +93,7 @@ class TrainingAlert:
 
     def context(self) -> dict[str, Any]:
         """The context as handlers receive it."""
-        return {
-            "epoch": self.epoch,
-            "batch": self.batch,
-            "step": self.step,
-            "learning_rate": self.learning_rate,
-            "phase": self.phase,
-        }
+        return {name: getattr(self, name) for name in ("epoch", "batch", "step", "learning_rate", "phase")}
 
     def to_dict(self) -> dict[str, Any]:
         """The event and its context as one JSON-ready dict."""
@@ -132,7 +104,7 @@ class HandlerWorker:
     """Alert handlers on their own thread behind a bounded queue, so that a slow webhook delays nothing.
 
     Args:
-        notifier: the notifier whose handlers get each event, read at dispatch (a monitor may replace it).
+        notifier: returns the notifier whose handlers get each event (read at dispatch: a monitor may replace it).
     """
 
     def __init__(self, notifier: Callable[[], Notifier | None]) -> None:
@@ -171,25 +143,3 @@ class HandlerWorker:
             pass
         if self._thread is not threading.current_thread():
             self._thread.join(2.0)
-
-
-class _Closable(Protocol):
-    def close(self, timeout: float = 5.0) -> None: ...
-
-
-#: Monitors whose stream this process opened: closed at interpreter exit, so that no nvidia-smi outlives the process.
-#: A forked child (a data-loader worker) starts with none: the parent's monitors are the parent's to close.
-OPEN_MONITORS: weakref.WeakSet[_Closable] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_monitors() -> None:
-    for monitor in list(OPEN_MONITORS):
-        try:
-            monitor.close(timeout=2.0)
-        except Exception:
-            pass
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=OPEN_MONITORS.clear)

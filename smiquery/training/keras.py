@@ -1,27 +1,24 @@
 """A Keras callback that watches the GPUs during ``model.fit``: :class:`GpuMonitor` (``pip install 'smiquery[keras]'``).
 
-A thin adapter over :class:`smiquery.training.monitor.RunMonitor` (one nvidia-smi, per-epoch aggregation, alerts
-with the training position, recording, metrics): this module only maps Keras's hooks; TensorFlow's memory view is
-:class:`smiquery.training.memory.TensorFlowMemory`.
-``import smiquery`` never imports this module (it imports Keras).
+It only maps Keras's hooks onto :class:`smiquery.training.monitor.RunMonitor`. ``import smiquery`` never imports
+this module (it imports Keras).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import FrameType
+from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
 import keras
 
 from smiquery._log import get_logger
 from smiquery.training.memory import TensorFlowMemory
+from smiquery.training.monitor import MonitorView
 from smiquery.training.outputs import run_monitor
-from smiquery.training.view import MonitorView
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, AlertHandler, Rule
@@ -53,25 +50,15 @@ def _scalar(value: Any) -> float | None:
 class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
     """Watches the GPUs while ``model.fit`` runs and writes what it saw into the epoch logs.
 
-    At ``on_train_begin`` it starts ONE background nvidia-smi in loop mode; a thread reads its sweeps, stamps each
-    with the epoch and batch at the moment it arrived and sums it into that epoch (constant memory); alert
-    handlers run on their own thread. At ``on_train_end`` the child is stopped and reaped. Keras does not call
-    ``on_train_end`` when ``fit`` (or a custom loop driving a ``CallbackList``) raises, so a watchdog notices that
-    the loop has left the stack and stops it then, within 0.2 s. The batch hooks only count steps and time the gap
-    between them (data wait); nvidia-smi is never called per batch.
+    ``on_train_begin`` starts ONE background nvidia-smi, ``on_train_end`` stops and reaps it; when ``fit`` (or a
+    custom loop driving a ``CallbackList``) raises, Keras skips ``on_train_end``, so a watchdog notices the loop
+    leaving the stack and stops it within 0.2 s. The batch hooks only count steps and time the data wait.
 
-    Per epoch it adds the keys of :class:`~smiquery.training.monitor.RunMonitor` to ``logs`` (so ``History``,
-    ``CSVLogger`` and ``TensorBoard`` record them): ``gpuN_util_mean``, ``gpuN_util_max``, ``gpuN_temp_max``,
-    ``gpuN_mem_used_max_mib``, ``gpuN_power_mean_w``, ``gpuN_energy_wh``, the extra fields, TensorFlow's view
-    (``gpuN_mem_framework_mib`` and ``_peak_mib``, ``gpuN_mem_gap_mib``: driver-used minus TensorFlow's peak), and
-    ``energy_wh``, ``steps_per_joule``, ``samples_per_joule``, ``data_wait_s``, ``data_wait_frac``. List
-    ``GpuMonitor`` before the callbacks that read logs (``CSVLogger``, ``TensorBoard``); it warns once otherwise.
-
-    With ``log_every="batch"`` each batch's logs also get ``gpuN_util``, ``gpuN_temp``, ``gpuN_mem_used_mib`` and
-    ``gpuN_power_w`` (the newest sample, prepared off the training thread).
-
-    When an alert fires or clears, the handlers get the event with its context: epoch, batch, step, learning
-    rate and phase at the moment the sample arrived (see :class:`~smiquery.training.events.TrainingAlert`).
+    Each epoch's logs get the keys of :class:`~smiquery.training.monitor.RunMonitor` (so ``History``, ``CSVLogger``
+    and ``TensorBoard`` record them), with TensorFlow's memory view; list ``GpuMonitor`` before the callbacks that
+    read logs (it warns once otherwise). With ``log_every="batch"`` each batch's logs also get ``gpuN_util``,
+    ``gpuN_temp``, ``gpuN_mem_used_mib`` and ``gpuN_power_w``. Alert handlers get the epoch, batch, step, learning
+    rate and phase at the sample's arrival (:class:`~smiquery.training.events.TrainingAlert`).
 
     Example::
 
@@ -79,20 +66,14 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         model.fit(x, y, epochs=10, callbacks=[monitor, keras.callbacks.CSVLogger("train.csv")])
 
     Args:
-        fields: extra fields to summarise per epoch (names or a comma list), beyond the built-in summary.
+        fields: extra fields to summarise per epoch.
         interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.training.events.TRAINING_RULES`, ``()``
-            for none.
-        handlers: where alert events go (default: a :class:`~smiquery.alerts.LogHandler`).
+        alerts: rules or ``--alert`` expressions (default the training rules).
+        handlers: where alert events go (default: a log line).
         log_every: ``"epoch"``, or ``"batch"`` to add the newest sample to every batch's logs as well.
-        nvidia_smi: path of nvidia-smi.
-        gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
         framework_memory: read TensorFlow's per-GPU allocation and report the gap to the driver's figure.
-        batch_size: samples per step, for ``samples_per_joule`` and the samples counter (default: ``fit``'s
-            ``batch_size`` when it was given).
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``record``, ``metrics_port``,
-            ``pushgateway``, ``kernel_log``, ``first_sample_timeout``, ``process_share`` for ``gpuN_share`` and
-            ``gpuN_other_processes``...).
+        batch_size: samples per step (default: ``fit``'s ``batch_size`` when it was given).
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor`.
 
     Raises:
         ValueError: ``log_every`` or ``interval`` is invalid.
@@ -111,38 +92,25 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         handlers: Sequence[AlertHandler | Callable[[AlertEvent, Mapping[str, Any]], object]] | None = None,
         log_every: Literal["epoch", "batch"] = "epoch",
         *,
-        nvidia_smi: str | os.PathLike[str] | None = None,
-        gpus: Sequence[int | str] | None = None,
         framework_memory: bool = True,
         batch_size: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
+        framework = TensorFlowMemory() if framework_memory else None
         self.monitor = run_monitor(
-            fields,
-            interval,
-            alerts=alerts,
-            handlers=handlers,
-            log_every=log_every,
-            nvidia_smi=nvidia_smi,
-            gpus=gpus,
-            framework=TensorFlowMemory() if framework_memory else None,
-            **options,
+            fields, interval, alerts=alerts, handlers=handlers, log_every=log_every, framework=framework, **options
         )
         self.monitor.context_extra = self._context
         self.framework_memory = framework_memory
         self.batch_size = batch_size
         self._batch_size: int | None = batch_size
         self._steps0: int | None = None
-        self._watched: tuple[int, int, Any] | None = None
         self._watchdog: threading.Thread | None = None
         self._stop = threading.Event()
-        self._said_order = False
         if log_every == "batch":
             # assigned per instance, so that epoch-only monitors keep the cheaper hook
             self.on_train_batch_end = self._batch_end_logging  # type: ignore[method-assign]
-
-    # ----------------------------------------------------------------------------------------- keras hooks
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Start the background nvidia-smi and the threads that read and watch it."""
@@ -150,7 +118,8 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         caller = sys._getframe(1)
         self._check_order(caller)
         self.monitor.start()
-        self._steps0 = self._optimizer_steps()
+        steps = _scalar(getattr(self._optimizer(), "iterations", None))
+        self._steps0 = None if steps is None else int(steps)
         if self.monitor.running:
             self._watch_loop(caller)
 
@@ -192,19 +161,11 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         """Stop the background nvidia-smi (reaped) and the threads."""
         self.close()
 
-    # ------------------------------------------------------------------------------------------- context
-
     def _optimizer(self) -> Any:
         try:
-            model = self.model
+            return getattr(self.model, "optimizer", None)
         except Exception:
             return None
-        return getattr(model, "optimizer", None)
-
-    def _optimizer_steps(self) -> int | None:
-        opt = self._optimizer()
-        steps = _scalar(getattr(opt, "iterations", None)) if opt is not None else None
-        return None if steps is None else int(steps)
 
     def _learning_rate(self) -> float | None:
         opt = self._optimizer()
@@ -228,12 +189,8 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
             out["step"] = self._steps0 + self.monitor.position.step
         return out
 
-    # ------------------------------------------------------------------------------------- callback order
-
     def _check_order(self, caller: FrameType) -> None:
         """Warn once when callbacks that read the logs run before this one (they would get no GPU columns)."""
-        if self._said_order:
-            return
         try:
             owner = caller.f_locals.get("self")
             callbacks = list(getattr(owner, "callbacks", None) or [])
@@ -247,14 +204,11 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
             if type(cb).__name__ not in _DEFAULT_CALLBACKS
         ]
         if before:
-            self._said_order = True
             self.monitor.say(
                 f"GpuMonitor comes after {', '.join(before)} in callbacks: those get no GPU columns in their epoch "
                 "logs; list GpuMonitor first",
                 key="order",
             )
-
-    # -------------------------------------------------------------------------------------------- watchdog
 
     def _watch_loop(self, caller: FrameType) -> None:
         """Remember the frame of the loop that drives us, and stop monitoring when it leaves the stack."""
@@ -283,33 +237,23 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         if found is None:
             return  # driven from module level: the interpreter's exit closes it
         # ids only: holding the frame would keep the training data alive after the loop returns
-        self._watched = (threading.get_ident(), id(found), found.f_code)
+        watched = (threading.get_ident(), id(found), found.f_code)
         self._stop = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch, name="smiquery-keras-watchdog", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, args=watched, name="smiquery-keras-watchdog", daemon=True)
         self._watchdog.start()
 
-    def _loop_running(self) -> bool:
-        if self._watched is None:
-            return True
-        tid, fid, code = self._watched
-        frame = sys._current_frames().get(tid)
-        while frame is not None:
-            if id(frame) == fid and frame.f_code is code:
-                return True
-            frame = frame.f_back
-        return False
-
-    def _watch(self) -> None:
+    def _watch(self, tid: int, fid: int, code: CodeType) -> None:
         try:
             while not self._stop.wait(_WATCH_PERIOD):
-                if not self._loop_running():
+                frame = sys._current_frames().get(tid)
+                while frame is not None and not (id(frame) == fid and frame.f_code is code):
+                    frame = frame.f_back
+                if frame is None:
                     log.debug("smiquery: the training loop ended without on_train_end (an exception); stopping it")
                     self.monitor.close()
                     return
         finally:
             self.monitor.cost["watchdog_cpu"] = time.thread_time()
-
-    # ----------------------------------------------------------------------------------------------- close
 
     def close(self) -> None:
         """Stop monitoring: the nvidia-smi child is terminated and reaped, the threads end. Idempotent."""
@@ -319,7 +263,6 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         if watchdog is not None and watchdog is not threading.current_thread():
             watchdog.join(2.0)
         self._watchdog = None
-        self._watched = None
 
     def __enter__(self) -> GpuMonitor:
         return self

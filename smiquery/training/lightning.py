@@ -1,13 +1,11 @@
 """A PyTorch Lightning callback that watches the GPUs during ``trainer.fit``: :class:`GpuMonitor`.
 
-``pip install 'smiquery[lightning]'``. A thin adapter over :class:`smiquery.training.monitor.RunMonitor`: one
-nvidia-smi per fit, per-epoch GPU numbers logged through the trainer's loggers, alerts stamped with the epoch and step,
-PyTorch's memory view beside the driver's. ``import smiquery`` never imports this module (it imports Lightning).
+``pip install 'smiquery[lightning]'``. It only maps Lightning's hooks onto
+:class:`smiquery.training.monitor.RunMonitor`. ``import smiquery`` never imports this module (it imports Lightning).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -22,8 +20,8 @@ except ImportError:  # the standalone package
         ) from exc
 
 from smiquery.training.memory import TorchMemory
+from smiquery.training.monitor import MonitorView
 from smiquery.training.outputs import run_monitor
-from smiquery.training.view import MonitorView
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvent, AlertHandler, Rule
@@ -50,13 +48,11 @@ def _batch_size(batch: Any) -> int | None:
 class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
     """Watches the GPUs while ``trainer.fit`` runs and logs what it saw per epoch through the trainer's loggers.
 
-    The keys are those of :class:`~smiquery.training.monitor.RunMonitor` (``gpuN_util_mean``, ``gpuN_mem_used_max_mib``,
-    ``gpuN_energy_wh``, ``energy_wh``, ``samples_per_joule``, ``data_wait_frac``, PyTorch's memory view and the
-    gap...), prefixed with ``prefix``, logged at the epoch's last global step; :attr:`epochs` keeps them too.
-    Data wait is the time between one ``on_train_batch_end`` and the next ``on_train_batch_start`` (mostly the
-    data loader). nvidia-smi is stopped and reaped at the end of fit, on an exception, and at teardown. Under DDP one
-    monitor per host (local rank 0) watches every GPU of the host and counts the samples of all its ranks (each rank
-    takes a batch of the same size per step), so ``samples_per_joule`` is right for N ranks.
+    The keys of :class:`~smiquery.training.monitor.RunMonitor` (with PyTorch's memory view), prefixed with
+    ``prefix``, are logged at the epoch's last global step; :attr:`epochs` keeps them too. Data wait is the time
+    from one ``on_train_batch_end`` to the next ``on_train_batch_start``. nvidia-smi is stopped and reaped at the
+    end of fit, on an exception and at teardown. Under DDP one monitor per host (local rank 0) watches every GPU of
+    the host and counts the samples of all its ranks (each takes a batch of the same size per step).
 
     Example::
 
@@ -66,16 +62,12 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
     Args:
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions; None for :data:`smiquery.training.events.TRAINING_RULES`, ``()``
-            for none.
+        alerts: rules or ``--alert`` expressions (default the training rules).
         handlers: where alert events go (default: a log line).
         log_every: ``"epoch"``, or ``"batch"`` to log the newest sample at every step as well.
         prefix: put before every logged key (``"gpu/"`` groups them in TensorBoard).
         framework_memory: read PyTorch's allocated, peak and reserved memory per device.
-        nvidia_smi: path of nvidia-smi.
-        gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``record``, ``metrics_port``,
-            ``pushgateway``, ``kernel_log``, ``process_share`` for ``gpuN_share`` and ``gpuN_other_processes``...).
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor`.
     """
 
     def __init__(
@@ -88,21 +80,12 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
         *,
         prefix: str = "",
         framework_memory: bool = True,
-        nvidia_smi: str | os.PathLike[str] | None = None,
-        gpus: Sequence[int | str] | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
+        framework = TorchMemory() if framework_memory else None
         self.monitor = run_monitor(
-            fields,
-            interval,
-            alerts=alerts,
-            handlers=handlers,
-            log_every=log_every,
-            nvidia_smi=nvidia_smi,
-            gpus=gpus,
-            framework=TorchMemory() if framework_memory else None,
-            **options,
+            fields, interval, alerts=alerts, handlers=handlers, log_every=log_every, framework=framework, **options
         )
         self.prefix = prefix
         self.log_every = log_every
@@ -133,15 +116,12 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
             except Exception as exc:
                 self.monitor.say(f"logging GPU numbers to {type(logger).__name__} failed: {exc}", key="log-failed")
 
-    # ------------------------------------------------------------------------------------------ hooks
-
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        """Start the background nvidia-smi (only on global rank 0's node-local rank 0, one per host)."""
+        """Start the background nvidia-smi (on local rank 0 only: one per host)."""
         self._trainer = trainer
         if getattr(trainer, "local_rank", 0) != 0:
-            return  # one monitor per host: every rank would watch the same GPUs
-        # the host's monitor sums the energy of every GPU its ranks use, so it counts the samples of all of them:
-        # under DDP each rank of the host takes a batch of the same size per step (DistributedSampler)
+            return
+        # the host's monitor sums the energy of all its ranks' GPUs, so it counts the samples of all of them
         world = int(getattr(trainer, "world_size", 1) or 1)
         nodes = int(getattr(trainer, "num_nodes", 1) or 1)
         self._ranks_here = max(1, world // max(1, nodes))

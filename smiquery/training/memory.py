@@ -1,7 +1,6 @@
 """The framework's own view of its GPU memory (TensorFlow, PyTorch) beside the driver's ``memory.used``.
 
-Read at each epoch's end: the per-GPU keys (``gpuN_mem_framework_mib``...), the gap to the driver's figure, and the
-warning when that gap keeps growing. TensorFlow and torch are imported only when their view is read.
+Read at each epoch's end: the per-GPU keys, the gap to the driver's figure and the warning when it keeps growing.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ __all__ = [
 _GAP_GROWTH_MIB = 256.0
 _GAP_EPOCHS = 3
 _MIB = 2.0**20
+_NO_GAP = "the driver-vs-framework memory gap is not reported"
 
 
 @dataclass(frozen=True)
@@ -70,38 +70,26 @@ class FrameworkMemory(Protocol):
 
 
 def gap_note(idx: int, framework: str, view: MemoryView, history: Sequence[float]) -> str:
-    """The warning for a gap between the driver's and the framework's figure that grew for several epochs.
+    """The warning for a driver-vs-framework gap on GPU ``idx`` that grew over ``history`` (MiB, oldest first).
 
-    Worded by what is known: with the allocator's reserved figure the gap is memory outside the framework's pool
-    (another process, a leaked context, a library allocating on its own); with only the peak the framework's own
-    pool may be part of it.
-
-    Args:
-        idx: the nvidia-smi index.
-        framework: ``"TensorFlow"``, ``"PyTorch"``...
-        view: the newest view.
-        history: the gaps (MiB) of the last epochs, oldest first.
+    With the allocator's reserved figure the gap is outside ``framework``'s pool; without it, its pool may be part.
     """
-    grew = history[-1] - history[0]
+    said = (
+        f"by {history[-1]:.0f} MiB, and the difference grew for {len(history) - 1} epochs in a row "
+        f"(+{history[-1] - history[0]:.0f} MiB)."
+    )
     if view.reserved is not None:
-        what = (
-            f"the memory the driver reports used on GPU {idx} exceeds what {framework}'s allocator reserves by "
-            f"{history[-1]:.0f} MiB, and the difference grew for {len(history) - 1} epochs in a row (+{grew:.0f} MiB). "
+        return (
+            f"the memory the driver reports used on GPU {idx} exceeds what {framework}'s allocator reserves {said} "
             f"That memory is outside {framework}'s pool: another process, a leaked CUDA context or a library "
             "allocating on its own; check `smiquery ps`"
         )
-    else:
-        basis = "peak allocation" if view.peak else "allocation"
-        what = (
-            f"the memory the driver reports used on GPU {idx} exceeds {framework}'s {basis} by {history[-1]:.0f} MiB, "
-            f"and the difference grew for {len(history) - 1} epochs in a row (+{grew:.0f} MiB). {framework} does not "
-            "report its allocator's reserved pool, so part of this may be its own pool growing; the rest is another "
-            "process, a leaked context or a library allocating on its own; check `smiquery ps`"
-        )
-    return what
-
-
-# -------------------------------------------------------------------------------------------- records
+    basis = "peak allocation" if view.peak else "allocation"
+    return (
+        f"the memory the driver reports used on GPU {idx} exceeds {framework}'s {basis} {said} {framework} does not "
+        "report its allocator's reserved pool, so part of this may be its own pool growing; the rest is another "
+        "process, a leaked context or a library allocating on its own; check `smiquery ps`"
+    )
 
 
 class GapWatch:
@@ -111,12 +99,7 @@ class GapWatch:
         self._gaps: dict[int, deque[float]] = {}
 
     def grew(self, idx: int, gap: float) -> list[float] | None:
-        """Add this epoch's gap (MiB; NaN ignored); the history, oldest first, when it grew every epoch and enough.
-
-        Args:
-            idx: the nvidia-smi index.
-            gap: the gap this epoch, MiB.
-        """
+        """Add GPU ``idx``'s gap this epoch (MiB, NaN ignored); the history when it grew every epoch and enough."""
         if math.isnan(gap):
             return None
         history = self._gaps.setdefault(idx, deque(maxlen=_GAP_EPOCHS + 1))
@@ -136,10 +119,8 @@ def framework_values(
 ) -> tuple[dict[str, float], dict[int, tuple[MemoryView, float]]]:
     """The epoch's framework-memory keys of the watched GPUs, and per GPU its view with the gap (MiB, maybe NaN).
 
-    Args:
-        views: what the framework said, per CUDA ordinal.
-        latest: the newest sample per nvidia-smi index (its ``memory.used`` is the driver's figure).
-        nvsmi_index: the nvidia-smi index of a CUDA ordinal, None for a GPU that is not watched.
+    ``latest`` is the newest sample per nvidia-smi index (the driver's ``memory.used``); ``nvsmi_index`` maps a CUDA
+    ordinal to it (None: not watched).
     """
     out: dict[str, float] = {}
     per_gpu: dict[int, tuple[MemoryView, float]] = {}
@@ -172,13 +153,10 @@ class TorchMemory:
         try:
             import torch
         except Exception as exc:
-            return f"cannot import torch ({exc}): the driver-vs-framework memory gap is not reported"
+            return f"cannot import torch ({exc}): {_NO_GAP}"
         if not torch.cuda.is_available():
             build = "a CPU-only build" if not torch.version.cuda else "unable to use CUDA here"
-            return (
-                f"PyTorch is {build} while nvidia-smi sees GPUs: training runs on the CPU and the "
-                "driver-vs-framework memory gap is not reported"
-            )
+            return f"PyTorch is {build} while nvidia-smi sees GPUs: training runs on the CPU and {_NO_GAP}"
         return None
 
     def read(self) -> list[MemoryView]:
@@ -202,10 +180,7 @@ def torch_memory() -> FrameworkMemory:
 
 
 class TensorFlowMemory:
-    """TensorFlow's view of its GPU memory (``tf.config.experimental.get_memory_info``: current and peak).
-
-    TensorFlow does not report its allocator's reserved pool, so a gap to the driver's figure may be partly its own.
-    """
+    """TensorFlow's view of its GPU memory (``tf.config.experimental.get_memory_info``: current and peak)."""
 
     name = "TensorFlow"
 
@@ -214,12 +189,11 @@ class TensorFlowMemory:
         try:
             import keras
         except Exception as exc:
-            return f"cannot import keras ({exc}): the driver-vs-framework memory gap is not reported"
+            return f"cannot import keras ({exc}): {_NO_GAP}"
         backend = keras.backend.backend()
         if backend != "tensorflow":
             return (
-                f"the Keras backend is {backend}: the framework's memory view is read only with TensorFlow; "
-                "the driver-vs-framework memory gap is not reported"
+                f"the Keras backend is {backend}: the framework's memory view is read only with TensorFlow; {_NO_GAP}"
             )
         try:
             import tensorflow as tf
@@ -233,12 +207,11 @@ class TensorFlowMemory:
         if not cuda:
             return (
                 "TensorFlow is a CPU-only build (tf.test.is_built_with_cuda() is False) while nvidia-smi sees GPUs: "
-                "this training runs on the CPU (install the CUDA build, e.g. tensorflow[and-cuda]); "
-                "the driver-vs-framework memory gap is not reported"
+                f"this training runs on the CPU (install the CUDA build, e.g. tensorflow[and-cuda]); {_NO_GAP}"
             )
         return (
             "TensorFlow sees no GPU although nvidia-smi does (CUDA_VISIBLE_DEVICES, or CUDA libraries that do not "
-            "match the driver; see TensorFlow's start-up log): the driver-vs-framework memory gap is not reported"
+            f"match the driver; see TensorFlow's start-up log): {_NO_GAP}"
         )
 
     def read(self) -> list[MemoryView]:
@@ -253,18 +226,11 @@ class TensorFlowMemory:
         return out
 
 
-#: The ``text`` of the rule a growing memory gap is reported under (handlers and webhooks see it as the alert's name).
+#: The ``text`` of the rule a growing memory gap is reported under (the alert's name for handlers).
 GROWTH_RULE_TEXT = "memory gap grew epoch over epoch"
 
 
 def growth_event(idx: int, uuid: str | None, history: Sequence[float], at: datetime) -> AlertEvent:
-    """A growing driver-vs-framework gap as an alert event, so that handlers (snapshot:DIR, webhooks) get it.
-
-    Args:
-        idx: the nvidia-smi index.
-        uuid: its UUID, when known.
-        history: the gaps (MiB) of the last epochs, oldest first.
-        at: when it was found (the newest sample's time).
-    """
+    """A growing driver-vs-framework gap on GPU ``idx`` as an alert event ``at`` a time, for the handlers."""
     rule = replace(Rule.parse(f"memory.used > {max(0, int(history[0]))}"), text=GROWTH_RULE_TEXT)
     return AlertEvent(rule, idx, uuid, round(history[-1], 1), "firing", at, at, 0.0)

@@ -1,13 +1,8 @@
 """The job's own Prometheus metrics: steps, samples, data wait, epoch, energy, framework memory and process share.
 
-Computed from a monitor's counters at scrape (or push) time, so that a training step costs nothing here; served on
-``metrics_port`` (by :mod:`smiquery.httpd`'s server, with the exporter's web-config for TLS and basic auth) and/or
-pushed to a Pushgateway (``pip install 'smiquery[export]'``).
-
-The job's counters (steps, samples, data wait, epoch) are job-level, labelled ``{run, host}``: one series per run,
-so that ``sum(rate(...))`` counts each step once whatever the number of GPUs. The GPUs of a run are joined through
-``smiquery_training_gpu_info{run, host, uuid, gpu} 1``; the per-GPU series (energy, framework memory, process share)
-carry ``{run, host, uuid}``.
+Computed from a monitor's counters at scrape (or push) time, so that a training step costs nothing here. The job's
+counters are labelled ``{run, host}`` (one series per run, whatever the number of GPUs); the per-GPU series carry
+``{run, host, uuid}`` and join the GPUs through ``smiquery_training_gpu_info{run, host, uuid, gpu} 1``.
 """
 
 from __future__ import annotations
@@ -15,13 +10,12 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
 if TYPE_CHECKING:
     from smiquery.httpd.server import HttpServer, Request, Response
-    from smiquery.httpd.webconfig import WebConfig
     from smiquery.sample import GpuSample
     from smiquery.training.monitor import RunMonitor
 
@@ -29,23 +23,20 @@ __all__ = ["JobMetrics"]
 
 
 class JobMetrics:
-    """The job's own metrics, computed from a run's counters at scrape (or push) time: an output of a run.
+    """The job's own metrics, served on ``metrics_port`` and/or pushed to ``pushgateway`` for each run (an output).
 
-    Each run of its :class:`~smiquery.training.monitor.RunMonitor` serves them on ``metrics_port`` and/or pushes
-    them to ``pushgateway``; a failure to do so (the port taken, no ``prometheus_client``) is said once and training
-    goes on.
+    A failure to serve or push (the port taken, no ``prometheus_client``) is said once and training goes on.
 
     Args:
-        metrics_port: serve them for Prometheus on this port (0: any free one, see :attr:`port`).
-        metrics_addr: the address to bind for ``metrics_port``: 127.0.0.1 like the exporter's; ``0.0.0.0`` for a
-            Prometheus on another machine or pod (then protect it with ``web_config``).
+        metrics_port: serve them on this port (0: any free one, see :attr:`port`).
+        metrics_addr: the address to bind: 127.0.0.1 like the exporter's; ``0.0.0.0`` for a Prometheus on another
+            machine (then protect it with ``web_config``).
         web_config: an exporter-toolkit web-config file (TLS, basic auth), as ``smiquery export --web-config``.
         pushgateway: push them to this Pushgateway URL every ``push_interval`` seconds, grouped by ``run_id`` and
             host; the group is deleted when the run closes.
         push_interval: seconds between pushes.
         job: the ``job`` label of pushed metrics.
-        run_id: the ``run`` label of the job's metrics (default ``SMIQUERY_RUN_ID`` from the environment, else a new
-            random id): the ranks of one job on a host share it only if you set it.
+        run_id: the ``run`` label (default ``SMIQUERY_RUN_ID``, else a new random id).
 
     Raises:
         ValueError: ``metrics_port`` or ``pushgateway`` is invalid.
@@ -84,7 +75,6 @@ class JobMetrics:
         self.registry: Any = None
         self._http: HttpServer | None = None
         self._port: int | None = None
-        self._web: WebConfig | None = None
         self._stop = threading.Event()
         self._pusher: threading.Thread | None = None
 
@@ -98,7 +88,7 @@ class JobMetrics:
             self.registry.register(self)
             self._stop = threading.Event()
             if self.metrics_port is not None:
-                self._serve(self.metrics_port, self.metrics_addr, self.web_config)
+                self._serve(self.metrics_port, self.metrics_addr)
         except Exception as exc:
             self.monitor = None
             monitor.say(f"the training metrics are off: {exc}")
@@ -112,14 +102,13 @@ class JobMetrics:
     def take(self, samples: Sequence[GpuSample]) -> None:
         """Nothing: the metrics read the run's counters when scraped or pushed."""
 
-    def _serve(self, port: int, addr: str, web_config: str | os.PathLike[str] | None) -> None:
-        """Serve /metrics with the shared HTTP server (its TLS and basic auth from a web-config file)."""
+    def _serve(self, port: int, addr: str) -> None:
+        """Serve /metrics with the shared HTTP server (TLS and basic auth from the web config)."""
         from smiquery.httpd.server import HttpServer
         from smiquery.httpd.webconfig import WebConfig, load_web_config
 
-        web = load_web_config(web_config) if web_config is not None else WebConfig()
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        web = load_web_config(self.web_config) if self.web_config is not None else WebConfig()
+        sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((addr.strip("[]"), port))
@@ -129,7 +118,6 @@ class JobMetrics:
                 exc.errno, f"cannot serve training metrics on {addr}:{port}: {exc.strerror}; pick another metrics_port"
             ) from None
         self._port = int(sock.getsockname()[1])
-        self._web = web
         self._http = HttpServer(
             sock,
             self._answer,
@@ -139,7 +127,7 @@ class JobMetrics:
             server_header="smiquery-training",
             headers=web.headers,
             peer_check=web.peer_allowed if web.allowed_sans else None,
-            auth=web if web.users else None,
+            auth=web if web.users else None,  # checked by the server before _answer sees a request
         )
 
     def _answer(self, req: Request) -> Response:
@@ -147,12 +135,8 @@ class JobMetrics:
 
         from smiquery.httpd.server import Response
 
-        web = self._web
-        assert web is not None
         if req.method not in ("GET", "HEAD"):
             return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
-        if not web.authorized(req.headers.get("authorization")):
-            return Response(401, b"unauthorized\n", headers={"WWW-Authenticate": 'Basic realm="smiquery"'})
         if req.path != "/metrics":
             return Response(404, b"the training metrics are at /metrics\n")
         return Response(200, bytes(generate_latest(self.registry)), CONTENT_TYPE_LATEST)
@@ -190,13 +174,10 @@ class JobMetrics:
                 monitor.say(f"pushing training metrics failed ({type(exc).__name__})", key="push-failed")
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop pushing and delete the run's Pushgateway group; stop serving. Idempotent.
+        """Stop pushing (within 3 s) and delete the run's group (within 2 s); stop serving. Idempotent.
 
-        A process killed before this (SIGKILL, the OOM killer, a lost node) leaves its group behind, with a
+        A killed process (SIGKILL, the OOM killer, a lost node) leaves its group behind, with a
         ``push_time_seconds`` that stops advancing: rules that must ignore it compare that with ``time()``.
-
-        Args:
-            timeout: unused: pushing stops within 3 s, the group's deletion within 2 s.
         """
         monitor, self.monitor = self.monitor, None
         if monitor is None:
@@ -214,8 +195,6 @@ class JobMetrics:
             self._http.shutdown()
             self._http = None
         self._port = None
-
-    # ------------------------------------------------------------------------------------- the collector
 
     def collect(self) -> Iterator[Any]:
         """The job's families over its run's totals, one series per watched GPU (by UUID): prometheus_client's."""
@@ -271,19 +250,12 @@ class JobMetrics:
                 energy.add_metric(lv, joules)
             view = t.memory.get(idx)
             if view is not None:
-                if view.current is not None:
-                    used.add_metric(lv, view.current)
-                if view.peak is not None:
-                    peak.add_metric(lv, view.peak)
-                if view.reserved is not None:
-                    reserved.add_metric(lv, view.reserved)
+                for family, value in ((used, view.current), (peak, view.peak), (reserved, view.reserved)):
+                    if value is not None:
+                        family.add_metric(lv, value)
         yield from (steps, samples, wait, epoch, info, energy, used, peak, reserved)
-        if m.process_share:
-            yield from self._share_families(m, uuids, labels)
-
-    def _share_families(self, m: RunMonitor, uuids: Mapping[int, str], labels: list[str]) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
-
+        if not m.process_share:
+            return
         share = GaugeMetricFamily(
             "smiquery_training_gpu_process_share",
             "The job's part of the GPU's SM use in the newest nvidia-smi pmon sample (0..1).",
@@ -300,6 +272,6 @@ class JobMetrics:
             if got is None:
                 continue  # no pmon sample of this GPU: no series rather than a made-up 0
             if got.share is not None:
-                share.add_metric([self.run_id, self.host, uuid], got.share)
-            others.add_metric([self.run_id, self.host, uuid], float(len(got.other_pids)))
+                share.add_metric([*job, uuid], got.share)
+            others.add_metric([*job, uuid], float(len(got.other_pids)))
         yield from (share, others)

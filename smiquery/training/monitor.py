@@ -1,22 +1,21 @@
 """The framework-neutral training run monitor: one nvidia-smi beside a training loop, summarised per epoch.
 
-:class:`RunMonitor` owns the stream, the epochs, the alerts stamped with the training position and the energy
-figures; it hands the per-epoch sums to :mod:`~smiquery.training.epochs`, the framework's memory view to
-:mod:`~smiquery.training.memory` and the process share (one ``nvidia-smi pmon``) to :mod:`~smiquery.training.share`.
-What a run feeds besides its logs (a recording, the job's Prometheus metrics, the kernel log's Xid alerts) are
-:class:`Output` objects passed in, built by :func:`smiquery.training.outputs.run_monitor` from the keywords of
-:func:`smiquery.training.watch.watch` and the Keras and Lightning callbacks, which only translate their hooks into
+:class:`RunMonitor` owns the stream, the epochs, the alerts stamped with the training position and the energy;
+what a run feeds besides its logs are :class:`Output` objects passed in (see :mod:`smiquery.training.outputs`).
+The Keras and Lightning callbacks and :func:`~smiquery.training.watch.watch` only translate their hooks into
 :meth:`RunMonitor.begin_epoch`, :meth:`RunMonitor.step` and :meth:`RunMonitor.end_epoch`.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
 from smiquery.fields import Field, resolve_fields
-from smiquery.training.devices import OrderCheck, VisibleDevices, visible_devices
+from smiquery.training.devices import VisibleDevices, order_check, visible_devices
 from smiquery.training.epochs import (
     BATCH,
     BETWEEN,
@@ -36,22 +35,22 @@ from smiquery.training.epochs import (
     summary_spec,
     throughput_values,
 )
-from smiquery.training.events import OPEN_MONITORS, TRAINING_RULES, HandlerWorker, Position, TrainingAlert
+from smiquery.training.events import TRAINING_RULES, HandlerWorker, Position, TrainingAlert
 from smiquery.training.memory import FrameworkMemory, GapWatch, MemoryView, framework_values, gap_note, growth_event
 from smiquery.training.share import ShareTracker
 
 if TYPE_CHECKING:
-    from smiquery.alerts import AlertEvent
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
+    from smiquery.sources.latest import Latest
     from smiquery.sources.pmon import ProcessShare
 
-__all__ = ["Output", "RunMonitor", "Totals"]
+__all__ = ["OPEN_MONITORS", "MonitorView", "Output", "RunMonitor", "Totals"]
 
 log = get_logger("smiquery.training.monitor")
 
 _REJECTED_RE = re.compile(r"""Field\s+["']([^"']+)["']\s+is not a valid field""", re.IGNORECASE)
-
+_ALWAYS = ("index", "uuid", "timestamp", *SUMMARY_FIELDS)
 
 SourceFactory = Callable[..., "SampleSource"]
 
@@ -78,11 +77,10 @@ class Totals:
 
 
 class Output(Protocol):
-    """What a run feeds besides its logs: a recording, the job's metrics, the kernel log's Xid alerts.
+    """What a run feeds besides its logs (a recording, the job's metrics, the kernel log's Xid alerts).
 
-    Opened with each run once its stream is (never when GPU monitoring is off), fed the watched GPUs' samples of
-    every sweep on the reading thread, closed with the run. An output says its own failures through
-    :meth:`RunMonitor.say` and never raises into training.
+    Opened with each run once its stream is, fed the watched GPUs' samples of every sweep on the reading thread,
+    closed with the run. It says its failures through :meth:`RunMonitor.say` and never raises into training.
 
     Attributes:
         fields: nvidia-smi fields it needs streamed beyond the monitor's own.
@@ -103,73 +101,38 @@ class Output(Protocol):
         ...
 
 
-def _open_stream(
-    fields: Sequence[str],
-    *,
-    interval: float,
-    gpus: Sequence[str] | None,
-    nvidia_smi: str | os.PathLike[str] | None,
-    on_event: Callable[[StreamEvent], None],
-) -> SampleSource:
-    """A live stream whose events reach ``on_event``."""
+def _open_stream(fields: Sequence[str], **options: Any) -> SampleSource:
     from smiquery.streams.sync import stream
 
-    return stream(list(fields), interval=interval, gpus=gpus, nvidia_smi=nvidia_smi, on_event=on_event)
+    return stream(list(fields), **options)
 
 
 class RunMonitor:
     """Watches the GPUs while a training run goes on, whatever the framework.
 
-    It starts ONE nvidia-smi in loop mode (:meth:`start`) and a reading thread that stamps every sweep with the
-    training position at the moment it arrived, sums it into that epoch's accumulator (constant memory), hands it
-    to the outputs (a recording...) and checks it against the alert rules. Alert handlers run on a separate worker
-    thread behind a bounded queue, so a slow webhook delays nothing. The training thread only moves the position
-    (:meth:`step`, :meth:`begin_epoch`) and collects each epoch's numbers (:meth:`end_epoch`, which never waits
-    on nvidia-smi except, once, for the first sample).
-
-    Epoch numbers, for each watched GPU ``N`` (nvidia-smi's index): ``gpuN_util_mean``, ``gpuN_util_max``,
-    ``gpuN_temp_max``, ``gpuN_mem_used_max_mib``, ``gpuN_power_mean_w``, ``gpuN_energy_wh``, the mean/max (or share
-    true) of each extra field, and with a framework memory view ``gpuN_mem_framework_mib`` (live tensors),
-    ``gpuN_mem_framework_peak_mib``, ``gpuN_mem_framework_reserved_mib`` (where the framework says) and
-    ``gpuN_mem_gap_mib`` (driver-used minus the framework's largest figure). Job keys: ``energy_wh``,
-    ``steps_per_joule``, ``samples_per_joule`` (when samples are counted), ``data_wait_s`` and
-    ``data_wait_frac`` (time between steps, when steps are reported), and ``gpu_late_sweeps`` when sweeps that
-    arrived after their epoch was summarised were folded in (see :attr:`epochs` for the corrected figures).
-    With ``process_share=True``, per watched GPU also ``gpuN_share`` (the run's part of the SM use, 0..1) and
-    ``gpuN_other_processes`` (other processes seen on it during the epoch); see ``process_share`` below.
-
-    Use :func:`smiquery.training.watch.watch` in a plain loop; the Keras and Lightning callbacks wrap it;
-    :func:`smiquery.training.outputs.run_monitor` builds one with the outputs their keywords ask for.
+    :meth:`start` runs ONE nvidia-smi and a reading thread that stamps each sweep with the training position at its
+    arrival, sums it into that epoch, feeds the outputs and checks the alert rules (handlers run on their own
+    thread). The training thread only moves the position (:meth:`step`, :meth:`begin_epoch`) and collects each
+    epoch's keys (:meth:`end_epoch`): per GPU ``gpuN_util_mean``, ``_util_max``, ``_temp_max``, ``_mem_used_max_mib``,
+    ``_power_mean_w``, ``_energy_wh``, the extra fields, the framework's memory view and the process share; for the
+    job ``energy_wh``, ``steps_per_joule``, ``samples_per_joule``, ``data_wait_s``, ``data_wait_frac``.
 
     Args:
-        fields: extra fields to summarise per epoch (names or a comma list), beyond the built-in summary.
+        fields: extra fields to summarise per epoch (names or a comma list).
         interval: seconds between samples.
         alerts: rules or ``--alert`` expressions; None for :data:`~smiquery.training.events.TRAINING_RULES`, ``()``
-            for none. A rule whose field this driver rejects is dropped with one warning; the rest of the query goes
-            on.
+            for none. A rule whose field the driver rejects is dropped with one warning.
         handlers: where alert events go (default: a :class:`~smiquery.alerts.LogHandler`).
         log_every: ``"epoch"``, or ``"batch"`` to offer the newest sample per step (:meth:`batch_values`).
-        nvidia_smi: path of nvidia-smi (default: ``$SMIQUERY_NVIDIA_SMI``, PATH, the usual places).
+        nvidia_smi: path of nvidia-smi.
         gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
         framework: the framework's memory view, read at each epoch's end.
-        first_sample_timeout: at the first epoch's end, seconds to wait for nvidia-smi's first sample when none
-            has come yet (so that the log keys are known); later epoch ends never wait.
-        source: a function ``(fields, interval=, gpus=, nvidia_smi=, on_event=)`` returning a
-            :class:`~smiquery.source.SampleSource`; default a live :func:`smiquery.stream`.
-        env: the environment whose ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` are read (default
-            ``os.environ``); indices on a host of mixed models are checked (see :mod:`~smiquery.training.devices`).
-        process_share: also run one ``nvidia-smi pmon`` (a second child, started and reaped with the monitor) and report
-            how much of each GPU's SM use is the run's own (this process and its descendants, see
-            :func:`~smiquery.training.share.own_pids`) against other processes: ``gpuN_share`` = own SM % / all
-            processes' SM %, NaN when no process reported SM use or no pmon sample came in the epoch;
-            ``gpuN_other_processes`` = distinct other pids seen on the GPU in the epoch. Another process on a watched
-            GPU is said once per GPU (:attr:`notes`); the job's metrics gain ``smiquery_training_gpu_process_share`` and
-            ``smiquery_training_gpu_other_processes``. Off by default (one more child per run, pmon's 1 s minimum
-            interval and four-GPU limit). Where pmon is not supported (older GeForce drivers) it is turned off with one
-            note and the keys stay NaN; a failing or hung pmon never delays a training step.
-        outputs: what the run feeds besides its logs, opened and closed with each run (see :class:`Output`):
-            :class:`~smiquery.training.outputs.Recording`, :class:`~smiquery.training.metrics.JobMetrics`,
-            :class:`~smiquery.training.xid.KernelLog`.
+        first_sample_timeout: seconds the first epoch's end waits for nvidia-smi's first sample.
+        source: ``(fields, interval=, gpus=, nvidia_smi=, on_event=) -> SampleSource``; default :func:`smiquery.stream`.
+        env: the environment whose ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` are read.
+        process_share: also run one ``nvidia-smi pmon`` for ``gpuN_share`` and ``gpuN_other_processes`` (see
+            :class:`~smiquery.training.share.ShareTracker`).
+        outputs: what the run feeds besides its logs (see :class:`Output`).
 
     Raises:
         ValueError: ``log_every`` or ``interval`` is invalid.
@@ -212,7 +175,6 @@ class RunMonitor:
         self._source_factory: SourceFactory = source or _open_stream
         self._env = env
         self.process_share = bool(process_share)
-        #: what the run feeds besides its logs
         self.outputs: tuple[Output, ...] = tuple(outputs)
         #: messages said once (monitoring unavailable, rules dropped, framework view missing, growing gap)
         self.notes: list[str] = []
@@ -227,28 +189,20 @@ class RunMonitor:
         self._summary = summary_spec(self.extra_fields)
         self._reset()
 
-    # ------------------------------------------------------------------------------------------ state
-
     def _reset(self) -> None:
         #: the alerts of the current (or last) run, with their training position
         self.alerts: list[TrainingAlert] = []
-        #: per epoch, the numbers added to the logs (corrected when late sweeps arrive); the first epoch's record
-        #: also has ``energy_held_back_s``: how long before nvidia-smi's first sample the energy is that sample's
-        #: power held back to the run's start (an estimate, where nothing was measured)
+        #: per epoch, the keys added to the logs (corrected by late sweeps); the first epoch's record also has
+        #: ``energy_held_back_s``: how long nvidia-smi's first sample's power stands for the time before it
         self.epochs: list[dict[str, float]] = []
         #: counters of the run (steps, samples, data wait, energy): what the metrics report
         self.totals = Totals()
-        #: wall time of the run's phases: ``first_data`` (start to first sample, s), ``epoch_end_max`` (longest
-        #: :meth:`end_epoch` on the training thread, s), ``reader_cpu`` and ``worker_cpu`` (thread CPU time, s)
-        self.cost: dict[str, float] = {
-            "first_data": math.nan,
-            "start": 0.0,
-            "close": 0.0,
-            "epoch_end_max": 0.0,
-            "reader_cpu": 0.0,
-            "worker_cpu": 0.0,
-            "pmon_cpu": 0.0,
-        }
+        #: seconds spent: ``first_data`` (start to first sample), ``start``, ``close``, ``epoch_end_max`` (longest
+        #: :meth:`end_epoch`), and the CPU time of the ``reader``, ``worker`` and ``pmon`` threads
+        self.cost: dict[str, float] = dict.fromkeys(
+            ("start", "close", "epoch_end_max", "reader_cpu", "worker_cpu", "pmon_cpu"), 0.0
+        )
+        self.cost["first_data"] = math.nan
         #: wall time of each :meth:`end_epoch` on the training thread, seconds
         self.epoch_end_seconds: list[float] = []
         self._pos = Position(None, None, 0, "setup")
@@ -256,8 +210,7 @@ class RunMonitor:
         self._done_epochs: dict[int, EpochAccumulator] = {}
         self._latest: dict[int, GpuSample] = {}
         self._last_t: dict[int, float] = {}
-        #: energy over nvidia-smi's timestamps, split at epoch boundaries
-        self._energy = EnergySplitter(self.interval)
+        self._energy = EnergySplitter(self.interval)  # split at epoch boundaries
         self._wall_offset = time.time() - time.monotonic()  # arrival (monotonic) -> wall, for untimed samples
         self._batch_values: dict[str, float] = {}
         self._order: list[int] | None = None
@@ -268,31 +221,20 @@ class RunMonitor:
         self._worker: HandlerWorker | None = None
         self._notifier: Notifier | None = None
         self._opened: tuple[Output, ...] = ()
-        self._devices = VisibleDevices(None)
-        self._cuda = VisibleDevices(None)
+        self._devices = self._cuda = VisibleDevices(None)
         self._unsure = self._moved = False  # indices in CUDA's default order, checked by _order_check
-        self._order_check: OrderCheck | None = None
+        self._order_check: Latest[Any] | None = None
         self._started_at = 0.0
-        self._epoch_start = 0.0
-        self._epoch_step0 = 0
-        self._epoch_samples0 = 0
-        self._epoch_wait0 = 0.0
+        self._epoch0 = (0.0, 0, 0, 0.0)  # the epoch's start: monotonic time, steps, samples, data wait
         self._step_end: float | None = None
-        self._waits = False
-        self._counts_samples = False
+        self._waits = self._counts_samples = False
         self._gaps = GapWatch()
         self._rejected: BaseException | None = None
         self._fields: list[str] = []
         self._share = ShareTracker(self.say, lambda: self._pos.epoch, self._watched_gpu) if self.process_share else None
 
     def say(self, message: str, level: int = logging.WARNING, *, key: str | None = None) -> None:
-        """Log a message once per monitor (by its text, or by ``key``), so that a long run is not flooded.
-
-        Args:
-            message: the text.
-            level: the logging level.
-            key: what makes two messages the same (default the text).
-        """
+        """Log a message once per monitor (by ``key``, default its text) and keep it in :attr:`notes`."""
         key = key or message
         if key in self._said:
             return
@@ -329,21 +271,17 @@ class RunMonitor:
         """The fields nvidia-smi is asked for (the summary's, the extra fields, the rules' and the outputs')."""
         return list(self._fields)
 
-    # ------------------------------------------------------------------------------------------ start
-
     def start(self) -> RunMonitor:
-        """Start monitoring a run: the stream, its reading thread, the handler worker and the outputs.
+        """Start a run: the stream, its reading thread, the handler worker and the outputs; returns self.
 
-        Starting again closes the previous run first. Failures are said once and never raised: training goes on
+        Starting again closes the previous run first. Failures are said once, never raised: training goes on
         without GPU numbers.
-
-        Returns:
-            self.
         """
         self.close()
         self._reset()
         self._pid = os.getpid()  # only the process that started the run closes it (not a forked child)
-        self._started_at = self._epoch_start = time.monotonic()
+        self._started_at = time.monotonic()
+        self._epoch0 = (self._started_at, 0, 0, 0.0)
         self._energy.start(time.time())
         try:
             return self._start()
@@ -363,16 +301,12 @@ class RunMonitor:
             self.say("CUDA_VISIBLE_DEVICES hides every GPU: GPU monitoring is off")
             return self
         self._unsure = self.gpus_override is None and self._devices.order_unsure
-        names = ["index", "uuid", "timestamp", *SUMMARY_FIELDS]
-        names += [f.name for f in self.extra_fields]
-        names += [f.name for r in self.rules for f in r.fields]
-        names += [name for out in self.outputs for name in out.fields]
-        self._fields = list(dict.fromkeys(names))
+        names = [*_ALWAYS, *(f.name for f in self.extra_fields), *(f.name for r in self.rules for f in r.fields)]
+        self._fields = list(dict.fromkeys(names + [name for out in self.outputs for name in out.fields]))
         try:
             self._source = self._open()
         except Exception as exc:  # monitoring must never stop training
             self.say(f"GPU monitoring is off: {exc}")
-            self._source = None
             return self
         for out in self.outputs:
             out.open(self)
@@ -382,13 +316,13 @@ class RunMonitor:
         self._reader.start()
         OPEN_MONITORS.add(self)
         if self._unsure:
-            self._order_check = OrderCheck(self._cuda, self.nvidia_smi, self._order_known).start()
+            self._order_check = order_check(self._cuda, self.nvidia_smi, self._order_known).start()
         if self._share is not None:
             self._share.start(interval=self.interval, gpus=self._devices.stream_gpus(), nvidia_smi=self.nvidia_smi)
         return self
 
     def _order_known(self, devices: VisibleDevices | None, message: str, final: bool) -> None:
-        """What :class:`~smiquery.training.devices.OrderCheck` found: the job's GPUs (until the keys are fixed)."""
+        """What :func:`~smiquery.training.devices.order_check` found: the job's GPUs (until the keys are fixed)."""
         if devices is not None:
             with self._lock:
                 if self._order is not None:
@@ -419,7 +353,7 @@ class RunMonitor:
 
     def _on_source_event(self, event: StreamEvent) -> None:
         err = event.error
-        if event.kind == "error" and err is not None and self._is_rejection(err):
+        if event.kind == "error" and err is not None and _is_rejection(err):
             self._rejected = err
             source = self._source
             if source is not None:
@@ -434,37 +368,27 @@ class RunMonitor:
         elif event.kind == "restart":
             self.say(f"nvidia-smi is being restarted ({event.detail}); GPU numbers may have gaps", key="restart")
 
-    @staticmethod
-    def _is_rejection(exc: BaseException) -> bool:
-        from smiquery.errors import InvalidArgumentError, InvalidFieldError
-
-        return isinstance(exc, (InvalidArgumentError, InvalidFieldError))
-
     def _drop_rejected(self, exc: BaseException) -> bool:
         """Drop the rules (and extra fields) the driver rejected; True when the query changed and can be retried."""
-        text = f"{exc} {getattr(exc, 'stderr', '') or ''}"
-        m = _REJECTED_RE.search(text)
+        m = _REJECTED_RE.search(f"{exc} {getattr(exc, 'stderr', '') or ''}")
         named = getattr(exc, "field", None) or (m.group(1) if m else None)
-        needed = {"index", "uuid", "timestamp", *SUMMARY_FIELDS}
-        rule_only = {f.name for r in self.rules for f in r.fields} - needed - {f.name for f in self.extra_fields}
         if named:
             try:
                 gone = {resolve_fields([named])[0].name}
             except Exception:
                 gone = {named}
-            if gone <= needed:
+            if gone <= set(_ALWAYS):
                 return False
-        else:
-            gone = rule_only  # nvidia-smi did not say which: keep only what the summary needs
-        keep = [r for r in self.rules if not {f.name for f in r.fields} & gone]
-        dropped = [r for r in self.rules if r not in keep]
-        extras = [f for f in self.extra_fields if f.name not in gone]
+        else:  # nvidia-smi did not say which: keep only what the summary needs
+            gone = {f.name for r in self.rules for f in r.fields} - set(_ALWAYS) - {f.name for f in self.extra_fields}
+        dropped = [r for r in self.rules if {f.name for f in r.fields} & gone]
+        extras = tuple(f for f in self.extra_fields if f.name not in gone)
         if not dropped and len(extras) == len(self.extra_fields):
             return False
         self.dropped_rules += dropped
-        self.rules = tuple(keep)
-        self.extra_fields = tuple(extras)
-        self._summary = summary_spec(self.extra_fields)
+        self.rules = tuple(r for r in self.rules if r not in dropped)
+        self.extra_fields = extras
+        self._summary = summary_spec(extras)
         self._fields = [n for n in self._fields if n not in gone]
         what = ", ".join(sorted(gone))
         self.say(
@@ -474,8 +398,6 @@ class RunMonitor:
         )
         self._notifier = Notifier(self.rules, self.handlers) if self.rules else None
         return True
-
-    # --------------------------------------------------------------------------------------- reading
 
     def _read(self) -> None:
         select = self._unsure or (self._devices.ids is not None and self._devices.stream_gpus() is None)
@@ -492,7 +414,7 @@ class RunMonitor:
                         self._take(sweep, select)
                 except Exception as exc:
                     failure = exc
-                rejected = self._rejected or (failure if failure is not None and self._is_rejection(failure) else None)
+                rejected = self._rejected or (failure if failure is not None and _is_rejection(failure) else None)
                 if self._stop.is_set():
                     return
                 if self._moved:
@@ -540,7 +462,7 @@ class RunMonitor:
                 ts = s.timestamp if "timestamp" in s else None
                 wall = ts.timestamp() if ts is not None else now + self._wall_offset
                 self._last_t[idx] = now
-                acc.add(idx, s, None)
+                acc.add(idx, s)
                 watts = number(s.get("power.draw"))
                 self._credit(idx, self._energy.sample(idx, wall, watts, pos.epoch), pos.epoch, acc)
                 self._latest[idx] = s
@@ -587,19 +509,11 @@ class RunMonitor:
         """Whether an nvidia-smi GPU seen by pmon is one this run watches."""
         return self._devices.ids is None or self._devices.selects(idx, self.uuids().get(idx))
 
-    # ------------------------------------------------------------------------------------ training side
-
     def begin_epoch(self, epoch: int) -> None:
-        """Training enters ``epoch`` (0-based): samples arriving from now on belong to it.
-
-        Args:
-            epoch: the epoch number.
-        """
-        self._epoch_start = time.monotonic()
-        self._epoch_step0 = self.totals.steps
-        self._epoch_samples0 = self.totals.samples
-        self._epoch_wait0 = self.totals.data_wait
-        self.totals.epoch = epoch
+        """Training enters ``epoch`` (0-based): samples arriving from now on belong to it."""
+        t = self.totals
+        self._epoch0 = (time.monotonic(), t.steps, t.samples, t.data_wait)
+        t.epoch = epoch
         with self._lock:
             self._energy.mark(time.time(), epoch)
         self._pos = Position(epoch, 0, self._pos.step, "train")
@@ -614,21 +528,12 @@ class RunMonitor:
             self.add_data_wait(time.perf_counter() - ended)
 
     def add_data_wait(self, seconds: float) -> None:
-        """Count ``seconds`` of waiting for input (a data loader's fetch) as data wait.
-
-        Args:
-            seconds: the time waited.
-        """
+        """Count ``seconds`` of waiting for input (a data loader's fetch) as data wait."""
         self.totals.data_wait += seconds
         self._waits = True
 
     def step(
-        self,
-        epoch: int | None = None,
-        batch: int | None = None,
-        *,
-        samples: int | None = None,
-        step: int | None = None,
+        self, epoch: int | None = None, batch: int | None = None, *, samples: int | None = None, step: int | None = None
     ) -> None:
         """One optimizer step is done.
 
@@ -639,27 +544,20 @@ class RunMonitor:
             samples: training samples in it (adds to ``samples_per_joule`` and the samples counter).
             step: the framework's global step count after it, when it keeps one.
         """
-        pos = self._pos
-        if epoch is not None and epoch != pos.epoch:
+        if epoch is not None and epoch != self._pos.epoch:
             self.begin_epoch(epoch)
-            pos = self._pos
-        t = self.totals
-        t.steps += 1
+        pos = self._pos
+        self.totals.steps += 1
         if samples is not None:
-            t.samples += samples
+            self.totals.samples += samples
             self._counts_samples = True
         done = (batch + 1) if batch is not None else (pos.batch or 0) + 1
         self._pos = Position(pos.epoch, done, step if step is not None else pos.step + 1, pos.phase)
         self._step_end = time.perf_counter()
 
     def phase(self, phase: str) -> None:
-        """Name what training does now (``"train"``, ``"validation"``); alerts carry it.
-
-        Args:
-            phase: the phase.
-        """
-        pos = self._pos
-        self._pos = Position(pos.epoch, pos.batch, pos.step, phase)
+        """Name what training does now (``"train"``, ``"validation"``); alerts carry it."""
+        self._pos = self._pos._replace(phase=phase)
         if phase != "train":
             self._step_end = None  # validation time is not data wait
 
@@ -668,16 +566,9 @@ class RunMonitor:
         return self._batch_values
 
     def end_epoch(self, epoch: int | None = None) -> dict[str, float]:
-        """Summarise the epoch: GPU statistics, energy, throughput per joule, data wait, framework memory.
+        """Summarise the epoch (default the current one): its keys, empty when no GPU was ever seen.
 
-        Never waits on nvidia-smi, except at the first epoch's end for the first sample (``first_sample_timeout``)
-        when none has come yet.
-
-        Args:
-            epoch: the epoch that ends (default the current one).
-
-        Returns:
-            The epoch's keys (empty when GPU monitoring is off and no GPU was ever seen).
+        Never waits on nvidia-smi, except at the first epoch's end for the first sample (``first_sample_timeout``).
         """
         began = time.perf_counter()
         try:
@@ -716,20 +607,7 @@ class RunMonitor:
         if self._order_check is not None:
             self._order_check.close(0.0)  # the keys are fixed from here on
         if self._order is None:
-            order = sorted(set(acc.accs) | set(latest))
-            if not order and self._devices.ids and all(i.isdigit() for i in self._devices.ids):
-                order = sorted(int(i) for i in self._devices.ids)
-            if order:
-                self._order = order
-                if self.epochs or (epoch or 0) > 0:
-                    self.say(
-                        f"nvidia-smi's first sample came {self.cost.get('first_data', math.nan):.1f} s after training "
-                        f"began, after epoch {len(self.epochs) - 1 if self.epochs else 0}: earlier epochs have no "
-                        "GPU numbers in their logs (slow nvidia-smi start; persistence mode shortens it)",
-                        key="late-first",
-                    )
-            else:
-                self.say("nvidia-smi gave no sample before the first epoch ended: no GPU numbers in these logs yet")
+            self._fix_order(acc, latest, epoch)
         order = self._order or []
         values = acc.values(order, latest if fresh else None)
         late_sweeps = self._fold_late(late, order)
@@ -737,12 +615,13 @@ class RunMonitor:
             values["gpu_late_sweeps"] = float(late_sweeps)
         energy = [v for k, v in values.items() if k.endswith("_energy_wh") and not math.isnan(v)]
         t = self.totals
-        seconds = now - self._epoch_start
-        steps = t.steps - self._epoch_step0
-        samples = t.samples - self._epoch_samples0 if self._counts_samples else None
-        wait = t.data_wait - self._epoch_wait0 if self._waits else None
+        began, steps0, samples0, wait0 = self._epoch0
         if order:
-            values.update(throughput_values(sum(energy) if energy else math.nan, steps, samples, seconds, wait))
+            samples = t.samples - samples0 if self._counts_samples else None
+            wait = t.data_wait - wait0 if self._waits else None
+            values.update(
+                throughput_values(sum(energy) if energy else math.nan, t.steps - steps0, samples, now - began, wait)
+            )
             values.update(self._framework_values(latest))
             if self._share is not None:
                 values.update(self._share.epoch_values(epoch, order, first=not self.epochs))
@@ -753,6 +632,23 @@ class RunMonitor:
             record["energy_held_back_s"] = held
         self.epochs.append(record)
         return values
+
+    def _fix_order(self, acc: EpochAccumulator, latest: Mapping[int, GpuSample], epoch: int | None) -> None:
+        """Fix the GPUs whose keys the logs carry, at the first epoch end that has a sample."""
+        order = sorted(set(acc.accs) | set(latest))
+        if not order and self._devices.ids and all(i.isdigit() for i in self._devices.ids):
+            order = sorted(int(i) for i in self._devices.ids)
+        if not order:
+            self.say("nvidia-smi gave no sample before the first epoch ended: no GPU numbers in these logs yet")
+            return
+        self._order = order
+        if self.epochs or (epoch or 0) > 0:
+            self.say(
+                f"nvidia-smi's first sample came {self.cost.get('first_data', math.nan):.1f} s after training "
+                f"began, after epoch {len(self.epochs) - 1 if self.epochs else 0}: earlier epochs have no "
+                "GPU numbers in their logs (slow nvidia-smi start; persistence mode shortens it)",
+                key="late-first",
+            )
 
     def _fold_late(self, late: Mapping[int, EpochAccumulator], order: Sequence[int]) -> int:
         """Sweeps stamped with an epoch already summarised: correct :attr:`epochs`, return how many there were."""
@@ -766,8 +662,6 @@ class RunMonitor:
             if 0 <= k < len(self.epochs):
                 self.epochs[k].update(base.values(order))
         return count
-
-    # -------------------------------------------------------------------------------------- framework view
 
     def _framework_values(self, latest: Mapping[int, GpuSample]) -> dict[str, float]:
         fw = self.framework
@@ -798,20 +692,15 @@ class RunMonitor:
         return out
 
     def watch_gap(self, idx: int, gap: float, view: MemoryView, framework: str) -> None:
-        """Track one GPU's driver-vs-framework gap; say once when it grew for several epochs in a row.
+        """Track GPU ``idx``'s driver-vs-framework ``gap`` (MiB, NaN ignored) against ``framework``'s ``view``.
 
-        Args:
-            idx: the nvidia-smi index.
-            gap: the gap this epoch, MiB (NaN ignored).
-            view: the framework's view this epoch.
-            framework: its name for the message.
+        When it grew for several epochs in a row it is said once and handed to the handlers as an alert event.
         """
         history = self._gaps.grew(idx, gap)
         if history is None or f"gap-{idx}" in self._said:
             return
         note = gap_note(idx, framework, view, history)
         self.say(note, key=f"gap-{idx}")
-        # a real event, once per GPU: handlers (snapshot:DIR, webhooks) get it like an alert
         newest = self.latest().get(idx)
         at = newest.timestamp if newest is not None and newest.timestamp is not None else datetime.now().astimezone()
         if self._notifier is None and self.handlers:
@@ -823,46 +712,35 @@ class RunMonitor:
         with self._lock:
             return {idx: s.uuid for idx, s in self._latest.items() if s.uuid}
 
-    # ------------------------------------------------------------------------------------------ close
-
     def close(self, timeout: float = 5.0) -> None:
-        """Stop monitoring: nvidia-smi terminated and reaped, threads ended, outputs closed (recording, metrics...).
+        """Stop: nvidia-smi terminated and reaped, threads ended, outputs closed. Idempotent; safe from any thread.
 
-        Alert handlers get at most about two seconds to finish (a dead webhook is cut off and counted).
-        Idempotent; safe from any thread.
-
-        Args:
-            timeout: most seconds to wait for the stream to stop.
+        Alert handlers get about two seconds to finish; ``timeout`` bounds the wait for the stream to stop.
         """
         began = time.monotonic()
         if self._pid != os.getpid():
-            self._forget()
+            # a forked child (a data-loader worker): let go of the parent's run, which closing would end under it
+            self._source = self._reader = self._worker = self._notifier = self._order_check = None
+            self._opened = ()
+            self._share = None
+            self._pid = os.getpid()
+            OPEN_MONITORS.discard(self)
             return
         with self._closing:
+            share_open = self._share is not None and self._share.open
             if (
-                self._source is None
-                and self._reader is None
-                and self._worker is None
+                all(x is None for x in (self._source, self._reader, self._worker))
                 and not self._opened
-                and not (self._share is not None and self._share.open)
+                and not share_open
             ):
                 return  # nothing open: keep the last run's cost figures
             self._close_locked(timeout)
         self.cost["close"] = time.monotonic() - began
 
-    def _forget(self) -> None:
-        """In a forked child (a data-loader worker): let go of the parent's run, which closing would end under it."""
-        self._source = self._reader = self._worker = self._notifier = self._order_check = None
-        self._opened = ()
-        self._share = None
-        self._pid = os.getpid()
-        OPEN_MONITORS.discard(self)
-
     def _close_locked(self, timeout: float) -> None:
         self._stop.set()
-        self._pos = Position(self._pos.epoch, self._pos.batch, self._pos.step, "done")
-        source = self._source
-        self._source = None
+        self._pos = self._pos._replace(phase="done")
+        source, self._source = self._source, None
         if source is not None:
             try:
                 source.close(timeout)
@@ -871,19 +749,16 @@ class RunMonitor:
         check, self._order_check = self._order_check, None
         if check is not None:
             check.close(timeout)
-        share = self._share
-        if share is not None:
-            share.close(timeout)
-            self.cost["pmon_cpu"] = share.cpu
-        reader = self._reader
+        if self._share is not None:
+            self._share.close(timeout)
+            self.cost["pmon_cpu"] = self._share.cpu
+        reader, self._reader = self._reader, None
         if reader is not None and reader is not threading.current_thread():
             reader.join(timeout)
-        self._reader = None
-        worker = self._worker
+        worker, self._worker = self._worker, None
         if worker is not None:
             worker.close()
             self.cost["worker_cpu"] = worker.cpu
-        self._worker = None
         opened, self._opened = self._opened, ()
         for out in opened:
             out.close(timeout)
@@ -896,3 +771,61 @@ class RunMonitor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_rejection(exc: BaseException) -> bool:
+    from smiquery.errors import InvalidArgumentError, InvalidFieldError
+
+    return isinstance(exc, (InvalidArgumentError, InvalidFieldError))
+
+
+#: Monitors whose stream this process opened, closed at interpreter exit; a forked child starts with none.
+OPEN_MONITORS: weakref.WeakSet[RunMonitor] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_monitors() -> None:
+    for monitor in list(OPEN_MONITORS):
+        try:
+            monitor.close(timeout=2.0)
+        except Exception:
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=OPEN_MONITORS.clear)
+
+
+class MonitorView:
+    """Read-only views of ``self.monitor``, the same in every framework's callback and in a plain loop's watch."""
+
+    monitor: RunMonitor
+
+    @property
+    def alerts(self) -> list[TrainingAlert]:
+        """The alerts of the current (or last) run, with their training position."""
+        return self.monitor.alerts
+
+    @property
+    def epochs(self) -> list[dict[str, float]]:
+        """Per epoch, the numbers added to the framework's logs (or handed to ``on_epoch``)."""
+        return self.monitor.epochs
+
+    @property
+    def notes(self) -> list[str]:
+        """Messages said once (monitoring unavailable, rules dropped, framework view missing, growing gap)."""
+        return self.monitor.notes
+
+    @property
+    def cost(self) -> dict[str, float]:
+        """What monitoring cost in the last run (see :attr:`RunMonitor.cost`)."""
+        return self.monitor.cost
+
+    @property
+    def running(self) -> bool:
+        """True while the background nvidia-smi is being read."""
+        return self.monitor.running
+
+    def latest(self) -> dict[int, GpuSample]:
+        """The newest sample of each watched GPU (by nvidia-smi index)."""
+        return self.monitor.latest()

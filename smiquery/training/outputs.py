@@ -1,11 +1,4 @@
-"""What a run feeds besides its logs, and the one place the user's keywords become those outputs.
-
-A :class:`~smiquery.training.monitor.RunMonitor` is the core (one stream, the epochs, the alerts); its outputs are
-passed in: a :class:`Recording` of every sample, the job's :class:`~smiquery.training.metrics.JobMetrics` (served
-and/or pushed), the :class:`~smiquery.training.xid.KernelLog`'s Xid alerts. :func:`run_monitor` builds the monitor
-with the outputs that the keywords of :func:`~smiquery.training.watch.watch` and the Keras and Lightning callbacks
-ask for.
-"""
+"""What a run feeds besides its logs, and :func:`run_monitor`: the one place the user's keywords become outputs."""
 
 from __future__ import annotations
 
@@ -22,19 +15,15 @@ if TYPE_CHECKING:
     from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
 
-__all__ = ["Recording", "run_monitor"]
+__all__ = ["METRICS_KEYWORDS", "Recording", "run_monitor"]
 
 log = get_logger("smiquery.training.outputs")
 
 
 class Recording:
-    """Every sample of the watched GPUs, from the run's own nvidia-smi, written to a file per run.
+    """Every sample of the watched GPUs written to ``path`` (``.csv``, ``.jsonl``, ``.parquet``) for each run.
 
-    ``smiquery report`` and ``smiquery plot`` read it. A file that cannot be opened, or a write that fails, is said
-    once and the run goes on unrecorded.
-
-    Args:
-        path: ``.csv``, ``.jsonl`` or ``.parquet``.
+    ``smiquery report`` and ``smiquery plot`` read it. A failure is said once and the run goes on unrecorded.
     """
 
     fields: tuple[str, ...] = ()
@@ -78,18 +67,15 @@ class Recording:
                 log.exception("smiquery: closing the recording failed")
 
 
+#: The keywords of :func:`run_monitor` that go to the job's :class:`~smiquery.training.metrics.JobMetrics`.
+METRICS_KEYWORDS = ("metrics_port", "metrics_addr", "web_config", "pushgateway", "push_interval", "job", "run_id")
+
+
 def run_monitor(
     fields: str | Sequence[str] | None = None,
     interval: float = 1.0,
     *,
     record: str | os.PathLike[str] | None = None,
-    metrics_port: int | None = None,
-    metrics_addr: str = "127.0.0.1",
-    web_config: str | os.PathLike[str] | None = None,
-    pushgateway: str | None = None,
-    push_interval: float = 15.0,
-    job: str = "training",
-    run_id: str | None = None,
     kernel_log: str | os.PathLike[str] | None = None,
     **options: Any,
 ) -> RunMonitor:
@@ -98,30 +84,23 @@ def run_monitor(
     Args:
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
-        record: a :class:`Recording` of every sample of the watched GPUs to this file (``.csv``, ``.jsonl``,
-            ``.parquet``), from the same nvidia-smi; ``smiquery report`` and ``smiquery plot`` read it.
-        metrics_port: serve the job's :class:`~smiquery.training.metrics.JobMetrics` for Prometheus on this port.
-        metrics_addr: the address to bind for ``metrics_port`` (default 127.0.0.1).
-        web_config: an exporter-toolkit web-config file (TLS, basic auth) for ``metrics_port``.
-        pushgateway: push the job's metrics to this Pushgateway URL (grouped by ``run_id`` and host).
-        push_interval: seconds between pushes.
-        job: the ``job`` label of pushed metrics.
-        run_id: the ``run`` label of the job's metrics (default ``SMIQUERY_RUN_ID``, else a new random id).
-        kernel_log: follow this kernel log (``/dev/kmsg``...): each Xid on a watched GPU becomes an alert to the
-            handlers (a :class:`~smiquery.training.xid.KernelLog`).
-        **options: the monitor's own arguments (``alerts``, ``handlers``, ``log_every``, ``nvidia_smi``, ``gpus``,
-            ``framework``, ``process_share``, ``first_sample_timeout``...).
+        record: a :class:`Recording` of every sample to this file.
+        kernel_log: follow this kernel log (``/dev/kmsg``...): each Xid on a watched GPU becomes an alert
+            (a :class:`~smiquery.training.xid.KernelLog`).
+        **options: :data:`METRICS_KEYWORDS` (``metrics_port=``, ``pushgateway=``...: the job's
+            :class:`~smiquery.training.metrics.JobMetrics`, served and/or pushed), and the monitor's own arguments
+            (``alerts``, ``handlers``, ``log_every``, ``nvidia_smi``, ``gpus``, ``framework``, ``process_share``...).
 
     Raises:
-        ValueError: an argument is invalid (``log_every``, ``interval``, ``metrics_port``, ``pushgateway``).
+        ValueError: an argument is invalid.
         WebConfigError: the web-config file is.
         InvalidFieldError: a field name is unknown.
         InvalidRuleError: an alert expression cannot be parsed.
     """
     outputs: list[Output] = [] if record is None else [Recording(record)]
-    # checked even when unused: a bad web-config file is a mistake to fix before training, not a warning after it
-    metrics = JobMetrics(metrics_port, metrics_addr, web_config, pushgateway, push_interval, job, run_id)
-    if metrics_port is not None or pushgateway is not None:
+    # made even when unused: a bad web-config file is a mistake to fix before training, not a warning after it
+    metrics = JobMetrics(**{k: options.pop(k) for k in METRICS_KEYWORDS if k in options})
+    if metrics.metrics_port is not None or metrics.pushgateway is not None:
         outputs.append(metrics)
     if kernel_log:
         outputs.append(KernelLog(kernel_log))

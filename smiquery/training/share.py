@@ -1,8 +1,8 @@
 """The run's own share of each GPU: one ``nvidia-smi pmon`` beside the run, its instants summed per epoch.
 
-Which processes are the run's (:func:`own_pids`: this process and its descendants), each pmon instant's split of
-SM use between them and everyone else (:func:`instant_shares`), and :class:`ShareTracker`, which owns the pmon
-child and its reading thread for a :class:`~smiquery.training.monitor.RunMonitor` with ``process_share=True``.
+:func:`own_pids` tells the run's processes (this process and its descendants), :func:`instant_shares` splits a
+pmon instant's SM use between them and everyone else, and :class:`ShareTracker` owns the pmon child and its thread
+for a :class:`~smiquery.training.monitor.RunMonitor` with ``process_share=True``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from smiquery._log import get_logger
@@ -42,19 +42,10 @@ def _parent_pid(pid: int, root: str) -> int | None:
 
 
 def own_pids(pids: Iterable[int] | None = None, *, root: str = "/proc") -> frozenset[int]:
-    """The run's own processes: this process and its descendants (data-loader workers, spawned helpers).
+    """The run's own processes among ``pids`` (default every process): this process and its descendants.
 
-    On Linux each candidate's parent chain is read from ``/proc/PID/stat``; where there is no ``/proc``
-    (macOS, Windows) only this process itself counts, so its children's GPU use is counted as someone else's.
-    pids are those of this PID namespace: nvidia-smi inside a container with its own PID namespace may report
-    other numbers, and then the run's processes are not recognised.
-
-    Args:
-        pids: the candidates (e.g. the pids pmon printed); None for every process under ``root``.
-        root: the procfs mount.
-
-    Returns:
-        Those of the candidates (or of all processes) that are this process or descend from it.
+    Parent chains are read from ``ROOT/PID/stat``; without ``/proc`` (macOS, Windows) only this process counts.
+    pids are this PID namespace's: nvidia-smi in a container with its own PID namespace may report other numbers.
     """
     me = os.getpid()
     if not os.path.isdir(root):
@@ -83,8 +74,7 @@ class _ShareAcc:
     __slots__ = ("instants", "mine", "others", "total")
 
     def __init__(self) -> None:
-        self.mine = 0.0
-        self.total = 0.0
+        self.mine = self.total = 0.0
         self.instants = 0
         self.others: set[int] = set()
 
@@ -101,24 +91,12 @@ class _ShareAcc:
         self.total += other.total
         self.others |= other.others
 
-    def values(self) -> tuple[float, float]:
-        """``(share, other_processes)``: NaN share without SM use, NaN count without any pmon instant."""
-        share = self.mine / self.total if self.total > 0 else math.nan
-        return share, float(len(self.others)) if self.instants else math.nan
-
 
 def instant_shares(rows: Iterable[PmonRow], mine: Iterable[int]) -> dict[int, ProcessShare]:
-    """Per GPU of one pmon instant, the SM use of ``mine`` against every other process.
+    """Per GPU of one pmon instant, the SM use of the pids ``mine`` against every other process.
 
-    :func:`smiquery.sources.pmon.process_share` for the GPUs the run is on; unlike it, every other GPU in the instant
-    is reported too (its share is then 0 when others keep it busy, None when it is idle).
-
-    Args:
-        rows: one pmon instant.
-        mine: the run's own pids.
-
-    Returns:
-        GPU index -> share; ``share`` is None when no process reported SM use.
+    :func:`smiquery.sources.pmon.process_share`, plus the GPUs without any of ``mine``: their share is 0 when
+    others keep them busy, None when they are idle.
     """
     from smiquery.sources.pmon import ProcessShare, process_share
 
@@ -143,30 +121,11 @@ def _pmon_unsupported(exc: BaseException) -> bool:
     return "not supported on the device" in (output or "").lower()
 
 
-def _open_pmon(
-    *,
-    interval: float,
-    gpus: Sequence[str] | None,
-    nvidia_smi: str | os.PathLike[str] | None,
-    on_event: Callable[[StreamEvent], None],
-) -> PmonStream:
-    """The one ``nvidia-smi pmon`` stream of a monitor with ``process_share`` (SM use only, 1..10 s apart).
-
-    The only place the monitor builds a pmon stream, so that a change in :func:`smiquery.streams.pmon.stream`'s options
-    is adapted here. Failures arrive through ``on_event`` (an unsupported pmon as an ``error`` event).
-    """
-    from smiquery.streams import pmon
-
-    seconds = max(1, min(10, round(interval)))
-    ids = list(gpus)[:4] if gpus else None  # pmon watches four GPUs at most
-    return pmon.stream(gpus=ids, interval=seconds, select="u", nvidia_smi=nvidia_smi, on_event=on_event)
-
-
 class ShareTracker:
     """One pmon child and its reading thread: each instant summed into the epoch it arrived in.
 
-    Failures are said once through ``say`` and never raised: a failing or hung pmon never delays a training step,
-    and an unsupported one turns the share off (the keys stay NaN).
+    Failures are said once through ``say``, never raised: a failing or hung pmon never delays a training step, and
+    an unsupported one turns the share off (the keys stay NaN).
 
     Args:
         say: the monitor's say-once (``say(message, key=...)``).
@@ -195,9 +154,15 @@ class ShareTracker:
         self.cpu = 0.0
 
     def start(self, *, interval: float, gpus: Sequence[str] | None, nvidia_smi: str | os.PathLike[str] | None) -> None:
-        """Start pmon and its reading thread; a failure turns the share off with one note."""
+        """Start pmon (SM use only, 1..10 s apart, four GPUs at most) and its reading thread."""
+        from smiquery.streams import pmon
+
+        seconds = max(1, min(10, round(interval)))
+        ids = list(gpus)[:4] if gpus else None
         try:
-            self._pmon = _open_pmon(interval=interval, gpus=gpus, nvidia_smi=nvidia_smi, on_event=self._on_event)
+            self._pmon = pmon.stream(
+                gpus=ids, interval=seconds, select="u", nvidia_smi=nvidia_smi, on_event=self._event
+            )
         except Exception as exc:
             self.off = True
             self._say(f"the process share is off: {exc}", key="share-off")
@@ -215,7 +180,7 @@ class ShareTracker:
         with self._lock:
             return dict(self._shares)
 
-    def _on_event(self, event: StreamEvent) -> None:
+    def _event(self, event: StreamEvent) -> None:
         err = event.error
         if event.kind != "error" or err is None or self.off:
             return
@@ -239,9 +204,7 @@ class ShareTracker:
     def _read(self) -> None:
         pmon = self._pmon
         try:
-            if pmon is None:
-                return
-            for instant in pmon.samples():
+            for instant in pmon.samples() if pmon is not None else ():
                 if self._stop.is_set() or self.off:
                     return
                 self.take(instant)
@@ -255,40 +218,30 @@ class ShareTracker:
         """Sum one pmon instant into the epoch it arrived in; say once per GPU when another process is on it."""
         epoch = self._epoch_now()
         shares = instant_shares(rows, own_pids({r.pid for r in rows if r.pid is not None}))
-        watched = self._watched
-        if watched is not None:
-            shares = {g: v for g, v in shares.items() if watched(g)}
+        if self._watched is not None:
+            shares = {g: v for g, v in shares.items() if self._watched(g)}
         with self._lock:
             accs = self._accs.setdefault(epoch, {})
             for gpu, share in shares.items():
-                acc = accs.get(gpu)
-                if acc is None:
-                    acc = accs[gpu] = _ShareAcc()
-                acc.add(share)
+                accs.setdefault(gpu, _ShareAcc()).add(share)
             self._shares = shares
         for gpu, share in shares.items():
-            if share.other_pids:
-                self._say_other(gpu, share, rows)
-
-    def _say_other(self, gpu: int, share: ProcessShare, rows: Sequence[PmonRow]) -> None:
-        rows_of = {r.pid: r for r in rows if r.gpu == gpu and r.pid in share.other_pids}
-        first = rows_of.get(share.other_pids[0])
-        who = f"pid {share.other_pids[0]}" + (f" ({first.command})" if first and first.command else "")
-        more = f" and {len(share.other_pids) - 1} more" if len(share.other_pids) > 1 else ""
-        use = "no SM use reported" if share.others_sm is None else f"{share.others_sm}% SM"
-        self._say(
-            f"another process uses GPU {gpu} beside this run: {who}{more}, {use}; gpu{gpu}_share tells this "
-            "run's part of the GPU's SM use (see `smiquery ps`)",
-            key=f"share-other-{gpu}",
-        )
+            if not share.other_pids:
+                continue
+            first = next((r for r in rows if r.gpu == gpu and r.pid == share.other_pids[0]), None)
+            who = f"pid {share.other_pids[0]}" + (f" ({first.command})" if first and first.command else "")
+            more = f" and {len(share.other_pids) - 1} more" if len(share.other_pids) > 1 else ""
+            use = "no SM use reported" if share.others_sm is None else f"{share.others_sm}% SM"
+            self._say(
+                f"another process uses GPU {gpu} beside this run: {who}{more}, {use}; gpu{gpu}_share tells this "
+                "run's part of the GPU's SM use (see `smiquery ps`)",
+                key=f"share-other-{gpu}",
+            )
 
     def epoch_values(self, epoch: int | None, order: Sequence[int], *, first: bool) -> dict[str, float]:
-        """``gpuN_share`` and ``gpuN_other_processes`` of the epoch (pmon instants that arrived during it).
+        """``gpuN_share`` and ``gpuN_other_processes`` of ``epoch`` for the GPUs in ``order`` (NaN without data).
 
-        Args:
-            epoch: the epoch that ends.
-            order: the nvidia-smi indices to report.
-            first: whether it is the run's first summarised epoch (instants before it count towards it).
+        ``first``: the run's first summarised epoch, which also counts the instants before it.
         """
         with self._lock:
             accs = self._accs.pop(epoch, None) or {}
@@ -298,30 +251,22 @@ class ShareTracker:
                     accs.setdefault(gpu, _ShareAcc()).merge(extra)
             for k in [k for k in self._accs if k is not None and epoch is not None and k < epoch]:
                 del self._accs[k]  # instants of epochs already summarised: the share is not corrected
-        return _share_keys(accs, order)
+        out: dict[str, float] = {}
+        for idx in order:
+            acc = accs.get(idx, _ShareAcc())
+            out[f"gpu{idx}_share"] = acc.mine / acc.total if acc.total > 0 else math.nan
+            out[f"gpu{idx}_other_processes"] = float(len(acc.others)) if acc.instants else math.nan
+        return out
 
     def close(self, timeout: float) -> None:
         """Stop pmon (terminated and reaped) and its reading thread."""
         self._stop.set()
-        pmon = self._pmon
-        self._pmon = None
+        pmon, self._pmon = self._pmon, None
         if pmon is not None:
             try:
                 pmon.close()
             except Exception:
                 log.exception("smiquery: stopping nvidia-smi pmon failed")
-        reader = self._reader
+        reader, self._reader = self._reader, None
         if reader is not None and reader is not threading.current_thread():
             reader.join(timeout)
-        self._reader = None
-
-
-def _share_keys(accs: Mapping[int, _ShareAcc], order: Sequence[int]) -> dict[str, float]:
-    """The share keys of one epoch for the GPUs in ``order``: NaN for a GPU without a pmon instant."""
-    out: dict[str, float] = {}
-    for idx in order:
-        acc = accs.get(idx)
-        share, others = acc.values() if acc is not None else (math.nan, math.nan)
-        out[f"gpu{idx}_share"] = share
-        out[f"gpu{idx}_other_processes"] = others
-    return out

@@ -7,9 +7,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from smiquery._log import get_logger
-from smiquery.training.monitor import RunMonitor
+from smiquery.training.monitor import MonitorView, RunMonitor
 from smiquery.training.outputs import run_monitor
-from smiquery.training.view import MonitorView
 
 __all__ = ["Watch", "watch"]
 
@@ -17,11 +16,7 @@ log = get_logger("smiquery.training.watch")
 
 
 class Watch(MonitorView):
-    """A :class:`RunMonitor` for a hand-written loop, as :func:`watch` returns it.
-
-    Attributes:
-        monitor: the underlying monitor (its :attr:`~RunMonitor.epochs`, :attr:`~RunMonitor.alerts`...).
-    """
+    """A started :class:`RunMonitor` (``monitor``) for a hand-written loop, as :func:`watch` returns it."""
 
     def __init__(self, monitor: RunMonitor, on_epoch: Callable[[int, dict[str, float]], object] | None) -> None:
         self.monitor = monitor
@@ -29,14 +24,7 @@ class Watch(MonitorView):
         self._epoch: int | None = None
 
     def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        """Yield the items of a data loader, timing each fetch as data wait.
-
-        Args:
-            iterable: the loader (a ``torch.utils.data.DataLoader``, a generator...).
-
-        Yields:
-            Its items.
-        """
+        """Yield the items of a data loader (any iterable), timing each fetch as data wait."""
         it = iter(iterable)
         m = self.monitor
         while True:
@@ -49,26 +37,15 @@ class Watch(MonitorView):
             yield item
 
     def step(self, epoch: int | None = None, batch: int | None = None, *, samples: int | None = None) -> None:
-        """One step is done (see :meth:`RunMonitor.step`); a new ``epoch`` summarises the previous one.
-
-        Args:
-            epoch: the epoch it belongs to.
-            batch: its number within the epoch.
-            samples: training samples in it.
-        """
-        if epoch is not None and self._epoch is not None and epoch != self._epoch:
-            self.end_epoch()
+        """One step is done (see :meth:`RunMonitor.step`); a new ``epoch`` summarises the previous one."""
         if epoch is not None and epoch != self._epoch:
+            self.end_epoch()  # the previous one, if any
             self._epoch = epoch
             self.monitor.begin_epoch(epoch)
         self.monitor.step(None, batch, samples=samples)
 
     def end_epoch(self) -> dict[str, float]:
-        """Summarise the current epoch now (otherwise done when the next epoch's first step or the end comes).
-
-        Returns:
-            The epoch's keys.
-        """
+        """Summarise the current epoch now and return its keys (else done by the next epoch's first step or the end)."""
         if self._epoch is None:
             return {}
         epoch, self._epoch = self._epoch, None
@@ -98,18 +75,14 @@ def watch(
     on_epoch: Callable[[int, dict[str, float]], object] | None = None,
     **options: Any,
 ) -> Watch:
-    """Monitor a hand-written training loop (any framework) with one nvidia-smi.
+    """Monitor a hand-written training loop (any framework) with one nvidia-smi; started at once.
 
-    Example (PyTorch)::
-
-        from smiquery.training.memory import torch_memory
-        from smiquery.training.watch import watch
+    Example::
 
         with watch(record="run.csv", framework=torch_memory()) as w:
             for epoch in range(epochs):
-                for i, (x, y) in enumerate(w.batches(loader)):   # fetch time counts as data wait
-                    loss = loss_fn(model(x.cuda()), y.cuda())
-                    opt.zero_grad(); loss.backward(); opt.step()
+                for i, (x, y) in enumerate(w.batches(loader)):  # fetch time counts as data wait
+                    train_step(x, y)
                     w.step(epoch=epoch, batch=i, samples=len(x))
         print(w.epochs[-1]["gpu0_util_mean"], w.epochs[-1]["samples_per_joule"])
 
@@ -117,9 +90,7 @@ def watch(
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
         on_epoch: called with ``(epoch, values)`` when an epoch is summarised (to log them).
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``alerts``, ``handlers``,
-            ``record``, ``metrics_port``, ``pushgateway``, ``kernel_log``, ``framework``, ``nvidia_smi``, ``gpus``,
-            ``process_share``...).
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor`.
 
     Returns:
         A context manager; leaving it summarises the last epoch and reaps nvidia-smi.

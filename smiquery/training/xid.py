@@ -1,10 +1,4 @@
-"""Xid errors as alerts of a training run: the run learns why its GPU stopped, not only that it did.
-
-A :class:`KernelLog` output (``kernel_log=PATH`` on ``watch()`` and the callbacks) follows the kernel log from the
-moment the run starts, on its own thread; each Xid on a GPU the run watches becomes an :class:`XidAlert` (an
-:class:`~smiquery.alerts.AlertEvent` that says the code, its meaning and the action) stamped with the training
-position, kept in ``monitor.alerts`` and handed to the monitor's handlers like a fired rule.
-"""
+"""Xid errors as alerts of a training run (``kernel_log=PATH``): the run learns why its GPU stopped."""
 
 from __future__ import annotations
 
@@ -76,16 +70,12 @@ def xid_alert(event: XidEvent, gpu: int | None, uuid: str | None, at: datetime |
 
 
 class KernelLog:
-    """The kernel log followed while the run goes on: each Xid on a watched GPU is an alert to the run's handlers.
+    """The kernel log at ``path`` (``/dev/kmsg``, ``/var/log/kern.log``) followed from its end while a run goes on.
 
-    An :class:`XidAlert` (code, meaning, action), stamped with the training position, kept in ``monitor.alerts``
-    and handed to the handlers like a fired rule: a run learns why its GPU failed. Events on a GPU the run does not
-    watch (none of its samples has that PCI address) are said once per address at INFO and not alerted. Handlers
-    are called on the watcher's thread (Xids are rare, and a GPU that fell off the bus may have stopped the sample
-    thread). Unreadable: one note, the run goes on.
-
-    Args:
-        path: ``/dev/kmsg``, or a file such as ``/var/log/kern.log``.
+    Each Xid on a watched GPU becomes an :class:`XidAlert` stamped with the training position, kept in
+    ``monitor.alerts`` and handed to the handlers like a fired rule, on the watcher's thread (Xids are rare, and a
+    GPU that fell off the bus may have stopped the sample thread). An Xid on another GPU is said once at INFO; an
+    unreadable log is said once and the run goes on.
     """
 
     #: the PCI address names the GPU of an Xid

@@ -136,7 +136,8 @@ def test_epoch_accumulator_means_maxima_and_energy():
     acc = EpochAccumulator(summary_spec(()))
     for util, power in ((50, 100.0), (100, 300.0)):
         for s in sweep(util=util, power=power):
-            acc.add(s.index, s, 1.0)  # one second since that GPU's previous sample
+            acc.add(s.index, s)
+            acc.add_joules(s.index, power * 1.0)  # one second since that GPU's previous sample
     v = acc.values([0, 1])
     assert v["gpu0_util_mean"] == 75.0 and v["gpu0_util_max"] == 100.0
     assert v["gpu0_power_mean_w"] == 200.0
