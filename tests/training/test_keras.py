@@ -430,10 +430,19 @@ def test_record_saves_the_runs_trace_from_the_same_nvidia_smi(smi, tmp_path):
 
 def test_a_slow_nvidia_smi_start_still_fills_the_later_epochs(smi, inproc):
     """nvidia-smi's first row comes after the first epoch has ended (cold start without persistence mode)."""
-    inproc.start_delay = 1.5
+    inproc.start_delay = 3.0  # an epoch lasts about 0.5 s
     monitor = GpuMonitor(interval=INTERVAL, nvidia_smi=str(smi), alerts=(), first_sample_timeout=0)
+
+    class UntilData(keras.callbacks.Callback):  # type: ignore[misc]
+        """The last epoch starts once the first row is in, however slow this machine is."""
+
+        def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+            deadline = time.monotonic() + (60 if epoch == 7 else 0)
+            while not monitor.monitor.latest() and time.monotonic() < deadline:
+                time.sleep(0.02)
+
     with no_leaks():
-        history = fit(tiny_model(), [monitor, Slow()], epochs=8)
+        history = fit(tiny_model(), [monitor, Slow(), UntilData()], epochs=8)
     assert not any(k.startswith("gpu0_") for k in monitor.epochs[0])  # nothing yet, nothing made up
     last = monitor.epochs[-1]
     assert last["gpu1_temp_max"] == 88.0  # the data that came later landed in the epochs it arrived in
