@@ -131,7 +131,7 @@ def getGPUs() -> list[GPU]:
         if len(cells) != len(_FIELDS) or not cells[0].strip().isdigit():
             raise ParseError(f"expected {len(_FIELDS)} cells starting with a GPU index", lineno=lineno, line=line)
         index, uuid, util, total, used, free, driver, name, serial, active, mode, temp = cells
-        memory = [_number(total), _number(used), _number(free)]
+        memory = (_number(total), _number(used), _number(free))
         gpus.append(
             GPU(int(index), uuid, _number(util) / 100, *memory, driver, name, serial, mode, active, _number(temp))
         )
