@@ -19,10 +19,12 @@ import pathlib
 import random
 import re
 from collections.abc import Sequence
+from typing import NoReturn
 from xml.sax.saxutils import escape
 
 from smiquery.sample import bus_key
 from smiquery.testing._emulator.apps import load_apps
+from smiquery.testing._emulator.args import ArgReader
 from smiquery.testing._emulator.faults import Faults, startup
 from smiquery.testing._emulator.output import Output
 from smiquery.testing._emulator.recording import Recording, load_recording
@@ -144,25 +146,23 @@ def _mem_total(dev: str) -> str:
 
 
 def _parse(argv: Sequence[str]) -> tuple[set[str], str | None]:
-    flags: set[str] = set()
+    def fail(message: str) -> NoReturn:
+        raise FakeUsageError(f"the -q -x / -L emulation: {message}")
+
+    flags = {"-q": "q", "--query": "q", "-x": "x", "--xml-format": "x", "-L": "L", "--list-gpus": "L"}
+    found: set[str] = set()
     ids: str | None = None
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        key, eq, inline = arg.partition("=")
-        if key in ("-i", "--id"):
-            ids = inline if eq else (args.pop(0) if args else "")
-        elif arg in ("-q", "--query"):
-            flags.add("q")
-        elif arg in ("-x", "--xml-format"):
-            flags.add("x")
-        elif arg in ("-L", "--list-gpus"):
-            flags.add("L")
+    args = ArgReader(argv, fail)
+    for arg, name, inline in args:
+        if name in ("-i", "--id"):
+            ids = args.value(name, inline)
+        elif arg in flags:
+            found.add(flags[arg])
         else:
-            raise FakeUsageError(f"the -q -x / -L emulation does not know option {arg!r}")
-    if "q" in flags and "x" not in flags:
-        raise FakeUsageError("only `-q -x` is emulated, not the text form of -q")
-    return flags, ids
+            fail(f"option {arg!r} is not emulated")
+    if "q" in found and "x" not in found:
+        fail("only `-q -x` is emulated, not the text form of -q")
+    return found, ids
 
 
 def run_details(argv: Sequence[str], settings: Settings, faults: Faults, out: Output) -> int:

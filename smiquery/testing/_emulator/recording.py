@@ -10,7 +10,6 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import overload
 
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import Field, Kind, get_field
@@ -44,7 +43,7 @@ def short_bus_id(bus_id: str) -> str:
     return norm[4:] if re.fullmatch(r"0000[0-9A-F]{4}:.*", norm) else norm
 
 
-class Sweeps(Sequence[list[list[str]]]):
+class Sweeps:
     """A recording's sweeps, each a list of rows of cells, found and split only as far as they are replayed.
 
     The fake runs once per nvidia-smi call: a one-shot query of the bundled 600-sweep recording reads the 9 lines
@@ -89,15 +88,7 @@ class Sweeps(Sequence[list[list[str]]]):
         self._read(sys.maxsize - 1)
         return len(self._starts)
 
-    @overload
-    def __getitem__(self, n: int) -> list[list[str]]: ...
-    @overload
-    def __getitem__(self, n: slice) -> list[list[list[str]]]: ...
-    def __getitem__(self, n: int | slice) -> list[list[str]] | list[list[list[str]]]:
-        if isinstance(n, slice):
-            return [self[i] for i in range(*n.indices(len(self)))]
-        if n < 0:
-            n += len(self)
+    def __getitem__(self, n: int) -> list[list[str]]:
         if not self.has(n):
             raise IndexError(n)
         sweep = self._split.get(n)
@@ -222,7 +213,7 @@ def _parsed_recording(path: str, stamp: tuple[int, int, int, int]) -> Recording:
     return Recording(text, sidecar=p.with_suffix(".fields"), source=path)
 
 
-class MappedSweeps(Sequence[list[list[str]]]):
+class MappedSweeps:
     """A recording's sweeps as ``change`` turns each of them (the GPU set after ``reenumerate`` reloads)."""
 
     def __init__(self, sweeps: Sweeps | MappedSweeps, change: Callable[[list[list[str]]], list[list[str]]]) -> None:
@@ -235,11 +226,5 @@ class MappedSweeps(Sequence[list[list[str]]]):
     def __len__(self) -> int:
         return len(self._sweeps)
 
-    @overload
-    def __getitem__(self, n: int) -> list[list[str]]: ...
-    @overload
-    def __getitem__(self, n: slice) -> list[list[list[str]]]: ...
-    def __getitem__(self, n: int | slice) -> list[list[str]] | list[list[list[str]]]:
-        if isinstance(n, slice):
-            return [self[i] for i in range(*n.indices(len(self)))]
+    def __getitem__(self, n: int) -> list[list[str]]:
         return self._change(self._sweeps[n])

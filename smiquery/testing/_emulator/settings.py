@@ -51,32 +51,25 @@ class Settings:
     xml: str | None = None
 
     def with_env(self, env: Mapping[str, str]) -> Settings:
-        """Apply the SMIQUERY_FAKE_* overrides."""
-        changes: dict[str, object] = {}
-        if env.get("SMIQUERY_FAKE_RECORDING"):
-            changes["recording"] = env["SMIQUERY_FAKE_RECORDING"]
-        if "SMIQUERY_FAKE_FAULT" in env:
-            changes["fault"] = env["SMIQUERY_FAKE_FAULT"] or None
-        if env.get("SMIQUERY_FAKE_START_DELAY"):
-            try:
-                changes["start_delay"] = float(env["SMIQUERY_FAKE_START_DELAY"])
-            except ValueError:
-                raise FakeUsageError("SMIQUERY_FAKE_START_DELAY must be a number of seconds") from None
-        if "SMIQUERY_FAKE_APPS" in env:
-            changes["apps"] = env["SMIQUERY_FAKE_APPS"]
-        if "SMIQUERY_FAKE_LOG" in env:
-            changes["log"] = env["SMIQUERY_FAKE_LOG"] or None
-        if "SMIQUERY_FAKE_SWEEP" in env:
-            try:
-                changes["sweep"] = int(env["SMIQUERY_FAKE_SWEEP"] or "0")
-            except ValueError:
-                raise FakeUsageError("SMIQUERY_FAKE_SWEEP must be an integer") from None
-        if "SMIQUERY_FAKE_KEEP_TIME" in env:
-            changes["keep_time"] = env["SMIQUERY_FAKE_KEEP_TIME"] == "1"
-        if "SMIQUERY_FAKE_STATE" in env:
-            changes["state"] = env["SMIQUERY_FAKE_STATE"] or None
-        if "SMIQUERY_FAKE_XML" in env:
-            changes["xml"] = env["SMIQUERY_FAKE_XML"] or None
+        """Apply the SMIQUERY_FAKE_* overrides (an empty RECORDING or START_DELAY is no override)."""
+        var = {name.removeprefix("SMIQUERY_FAKE_").lower(): env[name] for name in ENV_VARS if name in env}
+        changes: dict[str, object] = {k: v or None for k, v in var.items() if k in ("fault", "log", "state", "xml")}
+        if var.get("recording"):
+            changes["recording"] = var["recording"]
+        if "apps" in var:
+            changes["apps"] = var["apps"]
+        if "keep_time" in var:
+            changes["keep_time"] = var["keep_time"] == "1"
+        try:
+            if var.get("start_delay"):
+                changes["start_delay"] = float(var["start_delay"])
+        except ValueError:
+            raise FakeUsageError("SMIQUERY_FAKE_START_DELAY must be a number of seconds") from None
+        try:
+            if "sweep" in var:
+                changes["sweep"] = int(var["sweep"] or "0")
+        except ValueError:
+            raise FakeUsageError("SMIQUERY_FAKE_SWEEP must be an integer") from None
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
