@@ -9,10 +9,10 @@ The emulator itself lives in the private :mod:`smiquery.testing._emulator` packa
 module.
 """
 
+from smiquery.testing._emulator.core import ENV_VARS
 from smiquery.testing._emulator.executable import fake_nvidia_smi, main
 from smiquery.testing._emulator.faults import FAULT_HELP, FAULTS
 from smiquery.testing._emulator.inprocess import InProcessLines, InProcessRunner, use_runner
-from smiquery.testing._emulator.settings import ENV_VARS
 
 __all__ = [
     "ENV_VARS",

@@ -23,12 +23,9 @@ from typing import NoReturn
 from xml.sax.saxutils import escape
 
 from smiquery.sample import bus_key
-from smiquery.testing._emulator.apps import load_apps
-from smiquery.testing._emulator.args import ArgReader
+from smiquery.testing._emulator.core import ArgReader, FakeUsageError, Output, Settings
 from smiquery.testing._emulator.faults import Faults, startup
-from smiquery.testing._emulator.output import Output
-from smiquery.testing._emulator.recording import Recording, load_recording
-from smiquery.testing._emulator.settings import FakeUsageError, Settings
+from smiquery.testing._emulator.recording import Recording, load_apps, load_recording
 
 __all__ = ["run_details"]
 
@@ -69,7 +66,7 @@ def _selected(blocks: Sequence[str], ids: str | None) -> list[int] | None:
 def _synthesized(rec: Recording, settings: Settings) -> str:
     """A small -q -x document for the recording's current sweep (the fields a recording can carry)."""
     n = settings.sweep % len(rec.sweeps) if len(rec.sweeps) else 0
-    rows = rec.sweeps[n]
+    rows = rec.sweep(n)
     apps = load_apps(settings.apps, rec)
     out = [
         '<?xml version="1.0" ?>',

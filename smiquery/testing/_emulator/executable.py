@@ -11,10 +11,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO
 
+from smiquery.testing._emulator.core import Output, Settings
 from smiquery.testing._emulator.engine import execute
 from smiquery.testing._emulator.faults import check_settings
-from smiquery.testing._emulator.output import Output
-from smiquery.testing._emulator.settings import Settings
 
 
 def _run(argv: Sequence[str], settings: Settings) -> int:

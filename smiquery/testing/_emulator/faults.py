@@ -6,8 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from smiquery.testing._emulator.output import FakeExit, Output, hang
-from smiquery.testing._emulator.settings import FakeUsageError, is_number
+from smiquery.testing._emulator.core import FakeExit, FakeUsageError, Output, hang, is_number
 
 if TYPE_CHECKING:
     from smiquery.testing._emulator.recording import Recording

@@ -14,10 +14,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from smiquery.errors import NvidiaSmiFailedError, OutputTooLargeError, StreamEndedError, failure_from_exit
+from smiquery.testing._emulator.core import MemoryState, Output, Settings, log_invocation
 from smiquery.testing._emulator.engine import execute
 from smiquery.testing._emulator.faults import check_settings
-from smiquery.testing._emulator.output import Output, log_invocation
-from smiquery.testing._emulator.settings import MemoryState, Settings
 
 if TYPE_CHECKING:
     from smiquery.runner import Completed, Runner

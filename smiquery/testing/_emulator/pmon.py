@@ -16,14 +16,10 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import NoReturn
 
-from smiquery.testing._emulator.apps import load_apps
-from smiquery.testing._emulator.args import ArgReader, usage_error
+from smiquery.testing._emulator.core import ArgReader, Output, Settings, hang, usage_error
 from smiquery.testing._emulator.faults import Faults, startup
-from smiquery.testing._emulator.output import Output, hang
-from smiquery.testing._emulator.query import select_gpus
-from smiquery.testing._emulator.recording import load_recording
-from smiquery.testing._emulator.rows import RowWriter
-from smiquery.testing._emulator.settings import Settings
+from smiquery.testing._emulator.query import RowWriter, select_gpus
+from smiquery.testing._emulator.recording import load_apps, load_recording
 
 __all__ = ["PMON_ENV_VARS", "run_pmon"]
 

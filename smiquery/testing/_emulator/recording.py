@@ -1,10 +1,13 @@
-"""A recorded ``--format=csv`` file as the fake replays it: columns, units, the GPUs and their sweeps."""
+"""What the fake replays: a recorded ``--format=csv`` file, the compute apps, and the GPU set after reloads."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import itertools
+import os
 import pathlib
 import re
 import sys
@@ -14,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import Field, Kind, get_field
 from smiquery.kinds import missing_reason, strip_unit
-from smiquery.testing._emulator.settings import FakeUsageError, read_bundled
+from smiquery.testing._emulator.core import FakeUsageError, MemoryState, is_number, read_bundled
 
 _DEFAULT_DRIVER = "590.48.01"
 
@@ -132,10 +135,11 @@ class Recording:
         for i, fld in enumerate(self.columns):
             self.col.setdefault(fld.name, i)
         key = next((self.col[k] for k in ("index", "uuid", "pci.bus_id") if k in self.col), None)
-        self.sweeps: Sweeps | MappedSweeps = Sweeps(body, len(self.columns), key)
+        self.sweeps = Sweeps(body, len(self.columns), key)
         if not self.sweeps.has(0):
             raise FakeUsageError(f"{source} has no data rows")
-        self.gpus = [self.identity(pos, row) for pos, row in enumerate(self.sweeps[0])]
+        self.change: Callable[[list[list[str]]], list[list[str]]] | None = None  # the GPU set after reloads
+        self.gpus = [self.identity(pos, row) for pos, row in enumerate(self.sweep(0))]
 
     @staticmethod
     def _header(line: str) -> list[tuple[str, str]] | None:
@@ -149,6 +153,10 @@ class Recording:
                 known += 1
         # a header names fields; a data row of plain words (`Enabled, P0`) names none of them
         return cells if known or any(u for _, u in cells) else None
+
+    def sweep(self, n: int) -> list[list[str]]:
+        """Sweep ``n``'s rows of cells, as the ``reenumerate`` reloads struck so far left the GPU set."""
+        return self.sweeps[n] if self.change is None else self.change(self.sweeps[n])
 
     def cell(self, row: Sequence[str], name: str) -> str | None:
         """The cell of ``name`` in ``row`` without its unit, or None when the recording lacks the column."""
@@ -170,7 +178,7 @@ class Recording:
 
     @property
     def driver_version(self) -> str:
-        value = self.cell(self.sweeps[0][0], "driver_version")
+        value = self.cell(self.sweep(0)[0], "driver_version")
         return value if value and not is_token(value) else _DEFAULT_DRIVER
 
     def resolve(self, name: str) -> Field:
@@ -184,27 +192,23 @@ class Recording:
 
 
 def load_recording(path: str | None) -> Recording:
+    """The recording at ``path`` (None: the bundled demo), parsed once while its files stay unchanged."""
     if not path:
-        return _bundled_recording()
+        return _parsed_recording(None, ())
     p = pathlib.Path(path)
+    side = p.with_suffix(".fields")
     try:
-        st = p.stat()
-        side = p.with_suffix(".fields")
-        side_st = side.stat() if side.is_file() else None
+        stamp = tuple((st.st_mtime_ns, st.st_size) for st in [p.stat(), *([side.stat()] if side.is_file() else [])])
     except OSError as exc:
         raise FakeUsageError(f"cannot read recording {path}: {exc}") from exc
-    stamp = (st.st_mtime_ns, st.st_size, side_st.st_mtime_ns if side_st else 0, side_st.st_size if side_st else 0)
-    return _parsed_recording(str(p), stamp)
+    return _parsed_recording(path, stamp)
 
 
 # Parsed recordings are kept (read-only) so that the in-process fake pays for a recording once, not every call.
-@functools.cache
-def _bundled_recording() -> Recording:
-    return Recording(read_bundled("demo-8gpu.csv"), source="bundled demo-8gpu.csv")
-
-
 @functools.lru_cache(maxsize=32)
-def _parsed_recording(path: str, stamp: tuple[int, int, int, int]) -> Recording:
+def _parsed_recording(path: str | None, stamp: tuple[tuple[int, int], ...]) -> Recording:
+    if path is None:
+        return Recording(read_bundled("demo-8gpu.csv"), source="bundled demo-8gpu.csv")
     p = pathlib.Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -213,18 +217,139 @@ def _parsed_recording(path: str, stamp: tuple[int, int, int, int]) -> Recording:
     return Recording(text, sidecar=p.with_suffix(".fields"), source=path)
 
 
-class MappedSweeps:
-    """A recording's sweeps as ``change`` turns each of them (the GPU set after ``reenumerate`` reloads)."""
+# ------------------------------------------------------------------------------------------------ compute apps
 
-    def __init__(self, sweeps: Sweeps | MappedSweeps, change: Callable[[list[list[str]]], list[list[str]]]) -> None:
-        self._sweeps = sweeps
-        self._change = change
+# Compute apps: canonical names with their help, input aliases and header units (NVIDIA-SMI.md section 4).
+APP_FIELDS = {
+    "timestamp": 'The timestamp of when the query was made in format "YYYY/MM/DD HH:MM:SS.msec".',
+    "gpu_name": "Product name of the GPU the process runs on.",
+    "gpu_bus_id": 'PCI bus id of the GPU, as "domain:bus:device.function" in hex.',
+    "gpu_serial": "Board serial number of the GPU.",
+    "gpu_uuid": "Globally unique identifier of the GPU.",
+    "pid": "Process ID of the compute application",
+    "process_name": "Process name",
+    "used_gpu_memory": "GPU memory used by the process's context.",
+}
+APP_ALIASES = {"name": "process_name", "used_memory": "used_gpu_memory"}
+APP_UNITS = {"used_gpu_memory": "MiB"}
 
-    def has(self, n: int) -> bool:
-        return self._sweeps.has(n)
 
-    def __len__(self) -> int:
-        return len(self._sweeps)
+def load_apps(setting: str | None, rec: Recording) -> list[dict[str, str]]:
+    if setting == "":
+        return []
+    if setting is None:
+        text = read_bundled("demo-8gpu-apps.csv")
+    else:
+        try:
+            text = pathlib.Path(setting).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise FakeUsageError(f"cannot read compute-apps file {setting}: {exc}") from exc
+    lines = [ln.rstrip("\r") for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return []
+    header = [split_header_cell(cell) for cell in lines[0].split(",")]
+    names = [APP_ALIASES.get(name, name) for name, _ in header]
+    units = [unit or APP_UNITS.get(name, "") for name, unit in header]
+    by_uuid = {g["uuid"].lower(): g for g in rec.gpus}
+    apps: list[dict[str, str]] = []
+    for line in lines[1:]:
+        cells = line.split(", ")
+        if len(cells) > len(names) and "process_name" in names:
+            # a process name containing ", " : the surplus cells belong to it
+            at = names.index("process_name")
+            extra = len(cells) - len(names)
+            cells[at : at + extra + 1] = [", ".join(cells[at : at + extra + 1])]
+        if len(cells) != len(names):
+            continue
+        app = {n: strip_unit(c, u) for n, c, u in zip(names, cells, units)}
+        gpu = by_uuid.get(app.get("gpu_uuid", "").lower())
+        if gpu is not None:
+            app.setdefault("gpu_name", gpu["name"])
+            app.setdefault("gpu_bus_id", gpu["pci.bus_id"])
+            app.setdefault("gpu_serial", gpu["serial"])
+        apps.append(app)
+    return apps
 
-    def __getitem__(self, n: int) -> list[list[str]]:
-        return self._change(self._sweeps[n])
+
+# ------------------------------------------------------------------------------------------------ reloads
+
+
+def reloads_struck(state: str | MemoryState | None) -> int:
+    if isinstance(state, MemoryState):
+        with state.lock:
+            return state.value
+    if state is None:
+        raise FakeUsageError("fault 'reenumerate' needs a state file: set SMIQUERY_FAKE_STATE")
+    try:
+        text = pathlib.Path(state).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        raise FakeUsageError(f"cannot read state file {state}: {exc}") from exc
+    if not is_number(text):
+        raise FakeUsageError(f"state file {state} holds {text[:40]!r}, not a count of reloads: delete it")
+    return int(text)
+
+
+def record_reload(state: str | MemoryState | None, struck: int) -> None:
+    if isinstance(state, MemoryState):
+        with state.lock:
+            state.value = struck
+        return
+    assert state is not None
+    tmp = f"{state}.{os.getpid()}.tmp"
+    pathlib.Path(tmp).write_text(f"{struck}\n", encoding="utf-8")
+    os.replace(tmp, state)  # a start that reads it at the same moment sees the old count or the new one
+
+
+def relayout(rec: Recording, modes: Sequence[str]) -> Recording:
+    """``rec`` with the GPU set that the ``reenumerate`` reloads in ``modes`` left behind, in order."""
+    if not modes:
+        return rec
+    changed = copy.copy(rec)  # the parsed recording is shared read-only: only attributes are replaced
+    changed.change = functools.partial(_reenumerated, rec, tuple(modes))
+    changed.gpus = [changed.identity(pos, row) for pos, row in enumerate(changed.sweep(0))]
+    return changed
+
+
+def _reenumerated(rec: Recording, modes: tuple[str, ...], sweep: list[list[str]]) -> list[list[str]]:
+    rows = [list(row) for row in sweep]
+    for mode in modes:
+        if mode == "swap" and len(rows) >= 2:
+            rows[0], rows[1] = rows[1], rows[0]
+        elif mode == "remove" and rows:
+            del rows[1 if len(rows) > 1 else 0]
+        elif mode == "add" and rows:
+            rows.append(_added_gpu(rec, rows))
+        # the driver numbers GPUs afresh at each load: positions are the new indices
+        at = rec.col.get("index")
+        if at is not None:
+            for pos, row in enumerate(rows):
+                row[at] = str(pos)
+    return rows
+
+
+def _added_gpu(rec: Recording, rows: list[list[str]]) -> list[str]:
+    """A new GPU's row: the first GPU's values under a uuid, bus id and serial no other GPU has."""
+    import uuid
+
+    row = list(rows[0])
+    if (at := rec.col.get("uuid")) is not None:
+        row[at] = f"GPU-{uuid.uuid5(uuid.NAMESPACE_OID, f'smiquery-fake:{rows[0][at]}:{len(rows)}')}"
+    if (at := rec.col.get("pci.bus_id")) is not None:
+        buses = [int(m.group(1), 16) for r in rows if (m := re.search(r":([0-9A-Fa-f]{2}):", r[at]))]
+        row[at] = f"00000000:{(max(buses, default=0) + 1) % 256:02X}:00.0"
+    if (at := rec.col.get("serial")) is not None:
+        serials = [int(r[at]) for r in rows if is_number(r[at])]
+        if serials:
+            row[at] = str(max(serials) + 1)
+    return row
+
+
+@dataclasses.dataclass(frozen=True)
+class Reload:
+    """The ``reenumerate`` reload due in this start: after ``after`` rows, the count in ``state`` goes up."""
+
+    state: str | MemoryState | None
+    struck: int
+    after: int
