@@ -41,18 +41,8 @@ TIMEOUT = 10.0
 # GPUtil's query in GPUtil's column order, spelled with names every driver accepts (`serial`, not the input
 # alias `gpu_serial`: NVIDIA-SMI.md 1.3 lists both on 465..610, and the header prints `serial` either way).
 _FIELDS = (
-    "index",
-    "uuid",
-    "utilization.gpu",
-    "memory.total",
-    "memory.used",
-    "memory.free",
-    "driver_version",
-    "name",
-    "serial",
-    "display_active",
-    "display_mode",
-    "temperature.gpu",
+    "index,uuid,utilization.gpu,memory.total,memory.used,memory.free,driver_version,name,serial,display_active,"
+    "display_mode,temperature.gpu"
 )
 
 
@@ -128,8 +118,8 @@ def getGPUs() -> list[GPU]:
         if not line.strip() or (done.returncode == 14 and line.startswith("WARNING")):
             continue
         cells = line.split(", ")
-        if len(cells) != len(_FIELDS) or not cells[0].strip().isdigit():
-            raise ParseError(f"expected {len(_FIELDS)} cells starting with a GPU index", lineno=lineno, line=line)
+        if len(cells) != 12 or not cells[0].strip().isdigit():
+            raise ParseError("expected 12 cells starting with a GPU index", lineno=lineno, line=line)
         index, uuid, util, total, used, free, driver, name, serial, active, mode, temp = cells
         memory = (_number(total), _number(used), _number(free))
         gpus.append(

@@ -160,12 +160,8 @@ def _help_query_apps(out: Output) -> int:
     return 0
 
 
-def _cuda_version(driver: str) -> str:
-    try:
-        branch = int(driver.split(".")[0])
-    except ValueError:
-        return "13.1"
-    return _CUDA_BY_BRANCH[max((b for b in _CUDA_BY_BRANCH if b <= branch), default=470)]
+def _cuda_version(rec: Recording) -> str:
+    return _CUDA_BY_BRANCH[max((b for b in _CUDA_BY_BRANCH if b <= rec.driver_branch), default=470)]
 
 
 def _version(rec: Recording, out: Output) -> int:
@@ -173,7 +169,7 @@ def _version(rec: Recording, out: Output) -> int:
     out.line(f"NVIDIA-SMI version  : {driver}")
     out.line(f"NVML version        : {'.'.join(driver.split('.')[:2])}")
     out.line(f"DRIVER version      : {driver}")
-    out.line(f"CUDA Version        : {_cuda_version(driver)}")
+    out.line(f"CUDA Version        : {_cuda_version(rec)}")
     out.line()
     return 0
 
@@ -192,7 +188,7 @@ def _table(rec: Recording, selected: set[str], out: Output) -> int:
     driver = rec.driver_version
     out.line(time.asctime())
     out.line("+" + "-" * 89 + "+")
-    title = f" NVIDIA-SMI {driver:<23}Driver Version: {driver:<15}CUDA Version: {_cuda_version(driver):<9}"
+    title = f" NVIDIA-SMI {driver:<23}Driver Version: {driver:<15}CUDA Version: {_cuda_version(rec):<9}"
     out.line(f"|{title:<89}|")
     out.line("|" + "-" * 41 + "+" + "-" * 24 + "+" + "-" * 22 + "+")
     out.line("| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |")

@@ -50,11 +50,7 @@ _OPTIONS = {"-i": "id", "-d": "delay", "-c": "count", "-s": "select", "-o": "opt
 _OPTIONS |= {"--id": "id", "--delay": "delay", "--count": "count", "--select": "select", "--options": "options"}
 
 
-def _columns(driver: str, select: str, options: str) -> list[tuple[str, str]]:
-    try:
-        branch = int(driver.split(".")[0])
-    except ValueError:
-        branch = 590
+def _columns(branch: int, select: str, options: str) -> list[tuple[str, str]]:
     cols: list[tuple[str, str]] = []
     if "D" in options:
         cols.append(("Date", "YYYYMMDD"))
@@ -112,15 +108,6 @@ def _procs(text: str, gpus: Sequence[dict[str, str]], fail: Callable[[str], NoRe
     return out
 
 
-def _count_var(name: str, fail: Callable[[str], NoReturn]) -> int | None:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    if not text.isdigit():
-        fail(f"{name} takes a whole number of samples, not {text!r}")
-    return int(text)
-
-
 def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Output) -> int:
     """Run ``nvidia-smi pmon ARGS`` against the fake's recording; returns the exit status."""
     opts: dict[str, str] = {}
@@ -150,8 +137,6 @@ def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Outpu
     if not 1 <= delay <= 10:
         args.fail("Invalid value for -d (1 to 10 seconds).")
     count = int(opts["count"]) if opts.get("count", "").isdigit() else None
-    select = opts.get("select", "u")
-    options = opts.get("options", "")
     selected = select_gpus(rec, opts.get("id"), out)
     gpus = [g for g in rec.gpus if g["index"] in selected][:_MAX_GPUS]
     writer = RowWriter(out, faults, 0)
@@ -175,7 +160,7 @@ def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Outpu
             out.flush()
         return 0
 
-    cols = _columns(rec.driver_version, select, options)
+    cols = _columns(rec.driver_branch, opts.get("select", "u"), opts.get("options", ""))
     names = [n for n, _ in cols]
     widths = _widths(names)
     head_widths = _widths(names, header=True)
@@ -187,10 +172,12 @@ def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Outpu
     procs_var = os.environ.get("SMIQUERY_FAKE_PMON_PROCS", "").strip()
     apps = _procs(procs_var, gpus, fail) if procs_var else load_apps(settings.apps, rec)
     ends = _ends(os.environ.get("SMIQUERY_FAKE_PMON_ENDS", ""), fail)
-    hang_after = _count_var("SMIQUERY_FAKE_PMON_HANG_AFTER", fail)
+    hang_after = os.environ.get("SMIQUERY_FAKE_PMON_HANG_AFTER", "").strip()
+    if not hang_after.isdigit() and hang_after:
+        fail(f"SMIQUERY_FAKE_PMON_HANG_AFTER takes a whole number of samples, not {hang_after!r}")
     n = 0
     while count is None or n < count:
-        if hang_after is not None and n >= hang_after:
+        if hang_after and n >= int(hang_after):
             hang(out)
         now = datetime.now()
         for gpu in gpus:

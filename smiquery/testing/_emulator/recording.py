@@ -55,51 +55,44 @@ class Sweeps:
 
     def __init__(self, lines: Iterator[str], ncols: int, key: int | None) -> None:
         self._lines = lines  # the body lines not read yet
-        self._seps = ncols - 1
+        self._ncols = ncols
         self._key = key  # the column that tells GPUs apart: a key seen again starts the next sweep
-        self._rows: list[str] = []  # data lines read so far
-        self._starts: list[int] = []  # where each sweep found so far starts in _rows
+        self._sweeps: list[list[list[str]]] = []  # the sweeps read so far (the last one may be incomplete)
         self._seen: set[str] = set()
         self._done = False
-        self._split: dict[int, list[list[str]]] = {}
         self._lock = threading.Lock()
 
     def _read(self, n: int) -> None:
         """Read lines until sweep ``n`` is complete (the next one has started) or the lines end."""
         with self._lock:
-            while not self._done and len(self._starts) <= n + 1:
+            while not self._done and len(self._sweeps) <= n + 1:
                 line = next(self._lines, None)
                 if line is None:
                     self._done = True
                     break
-                line = line.rstrip("\r")
-                if not line.strip() or line.count(", ") != self._seps:
+                cells = line.rstrip("\r").split(", ")
+                if not line.strip() or len(cells) != self._ncols:
                     continue  # notice lines (WARNING: ...) and damaged rows are not replayed
-                k = line.split(", ", self._key + 1)[self._key].strip() if self._key is not None else ""
-                if not self._rows or self._key is None or k in self._seen:
-                    self._starts.append(len(self._rows))
+                k = cells[self._key].strip() if self._key is not None else ""
+                if not self._sweeps or self._key is None or k in self._seen:
+                    self._sweeps.append([])
                     self._seen = set()
-                self._rows.append(line)
+                self._sweeps[-1].append(cells)
                 self._seen.add(k)
 
     def has(self, n: int) -> bool:
         """Whether the recording has a sweep ``n`` (reads no further than its end)."""
         self._read(n)
-        return 0 <= n < len(self._starts)
+        return 0 <= n < len(self._sweeps)
 
     def __len__(self) -> int:
         self._read(sys.maxsize - 1)
-        return len(self._starts)
+        return len(self._sweeps)
 
     def __getitem__(self, n: int) -> list[list[str]]:
         if not self.has(n):
             raise IndexError(n)
-        sweep = self._split.get(n)
-        if sweep is None:  # a race between threads only splits it twice
-            end = self._starts[n + 1] if n + 1 < len(self._starts) else len(self._rows)
-            sweep = [line.split(", ") for line in self._rows[self._starts[n] : end]]
-            self._split[n] = sweep
-        return sweep
+        return self._sweeps[n]
 
 
 class Recording:
@@ -180,6 +173,12 @@ class Recording:
     def driver_version(self) -> str:
         value = self.cell(self.sweep(0)[0], "driver_version")
         return value if value and not is_token(value) else _DEFAULT_DRIVER
+
+    @property
+    def driver_branch(self) -> int:
+        """The driver's branch (590 for 590.48.01; 590 when unknown)."""
+        branch = self.driver_version.split(".")[0]
+        return int(branch) if is_number(branch) else 590
 
     def resolve(self, name: str) -> Field:
         """The field for a queried name (catalogue names and aliases, plus unknown names the recording has)."""
