@@ -89,8 +89,7 @@ def fake_nvidia_smi(
     CSV format, failing as ``fault`` says (:data:`FAULT_HELP` has every fault). The ``SMIQUERY_FAKE_*`` environment
     variables override these settings when it runs (see :data:`ENV_VARS`).
 
-    Faults about time and identity for stream engines (``clock-step``, ``dst-fallback``, ``slow-row``,
-    ``reenumerate``, ``flood``) are described in ``docs/getting-started.md``.
+    ``docs/getting-started.md`` describes the faults about time and identity for stream engines.
 
     Args:
         directory: where to write it (created if missing).
@@ -122,14 +121,9 @@ def fake_nvidia_smi(
     script = (
         _shebang(sys.executable)
         + '"""Fake nvidia-smi written by smiquery.testing.fake_nvidia_smi(): replays a recorded CSV."""\n'
-        + "import sys\n\n"
-        + f"SETTINGS = {settings!r}\n\n"
-        + "try:\n"
-        + "    from smiquery.testing._emulator.executable import main_with_settings\n"
-        + "except ImportError:  # this interpreter has no smiquery installed: use the copy that wrote the script\n"
-        + f"    sys.path.insert(0, {package_parent!r})\n"
-        + "    from smiquery.testing._emulator.executable import main_with_settings\n\n"
-        + "sys.exit(main_with_settings(SETTINGS))\n"
+        + f"import sys\n\nsys.path.append({package_parent!r})  # used where this interpreter has no smiquery\n"
+        + "from smiquery.testing._emulator.executable import main_with_settings\n\n"
+        + f"sys.exit(main_with_settings({settings!r}))\n"
     )
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(script, encoding="utf-8")
