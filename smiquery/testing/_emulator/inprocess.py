@@ -228,10 +228,8 @@ class InProcessLines:
         rc = self._ch.returncode
         assert rc is not None
         output = message_of(list(self._messages), bytes(self._ch.err), rc)
-        if rc != 0 and not self._stopping:
-            self._ended = failure_from_exit(self.argv, rc, output)
-        else:
-            self._ended = StreamEndedError(self.argv, rc, output)
+        ended = failure_from_exit if rc != 0 and not self._stopping else StreamEndedError
+        self._ended = ended(self.argv, rc, output)
         self._closed = True
         self._finalizer.detach()
 
@@ -280,29 +278,12 @@ class InProcessRunner:
     pipes, signals and reaping. ``argv[0]`` is ignored and no binary is looked up; ``grandchild`` does nothing
     here. For code that takes no ``runner=``, see :func:`use_runner`.
 
-    The settings are attributes and may change between calls (``fault = None`` simulates a fix). The process
-    environment is not read: pass ``SMIQUERY_FAKE_*`` overrides in ``env``. ``reenumerate`` reloads are counted in
-    :attr:`reloads`, not in a state file. Output waits for the reader past 1 MiB unread, as a pipe does, and
-    :meth:`run` fails as the real runner does past :data:`smiquery.runner.MAX_OUTPUT_BYTES`.
-
-    Example::
-
-        runner = InProcessRunner(fault="driver-not-loaded")
-        with pytest.raises(errors.DriverNotLoadedError):
-            query(runner=runner)
-        runner.fault = None  # the fix
-        assert len(query(runner=runner)) == 8
-
-    Args:
-        recording: a ``--format=csv`` recording with header; None for the bundled 8-GPU demo.
-        fault: comma-separated fault specs from :data:`FAULTS`.
-        start_delay: seconds to wait before any output.
-        apps: the compute-apps CSV; None for the bundled one, ``""`` for no processes.
-        log: a file to which every call appends one JSON line, like the executable's.
-        env: ``SMIQUERY_FAKE_*`` overrides, read at every call (see :data:`ENV_VARS`).
-
-    Attributes:
-        calls: the argv of every call, in order.
+    ``recording``, ``fault``, ``start_delay``, ``apps`` and ``log`` mean what they mean to :func:`fake_nvidia_smi`;
+    they are attributes and may change between calls (``fault = None`` simulates a fix). The process environment
+    is not read: ``env`` holds ``SMIQUERY_FAKE_*`` overrides (see :data:`ENV_VARS`). :attr:`calls` holds the argv of
+    every call; ``reenumerate`` reloads are counted in :attr:`reloads`, not in a state file. Output waits for the
+    reader past 1 MiB unread, as a pipe does; :meth:`run` fails as the real runner does past
+    :data:`smiquery.runner.MAX_OUTPUT_BYTES`.
 
     Raises:
         ValueError: ``fault`` names an unknown fault or ``start_delay`` is negative.
@@ -432,11 +413,6 @@ def use_runner(runner: _R) -> Iterator[_R]:
     default comes back (blocks nest); the runner is not closed. Code that passes its own ``runner=`` keeps it;
     :mod:`smiquery.aio` starts its children with asyncio and is not covered. Nothing else changes the default, so
     production code always runs the real nvidia-smi.
-
-    Example::
-
-        with use_runner(InProcessRunner(fault="driver-not-loaded")), pytest.raises(errors.DriverNotLoadedError):
-            query()  # no runner= given: the one of the block
     """
     from smiquery.runner import install_default
 

@@ -47,16 +47,8 @@ from smiquery.testing._emulator.recording import (
 if TYPE_CHECKING:
     import random
 
-_ACTIONS = {
-    "--help-query-gpu": "help-query-gpu",
-    "--help-query-compute-apps": "help-query-compute-apps",
-    "-L": "list",
-    "--list-gpus": "list",
-    "--version": "version",
-    "-h": "help",
-    "--help": "help",
-    "--fake-help": "help",
-}
+_ACTIONS = {"-L": "list", "--list-gpus": "list", "-h": "help", "--help": "help", "--fake-help": "help"}
+_ACTIONS |= {option: option[2:] for option in ("--help-query-gpu", "--help-query-compute-apps", "--version")}
 _VALUES = {"--query-gpu": "query_gpu", "--query-compute-apps": "query_apps", "--format": "fmt", "-i": "ids"}
 # On a lost GPU these cells keep their values (NVIDIA-SMI.md section 3); every other cell reads [GPU is lost].
 _SURVIVES_LOSS = frozenset({"timestamp", "index", "uuid", "pci.bus_id", "name"})
