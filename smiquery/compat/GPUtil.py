@@ -12,7 +12,7 @@ import functools
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from smiquery.errors import ParseError, failure_from_exit
@@ -164,10 +164,6 @@ def getAvailability(
     ]
 
 
-def _nan_last(attr: str) -> Callable[[GPU], float]:
-    return lambda gpu: math.inf if math.isnan(getattr(gpu, attr)) else getattr(gpu, attr)
-
-
 def getAvailable(
     order: str = "first",
     limit: int = 1,
@@ -192,7 +188,8 @@ def getAvailable(
         # the same call on the global generator as GPUtil, so that a seeded run picks the same GPUs
         chosen = [chosen[i] for i in random.sample(range(len(chosen)), len(chosen))]
     elif order in ("load", "memory"):
-        chosen.sort(key=_nan_last("load" if order == "load" else "memoryUtil"))
+        attr = "load" if order == "load" else "memoryUtil"
+        chosen.sort(key=lambda gpu: math.inf if math.isnan(getattr(gpu, attr)) else getattr(gpu, attr))
     return [gpu.id for gpu in chosen[:limit]]
 
 

@@ -148,12 +148,8 @@ def log_invocation(path: str, argv: Sequence[str]) -> None:
     import json
 
     record = json.dumps({"pid": os.getpid(), "argv": list(argv), "time": time.time()}) + "\n"
-    # one write on an O_APPEND descriptor, so concurrent fakes never interleave their lines
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, record.encode("utf-8"))
-    finally:
-        os.close(fd)
+    with open(path, "ab", buffering=0) as file:  # one write on an O_APPEND descriptor: lines never interleave
+        file.write(record.encode("utf-8"))
 
 
 def usage_error(out: Output, hint: str = "") -> Callable[[str], NoReturn]:

@@ -40,16 +40,11 @@ def _run(argv: Sequence[str], settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the fake ``nvidia-smi`` with nvidia-smi's own command-line arguments.
+    """Run the fake ``nvidia-smi`` with nvidia-smi's own arguments (``argv``; None: ``sys.argv[1:]``).
 
     Settings come from the ``SMIQUERY_FAKE_*`` environment variables (see :data:`ENV_VARS`); without them it
-    replays the bundled 8-GPU demo recording and fails in no way.
-
-    Args:
-        argv: the arguments after the program name; None means ``sys.argv[1:]``.
-
-    Returns:
-        The exit status nvidia-smi would return (70 when the fake itself is misconfigured).
+    replays the bundled 8-GPU demo recording and fails in no way. Returns the exit status nvidia-smi would return
+    (70 when the fake itself is misconfigured).
     """
     return _run(sys.argv[1:] if argv is None else argv, Settings())
 

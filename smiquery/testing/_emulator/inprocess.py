@@ -131,7 +131,8 @@ class InProcessLines:
     Returned by :meth:`InProcessRunner.lines`; it ends and fails like the real line reader
     (:class:`~smiquery.runner.lines.LineStream`). Loop intervals, start delays and hangs wait on the stop signal,
     so :meth:`terminate` (unless the fault is ``ignore-term``), :meth:`kill` and :meth:`close` end the engine
-    thread at once. ``argv`` is the command as given; ``pid`` is always None.
+    thread at once. ``argv`` is the command as given; ``pid`` is always None; ``idle`` the seconds the last
+    :meth:`readline` waited; ``closed`` is True once the end was read, or after :meth:`close`.
     """
 
     pid: int | None = None
@@ -145,8 +146,8 @@ class InProcessLines:
         self._ended: NvidiaSmiFailedError | None = None
         self._stopping = False
         self._interrupted = False
-        self._closed = False
-        self._idle = 0.0
+        self.closed = False
+        self.idle = 0.0
         self._finalizer = weakref.finalize(self, channel.stop)
 
     @property
@@ -155,19 +156,9 @@ class InProcessLines:
         return self._ch.returncode
 
     @property
-    def idle(self) -> float:
-        """Seconds the last :meth:`readline` waited for its line's data (0.0 when it was already buffered)."""
-        return self._idle
-
-    @property
     def stderr(self) -> str:
         """What the fake wrote to stderr so far."""
         return _decode(bytes(self._ch.err))
-
-    @property
-    def closed(self) -> bool:
-        """True once the engine has finished and its end was read, or after :meth:`close`."""
-        return self._closed
 
     def readline(self, timeout: float) -> str | None:
         """The next complete line; None if none came within ``timeout`` s or on :meth:`interrupt`.
@@ -183,7 +174,7 @@ class InProcessLines:
             self._take()
             if not self._lines and self._ended is not None:
                 raise self._ended
-            if not self._lines and self._closed:
+            if not self._lines and self.closed:
                 raise StreamEndedError(self.argv, 0, "", "the nvidia-smi stream was closed")
             while not self._lines and not self._interrupted:
                 if ch.done:
@@ -199,7 +190,7 @@ class InProcessLines:
                 ch.cond.wait(remaining)
                 waited += time.monotonic() - t0
                 self._take()
-            self._idle = waited
+            self.idle = waited
             if self._lines:
                 return self._lines.popleft()
             self._interrupted = False
@@ -230,7 +221,7 @@ class InProcessLines:
         output = message_of(list(self._messages), bytes(self._ch.err), rc)
         ended = failure_from_exit if rc != 0 and not self._stopping else StreamEndedError
         self._ended = ended(self.argv, rc, output)
-        self._closed = True
+        self.closed = True
         self._finalizer.detach()
 
     def interrupt(self) -> None:
@@ -258,7 +249,7 @@ class InProcessLines:
             self.kill()
             self._ch.join(1.0)
         with self._ch.cond:
-            self._closed = True
+            self.closed = True
             self._ch.cond.notify_all()
         self._finalizer.detach()
 

@@ -3,8 +3,8 @@
 The processes are the fake's compute apps (``SMIQUERY_FAKE_APPS`` / the bundled list) on the recording's GPUs, or
 those ``SMIQUERY_FAKE_PMON_PROCS`` lists (fixed SM/memory %, pids that can be the caller's own); an idle GPU
 prints one line of ``-``. ``SMIQUERY_FAKE_PMON=FILE`` replays a pmon capture instead: printed as is, then
-(without ``-c``) its data lines again every interval. Faults: the start-up ones, ``exit:``, ``hang``,
-``hang-after:N`` and ``crash-after:N`` (N counts data lines), ``ignore-term``. The variables in
+(without ``-c``) its data lines again every interval. Faults: the start-up ones, ``exit:``, ``hang``, the
+row-counting ones (``hang-after:N``, ``crash-after:N``...; N counts data lines), ``ignore-term``. The variables in
 :data:`PMON_ENV_VARS` (listed by ``nvidia-smi pmon -h``) make processes end and pmon stall, counted in samples.
 """
 

@@ -136,8 +136,6 @@ class RowWriter:
         self.interval = interval
         self.reload = reload
         self.rows = 0
-        self._garbage_done = False
-        self._wrong_done = False
 
     @functools.cached_property
     def rng(self) -> random.Random:
@@ -176,12 +174,10 @@ class RowWriter:
 
     def row(self, cells: list[str], *, bus_id: str = "", truncate: bool = False) -> None:
         self.check_stop(bus_id)
-        if not self._garbage_done and self.due(self.faults.garbage_after):
+        if self.rows == self.faults.garbage_after:  # once, before row N
             self.out.raw(_garbage_line(self.rng, self.ncols) + b"\n")
-            self._garbage_done = True
-        if not self._wrong_done and self.due(self.faults.wrong_columns_after):
+        if self.rows == self.faults.wrong_columns_after:
             cells = cells[:-1]
-            self._wrong_done = True
         data = ", ".join(cells).encode("utf-8")
         self.out.raw(data[: max(1, len(data) // 2)] if truncate else data + b"\n")
         self.rows += 1

@@ -182,12 +182,7 @@ class Recording:
 
     def resolve(self, name: str) -> Field:
         """The field for a queried name (catalogue names and aliases, plus unknown names the recording has)."""
-        try:
-            return get_field(name)
-        except InvalidFieldError:
-            if name in self.extra:
-                return self.extra[name]
-            raise
+        return self.extra[name] if name in self.extra else get_field(name)
 
 
 def load_recording(path: str | None) -> Recording:
