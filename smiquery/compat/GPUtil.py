@@ -8,7 +8,6 @@ lists the quirks and the differences.
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 import time
@@ -16,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from smiquery.errors import ParseError, failure_from_exit
-from smiquery.fields import Field, resolve_fields
+from smiquery.fields import resolve_fields
 from smiquery.runner import default_runner, find_nvidia_smi
 from smiquery.streams.argv import build_argv
 
@@ -107,7 +106,7 @@ def getGPUs() -> list[GPU]:
         NvidiaSmiFailedError: nvidia-smi failed, as its typed subclass (GPUtil raises ``ValueError``).
         ParseError: output that does not fit the twelve columns.
     """
-    argv = build_argv(find_nvidia_smi(), _resolved())
+    argv = build_argv(find_nvidia_smi(), resolve_fields(_FIELDS))
     done = default_runner().run(argv, TIMEOUT)
     if done.returncode not in (0, 14):  # 14: infoROM warning after valid rows
         raise failure_from_exit(argv, done.returncode, done.output)
@@ -126,11 +125,6 @@ def getGPUs() -> list[GPU]:
             GPU(int(index), uuid, _number(util) / 100, *memory, driver, name, serial, mode, active, _number(temp))
         )
     return gpus
-
-
-@functools.cache
-def _resolved() -> tuple[Field, ...]:
-    return resolve_fields(_FIELDS)
 
 
 def getAvailability(
@@ -212,7 +206,6 @@ def getFirstAvailable(
         RuntimeError: no GPU was available in any attempt (GPUtil's message).
         SmiqueryError: as :func:`getGPUs`.
     """
-    available: list[int] = []
     for i in range(attempts):
         if verbose:
             print(f"Attempting ({i + 1}/{attempts}) to locate available GPU.")
@@ -220,14 +213,10 @@ def getFirstAvailable(
         if available:
             if verbose:
                 print(f"GPU {available} located!")
-            break
+            return available
         if i != attempts - 1:
             time.sleep(interval)
-    if not available:
-        raise RuntimeError(
-            f"Could not find an available GPU after {attempts} attempts with {interval} seconds interval."
-        )
-    return available
+    raise RuntimeError(f"Could not find an available GPU after {attempts} attempts with {interval} seconds interval.")
 
 
 # ------------------------------------------------------------------------------------------- showUtilization

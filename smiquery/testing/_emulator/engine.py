@@ -30,18 +30,17 @@ _FLOOD_LINE = 1 << 20  # a loop's flood: lines of 1 MiB, far past any sane row
 def execute(argv: Sequence[str], settings: Settings, env: Mapping[str, str], out: Output) -> int:
     """The fake's engine, shared by the executable and :class:`InProcessRunner`: argv in, exit status out."""
     try:
-        try:
-            settings = settings.with_env(env)
-            faults = parse_faults(settings.fault)
-            out.begin(argv, settings.log, grandchild=faults.grandchild, ignore_term=faults.ignore_term)
-            code = _dispatch(argv, settings, faults, out)
-        except FakeExit as exc:
-            code = exc.code
-        out.flush()
+        settings = settings.with_env(env)
+        faults = parse_faults(settings.fault)
+        out.begin(argv, settings.log, grandchild=faults.grandchild, ignore_term=faults.ignore_term)
+        code = _dispatch(argv, settings, faults, out)
+    except FakeExit as exc:
+        code = exc.code
     except FakeUsageError as exc:
         out.flush()
         out.error(f"smiquery-fake-nvidia-smi: {exc}")
         return _EX_SOFTWARE
+    out.flush()
     return code
 
 
