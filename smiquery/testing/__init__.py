@@ -4,15 +4,13 @@
 and the ``smiquery-fake-nvidia-smi`` console script). Real process, real pipes, real signals: no mocks.
 :class:`InProcessRunner` runs the same engine on a thread, and :func:`use_runner` makes it the runner of everything
 that runs nvidia-smi (CLI, exporter, monitor, callbacks) for the length of a ``with`` block.
-
-The emulator itself lives in the private :mod:`smiquery.testing._emulator` package; nothing there imports this
-module.
+The emulator lives in the private :mod:`smiquery.testing._emulator` package.
 """
 
+from smiquery.testing._emulator.core import ENV_VARS
 from smiquery.testing._emulator.executable import fake_nvidia_smi, main
 from smiquery.testing._emulator.faults import FAULT_HELP, FAULTS
 from smiquery.testing._emulator.inprocess import InProcessLines, InProcessRunner, use_runner
-from smiquery.testing._emulator.settings import ENV_VARS
 
 __all__ = [
     "ENV_VARS",

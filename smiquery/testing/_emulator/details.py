@@ -1,15 +1,9 @@
-"""``nvidia-smi -q -x`` and ``-L`` in the fake executable (:mod:`smiquery.testing`).
+"""``nvidia-smi -q -x`` and ``-L`` in the fake, from ``SMIQUERY_FAKE_XML`` or an XML made from the recording.
 
-The XML is ``SMIQUERY_FAKE_XML`` (a saved ``nvidia-smi -q -x`` capture, such as the corpus's A100 MIG one) printed
-as it is, less the GPUs ``-i`` leaves out; without it, a small XML (DTD v12) is made from the recording's current
-sweep: name, UUID, bus id, memory, clock event reasons, MIG mode and the compute apps. ``-L`` lists the XML's GPUs
-and, under each GPU with MIG devices, one ``MIG <profile> Device N: (UUID: MIG-...)`` line; the fake makes the
-MIG UUID from the parent's UUID and the instance ids, and the profile from the instance's SM count and memory
-(``3g.20gb`` on an A100: 14 SMs a slice), as real drivers name them for A100/H100-class GPUs. Without
-``SMIQUERY_FAKE_XML``, ``-L`` keeps the recording's listing.
-
-Faults: every start-up fault, ``exit:``, ``hang`` and ``start-delay`` as in the CSV modes; ``truncated`` prints the
-first half of the XML and exits 0; ``garbage`` prints random bytes instead of XML and exits 0.
+The capture is printed as it is, less the GPUs ``-i`` leaves out; without one a small XML is made from the
+recording's current sweep. ``-L`` lists its GPUs and their MIG devices (UUIDs made from the parent's, profiles
+from SM count and memory the A100 way). Faults: the start-up ones, ``exit:``, ``hang`` and ``start-delay`` as in
+the CSV modes; ``truncated`` prints the first half of the XML, ``garbage`` random bytes instead (exit 0 both).
 """
 
 from __future__ import annotations
@@ -19,14 +13,13 @@ import pathlib
 import random
 import re
 from collections.abc import Sequence
+from typing import NoReturn
 from xml.sax.saxutils import escape
 
 from smiquery.sample import bus_key
-from smiquery.testing._emulator.apps import load_apps
+from smiquery.testing._emulator.core import ArgReader, FakeUsageError, Output, Settings
 from smiquery.testing._emulator.faults import Faults, startup
-from smiquery.testing._emulator.output import Output
-from smiquery.testing._emulator.recording import Recording, load_recording
-from smiquery.testing._emulator.settings import FakeUsageError, Settings
+from smiquery.testing._emulator.recording import Recording, load_apps, load_recording
 
 __all__ = ["run_details"]
 
@@ -44,30 +37,29 @@ def _selected(blocks: Sequence[str], ids: str | None) -> list[int] | None:
     """Positions of the GPUs ``-i`` names (all without ``-i``); None when one id matches no GPU."""
     if not ids:
         return list(range(len(blocks)))
-    out: list[int] = []
-    for raw in ids.split(","):
-        wanted = raw.strip()
-        hit = None
-        for pos, block in enumerate(blocks):
-            uuid = _tag(block, "uuid")
-            bus = _tag(block, "pci_bus_id") or (re.search(r'id="([^"]*)"', block) or [None, ""])[1]
-            if (
-                wanted == str(pos)
-                or wanted.lower() == uuid.lower()
-                or (":" in wanted and bus and bus_key(wanted) == bus_key(bus))
-            ):
-                hit = pos
-        if hit is None:
+
+    def names(wanted: str, pos: int, block: str) -> bool:
+        gpu_id = re.search(r'id="([^"]*)"', block)
+        bus = _tag(block, "pci_bus_id") or (gpu_id.group(1) if gpu_id else "")
+        return (
+            wanted == str(pos)
+            or wanted.lower() == _tag(block, "uuid").lower()
+            or (":" in wanted and bool(bus) and bus_key(wanted) == bus_key(bus))
+        )
+
+    chosen: list[int] = []
+    for wanted in (raw.strip() for raw in ids.split(",")):
+        hits = [pos for pos, block in enumerate(blocks) if names(wanted, pos, block)]
+        if not hits:
             return None
-        if hit not in out:
-            out.append(hit)
-    return out
+        if hits[-1] not in chosen:
+            chosen.append(hits[-1])
+    return chosen
 
 
 def _synthesized(rec: Recording, settings: Settings) -> str:
     """A small -q -x document for the recording's current sweep (the fields a recording can carry)."""
-    n = settings.sweep % len(rec.sweeps) if len(rec.sweeps) else 0
-    rows = rec.sweeps[n]
+    rows = rec.sweep(settings.sweep % len(rec.sweeps))
     apps = load_apps(settings.apps, rec)
     out = [
         '<?xml version="1.0" ?>',
@@ -119,50 +111,39 @@ def _synthesized(rec: Recording, settings: Settings) -> str:
     return "\n".join(out) + "\n"
 
 
-def _mig_uuid(parent: str, gi: str, ci: str) -> str:
-    h = hashlib.sha256(f"{parent}/{gi}/{ci}".encode()).hexdigest()
-    return f"MIG-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-
 def _listing(blocks: Sequence[str], chosen: Sequence[int], out: Output) -> None:
     for pos in chosen:
-        block = blocks[pos]
-        uuid = _tag(block, "uuid")
-        out.line(f"GPU {pos}: {_tag(block, 'product_name')} (UUID: {uuid})")
-        for dev in re.findall(r"<mig_device>.*?</mig_device>", block, re.DOTALL):
+        uuid = _tag(blocks[pos], "uuid")
+        out.line(f"GPU {pos}: {_tag(blocks[pos], 'product_name')} (UUID: {uuid})")
+        for dev in re.findall(r"<mig_device>.*?</mig_device>", blocks[pos], re.DOTALL):
+            fb = re.search(r"<fb_memory_usage>(.*?)</fb_memory_usage>", dev, re.DOTALL)
+            mib = int(_tag(fb.group(1), "total").removesuffix(" MiB") or 0) if fb else 0
             sms = int(_tag(dev, "multiprocessor_count") or 0)
-            mib = int(_mem_total(dev) or 0)
             profile = f"{max(1, sms // _SM_PER_SLICE)}g.{round(mib / 1024 / 5) * 5 or 5}gb"
-            index = _tag(dev, "index")
-            mig = _mig_uuid(uuid, _tag(dev, "gpu_instance_id"), _tag(dev, "compute_instance_id"))
-            out.line(f"  MIG {profile:<12s}Device {index:>2s}: (UUID: {mig})")
-
-
-def _mem_total(dev: str) -> str:
-    fb = re.search(r"<fb_memory_usage>(.*?)</fb_memory_usage>", dev, re.DOTALL)
-    return _tag(fb.group(1), "total").removesuffix(" MiB") if fb else "0"
+            instance = f"{uuid}/{_tag(dev, 'gpu_instance_id')}/{_tag(dev, 'compute_instance_id')}"
+            h = hashlib.sha256(instance.encode()).hexdigest()
+            mig = f"MIG-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+            out.line(f"  MIG {profile:<12s}Device {_tag(dev, 'index'):>2s}: (UUID: {mig})")
 
 
 def _parse(argv: Sequence[str]) -> tuple[set[str], str | None]:
-    flags: set[str] = set()
+    def fail(message: str) -> NoReturn:
+        raise FakeUsageError(f"the -q -x / -L emulation: {message}")
+
+    flags = {"-q": "q", "--query": "q", "-x": "x", "--xml-format": "x", "-L": "L", "--list-gpus": "L"}
+    found: set[str] = set()
     ids: str | None = None
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        key, eq, inline = arg.partition("=")
-        if key in ("-i", "--id"):
-            ids = inline if eq else (args.pop(0) if args else "")
-        elif arg in ("-q", "--query"):
-            flags.add("q")
-        elif arg in ("-x", "--xml-format"):
-            flags.add("x")
-        elif arg in ("-L", "--list-gpus"):
-            flags.add("L")
+    args = ArgReader(argv, fail)
+    for arg, name, inline in args:
+        if name in ("-i", "--id"):
+            ids = args.value(name, inline)
+        elif arg in flags:
+            found.add(flags[arg])
         else:
-            raise FakeUsageError(f"the -q -x / -L emulation does not know option {arg!r}")
-    if "q" in flags and "x" not in flags:
-        raise FakeUsageError("only `-q -x` is emulated, not the text form of -q")
-    return flags, ids
+            fail(f"option {arg!r} is not emulated")
+    if "q" in found and "x" not in found:
+        fail("only `-q -x` is emulated, not the text form of -q")
+    return found, ids
 
 
 def run_details(argv: Sequence[str], settings: Settings, faults: Faults, out: Output) -> int:

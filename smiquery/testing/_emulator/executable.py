@@ -9,12 +9,11 @@ import re
 import signal
 import sys
 from collections.abc import Mapping, Sequence
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
+from smiquery.testing._emulator.core import Output, Settings
 from smiquery.testing._emulator.engine import execute
 from smiquery.testing._emulator.faults import check_settings
-from smiquery.testing._emulator.output import Output
-from smiquery.testing._emulator.settings import Settings
 
 
 def _run(argv: Sequence[str], settings: Settings) -> int:
@@ -41,36 +40,18 @@ def _run(argv: Sequence[str], settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the fake ``nvidia-smi`` with nvidia-smi's own command-line arguments.
+    """Run the fake ``nvidia-smi`` with nvidia-smi's own arguments (``argv``; None: ``sys.argv[1:]``).
 
     Settings come from the ``SMIQUERY_FAKE_*`` environment variables (see :data:`ENV_VARS`); without them it
-    replays the bundled 8-GPU demo recording and fails in no way.
-
-    Args:
-        argv: the arguments after the program name; None means ``sys.argv[1:]``.
-
-    Returns:
-        The exit status nvidia-smi would return (70 when the fake itself is misconfigured).
+    replays the bundled 8-GPU demo recording and fails in no way. Returns the exit status nvidia-smi would return
+    (70 when the fake itself is misconfigured).
     """
     return _run(sys.argv[1:] if argv is None else argv, Settings())
 
 
-def main_with_settings(settings: Mapping[str, object], argv: list[str] | None = None) -> int:
+def main_with_settings(settings: Mapping[str, Any], argv: list[str] | None = None) -> int:
     """Entry point of the scripts written by :func:`fake_nvidia_smi` (settings baked in)."""
-    delay = settings.get("start_delay") or 0.0
-    baked = Settings(
-        recording=_opt_str(settings.get("recording")),
-        fault=_opt_str(settings.get("fault")),
-        start_delay=float(delay) if isinstance(delay, (int, float, str)) else 0.0,
-        apps=_opt_str(settings.get("apps")),
-        log=_opt_str(settings.get("log")),
-        state=_opt_str(settings.get("state")),
-    )
-    return _run(sys.argv[1:] if argv is None else argv, baked)
-
-
-def _opt_str(value: object) -> str | None:
-    return None if value is None else str(value)
+    return _run(sys.argv[1:] if argv is None else argv, Settings(**settings))
 
 
 def _abs(path: str | os.PathLike[str] | None) -> str | None:
@@ -100,33 +81,10 @@ def fake_nvidia_smi(
     """Write an executable fake ``nvidia-smi`` into ``directory``.
 
     The script runs this Python interpreter (``sys.executable``) and replays ``recording`` in nvidia-smi's exact
-    CSV format, failing as ``fault`` says. The ``SMIQUERY_FAKE_*`` environment variables override these settings
-    when it runs (see :data:`ENV_VARS`).
+    CSV format, failing as ``fault`` says (:data:`FAULT_HELP` has every fault). The ``SMIQUERY_FAKE_*`` environment
+    variables override these settings when it runs (see :data:`ENV_VARS`).
 
-    Faults about time and identity, for stream engines (:data:`FAULT_HELP` has every fault):
-
-    - ``clock-step:N:SECONDS``: from the Nth row on (0-based), the timestamp cells are SECONDS later (negative: an
-      NTP step back). With 8 GPUs, ``clock-step:12:-3600`` steps back an hour between GPU 3 and GPU 4 of the second
-      sweep, so that sweep straddles the step. Repeat the spec for more steps; with ``SMIQUERY_FAKE_KEEP_TIME=1``
-      the recorded timestamps move by the same steps.
-    - ``dst-fallback[:SECONDS]``: the timestamps are Europe/Berlin local time, starting SECONDS (default 10) of real
-      time before 2026-10-25 03:00 CEST, when clocks go back to 02:00 CET: ``02:59:59.9xx`` is followed by
-      ``02:00:00.0xx``. Each start begins SECONDS before the change again.
-    - ``slow-row:N:FRACTION[:INDEX]``: in sweeps N, 2N, 3N... of a start, the rows before GPU INDEX's (default 3)
-      are flushed, then that row and the rest of the sweep come FRACTION (0 < FRACTION < 1) of the interval late
-      (one-shot: of 1 s). The slow row's timestamp is on time; the rows after it carry the delay. The next sweep
-      starts one interval after this one ends, as nvidia-smi sleeps between sweeps.
-    - ``reenumerate:N[:MODE]``: after N rows of a start, a driver reload: the sweep is cut, ``Unable to determine the
-      device handle for GPU <bus id of the next row>: Unknown Error``, exit 255. The reload is counted in the state
-      file (``<path>.state`` beside the executable; ``SMIQUERY_FAKE_STATE``), so every later start serves the changed
-      GPU set, to every query (``-L``, ``-i``, compute apps too): ``swap`` (default) swaps GPUs 0 and 1 (uuid, bus
-      id and values; the indices stay in order), ``remove`` drops GPU 1 and renumbers the ones after it down,
-      ``add`` appends a GPU (GPU 0's values under a new uuid, bus id and serial). Repeated specs chain: the first
-      start reloads after the first spec's N rows, the second start (with the first change) after the second's, and
-      the last start runs on. Delete the state file to start over.
-    - ``flood[:BYTES]``: a wrong binary on PATH: noise on stdout and nothing else, whatever the arguments; one-shot
-      with no newline at all, in a loop (``-l``/``-lms``) as 1 MiB lines back to back; without end, or BYTES in
-      all and exit 0.
+    ``docs/getting-started.md`` describes the faults about time and identity for stream engines.
 
     Args:
         directory: where to write it (created if missing).
@@ -158,19 +116,11 @@ def fake_nvidia_smi(
     script = (
         _shebang(sys.executable)
         + '"""Fake nvidia-smi written by smiquery.testing.fake_nvidia_smi(): replays a recorded CSV."""\n'
-        + "import sys\n\n"
-        + f"SETTINGS = {settings!r}\n\n"
-        + "try:\n"
-        + "    from smiquery.testing._emulator.executable import main_with_settings\n"
-        + "except ImportError:  # this interpreter has no smiquery installed: use the copy that wrote the script\n"
-        + f"    sys.path.insert(0, {package_parent!r})\n"
-        + "    from smiquery.testing._emulator.executable import main_with_settings\n\n"
-        + "sys.exit(main_with_settings(SETTINGS))\n"
+        + f"import sys\n\nsys.path.append({package_parent!r})  # used where this interpreter has no smiquery\n"
+        + "from smiquery.testing._emulator.executable import main_with_settings\n\n"
+        + f"sys.exit(main_with_settings({settings!r}))\n"
     )
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(script, encoding="utf-8")
     path.chmod(0o755)
     return path
-
-
-# --------------------------------------------------------------------------------------------- in-process fake

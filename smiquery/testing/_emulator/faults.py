@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from smiquery.testing._emulator.output import FakeExit, Output, hang
-from smiquery.testing._emulator.settings import FakeUsageError, is_number
+from smiquery.testing._emulator.core import FakeExit, FakeUsageError, Output, hang, is_number
 
 if TYPE_CHECKING:
     from smiquery.testing._emulator.recording import Recording
@@ -69,48 +69,41 @@ FAULT_HELP: Mapping[str, str] = {
 FAULTS: tuple[str, ...] = tuple(FAULT_HELP)
 
 
-# Messages and exit codes of NVIDIA-SMI.md section 5. `not-supported` has no recorded message; NVML's own error
+INFOROM_WARNING = "WARNING: infoROM is corrupted at gpu 0000:0B:00.0"
+HANDLE_ERROR = "Unable to determine the device handle for GPU {bus}: {reason}"
+GPU_LOST_REASON = "GPU is lost. Reboot the system to recover this GPU"
+# Exit codes and messages of NVIDIA-SMI.md section 5. `not-supported` has no recorded message; NVML's own error
 # string for NVML_ERROR_NOT_SUPPORTED is used.
-_STARTUP_FAULTS: dict[str, tuple[tuple[str, ...], int]] = {
+_NVML = "Failed to initialize NVML: "
+_STARTUP_FAULTS: dict[str, tuple[int, tuple[str, ...]]] = {
     "driver-not-loaded": (
+        9,
         (
             "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
             "Make sure that the latest NVIDIA driver is installed and running.",
         ),
-        9,
     ),
     "nvml-not-found": (
+        12,
         (
             "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system. Please make sure that the NVIDIA "
             "Display Driver is properly installed and present in your system.",
             "Please also try adding directory that contains libnvidia-ml.so to your system PATH.",
         ),
-        12,
     ),
-    "version-mismatch": (("Failed to initialize NVML: Driver/library version mismatch", "{nvml_line}"), 18),
-    "no-devices": (("No devices were found",), 6),
-    "no-supported-gpus": (
-        ("Failed to initialize NVML: No supported GPUs were found", "Unable to determine the number of GPUs"),
-        255,
-    ),
-    "gpu-lost-start": (
-        (
-            "Unable to determine the device handle for GPU 0000:02:00.0: GPU is lost. "
-            "Reboot the system to recover this GPU",
-        ),
-        15,
-    ),
-    "permission": (("Failed to initialize NVML: Insufficient Permissions",), 4),
-    "not-supported": (("Failed to initialize NVML: Not Supported",), 3),
-    "unknown-error": (("Failed to initialize NVML: Unknown Error",), 255),
+    "version-mismatch": (18, (_NVML + "Driver/library version mismatch", "NVML library version: {nvml}")),
+    "no-devices": (6, ("No devices were found",)),
+    "no-supported-gpus": (255, (_NVML + "No supported GPUs were found", "Unable to determine the number of GPUs")),
+    "gpu-lost-start": (15, (HANDLE_ERROR.format(bus="0000:02:00.0", reason=GPU_LOST_REASON),)),
+    "permission": (4, (_NVML + "Insufficient Permissions",)),
+    "not-supported": (3, (_NVML + "Not Supported",)),
+    "unknown-error": (255, (_NVML + "Unknown Error",)),
 }
 _COUNTED_FAULTS = ("hang-after", "crash-after", "garbage-after", "wrong-columns-after", "notices-after")
 _FLAG_FAULTS = ("inforom", "hang", "garbage", "truncated", "ignore-term", "grandchild")
+_RELOAD_MODES = ("swap", "remove", "add")
 
 
-INFOROM_WARNING = "WARNING: infoROM is corrupted at gpu 0000:0B:00.0"
-HANDLE_ERROR = "Unable to determine the device handle for GPU {bus}: {reason}"
-GPU_LOST_REASON = "GPU is lost. Reboot the system to recover this GPU"
 # what `notices-after` prints each interval once the rows stop
 NOTICE_BATCH = (INFOROM_WARNING, HANDLE_ERROR.format(bus="0000:02:00.0", reason="Unknown Error"))
 
@@ -150,16 +143,21 @@ class Faults:
     flood_bytes: int | None = None
 
 
-def _nonneg(spec: str, text: str) -> int:
-    if not is_number(text):
-        raise FakeUsageError(f"fault {spec!r}: {text!r} is not a non-negative integer")
+def _check(ok: bool, spec: str, problem: str) -> None:
+    if not ok:
+        raise FakeUsageError(f"fault {spec!r}: {problem}")
+
+
+def _nonneg(spec: str, text: str, default: int | None = None) -> int:
+    if default is not None and not text:
+        return default
+    _check(is_number(text), spec, f"{text!r} is not a non-negative integer")
     return int(text)
 
 
 def _exit_code(spec: str, text: str) -> int:
     code = _nonneg(spec, text)
-    if code > 255:
-        raise FakeUsageError(f"fault {spec!r}: exit codes go up to 255")
+    _check(code <= 255, spec, "exit codes go up to 255")
     return code
 
 
@@ -167,97 +165,68 @@ def _number(spec: str, text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = float("nan")
-    if value != value or value in (float("inf"), float("-inf")):
-        raise FakeUsageError(f"fault {spec!r}: {text!r} is not a number")
+        value = math.nan
+    _check(math.isfinite(value), spec, f"{text!r} is not a number")
     return value
-
-
-_RELOAD_MODES = ("swap", "remove", "add")
 
 
 def parse_faults(spec: str | None) -> Faults:
     """Parse a comma-separated fault list; unknown names raise :class:`FakeUsageError`."""
-    values: dict[str, object] = {}
-    for raw in (spec or "").split(","):
-        item = raw.strip()
-        if not item:
-            continue
+    values: dict[str, Any] = {"clock_steps": (), "reloads": ()}
+    for item in filter(None, (raw.strip() for raw in (spec or "").split(","))):
         name, _, arg = item.partition(":")
+        first, _, rest = arg.partition(":")  # the fields of `name:first:second:third`
+        second, _, third = rest.partition(":")
         if name in _STARTUP_FAULTS and not arg:
             values.setdefault("startup", name)
         elif name == "exit" and arg:
-            code_text, _, message = arg.partition(":")
-            values.setdefault("exit_code", _exit_code(item, code_text))
-            values.setdefault("exit_message", message or None)
+            values.setdefault("exit_code", _exit_code(item, first))
+            values.setdefault("exit_message", rest or None)
         elif name == "exit-after" and ":" in arg:
-            count, _, rest = arg.partition(":")
-            code_text, _, message = rest.partition(":")
-            values["exit_after"] = _nonneg(item, count)
-            values["exit_after_code"] = _exit_code(item, code_text)
-            values["exit_after_message"] = message or None
+            values["exit_after"] = _nonneg(item, first)
+            values["exit_after_code"] = _exit_code(item, second)
+            values["exit_after_message"] = third or None
         elif name == "drop-gpu-after" and arg:
-            count, _, rest = arg.partition(":")
-            index, _, suffix = rest.partition(":")
-            if suffix not in ("", "message"):
-                raise FakeUsageError(f"fault {item!r}: only the literal suffix ':message' may follow the index")
-            values["drop_gpu_after"] = _nonneg(item, count)
-            values["drop_gpu_index"] = _nonneg(item, index) if index else 0
-            values["drop_gpu_message"] = suffix == "message"
+            _check(third in ("", "message"), item, "only the literal suffix ':message' may follow the index")
+            values["drop_gpu_after"] = _nonneg(item, first)
+            values["drop_gpu_index"] = _nonneg(item, second, 0)
+            values["drop_gpu_message"] = third == "message"
         elif name == "start-delay" and arg:
             try:
                 delay = float(arg)
             except ValueError:
                 delay = -1.0
-            if not 0 <= delay < float("inf"):
-                raise FakeUsageError(f"fault {item!r}: {arg!r} is not a non-negative number of seconds")
+            _check(0 <= delay < math.inf, item, f"{arg!r} is not a non-negative number of seconds")
             values["start_delay"] = delay
         elif name in _FLAG_FAULTS and not arg:
             values[name.replace("-", "_")] = True
         elif name in _COUNTED_FAULTS and arg:
             values[name.replace("-", "_")] = _nonneg(item, arg)
         elif name == "gpu-lost-after" and arg:
-            count, _, index = arg.partition(":")
-            values["gpu_lost_after"] = _nonneg(item, count)
-            values["gpu_lost_index"] = _nonneg(item, index) if index else 0
+            values["gpu_lost_after"] = _nonneg(item, first)
+            values["gpu_lost_index"] = _nonneg(item, rest, 0)
         elif name == "clock-step" and ":" in arg:
-            count, _, seconds = arg.partition(":")
-            step = (_nonneg(item, count), _number(item, seconds))
-            values["clock_steps"] = (*values.get("clock_steps", ()), step)  # type: ignore[misc]
+            values["clock_steps"] += ((_nonneg(item, first), _number(item, rest)),)
         elif name == "dst-fallback":
-            before = _number(item, arg) if arg else 10.0
-            if before < 0:
-                raise FakeUsageError(f"fault {item!r}: the seconds before the change must not be negative")
-            values["dst_before"] = before
+            values["dst_before"] = _number(item, arg) if arg else 10.0
+            _check(values["dst_before"] >= 0, item, "the seconds before the change must not be negative")
         elif name == "slow-row" and ":" in arg:
-            count, _, rest = arg.partition(":")
-            fraction_text, _, index = rest.partition(":")
-            every = _nonneg(item, count)
-            fraction = _number(item, fraction_text)
-            if every < 1:
-                raise FakeUsageError(f"fault {item!r}: N counts sweeps and starts at 1")
-            if not 0 < fraction < 1:
-                raise FakeUsageError(f"fault {item!r}: FRACTION is a share of the interval, between 0 and 1")
-            values["slow_every"] = every
-            values["slow_fraction"] = fraction
-            values["slow_index"] = _nonneg(item, index) if index else 3
+            values["slow_every"] = _nonneg(item, first)
+            values["slow_fraction"] = _number(item, second)
+            _check(values["slow_every"] >= 1, item, "N counts sweeps and starts at 1")
+            _check(0 < values["slow_fraction"] < 1, item, "FRACTION is a share of the interval, between 0 and 1")
+            values["slow_index"] = _nonneg(item, third, 3)
         elif name == "reenumerate" and arg:
-            count, _, mode = arg.partition(":")
-            mode = mode or "swap"
-            if mode not in _RELOAD_MODES:
-                raise FakeUsageError(f"fault {item!r}: MODE is one of {', '.join(_RELOAD_MODES)}")
-            reload = (_nonneg(item, count), mode)
-            values["reloads"] = (*values.get("reloads", ()), reload)  # type: ignore[misc]
+            _check((rest or "swap") in _RELOAD_MODES, item, f"MODE is one of {', '.join(_RELOAD_MODES)}")
+            values["reloads"] += ((_nonneg(item, first), rest or "swap"),)
         elif name == "flood":
             values["flood"] = True
             if arg:
-                total = _nonneg(item, arg)
-                if total < 1:
-                    raise FakeUsageError(f"fault {item!r}: BYTES must be at least 1 (leave it out for no end)")
-                values["flood_bytes"] = total
+                values["flood_bytes"] = _nonneg(item, arg)
+                _check(values["flood_bytes"] >= 1, item, "BYTES must be at least 1 (leave it out for no end)")
         else:
             raise FakeUsageError(f"unknown fault {item!r}; known faults: {', '.join(FAULTS)}")
-    return Faults(**values)  # type: ignore[arg-type]
+    return Faults(**values)
 
 
 def startup(faults: Faults, rec: Recording, out: Output) -> None:
@@ -265,11 +234,9 @@ def startup(faults: Faults, rec: Recording, out: Output) -> None:
     if faults.hang:
         hang(out)
     if faults.startup is not None:
-        lines, code = _STARTUP_FAULTS[faults.startup]
-        driver = rec.driver_version
-        nvml = ".".join(driver.split(".")[:2])
+        code, lines = _STARTUP_FAULTS[faults.startup]
         for text in lines:
-            out.line(text.format(nvml_line=f"NVML library version: {nvml}"))
+            out.line(text.format(nvml=".".join(rec.driver_version.split(".")[:2])))
         raise FakeExit(code)
     if faults.exit_code is not None:
         if faults.exit_message:

@@ -3,8 +3,8 @@
 The processes are the fake's compute apps (``SMIQUERY_FAKE_APPS`` / the bundled list) on the recording's GPUs, or
 those ``SMIQUERY_FAKE_PMON_PROCS`` lists (fixed SM/memory %, pids that can be the caller's own); an idle GPU
 prints one line of ``-``. ``SMIQUERY_FAKE_PMON=FILE`` replays a pmon capture instead: printed as is, then
-(without ``-c``) its data lines again every interval. Faults: the start-up ones, ``exit:``, ``hang``,
-``hang-after:N`` and ``crash-after:N`` (N counts data lines), ``ignore-term``. The variables in
+(without ``-c``) its data lines again every interval. Faults: the start-up ones, ``exit:``, ``hang``, the
+row-counting ones (``hang-after:N``, ``crash-after:N``...; N counts data lines), ``ignore-term``. The variables in
 :data:`PMON_ENV_VARS` (listed by ``nvidia-smi pmon -h``) make processes end and pmon stall, counted in samples.
 """
 
@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import os
 import pathlib
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import NoReturn
 
-from smiquery.testing._emulator.apps import load_apps
+from smiquery.testing._emulator.core import ArgReader, Output, Settings, hang, usage_error
 from smiquery.testing._emulator.faults import Faults, startup
-from smiquery.testing._emulator.output import FakeExit, Output, hang
-from smiquery.testing._emulator.query import select_gpus
-from smiquery.testing._emulator.recording import load_recording
-from smiquery.testing._emulator.settings import Settings
+from smiquery.testing._emulator.query import RowWriter, select_gpus
+from smiquery.testing._emulator.recording import load_apps, load_recording
 
 __all__ = ["PMON_ENV_VARS", "run_pmon"]
 
@@ -48,38 +46,11 @@ _MAX_GPUS = 4  # pmon watches at most four devices
 _JPG_OFA_FROM = 530
 
 
-class _Usage(Exception):
-    pass
+_OPTIONS = {"-i": "id", "-d": "delay", "-c": "count", "-s": "select", "-o": "options"}
+_OPTIONS |= {"--id": "id", "--delay": "delay", "--count": "count", "--select": "select", "--options": "options"}
 
 
-def _parse(argv: Sequence[str]) -> dict[str, str]:
-    opts: dict[str, str] = {}
-    names = {"-i": "id", "--id": "id", "-d": "delay", "--delay": "delay", "-c": "count", "--count": "count"}
-    names |= {"-s": "select", "--select": "select", "-o": "options", "--options": "options"}
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        if arg in ("-h", "--help"):
-            opts["help"] = "1"
-            continue
-        key, eq, inline = arg.partition("=")
-        if key not in names:
-            raise _Usage(f"Option {key} is not recognized.")
-        if eq:
-            value = inline
-        elif args:
-            value = args.pop(0)
-        else:
-            raise _Usage(f"Option {key} is missing its value.")
-        opts[names[key]] = value
-    return opts
-
-
-def _columns(driver: str, select: str, options: str) -> list[tuple[str, str]]:
-    try:
-        branch = int(driver.split(".")[0])
-    except ValueError:
-        branch = 590
+def _columns(branch: int, select: str, options: str) -> list[tuple[str, str]]:
     cols: list[tuple[str, str]] = []
     if "D" in options:
         cols.append(("Date", "YYYYMMDD"))
@@ -108,28 +79,28 @@ def _line(cells: Sequence[str], widths: Sequence[int]) -> str:
     return f"{body}    {cells[-1][:15]:<15}"
 
 
-def _ends(text: str) -> dict[str, int]:
+def _ends(text: str, fail: Callable[[str], NoReturn]) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         pid, sep, after = item.partition(":")
         if not sep or not pid.isdigit() or not after.isdigit():
-            raise _Usage(f"SMIQUERY_FAKE_PMON_ENDS takes PID:N items, not {item!r}")
+            fail(f"SMIQUERY_FAKE_PMON_ENDS takes PID:N items, not {item!r}")
         out[pid] = int(after)
     return out
 
 
-def _procs(text: str, gpus: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+def _procs(text: str, gpus: Sequence[dict[str, str]], fail: Callable[[str], NoReturn]) -> list[dict[str, str]]:
     """The SMIQUERY_FAKE_PMON_PROCS entries as app-like dicts (``pid``, ``gpu_uuid``, ``sm``, ``mem``...)."""
     by_index = {g["index"]: g for g in gpus}
     out: list[dict[str, str]] = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         parts = item.split(":")
         if len(parts) != 4:
-            raise _Usage(f"SMIQUERY_FAKE_PMON_PROCS takes GPU:PID:SM:MEM items, not {item!r}")
+            fail(f"SMIQUERY_FAKE_PMON_PROCS takes GPU:PID:SM:MEM items, not {item!r}")
         gpu, pid, sm, mem = parts
         pid = {"self": str(os.getpid()), "parent": str(os.getppid())}.get(pid, pid)
         if not pid.isdigit() or any(not (v.isdigit() or v == "-") for v in (sm, mem)):
-            raise _Usage(f"SMIQUERY_FAKE_PMON_PROCS: {item!r} needs a pid (or self/parent) and SM/MEM numbers or -")
+            fail(f"SMIQUERY_FAKE_PMON_PROCS: {item!r} needs a pid (or self/parent) and SM/MEM numbers or -")
         where = by_index.get(gpu)
         if where is None:
             continue  # a GPU this run does not watch (-i) or the recording lacks
@@ -137,22 +108,17 @@ def _procs(text: str, gpus: Sequence[dict[str, str]]) -> list[dict[str, str]]:
     return out
 
 
-def _count_var(name: str) -> int | None:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    if not text.isdigit():
-        raise _Usage(f"{name} takes a whole number of samples, not {text!r}")
-    return int(text)
-
-
 def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Output) -> int:
     """Run ``nvidia-smi pmon ARGS`` against the fake's recording; returns the exit status."""
-    try:
-        opts = _parse(argv)
-    except _Usage as exc:
-        out.line(f"ERROR: {exc} Please run 'nvidia-smi pmon -h' for help.")
-        return 255
+    opts: dict[str, str] = {}
+    args = ArgReader(argv, usage_error(out, "Please run 'nvidia-smi pmon -h' for help."))
+    for arg, name, inline in args:
+        if arg in ("-h", "--help"):
+            opts["help"] = "1"
+        elif name in _OPTIONS:
+            opts[_OPTIONS[name]] = args.value(name, inline)
+        else:
+            args.fail(f"Option {name} is not recognized.")
     if "help" in opts:
         out.line("Usage: nvidia-smi pmon [-i ID] [-d SEC] [-c COUNT] [-s um] [-o DT]  (smiquery fake)")
         out.line()
@@ -169,25 +135,16 @@ def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Outpu
         return _UNSUPPORTED_EXIT
     delay = int(opts.get("delay", "1")) if opts.get("delay", "1").isdigit() else 0
     if not 1 <= delay <= 10:
-        out.line("ERROR: Invalid value for -d (1 to 10 seconds). Please run 'nvidia-smi pmon -h' for help.")
-        return 255
+        args.fail("Invalid value for -d (1 to 10 seconds).")
     count = int(opts["count"]) if opts.get("count", "").isdigit() else None
-    select = opts.get("select", "u")
-    options = opts.get("options", "")
     selected = select_gpus(rec, opts.get("id"), out)
     gpus = [g for g in rec.gpus if g["index"] in selected][:_MAX_GPUS]
-    rows_written = 0
+    writer = RowWriter(out, faults, 0)
 
     def data(text: str) -> None:
-        nonlocal rows_written
-        if faults.hang_after is not None and rows_written >= faults.hang_after:
-            hang(out)
-        if faults.crash_after is not None and rows_written >= faults.crash_after:
-            out.line("Unable to determine the device handle for GPU 0000:00:00.0: Unknown Error")
-            out.flush()
-            raise FakeExit(255)
+        writer.check_stop("")
         out.line(text)
-        rows_written += 1
+        writer.rows += 1
 
     replay = os.environ.get("SMIQUERY_FAKE_PMON")
     if replay:
@@ -197,13 +154,13 @@ def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Outpu
         out.flush()
         body = [t for t in lines if t.strip() and not t.startswith("#")]
         while count is None and body:
-            time.sleep(delay)
+            out.sleep(delay)
             for text in body:
                 data(text)
             out.flush()
         return 0
 
-    cols = _columns(rec.driver_version, select, options)
+    cols = _columns(rec.driver_branch, opts.get("select", "u"), opts.get("options", ""))
     names = [n for n, _ in cols]
     widths = _widths(names)
     head_widths = _widths(names, header=True)
@@ -211,17 +168,16 @@ def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Outpu
     units = "".join(u.rjust(w) for (_, u), w in zip(cols[:-1], head_widths)) + "    name "
     out.line("#" + head[1:])
     out.line("#" + units[1:])
-    try:
-        procs_var = os.environ.get("SMIQUERY_FAKE_PMON_PROCS", "").strip()
-        apps = _procs(procs_var, gpus) if procs_var else load_apps(settings.apps, rec)
-        ends = _ends(os.environ.get("SMIQUERY_FAKE_PMON_ENDS", ""))
-        hang_after = _count_var("SMIQUERY_FAKE_PMON_HANG_AFTER")
-    except _Usage as exc:
-        out.line(f"ERROR: {exc}")
-        return 255
+    fail = usage_error(out)
+    procs_var = os.environ.get("SMIQUERY_FAKE_PMON_PROCS", "").strip()
+    apps = _procs(procs_var, gpus, fail) if procs_var else load_apps(settings.apps, rec)
+    ends = _ends(os.environ.get("SMIQUERY_FAKE_PMON_ENDS", ""), fail)
+    hang_after = os.environ.get("SMIQUERY_FAKE_PMON_HANG_AFTER", "").strip()
+    if not hang_after.isdigit() and hang_after:
+        fail(f"SMIQUERY_FAKE_PMON_HANG_AFTER takes a whole number of samples, not {hang_after!r}")
     n = 0
     while count is None or n < count:
-        if hang_after is not None and n >= hang_after:
+        if hang_after and n >= int(hang_after):
             hang(out)
         now = datetime.now()
         for gpu in gpus:
@@ -252,5 +208,5 @@ def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Outpu
         out.flush()
         n += 1
         if count is None or n < count:
-            time.sleep(delay)
+            out.sleep(delay)
     return 0

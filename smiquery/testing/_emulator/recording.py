@@ -1,21 +1,23 @@
-"""A recorded ``--format=csv`` file as the fake replays it: columns, units, the GPUs and their sweeps."""
+"""What the fake replays: a recorded ``--format=csv`` file, the compute apps, and the GPU set after reloads."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import itertools
+import os
 import pathlib
 import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import overload
 
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import Field, Kind, get_field
 from smiquery.kinds import missing_reason, strip_unit
-from smiquery.testing._emulator.settings import FakeUsageError, read_bundled
+from smiquery.testing._emulator.core import FakeUsageError, MemoryState, is_number, read_bundled
 
 _DEFAULT_DRIVER = "590.48.01"
 
@@ -44,7 +46,7 @@ def short_bus_id(bus_id: str) -> str:
     return norm[4:] if re.fullmatch(r"0000[0-9A-F]{4}:.*", norm) else norm
 
 
-class Sweeps(Sequence[list[list[str]]]):
+class Sweeps:
     """A recording's sweeps, each a list of rows of cells, found and split only as far as they are replayed.
 
     The fake runs once per nvidia-smi call: a one-shot query of the bundled 600-sweep recording reads the 9 lines
@@ -53,59 +55,44 @@ class Sweeps(Sequence[list[list[str]]]):
 
     def __init__(self, lines: Iterator[str], ncols: int, key: int | None) -> None:
         self._lines = lines  # the body lines not read yet
-        self._seps = ncols - 1
+        self._ncols = ncols
         self._key = key  # the column that tells GPUs apart: a key seen again starts the next sweep
-        self._rows: list[str] = []  # data lines read so far
-        self._starts: list[int] = []  # where each sweep found so far starts in _rows
+        self._sweeps: list[list[list[str]]] = []  # the sweeps read so far (the last one may be incomplete)
         self._seen: set[str] = set()
         self._done = False
-        self._split: dict[int, list[list[str]]] = {}
         self._lock = threading.Lock()
 
     def _read(self, n: int) -> None:
         """Read lines until sweep ``n`` is complete (the next one has started) or the lines end."""
         with self._lock:
-            while not self._done and len(self._starts) <= n + 1:
+            while not self._done and len(self._sweeps) <= n + 1:
                 line = next(self._lines, None)
                 if line is None:
                     self._done = True
                     break
-                line = line.rstrip("\r")
-                if not line.strip() or line.count(", ") != self._seps:
+                cells = line.rstrip("\r").split(", ")
+                if not line.strip() or len(cells) != self._ncols:
                     continue  # notice lines (WARNING: ...) and damaged rows are not replayed
-                k = line.split(", ", self._key + 1)[self._key].strip() if self._key is not None else ""
-                if not self._rows or self._key is None or k in self._seen:
-                    self._starts.append(len(self._rows))
+                k = cells[self._key].strip() if self._key is not None else ""
+                if not self._sweeps or self._key is None or k in self._seen:
+                    self._sweeps.append([])
                     self._seen = set()
-                self._rows.append(line)
+                self._sweeps[-1].append(cells)
                 self._seen.add(k)
 
     def has(self, n: int) -> bool:
         """Whether the recording has a sweep ``n`` (reads no further than its end)."""
         self._read(n)
-        return 0 <= n < len(self._starts)
+        return 0 <= n < len(self._sweeps)
 
     def __len__(self) -> int:
         self._read(sys.maxsize - 1)
-        return len(self._starts)
+        return len(self._sweeps)
 
-    @overload
-    def __getitem__(self, n: int) -> list[list[str]]: ...
-    @overload
-    def __getitem__(self, n: slice) -> list[list[list[str]]]: ...
-    def __getitem__(self, n: int | slice) -> list[list[str]] | list[list[list[str]]]:
-        if isinstance(n, slice):
-            return [self[i] for i in range(*n.indices(len(self)))]
-        if n < 0:
-            n += len(self)
+    def __getitem__(self, n: int) -> list[list[str]]:
         if not self.has(n):
             raise IndexError(n)
-        sweep = self._split.get(n)
-        if sweep is None:  # a race between threads only splits it twice
-            end = self._starts[n + 1] if n + 1 < len(self._starts) else len(self._rows)
-            sweep = [line.split(", ") for line in self._rows[self._starts[n] : end]]
-            self._split[n] = sweep
-        return sweep
+        return self._sweeps[n]
 
 
 class Recording:
@@ -141,10 +128,11 @@ class Recording:
         for i, fld in enumerate(self.columns):
             self.col.setdefault(fld.name, i)
         key = next((self.col[k] for k in ("index", "uuid", "pci.bus_id") if k in self.col), None)
-        self.sweeps: Sweeps | MappedSweeps = Sweeps(body, len(self.columns), key)
+        self.sweeps = Sweeps(body, len(self.columns), key)
         if not self.sweeps.has(0):
             raise FakeUsageError(f"{source} has no data rows")
-        self.gpus = [self.identity(pos, row) for pos, row in enumerate(self.sweeps[0])]
+        self.change: Callable[[list[list[str]]], list[list[str]]] | None = None  # the GPU set after reloads
+        self.gpus = [self.identity(pos, row) for pos, row in enumerate(self.sweep(0))]
 
     @staticmethod
     def _header(line: str) -> list[tuple[str, str]] | None:
@@ -158,6 +146,10 @@ class Recording:
                 known += 1
         # a header names fields; a data row of plain words (`Enabled, P0`) names none of them
         return cells if known or any(u for _, u in cells) else None
+
+    def sweep(self, n: int) -> list[list[str]]:
+        """Sweep ``n``'s rows of cells, as the ``reenumerate`` reloads struck so far left the GPU set."""
+        return self.sweeps[n] if self.change is None else self.change(self.sweeps[n])
 
     def cell(self, row: Sequence[str], name: str) -> str | None:
         """The cell of ``name`` in ``row`` without its unit, or None when the recording lacks the column."""
@@ -179,41 +171,38 @@ class Recording:
 
     @property
     def driver_version(self) -> str:
-        value = self.cell(self.sweeps[0][0], "driver_version")
+        value = self.cell(self.sweep(0)[0], "driver_version")
         return value if value and not is_token(value) else _DEFAULT_DRIVER
+
+    @property
+    def driver_branch(self) -> int:
+        """The driver's branch (590 for 590.48.01; 590 when unknown)."""
+        branch = self.driver_version.split(".")[0]
+        return int(branch) if is_number(branch) else 590
 
     def resolve(self, name: str) -> Field:
         """The field for a queried name (catalogue names and aliases, plus unknown names the recording has)."""
-        try:
-            return get_field(name)
-        except InvalidFieldError:
-            if name in self.extra:
-                return self.extra[name]
-            raise
+        return self.extra[name] if name in self.extra else get_field(name)
 
 
 def load_recording(path: str | None) -> Recording:
+    """The recording at ``path`` (None: the bundled demo), parsed once while its files stay unchanged."""
     if not path:
-        return _bundled_recording()
+        return _parsed_recording(None, ())
     p = pathlib.Path(path)
+    side = p.with_suffix(".fields")
     try:
-        st = p.stat()
-        side = p.with_suffix(".fields")
-        side_st = side.stat() if side.is_file() else None
+        stamp = tuple((st.st_mtime_ns, st.st_size) for st in [p.stat(), *([side.stat()] if side.is_file() else [])])
     except OSError as exc:
         raise FakeUsageError(f"cannot read recording {path}: {exc}") from exc
-    stamp = (st.st_mtime_ns, st.st_size, side_st.st_mtime_ns if side_st else 0, side_st.st_size if side_st else 0)
-    return _parsed_recording(str(p), stamp)
+    return _parsed_recording(path, stamp)
 
 
 # Parsed recordings are kept (read-only) so that the in-process fake pays for a recording once, not every call.
-@functools.cache
-def _bundled_recording() -> Recording:
-    return Recording(read_bundled("demo-8gpu.csv"), source="bundled demo-8gpu.csv")
-
-
 @functools.lru_cache(maxsize=32)
-def _parsed_recording(path: str, stamp: tuple[int, int, int, int]) -> Recording:
+def _parsed_recording(path: str | None, stamp: tuple[tuple[int, int], ...]) -> Recording:
+    if path is None:
+        return Recording(read_bundled("demo-8gpu.csv"), source="bundled demo-8gpu.csv")
     p = pathlib.Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -222,24 +211,139 @@ def _parsed_recording(path: str, stamp: tuple[int, int, int, int]) -> Recording:
     return Recording(text, sidecar=p.with_suffix(".fields"), source=path)
 
 
-class MappedSweeps(Sequence[list[list[str]]]):
-    """A recording's sweeps as ``change`` turns each of them (the GPU set after ``reenumerate`` reloads)."""
+# ------------------------------------------------------------------------------------------------ compute apps
 
-    def __init__(self, sweeps: Sweeps | MappedSweeps, change: Callable[[list[list[str]]], list[list[str]]]) -> None:
-        self._sweeps = sweeps
-        self._change = change
+# Compute apps: canonical names with their help, input aliases and header units (NVIDIA-SMI.md section 4).
+APP_FIELDS = {
+    "timestamp": 'The timestamp of when the query was made in format "YYYY/MM/DD HH:MM:SS.msec".',
+    "gpu_name": "Product name of the GPU the process runs on.",
+    "gpu_bus_id": 'PCI bus id of the GPU, as "domain:bus:device.function" in hex.',
+    "gpu_serial": "Board serial number of the GPU.",
+    "gpu_uuid": "Globally unique identifier of the GPU.",
+    "pid": "Process ID of the compute application",
+    "process_name": "Process name",
+    "used_gpu_memory": "GPU memory used by the process's context.",
+}
+APP_ALIASES = {"name": "process_name", "used_memory": "used_gpu_memory"}
+APP_UNITS = {"used_gpu_memory": "MiB"}
 
-    def has(self, n: int) -> bool:
-        return self._sweeps.has(n)
 
-    def __len__(self) -> int:
-        return len(self._sweeps)
+def load_apps(setting: str | None, rec: Recording) -> list[dict[str, str]]:
+    if setting == "":
+        return []
+    if setting is None:
+        text = read_bundled("demo-8gpu-apps.csv")
+    else:
+        try:
+            text = pathlib.Path(setting).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise FakeUsageError(f"cannot read compute-apps file {setting}: {exc}") from exc
+    lines = [ln.rstrip("\r") for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return []
+    header = [split_header_cell(cell) for cell in lines[0].split(",")]
+    names = [APP_ALIASES.get(name, name) for name, _ in header]
+    units = [unit or APP_UNITS.get(name, "") for name, unit in header]
+    by_uuid = {g["uuid"].lower(): g for g in rec.gpus}
+    apps: list[dict[str, str]] = []
+    for line in lines[1:]:
+        cells = line.split(", ")
+        if len(cells) > len(names) and "process_name" in names:
+            # a process name containing ", " : the surplus cells belong to it
+            at = names.index("process_name")
+            extra = len(cells) - len(names)
+            cells[at : at + extra + 1] = [", ".join(cells[at : at + extra + 1])]
+        if len(cells) != len(names):
+            continue
+        app = {n: strip_unit(c, u) for n, c, u in zip(names, cells, units)}
+        gpu = by_uuid.get(app.get("gpu_uuid", "").lower())
+        if gpu is not None:
+            app.setdefault("gpu_name", gpu["name"])
+            app.setdefault("gpu_bus_id", gpu["pci.bus_id"])
+            app.setdefault("gpu_serial", gpu["serial"])
+        apps.append(app)
+    return apps
 
-    @overload
-    def __getitem__(self, n: int) -> list[list[str]]: ...
-    @overload
-    def __getitem__(self, n: slice) -> list[list[list[str]]]: ...
-    def __getitem__(self, n: int | slice) -> list[list[str]] | list[list[list[str]]]:
-        if isinstance(n, slice):
-            return [self[i] for i in range(*n.indices(len(self)))]
-        return self._change(self._sweeps[n])
+
+# ------------------------------------------------------------------------------------------------ reloads
+
+
+def reloads_struck(state: str | MemoryState | None) -> int:
+    if isinstance(state, MemoryState):
+        with state.lock:
+            return state.value
+    if state is None:
+        raise FakeUsageError("fault 'reenumerate' needs a state file: set SMIQUERY_FAKE_STATE")
+    try:
+        text = pathlib.Path(state).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        raise FakeUsageError(f"cannot read state file {state}: {exc}") from exc
+    if not is_number(text):
+        raise FakeUsageError(f"state file {state} holds {text[:40]!r}, not a count of reloads: delete it")
+    return int(text)
+
+
+def record_reload(state: str | MemoryState | None, struck: int) -> None:
+    if isinstance(state, MemoryState):
+        with state.lock:
+            state.value = struck
+        return
+    assert state is not None
+    tmp = f"{state}.{os.getpid()}.tmp"
+    pathlib.Path(tmp).write_text(f"{struck}\n", encoding="utf-8")
+    os.replace(tmp, state)  # a start that reads it at the same moment sees the old count or the new one
+
+
+def relayout(rec: Recording, modes: Sequence[str]) -> Recording:
+    """``rec`` with the GPU set that the ``reenumerate`` reloads in ``modes`` left behind, in order."""
+    if not modes:
+        return rec
+    changed = copy.copy(rec)  # the parsed recording is shared read-only: only attributes are replaced
+    changed.change = functools.partial(_reenumerated, rec, tuple(modes))
+    changed.gpus = [changed.identity(pos, row) for pos, row in enumerate(changed.sweep(0))]
+    return changed
+
+
+def _reenumerated(rec: Recording, modes: tuple[str, ...], sweep: list[list[str]]) -> list[list[str]]:
+    rows = [list(row) for row in sweep]
+    for mode in modes:
+        if mode == "swap" and len(rows) >= 2:
+            rows[0], rows[1] = rows[1], rows[0]
+        elif mode == "remove" and rows:
+            del rows[1 if len(rows) > 1 else 0]
+        elif mode == "add" and rows:
+            rows.append(_added_gpu(rec, rows))
+        # the driver numbers GPUs afresh at each load: positions are the new indices
+        at = rec.col.get("index")
+        if at is not None:
+            for pos, row in enumerate(rows):
+                row[at] = str(pos)
+    return rows
+
+
+def _added_gpu(rec: Recording, rows: list[list[str]]) -> list[str]:
+    """A new GPU's row: the first GPU's values under a uuid, bus id and serial no other GPU has."""
+    import uuid
+
+    row = list(rows[0])
+    if (at := rec.col.get("uuid")) is not None:
+        row[at] = f"GPU-{uuid.uuid5(uuid.NAMESPACE_OID, f'smiquery-fake:{rows[0][at]}:{len(rows)}')}"
+    if (at := rec.col.get("pci.bus_id")) is not None:
+        buses = [int(m.group(1), 16) for r in rows if (m := re.search(r":([0-9A-Fa-f]{2}):", r[at]))]
+        row[at] = f"00000000:{(max(buses, default=0) + 1) % 256:02X}:00.0"
+    if (at := rec.col.get("serial")) is not None:
+        serials = [int(r[at]) for r in rows if is_number(r[at])]
+        if serials:
+            row[at] = str(max(serials) + 1)
+    return row
+
+
+@dataclasses.dataclass(frozen=True)
+class Reload:
+    """The ``reenumerate`` reload due in this start: after ``after`` rows, the count in ``state`` goes up."""
+
+    state: str | MemoryState | None
+    struck: int
+    after: int
