@@ -166,7 +166,7 @@ def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Map
     Returns:
         The non-empty families, plus ``smiquery_gpu_processes`` per GPU pmon watches.
     """
-    fams = {col: gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, _, _, text) in PMON_SERIES.items()}
+    fams = {col: gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, text) in PMON_SERIES.items()}
     by_pid = instant.by == "pid"
     for row, user in instant.rows:
         gpu = -1 if row.gpu is None else row.gpu
@@ -180,10 +180,10 @@ def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Map
         else:
             one["command"] = command
         one.update(labels)
-        for col, (name, times, per, _) in PMON_SERIES.items():
+        for col, fam in fams.items():
             value = getattr(row, col)
             if value is not None:
-                fams[col].add_sample(name, one, float(value) * times / per)
+                fam.add_sample(fam.name, one, value * 1048576.0 if col == "fb" else value / 100.0)
     out = [f for f in fams.values() if f.samples]
     count = gauge(
         "smiquery_gpu_processes", "Processes nvidia-smi pmon listed on the GPU (all of them, not only the top)."

@@ -100,8 +100,7 @@ class TrackedGpu:
 
     index: int | None
     uuid: str | None
-    native: dict[str, str]
-    dcgm: dict[str, str]
+    labels: dict[str, str]  # the naming's labels of its series
     lost: bool = False
     absent: int = 0  # sweeps in a row without this GPU
 
