@@ -36,10 +36,7 @@ from smiquery.streams.argv import normalize_gpus
 from smiquery.streams.sync import stream
 
 if TYPE_CHECKING:
-    import os
-
     from smiquery.attribution import Attribution
-    from smiquery.fields import Field
     from smiquery.streams.argv import GpusArg
 
 __all__ = ["CONTENT_TYPE", "Exporter", "serve"]
@@ -49,37 +46,12 @@ log = get_logger("smiquery.exporter")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-# ---------------------------------------------------------------------------------------------------- server
-
-
 _INDEX = (
     "<!doctype html><html><head><title>smiquery exporter</title></head><body>"
     "<h1>smiquery exporter</h1><p>version {version}, naming {naming}</p>"
     '<ul><li><a href="metrics">/metrics</a></li><li><a href="livez">/livez</a> (the server runs)</li>'
     '<li><a href="readyz">/readyz</a> and <a href="healthz">/healthz</a> (fresh GPU data)</li></ul></body></html>\n'
 )
-_TEXT = "text/plain; charset=utf-8"
-
-
-class _Registry:
-    """The collector and the user's extra registry as one ``collect()`` source, for prometheus_client's encoders."""
-
-    def __init__(self, collector: SmiCollector, extra: Any) -> None:
-        self.collector = collector
-        self.extra = extra
-
-    def collect(self) -> Iterator[Any]:
-        yield from self.collector.collect()
-        if self.extra is not None:
-            try:
-                yield from self.extra.collect()
-            except Exception:  # someone else's collector must not take /metrics down
-                log.exception("smiquery exporter: collecting the extra registry failed")
-
-
-def _wants_plain(accept: str) -> bool:
-    """Whether prometheus_client's negotiation picks the classic text format (0.0.4) for this Accept header."""
-    return _negotiate(accept)[1] == CONTENT_TYPE
 
 
 @functools.lru_cache(maxsize=64)  # scrapers send the same few Accept headers; negotiation is per scrape
@@ -90,63 +62,66 @@ def _negotiate(accept: str) -> tuple[Callable[[Any], bytes], str]:
     return encoder, str(content_type)
 
 
-class _Router:
-    """Maps a request to a response: the exporter's pages, behind basic auth when the web config asks for it."""
-
-    def __init__(
-        self, collector: SmiCollector, extra: Callable[[], bytes], web: WebConfig, registry: Any = None
-    ) -> None:
-        self.collector = collector
-        self.extra = extra
-        self.web = web
-        self.registry = _Registry(collector, registry)
-
-    def fast(self, req: Request) -> bool:
-        """Whether answering ``req`` is cheap (no bcrypt check to run, the native format): the selector answers it."""
-        return (
-            self.web.cached(req.headers.get("authorization"))
-            and self.extra is bytes
-            and _wants_plain(req.headers.get("accept", ""))
-        )
-
-    def _metrics(self, req: Request) -> Response:
-        # Negotiated as prometheus_client does (OpenMetrics when Accept asks for it); the classic text format comes
-        # from the collector's own fast renderer, which gives the same text.
-        encoder, content_type = _negotiate(req.headers.get("accept", ""))
-        if content_type == CONTENT_TYPE:
-            body = self.collector.exposition() + self.extra()
-        else:
-            body = bytes(encoder(self.registry))
-        headers = {"Vary": "Accept, Accept-Encoding"}
-        if _gzip_accepted(req.headers.get("accept-encoding", "")):
-            body = gzip.compress(body, compresslevel=6, mtime=0)
-            headers["Content-Encoding"] = "gzip"
-        return Response(200, body, content_type, headers)
-
-    def __call__(self, req: Request) -> Response:
-        if req.method not in ("GET", "HEAD"):
-            return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
-        if not self.web.authorized(req.headers.get("authorization")):
-            return Response(401, b"unauthorized\n", headers={"WWW-Authenticate": 'Basic realm="smiquery"'})
-        path = req.path
-        if path == "/metrics":
-            return self._metrics(req)
-        if path == "/livez":
-            return Response(200, b"ok\n")
-        if path in ("/readyz", "/healthz"):
-            ok, why = self.collector.health()
-            return Response(200 if ok else 503, (why + "\n").encode())
-        if path in ("/", "/index.html"):
-            page = _INDEX.format(version=__version__, naming=self.collector.naming).encode()
-            return Response(200, page, "text/html; charset=utf-8")
-        return Response(404, b"not found: try /metrics, /livez, /readyz or /healthz\n")
-
-
 @functools.lru_cache(maxsize=64)
 def _gzip_accepted(accept_encoding: str) -> bool:
     from prometheus_client.exposition import gzip_accepted
 
     return bool(gzip_accepted(accept_encoding))
+
+
+class _Router:
+    """The exporter's pages (basic auth is the server's: a request that reaches this passed it).
+
+    Also the ``collect()`` source (the collector, then the user's registry) for prometheus_client's encoders.
+    """
+
+    def __init__(self, collector: SmiCollector, registry: Any) -> None:
+        self.collector = collector
+        self.registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        yield from self.collector.collect()
+        if self.registry is not None:
+            try:
+                yield from self.registry.collect()
+            except Exception:  # someone else's collector must not take /metrics down
+                log.exception("smiquery exporter: collecting the extra registry failed")
+
+    def _extra(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        try:
+            return bytes(generate_latest(self.registry)) if self.registry is not None else b""
+        except Exception:  # someone else's collector must not take /metrics down
+            log.exception("smiquery exporter: collecting the extra registry failed")
+            return b""
+
+    def fast(self, req: Request) -> bool:
+        """Whether answering ``req`` is cheap (the classic format, no extra registry): the selector answers it."""
+        return self.registry is None and _negotiate(req.headers.get("accept", ""))[1] == CONTENT_TYPE
+
+    def __call__(self, req: Request) -> Response:
+        if req.method not in ("GET", "HEAD"):
+            return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
+        if req.path == "/metrics":
+            # Negotiated as prometheus_client does (OpenMetrics when Accept asks for it); the classic text format
+            # comes from the collector's own fast renderer, which gives the same text.
+            encoder, content_type = _negotiate(req.headers.get("accept", ""))
+            body = self.collector.exposition() + self._extra() if content_type == CONTENT_TYPE else encoder(self)
+            headers = {"Vary": "Accept, Accept-Encoding"}
+            if _gzip_accepted(req.headers.get("accept-encoding", "")):
+                body = gzip.compress(body, compresslevel=6, mtime=0)
+                headers["Content-Encoding"] = "gzip"
+            return Response(200, bytes(body), content_type, headers)
+        if req.path == "/livez":
+            return Response(200, b"ok\n")
+        if req.path in ("/readyz", "/healthz"):
+            ok, why = self.collector.health()
+            return Response(200 if ok else 503, (why + "\n").encode())
+        if req.path in ("/", "/index.html"):
+            page = _INDEX.format(version=__version__, naming=self.collector.naming).encode()
+            return Response(200, page, "text/html; charset=utf-8")
+        return Response(404, b"not found: try /metrics, /livez, /readyz or /healthz\n")
 
 
 def _tls_context(
@@ -213,9 +188,7 @@ def _make_socket(bind: str, port: int) -> socket.socket:
 
 
 class Exporter:
-    """A running exporter: one background stream, optionally a process poller, and an HTTP(S) server thread.
-
-    Made by :func:`serve`. Use it as a context manager or call :meth:`stop`.
+    """A running exporter, made by :func:`serve`: use it as a context manager or call :meth:`stop`.
 
     Attributes:
         collector: the :class:`SmiCollector` behind ``/metrics``.
@@ -223,6 +196,9 @@ class Exporter:
         poller: the process poll (:func:`~smiquery.exporter.poller.process_poller`), when ``processes=True``.
         pmon: the :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, when ``top_processes`` is above 0.
         http: the :class:`~smiquery.httpd.server.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
+        bind: the address listened on.
+        port: the port listened on (useful with ``port=0``).
+        url: the base URL (``http://127.0.0.1:9849``); metrics are at ``url + "/metrics"``.
         revive_after: seconds before a stream that stopped for good is replaced.
         revivals: how many times that happened.
     """
@@ -232,9 +208,9 @@ class Exporter:
         server: HttpServer,
         collector: SmiCollector,
         tls: bool,
-        parts: Sequence[_Part] = (),
-        make_stream: Callable[[], Any] | None = None,
-        revive_after: float = 30.0,
+        parts: Sequence[_Part],
+        make_stream: Callable[[], Any],
+        revive_after: float,
     ) -> None:
         self.http = server
         self.collector = collector
@@ -243,34 +219,28 @@ class Exporter:
         self.pmon = collector.pmon
         self.revive_after = revive_after
         self.revivals = 0
+        host, port = server.sock.getsockname()[:2]
+        self.bind, self.port = str(host), int(port)
+        self.url = f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in self.bind else host}:{port}"
         self._make_stream = make_stream
-        self._tls = tls
         self._parts = parts
         self._stopped = threading.Event()
         self._lock = threading.Lock()
-        host, port = server.sock.getsockname()[:2]
-        self._bind = str(host)
-        self._port = int(port)
-        if make_stream is not None:
-            threading.Thread(target=self._revive_loop, name="smiquery-revive", daemon=True).start()
+        threading.Thread(target=self._revive_loop, name="smiquery-revive", daemon=True).start()
 
     def _revive_loop(self) -> None:
-        make = self._make_stream
-        assert make is not None
         # Belt and braces: a stream whose thread ended (a core that stops on permanent errors, or a bug) is
         # replaced by a new one after revive_after seconds, so the exporter is never silently dead.
         period = min(1.0, max(0.05, self.revive_after / 4))
         while not self._stopped.wait(period):
-            s = self.stream
-            if s.running or s.error is None:
+            err = self.stream.error
+            if self.stream.running or err is None:
                 continue
-            err = s.error
-            first = str(err).splitlines()[0] if str(err) else ""
             self.collector.revive_at = time.time() + self.revive_after
             log.warning(
                 "smiquery exporter: the nvidia-smi stream stopped (%s: %s); starting a new one in %g s",
                 type(err).__name__,
-                first,
+                (str(err).splitlines() or [""])[0],
                 self.revive_after,
             )
             if self._stopped.wait(self.revive_after):
@@ -279,7 +249,7 @@ class Exporter:
                 if self._stopped.is_set():
                     return
                 try:
-                    new = make()
+                    new = self._make_stream()
                     new.start()
                 except Exception as exc:  # e.g. nvidia-smi gone: try again after the next period
                     log.warning("smiquery exporter: starting a new nvidia-smi stream failed: %s", exc)
@@ -288,27 +258,7 @@ class Exporter:
                 self.collector.stream = new
                 self.collector.revive_at = None
                 self.revivals += 1
-            close = getattr(old, "close", None)
-            if close is not None:
-                close()
-
-    @property
-    def port(self) -> int:
-        """The port actually listened on (useful with ``port=0``)."""
-        return self._port
-
-    @property
-    def bind(self) -> str:
-        """The address listened on."""
-        return self._bind
-
-    @property
-    def url(self) -> str:
-        """The base URL (``http://127.0.0.1:9849``); metrics are at ``url + "/metrics"``."""
-        host = self.bind
-        if ":" in host:
-            host = f"[{host}]"
-        return f"{'https' if self._tls else 'http'}://{host}:{self.port}"
+            old.close()
 
     @property
     def stopped(self) -> bool:
@@ -316,27 +266,19 @@ class Exporter:
         return self._stopped.is_set()
 
     def stop(self) -> None:
-        """Stop serving, close the stream (nvidia-smi is reaped) and the poller. Idempotent; any thread."""
+        """Stop serving, close the stream (nvidia-smi is reaped) and the other parts. Idempotent; any thread."""
         with self._lock:
-            if self._stopped.is_set():
-                return
-            try:
-                self.http.shutdown()
-            finally:
+            if not self._stopped.is_set():
                 try:
-                    close = getattr(self.stream, "close", None)
-                    if close is not None:
-                        close()
+                    self.http.shutdown()
                 finally:
-                    _close(self._parts)  # the pmon child is reaped here too
-                    self._stopped.set()
+                    try:
+                        _close([self.stream, *self._parts])  # the pmon child is reaped here too
+                    finally:
+                        self._stopped.set()
 
     def serve_forever(self, poll: float = 0.5) -> None:
-        """Block until :meth:`stop` is called (from a signal handler or another thread).
-
-        Args:
-            poll: seconds between checks, so that signal handlers run promptly in the main thread.
-        """
+        """Block until :meth:`stop` is called, checking every ``poll`` seconds (so signal handlers run promptly)."""
         while not self._stopped.wait(poll):
             pass
 
@@ -467,19 +409,19 @@ def serve(
     const = parse_labels(labels)
     flds = resolve_fields(exporter_fields(fields, naming, nvidia_smi=nvidia_smi))
     normalize_gpus(gpus)
-    web = web_config if isinstance(web_config, WebConfig) else WebConfig()
-    if web_config is not None and not isinstance(web_config, WebConfig):
-        web = load_web_config(web_config)
+    web = load_web_config(web_config) if isinstance(web_config, (str, os.PathLike)) else web_config or WebConfig()
     if tls_cert is not None and tls_key is not None:
         web.ssl_context = _tls_context(tls_cert, tls_key, client_ca)
     evaluator = AlertEvaluator(list(alerts)) if alerts else None
+    # the stream also queries what the alert rules read, and the driver version (for smiquery_build_info)
+    wanted = [*flds, *(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])]
+    stream_fields = list(dict.fromkeys(f.name for f in wanted))
 
     _raise_fd_limit(max_connections + 256)
     sock = _make_socket(bind, port)  # fail on a taken port before nvidia-smi starts
     s = poller = watcher = details = xid = collector = None
     events = EventLog()
     try:
-        stream_fields = [f.name for f in _with_alert_fields(flds, evaluator)]
 
         def make_stream() -> Any:
             return stream(
@@ -488,9 +430,8 @@ def serve(
                 gpus=gpus,
                 nvidia_smi=nvidia_smi,
                 stall_timeout=stall_timeout,
-                retry=RetryPolicy(
-                    max_attempts=None, backoff_max=30.0
-                ),  # an exporter never gives up; faults that need a person are retried every 30 s,
+                # an exporter never gives up; faults that need a person are retried every 30 s
+                retry=RetryPolicy(max_attempts=None, backoff_max=30.0),
                 on_event=events.on_stream_event,
             )
 
@@ -532,22 +473,11 @@ def serve(
             alerts=evaluator,
             on_gpu_change=events.on_gpu_change,
             on_state=events.on_state,
-            nvidia_smi_path=str(getattr(s, "argv", ("",))[0]),
+            nvidia_smi_path=str(s.argv[0]),
             attribution=attribution,
             process_metrics=process_metrics and not _has_process_metrics(registry),
         )
-        extra: Callable[[], bytes] = bytes
-        if registry is not None:
-            from prometheus_client import generate_latest
-
-            def extra() -> bytes:
-                try:
-                    return bytes(generate_latest(registry))
-                except Exception:  # someone else's collector must not take /metrics down
-                    log.exception("smiquery exporter: collecting the extra registry failed")
-                    return b""
-
-        router = _Router(collector, extra, web, registry)
+        router = _Router(collector, registry)
         http = HttpServer(
             sock,
             router,
@@ -565,14 +495,7 @@ def serve(
         parts = [p for p in (poller, watcher, collector, attribution, xid, details) if p is not None]
         for part in (s, *parts):
             part.start()
-        exp = Exporter(
-            http,
-            collector,
-            web.ssl_context is not None,
-            parts=parts,
-            make_stream=make_stream,
-            revive_after=revive_after,
-        )
+        exp = Exporter(http, collector, web.ssl_context is not None, parts, make_stream, revive_after)
     except BaseException:
         sock.close()
         _close([p for p in (s, poller, watcher, collector, attribution, xid, details) if p is not None])
@@ -592,8 +515,6 @@ def _has_process_metrics(registry: Any) -> bool:
 
 
 class _Part(Protocol):
-    """What the exporter starts besides the stream (pollers, watchers, the collector, attribution)."""
-
     def start(self) -> object: ...
 
     def close(self) -> None: ...
@@ -601,12 +522,9 @@ class _Part(Protocol):
 
 def _close(parts: Sequence[_Part]) -> None:
     """Close each part, in order, each even when one before it failed."""
-    for i, part in enumerate(parts):
-        try:
-            part.close()
-        except BaseException:
-            _close(parts[i + 1 :])
-            raise
+    with contextlib.ExitStack() as stack:
+        for part in reversed(parts):
+            stack.callback(part.close)
 
 
 _XID_RETRY = 30.0  # seconds between attempts to open a kernel log that could not be opened
@@ -625,14 +543,3 @@ def _xid_failed(exc: BaseException, opened: bool) -> None:
         exc,
         _XID_RETRY,
     )
-
-
-def _with_alert_fields(flds: Sequence[Field], evaluator: AlertEvaluator | None) -> list[Field]:
-    """The fields the stream queries: the exported ones, those the alert rules read, and the driver version.
-
-    Only the exported fields become metric families; the driver version feeds ``smiquery_build_info``.
-    """
-    out = {f.name: f for f in flds}
-    for f in (*(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])):
-        out.setdefault(f.name, f)
-    return list(out.values())
