@@ -37,9 +37,12 @@ __all__ = [
 ]
 
 
-def gauge(name: str, doc: str) -> Metric:
-    """An empty gauge family."""
-    return Metric(name, doc, "gauge")
+def gauge(name: str, doc: str, *samples: tuple[Mapping[str, str], float]) -> Metric:
+    """A gauge family with these ``(labels, value)`` samples."""
+    fam = Metric(name, doc, "gauge")
+    for labels, value in samples:
+        fam.add_sample(name, dict(labels), value)
+    return fam
 
 
 def counter(name: str, doc: str) -> Metric:
@@ -48,14 +51,7 @@ def counter(name: str, doc: str) -> Metric:
 
 
 def merge_families(fams: Sequence[Metric]) -> list[Metric]:
-    """One family per name, in first-seen order: the text format allows a name's header once per scrape.
-
-    Args:
-        fams: families, some of which may share a name (a GPU's and its MIG instances' DCGM memory).
-
-    Returns:
-        The families with the samples of later same-named ones appended to the first.
-    """
+    """One family per name, in first-seen order (a name's header once per scrape), later samples appended."""
     out: dict[str, Metric] = {}
     for fam in fams:
         first = out.get(fam.name)
@@ -91,15 +87,7 @@ def pstate_number(value: Value) -> float | None:
 
 
 def process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> list[Metric]:
-    """Per-process GPU memory (``smiquery_process_used_memory_bytes``), labelled pid, process_name, gpu, uuid.
-
-    Args:
-        procs: the processes of one poll.
-        labels: the constant labels.
-
-    Returns:
-        One family (empty list when no process reports its memory).
-    """
+    """Per-process GPU memory (``smiquery_process_used_memory_bytes``), labelled pid, process_name, gpu, uuid."""
     fam = gauge(
         "smiquery_process_used_memory_bytes",
         "GPU memory used by a compute process, in bytes (nvidia-smi --query-compute-apps used_memory).",
@@ -118,15 +106,7 @@ def process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> 
 
 
 def nvsmi_process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> list[Metric]:
-    """The per-process families of nvidia_gpu_exporter's naming (memory, info, count per GPU).
-
-    Args:
-        procs: the processes of one poll.
-        labels: the constant labels.
-
-    Returns:
-        The non-empty families.
-    """
+    """The non-empty per-process families of nvidia_gpu_exporter's naming (memory, info, count per GPU)."""
     used = gauge("nvidia_smi_compute_app_used_memory_bytes", "used_memory [MiB] of a compute process, in bytes.")
     info = gauge("nvidia_smi_compute_app_info", "A compute process on the GPU; always 1.")
     count = gauge("nvidia_smi_compute_apps", "Compute processes on the GPU.")
@@ -156,15 +136,7 @@ def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Map
     about 15 characters); the summed rest is ``command="other"``. An instant cut by pid (``by="pid"``) adds
     ``pid`` (``"other"`` for the rest) and ``user`` (empty when this host cannot see the process); one cut by
     name has neither, so its series are bounded by the names. A value pmon printed as ``-`` has no sample
-    (never 0).
-
-    Args:
-        instant: the newest instant of a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`.
-        uuids: GPU index -> UUID label value.
-        labels: the constant labels.
-
-    Returns:
-        The non-empty families, plus ``smiquery_gpu_processes`` per GPU pmon watches.
+    (never 0). ``uuids``: GPU index -> UUID label value. Also ``smiquery_gpu_processes`` per GPU pmon watches.
     """
     fams = {col: gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, text) in PMON_SERIES.items()}
     by_pid = instant.by == "pid"
@@ -196,35 +168,24 @@ def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Map
 
 
 def pmon_health(pmon: PmonWatcher, labels: Mapping[str, str]) -> list[Metric]:
-    """The pmon watcher's health: up, state, newest instant's time.
-
-    Args:
-        pmon: the watcher.
-        labels: the constant labels.
-
-    Returns:
-        The families.
-    """
-    up = gauge(
-        "smiquery_process_up",
-        f"1 when nvidia-smi pmon delivers fresh instants (newest under {pmon.stale_after:g} s old), else 0.",
-    )
-    up.add_sample(up.name, dict(labels), 1.0 if pmon.fresh() is not None else 0.0)
-    info = gauge(
-        "smiquery_process_stream_info",
-        "The nvidia-smi pmon stream's state (starting, running, retrying, failed) and last error type; always 1.",
-    )
+    """The pmon watcher's health: up, state, newest instant's time."""
+    up = f"1 when nvidia-smi pmon delivers fresh instants (newest under {pmon.stale_after:g} s old), else 0."
+    info = "The nvidia-smi pmon stream's state (starting, running, retrying, failed) and last error type; always 1."
     state = {"state": pmon.state, "last_error_type": pmon.last_error_type or ""}
-    info.add_sample(info.name, {**labels, **state}, 1.0)
-    out = [up, info]
+    out = [
+        gauge("smiquery_process_up", up, (labels, 1.0 if pmon.fresh() is not None else 0.0)),
+        gauge("smiquery_process_stream_info", info, ({**labels, **state}, 1.0)),
+    ]
     got, _ = pmon.latest()
     if got is not None:
-        when = gauge(
-            "smiquery_process_last_sample_timestamp_seconds", "Unix time of the newest nvidia-smi pmon instant."
-        )
-        when.add_sample(when.name, dict(labels), got.wall)
-        out.append(when)
+        doc = "Unix time of the newest nvidia-smi pmon instant."
+        out.append(gauge("smiquery_process_last_sample_timestamp_seconds", doc, (labels, got.wall)))
     return out
+
+
+def _gpu(uuid: str, gpus: Mapping[str, int | None], uuid_label: str) -> dict[str, str]:
+    idx = gpus.get(uuid)
+    return {uuid_label: uuid, "gpu": "" if idx is None else str(idx)}
 
 
 def attribution_families(
@@ -232,22 +193,14 @@ def attribution_families(
 ) -> list[Metric]:
     """The attribution series: ``allocation_info``, the per-GPU state, unknown devices and the listing's health.
 
-    Args:
-        att: the attribution.
-        gpus: GPU UUID -> index (from the newest sweep).
-        uuid_label: ``uuid`` or ``UUID`` (dcgm naming).
-        labels: the constant labels.
-
-    Returns:
-        The families (the health ones always).
+    ``gpus``: GPU UUID -> index (from the newest sweep); ``uuid_label``: ``uuid``, or ``UUID`` in DCGM naming.
     """
     view = att.view(gpus)
     b = att.backend
     words = b.words
 
     def gpu(uuid: str) -> dict[str, str]:
-        idx = gpus.get(uuid)
-        return {uuid_label: uuid, "gpu": "" if idx is None else str(idx)}
+        return _gpu(uuid, gpus, uuid_label)
 
     # the backends' help says how to join on the GPU's label: under DCGM naming that label is UUID
     info = gauge("smiquery_gpu_allocation_info", words.allocated.replace("on(uuid)", f"on({uuid_label})"))
@@ -266,10 +219,8 @@ def attribution_families(
     for g in sorted(set(view.unknown), key=lambda g: (g.workload, g.device_id)):
         one = {"device_id": g.device_id, "resource": g.resource, **g.workload.labels(b.labels)}
         unknown.add_sample(unknown.name, {**one, **labels}, 1.0)
-    up = gauge(f"{prefix}_attribution_up", words.up)
-    up.add_sample(up.name, dict(labels), 1.0 if att.up else 0.0)
-    took = gauge(f"{prefix}_attribution_refresh_seconds", words.took)
-    took.add_sample(took.name, dict(labels), att.last_duration)
+    up = gauge(f"{prefix}_attribution_up", words.up, (labels, 1.0 if att.up else 0.0))
+    took = gauge(f"{prefix}_attribution_refresh_seconds", words.took, (labels, att.last_duration))
     errs = counter(f"{prefix}_attribution_errors", words.errors)
     for kind, n in sorted(att.errors.items()):
         errs.add_sample(errs.name + "_total", {"type": kind, **labels}, float(n))
@@ -290,15 +241,8 @@ def workload_usage_families(
     be tied (host processes, processes of another PID namespace, pods not listed yet, and pmon's own ``other`` row)
     goes to the backend's ``other`` bucket per GPU, so the series of a GPU sum to what pmon saw on it. Series
     (Kubernetes): ``smiquery_pod_gpu_utilization_ratio``, ``smiquery_pod_gpu_memory_utilization_ratio``,
-    ``smiquery_pod_gpu_memory_used_bytes``, labelled uuid, gpu and the workload's labels.
-
-    Args:
-        att: the attribution (its backend ties processes to workloads).
-        gpus: GPU UUID -> index (from the newest sweep).
-        instant: the newest pmon instant, or None.
-        procs: the newest compute-process list, or None.
-        uuid_label: ``uuid`` or ``UUID`` (dcgm naming).
-        labels: the constant labels.
+    ``smiquery_pod_gpu_memory_used_bytes``, labelled uuid, gpu and the workload's labels. Arguments as
+    :func:`attribution_families`, with the newest pmon ``instant`` and compute-process list ``procs`` (or None).
     """
     b = att.backend
     by_index = {idx: uuid for uuid, idx in gpus.items() if idx is not None}
@@ -337,9 +281,7 @@ def workload_usage_families(
     ):
         fam = gauge(f"smiquery_{b.workload}_{name}", f"{doc} {b.words.other}")
         for (uuid, h), value in sorted(values.items()):
-            idx = gpus.get(uuid)
-            one = {uuid_label: uuid, "gpu": "" if idx is None else str(idx), **h.labels(b.labels)}
-            fam.add_sample(fam.name, {**one, **labels}, value)
+            fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **h.labels(b.labels), **labels}, value)
         if fam.samples:
             out.append(fam)
     return out
@@ -370,15 +312,9 @@ def xid_families(
         labels: the constant labels.
         inventory_known: whether the GPUs have been listed yet; until then an event at an address no GPU is
             known at is held back, so that its series does not change labels once the GPU is seen.
-
-    Returns:
-        The families (the event counter only once an event was counted).
     """
-    up = gauge(
-        "smiquery_xid_source_up",
-        f"1 while the kernel log ({xid.path}) is read for Xid errors, else 0 (no permission, missing).",
-    )
-    up.add_sample(up.name, {**labels, "path": xid.path}, 1.0 if xid.up else 0.0)
+    doc = f"1 while the kernel log ({xid.path}) is read for Xid errors, else 0 (no permission, missing)."
+    up = gauge("smiquery_xid_source_up", doc, ({**labels, "path": xid.path}, 1.0 if xid.up else 0.0))
     fam = counter(
         "smiquery_xid_errors",
         "Xid errors the NVIDIA driver logged in the kernel log, by GPU and code (every event counts).",
@@ -442,7 +378,5 @@ def unallocated_use_families(
         f"A {b.words.holder} running on a GPU the scheduler did not allocate to it (1): a finding.",
     )
     for uuid, owner in sorted(found):
-        idx = gpus.get(uuid)
-        one = {uuid_label: uuid, "gpu": "" if idx is None else str(idx), **owner.labels(b.labels)}
-        fam.add_sample(fam.name, {**one, **labels}, 1.0)
+        fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **owner.labels(b.labels), **labels}, 1.0)
     return [fam] if fam.samples else []

@@ -1,29 +1,20 @@
 """A small HTTP/1.1 server that bad clients cannot starve or stop: one selector thread, a fixed pool of workers.
 
-The selector thread owns every socket: it accepts (listen backlog 1024), runs TLS handshakes, reads request heads
-and writes responses, all without blocking, and enforces per-connection deadlines (a whole request head from its
-first byte, a whole response once it starts, and an idle limit between requests). Workers only compute the
-responses the selector thread should not (OpenMetrics, a slow extra registry): a slow reader costs a buffer,
-never a thread. When ``max_connections`` sockets are open, the one that has waited longest makes room.
-
-With ``auth`` (basic auth), credentials are settled before a request reaches a worker: a known answer (a
-credential that passed or failed before, none at all) at once in the selector thread, anything else by one
-verifier thread of its own, at most ``auth_queue`` checks waiting or running; past that bound the request is
-answered 429 after ``shed_delay`` (the connection parked meanwhile, no thread held), so that a guesser that
-retries at once does not turn into a flood of connections. So guesses, however many, never hold a worker, and a
-scrape with a credential that passed before never waits on bcrypt.
-
-Whatever one connection does, the failure stays with it: every step on a connection runs under a guard that
-closes that connection alone, and the loop itself goes on after any error. Request heads are parsed strictly
-(RFC 9112): CRLF line ends only, token method and header names, no control characters, one Host (required in
-HTTP/1.1), at most one Content-Length of plain ASCII digits and no body at all. Threads: 1 + ``workers`` (+ 1
-verifier with ``auth``), always.
+The selector thread owns every socket: it accepts, runs TLS handshakes, reads request heads and writes responses,
+all without blocking, and enforces per-connection deadlines. Workers only compute the responses the selector
+thread should not (OpenMetrics, a slow extra registry): a slow reader costs a buffer, never a thread. When
+``max_connections`` sockets are open, the one that has waited longest makes room. With basic auth, credentials
+are settled before a request reaches a worker (a known answer at once, anything else by one verifier thread, at
+most ``auth_queue`` checks waiting: past that the request is answered 429 after ``shed_delay``), so guesses never
+hold a worker. A failure stays with its connection: every step on one runs under a guard that closes it alone.
+Request heads are parsed strictly (RFC 9112) and may carry no body. Threads: 1 + ``workers`` (+ 1 verifier).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import http
 import os
 import queue
 import re
@@ -48,20 +39,7 @@ _MAX_HEAD = 16384
 _READ = 65536
 _CHUNK = 65536
 _TURN = 64  # pipelined requests answered for one connection before the others get a turn
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    406: "Not Acceptable",
-    408: "Request Timeout",
-    413: "Content Too Large",
-    429: "Too Many Requests",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
+_REASONS = {s.value: s.phrase for s in http.HTTPStatus} | {413: "Content Too Large"}  # RFC 9110's name
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _CTL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # control characters other than HTAB
 _TARGET = re.compile(r"/[\x21-\x7e]*")  # origin-form: no spaces, controls or raw non-ASCII bytes
