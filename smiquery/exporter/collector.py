@@ -42,6 +42,7 @@ from smiquery.exporter.state import (
 )
 from smiquery.kinds import to_number
 from smiquery.sample import bus_key
+from smiquery.sources.latest import Latest
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
     from smiquery.source import SampleSource, Sweep
     from smiquery.sources.apps import GpuProcess
     from smiquery.sources.details import GpuDetails
-    from smiquery.sources.latest import Latest
     from smiquery.sources.xid import XidWatcher
 
 __all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector"]
@@ -162,8 +162,8 @@ class SmiCollector:
         self.revive_at: float | None = None  # set by the exporter while a stopped stream waits to be replaced
         self._gpu_version = 0  # bumped whenever a sweep is taken in or the lost set may change
         self._texts: dict[str, tuple[tuple[object, ...], bytes]] = {}  # rendered parts, by what they came from
-        self._watch_stop = threading.Event()
-        self._watcher: threading.Thread | None = None
+        period = min(max(float(getattr(stream, "interval", 1.0)) / 4, 0.05), 1.0)
+        self._watch = Latest(self.refresh, period, name="watching the stream")  # a raise is logged, not fatal
 
     # ------------------------------------------------------------------------------------------ tracking
 
@@ -324,25 +324,12 @@ class SmiCollector:
 
     def start(self) -> SmiCollector:
         """Watch the source in a background thread (every quarter interval) so every sweep is taken in."""
-        if self._watcher is None:
-            period = min(max(float(getattr(self.stream, "interval", 1.0)) / 4, 0.05), 1.0)
-
-            def run() -> None:
-                while not self._watch_stop.wait(period):
-                    try:
-                        self.refresh()
-                    except Exception:  # a bug must not end the watch
-                        log.exception("smiquery exporter: watching the stream failed")
-
-            self._watcher = threading.Thread(target=run, name="smiquery-watch", daemon=True)
-            self._watcher.start()
+        self._watch.start()
         return self
 
     def close(self) -> None:
         """Stop the watcher thread."""
-        self._watch_stop.set()
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(5.0)
+        self._watch.close(5.0)
 
     def describe(self) -> list[Metric]:
         """Nothing: registering the collector must not collect (and so not touch the stream)."""

@@ -6,7 +6,6 @@ import contextlib
 import errno
 import functools
 import gzip
-import ipaddress
 import logging
 import os
 import socket
@@ -136,18 +135,6 @@ def _tls_context(
     return ctx
 
 
-def _family_of(bind: str) -> socket.AddressFamily:
-    try:
-        return socket.AF_INET6 if ipaddress.ip_address(bind.strip("[]")).version == 6 else socket.AF_INET
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(bind, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ListenError(f"cannot listen on {bind!r}: {exc.strerror}", port=0, bind=bind, option="--bind") from None
-    return infos[0][0] if infos else socket.AF_INET
-
-
 def _raise_fd_limit(wanted: int) -> None:
     # Many distributions start services with a soft limit of 1024 open files; an exporter that holds up to
     # max_connections sockets needs more. Raise the soft limit towards the hard one (never lower it).
@@ -163,7 +150,11 @@ def _raise_fd_limit(wanted: int) -> None:
 
 
 def _make_socket(bind: str, port: int) -> socket.socket:
-    family = _family_of(bind)
+    try:  # a name or an address (IPv6 in brackets or not)
+        infos = socket.getaddrinfo(bind.strip("[]"), None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {bind!r}: {exc.strerror}", port=0, bind=bind, option="--bind") from None
+    family = infos[0][0] if infos else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -334,26 +325,24 @@ def serve(
         port: TCP port (0: any free port; see :attr:`Exporter.port`).
         bind: address to listen on; ``0.0.0.0`` or ``::`` listen on all interfaces.
         interval: seconds between nvidia-smi samples.
-        fields: a preset or field list; the identity fields (index, uuid, name, pci.bus_id) are always added.
-            With DCGM naming the default ``health`` also gets the DCGM exporter's other default counters that
-            nvidia-smi supplies.
+        fields: a preset or field list; the identity fields (index, uuid, name, pci.bus_id) are always added, and
+            the default ``health`` gets the naming's extras (:func:`~smiquery.exporter.naming.exporter_fields`).
         gpus: only these GPUs.
         labels: constant labels for every series (``["site=lab"]`` or a mapping).
-        naming: ``smiquery`` (native, base units) or ``dcgm`` (the DCGM exporter's names, units and labels).
+        naming: ``smiquery`` (native, base units), ``dcgm`` (the DCGM exporter's names, units and labels) or
+            ``nvidia_smi`` (nvidia_gpu_exporter's).
         processes: also export per-process GPU memory, polled every ``processes_interval`` seconds.
         processes_interval: seconds between process polls.
         top_processes: also run ``nvidia-smi pmon`` (every ``interval`` seconds, rounded to 1..10) and export the
-            SM, memory and video-engine use and GPU memory of the ``top_processes`` busiest processes of each GPU,
-            plus one ``command="other"`` series summing the rest; 0 (the default) runs no pmon at all. If pmon
-            cannot run, one line is logged and the GPU metrics go on.
-        top_processes_by: ``name`` (the default: one series per process name, bounded however many short-lived
-            processes come and go) or ``pid`` (one series per process, labelled ``pid`` and ``user``: opt-in, as
-            every new pid is a new series).
+            use and GPU memory of the ``top_processes`` busiest processes of each GPU, plus one ``command="other"``
+            series summing the rest; 0 runs no pmon. If pmon cannot run, one line is logged and the rest goes on.
+        top_processes_by: ``name`` (one series per process name: bounded) or ``pid`` (one series per process,
+            labelled ``pid`` and ``user``: every new pid is a new series).
         tls_cert: PEM certificate: serve HTTPS.
         tls_key: PEM private key for ``tls_cert``.
         client_ca: PEM CA bundle: require client certificates signed by it.
-        web_config: a web configuration file (Prometheus exporter-toolkit format: ``tls_server_config``,
-            ``basic_auth_users``), or a loaded :class:`WebConfig`. Not together with ``tls_cert``.
+        web_config: a web configuration file (exporter-toolkit format: TLS, basic auth, headers), or a loaded
+            :class:`WebConfig`. Not together with ``tls_cert``.
         nvidia_smi: path of the binary.
         registry: a ``prometheus_client`` registry whose metrics are appended to ``/metrics`` (e.g. your own).
         stale_after: seconds after which data counts as stale (default ``max(3 * interval, 15)``).
@@ -365,17 +354,14 @@ def serve(
         request_timeout: seconds a client has to send a whole request head (slow clients are cut off).
         revive_after: seconds after which a stream that stopped for good (its thread ended with an error) is
             replaced by a new one; meanwhile ``smiquery_next_attempt_timestamp_seconds`` says when.
-        attribution: which workload holds each GPU (:class:`~smiquery.attribution.Attribution`, e.g. Kubernetes
-            pods), started and closed with the exporter.
-        details_interval: also run ``nvidia-smi -q -x`` every this many seconds, in its own thread (never on a
-            scrape), and export per-MIG-instance memory; None (the default here; the CLI's is 60) for none.
+        attribution: which workload holds each GPU (:class:`~smiquery.attribution.Attribution`), started and
+            closed with the exporter.
+        details_interval: also run ``nvidia-smi -q -x`` every this many seconds, in its own thread, and export
+            per-MIG-instance memory; None (the default here; the CLI's is 60) for none.
         kernel_log: also follow this kernel log (``/dev/kmsg``, or a plain file followed like ``tail -F``) and
             count ``smiquery_xid_errors_total``; None (the default here; the CLI's is ``/dev/kmsg``) for none.
-        process_metrics: serve the standard ``process_*`` metrics of this process (CPU seconds, resident memory,
-            open fds, start time: prometheus_client's ``ProcessCollector``), unless ``registry`` has them already.
-
-    Returns:
-        The running :class:`Exporter`.
+        process_metrics: serve prometheus_client's standard ``process_*`` metrics of this process, unless
+            ``registry`` has them already.
 
     Raises:
         PortInUseError: the port is taken (nvidia-smi is not started).
