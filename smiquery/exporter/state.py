@@ -52,45 +52,30 @@ class SourceHealth:
 
 
 def source_health(source: SampleSource) -> SourceHealth:
-    """Read a source's state, whatever version of :class:`~smiquery.source.StreamStats` it carries.
-
-    Attributes a source does not have yet read as "not known" (None, False, empty); a source whose thread ended
-    with an error reads as ``failed``.
-
-    Args:
-        source: the sample source.
-
-    Returns:
-        Its state now.
-    """
+    """A source's state now; a source whose thread ended with an error reads as ``failed``."""
     st = source.stats
-    running = bool(source.running)
-    error = source.error
-    state = str(getattr(st, "state", "") or "")
+    running, error = bool(source.running), source.error
+    state: str = st.state
     if not running:
         state = "failed" if error is not None else (state if state in ("ended", "closed", "failed") else "closed")
-    elif not state or (state == "starting" and getattr(st, "rows", 0) > 0):
+    elif state == "starting" and st.rows > 0:
         state = "running"  # a source that does not keep state: rows flow, so it runs
-    last_type = getattr(st, "last_error_type", None)
-    last = getattr(st, "last_error", None)
+    last_type, last = st.last_error_type, st.last_error
     if error is not None and not running:
         last_type = type(error).__name__
         last = str(error).splitlines()[0] if str(error) else last_type
-    if last_type is None and last is not None:
-        errors = getattr(st, "errors", None)
-        if errors:
-            last_type = max(errors, key=lambda k: errors[k])
-    known = dict(getattr(st, "known_gpus", None) or {})
+    if last_type is None and last is not None and st.errors:
+        last_type = max(st.errors, key=lambda k: st.errors[k])
     return SourceHealth(
         running=running,
         state=state,
         last_error=last,
         last_error_type=last_type,
-        next_retry_at=getattr(st, "next_retry_at", None),
-        permanent=bool(getattr(st, "permanent", False)),
-        lost=frozenset(getattr(st, "lost_gpus", None) or ()),
-        known=known,
-        lost_uuids=dict(getattr(st, "lost_uuids", None) or {}),
+        next_retry_at=st.next_retry_at,
+        permanent=st.permanent,
+        lost=frozenset(st.lost_gpus),
+        known=dict(st.known_gpus),
+        lost_uuids=dict(st.lost_uuids),
     )
 
 

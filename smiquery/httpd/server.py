@@ -217,10 +217,10 @@ class HttpServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._conns: dict[socket.socket, _Conn] = {}
         self._ready: deque[_Conn] = deque()  # complete requests still buffered after a connection's turn
-        self._back: queue.SimpleQueue[tuple[_Conn, bytes, bool]] = queue.SimpleQueue()  # answers from workers
+        # answers from the workers and the verifier: (connection, the selector's next step, its arguments)
+        self._back: queue.SimpleQueue[tuple[_Conn, Callable[..., None], tuple[object, ...]]] = queue.SimpleQueue()
         self._jobs: queue.SimpleQueue[tuple[_Conn, Request] | None] = queue.SimpleQueue()
         self._checks: queue.SimpleQueue[tuple[_Conn, Request] | None] = queue.SimpleQueue()
-        self._checked: queue.SimpleQueue[tuple[_Conn, Request, bool]] = queue.SimpleQueue()  # verifier answers
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, name="smiquery-http", daemon=True)]
         self._threads += [
@@ -479,6 +479,7 @@ class HttpServer:
 
     def _checked_one(self, conn: _Conn, req: Request, allowed: bool) -> None:
         """The verifier's answer for ``conn``'s request: go on with it, then with what the client sent after it."""
+        self._checking -= 1
         conn.busy = False
         if conn.closed or self._stop.is_set():
             self._close(conn)
@@ -557,17 +558,10 @@ class HttpServer:
                 self._guard(conn, self._process, conn)
         while True:
             try:
-                conn, data, close = self._back.get_nowait()
+                conn, step, args = self._back.get_nowait()
             except queue.Empty:
                 break
-            self._guard(conn, self._deliver, conn, data, close)
-        while True:
-            try:
-                conn, req, allowed = self._checked.get_nowait()
-            except queue.Empty:
-                break
-            self._checking -= 1
-            self._guard(conn, self._checked_one, conn, req, allowed)
+            self._guard(conn, step, *args)
         now = time.monotonic()
         if now >= next_sweep:
             self._expire(now)
@@ -603,7 +597,7 @@ class HttpServer:
             except Exception:
                 self._handler_throttle.warn("smiquery exporter: answering %s failed", conn.client)
                 data, close = self._error(500), True
-            self._back.put((conn, data, close))
+            self._back.put((conn, self._deliver, (conn, data, close)))
             self._wake()
 
     def _verify(self) -> None:
@@ -622,7 +616,7 @@ class HttpServer:
             except Exception:
                 self._handler_throttle.warn("smiquery exporter: checking the password of %s failed", conn.client)
                 allowed = False
-            self._checked.put((conn, req, allowed))
+            self._back.put((conn, self._checked_one, (conn, req, allowed)))
             self._wake()
 
     def _error(self, status: int) -> bytes:

@@ -166,20 +166,13 @@ class WebConfig:
         return self.verdict(header) is not None
 
     def authorized(self, header: str | None) -> bool:
-        """Whether an ``Authorization`` header value passes basic auth (always True without users).
+        """Whether an ``Authorization`` header value (None: absent) passes basic auth (always True without users).
 
         A bcrypt check costs tens of milliseconds by design, so: a credential that passed once is remembered (as
-        a salted digest, never in clear) and scrapes stay fast; one that failed is remembered for five minutes
-        and refused at once; an unknown user is checked against a dummy hash of the same cost (the time does not
-        tell whether a user exists); and only one check runs at a time in the process. This blocks for the
-        check: :class:`~smiquery.httpd.server.HttpServer` calls it on its own verifier thread (``auth=``) when
-        :meth:`verdict` cannot answer, so that no worker waits on bcrypt.
-
-        Args:
-            header: the header value, or None when absent.
-
-        Returns:
-            True when access is allowed.
+        a salted digest, never in clear); one that failed is refused at once for five minutes; an unknown user is
+        checked against a dummy hash of the same cost (the time does not tell whether a user exists); and one
+        check runs at a time in the process. This blocks for the check: :class:`~smiquery.httpd.server.HttpServer`
+        calls it on its verifier thread when :meth:`verdict` cannot answer.
         """
         known = self.verdict(header)
         if known is not None:
@@ -328,13 +321,7 @@ def _http(http: Any, cfg: Path) -> dict[str, str]:
 
 
 def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
-    """Read a web configuration file (exporter-toolkit format).
-
-    Args:
-        path: the YAML file.
-
-    Returns:
-        The settings, with the TLS context built and the certificate and key loaded.
+    """Read a web configuration file (exporter-toolkit YAML): the settings, the TLS context built.
 
     Raises:
         WebConfigError: the file is missing, not YAML, has unknown or unsupported keys, a bad hash, or unreadable
