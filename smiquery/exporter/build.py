@@ -84,14 +84,9 @@ def _git_checkout() -> str | None:
 
 
 def self_families(collector: object, labels: Mapping[str, str]) -> list[Metric]:
-    """prometheus_client's standard ``process_*`` families (CPU, memory, fds, start time) with the constant labels.
+    """The standard ``process_*`` families of an unregistered ``ProcessCollector``, with the constant labels.
 
-    Args:
-        collector: a ``prometheus_client.ProcessCollector`` (not registered anywhere).
-        labels: the ``--label`` labels, on every series as on the exporter's own.
-
-    Returns:
-        The families (none where /proc is not there).
+    None where /proc is not there.
     """
     fams: list[Metric] = list(collector.collect())  # type: ignore[attr-defined]
     if labels:

@@ -294,21 +294,12 @@ def xid_families(
     *,
     inventory_known: bool = True,
 ) -> list[Metric]:
-    """``smiquery_xid_errors_total``, ``smiquery_xid_rejected_lines_total`` and ``smiquery_xid_source_up``.
-
-    ``smiquery_xid_errors_total`` is a counter: every event counts, repeats too, and it never needs a reset.
-    ``/dev/kmsg`` replays its ring buffer to every new reader; each record is counted once (its sequence number),
-    and the replay after an exporter restart gives the counter back the value it had (Prometheus sees no
-    increase), as long as the ring buffer still holds those records. The watcher keeps at most
-    :attr:`~smiquery.sources.xid.XidWatcher.MAX_SERIES` (bus, code) pairs; the events of pairs it let go are the
-    series with ``xid="other"``. Lines that look like an Xid but that the kernel did not write are not counted
-    there but in ``smiquery_xid_rejected_lines_total{reason}``.
+    """``smiquery_xid_errors_total`` (every event counts), ``..._rejected_lines_total`` and ``smiquery_xid_source_up``.
 
     Args:
-        xid: the watcher following the kernel log.
+        xid: the watcher following the kernel log (docs/exporter.md, "Xid errors", says what it counts).
         gpus: PCI key -> ``{"gpu": ..., "uuid": ...}`` of the GPU at that address; None for an address no GPU
-            has (the GPU fell off the bus before the exporter saw it): its events are counted with ``gpu`` and
-            ``uuid`` empty.
+            has (it fell off the bus before the exporter saw it): its events have ``gpu`` and ``uuid`` empty.
         labels: the constant labels.
         inventory_known: whether the GPUs have been listed yet; until then an event at an address no GPU is
             known at is held back, so that its series does not change labels once the GPU is seen.

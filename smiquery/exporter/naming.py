@@ -126,8 +126,8 @@ class MetricSpec:
         type: ``gauge`` or ``counter``.
         help: the HELP text.
         scale: factor from nvidia-smi's unit to the metric's (MiB to bytes: 1048576).
-        style: ``number`` (the value), ``bool`` (1/0), ``pstate`` (P3 -> 3) or ``info`` (value as a label).
-        naming: ``smiquery`` or ``dcgm`` (decides the label set).
+        style: ``number``, ``bool`` (1/0), ``pstate`` (P3 -> 3), ``info`` (value as a label) or ``nvsmi``.
+        naming: the naming whose labels the series carry (a DCGM naming's field without a DCGM name: native).
     """
 
     field: str
@@ -350,17 +350,11 @@ def _escape_label(value: str) -> str:
 
 
 def render(families: Iterable[Metric]) -> str:
-    """Write metric families in the Prometheus text format (0.0.4), as ``prometheus_client.generate_latest`` does.
+    """Metric families in the Prometheus text format (0.0.4), as ``prometheus_client.generate_latest`` writes them.
 
     The one difference: a counter whose samples carry the family's own name (the DCGM exporter's counters, such
     as ``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL``) keeps that name on its HELP and TYPE lines, where ``generate_latest``
     would append ``_total`` and so describe a metric that no sample has.
-
-    Args:
-        families: the families to write.
-
-    Returns:
-        The exposition text.
     """
     out: list[str] = []
     for fam in families:
@@ -382,17 +376,11 @@ def render(families: Iterable[Metric]) -> str:
 def exporter_fields(
     fields: str | Sequence[str] | None, naming: Naming, *, nvidia_smi: str | os.PathLike[str] | None = None
 ) -> list[str]:
-    """The nvidia-smi fields an exporter queries: the identity fields, the wanted ones, and naming extras.
+    """The nvidia-smi fields an exporter queries, without repeats: the identity fields, the wanted ones, extras.
 
-    Args:
-        fields: a preset or field list (None: ``health``); ``supported`` asks nvidia-smi once (``--help-query-gpu``
-            and one query) for every field this driver supplies.
-        naming: the metric naming; DCGM naming adds the driver version (a label) and, with the default fields,
-            :data:`DCGM_DEFAULT_EXTRAS`.
-        nvidia_smi: the binary (for ``supported``).
-
-    Returns:
-        Field names, identity first, without repeats.
+    ``fields`` is a preset or field list (None: ``health``); ``supported`` asks ``nvidia_smi`` once for every field
+    this driver supplies. DCGM naming adds the driver version (a label); with the default fields, each naming
+    adds its extras (:data:`DCGM_DEFAULT_EXTRAS`, :data:`NVSMI_DEFAULT_EXTRAS`).
 
     Raises:
         InvalidFieldError: an unknown field.

@@ -28,16 +28,8 @@ _LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 class SourceHealth:
     """What the collector needs to know about its source's state, read in one place.
 
-    Attributes:
-        running: whether the source's background thread is alive.
-        state: ``starting``, ``running``, ``retrying``, ``ended``, ``closed`` or ``failed``.
-        last_error: the newest failure as one line.
-        last_error_type: its exception class name.
-        next_retry_at: ``time.time()`` of the next start while retrying.
-        permanent: whether the current failure needs a person (driver mismatch, NVML missing...).
-        lost: GPU indices the source reports lost (an index another GPU delivers under is not in it).
-        known: GPU index -> UUID for every GPU the source has seen.
-        lost_uuids: UUIDs the source reports lost, with the index each had when last seen.
+    The attributes are :class:`~smiquery.source.StreamStats`' (``lost`` is ``lost_gpus``, ``known`` is
+    ``known_gpus``), plus ``running``: whether the source's background thread is alive.
     """
 
     running: bool
@@ -91,13 +83,7 @@ class TrackedGpu:
 
 
 def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, str]:
-    """Check constant labels given as ``key=value`` strings (or a mapping).
-
-    Args:
-        items: ``["site=lab", "rack=3"]`` or ``{"site": "lab"}``.
-
-    Returns:
-        The labels as a dict.
+    """Constant labels given as ``key=value`` strings (``["site=lab"]``) or a mapping, checked, as a dict.
 
     Raises:
         ValueError: a malformed item, an invalid or reserved label name, or a name given twice.

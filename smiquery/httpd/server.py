@@ -52,12 +52,7 @@ _SINGLE = frozenset({"host", "content-length", "authorization", "transfer-encodi
 class Request:
     """One parsed request head.
 
-    Attributes:
-        method: ``GET``, ``HEAD``...
-        path: the path without the query string.
-        version: ``HTTP/1.1`` or ``HTTP/1.0``.
-        headers: header names in lower case -> value (repeated headers joined with ``", "``).
-        client: the peer address.
+    ``path`` is without the query string, ``headers`` by lower-case name (repeats joined with ``", "``).
     """
 
     method: str
@@ -69,14 +64,7 @@ class Request:
 
 @dataclass
 class Response:
-    """What a handler answers.
-
-    Attributes:
-        status: the status code.
-        body: the body bytes.
-        content_type: the Content-Type header.
-        headers: extra headers.
-    """
+    """What a handler answers: status, body, Content-Type and extra headers."""
 
     status: int
     body: bytes

@@ -1,18 +1,7 @@
-"""Web configuration in the Prometheus exporter-toolkit format: TLS and basic auth for the scrape endpoint.
-
-The file every Prometheus exporter accepts with ``--web-config-file``::
-
-    tls_server_config:
-      cert_file: server.pem
-      key_file: server.key
-      client_ca_file: ca.pem                 # optional
-      client_auth_type: RequireAndVerifyClientCert
-    basic_auth_users:
-      prometheus: $2b$12$...                 # bcrypt hash (htpasswd -nBC 12 "" | tr -d ':')
+"""Web configuration in the Prometheus exporter-toolkit format (``--web-config-file``): TLS, basic auth, headers.
 
 Relative paths are relative to the file's folder. Every key either does what exporter-toolkit documents or makes
-loading fail with one line saying why (unknown keys, ``curve_preferences``, ``RequestClientCert``,
-``RequireAnyClientCert``, ``http2: true``); docs/exporter.md lists them.
+loading fail with one line saying why; docs/exporter.md lists them.
 """
 
 from __future__ import annotations
