@@ -196,17 +196,17 @@ class SmiCollector:
                     self._down_sweep = sweep
                     self._evals.clear()
                 self._gpu_version += 1
-                if not up and self._up is None and sweep is None and not self._first_overdue(health):
+                # the first sample is late once the stream failed, or none came within stale_after of the start
+                late = (
+                    health.state == "retrying" or not health.running or time.monotonic() - self._born > self.stale_after
+                )
+                if not up and self._up is None and sweep is None and not late:
                     return  # a normal start: nothing to say until the first sample is late
                 if self._up is not None or not up:
                     why = "ok" if up else self.health()[1]
                     if self.on_state is not None and (self._up is not None or health.state != "starting"):
                         self.on_state(up, why)
                 self._up = up
-
-    def _first_overdue(self, health: SourceHealth) -> bool:
-        """Whether the first sample is late: the stream failed, or none came within ``stale_after`` of the start."""
-        return health.state == "retrying" or not health.running or time.monotonic() - self._born > self.stale_after
 
     def _take(self, sweep: Sweep, health: SourceHealth, arrived: float | None = None) -> None:
         present: set[str] = set()
@@ -405,10 +405,6 @@ class SmiCollector:
 
     def _fresh(self, sweep: Sweep | None, age: float | None) -> bool:
         return sweep is not None and age is not None and age <= self.stale_after
-
-    def health_families(self, sweep: Sweep | None, age: float | None, duration: float) -> list[Metric]:
-        """The exporter's own health metrics for this scrape (``duration``: seconds spent on it so far)."""
-        return self._health_head(sweep, age) + self._gpu_health() + self._health_tail(duration)
 
     def _one(self, fam: Metric, value: float, labels: Mapping[str, str] | None = None) -> Metric:
         """``fam`` with one sample: the constant labels (and ``labels``)."""
@@ -612,7 +608,8 @@ class SmiCollector:
         self.refresh()
         sweep, age = self.stream.latest()
         yield from self._data_families(*self._inputs(sweep, age))
-        yield from self.health_families(sweep, age, time.perf_counter() - t0)
+        yield from self._health_head(sweep, age) + self._gpu_health()
+        yield from self._health_tail(time.perf_counter() - t0)
 
     def _cached(self, part: str, key: tuple[object, ...], build: Callable[[], list[Metric]]) -> bytes:
         """``build()`` rendered, and rendered again only once ``key`` changes (call with ``_lock`` held)."""

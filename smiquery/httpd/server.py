@@ -206,7 +206,9 @@ class HttpServer:
         self._conns: dict[socket.socket, _Conn] = {}
         self._ready: deque[_Conn] = deque()  # complete requests still buffered after a connection's turn
         # answers from the workers and the verifier: (connection, the selector's next step, its arguments)
-        self._back: queue.SimpleQueue[tuple[_Conn, Callable[..., None], tuple[object, ...]]] = queue.SimpleQueue()
+        self._back: queue.SimpleQueue[tuple[_Conn, Callable[..., bool | None], tuple[object, ...]]] = (
+            queue.SimpleQueue()
+        )
         self._jobs: queue.SimpleQueue[tuple[_Conn, Request] | None] = queue.SimpleQueue()
         self._checks: queue.SimpleQueue[tuple[_Conn, Request] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -465,14 +467,16 @@ class HttpServer:
         self._jobs.put((conn, req))
         return False
 
-    def _checked_one(self, conn: _Conn, req: Request, allowed: bool) -> None:
-        """The verifier's answer for ``conn``'s request: go on with it, then with what the client sent after it."""
+    def _checked(self, conn: _Conn, req: Request, allowed: bool) -> bool:
         self._checking -= 1
+        return self._dispatch(conn, req, allowed)
+
+    def _resume(self, conn: _Conn, step: Callable[..., bool | None], *args: object) -> None:
+        """A thread's answer for ``conn``: take the next step with it, then go on with what the client sent after."""
         conn.busy = False
         if conn.closed or self._stop.is_set():
             self._close(conn)
-            return
-        if self._dispatch(conn, req, allowed) and not conn.closed and not conn.out:
+        elif step(conn, *args) is not False and not conn.closed and not conn.out:
             self._process(conn)
 
     def _start(self, conn: _Conn, data: bytes, close: bool) -> None:
@@ -507,15 +511,6 @@ class HttpServer:
         conn.deadline = time.monotonic() + self.idle_timeout
         return True
 
-    def _deliver(self, conn: _Conn, data: bytes, close: bool) -> None:
-        conn.busy = False
-        if conn.closed or self._stop.is_set():
-            self._close(conn)
-            return
-        self._start(conn, data, close)
-        if not conn.closed and not conn.out:
-            self._process(conn)
-
     def _expire(self, now: float) -> None:
         for conn in [c for c in self._conns.values() if c.deadline <= now and not c.busy]:
             if conn.held is not None:
@@ -549,7 +544,7 @@ class HttpServer:
                 conn, step, args = self._back.get_nowait()
             except queue.Empty:
                 break
-            self._guard(conn, step, *args)
+            self._guard(conn, self._resume, conn, step, *args)
         now = time.monotonic()
         if now >= next_sweep:
             self._expire(now)
@@ -585,7 +580,7 @@ class HttpServer:
             except Exception:
                 self._handler_throttle.warn("smiquery exporter: answering %s failed", conn.client)
                 data, close = self._error(500), True
-            self._back.put((conn, self._deliver, (conn, data, close)))
+            self._back.put((conn, self._start, (data, close)))
             self._wake()
 
     def _verify(self) -> None:
@@ -604,7 +599,7 @@ class HttpServer:
             except Exception:
                 self._handler_throttle.warn("smiquery exporter: checking the password of %s failed", conn.client)
                 allowed = False
-            self._back.put((conn, self._checked_one, (conn, req, allowed)))
+            self._back.put((conn, self._checked, (req, allowed)))
             self._wake()
 
     def _error(self, status: int) -> bytes:
@@ -689,11 +684,3 @@ def _parse(head: bytes, client: str) -> tuple[Request | None, int]:
         # a scrape endpoint takes no bodies; refusing them (and closing) keeps the framing simple and safe
         return None, 413
     return Request(method, target.split("?", 1)[0], version, headers, client), 0
-
-
-def thread_count() -> int:
-    """Threads of this process (for tests and benchmarks)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:  # pragma: no cover - not Linux
-        return threading.active_count()
