@@ -54,10 +54,8 @@ def merge_families(fams: Sequence[Metric]) -> list[Metric]:
     """One family per name, in first-seen order (a name's header once per scrape), later samples appended."""
     out: dict[str, Metric] = {}
     for fam in fams:
-        first = out.get(fam.name)
-        if first is None:
-            out[fam.name] = fam
-        else:
+        first = out.setdefault(fam.name, fam)
+        if first is not fam:
             first.samples.extend(fam.samples)
     return list(out.values())
 

@@ -180,18 +180,11 @@ def _native_spec(fld: Field) -> list[MetricSpec]:
         name = base + "_bitmask"
         return [MetricSpec(fld.name, name, name, "gauge", f"{help_text}, as the numeric bitmask {source}.")]
     if ops.metric != "number":
-        name = base + "_info"
-        specs = [
-            MetricSpec(
-                fld.name, name, name, "gauge", f"{help_text}; the value is the label 'value' {source}.", style="info"
-            )
-        ]
+        doc = f"{help_text}; the value is the label 'value' {source}."
+        specs = [MetricSpec(fld.name, base + "_info", base + "_info", "gauge", doc, style="info")]
         if fld.name == "pstate":
-            specs.append(
-                MetricSpec(
-                    fld.name, base, base, "gauge", f"{help_text}, as a number (P0 -> 0) {source}.", style="pstate"
-                )
-            )
+            doc = f"{help_text}, as a number (P0 -> 0) {source}."
+            specs.append(MetricSpec(fld.name, base, base, "gauge", doc, style="pstate"))
         return specs
     suffix, scale = _UNITS.get(fld.unit, ("", 1.0))
     if scale != 1.0:

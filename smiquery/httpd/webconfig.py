@@ -108,11 +108,6 @@ class WebConfig:
     _dummy: bytes | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def _hash_for(self, user: str) -> bytes:
-        """The user's hash, or for an unknown user a dummy of the same cost: both answers take as long."""
-        hashed = self.users.get(user)
-        return hashed if hashed is not None else self._dummy_hash()
-
     def _dummy_hash(self) -> bytes:
         if self._dummy is None:
             import bcrypt
@@ -125,18 +120,6 @@ class WebConfig:
         hashed = self.users.get(user, b"")
         return hashlib.sha256(hashed + b"\0" + user.encode() + b"\0" + password.encode()).digest()
 
-    def _known(self, key: bytes) -> bool | None:
-        """True: passed before; False: failed recently; None: needs a bcrypt check."""
-        with self._lock:
-            if key in self._ok:
-                return True
-            failed = self._bad.get(key)
-            if failed is not None:
-                if time.monotonic() - failed < _FAILURE_TTL:
-                    return False
-                del self._bad[key]
-        return None
-
     def verdict(self, header: str | None) -> bool | None:
         """The answer to ``header`` that needs no bcrypt check, or None when only :meth:`authorized` can tell.
 
@@ -148,7 +131,15 @@ class WebConfig:
         cred = _credentials(header)
         if cred is None:
             return False
-        return self._known(self._key(*cred))
+        key = self._key(*cred)
+        with self._lock:
+            if key in self._ok:
+                return True
+            failed = self._bad.get(key)
+            if failed is not None and time.monotonic() - failed < _FAILURE_TTL:
+                return False
+            self._bad.pop(key, None)
+        return None
 
     def cached(self, header: str | None) -> bool:
         """Whether :meth:`authorized` answers ``header`` without a bcrypt check (no users, malformed, or seen)."""
@@ -173,7 +164,10 @@ class WebConfig:
 
         with _BCRYPT:
             try:
-                good = bcrypt.checkpw(password.encode(), self._hash_for(user)) and user in self.users
+                # an unknown user is checked against a dummy hash of the same cost: both answers take as long
+                good = (
+                    bcrypt.checkpw(password.encode(), self.users.get(user) or self._dummy_hash()) and user in self.users
+                )
             except ValueError:
                 good = False
         key = self._key(user, password)
