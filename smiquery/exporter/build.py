@@ -1,10 +1,7 @@
 """What the exporter says about itself: the source revision it was built from, and its process's own metrics.
 
-The revision is the first of: ``smiquery/_revision.py`` (``REVISION = "<commit>"``, written by a build that knows
-it, e.g. ``echo 'REVISION = "abc123"' > smiquery/_revision.py`` before building the wheel or image), the commit
-pip recorded when it installed smiquery from a git URL (``direct_url.json`` of the installed distribution), the
-commit checked out when smiquery runs from a git checkout (read from ``.git``, no git binary run); else
-``unknown``.
+The revision is the first of: ``smiquery/_revision.py`` (``REVISION = "<commit>"``, written by a build), the commit
+pip recorded installing from a git URL, the commit checked out (read from ``.git``, no git run); else ``unknown``.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -114,15 +115,12 @@ def nvsmi_process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str
         mem = None if p.used_memory is None else float(p.used_memory) * 1048576.0
         prev = seen.get(key)
         seen[key] = mem if prev is None else prev + (mem or 0.0)  # one row per MIG instance: summed
-    per_gpu: dict[str, int] = {}
-    for _, _, uuid in seen:
-        per_gpu[uuid] = per_gpu.get(uuid, 0) + 1
     for (pid, pname, uuid), mem in seen.items():
         one = {"pid": pid, "process_name": pname, "uuid": uuid, **labels}
         info.add_sample(info.name, one, 1.0)
         if mem is not None:
             used.add_sample(used.name, one, mem)
-    for uuid, n in per_gpu.items():
+    for uuid, n in Counter(uuid for _, _, uuid in seen).items():
         count.add_sample(count.name, {"uuid": uuid, **labels}, float(n))
     return [f for f in (used, info, count) if f.samples]
 

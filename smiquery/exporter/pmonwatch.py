@@ -36,10 +36,8 @@ class ProcessInstant:
         rows: ``(row, user)`` pairs, busiest first per GPU, the ``other`` row (``pid`` None) last; ``user`` is
             the owner's name from ``/proc`` (None when this host cannot see the process).
         processes: GPU index -> how many processes pmon listed on it (0 for an idle GPU).
-        received: ``time.monotonic()`` when the instant was complete.
-        wall: ``time.time()`` at the same moment.
-        by: ``pid`` (one row per process) or ``name`` (one row per process name: the processes of one name on
-            one GPU summed, their ``pid`` the lowest of them and ``user`` None).
+        received: ``time.monotonic()`` when the instant was complete (``wall``: ``time.time()``).
+        by: ``pid`` or ``name`` (the processes of one name on one GPU summed, ``pid`` the lowest, ``user`` None).
     """
 
     rows: tuple[tuple[pmon.PmonRow, str | None], ...]

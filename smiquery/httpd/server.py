@@ -134,24 +134,16 @@ class HttpServer:
     Args:
         sock: a bound socket (not yet listening).
         handler: computes a response (a raise answers 500 and is logged at most once a minute).
-        ssl_context: serve TLS with this server context.
-        workers: worker threads (responses computed in parallel).
-        max_connections: open client sockets at most.
         request_timeout: seconds from a request's first byte (or a TLS connection's start) to its complete head.
         idle_timeout: seconds a keep-alive connection may sit without starting a request.
         write_timeout: seconds a client has to take one whole response.
-        backlog: the listen backlog.
-        server_header: the ``Server`` header value.
-        inline: says which requests are cheap enough to answer in the selector thread itself (no thread
-            hand-off); the rest go to the workers.
+        inline: says which requests are cheap enough to answer in the selector thread itself; the rest go to
+            the workers.
         headers: headers added to every response (``Strict-Transport-Security``...).
-        peer_check: called with each TLS connection once its handshake is done; False closes it (for an allow
-            list of client certificate names).
-        auth: basic auth checked before ``handler`` sees a request (401 for a refusal, the handler never called);
-            its slow checks run on one verifier thread, never on the workers.
+        peer_check: called with each TLS connection once its handshake is done; False closes it.
+        auth: basic auth checked before ``handler`` sees a request (401 for a refusal).
         auth_queue: checks waiting for or running on the verifier at most; past it a request is answered 429
-            (``Retry-After: 1``) and its connection closed.
-        shed_delay: seconds such a 429 waits (to within a quarter of a second) before it is sent.
+            (``Retry-After: 1``) after ``shed_delay`` seconds, and its connection closed.
     """
 
     def __init__(
