@@ -416,21 +416,14 @@ class SmiCollector:
         st = self.stream.stats
         health = source_health(self.stream)
         one = self._one
-        up = gauge(
-            "smiquery_up",
-            f"1 when nvidia-smi delivers fresh samples (newest younger than {self.stale_after:g} s), else 0.",
-        )
-        info = gauge(
-            "smiquery_stream_info",
+        doc = f"1 when nvidia-smi delivers fresh samples (newest younger than {self.stale_after:g} s), else 0."
+        out = [one(gauge("smiquery_up", doc), 1.0 if self._is_up(sweep, age, health) else 0.0)]
+        doc = (
             "The nvidia-smi stream's state (starting, running, retrying, failed...), its last error type and "
-            "whether that error needs a person (permanent); always 1.",
+            "whether that error needs a person (permanent); always 1."
         )
-        state = {
-            "state": health.state,
-            "last_error_type": health.last_error_type or "",
-            "permanent": "true" if health.permanent else "false",
-        }
-        out = [one(up, 1.0 if self._is_up(sweep, age, health) else 0.0), one(info, 1.0, state)]
+        state = {"state": health.state, "last_error_type": health.last_error_type or ""}
+        out.append(one(gauge("smiquery_stream_info", doc), 1.0, {**state, "permanent": str(health.permanent).lower()}))
         next_at = health.next_retry_at if health.state == "retrying" else None
         if health.state == "failed" and self.revive_at is not None:
             next_at = self.revive_at
