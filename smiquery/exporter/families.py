@@ -142,11 +142,9 @@ def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Map
         command = "other" if other else row.command or ""
         if not other and not by_pid and command == "other":
             command = "other (process)"  # a process named "other" is not the bucket of the rest
-        one = {"gpu": str(gpu), "uuid": uuids.get(gpu, "")}
+        one = {"gpu": str(gpu), "uuid": uuids.get(gpu, ""), "command": command}
         if by_pid:
-            one.update({"pid": "other" if other else str(row.pid), "command": command, "user": user or ""})
-        else:
-            one["command"] = command
+            one.update(pid="other" if other else str(row.pid), user=user or "")
         one.update(labels)
         for col, fam in fams.items():
             value = getattr(row, col)

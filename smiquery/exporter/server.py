@@ -182,16 +182,12 @@ class Exporter:
     """A running exporter, made by :func:`serve`: use it as a context manager or call :meth:`stop`.
 
     Attributes:
-        collector: the :class:`SmiCollector` behind ``/metrics``.
+        collector: the :class:`SmiCollector` behind ``/metrics``; ``poller`` and ``pmon`` are its sources.
         stream: the background :class:`~smiquery.streams.sync.Stream` (a new one after a revival).
-        poller: the process poll (:func:`~smiquery.exporter.poller.process_poller`), when ``processes=True``.
-        pmon: the :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, when ``top_processes`` is above 0.
         http: the :class:`~smiquery.httpd.server.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
-        bind: the address listened on.
-        port: the port listened on (useful with ``port=0``).
+        port: the port listened on (useful with ``port=0``), on the address ``bind``.
         url: the base URL (``http://127.0.0.1:9849``); metrics are at ``url + "/metrics"``.
-        revive_after: seconds before a stream that stopped for good is replaced.
-        revivals: how many times that happened.
+        revivals: how many times a stream that stopped for good was replaced (after ``revive_after`` seconds).
     """
 
     def __init__(
