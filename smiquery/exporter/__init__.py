@@ -1,10 +1,7 @@
 """Prometheus exporter: metric families from the newest sweep of ONE background stream, served over HTTP(S).
 
-:class:`SmiCollector` turns the newest sweep of a background :func:`~smiquery.stream` into metric families, and
-:func:`serve` publishes them on ``/metrics`` with ``/healthz``.
-
-A scrape never starts nvidia-smi: it reads :meth:`Stream.latest`. Needs ``prometheus_client``
-(``pip install 'smiquery[export]'``); the rest of smiquery does not import this module.
+:class:`SmiCollector` turns the newest sweep of a background :func:`~smiquery.stream` into metric families (a
+scrape never starts nvidia-smi), and :func:`serve` publishes them. Needs ``pip install 'smiquery[export]'``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """What the exporter says about itself: the source revision it was built from, and its process's own metrics.
 
-The revision is the first of: ``smiquery/_revision.py`` (``REVISION = "<commit>"``, written by a build that knows
-it, e.g. ``echo 'REVISION = "abc123"' > smiquery/_revision.py`` before building the wheel or image), the commit
-pip recorded when it installed smiquery from a git URL (``direct_url.json`` of the installed distribution), the
-commit checked out when smiquery runs from a git checkout (read from ``.git``, no git binary run); else
-``unknown``.
+The revision is the first of: ``smiquery/_revision.py`` (``REVISION = "<commit>"``, written by a build), the commit
+pip recorded installing from a git URL, the commit checked out (read from ``.git``, no git run); else ``unknown``.
 """
 
 from __future__ import annotations
@@ -84,14 +81,9 @@ def _git_checkout() -> str | None:
 
 
 def self_families(collector: object, labels: Mapping[str, str]) -> list[Metric]:
-    """prometheus_client's standard ``process_*`` families (CPU, memory, fds, start time) with the constant labels.
+    """The standard ``process_*`` families of an unregistered ``ProcessCollector``, with the constant labels.
 
-    Args:
-        collector: a ``prometheus_client.ProcessCollector`` (not registered anywhere).
-        labels: the ``--label`` labels, on every series as on the exporter's own.
-
-    Returns:
-        The families (none where /proc is not there).
+    None where /proc is not there.
     """
     fams: list[Metric] = list(collector.collect())  # type: ignore[attr-defined]
     if labels:

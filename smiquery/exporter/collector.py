@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
@@ -31,7 +31,7 @@ from smiquery.exporter.families import (
     workload_usage_families,
     xid_families,
 )
-from smiquery.exporter.naming import NVSMI_INFO_LABELS, Naming, metric_specs, render
+from smiquery.exporter.naming import NVSMI_INFO_LABELS, MetricSpec, Naming, metric_specs, render
 from smiquery.exporter.state import (
     PMON_LABELS,
     SourceHealth,
@@ -42,17 +42,17 @@ from smiquery.exporter.state import (
 )
 from smiquery.kinds import to_number
 from smiquery.sample import bus_key
+from smiquery.sources.latest import Latest
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator
     from smiquery.attribution import Attribution
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
     from smiquery.fields import Field
-    from smiquery.sample import BusKey, GpuSample
+    from smiquery.sample import BusKey, GpuSample, Value
     from smiquery.source import SampleSource, Sweep
     from smiquery.sources.apps import GpuProcess
     from smiquery.sources.details import GpuDetails
-    from smiquery.sources.latest import Latest
     from smiquery.sources.xid import XidWatcher
 
 __all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector"]
@@ -70,23 +70,19 @@ class SmiCollector:
 
     :meth:`collect` reads :meth:`Stream.latest` and never runs nvidia-smi. Per-GPU series are served only while
     the newest sweep is fresher than ``stale_after``; a missing value (any status token) leaves its series out
-    for that GPU, never 0. The health metrics (``smiquery_up``, sample age, restarts, errors by type, dropped
-    rows, lost GPUs) are always there. :meth:`exposition` is the fast path the HTTP server uses: the per-sweep
-    text is rendered once per sweep; only the health metrics are rendered for every scrape.
+    for that GPU, never 0. The health metrics are always there. :meth:`exposition`, the HTTP server's fast path,
+    renders the per-sweep text once per sweep.
 
     Args:
         stream: a started :class:`~smiquery.source.SampleSource` (its ``interval``, when it has one, sets the
             default ``stale_after``).
         fields: the fields the stream queries (default: ``stream.fields``).
-        naming: ``smiquery`` or ``dcgm``.
+        naming: ``smiquery``, ``dcgm`` or ``nvidia_smi``.
         labels: constant labels added to every series.
-        processes: a :class:`~smiquery.sources.latest.Latest` listing the compute processes
-            (:func:`~smiquery.exporter.server.process_poller`) to add per-process GPU memory; None for none.
-        pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher` to add the busiest processes per GPU (SM and
-            memory use from ``nvidia-smi pmon``); None for none.
-        details: a :func:`~smiquery.exporter.detailswatch.details_poller` (``nvidia-smi -q -x`` on its own
-            cadence) to add per-MIG-instance memory; None for none.
-        xid: a :class:`~smiquery.sources.xid.XidWatcher` to add ``smiquery_xid_errors_total``; None for none.
+        processes: a :func:`~smiquery.exporter.poller.process_poller`, for per-process GPU memory.
+        pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, for the busiest processes per GPU.
+        details: a :func:`~smiquery.exporter.detailswatch.details_poller`, for per-MIG-instance memory.
+        xid: a :class:`~smiquery.sources.xid.XidWatcher`, for ``smiquery_xid_errors_total``.
         stale_after: seconds after which the newest sweep counts as stale (default ``max(3 * interval, 15)``).
         hostname: the DCGM ``Hostname`` label (default: this host's name).
         alerts: an :class:`~smiquery.alerts.AlertEvaluator` fed every sample (``smiquery_alert_firing``).
@@ -95,9 +91,7 @@ class SmiCollector:
         nvidia_smi_path: the binary, for ``smiquery_build_info``.
         attribution: which workload holds each GPU (:mod:`smiquery.attribution`): its series, the workload's labels
             on GPUs one workload holds, and per-workload use when its backend ties processes to workloads.
-        process_metrics: also the standard ``process_*`` self-metrics of this process (prometheus_client's
-            ``ProcessCollector``: CPU seconds, resident and virtual memory, open and max fds, start time), as
-            :func:`~smiquery.exporter.serve` asks; off by default, as a registry of your own may have them already.
+        process_metrics: also prometheus_client's standard ``process_*`` metrics of this process.
     """
 
     def __init__(
@@ -151,8 +145,6 @@ class SmiCollector:
         if attribution is not None:
             check_labels(attribution.backend, self.labels)
         self._att_gpus: dict[str, int | None] = {}  # the newest fresh sweep's GPUs (UUID -> index), for attribution
-        self._cache_key: tuple[object, ...] = ()
-        self._cache: bytes = b""
         self.alerts = alerts
         self.on_gpu_change = on_gpu_change
         self.on_state = on_state
@@ -169,12 +161,9 @@ class SmiCollector:
         self._refresh_lock = threading.Lock()
         self.revive_at: float | None = None  # set by the exporter while a stopped stream waits to be replaced
         self._gpu_version = 0  # bumped whenever a sweep is taken in or the lost set may change
-        self._gpu_text_version = -1
-        self._gpu_text = b""
-        self._slow_text_key: tuple[object, ...] = ()
-        self._slow_text = b""
-        self._watch_stop = threading.Event()
-        self._watcher: threading.Thread | None = None
+        self._texts: dict[str, tuple[tuple[object, ...], bytes]] = {}  # rendered parts, by what they came from
+        period = min(max(float(getattr(stream, "interval", 1.0)) / 4, 0.05), 1.0)
+        self._watch = Latest(self.refresh, period, name="watching the stream")  # a raise is logged, not fatal
 
     # ------------------------------------------------------------------------------------------ tracking
 
@@ -207,17 +196,17 @@ class SmiCollector:
                     self._down_sweep = sweep
                     self._evals.clear()
                 self._gpu_version += 1
-                if not up and self._up is None and sweep is None and not self._first_overdue(health):
+                # the first sample is late once the stream failed, or none came within stale_after of the start
+                late = (
+                    health.state == "retrying" or not health.running or time.monotonic() - self._born > self.stale_after
+                )
+                if not up and self._up is None and sweep is None and not late:
                     return  # a normal start: nothing to say until the first sample is late
                 if self._up is not None or not up:
                     why = "ok" if up else self.health()[1]
                     if self.on_state is not None and (self._up is not None or health.state != "starting"):
                         self.on_state(up, why)
                 self._up = up
-
-    def _first_overdue(self, health: SourceHealth) -> bool:
-        """Whether the first sample is late: the stream failed, or none came within ``stale_after`` of the start."""
-        return health.state == "retrying" or not health.running or time.monotonic() - self._born > self.stale_after
 
     def _take(self, sweep: Sweep, health: SourceHealth, arrived: float | None = None) -> None:
         present: set[str] = set()
@@ -230,14 +219,13 @@ class SmiCollector:
             key = s.uuid or f"index:{s.index}"
             gpu = self._gpus.get(key)
             if gpu is None:
-                gpu = self._gpus[key] = TrackedGpu(s.index, s.uuid, *self._sample_labels(s))
+                gpu = self._gpus[key] = TrackedGpu(s.index, s.uuid, self._sample_labels(s)[1])
             elif not s.gpu_lost:
                 # Labels come from rows that carry them: a lost GPU's row (status tokens in every cell) keeps the
                 # labels it had, so its series keep their identity exactly when they matter.
-                native, dcgm = self._sample_labels(s)
                 if s.index != gpu.index:
                     self._evals.pop(key, None)  # renumbered after a driver reload: its alert holds start over
-                gpu.index, gpu.native, gpu.dcgm = s.index, {**gpu.native, **native}, {**gpu.dcgm, **dcgm}
+                gpu.index, gpu.labels = s.index, {**gpu.labels, **self._sample_labels(s)[1]}
             if s.gpu_lost:
                 reported.add(key)  # nvidia-smi's own word: lost at once
                 continue
@@ -291,13 +279,12 @@ class SmiCollector:
 
     def _unseen_gpu(self, idx: int | None, uuid: str | None) -> TrackedGpu:
         # A GPU the source reported lost before the collector saw a row of it: the labels that can be known.
-        native, dcgm = self._identity(idx, uuid, None, None, self.driver_version or None)
-        return TrackedGpu(idx, uuid, native, dcgm)
+        return TrackedGpu(idx, uuid, self._identity(idx, uuid, None, None, self.driver_version or None)[1])
 
     def _identity(
         self, idx: int | None, uuid: str | None, name: str | None, bus: str | None, driver: str | None
     ) -> tuple[dict[str, str], dict[str, str]]:
-        """A GPU's labels: native, and DCGM's (the native ones again unless the naming is ``dcgm``).
+        """A GPU's labels: native, and the naming's (the native ones again unless the naming is ``dcgm``).
 
         ``name`` and ``bus`` None (not known): the native labels leave them out; ``driver`` None: no
         ``DCGM_FI_DRIVER_VERSION``.
@@ -337,25 +324,12 @@ class SmiCollector:
 
     def start(self) -> SmiCollector:
         """Watch the source in a background thread (every quarter interval) so every sweep is taken in."""
-        if self._watcher is None:
-            period = min(max(float(getattr(self.stream, "interval", 1.0)) / 4, 0.05), 1.0)
-
-            def run() -> None:
-                while not self._watch_stop.wait(period):
-                    try:
-                        self.refresh()
-                    except Exception:  # a bug must not end the watch
-                        log.exception("smiquery exporter: watching the stream failed")
-
-            self._watcher = threading.Thread(target=run, name="smiquery-watch", daemon=True)
-            self._watcher.start()
+        self._watch.start()
         return self
 
     def close(self) -> None:
         """Stop the watcher thread."""
-        self._watch_stop.set()
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(5.0)
+        self._watch.close(5.0)
 
     def describe(self) -> list[Metric]:
         """Nothing: registering the collector must not collect (and so not touch the stream)."""
@@ -363,13 +337,8 @@ class SmiCollector:
 
     # ----------------------------------------------------------------------------------------- per sweep
 
-    def _nvsmi_labels(self, s: GpuSample) -> dict[str, str]:
-        return {"uuid": bare_uuid(s.uuid), **self.labels}
-
     def _nvsmi_info(self, sweep: Sweep) -> Metric:
-        fam = Metric(
-            "nvidia_smi_gpu_info", "A metric with a constant '1' value labeled by gpu uuid, name and more.", "gauge"
-        )
+        fam = gauge("nvidia_smi_gpu_info", "A metric with a constant '1' value labeled by gpu uuid, name and more.")
         for s in sweep:
             labels: dict[str, str] = {}
             for field, label in NVSMI_INFO_LABELS.items():
@@ -380,55 +349,40 @@ class SmiCollector:
             fam.add_sample(fam.name, {**labels, **self.labels}, 1.0)
         return fam
 
+    def _number(self, spec: MetricSpec, value: Value, raw: Mapping[str, str]) -> tuple[float, dict[str, str]] | None:
+        """A value as ``spec`` exports it, with the labels it adds; None for no sample."""
+        if spec.style == "info":
+            text = raw.get(spec.field, str(value)) if isinstance(value, int) else str(value)
+            return 1.0, {"value": text.strip()}
+        if spec.style == "nvsmi":
+            number = nvsmi_number(spec.field, value)
+        elif spec.style == "pstate":
+            number = pstate_number(value)
+        else:
+            number = to_number(value)
+        return None if number is None else (number * spec.scale, {})
+
     def sweep_families(self, sweep: Sweep) -> list[Metric]:
-        """The per-GPU metric families of one sweep (without health metrics).
-
-        Args:
-            sweep: the samples of one instant.
-
-        Returns:
-            The non-empty families, in spec order.
-        """
+        """The per-GPU metric families of one sweep (no health metrics): the non-empty ones, in spec order."""
         if not sweep:
             return []
         self._att_gpus = {s.uuid: s.index for s in sweep if s.uuid}
         per_gpu = []
         for s in sweep:
-            pos = {n: i for i, n in enumerate(s.fields)}
             pod = self.attribution.gpu_labels(s.uuid, self._att_gpus) if self.attribution is not None else {}
-            native, dcgm = self._sample_labels(s)
+            native, named = self._sample_labels(s)
             if self.naming == "nvidia_smi":
-                dcgm = self._nvsmi_labels(s)
-            native, dcgm = {**native, **pod}, {**dcgm, **pod}
-            per_gpu.append((s.values(), pos, dcgm, native, s.raw))
+                named = {"uuid": bare_uuid(s.uuid), **self.labels}
+            per_gpu.append((s, {**native, **pod}, {**named, **pod}))
         out: list[Metric] = []
         for spec in self.specs:
             fam = Metric(spec.name, spec.help, spec.type)
-            for values, pos, dcgm_labels, native_labels, raw in per_gpu:
-                i = pos.get(spec.field)
-                if i is None:
-                    continue
-                value = values[i]
-                if value is None:
-                    continue  # a status token: the series is absent for this GPU, never 0
-                labels = dcgm_labels if spec.naming in ("dcgm", "nvidia_smi") else native_labels
-                if spec.style == "nvsmi":
-                    number = nvsmi_number(spec.field, value)
-                    if number is not None:
-                        fam.add_sample(spec.sample, labels, number * spec.scale)
-                    continue
-                if spec.style == "info":
-                    text = raw.get(spec.field, str(value)) if isinstance(value, int) else str(value)
-                    fam.add_sample(spec.sample, {**labels, "value": text.strip()}, 1.0)
-                    continue
-                if spec.style == "pstate":
-                    number = pstate_number(value)
-                    if number is not None:
-                        fam.add_sample(spec.sample, labels, number)
-                    continue
-                number = to_number(value)
-                if number is not None:
-                    fam.add_sample(spec.sample, labels, number * spec.scale)
+            for s, native, named in per_gpu:
+                value = s.get(spec.field)
+                got = None if value is None else self._number(spec, value, s.raw)
+                if got is not None:  # None: a status token: the series is absent for this GPU, never 0
+                    labels = native if spec.naming == "smiquery" else named
+                    fam.add_sample(spec.sample, {**labels, **got[1]} if got[1] else labels, got[0])
             if fam.samples:
                 out.append(fam)
         if self.naming == "nvidia_smi":
@@ -436,70 +390,21 @@ class SmiCollector:
         return out
 
     def process_families(self, procs: Sequence[GpuProcess]) -> list[Metric]:
-        """Per-process GPU memory (``smiquery_process_used_memory_bytes``), labelled pid, process_name, gpu, uuid.
-
-        Args:
-            procs: the processes of one poll.
-
-        Returns:
-            The non-empty families (nvidia_gpu_exporter's three with ``naming="nvidia_smi"``).
-        """
+        """Per-process GPU memory: the non-empty families (nvidia_gpu_exporter's three in ``nvidia_smi`` naming)."""
         if self.naming == "nvidia_smi":
             return nvsmi_process_families(procs, self.labels)
         return process_families(procs, self.labels)
 
     def pmon_families(self, instant: ProcessInstant) -> list[Metric]:
-        """The busiest processes of each GPU from one pmon instant (see :func:`~.families.pmon_families`).
-
-        Args:
-            instant: the newest instant of a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`.
-
-        Returns:
-            The non-empty families, plus ``smiquery_gpu_processes`` per GPU pmon watches.
-        """
-        return pmon_families(instant, self._gpu_uuids(), self.labels)
-
-    def _gpu_uuids(self) -> dict[int, str]:
+        """The busiest processes of each GPU from one pmon instant (:func:`~.families.pmon_families`)."""
         with self._refresh_lock:
             gpus = list(self._gpus.values())
         bare = self.naming == "nvidia_smi"  # its series join on the UUID without "GPU-"
-        return {g.index: (bare_uuid(g.uuid) if bare else g.uuid or "") for g in gpus if g.index is not None}
+        uuids = {g.index: (bare_uuid(g.uuid) if bare else g.uuid or "") for g in gpus if g.index is not None}
+        return pmon_families(instant, uuids, self.labels)
 
     def _fresh(self, sweep: Sweep | None, age: float | None) -> bool:
         return sweep is not None and age is not None and age <= self.stale_after
-
-    def health_families(self, sweep: Sweep | None, age: float | None, duration: float) -> list[Metric]:
-        """The exporter's own health metrics for this scrape.
-
-        Args:
-            sweep: the newest sweep (or None).
-            age: its age in seconds.
-            duration: seconds spent building this scrape so far.
-
-        Returns:
-            The families.
-        """
-        with self._refresh_lock:
-            gpus = self._gpu_health()
-        return self._health_head(sweep, age) + gpus + self._slow_health() + self._health_tail(duration)
-
-    def _slow_key(self) -> tuple[object, ...]:
-        # what the details' and the Xid watcher's families depend on: they change rarely, scrapes are frequent
-        got = fresh_details(self.details) if self.details is not None else None
-        latest = self.details.get().value if self.details is not None else None
-        xid = (self.xid.events, sum(self.xid.rejected().values()), self.xid.up) if self.xid is not None else None
-        return (got is not None, latest, xid, self._gpu_version)
-
-    def _slow_health(self) -> list[Metric]:
-        """The details poller's health and the Xid families."""
-        out: list[Metric] = []
-        if self.details is not None:
-            out.extend(details_health(self.details, self.labels))
-        if self.xid is not None:
-            # the GPUs are known once the CSV has a sweep and, when details run, their first answer is in
-            known = bool(self._gpus) and (self.details is None or self.details.get().value is not None)
-            out.extend(xid_families(self.xid, self._gpu_at_bus(), self.labels, inventory_known=known))
-        return out
 
     def _one(self, fam: Metric, value: float, labels: Mapping[str, str] | None = None) -> Metric:
         """``fam`` with one sample: the constant labels (and ``labels``)."""
@@ -511,21 +416,14 @@ class SmiCollector:
         st = self.stream.stats
         health = source_health(self.stream)
         one = self._one
-        up = gauge(
-            "smiquery_up",
-            f"1 when nvidia-smi delivers fresh samples (newest younger than {self.stale_after:g} s), else 0.",
-        )
-        info = gauge(
-            "smiquery_stream_info",
+        doc = f"1 when nvidia-smi delivers fresh samples (newest younger than {self.stale_after:g} s), else 0."
+        out = [one(gauge("smiquery_up", doc), 1.0 if self._is_up(sweep, age, health) else 0.0)]
+        doc = (
             "The nvidia-smi stream's state (starting, running, retrying, failed...), its last error type and "
-            "whether that error needs a person (permanent); always 1.",
+            "whether that error needs a person (permanent); always 1."
         )
-        state = {
-            "state": health.state,
-            "last_error_type": health.last_error_type or "",
-            "permanent": "true" if health.permanent else "false",
-        }
-        out = [one(up, 1.0 if self._is_up(sweep, age, health) else 0.0), one(info, 1.0, state)]
+        state = {"state": health.state, "last_error_type": health.last_error_type or ""}
+        out.append(one(gauge("smiquery_stream_info", doc), 1.0, {**state, "permanent": str(health.permanent).lower()}))
         next_at = health.next_retry_at if health.state == "retrying" else None
         if health.state == "failed" and self.revive_at is not None:
             next_at = self.revive_at
@@ -543,21 +441,15 @@ class SmiCollector:
         if sweep is not None and age is not None:
             doc = "Unix time at which the newest sweep of nvidia-smi rows was received."
             out.append(one(gauge("smiquery_last_sample_timestamp_seconds", doc), time.time() - age))
-            out.append(
-                one(gauge("smiquery_last_sample_age_seconds", "Age of the newest sweep of nvidia-smi rows."), age)
-            )
-        out += [
-            one(counter("smiquery_nvidia_smi_starts", "nvidia-smi loop processes started."), float(st.starts)),
-            one(
-                counter("smiquery_nvidia_smi_restarts", "nvidia-smi loop processes restarted after a failure."),
-                float(st.restarts),
-            ),
-            one(counter("smiquery_sweeps", "Complete sweeps (one row per GPU) received."), float(st.sweeps)),
-            one(
-                counter("smiquery_dropped_rows", "Rows of nvidia-smi output rejected by the parser."),
-                float(st.dropped_rows),
-            ),
-        ]
+            doc = "Age of the newest sweep of nvidia-smi rows."
+            out.append(one(gauge("smiquery_last_sample_age_seconds", doc), age))
+        for name, doc, n in (
+            ("smiquery_nvidia_smi_starts", "nvidia-smi loop processes started.", st.starts),
+            ("smiquery_nvidia_smi_restarts", "nvidia-smi loop processes restarted after a failure.", st.restarts),
+            ("smiquery_sweeps", "Complete sweeps (one row per GPU) received.", st.sweeps),
+            ("smiquery_dropped_rows", "Rows of nvidia-smi output rejected by the parser.", st.dropped_rows),
+        ):
+            out.append(one(counter(name, doc), float(n)))
         errors = counter("smiquery_nvidia_smi_errors", "nvidia-smi failures, by error type and source.")
         for source, failures in (
             ("stream", st.errors),
@@ -567,41 +459,51 @@ class SmiCollector:
         ):
             for typ, n in sorted(dict(failures).items()) if failures is not None else ():
                 errors.add_sample(errors.name + "_total", {**self.labels, "type": typ, "source": source}, float(n))
-        if errors.samples:
-            out.append(errors)
-        return out
+        return out + ([errors] if errors.samples else [])
 
     def _gpu_health(self) -> list[Metric]:
-        # The per-GPU health families (lost GPUs, alert state): they change only when a sweep is taken in.
+        """The per-GPU health (lost GPUs, alert state; they change only when a sweep is taken in), details, Xid."""
         out: list[Metric] = []
-        lost_fam = gauge(
-            "smiquery_gpu_lost",
-            "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), else 0.",
-        )
-        for gpu in self._gpus.values():
-            lost_fam.add_sample(
-                lost_fam.name, gpu.dcgm if self.naming == "dcgm" else gpu.native, 1.0 if gpu.lost else 0.0
+        with self._refresh_lock:
+            lost_fam = gauge(
+                "smiquery_gpu_lost",
+                "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), "
+                "else 0.",
             )
-        if lost_fam.samples:
-            out.append(lost_fam)
-        if self.alerts is not None and self._gpus:
-            firing = gauge(
-                "smiquery_alert_firing",
-                "1 while a smiquery alert rule, evaluated on every nvidia-smi sample, fires on the GPU, else 0; "
-                "absent while the GPU is lost or the data stale (unknown).",
-            )
-            fired = counter("smiquery_alert_fired", "Times a smiquery alert rule started firing on the GPU.")
-            for i, rule in enumerate(self.alerts.rules):
-                for key, gpu in self._gpus.items():
-                    labels = {**(gpu.dcgm if self.naming == "dcgm" else gpu.native), "alert": str(rule)}
-                    ev = self._evals.get(key)
-                    if self._up and not gpu.lost:
-                        track = gpu.index if gpu.index is not None else gpu.uuid
-                        on = ev is not None and ev.state(i, track) == "firing"
-                        firing.add_sample(firing.name, labels, 1.0 if on else 0.0)
-                    fired.add_sample(fired.name + "_total", labels, float(self._fired.get((i, key), 0)))
-            out += [f for f in (firing, fired) if f.samples]
+            for gpu in self._gpus.values():
+                lost_fam.add_sample(lost_fam.name, gpu.labels, 1.0 if gpu.lost else 0.0)
+            if lost_fam.samples:
+                out.append(lost_fam)
+            if self.alerts is not None and self._gpus:
+                firing = gauge(
+                    "smiquery_alert_firing",
+                    "1 while a smiquery alert rule, evaluated on every nvidia-smi sample, fires on the GPU, else 0; "
+                    "absent while the GPU is lost or the data stale (unknown).",
+                )
+                fired = counter("smiquery_alert_fired", "Times a smiquery alert rule started firing on the GPU.")
+                for i, rule in enumerate(self.alerts.rules):
+                    for key, gpu in self._gpus.items():
+                        labels = {**gpu.labels, "alert": str(rule)}
+                        ev = self._evals.get(key)
+                        if self._up and not gpu.lost:
+                            track = gpu.index if gpu.index is not None else gpu.uuid
+                            on = ev is not None and ev.state(i, track) == "firing"
+                            firing.add_sample(firing.name, labels, 1.0 if on else 0.0)
+                        fired.add_sample(fired.name + "_total", labels, float(self._fired.get((i, key), 0)))
+                out += [f for f in (firing, fired) if f.samples]
+        if self.details is not None:
+            out.extend(details_health(self.details, self.labels))
+        if self.xid is not None:
+            # the GPUs are known once the CSV has a sweep and, when details run, their first answer is in
+            known = bool(self._gpus) and (self.details is None or self.details.get().value is not None)
+            out.extend(xid_families(self.xid, self._gpu_at_bus(), self.labels, inventory_known=known))
         return out
+
+    def _gpu_health_key(self) -> tuple[object, ...]:
+        """What :meth:`_gpu_health` depends on: it changes rarely, scrapes are frequent."""
+        details = () if self.details is None else (fresh_details(self.details) is not None, self.details.get().value)
+        xid = (self.xid.events, sum(self.xid.rejected().values()), self.xid.up) if self.xid is not None else ()
+        return (self._gpu_version, *details, *xid)
 
     def _health_tail(self, duration: float) -> list[Metric]:
         one = self._one
@@ -611,11 +513,9 @@ class SmiCollector:
             ok = listed.polls > 0 and listed.error is None
             doc = "1 when the last process listing worked."
             out.append(one(gauge("nvidia_smi_compute_apps_last_collect_success", doc), 1.0 if ok else 0.0))
-        if listed is not None:
-            when = listed.at
-            if when is not None:
-                doc = "Unix time of the newest successful listing of compute processes."
-                out.append(one(gauge("smiquery_processes_last_success_timestamp_seconds", doc), when))
+        if listed is not None and listed.at is not None:
+            doc = "Unix time of the newest successful listing of compute processes."
+            out.append(one(gauge("smiquery_processes_last_success_timestamp_seconds", doc), listed.at))
         if self.pmon is not None:
             out.extend(pmon_health(self.pmon, self.labels))
         if self.render_errors:
@@ -627,17 +527,28 @@ class SmiCollector:
             out += self_families(self._process_collector, self.labels)
         return out
 
+    def _inputs(self, sweep: Sweep | None, age: float | None) -> tuple[Any, ...]:
+        """What the data families are built from: the sweep (None when stale), processes, pmon, details."""
+        procs = None
+        if self.processes is not None:
+            procs = self.processes.get().fresh(max(3 * self.processes.interval, self.stale_after))
+        return (
+            sweep if self._fresh(sweep, age) else None,
+            procs,
+            self.pmon.fresh() if self.pmon is not None else None,
+            fresh_details(self.details) if self.details is not None else None,
+        )
+
     def _data_families(
         self,
         sweep: Sweep | None,
-        fresh: bool,
         procs: tuple[GpuProcess, ...] | None,
-        instant: ProcessInstant | None = None,
-        details: tuple[GpuDetails, ...] | None = None,
+        instant: ProcessInstant | None,
+        details: tuple[GpuDetails, ...] | None,
     ) -> list[Metric]:
         fams: list[Metric] = []
         try:
-            if fresh and sweep is not None:
+            if sweep is not None:
                 fams.extend(self.sweep_families(sweep))
             if details is not None:
                 # its own cadence: served while the newest -q -x is fresh, whatever the CSV's age
@@ -646,34 +557,26 @@ class SmiCollector:
                 fams.extend(self.process_families(procs))
             if instant is not None:
                 fams.extend(self.pmon_families(instant))
-            if self.attribution is not None:
-                fams.extend(self._attribution_families(procs, instant))
+            att = self.attribution
+            if att is not None:  # stale data: the GPUs of the last fresh sweep keep their state
+                uuid_label = "UUID" if self.naming == "dcgm" else "uuid"
+                fams += attribution_families(att, self._att_gpus, uuid_label, self.labels)
+                if att.backend.processes and (instant is not None or procs is not None):
+                    fams += workload_usage_families(att, self._att_gpus, instant, procs, uuid_label, self.labels)
+                if att.backend.processes and procs is not None:
+                    fams += unallocated_use_families(att, self._att_gpus, procs, uuid_label, self.labels)
         except Exception:  # a bug must not take /metrics down: the health metrics still go out
             self.render_errors += 1
             log.exception("smiquery exporter: building the GPU metrics failed")
             return []
         return merge_families(fams)  # DCGM's FB families get MIG samples too: one family per name
 
-    def _attribution_families(
-        self, procs: tuple[GpuProcess, ...] | None, instant: ProcessInstant | None
-    ) -> list[Metric]:
-        # stale data: the GPUs of the last fresh sweep keep their state
-        att = self.attribution
-        assert att is not None
-        uuid_label = "UUID" if self.naming == "dcgm" else "uuid"
-        out = attribution_families(att, self._att_gpus, uuid_label, self.labels)
-        if att.backend.processes and (instant is not None or procs is not None):
-            out += workload_usage_families(att, self._att_gpus, instant, procs, uuid_label, self.labels)
-        if att.backend.processes and procs is not None:
-            out += unallocated_use_families(att, self._att_gpus, procs, uuid_label, self.labels)
-        return out
-
     def _details_labels(self, gpu: GpuDetails) -> dict[str, str]:
         """The parent GPU's labels for its MIG series: as its CSV series have them, or from the details alone."""
         with self._refresh_lock:
             tracked = self._gpus.get(gpu.uuid or "")
         if tracked is not None:
-            return dict(tracked.dcgm if self.naming == "dcgm" else tracked.native)
+            return dict(tracked.labels)
         return self._identity(gpu.index, gpu.uuid, gpu.name or "", gpu.pci_bus_id or "", gpu.driver_version or None)[1]
 
     def _gpu_at_bus(self) -> Callable[[BusKey], Mapping[str, str] | None]:
@@ -687,69 +590,43 @@ class SmiCollector:
         with self._refresh_lock:
             gpus = list(self._gpus.values())
         for g in gpus:
-            key = bus_key(g.native.get("pci_bus_id", ""))
+            key = bus_key(g.labels.get("pci_bus_id", ""))
             if key is not None:
                 found[key] = {"gpu": "" if g.index is None else str(g.index), "uuid": g.uuid or ""}
         return found.get
-
-    def _fresh_processes(self) -> tuple[GpuProcess, ...] | None:
-        if self.processes is None:
-            return None
-        return self.processes.get().fresh(max(3 * self.processes.interval, self.stale_after))
 
     def collect(self) -> Iterator[Metric]:
         """Yield the GPU, process and health metric families (the ``prometheus_client`` collector protocol)."""
         t0 = time.perf_counter()
         self.refresh()
         sweep, age = self.stream.latest()
-        instant = self.pmon.fresh() if self.pmon is not None else None
-        details = fresh_details(self.details) if self.details is not None else None
-        fams = self._data_families(sweep, self._fresh(sweep, age), self._fresh_processes(), instant, details)
-        yield from fams
-        yield from self.health_families(sweep, age, time.perf_counter() - t0)
+        yield from self._data_families(*self._inputs(sweep, age))
+        yield from self._health_head(sweep, age) + self._gpu_health()
+        yield from self._health_tail(time.perf_counter() - t0)
+
+    def _cached(self, part: str, key: tuple[object, ...], build: Callable[[], list[Metric]]) -> bytes:
+        """``build()`` rendered, and rendered again only once ``key`` changes (call with ``_lock`` held)."""
+        old = self._texts.get(part)
+        if old is None or len(old[0]) != len(key) or not all(a is b or a == b for a, b in zip(key, old[0])):
+            old = self._texts[part] = (key, render(build()).encode())
+        return old[1]
 
     def exposition(self) -> bytes:
-        """The whole ``/metrics`` body; the per-sweep part is rendered once per sweep and reused.
-
-        Returns:
-            UTF-8 text in the Prometheus text format.
-        """
+        """The whole ``/metrics`` body in the Prometheus text format; the per-sweep part rendered once per sweep."""
         t0 = time.perf_counter()
         self.refresh()
         sweep, age = self.stream.latest()
-        fresh = self._fresh(sweep, age)
-        procs = self._fresh_processes()
-        instant = self.pmon.fresh() if self.pmon is not None else None
-        details = fresh_details(self.details) if self.details is not None else None
-        key = (sweep if fresh else None, procs, instant, details, *(self.attribution.token if self.attribution else ()))
+        data = self._inputs(sweep, age)
+        key = (*data, *(self.attribution.token if self.attribution else ()))
         with self._lock:
-            if len(key) != len(self._cache_key) or any(a is not b for a, b in zip(key, self._cache_key)):
-                self._cache = render(self._data_families(sweep, fresh, procs, instant, details)).encode()
-                self._cache_key = key
-            body = self._cache
+            body = self._cached("data", key, lambda: self._data_families(*data))
+            gpus = self._cached("gpus", self._gpu_health_key(), self._gpu_health)
         head = render(self._health_head(sweep, age)).encode()
-        with self._refresh_lock:  # the per-GPU part is rendered once per change, not per scrape
-            if self._gpu_text_version != self._gpu_version:
-                self._gpu_text = render(self._gpu_health()).encode()
-                self._gpu_text_version = self._gpu_version
-            gpus = self._gpu_text
-        slow = b""
-        if self.details is not None or self.xid is not None:
-            slow_key = self._slow_key()
-            with self._lock:
-                if slow_key != self._slow_text_key:
-                    self._slow_text = render(self._slow_health()).encode()
-                    self._slow_text_key = slow_key
-                slow = self._slow_text
         tail = render(self._health_tail(time.perf_counter() - t0)).encode()
-        return body + head + gpus + slow + tail
+        return body + head + gpus + tail
 
     def health(self) -> tuple[bool, str]:
-        """Whether the data is fresh and every GPU seen is there, with one line saying why not (``/readyz``).
-
-        Returns:
-            ``(True, "ok")`` or ``(False, reason)``.
-        """
+        """``(True, "ok")`` while the data is fresh and every GPU seen is there, else ``(False, why)`` (``/readyz``)."""
         sweep, age = self.stream.latest()
         h = source_health(self.stream)
         last = f"; last error: {h.last_error}" if h.last_error else ""

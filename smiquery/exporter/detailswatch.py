@@ -56,15 +56,8 @@ def details_poller(
 ) -> Latest[tuple[GpuDetails, ...]]:
     """:func:`smiquery.details` every ``interval`` seconds, in a background :class:`Latest` (scrapes read its newest).
 
-    Each poll may take :data:`DETAILS_TIMEOUT` seconds (``-q -x`` and, with MIG, ``-L``): not tied to the interval,
-    a slow poll delays the next, it is not cut short. A failure, of nvidia-smi or a bug, is counted by type and
-    logged once per message in a row; the next poll runs.
-
-    Args:
-        interval: seconds between polls.
-        gpus: only these GPUs.
-        nvidia_smi: path of the binary.
-        runner: how to run nvidia-smi (tests inject one).
+    A poll may take :data:`DETAILS_TIMEOUT` seconds: a slow poll delays the next, it is not cut short. A failure
+    is counted by type and logged once per message in a row. ``runner``: how to run nvidia-smi (tests inject one).
 
     Raises:
         ValueError: an interval that is not positive.
@@ -100,22 +93,13 @@ def mig_families(
     ``mig_uuid``, ``gpu_instance_id``, ``compute_instance_id`` and ``profile``. DCGM naming: dcgm-exporter's
     ``DCGM_FI_DEV_FB_{USED,FREE,TOTAL}`` (MiB) with the parent GPU's labels (its ``UUID``) plus ``GPU_I_ID`` and
     ``GPU_I_PROFILE``. A value nvidia-smi did not give has no sample (never 0). Utilisation per instance is not
-    available through nvidia-smi, so there is none.
-
-    Args:
-        details: the newest poll.
-        dcgm: DCGM naming.
-        gpu_labels: the parent GPU's labels (naming-specific, constant labels included).
-
-    Returns:
-        The non-empty families.
+    available through nvidia-smi, so there is none. ``gpu_labels``: the parent GPU's labels in the naming.
     """
-    out: list[Metric] = []
-    fams = []
-    for native_name, dcgm_name, attr, text in MIG_METRICS:
-        unit = "MiB" if dcgm else "bytes"
-        fam = gauge(dcgm_name if dcgm else native_name, f"{text} of a MIG instance, in {unit} (nvidia-smi -q -x).")
-        fams.append((fam, attr))
+    unit = "MiB" if dcgm else "bytes"
+    fams = [
+        (gauge(dcgm_name if dcgm else name, f"{text} of a MIG instance, in {unit} (nvidia-smi -q -x)."), attr)
+        for name, dcgm_name, attr, text in MIG_METRICS
+    ]
     for gpu in details:
         if not gpu.mig_devices:
             continue
@@ -139,30 +123,16 @@ def mig_families(
                 value = getattr(mig, attr)
                 if value is not None:
                     fam.add_sample(fam.name, labels, float(value) * (1.0 if dcgm else 1048576.0))
-    out.extend(fam for fam, _ in fams if fam.samples)
-    return out
+    return [fam for fam, _ in fams if fam.samples]
 
 
 def details_health(poller: Latest[tuple[GpuDetails, ...]], labels: Mapping[str, str]) -> list[Metric]:
-    """The details poll's health: whether its newest result is fresh, and when it was taken.
-
-    Args:
-        poller: the poller.
-        labels: the constant labels.
-
-    Returns:
-        The families.
-    """
-    up = gauge(
-        "smiquery_details_up",
-        f"1 when nvidia-smi -q -x answered within the last {details_stale_after(poller):g} s (MIG series are "
-        "served), else 0.",
-    )
-    up.add_sample(up.name, dict(labels), 1.0 if fresh_details(poller) is not None else 0.0)
-    out = [up]
+    """The details poll's health: whether its newest result is fresh, and when it was taken."""
+    stale = details_stale_after(poller)
+    doc = f"1 when nvidia-smi -q -x answered within the last {stale:g} s (MIG series are served), else 0."
+    out = [gauge("smiquery_details_up", doc, (labels, 1.0 if fresh_details(poller) is not None else 0.0))]
     wall = poller.get().at
     if wall is not None:
-        when = gauge("smiquery_details_last_success_timestamp_seconds", "Unix time of the newest nvidia-smi -q -x.")
-        when.add_sample(when.name, dict(labels), wall)
-        out.append(when)
+        doc = "Unix time of the newest nvidia-smi -q -x."
+        out.append(gauge("smiquery_details_last_success_timestamp_seconds", doc, (labels, wall)))
     return out

@@ -27,15 +27,7 @@ log = get_logger("smiquery.exporter")
 def supported_fields(
     *, nvidia_smi: str | os.PathLike[str] | None = None, gpus: GpusArg = None, timeout: float = 30.0
 ) -> list[str]:
-    """The catalogue fields this driver lists and supplies on at least one GPU (canonical names).
-
-    Args:
-        nvidia_smi: the binary.
-        gpus: only these GPUs.
-        timeout: seconds per nvidia-smi call.
-
-    Returns:
-        Field names in the driver's order.
+    """The catalogue fields this driver lists and supplies on at least one GPU: canonical names, in its order.
 
     Raises:
         NvidiaSmiNotFoundError: no usable binary.

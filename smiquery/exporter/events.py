@@ -55,13 +55,9 @@ def _held_note(held: int) -> str:
 
 
 class EventLog:
-    """Logs source events and GPU changes, at most ``burst`` lines per kind and then one per ``period`` seconds.
+    """Logs source events and GPU changes to ``logger``, ``burst`` lines per kind and then one per ``period`` s.
 
-    Args:
-        logger: where to log.
-        burst: lines of one kind allowed at once.
-        period: seconds per line of one kind after the burst.
-        clock: a monotonic clock (tests inject one).
+    ``clock``: a monotonic clock (tests inject one).
     """
 
     def __init__(
@@ -83,16 +79,9 @@ class EventLog:
         return self._limit.suppressed
 
     def emit(self, kind: str, level: int, message: str, **fields: Any) -> bool:
-        """Log one line unless this kind is over its rate; returns whether it was logged.
+        """Log one line unless ``kind`` (the rate-limit key) is over its rate; whether it was logged.
 
-        Args:
-            kind: the rate-limit key (``restart``, ``error``, ``gpu_lost``...).
-            level: a ``logging`` level.
-            message: one line.
-            **fields: structured extras for JSON logs.
-
-        Returns:
-            True when the line went out.
+        ``fields`` are structured extras for JSON logs.
         """
         held = self._limit.take(kind)
         if held is None:
@@ -130,13 +119,7 @@ class EventLog:
         # gpu_lost/gpu_back are logged by the collector, by UUID, once per change (on_gpu_change)
 
     def on_gpu_change(self, lost: bool, index: int, uuid: str | None) -> None:
-        """Log a GPU that dropped out (WARNING) or came back (INFO).
-
-        Args:
-            lost: True when it was lost, False when it came back.
-            index: the GPU index.
-            uuid: its UUID when known.
-        """
+        """Log a GPU that dropped out (``lost``: WARNING) or came back (INFO)."""
         who = f"GPU {index} ({uuid or 'uuid unknown'})"
         if lost:
             self.emit("gpu_lost", logging.WARNING, f"{who} is lost: no data from it", gpu=index, uuid=uuid)
@@ -144,13 +127,10 @@ class EventLog:
             self.emit("gpu_back", logging.INFO, f"{who} is back", gpu=index, uuid=uuid)
 
     def on_xid(self, event: Any) -> None:
-        """Log an Xid event from the kernel log (WARNING), with what to do about it.
+        """Log a :class:`~smiquery.sources.xid.XidEvent` (WARNING), with what to do about it.
 
-        All codes share one rate (a burst, then one a minute, counting what was held back): a flood of lines of
-        many codes is a few lines, and the counts are in ``smiquery_xid_errors_total``.
-
-        Args:
-            event: a :class:`~smiquery.sources.xid.XidEvent`.
+        All codes share one rate: a flood of lines of many codes is a few lines (the counts are in
+        ``smiquery_xid_errors_total``).
         """
         info = getattr(event, "info", None)
         what = f"{info.meaning}; {info.advice}" if info is not None else "see NVIDIA's Xid catalogue"
@@ -164,12 +144,7 @@ class EventLog:
         )
 
     def on_state(self, up: bool, why: str) -> None:
-        """Log a change of ``smiquery_up`` (WARNING when data stops, INFO when it comes back).
-
-        Args:
-            up: whether fresh data flows now.
-            why: one line of reason.
-        """
+        """Log a change of ``smiquery_up`` (WARNING when data stops, INFO when it comes back), with one line why."""
         if up:
             with self._lock:
                 self._fault = None
@@ -181,13 +156,8 @@ class EventLog:
 class RateLimitFilter(logging.Filter):
     """Lets each message template through in a burst, then once per ``period`` seconds; counts what it drops.
 
-    Installed on the handler by :func:`configure_logging`, so that every smiquery log line (also the stream
-    supervisor's own) is rate-limited, not only the exporter's events.
-
-    Args:
-        burst: lines of one template allowed at once.
-        period: seconds per line after the burst.
-        clock: a monotonic clock (tests inject one).
+    Installed on the handler by :func:`configure_logging`, so that every smiquery log line is rate-limited, not
+    only the exporter's events. Arguments as :class:`EventLog`'s.
     """
 
     def __init__(self, burst: int = 5, period: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -255,17 +225,10 @@ def json_line(message: str, *, level: int = logging.INFO, event: str | None = No
 
 
 def configure_logging(fmt: LogFormat = "text", level: int = logging.INFO) -> logging.Handler:
-    """Send smiquery's log lines to stderr, as text with a time stamp or as JSON lines, rate-limited.
+    """Send smiquery's log lines (``level`` and up) to stderr, as ``text`` or ``json`` lines, rate-limited.
 
     The stream supervisor's own warnings are left out: the exporter reports the same restarts and errors from the
-    stream's events, one line each.
-
-    Args:
-        fmt: ``text`` or ``json``.
-        level: the lowest level logged.
-
-    Returns:
-        The handler installed on the ``smiquery`` logger.
+    stream's events, one line each. Returns the handler installed on the ``smiquery`` logger.
     """
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_not_the_streams_echo)

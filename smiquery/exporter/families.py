@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -37,9 +38,12 @@ __all__ = [
 ]
 
 
-def gauge(name: str, doc: str) -> Metric:
-    """An empty gauge family."""
-    return Metric(name, doc, "gauge")
+def gauge(name: str, doc: str, *samples: tuple[Mapping[str, str], float]) -> Metric:
+    """A gauge family with these ``(labels, value)`` samples."""
+    fam = Metric(name, doc, "gauge")
+    for labels, value in samples:
+        fam.add_sample(name, dict(labels), value)
+    return fam
 
 
 def counter(name: str, doc: str) -> Metric:
@@ -48,20 +52,11 @@ def counter(name: str, doc: str) -> Metric:
 
 
 def merge_families(fams: Sequence[Metric]) -> list[Metric]:
-    """One family per name, in first-seen order: the text format allows a name's header once per scrape.
-
-    Args:
-        fams: families, some of which may share a name (a GPU's and its MIG instances' DCGM memory).
-
-    Returns:
-        The families with the samples of later same-named ones appended to the first.
-    """
+    """One family per name, in first-seen order (a name's header once per scrape), later samples appended."""
     out: dict[str, Metric] = {}
     for fam in fams:
-        first = out.get(fam.name)
-        if first is None:
-            out[fam.name] = fam
-        else:
+        first = out.setdefault(fam.name, fam)
+        if first is not fam:
             first.samples.extend(fam.samples)
     return list(out.values())
 
@@ -91,15 +86,7 @@ def pstate_number(value: Value) -> float | None:
 
 
 def process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> list[Metric]:
-    """Per-process GPU memory (``smiquery_process_used_memory_bytes``), labelled pid, process_name, gpu, uuid.
-
-    Args:
-        procs: the processes of one poll.
-        labels: the constant labels.
-
-    Returns:
-        One family (empty list when no process reports its memory).
-    """
+    """Per-process GPU memory (``smiquery_process_used_memory_bytes``), labelled pid, process_name, gpu, uuid."""
     fam = gauge(
         "smiquery_process_used_memory_bytes",
         "GPU memory used by a compute process, in bytes (nvidia-smi --query-compute-apps used_memory).",
@@ -118,15 +105,7 @@ def process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> 
 
 
 def nvsmi_process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> list[Metric]:
-    """The per-process families of nvidia_gpu_exporter's naming (memory, info, count per GPU).
-
-    Args:
-        procs: the processes of one poll.
-        labels: the constant labels.
-
-    Returns:
-        The non-empty families.
-    """
+    """The non-empty per-process families of nvidia_gpu_exporter's naming (memory, info, count per GPU)."""
     used = gauge("nvidia_smi_compute_app_used_memory_bytes", "used_memory [MiB] of a compute process, in bytes.")
     info = gauge("nvidia_smi_compute_app_info", "A compute process on the GPU; always 1.")
     count = gauge("nvidia_smi_compute_apps", "Compute processes on the GPU.")
@@ -136,15 +115,12 @@ def nvsmi_process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str
         mem = None if p.used_memory is None else float(p.used_memory) * 1048576.0
         prev = seen.get(key)
         seen[key] = mem if prev is None else prev + (mem or 0.0)  # one row per MIG instance: summed
-    per_gpu: dict[str, int] = {}
-    for _, _, uuid in seen:
-        per_gpu[uuid] = per_gpu.get(uuid, 0) + 1
     for (pid, pname, uuid), mem in seen.items():
         one = {"pid": pid, "process_name": pname, "uuid": uuid, **labels}
         info.add_sample(info.name, one, 1.0)
         if mem is not None:
             used.add_sample(used.name, one, mem)
-    for uuid, n in per_gpu.items():
+    for uuid, n in Counter(uuid for _, _, uuid in seen).items():
         count.add_sample(count.name, {"uuid": uuid, **labels}, float(n))
     return [f for f in (used, info, count) if f.samples]
 
@@ -156,17 +132,9 @@ def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Map
     about 15 characters); the summed rest is ``command="other"``. An instant cut by pid (``by="pid"``) adds
     ``pid`` (``"other"`` for the rest) and ``user`` (empty when this host cannot see the process); one cut by
     name has neither, so its series are bounded by the names. A value pmon printed as ``-`` has no sample
-    (never 0).
-
-    Args:
-        instant: the newest instant of a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`.
-        uuids: GPU index -> UUID label value.
-        labels: the constant labels.
-
-    Returns:
-        The non-empty families, plus ``smiquery_gpu_processes`` per GPU pmon watches.
+    (never 0). ``uuids``: GPU index -> UUID label value. Also ``smiquery_gpu_processes`` per GPU pmon watches.
     """
-    fams = {col: gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, _, _, text) in PMON_SERIES.items()}
+    fams = {col: gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, text) in PMON_SERIES.items()}
     by_pid = instant.by == "pid"
     for row, user in instant.rows:
         gpu = -1 if row.gpu is None else row.gpu
@@ -174,16 +142,14 @@ def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Map
         command = "other" if other else row.command or ""
         if not other and not by_pid and command == "other":
             command = "other (process)"  # a process named "other" is not the bucket of the rest
-        one = {"gpu": str(gpu), "uuid": uuids.get(gpu, "")}
+        one = {"gpu": str(gpu), "uuid": uuids.get(gpu, ""), "command": command}
         if by_pid:
-            one.update({"pid": "other" if other else str(row.pid), "command": command, "user": user or ""})
-        else:
-            one["command"] = command
+            one.update(pid="other" if other else str(row.pid), user=user or "")
         one.update(labels)
-        for col, (name, times, per, _) in PMON_SERIES.items():
+        for col, fam in fams.items():
             value = getattr(row, col)
             if value is not None:
-                fams[col].add_sample(name, one, float(value) * times / per)
+                fam.add_sample(fam.name, one, value * 1048576.0 if col == "fb" else value / 100.0)
     out = [f for f in fams.values() if f.samples]
     count = gauge(
         "smiquery_gpu_processes", "Processes nvidia-smi pmon listed on the GPU (all of them, not only the top)."
@@ -196,35 +162,24 @@ def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Map
 
 
 def pmon_health(pmon: PmonWatcher, labels: Mapping[str, str]) -> list[Metric]:
-    """The pmon watcher's health: up, state, newest instant's time.
-
-    Args:
-        pmon: the watcher.
-        labels: the constant labels.
-
-    Returns:
-        The families.
-    """
-    up = gauge(
-        "smiquery_process_up",
-        f"1 when nvidia-smi pmon delivers fresh instants (newest under {pmon.stale_after:g} s old), else 0.",
-    )
-    up.add_sample(up.name, dict(labels), 1.0 if pmon.fresh() is not None else 0.0)
-    info = gauge(
-        "smiquery_process_stream_info",
-        "The nvidia-smi pmon stream's state (starting, running, retrying, failed) and last error type; always 1.",
-    )
+    """The pmon watcher's health: up, state, newest instant's time."""
+    up = f"1 when nvidia-smi pmon delivers fresh instants (newest under {pmon.stale_after:g} s old), else 0."
+    info = "The nvidia-smi pmon stream's state (starting, running, retrying, failed) and last error type; always 1."
     state = {"state": pmon.state, "last_error_type": pmon.last_error_type or ""}
-    info.add_sample(info.name, {**labels, **state}, 1.0)
-    out = [up, info]
+    out = [
+        gauge("smiquery_process_up", up, (labels, 1.0 if pmon.fresh() is not None else 0.0)),
+        gauge("smiquery_process_stream_info", info, ({**labels, **state}, 1.0)),
+    ]
     got, _ = pmon.latest()
     if got is not None:
-        when = gauge(
-            "smiquery_process_last_sample_timestamp_seconds", "Unix time of the newest nvidia-smi pmon instant."
-        )
-        when.add_sample(when.name, dict(labels), got.wall)
-        out.append(when)
+        doc = "Unix time of the newest nvidia-smi pmon instant."
+        out.append(gauge("smiquery_process_last_sample_timestamp_seconds", doc, (labels, got.wall)))
     return out
+
+
+def _gpu(uuid: str, gpus: Mapping[str, int | None], uuid_label: str) -> dict[str, str]:
+    idx = gpus.get(uuid)
+    return {uuid_label: uuid, "gpu": "" if idx is None else str(idx)}
 
 
 def attribution_families(
@@ -232,22 +187,14 @@ def attribution_families(
 ) -> list[Metric]:
     """The attribution series: ``allocation_info``, the per-GPU state, unknown devices and the listing's health.
 
-    Args:
-        att: the attribution.
-        gpus: GPU UUID -> index (from the newest sweep).
-        uuid_label: ``uuid`` or ``UUID`` (dcgm naming).
-        labels: the constant labels.
-
-    Returns:
-        The families (the health ones always).
+    ``gpus``: GPU UUID -> index (from the newest sweep); ``uuid_label``: ``uuid``, or ``UUID`` in DCGM naming.
     """
     view = att.view(gpus)
     b = att.backend
     words = b.words
 
     def gpu(uuid: str) -> dict[str, str]:
-        idx = gpus.get(uuid)
-        return {uuid_label: uuid, "gpu": "" if idx is None else str(idx)}
+        return _gpu(uuid, gpus, uuid_label)
 
     # the backends' help says how to join on the GPU's label: under DCGM naming that label is UUID
     info = gauge("smiquery_gpu_allocation_info", words.allocated.replace("on(uuid)", f"on({uuid_label})"))
@@ -266,10 +213,8 @@ def attribution_families(
     for g in sorted(set(view.unknown), key=lambda g: (g.workload, g.device_id)):
         one = {"device_id": g.device_id, "resource": g.resource, **g.workload.labels(b.labels)}
         unknown.add_sample(unknown.name, {**one, **labels}, 1.0)
-    up = gauge(f"{prefix}_attribution_up", words.up)
-    up.add_sample(up.name, dict(labels), 1.0 if att.up else 0.0)
-    took = gauge(f"{prefix}_attribution_refresh_seconds", words.took)
-    took.add_sample(took.name, dict(labels), att.last_duration)
+    up = gauge(f"{prefix}_attribution_up", words.up, (labels, 1.0 if att.up else 0.0))
+    took = gauge(f"{prefix}_attribution_refresh_seconds", words.took, (labels, att.last_duration))
     errs = counter(f"{prefix}_attribution_errors", words.errors)
     for kind, n in sorted(att.errors.items()):
         errs.add_sample(errs.name + "_total", {"type": kind, **labels}, float(n))
@@ -290,15 +235,8 @@ def workload_usage_families(
     be tied (host processes, processes of another PID namespace, pods not listed yet, and pmon's own ``other`` row)
     goes to the backend's ``other`` bucket per GPU, so the series of a GPU sum to what pmon saw on it. Series
     (Kubernetes): ``smiquery_pod_gpu_utilization_ratio``, ``smiquery_pod_gpu_memory_utilization_ratio``,
-    ``smiquery_pod_gpu_memory_used_bytes``, labelled uuid, gpu and the workload's labels.
-
-    Args:
-        att: the attribution (its backend ties processes to workloads).
-        gpus: GPU UUID -> index (from the newest sweep).
-        instant: the newest pmon instant, or None.
-        procs: the newest compute-process list, or None.
-        uuid_label: ``uuid`` or ``UUID`` (dcgm naming).
-        labels: the constant labels.
+    ``smiquery_pod_gpu_memory_used_bytes``, labelled uuid, gpu and the workload's labels. Arguments as
+    :func:`attribution_families`, with the newest pmon ``instant`` and compute-process list ``procs`` (or None).
     """
     b = att.backend
     by_index = {idx: uuid for uuid, idx in gpus.items() if idx is not None}
@@ -337,9 +275,7 @@ def workload_usage_families(
     ):
         fam = gauge(f"smiquery_{b.workload}_{name}", f"{doc} {b.words.other}")
         for (uuid, h), value in sorted(values.items()):
-            idx = gpus.get(uuid)
-            one = {uuid_label: uuid, "gpu": "" if idx is None else str(idx), **h.labels(b.labels)}
-            fam.add_sample(fam.name, {**one, **labels}, value)
+            fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **h.labels(b.labels), **labels}, value)
         if fam.samples:
             out.append(fam)
     return out
@@ -352,33 +288,18 @@ def xid_families(
     *,
     inventory_known: bool = True,
 ) -> list[Metric]:
-    """``smiquery_xid_errors_total``, ``smiquery_xid_rejected_lines_total`` and ``smiquery_xid_source_up``.
-
-    ``smiquery_xid_errors_total`` is a counter: every event counts, repeats too, and it never needs a reset.
-    ``/dev/kmsg`` replays its ring buffer to every new reader; each record is counted once (its sequence number),
-    and the replay after an exporter restart gives the counter back the value it had (Prometheus sees no
-    increase), as long as the ring buffer still holds those records. The watcher keeps at most
-    :attr:`~smiquery.sources.xid.XidWatcher.MAX_SERIES` (bus, code) pairs; the events of pairs it let go are the
-    series with ``xid="other"``. Lines that look like an Xid but that the kernel did not write are not counted
-    there but in ``smiquery_xid_rejected_lines_total{reason}``.
+    """``smiquery_xid_errors_total`` (every event counts), ``..._rejected_lines_total`` and ``smiquery_xid_source_up``.
 
     Args:
-        xid: the watcher following the kernel log.
+        xid: the watcher following the kernel log (docs/exporter.md, "Xid errors", says what it counts).
         gpus: PCI key -> ``{"gpu": ..., "uuid": ...}`` of the GPU at that address; None for an address no GPU
-            has (the GPU fell off the bus before the exporter saw it): its events are counted with ``gpu`` and
-            ``uuid`` empty.
+            has (it fell off the bus before the exporter saw it): its events have ``gpu`` and ``uuid`` empty.
         labels: the constant labels.
         inventory_known: whether the GPUs have been listed yet; until then an event at an address no GPU is
             known at is held back, so that its series does not change labels once the GPU is seen.
-
-    Returns:
-        The families (the event counter only once an event was counted).
     """
-    up = gauge(
-        "smiquery_xid_source_up",
-        f"1 while the kernel log ({xid.path}) is read for Xid errors, else 0 (no permission, missing).",
-    )
-    up.add_sample(up.name, {**labels, "path": xid.path}, 1.0 if xid.up else 0.0)
+    doc = f"1 while the kernel log ({xid.path}) is read for Xid errors, else 0 (no permission, missing)."
+    up = gauge("smiquery_xid_source_up", doc, ({**labels, "path": xid.path}, 1.0 if xid.up else 0.0))
     fam = counter(
         "smiquery_xid_errors",
         "Xid errors the NVIDIA driver logged in the kernel log, by GPU and code (every event counts).",
@@ -442,7 +363,5 @@ def unallocated_use_families(
         f"A {b.words.holder} running on a GPU the scheduler did not allocate to it (1): a finding.",
     )
     for uuid, owner in sorted(found):
-        idx = gpus.get(uuid)
-        one = {uuid_label: uuid, "gpu": "" if idx is None else str(idx), **owner.labels(b.labels)}
-        fam.add_sample(fam.name, {**one, **labels}, 1.0)
+        fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **owner.labels(b.labels), **labels}, 1.0)
     return [fam] if fam.samples else []

@@ -1,21 +1,17 @@
-"""Metric naming: how each nvidia-smi field becomes a metric family (native, DCGM), and the text format."""
+"""Metric naming: how each nvidia-smi field becomes a metric family in each naming, and the text format."""
 
 from __future__ import annotations
 
+import csv
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
-try:
-    from prometheus_client.metrics_core import Metric
-    from prometheus_client.utils import floatToGoString as _untyped_float_to_go
-except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "smiquery.exporter needs prometheus_client: pip install 'smiquery[export]' (the core does not)"
-    ) from _exc
+from prometheus_client.metrics_core import Metric
+from prometheus_client.utils import floatToGoString as _untyped_float_to_go
 
-from smiquery._log import get_logger
 from smiquery.fields import Field, Kind, resolve_fields
 from smiquery.kinds import UNITS, unit_info
 
@@ -40,8 +36,6 @@ __all__ = [
     "render",
 ]
 
-log = get_logger("smiquery.exporter")
-
 _go_float = cast("Callable[[float], str]", _untyped_float_to_go)  # the text format's float spelling (+Inf, 1e+06)
 
 
@@ -51,9 +45,6 @@ NAMINGS: tuple[str, ...] = ("smiquery", "dcgm", "nvidia_smi")
 
 #: Fields the exporter always queries: they become the ``gpu``, ``uuid``, ``name`` and ``pci_bus_id`` labels.
 IDENTITY_FIELDS: tuple[str, ...] = ("index", "uuid", "name", "pci.bus_id")
-# With DCGM naming the driver version becomes the DCGM_FI_DRIVER_VERSION label, as dcgm-exporter does.
-_DCGM_EXTRA_IDENTITY = ("driver_version",)
-# The DCGM exporter's default counters that nvidia-smi supplies on every driver but the health preset lacks.
 #: With DCGM naming and the default fields: every counter of dcgm-exporter's default list (default-counters.csv)
 #: that nvidia-smi can supply and the ``health`` preset lacks. The rest of that list (energy, PCIe replays, XID,
 #: NVLink, vGPU licence, DCGM_FI_PROF_*) has no nvidia-smi query field.
@@ -68,7 +59,6 @@ DCGM_DEFAULT_EXTRAS: tuple[str, ...] = (
     "remapped_rows.uncorrectable",
     "remapped_rows.failure",
 )
-_NOT_EXPORTED = frozenset({"timestamp", *IDENTITY_FIELDS})
 
 #: The exporter's own metrics (sample names), served in both namings whatever the fields.
 HEALTH_METRICS: tuple[str, ...] = (
@@ -100,41 +90,21 @@ HEALTH_METRICS: tuple[str, ...] = (
     "smiquery_xid_rejected_lines_total",
 )
 
-#: Per-process series from ``nvidia-smi pmon`` (``--top-processes N``): pmon column -> (metric, multiplier,
-#: divisor, help). The same names in every naming (no DCGM or nvidia_gpu_exporter metric says this), in base units;
-#: percentages are divided by 100 (35 % -> 0.35 exactly, where 35 * 0.01 is 0.35000000000000003).
-PMON_SERIES: dict[str, tuple[str, float, float, str]] = {
-    "sm": (
-        "smiquery_process_sm_utilization_ratio",
-        1.0,
-        100.0,
-        "Share of time the process ran kernels on the GPU's SMs",
-    ),
-    "mem": (
-        "smiquery_process_memory_utilization_ratio",
-        1.0,
-        100.0,
-        "Share of time the process read or wrote GPU memory",
-    ),
-    "enc": ("smiquery_process_encoder_utilization_ratio", 1.0, 100.0, "Share of the video encoder the process used"),
-    "dec": ("smiquery_process_decoder_utilization_ratio", 1.0, 100.0, "Share of the video decoder the process used"),
-    "jpg": ("smiquery_process_jpeg_utilization_ratio", 1.0, 100.0, "Share of the JPEG decoder the process used"),
-    "ofa": (
-        "smiquery_process_ofa_utilization_ratio",
-        1.0,
-        100.0,
-        "Share of the optical-flow accelerator the process used",
-    ),
-    "fb": (
-        "smiquery_process_gpu_memory_used_bytes",
-        1048576.0,
-        1.0,
-        "GPU (framebuffer) memory the process uses, bytes",
-    ),
+#: Per-process series from ``nvidia-smi pmon`` (``--top-processes N``): pmon column -> (metric, help). The same
+#: names in every naming (no DCGM or nvidia_gpu_exporter metric says this), in base units: ``fb`` MiB as bytes,
+#: the rest percentages divided by 100 (35 % -> 0.35 exactly, where 35 * 0.01 is 0.35000000000000003).
+PMON_SERIES: dict[str, tuple[str, str]] = {
+    "sm": ("smiquery_process_sm_utilization_ratio", "Share of time the process ran kernels on the GPU's SMs"),
+    "mem": ("smiquery_process_memory_utilization_ratio", "Share of time the process read or wrote GPU memory"),
+    "enc": ("smiquery_process_encoder_utilization_ratio", "Share of the video encoder the process used"),
+    "dec": ("smiquery_process_decoder_utilization_ratio", "Share of the video decoder the process used"),
+    "jpg": ("smiquery_process_jpeg_utilization_ratio", "Share of the JPEG decoder the process used"),
+    "ofa": ("smiquery_process_ofa_utilization_ratio", "Share of the optical-flow accelerator the process used"),
+    "fb": ("smiquery_process_gpu_memory_used_bytes", "GPU (framebuffer) memory the process uses, bytes"),
 }
 #: Every metric the exporter serves with ``--top-processes N`` (sample names), in both namings.
 PMON_METRICS: tuple[str, ...] = (
-    *(name for name, _, _, _ in PMON_SERIES.values()),
+    *(name for name, _ in PMON_SERIES.values()),
     "smiquery_gpu_processes",
     "smiquery_process_up",
     "smiquery_process_stream_info",
@@ -156,8 +126,8 @@ class MetricSpec:
         type: ``gauge`` or ``counter``.
         help: the HELP text.
         scale: factor from nvidia-smi's unit to the metric's (MiB to bytes: 1048576).
-        style: ``number`` (the value), ``bool`` (1/0), ``pstate`` (P3 -> 3) or ``info`` (value as a label).
-        naming: ``smiquery`` or ``dcgm`` (decides the label set).
+        style: ``number``, ``bool`` (1/0), ``pstate`` (P3 -> 3), ``info`` (value as a label) or ``nvsmi``.
+        naming: the naming whose labels the series carry (a DCGM naming's field without a DCGM name: native).
     """
 
     field: str
@@ -210,18 +180,11 @@ def _native_spec(fld: Field) -> list[MetricSpec]:
         name = base + "_bitmask"
         return [MetricSpec(fld.name, name, name, "gauge", f"{help_text}, as the numeric bitmask {source}.")]
     if ops.metric != "number":
-        name = base + "_info"
-        specs = [
-            MetricSpec(
-                fld.name, name, name, "gauge", f"{help_text}; the value is the label 'value' {source}.", style="info"
-            )
-        ]
+        doc = f"{help_text}; the value is the label 'value' {source}."
+        specs = [MetricSpec(fld.name, base + "_info", base + "_info", "gauge", doc, style="info")]
         if fld.name == "pstate":
-            specs.append(
-                MetricSpec(
-                    fld.name, base, base, "gauge", f"{help_text}, as a number (P0 -> 0) {source}.", style="pstate"
-                )
-            )
+            doc = f"{help_text}, as a number (P0 -> 0) {source}."
+            specs.append(MetricSpec(fld.name, base, base, "gauge", doc, style="pstate"))
         return specs
     suffix, scale = _UNITS.get(fld.unit, ("", 1.0))
     if scale != 1.0:
@@ -235,140 +198,18 @@ def _native_spec(fld: Field) -> list[MetricSpec]:
     return [MetricSpec(fld.name, name, name, "gauge", f"{help_text} {source}.", scale=scale)]
 
 
-#: nvidia-smi field -> (DCGM exporter metric name, Prometheus type, help) for ``--naming dcgm``. Values keep
-#: DCGM's units (which are nvidia-smi's: C, %, MiB, W, MHz); two-state fields become 1/0.
-DCGM_MAP: dict[str, tuple[tuple[str, str, str], ...]] = {
-    "clocks.current.sm": (("DCGM_FI_DEV_SM_CLOCK", "gauge", "Streaming multiprocessor clock now, MHz."),),
-    "clocks.current.memory": (("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock now, MHz."),),
-    "clocks.current.video": (("DCGM_FI_DEV_VIDEO_CLOCK", "gauge", "Video engine clock now, MHz."),),
-    "clocks.max.sm": (
-        ("DCGM_FI_DEV_MAX_SM_CLOCK", "gauge", "Highest streaming multiprocessor clock the GPU supports, MHz."),
-    ),
-    "clocks.max.memory": (("DCGM_FI_DEV_MAX_MEM_CLOCK", "gauge", "Highest memory clock the GPU supports, MHz."),),
-    "clocks_event_reasons.active": (
-        ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "gauge", "Why clocks are held down now, as NVML's bitmask of reasons."),
-        (
-            "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS",
-            "gauge",
-            "Why clocks are held down now, as NVML's bitmask (the pre-3.3 DCGM name).",
-        ),
-    ),
-    "temperature.gpu": (("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU core temperature, degrees C."),),
-    "temperature.memory": (("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "HBM memory temperature, degrees C."),),
-    "temperature.gpu.tlimit": (
-        ("DCGM_FI_DEV_GPU_TEMP_TLIMIT", "gauge", "Thermal margin: degrees C left before the GPU slows down."),
-    ),
-    "power.draw": (("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power the GPU draws, watts."),),
-    "power.draw.instant": (
-        ("DCGM_FI_DEV_POWER_USAGE_INSTANT", "gauge", "Power the GPU draws at this instant, watts."),
-    ),
-    "power.limit": (("DCGM_FI_DEV_POWER_MGMT_LIMIT", "gauge", "Software power limit, watts."),),
-    "power.min_limit": (("DCGM_FI_DEV_POWER_MGMT_LIMIT_MIN", "gauge", "Lowest power limit that can be set, watts."),),
-    "power.max_limit": (("DCGM_FI_DEV_POWER_MGMT_LIMIT_MAX", "gauge", "Highest power limit that can be set, watts."),),
-    "power.default_limit": (("DCGM_FI_DEV_POWER_MGMT_LIMIT_DEF", "gauge", "Power limit out of the box, watts."),),
-    "enforced.power.limit": (
-        ("DCGM_FI_DEV_ENFORCED_POWER_LIMIT", "gauge", "Power limit the driver enforces after all limiters, watts."),
-    ),
-    "pstate": (("DCGM_FI_DEV_PSTATE", "gauge", "Performance state, 0 (P0, highest) to 15."),),
-    "fan.speed": (("DCGM_FI_DEV_FAN_SPEED", "gauge", "Fan speed the driver asks for, percent of maximum."),),
-    "utilization.gpu": (("DCGM_FI_DEV_GPU_UTIL", "gauge", "Share of time a kernel ran on the GPU, percent."),),
-    "utilization.memory": (
-        ("DCGM_FI_DEV_MEM_COPY_UTIL", "gauge", "Share of time GPU memory was read or written, percent."),
-    ),
-    "utilization.encoder": (("DCGM_FI_DEV_ENC_UTIL", "gauge", "Video encoder busy time, percent."),),
-    "utilization.decoder": (("DCGM_FI_DEV_DEC_UTIL", "gauge", "Video decoder busy time, percent."),),
-    "pcie.link.gen.current": (("DCGM_FI_DEV_PCIE_LINK_GEN", "gauge", "PCIe generation the link runs at now."),),
-    "pcie.link.gen.max": (
-        ("DCGM_FI_DEV_PCIE_MAX_LINK_GEN", "gauge", "Highest PCIe generation the GPU and slot support."),
-    ),
-    "pcie.link.width.current": (("DCGM_FI_DEV_PCIE_LINK_WIDTH", "gauge", "PCIe lanes in use now."),),
-    "pcie.link.width.max": (("DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH", "gauge", "Most PCIe lanes the link supports."),),
-    "memory.total": (("DCGM_FI_DEV_FB_TOTAL", "gauge", "GPU memory in all, MiB."),),
-    "memory.free": (("DCGM_FI_DEV_FB_FREE", "gauge", "GPU memory not allocated, MiB."),),
-    "memory.used": (("DCGM_FI_DEV_FB_USED", "gauge", "GPU memory allocated by contexts, MiB."),),
-    "memory.reserved": (("DCGM_FI_DEV_FB_RESERVED", "gauge", "GPU memory the driver keeps for itself, MiB."),),
-    "ecc.mode.current": (("DCGM_FI_DEV_ECC_CURRENT", "gauge", "ECC mode: 1 = enabled."),),
-    "ecc.mode.pending": (("DCGM_FI_DEV_ECC_PENDING", "gauge", "ECC mode after the next reboot: 1 = enabled."),),
-    "persistence_mode": (("DCGM_FI_DEV_PERSISTENCE_MODE", "gauge", "Persistence mode: 1 = enabled."),),
-    "mig.mode.current": (("DCGM_FI_DEV_MIG_MODE", "gauge", "MIG mode: 1 = enabled."),),
-    "ecc.errors.corrected.volatile.total": (
-        ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "counter", "Corrected (single-bit) ECC errors since the driver loaded."),
-    ),
-    "ecc.errors.uncorrected.volatile.total": (
-        ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "counter", "Uncorrected (double-bit) ECC errors since the driver loaded."),
-    ),
-    "ecc.errors.corrected.aggregate.total": (
-        ("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "counter", "Corrected (single-bit) ECC errors over the GPU's life."),
-    ),
-    "ecc.errors.uncorrected.aggregate.total": (
-        ("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "counter", "Uncorrected (double-bit) ECC errors over the GPU's life."),
-    ),
-    "retired_pages.single_bit_ecc.count": (
-        ("DCGM_FI_DEV_RETIRED_SBE", "counter", "Memory pages taken out of use after repeated corrected errors."),
-    ),
-    "retired_pages.double_bit.count": (
-        ("DCGM_FI_DEV_RETIRED_DBE", "counter", "Memory pages taken out of use after an uncorrected error."),
-    ),
-    "retired_pages.pending": (
-        (
-            "DCGM_FI_DEV_RETIRED_PENDING",
-            "counter",
-            "Memory pages waiting to be retired; nvidia-smi only tells whether there are any: 1 = some, 0 = none.",
-        ),
-    ),
-    "remapped_rows.uncorrectable": (
-        (
-            "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
-            "counter",
-            "Memory rows replaced by spares after uncorrected errors.",
-        ),
-    ),
-    "remapped_rows.correctable": (
-        ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "counter", "Memory rows replaced by spares after corrected errors."),
-    ),
-    "remapped_rows.failure": (
-        ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "1 when a memory row could not be replaced by a spare."),
-    ),
-    "remapped_rows.pending": (
-        ("DCGM_FI_DEV_ROW_REMAP_PENDING", "gauge", "1 when a row replacement waits for a GPU reset."),
-    ),
-    "remapped_rows.histogram.max": (
-        ("DCGM_FI_DEV_BANKS_REMAP_ROWS_AVAIL_MAX", "gauge", "Memory banks with every spare row left."),
-    ),
-    "remapped_rows.histogram.high": (
-        ("DCGM_FI_DEV_BANKS_REMAP_ROWS_AVAIL_HIGH", "gauge", "Memory banks with many spare rows left."),
-    ),
-    "remapped_rows.histogram.partial": (
-        ("DCGM_FI_DEV_BANKS_REMAP_ROWS_AVAIL_PARTIAL", "gauge", "Memory banks with some spare rows left."),
-    ),
-    "remapped_rows.histogram.low": (
-        ("DCGM_FI_DEV_BANKS_REMAP_ROWS_AVAIL_LOW", "gauge", "Memory banks with few spare rows left."),
-    ),
-    "remapped_rows.histogram.none": (
-        ("DCGM_FI_DEV_BANKS_REMAP_ROWS_AVAIL_NONE", "gauge", "Memory banks with no spare rows left."),
-    ),
-}
-# Per-location ECC counters: nvidia-smi location -> DCGM suffix.
-for _where, _dcgm in (
-    ("l1_cache", "L1"),
-    ("l2_cache", "L2"),
-    ("device_memory", "DEV"),
-    ("register_file", "REG"),
-    ("texture_memory", "TEX"),
-    ("cbu", "CBU"),
-    ("sram", "SRM"),
-):
-    for _corr, _bits in (("corrected", "SBE"), ("uncorrected", "DBE")):
-        for _span, _short in (("volatile", "VOL"), ("aggregate", "AGG")):
-            DCGM_MAP[f"ecc.errors.{_corr}.{_span}.{_where}"] = (
-                (
-                    f"DCGM_FI_DEV_ECC_{_bits}_{_short}_{_dcgm}",
-                    "counter",
-                    f"{'Corrected' if _bits == 'SBE' else 'Uncorrected'} ECC errors in the {_where.replace('_', ' ')}, "
-                    f"{'since the driver loaded' if _span == 'volatile' else 'over the GPU life'}.",
-                ),
-            )
-del _where, _dcgm, _corr, _bits, _span, _short
+def _read_dcgm() -> dict[str, tuple[tuple[str, str, str], ...]]:
+    out: dict[str, tuple[tuple[str, str, str], ...]] = {}
+    with open(Path(__file__).with_name("dcgm.csv"), encoding="utf-8", newline="") as fh:
+        for row in csv.DictReader(fh):
+            out[row["field"]] = (*out.get(row["field"], ()), (row["metric"], row["type"], row["help"]))
+    return out
+
+
+#: nvidia-smi field -> (DCGM exporter metric name, Prometheus type, help) for ``--naming dcgm``, read from
+#: ``dcgm.csv`` beside this module. Values keep DCGM's units (which are nvidia-smi's: C, %, MiB, W, MHz); two-state
+#: fields become 1/0.
+DCGM_MAP = _read_dcgm()
 
 
 def _dcgm_specs(fld: Field) -> list[MetricSpec]:
@@ -408,7 +249,6 @@ NVSMI_INFO_LABELS: dict[str, str] = {
     "driver_model.current": "driver_model_current",
     "driver_model.pending": "driver_model_pending",
 }
-_NVSMI_NOT_METRICS = frozenset({"timestamp", "uuid", "name", "pci.bus_id", "driver_version", "vbios_version"})
 #: With nvidia_smi naming and the default fields: what nvidia_gpu_exporter's dashboard (Grafana 14574) reads.
 NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = (
     "driver_version",
@@ -435,8 +275,6 @@ NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = (
 
 
 def _nvsmi_spec(fld: Field) -> list[MetricSpec]:
-    if fld.name in _NVSMI_NOT_METRICS or fld.kind.ops.metric == "none":
-        return []
     # nvidia-smi's CSV header gives averageLatency no unit, so nvidia_gpu_exporter adds no suffix nor conversion
     unit = "" if fld.name == "encoder.stats.averageLatency" else fld.unit
     suffix, scale = _NVSMI_UNITS.get(unit, ("", 1.0))
@@ -445,18 +283,42 @@ def _nvsmi_spec(fld: Field) -> list[MetricSpec]:
     return [MetricSpec(fld.name, name, name, "gauge", help_text, scale=scale, style="nvsmi", naming="nvidia_smi")]
 
 
+@dataclass(frozen=True)
+class _Rules:
+    """What sets one naming apart: its specs, the fields that are never metrics, the fields it adds."""
+
+    specs: Callable[[Field], list[MetricSpec]]
+    not_metrics: frozenset[str]
+    identity: tuple[str, ...] = ()  # always queried besides IDENTITY_FIELDS (labels)
+    extras: tuple[str, ...] = ()  # queried with the default fields
+
+
+_RULES: dict[str, _Rules] = {
+    "smiquery": _Rules(_native_spec, frozenset({"timestamp", *IDENTITY_FIELDS})),
+    # the driver version is the DCGM_FI_DRIVER_VERSION label, as dcgm-exporter does
+    "dcgm": _Rules(
+        _dcgm_specs,
+        frozenset({"timestamp", *IDENTITY_FIELDS, "driver_version"}),
+        ("driver_version",),
+        DCGM_DEFAULT_EXTRAS,
+    ),
+    "nvidia_smi": _Rules(
+        _nvsmi_spec,
+        frozenset({"timestamp", "uuid", "name", "pci.bus_id", "driver_version", "vbios_version"}),
+        extras=NVSMI_DEFAULT_EXTRAS,
+    ),
+}
+
+
 def metric_specs(
     fields: str | Sequence[str] | Sequence[Field] = "all", naming: Naming = "smiquery"
 ) -> list[MetricSpec]:
-    """The metric families the exporter makes from ``fields`` (identity fields become labels, not metrics).
+    """The metric families the exporter makes from ``fields``, in field order (identity fields become labels).
 
     Args:
         fields: a preset, a comma list, or a sequence of names or :class:`Field` objects.
         naming: ``smiquery`` (base units, ``smiquery_*``), ``dcgm`` (the DCGM exporter's names and units) or
             ``nvidia_smi`` (nvidia_gpu_exporter's ``nvidia_smi_*`` names).
-
-    Returns:
-        One spec per metric family, in field order.
 
     Raises:
         InvalidFieldError: an unknown field.
@@ -464,20 +326,13 @@ def metric_specs(
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, not {naming!r}")
-    if isinstance(fields, str):
-        flds: Sequence[Field] = resolve_fields(fields)
-    else:
-        flds = [f if isinstance(f, Field) else resolve_fields([f])[0] for f in fields]
-    out: list[MetricSpec] = []
-    if naming == "nvidia_smi":
-        return [spec for fld in flds for spec in _nvsmi_spec(fld)]
-    for fld in flds:
-        if fld.name in _NOT_EXPORTED or fld.kind.ops.metric == "none":
-            continue
-        if naming == "dcgm" and fld.name in _DCGM_EXTRA_IDENTITY:
-            continue  # a label in DCGM naming
-        out.extend(_dcgm_specs(fld) if naming == "dcgm" else _native_spec(fld))
-    return out
+    rules = _RULES[naming]
+    return [
+        spec
+        for fld in (resolve_fields(fields) if fields or isinstance(fields, str) else ())
+        if fld.name not in rules.not_metrics and fld.kind.ops.metric != "none"
+        for spec in rules.specs(fld)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------- rendering
@@ -488,17 +343,11 @@ def _escape_label(value: str) -> str:
 
 
 def render(families: Iterable[Metric]) -> str:
-    """Write metric families in the Prometheus text format (0.0.4), as ``prometheus_client.generate_latest`` does.
+    """Metric families in the Prometheus text format (0.0.4), as ``prometheus_client.generate_latest`` writes them.
 
     The one difference: a counter whose samples carry the family's own name (the DCGM exporter's counters, such
     as ``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL``) keeps that name on its HELP and TYPE lines, where ``generate_latest``
     would append ``_total`` and so describe a metric that no sample has.
-
-    Args:
-        families: the families to write.
-
-    Returns:
-        The exposition text.
     """
     out: list[str] = []
     for fam in families:
@@ -520,17 +369,11 @@ def render(families: Iterable[Metric]) -> str:
 def exporter_fields(
     fields: str | Sequence[str] | None, naming: Naming, *, nvidia_smi: str | os.PathLike[str] | None = None
 ) -> list[str]:
-    """The nvidia-smi fields an exporter queries: the identity fields, the wanted ones, and naming extras.
+    """The nvidia-smi fields an exporter queries, without repeats: the identity fields, the wanted ones, extras.
 
-    Args:
-        fields: a preset or field list (None: ``health``); ``supported`` asks nvidia-smi once (``--help-query-gpu``
-            and one query) for every field this driver supplies.
-        naming: the metric naming; DCGM naming adds the driver version (a label) and, with the default fields,
-            :data:`DCGM_DEFAULT_EXTRAS`.
-        nvidia_smi: the binary (for ``supported``).
-
-    Returns:
-        Field names, identity first, without repeats.
+    ``fields`` is a preset or field list (None: ``health``); ``supported`` asks ``nvidia_smi`` once for every field
+    this driver supplies. DCGM naming adds the driver version (a label); with the default fields, each naming
+    adds its extras (:data:`DCGM_DEFAULT_EXTRAS`, :data:`NVSMI_DEFAULT_EXTRAS`).
 
     Raises:
         InvalidFieldError: an unknown field.
@@ -540,14 +383,8 @@ def exporter_fields(
         from smiquery.exporter.discovery import supported_fields
 
         fields = supported_fields(nvidia_smi=nvidia_smi)
-    wanted = list(resolve_fields(fields if fields is not None else "health"))
-    extras: tuple[str, ...] = IDENTITY_FIELDS
-    if naming == "dcgm":
-        extras += _DCGM_EXTRA_IDENTITY
-        if fields in (None, "health"):
-            extras += DCGM_DEFAULT_EXTRAS
-    if naming == "nvidia_smi" and fields in (None, "health"):
-        extras += NVSMI_DEFAULT_EXTRAS
-    names = [*IDENTITY_FIELDS, *(f.name for f in wanted)]
-    names += [n for n in extras if n not in names]
+    wanted = resolve_fields(fields if fields is not None else "health")
+    rules = _RULES[naming]
+    extras = rules.identity + (rules.extras if fields in (None, "health") else ())
+    names = [*IDENTITY_FIELDS, *(f.name for f in wanted), *extras]
     return list(dict.fromkeys(names))

@@ -36,10 +36,8 @@ class ProcessInstant:
         rows: ``(row, user)`` pairs, busiest first per GPU, the ``other`` row (``pid`` None) last; ``user`` is
             the owner's name from ``/proc`` (None when this host cannot see the process).
         processes: GPU index -> how many processes pmon listed on it (0 for an idle GPU).
-        received: ``time.monotonic()`` when the instant was complete.
-        wall: ``time.time()`` at the same moment.
-        by: ``pid`` (one row per process) or ``name`` (one row per process name: the processes of one name on
-            one GPU summed, their ``pid`` the lowest of them and ``user`` None).
+        received: ``time.monotonic()`` when the instant was complete (``wall``: ``time.time()``).
+        by: ``pid`` or ``name`` (the processes of one name on one GPU summed, ``pid`` the lowest, ``user`` None).
     """
 
     rows: tuple[tuple[pmon.PmonRow, str | None], ...]
@@ -56,31 +54,16 @@ TOP_PROCESSES_BY: tuple[str, ...] = ("name", "pid")
 def _by_name(rows: tuple[pmon.PmonRow, ...]) -> tuple[pmon.PmonRow, ...]:
     """One row per (GPU, process name): the known values summed (None when none is known), idle lines kept."""
     groups: dict[tuple[int | None, str], list[pmon.PmonRow]] = {}
-    out: list[pmon.PmonRow] = []
+    out = [row for row in rows if row.idle]
     for row in rows:
-        if row.idle or row.pid is None:
-            out.append(row)
-            continue
-        groups.setdefault((row.gpu, row.command or ""), []).append(row)
-    for (_, _), members in groups.items():
-
-        def total(col: str, members: list[pmon.PmonRow] = members) -> int | None:
+        if not row.idle:
+            groups.setdefault((row.gpu, row.command or ""), []).append(row)
+    for members in groups.values():
+        totals = {}
+        for col in ("sm", "mem", "enc", "dec", "jpg", "ofa", "fb", "ccpm"):
             known = [v for v in (getattr(r, col) for r in members) if v is not None]
-            return sum(known) if known else None
-
-        first = min(members, key=lambda r: r.pid or 0)
-        out.append(
-            first._replace(
-                sm=total("sm"),
-                mem=total("mem"),
-                enc=total("enc"),
-                dec=total("dec"),
-                jpg=total("jpg"),
-                ofa=total("ofa"),
-                fb=total("fb"),
-                ccpm=total("ccpm"),
-            )
-        )
+            totals[col] = sum(known) if known else None
+        out.append(min(members, key=lambda r: r.pid or 0)._replace(**totals))
     return tuple(out)
 
 
@@ -91,17 +74,10 @@ def process_instant(
     user_of: Callable[[int], str | None] = pmon.process_user,
     by: str = "pid",
 ) -> ProcessInstant:
-    """Cut one pmon instant down to what the exporter serves: the ``top`` busiest (by SM) per GPU plus ``other``.
+    """One pmon instant cut to what the exporter serves, stamped now: the ``top`` busiest (by SM) per GPU, ``other``.
 
-    Args:
-        rows: one instant of pmon rows.
-        top: processes (or, with ``by="name"``, process names) kept per GPU.
-        user_of: pid -> user name.
-        by: ``pid``: one row per process; ``name``: the processes of one name on a GPU summed into one row first,
-            so that short-lived processes add no series.
-
-    Returns:
-        The instant, stamped now.
+    ``by="name"`` sums the processes of one name on a GPU into one row first (so short-lived processes add no
+    series) and keeps ``top`` names; ``user_of``: pid -> user name.
     """
     rows = tuple(rows)
     counts: dict[int, int] = {}
@@ -119,15 +95,13 @@ def process_instant(
 class PmonWatcher:
     """Follows ``nvidia-smi pmon`` in a background ``Latest`` and keeps its newest instant, cut to the top processes.
 
-    The stream is :func:`smiquery.streams.pmon.stream` (one child, stall detection, restarts with backoff). An error
-    that needs a person (pmon not supported on this GPU or driver, NVML missing...) ends it: one warning is logged,
-    nothing is served, and a new stream is tried every ``retry_after`` seconds (logged again only when the error
-    changes). Every child is reaped by :meth:`close`.
+    The stream is :func:`smiquery.streams.pmon.stream`. An error that needs a person (pmon not supported on this GPU
+    or driver, NVML missing...) ends it: one warning is logged, nothing is served, and a new stream is tried every
+    ``retry_after`` seconds (logged again only when the error changes). Every child is reaped by :meth:`close`.
 
     Args:
         top: processes kept per GPU (at least 1); the rest are summed into one ``other`` row.
-        by: ``name`` (the default: the processes of one name on a GPU are one row, so series stay bounded however
-            many short-lived processes come and go) or ``pid`` (one row per process: one series per pid).
+        by: ``name`` (one row per process name on a GPU: series stay bounded) or ``pid`` (one series per pid).
         interval: pmon's ``-d`` (whole seconds, 1..10).
         gpus: only these GPUs (pmon watches at most 4; without it nvidia-smi picks the first 4).
         nvidia_smi: path of the binary.
@@ -135,7 +109,7 @@ class PmonWatcher:
         stale_after: seconds after which the newest instant is not served (default ``max(4 * interval, 10)``).
         retry_after: seconds between attempts after an error that needs a person.
         user_of: pid -> user name (tests inject one).
-        make_stream: builds the pmon stream (tests inject one); default :func:`smiquery.streams.pmon.stream`.
+        make_stream: builds the pmon stream (tests inject one).
 
     Raises:
         ValueError: ``top`` below 1, or an interval pmon rejects.
@@ -262,9 +236,5 @@ class PmonWatcher:
         return self
 
     def close(self, timeout: float = 15.0) -> None:
-        """Stop: the pmon child is terminated and reaped, the thread joined. Idempotent; any thread.
-
-        Args:
-            timeout: seconds to wait for the thread.
-        """
+        """Stop: the pmon child is reaped, the thread joined (up to ``timeout`` seconds). Idempotent; any thread."""
         self.poll.close(timeout)

@@ -26,13 +26,8 @@ def process_poller(
 ) -> Latest[tuple[GpuProcess, ...]]:
     """:func:`smiquery.processes` every ``interval`` seconds in a background :class:`Latest`; scrapes read the newest.
 
-    Each poll runs nvidia-smi twice (GPU list and compute apps); a failure is counted and logged, never raised.
-
-    Args:
-        interval: seconds between polls.
-        gpus: only these GPUs.
-        nvidia_smi: path of the binary.
-        timeout: seconds per nvidia-smi call.
+    Each poll runs nvidia-smi twice (GPU list and compute apps, ``timeout`` seconds each); a failure is counted
+    and logged, never raised.
 
     Raises:
         ValueError: an interval that is not positive.

@@ -6,7 +6,6 @@ import contextlib
 import errno
 import functools
 import gzip
-import ipaddress
 import logging
 import os
 import socket
@@ -36,10 +35,7 @@ from smiquery.streams.argv import normalize_gpus
 from smiquery.streams.sync import stream
 
 if TYPE_CHECKING:
-    import os
-
     from smiquery.attribution import Attribution
-    from smiquery.fields import Field
     from smiquery.streams.argv import GpusArg
 
 __all__ = ["CONTENT_TYPE", "Exporter", "serve"]
@@ -49,37 +45,12 @@ log = get_logger("smiquery.exporter")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-# ---------------------------------------------------------------------------------------------------- server
-
-
 _INDEX = (
     "<!doctype html><html><head><title>smiquery exporter</title></head><body>"
     "<h1>smiquery exporter</h1><p>version {version}, naming {naming}</p>"
     '<ul><li><a href="metrics">/metrics</a></li><li><a href="livez">/livez</a> (the server runs)</li>'
     '<li><a href="readyz">/readyz</a> and <a href="healthz">/healthz</a> (fresh GPU data)</li></ul></body></html>\n'
 )
-_TEXT = "text/plain; charset=utf-8"
-
-
-class _Registry:
-    """The collector and the user's extra registry as one ``collect()`` source, for prometheus_client's encoders."""
-
-    def __init__(self, collector: SmiCollector, extra: Any) -> None:
-        self.collector = collector
-        self.extra = extra
-
-    def collect(self) -> Iterator[Any]:
-        yield from self.collector.collect()
-        if self.extra is not None:
-            try:
-                yield from self.extra.collect()
-            except Exception:  # someone else's collector must not take /metrics down
-                log.exception("smiquery exporter: collecting the extra registry failed")
-
-
-def _wants_plain(accept: str) -> bool:
-    """Whether prometheus_client's negotiation picks the classic text format (0.0.4) for this Accept header."""
-    return _negotiate(accept)[1] == CONTENT_TYPE
 
 
 @functools.lru_cache(maxsize=64)  # scrapers send the same few Accept headers; negotiation is per scrape
@@ -90,63 +61,66 @@ def _negotiate(accept: str) -> tuple[Callable[[Any], bytes], str]:
     return encoder, str(content_type)
 
 
-class _Router:
-    """Maps a request to a response: the exporter's pages, behind basic auth when the web config asks for it."""
-
-    def __init__(
-        self, collector: SmiCollector, extra: Callable[[], bytes], web: WebConfig, registry: Any = None
-    ) -> None:
-        self.collector = collector
-        self.extra = extra
-        self.web = web
-        self.registry = _Registry(collector, registry)
-
-    def fast(self, req: Request) -> bool:
-        """Whether answering ``req`` is cheap (no bcrypt check to run, the native format): the selector answers it."""
-        return (
-            self.web.cached(req.headers.get("authorization"))
-            and self.extra is bytes
-            and _wants_plain(req.headers.get("accept", ""))
-        )
-
-    def _metrics(self, req: Request) -> Response:
-        # Negotiated as prometheus_client does (OpenMetrics when Accept asks for it); the classic text format comes
-        # from the collector's own fast renderer, which gives the same text.
-        encoder, content_type = _negotiate(req.headers.get("accept", ""))
-        if content_type == CONTENT_TYPE:
-            body = self.collector.exposition() + self.extra()
-        else:
-            body = bytes(encoder(self.registry))
-        headers = {"Vary": "Accept, Accept-Encoding"}
-        if _gzip_accepted(req.headers.get("accept-encoding", "")):
-            body = gzip.compress(body, compresslevel=6, mtime=0)
-            headers["Content-Encoding"] = "gzip"
-        return Response(200, body, content_type, headers)
-
-    def __call__(self, req: Request) -> Response:
-        if req.method not in ("GET", "HEAD"):
-            return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
-        if not self.web.authorized(req.headers.get("authorization")):
-            return Response(401, b"unauthorized\n", headers={"WWW-Authenticate": 'Basic realm="smiquery"'})
-        path = req.path
-        if path == "/metrics":
-            return self._metrics(req)
-        if path == "/livez":
-            return Response(200, b"ok\n")
-        if path in ("/readyz", "/healthz"):
-            ok, why = self.collector.health()
-            return Response(200 if ok else 503, (why + "\n").encode())
-        if path in ("/", "/index.html"):
-            page = _INDEX.format(version=__version__, naming=self.collector.naming).encode()
-            return Response(200, page, "text/html; charset=utf-8")
-        return Response(404, b"not found: try /metrics, /livez, /readyz or /healthz\n")
-
-
 @functools.lru_cache(maxsize=64)
 def _gzip_accepted(accept_encoding: str) -> bool:
     from prometheus_client.exposition import gzip_accepted
 
     return bool(gzip_accepted(accept_encoding))
+
+
+class _Router:
+    """The exporter's pages (basic auth is the server's: a request that reaches this passed it).
+
+    Also the ``collect()`` source (the collector, then the user's registry) for prometheus_client's encoders.
+    """
+
+    def __init__(self, collector: SmiCollector, registry: Any) -> None:
+        self.collector = collector
+        self.registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        yield from self.collector.collect()
+        if self.registry is not None:
+            try:
+                yield from self.registry.collect()
+            except Exception:  # someone else's collector must not take /metrics down
+                log.exception("smiquery exporter: collecting the extra registry failed")
+
+    def _extra(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        try:
+            return bytes(generate_latest(self.registry)) if self.registry is not None else b""
+        except Exception:  # someone else's collector must not take /metrics down
+            log.exception("smiquery exporter: collecting the extra registry failed")
+            return b""
+
+    def fast(self, req: Request) -> bool:
+        """Whether answering ``req`` is cheap (the classic format, no extra registry): the selector answers it."""
+        return self.registry is None and _negotiate(req.headers.get("accept", ""))[1] == CONTENT_TYPE
+
+    def __call__(self, req: Request) -> Response:
+        if req.method not in ("GET", "HEAD"):
+            return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
+        if req.path == "/metrics":
+            # Negotiated as prometheus_client does (OpenMetrics when Accept asks for it); the classic text format
+            # comes from the collector's own fast renderer, which gives the same text.
+            encoder, content_type = _negotiate(req.headers.get("accept", ""))
+            body = self.collector.exposition() + self._extra() if content_type == CONTENT_TYPE else encoder(self)
+            headers = {"Vary": "Accept, Accept-Encoding"}
+            if _gzip_accepted(req.headers.get("accept-encoding", "")):
+                body = gzip.compress(body, compresslevel=6, mtime=0)
+                headers["Content-Encoding"] = "gzip"
+            return Response(200, bytes(body), content_type, headers)
+        if req.path == "/livez":
+            return Response(200, b"ok\n")
+        if req.path in ("/readyz", "/healthz"):
+            ok, why = self.collector.health()
+            return Response(200 if ok else 503, (why + "\n").encode())
+        if req.path in ("/", "/index.html"):
+            page = _INDEX.format(version=__version__, naming=self.collector.naming).encode()
+            return Response(200, page, "text/html; charset=utf-8")
+        return Response(404, b"not found: try /metrics, /livez, /readyz or /healthz\n")
 
 
 def _tls_context(
@@ -159,18 +133,6 @@ def _tls_context(
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.load_verify_locations(cafile=str(client_ca))
     return ctx
-
-
-def _family_of(bind: str) -> socket.AddressFamily:
-    try:
-        return socket.AF_INET6 if ipaddress.ip_address(bind.strip("[]")).version == 6 else socket.AF_INET
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(bind, None, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ListenError(f"cannot listen on {bind!r}: {exc.strerror}", port=0, bind=bind, option="--bind") from None
-    return infos[0][0] if infos else socket.AF_INET
 
 
 def _raise_fd_limit(wanted: int) -> None:
@@ -188,7 +150,11 @@ def _raise_fd_limit(wanted: int) -> None:
 
 
 def _make_socket(bind: str, port: int) -> socket.socket:
-    family = _family_of(bind)
+    try:  # a name or an address (IPv6 in brackets or not)
+        infos = socket.getaddrinfo(bind.strip("[]"), None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {bind!r}: {exc.strerror}", port=0, bind=bind, option="--bind") from None
+    family = infos[0][0] if infos else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -213,18 +179,15 @@ def _make_socket(bind: str, port: int) -> socket.socket:
 
 
 class Exporter:
-    """A running exporter: one background stream, optionally a process poller, and an HTTP(S) server thread.
-
-    Made by :func:`serve`. Use it as a context manager or call :meth:`stop`.
+    """A running exporter, made by :func:`serve`: use it as a context manager or call :meth:`stop`.
 
     Attributes:
-        collector: the :class:`SmiCollector` behind ``/metrics``.
+        collector: the :class:`SmiCollector` behind ``/metrics``; ``poller`` and ``pmon`` are its sources.
         stream: the background :class:`~smiquery.streams.sync.Stream` (a new one after a revival).
-        poller: the process poll (:func:`~smiquery.exporter.poller.process_poller`), when ``processes=True``.
-        pmon: the :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, when ``top_processes`` is above 0.
         http: the :class:`~smiquery.httpd.server.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
-        revive_after: seconds before a stream that stopped for good is replaced.
-        revivals: how many times that happened.
+        port: the port listened on (useful with ``port=0``), on the address ``bind``.
+        url: the base URL (``http://127.0.0.1:9849``); metrics are at ``url + "/metrics"``.
+        revivals: how many times a stream that stopped for good was replaced (after ``revive_after`` seconds).
     """
 
     def __init__(
@@ -232,9 +195,9 @@ class Exporter:
         server: HttpServer,
         collector: SmiCollector,
         tls: bool,
-        parts: Sequence[_Part] = (),
-        make_stream: Callable[[], Any] | None = None,
-        revive_after: float = 30.0,
+        parts: Sequence[_Part],
+        make_stream: Callable[[], Any],
+        revive_after: float,
     ) -> None:
         self.http = server
         self.collector = collector
@@ -243,34 +206,28 @@ class Exporter:
         self.pmon = collector.pmon
         self.revive_after = revive_after
         self.revivals = 0
+        host, port = server.sock.getsockname()[:2]
+        self.bind, self.port = str(host), int(port)
+        self.url = f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in self.bind else host}:{port}"
         self._make_stream = make_stream
-        self._tls = tls
         self._parts = parts
         self._stopped = threading.Event()
         self._lock = threading.Lock()
-        host, port = server.sock.getsockname()[:2]
-        self._bind = str(host)
-        self._port = int(port)
-        if make_stream is not None:
-            threading.Thread(target=self._revive_loop, name="smiquery-revive", daemon=True).start()
+        threading.Thread(target=self._revive_loop, name="smiquery-revive", daemon=True).start()
 
     def _revive_loop(self) -> None:
-        make = self._make_stream
-        assert make is not None
         # Belt and braces: a stream whose thread ended (a core that stops on permanent errors, or a bug) is
         # replaced by a new one after revive_after seconds, so the exporter is never silently dead.
         period = min(1.0, max(0.05, self.revive_after / 4))
         while not self._stopped.wait(period):
-            s = self.stream
-            if s.running or s.error is None:
+            err = self.stream.error
+            if self.stream.running or err is None:
                 continue
-            err = s.error
-            first = str(err).splitlines()[0] if str(err) else ""
             self.collector.revive_at = time.time() + self.revive_after
             log.warning(
                 "smiquery exporter: the nvidia-smi stream stopped (%s: %s); starting a new one in %g s",
                 type(err).__name__,
-                first,
+                (str(err).splitlines() or [""])[0],
                 self.revive_after,
             )
             if self._stopped.wait(self.revive_after):
@@ -279,7 +236,7 @@ class Exporter:
                 if self._stopped.is_set():
                     return
                 try:
-                    new = make()
+                    new = self._make_stream()
                     new.start()
                 except Exception as exc:  # e.g. nvidia-smi gone: try again after the next period
                     log.warning("smiquery exporter: starting a new nvidia-smi stream failed: %s", exc)
@@ -288,27 +245,7 @@ class Exporter:
                 self.collector.stream = new
                 self.collector.revive_at = None
                 self.revivals += 1
-            close = getattr(old, "close", None)
-            if close is not None:
-                close()
-
-    @property
-    def port(self) -> int:
-        """The port actually listened on (useful with ``port=0``)."""
-        return self._port
-
-    @property
-    def bind(self) -> str:
-        """The address listened on."""
-        return self._bind
-
-    @property
-    def url(self) -> str:
-        """The base URL (``http://127.0.0.1:9849``); metrics are at ``url + "/metrics"``."""
-        host = self.bind
-        if ":" in host:
-            host = f"[{host}]"
-        return f"{'https' if self._tls else 'http'}://{host}:{self.port}"
+            old.close()
 
     @property
     def stopped(self) -> bool:
@@ -316,27 +253,19 @@ class Exporter:
         return self._stopped.is_set()
 
     def stop(self) -> None:
-        """Stop serving, close the stream (nvidia-smi is reaped) and the poller. Idempotent; any thread."""
+        """Stop serving, close the stream (nvidia-smi is reaped) and the other parts. Idempotent; any thread."""
         with self._lock:
-            if self._stopped.is_set():
-                return
-            try:
-                self.http.shutdown()
-            finally:
+            if not self._stopped.is_set():
                 try:
-                    close = getattr(self.stream, "close", None)
-                    if close is not None:
-                        close()
+                    self.http.shutdown()
                 finally:
-                    _close(self._parts)  # the pmon child is reaped here too
-                    self._stopped.set()
+                    try:
+                        _close([self.stream, *self._parts])  # the pmon child is reaped here too
+                    finally:
+                        self._stopped.set()
 
     def serve_forever(self, poll: float = 0.5) -> None:
-        """Block until :meth:`stop` is called (from a signal handler or another thread).
-
-        Args:
-            poll: seconds between checks, so that signal handlers run promptly in the main thread.
-        """
+        """Block until :meth:`stop` is called, checking every ``poll`` seconds (so signal handlers run promptly)."""
         while not self._stopped.wait(poll):
             pass
 
@@ -392,26 +321,24 @@ def serve(
         port: TCP port (0: any free port; see :attr:`Exporter.port`).
         bind: address to listen on; ``0.0.0.0`` or ``::`` listen on all interfaces.
         interval: seconds between nvidia-smi samples.
-        fields: a preset or field list; the identity fields (index, uuid, name, pci.bus_id) are always added.
-            With DCGM naming the default ``health`` also gets the DCGM exporter's other default counters that
-            nvidia-smi supplies.
+        fields: a preset or field list; the identity fields (index, uuid, name, pci.bus_id) are always added, and
+            the default ``health`` gets the naming's extras (:func:`~smiquery.exporter.naming.exporter_fields`).
         gpus: only these GPUs.
         labels: constant labels for every series (``["site=lab"]`` or a mapping).
-        naming: ``smiquery`` (native, base units) or ``dcgm`` (the DCGM exporter's names, units and labels).
+        naming: ``smiquery`` (native, base units), ``dcgm`` (the DCGM exporter's names, units and labels) or
+            ``nvidia_smi`` (nvidia_gpu_exporter's).
         processes: also export per-process GPU memory, polled every ``processes_interval`` seconds.
         processes_interval: seconds between process polls.
         top_processes: also run ``nvidia-smi pmon`` (every ``interval`` seconds, rounded to 1..10) and export the
-            SM, memory and video-engine use and GPU memory of the ``top_processes`` busiest processes of each GPU,
-            plus one ``command="other"`` series summing the rest; 0 (the default) runs no pmon at all. If pmon
-            cannot run, one line is logged and the GPU metrics go on.
-        top_processes_by: ``name`` (the default: one series per process name, bounded however many short-lived
-            processes come and go) or ``pid`` (one series per process, labelled ``pid`` and ``user``: opt-in, as
-            every new pid is a new series).
+            use and GPU memory of the ``top_processes`` busiest processes of each GPU, plus one ``command="other"``
+            series summing the rest; 0 runs no pmon. If pmon cannot run, one line is logged and the rest goes on.
+        top_processes_by: ``name`` (one series per process name: bounded) or ``pid`` (one series per process,
+            labelled ``pid`` and ``user``: every new pid is a new series).
         tls_cert: PEM certificate: serve HTTPS.
         tls_key: PEM private key for ``tls_cert``.
         client_ca: PEM CA bundle: require client certificates signed by it.
-        web_config: a web configuration file (Prometheus exporter-toolkit format: ``tls_server_config``,
-            ``basic_auth_users``), or a loaded :class:`WebConfig`. Not together with ``tls_cert``.
+        web_config: a web configuration file (exporter-toolkit format: TLS, basic auth, headers), or a loaded
+            :class:`WebConfig`. Not together with ``tls_cert``.
         nvidia_smi: path of the binary.
         registry: a ``prometheus_client`` registry whose metrics are appended to ``/metrics`` (e.g. your own).
         stale_after: seconds after which data counts as stale (default ``max(3 * interval, 15)``).
@@ -423,17 +350,14 @@ def serve(
         request_timeout: seconds a client has to send a whole request head (slow clients are cut off).
         revive_after: seconds after which a stream that stopped for good (its thread ended with an error) is
             replaced by a new one; meanwhile ``smiquery_next_attempt_timestamp_seconds`` says when.
-        attribution: which workload holds each GPU (:class:`~smiquery.attribution.Attribution`, e.g. Kubernetes
-            pods), started and closed with the exporter.
-        details_interval: also run ``nvidia-smi -q -x`` every this many seconds, in its own thread (never on a
-            scrape), and export per-MIG-instance memory; None (the default here; the CLI's is 60) for none.
+        attribution: which workload holds each GPU (:class:`~smiquery.attribution.Attribution`), started and
+            closed with the exporter.
+        details_interval: also run ``nvidia-smi -q -x`` every this many seconds, in its own thread, and export
+            per-MIG-instance memory; None (the default here; the CLI's is 60) for none.
         kernel_log: also follow this kernel log (``/dev/kmsg``, or a plain file followed like ``tail -F``) and
             count ``smiquery_xid_errors_total``; None (the default here; the CLI's is ``/dev/kmsg``) for none.
-        process_metrics: serve the standard ``process_*`` metrics of this process (CPU seconds, resident memory,
-            open fds, start time: prometheus_client's ``ProcessCollector``), unless ``registry`` has them already.
-
-    Returns:
-        The running :class:`Exporter`.
+        process_metrics: serve prometheus_client's standard ``process_*`` metrics of this process, unless
+            ``registry`` has them already.
 
     Raises:
         PortInUseError: the port is taken (nvidia-smi is not started).
@@ -467,19 +391,19 @@ def serve(
     const = parse_labels(labels)
     flds = resolve_fields(exporter_fields(fields, naming, nvidia_smi=nvidia_smi))
     normalize_gpus(gpus)
-    web = web_config if isinstance(web_config, WebConfig) else WebConfig()
-    if web_config is not None and not isinstance(web_config, WebConfig):
-        web = load_web_config(web_config)
+    web = load_web_config(web_config) if isinstance(web_config, (str, os.PathLike)) else web_config or WebConfig()
     if tls_cert is not None and tls_key is not None:
         web.ssl_context = _tls_context(tls_cert, tls_key, client_ca)
     evaluator = AlertEvaluator(list(alerts)) if alerts else None
+    # the stream also queries what the alert rules read, and the driver version (for smiquery_build_info)
+    wanted = [*flds, *(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])]
+    stream_fields = list(dict.fromkeys(f.name for f in wanted))
 
     _raise_fd_limit(max_connections + 256)
     sock = _make_socket(bind, port)  # fail on a taken port before nvidia-smi starts
     s = poller = watcher = details = xid = collector = None
     events = EventLog()
     try:
-        stream_fields = [f.name for f in _with_alert_fields(flds, evaluator)]
 
         def make_stream() -> Any:
             return stream(
@@ -488,9 +412,8 @@ def serve(
                 gpus=gpus,
                 nvidia_smi=nvidia_smi,
                 stall_timeout=stall_timeout,
-                retry=RetryPolicy(
-                    max_attempts=None, backoff_max=30.0
-                ),  # an exporter never gives up; faults that need a person are retried every 30 s,
+                # an exporter never gives up; faults that need a person are retried every 30 s
+                retry=RetryPolicy(max_attempts=None, backoff_max=30.0),
                 on_event=events.on_stream_event,
             )
 
@@ -532,22 +455,11 @@ def serve(
             alerts=evaluator,
             on_gpu_change=events.on_gpu_change,
             on_state=events.on_state,
-            nvidia_smi_path=str(getattr(s, "argv", ("",))[0]),
+            nvidia_smi_path=str(s.argv[0]),
             attribution=attribution,
             process_metrics=process_metrics and not _has_process_metrics(registry),
         )
-        extra: Callable[[], bytes] = bytes
-        if registry is not None:
-            from prometheus_client import generate_latest
-
-            def extra() -> bytes:
-                try:
-                    return bytes(generate_latest(registry))
-                except Exception:  # someone else's collector must not take /metrics down
-                    log.exception("smiquery exporter: collecting the extra registry failed")
-                    return b""
-
-        router = _Router(collector, extra, web, registry)
+        router = _Router(collector, registry)
         http = HttpServer(
             sock,
             router,
@@ -565,14 +477,7 @@ def serve(
         parts = [p for p in (poller, watcher, collector, attribution, xid, details) if p is not None]
         for part in (s, *parts):
             part.start()
-        exp = Exporter(
-            http,
-            collector,
-            web.ssl_context is not None,
-            parts=parts,
-            make_stream=make_stream,
-            revive_after=revive_after,
-        )
+        exp = Exporter(http, collector, web.ssl_context is not None, parts, make_stream, revive_after)
     except BaseException:
         sock.close()
         _close([p for p in (s, poller, watcher, collector, attribution, xid, details) if p is not None])
@@ -592,8 +497,6 @@ def _has_process_metrics(registry: Any) -> bool:
 
 
 class _Part(Protocol):
-    """What the exporter starts besides the stream (pollers, watchers, the collector, attribution)."""
-
     def start(self) -> object: ...
 
     def close(self) -> None: ...
@@ -601,12 +504,9 @@ class _Part(Protocol):
 
 def _close(parts: Sequence[_Part]) -> None:
     """Close each part, in order, each even when one before it failed."""
-    for i, part in enumerate(parts):
-        try:
-            part.close()
-        except BaseException:
-            _close(parts[i + 1 :])
-            raise
+    with contextlib.ExitStack() as stack:
+        for part in reversed(parts):
+            stack.callback(part.close)
 
 
 _XID_RETRY = 30.0  # seconds between attempts to open a kernel log that could not be opened
@@ -625,14 +525,3 @@ def _xid_failed(exc: BaseException, opened: bool) -> None:
         exc,
         _XID_RETRY,
     )
-
-
-def _with_alert_fields(flds: Sequence[Field], evaluator: AlertEvaluator | None) -> list[Field]:
-    """The fields the stream queries: the exported ones, those the alert rules read, and the driver version.
-
-    Only the exported fields become metric families; the driver version feeds ``smiquery_build_info``.
-    """
-    out = {f.name: f for f in flds}
-    for f in (*(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])):
-        out.setdefault(f.name, f)
-    return list(out.values())

@@ -28,16 +28,8 @@ _LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 class SourceHealth:
     """What the collector needs to know about its source's state, read in one place.
 
-    Attributes:
-        running: whether the source's background thread is alive.
-        state: ``starting``, ``running``, ``retrying``, ``ended``, ``closed`` or ``failed``.
-        last_error: the newest failure as one line.
-        last_error_type: its exception class name.
-        next_retry_at: ``time.time()`` of the next start while retrying.
-        permanent: whether the current failure needs a person (driver mismatch, NVML missing...).
-        lost: GPU indices the source reports lost (an index another GPU delivers under is not in it).
-        known: GPU index -> UUID for every GPU the source has seen.
-        lost_uuids: UUIDs the source reports lost, with the index each had when last seen.
+    The attributes are :class:`~smiquery.source.StreamStats`' (``lost`` is ``lost_gpus``, ``known`` is
+    ``known_gpus``), plus ``running``: whether the source's background thread is alive.
     """
 
     running: bool
@@ -52,45 +44,30 @@ class SourceHealth:
 
 
 def source_health(source: SampleSource) -> SourceHealth:
-    """Read a source's state, whatever version of :class:`~smiquery.source.StreamStats` it carries.
-
-    Attributes a source does not have yet read as "not known" (None, False, empty); a source whose thread ended
-    with an error reads as ``failed``.
-
-    Args:
-        source: the sample source.
-
-    Returns:
-        Its state now.
-    """
+    """A source's state now; a source whose thread ended with an error reads as ``failed``."""
     st = source.stats
-    running = bool(source.running)
-    error = source.error
-    state = str(getattr(st, "state", "") or "")
+    running, error = bool(source.running), source.error
+    state: str = st.state
     if not running:
         state = "failed" if error is not None else (state if state in ("ended", "closed", "failed") else "closed")
-    elif not state or (state == "starting" and getattr(st, "rows", 0) > 0):
+    elif state == "starting" and st.rows > 0:
         state = "running"  # a source that does not keep state: rows flow, so it runs
-    last_type = getattr(st, "last_error_type", None)
-    last = getattr(st, "last_error", None)
+    last_type, last = st.last_error_type, st.last_error
     if error is not None and not running:
         last_type = type(error).__name__
         last = str(error).splitlines()[0] if str(error) else last_type
-    if last_type is None and last is not None:
-        errors = getattr(st, "errors", None)
-        if errors:
-            last_type = max(errors, key=lambda k: errors[k])
-    known = dict(getattr(st, "known_gpus", None) or {})
+    if last_type is None and last is not None and st.errors:
+        last_type = max(st.errors, key=lambda k: st.errors[k])
     return SourceHealth(
         running=running,
         state=state,
         last_error=last,
         last_error_type=last_type,
-        next_retry_at=getattr(st, "next_retry_at", None),
-        permanent=bool(getattr(st, "permanent", False)),
-        lost=frozenset(getattr(st, "lost_gpus", None) or ()),
-        known=known,
-        lost_uuids=dict(getattr(st, "lost_uuids", None) or {}),
+        next_retry_at=st.next_retry_at,
+        permanent=st.permanent,
+        lost=frozenset(st.lost_gpus),
+        known=dict(st.known_gpus),
+        lost_uuids=dict(st.lost_uuids),
     )
 
 
@@ -100,20 +77,13 @@ class TrackedGpu:
 
     index: int | None
     uuid: str | None
-    native: dict[str, str]
-    dcgm: dict[str, str]
+    labels: dict[str, str]  # the naming's labels of its series
     lost: bool = False
     absent: int = 0  # sweeps in a row without this GPU
 
 
 def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, str]:
-    """Check constant labels given as ``key=value`` strings (or a mapping).
-
-    Args:
-        items: ``["site=lab", "rack=3"]`` or ``{"site": "lab"}``.
-
-    Returns:
-        The labels as a dict.
+    """Constant labels given as ``key=value`` strings (``["site=lab"]``) or a mapping, checked, as a dict.
 
     Raises:
         ValueError: a malformed item, an invalid or reserved label name, or a name given twice.

@@ -1,29 +1,20 @@
 """A small HTTP/1.1 server that bad clients cannot starve or stop: one selector thread, a fixed pool of workers.
 
-The selector thread owns every socket: it accepts (listen backlog 1024), runs TLS handshakes, reads request heads
-and writes responses, all without blocking, and enforces per-connection deadlines (a whole request head from its
-first byte, a whole response once it starts, and an idle limit between requests). Workers only compute the
-responses the selector thread should not (OpenMetrics, a slow extra registry): a slow reader costs a buffer,
-never a thread. When ``max_connections`` sockets are open, the one that has waited longest makes room.
-
-With ``auth`` (basic auth), credentials are settled before a request reaches a worker: a known answer (a
-credential that passed or failed before, none at all) at once in the selector thread, anything else by one
-verifier thread of its own, at most ``auth_queue`` checks waiting or running; past that bound the request is
-answered 429 after ``shed_delay`` (the connection parked meanwhile, no thread held), so that a guesser that
-retries at once does not turn into a flood of connections. So guesses, however many, never hold a worker, and a
-scrape with a credential that passed before never waits on bcrypt.
-
-Whatever one connection does, the failure stays with it: every step on a connection runs under a guard that
-closes that connection alone, and the loop itself goes on after any error. Request heads are parsed strictly
-(RFC 9112): CRLF line ends only, token method and header names, no control characters, one Host (required in
-HTTP/1.1), at most one Content-Length of plain ASCII digits and no body at all. Threads: 1 + ``workers`` (+ 1
-verifier with ``auth``), always.
+The selector thread owns every socket: it accepts, runs TLS handshakes, reads request heads and writes responses,
+all without blocking, and enforces per-connection deadlines. Workers only compute the responses the selector
+thread should not (OpenMetrics, a slow extra registry): a slow reader costs a buffer, never a thread. When
+``max_connections`` sockets are open, the one that has waited longest makes room. With basic auth, credentials
+are settled before a request reaches a worker (a known answer at once, anything else by one verifier thread, at
+most ``auth_queue`` checks waiting: past that the request is answered 429 after ``shed_delay``), so guesses never
+hold a worker. A failure stays with its connection: every step on one runs under a guard that closes it alone.
+Request heads are parsed strictly (RFC 9112) and may carry no body. Threads: 1 + ``workers`` (+ 1 verifier).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import http
 import os
 import queue
 import re
@@ -48,20 +39,7 @@ _MAX_HEAD = 16384
 _READ = 65536
 _CHUNK = 65536
 _TURN = 64  # pipelined requests answered for one connection before the others get a turn
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    406: "Not Acceptable",
-    408: "Request Timeout",
-    413: "Content Too Large",
-    429: "Too Many Requests",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
+_REASONS = {s.value: s.phrase for s in http.HTTPStatus} | {413: "Content Too Large"}  # RFC 9110's name
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _CTL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # control characters other than HTAB
 _TARGET = re.compile(r"/[\x21-\x7e]*")  # origin-form: no spaces, controls or raw non-ASCII bytes
@@ -74,12 +52,7 @@ _SINGLE = frozenset({"host", "content-length", "authorization", "transfer-encodi
 class Request:
     """One parsed request head.
 
-    Attributes:
-        method: ``GET``, ``HEAD``...
-        path: the path without the query string.
-        version: ``HTTP/1.1`` or ``HTTP/1.0``.
-        headers: header names in lower case -> value (repeated headers joined with ``", "``).
-        client: the peer address.
+    ``path`` is without the query string, ``headers`` by lower-case name (repeats joined with ``", "``).
     """
 
     method: str
@@ -91,14 +64,7 @@ class Request:
 
 @dataclass
 class Response:
-    """What a handler answers.
-
-    Attributes:
-        status: the status code.
-        body: the body bytes.
-        content_type: the Content-Type header.
-        headers: extra headers.
-    """
+    """What a handler answers: status, body, Content-Type and extra headers."""
 
     status: int
     body: bytes
@@ -168,24 +134,16 @@ class HttpServer:
     Args:
         sock: a bound socket (not yet listening).
         handler: computes a response (a raise answers 500 and is logged at most once a minute).
-        ssl_context: serve TLS with this server context.
-        workers: worker threads (responses computed in parallel).
-        max_connections: open client sockets at most.
         request_timeout: seconds from a request's first byte (or a TLS connection's start) to its complete head.
         idle_timeout: seconds a keep-alive connection may sit without starting a request.
         write_timeout: seconds a client has to take one whole response.
-        backlog: the listen backlog.
-        server_header: the ``Server`` header value.
-        inline: says which requests are cheap enough to answer in the selector thread itself (no thread
-            hand-off); the rest go to the workers.
+        inline: says which requests are cheap enough to answer in the selector thread itself; the rest go to
+            the workers.
         headers: headers added to every response (``Strict-Transport-Security``...).
-        peer_check: called with each TLS connection once its handshake is done; False closes it (for an allow
-            list of client certificate names).
-        auth: basic auth checked before ``handler`` sees a request (401 for a refusal, the handler never called);
-            its slow checks run on one verifier thread, never on the workers.
+        peer_check: called with each TLS connection once its handshake is done; False closes it.
+        auth: basic auth checked before ``handler`` sees a request (401 for a refusal).
         auth_queue: checks waiting for or running on the verifier at most; past it a request is answered 429
-            (``Retry-After: 1``) and its connection closed.
-        shed_delay: seconds such a 429 waits (to within a quarter of a second) before it is sent.
+            (``Retry-After: 1``) after ``shed_delay`` seconds, and its connection closed.
     """
 
     def __init__(
@@ -239,10 +197,12 @@ class HttpServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._conns: dict[socket.socket, _Conn] = {}
         self._ready: deque[_Conn] = deque()  # complete requests still buffered after a connection's turn
-        self._back: queue.SimpleQueue[tuple[_Conn, bytes, bool]] = queue.SimpleQueue()  # answers from workers
+        # answers from the workers and the verifier: (connection, the selector's next step, its arguments)
+        self._back: queue.SimpleQueue[tuple[_Conn, Callable[..., bool | None], tuple[object, ...]]] = (
+            queue.SimpleQueue()
+        )
         self._jobs: queue.SimpleQueue[tuple[_Conn, Request] | None] = queue.SimpleQueue()
         self._checks: queue.SimpleQueue[tuple[_Conn, Request] | None] = queue.SimpleQueue()
-        self._checked: queue.SimpleQueue[tuple[_Conn, Request, bool]] = queue.SimpleQueue()  # verifier answers
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, name="smiquery-http", daemon=True)]
         self._threads += [
@@ -499,13 +459,16 @@ class HttpServer:
         self._jobs.put((conn, req))
         return False
 
-    def _checked_one(self, conn: _Conn, req: Request, allowed: bool) -> None:
-        """The verifier's answer for ``conn``'s request: go on with it, then with what the client sent after it."""
+    def _checked(self, conn: _Conn, req: Request, allowed: bool) -> bool:
+        self._checking -= 1
+        return self._dispatch(conn, req, allowed)
+
+    def _resume(self, conn: _Conn, step: Callable[..., bool | None], *args: object) -> None:
+        """A thread's answer for ``conn``: take the next step with it, then go on with what the client sent after."""
         conn.busy = False
         if conn.closed or self._stop.is_set():
             self._close(conn)
-            return
-        if self._dispatch(conn, req, allowed) and not conn.closed and not conn.out:
+        elif step(conn, *args) is not False and not conn.closed and not conn.out:
             self._process(conn)
 
     def _start(self, conn: _Conn, data: bytes, close: bool) -> None:
@@ -540,15 +503,6 @@ class HttpServer:
         conn.deadline = time.monotonic() + self.idle_timeout
         return True
 
-    def _deliver(self, conn: _Conn, data: bytes, close: bool) -> None:
-        conn.busy = False
-        if conn.closed or self._stop.is_set():
-            self._close(conn)
-            return
-        self._start(conn, data, close)
-        if not conn.closed and not conn.out:
-            self._process(conn)
-
     def _expire(self, now: float) -> None:
         for conn in [c for c in self._conns.values() if c.deadline <= now and not c.busy]:
             if conn.held is not None:
@@ -579,17 +533,10 @@ class HttpServer:
                 self._guard(conn, self._process, conn)
         while True:
             try:
-                conn, data, close = self._back.get_nowait()
+                conn, step, args = self._back.get_nowait()
             except queue.Empty:
                 break
-            self._guard(conn, self._deliver, conn, data, close)
-        while True:
-            try:
-                conn, req, allowed = self._checked.get_nowait()
-            except queue.Empty:
-                break
-            self._checking -= 1
-            self._guard(conn, self._checked_one, conn, req, allowed)
+            self._guard(conn, self._resume, conn, step, *args)
         now = time.monotonic()
         if now >= next_sweep:
             self._expire(now)
@@ -625,7 +572,7 @@ class HttpServer:
             except Exception:
                 self._handler_throttle.warn("smiquery exporter: answering %s failed", conn.client)
                 data, close = self._error(500), True
-            self._back.put((conn, data, close))
+            self._back.put((conn, self._start, (data, close)))
             self._wake()
 
     def _verify(self) -> None:
@@ -644,7 +591,7 @@ class HttpServer:
             except Exception:
                 self._handler_throttle.warn("smiquery exporter: checking the password of %s failed", conn.client)
                 allowed = False
-            self._checked.put((conn, req, allowed))
+            self._back.put((conn, self._checked, (req, allowed)))
             self._wake()
 
     def _error(self, status: int) -> bytes:
@@ -729,11 +676,3 @@ def _parse(head: bytes, client: str) -> tuple[Request | None, int]:
         # a scrape endpoint takes no bodies; refusing them (and closing) keeps the framing simple and safe
         return None, 413
     return Request(method, target.split("?", 1)[0], version, headers, client), 0
-
-
-def thread_count() -> int:
-    """Threads of this process (for tests and benchmarks)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:  # pragma: no cover - not Linux
-        return threading.active_count()

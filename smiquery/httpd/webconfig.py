@@ -1,18 +1,7 @@
-"""Web configuration in the Prometheus exporter-toolkit format: TLS and basic auth for the scrape endpoint.
-
-The file every Prometheus exporter accepts with ``--web-config-file``::
-
-    tls_server_config:
-      cert_file: server.pem
-      key_file: server.key
-      client_ca_file: ca.pem                 # optional
-      client_auth_type: RequireAndVerifyClientCert
-    basic_auth_users:
-      prometheus: $2b$12$...                 # bcrypt hash (htpasswd -nBC 12 "" | tr -d ':')
+"""Web configuration in the Prometheus exporter-toolkit format (``--web-config-file``): TLS, basic auth, headers.
 
 Relative paths are relative to the file's folder. Every key either does what exporter-toolkit documents or makes
-loading fail with one line saying why (unknown keys, ``curve_preferences``, ``RequestClientCert``,
-``RequireAnyClientCert``, ``http2: true``); docs/exporter.md lists them.
+loading fail with one line saying why; docs/exporter.md lists them.
 """
 
 from __future__ import annotations
@@ -119,11 +108,6 @@ class WebConfig:
     _dummy: bytes | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def _hash_for(self, user: str) -> bytes:
-        """The user's hash, or for an unknown user a dummy of the same cost: both answers take as long."""
-        hashed = self.users.get(user)
-        return hashed if hashed is not None else self._dummy_hash()
-
     def _dummy_hash(self) -> bytes:
         if self._dummy is None:
             import bcrypt
@@ -136,18 +120,6 @@ class WebConfig:
         hashed = self.users.get(user, b"")
         return hashlib.sha256(hashed + b"\0" + user.encode() + b"\0" + password.encode()).digest()
 
-    def _known(self, key: bytes) -> bool | None:
-        """True: passed before; False: failed recently; None: needs a bcrypt check."""
-        with self._lock:
-            if key in self._ok:
-                return True
-            failed = self._bad.get(key)
-            if failed is not None:
-                if time.monotonic() - failed < _FAILURE_TTL:
-                    return False
-                del self._bad[key]
-        return None
-
     def verdict(self, header: str | None) -> bool | None:
         """The answer to ``header`` that needs no bcrypt check, or None when only :meth:`authorized` can tell.
 
@@ -159,27 +131,28 @@ class WebConfig:
         cred = _credentials(header)
         if cred is None:
             return False
-        return self._known(self._key(*cred))
+        key = self._key(*cred)
+        with self._lock:
+            if key in self._ok:
+                return True
+            failed = self._bad.get(key)
+            if failed is not None and time.monotonic() - failed < _FAILURE_TTL:
+                return False
+            self._bad.pop(key, None)
+        return None
 
     def cached(self, header: str | None) -> bool:
         """Whether :meth:`authorized` answers ``header`` without a bcrypt check (no users, malformed, or seen)."""
         return self.verdict(header) is not None
 
     def authorized(self, header: str | None) -> bool:
-        """Whether an ``Authorization`` header value passes basic auth (always True without users).
+        """Whether an ``Authorization`` header value (None: absent) passes basic auth (always True without users).
 
         A bcrypt check costs tens of milliseconds by design, so: a credential that passed once is remembered (as
-        a salted digest, never in clear) and scrapes stay fast; one that failed is remembered for five minutes
-        and refused at once; an unknown user is checked against a dummy hash of the same cost (the time does not
-        tell whether a user exists); and only one check runs at a time in the process. This blocks for the
-        check: :class:`~smiquery.httpd.server.HttpServer` calls it on its own verifier thread (``auth=``) when
-        :meth:`verdict` cannot answer, so that no worker waits on bcrypt.
-
-        Args:
-            header: the header value, or None when absent.
-
-        Returns:
-            True when access is allowed.
+        a salted digest, never in clear); one that failed is refused at once for five minutes; an unknown user is
+        checked against a dummy hash of the same cost (the time does not tell whether a user exists); and one
+        check runs at a time in the process. This blocks for the check: :class:`~smiquery.httpd.server.HttpServer`
+        calls it on its verifier thread when :meth:`verdict` cannot answer.
         """
         known = self.verdict(header)
         if known is not None:
@@ -191,7 +164,10 @@ class WebConfig:
 
         with _BCRYPT:
             try:
-                good = bcrypt.checkpw(password.encode(), self._hash_for(user)) and user in self.users
+                # an unknown user is checked against a dummy hash of the same cost: both answers take as long
+                good = (
+                    bcrypt.checkpw(password.encode(), self.users.get(user) or self._dummy_hash()) and user in self.users
+                )
             except ValueError:
                 good = False
         key = self._key(user, password)
@@ -328,13 +304,7 @@ def _http(http: Any, cfg: Path) -> dict[str, str]:
 
 
 def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
-    """Read a web configuration file (exporter-toolkit format).
-
-    Args:
-        path: the YAML file.
-
-    Returns:
-        The settings, with the TLS context built and the certificate and key loaded.
+    """Read a web configuration file (exporter-toolkit YAML): the settings, the TLS context built.
 
     Raises:
         WebConfigError: the file is missing, not YAML, has unknown or unsupported keys, a bad hash, or unreadable
