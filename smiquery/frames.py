@@ -35,9 +35,6 @@ __all__ = [
     "to_dataframe",
 ]
 
-# --------------------------------------------------------------------------------------------------------------
-# column arrays (the CSV reader builds its frames with them too)
-
 
 def _field_for(name: str) -> Field:
     try:
@@ -51,7 +48,6 @@ def string_dtype() -> Any:
     """The dtype of text columns: Arrow-backed when pyarrow is installed."""
     import pandas as pd
 
-    # Arrow-backed strings take a fraction of the memory of Python str objects; pandas >= 3 picks them anyway.
     if importlib.util.find_spec("pyarrow") is not None:
         return pd.StringDtype("pyarrow")
     return pd.StringDtype()
@@ -106,14 +102,7 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
 
     @classmethod
     def from_dicts(cls, missing: Mapping[str, Mapping[Any, str]]) -> MissingReasons:
-        """Build from column -> {row position (int or digit string) -> reason}.
-
-        Args:
-            missing: the reasons, as :func:`to_dataframe` once kept them or a Parquet file's attrs hold them.
-
-        Returns:
-            The same reasons, in compact form.
-        """
+        """Build from column -> {row position (int or digit string, as a Parquet file's attrs hold it) -> reason}."""
         if isinstance(missing, MissingReasons):
             return missing
         out: dict[str, tuple[Any, Any, Sequence[str]]] = {}
@@ -122,6 +111,25 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
             rows = [int(r) for r in reasons]
             codes = [words.setdefault(str(w), len(words)) for w in reasons.values()]
             out[str(col)] = (rows, codes, tuple(words))
+        return cls(out)
+
+    @classmethod
+    def concat(cls, parts: Iterable[tuple[int, Mapping[str, Mapping[Any, str]]]]) -> MissingReasons:
+        """The reasons of frames stacked in order, given as (row offset of the frame, its reasons) each."""
+        import numpy as np
+
+        compact = [(offset, cls.from_dicts(m)._columns) for offset, m in parts]
+        out: dict[str, tuple[Any, Any, Sequence[str]]] = {}
+        for col in dict.fromkeys(c for _, m in compact for c in m):
+            found = [(offset, m[col]) for offset, m in compact if col in m]
+            words = tuple(dict.fromkeys(w for _, (_, _, ws) in found for w in ws))
+            code_of = {w: n for n, w in enumerate(words)}
+            rows = np.concatenate([np.asarray(r, dtype=np.int64) + off for off, (r, _, _) in found])
+            codes = [
+                np.asarray([code_of[w] for w in ws], dtype=np.int16)[np.asarray(c, dtype=np.intp)]
+                for _, (_, c, ws) in found
+            ]
+            out[col] = (rows, np.concatenate(codes), words)
         return cls(out)
 
     def __getitem__(self, column: str) -> Mapping[int, str]:
@@ -152,27 +160,12 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
         return self
 
     def count(self, column: str) -> int:
-        """How many cells of ``column`` are missing with a known reason.
-
-        Args:
-            column: a column name (``power_draw``).
-
-        Returns:
-            The count; 0 for a column without missing cells.
-        """
+        """How many cells of ``column`` (``power_draw``) are missing with a known reason; 0 for none."""
         entry = self._columns.get(column)
         return 0 if entry is None else len(entry[0])
 
     def series(self, column: str, length: int) -> pd.Series:
-        """The reasons of one column as a categorical Series of ``length`` rows, ``<NA>`` where not missing.
-
-        Args:
-            column: a column name.
-            length: rows of the frame as read.
-
-        Returns:
-            A categorical Series indexed by row position.
-        """
+        """One column's reasons: a categorical Series of ``length`` rows (as read), ``<NA>`` where not missing."""
         import numpy as np
         import pandas as pd
 
@@ -186,14 +179,7 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
 
 
 def missing_reasons(df: pd.DataFrame) -> MissingReasons:
-    """The reasons of a frame's missing cells (from :func:`read_csv`, :func:`to_dataframe` or a Parquet file).
-
-    Args:
-        df: the frame.
-
-    Returns:
-        column -> {row position -> reason}; empty when the frame has none recorded.
-    """
+    """column -> {row position -> reason} of a frame's missing cells (any reader's, :func:`to_dataframe`'s)."""
     found = df.attrs.get("missing")
     if isinstance(found, MissingReasons):
         return found
@@ -230,19 +216,17 @@ def _timestamp_array(values: Sequence[Value], tz: tzinfo | None) -> Any:
     return index.as_unit("ns").array
 
 
-def _python_array(fld: Field, values: Sequence[Value], tz: tzinfo | None = None) -> Any:
+def _python_array(fld: Field, values: Sequence[Any], tz: tzinfo | None = None) -> Any:
     """A nullable pandas array for one column of Python values (None for missing)."""
     import pandas as pd
 
     storage = fld.kind.ops.storage
-    data: Any = values
     if storage == "int":
-        return int_array(data)
+        return int_array(values)
     if storage == "timestamp":
         return _timestamp_array(values, tz)
-    if storage == "string":
-        return pd.array(data, dtype=string_dtype())
-    return pd.array(data, dtype=fld.kind.ops.dtype)
+    dtype: Any = string_dtype() if storage == "string" else fld.kind.ops.dtype
+    return pd.array(values, dtype=dtype)
 
 
 def empty_array(fld: Field, tz: tzinfo | None) -> Any:
@@ -277,10 +261,6 @@ def make_frame(
     if skipped is not None:
         df.attrs["skipped"] = skipped
     return df
-
-
-# --------------------------------------------------------------------------------------------------------------
-# samples -> DataFrame
 
 
 def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
@@ -333,9 +313,7 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
 def set_zone(df: pd.DataFrame, tz: tzinfo | None) -> None:
     """Put the ``timestamp`` column in ``tz``, in place: naive times are localized, aware ones converted.
 
-    Args:
-        df: the frame.
-        tz: the zone; None leaves the column as it is.
+    None leaves the column as it is.
     """
     if tz is None or "timestamp" not in df.columns:
         return
@@ -370,14 +348,7 @@ class SkippedLines:
         return cls(count, first.lineno, (first.line or "")[:80], why)
 
     def message(self, name: str = "the recording") -> str:
-        """One line for a warning: ``skipped 2 unreadable lines in run.csv (first: line 316: ...)``.
-
-        Args:
-            name: how to call the recording (its path).
-
-        Returns:
-            The sentence, without a trailing period.
-        """
+        """One line, no trailing period: ``skipped 2 unreadable lines in run.csv (first: line 316: ...)``."""
         lines = "line" if self.count == 1 else "lines"
         why = f": {self.reason}" if self.reason else ""
         return f"skipped {self.count} unreadable {lines} in {name} (first: line {self.first_lineno}{why})"

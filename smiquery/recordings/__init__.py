@@ -26,12 +26,12 @@ from smiquery.recordings.base import (
     resolve_zone,
 )
 from smiquery.recordings.csvfile import CsvSource, CsvWriter, csv_header, read_csv, read_csv_recording
-from smiquery.recordings.dataset import ParquetDataset, is_dataset, read_dataset, recorded_rules, recorded_zone
+from smiquery.recordings.dataset import ParquetDataset, is_dataset, read_dataset
 from smiquery.recordings.jsonl import JsonlWriter, json_value, read_jsonl, sample_from_json, sample_to_json
 from smiquery.recordings.parquet import ParquetWriter, read_parquet
 from smiquery.recordings.playback import Replay, replay
-from smiquery.recordings.recorder import Policy, TextRecorder
-from smiquery.recordings.sets import Sources, csv_zone, expand_sources, no_rows, read_members
+from smiquery.recordings.recorder import Policy, TextRecorder, recorded_rules, recorded_zone
+from smiquery.recordings.sets import Sources, expand_sources, no_rows, read_members
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -220,20 +220,17 @@ def _read_one(path: str, wanted: Sequence[Field] | None, zone: tzinfo | None) ->
     import pandas as pd
 
     as_columns = False
+    zone = zone if zone is not None else recorded_zone(path)
     if os.path.isdir(path) and is_dataset(path):
         df = read_dataset(path)
-        set_zone(df, zone if zone is not None else recorded_zone(path))
     else:
         check_file(path)
         fmt = detect_format(path)
         if fmt == "csv":
-            df, as_columns = read_csv_recording(path, wanted, zone if zone is not None else csv_zone(path))
-        elif fmt == "parquet":
-            df = read_parquet(path)
-            set_zone(df, zone)
+            df, as_columns = read_csv_recording(path, wanted, zone)
         else:
-            df = read_jsonl(path, zone)
-            set_zone(df, zone)
+            df = read_parquet(path) if fmt == "parquet" else read_jsonl(path, zone)
+    set_zone(df, zone)
     if len(df) == 0 and isinstance(df.attrs.get("skipped"), SkippedLines):
         raise no_rows(path)  # only unreadable lines: not a file just started
     rules = recorded_rules(path)

@@ -19,10 +19,11 @@ from smiquery.errors import ParseError, ReplayError
 from smiquery.fields import Field, resolve_fields
 from smiquery.recordings.base import RecordingFormat, check_file, detect_format, resolve_zone
 from smiquery.recordings.csvfile import read_csv_samples
-from smiquery.recordings.dataset import dataset_files, is_dataset, recorded_zone
+from smiquery.recordings.dataset import dataset_files, is_dataset
 from smiquery.recordings.jsonl import read_jsonl_samples
 from smiquery.recordings.parquet import read_parquet_samples
-from smiquery.recordings.sets import Sources, csv_zone, expand_sources
+from smiquery.recordings.recorder import recorded_zone
+from smiquery.recordings.sets import Sources, expand_sources, time_order
 from smiquery.recordings.values import field_for, with_gpu0, with_timestamp
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
@@ -132,22 +133,15 @@ class Replay(LatestSweep):
 
     def _time_ordered(self, paths: list[str], fmt: RecordingFormat | None) -> list[str]:
         """Several files (a rotated set) in the order of their first timestamps, whatever their names."""
-        firsts: list[datetime | None] = []
-        for p in paths:
-            first = next(iter(self._one_file(p, fmt, lambda err: None)), None)
-            ts = first.timestamp if first is not None else None
-            firsts.append(ts.replace(tzinfo=None) if isinstance(ts, datetime) and ts.tzinfo is None else ts)
-        try:
-            return [p for _, p in sorted(zip(firsts, paths, strict=True), key=lambda t: (t[0] is None, t[0] or 0))]
-        except TypeError:  # naive and aware times mixed: the order given
-            return paths
+        firsts = [next(iter(self._one_file(p, fmt, lambda err: None)), None) for p in paths]
+        return [paths[i] for i in time_order([s.timestamp if s is not None else None for s in firsts])]
 
     def _one_file(
         self, path: str, fmt: RecordingFormat | None, on_drop: Callable[[ParseError], None] | None = None
     ) -> Iterator[GpuSample]:
         drop = on_drop if on_drop is not None else self._on_drop
+        zone = self.tz if self.tz is not None else recorded_zone(path)
         if is_dataset(path):
-            zone = self.tz if self.tz is not None else recorded_zone(path)
             parts, journals = dataset_files(path)
             for part in parts:
                 yield from read_parquet_samples(os.fspath(part), zone)
@@ -156,10 +150,9 @@ class Replay(LatestSweep):
             return
         kind = fmt or detect_format(path)
         if kind == "parquet":
-            yield from read_parquet_samples(path, self.tz)
-            return
-        zone = self.tz if self.tz is not None or kind != "csv" else csv_zone(path)
-        yield from self._text_samples(path, kind, zone, drop)
+            yield from read_parquet_samples(path, zone)
+        else:
+            yield from self._text_samples(path, kind, zone, drop)
 
     def _text_samples(
         self, path: str, kind: RecordingFormat, tz: tzinfo | None, on_drop: Callable[[ParseError], None]
