@@ -64,18 +64,9 @@ class CsvWriter(LineWriter):
 
 
 def csv_header(path: str | os.PathLike[str]) -> tuple[str, ...] | None:
-    """The field names of a CSV recording's header line, or None when it has none (a ``noheader`` log).
+    """The canonical field names of a CSV recording's header line, in order; None for no header (or no line).
 
-    Only the head of the file is read. A headerless log needs its columns named (``fields=``, ``--fields``).
-
-    Args:
-        path: the recording.
-
-    Returns:
-        The canonical field names, in column order; None for no header (or no line at all).
-
-    Raises:
-        RecordingError: the file cannot be read.
+    Only the head of the file is read. Raises RecordingError when it cannot be read.
     """
     parser = CsvParser()
     try:
@@ -95,12 +86,6 @@ def csv_header(path: str | os.PathLike[str]) -> tuple[str, ...] | None:
     return None
 
 
-def _as_fields(fields: str | Sequence[str | Field] | None) -> Sequence[str | Field] | None:
-    if isinstance(fields, str):
-        return resolve_fields(fields)
-    return fields
-
-
 def read_csv(
     path_or_buffer: CsvSource,
     fields: str | Sequence[str | Field] | None = None,
@@ -111,10 +96,9 @@ def read_csv(
 
     Gives the same columns, dtypes and ``attrs`` as :func:`to_dataframe` of the parsed records, plus
     ``attrs["notices"]`` (driver notice lines such as ``WARNING: infoROM is corrupted...``). With pyarrow
-    installed (``smiquery[fast]``) the file is split by pyarrow's CSV reader and converted column by column
-    with vectorised kernels; without it the pure-Python :class:`~smiquery.sources.query_gpu.CsvParser` is used
-    (same result, slower). One difference: past the first 4,000 rows, the fast path reads a ``0x``-prefixed number in an
-    integer column as hex, where the parser rejects it (nvidia-smi prints hex only in hex fields).
+    installed (``smiquery[fast]``) the file is converted column by column with vectorised kernels; without it the
+    pure-Python :class:`~smiquery.sources.query_gpu.CsvParser` reads it (same result, slower; but past the first
+    4,000 rows the fast path reads a ``0x`` number in an integer column as hex, which the parser rejects).
 
     Args:
         path_or_buffer: a path, or an open file in binary or text mode.
@@ -139,7 +123,7 @@ def read_csv(
     # The parser needs a zone to read a timestamp; the wall-clock time it reads is what is kept.
     zone = out_tz if out_tz is not None else local_zone()
     src = CsvInput(path_or_buffer)
-    wanted = _as_fields(fields)
+    wanted = resolve_fields(fields) if isinstance(fields, str) else fields
     try:
         import pyarrow
         import pyarrow.compute
@@ -187,8 +171,8 @@ def _read_csv_python(
         except (OverflowError, ValueError) as exc:  # a timestamp outside datetime64[ns] (years 1677-2262)
             raise ParseError(str(exc), lineno=0, line="") from exc
         if "timestamp" in df.columns:
-            stamps = df["timestamp"].dt.tz_convert(tz)
-            df["timestamp"] = stamps.dt.tz_localize(None) if out_tz is None else stamps.dt.tz_convert(out_tz)
+            stamps = df["timestamp"].dt.tz_convert(tz)  # tz is out_tz, or the zone the parser read wall times in
+            df["timestamp"] = stamps.dt.tz_localize(None) if out_tz is None else stamps
         df.attrs["notices"] = list(parser.notices)
         if skipped is not None:
             df.attrs["skipped"] = skipped
@@ -200,13 +184,8 @@ def _read_csv_python(
 def read_csv_recording(path: str, fields: Sequence[Field] | None, tz: tzinfo | None) -> tuple[pd.DataFrame, bool]:
     """A CSV recording as :func:`smiquery.recordings.read_recording` reads it: by its header, else by ``fields``.
 
-    Args:
-        path: the file.
-        fields: the columns of a headerless log, in order; None when it must have a header.
-        tz: the zone the recording was made in; None keeps timestamps as recorded.
-
-    Returns:
-        The frame, and whether ``fields`` named its columns (it has no header).
+    ``fields`` are the columns of a headerless log, in order (None: it must have a header); ``tz`` the zone it was
+    made in (None: as recorded). Returns the frame, and whether ``fields`` named its columns.
 
     Raises:
         RecordingError: no header and no ``fields``, rows that do not fit ``fields``, or no readable row.
@@ -237,17 +216,10 @@ def read_csv_samples(
     columns: Sequence[Field] | None = None,
     tz: tzinfo | None = None,
 ) -> Iterator[GpuSample]:
-    """The samples of a CSV recording, line by line; an unreadable line is skipped and given to ``on_drop``.
+    """The samples of an open CSV recording (``source`` names it), line by line.
 
-    Args:
-        fh: the open recording.
-        source: its name, for errors.
-        on_drop: called with the error of each skipped line.
-        columns: the columns of a headerless log, in order.
-        tz: the zone of the timestamps; None keeps them naive, as recorded.
-
-    Yields:
-        One sample per readable row.
+    An unreadable line is skipped and its error given to ``on_drop``. ``columns`` are those of a headerless log, in
+    order; ``tz`` the zone of the timestamps (None: naive, as recorded).
 
     Raises:
         ReplayError: no header and no ``columns``, or a header that does not fit ``columns``.
