@@ -1,9 +1,8 @@
 """Playback: a recording as a sample source, paced by its own timestamps like the original run.
 
-:func:`replay` gives the samples of a recording one by one (and :meth:`Replay.sweeps` groups them the way
-:meth:`smiquery.streams.sync.Stream.sweeps` does), so anything that consumes a live stream can consume a recording.
-The format modules read the samples (CSV and JSONL line by line with the pure parser; pandas and pyarrow are
-imported only for Parquet); this module selects, projects and paces them.
+:func:`replay` gives the samples one by one (:meth:`Replay.sweeps` groups them as a live stream does), so anything
+that consumes a live stream can consume a recording. The format modules read the samples; this module selects,
+projects and paces them.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from datetime import datetime, timedelta, tzinfo
 
 from smiquery.clock import later, seconds_between
@@ -81,8 +80,7 @@ class Replay(LatestSweep):
         self.stats = StreamStats()
         self._lock = threading.Lock()
         self._latest: tuple[Sweep, float] | None = None
-        self._gen: Iterator[GpuSample] | None = None
-        self.last_error: ParseError | None = None
+        self._gen: Generator[GpuSample, None, None] | None = None
         #: The first line skipped as unreadable (a torn last line, garbage), with its line number.
         self.first_error: ParseError | None = None
         #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
@@ -102,10 +100,10 @@ class Replay(LatestSweep):
                 f"recording {self.path} holds no readable rows; is it a recording from `smiquery stream --output` "
                 "or `nvidia-smi --query-gpu=... --format=csv`?"
             )
-        self.recorded_fields: tuple[Field, ...] = tuple(field_for(n) for n in first.fields) if first else ()
+        self.recorded_fields: tuple[Field, ...] = tuple(field_for(n) for n in first.fields)
         self.fields: tuple[Field, ...] = self._wanted if self._wanted is not None else self.recorded_fields
         self._project: tuple[Schema, tuple[int, ...]] | None = None
-        if self._wanted is not None and first is not None:
+        if self._wanted is not None:
             have = {n: i for i, n in enumerate(first.fields)}
             lacking = [f.name for f in self._wanted if f.name not in have]
             if lacking:
@@ -115,21 +113,15 @@ class Replay(LatestSweep):
             names = tuple(f.name for f in self._wanted)
             self._project = (Schema(names), tuple(have[n] for n in names))
 
-    # ---------------------------------------------------------------------------------------------- reading
-
     def _on_drop(self, err: ParseError) -> None:
         if self.first_error is None:
             self.first_error = err
         self.stats.dropped_rows += 1
-        self.last_error = err
         self.stats.last_error = str(err)
 
-    def _raw_samples(self) -> Iterator[GpuSample]:
-        return with_gpu0(self._file_samples())
-
-    def _file_samples(self) -> Iterator[GpuSample]:
-        for path in self.paths:
-            yield from self._one_file(path, self.format if len(self.paths) == 1 else None)
+    def _raw_samples(self) -> Generator[GpuSample, None, None]:
+        fmt = self.format if len(self.paths) == 1 else None
+        yield from with_gpu0(s for path in self.paths for s in self._one_file(path, fmt))
 
     def _time_ordered(self, paths: list[str], fmt: RecordingFormat | None) -> list[str]:
         """Several files (a rotated set) in the order of their first timestamps, whatever their names."""
@@ -187,9 +179,7 @@ class Replay(LatestSweep):
             self.gpu_count = len(seen)
             return first
         finally:
-            close = getattr(gen, "close", None)
-            if close is not None:
-                close()
+            gen.close()
             self._peek_error = self.first_error
             self.stats.dropped_rows = 0
             self.stats.last_error = None
@@ -209,7 +199,7 @@ class Replay(LatestSweep):
         if self._project is None:
             return sample
         schema, positions = self._project
-        if sample.fields != self.recorded_fields_names:
+        if sample.fields != tuple(f.name for f in self.recorded_fields):
             have = {n: i for i, n in enumerate(sample.fields)}
             try:
                 positions = tuple(have[n] for n in schema.names)
@@ -228,13 +218,7 @@ class Replay(LatestSweep):
             sample.gpu_lost,
         )
 
-    @property
-    def recorded_fields_names(self) -> tuple[str, ...]:
-        """The field names of the recording, in its column order."""
-        return tuple(f.name for f in self.recorded_fields)
-
-    def _samples(self) -> Iterator[GpuSample]:
-        lap = 0
+    def _samples(self) -> Generator[GpuSample, None, None]:
         shift = timedelta(0)
         anchor: tuple[float, datetime] | None = None
         while not self._stop.is_set():
@@ -262,7 +246,6 @@ class Replay(LatestSweep):
                 got += 1
                 self.stats.rows += 1
                 yield sample
-            lap += 1
             if not self.loop or got == 0:
                 return
             if first_ts is not None and last_ts is not None:
@@ -271,24 +254,16 @@ class Replay(LatestSweep):
 
     def _pace(self, anchor: tuple[float, datetime] | None, ts: datetime) -> tuple[float, datetime]:
         now = self._clock()
-        if self.speed == 0:
-            return (now, ts)
-        if anchor is None:
+        if self.speed == 0 or anchor is None:
             return (now, ts)
         wall0, ts0 = anchor
         offset = seconds_between(ts0, ts) / self.speed
-        if offset < 0:
-            return (now, ts)  # time went backwards in the file: start pacing afresh
-        target = wall0 + offset
-        delay = target - now
-        if delay > MAX_GAP_SECONDS:
-            # a long gap (the recorder was stopped): skip it rather than freeze
-            return (now, ts)
+        delay = wall0 + offset - now
+        if offset < 0 or delay > MAX_GAP_SECONDS:
+            return (now, ts)  # time went backwards (start pacing afresh), or a long gap (skip it, not freeze)
         if delay > 0:
             self._sleep(delay)
         return anchor
-
-    # ------------------------------------------------------------------------------------------ consumption
 
     def __iter__(self) -> Iterator[GpuSample]:
         return self
@@ -311,12 +286,10 @@ class Replay(LatestSweep):
         self._stop.set()
         gen = self._gen
         if gen is not None:
-            close = getattr(gen, "close", None)
-            if close is not None:
-                try:
-                    close()
-                except ValueError:
-                    pass  # running in another thread: it sees the stop flag at its next sample
+            try:
+                gen.close()
+            except ValueError:
+                pass  # running in another thread: it sees the stop flag at its next sample
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -326,8 +299,6 @@ class Replay(LatestSweep):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ------------------------------------------------------------------------- the rest of SampleSource
 
     _thread: threading.Thread | None = None
     _thread_error: BaseException | None = None
