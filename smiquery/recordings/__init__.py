@@ -67,6 +67,9 @@ __all__ = [
 ]
 
 
+_WRITTEN = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+
+
 def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> SampleWriter:
     """A writer for ``PATH`` (replaced if it exists), by suffix: ``.csv``, ``.jsonl``/``.ndjson``, ``.parquet``/``.pq``.
 
@@ -77,13 +80,8 @@ def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> Samp
         ValueError: an unknown suffix.
         OSError: the file cannot be created.
     """
-    suffix = Path(path).suffix.lower()
-    if suffix == ".csv":
-        return CsvWriter(open(path, "w", encoding="utf-8", newline=""), fields, owns=True)
-    if suffix in (".jsonl", ".ndjson"):
-        return JsonlWriter(open(path, "w", encoding="utf-8", newline=""), owns=True)
-    if suffix in (".parquet", ".pq"):
-        # a dataset of closed parts: memory stays flat and a kill loses nothing (ParquetWriter holds every row)
+    kind = _WRITTEN.get(Path(path).suffix.lower())
+    if kind == "parquet":
         import errno
 
         target = Path(path)
@@ -92,7 +90,10 @@ def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> Samp
         if target.is_dir() and not is_dataset(target):
             raise IsADirectoryError(errno.EISDIR, "is a directory (not a smiquery recording)", os.fspath(target))
         return ParquetDataset(path, fields, policy="force")
-    raise ValueError(f"cannot tell the format of {os.fspath(path)!r}: name it .csv, .jsonl or .parquet")
+    if kind is None:
+        raise ValueError(f"cannot tell the format of {os.fspath(path)!r}: name it .csv, .jsonl or .parquet")
+    out = open(path, "w", encoding="utf-8", newline="")  # noqa: SIM115 - the writer owns it
+    return CsvWriter(out, fields, owns=True) if kind == "csv" else JsonlWriter(out, owns=True)
 
 
 def open_recording(
@@ -109,21 +110,9 @@ def open_recording(
 ) -> TextRecorder | ParquetDataset:
     """The recorder of ``smiquery stream --output PATH``, by suffix (see :mod:`smiquery.recordings.recorder`).
 
-    ``.csv`` and ``.jsonl``/``.ndjson`` are files written a line per row; ``.parquet``/``.pq`` is a dataset
-    folder of closed parts (:mod:`smiquery.recordings.dataset`). Nothing is held in memory but one part's close.
-
-    Args:
-        path: the recording.
-        fields: its columns.
-        policy: ``"new"`` refuses an existing recording, ``"force"`` replaces it, ``"append"`` goes on writing it.
-        rotate_bytes: start a new file (a new part) at this size.
-        rotate_seconds: start a new file (a new part) after this long.
-        keep: rotated files (parts) to keep; None keeps all.
-        flush_every: seconds between ``fsync`` calls.
-        say: where one-line notices go (a full disk, a truncated file).
-        rules: the run's ``--alert`` rules, recorded beside it (``run.csv.meta.json``, the dataset's
-            ``_smiquery.json``): :func:`read_recording` gives them back in ``attrs["rules"]``, and a report of
-            the recording checks them.
+    ``.csv`` and ``.jsonl``/``.ndjson`` go to a :class:`TextRecorder`, ``.parquet``/``.pq`` to a
+    :class:`ParquetDataset`; the arguments are theirs. The ``rules`` recorded beside it come back in
+    :func:`read_recording`'s ``attrs["rules"]``, and a report of the recording checks them.
 
     Raises:
         UsageError: an unknown suffix, an existing recording under ``"new"``, other columns under ``"append"``.
@@ -132,8 +121,12 @@ def open_recording(
     """
     from smiquery.errors import UsageError
 
-    suffix = Path(path).suffix.lower()
-    common: dict[str, Any] = {
+    kind = _WRITTEN.get(Path(path).suffix.lower())
+    if kind is None:
+        raise UsageError(
+            f"--output {os.fspath(path)}: cannot tell the format from the name; name it .csv, .jsonl or .parquet"
+        )
+    options: dict[str, Any] = {
         "policy": policy,
         "rotate_bytes": rotate_bytes,
         "rotate_seconds": rotate_seconds,
@@ -142,16 +135,10 @@ def open_recording(
         "rules": tuple(rules),
     }
     if say is not None:
-        common["say"] = say
-    if suffix == ".csv":
-        return TextRecorder(path, fields, kind="csv", **common)
-    if suffix in (".jsonl", ".ndjson"):
-        return TextRecorder(path, fields, kind="jsonl", **common)
-    if suffix in (".parquet", ".pq"):
-        return ParquetDataset(path, fields, **common)
-    raise UsageError(
-        f"--output {os.fspath(path)}: cannot tell the format from the name; name it .csv, .jsonl or .parquet"
-    )
+        options["say"] = say
+    if kind == "parquet":
+        return ParquetDataset(path, fields, **options)
+    return TextRecorder(path, fields, kind="csv" if kind == "csv" else "jsonl", **options)
 
 
 def _check_recorded(df: pd.DataFrame, wanted: Sequence[Field], path: str) -> None:
@@ -187,10 +174,9 @@ def read_recording(
             For a recording that names its columns (a header, JSONL, Parquet), each must be one of them (all
             columns are read all the same).
         tz: the zone the recording was made in (an IANA name such as ``"Europe/Berlin"``, or a ``tzinfo``):
-            timestamps recorded without a zone are localized to it, ones with a zone converted to it. Default None:
-            the zone the recording names (``smiquery stream --output`` records it: ``run.csv.meta.json`` beside a
-            CSV, ``_smiquery.json`` in a Parquet dataset), else as recorded: naive for a plain nvidia-smi CSV log
-            (it prints local time with no zone), never assumed to be UTC.
+            times recorded without a zone are localized to it, others converted. Default: the zone the recording
+            names (``run.csv.meta.json``, a dataset's ``_smiquery.json``), else as recorded (naive for a plain
+            nvidia-smi log, never assumed to be UTC).
 
     Returns:
         One row per sample, in file order; ``attrs["headerless"]`` is True when ``fields`` named the columns.

@@ -1,4 +1,4 @@
-"""What every recording format shares: the format names, the file checks, ``tz=`` arguments and skipped lines."""
+"""What every recording format shares: the format names, the file checks, ``tz=`` arguments, line writers."""
 
 from __future__ import annotations
 
@@ -23,18 +23,18 @@ __all__ = [
 
 RecordingFormat = Literal["csv", "jsonl", "parquet"]
 
+_SUFFIXES: dict[str, RecordingFormat] = {
+    **dict.fromkeys((".csv", ".txt", ".log"), "csv"),
+    **dict.fromkeys((".jsonl", ".ndjson", ".json"), "jsonl"),
+    **dict.fromkeys((".parquet", ".pq"), "parquet"),
+}
+
 #: What datetime64[ns] can hold: a timestamp outside is a garbled year.
 NS_MIN, NS_MAX = datetime(1677, 9, 22), datetime(2262, 4, 11)
 
 
 def resolve_zone(tz: tzinfo | str | None) -> tzinfo | None:
-    """The zone a ``tz=`` argument names: a ``tzinfo`` as given, an IANA name (``"Europe/Berlin"``, ``"UTC"``).
-
-    Args:
-        tz: the zone, or None (keep timestamps as recorded).
-
-    Returns:
-        The ``tzinfo``, or None.
+    """The zone a ``tz=`` argument names: a ``tzinfo`` as given, an IANA name (``"Europe/Berlin"``), or None.
 
     Raises:
         InvalidTimeZoneError: a name that is not an IANA zone.
@@ -56,22 +56,12 @@ def detect_format(path: str | os.PathLike[str]) -> RecordingFormat:
 
     An unknown suffix is sniffed: ``PAR1`` means Parquet, a first character ``{`` JSONL, anything else CSV.
 
-    Args:
-        path: the recording.
-
-    Returns:
-        ``"csv"``, ``"jsonl"`` or ``"parquet"``.
-
     Raises:
         RecordingError: the file cannot be opened.
     """
-    suffix = Path(path).suffix.lower()
-    if suffix in (".csv", ".txt", ".log"):
-        return "csv"
-    if suffix in (".jsonl", ".ndjson", ".json"):
-        return "jsonl"
-    if suffix in (".parquet", ".pq"):
-        return "parquet"
+    known = _SUFFIXES.get(Path(path).suffix.lower())
+    if known is not None:
+        return known
     try:
         with open(path, "rb") as fh:
             head = fh.read(64).lstrip()
@@ -83,15 +73,7 @@ def detect_format(path: str | os.PathLike[str]) -> RecordingFormat:
 
 
 def check_file(path: str, error: type[RecordingError] = RecordingError) -> None:
-    """Fail early, with what to do, when ``path`` is no file or an empty one.
-
-    Args:
-        path: the recording.
-        error: the error to raise (:class:`~smiquery.errors.ReplayError` for playback).
-
-    Raises:
-        RecordingError: the file is missing, unreadable or empty.
-    """
+    """Fail early, with what to do, when ``path`` is no file or an empty one (raise ``error``)."""
     if not os.path.isfile(path):
         raise error(f"recording {path} not found; record one with `smiquery stream --output FILE`")
     try:
@@ -115,12 +97,9 @@ class SampleWriter(Protocol):
 
 
 class LineWriter:
-    """Writes whole lines, one write call each, flushed per line when asked; closes ``out`` when it owns it.
+    """Writes whole lines to the text stream ``out``, one write call each, flushed per line when ``flush``.
 
-    Args:
-        out: a text stream.
-        flush: flush after every line.
-        owns: close ``out`` on :meth:`close`.
+    It closes ``out`` on :meth:`close` when it ``owns`` it.
     """
 
     def __init__(self, out: IO[str], *, flush: bool = True, owns: bool = False) -> None:

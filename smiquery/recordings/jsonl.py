@@ -45,15 +45,7 @@ def sample_to_json(sample: GpuSample) -> dict[str, object]:
 
 
 class JsonlWriter(LineWriter):
-    """Writes one JSON object per sample and line: field names as keys, ISO 8601 times, null for missing.
-
-    A ``"_missing"`` object gives the reason of each missing value. :func:`smiquery.replay` reads it back.
-
-    Args:
-        out: a text stream.
-        flush: flush after every row.
-        owns: close ``out`` on :meth:`close`.
-    """
+    """Writes one JSON object per sample and line (:func:`sample_to_json`) to ``out``; see :class:`LineWriter`."""
 
     def write(self, sample: GpuSample) -> None:
         """Write one sample as one complete line."""
@@ -71,8 +63,8 @@ def sample_from_json(
     """A sample from one JSONL object as ``smiquery stream --format jsonl`` writes it.
 
     Keys are field names (nvidia-smi names or attribute names); ``null`` is a missing value whose reason is
-    taken from the optional ``"_missing"`` object (default ``not_available``). Keys starting with ``_`` are
-    metadata and skipped.
+    taken from the optional ``"_missing"`` object (default ``not_available``). Other keys starting with ``_`` are
+    skipped.
 
     Args:
         obj: the decoded JSON object.
@@ -81,11 +73,7 @@ def sample_from_json(
         tz: the zone of a timestamp written without an offset; an offset one is converted to it. Default None:
             as recorded (naive without an offset).
         localizer: a :class:`~smiquery.clock.Localizer` for ``tz`` shared by the objects of one recording, read
-            in order: a wall time the DST fall-back repeats is then resolved by that order (the second 02:30 is
-            the later one). Without it such a time is the first of its two instants.
-
-    Returns:
-        The sample.
+            in order, so that the hour a DST fall-back repeats resolves by that order.
 
     Raises:
         ParseError: a value does not fit its field.
@@ -113,15 +101,10 @@ def sample_from_json(
 
 
 def read_jsonl_samples(fh: IO[str], on_drop: Callable[[ParseError], None], tz: tzinfo | None) -> Iterator[GpuSample]:
-    """The samples of a JSONL recording, line by line; an unreadable line is skipped and given to ``on_drop``.
+    """The samples of an open JSONL recording, line by line, timestamps as :func:`sample_from_json` gives them.
 
-    Args:
-        fh: the open recording.
-        on_drop: called with the error of each skipped line (a torn last line, garbage, a value that does not fit).
-        tz: the zone of timestamps written without an offset; None keeps them as recorded.
-
-    Yields:
-        One sample per readable line.
+    An unreadable line (a torn last line, garbage, a value that does not fit) is skipped and its error given to
+    ``on_drop``.
     """
     localizer = Localizer(tz) if tz is not None else None
     for lineno, line in enumerate(fh, 1):
@@ -140,14 +123,9 @@ def read_jsonl_samples(fh: IO[str], on_drop: Callable[[ParseError], None], tz: t
 
 
 def read_jsonl(path: str, tz: tzinfo | None) -> pd.DataFrame:
-    """A JSONL recording as a DataFrame; unreadable lines are skipped and described in ``attrs["skipped"]``.
+    """A JSONL recording as a DataFrame (``tz`` as in :func:`sample_from_json`), a row per readable line.
 
-    Args:
-        path: the file.
-        tz: the zone of timestamps written without an offset (those with one are converted); None: as recorded.
-
-    Returns:
-        One row per readable line; a single-GPU log gets an ``index`` column of 0 first.
+    Unreadable lines are described in ``attrs["skipped"]``; a single-GPU log gets an ``index`` column of 0 first.
 
     Raises:
         RecordingError: the file cannot be read or holds no readable line.

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from smiquery.errors import InvalidTimeZoneError, RecordingError, UsageError
 from smiquery.fields import Field
 from smiquery.recordings.base import resolve_zone
-from smiquery.recordings.jsonl import sample_to_json
+from smiquery.recordings.jsonl import read_jsonl_samples, sample_to_json
 from smiquery.sample import GpuSample
 from smiquery.sources.query_gpu import format_row, header_line
 
@@ -251,15 +251,14 @@ class TextRecorder:
             self._check_columns()
         self._open(truncate=policy == "force")
 
-    # -- opening ---------------------------------------------------------------------------------------------
-
     def _check_columns(self) -> None:
         if self.kind == "csv":
             from smiquery.recordings.csvfile import csv_header
 
-            check_columns(self.path, csv_header(self.path), self.fields)
+            have = csv_header(self.path)
         else:
-            check_columns(self.path, _jsonl_keys(self.path), self.fields)
+            have = _jsonl_keys(self.path)
+        check_columns(self.path, have, self.fields)
 
     def _open(self, *, truncate: bool = False) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
@@ -311,8 +310,6 @@ class TextRecorder:
     def reopen(self) -> None:
         """Open the path again before the next row (SIGHUP: logrotate moved the file away). Signal-safe."""
         self._reopen = True
-
-    # -- writing ---------------------------------------------------------------------------------------------
 
     def write(self, sample: GpuSample) -> None:
         """Write one sample as one whole line; rotate, reopen or notice a truncation first.
@@ -436,16 +433,10 @@ def _jsonl_keys(path: Path) -> tuple[str, ...] | None:
     """The field names of a JSONL recording's first readable line, or None when it has none."""
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict):
-                    return tuple(k for k in obj if not k.startswith("_"))
+            first = next(read_jsonl_samples(fh, lambda err: None, None), None)
     except OSError as exc:
         raise RecordingError(_cannot(path, exc, "check the file")) from None
-    return None
+    return None if first is None else first.fields
 
 
 _WHY = {
