@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import tzinfo
-from itertools import islice
+from itertools import accumulate, islice
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple, Union
 
@@ -76,14 +76,13 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", "replace")
 
 
-class CsvLayout:
+class CsvLayout(NamedTuple):
     """What the probe of the first lines found: fields, units, header and how many lines precede the data."""
 
-    def __init__(self, fields: tuple[Field, ...], units: tuple[str, ...], header: list[str] | None, skip: int):
-        self.fields = fields
-        self.units = units
-        self.header = header
-        self.skip = skip
+    fields: tuple[Field, ...]
+    units: tuple[str, ...]
+    header: list[str] | None
+    skip: int
 
     def data_lines(self, data: bytes, *, notices: bool = False) -> Iterator[tuple[int, str, bool]]:
         """(line number, line, fits) of every row the reader keeps and every row of the wrong width.
@@ -288,49 +287,34 @@ class ArrowCsvReader:
         batches.reverse()
         blocks: list[_Block] = []
         pending: deque[Future[_Block]] = deque()
-        rows = 0
-        starts: deque[int] = deque()
-        first_bad: int | None = None  # row position (over the whole file, as read) of the first bad row
-        why = ""  # what is wrong with that row
-        bad_rows = 0
         with ThreadPoolExecutor(_WORKERS) as pool:
             while batches or pending:
                 if batches:
                     columns = self._drop_non_rows(list(batches.pop().columns))
-                    size = len(columns[0])
                     pending.append(pool.submit(self._convert_block, columns))
-                    starts.append(rows)
-                    rows += size
                     del columns
                     if len(pending) <= _WORKERS and batches:
                         continue
-                block = pending.popleft().result()
-                start = starts.popleft()
-                if block.bad:
-                    bad_rows += len(block.bad)
-                    if first_bad is None:
-                        first_bad, why = start + block.bad[0], block.why
-                blocks.append(block)
-        skipped = self._skipped(bad_rows, first_bad, why)
-        if skipped is not None and rows == bad_rows:
+                blocks.append(pending.popleft().result())
+        skipped = self._skipped(blocks)
+        if skipped is not None and not any(b.rows for b in blocks):
             raise skipped.unreadable()
         return self._assemble(blocks, skipped)
 
-    def _skipped(self, bad_rows: int, first_bad: int | None, why: str) -> SkippedLines | None:
+    def _skipped(self, blocks: list[_Block]) -> SkippedLines | None:
         """What was skipped: rows of the wrong width (the reader's handler) and rows with a bad cell."""
-        count = bad_rows + self.misfits
+        count = self.misfits + sum(len(b.bad) for b in blocks)
         if not count:
             return None
         data = self.src.data()
         found: list[tuple[int, str, str]] = []
-        if self.misfits:
-            misfit = self.layout.first_misfit(data)
-            if misfit is not None:
-                lineno, line = misfit
-                width = f"expected {len(self.layout.fields)} columns, got {len(line.split(','))}"
-                found.append((lineno, line, width))
-        if first_bad is not None:
-            found.append((*self.layout.locate(data, first_bad), why))
+        misfit = self.layout.first_misfit(data) if self.misfits else None
+        if misfit is not None:
+            found.append((*misfit, f"expected {len(self.layout.fields)} columns, got {len(misfit[1].split(','))}"))
+        starts = accumulate((b.rows + len(b.bad) for b in blocks), initial=0)  # rows as read before each block
+        first = next(((start + b.bad[0], b.why) for start, b in zip(starts, blocks, strict=False) if b.bad), None)
+        if first is not None:
+            found.append((*self.layout.locate(data, first[0]), first[1]))
         lineno, line, reason = min(found) if found else (0, "", "")
         return SkippedLines(count, lineno, line[:80], reason)
 

@@ -16,7 +16,7 @@ from smiquery.errors import ParseError, RecordingError, ReplayError
 from smiquery.fields import Field, resolve_fields
 from smiquery.frames import SkippedLines, empty_array, local_zone, make_frame, to_dataframe
 from smiquery.recordings.base import NS_MAX, NS_MIN, LineWriter, resolve_zone
-from smiquery.recordings.csv_arrow import HEAD_BYTES, ArrowCsvReader, CsvInput, CsvSource, probe_layout
+from smiquery.recordings.csv_arrow import ArrowCsvReader, CsvInput, CsvSource, probe_layout
 from smiquery.recordings.values import RECORDED_WITHOUT_ZONE, in_zone, with_timestamp
 from smiquery.sample import GpuSample
 from smiquery.sources.query_gpu import CsvParser, format_row, header_line
@@ -50,9 +50,7 @@ class CsvWriter(LineWriter):
         """Write the header now (it is otherwise written with the first row)."""
         if not self._header_done:
             self._header_done = True
-            self.out.write(header_line(self.fields) + "\n")
-            if self.flush:
-                self.out.flush()
+            self._line(header_line(self.fields) + "\n")
 
     def write(self, sample: GpuSample) -> None:
         """Write one sample as one complete line (a single write call)."""
@@ -68,22 +66,13 @@ def csv_header(path: str | os.PathLike[str]) -> tuple[str, ...] | None:
 
     Only the head of the file is read. Raises RecordingError when it cannot be read.
     """
-    parser = CsvParser()
     try:
-        with open(path, encoding="utf-8", errors="replace", newline="") as fh:
-            for _ in range(64):  # blank lines before the header, at most
-                line = fh.readline(HEAD_BYTES)
-                if not line:
-                    return None
-                try:
-                    parser.feed(line)
-                except ParseError:
-                    return None  # the first line is a row: no header
-                if parser.fields:
-                    return tuple(f.name for f in parser.fields)
+        layout = probe_layout(CsvInput(path), None, RECORDED_WITHOUT_ZONE)
+    except ParseError:
+        return None  # the first line is a row: no header
     except OSError as exc:
         raise RecordingError(f"cannot read recording {os.fspath(path)}: {exc.strerror or exc}") from exc
-    return None
+    return None if layout is None or layout.header is None else tuple(f.name for f in layout.fields)
 
 
 def read_csv(
