@@ -74,6 +74,7 @@ class Replay(LatestSweep):
         self._wanted = resolve_fields(fields) if fields is not None else None
         if self._wanted is not None and not any(f.name == "index" for f in self._wanted):
             self._wanted = (*resolve_fields(["index"]), *self._wanted)  # sweeps are grouped by GPU index
+        self._schema = Schema(tuple(f.name for f in self._wanted or ()))
         self._stop = threading.Event()
         self._sleep = sleep if sleep is not None else self._stop.wait
         self._clock = clock
@@ -102,16 +103,8 @@ class Replay(LatestSweep):
             )
         self.recorded_fields: tuple[Field, ...] = tuple(field_for(n) for n in first.fields)
         self.fields: tuple[Field, ...] = self._wanted if self._wanted is not None else self.recorded_fields
-        self._project: tuple[Schema, tuple[int, ...]] | None = None
-        if self._wanted is not None:
-            have = {n: i for i, n in enumerate(first.fields)}
-            lacking = [f.name for f in self._wanted if f.name not in have]
-            if lacking:
-                raise ReplayError(
-                    f"recording {self.path} has no {', '.join(lacking)}; it holds {', '.join(first.fields)}"
-                )
-            names = tuple(f.name for f in self._wanted)
-            self._project = (Schema(names), tuple(have[n] for n in names))
+        self._positions: dict[tuple[str, ...], tuple[int, ...]] = {}
+        self._projected(first)  # a recording that lacks a wanted field fails here
 
     def _on_drop(self, err: ParseError) -> None:
         if self.first_error is None:
@@ -196,17 +189,19 @@ class Replay(LatestSweep):
         return any(g in keys for g in self.gpus)
 
     def _projected(self, sample: GpuSample) -> GpuSample:
-        if self._project is None:
+        """The sample with the wanted fields only (its columns may change mid-file)."""
+        if self._wanted is None:
             return sample
-        schema, positions = self._project
-        if sample.fields != tuple(f.name for f in self.recorded_fields):
+        schema = self._schema
+        positions = self._positions.get(sample.fields)
+        if positions is None:
             have = {n: i for i, n in enumerate(sample.fields)}
-            try:
-                positions = tuple(have[n] for n in schema.names)
-            except KeyError:
+            lacking = [n for n in schema.names if n not in have]
+            if lacking:
                 raise ReplayError(
-                    f"recording {self.path} changes its columns mid-file and lacks {set(schema.names) - set(have)}"
-                ) from None
+                    f"recording {self.path} has no {', '.join(lacking)}; it holds {', '.join(sample.fields)}"
+                )
+            positions = self._positions[sample.fields] = tuple(have[n] for n in schema.names)
         values = sample.values()
         raw = tuple(sample.raw.values())
         missing = {n: r for n, r in sample.missing.items() if n in schema.names}
