@@ -16,7 +16,7 @@ from smiquery.clock import Localizer
 from smiquery.errors import ParseError, RecordingError
 from smiquery.frames import SkippedLines, to_dataframe
 from smiquery.recordings.base import LineWriter, resolve_zone
-from smiquery.recordings.values import build_sample, field_for, typed_value, with_gpu0
+from smiquery.recordings.values import RECORDED_WITHOUT_ZONE, field_for, in_zone, with_gpu0
 from smiquery.sample import GpuSample, Schema, Value
 
 if TYPE_CHECKING:
@@ -91,13 +91,21 @@ def sample_from_json(
             values.append(None)
             missing[fld.name] = str(reasons.get(key) or reasons.get(fld.name) or "not_available")
             continue
+        ops = fld.kind.ops
         try:
-            values.append(typed_value(fld, raw, zone, localizer))
+            if ops.storage != "timestamp":
+                values.append(ops.from_python(raw))
+                continue
+            # text through the parser's own converter, so that it reads as the same cell in a CSV would
+            stamp: Any = ops.converter(RECORDED_WITHOUT_ZONE)(raw.strip()) if isinstance(raw, str) else raw
+            values.append(in_zone(ops.from_python(stamp), zone, localizer))  # type: ignore[arg-type]
         except (ValueError, TypeError):
             raise ParseError(
                 f"{raw!r} is not a valid {fld.kind.value}", lineno=lineno, line=line, field=fld.name
             ) from None
-    return build_sample(Schema(tuple(f.name for f in fields)), fields, values, missing)
+    text = tuple(f.format(v, missing.get(f.name)) for f, v in zip(fields, values, strict=True))
+    lost = any(r == "gpu_lost" for r in missing.values())
+    return GpuSample(Schema(tuple(f.name for f in fields)), tuple(values), text, missing or None, lost)
 
 
 def read_jsonl_samples(fh: IO[str], on_drop: Callable[[ParseError], None], tz: tzinfo | None) -> Iterator[GpuSample]:

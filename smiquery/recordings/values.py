@@ -1,26 +1,19 @@
-"""Recorded values -> samples: the field of a recorded column, typed values, timestamps in the zone asked for.
-
-Every sample reader (CSV, JSONL, Parquet) builds its samples with these, so that a cell reads the same whichever
-format recorded it.
-"""
+"""What the sample readers share: the field of a recorded column, timestamps in the zone asked for, GPU 0."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta, timezone, tzinfo
-from typing import Any
 
 from smiquery.clock import Localizer, to_zone
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import CATALOGUE, Field, Kind, get_field
-from smiquery.sample import GpuSample, Schema, Value
+from smiquery.sample import GpuSample, Schema
 
 __all__ = [
     "RECORDED_WITHOUT_ZONE",
-    "build_sample",
     "field_for",
     "in_zone",
-    "typed_value",
     "with_gpu0",
     "with_timestamp",
 ]
@@ -53,34 +46,6 @@ def field_for(name: str) -> Field:
         if name in _BY_ATTR:
             return _BY_ATTR[name]
         return Field(name, Kind.STR, help="Not in smiquery's catalogue.")
-
-
-def typed_value(fld: Field, value: Any, tz: tzinfo | None = None, localize: Localizer | None = None) -> Value:
-    """A JSON or pandas value converted to the Python type the catalogue gives the field.
-
-    Text goes through the parser's own converter for the field's kind, so a cell reads the same whether it was
-    recorded as CSV, JSONL or Parquet. A timestamp keeps what the recording says (naive when it names no zone)
-    unless ``tz`` names the zone.
-    """
-    if value is None:
-        return None
-    ops = fld.kind.ops
-    if ops.storage == "timestamp":
-        if isinstance(value, str):
-            stamp = ops.converter(RECORDED_WITHOUT_ZONE)(value.strip())
-            assert isinstance(stamp, datetime)
-            return in_zone(stamp, tz, localize)
-        dt = ops.from_python(value)
-        assert isinstance(dt, datetime)
-        return in_zone(dt, tz, localize)
-    return ops.from_python(value)
-
-
-def build_sample(schema: Schema, fields: Sequence[Field], values: list[Value], missing: dict[str, str]) -> GpuSample:
-    """A sample from typed values, its raw text written the way nvidia-smi writes it."""
-    raw = tuple(f.format(v, missing.get(f.name)) for f, v in zip(fields, values, strict=True))
-    lost = any(r == "gpu_lost" for r in missing.values())
-    return GpuSample(schema, tuple(values), raw, missing or None, lost)
 
 
 def with_timestamp(sample: GpuSample, ts: datetime, *, keep_raw: bool = False) -> GpuSample:
