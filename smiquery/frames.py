@@ -10,12 +10,13 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone, tzinfo
+from functools import cache
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from smiquery.clock import localize_by_order
 from smiquery.errors import InvalidFieldError, ParseError
-from smiquery.fields import Field, Kind, get_field
+from smiquery.fields import CATALOGUE, Field, Kind, get_field
 from smiquery.sample import GpuSample, Value
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ __all__ = [
     "MissingReasons",
     "SkippedLines",
     "empty_array",
+    "field_for",
     "int_array",
     "local_zone",
     "make_frame",
@@ -36,12 +38,14 @@ __all__ = [
 ]
 
 
-def _field_for(name: str) -> Field:
+@cache
+def field_for(name: str) -> Field:
+    """The field of a column: by nvidia-smi name or attribute name; text when not in the catalogue."""
     try:
         return get_field(name)
     except InvalidFieldError:
-        # A column this driver listed but the catalogue does not know: the parser reads it as text.
-        return Field(name, Kind.STR)
+        by_attr = next((f for f in CATALOGUE if f.attr == name), None)
+        return by_attr or Field(name, Kind.STR, help="Not in smiquery's catalogue.")
 
 
 def string_dtype() -> Any:
@@ -298,8 +302,8 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     else:
         names = list(dict.fromkeys(n for s in rows for n in s.fields))
         columns_of = [[s.get(n) for s in rows] for n in names]
-    fields = [_field_for(n) for n in names]
-    attr_of = {f.name: f.attr for f in fields}
+    fields = [field_for(n) for n in names]
+    attr_of = {n: f.attr for n, f in zip(names, fields, strict=True)}
     missing: dict[str, dict[int, str]] = {}
     for i, s in enumerate(rows):
         m = s.missing

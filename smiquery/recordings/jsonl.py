@@ -14,9 +14,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 from smiquery.clock import Localizer
 from smiquery.errors import ParseError, RecordingError
-from smiquery.frames import SkippedLines, to_dataframe
+from smiquery.frames import SkippedLines, field_for, to_dataframe
 from smiquery.recordings.base import LineWriter, resolve_zone
-from smiquery.recordings.values import RECORDED_WITHOUT_ZONE, field_for, in_zone, with_gpu0
+from smiquery.recordings.values import RECORDED_WITHOUT_ZONE, in_zone, with_gpu0
 from smiquery.sample import GpuSample, Schema, Value
 
 if TYPE_CHECKING:

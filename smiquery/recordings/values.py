@@ -1,4 +1,4 @@
-"""What the sample readers share: the field of a recorded column, timestamps in the zone asked for, GPU 0."""
+"""What the sample readers share: timestamps in the zone asked for, a single-GPU log as GPU 0."""
 
 from __future__ import annotations
 
@@ -6,19 +6,15 @@ from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta, timezone, tzinfo
 
 from smiquery.clock import Localizer, to_zone
-from smiquery.errors import InvalidFieldError
-from smiquery.fields import CATALOGUE, Field, Kind, get_field
+from smiquery.fields import get_field
 from smiquery.sample import GpuSample, Schema
 
 __all__ = [
     "RECORDED_WITHOUT_ZONE",
-    "field_for",
     "in_zone",
     "with_gpu0",
     "with_timestamp",
 ]
-
-_BY_ATTR = {f.attr: f for f in CATALOGUE}
 
 #: The parser needs a zone for a timestamp written without one; this one marks "none was recorded", so that such
 #: a timestamp can be given back naive (or put in the zone named by ``tz=``). A named UTC: never ``timezone.utc``.
@@ -36,16 +32,6 @@ def in_zone(dt: datetime, tz: tzinfo | None, localize: Localizer | None = None) 
             return dt.replace(tzinfo=None)  # the wall-clock time, naive, exactly as recorded
         return localize(dt) if localize is not None else dt.replace(tzinfo=tz)
     return dt if tz is None else to_zone(dt, tz)
-
-
-def field_for(name: str) -> Field:
-    """The field of a recorded column: by nvidia-smi name or attribute name; text when not in the catalogue."""
-    try:
-        return get_field(name)
-    except InvalidFieldError:
-        if name in _BY_ATTR:
-            return _BY_ATTR[name]
-        return Field(name, Kind.STR, help="Not in smiquery's catalogue.")
 
 
 def with_timestamp(sample: GpuSample, ts: datetime, *, keep_raw: bool = False) -> GpuSample:
