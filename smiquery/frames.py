@@ -1,6 +1,6 @@
 """Samples -> pandas DataFrames with nullable, catalogue-typed columns (pandas imported inside functions).
 
-The recording readers (:mod:`smiquery.recordings`) build their frames with the same column arrays and attrs.
+The recording readers (:mod:`smiquery.recordings`) build their frames with the same arrays and attrs.
 """
 
 from __future__ import annotations
@@ -87,13 +87,9 @@ def local_zone() -> tzinfo:
 class MissingReasons(Mapping[str, Mapping[int, str]]):
     """Why cells are missing: column -> {row position -> reason}, for the columns with a missing cell.
 
-    Kept in ``df.attrs["missing"]``. It is immutable and shared, not copied, when pandas copies a frame's
-    attrs (which it does on nearly every operation), so a million-row frame with many ``[N/A]`` cells costs
-    nothing extra to filter or sort. Row positions are those of the frame as read (before any filtering).
-    Per column it holds one array of row positions and one small array of reason codes.
-
-    Args:
-        columns: column -> (row positions, reason code per position, reason words); arrays or sequences.
+    Kept in ``df.attrs["missing"]``; immutable and shared, not copied, when pandas copies a frame's attrs (on
+    nearly every operation). Row positions are those of the frame as read (before any filtering). ``columns``
+    maps a column to (row positions, a reason code per position, the reason words), arrays or sequences.
     """
 
     __slots__ = ("_columns", "_dicts")
@@ -274,19 +270,10 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     catalogue: ``Int64`` for integers, hex values and bitmasks, ``Float64`` for decimals, ``boolean`` for
     Enabled/Disabled, Yes/No and Active/Not Active, ``string`` for text and versions, and ``datetime64[ns, tz]``
     for ``timestamp`` (naive ``datetime64[ns]`` when every sample's timestamp is naive, as a replayed
-    nvidia-smi CSV's are). A missing value is ``<NA>`` (never 0).
-
-    ``df.attrs`` carries ``"fields"`` (canonical names), ``"units"`` (column -> unit, ``""`` when
-    dimensionless) and ``"missing"`` (column -> {row position -> reason}, only for the missing cells).
-
+    nvidia-smi CSV's are). A missing value is ``<NA>`` (never 0). ``df.attrs`` carries ``"fields"`` (canonical
+    names), ``"units"`` (column -> unit, ``""`` when dimensionless) and ``"missing"`` (:class:`MissingReasons`).
     Samples from different queries may be mixed: the columns are the union of their fields, in first-seen
-    order, and a field a sample did not query is ``<NA>`` without a reason.
-
-    Args:
-        samples: the samples, e.g. from :func:`smiquery.sources.query_gpu.parse_lines` or a stream.
-
-    Returns:
-        The DataFrame; an empty one (no rows, no columns) for no samples.
+    order, and a field a sample did not query is ``<NA>`` without a reason. No samples give an empty frame.
 
     Raises:
         ValueError: a timestamp outside what ``datetime64[ns]`` holds (years 1677 to 2262).

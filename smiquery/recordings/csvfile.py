@@ -32,13 +32,8 @@ _LINE_BREAK_RE = re.compile(r"\r\n|\r|\n")
 class CsvWriter(LineWriter):
     """Writes samples in nvidia-smi's own ``--format=csv`` layout: the header with units, then one line per sample.
 
+    ``fields`` are the columns (the samples' fields, in order); the rest is :class:`LineWriter`'s.
     ``smiquery.read_csv``, ``--replay`` and :class:`~smiquery.sources.query_gpu.CsvParser` read the result back.
-
-    Args:
-        out: a text stream.
-        fields: the columns (must match the samples' fields, in order).
-        flush: flush after every row (for pipes and recordings).
-        owns: close ``out`` on :meth:`close`.
     """
 
     def __init__(self, out: IO[str], fields: Sequence[Field], *, flush: bool = True, owns: bool = False) -> None:

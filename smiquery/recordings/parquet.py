@@ -55,11 +55,6 @@ class ParquetWriter:
     :class:`~smiquery.recordings.dataset.ParquetDataset` (what ``stream --output x.parquet`` writes). Columns and
     ``df.attrs`` are those of :func:`~smiquery.frames.to_dataframe`; ``pandas.read_parquet`` restores both.
 
-    Args:
-        path: the file to write.
-        chunk_rows: samples per chunk.
-        chunk_seconds: the longest time a sample waits in the buffer.
-
     Raises:
         OSError: the file cannot be written there (checked at once, like the CSV and JSONL writers do).
         RuntimeError: pyarrow is not installed.
@@ -71,7 +66,7 @@ class ParquetWriter:
         self.chunk_seconds = chunk_seconds
         self.rows = 0
         self._pending: list[GpuSample] = []
-        self._tables: list[Any] = []
+        self._table: Any = None
         self._missing = MissingReasons()
         self._attrs: dict[str, Any] = {}
         self._since = time.monotonic()
@@ -84,8 +79,7 @@ class ParquetWriter:
         if self.path.is_dir():
             raise IsADirectoryError(errno.EISDIR, "is a directory", os.fspath(self.path))
         probe = self._tmp_path()
-        with open(probe, "wb"):
-            pass
+        probe.touch()
         probe.unlink()
 
     def write(self, sample: GpuSample) -> None:
@@ -103,19 +97,15 @@ class ParquetWriter:
             table, attrs, missing = samples_table(self._pending)
             self._missing = MissingReasons.concat([(0, self._missing), (self.rows, missing)])
             self._attrs = self._attrs or attrs
-            if self._tables:
-                table = table.cast(self._tables[0].schema)
-            self._tables.append(table)
+            if self._table is not None:
+                table = pa.concat_tables([self._table, table.cast(self._table.schema)])
+            self._table = table
             self.rows += len(self._pending)
             self._pending = []
-        elif self._tables and self.path.exists():
+        elif self._table is None or self.path.exists():
             return
-        if not self._tables:
-            return
-        whole = pa.concat_tables(self._tables) if len(self._tables) > 1 else self._tables[0]
-        self._tables = [whole]
         tmp = self._tmp_path()
-        write_table(whole, self._attrs, self._missing, tmp)
+        write_table(self._table, self._attrs, self._missing, tmp)
         os.replace(tmp, self.path)
 
     def _tmp_path(self) -> Path:
@@ -123,10 +113,9 @@ class ParquetWriter:
 
     def close(self) -> None:
         """Write the rest and finish. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.flush()
+        if not self._closed:
+            self._closed = True
+            self.flush()
 
 
 def read_parquet(path: str, *, error: type[RecordingError] = RecordingError) -> pd.DataFrame:
