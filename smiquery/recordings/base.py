@@ -7,12 +7,14 @@ from datetime import datetime, tzinfo
 from pathlib import Path
 from typing import IO, Literal, Protocol
 
-from smiquery.errors import InvalidTimeZoneError, RecordingError
+from smiquery.errors import InvalidTimeZoneError, ParseError, RecordingError
+from smiquery.frames import SkippedLines
 from smiquery.sample import GpuSample
 
 __all__ = [
     "NS_MAX",
     "NS_MIN",
+    "Drops",
     "LineWriter",
     "RecordingFormat",
     "SampleWriter",
@@ -82,6 +84,23 @@ def check_file(path: str, error: type[RecordingError] = RecordingError) -> None:
         raise error(f"cannot read recording {path}: {exc.strerror or exc}") from exc
     if size == 0:
         raise error(f"recording {path} is empty; a recording holds nvidia-smi's CSV header and rows")
+
+
+class Drops:
+    """Counts the lines a reader skips, keeping the first one's error; call it with each."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: ParseError | None = None
+
+    def __call__(self, err: ParseError) -> None:
+        """Count one skipped line."""
+        self.count += 1
+        self.first = self.first or err
+
+    def skipped(self) -> SkippedLines | None:
+        """What was skipped, for ``attrs["skipped"]``; None when nothing was."""
+        return None if self.first is None else SkippedLines.after(self.count, self.first)
 
 
 class SampleWriter(Protocol):

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, tzinfo
 from typing import IO, TYPE_CHECKING
 
 from smiquery.errors import ParseError, RecordingError, ReplayError
 from smiquery.fields import Field, resolve_fields
-from smiquery.frames import SkippedLines, empty_array, local_zone, make_frame, to_dataframe
-from smiquery.recordings.base import NS_MAX, NS_MIN, LineWriter, resolve_zone
+from smiquery.frames import empty_array, local_zone, make_frame, to_dataframe
+from smiquery.recordings.base import NS_MAX, NS_MIN, Drops, LineWriter, resolve_zone
 from smiquery.recordings.csv_arrow import ArrowCsvReader, CsvInput, CsvSource, probe_layout
 from smiquery.recordings.values import RECORDED_WITHOUT_ZONE, in_zone, with_timestamp
 from smiquery.sample import GpuSample
@@ -120,49 +120,52 @@ def read_csv(
     return ArrowCsvReader(src, layout, zone, out_tz).read()
 
 
+def _parsed(parser: CsvParser, lines: Iterable[str], on_drop: Callable[[ParseError], None]) -> Iterator[GpuSample]:
+    """The samples ``parser`` reads from ``lines``; the error of each line it drops goes to ``on_drop``."""
+    dropped = 0
+    for line in lines:
+        sample = parser.feed(line)
+        if parser.dropped != dropped:
+            dropped = parser.dropped
+            if parser.last_error is not None:
+                on_drop(parser.last_error)
+        if sample is not None:
+            yield sample
+
+
 def _read_csv_python(
     src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo, out_tz: tzinfo | None
 ) -> pd.DataFrame:
     parser = CsvParser(fields, tz=tz, strict=False)
-    first: ParseError | None = None
     lines = _LINE_BREAK_RE.split(src.data().decode("utf-8", "replace"))
     if lines and lines[-1] == "":
         lines.pop()
+    drops = Drops()
     samples: list[GpuSample] = []
-    dropped = 0
-    for line in lines:
-        sample = parser.feed(line)
-        if sample is not None and "timestamp" in sample:
-            stamp = sample.timestamp
-            if isinstance(stamp, datetime) and not NS_MIN <= stamp.replace(tzinfo=None) <= NS_MAX:
-                sample = None  # outside what datetime64[ns] holds: a garbled year
-                dropped += 1
-                if first is None:
-                    first = ParseError("timestamp out of range", lineno=parser.lineno, line=line, field="timestamp")
-        if sample is not None:
+    for sample in _parsed(parser, lines, drops):
+        stamp = sample.get("timestamp")
+        if isinstance(stamp, datetime) and not NS_MIN <= stamp.replace(tzinfo=None) <= NS_MAX:
+            # outside what datetime64[ns] holds: a garbled year
+            line = lines[parser.lineno - 1]
+            drops(ParseError("timestamp out of range", lineno=parser.lineno, line=line, field="timestamp"))
+        else:
             samples.append(sample)
-        elif first is None and parser.last_error is not None:
-            first = parser.last_error
-    skipped = None
-    if parser.dropped or dropped:
-        assert first is not None
-        skipped = SkippedLines.after(parser.dropped + dropped, first)
-        if not samples:
-            raise skipped.unreadable()
-    if samples:
-        try:
-            df = to_dataframe(samples)
-        except (OverflowError, ValueError) as exc:  # a timestamp outside datetime64[ns] (years 1677-2262)
-            raise ParseError(str(exc), lineno=0, line="") from exc
-        if "timestamp" in df.columns:
-            stamps = df["timestamp"].dt.tz_convert(tz)  # tz is out_tz, or the zone the parser read wall times in
-            df["timestamp"] = stamps.dt.tz_localize(None) if out_tz is None else stamps
-        df.attrs["notices"] = list(parser.notices)
+    skipped = drops.skipped()
+    if not samples:
         if skipped is not None:
-            df.attrs["skipped"] = skipped
-        return df
-    flds = parser.fields
-    return make_frame(flds, [empty_array(f, out_tz) for f in flds], {}, list(parser.notices), skipped)
+            raise skipped.unreadable()
+        return make_frame(parser.fields, [empty_array(f, out_tz) for f in parser.fields], {}, list(parser.notices))
+    try:
+        df = to_dataframe(samples)
+    except (OverflowError, ValueError) as exc:  # a timestamp outside datetime64[ns] (years 1677-2262)
+        raise ParseError(str(exc), lineno=0, line="") from exc
+    if "timestamp" in df.columns:
+        stamps = df["timestamp"].dt.tz_convert(tz)  # tz is out_tz, or the zone the parser read wall times in
+        df["timestamp"] = stamps.dt.tz_localize(None) if out_tz is None else stamps
+    df.attrs["notices"] = list(parser.notices)
+    if skipped is not None:
+        df.attrs["skipped"] = skipped
+    return df
 
 
 def read_csv_recording(path: str, fields: Sequence[Field] | None, tz: tzinfo | None) -> tuple[pd.DataFrame, bool]:
@@ -209,19 +212,12 @@ def read_csv_samples(
         ReplayError: no header and no ``columns``, or a header that does not fit ``columns``.
     """
     parser = CsvParser(columns, strict=False, tz=tz if tz is not None else RECORDED_WITHOUT_ZONE)
-    dropped = 0
     try:
-        for line in fh:
-            sample = parser.feed(line)
-            if parser.dropped != dropped:
-                dropped = parser.dropped
-                if parser.last_error is not None:
-                    on_drop(parser.last_error)
-            if sample is not None:
-                ts = sample.get("timestamp")
-                if isinstance(ts, datetime) and ts.tzinfo is not tz:
-                    sample = with_timestamp(sample, in_zone(ts, tz), keep_raw=True)
-                yield sample
+        for sample in _parsed(parser, fh, on_drop):
+            ts = sample.get("timestamp")
+            if isinstance(ts, datetime) and ts.tzinfo is not tz:
+                sample = with_timestamp(sample, in_zone(ts, tz), keep_raw=True)
+            yield sample
     except ParseError as exc:
         if columns is not None:
             raise ReplayError(f"{source}: {exc}") from exc

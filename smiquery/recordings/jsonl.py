@@ -14,8 +14,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 from smiquery.clock import Localizer
 from smiquery.errors import ParseError, RecordingError
-from smiquery.frames import SkippedLines, field_for, to_dataframe
-from smiquery.recordings.base import LineWriter, resolve_zone
+from smiquery.frames import field_for, to_dataframe
+from smiquery.recordings.base import Drops, LineWriter, resolve_zone
 from smiquery.recordings.values import RECORDED_WITHOUT_ZONE, in_zone, with_gpu0
 from smiquery.sample import GpuSample, Schema, Value
 
@@ -138,27 +138,19 @@ def read_jsonl(path: str, tz: tzinfo | None) -> pd.DataFrame:
     Raises:
         RecordingError: the file cannot be read or holds no readable line.
     """
-    first: ParseError | None = None
-    count = 0
-
-    def on_drop(err: ParseError) -> None:
-        nonlocal first, count
-        count += 1
-        if first is None:
-            first = err
-
+    drops = Drops()
     try:
         fh = open(path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115 - closed below
     except OSError as exc:
         raise RecordingError(f"cannot read recording {path}: {exc.strerror or exc}") from exc
     with fh:
-        samples = list(with_gpu0(read_jsonl_samples(fh, on_drop, tz)))
+        samples = list(with_gpu0(read_jsonl_samples(fh, drops, tz)))
     if not samples:
         raise RecordingError(
             f"recording {path} holds no readable rows; is it a recording from `smiquery stream --output` "
             "or `nvidia-smi --query-gpu=... --format=csv`?"
         )
     df = to_dataframe(samples)
-    if first is not None:
-        df.attrs["skipped"] = SkippedLines.after(count, first)
+    if drops.first is not None:
+        df.attrs["skipped"] = drops.skipped()
     return df
