@@ -15,9 +15,17 @@ from typing import IO, TYPE_CHECKING
 from smiquery.errors import ParseError, RecordingError, ReplayError
 from smiquery.fields import Field, resolve_fields
 from smiquery.frames import empty_array, local_zone, make_frame, to_dataframe
-from smiquery.recordings.base import NS_MAX, NS_MIN, Drops, LineWriter, resolve_zone
+from smiquery.recordings.base import (
+    NS_MAX,
+    NS_MIN,
+    RECORDED_WITHOUT_ZONE,
+    Drops,
+    LineWriter,
+    in_zone,
+    resolve_zone,
+    with_timestamp,
+)
 from smiquery.recordings.csv_arrow import ArrowCsvReader, CsvInput, CsvSource, probe_layout
-from smiquery.recordings.values import RECORDED_WITHOUT_ZONE, in_zone, with_timestamp
 from smiquery.sample import GpuSample
 from smiquery.sources.query_gpu import CsvParser, format_row, header_line
 

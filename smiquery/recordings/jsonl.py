@@ -15,8 +15,7 @@ from typing import IO, TYPE_CHECKING, Any
 from smiquery.clock import Localizer
 from smiquery.errors import ParseError, RecordingError
 from smiquery.frames import field_for, to_dataframe
-from smiquery.recordings.base import Drops, LineWriter, resolve_zone
-from smiquery.recordings.values import RECORDED_WITHOUT_ZONE, in_zone, with_gpu0
+from smiquery.recordings.base import RECORDED_WITHOUT_ZONE, Drops, LineWriter, in_zone, resolve_zone, with_gpu0
 from smiquery.sample import GpuSample, Schema, Value
 
 if TYPE_CHECKING:
