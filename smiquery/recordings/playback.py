@@ -362,9 +362,9 @@ def replay(
         columns: the columns of a headerless (``noheader``) CSV log, in order; ignored for other formats. A CSV
             with a header must then have exactly these columns.
         tz: the zone the recording was made in (an IANA name such as ``"Europe/Berlin"``, or a ``tzinfo``):
-            timestamps recorded without a zone (nvidia-smi's CSV) are taken as that zone's local time, ones with
-            a zone are converted to it. Default None keeps them as recorded: naive when no zone was recorded
-            (nvidia-smi prints the recording host's local time), never assumed to be UTC or this host's zone.
+            times recorded without a zone are taken as that zone's local time, others are converted to it.
+            Default: the zone the recording names (``run.csv.meta.json``, a dataset's ``_smiquery.json``), else
+            as recorded (naive for nvidia-smi's CSV, never assumed to be UTC or this host's zone).
 
     Returns:
         A :class:`Replay`: an iterator of :class:`~smiquery.GpuSample`, with :meth:`Replay.sweeps`.
