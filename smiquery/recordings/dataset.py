@@ -225,12 +225,8 @@ class ParquetDataset:
         self._journal = self._new_journal()
 
     def _next_number(self) -> int:
-        numbers = [0]
-        for p in self.path.iterdir():
-            m = _PART_RE.match(p.name) or _CLOSING_RE.match(p.name)
-            if m:
-                numbers.append(int(m.group(1)))
-        return max(numbers) + 1
+        found = (_PART_RE.match(p.name) or _CLOSING_RE.match(p.name) for p in self.path.iterdir())
+        return max((int(m.group(1)) for m in found if m), default=0) + 1
 
     def _close_leftovers(self) -> None:
         """Make parts of the closing journals (also a killed recorder's, on --append)."""
@@ -267,17 +263,13 @@ class ParquetDataset:
             return
         table, attrs, missing = samples_table(samples)
         del samples
-        if self._schema is None:
+        if self._schema is None:  # every part takes the types of the first
             parts = dataset_files(self.path)[0]
-            if parts:
-                self._schema = pq.read_schema(parts[0]).remove_metadata()
-        if self._schema is not None:
-            try:
-                table = table.cast(self._schema)
-            except (pa.ArrowInvalid, ValueError, TypeError):
-                pass  # other types than the first part: still a readable part
-        else:
-            self._schema = table.schema.remove_metadata()
+            self._schema = (pq.read_schema(parts[0]) if parts else table.schema).remove_metadata()
+        try:
+            table = table.cast(self._schema)
+        except (pa.ArrowInvalid, ValueError, TypeError):
+            pass  # other types than the first part: still a readable part
         tmp = target.with_name(f".{target.name}.tmp")
         try:
             write_table(table, attrs, missing, tmp)
