@@ -1,10 +1,8 @@
 """Recordings, the one owner of their I/O: nvidia-smi CSV (plain logs too), JSONL and Parquet, written and read.
 
-One module per format, each with a writer and readers (:mod:`~smiquery.recordings.csvfile`,
-:mod:`~smiquery.recordings.jsonl`, :mod:`~smiquery.recordings.parquet`); :mod:`~smiquery.frames`
-turns samples into DataFrames and :mod:`~smiquery.recordings.playback` plays a recording back, paced. This front
-picks the format by the file name (:func:`open_recorder`, :func:`read_recording`). Readers keep timestamps as
-recorded unless ``tz=`` names the zone.
+One module per format, with its writer and readers; this front picks the format by the file name
+(:func:`open_recorder`, :func:`open_recording`, :func:`read_recording`); :mod:`~smiquery.recordings.playback`
+plays a recording back, paced.
 """
 
 from __future__ import annotations
@@ -209,14 +207,15 @@ def _read_one(path: str, wanted: Sequence[Field] | None, zone: tzinfo | None) ->
     zone = zone if zone is not None else recorded_zone(path)
     if os.path.isdir(path) and is_dataset(path):
         df = read_dataset(path)
+        set_zone(df, zone)
     else:
         check_file(path)
         fmt = detect_format(path)
         if fmt == "csv":
-            df, as_columns = read_csv_recording(path, wanted, zone)
+            df, as_columns = read_csv_recording(path, wanted, zone)  # its timestamps are in the zone already
         else:
             df = read_parquet(path) if fmt == "parquet" else read_jsonl(path, zone)
-    set_zone(df, zone)
+            set_zone(df, zone)
     if len(df) == 0 and isinstance(df.attrs.get("skipped"), SkippedLines):
         raise no_rows(path)  # only unreadable lines: not a file just started
     rules = recorded_rules(path)

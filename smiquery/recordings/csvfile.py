@@ -1,7 +1,6 @@
 """nvidia-smi's CSV (``--format=csv``, with or without units and header; plain logs too): written and read.
 
-:class:`CsvWriter` writes it, :func:`read_csv` reads a whole file into a DataFrame (the fast path lives in
-:mod:`smiquery.recordings.csv_arrow`), :func:`read_csv_samples` reads it line by line as samples for playback.
+:func:`read_csv` reads a file into a DataFrame (its fast path: :mod:`smiquery.recordings.csv_arrow`).
 """
 
 from __future__ import annotations

@@ -263,13 +263,17 @@ class ParquetDataset:
             return
         table, attrs, missing = samples_table(samples)
         del samples
-        if self._schema is None:  # every part takes the types of the first
+        if self._schema is None:
             parts = dataset_files(self.path)[0]
-            self._schema = (pq.read_schema(parts[0]) if parts else table.schema).remove_metadata()
-        try:
-            table = table.cast(self._schema)
-        except (pa.ArrowInvalid, ValueError, TypeError):
-            pass  # other types than the first part: still a readable part
+            if parts:
+                self._schema = pq.read_schema(parts[0]).remove_metadata()
+        if self._schema is None:
+            self._schema = table.schema.remove_metadata()  # the first part: the types every later part takes
+        else:
+            try:
+                table = table.cast(self._schema)
+            except (pa.ArrowInvalid, ValueError, TypeError):
+                pass  # other types than the first part: still a readable part
         tmp = target.with_name(f".{target.name}.tmp")
         try:
             write_table(table, attrs, missing, tmp)

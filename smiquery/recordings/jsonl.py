@@ -1,8 +1,4 @@
-"""JSONL recordings: one JSON object per sample and line, field names as keys; written and read.
-
-:class:`JsonlWriter` writes them (``smiquery stream --output run.jsonl``), :func:`read_jsonl_samples` reads them
-line by line as samples, :func:`read_jsonl` into a DataFrame.
-"""
+"""JSONL recordings: one JSON object per sample and line, field names as keys; written and read."""
 
 from __future__ import annotations
 

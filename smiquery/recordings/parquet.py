@@ -1,7 +1,6 @@
-"""Parquet recordings: the columns and attrs of :func:`~smiquery.frames.to_dataframe`; written and read.
+"""Parquet files with the columns and attrs of :func:`~smiquery.frames.to_dataframe`; written and read.
 
-:class:`ParquetWriter` writes them (``smiquery stream --output run.parquet``), :func:`read_parquet` reads one into
-a DataFrame and :func:`read_parquet_samples` as samples. pandas and pyarrow are imported on first use.
+pandas and pyarrow are imported on first use.
 """
 
 from __future__ import annotations

@@ -269,11 +269,7 @@ class Replay(LatestSweep):
         return next(self._gen)
 
     def sweeps(self, count: int | None = None) -> Iterator[Sweep]:
-        """Yield whole sweeps (one sample per GPU for one instant), grouped as :meth:`Stream.sweeps` groups them.
-
-        Args:
-            count: stop after this many sweeps.
-        """
+        """Yield whole sweeps (one sample per GPU for one instant) as :meth:`Stream.sweeps` does; ``count`` at most."""
         return self._group(self, SweepGrouper(self.gpu_count), count, flush=True)
 
     def close(self, timeout: float = 5.0) -> None:

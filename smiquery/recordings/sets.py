@@ -1,8 +1,4 @@
-"""Several files read as one recording: a rotated set (``run*.csv``), a list of files, a Parquet dataset's parts.
-
-:func:`expand_sources` turns what a user names (paths, globs) into files; :func:`read_members` reads them as one,
-skipping a member that holds no row or is gone; :func:`concat_frames` joins their frames and their ``attrs``.
-"""
+"""Several files read as one recording: a rotated set (``run*.csv``), a list of files, a Parquet dataset's parts."""
 
 from __future__ import annotations
 
