@@ -181,11 +181,7 @@ class Replay(LatestSweep):
     def _select(self, sample: GpuSample) -> bool:
         if not self.gpus:
             return True
-        keys = {str(sample.index) if "index" in sample else None}
-        if "uuid" in sample:
-            keys.add(str(sample.uuid))
-        if "pci.bus_id" in sample:
-            keys.add(str(sample.get("pci.bus_id")))
+        keys = {str(sample.get(name)) for name in ("index", "uuid", "pci.bus_id") if name in sample}
         return any(g in keys for g in self.gpus)
 
     def _projected(self, sample: GpuSample) -> GpuSample:
@@ -227,7 +223,7 @@ class Replay(LatestSweep):
                 if not self._select(sample):
                     continue
                 sample = self._projected(sample)
-                ts = sample.timestamp if "timestamp" in sample else None
+                ts = sample.timestamp
                 if ts is not None:
                     if first_ts is None:
                         first_ts = ts
