@@ -31,7 +31,6 @@ def json_value(value: Value) -> object:
 
 def sample_to_json(sample: GpuSample) -> dict[str, object]:
     """One sample as a JSON-ready dict keyed by field name, plus ``"_missing": {field: reason}`` when any."""
-    # sample[name] reads the same whether GpuSample keeps its values as a tuple or a mapping
     out: dict[str, object] = {n: json_value(sample[n]) for n in sample.fields}
     missing = sample.missing
     if missing:

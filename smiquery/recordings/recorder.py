@@ -314,8 +314,7 @@ class TextRecorder:
     def write(self, sample: GpuSample) -> None:
         """Write one sample as one whole line; rotate, reopen or notice a truncation first.
 
-        Raises:
-            RecordingError: the file cannot be written for another reason than a full disk.
+        Raises RecordingError when the file cannot be written for another reason than a full disk.
         """
         if self._fd < 0:
             raise RecordingError(f"the recording {self.path} is closed")
