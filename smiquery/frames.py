@@ -1,6 +1,6 @@
 """Samples -> pandas DataFrames with nullable, catalogue-typed columns (pandas imported inside functions).
 
-The recording readers (:mod:`smiquery.recordings`) build their frames with the same column arrays and attrs.
+The recording readers (:mod:`smiquery.recordings`) build their frames with the same arrays and attrs.
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone, tzinfo
+from functools import cache
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from smiquery.clock import localize_by_order
 from smiquery.errors import InvalidFieldError, ParseError
-from smiquery.fields import Field, Kind, get_field
+from smiquery.fields import CATALOGUE, Field, Kind, get_field
 from smiquery.sample import GpuSample, Value
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ __all__ = [
     "MissingReasons",
     "SkippedLines",
     "empty_array",
+    "field_for",
     "int_array",
     "local_zone",
     "make_frame",
@@ -35,23 +37,21 @@ __all__ = [
     "to_dataframe",
 ]
 
-# --------------------------------------------------------------------------------------------------------------
-# column arrays (the CSV reader builds its frames with them too)
 
-
-def _field_for(name: str) -> Field:
+@cache
+def field_for(name: str) -> Field:
+    """The field of a column: by nvidia-smi name or attribute name; text when not in the catalogue."""
     try:
         return get_field(name)
     except InvalidFieldError:
-        # A column this driver listed but the catalogue does not know: the parser reads it as text.
-        return Field(name, Kind.STR)
+        by_attr = next((f for f in CATALOGUE if f.attr == name), None)
+        return by_attr or Field(name, Kind.STR, help="Not in smiquery's catalogue.")
 
 
 def string_dtype() -> Any:
     """The dtype of text columns: Arrow-backed when pyarrow is installed."""
     import pandas as pd
 
-    # Arrow-backed strings take a fraction of the memory of Python str objects; pandas >= 3 picks them anyway.
     if importlib.util.find_spec("pyarrow") is not None:
         return pd.StringDtype("pyarrow")
     return pd.StringDtype()
@@ -87,13 +87,9 @@ def local_zone() -> tzinfo:
 class MissingReasons(Mapping[str, Mapping[int, str]]):
     """Why cells are missing: column -> {row position -> reason}, for the columns with a missing cell.
 
-    Kept in ``df.attrs["missing"]``. It is immutable and shared, not copied, when pandas copies a frame's
-    attrs (which it does on nearly every operation), so a million-row frame with many ``[N/A]`` cells costs
-    nothing extra to filter or sort. Row positions are those of the frame as read (before any filtering).
-    Per column it holds one array of row positions and one small array of reason codes.
-
-    Args:
-        columns: column -> (row positions, reason code per position, reason words); arrays or sequences.
+    Kept in ``df.attrs["missing"]``; immutable and shared, not copied, when pandas copies a frame's attrs (on
+    nearly every operation). Row positions are those of the frame as read (before any filtering). ``columns``
+    maps a column to (row positions, a reason code per position, the reason words), arrays or sequences.
     """
 
     __slots__ = ("_columns", "_dicts")
@@ -106,14 +102,7 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
 
     @classmethod
     def from_dicts(cls, missing: Mapping[str, Mapping[Any, str]]) -> MissingReasons:
-        """Build from column -> {row position (int or digit string) -> reason}.
-
-        Args:
-            missing: the reasons, as :func:`to_dataframe` once kept them or a Parquet file's attrs hold them.
-
-        Returns:
-            The same reasons, in compact form.
-        """
+        """Build from column -> {row position (int or digit string, as a Parquet file's attrs hold it) -> reason}."""
         if isinstance(missing, MissingReasons):
             return missing
         out: dict[str, tuple[Any, Any, Sequence[str]]] = {}
@@ -122,6 +111,25 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
             rows = [int(r) for r in reasons]
             codes = [words.setdefault(str(w), len(words)) for w in reasons.values()]
             out[str(col)] = (rows, codes, tuple(words))
+        return cls(out)
+
+    @classmethod
+    def concat(cls, parts: Iterable[tuple[int, Mapping[str, Mapping[Any, str]]]]) -> MissingReasons:
+        """The reasons of frames stacked in order, given as (row offset of the frame, its reasons) each."""
+        import numpy as np
+
+        compact = [(offset, cls.from_dicts(m)._columns) for offset, m in parts]
+        out: dict[str, tuple[Any, Any, Sequence[str]]] = {}
+        for col in dict.fromkeys(c for _, m in compact for c in m):
+            found = [(offset, m[col]) for offset, m in compact if col in m]
+            words = tuple(dict.fromkeys(w for _, (_, _, ws) in found for w in ws))
+            code_of = {w: n for n, w in enumerate(words)}
+            rows = np.concatenate([np.asarray(r, dtype=np.int64) + off for off, (r, _, _) in found])
+            codes = [
+                np.asarray([code_of[w] for w in ws], dtype=np.int16)[np.asarray(c, dtype=np.intp)]
+                for _, (_, c, ws) in found
+            ]
+            out[col] = (rows, np.concatenate(codes), words)
         return cls(out)
 
     def __getitem__(self, column: str) -> Mapping[int, str]:
@@ -152,27 +160,12 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
         return self
 
     def count(self, column: str) -> int:
-        """How many cells of ``column`` are missing with a known reason.
-
-        Args:
-            column: a column name (``power_draw``).
-
-        Returns:
-            The count; 0 for a column without missing cells.
-        """
+        """How many cells of ``column`` (``power_draw``) are missing with a known reason; 0 for none."""
         entry = self._columns.get(column)
         return 0 if entry is None else len(entry[0])
 
     def series(self, column: str, length: int) -> pd.Series:
-        """The reasons of one column as a categorical Series of ``length`` rows, ``<NA>`` where not missing.
-
-        Args:
-            column: a column name.
-            length: rows of the frame as read.
-
-        Returns:
-            A categorical Series indexed by row position.
-        """
+        """One column's reasons: a categorical Series of ``length`` rows (as read), ``<NA>`` where not missing."""
         import numpy as np
         import pandas as pd
 
@@ -186,14 +179,7 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
 
 
 def missing_reasons(df: pd.DataFrame) -> MissingReasons:
-    """The reasons of a frame's missing cells (from :func:`read_csv`, :func:`to_dataframe` or a Parquet file).
-
-    Args:
-        df: the frame.
-
-    Returns:
-        column -> {row position -> reason}; empty when the frame has none recorded.
-    """
+    """column -> {row position -> reason} of a frame's missing cells (any reader's, :func:`to_dataframe`'s)."""
     found = df.attrs.get("missing")
     if isinstance(found, MissingReasons):
         return found
@@ -230,19 +216,17 @@ def _timestamp_array(values: Sequence[Value], tz: tzinfo | None) -> Any:
     return index.as_unit("ns").array
 
 
-def _python_array(fld: Field, values: Sequence[Value], tz: tzinfo | None = None) -> Any:
+def _python_array(fld: Field, values: Sequence[Any], tz: tzinfo | None = None) -> Any:
     """A nullable pandas array for one column of Python values (None for missing)."""
     import pandas as pd
 
     storage = fld.kind.ops.storage
-    data: Any = values
     if storage == "int":
-        return int_array(data)
+        return int_array(values)
     if storage == "timestamp":
         return _timestamp_array(values, tz)
-    if storage == "string":
-        return pd.array(data, dtype=string_dtype())
-    return pd.array(data, dtype=fld.kind.ops.dtype)
+    dtype: Any = string_dtype() if storage == "string" else fld.kind.ops.dtype
+    return pd.array(values, dtype=dtype)
 
 
 def empty_array(fld: Field, tz: tzinfo | None) -> Any:
@@ -279,10 +263,6 @@ def make_frame(
     return df
 
 
-# --------------------------------------------------------------------------------------------------------------
-# samples -> DataFrame
-
-
 def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     """Put samples in a DataFrame, one row per sample and one nullable column per queried field.
 
@@ -290,19 +270,10 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     catalogue: ``Int64`` for integers, hex values and bitmasks, ``Float64`` for decimals, ``boolean`` for
     Enabled/Disabled, Yes/No and Active/Not Active, ``string`` for text and versions, and ``datetime64[ns, tz]``
     for ``timestamp`` (naive ``datetime64[ns]`` when every sample's timestamp is naive, as a replayed
-    nvidia-smi CSV's are). A missing value is ``<NA>`` (never 0).
-
-    ``df.attrs`` carries ``"fields"`` (canonical names), ``"units"`` (column -> unit, ``""`` when
-    dimensionless) and ``"missing"`` (column -> {row position -> reason}, only for the missing cells).
-
+    nvidia-smi CSV's are). A missing value is ``<NA>`` (never 0). ``df.attrs`` carries ``"fields"`` (canonical
+    names), ``"units"`` (column -> unit, ``""`` when dimensionless) and ``"missing"`` (:class:`MissingReasons`).
     Samples from different queries may be mixed: the columns are the union of their fields, in first-seen
-    order, and a field a sample did not query is ``<NA>`` without a reason.
-
-    Args:
-        samples: the samples, e.g. from :func:`smiquery.sources.query_gpu.parse_lines` or a stream.
-
-    Returns:
-        The DataFrame; an empty one (no rows, no columns) for no samples.
+    order, and a field a sample did not query is ``<NA>`` without a reason. No samples give an empty frame.
 
     Raises:
         ValueError: a timestamp outside what ``datetime64[ns]`` holds (years 1677 to 2262).
@@ -318,8 +289,8 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     else:
         names = list(dict.fromkeys(n for s in rows for n in s.fields))
         columns_of = [[s.get(n) for s in rows] for n in names]
-    fields = [_field_for(n) for n in names]
-    attr_of = {f.name: f.attr for f in fields}
+    fields = [field_for(n) for n in names]
+    attr_of = {n: f.attr for n, f in zip(names, fields, strict=True)}
     missing: dict[str, dict[int, str]] = {}
     for i, s in enumerate(rows):
         m = s.missing
@@ -333,9 +304,7 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
 def set_zone(df: pd.DataFrame, tz: tzinfo | None) -> None:
     """Put the ``timestamp`` column in ``tz``, in place: naive times are localized, aware ones converted.
 
-    Args:
-        df: the frame.
-        tz: the zone; None leaves the column as it is.
+    None leaves the column as it is.
     """
     if tz is None or "timestamp" not in df.columns:
         return
@@ -370,14 +339,7 @@ class SkippedLines:
         return cls(count, first.lineno, (first.line or "")[:80], why)
 
     def message(self, name: str = "the recording") -> str:
-        """One line for a warning: ``skipped 2 unreadable lines in run.csv (first: line 316: ...)``.
-
-        Args:
-            name: how to call the recording (its path).
-
-        Returns:
-            The sentence, without a trailing period.
-        """
+        """One line, no trailing period: ``skipped 2 unreadable lines in run.csv (first: line 316: ...)``."""
         lines = "line" if self.count == 1 else "lines"
         why = f": {self.reason}" if self.reason else ""
         return f"skipped {self.count} unreadable {lines} in {name} (first: line {self.first_lineno}{why})"

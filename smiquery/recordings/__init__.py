@@ -1,10 +1,8 @@
 """Recordings, the one owner of their I/O: nvidia-smi CSV (plain logs too), JSONL and Parquet, written and read.
 
-One module per format, each with a writer and readers (:mod:`~smiquery.recordings.csvfile`,
-:mod:`~smiquery.recordings.jsonl`, :mod:`~smiquery.recordings.parquet`); :mod:`~smiquery.frames`
-turns samples into DataFrames and :mod:`~smiquery.recordings.playback` plays a recording back, paced. This front
-picks the format by the file name (:func:`open_recorder`, :func:`read_recording`). Readers keep timestamps as
-recorded unless ``tz=`` names the zone.
+One module per format, with its writer and readers; this front picks the format by the file name
+(:func:`open_recorder`, :func:`open_recording`, :func:`read_recording`); :mod:`~smiquery.recordings.playback`
+plays a recording back, paced.
 """
 
 from __future__ import annotations
@@ -26,12 +24,12 @@ from smiquery.recordings.base import (
     resolve_zone,
 )
 from smiquery.recordings.csvfile import CsvSource, CsvWriter, csv_header, read_csv, read_csv_recording
-from smiquery.recordings.dataset import ParquetDataset, is_dataset, read_dataset, recorded_rules, recorded_zone
+from smiquery.recordings.dataset import ParquetDataset, is_dataset, read_dataset
 from smiquery.recordings.jsonl import JsonlWriter, json_value, read_jsonl, sample_from_json, sample_to_json
 from smiquery.recordings.parquet import ParquetWriter, read_parquet
 from smiquery.recordings.playback import Replay, replay
-from smiquery.recordings.recorder import Policy, TextRecorder
-from smiquery.recordings.sets import Sources, csv_zone, expand_sources, no_rows, read_members
+from smiquery.recordings.recorder import Policy, TextRecorder, recorded_rules, recorded_zone
+from smiquery.recordings.sets import Sources, expand_sources, no_rows, read_members
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -67,6 +65,9 @@ __all__ = [
 ]
 
 
+_WRITTEN = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+
+
 def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> SampleWriter:
     """A writer for ``PATH`` (replaced if it exists), by suffix: ``.csv``, ``.jsonl``/``.ndjson``, ``.parquet``/``.pq``.
 
@@ -77,13 +78,8 @@ def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> Samp
         ValueError: an unknown suffix.
         OSError: the file cannot be created.
     """
-    suffix = Path(path).suffix.lower()
-    if suffix == ".csv":
-        return CsvWriter(open(path, "w", encoding="utf-8", newline=""), fields, owns=True)
-    if suffix in (".jsonl", ".ndjson"):
-        return JsonlWriter(open(path, "w", encoding="utf-8", newline=""), owns=True)
-    if suffix in (".parquet", ".pq"):
-        # a dataset of closed parts: memory stays flat and a kill loses nothing (ParquetWriter holds every row)
+    kind = _WRITTEN.get(Path(path).suffix.lower())
+    if kind == "parquet":
         import errno
 
         target = Path(path)
@@ -92,7 +88,10 @@ def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> Samp
         if target.is_dir() and not is_dataset(target):
             raise IsADirectoryError(errno.EISDIR, "is a directory (not a smiquery recording)", os.fspath(target))
         return ParquetDataset(path, fields, policy="force")
-    raise ValueError(f"cannot tell the format of {os.fspath(path)!r}: name it .csv, .jsonl or .parquet")
+    if kind is None:
+        raise ValueError(f"cannot tell the format of {os.fspath(path)!r}: name it .csv, .jsonl or .parquet")
+    out = open(path, "w", encoding="utf-8", newline="")  # noqa: SIM115 - the writer owns it
+    return CsvWriter(out, fields, owns=True) if kind == "csv" else JsonlWriter(out, owns=True)
 
 
 def open_recording(
@@ -109,21 +108,9 @@ def open_recording(
 ) -> TextRecorder | ParquetDataset:
     """The recorder of ``smiquery stream --output PATH``, by suffix (see :mod:`smiquery.recordings.recorder`).
 
-    ``.csv`` and ``.jsonl``/``.ndjson`` are files written a line per row; ``.parquet``/``.pq`` is a dataset
-    folder of closed parts (:mod:`smiquery.recordings.dataset`). Nothing is held in memory but one part's close.
-
-    Args:
-        path: the recording.
-        fields: its columns.
-        policy: ``"new"`` refuses an existing recording, ``"force"`` replaces it, ``"append"`` goes on writing it.
-        rotate_bytes: start a new file (a new part) at this size.
-        rotate_seconds: start a new file (a new part) after this long.
-        keep: rotated files (parts) to keep; None keeps all.
-        flush_every: seconds between ``fsync`` calls.
-        say: where one-line notices go (a full disk, a truncated file).
-        rules: the run's ``--alert`` rules, recorded beside it (``run.csv.meta.json``, the dataset's
-            ``_smiquery.json``): :func:`read_recording` gives them back in ``attrs["rules"]``, and a report of
-            the recording checks them.
+    ``.csv`` and ``.jsonl``/``.ndjson`` go to a :class:`TextRecorder`, ``.parquet``/``.pq`` to a
+    :class:`ParquetDataset`; the arguments are theirs. The ``rules`` recorded beside it come back in
+    :func:`read_recording`'s ``attrs["rules"]``, and a report of the recording checks them.
 
     Raises:
         UsageError: an unknown suffix, an existing recording under ``"new"``, other columns under ``"append"``.
@@ -132,8 +119,12 @@ def open_recording(
     """
     from smiquery.errors import UsageError
 
-    suffix = Path(path).suffix.lower()
-    common: dict[str, Any] = {
+    kind = _WRITTEN.get(Path(path).suffix.lower())
+    if kind is None:
+        raise UsageError(
+            f"--output {os.fspath(path)}: cannot tell the format from the name; name it .csv, .jsonl or .parquet"
+        )
+    options: dict[str, Any] = {
         "policy": policy,
         "rotate_bytes": rotate_bytes,
         "rotate_seconds": rotate_seconds,
@@ -142,16 +133,10 @@ def open_recording(
         "rules": tuple(rules),
     }
     if say is not None:
-        common["say"] = say
-    if suffix == ".csv":
-        return TextRecorder(path, fields, kind="csv", **common)
-    if suffix in (".jsonl", ".ndjson"):
-        return TextRecorder(path, fields, kind="jsonl", **common)
-    if suffix in (".parquet", ".pq"):
-        return ParquetDataset(path, fields, **common)
-    raise UsageError(
-        f"--output {os.fspath(path)}: cannot tell the format from the name; name it .csv, .jsonl or .parquet"
-    )
+        options["say"] = say
+    if kind == "parquet":
+        return ParquetDataset(path, fields, **options)
+    return TextRecorder(path, fields, kind="csv" if kind == "csv" else "jsonl", **options)
 
 
 def _check_recorded(df: pd.DataFrame, wanted: Sequence[Field], path: str) -> None:
@@ -187,10 +172,9 @@ def read_recording(
             For a recording that names its columns (a header, JSONL, Parquet), each must be one of them (all
             columns are read all the same).
         tz: the zone the recording was made in (an IANA name such as ``"Europe/Berlin"``, or a ``tzinfo``):
-            timestamps recorded without a zone are localized to it, ones with a zone converted to it. Default None:
-            the zone the recording names (``smiquery stream --output`` records it: ``run.csv.meta.json`` beside a
-            CSV, ``_smiquery.json`` in a Parquet dataset), else as recorded: naive for a plain nvidia-smi CSV log
-            (it prints local time with no zone), never assumed to be UTC.
+            times recorded without a zone are localized to it, others converted. Default: the zone the recording
+            names (``run.csv.meta.json``, a dataset's ``_smiquery.json``), else as recorded (naive for a plain
+            nvidia-smi log, never assumed to be UTC).
 
     Returns:
         One row per sample, in file order; ``attrs["headerless"]`` is True when ``fields`` named the columns.
@@ -220,19 +204,17 @@ def _read_one(path: str, wanted: Sequence[Field] | None, zone: tzinfo | None) ->
     import pandas as pd
 
     as_columns = False
+    zone = zone if zone is not None else recorded_zone(path)
     if os.path.isdir(path) and is_dataset(path):
         df = read_dataset(path)
-        set_zone(df, zone if zone is not None else recorded_zone(path))
+        set_zone(df, zone)
     else:
         check_file(path)
         fmt = detect_format(path)
         if fmt == "csv":
-            df, as_columns = read_csv_recording(path, wanted, zone if zone is not None else csv_zone(path))
-        elif fmt == "parquet":
-            df = read_parquet(path)
-            set_zone(df, zone)
+            df, as_columns = read_csv_recording(path, wanted, zone)  # its timestamps are in the zone already
         else:
-            df = read_jsonl(path, zone)
+            df = read_parquet(path) if fmt == "parquet" else read_jsonl(path, zone)
             set_zone(df, zone)
     if len(df) == 0 and isinstance(df.attrs.get("skipped"), SkippedLines):
         raise no_rows(path)  # only unreadable lines: not a file just started

@@ -1,7 +1,6 @@
-"""Recorded nvidia-smi CSV -> DataFrame, the fast path: pyarrow splits the file and vectorised kernels convert it.
+"""Recorded nvidia-smi CSV -> DataFrame, the fast path of :func:`~smiquery.recordings.csvfile.read_csv`.
 
-:func:`smiquery.recordings.csvfile.read_csv` probes the first lines (:func:`probe_layout`) and hands the file to
-:class:`ArrowCsvReader` when pyarrow is installed; the pure-Python parser reads it otherwise, to the same result.
+pyarrow splits the file and vectorised kernels convert it, to the same result as the pure-Python parser.
 """
 
 from __future__ import annotations
@@ -11,20 +10,17 @@ import re
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime, tzinfo
+from datetime import tzinfo
+from itertools import accumulate, islice
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Union
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, Union
 
 from smiquery.clock import localize_by_order
 from smiquery.errors import ParseError
 from smiquery.fields import Field, Kind
 from smiquery.frames import MissingReasons, SkippedLines, empty_array, int_array, make_frame, string_dtype
-
-# Cells are read by their kind's own converters and words (smiquery.kinds), so that both paths read a cell the
-# same way.
-from smiquery.kinds import missing_reason
+from smiquery.kinds import missing_reason  # the kinds' own converters and words: both paths read a cell alike
 from smiquery.recordings.base import NS_MAX, NS_MIN
-from smiquery.sample import Value
 from smiquery.sources.query_gpu import MESSAGE_PREFIXES, CsvParser, bad_cell_reason
 
 if TYPE_CHECKING:
@@ -37,11 +33,10 @@ CsvSource = Union[str, "os.PathLike[str]", IO[bytes], IO[str]]
 
 #: A header line is short; reading this much is enough to find it (and any blank lines before it).
 HEAD_BYTES = 1 << 20
-# read_csv splits and converts blocks of about this size; a converted block is a fraction of its text.
+# Blocks split and converted at a time; rows of the head that decide which numeric columns pyarrow converts itself;
+# threads converting blocks.
 _BLOCK_BYTES = 4 << 20
-# Rows of the file's head that decide which numeric columns the CSV reader converts itself.
 _HEAD_ROWS = 4000
-# Threads converting blocks.
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -60,7 +55,7 @@ class CsvInput:
             self._data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
 
     def head(self) -> bytes:
-        """The first bytes of the input, enough for the header and the head rows."""
+        """The first :data:`HEAD_BYTES` of the input."""
         if self._data is not None:
             return self._data[:HEAD_BYTES]
         if self._head is None:
@@ -81,63 +76,42 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", "replace")
 
 
-def _is_notice(line: str) -> bool:
-    return line.startswith(MESSAGE_PREFIXES)
-
-
-class CsvLayout:
+class CsvLayout(NamedTuple):
     """What the probe of the first lines found: fields, units, header and how many lines precede the data."""
 
-    def __init__(self, fields: tuple[Field, ...], units: tuple[str, ...], header: list[str] | None, skip: int):
-        self.fields = fields
-        self.units = units
-        self.header = header
-        self.skip = skip
+    fields: tuple[Field, ...]
+    units: tuple[str, ...]
+    header: list[str] | None
+    skip: int
 
     def data_lines(self, data: bytes, *, notices: bool = False) -> Iterator[tuple[int, str, bool]]:
-        """(line number, line, fits) for every row the reader keeps, plus the rows with a wrong column count.
+        """(line number, line, fits) of every row the reader keeps and every row of the wrong width.
 
         With ``notices``, the notice lines the reader sets aside instead.
         """
         ncols = len(self.fields)
         for lineno, raw in enumerate(data.splitlines(), 1):
-            if lineno <= self.skip:
-                continue
             line = _decode(raw)
-            if not line.strip():
+            if lineno <= self.skip or not line.strip():
                 continue
             cells = line.split(",")
-            if len(cells) != ncols or ncols == 1:
-                if _is_notice(line):
-                    if notices:
-                        yield lineno, line, True
-                    continue
-                if len(cells) != ncols:
-                    if not notices:
-                        yield lineno, line, False
-                    continue
-            if notices:
+            notice = (len(cells) != ncols or ncols == 1) and line.startswith(MESSAGE_PREFIXES)
+            if notices or notice:
+                if notices and notice:
+                    yield lineno, line, True
                 continue
-            if self.header is not None and [c.strip() for c in cells] == self.header:
-                continue
-            yield lineno, line, True
+            fits = len(cells) == ncols
+            if not fits or self.header is None or [c.strip() for c in cells] != self.header:
+                yield lineno, line, fits
 
     def locate(self, data: bytes, row: int) -> tuple[int, str]:
         """The line number and text of data row ``row`` (0-based, in reading order)."""
-        i = 0
-        for lineno, line, fits in self.data_lines(data):
-            if fits:
-                if i == row:
-                    return lineno, line
-                i += 1
-        return 0, ""  # pragma: no cover - rows always come from the same data
+        rows = ((lineno, line) for lineno, line, fits in self.data_lines(data) if fits)
+        return next(islice(rows, row, None), (0, ""))
 
     def first_misfit(self, data: bytes) -> tuple[int, str] | None:
         """The line number and text of the first row of the wrong width, or None."""
-        for lineno, line, fits in self.data_lines(data):
-            if not fits:
-                return lineno, line
-        return None
+        return next(((lineno, line) for lineno, line, fits in self.data_lines(data) if not fits), None)
 
 
 def probe_layout(src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo) -> CsvLayout | None:
@@ -163,11 +137,7 @@ def probe_layout(src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo
 
 
 class _BadCells(Exception):
-    """The cells of one column the parser's converter rejects, at their row positions in the block being converted.
-
-    All of a column's bad cells are found in one pass, so that a file with thousands of them costs one more
-    conversion of the block, not one per bad row.
-    """
+    """The cells of one column the converter rejects, at their rows in the block: all found in one pass."""
 
     def __init__(self, rows: list[int], cell: str, fld: Field) -> None:
         super().__init__(rows, cell, fld.name)
@@ -175,39 +145,30 @@ class _BadCells(Exception):
         self.why = bad_cell_reason(fld, cell)
 
 
-# Why cells of one column are missing: (row positions, reason codes, reason words); row positions are local to a
-# block while it is converted.
+# Why cells of one column are missing: (row positions in the block, reason codes, reason words).
 _Why = tuple[Any, Any, tuple[str, ...]]
 
 
-class _Block:
-    """One converted block: a pandas-ready part per column, the missing reasons per column, and the rows dropped.
+class _Block(NamedTuple):
+    """One converted block: a part per column, the rows kept and the ones dropped (positions as read), and why.
 
-    ``bad`` holds the positions (in the block as read) of rows with a cell that does not fit its field, ``why``
-    what is wrong with the first of them.
+    ``reasons`` says why cells are missing (by column attr), ``why`` what is wrong with the first dropped row.
     """
 
-    __slots__ = ("bad", "parts", "reasons", "rows", "why")
-
-    def __init__(self, parts: list[Any], reasons: list[_Why | None], rows: int, bad: list[int], why: str) -> None:
-        self.parts = parts
-        self.reasons = reasons
-        self.rows = rows
-        self.bad = bad
-        self.why = why
+    parts: list[Any]
+    reasons: dict[str, _Why]
+    rows: int
+    bad: list[int]
+    why: str
 
 
 class ArrowCsvReader:
-    """The fast path of :func:`read_csv`.
+    """The fast path of :func:`read_csv`: pyarrow splits the file into blocks, threads convert them.
 
-    pyarrow's multi-threaded CSV reader splits the file into blocks of rows; worker threads then convert the
-    blocks, column by column, with vectorised kernels (Arrow releases the GIL), and a block's text is freed as
-    soon as it is converted.
-
-    Numeric columns whose first rows hold plain numbers and ``[N/A]`` only are converted by the CSV reader
-    itself (``[N/A]`` -> null), the cheapest way there is; every other column is read as text and converted
-    here. When a typed column meets anything else further on (another status token, a unit, a bad value), the
-    read starts again with that column as text.
+    Blocks are converted column by column (Arrow releases the GIL) and a block's text is freed once converted.
+    Numeric columns whose first rows hold plain numbers and ``[N/A]`` only are converted by the CSV reader itself,
+    the cheapest way; the rest is read as text and converted here. When a typed column meets anything else further
+    on (a status token, a unit, a bad value), the read starts again with that column as text.
     """
 
     def __init__(self, src: CsvInput, layout: CsvLayout, tz: tzinfo, out_tz: tzinfo | None) -> None:
@@ -222,8 +183,6 @@ class ArrowCsvReader:
         self.out_tz = out_tz
         self.notices: list[str] = []
         self.misfits = 0
-
-    # -- reading ---------------------------------------------------------------------------------------------
 
     def read(self) -> pd.DataFrame:
         """The whole file as a frame; a numeric column meeting an odd cell is read again as text."""
@@ -287,12 +246,10 @@ class ArrowCsvReader:
 
     def _handler(self, row: Any) -> str:
         text: str = row.text or ""
-        if not text.strip():
-            return "skip"
-        if _is_notice(text):
+        if text.startswith(MESSAGE_PREFIXES):
             self.notices.append(text.rstrip("\r\n"))
-            return "skip"
-        self.misfits += 1
+        elif text.strip():
+            self.misfits += 1
         return "skip"
 
     def _read(self, source: Any, typed: set[int]) -> pd.DataFrame:
@@ -330,76 +287,53 @@ class ArrowCsvReader:
         batches.reverse()
         blocks: list[_Block] = []
         pending: deque[Future[_Block]] = deque()
-        rows = 0
-        starts: deque[int] = deque()
-        first_bad: int | None = None  # row position (over the whole file, as read) of the first bad row
-        why = ""  # what is wrong with that row
-        bad_rows = 0
         with ThreadPoolExecutor(_WORKERS) as pool:
             while batches or pending:
                 if batches:
                     columns = self._drop_non_rows(list(batches.pop().columns))
-                    size = len(columns[0])
                     pending.append(pool.submit(self._convert_block, columns))
-                    starts.append(rows)
-                    rows += size
                     del columns
                     if len(pending) <= _WORKERS and batches:
                         continue
-                block = pending.popleft().result()
-                start = starts.popleft()
-                if block.bad:
-                    bad_rows += len(block.bad)
-                    if first_bad is None:
-                        first_bad, why = start + block.bad[0], block.why
-                blocks.append(block)
-        skipped = self._skipped(bad_rows, first_bad, why)
-        if skipped is not None and rows == bad_rows:
+                blocks.append(pending.popleft().result())
+        skipped = self._skipped(blocks)
+        if skipped is not None and not any(b.rows for b in blocks):
             raise skipped.unreadable()
         return self._assemble(blocks, skipped)
 
-    def _skipped(self, bad_rows: int, first_bad: int | None, why: str) -> SkippedLines | None:
+    def _skipped(self, blocks: list[_Block]) -> SkippedLines | None:
         """What was skipped: rows of the wrong width (the reader's handler) and rows with a bad cell."""
-        count = bad_rows + self.misfits
+        count = self.misfits + sum(len(b.bad) for b in blocks)
         if not count:
             return None
         data = self.src.data()
         found: list[tuple[int, str, str]] = []
-        if self.misfits:
-            misfit = self.layout.first_misfit(data)
-            if misfit is not None:
-                lineno, line = misfit
-                width = f"expected {len(self.layout.fields)} columns, got {len(line.split(','))}"
-                found.append((lineno, line, width))
-        if first_bad is not None:
-            found.append((*self.layout.locate(data, first_bad), why))
+        misfit = self.layout.first_misfit(data) if self.misfits else None
+        if misfit is not None:
+            found.append((*misfit, f"expected {len(self.layout.fields)} columns, got {len(misfit[1].split(','))}"))
+        starts = accumulate((b.rows + len(b.bad) for b in blocks), initial=0)  # rows as read before each block
+        first = next(((start + b.bad[0], b.why) for start, b in zip(starts, blocks, strict=False) if b.bad), None)
+        if first is not None:
+            found.append((*self.layout.locate(data, first[0]), first[1]))
         lineno, line, reason = min(found) if found else (0, "", "")
         return SkippedLines(count, lineno, line[:80], reason)
 
     def _assemble(self, blocks: list[_Block], skipped: SkippedLines | None = None) -> pd.DataFrame:
         import numpy as np
 
-        layout = self.layout
-        out: list[Any] = []
-        missing: dict[str, _Why] = {}
         offsets = np.cumsum([0] + [b.rows for b in blocks])
-        for i, fld in enumerate(layout.fields):
+        out: list[Any] = []
+        for i, fld in enumerate(self.layout.fields):
             parts = [block.parts[i] for block in blocks]
             for block in blocks:
                 block.parts[i] = None  # each block's part is freed once the column is whole
             out.append(self._concat(parts, fld))
             del parts
             self.pa.default_memory_pool().release_unused()
-            found = [(offsets[k], why) for k, b in enumerate(blocks) if (why := b.reasons[i]) is not None]
-            if found:
-                words = tuple(dict.fromkeys(w for _, why in found for w in why[2]))
-                code_of = {w: n for n, w in enumerate(words)}
-                rows = np.concatenate([why[0] + off for off, why in found])
-                codes = np.concatenate(
-                    [np.asarray([code_of[w] for w in why[2]], dtype=np.int16)[why[1]] for _, why in found]
-                )
-                missing[fld.attr] = (rows, codes, words)
-        return make_frame(layout.fields, out, MissingReasons(missing), self.notices, skipped)
+        missing = MissingReasons.concat(
+            (int(offset), MissingReasons(b.reasons)) for offset, b in zip(offsets, blocks, strict=False)
+        )
+        return make_frame(self.layout.fields, out, missing, self.notices, skipped)
 
     def _drop_non_rows(self, columns: list[Any]) -> list[Any]:
         """Drop repeated header lines and, for one-column output, notice and blank lines."""
@@ -426,16 +360,10 @@ class ArrowCsvReader:
             return columns
         return [pc.filter(c, keep) for c in columns]
 
-    # -- converting -------------------------------------------------------------------------------------------
-
     def _convert_block(self, columns: list[Any]) -> _Block:
-        """One block -> a pandas-ready part per column, the missing reasons, and the rows dropped as bad.
+        """One block's cells (per field: text, or numbers the reader converted) -> a :class:`_Block`.
 
-        A row with a cell that does not fit its field (a garbled line) is dropped and the block converted again
-        without it.
-
-        Args:
-            columns: the block's cells, one array per field: text, or numbers the reader converted.
+        A row with a cell that does not fit its field (a garbled line) is dropped and the block converted again.
         """
         import numpy as np
 
@@ -446,7 +374,7 @@ class ArrowCsvReader:
         positions: Any = None  # current row -> row in the block as read, once rows were dropped
         while True:
             parts: list[Any] = []
-            reasons: list[_Why | None] = []
+            reasons: dict[str, _Why] = {}
             try:
                 for i, fld in enumerate(layout.fields):
                     raw = columns[i]
@@ -456,7 +384,8 @@ class ArrowCsvReader:
                         values, why = raw, self._nulls(raw)
                     del raw
                     parts.append(self._part(values, fld))
-                    reasons.append(why)
+                    if why is not None:
+                        reasons[fld.attr] = why
             except _BadCells as exc:
                 if positions is None:
                     positions = np.arange(len(columns[0]))
@@ -473,8 +402,7 @@ class ArrowCsvReader:
             break
         rows = len(columns[0])
         del columns
-        # Hand the block's scratch memory back to the OS: the allocator would keep it, and NumPy (which holds
-        # the converted parts) cannot reuse it.
+        # Hand the block's scratch memory back to the OS: NumPy (which holds the converted parts) cannot reuse it.
         pa.default_memory_pool().release_unused()
         return _Block(parts, reasons, rows, sorted(bad), "" if first_why is None else first_why[1])
 
@@ -495,7 +423,7 @@ class ArrowCsvReader:
         # is taken only for a column that shows no unit and no status token.
         suffixed = bool(unit) and kind is not Kind.STR and pc.any(pc.ends_with(col, " " + unit)).as_py()
         if kind.is_numeric and not suffixed and not pc.any(pc.starts_with(col, "[")).as_py():
-            typed = self._typed(col, fld)
+            typed = fld.kind.ops.arrow_cast(col)
             if typed is not None:
                 return typed, None
         token = self._tokens(col)
@@ -506,7 +434,7 @@ class ArrowCsvReader:
         del token
         if suffixed:
             col = self._strip_unit(col, unit)
-        typed = self._typed(col, fld)
+        typed = fld.kind.ops.arrow_cast(col)
         if typed is None:
             typed = self._python_chunk(col, fld)
         return typed, reasons
@@ -527,6 +455,7 @@ class ArrowCsvReader:
         return token
 
     def _reasons(self, col: Any, token: Any) -> _Why:
+        """Why the token cells of ``col`` are missing."""
         pc = self.pc
         rows = pc.indices_nonzero(token).to_numpy()
         encoded = pc.dictionary_encode(pc.filter(col, token))
@@ -544,46 +473,35 @@ class ArrowCsvReader:
             return stripped  # every cell carries the unit (token cells are null by now and skipped)
         return pc.if_else(has, stripped, col)
 
-    def _typed(self, col: Any, fld: Field) -> Any | None:
-        """The column cast to its kind's Arrow type, or None when some cell needs the parser's own converter."""
-        return fld.kind.ops.arrow_cast(col)
-
     def _python_chunk(self, col: Any, fld: Field) -> Any:
         """Convert a column cell by cell with the parser's own converter (rare: odd values, or a bad one)."""
         pa = self.pa
-        convert: Callable[[str], Value] = fld.kind.ops.converter(self.tz)
-        values: list[Value] = []
+        convert: Callable[[str], Any] = fld.kind.ops.converter(self.tz)
+        storage = fld.kind.ops.storage
+        values: list[Any] = []
         bad: list[int] = []
         for row, cell in enumerate(col.to_pylist()):
-            if cell is None:
-                values.append(None)
-                continue
             try:
-                values.append(convert(cell))
+                value = None if cell is None else convert(cell)
+                if storage == "timestamp" and value is not None:
+                    # wall-clock time in the reader's zone, like the fast path (localised with the rest in _concat)
+                    value = value.astimezone(self.tz).replace(tzinfo=None)
+                    if not NS_MIN <= value <= NS_MAX:
+                        raise ValueError("outside datetime64[ns]")
             except Exception:  # any converter failure means the cell does not fit the field
                 bad.append(row)
-                values.append(None)
+                value = None
+            values.append(value)
         if bad:
             raise _BadCells(bad, col[bad[0]].as_py(), fld)
-        storage = fld.kind.ops.storage
         if storage == "int":
             try:
                 return pa.array(values, pa.int64())
             except (OverflowError, pa.ArrowInvalid):
                 return pa.array(values, pa.uint64())  # a bitmask with the top bit set
         if storage == "timestamp":
-            # wall-clock time in the reader's zone, like the fast path (localised with the rest in _concat)
-            naive: list[datetime | None] = []
-            for row, v in enumerate(values):
-                wall = None if v is None else v.astimezone(self.tz).replace(tzinfo=None)  # type: ignore[union-attr]
-                if wall is not None and not NS_MIN <= wall <= NS_MAX:
-                    bad.append(row)
-                naive.append(wall)
-            if bad:
-                raise _BadCells(bad, col[bad[0]].as_py(), fld)
-            return pa.array(naive, pa.timestamp("us")).cast(pa.timestamp("ns"))
-        arrow_type = {"float": pa.float64(), "bool": pa.bool_()}.get(storage, pa.string())
-        return pa.array(values, arrow_type)
+            return pa.array(values, pa.timestamp("us")).cast(pa.timestamp("ns"))
+        return pa.array(values, {"float": pa.float64(), "bool": pa.bool_()}.get(storage, pa.string()))
 
     def _part(self, typed: Any, fld: Field) -> Any:
         """A block's typed Arrow array in the form pandas keeps it: NumPy-backed except for text."""

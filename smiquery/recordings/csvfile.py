@@ -1,23 +1,30 @@
 """nvidia-smi's CSV (``--format=csv``, with or without units and header; plain logs too): written and read.
 
-:class:`CsvWriter` writes it, :func:`read_csv` reads a whole file into a DataFrame (the fast path lives in
-:mod:`smiquery.recordings.csv_arrow`), :func:`read_csv_samples` reads it line by line as samples for playback.
+:func:`read_csv` reads a file into a DataFrame (its fast path: :mod:`smiquery.recordings.csv_arrow`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, tzinfo
 from typing import IO, TYPE_CHECKING
 
 from smiquery.errors import ParseError, RecordingError, ReplayError
 from smiquery.fields import Field, resolve_fields
-from smiquery.frames import SkippedLines, empty_array, local_zone, make_frame, to_dataframe
-from smiquery.recordings.base import NS_MAX, NS_MIN, LineWriter, resolve_zone
-from smiquery.recordings.csv_arrow import HEAD_BYTES, ArrowCsvReader, CsvInput, CsvSource, probe_layout
-from smiquery.recordings.values import RECORDED_WITHOUT_ZONE, in_zone, with_timestamp
+from smiquery.frames import empty_array, local_zone, make_frame, to_dataframe
+from smiquery.recordings.base import (
+    NS_MAX,
+    NS_MIN,
+    RECORDED_WITHOUT_ZONE,
+    Drops,
+    LineWriter,
+    in_zone,
+    resolve_zone,
+    with_timestamp,
+)
+from smiquery.recordings.csv_arrow import ArrowCsvReader, CsvInput, CsvSource, probe_layout
 from smiquery.sample import GpuSample
 from smiquery.sources.query_gpu import CsvParser, format_row, header_line
 
@@ -32,13 +39,8 @@ _LINE_BREAK_RE = re.compile(r"\r\n|\r|\n")
 class CsvWriter(LineWriter):
     """Writes samples in nvidia-smi's own ``--format=csv`` layout: the header with units, then one line per sample.
 
+    ``fields`` are the columns (the samples' fields, in order); the rest is :class:`LineWriter`'s.
     ``smiquery.read_csv``, ``--replay`` and :class:`~smiquery.sources.query_gpu.CsvParser` read the result back.
-
-    Args:
-        out: a text stream.
-        fields: the columns (must match the samples' fields, in order).
-        flush: flush after every row (for pipes and recordings).
-        owns: close ``out`` on :meth:`close`.
     """
 
     def __init__(self, out: IO[str], fields: Sequence[Field], *, flush: bool = True, owns: bool = False) -> None:
@@ -50,9 +52,7 @@ class CsvWriter(LineWriter):
         """Write the header now (it is otherwise written with the first row)."""
         if not self._header_done:
             self._header_done = True
-            self.out.write(header_line(self.fields) + "\n")
-            if self.flush:
-                self.out.flush()
+            self._line(header_line(self.fields) + "\n")
 
     def write(self, sample: GpuSample) -> None:
         """Write one sample as one complete line (a single write call)."""
@@ -64,41 +64,17 @@ class CsvWriter(LineWriter):
 
 
 def csv_header(path: str | os.PathLike[str]) -> tuple[str, ...] | None:
-    """The field names of a CSV recording's header line, or None when it has none (a ``noheader`` log).
+    """The canonical field names of a CSV recording's header line, in order; None for no header (or no line).
 
-    Only the head of the file is read. A headerless log needs its columns named (``fields=``, ``--fields``).
-
-    Args:
-        path: the recording.
-
-    Returns:
-        The canonical field names, in column order; None for no header (or no line at all).
-
-    Raises:
-        RecordingError: the file cannot be read.
+    Only the head of the file is read. Raises RecordingError when it cannot be read.
     """
-    parser = CsvParser()
     try:
-        with open(path, encoding="utf-8", errors="replace", newline="") as fh:
-            for _ in range(64):  # blank lines before the header, at most
-                line = fh.readline(HEAD_BYTES)
-                if not line:
-                    return None
-                try:
-                    parser.feed(line)
-                except ParseError:
-                    return None  # the first line is a row: no header
-                if parser.fields:
-                    return tuple(f.name for f in parser.fields)
+        layout = probe_layout(CsvInput(path), None, RECORDED_WITHOUT_ZONE)
+    except ParseError:
+        return None  # the first line is a row: no header
     except OSError as exc:
         raise RecordingError(f"cannot read recording {os.fspath(path)}: {exc.strerror or exc}") from exc
-    return None
-
-
-def _as_fields(fields: str | Sequence[str | Field] | None) -> Sequence[str | Field] | None:
-    if isinstance(fields, str):
-        return resolve_fields(fields)
-    return fields
+    return None if layout is None or layout.header is None else tuple(f.name for f in layout.fields)
 
 
 def read_csv(
@@ -111,10 +87,9 @@ def read_csv(
 
     Gives the same columns, dtypes and ``attrs`` as :func:`to_dataframe` of the parsed records, plus
     ``attrs["notices"]`` (driver notice lines such as ``WARNING: infoROM is corrupted...``). With pyarrow
-    installed (``smiquery[fast]``) the file is split by pyarrow's CSV reader and converted column by column
-    with vectorised kernels; without it the pure-Python :class:`~smiquery.sources.query_gpu.CsvParser` is used
-    (same result, slower). One difference: past the first 4,000 rows, the fast path reads a ``0x``-prefixed number in an
-    integer column as hex, where the parser rejects it (nvidia-smi prints hex only in hex fields).
+    installed (``smiquery[fast]``) the file is converted column by column with vectorised kernels; without it the
+    pure-Python :class:`~smiquery.sources.query_gpu.CsvParser` reads it (same result, slower; but past the first
+    4,000 rows the fast path reads a ``0x`` number in an integer column as hex, which the parser rejects).
 
     Args:
         path_or_buffer: a path, or an open file in binary or text mode.
@@ -139,7 +114,7 @@ def read_csv(
     # The parser needs a zone to read a timestamp; the wall-clock time it reads is what is kept.
     zone = out_tz if out_tz is not None else local_zone()
     src = CsvInput(path_or_buffer)
-    wanted = _as_fields(fields)
+    wanted = resolve_fields(fields) if isinstance(fields, str) else fields
     try:
         import pyarrow
         import pyarrow.compute
@@ -152,61 +127,59 @@ def read_csv(
     return ArrowCsvReader(src, layout, zone, out_tz).read()
 
 
+def _parsed(parser: CsvParser, lines: Iterable[str], on_drop: Callable[[ParseError], None]) -> Iterator[GpuSample]:
+    """The samples ``parser`` reads from ``lines``; the error of each line it drops goes to ``on_drop``."""
+    dropped = 0
+    for line in lines:
+        sample = parser.feed(line)
+        if parser.dropped != dropped:
+            dropped = parser.dropped
+            if parser.last_error is not None:
+                on_drop(parser.last_error)
+        if sample is not None:
+            yield sample
+
+
 def _read_csv_python(
     src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo, out_tz: tzinfo | None
 ) -> pd.DataFrame:
     parser = CsvParser(fields, tz=tz, strict=False)
-    first: ParseError | None = None
     lines = _LINE_BREAK_RE.split(src.data().decode("utf-8", "replace"))
     if lines and lines[-1] == "":
         lines.pop()
+    drops = Drops()
     samples: list[GpuSample] = []
-    dropped = 0
-    for line in lines:
-        sample = parser.feed(line)
-        if sample is not None and "timestamp" in sample:
-            stamp = sample.timestamp
-            if isinstance(stamp, datetime) and not NS_MIN <= stamp.replace(tzinfo=None) <= NS_MAX:
-                sample = None  # outside what datetime64[ns] holds: a garbled year
-                dropped += 1
-                if first is None:
-                    first = ParseError("timestamp out of range", lineno=parser.lineno, line=line, field="timestamp")
-        if sample is not None:
+    for sample in _parsed(parser, lines, drops):
+        stamp = sample.get("timestamp")
+        if isinstance(stamp, datetime) and not NS_MIN <= stamp.replace(tzinfo=None) <= NS_MAX:
+            # outside what datetime64[ns] holds: a garbled year
+            line = lines[parser.lineno - 1]
+            drops(ParseError("timestamp out of range", lineno=parser.lineno, line=line, field="timestamp"))
+        else:
             samples.append(sample)
-        elif first is None and parser.last_error is not None:
-            first = parser.last_error
-    skipped = None
-    if parser.dropped or dropped:
-        assert first is not None
-        skipped = SkippedLines.after(parser.dropped + dropped, first)
-        if not samples:
-            raise skipped.unreadable()
-    if samples:
-        try:
-            df = to_dataframe(samples)
-        except (OverflowError, ValueError) as exc:  # a timestamp outside datetime64[ns] (years 1677-2262)
-            raise ParseError(str(exc), lineno=0, line="") from exc
-        if "timestamp" in df.columns:
-            stamps = df["timestamp"].dt.tz_convert(tz)
-            df["timestamp"] = stamps.dt.tz_localize(None) if out_tz is None else stamps.dt.tz_convert(out_tz)
-        df.attrs["notices"] = list(parser.notices)
+    skipped = drops.skipped()
+    if not samples:
         if skipped is not None:
-            df.attrs["skipped"] = skipped
-        return df
-    flds = parser.fields
-    return make_frame(flds, [empty_array(f, out_tz) for f in flds], {}, list(parser.notices), skipped)
+            raise skipped.unreadable()
+        return make_frame(parser.fields, [empty_array(f, out_tz) for f in parser.fields], {}, list(parser.notices))
+    try:
+        df = to_dataframe(samples)
+    except (OverflowError, ValueError) as exc:  # a timestamp outside datetime64[ns] (years 1677-2262)
+        raise ParseError(str(exc), lineno=0, line="") from exc
+    if "timestamp" in df.columns:
+        stamps = df["timestamp"].dt.tz_convert(tz)  # tz is out_tz, or the zone the parser read wall times in
+        df["timestamp"] = stamps.dt.tz_localize(None) if out_tz is None else stamps
+    df.attrs["notices"] = list(parser.notices)
+    if skipped is not None:
+        df.attrs["skipped"] = skipped
+    return df
 
 
 def read_csv_recording(path: str, fields: Sequence[Field] | None, tz: tzinfo | None) -> tuple[pd.DataFrame, bool]:
     """A CSV recording as :func:`smiquery.recordings.read_recording` reads it: by its header, else by ``fields``.
 
-    Args:
-        path: the file.
-        fields: the columns of a headerless log, in order; None when it must have a header.
-        tz: the zone the recording was made in; None keeps timestamps as recorded.
-
-    Returns:
-        The frame, and whether ``fields`` named its columns (it has no header).
+    ``fields`` are the columns of a headerless log, in order (None: it must have a header); ``tz`` the zone it was
+    made in (None: as recorded). Returns the frame, and whether ``fields`` named its columns.
 
     Raises:
         RecordingError: no header and no ``fields``, rows that do not fit ``fields``, or no readable row.
@@ -237,35 +210,21 @@ def read_csv_samples(
     columns: Sequence[Field] | None = None,
     tz: tzinfo | None = None,
 ) -> Iterator[GpuSample]:
-    """The samples of a CSV recording, line by line; an unreadable line is skipped and given to ``on_drop``.
+    """The samples of an open CSV recording (``source`` names it), line by line.
 
-    Args:
-        fh: the open recording.
-        source: its name, for errors.
-        on_drop: called with the error of each skipped line.
-        columns: the columns of a headerless log, in order.
-        tz: the zone of the timestamps; None keeps them naive, as recorded.
-
-    Yields:
-        One sample per readable row.
+    An unreadable line is skipped and its error given to ``on_drop``. ``columns`` are those of a headerless log, in
+    order; ``tz`` the zone of the timestamps (None: naive, as recorded).
 
     Raises:
         ReplayError: no header and no ``columns``, or a header that does not fit ``columns``.
     """
     parser = CsvParser(columns, strict=False, tz=tz if tz is not None else RECORDED_WITHOUT_ZONE)
-    dropped = 0
     try:
-        for line in fh:
-            sample = parser.feed(line)
-            if parser.dropped != dropped:
-                dropped = parser.dropped
-                if parser.last_error is not None:
-                    on_drop(parser.last_error)
-            if sample is not None:
-                ts = sample.get("timestamp")
-                if isinstance(ts, datetime) and ts.tzinfo is not tz:
-                    sample = with_timestamp(sample, in_zone(ts, tz), keep_raw=True)
-                yield sample
+        for sample in _parsed(parser, fh, on_drop):
+            ts = sample.get("timestamp")
+            if isinstance(ts, datetime) and ts.tzinfo is not tz:
+                sample = with_timestamp(sample, in_zone(ts, tz), keep_raw=True)
+            yield sample
     except ParseError as exc:
         if columns is not None:
             raise ReplayError(f"{source}: {exc}") from exc

@@ -1,43 +1,33 @@
-"""Parquet recordings as a dataset of closed part files, so that nothing is held in memory and a kill loses nothing.
+"""Parquet recordings as a folder of closed parts: nothing held in memory, nothing lost to a kill (docs/recording.md).
 
-``smiquery stream --output run.parquet`` makes ``run.parquet`` a folder::
-
-    run.parquet/
-      _smiquery.json        what is recorded: {"format", "version", "fields", "tz"} (the zone of the first row)
-      part-000001.parquet   closed parts, each a whole Parquet file (written aside, then renamed into place)
-      part-000002.parquet
-      _open.jsonl           the rows of the part being recorded, one JSON line per row, written as they come
-
-A Parquet file is readable only once its footer is written, so the rows of the open part go to a journal
-(``_open.jsonl``) and become a part when it closes: after an hour, 50,000 rows, ``--rotate`` or SIGHUP. A killed
-recorder leaves whole parts and a journal of whole lines; :func:`read_dataset` (and so ``read_recording``,
-``report``, ``plot``) reads both as one recording. Tools that read Parquet datasets (pandas, pyarrow, DuckDB,
-Spark) read the closed parts: names starting with ``_`` are skipped by them. Closing a part renames the journal
+``run.parquet/`` holds ``_smiquery.json`` (format, version, fields, the zone of the first row, the rules), closed
+``part-000001.parquet`` files (written aside, then renamed into place) and ``_open.jsonl``, the journal of the part
+being recorded: a Parquet file is readable only once its footer is written. Closing a part renames the journal
 ``_closing-N.jsonl`` first, so a crash while it closes leaves either the journal or the part, never both read.
+Other tools read the closed parts (they skip names starting with ``_``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from datetime import tzinfo
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import RecordingError, UsageError
 from smiquery.fields import Field
-from smiquery.frames import missing_reasons, to_dataframe
 from smiquery.recordings.recorder import (
     FULL_DISK,
-    META_SUFFIX,
+    META,
     Policy,
     TextRecorder,
+    check_columns,
     check_target,
     prune_rotated,
     read_meta,
+    write_meta,
     zone_name,
 )
 from smiquery.sample import GpuSample
@@ -45,9 +35,8 @@ from smiquery.sample import GpuSample
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["META", "ParquetDataset", "dataset_files", "is_dataset", "read_dataset", "recorded_rules", "recorded_zone"]
+__all__ = ["ParquetDataset", "dataset_files", "is_dataset", "read_dataset"]
 
-META = "_smiquery.json"
 JOURNAL = "_open.jsonl"
 _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
 _CLOSING_RE = re.compile(r"^_closing-(\d+)\.jsonl$")
@@ -62,40 +51,8 @@ def is_dataset(path: str | os.PathLike[str]) -> bool:
     return os.path.isfile(os.path.join(path, META))
 
 
-def recorded_zone(path: str | os.PathLike[str]) -> tzinfo | None:
-    """The time zone a dataset was recorded in (its ``_smiquery.json``), or None when it does not say."""
-    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
-
-    try:
-        with open(os.path.join(path, META), encoding="utf-8") as fh:
-            name = json.load(fh).get("tz")
-        return ZoneInfo(name) if isinstance(name, str) and name else None
-    except (OSError, ValueError, AttributeError, ZoneInfoNotFoundError):
-        return None
-
-
-def recorded_rules(path: str | os.PathLike[str]) -> tuple[str, ...]:
-    """The ``--alert`` rules a recording was made with; empty when it names none.
-
-    They are in ``run.csv.meta.json`` beside a file, in ``_smiquery.json`` of a dataset.
-
-    Args:
-        path: the recording (a file or a Parquet dataset folder).
-    """
-    meta = read_meta(os.path.join(path, META) if os.path.isdir(path) else os.fspath(path) + META_SUFFIX)
-    rules = meta.get("rules")
-    return tuple(r for r in rules if isinstance(r, str)) if isinstance(rules, list) else ()
-
-
 def dataset_files(path: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]:
-    """The closed parts and the journals still to read (a closing one whose part is missing, the open one).
-
-    Args:
-        path: the dataset folder.
-
-    Returns:
-        (parts, journals), each oldest first.
-    """
+    """(closed parts, journals still to read: a closing one whose part is missing, the open one), oldest first."""
     root = Path(path)
     parts: dict[int, Path] = {}
     closing: dict[int, Path] = {}
@@ -113,12 +70,8 @@ def dataset_files(path: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]
 def read_dataset(path: str, *, error: type[RecordingError] = RecordingError) -> pd.DataFrame:
     """A dataset folder as one DataFrame: its parts in order, then the rows of the journals.
 
-    Args:
-        path: the folder.
-        error: the error to raise.
-
     Raises:
-        RecordingError: it holds no readable row, or a part is no Parquet file.
+        RecordingError (or ``error``): it holds no readable row, or a part is no Parquet file.
     """
     from smiquery.recordings.jsonl import read_jsonl
     from smiquery.recordings.parquet import read_parquet
@@ -141,18 +94,9 @@ def read_dataset(path: str, *, error: type[RecordingError] = RecordingError) -> 
 class ParquetDataset:
     """Records samples into a dataset folder (see the module): a JSONL journal, closed into Parquet parts.
 
-    Args:
-        path: the folder (``run.parquet``).
-        fields: the columns recorded.
-        policy: ``"new"``, ``"force"`` or ``"append"`` (see :func:`~smiquery.recordings.recorder.check_target`).
-        rotate_bytes: close the part once its journal holds this many bytes.
-        rotate_seconds: close the part after this long (default one hour).
-        keep: how many closed parts to keep (None: all).
-        flush_every: seconds between ``fsync`` calls of the journal.
-        part_rows: close the part at this many rows (bounds the memory a close takes).
-        say: where one-line notices go.
-        clock: monotonic seconds.
-        rules: the ``--alert`` rules of the run, recorded in ``_smiquery.json`` so that a report checks them too.
+    Takes the arguments of :class:`~smiquery.recordings.recorder.TextRecorder` (``rotate_bytes`` counts the
+    journal's bytes; ``rotate_seconds`` defaults to one hour; ``keep`` counts closed parts), and ``part_rows``:
+    close the part at this many rows (bounds the memory a close takes).
 
     Raises:
         UsageError: it exists and ``policy`` is ``"new"``, it is a file or another folder, or has other columns.
@@ -204,30 +148,20 @@ class ParquetDataset:
                 meta = meta or {"format": "smiquery-parquet-dataset", "version": 1, "fields": names}
                 if merged:
                     meta["rules"] = merged
-                self._put_meta(meta)
+                write_meta(self.path / META, meta)
         except OSError as exc:
             raise RecordingError(f"cannot write {self.path}: {(exc.strerror or str(exc)).lower()}") from None
-        journal = self.path / JOURNAL
-        if journal.exists() and journal.stat().st_size > 0:
-            # a killed recorder's open part: its own part, before this run's rows
-            os.replace(journal, self.path / f"_closing-{self._next_number():06d}.jsonl")
-        self._close_leftovers()
-        self._journal = self._new_journal()
-
-    def _put_meta(self, meta: dict[str, Any]) -> None:
-        tmp = self.path / f".{META}.tmp"
-        tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path / META)
+        self._roll()  # a killed recorder's open part becomes its own part, before this run's rows
 
     def _learn_zone(self, sample: GpuSample) -> None:
         """Record the zone of the first row's timestamp (see :func:`~smiquery.recordings.recorder.zone_name`)."""
         self._zone_due = False
         try:
-            meta = json.loads((self.path / META).read_text(encoding="utf-8"))
-            if isinstance(meta, dict) and "tz" not in meta:
+            meta = read_meta(self.path / META)
+            if meta and "tz" not in meta:
                 meta["tz"] = zone_name(sample)
-                self._put_meta(meta)
-        except (OSError, ValueError) as exc:
+                write_meta(self.path / META, meta)
+        except OSError as exc:
             self.say(f"smiquery: cannot write {self.path / META}: {exc}; the recording's time zone is not recorded")
 
     def _take_over(self, policy: Policy) -> None:
@@ -245,16 +179,7 @@ class ParquetDataset:
                 if _PART_RE.match(p.name) or _CLOSING_RE.match(p.name) or p.name in (JOURNAL, META):
                     p.unlink()
             return
-        try:
-            have = json.loads((self.path / META).read_text(encoding="utf-8")).get("fields")
-        except (OSError, ValueError, AttributeError):
-            have = None
-        want = [f.name for f in self.fields]
-        if isinstance(have, list) and have != want:
-            raise UsageError(
-                f"--append: {self.path} records {','.join(map(str, have))}, not {','.join(want)}; "
-                "pass the same --fields or record to another --output"
-            )
+        check_columns(self.path, read_meta(self.path / META).get("fields"), self.fields)
 
     def _new_journal(self) -> TextRecorder:
         return TextRecorder(
@@ -266,9 +191,6 @@ class ParquetDataset:
             say=self.say,
             clock=self.clock,
         )
-
-    def header(self) -> None:
-        """Nothing to write before the first row (kept for the writers' protocol)."""
 
     def reopen(self) -> None:
         """Close the open part before the next row (SIGHUP). Signal-safe."""
@@ -293,20 +215,18 @@ class ParquetDataset:
     def close_part(self) -> None:
         """Turn the journal into the next closed part (a full disk leaves the journal to a later try)."""
         self._journal.close()
+        self._roll()
+
+    def _roll(self) -> None:
         journal = self.path / JOURNAL
         if journal.exists() and journal.stat().st_size > 0:
-            n = self._next_number()
-            os.replace(journal, self.path / f"_closing-{n:06d}.jsonl")
+            os.replace(journal, self.path / f"_closing-{self._next_number():06d}.jsonl")
         self._close_leftovers()
         self._journal = self._new_journal()
 
     def _next_number(self) -> int:
-        numbers = [0]
-        for p in self.path.iterdir():
-            m = _PART_RE.match(p.name) or _CLOSING_RE.match(p.name)
-            if m:
-                numbers.append(int(m.group(1)))
-        return max(numbers) + 1
+        found = (_PART_RE.match(p.name) or _CLOSING_RE.match(p.name) for p in self.path.iterdir())
+        return max((int(m.group(1)) for m in found if m), default=0) + 1
 
     def _close_leftovers(self) -> None:
         """Make parts of the closing journals (also a killed recorder's, on --append)."""
@@ -335,29 +255,25 @@ class ParquetDataset:
         import pyarrow.parquet as pq
 
         from smiquery.recordings.jsonl import read_jsonl_samples
-        from smiquery.recordings.parquet import write_table
+        from smiquery.recordings.parquet import samples_table, write_table
 
         with open(journal, encoding="utf-8", errors="replace", newline="") as fh:
             samples = list(read_jsonl_samples(fh, lambda err: None, None))
         if not samples:
             return
-        df = to_dataframe(samples)
+        table, attrs, missing = samples_table(samples)
         del samples
-        missing = missing_reasons(df)
-        attrs = {"fields": df.attrs.get("fields"), "units": df.attrs.get("units")}
-        df.attrs = {}
-        table = pa.Table.from_pandas(df, preserve_index=False)
         if self._schema is None:
             parts = dataset_files(self.path)[0]
             if parts:
                 self._schema = pq.read_schema(parts[0]).remove_metadata()
-        if self._schema is not None:
+        if self._schema is None:
+            self._schema = table.schema.remove_metadata()  # the first part: the types every later part takes
+        else:
             try:
                 table = table.cast(self._schema)
             except (pa.ArrowInvalid, ValueError, TypeError):
                 pass  # other types than the first part: still a readable part
-        else:
-            self._schema = table.schema.remove_metadata()
         tmp = target.with_name(f".{target.name}.tmp")
         try:
             write_table(table, attrs, missing, tmp)

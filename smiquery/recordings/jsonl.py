@@ -1,8 +1,4 @@
-"""JSONL recordings: one JSON object per sample and line, field names as keys; written and read.
-
-:class:`JsonlWriter` writes them (``smiquery stream --output run.jsonl``), :func:`read_jsonl_samples` reads them
-line by line as samples, :func:`read_jsonl` into a DataFrame.
-"""
+"""JSONL recordings: one JSON object per sample and line, field names as keys; written and read."""
 
 from __future__ import annotations
 
@@ -14,9 +10,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 from smiquery.clock import Localizer
 from smiquery.errors import ParseError, RecordingError
-from smiquery.frames import SkippedLines, to_dataframe
-from smiquery.recordings.base import LineWriter, resolve_zone
-from smiquery.recordings.values import build_sample, field_for, typed_value, with_gpu0
+from smiquery.frames import field_for, to_dataframe
+from smiquery.recordings.base import RECORDED_WITHOUT_ZONE, Drops, LineWriter, in_zone, resolve_zone, with_gpu0
 from smiquery.sample import GpuSample, Schema, Value
 
 if TYPE_CHECKING:
@@ -36,7 +31,6 @@ def json_value(value: Value) -> object:
 
 def sample_to_json(sample: GpuSample) -> dict[str, object]:
     """One sample as a JSON-ready dict keyed by field name, plus ``"_missing": {field: reason}`` when any."""
-    # sample[name] reads the same whether GpuSample keeps its values as a tuple or a mapping
     out: dict[str, object] = {n: json_value(sample[n]) for n in sample.fields}
     missing = sample.missing
     if missing:
@@ -45,15 +39,7 @@ def sample_to_json(sample: GpuSample) -> dict[str, object]:
 
 
 class JsonlWriter(LineWriter):
-    """Writes one JSON object per sample and line: field names as keys, ISO 8601 times, null for missing.
-
-    A ``"_missing"`` object gives the reason of each missing value. :func:`smiquery.replay` reads it back.
-
-    Args:
-        out: a text stream.
-        flush: flush after every row.
-        owns: close ``out`` on :meth:`close`.
-    """
+    """Writes one JSON object per sample and line (:func:`sample_to_json`) to ``out``; see :class:`LineWriter`."""
 
     def write(self, sample: GpuSample) -> None:
         """Write one sample as one complete line."""
@@ -71,8 +57,8 @@ def sample_from_json(
     """A sample from one JSONL object as ``smiquery stream --format jsonl`` writes it.
 
     Keys are field names (nvidia-smi names or attribute names); ``null`` is a missing value whose reason is
-    taken from the optional ``"_missing"`` object (default ``not_available``). Keys starting with ``_`` are
-    metadata and skipped.
+    taken from the optional ``"_missing"`` object (default ``not_available``). Other keys starting with ``_`` are
+    skipped.
 
     Args:
         obj: the decoded JSON object.
@@ -81,11 +67,7 @@ def sample_from_json(
         tz: the zone of a timestamp written without an offset; an offset one is converted to it. Default None:
             as recorded (naive without an offset).
         localizer: a :class:`~smiquery.clock.Localizer` for ``tz`` shared by the objects of one recording, read
-            in order: a wall time the DST fall-back repeats is then resolved by that order (the second 02:30 is
-            the later one). Without it such a time is the first of its two instants.
-
-    Returns:
-        The sample.
+            in order, so that the hour a DST fall-back repeats resolves by that order.
 
     Raises:
         ParseError: a value does not fit its field.
@@ -103,25 +85,28 @@ def sample_from_json(
             values.append(None)
             missing[fld.name] = str(reasons.get(key) or reasons.get(fld.name) or "not_available")
             continue
+        ops = fld.kind.ops
         try:
-            values.append(typed_value(fld, raw, zone, localizer))
+            if ops.storage != "timestamp":
+                values.append(ops.from_python(raw))
+                continue
+            # text through the parser's own converter, so that it reads as the same cell in a CSV would
+            stamp: Any = ops.converter(RECORDED_WITHOUT_ZONE)(raw.strip()) if isinstance(raw, str) else raw
+            values.append(in_zone(ops.from_python(stamp), zone, localizer))  # type: ignore[arg-type]
         except (ValueError, TypeError):
             raise ParseError(
                 f"{raw!r} is not a valid {fld.kind.value}", lineno=lineno, line=line, field=fld.name
             ) from None
-    return build_sample(Schema(tuple(f.name for f in fields)), fields, values, missing)
+    text = tuple(f.format(v, missing.get(f.name)) for f, v in zip(fields, values, strict=True))
+    lost = any(r == "gpu_lost" for r in missing.values())
+    return GpuSample(Schema(tuple(f.name for f in fields)), tuple(values), text, missing or None, lost)
 
 
 def read_jsonl_samples(fh: IO[str], on_drop: Callable[[ParseError], None], tz: tzinfo | None) -> Iterator[GpuSample]:
-    """The samples of a JSONL recording, line by line; an unreadable line is skipped and given to ``on_drop``.
+    """The samples of an open JSONL recording, line by line, timestamps as :func:`sample_from_json` gives them.
 
-    Args:
-        fh: the open recording.
-        on_drop: called with the error of each skipped line (a torn last line, garbage, a value that does not fit).
-        tz: the zone of timestamps written without an offset; None keeps them as recorded.
-
-    Yields:
-        One sample per readable line.
+    An unreadable line (a torn last line, garbage, a value that does not fit) is skipped and its error given to
+    ``on_drop``.
     """
     localizer = Localizer(tz) if tz is not None else None
     for lineno, line in enumerate(fh, 1):
@@ -140,39 +125,26 @@ def read_jsonl_samples(fh: IO[str], on_drop: Callable[[ParseError], None], tz: t
 
 
 def read_jsonl(path: str, tz: tzinfo | None) -> pd.DataFrame:
-    """A JSONL recording as a DataFrame; unreadable lines are skipped and described in ``attrs["skipped"]``.
+    """A JSONL recording as a DataFrame (``tz`` as in :func:`sample_from_json`), a row per readable line.
 
-    Args:
-        path: the file.
-        tz: the zone of timestamps written without an offset (those with one are converted); None: as recorded.
-
-    Returns:
-        One row per readable line; a single-GPU log gets an ``index`` column of 0 first.
+    Unreadable lines are described in ``attrs["skipped"]``; a single-GPU log gets an ``index`` column of 0 first.
 
     Raises:
         RecordingError: the file cannot be read or holds no readable line.
     """
-    first: ParseError | None = None
-    count = 0
-
-    def on_drop(err: ParseError) -> None:
-        nonlocal first, count
-        count += 1
-        if first is None:
-            first = err
-
+    drops = Drops()
     try:
         fh = open(path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115 - closed below
     except OSError as exc:
         raise RecordingError(f"cannot read recording {path}: {exc.strerror or exc}") from exc
     with fh:
-        samples = list(with_gpu0(read_jsonl_samples(fh, on_drop, tz)))
+        samples = list(with_gpu0(read_jsonl_samples(fh, drops, tz)))
     if not samples:
         raise RecordingError(
             f"recording {path} holds no readable rows; is it a recording from `smiquery stream --output` "
             "or `nvidia-smi --query-gpu=... --format=csv`?"
         )
     df = to_dataframe(samples)
-    if first is not None:
-        df.attrs["skipped"] = SkippedLines.after(count, first)
+    if drops.first is not None:
+        df.attrs["skipped"] = drops.skipped()
     return df

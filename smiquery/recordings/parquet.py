@@ -1,7 +1,6 @@
-"""Parquet recordings: the columns and attrs of :func:`~smiquery.frames.to_dataframe`; written and read.
+"""Parquet files with the columns and attrs of :func:`~smiquery.frames.to_dataframe`; written and read.
 
-:class:`ParquetWriter` writes them (``smiquery stream --output run.parquet``), :func:`read_parquet` reads one into
-a DataFrame and :func:`read_parquet_samples` as samples. pandas and pyarrow are imported on first use.
+pandas and pyarrow are imported on first use.
 """
 
 from __future__ import annotations
@@ -17,14 +16,24 @@ from typing import TYPE_CHECKING, Any
 
 from smiquery.clock import Localizer
 from smiquery.errors import RecordingError, ReplayError
-from smiquery.frames import missing_reasons, to_dataframe
-from smiquery.recordings.values import build_sample, field_for, typed_value
-from smiquery.sample import GpuSample, Schema, Value
+from smiquery.frames import MissingReasons, missing_reasons, to_dataframe
+from smiquery.sample import GpuSample
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["ParquetWriter", "read_parquet", "read_parquet_samples", "write_table"]
+__all__ = ["ParquetWriter", "read_parquet", "read_parquet_samples", "samples_table", "write_table"]
+
+
+def samples_table(samples: list[GpuSample]) -> tuple[Any, dict[str, Any], MissingReasons]:
+    """Samples as an Arrow table (the columns of :func:`to_dataframe`), its ``fields``/``units`` and missing reasons."""
+    import pyarrow as pa
+
+    df = to_dataframe(samples)
+    attrs = {"fields": df.attrs.get("fields"), "units": df.attrs.get("units")}
+    missing = missing_reasons(df)
+    df.attrs = {}
+    return pa.Table.from_pandas(df, preserve_index=False), attrs, missing
 
 
 def write_table(table: Any, attrs: Mapping[str, Any], missing: Mapping[str, Mapping[int, str]], path: Path) -> None:
@@ -39,19 +48,11 @@ def write_table(table: Any, attrs: Mapping[str, Any], missing: Mapping[str, Mapp
 class ParquetWriter:
     """Records samples to one Parquet file (pandas and pyarrow are imported on first use).
 
-    It holds every row in memory and rewrites the file: fine for short runs. For recordings left running use
-    :class:`~smiquery.recordings.dataset.ParquetDataset` (what ``stream --output x.parquet`` writes).
-
-    Samples are buffered and the file is rewritten (to a temporary name, then renamed over the target) every
-    ``chunk_rows`` samples or ``chunk_seconds`` seconds, and on :meth:`close`. So the file on disk is always a
-    complete, readable Parquet file, and a crash (even SIGKILL) loses at most the last unwritten chunk. Columns
-    and ``df.attrs`` are those of :func:`~smiquery.frames.to_dataframe`; ``pandas.read_parquet``
-    restores both.
-
-    Args:
-        path: the file to write.
-        chunk_rows: samples per chunk.
-        chunk_seconds: the longest time a sample waits in the buffer.
+    It holds every row in memory and rewrites the file (aside, then renamed over it) every ``chunk_rows`` samples
+    or ``chunk_seconds`` seconds and on :meth:`close`: the file is always whole, and a crash loses at most the last
+    chunk. Fine for short runs; for recordings left running use
+    :class:`~smiquery.recordings.dataset.ParquetDataset` (what ``stream --output x.parquet`` writes). Columns and
+    ``df.attrs`` are those of :func:`~smiquery.frames.to_dataframe`; ``pandas.read_parquet`` restores both.
 
     Raises:
         OSError: the file cannot be written there (checked at once, like the CSV and JSONL writers do).
@@ -64,8 +65,8 @@ class ParquetWriter:
         self.chunk_seconds = chunk_seconds
         self.rows = 0
         self._pending: list[GpuSample] = []
-        self._tables: list[Any] = []
-        self._missing: dict[str, dict[int, str]] = {}
+        self._table: Any = None
+        self._missing = MissingReasons()
         self._attrs: dict[str, Any] = {}
         self._since = time.monotonic()
         self._closed = False
@@ -77,8 +78,7 @@ class ParquetWriter:
         if self.path.is_dir():
             raise IsADirectoryError(errno.EISDIR, "is a directory", os.fspath(self.path))
         probe = self._tmp_path()
-        with open(probe, "wb"):
-            pass
+        probe.touch()
         probe.unlink()
 
     def write(self, sample: GpuSample) -> None:
@@ -93,29 +93,18 @@ class ParquetWriter:
 
         self._since = time.monotonic()
         if self._pending:
-            df = to_dataframe(self._pending)
-            offset = self.rows
-            for col, rows in missing_reasons(df).items():
-                target = self._missing.setdefault(col, {})
-                for i, reason in rows.items():
-                    target[offset + int(i)] = reason
-            if not self._attrs:
-                self._attrs = {"fields": df.attrs.get("fields"), "units": df.attrs.get("units")}
-            df.attrs = {}
-            table = pa.Table.from_pandas(df, preserve_index=False)
-            if self._tables:
-                table = table.cast(self._tables[0].schema)
-            self._tables.append(table)
+            table, attrs, missing = samples_table(self._pending)
+            self._missing = MissingReasons.concat([(0, self._missing), (self.rows, missing)])
+            self._attrs = self._attrs or attrs
+            if self._table is not None:
+                table = pa.concat_tables([self._table, table.cast(self._table.schema)])
+            self._table = table
             self.rows += len(self._pending)
             self._pending = []
-        elif self._tables and self.path.exists():
+        elif self._table is None or self.path.exists():
             return
-        if not self._tables:
-            return
-        whole = pa.concat_tables(self._tables) if len(self._tables) > 1 else self._tables[0]
-        self._tables = [whole]
         tmp = self._tmp_path()
-        write_table(whole, self._attrs, self._missing, tmp)
+        write_table(self._table, self._attrs, self._missing, tmp)
         os.replace(tmp, self.path)
 
     def _tmp_path(self) -> Path:
@@ -123,21 +112,16 @@ class ParquetWriter:
 
     def close(self) -> None:
         """Write the rest and finish. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.flush()
+        if not self._closed:
+            self._closed = True
+            self.flush()
 
 
 def read_parquet(path: str, *, error: type[RecordingError] = RecordingError) -> pd.DataFrame:
     """A Parquet recording as a DataFrame, with ``attrs["missing"]`` as :func:`to_dataframe` gives it.
 
-    Args:
-        path: the file.
-        error: the error to raise (:class:`~smiquery.errors.ReplayError` for playback).
-
     Raises:
-        RecordingError: pyarrow is not installed, or the file is no Parquet file.
+        RecordingError (or ``error``): pyarrow is not installed, or the file is no Parquet file.
     """
     import pandas as pd
 
@@ -152,47 +136,32 @@ def read_parquet(path: str, *, error: type[RecordingError] = RecordingError) -> 
 
 
 def read_parquet_samples(path: str, tz: tzinfo | None) -> Iterator[GpuSample]:
-    """The samples of a Parquet recording, in row order.
+    """The samples of a Parquet recording in row order, each read as its JSONL line would be.
 
-    Args:
-        path: the file.
-        tz: the zone of timestamps recorded without one (those with one are converted); None: as recorded.
-
-    Yields:
-        One sample per row; a missing value keeps its recorded reason (default ``not_available``).
+    ``tz`` is the zone of timestamps recorded without one (those with one are converted); None: as recorded. A
+    missing value keeps its recorded reason (default ``not_available``).
 
     Raises:
         ReplayError: pyarrow is not installed, or the file is no Parquet file.
     """
     import pandas as pd
 
+    from smiquery.recordings.jsonl import sample_from_json
+
     df = read_parquet(path, error=ReplayError)
-    names = list(df.columns)
     recorded = df.attrs.get("fields")
-    if isinstance(recorded, list) and len(recorded) == len(names):
-        fields = [field_for(str(n)) for n in recorded]
-    else:
-        fields = [field_for(str(n)) for n in names]
-    schema = Schema(tuple(f.name for f in fields))
-    missing_attr = missing_reasons(df)
+    names = [str(n) for n in (recorded if isinstance(recorded, list) and len(recorded) == len(df.columns) else df)]
+    reasons = missing_reasons(df)
+    by_row: dict[int, dict[str, str]] = {}
+    for name, col in zip(names, df.columns, strict=True):
+        for row, why in (reasons.get(col) or reasons.get(name) or {}).items():
+            by_row.setdefault(int(row), {})[name] = str(why)
     localizer = Localizer(tz) if tz is not None else None
-    columns = []
-    for col in names:
-        values = df[col].tolist()
-        columns.append([None if v is None or v is pd.NA or v is pd.NaT or v != v else v for v in values])
-    reasons_by_row: dict[int, dict[str, str]] = {}
-    for fld, col in zip(fields, names, strict=True):
-        for row, reason in (missing_attr.get(col) or missing_attr.get(fld.name) or {}).items():
-            reasons_by_row.setdefault(int(row), {})[fld.name] = str(reason)
-    for i in range(len(df)):
-        row_missing = reasons_by_row.get(i, {})
-        values_out: list[Value] = []
-        missing: dict[str, str] = {}
-        for fld, col_values in zip(fields, columns, strict=True):
-            v = col_values[i]
-            if v is None:
-                values_out.append(None)
-                missing[fld.name] = row_missing.get(fld.name, "not_available")
-            else:
-                values_out.append(typed_value(fld, v, tz, localizer))
-        yield build_sample(schema, fields, values_out, missing)
+    columns = [df[col].tolist() for col in df.columns]
+    for i, values in enumerate(zip(*columns, strict=True)):
+        obj: dict[str, Any] = {
+            n: None if v is None or v is pd.NA or v is pd.NaT or v != v else v
+            for n, v in zip(names, values, strict=True)
+        }
+        obj["_missing"] = by_row.get(i)
+        yield sample_from_json(obj, tz=tz, localizer=localizer)

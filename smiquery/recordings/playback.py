@@ -1,9 +1,8 @@
 """Playback: a recording as a sample source, paced by its own timestamps like the original run.
 
-:func:`replay` gives the samples of a recording one by one (and :meth:`Replay.sweeps` groups them the way
-:meth:`smiquery.streams.sync.Stream.sweeps` does), so anything that consumes a live stream can consume a recording.
-The format modules read the samples (CSV and JSONL line by line with the pure parser; pandas and pyarrow are
-imported only for Parquet); this module selects, projects and paces them.
+:func:`replay` gives the samples one by one (:meth:`Replay.sweeps` groups them as a live stream does), so anything
+that consumes a live stream can consume a recording. The format modules read the samples; this module selects,
+projects and paces them.
 """
 
 from __future__ import annotations
@@ -11,19 +10,20 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from datetime import datetime, timedelta, tzinfo
 
 from smiquery.clock import later, seconds_between
 from smiquery.errors import ParseError, ReplayError
 from smiquery.fields import Field, resolve_fields
-from smiquery.recordings.base import RecordingFormat, check_file, detect_format, resolve_zone
+from smiquery.frames import field_for
+from smiquery.recordings.base import RecordingFormat, check_file, detect_format, resolve_zone, with_gpu0, with_timestamp
 from smiquery.recordings.csvfile import read_csv_samples
-from smiquery.recordings.dataset import dataset_files, is_dataset, recorded_zone
+from smiquery.recordings.dataset import dataset_files, is_dataset
 from smiquery.recordings.jsonl import read_jsonl_samples
 from smiquery.recordings.parquet import read_parquet_samples
-from smiquery.recordings.sets import Sources, csv_zone, expand_sources
-from smiquery.recordings.values import field_for, with_gpu0, with_timestamp
+from smiquery.recordings.recorder import recorded_zone
+from smiquery.recordings.sets import Sources, expand_sources, time_order
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
 from smiquery.streams.argv import GpusArg, normalize_gpus
@@ -74,14 +74,14 @@ class Replay(LatestSweep):
         self._wanted = resolve_fields(fields) if fields is not None else None
         if self._wanted is not None and not any(f.name == "index" for f in self._wanted):
             self._wanted = (*resolve_fields(["index"]), *self._wanted)  # sweeps are grouped by GPU index
+        self._schema = Schema(tuple(f.name for f in self._wanted or ()))
         self._stop = threading.Event()
         self._sleep = sleep if sleep is not None else self._stop.wait
         self._clock = clock
         self.stats = StreamStats()
         self._lock = threading.Lock()
         self._latest: tuple[Sweep, float] | None = None
-        self._gen: Iterator[GpuSample] | None = None
-        self.last_error: ParseError | None = None
+        self._gen: Generator[GpuSample, None, None] | None = None
         #: The first line skipped as unreadable (a torn last line, garbage), with its line number.
         self.first_error: ParseError | None = None
         #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
@@ -101,53 +101,32 @@ class Replay(LatestSweep):
                 f"recording {self.path} holds no readable rows; is it a recording from `smiquery stream --output` "
                 "or `nvidia-smi --query-gpu=... --format=csv`?"
             )
-        self.recorded_fields: tuple[Field, ...] = tuple(field_for(n) for n in first.fields) if first else ()
+        self.recorded_fields: tuple[Field, ...] = tuple(field_for(n) for n in first.fields)
         self.fields: tuple[Field, ...] = self._wanted if self._wanted is not None else self.recorded_fields
-        self._project: tuple[Schema, tuple[int, ...]] | None = None
-        if self._wanted is not None and first is not None:
-            have = {n: i for i, n in enumerate(first.fields)}
-            lacking = [f.name for f in self._wanted if f.name not in have]
-            if lacking:
-                raise ReplayError(
-                    f"recording {self.path} has no {', '.join(lacking)}; it holds {', '.join(first.fields)}"
-                )
-            names = tuple(f.name for f in self._wanted)
-            self._project = (Schema(names), tuple(have[n] for n in names))
-
-    # ---------------------------------------------------------------------------------------------- reading
+        self._positions: dict[tuple[str, ...], tuple[int, ...]] = {}
+        self._projected(first)  # a recording that lacks a wanted field fails here
 
     def _on_drop(self, err: ParseError) -> None:
         if self.first_error is None:
             self.first_error = err
         self.stats.dropped_rows += 1
-        self.last_error = err
         self.stats.last_error = str(err)
 
-    def _raw_samples(self) -> Iterator[GpuSample]:
-        return with_gpu0(self._file_samples())
-
-    def _file_samples(self) -> Iterator[GpuSample]:
-        for path in self.paths:
-            yield from self._one_file(path, self.format if len(self.paths) == 1 else None)
+    def _raw_samples(self) -> Generator[GpuSample, None, None]:
+        fmt = self.format if len(self.paths) == 1 else None
+        yield from with_gpu0(s for path in self.paths for s in self._one_file(path, fmt))
 
     def _time_ordered(self, paths: list[str], fmt: RecordingFormat | None) -> list[str]:
         """Several files (a rotated set) in the order of their first timestamps, whatever their names."""
-        firsts: list[datetime | None] = []
-        for p in paths:
-            first = next(iter(self._one_file(p, fmt, lambda err: None)), None)
-            ts = first.timestamp if first is not None else None
-            firsts.append(ts.replace(tzinfo=None) if isinstance(ts, datetime) and ts.tzinfo is None else ts)
-        try:
-            return [p for _, p in sorted(zip(firsts, paths, strict=True), key=lambda t: (t[0] is None, t[0] or 0))]
-        except TypeError:  # naive and aware times mixed: the order given
-            return paths
+        firsts = [next(iter(self._one_file(p, fmt, lambda err: None)), None) for p in paths]
+        return [paths[i] for i in time_order([s.timestamp if s is not None else None for s in firsts])]
 
     def _one_file(
         self, path: str, fmt: RecordingFormat | None, on_drop: Callable[[ParseError], None] | None = None
     ) -> Iterator[GpuSample]:
         drop = on_drop if on_drop is not None else self._on_drop
+        zone = self.tz if self.tz is not None else recorded_zone(path)
         if is_dataset(path):
-            zone = self.tz if self.tz is not None else recorded_zone(path)
             parts, journals = dataset_files(path)
             for part in parts:
                 yield from read_parquet_samples(os.fspath(part), zone)
@@ -156,10 +135,9 @@ class Replay(LatestSweep):
             return
         kind = fmt or detect_format(path)
         if kind == "parquet":
-            yield from read_parquet_samples(path, self.tz)
-            return
-        zone = self.tz if self.tz is not None or kind != "csv" else csv_zone(path)
-        yield from self._text_samples(path, kind, zone, drop)
+            yield from read_parquet_samples(path, zone)
+        else:
+            yield from self._text_samples(path, kind, zone, drop)
 
     def _text_samples(
         self, path: str, kind: RecordingFormat, tz: tzinfo | None, on_drop: Callable[[ParseError], None]
@@ -194,9 +172,7 @@ class Replay(LatestSweep):
             self.gpu_count = len(seen)
             return first
         finally:
-            close = getattr(gen, "close", None)
-            if close is not None:
-                close()
+            gen.close()
             self._peek_error = self.first_error
             self.stats.dropped_rows = 0
             self.stats.last_error = None
@@ -205,25 +181,23 @@ class Replay(LatestSweep):
     def _select(self, sample: GpuSample) -> bool:
         if not self.gpus:
             return True
-        keys = {str(sample.index) if "index" in sample else None}
-        if "uuid" in sample:
-            keys.add(str(sample.uuid))
-        if "pci.bus_id" in sample:
-            keys.add(str(sample.get("pci.bus_id")))
+        keys = {str(sample.get(name)) for name in ("index", "uuid", "pci.bus_id") if name in sample}
         return any(g in keys for g in self.gpus)
 
     def _projected(self, sample: GpuSample) -> GpuSample:
-        if self._project is None:
+        """The sample with the wanted fields only (its columns may change mid-file)."""
+        if self._wanted is None:
             return sample
-        schema, positions = self._project
-        if sample.fields != self.recorded_fields_names:
+        schema = self._schema
+        positions = self._positions.get(sample.fields)
+        if positions is None:
             have = {n: i for i, n in enumerate(sample.fields)}
-            try:
-                positions = tuple(have[n] for n in schema.names)
-            except KeyError:
+            lacking = [n for n in schema.names if n not in have]
+            if lacking:
                 raise ReplayError(
-                    f"recording {self.path} changes its columns mid-file and lacks {set(schema.names) - set(have)}"
-                ) from None
+                    f"recording {self.path} has no {', '.join(lacking)}; it holds {', '.join(sample.fields)}"
+                )
+            positions = self._positions[sample.fields] = tuple(have[n] for n in schema.names)
         values = sample.values()
         raw = tuple(sample.raw.values())
         missing = {n: r for n, r in sample.missing.items() if n in schema.names}
@@ -235,13 +209,7 @@ class Replay(LatestSweep):
             sample.gpu_lost,
         )
 
-    @property
-    def recorded_fields_names(self) -> tuple[str, ...]:
-        """The field names of the recording, in its column order."""
-        return tuple(f.name for f in self.recorded_fields)
-
-    def _samples(self) -> Iterator[GpuSample]:
-        lap = 0
+    def _samples(self) -> Generator[GpuSample, None, None]:
         shift = timedelta(0)
         anchor: tuple[float, datetime] | None = None
         while not self._stop.is_set():
@@ -255,7 +223,7 @@ class Replay(LatestSweep):
                 if not self._select(sample):
                     continue
                 sample = self._projected(sample)
-                ts = sample.timestamp if "timestamp" in sample else None
+                ts = sample.timestamp
                 if ts is not None:
                     if first_ts is None:
                         first_ts = ts
@@ -269,7 +237,6 @@ class Replay(LatestSweep):
                 got += 1
                 self.stats.rows += 1
                 yield sample
-            lap += 1
             if not self.loop or got == 0:
                 return
             if first_ts is not None and last_ts is not None:
@@ -278,24 +245,16 @@ class Replay(LatestSweep):
 
     def _pace(self, anchor: tuple[float, datetime] | None, ts: datetime) -> tuple[float, datetime]:
         now = self._clock()
-        if self.speed == 0:
-            return (now, ts)
-        if anchor is None:
+        if self.speed == 0 or anchor is None:
             return (now, ts)
         wall0, ts0 = anchor
         offset = seconds_between(ts0, ts) / self.speed
-        if offset < 0:
-            return (now, ts)  # time went backwards in the file: start pacing afresh
-        target = wall0 + offset
-        delay = target - now
-        if delay > MAX_GAP_SECONDS:
-            # a long gap (the recorder was stopped): skip it rather than freeze
-            return (now, ts)
+        delay = wall0 + offset - now
+        if offset < 0 or delay > MAX_GAP_SECONDS:
+            return (now, ts)  # time went backwards (start pacing afresh), or a long gap (skip it, not freeze)
         if delay > 0:
             self._sleep(delay)
         return anchor
-
-    # ------------------------------------------------------------------------------------------ consumption
 
     def __iter__(self) -> Iterator[GpuSample]:
         return self
@@ -306,11 +265,7 @@ class Replay(LatestSweep):
         return next(self._gen)
 
     def sweeps(self, count: int | None = None) -> Iterator[Sweep]:
-        """Yield whole sweeps (one sample per GPU for one instant), grouped as :meth:`Stream.sweeps` groups them.
-
-        Args:
-            count: stop after this many sweeps.
-        """
+        """Yield whole sweeps (one sample per GPU for one instant) as :meth:`Stream.sweeps` does; ``count`` at most."""
         return self._group(self, SweepGrouper(self.gpu_count), count, flush=True)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -318,12 +273,10 @@ class Replay(LatestSweep):
         self._stop.set()
         gen = self._gen
         if gen is not None:
-            close = getattr(gen, "close", None)
-            if close is not None:
-                try:
-                    close()
-                except ValueError:
-                    pass  # running in another thread: it sees the stop flag at its next sample
+            try:
+                gen.close()
+            except ValueError:
+                pass  # running in another thread: it sees the stop flag at its next sample
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -333,8 +286,6 @@ class Replay(LatestSweep):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # ------------------------------------------------------------------------- the rest of SampleSource
 
     _thread: threading.Thread | None = None
     _thread_error: BaseException | None = None
@@ -403,9 +354,9 @@ def replay(
         columns: the columns of a headerless (``noheader``) CSV log, in order; ignored for other formats. A CSV
             with a header must then have exactly these columns.
         tz: the zone the recording was made in (an IANA name such as ``"Europe/Berlin"``, or a ``tzinfo``):
-            timestamps recorded without a zone (nvidia-smi's CSV) are taken as that zone's local time, ones with
-            a zone are converted to it. Default None keeps them as recorded: naive when no zone was recorded
-            (nvidia-smi prints the recording host's local time), never assumed to be UTC or this host's zone.
+            times recorded without a zone are taken as that zone's local time, others are converted to it.
+            Default: the zone the recording names (``run.csv.meta.json``, a dataset's ``_smiquery.json``), else
+            as recorded (naive for nvidia-smi's CSV, never assumed to be UTC or this host's zone).
 
     Returns:
         A :class:`Replay`: an iterator of :class:`~smiquery.GpuSample`, with :meth:`Replay.sweeps`.

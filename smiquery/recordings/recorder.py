@@ -1,17 +1,10 @@
-"""``smiquery stream --output``: a recorder that can be left running for weeks.
+"""``smiquery stream --output``: a recorder that can be left running for weeks (see docs/recording.md).
 
-:func:`open_recording` picks the format by the file name. CSV and JSONL go to a :class:`TextRecorder`, Parquet to
-a :class:`~smiquery.recordings.dataset.ParquetDataset`. What both promise:
-
-* Every row is handed to the kernel when it arrives (one ``write`` per row, whole lines), so a killed smiquery
-  (SIGKILL) loses no written row; ``flush_every`` seconds bound what a crash of the machine can lose (``fsync``).
-* An existing recording is refused unless ``policy`` is ``"force"`` (replace it) or ``"append"`` (go on writing
-  it; its columns must be the ones recorded).
-* A full disk drops rows (the file is cut back to its last whole line, so it stays readable) and recording
-  resumes by itself once there is space; one line says so each time, with the count of rows lost.
-* ``rotate_bytes``/``rotate_seconds`` close the file and rename it ``run.20261204T065000.csv`` (the time it was
-  started), ``keep`` of those are kept. :meth:`TextRecorder.reopen` (SIGHUP, logrotate's ``create`` mode) opens the
-  path again; a file that shrank under the recorder (logrotate's ``copytruncate``) is written on at its new end.
+:func:`~smiquery.recordings.open_recording` picks the format by the file name: CSV and JSONL go to a
+:class:`TextRecorder`, Parquet to a :class:`~smiquery.recordings.dataset.ParquetDataset`. Both write each row with
+one ``write`` (a SIGKILL loses no written row), ``fsync`` every ``flush_every`` seconds, refuse an existing
+recording unless ``policy`` says otherwise, drop rows while the disk is full and resume by themselves, and rotate
+(``run.20261204T065000.csv``, the time the file was started) by size or age, keeping ``keep`` old files.
 """
 
 from __future__ import annotations
@@ -22,26 +15,32 @@ import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import datetime, tzinfo
 from pathlib import Path
 from typing import Any, Literal
 
-from smiquery.errors import RecordingError, UsageError
+from smiquery.errors import InvalidTimeZoneError, RecordingError, UsageError
 from smiquery.fields import Field
-from smiquery.recordings.jsonl import sample_to_json
+from smiquery.recordings.base import resolve_zone
+from smiquery.recordings.jsonl import read_jsonl_samples, sample_to_json
 from smiquery.sample import GpuSample
 from smiquery.sources.query_gpu import format_row, header_line
 
 __all__ = [
     "FULL_DISK",
+    "META",
     "META_SUFFIX",
     "Policy",
     "TextRecorder",
+    "check_columns",
     "check_target",
     "prune_rotated",
     "read_meta",
+    "recorded_rules",
+    "recorded_zone",
     "rotated_name",
     "rotated_siblings",
+    "write_meta",
     "zone_name",
 ]
 
@@ -50,10 +49,11 @@ Policy = Literal["new", "force", "append"]
 #: Errors of a write that mean "no room" (rows are dropped until there is some), not "cannot write here".
 FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
-#: A recording's metadata file beside it (``run.csv.meta.json``): the recorder's time zone, the fields, the ``--alert``
-#: rules. The CSV itself stays plain nvidia-smi CSV that any tool reads; JSONL keeps each timestamp's offset instead
-#: (its file beside it is written only to hold the rules).
+#: A recording's metadata file beside it (``run.csv.meta.json``): the recorder's time zone, the fields, the
+#: ``--alert`` rules. The CSV itself stays plain nvidia-smi CSV; JSONL keeps each timestamp's offset instead.
 META_SUFFIX = ".meta.json"
+#: The metadata file inside a Parquet dataset folder.
+META = "_smiquery.json"
 
 _STAMP = "%Y%m%dT%H%M%S"
 _ROTATED_RE = r"\.\d{8}T\d{6}(?:-\d+)?"
@@ -64,13 +64,44 @@ def _quiet(line: str) -> None:
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A recording's metadata file (``run.csv.meta.json``, a dataset's ``_smiquery.json``); empty when unreadable."""
+    """A metadata file (``run.csv.meta.json``, a dataset's ``_smiquery.json``) as a dict; empty when unreadable."""
     try:
         with open(path, encoding="utf-8") as fh:
             meta = json.load(fh)
     except (OSError, ValueError):
         return {}
     return meta if isinstance(meta, dict) else {}
+
+
+def write_meta(path: Path, meta: dict[str, Any]) -> None:
+    """Write a metadata file atomically (aside, then renamed into place). Raises OSError."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _meta_of(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The metadata of a recording: ``_smiquery.json`` in a dataset folder, ``run.csv.meta.json`` beside a file."""
+    return read_meta(os.path.join(path, META) if os.path.isdir(path) else os.fspath(path) + META_SUFFIX)
+
+
+def recorded_zone(path: str | os.PathLike[str]) -> tzinfo | None:
+    """The time zone a recording (file or dataset folder) was made in, or None when its metadata names none."""
+    name = _meta_of(path).get("tz")
+    try:
+        return resolve_zone(name) if isinstance(name, str) and name else None
+    except InvalidTimeZoneError:
+        return None
+
+
+def recorded_rules(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The ``--alert`` rules a recording (file or dataset folder) was made with; empty when it names none."""
+    rules = _meta_of(path).get("rules")
+    return tuple(r for r in rules if isinstance(r, str)) if isinstance(rules, list) else ()
 
 
 def zone_name(sample: GpuSample) -> str | None:
@@ -93,18 +124,7 @@ def zone_name(sample: GpuSample) -> str | None:
 
 
 def check_target(path: Path, policy: Policy) -> bool:
-    """Refuse to replace a recording by accident.
-
-    Args:
-        path: the ``--output`` path.
-        policy: ``"new"`` (refuse an existing one), ``"force"`` (replace) or ``"append"``.
-
-    Returns:
-        True when ``path`` exists (and the policy lets it).
-
-    Raises:
-        UsageError: it exists and the policy is ``"new"``, or it is a directory that is no Parquet dataset.
-    """
+    """True when ``path`` exists; raises UsageError when it does and ``policy`` is ``"new"``."""
     exists = path.exists()
     if exists and policy == "new":
         raise UsageError(
@@ -113,15 +133,20 @@ def check_target(path: Path, policy: Policy) -> bool:
     return exists
 
 
+def check_columns(path: Path, have: Sequence[str] | None, fields: Sequence[Field]) -> None:
+    """Raise UsageError when a recording to append to records other columns (``have``; None: unknown)."""
+    want = [f.name for f in fields]
+    if isinstance(have, (list, tuple)) and list(have) != want:
+        raise UsageError(
+            f"--append: {path} records {','.join(map(str, have))}, not {','.join(want)}; "
+            "pass the same --fields or record to another --output"
+        )
+
+
 def rotated_name(path: Path, started: float) -> Path:
-    """The name a rotated file takes: ``run.csv`` started at 06:50:00 becomes ``run.20261204T065000.csv``.
+    """The free name a rotated file takes: ``run.csv`` started at 06:50:00 becomes ``run.20261204T065000.csv``.
 
-    Args:
-        path: the live file.
-        started: when it was started (seconds since the epoch).
-
-    Returns:
-        A name not taken yet (``-2``, ``-3`` ... appended within one second).
+    ``-2``, ``-3`` ... are appended to a name taken within the same second.
     """
     stamp = datetime.fromtimestamp(started).strftime(_STAMP)
     target = path.with_name(f"{path.stem}.{stamp}{path.suffix}")
@@ -133,14 +158,7 @@ def rotated_name(path: Path, started: float) -> Path:
 
 
 def rotated_siblings(path: Path) -> list[Path]:
-    """The rotated files of ``path``, oldest first (their names sort by the time they were started).
-
-    Args:
-        path: the live file (``run.csv``).
-
-    Returns:
-        ``run.<stamp>.csv`` files beside it.
-    """
+    """The rotated files of ``path`` (``run.<stamp>.csv`` beside ``run.csv``), oldest first."""
     pattern = re.compile(re.escape(path.stem) + _ROTATED_RE + re.escape(path.suffix) + "$")
     try:
         names = [p for p in path.parent.iterdir() if pattern.match(p.name)]
@@ -157,13 +175,7 @@ def _stamp_key(p: Path) -> tuple[str, int]:
 
 
 def prune_rotated(files: Sequence[Path], keep: int | None, say: Callable[[str], None]) -> None:
-    """Delete all but the newest ``keep`` of ``files`` (oldest first); None keeps them all.
-
-    Args:
-        files: rotated files or parts, oldest first.
-        keep: how many to keep.
-        say: where a failed delete is told.
-    """
+    """Delete all but the newest ``keep`` of ``files`` (oldest first; None keeps all); a failure is told to ``say``."""
     if keep is None or len(files) <= keep:
         return
     for old in files[: len(files) - keep]:
@@ -183,7 +195,7 @@ class TextRecorder:
         path: the file.
         fields: the columns (CSV header; the columns an appended file must have).
         kind: ``"csv"`` or ``"jsonl"``.
-        policy: what to do with an existing file (see :func:`check_target`).
+        policy: ``"new"`` refuses an existing file, ``"force"`` replaces it, ``"append"`` goes on writing it.
         rotate_bytes: start a new file once this one holds this many bytes.
         rotate_seconds: start a new file after this long.
         keep: how many rotated files to keep (None: all).
@@ -239,21 +251,14 @@ class TextRecorder:
             self._check_columns()
         self._open(truncate=policy == "force")
 
-    # -- opening ---------------------------------------------------------------------------------------------
-
     def _check_columns(self) -> None:
-        want = tuple(f.name for f in self.fields)
         if self.kind == "csv":
             from smiquery.recordings.csvfile import csv_header
 
             have = csv_header(self.path)
         else:
             have = _jsonl_keys(self.path)
-        if have is not None and have != want:
-            raise UsageError(
-                f"--append: {self.path} records {','.join(have)}, not {','.join(want)}; "
-                "pass the same --fields or record to another --output"
-            )
+        check_columns(self.path, have, self.fields)
 
     def _open(self, *, truncate: bool = False) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
@@ -267,8 +272,7 @@ class TextRecorder:
         self._started = time.time()
         if self._size == 0:
             self._header()
-        # an appended file keeps the zone it was started with (and adds this run's rules); a new one learns it from
-        # its first row
+        # an appended file keeps its zone (and adds this run's rules); a new one learns it from its first row
         meta = self.path.with_name(self.path.name + META_SUFFIX)
         self._meta_due = (self.kind == "csv" or bool(self.rules)) and (
             not meta.exists() or not set(self.rules) <= set(read_meta(meta).get("rules") or ())
@@ -284,12 +288,9 @@ class TextRecorder:
             meta = {"format": "smiquery-csv-meta", "version": 1, "tz": zone, "fields": [f.name for f in self.fields]}
         if self.rules:
             meta["rules"] = list(dict.fromkeys([*(meta.get("rules") or ()), *self.rules]))
-        tmp = target.with_name(f".{target.name}.tmp")
         try:
-            tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
-            os.replace(tmp, target)
+            write_meta(target, meta)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             self.say(f"smiquery: cannot write {target}: {_why(exc)}; the recording's zone and rules are not recorded")
 
     def _header(self) -> None:
@@ -306,20 +307,14 @@ class TextRecorder:
         """Seconds since the file being written was opened."""
         return self.clock() - self._opened
 
-    def header(self) -> None:
-        """The CSV header is written when the file is opened (kept for the writers' protocol)."""
-
     def reopen(self) -> None:
         """Open the path again before the next row (SIGHUP: logrotate moved the file away). Signal-safe."""
         self._reopen = True
 
-    # -- writing ---------------------------------------------------------------------------------------------
-
     def write(self, sample: GpuSample) -> None:
         """Write one sample as one whole line; rotate, reopen or notice a truncation first.
 
-        Raises:
-            RecordingError: the file cannot be written for another reason than a full disk.
+        Raises RecordingError when the file cannot be written for another reason than a full disk.
         """
         if self._fd < 0:
             raise RecordingError(f"the recording {self.path} is closed")
@@ -437,26 +432,21 @@ def _jsonl_keys(path: Path) -> tuple[str, ...] | None:
     """The field names of a JSONL recording's first readable line, or None when it has none."""
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict):
-                    return tuple(k for k in obj if not k.startswith("_"))
+            first = next(read_jsonl_samples(fh, lambda err: None, None), None)
     except OSError as exc:
         raise RecordingError(_cannot(path, exc, "check the file")) from None
-    return None
+    return None if first is None else first.fields
+
+
+_WHY = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "the file is as large as this system lets it grow",
+}
 
 
 def _why(exc: OSError) -> str:
-    if exc.errno == errno.ENOSPC:
-        return "the disk is full"
-    if exc.errno == errno.EDQUOT:
-        return "the disk quota is used up"
-    if exc.errno == errno.EFBIG:
-        return "the file is as large as this system lets it grow"
-    return (exc.strerror or str(exc)).lower()
+    return _WHY.get(exc.errno or 0) or (exc.strerror or str(exc)).lower()
 
 
 def _cannot(path: Path, exc: OSError, todo: str) -> str:

@@ -1,16 +1,11 @@
-"""Several files read as one recording: a rotated set (``run*.csv``), a list of files, a Parquet dataset's parts.
-
-:func:`expand_sources` turns what a user names (paths, globs) into files; :func:`read_members` reads them as one,
-skipping a member that holds no row or is gone; :func:`concat_frames` joins their frames with their ``attrs``
-(missing-value reasons re-numbered, skipped lines counted together).
-"""
+"""Several files read as one recording: a rotated set (``run*.csv``), a list of files, a Parquet dataset's parts."""
 
 from __future__ import annotations
 
 import glob
 import os
 from collections.abc import Callable, Sequence
-from datetime import tzinfo
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import RecordingError
@@ -20,7 +15,7 @@ from smiquery.recordings.recorder import META_SUFFIX
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["Sources", "concat_frames", "csv_zone", "expand_sources", "no_rows", "read_members", "time_order"]
+__all__ = ["Sources", "concat_frames", "expand_sources", "no_rows", "read_members", "time_order"]
 
 Sources = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
@@ -28,17 +23,12 @@ _GLOB_CHARS = frozenset("*?[")
 
 
 def expand_sources(source: Sources, *, error: type[RecordingError] = RecordingError) -> list[str]:
-    """The files ``source`` names: a path, a glob (``run*.csv``), or a list of either; duplicates once.
+    """The files ``source`` names (a path, a glob such as ``run*.csv``, or a list of either), each once.
 
-    Args:
-        source: what the user gave.
-        error: the error to raise.
-
-    Returns:
-        The paths, in the order given (a glob's matches sorted by name).
+    A glob's matches are sorted by name; the rest keep the order given.
 
     Raises:
-        RecordingError: a glob that matches nothing, or no path at all.
+        RecordingError (or ``error``): a glob that matches nothing, or no path at all.
     """
     items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     out: list[str] = []
@@ -57,18 +47,11 @@ def expand_sources(source: Sources, *, error: type[RecordingError] = RecordingEr
 
 
 def read_members(paths: Sequence[str], read: Callable[[str], pd.DataFrame]) -> pd.DataFrame:
-    """The files of a set read as one recording, in the order of their first timestamps.
+    """The files of a set (``read`` reads one) as one recording, in the order of their first timestamps.
 
     A rotating recorder starts a new file with only its header (or nothing yet) and prunes the oldest: a member
-    that holds no row, is empty, or is gone by the time it is read, is skipped. Each skip is one line in the
-    frame's ``attrs["skipped_files"]`` (``skipped run.csv: it holds no rows``); other errors are raised.
-
-    Args:
-        paths: the members (:func:`expand_sources`).
-        read: reads one member into a frame, without rows when it holds none.
-
-    Returns:
-        The rows of all members, as :func:`concat_frames` joins them.
+    that holds no row, is empty, or is gone by the time it is read is skipped, one line each in
+    ``attrs["skipped_files"]`` (``skipped run.csv: it holds no rows``); other errors are raised.
 
     Raises:
         RecordingError: no member holds a row (the error names the first, as for one file).
@@ -89,7 +72,7 @@ def read_members(paths: Sequence[str], read: Callable[[str], pd.DataFrame]) -> p
             notes.append(f"skipped {path}: it {why}")
     if not frames:
         raise no_rows(paths[0])
-    out = concat_frames([frames[i] for i in time_order(frames)])
+    out = concat_frames([frames[i] for i in time_order([_first_time(df) for df in frames])])
     if notes:
         out.attrs["skipped_files"] = notes
     return out
@@ -107,25 +90,8 @@ def _empty(path: str) -> bool:
         return False
 
 
-def csv_zone(path: str | os.PathLike[str]) -> tzinfo | None:
-    """The zone a CSV recording was made in, from its ``run.csv.meta.json``; None when it has none (a plain log).
-
-    Args:
-        path: the CSV file.
-    """
-    import json
-    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
-
-    try:
-        with open(os.fspath(path) + META_SUFFIX, encoding="utf-8") as fh:
-            name = json.load(fh).get("tz")
-        return ZoneInfo(name) if isinstance(name, str) and name else None
-    except (OSError, ValueError, AttributeError, ZoneInfoNotFoundError):
-        return None
-
-
 def _first_time(df: pd.DataFrame) -> Any:
-    if "timestamp" not in df.columns or len(df) == 0:
+    if "timestamp" not in df.columns:
         return None
     stamps = df["timestamp"].dropna()
     if len(stamps) == 0:
@@ -134,70 +100,51 @@ def _first_time(df: pd.DataFrame) -> Any:
     return first.tz_convert("UTC").tz_localize(None) if getattr(first, "tzinfo", None) is not None else first
 
 
-def time_order(frames: Sequence[pd.DataFrame]) -> list[int]:
-    """Positions of ``frames`` by their first timestamp (a rotated set's files, whatever their names); stable."""
-    keys = [_first_time(df) for df in frames]
-    known = [i for i, k in enumerate(keys) if k is not None]
+def time_order(firsts: Sequence[Any]) -> list[int]:
+    """Positions of a set's files by their first timestamps (None: unknown, last); stable.
+
+    Naive and aware times mixed cannot be compared: the order given.
+    """
+    known = [i for i, k in enumerate(firsts) if k is not None]
     try:
-        known.sort(key=lambda i: keys[i])
-    except TypeError:  # naive and aware times mixed: keep the order given
-        return list(range(len(frames)))
-    return known + [i for i, k in enumerate(keys) if k is None]
+        known.sort(key=lambda i: firsts[i])
+    except TypeError:
+        return list(range(len(firsts)))
+    return known + [i for i, k in enumerate(firsts) if k is None]
 
 
 def concat_frames(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
-    """One frame of several, in the order given, with their ``attrs`` joined.
+    """One frame of several as the readers give them, in order, re-indexed from 0, with their ``attrs`` joined.
 
-    Args:
-        frames: frames as the readers give them (``fields``, ``units``, ``missing``, ``skipped`` in ``attrs``).
-
-    Returns:
-        The rows of all, re-indexed from 0; columns the union (a column one file lacks is ``<NA>`` there).
+    The columns are the union (a column one frame lacks is ``<NA>`` there); missing-value reasons are re-numbered,
+    skipped lines counted together, the rules of all kept.
     """
     import pandas as pd
 
     if len(frames) == 1:
         return frames[0]
-    columns: dict[str, tuple[list[Any], list[Any], list[str]]] = {}
-    offset = 0
-    skipped: SkippedLines | None = None
-    fields: list[Any] = []
+    offsets = [0, *(len(df) for df in frames)]
+    missing = MissingReasons.concat(zip(accumulate(offsets), map(missing_reasons, frames)))
+    skips = [s for df in frames if isinstance(s := df.attrs.get("skipped"), SkippedLines)]
     units: dict[str, Any] = {}
-    for df in frames:
-        reasons = missing_reasons(df)
-        for col in reasons:
-            rows, codes, words = columns.setdefault(col, ([], [], []))
-            for r, w in reasons[col].items():
-                if w not in words:
-                    words.append(w)
-                rows.append(offset + int(r))
-                codes.append(words.index(w))
-        offset += len(df)
-        s = df.attrs.get("skipped")
-        if isinstance(s, SkippedLines):
-            skipped = (
-                s
-                if skipped is None
-                else SkippedLines(skipped.count + s.count, skipped.first_lineno, skipped.first_line, skipped.reason)
-            )
-        for f in df.attrs.get("fields") or []:
-            if f not in fields:
-                fields.append(f)
-        u = df.attrs.get("units")
-        if isinstance(u, dict):
-            units = {**u, **units}
+    for df in reversed(frames):
+        if isinstance(u := df.attrs.get("units"), dict):
+            units.update(u)
     bare = []
     for df in frames:
         copy = df.copy(deep=False)
         copy.attrs = {}
         bare.append(copy)
     out: pd.DataFrame = pd.concat(bare, ignore_index=True)
-    out.attrs = {**frames[0].attrs, "fields": fields, "units": units, "missing": MissingReasons(columns)}
+    fields = list(dict.fromkeys(f for df in frames for f in df.attrs.get("fields") or []))
+    out.attrs = {**frames[0].attrs, "fields": fields, "units": units, "missing": missing}
     rules = list(dict.fromkeys(r for df in frames for r in df.attrs.get("rules") or ()))
     if rules:
         out.attrs["rules"] = rules
-    if skipped is not None:
-        out.attrs["skipped"] = skipped
-    else:
-        out.attrs.pop("skipped", None)
+    out.attrs.pop("skipped", None)
+    if skips:
+        first = skips[0]
+        out.attrs["skipped"] = SkippedLines(
+            sum(s.count for s in skips), first.first_lineno, first.first_line, first.reason
+        )
     return out

@@ -159,7 +159,7 @@ def test_long_gaps_are_skipped(tmp_path):
 def _shift(s: GpuSample, hours: float) -> GpuSample:
     from datetime import timedelta
 
-    from smiquery.recordings.values import with_timestamp
+    from smiquery.recordings.base import with_timestamp
 
     assert s.timestamp is not None
     return with_timestamp(s, s.timestamp + timedelta(hours=hours))
