@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from smiquery.cli._boundary import boundary, warn_lines
-from smiquery.cli._common import GpusOpt, app, parse_gpus, settings_of
+from smiquery.cli._common import GpusOpt, app, settings_of
+from smiquery.cli._options import parse_gpus
 from smiquery.errors import RecordingError
 from smiquery.printable import printable
 

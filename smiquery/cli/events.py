@@ -10,32 +10,7 @@ from smiquery.cli._boundary import cli_text
 if TYPE_CHECKING:
     from smiquery.source import StreamEvent
 
-__all__ = ["EventPrinter", "subscribe"]
-
-
-def subscribe(source: object, callback: Callable[[StreamEvent], None]) -> Callable[[], None]:
-    """Hear a source's events: ``source.subscribe(cb)`` where the source has it, else its ``on_event`` hook.
-
-    Args:
-        source: a :class:`~smiquery.source.SampleSource` (or an older ``Stream`` with ``on_event``).
-        callback: called with each :class:`~smiquery.source.StreamEvent`, from the source's thread.
-
-    Returns:
-        A function that stops the callback.
-    """
-    sub = getattr(source, "subscribe", None)
-    if callable(sub):
-        undo = sub(callback)
-        return undo if callable(undo) else (lambda: None)
-    if hasattr(source, "on_event"):
-        previous = source.on_event
-        source.on_event = callback
-
-        def restore() -> None:
-            source.on_event = previous
-
-        return restore
-    return lambda: None
+__all__ = ["EventPrinter"]
 
 
 class EventPrinter:
@@ -64,11 +39,7 @@ class EventPrinter:
         self._pending = None
 
     def __call__(self, event: StreamEvent) -> None:
-        """Take one event.
-
-        Args:
-            event: the event.
-        """
+        """Take one event."""
         detail = cli_text(event.detail or (str(event.error) if event.error is not None else event.kind))
         kind = event.kind
         if kind == "dropped_row":

@@ -17,8 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from smiquery.cli._boundary import boundary, warn_lines
-from smiquery.cli._options import Format, Settings, choose_format, parse_fields, parse_gpus, unknown_gpus
-from smiquery.errors import NoDevicesFoundError
+from smiquery.cli._options import Format, Settings, choose_format, gpu_ids_checked, parse_fields, parse_gpus
 
 if TYPE_CHECKING:
     import typer
@@ -69,15 +68,9 @@ def run_query(settings: Settings, fields: str | None, gpus: str | None, fmt: For
         from smiquery.cli.display import render, terminal_width, use_color
         from smiquery.sources.query_gpu import query
 
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, gpu_ids_checked(ids, settings):
             warnings.simplefilter("always")
-            try:
-                samples = query(flds, gpus=ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
-            except NoDevicesFoundError:
-                wrong = unknown_gpus(ids, settings)
-                if wrong is None:
-                    raise
-                raise wrong from None
+            samples = query(flds, gpus=ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
         warn_lines(caught)
         text = render(samples, form, fields=flds, color=use_color(sys.stdout), width=terminal_width(sys.stdout))
         sys.stdout.write(text)
