@@ -17,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from smiquery.cli import _export_run
+import smiquery.cli._export_run as export_run
 from smiquery.cli._boundary import boundary
 from smiquery.cli._common import app, seconds_option, settings_of, version_callback
 from smiquery.cli._export_run import ExportOptions, LogFormat, Naming, TopBy, hand_off, run_export
@@ -288,7 +288,7 @@ def export(
             kernel_log=kernel_log or None,
             debug=settings.debug,
         )
-        if _export_run.process_entry:
+        if export_run.process_entry:
             hand_off(opts, sys.argv[1:])  # returns only when the process image cannot be replaced
         code = run_export(opts)
     if code:

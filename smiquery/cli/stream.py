@@ -38,7 +38,7 @@ from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, Notifier, Rule
-    from smiquery.cli.display import LiveTable
+    from smiquery.cli.gpuview import LiveTable
     from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, Sweep
@@ -403,7 +403,8 @@ def _open_outputs(
 ) -> _Run:
     """stdout as CSV, JSONL, the live table or a static table (the recorder of ``--output`` joins later)."""
     from smiquery.alerts import BUILTIN_RULES, AlertEvaluator, Rule
-    from smiquery.cli.display import LiveTable, use_color
+    from smiquery.cli.display import use_color
+    from smiquery.cli.gpuview import LiveTable
     from smiquery.recordings import CsvWriter, JsonlWriter
 
     out = sys.stdout
