@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from smiquery.cli._boundary import boundary, warn_lines
+from smiquery.cli._boundary import boundary, warnings_as_lines
 from smiquery.cli._common import GpusOpt, app, settings_of
 from smiquery.cli._options import parse_gpus
 from smiquery.errors import RecordingError
@@ -128,8 +127,7 @@ def inspect_cmd(
     with boundary(settings.debug):
         from smiquery.sources.details import details, parse_xml
 
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings_as_lines():
             if xml is not None:
                 try:
                     text = xml.read_bytes()
@@ -139,7 +137,6 @@ def inspect_cmd(
             else:
                 ids = parse_gpus(gpus)
                 found = details(ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
-        warn_lines(caught)
         if fmt is InspectFormat.json:
             sys.stdout.write(json.dumps([g.to_dict() for g in found], indent=2) + "\n")
         else:

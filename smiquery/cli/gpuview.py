@@ -7,6 +7,7 @@ A summary line counts the GPUs (busy, idle, lost), their mean utilization and th
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -17,6 +18,7 @@ from typing import IO, TYPE_CHECKING
 from smiquery.cli._options import ranges
 from smiquery.cli.display import (
     MISSING_LEGEND,
+    UNKNOWN_USER,
     CellState,
     drop_order,
     frame_text,
@@ -35,8 +37,19 @@ from smiquery.sample import GpuSample
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent
+    from smiquery.sources.apps import GpuProcess
+    from smiquery.sources.latest import Latest
 
-__all__ = ["SORT_KEYS", "GpuLines", "LiveTable", "gpu_lines", "short_name", "summary_line"]
+__all__ = [
+    "SORT_KEYS",
+    "GpuLines",
+    "LiveTable",
+    "gpu_lines",
+    "live_processes",
+    "process_label",
+    "short_name",
+    "summary_line",
+]
 
 _TITLES = {
     "index": "GPU",
@@ -492,3 +505,52 @@ def _ranges(keys: Sequence[object]) -> str:
     """``GPU 0-3,7,9-12`` for GPU indices (other keys are listed as they are)."""
     ints = [k for k in keys if isinstance(k, int)]
     return "GPU " + ",".join([*([ranges(ints)] if ints else []), *(str(k) for k in keys if not isinstance(k, int))])
+
+
+def process_label(proc: GpuProcess, user: str | None) -> str:
+    """``user/command(memory)`` as gpustat shows a process (:data:`UNKNOWN_USER` for a user not known).
+
+    A newline or tab in the name the driver recorded becomes a space: one process is one line.
+    """
+    name = " ".join(proc.process_name.split()) or "?"
+    command = os.path.basename(name.split(" ", 1)[0]) or name
+    memory = f"{proc.used_memory}MiB" if proc.used_memory is not None else "n/a"
+    return f"{user or UNKNOWN_USER}/{command}({memory})"
+
+
+def live_processes(
+    deliver: Callable[[Mapping[int, Sequence[str]]], None],
+    *,
+    nvidia_smi: str | None = None,
+    gpus: Sequence[str] | None = None,
+    every: float = 2.0,
+    timeout: float = 10.0,
+) -> Latest[dict[int, list[str]]]:
+    """Polls the compute processes every ``every`` seconds and hands them, by GPU index, to ``deliver``.
+
+    A failed poll leaves the table without new processes (the stream reports its own errors).
+
+    Args:
+        deliver: called from the poller's thread with GPU index -> labels (:func:`process_label`).
+        nvidia_smi: the binary (None: the usual search).
+        gpus: only these GPUs.
+        every: seconds between polls.
+        timeout: seconds one poll may take.
+    """
+    from smiquery.cli.ps.proc import ProcCache
+    from smiquery.sources.apps import processes
+    from smiquery.sources.latest import Latest
+
+    users = ProcCache()  # /proc, checked to be the process nvidia-smi named (PID namespaces)
+
+    def labels() -> dict[int, list[str]]:
+        procs = processes(nvidia_smi=nvidia_smi, gpus=gpus or None, timeout=timeout)
+        by_gpu: dict[int, list[str]] = {}
+        for p in procs:
+            if p.gpu_index is not None:
+                user, _ = users.lookup(p.pid, p.process_name)
+                by_gpu.setdefault(p.gpu_index, []).append(process_label(p, user))
+        users.keep({(p.pid, p.process_name) for p in procs})
+        return by_gpu
+
+    return Latest(labels, every, name="listing the live table's processes", on_value=deliver)

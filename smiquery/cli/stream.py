@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from smiquery.cli._boundary import ExitCode, boundary, quiet_stdout, say
+from smiquery.cli._boundary import ExitCode, boundary, cli_text, quiet_stdout, say
 from smiquery.cli._common import GpusOpt, StreamFormatOpt, app, settings_of
-from smiquery.cli._handoff import END, Failure, Key, SourceEvent, start_pump
 from smiquery.cli._options import (
     Settings,
     choose_format,
@@ -28,8 +27,7 @@ from smiquery.cli._options import (
     parse_seconds,
     unknown_gpus,
 )
-from smiquery.cli._signals import Signals
-from smiquery.cli.events import EventPrinter
+from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
 from smiquery.cli.record import RecordOptions, open_output, reopen_on_hup
 from smiquery.cli.xidnotes import KernelLogOpt, start_xid_notes, xid_fields
 from smiquery.errors import NoDevicesFoundError, UsageError
@@ -41,10 +39,68 @@ if TYPE_CHECKING:
     from smiquery.cli.gpuview import LiveTable
     from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
-    from smiquery.source import SampleSource, Sweep
+    from smiquery.source import SampleSource, StreamEvent, Sweep
     from smiquery.sources.latest import Latest
 
-__all__ = ["stream"]
+__all__ = ["EventPrinter", "stream"]
+
+
+class EventPrinter:
+    """One line per restart, error, lost or returning GPU, recovery and dropped row.
+
+    An error and the restart it causes make one line (``restarting nvidia-smi in 0.2 s after: ...``); an
+    error that ends the stream is left to the command's error line; a row dropped just before an error (the
+    error's own message, printed where a row was expected) is not reported twice.
+
+    Args:
+        emit: where a line goes (stderr, or the live table's footer).
+    """
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+        self._pending: tuple[str, BaseException | None, str] | None = None  # (kind, error, line) held back
+
+    def flush(self) -> None:
+        """Print what is held back (data arrived, or another event came)."""
+        if self._pending is not None:
+            self.emit(self._pending[2])
+            self._pending = None
+
+    def discard(self) -> None:
+        """Forget what is held back (the error that ends the stream is reported by the command)."""
+        self._pending = None
+
+    def __call__(self, event: StreamEvent) -> None:
+        """Take one event."""
+        detail = cli_text(event.detail or (str(event.error) if event.error is not None else event.kind))
+        kind = event.kind
+        if kind == "dropped_row":
+            self.flush()
+            self._pending = ("dropped_row", None, f"smiquery: warning: dropped a line nvidia-smi printed: {detail}")
+        elif kind == "error":
+            if self._pending is not None and self._pending[0] == "dropped_row":
+                self._pending = None  # the dropped line was this error's message
+            self.flush()
+            self._pending = ("error", event.error, f"smiquery: error: {detail}")
+        elif kind == "restart":
+            held = self._pending
+            self._pending = None
+            if held is not None and held[0] == "error" and event.error is None:
+                what = detail.split(" after")[0]
+                self.emit(f"smiquery: {what} after: {held[2].removeprefix('smiquery: error: ')}")
+            elif held is not None and held[0] == "error" and event.error is not held[1]:
+                self.emit(held[2])
+                self.emit(f"smiquery: {detail}")
+            else:
+                if held is not None and held[0] != "error":
+                    self.emit(held[2])
+                self.emit(f"smiquery: {detail}")
+        elif kind == "gpu_lost":
+            self.flush()
+            self.emit(f"smiquery: error: {detail}")
+        elif kind in ("gpu_back", "recovered"):
+            self.flush()
+            self.emit(f"smiquery: {detail}")
 
 
 @dataclass
@@ -438,7 +494,7 @@ def _live_processes(
 
     It starts with the first sweep, so that its nvidia-smi calls do not slow the stream's own start.
     """
-    from smiquery.cli.liveprocs import live_processes
+    from smiquery.cli.gpuview import live_processes
 
     live.show_processes = True
     return live_processes(

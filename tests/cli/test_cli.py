@@ -985,7 +985,7 @@ def test_stream_help_matches_alert_holds_and_formats():
 
 
 def test_event_printer_one_line_per_restart_error_and_lost_gpu():
-    from smiquery.cli.events import EventPrinter
+    from smiquery.cli.stream import EventPrinter
     from smiquery.errors import DriverNotLoadedError
     from smiquery.source import StreamEvent
 

@@ -17,9 +17,8 @@ from enum import Enum
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from smiquery.cli._boundary import cli_text, quiet_stdout, say
-from smiquery.cli._handoff import END, Failure, Key, SourceEvent, start_pump
 from smiquery.cli._options import Settings, choose_format, gpu_ids_checked, is_tty, parse_gpus
-from smiquery.cli._signals import Signals
+from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
 from smiquery.cli.keys import KEY_HELP, KeyReader, Viewport
 from smiquery.cli.ps.proc import ProcCache
 from smiquery.errors import NotSupportedError, NvidiaSmiFailedError, StreamEndedError
