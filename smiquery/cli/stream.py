@@ -83,24 +83,17 @@ class EventPrinter:
             self.flush()
             self._pending = ("error", event.error, f"smiquery: error: {detail}")
         elif kind == "restart":
-            held = self._pending
-            self._pending = None
+            held, self._pending = self._pending, None
             if held is not None and held[0] == "error" and event.error is None:
                 what = detail.split(" after")[0]
                 self.emit(f"smiquery: {what} after: {held[2].removeprefix('smiquery: error: ')}")
-            elif held is not None and held[0] == "error" and event.error is not held[1]:
-                self.emit(held[2])
-                self.emit(f"smiquery: {detail}")
             else:
-                if held is not None and held[0] != "error":
+                if held is not None and (held[0] != "error" or event.error is not held[1]):
                     self.emit(held[2])
                 self.emit(f"smiquery: {detail}")
-        elif kind == "gpu_lost":
+        elif kind in ("gpu_lost", "gpu_back", "recovered"):
             self.flush()
-            self.emit(f"smiquery: error: {detail}")
-        elif kind in ("gpu_back", "recovered"):
-            self.flush()
-            self.emit(f"smiquery: {detail}")
+            self.emit(f"smiquery: {'error: ' if kind == 'gpu_lost' else ''}{detail}")
 
 
 @dataclass
@@ -310,7 +303,9 @@ def stream(
         stop_after = parse_seconds(duration, "--duration") if duration is not None else None
         rules, rule_fields = _rules(alert or [])
         if output is not None and fields is None and replay is None:
-            rule_fields = (*rule_fields, *_report_fields())  # what `smiquery report` of the recording needs
+            from smiquery.analysis.analyze import report_fields  # what `smiquery report` of the recording needs
+
+            rule_fields = (*rule_fields, *(get_field(n) for n in report_fields()))
         if kernel_log:  # the Xid lines name the GPU at the PCI address the kernel gives
             rule_fields = (*rule_fields, *(get_field(n) for n in xid_fields(replay)))
         ids = parse_gpus(gpus)
@@ -348,21 +343,6 @@ def stream(
             raise typer.Exit(code)
 
 
-def _made_with(path: Path) -> list[str]:
-    """The fields ``stream --output`` recorded into ``path`` (its ``.meta.json``); empty for any other log."""
-    from smiquery.recordings.recorder import META_SUFFIX, read_meta
-
-    names = read_meta(f"{path}{META_SUFFIX}").get("fields")
-    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
-
-
-def _report_fields() -> tuple[Field, ...]:
-    """The fields the default report checks (the built-in rules, the stall check): the default recording has them."""
-    from smiquery.analysis.analyze import report_fields
-
-    return tuple(get_field(n) for n in report_fields())
-
-
 def _rules(alerts: Sequence[str]) -> tuple[list[Rule], tuple[Field, ...]]:
     """The ``--alert`` rules, and the fields they need queried besides the shown ones."""
     from smiquery.alerts import Rule
@@ -392,6 +372,7 @@ def _open_replay(
     from smiquery.cli.analysis import check_zone
     from smiquery.errors import ReplayError
     from smiquery.recordings import Replay
+    from smiquery.recordings.recorder import META_SUFFIX, read_meta
 
     check_zone(tz)
     wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None
@@ -401,8 +382,8 @@ def _open_replay(
         probe = Replay(path, speed=speed, gpus=ids, loop=loop, tz=tz)
         have = {f.name for f in probe.recorded_fields}
         default = parse_fields("default", rule_fields)
-        made = _made_with(path)  # a recording of `stream --output`: the fields it was made with
-        if made and all(n in have for n in made):
+        made = read_meta(f"{path}{META_SUFFIX}").get("fields")  # what `stream --output` recorded, if it made it
+        if isinstance(made, list) and made and all(isinstance(n, str) and n in have for n in made):
             wanted = parse_fields(",".join(made), rule_fields)
         elif all(f.name in have for f in default):
             wanted = default
