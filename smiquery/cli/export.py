@@ -11,6 +11,7 @@ or pydantic; called in another program (typer's test runner) it serves in that p
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -256,38 +257,19 @@ def export(
             raise typer.BadParameter("give either --kubernetes or --slurm, not both", param_hint="'--slurm'")
         labels, rules = _check_exporter_options(label, top_processes, alert, web_config_file)
         defaults = exporter_mod.DEFAULT_EXPORTER_ALERTS if default_alerts else ()
-        opts = ExportOptions(
-            port=port,
-            bind=bind,
-            interval=interval,
-            fields=fields,
-            gpus=gpus,
-            labels=labels,
-            naming=naming,
-            processes=processes,
-            processes_interval=processes_interval,
-            top_processes=top_processes,
-            top_processes_by=top_processes_by,
-            tls_cert=str(tls_cert) if tls_cert else None,
-            tls_key=str(tls_key) if tls_key else None,
-            client_ca=str(client_ca) if client_ca else None,
-            web_config_file=str(web_config_file) if web_config_file else None,
+        paths = ("tls_cert", "tls_key", "client_ca", "web_config_file")
+        given = {
+            **ctx.params,  # every option by name, as parsed
+            **{name: str(ctx.params[name]) if ctx.params[name] else None for name in paths},
+            "labels": labels,
             # the default rules first (the shipped Prometheus rules match their text), each rule once
-            alerts=list(dict.fromkeys([*defaults, *(rules or [])])),
-            log_format=log_format,
-            stale_after=stale_after,
-            nvidia_smi=nvidia_smi if nvidia_smi is not None else settings.nvidia_smi,
-            kubernetes=kubernetes,
-            pod_resources_socket=pod_resources_socket,
-            kubernetes_processes=kubernetes_processes,
-            slurm=slurm,
-            slurm_node=slurm_node,
-            slurm_interval=slurm_interval,
-            slurm_bin_dir=slurm_bin_dir,
-            details_interval=details_interval or None,
-            kernel_log=kernel_log or None,
-            debug=settings.debug,
-        )
+            "alerts": list(dict.fromkeys([*defaults, *(rules or [])])),
+            "nvidia_smi": nvidia_smi if nvidia_smi is not None else settings.nvidia_smi,
+            "details_interval": details_interval or None,
+            "kernel_log": kernel_log or None,
+            "debug": settings.debug,
+        }
+        opts = ExportOptions(**{f.name: given[f.name] for f in dataclasses.fields(ExportOptions)})
         if export_run.process_entry:
             hand_off(opts, sys.argv[1:])  # returns only when the process image cannot be replaced
         code = run_export(opts)
