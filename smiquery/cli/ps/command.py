@@ -98,7 +98,7 @@ def ps(
                 interval=pmon_interval(interval),
                 count=count,
                 duration=parse_seconds(duration, "--duration") if duration is not None else None,
-                sort=(sort or PsSort.sm).value,
+                sort=sort or "sm",
                 fmt=fmt,
             )
             if code:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, Any, Literal, cast
 
 from smiquery.cli._boundary import cli_text, quiet_stdout, say
 from smiquery.cli._options import Settings, choose_format, gpu_ids_checked, is_tty, parse_gpus
@@ -38,14 +38,8 @@ _UNSUPPORTED = "not supported on the device"  # what pmon prints on GPUs/drivers
 _DELAY = re.compile(r"\bin (\d+(?:\.\d+)?) s\b")
 
 
-class PsSort(str, Enum):
-    """What ``ps --watch --sort`` orders by."""
-
-    sm = "sm"
-    mem = "mem"
-    fb = "fb"
-    pid = "pid"
-    gpu = "gpu"
+#: What ``ps --watch --sort`` orders by.
+PsSort = Literal["sm", "mem", "fb", "pid", "gpu"]
 
 
 def _pmon_reason(exc: BaseException) -> str:
