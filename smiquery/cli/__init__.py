@@ -72,10 +72,7 @@ def __getattr__(name: str) -> Any:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Run the command line (the ``smiquery`` console script and ``python -m smiquery``).
 
-    Typer's own usage errors are printed as one line too, and exit with 2.
-
-    Args:
-        argv: the arguments (default ``sys.argv[1:]``).
+    ``argv`` defaults to ``sys.argv[1:]``. Typer's own usage errors are printed as one line too, and exit with 2.
     """
     from smiquery.cli.query import parse_fast_query, run_fast_query
 

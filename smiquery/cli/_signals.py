@@ -24,27 +24,15 @@ T = TypeVar("T")
 
 
 def exit_code_of(signum: int) -> ExitCode:
-    """The documented exit code for a stop by ``signum``: 130 for SIGINT (Ctrl-C), 143 for SIGTERM.
-
-    Args:
-        signum: the signal that stopped the command.
-
-    Returns:
-        INTERRUPTED or TERMINATED.
-    """
+    """The documented exit code for a stop by ``signum``: 130 for SIGINT (Ctrl-C), 143 for SIGTERM."""
     return ExitCode.INTERRUPTED if signum == signal.SIGINT else ExitCode.TERMINATED
 
 
 class Signals:
-    """Turns SIGINT/SIGTERM into a flag the command's loop checks; a second Ctrl-C interrupts at once.
+    """Turns SIGINT/SIGTERM into :attr:`signum` (the first), which the command's loop checks; :attr:`wake` is set.
 
-    Once :attr:`closing` is set (the outputs are being finished), a signal only records itself. Outside the main
-    thread no handler can be installed and the flag stays unset.
-
-    Attributes:
-        signum: the first signal received, or None.
-        closing: set while the command finishes its outputs.
-        wake: set when a signal arrives, for loops that wait on it.
+    A second Ctrl-C interrupts at once, unless :attr:`closing` is set (the outputs are being finished): then a
+    signal only records itself. Outside the main thread no handler can be installed and the flag stays unset.
     """
 
     def __init__(self) -> None:

@@ -38,14 +38,12 @@ from smiquery.sample import GpuSample
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent
     from smiquery.sources.apps import GpuProcess
-    from smiquery.sources.latest import Latest
 
 __all__ = [
     "SORT_KEYS",
     "GpuLines",
     "LiveTable",
     "gpu_lines",
-    "live_processes",
     "process_label",
     "short_name",
     "summary_line",
@@ -158,18 +156,12 @@ def gpu_lines(
     uuid: bool = False,
     paint: Callable[[str, str | None], str] = lambda text, style: text,
 ) -> GpuLines:
-    """One line per GPU fitted to ``cols`` (0: any), its processes after it or under it.
+    """One line per GPU (``samples``, in the order shown) fitted to ``cols`` (0: any), its processes after or under it.
 
-    Args:
-        samples: one per GPU, in the order shown.
-        fields: the fields of ``cells``.
-        cells: each sample's display texts (missing values marked).
-        styles: each cell's style name, or None.
-        cols: the terminal's width.
-        marks: a state per row (``LOST``, ``stale 3s``); a state column when any has one.
-        procs: each GPU's processes (``user/name(MiB)``), or None for none shown.
-        uuid: keep the UUID (asked for); otherwise it shows only on a terminal 200 columns wide or more.
-        paint: colours a text by style name (identity: no colour).
+    ``cells`` and ``styles`` are each sample's display texts and style names for ``fields``; ``marks`` a state per
+    row (``LOST``, ``stale 3s``: a state column when any has one); ``procs`` each GPU's processes
+    (``user/name(MiB)``; None: none shown); ``uuid`` keeps the UUID, otherwise shown only 200 columns wide or more;
+    ``paint`` colours a text by style name.
     """
     columns = _columns(samples, fields, cells, styles, marks)
     if not (uuid or cols <= 0 or cols >= 200):
@@ -250,17 +242,11 @@ class LiveTable:
     in trouble (lost, stale, past a firing rule) are never the ones left out. A GPU that stopped reporting keeps
     its last numbers, dimmed and marked ``stale`` in its row; a lost one is marked ``LOST``.
 
-    Args:
-        out: the terminal.
-        fields: the columns (``timestamp`` is left out: the footer shows the age instead).
-        title: the first line (what is being watched).
-        color: colour cells past alert thresholds (red firing, yellow pending) and dim missing values.
-        evaluator: the ``--alert`` evaluator, for cell colours and the firing list.
-        size: returns (columns, lines) of the terminal.
-        health: an evaluator of health rules (the built-in ones) that colours cells too, fed by :meth:`update`.
-        stale_after: seconds without a sample after which every row is marked stale (the source went quiet).
-        processes: show the processes of each GPU, on its line or under it (where the terminal has room).
-        uuid: show the UUID whatever the width (otherwise only on a terminal 200 columns wide or more).
+    ``fields`` are the columns (``timestamp`` is left out: the footer shows the age). ``color`` colours cells past
+    the thresholds of the ``evaluator`` (``--alert``, also the firing list) and of the ``health`` rules (fed by
+    :meth:`update`), red firing and yellow pending, and dims missing values. Rows are marked stale after
+    ``stale_after`` seconds without a sample. ``size`` returns the terminal's (columns, lines); ``processes`` and
+    ``uuid`` start :attr:`show_processes` and :attr:`uuid` (shown whatever the width).
     """
 
     def __init__(
@@ -301,10 +287,8 @@ class LiveTable:
     def update(self, samples: Iterable[GpuSample], now: float | None = None) -> None:
         """Take one sweep: the newest sample of each GPU is shown; a GPU missing from two sweeps is stale.
 
-        Args:
-            samples: the sweep (one sample per GPU).
-            now: when it arrived (``time.monotonic()``), live; None: now, and the health rules' holds go by the
-                samples' timestamps (a recording).
+        ``now`` is when it arrived (``time.monotonic()``), live; None: now, and the health rules' holds go by the
+        samples' timestamps (a recording).
         """
         arrived = time.monotonic() if now is None else now
         self._sweeps += 1
@@ -324,11 +308,7 @@ class LiveTable:
         self._procs = {k: list(v) for k, v in by_gpu.items()}
 
     def note(self, event: AlertEvent | str) -> None:
-        """Remember an alert or source event for the footer (the newest few are shown).
-
-        Args:
-            event: an alert event, or one line of text (a restart, a lost GPU).
-        """
+        """Remember an alert event or a line of text (a restart, a lost GPU) for the footer (the newest few show)."""
         self._events.append(event if isinstance(event, str) else event.message())
         del self._events[:-4]
 
@@ -516,41 +496,3 @@ def process_label(proc: GpuProcess, user: str | None) -> str:
     command = os.path.basename(name.split(" ", 1)[0]) or name
     memory = f"{proc.used_memory}MiB" if proc.used_memory is not None else "n/a"
     return f"{user or UNKNOWN_USER}/{command}({memory})"
-
-
-def live_processes(
-    deliver: Callable[[Mapping[int, Sequence[str]]], None],
-    *,
-    nvidia_smi: str | None = None,
-    gpus: Sequence[str] | None = None,
-    every: float = 2.0,
-    timeout: float = 10.0,
-) -> Latest[dict[int, list[str]]]:
-    """Polls the compute processes every ``every`` seconds and hands them, by GPU index, to ``deliver``.
-
-    A failed poll leaves the table without new processes (the stream reports its own errors).
-
-    Args:
-        deliver: called from the poller's thread with GPU index -> labels (:func:`process_label`).
-        nvidia_smi: the binary (None: the usual search).
-        gpus: only these GPUs.
-        every: seconds between polls.
-        timeout: seconds one poll may take.
-    """
-    from smiquery.cli.ps.proc import ProcCache
-    from smiquery.sources.apps import processes
-    from smiquery.sources.latest import Latest
-
-    users = ProcCache()  # /proc, checked to be the process nvidia-smi named (PID namespaces)
-
-    def labels() -> dict[int, list[str]]:
-        procs = processes(nvidia_smi=nvidia_smi, gpus=gpus or None, timeout=timeout)
-        by_gpu: dict[int, list[str]] = {}
-        for p in procs:
-            if p.gpu_index is not None:
-                user, _ = users.lookup(p.pid, p.process_name)
-                by_gpu.setdefault(p.gpu_index, []).append(process_label(p, user))
-        users.keep({(p.pid, p.process_name) for p in procs})
-        return by_gpu
-
-    return Latest(labels, every, name="listing the live table's processes", on_value=deliver)

@@ -471,16 +471,31 @@ _LIVE_HEALTH = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pend
 def _live_processes(
     live: LiveTable, settings: Settings, ids: Sequence[str] | None, seconds: float
 ) -> Latest[dict[int, list[str]]]:
-    """The poller of the processes under each GPU of the live table (every 2 s, or the interval if longer).
+    """The poller of the live table's processes: ``--query-compute-apps`` every 2 s (or the interval if longer).
 
-    It starts with the first sweep, so that its nvidia-smi calls do not slow the stream's own start.
+    It starts with the first sweep, so that its nvidia-smi calls do not slow the stream's own start; a failed poll
+    leaves the table without new processes.
     """
-    from smiquery.cli.gpuview import live_processes
+    from smiquery.cli.gpuview import process_label
+    from smiquery.cli.ps.proc import ProcCache
+    from smiquery.sources.apps import processes
+    from smiquery.sources.latest import Latest
+
+    users = ProcCache()  # /proc, checked to be the process nvidia-smi named (PID namespaces)
+
+    def labels() -> dict[int, list[str]]:
+        procs = processes(nvidia_smi=settings.nvidia_smi, gpus=ids or None, timeout=settings.timeout)
+        by_gpu: dict[int, list[str]] = {}
+        for p in procs:
+            if p.gpu_index is not None:
+                user, _ = users.lookup(p.pid, p.process_name)
+                by_gpu.setdefault(p.gpu_index, []).append(process_label(p, user))
+        users.keep({(p.pid, p.process_name) for p in procs})
+        return by_gpu
 
     live.show_processes = True
-    return live_processes(
-        live.set_processes, nvidia_smi=settings.nvidia_smi, gpus=ids, every=max(2.0, seconds), timeout=settings.timeout
-    )
+    every = max(2.0, seconds)
+    return Latest(labels, every, name="listing the live table's processes", on_value=live.set_processes)
 
 
 def _notifier(run: _Run, on_alert: Sequence[str], settings: Settings) -> Notifier:

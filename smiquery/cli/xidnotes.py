@@ -55,9 +55,7 @@ class XidNotes:
     """A sample writer that keeps each GPU's newest sample, and the watcher that turns Xid events into lines.
 
     It sits among the stream's writers: every sample updates the GPUs it names; closing it stops the watcher.
-
-    Args:
-        note: where a line goes (stderr, or the live table's footer when that owns the terminal).
+    ``note`` takes each line (stderr, or the live table's footer).
     """
 
     def __init__(self, note: Callable[[str], None]) -> None:
