@@ -132,13 +132,7 @@ def _attribution(opts: ExportOptions) -> Attribution | None:
 
 
 def run_export(opts: ExportOptions) -> int:
-    """Serve until SIGTERM or SIGINT; errors propagate (the caller's :func:`~smiquery.cli._boundary.boundary`).
-
-    Args:
-        opts: the parsed options.
-
-    Returns:
-        0, or 143 (SIGTERM) / 130 (SIGINT) after a clean stop.
+    """Serve until SIGTERM (returns 143) or SIGINT (130); errors propagate to the caller's boundary.
 
     Raises:
         UsageError: an address that cannot be listened on, unloadable TLS files, a missing k8s extra.
@@ -230,9 +224,7 @@ def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> i
 def hand_off(opts: ExportOptions, argv: list[str]) -> None:
     """Replace this process with the lean exporter (``os.execv``); returns only when that cannot be done.
 
-    Args:
-        opts: the parsed options.
-        argv: the command line as given (after ``smiquery``), shown after the module in ``ps``.
+    ``argv`` (the command line after ``smiquery``) is shown after the module in ``ps``.
     """
     if os.environ.get(EXEC_ENV, "1") == "0":
         return

@@ -180,11 +180,8 @@ def _records(instant: Sequence[PmonRow], sort: str, procs: ProcCache) -> list[di
 
 
 def _instant_time(instant: Sequence[PmonRow]) -> datetime:
-    for r in instant:
-        ts = r.timestamp
-        if ts is not None:
-            return ts
-    return datetime.now().replace(microsecond=0)
+    stamps = (r.timestamp for r in instant if r.timestamp is not None)
+    return next(stamps, None) or datetime.now().replace(microsecond=0)
 
 
 def _columns(table: bool) -> list[Column]:
