@@ -101,10 +101,6 @@ def display_value(fld: Field, value: Value, reason: str | None = None) -> str:
     return fld.display(value, missing=MISSING_MARKS.get(reason or "not_available", "n/a"))
 
 
-def _right_aligned(fld: Field) -> bool:
-    return fld.kind.is_numeric
-
-
 def _title(fld: Field) -> str:
     return f"{fld.name} [{fld.unit}]" if fld.unit else fld.name
 
@@ -153,12 +149,8 @@ def render_table(
     """
     rows = [[printable(cell) for cell in row] for row in rows]  # text from others never reaches the terminal raw
     titles = [printable(t) for t in titles]
-    ncols = len(titles)
-    widths = [len(t) for t in titles]
-    for row in rows:
-        for i, cell in enumerate(row):
-            widths[i] = max(widths[i], len(cell))
-    align = list(right) if right is not None else [False] * ncols
+    widths = [max(len(text) for text in column) for column in zip(titles, *rows)]
+    align = list(right) if right is not None else [False] * len(titles)
 
     def fit(text: str, i: int) -> str:
         return text.rjust(widths[i]) if align[i] else text.ljust(widths[i])
@@ -187,14 +179,11 @@ def sample_rows(
         for fld in fields:
             value = s.get(fld.name)
             row.append(display_value(fld, value, missing.get(fld.name)))
-            st: str | None = None
             if value is None:
-                st = "error" if missing.get(fld.name) in _ERROR_REASONS else "missing"
-            if cell_state is not None and value is not None:
-                state = cell_state(s, fld.name)
-                if state != "ok":
-                    st = state
-            style.append(st)
+                style.append("error" if missing.get(fld.name) in _ERROR_REASONS else "missing")
+            else:
+                state = cell_state(s, fld.name) if cell_state is not None else "ok"
+                style.append(state if state != "ok" else None)
         rows.append(row)
         styles.append(style)
     return rows, styles

@@ -29,8 +29,7 @@ from smiquery.cli._options import (
 )
 from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
 from smiquery.cli.record import RecordOptions, open_output, reopen_on_hup
-from smiquery.cli.xidnotes import KernelLogOpt, start_xid_notes, xid_fields
-from smiquery.errors import NoDevicesFoundError, UsageError
+from smiquery.errors import KernelLogError, NoDevicesFoundError, UsageError
 from smiquery.fields import PRESETS, Field, get_field
 from smiquery.retry import RetryPolicy
 
@@ -41,8 +40,9 @@ if TYPE_CHECKING:
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
     from smiquery.sources.latest import Latest
+    from smiquery.sources.xid import XidEvent, XidWatcher
 
-__all__ = ["EventPrinter", "stream"]
+__all__ = ["EventPrinter", "XidNotes", "stream"]
 
 
 class EventPrinter:
@@ -96,6 +96,60 @@ class EventPrinter:
             self.emit(f"smiquery: {'error: ' if kind == 'gpu_lost' else ''}{detail}")
 
 
+class XidNotes:
+    """``--kernel-log``: a sample writer that keeps each GPU's newest sample, and turns Xid events into lines.
+
+    nvidia-smi never reports Xids (a GPU that fell off the bus just stops answering); the kernel log says why. The
+    follower runs on its own thread and names the GPU from the stream's own samples (their ``pci.bus_id``), so a GPU
+    that fell off the bus is still named by the last sample it gave; lines the kernel did not write
+    (``logger 'NVRM: Xid ...'``) are not shown as Xids, a note says so at most once a minute.
+
+    It sits among the stream's writers: every sample updates the GPUs it names; closing it stops the watcher.
+    ``note`` takes each line (stderr, or the live table's footer).
+    """
+
+    def __init__(self, note: Callable[[str], None]) -> None:
+        self.note = note
+        self._gpus: dict[str, GpuSample] = {}  # PCI address -> the newest sample from there
+        self._watcher: XidWatcher | None = None
+        self._lock = threading.Lock()
+
+    def write(self, sample: GpuSample) -> None:
+        """Remember the GPU at the sample's PCI address."""
+        bus = sample.get("pci.bus_id")
+        if isinstance(bus, str):
+            with self._lock:
+                self._gpus[bus] = sample
+
+    def _event(self, event: XidEvent) -> None:
+        from smiquery.sources.xid import describe, gpu_for
+
+        with self._lock:
+            gpu = gpu_for(event, self._gpus.values())
+        self.note(f"smiquery: {describe(event, gpu.index, gpu.uuid) if gpu is not None else describe(event)}")
+
+    def _failed(self, exc: BaseException, _opened: bool) -> None:
+        self.note(f"smiquery: reading the kernel log stopped ({exc}); the stream goes on without Xid errors")
+
+    def start(self, path: str) -> None:
+        """Follow ``path`` from its end (raises KernelLogError when it cannot be opened)."""
+        from smiquery.sources.xid import XidWatcher
+
+        self._watcher = XidWatcher(
+            path,
+            on_event=self._event,
+            on_error=self._failed,
+            from_start=False,
+            on_refused=lambda text: self.note(f"smiquery: {text}"),
+        ).start()
+
+    def close(self) -> None:
+        """Stop following."""
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+
+
 @dataclass
 class _Run:
     """Everything one ``smiquery stream`` run writes to."""
@@ -129,6 +183,21 @@ class _Run:
             self.live.note(line.removeprefix("smiquery: "))
         else:
             say(line)
+
+
+# What names a GPU in an Xid line: the kernel log gives only the PCI address.
+_XID_FIELDS = ("index", "uuid", "pci.bus_id")
+KernelLogOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--kernel-log",
+        metavar="PATH",
+        help="Also follow the kernel log (/dev/kmsg, needs root or CAP_SYSLOG; or a file such as "
+        "/var/log/kern.log) and print each NVIDIA Xid error logged from now on: the GPU, the code, what it means "
+        "and what to do; only lines the kernel wrote count. Adds pci.bus_id to the queried fields.",
+        show_default=False,
+    ),
+]
 
 
 _EPILOG = """\b
@@ -306,8 +375,10 @@ def stream(
             from smiquery.analysis.analyze import report_fields  # what `smiquery report` of the recording needs
 
             rule_fields = (*rule_fields, *(get_field(n) for n in report_fields()))
+        if kernel_log and replay is not None:
+            raise UsageError("--kernel-log goes with a live stream, not --replay: the kernel log is this machine's now")
         if kernel_log:  # the Xid lines name the GPU at the PCI address the kernel gives
-            rule_fields = (*rule_fields, *(get_field(n) for n in xid_fields(replay)))
+            rule_fields = (*rule_fields, *(get_field(n) for n in _XID_FIELDS))
         ids = parse_gpus(gpus)
         record = RecordOptions(force, append, rotate, keep, flush_every)
         record.check(output)
@@ -327,7 +398,12 @@ def stream(
         if run.live is not None and fields is not None and "uuid" in (f.strip() for f in fields.split(",")):
             run.live.uuid = True  # asked for: shown at any width
         if kernel_log:
-            start_xid_notes(kernel_log, run.writers, run.note)
+            notes = XidNotes(run.note)
+            try:
+                notes.start(kernel_log)
+                run.writers.append(notes)  # closed with them
+            except KernelLogError as exc:
+                run.note(f"smiquery: {exc}; the stream goes on without Xid errors")
         run.live_time = replay is None
         if run.live is not None and replay is None and not toggle_processes:
             run.processes = _live_processes(run.live, settings, ids, seconds)
