@@ -234,13 +234,12 @@ def summary_line(samples: Sequence[GpuSample], marks: Sequence[str]) -> str:
 class LiveTable:
     """The newest sample of each GPU, one line each, redrawn in place on a terminal (ANSI, no curses).
 
-    Each frame moves the cursor home and rewrites every line, clearing what is left of the old frame, in one
-    write: a title, a summary line (GPUs, busy, idle, lost, mean utilization, the hottest), the GPU lines
-    (:func:`gpu_lines`), then the footer (which GPUs are shown of how many, sample age,
-    counters, alerts). The footer is always drawn: when the terminal is too short, the processes under the GPUs
-    go first, then GPU rows scroll (:meth:`key`: arrows, PgUp/PgDn, Home/End; sort keys; ``/`` filters), and GPUs
-    in trouble (lost, stale, past a firing rule) are never the ones left out. A GPU that stopped reporting keeps
-    its last numbers, dimmed and marked ``stale`` in its row; a lost one is marked ``LOST``.
+    Each frame moves the cursor home and rewrites every line in one write: a title, a summary line (GPUs, busy,
+    idle, lost, mean utilization, the hottest), the GPU lines (:func:`gpu_lines`), then the footer (which GPUs are
+    shown of how many, sample age, counters, alerts). The footer is always drawn: when the terminal is too short,
+    the processes under the GPUs go first, then GPU rows scroll (:attr:`view` takes the keys: arrows, PgUp/PgDn,
+    Home/End, sort keys, ``/`` filters); GPUs in trouble (lost, stale, past a firing rule) are never left out. A GPU
+    that stopped reporting keeps its last numbers, dimmed and marked ``stale``; a lost one is marked ``LOST``.
 
     ``fields`` are the columns (``timestamp`` is left out: the footer shows the age). ``color`` colours cells past
     the thresholds of the ``evaluator`` (``--alert``, also the firing list) and of the ``health`` rules (fed by
@@ -282,7 +281,6 @@ class LiveTable:
         self._last_ts: datetime | None = None
         self._events: list[str] = []
         self._started = False
-        self.frames = 0
 
     def update(self, samples: Iterable[GpuSample], now: float | None = None) -> None:
         """Take one sweep: the newest sample of each GPU is shown; a GPU missing from two sweeps is stale.
@@ -358,10 +356,6 @@ class LiveTable:
             lines.append(paint(msg, "dim", color))
         return lines
 
-    def key(self, key: str) -> bool:
-        """Take one key (scroll, sort, filter: :class:`~smiquery.cli.keys.Viewport`); True when a redraw is due."""
-        return self.view.key(key)
-
     def _words(self, key: object) -> str:
         """What the filter looks in: the index, name, UUID and processes of a GPU."""
         s = self._rows[key]
@@ -382,7 +376,7 @@ class LiveTable:
 
         return sorted(keys, key=value)
 
-    def frame(self, stats: Mapping[str, object] | None = None, status: str = "") -> str:
+    def frame(self, stats: Mapping[str, object] | None = None) -> str:
         """The text of one frame, escape sequences included."""
         cols, lines_avail = self._size()
         now = time.monotonic()
@@ -414,7 +408,7 @@ class LiveTable:
         )
         extra: list[str] = hidden_note(fitted.hidden, cols)
         keys_help = "keys ↑↓ PgUp PgDn Home End · sort u/m/t/p/i · / filter"
-        extra += wrap_parts([MISSING_LEGEND, *([status] if status else []), keys_help, "Ctrl-C to stop"], cols)
+        extra += wrap_parts([MISSING_LEGEND, keys_help, "Ctrl-C to stop"], cols)
         limit = lines_avail - 1 if lines_avail > 0 else 1 << 30
         # Room for the GPU lines: the title and summary, the column titles, a blank line, the position line,
         # the footer and the legend stay (the legend goes first on a very short terminal).
@@ -458,12 +452,11 @@ class LiveTable:
         s = self._rows[key]
         return bool(marks[key]) or any(self._cell_state(s, name) == "firing" for name in s.fields)
 
-    def redraw(self, stats: Mapping[str, object] | None = None, status: str = "") -> None:
+    def redraw(self, stats: Mapping[str, object] | None = None) -> None:
         """Draw one frame now."""
-        self.out.write(self.frame(stats, status))
+        self.out.write(self.frame(stats))
         self.out.flush()
         self._started = True
-        self.frames += 1
 
     def close(self) -> None:
         """Show the cursor again (the last frame stays on screen)."""

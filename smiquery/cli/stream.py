@@ -704,7 +704,7 @@ class _Loop:
                 self.draw(run.live)
             return True
         if isinstance(item, Key):
-            if run.live is not None and run.live.key(item.name):
+            if run.live is not None and run.live.view.key(item.name):
                 self.draw(run.live)
             return True
         if item is END:
