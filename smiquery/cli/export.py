@@ -1,12 +1,8 @@
 """``smiquery export``: serve Prometheus metrics from one background nvidia-smi loop.
 
-Errors go through the one boundary of the command line (:mod:`smiquery.cli._boundary`): 1 the port is taken (or
-needs root) or the exporter cannot run, 2 a bad option (including a --bind address that is not on this machine), 3
-nvidia-smi not found; a stop by SIGTERM exits 143, by SIGINT (Ctrl-C) 130, as every long-running command does.
-
-Run as its own process (the ``smiquery`` console script, ``python -m smiquery``), the command hands its parsed options
-to :mod:`smiquery.cli._export_run` with ``os.execv`` (same pid), so the serving process holds no typer, click, rich
-or pydantic; called in another program (typer's test runner) it serves in that process.
+Errors go through the one boundary (exit 1: the port is taken or the exporter cannot run; 2: a bad option, a
+--bind address not on this machine included; 3: no nvidia-smi; 143/130 after SIGTERM/SIGINT). Run as its own
+process, the command hands its parsed options to :mod:`smiquery.cli._export_run` with ``os.execv``.
 """
 
 from __future__ import annotations

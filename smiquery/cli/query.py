@@ -1,11 +1,8 @@
 """``smiquery query``: one snapshot, one row per GPU.
 
-Importing typer and building its click command cost more than the query itself, and the one-shot query is what
-scripts run in a loop. So this module imports no typer: a command line :func:`parse_fast_query` fully understands
-goes straight to :func:`run_query`; anything else (help, an unknown or malformed option, any other command) goes
-through typer, which validates and reports it, and which :func:`register` teaches the same command.
-``tests/cli/test_cli.py`` checks, from typer's own parameters, that every option of ``query`` and of the root is
-read identically by both paths.
+Scripts run it in a loop, and importing typer costs more than the query: a command line :func:`parse_fast_query`
+fully understands goes straight to :func:`run_query`; anything else goes through typer (:func:`register`).
+``tests/cli/test_cli.py`` checks that both paths read every option of ``query`` and of the root alike.
 """
 
 # No `from __future__ import annotations`: typer reads the command's annotations from the function itself, and the

@@ -302,16 +302,13 @@ class _Live:
         self.draw()
 
     def draw(self) -> None:
-        from smiquery.cli.display import frame_text, terminal_size
+        from smiquery.cli.display import frame_text, paint, terminal_size
 
         cols, rows = terminal_size()
-        dim = ("\x1b[2m", "\x1b[0m") if self.color else ("", "")
-        after = [f"{dim[0]}{e}{dim[1]}" for e in self._events]
-        after.append(f"{dim[0]}n/a = not available, ? = user not known{dim[1]}")
-        after.append(f"{dim[0]}{KEY_HELP} · Ctrl-C to stop{dim[1]}")
+        legend = [*self._events, "n/a = not available, ? = user not known", f"{KEY_HELP} · Ctrl-C to stop"]
+        after = [paint(x, "dim", self.color) for x in legend]
         room = rows - 1 - 1 - len(after) - 1 - 2 if rows > 0 else 1 << 30  # title, header, blank, footer lines
-        title = f"\x1b[1m{self.title}\x1b[0m" if self.color else self.title
-        lines = [title, *self._body(room), *after]
+        lines = [paint(self.title, "header", self.color), *self._body(room), *after]
         if rows > 0 and len(lines) > rows - 1:
             lines = lines[: max(1, rows - 1)]
         self.out.write(frame_text(lines, cols, first=not self._started))
