@@ -23,6 +23,7 @@ warnings. A closed output pipe (``smiquery stream | head``) ends a stream quietl
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -42,25 +43,21 @@ def _command_rank(info: Any) -> int:
     return _ORDER.index(name) if name in _ORDER else len(_ORDER)
 
 
-_registered: list[Any] = []
-
-
+@functools.cache
 def _load_app() -> Any:
     """The typer app with every command registered (imported on first use: the fast path needs none of it)."""
-    if not _registered:
-        from smiquery.cli import details as _details  # noqa: F401
-        from smiquery.cli import doctor, export, fields, stream  # noqa: F401  (@app.command registers them)
-        from smiquery.cli import top as _top  # noqa: F401
-        from smiquery.cli._common import app
-        from smiquery.cli.analysis import register as register_analysis
-        from smiquery.cli.ps import command  # noqa: F401
-        from smiquery.cli.query import register as register_query
+    from smiquery.cli import details as _details  # noqa: F401
+    from smiquery.cli import doctor, export, fields, stream  # noqa: F401  (@app.command registers them)
+    from smiquery.cli import top as _top  # noqa: F401
+    from smiquery.cli._common import app
+    from smiquery.cli.analysis import register as register_analysis
+    from smiquery.cli.ps import command  # noqa: F401
+    from smiquery.cli.query import register as register_query
 
-        register_query(app)
-        register_analysis(app)
-        app.registered_commands.sort(key=_command_rank)  # the headline command first in --help
-        _registered.append(app)
-    return _registered[0]
+    register_query(app)
+    register_analysis(app)
+    app.registered_commands.sort(key=_command_rank)  # the headline command first in --help
+    return app
 
 
 def __getattr__(name: str) -> Any:
@@ -72,10 +69,7 @@ def __getattr__(name: str) -> Any:
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Run the command line (the ``smiquery`` console script and ``python -m smiquery``).
 
-    Typer's own usage errors are printed as one line too, and exit with 2.
-
-    Args:
-        argv: the arguments (default ``sys.argv[1:]``).
+    ``argv`` defaults to ``sys.argv[1:]``. Typer's own usage errors are printed as one line too, and exit with 2.
     """
     from smiquery.cli.query import parse_fast_query, run_fast_query
 

@@ -8,7 +8,7 @@ import re
 import sys
 import traceback
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from enum import IntEnum
 from typing import NoReturn
 
@@ -30,24 +30,11 @@ from smiquery.errors import (
 )
 from smiquery.printable import printable
 
-__all__ = ["ExitCode", "boundary", "cli_text", "exit_code_for", "fail", "quiet_stdout", "say", "warn_lines"]
+__all__ = ["ExitCode", "boundary", "cli_text", "exit_code_for", "fail", "quiet_stdout", "say", "warnings_as_lines"]
 
 
 class ExitCode(IntEnum):
-    """The documented exit codes of ``smiquery`` (also in ``smiquery --help`` and the README).
-
-    Attributes:
-        OK: success.
-        ERROR: any other error (an unreadable recording, nvidia-smi output that does not parse, ...).
-        USAGE: a bad option, field, GPU id, interval, duration or alert expression.
-        NOT_FOUND: nvidia-smi not found (or not executable).
-        DRIVER: driver problem: not loaded, NVML library missing, driver/library mismatch, no GPU, GPU lost,
-            insufficient permissions.
-        TIMEOUT: nvidia-smi timed out (hung).
-        ALERT: an alert fired with ``--exit-on-alert`` (``report``: a finding at ``--fail-on``).
-        INTERRUPTED: Ctrl-C (SIGINT).
-        TERMINATED: SIGTERM.
-    """
+    """The documented exit codes of ``smiquery`` (the table in :mod:`smiquery.cli`, and ``smiquery --help``)."""
 
     OK = 0
     ERROR = 1
@@ -83,14 +70,7 @@ def _exit(code: int) -> BaseException:
 
 
 def exit_code_for(exc: BaseException) -> ExitCode:
-    """The documented exit code for an error.
-
-    Args:
-        exc: the error that ended a command.
-
-    Returns:
-        NOT_FOUND, DRIVER, TIMEOUT, USAGE (invalid field, GPU id, alert or option), INTERRUPTED, else ERROR.
-    """
+    """The documented exit code for the error that ended a command."""
     from smiquery.errors import InvalidRuleError
 
     if isinstance(exc, KeyboardInterrupt):
@@ -114,8 +94,8 @@ def exit_code_for(exc: BaseException) -> ExitCode:
     return ExitCode.ERROR
 
 
-# Library messages name Python arguments (`nvidia_smi=PATH`); a CLI user knows the options. The patterns are
-# compiled (and cached by `re`) on first use: most runs print no error, and start-up time counts.
+# Library messages name Python arguments (`nvidia_smi=PATH`); a CLI user knows the options. Compiled (and cached by
+# `re`) on first use: most runs print no error, and start-up time counts.
 _PY_ARGS = (
     (r"\bnvidia_smi=PATH\s*/\s*", ""),
     (r"\bnvidia_smi argument\b", "--nvidia-smi"),
@@ -144,12 +124,6 @@ def cli_text(message: str) -> str:
 
     A quoted line of a binary file becomes ``(binary data, not text)``; a stray control character is shown as
     a ``\xNN`` escape; a very long message is cut short.
-
-    Args:
-        message: the text.
-
-    Returns:
-        The one-line, printable text.
     """
     text = re.sub(_QUOTED, _binary_quote, str(message))
     for pattern, repl in _PY_ARGS:
@@ -162,21 +136,17 @@ def cli_text(message: str) -> str:
 
 
 def say(message: str) -> None:
-    """Print one line on stderr (never fails: a closed stderr is ignored).
-
-    Args:
-        message: the line.
-    """
+    """Print one line on stderr (never fails: a closed stderr is ignored)."""
     with contextlib.suppress(OSError, ValueError):
         print(message, file=sys.stderr, flush=True)
 
 
-def warn_lines(caught: Sequence[warnings.WarningMessage]) -> None:
-    """Print caught warnings, one line each.
-
-    Args:
-        caught: from ``warnings.catch_warnings(record=True)``.
-    """
+@contextlib.contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """Warnings raised inside are printed once it ends (not on an error), one line each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
     for w in caught:
         if not issubclass(w.category, ResourceWarning):
             say(f"smiquery: warning: {cli_text(str(w.message))}")
@@ -191,15 +161,7 @@ def quiet_stdout() -> None:
 
 
 def fail(exc: BaseException, debug: bool) -> NoReturn:
-    """Print ``exc`` as one line on stderr and exit with its code.
-
-    Args:
-        exc: the error.
-        debug: print the traceback first.
-
-    Raises:
-        typer.Exit: always.
-    """
+    """Print ``exc`` as one line on stderr (its traceback first with ``debug``); raise ``typer.Exit`` with its code."""
     if debug:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     code = exit_code_for(exc)
@@ -222,14 +184,7 @@ def fail(exc: BaseException, debug: bool) -> NoReturn:
 
 @contextlib.contextmanager
 def boundary(debug: bool = False) -> Iterator[None]:
-    """The one place where errors become one line on stderr and an exit code.
-
-    Args:
-        debug: print tracebacks.
-
-    Yields:
-        Nothing; the body of a command runs inside.
-    """
+    """The one place where errors raised inside (a command's body) become one line on stderr and an exit code."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Annotated
 
@@ -9,34 +10,11 @@ import typer
 
 from smiquery import __version__
 from smiquery.cli._boundary import ExitCode
-from smiquery.cli._options import (
-    Format,
-    Settings,
-    StreamFormat,
-    choose_format,
-    parse_fields,
-    parse_gpus,
-    parse_seconds,
-    unknown_gpus,
-)
+from smiquery.cli._options import Format, Settings, StreamFormat, parse_seconds
 from smiquery.errors import UsageError
 from smiquery.fields import PRESETS
 
-__all__ = [
-    "FieldsOpt",
-    "Format",
-    "FormatOpt",
-    "GpusOpt",
-    "Settings",
-    "StreamFormat",
-    "app",
-    "choose_format",
-    "parse_fields",
-    "parse_gpus",
-    "parse_seconds",
-    "settings_of",
-    "unknown_gpus",
-]
+__all__ = ["FieldsOpt", "FormatOpt", "GpusOpt", "StreamFormatOpt", "app", "seconds_option", "settings_of"]
 
 EPILOG = """\b
 Exit codes:
@@ -81,30 +59,13 @@ app = typer.Typer(
 
 
 def settings_of(ctx: typer.Context) -> Settings:
-    """The global options of this invocation.
-
-    Args:
-        ctx: any command's context.
-
-    Returns:
-        The settings (defaults when the root callback did not run).
-    """
+    """The global options of this invocation (defaults when the root callback did not run)."""
     obj = ctx.find_root().obj
     return obj if isinstance(obj, Settings) else Settings()
 
 
-# ------------------------------------------------------------------------------------------------ parsers
-
-
-def seconds_option(what: str) -> typer.models.OptionInfo:
-    """A typer option parser for durations (shared by ``export`` and friends), as an ``Option(parser=...)``.
-
-    Args:
-        what: the option name, for messages.
-
-    Returns:
-        The option info to put in ``Annotated``.
-    """
+def seconds_option(what: str, help_text: str) -> typer.models.OptionInfo:
+    """A typer option (for ``Annotated``) that takes a duration: 5, 0.5, 250ms, 2s, 1m; ``what`` names it."""
 
     def parse(text: str | float) -> float:
         if isinstance(text, (int, float)):
@@ -114,11 +75,11 @@ def seconds_option(what: str) -> typer.models.OptionInfo:
         except UsageError as exc:
             raise typer.BadParameter(str(exc)) from None
 
-    option: typer.models.OptionInfo = typer.Option(parser=parse, metavar="DURATION")
+    option: typer.models.OptionInfo = typer.Option(
+        parser=parse, metavar="DURATION", help=f"{help_text} Takes 5, 0.5, 250ms, 2s, 1m."
+    )
     return option
 
-
-# -------------------------------------------------------------------------------------------------- options
 
 NvidiaSmiOpt = Annotated[
     str | None,
@@ -150,29 +111,19 @@ GpusOpt = Annotated[
         show_default=False,
     ),
 ]
-FormatOpt = Annotated[
-    Format | None,
-    typer.Option(
-        "--format",
-        "-F",
-        help="Output format. [default: table on a terminal, csv otherwise]",
-        show_default=False,
-        case_sensitive=False,
-    ),
-]
-StreamFormatOpt = Annotated[
-    StreamFormat | None,
-    typer.Option(
-        "--format",
-        "-F",
-        help="Output format. [default: table on a terminal, csv otherwise]",
-        show_default=False,
-        case_sensitive=False,
-    ),
-]
+_FORMAT = typer.Option(
+    "--format",
+    "-F",
+    help="Output format. [default: table on a terminal, csv otherwise]",
+    show_default=False,
+    case_sensitive=False,
+)
+FormatOpt = Annotated[Format | None, _FORMAT]
+StreamFormatOpt = Annotated[StreamFormat | None, _FORMAT]
 
 
-def _version_callback(value: bool) -> None:
+def version_callback(value: bool) -> None:
+    """``--version``: print the version and exit."""
     if value:
         typer.echo(f"smiquery {__version__}")
         raise typer.Exit(ExitCode.OK)
@@ -189,7 +140,7 @@ def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
     version: Annotated[
         bool,
-        typer.Option("--version", "-V", callback=_version_callback, is_eager=True, help="Print the version and exit."),
+        typer.Option("--version", "-V", callback=version_callback, is_eager=True, help="Print the version and exit."),
     ] = False,
 ) -> None:
     """Typed, trustworthy NVIDIA GPU monitoring through nvidia-smi.
@@ -198,17 +149,7 @@ def _root(
     records: units known, missing values kept missing (never 0).
     """
     ctx.obj = Settings(nvidia_smi=nvidia_smi, timeout=timeout, debug=debug)
-    route_library_log(debug)
-
-
-def route_library_log(debug: bool) -> None:
-    """Library log lines go to stderr only with --debug (commands print their own one-line events).
-
-    Args:
-        debug: send the library's debug log to stderr.
-    """
-    import logging
-
+    # library log lines go to stderr only with --debug (commands print their own one-line events)
     logger = logging.getLogger("smiquery")
     logger.propagate = False
     logger.handlers.clear()

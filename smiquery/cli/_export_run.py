@@ -1,18 +1,14 @@
 """The serving half of ``smiquery export``: runs the exporter from options typer already parsed, without typer.
 
-``smiquery export`` is a long-running process on every GPU node, so what it keeps resident counts. typer (with
-click, rich and pydantic) parses and checks the command line as for every command; then, when the command runs as
-its own process (the ``smiquery`` console script or ``python -m smiquery``), :func:`hand_off` replaces the process
-image (``os.execv``: same pid, same signals and exit codes) with ``python -m smiquery.cli._export_run``, which
-reads the parsed options back (:data:`HANDOFF_ENV`, JSON) and imports only the exporter's path. Called inside
-another program (typer's test runner), the command runs :func:`run_export` in that process instead.
-
-One option table stays the truth: the typer command (``smiquery export --help``). This module adds no parser; it is
-started by ``smiquery export`` only.
+Run as its own process, ``smiquery export`` replaces its image (:func:`hand_off`, ``os.execv``: same pid, signals
+and exit codes) with ``python -m smiquery.cli._export_run``, which reads the options back (:data:`HANDOFF_ENV`) and
+imports only the exporter's path: what a long-running process keeps resident counts. The typer command stays the
+one option table; inside another program (typer's test runner) the command calls :func:`run_export` instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -42,7 +38,6 @@ __all__ = [
     "main",
     "process_entry",
     "run_export",
-    "whole_process",
 ]
 
 # The exporter's own choices (smiquery.exporter.naming.Naming, smiquery.exporter.events.LogFormat). Spelled here
@@ -52,29 +47,22 @@ Naming = Literal["smiquery", "dcgm", "nvidia_smi"]
 LogFormat = Literal["text", "json"]
 TopBy = Literal["name", "pid"]
 
-#: The environment variable that carries the parsed options (JSON) across ``os.execv``; removed on arrival, so
-#: nvidia-smi and the other children never see it.
+#: Carries the parsed options (JSON) across ``os.execv``; removed on arrival (no child sees it).
 HANDOFF_ENV = "SMIQUERY_EXPORT_OPTIONS"
-#: A file to which the serving process writes the names of the modules it has loaded (one a line) once it serves:
-#: how the tests and ``scripts/bench_exporter.py`` check what the exporter keeps resident.
+#: A file the serving process writes its loaded modules' names to, once serving (the tests check what stays resident).
 MODULES_ENV = "SMIQUERY_EXPORT_MODULES_FILE"
 #: Set to ``0`` to keep ``smiquery export`` in the process typer parsed it in (debugging, profiling that process).
 EXEC_ENV = "SMIQUERY_EXPORT_EXEC"
 
 _ALL_INTERFACES = {"0.0.0.0", "::", "[::]"}
 
-#: Set by :func:`smiquery.cli.main` when it is the process's own entry (the console script, ``python -m smiquery``):
-#: only then may ``export`` replace the process image; a program calling ``main(args)`` or typer's runner never.
+#: Set by :func:`smiquery.cli.main` as the process's own entry: only then may ``export`` replace the process image.
 process_entry = False
 
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """``smiquery export``'s options after typer parsed and checked them: plain values that survive JSON.
-
-    Attributes mirror the command's options (``--help`` documents each); ``labels`` and ``alerts`` are the checked
-    results (``--label`` parsed, the default rules merged in), ``nvidia_smi`` the command's or the global one.
-    """
+    """``smiquery export``'s options (``--help`` documents each) after typer parsed and checked them, JSON-safe."""
 
     port: int = 9849
     bind: str = "127.0.0.1"
@@ -106,24 +94,10 @@ class ExportOptions:
     kernel_log: str | None = "/dev/kmsg"
     debug: bool = False
 
-    def to_json(self) -> str:
-        """The options as one JSON object."""
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> ExportOptions:
-        """The options :meth:`to_json` wrote (unknown keys are an error: both ends are one installed smiquery)."""
-        return cls(**json.loads(text))
-
 
 def _invalid(option: str, message: str) -> UsageError:
     """A usage error worded as typer words its own (``Invalid value for '--bind': ...``), exit 2."""
     return UsageError(f"Invalid value for '{option}': {message}")
-
-
-def whole_process() -> bool:
-    """Whether ``export`` runs as the whole process (:data:`process_entry`), so it may hand off with ``os.execv``."""
-    return process_entry
 
 
 def _attribution(opts: ExportOptions) -> Attribution | None:
@@ -158,13 +132,7 @@ def _attribution(opts: ExportOptions) -> Attribution | None:
 
 
 def run_export(opts: ExportOptions) -> int:
-    """Serve until SIGTERM or SIGINT; errors propagate (the caller's :func:`~smiquery.cli._boundary.boundary`).
-
-    Args:
-        opts: the parsed options.
-
-    Returns:
-        0, or 143 (SIGTERM) / 130 (SIGINT) after a clean stop.
+    """Serve until SIGTERM (returns 143) or SIGINT (130); errors propagate to the caller's boundary.
 
     Raises:
         UsageError: an address that cannot be listened on, unloadable TLS files, a missing k8s extra.
@@ -236,7 +204,10 @@ def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> i
                 "serving",
                 url=f"{exp.url}/metrics",
             )
-            _write_modules(os.environ.get(MODULES_ENV))
+            modules = os.environ.get(MODULES_ENV)
+            if modules:
+                with open(modules, "w", encoding="utf-8") as out:
+                    out.write("".join(f"{name}\n" for name in sorted(sys.modules)))
             if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
                 tell("warning: listening on all interfaces without TLS", logging.WARNING, "no_tls_on_all_interfaces")
             while not sigs.wake.wait(0.5):
@@ -250,39 +221,25 @@ def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> i
     return sigs.exit_code
 
 
-def _write_modules(path: str | None) -> None:
-    if path:
-        with open(path, "w", encoding="utf-8") as out:
-            out.write("".join(f"{name}\n" for name in sorted(sys.modules)))
-
-
-def _interpreter_flags() -> list[str]:
-    """This interpreter's command-line flags (``-X importtime``, ``-W ...``, ``-u``, ...), for the new image."""
-    import subprocess
-
-    flags = getattr(subprocess, "_args_from_interpreter_flags", None)  # the stdlib's own (multiprocessing uses it)
-    return [str(f) for f in flags()] if callable(flags) else []
-
-
 def hand_off(opts: ExportOptions, argv: list[str]) -> None:
     """Replace this process with the lean exporter (``os.execv``); returns only when that cannot be done.
 
-    Args:
-        opts: the parsed options.
-        argv: the command line as given (after ``smiquery``), shown after the module in ``ps``.
+    ``argv`` (the command line after ``smiquery``) is shown after the module in ``ps``.
     """
     if os.environ.get(EXEC_ENV, "1") == "0":
         return
     exe = sys.executable
     if not exe or not os.access(exe, os.X_OK):
         return
-    new_argv = [exe, *_interpreter_flags(), "-m", "smiquery.cli._export_run", *argv]
-    env = {**os.environ, HANDOFF_ENV: opts.to_json()}
+    import subprocess
+
+    # this interpreter's flags (-X importtime, -W ..., -u), by the stdlib's own helper (multiprocessing uses it)
+    flags = getattr(subprocess, "_args_from_interpreter_flags", None)
+    new_argv = [exe, *(flags() if callable(flags) else []), "-m", "smiquery.cli._export_run", *argv]
+    env = {**os.environ, HANDOFF_ENV: json.dumps(dataclasses.asdict(opts))}
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     try:
         os.execve(exe, new_argv, env)
     except OSError:
@@ -295,7 +252,7 @@ def main() -> NoReturn:
     if text is None:
         say("smiquery: usage error: this module is started by `smiquery export`; run that (see `smiquery export -h`)")
         sys.exit(ExitCode.USAGE)
-    opts = ExportOptions.from_json(text)
+    opts = ExportOptions(**json.loads(text))  # unknown keys are an error: both ends are one smiquery
     try:
         with boundary(opts.debug):
             sys.exit(run_export(opts))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import IO
 
-from smiquery.errors import InvalidFieldError, InvalidGpuIdError, UsageError
+from smiquery.errors import InvalidFieldError, InvalidGpuIdError, NoDevicesFoundError, UsageError
 from smiquery.fields import PRESETS, Field, resolve_fields
 
 __all__ = [
@@ -15,9 +16,12 @@ __all__ = [
     "Settings",
     "StreamFormat",
     "choose_format",
+    "gpu_ids_checked",
+    "is_tty",
     "parse_fields",
     "parse_gpus",
     "parse_seconds",
+    "ranges",
     "unknown_gpus",
 ]
 
@@ -41,13 +45,7 @@ class StreamFormat(str, Enum):
 
 @dataclass(frozen=True)
 class Settings:
-    """The global options, kept on ``ctx.obj``.
-
-    Attributes:
-        nvidia_smi: the binary to run (None: ``$SMIQUERY_NVIDIA_SMI``, PATH, the usual places).
-        timeout: seconds before an nvidia-smi call counts as hung.
-        debug: print tracebacks.
-    """
+    """The global options, kept on ``ctx.obj``: ``--nvidia-smi``, ``--timeout`` (seconds), ``--debug``."""
 
     nvidia_smi: str | None = None
     timeout: float = 10.0
@@ -55,18 +53,7 @@ class Settings:
 
 
 def parse_seconds(text: str, what: str) -> float:
-    """Seconds from ``1``, ``0.5``, ``250ms``, ``2s``, ``10m``, ``1h`` (what every duration option accepts).
-
-    Args:
-        text: the option value.
-        what: the option name, for the message.
-
-    Returns:
-        The seconds (positive).
-
-    Raises:
-        UsageError: not a positive duration.
-    """
+    """Positive seconds from ``1``, ``0.5``, ``250ms``, ``2s``, ``10m``, ``1h``; else a UsageError naming ``what``."""
     from smiquery.alerts import parse_duration
 
     try:
@@ -76,14 +63,7 @@ def parse_seconds(text: str, what: str) -> float:
 
 
 def parse_fields(spec: str | None, extra: Sequence[Field] = ()) -> tuple[Field, ...]:
-    """The fields of ``--fields`` (a preset or a comma list), plus ``extra`` ones not already named.
-
-    Args:
-        spec: the option value (None: the default preset).
-        extra: fields needed besides (alert rules).
-
-    Returns:
-        The fields, in order.
+    """The fields of ``--fields`` (a preset or a comma list; None: default), then ``extra`` ones not named.
 
     Raises:
         UsageError: an unknown field or preset.
@@ -97,14 +77,7 @@ def parse_fields(spec: str | None, extra: Sequence[Field] = ()) -> tuple[Field, 
 
 
 def parse_gpus(spec: str | None, what: str = "--gpus") -> tuple[str, ...] | None:
-    """GPU ids of ``--gpus``: indices, UUIDs or PCI bus ids, comma separated (what every GPU option accepts).
-
-    Args:
-        spec: the option value (None: all GPUs).
-        what: the option name, for the message.
-
-    Returns:
-        The ids as strings, or None for all.
+    """GPU ids (indices, UUIDs or PCI bus ids, comma separated) as strings; None for all.
 
     Raises:
         UsageError: an id that is none of the three forms.
@@ -119,50 +92,36 @@ def parse_gpus(spec: str | None, what: str = "--gpus") -> tuple[str, ...] | None
         raise UsageError(f"{what}: {exc}") from None
 
 
+def is_tty(stream: IO[str]) -> bool:
+    """Whether ``stream`` is a terminal."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
+
+
 def choose_format(fmt: Enum | None, out: IO[str]) -> str:
-    """The output format: the one asked for, else a table on a terminal and CSV otherwise.
-
-    Args:
-        fmt: the ``--format`` value.
-        out: the output stream.
-
-    Returns:
-        ``"table"``, ``"csv"``, ``"jsonl"`` or ``"json"``.
-    """
+    """The ``--format`` asked for, else a table on a terminal and CSV otherwise."""
     if fmt is not None:
         return str(fmt.value)
-    isatty = getattr(out, "isatty", None)
-    return "table" if isatty is not None and isatty() else "csv"
+    return "table" if is_tty(out) else "csv"
 
 
-def _ranges(indices: Sequence[int]) -> str:
+def ranges(indices: Sequence[int]) -> str:
     """``0-3,5`` for [0, 1, 2, 3, 5]."""
-    out: list[str] = []
-    run: list[int] = []
+    runs: list[list[int]] = []
     for i in sorted(set(indices)):
-        if run and i == run[-1] + 1:
-            run.append(i)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [i]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def unknown_gpus(ids: Sequence[str] | None, settings: Settings) -> UsageError | None:
     """A usage error naming the requested GPUs this machine lacks, or None when they all exist.
 
     Called after nvidia-smi said "No devices were found" for an ``-i`` list: one cheap listing of the GPUs
-    (``--query-gpu=index,uuid``) tells a wrong id (a usage error) from a machine without GPUs.
-
-    Args:
-        ids: the ids of ``--gpus``.
-        settings: the global options.
-
-    Returns:
-        The error to raise, or None (the ids exist, or the listing failed too).
+    (``--query-gpu=index,uuid``) tells a wrong id (a usage error) from a machine without GPUs. None too when
+    the listing fails, or for PCI bus ids (nvidia-smi's own message covers their several spellings).
     """
     from smiquery.errors import SmiqueryError
     from smiquery.sources.query_gpu import query
@@ -173,14 +132,24 @@ def unknown_gpus(ids: Sequence[str] | None, settings: Settings) -> UsageError | 
         gpus = query(["index", "uuid"], nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
     except SmiqueryError:
         return None
-    if not gpus:
+    if not gpus or not all(i.isdigit() or i.lower().startswith(("gpu-", "mig-")) for i in ids):
         return None
     known = {str(g.index) for g in gpus} | {str(g.get("uuid")).lower() for g in gpus}
-    if not all(i.isdigit() or i.lower().startswith(("gpu-", "mig-")) for i in ids):
-        return None  # PCI bus ids have several spellings: leave those to nvidia-smi's own message
     absent = [i for i in ids if i.lower() not in known]
     if not absent:
         return None
-    have = _ranges([g.index for g in gpus if g.index is not None])
+    have = ranges([g.index for g in gpus if g.index is not None])
     plural = "s" if len(absent) > 1 else ""
     return UsageError(f"no GPU{plural} {', '.join(absent)}; this machine has {have}")
+
+
+@contextlib.contextmanager
+def gpu_ids_checked(ids: Sequence[str] | None, settings: Settings) -> Iterator[None]:
+    """Turns "No devices were found" inside into the usage error naming the ``--gpus`` this machine lacks."""
+    try:
+        yield
+    except NoDevicesFoundError:
+        wrong = unknown_gpus(ids, settings)
+        if wrong is None:
+            raise
+        raise wrong from None

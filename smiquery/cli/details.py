@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from collections.abc import Mapping
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from smiquery.cli._boundary import boundary, warn_lines
-from smiquery.cli._common import GpusOpt, app, parse_gpus, settings_of
+from smiquery.cli._boundary import boundary, warnings_as_lines
+from smiquery.cli._common import GpusOpt, app, settings_of
+from smiquery.cli._options import parse_gpus
 from smiquery.errors import RecordingError
 from smiquery.printable import printable
 
@@ -21,13 +20,6 @@ if TYPE_CHECKING:
     from smiquery.sources.details import GpuDetails
 
 __all__ = ["inspect_cmd", "render_details"]
-
-
-class InspectFormat(str, Enum):
-    """Output formats of ``inspect``."""
-
-    text = "text"
-    json = "json"
 
 
 def _mib(value: int | None) -> str:
@@ -109,8 +101,9 @@ def inspect_cmd(
     ctx: typer.Context,
     gpus: GpusOpt = None,
     fmt: Annotated[
-        InspectFormat, typer.Option("--format", "-o", help="text (a summary per GPU) or json (every value).")
-    ] = InspectFormat.text,
+        Literal["text", "json"],
+        typer.Option("--format", "-o", help="text (a summary per GPU) or json (every value)."),
+    ] = "text",
     xml: Annotated[
         Path | None,
         typer.Option("--xml", metavar="FILE", help="Read a saved `nvidia-smi -q -x` file instead of running it."),
@@ -127,8 +120,7 @@ def inspect_cmd(
     with boundary(settings.debug):
         from smiquery.sources.details import details, parse_xml
 
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with warnings_as_lines():
             if xml is not None:
                 try:
                     text = xml.read_bytes()
@@ -138,8 +130,7 @@ def inspect_cmd(
             else:
                 ids = parse_gpus(gpus)
                 found = details(ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
-        warn_lines(caught)
-        if fmt is InspectFormat.json:
+        if fmt == "json":
             sys.stdout.write(json.dumps([g.to_dict() for g in found], indent=2) + "\n")
         else:
             sys.stdout.write("\n".join(printable(line) for line in render_details(found).split("\n")))

@@ -1,47 +1,32 @@
 """``smiquery export``: serve Prometheus metrics from one background nvidia-smi loop.
 
-Errors go through the one boundary of the command line (:mod:`smiquery.cli._boundary`): 1 the port is taken (or
-needs root) or the exporter cannot run, 2 a bad option (including a --bind address that is not on this machine), 3
-nvidia-smi not found; a stop by SIGTERM exits 143, by SIGINT (Ctrl-C) 130, as every long-running command does.
-
-Run as its own process (the ``smiquery`` console script, ``python -m smiquery``), the command hands its parsed options
-to :mod:`smiquery.cli._export_run` with ``os.execv`` (same pid), so the serving process holds no typer, click, rich
-or pydantic; called in another program (typer's test runner) it serves in that process.
+Errors go through the one boundary (exit 1: the port is taken or the exporter cannot run; 2: a bad option, a
+--bind address not on this machine included; 3: no nvidia-smi; 143/130 after SIGTERM/SIGINT). Run as its own
+process, the command hands its parsed options to :mod:`smiquery.cli._export_run` with ``os.execv``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
+import smiquery.cli._export_run as export_run
 from smiquery.cli._boundary import boundary
-from smiquery.cli._common import app, seconds_option, settings_of
-from smiquery.cli._export_run import ExportOptions, LogFormat, Naming, TopBy, hand_off, run_export, whole_process
+from smiquery.cli._common import app, seconds_option, settings_of, version_callback
+from smiquery.cli._export_run import ExportOptions, LogFormat, Naming, TopBy, hand_off, run_export
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError, SmiqueryError
 from smiquery.fields import resolve_fields
 from smiquery.streams.argv import normalize_gpus
 
-if TYPE_CHECKING:
-    from smiquery.exporter import WebConfig
-
 __all__ = ["LogFormat", "Naming", "TopBy", "export"]
 
 
-_DURATION_HINT = " Takes 5, 0.5, 250ms, 2s, 1m."
-
-
-def _duration(name: str, help_text: str) -> typer.models.OptionInfo:
-    option = seconds_option(name)
-    option.help = help_text + _DURATION_HINT
-    return option
-
-
 def _duration_or_off(name: str, help_text: str) -> typer.models.OptionInfo:
-    option = _duration(name, help_text)
+    option = seconds_option(name, help_text)
     seconds = option.parser
     assert seconds is not None
 
@@ -52,15 +37,6 @@ def _duration_or_off(name: str, help_text: str) -> typer.models.OptionInfo:
 
     option.parser = parse
     return option
-
-
-@dataclass(frozen=True)
-class _Checked:
-    """The options that needed more than typer's parsing, ready for :func:`smiquery.exporter.serve`."""
-
-    labels: dict[str, str]
-    rules: list[str] | None
-    web: WebConfig | None
 
 
 _EPILOG = """\b
@@ -82,14 +58,6 @@ Examples:
 """
 
 
-def _version(value: bool) -> None:
-    if value:
-        from smiquery import __version__
-
-        typer.echo(f"smiquery {__version__}")
-        raise typer.Exit(0)
-
-
 @app.command("export", epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 def export(
     ctx: typer.Context,
@@ -98,7 +66,7 @@ def export(
         str,
         typer.Option(help="Address to listen on. 0.0.0.0 or :: (all interfaces) only when you say so."),
     ] = "127.0.0.1",
-    interval: Annotated[float, _duration("--interval", "Seconds between nvidia-smi samples.")] = 5.0,
+    interval: Annotated[float, seconds_option("--interval", "Seconds between nvidia-smi samples.")] = 5.0,
     fields: Annotated[
         str,
         typer.Option(
@@ -123,7 +91,9 @@ def export(
     processes: Annotated[
         bool, typer.Option("--processes/--no-processes", help="Also export per-process GPU memory.")
     ] = False,
-    processes_interval: Annotated[float, _duration("--processes-interval", "Seconds between process listings.")] = 15.0,
+    processes_interval: Annotated[
+        float, seconds_option("--processes-interval", "Seconds between process listings.")
+    ] = 15.0,
     top_processes: Annotated[
         int,
         typer.Option(
@@ -186,7 +156,7 @@ def export(
     ] = "text",
     stale_after: Annotated[
         float | None,
-        _duration("--stale-after", "Seconds after which data counts as stale (default: max(3 x interval, 15))."),
+        seconds_option("--stale-after", "Seconds after which data counts as stale (default: max(3 x interval, 15))."),
     ] = None,
     nvidia_smi: Annotated[
         str | None, typer.Option("--nvidia-smi", help="Path of nvidia-smi (default: the global option, PATH).")
@@ -227,7 +197,7 @@ def export(
     ] = None,
     slurm_interval: Annotated[
         float,
-        _duration(
+        seconds_option(
             "--slurm-interval",
             "Seconds between Slurm listings (one squeue per listing, plus squeue and scontrol per new job; "
             "slurmctld answers every node).",
@@ -257,7 +227,7 @@ def export(
         typer.Option(
             "--version",
             "-V",
-            callback=_version,
+            callback=version_callback,
             is_eager=True,
             help="Print smiquery's version and exit.",
             show_default=False,
@@ -270,59 +240,37 @@ def export(
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
-        _check_plain_options(interval, processes_interval, stale_after, bind, fields, gpus)
-        _positive(slurm_interval, "--slurm-interval")
-        _check_tls(tls_cert, tls_key, client_ca, web_config_file)
+        for value, option in (
+            (interval, "--interval"),
+            (processes_interval, "--processes-interval"),
+            (stale_after, "--stale-after"),
+        ):
+            _positive(value, option)
+        _check_plain_options(bind, fields, gpus, slurm_interval, tls_cert, tls_key, client_ca, web_config_file)
         from smiquery import exporter as exporter_mod
 
         if slurm and (kubernetes or kubernetes_processes):
             raise typer.BadParameter("give either --kubernetes or --slurm, not both", param_hint="'--slurm'")
-        checked = _check_exporter_options(label, top_processes, alert, web_config_file)
-        opts = ExportOptions(
-            port=port,
-            bind=bind,
-            interval=interval,
-            fields=fields,
-            gpus=gpus,
-            labels=checked.labels,
-            naming=naming,
-            processes=processes,
-            processes_interval=processes_interval,
-            top_processes=top_processes,
-            top_processes_by=top_processes_by,
-            tls_cert=_text(tls_cert),
-            tls_key=_text(tls_key),
-            client_ca=_text(client_ca),
-            web_config_file=_text(web_config_file),
-            alerts=_alert_rules(checked.rules or [], exporter_mod.DEFAULT_EXPORTER_ALERTS if default_alerts else ()),
-            log_format=log_format,
-            stale_after=stale_after,
-            nvidia_smi=nvidia_smi if nvidia_smi is not None else settings.nvidia_smi,
-            kubernetes=kubernetes,
-            pod_resources_socket=pod_resources_socket,
-            kubernetes_processes=kubernetes_processes,
-            slurm=slurm,
-            slurm_node=slurm_node,
-            slurm_interval=slurm_interval,
-            slurm_bin_dir=slurm_bin_dir,
-            details_interval=details_interval or None,
-            kernel_log=kernel_log or None,
-            debug=settings.debug,
-        )
-        if whole_process():
+        labels, rules = _check_exporter_options(label, top_processes, alert, web_config_file)
+        defaults = exporter_mod.DEFAULT_EXPORTER_ALERTS if default_alerts else ()
+        paths = ("tls_cert", "tls_key", "client_ca", "web_config_file")
+        given = {
+            **ctx.params,  # every option by name, as parsed
+            **{name: str(ctx.params[name]) if ctx.params[name] else None for name in paths},
+            "labels": labels,
+            # the default rules first (the shipped Prometheus rules match their text), each rule once
+            "alerts": list(dict.fromkeys([*defaults, *(rules or [])])),
+            "nvidia_smi": nvidia_smi if nvidia_smi is not None else settings.nvidia_smi,
+            "details_interval": details_interval or None,
+            "kernel_log": kernel_log or None,
+            "debug": settings.debug,
+        }
+        opts = ExportOptions(**{f.name: given[f.name] for f in dataclasses.fields(ExportOptions)})
+        if export_run.process_entry:
             hand_off(opts, sys.argv[1:])  # returns only when the process image cannot be replaced
         code = run_export(opts)
     if code:
         raise typer.Exit(code)
-
-
-def _text(path: Path | None) -> str | None:
-    return None if path is None else str(path)
-
-
-def _alert_rules(given: list[str], defaults: tuple[str, ...]) -> list[str]:
-    """The default rules (whose text the shipped Prometheus rules match), then the given ones, each rule once."""
-    return list(dict.fromkeys([*defaults, *given]))
 
 
 def _positive(value: float | None, option: str) -> None:
@@ -331,12 +279,16 @@ def _positive(value: float | None, option: str) -> None:
 
 
 def _check_plain_options(
-    interval: float, processes_interval: float, stale_after: float | None, bind: str, fields: str, gpus: str | None
+    bind: str,
+    fields: str,
+    gpus: str | None,
+    slurm_interval: float,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    client_ca: Path | None,
+    web_config: Path | None,
 ) -> None:
     """Every bad option is a usage error (exit 2) before anything runs."""
-    _positive(interval, "--interval")
-    _positive(processes_interval, "--processes-interval")
-    _positive(stale_after, "--stale-after")
     if not bind.strip():
         raise typer.BadParameter("must be an address such as 127.0.0.1", param_hint="'--bind'")
     try:
@@ -348,9 +300,7 @@ def _check_plain_options(
         normalize_gpus(gpus)
     except InvalidGpuIdError as exc:
         raise typer.BadParameter(str(exc), param_hint="'--gpus'") from None
-
-
-def _check_tls(tls_cert: Path | None, tls_key: Path | None, client_ca: Path | None, web_config: Path | None) -> None:
+    _positive(slurm_interval, "--slurm-interval")
     if (tls_cert is None) != (tls_key is None):
         raise typer.BadParameter("HTTPS needs both --tls-cert and --tls-key", param_hint="'--tls-cert/--tls-key'")
     if client_ca is not None and tls_cert is None:
@@ -365,8 +315,8 @@ def _check_tls(tls_cert: Path | None, tls_key: Path | None, client_ca: Path | No
 
 def _check_exporter_options(
     label: list[str] | None, top_processes: int, alert: list[str] | None, web_config_file: Path | None
-) -> _Checked:
-    """The labels, alert rules and web config, each checked by the exporter's own parser."""
+) -> tuple[dict[str, str], list[str] | None]:
+    """The labels and alert rules, and the web config, each checked by the exporter's own parser."""
     from smiquery import exporter as exporter_mod
     from smiquery.errors import WebConfigError
 
@@ -390,10 +340,9 @@ def _check_exporter_options(
                 Rule.parse(text)
         except SmiqueryError as exc:
             raise typer.BadParameter(str(exc), param_hint="'--alert'") from None
-    web = None
     if web_config_file is not None:
         try:
-            web = exporter_mod.load_web_config(web_config_file)
+            exporter_mod.load_web_config(web_config_file)
         except WebConfigError as exc:
             raise typer.BadParameter(str(exc), param_hint="'--web-config-file'") from None
-    return _Checked(labels, rules, web)
+    return labels, rules

@@ -8,7 +8,8 @@ from typing import Annotated, Any
 import typer
 
 from smiquery.cli._boundary import boundary
-from smiquery.cli._common import FormatOpt, Settings, app, choose_format, settings_of
+from smiquery.cli._common import FormatOpt, app, settings_of
+from smiquery.cli._options import Settings, choose_format
 from smiquery.errors import UsageError
 from smiquery.fields import PRESETS, Field, resolve_fields
 

@@ -1,4 +1,4 @@
-"""The GPU lines of the live table: one line per GPU, as compact as gpustat's, fitted to the terminal.
+"""The live table of ``smiquery stream``: one compact line per GPU (as gpustat's), redrawn in place.
 
 ``GPU NAME TEMP UTIL MEM PWR`` with the units once in the titles, a utilization bar where there is room, memory as
 ``used/total``, and the GPU's processes (``user/name(MiB)``) on its line, or indented under it when they do not fit.
@@ -7,19 +7,48 @@ A summary line counts the GPUs (busy, idle, lost), their mean utilization and th
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
+from typing import IO, TYPE_CHECKING
 
-from smiquery.fields import Field
+from smiquery.cli._options import ranges
+from smiquery.cli.display import (
+    MISSING_LEGEND,
+    UNKNOWN_USER,
+    CellState,
+    drop_order,
+    frame_text,
+    hidden_note,
+    mark_style,
+    paint,
+    sample_rows,
+    show_cursor,
+    terminal_size,
+    wrap_parts,
+)
+from smiquery.cli.keys import Viewport
+from smiquery.fields import Field, Kind
 from smiquery.printable import printable
 from smiquery.sample import GpuSample
 
-__all__ = ["GpuLines", "gpu_lines", "short_name", "summary_line"]
+if TYPE_CHECKING:
+    from smiquery.alerts import AlertEvaluator, AlertEvent
+    from smiquery.sources.apps import GpuProcess
 
-# Identity columns left out first when narrow, then the other measurements, then the bar, the name, the rest.
-_IDENTITY = ("uuid", "pci.bus_id", "serial", "vbios_version", "driver_version")
-_KEY = ("index", "utilization.gpu", "memory.used", "power.draw", "temperature.gpu", "memory.total")
+__all__ = [
+    "SORT_KEYS",
+    "GpuLines",
+    "LiveTable",
+    "gpu_lines",
+    "process_label",
+    "short_name",
+    "summary_line",
+]
+
 _TITLES = {
     "index": "GPU",
     "name": "NAME",
@@ -95,7 +124,7 @@ def _columns(
     merged = "memory.used" in names and "memory.total" in names
     cols: list[_Col] = []
     if any(marks):
-        cols.append(_Col("state", "STATE", False, list(marks), [_mark_style(m) for m in marks]))
+        cols.append(_Col("state", "STATE", False, list(marks), [mark_style(m) for m in marks]))
     for i, f in enumerate(fields):
         if merged and f.name == "memory.total":
             continue
@@ -115,19 +144,6 @@ def _columns(
     return cols
 
 
-def _mark_style(mark: str) -> str | None:
-    return "error" if mark in ("LOST", "RESET") else ("pending" if mark else None)
-
-
-def _drop_order(cols: Sequence[_Col]) -> list[str]:
-    names = [c.name for c in cols]
-    rank = {n: r for r, n in enumerate(_KEY)}
-    identity = [n for n in _IDENTITY if n in names]
-    rest = [n for n in names if n not in (*identity, "state", "bar", "name") and n not in rank]
-    kept = sorted((n for n in names if n in rank), key=lambda n: -rank[n])
-    return [*identity, *reversed(rest), *(["bar"] if "bar" in names else []), *(["name"] * ("name" in names)), *kept]
-
-
 def gpu_lines(
     samples: Sequence[GpuSample],
     fields: Sequence[Field],
@@ -140,18 +156,12 @@ def gpu_lines(
     uuid: bool = False,
     paint: Callable[[str, str | None], str] = lambda text, style: text,
 ) -> GpuLines:
-    """One line per GPU fitted to ``cols`` (0: any), its processes after it or under it.
+    """One line per GPU (``samples``, in the order shown) fitted to ``cols`` (0: any), its processes after or under it.
 
-    Args:
-        samples: one per GPU, in the order shown.
-        fields: the fields of ``cells``.
-        cells: each sample's display texts (missing values marked).
-        styles: each cell's style name, or None.
-        cols: the terminal's width.
-        marks: a state per row (``LOST``, ``stale 3s``); a state column when any has one.
-        procs: each GPU's processes (``user/name(MiB)``), or None for none shown.
-        uuid: keep the UUID (asked for); otherwise it shows only on a terminal 200 columns wide or more.
-        paint: colours a text by style name (identity: no colour).
+    ``cells`` and ``styles`` are each sample's display texts and style names for ``fields``; ``marks`` a state per
+    row (``LOST``, ``stale 3s``: a state column when any has one); ``procs`` each GPU's processes
+    (``user/name(MiB)``; None: none shown); ``uuid`` keeps the UUID, otherwise shown only 200 columns wide or more;
+    ``paint`` colours a text by style name.
     """
     columns = _columns(samples, fields, cells, styles, marks)
     if not (uuid or cols <= 0 or cols >= 200):
@@ -161,7 +171,7 @@ def gpu_lines(
     def width(cs: Sequence[_Col]) -> int:
         return sum(c.width for c in cs) + 2 * (len(cs) - 1)
 
-    for name in _drop_order(columns):
+    for name in drop_order([c.name for c in columns], late=("bar", "name")):
         if cols <= 0 or width(columns) <= cols or len(columns) <= 1:
             break
         columns = [c for c in columns if c.name != name]
@@ -190,27 +200,12 @@ def gpu_lines(
             rows.append([first.rstrip()])
             continue
         indent, room = (start, cols - start) if inline else (4, cols - 4)
-        packed = _pack(labels, room if cols > 0 else 0)
+        packed = wrap_parts(labels, room if cols > 0 else 0, sep=" ") or [""]
         if inline:
             rows.append([f"{first}  {paint(packed[0], 'dim')}", *(" " * indent + paint(p, "dim") for p in packed[1:])])
         else:
             rows.append([first.rstrip(), *(" " * indent + paint(p, "dim") for p in packed)])
     return GpuLines(header, rows, hidden)
-
-
-def _pack(labels: Sequence[str], room: int) -> list[str]:
-    """Labels joined with spaces into lines of at most ``room`` characters (0: one line)."""
-    lines: list[str] = []
-    current = ""
-    for label in labels:
-        joined = f"{current} {label}" if current else label
-        if current and room > 0 and len(joined) > room:
-            lines.append(current)
-            current = label
-        else:
-            current = joined
-    lines.append(current)
-    return lines
 
 
 def summary_line(samples: Sequence[GpuSample], marks: Sequence[str]) -> str:
@@ -234,3 +229,263 @@ def summary_line(samples: Sequence[GpuSample], marks: Sequence[str]) -> str:
         which = f"GPU {s.index}" if "index" in s else "GPU"
         parts.append(f"hottest {which} at {t:.0f} C")
     return " · ".join(parts)
+
+
+class LiveTable:
+    """The newest sample of each GPU, one line each, redrawn in place on a terminal (ANSI, no curses).
+
+    Each frame moves the cursor home and rewrites every line in one write: a title, a summary line (GPUs, busy,
+    idle, lost, mean utilization, the hottest), the GPU lines (:func:`gpu_lines`), then the footer (which GPUs are
+    shown of how many, sample age, counters, alerts). The footer is always drawn: when the terminal is too short,
+    the processes under the GPUs go first, then GPU rows scroll (:attr:`view` takes the keys: arrows, PgUp/PgDn,
+    Home/End, sort keys, ``/`` filters); GPUs in trouble (lost, stale, past a firing rule) are never left out. A GPU
+    that stopped reporting keeps its last numbers, dimmed and marked ``stale``; a lost one is marked ``LOST``.
+
+    ``fields`` are the columns (``timestamp`` is left out: the footer shows the age). ``color`` colours cells past
+    the thresholds of the ``evaluator`` (``--alert``, also the firing list) and of the ``health`` rules (fed by
+    :meth:`update`), red firing and yellow pending, and dims missing values. Rows are marked stale after
+    ``stale_after`` seconds without a sample. ``size`` returns the terminal's (columns, lines); ``processes`` and
+    ``uuid`` start :attr:`show_processes` and :attr:`uuid` (shown whatever the width).
+    """
+
+    def __init__(
+        self,
+        out: IO[str],
+        fields: Sequence[Field],
+        *,
+        title: str = "",
+        color: bool = True,
+        evaluator: AlertEvaluator | None = None,
+        size: Callable[[], tuple[int, int]] | None = None,
+        health: AlertEvaluator | None = None,
+        stale_after: float = 5.0,
+        processes: bool = False,
+        uuid: bool = False,
+    ) -> None:
+        self.out = out
+        self.fields = tuple(f for f in fields if f.kind is not Kind.TIMESTAMP)
+        self.title = title
+        self.color = color
+        self.evaluator = evaluator
+        self.health = health
+        self.stale_after = stale_after
+        self.show_processes = processes
+        self.uuid = uuid
+        self.view = Viewport(SORT_KEYS, "index")
+        self._size = size or terminal_size
+        self._rows: dict[object, GpuSample] = {}
+        self._seen: dict[object, tuple[int, float]] = {}  # key -> (sweep, monotonic time) it last came in
+        self._sweeps = 0
+        self._procs: dict[int, list[str]] = {}
+        self._received: float | None = None
+        self._last_ts: datetime | None = None
+        self._events: list[str] = []
+        self._started = False
+
+    def update(self, samples: Iterable[GpuSample], now: float | None = None) -> None:
+        """Take one sweep: the newest sample of each GPU is shown; a GPU missing from two sweeps is stale.
+
+        ``now`` is when it arrived (``time.monotonic()``), live; None: now, and the health rules' holds go by the
+        samples' timestamps (a recording).
+        """
+        arrived = time.monotonic() if now is None else now
+        self._sweeps += 1
+        for s in samples:
+            key = s.index if "index" in s else (s.uuid if "uuid" in s else len(self._rows))
+            self._rows[key] = s
+            self._seen[key] = (self._sweeps, arrived)
+            ts = s.timestamp if "timestamp" in s else None
+            if ts is not None:
+                self._last_ts = ts
+            if self.health is not None:
+                self.health.update(s, now)  # None: a recording's holds go by its timestamps
+        self._received = arrived
+
+    def set_processes(self, by_gpu: Mapping[int, Sequence[str]]) -> None:
+        """The processes to list under each GPU index, already as text (``user/command(1234MiB)``)."""
+        self._procs = {k: list(v) for k, v in by_gpu.items()}
+
+    def note(self, event: AlertEvent | str) -> None:
+        """Remember an alert event or a line of text (a restart, a lost GPU) for the footer (the newest few show)."""
+        self._events.append(event if isinstance(event, str) else event.message())
+        del self._events[:-4]
+
+    def _cell_state(self, sample: GpuSample, name: str) -> CellState:
+        states = [ev.cell_state(sample, name) for ev in (self.evaluator, self.health) if ev is not None]
+        return "firing" if "firing" in states else ("pending" if "pending" in states else "ok")
+
+    def _mark(self, key: object, sample: GpuSample, lost: Collection[object], now: float) -> str:
+        """What the row's state cell says: LOST, RESET, ``stale 12s`` or nothing."""
+        reasons = set(sample.missing.values())
+        if "gpu_lost" in reasons or key in lost:
+            return "LOST"
+        if "gpu_requires_reset" in reasons:
+            return "RESET"
+        sweep, at = self._seen.get(key, (self._sweeps, now))
+        quiet = now - at
+        if sweep < self._sweeps - 1 or quiet > self.stale_after:
+            return f"stale {quiet:.0f}s"
+        return ""
+
+    def _footer(self, stats: Mapping[str, object] | None, cols: int, now: float) -> list[str]:
+        """The footer lines after the table: age and counters, errors, firing alerts, recent events."""
+        color = self.color
+        age = now - self._received if self._received is not None else None
+        parts = [f"sample age {age:.1f} s" if age is not None else "no sample yet"]
+        if self._last_ts is not None:
+            parts.append(f"sampled {self._last_ts.strftime('%H:%M:%S')}")
+        for key in ("sweeps", "rows", "restarts", "dropped_rows"):
+            if stats is not None and key in stats:
+                parts.append(f"{key.replace('_', ' ')} {stats[key]}")
+        retry_at = stats.get("next_retry_at") if stats is not None else None
+        if stats is not None and stats.get("state") == "retrying" and isinstance(retry_at, (int, float)):
+            parts.append(f"retrying in {max(0.0, retry_at - time.time()):.0f} s")
+        lost = stats.get("lost_gpus") if stats is not None else None
+        if lost:
+            text = "LOST GPU " + ",".join(str(i) for i in sorted(lost))  # type: ignore[call-overload]
+            parts.append(paint(text, "error", color))
+        lines = wrap_parts(parts, cols)
+        last_error = stats.get("last_error") if stats is not None else None
+        if last_error:
+            lines.append(f"last error: {last_error}")
+        firing = [pair for ev in (self.evaluator, self.health) if ev is not None for pair in ev.firing()]
+        if firing:
+            text = "; ".join(dict.fromkeys(f"GPU {g}: {r}" for r, g in firing))
+            lines.append(f"{paint('FIRING', 'firing', color)} {text}")
+        for msg in self._events:
+            lines.append(paint(msg, "dim", color))
+        return lines
+
+    def _words(self, key: object) -> str:
+        """What the filter looks in: the index, name, UUID and processes of a GPU."""
+        s = self._rows[key]
+        procs = self._procs.get(key, ()) if isinstance(key, int) else ()
+        return (
+            " ".join(str(s.get(n)) for n in ("index", "name", "uuid", "pci.bus_id") if n in s) + " " + " ".join(procs)
+        )
+
+    def _ordered(self, keys: Sequence[object]) -> list[object]:
+        """``keys`` in the viewport's sort order: by index, or by a value, largest first (missing last)."""
+        name = _SORT_FIELDS.get(self.view.sort)
+        if name is None:
+            return list(keys)
+
+        def value(k: object) -> float:
+            v = self._rows[k].get(name)
+            return -float(v) if isinstance(v, (int, float)) else float("inf")
+
+        return sorted(keys, key=value)
+
+    def frame(self, stats: Mapping[str, object] | None = None) -> str:
+        """The text of one frame, escape sequences included."""
+        cols, lines_avail = self._size()
+        now = time.monotonic()
+        lost: Collection[object] = stats.get("lost_gpus") or () if stats is not None else ()  # type: ignore[assignment]
+        keys = sorted(self._rows, key=_sort_key)
+        marks = {k: self._mark(k, self._rows[k], lost, now) for k in keys}
+        footer = self._footer(stats, cols, now)
+        head = [self._paint(self.title, "header")] if self.title else []
+        if len(keys) > 1:
+            head.append(summary_line([self._rows[k] for k in keys], [marks[k] for k in keys]))
+        view = self.view
+        matching = self._ordered([k for k in keys if view.matches(self._words(k))])
+        samples = [self._rows[k] for k in matching]
+        cells, styles = sample_rows(samples, self.fields, cell_state=self._cell_state)
+        for style, k in zip(styles, matching):
+            if marks[k].startswith("stale"):  # old numbers: dimmed, whatever they were
+                style[:] = ["dim"] * len(style)
+        procs = [self._procs.get(k, []) if isinstance(k, int) else [] for k in matching]
+        fitted = gpu_lines(
+            samples,
+            self.fields,
+            cells,
+            styles,
+            cols,
+            marks=[marks[k] for k in matching],
+            procs=procs if self.show_processes else None,
+            uuid=self.uuid,
+            paint=self._paint,
+        )
+        extra: list[str] = hidden_note(fitted.hidden, cols)
+        keys_help = "keys ↑↓ PgUp PgDn Home End · sort u/m/t/p/i · / filter"
+        extra += wrap_parts([MISSING_LEGEND, keys_help, "Ctrl-C to stop"], cols)
+        limit = lines_avail - 1 if lines_avail > 0 else 1 << 30
+        # Room for the GPU lines: the title and summary, the column titles, a blank line, the position line,
+        # the footer and the legend stay (the legend goes first on a very short terminal).
+        fixed = len(head) + 1 + 1 + 1 + len(footer)
+        extra = extra[: max(0, min(len(extra), limit - fixed - min(3, len(matching))))]
+        room = max(1, limit - fixed - len(extra))
+        rows = dict(zip(matching, fitted.rows))
+        procs_cut = sum(len(r) for r in fitted.rows) > room and any(len(r) > 1 for r in fitted.rows)
+        if procs_cut:
+            rows = {k: r[:1] for k, r in rows.items()}
+        shown = view.window(matching, room, lambda k: self._trouble(k, marks))
+        top = list(head)
+        if samples:
+            top.append(fitted.header)
+            for k in shown:
+                top += rows[k]
+        elif keys:
+            top.append(f"no GPU matches the filter '{printable(view.filter)}'")
+        else:
+            top.append("waiting for the first sample...")
+        where = view.status("GPUs", len(shown), len(matching), len(keys))
+        if len(shown) < len(matching):
+            where = where.replace(" GPUs shown", f" GPUs shown ({_ranges(shown)})", 1) + " · PgDn/↓ for more"
+        if view.sort != "index":
+            where = " · ".join(x for x in (where, f"sorted by {view.sort}") if x)
+        if procs_cut:
+            where = " · ".join(x for x in (where, "processes not shown: terminal too short") if x)
+        bottom = ["", *([self._paint(where, "pending")] if where else []), *footer]
+        extra = [self._paint(x, "dim") for x in extra]
+        lines = top + bottom + extra
+        if len(lines) > limit:  # a terminal too short even for that: the table's last lines go, the footer stays
+            top = top[: max(1, limit - len(bottom) - len(extra))]
+            lines = (top + bottom + extra)[: max(1, limit)]
+        return frame_text(lines, cols, first=not self._started)
+
+    def _paint(self, text: str, style: str | None) -> str:
+        return paint(text, style, self.color and bool(text))
+
+    def _trouble(self, key: object, marks: Mapping[object, str]) -> bool:
+        """A GPU never hidden when rows must be cut: lost, stale, reset, or with a cell past a firing rule."""
+        s = self._rows[key]
+        return bool(marks[key]) or any(self._cell_state(s, name) == "firing" for name in s.fields)
+
+    def redraw(self, stats: Mapping[str, object] | None = None) -> None:
+        """Draw one frame now."""
+        self.out.write(self.frame(stats))
+        self.out.flush()
+        self._started = True
+
+    def close(self) -> None:
+        """Show the cursor again (the last frame stays on screen)."""
+        if self._started:
+            show_cursor(self.out)
+
+
+# The viewport's sort names and the field each orders by (largest first); "index" keeps the GPUs' order.
+_SORT_FIELDS = {"util": "utilization.gpu", "mem": "memory.used", "temp": "temperature.gpu", "power": "power.draw"}
+#: The sort keys of the live table.
+SORT_KEYS = {"u": "util", "m": "mem", "t": "temp", "p": "power", "i": "index"}
+
+
+def _sort_key(key: object) -> tuple[int, str]:
+    return (0, f"{key:09d}") if isinstance(key, int) else (1, str(key))
+
+
+def _ranges(keys: Sequence[object]) -> str:
+    """``GPU 0-3,7,9-12`` for GPU indices (other keys are listed as they are)."""
+    ints = [k for k in keys if isinstance(k, int)]
+    return "GPU " + ",".join([*([ranges(ints)] if ints else []), *(str(k) for k in keys if not isinstance(k, int))])
+
+
+def process_label(proc: GpuProcess, user: str | None) -> str:
+    """``user/command(memory)`` as gpustat shows a process (:data:`UNKNOWN_USER` for a user not known).
+
+    A newline or tab in the name the driver recorded becomes a space: one process is one line.
+    """
+    name = " ".join(proc.process_name.split()) or "?"
+    command = os.path.basename(name.split(" ", 1)[0]) or name
+    memory = f"{proc.used_memory}MiB" if proc.used_memory is not None else "n/a"
+    return f"{user or UNKNOWN_USER}/{command}({memory})"

@@ -77,11 +77,8 @@ class KeyReader:
     """Reads keys from a terminal in a thread and hands each to ``on_key`` (from that thread).
 
     Nothing happens when ``stream`` is no terminal (a pipe, ``--once``): the output stays as it is. Use it as a
-    context manager: the terminal's settings are restored on leaving it, whatever ended the command.
-
-    Args:
-        on_key: called with each key name (:func:`parse_keys`).
-        stream: the terminal (default stdin).
+    context manager: the terminal's settings are restored on leaving it, whatever ended the command. ``on_key``
+    gets each key name (:func:`parse_keys`); ``stream`` is the terminal (default stdin).
     """
 
     def __init__(self, on_key: Callable[[str], None], stream: IO[str] | None = None) -> None:
@@ -147,9 +144,7 @@ class KeyReader:
 class Viewport:
     """The part of a long list a live view shows: the scroll offset, the sort order and a filter.
 
-    Args:
-        sorts: sort key character -> sort name (``{"u": "util"}``).
-        sort: the sort name to start with.
+    ``sorts`` maps sort keys to sort names (``{"u": "util"}``); ``sort`` is the one to start with.
     """
 
     def __init__(self, sorts: Mapping[str, str], sort: str) -> None:

@@ -1,24 +1,19 @@
 """``smiquery query``: one snapshot, one row per GPU.
 
-Importing typer and building its click command cost more than the query itself, and the one-shot query is what
-scripts run in a loop. So this module imports no typer: a command line :func:`parse_fast_query` fully understands
-goes straight to :func:`run_query`; anything else (help, an unknown or malformed option, any other command) goes
-through typer, which validates and reports it, and which :func:`register` teaches the same command.
-``tests/cli/test_cli.py`` checks, from typer's own parameters, that every option of ``query`` and of the root is
-read identically by both paths.
+Scripts run it in a loop, and importing typer costs more than the query: a command line :func:`parse_fast_query`
+fully understands goes straight to :func:`run_query`; anything else goes through typer (:func:`register`).
+``tests/cli/test_cli.py`` checks that both paths read every option of ``query`` and of the root alike.
 """
 
 # No `from __future__ import annotations`: typer reads the command's annotations from the function itself, and the
 # command defined in register() names option types that only register() imports (typer stays off the fast path).
 
 import sys
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from smiquery.cli._boundary import boundary, warn_lines
-from smiquery.cli._options import Format, Settings, choose_format, parse_fields, parse_gpus, unknown_gpus
-from smiquery.errors import NoDevicesFoundError
+from smiquery.cli._boundary import boundary, warnings_as_lines
+from smiquery.cli._options import Format, Settings, choose_format, gpu_ids_checked, parse_fields, parse_gpus
 
 if TYPE_CHECKING:
     import typer
@@ -51,17 +46,7 @@ _FORMATS = ("table", "csv", "jsonl", "json")
 
 
 def run_query(settings: Settings, fields: str | None, gpus: str | None, fmt: Format | None) -> None:
-    """Print one snapshot (``smiquery query``).
-
-    Args:
-        settings: the global options.
-        fields: ``--fields``.
-        gpus: ``--gpus``.
-        fmt: ``--format``.
-
-    Raises:
-        typer.Exit: on any error, after one line on stderr.
-    """
+    """Print one snapshot (``smiquery query``); on any error, one line on stderr and ``typer.Exit``."""
     with boundary(settings.debug):
         flds = parse_fields(fields)
         ids = parse_gpus(gpus)
@@ -69,29 +54,17 @@ def run_query(settings: Settings, fields: str | None, gpus: str | None, fmt: For
         from smiquery.cli.display import render, terminal_width, use_color
         from smiquery.sources.query_gpu import query
 
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                samples = query(flds, gpus=ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
-            except NoDevicesFoundError:
-                wrong = unknown_gpus(ids, settings)
-                if wrong is None:
-                    raise
-                raise wrong from None
-        warn_lines(caught)
+        with warnings_as_lines(), gpu_ids_checked(ids, settings):
+            samples = query(flds, gpus=ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
         text = render(samples, form, fields=flds, color=use_color(sys.stdout), width=terminal_width(sys.stdout))
         sys.stdout.write(text)
         sys.stdout.flush()
 
 
 def parse_fast_query(argv: Sequence[str]) -> dict[str, str | bool] | None:
-    """The options of a plain ``[global options] query [options]`` command line, or None for anything else.
+    """Parameter -> value of a plain ``[global options] query [options]`` line (``fmt`` lower-cased, ``debug`` True).
 
-    Args:
-        argv: the arguments after the program name.
-
-    Returns:
-        Parameter name -> value (``fmt`` lower-cased, ``debug`` True), or None to let typer parse it.
+    None for anything else: typer parses it.
     """
     opts: dict[str, str | bool] = {}
     table = FAST_GLOBAL
@@ -135,14 +108,7 @@ def parse_fast_query(argv: Sequence[str]) -> dict[str, str | bool] | None:
 
 
 def run_fast_query(opts: dict[str, str | bool]) -> int:
-    """Run what :func:`parse_fast_query` read, without typer.
-
-    Args:
-        opts: its answer.
-
-    Returns:
-        The exit code.
-    """
+    """Run what :func:`parse_fast_query` read, without typer; returns the exit code."""
 
     def text(key: str) -> str | None:
         value = opts.get(key)
@@ -162,11 +128,7 @@ def run_fast_query(opts: dict[str, str | bool]) -> int:
 
 
 def register(app: "typer.Typer") -> None:
-    """Add the ``query`` command to a typer app.
-
-    Args:
-        app: the ``smiquery`` app.
-    """
+    """Add the ``query`` command to the ``smiquery`` typer app."""
     import typer
 
     from smiquery.cli._common import FieldsOpt, FormatOpt, GpusOpt, settings_of

@@ -46,11 +46,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECAS
 
 
 def parse_size(text: str, what: str) -> int:
-    """Bytes from ``100MB``, ``1.5GB``, ``500k``, ``64MiB`` (powers of 1000, or 1024 with ``i``).
-
-    Raises:
-        UsageError: not a positive size.
-    """
+    """Bytes from ``100MB``, ``1.5GB``, ``500k``, ``64MiB`` (powers of 1000, or 1024 with ``i``); else UsageError."""
     m = _SIZE_RE.match(text)
     if m is None or float(m.group(1)) <= 0:
         raise UsageError(f"{what} {text!r}: give a size such as 100MB or 1GB, or a duration such as 1h or 30m")
@@ -59,14 +55,7 @@ def parse_size(text: str, what: str) -> int:
 
 
 def parse_rotate(text: str) -> tuple[int | None, float | None]:
-    """``--rotate``: a size (``100MB``: bytes) or a duration (``1h``: seconds).
-
-    Returns:
-        (bytes, None) or (None, seconds).
-
-    Raises:
-        UsageError: neither.
-    """
+    """``--rotate``: (bytes, None) for a size (``100MB``), (None, seconds) for a duration (``1h``); else UsageError."""
     if re.search(r"b\s*$", text, re.IGNORECASE) or re.search(r"\d\s*[kgt]i?\s*$", text, re.IGNORECASE):
         return parse_size(text, "--rotate"), None
     try:
@@ -88,22 +77,9 @@ class RecordOptions:
     flush_every: str = "10s"
 
     def check(self, output: Path | None) -> None:
-        """Options that need ``--output``, or each other, fail before anything starts.
-
-        Raises:
-            UsageError: a recorder option without ``--output``, ``--force`` with ``--append``, ``--keep``
-                without ``--rotate``.
-        """
-        named = [
-            n
-            for n, on in (
-                ("--force", self.force),
-                ("--append", self.append),
-                ("--rotate", self.rotate),
-                ("--keep", self.keep is not None),
-            )
-            if on
-        ]
+        """A UsageError before anything starts for an option without the ``--output`` or other option it needs."""
+        given = (("--force", self.force), ("--append", self.append), ("--rotate", self.rotate), ("--keep", self.keep))
+        named = [n for n, value in given if value]  # --keep is at least 1
         if output is None and named:
             raise UsageError(f"{named[0]} goes with --output FILE")
         if self.force and self.append:
@@ -122,11 +98,6 @@ def open_output(
     """The recorder for ``--output``, every failure one line naming the file (exit 2 for a usage error).
 
     ``rules`` (the ``--alert`` rules) are recorded beside it, for ``smiquery report`` to check.
-
-    Raises:
-        UsageError: an existing file without --force/--append, other columns under --append, an unknown suffix,
-            a bad --rotate or --flush-every.
-        SmiqueryError: the file cannot be created there, or Parquet without pyarrow.
     """
     from smiquery.recordings import open_recording
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import sys
 import threading
@@ -14,81 +15,139 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from smiquery.cli._boundary import ExitCode, boundary, quiet_stdout, say
-from smiquery.cli._common import (
-    GpusOpt,
+from smiquery.cli._boundary import ExitCode, boundary, cli_text, quiet_stdout, say
+from smiquery.cli._common import GpusOpt, StreamFormatOpt, app, settings_of
+from smiquery.cli._options import (
     Settings,
-    StreamFormatOpt,
-    app,
     choose_format,
+    gpu_ids_checked,
+    is_tty,
     parse_fields,
     parse_gpus,
     parse_seconds,
-    settings_of,
     unknown_gpus,
 )
-from smiquery.cli._handoff import END, Failure, SourceEvent
-from smiquery.cli._signals import Signals
-from smiquery.cli.events import EventPrinter, subscribe
+from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
 from smiquery.cli.record import RecordOptions, open_output, reopen_on_hup
-from smiquery.cli.xidnotes import KernelLogOpt, start_xid_notes, xid_fields
-from smiquery.errors import NoDevicesFoundError, UsageError
+from smiquery.errors import KernelLogError, NoDevicesFoundError, UsageError
 from smiquery.fields import PRESETS, Field, get_field
 from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from smiquery.alerts import AlertEvaluator, AlertEvent, Notifier, Rule
-    from smiquery.cli.display import LiveTable
+    from smiquery.alerts import AlertEvaluator, Notifier, Rule
+    from smiquery.cli.gpuview import LiveTable
     from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
-    from smiquery.source import SampleSource, Sweep
+    from smiquery.source import SampleSource, StreamEvent, Sweep
     from smiquery.sources.latest import Latest
+    from smiquery.sources.xid import XidEvent, XidWatcher
 
-__all__ = ["stream"]
+__all__ = ["EventPrinter", "XidNotes", "stream"]
 
 
-class _Pump:
-    """Reads a source's sweeps in a thread and hands them (and its events) over through one queue.
+class EventPrinter:
+    """One line per restart, error, lost or returning GPU, recovery and dropped row.
 
-    The main thread keeps control: it can redraw while no sweep arrives, honour ``--duration`` and react to
-    Ctrl-C at once, whatever the source is doing.
+    An error and the restart it causes make one line (``restarting nvidia-smi in 0.2 s after: ...``); an
+    error that ends the stream is left to the command's error line; a row dropped just before an error (the
+    error's own message, printed where a row was expected) is not reported twice.
+
+    Args:
+        emit: where a line goes (stderr, or the live table's footer).
     """
 
-    def __init__(self, source: SampleSource, stop: threading.Event | None = None) -> None:
-        self.source = source
-        self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.stop = stop if stop is not None else threading.Event()  # also ends the source's restart backoff
-        self.thread = threading.Thread(target=self._run, name="smiquery-pump", daemon=True)
-        self._unsubscribe = subscribe(source, lambda ev: self.queue.put(SourceEvent(ev)))
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+        self._pending: tuple[str, BaseException | None, str] | None = None  # (kind, error, line) held back
 
-    def _run(self) -> None:
-        it = self.source.sweeps()
-        try:
-            for sweep in it:
-                if self.stop.is_set():
-                    break
-                self.queue.put(sweep)
-        except BaseException as exc:  # handed to the main thread, which reports it
-            self.queue.put(Failure(exc))
-        else:
-            self.queue.put(END)
-        finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    close()
+    def flush(self) -> None:
+        """Print what is held back (data arrived, or another event came)."""
+        if self._pending is not None:
+            self.emit(self._pending[2])
+            self._pending = None
 
-    def start(self) -> None:
-        """Start reading."""
-        self.thread.start()
+    def discard(self) -> None:
+        """Forget what is held back (the error that ends the stream is reported by the command)."""
+        self._pending = None
 
-    def halt(self, timeout: float) -> None:
-        """Stop the source (reaping nvidia-smi) and wait for the thread."""
-        self.stop.set()
-        with contextlib.suppress(Exception):
-            self.source.close()
-        self.thread.join(timeout)
-        self._unsubscribe()
+    def __call__(self, event: StreamEvent) -> None:
+        """Take one event."""
+        detail = cli_text(event.detail or (str(event.error) if event.error is not None else event.kind))
+        kind = event.kind
+        if kind == "dropped_row":
+            self.flush()
+            self._pending = ("dropped_row", None, f"smiquery: warning: dropped a line nvidia-smi printed: {detail}")
+        elif kind == "error":
+            if self._pending is not None and self._pending[0] == "dropped_row":
+                self._pending = None  # the dropped line was this error's message
+            self.flush()
+            self._pending = ("error", event.error, f"smiquery: error: {detail}")
+        elif kind == "restart":
+            held, self._pending = self._pending, None
+            if held is not None and held[0] == "error" and event.error is None:
+                what = detail.split(" after")[0]
+                self.emit(f"smiquery: {what} after: {held[2].removeprefix('smiquery: error: ')}")
+            else:
+                if held is not None and (held[0] != "error" or event.error is not held[1]):
+                    self.emit(held[2])
+                self.emit(f"smiquery: {detail}")
+        elif kind in ("gpu_lost", "gpu_back", "recovered"):
+            self.flush()
+            self.emit(f"smiquery: {'error: ' if kind == 'gpu_lost' else ''}{detail}")
+
+
+class XidNotes:
+    """``--kernel-log``: a sample writer that keeps each GPU's newest sample, and turns Xid events into lines.
+
+    nvidia-smi never reports Xids (a GPU that fell off the bus just stops answering); the kernel log says why. The
+    follower runs on its own thread and names the GPU from the stream's own samples (their ``pci.bus_id``), so a GPU
+    that fell off the bus is still named by the last sample it gave; lines the kernel did not write
+    (``logger 'NVRM: Xid ...'``) are not shown as Xids, a note says so at most once a minute.
+
+    It sits among the stream's writers: every sample updates the GPUs it names; closing it stops the watcher.
+    ``note`` takes each line (stderr, or the live table's footer).
+    """
+
+    def __init__(self, note: Callable[[str], None]) -> None:
+        self.note = note
+        self._gpus: dict[str, GpuSample] = {}  # PCI address -> the newest sample from there
+        self._watcher: XidWatcher | None = None
+        self._lock = threading.Lock()
+
+    def write(self, sample: GpuSample) -> None:
+        """Remember the GPU at the sample's PCI address."""
+        bus = sample.get("pci.bus_id")
+        if isinstance(bus, str):
+            with self._lock:
+                self._gpus[bus] = sample
+
+    def _event(self, event: XidEvent) -> None:
+        from smiquery.sources.xid import describe, gpu_for
+
+        with self._lock:
+            gpu = gpu_for(event, self._gpus.values())
+        self.note(f"smiquery: {describe(event, gpu.index, gpu.uuid) if gpu is not None else describe(event)}")
+
+    def _failed(self, exc: BaseException, _opened: bool) -> None:
+        self.note(f"smiquery: reading the kernel log stopped ({exc}); the stream goes on without Xid errors")
+
+    def start(self, path: str) -> None:
+        """Follow ``path`` from its end (raises KernelLogError when it cannot be opened)."""
+        from smiquery.sources.xid import XidWatcher
+
+        self._watcher = XidWatcher(
+            path,
+            on_event=self._event,
+            on_error=self._failed,
+            from_start=False,
+            on_refused=lambda text: self.note(f"smiquery: {text}"),
+        ).start()
+
+    def close(self) -> None:
+        """Stop following."""
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
 
 
 @dataclass
@@ -100,22 +159,45 @@ class _Run:
     static_table: bool
     fields: tuple[Field, ...]
     evaluator: AlertEvaluator | None
-    exit_on_alert: bool
-    events: EventPrinter = field(default_factory=lambda: EventPrinter(say))
+    exit_on_alert: bool = False
+    #: stderr is the live table's terminal: events and alerts go to its footer, never as lines that tear it
+    events_in_footer: bool = False
+    events: EventPrinter = field(init=False)
     #: turns a source error into the error that ends the command (a GPU id this machine lacks), or None
     check_error: Callable[[BaseException], BaseException | None] | None = None
-    alert_fired: bool = False
     sweeps: int = 0
     last_draw: float = 0.0
     #: where alert events also go (``--on-alert``), behind the evaluator
     notifier: Notifier | None = None
-    #: a live stream: alert holds are measured on the sweeps' monotonic arrival, never on the wall-clock
-    #: timestamps (a replay has only those)
+    #: live: alert holds are timed by the sweeps' monotonic arrival, not the timestamps (a replay has only those)
     live_time: bool = False
     #: polls the processes under each GPU for the live table
     processes: Latest[dict[int, list[str]]] | None = None
-    #: stderr is the live table's terminal: events and alerts go to its footer, never as lines that tear it
-    events_in_footer: bool = False
+
+    def __post_init__(self) -> None:
+        self.events = EventPrinter(self.note)
+
+    def note(self, line: str) -> None:
+        """A notice (a restart, a full disk): the live table's footer when it owns stderr, else stderr."""
+        if self.live is not None and self.events_in_footer:
+            self.live.note(line.removeprefix("smiquery: "))
+        else:
+            say(line)
+
+
+# What names a GPU in an Xid line: the kernel log gives only the PCI address.
+_XID_FIELDS = ("index", "uuid", "pci.bus_id")
+KernelLogOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--kernel-log",
+        metavar="PATH",
+        help="Also follow the kernel log (/dev/kmsg, needs root or CAP_SYSLOG; or a file such as "
+        "/var/log/kern.log) and print each NVIDIA Xid error logged from now on: the GPU, the code, what it means "
+        "and what to do; only lines the kernel wrote count. Adds pci.bus_id to the queried fields.",
+        show_default=False,
+    ),
+]
 
 
 _EPILOG = """\b
@@ -286,121 +368,55 @@ def stream(
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
-        _stream(
-            settings,
-            fields=fields,
-            interval=interval,
-            gpus=gpus,
-            fmt=fmt.value if fmt is not None else None,
-            output=output,
-            record=RecordOptions(force, append, rotate, keep, flush_every),
-            count=count,
-            duration=duration,
-            replay_path=replay,
-            speed=speed,
-            loop=loop,
-            tz=tz,
-            alerts=alert or [],
-            exit_on_alert=exit_on_alert,
-            on_alert=on_alert or [],
-            show_processes=not toggle_processes,
-            kernel_log=kernel_log,
+        seconds = parse_seconds(interval, "--interval")
+        stop_after = parse_seconds(duration, "--duration") if duration is not None else None
+        rules, rule_fields = _rules(alert or [])
+        if output is not None and fields is None and replay is None:
+            from smiquery.analysis.analyze import report_fields  # what `smiquery report` of the recording needs
+
+            rule_fields = (*rule_fields, *(get_field(n) for n in report_fields()))
+        if kernel_log and replay is not None:
+            raise UsageError("--kernel-log goes with a live stream, not --replay: the kernel log is this machine's now")
+        if kernel_log:  # the Xid lines name the GPU at the PCI address the kernel gives
+            rule_fields = (*rule_fields, *(get_field(n) for n in _XID_FIELDS))
+        ids = parse_gpus(gpus)
+        record = RecordOptions(force, append, rotate, keep, flush_every)
+        record.check(output)
+        stop = threading.Event()  # also ends a live source's restart backoff
+        if tz is not None and replay is None:
+            raise UsageError("--tz goes with --replay: live samples carry this machine's own time zone")
+        if replay is not None:
+            source, flds, title = _open_replay(replay, fields, rule_fields, ids, speed=speed, loop=loop, tz=tz)
+        else:
+            source, flds, title = _open_live(settings, fields, rule_fields, ids, seconds, stop)
+        run = _open_outputs(
+            flds, fmt.value if fmt is not None else None, title, rules, stale_after=max(5.0, 3 * seconds)
         )
-
-
-def _stream(
-    settings: Settings,
-    *,
-    fields: str | None,
-    interval: str,
-    gpus: str | None,
-    fmt: str | None,
-    output: Path | None,
-    count: int | None,
-    duration: str | None,
-    replay_path: Path | None,
-    record: RecordOptions | None = None,
-    speed: float,
-    loop: bool,
-    alerts: Sequence[str],
-    exit_on_alert: bool,
-    on_alert: Sequence[str] = (),
-    tz: str | None = None,
-    show_processes: bool = True,
-    kernel_log: str | None = None,
-) -> None:
-    seconds = parse_seconds(interval, "--interval")
-    stop_after = parse_seconds(duration, "--duration") if duration is not None else None
-    rules, rule_fields = _rules(alerts)
-    if output is not None and fields is None and replay_path is None:
-        rule_fields = (*rule_fields, *_report_fields())  # what `smiquery report` of the recording needs
-    if kernel_log:  # the Xid lines name the GPU at the PCI address the kernel gives
-        rule_fields = (*rule_fields, *(get_field(n) for n in xid_fields(replay_path)))
-    ids = parse_gpus(gpus)
-    record = record or RecordOptions()
-    record.check(output)
-    pump_stop = threading.Event()
-    if tz is not None and replay_path is None:
-        raise UsageError("--tz goes with --replay: live samples carry this machine's own time zone")
-    if replay_path is not None:
-        source, flds, title = _open_replay(replay_path, fields, rule_fields, ids, speed=speed, loop=loop, tz=tz)
-    else:
-        source, flds, title = _open_live(settings, fields, rule_fields, ids, seconds, pump_stop)
-    notes: list[_Run] = []
-    run = _open_outputs(
-        output,
-        flds,
-        fmt,
-        title,
-        rules,
-        exit_on_alert,
-        record,
-        lambda line: _note(notes, line),
-        stale_after=max(5.0, 3 * seconds),
-    )
-    notes.append(run)
-    if run.live is not None and fields is not None and "uuid" in (f.strip() for f in fields.split(",")):
-        run.live.uuid = True  # asked for: shown at any width
-    if kernel_log:
-        start_xid_notes(kernel_log, run.writers, lambda line: _note(notes, line))
-    run.live_time = replay_path is None
-    if run.live is not None and replay_path is None and show_processes:
-        run.processes = _live_processes(run.live, settings, ids, seconds)
-    if on_alert:
-        run.notifier = _notifier(run, on_alert, settings)
-    if ids and replay_path is None:
-        run.check_error = _gpu_id_check(ids, settings)
-    err_isatty = getattr(sys.stderr, "isatty", None)
-    if run.live is not None and err_isatty is not None and err_isatty():
-        # stderr is the same terminal: a line there would tear the table, so events go to its footer
-        table = run.live
-        run.events_in_footer = True
-        run.events = EventPrinter(lambda line: table.note(line.removeprefix("smiquery: ")))
-    try:
-        with reopen_on_hup(run.writers):
-            code = _pump_loop(source, run, count=count, stop_after=stop_after, interval=seconds, stop_event=pump_stop)
-    except NoDevicesFoundError:
-        wrong = unknown_gpus(ids, settings) if replay_path is None else None
-        if wrong is None:
-            raise
-        raise wrong from None
-    if code:
-        raise typer.Exit(code)
-
-
-def _made_with(path: Path) -> list[str]:
-    """The fields ``stream --output`` recorded into ``path`` (its ``.meta.json``); empty for any other log."""
-    from smiquery.recordings.recorder import META_SUFFIX, read_meta
-
-    names = read_meta(f"{path}{META_SUFFIX}").get("fields")
-    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
-
-
-def _report_fields() -> tuple[Field, ...]:
-    """The fields the default report checks (the built-in rules, the stall check): the default recording has them."""
-    from smiquery.analysis.analyze import report_fields
-
-    return tuple(get_field(n) for n in report_fields())
+        run.exit_on_alert = exit_on_alert
+        if output is not None:
+            run.writers.insert(0, open_output(output, flds, record, run.note, [str(r) for r in rules]))
+        if run.live is not None and fields is not None and "uuid" in (f.strip() for f in fields.split(",")):
+            run.live.uuid = True  # asked for: shown at any width
+        if kernel_log:
+            notes = XidNotes(run.note)
+            try:
+                notes.start(kernel_log)
+                run.writers.append(notes)  # closed with them
+            except KernelLogError as exc:
+                run.note(f"smiquery: {exc}; the stream goes on without Xid errors")
+        run.live_time = replay is None
+        if run.live is not None and replay is None and not toggle_processes:
+            run.processes = _live_processes(run.live, settings, ids, seconds)
+        if on_alert:
+            run.notifier = _notifier(run, on_alert, settings)
+        if ids and replay is None:
+            # a live source retries "No devices were found" forever: asked once, the answer is kept
+            wrong = functools.cache(lambda: unknown_gpus(ids, settings))
+            run.check_error = lambda exc: wrong() if isinstance(exc, NoDevicesFoundError) else None
+        with gpu_ids_checked(ids if replay is None else None, settings), reopen_on_hup(run.writers):
+            code = _pump_loop(source, run, count=count, stop_after=stop_after, interval=seconds, stop=stop)
+        if code:
+            raise typer.Exit(code)
 
 
 def _rules(alerts: Sequence[str]) -> tuple[list[Rule], tuple[Field, ...]]:
@@ -432,6 +448,7 @@ def _open_replay(
     from smiquery.cli.analysis import check_zone
     from smiquery.errors import ReplayError
     from smiquery.recordings import Replay
+    from smiquery.recordings.recorder import META_SUFFIX, read_meta
 
     check_zone(tz)
     wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None
@@ -441,8 +458,8 @@ def _open_replay(
         probe = Replay(path, speed=speed, gpus=ids, loop=loop, tz=tz)
         have = {f.name for f in probe.recorded_fields}
         default = parse_fields("default", rule_fields)
-        made = _made_with(path)  # a recording of `stream --output`: the fields it was made with
-        if made and all(n in have for n in made):
+        made = read_meta(f"{path}{META_SUFFIX}").get("fields")  # what `stream --output` recorded, if it made it
+        if isinstance(made, list) and made and all(isinstance(n, str) and n in have for n in made):
             wanted = parse_fields(",".join(made), rule_fields)
         elif all(f.name in have for f in default):
             wanted = default
@@ -495,41 +512,31 @@ def _open_live(
 
 
 def _open_outputs(
-    output: Path | None,
-    flds: tuple[Field, ...],
-    fmt: str | None,
-    title: str,
-    rules: Sequence[Rule],
-    exit_on_alert: bool,
-    record: RecordOptions | None = None,
-    note: Callable[[str], None] = say,
-    *,
-    stale_after: float = 5.0,
+    flds: tuple[Field, ...], fmt: str | None, title: str, rules: Sequence[Rule], *, stale_after: float
 ) -> _Run:
-    """The recorder of ``--output``, and stdout as CSV, JSONL, the live table or a static table."""
+    """stdout as CSV, JSONL, the live table or a static table (the recorder of ``--output`` joins later)."""
     from smiquery.alerts import BUILTIN_RULES, AlertEvaluator, Rule
-    from smiquery.cli.display import LiveTable, use_color
+    from smiquery.cli.display import use_color
+    from smiquery.cli.gpuview import LiveTable
     from smiquery.recordings import CsvWriter, JsonlWriter
 
     out = sys.stdout
     form = fmt or choose_format(None, out)
-    isatty = getattr(out, "isatty", None)
-    tty = bool(isatty and isatty())
     writers: list[SampleWriter] = []
-    if output is not None:
-        writers.append(open_output(output, flds, record or RecordOptions(), note, [str(r) for r in rules]))
     live: LiveTable | None = None
     evaluator = AlertEvaluator(rules) if rules else None
     if form == "csv":
         writers.append(CsvWriter(out, flds, flush=True))
     elif form == "jsonl":
         writers.append(JsonlWriter(out, flush=True))
-    elif tty:
+    elif is_tty(out):
         health = AlertEvaluator([Rule.parse(r) for r in (*BUILTIN_RULES, *_LIVE_HEALTH)])
         live = LiveTable(
             out, flds, title=title, color=use_color(out), evaluator=evaluator, health=health, stale_after=stale_after
         )
-    return _Run(writers, live, form == "table" and live is None, flds, evaluator, exit_on_alert)
+    # stderr on the live table's terminal: a line there would tear the table, so events go to its footer
+    in_footer = live is not None and is_tty(sys.stderr)
+    return _Run(writers, live, form == "table" and live is None, flds, evaluator, events_in_footer=in_footer)
 
 
 # Health colours the live table shows without any --alert: the built-in rules, and ECC errors the driver could not
@@ -540,27 +547,31 @@ _LIVE_HEALTH = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pend
 def _live_processes(
     live: LiveTable, settings: Settings, ids: Sequence[str] | None, seconds: float
 ) -> Latest[dict[int, list[str]]]:
-    """The poller of the processes under each GPU of the live table (every 2 s, or the interval if longer).
+    """The poller of the live table's processes: ``--query-compute-apps`` every 2 s (or the interval if longer).
 
-    It starts with the first sweep, so that its nvidia-smi calls do not slow the stream's own start.
+    It starts with the first sweep, so that its nvidia-smi calls do not slow the stream's own start; a failed poll
+    leaves the table without new processes.
     """
-    from smiquery.cli.liveprocs import live_processes
+    from smiquery.cli.gpuview import process_label
+    from smiquery.cli.ps.proc import ProcCache
+    from smiquery.sources.apps import processes
+    from smiquery.sources.latest import Latest
 
-    poller = live_processes(
-        live.set_processes, nvidia_smi=settings.nvidia_smi, gpus=ids, every=max(2.0, seconds), timeout=settings.timeout
-    )
+    users = ProcCache()  # /proc, checked to be the process nvidia-smi named (PID namespaces)
+
+    def labels() -> dict[int, list[str]]:
+        procs = processes(nvidia_smi=settings.nvidia_smi, gpus=ids or None, timeout=settings.timeout)
+        by_gpu: dict[int, list[str]] = {}
+        for p in procs:
+            if p.gpu_index is not None:
+                user, _ = users.lookup(p.pid, p.process_name)
+                by_gpu.setdefault(p.gpu_index, []).append(process_label(p, user))
+        users.keep({(p.pid, p.process_name) for p in procs})
+        return by_gpu
+
     live.show_processes = True
-    return poller
-
-
-def _note(runs: list[_Run], line: str) -> None:
-    """A recorder's notice (a full disk, a truncated file): the live table's footer when it owns stderr."""
-    run = runs[0] if runs else None
-    err_isatty = getattr(sys.stderr, "isatty", None)
-    if run is not None and run.live is not None and err_isatty is not None and err_isatty():
-        run.live.note(line.removeprefix("smiquery: "))
-    else:
-        say(line)
+    every = max(2.0, seconds)
+    return Latest(labels, every, name="listing the live table's processes", on_value=live.set_processes)
 
 
 def _notifier(run: _Run, on_alert: Sequence[str], settings: Settings) -> Notifier:
@@ -574,23 +585,6 @@ def _notifier(run: _Run, on_alert: Sequence[str], settings: Settings) -> Notifie
     except ValueError as exc:
         raise UsageError(f"--on-alert: {exc}") from None
     return Notifier(run.evaluator, handlers)
-
-
-def _gpu_id_check(ids: Sequence[str], settings: Settings) -> Callable[[BaseException], BaseException | None]:
-    """Turns "No devices were found" for ``--gpus`` into the usage error naming the ids this machine lacks.
-
-    A live source retries that error forever; asked once, the answer is kept.
-    """
-    checked: list[BaseException | None] = []
-
-    def check_error(exc: BaseException) -> BaseException | None:
-        if not isinstance(exc, NoDevicesFoundError):
-            return None
-        if not checked:
-            checked.append(unknown_gpus(ids, settings))
-        return checked[0]
-
-    return check_error
 
 
 def _replay_columns(path: Path, fields: str | None) -> list[str] | None:
@@ -612,18 +606,7 @@ def _replay_columns(path: Path, fields: str | None) -> list[str] | None:
     return [f.name for f in parse_fields(fields)]
 
 
-def _stats_of(source: SampleSource, run: _Run) -> dict[str, object]:
-    st = source.stats
-    return {
-        "rows": st.rows,
-        "sweeps": run.sweeps,
-        "restarts": st.restarts,
-        "dropped_rows": st.dropped_rows,
-        "lost_gpus": set(st.lost_gpus),
-        "last_error": st.last_error,
-        "state": getattr(st, "state", None),
-        "next_retry_at": getattr(st, "next_retry_at", None),
-    }
+_TICK = 0.1  # seconds the main thread waits for a sweep before it looks at the clock, signals and the table
 
 
 def _pump_loop(
@@ -633,7 +616,7 @@ def _pump_loop(
     count: int | None,
     stop_after: float | None,
     interval: float,
-    stop_event: threading.Event | None = None,
+    stop: threading.Event,
 ) -> int:
     """Consume the source's sweeps until it ends, ``--count``/``--duration`` is reached, an alert exits, or a signal.
 
@@ -642,196 +625,179 @@ def _pump_loop(
     """
     from smiquery.cli.keys import KeyReader
 
-    pump = _Pump(source, stop_event)
-    outcome = _Outcome()
+    loop = _Loop(source, run)
+    unsubscribe = source.subscribe(lambda ev: loop.items.put(SourceEvent(ev)))
     deadline = time.monotonic() + stop_after if stop_after is not None else None
-    keys = KeyReader(lambda key: pump.queue.put(_Key(key))) if run.live is not None else contextlib.nullcontext()
+    keys = KeyReader(lambda key: loop.items.put(Key(key))) if run.live is not None else contextlib.nullcontext()
+    thread: threading.Thread | None = None
     with Signals() as sigs, keys:
         try:
-            _start(pump, source, run)
-            while _step(pump, source, run, outcome, sigs, deadline=deadline, count=count):
+            for w in run.writers:  # a recording has its header even if it ends before its first row
+                header = getattr(w, "header", None)
+                if header is not None:
+                    header()
+            thread = start_pump(source.sweeps, loop.items, name="smiquery-pump", stop=stop)
+            if run.live is not None:
+                run.live.redraw(loop.stats())
+            while loop.step(sigs, deadline, count):
                 pass
         except BrokenPipeError:
             quiet_stdout()
-            outcome.code = 0
+            loop.code = 0
         finally:
             sigs.closing = True  # from here on a signal changes nothing: the outputs are finished first
-            _finish(pump, source, run, outcome, interval)
-            if sigs.signum is not None and outcome.code == 0 and outcome.failure is None:
-                outcome.code = sigs.exit_code
-    if outcome.failure is not None:
-        raise outcome.failure
-    return outcome.code
-
-
-@dataclass(frozen=True)
-class _Key:
-    """A key typed on the live table's terminal (scroll, sort, filter)."""
-
-    name: str
+            stop.set()
+            with contextlib.suppress(Exception):
+                source.close()  # reaps nvidia-smi
+            if thread is not None:
+                thread.join(max(5.0, 2 * interval))
+            unsubscribe()
+            loop.finish()
+            if sigs.signum is not None and loop.code == 0 and loop.failure is None:
+                loop.code = sigs.exit_code
+    if loop.failure is not None:
+        raise loop.failure
+    return loop.code
 
 
 @dataclass
-class _Outcome:
-    """How the loop ended: an exit code, or the failure to raise once the outputs are closed."""
+class _Loop:
+    """The main thread's side of a run: the items the reader thread hands over, and how the loop ended."""
 
+    source: SampleSource
+    run: _Run
+    items: queue.SimpleQueue[object] = field(default_factory=queue.SimpleQueue)
     code: int = 0
+    #: the failure to raise once the outputs are closed
     failure: BaseException | None = None
 
+    def stats(self) -> dict[str, object]:
+        st = self.source.stats
+        return {
+            "rows": st.rows,
+            "sweeps": self.run.sweeps,
+            "restarts": st.restarts,
+            "dropped_rows": st.dropped_rows,
+            "lost_gpus": set(st.lost_gpus),
+            "last_error": st.last_error,
+            "state": st.state,
+            "next_retry_at": st.next_retry_at,
+        }
 
-_TICK = 0.1  # seconds the main thread waits for a sweep before it looks at the clock, signals and the table
+    def draw(self, live: LiveTable) -> None:
+        live.redraw(self.stats())
+        self.run.last_draw = time.monotonic()
 
-
-def _start(pump: _Pump, source: SampleSource, run: _Run) -> None:
-    """Write the CSV headers (a recording has one even if it ends before its first row), start reading, draw."""
-    for w in run.writers:
-        header = getattr(w, "header", None)
-        if header is not None:
-            header()
-    pump.start()
-    if run.live is not None:
-        run.live.redraw(_stats_of(source, run))
-
-
-def _step(
-    pump: _Pump,
-    source: SampleSource,
-    run: _Run,
-    outcome: _Outcome,
-    sigs: Signals,
-    *,
-    deadline: float | None,
-    count: int | None,
-) -> bool:
-    """Take one item from the pump (or redraw while none comes); False when the loop ends."""
-    if sigs.signum is not None:
-        outcome.code = sigs.exit_code
-        return False
-    wait = _TICK
-    if deadline is not None:
-        left = deadline - time.monotonic()
-        if left <= 0:
+    def step(self, sigs: Signals, deadline: float | None, count: int | None) -> bool:
+        """Take one item from the reader (or redraw while none comes); False when the loop ends."""
+        run = self.run
+        if sigs.signum is not None:
+            self.code = sigs.exit_code
             return False
-        wait = min(wait, left)
-    try:
-        item = pump.queue.get(timeout=wait)
-    except queue.Empty:
-        if run.live is not None and time.monotonic() - run.last_draw >= 0.5:
-            _draw(run.live, source, run)
-        return True
-    if isinstance(item, _Key):
-        if run.live is not None and run.live.key(item.name):
-            _draw(run.live, source, run)
-        return True
-    if isinstance(item, SourceEvent):
-        ev = item.event
-        fatal = run.check_error(ev.error) if run.check_error and ev.error is not None else None
-        if fatal is not None:
-            outcome.failure = fatal
-            run.events.discard()
+        wait = _TICK if deadline is None else min(_TICK, deadline - time.monotonic())
+        if wait <= 0:
             return False
-        run.events(ev)
-        return True
-    if item is END:
-        return False
-    if isinstance(item, Failure):
-        outcome.failure = item.exc
+        try:
+            item = self.items.get(timeout=wait)
+        except queue.Empty:
+            if run.live is not None and time.monotonic() - run.last_draw >= 0.5:
+                self.draw(run.live)
+            return True
+        if isinstance(item, Key):
+            if run.live is not None and run.live.view.key(item.name):
+                self.draw(run.live)
+            return True
+        if item is END:
+            return False
+        if isinstance(item, SourceEvent):
+            ev = item.event
+            fatal = run.check_error(ev.error) if run.check_error and ev.error is not None else None
+            if fatal is None:
+                run.events(ev)
+                return True
+            self.failure = fatal
+        elif isinstance(item, Failure):
+            self.failure = item.exc
+        else:
+            if self.take_sweep(item) and run.exit_on_alert:  # type: ignore[arg-type]
+                self.code = ExitCode.ALERT
+                return False
+            return count is None or run.sweeps < count
         run.events.discard()
         return False
-    fired = _take_sweep(item, source, run)  # type: ignore[arg-type]
-    if fired and run.exit_on_alert:
-        outcome.code = ExitCode.ALERT
-        return False
-    return count is None or run.sweeps < count
 
-
-def _finish(pump: _Pump, source: SampleSource, run: _Run, outcome: _Outcome, interval: float) -> None:
-    """Stop the source, tell the events that came with the end, close the handlers, writers and the live table."""
-    pump.halt(max(5.0, 2 * interval))
-    if run.processes is not None:
-        run.processes.close(2.0)
-    while True:  # events that came with the end (the error that ended the source is raised instead)
-        try:
-            left_over = pump.queue.get_nowait()
-        except queue.Empty:
-            break
-        if isinstance(left_over, SourceEvent):
-            run.events(left_over.event)
-    if outcome.failure is None:
-        run.events.flush()
-    run.events.discard()
-    if run.notifier is not None:
-        for handler in run.notifier.handlers:
+    def finish(self) -> None:
+        """Tell the events that came with the end, close the alert handlers, writers and the live table."""
+        run = self.run
+        if run.processes is not None:
+            run.processes.close(2.0)
+        while not self.items.empty():  # events that came with the end (the error that ended it is raised instead)
+            left_over = self.items.get_nowait()
+            if isinstance(left_over, SourceEvent):
+                run.events(left_over.event)
+        if self.failure is None:
+            run.events.flush()
+        run.events.discard()
+        for handler in run.notifier.handlers if run.notifier is not None else ():
             close = getattr(handler, "close", None)
             if callable(close):
                 with contextlib.suppress(Exception):
                     close()  # bounded: a dead webhook or a snapshot in progress gets ~2 s
-    for w in run.writers:
-        try:
-            w.close()
-        except BrokenPipeError:
-            quiet_stdout()
-        except Exception as exc:
-            if outcome.failure is None:
-                outcome.failure = exc
-    live = run.live
-    if live is not None:
-        with contextlib.suppress(OSError, ValueError):
-            if outcome.code == 0 and outcome.failure is None:
-                _draw(live, source, run)
-        live.close()
+        for w in run.writers:
+            try:
+                w.close()
+            except BrokenPipeError:
+                quiet_stdout()
+            except Exception as exc:
+                self.failure = self.failure or exc
+        if run.live is not None:
+            with contextlib.suppress(OSError, ValueError):
+                if self.code == 0 and self.failure is None:
+                    self.draw(run.live)
+            run.live.close()
 
+    def take_sweep(self, sweep: Sweep) -> bool:
+        """Write one sweep everywhere, evaluate the alerts and draw; True when an alert fired."""
+        run = self.run
+        run.events.flush()
+        now = None
+        if run.live_time and (run.evaluator is not None or run.live is not None):
+            from smiquery.alerts import arrival
 
-def _take_sweep(sweep: Sweep, source: SampleSource, run: _Run) -> bool:
-    """Write one sweep everywhere, evaluate the alerts and draw; True when an alert fired."""
-    run.events.flush()
-    fired = False
-    now = None
-    if run.live_time and (run.evaluator is not None or run.live is not None):
-        from smiquery.alerts import arrival
+            now = arrival(sweep)
+        fired = False
+        for sample in sweep:
+            fired = self.take_sample(sample, now) or fired
+        run.sweeps += 1
+        if run.processes is not None:
+            run.processes.start()  # with the first sweep; once
+        if run.live is not None:
+            run.live.update(sweep, now)
+            if time.monotonic() - run.last_draw >= 0.1:
+                self.draw(run.live)
+        elif run.static_table:
+            from smiquery.cli.display import sample_table, use_color
 
-        now = arrival(sweep)
-    for sample in sweep:
-        fired = _take_sample(sample, run, now) or fired
-    run.sweeps += 1
-    if run.processes is not None:
-        run.processes.start()  # with the first sweep; once
-    if run.live is not None:
-        run.live.update(sweep, now)
-        if time.monotonic() - run.last_draw >= 0.1:
-            _draw(run.live, source, run)
-    elif run.static_table:
-        from smiquery.cli.display import sample_table, use_color
+            lines = [*sample_table(list(sweep), run.fields, color=use_color(sys.stdout)), ""]
+            sys.stdout.write("".join(line + "\n" for line in lines))
+            sys.stdout.flush()
+        return fired
 
-        lines = [*sample_table(list(sweep), run.fields, color=use_color(sys.stdout)), ""]
-        sys.stdout.write("".join(line + "\n" for line in lines))
-        sys.stdout.flush()
-    return fired
-
-
-def _take_sample(sample: GpuSample, run: _Run, now: float | None = None) -> bool:
-    """Write one sample everywhere and evaluate the alerts (``now``: its monotonic arrival, live); True if one fired."""
-    for w in run.writers:
-        w.write(sample)
-    fired = False
-    if run.evaluator is not None:
-        notifier = run.notifier
-        if notifier is not None:
-            notifier.observe(sample)
-        events: list[AlertEvent] = run.evaluator.update(sample, now)
-        for ev in events:
-            if notifier is not None:
-                notifier.dispatch(ev, {"source": "smiquery stream"})
-            if run.live is not None:
-                run.live.note(ev)
-            if run.live is None or not run.events_in_footer:
-                say(f"smiquery: {ev.message()}")
-            if ev.state == "firing":
-                run.alert_fired = True
-                fired = True
-    return fired
-
-
-def _draw(live: LiveTable, source: SampleSource, run: _Run) -> None:
-    live.redraw(_stats_of(source, run))
-    run.last_draw = time.monotonic()
+    def take_sample(self, sample: GpuSample, now: float | None) -> bool:
+        """Write one sample everywhere and evaluate the alerts (``now``: its arrival, live); True if one fired."""
+        run = self.run
+        for w in run.writers:
+            w.write(sample)
+        fired = False
+        if run.evaluator is not None:
+            if run.notifier is not None:
+                run.notifier.observe(sample)
+            for ev in run.evaluator.update(sample, now):
+                if run.notifier is not None:
+                    run.notifier.dispatch(ev, {"source": "smiquery stream"})
+                if run.live is not None:
+                    run.live.note(ev)
+                if run.live is None or not run.events_in_footer:
+                    say(f"smiquery: {ev.message()}")
+                fired = fired or ev.state == "firing"
+        return fired

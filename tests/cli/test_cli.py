@@ -985,7 +985,7 @@ def test_stream_help_matches_alert_holds_and_formats():
 
 
 def test_event_printer_one_line_per_restart_error_and_lost_gpu():
-    from smiquery.cli.events import EventPrinter
+    from smiquery.cli.stream import EventPrinter
     from smiquery.errors import DriverNotLoadedError
     from smiquery.source import StreamEvent
 
@@ -1010,7 +1010,7 @@ def test_event_printer_one_line_per_restart_error_and_lost_gpu():
 def test_live_table_draws_lost_gpus_as_errors_not_dim():
     import io
 
-    from smiquery.cli.display import LiveTable
+    from smiquery.cli.gpuview import LiveTable
     from smiquery.fields import resolve_fields
 
     flds = resolve_fields("index,temperature.gpu,fan.speed")
@@ -1029,7 +1029,7 @@ def test_live_table_keeps_the_most_useful_fields_longest():
     import io
     import re
 
-    from smiquery.cli.display import LiveTable
+    from smiquery.cli.gpuview import LiveTable
     from smiquery.fields import resolve_fields
 
     flds = resolve_fields("default")

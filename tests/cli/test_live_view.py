@@ -11,7 +11,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from smiquery.cli.display import LiveTable
+from smiquery.cli.gpuview import LiveTable
 from smiquery.fields import resolve_fields
 from smiquery.sources.query_gpu import CsvParser
 from tests.cli.screen import Screen

@@ -12,20 +12,12 @@ from typing import Annotated
 import typer
 
 from smiquery.cli._boundary import boundary, say
-from smiquery.cli._common import (
-    FormatOpt,
-    GpusOpt,
-    app,
-    choose_format,
-    parse_gpus,
-    parse_seconds,
-    settings_of,
-    unknown_gpus,
-)
+from smiquery.cli._common import FormatOpt, GpusOpt, app, settings_of
+from smiquery.cli._options import choose_format, gpu_ids_checked, parse_gpus, parse_seconds
 from smiquery.cli.ps.proc import ProcInfo, proc_info
 from smiquery.cli.ps.watch import PsSort
 from smiquery.cli.ps.watch import watch as run_watch
-from smiquery.errors import NoDevicesFoundError, UsageError
+from smiquery.errors import UsageError
 
 __all__ = ["ps"]
 
@@ -106,7 +98,7 @@ def ps(
                 interval=pmon_interval(interval),
                 count=count,
                 duration=parse_seconds(duration, "--duration") if duration is not None else None,
-                sort=(sort or PsSort.sm).value,
+                sort=sort or "sm",
                 fmt=fmt,
             )
             if code:
@@ -122,13 +114,8 @@ def ps(
 
         ids = parse_gpus(gpus)
         form = choose_format(fmt, sys.stdout)
-        try:
+        with gpu_ids_checked(ids, settings):
             procs = processes(gpus=ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
-        except NoDevicesFoundError:
-            wrong = unknown_gpus(ids, settings)
-            if wrong is None:
-                raise
-            raise wrong from None
         info = proc_info({p.pid: p.process_name for p in procs if p.pid is not None})
         records: list[dict[str, object]] = []
         for p in procs:

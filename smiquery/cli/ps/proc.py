@@ -15,7 +15,7 @@ _CPU_WINDOW = 0.1  # seconds between the two reads of a process's CPU time
 
 @dataclass(frozen=True)
 class ProcInfo:
-    """What /proc tells about one process; None where it cannot be read (another PID namespace, no permission).
+    """What /proc tells about one process; None where it cannot (another PID namespace, no permission).
 
     Attributes:
         user: the owner's name (or uid).
@@ -28,9 +28,9 @@ class ProcInfo:
     cpu_percent: float | None = None
 
 
-def _cpu_ticks(proc: Path) -> int | None:
+def _cpu_ticks(pid: int) -> int | None:
     try:
-        stat = (proc / "stat").read_text(encoding="ascii", errors="replace")
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
     except OSError:
         return None
     # the command name in brackets may hold spaces: the fields after it start at the last ')'
@@ -54,39 +54,30 @@ def matches_process(name: str | None, proc: Path, argv: Sequence[str]) -> bool:
     return any(want == s or (len(comm) == 15 and want.startswith(s)) for s in seen if s)
 
 
-def proc_info(processes: Mapping[int, str | None], *, root: Path = Path("/proc")) -> dict[int, ProcInfo]:
-    """User, command line and CPU use of each pid, from /proc where readable.
+def _identity(pid: int, name: str | None) -> ProcInfo | None:
+    """User and command line of ``pid``, or None when /proc cannot tell or it is another process than ``name``."""
+    from smiquery.sources.pmon import process_user
 
-    Args:
-        processes: pid -> the process name nvidia-smi reported (to reject a pid of another PID namespace).
-        root: the proc file system.
+    proc = Path(f"/proc/{pid}")
+    try:
+        raw = (proc / "cmdline").read_bytes()
+    except OSError:
+        return None
+    argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
+    if not matches_process(name, proc, argv):
+        return None  # another PID namespace: this pid is someone else here
+    return ProcInfo(process_user(pid), " ".join(argv) or None)
 
-    Returns:
-        pid -> what could be read; a pid not found, not readable or not the same process gets all None.
-    """
-    import pwd
 
+def proc_info(processes: Mapping[int, str | None]) -> dict[int, ProcInfo]:
+    """User, command line and CPU use of each pid (-> the name nvidia-smi gave it); all None where unreadable."""
     first: dict[int, int] = {}
     out: dict[int, ProcInfo] = {}
     start = time.monotonic()
     for pid, name in processes.items():
-        proc = root / str(pid)
-        try:
-            raw = (proc / "cmdline").read_bytes()
-            uid = proc.stat().st_uid
-        except OSError:
-            out[pid] = ProcInfo()
-            continue
-        argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
-        if not matches_process(name, proc, argv):
-            out[pid] = ProcInfo()
-            continue
-        try:
-            user = pwd.getpwuid(uid).pw_name
-        except KeyError:
-            user = str(uid)
-        out[pid] = ProcInfo(user, " ".join(argv) or None)
-        ticks = _cpu_ticks(proc)
+        info = _identity(pid, name)
+        out[pid] = info or ProcInfo()
+        ticks = _cpu_ticks(pid) if info is not None else None
         if ticks is not None:
             first[pid] = ticks
     if first:
@@ -94,7 +85,7 @@ def proc_info(processes: Mapping[int, str | None], *, root: Path = Path("/proc")
         elapsed = time.monotonic() - start
         hz = os.sysconf("SC_CLK_TCK")
         for pid, before in first.items():
-            after = _cpu_ticks(root / str(pid))
+            after = _cpu_ticks(pid)
             if after is not None and elapsed > 0:
                 info = out[pid]
                 out[pid] = ProcInfo(info.user, info.command, round(100.0 * (after - before) / hz / elapsed, 1))
@@ -104,29 +95,16 @@ def proc_info(processes: Mapping[int, str | None], *, root: Path = Path("/proc")
 class ProcCache:
     """User and full command line of each pid from /proc, read once per process (a pid seen again is cached)."""
 
-    def __init__(self, root: Path = Path("/proc")) -> None:
-        self.root = root
-        self._known: dict[tuple[int, str | None], tuple[str | None, str | None]] = {}
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, str | None], ProcInfo | None] = {}
 
     def lookup(self, pid: int, name: str | None) -> tuple[str | None, str | None]:
         """(user, command line) of ``pid``; None for what /proc cannot tell or when it is another process."""
         key = (pid, name)
         if key not in self._known:
-            self._known[key] = self._read(pid, name)
-        return self._known[key]
-
-    def _read(self, pid: int, name: str | None) -> tuple[str | None, str | None]:
-        from smiquery.sources.pmon import process_user
-
-        proc = self.root / str(pid)
-        try:
-            raw = (proc / "cmdline").read_bytes()
-        except OSError:
-            return None, None
-        argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
-        if not matches_process(name, proc, argv):
-            return None, None  # another PID namespace: this pid is someone else here
-        return process_user(pid), " ".join(argv) or None
+            self._known[key] = _identity(pid, name)
+        info = self._known[key]
+        return (info.user, info.command) if info is not None else (None, None)
 
     def keep(self, pids: set[tuple[int, str | None]]) -> None:
         """Forget processes no longer listed (their pids may be reused)."""

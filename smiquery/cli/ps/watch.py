@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import queue
 import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any, Literal, cast
 
 from smiquery.cli._boundary import cli_text, quiet_stdout, say
-from smiquery.cli._handoff import END, Failure, SourceEvent
-from smiquery.cli._options import Settings, choose_format, parse_gpus, unknown_gpus
-from smiquery.cli._signals import Signals
+from smiquery.cli._options import Settings, choose_format, gpu_ids_checked, is_tty, parse_gpus
+from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
 from smiquery.cli.keys import KEY_HELP, KeyReader, Viewport
 from smiquery.cli.ps.proc import ProcCache
-from smiquery.errors import NoDevicesFoundError, NotSupportedError, NvidiaSmiFailedError, StreamEndedError
+from smiquery.errors import NotSupportedError, NvidiaSmiFailedError, StreamEndedError
 from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from smiquery.runner import Completed, LineSource
     from smiquery.source import StreamEvent
     from smiquery.sources.pmon import PmonRow
-    from smiquery.streams.pmon import PmonStream
 
 __all__ = ["PsSort", "watch"]
 
@@ -39,17 +38,8 @@ _UNSUPPORTED = "not supported on the device"  # what pmon prints on GPUs/drivers
 _DELAY = re.compile(r"\bin (\d+(?:\.\d+)?) s\b")
 
 
-class PsSort(str, Enum):
-    """What ``ps --watch --sort`` orders by."""
-
-    sm = "sm"
-    mem = "mem"
-    fb = "fb"
-    pid = "pid"
-    gpu = "gpu"
-
-
-# ------------------------------------------------------------------------------------------------ messages
+#: What ``ps --watch --sort`` orders by.
+PsSort = Literal["sm", "mem", "fb", "pid", "gpu"]
 
 
 def _pmon_reason(exc: BaseException) -> str:
@@ -104,33 +94,10 @@ class _PmonLines:
 
     def __init__(self, inner: LineSource) -> None:
         self._inner = inner
-        self.argv = inner.argv
         self._said: str | None = None
 
-    @property
-    def pid(self) -> int | None:
-        """The child's process id."""
-        return self._inner.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """The exit status, once reaped."""
-        return self._inner.returncode
-
-    @property
-    def idle(self) -> float:
-        """Seconds the last readline waited."""
-        return self._inner.idle
-
-    @property
-    def stderr(self) -> str:
-        """The child's stderr so far."""
-        return self._inner.stderr
-
-    @property
-    def closed(self) -> bool:
-        """True once the child is reaped."""
-        return self._inner.closed
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)  # argv, pid, returncode, idle, stderr, closed, interrupt, kill, ...
 
     def readline(self, timeout: float) -> str | None:
         """The next line (see :class:`~smiquery.runner.LineSource`)."""
@@ -143,22 +110,6 @@ class _PmonLines:
         if line is not None and _UNSUPPORTED in line.lower():
             self._said = line.strip()
         return line
-
-    def interrupt(self) -> None:
-        """Wake a blocked readline."""
-        self._inner.interrupt()
-
-    def terminate(self) -> None:
-        """SIGTERM the child."""
-        self._inner.terminate()
-
-    def kill(self) -> None:
-        """SIGKILL the child."""
-        self._inner.kill()
-
-    def close(self) -> None:
-        """Stop and reap the child."""
-        self._inner.close()
 
 
 class _PmonRunner:
@@ -175,29 +126,24 @@ class _PmonRunner:
 
     def lines(self, argv: Sequence[str]) -> LineSource:
         """Start a child and watch its lines."""
-        return _PmonLines(self._inner.lines(argv))
+        return cast("LineSource", _PmonLines(self._inner.lines(argv)))
 
 
-class _EventLines:
-    """One line per pmon restart, recovery or dropped line; the error behind a restart goes into its line."""
+def _event_line(event: StreamEvent) -> str | None:
+    """The line for a pmon restart (with the error behind it), recovery or dropped line.
 
-    def __init__(self, emit: Callable[[str], None]) -> None:
-        self.emit = emit
-
-    def __call__(self, event: StreamEvent) -> None:
-        if event.kind == "restart":
-            found = _DELAY.search(event.detail)
-            when = f" in {float(found.group(1)):.1f} s" if found else ""
-            why = _pmon_reason(event.error) if event.error is not None else cli_text(event.detail)
-            self.emit(f"smiquery: restarting nvidia-smi pmon{when} after: {why}")
-        elif event.kind == "recovered":
-            self.emit("smiquery: nvidia-smi pmon rows flow again")
-        elif event.kind == "dropped_row":
-            self.emit(f"smiquery: warning: dropped a line nvidia-smi pmon printed: {cli_text(event.detail)}")
-        # "error" events are told by the restart that follows them, or by the command's error line
-
-
-# --------------------------------------------------------------------------------------------- processes
+    "error" events are told by the restart that follows them, or by the command's error line.
+    """
+    if event.kind == "restart":
+        found = _DELAY.search(event.detail)
+        when = f" in {float(found.group(1)):.1f} s" if found else ""
+        why = _pmon_reason(event.error) if event.error is not None else cli_text(event.detail)
+        return f"smiquery: restarting nvidia-smi pmon{when} after: {why}"
+    if event.kind == "recovered":
+        return "smiquery: nvidia-smi pmon rows flow again"
+    if event.kind == "dropped_row":
+        return f"smiquery: warning: dropped a line nvidia-smi pmon printed: {cli_text(event.detail)}"
+    return None
 
 
 def _records(instant: Sequence[PmonRow], sort: str, procs: ProcCache) -> list[dict[str, object]]:
@@ -234,11 +180,8 @@ def _records(instant: Sequence[PmonRow], sort: str, procs: ProcCache) -> list[di
 
 
 def _instant_time(instant: Sequence[PmonRow]) -> datetime:
-    for r in instant:
-        ts = r.timestamp
-        if ts is not None:
-            return ts
-    return datetime.now().replace(microsecond=0)
+    stamps = (r.timestamp for r in instant if r.timestamp is not None)
+    return next(stamps, None) or datetime.now().replace(microsecond=0)
 
 
 def _columns(table: bool) -> list[Column]:
@@ -261,9 +204,6 @@ def _columns(table: bool) -> list[Column]:
 def _idle_gpus(instant: Sequence[PmonRow]) -> list[int]:
     busy = {r.gpu for r in instant if not r.idle}
     return sorted({r.gpu for r in instant if r.idle and r.gpu is not None and r.gpu not in busy})
-
-
-# ------------------------------------------------------------------------------------------------ outputs
 
 
 class _Blocks:
@@ -362,60 +302,25 @@ class _Live:
         self.draw()
 
     def draw(self) -> None:
-        from smiquery.cli.display import clip, terminal_size
+        from smiquery.cli.display import frame_text, paint, terminal_size
 
         cols, rows = terminal_size()
-        dim = ("\x1b[2m", "\x1b[0m") if self.color else ("", "")
-        after = [f"{dim[0]}{e}{dim[1]}" for e in self._events]
-        after.append(f"{dim[0]}n/a = not available, ? = user not known{dim[1]}")
-        after.append(f"{dim[0]}{KEY_HELP} · Ctrl-C to stop{dim[1]}")
+        legend = [*self._events, "n/a = not available, ? = user not known", f"{KEY_HELP} · Ctrl-C to stop"]
+        after = [paint(x, "dim", self.color) for x in legend]
         room = rows - 1 - 1 - len(after) - 1 - 2 if rows > 0 else 1 << 30  # title, header, blank, footer lines
-        title = f"\x1b[1m{self.title}\x1b[0m" if self.color else self.title
-        lines = [title, *self._body(room), *after]
+        lines = [paint(self.title, "header", self.color), *self._body(room), *after]
         if rows > 0 and len(lines) > rows - 1:
             lines = lines[: max(1, rows - 1)]
-        start = "" if self._started else "\x1b[?25l\x1b[2J"
-        self.out.write(start + "\x1b[H" + "".join(clip(x, cols) + "\x1b[K\n" for x in lines) + "\x1b[J")
+        self.out.write(frame_text(lines, cols, first=not self._started))
         self.out.flush()
         self._started = True
 
     def close(self) -> None:
         """Show the cursor again; the last frame stays on screen."""
+        from smiquery.cli.display import show_cursor
+
         if self._started:
-            with contextlib.suppress(OSError, ValueError):
-                self.out.write("\x1b[?25h")
-                self.out.flush()
-
-
-# ---------------------------------------------------------------------------------------------- the loop
-
-
-def _close_quietly(source: PmonStream) -> None:
-    """Stop one pmon child (each reaps its own)."""
-    with contextlib.suppress(Exception):
-        source.close()
-
-
-def _pump(source: PmonStream, into: queue.SimpleQueue[object], group: int = 0) -> None:
-    """Read instants in a thread, so the main thread stays free for Ctrl-C (the stream reaps its child)."""
-    instants: Iterator[tuple[PmonRow, ...]] = source.samples()
-    try:
-        for instant in instants:
-            into.put(_Instant(group, instant))
-    except BaseException as exc:  # handed to the main thread, which reports it
-        into.put(Failure(exc))
-    else:
-        into.put(END)
-    finally:
-        with contextlib.suppress(Exception):
-            instants.close()  # type: ignore[attr-defined]
-
-
-@dataclass(frozen=True)
-class _Typed:
-    """A key typed on the live table's terminal."""
-
-    key: str
+            show_cursor(self.out)
 
 
 @dataclass(frozen=True)
@@ -461,18 +366,18 @@ def _gpu_groups(ids: tuple[str, ...] | None, settings: Settings) -> list[tuple[s
     Without ``--gpus``, the GPUs are listed first; on a machine with at most 4 (or when listing fails, which the
     child then reports with its typed error) one child watches pmon's default, all of them.
     """
-    if ids:
-        return [ids[i : i + _MAX_GPUS] for i in range(0, len(ids), _MAX_GPUS)]
-    from smiquery.errors import SmiqueryError
-    from smiquery.sources.query_gpu import query
+    if not ids:
+        from smiquery.errors import SmiqueryError
+        from smiquery.sources.query_gpu import query
 
-    try:
-        indices = [str(s.index) for s in query(["index"], nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)]
-    except SmiqueryError:
-        return [None]
-    if len(indices) <= _MAX_GPUS:
-        return [None]
-    return [tuple(indices[i : i + _MAX_GPUS]) for i in range(0, len(indices), _MAX_GPUS)]
+        try:
+            found = query(["index"], nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
+        except SmiqueryError:
+            return [None]
+        if len(found) <= _MAX_GPUS:
+            return [None]
+        ids = tuple(str(s.index) for s in found)
+    return [ids[i : i + _MAX_GPUS] for i in range(0, len(ids), _MAX_GPUS)]
 
 
 def watch(
@@ -485,16 +390,7 @@ def watch(
     fmt: Enum | None,
     duration: float | None = None,
 ) -> int:
-    """Run ``ps --watch`` until ``count`` refreshes, Ctrl-C or a fatal error.
-
-    Args:
-        settings: the global options.
-        gpus: the ``--gpus`` value.
-        interval: seconds between refreshes (pmon's ``-d``, 1..10).
-        count: stop after this many refreshes (None: until stopped).
-        duration: stop after this many seconds (None: until stopped).
-        sort: the :class:`PsSort` value.
-        fmt: the ``--format`` value (None: table on a terminal, CSV otherwise).
+    """Run ``ps --watch`` until ``count`` refreshes (``interval`` s apart), ``duration``, a signal or a fault.
 
     Returns:
         The exit code (0, 130 after Ctrl-C, 143 after SIGTERM).
@@ -509,10 +405,7 @@ def watch(
     ids = parse_gpus(gpus)
     out = sys.stdout
     form = choose_format(fmt, out)
-    isatty = getattr(out, "isatty", None)
-    tty = bool(isatty and isatty()) and form == "table"
     items: queue.SimpleQueue[object] = queue.SimpleQueue()
-    groups = _gpu_groups(ids, settings)
     sources = [
         stream(
             gpus=group,
@@ -526,35 +419,31 @@ def watch(
             on_event=lambda ev: items.put(SourceEvent(ev)),
             runner=_PmonRunner(),
         )
-        for group in groups
+        for group in _gpu_groups(ids, settings)
     ]
     view: _Live | _Blocks
-    if tty:
-        err_tty = getattr(sys.stderr, "isatty", None)
+    if is_tty(out) and form == "table":
         children = f" · {len(sources)} pmon children" if len(sources) > 1 else ""
         title = f"smiquery ps --watch · every {interval} s · sorted by {sort}{children} · {sources[0].argv[0]}"
-        view = _Live(out, title, events_here=bool(err_tty and err_tty()))
+        view = _Live(out, title, events_here=is_tty(sys.stderr))
     else:
         view = _Blocks(out, form)
-    lines = _EventLines(view.note)
     procs = ProcCache()
-    threads = [
-        threading.Thread(target=_pump, args=(src, items, g), name=f"smiquery-pmon-pump-{g}", daemon=True)
-        for g, src in enumerate(sources)
-    ]
+    threads: list[threading.Thread] = []
     merge = _Merge(len(sources))
     failure: BaseException | None = None
-    code = 0
     shown = 0
     ended = 0
     live = view if isinstance(view, _Live) else None
-    reader = KeyReader(lambda key: items.put(_Typed(key))) if live is not None else contextlib.nullcontext()
+    reader = KeyReader(lambda key: items.put(Key(key))) if live is not None else contextlib.nullcontext()
     with Signals() as sigs, reader:
         try:
-            if isinstance(view, _Live):
-                view.draw()
-            for thread in threads:
-                thread.start()
+            if live is not None:
+                live.draw()
+            threads = [
+                start_pump(src.samples, items, name=f"smiquery-pmon-pump-{g}", wrap=functools.partial(_Instant, g))
+                for g, src in enumerate(sources)
+            ]
             deadline = time.monotonic() + duration if duration is not None else None
             while count is None or shown < count:
                 if sigs.signum is not None or (deadline is not None and time.monotonic() >= deadline):
@@ -563,44 +452,42 @@ def watch(
                     item = items.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if isinstance(item, _Typed):
+                if isinstance(item, Key):
                     if live is not None:
-                        live.key(item.key)
-                    continue
-                if isinstance(item, SourceEvent):
+                        live.key(item.name)
+                elif isinstance(item, SourceEvent):
                     if item.event.kind == "error" and _unsupported(item.event.error):
                         failure = item.event.error  # pmon said so: restarting cannot help
                         break
-                    lines(item.event)
-                    continue
-                if isinstance(item, Failure):
+                    line = _event_line(item.event)
+                    if line is not None:
+                        view.note(line)
+                elif isinstance(item, Failure):
                     failure = item.exc
                     break
-                if item is END:
+                elif item is END:
                     ended += 1
                     if ended == len(sources):
                         break
-                    continue
-                assert isinstance(item, _Instant)
-                for instant in merge.add(item):
-                    if count is not None and shown >= count:
-                        break
-                    view.show(instant, _records(instant, sort, procs))
-                    shown += 1
+                else:
+                    assert isinstance(item, _Instant)
+                    for instant in merge.add(item):
+                        if count is not None and shown >= count:
+                            break
+                        view.show(instant, _records(instant, sort, procs))
+                        shown += 1
         except BrokenPipeError:
             quiet_stdout()  # the reader went away (`| head`): a normal end
         finally:
             sigs.closing = True
             for src in sources:
-                _close_quietly(src)
+                with contextlib.suppress(Exception):
+                    src.close()  # each reaps its own child
             for thread in threads:
                 thread.join(max(10.0, 2.0 * interval))
             view.close()
             code = sigs.exit_code
     if failure is not None and code == 0:
-        if isinstance(failure, NoDevicesFoundError):
-            wrong = unknown_gpus(ids, settings)
-            if wrong is not None:
-                raise wrong from None
-        raise _final_error(failure) from None
+        with gpu_ids_checked(ids, settings):
+            raise _final_error(failure) from None
     return code
