@@ -141,13 +141,29 @@ def test_every_exception_class_is_defined_in_errors():
 
 
 def test_each_error_carries_the_documented_exit_code():
+    """The exit codes of `smiquery --help`: 2 usage, 3 nvidia-smi missing, 4 driver, 5 timeout, 1 anything else."""
     from smiquery.cli._boundary import exit_code_for
 
+    documented = {
+        2: {"InvalidFieldError", "InvalidGpuIdError", "InvalidRuleError", "InvalidTimeZoneError", "UsageError"},
+        3: {"NvidiaSmiNotFoundError"},
+        4: {
+            "DriverNotLoadedError",
+            "NvmlNotFoundError",
+            "DriverVersionMismatchError",
+            "NoDevicesFoundError",
+            "GpuLostError",
+            "InsufficientPermissionsError",
+        },
+        5: {"NvidiaSmiTimeoutError"},
+    }
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.SmiqueryError)]
     assert len(classes) > 30, "scan is broken"
     for cls in classes:
-        assert cls.exit_status == exit_code_for(cls.__new__(cls)), cls.__name__
-    assert errors.NvidiaSmiNotFoundError.exit_status == 3 and errors.GpuLostError.exit_status == 4
+        want = next((code for code, names in documented.items() if cls.__name__ in names), 1)
+        assert cls.exit_status == want, cls.__name__
+        assert exit_code_for(cls.__new__(cls)) == want, cls.__name__
+    assert exit_code_for(KeyboardInterrupt()) == 130 and exit_code_for(RuntimeError()) == 1
 
 
 def test_the_error_tree_is_reachable_through_smiquery_errors():

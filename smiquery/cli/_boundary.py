@@ -12,22 +12,7 @@ from collections.abc import Iterator
 from enum import IntEnum
 from typing import NoReturn
 
-from smiquery.errors import (
-    DriverNotLoadedError,
-    DriverVersionMismatchError,
-    GpuLostError,
-    InsufficientPermissionsError,
-    InvalidFieldError,
-    InvalidGpuIdError,
-    InvalidTimeZoneError,
-    NoDevicesFoundError,
-    NvidiaSmiNotFoundError,
-    NvidiaSmiTimeoutError,
-    NvmlNotFoundError,
-    ParseError,
-    SmiqueryError,
-    UsageError,
-)
+from smiquery.errors import ParseError, SmiqueryError
 from smiquery.printable import printable
 
 __all__ = ["ExitCode", "boundary", "cli_text", "exit_code_for", "fail", "quiet_stdout", "say", "warnings_as_lines"]
@@ -47,16 +32,6 @@ class ExitCode(IntEnum):
     TERMINATED = 143
 
 
-DRIVER_ERRORS: tuple[type[Exception], ...] = (
-    DriverNotLoadedError,
-    NvmlNotFoundError,
-    DriverVersionMismatchError,
-    NoDevicesFoundError,
-    GpuLostError,
-    InsufficientPermissionsError,
-)
-
-
 # typer is imported only when an error needs it: the fast path of `query` runs without it.
 def _typer_class(name: str) -> tuple[type[BaseException], ...]:
     typer = sys.modules.get("typer")
@@ -70,26 +45,12 @@ def _exit(code: int) -> BaseException:
 
 
 def exit_code_for(exc: BaseException) -> ExitCode:
-    """The documented exit code for the error that ended a command."""
-    from smiquery.errors import InvalidRuleError
-
+    """The documented exit code for the error that ended a command (an error's own ``exit_status``)."""
     if isinstance(exc, KeyboardInterrupt):
         return ExitCode.INTERRUPTED
-    if isinstance(exc, NvidiaSmiNotFoundError):
-        return ExitCode.NOT_FOUND
-    if isinstance(exc, DRIVER_ERRORS):
-        return ExitCode.DRIVER
-    if isinstance(exc, NvidiaSmiTimeoutError):
-        return ExitCode.TIMEOUT
-    usage = (
-        InvalidFieldError,
-        InvalidGpuIdError,
-        InvalidRuleError,
-        InvalidTimeZoneError,
-        UsageError,
-        *_typer_class("BadParameter"),
-    )
-    if isinstance(exc, usage):
+    if isinstance(exc, SmiqueryError):
+        return ExitCode(exc.exit_status)
+    if isinstance(exc, _typer_class("BadParameter")):
         return ExitCode.USAGE
     return ExitCode.ERROR
 
@@ -174,7 +135,7 @@ def fail(exc: BaseException, debug: bool) -> NoReturn:
         message = cli_text(str(exc)) or type(exc).__name__
     if isinstance(exc, ParseError):
         message += "; nvidia-smi printed output that does not fit the fields: run `smiquery doctor`"
-    expected: tuple[type[BaseException], ...] = (SmiqueryError, UsageError, *_typer_class("BadParameter"))
+    expected: tuple[type[BaseException], ...] = (SmiqueryError, *_typer_class("BadParameter"))
     expected += (ImportError, OSError)
     if not isinstance(exc, expected):
         message = f"unexpected {type(exc).__name__}: {message} (run with --debug for the traceback)"
