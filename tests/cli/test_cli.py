@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -777,10 +777,11 @@ def test_sigterm_also_finishes_the_file(fake_smi, tmp_path):
 # ------------------------------------------------------------------------------------------------ terminal
 
 
-def read_pty(fd: int, seconds: float) -> bytes:
+def read_pty(fd: int, seconds: float, until: Callable[[bytes], bool] | None = None) -> bytes:
+    """What the terminal shows within ``seconds``, or until ``until(output)`` holds."""
     buf = b""
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end and not (until is not None and until(buf)):
         ready, _, _ = select.select([fd], [], [], 0.05)
         if ready:
             try:
@@ -820,7 +821,8 @@ def test_live_table_redraws_in_place_and_shows_missing_values(fake_smi):
     smi = fake_smi()
     fields = "index,temperature.gpu,fan.speed,power.draw"
     pid, fd = spawn_in_pty(["--nvidia-smi", smi, "stream", "-l", "100ms", "-f", fields, "-a", "power.draw > 60"])
-    code, out = finish_pty(pid, fd, read_pty(fd, 1.5), interrupt=True)
+    shown = read_pty(fd, 60, until=lambda out: out.count(b"\x1b[H") >= 4)  # the first frame and three redraws
+    code, out = finish_pty(pid, fd, shown, interrupt=True)
     assert code == 130
     text = out.decode("utf-8", "replace")
     assert text.count("\x1b[H") >= 3  # cursor home: redrawn in place, many times
