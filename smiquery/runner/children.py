@@ -179,7 +179,7 @@ def popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) -
 
 #: Called on the spawner thread with the new child, or with the exception that kept it from starting. It must
 #: not block; if it raises, the child is killed and reaped.
-SpawnDone = Callable[["subprocess.Popen[bytes] | BaseException"], None]
+SpawnDone = Callable[["subprocess.Popen[bytes] | BaseException"], object]
 
 
 class _Spawner:
