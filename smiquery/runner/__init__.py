@@ -9,10 +9,8 @@ Only children started by the current process are ever touched: a forked copy of 
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-import select
+import selectors
 import shutil
 import signal
 import subprocess
@@ -36,7 +34,6 @@ from smiquery.runner.children import (
     popen,
     signal_group,
     terminate_and_reap,
-    wait_exit,
 )
 from smiquery.runner.lines import MAX_LINE_BYTES, LineStream, decode
 
@@ -189,8 +186,7 @@ class LineSource(Protocol):
     """The output of one running nvidia-smi, line by line: what :meth:`Runner.lines` returns.
 
     :class:`LineStream` reads a real child; :class:`smiquery.testing.InProcessRunner` serves one without a
-    process. Nothing here decides that a child is hung: :meth:`readline` just reports that no line came in time,
-    and the caller (the stream engine) decides what silence means.
+    process. :meth:`readline` only reports that no line came in time: the caller decides what silence means.
     """
 
     argv: tuple[str, ...]
@@ -198,34 +194,25 @@ class LineSource(Protocol):
     @property
     def pid(self) -> int | None:
         """The child's process id (None without a process)."""
-        ...
 
     @property
     def returncode(self) -> int | None:
         """The exit status, once the child is reaped."""
-        ...
 
     @property
     def idle(self) -> float:
-        """Seconds the last :meth:`readline` waited for its line's data (0.0 when it was already buffered)."""
-        ...
+        """Seconds the last :meth:`readline` waited for its line's data."""
 
     @property
     def stderr(self) -> str:
         """What the child wrote to stderr so far."""
-        ...
 
     @property
     def closed(self) -> bool:
         """True once the child is reaped and everything is released."""
-        ...
 
     def readline(self, timeout: float) -> str | None:
-        """The next complete line, without its newline; blank lines are skipped.
-
-        Returns:
-            The line, or None when no complete line arrived within ``timeout`` seconds (or :meth:`interrupt` was
-            called); the child keeps running either way.
+        """The next complete line, without its newline (blank lines skipped); None when none came in time.
 
         Raises:
             StreamEndedError: the output ended and the child exited 0.
@@ -251,11 +238,10 @@ class LineSource(Protocol):
 
 
 class Runner(Protocol):
-    """How smiquery runs nvidia-smi. :class:`SubprocessRunner` is the real one; tests may inject others.
+    """How smiquery runs nvidia-smi: :class:`SubprocessRunner`, or one a test injects (``runner=``).
 
-    Every function that runs nvidia-smi takes ``runner=``; without one it uses :func:`default_runner`. A runner
-    may also define ``locate(nvidia_smi) -> str``: then :func:`find_nvidia_smi` asks it for ``argv[0]`` instead
-    of searching the file system (:class:`smiquery.testing.InProcessRunner` does, since it starts no binary).
+    A runner may also define ``locate(nvidia_smi) -> str``: :func:`find_nvidia_smi` then asks it for ``argv[0]``
+    instead of searching the file system (:class:`smiquery.testing.InProcessRunner` starts no binary).
     """
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
@@ -304,101 +290,62 @@ def _run_to_end(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, 
 
     The output ends when both pipes close and the leader has exited, or :data:`PIPE_GRACE` after the leader
     exited (helpers that still hold the pipes are then killed). Where the kernel has pidfds the leader's exit is
-    one more readiness event beside the pipes, so nothing sleeps or polls; elsewhere the leader is looked at
-    every 50 ms.
+    one more readiness event beside the pipes; elsewhere the leader is looked at every 50 ms.
     """
-    out, err = bytearray(), bytearray()
-    pipes = {p.fileno(): buf for p, buf in ((proc.stdout, out), (proc.stderr, err)) if p is not None}
+    pipes = {p.fileno(): bytearray() for p in (proc.stdout, proc.stderr) if p is not None}
+    out, err = pipes.values()
+    watch = PidWatch(proc.pid)
+    sel = selectors.DefaultSelector()
     for fd in pipes:
         os.set_blocking(fd, False)
-    watch = PidWatch(proc.pid)
+        sel.register(fd, selectors.EVENT_READ)
+    if watch.fd is not None:
+        sel.register(watch.fd, selectors.EVENT_READ)
+    exit_seen: float | None = None
     try:
-        if watch.fd is None or not hasattr(select, "poll"):
-            finished = _read_polling(proc, pipes, deadline)
-        else:
-            finished = _read_with_pidfd(proc, pipes, watch.fd, deadline)
+        while pipes or exit_seen is None:
+            now = time.monotonic()
+            if exit_seen is None and watch.fd is None and exited(proc):
+                exit_seen = now
+            wait = deadline - now
+            if exit_seen is not None:  # only pipes left: a helper may hold them
+                wait = min(wait, exit_seen + PIPE_GRACE - now)
+                if wait <= 0:
+                    signal_group(proc, signal.SIGKILL)
+                    for fd in list(pipes):
+                        while _read_chunk(fd, pipes):
+                            pass
+                    break
+            elif wait <= 0:
+                return bytes(out), bytes(err), False
+            for key, _ in sel.select(wait if watch.fd is not None else min(wait, 0.05)):
+                if key.fd == watch.fd:
+                    sel.unregister(key.fd)
+                    exit_seen = time.monotonic()
+                elif _read_chunk(key.fd, pipes) is None:
+                    sel.unregister(key.fd)
     finally:
+        sel.close()
         watch.close()
-    return bytes(out), bytes(err), finished
+    return bytes(out), bytes(err), True
 
 
-def _drain(pipes: dict[int, bytearray]) -> None:
-    for fd, buf in pipes.items():
-        with contextlib.suppress(OSError):
-            while chunk := os.read(fd, 65536):
-                buf += chunk
-                if len(buf) > MAX_OUTPUT_BYTES:
-                    raise _Flood
-
-
-def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool:
-    """Read what ``fd`` has; at end of file drop it from ``pipes`` and return True."""
+def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool | None:
+    """Read what ``fd`` has: True for data, False for nothing now; at its end drop it from ``pipes``: None."""
     try:
         chunk = os.read(fd, 65536)
     except BlockingIOError:
         return False
     except OSError:
         chunk = b""
-    if chunk:
-        buf = pipes[fd]
-        buf += chunk
-        if len(buf) > MAX_OUTPUT_BYTES:
-            raise _Flood
-        return False
-    del pipes[fd]
+    if not chunk:
+        pipes.pop(fd, None)
+        return None
+    buf = pipes[fd]
+    buf += chunk
+    if len(buf) > MAX_OUTPUT_BYTES:
+        raise _Flood
     return True
-
-
-def _read_with_pidfd(proc: subprocess.Popen[bytes], pipes: dict[int, bytearray], pidfd: int, deadline: float) -> bool:
-    """:func:`_run_to_end` where the leader's exit is readable on ``pidfd``: wake only on events.
-
-    ``pipes`` maps each open output fd to its buffer; closed ones are removed.
-    """
-    poller = select.poll()
-    for fd in pipes:
-        poller.register(fd, select.POLLIN)
-    poller.register(pidfd, select.POLLIN)
-    exit_seen: float | None = None
-    while pipes or exit_seen is None:
-        now = time.monotonic()
-        wait = deadline - now
-        if exit_seen is not None:  # only pipes left: a helper may hold them
-            wait = min(wait, exit_seen + PIPE_GRACE - now)
-            if wait <= 0:
-                signal_group(proc, signal.SIGKILL)
-                _drain(pipes)
-                return True
-        if wait <= 0:
-            return False
-        for fd, _ in poller.poll(max(1, math.ceil(wait * 1000))):
-            if fd == pidfd:
-                poller.unregister(pidfd)
-                exit_seen = time.monotonic()
-            elif _read_chunk(fd, pipes):
-                poller.unregister(fd)
-    return True
-
-
-def _read_polling(proc: subprocess.Popen[bytes], pipes: dict[int, bytearray], deadline: float) -> bool:
-    """:func:`_run_to_end` without pidfds: select on the pipes, looking at the leader every 50 ms."""
-    exit_seen: float | None = None
-    while pipes:
-        now = time.monotonic()
-        if exit_seen is None and exited(proc):
-            exit_seen = now
-        wait = deadline - now
-        if exit_seen is not None:
-            wait = min(wait, exit_seen + PIPE_GRACE - now)
-            if wait <= 0:
-                signal_group(proc, signal.SIGKILL)
-                _drain(pipes)
-                return True
-        elif wait <= 0:
-            return False
-        ready, _, _ = select.select(list(pipes), [], [], min(wait, 0.05 if exit_seen is None else wait))
-        for fd in ready:
-            _read_chunk(fd, pipes)
-    return wait_exit(proc, max(deadline - time.monotonic(), 0.0))
 
 
 class SubprocessRunner:

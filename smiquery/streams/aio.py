@@ -13,21 +13,21 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import tzinfo
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from smiquery.errors import SmiqueryError, StreamEndedError
 from smiquery.fields import FieldsArg
 from smiquery.retry import RetryPolicy
 from smiquery.runner import find_nvidia_smi
 from smiquery.runner.aio import AsyncLines, start_loop_child
+from smiquery.sample import GpuSample
 from smiquery.source import StreamEvent, Sweep
 from smiquery.streams.argv import GpusArg
 from smiquery.streams.sweeps import CsvSource
 
-if TYPE_CHECKING:
-    from smiquery.sample import GpuSample
-
 __all__ = ["AsyncStream", "stream"]
+
+T = TypeVar("T")
 
 
 class AsyncStream(CsvSource):
@@ -136,33 +136,26 @@ class AsyncStream(CsvSource):
             self._emit(event)
 
     def __aiter__(self) -> AsyncIterator[GpuSample]:
-        return self._samples()
+        return self._only(GpuSample, None)
 
-    async def _samples(self) -> AsyncIterator[GpuSample]:
-        batches = self._batches()
-        try:
-            async for batch in batches:
-                for item in batch:
-                    if type(item) is not Sweep:
-                        yield item  # type: ignore[misc]
-        finally:
-            await batches.aclose()  # type: ignore[attr-defined]
-
-    async def sweeps(self, count: int | None = None) -> AsyncIterator[Sweep]:
+    def sweeps(self, count: int | None = None) -> AsyncIterator[Sweep]:
         """Yield whole sweeps (one sample per GPU for one instant), grouped as the sync stream groups them.
 
         Args:
             count: stop after this many sweeps.
         """
+        return self._only(Sweep, count)
+
+    async def _only(self, kind: type[T], count: int | None) -> AsyncIterator[T]:
         done = 0
         batches = self._batches()
         try:
             async for batch in batches:
                 for item in batch:
-                    if type(item) is Sweep:
+                    if isinstance(item, kind):
                         yield item
                         done += 1
-                        if count is not None and done >= count:
+                        if done == count:
                             return
         finally:
             await batches.aclose()  # type: ignore[attr-defined]
@@ -227,15 +220,4 @@ def stream(
         NvidiaSmiNotFoundError: no usable binary.
         ValueError: a non-positive interval or timeout, or a bad retry setting.
     """
-    return AsyncStream(
-        fields,
-        interval=interval,
-        gpus=gpus,
-        nvidia_smi=nvidia_smi,
-        stall_timeout=stall_timeout,
-        startup_timeout=startup_timeout,
-        retry=retry,
-        on_event=on_event,
-        sleep=sleep,
-        tz=tz,
-    )
+    return AsyncStream(**locals())

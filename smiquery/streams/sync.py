@@ -23,6 +23,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from datetime import tzinfo
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from smiquery._log import get_logger
@@ -157,13 +158,7 @@ class Stream(CsvSource):
         Args:
             count: stop after this many sweeps.
         """
-        done = 0
-        for item in self._generator():
-            if isinstance(item, Sweep):
-                yield item
-                done += 1
-                if count is not None and done >= count:
-                    return
+        return islice((item for item in self._generator() if isinstance(item, Sweep)), count)
 
     def start(self) -> Stream:
         """Consume the stream in a background thread, so that :meth:`latest` stays fresh. Returns self."""
@@ -317,19 +312,4 @@ def stream(
         NvidiaSmiNotFoundError: no usable binary, before anything runs.
         ValueError: a non-positive interval or timeout, a negative ``history_sweeps``.
     """
-    return Stream(
-        fields,
-        interval=interval,
-        gpus=gpus,
-        nvidia_smi=nvidia_smi,
-        max_samples=max_samples,
-        duration=duration,
-        startup_timeout=startup_timeout,
-        stall_timeout=stall_timeout,
-        retry=retry,
-        on_event=on_event,
-        runner=runner,
-        sleep=sleep,
-        tz=tz,
-        history_sweeps=history_sweeps,
-    )
+    return Stream(**locals())
