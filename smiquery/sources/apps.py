@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from smiquery.errors import InfoRomWarning, ParseError, failure_from_exit
+from smiquery.errors import ParseError
 from smiquery.kinds import missing_reason
 from smiquery.runner import default_runner, find_nvidia_smi
-from smiquery.sources.query_gpu import DEFAULT_TIMEOUT, query
+from smiquery.sources.query_gpu import DEFAULT_TIMEOUT, judge_exit, query
 from smiquery.streams.argv import GpusArg, normalize_gpus
 
 if TYPE_CHECKING:
@@ -108,16 +107,10 @@ def processes(
     ids = normalize_gpus(gpus)
     runner = runner or default_runner()
     binary = find_nvidia_smi(nvidia_smi, runner=runner)
-    run = runner.run
     gpu_rows = query(["index", "uuid"], gpus=ids or None, nvidia_smi=binary, timeout=timeout, runner=runner)
     by_uuid = {s.uuid: s.index for s in gpu_rows}
     argv = [binary, "--query-compute-apps=" + _APPS_FIELDS, "--format=csv,noheader,nounits"]
-    done = run(argv, timeout)
-    if done.returncode not in (0, 14):
-        raise failure_from_exit(argv, done.returncode, done.output)
-    if done.returncode == 14:
-        notice = next((ln for ln in done.stdout.splitlines() if ln.startswith("WARNING:")), "infoROM warning")
-        warnings.warn(f"nvidia-smi exited 14 ({notice}); rows returned", InfoRomWarning, stacklevel=2)
+    done = judge_exit(argv, runner.run(argv, timeout), "rows")
     out = []
     for pid, name, uuid, mem, missing in _parse_apps(argv, done.stdout):
         if ids and uuid not in by_uuid:

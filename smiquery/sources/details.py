@@ -1,24 +1,11 @@
-"""``nvidia-smi -q -x``, typed: what the ``--query-gpu`` CSV cannot say.
+"""``nvidia-smi -q -x``, typed: what the ``--query-gpu`` CSV cannot say (:func:`details`, :func:`parse_xml`).
 
-:func:`details` runs ``nvidia-smi -q -x`` once (and ``nvidia-smi -L`` when a GPU has MIG enabled, for the MIG
-UUIDs and profiles), bounded by one timeout like :func:`smiquery.query`, and returns one :class:`GpuDetails` per
-GPU: identity, memory, active clock event reasons by name, retired pages, remapped rows, processes with their
-type, inforom and bridge chip versions, MIG mode and :class:`MigDevice` instances. :func:`parse_xml` reads a
-saved file into the same records.
-
-The XML's DTD version (``nvsmi_device_v7.dtd`` ... ``v13``) selects where each value is read: the clock reasons
-were renamed from ``clocks_throttle_reasons`` to ``clocks_event_reasons`` (both in v12, only the new one in v13),
-remapped rows and MIG arrived in v11. A value the version does not have, an element missing from the file, or
-nvidia-smi's ``N/A`` is ``None`` with its reason in the record's ``missing`` mapping, never a zero. A file naming
-no DTD or an unknown one is read by element name (every known spelling) and warns once per DTD name.
-
-Safety: the XML comes from the local nvidia-smi, but is parsed with :mod:`xml.etree.ElementTree`, which never
-fetches external entities or DTDs; a document declaring entities of its own (``<!ENTITY``, the way to blow up an
-XML parser) is refused with :class:`~smiquery.errors.ParseError` by an expat pass that stops at the first entity
-declaration, wherever it stands, before anything is expanded.
-
-``-q -x`` takes 0.4-6 s on multi-GPU servers: keep it off any fast path. An exporter calls :func:`details` on
-its own slow cadence from its own thread; each call is independent and holds no state but the warn-once set.
+The XML's DTD version (v7 ... v13) selects where each value is read (the clock reasons were renamed in v12, remapped
+rows and MIG arrived in v11); a file naming no DTD or an unknown one is read by every known element name and warns
+once per name. A value the version lacks, an element missing from the file, or ``N/A`` is None with its reason in
+the record's ``missing`` mapping, never a zero. :mod:`xml.etree.ElementTree` never fetches external entities, and
+a document declaring entities of its own is refused before anything is expanded. ``-q -x`` takes 0.4-6 s on
+multi-GPU servers: keep it off any fast path.
 """
 
 from __future__ import annotations
@@ -34,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from xml.parsers import expat
 
-from smiquery.errors import InfoRomWarning, NvidiaSmiTimeoutError, ParseError, failure_from_exit
+from smiquery.errors import NvidiaSmiTimeoutError, ParseError, failure_from_exit
 from smiquery.kinds import missing_reason
 from smiquery.runner import default_runner, find_nvidia_smi
-from smiquery.sources.query_gpu import DEFAULT_TIMEOUT
+from smiquery.sources.query_gpu import DEFAULT_TIMEOUT, judge_exit
 from smiquery.streams.argv import normalize_gpus
 
 if TYPE_CHECKING:
@@ -69,15 +56,8 @@ _MIB_RE = re.compile(r"(-?\d+)\s*MiB")
 class MigDevice:
     """One MIG instance of a GPU.
 
-    Attributes:
-        index: the MIG device index within its GPU (as ``nvidia-smi -L`` numbers it).
-        gpu_instance_id: the GPU instance (GI) id.
-        compute_instance_id: the compute instance (CI) id.
-        profile: the profile name (``3g.20gb``), from ``nvidia-smi -L``; None without a listing.
-        uuid: the MIG UUID (``MIG-...``), from ``nvidia-smi -L``; None without a listing.
-        memory_total: MiB of the instance's framebuffer; ``memory_used``, ``memory_free`` likewise.
-        sm_count: streaming multiprocessors of the instance.
-        missing: attribute -> why it is None.
+    ``index`` is as ``nvidia-smi -L`` numbers it, memory in MiB; ``profile`` (``3g.20gb``) and ``uuid`` come from
+    ``nvidia-smi -L``. ``missing``: attribute -> why it is None.
     """
 
     index: int | None
@@ -96,13 +76,7 @@ class MigDevice:
 class DetailsProcess:
     """A process on a GPU as ``-q -x`` lists it.
 
-    Attributes:
-        pid: process id (nvidia-smi's PID namespace).
-        type: ``C`` compute, ``G`` graphics, ``C+G`` both; None when the DTD has no type (v7-v10).
-        name: the process name or path.
-        used_memory: MiB, None when unknown (``N/A`` on Windows WDDM).
-        gpu_instance_id, compute_instance_id: the MIG instance it runs in; None on a GPU without MIG.
-        missing: attribute -> why it is None.
+    ``type`` is ``C``/``G``/``C+G`` (None before DTD v11), ``used_memory`` MiB, the instance ids only with MIG.
     """
 
     pid: int | None
@@ -116,14 +90,7 @@ class DetailsProcess:
 
 @dataclass(frozen=True)
 class RetiredPages:
-    """Pages retired for ECC errors (pre-Ampere data-centre GPUs; Ampere and later remap rows instead).
-
-    Attributes:
-        single_bit: pages retired for multiple single-bit errors.
-        double_bit: pages retired for double-bit errors.
-        pending: a retirement waits for the next driver reload or GPU reset.
-        missing: attribute -> why it is None.
-    """
+    """Pages retired for ECC errors (before Ampere); ``pending``: one waits for a driver reload or GPU reset."""
 
     single_bit: int | None
     double_bit: int | None
@@ -133,15 +100,7 @@ class RetiredPages:
 
 @dataclass(frozen=True)
 class RemappedRows:
-    """Memory rows remapped for ECC errors (Ampere and later).
-
-    Attributes:
-        correctable: rows remapped for correctable errors.
-        uncorrectable: rows remapped for uncorrectable errors.
-        pending: a remap waits for a GPU reset.
-        failure: a remap failed (the GPU needs service).
-        missing: attribute -> why it is None.
-    """
+    """Memory rows remapped for ECC errors (Ampere on); ``pending`` waits for a reset; ``failure`` needs service."""
 
     correctable: int | None
     uncorrectable: int | None
@@ -152,30 +111,12 @@ class RemappedRows:
 
 @dataclass(frozen=True)
 class GpuDetails:
-    """One GPU from ``nvidia-smi -q -x``.
+    """One GPU from ``nvidia-smi -q -x``, in output order (``index``); memory in MiB.
 
-    Memory is in MiB (int). A value that is None has its reason in ``missing`` (``not_available`` for
-    nvidia-smi's ``N/A``; ``absent: ...`` for an element the file lacks; ``not in DTD vN`` for a value the
-    version does not have).
-
-    Attributes:
-        index: position in the output (nvidia-smi's index order).
-        name: product name.
-        uuid: ``GPU-...``.
-        pci_bus_id: ``00000000:BB:DD.F``.
-        serial, vbios_version: as printed.
-        driver_version: the driver of the whole output.
-        dtd_version: the DTD version the file names, None when it names none.
-        memory_total, memory_used, memory_free: framebuffer MiB.
-        clock_event_reasons: the active clock event (throttle) reasons by short name (``sw_power_cap``), in
-            the order printed; None when the file has none.
-        retired_pages, remapped_rows: ECC memory health; None where not reported.
-        processes: the processes nvidia-smi lists; None when the file has no process section.
-        mig_mode: ``Enabled``/``Disabled``; None on GPUs without MIG or before DTD v11.
-        mig_devices: the MIG instances (empty without MIG).
-        inforom: inforom object -> version (``img_version``, ``oem_object``, ``ecc_object``, ``pwr_object``).
-        bridge_chip_type, bridge_chip_fw: the PCIe bridge chip (multi-GPU boards).
-        missing: attribute -> why it is None.
+    A value that is None has its reason in ``missing`` (``not_available`` for ``N/A``, ``absent: ...`` for an
+    element the file lacks, ``not in DTD vN``). ``clock_event_reasons`` are the active clock event (throttle)
+    reasons by short name (``sw_power_cap``); ``processes`` is None without a process section; ``mig_mode`` is
+    ``Enabled``/``Disabled`` (None without MIG); ``inforom`` maps each inforom object to its version.
     """
 
     index: int
@@ -464,11 +405,10 @@ class _Refused(Exception):
 
 
 def _refuse_dtd(text: str) -> None:
-    """Raise ParseError when the document declares an entity (nvidia-smi never does; its DTD declares elements only).
+    """Raise ParseError when the document declares an entity (nvidia-smi never does), wherever it stands.
 
-    An expat pass with handlers that stop at the first entity declaration, wherever it stands: comments, processing
-    instructions or whitespace before the DOCTYPE hide nothing, and no entity is ever expanded. Element and attribute
-    declarations (older drivers inline their whole DTD) are harmless and pass.
+    An expat pass stops at the first entity declaration, before anything is expanded; element and attribute
+    declarations (older drivers inline their whole DTD) pass.
     """
 
     def entity(*_args: object) -> None:
@@ -501,14 +441,9 @@ def _parse_root(text: str) -> ET.Element:
 
 
 def parse_xml(text: str | bytes, *, listing: str | None = None) -> list[GpuDetails]:
-    """Parse ``nvidia-smi -q -x`` output (a saved file's text) into one record per GPU.
+    """Parse ``nvidia-smi -q -x`` output into one record per GPU, in the order printed.
 
-    Args:
-        text: the XML.
-        listing: ``nvidia-smi -L`` output, for the MIG devices' UUIDs and profiles (optional).
-
-    Returns:
-        The GPUs in the order printed.
+    ``listing`` (``nvidia-smi -L`` output) gives the MIG devices their UUIDs and profiles.
 
     Raises:
         ParseError: not well-formed XML, not nvidia-smi's, or declaring entities.
@@ -574,19 +509,16 @@ def details(
     timeout: float = DEFAULT_TIMEOUT,
     runner: Runner | None = None,
 ) -> list[GpuDetails]:
-    """Run ``nvidia-smi -q -x`` once and return typed details per GPU (slow: 0.4-6 s on big servers).
+    """Run ``nvidia-smi -q -x`` once and return typed details per GPU, in nvidia-smi's order (slow: 0.4-6 s).
 
-    When a GPU has MIG enabled, ``nvidia-smi -L`` runs too (within the same ``timeout``) for the MIG UUIDs and
+    When a GPU has MIG enabled, ``nvidia-smi -L`` runs too, within the same ``timeout``, for the MIG UUIDs and
     profiles. Never retries: a failure raises its typed error at once, like :func:`smiquery.query`.
 
     Args:
         gpus: indices, UUIDs or PCI bus ids (``-i``); None for all.
         nvidia_smi: path of the binary.
-        timeout: the most seconds the whole call may take (the default fits a cold start).
+        timeout: the most seconds the whole call may take.
         runner: how to run nvidia-smi (tests inject one).
-
-    Returns:
-        One :class:`GpuDetails` per GPU, in nvidia-smi's order.
 
     Raises:
         InvalidGpuIdError: a malformed GPU id (before anything runs).
@@ -595,17 +527,12 @@ def details(
         NvidiaSmiFailedError: it failed (a subclass per exit code).
         ParseError: its XML does not fit.
     """
-    budget = timeout
-    deadline = time.monotonic() + budget
+    deadline = time.monotonic() + timeout
     ids = normalize_gpus(gpus)
     run = runner or default_runner()
     binary = find_nvidia_smi(nvidia_smi, runner=run)
     argv = [binary, "-q", "-x"] + (["-i", ",".join(ids)] if ids else [])
-    done = run.run(argv, budget)
-    if done.returncode not in (0, 14):
-        raise failure_from_exit(argv, done.returncode, done.output)
-    if done.returncode == 14:
-        warnings.warn("nvidia-smi exited 14 (infoROM warning); details returned", InfoRomWarning, stacklevel=2)
+    done = judge_exit(argv, run.run(argv, timeout), "details")
     start = done.stdout.find("<?xml")
     if start < 0:
         start = done.stdout.find("<nvidia_smi_log")
@@ -616,7 +543,7 @@ def details(
         left = deadline - time.monotonic()
         if left <= 0:
             raise NvidiaSmiTimeoutError(
-                f"nvidia-smi -q -x used the whole {budget:g} s; raise the timeout", argv=argv, timeout=budget
+                f"nvidia-smi -q -x used the whole {timeout:g} s; raise the timeout", argv=argv, timeout=timeout
             )
         largv = [binary, "-L"]
         listed = run.run(largv, left)

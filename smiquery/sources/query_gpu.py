@@ -38,6 +38,7 @@ __all__ = [
     "get_gpu_status",
     "header_line",
     "is_message",
+    "judge_exit",
     "parse_lines",
     "query",
     "query_df",
@@ -311,6 +312,16 @@ def _messages_only(done: Completed, fields: Sequence[Field]) -> str:
     probe = CsvParser(fields, strict=False)
     said = [ln for ln in done.stdout.splitlines() if ln.strip() and (is_message(ln) or probe.feed(ln) is None)]
     return "\n".join(said) + (("\n" + done.stderr) if done.stderr else "")
+
+
+def judge_exit(argv: Sequence[str], done: Completed, what: str) -> Completed:
+    """A finished one-shot call's typed error when it failed; exit 14 (infoROM) warns and returns ``what``."""
+    if done.returncode not in (0, 14):
+        raise failure_from_exit(argv, done.returncode, done.output)
+    if done.returncode == 14:
+        notice = next((ln for ln in done.stdout.splitlines() if ln.startswith("WARNING:")), "infoROM warning")
+        warnings.warn(f"nvidia-smi exited 14 ({notice}); {what} returned", InfoRomWarning, stacklevel=3)
+    return done
 
 
 def check_and_parse(
