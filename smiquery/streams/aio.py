@@ -1,10 +1,4 @@
-"""The asyncio driver of the stream engine (public as :mod:`smiquery.aio`).
-
-A stream runs nvidia-smi with the sync API's guarantees: a deadline on every read, one child per stream, the CSV
-stream's retry policy (:mod:`smiquery.retry`), typed errors, every child reaped on every path (its children are
-:mod:`smiquery.runner.aio`'s). It is the asyncio driver of the sync stream's engine (:mod:`smiquery.streams.engine`):
-parsing, sweeps, GPU identity, deadlines, counters, events and the retry decision are the same code.
-"""
+"""The asyncio driver of the stream engine (public as :mod:`smiquery.aio`), over :mod:`smiquery.runner.aio`."""
 
 from __future__ import annotations
 
@@ -31,14 +25,11 @@ T = TypeVar("T")
 
 
 class AsyncStream(CsvSource):
-    """One long-lived nvidia-smi in loop mode, read without blocking the event loop.
+    """One long-lived nvidia-smi in loop mode, read without blocking the event loop (see :func:`stream`).
 
-    ``async for sample in s`` yields samples; :meth:`sweeps` yields whole sweeps. Leaving ``async with`` (or
-    :meth:`aclose`) terminates and reaps the child; so does cancelling the task that iterates. Only one
-    iteration may run at a time (one child per stream). This is the asyncio driver of the engine the sync
-    stream runs (:class:`~smiquery.streams.engine.Engine`): the same sweeps, GPU identity, deadlines, counters,
-    events and :class:`~smiquery.retry.RetryPolicy`; :attr:`stats` shows the state, :meth:`latest` the newest
-    sweep, :meth:`subscribe` (or ``on_event``) hears every event. See :func:`stream` for the arguments.
+    ``async for sample in s`` yields samples, :meth:`sweeps` whole sweeps; one iteration at a time (one child per
+    stream). Leaving ``async with``, :meth:`aclose` or cancelling the iterating task reaps the child. As the sync
+    :class:`~smiquery.streams.sync.Stream`: :attr:`stats`, :meth:`latest`, :meth:`subscribe` (or ``on_event``).
     """
 
     def __init__(
@@ -197,22 +188,8 @@ def stream(
             async for sweep in s.sweeps(count=10):
                 print(max(x.temperature_gpu or 0 for x in sweep))
 
-    Args:
-        fields: a preset, ``"a,b,c"`` or a sequence of names (``index`` is added when absent).
-        interval: seconds between samples.
-        gpus: indices, UUIDs or PCI bus ids; None for all.
-        nvidia_smi: path of the binary.
-        stall_timeout: seconds without a complete line before the child counts as hung (default
-            ``max(3 * interval, 10)``).
-        startup_timeout: seconds a new child may take to print its first line (nvidia-smi starts slowly
-            without persistence mode).
-        retry: how to wait between starts and when to give up (default ``RetryPolicy()``, the sync stream's).
-        on_event: called with each :class:`~smiquery.source.StreamEvent`.
-        sleep: the coroutine used to wait between restarts (tests inject one).
-        tz: time zone of the timestamps.
-
-    Returns:
-        An :class:`AsyncStream` (nothing runs until it is iterated).
+    The arguments mean what they mean for :func:`smiquery.stream`; ``sleep`` is the coroutine that waits between
+    restarts (tests inject one). Nothing runs until the stream is iterated.
 
     Raises:
         InvalidFieldError: an unknown field, before anything runs.
