@@ -1,10 +1,9 @@
 """Finding and running nvidia-smi: the only package that imports ``subprocess`` (:mod:`.aio` on an event loop).
 
-Every child runs from an argument list (never a shell), in its own process group, under a deadline. On every
-path (normal end, exception, timeout, early stop, ``KeyboardInterrupt``, garbage collection) the whole group is
-terminated, then killed, and the child is reaped: a helper process that inherited the pipes is killed with it.
-On Linux a loop child also gets a parent-death signal, so it dies with this process however this process dies.
-Only children started by the current process are ever touched: a forked copy of this process leaves them alone.
+Every child runs from an argument list (never a shell), in its own process group, under a deadline. On every path
+(end, exception, timeout, early stop, ``KeyboardInterrupt``, garbage collection) the whole group, helpers that
+inherited the pipes included, is terminated, then killed, and the child reaped; on Linux a loop child also dies
+with this process however it dies. A forked copy of this process leaves the children alone.
 """
 
 from __future__ import annotations
@@ -65,6 +64,7 @@ class _Flood(Exception):
 
 
 def usual_places() -> list[str]:
+    """Where nvidia-smi is looked for after PATH: ``/usr/bin``, container runtimes' and WSL's places, Windows'."""
     places = ["/usr/bin/nvidia-smi", "/usr/local/nvidia/bin/nvidia-smi", "/usr/lib/wsl/lib/nvidia-smi"]
     if os.name == "nt":
         root = os.environ.get("SYSTEMROOT", r"C:\Windows")
@@ -104,23 +104,11 @@ def _which_cached() -> str | None:
 
 
 def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner: Runner | None = None) -> str:
-    r"""Locate the nvidia-smi binary.
+    """Locate the nvidia-smi binary: the path to run.
 
-    Order: the ``nvidia_smi`` argument, the ``SMIQUERY_NVIDIA_SMI`` environment variable, ``PATH``, then the
-    usual places (``/usr/bin``, ``/usr/local/nvidia/bin`` used by container runtimes, WSL's ``/usr/lib/wsl/lib``,
-    and on Windows ``%SystemRoot%\System32`` and ``%ProgramFiles%\NVIDIA Corporation\NVSMI``).
-    A PATH hit is remembered while ``PATH`` keeps its value and the file stays executable.
-
-    A runner that serves nvidia-smi without a file (one with a ``locate`` method, like
-    :class:`smiquery.testing.InProcessRunner`) names the binary itself and nothing is looked up: the ``runner``
-    argument, else the runner :func:`default_runner` returns.
-
-    Args:
-        nvidia_smi: an explicit path (or a bare command name looked up on PATH).
-        runner: the runner that will run the binary (default: :func:`default_runner`).
-
-    Returns:
-        The path to run.
+    Order: ``nvidia_smi`` (a path, or a bare name looked up on PATH), ``$SMIQUERY_NVIDIA_SMI``, ``PATH`` (a hit
+    is remembered while ``PATH`` keeps its value and the file stays executable), then :func:`usual_places`. A
+    runner with a ``locate`` method (``runner``, else the default runner) names the binary itself.
 
     Raises:
         NvidiaSmiNotFoundError: nothing usable was found; the message says what to do.
@@ -160,15 +148,7 @@ def no_answer(argv: Sequence[str], timeout: float) -> NvidiaSmiTimeoutError:
 
 @dataclass(frozen=True)
 class Completed:
-    """A finished nvidia-smi run.
-
-    Attributes:
-        argv: the command that ran.
-        returncode: its exit status.
-        stdout: standard output, decoded (undecodable bytes replaced).
-        stderr: standard error, decoded.
-        seconds: wall time of the run.
-    """
+    """A finished nvidia-smi run: its command, exit status, decoded output and wall time in seconds."""
 
     argv: tuple[str, ...]
     returncode: int
