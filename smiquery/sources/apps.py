@@ -24,15 +24,9 @@ __all__ = ["GpuProcess", "processes", "processes_df"]
 
 @dataclass(frozen=True)
 class GpuProcess:
-    """A compute process holding memory on a GPU.
+    """A compute process holding memory (``used_memory``, MiB) on a GPU.
 
-    Attributes:
-        pid: process id (in nvidia-smi's PID namespace).
-        process_name: the name or path the driver recorded.
-        gpu_uuid: the GPU's UUID (the parent GPU's for a MIG instance).
-        gpu_index: the GPU's index, joined from ``--query-gpu``; None if that GPU was not listed.
-        used_memory: GPU memory used in MiB; None when nvidia-smi cannot tell (``[N/A]`` on Windows WDDM).
-        missing: field -> reason for missing values.
+    ``gpu_index`` is joined from ``--query-gpu`` (None if that GPU was not listed); ``missing``: field -> reason.
     """
 
     pid: int
@@ -88,14 +82,7 @@ def processes(
     Runs ``--query-compute-apps`` and joins each row to its GPU's index. An idle machine has no rows, which
     is not an error. Exit 14 (infoROM corrupted) keeps the rows and warns with :class:`InfoRomWarning`.
 
-    Args:
-        gpus: only these GPUs (indices, UUIDs or PCI bus ids).
-        nvidia_smi: path of the binary.
-        timeout: seconds per nvidia-smi call.
-        runner: how to run nvidia-smi.
-
-    Returns:
-        The processes sorted by GPU index, then pid.
+    ``gpus`` keeps only those GPUs; ``timeout`` bounds each nvidia-smi call. Sorted by GPU index, then pid.
 
     Raises:
         InvalidGpuIdError: a malformed GPU id (before anything runs).

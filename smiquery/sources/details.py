@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from xml.parsers import expat
 
 from smiquery.errors import NvidiaSmiTimeoutError, ParseError, failure_from_exit
-from smiquery.kinds import missing_reason
+from smiquery.kinds import MISSING_REASONS, missing_reason
 from smiquery.runner import default_runner, find_nvidia_smi
 from smiquery.sources.query_gpu import DEFAULT_TIMEOUT, judge_exit
 from smiquery.streams.argv import normalize_gpus
@@ -151,35 +151,27 @@ class GpuDetails:
 
 @dataclass(frozen=True)
 class _Reading:
-    """Where one DTD version keeps the values that moved: candidate paths, tried in order."""
+    """Where one DTD version keeps the values that moved."""
 
     version: int | None
-    clock_reasons: tuple[str, ...]  # container elements; children are <prefix><reason>
-    remapped: bool
-    mig: bool
-    process_type: bool
+    clock_reasons: tuple[str, ...]  # container elements, tried in order; children are <prefix><reason>
+    v11: bool  # remapped rows, MIG and process types (DTD v11 on)
 
 
 _THROTTLE = "clocks_throttle_reasons"
 _EVENT = "clocks_event_reasons"
-_READINGS: dict[int, _Reading] = {
-    **{v: _Reading(v, (_THROTTLE,), False, False, False) for v in (7, 8, 9, 10)},
-    11: _Reading(11, (_THROTTLE,), True, True, True),
-    12: _Reading(12, (_EVENT, _THROTTLE), True, True, True),  # 535 prints the old name, 550 the new, both v12
-    13: _Reading(13, (_EVENT,), True, True, True),
-}
-# An unknown or unnamed DTD: every known spelling, and nothing assumed absent.
-_BY_NAME = _Reading(None, (_EVENT, _THROTTLE), True, True, True)
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
 def _reading_for(text: str) -> _Reading:
-    head = text[:4096]
-    m = _DTD_RE.search(head)
-    key = f"v{m.group(1)}" if m else "none"
-    if m and int(m.group(1)) in _READINGS:
-        return _READINGS[int(m.group(1))]
+    m = _DTD_RE.search(text[:4096])
+    version = int(m.group(1)) if m else None
+    if version in KNOWN_DTD_VERSIONS:
+        # v12 covers both names: driver 535 prints the old one, 550 the new
+        reasons = (_EVENT,) if version == 13 else (_EVENT, _THROTTLE) if version == 12 else (_THROTTLE,)
+        return _Reading(version, reasons, version >= 11)
+    key = f"v{version}" if m else "none"
     with _warned_lock:
         first = key not in _warned
         _warned.add(key)
@@ -191,7 +183,7 @@ def _reading_for(text: str) -> _Reading:
             UserWarning,
             stacklevel=3,
         )
-    return dataclasses.replace(_BY_NAME, version=int(m.group(1)) if m else None)
+    return _Reading(version, (_EVENT, _THROTTLE), True)  # by name: every spelling, nothing assumed absent
 
 
 # ------------------------------------------------------------------------------------------------ parsing
@@ -218,7 +210,7 @@ class _Values:
             self.absent(attr, path)
             return None
         value = (node.text or "").strip()
-        reason = missing_reason(value) or _bare_reason(value)
+        reason = missing_reason(value) or _BARE.get(value.lower())
         if reason is not None:
             self.missing[attr] = reason
             return None
@@ -248,14 +240,8 @@ class _Values:
         return None
 
 
-_BARE_TOKENS = {"n/a": "not_available", "not supported": "not_supported", "unknown error": "unknown_error"}
-
-
-def _bare_reason(value: str) -> str | None:
-    """XML prints its status tokens without brackets (``N/A``, ``Not Supported``)."""
-    if not value:
-        return "empty"
-    return _BARE_TOKENS.get(value.lower())
+# The XML prints nvidia-smi's status tokens without brackets (``N/A``, ``Not Supported``).
+_BARE = {token.strip("[]").lower(): reason for token, reason in MISSING_REASONS.items()}
 
 
 def _section_missing(node: ET.Element | None, path: str, vals: _Values, attr: str) -> bool:
@@ -264,7 +250,7 @@ def _section_missing(node: ET.Element | None, path: str, vals: _Values, attr: st
         vals.absent(attr, path)
         return True
     if len(node) == 0:
-        vals.missing[attr] = _bare_reason((node.text or "").strip()) or missing_reason(node.text or "") or "empty"
+        vals.missing[attr] = _BARE.get((node.text or "").strip().lower()) or missing_reason(node.text or "") or "empty"
         return True
     return False
 
@@ -297,7 +283,7 @@ def _retired(gpu: ET.Element, vals: _Values) -> RetiredPages | None:
 
 
 def _remapped(gpu: ET.Element, reading: _Reading, vals: _Values) -> RemappedRows | None:
-    if not reading.remapped:
+    if not reading.v11:
         vals.not_in_version("remapped_rows")
         return None
     node = gpu.find("remapped_rows")
@@ -323,7 +309,7 @@ def _processes(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[Detai
     for info in node.findall("process_info"):
         sub = _Values(info, vals.version)
         pid = sub.integer("pid", "pid")
-        if reading.process_type or info.find("type") is not None:
+        if reading.v11 or info.find("type") is not None:
             ptype = sub.text("type", "type")
         else:
             ptype = None
@@ -339,7 +325,7 @@ def _processes(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[Detai
 
 
 def _mig(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[str | None, tuple[MigDevice, ...]]:
-    if not reading.mig:
+    if not reading.v11:
         vals.not_in_version("mig_mode")
         return None, ()
     mode = vals.text("mig_mode", "mig_mode/current_mig")
@@ -372,7 +358,7 @@ def _gpu(index: int, gpu: ET.Element, reading: _Reading, driver: str | None) -> 
     inforom: dict[str, str] = {}
     for child in gpu.find("inforom_version") or ():
         value = (child.text or "").strip()
-        if value and _bare_reason(value) is None:
+        if value.lower() not in _BARE:
             inforom[child.tag] = value
     mig_mode, mig_devices = _mig(gpu, reading, vals)
     return GpuDetails(
