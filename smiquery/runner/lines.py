@@ -110,13 +110,14 @@ class LineStream:
         self.argv = tuple(argv)
         self._proc = spawn_loop_child(self.argv, env) if pdeathsig else popen(self.argv, env, pdeathsig=False)
         self._finalizer = weakref.finalize(self, terminate_and_reap, self._proc)
+        self.pid = self._proc.pid
+        self.idle = 0.0  #: seconds the last :meth:`readline` waited for its line's data
         self._split = LineSplitter()
         self._err = bytearray()
         self._open_fds = 2
         self._eof = False
         self._ended: BaseException | None = None
         self._stopping = False
-        self._idle = 0.0
         self._io = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -133,19 +134,9 @@ class LineStream:
             self._sel.register(self._pidwatch.fd, selectors.EVENT_READ)
 
     @property
-    def pid(self) -> int:
-        """The child's process id."""
-        return self._proc.pid
-
-    @property
     def returncode(self) -> int | None:
         """The child's exit status, once reaped."""
         return self._proc.returncode
-
-    @property
-    def idle(self) -> float:
-        """Seconds the last :meth:`readline` waited for its line's data (0.0 when it was already buffered)."""
-        return self._idle
 
     @property
     def stderr(self) -> str:
@@ -161,7 +152,6 @@ class LineStream:
         """The next complete line; None if none within ``timeout`` s or on :meth:`interrupt` (see the class)."""
         with self._io:
             if self._split.lines:
-                self._idle = 0.0
                 return self._split.lines.popleft()
             if self._ended is not None:
                 raise self._ended
@@ -190,7 +180,7 @@ class LineStream:
                 remaining = min(remaining, 0.5)  # no pidfd: look at the leader now and then
             if remaining <= 0:
                 if looked:
-                    self._idle = waited
+                    self.idle = waited
                     return None
                 remaining = 0.0
             looked = True
@@ -208,7 +198,7 @@ class LineStream:
                     with contextlib.suppress(OSError):
                         while os.read(self._wake_r, 512):
                             pass
-                    self._idle = waited
+                    self.idle = waited
                     if not lines:
                         return None
                 elif key.fileobj == self._pidwatch.fd:
@@ -218,7 +208,7 @@ class LineStream:
                     self._sel.unregister(key.fileobj)
                     self._open_fds -= 1
                     self._eof = self._open_fds == 0
-        self._idle = waited
+        self.idle = waited
         return lines.popleft()
 
     def _read(self, fd: int) -> bytes | None:

@@ -57,15 +57,9 @@ class AsyncStream(CsvSource):
             on_event=on_event,
             tz=tz,
         )
-        self._error: BaseException | None = None
         self._sleep = sleep
         self._child: AsyncLines | None = None
         self._busy = False
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that ended the stream (given up), if any."""
-        return self._error
 
     async def _batches(self) -> AsyncIterator[list[GpuSample | Sweep]]:
         """The engine's items in the batches they arrive in (one read of output): one generator step per read."""
@@ -116,7 +110,7 @@ class AsyncStream(CsvSource):
         except BaseException as exc:
             if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
                 self.stats.state = "failed"
-                self._error = exc
+                self.error = exc
             raise
         finally:
             engine.finish()

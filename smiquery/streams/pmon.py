@@ -75,12 +75,8 @@ class PmonStream:
         self._driver: ThreadDriver[PmonRow] = ThreadDriver(
             self._engine, runner, self._emit, sleep=sleep, finite=count is not None
         )
-        self._error: BaseException | None = None
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that ended the stream (given up), if any."""
-        return self._error
+        #: The error that ended the stream (it gave up), if any.
+        self.error: BaseException | None = None
 
     def _emit(self, event: StreamEvent) -> None:
         if self.on_event is not None:
@@ -95,7 +91,7 @@ class PmonStream:
         except BaseException as exc:
             if not isinstance(exc, GeneratorExit):
                 self.stats.state = "failed"
-                self._error = exc
+                self.error = exc
             raise
 
     def samples(self, count: int | None = None) -> Iterator[tuple[PmonRow, ...]]:

@@ -267,6 +267,9 @@ class CsvSource(LatestSweep):
         ValueError: a non-positive interval or timeout.
     """
 
+    #: The error that ended the stream (it gave up), if any.
+    error: BaseException | None = None
+
     def __init__(
         self,
         fields: FieldsArg,

@@ -97,7 +97,6 @@ class Stream(CsvSource):
         self.duration = duration
         self._driver: ThreadDriver[GpuSample | Sweep] = ThreadDriver(self._engine, runner, self._emit, sleep=sleep)
         self._thread: threading.Thread | None = None
-        self._thread_error: BaseException | None = None
         # Only a weak reference: an abandoned iterator must be collectable at once (no cycle), so that dropping it
         # closes the generator and reaps the child immediately.
         self._gen_ref: weakref.ref[Generator[GpuSample | Sweep, None, None]] | None = None
@@ -115,7 +114,7 @@ class Stream(CsvSource):
         except BaseException as exc:
             if not isinstance(exc, GeneratorExit):
                 self.stats.state = "failed"
-                self._thread_error = exc
+                self.error = exc
             raise
 
     # ------------------------------------------------------------------------------------------- consumption
@@ -158,7 +157,7 @@ class Stream(CsvSource):
                 for _ in gen:
                     pass
             except BaseException as exc:  # kept for the owner; a background thread must not die silently
-                self._thread_error = exc
+                self.error = exc
                 if not self._engine.closed:
                     log.error("smiquery stream stopped: %s", exc)
             finally:
@@ -189,11 +188,6 @@ class Stream(CsvSource):
         if samples:
             return to_dataframe(samples)
         return make_frame(self.fields, [empty_array(f, self._tz or local_zone()) for f in self.fields], {}, None)
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that ended the stream (given up after ``max_attempts``/``max_restarts``), if any."""
-        return self._thread_error
 
     @property
     def running(self) -> bool:
