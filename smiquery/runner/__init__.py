@@ -246,14 +246,7 @@ _installed: Runner | None = None
 
 
 def default_runner() -> Runner:
-    """The runner used wherever none is passed: a new :class:`SubprocessRunner`.
-
-    Inside a :func:`smiquery.testing.use_runner` block (tests only) it is the runner given there instead, in
-    every thread, so that the CLI, the exporter and the callbacks run against an in-process fake.
-
-    Returns:
-        The runner to use.
-    """
+    """The runner used wherever none is passed: a :class:`SubprocessRunner`, or the one ``use_runner`` installed."""
     installed = _installed
     return installed if installed is not None else SubprocessRunner()
 

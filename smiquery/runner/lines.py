@@ -92,18 +92,11 @@ class LineSplitter:
 class LineStream:
     """The output lines of one long-running nvidia-smi child (``-l``/``-lms`` loop mode): a ``LineSource``.
 
-    :meth:`readline` returns complete lines or None when none came in time; it never kills the child for being
-    slow. When the output ends, or the leader exits (helpers holding the pipes are killed after
-    :data:`~smiquery.runner.children.PIPE_GRACE`), the child is reaped and its status judged after the last line:
-    0 raises :class:`~smiquery.errors.StreamEndedError`, non-zero the typed
-    :class:`~smiquery.errors.NvidiaSmiFailedError`. Use it as a context manager or call :meth:`close`; it also
-    closes itself when garbage-collected. :meth:`interrupt`, :meth:`terminate` and :meth:`kill` work from any
-    thread.
-
-    Args:
-        argv: the command.
-        env: environment for the child (default: inherit).
-        pdeathsig: on Linux, kill the child when this process dies (default True).
+    It never kills the child for being slow. When the output ends, or the leader exits (helpers holding the
+    pipes are killed after ``PIPE_GRACE``), the child is reaped and, after the last line, exit 0 raises
+    :class:`~smiquery.errors.StreamEndedError`, another the typed :class:`~smiquery.errors.NvidiaSmiFailedError`.
+    A context manager; it also closes itself when garbage-collected. ``pdeathsig``: on Linux the child dies with
+    this process.
     """
 
     def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, pdeathsig: bool = True) -> None:

@@ -79,10 +79,8 @@ def processes(
 ) -> list[GpuProcess]:
     """The compute processes on each GPU with their memory: the answer to "which job holds this memory?".
 
-    Runs ``--query-compute-apps`` and joins each row to its GPU's index. An idle machine has no rows, which
-    is not an error. Exit 14 (infoROM corrupted) keeps the rows and warns with :class:`InfoRomWarning`.
-
-    ``gpus`` keeps only those GPUs; ``timeout`` bounds each nvidia-smi call. Sorted by GPU index, then pid.
+    Runs ``--query-compute-apps`` and joins each row to its GPU's index, sorted by index, then pid (an idle machine
+    has none). Exit 14 keeps the rows and warns. ``gpus`` keeps only those GPUs; ``timeout`` bounds each call.
 
     Raises:
         InvalidGpuIdError: a malformed GPU id (before anything runs).

@@ -53,13 +53,9 @@ class Latest(Generic[T]):
     message; the first success after a failure is logged too. Exceptions other than ``errors`` propagate out of
     :meth:`poll` (a bug is not a poll failure) and stop the thread after being logged.
 
-    Args:
-        fetch: called with no arguments; its result becomes the newest value.
-        interval: seconds from the end of one poll to the start of the next.
-        name: the thread's name, and the subject of the log lines (``listing processes``).
-        errors: the exception types a poll may fail with.
-        on_value: called from the poller's thread with each new value.
-        clock: monotonic seconds (ages); ``wall``: seconds since the epoch (``at``). Injectable for tests.
+    ``interval`` counts from the end of one poll to the start of the next; ``name`` names the thread and the log
+    lines; ``on_value`` is called on the thread with each new value; ``clock`` (monotonic) and ``wall`` (epoch
+    seconds) are injectable for tests.
     """
 
     def __init__(

@@ -399,8 +399,6 @@ def get_gpu_status(
     "memory_util_percent", "timestamp"}, ...]}`` (missing values are None; ``timestamp`` is ISO 8601; extra
     ``fields`` add snake_case keys such as ``power_draw``). Failure: ``{"success": False, "error": "<one line>",
     "error_type": "<exception class name>"}``. It returns within ``timeout`` seconds even when nvidia-smi hangs.
-
-    ``fields`` adds fields (names or a comma list); ``timeout`` bounds the whole call.
     """
     try:
         flds = resolve_fields([*_STATUS_FIELDS, *(resolve_fields(fields) if fields else ())])
