@@ -19,6 +19,7 @@ from smiquery.errors import SmiqueryError, failure_from_exit
 from smiquery.runner import TERM_GRACE, Completed, no_answer
 from smiquery.runner.children import (
     MAX_ERR_BYTES,
+    PidWatch,
     can_trampoline,
     exited,
     live_children,
@@ -34,22 +35,37 @@ __all__ = ["AsyncLines", "live_children", "run", "start_loop_child"]
 Popen = subprocess.Popen[bytes]
 
 
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 async def _wait_exit(proc: Popen, timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for the leader to exit, without reaping it or blocking the loop."""
+    """Wait up to ``timeout`` s for the leader to exit (on a pidfd, else looking every 50 ms), without reaping it."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    delay = 0.001
-    while not exited(proc):
-        left = deadline - loop.time()
-        if left <= 0:
-            return False
-        await asyncio.sleep(min(delay, left))
-        delay = min(delay * 2, 0.05)
+    watch = PidWatch(proc.pid)
+    try:
+        while not exited(proc):
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            waiter: asyncio.Future[None] = loop.create_future()
+            timer = loop.call_later(left if watch.fd is not None else min(left, 0.05), _wake, waiter)
+            if watch.fd is not None:
+                loop.add_reader(watch.fd, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                if watch.fd is not None:
+                    loop.remove_reader(watch.fd)
+    finally:
+        watch.close()
     return True
 
 
-async def _reap(proc: Popen, grace: float = TERM_GRACE) -> None:
-    """SIGTERM to the group, SIGKILL after ``grace``, reap; cancelled meanwhile, the group is killed at once."""
+async def _terminate(proc: Popen, grace: float) -> None:
     try:
         if not exited(proc):
             signal_group(proc, signal.SIGTERM)
@@ -57,7 +73,12 @@ async def _reap(proc: Popen, grace: float = TERM_GRACE) -> None:
                 signal_group(proc, signal.SIGKILL)
                 await _wait_exit(proc, grace)
     finally:
-        terminate_and_reap(proc, 0.0)  # reaped now, or (still alive) killed and reaped by a runner thread
+        terminate_and_reap(proc, 0.0)  # reaped now, or (cancelled, still alive) killed and reaped by a runner thread
+
+
+async def _reap(proc: Popen, grace: float = TERM_GRACE) -> None:
+    """SIGTERM to the group, SIGKILL after ``grace``, reap: shielded, so a cancelled caller leaves no process."""
+    await asyncio.shield(asyncio.ensure_future(_terminate(proc, grace)))
 
 
 async def start_loop_child(argv: Sequence[str]) -> Popen:
@@ -97,11 +118,6 @@ async def start_loop_child(argv: Sequence[str]) -> Popen:
         except SmiqueryError:
             pass  # it never started
         raise
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class AsyncLines:
