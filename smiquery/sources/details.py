@@ -244,15 +244,16 @@ class _Values:
 _BARE = {token.strip("[]").lower(): reason for token, reason in MISSING_REASONS.items()}
 
 
-def _section_missing(node: ET.Element | None, path: str, vals: _Values, attr: str) -> bool:
-    """True when the section is absent or a bare ``N/A`` (reason recorded)."""
+def _section(gpu: ET.Element, tag: str, vals: _Values) -> _Values | None:
+    """The section's values; None when it is absent or a bare ``N/A`` (the reason recorded under ``tag``)."""
+    node = gpu.find(tag)
     if node is None:
-        vals.absent(attr, path)
-        return True
-    if len(node) == 0:
-        vals.missing[attr] = _BARE.get((node.text or "").strip().lower()) or missing_reason(node.text or "") or "empty"
-        return True
-    return False
+        vals.absent(tag, tag)
+    elif len(node) == 0:
+        vals.missing[tag] = _BARE.get((node.text or "").strip().lower()) or missing_reason(node.text or "") or "empty"
+    else:
+        return _Values(node, vals.version)
+    return None
 
 
 def _clock_reasons(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[str, ...] | None:
@@ -271,26 +272,24 @@ def _clock_reasons(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[s
 
 
 def _retired(gpu: ET.Element, vals: _Values) -> RetiredPages | None:
-    node = gpu.find("retired_pages")
-    if _section_missing(node, "retired_pages", vals, "retired_pages"):
+    sub = _section(gpu, "retired_pages", vals)
+    if sub is None:
         return None
-    assert node is not None
-    sub = _Values(node, vals.version)
-    single = sub.integer("single_bit", "multiple_single_bit_retirement/retired_count")
-    double = sub.integer("double_bit", "double_bit_retirement/retired_count")
-    pending = sub.flag("pending", "pending_retirement")
-    return RetiredPages(single, double, pending, sub.missing)
+    return RetiredPages(
+        sub.integer("single_bit", "multiple_single_bit_retirement/retired_count"),
+        sub.integer("double_bit", "double_bit_retirement/retired_count"),
+        sub.flag("pending", "pending_retirement"),
+        sub.missing,
+    )
 
 
 def _remapped(gpu: ET.Element, reading: _Reading, vals: _Values) -> RemappedRows | None:
     if not reading.v11:
         vals.not_in_version("remapped_rows")
         return None
-    node = gpu.find("remapped_rows")
-    if _section_missing(node, "remapped_rows", vals, "remapped_rows"):
+    sub = _section(gpu, "remapped_rows", vals)
+    if sub is None:
         return None
-    assert node is not None
-    sub = _Values(node, vals.version)
     return RemappedRows(
         sub.integer("correctable", "remapped_row_corr"),
         sub.integer("uncorrectable", "remapped_row_unc"),
