@@ -1,18 +1,15 @@
 """Finding and running nvidia-smi: the only package that imports ``subprocess`` (:mod:`.aio` on an event loop).
 
-Every child runs from an argument list (never a shell), in its own process group, under a deadline. On every
-path (normal end, exception, timeout, early stop, ``KeyboardInterrupt``, garbage collection) the whole group is
-terminated, then killed, and the child is reaped: a helper process that inherited the pipes is killed with it.
-On Linux a loop child also gets a parent-death signal, so it dies with this process however this process dies.
-Only children started by the current process are ever touched: a forked copy of this process leaves them alone.
+Every child runs from an argument list (never a shell), in its own process group, under a deadline. On every path
+(end, exception, timeout, early stop, ``KeyboardInterrupt``, garbage collection) the whole group, helpers that
+inherited the pipes included, is terminated, then killed, and the child reaped; on Linux a loop child also dies
+with this process however it dies. A forked copy of this process leaves the children alone.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-import select
+import selectors
 import shutil
 import signal
 import subprocess
@@ -36,7 +33,6 @@ from smiquery.runner.children import (
     popen,
     signal_group,
     terminate_and_reap,
-    wait_exit,
 )
 from smiquery.runner.lines import MAX_LINE_BYTES, LineStream, decode
 
@@ -68,6 +64,7 @@ class _Flood(Exception):
 
 
 def usual_places() -> list[str]:
+    """Where nvidia-smi is looked for after PATH: ``/usr/bin``, container runtimes' and WSL's places, Windows'."""
     places = ["/usr/bin/nvidia-smi", "/usr/local/nvidia/bin/nvidia-smi", "/usr/lib/wsl/lib/nvidia-smi"]
     if os.name == "nt":
         root = os.environ.get("SYSTEMROOT", r"C:\Windows")
@@ -107,23 +104,11 @@ def _which_cached() -> str | None:
 
 
 def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner: Runner | None = None) -> str:
-    r"""Locate the nvidia-smi binary.
+    """Locate the nvidia-smi binary: the path to run.
 
-    Order: the ``nvidia_smi`` argument, the ``SMIQUERY_NVIDIA_SMI`` environment variable, ``PATH``, then the
-    usual places (``/usr/bin``, ``/usr/local/nvidia/bin`` used by container runtimes, WSL's ``/usr/lib/wsl/lib``,
-    and on Windows ``%SystemRoot%\System32`` and ``%ProgramFiles%\NVIDIA Corporation\NVSMI``).
-    A PATH hit is remembered while ``PATH`` keeps its value and the file stays executable.
-
-    A runner that serves nvidia-smi without a file (one with a ``locate`` method, like
-    :class:`smiquery.testing.InProcessRunner`) names the binary itself and nothing is looked up: the ``runner``
-    argument, else the runner :func:`default_runner` returns.
-
-    Args:
-        nvidia_smi: an explicit path (or a bare command name looked up on PATH).
-        runner: the runner that will run the binary (default: :func:`default_runner`).
-
-    Returns:
-        The path to run.
+    Order: ``nvidia_smi`` (a path, or a bare name looked up on PATH), ``$SMIQUERY_NVIDIA_SMI``, ``PATH`` (a hit
+    is remembered while ``PATH`` keeps its value and the file stays executable), then :func:`usual_places`. A
+    runner with a ``locate`` method (``runner``, else the default runner) names the binary itself.
 
     Raises:
         NvidiaSmiNotFoundError: nothing usable was found; the message says what to do.
@@ -163,15 +148,7 @@ def no_answer(argv: Sequence[str], timeout: float) -> NvidiaSmiTimeoutError:
 
 @dataclass(frozen=True)
 class Completed:
-    """A finished nvidia-smi run.
-
-    Attributes:
-        argv: the command that ran.
-        returncode: its exit status.
-        stdout: standard output, decoded (undecodable bytes replaced).
-        stderr: standard error, decoded.
-        seconds: wall time of the run.
-    """
+    """A finished nvidia-smi run: its command, exit status, decoded output and wall time in seconds."""
 
     argv: tuple[str, ...]
     returncode: int
@@ -189,8 +166,7 @@ class LineSource(Protocol):
     """The output of one running nvidia-smi, line by line: what :meth:`Runner.lines` returns.
 
     :class:`LineStream` reads a real child; :class:`smiquery.testing.InProcessRunner` serves one without a
-    process. Nothing here decides that a child is hung: :meth:`readline` just reports that no line came in time,
-    and the caller (the stream engine) decides what silence means.
+    process. :meth:`readline` only reports that no line came in time: the caller decides what silence means.
     """
 
     argv: tuple[str, ...]
@@ -198,34 +174,25 @@ class LineSource(Protocol):
     @property
     def pid(self) -> int | None:
         """The child's process id (None without a process)."""
-        ...
 
     @property
     def returncode(self) -> int | None:
         """The exit status, once the child is reaped."""
-        ...
 
     @property
     def idle(self) -> float:
-        """Seconds the last :meth:`readline` waited for its line's data (0.0 when it was already buffered)."""
-        ...
+        """Seconds the last :meth:`readline` waited for its line's data."""
 
     @property
     def stderr(self) -> str:
         """What the child wrote to stderr so far."""
-        ...
 
     @property
     def closed(self) -> bool:
         """True once the child is reaped and everything is released."""
-        ...
 
     def readline(self, timeout: float) -> str | None:
-        """The next complete line, without its newline; blank lines are skipped.
-
-        Returns:
-            The line, or None when no complete line arrived within ``timeout`` seconds (or :meth:`interrupt` was
-            called); the child keeps running either way.
+        """The next complete line, without its newline (blank lines skipped); None when none came in time.
 
         Raises:
             StreamEndedError: the output ended and the child exited 0.
@@ -251,11 +218,10 @@ class LineSource(Protocol):
 
 
 class Runner(Protocol):
-    """How smiquery runs nvidia-smi. :class:`SubprocessRunner` is the real one; tests may inject others.
+    """How smiquery runs nvidia-smi: :class:`SubprocessRunner`, or one a test injects (``runner=``).
 
-    Every function that runs nvidia-smi takes ``runner=``; without one it uses :func:`default_runner`. A runner
-    may also define ``locate(nvidia_smi) -> str``: then :func:`find_nvidia_smi` asks it for ``argv[0]`` instead
-    of searching the file system (:class:`smiquery.testing.InProcessRunner` does, since it starts no binary).
+    A runner may also define ``locate(nvidia_smi) -> str``: :func:`find_nvidia_smi` then asks it for ``argv[0]``
+    instead of searching the file system (:class:`smiquery.testing.InProcessRunner` starts no binary).
     """
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
@@ -280,14 +246,7 @@ _installed: Runner | None = None
 
 
 def default_runner() -> Runner:
-    """The runner used wherever none is passed: a new :class:`SubprocessRunner`.
-
-    Inside a :func:`smiquery.testing.use_runner` block (tests only) it is the runner given there instead, in
-    every thread, so that the CLI, the exporter and the callbacks run against an in-process fake.
-
-    Returns:
-        The runner to use.
-    """
+    """The runner used wherever none is passed: a :class:`SubprocessRunner`, or the one ``use_runner`` installed."""
     installed = _installed
     return installed if installed is not None else SubprocessRunner()
 
@@ -304,101 +263,62 @@ def _run_to_end(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, 
 
     The output ends when both pipes close and the leader has exited, or :data:`PIPE_GRACE` after the leader
     exited (helpers that still hold the pipes are then killed). Where the kernel has pidfds the leader's exit is
-    one more readiness event beside the pipes, so nothing sleeps or polls; elsewhere the leader is looked at
-    every 50 ms.
+    one more readiness event beside the pipes; elsewhere the leader is looked at every 50 ms.
     """
-    out, err = bytearray(), bytearray()
-    pipes = {p.fileno(): buf for p, buf in ((proc.stdout, out), (proc.stderr, err)) if p is not None}
+    pipes = {p.fileno(): bytearray() for p in (proc.stdout, proc.stderr) if p is not None}
+    out, err = pipes.values()
+    watch = PidWatch(proc.pid)
+    sel = selectors.DefaultSelector()
     for fd in pipes:
         os.set_blocking(fd, False)
-    watch = PidWatch(proc.pid)
+        sel.register(fd, selectors.EVENT_READ)
+    if watch.fd is not None:
+        sel.register(watch.fd, selectors.EVENT_READ)
+    exit_seen: float | None = None
     try:
-        if watch.fd is None or not hasattr(select, "poll"):
-            finished = _read_polling(proc, pipes, deadline)
-        else:
-            finished = _read_with_pidfd(proc, pipes, watch.fd, deadline)
+        while pipes or exit_seen is None:
+            now = time.monotonic()
+            if exit_seen is None and watch.fd is None and exited(proc):
+                exit_seen = now
+            wait = deadline - now
+            if exit_seen is not None:  # only pipes left: a helper may hold them
+                wait = min(wait, exit_seen + PIPE_GRACE - now)
+                if wait <= 0:
+                    signal_group(proc, signal.SIGKILL)
+                    for fd in list(pipes):
+                        while _read_chunk(fd, pipes):
+                            pass
+                    break
+            elif wait <= 0:
+                return bytes(out), bytes(err), False
+            for key, _ in sel.select(wait if watch.fd is not None else min(wait, 0.05)):
+                if key.fd == watch.fd:
+                    sel.unregister(key.fd)
+                    exit_seen = time.monotonic()
+                elif _read_chunk(key.fd, pipes) is None:
+                    sel.unregister(key.fd)
     finally:
+        sel.close()
         watch.close()
-    return bytes(out), bytes(err), finished
+    return bytes(out), bytes(err), True
 
 
-def _drain(pipes: dict[int, bytearray]) -> None:
-    for fd, buf in pipes.items():
-        with contextlib.suppress(OSError):
-            while chunk := os.read(fd, 65536):
-                buf += chunk
-                if len(buf) > MAX_OUTPUT_BYTES:
-                    raise _Flood
-
-
-def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool:
-    """Read what ``fd`` has; at end of file drop it from ``pipes`` and return True."""
+def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool | None:
+    """Read what ``fd`` has: True for data, False for nothing now; at its end drop it from ``pipes``: None."""
     try:
         chunk = os.read(fd, 65536)
     except BlockingIOError:
         return False
     except OSError:
         chunk = b""
-    if chunk:
-        buf = pipes[fd]
-        buf += chunk
-        if len(buf) > MAX_OUTPUT_BYTES:
-            raise _Flood
-        return False
-    del pipes[fd]
+    if not chunk:
+        pipes.pop(fd, None)
+        return None
+    buf = pipes[fd]
+    buf += chunk
+    if len(buf) > MAX_OUTPUT_BYTES:
+        raise _Flood
     return True
-
-
-def _read_with_pidfd(proc: subprocess.Popen[bytes], pipes: dict[int, bytearray], pidfd: int, deadline: float) -> bool:
-    """:func:`_run_to_end` where the leader's exit is readable on ``pidfd``: wake only on events.
-
-    ``pipes`` maps each open output fd to its buffer; closed ones are removed.
-    """
-    poller = select.poll()
-    for fd in pipes:
-        poller.register(fd, select.POLLIN)
-    poller.register(pidfd, select.POLLIN)
-    exit_seen: float | None = None
-    while pipes or exit_seen is None:
-        now = time.monotonic()
-        wait = deadline - now
-        if exit_seen is not None:  # only pipes left: a helper may hold them
-            wait = min(wait, exit_seen + PIPE_GRACE - now)
-            if wait <= 0:
-                signal_group(proc, signal.SIGKILL)
-                _drain(pipes)
-                return True
-        if wait <= 0:
-            return False
-        for fd, _ in poller.poll(max(1, math.ceil(wait * 1000))):
-            if fd == pidfd:
-                poller.unregister(pidfd)
-                exit_seen = time.monotonic()
-            elif _read_chunk(fd, pipes):
-                poller.unregister(fd)
-    return True
-
-
-def _read_polling(proc: subprocess.Popen[bytes], pipes: dict[int, bytearray], deadline: float) -> bool:
-    """:func:`_run_to_end` without pidfds: select on the pipes, looking at the leader every 50 ms."""
-    exit_seen: float | None = None
-    while pipes:
-        now = time.monotonic()
-        if exit_seen is None and exited(proc):
-            exit_seen = now
-        wait = deadline - now
-        if exit_seen is not None:
-            wait = min(wait, exit_seen + PIPE_GRACE - now)
-            if wait <= 0:
-                signal_group(proc, signal.SIGKILL)
-                _drain(pipes)
-                return True
-        elif wait <= 0:
-            return False
-        ready, _, _ = select.select(list(pipes), [], [], min(wait, 0.05 if exit_seen is None else wait))
-        for fd in ready:
-            _read_chunk(fd, pipes)
-    return wait_exit(proc, max(deadline - time.monotonic(), 0.0))
 
 
 class SubprocessRunner:

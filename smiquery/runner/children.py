@@ -1,9 +1,4 @@
-"""The children's life, from start to reaping.
-
-Every child starts from an argument list in its own process group; a loop child also gets a parent-death signal
-(through a tiny trampoline, forked by one long-lived spawner thread). On every path the group is terminated,
-killed and the child reaped. Only children started by the current process are ever touched.
-"""
+"""The children's life, from start to reaping; only those of the current process are ever touched."""
 
 from __future__ import annotations
 
@@ -27,17 +22,13 @@ from smiquery.errors import (
 )
 
 __all__ = [
-    "LINUX",
     "MAX_ERR_BYTES",
-    "OWN_GROUP",
     "PIPE_GRACE",
     "TERM_GRACE",
     "PidWatch",
     "SpawnDone",
     "can_trampoline",
-    "exec_error",
     "exited",
-    "forget",
     "live_children",
     "popen",
     "signal_group",
@@ -53,7 +44,7 @@ TERM_GRACE = 0.5
 PIPE_GRACE = 0.2
 #: The most of a child's stderr that is kept.
 MAX_ERR_BYTES = 64 * 1024
-LINUX = sys.platform.startswith("linux")
+_LINUX = sys.platform.startswith("linux")
 
 
 # ------------------------------------------------------------------------------------------ child bookkeeping
@@ -75,7 +66,7 @@ def live_children() -> list[int]:
         return [p.pid for p in _LIVE if p.returncode is None and _owned(p)]
 
 
-#: errno values of a spawn that failed for want of a resource of this process, not for anything about nvidia-smi.
+#: errno values of a spawn that failed for want of a resource of this process.
 _LIMITS = {
     errno.EMFILE: "this process has too many open files; raise its limit (`ulimit -n`, systemd LimitNOFILE=, "
     "or the container's nofile ulimit) or close what leaks descriptors",
@@ -123,13 +114,13 @@ _TRAMPOLINE = (
 
 def can_trampoline() -> bool:
     """True where loop children can get a parent-death signal (Linux, a real interpreter)."""
-    return LINUX and bool(sys.executable) and not getattr(sys, "frozen", False)
+    return _LINUX and bool(sys.executable) and not getattr(sys, "frozen", False)
 
 
 # Every child leads a process group of its own, so that the whole group (helpers included) can be signalled. A new
 # group, not a new session: on Linux setsid() also gives the child a scheduler autogroup of its own, which on a
 # busy machine makes a short nvidia-smi run slower and far more variable (scripts/bench_compat.py --child sh).
-OWN_GROUP: dict[str, Any] = (
+_OWN_GROUP: dict[str, Any] = (
     {} if os.name == "nt" else {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
 )
 
@@ -150,7 +141,7 @@ def popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) -
             stderr=subprocess.PIPE,
             env=dict(env) if env is not None else None,
             pass_fds=(status_w,) if pdeathsig else (),
-            **OWN_GROUP,
+            **_OWN_GROUP,
         )
     except OSError as exc:
         for fd in (status_r, status_w):
@@ -179,91 +170,59 @@ def popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) -
 
 #: Called on the spawner thread with the new child, or with the exception that kept it from starting. It must
 #: not block; if it raises, the child is killed and reaped.
-SpawnDone = Callable[["subprocess.Popen[bytes] | BaseException"], None]
+SpawnDone = Callable[["subprocess.Popen[bytes] | BaseException"], object]
 
-
-class _Spawner:
-    """The one long-lived thread that forks loop children (a parent-death signal follows the forking thread)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Sequence[str], Mapping[str, str] | None, SpawnDone]]
-        self._jobs = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="smiquery-spawner", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            argv, env, done = self._jobs.get()
-            result: subprocess.Popen[bytes] | BaseException
-            try:
-                result = popen(argv, env, pdeathsig=True)
-            except BaseException as exc:
-                result = exc
-            try:
-                done(result)
-            except BaseException:  # nobody took the child: it must not outlive the job, nor stop this thread
-                if isinstance(result, subprocess.Popen):
-                    terminate_and_reap(result, 0.0)
-
-    def submit(self, argv: Sequence[str], env: Mapping[str, str] | None, done: SpawnDone) -> None:
-        """Fork ``argv`` on this thread; ``done`` gets the child or the exception, on this thread."""
-        self._jobs.put((argv, env, done))
-
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None) -> subprocess.Popen[bytes]:
-        out: list[subprocess.Popen[bytes] | BaseException] = []
-        finished = threading.Event()
-
-        def done(result: subprocess.Popen[bytes] | BaseException) -> None:
-            out.append(result)
-            finished.set()
-
-        self.submit(argv, env, done)
-        finished.wait()
-        result = out[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-
-_SPAWNER: _Spawner | None = None
+# The one long-lived thread that forks loop children (a parent-death signal follows the forking thread).
+_JOBS: queue.SimpleQueue[tuple[Sequence[str], Mapping[str, str] | None, SpawnDone]] | None = None
 _SPAWNER_LOCK = threading.Lock()
 
 
-def _spawner() -> _Spawner:
-    global _SPAWNER
-    with _SPAWNER_LOCK:
-        if _SPAWNER is None:
-            _SPAWNER = _Spawner()
-        return _SPAWNER
-
-
-def spawn_loop_child(argv: Sequence[str], env: Mapping[str, str] | None) -> subprocess.Popen[bytes]:
-    """Start a loop child that dies with this process (forked by the spawner thread where possible)."""
-    if not can_trampoline():
-        return popen(argv, env, pdeathsig=False)
-    return _spawner().spawn(argv, env)
+def _serve(jobs: queue.SimpleQueue[tuple[Sequence[str], Mapping[str, str] | None, SpawnDone]]) -> None:
+    while True:
+        argv, env, done = jobs.get()
+        result: subprocess.Popen[bytes] | BaseException
+        try:
+            result = popen(argv, env, pdeathsig=True)
+        except BaseException as exc:
+            result = exc
+        try:
+            done(result)
+        except BaseException:  # nobody took the child: it must not outlive the job, nor stop this thread
+            if isinstance(result, subprocess.Popen):
+                terminate_and_reap(result, 0.0)
 
 
 def submit_loop_child(argv: Sequence[str], env: Mapping[str, str] | None, done: SpawnDone) -> None:
     """Start a loop child with a parent-death signal without waiting for it: ``done`` gets the outcome.
 
     The spawner thread forks it (so it dies with this process, not with the calling thread), reads the
-    trampoline's exec report and then calls ``done`` there, with the child or the typed
-    :class:`~smiquery.errors.NvidiaSmiNotFoundError`. Only where :func:`can_trampoline` is true.
+    trampoline's exec report and then calls ``done`` there, with the child or the typed error. Only where
+    :func:`can_trampoline` is true.
     """
-    _spawner().submit(argv, env, done)
+    global _JOBS
+    with _SPAWNER_LOCK:
+        if _JOBS is None:
+            _JOBS = queue.SimpleQueue()
+            threading.Thread(target=_serve, args=(_JOBS,), name="smiquery-spawner", daemon=True).start()
+        _JOBS.put((argv, env, done))
 
 
-def forget(proc: subprocess.Popen[bytes]) -> None:
-    """Drop a reaped child from :func:`live_children` (for children reaped outside this module)."""
-    with _LIVE_LOCK:
-        _LIVE.discard(proc)
+def spawn_loop_child(argv: Sequence[str], env: Mapping[str, str] | None) -> subprocess.Popen[bytes]:
+    """Start a loop child that dies with this process (forked by the spawner thread where possible)."""
+    if not can_trampoline():
+        return popen(argv, env, pdeathsig=False)
+    out: queue.SimpleQueue[subprocess.Popen[bytes] | BaseException] = queue.SimpleQueue()
+    submit_loop_child(argv, env, out.put)
+    result = out.get()
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def _after_fork_in_child() -> None:
     # The fork has no spawner thread and owns none of the parent's children (their owner pid says so too).
-    global _SPAWNER, _LIVE_LOCK, _SPAWNER_LOCK
-    _SPAWNER = None
+    global _JOBS, _LIVE_LOCK, _SPAWNER_LOCK
+    _JOBS = None
     _SPAWNER_LOCK = threading.Lock()
     _LIVE_LOCK = threading.Lock()
 

@@ -1,4 +1,4 @@
-"""The output lines of one long-running nvidia-smi child: :class:`LineStream`."""
+"""A loop child's output lines: :class:`LineStream`, and :class:`LineSplitter` (shared with :mod:`.aio`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,7 @@ import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from smiquery.errors import (
-    StreamEndedError,
-    failure_from_exit,
-)
+from smiquery.errors import StreamEndedError, failure_from_exit
 from smiquery.runner.children import (
     MAX_ERR_BYTES,
     PIPE_GRACE,
@@ -28,12 +25,11 @@ from smiquery.runner.children import (
     wait_exit,
 )
 
-__all__ = ["MAX_LINE_BYTES", "LineStream", "decode", "message_of"]
+__all__ = ["MAX_LINE_BYTES", "LineSplitter", "LineStream", "decode", "message_of"]
 
-#: A loop child's line longer than this is cut to its first :data:`_KEPT_OF_LONG_LINE` bytes (the parser rejects
-#: it) and the rest is skipped until its end, so that endless output without a newline keeps memory flat.
+#: A line longer than this is cut to its first 256 bytes (the parser rejects it) and the rest is skipped until its
+#: end, so that endless output without a newline keeps memory flat.
 MAX_LINE_BYTES = 64 * 1024
-_KEPT_OF_LONG_LINE = 256
 
 
 def decode(data: bytes) -> str:
@@ -49,41 +45,72 @@ def message_of(lines: Sequence[str], err: bytes, rc: int) -> str:
     return output
 
 
+class LineSplitter:
+    """Cuts a child's stdout into lines: blank lines skipped, a CR stripped, over-long lines cut.
+
+    :attr:`lines` holds the complete lines not taken yet; :attr:`messages` the last 20 lines that are no CSV row,
+    for error messages.
+    """
+
+    def __init__(self) -> None:
+        self.lines: deque[str] = deque()
+        self.messages: deque[str] = deque(maxlen=20)
+        self._partial: list[bytes] = []  # the pieces of the line being read, joined once at its newline
+        self._partial_len = 0
+        self._skipping = False  # inside an over-long line: its rest is skipped
+
+    def feed(self, data: bytes) -> None:
+        """Take a chunk of output."""
+        parts = data.split(b"\n")
+        rest = parts.pop()
+        if parts and (self._partial or self._skipping):
+            parts[0] = b"" if self._skipping else b"".join(self._partial) + parts[0]
+            self._partial, self._partial_len, self._skipping = [], 0, False
+        for raw in parts:
+            self._add(raw)
+        if rest and not self._skipping:
+            self._partial.append(rest)
+            self._partial_len += len(rest)
+            if self._partial_len > MAX_LINE_BYTES:  # no newline in sight: keep a head, skip to the newline
+                self._add(b"".join(self._partial)[:256])
+                self._partial, self._partial_len, self._skipping = [], 0, True
+
+    def end(self) -> None:
+        """The output ended: a trailing partial line counts as it is (the parser rejects it)."""
+        if not self._skipping:
+            self._add(b"".join(self._partial))
+        self._partial, self._partial_len = [], 0
+
+    def _add(self, raw: bytes) -> None:
+        line = decode(raw).rstrip("\r")
+        if line.strip():
+            self.lines.append(line)
+            if ", " not in line:
+                self.messages.append(line)
+
+
 class LineStream:
-    """The output lines of one long-running nvidia-smi child (``-l``/``-lms`` loop mode): a :class:`LineSource`.
+    """The output lines of one long-running nvidia-smi child (``-l``/``-lms`` loop mode): a ``LineSource``.
 
-    :meth:`readline` returns complete lines (undecodable bytes replaced) or None when none came in time; it never
-    kills the child for being slow. When the output ends, or the leader exits (helpers holding the pipes are then
-    killed after :data:`PIPE_GRACE`), the child is reaped and its status judged after the last line: 0 raises
-    :class:`~smiquery.errors.StreamEndedError`, non-zero the matching typed
-    :class:`~smiquery.errors.NvidiaSmiFailedError`. A trailing partial line is returned as it is (the parser
-    rejects it).
-
-    Use it as a context manager, or call :meth:`close`; it also closes itself when garbage-collected.
-    :meth:`interrupt`, :meth:`terminate` and :meth:`kill` may be called from any thread.
-
-    Args:
-        argv: the command.
-        env: environment for the child (default: inherit).
-        pdeathsig: on Linux, kill the child when this process dies (default True).
+    It never kills the child for being slow. When the output ends, or the leader exits (helpers holding the
+    pipes are killed after ``PIPE_GRACE``), the child is reaped and, after the last line, exit 0 raises
+    :class:`~smiquery.errors.StreamEndedError`, another the typed :class:`~smiquery.errors.NvidiaSmiFailedError`.
+    A context manager; it also closes itself when garbage-collected. ``pdeathsig``: on Linux the child dies with
+    this process.
     """
 
     def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, pdeathsig: bool = True) -> None:
         self.argv = tuple(argv)
-        self.started = time.monotonic()
         self._proc = spawn_loop_child(self.argv, env) if pdeathsig else popen(self.argv, env, pdeathsig=False)
         self._finalizer = weakref.finalize(self, terminate_and_reap, self._proc)
-        self._lines: deque[tuple[str, float]] = deque()
-        self._partial: list[bytes] = []  # the pieces of the line being read, joined once at its newline
-        self._partial_len = 0
-        self._skipping = False  # inside an over-long line: its rest is skipped
+        self.pid = self._proc.pid
+        self.idle = 0.0  #: seconds the last :meth:`readline` waited for its line's data
+        self._split = LineSplitter()
         self._err = bytearray()
-        self._messages: deque[str] = deque(maxlen=20)  # recent non-CSV stdout lines, for error messages
         self._open_fds = 2
         self._eof = False
         self._ended: BaseException | None = None
         self._stopping = False
-        self._idle = 0.0
         self._io = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -100,19 +127,9 @@ class LineStream:
             self._sel.register(self._pidwatch.fd, selectors.EVENT_READ)
 
     @property
-    def pid(self) -> int:
-        """The child's process id."""
-        return self._proc.pid
-
-    @property
     def returncode(self) -> int | None:
         """The child's exit status, once reaped."""
         return self._proc.returncode
-
-    @property
-    def idle(self) -> float:
-        """Seconds the last :meth:`readline` waited for its line's data (0.0 when it was already buffered)."""
-        return self._idle
 
     @property
     def stderr(self) -> str:
@@ -127,9 +144,8 @@ class LineStream:
     def readline(self, timeout: float) -> str | None:
         """The next complete line; None if none within ``timeout`` s or on :meth:`interrupt` (see the class)."""
         with self._io:
-            if self._lines:
-                line, self._idle = self._lines.popleft()
-                return line
+            if self._split.lines:
+                return self._split.lines.popleft()
             if self._ended is not None:
                 raise self._ended
             if self.closed:
@@ -139,7 +155,8 @@ class LineStream:
     def _fill(self, deadline: float) -> str | None:
         waited = 0.0
         looked = False  # a deadline already past still gets one look at the pipes
-        while not self._lines:
+        lines = self._split.lines
+        while not lines:
             if self._eof:
                 self._finish()
                 break
@@ -156,7 +173,7 @@ class LineStream:
                 remaining = min(remaining, 0.5)  # no pidfd: look at the leader now and then
             if remaining <= 0:
                 if looked:
-                    self._idle = waited
+                    self.idle = waited
                     return None
                 remaining = 0.0
             looked = True
@@ -167,90 +184,45 @@ class LineStream:
                 # Stopped past the deadline (SIGSTOP, a debugger), the wait returns empty-handed without looking
                 # again (PEP 475): look once more, so the rows printed meanwhile are read.
                 events = self._sel.select(0)
-            if not events:
-                if self._pidwatch.fd is None and self._exit_seen is None and exited(self._proc):
-                    self._exit_seen = time.monotonic()
-                continue
+            if not events and self._pidwatch.fd is None and self._exit_seen is None and exited(self._proc):
+                self._exit_seen = time.monotonic()
             for key, _ in events:
                 if key.fileobj is self._wake_r:
                     with contextlib.suppress(OSError):
                         while os.read(self._wake_r, 512):
                             pass
-                    self._idle = waited
-                    if not self._lines:
+                    self.idle = waited
+                    if not lines:
                         return None
-                elif self._pidwatch.fd is not None and key.fileobj == self._pidwatch.fd:
+                elif key.fileobj == self._pidwatch.fd:
                     self._sel.unregister(key.fileobj)
-                    if self._exit_seen is None:
-                        self._exit_seen = time.monotonic()
-                else:
-                    self._read(key)
-        line, _ = self._lines.popleft()
-        self._idle = waited
-        return line
+                    self._exit_seen = self._exit_seen or time.monotonic()
+                elif self._read(key.fd) == b"":
+                    self._sel.unregister(key.fileobj)
+                    self._open_fds -= 1
+                    self._eof = self._open_fds == 0
+        self.idle = waited
+        return lines.popleft()
 
-    def _read(self, key: selectors.SelectorKey) -> None:
+    def _read(self, fd: int) -> bytes | None:
+        """Take what ``fd`` has: the data (b"" at its end), None when nothing is there now."""
         try:
-            data = os.read(key.fd, 65536)
+            data = os.read(fd, 65536)
         except BlockingIOError:
-            return
+            return None
         except OSError:
             data = b""
-        if not data:
-            self._sel.unregister(key.fileobj)
-            self._open_fds -= 1
-            if self._open_fds == 0:
-                self._eof = True
-            return
-        if key.fileobj is self._proc.stdout:
-            self._take(data)
+        if self._proc.stdout is not None and fd == self._proc.stdout.fileno():
+            self._split.feed(data)
         elif len(self._err) < MAX_ERR_BYTES:
             self._err += data
+        return data
 
     def _drain_now(self) -> None:
         for pipe in (self._proc.stdout, self._proc.stderr):
-            if pipe is None or pipe.closed:
-                continue
-            while True:
-                try:
-                    data = os.read(pipe.fileno(), 65536)
-                except (BlockingIOError, OSError):
-                    break
-                if not data:
-                    break
-                if pipe is self._proc.stdout:
-                    self._take(data)
-                elif len(self._err) < MAX_ERR_BYTES:
-                    self._err += data
-
-    def _take(self, data: bytes) -> None:
-        parts = data.split(b"\n")
-        rest = parts.pop()
-        if parts and (self._partial or self._skipping):
-            head = b"".join(self._partial) + parts[0]
-            parts[0] = b"" if self._skipping else head  # an over-long line's end is skipped
-            self._partial = []
-            self._partial_len = 0
-            self._skipping = False
-        for raw in parts:
-            self._add_line(raw)
-        if rest and not self._skipping:
-            self._partial.append(rest)
-            self._partial_len += len(rest)
-            if self._partial_len > MAX_LINE_BYTES:
-                # no newline in sight: keep the head for the parser to reject, skip the rest until the newline
-                self._add_line(b"".join(self._partial)[:_KEPT_OF_LONG_LINE])
-                self._partial = []
-                self._partial_len = 0
-                self._skipping = True
-
-    def _add_line(self, raw: bytes) -> None:
-        line = decode(raw).rstrip("\r")
-        if not line.strip():
-            return
-        self._lines.append((line, 0.0))
-        if ", " not in line:
-            self._messages.append(line)
+            if pipe is not None and not pipe.closed:
+                while self._read(pipe.fileno()):
+                    pass
 
     def _finish(self) -> None:
         # The output has ended: the child has exited (or closed its output). Reap it, then judge the exit code.
@@ -258,16 +230,13 @@ class LineStream:
         wait_exit(self._proc, 5.0)  # a leader that closed its output but lingers is killed by _release
         self._release()
         rc = self._proc.returncode if self._proc.returncode is not None else -signal.SIGKILL
-        tail = b"".join(self._partial)
-        self._partial = []
-        if tail.strip() and not self._skipping:
-            self._add_line(tail)
-        output = message_of(list(self._messages), bytes(self._err), rc)
+        self._split.end()
+        output = message_of(list(self._split.messages), bytes(self._err), rc)
         if rc != 0 and not stopping:
             self._ended = failure_from_exit(self.argv, rc, output)
         else:
             self._ended = StreamEndedError(self.argv, rc, output)
-        if not self._lines:
+        if not self._split.lines:
             raise self._ended
 
     def interrupt(self) -> None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from smiquery.errors import InfoRomWarning, ParseError, failure_from_exit
+from smiquery.errors import ParseError
 from smiquery.kinds import missing_reason
 from smiquery.runner import default_runner, find_nvidia_smi
-from smiquery.sources.query_gpu import DEFAULT_TIMEOUT, query
+from smiquery.sources.query_gpu import DEFAULT_TIMEOUT, judge_exit, query
 from smiquery.streams.argv import GpusArg, normalize_gpus
 
 if TYPE_CHECKING:
@@ -25,15 +24,9 @@ __all__ = ["GpuProcess", "processes", "processes_df"]
 
 @dataclass(frozen=True)
 class GpuProcess:
-    """A compute process holding memory on a GPU.
+    """A compute process holding memory (``used_memory``, MiB) on a GPU.
 
-    Attributes:
-        pid: process id (in nvidia-smi's PID namespace).
-        process_name: the name or path the driver recorded.
-        gpu_uuid: the GPU's UUID (the parent GPU's for a MIG instance).
-        gpu_index: the GPU's index, joined from ``--query-gpu``; None if that GPU was not listed.
-        used_memory: GPU memory used in MiB; None when nvidia-smi cannot tell (``[N/A]`` on Windows WDDM).
-        missing: field -> reason for missing values.
+    ``gpu_index`` is joined from ``--query-gpu`` (None if that GPU was not listed); ``missing``: field -> reason.
     """
 
     pid: int
@@ -86,17 +79,8 @@ def processes(
 ) -> list[GpuProcess]:
     """The compute processes on each GPU with their memory: the answer to "which job holds this memory?".
 
-    Runs ``--query-compute-apps`` and joins each row to its GPU's index. An idle machine has no rows, which
-    is not an error. Exit 14 (infoROM corrupted) keeps the rows and warns with :class:`InfoRomWarning`.
-
-    Args:
-        gpus: only these GPUs (indices, UUIDs or PCI bus ids).
-        nvidia_smi: path of the binary.
-        timeout: seconds per nvidia-smi call.
-        runner: how to run nvidia-smi.
-
-    Returns:
-        The processes sorted by GPU index, then pid.
+    Runs ``--query-compute-apps`` and joins each row to its GPU's index, sorted by index, then pid (an idle machine
+    has none). Exit 14 keeps the rows and warns. ``gpus`` keeps only those GPUs; ``timeout`` bounds each call.
 
     Raises:
         InvalidGpuIdError: a malformed GPU id (before anything runs).
@@ -108,16 +92,10 @@ def processes(
     ids = normalize_gpus(gpus)
     runner = runner or default_runner()
     binary = find_nvidia_smi(nvidia_smi, runner=runner)
-    run = runner.run
     gpu_rows = query(["index", "uuid"], gpus=ids or None, nvidia_smi=binary, timeout=timeout, runner=runner)
     by_uuid = {s.uuid: s.index for s in gpu_rows}
     argv = [binary, "--query-compute-apps=" + _APPS_FIELDS, "--format=csv,noheader,nounits"]
-    done = run(argv, timeout)
-    if done.returncode not in (0, 14):
-        raise failure_from_exit(argv, done.returncode, done.output)
-    if done.returncode == 14:
-        notice = next((ln for ln in done.stdout.splitlines() if ln.startswith("WARNING:")), "infoROM warning")
-        warnings.warn(f"nvidia-smi exited 14 ({notice}); rows returned", InfoRomWarning, stacklevel=2)
+    done = judge_exit(argv, runner.run(argv, timeout), "rows")
     out = []
     for pid, name, uuid, mem, missing in _parse_apps(argv, done.stdout):
         if ids and uuid not in by_uuid:

@@ -1,24 +1,11 @@
-"""``nvidia-smi -q -x``, typed: what the ``--query-gpu`` CSV cannot say.
+"""``nvidia-smi -q -x``, typed: what the ``--query-gpu`` CSV cannot say (:func:`details`, :func:`parse_xml`).
 
-:func:`details` runs ``nvidia-smi -q -x`` once (and ``nvidia-smi -L`` when a GPU has MIG enabled, for the MIG
-UUIDs and profiles), bounded by one timeout like :func:`smiquery.query`, and returns one :class:`GpuDetails` per
-GPU: identity, memory, active clock event reasons by name, retired pages, remapped rows, processes with their
-type, inforom and bridge chip versions, MIG mode and :class:`MigDevice` instances. :func:`parse_xml` reads a
-saved file into the same records.
-
-The XML's DTD version (``nvsmi_device_v7.dtd`` ... ``v13``) selects where each value is read: the clock reasons
-were renamed from ``clocks_throttle_reasons`` to ``clocks_event_reasons`` (both in v12, only the new one in v13),
-remapped rows and MIG arrived in v11. A value the version does not have, an element missing from the file, or
-nvidia-smi's ``N/A`` is ``None`` with its reason in the record's ``missing`` mapping, never a zero. A file naming
-no DTD or an unknown one is read by element name (every known spelling) and warns once per DTD name.
-
-Safety: the XML comes from the local nvidia-smi, but is parsed with :mod:`xml.etree.ElementTree`, which never
-fetches external entities or DTDs; a document declaring entities of its own (``<!ENTITY``, the way to blow up an
-XML parser) is refused with :class:`~smiquery.errors.ParseError` by an expat pass that stops at the first entity
-declaration, wherever it stands, before anything is expanded.
-
-``-q -x`` takes 0.4-6 s on multi-GPU servers: keep it off any fast path. An exporter calls :func:`details` on
-its own slow cadence from its own thread; each call is independent and holds no state but the warn-once set.
+The XML's DTD version (v7 ... v13) selects where each value is read (the clock reasons were renamed in v12, remapped
+rows and MIG arrived in v11); a file naming no DTD or an unknown one is read by every known element name and warns
+once per name. A value the version lacks, an element missing from the file, or ``N/A`` is None with its reason in
+the record's ``missing`` mapping, never a zero. :mod:`xml.etree.ElementTree` never fetches external entities, and
+a document declaring entities of its own is refused before anything is expanded. ``-q -x`` takes 0.4-6 s on
+multi-GPU servers: keep it off any fast path.
 """
 
 from __future__ import annotations
@@ -34,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from xml.parsers import expat
 
-from smiquery.errors import InfoRomWarning, NvidiaSmiTimeoutError, ParseError, failure_from_exit
-from smiquery.kinds import missing_reason
+from smiquery.errors import NvidiaSmiTimeoutError, ParseError, failure_from_exit
+from smiquery.kinds import MISSING_REASONS, missing_reason
 from smiquery.runner import default_runner, find_nvidia_smi
-from smiquery.sources.query_gpu import DEFAULT_TIMEOUT
+from smiquery.sources.query_gpu import DEFAULT_TIMEOUT, judge_exit
 from smiquery.streams.argv import normalize_gpus
 
 if TYPE_CHECKING:
@@ -69,15 +56,8 @@ _MIB_RE = re.compile(r"(-?\d+)\s*MiB")
 class MigDevice:
     """One MIG instance of a GPU.
 
-    Attributes:
-        index: the MIG device index within its GPU (as ``nvidia-smi -L`` numbers it).
-        gpu_instance_id: the GPU instance (GI) id.
-        compute_instance_id: the compute instance (CI) id.
-        profile: the profile name (``3g.20gb``), from ``nvidia-smi -L``; None without a listing.
-        uuid: the MIG UUID (``MIG-...``), from ``nvidia-smi -L``; None without a listing.
-        memory_total: MiB of the instance's framebuffer; ``memory_used``, ``memory_free`` likewise.
-        sm_count: streaming multiprocessors of the instance.
-        missing: attribute -> why it is None.
+    ``index`` is as ``nvidia-smi -L`` numbers it, memory in MiB; ``profile`` (``3g.20gb``) and ``uuid`` come from
+    ``nvidia-smi -L``. ``missing``: attribute -> why it is None.
     """
 
     index: int | None
@@ -96,13 +76,7 @@ class MigDevice:
 class DetailsProcess:
     """A process on a GPU as ``-q -x`` lists it.
 
-    Attributes:
-        pid: process id (nvidia-smi's PID namespace).
-        type: ``C`` compute, ``G`` graphics, ``C+G`` both; None when the DTD has no type (v7-v10).
-        name: the process name or path.
-        used_memory: MiB, None when unknown (``N/A`` on Windows WDDM).
-        gpu_instance_id, compute_instance_id: the MIG instance it runs in; None on a GPU without MIG.
-        missing: attribute -> why it is None.
+    ``type`` is ``C``/``G``/``C+G`` (None before DTD v11), ``used_memory`` MiB, the instance ids only with MIG.
     """
 
     pid: int | None
@@ -116,14 +90,7 @@ class DetailsProcess:
 
 @dataclass(frozen=True)
 class RetiredPages:
-    """Pages retired for ECC errors (pre-Ampere data-centre GPUs; Ampere and later remap rows instead).
-
-    Attributes:
-        single_bit: pages retired for multiple single-bit errors.
-        double_bit: pages retired for double-bit errors.
-        pending: a retirement waits for the next driver reload or GPU reset.
-        missing: attribute -> why it is None.
-    """
+    """Pages retired for ECC errors (before Ampere); ``pending``: one waits for a driver reload or GPU reset."""
 
     single_bit: int | None
     double_bit: int | None
@@ -133,15 +100,7 @@ class RetiredPages:
 
 @dataclass(frozen=True)
 class RemappedRows:
-    """Memory rows remapped for ECC errors (Ampere and later).
-
-    Attributes:
-        correctable: rows remapped for correctable errors.
-        uncorrectable: rows remapped for uncorrectable errors.
-        pending: a remap waits for a GPU reset.
-        failure: a remap failed (the GPU needs service).
-        missing: attribute -> why it is None.
-    """
+    """Memory rows remapped for ECC errors (Ampere on); ``pending`` waits for a reset; ``failure`` needs service."""
 
     correctable: int | None
     uncorrectable: int | None
@@ -152,30 +111,12 @@ class RemappedRows:
 
 @dataclass(frozen=True)
 class GpuDetails:
-    """One GPU from ``nvidia-smi -q -x``.
+    """One GPU from ``nvidia-smi -q -x``, in output order (``index``); memory in MiB.
 
-    Memory is in MiB (int). A value that is None has its reason in ``missing`` (``not_available`` for
-    nvidia-smi's ``N/A``; ``absent: ...`` for an element the file lacks; ``not in DTD vN`` for a value the
-    version does not have).
-
-    Attributes:
-        index: position in the output (nvidia-smi's index order).
-        name: product name.
-        uuid: ``GPU-...``.
-        pci_bus_id: ``00000000:BB:DD.F``.
-        serial, vbios_version: as printed.
-        driver_version: the driver of the whole output.
-        dtd_version: the DTD version the file names, None when it names none.
-        memory_total, memory_used, memory_free: framebuffer MiB.
-        clock_event_reasons: the active clock event (throttle) reasons by short name (``sw_power_cap``), in
-            the order printed; None when the file has none.
-        retired_pages, remapped_rows: ECC memory health; None where not reported.
-        processes: the processes nvidia-smi lists; None when the file has no process section.
-        mig_mode: ``Enabled``/``Disabled``; None on GPUs without MIG or before DTD v11.
-        mig_devices: the MIG instances (empty without MIG).
-        inforom: inforom object -> version (``img_version``, ``oem_object``, ``ecc_object``, ``pwr_object``).
-        bridge_chip_type, bridge_chip_fw: the PCIe bridge chip (multi-GPU boards).
-        missing: attribute -> why it is None.
+    A value that is None has its reason in ``missing`` (``not_available`` for ``N/A``, ``absent: ...`` for an
+    element the file lacks, ``not in DTD vN``). ``clock_event_reasons`` are the active clock event (throttle)
+    reasons by short name (``sw_power_cap``); ``processes`` is None without a process section; ``mig_mode`` is
+    ``Enabled``/``Disabled`` (None without MIG); ``inforom`` maps each inforom object to its version.
     """
 
     index: int
@@ -210,35 +151,27 @@ class GpuDetails:
 
 @dataclass(frozen=True)
 class _Reading:
-    """Where one DTD version keeps the values that moved: candidate paths, tried in order."""
+    """Where one DTD version keeps the values that moved."""
 
     version: int | None
-    clock_reasons: tuple[str, ...]  # container elements; children are <prefix><reason>
-    remapped: bool
-    mig: bool
-    process_type: bool
+    clock_reasons: tuple[str, ...]  # container elements, tried in order; children are <prefix><reason>
+    v11: bool  # remapped rows, MIG and process types (DTD v11 on)
 
 
 _THROTTLE = "clocks_throttle_reasons"
 _EVENT = "clocks_event_reasons"
-_READINGS: dict[int, _Reading] = {
-    **{v: _Reading(v, (_THROTTLE,), False, False, False) for v in (7, 8, 9, 10)},
-    11: _Reading(11, (_THROTTLE,), True, True, True),
-    12: _Reading(12, (_EVENT, _THROTTLE), True, True, True),  # 535 prints the old name, 550 the new, both v12
-    13: _Reading(13, (_EVENT,), True, True, True),
-}
-# An unknown or unnamed DTD: every known spelling, and nothing assumed absent.
-_BY_NAME = _Reading(None, (_EVENT, _THROTTLE), True, True, True)
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
 def _reading_for(text: str) -> _Reading:
-    head = text[:4096]
-    m = _DTD_RE.search(head)
-    key = f"v{m.group(1)}" if m else "none"
-    if m and int(m.group(1)) in _READINGS:
-        return _READINGS[int(m.group(1))]
+    m = _DTD_RE.search(text[:4096])
+    version = int(m.group(1)) if m else None
+    if version in KNOWN_DTD_VERSIONS:
+        # v12 covers both names: driver 535 prints the old one, 550 the new
+        reasons = (_EVENT,) if version == 13 else (_EVENT, _THROTTLE) if version == 12 else (_THROTTLE,)
+        return _Reading(version, reasons, version >= 11)
+    key = f"v{version}" if m else "none"
     with _warned_lock:
         first = key not in _warned
         _warned.add(key)
@@ -250,7 +183,7 @@ def _reading_for(text: str) -> _Reading:
             UserWarning,
             stacklevel=3,
         )
-    return dataclasses.replace(_BY_NAME, version=int(m.group(1)) if m else None)
+    return _Reading(version, (_EVENT, _THROTTLE), True)  # by name: every spelling, nothing assumed absent
 
 
 # ------------------------------------------------------------------------------------------------ parsing
@@ -277,7 +210,7 @@ class _Values:
             self.absent(attr, path)
             return None
         value = (node.text or "").strip()
-        reason = missing_reason(value) or _bare_reason(value)
+        reason = missing_reason(value) or _BARE.get(value.lower())
         if reason is not None:
             self.missing[attr] = reason
             return None
@@ -307,25 +240,20 @@ class _Values:
         return None
 
 
-_BARE_TOKENS = {"n/a": "not_available", "not supported": "not_supported", "unknown error": "unknown_error"}
+# The XML prints nvidia-smi's status tokens without brackets (``N/A``, ``Not Supported``).
+_BARE = {token.strip("[]").lower(): reason for token, reason in MISSING_REASONS.items()}
 
 
-def _bare_reason(value: str) -> str | None:
-    """XML prints its status tokens without brackets (``N/A``, ``Not Supported``)."""
-    if not value:
-        return "empty"
-    return _BARE_TOKENS.get(value.lower())
-
-
-def _section_missing(node: ET.Element | None, path: str, vals: _Values, attr: str) -> bool:
-    """True when the section is absent or a bare ``N/A`` (reason recorded)."""
+def _section(gpu: ET.Element, tag: str, vals: _Values) -> _Values | None:
+    """The section's values; None when it is absent or a bare ``N/A`` (the reason recorded under ``tag``)."""
+    node = gpu.find(tag)
     if node is None:
-        vals.absent(attr, path)
-        return True
-    if len(node) == 0:
-        vals.missing[attr] = _bare_reason((node.text or "").strip()) or missing_reason(node.text or "") or "empty"
-        return True
-    return False
+        vals.absent(tag, tag)
+    elif len(node) == 0:
+        vals.missing[tag] = _BARE.get((node.text or "").strip().lower()) or missing_reason(node.text or "") or "empty"
+    else:
+        return _Values(node, vals.version)
+    return None
 
 
 def _clock_reasons(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[str, ...] | None:
@@ -344,26 +272,24 @@ def _clock_reasons(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[s
 
 
 def _retired(gpu: ET.Element, vals: _Values) -> RetiredPages | None:
-    node = gpu.find("retired_pages")
-    if _section_missing(node, "retired_pages", vals, "retired_pages"):
+    sub = _section(gpu, "retired_pages", vals)
+    if sub is None:
         return None
-    assert node is not None
-    sub = _Values(node, vals.version)
-    single = sub.integer("single_bit", "multiple_single_bit_retirement/retired_count")
-    double = sub.integer("double_bit", "double_bit_retirement/retired_count")
-    pending = sub.flag("pending", "pending_retirement")
-    return RetiredPages(single, double, pending, sub.missing)
+    return RetiredPages(
+        sub.integer("single_bit", "multiple_single_bit_retirement/retired_count"),
+        sub.integer("double_bit", "double_bit_retirement/retired_count"),
+        sub.flag("pending", "pending_retirement"),
+        sub.missing,
+    )
 
 
 def _remapped(gpu: ET.Element, reading: _Reading, vals: _Values) -> RemappedRows | None:
-    if not reading.remapped:
+    if not reading.v11:
         vals.not_in_version("remapped_rows")
         return None
-    node = gpu.find("remapped_rows")
-    if _section_missing(node, "remapped_rows", vals, "remapped_rows"):
+    sub = _section(gpu, "remapped_rows", vals)
+    if sub is None:
         return None
-    assert node is not None
-    sub = _Values(node, vals.version)
     return RemappedRows(
         sub.integer("correctable", "remapped_row_corr"),
         sub.integer("uncorrectable", "remapped_row_unc"),
@@ -382,7 +308,7 @@ def _processes(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[Detai
     for info in node.findall("process_info"):
         sub = _Values(info, vals.version)
         pid = sub.integer("pid", "pid")
-        if reading.process_type or info.find("type") is not None:
+        if reading.v11 or info.find("type") is not None:
             ptype = sub.text("type", "type")
         else:
             ptype = None
@@ -398,7 +324,7 @@ def _processes(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[Detai
 
 
 def _mig(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[str | None, tuple[MigDevice, ...]]:
-    if not reading.mig:
+    if not reading.v11:
         vals.not_in_version("mig_mode")
         return None, ()
     mode = vals.text("mig_mode", "mig_mode/current_mig")
@@ -431,7 +357,7 @@ def _gpu(index: int, gpu: ET.Element, reading: _Reading, driver: str | None) -> 
     inforom: dict[str, str] = {}
     for child in gpu.find("inforom_version") or ():
         value = (child.text or "").strip()
-        if value and _bare_reason(value) is None:
+        if value.lower() not in _BARE:
             inforom[child.tag] = value
     mig_mode, mig_devices = _mig(gpu, reading, vals)
     return GpuDetails(
@@ -464,11 +390,10 @@ class _Refused(Exception):
 
 
 def _refuse_dtd(text: str) -> None:
-    """Raise ParseError when the document declares an entity (nvidia-smi never does; its DTD declares elements only).
+    """Raise ParseError when the document declares an entity (nvidia-smi never does), wherever it stands.
 
-    An expat pass with handlers that stop at the first entity declaration, wherever it stands: comments, processing
-    instructions or whitespace before the DOCTYPE hide nothing, and no entity is ever expanded. Element and attribute
-    declarations (older drivers inline their whole DTD) are harmless and pass.
+    An expat pass stops at the first entity declaration, before anything is expanded; element and attribute
+    declarations (older drivers inline their whole DTD) pass.
     """
 
     def entity(*_args: object) -> None:
@@ -501,14 +426,9 @@ def _parse_root(text: str) -> ET.Element:
 
 
 def parse_xml(text: str | bytes, *, listing: str | None = None) -> list[GpuDetails]:
-    """Parse ``nvidia-smi -q -x`` output (a saved file's text) into one record per GPU.
+    """Parse ``nvidia-smi -q -x`` output into one record per GPU, in the order printed.
 
-    Args:
-        text: the XML.
-        listing: ``nvidia-smi -L`` output, for the MIG devices' UUIDs and profiles (optional).
-
-    Returns:
-        The GPUs in the order printed.
+    ``listing`` (``nvidia-smi -L`` output) gives the MIG devices their UUIDs and profiles.
 
     Raises:
         ParseError: not well-formed XML, not nvidia-smi's, or declaring entities.
@@ -574,19 +494,16 @@ def details(
     timeout: float = DEFAULT_TIMEOUT,
     runner: Runner | None = None,
 ) -> list[GpuDetails]:
-    """Run ``nvidia-smi -q -x`` once and return typed details per GPU (slow: 0.4-6 s on big servers).
+    """Run ``nvidia-smi -q -x`` once and return typed details per GPU, in nvidia-smi's order (slow: 0.4-6 s).
 
-    When a GPU has MIG enabled, ``nvidia-smi -L`` runs too (within the same ``timeout``) for the MIG UUIDs and
+    When a GPU has MIG enabled, ``nvidia-smi -L`` runs too, within the same ``timeout``, for the MIG UUIDs and
     profiles. Never retries: a failure raises its typed error at once, like :func:`smiquery.query`.
 
     Args:
         gpus: indices, UUIDs or PCI bus ids (``-i``); None for all.
         nvidia_smi: path of the binary.
-        timeout: the most seconds the whole call may take (the default fits a cold start).
+        timeout: the most seconds the whole call may take.
         runner: how to run nvidia-smi (tests inject one).
-
-    Returns:
-        One :class:`GpuDetails` per GPU, in nvidia-smi's order.
 
     Raises:
         InvalidGpuIdError: a malformed GPU id (before anything runs).
@@ -595,17 +512,12 @@ def details(
         NvidiaSmiFailedError: it failed (a subclass per exit code).
         ParseError: its XML does not fit.
     """
-    budget = timeout
-    deadline = time.monotonic() + budget
+    deadline = time.monotonic() + timeout
     ids = normalize_gpus(gpus)
     run = runner or default_runner()
     binary = find_nvidia_smi(nvidia_smi, runner=run)
     argv = [binary, "-q", "-x"] + (["-i", ",".join(ids)] if ids else [])
-    done = run.run(argv, budget)
-    if done.returncode not in (0, 14):
-        raise failure_from_exit(argv, done.returncode, done.output)
-    if done.returncode == 14:
-        warnings.warn("nvidia-smi exited 14 (infoROM warning); details returned", InfoRomWarning, stacklevel=2)
+    done = judge_exit(argv, run.run(argv, timeout), "details")
     start = done.stdout.find("<?xml")
     if start < 0:
         start = done.stdout.find("<nvidia_smi_log")
@@ -616,7 +528,7 @@ def details(
         left = deadline - time.monotonic()
         if left <= 0:
             raise NvidiaSmiTimeoutError(
-                f"nvidia-smi -q -x used the whole {budget:g} s; raise the timeout", argv=argv, timeout=budget
+                f"nvidia-smi -q -x used the whole {timeout:g} s; raise the timeout", argv=argv, timeout=timeout
             )
         largv = [binary, "-L"]
         listed = run.run(largv, left)

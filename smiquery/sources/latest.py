@@ -1,9 +1,7 @@
 """``Latest[T]``: the one background poller. Calls a function on an interval and keeps its newest result.
 
-Every periodic look at the machine (compute processes, ``-q -x`` details, the Kubernetes pod list, ...) is a
-``Latest`` around a plain function: the function does the work and raises on failure; ``Latest`` owns the thread,
-the interval, the newest value, its age and the last error. Readers (scrapes, the live table) never wait on it.
-:meth:`Latest.following` keeps the newest value of a stream instead (pmon's instants), opened again after it fails.
+The function does the work and raises on failure; ``Latest`` owns the thread, the newest value, its age and the
+last error, and readers never wait on it. :meth:`Latest.following` keeps the newest value of a stream instead.
 """
 
 from __future__ import annotations
@@ -27,13 +25,8 @@ log = get_logger("smiquery.poll")  # not "smiquery": the exporter shows only err
 class Snapshot(Generic[T]):
     """What a :class:`Latest` holds at one moment.
 
-    Attributes:
-        value: the newest successful result (None before the first success).
-        age: seconds since that result was taken (None before the first success).
-        at: its wall-clock time, seconds since the epoch (None before the first success).
-        error: the last poll's error, one line (None when the last poll succeeded or none ran yet).
-        polls: polls run so far.
-        failures: failed polls, by exception class name.
+    ``value``, its ``age`` in seconds and wall-clock time ``at`` are None before the first success; ``error`` is
+    the last poll's error (one line, None after a success); ``failures`` counts failed polls by exception class.
     """
 
     value: T | None
@@ -60,13 +53,9 @@ class Latest(Generic[T]):
     message; the first success after a failure is logged too. Exceptions other than ``errors`` propagate out of
     :meth:`poll` (a bug is not a poll failure) and stop the thread after being logged.
 
-    Args:
-        fetch: called with no arguments; its result becomes the newest value.
-        interval: seconds from the end of one poll to the start of the next.
-        name: the thread's name, and the subject of the log lines (``listing processes``).
-        errors: the exception types a poll may fail with.
-        on_value: called from the poller's thread with each new value.
-        clock: monotonic seconds (ages); ``wall``: seconds since the epoch (``at``). Injectable for tests.
+    ``interval`` counts from the end of one poll to the start of the next; ``name`` names the thread and the log
+    lines; ``on_value`` is called on the thread with each new value; ``clock`` (monotonic) and ``wall`` (epoch
+    seconds) are injectable for tests.
     """
 
     def __init__(
@@ -113,18 +102,9 @@ class Latest(Generic[T]):
     ) -> Latest[T]:
         """Keep the newest value of a stream: ``values()`` is iterated in the thread, each value the newest.
 
-        When the iteration fails with one of ``errors`` (recorded and logged as a failed poll) or ends, ``values()``
-        is called again ``retry_after`` seconds later. :attr:`Snapshot.polls` counts the calls.
-
-        Args:
-            values: opens the stream (called in the thread, so that a failure to open is a failed poll).
-            retry_after: seconds between the end of one stream and the opening of the next.
-            name: the thread's name, and the subject of the log lines.
-            errors: the exception types a stream may fail with.
-            clock: monotonic seconds (ages); ``wall``: seconds since the epoch. Injectable for tests.
-            wall: see ``clock``.
-            on_close: called by :meth:`close` after the thread was told to stop: ends a blocked iteration (closes
-                the stream).
+        ``values()`` (called in the thread, so a failure to open is a failed poll) is called again ``retry_after``
+        seconds after the iteration fails with one of ``errors`` or ends; :attr:`Snapshot.polls` counts the calls.
+        ``on_close`` is called by :meth:`close` to end a blocked iteration. The rest is as for :class:`Latest`.
         """
 
         def unused() -> T:

@@ -1,19 +1,9 @@
 """Per-process GPU use from ``nvidia-smi pmon``: the fixed-width parser, its argv, instants, and summaries.
 
-``--query-compute-apps`` says which process holds GPU memory; ``pmon`` says which keeps the GPU busy (SM %,
-memory-controller %, encoder/decoder/JPEG/OFA %, and with ``-s m`` framebuffer MB). Its output is text:
-
-.. code-block:: text
-
-    # gpu         pid   type     sm    mem    enc    dec    jpg    ofa    command
-    # Idx           #    C/G      %      %      %      %      %      %    name
-        0      11345     C     99     10      -      -      -      -    gpu_burn
-        1          -     -      -      -      -      -      -      -    -
-
-``-`` means no value (an idle GPU prints one such line; a metric the GPU cannot report prints ``-`` too). The
-columns depend on the driver and the options, so the parser reads them from the header (see ``docs/adoption.md``
-for which drivers print which). The supervised stream of rows and instants is
-:func:`smiquery.streams.pmon.stream`.
+``--query-compute-apps`` says which process holds GPU memory; ``pmon`` says which keeps the GPU busy. Its columns
+depend on the driver and the options, so the parser reads them from the header (``# gpu pid type sm mem ...
+command``); ``-`` means no value, and an idle GPU prints one line of them. The supervised stream of rows and
+instants is :func:`smiquery.streams.pmon.stream`.
 """
 
 from __future__ import annotations
@@ -23,7 +13,7 @@ import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from smiquery.errors import ParseError
 from smiquery.source import StreamEvent, StreamStats
@@ -45,25 +35,11 @@ __all__ = [
 
 
 class PmonRow(NamedTuple):
-    """One line of ``nvidia-smi pmon``: one process on one GPU at one instant (or an idle GPU).
+    """One line of ``nvidia-smi pmon``: one process on one GPU at one instant (``pid`` None: an idle GPU).
 
-    Every value is None when pmon printed ``-`` or the driver/options do not print that column.
-
-    Attributes:
-        gpu: GPU index.
-        pid: process id (None on an idle GPU's line).
-        type: ``C`` (compute), ``G`` (graphics), ``C+G``, or ``M``/``M+C``/``M+G`` variants on newer drivers.
-        sm: SM (streaming multiprocessor) utilisation, %.
-        mem: memory-controller utilisation, %.
-        enc: encoder utilisation, %.
-        dec: decoder utilisation, %.
-        jpg: JPEG decoder utilisation, % (newer drivers).
-        ofa: optical-flow accelerator utilisation, % (newer drivers).
-        fb: framebuffer memory used, MB (``-s m``).
-        ccpm: confidential-compute protected memory, MB (``-s m`` on newer drivers).
-        command: the process name, truncated by nvidia-smi (about 15 characters; may contain spaces).
-        date: ``YYYYMMDD`` (``-o D``).
-        time: ``HH:MM:SS`` (``-o T``).
+    A value is None when pmon printed ``-`` or does not print that column. ``type`` is ``C``, ``G``, ``C+G`` (or
+    ``M...`` on newer drivers); ``sm``, ``mem``, ``enc``, ``dec``, ``jpg``, ``ofa`` are utilisation %; ``fb`` and
+    ``ccpm`` MB (``-s m``); ``command`` is the name as truncated by nvidia-smi; ``date``/``time`` come with ``-o DT``.
     """
 
     gpu: int | None
@@ -121,17 +97,10 @@ def _header_names(line: str) -> list[str] | None:
 class PmonParser:
     """Turns ``nvidia-smi pmon`` lines into :class:`PmonRow` records, one line at a time.
 
-    The columns come from the header line (printed first, and again whenever nvidia-smi repeats it); the unit
-    line under it is skipped. Without a header, pass ``columns``. Unknown columns (a future driver's) are read
-    past and ignored. The last column (``command``) takes the rest of the line, so names with spaces survive.
-
-    In strict mode a line that does not fit raises :class:`ParseError`; in lenient mode (streams) it is dropped
-    and counted in :attr:`dropped`, with the error in :attr:`last_error`. Lines that are neither header nor row
-    (driver messages such as ``Not supported on the device(s)``) are kept in :attr:`notices`.
-
-    Args:
-        columns: column names when the output has no header (e.g. ``("gpu", "pid", "type", "sm", ...)``).
-        strict: raise on bad lines (True) or drop and count them (False).
+    The columns come from each header line (pass ``columns`` for output without one); unknown columns are read
+    past, and ``command`` takes the rest of the line. A line that does not fit raises :class:`ParseError` when
+    ``strict``, else it is counted in :attr:`dropped` (the error in :attr:`last_error`); driver messages are kept
+    in :attr:`notices`.
     """
 
     def __init__(self, columns: Sequence[str] | None = None, *, strict: bool = True) -> None:
@@ -167,14 +136,7 @@ class PmonParser:
         self._int_cells = operator.itemgetter(*self._int_pos, absent)  # a tuple even for one column
 
     def feed(self, line: str) -> PmonRow | None:
-        """Parse one line.
-
-        Returns:
-            The row, or None for a header, unit line, blank line, notice or (lenient mode) dropped line.
-
-        Raises:
-            ParseError: in strict mode, for a line that does not fit the columns (or a row before any header).
-        """
+        """The line's row; None for a header, unit, blank, notice or dropped line (strict: ParseError instead)."""
         self.lineno += 1
         if not line or line[0] == "#":
             if line:
@@ -243,14 +205,7 @@ class PmonParser:
 
 
 def parse_pmon(text: str | Iterable[str], *, strict: bool = True) -> list[PmonRow]:
-    """Parse a whole pmon capture.
-
-    Args:
-        text: the output, as one string or as lines.
-        strict: raise on lines that do not fit (True) or drop them.
-
-    Returns:
-        The rows in order (idle GPUs' lines included; see :attr:`PmonRow.idle`).
+    """Parse a whole pmon capture (a string or lines) into its rows, idle GPUs' lines included.
 
     Raises:
         ParseError: in strict mode, a line that does not fit.
@@ -309,18 +264,7 @@ def build_pmon_argv(
     select: str = "um",
     options: str = "DT",
 ) -> list[str]:
-    """The argument list for ``nvidia-smi pmon``.
-
-    Args:
-        binary: the nvidia-smi path.
-        gpus: ids for ``-i`` (pmon watches at most 4 GPUs; without ``-i`` the first 4).
-        interval: ``-d`` seconds between samples, 1..10 (pmon's own limits).
-        count: ``-c`` samples, then exit; None runs until stopped.
-        select: ``-s`` metric groups: ``u`` utilisation, ``m`` framebuffer memory.
-        options: ``-o`` extras: ``D`` date, ``T`` time; empty for none.
-
-    Returns:
-        The argv (never a shell string).
+    """The argument list for ``nvidia-smi pmon`` (``-i`` ids, ``-d`` interval, ``-c`` count, ``-s``, ``-o``).
 
     Raises:
         ValueError: an interval, count, select or options value pmon would reject.
@@ -344,14 +288,7 @@ def build_pmon_argv(
 
 
 class PmonRows:
-    """The engine's interpreter for ``pmon`` lines: rows, dropped lines and notices.
-
-    It makes no sweeps: :meth:`~smiquery.streams.pmon.PmonStream.samples` cuts the rows into instants.
-
-    Args:
-        stats: the source's counters.
-        emit: hands ``dropped_row`` events to the listeners.
-    """
+    """The engine's interpreter for ``pmon`` lines: rows, dropped lines (``dropped_row`` events) and notices."""
 
     what = "nvidia-smi pmon"
 
@@ -404,20 +341,11 @@ def _sum(values: Iterable[int | None]) -> int | None:
 
 
 def top_processes(rows: Iterable[PmonRow], n: int, *, by: str = "sm") -> dict[int, list[PmonRow]]:
-    """The ``n`` busiest processes of each GPU plus one ``other`` row summing the rest: bounded cardinality.
+    """Per GPU of one instant, the ``n`` busiest processes by ``by``, then one ``other`` row summing the rest.
 
-    For exporters: at most ``n + 1`` series per GPU whatever runs on it. The ``other`` row has ``pid`` None
-    and ``command`` ``"other"``, and is present only when more than ``n`` processes ran; its metrics sum the
-    known values of the processes it holds (None when none of them had a value). Idle-GPU lines give the GPU an
-    empty list. Processes with no value for ``by`` sort last; ties keep pmon's order.
-
-    Args:
-        rows: one instant of pmon rows (e.g. from :meth:`~smiquery.streams.pmon.PmonStream.samples`).
-        n: processes to keep per GPU (0 keeps only ``other``).
-        by: the metric to rank by (``sm``, ``mem``, ``fb``, ...).
-
-    Returns:
-        GPU index -> rows, busiest first, ``other`` last.
+    At most ``n + 1`` series per GPU (bounded cardinality for exporters). ``other`` (``pid`` None, ``command``
+    ``"other"``) comes only when more than ``n`` processes ran; its metrics sum the known values (None when none).
+    An idle GPU gets an empty list; processes without a ``by`` value sort last, ties keep pmon's order.
 
     Raises:
         ValueError: ``n`` is negative or ``by`` is not a pmon metric.
@@ -438,21 +366,8 @@ def top_processes(rows: Iterable[PmonRow], n: int, *, by: str = "sm") -> dict[in
         ranked = sorted(procs, key=lambda r: (getattr(r, by) is None, -(getattr(r, by) or 0)))
         kept, rest = ranked[:n], ranked[n:]
         if rest:
-            s = {m: _sum(getattr(r, m) for r in rest) for m in _METRICS}
-            kept.append(
-                PmonRow(
-                    gpu=gpu,
-                    command="other",
-                    sm=s["sm"],
-                    mem=s["mem"],
-                    enc=s["enc"],
-                    dec=s["dec"],
-                    jpg=s["jpg"],
-                    ofa=s["ofa"],
-                    fb=s["fb"],
-                    ccpm=s["ccpm"],
-                )
-            )
+            sums: dict[str, Any] = {m: _sum(getattr(r, m) for r in rest) for m in _METRICS}
+            kept.append(PmonRow(gpu=gpu, command="other", **sums))
         out[gpu] = kept
     return out
 
@@ -461,14 +376,8 @@ def top_processes(rows: Iterable[PmonRow], n: int, *, by: str = "sm") -> dict[in
 class ProcessShare:
     """How much of one GPU a set of processes (e.g. a training run) uses, against everyone else.
 
-    Attributes:
-        gpu: GPU index.
-        mine_sm: SM % summed over the given processes (None when none of them has a value).
-        others_sm: SM % summed over every other process on the GPU (None when none has a value).
-        share: ``mine_sm / (mine_sm + others_sm)``, 0..1; None when neither side reported any SM use.
-        mine_fb: framebuffer MB of the given processes (``-s m``), None when unknown.
-        others_fb: framebuffer MB of the others, None when unknown.
-        other_pids: the pids of the other processes on this GPU.
+    SM % and framebuffer MB are summed over "mine" and over the others (None when no value); ``share`` is
+    ``mine_sm / (mine_sm + others_sm)``, None when neither side reported SM use.
     """
 
     gpu: int
@@ -486,17 +395,7 @@ class ProcessShare:
 
 
 def process_share(rows: Iterable[PmonRow], pids: Collection[int]) -> dict[int, ProcessShare]:
-    """Per GPU, the share of SM use that belongs to ``pids`` (is someone else using "my" GPU?).
-
-    Only GPUs on which one of ``pids`` runs are reported.
-
-    Args:
-        rows: one instant of pmon rows.
-        pids: the processes that count as "mine" (e.g. ``{os.getpid()}`` plus data-loader workers).
-
-    Returns:
-        GPU index -> :class:`ProcessShare`.
-    """
+    """Per GPU that one of ``pids`` runs on, the share of one instant's SM use that is theirs."""
     mine_ids = set(pids)
     by_gpu: dict[int, tuple[list[PmonRow], list[PmonRow]]] = {}
     for row in rows:
@@ -525,15 +424,7 @@ def process_share(rows: Iterable[PmonRow], pids: Collection[int]) -> dict[int, P
 
 
 def sort_rows(rows: Iterable[PmonRow], by: str = "sm", *, descending: bool = True) -> list[PmonRow]:
-    """Rows ordered by one column for a live table (``smiquery ps --watch``); missing values always sort last.
-
-    Args:
-        rows: pmon rows.
-        by: any :class:`PmonRow` field (``sm``, ``mem``, ``fb``, ``pid``, ``gpu``, ``command``...).
-        descending: largest first (the default, for busiest-first views).
-
-    Returns:
-        A new list; ties keep their order.
+    """Rows ordered by any :class:`PmonRow` field (``ps --watch``), largest first by default; None sorts last.
 
     Raises:
         ValueError: ``by`` is not a pmon column.
@@ -548,17 +439,7 @@ def sort_rows(rows: Iterable[PmonRow], by: str = "sm", *, descending: bool = Tru
 
 
 def process_user(pid: int) -> str | None:
-    """The user name owning ``pid`` on this host (from ``/proc``), or None when unknown.
-
-    pmon's pids are in the host's PID namespace: inside a container most of them are not visible, and the
-    answer is None rather than a guess.
-
-    Args:
-        pid: a process id from a :class:`PmonRow`.
-
-    Returns:
-        The user name, the numeric uid as text when it has no name, or None.
-    """
+    """The user (or uid as text) owning ``pid`` on this host, from ``/proc``; None when not visible (containers)."""
     try:
         uid = os.stat(f"/proc/{int(pid)}").st_uid
     except (OSError, ValueError):

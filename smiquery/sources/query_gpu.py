@@ -1,11 +1,4 @@
-r"""``--query-gpu``: its CSV parsed into :class:`GpuSample` records, and the one-shot ``query()``.
-
-The parser is pure (no subprocess, no pandas: recordings, replays, alerts and streams parse with it too). It handles
-header or no header, units or no units, status tokens, ``\r``, blank lines and stray notice lines, and rejects any
-row that does not fit with a :class:`ParseError`. ``query()`` validates fields and GPU ids before anything runs,
-runs nvidia-smi once through a :class:`~smiquery.runner.Runner` and judges its exit; long-running streams live in
-:mod:`smiquery.streams`.
-"""
+"""``--query-gpu``: its CSV parsed into :class:`GpuSample` records (a pure parser), and the one-shot ``query()``."""
 
 from __future__ import annotations
 
@@ -38,6 +31,7 @@ __all__ = [
     "get_gpu_status",
     "header_line",
     "is_message",
+    "judge_exit",
     "parse_lines",
     "query",
     "query_df",
@@ -89,13 +83,10 @@ def _split_header_cell(cell: str) -> tuple[str, str]:
 class CsvParser:
     """Turns nvidia-smi CSV lines into :class:`GpuSample` records, one line at a time.
 
-    Columns are mapped by position: nvidia-smi prints canonical names in the header even when an alias was
-    queried. A header line (with ``[unit]`` suffixes) is recognised when it comes first; without one, ``fields``
-    must be given. Values may carry units (``38 %``) or not.
-
-    In strict mode a row that does not fit raises :class:`ParseError`. In lenient mode (for streams) it is
-    dropped and counted in :attr:`dropped`, with the error kept in :attr:`last_error`. Either way no shifted or
-    half-parsed row is ever returned.
+    Columns map by position. A header line (``name [unit]``) is recognised when it comes first; without one,
+    ``fields`` must be given. Values may carry units or not; notices and blank lines are skipped. A row that does
+    not fit raises :class:`ParseError` when ``strict``, else it is counted in :attr:`dropped` (the error in
+    :attr:`last_error`); no shifted or half-parsed row is ever returned.
 
     Args:
         fields: the queried fields in order (names, aliases or :class:`Field`); None to take them from a header.
@@ -175,14 +166,7 @@ class CsvParser:
         return True
 
     def feed(self, line: str) -> GpuSample | None:
-        """Parse one line.
-
-        Returns:
-            The record, or None for a header, blank, notice or (lenient mode) dropped line.
-
-        Raises:
-            ParseError: in strict mode, for a row that does not fit (or a missing header without fields).
-        """
+        """The line's record; None for a header, blank, notice or dropped line (strict: ParseError instead)."""
         self.lineno += 1
         line = line.rstrip("\r\n\t ")
         if not line:
@@ -265,16 +249,7 @@ def parse_lines(
     strict: bool = True,
     tz: tzinfo | None = None,
 ) -> list[GpuSample]:
-    """Parse nvidia-smi CSV output into records.
-
-    Args:
-        lines: the output, as an iterable of lines or one string.
-        fields: the queried fields, required when the output has no header.
-        strict: raise :class:`ParseError` on a bad row (True) or drop it (False).
-        tz: time zone of the timestamps (default: the host's local zone).
-
-    Returns:
-        One record per data row.
+    """Parse nvidia-smi CSV output (lines or one string) into records; ``fields`` is needed without a header.
 
     Raises:
         ParseError: a row does not fit (strict mode), or there is neither header nor ``fields``.
@@ -285,10 +260,7 @@ def parse_lines(
 
 
 def format_row(sample: GpuSample, fields: Sequence[Field] | None = None, *, units: bool = False) -> str:
-    """One CSV line for ``sample`` in nvidia-smi's format (``, `` separated, no quoting, no newline).
-
-    The typed values are formatted as nvidia-smi formats them, so parsing the line gives the same values back.
-    """
+    """One CSV line for ``sample`` as nvidia-smi prints it (no newline): parsing it gives the same values back."""
     flds = fields or tuple(get_field(n) for n in sample.fields)
     missing = sample.missing
     return ", ".join(f.format(v, missing.get(f.name), units=units) for f, v in zip(flds, sample.values(), strict=True))
@@ -301,8 +273,7 @@ def header_line(fields: Sequence[Field]) -> str:
 
 # ------------------------------------------------------------------------------------------------ one shot
 
-#: Seconds a one-shot call waits by default: enough for a cold start without persistence mode, which takes 15-30 s
-#: on large hosts and in containers with a huge open-file limit (NVIDIA-SMI.md section 6).
+#: Seconds a one-shot call waits by default: a cold start without persistence mode takes 15-30 s on large hosts.
 DEFAULT_TIMEOUT = 45.0
 
 
@@ -311,6 +282,16 @@ def _messages_only(done: Completed, fields: Sequence[Field]) -> str:
     probe = CsvParser(fields, strict=False)
     said = [ln for ln in done.stdout.splitlines() if ln.strip() and (is_message(ln) or probe.feed(ln) is None)]
     return "\n".join(said) + (("\n" + done.stderr) if done.stderr else "")
+
+
+def judge_exit(argv: Sequence[str], done: Completed, what: str) -> Completed:
+    """A finished one-shot call's typed error when it failed; exit 14 (infoROM) warns and returns ``what``."""
+    if done.returncode not in (0, 14):
+        raise failure_from_exit(argv, done.returncode, done.output)
+    if done.returncode == 14:
+        notice = next((ln for ln in done.stdout.splitlines() if ln.startswith("WARNING:")), "infoROM warning")
+        warnings.warn(f"nvidia-smi exited 14 ({notice}); {what} returned", InfoRomWarning, stacklevel=3)
+    return done
 
 
 def check_and_parse(
@@ -354,16 +335,12 @@ def query(
     """Take one snapshot: one record per GPU.
 
     Args:
-        fields: a preset (``"default"``, ``"health"``, ``"memory"``...), ``"a,b,c"``, or a sequence of names or
-            resolved fields.
+        fields: a preset (``"default"``, ``"health"``, ...), ``"a,b,c"``, or a sequence of names or fields.
         gpus: indices, UUIDs or PCI bus ids; None for all.
         nvidia_smi: path of the binary (default: ``$SMIQUERY_NVIDIA_SMI``, PATH, the usual places).
-        timeout: seconds before the child is killed (the default fits a cold start without persistence mode).
+        timeout: seconds before the child is killed.
         runner: how to run it (tests inject one).
         tz: time zone of the timestamps (default: the host's).
-
-    Returns:
-        One record per GPU, in nvidia-smi's order.
 
     Raises:
         InvalidFieldError: an unknown field (raised before anything runs).
@@ -391,11 +368,7 @@ def query_df(
     timeout: float = DEFAULT_TIMEOUT,
     runner: Runner | None = None,
 ) -> pd.DataFrame:
-    """Like :func:`query`, as a pandas DataFrame (nullable dtypes, units in ``df.attrs["units"]``).
-
-    Its columns are named and typed as in every DataFrame smiquery gives (:func:`smiquery.frames.to_dataframe`):
-    ``memory.used`` is the ``Int64`` column ``memory_used``.
-    """
+    """Like :func:`query`, as a DataFrame (:func:`smiquery.frames.to_dataframe`: ``memory_used`` as ``Int64``)."""
     from smiquery.frames import to_dataframe
 
     return to_dataframe(query(fields, gpus=gpus, nvidia_smi=nvidia_smi, timeout=timeout, runner=runner))
@@ -426,15 +399,6 @@ def get_gpu_status(
     "memory_util_percent", "timestamp"}, ...]}`` (missing values are None; ``timestamp`` is ISO 8601; extra
     ``fields`` add snake_case keys such as ``power_draw``). Failure: ``{"success": False, "error": "<one line>",
     "error_type": "<exception class name>"}``. It returns within ``timeout`` seconds even when nvidia-smi hangs.
-
-    Args:
-        fields: extra fields to include (names or a comma list).
-        nvidia_smi: path of the binary.
-        timeout: the most seconds this call may take.
-        runner: how to run nvidia-smi.
-
-    Returns:
-        The status dict described above.
     """
     try:
         flds = resolve_fields([*_STATUS_FIELDS, *(resolve_fields(fields) if fields else ())])

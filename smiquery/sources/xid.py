@@ -1,19 +1,9 @@
-"""Xid errors: the NVIDIA kernel driver's error events, read from the kernel log.
+"""Xid errors: the NVIDIA driver's error events (``NVRM: Xid (PCI:0000:3b:00): 79, ...``), from the kernel log.
 
-nvidia-smi never reports Xids; the driver writes them to the kernel log as
-``NVRM: Xid (PCI:0000:3b:00): 79, pid=..., name=..., GPU has fallen off the bus.``. :func:`follow` reads
-``/dev/kmsg`` (or a plain file, followed like ``tail -F``) and yields one :class:`XidEvent` per Xid line;
-:func:`parse_line` reads one line in any of the formats (``/dev/kmsg`` records, ``dmesg`` with or without
-``[seconds]`` stamps, syslog and journal lines) and takes it only when the kernel wrote it: anyone can log a line
-that looks like an Xid, and :func:`refusal` says why such a line is refused. :data:`XID_CATALOGUE` gives each
-common code a short meaning and what to do, from NVIDIA's public Xid catalogue.
-
-``/dev/kmsg`` replays its whole ring buffer to every new reader: each record carries a sequence number, and a
-follower yields each sequence number once (give ``after_seq=`` the last one you handled to resume without
-counting twice); any other line is known by its own stamp and text. :meth:`XidFollower.close` may be called from
-any other thread and ends the iteration within ``poll`` seconds. :class:`XidWatcher` is the one thread that follows
-a log, for the exporter, the training monitor and the stream CLI alike: it counts the events per GPU and code
-(bounded) and the refused lines by reason, and hands each event to its listener.
+nvidia-smi never reports Xids. :func:`parse_line` reads one line of any kernel-log format and takes it only when the
+kernel wrote it (:func:`refusal` says why another is refused); :func:`follow` yields each event of ``/dev/kmsg`` or
+a plain file once; :class:`XidWatcher` is the one thread that follows a log and counts the events;
+:data:`XID_CATALOGUE` says what the common codes mean and what to do (from NVIDIA's public Xid catalogue).
 """
 
 from __future__ import annotations
@@ -66,13 +56,8 @@ XidAction = Literal["application", "reset", "drain", "rma", "info"]
 class XidInfo:
     """What one Xid code means and what to do about it.
 
-    Attributes:
-        code: the Xid number.
-        meaning: a few words.
-        action: ``application`` (a bug in the program, the GPU is fine), ``reset`` (reset the GPU when it is
-            idle), ``drain`` (take the node out of service now, then reset or reboot), ``rma`` (repeated:
-            hardware service), ``info`` (recorded, nothing to do).
-        advice: one sentence saying what to do.
+    ``action`` is ``application`` (a bug in the program, the GPU is fine), ``reset`` (reset the GPU when idle),
+    ``drain`` (take the node out of service now), ``rma`` (repeated: hardware service) or ``info`` (nothing to do).
     """
 
     code: int
@@ -131,16 +116,9 @@ XID_CATALOGUE: dict[int, XidInfo] = dict(
 class XidEvent:
     """One Xid line from the kernel log.
 
-    Attributes:
-        xid: the code.
-        pci_bus_id: the GPU's PCI address as the driver printed it (``0000:3b:00``); match it to a GPU with
-            :func:`bus_key` or :func:`gpu_for`.
-        message: the text after the code.
-        pid: the process the driver named (``pid=``), None when none.
-        process_name: the ``name=`` the driver printed, None when none.
-        seq: the ``/dev/kmsg`` sequence number, None for other formats.
-        uptime: seconds since boot when the kernel logged it, None when the line has no stamp.
-        raw: the whole line.
+    ``pci_bus_id`` is the GPU's address as the driver printed it (match it with :func:`gpu_for`); ``message`` the
+    text after the code, with its ``pid=`` and ``name=`` in ``pid`` and ``process_name``; ``seq`` the
+    ``/dev/kmsg`` sequence number and ``uptime`` the kernel's stamp in seconds since boot (None when absent).
     """
 
     xid: int
@@ -185,28 +163,22 @@ _CALLER_RE = re.compile(r"\[\s*[CT]\d+\] ?")  # CONFIG_PRINTK_CALLER's "[    T12
 _PID_RE = re.compile(r"pid=(\d+)")
 _NAME_RE = re.compile(r"name=([^,]*)")
 
-#: Why a line with an Xid in it is refused: ``not_kernel`` (its format names another writer: a syslog tag or
-#: RFC 5424 app name other than ``kernel``, a syslog priority or ``/dev/kmsg`` facility other than the kernel's, a
-#: ``dmesg -x`` facility other than ``kern``), ``unknown_format`` (no kernel-log line format, or the Xid is not where
-#: the kernel's message starts), ``malformed`` (the kernel's line, but its bus id or code does not parse).
-REJECT_REASONS = ("not_kernel", "unknown_format", "malformed")
+_REFUSED = {  # why a line with an Xid in it is refused
+    "not_kernel": "was not written by the kernel",  # a tag, priority or facility names another writer
+    "unknown_format": "is in no kernel-log format smiquery reads",  # or the Xid does not start the message
+    "malformed": "does not parse",  # the kernel's line, but its bus id or code does not parse
+}
+#: Why a line with an Xid in it is refused (see :func:`refusal`).
+REJECT_REASONS = tuple(_REFUSED)
 RejectReason = Literal["not_kernel", "unknown_format", "malformed"]
 
 
 def parse_line(line: str) -> XidEvent | None:
     """The Xid event in one kernel-log line, or None when the line is no Xid written by the kernel.
 
-    Only the kernel writes Xid lines; anyone can write a line that looks like one (``logger 'NVRM: Xid ...'``).
-    A line counts only when the Xid text starts the kernel's own message in one of these formats:
-
-    * ``/dev/kmsg`` records (``4,1234,5678901,-;NVRM: Xid ...``) of the kernel facility (what a program writes to
-      ``/dev/kmsg`` gets the user facility);
-    * ``dmesg`` lines: ``[ 5.678901] NVRM: Xid ...``, ``dmesg -T``'s ``[Sat Dec  5 10:00:00 2026] NVRM: Xid ...``,
-      ``dmesg -x``'s ``kern  :warn  : [...]``;
-    * syslog and journal lines whose tag is exactly ``kernel``: ``Dec  5 10:00:00 host kernel: [5.67] NVRM: Xid
-      ...``, rsyslog's ISO stamps, the ``journalctl -k`` (``-o short*``) formats, RFC 5424 with app name ``kernel``.
-
-    :func:`refusal` says why a line with an Xid in it is refused.
+    Anyone can log a line that looks like an Xid (``logger 'NVRM: Xid ...'``), so the Xid must start the kernel's
+    own message: a ``/dev/kmsg`` record of the kernel facility, a ``dmesg`` line (plain, ``-T``, ``-x`` with
+    facility ``kern``), or a syslog, journal (``journalctl -k -o short*``) or RFC 5424 line tagged ``kernel``.
     """
     got = _read(line)
     return got if isinstance(got, XidEvent) else None
@@ -267,13 +239,7 @@ _G = TypeVar("_G")
 
 
 def gpu_for(event: XidEvent, gpus: Iterable[_G]) -> _G | None:
-    """The GPU the event is about, matched by PCI address; None when none of ``gpus`` is at it.
-
-    Args:
-        event: the event.
-        gpus: :class:`~smiquery.sources.details.GpuDetails`, samples that queried ``pci.bus_id``, or anything else
-            with a ``pci_bus_id`` attribute (one without it, or whose address is None, matches nothing).
-    """
+    """The one of ``gpus`` (anything with a ``pci_bus_id``: details, samples) at the event's PCI address, or None."""
     key = bus_key(event.pci_bus_id)
     for gpu in gpus:
         bus = getattr(gpu, "pci_bus_id", None)
@@ -341,18 +307,11 @@ class XidFollower(Iterator[XidEvent]):
     def _open(self, *, first: bool, from_start: bool = True) -> bool:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except PermissionError:
-            if first:
-                raise KernelLogError(self.path, "permission denied") from None
-            return False
-        except FileNotFoundError:
-            if first:
-                raise KernelLogError(self.path, "no such file") from None
-            return False
         except OSError as exc:
-            if first:
-                raise KernelLogError(self.path, exc.strerror or str(exc)) from None
-            return False
+            if not first:
+                return False
+            why = {errno.EACCES: "permission denied", errno.EPERM: "permission denied", errno.ENOENT: "no such file"}
+            raise KernelLogError(self.path, why.get(exc.errno or 0) or exc.strerror or str(exc)) from None
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
             os.close(fd)
@@ -395,11 +354,7 @@ class XidFollower(Iterator[XidEvent]):
             yield data.decode("utf-8", errors="replace").split("\n", 1)[0]
 
     def _file_lines(self) -> Iterator[str]:
-        """Follow a plain file like ``tail -F``: re-open it when it is replaced (rotated) or truncated.
-
-        As with ``tail -F``, truncation is seen when the file is found shorter than what was read: one truncated
-        and refilled past that point between two polls reads on from the old position.
-        """
+        """Follow a plain file like ``tail -F``: re-open it when replaced, read it again when found shorter."""
         while not self._closed.is_set():
             if self._fd < 0:
                 if not self._open(first=False):
@@ -434,10 +389,9 @@ class XidFollower(Iterator[XidEvent]):
     def _fresh(self, event: XidEvent) -> bool:
         """Whether the event was not handed out before.
 
-        A ``/dev/kmsg`` record is known by its sequence number. Any other line carries its own stamp (the kernel's
-        ``[seconds]`` or the wall-clock one of ``dmesg -T`` and syslog), so the same line read again is the same
-        record: a line is known by its text and by how many times that text was read since the file was opened or
-        truncated (the same text twice in one reading is two events; read again after a rewrite, it is none).
+        A ``/dev/kmsg`` record is known by its sequence number; any other line carries its own stamp, so it is known
+        by its text and how many times that text was read since the file was opened or truncated (the same text
+        twice in one reading is two events; read again after a rewrite, it is none).
         """
         if event.seq is not None:
             if event.seq <= self.last_seq:
@@ -479,21 +433,14 @@ def follow(
     poll: float = 0.5,
     on_reject: Callable[[RejectReason, str], object] | None = None,
 ) -> XidFollower:
-    """Follow a kernel log and yield each Xid event once, until the follower is closed.
+    """Follow a kernel log and yield each Xid event once; ``close()`` the follower from any thread.
 
     Args:
-        path: ``/dev/kmsg`` (the default; replays the ring buffer, then waits for new records) or a plain file
-            (``/var/log/kern.log``, a saved ``dmesg``), followed like ``tail -F`` across rotation.
-        after_seq: skip ``/dev/kmsg`` records up to this sequence number (a restart that remembers
-            ``follower.last_seq`` counts nothing twice).
-        from_start: read a plain file from its beginning, replay ``/dev/kmsg``'s ring buffer (False: only what is
-            logged from now on).
+        path: ``/dev/kmsg`` (replays its ring buffer, then waits) or a plain file, followed like ``tail -F``.
+        after_seq: skip ``/dev/kmsg`` records up to this sequence number (resume after ``follower.last_seq``).
+        from_start: read a plain file from its beginning, replay ``/dev/kmsg`` (False: only what comes from now).
         poll: seconds between checks for new data and for :meth:`XidFollower.close`.
-        on_reject: called on the reading thread with the reason and the line for each line with an Xid in it that
-            :func:`parse_line` refuses (see :func:`refusal`).
-
-    Returns:
-        The follower: iterate it for :class:`XidEvent`; ``close()`` from any thread.
+        on_reject: called on the reading thread with the reason and the line of each refused Xid line.
 
     Raises:
         KernelLogError: the log cannot be opened (no permission: run as root or with CAP_SYSLOG; missing).
@@ -505,15 +452,9 @@ def follow(
 
 
 def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -> str:
-    """One line for people: the code, the GPU, the catalogue's meaning and action.
+    """One line for people: the code, the GPU (its index and UUID when known), the catalogue's meaning and action.
 
-    For example ``Xid 79 on GPU 1 (GPU-5d..., PCI 0000:5d:00): GPU has fallen off the bus; action drain: Drain
-    the node and reboot it; ...``. A code the catalogue lacks is shown with the driver's own text.
-
-    Args:
-        event: the event.
-        gpu: the nvidia-smi index of the GPU at its PCI address, None when unknown.
-        uuid: that GPU's UUID, None when unknown.
+    A code the catalogue lacks is shown with the driver's own text.
     """
     where = ", ".join(x for x in (uuid, f"PCI {event.pci_bus_id}") if x)
     who = f"GPU {gpu} ({where})" if gpu is not None else f"the GPU at {where}"
@@ -524,46 +465,27 @@ def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -
     return f"Xid {event.xid} on {who}{proc}: {info.meaning}; action {info.action}: {info.advice}"
 
 
-_REFUSED = {
-    "not_kernel": "was not written by the kernel",
-    "unknown_format": "is in no kernel-log format smiquery reads",
-    "malformed": "does not parse",
-}
-
-
 class XidWatcher:
     """A kernel log followed on a daemon thread: each new Xid event is counted by GPU and code, then handed on.
 
-    The one follower thread of the exporter (which retries a log it cannot read and serves the counts), the
-    training monitor and the stream CLI (which follow from the log's end and stop at the first failure).
-
-    What it keeps is bounded whatever the log holds: counts for the :attr:`MAX_SERIES` (bus, code) pairs with the
-    newest events (an older pair's count moves to :attr:`other`), and one count per refusal reason. Lines with an
-    Xid that the kernel did not write (see :func:`parse_line`) are counted by reason (:meth:`rejected`) and noted
-    at most once a minute, with how many were refused since the last note.
+    The one follower of the exporter, the training monitor and the stream CLI. What it keeps is bounded: counts for
+    the :attr:`MAX_SERIES` (bus, code) pairs with the newest events (an older pair's count moves to :attr:`other`)
+    and one count per refusal reason (:meth:`rejected`); refused lines are noted at most once a minute.
 
     Args:
-        path: ``/dev/kmsg`` or a plain file followed like ``tail -F``.
-        on_event: called with each new event, on the thread, after it was counted; what it raises is logged and
-            the following goes on.
-        on_error: called on the thread with the error and whether the log had been opened: each time reading
-            fails, and (with ``retry``) the first time the log cannot be opened; later attempts are quiet.
-        from_start: see :func:`follow` (False: only events logged from now on).
+        path: ``/dev/kmsg`` or a plain file (see :func:`follow`, as for ``from_start`` and ``poll``).
+        on_event: called on the thread with each new event after it was counted (what it raises is logged).
+        on_error: called on the thread with the error and whether the log had been opened: on each read failure,
+            and (with ``retry``) the first time the log cannot be opened.
         retry: seconds before the log is opened again after it could not be, or after reading failed (resuming
-            after the last event counted, so a replayed record is not counted twice). None: :meth:`start` opens
-            the log, raising when it cannot, and a failure ends the following.
-        poll: see :func:`follow`.
-        on_refused: called on the thread with one line about a refused line (the reason, the line with control
-            characters escaped, how many more were refused since the last note), at most once a minute; None
-            (the default) logs it as a WARNING.
+            after the last event counted). None: :meth:`start` opens the log, raising when it cannot, and a
+            failure ends the following.
+        on_refused: called with the one-line note about refused lines (default: a WARNING log).
         clock: a monotonic clock for that minute (tests inject one).
 
     Attributes:
-        up: True while the log is open and read.
-        last_error: the last failure, one line (None while ``up``).
-        events: events counted so far.
-        other: events no longer counted under their (bus, code) pair, to keep at most :attr:`MAX_SERIES` pairs.
-        attempts: times the log was opened or tried.
+        up: True while the log is open and read; ``last_error`` the last failure, one line.
+        events: events counted so far; ``attempts``: times the log was opened or tried.
     """
 
     #: (bus, code) pairs counted at most: the pair whose last event is the oldest gives its count to ``other``

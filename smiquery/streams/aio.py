@@ -1,10 +1,4 @@
-"""The asyncio driver of the stream engine (public as :mod:`smiquery.aio`).
-
-A stream runs nvidia-smi with the sync API's guarantees: a deadline on every read, one child per stream, the CSV
-stream's retry policy (:mod:`smiquery.retry`), typed errors, every child reaped on every path (its children are
-:mod:`smiquery.runner.aio`'s). It is the asyncio driver of the sync stream's engine (:mod:`smiquery.streams.engine`):
-parsing, sweeps, GPU identity, deadlines, counters, events and the retry decision are the same code.
-"""
+"""The asyncio driver of the stream engine (public as :mod:`smiquery.aio`), over :mod:`smiquery.runner.aio`."""
 
 from __future__ import annotations
 
@@ -13,32 +7,29 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import tzinfo
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from smiquery.errors import SmiqueryError, StreamEndedError
 from smiquery.fields import FieldsArg
 from smiquery.retry import RetryPolicy
 from smiquery.runner import find_nvidia_smi
 from smiquery.runner.aio import AsyncLines, start_loop_child
+from smiquery.sample import GpuSample
 from smiquery.source import StreamEvent, Sweep
 from smiquery.streams.argv import GpusArg
 from smiquery.streams.sweeps import CsvSource
 
-if TYPE_CHECKING:
-    from smiquery.sample import GpuSample
-
 __all__ = ["AsyncStream", "stream"]
+
+T = TypeVar("T")
 
 
 class AsyncStream(CsvSource):
-    """One long-lived nvidia-smi in loop mode, read without blocking the event loop.
+    """One long-lived nvidia-smi in loop mode, read without blocking the event loop (see :func:`stream`).
 
-    ``async for sample in s`` yields samples; :meth:`sweeps` yields whole sweeps. Leaving ``async with`` (or
-    :meth:`aclose`) terminates and reaps the child; so does cancelling the task that iterates. Only one
-    iteration may run at a time (one child per stream). This is the asyncio driver of the engine the sync
-    stream runs (:class:`~smiquery.streams.engine.Engine`): the same sweeps, GPU identity, deadlines, counters,
-    events and :class:`~smiquery.retry.RetryPolicy`; :attr:`stats` shows the state, :meth:`latest` the newest
-    sweep, :meth:`subscribe` (or ``on_event``) hears every event. See :func:`stream` for the arguments.
+    ``async for sample in s`` yields samples, :meth:`sweeps` whole sweeps; one iteration at a time (one child per
+    stream). Leaving ``async with``, :meth:`aclose` or cancelling the iterating task reaps the child. As the sync
+    :class:`~smiquery.streams.sync.Stream`: :attr:`stats`, :meth:`latest`, :meth:`subscribe` (or ``on_event``).
     """
 
     def __init__(
@@ -66,15 +57,9 @@ class AsyncStream(CsvSource):
             on_event=on_event,
             tz=tz,
         )
-        self._error: BaseException | None = None
         self._sleep = sleep
         self._child: AsyncLines | None = None
         self._busy = False
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that ended the stream (given up), if any."""
-        return self._error
 
     async def _batches(self) -> AsyncIterator[list[GpuSample | Sweep]]:
         """The engine's items in the batches they arrive in (one read of output): one generator step per read."""
@@ -125,7 +110,7 @@ class AsyncStream(CsvSource):
         except BaseException as exc:
             if not isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
                 self.stats.state = "failed"
-                self._error = exc
+                self.error = exc
             raise
         finally:
             engine.finish()
@@ -136,33 +121,26 @@ class AsyncStream(CsvSource):
             self._emit(event)
 
     def __aiter__(self) -> AsyncIterator[GpuSample]:
-        return self._samples()
+        return self._only(GpuSample, None)
 
-    async def _samples(self) -> AsyncIterator[GpuSample]:
-        batches = self._batches()
-        try:
-            async for batch in batches:
-                for item in batch:
-                    if type(item) is not Sweep:
-                        yield item  # type: ignore[misc]
-        finally:
-            await batches.aclose()  # type: ignore[attr-defined]
-
-    async def sweeps(self, count: int | None = None) -> AsyncIterator[Sweep]:
+    def sweeps(self, count: int | None = None) -> AsyncIterator[Sweep]:
         """Yield whole sweeps (one sample per GPU for one instant), grouped as the sync stream groups them.
 
         Args:
             count: stop after this many sweeps.
         """
+        return self._only(Sweep, count)
+
+    async def _only(self, kind: type[T], count: int | None) -> AsyncIterator[T]:
         done = 0
         batches = self._batches()
         try:
             async for batch in batches:
                 for item in batch:
-                    if type(item) is Sweep:
+                    if isinstance(item, kind):
                         yield item
                         done += 1
-                        if count is not None and done >= count:
+                        if done == count:
                             return
         finally:
             await batches.aclose()  # type: ignore[attr-defined]
@@ -204,22 +182,8 @@ def stream(
             async for sweep in s.sweeps(count=10):
                 print(max(x.temperature_gpu or 0 for x in sweep))
 
-    Args:
-        fields: a preset, ``"a,b,c"`` or a sequence of names (``index`` is added when absent).
-        interval: seconds between samples.
-        gpus: indices, UUIDs or PCI bus ids; None for all.
-        nvidia_smi: path of the binary.
-        stall_timeout: seconds without a complete line before the child counts as hung (default
-            ``max(3 * interval, 10)``).
-        startup_timeout: seconds a new child may take to print its first line (nvidia-smi starts slowly
-            without persistence mode).
-        retry: how to wait between starts and when to give up (default ``RetryPolicy()``, the sync stream's).
-        on_event: called with each :class:`~smiquery.source.StreamEvent`.
-        sleep: the coroutine used to wait between restarts (tests inject one).
-        tz: time zone of the timestamps.
-
-    Returns:
-        An :class:`AsyncStream` (nothing runs until it is iterated).
+    The arguments mean what they mean for :func:`smiquery.stream`; ``sleep`` is the coroutine that waits between
+    restarts (tests inject one). Nothing runs until the stream is iterated.
 
     Raises:
         InvalidFieldError: an unknown field, before anything runs.
@@ -227,15 +191,4 @@ def stream(
         NvidiaSmiNotFoundError: no usable binary.
         ValueError: a non-positive interval or timeout, or a bad retry setting.
     """
-    return AsyncStream(
-        fields,
-        interval=interval,
-        gpus=gpus,
-        nvidia_smi=nvidia_smi,
-        stall_timeout=stall_timeout,
-        startup_timeout=startup_timeout,
-        retry=retry,
-        on_event=on_event,
-        sleep=sleep,
-        tz=tz,
-    )
+    return AsyncStream(**locals())

@@ -23,13 +23,7 @@ _BUS_RE = re.compile(r"([0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
 
 
 def normalize_gpus(gpus: GpusArg) -> tuple[str, ...]:
-    """Validate GPU ids (indices, UUIDs or PCI bus ids) before anything runs.
-
-    Args:
-        gpus: one id, a comma list, or a sequence of ids; None for all GPUs.
-
-    Returns:
-        The ids as strings for ``-i``.
+    """Validate GPU ids (one, a comma list or a sequence of indices, UUIDs or PCI bus ids; None: all) for ``-i``.
 
     Raises:
         InvalidGpuIdError: an id is none of the three forms.

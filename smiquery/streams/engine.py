@@ -1,26 +1,20 @@
 """The engine of every supervised nvidia-smi source: lines and the time in; items, events and deadlines out.
 
-It does no I/O, reads no clock, starts no thread and calls no callback: every method takes the current monotonic
-time (``now``) from its driver, and the events it makes wait in :meth:`Engine.take_events` for the driver to
-hand to the listeners. A driver (thread, asyncio) runs this loop and nothing else::
+It does no I/O, reads no clock, starts no thread and calls no callback: every method takes the monotonic time
+(``now``) from its driver, and its events wait in :meth:`Engine.take_events`. A driver runs this loop::
 
     engine.begin(now)
-    while not engine.done and engine.starting(now):     # False once closed or past ``duration``
-        child = start the child                         # on a typed error: items, delay = engine.failed(...)
-        engine.started(now)
+    while not engine.done and engine.starting(now):
+        start the child; engine.started(now)
         while not engine.done and not engine.stopped(now):
-            lines = read lines until engine.deadline()
-            if none came by the deadline:
-                read once more without waiting          # a paused parent: rows wait in the pipe
-                if still none: raise engine.expired(now)   # None: the deadline was the end of the stream
+            read lines until engine.deadline(); none (even after one more look): raise engine.expired(now)
             deliver engine.feed(lines, now, idle)
-        on a typed error: got = engine.failed(exc, now, wall); None: stop; else deliver the items, wait the delay
+        on a typed error: got = engine.failed(exc, now, wall): None stops; else deliver the items, wait the delay
     engine.finish()
 
-The engine owns everything that must not differ between drivers: deadlines (start-up, stall, duration), counters
-(:class:`~smiquery.source.StreamStats`) and events, the rows' meaning (a :class:`Rows`: CSV sweeps and GPU
-identity, or pmon instants) and the retry decision, which it asks of the tenacity strategies of the
-:class:`~smiquery.retry.RetryPolicy` through one ``RetryCallState`` per streak of failures.
+It owns what must not differ between drivers: deadlines, counters and events, the rows' meaning (a :class:`Rows`)
+and the retry decision (the :class:`~smiquery.retry.RetryPolicy`'s tenacity strategies, one ``RetryCallState``
+per streak of failures).
 """
 
 from __future__ import annotations
@@ -43,11 +37,7 @@ Item = TypeVar("Item")
 
 
 class Rows(Protocol[Item]):
-    """What a source's lines mean: the CSV rows of ``--query-gpu`` or the lines of ``pmon``.
-
-    Attributes:
-        what: the command named in events and messages (``"nvidia-smi"``, ``"nvidia-smi pmon"``).
-    """
+    """What a source's lines mean (``--query-gpu`` CSV or ``pmon``); ``what`` names the command in messages."""
 
     what: str
 
@@ -71,16 +61,8 @@ class Rows(Protocol[Item]):
 class Engine(Generic[Item]):
     """Deadlines, counters, events and the retry decision of one supervised source (see the module docstring).
 
-    Args:
-        rows: the meaning of the lines.
-        argv: the child's command (named in timeout errors).
-        policy: the retry policy.
-        startup_timeout: seconds a new child may take to print its first row.
-        stall_timeout: seconds without a row, once rows flow, before the child counts as hung.
-        duration: seconds the whole stream may run (None: no limit).
-        max_rows: stop after this many rows (None: no limit).
-        stats: the counters to keep (shared with the rows' interpreter).
-        events: where events wait for :meth:`take_events` (shared with the rows' interpreter, which appends too).
+    ``stats`` and ``events`` are shared with the rows' interpreter (which appends events too); ``duration`` and
+    ``max_rows`` (None: no limit) end the stream.
     """
 
     def __init__(
@@ -205,11 +187,7 @@ class Engine(Generic[Item]):
             log.warning("smiquery: %s delivers rows again", self.what)
 
     def expired(self, now: float) -> SmiqueryError | None:
-        """The deadline passed without a row (even after one more look at the pipe): the child is hung.
-
-        Returns:
-            The timeout error to fail the child with; None when the deadline was the end of the stream.
-        """
+        """The deadline passed without a row: the timeout error to fail the hung child with (None: the stream's end)."""
         if self.stopped(now):
             return None
         if not self._delivered:
@@ -232,16 +210,9 @@ class Engine(Generic[Item]):
     # --------------------------------------------------------------------------------------------- retry
 
     def failed(self, exc: SmiqueryError, now: float, wall: float) -> tuple[list[Item], float] | None:
-        """The child failed (or could not start): what its cut output still makes, and how long to wait.
+        """The child failed (or could not start): what its cut output still makes, and the seconds to wait.
 
-        Args:
-            exc: the failure.
-            now: monotonic seconds.
-            wall: ``time.time()`` now, for :attr:`~smiquery.source.StreamStats.next_retry_at`.
-
-        Returns:
-            The items (a short sweep) and the seconds to wait before the next start; None when the stream was
-            closed meanwhile (the failure was the close).
+        ``wall`` is ``time.time()`` (for ``next_retry_at``). Returns None when the stream was closed meanwhile.
 
         Raises:
             SmiqueryError: ``exc`` itself, when the policy gives up.

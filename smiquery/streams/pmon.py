@@ -1,8 +1,4 @@
-"""The pmon stream: one supervised ``nvidia-smi pmon`` child, parsed into rows and cut into instants.
-
-The surface itself (the fixed-width parser, the argv, the engine's interpreter, instants and summaries) is
-:mod:`smiquery.sources.pmon`; this is its thread driver, as :mod:`smiquery.streams.sync` is the CSV stream's.
-"""
+"""The pmon stream: the thread driver of :mod:`smiquery.sources.pmon`, as :mod:`.sync` is the CSV stream's."""
 
 from __future__ import annotations
 
@@ -24,16 +20,9 @@ log = get_logger("smiquery")
 
 
 class PmonStream:
-    """One long-lived ``nvidia-smi pmon`` child, parsed into :class:`PmonRow` records and instants.
+    """One long-lived ``nvidia-smi pmon`` child (see :func:`stream`): iterate it for rows, :meth:`samples` for instants.
 
-    Iterate it for rows, or call :meth:`samples` for one tuple of rows per interval. The same engine and
-    guarantees as the CSV stream (:class:`~smiquery.streams.sync.Stream`), under the same
-    :class:`~smiquery.retry.RetryPolicy`: one child at a time, every child reaped on every path (early stop,
-    exception, close from any thread, garbage collection); no row within ``startup_timeout`` of a start, or none
-    for ``stall_timeout`` once rows flow, counts as a hang (killed, restarted); failures are retried under the
-    policy. ``-`` stays None. Counters and the retry state are in :attr:`stats`.
-
-    See :func:`stream` for the arguments.
+    The CSV stream's engine and guarantees (:class:`~smiquery.streams.sync.Stream`); counters in :attr:`stats`.
     """
 
     def __init__(
@@ -86,12 +75,8 @@ class PmonStream:
         self._driver: ThreadDriver[PmonRow] = ThreadDriver(
             self._engine, runner, self._emit, sleep=sleep, finite=count is not None
         )
-        self._error: BaseException | None = None
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that ended the stream (given up), if any."""
-        return self._error
+        #: The error that ended the stream (it gave up), if any.
+        self.error: BaseException | None = None
 
     def _emit(self, event: StreamEvent) -> None:
         if self.on_event is not None:
@@ -106,18 +91,13 @@ class PmonStream:
         except BaseException as exc:
             if not isinstance(exc, GeneratorExit):
                 self.stats.state = "failed"
-                self._error = exc
+                self.error = exc
             raise
 
     def samples(self, count: int | None = None) -> Iterator[tuple[PmonRow, ...]]:
-        """Yield one tuple of rows per interval (every process on every watched GPU at that instant).
+        """Yield one tuple of rows per instant (see :class:`InstantGrouper`), at most ``count``.
 
-        An instant ends when a (GPU, pid) pair repeats or the timestamp changes, so each is yielded when the
-        next begins (the last one when the stream ends). The rows a child printed before it failed and was
-        restarted are dropped, not yielded: a crash mid-instant would otherwise show an instant missing processes.
-
-        Args:
-            count: stop after this many instants.
+        Each is yielded when the next begins (the last at the end); an instant cut by a restart is dropped.
         """
         grouper = InstantGrouper()
         done = 0
@@ -179,42 +159,14 @@ def stream(
                 for row in top_processes(instant, 3)[0]:
                     print(row.pid, row.command, row.sm)
 
-    Args:
-        gpus: indices, UUIDs or PCI bus ids (at most 4: a pmon limit); None for the first 4.
-        interval: seconds between samples (1..10).
-        count: stop after this many samples (the child exits by itself); None runs until closed.
-        select: ``u`` utilisation and/or ``m`` framebuffer memory.
-        options: ``D`` and/or ``T`` to stamp each line with the date and time.
-        nvidia_smi: path of the binary.
-        stall_timeout: seconds without a line, once rows flow, before the child counts as hung (default
-            ``max(3*interval, 10)``).
-        startup_timeout: seconds a freshly started child may take to print its first row.
-        retry: how to wait between starts and when to give up (default ``RetryPolicy()``, the CSV stream's;
-            ``RetryPolicy(permanent_retry=None)`` raises a fault that needs a person at once,
-            ``RetryPolicy(fail_fast=True)`` suits interactive use).
-        on_event: called with each :class:`~smiquery.source.StreamEvent` (restart, error, recovered, dropped_row).
-        runner: how to run nvidia-smi (tests inject one).
-        sleep: how to wait between restarts (tests inject one; the default wait is cut short by ``close()``).
-
-    Returns:
-        A :class:`PmonStream` (nothing runs until it is iterated).
+    ``gpus``: at most 4 (a pmon limit; None: the first 4); ``interval``: seconds, 1..10; ``count``: stop after this
+    many samples (the child exits by itself); ``select``: ``u`` utilisation and/or ``m`` framebuffer memory;
+    ``options``: ``D`` and/or ``T`` to stamp each line with the date and time.
+    The other arguments mean what they mean for :func:`smiquery.stream`. Nothing runs until it is iterated.
 
     Raises:
         InvalidGpuIdError: a malformed GPU id.
         NvidiaSmiNotFoundError: no usable binary.
         ValueError: an interval, count, select or options value pmon would reject, or a bad retry setting.
     """
-    return PmonStream(
-        gpus=gpus,
-        interval=interval,
-        count=count,
-        select=select,
-        options=options,
-        nvidia_smi=nvidia_smi,
-        stall_timeout=stall_timeout,
-        startup_timeout=startup_timeout,
-        retry=retry,
-        on_event=on_event,
-        runner=runner,
-        sleep=sleep,
-    )
+    return PmonStream(**locals())

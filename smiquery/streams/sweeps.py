@@ -46,12 +46,7 @@ def _key(sample: GpuSample) -> str | None:
 
 
 class Identity:
-    """Which GPUs are there and which are lost, by UUID (see the module docstring).
-
-    Args:
-        stats: updated in place: ``known_gpus``, ``lost_gpus``, ``lost_uuids``, ``gpu_lost_events``.
-        emit: hands ``gpu_lost``/``gpu_back``/``gpu_renumbered`` events to the listeners.
-    """
+    """Which GPUs are there and which are lost, by UUID (see the module docstring); kept in ``stats``."""
 
     def __init__(self, stats: StreamStats, emit: Callable[[StreamEvent], None]) -> None:
         self.stats = stats
@@ -163,13 +158,8 @@ class Identity:
 class CsvRows:
     """The engine's interpreter for CSV rows: parse, group into sweeps, follow GPU identity, publish.
 
-    Args:
-        fields: the queried fields (``index`` among them).
-        stats: the source's counters.
-        emit: hands events to the listeners.
-        expected: the GPU indices asked for with ``-i``, when all are indices (else learnt).
-        interval: seconds between instants (the arrival-gap hint of :class:`~smiquery.source.SweepGrouper`).
-        tz: time zone of the timestamps.
+    ``expected`` are the GPU indices asked for with ``-i`` when all are indices (else the set is learnt);
+    ``interval`` is :class:`~smiquery.source.SweepGrouper`'s arrival-gap hint.
     """
 
     what = "nvidia-smi"
@@ -268,24 +258,17 @@ class CsvRows:
 class CsvSource(LatestSweep):
     """What the thread and asyncio CSV streams share: checked arguments, counters, the rows' meaning, the engine.
 
-    Args:
-        fields: a preset, ``"a,b,c"`` or a sequence of names (``index`` is added when absent).
-        interval: seconds between samples.
-        gpus: indices, UUIDs or PCI bus ids; None for all.
-        binary: the nvidia-smi path (already located).
-        startup_timeout: seconds a new child may take to print its first row.
-        stall_timeout: seconds without a row before the child counts as hung (default ``max(3 * interval, 10)``).
-        retry: the retry policy (default ``RetryPolicy()``).
-        on_event: called with each :class:`~smiquery.source.StreamEvent`.
-        tz: time zone of the timestamps.
-        duration: seconds the stream may run.
-        max_rows: stop after this many rows.
+    The arguments are :func:`smiquery.stream`'s (``binary``: the located nvidia-smi; ``max_rows``: its
+    ``max_samples``).
 
     Raises:
         InvalidFieldError: an unknown field.
         InvalidGpuIdError: a malformed GPU id.
         ValueError: a non-positive interval or timeout.
     """
+
+    #: The error that ended the stream (it gave up), if any.
+    error: BaseException | None = None
 
     def __init__(
         self,
@@ -319,8 +302,6 @@ class CsvSource(LatestSweep):
         self.retry_policy = retry if retry is not None else RetryPolicy()
         self.on_event = on_event
         self.stats = StreamStats()
-        self._lock = threading.Lock()
-        self._latest = None
         expected = [int(g) for g in self.gpus if g.isdigit()]
         events: list[StreamEvent] = []
         self._rows = CsvRows(

@@ -1,18 +1,10 @@
 """The stream supervisor: one long-lived nvidia-smi in loop mode, watched, restarted and parsed into sweeps.
 
-What it guarantees, whatever nvidia-smi does:
-
-* At most one child at any moment, reaped on every path (end, error, ``close()`` from any thread, an abandoned
-  iterator, interpreter exit; on Linux also when this process is killed, through a parent-death signal).
-* Only a parsed data row proves the child alive. No row within ``startup_timeout`` of a start, or within
-  ``stall_timeout`` of the last row, means it is hung: it is killed and started again.
-* One retry policy (tenacity) for every failure: exponential backoff with jitter and a cap for transient faults,
-  a slow fixed cadence (``permanent_retry``) for faults that need a person (driver/library mismatch, NVML
-  missing, no devices, a rejected field, the binary gone), so a stream recovers by itself once the cause is
-  fixed. The backoff resets only after ``healthy_after`` seconds of good data. ``stats`` shows the state.
-* ``duration`` and ``close()`` are deadlines, not hints.
-* A sweep is one instant (see :class:`~smiquery.source.SweepGrouper`); a short one says so. A GPU whose rows stop,
-  or that nvidia-smi reports lost, is reported lost until it is back.
+At most one child at any moment, reaped on every path (on Linux also when this process is killed). Only a parsed
+row proves the child alive: none within ``startup_timeout`` of a start, or ``stall_timeout`` of the last row, and
+it is killed and restarted. Every failure is retried under one :class:`~smiquery.retry.RetryPolicy` (backoff for
+transient faults, a slow cadence for those that need a person). ``duration`` and ``close()`` are deadlines. A
+short sweep says so; a GPU whose rows stop, or that nvidia-smi reports lost, is reported lost until it is back.
 """
 
 from __future__ import annotations
@@ -23,6 +15,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from datetime import tzinfo
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from smiquery._log import get_logger
@@ -51,28 +44,19 @@ __all__ = [
 
 log = get_logger("smiquery")
 
-#: Seconds a fresh nvidia-smi may take to print its first row: cold starts without persistence mode take 15-30 s
-#: on large hosts and in containers with a huge open-file limit (NVIDIA-SMI.md section 6).
+#: Seconds a fresh nvidia-smi may take to print its first row (cold starts take 15-30 s on large hosts).
 DEFAULT_STARTUP_TIMEOUT = 45.0
 
-#: Sweeps a stream keeps for :meth:`Stream.history`: an hour at the default interval of 1 s (about 4 MB per GPU
-#: with the default fields).
+#: Sweeps a stream keeps for :meth:`Stream.history`: an hour at 1 s (about 4 MB per GPU, default fields).
 DEFAULT_HISTORY_SWEEPS = 3600
 
 
 class Stream(CsvSource):
-    """One long-lived nvidia-smi in loop mode: a live :class:`~smiquery.source.SampleSource`.
+    """One long-lived nvidia-smi in loop mode (see :func:`stream`): a live :class:`~smiquery.source.SampleSource`.
 
-    Iterate it for samples (one per GPU per instant), or call :meth:`sweeps` for whole instants. Or call
-    :meth:`start` to run it in a background thread and read :meth:`latest` (the newest sweep) or :meth:`history`
-    (the recent sweeps as a DataFrame, at most ``history_sweeps`` of them) from any thread without blocking.
-    Use it as a context manager (or call :meth:`close`): the child is always reaped. The module docstring says
-    what it guarantees; :attr:`stats` shows counters and the retry state; :meth:`subscribe` (or ``on_event``)
-    hears every restart, error, recovery, dropped row, short sweep and lost, returning or renumbered GPU.
-
-    This is the thread driver of :class:`~smiquery.streams.engine.Engine`: it only reads lines and waits.
-
-    See :func:`stream` for the arguments.
+    Iterate it for samples, or :meth:`sweeps` for whole instants; or :meth:`start` it in a background thread and
+    read :meth:`latest` or :meth:`history` from any thread. Use it as a context manager (or :meth:`close` it).
+    :attr:`stats` shows counters and the retry state; :meth:`subscribe` (or ``on_event``) hears every event.
     """
 
     def __init__(
@@ -113,7 +97,6 @@ class Stream(CsvSource):
         self.duration = duration
         self._driver: ThreadDriver[GpuSample | Sweep] = ThreadDriver(self._engine, runner, self._emit, sleep=sleep)
         self._thread: threading.Thread | None = None
-        self._thread_error: BaseException | None = None
         # Only a weak reference: an abandoned iterator must be collectable at once (no cycle), so that dropping it
         # closes the generator and reaps the child immediately.
         self._gen_ref: weakref.ref[Generator[GpuSample | Sweep, None, None]] | None = None
@@ -131,7 +114,7 @@ class Stream(CsvSource):
         except BaseException as exc:
             if not isinstance(exc, GeneratorExit):
                 self.stats.state = "failed"
-                self._thread_error = exc
+                self.error = exc
             raise
 
     # ------------------------------------------------------------------------------------------- consumption
@@ -157,13 +140,7 @@ class Stream(CsvSource):
         Args:
             count: stop after this many sweeps.
         """
-        done = 0
-        for item in self._generator():
-            if isinstance(item, Sweep):
-                yield item
-                done += 1
-                if count is not None and done >= count:
-                    return
+        return islice((item for item in self._generator() if isinstance(item, Sweep)), count)
 
     def start(self) -> Stream:
         """Consume the stream in a background thread, so that :meth:`latest` stays fresh. Returns self."""
@@ -180,7 +157,7 @@ class Stream(CsvSource):
                 for _ in gen:
                     pass
             except BaseException as exc:  # kept for the owner; a background thread must not die silently
-                self._thread_error = exc
+                self.error = exc
                 if not self._engine.closed:
                     log.error("smiquery stream stopped: %s", exc)
             finally:
@@ -192,19 +169,10 @@ class Stream(CsvSource):
         return self
 
     def history(self, n: int | None = None) -> pd.DataFrame:
-        """The last ``n`` sweeps the stream delivered as a DataFrame: what a notebook plots while it runs.
+        """The newest ``n`` (None: all kept) of the last ``history_sweeps`` sweeps read, as a DataFrame.
 
-        The stream keeps its newest ``history_sweeps`` sweeps (default :data:`DEFAULT_HISTORY_SWEEPS`), older ones
-        are dropped; a sweep counts once read, whether by :meth:`start`'s background thread or by iterating.
-        Any thread, without blocking the stream.
-
-        Args:
-            n: only the newest ``n`` sweeps; None for all that are kept.
-
-        Returns:
-            One row per sample, oldest first, with the columns, dtypes and attrs of :func:`smiquery.query_df`
-            (snake_case names, nullable dtypes, ``df.attrs["units"]``); no rows but the stream's columns before
-            the first sweep.
+        One row per sample, oldest first, as :func:`smiquery.query_df` gives them (no rows before the first
+        sweep). Any thread, without blocking the stream.
 
         Raises:
             ValueError: a negative ``n``.
@@ -222,11 +190,6 @@ class Stream(CsvSource):
         return make_frame(self.fields, [empty_array(f, self._tz or local_zone()) for f in self.fields], {}, None)
 
     @property
-    def error(self) -> BaseException | None:
-        """The error that ended the stream (given up after ``max_attempts``/``max_restarts``), if any."""
-        return self._thread_error
-
-    @property
     def running(self) -> bool:
         """True while a background stream's thread is alive."""
         return self._thread is not None and self._thread.is_alive()
@@ -237,11 +200,9 @@ class Stream(CsvSource):
         return self._driver.child_pid
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop within ``timeout`` seconds. Idempotent, safe from any thread.
+        """Stop within ``timeout`` seconds: nothing is delivered after it, the child is reaped. Any thread.
 
-        No sample is delivered after this returns; the child is killed (SIGTERM, then SIGKILL) and reaped; a
-        background thread ends. Called from the stream's own thread (an ``on_event`` or :meth:`subscribe`
-        callback), it returns at once: the child is asked to stop and is reaped as soon as the callback returns.
+        From the stream's own thread (a callback) it returns at once; the child is reaped when the callback returns.
         """
         if self.stats.state not in ("failed", "ended"):
             self.stats.state = "closed"
@@ -298,10 +259,9 @@ def stream(
         duration: stop after this many seconds (a deadline, whatever nvidia-smi does).
         startup_timeout: seconds a freshly started nvidia-smi may take to print its first row.
         stall_timeout: seconds without a data row, once rows flow, before the child counts as hung (default
-            ``max(3 * interval, 10)``). Notices and error lines do not count as rows.
-        retry: how to wait between starts and when to give up (default ``RetryPolicy()``: never give up, capped
-            jittered backoff from 0.5 s, a slow 30 s cadence for faults that need a person; pass
-            ``RetryPolicy(fail_fast=True)`` for interactive use, ``max_attempts``/``max_restarts`` to give up).
+            ``max(3 * interval, 10)``).
+        retry: how to wait between starts and when to give up (default ``RetryPolicy()``: never give up;
+            ``RetryPolicy(fail_fast=True)`` for interactive use).
         on_event: called with each :class:`~smiquery.source.StreamEvent` (see also :meth:`Stream.subscribe`).
         runner: how to run nvidia-smi (tests inject one).
         sleep: how to wait between attempts (tests inject one; default: a wait that ``close()`` cuts short).
@@ -317,19 +277,4 @@ def stream(
         NvidiaSmiNotFoundError: no usable binary, before anything runs.
         ValueError: a non-positive interval or timeout, a negative ``history_sweeps``.
     """
-    return Stream(
-        fields,
-        interval=interval,
-        gpus=gpus,
-        nvidia_smi=nvidia_smi,
-        max_samples=max_samples,
-        duration=duration,
-        startup_timeout=startup_timeout,
-        stall_timeout=stall_timeout,
-        retry=retry,
-        on_event=on_event,
-        runner=runner,
-        sleep=sleep,
-        tz=tz,
-        history_sweeps=history_sweeps,
-    )
+    return Stream(**locals())

@@ -1,9 +1,4 @@
-"""The thread driver of the engine: reads a child's lines with deadlines, sleeps between starts, reaps.
-
-:class:`~smiquery.streams.sync.Stream` (CSV) and :class:`~smiquery.streams.pmon.PmonStream` both run their
-:class:`~smiquery.streams.engine.Engine` through one :class:`ThreadDriver`: the loop, the child's life and
-:meth:`ThreadDriver.close` exist once.
-"""
+"""The thread driver of the engine (the CSV and pmon streams'): reads lines with deadlines, sleeps between starts."""
 
 from __future__ import annotations
 
@@ -25,12 +20,8 @@ Item = TypeVar("Item")
 class ThreadDriver(Generic[Item]):
     """Runs an engine's children one at a time on the calling thread.
 
-    Args:
-        engine: the engine.
-        runner: starts each child (``runner.lines(argv)``).
-        emit: hands each of the engine's events to the source's listeners.
-        sleep: waits between attempts (tests inject one); None waits on an event that :meth:`close` sets.
-        finite: True when the child ends by itself when done (``pmon -c N``): exit 0 then ends the stream.
+    ``emit`` hands the engine's events to the listeners; ``sleep`` (None: a wait that :meth:`close` cuts short)
+    waits between attempts; ``finite``: the child ends by itself when done (``pmon -c N``), so exit 0 ends the stream.
     """
 
     def __init__(
@@ -165,13 +156,7 @@ class ThreadDriver(Generic[Item]):
         thread: threading.Thread | None,
         generator: Generator[Item, None, None] | None,
     ) -> None:
-        """Stop within ``timeout`` seconds; see :meth:`smiquery.streams.sync.Stream.close`.
-
-        Args:
-            timeout: seconds.
-            thread: the background thread consuming the stream, if any.
-            generator: the generator being iterated, if any.
-        """
+        """Stop within ``timeout`` s (see ``Stream.close``): join the consuming ``thread``, close the ``generator``."""
         end = time.monotonic() + max(timeout, 0.0)
         self.engine.close()
         self._wake.set()
