@@ -191,4 +191,15 @@ def stream(
         NvidiaSmiNotFoundError: no usable binary.
         ValueError: a non-positive interval or timeout, or a bad retry setting.
     """
-    return AsyncStream(**locals())
+    return AsyncStream(
+        fields,
+        interval=interval,
+        gpus=gpus,
+        nvidia_smi=nvidia_smi,
+        stall_timeout=stall_timeout,
+        startup_timeout=startup_timeout,
+        retry=retry,
+        on_event=on_event,
+        sleep=sleep,
+        tz=tz,
+    )

@@ -169,4 +169,17 @@ def stream(
         NvidiaSmiNotFoundError: no usable binary.
         ValueError: an interval, count, select or options value pmon would reject, or a bad retry setting.
     """
-    return PmonStream(**locals())
+    return PmonStream(
+        gpus=gpus,
+        interval=interval,
+        count=count,
+        select=select,
+        options=options,
+        nvidia_smi=nvidia_smi,
+        stall_timeout=stall_timeout,
+        startup_timeout=startup_timeout,
+        retry=retry,
+        on_event=on_event,
+        runner=runner,
+        sleep=sleep,
+    )

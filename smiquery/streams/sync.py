@@ -277,4 +277,19 @@ def stream(
         NvidiaSmiNotFoundError: no usable binary, before anything runs.
         ValueError: a non-positive interval or timeout, a negative ``history_sweeps``.
     """
-    return Stream(**locals())
+    return Stream(
+        fields,
+        interval=interval,
+        gpus=gpus,
+        nvidia_smi=nvidia_smi,
+        max_samples=max_samples,
+        duration=duration,
+        startup_timeout=startup_timeout,
+        stall_timeout=stall_timeout,
+        retry=retry,
+        on_event=on_event,
+        runner=runner,
+        sleep=sleep,
+        tz=tz,
+        history_sweeps=history_sweeps,
+    )
