@@ -245,6 +245,7 @@ class PrometheusClient:
         elif cfg.username is not None:
             pair = f"{cfg.username}:{cfg.password or ''}".encode()
             self._headers["Authorization"] = "Basic " + b64encode(pair).decode("ascii")
+        self._proxies = urllib.request.getproxies()  # the environment's, read once
         self._context: ssl.SSLContext | None = None
         if parsed.scheme == "https":
             ctx = ssl.create_default_context(cafile=cfg.ca_file)
@@ -344,11 +345,16 @@ class PrometheusClient:
         else:
             request = urllib.request.Request(f"{self.url}{path}?{encoded}", headers=self._headers)
         deadline = _Deadline(self.timeout)
-        opener = urllib.request.build_opener(
+        opener = urllib.request.OpenerDirector()  # build_opener's handlers for http(s), without its per-call cost
+        for handler in (
+            urllib.request.ProxyHandler(self._proxies),
             _DeadlineHTTPHandler(deadline),
             _DeadlineHTTPSHandler(deadline, self._context),
+            urllib.request.HTTPDefaultErrorHandler(),
             _SameOriginRedirects(self.url),
-        )
+            urllib.request.HTTPErrorProcessor(),
+        ):
+            opener.add_handler(handler)
         try:
             try:
                 with opener.open(request, timeout=self.timeout) as resp:
@@ -613,6 +619,7 @@ _MATRIX_HEAD = b'{"status":"success","data":{"resultType":"matrix","result":['
 _SERIES_HEAD = b'{"metric":'
 _VALUES_HEAD = b',"values":[['
 _SPACES = bytes.maketrans(b'[],"', b"    ")
+_ROWS = bytes.maketrans(b"[", b"\n")
 
 
 def _matrix(raw: bytes) -> list[tuple[dict[str, str], Any, Any]] | None:
@@ -642,7 +649,7 @@ def _matrix(raw: bytes) -> list[tuple[dict[str, str], Any, Any]] | None:
         pos = stop + 3 + raw.startswith(b",", stop + 3)
     if not raw.startswith(b"]", pos):
         return None
-    counts = [b.count(b"],[") + 1 for b in bodies]
+    counts = [b.count(b"[") + 1 for b in bodies]
     pairs = _pairs(b"],[".join(bodies), sum(counts))
     if pairs is None:
         return None
@@ -669,11 +676,13 @@ def _pairs(body: bytes, n: int) -> Any:
             except (ValueError, DeprecationWarning):
                 return None
         return nums.reshape(n, 2) if len(nums) == 2 * n else None
-    try:
+    try:  # one row a sample: t,"v",
         table = pacsv.read_csv(
-            pa.BufferReader(body.replace(b"],[", b"\n")),
-            read_options=pacsv.ReadOptions(column_names=["t", "v"], use_threads=False),
-            convert_options=pacsv.ConvertOptions(column_types={"t": pa.float64(), "v": pa.float64()}),
+            pa.BufferReader(body.translate(_ROWS, b"]") + b","),
+            read_options=pacsv.ReadOptions(column_names=["t", "v", "_"], use_threads=False),
+            convert_options=pacsv.ConvertOptions(
+                column_types={"t": pa.float64(), "v": pa.float64()}, include_columns=["t", "v"]
+            ),
         )
     except (pa.ArrowInvalid, ValueError):
         return None
