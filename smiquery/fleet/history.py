@@ -18,7 +18,7 @@ import math
 import re
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import PrometheusError, UsageError
@@ -75,18 +75,8 @@ class FleetGpuInfo:
         return f"{self.instance} GPU {self.gpu or '?'} ({self.uuid or 'no uuid'})"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return {
-            "instance": self.instance,
-            "gpu": self.gpu,
-            "uuid": self.uuid,
-            "name": self.name,
-            "naming": self.naming,
-            "namespace": self.namespace,
-            "pod": self.pod,
-            "node": self.node or self.instance,
-            "job": self.job,
-        }
+        """JSON-ready fields (all but ``index``)."""
+        return {k: v for k, v in asdict(self).items() if k != "index"} | {"node": self.node or self.instance}
 
 
 def chunks(start: float, end: float, step: float, max_points: int = MAX_POINTS) -> list[tuple[float, float]]:
@@ -265,21 +255,7 @@ def fleet_frame(
                 keep = (t >= grid0 - step) & (t <= end)
                 col[np.searchsorted(times, t[keep])] = v[keep]
             value_parts[f].append(col)
-        labels = ident[key]
-        per_gpu.append(
-            FleetGpuInfo(
-                i,
-                key.instance,
-                key.gpu,
-                key.uuid,
-                labels["name"],
-                labels["naming"],
-                labels["namespace"],
-                labels["pod"],
-                labels["node"],
-                labels["job"],
-            )
-        )
+        per_gpu.append(FleetGpuInfo(i, key.instance, key.gpu, key.uuid, **ident[key]))
     seconds = np.concatenate(stamp_parts)
     stamps = pd.to_datetime(np.round(seconds * 1000).astype(np.int64), unit="ms", utc=True).as_unit("ns")
     text = string_dtype()

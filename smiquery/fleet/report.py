@@ -108,22 +108,12 @@ def name_gpus(text: str, fmt: str, df: pd.DataFrame) -> str:
         doc = json.loads(text)
         doc["gpu_names"] = {str(i): g.to_dict() for i, g in names.items()}
         return json.dumps(doc, indent=2) + "\n"
+    rows = [(i, g, f"{g.namespace}/{g.pod}" if g.pod else "") for i, g in names.items()]
     if fmt == "markdown":
-        lines = [
-            "",
-            "## GPUs",
-            "",
-            "| GPU | instance | index | UUID | model | namespace/pod |",
-            "|---|---|---|---|---|---|",
-        ]
-        for i, g in names.items():
-            pod = f"{g.namespace}/{g.pod}" if g.pod else ""
-            lines.append(f"| {i} | {g.instance} | {g.gpu} | {g.uuid} | {g.name} | {pod} |")
-        return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
-    if fmt == "text":
-        lines = ["", "GPUs:"]
-        for i, g in names.items():
-            pod = f"  {g.namespace}/{g.pod}" if g.pod else ""
-            lines.append(f"  {i:>3}  {g.label()}  {g.name}{pod}")
-        return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
-    return text
+        lines = ["", "## GPUs", "", "| GPU | instance | index | UUID | model | namespace/pod |", "|---" * 6 + "|"]
+        lines += [f"| {i} | {g.instance} | {g.gpu} | {g.uuid} | {g.name} | {pod} |" for i, g, pod in rows]
+    elif fmt == "text":
+        lines = ["", "GPUs:", *(f"  {i:>3}  {g.label()}  {g.name}{'  ' + pod if pod else ''}" for i, g, pod in rows)]
+    else:
+        return text
+    return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
