@@ -315,9 +315,10 @@ def plot_recording(
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
     Up to :data:`OVERLAY_MAX_GPUS` GPUs share each panel, in colours with no look-alike pair; up to
-    :data:`MULTIPLES_MAX_GPUS`, each field gets small multiples instead: one small panel per GPU, titled
-    ``GPU <index>``, the panels of a field sharing their y scale and all panels their time axis; past that, one
-    heatmap per field with a row per GPU (:mod:`smiquery.analysis.heatmap`). ``layout`` chooses any of them.
+    :data:`MULTIPLES_MAX_GPUS`, each field gets small multiples instead: one small panel per GPU, the panels of a
+    field sharing their y scale and all panels their time axis; past that, one heatmap per field with a row per GPU
+    (:mod:`smiquery.analysis.heatmap`). ``layout`` chooses any of them. GPUs are named ``GPU <index>``; a fleet
+    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them, its heatmap rows by node.
 
     Missing values (``[N/A]``, a lost GPU) and gaps in time (the recording was stopped) show as breaks in the
     lines, never as zeros or straight joins. Long lines are drawn at about one point per pixel: overlaid, as the
@@ -327,8 +328,7 @@ def plot_recording(
     first; without one, a step back of the clock breaks the lines rather than drawing them backwards.
     Stalls (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
     shaded orange on its field's panel (in small multiples, each GPU's own stalls and alerts on its panels); a
-    field with no value says so. The x axis names the time zone (or says
-    that the recording has none).
+    field with no value says so. The x axis names the time zone (or says that the recording has none).
 
     Args:
         source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.recordings.read_csv`.
