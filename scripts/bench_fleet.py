@@ -157,7 +157,7 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--days", type=float, default=7.0)
     ap.add_argument("--interval", type=int, default=60, help="seconds between samples of the report's week")
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of each timing (best or median of them)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each timing (best or median of them)")
     ap.add_argument("--skip-top", action="store_true")
     ap.add_argument("--skip-report", action="store_true")
     args = ap.parse_args()
