@@ -47,8 +47,7 @@ from tests.fleet.fleetdata import (  # noqa: E402
 ROUNDS = 3  # --rounds
 
 
-def _server_cpu(pid: int) -> float:
-    """CPU seconds a process has used (Linux /proc)."""
+def _server_cpu(pid: int) -> float:  # CPU seconds a process has used (Linux /proc)
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 

@@ -160,13 +160,11 @@ def parse_time(text: str | float, *, now: float | None = None, what: str = "time
     Raises:
         UsageError: anything else, or an RFC 3339 time without a zone.
     """
-    import time as _time
-
     if isinstance(text, (int, float)):
         return float(text)
     raw = text.strip()
     if raw.startswith("now"):
-        base = _time.time() if now is None else now
+        base = time.time() if now is None else now
         rest = raw[3:].strip()
         if not rest:
             return base
@@ -305,9 +303,8 @@ class PrometheusClient:
     def query_samples(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], Any, Any]]:
         """An instant query of a range selector (``metric[7d]``): per series its labels, times and values as arrays.
 
-        The same answer as :meth:`query`, read without building a Python object per sample: the labels are JSON,
-        the samples of all series are parsed in one call (pyarrow's CSV reader when installed, numpy otherwise).
-        An answer of any other shape (an error, a vector) is read as :meth:`query` reads it.
+        The same answer as :meth:`query`, read without a Python object per sample (:func:`_matrix`); an answer of
+        any other shape (an error, a vector) is read as :meth:`query` reads it.
         """
         import numpy as np
 

@@ -104,8 +104,7 @@ def estimate_step(
 ) -> float:
     """The scrape interval: the median time between raw samples of a few utilisation series.
 
-    Raw timestamps, not counts: a count in a window depends on whether the server closes the window on the left
-    (Prometheus 2) or not (3), and one sample more or less in an hour moves a 60 s interval to 59 s.
+    Raw timestamps, not counts: whether a window's left end counts differs between Prometheus 2 and 3.
     """
     import numpy as np
 

@@ -1,7 +1,6 @@
 """``smiquery report`` and ``smiquery plot`` over a time range of the fleet: the command line's hook.
 
-:func:`load_range` turns the ``--prometheus``/``--start``/``--end`` options into the frame a recording gives
-(see :func:`smiquery.fleet.history.fleet_frame`), so the report and the plot run unchanged on it;
+:func:`load_range` turns the fleet options into the frame a recording gives (:func:`~smiquery.fleet.fleet_frame`);
 :func:`name_gpus` adds to the rendered report which instance and UUID each GPU number stands for.
 """
 
