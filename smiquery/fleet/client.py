@@ -303,7 +303,7 @@ class PrometheusClient:
     def query_samples(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], Any, Any]]:
         """An instant query of a range selector (``metric[7d]``): per series its labels, times and values as arrays.
 
-        The same answer as :meth:`query`, read without a Python object per sample (:func:`_matrix`); an answer of
+        The same answer as :meth:`query`, read without a Python object per sample (all in one parse); an answer of
         any other shape (an error, a vector) is read as :meth:`query` reads it.
         """
         import numpy as np
