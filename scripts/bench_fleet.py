@@ -6,17 +6,21 @@
 2. ``smiquery report --prometheus`` of a week of 8 nodes x 8 GPUs (one sample a minute by default:
    10,080 points per series) vs the same report of the same samples read from an nvidia-smi CSV recording:
    :func:`fleet_frame` + :func:`report` against :func:`load_recording` + :func:`report`, in this process,
-   best of 3 each, alternating; then both commands as child processes (median of 3). Both reports are checked
+   best of ``--rounds`` each, alternating, with the CPU seconds each took (this process's, and for Prometheus the
+   server's: on a loaded machine the wall times vary, the CPU far less); then both commands as child processes
+   (median of ``--rounds``). Both reports are checked
    to be the same analysis (the fleet's names its GPUs by node, the recording's by number). The goal (issue 34)
    is a ratio of at most 1.0.
 
-Usage: ``python scripts/bench_fleet.py [--top-nodes 64] [--report-nodes 8] [--days 7] [--interval 60]``. Needs
-promtool and prometheus (scripts/install-prometheus). A few minutes on two cores, most of it promtool.
+Usage: ``python scripts/bench_fleet.py [--top-nodes 64] [--report-nodes 8] [--days 7] [--interval 60] [--rounds 3]
+[--skip-top] [--skip-report]``. Needs promtool and prometheus (scripts/install-prometheus). A few minutes on two
+cores, most of it promtool.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -40,7 +44,12 @@ from tests.fleet.fleetdata import (  # noqa: E402
     write_recording,
 )
 
-ROUNDS = 3
+ROUNDS = 3  # --rounds
+
+
+def _server_cpu(pid: int) -> float:  # CPU seconds a process has used (Linux /proc)
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def build(tmp: Path, nodes: int, gpus: int, samples: int, step: int, with_recording: bool) -> tuple[int, int]:
@@ -96,16 +105,16 @@ def bench_report(nodes: int, gpus: int, days: float, step: int) -> int:
             client = PrometheusClient(server.url, timeout=300)
             fleet_frame(client, start, end)  # warm-up: blocks into the page cache
             load_recording(tmp / "fleet.csv", tz="UTC")
-            prom_t: list[float] = []
-            rec_t: list[float] = []
+            prom_t: list[tuple[float, float, float]] = []  # wall, CPU here, CPU of the server
+            rec_t: list[tuple[float, float, float]] = []
             for _ in range(ROUNDS):
-                t = time.perf_counter()
+                t, c, s = time.perf_counter(), time.process_time(), _server_cpu(server.popen.pid)
                 from_prom = report(fleet_frame(client, start, end), name="fleet")
-                prom_t.append(time.perf_counter() - t)
-                t = time.perf_counter()
+                prom_t.append((time.perf_counter() - t, time.process_time() - c, _server_cpu(server.popen.pid) - s))
+                t, c = time.perf_counter(), time.process_time()
                 from_rec = report(load_recording(tmp / "fleet.csv", tz="UTC"), name="fleet")
-                rec_t.append(time.perf_counter() - t)
-            p, r = min(prom_t), min(rec_t)
+                rec_t.append((time.perf_counter() - t, time.process_time() - c, 0.0))
+            p, r = min(w for w, _, _ in prom_t), min(w for w, _, _ in rec_t)
             # the fleet's report names GPUs by node; all else must be the recording's report
             a, b = unnamed(from_prom.to_dict()), sorted_keys(from_rec.to_dict())
             if a != b:
@@ -114,6 +123,8 @@ def bench_report(nodes: int, gpus: int, days: float, step: int) -> int:
             with (tmp / "fleet.csv").open() as fh:
                 rows = sum(1 for _ in fh) - 1
             print(f"  from Prometheus: {p:.2f} s; from the recording ({rows} rows): {r:.2f} s; ratio {p / r:.2f}x")
+            cp, sp, cr = (min(x[k] for x in got) for got, k in ((prom_t, 1), (prom_t, 2), (rec_t, 1)))
+            print(f"  CPU: {cp:.2f} s here + {sp:.2f} s in Prometheus, against {cr:.2f} s (least of {ROUNDS} each)")
             # as a user runs them: child processes, start-up included, median of 3 each, alternating
             by_prom = [sys.executable, "-m", "smiquery", "report", "-p", server.url, "--start", str(start)]
             by_prom += ["--end", str(end), "--format", "json"]
@@ -145,9 +156,12 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--days", type=float, default=7.0)
     ap.add_argument("--interval", type=int, default=60, help="seconds between samples of the report's week")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each timing (best or median of them)")
     ap.add_argument("--skip-top", action="store_true")
     ap.add_argument("--skip-report", action="store_true")
     args = ap.parse_args()
+    global ROUNDS
+    ROUNDS = args.rounds
     if tool("promtool") is None or tool("prometheus") is None:
         print("bench_fleet: promtool/prometheus missing; run scripts/install-prometheus", file=sys.stderr)
         return 1

@@ -171,22 +171,8 @@ def stalls_and_alerts(
     """Only the stalls and alerts of a recording: the same periods as :func:`report` finds, for less.
 
     No statistics, thresholds, health counters or findings are worked out. :mod:`smiquery.analysis.plot` shades these.
-
-    Args:
-        source: a recording path (CSV, JSONL, Parquet) or a DataFrame, as for :func:`report`.
-        rules: rules whose alerts are found; default as for :func:`report`.
-        stall_utilization: utilization (percent) under which a GPU is stalled.
-        min_stall: shortest stall reported, in seconds.
-        busy_memory: memory used (MiB) from which a GPU counts as held by a job.
-        fields: the columns of a headerless CSV log (ignored when the file has a header).
-        tz: the zone the recording was made in; default: timestamps as recorded (naive for CSV).
-
-    Returns:
-        The :class:`Periods`: stalls and alerts in the order :func:`report` lists them.
-
-    Raises:
-        ReportError: the recording cannot be read or holds no samples.
-        InvalidRuleError: a rule cannot be parsed.
+    The arguments and errors are :func:`report`'s; returns the :class:`Periods`, stalls and alerts in the order
+    :func:`report` lists them.
     """
     df = load_recording(source, fields=fields, tz=tz)
     if df.empty:
@@ -224,47 +210,27 @@ def _stats(
     overall: list[FieldStats] = []
     constants: dict[str, dict[int, Any]] = {}
     for fld in _numeric_fields(df):
-        per: list[FieldStats] = []
-        for g in gpus:
-            values = g.floats(fld.attr)
-            present = values[~np.isnan(values)]
-            if not len(present):
-                continue
-            per.append(
-                FieldStats(
-                    fld.name,
-                    fld.unit,
-                    g.index,
-                    float(present.mean()),
-                    float(np.percentile(present, 95)),
-                    float(present.max()),
-                    float(present.min()),
-                    len(present),
-                    len(values) - len(present),
-                )
-            )
+        per = [s for g in gpus if (s := _summary(fld, g.index, g.floats(fld.attr))) is not None]
         if not per:
             continue
         if all(s.min == s.max for s in per):
             constants[fld.name] = {s.gpu: s.max for s in per}
             continue
         stats += per
-        every = np.concatenate([g.floats(fld.attr) for g in gpus])
-        present = every[~np.isnan(every)]
-        overall.append(
-            FieldStats(
-                fld.name,
-                fld.unit,
-                -1,
-                float(present.mean()),
-                float(np.percentile(present, 95)),
-                float(present.max()),
-                float(present.min()),
-                len(present),
-                len(every) - len(present),
-            )
-        )
+        overall.append(cast(FieldStats, _summary(fld, -1, np.concatenate([g.floats(fld.attr) for g in gpus]))))
     return stats, constants, overall
+
+
+def _summary(fld: Field, gpu: int, values: np.ndarray) -> FieldStats | None:
+    """The statistics of ``values`` (NaN: missing) as ``gpu``'s (-1: all GPUs'); None when none is present."""
+    import numpy as np
+
+    present = values[~np.isnan(values)]
+    if not len(present):
+        return None
+    mean, p95 = float(present.mean()), float(np.percentile(present, 95))
+    return FieldStats(fld.name, fld.unit, gpu, mean, p95, float(present.max()), float(present.min()), len(present),
+                      len(values) - len(present))  # fmt: skip
 
 
 # Counters and flags of memory health (nvidia-smi names, by prefix or exact name).

@@ -16,15 +16,17 @@ Needs matplotlib; drawn with the object API like :mod:`smiquery.analysis.plot`.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from smiquery.analysis.series import text_size
+from smiquery.printable import printable
 
 if TYPE_CHECKING:
     import numpy as np
     from matplotlib.figure import Figure
 
+    from smiquery.analysis.model import GpuName
     from smiquery.fields import Field
 
 __all__ = ["ALERT_EDGE", "STALL_EDGE", "Scale", "cell_means", "heatmap_figure"]
@@ -84,6 +86,7 @@ def heatmap_figure(
     thresholds: dict[str, list[tuple[float, str]]],
     size: tuple[float, float, int, int],
     scales: dict[str, Scale] | None = None,
+    names: Mapping[int, GpuName] | None = None,
 ) -> tuple[Figure, list[Any]]:
     """One heatmap panel per field, sharing the time axis; returns the figure and its panels (top to bottom).
 
@@ -99,6 +102,8 @@ def heatmap_figure(
         size: (width, panel height in inches, dpi, most columns of cells: one a pixel or so).
         scales: per field name its physical colour range (:data:`Scale`); a field without one is coloured on the
             range of its values (percentages on 0 to 100 and booleans on no to yes either way).
+        names: a fleet's GPU names: the rows are then labelled by node, white lines (``gid="node-boundary"``)
+            between the nodes.
     """
     import matplotlib.dates as mdates
     import numpy as np
@@ -132,7 +137,11 @@ def heatmap_figure(
     row_of = {g: r for r, g in enumerate(gpus)}
     stalls, alerts = marks
     cmap = colormaps["viridis"].with_extremes(bad=_MISSING)
-    step = max(1, len(gpus) // 16)  # at most about 16 GPU labels
+    nodes = [names[g].node if names and g in names else None for g in gpus]
+    starts = [r for r in range(len(gpus)) if r == 0 or nodes[r] != nodes[r - 1]]
+    # at most about 16 labels: of GPUs, or of the nodes (at their first row) in a fleet
+    rows = starts if names else range(len(gpus))
+    shown = rows[:: max(1, len(rows) // 16)]
     for ax, (fld, cells, vmin, vmax, source, (locs, labels)) in zip(axes, panels, strict=True):
         image = ax.imshow(
             np.ma.masked_invalid(cells),
@@ -161,8 +170,10 @@ def heatmap_figure(
         # a fixed place: placed around the ticks, a title is measured again on every draw
         name = f"{fld.name} [{fld.unit}]" if fld.unit else fld.name
         ax.set_title(f"{name}, colour: {source}" if source else name, loc="left", fontsize=10, y=1.0, pad=4)
-        ax.set_yticks(range(0, len(gpus), step), [str(g) for g in gpus[::step]], fontsize=7)
-        ax.set_ylabel("GPU")
+        ax.set_yticks(shown, [printable(nodes[r] or "") if names else str(gpus[r]) for r in shown], fontsize=7)
+        ax.set_ylabel("node" if names else "GPU")
+        if names and len(starts) > 1:
+            ax.hlines([r - 0.5 for r in starts[1:]], lo, hi, colors="#ffffff", linewidths=1.0, gid="node-boundary")
         if not np.isfinite(cells).any():
             note = f"no values: {fld.name} was missing ([N/A] or not supported) in every sample"
             ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=9, color="#555555",

@@ -9,7 +9,8 @@ date numbers and the field's units. One ``Axes`` per cell would cost several mil
 labels plain text.
 
 Each cell's artists carry the label ``GPU <index>``: its line (``gid="gpu-<index>"``), stall and alert shading
-(``stall``, ``alert``), thresholds (``threshold``), its title (``title``) and a no-data note (``no-data``).
+(``stall``, ``alert``), thresholds (``threshold``), its title (``title``: the GPU's name, a fleet's by node) and a
+no-data note (``no-data``).
 A field's panel has ``gid="multiples-<field>"``; its tick labels are texts with ``gid`` ``xtick`` and ``ytick``.
 
 Needs matplotlib; drawn with the object API like :mod:`smiquery.analysis.plot`.
@@ -58,6 +59,7 @@ class MultiplesData:
     Attributes:
         flds: the fields, one panel each (top to bottom).
         gpus: the GPU indices, one cell each (left to right, then down).
+        titles: each GPU's cell title (``GPU 3``; a fleet's ``node GPU 1``).
         colours: each GPU's line colour.
         xs: per GPU its sample times (naive datetime64, as the time axis holds them).
         values: per field name, per GPU its values (float, NaN where missing).
@@ -71,6 +73,7 @@ class MultiplesData:
 
     flds: Sequence[Field]
     gpus: Sequence[int]
+    titles: Sequence[str]
     colours: Sequence[str]
     xs: Sequence[np.ndarray]
     values: dict[str, Sequence[np.ndarray]]
@@ -260,7 +263,7 @@ def _draw_field(
         _cell_shading(ax, place, data, fld, k, (lo, hi), label)
         first = grid.first(k)
         _cell_thresholds(ax, place, marks, (x_lo, x_hi, lo, sy), (ox, oy, w, h), first, label)
-        ax.text(ox, oy + h + 2 * _POINT, label, ha="left", va="bottom", fontsize=8, gid="title", label=label)
+        ax.text(ox, oy + h + 2 * _POINT, data.titles[k], ha="left", va="bottom", fontsize=8, gid="title", label=label)
         if first:
             for v, text in zip(y_locs, y_labels, strict=True):
                 ax.text(ox - 3 * _POINT, oy + (v - lo) * sy, text, ha="right", va="center", fontsize=7, gid="ytick")

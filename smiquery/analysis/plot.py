@@ -24,6 +24,7 @@ from smiquery.analysis.analyze import DEFAULT_RULES, stalls_and_alerts
 from smiquery.analysis.heatmap import ALERT_EDGE, STALL_EDGE, heatmap_figure
 from smiquery.analysis.load import load_recording
 from smiquery.analysis.multiples import MultiplesData, cell_points, multiples_figure
+from smiquery.analysis.render import gpu_name
 from smiquery.analysis.series import (
     as_float,
     axis_clock,
@@ -136,11 +137,11 @@ def _selected(df: pd.DataFrame, gpus: Sequence[int | str] | str) -> pd.Series:
     return keep.fillna(False).astype(bool)
 
 
-def _gpu_names(gpus: Sequence[int], total: int) -> str:
+def _gpu_names(gpus: Sequence[int], total: int, names: dict[int, Any]) -> str:
     if len(gpus) == total and total > 1:
         return "all GPUs"
-    if len(gpus) == 1:
-        return f"GPU {gpus[0]}"
+    if len(gpus) == 1 or names:
+        return ", ".join(gpu_name(g, names) for g in gpus)
     return "GPUs " + ",".join(str(g) for g in gpus)
 
 
@@ -314,9 +315,10 @@ def plot_recording(
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
     Up to :data:`OVERLAY_MAX_GPUS` GPUs share each panel, in colours with no look-alike pair; up to
-    :data:`MULTIPLES_MAX_GPUS`, each field gets small multiples instead: one small panel per GPU, titled
-    ``GPU <index>``, the panels of a field sharing their y scale and all panels their time axis; past that, one
-    heatmap per field with a row per GPU (:mod:`smiquery.analysis.heatmap`). ``layout`` chooses any of them.
+    :data:`MULTIPLES_MAX_GPUS`, each field gets small multiples instead: one small panel per GPU, the panels of a
+    field sharing their y scale and all panels their time axis; past that, one heatmap per field with a row per GPU
+    (:mod:`smiquery.analysis.heatmap`). ``layout`` chooses any of them. GPUs are named ``GPU <index>``; a fleet
+    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them, its heatmap rows by node.
 
     Missing values (``[N/A]``, a lost GPU) and gaps in time (the recording was stopped) show as breaks in the
     lines, never as zeros or straight joins. Long lines are drawn at about one point per pixel: overlaid, as the
@@ -326,8 +328,7 @@ def plot_recording(
     first; without one, a step back of the clock breaks the lines rather than drawing them backwards.
     Stalls (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
     shaded orange on its field's panel (in small multiples, each GPU's own stalls and alerts on its panels); a
-    field with no value says so. The x axis names the time zone (or says
-    that the recording has none).
+    field with no value says so. The x axis names the time zone (or says that the recording has none).
 
     Args:
         source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.recordings.read_csv`.
@@ -437,6 +438,7 @@ def _draw(
             {f.name: _thresholds(parsed, f) for f in flds},
             (width, panel_height, dpi, columns),
             {f.name: sc for f in flds if (sc := _physical_scale(f, df)) is not None},
+            scene.names,
         )
         panels: list[_Panel] = [(ax, fld, [], True, ax is axes[-1]) for ax, fld in zip(axes, flds, strict=True)]
     elif chosen == "multiples":
@@ -494,6 +496,7 @@ class _Scene:
     stalls: list[tuple[Any, Any, int]]  # (start, end, gpu)
     alerts: dict[str, list[tuple[Any, Any, int]]]  # by field
     slack: Any
+    names: dict[int, Any]  # a fleet frame's GpuName by GPU (attrs["gpu_names"]); empty for a recording
     first_ax: Any = None
 
 
@@ -522,6 +525,7 @@ def _scene(
             rule = next(r for r in rules if str(r) == a.rule)
             alerts.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
     values = {f.name: as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
+    names = df.attrs.get("gpu_names")
     return _Scene(
         n_gpus=len(groups),
         xs=xs,
@@ -534,6 +538,7 @@ def _scene(
         alerts=alerts,
         # spans closer than half a percent of the run are drawn (and labelled) as one
         slack=(df["timestamp"].max() - df["timestamp"].min()) / 200,
+        names=names if isinstance(names, dict) else {},
     )
 
 
@@ -561,6 +566,7 @@ def _multiples_data(
     return MultiplesData(
         flds=flds,
         gpus=[idx for idx, _ in groups],
+        titles=[gpu_name(idx, scene.names) for idx, _ in groups],
         colours=[_style(k)[0] for k in range(len(groups))],
         xs=[scene.xs[idx] for idx, _ in groups],
         values={f.name: [scene.values[f.name][rows] for _, rows in groups] for f in flds},
@@ -599,8 +605,8 @@ def _draw_lines(scene: _Scene, ax: Any, fld: Field, members: Sequence[tuple[int,
         x, y = line_points(scene.xs[idx], y_all[rows], scene.gap_limit, scene.max_points)
         drawn += int((~np.isnan(y)).sum())
         colour, dash = _style(pos)
-        (line,) = ax.plot(x, y, color=colour, linestyle=dash, linewidth=1.1, label=f"GPU {idx}", gid=f"gpu-{idx}",
-                          zorder=2)  # fmt: skip
+        (line,) = ax.plot(x, y, color=colour, linestyle=dash, linewidth=1.1, label=gpu_name(idx, scene.names),
+                          gid=f"gpu-{idx}", zorder=2)  # fmt: skip
         lines.append(line)
         band = line_band(scene.xs[idx], y_all[rows], scene.gap_limit, scene.max_points)
         if band is not None:  # the mean hides a pixel's extremes: a band from its lowest to highest value shows them
@@ -631,10 +637,10 @@ def _shade(scene: _Scene, ax: Any, fld: Field, here: set[int]) -> list[tuple[Any
     for s0, e0, who in _merged((sp for sp in scene.stalls if sp[2] in here), scene.slack):
         ax.axvspan(s0, e0, color=_STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
         if ax is scene.first_ax:
-            notes.append((s0, f"stall: {_gpu_names(who, scene.n_gpus)}"))
+            notes.append((s0, f"stall: {_gpu_names(who, scene.n_gpus, scene.names)}"))
     for s0, e0, who in _merged((sp for sp in scene.alerts.get(fld.name, []) if sp[2] in here), scene.slack):
         ax.axvspan(s0, e0, color=_ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
-        notes.append((s0, f"alert: {_gpu_names(who, scene.n_gpus)}"))
+        notes.append((s0, f"alert: {_gpu_names(who, scene.n_gpus, scene.names)}"))
     return notes
 
 

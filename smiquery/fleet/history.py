@@ -18,7 +18,7 @@ import math
 import re
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import PrometheusError, UsageError
@@ -75,18 +75,8 @@ class FleetGpuInfo:
         return f"{self.instance} GPU {self.gpu or '?'} ({self.uuid or 'no uuid'})"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return {
-            "instance": self.instance,
-            "gpu": self.gpu,
-            "uuid": self.uuid,
-            "name": self.name,
-            "naming": self.naming,
-            "namespace": self.namespace,
-            "pod": self.pod,
-            "node": self.node or self.instance,
-            "job": self.job,
-        }
+        """JSON-ready fields (all but ``index``)."""
+        return {k: v for k, v in asdict(self).items() if k != "index"} | {"node": self.node or self.instance}
 
 
 def chunks(start: float, end: float, step: float, max_points: int = MAX_POINTS) -> list[tuple[float, float]]:
@@ -114,8 +104,7 @@ def estimate_step(
 ) -> float:
     """The scrape interval: the median time between raw samples of a few utilisation series.
 
-    Raw timestamps, not counts: a count in a window depends on whether the server closes the window on the left
-    (Prometheus 2) or not (3), and one sample more or less in an hour moves a 60 s interval to 59 s.
+    Raw timestamps, not counts: whether a window's left end counts differs between Prometheus 2 and 3.
     """
     import numpy as np
 
@@ -246,32 +235,26 @@ def fleet_frame(
     lengths: list[int] = []
     for i, key in enumerate(keys):
         by_field = data[key]
-        times = np.unique(np.concatenate([t for parts in by_field.values() for t, _ in parts]))
-        times = times[(times >= grid0 - step) & (times <= end)]
+        parts = [p for got in by_field.values() for p in got]
+        # one chunk whose fields were all scraped together (the usual case): their times are the rows
+        same = len(parts) == len(by_field) and all(np.array_equal(t, parts[0][0]) for t, _ in parts)
+        times = parts[0][0] if same else np.unique(np.concatenate([t for t, _ in parts]))
+        inside = (times >= grid0 - step) & (times <= end)
+        times = times[inside]
         stamp_parts.append(times)
         index_parts.append(np.full(len(times), i, dtype=np.int64))
         lengths.append(len(times))
         for f in present:
+            got = by_field.get(f, [])
+            if same and got:
+                value_parts[f].append(got[0][1][inside])
+                continue
             col = np.full(len(times), np.nan)
-            for t, v in by_field.get(f, ()):
+            for t, v in got:
                 keep = (t >= grid0 - step) & (t <= end)
                 col[np.searchsorted(times, t[keep])] = v[keep]
             value_parts[f].append(col)
-        got = ident[key]
-        per_gpu.append(
-            FleetGpuInfo(
-                i,
-                key.instance,
-                key.gpu,
-                key.uuid,
-                got["name"],
-                got["naming"],
-                got["namespace"],
-                got["pod"],
-                got["node"],
-                got["job"],
-            )
-        )
+        per_gpu.append(FleetGpuInfo(i, key.instance, key.gpu, key.uuid, **ident[key]))
     seconds = np.concatenate(stamp_parts)
     stamps = pd.to_datetime(np.round(seconds * 1000).astype(np.int64), unit="ms", utc=True).as_unit("ns")
     text = string_dtype()
@@ -297,10 +280,17 @@ def fleet_frame(
     df["instance"] = per_row([k.instance for k in keys])
     df["namespace"] = per_row([g.namespace for g in per_gpu])
     df["pod"] = per_row([g.pod for g in per_gpu])
-    df.attrs["gpus"] = {g.index: g for g in per_gpu}
-    df.attrs["gpu_names"] = {g.index: g.gpu_name() for g in per_gpu}  # the report names GPUs by these
+    df.attrs["gpus"] = _Fixed({g.index: g for g in per_gpu})
+    df.attrs["gpu_names"] = _Fixed({g.index: g.gpu_name() for g in per_gpu})  # the report names GPUs by these
     df.attrs["step"] = step
     return df
+
+
+class _Fixed(dict):  # type: ignore[type-arg]
+    """A mapping never changed once made: pandas deep-copies a frame's attrs at every operation, this one is shared."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Fixed:
+        return self
 
 
 def gpu_names(df: pd.DataFrame) -> dict[int, FleetGpuInfo]:

@@ -93,12 +93,7 @@ class FleetGpu:
 
 
 #: ``--sort`` keys: the attribute, largest first (``node`` sorts by instance and GPU index).
-SORT_KEYS: dict[str, str] = {
-    "util": "utilization",
-    "mem": "memory_used",
-    "temp": "temperature",
-    "power": "power",
-}
+SORT_KEYS: dict[str, str] = {"util": "utilization", "mem": "memory_used", "temp": "temperature", "power": "power"}
 
 
 def sort_gpus(gpus: Sequence[FleetGpu], by: str = "node") -> list[FleetGpu]:

@@ -1,7 +1,6 @@
 """``smiquery report`` and ``smiquery plot`` over a time range of the fleet: the command line's hook.
 
-:func:`load_range` turns the ``--prometheus``/``--start``/``--end`` options into the frame a recording gives
-(see :func:`smiquery.fleet.history.fleet_frame`), so the report and the plot run unchanged on it;
+:func:`load_range` turns the fleet options into the frame a recording gives (:func:`~smiquery.fleet.fleet_frame`);
 :func:`name_gpus` adds to the rendered report which instance and UUID each GPU number stands for.
 """
 
@@ -108,22 +107,12 @@ def name_gpus(text: str, fmt: str, df: pd.DataFrame) -> str:
         doc = json.loads(text)
         doc["gpu_names"] = {str(i): g.to_dict() for i, g in names.items()}
         return json.dumps(doc, indent=2) + "\n"
+    rows = [(i, g, f"{g.namespace}/{g.pod}" if g.pod else "") for i, g in names.items()]
     if fmt == "markdown":
-        lines = [
-            "",
-            "## GPUs",
-            "",
-            "| GPU | instance | index | UUID | model | namespace/pod |",
-            "|---|---|---|---|---|---|",
-        ]
-        for i, g in names.items():
-            pod = f"{g.namespace}/{g.pod}" if g.pod else ""
-            lines.append(f"| {i} | {g.instance} | {g.gpu} | {g.uuid} | {g.name} | {pod} |")
-        return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
-    if fmt == "text":
-        lines = ["", "GPUs:"]
-        for i, g in names.items():
-            pod = f"  {g.namespace}/{g.pod}" if g.pod else ""
-            lines.append(f"  {i:>3}  {g.label()}  {g.name}{pod}")
-        return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"
-    return text
+        lines = ["", "## GPUs", "", "| GPU | instance | index | UUID | model | namespace/pod |", "|---" * 6 + "|"]
+        lines += [f"| {i} | {g.instance} | {g.gpu} | {g.uuid} | {g.name} | {pod} |" for i, g, pod in rows]
+    elif fmt == "text":
+        lines = ["", "GPUs:", *(f"  {i:>3}  {g.label()}  {g.name}{'  ' + pod if pod else ''}" for i, g, pod in rows)]
+    else:
+        return text
+    return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"

@@ -153,3 +153,43 @@ def test_the_docs_show_the_plot_the_script_draws_of_the_demo_recording(tmp_path)
     # the same picture (font rendering may differ by a pixel's shade): run the script again after a plot change
     assert shown.shape == drawn.shape
     assert float(np.abs(shown - drawn).mean()) < 0.01
+
+
+def _as_fleet(path: Path, per_node: int) -> object:
+    """The recording as a fleet's frame: GPUs named by node (``node-K`` holding ``per_node`` each), as the report."""
+    from smiquery.analysis import load_recording
+    from smiquery.analysis.model import GpuName
+
+    df = load_recording(path)
+    count = int(df["index"].max()) + 1
+    df.attrs["gpu_names"] = {
+        g: GpuName(f"node-{g // per_node}", f"node-{g // per_node}:9849", str(g % per_node)) for g in range(count)
+    }
+    return df
+
+
+def test_a_fleets_plot_names_gpus_by_node_and_its_heatmap_marks_the_nodes(tmp_path):
+    # overlay: the legend's lines; the stall's label
+    fig = plot_recording(_as_fleet(many_gpus(tmp_path, 8), 4), "utilization.gpu", rules=[], layout="overlay")
+    (ax,) = fig.get_axes()
+    lines = [ln for ln in ax.get_lines() if (ln.get_gid() or "").startswith("gpu-")]
+    assert [ln.get_label() for ln in lines] == [f"node-{g // 4} GPU {g % 4}" for g in range(8)]
+    assert "stall: node-1 GPU 3" in [t.get_text() for t in ax.texts]
+    # small multiples: each cell titled by node and index (its artists still labelled by the report's number)
+    fig = plot_recording(_as_fleet(many_gpus(tmp_path, 12, 20), 4), "utilization.gpu", rules=[], layout="multiples")
+    (ax,) = fig.get_axes()
+    titles = [t for t in ax.texts if t.get_gid() == "title"]
+    assert [t.get_text() for t in titles] == [f"node-{g // 4} GPU {g % 4}" for g in range(12)]
+    assert [t.get_label() for t in titles] == [f"GPU {g}" for g in range(12)]
+    # heatmap: rows labelled by node at its first row, a line between nodes
+    fig = plot_recording(_as_fleet(many_gpus(tmp_path, 24), 8), "utilization.gpu", rules=[], layout="heatmap")
+    ax = next(a for a in fig.get_axes() if a.get_images())
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["node-0", "node-1", "node-2"]
+    assert list(ax.get_yticks()) == [0, 8, 16] and ax.get_ylabel() == "node"
+    (bounds,) = [c for c in ax.collections if c.get_gid() == "node-boundary"]
+    assert sorted(float(seg[0][1]) for seg in bounds.get_segments()) == [7.5, 15.5]
+    # a recording's heatmap: rows by GPU number, no node lines
+    fig = plot_recording(many_gpus(tmp_path, 24), "utilization.gpu", rules=[], layout="heatmap")
+    ax = next(a for a in fig.get_axes() if a.get_images())
+    assert ax.get_ylabel() == "GPU" and [t.get_text() for t in ax.get_yticklabels()][:2] == ["0", "1"]
+    assert not [c for c in ax.collections if c.get_gid() == "node-boundary"]

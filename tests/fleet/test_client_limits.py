@@ -317,3 +317,22 @@ def test_max_answer_option_is_one_line_and_exit_1(args):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert "over the limit of 1 MiB; raise --max-answer" in lines[0]
+
+
+@pytest.mark.parametrize("pyarrow", [True, False])
+def test_range_answers_parse_alike_with_or_without_pyarrow(monkeypatch, pyarrow):
+    import numpy as np
+
+    from smiquery.fleet.client import _matrix
+
+    if not pyarrow:
+        monkeypatch.setitem(sys.modules, "pyarrow.csv", None)  # import fails: numpy's parser
+    head = b'{"status":"success","data":{"resultType":"matrix","result":['
+    series = b'{"metric":{"a":"x,\\"values\\":[["},"values":[[1,"2"],[3.5,"NaN"]]},{"metric":{},"values":[[4,"+Inf"]]}'
+    ((labels, t1, v1), (empty, t2, v2)) = _matrix(head + series + b"]}}")  # type: ignore[misc]
+    assert labels == {"a": 'x,"values":[['} and empty == {}
+    assert t1.tolist() == [1.0, 3.5] and v1[0] == 2.0 and np.isnan(v1[1])
+    assert t2.tolist() == [4.0] and v2.tolist() == [float("inf")]
+    # another shape, or a sample that is not a number: None, and the caller reads the answer as JSON
+    assert _matrix(head + series.replace(b'"2"', b'"x"') + b"]}}") is None
+    assert _matrix(b'{"status":"success","data":{"resultType":"vector","result":[]}}') is None
