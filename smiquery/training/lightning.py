@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -22,9 +22,6 @@ except ImportError:  # the standalone package
 from smiquery.training.memory import TorchMemory
 from smiquery.training.monitor import MonitorView
 from smiquery.training.outputs import run_monitor
-
-if TYPE_CHECKING:
-    from smiquery.alerts import AlertEvent, AlertHandler, Rule
 
 __all__ = ["GpuMonitor"]
 
@@ -60,23 +57,18 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
         trainer.fit(model, train_loader)
 
     Args:
-        fields: extra fields to summarise per epoch.
-        interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions (default the training rules).
-        handlers: where alert events go (default: a log line).
-        log_every: ``"epoch"``, or ``"batch"`` to log the newest sample at every step as well.
+        fields, interval: as :class:`~smiquery.training.monitor.RunMonitor`'s; ``log_every="batch"`` logs the newest
+            sample at every step as well.
         prefix: put before every logged key (``"gpu/"`` groups them in TensorBoard).
         framework_memory: read PyTorch's allocated, peak and reserved memory per device.
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor`.
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``alerts``, ``handlers``,
+            ``log_every``, ``record``...).
     """
 
     def __init__(
         self,
         fields: str | Sequence[str] | None = None,
         interval: float = 1.0,
-        alerts: Iterable[Rule | str] | None = None,
-        handlers: Sequence[AlertHandler | Callable[[AlertEvent, Mapping[str, Any]], object]] | None = None,
-        log_every: Literal["epoch", "batch"] = "epoch",
         *,
         prefix: str = "",
         framework_memory: bool = True,
@@ -84,11 +76,8 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
     ) -> None:
         super().__init__()
         framework = TorchMemory() if framework_memory else None
-        self.monitor = run_monitor(
-            fields, interval, alerts=alerts, handlers=handlers, log_every=log_every, framework=framework, **options
-        )
+        self.monitor = run_monitor(fields, interval, framework=framework, **options)
         self.prefix = prefix
-        self.log_every = log_every
         self._trainer: Any = None
         self._ranks_here = 1
         self.monitor.context_extra = self._context
@@ -140,7 +129,7 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
         n = _batch_size(batch)
         samples = n * self._ranks_here if n is not None else None
         self.monitor.step(None, batch_idx, samples=samples, step=int(trainer.global_step))
-        if self.log_every == "batch":
+        if self.monitor.log_every == "batch":
             self._log(trainer, self.monitor.batch_values())
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
+from smiquery.errors import InvalidArgumentError, InvalidFieldError
 from smiquery.fields import Field, resolve_fields
+from smiquery.kinds import to_number
 from smiquery.training.devices import VisibleDevices, order_check, visible_devices
 from smiquery.training.epochs import (
     BATCH,
@@ -31,7 +33,6 @@ from smiquery.training.epochs import (
     SUMMARY_FIELDS,
     EnergySplitter,
     EpochAccumulator,
-    number,
     summary_spec,
     throughput_values,
 )
@@ -49,6 +50,8 @@ __all__ = ["OPEN_MONITORS", "MonitorView", "Output", "RunMonitor", "Totals"]
 
 log = get_logger("smiquery.training.monitor")
 
+#: what nvidia-smi answers to a field this driver lacks
+_REJECTIONS = (InvalidArgumentError, InvalidFieldError)
 _REJECTED_RE = re.compile(r"""Field\s+["']([^"']+)["']\s+is not a valid field""", re.IGNORECASE)
 _ALWAYS = ("index", "uuid", "timestamp", *SUMMARY_FIELDS)
 
@@ -118,13 +121,11 @@ class RunMonitor:
     job ``energy_wh``, ``steps_per_joule``, ``samples_per_joule``, ``data_wait_s``, ``data_wait_frac``.
 
     Args:
-        fields: extra fields to summarise per epoch (names or a comma list).
-        interval: seconds between samples.
+        fields: extra fields to summarise per epoch (names or a comma list); ``interval``: seconds between samples.
         alerts: rules or ``--alert`` expressions; None for :data:`~smiquery.training.events.TRAINING_RULES`, ``()``
             for none. A rule whose field the driver rejects is dropped with one warning.
         handlers: where alert events go (default: a :class:`~smiquery.alerts.LogHandler`).
         log_every: ``"epoch"``, or ``"batch"`` to offer the newest sample per step (:meth:`batch_values`).
-        nvidia_smi: path of nvidia-smi.
         gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
         framework: the framework's memory view, read at each epoch's end.
         first_sample_timeout: seconds the first epoch's end waits for nvidia-smi's first sample.
@@ -135,9 +136,7 @@ class RunMonitor:
         outputs: what the run feeds besides its logs (see :class:`Output`).
 
     Raises:
-        ValueError: ``log_every`` or ``interval`` is invalid.
-        InvalidFieldError: a field name is unknown.
-        InvalidRuleError: an alert expression cannot be parsed.
+        ValueError, InvalidFieldError, InvalidRuleError: ``log_every``, ``interval``, a field or a rule is invalid.
     """
 
     def __init__(
@@ -353,7 +352,7 @@ class RunMonitor:
 
     def _on_source_event(self, event: StreamEvent) -> None:
         err = event.error
-        if event.kind == "error" and err is not None and _is_rejection(err):
+        if event.kind == "error" and isinstance(err, _REJECTIONS):
             self._rejected = err
             source = self._source
             if source is not None:
@@ -414,7 +413,7 @@ class RunMonitor:
                         self._take(sweep, select)
                 except Exception as exc:
                     failure = exc
-                rejected = self._rejected or (failure if failure is not None and _is_rejection(failure) else None)
+                rejected = self._rejected or (failure if isinstance(failure, _REJECTIONS) else None)
                 if self._stop.is_set():
                     return
                 if self._moved:
@@ -463,12 +462,12 @@ class RunMonitor:
                 wall = ts.timestamp() if ts is not None else now + self._wall_offset
                 self._last_t[idx] = now
                 acc.add(idx, s)
-                watts = number(s.get("power.draw"))
+                watts = to_number(s.get("power.draw"))
                 self._credit(idx, self._energy.sample(idx, wall, watts, pos.epoch), pos.epoch, acc)
                 self._latest[idx] = s
                 if self.log_every == "batch":
                     for name, suffix in BATCH:
-                        v = number(s.get(name))
+                        v = to_number(s.get(name))
                         batch[f"gpu{idx}_{suffix}"] = math.nan if v is None else v
             if batch:
                 self._batch_values = batch
@@ -771,12 +770,6 @@ class RunMonitor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _is_rejection(exc: BaseException) -> bool:
-    from smiquery.errors import InvalidArgumentError, InvalidFieldError
-
-    return isinstance(exc, (InvalidArgumentError, InvalidFieldError))
 
 
 #: Monitors whose stream this process opened, closed at interpreter exit; a forked child starts with none.
