@@ -10,12 +10,12 @@ import csv
 import difflib
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import tzinfo
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from smiquery.errors import InvalidFieldError
+from smiquery.errors import InvalidFieldError, NvidiaSmiFailedError, failure_from_exit
 from smiquery.kinds import Kind
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ __all__ = [
     "HelpEntry",
     "Kind",
     "get_field",
+    "help_query_gpu",
     "parse_help_query_gpu",
     "resolve_fields",
 ]
@@ -185,17 +186,14 @@ def get_field(name: str, *, known: Iterable[str] | None = None) -> Field:
 def resolve_fields(fields: FieldsArg = "default", *, known: Iterable[str] | None = None) -> tuple[Field, ...]:
     """Turn what a caller asked for into catalogue fields, in order, without duplicates: THE field resolver.
 
-    Args:
-        fields: a preset (``"default"``, ``"health"``...), ``"a,b,c"``, or a sequence of names or fields (resolved
-            fields pass through); None means default.
-        known: names this machine's driver lists; also limits ``"all"`` to them.
+    ``fields``: a preset (``"default"``, ``"health"``...; None: default), ``"a,b,c"``, or a sequence of names or
+    fields (resolved ones pass through). ``known``: names this driver lists; also limits ``"all"`` to them.
 
     Raises:
         InvalidFieldError: a name is unknown or malformed.
     """
     index = _index()
-    if fields is None:
-        fields = "default"
+    fields = "default" if fields is None else fields
     names: Sequence[str | Field]
     if isinstance(fields, str):
         if fields in _presets:
@@ -256,4 +254,20 @@ def parse_help_query_gpu(text: str) -> list[HelpEntry]:
                 break
             desc.append(follow.strip())
         entries.append(HelpEntry(names[0], tuple(names[1:]), " ".join(desc)))
+    return entries
+
+
+def help_query_gpu(run: Callable[[list[str], float], Any], binary: str, timeout: float) -> list[HelpEntry]:
+    """The entries ``binary --help-query-gpu`` lists, run by ``run`` (a runner's ``run``) within ``timeout`` seconds.
+
+    Raises:
+        NvidiaSmiFailedError: nvidia-smi failed, or listed no fields.
+    """
+    argv = [binary, "--help-query-gpu"]
+    done = run(argv, timeout)
+    if done.returncode != 0:
+        raise failure_from_exit(argv, done.returncode, done.output)
+    entries = parse_help_query_gpu(done.stdout)
+    if not entries:
+        raise NvidiaSmiFailedError(argv, 0, done.output, "nvidia-smi --help-query-gpu listed no fields")
     return entries

@@ -62,11 +62,9 @@ class FrameworkMemory(Protocol):
 
     def available(self) -> str | None:
         """None when the view can be read; otherwise why not, in one line."""
-        ...
 
     def read(self) -> list[MemoryView]:
         """The view of every device the framework uses."""
-        ...
 
 
 def gap_note(idx: int, framework: str, view: MemoryView, history: Sequence[float]) -> str:

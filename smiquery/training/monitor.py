@@ -62,13 +62,8 @@ SourceFactory = Callable[..., "SampleSource"]
 class Totals:
     """Counters of a run, read by the job's metrics at scrape time (no per-step Prometheus cost).
 
-    Attributes:
-        steps: steps taken.
-        samples: training samples processed (when the adapter knows batch sizes).
-        data_wait: seconds spent between steps.
-        epoch: the current epoch (0-based) or None.
-        joules: energy per nvidia-smi index since the run began.
-        memory: the newest framework memory view per nvidia-smi index.
+    ``samples`` counts where the adapter knows batch sizes, ``data_wait`` the seconds between steps; ``joules``
+    (since the run began) and ``memory`` (the newest framework view) are per nvidia-smi index.
     """
 
     steps: int = 0
@@ -84,24 +79,19 @@ class Output(Protocol):
 
     Opened with each run once its stream is, fed the watched GPUs' samples of every sweep on the reading thread,
     closed with the run. It says its failures through :meth:`RunMonitor.say` and never raises into training.
-
-    Attributes:
-        fields: nvidia-smi fields it needs streamed beyond the monitor's own.
+    ``fields``: what it needs streamed beyond the monitor's own.
     """
 
     fields: tuple[str, ...]
 
     def open(self, monitor: RunMonitor) -> None:
         """Start feeding ``monitor``'s run."""
-        ...
 
     def take(self, samples: Sequence[GpuSample]) -> None:
         """One sweep's samples of the watched GPUs."""
-        ...
 
     def close(self, timeout: float) -> None:
         """Stop; idempotent."""
-        ...
 
 
 def _open_stream(fields: Sequence[str], **options: Any) -> SampleSource:
@@ -458,7 +448,7 @@ class RunMonitor:
                 assert idx is not None
                 # energy integrates over nvidia-smi's own timestamps (two sweeps delivered together are still an
                 # interval apart), the arrival without them
-                ts = s.timestamp if "timestamp" in s else None
+                ts = s.timestamp
                 wall = ts.timestamp() if ts is not None else now + self._wall_offset
                 self._last_t[idx] = now
                 acc.add(idx, s)
