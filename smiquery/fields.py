@@ -62,7 +62,10 @@ class Field:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attr", self.name.replace(".", "_"))
-        object.__setattr__(self, "argv_name", _portable_spelling(self.name, self.aliases))
+        # the 535 branch renamed clocks_throttle_reasons.* to clocks_event_reasons.* and keeps the old names as
+        # input aliases, while drivers before 535 reject the new ones (exit 2): the old name works on R465..R610
+        old = _throttle_name(self.name)
+        object.__setattr__(self, "argv_name", old if old in self.aliases else self.name)
         if self.header_unit is None:
             object.__setattr__(self, "header_unit", self.unit)
 
@@ -84,17 +87,9 @@ class Field:
         return self.kind.ops.display(value, self.unit, missing=missing, with_unit=with_unit)
 
 
-# Renamed families whose old spelling every driver accepts (NVIDIA-SMI.md 1.2): the 535 branch renamed
-# clocks_throttle_reasons.* to clocks_event_reasons.* and keeps the old names as input aliases, while drivers
-# before 535 (R470, R510, R525) reject the new ones with exit 2. Sending the old name works on R465..R610.
-_PORTABLE_PREFIXES: tuple[tuple[str, str], ...] = (("clocks_event_reasons.", "clocks_throttle_reasons."),)
-
-
-def _portable_spelling(name: str, aliases: tuple[str, ...]) -> str:
-    for new, old in _PORTABLE_PREFIXES:
-        if name.startswith(new) and old + name[len(new) :] in aliases:
-            return old + name[len(new) :]
-    return name
+def _throttle_name(name: str) -> str:
+    """The name before the 535 branch (NVIDIA-SMI.md 1.2) of a ``clocks_event_reasons.*`` field, else ``name``."""
+    return name.replace("clocks_event_reasons.", "clocks_throttle_reasons.", 1)
 
 
 #: What every call that takes fields accepts: a preset, ``"a,b,c"``, names, or fields already resolved.
@@ -150,10 +145,8 @@ def _index() -> dict[str, Field]:
             for r in csv.DictReader(fh)
         )
     index = {name: f for f in catalogue for name in (f.name, *f.aliases)}
-    # Before the 535 branch the throttle reasons were canonical under their old name.
-    for f in catalogue:
-        if f.name.startswith("clocks_event_reasons."):
-            index.setdefault(f.name.replace("clocks_event_reasons.", "clocks_throttle_reasons.", 1), f)
+    for f in catalogue:  # before the 535 branch the throttle reasons were canonical under their old name
+        index.setdefault(_throttle_name(f.name), f)
     _presets.update({name: tuple(names.split()) for name, names in _PRESETS.items()})
     _presets["all"] = tuple(f.name for f in catalogue)
     globals().update(CATALOGUE=catalogue, PRESETS=_presets)

@@ -63,8 +63,7 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         model.fit(x, y, epochs=10, callbacks=[monitor, keras.callbacks.CSVLogger("train.csv")])
 
     Args:
-        fields, interval: as :class:`~smiquery.training.monitor.RunMonitor`'s; ``log_every="batch"`` adds the newest
-            sample to every batch's logs as well.
+        fields, interval: as :class:`~smiquery.training.monitor.RunMonitor`'s.
         framework_memory: read TensorFlow's per-GPU allocation and report the gap to the driver's figure.
         batch_size: samples per step (default: ``fit``'s ``batch_size`` when it was given).
         **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``alerts``, ``handlers``,

@@ -186,11 +186,9 @@ class RunMonitor:
         self.epochs: list[dict[str, float]] = []
         #: counters of the run (steps, samples, data wait, energy): what the metrics report
         self.totals = Totals()
-        #: seconds spent: ``first_data`` (start to first sample), ``start``, ``close``, ``epoch_end_max`` (longest
-        #: :meth:`end_epoch`), and the CPU time of the ``reader``, ``worker`` and ``pmon`` threads
-        self.cost: dict[str, float] = dict.fromkeys(
-            ("start", "close", "epoch_end_max", "reader_cpu", "worker_cpu", "pmon_cpu"), 0.0
-        )
+        #: seconds spent: ``first_data`` (start to first sample), ``start``, ``close``, and the CPU time of the
+        #: ``reader``, ``worker`` and ``pmon`` threads
+        self.cost = dict.fromkeys(("start", "close", "reader_cpu", "worker_cpu", "pmon_cpu"), 0.0)
         self.cost["first_data"] = math.nan
         #: wall time of each :meth:`end_epoch` on the training thread, seconds
         self.epoch_end_seconds: list[float] = []
@@ -524,14 +522,10 @@ class RunMonitor:
     def step(
         self, epoch: int | None = None, batch: int | None = None, *, samples: int | None = None, step: int | None = None
     ) -> None:
-        """One optimizer step is done.
+        """One optimizer step is done, of ``epoch`` (a new value starts that epoch) and ``batch`` (default the next).
 
-        Args:
-            epoch: the epoch it belongs to; a new value starts that epoch (the previous one is summarised by the
-                next :meth:`end_epoch`).
-            batch: its number within the epoch (0-based); default the next one.
-            samples: training samples in it (adds to ``samples_per_joule`` and the samples counter).
-            step: the framework's global step count after it, when it keeps one.
+        ``samples``: training samples in it (for ``samples_per_joule``); ``step``: the framework's global step count
+        after it, when it keeps one.
         """
         if epoch is not None and epoch != self._pos.epoch:
             self.begin_epoch(epoch)
@@ -566,9 +560,7 @@ class RunMonitor:
             log.exception("smiquery: summarising the epoch's GPU samples failed")
             return {}
         finally:
-            spent = time.perf_counter() - began
-            self.epoch_end_seconds.append(spent)
-            self.cost["epoch_end_max"] = max(self.cost.get("epoch_end_max", 0.0), spent)
+            self.epoch_end_seconds.append(time.perf_counter() - began)
 
     def _end_epoch(self, epoch: int | None) -> dict[str, float]:
         if self._source is None and self._order is None:

@@ -122,15 +122,11 @@ def _pmon_unsupported(exc: BaseException) -> bool:
 
 
 class ShareTracker:
-    """One pmon child and its reading thread: each instant summed into the epoch it arrived in.
+    """One pmon child and its reading thread: each instant summed into the epoch ``epoch_now()`` says it arrived in.
 
-    Failures are said once through ``say``, never raised: a failing or hung pmon never delays a training step, and
-    an unsupported one turns the share off (the keys stay NaN).
-
-    Args:
-        say: the monitor's say-once (``say(message, key=...)``).
-        epoch_now: the epoch training is in now (None before the first).
-        watched: whether a GPU (by nvidia-smi index) is one the run watches; None for every GPU.
+    Failures are said once through the monitor's ``say``, never raised: a failing or hung pmon never delays a
+    training step, and an unsupported one turns the share off (the keys stay NaN). ``watched(idx)``: whether a GPU is
+    one the run watches (None: every GPU).
     """
 
     def __init__(
