@@ -63,7 +63,8 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         model.fit(x, y, epochs=10, callbacks=[monitor, keras.callbacks.CSVLogger("train.csv")])
 
     Args:
-        fields, interval: as :class:`~smiquery.training.monitor.RunMonitor`'s.
+        fields: extra fields to summarise per epoch.
+        interval: seconds between samples.
         framework_memory: read TensorFlow's per-GPU allocation and report the gap to the driver's figure.
         batch_size: samples per step (default: ``fit``'s ``batch_size`` when it was given).
         **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``alerts``, ``handlers``,

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,12 +58,12 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
         trainer.fit(model, train_loader)
 
     Args:
-        fields, interval: as :class:`~smiquery.training.monitor.RunMonitor`'s; ``log_every="batch"`` logs the newest
-            sample at every step as well.
+        fields: extra fields to summarise per epoch.
+        interval: seconds between samples.
         prefix: put before every logged key (``"gpu/"`` groups them in TensorBoard).
         framework_memory: read PyTorch's allocated, peak and reserved memory per device.
         **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``alerts``, ``handlers``,
-            ``log_every``, ``record``...).
+            ``record``...; ``log_every="batch"`` also logs the newest sample at every step).
     """
 
     def __init__(
@@ -84,15 +85,11 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
 
     def _context(self) -> dict[str, Any]:
         trainer = self._trainer
-        out: dict[str, Any] = {}
         if trainer is None:
-            return out
-        out["step"] = int(trainer.global_step)
-        try:
-            opt = trainer.optimizers[0]
-            out["learning_rate"] = float(opt.param_groups[0]["lr"])
-        except Exception:
-            pass
+            return {}
+        out: dict[str, Any] = {"step": int(trainer.global_step)}
+        with contextlib.suppress(Exception):
+            out["learning_rate"] = float(trainer.optimizers[0].param_groups[0]["lr"])
         return out
 
     def _log(self, trainer: Any, values: Mapping[str, float]) -> None:

@@ -708,12 +708,8 @@ class RunMonitor:
             OPEN_MONITORS.discard(self)
             return
         with self._closing:
-            share_open = self._share is not None and self._share.open
-            if (
-                all(x is None for x in (self._source, self._reader, self._worker))
-                and not self._opened
-                and not share_open
-            ):
+            idle = not self._opened and all(x is None for x in (self._source, self._reader, self._worker))
+            if idle and not (self._share is not None and self._share.open):
                 return  # nothing open: keep the last run's cost figures
             self._close_locked(timeout)
         self.cost["close"] = time.monotonic() - began

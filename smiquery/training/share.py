@@ -115,10 +115,9 @@ def _pmon_unsupported(exc: BaseException) -> bool:
     """True for pmon's "Not supported on the device(s)" (old GeForce drivers), whatever the exit status."""
     from smiquery.errors import NotSupportedError, NvidiaSmiFailedError
 
-    if isinstance(exc, NotSupportedError):
-        return True
-    output = getattr(exc, "output", "") if isinstance(exc, NvidiaSmiFailedError) else ""
-    return "not supported on the device" in (output or "").lower()
+    return isinstance(exc, NotSupportedError) or (
+        isinstance(exc, NvidiaSmiFailedError) and "not supported on the device" in (exc.output or "").lower()
+    )
 
 
 class ShareTracker:

@@ -48,14 +48,11 @@ class XidAlert(AlertEvent):
 
     def to_dict(self) -> dict[str, object]:
         """The event's dict with ``xid``, ``meaning``, ``action``, ``advice`` and the driver's ``driver_message``."""
-        info = self.info
         ev = self.xid_event
         return {
             **super().to_dict(),
             "xid": self.xid,
-            "meaning": info.meaning if info is not None else None,
-            "action": info.action if info is not None else None,
-            "advice": info.advice if info is not None else None,
+            **{key: getattr(self.info, key, None) for key in ("meaning", "action", "advice")},
             "driver_message": ev.message if ev is not None else None,
             "pid": ev.pid if ev is not None else None,
         }
