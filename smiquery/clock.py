@@ -1,11 +1,9 @@
 """Time rules for nvidia-smi's timestamps: wall-clock stamps put in a zone by row order, and steps that never go back.
 
-nvidia-smi stamps rows with the host's local wall-clock time and no zone; that clock repeats an hour when daylight
-saving ends, skips one when it starts, and steps with NTP or a VM resume. The rules, shared by the parser, replay,
-``read_csv``, the report and the plot: in a zone, a repeated wall time is resolved by the *order* of the rows
-(:class:`Localizer`, :func:`localize_by_order`) and a skipped one shifted forward by the skip; a duration is the time
-that really passed (:func:`seconds_between`, through UTC: Python subtracts two aware times of one ``tzinfo`` as wall
-times); without a zone a step back counts 0 (:func:`clamped_steps`). Live holds use a monotonic clock instead.
+nvidia-smi stamps rows with the host's local wall time and no zone, which repeats an hour when daylight saving ends,
+skips one when it starts, and steps with NTP or a VM resume. A repeated wall time is resolved by the *order* of the
+rows, a skipped one shifted forward; a duration is the time that really passed (through UTC: Python subtracts two
+aware times of one ``tzinfo`` as wall times); without a zone a step back counts 0.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ class Localizer:
     """Puts wall-clock times, row after row of one timeline (one file or stream), into ``tz`` (None: the host's).
 
     An ambiguous time (the hour a fall-back repeats) takes its first instant unless that would put it before the
-    previous row while the second would not and is the nearer of the two to it (so jitter inside the repeated hour
-    stays in the first pass). A wall time the spring-forward skips is shifted forward by the skip.
+    previous row while the second would not and is the nearer of the two to it (so jitter stays in the first pass).
     """
 
     __slots__ = ("_fixed", "last", "tz")
@@ -193,12 +190,10 @@ class ClockStep:
 
 
 def clamped_steps(seconds: np.ndarray, cap: float | None = None, interval: float | None = None) -> np.ndarray:
-    """The steps between consecutive times, never negative: a step back counts 0, a jump past ``cap`` one interval.
+    """The steps between consecutive ``seconds`` (in the order taken), never negative: a step back counts 0.
 
-    Args:
-        seconds: times in seconds, in the order they were taken (any origin).
-        cap: a forward step longer than this is a gap (the clock jumped, the stream stopped); None: none is.
-        interval: what such a step counts instead (default ``cap``'s third, the usual spacing).
+    A forward step longer than ``cap`` (the clock jumped, the stream stopped) counts ``interval`` (default ``cap``'s
+    third, the usual spacing); ``cap`` None: none is a gap.
     """
     import numpy as np
 

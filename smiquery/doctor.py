@@ -1,10 +1,7 @@
 """Diagnosing nvidia-smi, the driver, the GPUs and the container set-up, as data the CLI renders.
 
-:func:`run_checks` returns one :class:`CheckResult` per check, each with a status (``ok``, ``warn``, ``fail``
-or ``skip``), a one-line diagnosis and at most one fix. ``fail`` is kept for what stops monitoring (nvidia-smi
-missing, the driver unreachable, a hang, output that cannot be read); everything that only degrades it (persistence
-mode off, an infoROM warning, a field the driver lacks) is ``warn``. :func:`exit_code` turns results into the
-documented exit code, with ``gate=True`` for init containers and health checks.
+:func:`run_checks` returns one :class:`CheckResult` per check; ``fail`` is kept for what stops monitoring, ``warn``
+for what only degrades it. :func:`exit_code` turns results into the documented exit code.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from smiquery.errors import (
     InsufficientPermissionsError,
     InvalidArgumentError,
     NoDevicesFoundError,
-    NvidiaSmiFailedError,
     NvidiaSmiNotFoundError,
     NvidiaSmiTimeoutError,
     NvmlNotFoundError,
@@ -190,19 +186,13 @@ def driver_fields(binary: str, timeout: float) -> dict[str, str]:
     Raises:
         NvidiaSmiFailedError: nvidia-smi failed, or listed no fields.
     """
-    from smiquery.fields import parse_help_query_gpu
+    from smiquery.fields import help_query_gpu
     from smiquery.runner import default_runner
 
-    argv = [binary, "--help-query-gpu"]
-    done = default_runner().run(argv, timeout)
-    if done.returncode != 0:
-        raise failure_from_exit(argv, done.returncode, done.output)
     names: dict[str, str] = {}
-    for entry in parse_help_query_gpu(done.stdout):
+    for entry in help_query_gpu(default_runner().run, binary, timeout):
         for n in (entry.name, *entry.aliases):
             names.setdefault(n, entry.description)
-    if not names:
-        raise NvidiaSmiFailedError(argv, 0, done.output, "nvidia-smi --help-query-gpu listed no fields")
     return names
 
 
@@ -222,10 +212,9 @@ class _Progress:
 
 
 def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> list[CheckResult]:
-    """Run every check against an nvidia-smi (None: the one found), ``timeout`` seconds per call; never raises.
+    """One result per check, in the order of :data:`CHECK_NAMES`, for an nvidia-smi (None: the one found); never raises.
 
-    Returns:
-        One result per check, in the order of :data:`CHECK_NAMES`.
+    ``timeout``: seconds per nvidia-smi call.
     """
     done = _Progress(in_container())
     _check_binary(done, nvidia_smi, timeout)

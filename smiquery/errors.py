@@ -1,9 +1,7 @@
 """The exception tree: every failure smiquery reports is one of these, with a message that says what to do.
 
-Every exception class of the package is defined here (the modules that raise them re-export them), and
-``smiquery`` exports the whole tree. Each class's ``exit_status`` is the command line's documented exit code for it
-(2 usage, 3 nvidia-smi missing, 4 driver, 5 timeout, 1 anything else); :func:`failure_from_exit` maps nvidia-smi's
-exit codes (``exit N`` below) and messages to classes.
+Every exception class of the package is defined here; :func:`failure_from_exit` maps nvidia-smi's exit codes
+(``exit N`` below) and messages to classes.
 """
 
 from __future__ import annotations
@@ -140,8 +138,7 @@ class ParseError(SmiqueryError, ValueError):
 
         # a short excerpt, control bytes (a binary file) as escapes never cut in two: one readable line
         shown = ""
-        for ch in line:
-            piece = printable(ch)
+        for piece in map(printable, line):
             if len(shown) + len(piece) > 77:
                 shown += "..."
                 break
@@ -257,10 +254,7 @@ class NvidiaSmiNotFoundError(SmiqueryError):
 
 
 class ResourceLimitError(SmiqueryError):
-    """nvidia-smi could not be started: this process is at a resource limit (open files, processes, memory).
-
-    Retried, since descriptors are freed as connections close.
-    """
+    """nvidia-smi could not be started: this process is at a resource limit (open files, processes, memory); retried."""
 
     retryable = True
 
@@ -301,9 +295,7 @@ class NvidiaSmiFailedError(SmiqueryError):
         self.returncode = returncode
         self.output = output
         first = self.first_line
-        if len(first) > 160:
-            first = first[:157] + "..."
-        said = f": {first}" if first else ""
+        said = f": {first if len(first) <= 160 else first[:157] + '...'}" if first else ""
         super().__init__(message or f"nvidia-smi exited with code {returncode}{said}; {self.hint}")
 
     @property

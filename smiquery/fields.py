@@ -10,12 +10,12 @@ import csv
 import difflib
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import tzinfo
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from smiquery.errors import InvalidFieldError
+from smiquery.errors import InvalidFieldError, NvidiaSmiFailedError, failure_from_exit
 from smiquery.kinds import Kind
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ __all__ = [
     "HelpEntry",
     "Kind",
     "get_field",
+    "help_query_gpu",
     "parse_help_query_gpu",
     "resolve_fields",
 ]
@@ -61,7 +62,10 @@ class Field:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attr", self.name.replace(".", "_"))
-        object.__setattr__(self, "argv_name", _portable_spelling(self.name, self.aliases))
+        # the 535 branch renamed clocks_throttle_reasons.* to clocks_event_reasons.* and keeps the old names as
+        # input aliases, while drivers before 535 reject the new ones (exit 2): the old name works on R465..R610
+        old = _throttle_name(self.name)
+        object.__setattr__(self, "argv_name", old if old in self.aliases else self.name)
         if self.header_unit is None:
             object.__setattr__(self, "header_unit", self.unit)
 
@@ -83,17 +87,9 @@ class Field:
         return self.kind.ops.display(value, self.unit, missing=missing, with_unit=with_unit)
 
 
-# Renamed families whose old spelling every driver accepts (NVIDIA-SMI.md 1.2): the 535 branch renamed
-# clocks_throttle_reasons.* to clocks_event_reasons.* and keeps the old names as input aliases, while drivers
-# before 535 (R470, R510, R525) reject the new ones with exit 2. Sending the old name works on R465..R610.
-_PORTABLE_PREFIXES: tuple[tuple[str, str], ...] = (("clocks_event_reasons.", "clocks_throttle_reasons."),)
-
-
-def _portable_spelling(name: str, aliases: tuple[str, ...]) -> str:
-    for new, old in _PORTABLE_PREFIXES:
-        if name.startswith(new) and old + name[len(new) :] in aliases:
-            return old + name[len(new) :]
-    return name
+def _throttle_name(name: str) -> str:
+    """The name before the 535 branch (NVIDIA-SMI.md 1.2) of a ``clocks_event_reasons.*`` field, else ``name``."""
+    return name.replace("clocks_event_reasons.", "clocks_throttle_reasons.", 1)
 
 
 #: What every call that takes fields accepts: a preset, ``"a,b,c"``, names, or fields already resolved.
@@ -149,10 +145,8 @@ def _index() -> dict[str, Field]:
             for r in csv.DictReader(fh)
         )
     index = {name: f for f in catalogue for name in (f.name, *f.aliases)}
-    # Before the 535 branch the throttle reasons were canonical under their old name.
-    for f in catalogue:
-        if f.name.startswith("clocks_event_reasons."):
-            index.setdefault(f.name.replace("clocks_event_reasons.", "clocks_throttle_reasons.", 1), f)
+    for f in catalogue:  # before the 535 branch the throttle reasons were canonical under their old name
+        index.setdefault(_throttle_name(f.name), f)
     _presets.update({name: tuple(names.split()) for name, names in _PRESETS.items()})
     _presets["all"] = tuple(f.name for f in catalogue)
     globals().update(CATALOGUE=catalogue, PRESETS=_presets)
@@ -185,17 +179,14 @@ def get_field(name: str, *, known: Iterable[str] | None = None) -> Field:
 def resolve_fields(fields: FieldsArg = "default", *, known: Iterable[str] | None = None) -> tuple[Field, ...]:
     """Turn what a caller asked for into catalogue fields, in order, without duplicates: THE field resolver.
 
-    Args:
-        fields: a preset (``"default"``, ``"health"``...), ``"a,b,c"``, or a sequence of names or fields (resolved
-            fields pass through); None means default.
-        known: names this machine's driver lists; also limits ``"all"`` to them.
+    ``fields``: a preset (``"default"``, ``"health"``...; None: default), ``"a,b,c"``, or a sequence of names or
+    fields (resolved ones pass through). ``known``: names this driver lists; also limits ``"all"`` to them.
 
     Raises:
         InvalidFieldError: a name is unknown or malformed.
     """
     index = _index()
-    if fields is None:
-        fields = "default"
+    fields = "default" if fields is None else fields
     names: Sequence[str | Field]
     if isinstance(fields, str):
         if fields in _presets:
@@ -256,4 +247,20 @@ def parse_help_query_gpu(text: str) -> list[HelpEntry]:
                 break
             desc.append(follow.strip())
         entries.append(HelpEntry(names[0], tuple(names[1:]), " ".join(desc)))
+    return entries
+
+
+def help_query_gpu(run: Callable[[list[str], float], Any], binary: str, timeout: float) -> list[HelpEntry]:
+    """The entries ``binary --help-query-gpu`` lists, run by ``run`` (a runner's ``run``) within ``timeout`` seconds.
+
+    Raises:
+        NvidiaSmiFailedError: nvidia-smi failed, or listed no fields.
+    """
+    argv = [binary, "--help-query-gpu"]
+    done = run(argv, timeout)
+    if done.returncode != 0:
+        raise failure_from_exit(argv, done.returncode, done.output)
+    entries = parse_help_query_gpu(done.stdout)
+    if not entries:
+        raise NvidiaSmiFailedError(argv, 0, done.output, "nvidia-smi --help-query-gpu listed no fields")
     return entries

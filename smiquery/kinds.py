@@ -1,8 +1,7 @@
 """Value kinds and units: how a field's cell is parsed, written, shown, typed and exported, in one place.
 
 Each :class:`Kind` has one :class:`FieldKind` (``kind.ops``) that owns its cell grammar; each unit has one
-:class:`Unit` (:func:`unit_info`) that owns its precision and Prometheus base unit. Importing it loads neither
-pandas nor pyarrow (:meth:`FieldKind.arrow_cast` imports pyarrow when called).
+:class:`Unit` (:func:`unit_info`) that owns its precision and Prometheus base unit.
 """
 
 from __future__ import annotations
@@ -86,9 +85,9 @@ _TOKEN_FOR_REASON = {v: k for k, v in reversed(MISSING_REASONS.items())}
 
 
 def missing_reason(cell: str) -> str | None:
-    """The missing-value reason for a status-token cell, or None when the cell holds a value.
+    """The missing-value reason of a status-token cell (``"[N/A]"`` -> ``"not_available"``), None for a value.
 
-    ``"[N/A]"`` -> ``"not_available"``; any other ``[...]`` token is its own reason.
+    Any other ``[...]`` token is its own reason.
     """
     cell = cell.strip()
     reason = MISSING_REASONS.get(cell)
@@ -281,11 +280,7 @@ class FieldKind:
         return _str
 
     def parse(self, cell: str, unit: str = "", *, tz: tzinfo | None = None) -> Value:
-        """One CSV cell -> its value: None for a status token, the `` unit`` suffix stripped when present.
-
-        Raises:
-            ValueError: the cell is no value of this kind.
-        """
+        """One CSV cell -> its value: None for a status token, the `` unit`` suffix stripped; else ValueError."""
         if missing_reason(cell) is not None:
             return None
         text = strip_unit(cell, unit)
@@ -295,11 +290,7 @@ class FieldKind:
             raise ValueError(f"{cell!r} is not a valid {self.kind.value}") from exc
 
     def from_python(self, value: object) -> Value:
-        """A JSON or pandas value (number, bool, datetime, text) as this kind's Python type; None stays None.
-
-        Raises:
-            ValueError, TypeError: the value does not fit the kind.
-        """
+        """A JSON or pandas value (number, bool, datetime, text) as this kind's type; ValueError/TypeError if unfit."""
         if value is None:
             return None
         if isinstance(value, str):
@@ -363,11 +354,8 @@ class FieldKind:
     def format(self, value: Value, unit: str = "", *, reason: str | None = None, suffix: str = "") -> str:
         """A value written as nvidia-smi prints it in CSV, so that :meth:`parse` gives it back.
 
-        Args:
-            value: the value, or None for a missing one (written as the status token for ``reason``).
-            unit: the field's unit; decides the decimals of a decimal value (``W``: two).
-            reason: the missing reason when ``value`` is None (default ``not_available``).
-            suffix: a unit to append as nvidia-smi's default format does (``"MiB"``); never after a token.
+        None is written as the status token for ``reason``; ``unit`` decides a decimal's digits (``W``: two);
+        ``suffix`` is appended as nvidia-smi's default format does (``"MiB"``), never after a token.
         """
         if value is None:
             return missing_token(reason)

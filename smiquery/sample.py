@@ -183,10 +183,6 @@ class GpuSample(Mapping[str, Value]):
             return dict(zip(self._s[0].names, self._s[1], strict=True)) == dict(other.items())
         return NotImplemented
 
-    def __ne__(self, other: object) -> bool:
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
-
     def __hash__(self) -> int:
         return hash((self._s[0].names, self._s[2]))
 

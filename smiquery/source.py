@@ -108,24 +108,18 @@ class SweepGrouper:
         self._damaged = False
         self._closed_early_at: int | None = None
 
-    @staticmethod
-    def _index(sample: GpuSample) -> int | None:
-        return sample.index if "index" in sample else None
-
     def boundary(self, sample: GpuSample, idle: float | None = None) -> Sweep | None:
         """Close the current sweep if ``sample`` begins a new instant; returns the closed sweep, if any.
 
-        Args:
-            sample: the next row.
-            idle: seconds the reader waited for this row (None when unknown, as in a replay).
+        ``idle``: seconds the reader waited for this row (None when unknown, as in a replay).
         """
         if not self._current:
             return None
-        idx = self._index(sample)
+        idx = sample.index
         new = idx is None or idx in self._present or (self._last_index is not None and idx <= self._last_index)
         if not new and self._hint and idle is not None and self.interval is not None and idle >= 0.9 * self.interval:
             new = True
-            ts = sample.timestamp if "timestamp" in sample else None
+            ts = sample.timestamp
             last = self._last_time
             if ts is not None and last is not None:
                 try:
@@ -141,7 +135,7 @@ class SweepGrouper:
 
     def add(self, sample: GpuSample) -> Sweep | None:
         """Add ``sample`` to the current sweep; returns the sweep if that made it whole."""
-        idx = self._index(sample)
+        idx = sample.index
         if (
             not self._current
             and idx is not None
@@ -181,10 +175,8 @@ class SweepGrouper:
     def flush(self, *, cut: bool = True, absent: Collection[int] = ()) -> Sweep | None:
         """The unfinished sweep at the end of the input, if any.
 
-        Args:
-            cut: the input ended abnormally (a crash, a kill): the sweep is damaged unless every known GPU has its
-                row, apart from those in ``absent``.
-            absent: GPUs known to be gone (lost), whose absence does not make a cut sweep damaged.
+        ``cut``: the input ended abnormally (a crash, a kill), so the sweep is damaged unless every known GPU has its
+        row, apart from those in ``absent`` (known to be lost).
         """
         if not self._current:
             self._damaged = False
@@ -354,33 +346,26 @@ class SampleSource(Protocol):
 
     def sweeps(self, count: int | None = None) -> Iterator[Sweep]:
         """Yield sweeps (one instant each), stopping after ``count``."""
-        ...
 
     def latest(self) -> tuple[Sweep | None, float | None]:
         """The newest sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
-        ...
 
     def start(self) -> SampleSource:
         """Consume in a background thread so :meth:`latest` stays fresh; returns self."""
-        ...
 
     def subscribe(self, callback: Callable[[StreamEvent], None]) -> Callable[[], None]:
         """Call ``callback`` with every event (on the reading thread: be quick); returns the unsubscribe function."""
-        ...
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop within ``timeout`` seconds: children reaped, background thread ended. Idempotent, any thread."""
-        ...
 
     @property
     def running(self) -> bool:
         """True while a background consumer thread is alive."""
-        ...
 
     @property
     def error(self) -> BaseException | None:
         """The error that ended the source, if any."""
-        ...
 
     def __enter__(self) -> SampleSource: ...
 

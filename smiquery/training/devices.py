@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from smiquery.sources.apps import GpuProcess
     from smiquery.sources.latest import Latest
 
-__all__ = ["VisibleDevices", "job_devices", "order_check", "visible_devices"]
+__all__ = ["VisibleDevices", "order_check", "visible_devices"]
 
 _UUID_PREFIX_RE = re.compile(r"GPU-[0-9a-fA-F-]+")
 _FULL_UUID_RE = re.compile(r"GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
@@ -123,51 +122,18 @@ def visible_devices(env: Mapping[str, str] | None = None) -> VisibleDevices:
     return VisibleDevices(tuple(dict.fromkeys(ids)), note, pci)
 
 
-def job_devices(
-    cuda: VisibleDevices, gpus: Mapping[int, tuple[str, str]], apps: Iterable[GpuProcess], mine: Iterable[int]
-) -> tuple[VisibleDevices | None, str, bool]:
-    """Which GPUs a job whose ``CUDA_VISIBLE_DEVICES`` (``cuda``) names indices in CUDA's default order uses.
-
-    ``gpus`` maps every nvidia-smi index to (UUID, name), ``apps`` are the compute processes, ``mine`` the job's pids.
-    Returns ``(watch, message, final)``: the GPUs to watch instead (None: keep the indices), what to say (``""``:
-    nothing) and whether it is settled (not while the job has no process on a GPU of a mixed host).
-    """
-    names = sorted({name for _uuid, name in gpus.values()})
-    if len(names) <= 1:
-        return None, "", True
-    ours = set(mine)
-    uuids = {p.gpu_uuid.lower() for p in apps if p.pid in ours and p.gpu_uuid}
-    found = [idx for idx, (uuid, _name) in sorted(gpus.items()) if uuid.lower() in uuids]
-    said = (
-        f"CUDA_VISIBLE_DEVICES={','.join(cuda.ids or ())} counts GPUs fastest first (CUDA_DEVICE_ORDER is not "
-        f"PCI_BUS_ID) and nvidia-smi by PCI bus, and this host mixes {' and '.join(names)}"
-    )
-    if found:
-        which = ", ".join(f"{idx} ({gpus[idx][1]})" for idx in found)
-        return (
-            VisibleDevices(tuple(gpus[i][0] for i in found)),
-            f"{said}: watching GPU {which}, where this job runs",
-            True,
-        )
-    return (
-        None,
-        (
-            f"{said}: watching nvidia-smi's GPU {','.join(cuda.ids or ())}, which may not be the job's; set "
-            "CUDA_DEVICE_ORDER=PCI_BUS_ID (or name the GPUs by UUID) so that the watched GPUs are the job's"
-        ),
-        False,
-    )
-
-
 def order_check(
     cuda: VisibleDevices,
     nvidia_smi: str | os.PathLike[str] | None,
     decided: Callable[[VisibleDevices | None, str, bool], None],
     interval: float = 2.0,
 ) -> Latest[tuple[VisibleDevices | None, str, bool]]:
-    """A poller (not started) of the GPUs' names, then the compute processes, until :func:`job_devices` settles.
+    """A poller (not started), every ``interval`` s, of the GPUs a job whose ``cuda`` names indices really uses.
 
-    ``decided`` gets each answer on the poller's thread; ``interval``: seconds between looks.
+    It looks at the GPUs' names and, on a host that mixes models, at the job's compute processes, until settled.
+    ``decided(watch, message, final)`` gets each answer on the poller's thread: the GPUs to watch instead (None: keep
+    the indices), what to say (``""``: nothing) and whether it is settled (not while the job has no process on a GPU
+    of a mixed host).
     """
     from smiquery.sources.apps import processes
     from smiquery.sources.latest import Latest
@@ -177,10 +143,30 @@ def order_check(
     def look() -> tuple[VisibleDevices | None, str, bool]:
         rows = query(["index", "uuid", "name"], nvidia_smi=nvidia_smi)
         gpus = {s.index: (s.uuid or "", str(s.get("name") or "")) for s in rows if s.index is not None}
-        if len({name for _uuid, name in gpus.values()}) <= 1:
+        names = sorted({name for _uuid, name in gpus.values()})
+        if len(names) <= 1:
             return None, "", True
         apps = processes(nvidia_smi=nvidia_smi)
-        return job_devices(cuda, gpus, apps, own_pids(p.pid for p in apps))
+        mine = own_pids(p.pid for p in apps)
+        uuids = {p.gpu_uuid.lower() for p in apps if p.pid in mine and p.gpu_uuid}
+        found = [idx for idx, (uuid, _name) in sorted(gpus.items()) if uuid.lower() in uuids]
+        said = (
+            f"CUDA_VISIBLE_DEVICES={','.join(cuda.ids or ())} counts GPUs fastest first (CUDA_DEVICE_ORDER is not "
+            f"PCI_BUS_ID) and nvidia-smi by PCI bus, and this host mixes {' and '.join(names)}"
+        )
+        if found:
+            which = ", ".join(f"{idx} ({gpus[idx][1]})" for idx in found)
+            return (
+                VisibleDevices(tuple(gpus[i][0] for i in found)),
+                f"{said}: watching GPU {which}, where this job runs",
+                True,
+            )
+        return (
+            None,
+            f"{said}: watching nvidia-smi's GPU {','.join(cuda.ids or ())}, which may not be the job's; set "
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID (or name the GPUs by UUID) so that the watched GPUs are the job's",
+            False,
+        )
 
     def answer(got: tuple[VisibleDevices | None, str, bool]) -> None:
         decided(*got)

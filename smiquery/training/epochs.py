@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from smiquery.fields import Field
+from smiquery.kinds import to_number
 
 if TYPE_CHECKING:
     from smiquery.sample import GpuSample
@@ -18,7 +19,6 @@ __all__ = [
     "SUMMARY_FIELDS",
     "EnergySplitter",
     "EpochAccumulator",
-    "number",
     "summary_spec",
     "throughput_values",
 ]
@@ -53,22 +53,19 @@ class _Acc:
         self.total = 0.0
         self.max = -math.inf
 
+    def add(self, n: int, total: float, top: float) -> None:
+        self.n += n
+        self.total += total
+        self.max = max(self.max, top)
+
     def value(self, stat: str) -> float:
         return self.total / self.n if stat == "mean" else self.max
-
-
-def number(value: object) -> float | None:
-    """A float from a sample value (a bool counts 1 or 0); None for missing, text or anything else."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
 
 
 class EpochAccumulator:
     """The running sums of one epoch (constant memory): per GPU and field count/sum/max, joules, sweeps seen.
 
-    Args:
-        summary: (field, log key suffix, statistic) triples to keep.
+    ``summary``: the (field, log key suffix, statistic) triples to keep.
     """
 
     __slots__ = ("accs", "joules", "summary", "sweeps")
@@ -83,19 +80,14 @@ class EpochAccumulator:
         """Add one sample of GPU ``idx``."""
         accs = self.accs.setdefault(idx, {})
         for name, _suffix, _stat in self.summary:
-            v = number(sample.get(name))
+            v = to_number(sample.get(name))
             if v is not None:
-                acc = accs.get(name) or accs.setdefault(name, _Acc())
-                acc.n += 1
-                acc.total += v
-                acc.max = max(acc.max, v)
+                (accs.get(name) or accs.setdefault(name, _Acc())).add(1, v, v)
 
     def values(self, order: Sequence[int], latest: Mapping[int, GpuSample] | None = None) -> dict[str, float]:
-        """The log keys for the GPUs in ``order``: NaN where the epoch had no value.
+        """The log keys for the GPUs in ``order`` (nvidia-smi indices): NaN where the epoch had no value.
 
-        Args:
-            order: nvidia-smi indices, in the order the keys are written.
-            latest: the newest sample per GPU, standing in for an epoch shorter than the sampling interval.
+        ``latest``, the newest sample per GPU, stands in for an epoch shorter than the sampling interval.
         """
         out: dict[str, float] = {}
         for idx in order:
@@ -103,7 +95,7 @@ class EpochAccumulator:
             last = latest.get(idx) if latest is not None and not accs else None
             for name, suffix, stat in self.summary:
                 a = accs.get(name)
-                x = a.value(stat) if a is not None else number(last.get(name)) if last is not None else None
+                x = a.value(stat) if a is not None else to_number(last.get(name)) if last is not None else None
                 out[f"gpu{idx}_{suffix}"] = math.nan if x is None else x
             joules = self.joules.get(idx)
             out[f"gpu{idx}_energy_wh"] = math.nan if joules is None else joules / 3600.0
@@ -118,10 +110,7 @@ class EpochAccumulator:
         for idx, accs in other.accs.items():
             mine = self.accs.setdefault(idx, {})
             for name, a in accs.items():
-                m = mine.setdefault(name, _Acc())
-                m.n += a.n
-                m.total += a.total
-                m.max = max(m.max, a.max)
+                mine.setdefault(name, _Acc()).add(a.n, a.total, a.max)
         for idx, j in other.joules.items():
             self.add_joules(idx, j)
         self.sweeps += other.sweeps

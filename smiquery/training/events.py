@@ -57,15 +57,10 @@ class Position(NamedTuple):
 
 @dataclass(frozen=True)
 class TrainingAlert:
-    """An alert event with where training was when its sample arrived (see :class:`Position`).
+    """An alert ``event`` with where training was when its sample arrived.
 
-    Attributes:
-        event: the alert event (rule, GPU, value, state, duration).
-        epoch: the epoch (0-based) or None before the first epoch began.
-        batch: steps taken in this epoch, if known.
-        step: steps taken since training began (the framework's count where it has one).
-        learning_rate: the learning rate at that moment, if the adapter can read it.
-        phase: ``"train"``, ``"validation"``, ``"setup"`` or ``"done"``.
+    The fields of :class:`Position` (``step``: the framework's count where it has one) and the ``learning_rate``
+    then, if the adapter can read it.
     """
 
     event: AlertEvent
@@ -103,8 +98,7 @@ class TrainingAlert:
 class HandlerWorker:
     """Alert handlers on their own thread behind a bounded queue, so that a slow webhook delays nothing.
 
-    Args:
-        notifier: returns the notifier whose handlers get each event (read at dispatch: a monitor may replace it).
+    ``notifier()`` gives the notifier whose handlers get each event (read at dispatch: a monitor may replace it).
     """
 
     def __init__(self, notifier: Callable[[], Notifier | None]) -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from types import CodeType, FrameType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import keras
 
@@ -19,9 +19,6 @@ from smiquery._log import get_logger
 from smiquery.training.memory import TensorFlowMemory
 from smiquery.training.monitor import MonitorView
 from smiquery.training.outputs import run_monitor
-
-if TYPE_CHECKING:
-    from smiquery.alerts import AlertEvent, AlertHandler, Rule
 
 __all__ = ["GpuMonitor"]
 
@@ -68,17 +65,10 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
     Args:
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions (default the training rules).
-        handlers: where alert events go (default: a log line).
-        log_every: ``"epoch"``, or ``"batch"`` to add the newest sample to every batch's logs as well.
         framework_memory: read TensorFlow's per-GPU allocation and report the gap to the driver's figure.
         batch_size: samples per step (default: ``fit``'s ``batch_size`` when it was given).
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor`.
-
-    Raises:
-        ValueError: ``log_every`` or ``interval`` is invalid.
-        InvalidFieldError: a field name is unknown.
-        InvalidRuleError: an alert expression cannot be parsed.
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``alerts``, ``handlers``,
+            ``log_every``, ``record``...); ValueError, InvalidFieldError or InvalidRuleError when one is invalid.
     """
 
     # the batch hooks only touch memory, so Keras may dispatch them asynchronously
@@ -88,9 +78,6 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         self,
         fields: str | Sequence[str] | None = None,
         interval: float = 1.0,
-        alerts: Iterable[Rule | str] | None = None,
-        handlers: Sequence[AlertHandler | Callable[[AlertEvent, Mapping[str, Any]], object]] | None = None,
-        log_every: Literal["epoch", "batch"] = "epoch",
         *,
         framework_memory: bool = True,
         batch_size: int | None = None,
@@ -98,9 +85,7 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
     ) -> None:
         super().__init__()
         framework = TensorFlowMemory() if framework_memory else None
-        self.monitor = run_monitor(
-            fields, interval, alerts=alerts, handlers=handlers, log_every=log_every, framework=framework, **options
-        )
+        self.monitor = run_monitor(fields, interval, framework=framework, **options)
         self.monitor.context_extra = self._context
         self.framework_memory = framework_memory
         self.batch_size = batch_size
@@ -108,7 +93,7 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         self._steps0: int | None = None
         self._watchdog: threading.Thread | None = None
         self._stop = threading.Event()
-        if log_every == "batch":
+        if self.monitor.log_every == "batch":
             # assigned per instance, so that epoch-only monitors keep the cheaper hook
             self.on_train_batch_end = self._batch_end_logging  # type: ignore[method-assign]
 

@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -22,9 +23,6 @@ except ImportError:  # the standalone package
 from smiquery.training.memory import TorchMemory
 from smiquery.training.monitor import MonitorView
 from smiquery.training.outputs import run_monitor
-
-if TYPE_CHECKING:
-    from smiquery.alerts import AlertEvent, AlertHandler, Rule
 
 __all__ = ["GpuMonitor"]
 
@@ -62,21 +60,16 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
     Args:
         fields: extra fields to summarise per epoch.
         interval: seconds between samples.
-        alerts: rules or ``--alert`` expressions (default the training rules).
-        handlers: where alert events go (default: a log line).
-        log_every: ``"epoch"``, or ``"batch"`` to log the newest sample at every step as well.
         prefix: put before every logged key (``"gpu/"`` groups them in TensorBoard).
         framework_memory: read PyTorch's allocated, peak and reserved memory per device.
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor`.
+        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``alerts``, ``handlers``,
+            ``record``...; ``log_every="batch"`` also logs the newest sample at every step).
     """
 
     def __init__(
         self,
         fields: str | Sequence[str] | None = None,
         interval: float = 1.0,
-        alerts: Iterable[Rule | str] | None = None,
-        handlers: Sequence[AlertHandler | Callable[[AlertEvent, Mapping[str, Any]], object]] | None = None,
-        log_every: Literal["epoch", "batch"] = "epoch",
         *,
         prefix: str = "",
         framework_memory: bool = True,
@@ -84,26 +77,19 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
     ) -> None:
         super().__init__()
         framework = TorchMemory() if framework_memory else None
-        self.monitor = run_monitor(
-            fields, interval, alerts=alerts, handlers=handlers, log_every=log_every, framework=framework, **options
-        )
+        self.monitor = run_monitor(fields, interval, framework=framework, **options)
         self.prefix = prefix
-        self.log_every = log_every
         self._trainer: Any = None
         self._ranks_here = 1
         self.monitor.context_extra = self._context
 
     def _context(self) -> dict[str, Any]:
         trainer = self._trainer
-        out: dict[str, Any] = {}
         if trainer is None:
-            return out
-        out["step"] = int(trainer.global_step)
-        try:
-            opt = trainer.optimizers[0]
-            out["learning_rate"] = float(opt.param_groups[0]["lr"])
-        except Exception:
-            pass
+            return {}
+        out: dict[str, Any] = {"step": int(trainer.global_step)}
+        with contextlib.suppress(Exception):
+            out["learning_rate"] = float(trainer.optimizers[0].param_groups[0]["lr"])
         return out
 
     def _log(self, trainer: Any, values: Mapping[str, float]) -> None:
@@ -140,7 +126,7 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
         n = _batch_size(batch)
         samples = n * self._ranks_here if n is not None else None
         self.monitor.step(None, batch_idx, samples=samples, step=int(trainer.global_step))
-        if self.log_every == "batch":
+        if self.monitor.log_every == "batch":
             self._log(trainer, self.monitor.batch_values())
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:

@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Protocol
 
 from smiquery.alerts import AlertEvent, Rule
-from smiquery.training.epochs import number
+from smiquery.kinds import to_number
 
 if TYPE_CHECKING:
     from smiquery.sample import GpuSample
@@ -62,11 +62,9 @@ class FrameworkMemory(Protocol):
 
     def available(self) -> str | None:
         """None when the view can be read; otherwise why not, in one line."""
-        ...
 
     def read(self) -> list[MemoryView]:
         """The view of every device the framework uses."""
-        ...
 
 
 def gap_note(idx: int, framework: str, view: MemoryView, history: Sequence[float]) -> str:
@@ -135,7 +133,7 @@ def framework_values(
         if view.reserved is not None:
             out[f"gpu{idx}_mem_framework_reserved_mib"] = view.reserved / _MIB
         s = latest.get(idx)
-        used = number(s.get("memory.used")) if s is not None else None
+        used = to_number(s.get("memory.used")) if s is not None else None
         mine = max((x for x in (view.current, view.peak, view.reserved) if x is not None), default=None)
         gap = math.nan if used is None or mine is None else used - mine / _MIB
         out[f"gpu{idx}_mem_gap_mib"] = gap

@@ -71,6 +71,8 @@ class JobMetrics:
         self.job = job
         self.run_id = run_id or os.environ.get("SMIQUERY_RUN_ID") or uuid4().hex[:12]
         self.host = socket.gethostname()
+        #: the Pushgateway group of this run: one per run and host, so that two jobs on a host never share one
+        self.grouping_key = {"run": self.run_id, "host": self.host}
         self.monitor: RunMonitor | None = None
         self.registry: Any = None
         self._http: HttpServer | None = None
@@ -146,17 +148,13 @@ class JobMetrics:
         """The port actually bound while a run is served (for ``port=0``), else None."""
         return self._port
 
-    def grouping_key(self) -> dict[str, str]:
-        """The Pushgateway group of this run: one per run and host, so that two jobs on a host never share one."""
-        return {"run": self.run_id, "host": self.host}
-
     def push(self) -> None:
         """Push the metrics to the Pushgateway now (replacing this run's group)."""
         from prometheus_client import push_to_gateway
 
         assert self.pushgateway is not None
         push_to_gateway(
-            self.pushgateway, job=self.job, registry=self.registry, grouping_key=self.grouping_key(), timeout=2.0
+            self.pushgateway, job=self.job, registry=self.registry, grouping_key=self.grouping_key, timeout=2.0
         )
 
     def delete(self) -> None:
@@ -164,7 +162,7 @@ class JobMetrics:
         from prometheus_client import delete_from_gateway
 
         assert self.pushgateway is not None
-        delete_from_gateway(self.pushgateway, job=self.job, grouping_key=self.grouping_key(), timeout=2.0)
+        delete_from_gateway(self.pushgateway, job=self.job, grouping_key=self.grouping_key, timeout=2.0)
 
     def _push_loop(self, monitor: RunMonitor) -> None:
         while not self._stop.wait(self.push_interval):
@@ -198,7 +196,8 @@ class JobMetrics:
 
     def collect(self) -> Iterator[Any]:
         """The job's families over its run's totals, one series per watched GPU (by UUID): prometheus_client's."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily as Counter
+        from prometheus_client.core import GaugeMetricFamily as Gauge
 
         m = self.monitor
         if m is None:
@@ -206,42 +205,33 @@ class JobMetrics:
         t = m.totals
         uuids = m.uuids()
         job = [self.run_id, self.host]
-        job_labels = ["run", "host"]
-        steps = CounterMetricFamily("smiquery_training_steps", "Optimizer steps taken by the job.", labels=job_labels)
-        steps.add_metric(job, float(t.steps))
-        samples = CounterMetricFamily(
-            "smiquery_training_samples", "Training samples processed by the job.", labels=job_labels
-        )
-        samples.add_metric(job, float(t.samples))
-        wait = CounterMetricFamily(
-            "smiquery_training_data_wait_seconds",
-            "Seconds the job spent between steps (waiting for input).",
-            labels=job_labels,
-        )
-        wait.add_metric(job, t.data_wait)
-        epoch = GaugeMetricFamily("smiquery_training_epoch", "The epoch the job is in (0-based).", labels=job_labels)
-        if t.epoch is not None:
-            epoch.add_metric(job, float(t.epoch))
-        info = GaugeMetricFamily(
+        for family, name, text, value in (
+            (Counter, "steps", "Optimizer steps taken by the job.", t.steps),
+            (Counter, "samples", "Training samples processed by the job.", t.samples),
+            (Counter, "data_wait_seconds", "Seconds the job spent between steps (waiting for input).", t.data_wait),
+            (Gauge, "epoch", "The epoch the job is in (0-based).", t.epoch),
+        ):
+            metric = family(f"smiquery_training_{name}", text, labels=["run", "host"])
+            if value is not None:
+                metric.add_metric(job, float(value))
+            yield metric
+        info = Gauge(
             "smiquery_training_gpu_info",
             "1 for each GPU the job trains on: joins the job's series (by run) to the GPU's (by uuid).",
             labels=["run", "host", "uuid", "gpu"],
         )
         labels = ["run", "host", "uuid"]
-        energy = CounterMetricFamily(
+        energy = Counter(
             "smiquery_training_energy_joules", "Energy drawn by the GPU during training (power.draw).", labels=labels
         )
-        used = GaugeMetricFamily(
-            "smiquery_training_memory_used_bytes", "GPU memory held by the framework's live tensors.", labels=labels
-        )
-        peak = GaugeMetricFamily(
-            "smiquery_training_memory_peak_bytes", "The framework's peak tensor memory on the GPU.", labels=labels
-        )
-        reserved = GaugeMetricFamily(
-            "smiquery_training_memory_reserved_bytes",
-            "GPU memory reserved by the framework's allocator.",
-            labels=labels,
-        )
+        memory = [
+            Gauge(f"smiquery_training_memory_{name}_bytes", text, labels=labels)
+            for name, text in (
+                ("used", "GPU memory held by the framework's live tensors."),
+                ("peak", "The framework's peak tensor memory on the GPU."),
+                ("reserved", "GPU memory reserved by the framework's allocator."),
+            )
+        ]
         for idx, uuid in sorted(uuids.items()):
             info.add_metric([*job, uuid, str(idx)], 1.0)
             lv = [*job, uuid]
@@ -250,18 +240,18 @@ class JobMetrics:
                 energy.add_metric(lv, joules)
             view = t.memory.get(idx)
             if view is not None:
-                for family, value in ((used, view.current), (peak, view.peak), (reserved, view.reserved)):
-                    if value is not None:
-                        family.add_metric(lv, value)
-        yield from (steps, samples, wait, epoch, info, energy, used, peak, reserved)
+                for gauge, amount in zip(memory, (view.current, view.peak, view.reserved)):
+                    if amount is not None:
+                        gauge.add_metric(lv, amount)
+        yield from (info, energy, *memory)
         if not m.process_share:
             return
-        share = GaugeMetricFamily(
+        share = Gauge(
             "smiquery_training_gpu_process_share",
             "The job's part of the GPU's SM use in the newest nvidia-smi pmon sample (0..1).",
             labels=labels,
         )
-        others = GaugeMetricFamily(
+        others = Gauge(
             "smiquery_training_gpu_other_processes",
             "Processes other than the job's on the GPU in the newest nvidia-smi pmon sample.",
             labels=labels,

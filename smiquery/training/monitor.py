@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
+from smiquery.errors import InvalidArgumentError, InvalidFieldError
 from smiquery.fields import Field, resolve_fields
+from smiquery.kinds import to_number
 from smiquery.training.devices import VisibleDevices, order_check, visible_devices
 from smiquery.training.epochs import (
     BATCH,
@@ -31,7 +33,6 @@ from smiquery.training.epochs import (
     SUMMARY_FIELDS,
     EnergySplitter,
     EpochAccumulator,
-    number,
     summary_spec,
     throughput_values,
 )
@@ -49,6 +50,8 @@ __all__ = ["OPEN_MONITORS", "MonitorView", "Output", "RunMonitor", "Totals"]
 
 log = get_logger("smiquery.training.monitor")
 
+#: what nvidia-smi answers to a field this driver lacks
+_REJECTIONS = (InvalidArgumentError, InvalidFieldError)
 _REJECTED_RE = re.compile(r"""Field\s+["']([^"']+)["']\s+is not a valid field""", re.IGNORECASE)
 _ALWAYS = ("index", "uuid", "timestamp", *SUMMARY_FIELDS)
 
@@ -59,13 +62,8 @@ SourceFactory = Callable[..., "SampleSource"]
 class Totals:
     """Counters of a run, read by the job's metrics at scrape time (no per-step Prometheus cost).
 
-    Attributes:
-        steps: steps taken.
-        samples: training samples processed (when the adapter knows batch sizes).
-        data_wait: seconds spent between steps.
-        epoch: the current epoch (0-based) or None.
-        joules: energy per nvidia-smi index since the run began.
-        memory: the newest framework memory view per nvidia-smi index.
+    ``samples`` counts where the adapter knows batch sizes, ``data_wait`` the seconds between steps; ``joules``
+    (since the run began) and ``memory`` (the newest framework view) are per nvidia-smi index.
     """
 
     steps: int = 0
@@ -81,24 +79,19 @@ class Output(Protocol):
 
     Opened with each run once its stream is, fed the watched GPUs' samples of every sweep on the reading thread,
     closed with the run. It says its failures through :meth:`RunMonitor.say` and never raises into training.
-
-    Attributes:
-        fields: nvidia-smi fields it needs streamed beyond the monitor's own.
+    ``fields``: what it needs streamed beyond the monitor's own.
     """
 
     fields: tuple[str, ...]
 
     def open(self, monitor: RunMonitor) -> None:
         """Start feeding ``monitor``'s run."""
-        ...
 
     def take(self, samples: Sequence[GpuSample]) -> None:
         """One sweep's samples of the watched GPUs."""
-        ...
 
     def close(self, timeout: float) -> None:
         """Stop; idempotent."""
-        ...
 
 
 def _open_stream(fields: Sequence[str], **options: Any) -> SampleSource:
@@ -118,13 +111,11 @@ class RunMonitor:
     job ``energy_wh``, ``steps_per_joule``, ``samples_per_joule``, ``data_wait_s``, ``data_wait_frac``.
 
     Args:
-        fields: extra fields to summarise per epoch (names or a comma list).
-        interval: seconds between samples.
+        fields: extra fields to summarise per epoch (names or a comma list); ``interval``: seconds between samples.
         alerts: rules or ``--alert`` expressions; None for :data:`~smiquery.training.events.TRAINING_RULES`, ``()``
             for none. A rule whose field the driver rejects is dropped with one warning.
         handlers: where alert events go (default: a :class:`~smiquery.alerts.LogHandler`).
         log_every: ``"epoch"``, or ``"batch"`` to offer the newest sample per step (:meth:`batch_values`).
-        nvidia_smi: path of nvidia-smi.
         gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
         framework: the framework's memory view, read at each epoch's end.
         first_sample_timeout: seconds the first epoch's end waits for nvidia-smi's first sample.
@@ -135,9 +126,7 @@ class RunMonitor:
         outputs: what the run feeds besides its logs (see :class:`Output`).
 
     Raises:
-        ValueError: ``log_every`` or ``interval`` is invalid.
-        InvalidFieldError: a field name is unknown.
-        InvalidRuleError: an alert expression cannot be parsed.
+        ValueError, InvalidFieldError, InvalidRuleError: ``log_every``, ``interval``, a field or a rule is invalid.
     """
 
     def __init__(
@@ -197,11 +186,9 @@ class RunMonitor:
         self.epochs: list[dict[str, float]] = []
         #: counters of the run (steps, samples, data wait, energy): what the metrics report
         self.totals = Totals()
-        #: seconds spent: ``first_data`` (start to first sample), ``start``, ``close``, ``epoch_end_max`` (longest
-        #: :meth:`end_epoch`), and the CPU time of the ``reader``, ``worker`` and ``pmon`` threads
-        self.cost: dict[str, float] = dict.fromkeys(
-            ("start", "close", "epoch_end_max", "reader_cpu", "worker_cpu", "pmon_cpu"), 0.0
-        )
+        #: seconds spent: ``first_data`` (start to first sample), ``start``, ``close``, and the CPU time of the
+        #: ``reader``, ``worker`` and ``pmon`` threads
+        self.cost = dict.fromkeys(("start", "close", "reader_cpu", "worker_cpu", "pmon_cpu"), 0.0)
         self.cost["first_data"] = math.nan
         #: wall time of each :meth:`end_epoch` on the training thread, seconds
         self.epoch_end_seconds: list[float] = []
@@ -353,7 +340,7 @@ class RunMonitor:
 
     def _on_source_event(self, event: StreamEvent) -> None:
         err = event.error
-        if event.kind == "error" and err is not None and _is_rejection(err):
+        if event.kind == "error" and isinstance(err, _REJECTIONS):
             self._rejected = err
             source = self._source
             if source is not None:
@@ -414,7 +401,7 @@ class RunMonitor:
                         self._take(sweep, select)
                 except Exception as exc:
                     failure = exc
-                rejected = self._rejected or (failure if failure is not None and _is_rejection(failure) else None)
+                rejected = self._rejected or (failure if isinstance(failure, _REJECTIONS) else None)
                 if self._stop.is_set():
                     return
                 if self._moved:
@@ -459,16 +446,16 @@ class RunMonitor:
                 assert idx is not None
                 # energy integrates over nvidia-smi's own timestamps (two sweeps delivered together are still an
                 # interval apart), the arrival without them
-                ts = s.timestamp if "timestamp" in s else None
+                ts = s.timestamp
                 wall = ts.timestamp() if ts is not None else now + self._wall_offset
                 self._last_t[idx] = now
                 acc.add(idx, s)
-                watts = number(s.get("power.draw"))
+                watts = to_number(s.get("power.draw"))
                 self._credit(idx, self._energy.sample(idx, wall, watts, pos.epoch), pos.epoch, acc)
                 self._latest[idx] = s
                 if self.log_every == "batch":
                     for name, suffix in BATCH:
-                        v = number(s.get(name))
+                        v = to_number(s.get(name))
                         batch[f"gpu{idx}_{suffix}"] = math.nan if v is None else v
             if batch:
                 self._batch_values = batch
@@ -535,14 +522,10 @@ class RunMonitor:
     def step(
         self, epoch: int | None = None, batch: int | None = None, *, samples: int | None = None, step: int | None = None
     ) -> None:
-        """One optimizer step is done.
+        """One optimizer step is done, of ``epoch`` (a new value starts that epoch) and ``batch`` (default the next).
 
-        Args:
-            epoch: the epoch it belongs to; a new value starts that epoch (the previous one is summarised by the
-                next :meth:`end_epoch`).
-            batch: its number within the epoch (0-based); default the next one.
-            samples: training samples in it (adds to ``samples_per_joule`` and the samples counter).
-            step: the framework's global step count after it, when it keeps one.
+        ``samples``: training samples in it (for ``samples_per_joule``); ``step``: the framework's global step count
+        after it, when it keeps one.
         """
         if epoch is not None and epoch != self._pos.epoch:
             self.begin_epoch(epoch)
@@ -577,9 +560,7 @@ class RunMonitor:
             log.exception("smiquery: summarising the epoch's GPU samples failed")
             return {}
         finally:
-            spent = time.perf_counter() - began
-            self.epoch_end_seconds.append(spent)
-            self.cost["epoch_end_max"] = max(self.cost.get("epoch_end_max", 0.0), spent)
+            self.epoch_end_seconds.append(time.perf_counter() - began)
 
     def _end_epoch(self, epoch: int | None) -> dict[str, float]:
         if self._source is None and self._order is None:
@@ -727,12 +708,8 @@ class RunMonitor:
             OPEN_MONITORS.discard(self)
             return
         with self._closing:
-            share_open = self._share is not None and self._share.open
-            if (
-                all(x is None for x in (self._source, self._reader, self._worker))
-                and not self._opened
-                and not share_open
-            ):
+            idle = not self._opened and all(x is None for x in (self._source, self._reader, self._worker))
+            if idle and not (self._share is not None and self._share.open):
                 return  # nothing open: keep the last run's cost figures
             self._close_locked(timeout)
         self.cost["close"] = time.monotonic() - began
@@ -771,12 +748,6 @@ class RunMonitor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _is_rejection(exc: BaseException) -> bool:
-    from smiquery.errors import InvalidArgumentError, InvalidFieldError
-
-    return isinstance(exc, (InvalidArgumentError, InvalidFieldError))
 
 
 #: Monitors whose stream this process opened, closed at interpreter exit; a forked child starts with none.

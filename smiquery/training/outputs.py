@@ -92,10 +92,8 @@ def run_monitor(
             (``alerts``, ``handlers``, ``log_every``, ``nvidia_smi``, ``gpus``, ``framework``, ``process_share``...).
 
     Raises:
-        ValueError: an argument is invalid.
-        WebConfigError: the web-config file is.
-        InvalidFieldError: a field name is unknown.
-        InvalidRuleError: an alert expression cannot be parsed.
+        ValueError, WebConfigError, InvalidFieldError, InvalidRuleError: an argument, the web-config file, a field
+            name or an alert expression is invalid.
     """
     outputs: list[Output] = [] if record is None else [Recording(record)]
     # made even when unused: a bad web-config file is a mistake to fix before training, not a warning after it

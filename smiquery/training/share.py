@@ -115,22 +115,17 @@ def _pmon_unsupported(exc: BaseException) -> bool:
     """True for pmon's "Not supported on the device(s)" (old GeForce drivers), whatever the exit status."""
     from smiquery.errors import NotSupportedError, NvidiaSmiFailedError
 
-    if isinstance(exc, NotSupportedError):
-        return True
-    output = getattr(exc, "output", "") if isinstance(exc, NvidiaSmiFailedError) else ""
-    return "not supported on the device" in (output or "").lower()
+    return isinstance(exc, NotSupportedError) or (
+        isinstance(exc, NvidiaSmiFailedError) and "not supported on the device" in (exc.output or "").lower()
+    )
 
 
 class ShareTracker:
-    """One pmon child and its reading thread: each instant summed into the epoch it arrived in.
+    """One pmon child and its reading thread: each instant summed into the epoch ``epoch_now()`` says it arrived in.
 
-    Failures are said once through ``say``, never raised: a failing or hung pmon never delays a training step, and
-    an unsupported one turns the share off (the keys stay NaN).
-
-    Args:
-        say: the monitor's say-once (``say(message, key=...)``).
-        epoch_now: the epoch training is in now (None before the first).
-        watched: whether a GPU (by nvidia-smi index) is one the run watches; None for every GPU.
+    Failures are said once through the monitor's ``say``, never raised: a failing or hung pmon never delays a
+    training step, and an unsupported one turns the share off (the keys stay NaN). ``watched(idx)``: whether a GPU is
+    one the run watches (None: every GPU).
     """
 
     def __init__(

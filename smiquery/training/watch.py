@@ -26,15 +26,11 @@ class Watch(MonitorView):
     def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Yield the items of a data loader (any iterable), timing each fetch as data wait."""
         it = iter(iterable)
-        m = self.monitor
-        while True:
-            began = time.perf_counter()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            m.add_data_wait(time.perf_counter() - began)
+        began = time.perf_counter()
+        for item in it:
+            self.monitor.add_data_wait(time.perf_counter() - began)
             yield item
+            began = time.perf_counter()
 
     def step(self, epoch: int | None = None, batch: int | None = None, *, samples: int | None = None) -> None:
         """One step is done (see :meth:`RunMonitor.step`); a new ``epoch`` summarises the previous one."""

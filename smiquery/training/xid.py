@@ -6,7 +6,7 @@ import functools
 import logging
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from smiquery.alerts import AlertEvent, Notifier, Rule
 from smiquery.errors import KernelLogError
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from smiquery.sample import GpuSample
     from smiquery.training.monitor import RunMonitor
 
-__all__ = ["KernelLog", "XidAlert", "xid_alert"]
+__all__ = ["KernelLog", "XidAlert"]
 
 
 @dataclass(frozen=True)
@@ -48,25 +48,14 @@ class XidAlert(AlertEvent):
 
     def to_dict(self) -> dict[str, object]:
         """The event's dict with ``xid``, ``meaning``, ``action``, ``advice`` and the driver's ``driver_message``."""
-        info = self.info
         ev = self.xid_event
         return {
             **super().to_dict(),
             "xid": self.xid,
-            "meaning": info.meaning if info is not None else None,
-            "action": info.action if info is not None else None,
-            "advice": info.advice if info is not None else None,
+            **{key: getattr(self.info, key, None) for key in ("meaning", "action", "advice")},
             "driver_message": ev.message if ev is not None else None,
             "pid": ev.pid if ev is not None else None,
         }
-
-
-def xid_alert(event: XidEvent, gpu: int | None, uuid: str | None, at: datetime | float) -> XidAlert:
-    """The alert event of one Xid on GPU ``gpu`` (``at``: when it was read)."""
-    rule = Rule(get_field("pci.bus_id"), "==", event.pci_bus_id, text=f"Xid {event.xid}")
-    return XidAlert(
-        rule, gpu, uuid, event.pci_bus_id, "firing", at, at, 0.0, xid=event.xid, info=event.info, xid_event=event
-    )
 
 
 class KernelLog:
@@ -115,8 +104,11 @@ def _alert(monitor: RunMonitor, notifier: Notifier, event: XidEvent) -> None:
             f"{describe(event)} (not a GPU this run watches)", logging.INFO, key=f"xid-other-{event.pci_bus_id}"
         )
         return
-    alert = xid_alert(event, found.index, found.uuid, datetime.now().astimezone())
+    rule = Rule(get_field("pci.bus_id"), "==", event.pci_bus_id, text=f"Xid {event.xid}")
+    at = datetime.now().astimezone()
+    alert = XidAlert(
+        rule, found.index, found.uuid, event.pci_bus_id, "firing", at, at, 0.0, event.xid, event.info, event
+    )
     training = TrainingAlert.at(alert, monitor.position, monitor.context_extra)
     monitor.alerts.append(training)
-    context: dict[str, Any] = training.context()
-    notifier.dispatch(alert, context)
+    notifier.dispatch(alert, training.context())
