@@ -34,28 +34,18 @@ if typing.TYPE_CHECKING:
     )
     from smiquery.alerts.snapshot import take_snapshot
 
-_LAZY = {
-    name: module
-    for module, names in {
-        "smiquery.alerts.rules": "BUILTIN_RULES STALL AlertEvaluator AlertEvent Rule StallRule arrival event_payload "
-        "parse_duration",
-        "smiquery.alerts.notify": "HANDLER_SPECS AlertHandler CallbackHandler LogHandler Notifier SnapshotHandler "
-        "WebhookHandler handler_from_spec",
-        "smiquery.alerts.snapshot": "take_snapshot",
-    }.items()
-    for name in names.split()
-}
-
 
 def __getattr__(name: str) -> object:
+    # rules, then snapshot (which imports rules), then notify (which imports both): a name costs its own module only
     import importlib
 
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'smiquery.alerts' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    if name in __all__:
+        for module in ("rules", "snapshot", "notify"):
+            found = getattr(importlib.import_module(f"smiquery.alerts.{module}"), name, None)
+            if found is not None:
+                globals()[name] = found
+                return found
+    raise AttributeError(f"module 'smiquery.alerts' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
