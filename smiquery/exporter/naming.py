@@ -48,26 +48,46 @@ IDENTITY_FIELDS: tuple[str, ...] = ("index", "uuid", "name", "pci.bus_id")
 #: With DCGM naming and the default fields: every counter of dcgm-exporter's default list (default-counters.csv)
 #: that nvidia-smi can supply and the ``health`` preset lacks. The rest of that list (energy, PCIe replays, XID,
 #: NVLink, vGPU licence, DCGM_FI_PROF_*) has no nvidia-smi query field.
-DCGM_DEFAULT_EXTRAS: tuple[str, ...] = tuple(
-    """
-    memory.free memory.reserved temperature.memory clocks.current.memory utilization.encoder utilization.decoder
-    remapped_rows.correctable remapped_rows.uncorrectable remapped_rows.failure
-    """.split()
+DCGM_DEFAULT_EXTRAS: tuple[str, ...] = (
+    "memory.free",
+    "memory.reserved",
+    "temperature.memory",
+    "clocks.current.memory",
+    "utilization.encoder",
+    "utilization.decoder",
+    "remapped_rows.correctable",
+    "remapped_rows.uncorrectable",
+    "remapped_rows.failure",
 )
 
 #: The exporter's own metrics (sample names), served in both namings whatever the fields.
-HEALTH_METRICS: tuple[str, ...] = tuple(
-    """
-    smiquery_up smiquery_last_sample_timestamp_seconds smiquery_last_sample_age_seconds
-    smiquery_collection_duration_seconds smiquery_nvidia_smi_starts_total smiquery_nvidia_smi_restarts_total
-    smiquery_nvidia_smi_errors_total smiquery_sweeps_total smiquery_dropped_rows_total smiquery_gpu_lost
-    smiquery_processes_last_success_timestamp_seconds smiquery_process_used_memory_bytes
-    smiquery_collection_errors_total smiquery_build_info smiquery_stream_info
-    smiquery_next_attempt_timestamp_seconds smiquery_alert_firing smiquery_alert_fired_total smiquery_details_up
-    smiquery_details_last_success_timestamp_seconds smiquery_mig_memory_used_bytes smiquery_mig_memory_free_bytes
-    smiquery_mig_memory_total_bytes smiquery_xid_source_up smiquery_xid_errors_total
-    smiquery_xid_rejected_lines_total
-    """.split()
+HEALTH_METRICS: tuple[str, ...] = (
+    "smiquery_up",
+    "smiquery_last_sample_timestamp_seconds",
+    "smiquery_last_sample_age_seconds",
+    "smiquery_collection_duration_seconds",
+    "smiquery_nvidia_smi_starts_total",
+    "smiquery_nvidia_smi_restarts_total",
+    "smiquery_nvidia_smi_errors_total",
+    "smiquery_sweeps_total",
+    "smiquery_dropped_rows_total",
+    "smiquery_gpu_lost",
+    "smiquery_processes_last_success_timestamp_seconds",
+    "smiquery_process_used_memory_bytes",
+    "smiquery_collection_errors_total",
+    "smiquery_build_info",
+    "smiquery_stream_info",
+    "smiquery_next_attempt_timestamp_seconds",
+    "smiquery_alert_firing",
+    "smiquery_alert_fired_total",
+    "smiquery_details_up",
+    "smiquery_details_last_success_timestamp_seconds",
+    "smiquery_mig_memory_used_bytes",
+    "smiquery_mig_memory_free_bytes",
+    "smiquery_mig_memory_total_bytes",
+    "smiquery_xid_source_up",
+    "smiquery_xid_errors_total",
+    "smiquery_xid_rejected_lines_total",
 )
 
 #: Per-process series from ``nvidia-smi pmon`` (``--top-processes N``): pmon column -> (metric, help). The same
@@ -217,21 +237,40 @@ NVSMI_WORDS: dict[str, dict[str, float]] = {
 }
 #: Fields that become labels of ``nvidia_smi_gpu_info`` in nvidia_smi naming, with their label names.
 NVSMI_INFO_LABELS: dict[str, str] = {
-    f: f.replace(".", "_")
-    for f in """
-    uuid index name pci.bus_id driver_version vbios_version serial compute_cap pci.sub_device_id
-    driver_model.current driver_model.pending
-    """.split()
+    "uuid": "uuid",
+    "index": "index",
+    "name": "name",
+    "pci.bus_id": "pci_bus_id",
+    "driver_version": "driver_version",
+    "vbios_version": "vbios_version",
+    "serial": "serial",
+    "compute_cap": "compute_cap",
+    "pci.sub_device_id": "pci_sub_device_id",
+    "driver_model.current": "driver_model_current",
+    "driver_model.pending": "driver_model_pending",
 }
 #: With nvidia_smi naming and the default fields: what nvidia_gpu_exporter's dashboard (Grafana 14574) reads.
-NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = tuple(
-    """
-    driver_version vbios_version serial compute_cap fan.speed compute_mode gpu_recovery_action fabric.state
-    clocks.current.graphics clocks.current.memory clocks.current.video clocks.max.graphics clocks.max.memory
-    enforced.power.limit power.default_limit clocks_event_reasons.gpu_idle
-    clocks_event_reasons.applications_clocks_setting clocks_event_reasons.sw_power_cap
-    clocks_event_reasons.sync_boost ecc.errors.uncorrected.aggregate.total
-    """.split()
+NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = (
+    "driver_version",
+    "vbios_version",
+    "serial",
+    "compute_cap",
+    "fan.speed",
+    "compute_mode",
+    "gpu_recovery_action",
+    "fabric.state",
+    "clocks.current.graphics",
+    "clocks.current.memory",
+    "clocks.current.video",
+    "clocks.max.graphics",
+    "clocks.max.memory",
+    "enforced.power.limit",
+    "power.default_limit",
+    "clocks_event_reasons.gpu_idle",
+    "clocks_event_reasons.applications_clocks_setting",
+    "clocks_event_reasons.sw_power_cap",
+    "clocks_event_reasons.sync_boost",
+    "ecc.errors.uncorrected.aggregate.total",
 )
 
 

@@ -66,11 +66,8 @@ def running(web: WebConfig | None = None, **kw: Any) -> Iterator[HttpServer]:
     server = HttpServer(
         sock,
         router,
-        ssl_context=web.ssl_context,
+        web=web,
         inline=router.fast,
-        headers=web.headers,
-        peer_check=web.peer_allowed if web.allowed_sans else None,
-        auth=web if web.users else None,
         **kw,
     )
     try:
@@ -567,7 +564,7 @@ def test_password_guesses_never_hold_the_workers_that_serve_a_known_credential(m
     monkeypatch.setattr(router, "fast", lambda req: False)  # like OpenMetrics: every answer is a worker's
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    server = HttpServer(sock, router, inline=router.fast, workers=2, auth=web, auth_queue=4)
+    server = HttpServer(sock, router, inline=router.fast, workers=2, web=web, auth_queue=4)
     port = port_of(server)
     answers: list[int] = []
     try:
