@@ -74,21 +74,16 @@ class SmiCollector:
     renders the per-sweep text once per sweep.
 
     Args:
-        stream: a started :class:`~smiquery.source.SampleSource` (its ``interval``, when it has one, sets the
-            default ``stale_after``).
-        fields: the fields the stream queries (default: ``stream.fields``).
-        naming: ``smiquery``, ``dcgm`` or ``nvidia_smi``.
-        labels: constant labels added to every series.
-        processes: a :func:`~smiquery.exporter.poller.process_poller`, for per-process GPU memory.
+        stream: a started :class:`~smiquery.source.SampleSource`; ``fields`` defaults to its ``fields``, and its
+            ``interval`` (when it has one) sets the default ``stale_after``, ``max(3 * interval, 15)`` s.
+        processes: a :func:`~smiquery.exporter.detailswatch.process_poller`, for per-process GPU memory.
         pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, for the busiest processes per GPU.
         details: a :func:`~smiquery.exporter.detailswatch.details_poller`, for per-MIG-instance memory.
         xid: a :class:`~smiquery.sources.xid.XidWatcher`, for ``smiquery_xid_errors_total``.
-        stale_after: seconds after which the newest sweep counts as stale (default ``max(3 * interval, 15)``).
         hostname: the DCGM ``Hostname`` label (default: this host's name).
-        alerts: an :class:`~smiquery.alerts.AlertEvaluator` fed every sample (``smiquery_alert_firing``).
+        alerts: fed every sample (``smiquery_alert_firing``).
         on_gpu_change: called ``(lost, index, uuid)`` when a GPU drops out or comes back.
         on_state: called ``(up, why)`` when fresh data stops or flows again.
-        nvidia_smi_path: the binary, for ``smiquery_build_info``.
         attribution: which workload holds each GPU (:mod:`smiquery.attribution`): its series, the workload's labels
             on GPUs one workload holds, and per-workload use when its backend ties processes to workloads.
         process_metrics: also prometheus_client's standard ``process_*`` metrics of this process.

@@ -17,11 +17,10 @@ from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator
 from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
-from smiquery.exporter.detailswatch import details_poller
+from smiquery.exporter.detailswatch import details_poller, process_poller
 from smiquery.exporter.events import EventLog
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
-from smiquery.exporter.poller import process_poller
 from smiquery.exporter.state import parse_labels
 from smiquery.fields import resolve_fields
 from smiquery.httpd.server import HttpServer, Request, Response, listen
@@ -264,7 +263,7 @@ def serve(
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
     Returns at once; the work happens in daemon threads (one selector thread and ``workers`` HTTP workers, however
-    many clients connect). Listens on 127.0.0.1 unless ``bind`` says otherwise.
+    many clients connect).
 
     Example::
 
@@ -314,13 +313,10 @@ def serve(
             ``registry`` has them already.
 
     Raises:
-        PortInUseError: the port is taken (nvidia-smi is not started).
-        ListenError: the address cannot be listened on (not on this machine, unknown name, no permission).
-        WebConfigError: the web configuration file is unreadable or wrong.
-        InvalidFieldError: an unknown field.
-        InvalidRuleError: an alert rule that cannot be parsed.
-        InvalidGpuIdError: a malformed GPU id.
-        NvidiaSmiNotFoundError: no usable nvidia-smi.
+        PortInUseError, ListenError: the port is taken, or the address cannot be listened on (nvidia-smi is not
+            started).
+        WebConfigError, InvalidFieldError, InvalidRuleError, InvalidGpuIdError, NvidiaSmiNotFoundError: what
+            their names say.
         ValueError: a bad label, naming, interval, top_processes, details_interval, or TLS option.
         OSError, ssl.SSLError: unreadable TLS files.
     """
