@@ -14,7 +14,7 @@ from prometheus_client.metrics_core import Metric
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.attribution import check_labels
-from smiquery.exporter.build import revision, self_families
+from smiquery.exporter.build import revision
 from smiquery.exporter.detailswatch import details_health, fresh_details, mig_families
 from smiquery.exporter.families import (
     attribution_families,
@@ -45,6 +45,8 @@ from smiquery.sample import bus_key
 from smiquery.sources.latest import Latest
 
 if TYPE_CHECKING:
+    from prometheus_client.process_collector import ProcessCollector
+
     from smiquery.alerts import AlertEvaluator
     from smiquery.attribution import Attribution
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
@@ -110,8 +112,8 @@ class SmiCollector:
         process_metrics: bool = False,
     ) -> None:
         self.stream = stream
-        self._process_collector: object | None = None
-        if process_metrics:
+        self._process_collector: ProcessCollector | None = None
+        if process_metrics:  # prometheus_client's standard process_* families, unregistered
             from prometheus_client.process_collector import ProcessCollector
 
             self._process_collector = ProcessCollector(registry=None)
@@ -518,8 +520,9 @@ class SmiCollector:
             out.append(one(counter("smiquery_collection_errors", doc), float(self.render_errors)))
         doc = "Time spent building this scrape's metrics."
         out.append(one(gauge("smiquery_collection_duration_seconds", doc), duration))
-        if self._process_collector is not None:
-            out += self_families(self._process_collector, self.labels)
+        for fam in self._process_collector.collect() if self._process_collector is not None else ():
+            fam.samples = [s._replace(labels={**s.labels, **self.labels}) for s in fam.samples]
+            out.append(fam)
         return out
 
     def _inputs(self, sweep: Sweep | None, age: float | None) -> tuple[Any, ...]:
