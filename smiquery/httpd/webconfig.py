@@ -141,10 +141,6 @@ class WebConfig:
             self._bad.pop(key, None)
         return None
 
-    def cached(self, header: str | None) -> bool:
-        """Whether :meth:`authorized` answers ``header`` without a bcrypt check (no users, malformed, or seen)."""
-        return self.verdict(header) is not None
-
     def authorized(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header value (None: absent) passes basic auth (always True without users).
 

@@ -46,7 +46,7 @@ class Router:
         self.web = web
 
     def fast(self, req: Request) -> bool:
-        return self.web.cached(req.headers.get("authorization"))
+        return self.web.verdict(req.headers.get("authorization")) is not None
 
     def __call__(self, req: Request) -> Response:
         if not self.web.authorized(req.headers.get("authorization")):
@@ -639,7 +639,7 @@ def test_a_recent_failure_is_refused_without_another_bcrypt_check():
     t0 = time.perf_counter()
     assert not web.authorized(header)
     first = time.perf_counter() - t0
-    assert web.cached(header)  # so the selector thread answers it inline
+    assert web.verdict(header) is not None  # so the selector thread answers it inline
     t0 = time.perf_counter()
     assert not web.authorized(header)
     again = time.perf_counter() - t0
