@@ -93,10 +93,7 @@ class CallbackHandler:
 
 
 def redact_url(url: str) -> str:
-    """A URL safe to log: ``"https://hooks.slack.com/..."`` (a webhook's path and query are often its secret).
-
-    ``"<webhook>"`` when it cannot be read.
-    """
+    """A URL safe to log: ``"https://hooks.slack.com/..."`` (a webhook's path is often its secret), or ``<webhook>``."""
     try:
         parts = urllib.parse.urlsplit(url)
         host = parts.hostname or ""
@@ -120,18 +117,13 @@ class _Outbox:
 
 
 class WebhookHandler:
-    """POSTs each event as JSON (see :func:`~smiquery.alerts.rules.event_payload`) from a background thread.
+    """POSTs each event as JSON (:func:`~smiquery.alerts.rules.event_payload`) from a background thread.
 
     The caller only appends to a bounded queue, so a slow or dead endpoint never slows it down. No retries: a failed
     POST is counted and logged once per failure streak. At most one POST per ``min_interval`` seconds; events that
-    arrive while ``queue_size`` are waiting are dropped and counted in :attr:`dropped`. The thread starts with the
-    first event; :meth:`close` stops it. Logs and ``repr`` show the URL's scheme and host only, never its path,
-    query or the headers (for most webhooks the URL is the secret).
-
-    ``timeout`` bounds one POST (connect and read); ``headers`` are extra HTTP headers (an authorization token).
-
-    Raises:
-        ValueError: the URL is not http(s), or a number is out of range.
+    arrive while ``queue_size`` are waiting are dropped and counted in :attr:`dropped`. ``timeout`` bounds one POST;
+    ``headers`` are extra HTTP headers (a token). Logs and ``repr`` show the URL's scheme and host only (for most
+    webhooks the URL is the secret). Raises ValueError for a URL that is not http(s) or a number out of range.
     """
 
     def __init__(
@@ -357,10 +349,7 @@ class Notifier:
                 log.exception("smiquery: alert handler failed to take a sample")
 
     def close(self, timeout: float = 2.0) -> None:
-        """Close the handlers that have a ``close()`` (webhook threads), all within about ``timeout`` seconds.
-
-        What a handler has not sent by then is dropped and counted.
-        """
+        """Close the handlers that have a ``close()`` within about ``timeout`` seconds in all (what is unsent drops)."""
         deadline = time.monotonic() + timeout
         for handler in self.handlers:
             close = getattr(handler, "close", None)
@@ -384,11 +373,9 @@ class Notifier:
 class SnapshotHandler:
     """Saves the evidence when an alert fires: one timestamped folder per firing (see :mod:`smiquery.alerts.snapshot`).
 
-    Each snapshot is taken on a background thread, bounded in time and size, so the caller never waits. A rule that
-    keeps firing on a GPU gets one snapshot until it clears; one asked for while another is being written is skipped
-    and counted in :attr:`skipped`.
-
-    ``minutes`` of sample history are kept (at most ``max_rows``) and saved; ``timeout`` bounds each nvidia-smi call,
+    Each snapshot is taken on a background thread, so the caller never waits; a rule that keeps firing on a GPU gets
+    one until it clears, and one asked for while another is being written is skipped (:attr:`skipped`). ``minutes``
+    of sample history are kept (at most ``max_rows``) and saved; ``timeout`` bounds each nvidia-smi call,
     ``max_bytes`` each file, ``max_snapshots`` the folders this handler writes in all.
     """
 
@@ -494,13 +481,10 @@ HANDLER_SPECS: tuple[str, ...] = ("log", "webhook:URL", "snapshot:DIR")
 
 
 def handler_from_spec(spec: str, *, nvidia_smi: str | os.PathLike[str] | None = None) -> AlertHandler:
-    """An alert handler from a command-line spec, as ``--on-alert`` takes it (``nvidia_smi``: for a snapshot).
+    """An alert handler from an ``--on-alert`` spec (``nvidia_smi``: for a snapshot).
 
-    ``log`` logs each event; ``webhook:URL`` posts it (``webhook:https://hooks.example.com/T0/B1/xyz``);
-    ``snapshot:DIR`` saves the evidence into a new folder under DIR for each firing (see :class:`SnapshotHandler`).
-
-    Raises:
-        ValueError: an unknown kind or a missing argument; the message lists the kinds.
+    ``log`` logs each event; ``webhook:URL`` posts it; ``snapshot:DIR`` saves the evidence into a new folder under
+    DIR for each firing. Raises ValueError (listing the kinds) for an unknown kind or a missing argument.
     """
     kind, _, arg = spec.partition(":")
     kind = kind.strip().lower()
