@@ -255,10 +255,6 @@ class AlertEvent:
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict."""
-
-        def t(x: datetime | float) -> object:
-            return x.isoformat() if isinstance(x, datetime) else x
-
         return {
             "rule": str(self.rule),
             "field": self.rule.field.name,
@@ -266,8 +262,8 @@ class AlertEvent:
             "uuid": self.uuid,
             "value": self.value,
             "state": self.state,
-            "since": t(self.since),
-            "at": t(self.at),
+            "since": _jsonable(self.since),
+            "at": _jsonable(self.at),
             "duration": self.duration,
         }
 
@@ -340,8 +336,7 @@ class AlertEvaluator:
     def update(self, sample: GpuSample, now: float | None = None) -> list[AlertEvent]:
         """Take one sample of one GPU that arrived at ``now`` (``time.monotonic()``; None for a recording).
 
-        Returns:
-            The events this sample caused (usually none).
+        Returns the events it caused (usually none).
         """
         if not self.rules:
             return []
@@ -354,12 +349,10 @@ class AlertEvaluator:
         events: list[AlertEvent] = []
         for i, rule in enumerate(self.rules):
             value = sample.get(rule.field.name)
-            verdict = rule.matches(sample) if rule.when else rule.holds(value)
+            verdict = rule.matches(sample)
             if verdict is None:
                 continue  # missing (or not queried): keeps the state
-            track = self._tracks.get((i, key))
-            if track is None:
-                track = self._tracks[(i, key)] = _Track()
+            track = self._tracks.setdefault((i, key), _Track())
             if verdict:
                 if track.since is None:
                     track.since, track.held = shown, 0.0
@@ -400,16 +393,8 @@ class AlertEvaluator:
     def cell_state(self, sample: GpuSample, field_name: str) -> Literal["firing", "pending", "ok"]:
         """The worst state of the rules on ``field_name`` for this sample's GPU (for colouring a table cell)."""
         key = _key(sample)
-        worst: Literal["firing", "pending", "ok"] = "ok"
-        for i, rule in enumerate(self.rules):
-            if rule.field.name != field_name:
-                continue
-            s = self.state(i, key)
-            if s == "firing":
-                return "firing"
-            if s == "pending":
-                worst = "pending"
-        return worst
+        found = {self.state(i, key) for i, rule in enumerate(self.rules) if rule.field.name == field_name}
+        return "firing" if "firing" in found else "pending" if "pending" in found else "ok"
 
 
 def _key(sample: GpuSample) -> object:
