@@ -1,9 +1,8 @@
 """Alerts: rules over samples, where their events go, and the evidence saved when one fires.
 
-Modules :mod:`~smiquery.alerts.rules` (pure), :mod:`~smiquery.alerts.notify` (the handlers) and
-:mod:`~smiquery.alerts.snapshot`; imports flow notify -> snapshot -> rules. Every name below is imported from its
-module on first use: the CLI reads the rules for every duration option, and should not bring in the webhook's HTTP
-client and threads.
+Modules :mod:`~smiquery.alerts.rules` (pure) and :mod:`~smiquery.alerts.notify` (the handlers, the snapshot;
+it imports rules). Every name below is imported from its module on first use: the CLI reads the rules for every
+duration option, and should not bring in the webhook's HTTP client and threads.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ if typing.TYPE_CHECKING:
         SnapshotHandler,
         WebhookHandler,
         handler_from_spec,
+        take_snapshot,
     )
     from smiquery.alerts.rules import (
         BUILTIN_RULES,
@@ -32,15 +32,14 @@ if typing.TYPE_CHECKING:
         event_payload,
         parse_duration,
     )
-    from smiquery.alerts.snapshot import take_snapshot
 
 
 def __getattr__(name: str) -> object:
-    # rules, then snapshot (which imports rules), then notify (which imports both): a name costs its own module only
+    # rules first: a name of the rules does not bring in the handlers
     import importlib
 
     if name in __all__:
-        for module in ("rules", "snapshot", "notify"):
+        for module in ("rules", "notify"):
             found = getattr(importlib.import_module(f"smiquery.alerts.{module}"), name, None)
             if found is not None:
                 globals()[name] = found
