@@ -212,7 +212,6 @@ class SmiCollector:
             drv = s.get("driver_version")
             if drv is not None and not s.gpu_lost:
                 self.driver_version = str(drv)
-        for s in sweep:
             key = s.uuid or f"index:{s.index}"
             gpu = self._gpus.get(key)
             if gpu is None:
