@@ -56,6 +56,7 @@ _RULE_RE = re.compile(
         (?:\s+for(?:\s+(?P<hold>.*?))?)?\s*$""",
     re.VERBOSE | re.IGNORECASE,
 )
+_SAMPLES_RE = re.compile(r"(\d+)(?:\s+samples?)?", re.IGNORECASE)
 _WHILE_RE = re.compile(r"\s+while\s+|\s+while\s*$", re.IGNORECASE)
 _TRUE_WORDS = {"enabled", "yes", "active", "true", "on", "1"}
 _FALSE_WORDS = {"disabled", "no", "not active", "not_active", "false", "off", "0"}
@@ -176,24 +177,20 @@ class Rule:
         threshold = _parse_threshold(m.group("value"), fld, op, text)
         hold_samples: int | None = 1
         hold_seconds: float | None = None
-        hold = m.group("hold")
-        if hold is not None or re.search(r"\sfor\s*$", text, re.IGNORECASE):
-            words = (hold or "").split()
-            if not words:
-                raise InvalidRuleError(text, "'for' needs a hold: a number of samples or a duration")
-            count = words[0]
-            if count.isdigit() and (len(words) == 1 or (len(words) == 2 and words[1].lower() in ("sample", "samples"))):
-                hold_samples = int(count)
-                if hold_samples < 1:
-                    raise InvalidRuleError(text, "the hold must be at least 1 sample")
-            elif len(words) == 1:
-                try:
-                    hold_seconds = parse_duration(count, what="hold")
-                except ValueError as exc:
-                    raise InvalidRuleError(text, str(exc)) from None
-                hold_samples = None
-            else:
-                raise InvalidRuleError(text, f"cannot read the hold {hold!r}")
+        hold = (m.group("hold") or "").strip()
+        count = _SAMPLES_RE.fullmatch(hold)
+        if count is not None:
+            hold_samples = int(count.group(1))
+            if hold_samples < 1:
+                raise InvalidRuleError(text, "the hold must be at least 1 sample")
+        elif len(hold.split()) == 1:
+            try:
+                hold_seconds, hold_samples = parse_duration(hold, what="hold"), None
+            except ValueError as exc:
+                raise InvalidRuleError(text, str(exc)) from None
+        elif hold or re.search(r"\sfor\s*$", text, re.IGNORECASE):
+            why = f"cannot read the hold {hold!r}" if hold else "'for' needs a hold: a number of samples or a duration"
+            raise InvalidRuleError(text, why)
         return cls(fld, op, threshold, hold_samples, hold_seconds, " ".join(text.split()))  # type: ignore[arg-type]
 
     def holds(self, value: Value) -> bool | None:
