@@ -1,9 +1,8 @@
 """Alerts: rules over samples, where their events go, and the evidence saved when one fires.
 
-Modules :mod:`~smiquery.alerts.rules` (pure), :mod:`~smiquery.alerts.notify` (the handlers) and
-:mod:`~smiquery.alerts.snapshot`; imports flow notify -> snapshot -> rules. Every name below is imported from its
-module on first use: the CLI reads the rules for every duration option, and should not bring in the webhook's HTTP
-client and threads.
+Modules :mod:`~smiquery.alerts.rules` (pure) and :mod:`~smiquery.alerts.notify` (the handlers, the snapshot;
+it imports rules). Every name below is imported from its module on first use: the CLI reads the rules for every
+duration option, and should not bring in the webhook's HTTP client and threads.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ if typing.TYPE_CHECKING:
         SnapshotHandler,
         WebhookHandler,
         handler_from_spec,
+        take_snapshot,
     )
     from smiquery.alerts.rules import (
         BUILTIN_RULES,
@@ -32,30 +32,19 @@ if typing.TYPE_CHECKING:
         event_payload,
         parse_duration,
     )
-    from smiquery.alerts.snapshot import take_snapshot
-
-_LAZY = {
-    name: module
-    for module, names in {
-        "smiquery.alerts.rules": "BUILTIN_RULES STALL AlertEvaluator AlertEvent Rule StallRule arrival event_payload "
-        "parse_duration",
-        "smiquery.alerts.notify": "HANDLER_SPECS AlertHandler CallbackHandler LogHandler Notifier SnapshotHandler "
-        "WebhookHandler handler_from_spec",
-        "smiquery.alerts.snapshot": "take_snapshot",
-    }.items()
-    for name in names.split()
-}
 
 
 def __getattr__(name: str) -> object:
+    # rules first: a name of the rules does not bring in the handlers
     import importlib
 
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'smiquery.alerts' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    if name in __all__:
+        for module in ("rules", "notify"):
+            found = getattr(importlib.import_module(f"smiquery.alerts.{module}"), name, None)
+            if found is not None:
+                globals()[name] = found
+                return found
+    raise AttributeError(f"module 'smiquery.alerts' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -1,6 +1,8 @@
-"""Where alert events go: a log, a function, a webhook; and :class:`Notifier`, which evaluates rules and dispatches.
+"""Where alert events go: a log, a function, a webhook, a snapshot; and :class:`Notifier`, which dispatches them.
 
 Handlers never raise into the caller (a training loop, a stream consumer): failures are logged and counted.
+:func:`take_snapshot` writes the evidence folder (``nvidia-smi -q -x``, the processes, recent samples, the alert)
+that :class:`SnapshotHandler` (``--on-alert snapshot:DIR``) saves on its own thread.
 """
 
 from __future__ import annotations
@@ -9,17 +11,26 @@ import collections
 import json
 import logging
 import os
+import re
+import shutil
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from smiquery._log import get_logger
 from smiquery.alerts.rules import AlertEvaluator, AlertEvent, Rule, event_payload
-from smiquery.alerts.snapshot import take_snapshot
+from smiquery.fields import resolve_fields
+from smiquery.sources.query_gpu import format_row, header_line
+
+if TYPE_CHECKING:
+    from smiquery.runner import Runner
+    from smiquery.sample import GpuSample
 
 __all__ = [
     "HANDLER_SPECS",
@@ -30,6 +41,7 @@ __all__ = [
     "SnapshotHandler",
     "WebhookHandler",
     "handler_from_spec",
+    "take_snapshot",
 ]
 
 log = get_logger("smiquery.notify")
@@ -93,10 +105,7 @@ class CallbackHandler:
 
 
 def redact_url(url: str) -> str:
-    """A URL safe to log: ``"https://hooks.slack.com/..."`` (a webhook's path and query are often its secret).
-
-    ``"<webhook>"`` when it cannot be read.
-    """
+    """A URL safe to log: ``"https://hooks.slack.com/..."`` (a webhook's path is often its secret), or ``<webhook>``."""
     try:
         parts = urllib.parse.urlsplit(url)
         host = parts.hostname or ""
@@ -120,18 +129,13 @@ class _Outbox:
 
 
 class WebhookHandler:
-    """POSTs each event as JSON (see :func:`~smiquery.alerts.rules.event_payload`) from a background thread.
+    """POSTs each event as JSON (:func:`~smiquery.alerts.rules.event_payload`) from a background thread.
 
     The caller only appends to a bounded queue, so a slow or dead endpoint never slows it down. No retries: a failed
     POST is counted and logged once per failure streak. At most one POST per ``min_interval`` seconds; events that
-    arrive while ``queue_size`` are waiting are dropped and counted in :attr:`dropped`. The thread starts with the
-    first event; :meth:`close` stops it. Logs and ``repr`` show the URL's scheme and host only, never its path,
-    query or the headers (for most webhooks the URL is the secret).
-
-    ``timeout`` bounds one POST (connect and read); ``headers`` are extra HTTP headers (an authorization token).
-
-    Raises:
-        ValueError: the URL is not http(s), or a number is out of range.
+    arrive while ``queue_size`` are waiting are dropped and counted in :attr:`dropped`. ``timeout`` bounds one POST;
+    ``headers`` are extra HTTP headers (a token). Logs and ``repr`` show the URL's scheme and host only (for most
+    webhooks the URL is the secret). Raises ValueError for a URL that is not http(s) or a number out of range.
     """
 
     def __init__(
@@ -357,10 +361,7 @@ class Notifier:
                 log.exception("smiquery: alert handler failed to take a sample")
 
     def close(self, timeout: float = 2.0) -> None:
-        """Close the handlers that have a ``close()`` (webhook threads), all within about ``timeout`` seconds.
-
-        What a handler has not sent by then is dropped and counted.
-        """
+        """Close the handlers that have a ``close()`` within about ``timeout`` seconds in all (what is unsent drops)."""
         deadline = time.monotonic() + timeout
         for handler in self.handlers:
             close = getattr(handler, "close", None)
@@ -382,13 +383,11 @@ class Notifier:
 
 
 class SnapshotHandler:
-    """Saves the evidence when an alert fires: one timestamped folder per firing (see :mod:`smiquery.alerts.snapshot`).
+    """Saves the evidence when an alert fires: one timestamped folder per firing (:func:`take_snapshot`).
 
-    Each snapshot is taken on a background thread, bounded in time and size, so the caller never waits. A rule that
-    keeps firing on a GPU gets one snapshot until it clears; one asked for while another is being written is skipped
-    and counted in :attr:`skipped`.
-
-    ``minutes`` of sample history are kept (at most ``max_rows``) and saved; ``timeout`` bounds each nvidia-smi call,
+    Each snapshot is taken on a background thread, so the caller never waits; a rule that keeps firing on a GPU gets
+    one until it clears, and one asked for while another is being written is skipped (:attr:`skipped`). ``minutes``
+    of sample history are kept (at most ``max_rows``) and saved; ``timeout`` bounds each nvidia-smi call,
     ``max_bytes`` each file, ``max_snapshots`` the folders this handler writes in all.
     """
 
@@ -489,18 +488,147 @@ class SnapshotHandler:
         self.wait(2.0 if timeout is None else timeout)
 
 
+_APPS_FIELDS = "gpu_uuid,pid,process_name,used_gpu_memory"
+_SLUG_RE = re.compile(r"[^A-Za-z0-9]+")
+
+
+def _write_capped(path: Path, text: str, max_bytes: int) -> None:
+    data = text.encode("utf-8", "replace")
+    if len(data) > max_bytes:
+        note = f"\n[smiquery: cut at {max_bytes} bytes of {len(data)}]\n".encode()
+        data = data[: max_bytes - len(note)] + note
+    path.write_bytes(data)
+
+
+def _folder(directory: str | os.PathLike[str], event: AlertEvent) -> Path:
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
+    slug = _SLUG_RE.sub("-", f"{event.rule.field.attr}-gpu{event.gpu if event.gpu is not None else 'x'}").strip("-")
+    for n in range(1000):
+        folder = root / f"{stamp}-{slug}" if n == 0 else root / f"{stamp}-{slug}-{n}"
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise FileExistsError(f"cannot create a new snapshot folder under {root}")
+
+
+def _run(runner: Runner, argv: Sequence[str], timeout: float, out: Path, max_bytes: int) -> None:
+    """Save one nvidia-smi call's output; its failure (with stderr) goes to ``<name>.error.txt``."""
+    error = out.with_name(out.name + ".error.txt")
+    try:
+        done = runner.run(argv, timeout)
+    except Exception as exc:
+        _write_capped(error, f"{' '.join(argv)}\n{exc}\n", max_bytes)
+        return
+    if done.returncode != 0:
+        _write_capped(error, f"{' '.join(argv)}\nexit {done.returncode}\n{done.stderr}\n{done.stdout}", max_bytes)
+        return
+    _write_capped(out, done.stdout, max_bytes)
+
+
+def _samples_csv(samples: Sequence[GpuSample], max_bytes: int) -> str:
+    """The samples as an nvidia-smi CSV recording, newest rows kept when it would exceed ``max_bytes``."""
+    if not samples:
+        return ""
+    names = samples[-1].fields
+    same = [s for s in samples if s.fields == names]  # one schema per file: the newest
+    fields = resolve_fields(list(names))
+    head = header_line(fields)
+    rows: list[str] = []
+    size = len(head) + 1
+    for s in reversed(same):
+        line = format_row(s, fields, units=True)
+        size += len(line) + 1
+        if size > max_bytes:
+            break
+        rows.append(line)
+    rows.reverse()
+    return "\n".join([head, *rows]) + "\n"
+
+
+def _details_json(folder: Path, max_bytes: int) -> None:
+    """``details.json``: the saved ``-q -x`` parsed (:func:`~smiquery.sources.details.parse_xml`), or why not."""
+    import warnings
+
+    from smiquery.errors import SmiqueryError
+    from smiquery.sources.details import parse_xml
+
+    xml = folder / "nvidia-smi-q.xml"
+    if not xml.is_file():
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # an unknown DTD: still read by name
+            gpus = parse_xml(xml.read_bytes())
+    except SmiqueryError as exc:  # e.g. the XML was cut at max_bytes
+        _write_capped(folder / "details.json.error.txt", f"parsing nvidia-smi-q.xml failed: {exc}\n", max_bytes)
+        return
+    doc = {"gpus": [g.to_dict() for g in gpus]}
+    _write_capped(folder / "details.json", json.dumps(doc, indent=2, default=str) + "\n", max_bytes)
+
+
+def take_snapshot(
+    directory: str | os.PathLike[str],
+    event: AlertEvent,
+    context: Mapping[str, Any] | None = None,
+    samples: Sequence[GpuSample] = (),
+    *,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    timeout: float = 10.0,
+    max_bytes: int = 8 * 2**20,
+    runner: Runner | None = None,
+) -> str:
+    """Write one snapshot folder (``DIR/<time>-<field>-gpu<N>``) and return its path.
+
+    It holds ``alert.json`` (the event and its ``context``), ``nvidia-smi-q.xml`` (``nvidia-smi -q -x``),
+    ``details.json`` (that XML parsed by :func:`smiquery.sources.details.parse_xml`), ``processes.csv`` (the compute
+    processes) and ``samples.csv`` (the recent ``samples``, oldest first, as a recording ``smiquery report`` reads).
+    Each nvidia-smi call is bounded by ``timeout`` and each file by ``max_bytes``; a call that fails leaves
+    ``<file>.error.txt`` saying why. ``runner`` runs nvidia-smi (default a real subprocess).
+
+    Raises:
+        OSError: the folder cannot be created or written (a full disk): nothing is left behind, no empty folder
+            and no truncated ``alert.json``.
+    """
+    from smiquery.runner import default_runner, find_nvidia_smi  # subprocess, only once a snapshot is taken
+
+    folder = _folder(directory, event)
+    try:
+        payload = event_payload(event, context)
+        payload["samples"] = len(samples)
+        _write_capped(folder / "alert.json", json.dumps(payload, indent=2) + "\n", max_bytes)
+        csv = _samples_csv(samples, max_bytes)
+        if csv:
+            _write_capped(folder / "samples.csv", csv, max_bytes)
+        try:
+            binary = find_nvidia_smi(nvidia_smi, runner=runner)
+        except Exception as exc:
+            for name in ("nvidia-smi-q.xml", "processes.csv"):
+                _write_capped(folder / f"{name}.error.txt", f"{exc}\n", max_bytes)
+            return str(folder)
+        run = runner or default_runner()
+        _run(run, [binary, "-q", "-x"], timeout, folder / "nvidia-smi-q.xml", max_bytes)
+        _details_json(folder, max_bytes)
+        argv = [binary, f"--query-compute-apps={_APPS_FIELDS}", "--format=csv"]
+        _run(run, argv, timeout, folder / "processes.csv", max_bytes)
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return str(folder)
+
+
 #: The handler kinds :func:`handler_from_spec` knows (its error message lists them).
 HANDLER_SPECS: tuple[str, ...] = ("log", "webhook:URL", "snapshot:DIR")
 
 
 def handler_from_spec(spec: str, *, nvidia_smi: str | os.PathLike[str] | None = None) -> AlertHandler:
-    """An alert handler from a command-line spec, as ``--on-alert`` takes it (``nvidia_smi``: for a snapshot).
+    """An alert handler from an ``--on-alert`` spec (``nvidia_smi``: for a snapshot).
 
-    ``log`` logs each event; ``webhook:URL`` posts it (``webhook:https://hooks.example.com/T0/B1/xyz``);
-    ``snapshot:DIR`` saves the evidence into a new folder under DIR for each firing (see :class:`SnapshotHandler`).
-
-    Raises:
-        ValueError: an unknown kind or a missing argument; the message lists the kinds.
+    ``log`` logs each event; ``webhook:URL`` posts it; ``snapshot:DIR`` saves the evidence into a new folder under
+    DIR for each firing. Raises ValueError (listing the kinds) for an unknown kind or a missing argument.
     """
     kind, _, arg = spec.partition(":")
     kind = kind.strip().lower()

@@ -56,6 +56,7 @@ _RULE_RE = re.compile(
         (?:\s+for(?:\s+(?P<hold>.*?))?)?\s*$""",
     re.VERBOSE | re.IGNORECASE,
 )
+_SAMPLES_RE = re.compile(r"(\d+)(?:\s+samples?)?", re.IGNORECASE)
 _WHILE_RE = re.compile(r"\s+while\s+|\s+while\s*$", re.IGNORECASE)
 _TRUE_WORDS = {"enabled", "yes", "active", "true", "on", "1"}
 _FALSE_WORDS = {"disabled", "no", "not active", "not_active", "false", "off", "0"}
@@ -176,24 +177,20 @@ class Rule:
         threshold = _parse_threshold(m.group("value"), fld, op, text)
         hold_samples: int | None = 1
         hold_seconds: float | None = None
-        hold = m.group("hold")
-        if hold is not None or re.search(r"\sfor\s*$", text, re.IGNORECASE):
-            words = (hold or "").split()
-            if not words:
-                raise InvalidRuleError(text, "'for' needs a hold: a number of samples or a duration")
-            count = words[0]
-            if count.isdigit() and (len(words) == 1 or (len(words) == 2 and words[1].lower() in ("sample", "samples"))):
-                hold_samples = int(count)
-                if hold_samples < 1:
-                    raise InvalidRuleError(text, "the hold must be at least 1 sample")
-            elif len(words) == 1:
-                try:
-                    hold_seconds = parse_duration(count, what="hold")
-                except ValueError as exc:
-                    raise InvalidRuleError(text, str(exc)) from None
-                hold_samples = None
-            else:
-                raise InvalidRuleError(text, f"cannot read the hold {hold!r}")
+        hold = (m.group("hold") or "").strip()
+        count = _SAMPLES_RE.fullmatch(hold)
+        if count is not None:
+            hold_samples = int(count.group(1))
+            if hold_samples < 1:
+                raise InvalidRuleError(text, "the hold must be at least 1 sample")
+        elif len(hold.split()) == 1:
+            try:
+                hold_seconds, hold_samples = parse_duration(hold, what="hold"), None
+            except ValueError as exc:
+                raise InvalidRuleError(text, str(exc)) from None
+        elif hold or re.search(r"\sfor\s*$", text, re.IGNORECASE):
+            why = f"cannot read the hold {hold!r}" if hold else "'for' needs a hold: a number of samples or a duration"
+            raise InvalidRuleError(text, why)
         return cls(fld, op, threshold, hold_samples, hold_seconds, " ".join(text.split()))  # type: ignore[arg-type]
 
     def holds(self, value: Value) -> bool | None:
@@ -255,10 +252,6 @@ class AlertEvent:
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict."""
-
-        def t(x: datetime | float) -> object:
-            return x.isoformat() if isinstance(x, datetime) else x
-
         return {
             "rule": str(self.rule),
             "field": self.rule.field.name,
@@ -266,8 +259,8 @@ class AlertEvent:
             "uuid": self.uuid,
             "value": self.value,
             "state": self.state,
-            "since": t(self.since),
-            "at": t(self.at),
+            "since": _jsonable(self.since),
+            "at": _jsonable(self.at),
             "duration": self.duration,
         }
 
@@ -340,8 +333,7 @@ class AlertEvaluator:
     def update(self, sample: GpuSample, now: float | None = None) -> list[AlertEvent]:
         """Take one sample of one GPU that arrived at ``now`` (``time.monotonic()``; None for a recording).
 
-        Returns:
-            The events this sample caused (usually none).
+        Returns the events it caused (usually none).
         """
         if not self.rules:
             return []
@@ -354,12 +346,10 @@ class AlertEvaluator:
         events: list[AlertEvent] = []
         for i, rule in enumerate(self.rules):
             value = sample.get(rule.field.name)
-            verdict = rule.matches(sample) if rule.when else rule.holds(value)
+            verdict = rule.matches(sample)
             if verdict is None:
                 continue  # missing (or not queried): keeps the state
-            track = self._tracks.get((i, key))
-            if track is None:
-                track = self._tracks[(i, key)] = _Track()
+            track = self._tracks.setdefault((i, key), _Track())
             if verdict:
                 if track.since is None:
                     track.since, track.held = shown, 0.0
@@ -400,16 +390,8 @@ class AlertEvaluator:
     def cell_state(self, sample: GpuSample, field_name: str) -> Literal["firing", "pending", "ok"]:
         """The worst state of the rules on ``field_name`` for this sample's GPU (for colouring a table cell)."""
         key = _key(sample)
-        worst: Literal["firing", "pending", "ok"] = "ok"
-        for i, rule in enumerate(self.rules):
-            if rule.field.name != field_name:
-                continue
-            s = self.state(i, key)
-            if s == "firing":
-                return "firing"
-            if s == "pending":
-                worst = "pending"
-        return worst
+        found = {self.state(i, key) for i, rule in enumerate(self.rules) if rule.field.name == field_name}
+        return "firing" if "firing" in found else "pending" if "pending" in found else "ok"
 
 
 def _key(sample: GpuSample) -> object:

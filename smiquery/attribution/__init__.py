@@ -116,15 +116,12 @@ class Backend(Protocol):
 
     def refresh(self) -> Sequence[Grant]:
         """Ask once what is allocated now (devices of the resources read). Raises on failure."""
-        ...
 
     def failure(self, exc: Exception) -> tuple[str, str]:
         """A failed :meth:`refresh` as (kind, one line of why), for the error counts and the log."""
-        ...
 
     def owner(self, pid: int) -> Workload | None:
         """The workload a process belongs to (the host's pid); None when it is none or not known (yet)."""
-        ...
 
 
 def check_labels(backend: Backend, labels: Iterable[str]) -> None:

@@ -302,7 +302,11 @@ class KubernetesBackend:
 
     def failure(self, exc: Exception) -> tuple[str, str]:
         """A failed ``List``: the gRPC status (``unavailable``...) or ``permission_denied``, and its details."""
-        return _error_kind(exc), _rpc_detail(exc)
+        code = getattr(_ask(exc, "code"), "name", None)
+        kind = code.lower() if isinstance(code, str) else type(exc).__name__
+        text = _ask(exc, "details")
+        why = text.splitlines()[0] if isinstance(text, str) and text else one_line(exc)
+        return "permission_denied" if isinstance(exc, PermissionError) else kind, why
 
     def owner(self, pid: int) -> Workload | None:
         """The container of a process (its cgroup names the pod and container; the pod listing names them)."""
@@ -319,15 +323,3 @@ def _ask(exc: BaseException, method: str) -> object:
         return fn() if callable(fn) else None
     except Exception:
         return None
-
-
-def _error_kind(exc: BaseException) -> str:
-    if isinstance(exc, PermissionError):
-        return "permission_denied"
-    name = getattr(_ask(exc, "code"), "name", None)
-    return name.lower() if isinstance(name, str) else type(exc).__name__
-
-
-def _rpc_detail(exc: BaseException) -> str:
-    text = _ask(exc, "details")
-    return text.splitlines()[0] if isinstance(text, str) and text else one_line(exc)

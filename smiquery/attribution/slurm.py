@@ -52,6 +52,7 @@ RESOURCE = "gres/gpu"
 _MINORS_EVERY = 60.0  # seconds between nvidia-smi -q -x runs while an IDX names no GPU
 _GPU_GRES_RE = re.compile(r"(?:^|,)gpu(?::[^:(),\s]+)*\(IDX:([^)]*)\)")
 _NODES_LINE_RE = re.compile(r"^\s+Nodes=(\S+)\s.*?\bGRES(?:_IDX)?=(\S*)")
+_TOP_COMMA_RE = re.compile(r",(?![^\[]*\])")  # a comma outside brackets
 _CGROUP_JOB_RE = re.compile(r"/(?:slurm[^/]*/uid_\d+|slurmstepd\.scope)/job_(\d+)(?:/|$)")
 
 
@@ -88,7 +89,7 @@ def expand_hostlist(expr: str) -> list[str]:
         ValueError: an unbalanced bracket or a bad range.
     """
     names: list[str] = []
-    for part in _split_top(expr):
+    for part in filter(None, _TOP_COMMA_RE.split(expr)):
         m = re.fullmatch(r"([^\[\]]*)\[([^\[\]]*)\](.*)", part)
         if m is None:
             if "[" in part or "]" in part:
@@ -104,19 +105,6 @@ def expand_hostlist(expr: str) -> list[str]:
                 for rest in expand_hostlist(tail) if tail else [""]:
                     names.append(f"{head}{n:0{len(lo)}d}{rest}")
     return names
-
-
-def _split_top(expr: str) -> list[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in expr:
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-            continue
-        depth += (ch == "[") - (ch == "]")
-        cur += ch
-    parts.append(cur)
-    return [p for p in parts if p]
 
 
 def gpu_indices(gres: str) -> list[int]:

@@ -1,4 +1,4 @@
-"""What the exporter says about itself: the source revision it was built from, and its process's own metrics.
+"""The source revision the exporter was built from (``revision`` in ``smiquery_build_info``).
 
 The revision is the first of: ``smiquery/_revision.py`` (``REVISION = "<commit>"``, written by a build), the commit
 pip recorded installing from a git URL, the commit checked out (read from ``.git``, no git run); else ``unknown``.
@@ -9,15 +9,10 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from prometheus_client.metrics_core import Metric
-
-__all__ = ["revision", "self_families"]
+__all__ = ["revision"]
 
 _SHA = re.compile(r"[0-9a-f]{7,64}")
 _PACKAGE = Path(__file__).resolve().parents[1]
@@ -26,10 +21,7 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 @lru_cache(maxsize=1)
 def revision() -> str:
     """The source revision smiquery was built from (a commit id), or ``unknown``."""
-    for found in (_baked(), _pip_recorded(), _git_checkout()):
-        if found:
-            return found
-    return "unknown"
+    return _baked() or _pip_recorded() or _git_checkout() or "unknown"
 
 
 def _baked() -> str | None:
@@ -78,15 +70,3 @@ def _git_checkout() -> str | None:
     except (OSError, IndexError):
         return None
     return None
-
-
-def self_families(collector: object, labels: Mapping[str, str]) -> list[Metric]:
-    """The standard ``process_*`` families of an unregistered ``ProcessCollector``, with the constant labels.
-
-    None where /proc is not there.
-    """
-    fams: list[Metric] = list(collector.collect())  # type: ignore[attr-defined]
-    if labels:
-        for fam in fams:
-            fam.samples = [s._replace(labels={**s.labels, **labels}) for s in fam.samples]
-    return fams

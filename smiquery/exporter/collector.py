@@ -14,7 +14,7 @@ from prometheus_client.metrics_core import Metric
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.attribution import check_labels
-from smiquery.exporter.build import revision, self_families
+from smiquery.exporter.build import revision
 from smiquery.exporter.detailswatch import details_health, fresh_details, mig_families
 from smiquery.exporter.families import (
     attribution_families,
@@ -45,6 +45,8 @@ from smiquery.sample import bus_key
 from smiquery.sources.latest import Latest
 
 if TYPE_CHECKING:
+    from prometheus_client.process_collector import ProcessCollector
+
     from smiquery.alerts import AlertEvaluator
     from smiquery.attribution import Attribution
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
@@ -74,21 +76,16 @@ class SmiCollector:
     renders the per-sweep text once per sweep.
 
     Args:
-        stream: a started :class:`~smiquery.source.SampleSource` (its ``interval``, when it has one, sets the
-            default ``stale_after``).
-        fields: the fields the stream queries (default: ``stream.fields``).
-        naming: ``smiquery``, ``dcgm`` or ``nvidia_smi``.
-        labels: constant labels added to every series.
-        processes: a :func:`~smiquery.exporter.poller.process_poller`, for per-process GPU memory.
+        stream: a started :class:`~smiquery.source.SampleSource`; ``fields`` defaults to its ``fields``, and its
+            ``interval`` (when it has one) sets the default ``stale_after``, ``max(3 * interval, 15)`` s.
+        processes: a :func:`~smiquery.exporter.detailswatch.process_poller`, for per-process GPU memory.
         pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, for the busiest processes per GPU.
         details: a :func:`~smiquery.exporter.detailswatch.details_poller`, for per-MIG-instance memory.
         xid: a :class:`~smiquery.sources.xid.XidWatcher`, for ``smiquery_xid_errors_total``.
-        stale_after: seconds after which the newest sweep counts as stale (default ``max(3 * interval, 15)``).
         hostname: the DCGM ``Hostname`` label (default: this host's name).
-        alerts: an :class:`~smiquery.alerts.AlertEvaluator` fed every sample (``smiquery_alert_firing``).
+        alerts: fed every sample (``smiquery_alert_firing``).
         on_gpu_change: called ``(lost, index, uuid)`` when a GPU drops out or comes back.
         on_state: called ``(up, why)`` when fresh data stops or flows again.
-        nvidia_smi_path: the binary, for ``smiquery_build_info``.
         attribution: which workload holds each GPU (:mod:`smiquery.attribution`): its series, the workload's labels
             on GPUs one workload holds, and per-workload use when its backend ties processes to workloads.
         process_metrics: also prometheus_client's standard ``process_*`` metrics of this process.
@@ -115,8 +112,8 @@ class SmiCollector:
         process_metrics: bool = False,
     ) -> None:
         self.stream = stream
-        self._process_collector: object | None = None
-        if process_metrics:
+        self._process_collector: ProcessCollector | None = None
+        if process_metrics:  # prometheus_client's standard process_* families, unregistered
             from prometheus_client.process_collector import ProcessCollector
 
             self._process_collector = ProcessCollector(registry=None)
@@ -215,7 +212,6 @@ class SmiCollector:
             drv = s.get("driver_version")
             if drv is not None and not s.gpu_lost:
                 self.driver_version = str(drv)
-        for s in sweep:
             key = s.uuid or f"index:{s.index}"
             gpu = self._gpus.get(key)
             if gpu is None:
@@ -523,8 +519,9 @@ class SmiCollector:
             out.append(one(counter("smiquery_collection_errors", doc), float(self.render_errors)))
         doc = "Time spent building this scrape's metrics."
         out.append(one(gauge("smiquery_collection_duration_seconds", doc), duration))
-        if self._process_collector is not None:
-            out += self_families(self._process_collector, self.labels)
+        for fam in self._process_collector.collect() if self._process_collector is not None else ():
+            fam.samples = [s._replace(labels={**s.labels, **self.labels}) for s in fam.samples]
+            out.append(fam)
         return out
 
     def _inputs(self, sweep: Sweep | None, age: float | None) -> tuple[Any, ...]:

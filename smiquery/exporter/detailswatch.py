@@ -1,8 +1,8 @@
-"""The details poll: ``nvidia-smi -q -x`` on its own slow cadence, in its own thread, and the MIG families.
+"""The exporter's slow polls, each in its own :class:`~smiquery.sources.latest.Latest` (a scrape reads the newest).
 
-``-q -x`` takes 0.4-6 s on big servers, so it never runs on the scrape path: :func:`details_poller` runs it every
-``interval`` seconds (60 by default) in a :class:`~smiquery.sources.latest.Latest` and a scrape reads the newest
-result. :func:`mig_families` turns that result into per-MIG-instance memory series.
+:func:`process_poller` lists the compute processes; :func:`details_poller` runs ``nvidia-smi -q -x``, which takes
+0.4-6 s on big servers, every 60 s by default, and :func:`mig_families` turns its result into per-MIG-instance
+memory series.
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from smiquery.errors import SmiqueryError
 from smiquery.exporter.families import gauge
+from smiquery.sources.apps import GpuProcess, processes
 from smiquery.sources.details import GpuDetails, details
 from smiquery.sources.latest import Latest
 from smiquery.streams.argv import normalize_gpus
@@ -32,6 +34,7 @@ __all__ = [
     "details_stale_after",
     "fresh_details",
     "mig_families",
+    "process_poller",
 ]
 
 #: Seconds between ``nvidia-smi -q -x`` runs by default (the CLI's ``--details-interval``).
@@ -45,6 +48,31 @@ MIG_METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("smiquery_mig_memory_free_bytes", "DCGM_FI_DEV_FB_FREE", "memory_free", "Framebuffer memory free"),
     ("smiquery_mig_memory_total_bytes", "DCGM_FI_DEV_FB_TOTAL", "memory_total", "Framebuffer memory"),
 )
+
+
+def process_poller(
+    interval: float = 15.0,
+    *,
+    gpus: GpusArg = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    timeout: float = 10.0,
+) -> Latest[tuple[GpuProcess, ...]]:
+    """:func:`smiquery.processes` every ``interval`` seconds in a background :class:`Latest`; scrapes read the newest.
+
+    Each poll runs nvidia-smi twice (GPU list and compute apps, ``timeout`` seconds each); a failure is counted
+    and logged, never raised.
+
+    Raises:
+        ValueError: an interval that is not positive.
+        InvalidGpuIdError: a malformed GPU id.
+    """
+    ids = normalize_gpus(gpus) or None
+    return Latest(
+        lambda: tuple(processes(gpus=ids, nvidia_smi=nvidia_smi, timeout=timeout)),
+        interval,
+        name="listing processes",
+        errors=(SmiqueryError,),
+    )
 
 
 def details_poller(

@@ -108,13 +108,11 @@ class PmonWatcher:
         stall_timeout: seconds without a pmon line before the child counts as hung.
         stale_after: seconds after which the newest instant is not served (default ``max(4 * interval, 10)``).
         retry_after: seconds between attempts after an error that needs a person.
-        user_of: pid -> user name (tests inject one).
-        make_stream: builds the pmon stream (tests inject one).
+        user_of: pid -> user name; ``make_stream``: builds the pmon stream (tests inject both).
 
     Raises:
-        ValueError: ``top`` below 1, or an interval pmon rejects.
-        NvidiaSmiNotFoundError: no usable binary.
-        InvalidGpuIdError: a malformed GPU id.
+        ValueError, NvidiaSmiNotFoundError, InvalidGpuIdError: ``top`` below 1 or an interval pmon rejects, no
+            usable binary, a malformed GPU id.
     """
 
     def __init__(
@@ -154,9 +152,8 @@ class PmonWatcher:
                 options="DT",  # a new time stamp cuts an instant even when the set of processes changes
                 nvidia_smi=nvidia_smi,
                 stall_timeout=stall_timeout,
-                retry=RetryPolicy(
-                    max_restarts=None, backoff_max=30.0, permanent_retry=None
-                ),  # raised here, logged once and opened again every retry_after by the Latest
+                # a permanent error is raised here, logged once and opened again every retry_after by the Latest
+                retry=RetryPolicy(max_restarts=None, backoff_max=30.0, permanent_retry=None),
                 on_event=self._on_event,
             )
 

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import gzip
 import logging
 import os
-import socket
 import ssl
 import threading
 import time
@@ -18,16 +16,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator
-from smiquery.errors import ListenError, PortInUseError
 from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
-from smiquery.exporter.detailswatch import details_poller
+from smiquery.exporter.detailswatch import details_poller, process_poller
 from smiquery.exporter.events import EventLog
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
-from smiquery.exporter.poller import process_poller
 from smiquery.exporter.state import parse_labels
 from smiquery.fields import resolve_fields
-from smiquery.httpd.server import HttpServer, Request, Response
+from smiquery.httpd.server import HttpServer, Request, Response, listen
 from smiquery.httpd.webconfig import WebConfig, load_web_config
 from smiquery.retry import RetryPolicy
 from smiquery.sources.xid import XidWatcher
@@ -133,49 +129,6 @@ def _tls_context(
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.load_verify_locations(cafile=str(client_ca))
     return ctx
-
-
-def _raise_fd_limit(wanted: int) -> None:
-    # Many distributions start services with a soft limit of 1024 open files; an exporter that holds up to
-    # max_connections sockets needs more. Raise the soft limit towards the hard one (never lower it).
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        if soft != resource.RLIM_INFINITY and soft < target:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ImportError, OSError, ValueError):  # pragma: no cover - not Linux, or not allowed
-        log.debug("smiquery exporter: could not raise the open-file limit", exc_info=True)
-
-
-def _make_socket(bind: str, port: int) -> socket.socket:
-    try:  # a name or an address (IPv6 in brackets or not)
-        infos = socket.getaddrinfo(bind.strip("[]"), None, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ListenError(f"cannot listen on {bind!r}: {exc.strerror}", port=0, bind=bind, option="--bind") from None
-    family = infos[0][0] if infos else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind((bind.strip("[]"), port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise PortInUseError(
-                f"port {port} on {bind} is in use; pick another with --port", port=port, bind=bind
-            ) from None
-        if exc.errno == errno.EACCES:
-            msg = f"no permission to listen on port {port} on {bind} (below 1024 needs root); pick another with --port"
-            raise ListenError(msg, port=port, bind=bind) from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            msg = f"cannot listen on {bind}: the address is not on this machine; pick another with --bind"
-            raise ListenError(msg, port=port, bind=bind, option="--bind") from None
-        raise ListenError(f"cannot listen on {bind}:{port}: {exc.strerror or exc}", port=port, bind=bind) from None
-    return sock
 
 
 class Exporter:
@@ -310,7 +263,7 @@ def serve(
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
     Returns at once; the work happens in daemon threads (one selector thread and ``workers`` HTTP workers, however
-    many clients connect). Listens on 127.0.0.1 unless ``bind`` says otherwise.
+    many clients connect).
 
     Example::
 
@@ -360,13 +313,10 @@ def serve(
             ``registry`` has them already.
 
     Raises:
-        PortInUseError: the port is taken (nvidia-smi is not started).
-        ListenError: the address cannot be listened on (not on this machine, unknown name, no permission).
-        WebConfigError: the web configuration file is unreadable or wrong.
-        InvalidFieldError: an unknown field.
-        InvalidRuleError: an alert rule that cannot be parsed.
-        InvalidGpuIdError: a malformed GPU id.
-        NvidiaSmiNotFoundError: no usable nvidia-smi.
+        PortInUseError, ListenError: the port is taken, or the address cannot be listened on (nvidia-smi is not
+            started).
+        WebConfigError, InvalidFieldError, InvalidRuleError, InvalidGpuIdError, NvidiaSmiNotFoundError: what
+            their names say.
         ValueError: a bad label, naming, interval, top_processes, details_interval, or TLS option.
         OSError, ssl.SSLError: unreadable TLS files.
     """
@@ -399,8 +349,7 @@ def serve(
     wanted = [*flds, *(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])]
     stream_fields = list(dict.fromkeys(f.name for f in wanted))
 
-    _raise_fd_limit(max_connections + 256)
-    sock = _make_socket(bind, port)  # fail on a taken port before nvidia-smi starts
+    sock = listen(bind, port)  # fail on a taken port before nvidia-smi starts
     s = poller = watcher = details = xid = collector = None
     events = EventLog()
     try:
@@ -463,15 +412,12 @@ def serve(
         http = HttpServer(
             sock,
             router,
-            ssl_context=web.ssl_context,
+            web=web,
             workers=workers,
             max_connections=max_connections,
             request_timeout=request_timeout,
             server_header="smiquery-exporter/" + __version__,
             inline=router.fast,
-            headers=web.headers,
-            peer_check=web.peer_allowed if web.allowed_sans else None,
-            auth=web if web.users else None,
         )
         # started with the stream, closed after it (in this order)
         parts = [p for p in (poller, watcher, collector, attribution, xid, details) if p is not None]

@@ -25,13 +25,17 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from smiquery._log import get_logger
+from smiquery.errors import ListenError, PortInUseError
 
-__all__ = ["Auth", "HttpServer", "Request", "Response"]
+if TYPE_CHECKING:
+    from smiquery.httpd.webconfig import WebConfig
+
+__all__ = ["HttpServer", "Request", "Response", "listen"]
 
 log = get_logger("smiquery.exporter")
 
@@ -70,16 +74,6 @@ class Response:
     body: bytes
     content_type: str = "text/plain; charset=utf-8"
     headers: dict[str, str] = field(default_factory=dict)
-
-
-class Auth(Protocol):
-    """Basic auth as :class:`~smiquery.httpd.webconfig.WebConfig` does it: a quick answer, or a slow check."""
-
-    def verdict(self, header: str | None) -> bool | None:
-        """The answer for an ``Authorization`` value (None too) when it is known without a slow check, else None."""
-
-    def authorized(self, header: str | None) -> bool:
-        """The answer, after the slow (bcrypt) check when it takes one; called on the verifier thread only."""
 
 
 _UNAUTHORIZED = Response(401, b"unauthorized\n", headers={"WWW-Authenticate": 'Basic realm="smiquery"'})
@@ -139,9 +133,8 @@ class HttpServer:
         write_timeout: seconds a client has to take one whole response.
         inline: says which requests are cheap enough to answer in the selector thread itself; the rest go to
             the workers.
-        headers: headers added to every response (``Strict-Transport-Security``...).
-        peer_check: called with each TLS connection once its handshake is done; False closes it.
-        auth: basic auth checked before ``handler`` sees a request (401 for a refusal).
+        web: TLS, allowed client certificates, response headers, and basic auth checked before ``handler`` sees a
+            request (401 for a refusal: a known credential at once, others by the verifier thread).
         auth_queue: checks waiting for or running on the verifier at most; past it a request is answered 429
             (``Retry-After: 1``) after ``shed_delay`` seconds, and its connection closed.
     """
@@ -151,7 +144,7 @@ class HttpServer:
         sock: socket.socket,
         handler: Callable[[Request], Response],
         *,
-        ssl_context: ssl.SSLContext | None = None,
+        web: WebConfig | None = None,
         workers: int = 8,
         max_connections: int = 2048,
         request_timeout: float = 10.0,
@@ -160,26 +153,23 @@ class HttpServer:
         backlog: int = 1024,
         server_header: str = "smiquery-exporter",
         inline: Callable[[Request], bool] | None = None,
-        headers: Mapping[str, str] | None = None,
-        peer_check: Callable[[ssl.SSLSocket], bool] | None = None,
-        auth: Auth | None = None,
         auth_queue: int = 16,
         shed_delay: float = 1.0,
     ) -> None:
         self.sock = sock
         self.handler = handler
-        self.ssl_context = ssl_context
+        self.ssl_context = web.ssl_context if web is not None else None
         self.max_connections = max_connections
         self.request_timeout = request_timeout
         self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
         self.server_header = server_header
         self.inline = inline
-        self.peer_check = peer_check
-        self.auth = auth
+        self.peer_check = web.peer_allowed if web is not None and web.allowed_sans else None
+        self.auth = web if web is not None and web.users else None
         self.auth_queue = auth_queue
         self.shed_delay = shed_delay
-        self._extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._extra = "".join(f"{k}: {v}\r\n" for k, v in (web.headers if web is not None else {}).items())
         self.evicted = 0
         self.timed_out = 0
         self.failures = 0  # connections closed because handling them raised (each one contained)
@@ -187,6 +177,7 @@ class HttpServer:
         self._checking = 0  # checks handed to the verifier and not yet back (the selector thread's count)
         self._throttle = _Throttle()
         self._handler_throttle = _Throttle()
+        _raise_fd_limit(max_connections + 256)
         sock.listen(backlog)
         sock.setblocking(False)
         self._sel = selectors.DefaultSelector()
@@ -208,7 +199,7 @@ class HttpServer:
         self._threads += [
             threading.Thread(target=self._work, name=f"smiquery-http-{i}", daemon=True) for i in range(workers)
         ]
-        if auth is not None:
+        if self.auth is not None:
             self._threads.append(threading.Thread(target=self._verify, name="smiquery-http-auth", daemon=True))
         for t in self._threads:
             t.start()
@@ -676,3 +667,54 @@ def _parse(head: bytes, client: str) -> tuple[Request | None, int]:
         # a scrape endpoint takes no bodies; refusing them (and closing) keeps the framing simple and safe
         return None, 413
     return Request(method, target.split("?", 1)[0], version, headers, client), 0
+
+
+def listen(bind: str, port: int, *, port_option: str = "--port", bind_option: str = "--bind") -> socket.socket:
+    """A socket bound to ``bind`` (a name or an address, IPv6 in brackets or not) and ``port``, not listening yet.
+
+    Raises:
+        PortInUseError: the port is taken.
+        ListenError: the address cannot be listened on; the message names the option to change.
+    """
+    try:
+        infos = socket.getaddrinfo(bind.strip("[]"), None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        msg = f"cannot listen on {bind!r}: {exc.strerror}"
+        raise ListenError(msg, port=0, bind=bind, option=bind_option) from None
+    family = infos[0][0] if infos else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((bind.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            msg = f"port {port} on {bind} is in use; pick another with {port_option}"
+            raise PortInUseError(msg, port=port, bind=bind, option=port_option) from None
+        if exc.errno == errno.EACCES:
+            msg = f"no permission to listen on port {port} on {bind} (below 1024 needs root)"
+            msg += f"; pick another with {port_option}"
+            raise ListenError(msg, port=port, bind=bind, option=port_option) from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            msg = f"cannot listen on {bind}: the address is not on this machine; pick another with {bind_option}"
+            raise ListenError(msg, port=port, bind=bind, option=bind_option) from None
+        msg = f"cannot listen on {bind}:{port}: {exc.strerror or exc}"
+        raise ListenError(msg, port=port, bind=bind, option=port_option) from None
+    return sock
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    # Many distributions start services with a soft limit of 1024 open files; a server that holds up to
+    # max_connections sockets needs more. Raise the soft limit towards the hard one (never lower it).
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not Linux, or not allowed
+        log.debug("smiquery: could not raise the open-file limit", exc_info=True)

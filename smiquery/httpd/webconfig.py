@@ -141,10 +141,6 @@ class WebConfig:
             self._bad.pop(key, None)
         return None
 
-    def cached(self, header: str | None) -> bool:
-        """Whether :meth:`authorized` answers ``header`` without a bcrypt check (no users, malformed, or seen)."""
-        return self.verdict(header) is not None
-
     def authorized(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header value (None: absent) passes basic auth (always True without users).
 
@@ -219,14 +215,13 @@ def _tls(tls: dict[str, Any], cfg: Path) -> tuple[ssl.SSLContext, frozenset[str]
     if tls.get("curve_preferences"):
         raise WebConfigError(cfg, "tls_server_config.curve_preferences is not supported (Python's ssl); remove it")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     for name, attr in (("min_version", "minimum_version"), ("max_version", "maximum_version")):
         if name in tls:
             version = _VERSIONS.get(str(tls[name]))
             if version is None:
                 raise WebConfigError(cfg, f"tls_server_config.{name} must be one of {', '.join(_VERSIONS)}")
             setattr(ctx, attr, version)
-        elif name == "min_version":
-            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if ctx.maximum_version != ssl.TLSVersion.MAXIMUM_SUPPORTED and ctx.maximum_version < ctx.minimum_version:
         raise WebConfigError(cfg, "tls_server_config.max_version is below min_version")
     suites = tls.get("cipher_suites")

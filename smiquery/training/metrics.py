@@ -106,30 +106,19 @@ class JobMetrics:
 
     def _serve(self, port: int, addr: str) -> None:
         """Serve /metrics with the shared HTTP server (TLS and basic auth from the web config)."""
-        from smiquery.httpd.server import HttpServer
-        from smiquery.httpd.webconfig import WebConfig, load_web_config
+        from smiquery.httpd.server import HttpServer, listen
+        from smiquery.httpd.webconfig import load_web_config
 
-        web = load_web_config(self.web_config) if self.web_config is not None else WebConfig()
-        sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((addr.strip("[]"), port))
-        except OSError as exc:
-            sock.close()
-            raise OSError(
-                exc.errno, f"cannot serve training metrics on {addr}:{port}: {exc.strerror}; pick another metrics_port"
-            ) from None
+        web = load_web_config(self.web_config) if self.web_config is not None else None
+        sock = listen(addr, port, port_option="metrics_port", bind_option="metrics_addr")
         self._port = int(sock.getsockname()[1])
         self._http = HttpServer(
             sock,
             self._answer,
-            ssl_context=web.ssl_context,
+            web=web,  # basic auth is checked by the server before _answer sees a request
             workers=2,
             max_connections=64,
             server_header="smiquery-training",
-            headers=web.headers,
-            peer_check=web.peer_allowed if web.allowed_sans else None,
-            auth=web if web.users else None,  # checked by the server before _answer sees a request
         )
 
     def _answer(self, req: Request) -> Response:

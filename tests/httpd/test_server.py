@@ -46,7 +46,7 @@ class Router:
         self.web = web
 
     def fast(self, req: Request) -> bool:
-        return self.web.cached(req.headers.get("authorization"))
+        return self.web.verdict(req.headers.get("authorization")) is not None
 
     def __call__(self, req: Request) -> Response:
         if not self.web.authorized(req.headers.get("authorization")):
@@ -66,11 +66,8 @@ def running(web: WebConfig | None = None, **kw: Any) -> Iterator[HttpServer]:
     server = HttpServer(
         sock,
         router,
-        ssl_context=web.ssl_context,
+        web=web,
         inline=router.fast,
-        headers=web.headers,
-        peer_check=web.peer_allowed if web.allowed_sans else None,
-        auth=web if web.users else None,
         **kw,
     )
     try:
@@ -567,7 +564,7 @@ def test_password_guesses_never_hold_the_workers_that_serve_a_known_credential(m
     monkeypatch.setattr(router, "fast", lambda req: False)  # like OpenMetrics: every answer is a worker's
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    server = HttpServer(sock, router, inline=router.fast, workers=2, auth=web, auth_queue=4)
+    server = HttpServer(sock, router, inline=router.fast, workers=2, web=web, auth_queue=4)
     port = port_of(server)
     answers: list[int] = []
     try:
@@ -642,7 +639,7 @@ def test_a_recent_failure_is_refused_without_another_bcrypt_check():
     t0 = time.perf_counter()
     assert not web.authorized(header)
     first = time.perf_counter() - t0
-    assert web.cached(header)  # so the selector thread answers it inline
+    assert web.verdict(header) is not None  # so the selector thread answers it inline
     t0 = time.perf_counter()
     assert not web.authorized(header)
     again = time.perf_counter() - t0
