@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from smiquery._log import get_logger
-from smiquery.errors import InvalidFieldError, NvidiaSmiFailedError, failure_from_exit
-from smiquery.fields import parse_help_query_gpu, resolve_fields
+from smiquery.errors import InvalidFieldError, NvidiaSmiFailedError
+from smiquery.fields import help_query_gpu, resolve_fields
 from smiquery.runner import default_runner, find_nvidia_smi
 from smiquery.sources.query_gpu import query
 
@@ -35,20 +35,17 @@ def supported_fields(
         NvidiaSmiTimeoutError: it did not answer in time.
     """
     binary = find_nvidia_smi(nvidia_smi)
-    argv = [binary, "--help-query-gpu"]
-    done = default_runner().run(argv, timeout)
-    if done.returncode != 0:
-        raise failure_from_exit(argv, done.returncode, done.output)
     listed: list[str] = []
     unknown = 0
-    for entry in parse_help_query_gpu(done.stdout):
+    for entry in help_query_gpu(default_runner().run, binary, timeout):
         try:
             listed.append(resolve_fields([entry.name])[0].name)
         except InvalidFieldError:
             unknown += 1  # a field newer than smiquery's catalogue: no unit or type to export it with
     listed = list(dict.fromkeys(listed))
     if not listed:
-        raise NvidiaSmiFailedError(argv, 0, done.output, "nvidia-smi --help-query-gpu listed no field smiquery knows")
+        argv = [binary, "--help-query-gpu"]
+        raise NvidiaSmiFailedError(argv, 0, "", "nvidia-smi --help-query-gpu listed no field smiquery knows")
     samples = query(listed, gpus=gpus, nvidia_smi=binary, timeout=timeout)
     keep = [name for name in listed if not samples or any(s.missing.get(name) != "not_supported" for s in samples)]
     log.info(
