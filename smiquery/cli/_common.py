@@ -64,12 +64,17 @@ def settings_of(ctx: typer.Context) -> Settings:
     return obj if isinstance(obj, Settings) else Settings()
 
 
-def seconds_option(what: str, help_text: str) -> typer.models.OptionInfo:
-    """A typer option (for ``Annotated``) that takes a duration: 5, 0.5, 250ms, 2s, 1m; ``what`` names it."""
+def seconds_option(what: str, help_text: str, *, off: bool = False) -> typer.models.OptionInfo:
+    """A typer option (for ``Annotated``) that takes a duration: 5, 0.5, 250ms, 2s, 1m; ``what`` names it.
+
+    With ``off``, ``0`` and ``off`` are 0.0.
+    """
 
     def parse(text: str | float) -> float:
         if isinstance(text, (int, float)):
             return float(text)
+        if off and text.strip().lower() in ("0", "off"):
+            return 0.0
         try:
             return parse_seconds(text, what)
         except UsageError as exc:

@@ -719,7 +719,7 @@ def _live_processes(
     leaves the table without new processes.
     """
     from smiquery.cli.gpuview import process_label
-    from smiquery.cli.ps.proc import ProcCache
+    from smiquery.cli.ps import ProcCache
     from smiquery.sources.apps import processes
     from smiquery.sources.latest import Latest
 
