@@ -256,15 +256,8 @@ def main() -> NoReturn:
     try:
         with boundary(opts.debug):
             sys.exit(run_export(opts))
-    except SystemExit:
-        raise
     except KeyboardInterrupt:
         sys.exit(ExitCode.INTERRUPTED)
-    except Exception as exc:  # typer.Exit, raised by the boundary after its one line on stderr
-        code = getattr(exc, "exit_code", None)
-        if not isinstance(code, int):
-            raise
-        sys.exit(code)
 
 
 if __name__ == "__main__":

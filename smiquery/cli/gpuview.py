@@ -232,20 +232,16 @@ def summary_line(samples: Sequence[GpuSample], marks: Sequence[str]) -> str:
 
 
 class LiveTable:
-    """The newest sample of each GPU, one line each, redrawn in place on a terminal (ANSI, no curses).
+    """The newest sample of each GPU, one line each (:func:`gpu_lines`), redrawn in place on a terminal (ANSI).
 
-    Each frame moves the cursor home and rewrites every line in one write: a title, a summary line (GPUs, busy,
-    idle, lost, mean utilization, the hottest), the GPU lines (:func:`gpu_lines`), then the footer (which GPUs are
-    shown of how many, sample age, counters, alerts). The footer is always drawn: when the terminal is too short,
-    the processes under the GPUs go first, then GPU rows scroll (:attr:`view` takes the keys: arrows, PgUp/PgDn,
-    Home/End, sort keys, ``/`` filters); GPUs in trouble (lost, stale, past a firing rule) are never left out. A GPU
-    that stopped reporting keeps its last numbers, dimmed and marked ``stale``; a lost one is marked ``LOST``.
+    A frame is a title, a summary line, the GPU lines and a footer (which GPUs are shown of how many, sample age,
+    counters, alerts) that is always drawn: on a short terminal the processes go first, then GPU rows scroll
+    (:attr:`view` takes the keys); GPUs in trouble (lost, stale, past a firing rule) are never left out. A GPU that
+    stopped reporting keeps its last numbers, dimmed and marked ``stale`` after ``stale_after`` seconds.
 
-    ``fields`` are the columns (``timestamp`` is left out: the footer shows the age). ``color`` colours cells past
-    the thresholds of the ``evaluator`` (``--alert``, also the firing list) and of the ``health`` rules (fed by
-    :meth:`update`), red firing and yellow pending, and dims missing values. Rows are marked stale after
-    ``stale_after`` seconds without a sample. ``size`` returns the terminal's (columns, lines); ``processes`` and
-    ``uuid`` start :attr:`show_processes` and :attr:`uuid` (shown whatever the width).
+    Cells past the thresholds of the ``evaluator`` (``--alert``) and of the ``health`` rules are coloured (with
+    ``color``); ``size`` returns the terminal's (columns, lines). :attr:`show_processes` lists each GPU's processes;
+    :attr:`uuid` shows the UUID at any width.
     """
 
     def __init__(
@@ -259,8 +255,6 @@ class LiveTable:
         size: Callable[[], tuple[int, int]] | None = None,
         health: AlertEvaluator | None = None,
         stale_after: float = 5.0,
-        processes: bool = False,
-        uuid: bool = False,
     ) -> None:
         self.out = out
         self.fields = tuple(f for f in fields if f.kind is not Kind.TIMESTAMP)
@@ -269,8 +263,8 @@ class LiveTable:
         self.evaluator = evaluator
         self.health = health
         self.stale_after = stale_after
-        self.show_processes = processes
-        self.uuid = uuid
+        self.show_processes = False
+        self.uuid = False
         self.view = Viewport(SORT_KEYS, "index")
         self._size = size or terminal_size
         self._rows: dict[object, GpuSample] = {}
