@@ -368,7 +368,7 @@ def _wrap_last_column(lines: Sequence[str], cols: int) -> list[str]:
 
 # The live table keeps these longest, most useful last: index, utilization, memory, power, temperature.
 _KEEP_LONGEST = ("index", "utilization.gpu", "memory.used", "power.draw", "temperature.gpu", "memory.total")
-# Short titles for a narrow terminal (the unit follows): "temp C", "used MiB".
+# Short titles for a narrow terminal (the unit follows): "temp C", "used MiB"; else the last part of the name.
 _SHORT = {
     "index": "gpu",
     "temperature.gpu": "temp",
@@ -376,12 +376,9 @@ _SHORT = {
     "utilization.gpu": "util",
     "utilization.memory": "memutil",
     "memory.used": "used",
-    "memory.total": "total",
-    "memory.free": "free",
     "power.draw": "power",
     "power.limit": "plimit",
     "fan.speed": "fan",
-    "clocks.current.sm": "sm",
     "clocks.current.memory": "memclk",
     "clocks.current.graphics": "gfxclk",
     "pci.bus_id": "bus",

@@ -45,13 +45,7 @@ _CPU_WINDOW = 0.1  # seconds between the two reads of a process's CPU time
 
 @dataclass(frozen=True)
 class ProcInfo:
-    """What /proc tells about one process; None where it cannot (another PID namespace, no permission).
-
-    Attributes:
-        user: the owner's name (or uid).
-        command: the command line.
-        cpu_percent: CPU use over a short window, in percent of one core.
-    """
+    """What /proc tells about one process (``cpu_percent``: of one core, over 0.1 s); None where it cannot."""
 
     user: str | None = None
     command: str | None = None
@@ -502,13 +496,8 @@ def run_watch(
 ) -> int:
     """Run ``ps --watch`` until ``count`` refreshes (``interval`` s apart), ``duration``, a signal or a fault.
 
-    Returns:
-        The exit code (0, 130 after Ctrl-C, 143 after SIGTERM).
-
-    Raises:
-        SmiqueryError: nvidia-smi pmon said it is unsupported, or failed before the first refresh in a way a
-            restart cannot fix (or kept failing: see :data:`~smiquery.retry.FAIL_FAST_ATTEMPTS`). Once refreshes
-            have been shown, other failures are retried under the stream's policy.
+    Returns the exit code (0, 130, 143). Raises the SmiqueryError when pmon is unsupported, or failed before the
+    first refresh in a way a restart cannot fix; later failures are retried under the stream's policy.
     """
     from smiquery.streams.pmon import stream
 

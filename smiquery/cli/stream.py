@@ -47,14 +47,11 @@ __all__ = ["EventPrinter", "XidNotes", "stream"]
 
 
 class EventPrinter:
-    """One line per restart, error, lost or returning GPU, recovery and dropped row.
+    """One line (to ``emit``) per restart, error, lost or returning GPU, recovery and dropped row.
 
-    An error and the restart it causes make one line (``restarting nvidia-smi in 0.2 s after: ...``); an
-    error that ends the stream is left to the command's error line; a row dropped just before an error (the
-    error's own message, printed where a row was expected) is not reported twice.
-
-    Args:
-        emit: where a line goes (stderr, or the live table's footer).
+    An error and the restart it causes make one line (``restarting nvidia-smi in 0.2 s after: ...``); an error that
+    ends the stream is left to the command's error line; a row dropped just before an error (the error's own
+    message, printed where a row was expected) is not reported twice.
     """
 
     def __init__(self, emit: Callable[[str], None]) -> None:
@@ -98,15 +95,10 @@ class EventPrinter:
 
 
 class XidNotes:
-    """``--kernel-log``: a sample writer that keeps each GPU's newest sample, and turns Xid events into lines.
+    """``--kernel-log``: among the stream's writers, it keeps each GPU's newest sample and turns Xids into lines.
 
-    nvidia-smi never reports Xids (a GPU that fell off the bus just stops answering); the kernel log says why. The
-    follower runs on its own thread and names the GPU from the stream's own samples (their ``pci.bus_id``), so a GPU
-    that fell off the bus is still named by the last sample it gave; lines the kernel did not write
-    (``logger 'NVRM: Xid ...'``) are not shown as Xids, a note says so at most once a minute.
-
-    It sits among the stream's writers: every sample updates the GPUs it names; closing it stops the watcher.
-    ``note`` takes each line (stderr, or the live table's footer).
+    nvidia-smi never reports Xids; the kernel log says why a GPU fell off the bus. The follower's thread names the
+    GPU by the ``pci.bus_id`` of its last sample; ``note`` takes each line. Closing it stops the watcher.
     """
 
     def __init__(self, note: Callable[[str], None]) -> None:
