@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -95,16 +95,20 @@ NvidiaSmiOpt = Annotated[
         show_default=False,
     ),
 ]
-FieldsOpt = Annotated[
-    str | None,
-    typer.Option(
+
+
+def fields_option(more: str = "") -> Any:
+    """``--fields``, its help text followed by ``more``."""
+    return typer.Option(
         "--fields",
         "-f",
         metavar="PRESET|a,b,c",
-        help=f"A preset ({', '.join(PRESETS)}) or a comma list of nvidia-smi field names. [default: default]",
+        help=f"A preset ({', '.join(PRESETS)}) or a comma list of nvidia-smi field names. [default: default]{more}",
         show_default=False,
-    ),
-]
+    )
+
+
+FieldsOpt = Annotated[str | None, fields_option()]
 GpusOpt = Annotated[
     str | None,
     typer.Option(

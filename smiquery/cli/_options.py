@@ -63,11 +63,7 @@ def parse_seconds(text: str, what: str) -> float:
 
 
 def parse_fields(spec: str | None, extra: Sequence[Field] = ()) -> tuple[Field, ...]:
-    """The fields of ``--fields`` (a preset or a comma list; None: default), then ``extra`` ones not named.
-
-    Raises:
-        UsageError: an unknown field or preset.
-    """
+    """The fields of ``--fields`` (a preset or a comma list; None: default), then ``extra`` ones not named."""
     try:
         flds = resolve_fields(spec or "default")
     except InvalidFieldError as exc:
@@ -77,11 +73,7 @@ def parse_fields(spec: str | None, extra: Sequence[Field] = ()) -> tuple[Field, 
 
 
 def parse_gpus(spec: str | None, what: str = "--gpus") -> tuple[str, ...] | None:
-    """GPU ids (indices, UUIDs or PCI bus ids, comma separated) as strings; None for all.
-
-    Raises:
-        UsageError: an id that is none of the three forms.
-    """
+    """GPU ids (indices, UUIDs or PCI bus ids, comma separated) as strings, None for all; else a UsageError."""
     from smiquery.streams.argv import normalize_gpus
 
     if spec is None:

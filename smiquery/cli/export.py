@@ -25,6 +25,11 @@ from smiquery.streams.argv import normalize_gpus
 __all__ = ["LogFormat", "Naming", "TopBy", "export"]
 
 
+def _file(help_text: str) -> Any:
+    """A typer option naming a readable file."""
+    return typer.Option(help=help_text, exists=True, dir_okay=False, readable=True)
+
+
 _EPILOG = """\b
 Endpoints: /metrics (Prometheus text), /livez (200 while the server runs:
 a liveness probe), /readyz (200 while the GPU data is fresh and every GPU
@@ -98,27 +103,12 @@ def export(
             "by pid (one series per process, with pid and user labels: every new pid is a new series).",
         ),
     ] = "name",
-    tls_cert: Annotated[
-        Path | None, typer.Option(help="PEM certificate: serve HTTPS.", exists=True, dir_okay=False, readable=True)
-    ] = None,
-    tls_key: Annotated[
-        Path | None, typer.Option(help="PEM private key of --tls-cert.", exists=True, dir_okay=False, readable=True)
-    ] = None,
-    client_ca: Annotated[
-        Path | None,
-        typer.Option(
-            help="PEM CA bundle: require client certificates signed by it.", exists=True, dir_okay=False, readable=True
-        ),
-    ] = None,
+    tls_cert: Annotated[Path | None, _file("PEM certificate: serve HTTPS.")] = None,
+    tls_key: Annotated[Path | None, _file("PEM private key of --tls-cert.")] = None,
+    client_ca: Annotated[Path | None, _file("PEM CA bundle: require client certificates signed by it.")] = None,
     web_config_file: Annotated[
         Path | None,
-        typer.Option(
-            "--web-config-file",
-            help="Prometheus exporter-toolkit web config: tls_server_config and basic_auth_users (bcrypt).",
-            exists=True,
-            dir_okay=False,
-            readable=True,
-        ),
+        _file("Prometheus exporter-toolkit web config: tls_server_config and basic_auth_users (bcrypt)."),
     ] = None,
     alert: Annotated[
         list[str] | None,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from smiquery.cli._boundary import ExitCode, boundary, cli_text, quiet_stdout, say
-from smiquery.cli._common import GpusOpt, StreamFormatOpt, app, settings_of
+from smiquery.cli._common import GpusOpt, StreamFormatOpt, app, fields_option, settings_of
 from smiquery.cli._options import (
     Settings,
     choose_format,
@@ -31,7 +31,7 @@ from smiquery.cli._options import (
 from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
 from smiquery.cli.record import open_output, recording_options, reopen_on_hup
 from smiquery.errors import KernelLogError, NoDevicesFoundError, UsageError
-from smiquery.fields import PRESETS, Field, get_field
+from smiquery.fields import Field, get_field
 from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -403,13 +403,8 @@ Examples:
 
 StreamFieldsOpt = Annotated[
     str | None,
-    typer.Option(
-        "--fields",
-        "-f",
-        metavar="PRESET|a,b,c",
-        help=f"A preset ({', '.join(PRESETS)}) or a comma list of nvidia-smi field names. [default: default] "
-        "With --replay: fields the recording holds; for a headerless (noheader) CSV log, its columns in order.",
-        show_default=False,
+    fields_option(
+        " With --replay: fields the recording holds; for a headerless (noheader) CSV log, its columns in order."
     ),
 ]
 
@@ -566,7 +561,15 @@ def stream(
         if run.live is not None and replay is None and not toggle_processes:
             run.processes = _live_processes(run.live, settings, ids, seconds)
         if on_alert:
-            run.notifier = _notifier(run, on_alert, settings)
+            from smiquery.alerts import Notifier, handler_from_spec
+
+            if run.evaluator is None:
+                raise UsageError("--on-alert needs at least one --alert rule")
+            try:
+                handlers = [handler_from_spec(spec, nvidia_smi=settings.nvidia_smi) for spec in on_alert]
+            except ValueError as exc:
+                raise UsageError(f"--on-alert: {exc}") from None
+            run.notifier = Notifier(run.evaluator, handlers)
         if ids and replay is None:
             # a live source retries "No devices were found" forever: asked once, the answer is kept
             wrong = functools.cache(lambda: unknown_gpus(ids, settings))
@@ -707,8 +710,7 @@ def _live_processes(
 ) -> Latest[dict[int, list[str]]]:
     """The poller of the live table's processes: ``--query-compute-apps`` every 2 s (or the interval if longer).
 
-    It starts with the first sweep, so that its nvidia-smi calls do not slow the stream's own start; a failed poll
-    leaves the table without new processes.
+    It is started with the first sweep (its nvidia-smi calls do not slow the stream's start).
     """
     from smiquery.cli.gpuview import process_label
     from smiquery.cli.ps import ProcCache
@@ -732,25 +734,8 @@ def _live_processes(
     return Latest(labels, every, name="listing the live table's processes", on_value=live.set_processes)
 
 
-def _notifier(run: _Run, on_alert: Sequence[str], settings: Settings) -> Notifier:
-    """The handlers of ``--on-alert``, behind the run's alert evaluator."""
-    from smiquery.alerts import Notifier, handler_from_spec
-
-    if run.evaluator is None:
-        raise UsageError("--on-alert needs at least one --alert rule")
-    try:
-        handlers = [handler_from_spec(spec, nvidia_smi=settings.nvidia_smi) for spec in on_alert]
-    except ValueError as exc:
-        raise UsageError(f"--on-alert: {exc}") from None
-    return Notifier(run.evaluator, handlers)
-
-
 def _replay_columns(path: Path, fields: str | None) -> list[str] | None:
-    """The columns of a headerless CSV log (from ``--fields``), or None for a recording that names its own.
-
-    Raises:
-        RecordingError: a headerless log and no ``--fields``.
-    """
+    """The columns of a headerless CSV log (from ``--fields``: else RecordingError), or None for one with a header."""
     from smiquery.errors import RecordingError
     from smiquery.recordings import csv_header, detect_format
 
