@@ -48,8 +48,7 @@ def exit_code_for(exc: BaseException) -> ExitCode:
     return ExitCode.ERROR
 
 
-# Library messages name Python arguments (`nvidia_smi=PATH`); a CLI user knows the options. Compiled (and cached by
-# `re`) on first use: most runs print no error, and start-up time counts.
+# Library messages name Python arguments (`nvidia_smi=PATH`); a CLI user knows the options (compiled on first use).
 _PY_ARGS = (
     (r"\bnvidia_smi=PATH\s*/\s*", ""),
     (r"\bnvidia_smi argument\b", "--nvidia-smi"),

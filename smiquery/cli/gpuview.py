@@ -381,8 +381,7 @@ class LiveTable:
         keys_help = "keys ↑↓ PgUp PgDn Home End · sort u/m/t/p/i · / filter"
         extra += wrap_parts([MISSING_LEGEND, keys_help, "Ctrl-C to stop"], cols)
         limit = lines_avail - 1 if lines_avail > 0 else 1 << 30
-        # Room for the GPU lines: the title and summary, the column titles, a blank line, the position line,
-        # the footer and the legend stay (the legend goes first on a very short terminal).
+        # Kept besides the GPU lines: title, summary, column titles, a blank, the position line, footer, legend.
         fixed = len(head) + 1 + 1 + 1 + len(footer)
         extra = extra[: max(0, min(len(extra), limit - fixed - min(3, len(matching))))]
         room = max(1, limit - fixed - len(extra))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 import select
@@ -93,7 +94,7 @@ class KeyReader:
         return self
 
     def _run(self) -> None:
-        pending = b""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")  # keeps half a character for the next read
         while not self._stop.is_set():
             try:
                 ready, _, _ = select.select([self._fd], [], [], 0.1)
@@ -104,15 +105,7 @@ class KeyReader:
                 return
             if not data:
                 return
-            pending += data
-            try:
-                text = pending.decode("utf-8")
-            except UnicodeDecodeError:
-                if len(pending) < 4:
-                    continue  # half a character
-                text = pending.decode("utf-8", "replace")
-            pending = b""
-            for key in parse_keys(text):
+            for key in parse_keys(decoder.decode(data)):
                 self.on_key(key)
 
     def __exit__(self, *exc: object) -> None:

@@ -18,15 +18,7 @@ from smiquery.cli._options import Format, Settings, choose_format, gpu_ids_check
 if TYPE_CHECKING:
     import typer
 
-__all__ = [
-    "FAST_GLOBAL",
-    "FAST_GLOBAL_FLAGS",
-    "FAST_QUERY",
-    "parse_fast_query",
-    "register",
-    "run_fast_query",
-    "run_query",
-]
+__all__ = ["FAST_GLOBAL", "FAST_GLOBAL_FLAGS", "FAST_QUERY", "parse_fast_query", "register", "run_fast_query"]
 
 #: Value options of the root, by every spelling, to the parameter they set.
 FAST_GLOBAL = {"--nvidia-smi": "nvidia_smi", "--timeout": "timeout"}

@@ -607,13 +607,20 @@ def _open_replay(
 ) -> tuple[SampleSource, tuple[Field, ...], str]:
     """``--replay``: the recording as a source, its fields, and the live table's title."""
     from smiquery.cli.analysis import check_zone
-    from smiquery.errors import ReplayError
-    from smiquery.recordings import Replay
+    from smiquery.errors import RecordingError, ReplayError
+    from smiquery.recordings import Replay, csv_header, detect_format
     from smiquery.recordings.recorder import META_SUFFIX, read_meta
 
     check_zone(tz)
     wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None
-    columns = _replay_columns(path, fields)
+    columns = None  # a header names them (and Replay reports a missing file)
+    if path.is_file() and path.stat().st_size > 0 and detect_format(path) == "csv" and not csv_header(path):
+        if fields is None:
+            raise RecordingError(
+                f"{path} has no nvidia-smi CSV header line; for a headerless (noheader) log, pass its columns "
+                "in order with --fields, e.g. --fields timestamp,index,utilization.gpu"
+            )
+        columns = [f.name for f in parse_fields(fields)]
     if wanted is None:
         # What `stream --output` recorded; else the default preset when the recording has it, else every column.
         probe = Replay(path, speed=speed, gpus=ids, loop=loop, tz=tz)
@@ -700,8 +707,7 @@ def _open_outputs(
     return _Run(source, writers, live, form == "table" and live is None, flds, evaluator, events_in_footer=in_footer)
 
 
-# Health colours the live table shows without any --alert: the built-in rules, and ECC errors the driver could not
-# correct or pages waiting to be retired (both mean the GPU needs attention now).
+# Health colours the live table shows without any --alert: the built-in rules, uncorrected ECC errors, pending pages.
 _LIVE_HEALTH = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pending == Yes")
 
 
@@ -732,18 +738,3 @@ def _live_processes(
     live.show_processes = True
     every = max(2.0, seconds)
     return Latest(labels, every, name="listing the live table's processes", on_value=live.set_processes)
-
-
-def _replay_columns(path: Path, fields: str | None) -> list[str] | None:
-    """The columns of a headerless CSV log (from ``--fields``: else RecordingError), or None for one with a header."""
-    from smiquery.errors import RecordingError
-    from smiquery.recordings import csv_header, detect_format
-
-    if not path.is_file() or path.stat().st_size == 0 or detect_format(path) != "csv" or csv_header(path):
-        return None  # Replay reports a missing file; a header names the columns
-    if fields is None:
-        raise RecordingError(
-            f"{path} has no nvidia-smi CSV header line; for a headerless (noheader) log, pass its columns "
-            "in order with --fields, e.g. --fields timestamp,index,utilization.gpu"
-        )
-    return [f.name for f in parse_fields(fields)]
