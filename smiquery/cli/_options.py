@@ -5,8 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import IO
+from typing import IO, Literal
 
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError, NoDevicesFoundError, UsageError
 from smiquery.fields import PRESETS, Field, resolve_fields
@@ -26,21 +25,10 @@ __all__ = [
 ]
 
 
-class Format(str, Enum):
-    """Output formats of one-shot commands (query, ps, fields)."""
-
-    table = "table"
-    csv = "csv"
-    jsonl = "jsonl"
-    json = "json"
-
-
-class StreamFormat(str, Enum):
-    """Output formats of ``stream`` (a stream has no end, so no JSON array)."""
-
-    table = "table"
-    csv = "csv"
-    jsonl = "jsonl"
+#: Output formats of one-shot commands (query, ps, fields).
+Format = Literal["table", "csv", "jsonl", "json"]
+#: Output formats of ``stream`` (a stream has no end, so no JSON array).
+StreamFormat = Literal["table", "csv", "jsonl"]
 
 
 @dataclass(frozen=True)
@@ -90,11 +78,9 @@ def is_tty(stream: IO[str]) -> bool:
     return bool(isatty is not None and isatty())
 
 
-def choose_format(fmt: Enum | None, out: IO[str]) -> str:
+def choose_format(fmt: str | None, out: IO[str]) -> str:
     """The ``--format`` asked for, else a table on a terminal and CSV otherwise."""
-    if fmt is not None:
-        return str(fmt.value)
-    return "table" if is_tty(out) else "csv"
+    return fmt or ("table" if is_tty(out) else "csv")
 
 
 def ranges(indices: Sequence[int]) -> str:

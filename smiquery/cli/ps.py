@@ -18,7 +18,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from enum import Enum
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any, Literal, cast
 
@@ -34,7 +33,7 @@ from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from smiquery.cli.display import Column
-    from smiquery.runner import Completed, LineSource
+    from smiquery.runner import LineSource, Runner
     from smiquery.source import StreamEvent
     from smiquery.sources.pmon import PmonRow
 
@@ -216,21 +215,15 @@ class _PmonLines:
         return line
 
 
-class _PmonRunner:
+def _pmon_runner() -> Runner:
     """The real runner, with :class:`_PmonLines` around each pmon child."""
+    from smiquery.runner import SubprocessRunner
 
-    def __init__(self) -> None:
-        from smiquery.runner import SubprocessRunner
+    class PmonRunner(SubprocessRunner):
+        def lines(self, argv: Sequence[str]) -> LineSource:  # type: ignore[override]
+            return cast("LineSource", _PmonLines(super().lines(argv)))
 
-        self._inner = SubprocessRunner()
-
-    def run(self, argv: Sequence[str], timeout: float) -> Completed:
-        """Run to completion (unchanged)."""
-        return self._inner.run(argv, timeout)
-
-    def lines(self, argv: Sequence[str]) -> LineSource:
-        """Start a child and watch its lines."""
-        return cast("LineSource", _PmonLines(self._inner.lines(argv)))
+    return PmonRunner()
 
 
 def _event_line(event: StreamEvent) -> str | None:
@@ -491,7 +484,7 @@ def run_watch(
     interval: int,
     count: int | None,
     sort: str,
-    fmt: Enum | None,
+    fmt: str | None,
     duration: float | None = None,
 ) -> int:
     """Run ``ps --watch`` until ``count`` refreshes (``interval`` s apart), ``duration``, a signal or a fault.
@@ -516,7 +509,7 @@ def run_watch(
             # interactive: a fault before the first refresh ends the command with its typed error
             retry=RetryPolicy(fail_fast=True),
             on_event=lambda ev: items.put(SourceEvent(ev)),
-            runner=_PmonRunner(),
+            runner=_pmon_runner(),
         )
         for group in _gpu_groups(ids, settings)
     ]

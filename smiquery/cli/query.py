@@ -10,7 +10,7 @@ fully understands goes straight to :func:`run_query`; anything else goes through
 
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast, get_args
 
 from smiquery.cli._boundary import boundary, warnings_as_lines
 from smiquery.cli._options import Format, Settings, choose_format, gpu_ids_checked, parse_fields, parse_gpus
@@ -34,7 +34,7 @@ FAST_QUERY = {
     "--format": "fmt",
     "-F": "fmt",
 }
-_FORMATS = ("table", "csv", "jsonl", "json")
+_FORMATS = get_args(Format)
 
 
 def run_query(settings: Settings, fields: str | None, gpus: str | None, fmt: Format | None) -> None:
@@ -108,8 +108,7 @@ def run_fast_query(opts: dict[str, str | bool]) -> int:
 
     timeout = text("timeout")
     settings = Settings(text("nvidia_smi"), float(timeout) if timeout else Settings().timeout, bool(opts.get("debug")))
-    fmt = text("fmt")
-    run_query(settings, text("fields"), text("gpus"), Format(fmt) if fmt else None)
+    run_query(settings, text("fields"), text("gpus"), cast("Format | None", text("fmt")))  # one of _FORMATS
     return 0
 
 

@@ -542,9 +542,7 @@ def stream(
             source, flds, title = _open_replay(replay, fields, rule_fields, ids, speed=speed, loop=loop, tz=tz)
         else:
             source, flds, title = _open_live(settings, fields, rule_fields, ids, seconds)
-        run = _open_outputs(
-            source, flds, fmt.value if fmt is not None else None, title, rules, stale_after=max(5.0, 3 * seconds)
-        )
+        run = _open_outputs(source, flds, fmt, title, rules, stale_after=max(5.0, 3 * seconds))
         run.exit_on_alert = exit_on_alert
         if output is not None:
             run.writers.insert(0, open_output(output, flds, record, run.note, [str(r) for r in rules]))
@@ -689,7 +687,7 @@ def _open_outputs(
     from smiquery.recordings import CsvWriter, JsonlWriter
 
     out = sys.stdout
-    form = fmt or choose_format(None, out)
+    form = choose_format(fmt, out)
     writers: list[SampleWriter] = []
     live: LiveTable | None = None
     evaluator = AlertEvaluator(rules) if rules else None
