@@ -95,11 +95,10 @@ def ranges(indices: Sequence[int]) -> str:
 
 
 def unknown_gpus(ids: Sequence[str] | None, settings: Settings) -> UsageError | None:
-    """A usage error naming the requested GPUs this machine lacks, or None when they all exist.
+    """After "No devices were found" for ``ids``: the usage error naming those this machine lacks, else None.
 
-    Called after nvidia-smi said "No devices were found" for an ``-i`` list: one cheap listing of the GPUs
-    (``--query-gpu=index,uuid``) tells a wrong id (a usage error) from a machine without GPUs. None too when
-    the listing fails, or for PCI bus ids (nvidia-smi's own message covers their several spellings).
+    One cheap listing (``--query-gpu=index,uuid``) tells a wrong id from a machine without GPUs. None too when the
+    listing fails, or for PCI bus ids (nvidia-smi's own message covers their several spellings).
     """
     from smiquery.errors import SmiqueryError
     from smiquery.sources.query_gpu import query

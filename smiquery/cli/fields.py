@@ -103,11 +103,8 @@ def fields_cmd(
             Column("help"),
         ]
         text = render(records, form, columns=columns, color=use_color(sys.stdout), width=terminal_width(sys.stdout))
-        if table:
-            for r in records:
-                del r["shown"]
-            if driver is not None:
-                lacking = sum(1 for r in records if not r.get("supported"))
-                text += f"\n{lacking} of {len(records)} listed fields are not supported by this driver\n"
+        if table and driver is not None:
+            lacking = sum(1 for r in records if not r.get("supported"))
+            text += f"\n{lacking} of {len(records)} listed fields are not supported by this driver\n"
         sys.stdout.write(text)
         sys.stdout.flush()
