@@ -131,8 +131,7 @@ class ProcCache:
 
     def keep(self, pids: set[tuple[int, str | None]]) -> None:
         """Forget processes no longer listed (their pids may be reused)."""
-        for key in [k for k in self._known if k not in pids]:
-            del self._known[key]
+        self._known = {k: info for k, info in self._known.items() if k in pids}
 
 
 _MAX_GPUS = 4  # nvidia-smi pmon watches at most four devices

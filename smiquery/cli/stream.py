@@ -319,8 +319,7 @@ class _Run:
         elif self.static_table:
             from smiquery.cli.display import sample_table, use_color
 
-            lines = [*sample_table(list(sweep), self.fields, color=use_color(sys.stdout)), ""]
-            sys.stdout.write("".join(line + "\n" for line in lines))
+            sys.stdout.write("\n".join(sample_table(list(sweep), self.fields, color=use_color(sys.stdout))) + "\n\n")
             sys.stdout.flush()
         return fired
 
