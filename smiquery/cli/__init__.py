@@ -1,24 +1,8 @@
 """The ``smiquery`` command line: stream, query, ps, fields, doctor, export, plot and report.
 
-One module per command; commands stay thin (validate options, call the library, render). Errors are caught
-only at the one boundary (:mod:`smiquery.cli._boundary`) and printed as one line on stderr
-(``smiquery: error: ...``) that says what to do; ``--debug`` adds the traceback. Exit codes are
-:class:`ExitCode`:
-
-====  ===========================================================================================
-0     ok
-1     any other error
-2     usage: a bad option, field, GPU id, interval, duration or alert expression
-3     nvidia-smi not found (or not executable)
-4     driver problem: not loaded, NVML library missing, driver/library mismatch, no GPU, GPU lost,
-      insufficient permissions
-5     nvidia-smi timed out (hung)
-6     an alert fired and ``--exit-on-alert`` was given (``report``: a finding at ``--fail-on``)
-130   interrupted by Ctrl-C (SIGINT); 143 for SIGTERM
-====  ===========================================================================================
-
-``doctor`` exits with the code of its first failure, 1 for a warning, else 0; ``doctor --gate`` ignores
-warnings. A closed output pipe (``smiquery stream | head``) ends a stream quietly with 0.
+One module per command; commands stay thin (validate options, call the library, render). Errors are caught only at
+the one boundary (:mod:`smiquery.cli._boundary`) and printed as one line on stderr that says what to do
+(``--debug`` adds the traceback); the exit codes are :class:`ExitCode`, listed in ``smiquery --help``.
 """
 
 from __future__ import annotations
@@ -47,11 +31,10 @@ def _command_rank(info: Any) -> int:
 def _load_app() -> Any:
     """The typer app with every command registered (imported on first use: the fast path needs none of it)."""
     from smiquery.cli import details as _details  # noqa: F401
-    from smiquery.cli import doctor, export, fields, stream  # noqa: F401  (@app.command registers them)
+    from smiquery.cli import doctor, export, fields, ps, stream  # noqa: F401  (@app.command registers them)
     from smiquery.cli import top as _top  # noqa: F401
     from smiquery.cli._common import app
     from smiquery.cli.analysis import register as register_analysis
-    from smiquery.cli.ps import command  # noqa: F401
     from smiquery.cli.query import register as register_query
 
     register_query(app)

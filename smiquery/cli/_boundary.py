@@ -10,12 +10,11 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from enum import IntEnum
-from typing import NoReturn
 
 from smiquery.errors import ParseError, SmiqueryError
 from smiquery.printable import printable
 
-__all__ = ["ExitCode", "boundary", "cli_text", "exit_code_for", "fail", "quiet_stdout", "say", "warnings_as_lines"]
+__all__ = ["ExitCode", "boundary", "cli_text", "exit_code_for", "quiet_stdout", "say", "warnings_as_lines"]
 
 
 class ExitCode(IntEnum):
@@ -38,12 +37,6 @@ def _typer_class(name: str) -> tuple[type[BaseException], ...]:
     return (getattr(typer, name),) if typer is not None else ()
 
 
-def _exit(code: int) -> BaseException:
-    import typer
-
-    return typer.Exit(int(code))
-
-
 def exit_code_for(exc: BaseException) -> ExitCode:
     """The documented exit code for the error that ended a command (an error's own ``exit_status``)."""
     if isinstance(exc, KeyboardInterrupt):
@@ -55,8 +48,7 @@ def exit_code_for(exc: BaseException) -> ExitCode:
     return ExitCode.ERROR
 
 
-# Library messages name Python arguments (`nvidia_smi=PATH`); a CLI user knows the options. Compiled (and cached by
-# `re`) on first use: most runs print no error, and start-up time counts.
+# Library messages name Python arguments (`nvidia_smi=PATH`); a CLI user knows the options (compiled on first use).
 _PY_ARGS = (
     (r"\bnvidia_smi=PATH\s*/\s*", ""),
     (r"\bnvidia_smi argument\b", "--nvidia-smi"),
@@ -121,41 +113,37 @@ def quiet_stdout() -> None:
         os.close(devnull)
 
 
-def fail(exc: BaseException, debug: bool) -> NoReturn:
-    """Print ``exc`` as one line on stderr (its traceback first with ``debug``); raise ``typer.Exit`` with its code."""
-    if debug:
-        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-    code = exit_code_for(exc)
-    kind = "usage error" if code == ExitCode.USAGE else "error"
-    if isinstance(exc, _typer_class("BadParameter")):
-        # "Invalid value for '--x': ..." names the option; without one, the message alone says it
-        named = getattr(exc, "param_hint", None) is not None or getattr(exc, "param", None) is not None
-        message = cli_text(exc.format_message() if named else getattr(exc, "message", str(exc)))  # type: ignore[attr-defined]
-    else:
-        message = cli_text(str(exc)) or type(exc).__name__
-    if isinstance(exc, ParseError):
-        message += "; nvidia-smi printed output that does not fit the fields: run `smiquery doctor`"
-    expected: tuple[type[BaseException], ...] = (SmiqueryError, *_typer_class("BadParameter"))
-    expected += (ImportError, OSError)
-    if not isinstance(exc, expected):
-        message = f"unexpected {type(exc).__name__}: {message} (run with --debug for the traceback)"
-    say(f"smiquery: {kind}: {message}")
-    raise _exit(code)
-
-
 @contextlib.contextmanager
 def boundary(debug: bool = False) -> Iterator[None]:
-    """The one place where errors raised inside (a command's body) become one line on stderr and an exit code."""
+    """The one place where errors raised inside (a command's body) become one line on stderr and an exit code.
+
+    With ``debug`` the traceback comes first.
+    """
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)
             yield
     except KeyboardInterrupt:
-        raise _exit(ExitCode.INTERRUPTED) from None
+        raise SystemExit(int(ExitCode.INTERRUPTED)) from None
     except BrokenPipeError:
         quiet_stdout()
-        raise _exit(ExitCode.OK) from None
+        raise SystemExit(0) from None
     except Exception as exc:
         if isinstance(exc, _typer_class("Exit")):
             raise
-        fail(exc, debug)
+        if debug:
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        code = exit_code_for(exc)
+        bad_parameter = _typer_class("BadParameter")
+        if isinstance(exc, bad_parameter):
+            # "Invalid value for '--x': ..." names the option; without one, the message alone says it
+            named = getattr(exc, "param_hint", None) is not None or getattr(exc, "param", None) is not None
+            message = cli_text(exc.format_message() if named else getattr(exc, "message", str(exc)))  # type: ignore[attr-defined]
+        else:
+            message = cli_text(str(exc)) or type(exc).__name__
+        if isinstance(exc, ParseError):
+            message += "; nvidia-smi printed output that does not fit the fields: run `smiquery doctor`"
+        if not isinstance(exc, (SmiqueryError, ImportError, OSError, *bad_parameter)):
+            message = f"unexpected {type(exc).__name__}: {message} (run with --debug for the traceback)"
+        say(f"smiquery: {'usage error' if code == ExitCode.USAGE else 'error'}: {message}")
+        raise SystemExit(int(code)) from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -64,12 +64,17 @@ def settings_of(ctx: typer.Context) -> Settings:
     return obj if isinstance(obj, Settings) else Settings()
 
 
-def seconds_option(what: str, help_text: str) -> typer.models.OptionInfo:
-    """A typer option (for ``Annotated``) that takes a duration: 5, 0.5, 250ms, 2s, 1m; ``what`` names it."""
+def seconds_option(what: str, help_text: str, *, off: bool = False) -> typer.models.OptionInfo:
+    """A typer option (for ``Annotated``) that takes a duration: 5, 0.5, 250ms, 2s, 1m; ``what`` names it.
+
+    With ``off``, ``0`` and ``off`` are 0.0.
+    """
 
     def parse(text: str | float) -> float:
         if isinstance(text, (int, float)):
             return float(text)
+        if off and text.strip().lower() in ("0", "off"):
+            return 0.0
         try:
             return parse_seconds(text, what)
         except UsageError as exc:
@@ -90,16 +95,20 @@ NvidiaSmiOpt = Annotated[
         show_default=False,
     ),
 ]
-FieldsOpt = Annotated[
-    str | None,
-    typer.Option(
+
+
+def fields_option(more: str = "") -> Any:
+    """``--fields``, its help text followed by ``more``."""
+    return typer.Option(
         "--fields",
         "-f",
         metavar="PRESET|a,b,c",
-        help=f"A preset ({', '.join(PRESETS)}) or a comma list of nvidia-smi field names. [default: default]",
+        help=f"A preset ({', '.join(PRESETS)}) or a comma list of nvidia-smi field names. [default: default]{more}",
         show_default=False,
-    ),
-]
+    )
+
+
+FieldsOpt = Annotated[str | None, fields_option()]
 GpusOpt = Annotated[
     str | None,
     typer.Option(

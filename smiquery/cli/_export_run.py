@@ -26,23 +26,10 @@ if TYPE_CHECKING:
     from smiquery.attribution import Attribution
     from smiquery.exporter import Exporter
 
-__all__ = [
-    "EXEC_ENV",
-    "HANDOFF_ENV",
-    "MODULES_ENV",
-    "ExportOptions",
-    "LogFormat",
-    "Naming",
-    "TopBy",
-    "hand_off",
-    "main",
-    "process_entry",
-    "run_export",
-]
+__all__ = ["MODULES_ENV", "ExportOptions", "LogFormat", "Naming", "TopBy", "hand_off", "process_entry", "run_export"]
 
-# The exporter's own choices (smiquery.exporter.naming.Naming, smiquery.exporter.events.LogFormat). Spelled here
-# because importing the exporter needs prometheus_client, which `smiquery --help` must not; mypy checks that
-# these are the values `serve` and `configure_logging` take, tests/cli/test_export.py that they are all of them.
+# The exporter's own choices, spelled here: the exporter needs prometheus_client, which `smiquery --help` must not
+# import (mypy checks them against `serve` and `configure_logging`, tests/cli/test_export.py that they are all).
 Naming = Literal["smiquery", "dcgm", "nvidia_smi"]
 LogFormat = Literal["text", "json"]
 TopBy = Literal["name", "pid"]
@@ -256,15 +243,8 @@ def main() -> NoReturn:
     try:
         with boundary(opts.debug):
             sys.exit(run_export(opts))
-    except SystemExit:
-        raise
     except KeyboardInterrupt:
         sys.exit(ExitCode.INTERRUPTED)
-    except Exception as exc:  # typer.Exit, raised by the boundary after its one line on stderr
-        code = getattr(exc, "exit_code", None)
-        if not isinstance(code, int):
-            raise
-        sys.exit(code)
 
 
 if __name__ == "__main__":

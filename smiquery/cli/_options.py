@@ -5,8 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import IO
+from typing import IO, Literal
 
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError, NoDevicesFoundError, UsageError
 from smiquery.fields import PRESETS, Field, resolve_fields
@@ -26,21 +25,10 @@ __all__ = [
 ]
 
 
-class Format(str, Enum):
-    """Output formats of one-shot commands (query, ps, fields)."""
-
-    table = "table"
-    csv = "csv"
-    jsonl = "jsonl"
-    json = "json"
-
-
-class StreamFormat(str, Enum):
-    """Output formats of ``stream`` (a stream has no end, so no JSON array)."""
-
-    table = "table"
-    csv = "csv"
-    jsonl = "jsonl"
+#: Output formats of one-shot commands (query, ps, fields).
+Format = Literal["table", "csv", "jsonl", "json"]
+#: Output formats of ``stream`` (a stream has no end, so no JSON array).
+StreamFormat = Literal["table", "csv", "jsonl"]
 
 
 @dataclass(frozen=True)
@@ -63,11 +51,7 @@ def parse_seconds(text: str, what: str) -> float:
 
 
 def parse_fields(spec: str | None, extra: Sequence[Field] = ()) -> tuple[Field, ...]:
-    """The fields of ``--fields`` (a preset or a comma list; None: default), then ``extra`` ones not named.
-
-    Raises:
-        UsageError: an unknown field or preset.
-    """
+    """The fields of ``--fields`` (a preset or a comma list; None: default), then ``extra`` ones not named."""
     try:
         flds = resolve_fields(spec or "default")
     except InvalidFieldError as exc:
@@ -77,11 +61,7 @@ def parse_fields(spec: str | None, extra: Sequence[Field] = ()) -> tuple[Field, 
 
 
 def parse_gpus(spec: str | None, what: str = "--gpus") -> tuple[str, ...] | None:
-    """GPU ids (indices, UUIDs or PCI bus ids, comma separated) as strings; None for all.
-
-    Raises:
-        UsageError: an id that is none of the three forms.
-    """
+    """GPU ids (indices, UUIDs or PCI bus ids, comma separated) as strings, None for all; else a UsageError."""
     from smiquery.streams.argv import normalize_gpus
 
     if spec is None:
@@ -98,11 +78,9 @@ def is_tty(stream: IO[str]) -> bool:
     return bool(isatty is not None and isatty())
 
 
-def choose_format(fmt: Enum | None, out: IO[str]) -> str:
+def choose_format(fmt: str | None, out: IO[str]) -> str:
     """The ``--format`` asked for, else a table on a terminal and CSV otherwise."""
-    if fmt is not None:
-        return str(fmt.value)
-    return "table" if is_tty(out) else "csv"
+    return fmt or ("table" if is_tty(out) else "csv")
 
 
 def ranges(indices: Sequence[int]) -> str:
@@ -117,11 +95,10 @@ def ranges(indices: Sequence[int]) -> str:
 
 
 def unknown_gpus(ids: Sequence[str] | None, settings: Settings) -> UsageError | None:
-    """A usage error naming the requested GPUs this machine lacks, or None when they all exist.
+    """After "No devices were found" for ``ids``: the usage error naming those this machine lacks, else None.
 
-    Called after nvidia-smi said "No devices were found" for an ``-i`` list: one cheap listing of the GPUs
-    (``--query-gpu=index,uuid``) tells a wrong id (a usage error) from a machine without GPUs. None too when
-    the listing fails, or for PCI bus ids (nvidia-smi's own message covers their several spellings).
+    One cheap listing (``--query-gpu=index,uuid``) tells a wrong id from a machine without GPUs. None too when the
+    listing fails, or for PCI bus ids (nvidia-smi's own message covers their several spellings).
     """
     from smiquery.errors import SmiqueryError
     from smiquery.sources.query_gpu import query

@@ -23,13 +23,11 @@ from smiquery.sources.query_gpu import format_row, header_line
 
 __all__ = [
     "MISSING_LEGEND",
-    "MISSING_MARKS",
     "UNKNOWN_USER",
     "Column",
     "clip",
     "display_value",
     "drop_order",
-    "fit_samples",
     "frame_text",
     "hidden_note",
     "mark_style",
@@ -42,13 +40,11 @@ __all__ = [
     "terminal_size",
     "terminal_width",
     "use_color",
-    "visible_len",
-    "wrap_last_column",
     "wrap_parts",
 ]
 
 #: How a missing value shows in a table, by reason (anything else shows as ``n/a``). Never blank, never 0.
-MISSING_MARKS: dict[str, str] = {
+_MISSING_MARKS: dict[str, str] = {
     "not_available": "n/a",
     "not_supported": "n/s",
     "gpu_lost": "LOST",
@@ -75,10 +71,8 @@ _ERROR_REASONS = frozenset({"gpu_lost", "gpu_requires_reset", "unknown_error"})
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 CellState = Literal["firing", "pending", "ok"]
-# Narrow tables leave out the identity columns first, in this order ...
+# Narrow tables leave out the identity columns first, in this order (then see drop_order).
 _IDENTITY = ("uuid", "pci.bus_id", "serial", "vbios_version", "driver_version")
-# ... and keep these the longest, most useful last: index, utilization, memory, power, temperature.
-_KEEP_LONGEST = ("index", "utilization.gpu", "memory.used", "power.draw", "temperature.gpu", "memory.total")
 
 
 def use_color(stream: IO[str]) -> bool:
@@ -98,21 +92,21 @@ def display_value(fld: Field, value: Value, reason: str | None = None) -> str:
 
     Decimals are rounded to the unit's precision (watts: two, as nvidia-smi prints them).
     """
-    return fld.display(value, missing=MISSING_MARKS.get(reason or "not_available", "n/a"))
+    return fld.display(value, missing=_MISSING_MARKS.get(reason or "not_available", "n/a"))
 
 
 def _title(fld: Field) -> str:
     return f"{fld.name} [{fld.unit}]" if fld.unit else fld.name
 
 
-def visible_len(text: str) -> int:
+def _visible_len(text: str) -> int:
     """The length of ``text`` on a terminal (colour codes take no room)."""
     return len(_ANSI_RE.sub("", text))
 
 
 def clip(line: str, width: int) -> str:
     """Cut a line to ``width`` visible characters, keeping (and closing) its colour codes."""
-    if width <= 0 or visible_len(line) <= width:
+    if width <= 0 or _visible_len(line) <= width:
         return line
     out: list[str] = []
     shown = 0
@@ -194,32 +188,49 @@ def sample_table(
 ) -> list[str]:
     """A static table of samples: one row per sample, units in the titles, missing values marked.
 
-    With a ``width`` (a terminal's), it is fitted (:func:`fit_samples`) and ends with a line naming the fields
-    left out.
+    With a ``width`` (a terminal's) it is fitted: full titles, else short ones (``temp C``), else fields are left
+    out (:func:`drop_order`) and a last line names them.
     """
     if fields is None:
         fields = tuple(get_field(n) for n in samples[0].fields) if samples else ()
-    if width > 0:
-        lines, hidden = fit_samples(samples, fields, width, color=color)
-        return lines + hidden_note(hidden, width)
+    if width > 0 and not samples:
+        return []
     rows, styles = sample_rows(samples, fields)
-    return render_table(
-        rows, [_title(f) for f in fields], right=[f.kind.is_numeric for f in fields], styles=styles, color=color
-    )
+
+    def table(keep: Sequence[int], short: bool) -> list[str]:
+        return render_table(
+            [[r[i] for i in keep] for r in rows],
+            [_short_title(fields[i]) if short else _title(fields[i]) for i in keep],
+            right=[fields[i].kind.is_numeric for i in keep],
+            styles=[[st[i] for i in keep] for st in styles],
+            color=color,
+        )
+
+    def fits(lines: Sequence[str]) -> bool:
+        return max(_visible_len(x) for x in lines) <= width
+
+    keep = list(range(len(fields)))
+    lines = table(keep, False)
+    if width <= 0 or fits(lines):
+        return lines
+    lines = table(keep, True)
+    hidden: list[str] = []
+    names = [f.name for f in fields]
+    for name in drop_order(names, early=("name",)):
+        if fits(lines) or len(keep) <= 1:
+            break
+        keep.remove(names.index(name))
+        hidden.append(name)
+        lines = table(keep, True)
+    return lines + hidden_note(hidden, width)
 
 
 @dataclass(frozen=True)
 class Column:
     """One column of plain records (not samples) for :func:`render`.
 
-    Attributes:
-        key: the record key.
-        title: the column title.
-        unit: the unit, shown in titles (``[MiB]``) and after CSV values.
-        right: right-align in tables (numbers).
-        style: a cell's style name (``"firing"``, ``"missing"``, ...) from its value, for coloured tables.
-        table_text: how a table shows a present value (default ``str``).
-        missing: how a table shows a missing value.
+    ``unit`` shows in titles and after CSV values; in tables, ``style`` names a cell's style from its value and
+    ``table_text`` says how a present value shows (default ``str``).
     """
 
     key: str
@@ -272,6 +283,8 @@ def render(
     """
     if fmt not in ("table", "csv", "jsonl", "json"):
         raise ValueError(f"unknown format {fmt!r}; use table, csv, jsonl or json")
+    if fmt == "table" and not records and empty:
+        return empty + "\n"
     if columns is None:
         samples: list[GpuSample] = list(records)  # type: ignore[arg-type]
         if fields is None:
@@ -282,8 +295,6 @@ def render(
             return "".join(json.dumps(sample_to_json(s), separators=(", ", ": ")) + "\n" for s in samples)
         if fmt == "csv":
             return "".join([header_line(fields) + "\n", *(format_row(s, fields, units=True) + "\n" for s in samples)])
-        if not samples and empty:
-            return empty + "\n"
         return "".join(line + "\n" for line in sample_table(samples, fields, color=color, width=width))
     plain: Sequence[Mapping[str, Any]] = records
     if fmt == "json":
@@ -294,8 +305,6 @@ def render(
         lines = [", ".join(c.heading for c in columns)]
         lines += [", ".join(_csv_cell(r.get(c.key), c.unit) for c in columns) for r in plain]
         return "".join(line + "\n" for line in lines)
-    if not plain and empty:
-        return empty + "\n"
     rows: list[list[str]] = []
     styles: list[list[str | None]] = []
     for r in plain:
@@ -314,49 +323,9 @@ def render(
         styles.append(style)
     titles, right = [c.heading for c in columns], [c.right for c in columns]
     lines = render_table(rows, titles, right=right, styles=styles, color=color)
-    if width > 0 and any(visible_len(x) > width for x in lines):  # wrapped as plain text: no colour then
-        lines = wrap_last_column(render_table(rows, titles, right=right), width)
+    if width > 0 and any(_visible_len(x) > width for x in lines):  # wrapped as plain text: no colour then
+        lines = _wrap_last_column(render_table(rows, titles, right=right), width)
     return "".join(line + "\n" for line in lines)
-
-
-def fit_samples(
-    samples: Sequence[GpuSample], fields: Sequence[Field], cols: int, *, color: bool = False
-) -> tuple[list[str], list[str]]:
-    """A table of samples that fits ``cols`` columns (0: any width), and the names of the fields left out.
-
-    Full titles first; then short titles (``temp C``); then fields are left out (:func:`drop_order`).
-    """
-    if not samples:
-        return [], []
-    rows, styles = sample_rows(samples, fields)
-
-    def table(keep: Sequence[int], short: bool) -> list[str]:
-        return render_table(
-            [[r[i] for i in keep] for r in rows],
-            [_short_title(fields[i]) if short else _title(fields[i]) for i in keep],
-            right=[fields[i].kind.is_numeric for i in keep],
-            styles=[[st[i] for i in keep] for st in styles],
-            color=color,
-        )
-
-    keep = list(range(len(fields)))
-    lines = table(keep, False)
-
-    def fits(lines: Sequence[str]) -> bool:
-        return max(visible_len(x) for x in lines) <= cols
-
-    if cols <= 0 or fits(lines):
-        return lines, []
-    lines = table(keep, True)
-    hidden: list[str] = []
-    names = [f.name for f in fields]
-    for name in drop_order(names, early=("name",)):
-        if fits(lines) or len(keep) <= 1:
-            break
-        keep.remove(names.index(name))
-        hidden.append(name)
-        lines = table(keep, True)
-    return lines, hidden
 
 
 def hidden_note(hidden: Sequence[str], cols: int) -> list[str]:
@@ -367,7 +336,7 @@ def hidden_note(hidden: Sequence[str], cols: int) -> list[str]:
     return wrap_parts(words, cols, sep=" ")
 
 
-def wrap_last_column(lines: Sequence[str], cols: int) -> list[str]:
+def _wrap_last_column(lines: Sequence[str], cols: int) -> list[str]:
     """Table lines with the text of their last column wrapped so that none is wider than ``cols``.
 
     The text wraps under its own column; when that column would be narrower than 30, it goes on the lines below
@@ -399,7 +368,7 @@ def wrap_last_column(lines: Sequence[str], cols: int) -> list[str]:
 
 # The live table keeps these longest, most useful last: index, utilization, memory, power, temperature.
 _KEEP_LONGEST = ("index", "utilization.gpu", "memory.used", "power.draw", "temperature.gpu", "memory.total")
-# Short titles for a narrow terminal (the unit follows): "temp C", "used MiB".
+# Short titles for a narrow terminal (the unit follows): "temp C", "used MiB"; else the last part of the name.
 _SHORT = {
     "index": "gpu",
     "temperature.gpu": "temp",
@@ -407,12 +376,9 @@ _SHORT = {
     "utilization.gpu": "util",
     "utilization.memory": "memutil",
     "memory.used": "used",
-    "memory.total": "total",
-    "memory.free": "free",
     "power.draw": "power",
     "power.limit": "plimit",
     "fan.speed": "fan",
-    "clocks.current.sm": "sm",
     "clocks.current.memory": "memclk",
     "clocks.current.graphics": "gfxclk",
     "pci.bus_id": "bus",
@@ -444,7 +410,7 @@ def wrap_parts(parts: Sequence[str], cols: int, sep: str = " · ") -> list[str]:
     current = ""
     for part in parts:
         joined = f"{current}{sep}{part}" if current else part
-        if current and cols > 0 and visible_len(joined) > cols:
+        if current and cols > 0 and _visible_len(joined) > cols:
             lines.append(current)
             current = part
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -25,18 +25,9 @@ from smiquery.streams.argv import normalize_gpus
 __all__ = ["LogFormat", "Naming", "TopBy", "export"]
 
 
-def _duration_or_off(name: str, help_text: str) -> typer.models.OptionInfo:
-    option = seconds_option(name, help_text)
-    seconds = option.parser
-    assert seconds is not None
-
-    def parse(text: str | float) -> float:
-        if isinstance(text, str) and text.strip().lower() in ("0", "off"):
-            return 0.0
-        return float(seconds(text))  # type: ignore[arg-type]  # typer passes text or the default
-
-    option.parser = parse
-    return option
+def _file(help_text: str) -> Any:
+    """A typer option naming a readable file."""
+    return typer.Option(help=help_text, exists=True, dir_okay=False, readable=True)
 
 
 _EPILOG = """\b
@@ -112,27 +103,12 @@ def export(
             "by pid (one series per process, with pid and user labels: every new pid is a new series).",
         ),
     ] = "name",
-    tls_cert: Annotated[
-        Path | None, typer.Option(help="PEM certificate: serve HTTPS.", exists=True, dir_okay=False, readable=True)
-    ] = None,
-    tls_key: Annotated[
-        Path | None, typer.Option(help="PEM private key of --tls-cert.", exists=True, dir_okay=False, readable=True)
-    ] = None,
-    client_ca: Annotated[
-        Path | None,
-        typer.Option(
-            help="PEM CA bundle: require client certificates signed by it.", exists=True, dir_okay=False, readable=True
-        ),
-    ] = None,
+    tls_cert: Annotated[Path | None, _file("PEM certificate: serve HTTPS.")] = None,
+    tls_key: Annotated[Path | None, _file("PEM private key of --tls-cert.")] = None,
+    client_ca: Annotated[Path | None, _file("PEM CA bundle: require client certificates signed by it.")] = None,
     web_config_file: Annotated[
         Path | None,
-        typer.Option(
-            "--web-config-file",
-            help="Prometheus exporter-toolkit web config: tls_server_config and basic_auth_users (bcrypt).",
-            exists=True,
-            dir_okay=False,
-            readable=True,
-        ),
+        _file("Prometheus exporter-toolkit web config: tls_server_config and basic_auth_users (bcrypt)."),
     ] = None,
     alert: Annotated[
         list[str] | None,
@@ -208,10 +184,11 @@ def export(
     ] = None,
     details_interval: Annotated[
         float,
-        _duration_or_off(
+        seconds_option(
             "--details-interval",
             "Seconds between nvidia-smi -q -x runs (per-MIG-instance memory), in their own thread, never on a "
             "scrape. 0 or off: none.",
+            off=True,
         ),
     ] = 60.0,
     kernel_log: Annotated[
@@ -240,19 +217,10 @@ def export(
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
-        for value, option in (
-            (interval, "--interval"),
-            (processes_interval, "--processes-interval"),
-            (stale_after, "--stale-after"),
-        ):
-            _positive(value, option)
-        _check_plain_options(bind, fields, gpus, slurm_interval, tls_cert, tls_key, client_ca, web_config_file)
-        from smiquery import exporter as exporter_mod
+        labels, rules = _checked(ctx.params)
+        from smiquery.exporter import DEFAULT_EXPORTER_ALERTS
 
-        if slurm and (kubernetes or kubernetes_processes):
-            raise typer.BadParameter("give either --kubernetes or --slurm, not both", param_hint="'--slurm'")
-        labels, rules = _check_exporter_options(label, top_processes, alert, web_config_file)
-        defaults = exporter_mod.DEFAULT_EXPORTER_ALERTS if default_alerts else ()
+        defaults = DEFAULT_EXPORTER_ALERTS if default_alerts else ()
         paths = ("tls_cert", "tls_key", "client_ca", "web_config_file")
         given = {
             **ctx.params,  # every option by name, as parsed
@@ -273,76 +241,60 @@ def export(
         raise typer.Exit(code)
 
 
-def _positive(value: float | None, option: str) -> None:
-    if value is not None and value <= 0:
-        raise typer.BadParameter("must be a positive number of seconds", param_hint=f"'{option}'")
+def _bad(option: str, message: str) -> typer.BadParameter:
+    return typer.BadParameter(message, param_hint=f"'{option}'")
 
 
-def _check_plain_options(
-    bind: str,
-    fields: str,
-    gpus: str | None,
-    slurm_interval: float,
-    tls_cert: Path | None,
-    tls_key: Path | None,
-    client_ca: Path | None,
-    web_config: Path | None,
-) -> None:
-    """Every bad option is a usage error (exit 2) before anything runs."""
-    if not bind.strip():
-        raise typer.BadParameter("must be an address such as 127.0.0.1", param_hint="'--bind'")
+def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
+    """Every bad option is a usage error (exit 2) before anything runs; returns the labels and the alert rules.
+
+    The labels, rules and web config are each checked by the exporter's own parser.
+    """
+    for name in ("interval", "processes_interval", "stale_after", "slurm_interval"):
+        if p[name] is not None and p[name] <= 0:
+            raise _bad(f"--{name.replace('_', '-')}", "must be a positive number of seconds")
+    if not p["bind"].strip():
+        raise _bad("--bind", "must be an address such as 127.0.0.1")
     try:
-        if fields != "supported":
-            resolve_fields(fields)
+        if p["fields"] != "supported":
+            resolve_fields(p["fields"])
     except InvalidFieldError as exc:
-        raise typer.BadParameter(str(exc), param_hint="'--fields'") from None
+        raise _bad("--fields", str(exc)) from None
     try:
-        normalize_gpus(gpus)
+        normalize_gpus(p["gpus"])
     except InvalidGpuIdError as exc:
-        raise typer.BadParameter(str(exc), param_hint="'--gpus'") from None
-    _positive(slurm_interval, "--slurm-interval")
-    if (tls_cert is None) != (tls_key is None):
-        raise typer.BadParameter("HTTPS needs both --tls-cert and --tls-key", param_hint="'--tls-cert/--tls-key'")
-    if client_ca is not None and tls_cert is None:
-        raise typer.BadParameter(
-            "client certificates need HTTPS: add --tls-cert and --tls-key", param_hint="'--client-ca'"
-        )
-    if web_config is not None and tls_cert is not None:
-        raise typer.BadParameter(
-            "give TLS either in --web-config-file or as --tls-cert/--tls-key", param_hint="'--web-config-file'"
-        )
-
-
-def _check_exporter_options(
-    label: list[str] | None, top_processes: int, alert: list[str] | None, web_config_file: Path | None
-) -> tuple[dict[str, str], list[str] | None]:
-    """The labels and alert rules, and the web config, each checked by the exporter's own parser."""
-    from smiquery import exporter as exporter_mod
+        raise _bad("--gpus", str(exc)) from None
+    if (p["tls_cert"] is None) != (p["tls_key"] is None):
+        raise _bad("--tls-cert/--tls-key", "HTTPS needs both --tls-cert and --tls-key")
+    if p["client_ca"] is not None and p["tls_cert"] is None:
+        raise _bad("--client-ca", "client certificates need HTTPS: add --tls-cert and --tls-key")
+    if p["web_config_file"] is not None and p["tls_cert"] is not None:
+        raise _bad("--web-config-file", "give TLS either in --web-config-file or as --tls-cert/--tls-key")
+    from smiquery import exporter as exporter_mod  # needs prometheus_client: after the checks that do not
+    from smiquery.alerts import Rule
     from smiquery.errors import WebConfigError
 
+    if p["slurm"] and (p["kubernetes"] or p["kubernetes_processes"]):
+        raise _bad("--slurm", "give either --kubernetes or --slurm, not both")
     try:
-        labels = exporter_mod.parse_labels(label)
+        labels = exporter_mod.parse_labels(p["label"])
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="'--label'") from None
-    taken = sorted({"command", "user"} & set(labels)) if top_processes else []
+        raise _bad("--label", str(exc)) from None
+    taken = sorted({"command", "user"} & set(labels)) if p["top_processes"] else []
     if taken:
-        raise typer.BadParameter(
-            f"label name {taken[0]!r} is set by the exporter itself with --top-processes; pick another name",
-            param_hint="'--label'",
-        )
+        message = f"label name {taken[0]!r} is set by the exporter itself with --top-processes; pick another name"
+        raise _bad("--label", message)
     rules: list[str] | None = None
-    if alert:
-        rules = [] if [a.strip().lower() for a in alert] == ["none"] else list(alert)
+    if p["alert"]:
+        rules = [] if [a.strip().lower() for a in p["alert"]] == ["none"] else list(p["alert"])
         try:
-            from smiquery.alerts import Rule
-
             for text in rules:
                 Rule.parse(text)
         except SmiqueryError as exc:
-            raise typer.BadParameter(str(exc), param_hint="'--alert'") from None
-    if web_config_file is not None:
+            raise _bad("--alert", str(exc)) from None
+    if p["web_config_file"] is not None:
         try:
-            exporter_mod.load_web_config(web_config_file)
+            exporter_mod.load_web_config(p["web_config_file"])
         except WebConfigError as exc:
-            raise typer.BadParameter(str(exc), param_hint="'--web-config-file'") from None
+            raise _bad("--web-config-file", str(exc)) from None
     return labels, rules

@@ -9,7 +9,7 @@ import typer
 
 from smiquery.cli._boundary import boundary
 from smiquery.cli._common import FormatOpt, app, settings_of
-from smiquery.cli._options import Settings, choose_format
+from smiquery.cli._options import choose_format
 from smiquery.errors import UsageError
 from smiquery.fields import PRESETS, Field, resolve_fields
 
@@ -55,7 +55,12 @@ def fields_cmd(
             chosen: list[Field] = list(resolve_fields(preset))
         else:
             chosen = list(CATALOGUE)
-        driver = _driver_fields(settings) if supported else None
+        driver: dict[str, str] | None = None
+        if supported:  # names and aliases from --help-query-gpu, with their descriptions
+            from smiquery.doctor import driver_fields
+            from smiquery.runner import find_nvidia_smi
+
+            driver = driver_fields(find_nvidia_smi(settings.nvidia_smi), settings.timeout)
         records: list[dict[str, Any]] = []
         for f in chosen:
             rec: dict[str, Any] = {
@@ -98,19 +103,8 @@ def fields_cmd(
             Column("help"),
         ]
         text = render(records, form, columns=columns, color=use_color(sys.stdout), width=terminal_width(sys.stdout))
-        if table:
-            for r in records:
-                del r["shown"]
-            if driver is not None:
-                lacking = sum(1 for r in records if not r.get("supported"))
-                text += f"\n{lacking} of {len(records)} listed fields are not supported by this driver\n"
+        if table and driver is not None:
+            lacking = sum(1 for r in records if not r.get("supported"))
+            text += f"\n{lacking} of {len(records)} listed fields are not supported by this driver\n"
         sys.stdout.write(text)
         sys.stdout.flush()
-
-
-def _driver_fields(settings: Settings) -> dict[str, str]:
-    """Names (and aliases) this machine's nvidia-smi lists in ``--help-query-gpu``, with their descriptions."""
-    from smiquery.doctor import driver_fields
-    from smiquery.runner import find_nvidia_smi
-
-    return driver_fields(find_nvidia_smi(settings.nvidia_smi), settings.timeout)

@@ -39,32 +39,20 @@ if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, AlertEvent
     from smiquery.sources.apps import GpuProcess
 
-__all__ = [
-    "SORT_KEYS",
-    "GpuLines",
-    "LiveTable",
-    "gpu_lines",
-    "process_label",
-    "short_name",
-    "summary_line",
-]
+__all__ = ["SORT_KEYS", "LiveTable", "process_label"]
 
+# Short column titles; any other field's is the last part of its name, upper-cased (NAME, UUID, TOTAL).
 _TITLES = {
     "index": "GPU",
-    "name": "NAME",
-    "uuid": "UUID",
     "pci.bus_id": "BUS",
     "temperature.gpu": "TEMP",
     "temperature.memory": "MTEMP",
     "utilization.gpu": "UTIL",
     "utilization.memory": "MUTIL",
     "memory.used": "MEM",
-    "memory.total": "TOTAL",
-    "memory.free": "FREE",
     "power.draw": "PWR",
     "power.limit": "PLIM",
     "fan.speed": "FAN",
-    "clocks.current.sm": "SM",
     "clocks.current.memory": "MEMCLK",
     "clocks.current.graphics": "GFXCLK",
 }
@@ -72,11 +60,11 @@ _BAR = 10
 _MIN_PROCS = 16  # the narrowest processes column; narrower, they go under their GPU
 _VENDOR = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO"}
 _SUFFIX = re.compile(r"(HBM\w*|GDDR\w*|PCIE|SXM\d*|NVL|SXM)", re.IGNORECASE)
-#: Utilization under this many percent counts a GPU as idle in the summary line (as ``smiquery top``).
-IDLE_BELOW = 5
+# Utilization under this many percent counts a GPU as idle in the summary line (as ``smiquery top``).
+_IDLE_BELOW = 5
 
 
-def short_name(name: str) -> str:
+def _short_name(name: str) -> str:
     """A GPU model without the vendor and memory words: ``H100 80GB`` from ``NVIDIA H100 80GB HBM3``."""
     words = [w for w in name.split() if w.upper() not in _VENDOR]
     while len(words) > 1 and _SUFFIX.fullmatch(words[-1]):
@@ -104,15 +92,6 @@ class _Col:
         return max(len(self.title), *(len(c) for c in self.cells)) if self.cells else len(self.title)
 
 
-@dataclass
-class GpuLines:
-    """The fitted lines: the title line, each GPU's lines (its own first, then its processes), what was left out."""
-
-    header: str
-    rows: list[list[str]]
-    hidden: list[str]
-
-
 def _columns(
     samples: Sequence[GpuSample],
     fields: Sequence[Field],
@@ -133,7 +112,7 @@ def _columns(
         col.cells = [row[i] for row in cells]
         col.styles = [st[i] for st in styles]
         if f.name == "name":
-            col.cells = [short_name(c) for c in col.cells]
+            col.cells = [_short_name(c) for c in col.cells]
         if merged and f.name == "memory.used":
             t = names.index("memory.total")
             col.cells = [f"{row[i]}/{row[t]}" for row in cells]
@@ -144,7 +123,7 @@ def _columns(
     return cols
 
 
-def gpu_lines(
+def _gpu_lines(
     samples: Sequence[GpuSample],
     fields: Sequence[Field],
     cells: Sequence[Sequence[str]],
@@ -155,13 +134,11 @@ def gpu_lines(
     procs: Sequence[Sequence[str]] | None = None,
     uuid: bool = False,
     paint: Callable[[str, str | None], str] = lambda text, style: text,
-) -> GpuLines:
-    """One line per GPU (``samples``, in the order shown) fitted to ``cols`` (0: any), its processes after or under it.
+) -> tuple[str, list[list[str]], list[str]]:
+    """The title line, each GPU's lines fitted to ``cols`` (0: any; processes after or under), the fields left out.
 
-    ``cells`` and ``styles`` are each sample's display texts and style names for ``fields``; ``marks`` a state per
-    row (``LOST``, ``stale 3s``: a state column when any has one); ``procs`` each GPU's processes
-    (``user/name(MiB)``; None: none shown); ``uuid`` keeps the UUID, otherwise shown only 200 columns wide or more;
-    ``paint`` colours a text by style name.
+    ``marks`` a state per row (``LOST``, ``stale 3s``: a state column when any has one); ``procs`` (None: not shown)
+    each GPU's processes; ``uuid`` keeps the UUID, otherwise shown only 200 columns wide or more.
     """
     columns = _columns(samples, fields, cells, styles, marks)
     if not (uuid or cols <= 0 or cols >= 200):
@@ -205,10 +182,10 @@ def gpu_lines(
             rows.append([f"{first}  {paint(packed[0], 'dim')}", *(" " * indent + paint(p, "dim") for p in packed[1:])])
         else:
             rows.append([first.rstrip(), *(" " * indent + paint(p, "dim") for p in packed)])
-    return GpuLines(header, rows, hidden)
+    return header, rows, hidden
 
 
-def summary_line(samples: Sequence[GpuSample], marks: Sequence[str]) -> str:
+def _summary_line(samples: Sequence[GpuSample], marks: Sequence[str]) -> str:
     """``64 GPUs · 40 busy · 20 idle · 4 lost · mean util 63 % · hottest GPU 5 at 89 C``."""
     lost = sum(1 for m in marks if m in ("LOST", "RESET"))
     stale = sum(1 for m in marks if m.startswith("stale"))
@@ -216,7 +193,7 @@ def summary_line(samples: Sequence[GpuSample], marks: Sequence[str]) -> str:
     live = [s for s, m in zip(samples, marks) if not m]
     utils = [u for s in live if isinstance(u := s.get("utilization.gpu"), (int, float))]
     if any("utilization.gpu" in s for s in samples):
-        busy = sum(1 for u in utils if u >= IDLE_BELOW)
+        busy = sum(1 for u in utils if u >= _IDLE_BELOW)
         parts += [f"{busy} busy", f"{len(utils) - busy} idle"]
     parts.append(f"{lost} lost")
     if stale:
@@ -234,18 +211,14 @@ def summary_line(samples: Sequence[GpuSample], marks: Sequence[str]) -> str:
 class LiveTable:
     """The newest sample of each GPU, one line each, redrawn in place on a terminal (ANSI, no curses).
 
-    Each frame moves the cursor home and rewrites every line in one write: a title, a summary line (GPUs, busy,
-    idle, lost, mean utilization, the hottest), the GPU lines (:func:`gpu_lines`), then the footer (which GPUs are
-    shown of how many, sample age, counters, alerts). The footer is always drawn: when the terminal is too short,
-    the processes under the GPUs go first, then GPU rows scroll (:attr:`view` takes the keys: arrows, PgUp/PgDn,
-    Home/End, sort keys, ``/`` filters); GPUs in trouble (lost, stale, past a firing rule) are never left out. A GPU
-    that stopped reporting keeps its last numbers, dimmed and marked ``stale``; a lost one is marked ``LOST``.
+    A frame is a title, a summary line, the GPU lines and a footer (which GPUs are shown of how many, sample age,
+    counters, alerts) that is always drawn: on a short terminal the processes go first, then GPU rows scroll
+    (:attr:`view` takes the keys); GPUs in trouble (lost, stale, past a firing rule) are never left out. A GPU that
+    stopped reporting keeps its last numbers, dimmed and marked ``stale`` after ``stale_after`` seconds.
 
-    ``fields`` are the columns (``timestamp`` is left out: the footer shows the age). ``color`` colours cells past
-    the thresholds of the ``evaluator`` (``--alert``, also the firing list) and of the ``health`` rules (fed by
-    :meth:`update`), red firing and yellow pending, and dims missing values. Rows are marked stale after
-    ``stale_after`` seconds without a sample. ``size`` returns the terminal's (columns, lines); ``processes`` and
-    ``uuid`` start :attr:`show_processes` and :attr:`uuid` (shown whatever the width).
+    Cells past the thresholds of the ``evaluator`` (``--alert``) and of the ``health`` rules are coloured (with
+    ``color``); ``size`` returns the terminal's (columns, lines). :attr:`show_processes` lists each GPU's processes;
+    :attr:`uuid` shows the UUID at any width.
     """
 
     def __init__(
@@ -259,8 +232,6 @@ class LiveTable:
         size: Callable[[], tuple[int, int]] | None = None,
         health: AlertEvaluator | None = None,
         stale_after: float = 5.0,
-        processes: bool = False,
-        uuid: bool = False,
     ) -> None:
         self.out = out
         self.fields = tuple(f for f in fields if f.kind is not Kind.TIMESTAMP)
@@ -269,8 +240,8 @@ class LiveTable:
         self.evaluator = evaluator
         self.health = health
         self.stale_after = stale_after
-        self.show_processes = processes
-        self.uuid = uuid
+        self.show_processes = False
+        self.uuid = False
         self.view = Viewport(SORT_KEYS, "index")
         self._size = size or terminal_size
         self._rows: dict[object, GpuSample] = {}
@@ -386,7 +357,7 @@ class LiveTable:
         footer = self._footer(stats, cols, now)
         head = [self._paint(self.title, "header")] if self.title else []
         if len(keys) > 1:
-            head.append(summary_line([self._rows[k] for k in keys], [marks[k] for k in keys]))
+            head.append(_summary_line([self._rows[k] for k in keys], [marks[k] for k in keys]))
         view = self.view
         matching = self._ordered([k for k in keys if view.matches(self._words(k))])
         samples = [self._rows[k] for k in matching]
@@ -395,7 +366,7 @@ class LiveTable:
             if marks[k].startswith("stale"):  # old numbers: dimmed, whatever they were
                 style[:] = ["dim"] * len(style)
         procs = [self._procs.get(k, []) if isinstance(k, int) else [] for k in matching]
-        fitted = gpu_lines(
+        header, gpu_rows, hidden = _gpu_lines(
             samples,
             self.fields,
             cells,
@@ -406,23 +377,22 @@ class LiveTable:
             uuid=self.uuid,
             paint=self._paint,
         )
-        extra: list[str] = hidden_note(fitted.hidden, cols)
+        extra: list[str] = hidden_note(hidden, cols)
         keys_help = "keys ↑↓ PgUp PgDn Home End · sort u/m/t/p/i · / filter"
         extra += wrap_parts([MISSING_LEGEND, keys_help, "Ctrl-C to stop"], cols)
         limit = lines_avail - 1 if lines_avail > 0 else 1 << 30
-        # Room for the GPU lines: the title and summary, the column titles, a blank line, the position line,
-        # the footer and the legend stay (the legend goes first on a very short terminal).
+        # Kept besides the GPU lines: title, summary, column titles, a blank, the position line, footer, legend.
         fixed = len(head) + 1 + 1 + 1 + len(footer)
         extra = extra[: max(0, min(len(extra), limit - fixed - min(3, len(matching))))]
         room = max(1, limit - fixed - len(extra))
-        rows = dict(zip(matching, fitted.rows))
-        procs_cut = sum(len(r) for r in fitted.rows) > room and any(len(r) > 1 for r in fitted.rows)
+        rows = dict(zip(matching, gpu_rows))
+        procs_cut = sum(len(r) for r in gpu_rows) > room and any(len(r) > 1 for r in gpu_rows)
         if procs_cut:
             rows = {k: r[:1] for k, r in rows.items()}
         shown = view.window(matching, room, lambda k: self._trouble(k, marks))
         top = list(head)
         if samples:
-            top.append(fitted.header)
+            top.append(header)
             for k in shown:
                 top += rows[k]
         elif keys:

@@ -1,12 +1,8 @@
-"""Keys for the live views (``stream``, ``ps --watch``, ``top``): read without blocking, and what they scroll.
-
-:class:`KeyReader` puts the terminal in cbreak mode (Ctrl-C still sends SIGINT) and reads keys in a thread, so the
-view goes on redrawing while nobody types; the terminal's settings are restored when it closes, on every exit
-path. :class:`Viewport` is what the keys change: the first row shown, the sort order and a filter text.
-"""
+"""Keys for the live views (``stream``, ``ps --watch``, ``top``): read in a thread, and what they scroll."""
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import os
 import select
@@ -23,20 +19,12 @@ K = TypeVar("K")
 KEY_HELP = "↑↓ PgUp PgDn Home End scroll · / filter"
 
 _SEQUENCES = {
-    "\x1b[A": "up",
-    "\x1b[B": "down",
-    "\x1bOA": "up",
-    "\x1bOB": "down",
+    **dict.fromkeys(("\x1b[A", "\x1bOA"), "up"),
+    **dict.fromkeys(("\x1b[B", "\x1bOB"), "down"),
     "\x1b[5~": "pgup",
     "\x1b[6~": "pgdn",
-    "\x1b[H": "home",
-    "\x1b[F": "end",
-    "\x1bOH": "home",
-    "\x1bOF": "end",
-    "\x1b[1~": "home",
-    "\x1b[4~": "end",
-    "\x1b[7~": "home",
-    "\x1b[8~": "end",
+    **dict.fromkeys(("\x1b[H", "\x1bOH", "\x1b[1~", "\x1b[7~"), "home"),
+    **dict.fromkeys(("\x1b[F", "\x1bOF", "\x1b[4~", "\x1b[8~"), "end"),
 }
 
 
@@ -74,11 +62,10 @@ def parse_keys(data: str) -> list[str]:
 
 
 class KeyReader:
-    """Reads keys from a terminal in a thread and hands each to ``on_key`` (from that thread).
+    """Hands each key (:func:`parse_keys`) typed on ``stream`` (default stdin) to ``on_key``, from a thread.
 
-    Nothing happens when ``stream`` is no terminal (a pipe, ``--once``): the output stays as it is. Use it as a
-    context manager: the terminal's settings are restored on leaving it, whatever ended the command. ``on_key``
-    gets each key name (:func:`parse_keys`); ``stream`` is the terminal (default stdin).
+    A context manager: the terminal is in cbreak mode (Ctrl-C still sends SIGINT) until it is left; nothing
+    happens when ``stream`` is no terminal (a pipe).
     """
 
     def __init__(self, on_key: Callable[[str], None], stream: IO[str] | None = None) -> None:
@@ -107,7 +94,7 @@ class KeyReader:
         return self
 
     def _run(self) -> None:
-        pending = b""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")  # keeps half a character for the next read
         while not self._stop.is_set():
             try:
                 ready, _, _ = select.select([self._fd], [], [], 0.1)
@@ -118,15 +105,7 @@ class KeyReader:
                 return
             if not data:
                 return
-            pending += data
-            try:
-                text = pending.decode("utf-8")
-            except UnicodeDecodeError:
-                if len(pending) < 4:
-                    continue  # half a character
-                text = pending.decode("utf-8", "replace")
-            pending = b""
-            for key in parse_keys(text):
+            for key in parse_keys(decoder.decode(data)):
                 self.on_key(key)
 
     def __exit__(self, *exc: object) -> None:

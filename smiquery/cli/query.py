@@ -10,7 +10,7 @@ fully understands goes straight to :func:`run_query`; anything else goes through
 
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast, get_args
 
 from smiquery.cli._boundary import boundary, warnings_as_lines
 from smiquery.cli._options import Format, Settings, choose_format, gpu_ids_checked, parse_fields, parse_gpus
@@ -18,15 +18,7 @@ from smiquery.cli._options import Format, Settings, choose_format, gpu_ids_check
 if TYPE_CHECKING:
     import typer
 
-__all__ = [
-    "FAST_GLOBAL",
-    "FAST_GLOBAL_FLAGS",
-    "FAST_QUERY",
-    "parse_fast_query",
-    "register",
-    "run_fast_query",
-    "run_query",
-]
+__all__ = ["FAST_GLOBAL", "FAST_GLOBAL_FLAGS", "FAST_QUERY", "parse_fast_query", "register", "run_fast_query"]
 
 #: Value options of the root, by every spelling, to the parameter they set.
 FAST_GLOBAL = {"--nvidia-smi": "nvidia_smi", "--timeout": "timeout"}
@@ -42,11 +34,11 @@ FAST_QUERY = {
     "--format": "fmt",
     "-F": "fmt",
 }
-_FORMATS = ("table", "csv", "jsonl", "json")
+_FORMATS = get_args(Format)
 
 
 def run_query(settings: Settings, fields: str | None, gpus: str | None, fmt: Format | None) -> None:
-    """Print one snapshot (``smiquery query``); on any error, one line on stderr and ``typer.Exit``."""
+    """Print one snapshot (``smiquery query``); on any error, one line on stderr and its exit code."""
     with boundary(settings.debug):
         flds = parse_fields(fields)
         ids = parse_gpus(gpus)
@@ -108,7 +100,7 @@ def parse_fast_query(argv: Sequence[str]) -> dict[str, str | bool] | None:
 
 
 def run_fast_query(opts: dict[str, str | bool]) -> int:
-    """Run what :func:`parse_fast_query` read, without typer; returns the exit code."""
+    """Run what :func:`parse_fast_query` read, without typer; returns 0 (an error exits with its code)."""
 
     def text(key: str) -> str | None:
         value = opts.get(key)
@@ -116,14 +108,7 @@ def run_fast_query(opts: dict[str, str | bool]) -> int:
 
     timeout = text("timeout")
     settings = Settings(text("nvidia_smi"), float(timeout) if timeout else Settings().timeout, bool(opts.get("debug")))
-    fmt = text("fmt")
-    try:
-        run_query(settings, text("fields"), text("gpus"), Format(fmt) if fmt else None)
-    except Exception as exc:  # typer.Exit, raised by the boundary after its one line on stderr
-        code = getattr(exc, "exit_code", None)
-        if not isinstance(code, int):
-            raise
-        return code
+    run_query(settings, text("fields"), text("gpus"), cast("Format | None", text("fmt")))  # one of _FORMATS
     return 0
 
 

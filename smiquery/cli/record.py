@@ -1,8 +1,6 @@
-"""The recorder of ``smiquery stream --output``: its options, opening it, and SIGHUP.
+"""The recorder of ``smiquery stream --output``: its options, opening it, and SIGHUP (logrotate's create mode).
 
-The options are ``--force``, ``--append``, ``--rotate``, ``--keep`` and ``--flush-every``; every failure to open
-is one line naming the file; SIGHUP reopens it (logrotate's create mode). ``smiquery record``, the word users
-type first, is no command of its own: it says to record with ``smiquery stream --output``.
+``smiquery record``, the word users type first, is no command of its own: it says to use ``stream --output``.
 """
 
 from __future__ import annotations
@@ -11,10 +9,9 @@ import contextlib
 import re
 import signal
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -24,9 +21,9 @@ from smiquery.errors import RecordingError, SmiqueryError, UsageError
 from smiquery.fields import Field
 
 if TYPE_CHECKING:
-    from smiquery.recordings import ParquetDataset, Policy, TextRecorder
+    from smiquery.recordings import ParquetDataset, TextRecorder
 
-__all__ = ["RecordOptions", "open_output", "parse_rotate", "parse_size", "reopen_on_hup"]
+__all__ = ["open_output", "parse_rotate", "recording_options", "reopen_on_hup"]
 
 
 @app.command("record", hidden=True, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -45,79 +42,52 @@ def record(ctx: typer.Context) -> None:
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str, what: str) -> int:
-    """Bytes from ``100MB``, ``1.5GB``, ``500k``, ``64MiB`` (powers of 1000, or 1024 with ``i``); else UsageError."""
-    m = _SIZE_RE.match(text)
-    if m is None or float(m.group(1)) <= 0:
-        raise UsageError(f"{what} {text!r}: give a size such as 100MB or 1GB, or a duration such as 1h or 30m")
-    power = " kmgt".index(m.group(2).lower() or " ")
-    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
-
-
 def parse_rotate(text: str) -> tuple[int | None, float | None]:
-    """``--rotate``: (bytes, None) for a size (``100MB``), (None, seconds) for a duration (``1h``); else UsageError."""
+    """``--rotate``: (bytes, None) for ``100MB`` (``64MiB``: 1024s), (None, seconds) for ``1h``; else UsageError."""
+    wrong = UsageError(f"--rotate {text!r}: give a size such as 100MB or 1GB, or a duration such as 1h or 30m")
     if re.search(r"b\s*$", text, re.IGNORECASE) or re.search(r"\d\s*[kgt]i?\s*$", text, re.IGNORECASE):
-        return parse_size(text, "--rotate"), None
+        m = _SIZE_RE.match(text)
+        if m is None or float(m.group(1)) <= 0:
+            raise wrong
+        power = " kmgt".index(m.group(2).lower() or " ")
+        return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power), None
     try:
         return None, parse_seconds(text, "--rotate")
     except UsageError:
-        raise UsageError(
-            f"--rotate {text!r}: give a size such as 100MB or 1GB, or a duration such as 1h or 30m"
-        ) from None
+        raise wrong from None
 
 
-@dataclass(frozen=True)
-class RecordOptions:
-    """What ``stream`` was told about its ``--output``."""
-
-    force: bool = False
-    append: bool = False
-    rotate: str | None = None
-    keep: int | None = None
-    flush_every: str = "10s"
-
-    def check(self, output: Path | None) -> None:
-        """A UsageError before anything starts for an option without the ``--output`` or other option it needs."""
-        given = (("--force", self.force), ("--append", self.append), ("--rotate", self.rotate), ("--keep", self.keep))
-        named = [n for n, value in given if value]  # --keep is at least 1
-        if output is None and named:
-            raise UsageError(f"{named[0]} goes with --output FILE")
-        if self.force and self.append:
-            raise UsageError("--force replaces the recording and --append continues it: pass one of them")
-        if self.keep is not None and self.rotate is None:
-            raise UsageError("--keep N keeps N rotated files: pass --rotate SIZE|DURATION too")
+def recording_options(
+    output: Path | None, *, force: bool, append: bool, rotate: str | None, keep: int | None, flush_every: str
+) -> dict[str, Any]:
+    """``open_recording``'s keyword arguments from ``--output``'s options; a UsageError before anything starts."""
+    given = (("--force", force), ("--append", append), ("--rotate", rotate), ("--keep", keep))
+    named = [n for n, value in given if value]  # --keep is at least 1
+    if output is None and named:
+        raise UsageError(f"{named[0]} goes with --output FILE")
+    if force and append:
+        raise UsageError("--force replaces the recording and --append continues it: pass one of them")
+    if keep is not None and rotate is None:
+        raise UsageError("--keep N keeps N rotated files: pass --rotate SIZE|DURATION too")
+    rotate_bytes, rotate_seconds = parse_rotate(rotate) if rotate is not None else (None, None)
+    text = flush_every.strip()
+    return {
+        "policy": "force" if force else "append" if append else "new",
+        "rotate_bytes": rotate_bytes,
+        "rotate_seconds": rotate_seconds,
+        "keep": keep,
+        "flush_every": 0.0 if text in ("0", "0s") or output is None else parse_seconds(text, "--flush-every"),
+    }
 
 
 def open_output(
-    output: Path,
-    fields: Sequence[Field],
-    options: RecordOptions,
-    say: Callable[[str], None],
-    rules: Sequence[str] = (),
+    output: Path, fields: Sequence[Field], options: Mapping[str, Any], say: Callable[[str], None], rules: Sequence[str]
 ) -> TextRecorder | ParquetDataset:
-    """The recorder for ``--output``, every failure one line naming the file (exit 2 for a usage error).
-
-    ``rules`` (the ``--alert`` rules) are recorded beside it, for ``smiquery report`` to check.
-    """
+    """The recorder for ``--output``, every failure one line naming the file; ``rules`` are recorded beside it."""
     from smiquery.recordings import open_recording
 
-    options.check(output)
-    rotate_bytes, rotate_seconds = parse_rotate(options.rotate) if options.rotate is not None else (None, None)
-    text = options.flush_every.strip()
-    flush_every = 0.0 if text in ("0", "0s") else parse_seconds(text, "--flush-every")
-    policy: Policy = "force" if options.force else "append" if options.append else "new"
     try:
-        return open_recording(
-            output,
-            fields,
-            policy=policy,
-            rotate_bytes=rotate_bytes,
-            rotate_seconds=rotate_seconds,
-            keep=options.keep,
-            flush_every=flush_every,
-            say=say,
-            rules=rules,
-        )
+        return open_recording(output, fields, say=say, rules=rules, **options)
     except (UsageError, RecordingError):
         raise
     except OSError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import queue
 import sys
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from smiquery.cli._boundary import ExitCode, boundary, cli_text, quiet_stdout, say
-from smiquery.cli._common import GpusOpt, StreamFormatOpt, app, settings_of
+from smiquery.cli._common import GpusOpt, StreamFormatOpt, app, fields_option, settings_of
 from smiquery.cli._options import (
     Settings,
     choose_format,
@@ -28,9 +29,9 @@ from smiquery.cli._options import (
     unknown_gpus,
 )
 from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
-from smiquery.cli.record import RecordOptions, open_output, reopen_on_hup
+from smiquery.cli.record import open_output, recording_options, reopen_on_hup
 from smiquery.errors import KernelLogError, NoDevicesFoundError, UsageError
-from smiquery.fields import PRESETS, Field, get_field
+from smiquery.fields import Field, get_field
 from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -46,14 +47,11 @@ __all__ = ["EventPrinter", "XidNotes", "stream"]
 
 
 class EventPrinter:
-    """One line per restart, error, lost or returning GPU, recovery and dropped row.
+    """One line (to ``emit``) per restart, error, lost or returning GPU, recovery and dropped row.
 
-    An error and the restart it causes make one line (``restarting nvidia-smi in 0.2 s after: ...``); an
-    error that ends the stream is left to the command's error line; a row dropped just before an error (the
-    error's own message, printed where a row was expected) is not reported twice.
-
-    Args:
-        emit: where a line goes (stderr, or the live table's footer).
+    An error and the restart it causes make one line (``restarting nvidia-smi in 0.2 s after: ...``); an error that
+    ends the stream is left to the command's error line; a row dropped just before an error (the error's own
+    message, printed where a row was expected) is not reported twice.
     """
 
     def __init__(self, emit: Callable[[str], None]) -> None:
@@ -97,15 +95,10 @@ class EventPrinter:
 
 
 class XidNotes:
-    """``--kernel-log``: a sample writer that keeps each GPU's newest sample, and turns Xid events into lines.
+    """``--kernel-log``: among the stream's writers, it keeps each GPU's newest sample and turns Xids into lines.
 
-    nvidia-smi never reports Xids (a GPU that fell off the bus just stops answering); the kernel log says why. The
-    follower runs on its own thread and names the GPU from the stream's own samples (their ``pci.bus_id``), so a GPU
-    that fell off the bus is still named by the last sample it gave; lines the kernel did not write
-    (``logger 'NVRM: Xid ...'``) are not shown as Xids, a note says so at most once a minute.
-
-    It sits among the stream's writers: every sample updates the GPUs it names; closing it stops the watcher.
-    ``note`` takes each line (stderr, or the live table's footer).
+    nvidia-smi never reports Xids; the kernel log says why a GPU fell off the bus. The follower's thread names the
+    GPU by the ``pci.bus_id`` of its last sample; ``note`` takes each line. Closing it stops the watcher.
     """
 
     def __init__(self, note: Callable[[str], None]) -> None:
@@ -150,10 +143,14 @@ class XidNotes:
             self._watcher = None
 
 
+_TICK = 0.1  # seconds the main thread waits for a sweep before it looks at the clock, signals and the table
+
+
 @dataclass
 class _Run:
-    """Everything one ``smiquery stream`` run writes to."""
+    """One ``smiquery stream`` run: its source, everything it writes to, and how it ended."""
 
+    source: SampleSource
     writers: list[SampleWriter]
     live: LiveTable | None
     static_table: bool
@@ -173,6 +170,11 @@ class _Run:
     live_time: bool = False
     #: polls the processes under each GPU for the live table
     processes: Latest[dict[int, list[str]]] | None = None
+    #: what the reader thread hands over: sweeps, source events, keys, the end
+    items: queue.SimpleQueue[object] = field(default_factory=queue.SimpleQueue)
+    code: int = 0
+    #: the failure to raise once the outputs are closed
+    failure: BaseException | None = None
 
     def __post_init__(self) -> None:
         self.events = EventPrinter(self.note)
@@ -183,6 +185,161 @@ class _Run:
             self.live.note(line.removeprefix("smiquery: "))
         else:
             say(line)
+
+    def pump(self, *, count: int | None, stop_after: float | None, interval: float) -> int:
+        """Consume the sweeps until the source ends, ``--count``/``--duration`` is reached, an alert exits, or a signal.
+
+        Returns the exit code (0, 6, 130 or 143); a source failure is raised after the outputs are closed.
+        """
+        from smiquery.cli.keys import KeyReader
+
+        unsubscribe = self.source.subscribe(lambda ev: self.items.put(SourceEvent(ev)))
+        deadline = time.monotonic() + stop_after if stop_after is not None else None
+        keys = KeyReader(lambda key: self.items.put(Key(key))) if self.live is not None else contextlib.nullcontext()
+        thread: threading.Thread | None = None
+        stop = threading.Event()
+        with Signals() as sigs, keys:
+            try:
+                for w in self.writers:  # a recording has its header even if it ends before its first row
+                    header = getattr(w, "header", None)
+                    if header is not None:
+                        header()
+                thread = start_pump(self.source.sweeps, self.items, name="smiquery-pump", stop=stop)
+                if self.live is not None:
+                    self.live.redraw(self.stats())
+                while self.step(sigs, deadline, count):
+                    pass
+            except BrokenPipeError:
+                quiet_stdout()
+                self.code = 0
+            finally:
+                sigs.closing = True  # from here on a signal changes nothing: the outputs are finished first
+                stop.set()
+                with contextlib.suppress(Exception):
+                    self.source.close()  # reaps nvidia-smi
+                if thread is not None:
+                    thread.join(max(5.0, 2 * interval))
+                unsubscribe()
+                self.finish()
+                if sigs.signum is not None and self.code == 0 and self.failure is None:
+                    self.code = sigs.exit_code
+        if self.failure is not None:
+            raise self.failure
+        return self.code
+
+    def stats(self) -> dict[str, object]:
+        """The source's counters (a copy: its thread goes on) with this run's sweeps, for the live table's footer."""
+        return {**dataclasses.asdict(self.source.stats), "sweeps": self.sweeps}
+
+    def draw(self, live: LiveTable) -> None:
+        live.redraw(self.stats())
+        self.last_draw = time.monotonic()
+
+    def step(self, sigs: Signals, deadline: float | None, count: int | None) -> bool:
+        """Take one item from the reader (or redraw while none comes); False when the loop ends."""
+        if sigs.signum is not None:
+            self.code = sigs.exit_code
+            return False
+        wait = _TICK if deadline is None else min(_TICK, deadline - time.monotonic())
+        if wait <= 0:
+            return False
+        try:
+            item = self.items.get(timeout=wait)
+        except queue.Empty:
+            if self.live is not None and time.monotonic() - self.last_draw >= 0.5:
+                self.draw(self.live)
+            return True
+        if isinstance(item, Key):
+            if self.live is not None and self.live.view.key(item.name):
+                self.draw(self.live)
+            return True
+        if item is END:
+            return False
+        if isinstance(item, SourceEvent):
+            ev = item.event
+            fatal = self.check_error(ev.error) if self.check_error and ev.error is not None else None
+            if fatal is None:
+                self.events(ev)
+                return True
+            self.failure = fatal
+        elif isinstance(item, Failure):
+            self.failure = item.exc
+        else:
+            if self.take_sweep(item) and self.exit_on_alert:  # type: ignore[arg-type]
+                self.code = ExitCode.ALERT
+                return False
+            return count is None or self.sweeps < count
+        self.events.discard()
+        return False
+
+    def finish(self) -> None:
+        """Tell the events that came with the end, close the alert handlers, writers and the live table."""
+        if self.processes is not None:
+            self.processes.close(2.0)
+        while not self.items.empty():  # events that came with the end (the error that ended it is raised instead)
+            left_over = self.items.get_nowait()
+            if isinstance(left_over, SourceEvent):
+                self.events(left_over.event)
+        if self.failure is None:
+            self.events.flush()
+        self.events.discard()
+        if self.notifier is not None:
+            self.notifier.close()  # bounded: a dead webhook or a snapshot in progress gets ~2 s
+        for w in self.writers:
+            try:
+                w.close()
+            except BrokenPipeError:
+                quiet_stdout()
+            except Exception as exc:
+                self.failure = self.failure or exc
+        if self.live is not None:
+            with contextlib.suppress(OSError, ValueError):
+                if self.code == 0 and self.failure is None:
+                    self.draw(self.live)
+            self.live.close()
+
+    def take_sweep(self, sweep: Sweep) -> bool:
+        """Write one sweep everywhere, evaluate the alerts and draw; True when an alert fired."""
+        self.events.flush()
+        now = None
+        if self.live_time and (self.evaluator is not None or self.live is not None):
+            from smiquery.alerts import arrival
+
+            now = arrival(sweep)
+        fired = False
+        for sample in sweep:
+            fired = self.take_sample(sample, now) or fired
+        self.sweeps += 1
+        if self.processes is not None:
+            self.processes.start()  # with the first sweep; once
+        if self.live is not None:
+            self.live.update(sweep, now)
+            if time.monotonic() - self.last_draw >= 0.1:
+                self.draw(self.live)
+        elif self.static_table:
+            from smiquery.cli.display import sample_table, use_color
+
+            sys.stdout.write("\n".join(sample_table(list(sweep), self.fields, color=use_color(sys.stdout))) + "\n\n")
+            sys.stdout.flush()
+        return fired
+
+    def take_sample(self, sample: GpuSample, now: float | None) -> bool:
+        """Write one sample everywhere and evaluate the alerts (``now``: its arrival, live); True if one fired."""
+        for w in self.writers:
+            w.write(sample)
+        fired = False
+        if self.evaluator is not None:
+            if self.notifier is not None:
+                self.notifier.observe(sample)
+            for ev in self.evaluator.update(sample, now):
+                if self.notifier is not None:
+                    self.notifier.dispatch(ev, {"source": "smiquery stream"})
+                if self.live is not None:
+                    self.live.note(ev)
+                if self.live is None or not self.events_in_footer:
+                    say(f"smiquery: {ev.message()}")
+                fired = fired or ev.state == "firing"
+        return fired
 
 
 # What names a GPU in an Xid line: the kernel log gives only the PCI address.
@@ -245,13 +402,8 @@ Examples:
 
 StreamFieldsOpt = Annotated[
     str | None,
-    typer.Option(
-        "--fields",
-        "-f",
-        metavar="PRESET|a,b,c",
-        help=f"A preset ({', '.join(PRESETS)}) or a comma list of nvidia-smi field names. [default: default] "
-        "With --replay: fields the recording holds; for a headerless (noheader) CSV log, its columns in order.",
-        show_default=False,
+    fields_option(
+        " With --replay: fields the recording holds; for a headerless (noheader) CSV log, its columns in order."
     ),
 ]
 
@@ -380,18 +532,16 @@ def stream(
         if kernel_log:  # the Xid lines name the GPU at the PCI address the kernel gives
             rule_fields = (*rule_fields, *(get_field(n) for n in _XID_FIELDS))
         ids = parse_gpus(gpus)
-        record = RecordOptions(force, append, rotate, keep, flush_every)
-        record.check(output)
-        stop = threading.Event()  # also ends a live source's restart backoff
+        record = recording_options(
+            output, force=force, append=append, rotate=rotate, keep=keep, flush_every=flush_every
+        )
         if tz is not None and replay is None:
             raise UsageError("--tz goes with --replay: live samples carry this machine's own time zone")
         if replay is not None:
             source, flds, title = _open_replay(replay, fields, rule_fields, ids, speed=speed, loop=loop, tz=tz)
         else:
-            source, flds, title = _open_live(settings, fields, rule_fields, ids, seconds, stop)
-        run = _open_outputs(
-            flds, fmt.value if fmt is not None else None, title, rules, stale_after=max(5.0, 3 * seconds)
-        )
+            source, flds, title = _open_live(settings, fields, rule_fields, ids, seconds)
+        run = _open_outputs(source, flds, fmt, title, rules, stale_after=max(5.0, 3 * seconds))
         run.exit_on_alert = exit_on_alert
         if output is not None:
             run.writers.insert(0, open_output(output, flds, record, run.note, [str(r) for r in rules]))
@@ -408,13 +558,21 @@ def stream(
         if run.live is not None and replay is None and not toggle_processes:
             run.processes = _live_processes(run.live, settings, ids, seconds)
         if on_alert:
-            run.notifier = _notifier(run, on_alert, settings)
+            from smiquery.alerts import Notifier, handler_from_spec
+
+            if run.evaluator is None:
+                raise UsageError("--on-alert needs at least one --alert rule")
+            try:
+                handlers = [handler_from_spec(spec, nvidia_smi=settings.nvidia_smi) for spec in on_alert]
+            except ValueError as exc:
+                raise UsageError(f"--on-alert: {exc}") from None
+            run.notifier = Notifier(run.evaluator, handlers)
         if ids and replay is None:
             # a live source retries "No devices were found" forever: asked once, the answer is kept
             wrong = functools.cache(lambda: unknown_gpus(ids, settings))
             run.check_error = lambda exc: wrong() if isinstance(exc, NoDevicesFoundError) else None
         with gpu_ids_checked(ids if replay is None else None, settings), reopen_on_hup(run.writers):
-            code = _pump_loop(source, run, count=count, stop_after=stop_after, interval=seconds, stop=stop)
+            code = run.pump(count=count, stop_after=stop_after, interval=seconds)
         if code:
             raise typer.Exit(code)
 
@@ -446,13 +604,20 @@ def _open_replay(
 ) -> tuple[SampleSource, tuple[Field, ...], str]:
     """``--replay``: the recording as a source, its fields, and the live table's title."""
     from smiquery.cli.analysis import check_zone
-    from smiquery.errors import ReplayError
-    from smiquery.recordings import Replay
+    from smiquery.errors import RecordingError, ReplayError
+    from smiquery.recordings import Replay, csv_header, detect_format
     from smiquery.recordings.recorder import META_SUFFIX, read_meta
 
     check_zone(tz)
     wanted: tuple[Field, ...] | None = parse_fields(fields, rule_fields) if fields is not None else None
-    columns = _replay_columns(path, fields)
+    columns = None  # a header names them (and Replay reports a missing file)
+    if path.is_file() and path.stat().st_size > 0 and detect_format(path) == "csv" and not csv_header(path):
+        if fields is None:
+            raise RecordingError(
+                f"{path} has no nvidia-smi CSV header line; for a headerless (noheader) log, pass its columns "
+                "in order with --fields, e.g. --fields timestamp,index,utilization.gpu"
+            )
+        columns = [f.name for f in parse_fields(fields)]
     if wanted is None:
         # What `stream --output` recorded; else the default preset when the recording has it, else every column.
         probe = Replay(path, speed=speed, gpus=ids, loop=loop, tz=tz)
@@ -489,30 +654,30 @@ def _open_live(
     rule_fields: tuple[Field, ...],
     ids: tuple[str, ...] | None,
     seconds: float,
-    pump_stop: threading.Event,
 ) -> tuple[SampleSource, tuple[Field, ...], str]:
-    """One long-lived nvidia-smi as a source (its restart backoff ends with ``pump_stop``), its fields, a title."""
+    """One long-lived nvidia-smi as a source (its restart backoff ends when it is closed), its fields, a title."""
     from smiquery.streams.sync import Stream
 
     flds = parse_fields(fields, rule_fields)
-
-    def nap(seconds: float) -> None:
-        pump_stop.wait(seconds)
-
     live_source = Stream(
         [f.name for f in flds],
         interval=seconds,
         gpus=ids,
         nvidia_smi=settings.nvidia_smi,
         stall_timeout=max(settings.timeout, 3 * seconds),
-        sleep=nap,
         retry=RetryPolicy(fail_fast=True),
     )
     return live_source, live_source.fields, f"smiquery stream · every {seconds:g} s · {live_source.argv[0]}"
 
 
 def _open_outputs(
-    flds: tuple[Field, ...], fmt: str | None, title: str, rules: Sequence[Rule], *, stale_after: float
+    source: SampleSource,
+    flds: tuple[Field, ...],
+    fmt: str | None,
+    title: str,
+    rules: Sequence[Rule],
+    *,
+    stale_after: float,
 ) -> _Run:
     """stdout as CSV, JSONL, the live table or a static table (the recorder of ``--output`` joins later)."""
     from smiquery.alerts import BUILTIN_RULES, AlertEvaluator, Rule
@@ -521,7 +686,7 @@ def _open_outputs(
     from smiquery.recordings import CsvWriter, JsonlWriter
 
     out = sys.stdout
-    form = fmt or choose_format(None, out)
+    form = choose_format(fmt, out)
     writers: list[SampleWriter] = []
     live: LiveTable | None = None
     evaluator = AlertEvaluator(rules) if rules else None
@@ -536,11 +701,10 @@ def _open_outputs(
         )
     # stderr on the live table's terminal: a line there would tear the table, so events go to its footer
     in_footer = live is not None and is_tty(sys.stderr)
-    return _Run(writers, live, form == "table" and live is None, flds, evaluator, events_in_footer=in_footer)
+    return _Run(source, writers, live, form == "table" and live is None, flds, evaluator, events_in_footer=in_footer)
 
 
-# Health colours the live table shows without any --alert: the built-in rules, and ECC errors the driver could not
-# correct or pages waiting to be retired (both mean the GPU needs attention now).
+# Health colours the live table shows without any --alert: the built-in rules, uncorrected ECC errors, pending pages.
 _LIVE_HEALTH = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pending == Yes")
 
 
@@ -549,11 +713,10 @@ def _live_processes(
 ) -> Latest[dict[int, list[str]]]:
     """The poller of the live table's processes: ``--query-compute-apps`` every 2 s (or the interval if longer).
 
-    It starts with the first sweep, so that its nvidia-smi calls do not slow the stream's own start; a failed poll
-    leaves the table without new processes.
+    It is started with the first sweep (its nvidia-smi calls do not slow the stream's start).
     """
     from smiquery.cli.gpuview import process_label
-    from smiquery.cli.ps.proc import ProcCache
+    from smiquery.cli.ps import ProcCache
     from smiquery.sources.apps import processes
     from smiquery.sources.latest import Latest
 
@@ -572,232 +735,3 @@ def _live_processes(
     live.show_processes = True
     every = max(2.0, seconds)
     return Latest(labels, every, name="listing the live table's processes", on_value=live.set_processes)
-
-
-def _notifier(run: _Run, on_alert: Sequence[str], settings: Settings) -> Notifier:
-    """The handlers of ``--on-alert``, behind the run's alert evaluator."""
-    from smiquery.alerts import Notifier, handler_from_spec
-
-    if run.evaluator is None:
-        raise UsageError("--on-alert needs at least one --alert rule")
-    try:
-        handlers = [handler_from_spec(spec, nvidia_smi=settings.nvidia_smi) for spec in on_alert]
-    except ValueError as exc:
-        raise UsageError(f"--on-alert: {exc}") from None
-    return Notifier(run.evaluator, handlers)
-
-
-def _replay_columns(path: Path, fields: str | None) -> list[str] | None:
-    """The columns of a headerless CSV log (from ``--fields``), or None for a recording that names its own.
-
-    Raises:
-        RecordingError: a headerless log and no ``--fields``.
-    """
-    from smiquery.errors import RecordingError
-    from smiquery.recordings import csv_header, detect_format
-
-    if not path.is_file() or path.stat().st_size == 0 or detect_format(path) != "csv" or csv_header(path):
-        return None  # Replay reports a missing file; a header names the columns
-    if fields is None:
-        raise RecordingError(
-            f"{path} has no nvidia-smi CSV header line; for a headerless (noheader) log, pass its columns "
-            "in order with --fields, e.g. --fields timestamp,index,utilization.gpu"
-        )
-    return [f.name for f in parse_fields(fields)]
-
-
-_TICK = 0.1  # seconds the main thread waits for a sweep before it looks at the clock, signals and the table
-
-
-def _pump_loop(
-    source: SampleSource,
-    run: _Run,
-    *,
-    count: int | None,
-    stop_after: float | None,
-    interval: float,
-    stop: threading.Event,
-) -> int:
-    """Consume the source's sweeps until it ends, ``--count``/``--duration`` is reached, an alert exits, or a signal.
-
-    Returns:
-        The exit code (0, 6, 130 or 143); a source failure is raised after the outputs are closed.
-    """
-    from smiquery.cli.keys import KeyReader
-
-    loop = _Loop(source, run)
-    unsubscribe = source.subscribe(lambda ev: loop.items.put(SourceEvent(ev)))
-    deadline = time.monotonic() + stop_after if stop_after is not None else None
-    keys = KeyReader(lambda key: loop.items.put(Key(key))) if run.live is not None else contextlib.nullcontext()
-    thread: threading.Thread | None = None
-    with Signals() as sigs, keys:
-        try:
-            for w in run.writers:  # a recording has its header even if it ends before its first row
-                header = getattr(w, "header", None)
-                if header is not None:
-                    header()
-            thread = start_pump(source.sweeps, loop.items, name="smiquery-pump", stop=stop)
-            if run.live is not None:
-                run.live.redraw(loop.stats())
-            while loop.step(sigs, deadline, count):
-                pass
-        except BrokenPipeError:
-            quiet_stdout()
-            loop.code = 0
-        finally:
-            sigs.closing = True  # from here on a signal changes nothing: the outputs are finished first
-            stop.set()
-            with contextlib.suppress(Exception):
-                source.close()  # reaps nvidia-smi
-            if thread is not None:
-                thread.join(max(5.0, 2 * interval))
-            unsubscribe()
-            loop.finish()
-            if sigs.signum is not None and loop.code == 0 and loop.failure is None:
-                loop.code = sigs.exit_code
-    if loop.failure is not None:
-        raise loop.failure
-    return loop.code
-
-
-@dataclass
-class _Loop:
-    """The main thread's side of a run: the items the reader thread hands over, and how the loop ended."""
-
-    source: SampleSource
-    run: _Run
-    items: queue.SimpleQueue[object] = field(default_factory=queue.SimpleQueue)
-    code: int = 0
-    #: the failure to raise once the outputs are closed
-    failure: BaseException | None = None
-
-    def stats(self) -> dict[str, object]:
-        st = self.source.stats
-        return {
-            "rows": st.rows,
-            "sweeps": self.run.sweeps,
-            "restarts": st.restarts,
-            "dropped_rows": st.dropped_rows,
-            "lost_gpus": set(st.lost_gpus),
-            "last_error": st.last_error,
-            "state": st.state,
-            "next_retry_at": st.next_retry_at,
-        }
-
-    def draw(self, live: LiveTable) -> None:
-        live.redraw(self.stats())
-        self.run.last_draw = time.monotonic()
-
-    def step(self, sigs: Signals, deadline: float | None, count: int | None) -> bool:
-        """Take one item from the reader (or redraw while none comes); False when the loop ends."""
-        run = self.run
-        if sigs.signum is not None:
-            self.code = sigs.exit_code
-            return False
-        wait = _TICK if deadline is None else min(_TICK, deadline - time.monotonic())
-        if wait <= 0:
-            return False
-        try:
-            item = self.items.get(timeout=wait)
-        except queue.Empty:
-            if run.live is not None and time.monotonic() - run.last_draw >= 0.5:
-                self.draw(run.live)
-            return True
-        if isinstance(item, Key):
-            if run.live is not None and run.live.view.key(item.name):
-                self.draw(run.live)
-            return True
-        if item is END:
-            return False
-        if isinstance(item, SourceEvent):
-            ev = item.event
-            fatal = run.check_error(ev.error) if run.check_error and ev.error is not None else None
-            if fatal is None:
-                run.events(ev)
-                return True
-            self.failure = fatal
-        elif isinstance(item, Failure):
-            self.failure = item.exc
-        else:
-            if self.take_sweep(item) and run.exit_on_alert:  # type: ignore[arg-type]
-                self.code = ExitCode.ALERT
-                return False
-            return count is None or run.sweeps < count
-        run.events.discard()
-        return False
-
-    def finish(self) -> None:
-        """Tell the events that came with the end, close the alert handlers, writers and the live table."""
-        run = self.run
-        if run.processes is not None:
-            run.processes.close(2.0)
-        while not self.items.empty():  # events that came with the end (the error that ended it is raised instead)
-            left_over = self.items.get_nowait()
-            if isinstance(left_over, SourceEvent):
-                run.events(left_over.event)
-        if self.failure is None:
-            run.events.flush()
-        run.events.discard()
-        for handler in run.notifier.handlers if run.notifier is not None else ():
-            close = getattr(handler, "close", None)
-            if callable(close):
-                with contextlib.suppress(Exception):
-                    close()  # bounded: a dead webhook or a snapshot in progress gets ~2 s
-        for w in run.writers:
-            try:
-                w.close()
-            except BrokenPipeError:
-                quiet_stdout()
-            except Exception as exc:
-                self.failure = self.failure or exc
-        if run.live is not None:
-            with contextlib.suppress(OSError, ValueError):
-                if self.code == 0 and self.failure is None:
-                    self.draw(run.live)
-            run.live.close()
-
-    def take_sweep(self, sweep: Sweep) -> bool:
-        """Write one sweep everywhere, evaluate the alerts and draw; True when an alert fired."""
-        run = self.run
-        run.events.flush()
-        now = None
-        if run.live_time and (run.evaluator is not None or run.live is not None):
-            from smiquery.alerts import arrival
-
-            now = arrival(sweep)
-        fired = False
-        for sample in sweep:
-            fired = self.take_sample(sample, now) or fired
-        run.sweeps += 1
-        if run.processes is not None:
-            run.processes.start()  # with the first sweep; once
-        if run.live is not None:
-            run.live.update(sweep, now)
-            if time.monotonic() - run.last_draw >= 0.1:
-                self.draw(run.live)
-        elif run.static_table:
-            from smiquery.cli.display import sample_table, use_color
-
-            lines = [*sample_table(list(sweep), run.fields, color=use_color(sys.stdout)), ""]
-            sys.stdout.write("".join(line + "\n" for line in lines))
-            sys.stdout.flush()
-        return fired
-
-    def take_sample(self, sample: GpuSample, now: float | None) -> bool:
-        """Write one sample everywhere and evaluate the alerts (``now``: its arrival, live); True if one fired."""
-        run = self.run
-        for w in run.writers:
-            w.write(sample)
-        fired = False
-        if run.evaluator is not None:
-            if run.notifier is not None:
-                run.notifier.observe(sample)
-            for ev in run.evaluator.update(sample, now):
-                if run.notifier is not None:
-                    run.notifier.dispatch(ev, {"source": "smiquery stream"})
-                if run.live is not None:
-                    run.live.note(ev)
-                if run.live is None or not run.events_in_footer:
-                    say(f"smiquery: {ev.message()}")
-                fired = fired or ev.state == "firing"
-        return fired

@@ -350,7 +350,7 @@ def test_64_processes_at_80x24_keep_the_footer_say_what_is_shown_and_scroll(monk
     import re
 
     from smiquery.cli import display
-    from smiquery.cli.ps.watch import _Live
+    from smiquery.cli.ps import _Live
 
     monkeypatch.setattr(display, "terminal_size", lambda: (80, 24))
     out = io.StringIO()

@@ -1,36 +1,138 @@
-"""``smiquery ps --watch``: per-process GPU use from one supervised ``nvidia-smi pmon``, refreshed every interval."""
+"""``smiquery ps``: the compute processes on each GPU, with their user, command line and CPU use from /proc.
+
+``--watch`` shows which of them keep each GPU busy, live, from ``nvidia-smi pmon`` (several children, 4 GPUs each).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
+import math
+import os
 import queue
 import re
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from enum import Enum
-from typing import IO, TYPE_CHECKING, Any, Literal, cast
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Annotated, Any, Literal, cast
 
-from smiquery.cli._boundary import cli_text, quiet_stdout, say
-from smiquery.cli._options import Settings, choose_format, gpu_ids_checked, is_tty, parse_gpus
+import typer
+
+from smiquery.cli._boundary import boundary, cli_text, quiet_stdout, say
+from smiquery.cli._common import FormatOpt, GpusOpt, app, settings_of
+from smiquery.cli._options import Settings, choose_format, gpu_ids_checked, is_tty, parse_gpus, parse_seconds
 from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
 from smiquery.cli.keys import KEY_HELP, KeyReader, Viewport
-from smiquery.cli.ps.proc import ProcCache
-from smiquery.errors import NotSupportedError, NvidiaSmiFailedError, StreamEndedError
+from smiquery.errors import NotSupportedError, NvidiaSmiFailedError, StreamEndedError, UsageError
 from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from smiquery.cli.display import Column
-    from smiquery.runner import Completed, LineSource
+    from smiquery.runner import LineSource, Runner
     from smiquery.source import StreamEvent
     from smiquery.sources.pmon import PmonRow
 
-__all__ = ["PsSort", "watch"]
+__all__ = ["ProcCache", "ProcInfo", "PsSort", "matches_process", "pmon_interval", "proc_info", "ps", "run_watch"]
+
+_CPU_WINDOW = 0.1  # seconds between the two reads of a process's CPU time
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    """What /proc tells about one process (``cpu_percent``: of one core, over 0.1 s); None where it cannot."""
+
+    user: str | None = None
+    command: str | None = None
+    cpu_percent: float | None = None
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    # the command name in brackets may hold spaces: the fields after it start at the last ')'
+    fields = stat.rpartition(")")[2].split()
+    try:
+        return int(fields[11]) + int(fields[12])  # utime + stime
+    except (IndexError, ValueError):
+        return None
+
+
+def matches_process(name: str | None, proc: Path, argv: Sequence[str]) -> bool:
+    """Whether /proc/PID is the process nvidia-smi named (in a container, PIDs are the host's)."""
+    if not name:
+        return True
+    want = os.path.basename(name.split()[0]) if name.split() else name
+    try:
+        comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        comm = ""
+    seen = {comm, *(os.path.basename(a) for a in argv[:2])}
+    return any(want == s or (len(comm) == 15 and want.startswith(s)) for s in seen if s)
+
+
+def _identity(pid: int, name: str | None) -> ProcInfo | None:
+    """User and command line of ``pid``, or None when /proc cannot tell or it is another process than ``name``."""
+    from smiquery.sources.pmon import process_user
+
+    proc = Path(f"/proc/{pid}")
+    try:
+        raw = (proc / "cmdline").read_bytes()
+    except OSError:
+        return None
+    argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
+    if not matches_process(name, proc, argv):
+        return None  # another PID namespace: this pid is someone else here
+    return ProcInfo(process_user(pid), " ".join(argv) or None)
+
+
+def proc_info(processes: Mapping[int, str | None]) -> dict[int, ProcInfo]:
+    """User, command line and CPU use of each pid (-> the name nvidia-smi gave it); all None where unreadable."""
+    first: dict[int, int] = {}
+    out: dict[int, ProcInfo] = {}
+    start = time.monotonic()
+    for pid, name in processes.items():
+        info = _identity(pid, name)
+        out[pid] = info or ProcInfo()
+        ticks = _cpu_ticks(pid) if info is not None else None
+        if ticks is not None:
+            first[pid] = ticks
+    if first:
+        time.sleep(max(0.0, _CPU_WINDOW - (time.monotonic() - start)))
+        elapsed = time.monotonic() - start
+        hz = os.sysconf("SC_CLK_TCK")
+        for pid, before in first.items():
+            after = _cpu_ticks(pid)
+            if after is not None and elapsed > 0:
+                info = out[pid]
+                out[pid] = ProcInfo(info.user, info.command, round(100.0 * (after - before) / hz / elapsed, 1))
+    return out
+
+
+class ProcCache:
+    """User and full command line of each pid from /proc, read once per process (a pid seen again is cached)."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, str | None], ProcInfo | None] = {}
+
+    def lookup(self, pid: int, name: str | None) -> tuple[str | None, str | None]:
+        """(user, command line) of ``pid``; None for what /proc cannot tell or when it is another process."""
+        key = (pid, name)
+        if key not in self._known:
+            self._known[key] = _identity(pid, name)
+        info = self._known[key]
+        return (info.user, info.command) if info is not None else (None, None)
+
+    def keep(self, pids: set[tuple[int, str | None]]) -> None:
+        """Forget processes no longer listed (their pids may be reused)."""
+        self._known = {k: info for k, info in self._known.items() if k in pids}
+
 
 _MAX_GPUS = 4  # nvidia-smi pmon watches at most four devices
 _DESCENDING = frozenset({"sm", "mem", "fb"})  # busiest first; pid and gpu ascend
@@ -112,21 +214,15 @@ class _PmonLines:
         return line
 
 
-class _PmonRunner:
+def _pmon_runner() -> Runner:
     """The real runner, with :class:`_PmonLines` around each pmon child."""
+    from smiquery.runner import SubprocessRunner
 
-    def __init__(self) -> None:
-        from smiquery.runner import SubprocessRunner
+    class PmonRunner(SubprocessRunner):
+        def lines(self, argv: Sequence[str]) -> LineSource:  # type: ignore[override]
+            return cast("LineSource", _PmonLines(super().lines(argv)))
 
-        self._inner = SubprocessRunner()
-
-    def run(self, argv: Sequence[str], timeout: float) -> Completed:
-        """Run to completion (unchanged)."""
-        return self._inner.run(argv, timeout)
-
-    def lines(self, argv: Sequence[str]) -> LineSource:
-        """Start a child and watch its lines."""
-        return cast("LineSource", _PmonLines(self._inner.lines(argv)))
+    return PmonRunner()
 
 
 def _event_line(event: StreamEvent) -> str | None:
@@ -380,25 +476,20 @@ def _gpu_groups(ids: tuple[str, ...] | None, settings: Settings) -> list[tuple[s
     return [ids[i : i + _MAX_GPUS] for i in range(0, len(ids), _MAX_GPUS)]
 
 
-def watch(
+def run_watch(
     settings: Settings,
     *,
     gpus: str | None,
     interval: int,
     count: int | None,
     sort: str,
-    fmt: Enum | None,
+    fmt: str | None,
     duration: float | None = None,
 ) -> int:
     """Run ``ps --watch`` until ``count`` refreshes (``interval`` s apart), ``duration``, a signal or a fault.
 
-    Returns:
-        The exit code (0, 130 after Ctrl-C, 143 after SIGTERM).
-
-    Raises:
-        SmiqueryError: nvidia-smi pmon said it is unsupported, or failed before the first refresh in a way a
-            restart cannot fix (or kept failing: see :data:`~smiquery.retry.FAIL_FAST_ATTEMPTS`). Once refreshes
-            have been shown, other failures are retried under the stream's policy.
+    Returns the exit code (0, 130, 143). Raises the SmiqueryError when pmon is unsupported, or failed before the
+    first refresh in a way a restart cannot fix; later failures are retried under the stream's policy.
     """
     from smiquery.streams.pmon import stream
 
@@ -417,7 +508,7 @@ def watch(
             # interactive: a fault before the first refresh ends the command with its typed error
             retry=RetryPolicy(fail_fast=True),
             on_event=lambda ev: items.put(SourceEvent(ev)),
-            runner=_PmonRunner(),
+            runner=_pmon_runner(),
         )
         for group in _gpu_groups(ids, settings)
     ]
@@ -491,3 +582,147 @@ def watch(
         with gpu_ids_checked(ids, settings):
             raise _final_error(failure) from None
     return code
+
+
+@app.command(
+    epilog="""\b
+User, command line and CPU% come from /proc; they show as n/a (null in
+JSON) where /proc cannot tell: another PID namespace (a container), or
+no permission.
+
+\b
+--watch runs nvidia-smi pmon, one child per 4 GPUs (pmon's limit), so every
+GPU (or each of --gpus) is watched, and shows every process's SM %,
+memory-controller % and GPU memory,
+refreshed every --interval (1 to 10 s): redrawn in place on a terminal; piped,
+one block per refresh (CSV rows under one header, JSON lines, a JSON array
+per line with --format json, or a table with --format table), flushed each
+time so `| head` works. An instant is known whole when pmon starts the next
+one, so the view lags one interval. Values pmon does not give show as n/a
+(--sort puts them last). Restarts of pmon print one line each on stderr;
+Ctrl-C stops cleanly (exit 130).
+
+\b
+Examples:
+  smiquery ps
+  smiquery ps --gpus 0 --format json
+  smiquery ps --watch --sort fb
+  smiquery ps --watch --interval 5s --duration 1m --format csv > busy.csv
+"""
+)
+def ps(
+    ctx: typer.Context,
+    gpus: GpusOpt = None,
+    fmt: FormatOpt = None,
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Live per-process GPU use (SM %, memory) from nvidia-smi pmon.")
+    ] = False,
+    interval: Annotated[
+        str | None,
+        typer.Option(
+            "--interval",
+            "-l",
+            metavar="DURATION",
+            help="--watch: time between refreshes: 1, 2s, 5 (pmon refreshes every 1 to 10 whole seconds; a shorter "
+            "or fractional one is rounded up, with a note). [default: 1]",
+            show_default=False,
+        ),
+    ] = None,
+    duration: Annotated[
+        str | None,
+        typer.Option("--duration", "-d", metavar="DURATION", help="--watch: stop after this long: 30s, 10m, 1h."),
+    ] = None,
+    count: Annotated[
+        int | None, typer.Option("--count", "-n", min=1, metavar="N", help="--watch: stop after N refreshes.")
+    ] = None,
+    sort: Annotated[
+        PsSort | None,
+        typer.Option(
+            "--sort",
+            "-s",
+            case_sensitive=False,
+            help="--watch: order by sm, mem, fb (GPU memory; these busiest first), pid or gpu. [default: sm]",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """List compute processes per GPU: memory, user, CPU% and command line (like `gpustat -upc`).
+
+    One row per process holding GPU memory, sorted by GPU index, then pid. With --watch: which processes keep
+    each GPU busy, live (like `nvtop`'s process list).
+    """
+    settings = settings_of(ctx)
+    with boundary(settings.debug):
+        if watch:
+            code = run_watch(
+                settings,
+                gpus=gpus,
+                interval=pmon_interval(interval),
+                count=count,
+                duration=parse_seconds(duration, "--duration") if duration is not None else None,
+                sort=sort or "sm",
+                fmt=fmt,
+            )
+            if code:
+                raise typer.Exit(code)
+            return
+        options = (("--interval", interval), ("--duration", duration), ("--count", count), ("--sort", sort))
+        given = [name for name, value in options if value]
+        if given:
+            verb = "goes" if len(given) == 1 else "go"
+            raise UsageError(f"{' and '.join(given)} only {verb} with --watch; add --watch")
+        from smiquery.cli.display import UNKNOWN_USER, Column, render, use_color
+        from smiquery.sources.apps import processes
+
+        ids = parse_gpus(gpus)
+        form = choose_format(fmt, sys.stdout)
+        with gpu_ids_checked(ids, settings):
+            procs = processes(gpus=ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
+        info = proc_info({p.pid: p.process_name for p in procs if p.pid is not None})
+        records: list[dict[str, object]] = []
+        for p in procs:
+            extra = info.get(p.pid, ProcInfo()) if p.pid is not None else ProcInfo()
+            rec: dict[str, object] = {
+                "gpu_index": p.gpu_index,
+                "gpu_uuid": p.gpu_uuid,
+                "pid": p.pid,
+                "user": extra.user,
+                "cpu_percent": extra.cpu_percent,
+                "used_memory": p.used_memory,
+                "process_name": p.process_name,
+                "command": extra.command,
+            }
+            if p.missing:
+                rec["_missing"] = dict(p.missing)
+            records.append(rec)
+        table = form == "table"
+        columns = [
+            Column("gpu_index", "gpu" if table else "gpu_index", right=True),
+            *([] if table else [Column("gpu_uuid")]),
+            Column("pid", right=True),
+            Column("user", missing=UNKNOWN_USER),
+            Column("cpu_percent", "cpu" if table else "cpu_percent", unit="%", right=True),
+            Column("used_memory", "used_memory" if not table else "gpu mem", unit="MiB", right=True),
+            Column("process_name", "process" if table else "process_name"),
+            Column("command"),
+        ]
+        text = render(records, form, columns=columns, color=use_color(sys.stdout), empty="no compute processes")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def pmon_interval(text: str | None) -> int:
+    """``--interval`` as pmon takes it: whole seconds, 1 to 10 (shorter or fractional: rounded up, with a note).
+
+    Raises:
+        UsageError: not a duration, or longer than 10 s.
+    """
+    if text is None:
+        return 1
+    seconds = parse_seconds(text, "--interval")
+    if seconds > 10:
+        raise UsageError(f"--interval: nvidia-smi pmon refreshes at most every 10 s, not {text}; use 1 to 10 s")
+    whole = max(1, math.ceil(seconds - 1e-9))
+    if whole != seconds:
+        say(f"smiquery: note: nvidia-smi pmon refreshes every whole second (1 to 10); using {whole} s for {text}")
+    return whole

@@ -1,1 +1,0 @@
-"""``smiquery ps``: the command (:mod:`.command`), /proc look-ups (:mod:`.proc`) and ``--watch`` (:mod:`.watch`)."""
