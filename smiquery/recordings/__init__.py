@@ -124,16 +124,8 @@ def open_recording(
         raise UsageError(
             f"--output {os.fspath(path)}: cannot tell the format from the name; name it .csv, .jsonl or .parquet"
         )
-    options: dict[str, Any] = {
-        "policy": policy,
-        "rotate_bytes": rotate_bytes,
-        "rotate_seconds": rotate_seconds,
-        "keep": keep,
-        "flush_every": flush_every,
-        "rules": tuple(rules),
-    }
-    if say is not None:
-        options["say"] = say
+    options: dict[str, Any] = {"policy": policy, "keep": keep, "flush_every": flush_every, "say": say, "rules": rules}
+    options |= {"rotate_bytes": rotate_bytes, "rotate_seconds": rotate_seconds}
     if kind == "parquet":
         return ParquetDataset(path, fields, **options)
     return TextRecorder(path, fields, kind="csv" if kind == "csv" else "jsonl", **options)

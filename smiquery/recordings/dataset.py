@@ -42,10 +42,6 @@ _PART_RE = re.compile(r"^part-(\d+)\.parquet$")
 _CLOSING_RE = re.compile(r"^_closing-(\d+)\.jsonl$")
 
 
-def _quiet(line: str) -> None:
-    """The default of ``say``: nothing."""
-
-
 def is_dataset(path: str | os.PathLike[str]) -> bool:
     """True for a folder ``smiquery stream --output X.parquet`` wrote (it holds ``_smiquery.json``)."""
     return os.path.isfile(os.path.join(path, META))
@@ -115,7 +111,7 @@ class ParquetDataset:
         keep: int | None = None,
         flush_every: float = 10.0,
         part_rows: int = 50_000,
-        say: Callable[[str], None] = _quiet,
+        say: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rules: Sequence[str] = (),
     ) -> None:
@@ -129,7 +125,7 @@ class ParquetDataset:
         self.rotate_seconds = rotate_seconds if rotate_seconds is not None else 3600.0
         self.keep = keep
         self.part_rows = part_rows
-        self.say = say
+        self.say = say or (lambda line: None)
         self.clock = clock
         self._flush_every = flush_every
         self._closed = False
@@ -181,17 +177,6 @@ class ParquetDataset:
             return
         check_columns(self.path, read_meta(self.path / META).get("fields"), self.fields)
 
-    def _new_journal(self) -> TextRecorder:
-        return TextRecorder(
-            self.path / JOURNAL,
-            self.fields,
-            kind="jsonl",
-            policy="append",
-            flush_every=self._flush_every,
-            say=self.say,
-            clock=self.clock,
-        )
-
     def reopen(self) -> None:
         """Close the open part before the next row (SIGHUP). Signal-safe."""
         self._reopen = True
@@ -220,13 +205,19 @@ class ParquetDataset:
     def _roll(self) -> None:
         journal = self.path / JOURNAL
         if journal.exists() and journal.stat().st_size > 0:
-            os.replace(journal, self.path / f"_closing-{self._next_number():06d}.jsonl")
+            found = (_PART_RE.match(p.name) or _CLOSING_RE.match(p.name) for p in self.path.iterdir())
+            number = max((int(m.group(1)) for m in found if m), default=0) + 1
+            os.replace(journal, self.path / f"_closing-{number:06d}.jsonl")
         self._close_leftovers()
-        self._journal = self._new_journal()
-
-    def _next_number(self) -> int:
-        found = (_PART_RE.match(p.name) or _CLOSING_RE.match(p.name) for p in self.path.iterdir())
-        return max((int(m.group(1)) for m in found if m), default=0) + 1
+        self._journal = TextRecorder(
+            journal,
+            self.fields,
+            kind="jsonl",
+            policy="append",
+            flush_every=self._flush_every,
+            say=self.say,
+            clock=self.clock,
+        )
 
     def _close_leftovers(self) -> None:
         """Make parts of the closing journals (also a killed recorder's, on --append)."""
