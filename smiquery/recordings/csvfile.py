@@ -569,11 +569,7 @@ class ArrowCsvReader:
 
 
 class CsvWriter(LineWriter):
-    """Writes samples in nvidia-smi's own ``--format=csv`` layout: the header with units, then one line per sample.
-
-    ``fields`` are the columns (the samples' fields, in order); the rest is :class:`LineWriter`'s.
-    ``smiquery.read_csv``, ``--replay`` and :class:`~smiquery.sources.query_gpu.CsvParser` read the result back.
-    """
+    """Writes samples (of ``fields``, in order) in nvidia-smi's ``--format=csv`` layout: header with units, rows."""
 
     def __init__(self, out: IO[str], fields: Sequence[Field], *, flush: bool = True, owns: bool = False) -> None:
         super().__init__(out, flush=flush, owns=owns)
@@ -596,9 +592,9 @@ class CsvWriter(LineWriter):
 
 
 def csv_header(path: str | os.PathLike[str]) -> tuple[str, ...] | None:
-    """The canonical field names of a CSV recording's header line, in order; None for no header (or no line).
+    """The field names of a CSV recording's header line (read from its head only); None for no header or line.
 
-    Only the head of the file is read. Raises RecordingError when it cannot be read.
+    Raises RecordingError when it cannot be read.
     """
     try:
         layout = probe_layout(CsvInput(path), None, RECORDED_WITHOUT_ZONE)
@@ -617,25 +613,19 @@ def read_csv(
 ) -> pd.DataFrame:
     """Read a recorded ``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` file into a DataFrame.
 
-    Gives the same columns, dtypes and ``attrs`` as :func:`to_dataframe` of the parsed records, plus
-    ``attrs["notices"]`` (driver notice lines such as ``WARNING: infoROM is corrupted...``). With pyarrow
-    installed (``smiquery[fast]``) the file is converted column by column with vectorised kernels; without it the
-    pure-Python :class:`~smiquery.sources.query_gpu.CsvParser` reads it (same result, slower; but past the first
-    4,000 rows the fast path reads a ``0x`` number in an integer column as hex, which the parser rejects).
+    The columns, dtypes and ``attrs`` of :func:`to_dataframe`, plus ``attrs["notices"]`` (driver notice lines such
+    as ``WARNING: infoROM is corrupted...``), one row per readable data line. Unreadable lines (a killed
+    recorder's torn last line, a garbled line, a row of the wrong width or with a value that does not fit) are
+    skipped and counted in ``attrs["skipped"]`` (a :class:`~smiquery.recordings.SkippedLines`). With pyarrow
+    (``smiquery[fast]``) vectorised kernels convert it; without, :class:`~smiquery.sources.query_gpu.CsvParser`
+    (same result, slower; but past 4,000 rows the fast path reads a ``0x`` number in an integer column as hex).
 
     Args:
         path_or_buffer: a path, or an open file in binary or text mode.
         fields: the queried fields (names, aliases, a preset or a comma list), required for ``noheader``
-            output; when the file has a header as well, it must match them.
-        tz: the time zone the recording was made in (a ``tzinfo`` or an IANA name such as ``"Europe/Berlin"``):
-            timestamps become aware in that zone. Default None: nvidia-smi prints the recording host's wall-clock
-            time with no zone, and the column stays naive (``datetime64[ns]``), exactly as recorded.
-
-    Returns:
-        One row per readable data line. Lines that cannot be read (the torn last line of a killed recorder, a
-        garbled line, a row of the wrong width or with a value that does not fit its field) are skipped;
-        ``attrs["skipped"]`` is then a :class:`~smiquery.recordings.SkippedLines` with their count and the first
-        one's line number.
+            output; a header must match them.
+        tz: the zone the recording was made in (a ``tzinfo`` or an IANA name): timestamps become aware in it.
+            Default: naive (``datetime64[ns]``), nvidia-smi's wall-clock time exactly as recorded.
 
     Raises:
         ParseError: there is neither a header nor ``fields``, or the header does not match ``fields``.
@@ -708,13 +698,9 @@ def _read_csv_python(
 
 
 def read_csv_recording(path: str, fields: Sequence[Field] | None, tz: tzinfo | None) -> tuple[pd.DataFrame, bool]:
-    """A CSV recording as :func:`smiquery.recordings.read_recording` reads it: by its header, else by ``fields``.
+    """A CSV recording by its header, else by ``fields`` (a headerless log's columns); and whether ``fields`` did.
 
-    ``fields`` are the columns of a headerless log, in order (None: it must have a header); ``tz`` the zone it was
-    made in (None: as recorded). Returns the frame, and whether ``fields`` named its columns.
-
-    Raises:
-        RecordingError: no header and no ``fields``, rows that do not fit ``fields``, or no readable row.
+    Raises RecordingError: no header and no ``fields``, rows that do not fit ``fields``, or no readable row.
     """
     try:
         return read_csv(path, tz=tz), False
@@ -742,13 +728,10 @@ def read_csv_samples(
     columns: Sequence[Field] | None = None,
     tz: tzinfo | None = None,
 ) -> Iterator[GpuSample]:
-    """The samples of an open CSV recording (``source`` names it), line by line.
+    """The samples of an open CSV recording (``source`` names it), line by line; unreadable ones go to ``on_drop``.
 
-    An unreadable line is skipped and its error given to ``on_drop``. ``columns`` are those of a headerless log, in
-    order; ``tz`` the zone of the timestamps (None: naive, as recorded).
-
-    Raises:
-        ReplayError: no header and no ``columns``, or a header that does not fit ``columns``.
+    ``columns``: a headerless log's, in order; ``tz``: the timestamps' zone (None: naive, as recorded). Raises
+    ReplayError for no header and no ``columns``, or a header that does not fit ``columns``.
     """
     parser = CsvParser(columns, strict=False, tz=tz if tz is not None else RECORDED_WITHOUT_ZONE)
     try:

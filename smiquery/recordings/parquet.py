@@ -46,13 +46,11 @@ def write_table(table: Any, attrs: Mapping[str, Any], missing: Mapping[str, Mapp
 
 
 class ParquetWriter:
-    """Records samples to one Parquet file (pandas and pyarrow are imported on first use).
+    """Records samples to one Parquet file, with the columns and ``df.attrs`` of :func:`~smiquery.frames.to_dataframe`.
 
     It holds every row in memory and rewrites the file (aside, then renamed over it) every ``chunk_rows`` samples
-    or ``chunk_seconds`` seconds and on :meth:`close`: the file is always whole, and a crash loses at most the last
-    chunk. Fine for short runs; for recordings left running use
-    :class:`~smiquery.recordings.dataset.ParquetDataset` (what ``stream --output x.parquet`` writes). Columns and
-    ``df.attrs`` are those of :func:`~smiquery.frames.to_dataframe`; ``pandas.read_parquet`` restores both.
+    or ``chunk_seconds`` seconds and on :meth:`close`: a crash loses at most the last chunk. For recordings left
+    running use :class:`~smiquery.recordings.dataset.ParquetDataset` (what ``stream --output x.parquet`` writes).
 
     Raises:
         OSError: the file cannot be written there (checked at once, like the CSV and JSONL writers do).

@@ -78,25 +78,14 @@ def fake_nvidia_smi(
     log: str | os.PathLike[str] | None = None,
     name: str = "nvidia-smi",
 ) -> pathlib.Path:
-    """Write an executable fake ``nvidia-smi`` into ``directory``.
+    """Write an executable fake ``nvidia-smi`` (file ``name``) into ``directory`` (created if missing); its path.
 
-    The script runs this Python interpreter (``sys.executable``) and replays ``recording`` in nvidia-smi's exact
-    CSV format, failing as ``fault`` says (:data:`FAULT_HELP` has every fault). The ``SMIQUERY_FAKE_*`` environment
-    variables override these settings when it runs (see :data:`ENV_VARS`).
-
-    ``docs/getting-started.md`` describes the faults about time and identity for stream engines.
-
-    Args:
-        directory: where to write it (created if missing).
-        recording: a ``--format=csv`` recording with header; None for the bundled 8-GPU demo.
-        fault: comma-separated fault specs from :data:`FAULTS`, e.g. ``"hang-after:8,ignore-term"``.
-        start_delay: seconds to sleep before any output (nvidia-smi's start-up cost).
-        apps: the compute-apps CSV; None for the bundled one, ``""`` for no processes.
-        log: a file to which every invocation appends one JSON line (``pid``, ``argv``, ``time``).
-        name: the file name.
-
-    Returns:
-        The path of the executable.
+    The script runs this Python interpreter and replays ``recording`` (a ``--format=csv`` file with header; None:
+    the bundled 8-GPU demo) in nvidia-smi's exact CSV format, failing as ``fault`` says (comma-separated specs,
+    e.g. ``"hang-after:8,ignore-term"``; :data:`FAULT_HELP` has every one). ``start_delay``: seconds before any
+    output; ``apps``: the compute-apps CSV (None: the bundled one, ``""``: no processes); ``log``: a file each
+    invocation appends one JSON line to (``pid``, ``argv``, ``time``). The ``SMIQUERY_FAKE_*`` environment
+    variables (:data:`ENV_VARS`) override these settings when it runs.
 
     Raises:
         ValueError: ``fault`` names an unknown fault or ``start_delay`` is negative.

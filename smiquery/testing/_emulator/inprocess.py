@@ -126,12 +126,10 @@ def _engine_thread(argv: Sequence[str], settings: Settings, env: Mapping[str, st
 
 
 class InProcessLines:
-    """The output of one in-process fake run, line by line: a ``LineSource`` without a process.
+    """The output of one in-process fake run, line by line (:meth:`InProcessRunner.lines`): a ``LineSource``.
 
-    Returned by :meth:`InProcessRunner.lines`; it ends and fails like the real line reader
-    (:class:`~smiquery.runner.lines.LineStream`). Loop intervals, start delays and hangs wait on the stop signal,
-    so :meth:`terminate` (unless the fault is ``ignore-term``), :meth:`kill` and :meth:`close` end the engine
-    thread at once. ``argv`` is the command as given; ``pid`` is always None; ``idle`` the seconds the last
+    It ends and fails like :class:`~smiquery.runner.lines.LineStream`; :meth:`terminate` (unless ``ignore-term``),
+    :meth:`kill` and :meth:`close` end the engine's waits at once. ``pid`` is None; ``idle`` is the seconds the last
     :meth:`readline` waited; ``closed`` is True once the end was read, or after :meth:`close`.
     """
 
@@ -163,9 +161,7 @@ class InProcessLines:
     def readline(self, timeout: float) -> str | None:
         """The next complete line; None if none came within ``timeout`` s or on :meth:`interrupt`.
 
-        Raises:
-            StreamEndedError: the output ended with exit 0, or after a stop was asked for.
-            NvidiaSmiFailedError: the output ended with a non-zero exit (its typed subclass).
+        Raises StreamEndedError at the end after exit 0 or a stop, else the exit's typed NvidiaSmiFailedError.
         """
         ch = self._ch
         deadline = time.monotonic() + max(timeout, 0.0)
@@ -261,20 +257,16 @@ class InProcessLines:
 
 
 class InProcessRunner:
-    """A runner that serves the fake ``nvidia-smi`` inside this process: the same engine, faults and recordings.
+    """A runner that serves the fake ``nvidia-smi`` on worker threads: the executable's engine, output and exits.
 
-    ``run()`` and ``lines()`` execute what the executable written by :func:`fake_nvidia_smi` executes, on a worker
-    thread instead of a child process, with the same output and exit statuses; hangs, start delays and loop
-    intervals are real waits that ``terminate``, ``kill`` and ``close`` cut short. Keep the executable for tests of
-    pipes, signals and reaping. ``argv[0]`` is ignored and no binary is looked up; ``grandchild`` does nothing
-    here. For code that takes no ``runner=``, see :func:`use_runner`.
-
-    ``recording``, ``fault``, ``start_delay``, ``apps`` and ``log`` mean what they mean to :func:`fake_nvidia_smi`;
-    they are attributes and may change between calls (``fault = None`` simulates a fix). The process environment
-    is not read: ``env`` holds ``SMIQUERY_FAKE_*`` overrides (see :data:`ENV_VARS`). :attr:`calls` holds the argv of
-    every call; ``reenumerate`` reloads are counted in :attr:`reloads`, not in a state file. Output waits for the
-    reader past 1 MiB unread, as a pipe does; :meth:`run` fails as the real runner does past
-    :data:`smiquery.runner.MAX_OUTPUT_BYTES`.
+    Waits (hangs, start delays, loop intervals) are real and cut short by ``terminate``, ``kill`` and ``close``;
+    ``argv[0]`` is ignored and ``grandchild`` does nothing (keep the executable for tests of pipes, signals and
+    reaping). ``recording``, ``fault``, ``start_delay``, ``apps`` and ``log`` are :func:`fake_nvidia_smi`'s, as
+    attributes that may change between calls (``fault = None`` simulates a fix); ``env`` holds the
+    ``SMIQUERY_FAKE_*`` overrides (the process environment is not read). :attr:`calls` holds every call's argv;
+    ``reenumerate`` reloads are counted in :attr:`reloads`. Output waits for the reader past 1 MiB unread, as a
+    pipe does, and :meth:`run` fails past :data:`smiquery.runner.MAX_OUTPUT_BYTES` as the real runner does.
+    For code that takes no ``runner=``, see :func:`use_runner`.
 
     Raises:
         ValueError: ``fault`` names an unknown fault or ``start_delay`` is negative.
@@ -338,11 +330,7 @@ class InProcessRunner:
             self._state.value = value
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
-        """Run the fake to completion within ``timeout`` seconds (``argv[0]`` is ignored).
-
-        Raises:
-            NvidiaSmiTimeoutError: it did not finish in time (its thread was stopped).
-        """
+        """Run the fake to completion; raises NvidiaSmiTimeoutError (its thread stopped) past ``timeout`` s."""
         from smiquery.runner import MAX_OUTPUT_BYTES, Completed, no_answer
 
         start = time.monotonic()
@@ -373,10 +361,7 @@ class InProcessRunner:
         return InProcessLines(argv, self._start(argv))
 
     def locate(self, nvidia_smi: str | os.PathLike[str] | None) -> str:
-        """``argv[0]`` for this runner: ``nvidia_smi`` as given (it need not exist), or ``nvidia-smi``.
-
-        :func:`smiquery.runner.find_nvidia_smi` calls it instead of searching PATH, since no binary is started.
-        """
+        """``argv[0]`` for :func:`~smiquery.runner.find_nvidia_smi` (no PATH search): ``nvidia_smi`` or nvidia-smi."""
         return "nvidia-smi" if nvidia_smi is None else os.fspath(nvidia_smi)
 
     def running(self) -> int:
@@ -399,11 +384,9 @@ class InProcessRunner:
 def use_runner(runner: _R) -> Iterator[_R]:
     """Run every nvidia-smi call that gets no ``runner=`` through ``runner``, in every thread, inside the block.
 
-    For code that builds its own runner: the CLI, the exporter, ``GpuMonitor``, the Keras and Lightning callbacks.
-    With an :class:`InProcessRunner`, no binary is looked up and no process is started. On exit the previous
-    default comes back (blocks nest); the runner is not closed. Code that passes its own ``runner=`` keeps it;
-    :mod:`smiquery.aio` starts its children with asyncio and is not covered. Nothing else changes the default, so
-    production code always runs the real nvidia-smi.
+    For code that builds its own runner: the CLI, the exporter, ``GpuMonitor``, the Keras and Lightning callbacks
+    (not :mod:`smiquery.aio`, which starts its children with asyncio). On exit the previous default comes back
+    (blocks nest); the runner is not closed.
     """
     from smiquery.runner import install_default
 
