@@ -19,17 +19,19 @@ from smiquery.frames import MissingReasons, SkippedLines, missing_reasons, set_z
 from smiquery.recordings.base import (
     RecordingFormat,
     SampleWriter,
+    Sources,
     check_file,
     detect_format,
+    expand_sources,
+    no_rows,
+    read_members,
     resolve_zone,
 )
 from smiquery.recordings.csvfile import CsvSource, CsvWriter, csv_header, read_csv, read_csv_recording
-from smiquery.recordings.dataset import ParquetDataset, is_dataset, read_dataset
 from smiquery.recordings.jsonl import JsonlWriter, json_value, read_jsonl, sample_from_json, sample_to_json
-from smiquery.recordings.parquet import ParquetWriter, read_parquet
+from smiquery.recordings.parquet import ParquetDataset, ParquetWriter, is_dataset, read_dataset, read_parquet
 from smiquery.recordings.playback import Replay, replay
 from smiquery.recordings.recorder import Policy, TextRecorder, recorded_rules, recorded_zone
-from smiquery.recordings.sets import Sources, expand_sources, no_rows, read_members
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -71,7 +73,7 @@ _WRITTEN = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "p
 def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> SampleWriter:
     """A writer for ``PATH`` (replaced if it exists), by suffix: ``.csv``, ``.jsonl``/``.ndjson``, ``.parquet``/``.pq``.
 
-    Parquet is a dataset folder (:class:`~smiquery.recordings.dataset.ParquetDataset`). ``stream --output`` uses
+    Parquet is a dataset folder (:class:`~smiquery.recordings.parquet.ParquetDataset`). ``stream --output`` uses
     :func:`open_recording` instead (refusal, append, rotation). Raises ValueError (an unknown suffix) or OSError.
     """
     kind = _WRITTEN.get(Path(path).suffix.lower())

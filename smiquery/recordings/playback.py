@@ -17,13 +17,21 @@ from smiquery.clock import later, seconds_between
 from smiquery.errors import ParseError, ReplayError
 from smiquery.fields import Field, resolve_fields
 from smiquery.frames import field_for
-from smiquery.recordings.base import RecordingFormat, check_file, detect_format, resolve_zone, with_gpu0, with_timestamp
+from smiquery.recordings.base import (
+    RecordingFormat,
+    Sources,
+    check_file,
+    detect_format,
+    expand_sources,
+    resolve_zone,
+    time_order,
+    with_gpu0,
+    with_timestamp,
+)
 from smiquery.recordings.csvfile import read_csv_samples
-from smiquery.recordings.dataset import dataset_files, is_dataset
 from smiquery.recordings.jsonl import read_jsonl_samples
-from smiquery.recordings.parquet import read_parquet_samples
+from smiquery.recordings.parquet import dataset_files, is_dataset, read_parquet_samples
 from smiquery.recordings.recorder import recorded_zone
-from smiquery.recordings.sets import Sources, expand_sources, time_order
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
 from smiquery.streams.argv import GpusArg, normalize_gpus

@@ -1,7 +1,7 @@
 """``smiquery stream --output``: a recorder that can be left running for weeks (see docs/recording.md).
 
 :func:`~smiquery.recordings.open_recording` picks the format by the file name: CSV and JSONL go to a
-:class:`TextRecorder`, Parquet to a :class:`~smiquery.recordings.dataset.ParquetDataset`. Both write each row with
+:class:`TextRecorder`, Parquet to a :class:`~smiquery.recordings.parquet.ParquetDataset`. Both write each row with
 one ``write`` (a SIGKILL loses no written row), ``fsync`` every ``flush_every`` seconds, refuse an existing
 recording unless ``policy`` says otherwise, drop rows while the disk is full and resume by themselves, and rotate
 (``run.20261204T065000.csv``, the time the file was started) by size or age, keeping ``keep`` old files.
@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from smiquery.errors import InvalidTimeZoneError, RecordingError, UsageError
 from smiquery.fields import Field
-from smiquery.recordings.base import resolve_zone
+from smiquery.recordings.base import META_SUFFIX, resolve_zone
 from smiquery.recordings.jsonl import read_jsonl_samples, sample_to_json
 from smiquery.sample import GpuSample
 from smiquery.sources.query_gpu import format_row, header_line
@@ -49,9 +49,6 @@ Policy = Literal["new", "force", "append"]
 #: Errors of a write that mean "no room" (rows are dropped until there is some), not "cannot write here".
 FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
-#: A recording's metadata file beside it (``run.csv.meta.json``): the recorder's time zone, the fields, the
-#: ``--alert`` rules. The CSV itself stays plain nvidia-smi CSV; JSONL keeps each timestamp's offset instead.
-META_SUFFIX = ".meta.json"
 #: The metadata file inside a Parquet dataset folder.
 META = "_smiquery.json"
 
