@@ -135,12 +135,11 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
     def __getitem__(self, column: str) -> Mapping[int, str]:
         cached = self._dicts.get(column)
         if cached is None:
+            import numpy as np
+
             rows, codes, words = self._columns[column]
-            tolist = getattr(rows, "tolist", None)
-            rows_list = tolist() if tolist is not None else list(rows)
-            codes_list = codes.tolist() if hasattr(codes, "tolist") else list(codes)
-            cached = MappingProxyType({r: words[c] for r, c in zip(rows_list, codes_list, strict=True)})
-            self._dicts[column] = cached
+            pairs = zip(np.asarray(rows).tolist(), np.asarray(codes).tolist(), strict=True)
+            cached = self._dicts[column] = MappingProxyType({r: words[c] for r, c in pairs})
         return cached
 
     def __iter__(self) -> Iterator[str]:
@@ -274,9 +273,7 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     names), ``"units"`` (column -> unit, ``""`` when dimensionless) and ``"missing"`` (:class:`MissingReasons`).
     Samples from different queries may be mixed: the columns are the union of their fields, in first-seen
     order, and a field a sample did not query is ``<NA>`` without a reason. No samples give an empty frame.
-
-    Raises:
-        ValueError: a timestamp outside what ``datetime64[ns]`` holds (years 1677 to 2262).
+    Raises ValueError for a timestamp outside what ``datetime64[ns]`` holds (years 1677 to 2262).
     """
     rows = list(samples)
     if not rows:

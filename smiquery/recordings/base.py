@@ -63,8 +63,7 @@ NS_MIN, NS_MAX = datetime(1677, 9, 22), datetime(2262, 4, 11)
 def resolve_zone(tz: tzinfo | str | None) -> tzinfo | None:
     """The zone a ``tz=`` argument names: a ``tzinfo`` as given, an IANA name (``"Europe/Berlin"``), or None.
 
-    Raises:
-        InvalidTimeZoneError: a name that is not an IANA zone.
+    Raises InvalidTimeZoneError for a name that is not an IANA zone.
     """
     if tz is None or isinstance(tz, tzinfo):
         return tz
@@ -132,10 +131,8 @@ def with_gpu0(samples: Iterable[GpuSample]) -> Iterator[GpuSample]:
 def detect_format(path: str | os.PathLike[str]) -> RecordingFormat:
     """The recording format from the file name (``.csv``, ``.jsonl``/``.ndjson``, ``.parquet``/``.pq``).
 
-    An unknown suffix is sniffed: ``PAR1`` means Parquet, a first character ``{`` JSONL, anything else CSV.
-
-    Raises:
-        RecordingError: the file cannot be opened.
+    An unknown suffix is sniffed: ``PAR1`` means Parquet, a first character ``{`` JSONL, anything else CSV (raises
+    RecordingError when the file cannot be opened).
     """
     known = _SUFFIXES.get(Path(path).suffix.lower())
     if known is not None:
@@ -224,10 +221,8 @@ _GLOB_CHARS = frozenset("*?[")
 def expand_sources(source: Sources, *, error: type[RecordingError] = RecordingError) -> list[str]:
     """The files ``source`` names (a path, a glob such as ``run*.csv``, or a list of either), each once.
 
-    A glob's matches are sorted by name; the rest keep the order given.
-
-    Raises:
-        RecordingError (or ``error``): a glob that matches nothing, or no path at all.
+    A glob's matches are sorted by name; the rest keep the order given. Raises RecordingError (or ``error``) for a
+    glob that matches nothing, or no path at all.
     """
     items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     out: list[str] = []
@@ -250,10 +245,8 @@ def read_members(paths: Sequence[str], read: Callable[[str], pd.DataFrame]) -> p
 
     A rotating recorder starts a new file with only its header (or nothing yet) and prunes the oldest: a member
     that holds no row, is empty, or is gone by the time it is read is skipped, one line each in
-    ``attrs["skipped_files"]`` (``skipped run.csv: it holds no rows``); other errors are raised.
-
-    Raises:
-        RecordingError: no member holds a row (the error names the first, as for one file).
+    ``attrs["skipped_files"]`` (``skipped run.csv: it holds no rows``); other errors are raised, and
+    RecordingError (naming the first) when no member holds a row.
     """
     frames: list[pd.DataFrame] = []
     notes: list[str] = []

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, tzinfo
+from functools import cached_property
 from itertools import accumulate, islice
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple, Union
@@ -75,31 +76,25 @@ class CsvInput:
 
     def __init__(self, src: CsvSource) -> None:
         self.path: str | None = None
-        self._data: bytes | None = None
-        self._head: bytes | None = None
         if isinstance(src, (str, os.PathLike)):
             self.path = os.fspath(src)
         else:
             raw = src.read()
             # surrogatepass: a str that holds lone surrogates still becomes bytes (undecodable ones, replaced later).
-            self._data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+            self.data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
 
+    @cached_property
     def head(self) -> bytes:
         """The first :data:`HEAD_BYTES` of the input."""
-        if self._data is not None:
-            return self._data[:HEAD_BYTES]
-        if self._head is None:
-            assert self.path is not None
-            with open(self.path, "rb") as f:
-                self._head = f.read(HEAD_BYTES)
-        return self._head
+        if self.path is None:
+            return self.data[:HEAD_BYTES]
+        with open(self.path, "rb") as f:
+            return f.read(HEAD_BYTES)
 
+    @cached_property
     def data(self) -> bytes:
         """The whole input (read once, on first use)."""
-        if self._data is None:
-            assert self.path is not None
-            self._data = Path(self.path).read_bytes()
-        return self._data
+        return Path(self.path or "").read_bytes()
 
 
 def _decode(raw: bytes) -> str:
@@ -150,7 +145,7 @@ def probe_layout(src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo
     Returns None when the input holds no non-blank line.
     """
     probe = CsvParser(fields, tz=tz)
-    lines = src.head().splitlines()
+    lines = src.head.splitlines()
     for n, raw in enumerate(lines, 1):
         line = _decode(raw)
         if not line.rstrip("\r\n\t "):
@@ -224,7 +219,7 @@ class ArrowCsvReader:
                 if clean is not None:
                     return self._read(pa.BufferReader(clean), typed)
                 if self.src.path is None:
-                    return self._read(pa.BufferReader(self.src.data()), typed)
+                    return self._read(pa.BufferReader(self.src.data), typed)
                 # Opened as a plain stream: given a path, pyarrow would also decompress ``.gz`` files by name.
                 with pa.input_stream(self.src.path, compression=None) as stream:
                     return self._read(stream, typed)
@@ -241,7 +236,7 @@ class ArrowCsvReader:
                     continue
                 if "UTF8" in message and clean is None:
                     # Undecodable bytes: read again with U+FFFD in their place, as the line parser would.
-                    clean = _decode(self.src.data()).encode("utf-8")
+                    clean = _decode(self.src.data).encode("utf-8")
                     continue
                 raise ParseError(message, lineno=0, line="") from exc
 
@@ -254,7 +249,7 @@ class ArrowCsvReader:
         if not convert:
             return set()
         ncols = len(layout.fields)
-        head = self.src.head()
+        head = self.src.head
         lines = head.splitlines()
         if len(head) >= HEAD_BYTES:
             lines.pop()  # may be cut short
@@ -311,7 +306,7 @@ class ArrowCsvReader:
             return self._assemble([])
         if len(self.notices) > 1:
             # the reader's threads report bad rows in no particular order
-            self.notices = [line for _, line, _ in layout.data_lines(self.src.data(), notices=True)]
+            self.notices = [line for _, line, _ in layout.data_lines(self.src.data, notices=True)]
         batches: list[Any] = table.to_batches()
         del table  # from here on, a block's text is freed as soon as the block is converted
         batches.reverse()
@@ -336,7 +331,7 @@ class ArrowCsvReader:
         count = self.misfits + sum(len(b.bad) for b in blocks)
         if not count:
             return None
-        data = self.src.data()
+        data = self.src.data
         found: list[tuple[int, str, str]] = []
         misfit = self.layout.first_misfit(data) if self.misfits else None
         if misfit is not None:
@@ -666,7 +661,7 @@ def _read_csv_python(
     src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo, out_tz: tzinfo | None
 ) -> pd.DataFrame:
     parser = CsvParser(fields, tz=tz, strict=False)
-    lines = _LINE_BREAK_RE.split(src.data().decode("utf-8", "replace"))
+    lines = _LINE_BREAK_RE.split(src.data.decode("utf-8", "replace"))
     if lines and lines[-1] == "":
         lines.pop()
     drops = Drops()

@@ -121,9 +121,7 @@ def read_jsonl(path: str, tz: tzinfo | None) -> pd.DataFrame:
     """A JSONL recording as a DataFrame (``tz`` as in :func:`sample_from_json`), a row per readable line.
 
     Unreadable lines are described in ``attrs["skipped"]``; a single-GPU log gets an ``index`` column of 0 first.
-
-    Raises:
-        RecordingError: the file cannot be read or holds no readable line.
+    Raises RecordingError when the file cannot be read or holds no readable line.
     """
     drops = Drops()
     try:

@@ -150,8 +150,7 @@ class ParquetWriter:
 def read_parquet(path: str, *, error: type[RecordingError] = RecordingError) -> pd.DataFrame:
     """A Parquet recording as a DataFrame, with ``attrs["missing"]`` as :func:`to_dataframe` gives it.
 
-    Raises:
-        RecordingError (or ``error``): pyarrow is not installed, or the file is no Parquet file.
+    Raises RecordingError (or ``error``) without pyarrow, or for a file that is no Parquet file.
     """
     import pandas as pd
 
@@ -169,10 +168,7 @@ def read_parquet_samples(path: str, tz: tzinfo | None) -> Iterator[GpuSample]:
     """The samples of a Parquet recording in row order, each read as its JSONL line would be.
 
     ``tz`` is the zone of timestamps recorded without one (those with one are converted); None: as recorded. A
-    missing value keeps its recorded reason (default ``not_available``).
-
-    Raises:
-        ReplayError: pyarrow is not installed, or the file is no Parquet file.
+    missing value keeps its recorded reason (default ``not_available``). Raises ReplayError as :func:`read_parquet`.
     """
     import pandas as pd
 
@@ -224,8 +220,7 @@ def dataset_files(path: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]
 def read_dataset(path: str, *, error: type[RecordingError] = RecordingError) -> pd.DataFrame:
     """A dataset folder as one DataFrame: its parts in order, then the rows of the journals.
 
-    Raises:
-        RecordingError (or ``error``): it holds no readable row, or a part is no Parquet file.
+    Raises RecordingError (or ``error``) when it holds no readable row, or a part is no Parquet file.
     """
     parts, journals = dataset_files(path)
     frames = [read_parquet(os.fspath(p), error=error) for p in parts]

@@ -17,15 +17,10 @@ from collections.abc import Callable, Iterator, Sequence
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import Field, Kind, get_field
 from smiquery.kinds import missing_reason, strip_unit
+from smiquery.sources.query_gpu import _split_header_cell as split_header_cell
 from smiquery.testing._emulator.core import FakeUsageError, MemoryState, is_number, read_bundled
 
 _DEFAULT_DRIVER = "590.48.01"
-
-
-def split_header_cell(cell: str) -> tuple[str, str]:
-    cell = cell.strip()
-    m = re.fullmatch(r"(.*?) \[([^\]]*)\]", cell)
-    return (m.group(1), m.group(2)) if m else (cell, "")
 
 
 def is_token(cell: str) -> bool:
