@@ -64,10 +64,8 @@ CsvSource = Union[str, "os.PathLike[str]", IO[bytes], IO[str]]
 
 #: A header line is short; reading this much is enough to find it (and any blank lines before it).
 HEAD_BYTES = 1 << 20
-# Blocks split and converted at a time; rows of the head that decide which numeric columns pyarrow converts itself;
-# threads converting blocks.
-_BLOCK_BYTES = 4 << 20
-_HEAD_ROWS = 4000
+_BLOCK_BYTES = 4 << 20  # split and converted at a time
+_HEAD_ROWS = 4000  # rows of the head that decide which numeric columns pyarrow converts itself
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 

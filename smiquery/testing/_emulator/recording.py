@@ -206,8 +206,6 @@ def _parsed_recording(path: str | None, stamp: tuple[tuple[int, int], ...]) -> R
     return Recording(text, sidecar=p.with_suffix(".fields"), source=path)
 
 
-# ------------------------------------------------------------------------------------------------ compute apps
-
 # Compute apps: canonical names with their help, input aliases and header units (NVIDIA-SMI.md section 4).
 APP_FIELDS = {
     "timestamp": 'The timestamp of when the query was made in format "YYYY/MM/DD HH:MM:SS.msec".',
@@ -258,9 +256,6 @@ def load_apps(setting: str | None, rec: Recording) -> list[dict[str, str]]:
             app.setdefault("gpu_serial", gpu["serial"])
         apps.append(app)
     return apps
-
-
-# ------------------------------------------------------------------------------------------------ reloads
 
 
 def reloads_struck(state: str | MemoryState | None) -> int:
