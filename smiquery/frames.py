@@ -9,7 +9,7 @@ import importlib.util
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone, tzinfo
+from datetime import datetime, timezone, tzinfo
 from functools import cache
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -63,25 +63,16 @@ def local_zone() -> tzinfo:
 
     name = os.environ.get("TZ", "").lstrip(":")
     if not name:
-        try:
-            link = os.path.realpath("/etc/localtime")
-        except OSError:  # pragma: no cover - realpath does not raise on Linux
-            link = ""
-        if "zoneinfo/" in link:
-            name = link.split("zoneinfo/", 1)[1]
+        link = os.path.realpath("/etc/localtime")
+        name = link.split("zoneinfo/", 1)[1] if "zoneinfo/" in link else ""
     if name:
         try:
             return ZoneInfo(name)
         except (ValueError, OSError):
             pass
-    try:
-        # dateutil (a pandas dependency) follows the host's DST rules even when the zone has no name.
-        dateutil_tz: Any = importlib.import_module("dateutil.tz")
-        local: tzinfo = dateutil_tz.tzlocal()
-        return local
-    except ImportError:  # pragma: no cover - dateutil is a pandas dependency
-        offset = datetime.now().astimezone().utcoffset() or timedelta(0)
-        return timezone(offset)
+    # dateutil (a pandas dependency) follows the host's DST rules even when the zone has no name.
+    local: tzinfo = importlib.import_module("dateutil.tz").tzlocal()
+    return local
 
 
 class MissingReasons(Mapping[str, Mapping[int, str]]):

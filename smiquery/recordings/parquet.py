@@ -82,11 +82,8 @@ class ParquetWriter:
 
     It holds every row in memory and rewrites the file (aside, then renamed over it) every ``chunk_rows`` samples
     or ``chunk_seconds`` seconds and on :meth:`close`: a crash loses at most the last chunk. For recordings left
-    running use :class:`~smiquery.recordings.parquet.ParquetDataset` (what ``stream --output x.parquet`` writes).
-
-    Raises:
-        OSError: the file cannot be written there (checked at once, like the CSV and JSONL writers do).
-        RuntimeError: pyarrow is not installed.
+    running use :class:`ParquetDataset` (what ``stream --output x.parquet`` writes). Raises OSError at once when
+    the file cannot be written there, RuntimeError without pyarrow.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, chunk_rows: int = 10_000, chunk_seconds: float = 60.0) -> None:
@@ -239,9 +236,8 @@ def read_dataset(path: str, *, error: type[RecordingError] = RecordingError) -> 
 class ParquetDataset:
     """Records samples into a dataset folder (see the module): a JSONL journal, closed into Parquet parts.
 
-    Takes the arguments of :class:`~smiquery.recordings.recorder.TextRecorder` (``rotate_bytes`` counts the
-    journal's bytes; ``rotate_seconds`` defaults to one hour; ``keep`` counts closed parts), and ``part_rows``:
-    close the part at this many rows (bounds the memory a close takes).
+    Takes :class:`~smiquery.recordings.recorder.TextRecorder`'s arguments (``rotate_bytes`` counts the journal's
+    bytes, ``rotate_seconds`` defaults to an hour, ``keep`` counts parts), and closes a part at ``part_rows`` rows.
 
     Raises:
         UsageError: it exists and ``policy`` is ``"new"``, it is a file or another folder, or has other columns.

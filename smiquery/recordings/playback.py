@@ -44,11 +44,9 @@ MAX_GAP_SECONDS = 60.0
 
 
 class Replay(LatestSweep):
-    """A recording played back as a stream of samples, paced by its own timestamps.
+    """A recording played back as a :class:`~smiquery.source.SampleSource`, like a live stream (see :func:`replay`).
 
-    Iterate it for samples, or call :meth:`sweeps`, or :meth:`start` it in the background and read
-    :meth:`latest`: it is a :class:`~smiquery.source.SampleSource`, like a live stream, so code can take either.
-    See :func:`replay` for the arguments.
+    Iterate it for samples, or call :meth:`sweeps`, or :meth:`start` it in the background and read :meth:`latest`.
     """
 
     def __init__(

@@ -212,18 +212,13 @@ class TextRecorder:
         self.flush_every = flush_every
         self.say = say or (lambda line: None)
         self.clock = clock
-        #: rows written, rows dropped because the disk was full, bytes in the file being written
+        #: rows written and rows dropped because the disk was full (``size``: bytes in the file being written)
         self.rows = 0
         self.dropped = 0
         self._dropping = 0
         self._reopen = False
         self._fd = -1
-        self.size = 0
-        self._opened = 0.0
-        self._started = 0.0
-        self._synced = 0.0
         self._dirty = False
-        self._meta_due = False
         if check_target(self.path, policy) and policy == "append":
             from smiquery.recordings.csvfile import csv_header
 

@@ -282,11 +282,10 @@ def _run(argv: Sequence[str], settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the fake ``nvidia-smi`` with nvidia-smi's own arguments (``argv``; None: ``sys.argv[1:]``).
+    """Run the fake ``nvidia-smi`` with nvidia-smi's own arguments (``argv``; None: ``sys.argv[1:]``); its exit status.
 
-    Settings come from the ``SMIQUERY_FAKE_*`` environment variables (see :data:`ENV_VARS`); without them it
-    replays the bundled 8-GPU demo recording and fails in no way. Returns the exit status nvidia-smi would return
-    (70 when the fake itself is misconfigured).
+    Settings come from the ``SMIQUERY_FAKE_*`` variables (:data:`ENV_VARS`); without them it replays the bundled
+    8-GPU demo and fails in no way. Exit 70 means the fake itself is misconfigured.
     """
     return _run(sys.argv[1:] if argv is None else argv, Settings())
 
