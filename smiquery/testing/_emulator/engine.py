@@ -374,9 +374,10 @@ class _Stopped(BaseException):
 
 
 class _Channel(Output):
-    """One in-process run: the engine's output (buffered like stdio, visible at flush), its pipes and signals."""
+    """One in-process run on its thread: the engine's output (stdio-like buffer, visible at flush), pipes, signals."""
 
-    def __init__(self) -> None:  # no stream: raw() and flush() below replace it
+    def __init__(self, argv: Sequence[str], settings: Settings, env: Mapping[str, str], name: str) -> None:
+        # no stream: raw() and flush() below replace it
         self.cond = threading.Condition()
         self.pending = bytearray()  # written by the engine, not flushed yet
         self.out = bytearray()  # flushed stdout the reader has not taken yet
@@ -384,7 +385,19 @@ class _Channel(Output):
         self.returncode: int | None = None
         self.ignore_term = False
         self.stop_signal: int | None = None
-        self.thread: threading.Thread | None = None
+        self.thread = threading.Thread(target=self._run, args=(argv, settings, env), name=name, daemon=True)
+
+    def _run(self, argv: Sequence[str], settings: Settings, env: Mapping[str, str]) -> None:
+        try:
+            code = execute(argv, settings, env, self)
+        except _Stopped as stop:
+            code = -stop.signum  # what the signal leaves; output not yet flushed is lost, as in a killed process
+        except Exception as exc:  # a bug in the fake: reported like a crashed interpreter, never swallowed
+            self.error(f"smiquery-fake-nvidia-smi: internal error: {exc!r}")
+            code = 1
+        with self.cond:
+            self.returncode = code
+            self.cond.notify_all()
 
     @property
     def done(self) -> bool:
@@ -399,11 +412,10 @@ class _Channel(Output):
             self.cond.notify_all()
 
     def join(self, timeout: float) -> bool:
-        thread = self.thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            return not thread.is_alive()
-        return True
+        if self.thread is threading.current_thread():
+            return True
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
 
     def stop(self) -> None:
         self.signal(signal.SIGKILL)
@@ -445,19 +457,6 @@ class _Channel(Output):
             self.ignore_term = ignore_term
         if log:
             log_invocation(log, argv)
-
-
-def _engine_thread(argv: Sequence[str], settings: Settings, env: Mapping[str, str], channel: _Channel) -> None:
-    try:
-        code = execute(argv, settings, env, channel)
-    except _Stopped as stop:
-        code = -stop.signum  # what the signal leaves; output not yet flushed is lost, as in a killed process
-    except Exception as exc:  # a bug in the fake: reported like a crashed interpreter, never swallowed
-        channel.error(f"smiquery-fake-nvidia-smi: internal error: {exc!r}")
-        code = 1
-    with channel.cond:
-        channel.returncode = code
-        channel.cond.notify_all()
 
 
 class InProcessLines:
@@ -642,13 +641,7 @@ class InProcessRunner:
             state=self._state,
         )
         self.calls.append(tuple(argv))
-        channel = _Channel()
-        channel.thread = threading.Thread(
-            target=_engine_thread,
-            args=(tuple(argv[1:]), settings, dict(self.env), channel),
-            name=f"smiquery-fake-{next(self._serial)}",
-            daemon=True,
-        )
+        channel = _Channel(tuple(argv[1:]), settings, dict(self.env), f"smiquery-fake-{next(self._serial)}")
         self._channels.add(channel)
         channel.thread.start()
         return channel
@@ -701,7 +694,7 @@ class InProcessRunner:
 
     def running(self) -> int:
         """How many engine threads of this runner are still running (0 once every source is closed)."""
-        return sum(1 for ch in list(self._channels) if ch.thread is not None and ch.thread.is_alive())
+        return sum(1 for ch in list(self._channels) if ch.thread.is_alive())
 
     def close(self) -> None:
         """Stop every engine thread this runner started and wait for them."""
