@@ -1,12 +1,9 @@
 """Parquet recordings: one file (:class:`ParquetWriter`), or a dataset folder of closed parts (:class:`ParquetDataset`).
 
-``stream --output run.parquet`` writes a dataset (docs/recording.md): nothing held in memory, nothing lost to a
-kill. ``run.parquet/`` holds ``_smiquery.json`` (format, version, fields, the zone of the first row, the rules),
-closed ``part-000001.parquet`` files (written aside, then renamed into place) and ``_open.jsonl``, the journal of
-the part being recorded: a Parquet file is readable only once its footer is written. Closing a part renames the
-journal ``_closing-N.jsonl`` first, so a crash while it closes leaves either the journal or the part, never both
-read. Other tools read the closed parts (they skip names starting with ``_``). pandas and pyarrow are imported on
-first use.
+``stream --output run.parquet`` writes a dataset (docs/recording.md): ``_smiquery.json`` (the metadata), closed
+``part-000001.parquet`` files and ``_open.jsonl``, the journal of the part being recorded (a Parquet file is
+readable only once its footer is written). Closing a part renames the journal ``_closing-N.jsonl`` first, so a
+crash while it closes leaves either the journal or the part, never both read.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""``smiquery stream --output``: a recorder that can be left running for weeks (see docs/recording.md).
+"""``smiquery stream --output``: recorders that can be left running for weeks (their behaviour: docs/recording.md).
 
-:func:`~smiquery.recordings.open_recording` picks the format by the file name: CSV and JSONL go to a
-:class:`TextRecorder`, Parquet to a :class:`~smiquery.recordings.parquet.ParquetDataset`. Both write each row with
-one ``write`` (a SIGKILL loses no written row), ``fsync`` every ``flush_every`` seconds, refuse an existing
-recording unless ``policy`` says otherwise, drop rows while the disk is full and resume by themselves, and rotate
-(``run.20261204T065000.csv``, the time the file was started) by size or age, keeping ``keep`` old files.
+:class:`TextRecorder` writes CSV and JSONL (:class:`~smiquery.recordings.parquet.ParquetDataset`, Parquet), each row
+with one ``write``; beside it, what both share: metadata files, target checks, rotated names.
 """
 
 from __future__ import annotations
