@@ -9,7 +9,7 @@ import importlib.util
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone, tzinfo
+from datetime import datetime, timezone, tzinfo
 from functools import cache
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -63,25 +63,16 @@ def local_zone() -> tzinfo:
 
     name = os.environ.get("TZ", "").lstrip(":")
     if not name:
-        try:
-            link = os.path.realpath("/etc/localtime")
-        except OSError:  # pragma: no cover - realpath does not raise on Linux
-            link = ""
-        if "zoneinfo/" in link:
-            name = link.split("zoneinfo/", 1)[1]
+        link = os.path.realpath("/etc/localtime")
+        name = link.split("zoneinfo/", 1)[1] if "zoneinfo/" in link else ""
     if name:
         try:
             return ZoneInfo(name)
         except (ValueError, OSError):
             pass
-    try:
-        # dateutil (a pandas dependency) follows the host's DST rules even when the zone has no name.
-        dateutil_tz: Any = importlib.import_module("dateutil.tz")
-        local: tzinfo = dateutil_tz.tzlocal()
-        return local
-    except ImportError:  # pragma: no cover - dateutil is a pandas dependency
-        offset = datetime.now().astimezone().utcoffset() or timedelta(0)
-        return timezone(offset)
+    # dateutil (a pandas dependency) follows the host's DST rules even when the zone has no name.
+    local: tzinfo = importlib.import_module("dateutil.tz").tzlocal()
+    return local
 
 
 class MissingReasons(Mapping[str, Mapping[int, str]]):
@@ -135,12 +126,11 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
     def __getitem__(self, column: str) -> Mapping[int, str]:
         cached = self._dicts.get(column)
         if cached is None:
+            import numpy as np
+
             rows, codes, words = self._columns[column]
-            tolist = getattr(rows, "tolist", None)
-            rows_list = tolist() if tolist is not None else list(rows)
-            codes_list = codes.tolist() if hasattr(codes, "tolist") else list(codes)
-            cached = MappingProxyType({r: words[c] for r, c in zip(rows_list, codes_list, strict=True)})
-            self._dicts[column] = cached
+            pairs = zip(np.asarray(rows).tolist(), np.asarray(codes).tolist(), strict=True)
+            cached = self._dicts[column] = MappingProxyType({r: words[c] for r, c in pairs})
         return cached
 
     def __iter__(self) -> Iterator[str]:
@@ -274,9 +264,7 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     names), ``"units"`` (column -> unit, ``""`` when dimensionless) and ``"missing"`` (:class:`MissingReasons`).
     Samples from different queries may be mixed: the columns are the union of their fields, in first-seen
     order, and a field a sample did not query is ``<NA>`` without a reason. No samples give an empty frame.
-
-    Raises:
-        ValueError: a timestamp outside what ``datetime64[ns]`` holds (years 1677 to 2262).
+    Raises ValueError for a timestamp outside what ``datetime64[ns]`` holds (years 1677 to 2262).
     """
     rows = list(samples)
     if not rows:

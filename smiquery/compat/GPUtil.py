@@ -219,9 +219,7 @@ def getFirstAvailable(
     raise RuntimeError(f"Could not find an available GPU after {attempts} attempts with {interval} seconds interval.")
 
 
-# ------------------------------------------------------------------------------------------- showUtilization
-
-# GPUtil's columns, group by group: (attribute, title, suffix, precision); load and memoryUtil shown as percent
+# showUtilization's columns, group by group: (attribute, title, suffix, precision); load and memoryUtil in percent
 _Column = tuple[str, str, str, "int | None"]
 _PERCENT = ("load", "memoryUtil")
 _SHORT: list[list[_Column]] = [[("id", "ID", "", None), ("load", "GPU", "%", 0), ("memoryUtil", "MEM", "%", 0)]]

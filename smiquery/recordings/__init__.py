@@ -19,17 +19,19 @@ from smiquery.frames import MissingReasons, SkippedLines, missing_reasons, set_z
 from smiquery.recordings.base import (
     RecordingFormat,
     SampleWriter,
+    Sources,
     check_file,
     detect_format,
+    expand_sources,
+    no_rows,
+    read_members,
     resolve_zone,
 )
 from smiquery.recordings.csvfile import CsvSource, CsvWriter, csv_header, read_csv, read_csv_recording
-from smiquery.recordings.dataset import ParquetDataset, is_dataset, read_dataset
 from smiquery.recordings.jsonl import JsonlWriter, json_value, read_jsonl, sample_from_json, sample_to_json
-from smiquery.recordings.parquet import ParquetWriter, read_parquet
+from smiquery.recordings.parquet import ParquetDataset, ParquetWriter, is_dataset, read_dataset, read_parquet
 from smiquery.recordings.playback import Replay, replay
 from smiquery.recordings.recorder import Policy, TextRecorder, recorded_rules, recorded_zone
-from smiquery.recordings.sets import Sources, expand_sources, no_rows, read_members
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -71,12 +73,8 @@ _WRITTEN = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "p
 def open_recorder(path: str | os.PathLike[str], fields: Sequence[Field]) -> SampleWriter:
     """A writer for ``PATH`` (replaced if it exists), by suffix: ``.csv``, ``.jsonl``/``.ndjson``, ``.parquet``/``.pq``.
 
-    Parquet is a dataset folder of closed parts (:class:`~smiquery.recordings.dataset.ParquetDataset`).
-    :func:`open_recording` is the recorder ``smiquery stream --output`` uses (refusal, append, rotation).
-
-    Raises:
-        ValueError: an unknown suffix.
-        OSError: the file cannot be created.
+    Parquet is a dataset folder (:class:`~smiquery.recordings.parquet.ParquetDataset`). ``stream --output`` uses
+    :func:`open_recording` instead (refusal, append, rotation). Raises ValueError (an unknown suffix) or OSError.
     """
     kind = _WRITTEN.get(Path(path).suffix.lower())
     if kind == "parquet":
@@ -106,11 +104,10 @@ def open_recording(
     say: Callable[[str], None] | None = None,
     rules: Sequence[str] = (),
 ) -> TextRecorder | ParquetDataset:
-    """The recorder of ``smiquery stream --output PATH``, by suffix (see :mod:`smiquery.recordings.recorder`).
+    """The recorder of ``smiquery stream --output PATH``, by suffix, with these arguments.
 
-    ``.csv`` and ``.jsonl``/``.ndjson`` go to a :class:`TextRecorder`, ``.parquet``/``.pq`` to a
-    :class:`ParquetDataset`; the arguments are theirs. The ``rules`` recorded beside it come back in
-    :func:`read_recording`'s ``attrs["rules"]``, and a report of the recording checks them.
+    A :class:`TextRecorder` for ``.csv`` and ``.jsonl``/``.ndjson``, a :class:`ParquetDataset` for
+    ``.parquet``/``.pq``. The ``rules`` come back in :func:`read_recording`'s ``attrs["rules"]``.
 
     Raises:
         UsageError: an unknown suffix, an existing recording under ``"new"``, other columns under ``"append"``.
@@ -124,23 +121,14 @@ def open_recording(
         raise UsageError(
             f"--output {os.fspath(path)}: cannot tell the format from the name; name it .csv, .jsonl or .parquet"
         )
-    options: dict[str, Any] = {
-        "policy": policy,
-        "rotate_bytes": rotate_bytes,
-        "rotate_seconds": rotate_seconds,
-        "keep": keep,
-        "flush_every": flush_every,
-        "rules": tuple(rules),
-    }
-    if say is not None:
-        options["say"] = say
+    options: dict[str, Any] = {"policy": policy, "keep": keep, "flush_every": flush_every, "say": say, "rules": rules}
+    options |= {"rotate_bytes": rotate_bytes, "rotate_seconds": rotate_seconds}
     if kind == "parquet":
         return ParquetDataset(path, fields, **options)
     return TextRecorder(path, fields, kind="csv" if kind == "csv" else "jsonl", **options)
 
 
 def _check_recorded(df: pd.DataFrame, wanted: Sequence[Field], path: str) -> None:
-    """Each of the ``wanted`` fields must be a column of a recording that names its own (header, JSONL, Parquet)."""
     lacking = [f.name for f in wanted if f.attr not in df.columns]
     if lacking:
         recorded = df.attrs.get("fields")
@@ -157,7 +145,7 @@ def read_recording(
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
 ) -> pd.DataFrame:
-    """Read any recording into a DataFrame with the columns of :func:`~smiquery.frames.to_dataframe`.
+    """Read any recording into a DataFrame with the columns of :func:`~smiquery.frames.to_dataframe`, a row per sample.
 
     CSV (smiquery's or plain ``nvidia-smi --query-gpu=... --format=csv[,nounits][,noheader] -l 1 > log.csv``),
     JSONL and Parquet as ``smiquery stream --output`` writes them. Unreadable lines (a torn last line, garbage)
@@ -165,21 +153,15 @@ def read_recording(
     column (one GPU, e.g. ``timestamp, power.draw``) reads as GPU 0.
 
     Args:
-        source: the file (``.csv``, ``.jsonl``, ``.parquet`` file or dataset folder; other names are sniffed), or
+        source: a file (other names than ``.csv``, ``.jsonl``, ``.parquet`` are sniffed), a dataset folder,
             several, or a glob (``"run*.csv"``): a rotated set is read as one recording, its files in the order of
-            their first timestamps.
-        fields: names, a preset or a comma list. For a headerless CSV log, its columns in order (required).
-            For a recording that names its columns (a header, JSONL, Parquet), each must be one of them (all
-            columns are read all the same).
-        tz: the zone the recording was made in (an IANA name such as ``"Europe/Berlin"``, or a ``tzinfo``):
-            times recorded without a zone are localized to it, others converted. Default: the zone the recording
-            names (``run.csv.meta.json``, a dataset's ``_smiquery.json``), else as recorded (naive for a plain
-            nvidia-smi log, never assumed to be UTC).
-
-    Returns:
-        One row per sample, in file order; ``attrs["headerless"]`` is True when ``fields`` named the columns.
-        A file of several that holds no row yet (just rotated) or is gone since it was listed is skipped, one line
-        each in ``attrs["skipped_files"]``.
+            their first timestamps. One that holds no row yet or is gone since it was listed is skipped, one line
+            each in ``attrs["skipped_files"]``.
+        fields: names, a preset or a comma list: a headerless CSV log's columns in order (then
+            ``attrs["headerless"]`` is True); for a recording that names its columns, each must be one of them.
+        tz: the zone the recording was made in (an IANA name or a ``tzinfo``): times recorded without a zone are
+            localized to it, others converted. Default: the zone the recording names (``run.csv.meta.json``, a
+            dataset's ``_smiquery.json``), else as recorded (naive for a plain nvidia-smi log, never assumed UTC).
 
     Raises:
         RecordingError: the file is missing, empty, not a recording (a headerless log without ``fields``), holds

@@ -54,20 +54,13 @@ def sample_from_json(
     tz: tzinfo | str | None = None,
     localizer: Localizer | None = None,
 ) -> GpuSample:
-    """A sample from one JSONL object as ``smiquery stream --format jsonl`` writes it.
+    """A sample from one decoded JSONL object as ``smiquery stream --format jsonl`` writes it.
 
-    Keys are field names (nvidia-smi names or attribute names); ``null`` is a missing value whose reason is
-    taken from the optional ``"_missing"`` object (default ``not_available``). Other keys starting with ``_`` are
-    skipped.
-
-    Args:
-        obj: the decoded JSON object.
-        lineno: its line number (for errors).
-        line: its text (for errors).
-        tz: the zone of a timestamp written without an offset; an offset one is converted to it. Default None:
-            as recorded (naive without an offset).
-        localizer: a :class:`~smiquery.clock.Localizer` for ``tz`` shared by the objects of one recording, read
-            in order, so that the hour a DST fall-back repeats resolves by that order.
+    Keys are field names (nvidia-smi or attribute names); ``null`` is a missing value, its reason in the optional
+    ``"_missing"`` object (default ``not_available``); other keys starting with ``_`` are skipped. ``lineno`` and
+    ``line`` go into errors. ``tz``: the zone of a timestamp without an offset (one with is converted to it; None:
+    as recorded); ``localizer``, a :class:`~smiquery.clock.Localizer` for ``tz`` shared by a recording's objects
+    read in order, resolves the hour a DST fall-back repeats by that order.
 
     Raises:
         ParseError: a value does not fit its field.
@@ -128,9 +121,7 @@ def read_jsonl(path: str, tz: tzinfo | None) -> pd.DataFrame:
     """A JSONL recording as a DataFrame (``tz`` as in :func:`sample_from_json`), a row per readable line.
 
     Unreadable lines are described in ``attrs["skipped"]``; a single-GPU log gets an ``index`` column of 0 first.
-
-    Raises:
-        RecordingError: the file cannot be read or holds no readable line.
+    Raises RecordingError when the file cannot be read or holds no readable line.
     """
     drops = Drops()
     try:

@@ -17,13 +17,21 @@ from smiquery.clock import later, seconds_between
 from smiquery.errors import ParseError, ReplayError
 from smiquery.fields import Field, resolve_fields
 from smiquery.frames import field_for
-from smiquery.recordings.base import RecordingFormat, check_file, detect_format, resolve_zone, with_gpu0, with_timestamp
+from smiquery.recordings.base import (
+    RecordingFormat,
+    Sources,
+    check_file,
+    detect_format,
+    expand_sources,
+    resolve_zone,
+    time_order,
+    with_gpu0,
+    with_timestamp,
+)
 from smiquery.recordings.csvfile import read_csv_samples
-from smiquery.recordings.dataset import dataset_files, is_dataset
 from smiquery.recordings.jsonl import read_jsonl_samples
-from smiquery.recordings.parquet import read_parquet_samples
+from smiquery.recordings.parquet import dataset_files, is_dataset, read_parquet_samples
 from smiquery.recordings.recorder import recorded_zone
-from smiquery.recordings.sets import Sources, expand_sources, time_order
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import LatestSweep, StreamStats, Sweep, SweepGrouper
 from smiquery.streams.argv import GpusArg, normalize_gpus
@@ -36,11 +44,9 @@ MAX_GAP_SECONDS = 60.0
 
 
 class Replay(LatestSweep):
-    """A recording played back as a stream of samples, paced by its own timestamps.
+    """A recording played back as a :class:`~smiquery.source.SampleSource`, like a live stream (see :func:`replay`).
 
-    Iterate it for samples, or call :meth:`sweeps`, or :meth:`start` it in the background and read
-    :meth:`latest`: it is a :class:`~smiquery.source.SampleSource`, like a live stream, so code can take either.
-    See :func:`replay` for the arguments.
+    Iterate it for samples, or call :meth:`sweeps`, or :meth:`start` it in the background and read :meth:`latest`.
     """
 
     def __init__(
@@ -51,7 +57,6 @@ class Replay(LatestSweep):
         fields: str | Sequence[str] | None = None,
         loop: bool = False,
         gpus: GpusArg = None,
-        fmt: RecordingFormat | None = None,
         sleep: Callable[[float], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
         columns: str | Sequence[str] | None = None,
@@ -69,7 +74,7 @@ class Replay(LatestSweep):
         self.tz: tzinfo | None = resolve_zone(tz)
         self.speed = float(speed)
         self.loop = loop
-        self.format: RecordingFormat = fmt or ("parquet" if is_dataset(self.paths[0]) else detect_format(self.paths[0]))
+        self.format: RecordingFormat = "parquet" if is_dataset(self.paths[0]) else detect_format(self.paths[0])
         self.gpus = normalize_gpus(gpus)
         self._wanted = resolve_fields(fields) if fields is not None else None
         if self._wanted is not None and not any(f.name == "index" for f in self._wanted):
@@ -88,7 +93,7 @@ class Replay(LatestSweep):
         self.gpu_count = 0
         self._peek_error: ParseError | None = None
         if len(self.paths) > 1:
-            self.paths = self._time_ordered(self.paths, fmt)
+            self.paths = self._time_ordered(self.paths)
         first = self._peek()
         if first is None and self._columns is not None:
             columns = ",".join(f.name for f in self._columns)
@@ -116,9 +121,9 @@ class Replay(LatestSweep):
         fmt = self.format if len(self.paths) == 1 else None
         yield from with_gpu0(s for path in self.paths for s in self._one_file(path, fmt))
 
-    def _time_ordered(self, paths: list[str], fmt: RecordingFormat | None) -> list[str]:
+    def _time_ordered(self, paths: list[str]) -> list[str]:
         """Several files (a rotated set) in the order of their first timestamps, whatever their names."""
-        firsts = [next(iter(self._one_file(p, fmt, lambda err: None)), None) for p in paths]
+        firsts = [next(iter(self._one_file(p, None, lambda err: None)), None) for p in paths]
         return [paths[i] for i in time_order([s.timestamp if s is not None else None for s in firsts])]
 
     def _one_file(
@@ -335,36 +340,25 @@ def replay(
 ) -> Replay:
     """Play a recording back as samples, paced by its recorded timestamps.
 
-    Example::
-
-        for sweep in replay("run.csv", speed=0).sweeps():
-            print(max(s.temperature_gpu or 0 for s in sweep))
+    ``for sweep in replay("run.csv", speed=0).sweeps(): ...``; a :class:`Replay` also iterates samples.
 
     Args:
-        path: a CSV in nvidia-smi's ``--format=csv`` format (with its header; units or not), a JSONL file as
-            written by ``smiquery stream --output x.jsonl``, or a Parquet file or dataset folder written by
-            ``--output x.parquet``; or several of them, or a glob (``"run*.csv"``): a rotated set plays as one
-            recording, its files in the order of their first timestamps.
-        speed: playback speed; 2 plays twice as fast, 0 as fast as possible. Gaps longer than
-            :data:`MAX_GAP_SECONDS` (after scaling) are skipped. Recordings without timestamps are not paced.
+        path: a CSV in nvidia-smi's ``--format=csv`` format (with its header), a JSONL file, a Parquet file or
+            dataset folder as ``smiquery stream --output`` writes them; or several, or a glob (``"run*.csv"``): a
+            rotated set plays as one recording, its files in the order of their first timestamps.
+        speed: 2 plays twice as fast, 0 as fast as possible; gaps longer than :data:`MAX_GAP_SECONDS` (after
+            scaling) are skipped.
         fields: only these fields (a preset, ``"a,b,c"`` or names); ``index`` is always kept. None: all.
         loop: start again at the end, shifting the timestamps so that time keeps moving forward.
         gpus: only these GPUs (indices, UUIDs or PCI bus ids).
-        sleep: how to wait (tests inject one); default an interruptible wait that :meth:`Replay.close` ends.
-        columns: the columns of a headerless (``noheader``) CSV log, in order; ignored for other formats. A CSV
-            with a header must then have exactly these columns.
-        tz: the zone the recording was made in (an IANA name such as ``"Europe/Berlin"``, or a ``tzinfo``):
-            times recorded without a zone are taken as that zone's local time, others are converted to it.
-            Default: the zone the recording names (``run.csv.meta.json``, a dataset's ``_smiquery.json``), else
-            as recorded (naive for nvidia-smi's CSV, never assumed to be UTC or this host's zone).
-
-    Returns:
-        A :class:`Replay`: an iterator of :class:`~smiquery.GpuSample`, with :meth:`Replay.sweeps`.
+        sleep: how to wait; default an interruptible wait that :meth:`Replay.close` ends.
+        columns: a headerless CSV log's columns, in order (a CSV with a header must then have exactly these).
+        tz: the zone the recording was made in, as :func:`~smiquery.recordings.read_recording` takes it.
 
     Raises:
         ReplayError: the file is missing, empty, not a recording (no header and no ``columns``), holds no
-            readable row, or lacks a requested field. Unreadable lines (a torn last line, garbage) are skipped and
-            counted in ``stats.dropped_rows``; :attr:`Replay.first_error` names the first.
+            readable row, or lacks a requested field. Unreadable lines are skipped and counted in
+            ``stats.dropped_rows``; :attr:`Replay.first_error` names the first.
         InvalidFieldError: an unknown field name.
         InvalidGpuIdError: a malformed GPU id.
         InvalidTimeZoneError: an unknown zone name in ``tz``.

@@ -1,10 +1,7 @@
-"""``smiquery stream --output``: a recorder that can be left running for weeks (see docs/recording.md).
+"""``smiquery stream --output``: recorders that can be left running for weeks (their behaviour: docs/recording.md).
 
-:func:`~smiquery.recordings.open_recording` picks the format by the file name: CSV and JSONL go to a
-:class:`TextRecorder`, Parquet to a :class:`~smiquery.recordings.dataset.ParquetDataset`. Both write each row with
-one ``write`` (a SIGKILL loses no written row), ``fsync`` every ``flush_every`` seconds, refuse an existing
-recording unless ``policy`` says otherwise, drop rows while the disk is full and resume by themselves, and rotate
-(``run.20261204T065000.csv``, the time the file was started) by size or age, keeping ``keep`` old files.
+:class:`TextRecorder` writes CSV and JSONL (:class:`~smiquery.recordings.parquet.ParquetDataset`, Parquet), each row
+with one ``write``; beside it, what both share: metadata files, target checks, rotated names.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from typing import Any, Literal
 
 from smiquery.errors import InvalidTimeZoneError, RecordingError, UsageError
 from smiquery.fields import Field
-from smiquery.recordings.base import resolve_zone
+from smiquery.recordings.base import META_SUFFIX, resolve_zone
 from smiquery.recordings.jsonl import read_jsonl_samples, sample_to_json
 from smiquery.sample import GpuSample
 from smiquery.sources.query_gpu import format_row, header_line
@@ -49,18 +46,10 @@ Policy = Literal["new", "force", "append"]
 #: Errors of a write that mean "no room" (rows are dropped until there is some), not "cannot write here".
 FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
-#: A recording's metadata file beside it (``run.csv.meta.json``): the recorder's time zone, the fields, the
-#: ``--alert`` rules. The CSV itself stays plain nvidia-smi CSV; JSONL keeps each timestamp's offset instead.
-META_SUFFIX = ".meta.json"
 #: The metadata file inside a Parquet dataset folder.
 META = "_smiquery.json"
 
 _STAMP = "%Y%m%dT%H%M%S"
-_ROTATED_RE = r"\.\d{8}T\d{6}(?:-\d+)?"
-
-
-def _quiet(line: str) -> None:
-    """The default of ``say``: nothing (the CLI passes its own)."""
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -159,19 +148,12 @@ def rotated_name(path: Path, started: float) -> Path:
 
 def rotated_siblings(path: Path) -> list[Path]:
     """The rotated files of ``path`` (``run.<stamp>.csv`` beside ``run.csv``), oldest first."""
-    pattern = re.compile(re.escape(path.stem) + _ROTATED_RE + re.escape(path.suffix) + "$")
+    pattern = re.compile(re.escape(path.stem) + r"\.(\d{8}T\d{6})(?:-(\d+))?" + re.escape(path.suffix) + "$")
     try:
-        names = [p for p in path.parent.iterdir() if pattern.match(p.name)]
+        found = [(m.group(1), int(m.group(2) or 1), p) for p in path.parent.iterdir() if (m := pattern.match(p.name))]
     except OSError:
         return []
-    return sorted(names, key=_stamp_key)
-
-
-def _stamp_key(p: Path) -> tuple[str, int]:
-    m = re.search(r"\.(\d{8}T\d{6})(?:-(\d+))?\.[^.]*$", p.name)
-    if m is None:
-        return (p.name, 0)
-    return (m.group(1), int(m.group(2) or 1))
+    return [p for *_, p in sorted(found)]
 
 
 def prune_rotated(files: Sequence[Path], keep: int | None, say: Callable[[str], None]) -> None:
@@ -191,18 +173,11 @@ def prune_rotated(files: Sequence[Path], keep: int | None, say: Callable[[str], 
 class TextRecorder:
     """Records samples as nvidia-smi CSV (``kind="csv"``) or JSONL, one whole line per ``write`` call.
 
-    Args:
-        path: the file.
-        fields: the columns (CSV header; the columns an appended file must have).
-        kind: ``"csv"`` or ``"jsonl"``.
-        policy: ``"new"`` refuses an existing file, ``"force"`` replaces it, ``"append"`` goes on writing it.
-        rotate_bytes: start a new file once this one holds this many bytes.
-        rotate_seconds: start a new file after this long.
-        keep: how many rotated files to keep (None: all).
-        flush_every: seconds between ``fsync`` calls (what a machine crash can lose); 0 syncs every row.
-        say: where one-line notices go (full disk, truncation, recovery).
-        clock: monotonic seconds (tests pass their own).
-        rules: the ``--alert`` rules of the run, recorded beside it so that a report of it checks them too.
+    ``policy``: ``"new"`` refuses an existing file, ``"force"`` replaces it, ``"append"`` goes on writing it (with
+    the same ``fields``). A new file is started at ``rotate_bytes`` bytes or after ``rotate_seconds``, keeping
+    ``keep`` rotated ones (None: all). ``flush_every``: seconds between ``fsync`` calls (0: every row). ``say``
+    gets the one-line notices (full disk, truncation, recovery); ``clock`` gives monotonic seconds; ``rules`` (the
+    ``--alert`` rules) are recorded beside the file so that a report of it checks them too.
 
     Raises:
         UsageError: the file exists and ``policy`` is ``"new"``, or an appended file has other columns.
@@ -220,7 +195,7 @@ class TextRecorder:
         rotate_seconds: float | None = None,
         keep: int | None = None,
         flush_every: float = 10.0,
-        say: Callable[[str], None] = _quiet,
+        say: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rules: Sequence[str] = (),
     ) -> None:
@@ -232,45 +207,32 @@ class TextRecorder:
         self.rotate_seconds = rotate_seconds
         self.keep = keep
         self.flush_every = flush_every
-        self.say = say
+        self.say = say or (lambda line: None)
         self.clock = clock
-        #: rows written, and rows dropped because the disk was full
+        #: rows written and rows dropped because the disk was full (``size``: bytes in the file being written)
         self.rows = 0
         self.dropped = 0
         self._dropping = 0
         self._reopen = False
         self._fd = -1
-        self._size = 0
-        self._opened = 0.0
-        self._started = 0.0
-        self._synced = 0.0
         self._dirty = False
-        self._meta_due = False
-        exists = check_target(self.path, policy)
-        if exists and policy == "append":
-            self._check_columns()
-        self._open(truncate=policy == "force")
-
-    def _check_columns(self) -> None:
-        if self.kind == "csv":
+        if check_target(self.path, policy) and policy == "append":
             from smiquery.recordings.csvfile import csv_header
 
-            have = csv_header(self.path)
-        else:
-            have = _jsonl_keys(self.path)
-        check_columns(self.path, have, self.fields)
+            check_columns(self.path, csv_header(self.path) if kind == "csv" else _jsonl_keys(self.path), self.fields)
+        self._open(truncate=policy == "force")
 
     def _open(self, *, truncate: bool = False) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
         try:
             self._fd = os.open(self.path, flags, 0o644)
-            self._size = os.fstat(self._fd).st_size
+            self.size = os.fstat(self._fd).st_size
         except OSError as exc:
             raise RecordingError(_cannot(self.path, exc, "choose another --output")) from None
         self._opened = self.clock()
         self._synced = self._opened
         self._started = time.time()
-        if self._size == 0:
+        if self.size == 0:
             self._header()
         # an appended file keeps its zone (and adds this run's rules); a new one learns it from its first row
         meta = self.path.with_name(self.path.name + META_SUFFIX)
@@ -296,11 +258,6 @@ class TextRecorder:
     def _header(self) -> None:
         if self.kind == "csv":
             self._put((header_line(self.fields) + "\n").encode("utf-8"))
-
-    @property
-    def size(self) -> int:
-        """Bytes in the file being written."""
-        return self._size
 
     @property
     def age(self) -> float:
@@ -341,7 +298,7 @@ class TextRecorder:
             self._sync()
 
     def _due(self) -> bool:
-        if self.rotate_bytes is not None and self._size >= self.rotate_bytes:
+        if self.rotate_bytes is not None and self.size >= self.rotate_bytes:
             return True
         return self.rotate_seconds is not None and self.clock() - self._opened >= self.rotate_seconds
 
@@ -367,17 +324,17 @@ class TextRecorder:
             now = os.fstat(self._fd).st_size
         except OSError:
             return
-        if now < self._size:
+        if now < self.size:
             self.say(f"smiquery: {self.path} shrank under the recorder (copytruncate?); writing on at its new end")
-            self._size = now
+            self.size = now
             if now == 0:
                 self._header()
-        elif now > self._size:
-            self._size = now  # someone else appended: our next line still goes to the end
+        elif now > self.size:
+            self.size = now  # someone else appended: our next line still goes to the end
 
     def _put(self, data: bytes) -> bool:
         """Write ``data`` whole, or cut the file back to where it was and return False when the disk is full."""
-        start = self._size
+        start = self.size
         done = 0
         try:
             while done < len(data):
@@ -395,7 +352,7 @@ class TextRecorder:
                     f"smiquery: cannot write {self.path}: {_why(exc)}; rows are dropped until there is space again"
                 )
             return False
-        self._size = start + done
+        self.size = start + done
         self._dirty = True
         if self._dropping:
             lost = self._dropping

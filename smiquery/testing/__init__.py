@@ -8,9 +8,8 @@ The emulator lives in the private :mod:`smiquery.testing._emulator` package.
 """
 
 from smiquery.testing._emulator.core import ENV_VARS
-from smiquery.testing._emulator.executable import fake_nvidia_smi, main
+from smiquery.testing._emulator.engine import InProcessLines, InProcessRunner, fake_nvidia_smi, main, use_runner
 from smiquery.testing._emulator.faults import FAULT_HELP, FAULTS
-from smiquery.testing._emulator.inprocess import InProcessLines, InProcessRunner, use_runner
 
 __all__ = [
     "ENV_VARS",

@@ -17,7 +17,7 @@ import pytest
 from smiquery import frames, recordings
 from smiquery.errors import ParseError
 from smiquery.fields import get_field, resolve_fields
-from smiquery.recordings import csv_arrow
+from smiquery.recordings import csvfile
 from smiquery.sample import GpuSample, Schema
 from smiquery.sources.query_gpu import CsvParser, format_row, header_line, parse_lines
 from tests.corpus import require_corpus as _corpus_dir
@@ -254,22 +254,22 @@ def test_read_csv_drops_thousands_of_bad_cells_in_one_more_pass(monkeypatch: pyt
     floats = [row.replace(" 33,", " 33.0,") for row in ROWS] * 1000
     text = HEADER + "\n" + "\n".join([*floats, ROWS[1]]) + "\n"
     passes = []
-    convert_block = csv_arrow.ArrowCsvReader._convert_block
+    convert_block = csvfile.ArrowCsvReader._convert_block
 
-    def counted(self: csv_arrow.ArrowCsvReader, columns: Any) -> Any:
+    def counted(self: csvfile.ArrowCsvReader, columns: Any) -> Any:
         block = convert_block(self, columns)
         passes.append(len(block.bad))
         return block
 
-    chunk = csv_arrow.ArrowCsvReader._python_chunk
+    chunk = csvfile.ArrowCsvReader._python_chunk
     calls = []
 
-    def chunk_counted(self: csv_arrow.ArrowCsvReader, col: Any, fld: Any) -> Any:
+    def chunk_counted(self: csvfile.ArrowCsvReader, col: Any, fld: Any) -> Any:
         calls.append(fld.name)
         return chunk(self, col, fld)
 
-    monkeypatch.setattr(csv_arrow.ArrowCsvReader, "_convert_block", counted)
-    monkeypatch.setattr(csv_arrow.ArrowCsvReader, "_python_chunk", chunk_counted)
+    monkeypatch.setattr(csvfile.ArrowCsvReader, "_convert_block", counted)
+    monkeypatch.setattr(csvfile.ArrowCsvReader, "_python_chunk", chunk_counted)
     df = _read(text)
     bad = sum(" 33.0," in row for row in floats)
     assert len(df) == len(floats) + 1 - bad
@@ -359,7 +359,7 @@ def test_read_csv_hex_in_int_column_is_rejected_like_the_parser() -> None:
 
 def test_read_csv_rare_token_after_the_head(monkeypatch: pytest.MonkeyPatch) -> None:
     # The first rows decide which numeric columns the CSV reader converts itself; a later surprise restarts.
-    monkeypatch.setattr(csv_arrow, "_HEAD_ROWS", 1)
+    monkeypatch.setattr(csvfile, "_HEAD_ROWS", 1)
     text = "index, power.draw [W]\n0, 10.50\n1, [N/A]\n2, [Unknown Error]\n3, 7.25 W\n"
     df = _read(text)
     assert df["power_draw"].tolist() == [10.5, pd.NA, pd.NA, 7.25]
@@ -399,8 +399,8 @@ def _big_recording(rows: int) -> str:
 
 def test_read_csv_many_blocks_keep_row_positions(monkeypatch: pytest.MonkeyPatch) -> None:
     text = _big_recording(3000)  # crosses a DST change in Europe/Berlin
-    monkeypatch.setattr(csv_arrow, "_BLOCK_BYTES", 8192)
-    monkeypatch.setattr(csv_arrow, "_HEAD_ROWS", 50)
+    monkeypatch.setattr(csvfile, "_BLOCK_BYTES", 8192)
+    monkeypatch.setattr(csvfile, "_HEAD_ROWS", 50)
     fast = _read(text)
     expected = _with_notices(frames.to_dataframe(parse_lines(text, tz=BERLIN)))
     _same(fast, expected)
@@ -473,7 +473,7 @@ def test_import_smiquery_does_not_import_pandas() -> None:
 
 
 def test_many_notices_keep_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(csv_arrow, "_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(csvfile, "_BLOCK_BYTES", 4096)
     lines = [HEADER]
     for n in range(300):
         lines.append(ROWS[n % 3])

@@ -14,7 +14,7 @@ import pytest
 
 from smiquery.errors import RecordingError
 from smiquery.recordings import read_recording
-from smiquery.recordings.sets import read_members
+from smiquery.recordings.base import read_members
 
 HEADER = "timestamp, index, utilization.gpu [%], memory.used [MiB]"
 

@@ -75,29 +75,25 @@ GPU_LOST_REASON = "GPU is lost. Reboot the system to recover this GPU"
 # Exit codes and messages of NVIDIA-SMI.md section 5. `not-supported` has no recorded message; NVML's own error
 # string for NVML_ERROR_NOT_SUPPORTED is used.
 _NVML = "Failed to initialize NVML: "
-_STARTUP_FAULTS: dict[str, tuple[int, tuple[str, ...]]] = {
+_STARTUP_FAULTS: dict[str, tuple[int, str]] = {  # exit status, the lines printed
     "driver-not-loaded": (
         9,
-        (
-            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-            "Make sure that the latest NVIDIA driver is installed and running.",
-        ),
+        "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+        "Make sure that the latest NVIDIA driver is installed and running.",
     ),
     "nvml-not-found": (
         12,
-        (
-            "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system. Please make sure that the NVIDIA "
-            "Display Driver is properly installed and present in your system.",
-            "Please also try adding directory that contains libnvidia-ml.so to your system PATH.",
-        ),
+        "NVIDIA-SMI couldn't find libnvidia-ml.so library in your system. Please make sure that the NVIDIA "
+        "Display Driver is properly installed and present in your system.\n"
+        "Please also try adding directory that contains libnvidia-ml.so to your system PATH.",
     ),
-    "version-mismatch": (18, (_NVML + "Driver/library version mismatch", "NVML library version: {nvml}")),
-    "no-devices": (6, ("No devices were found",)),
-    "no-supported-gpus": (255, (_NVML + "No supported GPUs were found", "Unable to determine the number of GPUs")),
-    "gpu-lost-start": (15, (HANDLE_ERROR.format(bus="0000:02:00.0", reason=GPU_LOST_REASON),)),
-    "permission": (4, (_NVML + "Insufficient Permissions",)),
-    "not-supported": (3, (_NVML + "Not Supported",)),
-    "unknown-error": (255, (_NVML + "Unknown Error",)),
+    "version-mismatch": (18, _NVML + "Driver/library version mismatch\nNVML library version: {nvml}"),
+    "no-devices": (6, "No devices were found"),
+    "no-supported-gpus": (255, _NVML + "No supported GPUs were found\nUnable to determine the number of GPUs"),
+    "gpu-lost-start": (15, HANDLE_ERROR.format(bus="0000:02:00.0", reason=GPU_LOST_REASON)),
+    "permission": (4, _NVML + "Insufficient Permissions"),
+    "not-supported": (3, _NVML + "Not Supported"),
+    "unknown-error": (255, _NVML + "Unknown Error"),
 }
 _COUNTED_FAULTS = ("hang-after", "crash-after", "garbage-after", "wrong-columns-after", "notices-after")
 _FLAG_FAULTS = ("inforom", "hang", "garbage", "truncated", "ignore-term", "grandchild")
@@ -234,9 +230,8 @@ def startup(faults: Faults, rec: Recording, out: Output) -> None:
     if faults.hang:
         hang(out)
     if faults.startup is not None:
-        code, lines = _STARTUP_FAULTS[faults.startup]
-        for text in lines:
-            out.line(text.format(nvml=".".join(rec.driver_version.split(".")[:2])))
+        code, text = _STARTUP_FAULTS[faults.startup]
+        out.line(text.format(nvml=".".join(rec.driver_version.split(".")[:2])))
         raise FakeExit(code)
     if faults.exit_code is not None:
         if faults.exit_message:

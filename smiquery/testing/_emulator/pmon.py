@@ -36,14 +36,10 @@ PMON_ENV_VARS: dict[str, str] = {
     "SMIQUERY_FAKE_PMON_UNSUPPORTED": "1: pmon prints what old GeForce drivers print (`Not supported on the "
     "device(s)`, `Failed to process command line`) and exits 3, while the --query-gpu modes work",
 }
-# The exit status of an unsupported pmon is not in any capture here; 3 is nvidia-smi's status for
-# NVML_ERROR_NOT_SUPPORTED elsewhere (NVIDIA-SMI.md section 5).
-_UNSUPPORTED_EXIT = 3
+_UNSUPPORTED_EXIT = 3  # not captured for pmon; nvidia-smi's NVML_ERROR_NOT_SUPPORTED status (NVIDIA-SMI.md 5)
 
 _MAX_GPUS = 4  # pmon watches at most four devices
-# First driver branch of the fake that prints the jpg and ofa columns (observed on 590/595/610; absent in
-# R4xx-era reports; the exact branch that added them is not established).
-_JPG_OFA_FROM = 530
+_JPG_OFA_FROM = 530  # the fake's first branch with jpg and ofa columns (seen on 590+, absent on R4xx)
 
 
 _OPTIONS = {"-i": "id", "-d": "delay", "-c": "count", "-s": "select", "-o": "options"}

@@ -17,15 +17,10 @@ from collections.abc import Callable, Iterator, Sequence
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import Field, Kind, get_field
 from smiquery.kinds import missing_reason, strip_unit
+from smiquery.sources.query_gpu import _split_header_cell as split_header_cell
 from smiquery.testing._emulator.core import FakeUsageError, MemoryState, is_number, read_bundled
 
 _DEFAULT_DRIVER = "590.48.01"
-
-
-def split_header_cell(cell: str) -> tuple[str, str]:
-    cell = cell.strip()
-    m = re.fullmatch(r"(.*?) \[([^\]]*)\]", cell)
-    return (m.group(1), m.group(2)) if m else (cell, "")
 
 
 def is_token(cell: str) -> bool:
@@ -211,8 +206,6 @@ def _parsed_recording(path: str | None, stamp: tuple[tuple[int, int], ...]) -> R
     return Recording(text, sidecar=p.with_suffix(".fields"), source=path)
 
 
-# ------------------------------------------------------------------------------------------------ compute apps
-
 # Compute apps: canonical names with their help, input aliases and header units (NVIDIA-SMI.md section 4).
 APP_FIELDS = {
     "timestamp": 'The timestamp of when the query was made in format "YYYY/MM/DD HH:MM:SS.msec".',
@@ -263,9 +256,6 @@ def load_apps(setting: str | None, rec: Recording) -> list[dict[str, str]]:
             app.setdefault("gpu_serial", gpu["serial"])
         apps.append(app)
     return apps
-
-
-# ------------------------------------------------------------------------------------------------ reloads
 
 
 def reloads_struck(state: str | MemoryState | None) -> int:
