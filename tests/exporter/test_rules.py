@@ -64,12 +64,21 @@ def dashboard_exprs() -> list[str]:
 
 
 def training_names() -> set[str]:
-    """The metrics a training job serves through smiquery.training (metrics_port= or a Pushgateway)."""
-    src = (ROOT / "smiquery" / "training" / "metrics.py").read_text(encoding="utf-8")
-    counters = re.findall(r'CounterMetricFamily\(\s*"(smiquery_training_[a-z_]+)"', src)
-    gauges = re.findall(r'GaugeMetricFamily\(\s*"(smiquery_training_[a-z_]+)"', src)
-    assert "smiquery_training_steps" in counters, "scan of smiquery/training/metrics.py is broken"
-    return {c + "_total" for c in counters} | set(gauges)
+    """The metrics a training job serves through smiquery.training (metrics_port= or a Pushgateway), as its
+    ``collect()`` writes them for a run with process shares on."""
+    from types import SimpleNamespace
+
+    from smiquery.training.metrics import JobMetrics
+    from smiquery.training.monitor import Totals
+
+    run = SimpleNamespace(totals=Totals(), uuids=dict, process_share=True, process_shares=dict)
+    metrics = JobMetrics(run_id="scan")
+    metrics.monitor = run  # type: ignore[assignment]
+    names = set()
+    for family in metrics.collect():
+        names.add(family.name + ("_total" if family.type == "counter" else ""))
+    assert "smiquery_training_steps_total" in names, "scan of smiquery/training/metrics.py is broken"
+    return names
 
 
 def kubernetes_names() -> set[str]:
