@@ -1,14 +1,7 @@
 """A time range of the fleet as the DataFrame a recording gives, for :func:`smiquery.analysis.report` and the plot.
 
-:func:`fleet_frame` reads the raw samples, as scraped: instant queries of range selectors (``metric[Nms]``), so a
-GPU that stopped reporting ends there (no five-minute lookback carrying its last value on) and nothing is
-evaluated at every step; a long range is cut into chunks of at most 11,000 scrape intervals (``step``, estimated
-from the data unless given; fewer when many series would pass the server's sample limit), and each chunk's samples
-are parsed by numpy (:meth:`~smiquery.fleet.client.PrometheusClient.query_samples`).
-The result has a recording's columns (``timestamp``, ``index``, ``uuid``, ``name`` and the fields, with
-the catalogue's dtypes) plus ``instance``, ``namespace`` and ``pod``; ``index`` numbers the GPUs of the range
-0..N-1 in (instance, GPU index) order and ``attrs["gpus"]`` says which GPU each number is (``attrs["gpu_names"]``:
-the :class:`~smiquery.analysis.model.GpuName` the report names it by: node, index on the node, pod or job).
+:func:`fleet_frame` reads the raw samples as scraped (instant queries of range selectors, ``metric[Nms]``: no
+lookback carries a lost GPU's last value on), in chunks of at most 11,000 scrape intervals.
 """
 
 from __future__ import annotations
@@ -102,10 +95,7 @@ def estimate_step(
     node: str | None,
     series: Sequence[dict[str, str]] | None = None,
 ) -> float:
-    """The scrape interval: the median time between raw samples of a few utilisation series.
-
-    Raw timestamps, not counts: whether a window's left end counts differs between Prometheus 2 and 3.
-    """
+    """The scrape interval: the median time between raw samples of a few utilisation series."""
     import numpy as np
 
     metric = naming.metric("utilization.gpu")
@@ -119,7 +109,7 @@ def estimate_step(
         for at in (end, min(end, start + window), (start + end) / 2):
             rows = client.query(f"{{{exact}}}[{int(window)}s]", at)
             stamps = np.array([float(p[0]) for r in rows for p in r.get("values", [])])
-            if len(stamps) >= 3:
+            if len(stamps) >= 3:  # raw stamps, not counts: a window's left end counts in Prometheus 2, not 3
                 diffs.append(float(np.median(np.diff(np.sort(stamps)))))
                 break
     if not diffs:
@@ -144,6 +134,11 @@ def fleet_frame(
     fields: Sequence[str] = FLEET_FIELDS,
 ) -> pd.DataFrame:
     """The GPUs of the fleet between ``start`` and ``end`` (Unix seconds) as a recording's DataFrame.
+
+    It has a recording's columns (``timestamp``, ``index``, ``uuid``, ``name``, the fields) plus ``instance``,
+    ``namespace`` and ``pod``; ``index`` numbers the GPUs 0..N-1 in (instance, GPU index) order, and
+    ``attrs["gpus"]`` (:func:`gpu_names`) and ``attrs["gpu_names"]`` (what the report names them by) say which GPU
+    each number is.
 
     Args:
         client: the server.

@@ -26,21 +26,12 @@ _TOP_FIELDS = ("utilization.gpu", "memory.used", "memory.total", "temperature.gp
 
 @dataclass(frozen=True)
 class FleetGpu:
-    """One GPU of the fleet as it is now.
+    """One GPU of the fleet as it is now: values in percent, MiB, degrees C and watts (None: no sample now).
 
     Attributes:
         instance: the scrape target (node) it was exported from.
         gpu: its index on that node ("" when unknown).
-        uuid: its UUID ("" when the exporter gives none).
-        name: its model.
         naming: the naming its metrics came in.
-        utilization: utilization.gpu in percent (None: no sample now).
-        memory_used: MiB.
-        memory_total: MiB.
-        temperature: degrees C.
-        power: watts.
-        namespace: the Kubernetes namespace of the pod using it ("" without attribution).
-        pod: the pod using it.
         alerts: names of the alerts firing for it.
         idle: under the idle utilization for the whole window while holding memory.
         lost: it reported during the window but has no sample now.
@@ -152,9 +143,9 @@ def snapshot(
 
     Args:
         client: the server.
-        namings: read only these namings (default: every naming the server holds).
         at: Unix seconds to look at (default now).
-        node: only instances matching this regex (anchored, as in PromQL); asked of the server.
+        namings: read only these namings (default: every naming the server holds).
+        node: only instances matching this regex (anchored, as in PromQL).
         idle_minutes: the window over which ``idle`` (and ``lost``) are judged.
         idle_utilization: a GPU is idle when utilization.gpu stayed under this (percent) for the whole window...
         held_memory_mib: ...while it holds at least this much memory now.

@@ -37,14 +37,10 @@ IDLE_SHARE = 0.8
 
 @dataclass(frozen=True)
 class SlurmJob:
-    """A job as Prometheus saw it.
+    """A job as Prometheus saw it: from its first sample to its last (Unix seconds), the GPUs it held.
 
     Attributes:
-        job_id: the ``slurm_job_id`` label.
-        start: Unix seconds of the first sample naming the job.
-        end: Unix seconds of the last one.
         step: the median seconds between two samples of one GPU (None with fewer than two samples).
-        gpus: the GPUs it held (instance, index, UUID), by instance and index.
         labels: ``slurm_user``, ``slurm_account``, ``slurm_partition``, ``slurm_job_name`` as exported.
     """
 
