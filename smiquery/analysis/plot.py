@@ -102,12 +102,7 @@ def _style(position: int) -> tuple[str, str]:
     return colour, _DASHES[(position // len(_GPU_COLOURS)) % len(_DASHES)]
 
 
-def _zone(stamps: pd.Series) -> Any:
-    return getattr(stamps.dt, "tz", None)
-
-
-def _zone_label(stamps: pd.Series) -> str:
-    zone = getattr(stamps.dt, "tz", None)
+def _zone_label(zone: Any) -> str:
     if zone is None:
         return "time (the recording's local clock; no zone recorded, pass --tz to name it)"
     return f"time ({zone})"
@@ -200,20 +195,6 @@ def _thresholds(rules: Sequence[Rule], fld: Field) -> list[tuple[float, str]]:
     return sorted(out.items())
 
 
-def _load(
-    source: str | os.PathLike[str] | pd.DataFrame,
-    fields: str | Sequence[str] | None,
-    tz: tzinfo | str | None,
-) -> tuple[pd.DataFrame, str | Sequence[str] | None]:
-    """The recording, and the fields to draw: for a headerless log the fields name its columns as well."""
-    df = load_recording(source, fields=fields, tz=tz)
-    if fields is None or not df.attrs.get("headerless"):
-        return df, fields
-    names = [f.name for f in resolve_fields(fields)]
-    drawn = [n for n in names if n not in ("timestamp", "index") and get_field(n).kind in _DRAWABLE]
-    return df, drawn or None
-
-
 # The heatmap's colour range of fields with a physical one: 0 to the recorded limit (the first of these columns with
 # a value), or fixed.
 _LIMITS: dict[str, tuple[str, ...]] = {
@@ -258,11 +239,6 @@ def _layout_of(layout: str, gpus: int) -> str:
     return "overlay" if gpus <= OVERLAY_MAX_GPUS else "multiples" if gpus <= MULTIPLES_MAX_GPUS else "heatmap"
 
 
-# A panel: (axes, field, the GPUs drawn in it as (position, (index, rows)), first in its row, in the figure's
-# bottom row).
-_Panel = tuple[Any, Field, list[tuple[int, tuple[int, Any]]], bool, bool]
-
-
 def _overlay(
     figure: type[Figure],
     flds: Sequence[Field],
@@ -270,11 +246,11 @@ def _overlay(
     width: float,
     height: float,
     dpi: int,
-) -> tuple[Figure, list[_Panel]]:
+) -> tuple[Figure, list[Any]]:
     """One panel per field, every GPU drawn in it, all panels on one time axis.
 
-    Placed by fixed margins in inches, as small multiples and heatmaps are: constrained layout measured every tick
-    label of every panel on each draw (a third of the time of a four-panel plot of a day's recording).
+    Placed by fixed margins in inches, as small multiples and heatmaps are: constrained layout measures every tick
+    label of every panel on each draw.
     """
     n = len(flds)
     # the legend: a GPU's line each, and the two kinds of shading
@@ -286,9 +262,7 @@ def _overlay(
     fig = figure(figsize=(width, total), dpi=dpi)
     grid = {"left": left / width, "right": 1 - right / width, "top": 1 - (top + head) / total,
             "bottom": bottom / total, "hspace": head / panel}  # fmt: skip
-    axes = fig.subplots(n, 1, sharex=True, squeeze=False, gridspec_kw=grid)[:, 0]
-    members = list(enumerate(groups))
-    return fig, [(ax, fld, members, True, fld is flds[-1]) for ax, fld in zip(axes, flds)]
+    return fig, list(fig.subplots(n, 1, sharex=True, squeeze=False, gridspec_kw=grid)[:, 0])
 
 
 def _legend_columns(entries: int, width: float) -> int:
@@ -367,9 +341,59 @@ def plot_recording(
     """
     _matplotlib()
     with _collector_paused():
-        return _draw(
-            source, fields, rules, gpus, title, (width, panel_height, dpi), max_points, tz, shade, name, layout
-        )
+        import numpy as np
+        from matplotlib.figure import Figure
+
+        _layout_of(layout, 0)  # a bad layout fails before the recording is read
+        df, flds = _prepare(source, fields, gpus, tz)
+        parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in (DEFAULT_RULES if rules is None else rules)]
+        groups = gpu_rows(df["index"].to_numpy(dtype="int64"))
+        chosen = _layout_of(layout, len(groups))
+        start, end = df["timestamp"].min(), df["timestamp"].max()
+        x_start, x_end = _naive(start), _naive(end)
+        if x_end == x_start:
+            x_end = x_start + (end - start) + np.timedelta64(1, "s")
+        zone = getattr(df["timestamp"].dt, "tz", None)
+        handles: list[Any] = []
+        if chosen == "heatmap":
+            columns = max_points or max(200, round(width * dpi * 0.85))  # about one column a pixel of the panel
+            scene = _scene(df, flds, groups, parsed, columns, shade)
+            fig, axes = heatmap_figure(
+                Figure,
+                flds,
+                [idx for idx, _ in groups],
+                [scene.xs[idx] for idx, _ in groups],
+                {f.name: [scene.values[f.name][rows] for _, rows in groups] for f in flds},
+                (x_start, x_end),
+                (scene.stalls, scene.alerts),
+                {f.name: _thresholds(parsed, f) for f in flds},
+                (width, panel_height, dpi, columns),
+                {f.name: sc for f in flds if (sc := _physical_scale(f, df)) is not None},
+                scene.names,
+            )
+        elif chosen == "multiples":
+            max_points = max_points or cell_points(width, dpi, len(groups))
+            scene = _scene(df, flds, groups, parsed, max_points, shade)
+            data = _multiples_data(scene, flds, groups, parsed, (x_start, x_end), zone)
+            fig, axes = multiples_figure(Figure, data, width, panel_height, dpi, max_points)
+        else:
+            fig, axes = _overlay(Figure, flds, groups, width, panel_height, dpi)
+            max_points = max_points or max(200, round(width * dpi))  # about a point per pixel of the width
+            scene = _scene(df, flds, groups, parsed, max_points, shade)
+            scene.first_ax = axes[0]
+            for ax, fld in zip(axes, flds, strict=True):
+                lines = _draw_panel(scene, ax, fld, list(enumerate(groups)), (x_start, x_end))
+                if fld is flds[0]:
+                    handles += lines
+        _time_axis(fig, axes, chosen, (x_start, x_end), _zone_label(zone), zone)
+        if title is None:
+            if name is None:
+                name = os.path.basename(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "recording"
+            n = len(groups)
+            until = f"{end:%Y-%m-%d %H:%M:%S}" if end.date() != start.date() else f"{end:%H:%M:%S}"
+            title = f"{name}: {n} GPU{'s' if n != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {until}"
+        _title_and_legend(fig, title, axes, handles, chosen)
+        return fig
 
 
 # zlib level 3, not PIL's 6: about half the time to encode a heatmap's noisy cells, for a file 4 % larger
@@ -380,10 +404,8 @@ _PNG: dict[str, Any] = {"pil_kwargs": {"compress_level": 3}}
 def _collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while a figure is built and drawn.
 
-    A figure of dozens of panels makes tens of thousands of small objects, and each time the collector's counts
-    trip it walks every object the process holds (a big recording's frame and all of pandas and matplotlib): a
-    third of the time of 64 small panels. Reference counting still frees what is not in a cycle; the cycles a
-    figure leaves are collected when the collector runs again.
+    A figure's tens of thousands of small objects trip the collector again and again, and each time it walks every
+    object of the process (a third of the time of 64 small panels); the figure's cycles are collected later.
     """
     if not gc.isenabled():  # paused already (another figure, or the caller): leave it as it is
         yield
@@ -395,86 +417,18 @@ def _collector_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _draw(
-    source: str | os.PathLike[str] | pd.DataFrame,
-    fields: str | Sequence[str] | None,
-    rules: Iterable[Rule | str] | None,
-    gpus: Sequence[int | str] | str | None,
-    title: str | None,
-    size: tuple[float, float, int],
-    max_points: int | None,
-    tz: tzinfo | str | None,
-    shade: bool,
-    name: str | None,
-    layout: Layout,
-) -> Figure:
-    """The figure :func:`plot_recording` describes; ``size`` is (width, panel height, dpi)."""
-    import numpy as np
-    from matplotlib.figure import Figure
-
-    width, panel_height, dpi = size
-    _layout_of(layout, 0)  # a bad layout fails before the recording is read
-    df, flds = _prepare(source, fields, gpus, tz)
-    parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in (DEFAULT_RULES if rules is None else rules)]
-    groups = gpu_rows(df["index"].to_numpy(dtype="int64"))
-    chosen = _layout_of(layout, len(groups))
-    start, end = df["timestamp"].min(), df["timestamp"].max()
-    x_start, x_end = _naive(start), _naive(end)
-    if x_end == x_start:
-        x_end = x_start + (end - start) + np.timedelta64(1, "s")
-    zone = _zone(df["timestamp"])
-    handles: list[Any] = []
-    if chosen == "heatmap":
-        columns = max_points or max(200, round(width * dpi * 0.85))  # about one column a pixel of the panel
-        scene = _scene(df, flds, groups, parsed, columns, shade)
-        fig, axes = heatmap_figure(
-            Figure,
-            flds,
-            [idx for idx, _ in groups],
-            [scene.xs[idx] for idx, _ in groups],
-            {f.name: [scene.values[f.name][rows] for _, rows in groups] for f in flds},
-            (x_start, x_end),
-            (scene.stalls, scene.alerts),
-            {f.name: _thresholds(parsed, f) for f in flds},
-            (width, panel_height, dpi, columns),
-            {f.name: sc for f in flds if (sc := _physical_scale(f, df)) is not None},
-            scene.names,
-        )
-        panels: list[_Panel] = [(ax, fld, [], True, ax is axes[-1]) for ax, fld in zip(axes, flds, strict=True)]
-    elif chosen == "multiples":
-        max_points = max_points or cell_points(width, dpi, len(groups))
-        scene = _scene(df, flds, groups, parsed, max_points, shade)
-        data = _multiples_data(scene, flds, groups, parsed, (x_start, x_end), zone)
-        fig, axes = multiples_figure(Figure, data, width, panel_height, dpi, max_points)
-        panels = [(ax, fld, [], True, ax is axes[-1]) for ax, fld in zip(axes, flds, strict=True)]
-    else:
-        fig, panels = _overlay(Figure, flds, groups, width, panel_height, dpi)
-        max_points = max_points or max(200, round(width * dpi))  # about a point per pixel of the width
-        scene = _scene(df, flds, groups, parsed, max_points, shade)
-        scene.first_ax = panels[0][0]
-        for panel in panels:
-            lines = _draw_panel(scene, panel, (x_start, x_end))
-            if panel[1] is flds[0]:
-                handles += lines
-    _time_axis(fig, panels, chosen, (x_start, x_end), _zone_label(df["timestamp"]), zone)
-    if title is None:
-        if name is None:
-            name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
-        n = len(groups)
-        until = f"{end:%Y-%m-%d %H:%M:%S}" if end.date() != start.date() else f"{end:%H:%M:%S}"
-        title = f"{name}: {n} GPU{'s' if n != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {until}"
-    _title_and_legend(fig, title, panels, handles, chosen)
-    return fig
-
-
 def _prepare(
     source: str | os.PathLike[str] | pd.DataFrame,
     fields: str | Sequence[str] | None,
     gpus: Sequence[int | str] | str | None,
     tz: tzinfo | str | None,
 ) -> tuple[pd.DataFrame, list[Field]]:
-    """The rows of the chosen GPUs, and the fields to draw."""
-    df, fields = _load(source, fields, tz)
+    """The rows of the chosen GPUs, and the fields to draw: for a headerless log the fields name its columns too."""
+    df = load_recording(source, fields=fields, tz=tz)
+    if fields is not None and df.attrs.get("headerless"):
+        names = [f.name for f in resolve_fields(fields)]
+        drawn = [n for n in names if n not in ("timestamp", "index") and get_field(n).kind in _DRAWABLE]
+        fields = drawn or None
     if gpus is not None:
         df = df[_selected(df, gpus)].reset_index(drop=True)
     if df.empty:
@@ -581,16 +535,17 @@ def _multiples_data(
     )
 
 
-def _draw_panel(scene: _Scene, panel: _Panel, x_range: tuple[Any, Any]) -> list[Any]:
+def _draw_panel(
+    scene: _Scene, ax: Any, fld: Field, members: list[tuple[int, tuple[int, Any]]], x_range: tuple[Any, Any]
+) -> list[Any]:
     """One overlaid panel: its GPUs' lines (returned, for the legend), shading, thresholds, title and scale."""
-    ax, fld, members, first, _ = panel
     lines = _draw_lines(scene, ax, fld, members)
     spans = _shade(scene, ax, fld, {idx for _, (idx, _) in members})
     has_values = scene.with_values[fld.name]
     marks = _thresholds(scene.rules, fld) if has_values else []
     _draw_thresholds(ax, marks)
     _label_panel(ax, fld, has_values)
-    _place_notes(ax, marks if first else [], spans, x_range)
+    _place_notes(ax, marks, spans, x_range)
     return lines
 
 
@@ -656,13 +611,10 @@ _NOTE_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "n
 def _place_notes(
     ax: Any, marks: Sequence[tuple[float, str]], spans: Sequence[tuple[Any, str]], x_range: tuple[Any, Any]
 ) -> None:
-    """Label the thresholds and spans: all inside the panel, none over another.
+    """Label the thresholds and spans: all inside the panel, none over another (:func:`stack_labels`).
 
     Threshold labels go at the panel's left edge (under their line, else over it), then each span's label in its
-    top left corner (moved down under a label in its way).
-
-    Placed by measured text sizes against the panel's size in points (:func:`stack_labels`), so no label runs into
-    the panel's title or out of the figure. A label with no room left is not drawn (its line or shading is).
+    top left corner (moved down under a label in its way). A label with no room left is not drawn.
     """
     import matplotlib.dates as mdates
 
@@ -708,12 +660,9 @@ def _label_panel(ax: Any, fld: Field, has_values: bool) -> None:
     ax.grid(True, color=_GRID, linewidth=0.6)
 
 
-def _time_axis(fig: Figure, panels: Sequence[_Panel], layout: str, x_range: tuple[Any, Any], label: str,
+def _time_axis(fig: Figure, panels: Sequence[Any], layout: str, x_range: tuple[Any, Any], label: str,
                zone: Any = None) -> None:  # fmt: skip
-    """The time axis under the bottom panel, labelled with the zone (in UTC with a zone, ticks in local time).
-
-    Small multiples and heatmaps label their own times; their zone goes under the figure.
-    """
+    """The time axis under the bottom panel, labelled with the zone (small multiples: the zone under the figure)."""
     import matplotlib.dates as mdates
 
     x_start, x_end = x_range
@@ -721,7 +670,7 @@ def _time_axis(fig: Figure, panels: Sequence[_Panel], layout: str, x_range: tupl
         inches = fig.get_size_inches()[1]
         fig.supxlabel(label, y=0.45 / inches, va="center", fontsize=9)
         return
-    last = panels[-1][0]
+    last = panels[-1]
     last.set_xlim(x_start, x_end)
     locator = mdates.AutoDateLocator(tz=zone)  # type: ignore[no-untyped-call]
     last.xaxis.set_major_locator(locator)
@@ -729,23 +678,21 @@ def _time_axis(fig: Figure, panels: Sequence[_Panel], layout: str, x_range: tupl
     last.set_xlabel(label, fontsize=9)
 
 
-def _title_and_legend(fig: Figure, title: str, panels: Sequence[_Panel], handles: list[Any], layout: str) -> None:
+def _title_and_legend(fig: Figure, title: str, panels: Sequence[Any], handles: list[Any], layout: str) -> None:
     """The title above, and below a legend of the GPUs' lines (overlaid panels only) and the kinds of shading drawn."""
     from matplotlib.patches import Patch
 
-    if layout == "heatmap":  # placed by fixed margins, as small multiples are
-        fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
+    fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
+    if layout == "heatmap":
         for gid, edge, text in (("stall", STALL_EDGE, "stall"), ("alert", ALERT_EDGE, "alert firing")):
-            if any(c.get_gid() == gid for ax, *_ in panels for c in ax.collections):
+            if any(c.get_gid() == gid for ax in panels for c in ax.collections):
                 handles.append(Patch(facecolor="none", edgecolor=edge, label=text))
         if handles:
             fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=8, frameon=False)
         return
-
-    fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
-    if any(p.get_gid() == "stall" for ax, *_ in panels for p in ax.patches):
+    if any(p.get_gid() == "stall" for ax in panels for p in ax.patches):
         handles.append(Patch(color=_STALL_SHADE, alpha=0.4, label="stall"))
-    if any(p.get_gid() == "alert" for ax, *_ in panels for p in ax.patches):
+    if any(p.get_gid() == "alert" for ax in panels for p in ax.patches):
         handles.append(Patch(color=_ALERT_SHADE, alpha=0.6, label="alert firing"))
     if handles:
         fig.legend(
@@ -763,21 +710,10 @@ def save_plot(
     fields: str | Sequence[str] | None = None,
     **options: Any,
 ) -> Path:
-    """Draw a recording (see :func:`plot_recording`) and write it; the format follows the suffix (png, svg, pdf).
+    """Draw a recording (:func:`plot_recording`, which takes ``options``) and write it to ``output``.
 
-    Args:
-        source: the recording or DataFrame.
-        output: the image file to write.
-        fields: the fields to draw.
-        **options: passed to :func:`plot_recording`.
-
-    Returns:
-        The path written.
-
-    Raises:
-        ImportError: matplotlib is not installed.
-        ReportError: the recording cannot be read or lacks a requested field.
-        OSError: the image cannot be written.
+    The format follows the suffix (png, svg, pdf). Returns the path written; raises what :func:`plot_recording`
+    raises, and OSError when the image cannot be written.
     """
     path = Path(output)
     with _collector_paused():  # once for drawing and writing: resumed in between, it would walk the figure
@@ -789,20 +725,7 @@ def save_plot(
 def plot_png(
     source: str | os.PathLike[str] | pd.DataFrame, fields: str | Sequence[str] | None = None, **options: Any
 ) -> bytes:
-    """Draw a recording (see :func:`plot_recording`) as PNG bytes, e.g. for :func:`smiquery.analysis.report_html`.
-
-    Args:
-        source: the recording or DataFrame.
-        fields: the fields to draw.
-        **options: passed to :func:`plot_recording`.
-
-    Returns:
-        The PNG image.
-
-    Raises:
-        ImportError: matplotlib is not installed.
-        ReportError: the recording cannot be read or lacks a requested field.
-    """
+    """Draw a recording (:func:`plot_recording`, which takes ``options``) as PNG bytes, e.g. for a report's page."""
     import io
 
     buf = io.BytesIO()

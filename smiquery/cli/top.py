@@ -101,17 +101,10 @@ def render_screen(
     total: int | None = None,
     view: Viewport | None = None,
 ) -> list[str]:
-    """One screen: a title, the table cut to ``lines`` (0: no limit) and ``cols``, and what was left out.
+    """One screen: ``title``, the table cut to ``lines`` and ``cols`` (0: no limit), and what was left out.
 
-    GPUs in trouble (lost, with an alert firing) are never the ones left out; the others scroll (``view``).
-
-    Args:
-        gpus: the GPUs to show, in order.
-        cols: terminal width (0: no limit).
-        lines: terminal height (0: no limit).
-        title: the first line.
-        total: GPUs in the fleet before filters (for the footer).
-        view: the scroll offset and filter typed (None: the first rows, no filter).
+    GPUs in trouble (lost, with an alert firing) are never the ones left out; the others scroll (``view``: None
+    for the first rows, no filter). ``total``: GPUs in the fleet before filters, for the footer.
     """
     from smiquery.cli.display import clip, render_table
 
@@ -236,10 +229,9 @@ def top(
         when = parse_time(at, what="--at") if at is not None else None
         # only a terminal gets the live view: piped, or as csv/json, one document (a file of one CSV, not many)
         live = not once and fmt is TopFormat.table and sys.stdout.isatty()
-        tty = live
         view = Viewport(TOP_KEYS, sort.value)
         keys: queue.SimpleQueue[str] = queue.SimpleQueue()
-        reader = KeyReader(keys.put) if tty else contextlib.nullcontext()
+        reader = KeyReader(keys.put) if live else contextlib.nullcontext()
         error = ""
         with Signals() as sigs, reader:
             try:
@@ -263,7 +255,7 @@ def top(
                         else:
                             stamp = time.strftime("%H:%M:%S", time.localtime(when) if when else time.localtime())
                             title = f"smiquery top  {client.url}  {stamp}" + ("  (idle only)" if idle else "")
-                            _show(gpus, title, len(every), error, view, tty)
+                            _show(gpus, title, len(every), error, view, live)
                         sys.stdout.flush()
                         if not live or not _wait(keys, view, sigs, interval):
                             break  # a new snapshot is due (or --once)
