@@ -1,9 +1,6 @@
 """What happened in a recorded run: statistics, thresholds, alerts, stalls, health counters, energy, clock steps.
 
-:func:`report` works all of it out and adds the findings (:mod:`smiquery.analysis.findings`);
-:func:`stalls_and_alerts` finds only the stall and alert periods (what the plot shades), for less. Every
-duration runs along each GPU's own timeline (:func:`smiquery.analysis.load.split_gpus`). pandas and numpy are
-imported inside the functions, so importing this module stays light.
+Every duration runs along each GPU's own timeline (:func:`smiquery.analysis.load.split_gpus`).
 """
 
 from __future__ import annotations
@@ -34,13 +31,9 @@ DEFAULT_RULES: tuple[str, ...] = BUILTIN_RULES
 
 
 def report_fields(rules: Iterable[Rule | str] | None = None) -> tuple[str, ...]:
-    """The fields a report of the recording needs: what the stall check and the rules watch (``while`` fields too).
+    """The fields a report needs: what the stall check and the ``rules`` (default :data:`DEFAULT_RULES`) watch.
 
-    ``smiquery stream --output`` records these besides the default preset, so that ``smiquery report`` of the
-    recording says nothing is "not recorded".
-
-    Args:
-        rules: the rules (default :data:`DEFAULT_RULES`).
+    ``smiquery stream --output`` records these besides the default preset, so that nothing is "not recorded".
     """
     names = ["timestamp", "index", "utilization.gpu", "memory.used"]
     names += [f.name for r in _parse_rules(rules) for f in r.fields]
@@ -168,11 +161,9 @@ def stalls_and_alerts(
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
 ) -> Periods:
-    """Only the stalls and alerts of a recording: the same periods as :func:`report` finds, for less.
+    """Only the stalls and alerts of a recording (what the plot shades), as :func:`report` finds them, for less.
 
-    No statistics, thresholds, health counters or findings are worked out. :mod:`smiquery.analysis.plot` shades these.
-    The arguments and errors are :func:`report`'s; returns the :class:`Periods`, stalls and alerts in the order
-    :func:`report` lists them.
+    The arguments and errors are :func:`report`'s.
     """
     df = load_recording(source, fields=fields, tz=tz)
     if df.empty:
@@ -281,10 +272,7 @@ def _energy(df: pd.DataFrame, gpus: Sequence[GpuSeries]) -> dict[int, float]:
 
 
 def _clock_changes(gpus: list[GpuSeries]) -> tuple[list[ClockStep], list[tuple[datetime, str, str]]]:
-    """The recorded clock's steps back and a zone's offset changes, from the GPU with the most samples.
-
-    Every GPU's rows carry the same host clock, so one GPU tells them; each change is reported once.
-    """
+    """The recorded clock's steps back and a zone's offset changes, from the GPU with the most samples."""
     import numpy as np
 
     g = max(gpus, key=lambda g: len(g.times))
@@ -436,10 +424,7 @@ def _fired_at(rule: Rule, g: GpuSeries, first: int, last: int, cond: np.ndarray)
 def _alerts(
     rules: Sequence[Rule], gpus: list[GpuSeries], thresholds: list[ThresholdTime] | None = None
 ) -> list[AlertSpan]:
-    """The alerts the rules would have fired, per rule and GPU.
-
-    With ``thresholds``, the time past each rule's threshold is added to it as well (from the same stretches).
-    """
+    """The alerts the rules would have fired, per rule and GPU; the time past each threshold goes to ``thresholds``."""
     alerts: list[AlertSpan] = []
     for rule in rules:
         for g in gpus:

@@ -1,8 +1,4 @@
-"""The findings of a report: what to act on, one verdict a line, most severe first.
-
-Each step reads what :mod:`smiquery.analysis.analyze` found (stalls, alerts, health counters, clock steps) or the
-GPUs' samples (memory nearly full), and words it for people with what to check.
-"""
+"""The findings of a report: what to act on, one verdict a line for people with what to check, most severe first."""
 
 from __future__ import annotations
 
@@ -49,15 +45,9 @@ _OP_WORDS = {">": "over", ">=": "at or over", "<": "under", "<=": "at or under",
 
 
 def findings(report: Report, rules: Sequence[Rule], gpus: list[GpuSeries]) -> list[Finding]:
-    """What to act on in a report, most severe first (then by start and GPU).
+    """What to act on in a report (all but its findings filled in), most severe first (then by start and GPU).
 
-    Args:
-        report: the report, with its stalls, alerts, statistics, health counters and clock steps filled in.
-        rules: the rules its alerts come from.
-        gpus: the GPUs' samples (for memory nearly full).
-
-    Returns:
-        The findings.
+    ``rules`` are those its alerts come from; ``gpus`` the samples (for memory nearly full).
     """
     out = [
         *_stall_findings(report, len(gpus)),

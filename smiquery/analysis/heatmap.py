@@ -1,16 +1,8 @@
 """Many GPUs as heatmaps: one panel per field, a row per GPU, time across, stalls and alerts outlined.
 
-Past 16 GPUs a line per GPU, or a small panel per GPU per field (64 GPUs: 256 panels), no longer reads;
-:func:`smiquery.analysis.plot_recording` draws these instead. Each cell is the mean of the samples of one GPU in
-one column of pixels; a stall is outlined black on the GPU's row in every panel, a firing alert orange on its
-field's panel, so short events that a mean would blur still show. Rule thresholds are marked on each colour bar.
-
-Each field's colours span its physical range where it has one (0 to 100 %, 0 to ``memory.total``, 0 to
-``power.limit`` when recorded, a fixed 0 to 100 C for temperatures), widened to any value past it, else the
-data's range; the colour bar names the range and its ticks are plain numbers (no offset, no powers of ten), and
-the panel's title says where the range comes from.
-
-Needs matplotlib; drawn with the object API like :mod:`smiquery.analysis.plot`.
+Each cell is the mean of one GPU's samples in one column of pixels; stalls and firing alerts are outlined, so short
+events that a mean would blur still show. A field's colours span its physical range where it has one (0 to 100 %,
+0 to ``memory.total`` or ``power.limit``, 0 to 100 C), widened to any value past it, else the data's range.
 """
 
 from __future__ import annotations
@@ -49,11 +41,7 @@ def cell_means(
 ) -> np.ndarray:
     """A (GPUs, columns) array: per GPU the mean of its values in each of ``columns`` equal spans of time, NaN if none.
 
-    Args:
-        xs: per GPU its sample times (datetime64[ns], on the plot's axis).
-        ys: per GPU its values (float, NaN where missing).
-        x_range: the first and last time of the axis.
-        columns: how many spans of time.
+    ``xs`` and ``ys``: per GPU its times (on the plot's axis) and values (NaN where missing).
     """
     import numpy as np
 
@@ -90,20 +78,10 @@ def heatmap_figure(
 ) -> tuple[Figure, list[Any]]:
     """One heatmap panel per field, sharing the time axis; returns the figure and its panels (top to bottom).
 
-    Args:
-        figure: the Figure class to build.
-        flds: the fields, one panel each.
-        gpus: the GPU indices, one row each (top to bottom).
-        xs: per GPU its sample times (naive datetime64, as the axis holds them).
-        values: per field name, per GPU its values.
-        x_range: the axis' first and last time (naive datetimes).
-        marks: (stalls, alerts by field name) as (start, end, gpu) with naive datetimes.
-        thresholds: per field name, (value, label) of the rules watching it, marked on its colour bar.
-        size: (width, panel height in inches, dpi, most columns of cells: one a pixel or so).
-        scales: per field name its physical colour range (:data:`Scale`); a field without one is coloured on the
-            range of its values (percentages on 0 to 100 and booleans on no to yes either way).
-        names: a fleet's GPU names: the rows are then labelled by node, white lines (``gid="node-boundary"``)
-            between the nodes.
+    ``gpus``, ``xs`` and ``values`` are per row, top to bottom; ``marks`` are (stalls, alerts by field name) as
+    (start, end, gpu); ``size`` is (width, panel height, dpi, most columns of cells). A field without a ``scales``
+    range is coloured on the range of its values. With ``names`` (a fleet's) the rows are labelled by node, with
+    white lines (``gid="node-boundary"``) between the nodes.
     """
     import matplotlib.dates as mdates
     import numpy as np
@@ -182,11 +160,7 @@ def heatmap_figure(
 
 
 def _colour_range(fld: Field, cells: np.ndarray, scale: Scale | None) -> tuple[float, float, str]:
-    """The field's colour range and where it comes from (for the panel's title; empty where it goes without saying).
-
-    A physical range is widened to any value past it; without one, the values' own range (a constant value in the
-    middle of a range around it, not at its foot).
-    """
+    """The field's colour range, widened to the values, and where it comes from (for the panel's title, or "")."""
     import numpy as np
 
     finite = cells[np.isfinite(cells)]
@@ -230,8 +204,8 @@ def _outline(
 ) -> None:
     """Each (start, end, gpu) span as an outline around its stretch of the GPU's row.
 
-    Spans of neighbouring rows that start and end within a hundredth of the run of each other (GPUs that stalled
-    together) share one outline, so 64 GPUs stalling at once are one box, not 64 stripes.
+    Spans of neighbouring rows within a hundredth of the run of each other share one outline (64 GPUs stalling at
+    once are one box).
     """
     import matplotlib.dates as mdates
     import numpy as np

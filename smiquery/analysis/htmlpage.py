@@ -1,8 +1,7 @@
 """A report as one self-contained HTML page: findings, tables and the plot, for a ticket or a browser.
 
-The page loads nothing: the style sheet is inline, the plot a PNG ``data:`` URI, and a content security policy
-forbids every other source, so a shared page works offline and leaks no request. The tables are those of the
-text and Markdown reports (:mod:`smiquery.analysis.render`).
+The page loads nothing (inline style, the plot a ``data:`` URI, a content security policy forbidding the rest), so
+a shared page works offline and leaks no request.
 """
 
 from __future__ import annotations
@@ -73,13 +72,7 @@ def _para(text: str) -> str:
 def report_html(report: Report, plot_png: bytes | None = None, plot_note: str | None = None) -> str:
     """The report as one HTML page that needs nothing else: no network, no script, no file beside it.
 
-    Args:
-        report: the report.
-        plot_png: the plot of the recording as PNG bytes, embedded as a ``data:`` URI; None for none.
-        plot_note: what to say in place of the plot when there is none (e.g. that matplotlib is missing).
-
-    Returns:
-        The page, UTF-8 text.
+    ``plot_png``: the plot as PNG bytes (None: ``plot_note`` says why there is none, e.g. matplotlib is missing).
     """
     title = f"GPU report: {report.source}"
     out = [

@@ -1,19 +1,9 @@
 """Small multiples: per field one panel holding a cell per GPU, the cells of a field on one y scale, all on one time.
 
-Between the overlay (up to 8 GPUs, one line each in a panel per field) and the heatmap (past 16),
-:func:`smiquery.analysis.plot_recording` gives each GPU its own small cell. A field is one matplotlib ``Axes``
-whose data units are inches from its lower left corner; each cell draws its GPU's line, its stalls and alerts and
-the rule thresholds through its own transform from (time, value) to its place, so the artists keep their data in
-date numbers and the field's units. One ``Axes`` per cell would cost several milliseconds each to create and to draw
-(64 cells for 16 GPUs and 4 fields): the cells' frames and grids are two collections a field instead, and their
-labels plain text.
-
-Each cell's artists carry the label ``GPU <index>``: its line (``gid="gpu-<index>"``), stall and alert shading
-(``stall``, ``alert``), thresholds (``threshold``), its title (``title``: the GPU's name, a fleet's by node) and a
-no-data note (``no-data``).
-A field's panel has ``gid="multiples-<field>"``; its tick labels are texts with ``gid`` ``xtick`` and ``ytick``.
-
-Needs matplotlib; drawn with the object API like :mod:`smiquery.analysis.plot`.
+A field is one matplotlib ``Axes`` (``gid="multiples-<field>"``) whose data units are inches; each cell draws
+through its own transform from (time, value) to its place (an ``Axes`` per cell costs milliseconds each to make and
+draw). Each cell's artists carry the label ``GPU <index>`` and the gids ``gpu-<index>``, ``stall``, ``alert``,
+``threshold``, ``title`` and ``no-data``; tick labels are texts with ``gid`` ``xtick`` and ``ytick``.
 """
 
 from __future__ import annotations
@@ -54,20 +44,12 @@ _THRESHOLD_COLOUR = "#000000"
 
 @dataclass
 class MultiplesData:
-    """What the cells draw.
+    """What the cells draw: per GPU (left to right, then down) its times (naive datetime64) and values per field.
 
     Attributes:
-        flds: the fields, one panel each (top to bottom).
-        gpus: the GPU indices, one cell each (left to right, then down).
-        titles: each GPU's cell title (``GPU 3``; a fleet's ``node GPU 1``).
-        colours: each GPU's line colour.
-        xs: per GPU its sample times (naive datetime64, as the time axis holds them).
-        values: per field name, per GPU its values (float, NaN where missing).
-        gap_limit: seconds between samples past which a line breaks.
         stalls: per GPU position its stalls as (start, end) naive datetimes, merged.
         alerts: per field name, per GPU position its firing alerts as (start, end), merged.
         thresholds: per field name its rule thresholds as (value, label).
-        x_range: the first and last time of the axis (naive datetimes).
         x_ticks: where the times are labelled (date numbers) and their labels.
     """
 
@@ -160,10 +142,7 @@ def _y_ticks(fld: Field, lo: float, hi: float) -> tuple[list[float], list[str]]:
 
 
 def _left(scales: Sequence[tuple[Field, list[str]]]) -> tuple[float, float]:
-    """The margin left of the cells and how far left of a cell the unit's middle lies (inches).
-
-    Room for the widest value label and the unit beside it.
-    """
+    """The margin left of the cells (room for the widest value label and the unit) and where the unit goes."""
     widest = max((text_size(t, 7)[0] for _, labels in scales for t in labels), default=0.0) / 72
     unit = (3 * _POINT + widest + 4 * _POINT + text_size("M", 8)[1] / 2 / 72) if widest else 0.42
     return max(_LEFT, unit + text_size("M", 8)[1] / 2 / 72 + 0.08), unit
@@ -180,15 +159,10 @@ def cell_of(artist: Any) -> int | None:
 def multiples_figure(
     figure: type[Figure], data: MultiplesData, width: float, panel_height: float, dpi: int, max_points: int
 ) -> tuple[Figure, list[Any]]:
-    """The figure: a titled panel of cells per field; returns it and the panels (top to bottom).
+    """The figure (of class ``figure``): a titled panel of cells per field; returns it and the panels, top to bottom.
 
-    Args:
-        figure: the Figure class to build.
-        data: what to draw.
-        width: the figure's width in inches.
-        panel_height: ``plot_recording``'s panel height (a row of cells is 0.6 of it).
-        dpi: resolution.
-        max_points: the most points of a cell's line (lowest and highest of each stretch of samples past it).
+    A row of cells is 0.6 of ``panel_height``; a cell's line has at most ``max_points`` (lowest and highest of each
+    stretch of samples past it).
     """
     scales = []
     for fld in data.flds:
@@ -228,8 +202,8 @@ def _draw_field(
 ) -> None:
     """One field's cells: lines, shading, thresholds, titles, scales, grid and frames.
 
-    ``where``: whether it is the figure's last field (the times go under it), its scale (lowest, highest, whether
-    any GPU has a value, the values labelled and their labels) and how far left of a cell its unit goes (inches).
+    ``where``: whether it is the last field (the times go under it), its scale (lowest, highest, whether any GPU has
+    a value, the values labelled and their labels) and how far left of a cell its unit goes (inches).
     """
     import matplotlib.dates as mdates
     import numpy as np

@@ -1,11 +1,7 @@
 """A recorded run as a picture: one panel per field, one line per GPU, alert thresholds, gaps where data is missing.
 
-Up to eight GPUs share a panel per field (each line the mean of a pixel's samples, with a band from their lowest
-to highest value); up to 16 get small multiples (one small panel per GPU, same scales); more get heatmaps (a row
-per GPU, :mod:`smiquery.analysis.heatmap`).
-
-Needs matplotlib (``pip install 'smiquery[plot]'``). Figures are built with the object API on the Agg canvas, so
-nothing here touches pyplot's global state or needs a display.
+Many GPUs get :mod:`smiquery.analysis.multiples` or :mod:`smiquery.analysis.heatmap`. Needs matplotlib
+(``pip install 'smiquery[plot]'``); built with the object API, nothing here touches pyplot's state or a display.
 """
 
 from __future__ import annotations
@@ -288,21 +284,14 @@ def plot_recording(
 ) -> Figure:
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
-    Up to :data:`OVERLAY_MAX_GPUS` GPUs share each panel, in colours with no look-alike pair; up to
-    :data:`MULTIPLES_MAX_GPUS`, each field gets small multiples instead: one small panel per GPU, the panels of a
-    field sharing their y scale and all panels their time axis; past that, one heatmap per field with a row per GPU
-    (:mod:`smiquery.analysis.heatmap`). ``layout`` chooses any of them. GPUs are named ``GPU <index>``; a fleet
-    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them, its heatmap rows by node.
+    Many GPUs get small multiples or heatmaps instead (``layout``). GPUs are named ``GPU <index>``; a fleet
+    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them.
 
-    Missing values (``[N/A]``, a lost GPU) and gaps in time (the recording was stopped) show as breaks in the
-    lines, never as zeros or straight joins. Long lines are drawn at about one point per pixel: overlaid, as the
-    mean of the samples a pixel stands for inside a pale band from their lowest to highest value; in small
-    multiples, as their lowest and highest value: spikes and drops show either way. In a zone (``tz`` or recorded)
-    the time axis runs on instants and its ticks name local times, so a DST fall-back's repeated hour follows the
-    first; without one, a step back of the clock breaks the lines rather than drawing them backwards.
-    Stalls (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
-    shaded orange on its field's panel (in small multiples, each GPU's own stalls and alerts on its panels); a
-    field with no value says so. The x axis names the time zone (or says that the recording has none).
+    Missing values and gaps in time show as breaks in the lines, never as zeros or straight joins; so does a step
+    back of the clock without a zone (in a zone the axis runs on instants, its ticks in local time). Long lines are
+    drawn at about one point per pixel, so that spikes and drops still show. Stalls
+    (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, a rule's firing alerts orange on its field's
+    panel; a field with no value says so. The x axis names the time zone (or says that the recording has none).
 
     Args:
         source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.recordings.read_csv`.
@@ -315,9 +304,8 @@ def plot_recording(
         width: figure width in inches.
         panel_height: height of one panel in inches.
         dpi: resolution in dots per inch.
-        max_points: most points per line; default one per pixel of the figure's width, two per pixel of a small
-            multiple's width (a longer line is drawn as the mean of each stretch of samples; in small multiples
-            as its lowest and highest value).
+        max_points: most points per line; default one per pixel (a longer line is drawn as the mean of each stretch
+            of samples in a band of their lowest and highest; in small multiples as its lowest and highest value).
         tz: the zone the recording was made in (default: as recorded; CSV carries none).
         shade: shade stalls and alerts.
         name: what to call the recording in the title (default: the file name).

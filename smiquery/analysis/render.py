@@ -1,7 +1,6 @@
 """A report as text for a terminal, Markdown for a pull request or notebook, or JSON; and the words it uses.
 
-Numbers are rounded to what their field's unit resolves, times shown in the recording's zone (or said to have
-none), durations for people (:func:`format_duration`).
+Numbers are rounded to what their field's unit resolves, times shown in the recording's zone.
 """
 
 from __future__ import annotations
@@ -52,14 +51,7 @@ __all__ = [
 
 
 def format_duration(seconds: float) -> str:
-    """``"45 s"``, ``"1 min 30 s"``, ``"14 min"``, ``"2 h 5 min"``: how long, for people.
-
-    Args:
-        seconds: the duration.
-
-    Returns:
-        The duration rounded to the second below a minute, to the minute from an hour.
-    """
+    """``"45 s"``, ``"1 min 30 s"``, ``"14 min"``, ``"2 h 5 min"``: how long, to the second (from an hour, minute)."""
     s = round(max(0.0, seconds))
     if s < 60:
         return f"{s} s"
@@ -71,10 +63,7 @@ def format_duration(seconds: float) -> str:
 
 
 def _zone_name(ts: datetime) -> str:
-    """How the report names the zone of its times: the recording's zone, or that none was recorded."""
-    if ts.tzinfo is None:
-        return "recorder's local time"
-    return str(ts.tzinfo)
+    return "recorder's local time" if ts.tzinfo is None else str(ts.tzinfo)
 
 
 def clock_text(ts: datetime) -> str:
@@ -114,7 +103,7 @@ def gpu_name(gpu: int, names: Mapping[int, GpuName] | None = None) -> str:
     """How a report names one GPU: ``GPU 3`` in a recording's, ``gpu-node-2 GPU 1 (team-a/train-0)`` in a fleet's.
 
     In a fleet's report (``names``: :attr:`Report.names`) a GPU is its node and its index there, with the pod or
-    Slurm job that held it where known. The one naming of GPUs for every part of a report, recording or fleet.
+    Slurm job that held it where known.
     """
     name = names.get(gpu) if names else None
     if name is None:
@@ -161,13 +150,9 @@ def gpu_list(gpus: Sequence[int], names: Mapping[int, GpuName] | None = None) ->
     return "; ".join(parts)
 
 
-def _unit(fld: Field) -> str:
-    return fld.unit if fld.unit else ""
-
-
 def value_text(value: float | None, fld: Field) -> str:
     """A value rounded to its field's unit, with the unit (``"87 C"``, ``"95%"``); ``"n/a"`` when missing."""
-    u = _unit(fld)
+    u = fld.unit
     text = _stat(value, fld)
     if not u or text == "n/a":
         return text
@@ -331,11 +316,9 @@ def overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
 
 
 def threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
-    """(header, rows): per GPU that got past a threshold, the time past each rule's, and whether the rule fired.
+    """(header, rows): per GPU that got past a threshold, the time past each rule's, and how often the rule fired.
 
-    A column is headed by the rule's condition without its hold (``utilization.gpu < 20``, not ``... for 30m``;
-    the whole rule where two rules share a condition): time past a threshold is not an alert; a cell says how
-    often the rule fired there (``fired 1x``) or that it did not.
+    A column is headed by the rule's condition without its hold (the whole rule where two rules share a condition).
     """
     rules = list(dict.fromkeys(t.rule for t in report.thresholds))
     conditions = [threshold_of(r) for r in rules]
