@@ -25,9 +25,10 @@ __all__ = [
     "ONGOING",
     "THRESHOLDS_NOTE",
     "THRESHOLDS_TITLE",
-    "alert_rows",
+    "alert_table",
     "clock_text",
     "constant_text",
+    "constants_text",
     "energy_line",
     "format_duration",
     "gpu_list",
@@ -40,8 +41,9 @@ __all__ = [
     "report_json",
     "report_markdown",
     "report_text",
+    "sentence",
     "stall_note",
-    "stall_rows",
+    "stall_table",
     "threshold_note",
     "threshold_of",
     "threshold_table",
@@ -232,9 +234,9 @@ def nothing_found(report: Report) -> str:
     return text
 
 
-def alert_rows(report: Report) -> list[list[str]]:
-    """GPU, rule, when it fired, how long it held, peak: one row per alert the rules would have fired."""
-    return [
+def alert_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): GPU, rule, when it fired, how long it held, peak: a row per alert the rules would have fired."""
+    rows = [
         [
             str(a.gpu) if not report.names else gpu_name(a.gpu, report.names),
             a.rule,
@@ -244,6 +246,7 @@ def alert_rows(report: Report) -> list[list[str]]:
         ]
         for a in report.alerts
     ]
+    return ["GPU", "rule", "fired", "held", "peak"], rows
 
 
 def gpu_stat_table(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -263,8 +266,8 @@ def gpu_stat_table(report: Report) -> tuple[list[str], list[list[str]]]:
     return ["field", *[gpu_name(g, report.names) for g in report.gpus]], rows
 
 
-def stall_rows(report: Report) -> list[list[str]]:
-    """One row per stall, except that GPUs which stalled together (same start and length) share a row."""
+def stall_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): a row per stall, except that GPUs which stalled together (same start and length) share one."""
     rows: list[list[str]] = []
     groups: list[list[Stretch]] = []
     for st in sorted(report.stalls, key=lambda x: (x.start, x.gpu)):
@@ -285,7 +288,7 @@ def stall_rows(report: Report) -> list[list[str]]:
             who = who.removeprefix("GPUs ").removeprefix("GPU ")
         length = format_duration(group[0].seconds) + (ONGOING if any(x.ongoing for x in group) else "")
         rows.append([who, _stamp(group[0].start), length, f"{_num(mean)}%"])
-    return rows
+    return ["GPU", "start", "length", "mean util"], rows
 
 
 def overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -363,43 +366,28 @@ ONGOING = " (ongoing at the end)"
 
 def report_text(report: Report) -> str:
     """The report as plain text for a terminal."""
-    out = [headline(report), *notes(report), ""]
-    out.append("Findings:")
-    if report.findings:
-        out += [f"  [{f.severity}] {f.verdict}" for f in report.findings]
-    else:
-        out.append(f"  {nothing_found(report)}")
-    out.append("")
-    out.append(
-        f"Stalls (utilization.gpu < {report.stall_utilization:g}% for at least "
-        f"{format_duration(report.min_stall)}, with memory held):"
+    out = [headline(report), *notes(report), "", "Findings:"]
+    out += [f"  [{f.severity}] {f.verdict}" for f in report.findings] or [f"  {nothing_found(report)}"]
+
+    def section(title: str, table: tuple[list[str], list[list[str]]], note: str = "") -> None:
+        head, rows = table
+        out.extend(["", f"{title}:", *(_table(head, rows, indent=2) if rows else [f"  {note}"])])
+
+    section(
+        f"Stalls (utilization.gpu < {report.stall_utilization:g}% for at least {format_duration(report.min_stall)}, "
+        "with memory held)",
+        stall_table(report),
+        stall_note(report),
     )
-    out += (
-        _table(["GPU", "start", "length", "mean util"], stall_rows(report), indent=2)
-        if report.stalls
-        else [f"  {stall_note(report)}"]
-    )
-    out.append("")
-    head, rows = threshold_table(report)
-    out.append(f"{THRESHOLDS_TITLE} ({THRESHOLDS_NOTE}):")
-    out += _table(head, rows, indent=2) if rows else [f"  {threshold_note(report)}"]
+    section(f"{THRESHOLDS_TITLE} ({THRESHOLDS_NOTE})", threshold_table(report), threshold_note(report))
     if report.alerts:
-        out.append("")
-        out.append("Alerts the rules would have fired:")
-        out += _table(["GPU", "rule", "fired", "held", "peak"], alert_rows(report), indent=2)
+        section("Alerts the rules would have fired", alert_table(report))
     if report.energy_wh:
-        out.append("")
-        out.append(energy_line(report))
+        out += ["", energy_line(report)]
     if report.overall:
-        out.append("")
-        out.append("Statistics over all GPUs (per GPU: --format json or markdown):")
-        out += _table(*overall_rows(report), indent=2)
+        section("Statistics over all GPUs (per GPU: --format json or markdown)", overall_rows(report))
     if report.constants:
-        out.append("")
-        out.append(
-            "Constant during the run: "
-            + "; ".join(constant_text(n, v, report.names) for n, v in report.constants.items())
-        )
+        out += ["", f"Constant during the run: {constants_text(report)}"]
     return "\n".join(out) + "\n"
 
 
@@ -410,42 +398,43 @@ def energy_line(report: Report) -> str:
     return f"Energy (power.draw over the run): {total:.1f} Wh in all ({per} Wh)"
 
 
+def sentence(text: str) -> str:
+    """``text`` as a sentence: its first letter capital, a full stop at the end."""
+    return text[:1].upper() + text[1:] + "."
+
+
 def report_markdown(report: Report) -> str:
     """The report in Markdown (GitHub tables), for a pull request, an issue or a notebook."""
     out = [f"# GPU report: {report.source}", "", headline(report).split(": ", 1)[1], *notes(report), ""]
     if report.energy_wh:
         out += [energy_line(report), ""]
     out += ["## Findings", ""]
-    if report.findings:
-        out += [f"- **{f.severity}**: {f.verdict}" for f in report.findings]
-    else:
-        out.append(nothing_found(report)[0].upper() + nothing_found(report)[1:] + ".")
-    out += [
-        "",
-        f"## Stalls (utilization < {report.stall_utilization:g}% for at least {format_duration(report.min_stall)})",
-        "",
-    ]
-    if report.stalls:
-        out += _md_table(["GPU", "start", "length", "mean util"], stall_rows(report))
-    else:
-        out.append(stall_note(report)[0].upper() + stall_note(report)[1:] + ".")
-    out += ["", f"## {THRESHOLDS_TITLE}", "", THRESHOLDS_NOTE[0].upper() + THRESHOLDS_NOTE[1:] + ".", ""]
-    head, rows = threshold_table(report)
-    out += _md_table(head, rows) if rows else [threshold_note(report)[0].upper() + threshold_note(report)[1:] + "."]
+    out += [f"- **{f.severity}**: {f.verdict}" for f in report.findings] or [sentence(nothing_found(report))]
+
+    def section(title: str, table: tuple[list[str], list[list[str]]], note: str = "", intro: str = "") -> None:
+        head, rows = table
+        out.extend(["", f"## {title}", "", *([sentence(intro), ""] if intro else [])])
+        out.extend(_md_table(head, rows) if rows else [sentence(note)])
+
+    section(
+        f"Stalls (utilization < {report.stall_utilization:g}% for at least {format_duration(report.min_stall)})",
+        stall_table(report),
+        stall_note(report),
+    )
+    section(THRESHOLDS_TITLE, threshold_table(report), threshold_note(report), THRESHOLDS_NOTE)
     if report.alerts:
-        out += ["", "## Alerts the rules would have fired", ""]
-        rows = [[gpu, f"`{rule}`", *rest] for gpu, rule, *rest in alert_rows(report)]
-        out += _md_table(["GPU", "rule", "fired", "held", "peak"], rows)
+        head, rows = alert_table(report)
+        section("Alerts the rules would have fired", (head, [[g, f"`{r}`", *rest] for g, r, *rest in rows]))
     if report.stats:
-        out += ["", "## Statistics (mean / p95 / max)", ""]
-        out += _md_table(*gpu_stat_table(report))
+        section("Statistics (mean / p95 / max)", gpu_stat_table(report))
     if report.constants:
-        out += [
-            "",
-            "Constant during the run: "
-            + "; ".join(constant_text(n, v, report.names) for n, v in report.constants.items()),
-        ]
+        out += ["", f"Constant during the run: {constants_text(report)}"]
     return "\n".join(out) + "\n"
+
+
+def constants_text(report: Report) -> str:
+    """The fields that never changed during the run, with their values."""
+    return "; ".join(constant_text(n, v, report.names) for n, v in report.constants.items())
 
 
 def constant_text(name: str, per_gpu: dict[int, Any], names: Mapping[int, GpuName] | None = None) -> str:
