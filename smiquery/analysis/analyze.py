@@ -81,7 +81,7 @@ def report(
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
 ) -> Report:
-    """Analyse a recorded run.
+    """Analyse a recorded run: the :class:`Report`.
 
     A *stall* is a stretch of at least ``min_stall`` seconds during which a GPU's ``utilization.gpu`` stayed under
     ``stall_utilization`` percent while its ``memory.used`` was at least ``busy_memory`` MiB (a job held the GPU
@@ -103,9 +103,6 @@ def report(
         name: what to call the recording in the report (default: the file name).
         fields: the columns of a headerless CSV log (ignored when the file has a header).
         tz: the zone the recording was made in; default: timestamps as recorded (naive for CSV).
-
-    Returns:
-        The :class:`Report`.
 
     Raises:
         ReportError: the recording cannot be read or holds no samples.

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from smiquery.analysis.model import GpuName
     from smiquery.fields import Field
 
-__all__ = ["ALERT_EDGE", "STALL_EDGE", "Scale", "cell_means", "heatmap_figure"]
+__all__ = ["ALERT_EDGE", "STALL_EDGE", "Scale", "cell_means", "heatmap_figure", "no_values_note"]
 
 #: A field's physical colour range: (lowest, highest, where it comes from, e.g. ``"0 to memory.total"``).
 Scale = tuple[float, float, str]
@@ -153,10 +153,16 @@ def heatmap_figure(
         if names and len(starts) > 1:
             ax.hlines([r - 0.5 for r in starts[1:]], lo, hi, colors="#ffffff", linewidths=1.0, gid="node-boundary")
         if not np.isfinite(cells).any():
-            note = f"no values: {fld.name} was missing ([N/A] or not supported) in every sample"
-            ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=9, color="#555555",
-                    gid="no-data")  # fmt: skip
+            no_values_note(ax, fld.name)
     return fig, axes
+
+
+def no_values_note(ax: Any, name: str) -> None:
+    """The note across a panel (``gid="no-data"``) whose field ``name`` has no value in any sample."""
+    note = f"no values: {name} was missing ([N/A] or not supported) in every sample"
+    ax.text(
+        0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=9, color="#555555", gid="no-data"
+    )
 
 
 def _colour_range(fld: Field, cells: np.ndarray, scale: Scale | None) -> tuple[float, float, str]:

@@ -30,10 +30,10 @@ def load_recording(
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
 ) -> pd.DataFrame:
-    """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`, sorted by GPU.
+    """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`, one row per sample.
 
-    Files are read by :func:`smiquery.recordings.read_recording` (CSV with or without units or header, JSONL,
-    Parquet; unreadable lines skipped and described in ``attrs["skipped"]``; a log without ``index`` is GPU 0).
+    Files are read by :func:`smiquery.recordings.read_recording` (unreadable lines skipped and described in
+    ``attrs["skipped"]``; a log without ``index`` is GPU 0); rows without a timestamp or GPU index are dropped.
 
     Args:
         source: a path (``.csv``, ``.jsonl``, ``.parquet`` file or dataset folder; other names are sniffed), several
@@ -42,9 +42,6 @@ def load_recording(
             each must be one of its columns.
         tz: the zone the recording was made in (e.g. ``"Europe/Berlin"``): naive timestamps are localized to it,
             aware ones converted. Default: as recorded (naive for nvidia-smi's CSV, never assumed to be UTC).
-
-    Returns:
-        One row per sample, in file order (rows without a timestamp or GPU index dropped).
 
     Raises:
         ReportError: the file is missing, unreadable, holds no readable row, has no ``timestamp``, or its

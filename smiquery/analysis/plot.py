@@ -11,13 +11,12 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.alerts import Rule
 from smiquery.analysis.analyze import DEFAULT_RULES, stalls_and_alerts
-from smiquery.analysis.heatmap import ALERT_EDGE, STALL_EDGE, heatmap_figure
+from smiquery.analysis.heatmap import ALERT_EDGE, STALL_EDGE, heatmap_figure, no_values_note
 from smiquery.analysis.load import load_recording
 from smiquery.analysis.multiples import MultiplesData, cell_points, multiples_figure
 from smiquery.analysis.render import gpu_name
@@ -36,7 +35,6 @@ from smiquery.fields import Field, Kind, get_field, resolve_fields
 if TYPE_CHECKING:
     from datetime import tzinfo
 
-    import numpy as np
     import pandas as pd
     from matplotlib.figure import Figure
 
@@ -345,7 +343,7 @@ def plot_recording(
         handles: list[Any] = []
         if chosen == "heatmap":
             columns = max_points or max(200, round(width * dpi * 0.85))  # about one column a pixel of the panel
-            scene = _scene(df, flds, groups, parsed, columns, shade)
+            scene = _Scene(df, flds, groups, parsed, columns, shade)
             fig, axes = heatmap_figure(
                 Figure,
                 flds,
@@ -361,13 +359,13 @@ def plot_recording(
             )
         elif chosen == "multiples":
             max_points = max_points or cell_points(width, dpi, len(groups))
-            scene = _scene(df, flds, groups, parsed, max_points, shade)
+            scene = _Scene(df, flds, groups, parsed, max_points, shade)
             data = _multiples_data(scene, flds, groups, parsed, (x_start, x_end), zone)
             fig, axes = multiples_figure(Figure, data, width, panel_height, dpi, max_points)
         else:
             fig, axes = _overlay(Figure, flds, groups, width, panel_height, dpi)
             max_points = max_points or max(200, round(width * dpi))  # about a point per pixel of the width
-            scene = _scene(df, flds, groups, parsed, max_points, shade)
+            scene = _Scene(df, flds, groups, parsed, max_points, shade)
             scene.first_ax = axes[0]
             for ax, fld in zip(axes, flds, strict=True):
                 lines = _draw_panel(scene, ax, fld, list(enumerate(groups)), (x_start, x_end))
@@ -424,64 +422,45 @@ def _prepare(
     return df, _resolve(fields, df)
 
 
-@dataclass
 class _Scene:
     """What the panels of one figure share: each GPU's times, each field's values, the spans to shade."""
 
-    n_gpus: int
-    xs: dict[int, np.ndarray]
-    values: dict[str, np.ndarray]
-    with_values: dict[str, bool]
-    gap_limit: float
-    max_points: int
-    rules: Sequence[Rule]
-    stalls: list[tuple[Any, Any, int]]  # (start, end, gpu)
-    alerts: dict[str, list[tuple[Any, Any, int]]]  # by field
-    slack: Any
-    names: dict[int, Any]  # a fleet frame's GpuName by GPU (attrs["gpu_names"]); empty for a recording
-    first_ax: Any = None
+    def __init__(
+        self,
+        df: pd.DataFrame,
+        flds: Sequence[Field],
+        groups: Sequence[tuple[int, Any]],
+        rules: Sequence[Rule],
+        max_points: int,
+        shade: bool,
+    ) -> None:
+        import numpy as np
 
-
-def _scene(
-    df: pd.DataFrame,
-    flds: Sequence[Field],
-    groups: Sequence[tuple[int, Any]],
-    rules: Sequence[Rule],
-    max_points: int,
-    shade: bool,
-) -> _Scene:
-    import numpy as np
-
-    x_all = axis_clock(df["timestamp"])
-    xs = {idx: x_all[rows] for idx, rows in groups}
-    diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs.values() if len(x) > 1]
-    interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
-    if not interval > 0 or math.isnan(interval):
-        interval = 1.0
-    stalls: list[tuple[Any, Any, int]] = []
-    alerts: dict[str, list[tuple[Any, Any, int]]] = {}
-    if shade:
-        found = stalls_and_alerts(df, rules=rules)
-        stalls = [(_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls]
-        for a in found.alerts:
-            rule = next(r for r in rules if str(r) == a.rule)
-            alerts.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
-    values = {f.name: as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
-    names = df.attrs.get("gpu_names")
-    return _Scene(
-        n_gpus=len(groups),
-        xs=xs,
-        values=values,
-        with_values={name: bool(np.isfinite(v).any()) for name, v in values.items()},
-        gap_limit=max(3 * interval, 5.0),
-        max_points=max_points,
-        rules=rules,
-        stalls=stalls,
-        alerts=alerts,
+        x_all = axis_clock(df["timestamp"])
+        self.n_gpus = len(groups)
+        self.xs = {idx: x_all[rows] for idx, rows in groups}
+        diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in self.xs.values() if len(x) > 1]
+        interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
+        if not interval > 0 or math.isnan(interval):
+            interval = 1.0
+        self.gap_limit = max(3 * interval, 5.0)
+        self.max_points = max_points
+        self.rules = rules
+        self.stalls: list[tuple[Any, Any, int]] = []  # (start, end, gpu)
+        self.alerts: dict[str, list[tuple[Any, Any, int]]] = {}  # by field
+        if shade:
+            found = stalls_and_alerts(df, rules=rules)
+            self.stalls = [(_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls]
+            for a in found.alerts:
+                rule = next(r for r in rules if str(r) == a.rule)
+                self.alerts.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
+        self.values = {f.name: as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
+        self.with_values = {name: bool(np.isfinite(v).any()) for name, v in self.values.items()}
         # spans closer than half a percent of the run are drawn (and labelled) as one
-        slack=(df["timestamp"].max() - df["timestamp"].min()) / 200,
-        names=names if isinstance(names, dict) else {},
-    )
+        self.slack = (df["timestamp"].max() - df["timestamp"].min()) / 200
+        names = df.attrs.get("gpu_names")  # a fleet frame's GpuName by GPU; none for a recording
+        self.names: dict[int, Any] = names if isinstance(names, dict) else {}
+        self.first_ax: Any = None
 
 
 def _multiples_data(
@@ -556,17 +535,7 @@ def _draw_lines(scene: _Scene, ax: Any, fld: Field, members: Sequence[tuple[int,
             xb, lo, hi = band
             ax.fill_between(xb, lo, hi, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
     if not drawn:
-        ax.text(
-            0.5,
-            0.5,
-            f"no values: {fld.name} was missing ([N/A] or not supported) in every sample",
-            transform=ax.transAxes,
-            ha="center",
-            va="center",
-            fontsize=9,
-            color="#555555",
-            gid="no-data",
-        )
+        no_values_note(ax, fld.name)
         ax.set_yticks([])
     return lines
 

@@ -145,10 +145,7 @@ def _default_image(recordings: list[Path]) -> Path:
 
 
 def _load(recording: list[Path], fields: str | None, tz: str | None) -> pd.DataFrame:
-    """Read the recording once; warn on stderr (a line each) about files of a set and lines that were skipped.
-
-    ``fields`` name the columns of a headerless log, or must agree with the recording's own.
-    """
+    """Read the recording once; warn on stderr (a line each) about files of a set and lines that were skipped."""
     from smiquery.analysis import load_recording
     from smiquery.cli._options import parse_fields
     from smiquery.printable import printable

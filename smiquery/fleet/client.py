@@ -49,12 +49,12 @@ class HttpConfig:
     insecure_skip_verify: bool = False
 
 
-def _read_secret(path: Any, what: str, source: str) -> str:
+def _read(path: Any, source: str, what: str = "") -> str:
     try:
         with open(os.fspath(path), encoding="utf-8") as fh:
-            return fh.read().strip()
+            return fh.read()
     except OSError as exc:
-        raise UsageError(f"{source}: cannot read {what} {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"{source}: cannot read {what}{path}: {exc.strerror or exc}") from None
 
 
 def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
@@ -68,11 +68,7 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
         UsageError: the file is unreadable, not YAML/JSON, or holds an unknown key or a wrong type.
     """
     where = os.fspath(path)
-    try:
-        with open(where, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise UsageError(f"--http-config: cannot read {where}: {exc.strerror or exc}") from None
+    text = _read(where, "--http-config")
     doc: Any
     try:
         import yaml
@@ -107,11 +103,11 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
         if kind.lower() != "bearer":
             raise UsageError(f"{source}: authorization type {kind!r} is not supported; use Bearer or basic_auth")
         if "credentials_file" in auth:
-            token = _read_secret(auth["credentials_file"], "credentials_file", source)
+            token = _read(auth["credentials_file"], source, "credentials_file ").strip()
         elif "credentials" in auth:
             token = str(auth["credentials"])
     if "bearer_token_file" in doc:
-        token = _read_secret(doc["bearer_token_file"], "bearer_token_file", source)
+        token = _read(doc["bearer_token_file"], source, "bearer_token_file ").strip()
     elif "bearer_token" in doc:
         token = str(doc["bearer_token"])
     basic = section("basic_auth")
@@ -119,7 +115,7 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
     if basic:
         user = str(basic.get("username", ""))
         if "password_file" in basic:
-            password = _read_secret(basic["password_file"], "password_file", source)
+            password = _read(basic["password_file"], source, "password_file ").strip()
         else:
             password = str(basic.get("password", ""))
     if token is not None and user is not None:

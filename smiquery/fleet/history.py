@@ -179,12 +179,7 @@ def fleet_frame(
     per_query = max(2, min(max_points, _MAX_SAMPLES // series_count))
     pieces = chunks(grid0, end, step, per_query)
 
-    jobs: list[tuple[FleetNaming, str, float, float]] = []
-    for n in found:
-        for fld in fields:
-            if fld in n.metrics:
-                for a, b in pieces:
-                    jobs.append((n, fld, a, b))
+    jobs = [(n, fld, a, b) for n in found for fld in fields if fld in n.metrics for a, b in pieces]
 
     def run(job: tuple[FleetNaming, str, float, float]) -> list[dict[str, Any]]:
         # the raw samples, as scraped (no evaluation at every step): a range selector over the chunk, which holds
