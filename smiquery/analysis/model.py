@@ -7,7 +7,7 @@ The records are plain frozen dataclasses with ``to_dict`` for JSON; :mod:`smique
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -38,6 +38,24 @@ __all__ = [
 Severity = Literal["critical", "warning", "info"]
 #: Findings sort by this: the most severe first.
 SEVERITY_ORDER: dict[str, int] = {"critical": 0, "warning": 1, "info": 2}
+
+
+def _json(record: Any, gpu: dict[str, Any] | None = None, **digits: int) -> dict[str, Any]:
+    """A record's fields JSON-ready (times in ISO 8601, ``digits`` rounded); ``gpu`` names its GPU in its place."""
+    out: dict[str, Any] = {}
+    for f in fields(record):
+        value = getattr(record, f.name)
+        if f.name == "gpu" and gpu is not None:
+            out.update(gpu)
+            continue
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif f.name in digits and value is not None:
+            value = round(value, digits[f.name])
+        out[f.name] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -112,16 +130,7 @@ class Stretch:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return {
-            "gpu": self.gpu,
-            "start": self.start.isoformat(),
-            "end": self.end.isoformat(),
-            "seconds": round(self.seconds, 3),
-            "samples": self.samples,
-            "peak": self.peak,
-            "mean": None if self.mean is None else round(self.mean, 3),
-            "ongoing": self.ongoing,
-        }
+        return _json(self, seconds=3, mean=3)
 
 
 @dataclass(frozen=True)
@@ -169,18 +178,8 @@ class AlertSpan:
         return not self.cleared
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return {
-            "rule": self.rule,
-            "gpu": self.gpu,
-            "since": self.since.isoformat(),
-            "fired": self.fired.isoformat(),
-            "end": self.end.isoformat(),
-            "seconds": round(self.seconds, 3),
-            "peak": self.peak,
-            "cleared": self.cleared,
-            "ongoing": self.ongoing,
-        }
+        """JSON-ready fields, and ``ongoing``."""
+        return {**_json(self, seconds=3), "ongoing": self.ongoing}
 
 
 @dataclass(frozen=True)
@@ -211,7 +210,7 @@ class HealthCount:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return {"field": self.field, "gpu": self.gpu, "first": self.first, "last": self.last, "max": self.max}
+        return _json(self)
 
 
 @dataclass(frozen=True)
@@ -234,14 +233,7 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return {
-            "kind": self.kind,
-            "severity": self.severity,
-            "gpus": list(self.gpus),
-            "verdict": self.verdict,
-            "seconds": round(self.seconds, 3),
-            "start": None if self.start is None else self.start.isoformat(),
-        }
+        return _json(self, seconds=3)
 
 
 #: What :meth:`Report._repr_html_` draws with: the page lives above this module; :mod:`smiquery.analysis` sets it.
@@ -369,20 +361,7 @@ class Report:
                 for t in self.thresholds
             ],
             "alerts": [{**a.to_dict(), **ref(a.gpu)} for a in self.alerts],
-            "stats": [
-                {
-                    "field": s.field,
-                    "unit": s.unit,
-                    **ref(s.gpu),
-                    "mean": round(s.mean, 4),
-                    "p95": round(s.p95, 4),
-                    "max": s.max,
-                    "min": s.min,
-                    "count": s.count,
-                    "missing": s.missing,
-                }
-                for s in self.stats
-            ],
+            "stats": [_json(s, ref(s.gpu), mean=4, p95=4) for s in self.stats],
             "constants": {name: {str(g): v for g, v in per.items()} for name, per in self.constants.items()},
             "health": [{**h.to_dict(), **ref(h.gpu)} for h in self.health],
             "skipped_lines": None

@@ -67,41 +67,27 @@ class MultiplesData:
     x_ticks: tuple[list[float], list[str]]
 
 
-@dataclass
 class _Grid:
-    """Where the cells lie, in inches."""
+    """Where the cells lie, in inches: ``n`` cells a field, ``left`` of them the values and the unit."""
 
-    cols: int
-    rows: int
-    cell_width: float
-    cell_height: float
-    block: float  # the height of one field's block: head, cells, time labels
-    total: float  # the figure's height
+    def __init__(self, n: int, n_fields: int, width: float, panel_height: float, left: float = _LEFT) -> None:
+        self.cols, self.cell_width = _columns(n, width, left)
+        self.rows = math.ceil(n / self.cols)
+        self.cell_height = panel_height * _CELL_HEIGHT
+        # one field's block: head, cells, time labels
+        self.block = _HEAD + self.rows * self.cell_height + (self.rows - 1) * _GAP + _BELOW
+        self.total = _TOP + self.block * n_fields + _BOTTOM  # the figure's height
 
     def origin(self, k: int) -> tuple[float, float]:
         """The lower left corner of cell ``k`` in its panel's units (inches from the panel's lower left)."""
         col, row = k % self.cols, k // self.cols
         return col * (self.cell_width + _BETWEEN), (self.rows - 1 - row) * (self.cell_height + _GAP)
 
-    def first(self, k: int) -> bool:
-        return k % self.cols == 0
-
-    def bottom(self, k: int, n: int) -> bool:
-        return k + self.cols >= n
-
 
 def _columns(n: int, width: float, left: float = _LEFT) -> tuple[int, float]:
     """How many cells fit across, and their width in inches (``left`` of them the values and the unit)."""
     cols = min(n, max(1, int((width - left + _LEFT) // CELL_INCHES)))
     return cols, (width - left - _RIGHT - _BETWEEN * (cols - 1)) / cols
-
-
-def _grid(n: int, n_fields: int, width: float, panel_height: float, left: float = _LEFT) -> _Grid:
-    cols, cell_width = _columns(n, width, left)
-    rows = math.ceil(n / cols)
-    cell_height = panel_height * _CELL_HEIGHT
-    block = _HEAD + rows * cell_height + (rows - 1) * _GAP + _BELOW
-    return _Grid(cols, rows, cell_width, cell_height, block, _TOP + block * n_fields + _BOTTOM)
 
 
 def cell_points(width: float, dpi: int, gpus: int) -> int:
@@ -170,7 +156,7 @@ def multiples_figure(
         lo, hi, has_values = _y_range(fld, data.values[fld.name], marks)
         scales.append((lo, hi, has_values, *_y_ticks(fld, lo, hi)))
     left, unit_at = _left([(fld, sc[4]) for fld, sc in zip(data.flds, scales, strict=True)])
-    grid = _grid(len(data.gpus), len(data.flds), width, panel_height, left)
+    grid = _Grid(len(data.gpus), len(data.flds), width, panel_height, left)
     fig = figure(figsize=(width, grid.total), dpi=dpi)
     axes = []
     for b, fld in enumerate(data.flds):
@@ -230,12 +216,14 @@ def _draw_field(
         gridlines += [[(ox, oy + (v - lo) * sy), (ox + w, oy + (v - lo) * sy)] for v in y_locs]
         frames.append([(ox, oy), (ox + w, oy), (ox + w, oy + h), (ox, oy + h), (ox, oy)])
         label = f"GPU {idx}"
-        _cell_line(ax, place, data, k, lines[k], max_points, label)
+        x, y = line_points(data.xs[k], lines[k], data.gap_limit, max_points, envelope=True)
+        days = mdates.date2num(x)  # type: ignore[no-untyped-call]
+        ax.plot(days, y, color=data.colours[k], linewidth=1.1, label=label, gid=f"gpu-{idx}", zorder=2, transform=place)
         if not has_values or not np.isfinite(lines[k]).any():
             ax.text(ox + w / 2, oy + h / 2, "no values", ha="center", va="center", fontsize=8, color="#555555",
                     gid="no-data", label=label)  # fmt: skip
         _cell_shading(ax, place, data, fld, k, (lo, hi), label)
-        first = grid.first(k)
+        first = k % grid.cols == 0
         _cell_thresholds(ax, place, marks, (x_lo, x_hi, lo, sy), (ox, oy, w, h), first, label)
         ax.text(ox, oy + h + 2 * _POINT, data.titles[k], ha="left", va="bottom", fontsize=8, gid="title", label=label)
         if first:
@@ -244,29 +232,11 @@ def _draw_field(
             if fld.unit:
                 ax.text(ox - unit_at, oy + h / 2, fld.unit, rotation=90, ha="center", va="center", fontsize=8,
                         gid="unit")  # fmt: skip
-        if last and grid.bottom(k, n):
+        if last and k + grid.cols >= n:  # the bottom row
             for v, text in x_ticks:
                 ax.text(ox + (v - x_lo) * sx, oy - 3 * _POINT, text, ha="center", va="top", fontsize=7, gid="xtick")
     ax.add_collection(LineCollection(gridlines, colors=_GRID, linewidths=0.6, zorder=0.5, gid="grid"))
     ax.add_collection(LineCollection(frames, colors=_FRAME, linewidths=0.8, zorder=2.5, gid="frame"))
-
-
-def _cell_line(
-    ax: Any, place: Any, data: MultiplesData, k: int, values: np.ndarray, max_points: int, label: str
-) -> None:
-    import matplotlib.dates as mdates
-
-    x, y = line_points(data.xs[k], values, data.gap_limit, max_points, envelope=True)
-    ax.plot(
-        mdates.date2num(x),  # type: ignore[no-untyped-call]
-        y,
-        color=data.colours[k],
-        linewidth=1.1,
-        label=label,
-        gid=f"gpu-{data.gpus[k]}",
-        zorder=2,
-        transform=place,
-    )
 
 
 def _cell_shading(

@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from smiquery.alerts.rules import STALL
@@ -22,6 +22,8 @@ from smiquery.fleet.naming import FleetNaming, GpuKey, check_regex, detect_namin
 __all__ = ["SORT_KEYS", "FleetGpu", "filter_gpus", "snapshot", "sort_gpus"]
 
 _TOP_FIELDS = ("utilization.gpu", "memory.used", "memory.total", "temperature.gpu", "power.draw")
+# FleetGpu's values by the nvidia-smi field each holds
+_FIELD_OF = dict(zip(("utilization", "memory_used", "memory_total", "temperature", "power"), _TOP_FIELDS, strict=True))
 
 
 @dataclass(frozen=True)
@@ -64,23 +66,9 @@ class FleetGpu:
         return "lost" if self.lost else "idle" if self.idle else "ok"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (units: percent, MiB, degrees C, watts)."""
-        return {
-            "instance": self.instance,
-            "gpu": self.gpu,
-            "uuid": self.uuid,
-            "name": self.name,
-            "naming": self.naming,
-            "utilization.gpu": self.utilization,
-            "memory.used": self.memory_used,
-            "memory.total": self.memory_total,
-            "temperature.gpu": self.temperature,
-            "power.draw": self.power,
-            "namespace": self.namespace,
-            "pod": self.pod,
-            "alerts": list(self.alerts),
-            "state": self.state,
-        }
+        """JSON-ready fields, the values by their nvidia-smi names (percent, MiB, degrees C, watts), and ``state``."""
+        out = {_FIELD_OF.get(k, k): v for k, v in asdict(self).items() if k not in ("idle", "lost")}
+        return {**out, "alerts": list(self.alerts), "state": self.state}
 
 
 #: ``--sort`` keys: the attribute, largest first (``node`` sorts by instance and GPU index).
