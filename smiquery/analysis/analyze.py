@@ -43,24 +43,14 @@ def report_fields(rules: Iterable[Rule | str] | None = None) -> tuple[str, ...]:
 _SKIP_STATS = frozenset({"index", "count", "timestamp"})
 
 
-def _field_of(column: str, df: pd.DataFrame) -> Field | None:
-    fld = catalogue_field(column)
-    if fld is not None:
-        return fld
-    units = df.attrs.get("units") or {}
-    if column in units:
-        return Field(column, Kind.FLOAT, unit=str(units[column]))
-    return None
-
-
 def _numeric_fields(df: pd.DataFrame) -> list[Field]:
-    out = []
-    for col in df.columns:
-        fld = _field_of(str(col), df)
-        if fld is None or fld.attr in _SKIP_STATS or not fld.kind.is_quantity:
-            continue
-        out.append(fld)
-    return out
+    """The columns with statistics: the catalogue's quantities, and columns the recording names a unit of."""
+    units = df.attrs.get("units") or {}
+    found = [
+        catalogue_field(str(c)) or (Field(str(c), Kind.FLOAT, unit=str(units[c])) if c in units else None)
+        for c in df.columns
+    ]
+    return [f for f in found if f is not None and f.attr not in _SKIP_STATS and f.kind.is_quantity]
 
 
 def _parse_rules(rules: Iterable[Rule | str] | None, df: pd.DataFrame | None = None) -> tuple[Rule, ...]:

@@ -116,12 +116,7 @@ def _alone_stalls(report: Report, alone: dict[int, list[Stretch]]) -> Finding:
     if len(alone) == 1:
         spent = f"{gpu_list(list(alone), report.names)} spent {format_duration(totals[0])}"
     else:
-        each = (
-            format_duration(totals[0])
-            if totals[0] == totals[-1]
-            else (f"{format_duration(totals[0])} to {format_duration(totals[-1])}")
-        )
-        spent = f"{gpu_list(sorted(alone), report.names)} each spent {each}"
+        spent = f"{gpu_list(sorted(alone), report.names)} each spent {_durations(totals)}"
     where = "" if len(alone) == 1 else f" on {gpu_name(longest.gpu, report.names)}"
     return Finding(
         "stall",
@@ -168,11 +163,7 @@ def _alert_verdict(
     fld = rule.field
     many = len(gpus) > 1
     who = gpu_list(gpus, report.names)
-    if totals[0] == totals[-1] or not many:
-        length = format_duration(totals[-1])
-    else:
-        length = f"{format_duration(totals[0])} to {format_duration(totals[-1])}"
-    length += " each" if many else ""
+    length = _durations(totals) + " each" if many else format_duration(totals[-1])
     if fld.kind.is_bool:
         state = "active" if rule.threshold else "inactive"
         text = f"{who} had {fld.name.split('.')[-1]} {state} for {length}"
@@ -184,6 +175,11 @@ def _alert_verdict(
     if top is not None and not fld.kind.is_bool:
         text += f" (peak {value_text(top.peak, fld)}" + (f" on {gpu_name(top.gpu, report.names)})" if many else ")")
     return text + f", firing `{rule}`: {advice}"
+
+
+def _durations(totals: list[float]) -> str:
+    """The shortest to the longest of ``totals`` (sorted), or the one length they all have."""
+    return format_duration(totals[0]) + ("" if totals[0] == totals[-1] else f" to {format_duration(totals[-1])}")
 
 
 def _memory_findings(gpus: list[GpuSeries], report: Report) -> list[Finding]:

@@ -193,12 +193,10 @@ def notes(report: Report) -> list[str]:
     if report.skipped is not None:
         out.append(report.skipped.message(report.source))
     if report.not_recorded:
+        them = "it" if len(report.not_recorded) == 1 else "them"
         out.append(
-            f"Not recorded: {', '.join(report.not_recorded)}; what needs "
-            + ("it" if len(report.not_recorded) == 1 else "them")
-            + " is not known (record with --fields including "
-            + ("it" if len(report.not_recorded) == 1 else "them")
-            + ")"
+            f"Not recorded: {', '.join(report.not_recorded)}; what needs {them} is not known (record with --fields "
+            f"including {them})"
         )
     return out
 
