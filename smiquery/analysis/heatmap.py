@@ -95,9 +95,8 @@ def heatmap_figure(
         cells = cell_means(xs, values[fld.name], x_range, columns)
         vmin, vmax, source = _colour_range(fld, cells, (scales or {}).get(fld.name))
         panels.append((fld, cells, vmin, vmax, source, _bar_ticks(vmin, vmax)))
-    # Placed by fixed margins in inches: constrained layout measures every tick of every colour bar, which takes
-    # longer than drawing the cells. Right of the panels: a gap, the colour bar, its ticks, their widest label and
-    # the bar's label.
+    # Placed by fixed margins in inches (constrained layout measures every tick of every colour bar). Right of the
+    # panels: a gap, the colour bar, its ticks, their widest label and the bar's label.
     height = max(panel_height, _MIN_PANEL, len(gpus) * _ROW_INCHES + 0.6)
     widest = max(text_size(t, _BAR_FONT)[0] for *_, (_, labels) in panels for t in labels)
     top, head, gap, bottom, left, bar_width = 0.45, 0.3, 0.3, 0.95, 0.75, 0.15

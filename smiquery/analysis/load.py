@@ -1,9 +1,4 @@
-"""A recording read for the report: one frame, then one view per GPU along its own timeline.
-
-:func:`load_recording` reads any recording (or takes a DataFrame) and drops rows without a time or GPU;
-:func:`split_gpus` gives each GPU its row positions, its times in seconds from the run's start (a step back of
-the clock counting 0) and how long each sample stands for. pandas and numpy are imported inside the functions.
-"""
+"""A recording read for the report: one frame, then one view per GPU along its own timeline (steps back count 0)."""
 
 from __future__ import annotations
 

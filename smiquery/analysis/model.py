@@ -1,8 +1,6 @@
 """What the report of a recording holds: statistics, stretches, alerts, health counters and findings.
 
-The records are plain frozen dataclasses with ``to_dict`` for JSON; :mod:`smiquery.analysis.render` and
-:mod:`smiquery.analysis.htmlpage` render a :class:`Report`, and a notebook shows one through the page that
-:func:`use_html_renderer` names.
+Plain dataclasses with ``to_dict`` for JSON; a notebook shows a :class:`Report` through :func:`use_html_renderer`.
 """
 
 from __future__ import annotations

@@ -27,12 +27,10 @@ __all__ = ["CELL_INCHES", "MultiplesData", "cell_of", "multiples_figure"]
 CELL_INCHES = 1.5
 # A cell's height, as a share of ``panel_height``.
 _CELL_HEIGHT = 0.6
-# Margins and gaps, in inches: above a field's cells (its name, then the cells' titles), between rows, below its
-# cells (time labels); the figure's top and bottom; left of the first column (values and unit: the least, more for
-# wide values), right of the last; between columns.
+# Margins and gaps, in inches: above a field's cells (its name, the cells' titles), between rows, below (times); the
+# figure's top and bottom; left of the first column (the least: values and unit), right of the last; between columns.
 _HEAD, _GAP, _BELOW, _TOP, _BOTTOM, _LEFT, _RIGHT, _BETWEEN = 0.45, 0.3, 0.35, 0.45, 0.8, 0.65, 0.15, 0.15
-# A field's panel reaches this far past its cells on every side, so that the frames and lines along the cells'
-# outer edges are drawn whole, not clipped at the panel's edge.
+# A field's panel reaches this far past its cells on every side, so that lines along their outer edges are not clipped.
 _PAD = 0.1
 _POINT = 1 / 72  # inches
 _GRID = "#dddddd"
@@ -264,13 +262,10 @@ def _cell_thresholds(
     first: bool,
     label: str,
 ) -> None:
-    """Dashed threshold lines across the cell, labelled in the first column.
+    """Dashed threshold lines across the cell, labelled in the first column (inside the cell, cut short to fit).
 
     ``scale``: the cell's first and last time (date numbers), its lowest value and inches per unit of value;
     ``box``: the cell's corner and size in inches.
-
-    A label lies inside the cell, under its line (else over it), none over another; a label with no room is left
-    off, a long one is cut short with "…".
     """
     x_lo, x_hi, lo, per_inch = scale
     for value, _ in marks:

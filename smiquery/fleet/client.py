@@ -229,8 +229,6 @@ class PrometheusClient:
                 ctx.verify_mode = ssl.CERT_NONE
             self._context = ctx
 
-    # ----------------------------------------------------------------------------------------------------------
-
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
         """An instant query: the vector's elements (``{"metric": labels, "value": [t, "v"]}``).
 
@@ -266,8 +264,6 @@ class PrometheusClient:
         params = _matching(matchers, start, end)
         data = self._call("/api/v1/label/__name__/values", params, " or ".join(matchers), post=False)
         return [str(n) for n in data] if isinstance(data, list) else []
-
-    # ----------------------------------------------------------------------------------------------------------
 
     def query_samples(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], Any, Any]]:
         """An instant query of a range selector (``metric[7d]``): per series its labels, times and values as arrays.
@@ -410,7 +406,6 @@ class PrometheusClient:
         )
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # one deadline per answer, a capped body, redirects kept within the origin
 
 _CHUNK = 1 << 16

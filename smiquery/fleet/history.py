@@ -182,9 +182,8 @@ def fleet_frame(
     jobs = [(n, fld, a, b) for n in found for fld in fields if fld in n.metrics for a, b in pieces]
 
     def run(job: tuple[FleetNaming, str, float, float]) -> list[dict[str, Any]]:
-        # the raw samples, as scraped (no evaluation at every step): a range selector over the chunk, which holds
-        # the samples after the previous chunk's end up to its own (one millisecond more than the span: the
-        # window is open on the left in Prometheus 3); a sample on a boundary that a server gives twice is read once
+        # the raw samples: a range selector over the chunk, one millisecond more than the span (the window is open on
+        # the left in Prometheus 3); a sample on a boundary that a server gives twice is read once
         n, fld, a, b = job
         width = max(1, round((b - a + step) * 1000) - 1)
         got = client.query_samples(f"{selector(n.metric(fld), node)}[{width}ms]", b)

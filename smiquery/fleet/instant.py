@@ -1,10 +1,4 @@
-"""The fleet now: one :class:`FleetGpu` per GPU from a handful of PromQL instant queries.
-
-:func:`snapshot` reads every naming the server holds (or the ones asked for), so a fleet where some nodes run
-``smiquery export`` and others dcgm-exporter is one list; a GPU exported twice (same UUID) is listed once. A
-GPU that reported during the idle window but has no sample now is listed as ``lost``. Alerts firing (the
-``ALERTS`` series of the server's rules) are matched to GPUs by UUID, else by instance and GPU index.
-"""
+"""The fleet now: one :class:`FleetGpu` per GPU from a handful of PromQL instant queries."""
 
 from __future__ import annotations
 
@@ -128,6 +122,8 @@ def snapshot(
     held_memory_mib: float = STALL.busy_memory_mib,
 ) -> list[FleetGpu]:
     """Every GPU of the fleet at ``at`` (default now), each listed once, ordered by node.
+
+    The server's firing ``ALERTS`` are matched to GPUs by UUID, else by instance and GPU index.
 
     Args:
         client: the server.

@@ -1,9 +1,7 @@
 """The three ways GPU metrics are named in Prometheus, and which of them a server holds.
 
-``smiquery`` (``smiquery export``), ``dcgm`` (NVIDIA's dcgm-exporter, ``DCGM_FI_*``) and ``nvidia_smi``
-(utkuozdemir/nvidia_gpu_exporter, ``nvidia_smi_*``). Each names a few nvidia-smi fields, scales them to base
-units and labels the GPU its own way; :class:`FleetNaming` turns a series back into nvidia-smi's field, unit and
-GPU identity (instance, index, UUID, model, and the pod/namespace where Kubernetes attribution adds them).
+``smiquery`` (``smiquery export``), ``dcgm`` (dcgm-exporter, ``DCGM_FI_*``) and ``nvidia_smi`` (nvidia_gpu_exporter,
+``nvidia_smi_*``): :class:`FleetNaming` turns a series back into nvidia-smi's field, unit and GPU identity.
 """
 
 from __future__ import annotations
@@ -196,11 +194,7 @@ def detect_namings(
 
 
 def first_label(labels: Mapping[str, str], names: Iterable[str]) -> str:
-    """The first of ``names`` that is set in ``labels``.
-
-    ``exported_pod`` comes before ``pod``: with Kubernetes service discovery the target's own pod label takes the
-    plain name and the exporter's gets ``exported_``.
-    """
+    """The first of ``names`` that is set in ``labels`` (``exported_pod`` before ``pod``: the exporter's own)."""
     for n in names:
         v = labels.get(n)
         if v:

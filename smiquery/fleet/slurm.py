@@ -1,10 +1,7 @@
-"""One Slurm job's GPUs read back from Prometheus: ``smiquery report --prometheus URL --slurm-job ID``.
+"""One Slurm job's GPUs read back from Prometheus (``--slurm-job ID``), and the summary its epilog appends.
 
-``smiquery export --slurm`` writes ``smiquery_gpu_allocation_info{slurm_job_id, slurm_user, ...}`` = 1 for every
-GPU a running job holds (see docs/slurm.md). :func:`job_range` reads that series' raw samples: the job's GPUs are
-the ones it names, its time range runs from the first sample to the last. :func:`job_summary` is the few lines the
-Slurm epilog appends to a job's output (``--format summary``): per GPU mean and peak utilization, memory peak
-against total, energy, time stalled, and one line of advice.
+The job's GPUs are those ``smiquery export --slurm``'s allocation series names, its time range from the series'
+first sample to its last (see docs/slurm.md).
 """
 
 from __future__ import annotations
