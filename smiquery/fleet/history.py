@@ -175,8 +175,7 @@ def fleet_frame(
     if not step > 0:
         raise UsageError("step must be more than 0 seconds")
     grid0 = math.floor(start / step) * step  # on the grid of the step, as the samples of a fixed scrape are
-    series_count = max(1, len(series))
-    per_query = max(2, min(max_points, _MAX_SAMPLES // series_count))
+    per_query = max(2, min(max_points, _MAX_SAMPLES // max(1, len(series))))
     pieces = chunks(grid0, end, step, per_query)
 
     jobs = [(n, fld, a, b) for n in found for fld in fields if fld in n.metrics for a, b in pieces]
@@ -218,7 +217,6 @@ def fleet_frame(
     present = [f for f in fields if any(f in data[k] for k in keys)]
     cat = resolve_fields(["timestamp", "index", "uuid", "name", *present])
     stamp_parts: list[np.ndarray] = []
-    index_parts: list[np.ndarray] = []
     value_parts: dict[str, list[np.ndarray]] = {f: [] for f in present}
     per_gpu: list[FleetGpuInfo] = []
     lengths: list[int] = []
@@ -231,7 +229,6 @@ def fleet_frame(
         inside = (times >= grid0 - step) & (times <= end)
         times = times[inside]
         stamp_parts.append(times)
-        index_parts.append(np.full(len(times), i, dtype=np.int64))
         lengths.append(len(times))
         for f in present:
             got = by_field.get(f, [])
@@ -255,7 +252,7 @@ def fleet_frame(
 
     columns: list[Any] = [
         stamps.array,
-        pd.array(np.concatenate(index_parts), dtype="Int64"),
+        pd.array(rows_of, dtype="Int64"),
         per_row([k.uuid or pd.NA for k in keys]),
         per_row([g.name or pd.NA for g in per_gpu]),
     ]

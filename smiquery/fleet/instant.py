@@ -6,14 +6,14 @@ import math
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from smiquery.alerts.rules import STALL
 from smiquery.fleet.client import PrometheusClient
 from smiquery.fleet.naming import FleetNaming, GpuKey, check_regex, detect_namings, gpu_series, info_labels, selector
 
-__all__ = ["SORT_KEYS", "FleetGpu", "filter_gpus", "snapshot", "sort_gpus"]
+__all__ = ["COLUMNS", "SORT_KEYS", "FleetGpu", "filter_gpus", "snapshot", "sort_gpus"]
 
 _TOP_FIELDS = ("utilization.gpu", "memory.used", "memory.total", "temperature.gpu", "power.draw")
 # FleetGpu's values by the nvidia-smi field each holds
@@ -64,6 +64,9 @@ class FleetGpu:
         out = {_FIELD_OF.get(k, k): v for k, v in asdict(self).items() if k not in ("idle", "lost")}
         return {**out, "alerts": list(self.alerts), "state": self.state}
 
+
+#: The keys of :meth:`FleetGpu.to_dict`, in order (``smiquery top --format csv``'s columns).
+COLUMNS = (*(_FIELD_OF.get(f.name, f.name) for f in fields(FleetGpu) if f.name not in ("idle", "lost")), "state")
 
 #: ``--sort`` keys: the attribute, largest first (``node`` sorts by instance and GPU index).
 SORT_KEYS: dict[str, str] = {"util": "utilization", "mem": "memory_used", "temp": "temperature", "power": "power"}
