@@ -83,23 +83,10 @@ _ALERT_SHADE = "#f4a582"
 _DRAWABLE = (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE)
 
 
-def _matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise ImportError("plotting needs matplotlib: pip install 'smiquery[plot]'") from exc
-
-
 def _style(position: int) -> tuple[str, str]:
     """(colour, line style) of the ``position``-th GPU drawn."""
     colour = _GPU_COLOURS[position % len(_GPU_COLOURS)]
     return colour, _DASHES[(position // len(_GPU_COLOURS)) % len(_DASHES)]
-
-
-def _zone_label(zone: Any) -> str:
-    if zone is None:
-        return "time (the recording's local clock; no zone recorded, pass --tz to name it)"
-    return f"time ({zone})"
 
 
 def _merged(spans: Iterable[tuple[Any, Any, int]], slack: Any = None) -> list[tuple[Any, Any, list[int]]]:
@@ -325,7 +312,10 @@ def plot_recording(
         InvalidFieldError: an unknown field name.
         InvalidRuleError: a rule cannot be parsed.
     """
-    _matplotlib()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("plotting needs matplotlib: pip install 'smiquery[plot]'") from exc
     with _collector_paused():
         import numpy as np
         from matplotlib.figure import Figure
@@ -371,7 +361,7 @@ def plot_recording(
                 lines = _draw_panel(scene, ax, fld, list(enumerate(groups)), (x_start, x_end))
                 if fld is flds[0]:
                     handles += lines
-        _time_axis(fig, axes, chosen, (x_start, x_end), _zone_label(zone), zone)
+        _time_axis(fig, axes, chosen, (x_start, x_end), zone)
         if title is None:
             if name is None:
                 name = os.path.basename(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "recording"
@@ -617,11 +607,13 @@ def _label_panel(ax: Any, fld: Field, has_values: bool) -> None:
     ax.grid(True, color=_GRID, linewidth=0.6)
 
 
-def _time_axis(fig: Figure, panels: Sequence[Any], layout: str, x_range: tuple[Any, Any], label: str,
-               zone: Any = None) -> None:  # fmt: skip
+def _time_axis(fig: Figure, panels: Sequence[Any], layout: str, x_range: tuple[Any, Any], zone: Any) -> None:
     """The time axis under the bottom panel, labelled with the zone (small multiples: the zone under the figure)."""
     import matplotlib.dates as mdates
 
+    label = f"time ({zone})"
+    if zone is None:
+        label = "time (the recording's local clock; no zone recorded, pass --tz to name it)"
     x_start, x_end = x_range
     if layout == "multiples":
         inches = fig.get_size_inches()[1]

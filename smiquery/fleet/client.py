@@ -496,7 +496,7 @@ def _deadline_connection(base: type[http.client.HTTPConnection], deadline: _Dead
     return Connection
 
 
-class _DeadlineHandler(urllib.request.HTTPSHandler):
+class _DeadlineHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
     """Opens http and https connections that are cut at the answer's deadline."""
 
     def __init__(self, deadline: _Deadline, context: ssl.SSLContext | None) -> None:
