@@ -19,7 +19,7 @@ from smiquery.printable import printable
 if TYPE_CHECKING:
     import pandas as pd
 
-    from smiquery.analysis import Report
+    from smiquery.analysis import FieldStats, Report
     from smiquery.fleet.client import PrometheusClient
 
 __all__ = ["ALLOCATION_METRIC", "JOB_LOOKBACK", "SlurmJob", "host_pattern", "job_range", "job_summary"]
@@ -141,10 +141,8 @@ def job_summary(report: Report, df: pd.DataFrame) -> str:
             parts.append(f"utilization mean {util.mean():.0f} % peak {util.max():.0f} %,")
         else:
             parts.append("utilization not recorded,")
-        used = stats.get(("memory.used", gpu))
-        used_max = used.max if used else _constant(report, "memory.used", gpu)
-        total = stats.get(("memory.total", gpu))
-        total_max = total.max if total else _constant(report, "memory.total", gpu)
+        used_max = _most(report, stats, "memory.used", gpu)
+        total_max = _most(report, stats, "memory.total", gpu)
         if used_max is not None:
             of = f" of {_gib(total_max)}" if total_max else ""
             parts.append(f"memory peak {_gib(used_max)}{of} GiB,")
@@ -157,7 +155,11 @@ def job_summary(report: Report, df: pd.DataFrame) -> str:
     return "\n".join(out) + "\n"
 
 
-def _constant(report: Report, fld: str, gpu: int) -> float | None:
+def _most(report: Report, stats: dict[tuple[str, int], FieldStats], fld: str, gpu: int) -> float | None:
+    """The highest value of ``fld`` on ``gpu``: its statistics' maximum, or the value it kept."""
+    stat = stats.get((fld, gpu))
+    if stat is not None:
+        return stat.max
     value = report.constants.get(fld, {}).get(gpu)
     try:
         return None if value is None else float(value)
