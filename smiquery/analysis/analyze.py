@@ -335,8 +335,7 @@ def _isna(v: object) -> bool:
 def _runs(g: GpuSeries, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(firsts, lasts): sample positions of the stretches where ``cond`` holds, as two int arrays.
 
-    A missing value keeps the state it follows (as the live evaluator does); a gap in time longer than the
-    gap limit (the stream was stopped) ends a stretch.
+    A missing value keeps the state it follows (as the live evaluator does); a gap in time ends a stretch.
     """
     import numpy as np
 

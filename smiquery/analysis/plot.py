@@ -122,11 +122,7 @@ def _gpu_names(gpus: Sequence[int], total: int, names: dict[int, Any]) -> str:
 
 
 def _naive(ts: Any) -> Any:
-    """A datetime as the plot's x axis holds it: the recorded wall clock, or UTC when the recording has a zone.
-
-    In a zone the axis runs on instants (the ticks name local times), so a fall-back's repeated hour is drawn after
-    the first, never over it.
-    """
+    """A datetime as the plot's x axis holds it: the recorded wall clock, or UTC (instants) in a zone."""
     if getattr(ts, "tzinfo", None) is None:
         return ts
     from datetime import timezone
@@ -531,10 +527,7 @@ def _draw_lines(scene: _Scene, ax: Any, fld: Field, members: Sequence[tuple[int,
 
 
 def _shade(scene: _Scene, ax: Any, fld: Field, here: set[int]) -> list[tuple[Any, str]]:
-    """Stalls grey on every panel, a rule's firing alerts orange on its field's panel: of the GPUs ``here``.
-
-    Returns the labels of the spans, as (start, text): the stalls' on the first panel only, the alerts' on theirs.
-    """
+    """Shade the GPUs' (``here``) stalls grey, a rule's firing alerts orange on its field's panel; their labels."""
     notes: list[tuple[Any, str]] = []
     for s0, e0, who in _merged((sp for sp in scene.stalls if sp[2] in here), scene.slack):
         ax.axvspan(s0, e0, color=_STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)

@@ -62,8 +62,7 @@ def gpu_rows(index: np.ndarray) -> list[tuple[int, Any]]:
 def axis_clock(stamps: pd.Series) -> np.ndarray:
     """Timestamps as a plot's time axis holds them, naive datetime64[ns]: the recorded wall clock, or UTC in a zone.
 
-    In a zone the instants never repeat (a fall-back's second 02:30 comes after the first); the axis' ticks name
-    the zone's local times. Without one, the wall clock may step back: the lines break there.
+    In a zone the instants never repeat (a fall-back's second 02:30 comes after the first).
     """
     import numpy as np
 
@@ -159,10 +158,9 @@ def _broken(x: np.ndarray, ys: list[np.ndarray], gap_limit: float) -> tuple[np.n
 
 
 def text_size(text: str, fontsize: float) -> tuple[float, float]:
-    """(width, height) in points of one line of ``text`` in matplotlib's default font at ``fontsize``.
+    """(width, height) in points of one line of ``text`` in matplotlib's default font, measured without a renderer.
 
-    Measured from the font's glyphs without a renderer (a fraction of a millisecond), so a layout placed by fixed
-    margins can make room for its widest label; the height is that of a text box (the font's line height).
+    The height is that of a text box (the font's line height).
     """
     from matplotlib.font_manager import FontProperties
     from matplotlib.textpath import text_to_path

@@ -454,8 +454,7 @@ class _Deadline:
     def watch(self, connection: http.client.HTTPConnection | socket.socket) -> None:
         """Cut ``connection`` (or the socket) at the deadline, at once if it has passed.
 
-        Watch the connection while it connects and its socket once connected: urllib takes ``.sock`` off the
-        connection when the headers are in, and the response reads the body from the socket itself.
+        Watch the connection while it connects and its socket once connected (urllib takes ``.sock`` off it).
         """
         with self._lock:
             self._connections.append(connection)

@@ -133,11 +133,7 @@ NAMINGS: tuple[FleetNaming, ...] = (
 
 
 def naming_by_name(name: str) -> FleetNaming:
-    """The naming called ``name``.
-
-    Raises:
-        UsageError: an unknown name.
-    """
+    """The naming called ``name``; UsageError for an unknown name."""
     for n in NAMINGS:
         if n.name == name:
             return n
