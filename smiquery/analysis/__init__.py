@@ -1,17 +1,8 @@
 """A recorded run, analysed and drawn: :func:`report` summarises it, :func:`plot_recording` draws it.
 
-:func:`report` reads a recording (CSV, JSONL or Parquet, as ``smiquery stream --output`` writes them, or a
-DataFrame from :func:`smiquery.recordings.read_csv`) and returns a :class:`Report` of per-GPU statistics, time
-over thresholds, stalls, the alerts the rules would have fired and one-line findings; :func:`report_text`,
-:func:`report_json`, :func:`report_markdown` and :func:`report_html` (one self-contained page with the plot
-inlined, :func:`plot_png`) render it, and in a notebook a :class:`Report` shows itself as that page (no plot).
-:func:`stalls_and_alerts` finds only the stall and alert periods (what the plot shades), for less.
-:func:`plot_recording`, :func:`save_plot` and :func:`plot_png` need matplotlib (``pip install 'smiquery[plot]'``).
-pandas, numpy and matplotlib are imported on first use, so importing this package stays light.
-
-The modules, in the order data flows through them: ``load`` (the recording, one view per GPU), ``analyze`` (what
-happened), ``findings`` (what to act on), ``model`` (the records), ``render`` (text, Markdown, JSON), ``htmlpage``
-(the page), ``plot``; ``series`` holds the column helpers the report and the plot share.
+A :class:`Report` (statistics, time past thresholds, stalls, the alerts the rules would have fired, findings) is
+rendered by :func:`report_text`, :func:`report_json`, :func:`report_markdown` and :func:`report_html`; a notebook
+shows it as that page. Plotting needs matplotlib; pandas, numpy and matplotlib are imported on first use.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """What happened in a recorded run: statistics, thresholds, alerts, stalls, health counters, energy, clock steps.
 
-:func:`report` works all of it out and adds the findings (:mod:`smiquery.analysis.findings`);
-:func:`stalls_and_alerts` finds only the stall and alert periods (what the plot shades), for less. Every
-duration runs along each GPU's own timeline (:func:`smiquery.analysis.load.split_gpus`). pandas and numpy are
-imported inside the functions, so importing this module stays light.
+Every duration runs along each GPU's own timeline (:func:`smiquery.analysis.load.split_gpus`).
 """
 
 from __future__ import annotations
@@ -34,13 +31,9 @@ DEFAULT_RULES: tuple[str, ...] = BUILTIN_RULES
 
 
 def report_fields(rules: Iterable[Rule | str] | None = None) -> tuple[str, ...]:
-    """The fields a report of the recording needs: what the stall check and the rules watch (``while`` fields too).
+    """The fields a report needs: what the stall check and the ``rules`` (default :data:`DEFAULT_RULES`) watch.
 
-    ``smiquery stream --output`` records these besides the default preset, so that ``smiquery report`` of the
-    recording says nothing is "not recorded".
-
-    Args:
-        rules: the rules (default :data:`DEFAULT_RULES`).
+    ``smiquery stream --output`` records these besides the default preset, so that nothing is "not recorded".
     """
     names = ["timestamp", "index", "utilization.gpu", "memory.used"]
     names += [f.name for r in _parse_rules(rules) for f in r.fields]
@@ -50,24 +43,14 @@ def report_fields(rules: Iterable[Rule | str] | None = None) -> tuple[str, ...]:
 _SKIP_STATS = frozenset({"index", "count", "timestamp"})
 
 
-def _field_of(column: str, df: pd.DataFrame) -> Field | None:
-    fld = catalogue_field(column)
-    if fld is not None:
-        return fld
-    units = df.attrs.get("units") or {}
-    if column in units:
-        return Field(column, Kind.FLOAT, unit=str(units[column]))
-    return None
-
-
 def _numeric_fields(df: pd.DataFrame) -> list[Field]:
-    out = []
-    for col in df.columns:
-        fld = _field_of(str(col), df)
-        if fld is None or fld.attr in _SKIP_STATS or not fld.kind.is_quantity:
-            continue
-        out.append(fld)
-    return out
+    """The columns with statistics: the catalogue's quantities, and columns the recording names a unit of."""
+    units = df.attrs.get("units") or {}
+    found = [
+        catalogue_field(str(c)) or (Field(str(c), Kind.FLOAT, unit=str(units[c])) if c in units else None)
+        for c in df.columns
+    ]
+    return [f for f in found if f is not None and f.attr not in _SKIP_STATS and f.kind.is_quantity]
 
 
 def _parse_rules(rules: Iterable[Rule | str] | None, df: pd.DataFrame | None = None) -> tuple[Rule, ...]:
@@ -88,7 +71,7 @@ def report(
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
 ) -> Report:
-    """Analyse a recorded run.
+    """Analyse a recorded run: the :class:`Report`.
 
     A *stall* is a stretch of at least ``min_stall`` seconds during which a GPU's ``utilization.gpu`` stayed under
     ``stall_utilization`` percent while its ``memory.used`` was at least ``busy_memory`` MiB (a job held the GPU
@@ -110,9 +93,6 @@ def report(
         name: what to call the recording in the report (default: the file name).
         fields: the columns of a headerless CSV log (ignored when the file has a header).
         tz: the zone the recording was made in; default: timestamps as recorded (naive for CSV).
-
-    Returns:
-        The :class:`Report`.
 
     Raises:
         ReportError: the recording cannot be read or holds no samples.
@@ -168,11 +148,9 @@ def stalls_and_alerts(
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
 ) -> Periods:
-    """Only the stalls and alerts of a recording: the same periods as :func:`report` finds, for less.
+    """Only the stalls and alerts of a recording (what the plot shades), as :func:`report` finds them, for less.
 
-    No statistics, thresholds, health counters or findings are worked out. :mod:`smiquery.analysis.plot` shades these.
-    The arguments and errors are :func:`report`'s; returns the :class:`Periods`, stalls and alerts in the order
-    :func:`report` lists them.
+    The arguments and errors are :func:`report`'s.
     """
     df = load_recording(source, fields=fields, tz=tz)
     if df.empty:
@@ -281,10 +259,7 @@ def _energy(df: pd.DataFrame, gpus: Sequence[GpuSeries]) -> dict[int, float]:
 
 
 def _clock_changes(gpus: list[GpuSeries]) -> tuple[list[ClockStep], list[tuple[datetime, str, str]]]:
-    """The recorded clock's steps back and a zone's offset changes, from the GPU with the most samples.
-
-    Every GPU's rows carry the same host clock, so one GPU tells them; each change is reported once.
-    """
+    """The recorded clock's steps back and a zone's offset changes, from the GPU with the most samples."""
     import numpy as np
 
     g = max(gpus, key=lambda g: len(g.times))
@@ -360,8 +335,7 @@ def _isna(v: object) -> bool:
 def _runs(g: GpuSeries, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(firsts, lasts): sample positions of the stretches where ``cond`` holds, as two int arrays.
 
-    A missing value keeps the state it follows (as the live evaluator does); a gap in time longer than the
-    gap limit (the stream was stopped) ends a stretch.
+    A missing value keeps the state it follows (as the live evaluator does); a gap in time ends a stretch.
     """
     import numpy as np
 
@@ -436,10 +410,7 @@ def _fired_at(rule: Rule, g: GpuSeries, first: int, last: int, cond: np.ndarray)
 def _alerts(
     rules: Sequence[Rule], gpus: list[GpuSeries], thresholds: list[ThresholdTime] | None = None
 ) -> list[AlertSpan]:
-    """The alerts the rules would have fired, per rule and GPU.
-
-    With ``thresholds``, the time past each rule's threshold is added to it as well (from the same stretches).
-    """
+    """The alerts the rules would have fired, per rule and GPU; the time past each threshold goes to ``thresholds``."""
     alerts: list[AlertSpan] = []
     for rule in rules:
         for g in gpus:

@@ -1,8 +1,4 @@
-"""The findings of a report: what to act on, one verdict a line, most severe first.
-
-Each step reads what :mod:`smiquery.analysis.analyze` found (stalls, alerts, health counters, clock steps) or the
-GPUs' samples (memory nearly full), and words it for people with what to check.
-"""
+"""The findings of a report: what to act on, one verdict a line for people with what to check, most severe first."""
 
 from __future__ import annotations
 
@@ -49,15 +45,9 @@ _OP_WORDS = {">": "over", ">=": "at or over", "<": "under", "<=": "at or under",
 
 
 def findings(report: Report, rules: Sequence[Rule], gpus: list[GpuSeries]) -> list[Finding]:
-    """What to act on in a report, most severe first (then by start and GPU).
+    """What to act on in a report (all but its findings filled in), most severe first (then by start and GPU).
 
-    Args:
-        report: the report, with its stalls, alerts, statistics, health counters and clock steps filled in.
-        rules: the rules its alerts come from.
-        gpus: the GPUs' samples (for memory nearly full).
-
-    Returns:
-        The findings.
+    ``rules`` are those its alerts come from; ``gpus`` the samples (for memory nearly full).
     """
     out = [
         *_stall_findings(report, len(gpus)),
@@ -126,12 +116,7 @@ def _alone_stalls(report: Report, alone: dict[int, list[Stretch]]) -> Finding:
     if len(alone) == 1:
         spent = f"{gpu_list(list(alone), report.names)} spent {format_duration(totals[0])}"
     else:
-        each = (
-            format_duration(totals[0])
-            if totals[0] == totals[-1]
-            else (f"{format_duration(totals[0])} to {format_duration(totals[-1])}")
-        )
-        spent = f"{gpu_list(sorted(alone), report.names)} each spent {each}"
+        spent = f"{gpu_list(sorted(alone), report.names)} each spent {_durations(totals)}"
     where = "" if len(alone) == 1 else f" on {gpu_name(longest.gpu, report.names)}"
     return Finding(
         "stall",
@@ -178,11 +163,7 @@ def _alert_verdict(
     fld = rule.field
     many = len(gpus) > 1
     who = gpu_list(gpus, report.names)
-    if totals[0] == totals[-1] or not many:
-        length = format_duration(totals[-1])
-    else:
-        length = f"{format_duration(totals[0])} to {format_duration(totals[-1])}"
-    length += " each" if many else ""
+    length = _durations(totals) + " each" if many else format_duration(totals[-1])
     if fld.kind.is_bool:
         state = "active" if rule.threshold else "inactive"
         text = f"{who} had {fld.name.split('.')[-1]} {state} for {length}"
@@ -194,6 +175,11 @@ def _alert_verdict(
     if top is not None and not fld.kind.is_bool:
         text += f" (peak {value_text(top.peak, fld)}" + (f" on {gpu_name(top.gpu, report.names)})" if many else ")")
     return text + f", firing `{rule}`: {advice}"
+
+
+def _durations(totals: list[float]) -> str:
+    """The shortest to the longest of ``totals`` (sorted), or the one length they all have."""
+    return format_duration(totals[0]) + ("" if totals[0] == totals[-1] else f" to {format_duration(totals[-1])}")
 
 
 def _memory_findings(gpus: list[GpuSeries], report: Report) -> list[Finding]:

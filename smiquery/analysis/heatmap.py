@@ -1,16 +1,8 @@
 """Many GPUs as heatmaps: one panel per field, a row per GPU, time across, stalls and alerts outlined.
 
-Past 16 GPUs a line per GPU, or a small panel per GPU per field (64 GPUs: 256 panels), no longer reads;
-:func:`smiquery.analysis.plot_recording` draws these instead. Each cell is the mean of the samples of one GPU in
-one column of pixels; a stall is outlined black on the GPU's row in every panel, a firing alert orange on its
-field's panel, so short events that a mean would blur still show. Rule thresholds are marked on each colour bar.
-
-Each field's colours span its physical range where it has one (0 to 100 %, 0 to ``memory.total``, 0 to
-``power.limit`` when recorded, a fixed 0 to 100 C for temperatures), widened to any value past it, else the
-data's range; the colour bar names the range and its ticks are plain numbers (no offset, no powers of ten), and
-the panel's title says where the range comes from.
-
-Needs matplotlib; drawn with the object API like :mod:`smiquery.analysis.plot`.
+Each cell is the mean of one GPU's samples in one column of pixels; stalls and firing alerts are outlined, so short
+events that a mean would blur still show. A field's colours span its physical range where it has one (0 to 100 %,
+0 to ``memory.total`` or ``power.limit``, 0 to 100 C), widened to any value past it, else the data's range.
 """
 
 from __future__ import annotations
@@ -29,7 +21,7 @@ if TYPE_CHECKING:
     from smiquery.analysis.model import GpuName
     from smiquery.fields import Field
 
-__all__ = ["ALERT_EDGE", "STALL_EDGE", "Scale", "cell_means", "heatmap_figure"]
+__all__ = ["ALERT_EDGE", "STALL_EDGE", "Scale", "cell_means", "heatmap_figure", "no_values_note"]
 
 #: A field's physical colour range: (lowest, highest, where it comes from, e.g. ``"0 to memory.total"``).
 Scale = tuple[float, float, str]
@@ -49,11 +41,7 @@ def cell_means(
 ) -> np.ndarray:
     """A (GPUs, columns) array: per GPU the mean of its values in each of ``columns`` equal spans of time, NaN if none.
 
-    Args:
-        xs: per GPU its sample times (datetime64[ns], on the plot's axis).
-        ys: per GPU its values (float, NaN where missing).
-        x_range: the first and last time of the axis.
-        columns: how many spans of time.
+    ``xs`` and ``ys``: per GPU its times (on the plot's axis) and values (NaN where missing).
     """
     import numpy as np
 
@@ -90,20 +78,10 @@ def heatmap_figure(
 ) -> tuple[Figure, list[Any]]:
     """One heatmap panel per field, sharing the time axis; returns the figure and its panels (top to bottom).
 
-    Args:
-        figure: the Figure class to build.
-        flds: the fields, one panel each.
-        gpus: the GPU indices, one row each (top to bottom).
-        xs: per GPU its sample times (naive datetime64, as the axis holds them).
-        values: per field name, per GPU its values.
-        x_range: the axis' first and last time (naive datetimes).
-        marks: (stalls, alerts by field name) as (start, end, gpu) with naive datetimes.
-        thresholds: per field name, (value, label) of the rules watching it, marked on its colour bar.
-        size: (width, panel height in inches, dpi, most columns of cells: one a pixel or so).
-        scales: per field name its physical colour range (:data:`Scale`); a field without one is coloured on the
-            range of its values (percentages on 0 to 100 and booleans on no to yes either way).
-        names: a fleet's GPU names: the rows are then labelled by node, white lines (``gid="node-boundary"``)
-            between the nodes.
+    ``gpus``, ``xs`` and ``values`` are per row, top to bottom; ``marks`` are (stalls, alerts by field name) as
+    (start, end, gpu); ``size`` is (width, panel height, dpi, most columns of cells). A field without a ``scales``
+    range is coloured on the range of its values. With ``names`` (a fleet's) the rows are labelled by node, with
+    white lines (``gid="node-boundary"``) between the nodes.
     """
     import matplotlib.dates as mdates
     import numpy as np
@@ -117,9 +95,8 @@ def heatmap_figure(
         cells = cell_means(xs, values[fld.name], x_range, columns)
         vmin, vmax, source = _colour_range(fld, cells, (scales or {}).get(fld.name))
         panels.append((fld, cells, vmin, vmax, source, _bar_ticks(vmin, vmax)))
-    # Placed by fixed margins in inches: constrained layout measures every tick of every colour bar, which takes
-    # longer than drawing the cells. Right of the panels: a gap, the colour bar, its ticks, their widest label and
-    # the bar's label.
+    # Placed by fixed margins in inches (constrained layout measures every tick of every colour bar). Right of the
+    # panels: a gap, the colour bar, its ticks, their widest label and the bar's label.
     height = max(panel_height, _MIN_PANEL, len(gpus) * _ROW_INCHES + 0.6)
     widest = max(text_size(t, _BAR_FONT)[0] for *_, (_, labels) in panels for t in labels)
     top, head, gap, bottom, left, bar_width = 0.45, 0.3, 0.3, 0.95, 0.75, 0.15
@@ -175,18 +152,20 @@ def heatmap_figure(
         if names and len(starts) > 1:
             ax.hlines([r - 0.5 for r in starts[1:]], lo, hi, colors="#ffffff", linewidths=1.0, gid="node-boundary")
         if not np.isfinite(cells).any():
-            note = f"no values: {fld.name} was missing ([N/A] or not supported) in every sample"
-            ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=9, color="#555555",
-                    gid="no-data")  # fmt: skip
+            no_values_note(ax, fld.name)
     return fig, axes
 
 
-def _colour_range(fld: Field, cells: np.ndarray, scale: Scale | None) -> tuple[float, float, str]:
-    """The field's colour range and where it comes from (for the panel's title; empty where it goes without saying).
+def no_values_note(ax: Any, name: str) -> None:
+    """The note across a panel (``gid="no-data"``) whose field ``name`` has no value in any sample."""
+    note = f"no values: {name} was missing ([N/A] or not supported) in every sample"
+    ax.text(
+        0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=9, color="#555555", gid="no-data"
+    )
 
-    A physical range is widened to any value past it; without one, the values' own range (a constant value in the
-    middle of a range around it, not at its foot).
-    """
+
+def _colour_range(fld: Field, cells: np.ndarray, scale: Scale | None) -> tuple[float, float, str]:
+    """The field's colour range, widened to the values, and where it comes from (for the panel's title, or "")."""
     import numpy as np
 
     finite = cells[np.isfinite(cells)]
@@ -230,8 +209,8 @@ def _outline(
 ) -> None:
     """Each (start, end, gpu) span as an outline around its stretch of the GPU's row.
 
-    Spans of neighbouring rows that start and end within a hundredth of the run of each other (GPUs that stalled
-    together) share one outline, so 64 GPUs stalling at once are one box, not 64 stripes.
+    Spans of neighbouring rows within a hundredth of the run of each other share one outline (64 GPUs stalling at
+    once are one box).
     """
     import matplotlib.dates as mdates
     import numpy as np

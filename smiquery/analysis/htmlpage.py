@@ -1,8 +1,7 @@
 """A report as one self-contained HTML page: findings, tables and the plot, for a ticket or a browser.
 
-The page loads nothing: the style sheet is inline, the plot a PNG ``data:`` URI, and a content security policy
-forbids every other source, so a shared page works offline and leaks no request. The tables are those of the
-text and Markdown reports (:mod:`smiquery.analysis.render`).
+The page loads nothing (inline style, the plot a ``data:`` URI, a content security policy forbidding the rest), so
+a shared page works offline and leaks no request.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ from typing import TYPE_CHECKING
 from smiquery.analysis.render import (
     THRESHOLDS_NOTE,
     THRESHOLDS_TITLE,
-    alert_rows,
-    constant_text,
+    alert_table,
+    constants_text,
     energy_line,
     format_duration,
     gpu_stat_table,
@@ -23,8 +22,9 @@ from smiquery.analysis.render import (
     notes,
     nothing_found,
     overall_rows,
+    sentence,
     stall_note,
-    stall_rows,
+    stall_table,
     threshold_note,
     threshold_table,
 )
@@ -67,19 +67,13 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def _para(text: str) -> str:
-    return f"<p>{escape(text[:1].upper() + text[1:])}.</p>"
+    return f"<p>{escape(sentence(text))}</p>"
 
 
 def report_html(report: Report, plot_png: bytes | None = None, plot_note: str | None = None) -> str:
     """The report as one HTML page that needs nothing else: no network, no script, no file beside it.
 
-    Args:
-        report: the report.
-        plot_png: the plot of the recording as PNG bytes, embedded as a ``data:`` URI; None for none.
-        plot_note: what to say in place of the plot when there is none (e.g. that matplotlib is missing).
-
-    Returns:
-        The page, UTF-8 text.
+    ``plot_png``: the plot as PNG bytes (None: ``plot_note`` says why there is none, e.g. matplotlib is missing).
     """
     title = f"GPU report: {report.source}"
     out = [
@@ -114,29 +108,26 @@ def report_html(report: Report, plot_png: bytes | None = None, plot_note: str | 
         )
     else:
         out.append(_para(plot_note or "no plot"))
-    out.append(
-        f"<h2>Stalls (utilization.gpu &lt; {report.stall_utilization:g}% for at least "
-        f"{escape(format_duration(report.min_stall))}, with memory held)</h2>"
+
+    def section(title: str, table: tuple[list[str], list[list[str]]], note: str = "") -> None:
+        head, rows = table
+        out.extend([f"<h2>{title}</h2>", _table(head, rows) if rows else _para(note)])
+
+    section(
+        f"Stalls (utilization.gpu &lt; {report.stall_utilization:g}% for at least "
+        f"{escape(format_duration(report.min_stall))}, with memory held)",
+        stall_table(report),
+        stall_note(report),
     )
-    out.append(
-        _table(["GPU", "start", "length", "mean util"], stall_rows(report))
-        if report.stalls
-        else _para(stall_note(report))
-    )
-    out.append(f"<h2>{THRESHOLDS_TITLE}</h2>")
-    out.append(_para(THRESHOLDS_NOTE))
+    out += [f"<h2>{THRESHOLDS_TITLE}</h2>", _para(THRESHOLDS_NOTE)]
     head, rows = threshold_table(report)
     out.append(_table(head, rows) if rows else _para(threshold_note(report)))
     if report.alerts:
-        out.append("<h2>Alerts the rules would have fired</h2>")
-        out.append(_table(["GPU", "rule", "fired", "held", "peak"], alert_rows(report)))
+        section("Alerts the rules would have fired", alert_table(report))
     if report.overall:
-        out.append("<h2>Statistics over all GPUs</h2>")
-        out.append(_table(*overall_rows(report)))
-        out.append("<h2>Statistics per GPU (mean / p95 / max)</h2>")
-        out.append(_table(*gpu_stat_table(report)))
+        section("Statistics over all GPUs", overall_rows(report))
+        section("Statistics per GPU (mean / p95 / max)", gpu_stat_table(report))
     if report.constants:
-        out.append("<h2>Constant during the run</h2>")
-        out.append(_para("; ".join(constant_text(n, v, report.names) for n, v in report.constants.items())))
+        out += ["<h2>Constant during the run</h2>", _para(constants_text(report))]
     out.append("</body></html>")
     return "\n".join(out) + "\n"

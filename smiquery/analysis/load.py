@@ -1,18 +1,14 @@
-"""A recording read for the report: one frame, then one view per GPU along its own timeline.
-
-:func:`load_recording` reads any recording (or takes a DataFrame) and drops rows without a time or GPU;
-:func:`split_gpus` gives each GPU its row positions, its times in seconds from the run's start (a step back of
-the clock counting 0) and how long each sample stands for. pandas and numpy are imported inside the functions.
-"""
+"""A recording read for the report: one frame, then one view per GPU along its own timeline (steps back count 0)."""
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone, tzinfo
 from typing import TYPE_CHECKING, Any, cast
 
-from smiquery.analysis.series import as_float, gpu_rows
+from smiquery.analysis.series import as_float, axis_clock, gpu_rows
 from smiquery.clock import timeline, to_zone
 from smiquery.errors import InvalidFieldError, InvalidTimeZoneError, RecordingError, ReportError
 
@@ -29,10 +25,10 @@ def load_recording(
     fields: str | Sequence[str] | None = None,
     tz: tzinfo | str | None = None,
 ) -> pd.DataFrame:
-    """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`, sorted by GPU.
+    """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`, one row per sample.
 
-    Files are read by :func:`smiquery.recordings.read_recording` (CSV with or without units or header, JSONL,
-    Parquet; unreadable lines skipped and described in ``attrs["skipped"]``; a log without ``index`` is GPU 0).
+    Files are read by :func:`smiquery.recordings.read_recording` (unreadable lines skipped and described in
+    ``attrs["skipped"]``; a log without ``index`` is GPU 0); rows without a timestamp or GPU index are dropped.
 
     Args:
         source: a path (``.csv``, ``.jsonl``, ``.parquet`` file or dataset folder; other names are sniffed), several
@@ -41,9 +37,6 @@ def load_recording(
             each must be one of its columns.
         tz: the zone the recording was made in (e.g. ``"Europe/Berlin"``): naive timestamps are localized to it,
             aware ones converted. Default: as recorded (naive for nvidia-smi's CSV, never assumed to be UTC).
-
-    Returns:
-        One row per sample, in file order (rows without a timestamp or GPU index dropped).
 
     Raises:
         ReportError: the file is missing, unreadable, holds no readable row, has no ``timestamp``, or its
@@ -98,21 +91,6 @@ def _in_zone(df: pd.DataFrame, tz: tzinfo | str) -> pd.DataFrame:
     return df
 
 
-class _Columns:
-    """Numeric columns of the whole frame as float64 arrays, converted once and shared by every GPU."""
-
-    def __init__(self, df: pd.DataFrame) -> None:
-        self.df = df
-        self.columns = df.columns
-        self._floats: dict[str, np.ndarray] = {}
-
-    def floats(self, column: str) -> np.ndarray:
-        got = self._floats.get(column)
-        if got is None:
-            got = self._floats[column] = as_float(self.df[column])
-        return got
-
-
 class GpuSeries:
     """One GPU's samples: their row positions in the frame, times (s from the run's start) and durations.
 
@@ -120,13 +98,23 @@ class GpuSeries:
     ``datetime`` objects only where a stretch starts or ends.
     """
 
-    def __init__(self, index: int, data: _Columns, rows: Any, times: np.ndarray, stamps: np.ndarray, zone: Any):
+    def __init__(
+        self,
+        index: int,
+        df: pd.DataFrame,
+        floats: Callable[[str], np.ndarray],
+        rows: Any,
+        times: np.ndarray,
+        stamps: np.ndarray,
+        zone: Any,
+    ):
         import numpy as np
 
         self.index = index
-        self.data = data
+        self.df = df
+        self._floats = floats  # the whole frame's column as float64, converted once for every GPU
         self.rows = rows  # a slice (the frame holds this GPU's rows together) or an array of positions
-        self.columns = data.columns
+        self.columns = df.columns
         self.times = times
         self.stamps = stamps  # datetime64[ns] wall-clock (naive) or UTC (aware, with ``zone``)
         self.zone = zone
@@ -143,12 +131,12 @@ class GpuSeries:
 
     def floats(self, column: str) -> np.ndarray:
         """A numeric column as float64, NaN where missing."""
-        picked: np.ndarray = self.data.floats(column)[self.rows]
+        picked: np.ndarray = self._floats(column)[self.rows]
         return picked
 
     def values(self, column: str) -> list[Any]:
         """A column's values as Python objects (for text comparisons)."""
-        series = self.data.df[column]
+        series = self.df[column]
         picked = series.iloc[self.rows] if isinstance(self.rows, slice) else series.take(self.rows)
         return picked.tolist()
 
@@ -157,14 +145,10 @@ def split_gpus(df: pd.DataFrame) -> tuple[list[GpuSeries], float]:
     """The recording as one :class:`GpuSeries` per GPU (in index order), and the median sampling interval."""
     import numpy as np
 
-    stamps_col = df["timestamp"]
-    zone = getattr(stamps_col.dt, "tz", None)
-    # wall-clock (naive) or UTC nanoseconds
-    stamps = np.asarray(stamps_col.dt.tz_convert("UTC").dt.tz_localize(None) if zone is not None else stamps_col)
-    stamps = stamps.astype("datetime64[ns]")
-    t0 = stamps.min()
-    seconds = (stamps - t0).astype("int64") / 1e9
-    data = _Columns(df)
+    zone = getattr(df["timestamp"].dt, "tz", None)
+    stamps = axis_clock(df["timestamp"])  # wall-clock (naive) or UTC
+    seconds = (stamps - stamps.min()).astype("int64") / 1e9
+    floats = functools.cache(lambda column: as_float(df[column]))
     gpus: list[GpuSeries] = []
     intervals: list[float] = []
     for idx, rows in gpu_rows(df["index"].to_numpy(dtype="int64")):
@@ -174,7 +158,7 @@ def split_gpus(df: pd.DataFrame) -> tuple[list[GpuSeries], float]:
         diffs = np.diff(times)
         if len(diffs):
             intervals.append(float(np.median(diffs)))
-        gpus.append(GpuSeries(idx, data, rows, times, stamps[rows], zone))
+        gpus.append(GpuSeries(idx, df, floats, rows, times, stamps[rows], zone))
     interval = float(np.median(intervals)) if intervals else 1.0
     if not interval > 0:
         interval = 1.0

@@ -1,13 +1,11 @@
 """What the report of a recording holds: statistics, stretches, alerts, health counters and findings.
 
-The records are plain frozen dataclasses with ``to_dict`` for JSON; :mod:`smiquery.analysis.render` and
-:mod:`smiquery.analysis.htmlpage` render a :class:`Report`, and a notebook shows one through the page that
-:func:`use_html_renderer` names.
+Plain dataclasses with ``to_dict`` for JSON; a notebook shows a :class:`Report` through :func:`use_html_renderer`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,20 +38,33 @@ Severity = Literal["critical", "warning", "info"]
 SEVERITY_ORDER: dict[str, int] = {"critical": 0, "warning": 1, "info": 2}
 
 
+def _json(record: Any, gpu: dict[str, Any] | None = None, **digits: int) -> dict[str, Any]:
+    """A record's fields JSON-ready (times in ISO 8601, ``digits`` rounded); ``gpu`` names its GPU in its place."""
+    out: dict[str, Any] = {}
+    for f in fields(record):
+        value = getattr(record, f.name)
+        if f.name == "gpu" and gpu is not None:
+            out.update(gpu)
+            continue
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        elif isinstance(value, tuple):
+            value = list(value)
+        elif f.name in digits and value is not None:
+            value = round(value, digits[f.name])
+        out[f.name] = value
+    return out
+
+
 @dataclass(frozen=True)
 class GpuName:
-    """Which GPU of which node a report's GPU number is, as an operator names it (a fleet's report only).
-
-    A recording's report numbers its GPUs by nvidia-smi's index and has no names; a report of a range of the fleet
-    numbers them 0..N-1 and names each by these. :func:`smiquery.analysis.render.gpu_name` words them.
+    """Which GPU of which node a fleet report's GPU number (0..N-1) is; a recording's report has none.
 
     Attributes:
         node: the node as people call it (the ``node`` or ``Hostname`` label; else the instance).
         instance: the scrape target (Prometheus' ``instance`` label).
         gpu: the GPU's index on its node.
-        uuid: its UUID ("" when not known).
-        pod: ``namespace/pod`` that held it, where known.
-        job: the Slurm job that held it, where known.
+        pod: ``namespace/pod`` that held it, where known ("" as uuid and job when not).
     """
 
     node: str
@@ -77,16 +88,9 @@ class GpuName:
 
 @dataclass(frozen=True)
 class FieldStats:
-    """Mean, 95th percentile and maximum of one field on one GPU.
+    """Statistics of the present values of one field (nvidia-smi name and unit) on one GPU (-1: all GPUs).
 
     Attributes:
-        field: the field's nvidia-smi name.
-        unit: its unit (``""`` when dimensionless).
-        gpu: the GPU index.
-        mean: mean of the present values.
-        p95: 95th percentile.
-        max: maximum.
-        min: minimum.
         count: present values.
         missing: samples where the value was missing (``[N/A]`` and the like).
     """
@@ -107,13 +111,9 @@ class Stretch:
     """A continuous stretch of time during which a condition held on one GPU.
 
     Attributes:
-        gpu: the GPU index.
         start: the first sample's time.
         end: the end of the last sample (its time plus the sampling interval).
-        seconds: the length.
-        samples: samples in the stretch.
-        peak: the most extreme value of the watched field (max for ``>``, min for ``<``).
-        mean: the mean of the watched field.
+        peak: the most extreme value of the watched field (max for ``>``, min for ``<``); ``mean`` its mean.
         ongoing: the recording ended while it still held (its end is the recording's end, not its own).
     """
 
@@ -128,16 +128,7 @@ class Stretch:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return {
-            "gpu": self.gpu,
-            "start": self.start.isoformat(),
-            "end": self.end.isoformat(),
-            "seconds": round(self.seconds, 3),
-            "samples": self.samples,
-            "peak": self.peak,
-            "mean": None if self.mean is None else round(self.mean, 3),
-            "ongoing": self.ongoing,
-        }
+        return _json(self, seconds=3, mean=3)
 
 
 @dataclass(frozen=True)
@@ -145,11 +136,7 @@ class ThresholdTime:
     """How long one GPU spent past one rule's threshold (ignoring the rule's hold): not whether the rule fired.
 
     Attributes:
-        rule: the rule's text.
-        gpu: the GPU index.
-        seconds: total time past the threshold.
-        stretches: how many separate stretches.
-        longest: the longest stretch in seconds.
+        seconds: total time past the threshold, in ``stretches`` separate stretches (``longest`` seconds).
         peak: the most extreme value seen while past it.
     """
 
@@ -166,8 +153,6 @@ class AlertSpan:
     """An alert that would have fired: the rule held for its hold on one GPU.
 
     Attributes:
-        rule: the rule's text.
-        gpu: the GPU index.
         since: when the condition started to hold.
         fired: when the hold was reached (when a live alert would have fired).
         end: when the condition stopped holding (or the recording ended).
@@ -191,30 +176,15 @@ class AlertSpan:
         return not self.cleared
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields."""
-        return {
-            "rule": self.rule,
-            "gpu": self.gpu,
-            "since": self.since.isoformat(),
-            "fired": self.fired.isoformat(),
-            "end": self.end.isoformat(),
-            "seconds": round(self.seconds, 3),
-            "peak": self.peak,
-            "cleared": self.cleared,
-            "ongoing": self.ongoing,
-        }
+        """JSON-ready fields, and ``ongoing``."""
+        return {**_json(self, seconds=3), "ongoing": self.ongoing}
 
 
 @dataclass(frozen=True)
 class HealthCount:
     """A memory-health counter or flag of one GPU that was not clean: ECC errors, retired pages, remapped rows.
 
-    Attributes:
-        field: the nvidia-smi name (``ecc.errors.uncorrected.aggregate.total``, ``remapped_rows.pending``).
-        gpu: the GPU index.
-        first: the value at the start of the run (flags: 1 for yes).
-        last: the value at the end.
-        max: the highest value seen.
+    ``first``, ``last`` and ``max`` are its values at the start, at the end and at most (flags: 1 for yes).
     """
 
     field: str
@@ -238,19 +208,16 @@ class HealthCount:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return {"field": self.field, "gpu": self.gpu, "first": self.first, "last": self.last, "max": self.max}
+        return _json(self)
 
 
 @dataclass(frozen=True)
 class Finding:
-    """Something worth acting on, with a one-line verdict.
+    """Something worth acting on, with a one-line verdict for people: what happened and what to check.
 
     Attributes:
         kind: ``stall``, ``stall_together``, ``hot``, ``warm``, ``throttle``, ``memory_full``, ``imbalance``,
             ``ecc``, ``alert`` or ``clock`` (the recorded clock stepped back, or a zone's offset changed).
-        severity: ``critical``, ``warning`` or ``info``.
-        gpus: the GPUs concerned.
-        verdict: one line for people: what happened and what to check.
         seconds: how long it lasted in all (per GPU where it concerns one GPU).
         start: when it (first) started.
     """
@@ -264,18 +231,10 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
-        return {
-            "kind": self.kind,
-            "severity": self.severity,
-            "gpus": list(self.gpus),
-            "verdict": self.verdict,
-            "seconds": round(self.seconds, 3),
-            "start": None if self.start is None else self.start.isoformat(),
-        }
+        return _json(self, seconds=3)
 
 
-#: What :meth:`Report._repr_html_` draws with: the page lives above this module, so :mod:`smiquery.analysis` sets it
-#: (through :func:`use_html_renderer`) when the package is imported, which happens before any report exists.
+#: What :meth:`Report._repr_html_` draws with: the page lives above this module; :mod:`smiquery.analysis` sets it.
 _html_renderer: Callable[[Report], str] | None = None
 
 
@@ -290,26 +249,16 @@ class Report:
     """The analysis of one recording; the ``report_*`` functions of :mod:`smiquery.analysis` render it.
 
     Attributes:
-        source: where the recording came from.
-        gpus: the GPU indices seen.
-        start: the first sample's time.
-        end: the last sample's time.
         sweeps: samples per GPU (the most any GPU has).
         interval: the median seconds between two samples of one GPU.
-        stats: per field and GPU statistics of the fields that vary.
-        overall: the same fields over all GPUs together (``gpu`` is -1).
-        skipped: the lines of the recording that could not be read, if any.
+        stats: per field and GPU statistics of the fields that vary; ``overall`` the same over all GPUs.
         skipped_files: files of a set skipped, one line each with why (no rows yet, gone since listed).
         health: memory-health counters (ECC, retired pages, remapped rows) that were non-zero, per GPU.
         constants: fields that never changed, with their value per GPU.
-        thresholds: time past each rule's threshold, per GPU (only GPUs that got past it), whether or not the
-            condition held long enough for the rule to fire (:attr:`alerts` are the firings).
-        stalls: stretches of at least ``min_stall`` seconds under the stall utilization while memory was held.
-        alerts: alerts the rules would have fired during the run.
+        thresholds: time past each rule's threshold, per GPU that got past it, whether or not the rule fired
+            (:attr:`alerts` are the firings).
+        stalls: stretches of at least ``min_stall`` seconds under ``stall_utilization`` while memory was held.
         findings: what to act on, most severe first.
-        rules: the rules' texts.
-        stall_utilization: the stall threshold in percent.
-        min_stall: the shortest stall reported, in seconds.
         clock_steps: where the recorded clock stepped back (a DST fall-back read without a zone, an NTP step);
             every duration skips such a step.
         zone_changes: where the UTC offset changed in a recording read in its zone (``tz=``): (time, offset
@@ -410,20 +359,7 @@ class Report:
                 for t in self.thresholds
             ],
             "alerts": [{**a.to_dict(), **ref(a.gpu)} for a in self.alerts],
-            "stats": [
-                {
-                    "field": s.field,
-                    "unit": s.unit,
-                    **ref(s.gpu),
-                    "mean": round(s.mean, 4),
-                    "p95": round(s.p95, 4),
-                    "max": s.max,
-                    "min": s.min,
-                    "count": s.count,
-                    "missing": s.missing,
-                }
-                for s in self.stats
-            ],
+            "stats": [_json(s, ref(s.gpu), mean=4, p95=4) for s in self.stats],
             "constants": {name: {str(g): v for g, v in per.items()} for name, per in self.constants.items()},
             "health": [{**h.to_dict(), **ref(h.gpu)} for h in self.health],
             "skipped_lines": None
@@ -435,12 +371,7 @@ class Report:
 
 @dataclass(frozen=True)
 class Periods:
-    """The stalls and alerts of a recording as :func:`~smiquery.analysis.report` finds them, without the rest.
-
-    Attributes:
-        stalls: as :attr:`Report.stalls`.
-        alerts: as :attr:`Report.alerts`.
-    """
+    """The stalls and alerts of a recording as :func:`~smiquery.analysis.report` finds them, without the rest."""
 
     stalls: list[Stretch]
     alerts: list[AlertSpan]

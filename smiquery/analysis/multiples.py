@@ -1,19 +1,9 @@
 """Small multiples: per field one panel holding a cell per GPU, the cells of a field on one y scale, all on one time.
 
-Between the overlay (up to 8 GPUs, one line each in a panel per field) and the heatmap (past 16),
-:func:`smiquery.analysis.plot_recording` gives each GPU its own small cell. A field is one matplotlib ``Axes``
-whose data units are inches from its lower left corner; each cell draws its GPU's line, its stalls and alerts and
-the rule thresholds through its own transform from (time, value) to its place, so the artists keep their data in
-date numbers and the field's units. One ``Axes`` per cell would cost several milliseconds each to create and to draw
-(64 cells for 16 GPUs and 4 fields): the cells' frames and grids are two collections a field instead, and their
-labels plain text.
-
-Each cell's artists carry the label ``GPU <index>``: its line (``gid="gpu-<index>"``), stall and alert shading
-(``stall``, ``alert``), thresholds (``threshold``), its title (``title``: the GPU's name, a fleet's by node) and a
-no-data note (``no-data``).
-A field's panel has ``gid="multiples-<field>"``; its tick labels are texts with ``gid`` ``xtick`` and ``ytick``.
-
-Needs matplotlib; drawn with the object API like :mod:`smiquery.analysis.plot`.
+A field is one matplotlib ``Axes`` (``gid="multiples-<field>"``) whose data units are inches; each cell draws
+through its own transform from (time, value) to its place (an ``Axes`` per cell costs milliseconds each to make and
+draw). Each cell's artists carry the label ``GPU <index>`` and the gids ``gpu-<index>``, ``stall``, ``alert``,
+``threshold``, ``title`` and ``no-data``; tick labels are texts with ``gid`` ``xtick`` and ``ytick``.
 """
 
 from __future__ import annotations
@@ -37,12 +27,10 @@ __all__ = ["CELL_INCHES", "MultiplesData", "cell_of", "multiples_figure"]
 CELL_INCHES = 1.5
 # A cell's height, as a share of ``panel_height``.
 _CELL_HEIGHT = 0.6
-# Margins and gaps, in inches: above a field's cells (its name, then the cells' titles), between rows, below its
-# cells (time labels); the figure's top and bottom; left of the first column (values and unit: the least, more for
-# wide values), right of the last; between columns.
+# Margins and gaps, in inches: above a field's cells (its name, the cells' titles), between rows, below (times); the
+# figure's top and bottom; left of the first column (the least: values and unit), right of the last; between columns.
 _HEAD, _GAP, _BELOW, _TOP, _BOTTOM, _LEFT, _RIGHT, _BETWEEN = 0.45, 0.3, 0.35, 0.45, 0.8, 0.65, 0.15, 0.15
-# A field's panel reaches this far past its cells on every side, so that the frames and lines along the cells'
-# outer edges are drawn whole, not clipped at the panel's edge.
+# A field's panel reaches this far past its cells on every side, so that lines along their outer edges are not clipped.
 _PAD = 0.1
 _POINT = 1 / 72  # inches
 _GRID = "#dddddd"
@@ -54,20 +42,12 @@ _THRESHOLD_COLOUR = "#000000"
 
 @dataclass
 class MultiplesData:
-    """What the cells draw.
+    """What the cells draw: per GPU (left to right, then down) its times (naive datetime64) and values per field.
 
     Attributes:
-        flds: the fields, one panel each (top to bottom).
-        gpus: the GPU indices, one cell each (left to right, then down).
-        titles: each GPU's cell title (``GPU 3``; a fleet's ``node GPU 1``).
-        colours: each GPU's line colour.
-        xs: per GPU its sample times (naive datetime64, as the time axis holds them).
-        values: per field name, per GPU its values (float, NaN where missing).
-        gap_limit: seconds between samples past which a line breaks.
         stalls: per GPU position its stalls as (start, end) naive datetimes, merged.
         alerts: per field name, per GPU position its firing alerts as (start, end), merged.
         thresholds: per field name its rule thresholds as (value, label).
-        x_range: the first and last time of the axis (naive datetimes).
         x_ticks: where the times are labelled (date numbers) and their labels.
     """
 
@@ -85,41 +65,27 @@ class MultiplesData:
     x_ticks: tuple[list[float], list[str]]
 
 
-@dataclass
 class _Grid:
-    """Where the cells lie, in inches."""
+    """Where the cells lie, in inches: ``n`` cells a field, ``left`` of them the values and the unit."""
 
-    cols: int
-    rows: int
-    cell_width: float
-    cell_height: float
-    block: float  # the height of one field's block: head, cells, time labels
-    total: float  # the figure's height
+    def __init__(self, n: int, n_fields: int, width: float, panel_height: float, left: float = _LEFT) -> None:
+        self.cols, self.cell_width = _columns(n, width, left)
+        self.rows = math.ceil(n / self.cols)
+        self.cell_height = panel_height * _CELL_HEIGHT
+        # one field's block: head, cells, time labels
+        self.block = _HEAD + self.rows * self.cell_height + (self.rows - 1) * _GAP + _BELOW
+        self.total = _TOP + self.block * n_fields + _BOTTOM  # the figure's height
 
     def origin(self, k: int) -> tuple[float, float]:
         """The lower left corner of cell ``k`` in its panel's units (inches from the panel's lower left)."""
         col, row = k % self.cols, k // self.cols
         return col * (self.cell_width + _BETWEEN), (self.rows - 1 - row) * (self.cell_height + _GAP)
 
-    def first(self, k: int) -> bool:
-        return k % self.cols == 0
-
-    def bottom(self, k: int, n: int) -> bool:
-        return k + self.cols >= n
-
 
 def _columns(n: int, width: float, left: float = _LEFT) -> tuple[int, float]:
     """How many cells fit across, and their width in inches (``left`` of them the values and the unit)."""
     cols = min(n, max(1, int((width - left + _LEFT) // CELL_INCHES)))
     return cols, (width - left - _RIGHT - _BETWEEN * (cols - 1)) / cols
-
-
-def _grid(n: int, n_fields: int, width: float, panel_height: float, left: float = _LEFT) -> _Grid:
-    cols, cell_width = _columns(n, width, left)
-    rows = math.ceil(n / cols)
-    cell_height = panel_height * _CELL_HEIGHT
-    block = _HEAD + rows * cell_height + (rows - 1) * _GAP + _BELOW
-    return _Grid(cols, rows, cell_width, cell_height, block, _TOP + block * n_fields + _BOTTOM)
 
 
 def cell_points(width: float, dpi: int, gpus: int) -> int:
@@ -160,10 +126,7 @@ def _y_ticks(fld: Field, lo: float, hi: float) -> tuple[list[float], list[str]]:
 
 
 def _left(scales: Sequence[tuple[Field, list[str]]]) -> tuple[float, float]:
-    """The margin left of the cells and how far left of a cell the unit's middle lies (inches).
-
-    Room for the widest value label and the unit beside it.
-    """
+    """The margin left of the cells (room for the widest value label and the unit) and where the unit goes."""
     widest = max((text_size(t, 7)[0] for _, labels in scales for t in labels), default=0.0) / 72
     unit = (3 * _POINT + widest + 4 * _POINT + text_size("M", 8)[1] / 2 / 72) if widest else 0.42
     return max(_LEFT, unit + text_size("M", 8)[1] / 2 / 72 + 0.08), unit
@@ -180,15 +143,10 @@ def cell_of(artist: Any) -> int | None:
 def multiples_figure(
     figure: type[Figure], data: MultiplesData, width: float, panel_height: float, dpi: int, max_points: int
 ) -> tuple[Figure, list[Any]]:
-    """The figure: a titled panel of cells per field; returns it and the panels (top to bottom).
+    """The figure (of class ``figure``): a titled panel of cells per field; returns it and the panels, top to bottom.
 
-    Args:
-        figure: the Figure class to build.
-        data: what to draw.
-        width: the figure's width in inches.
-        panel_height: ``plot_recording``'s panel height (a row of cells is 0.6 of it).
-        dpi: resolution.
-        max_points: the most points of a cell's line (lowest and highest of each stretch of samples past it).
+    A row of cells is 0.6 of ``panel_height``; a cell's line has at most ``max_points`` (lowest and highest of each
+    stretch of samples past it).
     """
     scales = []
     for fld in data.flds:
@@ -196,7 +154,7 @@ def multiples_figure(
         lo, hi, has_values = _y_range(fld, data.values[fld.name], marks)
         scales.append((lo, hi, has_values, *_y_ticks(fld, lo, hi)))
     left, unit_at = _left([(fld, sc[4]) for fld, sc in zip(data.flds, scales, strict=True)])
-    grid = _grid(len(data.gpus), len(data.flds), width, panel_height, left)
+    grid = _Grid(len(data.gpus), len(data.flds), width, panel_height, left)
     fig = figure(figsize=(width, grid.total), dpi=dpi)
     axes = []
     for b, fld in enumerate(data.flds):
@@ -228,8 +186,8 @@ def _draw_field(
 ) -> None:
     """One field's cells: lines, shading, thresholds, titles, scales, grid and frames.
 
-    ``where``: whether it is the figure's last field (the times go under it), its scale (lowest, highest, whether
-    any GPU has a value, the values labelled and their labels) and how far left of a cell its unit goes (inches).
+    ``where``: whether it is the last field (the times go under it), its scale (lowest, highest, whether any GPU has
+    a value, the values labelled and their labels) and how far left of a cell its unit goes (inches).
     """
     import matplotlib.dates as mdates
     import numpy as np
@@ -256,12 +214,14 @@ def _draw_field(
         gridlines += [[(ox, oy + (v - lo) * sy), (ox + w, oy + (v - lo) * sy)] for v in y_locs]
         frames.append([(ox, oy), (ox + w, oy), (ox + w, oy + h), (ox, oy + h), (ox, oy)])
         label = f"GPU {idx}"
-        _cell_line(ax, place, data, k, lines[k], max_points, label)
+        x, y = line_points(data.xs[k], lines[k], data.gap_limit, max_points, envelope=True)
+        days = mdates.date2num(x)  # type: ignore[no-untyped-call]
+        ax.plot(days, y, color=data.colours[k], linewidth=1.1, label=label, gid=f"gpu-{idx}", zorder=2, transform=place)
         if not has_values or not np.isfinite(lines[k]).any():
             ax.text(ox + w / 2, oy + h / 2, "no values", ha="center", va="center", fontsize=8, color="#555555",
                     gid="no-data", label=label)  # fmt: skip
         _cell_shading(ax, place, data, fld, k, (lo, hi), label)
-        first = grid.first(k)
+        first = k % grid.cols == 0
         _cell_thresholds(ax, place, marks, (x_lo, x_hi, lo, sy), (ox, oy, w, h), first, label)
         ax.text(ox, oy + h + 2 * _POINT, data.titles[k], ha="left", va="bottom", fontsize=8, gid="title", label=label)
         if first:
@@ -270,29 +230,11 @@ def _draw_field(
             if fld.unit:
                 ax.text(ox - unit_at, oy + h / 2, fld.unit, rotation=90, ha="center", va="center", fontsize=8,
                         gid="unit")  # fmt: skip
-        if last and grid.bottom(k, n):
+        if last and k + grid.cols >= n:  # the bottom row
             for v, text in x_ticks:
                 ax.text(ox + (v - x_lo) * sx, oy - 3 * _POINT, text, ha="center", va="top", fontsize=7, gid="xtick")
     ax.add_collection(LineCollection(gridlines, colors=_GRID, linewidths=0.6, zorder=0.5, gid="grid"))
     ax.add_collection(LineCollection(frames, colors=_FRAME, linewidths=0.8, zorder=2.5, gid="frame"))
-
-
-def _cell_line(
-    ax: Any, place: Any, data: MultiplesData, k: int, values: np.ndarray, max_points: int, label: str
-) -> None:
-    import matplotlib.dates as mdates
-
-    x, y = line_points(data.xs[k], values, data.gap_limit, max_points, envelope=True)
-    ax.plot(
-        mdates.date2num(x),  # type: ignore[no-untyped-call]
-        y,
-        color=data.colours[k],
-        linewidth=1.1,
-        label=label,
-        gid=f"gpu-{data.gpus[k]}",
-        zorder=2,
-        transform=place,
-    )
 
 
 def _cell_shading(
@@ -320,13 +262,10 @@ def _cell_thresholds(
     first: bool,
     label: str,
 ) -> None:
-    """Dashed threshold lines across the cell, labelled in the first column.
+    """Dashed threshold lines across the cell, labelled in the first column (inside the cell, cut short to fit).
 
     ``scale``: the cell's first and last time (date numbers), its lowest value and inches per unit of value;
     ``box``: the cell's corner and size in inches.
-
-    A label lies inside the cell, under its line (else over it), none over another; a label with no room is left
-    off, a long one is cut short with "…".
     """
     x_lo, x_hi, lo, per_inch = scale
     for value, _ in marks:

@@ -1,11 +1,7 @@
 """A recorded run as a picture: one panel per field, one line per GPU, alert thresholds, gaps where data is missing.
 
-Up to eight GPUs share a panel per field (each line the mean of a pixel's samples, with a band from their lowest
-to highest value); up to 16 get small multiples (one small panel per GPU, same scales); more get heatmaps (a row
-per GPU, :mod:`smiquery.analysis.heatmap`).
-
-Needs matplotlib (``pip install 'smiquery[plot]'``). Figures are built with the object API on the Agg canvas, so
-nothing here touches pyplot's global state or needs a display.
+Many GPUs get :mod:`smiquery.analysis.multiples` or :mod:`smiquery.analysis.heatmap`. Needs matplotlib
+(``pip install 'smiquery[plot]'``); built with the object API, nothing here touches pyplot's state or a display.
 """
 
 from __future__ import annotations
@@ -15,13 +11,12 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.alerts import Rule
 from smiquery.analysis.analyze import DEFAULT_RULES, stalls_and_alerts
-from smiquery.analysis.heatmap import ALERT_EDGE, STALL_EDGE, heatmap_figure
+from smiquery.analysis.heatmap import ALERT_EDGE, STALL_EDGE, heatmap_figure, no_values_note
 from smiquery.analysis.load import load_recording
 from smiquery.analysis.multiples import MultiplesData, cell_points, multiples_figure
 from smiquery.analysis.render import gpu_name
@@ -40,7 +35,6 @@ from smiquery.fields import Field, Kind, get_field, resolve_fields
 if TYPE_CHECKING:
     from datetime import tzinfo
 
-    import numpy as np
     import pandas as pd
     from matplotlib.figure import Figure
 
@@ -89,28 +83,10 @@ _ALERT_SHADE = "#f4a582"
 _DRAWABLE = (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE)
 
 
-def _matplotlib() -> None:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise ImportError("plotting needs matplotlib: pip install 'smiquery[plot]'") from exc
-
-
 def _style(position: int) -> tuple[str, str]:
     """(colour, line style) of the ``position``-th GPU drawn."""
     colour = _GPU_COLOURS[position % len(_GPU_COLOURS)]
     return colour, _DASHES[(position // len(_GPU_COLOURS)) % len(_DASHES)]
-
-
-def _zone(stamps: pd.Series) -> Any:
-    return getattr(stamps.dt, "tz", None)
-
-
-def _zone_label(stamps: pd.Series) -> str:
-    zone = getattr(stamps.dt, "tz", None)
-    if zone is None:
-        return "time (the recording's local clock; no zone recorded, pass --tz to name it)"
-    return f"time ({zone})"
 
 
 def _merged(spans: Iterable[tuple[Any, Any, int]], slack: Any = None) -> list[tuple[Any, Any, list[int]]]:
@@ -146,11 +122,7 @@ def _gpu_names(gpus: Sequence[int], total: int, names: dict[int, Any]) -> str:
 
 
 def _naive(ts: Any) -> Any:
-    """A datetime as the plot's x axis holds it: the recorded wall clock, or UTC when the recording has a zone.
-
-    In a zone the axis runs on instants (the ticks name local times), so a fall-back's repeated hour is drawn after
-    the first, never over it.
-    """
+    """A datetime as the plot's x axis holds it: the recorded wall clock, or UTC (instants) in a zone."""
     if getattr(ts, "tzinfo", None) is None:
         return ts
     from datetime import timezone
@@ -200,20 +172,6 @@ def _thresholds(rules: Sequence[Rule], fld: Field) -> list[tuple[float, str]]:
     return sorted(out.items())
 
 
-def _load(
-    source: str | os.PathLike[str] | pd.DataFrame,
-    fields: str | Sequence[str] | None,
-    tz: tzinfo | str | None,
-) -> tuple[pd.DataFrame, str | Sequence[str] | None]:
-    """The recording, and the fields to draw: for a headerless log the fields name its columns as well."""
-    df = load_recording(source, fields=fields, tz=tz)
-    if fields is None or not df.attrs.get("headerless"):
-        return df, fields
-    names = [f.name for f in resolve_fields(fields)]
-    drawn = [n for n in names if n not in ("timestamp", "index") and get_field(n).kind in _DRAWABLE]
-    return df, drawn or None
-
-
 # The heatmap's colour range of fields with a physical one: 0 to the recorded limit (the first of these columns with
 # a value), or fixed.
 _LIMITS: dict[str, tuple[str, ...]] = {
@@ -258,11 +216,6 @@ def _layout_of(layout: str, gpus: int) -> str:
     return "overlay" if gpus <= OVERLAY_MAX_GPUS else "multiples" if gpus <= MULTIPLES_MAX_GPUS else "heatmap"
 
 
-# A panel: (axes, field, the GPUs drawn in it as (position, (index, rows)), first in its row, in the figure's
-# bottom row).
-_Panel = tuple[Any, Field, list[tuple[int, tuple[int, Any]]], bool, bool]
-
-
 def _overlay(
     figure: type[Figure],
     flds: Sequence[Field],
@@ -270,11 +223,11 @@ def _overlay(
     width: float,
     height: float,
     dpi: int,
-) -> tuple[Figure, list[_Panel]]:
+) -> tuple[Figure, list[Any]]:
     """One panel per field, every GPU drawn in it, all panels on one time axis.
 
-    Placed by fixed margins in inches, as small multiples and heatmaps are: constrained layout measured every tick
-    label of every panel on each draw (a third of the time of a four-panel plot of a day's recording).
+    Placed by fixed margins in inches, as small multiples and heatmaps are: constrained layout measures every tick
+    label of every panel on each draw.
     """
     n = len(flds)
     # the legend: a GPU's line each, and the two kinds of shading
@@ -286,9 +239,7 @@ def _overlay(
     fig = figure(figsize=(width, total), dpi=dpi)
     grid = {"left": left / width, "right": 1 - right / width, "top": 1 - (top + head) / total,
             "bottom": bottom / total, "hspace": head / panel}  # fmt: skip
-    axes = fig.subplots(n, 1, sharex=True, squeeze=False, gridspec_kw=grid)[:, 0]
-    members = list(enumerate(groups))
-    return fig, [(ax, fld, members, True, fld is flds[-1]) for ax, fld in zip(axes, flds)]
+    return fig, list(fig.subplots(n, 1, sharex=True, squeeze=False, gridspec_kw=grid)[:, 0])
 
 
 def _legend_columns(entries: int, width: float) -> int:
@@ -314,21 +265,14 @@ def plot_recording(
 ) -> Figure:
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
-    Up to :data:`OVERLAY_MAX_GPUS` GPUs share each panel, in colours with no look-alike pair; up to
-    :data:`MULTIPLES_MAX_GPUS`, each field gets small multiples instead: one small panel per GPU, the panels of a
-    field sharing their y scale and all panels their time axis; past that, one heatmap per field with a row per GPU
-    (:mod:`smiquery.analysis.heatmap`). ``layout`` chooses any of them. GPUs are named ``GPU <index>``; a fleet
-    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them, its heatmap rows by node.
+    Many GPUs get small multiples or heatmaps instead (``layout``). GPUs are named ``GPU <index>``; a fleet
+    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them.
 
-    Missing values (``[N/A]``, a lost GPU) and gaps in time (the recording was stopped) show as breaks in the
-    lines, never as zeros or straight joins. Long lines are drawn at about one point per pixel: overlaid, as the
-    mean of the samples a pixel stands for inside a pale band from their lowest to highest value; in small
-    multiples, as their lowest and highest value: spikes and drops show either way. In a zone (``tz`` or recorded)
-    the time axis runs on instants and its ticks name local times, so a DST fall-back's repeated hour follows the
-    first; without one, a step back of the clock breaks the lines rather than drawing them backwards.
-    Stalls (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, the time a rule's alert was firing is
-    shaded orange on its field's panel (in small multiples, each GPU's own stalls and alerts on its panels); a
-    field with no value says so. The x axis names the time zone (or says that the recording has none).
+    Missing values and gaps in time show as breaks in the lines, never as zeros or straight joins; so does a step
+    back of the clock without a zone (in a zone the axis runs on instants, its ticks in local time). Long lines are
+    drawn at about one point per pixel, so that spikes and drops still show. Stalls
+    (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, a rule's firing alerts orange on its field's
+    panel; a field with no value says so. The x axis names the time zone (or says that the recording has none).
 
     Args:
         source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.recordings.read_csv`.
@@ -341,9 +285,8 @@ def plot_recording(
         width: figure width in inches.
         panel_height: height of one panel in inches.
         dpi: resolution in dots per inch.
-        max_points: most points per line; default one per pixel of the figure's width, two per pixel of a small
-            multiple's width (a longer line is drawn as the mean of each stretch of samples; in small multiples
-            as its lowest and highest value).
+        max_points: most points per line; default one per pixel (a longer line is drawn as the mean of each stretch
+            of samples in a band of their lowest and highest; in small multiples as its lowest and highest value).
         tz: the zone the recording was made in (default: as recorded; CSV carries none).
         shade: shade stalls and alerts.
         name: what to call the recording in the title (default: the file name).
@@ -365,11 +308,64 @@ def plot_recording(
         InvalidFieldError: an unknown field name.
         InvalidRuleError: a rule cannot be parsed.
     """
-    _matplotlib()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ImportError("plotting needs matplotlib: pip install 'smiquery[plot]'") from exc
     with _collector_paused():
-        return _draw(
-            source, fields, rules, gpus, title, (width, panel_height, dpi), max_points, tz, shade, name, layout
-        )
+        import numpy as np
+        from matplotlib.figure import Figure
+
+        _layout_of(layout, 0)  # a bad layout fails before the recording is read
+        df, flds = _prepare(source, fields, gpus, tz)
+        parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in (DEFAULT_RULES if rules is None else rules)]
+        groups = gpu_rows(df["index"].to_numpy(dtype="int64"))
+        chosen = _layout_of(layout, len(groups))
+        start, end = df["timestamp"].min(), df["timestamp"].max()
+        x_start, x_end = _naive(start), _naive(end)
+        if x_end == x_start:
+            x_end = x_start + (end - start) + np.timedelta64(1, "s")
+        zone = getattr(df["timestamp"].dt, "tz", None)
+        handles: list[Any] = []
+        if chosen == "heatmap":
+            columns = max_points or max(200, round(width * dpi * 0.85))  # about one column a pixel of the panel
+            scene = _Scene(df, flds, groups, parsed, columns, shade)
+            fig, axes = heatmap_figure(
+                Figure,
+                flds,
+                [idx for idx, _ in groups],
+                [scene.xs[idx] for idx, _ in groups],
+                {f.name: [scene.values[f.name][rows] for _, rows in groups] for f in flds},
+                (x_start, x_end),
+                (scene.stalls, scene.alerts),
+                {f.name: _thresholds(parsed, f) for f in flds},
+                (width, panel_height, dpi, columns),
+                {f.name: sc for f in flds if (sc := _physical_scale(f, df)) is not None},
+                scene.names,
+            )
+        elif chosen == "multiples":
+            max_points = max_points or cell_points(width, dpi, len(groups))
+            scene = _Scene(df, flds, groups, parsed, max_points, shade)
+            data = _multiples_data(scene, flds, groups, parsed, (x_start, x_end), zone)
+            fig, axes = multiples_figure(Figure, data, width, panel_height, dpi, max_points)
+        else:
+            fig, axes = _overlay(Figure, flds, groups, width, panel_height, dpi)
+            max_points = max_points or max(200, round(width * dpi))  # about a point per pixel of the width
+            scene = _Scene(df, flds, groups, parsed, max_points, shade)
+            scene.first_ax = axes[0]
+            for ax, fld in zip(axes, flds, strict=True):
+                lines = _draw_panel(scene, ax, fld, list(enumerate(groups)), (x_start, x_end))
+                if fld is flds[0]:
+                    handles += lines
+        _time_axis(fig, axes, chosen, (x_start, x_end), zone)
+        if title is None:
+            if name is None:
+                name = os.path.basename(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "recording"
+            n = len(groups)
+            until = f"{end:%Y-%m-%d %H:%M:%S}" if end.date() != start.date() else f"{end:%H:%M:%S}"
+            title = f"{name}: {n} GPU{'s' if n != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {until}"
+        _title_and_legend(fig, title, axes, handles, chosen)
+        return fig
 
 
 # zlib level 3, not PIL's 6: about half the time to encode a heatmap's noisy cells, for a file 4 % larger
@@ -380,10 +376,8 @@ _PNG: dict[str, Any] = {"pil_kwargs": {"compress_level": 3}}
 def _collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while a figure is built and drawn.
 
-    A figure of dozens of panels makes tens of thousands of small objects, and each time the collector's counts
-    trip it walks every object the process holds (a big recording's frame and all of pandas and matplotlib): a
-    third of the time of 64 small panels. Reference counting still frees what is not in a cycle; the cycles a
-    figure leaves are collected when the collector runs again.
+    A figure's tens of thousands of small objects trip the collector again and again, and each time it walks every
+    object of the process (a third of the time of 64 small panels); the figure's cycles are collected later.
     """
     if not gc.isenabled():  # paused already (another figure, or the caller): leave it as it is
         yield
@@ -395,86 +389,18 @@ def _collector_paused() -> Iterator[None]:
         gc.enable()
 
 
-def _draw(
-    source: str | os.PathLike[str] | pd.DataFrame,
-    fields: str | Sequence[str] | None,
-    rules: Iterable[Rule | str] | None,
-    gpus: Sequence[int | str] | str | None,
-    title: str | None,
-    size: tuple[float, float, int],
-    max_points: int | None,
-    tz: tzinfo | str | None,
-    shade: bool,
-    name: str | None,
-    layout: Layout,
-) -> Figure:
-    """The figure :func:`plot_recording` describes; ``size`` is (width, panel height, dpi)."""
-    import numpy as np
-    from matplotlib.figure import Figure
-
-    width, panel_height, dpi = size
-    _layout_of(layout, 0)  # a bad layout fails before the recording is read
-    df, flds = _prepare(source, fields, gpus, tz)
-    parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in (DEFAULT_RULES if rules is None else rules)]
-    groups = gpu_rows(df["index"].to_numpy(dtype="int64"))
-    chosen = _layout_of(layout, len(groups))
-    start, end = df["timestamp"].min(), df["timestamp"].max()
-    x_start, x_end = _naive(start), _naive(end)
-    if x_end == x_start:
-        x_end = x_start + (end - start) + np.timedelta64(1, "s")
-    zone = _zone(df["timestamp"])
-    handles: list[Any] = []
-    if chosen == "heatmap":
-        columns = max_points or max(200, round(width * dpi * 0.85))  # about one column a pixel of the panel
-        scene = _scene(df, flds, groups, parsed, columns, shade)
-        fig, axes = heatmap_figure(
-            Figure,
-            flds,
-            [idx for idx, _ in groups],
-            [scene.xs[idx] for idx, _ in groups],
-            {f.name: [scene.values[f.name][rows] for _, rows in groups] for f in flds},
-            (x_start, x_end),
-            (scene.stalls, scene.alerts),
-            {f.name: _thresholds(parsed, f) for f in flds},
-            (width, panel_height, dpi, columns),
-            {f.name: sc for f in flds if (sc := _physical_scale(f, df)) is not None},
-            scene.names,
-        )
-        panels: list[_Panel] = [(ax, fld, [], True, ax is axes[-1]) for ax, fld in zip(axes, flds, strict=True)]
-    elif chosen == "multiples":
-        max_points = max_points or cell_points(width, dpi, len(groups))
-        scene = _scene(df, flds, groups, parsed, max_points, shade)
-        data = _multiples_data(scene, flds, groups, parsed, (x_start, x_end), zone)
-        fig, axes = multiples_figure(Figure, data, width, panel_height, dpi, max_points)
-        panels = [(ax, fld, [], True, ax is axes[-1]) for ax, fld in zip(axes, flds, strict=True)]
-    else:
-        fig, panels = _overlay(Figure, flds, groups, width, panel_height, dpi)
-        max_points = max_points or max(200, round(width * dpi))  # about a point per pixel of the width
-        scene = _scene(df, flds, groups, parsed, max_points, shade)
-        scene.first_ax = panels[0][0]
-        for panel in panels:
-            lines = _draw_panel(scene, panel, (x_start, x_end))
-            if panel[1] is flds[0]:
-                handles += lines
-    _time_axis(fig, panels, chosen, (x_start, x_end), _zone_label(df["timestamp"]), zone)
-    if title is None:
-        if name is None:
-            name = "recording" if not isinstance(source, (str, os.PathLike)) else os.path.basename(os.fspath(source))
-        n = len(groups)
-        until = f"{end:%Y-%m-%d %H:%M:%S}" if end.date() != start.date() else f"{end:%H:%M:%S}"
-        title = f"{name}: {n} GPU{'s' if n != 1 else ''}, {start:%Y-%m-%d %H:%M:%S} to {until}"
-    _title_and_legend(fig, title, panels, handles, chosen)
-    return fig
-
-
 def _prepare(
     source: str | os.PathLike[str] | pd.DataFrame,
     fields: str | Sequence[str] | None,
     gpus: Sequence[int | str] | str | None,
     tz: tzinfo | str | None,
 ) -> tuple[pd.DataFrame, list[Field]]:
-    """The rows of the chosen GPUs, and the fields to draw."""
-    df, fields = _load(source, fields, tz)
+    """The rows of the chosen GPUs, and the fields to draw: for a headerless log the fields name its columns too."""
+    df = load_recording(source, fields=fields, tz=tz)
+    if fields is not None and df.attrs.get("headerless"):
+        names = [f.name for f in resolve_fields(fields)]
+        drawn = [n for n in names if n not in ("timestamp", "index") and get_field(n).kind in _DRAWABLE]
+        fields = drawn or None
     if gpus is not None:
         df = df[_selected(df, gpus)].reset_index(drop=True)
     if df.empty:
@@ -482,64 +408,45 @@ def _prepare(
     return df, _resolve(fields, df)
 
 
-@dataclass
 class _Scene:
     """What the panels of one figure share: each GPU's times, each field's values, the spans to shade."""
 
-    n_gpus: int
-    xs: dict[int, np.ndarray]
-    values: dict[str, np.ndarray]
-    with_values: dict[str, bool]
-    gap_limit: float
-    max_points: int
-    rules: Sequence[Rule]
-    stalls: list[tuple[Any, Any, int]]  # (start, end, gpu)
-    alerts: dict[str, list[tuple[Any, Any, int]]]  # by field
-    slack: Any
-    names: dict[int, Any]  # a fleet frame's GpuName by GPU (attrs["gpu_names"]); empty for a recording
-    first_ax: Any = None
+    def __init__(
+        self,
+        df: pd.DataFrame,
+        flds: Sequence[Field],
+        groups: Sequence[tuple[int, Any]],
+        rules: Sequence[Rule],
+        max_points: int,
+        shade: bool,
+    ) -> None:
+        import numpy as np
 
-
-def _scene(
-    df: pd.DataFrame,
-    flds: Sequence[Field],
-    groups: Sequence[tuple[int, Any]],
-    rules: Sequence[Rule],
-    max_points: int,
-    shade: bool,
-) -> _Scene:
-    import numpy as np
-
-    x_all = axis_clock(df["timestamp"])
-    xs = {idx: x_all[rows] for idx, rows in groups}
-    diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs.values() if len(x) > 1]
-    interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
-    if not interval > 0 or math.isnan(interval):
-        interval = 1.0
-    stalls: list[tuple[Any, Any, int]] = []
-    alerts: dict[str, list[tuple[Any, Any, int]]] = {}
-    if shade:
-        found = stalls_and_alerts(df, rules=rules)
-        stalls = [(_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls]
-        for a in found.alerts:
-            rule = next(r for r in rules if str(r) == a.rule)
-            alerts.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
-    values = {f.name: as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
-    names = df.attrs.get("gpu_names")
-    return _Scene(
-        n_gpus=len(groups),
-        xs=xs,
-        values=values,
-        with_values={name: bool(np.isfinite(v).any()) for name, v in values.items()},
-        gap_limit=max(3 * interval, 5.0),
-        max_points=max_points,
-        rules=rules,
-        stalls=stalls,
-        alerts=alerts,
+        x_all = axis_clock(df["timestamp"])
+        self.n_gpus = len(groups)
+        self.xs = {idx: x_all[rows] for idx, rows in groups}
+        diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in self.xs.values() if len(x) > 1]
+        interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
+        if not interval > 0 or math.isnan(interval):
+            interval = 1.0
+        self.gap_limit = max(3 * interval, 5.0)
+        self.max_points = max_points
+        self.rules = rules
+        self.stalls: list[tuple[Any, Any, int]] = []  # (start, end, gpu)
+        self.alerts: dict[str, list[tuple[Any, Any, int]]] = {}  # by field
+        if shade:
+            found = stalls_and_alerts(df, rules=rules)
+            self.stalls = [(_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls]
+            for a in found.alerts:
+                rule = next(r for r in rules if str(r) == a.rule)
+                self.alerts.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
+        self.values = {f.name: as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
+        self.with_values = {name: bool(np.isfinite(v).any()) for name, v in self.values.items()}
         # spans closer than half a percent of the run are drawn (and labelled) as one
-        slack=(df["timestamp"].max() - df["timestamp"].min()) / 200,
-        names=names if isinstance(names, dict) else {},
-    )
+        self.slack = (df["timestamp"].max() - df["timestamp"].min()) / 200
+        names = df.attrs.get("gpu_names")  # a fleet frame's GpuName by GPU; none for a recording
+        self.names: dict[int, Any] = names if isinstance(names, dict) else {}
+        self.first_ax: Any = None
 
 
 def _multiples_data(
@@ -581,16 +488,17 @@ def _multiples_data(
     )
 
 
-def _draw_panel(scene: _Scene, panel: _Panel, x_range: tuple[Any, Any]) -> list[Any]:
+def _draw_panel(
+    scene: _Scene, ax: Any, fld: Field, members: list[tuple[int, tuple[int, Any]]], x_range: tuple[Any, Any]
+) -> list[Any]:
     """One overlaid panel: its GPUs' lines (returned, for the legend), shading, thresholds, title and scale."""
-    ax, fld, members, first, _ = panel
     lines = _draw_lines(scene, ax, fld, members)
     spans = _shade(scene, ax, fld, {idx for _, (idx, _) in members})
     has_values = scene.with_values[fld.name]
     marks = _thresholds(scene.rules, fld) if has_values else []
     _draw_thresholds(ax, marks)
     _label_panel(ax, fld, has_values)
-    _place_notes(ax, marks if first else [], spans, x_range)
+    _place_notes(ax, marks, spans, x_range)
     return lines
 
 
@@ -613,26 +521,13 @@ def _draw_lines(scene: _Scene, ax: Any, fld: Field, members: Sequence[tuple[int,
             xb, lo, hi = band
             ax.fill_between(xb, lo, hi, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
     if not drawn:
-        ax.text(
-            0.5,
-            0.5,
-            f"no values: {fld.name} was missing ([N/A] or not supported) in every sample",
-            transform=ax.transAxes,
-            ha="center",
-            va="center",
-            fontsize=9,
-            color="#555555",
-            gid="no-data",
-        )
+        no_values_note(ax, fld.name)
         ax.set_yticks([])
     return lines
 
 
 def _shade(scene: _Scene, ax: Any, fld: Field, here: set[int]) -> list[tuple[Any, str]]:
-    """Stalls grey on every panel, a rule's firing alerts orange on its field's panel: of the GPUs ``here``.
-
-    Returns the labels of the spans, as (start, text): the stalls' on the first panel only, the alerts' on theirs.
-    """
+    """Shade the GPUs' (``here``) stalls grey, a rule's firing alerts orange on its field's panel; their labels."""
     notes: list[tuple[Any, str]] = []
     for s0, e0, who in _merged((sp for sp in scene.stalls if sp[2] in here), scene.slack):
         ax.axvspan(s0, e0, color=_STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
@@ -656,13 +551,10 @@ _NOTE_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "n
 def _place_notes(
     ax: Any, marks: Sequence[tuple[float, str]], spans: Sequence[tuple[Any, str]], x_range: tuple[Any, Any]
 ) -> None:
-    """Label the thresholds and spans: all inside the panel, none over another.
+    """Label the thresholds and spans: all inside the panel, none over another (:func:`stack_labels`).
 
     Threshold labels go at the panel's left edge (under their line, else over it), then each span's label in its
-    top left corner (moved down under a label in its way).
-
-    Placed by measured text sizes against the panel's size in points (:func:`stack_labels`), so no label runs into
-    the panel's title or out of the figure. A label with no room left is not drawn (its line or shading is).
+    top left corner (moved down under a label in its way). A label with no room left is not drawn.
     """
     import matplotlib.dates as mdates
 
@@ -708,20 +600,19 @@ def _label_panel(ax: Any, fld: Field, has_values: bool) -> None:
     ax.grid(True, color=_GRID, linewidth=0.6)
 
 
-def _time_axis(fig: Figure, panels: Sequence[_Panel], layout: str, x_range: tuple[Any, Any], label: str,
-               zone: Any = None) -> None:  # fmt: skip
-    """The time axis under the bottom panel, labelled with the zone (in UTC with a zone, ticks in local time).
-
-    Small multiples and heatmaps label their own times; their zone goes under the figure.
-    """
+def _time_axis(fig: Figure, panels: Sequence[Any], layout: str, x_range: tuple[Any, Any], zone: Any) -> None:
+    """The time axis under the bottom panel, labelled with the zone (small multiples: the zone under the figure)."""
     import matplotlib.dates as mdates
 
+    label = f"time ({zone})"
+    if zone is None:
+        label = "time (the recording's local clock; no zone recorded, pass --tz to name it)"
     x_start, x_end = x_range
     if layout == "multiples":
         inches = fig.get_size_inches()[1]
         fig.supxlabel(label, y=0.45 / inches, va="center", fontsize=9)
         return
-    last = panels[-1][0]
+    last = panels[-1]
     last.set_xlim(x_start, x_end)
     locator = mdates.AutoDateLocator(tz=zone)  # type: ignore[no-untyped-call]
     last.xaxis.set_major_locator(locator)
@@ -729,23 +620,21 @@ def _time_axis(fig: Figure, panels: Sequence[_Panel], layout: str, x_range: tupl
     last.set_xlabel(label, fontsize=9)
 
 
-def _title_and_legend(fig: Figure, title: str, panels: Sequence[_Panel], handles: list[Any], layout: str) -> None:
+def _title_and_legend(fig: Figure, title: str, panels: Sequence[Any], handles: list[Any], layout: str) -> None:
     """The title above, and below a legend of the GPUs' lines (overlaid panels only) and the kinds of shading drawn."""
     from matplotlib.patches import Patch
 
-    if layout == "heatmap":  # placed by fixed margins, as small multiples are
-        fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
+    fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
+    if layout == "heatmap":
         for gid, edge, text in (("stall", STALL_EDGE, "stall"), ("alert", ALERT_EDGE, "alert firing")):
-            if any(c.get_gid() == gid for ax, *_ in panels for c in ax.collections):
+            if any(c.get_gid() == gid for ax in panels for c in ax.collections):
                 handles.append(Patch(facecolor="none", edgecolor=edge, label=text))
         if handles:
             fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=8, frameon=False)
         return
-
-    fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
-    if any(p.get_gid() == "stall" for ax, *_ in panels for p in ax.patches):
+    if any(p.get_gid() == "stall" for ax in panels for p in ax.patches):
         handles.append(Patch(color=_STALL_SHADE, alpha=0.4, label="stall"))
-    if any(p.get_gid() == "alert" for ax, *_ in panels for p in ax.patches):
+    if any(p.get_gid() == "alert" for ax in panels for p in ax.patches):
         handles.append(Patch(color=_ALERT_SHADE, alpha=0.6, label="alert firing"))
     if handles:
         fig.legend(
@@ -763,21 +652,10 @@ def save_plot(
     fields: str | Sequence[str] | None = None,
     **options: Any,
 ) -> Path:
-    """Draw a recording (see :func:`plot_recording`) and write it; the format follows the suffix (png, svg, pdf).
+    """Draw a recording (:func:`plot_recording`, which takes ``options``) and write it to ``output``.
 
-    Args:
-        source: the recording or DataFrame.
-        output: the image file to write.
-        fields: the fields to draw.
-        **options: passed to :func:`plot_recording`.
-
-    Returns:
-        The path written.
-
-    Raises:
-        ImportError: matplotlib is not installed.
-        ReportError: the recording cannot be read or lacks a requested field.
-        OSError: the image cannot be written.
+    The format follows the suffix (png, svg, pdf). Returns the path written; raises what :func:`plot_recording`
+    raises, and OSError when the image cannot be written.
     """
     path = Path(output)
     with _collector_paused():  # once for drawing and writing: resumed in between, it would walk the figure
@@ -789,20 +667,7 @@ def save_plot(
 def plot_png(
     source: str | os.PathLike[str] | pd.DataFrame, fields: str | Sequence[str] | None = None, **options: Any
 ) -> bytes:
-    """Draw a recording (see :func:`plot_recording`) as PNG bytes, e.g. for :func:`smiquery.analysis.report_html`.
-
-    Args:
-        source: the recording or DataFrame.
-        fields: the fields to draw.
-        **options: passed to :func:`plot_recording`.
-
-    Returns:
-        The PNG image.
-
-    Raises:
-        ImportError: matplotlib is not installed.
-        ReportError: the recording cannot be read or lacks a requested field.
-    """
+    """Draw a recording (:func:`plot_recording`, which takes ``options``) as PNG bytes, e.g. for a report's page."""
     import io
 
     buf = io.BytesIO()

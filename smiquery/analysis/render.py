@@ -1,7 +1,6 @@
 """A report as text for a terminal, Markdown for a pull request or notebook, or JSON; and the words it uses.
 
-Numbers are rounded to what their field's unit resolves, times shown in the recording's zone (or said to have
-none), durations for people (:func:`format_duration`).
+Numbers are rounded to what their field's unit resolves, times shown in the recording's zone.
 """
 
 from __future__ import annotations
@@ -26,9 +25,10 @@ __all__ = [
     "ONGOING",
     "THRESHOLDS_NOTE",
     "THRESHOLDS_TITLE",
-    "alert_rows",
+    "alert_table",
     "clock_text",
     "constant_text",
+    "constants_text",
     "energy_line",
     "format_duration",
     "gpu_list",
@@ -41,8 +41,9 @@ __all__ = [
     "report_json",
     "report_markdown",
     "report_text",
+    "sentence",
     "stall_note",
-    "stall_rows",
+    "stall_table",
     "threshold_note",
     "threshold_of",
     "threshold_table",
@@ -52,14 +53,7 @@ __all__ = [
 
 
 def format_duration(seconds: float) -> str:
-    """``"45 s"``, ``"1 min 30 s"``, ``"14 min"``, ``"2 h 5 min"``: how long, for people.
-
-    Args:
-        seconds: the duration.
-
-    Returns:
-        The duration rounded to the second below a minute, to the minute from an hour.
-    """
+    """``"45 s"``, ``"1 min 30 s"``, ``"14 min"``, ``"2 h 5 min"``: how long, to the second (from an hour, minute)."""
     s = round(max(0.0, seconds))
     if s < 60:
         return f"{s} s"
@@ -71,10 +65,7 @@ def format_duration(seconds: float) -> str:
 
 
 def _zone_name(ts: datetime) -> str:
-    """How the report names the zone of its times: the recording's zone, or that none was recorded."""
-    if ts.tzinfo is None:
-        return "recorder's local time"
-    return str(ts.tzinfo)
+    return "recorder's local time" if ts.tzinfo is None else str(ts.tzinfo)
 
 
 def clock_text(ts: datetime) -> str:
@@ -114,7 +105,7 @@ def gpu_name(gpu: int, names: Mapping[int, GpuName] | None = None) -> str:
     """How a report names one GPU: ``GPU 3`` in a recording's, ``gpu-node-2 GPU 1 (team-a/train-0)`` in a fleet's.
 
     In a fleet's report (``names``: :attr:`Report.names`) a GPU is its node and its index there, with the pod or
-    Slurm job that held it where known. The one naming of GPUs for every part of a report, recording or fleet.
+    Slurm job that held it where known.
     """
     name = names.get(gpu) if names else None
     if name is None:
@@ -161,13 +152,9 @@ def gpu_list(gpus: Sequence[int], names: Mapping[int, GpuName] | None = None) ->
     return "; ".join(parts)
 
 
-def _unit(fld: Field) -> str:
-    return fld.unit if fld.unit else ""
-
-
 def value_text(value: float | None, fld: Field) -> str:
     """A value rounded to its field's unit, with the unit (``"87 C"``, ``"95%"``); ``"n/a"`` when missing."""
-    u = _unit(fld)
+    u = fld.unit
     text = _stat(value, fld)
     if not u or text == "n/a":
         return text
@@ -206,12 +193,10 @@ def notes(report: Report) -> list[str]:
     if report.skipped is not None:
         out.append(report.skipped.message(report.source))
     if report.not_recorded:
+        them = "it" if len(report.not_recorded) == 1 else "them"
         out.append(
-            f"Not recorded: {', '.join(report.not_recorded)}; what needs "
-            + ("it" if len(report.not_recorded) == 1 else "them")
-            + " is not known (record with --fields including "
-            + ("it" if len(report.not_recorded) == 1 else "them")
-            + ")"
+            f"Not recorded: {', '.join(report.not_recorded)}; what needs {them} is not known (record with --fields "
+            f"including {them})"
         )
     return out
 
@@ -247,9 +232,9 @@ def nothing_found(report: Report) -> str:
     return text
 
 
-def alert_rows(report: Report) -> list[list[str]]:
-    """GPU, rule, when it fired, how long it held, peak: one row per alert the rules would have fired."""
-    return [
+def alert_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): GPU, rule, when it fired, how long it held, peak: a row per alert the rules would have fired."""
+    rows = [
         [
             str(a.gpu) if not report.names else gpu_name(a.gpu, report.names),
             a.rule,
@@ -259,6 +244,7 @@ def alert_rows(report: Report) -> list[list[str]]:
         ]
         for a in report.alerts
     ]
+    return ["GPU", "rule", "fired", "held", "peak"], rows
 
 
 def gpu_stat_table(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -278,8 +264,8 @@ def gpu_stat_table(report: Report) -> tuple[list[str], list[list[str]]]:
     return ["field", *[gpu_name(g, report.names) for g in report.gpus]], rows
 
 
-def stall_rows(report: Report) -> list[list[str]]:
-    """One row per stall, except that GPUs which stalled together (same start and length) share a row."""
+def stall_table(report: Report) -> tuple[list[str], list[list[str]]]:
+    """(header, rows): a row per stall, except that GPUs which stalled together (same start and length) share one."""
     rows: list[list[str]] = []
     groups: list[list[Stretch]] = []
     for st in sorted(report.stalls, key=lambda x: (x.start, x.gpu)):
@@ -300,7 +286,7 @@ def stall_rows(report: Report) -> list[list[str]]:
             who = who.removeprefix("GPUs ").removeprefix("GPU ")
         length = format_duration(group[0].seconds) + (ONGOING if any(x.ongoing for x in group) else "")
         rows.append([who, _stamp(group[0].start), length, f"{_num(mean)}%"])
-    return rows
+    return ["GPU", "start", "length", "mean util"], rows
 
 
 def overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -331,11 +317,9 @@ def overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
 
 
 def threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
-    """(header, rows): per GPU that got past a threshold, the time past each rule's, and whether the rule fired.
+    """(header, rows): per GPU that got past a threshold, the time past each rule's, and how often the rule fired.
 
-    A column is headed by the rule's condition without its hold (``utilization.gpu < 20``, not ``... for 30m``;
-    the whole rule where two rules share a condition): time past a threshold is not an alert; a cell says how
-    often the rule fired there (``fired 1x``) or that it did not.
+    A column is headed by the rule's condition without its hold (the whole rule where two rules share a condition).
     """
     rules = list(dict.fromkeys(t.rule for t in report.thresholds))
     conditions = [threshold_of(r) for r in rules]
@@ -380,43 +364,28 @@ ONGOING = " (ongoing at the end)"
 
 def report_text(report: Report) -> str:
     """The report as plain text for a terminal."""
-    out = [headline(report), *notes(report), ""]
-    out.append("Findings:")
-    if report.findings:
-        out += [f"  [{f.severity}] {f.verdict}" for f in report.findings]
-    else:
-        out.append(f"  {nothing_found(report)}")
-    out.append("")
-    out.append(
-        f"Stalls (utilization.gpu < {report.stall_utilization:g}% for at least "
-        f"{format_duration(report.min_stall)}, with memory held):"
+    out = [headline(report), *notes(report), "", "Findings:"]
+    out += [f"  [{f.severity}] {f.verdict}" for f in report.findings] or [f"  {nothing_found(report)}"]
+
+    def section(title: str, table: tuple[list[str], list[list[str]]], note: str = "") -> None:
+        head, rows = table
+        out.extend(["", f"{title}:", *(_table(head, rows, indent=2) if rows else [f"  {note}"])])
+
+    section(
+        f"Stalls (utilization.gpu < {report.stall_utilization:g}% for at least {format_duration(report.min_stall)}, "
+        "with memory held)",
+        stall_table(report),
+        stall_note(report),
     )
-    out += (
-        _table(["GPU", "start", "length", "mean util"], stall_rows(report), indent=2)
-        if report.stalls
-        else [f"  {stall_note(report)}"]
-    )
-    out.append("")
-    head, rows = threshold_table(report)
-    out.append(f"{THRESHOLDS_TITLE} ({THRESHOLDS_NOTE}):")
-    out += _table(head, rows, indent=2) if rows else [f"  {threshold_note(report)}"]
+    section(f"{THRESHOLDS_TITLE} ({THRESHOLDS_NOTE})", threshold_table(report), threshold_note(report))
     if report.alerts:
-        out.append("")
-        out.append("Alerts the rules would have fired:")
-        out += _table(["GPU", "rule", "fired", "held", "peak"], alert_rows(report), indent=2)
+        section("Alerts the rules would have fired", alert_table(report))
     if report.energy_wh:
-        out.append("")
-        out.append(energy_line(report))
+        out += ["", energy_line(report)]
     if report.overall:
-        out.append("")
-        out.append("Statistics over all GPUs (per GPU: --format json or markdown):")
-        out += _table(*overall_rows(report), indent=2)
+        section("Statistics over all GPUs (per GPU: --format json or markdown)", overall_rows(report))
     if report.constants:
-        out.append("")
-        out.append(
-            "Constant during the run: "
-            + "; ".join(constant_text(n, v, report.names) for n, v in report.constants.items())
-        )
+        out += ["", f"Constant during the run: {constants_text(report)}"]
     return "\n".join(out) + "\n"
 
 
@@ -427,42 +396,43 @@ def energy_line(report: Report) -> str:
     return f"Energy (power.draw over the run): {total:.1f} Wh in all ({per} Wh)"
 
 
+def sentence(text: str) -> str:
+    """``text`` as a sentence: its first letter capital, a full stop at the end."""
+    return text[:1].upper() + text[1:] + "."
+
+
 def report_markdown(report: Report) -> str:
     """The report in Markdown (GitHub tables), for a pull request, an issue or a notebook."""
     out = [f"# GPU report: {report.source}", "", headline(report).split(": ", 1)[1], *notes(report), ""]
     if report.energy_wh:
         out += [energy_line(report), ""]
     out += ["## Findings", ""]
-    if report.findings:
-        out += [f"- **{f.severity}**: {f.verdict}" for f in report.findings]
-    else:
-        out.append(nothing_found(report)[0].upper() + nothing_found(report)[1:] + ".")
-    out += [
-        "",
-        f"## Stalls (utilization < {report.stall_utilization:g}% for at least {format_duration(report.min_stall)})",
-        "",
-    ]
-    if report.stalls:
-        out += _md_table(["GPU", "start", "length", "mean util"], stall_rows(report))
-    else:
-        out.append(stall_note(report)[0].upper() + stall_note(report)[1:] + ".")
-    out += ["", f"## {THRESHOLDS_TITLE}", "", THRESHOLDS_NOTE[0].upper() + THRESHOLDS_NOTE[1:] + ".", ""]
-    head, rows = threshold_table(report)
-    out += _md_table(head, rows) if rows else [threshold_note(report)[0].upper() + threshold_note(report)[1:] + "."]
+    out += [f"- **{f.severity}**: {f.verdict}" for f in report.findings] or [sentence(nothing_found(report))]
+
+    def section(title: str, table: tuple[list[str], list[list[str]]], note: str = "", intro: str = "") -> None:
+        head, rows = table
+        out.extend(["", f"## {title}", "", *([sentence(intro), ""] if intro else [])])
+        out.extend(_md_table(head, rows) if rows else [sentence(note)])
+
+    section(
+        f"Stalls (utilization < {report.stall_utilization:g}% for at least {format_duration(report.min_stall)})",
+        stall_table(report),
+        stall_note(report),
+    )
+    section(THRESHOLDS_TITLE, threshold_table(report), threshold_note(report), THRESHOLDS_NOTE)
     if report.alerts:
-        out += ["", "## Alerts the rules would have fired", ""]
-        rows = [[gpu, f"`{rule}`", *rest] for gpu, rule, *rest in alert_rows(report)]
-        out += _md_table(["GPU", "rule", "fired", "held", "peak"], rows)
+        head, rows = alert_table(report)
+        section("Alerts the rules would have fired", (head, [[g, f"`{r}`", *rest] for g, r, *rest in rows]))
     if report.stats:
-        out += ["", "## Statistics (mean / p95 / max)", ""]
-        out += _md_table(*gpu_stat_table(report))
+        section("Statistics (mean / p95 / max)", gpu_stat_table(report))
     if report.constants:
-        out += [
-            "",
-            "Constant during the run: "
-            + "; ".join(constant_text(n, v, report.names) for n, v in report.constants.items()),
-        ]
+        out += ["", f"Constant during the run: {constants_text(report)}"]
     return "\n".join(out) + "\n"
+
+
+def constants_text(report: Report) -> str:
+    """The fields that never changed during the run, with their values."""
+    return "; ".join(constant_text(n, v, report.names) for n, v in report.constants.items())
 
 
 def constant_text(name: str, per_gpu: dict[int, Any], names: Mapping[int, GpuName] | None = None) -> str:

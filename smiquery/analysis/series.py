@@ -1,9 +1,4 @@
-"""Column helpers shared by the report and the plot: numbers, GPUs' rows, times, a line's points; text measures.
-
-The plot's text measures (:func:`text_size`, :func:`stack_labels`) let its layouts leave room for their labels.
-
-pandas, numpy and matplotlib are imported inside the functions, so importing this module stays light.
-"""
+"""Column helpers shared by the report and the plot: numbers, GPUs' rows, times, a line's points; text measures."""
 
 from __future__ import annotations
 
@@ -67,8 +62,7 @@ def gpu_rows(index: np.ndarray) -> list[tuple[int, Any]]:
 def axis_clock(stamps: pd.Series) -> np.ndarray:
     """Timestamps as a plot's time axis holds them, naive datetime64[ns]: the recorded wall clock, or UTC in a zone.
 
-    In a zone the instants never repeat (a fall-back's second 02:30 comes after the first); the axis' ticks name
-    the zone's local times. Without one, the wall clock may step back: the lines break there.
+    In a zone the instants never repeat (a fall-back's second 02:30 comes after the first).
     """
     import numpy as np
 
@@ -88,9 +82,8 @@ def line_points(
     import numpy as np
 
     if len(x) > max_points:
-        # Means by default: with several GPUs in one panel, a noisy line drawn sample by sample (or as its min-max
-        # envelope) covers the others; the overlay draws each bucket's extremes as a pale band (line_band) instead.
-        # A panel of its own (small multiples) draws the envelope.
+        # Means by default: in a panel of several GPUs a noisy line (or its envelope) covers the others, so the overlay
+        # draws each bucket's extremes as a band (line_band); a panel of its own (small multiples) the envelope.
         step = math.ceil(len(x) / max_points) if not envelope else math.ceil(2 * len(x) / max_points)
         n = (len(x) // step) * step
         blocks = y[:n].reshape(-1, step)
@@ -165,10 +158,9 @@ def _broken(x: np.ndarray, ys: list[np.ndarray], gap_limit: float) -> tuple[np.n
 
 
 def text_size(text: str, fontsize: float) -> tuple[float, float]:
-    """(width, height) in points of one line of ``text`` in matplotlib's default font at ``fontsize``.
+    """(width, height) in points of one line of ``text`` in matplotlib's default font, measured without a renderer.
 
-    Measured from the font's glyphs without a renderer (a fraction of a millisecond), so a layout placed by fixed
-    margins can make room for its widest label; the height is that of a text box (the font's line height).
+    The height is that of a text box (the font's line height).
     """
     from matplotlib.font_manager import FontProperties
     from matplotlib.textpath import text_to_path
@@ -182,14 +174,9 @@ def stack_labels(
 ) -> list[tuple[float, float] | None]:
     """Where each label goes, (left, top), so that no two overlap and each stays inside ``area``; None if none fits.
 
-    Args:
-        boxes: per label, in the order of priority: (left, width, height, the tops it would rather have, best
-            first). All in points, y upwards.
-        area: (left, bottom, right, top) the labels must stay in.
-
-    Each label takes its first wanted top where it fits beside the labels placed before it; failing all of them,
-    the highest top below its first wish that does (stepping down under each label in the way). A label that would
-    run past the right edge is moved left to end there.
+    ``boxes``: per label, in the order of priority, (left, width, height, the tops it would rather have, best first);
+    ``area``: (left, bottom, right, top); all in points, y upwards. Failing its wishes, a label takes the highest top
+    below its first that fits; one that would run past the right edge is moved left.
     """
     x_lo, y_lo, x_hi, y_hi = area
     placed: list[tuple[float, float, float, float]] = []  # (x0, y0, x1, y1)

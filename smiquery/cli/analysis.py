@@ -1,8 +1,6 @@
-"""The ``plot`` and ``report`` commands: looking at a recorded run afterwards.
+"""The ``plot`` and ``report`` commands: a recorded run (CSV, JSONL, Parquet), or a range of the fleet, afterwards.
 
-:func:`register` adds them to the ``smiquery`` typer app. Both read CSV, JSONL and Parquet recordings made by
-``smiquery stream --output``. Errors become one line on stderr and the documented exit codes (2 for a bad
-option, field or alert; 1 for an unreadable recording or a missing extra).
+:func:`register` adds them to the ``smiquery`` typer app.
 """
 
 from __future__ import annotations
@@ -15,6 +13,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from smiquery.cli._boundary import boundary
+from smiquery.cli._common import settings_of
 from smiquery.cli.fleet_options import (
     EndOpt,
     HttpConfigOpt,
@@ -108,16 +108,6 @@ AlertOpt = Annotated[
 ]
 
 
-def _debug(ctx: typer.Context) -> bool:
-    return bool(getattr(ctx.find_root().obj, "debug", False))
-
-
-def _boundary(ctx: typer.Context) -> contextlib.AbstractContextManager[None]:
-    from smiquery.cli._boundary import boundary
-
-    return boundary(_debug(ctx))
-
-
 TzOpt = Annotated[
     str | None,
     typer.Option(
@@ -131,14 +121,7 @@ TzOpt = Annotated[
 
 
 def check_zone(tz: str | None) -> None:
-    """Fail at once, as a usage error (exit 2), on a ``--tz`` that names no IANA zone.
-
-    Args:
-        tz: the option value.
-
-    Raises:
-        UsageError: an unknown zone.
-    """
+    """Fail at once, as a usage error (exit 2), on a ``--tz`` that names no IANA zone (UsageError)."""
     from smiquery.errors import InvalidTimeZoneError, UsageError
     from smiquery.recordings import resolve_zone
 
@@ -162,10 +145,7 @@ def _default_image(recordings: list[Path]) -> Path:
 
 
 def _load(recording: list[Path], fields: str | None, tz: str | None) -> pd.DataFrame:
-    """Read the recording once; warn on stderr (a line each) about files of a set and lines that were skipped.
-
-    ``fields`` name the columns of a headerless log, or must agree with the recording's own.
-    """
+    """Read the recording once; warn on stderr (a line each) about files of a set and lines that were skipped."""
     from smiquery.analysis import load_recording
     from smiquery.cli._options import parse_fields
     from smiquery.printable import printable
@@ -246,7 +226,7 @@ def plot(
     --fields names its columns in order. The time axis is the recording's clock (no zone unless --tz names one).
     Needs matplotlib: pip install 'smiquery[plot]'.
     """
-    with _boundary(ctx):
+    with boundary(settings_of(ctx).debug):
         from smiquery.analysis import save_plot
 
         fleet = (prometheus, start, end, node, namespace, pod, http_config, tz)
@@ -331,10 +311,11 @@ def report(
     Times are shown as recorded (nvidia-smi's local time, no zone) unless --tz names the zone. --html FILE writes
     the report and the plot as one page as well.
     """
-    with _boundary(ctx):
+    with boundary(settings_of(ctx).debug):
         from smiquery.alerts import parse_duration
         from smiquery.analysis import report as analyze
         from smiquery.analysis import report_json, report_markdown, report_text
+        from smiquery.analysis.model import SEVERITY_ORDER
 
         try:
             stall_seconds = parse_duration(min_stall, what="--min-stall")
@@ -360,12 +341,9 @@ def report(
             from smiquery.fleet.slurm import job_summary
 
             text = job_summary(result, df)
-        elif fmt is ReportFormat.json:
-            text = report_json(result) + "\n"
-        elif fmt is ReportFormat.markdown:
-            text = report_markdown(result)
         else:
-            text = report_text(result)
+            renderers = {"json": lambda r: report_json(r) + "\n", "markdown": report_markdown, "text": report_text}
+            text = renderers[fmt.value](result)
         if prometheus is not None and fmt is not ReportFormat.summary:
             from smiquery.fleet.report import name_gpus
 
@@ -377,9 +355,8 @@ def report(
         else:
             sys.stdout.write(text)
             sys.stdout.flush()
-        worst = {"critical": 0, "warning": 1, "info": 2}
         limit = {FailOn.warning: 1, FailOn.critical: 0}.get(fail_on)
-        if limit is not None and any(worst[f.severity] <= limit for f in result.findings):
+        if limit is not None and any(SEVERITY_ORDER[f.severity] <= limit for f in result.findings):
             from smiquery.cli._boundary import ExitCode
 
             raise typer.Exit(ExitCode.ALERT)
@@ -400,10 +377,6 @@ def _write_html(result: Report, df: pd.DataFrame, path: Path, rules: list[str] |
 
 
 def register(app: typer.Typer) -> None:
-    """Add the ``plot`` and ``report`` commands to a typer app.
-
-    Args:
-        app: the ``smiquery`` app (or any typer app).
-    """
+    """Add the ``plot`` and ``report`` commands to a typer app (the ``smiquery`` app, or any)."""
     app.command("plot", epilog=_PLOT_EPILOG)(plot)
     app.command("report", epilog=_REPORT_EPILOG)(report)

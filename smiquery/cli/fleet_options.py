@@ -113,22 +113,19 @@ def read_source(
     from smiquery.errors import UsageError
 
     if prometheus is None:
-        given = [
-            n
-            for n, v in (
-                ("--start", start),
-                ("--end", end),
-                ("--node", node),
-                ("--namespace", namespace),
-                ("--pod", pod),
-                ("--slurm-job", slurm_job),
-                ("--http-config", http_config),
-                ("--max-answer", max_answer),
-            )
-            if v is not None
-        ]
+        fleet = {
+            "--start": start,
+            "--end": end,
+            "--node": node,
+            "--namespace": namespace,
+            "--pod": pod,
+            "--slurm-job": slurm_job,
+            "--http-config": http_config,
+            "--max-answer": max_answer,
+        }
         if not recording:
             raise UsageError("give a recording (REC) or --prometheus URL with --start")
+        given = [flag for flag, value in fleet.items() if value is not None]
         if given:
             raise UsageError(f"{given[0]} goes with --prometheus; a recording is read whole")
         return load(recording), label(recording)

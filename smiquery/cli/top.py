@@ -58,23 +58,6 @@ Examples:
   smiquery top --prometheus https://prom.example --http-config auth.yml --once --format json
 """
 
-_CSV_COLUMNS = (
-    "instance",
-    "gpu",
-    "uuid",
-    "name",
-    "naming",
-    "utilization.gpu",
-    "memory.used",
-    "memory.total",
-    "temperature.gpu",
-    "power.draw",
-    "namespace",
-    "pod",
-    "alerts",
-    "state",
-)
-
 
 def _num(v: float | None, digits: int = 0) -> str:
     return "n/a" if v is None else f"{v:.{digits}f}"
@@ -101,17 +84,10 @@ def render_screen(
     total: int | None = None,
     view: Viewport | None = None,
 ) -> list[str]:
-    """One screen: a title, the table cut to ``lines`` (0: no limit) and ``cols``, and what was left out.
+    """One screen: ``title``, the table cut to ``lines`` and ``cols`` (0: no limit), and what was left out.
 
-    GPUs in trouble (lost, with an alert firing) are never the ones left out; the others scroll (``view``).
-
-    Args:
-        gpus: the GPUs to show, in order.
-        cols: terminal width (0: no limit).
-        lines: terminal height (0: no limit).
-        title: the first line.
-        total: GPUs in the fleet before filters (for the footer).
-        view: the scroll offset and filter typed (None: the first rows, no filter).
+    GPUs in trouble (lost, with an alert firing) are never the ones left out; the others scroll (``view``: None
+    for the first rows, no filter). ``total``: GPUs in the fleet before filters, for the footer.
     """
     from smiquery.cli.display import clip, render_table
 
@@ -121,13 +97,12 @@ def render_screen(
     # rows for the table: the title, the header, a line saying what is shown and the summary stay
     room = max(1, lines - 5) if lines > 0 else len(matching)
     shown = view.window(matching, room, lambda g: g.lost or bool(g.alerts))
-    right_of = {"UTIL %": True, "MEM MiB": True, "TEMP C": True, "PWR W": True}
     table: list[str] = []
     for with_name in (True, False):
         titles = ["NODE", "GPU", *(["NAME"] if with_name else []), "UTIL %", "MEM MiB", "TEMP C", "PWR W"]
         titles += [*(["POD"] if with_pod else []), "STATE"]
         rows = [_row(g, with_name, with_pod) for g in shown]
-        table = render_table(rows, titles, right=[right_of.get(t, False) for t in titles])
+        table = render_table(rows, titles, right=[t in ("UTIL %", "MEM MiB", "TEMP C", "PWR W") for t in titles])
         if cols <= 0 or max(len(x) for x in table) <= cols:
             break
     out = [title, *table]
@@ -138,20 +113,20 @@ def render_screen(
         where += " · PgDn/↓ for more (--format json shows all)"
     if where:
         out.append(where)
-    idle = sum(1 for g in gpus if g.idle)
-    lost = sum(1 for g in gpus if g.lost)
     summary = f"{len(gpus)} GPUs" + (f" of {total}" if total is not None and total != len(gpus) else "")
-    out.append(f"{summary}, {idle} idle, {lost} lost")
+    out.append(f"{summary}, {sum(g.idle for g in gpus)} idle, {sum(g.lost for g in gpus)} lost")
     return [clip(x, cols) for x in out] if cols > 0 else out
 
 
 def _csv(gpus: Sequence[FleetGpu]) -> str:
+    from smiquery.fleet.instant import COLUMNS
+
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(_CSV_COLUMNS)
+    w.writerow(COLUMNS)
     for g in gpus:
         d = g.to_dict()
-        w.writerow(["" if d[c] is None else (";".join(d[c]) if c == "alerts" else d[c]) for c in _CSV_COLUMNS])
+        w.writerow(["" if d[c] is None else (";".join(d[c]) if c == "alerts" else d[c]) for c in COLUMNS])
     return buf.getvalue()
 
 
@@ -236,10 +211,9 @@ def top(
         when = parse_time(at, what="--at") if at is not None else None
         # only a terminal gets the live view: piped, or as csv/json, one document (a file of one CSV, not many)
         live = not once and fmt is TopFormat.table and sys.stdout.isatty()
-        tty = live
         view = Viewport(TOP_KEYS, sort.value)
         keys: queue.SimpleQueue[str] = queue.SimpleQueue()
-        reader = KeyReader(keys.put) if tty else contextlib.nullcontext()
+        reader = KeyReader(keys.put) if live else contextlib.nullcontext()
         error = ""
         with Signals() as sigs, reader:
             try:
@@ -263,7 +237,7 @@ def top(
                         else:
                             stamp = time.strftime("%H:%M:%S", time.localtime(when) if when else time.localtime())
                             title = f"smiquery top  {client.url}  {stamp}" + ("  (idle only)" if idle else "")
-                            _show(gpus, title, len(every), error, view, tty)
+                            _show(gpus, title, len(every), error, view, live)
                         sys.stdout.flush()
                         if not live or not _wait(keys, view, sigs, interval):
                             break  # a new snapshot is due (or --once)

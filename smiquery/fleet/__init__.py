@@ -1,10 +1,7 @@
 """The fleet view: GPUs of many machines read back from Prometheus, not from nvidia-smi.
 
-:class:`PrometheusClient` speaks the Prometheus HTTP API (bearer token, basic auth, CA file, timeouts; one typed
-error per failure). :func:`snapshot` gives every GPU now (``smiquery top``); :func:`fleet_frame` gives a time
-range as the DataFrame a recording gives, so :func:`smiquery.analysis.report` and the plot run on it unchanged
-(``smiquery report --prometheus``). Three namings are read: ``smiquery export``'s, dcgm-exporter's
-``DCGM_FI_*`` and nvidia_gpu_exporter's ``nvidia_smi_*``; the ones present are found by themselves.
+:func:`snapshot` gives every GPU now (``smiquery top``); :func:`fleet_frame` gives a time range as the DataFrame a
+recording gives, so the report and the plot run on it unchanged. Each exporter's naming present is found.
 """
 
 from __future__ import annotations

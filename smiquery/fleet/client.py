@@ -1,12 +1,9 @@
-"""A small client of the Prometheus HTTP API: instant and range queries, series and label look-ups.
+"""A small client of the Prometheus HTTP API (standard library only), credentials as promtool's config file gives.
 
-Credentials and TLS are given as Prometheus' own clients take them (promtool's ``--http.config.file``):
-:func:`load_http_config` reads that YAML (``authorization``/``bearer_token``, ``basic_auth``, ``tls_config``).
-Every failure is one typed error with a one-line message: :class:`~smiquery.errors.PrometheusUnreachableError`
-(refused, unknown host, TLS, timeout, credentials refused) or :class:`~smiquery.errors.PrometheusQueryError`
-(the server rejected the query, or its answer is over the size limit). The server is not trusted with the
-client's memory, time or credentials: an answer is capped in size, has one deadline as a whole, and is followed
-through redirects only within its origin. Only the standard library is used.
+Every failure is one typed error: :class:`~smiquery.errors.PrometheusUnreachableError` (refused, unknown host, TLS,
+timeout, credentials refused) or :class:`~smiquery.errors.PrometheusQueryError` (query rejected, answer too big).
+The server is not trusted with the client's memory, time or credentials: an answer is capped in size, has one
+deadline as a whole, and is followed through redirects only within its origin.
 """
 
 from __future__ import annotations
@@ -34,26 +31,14 @@ from smiquery.printable import printable
 
 __all__ = ["DEFAULT_MAX_ANSWER_BYTES", "HttpConfig", "PrometheusClient", "load_http_config", "parse_time"]
 
-#: The largest answer read by default: 512 MiB. The largest answer smiquery itself asks for is one chunk of
-#: :func:`~smiquery.fleet.history.fleet_frame`, at most 20 million samples (kept under the server's default
-#: ``query.max-samples``), and a sample of a range answer (``[1733292000,"312.45"],``) takes 18 to 24 bytes of
-#: JSON: 360 to 480 MB for a fleet of thousands of GPUs. A server that sends more is broken or hostile.
+#: The largest answer read by default: 512 MiB. The largest smiquery asks for is one chunk of
+#: :func:`~smiquery.fleet.history.fleet_frame`: at most 20 million samples of 18 to 24 bytes of JSON.
 DEFAULT_MAX_ANSWER_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
 class HttpConfig:
-    """How to authenticate to a Prometheus server and check its certificate.
-
-    Attributes:
-        bearer_token: sent as ``Authorization: Bearer ...``.
-        username: basic-auth user (with ``password``).
-        password: basic-auth password.
-        ca_file: PEM file of the CA that signed the server's certificate.
-        cert_file: client certificate (PEM) for mutual TLS, with ``key_file``.
-        key_file: the client certificate's key.
-        insecure_skip_verify: do not check the server's certificate (testing only).
-    """
+    """How to authenticate to a Prometheus server and check its certificate (``insecure_skip_verify``: tests only)."""
 
     bearer_token: str | None = None
     username: str | None = None
@@ -64,30 +49,26 @@ class HttpConfig:
     insecure_skip_verify: bool = False
 
 
-def _read_secret(path: Any, what: str, source: str) -> str:
+def _read(path: Any, source: str, what: str = "") -> str:
     try:
         with open(os.fspath(path), encoding="utf-8") as fh:
-            return fh.read().strip()
+            return fh.read()
     except OSError as exc:
-        raise UsageError(f"{source}: cannot read {what} {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"{source}: cannot read {what}{path}: {exc.strerror or exc}") from None
 
 
 def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
-    """Read an HTTP client configuration in the format of promtool's ``--http.config.file``.
+    """Read an HTTP client configuration in the format of promtool's ``--http.config.file`` (JSON without PyYAML).
 
     Understood keys: ``authorization: {type: Bearer, credentials | credentials_file}``, ``bearer_token``,
     ``bearer_token_file``, ``basic_auth: {username, password | password_file}`` and
-    ``tls_config: {ca_file, cert_file, key_file, insecure_skip_verify}``. JSON is read without PyYAML.
+    ``tls_config: {ca_file, cert_file, key_file, insecure_skip_verify}``.
 
     Raises:
         UsageError: the file is unreadable, not YAML/JSON, or holds an unknown key or a wrong type.
     """
     where = os.fspath(path)
-    try:
-        with open(where, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise UsageError(f"--http-config: cannot read {where}: {exc.strerror or exc}") from None
+    text = _read(where, "--http-config")
     doc: Any
     try:
         import yaml
@@ -122,11 +103,11 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
         if kind.lower() != "bearer":
             raise UsageError(f"{source}: authorization type {kind!r} is not supported; use Bearer or basic_auth")
         if "credentials_file" in auth:
-            token = _read_secret(auth["credentials_file"], "credentials_file", source)
+            token = _read(auth["credentials_file"], source, "credentials_file ").strip()
         elif "credentials" in auth:
             token = str(auth["credentials"])
     if "bearer_token_file" in doc:
-        token = _read_secret(doc["bearer_token_file"], "bearer_token_file", source)
+        token = _read(doc["bearer_token_file"], source, "bearer_token_file ").strip()
     elif "bearer_token" in doc:
         token = str(doc["bearer_token"])
     basic = section("basic_auth")
@@ -134,7 +115,7 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
     if basic:
         user = str(basic.get("username", ""))
         if "password_file" in basic:
-            password = _read_secret(basic["password_file"], "password_file", source)
+            password = _read(basic["password_file"], source, "password_file ").strip()
         else:
             password = str(basic.get("password", ""))
     if token is not None and user is not None:
@@ -152,10 +133,7 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
 
 
 def parse_time(text: str | float, *, now: float | None = None, what: str = "time") -> float:
-    """A time as the Prometheus HTTP API takes it: Unix seconds or RFC 3339; also ``now`` and ``now-2h``.
-
-    Returns:
-        Unix seconds.
+    """Unix seconds of a time as the Prometheus HTTP API takes it: Unix seconds or RFC 3339; also ``now-2h``.
 
     Raises:
         UsageError: anything else, or an RFC 3339 time without a zone.
@@ -201,17 +179,14 @@ class PrometheusClient:
     Args:
         url: the server's base URL, e.g. ``http://prometheus:9090`` (a path prefix is kept).
         config: credentials and TLS (see :func:`load_http_config`).
-        timeout: seconds for each whole answer: connecting, TLS, headers, body and redirects together (not each
-            read of the socket, so a server that trickles its answer is cut at this time too); also sent as the
-            query's ``timeout``.
-        max_answer_bytes: the largest answer read (:data:`DEFAULT_MAX_ANSWER_BYTES`, 512 MiB, holds the largest
-            chunk :func:`~smiquery.fleet.history.fleet_frame` asks for). One over it, announced by Content-Length
-            or seen while reading (in chunks: memory stays bounded), is a
+        timeout: seconds for each whole answer: connecting, TLS, headers, body and redirects together (a server
+            that trickles its answer is cut too); also sent as the query's ``timeout``.
+        max_answer_bytes: the largest answer read; one over it (announced or seen while reading, in chunks) is a
             :class:`~smiquery.errors.PrometheusQueryError` naming the limit.
 
     Redirects are followed only within the URL's origin (scheme, host and port), at most 5, with the same
-    method, body and headers; one to another origin is a :class:`~smiquery.errors.PrometheusError` naming its
-    Location, so the credentials never leave the server given.
+    method, body and headers; one to another origin is a :class:`~smiquery.errors.PrometheusError`, so the
+    credentials never leave the server given.
 
     Raises:
         UsageError: a URL that is not http(s), a timeout or size limit that is not positive.
@@ -254,17 +229,12 @@ class PrometheusClient:
                 ctx.verify_mode = ssl.CERT_NONE
             self._context = ctx
 
-    # ----------------------------------------------------------------------------------------------------------
-
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
         """An instant query: the vector's elements (``{"metric": labels, "value": [t, "v"]}``).
 
         A range-vector expression gives ``{"metric", "values"}`` elements instead.
         """
-        params = {"query": expr, "timeout": f"{self.timeout:g}s"}
-        if at is not None:
-            params["time"] = _fmt(at)
-        data = self._call("/api/v1/query", params, expr)
+        data = self._call("/api/v1/query", self._instant(expr, at), expr)
         result = data.get("result") if isinstance(data, dict) else None
         if not isinstance(result, list) or data.get("resultType") == "scalar":
             kind = printable(data.get("resultType")) if isinstance(data, dict) else "malformed answer"
@@ -286,32 +256,23 @@ class PrometheusClient:
 
     def series(self, matchers: Sequence[str], start: float, end: float) -> list[dict[str, str]]:
         """The label sets of the series that match any of ``matchers`` between ``start`` and ``end``."""
-        params: list[tuple[str, str]] = [("match[]", m) for m in matchers]
-        params += [("start", _fmt(start)), ("end", _fmt(end))]
-        data = self._call("/api/v1/series", params, " or ".join(matchers))
+        data = self._call("/api/v1/series", _matching(matchers, start, end), " or ".join(matchers))
         return data if isinstance(data, list) else []
 
     def metric_names(self, matchers: Sequence[str], start: float, end: float) -> list[str]:
         """The metric names among the series matching ``matchers`` between ``start`` and ``end``."""
-        params: list[tuple[str, str]] = [("match[]", m) for m in matchers]
-        params += [("start", _fmt(start)), ("end", _fmt(end))]
+        params = _matching(matchers, start, end)
         data = self._call("/api/v1/label/__name__/values", params, " or ".join(matchers), post=False)
         return [str(n) for n in data] if isinstance(data, list) else []
-
-    # ----------------------------------------------------------------------------------------------------------
 
     def query_samples(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], Any, Any]]:
         """An instant query of a range selector (``metric[7d]``): per series its labels, times and values as arrays.
 
-        The same answer as :meth:`query`, read without a Python object per sample (all in one parse); an answer of
-        any other shape (an error, a vector) is read as :meth:`query` reads it.
+        Parsed without a Python object per sample; an answer of another shape is read as :meth:`query` reads it.
         """
         import numpy as np
 
-        params = {"query": expr, "timeout": f"{self.timeout:g}s"}
-        if at is not None:
-            params["time"] = _fmt(at)
-        raw = bytes(self._call("/api/v1/query", params, expr, decoded=False))
+        raw = bytes(self._call("/api/v1/query", self._instant(expr, at), expr, decoded=False))
         fast = _matrix(raw)
         if fast is not None:
             return fast
@@ -324,6 +285,10 @@ class PrometheusClient:
             ]
         except (AttributeError, TypeError, ValueError):
             raise PrometheusError(f"the answer to {expr!r} holds a sample that is not [time, value]") from None
+
+    def _instant(self, expr: str, at: float | None) -> dict[str, str]:
+        params = {"query": expr, "timeout": f"{self.timeout:g}s"}
+        return params if at is None else {**params, "time": _fmt(at)}
 
     def _call(
         self,
@@ -345,8 +310,7 @@ class PrometheusClient:
         opener = urllib.request.OpenerDirector()  # build_opener's handlers for http(s), without its per-call cost
         for handler in (
             urllib.request.ProxyHandler(self._proxies),
-            _DeadlineHTTPHandler(deadline),
-            _DeadlineHTTPSHandler(deadline, self._context),
+            _DeadlineHandler(deadline, self._context),
             urllib.request.HTTPDefaultErrorHandler(),
             _SameOriginRedirects(self.url),
             urllib.request.HTTPErrorProcessor(),
@@ -442,7 +406,6 @@ class PrometheusClient:
         )
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # one deadline per answer, a capped body, redirects kept within the origin
 
 _CHUNK = 1 << 16
@@ -468,9 +431,8 @@ def _origin(url: str) -> tuple[str, str, int | None]:
 class _Deadline:
     """One deadline for a whole answer: connect, TLS, headers, body and any redirects together.
 
-    A socket timeout alone bounds each read, not the answer: a server sending one byte a second never trips it.
-    At the deadline a timer shuts down the socket of every connection made for the answer, which ends whatever
-    read is blocked on it; :attr:`expired` then tells the caller why the answer ended.
+    A socket timeout bounds each read, not the answer (one byte a second never trips it): at the deadline a timer
+    shuts down the socket of every connection made for the answer, ending any blocked read; then :attr:`expired`.
     """
 
     def __init__(self, seconds: float) -> None:
@@ -483,11 +445,7 @@ class _Deadline:
         self._timer.start()
 
     def remaining(self) -> float:
-        """Seconds left.
-
-        Raises:
-            TimeoutError: none.
-        """
+        """Seconds left; TimeoutError when none."""
         left = self._at - time.monotonic()
         if left <= 0 or self.expired:
             raise TimeoutError("deadline passed")
@@ -496,9 +454,7 @@ class _Deadline:
     def watch(self, connection: http.client.HTTPConnection | socket.socket) -> None:
         """Cut ``connection`` (or the socket) at the deadline, at once if it has passed.
 
-        Watch the connection while it connects (its socket is on ``.sock`` then, during a TLS handshake too) and
-        its socket once connected: urllib takes ``.sock`` off the connection when the headers are in, and the
-        response reads the body from the socket itself.
+        Watch the connection while it connects and its socket once connected (urllib takes ``.sock`` off it).
         """
         with self._lock:
             self._connections.append(connection)
@@ -526,62 +482,37 @@ def _cut(connection: http.client.HTTPConnection | socket.socket) -> None:
             pass
 
 
-class _DeadlineHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, host: str, *, deadline: _Deadline, **kwargs: Any) -> None:
-        super().__init__(host, **kwargs)
-        self._deadline = deadline
+def _deadline_connection(base: type[http.client.HTTPConnection], deadline: _Deadline) -> Any:
+    """A connection class of ``base`` whose every socket operation gets at most what is left of ``deadline``."""
 
-    def connect(self) -> None:
-        self.timeout = self._deadline.remaining()  # each socket operation: at most what is left
-        self._deadline.watch(self)
-        super().connect()
-        self._deadline.watch(self.sock)
+    class Connection(base):  # type: ignore[valid-type,misc]
+        def connect(self) -> None:
+            self.timeout = deadline.remaining()
+            deadline.watch(self)  # the plain socket is on .sock while it connects, during a TLS handshake too
+            super().connect()
+            deadline.watch(self.sock)
 
-
-class _DeadlineHTTPSConnection(http.client.HTTPSConnection):
-    def __init__(self, host: str, *, deadline: _Deadline, **kwargs: Any) -> None:
-        super().__init__(host, **kwargs)
-        self._deadline = deadline
-
-    def connect(self) -> None:
-        self.timeout = self._deadline.remaining()
-        self._deadline.watch(self)  # the plain socket is on .sock during the handshake too
-        super().connect()
-        self._deadline.watch(self.sock)
+    return Connection
 
 
-class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, deadline: _Deadline) -> None:
-        super().__init__()
-        self._deadline = deadline
+class _DeadlineHandler(urllib.request.HTTPHandler, urllib.request.HTTPSHandler):
+    """Opens http and https connections that are cut at the answer's deadline."""
 
-    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_DeadlineHTTPConnection, req, deadline=self._deadline)  # type: ignore[arg-type]
-
-
-class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
     def __init__(self, deadline: _Deadline, context: ssl.SSLContext | None) -> None:
         super().__init__(context=context)
-        self._deadline = deadline
+        self._http = _deadline_connection(http.client.HTTPConnection, deadline)
+        self._https = _deadline_connection(http.client.HTTPSConnection, deadline)
         self._tls = context
 
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(self._http, req)
+
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(
-            _DeadlineHTTPSConnection,  # type: ignore[arg-type]
-            req,
-            deadline=self._deadline,
-            context=self._tls,
-        )
+        return self.do_open(self._https, req, context=self._tls)
 
 
 class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
-    """Follow a redirect only within the server's origin, with the same method, body and headers.
-
-    Credentials are sent on every request, so a redirect elsewhere (another host, port or scheme) would hand them
-    to whoever the Location names: it is an error naming that Location instead. Within the origin a 301, 302 or 303
-    keeps POST and its body as a 307 or 308 does (a query is the same query at its new path). The redirect's own
-    body is never read.
-    """
+    """Follow a redirect only within the server's origin (credentials go with every request), as the same request."""
 
     def __init__(self, base: str) -> None:
         super().__init__()
@@ -620,12 +551,10 @@ _ROWS = bytes.maketrans(b"[", b"\n")
 
 
 def _matrix(raw: bytes) -> list[tuple[dict[str, str], Any, Any]] | None:
-    """A successful matrix answer's series as (labels, times, values); None: another shape.
+    """A successful matrix answer's series as (labels, times, values); None for anything unexpected.
 
     The labels are read by the JSON decoder (a quote inside a label is escaped, so ``,"values":[[`` cannot occur
-    in one); the samples of all series (``[1733292000.5,"312.45"],...``, ``"NaN"`` and ``"+Inf"`` included) are
-    parsed in one call. Anything unexpected (a warning, another key order, a count that does not add up) gives
-    None, and the caller reads the answer as JSON.
+    in one); the samples of all series are parsed in one call.
     """
     if not raw.startswith(_MATRIX_HEAD):
         return None
@@ -686,6 +615,10 @@ def _pairs(body: bytes, n: int) -> Any:
     if table.num_rows != n or table.column("t").null_count:
         return None
     return np.column_stack([table.column("t").to_numpy(), table.column("v").to_numpy()])
+
+
+def _matching(matchers: Sequence[str], start: float, end: float) -> list[tuple[str, str]]:
+    return [*(("match[]", m) for m in matchers), ("start", _fmt(start)), ("end", _fmt(end))]
 
 
 def _fmt(t: float) -> str:

@@ -1,14 +1,7 @@
 """A time range of the fleet as the DataFrame a recording gives, for :func:`smiquery.analysis.report` and the plot.
 
-:func:`fleet_frame` reads the raw samples, as scraped: instant queries of range selectors (``metric[Nms]``), so a
-GPU that stopped reporting ends there (no five-minute lookback carrying its last value on) and nothing is
-evaluated at every step; a long range is cut into chunks of at most 11,000 scrape intervals (``step``, estimated
-from the data unless given; fewer when many series would pass the server's sample limit), and each chunk's samples
-are parsed by numpy (:meth:`~smiquery.fleet.client.PrometheusClient.query_samples`).
-The result has a recording's columns (``timestamp``, ``index``, ``uuid``, ``name`` and the fields, with
-the catalogue's dtypes) plus ``instance``, ``namespace`` and ``pod``; ``index`` numbers the GPUs of the range
-0..N-1 in (instance, GPU index) order and ``attrs["gpus"]`` says which GPU each number is (``attrs["gpu_names"]``:
-the :class:`~smiquery.analysis.model.GpuName` the report names it by: node, index on the node, pod or job).
+:func:`fleet_frame` reads the raw samples as scraped (instant queries of range selectors, ``metric[Nms]``: no
+lookback carries a lost GPU's last value on), in chunks of at most 11,000 scrape intervals.
 """
 
 from __future__ import annotations
@@ -102,10 +95,7 @@ def estimate_step(
     node: str | None,
     series: Sequence[dict[str, str]] | None = None,
 ) -> float:
-    """The scrape interval: the median time between raw samples of a few utilisation series.
-
-    Raw timestamps, not counts: whether a window's left end counts differs between Prometheus 2 and 3.
-    """
+    """The scrape interval: the median time between raw samples of a few utilisation series."""
     import numpy as np
 
     metric = naming.metric("utilization.gpu")
@@ -119,7 +109,7 @@ def estimate_step(
         for at in (end, min(end, start + window), (start + end) / 2):
             rows = client.query(f"{{{exact}}}[{int(window)}s]", at)
             stamps = np.array([float(p[0]) for r in rows for p in r.get("values", [])])
-            if len(stamps) >= 3:
+            if len(stamps) >= 3:  # raw stamps, not counts: a window's left end counts in Prometheus 2, not 3
                 diffs.append(float(np.median(np.diff(np.sort(stamps)))))
                 break
     if not diffs:
@@ -144,6 +134,11 @@ def fleet_frame(
     fields: Sequence[str] = FLEET_FIELDS,
 ) -> pd.DataFrame:
     """The GPUs of the fleet between ``start`` and ``end`` (Unix seconds) as a recording's DataFrame.
+
+    It has a recording's columns (``timestamp``, ``index``, ``uuid``, ``name``, the fields) plus ``instance``,
+    ``namespace`` and ``pod``; ``index`` numbers the GPUs 0..N-1 in (instance, GPU index) order, and
+    ``attrs["gpus"]`` (:func:`gpu_names`) and ``attrs["gpu_names"]`` (what the report names them by) say which GPU
+    each number is.
 
     Args:
         client: the server.
@@ -180,21 +175,14 @@ def fleet_frame(
     if not step > 0:
         raise UsageError("step must be more than 0 seconds")
     grid0 = math.floor(start / step) * step  # on the grid of the step, as the samples of a fixed scrape are
-    series_count = max(1, len(series))
-    per_query = max(2, min(max_points, _MAX_SAMPLES // series_count))
+    per_query = max(2, min(max_points, _MAX_SAMPLES // max(1, len(series))))
     pieces = chunks(grid0, end, step, per_query)
 
-    jobs: list[tuple[FleetNaming, str, float, float]] = []
-    for n in found:
-        for fld in fields:
-            if fld in n.metrics:
-                for a, b in pieces:
-                    jobs.append((n, fld, a, b))
+    jobs = [(n, fld, a, b) for n in found for fld in fields if fld in n.metrics for a, b in pieces]
 
     def run(job: tuple[FleetNaming, str, float, float]) -> list[dict[str, Any]]:
-        # the raw samples, as scraped (no evaluation at every step): a range selector over the chunk, which holds
-        # the samples after the previous chunk's end up to its own (one millisecond more than the span: the
-        # window is open on the left in Prometheus 3); a sample on a boundary that a server gives twice is read once
+        # the raw samples: a range selector over the chunk, one millisecond more than the span (the window is open on
+        # the left in Prometheus 3); a sample on a boundary that a server gives twice is read once
         n, fld, a, b = job
         width = max(1, round((b - a + step) * 1000) - 1)
         got = client.query_samples(f"{selector(n.metric(fld), node)}[{width}ms]", b)
@@ -229,7 +217,6 @@ def fleet_frame(
     present = [f for f in fields if any(f in data[k] for k in keys)]
     cat = resolve_fields(["timestamp", "index", "uuid", "name", *present])
     stamp_parts: list[np.ndarray] = []
-    index_parts: list[np.ndarray] = []
     value_parts: dict[str, list[np.ndarray]] = {f: [] for f in present}
     per_gpu: list[FleetGpuInfo] = []
     lengths: list[int] = []
@@ -242,7 +229,6 @@ def fleet_frame(
         inside = (times >= grid0 - step) & (times <= end)
         times = times[inside]
         stamp_parts.append(times)
-        index_parts.append(np.full(len(times), i, dtype=np.int64))
         lengths.append(len(times))
         for f in present:
             got = by_field.get(f, [])
@@ -266,7 +252,7 @@ def fleet_frame(
 
     columns: list[Any] = [
         stamps.array,
-        pd.array(np.concatenate(index_parts), dtype="Int64"),
+        pd.array(rows_of, dtype="Int64"),
         per_row([k.uuid or pd.NA for k in keys]),
         per_row([g.name or pd.NA for g in per_gpu]),
     ]

@@ -1,10 +1,4 @@
-"""The fleet now: one :class:`FleetGpu` per GPU from a handful of PromQL instant queries.
-
-:func:`snapshot` reads every naming the server holds (or the ones asked for), so a fleet where some nodes run
-``smiquery export`` and others dcgm-exporter is one list; a GPU exported twice (same UUID) is listed once. A
-GPU that reported during the idle window but has no sample now is listed as ``lost``. Alerts firing (the
-``ALERTS`` series of the server's rules) are matched to GPUs by UUID, else by instance and GPU index.
-"""
+"""The fleet now: one :class:`FleetGpu` per GPU from a handful of PromQL instant queries."""
 
 from __future__ import annotations
 
@@ -12,35 +6,28 @@ import math
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from smiquery.alerts.rules import STALL
 from smiquery.fleet.client import PrometheusClient
 from smiquery.fleet.naming import FleetNaming, GpuKey, check_regex, detect_namings, gpu_series, info_labels, selector
 
-__all__ = ["SORT_KEYS", "FleetGpu", "filter_gpus", "snapshot", "sort_gpus"]
+__all__ = ["COLUMNS", "SORT_KEYS", "FleetGpu", "filter_gpus", "snapshot", "sort_gpus"]
 
 _TOP_FIELDS = ("utilization.gpu", "memory.used", "memory.total", "temperature.gpu", "power.draw")
+# FleetGpu's values by the nvidia-smi field each holds
+_FIELD_OF = dict(zip(("utilization", "memory_used", "memory_total", "temperature", "power"), _TOP_FIELDS, strict=True))
 
 
 @dataclass(frozen=True)
 class FleetGpu:
-    """One GPU of the fleet as it is now.
+    """One GPU of the fleet as it is now: values in percent, MiB, degrees C and watts (None: no sample now).
 
     Attributes:
         instance: the scrape target (node) it was exported from.
         gpu: its index on that node ("" when unknown).
-        uuid: its UUID ("" when the exporter gives none).
-        name: its model.
         naming: the naming its metrics came in.
-        utilization: utilization.gpu in percent (None: no sample now).
-        memory_used: MiB.
-        memory_total: MiB.
-        temperature: degrees C.
-        power: watts.
-        namespace: the Kubernetes namespace of the pod using it ("" without attribution).
-        pod: the pod using it.
         alerts: names of the alerts firing for it.
         idle: under the idle utilization for the whole window while holding memory.
         lost: it reported during the window but has no sample now.
@@ -73,24 +60,13 @@ class FleetGpu:
         return "lost" if self.lost else "idle" if self.idle else "ok"
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (units: percent, MiB, degrees C, watts)."""
-        return {
-            "instance": self.instance,
-            "gpu": self.gpu,
-            "uuid": self.uuid,
-            "name": self.name,
-            "naming": self.naming,
-            "utilization.gpu": self.utilization,
-            "memory.used": self.memory_used,
-            "memory.total": self.memory_total,
-            "temperature.gpu": self.temperature,
-            "power.draw": self.power,
-            "namespace": self.namespace,
-            "pod": self.pod,
-            "alerts": list(self.alerts),
-            "state": self.state,
-        }
+        """JSON-ready fields, the values by their nvidia-smi names (percent, MiB, degrees C, watts), and ``state``."""
+        out = {_FIELD_OF.get(k, k): v for k, v in asdict(self).items() if k not in ("idle", "lost")}
+        return {**out, "alerts": list(self.alerts), "state": self.state}
 
+
+#: The keys of :meth:`FleetGpu.to_dict`, in order (``smiquery top --format csv``'s columns).
+COLUMNS = (*(_FIELD_OF.get(f.name, f.name) for f in fields(FleetGpu) if f.name not in ("idle", "lost")), "state")
 
 #: ``--sort`` keys: the attribute, largest first (``node`` sorts by instance and GPU index).
 SORT_KEYS: dict[str, str] = {"util": "utilization", "mem": "memory_used", "temp": "temperature", "power": "power"}
@@ -150,11 +126,13 @@ def snapshot(
 ) -> list[FleetGpu]:
     """Every GPU of the fleet at ``at`` (default now), each listed once, ordered by node.
 
+    The server's firing ``ALERTS`` are matched to GPUs by UUID, else by instance and GPU index.
+
     Args:
         client: the server.
-        namings: read only these namings (default: every naming the server holds).
         at: Unix seconds to look at (default now).
-        node: only instances matching this regex (anchored, as in PromQL); asked of the server.
+        namings: read only these namings (default: every naming the server holds).
+        node: only instances matching this regex (anchored, as in PromQL).
         idle_minutes: the window over which ``idle`` (and ``lost``) are judged.
         idle_utilization: a GPU is idle when utilization.gpu stayed under this (percent) for the whole window...
         held_memory_mib: ...while it holds at least this much memory now.

@@ -1,9 +1,7 @@
 """The three ways GPU metrics are named in Prometheus, and which of them a server holds.
 
-``smiquery`` (``smiquery export``), ``dcgm`` (NVIDIA's dcgm-exporter, ``DCGM_FI_*``) and ``nvidia_smi``
-(utkuozdemir/nvidia_gpu_exporter, ``nvidia_smi_*``). Each names a few nvidia-smi fields, scales them to base
-units and labels the GPU its own way; :class:`FleetNaming` turns a series back into nvidia-smi's field, unit and
-GPU identity (instance, index, UUID, model, and the pod/namespace where Kubernetes attribution adds them).
+``smiquery`` (``smiquery export``), ``dcgm`` (dcgm-exporter, ``DCGM_FI_*``) and ``nvidia_smi`` (nvidia_gpu_exporter,
+``nvidia_smi_*``): :class:`FleetNaming` turns a series back into nvidia-smi's field, unit and GPU identity.
 """
 
 from __future__ import annotations
@@ -66,14 +64,10 @@ class GpuKey:
 
 @dataclass(frozen=True)
 class FleetNaming:
-    """One naming: metric names per nvidia-smi field and where the GPU's identity sits in the labels.
+    """One naming: metric names per nvidia-smi field and which labels hold the GPU's index, UUID and model.
 
     Attributes:
-        name: ``smiquery``, ``dcgm`` or ``nvidia_smi``.
         metrics: nvidia-smi field -> (metric name, factor from the metric's unit to nvidia-smi's).
-        gpu_label: the label holding the GPU index ("" when the naming has none on its metrics).
-        uuid_label: the label holding the UUID.
-        model_label: the label holding the model name ("" when none).
         info_metric: a metric whose labels give index and model by UUID (nvidia_smi naming), or "".
     """
 
@@ -109,64 +103,37 @@ class FleetNaming:
         return ""
 
 
+# Per field of FLEET_FIELDS, in its order: its metric in each naming (smiquery, dcgm, nvidia_smi).
+_METRICS = [
+    row.split()
+    for row in """
+    smiquery_utilization_gpu_ratio DCGM_FI_DEV_GPU_UTIL nvidia_smi_utilization_gpu_ratio
+    smiquery_utilization_memory_ratio DCGM_FI_DEV_MEM_COPY_UTIL nvidia_smi_utilization_memory_ratio
+    smiquery_memory_used_bytes DCGM_FI_DEV_FB_USED nvidia_smi_memory_used_bytes
+    smiquery_memory_total_bytes DCGM_FI_DEV_FB_TOTAL nvidia_smi_memory_total_bytes
+    smiquery_temperature_gpu_celsius DCGM_FI_DEV_GPU_TEMP nvidia_smi_temperature_gpu
+    smiquery_power_draw_watts DCGM_FI_DEV_POWER_USAGE nvidia_smi_power_draw_watts
+    smiquery_clocks_current_sm_hertz DCGM_FI_DEV_SM_CLOCK nvidia_smi_clocks_current_sm_clock_hz
+    smiquery_clocks_event_reasons_active_bitmask DCGM_FI_DEV_CLOCKS_EVENT_REASONS nvidia_smi_clocks_event_reasons_active
+    """.strip().splitlines()
+]
+# From base units (ratio, bytes, hertz) to nvidia-smi's, per field; dcgm-exporter's metrics are in nvidia-smi's units.
+_FROM_BASE = (100.0, 100.0, 1 / _MiB, 1 / _MiB, 1.0, 1.0, 1e-6, 1.0)
+
+
+def _metrics(column: int, factors: Sequence[float] = _FROM_BASE) -> dict[str, tuple[str, float]]:
+    return {f: (row[column], k) for f, row, k in zip(FLEET_FIELDS, _METRICS, factors, strict=True)}
+
+
 NAMINGS: tuple[FleetNaming, ...] = (
-    FleetNaming(
-        "smiquery",
-        {
-            "utilization.gpu": ("smiquery_utilization_gpu_ratio", 100.0),
-            "utilization.memory": ("smiquery_utilization_memory_ratio", 100.0),
-            "memory.used": ("smiquery_memory_used_bytes", 1 / _MiB),
-            "memory.total": ("smiquery_memory_total_bytes", 1 / _MiB),
-            "temperature.gpu": ("smiquery_temperature_gpu_celsius", 1.0),
-            "power.draw": ("smiquery_power_draw_watts", 1.0),
-            "clocks.current.sm": ("smiquery_clocks_current_sm_hertz", 1e-6),
-            "clocks_event_reasons.active": ("smiquery_clocks_event_reasons_active_bitmask", 1.0),
-        },
-        gpu_label="gpu",
-        uuid_label="uuid",
-        model_label="name",
-    ),
-    FleetNaming(
-        "dcgm",
-        {
-            "utilization.gpu": ("DCGM_FI_DEV_GPU_UTIL", 1.0),
-            "utilization.memory": ("DCGM_FI_DEV_MEM_COPY_UTIL", 1.0),
-            "memory.used": ("DCGM_FI_DEV_FB_USED", 1.0),
-            "memory.total": ("DCGM_FI_DEV_FB_TOTAL", 1.0),
-            "temperature.gpu": ("DCGM_FI_DEV_GPU_TEMP", 1.0),
-            "power.draw": ("DCGM_FI_DEV_POWER_USAGE", 1.0),
-            "clocks.current.sm": ("DCGM_FI_DEV_SM_CLOCK", 1.0),
-            "clocks_event_reasons.active": ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", 1.0),
-        },
-        gpu_label="gpu",
-        uuid_label="UUID",
-        model_label="modelName",
-    ),
-    FleetNaming(
-        "nvidia_smi",
-        {
-            "utilization.gpu": ("nvidia_smi_utilization_gpu_ratio", 100.0),
-            "utilization.memory": ("nvidia_smi_utilization_memory_ratio", 100.0),
-            "memory.used": ("nvidia_smi_memory_used_bytes", 1 / _MiB),
-            "memory.total": ("nvidia_smi_memory_total_bytes", 1 / _MiB),
-            "temperature.gpu": ("nvidia_smi_temperature_gpu", 1.0),
-            "power.draw": ("nvidia_smi_power_draw_watts", 1.0),
-            "clocks.current.sm": ("nvidia_smi_clocks_current_sm_clock_hz", 1e-6),
-            "clocks_event_reasons.active": ("nvidia_smi_clocks_event_reasons_active", 1.0),
-        },
-        gpu_label="",
-        uuid_label="uuid",
-        info_metric="nvidia_smi_gpu_info",
-    ),
+    FleetNaming("smiquery", _metrics(0), gpu_label="gpu", uuid_label="uuid", model_label="name"),
+    FleetNaming("dcgm", _metrics(1, [1.0] * 8), gpu_label="gpu", uuid_label="UUID", model_label="modelName"),
+    FleetNaming("nvidia_smi", _metrics(2), gpu_label="", uuid_label="uuid", info_metric="nvidia_smi_gpu_info"),
 )
 
 
 def naming_by_name(name: str) -> FleetNaming:
-    """The naming called ``name``.
-
-    Raises:
-        UsageError: an unknown name.
-    """
+    """The naming called ``name``; UsageError for an unknown name."""
     for n in NAMINGS:
         if n.name == name:
             return n
@@ -201,12 +168,7 @@ def detect_namings(
 ) -> list[FleetNaming]:
     """The namings whose utilisation metric has series between ``start`` and ``end`` (a mixed fleet has several).
 
-    Args:
-        client: the server.
-        start: Unix seconds.
-        end: Unix seconds.
-        wanted: only these namings (``--naming``); they are not looked up.
-        node: only series of instances matching this regex count.
+    ``wanted`` namings (``--naming``) are not looked up; ``node``: only instances matching this regex count.
 
     Raises:
         PrometheusError: no naming's series are there.
@@ -228,11 +190,7 @@ def detect_namings(
 
 
 def first_label(labels: Mapping[str, str], names: Iterable[str]) -> str:
-    """The first of ``names`` that is set in ``labels``.
-
-    ``exported_pod`` comes before ``pod``: with Kubernetes service discovery the target's own pod label takes the
-    plain name and the exporter's gets ``exported_``.
-    """
+    """The first of ``names`` that is set in ``labels`` (``exported_pod`` before ``pod``: the exporter's own)."""
     for n in names:
         v = labels.get(n)
         if v:

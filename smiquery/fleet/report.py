@@ -1,8 +1,4 @@
-"""``smiquery report`` and ``smiquery plot`` over a time range of the fleet: the command line's hook.
-
-:func:`load_range` turns the fleet options into the frame a recording gives (:func:`~smiquery.fleet.fleet_frame`);
-:func:`name_gpus` adds to the rendered report which instance and UUID each GPU number stands for.
-"""
+"""``smiquery report`` and ``smiquery plot`` over a time range of the fleet: the command line's hook."""
 
 from __future__ import annotations
 

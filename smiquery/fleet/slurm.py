@@ -1,10 +1,7 @@
-"""One Slurm job's GPUs read back from Prometheus: ``smiquery report --prometheus URL --slurm-job ID``.
+"""One Slurm job's GPUs read back from Prometheus (``--slurm-job ID``), and the summary its epilog appends.
 
-``smiquery export --slurm`` writes ``smiquery_gpu_allocation_info{slurm_job_id, slurm_user, ...}`` = 1 for every
-GPU a running job holds (see docs/slurm.md). :func:`job_range` reads that series' raw samples: the job's GPUs are
-the ones it names, its time range runs from the first sample to the last. :func:`job_summary` is the few lines the
-Slurm epilog appends to a job's output (``--format summary``): per GPU mean and peak utilization, memory peak
-against total, energy, time stalled, and one line of advice.
+The job's GPUs are those ``smiquery export --slurm``'s allocation series names, its time range from the series'
+first sample to its last (see docs/slurm.md).
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from smiquery.printable import printable
 if TYPE_CHECKING:
     import pandas as pd
 
-    from smiquery.analysis import Report
+    from smiquery.analysis import FieldStats, Report
     from smiquery.fleet.client import PrometheusClient
 
 __all__ = ["ALLOCATION_METRIC", "JOB_LOOKBACK", "SlurmJob", "host_pattern", "job_range", "job_summary"]
@@ -37,14 +34,10 @@ IDLE_SHARE = 0.8
 
 @dataclass(frozen=True)
 class SlurmJob:
-    """A job as Prometheus saw it.
+    """A job as Prometheus saw it: from its first sample to its last (Unix seconds), the GPUs it held.
 
     Attributes:
-        job_id: the ``slurm_job_id`` label.
-        start: Unix seconds of the first sample naming the job.
-        end: Unix seconds of the last one.
         step: the median seconds between two samples of one GPU (None with fewer than two samples).
-        gpus: the GPUs it held (instance, index, UUID), by instance and index.
         labels: ``slurm_user``, ``slurm_account``, ``slurm_partition``, ``slurm_job_name`` as exported.
     """
 
@@ -148,10 +141,8 @@ def job_summary(report: Report, df: pd.DataFrame) -> str:
             parts.append(f"utilization mean {util.mean():.0f} % peak {util.max():.0f} %,")
         else:
             parts.append("utilization not recorded,")
-        used = stats.get(("memory.used", gpu))
-        used_max = used.max if used else _constant(report, "memory.used", gpu)
-        total = stats.get(("memory.total", gpu))
-        total_max = total.max if total else _constant(report, "memory.total", gpu)
+        used_max = _most(report, stats, "memory.used", gpu)
+        total_max = _most(report, stats, "memory.total", gpu)
         if used_max is not None:
             of = f" of {_gib(total_max)}" if total_max else ""
             parts.append(f"memory peak {_gib(used_max)}{of} GiB,")
@@ -164,7 +155,11 @@ def job_summary(report: Report, df: pd.DataFrame) -> str:
     return "\n".join(out) + "\n"
 
 
-def _constant(report: Report, fld: str, gpu: int) -> float | None:
+def _most(report: Report, stats: dict[tuple[str, int], FieldStats], fld: str, gpu: int) -> float | None:
+    """The highest value of ``fld`` on ``gpu``: its statistics' maximum, or the value it kept."""
+    stat = stats.get((fld, gpu))
+    if stat is not None:
+        return stat.max
     value = report.constants.get(fld, {}).get(gpu)
     try:
         return None if value is None else float(value)
