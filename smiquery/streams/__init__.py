@@ -1,1 +1,1 @@
-"""The stream engine (:mod:`.engine`, no I/O) and its drivers: the CSV (:mod:`.sync`), pmon and asyncio streams."""
+"""The stream engine (:mod:`.engine`, no I/O) and its thread drivers: the CSV (:mod:`.sync`) and pmon streams."""
