@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from smiquery.errors import (
     NvidiaSmiNotFoundError,
@@ -113,9 +113,9 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner:
     Raises:
         NvidiaSmiNotFoundError: nothing usable was found; the message says what to do.
     """
-    chosen = runner if runner is not None else _installed
-    if chosen is not None and isinstance(chosen, _Locating):
-        return chosen.locate(nvidia_smi)
+    locate = getattr(runner if runner is not None else _installed, "locate", None)
+    if locate is not None:
+        return str(locate(nvidia_smi))
     if nvidia_smi is not None:
         text = os.fspath(nvidia_smi)
         if os.sep not in text and "/" not in text:
@@ -231,13 +231,6 @@ class Runner(Protocol):
     def lines(self, argv: Sequence[str]) -> LineSource:
         """Start a long-running child and return its output lines."""
         ...
-
-
-@runtime_checkable
-class _Locating(Protocol):
-    """A runner that names ``argv[0]`` itself (it starts no file), so no PATH lookup is made for it."""
-
-    def locate(self, nvidia_smi: str | os.PathLike[str] | None) -> str: ...
 
 
 # The runner used where none is passed. Only smiquery.testing.use_runner() changes it, for the length of a

@@ -9,6 +9,7 @@ a plain file once; :class:`XidWatcher` is the one thread that follows a log and 
 from __future__ import annotations
 
 import contextlib
+import csv
 import errno
 import hashlib
 import os
@@ -20,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, cast
 
 from smiquery._log import get_logger
 from smiquery.errors import KernelLogError, UsageError
@@ -66,50 +67,16 @@ class XidInfo:
     advice: str
 
 
-def _info(code: int, meaning: str, action: XidAction, advice: str) -> tuple[int, XidInfo]:
-    return code, XidInfo(code, meaning, action, advice)
+def _catalogue() -> dict[int, XidInfo]:
+    with open(os.path.join(os.path.dirname(__file__), "xid.csv"), encoding="utf-8", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    return {
+        int(r["code"]): XidInfo(int(r["code"]), r["meaning"], cast(XidAction, r["action"]), r["advice"]) for r in rows
+    }
 
 
-#: The common Xid codes (NVIDIA's public "Xid Errors" catalogue, summarised).
-XID_CATALOGUE: dict[int, XidInfo] = dict(
-    [
-        _info(8, "GPU stopped responding to a channel (driver or application)", "reset",
-              "Restart the job; reset the GPU if it repeats."),
-        _info(13, "graphics engine exception (an illegal instruction or address in a kernel)", "application",
-              "Debug the application (compute-sanitizer); the GPU is fine unless other Xids follow."),
-        _info(31, "GPU memory page fault (illegal memory access)", "application",
-              "Debug the application (compute-sanitizer); the GPU is fine unless it repeats across jobs."),
-        _info(32, "invalid or corrupted push buffer stream (PCIe or driver)", "reset",
-              "Check PCIe errors and the driver; reset the GPU if it repeats."),
-        _info(38, "driver firmware error", "reset", "Reset the GPU; update the driver if it repeats."),
-        _info(43, "GPU stopped processing (the application faulted)", "application",
-              "The faulting process was stopped; the GPU keeps working. Debug the application."),
-        _info(45, "preemptive cleanup after a previous error or a killed process", "info",
-              "Nothing by itself; look at the Xid before it."),
-        _info(48, "double-bit ECC error (uncorrectable)", "drain",
-              "Drain the node and reset the GPU; RMA if it repeats or pages cannot be retired."),
-        _info(61, "internal micro-controller breakpoint or warning", "reset", "Reset the GPU; report if it repeats."),
-        _info(62, "internal micro-controller halt", "drain", "Drain and reset the GPU; RMA if it repeats."),
-        _info(63, "ECC page retirement or row remapping recorded", "info",
-              "Reset the GPU when convenient so the retirement or remap takes effect."),
-        _info(64, "ECC page retirement or row remapping failed", "drain",
-              "Drain the node, reset the GPU; RMA if the remap keeps failing."),
-        _info(68, "video decoder (NVDEC) exception", "application", "Check the application using the decoder."),
-        _info(69, "graphics engine class error", "application", "Debug the application; reset if it repeats."),
-        _info(74, "NVLink error", "drain", "Drain, reset the GPUs on the link; check the link and RMA if it repeats."),
-        _info(79, "GPU has fallen off the bus", "drain",
-              "Drain the node and reboot it; check PCIe, power and cooling; RMA if it repeats."),
-        _info(92, "high single-bit ECC error rate", "rma", "Watch the GPU; RMA if the rate stays high."),
-        _info(94, "contained ECC error (only the affected application was stopped)", "reset",
-              "Restart the job; reset the GPU when idle to remap the row."),
-        _info(95, "uncontained ECC error (all applications on the GPU are affected)", "drain",
-              "Drain the node and reset the GPU now; RMA if it repeats."),
-        _info(109, "context switch timeout", "application", "Check the application; reset the GPU if it repeats."),
-        _info(119, "GSP firmware RPC timeout", "reset", "Reset the GPU (or reboot); update the driver if it repeats."),
-        _info(120, "GSP firmware error", "reset", "Reset the GPU (or reboot); update the driver if it repeats."),
-        _info(140, "unrecovered ECC error", "drain", "Drain the node and reset the GPU; RMA if it repeats."),
-    ]
-)  # fmt: skip
+#: The common Xid codes (NVIDIA's public "Xid Errors" catalogue, summarised; the data is ``xid.csv``).
+XID_CATALOGUE: dict[int, XidInfo] = _catalogue()
 
 
 @dataclass(frozen=True)
