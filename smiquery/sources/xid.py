@@ -435,24 +435,16 @@ def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -
 class XidWatcher:
     """A kernel log followed on a daemon thread: each new Xid event is counted by GPU and code, then handed on.
 
-    The one follower of the exporter, the training monitor and the stream CLI. What it keeps is bounded: counts for
-    the :attr:`MAX_SERIES` (bus, code) pairs with the newest events (an older pair's count moves to :attr:`other`)
-    and one count per refusal reason (:meth:`rejected`); refused lines are noted at most once a minute.
+    What it keeps is bounded: counts for the :attr:`MAX_SERIES` (bus, code) pairs with the newest events (an older
+    pair's count moves to :attr:`other`) and one count per refusal reason (:meth:`rejected`); refused lines are
+    noted at most once a minute (through ``on_refused``, default a WARNING log; ``clock`` times that minute).
 
-    Args:
-        path: ``/dev/kmsg`` or a plain file (see :func:`follow`, as for ``from_start`` and ``poll``).
-        on_event: called on the thread with each new event after it was counted (what it raises is logged).
-        on_error: called on the thread with the error and whether the log had been opened: on each read failure,
-            and (with ``retry``) the first time the log cannot be opened.
-        retry: seconds before the log is opened again after it could not be, or after reading failed (resuming
-            after the last event counted). None: :meth:`start` opens the log, raising when it cannot, and a
-            failure ends the following.
-        on_refused: called with the one-line note about refused lines (default: a WARNING log).
-        clock: a monotonic clock for that minute (tests inject one).
-
-    Attributes:
-        up: True while the log is open and read; ``last_error`` the last failure, one line.
-        events: events counted so far; ``attempts``: times the log was opened or tried.
+    ``path``, ``from_start`` and ``poll`` are :func:`follow`'s. ``on_event`` is called on the thread with each
+    counted event (what it raises is logged); ``on_error`` with a read failure and whether the log had been opened
+    (with ``retry``, also the first time it cannot be opened). ``retry``: seconds before the log is opened again
+    after it could not be or reading failed, resuming after the last event counted; None: :meth:`start` opens the
+    log, raising when it cannot, and a failure ends the following. :attr:`up` is True while the log is read
+    (``last_error``: the last failure, one line); :attr:`events` counts events, :attr:`attempts` opens tried.
     """
 
     #: (bus, code) pairs counted at most: the pair whose last event is the oldest gives its count to ``other``
