@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Sequence
 
 from smiquery.errors import SmiqueryError, failure_from_exit
-from smiquery.runner import TERM_GRACE, Completed, no_answer
+from smiquery.runner import TERM_GRACE, Completed, LineSplitter, decode, message_of, no_answer
 from smiquery.runner.children import (
     MAX_ERR_BYTES,
     PidWatch,
@@ -28,7 +28,6 @@ from smiquery.runner.children import (
     submit_loop_child,
     terminate_and_reap,
 )
-from smiquery.runner.lines import LineSplitter, decode, message_of
 
 __all__ = ["AsyncLines", "live_children", "run", "start_loop_child"]
 
@@ -123,7 +122,7 @@ async def start_loop_child(argv: Sequence[str]) -> Popen:
 class AsyncLines:
     """One running child's stdout lines, read on the event loop until a deadline; its exit judged at the end.
 
-    The asyncio counterpart of :class:`~smiquery.runner.lines.LineStream`; stderr is drained meanwhile.
+    The asyncio counterpart of :class:`~smiquery.runner.LineStream`; stderr is drained meanwhile.
     """
 
     def __init__(self, proc: Popen, argv: Sequence[str]) -> None:

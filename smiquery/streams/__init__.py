@@ -1,1 +1,1 @@
-"""The stream engine (:mod:`.engine`, no I/O) and its thread drivers: the CSV (:mod:`.sync`) and pmon streams."""
+"""The stream engine (:mod:`.engine`, no I/O) and its thread driver (:mod:`.sync`): the CSV and pmon streams."""

@@ -12,7 +12,7 @@ from smiquery.source import StreamEvent, StreamStats
 from smiquery.sources.pmon import InstantGrouper, PmonRow, PmonRows, build_pmon_argv
 from smiquery.streams.argv import GpusArg, normalize_gpus
 from smiquery.streams.engine import Engine
-from smiquery.streams.threaded import ThreadDriver
+from smiquery.streams.sync import ThreadDriver
 
 __all__ = ["PmonStream", "stream"]
 

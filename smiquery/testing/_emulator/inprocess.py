@@ -129,7 +129,7 @@ class InProcessLines:
     """The output of one in-process fake run, line by line: a ``LineSource`` without a process.
 
     Returned by :meth:`InProcessRunner.lines`; it ends and fails like the real line reader
-    (:class:`~smiquery.runner.lines.LineStream`). Loop intervals, start delays and hangs wait on the stop signal,
+    (:class:`~smiquery.runner.LineStream`). Loop intervals, start delays and hangs wait on the stop signal,
     so :meth:`terminate` (unless the fault is ``ignore-term``), :meth:`kill` and :meth:`close` end the engine
     thread at once. ``argv`` is the command as given; ``pid`` is always None; ``idle`` the seconds the last
     :meth:`readline` waited; ``closed`` is True once the end was read, or after :meth:`close`.
@@ -212,7 +212,7 @@ class InProcessLines:
                 self._messages.append(line)
 
     def _finish(self) -> None:
-        from smiquery.runner.lines import message_of
+        from smiquery.runner import message_of
 
         tail, self._buf = self._buf, b""
         self._add(tail)
