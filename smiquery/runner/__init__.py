@@ -211,23 +211,18 @@ class LineSource(Protocol):
             StreamEndedError: the output ended and the child exited 0.
             NvidiaSmiFailedError: the output ended and the child exited non-zero (its typed subclass).
         """
-        ...
 
     def interrupt(self) -> None:
         """Make a :meth:`readline` blocked in another thread return None now."""
-        ...
 
     def terminate(self) -> None:
         """Ask the child to stop (SIGTERM to its group). Any thread; idempotent."""
-        ...
 
     def kill(self) -> None:
         """Kill the child's group (SIGKILL). Any thread; idempotent."""
-        ...
 
     def close(self) -> None:
         """Terminate, kill if needed, reap and release; idempotent, returns within about a second."""
-        ...
 
 
 class Runner(Protocol):
@@ -239,11 +234,9 @@ class Runner(Protocol):
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
         """Run to completion within ``timeout`` seconds."""
-        ...
 
     def lines(self, argv: Sequence[str]) -> LineSource:
         """Start a long-running child and return its output lines."""
-        ...
 
 
 # The runner used where none is passed. Only smiquery.testing.use_runner() changes it, for the length of a

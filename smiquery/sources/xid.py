@@ -26,6 +26,7 @@ from typing import Literal, TypeVar, cast
 from smiquery._log import get_logger
 from smiquery.errors import KernelLogError, UsageError
 from smiquery.printable import printable
+from smiquery.retry import one_line
 from smiquery.sample import BusKey, bus_key
 
 __all__ = [
@@ -585,8 +586,7 @@ class XidWatcher:
                     for event in follower:
                         self._count(event)
             except Exception as exc:  # a read error (or a bug): resume after what was counted, not from the start
-                text = str(exc)
-                self.up, self.last_error = False, text.splitlines()[0] if text else type(exc).__name__
+                self.up, self.last_error = False, one_line(exc)
                 self._report(exc, True)
                 if self.retry is not None:
                     self._stop.wait(self.retry)

@@ -43,19 +43,15 @@ class Rows(Protocol[Item]):
 
     def child_started(self) -> None:
         """A new child starts: what the previous one left unfinished is gone."""
-        ...
 
     def feed(self, lines: Sequence[str], now: float, idle: float | None, out: list[Item]) -> int:
         """Parse ``lines`` (arrived at monotonic ``now`` after waiting ``idle`` s); append items; return rows."""
-        ...
 
     def cut(self, out: list[Item], now: float) -> None:
         """The child failed: append what its unfinished output still makes (a short sweep), if anything."""
-        ...
 
     def last_message(self) -> str | None:
         """The newest line that was not a row, if any."""
-        ...
 
 
 class Engine(Generic[Item]):

@@ -13,7 +13,6 @@ group and track GPUs alike). :class:`Identity` follows the GPUs by UUID (by inde
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -182,8 +181,8 @@ class CsvRows:
         self.identity = Identity(stats, emit)
         self.parser = CsvParser(self.fields, strict=False, tz=tz)
         self.messages: deque[str] = deque(maxlen=20)
-        self._lock = threading.Lock()
-        self._latest: tuple[Sweep, float] | None = None
+        #: The newest sweep and its monotonic arrival time (one reference, swapped whole: any thread may read it).
+        self.newest: tuple[Sweep, float] | None = None
 
     def child_started(self) -> None:
         """A new child: a fresh parser; the GPU set is learnt anew (it may have changed)."""
@@ -245,14 +244,8 @@ class CsvRows:
             if sweep.damaged:
                 why += " (a row was dropped or nvidia-smi ended mid-sweep)"
             self._emit(StreamEvent("short_sweep", None, f"short sweep: {why}"))
-        with self._lock:
-            self._latest = (sweep, now)
+        self.newest = (sweep, now)
         return sweep
-
-    def latest(self) -> tuple[Sweep, float] | None:
-        """The newest sweep and its monotonic arrival time. Any thread."""
-        with self._lock:
-            return self._latest
 
 
 class CsvSource(LatestSweep):
@@ -326,7 +319,5 @@ class CsvSource(LatestSweep):
 
     def latest(self) -> tuple[Sweep | None, float | None]:
         """The newest sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
-        got = self._rows.latest()
-        if got is None:
-            return None, None
-        return got[0], time.monotonic() - got[1]
+        got = self._rows.newest
+        return (None, None) if got is None else (got[0], time.monotonic() - got[1])

@@ -183,12 +183,6 @@ class ThreadDriver(Generic[Item]):
             if engine.done:
                 return
 
-    @property
-    def child_pid(self) -> int | None:
-        """The pid of the child running now, if any."""
-        child = self.child
-        return child.pid if child is not None else None
-
     def close(
         self,
         timeout: float,
@@ -369,7 +363,8 @@ class Stream(CsvSource):
     @property
     def child_pid(self) -> int | None:
         """The pid of the nvidia-smi child running now, if any."""
-        return self._driver.child_pid
+        child = self._driver.child
+        return child.pid if child is not None else None
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop within ``timeout`` seconds: nothing is delivered after it, the child is reaped. Any thread.
