@@ -40,6 +40,7 @@ from smiquery.runner.children import (
     exited,
     live_children,
     popen,
+    read_some,
     signal_group,
     spawn_loop_child,
     terminate_and_reap,
@@ -304,12 +305,9 @@ def _run_to_end(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, 
 
 def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool | None:
     """Read what ``fd`` has: True for data, False for nothing now; at its end drop it from ``pipes``: None."""
-    try:
-        chunk = os.read(fd, 65536)
-    except BlockingIOError:
+    chunk = read_some(fd)
+    if chunk is None:
         return False
-    except OSError:
-        chunk = b""
     if not chunk:
         pipes.pop(fd, None)
         return None
@@ -499,12 +497,9 @@ class LineStream:
 
     def _read(self, fd: int) -> bytes | None:
         """Take what ``fd`` has: the data (b"" at its end), None when nothing is there now."""
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
+        data = read_some(fd)
+        if data is None:
             return None
-        except OSError:
-            data = b""
         if self._proc.stdout is not None and fd == self._proc.stdout.fileno():
             self._split.feed(data)
         elif len(self._err) < MAX_ERR_BYTES:

@@ -24,6 +24,7 @@ from smiquery.runner.children import (
     exited,
     live_children,
     popen,
+    read_some,
     signal_group,
     submit_loop_child,
     terminate_and_reap,
@@ -64,20 +65,20 @@ async def _wait_exit(proc: Popen, timeout: float) -> bool:
     return True
 
 
-async def _terminate(proc: Popen, grace: float) -> None:
-    try:
-        if not exited(proc):
-            signal_group(proc, signal.SIGTERM)
-            if not await _wait_exit(proc, grace):
-                signal_group(proc, signal.SIGKILL)
-                await _wait_exit(proc, grace)
-    finally:
-        terminate_and_reap(proc, 0.0)  # reaped now, or (cancelled, still alive) killed and reaped by a runner thread
-
-
 async def _reap(proc: Popen, grace: float = TERM_GRACE) -> None:
     """SIGTERM to the group, SIGKILL after ``grace``, reap: shielded, so a cancelled caller leaves no process."""
-    await asyncio.shield(asyncio.ensure_future(_terminate(proc, grace)))
+
+    async def stop() -> None:
+        try:
+            if not exited(proc):
+                signal_group(proc, signal.SIGTERM)
+                if not await _wait_exit(proc, grace):
+                    signal_group(proc, signal.SIGKILL)
+                    await _wait_exit(proc, grace)
+        finally:
+            terminate_and_reap(proc, 0.0)  # reaped now, or (cancelled, still alive) killed and reaped by a thread
+
+    await asyncio.shield(asyncio.ensure_future(stop()))
 
 
 async def start_loop_child(argv: Sequence[str]) -> Popen:
@@ -150,12 +151,9 @@ class AsyncLines:
     def _drain_err(self, chunks: int = 1) -> None:
         """Read up to ``chunks`` chunks of stderr (kept up to 64 KiB); stop reading it at its end."""
         for _ in range(chunks):
-            try:
-                data = os.read(self._errfd, 65536)
-            except BlockingIOError:
+            data = read_some(self._errfd)
+            if data is None:
                 return
-            except OSError:
-                data = b""
             if not data:
                 self._stop_err()
                 return
@@ -169,12 +167,9 @@ class AsyncLines:
 
     def _read(self) -> bool:
         """Take what stdout holds now, without waiting; False when it holds nothing."""
-        try:
-            data = os.read(self._out, 65536)
-        except BlockingIOError:
+        data = read_some(self._out)
+        if data is None:
             return False
-        except OSError:
-            data = b""
         if data:
             self._split.feed(data)
         else:

@@ -31,6 +31,7 @@ __all__ = [
     "exited",
     "live_children",
     "popen",
+    "read_some",
     "signal_group",
     "spawn_loop_child",
     "submit_loop_child",
@@ -325,6 +326,16 @@ def _kill_all_at_exit() -> None:
         signal_group(proc, signal.SIGKILL)
         with contextlib.suppress(Exception):
             proc.wait(0.2)
+
+
+def read_some(fd: int) -> bytes | None:
+    """What a non-blocking pipe holds now: its data, b"" at its end (or on an error), None when nothing is there."""
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
 
 
 class PidWatch:
