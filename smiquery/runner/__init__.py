@@ -73,10 +73,6 @@ ENV_VAR = "SMIQUERY_NVIDIA_SMI"
 MAX_OUTPUT_BYTES = 8 * 1024 * 1024
 
 
-class _Flood(Exception):
-    """Internal: a one-shot child's output passed :data:`MAX_OUTPUT_BYTES`."""
-
-
 def usual_places() -> list[str]:
     """Where nvidia-smi is looked for after PATH: ``/usr/bin``, container runtimes' and WSL's places, Windows'."""
     places = ["/usr/bin/nvidia-smi", "/usr/local/nvidia/bin/nvidia-smi", "/usr/lib/wsl/lib/nvidia-smi"]
@@ -256,66 +252,6 @@ def install_default(runner: Runner | None) -> Runner | None:
     global _installed
     previous, _installed = _installed, runner
     return previous
-
-
-def _run_to_end(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, bytes, bool]:
-    """Read a one-shot child's output to its end; returns (stdout, stderr, finished in time).
-
-    The output ends when both pipes close and the leader has exited, or :data:`PIPE_GRACE` after the leader
-    exited (helpers that still hold the pipes are then killed). Where the kernel has pidfds the leader's exit is
-    one more readiness event beside the pipes; elsewhere the leader is looked at every 50 ms.
-    """
-    pipes = {p.fileno(): bytearray() for p in (proc.stdout, proc.stderr) if p is not None}
-    out, err = pipes.values()
-    watch = PidWatch(proc.pid)
-    sel = selectors.DefaultSelector()
-    for fd in pipes:
-        os.set_blocking(fd, False)
-        sel.register(fd, selectors.EVENT_READ)
-    if watch.fd is not None:
-        sel.register(watch.fd, selectors.EVENT_READ)
-    exit_seen: float | None = None
-    try:
-        while pipes or exit_seen is None:
-            now = time.monotonic()
-            if exit_seen is None and watch.fd is None and exited(proc):
-                exit_seen = now
-            wait = deadline - now
-            if exit_seen is not None:  # only pipes left: a helper may hold them
-                wait = min(wait, exit_seen + PIPE_GRACE - now)
-                if wait <= 0:
-                    signal_group(proc, signal.SIGKILL)
-                    for fd in list(pipes):
-                        while _read_chunk(fd, pipes):
-                            pass
-                    break
-            elif wait <= 0:
-                return bytes(out), bytes(err), False
-            for key, _ in sel.select(wait if watch.fd is not None else min(wait, 0.05)):
-                if key.fd == watch.fd:
-                    sel.unregister(key.fd)
-                    exit_seen = time.monotonic()
-                elif _read_chunk(key.fd, pipes) is None:
-                    sel.unregister(key.fd)
-    finally:
-        sel.close()
-        watch.close()
-    return bytes(out), bytes(err), True
-
-
-def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool | None:
-    """Read what ``fd`` has: True for data, False for nothing now; at its end drop it from ``pipes``: None."""
-    chunk = read_some(fd)
-    if chunk is None:
-        return False
-    if not chunk:
-        pipes.pop(fd, None)
-        return None
-    buf = pipes[fd]
-    buf += chunk
-    if len(buf) > MAX_OUTPUT_BYTES:
-        raise _Flood
-    return True
 
 
 #: A line longer than this is cut to its first 256 bytes (the parser rejects it) and the rest is skipped until its
@@ -501,10 +437,13 @@ class LineStream:
         if data is None:
             return None
         if self._proc.stdout is not None and fd == self._proc.stdout.fileno():
-            self._split.feed(data)
+            self._stdout(data)
         elif len(self._err) < MAX_ERR_BYTES:
             self._err += data
         return data
+
+    def _stdout(self, data: bytes) -> None:
+        self._split.feed(data)
 
     def _drain_now(self) -> None:
         for pipe in (self._proc.stdout, self._proc.stderr):
@@ -566,6 +505,35 @@ class LineStream:
         self.close()
 
 
+class _WholeOutput(LineStream):
+    """A one-shot child read by :class:`LineStream`'s loop, its stdout kept whole (up to :data:`MAX_OUTPUT_BYTES`).
+
+    The output ends when both pipes close and the leader has exited, or :data:`PIPE_GRACE` after the leader exited
+    (helpers that still hold the pipes are then killed).
+    """
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None, deadline: float) -> None:
+        super().__init__(argv, env=env, pdeathsig=False)
+        self.deadline = deadline
+        self.out = bytearray()
+        self.finished = False
+
+    def _stdout(self, data: bytes) -> None:
+        self.out += data
+        if len(self.out) > MAX_OUTPUT_BYTES:
+            raise OutputTooLargeError(self.argv, MAX_OUTPUT_BYTES)
+
+    def _finish(self) -> None:
+        self.finished = wait_exit(self._proc, max(self.deadline - time.monotonic(), 0.0))
+        raise StreamEndedError(self.argv, 0, "")
+
+    def read_to_end(self) -> bool:
+        """Read until the output ends and the leader exits (True), or the deadline passes (False)."""
+        with contextlib.suppress(StreamEndedError):
+            self.readline(self.deadline - time.monotonic())  # no line ever comes: None only at the deadline
+        return self.finished
+
+
 class SubprocessRunner:
     """Runs nvidia-smi as a real child process.
 
@@ -590,25 +558,30 @@ class SubprocessRunner:
             NvidiaSmiTimeoutError: it did not finish in time (it was killed).
         """
         start = time.monotonic()
-        proc = popen(argv, self.env, pdeathsig=False)
         grace = min(TERM_GRACE, timeout / 10)
-        try:
-            if os.name == "nt":  # pragma: no cover - no select() on pipes there
-                try:
-                    raw_out, raw_err = proc.communicate(timeout=max(timeout - 2 * grace, 0.001))
-                    finished = True
-                except subprocess.TimeoutExpired:
-                    raw_out, raw_err, finished = b"", b"", False
-            else:
-                raw_out, raw_err, finished = _run_to_end(proc, start + max(timeout - 2 * grace, 0.001))
-        except _Flood:
-            raise OutputTooLargeError(argv, MAX_OUTPUT_BYTES) from None
-        finally:
-            terminate_and_reap(proc, grace)
-        if not finished:
-            raise no_answer(argv, timeout)
+        deadline = start + max(timeout - 2 * grace, 0.001)
+        if os.name == "nt":  # pragma: no cover - no select() on pipes there
+            proc = popen(argv, self.env, pdeathsig=False)
+            try:
+                raw_out, raw_err = proc.communicate(timeout=deadline - start)
+            except subprocess.TimeoutExpired:
+                raise no_answer(argv, timeout) from None
+            finally:
+                terminate_and_reap(proc, grace)
+            stdout, stderr = decode(raw_out), decode(raw_err)
+        else:
+            child = _WholeOutput(argv, self.env, deadline)
+            proc = child._proc
+            try:
+                finished = child.read_to_end()
+            finally:
+                terminate_and_reap(proc, grace)
+                child.close()
+            if not finished:
+                raise no_answer(argv, timeout)
+            stdout, stderr = decode(bytes(child.out)), child.stderr
         rc = proc.returncode if proc.returncode is not None else -signal.SIGKILL
-        return Completed(tuple(argv), rc, decode(raw_out), decode(raw_err), time.monotonic() - start)
+        return Completed(tuple(argv), rc, stdout, stderr, time.monotonic() - start)
 
     def lines(self, argv: Sequence[str]) -> LineStream:
         """Start ``argv`` and return its output as a :class:`LineStream`."""
