@@ -48,8 +48,6 @@ MAX_ERR_BYTES = 64 * 1024
 _LINUX = sys.platform.startswith("linux")
 
 
-# ------------------------------------------------------------------------------------------ child bookkeeping
-
 # Children alive right now, with the pid of the process that started them: killed at interpreter exit so a loop
 # child never outlives its parent. A forked copy of this process inherits the set but owns none of them.
 _LIVE: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()

@@ -146,9 +146,6 @@ class GpuDetails:
         return dataclasses.asdict(self)  # mappings become dicts, tuples stay tuples (json writes lists)
 
 
-# ------------------------------------------------------------------------------------------------ readings
-
-
 @dataclass(frozen=True)
 class _Reading:
     """Where one DTD version keeps the values that moved."""
@@ -184,9 +181,6 @@ def _reading_for(text: str) -> _Reading:
             stacklevel=3,
         )
     return _Reading(version, (_EVENT, _THROTTLE), True)  # by name: every spelling, nothing assumed absent
-
-
-# ------------------------------------------------------------------------------------------------ parsing
 
 
 class _Values:
@@ -436,8 +430,6 @@ def parse_xml(text: str | bytes, *, listing: str | None = None) -> list[GpuDetai
     return _join_listing(gpus, parse_list(listing)) if listing else gpus
 
 
-# ------------------------------------------------------------------------------------------------ nvidia-smi -L
-
 _L_GPU_RE = re.compile(r"^GPU (\d+): (.*?) \(UUID: (GPU-[0-9a-fA-F-]+)\)\s*$")
 _L_MIG_RE = re.compile(r"^\s+MIG (\S+)\s+Device\s+(\d+): \(UUID: (MIG-[0-9A-Za-z/-]+)\)\s*$")
 
@@ -475,9 +467,6 @@ def _join_listing(gpus: list[GpuDetails], listing: Mapping[str, list[tuple[int, 
             devices.append(dataclasses.replace(dev, profile=hit[0], uuid=hit[1], missing=missing))
         out.append(dataclasses.replace(gpu, mig_devices=tuple(devices)))
     return out
-
-
-# ------------------------------------------------------------------------------------------------ details
 
 
 def details(

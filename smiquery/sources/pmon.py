@@ -246,9 +246,6 @@ class InstantGrouper:
         return done
 
 
-# ------------------------------------------------------------------------------------------- the argv and rows
-
-
 def build_pmon_argv(
     binary: str,
     gpus: Sequence[str] = (),
@@ -323,8 +320,6 @@ class PmonRows:
         notices = self.parser.notices
         return notices[-1] if notices else None
 
-
-# -------------------------------------------------------------------------------------------- summaries
 
 _METRICS = ("sm", "mem", "enc", "dec", "jpg", "ofa", "fb", "ccpm")
 

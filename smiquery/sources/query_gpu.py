@@ -259,8 +259,6 @@ def header_line(fields: Sequence[Field]) -> str:
     return ", ".join(f.header for f in fields)
 
 
-# ------------------------------------------------------------------------------------------------ one shot
-
 #: Seconds a one-shot call waits by default: a cold start without persistence mode takes 15-30 s on large hosts.
 DEFAULT_TIMEOUT = 45.0
 
@@ -360,8 +358,6 @@ def query_df(
 
     return to_dataframe(query(fields, gpus=gpus, nvidia_smi=nvidia_smi, timeout=timeout, runner=runner))
 
-
-# ------------------------------------------------------------------------------------------- get_gpu_status
 
 _STATUS_FIELDS = ("timestamp", "index", "name", "temperature.gpu", "utilization.gpu", "utilization.memory")
 _STATUS_KEYS = {

@@ -216,8 +216,6 @@ def gpu_for(event: XidEvent, gpus: Iterable[_G]) -> _G | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------------ following
-
 _DEDUPE_KEEP = 4096  # lines remembered, to skip them when a followed file is read again (rewritten, rotated)
 
 

@@ -102,8 +102,6 @@ class Engine(Generic[Item]):
         self.events.clear()
         return events
 
-    # ------------------------------------------------------------------------------------------- lifecycle
-
     def begin(self, now: float) -> None:
         """The stream starts (its ``duration`` counts from here)."""
         self._end = None if self.duration is None else now + self.duration
@@ -145,8 +143,6 @@ class Engine(Generic[Item]):
         if self.stats.state != "failed":
             self.stats.state = "closed" if self.closed else "ended"
         self.stats.next_retry_at = None
-
-    # --------------------------------------------------------------------------------------------- data
 
     def deadline(self) -> float:
         """The monotonic time by which the next row must arrive (or the stream ends)."""
@@ -202,8 +198,6 @@ class Engine(Generic[Item]):
             argv=self.argv,
             timeout=self.stall_timeout,
         )
-
-    # --------------------------------------------------------------------------------------------- retry
 
     def failed(self, exc: SmiqueryError, now: float, wall: float) -> tuple[list[Item], float] | None:
         """The child failed (or could not start): what its cut output still makes, and the seconds to wait.

@@ -283,8 +283,6 @@ class Stream(CsvSource):
                 self.error = exc
             raise
 
-    # ------------------------------------------------------------------------------------------- consumption
-
     def _generator(self) -> Generator[GpuSample | Sweep, None, None]:
         if self._thread is not None and threading.current_thread() is not self._thread:
             raise RuntimeError("this stream runs in the background; read it with latest()")
