@@ -204,14 +204,8 @@ def stream(
             async for sweep in s.sweeps(count=10):
                 print(max(x.temperature_gpu or 0 for x in sweep))
 
-    The arguments mean what they mean for :func:`smiquery.stream`; ``sleep`` is the coroutine that waits between
-    restarts (tests inject one). Nothing runs until the stream is iterated.
-
-    Raises:
-        InvalidFieldError: an unknown field, before anything runs.
-        InvalidGpuIdError: a malformed GPU id, before anything runs.
-        NvidiaSmiNotFoundError: no usable binary.
-        ValueError: a non-positive interval or timeout, or a bad retry setting.
+    The arguments and the errors raised before anything runs are :func:`smiquery.stream`'s; ``sleep`` is the
+    coroutine that waits between restarts (tests inject one). Nothing runs until the stream is iterated.
     """
     return AsyncStream(
         fields,

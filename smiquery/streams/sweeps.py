@@ -251,13 +251,8 @@ class CsvRows:
 class CsvSource(LatestSweep):
     """What the thread and asyncio CSV streams share: checked arguments, counters, the rows' meaning, the engine.
 
-    The arguments are :func:`smiquery.stream`'s (``binary``: the located nvidia-smi; ``max_rows``: its
+    The arguments and errors are :func:`smiquery.stream`'s (``binary``: the located nvidia-smi; ``max_rows``: its
     ``max_samples``).
-
-    Raises:
-        InvalidFieldError: an unknown field.
-        InvalidGpuIdError: a malformed GPU id.
-        ValueError: a non-positive interval or timeout.
     """
 
     #: The error that ended the stream (it gave up), if any.

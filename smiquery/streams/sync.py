@@ -433,8 +433,7 @@ def stream(
         tz: time zone of the timestamps.
         history_sweeps: how many of the newest sweeps :meth:`Stream.history` keeps (0: none).
 
-    Returns:
-        A :class:`Stream` (not started until iterated or :meth:`Stream.start` is called).
+    The :class:`Stream` does not start until it is iterated or :meth:`Stream.start` is called.
 
     Raises:
         InvalidFieldError: an unknown field, before anything runs.
