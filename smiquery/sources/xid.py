@@ -240,14 +240,8 @@ class XidFollower(Iterator[XidEvent]):
         self._seen: OrderedDict[tuple[bytes, int], None] = OrderedDict()  # (line digest, its occurrence)
         self._pass: OrderedDict[bytes, int] = OrderedDict()  # line digest -> times read since the file was opened
         self._fd = -1
-        self._buf = b""
-        self._pos = 0
-        self._ino: tuple[int, int] | None = None
-        self._chardev = False
-        self._open(first=True, from_start=from_start)
+        self._open(first=True, from_start=from_start)  # sets the descriptor, its kind, identity and position
         self._gen = self._events()
-
-    # ---- public
 
     @property
     def closed(self) -> bool:
@@ -267,8 +261,6 @@ class XidFollower(Iterator[XidEvent]):
     def __exit__(self, *exc: object) -> None:
         self.close()
         self._gen.close()  # in the reading thread: closes the descriptor now (elsewhere it ends within `poll`)
-
-    # ---- reading
 
     def _open(self, *, first: bool, from_start: bool = True) -> bool:
         try:
