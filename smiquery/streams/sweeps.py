@@ -276,8 +276,6 @@ class CsvSource(LatestSweep):
         flds = resolve_fields(fields)
         if not any(f.name == "index" for f in flds):
             flds = (*resolve_fields(["index"]), *flds)  # sweeps are grouped by GPU index
-        if interval <= 0:
-            raise ValueError("interval must be positive")
         if startup_timeout <= 0:
             raise ValueError("startup_timeout must be positive")
         self.fields = flds
