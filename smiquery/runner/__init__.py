@@ -69,7 +69,7 @@ __all__ = [
 
 ENV_VAR = "SMIQUERY_NVIDIA_SMI"
 
-#: The most stdout a one-shot call reads before it gives up on the child (:class:`~smiquery.errors.OutputTooLargeError`).
+#: The most stdout a one-shot call reads before it gives up (:class:`~smiquery.errors.OutputTooLargeError`).
 MAX_OUTPUT_BYTES = 8 * 1024 * 1024
 
 
