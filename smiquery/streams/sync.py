@@ -57,7 +57,7 @@ Item = TypeVar("Item")
 
 
 class ThreadDriver(Generic[Item]):
-    """Runs an engine's children one at a time on the calling thread.
+    """The engine's thread driver (the CSV and pmon streams'): its children one at a time, on the calling thread.
 
     ``emit`` hands the engine's events to the listeners; ``sleep`` (None: a wait that :meth:`close` cuts short)
     waits between attempts; ``finite``: the child ends by itself when done (``pmon -c N``), so exit 0 ends the stream.
