@@ -1,5 +1,7 @@
 """Finding and running nvidia-smi: the only package that imports ``subprocess`` (:mod:`.aio` on an event loop).
 
+One-shot runs (:class:`SubprocessRunner`) and a loop child's output lines (:class:`LineStream`).
+
 Every child runs from an argument list (never a shell), in its own process group, under a deadline. On every path
 (end, exception, timeout, early stop, ``KeyboardInterrupt``, garbage collection) the whole group, helpers that
 inherited the pipes included, is terminated, then killed, and the child reaped; on Linux a loop child also dies
@@ -8,33 +10,42 @@ with this process however it dies. A forked copy of this process leaves the chil
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import shutil
 import signal
 import subprocess
+import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from smiquery.errors import (
     NvidiaSmiNotFoundError,
     NvidiaSmiTimeoutError,
     OutputTooLargeError,
+    StreamEndedError,
+    failure_from_exit,
 )
 from smiquery.runner.children import (
+    MAX_ERR_BYTES,
     PIPE_GRACE,
     TERM_GRACE,
     PidWatch,
     exited,
     live_children,
     popen,
+    read_some,
     signal_group,
+    spawn_loop_child,
     terminate_and_reap,
+    wait_exit,
 )
-from smiquery.runner.lines import MAX_LINE_BYTES, LineStream, decode
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -42,25 +53,24 @@ __all__ = [
     "TERM_GRACE",
     "Completed",
     "LineSource",
+    "LineSplitter",
     "LineStream",
     "Runner",
     "SubprocessRunner",
+    "decode",
     "default_runner",
     "find_nvidia_smi",
     "install_default",
     "live_children",
+    "message_of",
     "no_answer",
     "terminate_and_reap",
 ]
 
 ENV_VAR = "SMIQUERY_NVIDIA_SMI"
 
-#: The most a one-shot call reads before it gives up on the child (:class:`~smiquery.errors.OutputTooLargeError`).
+#: The most stdout a one-shot call reads before it gives up (:class:`~smiquery.errors.OutputTooLargeError`).
 MAX_OUTPUT_BYTES = 8 * 1024 * 1024
-
-
-class _Flood(Exception):
-    """Internal: a one-shot child's output passed :data:`MAX_OUTPUT_BYTES`."""
 
 
 def usual_places() -> list[str]:
@@ -113,9 +123,9 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner:
     Raises:
         NvidiaSmiNotFoundError: nothing usable was found; the message says what to do.
     """
-    chosen = runner if runner is not None else _installed
-    if chosen is not None and isinstance(chosen, _Locating):
-        return chosen.locate(nvidia_smi)
+    locate = getattr(runner if runner is not None else _installed, "locate", None)
+    if locate is not None:
+        return str(locate(nvidia_smi))
     if nvidia_smi is not None:
         text = os.fspath(nvidia_smi)
         if os.sep not in text and "/" not in text:
@@ -198,23 +208,18 @@ class LineSource(Protocol):
             StreamEndedError: the output ended and the child exited 0.
             NvidiaSmiFailedError: the output ended and the child exited non-zero (its typed subclass).
         """
-        ...
 
     def interrupt(self) -> None:
         """Make a :meth:`readline` blocked in another thread return None now."""
-        ...
 
     def terminate(self) -> None:
         """Ask the child to stop (SIGTERM to its group). Any thread; idempotent."""
-        ...
 
     def kill(self) -> None:
         """Kill the child's group (SIGKILL). Any thread; idempotent."""
-        ...
 
     def close(self) -> None:
         """Terminate, kill if needed, reap and release; idempotent, returns within about a second."""
-        ...
 
 
 class Runner(Protocol):
@@ -226,18 +231,9 @@ class Runner(Protocol):
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
         """Run to completion within ``timeout`` seconds."""
-        ...
 
     def lines(self, argv: Sequence[str]) -> LineSource:
         """Start a long-running child and return its output lines."""
-        ...
-
-
-@runtime_checkable
-class _Locating(Protocol):
-    """A runner that names ``argv[0]`` itself (it starts no file), so no PATH lookup is made for it."""
-
-    def locate(self, nvidia_smi: str | os.PathLike[str] | None) -> str: ...
 
 
 # The runner used where none is passed. Only smiquery.testing.use_runner() changes it, for the length of a
@@ -258,67 +254,284 @@ def install_default(runner: Runner | None) -> Runner | None:
     return previous
 
 
-def _run_to_end(proc: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, bytes, bool]:
-    """Read a one-shot child's output to its end; returns (stdout, stderr, finished in time).
+#: A line longer than this is cut to its first 256 bytes (the parser rejects it) and the rest is skipped until its
+#: end, so that endless output without a newline keeps memory flat.
+MAX_LINE_BYTES = 64 * 1024
 
-    The output ends when both pipes close and the leader has exited, or :data:`PIPE_GRACE` after the leader
-    exited (helpers that still hold the pipes are then killed). Where the kernel has pidfds the leader's exit is
-    one more readiness event beside the pipes; elsewhere the leader is looked at every 50 ms.
+
+def decode(data: bytes) -> str:
+    """Bytes a child printed, as text (undecodable bytes replaced)."""
+    return data.decode("utf-8", "replace")
+
+
+def message_of(lines: Sequence[str], err: bytes, rc: int) -> str:
+    """What a failed child said: its message lines and stderr, or the signal that killed it."""
+    output = "\n".join(lines) + ("\n" + decode(err) if err else "")
+    if rc in (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT) and not output.strip():
+        output = f"killed by signal {-rc}"
+    return output
+
+
+class LineSplitter:
+    """Cuts a child's stdout into lines: blank lines skipped, a CR stripped, over-long lines cut.
+
+    :attr:`lines` holds the complete lines not taken yet; :attr:`messages` the last 20 lines that are no CSV row,
+    for error messages.
     """
-    pipes = {p.fileno(): bytearray() for p in (proc.stdout, proc.stderr) if p is not None}
-    out, err = pipes.values()
-    watch = PidWatch(proc.pid)
-    sel = selectors.DefaultSelector()
-    for fd in pipes:
-        os.set_blocking(fd, False)
-        sel.register(fd, selectors.EVENT_READ)
-    if watch.fd is not None:
-        sel.register(watch.fd, selectors.EVENT_READ)
-    exit_seen: float | None = None
-    try:
-        while pipes or exit_seen is None:
-            now = time.monotonic()
-            if exit_seen is None and watch.fd is None and exited(proc):
-                exit_seen = now
-            wait = deadline - now
-            if exit_seen is not None:  # only pipes left: a helper may hold them
-                wait = min(wait, exit_seen + PIPE_GRACE - now)
-                if wait <= 0:
-                    signal_group(proc, signal.SIGKILL)
-                    for fd in list(pipes):
-                        while _read_chunk(fd, pipes):
+
+    def __init__(self) -> None:
+        self.lines: deque[str] = deque()
+        self.messages: deque[str] = deque(maxlen=20)
+        self._partial: list[bytes] = []  # the pieces of the line being read, joined once at its newline
+        self._partial_len = 0
+        self._skipping = False  # inside an over-long line: its rest is skipped
+
+    def feed(self, data: bytes) -> None:
+        """Take a chunk of output."""
+        parts = data.split(b"\n")
+        rest = parts.pop()
+        if parts and (self._partial or self._skipping):
+            parts[0] = b"" if self._skipping else b"".join(self._partial) + parts[0]
+            self._partial, self._partial_len, self._skipping = [], 0, False
+        for raw in parts:
+            self._add(raw)
+        if rest and not self._skipping:
+            self._partial.append(rest)
+            self._partial_len += len(rest)
+            if self._partial_len > MAX_LINE_BYTES:  # no newline in sight: keep a head, skip to the newline
+                self._add(b"".join(self._partial)[:256])
+                self._partial, self._partial_len, self._skipping = [], 0, True
+
+    def end(self) -> None:
+        """The output ended: a trailing partial line counts as it is (the parser rejects it)."""
+        if not self._skipping:
+            self._add(b"".join(self._partial))
+        self._partial, self._partial_len = [], 0
+
+    def _add(self, raw: bytes) -> None:
+        line = decode(raw).rstrip("\r")
+        if line.strip():
+            self.lines.append(line)
+            if ", " not in line:
+                self.messages.append(line)
+
+
+class LineStream:
+    """The output lines of one long-running nvidia-smi child (``-l``/``-lms`` loop mode): a ``LineSource``.
+
+    It never kills the child for being slow. When the output ends, or the leader exits (helpers holding the
+    pipes are killed after ``PIPE_GRACE``), the child is reaped and, after the last line, exit 0 raises
+    :class:`~smiquery.errors.StreamEndedError`, another the typed :class:`~smiquery.errors.NvidiaSmiFailedError`.
+    A context manager; it also closes itself when garbage-collected. ``pdeathsig``: on Linux the child dies with
+    this process.
+    """
+
+    def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, pdeathsig: bool = True) -> None:
+        self.argv = tuple(argv)
+        self._proc = spawn_loop_child(self.argv, env) if pdeathsig else popen(self.argv, env, pdeathsig=False)
+        self._finalizer = weakref.finalize(self, terminate_and_reap, self._proc)
+        self.pid = self._proc.pid
+        self.idle = 0.0  #: seconds the last :meth:`readline` waited for its line's data
+        self._split = LineSplitter()
+        self._err = bytearray()
+        self._open_fds = 2
+        self._eof = False
+        self._ended: BaseException | None = None
+        self._stopping = False
+        self._io = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._pidwatch = PidWatch(self._proc.pid)
+        self._exit_seen: float | None = None
+        self._sel = selectors.DefaultSelector()
+        for pipe in (self._proc.stdout, self._proc.stderr):
+            assert pipe is not None
+            os.set_blocking(pipe.fileno(), False)
+            self._sel.register(pipe, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        if self._pidwatch.fd is not None:
+            self._sel.register(self._pidwatch.fd, selectors.EVENT_READ)
+
+    @property
+    def returncode(self) -> int | None:
+        """The child's exit status, once reaped."""
+        return self._proc.returncode
+
+    @property
+    def stderr(self) -> str:
+        """What the child has written to stderr so far (at most 64 KiB)."""
+        return decode(bytes(self._err))
+
+    @property
+    def closed(self) -> bool:
+        """True once the child is reaped and the pipes are closed."""
+        return not self._finalizer.alive
+
+    def readline(self, timeout: float) -> str | None:
+        """The next complete line; None if none within ``timeout`` s or on :meth:`interrupt` (see the class)."""
+        with self._io:
+            if self._split.lines:
+                return self._split.lines.popleft()
+            if self._ended is not None:
+                raise self._ended
+            if self.closed:
+                raise StreamEndedError(self.argv, 0, "", "the nvidia-smi stream was closed")
+            return self._fill(time.monotonic() + max(timeout, 0.0))
+
+    def _fill(self, deadline: float) -> str | None:
+        waited = 0.0
+        looked = False  # a deadline already past still gets one look at the pipes
+        lines = self._split.lines
+        while not lines:
+            if self._eof:
+                self._finish()
+                break
+            remaining = deadline - time.monotonic()
+            if self._exit_seen is not None:
+                # The leader is gone but something still holds its pipes: give the output a moment, then end it.
+                remaining = min(remaining, self._exit_seen + PIPE_GRACE - time.monotonic())
+                if remaining <= 0:
+                    signal_group(self._proc, signal.SIGKILL)
+                    self._drain_now()
+                    self._eof = True
+                    continue
+            elif self._pidwatch.fd is None:
+                remaining = min(remaining, 0.5)  # no pidfd: look at the leader now and then
+            if remaining <= 0:
+                if looked:
+                    self.idle = waited
+                    return None
+                remaining = 0.0
+            looked = True
+            t0 = time.monotonic()
+            events = self._sel.select(remaining)
+            waited += time.monotonic() - t0
+            if not events and remaining > 0 and time.monotonic() >= deadline:
+                # Stopped past the deadline (SIGSTOP, a debugger), the wait returns empty-handed without looking
+                # again (PEP 475): look once more, so the rows printed meanwhile are read.
+                events = self._sel.select(0)
+            if not events and self._pidwatch.fd is None and self._exit_seen is None and exited(self._proc):
+                self._exit_seen = time.monotonic()
+            for key, _ in events:
+                if key.fileobj is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        while os.read(self._wake_r, 512):
                             pass
-                    break
-            elif wait <= 0:
-                return bytes(out), bytes(err), False
-            for key, _ in sel.select(wait if watch.fd is not None else min(wait, 0.05)):
-                if key.fd == watch.fd:
-                    sel.unregister(key.fd)
-                    exit_seen = time.monotonic()
-                elif _read_chunk(key.fd, pipes) is None:
-                    sel.unregister(key.fd)
-    finally:
-        sel.close()
-        watch.close()
-    return bytes(out), bytes(err), True
+                    self.idle = waited
+                    if not lines:
+                        return None
+                elif key.fileobj == self._pidwatch.fd:
+                    self._sel.unregister(key.fileobj)
+                    self._exit_seen = self._exit_seen or time.monotonic()
+                elif self._read(key.fd) == b"":
+                    self._sel.unregister(key.fileobj)
+                    self._open_fds -= 1
+                    self._eof = self._open_fds == 0
+        self.idle = waited
+        return lines.popleft()
+
+    def _read(self, fd: int) -> bytes | None:
+        """Take what ``fd`` has: the data (b"" at its end), None when nothing is there now."""
+        data = read_some(fd)
+        if data is None:
+            return None
+        if self._proc.stdout is not None and fd == self._proc.stdout.fileno():
+            self._stdout(data)
+        elif len(self._err) < MAX_ERR_BYTES:
+            self._err += data
+        return data
+
+    def _stdout(self, data: bytes) -> None:
+        self._split.feed(data)
+
+    def _drain_now(self) -> None:
+        for pipe in (self._proc.stdout, self._proc.stderr):
+            if pipe is not None and not pipe.closed:
+                while self._read(pipe.fileno()):
+                    pass
+
+    def _finish(self) -> None:
+        # The output has ended: the child has exited (or closed its output). Reap it, then judge the exit code.
+        stopping = self._stopping
+        wait_exit(self._proc, 5.0)  # a leader that closed its output but lingers is killed by _release
+        self._release()
+        rc = self._proc.returncode if self._proc.returncode is not None else -signal.SIGKILL
+        self._split.end()
+        output = message_of(list(self._split.messages), bytes(self._err), rc)
+        if rc != 0 and not stopping:
+            self._ended = failure_from_exit(self.argv, rc, output)
+        else:
+            self._ended = StreamEndedError(self.argv, rc, output)
+        if not self._split.lines:
+            raise self._ended
+
+    def interrupt(self) -> None:
+        """Make a :meth:`readline` blocked in another thread return None now. Any thread."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def terminate(self) -> None:
+        """Ask the child to stop (SIGTERM to its group). Any thread; iteration then ends without an error."""
+        self._stopping = True
+        signal_group(self._proc, signal.SIGTERM)
+
+    def kill(self) -> None:
+        """Kill the child's group (SIGKILL). Any thread; idempotent."""
+        self._stopping = True
+        signal_group(self._proc, signal.SIGKILL)
+
+    def close(self) -> None:
+        """Terminate, kill if needed, reap the child and close the pipes. Idempotent; any thread."""
+        self._stopping = True
+        self.interrupt()
+        with self._io:
+            self._release()
+
+    def _release(self) -> None:
+        with contextlib.suppress(Exception):
+            self._sel.close()
+        self._pidwatch.close()
+        self._finalizer()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def __enter__(self) -> LineStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def _read_chunk(fd: int, pipes: dict[int, bytearray]) -> bool | None:
-    """Read what ``fd`` has: True for data, False for nothing now; at its end drop it from ``pipes``: None."""
-    try:
-        chunk = os.read(fd, 65536)
-    except BlockingIOError:
-        return False
-    except OSError:
-        chunk = b""
-    if not chunk:
-        pipes.pop(fd, None)
-        return None
-    buf = pipes[fd]
-    buf += chunk
-    if len(buf) > MAX_OUTPUT_BYTES:
-        raise _Flood
-    return True
+class _WholeOutput(LineStream):
+    """A one-shot child read by :class:`LineStream`'s loop, its stdout kept whole (up to :data:`MAX_OUTPUT_BYTES`).
+
+    The output ends when both pipes close and the leader has exited, or :data:`PIPE_GRACE` after the leader exited
+    (helpers that still hold the pipes are then killed).
+    """
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None, deadline: float) -> None:
+        super().__init__(argv, env=env, pdeathsig=False)
+        self.deadline = deadline
+        self.out = bytearray()
+        self.finished = False
+
+    def _stdout(self, data: bytes) -> None:
+        self.out += data
+        if len(self.out) > MAX_OUTPUT_BYTES:
+            raise OutputTooLargeError(self.argv, MAX_OUTPUT_BYTES)
+
+    def _finish(self) -> None:
+        self.finished = wait_exit(self._proc, max(self.deadline - time.monotonic(), 0.0))
+        raise StreamEndedError(self.argv, 0, "")
+
+    def read_to_end(self) -> bool:
+        """Read until the output ends and the leader exits (True), or the deadline passes (False)."""
+        with contextlib.suppress(StreamEndedError):
+            self.readline(self.deadline - time.monotonic())  # no line ever comes: None only at the deadline
+        return self.finished
 
 
 class SubprocessRunner:
@@ -345,25 +558,30 @@ class SubprocessRunner:
             NvidiaSmiTimeoutError: it did not finish in time (it was killed).
         """
         start = time.monotonic()
-        proc = popen(argv, self.env, pdeathsig=False)
         grace = min(TERM_GRACE, timeout / 10)
-        try:
-            if os.name == "nt":  # pragma: no cover - no select() on pipes there
-                try:
-                    raw_out, raw_err = proc.communicate(timeout=max(timeout - 2 * grace, 0.001))
-                    finished = True
-                except subprocess.TimeoutExpired:
-                    raw_out, raw_err, finished = b"", b"", False
-            else:
-                raw_out, raw_err, finished = _run_to_end(proc, start + max(timeout - 2 * grace, 0.001))
-        except _Flood:
-            raise OutputTooLargeError(argv, MAX_OUTPUT_BYTES) from None
-        finally:
-            terminate_and_reap(proc, grace)
-        if not finished:
-            raise no_answer(argv, timeout)
+        deadline = start + max(timeout - 2 * grace, 0.001)
+        if os.name == "nt":  # pragma: no cover - no select() on pipes there
+            proc = popen(argv, self.env, pdeathsig=False)
+            try:
+                raw_out, raw_err = proc.communicate(timeout=deadline - start)
+            except subprocess.TimeoutExpired:
+                raise no_answer(argv, timeout) from None
+            finally:
+                terminate_and_reap(proc, grace)
+            stdout, stderr = decode(raw_out), decode(raw_err)
+        else:
+            child = _WholeOutput(argv, self.env, deadline)
+            proc = child._proc
+            try:
+                finished = child.read_to_end()
+            finally:
+                terminate_and_reap(proc, grace)
+                child.close()
+            if not finished:
+                raise no_answer(argv, timeout)
+            stdout, stderr = decode(bytes(child.out)), child.stderr
         rc = proc.returncode if proc.returncode is not None else -signal.SIGKILL
-        return Completed(tuple(argv), rc, decode(raw_out), decode(raw_err), time.monotonic() - start)
+        return Completed(tuple(argv), rc, stdout, stderr, time.monotonic() - start)
 
     def lines(self, argv: Sequence[str]) -> LineStream:
         """Start ``argv`` and return its output as a :class:`LineStream`."""

@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Sequence
 
 from smiquery.errors import SmiqueryError, failure_from_exit
-from smiquery.runner import TERM_GRACE, Completed, no_answer
+from smiquery.runner import TERM_GRACE, Completed, LineSplitter, decode, message_of, no_answer
 from smiquery.runner.children import (
     MAX_ERR_BYTES,
     PidWatch,
@@ -24,11 +24,11 @@ from smiquery.runner.children import (
     exited,
     live_children,
     popen,
+    read_some,
     signal_group,
     submit_loop_child,
     terminate_and_reap,
 )
-from smiquery.runner.lines import LineSplitter, decode, message_of
 
 __all__ = ["AsyncLines", "live_children", "run", "start_loop_child"]
 
@@ -65,20 +65,20 @@ async def _wait_exit(proc: Popen, timeout: float) -> bool:
     return True
 
 
-async def _terminate(proc: Popen, grace: float) -> None:
-    try:
-        if not exited(proc):
-            signal_group(proc, signal.SIGTERM)
-            if not await _wait_exit(proc, grace):
-                signal_group(proc, signal.SIGKILL)
-                await _wait_exit(proc, grace)
-    finally:
-        terminate_and_reap(proc, 0.0)  # reaped now, or (cancelled, still alive) killed and reaped by a runner thread
-
-
 async def _reap(proc: Popen, grace: float = TERM_GRACE) -> None:
     """SIGTERM to the group, SIGKILL after ``grace``, reap: shielded, so a cancelled caller leaves no process."""
-    await asyncio.shield(asyncio.ensure_future(_terminate(proc, grace)))
+
+    async def stop() -> None:
+        try:
+            if not exited(proc):
+                signal_group(proc, signal.SIGTERM)
+                if not await _wait_exit(proc, grace):
+                    signal_group(proc, signal.SIGKILL)
+                    await _wait_exit(proc, grace)
+        finally:
+            terminate_and_reap(proc, 0.0)  # reaped now, or (cancelled, still alive) killed and reaped by a thread
+
+    await asyncio.shield(asyncio.ensure_future(stop()))
 
 
 async def start_loop_child(argv: Sequence[str]) -> Popen:
@@ -123,7 +123,7 @@ async def start_loop_child(argv: Sequence[str]) -> Popen:
 class AsyncLines:
     """One running child's stdout lines, read on the event loop until a deadline; its exit judged at the end.
 
-    The asyncio counterpart of :class:`~smiquery.runner.lines.LineStream`; stderr is drained meanwhile.
+    The asyncio counterpart of :class:`~smiquery.runner.LineStream`; stderr is drained meanwhile.
     """
 
     def __init__(self, proc: Popen, argv: Sequence[str]) -> None:
@@ -151,12 +151,9 @@ class AsyncLines:
     def _drain_err(self, chunks: int = 1) -> None:
         """Read up to ``chunks`` chunks of stderr (kept up to 64 KiB); stop reading it at its end."""
         for _ in range(chunks):
-            try:
-                data = os.read(self._errfd, 65536)
-            except BlockingIOError:
+            data = read_some(self._errfd)
+            if data is None:
                 return
-            except OSError:
-                data = b""
             if not data:
                 self._stop_err()
                 return
@@ -170,12 +167,9 @@ class AsyncLines:
 
     def _read(self) -> bool:
         """Take what stdout holds now, without waiting; False when it holds nothing."""
-        try:
-            data = os.read(self._out, 65536)
-        except BlockingIOError:
+        data = read_some(self._out)
+        if data is None:
             return False
-        except OSError:
-            data = b""
         if data:
             self._split.feed(data)
         else:

@@ -31,6 +31,7 @@ __all__ = [
     "exited",
     "live_children",
     "popen",
+    "read_some",
     "signal_group",
     "spawn_loop_child",
     "submit_loop_child",
@@ -46,8 +47,6 @@ PIPE_GRACE = 0.2
 MAX_ERR_BYTES = 64 * 1024
 _LINUX = sys.platform.startswith("linux")
 
-
-# ------------------------------------------------------------------------------------------ child bookkeeping
 
 # Children alive right now, with the pid of the process that started them: killed at interpreter exit so a loop
 # child never outlives its parent. A forked copy of this process inherits the set but owns none of them.
@@ -325,6 +324,16 @@ def _kill_all_at_exit() -> None:
         signal_group(proc, signal.SIGKILL)
         with contextlib.suppress(Exception):
             proc.wait(0.2)
+
+
+def read_some(fd: int) -> bytes | None:
+    """What a non-blocking pipe holds now: its data, b"" at its end (or on an error), None when nothing is there."""
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
 
 
 class PidWatch:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -40,7 +39,7 @@ class GpuProcess:
 _APPS_FIELDS = "pid,process_name,gpu_uuid,used_memory"
 
 
-def _parse_apps(argv: Sequence[str], stdout: str) -> list[tuple[int, str, str, int | None, dict[str, str]]]:
+def _parse_apps(stdout: str) -> list[tuple[int, str, str, int | None, dict[str, str]]]:
     rows = []
     for lineno, line in enumerate(stdout.splitlines(), 1):
         line = line.rstrip("\r\n\t ")
@@ -80,14 +79,8 @@ def processes(
     """The compute processes on each GPU with their memory: the answer to "which job holds this memory?".
 
     Runs ``--query-compute-apps`` and joins each row to its GPU's index, sorted by index, then pid (an idle machine
-    has none). Exit 14 keeps the rows and warns. ``gpus`` keeps only those GPUs; ``timeout`` bounds each call.
-
-    Raises:
-        InvalidGpuIdError: a malformed GPU id (before anything runs).
-        NvidiaSmiNotFoundError: no nvidia-smi to run.
-        NvidiaSmiTimeoutError: it did not answer in time (it was killed).
-        NvidiaSmiFailedError: it failed (a subclass per exit code).
-        ParseError: a row that does not fit.
+    has none). Exit 14 keeps the rows and warns. ``gpus`` keeps only those GPUs; ``timeout`` bounds each call. The
+    arguments and errors are :func:`smiquery.query`'s.
     """
     ids = normalize_gpus(gpus)
     runner = runner or default_runner()
@@ -97,7 +90,7 @@ def processes(
     argv = [binary, "--query-compute-apps=" + _APPS_FIELDS, "--format=csv,noheader,nounits"]
     done = judge_exit(argv, runner.run(argv, timeout), "rows")
     out = []
-    for pid, name, uuid, mem, missing in _parse_apps(argv, done.stdout):
+    for pid, name, uuid, mem, missing in _parse_apps(done.stdout):
         if ids and uuid not in by_uuid:
             continue
         out.append(GpuProcess(pid, name, uuid, by_uuid.get(uuid), mem, missing))

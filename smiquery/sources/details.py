@@ -146,9 +146,6 @@ class GpuDetails:
         return dataclasses.asdict(self)  # mappings become dicts, tuples stay tuples (json writes lists)
 
 
-# ------------------------------------------------------------------------------------------------ readings
-
-
 @dataclass(frozen=True)
 class _Reading:
     """Where one DTD version keeps the values that moved."""
@@ -184,9 +181,6 @@ def _reading_for(text: str) -> _Reading:
             stacklevel=3,
         )
     return _Reading(version, (_EVENT, _THROTTLE), True)  # by name: every spelling, nothing assumed absent
-
-
-# ------------------------------------------------------------------------------------------------ parsing
 
 
 class _Values:
@@ -262,11 +256,7 @@ def _clock_reasons(gpu: ET.Element, reading: _Reading, vals: _Values) -> tuple[s
         if node is None:
             continue
         prefix = tag.removesuffix("s") + "_"  # clocks_event_reasons -> clocks_event_reason_
-        active = []
-        for child in node:
-            if (child.text or "").strip().lower() == "active":
-                active.append(child.tag.removeprefix(prefix))
-        return tuple(active)
+        return tuple(c.tag.removeprefix(prefix) for c in node if (c.text or "").strip().lower() == "active")
     vals.absent("clock_event_reasons", " or ".join(reading.clock_reasons))
     return None
 
@@ -354,11 +344,8 @@ def _gpu(index: int, gpu: ET.Element, reading: _Reading, driver: str | None) -> 
     if bus is None and gpu.get("id"):
         bus = gpu.get("id")  # the <gpu id="..."> attribute is the bus id in every version
         vals.missing.pop("pci_bus_id", None)
-    inforom: dict[str, str] = {}
-    for child in gpu.find("inforom_version") or ():
-        value = (child.text or "").strip()
-        if value.lower() not in _BARE:
-            inforom[child.tag] = value
+    versions = ((c.tag, (c.text or "").strip()) for c in gpu.find("inforom_version") or ())
+    inforom = {tag: value for tag, value in versions if value.lower() not in _BARE}
     mig_mode, mig_devices = _mig(gpu, reading, vals)
     return GpuDetails(
         index=index,
@@ -443,8 +430,6 @@ def parse_xml(text: str | bytes, *, listing: str | None = None) -> list[GpuDetai
     return _join_listing(gpus, parse_list(listing)) if listing else gpus
 
 
-# ------------------------------------------------------------------------------------------------ nvidia-smi -L
-
 _L_GPU_RE = re.compile(r"^GPU (\d+): (.*?) \(UUID: (GPU-[0-9a-fA-F-]+)\)\s*$")
 _L_MIG_RE = re.compile(r"^\s+MIG (\S+)\s+Device\s+(\d+): \(UUID: (MIG-[0-9A-Za-z/-]+)\)\s*$")
 
@@ -484,9 +469,6 @@ def _join_listing(gpus: list[GpuDetails], listing: Mapping[str, list[tuple[int, 
     return out
 
 
-# ------------------------------------------------------------------------------------------------ details
-
-
 def details(
     gpus: GpusArg = None,
     *,
@@ -499,18 +481,8 @@ def details(
     When a GPU has MIG enabled, ``nvidia-smi -L`` runs too, within the same ``timeout``, for the MIG UUIDs and
     profiles. Never retries: a failure raises its typed error at once, like :func:`smiquery.query`.
 
-    Args:
-        gpus: indices, UUIDs or PCI bus ids (``-i``); None for all.
-        nvidia_smi: path of the binary.
-        timeout: the most seconds the whole call may take.
-        runner: how to run nvidia-smi (tests inject one).
-
-    Raises:
-        InvalidGpuIdError: a malformed GPU id (before anything runs).
-        NvidiaSmiNotFoundError: no nvidia-smi to run.
-        NvidiaSmiTimeoutError: it did not answer in time (it was killed).
-        NvidiaSmiFailedError: it failed (a subclass per exit code).
-        ParseError: its XML does not fit.
+    The arguments are :func:`smiquery.query`'s (``timeout`` bounds the whole call), and so are the errors
+    (:class:`~smiquery.errors.ParseError`: XML that does not fit).
     """
     deadline = time.monotonic() + timeout
     ids = normalize_gpus(gpus)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from smiquery._log import get_logger
+from smiquery.retry import one_line
 
 __all__ = ["Latest", "Snapshot"]
 
@@ -39,11 +40,6 @@ class Snapshot(Generic[T]):
     def fresh(self, max_age: float) -> T | None:
         """The value while it is at most ``max_age`` seconds old, else None."""
         return self.value if self.age is not None and self.age <= max_age else None
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text.strip() else type(exc).__name__
 
 
 class Latest(Generic[T]):
@@ -142,7 +138,7 @@ class Latest(Generic[T]):
 
     def _failed(self, exc: BaseException) -> None:
         self._failures[type(exc).__name__] += 1
-        message = _one_line(exc)
+        message = one_line(exc)
         if message != self._error:
             log.warning("smiquery: %s failed: %s", self.name, message)
         self._error = message

@@ -185,9 +185,6 @@ class PmonParser:
         if not line[:1].isspace() and not line[:1].isdigit():
             self.notices.append(line.strip())  # a driver message, not a damaged row
             return None
-        return self._reject(message, line)
-
-    def _reject(self, message: str, line: str) -> PmonRow | None:
         err = ParseError(message, lineno=self.lineno, line=line)
         if self.strict:
             raise err
@@ -230,9 +227,8 @@ class InstantGrouper:
         key = (row.gpu, row.pid)
         stamp = (row.date, row.time)
         done = None
-        if self._rows and (key in self._seen or (stamp != self._stamp and stamp != (None, None))):
-            done = tuple(self._rows)
-            self._rows, self._seen = [], set()
+        if key in self._seen or stamp not in (self._stamp, (None, None)):
+            done = self.flush()
         self._rows.append(row)
         self._seen.add(key)
         self._stamp = stamp
@@ -240,19 +236,14 @@ class InstantGrouper:
 
     def discard(self) -> None:
         """Forget the instant under way (cut short by a restart)."""
-        self._rows, self._seen = [], set()
+        self.flush()
         self._stamp = (None, None)
 
     def flush(self) -> tuple[PmonRow, ...] | None:
         """The instant under way, if any rows came (at the end of the stream)."""
-        if not self._rows:
-            return None
-        done = tuple(self._rows)
+        done = tuple(self._rows) or None
         self._rows, self._seen = [], set()
         return done
-
-
-# ------------------------------------------------------------------------------------------- the argv and rows
 
 
 def build_pmon_argv(
@@ -329,8 +320,6 @@ class PmonRows:
         notices = self.parser.notices
         return notices[-1] if notices else None
 
-
-# -------------------------------------------------------------------------------------------- summaries
 
 _METRICS = ("sm", "mem", "enc", "dec", "jpg", "ofa", "fb", "ccpm")
 
@@ -432,10 +421,8 @@ def sort_rows(rows: Iterable[PmonRow], by: str = "sm", *, descending: bool = Tru
     if by not in PMON_COLUMNS:
         raise ValueError(f"by must be one of {', '.join(PMON_COLUMNS)}")
     items = list(rows)
-    present = [r for r in items if getattr(r, by) is not None]
-    absent = [r for r in items if getattr(r, by) is None]
-    present.sort(key=lambda r: getattr(r, by), reverse=descending)
-    return present + absent
+    present = sorted((r for r in items if getattr(r, by) is not None), key=operator.attrgetter(by), reverse=descending)
+    return present + [r for r in items if getattr(r, by) is None]
 
 
 def process_user(pid: int) -> str | None:

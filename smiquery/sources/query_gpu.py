@@ -111,8 +111,10 @@ class CsvParser:
         self.last_error: ParseError | None = None
         self.lineno = 0
         self._header: str | None = None
-        self._fields: tuple[Field, ...] = ()
-        self._units: tuple[str, ...] = ()
+        #: The fields of each row (empty until a header was read, when none were given).
+        self.fields: tuple[Field, ...] = ()
+        #: The unit of each column, from the header when it had one, else from the catalogue.
+        self.units: tuple[str, ...] = ()
         self.schema: Schema | None = None
         self._convs: tuple[Callable[[str], Value], ...] = ()
         self._row: Callable[[list[str]], tuple[Value, ...]] = _row_converter(())
@@ -121,19 +123,9 @@ class CsvParser:
         if fields is not None:
             self._set_fields(tuple(f if isinstance(f, Field) else get_field(f, known=known) for f in fields), None)
 
-    @property
-    def fields(self) -> tuple[Field, ...]:
-        """The fields of each row (empty until a header was read, when none were given)."""
-        return self._fields
-
-    @property
-    def units(self) -> tuple[str, ...]:
-        """The unit of each column, from the header when it had one, else from the catalogue."""
-        return self._units
-
     def _set_fields(self, fields: tuple[Field, ...], header_units: Sequence[str] | None) -> None:
-        self._fields = fields
-        self._units = tuple(header_units) if header_units is not None else tuple(f.header_unit or "" for f in fields)
+        self.fields = fields
+        self.units = tuple(header_units) if header_units is not None else tuple(f.header_unit or "" for f in fields)
         self.schema = Schema(tuple(f.name for f in fields))
         self._convs = tuple(f.kind.ops.converter(self.tz) for f in fields)
         self._ncols = len(fields)
@@ -144,7 +136,7 @@ class CsvParser:
         try:
             fields = tuple(get_field(name, known=self._known) for name, _ in cells)
         except InvalidFieldError:
-            if self._fields:
+            if self.fields:
                 return False
             # No fields given and the first line is no header: unknown names in a header are still a header
             # when every cell looks like a field name with an optional unit.
@@ -153,14 +145,14 @@ class CsvParser:
             else:
                 return False
         units = [u for _, u in cells]
-        if self._fields:
-            if tuple(f.name for f in fields) != tuple(f.name for f in self._fields):
+        if self.fields:
+            if tuple(f.name for f in fields) != tuple(f.name for f in self.fields):
                 raise ParseError(
-                    f"header does not match the requested fields ({', '.join(f.name for f in self._fields)})",
+                    f"header does not match the requested fields ({', '.join(f.name for f in self.fields)})",
                     lineno=self.lineno,
                     line=line,
                 )
-            units = [u or f.header_unit or "" for u, f in zip(units, self._fields, strict=True)]
+            units = [u or f.header_unit or "" for u, f in zip(units, self.fields, strict=True)]
         self._set_fields(fields, units)
         self._header = line
         return True
@@ -171,8 +163,15 @@ class CsvParser:
         line = line.rstrip("\r\n\t ")
         if not line:
             return None
-        if not self._seen_row and self._header is None and self._try_header_first(line):
-            return None
+        if not self._seen_row and self._header is None:
+            if self._try_header(line):
+                return None
+            if not self.fields:
+                raise ParseError(
+                    "no header line and no fields given; pass fields= for noheader output",
+                    lineno=self.lineno,
+                    line=line,
+                )
         if line == self._header:
             return None  # a restarted stream without noheader prints its header again
         cells = line.split(", ")
@@ -195,22 +194,11 @@ class CsvParser:
         _fill(sample, (self.schema, values, tuple(cells), None, False))
         return sample
 
-    def _try_header_first(self, line: str) -> bool:
-        if self._try_header(line):
-            return True
-        if not self._fields:
-            raise ParseError(
-                "no header line and no fields given; pass fields= for noheader output",
-                lineno=self.lineno,
-                line=line,
-            )
-        return False
-
     def _slow_row(self, line: str, cells: list[str]) -> GpuSample | None:
         values: list[Value] = []
         missing: dict[str, str] = {}
         lost = False
-        for fld, unit, conv, cell in zip(self._fields, self._units, self._convs, cells, strict=True):
+        for fld, unit, conv, cell in zip(self.fields, self.units, self._convs, cells, strict=True):
             reason = missing_reason(cell)
             if reason is not None:
                 values.append(None)
@@ -271,8 +259,6 @@ def header_line(fields: Sequence[Field]) -> str:
     return ", ".join(f.header for f in fields)
 
 
-# ------------------------------------------------------------------------------------------------ one shot
-
 #: Seconds a one-shot call waits by default: a cold start without persistence mode takes 15-30 s on large hosts.
 DEFAULT_TIMEOUT = 45.0
 
@@ -299,17 +285,16 @@ def check_and_parse(
 ) -> list[GpuSample]:
     """Judge a finished one-shot call: its typed error, or its rows (exit 14 keeps them and warns)."""
     returncode = done.returncode
-    if returncode not in (0, 14):
+    samples: list[GpuSample] = []
+    if returncode in (0, 14):
+        try:
+            samples = list(parser.parse(done.stdout.splitlines()))
+        except ParseError:
+            if returncode == 0:
+                raise
+    if not samples and returncode:  # exit 14 without rows is a failure too
         raise failure_from_exit(argv, returncode, _messages_only(done, fields))
-    try:
-        samples = list(parser.parse(done.stdout.splitlines()))
-    except ParseError:
-        if returncode == 14:
-            raise failure_from_exit(argv, returncode, _messages_only(done, fields)) from None
-        raise
     if not samples:
-        if returncode == 14:
-            raise failure_from_exit(argv, returncode, _messages_only(done, fields))
         raise NvidiaSmiFailedError(
             argv,
             returncode,
@@ -373,8 +358,6 @@ def query_df(
 
     return to_dataframe(query(fields, gpus=gpus, nvidia_smi=nvidia_smi, timeout=timeout, runner=runner))
 
-
-# ------------------------------------------------------------------------------------------- get_gpu_status
 
 _STATUS_FIELDS = ("timestamp", "index", "name", "temperature.gpu", "utilization.gpu", "utilization.memory")
 _STATUS_KEYS = {

@@ -9,6 +9,7 @@ a plain file once; :class:`XidWatcher` is the one thread that follows a log and 
 from __future__ import annotations
 
 import contextlib
+import csv
 import errno
 import hashlib
 import os
@@ -20,11 +21,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, cast
 
 from smiquery._log import get_logger
 from smiquery.errors import KernelLogError, UsageError
 from smiquery.printable import printable
+from smiquery.retry import one_line
 from smiquery.sample import BusKey, bus_key
 
 __all__ = [
@@ -66,50 +68,16 @@ class XidInfo:
     advice: str
 
 
-def _info(code: int, meaning: str, action: XidAction, advice: str) -> tuple[int, XidInfo]:
-    return code, XidInfo(code, meaning, action, advice)
+def _catalogue() -> dict[int, XidInfo]:
+    with open(os.path.join(os.path.dirname(__file__), "xid.csv"), encoding="utf-8", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    return {
+        int(r["code"]): XidInfo(int(r["code"]), r["meaning"], cast(XidAction, r["action"]), r["advice"]) for r in rows
+    }
 
 
-#: The common Xid codes (NVIDIA's public "Xid Errors" catalogue, summarised).
-XID_CATALOGUE: dict[int, XidInfo] = dict(
-    [
-        _info(8, "GPU stopped responding to a channel (driver or application)", "reset",
-              "Restart the job; reset the GPU if it repeats."),
-        _info(13, "graphics engine exception (an illegal instruction or address in a kernel)", "application",
-              "Debug the application (compute-sanitizer); the GPU is fine unless other Xids follow."),
-        _info(31, "GPU memory page fault (illegal memory access)", "application",
-              "Debug the application (compute-sanitizer); the GPU is fine unless it repeats across jobs."),
-        _info(32, "invalid or corrupted push buffer stream (PCIe or driver)", "reset",
-              "Check PCIe errors and the driver; reset the GPU if it repeats."),
-        _info(38, "driver firmware error", "reset", "Reset the GPU; update the driver if it repeats."),
-        _info(43, "GPU stopped processing (the application faulted)", "application",
-              "The faulting process was stopped; the GPU keeps working. Debug the application."),
-        _info(45, "preemptive cleanup after a previous error or a killed process", "info",
-              "Nothing by itself; look at the Xid before it."),
-        _info(48, "double-bit ECC error (uncorrectable)", "drain",
-              "Drain the node and reset the GPU; RMA if it repeats or pages cannot be retired."),
-        _info(61, "internal micro-controller breakpoint or warning", "reset", "Reset the GPU; report if it repeats."),
-        _info(62, "internal micro-controller halt", "drain", "Drain and reset the GPU; RMA if it repeats."),
-        _info(63, "ECC page retirement or row remapping recorded", "info",
-              "Reset the GPU when convenient so the retirement or remap takes effect."),
-        _info(64, "ECC page retirement or row remapping failed", "drain",
-              "Drain the node, reset the GPU; RMA if the remap keeps failing."),
-        _info(68, "video decoder (NVDEC) exception", "application", "Check the application using the decoder."),
-        _info(69, "graphics engine class error", "application", "Debug the application; reset if it repeats."),
-        _info(74, "NVLink error", "drain", "Drain, reset the GPUs on the link; check the link and RMA if it repeats."),
-        _info(79, "GPU has fallen off the bus", "drain",
-              "Drain the node and reboot it; check PCIe, power and cooling; RMA if it repeats."),
-        _info(92, "high single-bit ECC error rate", "rma", "Watch the GPU; RMA if the rate stays high."),
-        _info(94, "contained ECC error (only the affected application was stopped)", "reset",
-              "Restart the job; reset the GPU when idle to remap the row."),
-        _info(95, "uncontained ECC error (all applications on the GPU are affected)", "drain",
-              "Drain the node and reset the GPU now; RMA if it repeats."),
-        _info(109, "context switch timeout", "application", "Check the application; reset the GPU if it repeats."),
-        _info(119, "GSP firmware RPC timeout", "reset", "Reset the GPU (or reboot); update the driver if it repeats."),
-        _info(120, "GSP firmware error", "reset", "Reset the GPU (or reboot); update the driver if it repeats."),
-        _info(140, "unrecovered ECC error", "drain", "Drain the node and reset the GPU; RMA if it repeats."),
-    ]
-)  # fmt: skip
+#: The common Xid codes (NVIDIA's public "Xid Errors" catalogue, summarised; the data is ``xid.csv``).
+XID_CATALOGUE: dict[int, XidInfo] = _catalogue()
 
 
 @dataclass(frozen=True)
@@ -248,8 +216,6 @@ def gpu_for(event: XidEvent, gpus: Iterable[_G]) -> _G | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------------ following
-
 _DEDUPE_KEEP = 4096  # lines remembered, to skip them when a followed file is read again (rewritten, rotated)
 
 
@@ -274,14 +240,8 @@ class XidFollower(Iterator[XidEvent]):
         self._seen: OrderedDict[tuple[bytes, int], None] = OrderedDict()  # (line digest, its occurrence)
         self._pass: OrderedDict[bytes, int] = OrderedDict()  # line digest -> times read since the file was opened
         self._fd = -1
-        self._buf = b""
-        self._pos = 0
-        self._ino: tuple[int, int] | None = None
-        self._chardev = False
-        self._open(first=True, from_start=from_start)
+        self._open(first=True, from_start=from_start)  # sets the descriptor, its kind, identity and position
         self._gen = self._events()
-
-    # ---- public
 
     @property
     def closed(self) -> bool:
@@ -301,8 +261,6 @@ class XidFollower(Iterator[XidEvent]):
     def __exit__(self, *exc: object) -> None:
         self.close()
         self._gen.close()  # in the reading thread: closes the descriptor now (elsewhere it ends within `poll`)
-
-    # ---- reading
 
     def _open(self, *, first: bool, from_start: bool = True) -> bool:
         try:
@@ -468,24 +426,16 @@ def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -
 class XidWatcher:
     """A kernel log followed on a daemon thread: each new Xid event is counted by GPU and code, then handed on.
 
-    The one follower of the exporter, the training monitor and the stream CLI. What it keeps is bounded: counts for
-    the :attr:`MAX_SERIES` (bus, code) pairs with the newest events (an older pair's count moves to :attr:`other`)
-    and one count per refusal reason (:meth:`rejected`); refused lines are noted at most once a minute.
+    What it keeps is bounded: counts for the :attr:`MAX_SERIES` (bus, code) pairs with the newest events (an older
+    pair's count moves to :attr:`other`) and one count per refusal reason (:meth:`rejected`); refused lines are
+    noted at most once a minute (through ``on_refused``, default a WARNING log; ``clock`` times that minute).
 
-    Args:
-        path: ``/dev/kmsg`` or a plain file (see :func:`follow`, as for ``from_start`` and ``poll``).
-        on_event: called on the thread with each new event after it was counted (what it raises is logged).
-        on_error: called on the thread with the error and whether the log had been opened: on each read failure,
-            and (with ``retry``) the first time the log cannot be opened.
-        retry: seconds before the log is opened again after it could not be, or after reading failed (resuming
-            after the last event counted). None: :meth:`start` opens the log, raising when it cannot, and a
-            failure ends the following.
-        on_refused: called with the one-line note about refused lines (default: a WARNING log).
-        clock: a monotonic clock for that minute (tests inject one).
-
-    Attributes:
-        up: True while the log is open and read; ``last_error`` the last failure, one line.
-        events: events counted so far; ``attempts``: times the log was opened or tried.
+    ``path``, ``from_start`` and ``poll`` are :func:`follow`'s. ``on_event`` is called on the thread with each
+    counted event (what it raises is logged); ``on_error`` with a read failure and whether the log had been opened
+    (with ``retry``, also the first time it cannot be opened). ``retry``: seconds before the log is opened again
+    after it could not be or reading failed, resuming after the last event counted; None: :meth:`start` opens the
+    log, raising when it cannot, and a failure ends the following. :attr:`up` is True while the log is read
+    (``last_error``: the last failure, one line); :attr:`events` counts events, :attr:`attempts` opens tried.
     """
 
     #: (bus, code) pairs counted at most: the pair whose last event is the oldest gives its count to ``other``
@@ -626,8 +576,7 @@ class XidWatcher:
                     for event in follower:
                         self._count(event)
             except Exception as exc:  # a read error (or a bug): resume after what was counted, not from the start
-                text = str(exc)
-                self.up, self.last_error = False, text.splitlines()[0] if text else type(exc).__name__
+                self.up, self.last_error = False, one_line(exc)
                 self._report(exc, True)
                 if self.retry is not None:
                     self._stop.wait(self.retry)

@@ -1,1 +1,1 @@
-"""The stream engine (:mod:`.engine`, no I/O) and its drivers: the CSV (:mod:`.sync`), pmon and asyncio streams."""
+"""The stream engine (:mod:`.engine`, no I/O) and its thread driver (:mod:`.sync`): the CSV and pmon streams."""

@@ -43,19 +43,15 @@ class Rows(Protocol[Item]):
 
     def child_started(self) -> None:
         """A new child starts: what the previous one left unfinished is gone."""
-        ...
 
     def feed(self, lines: Sequence[str], now: float, idle: float | None, out: list[Item]) -> int:
         """Parse ``lines`` (arrived at monotonic ``now`` after waiting ``idle`` s); append items; return rows."""
-        ...
 
     def cut(self, out: list[Item], now: float) -> None:
         """The child failed: append what its unfinished output still makes (a short sweep), if anything."""
-        ...
 
     def last_message(self) -> str | None:
         """The newest line that was not a row, if any."""
-        ...
 
 
 class Engine(Generic[Item]):
@@ -106,8 +102,6 @@ class Engine(Generic[Item]):
         self.events.clear()
         return events
 
-    # ------------------------------------------------------------------------------------------- lifecycle
-
     def begin(self, now: float) -> None:
         """The stream starts (its ``duration`` counts from here)."""
         self._end = None if self.duration is None else now + self.duration
@@ -149,8 +143,6 @@ class Engine(Generic[Item]):
         if self.stats.state != "failed":
             self.stats.state = "closed" if self.closed else "ended"
         self.stats.next_retry_at = None
-
-    # --------------------------------------------------------------------------------------------- data
 
     def deadline(self) -> float:
         """The monotonic time by which the next row must arrive (or the stream ends)."""
@@ -206,8 +198,6 @@ class Engine(Generic[Item]):
             argv=self.argv,
             timeout=self.stall_timeout,
         )
-
-    # --------------------------------------------------------------------------------------------- retry
 
     def failed(self, exc: SmiqueryError, now: float, wall: float) -> tuple[list[Item], float] | None:
         """The child failed (or could not start): what its cut output still makes, and the seconds to wait.

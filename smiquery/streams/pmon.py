@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 from smiquery._log import get_logger
 from smiquery.retry import RetryPolicy
@@ -12,7 +12,7 @@ from smiquery.source import StreamEvent, StreamStats
 from smiquery.sources.pmon import InstantGrouper, PmonRow, PmonRows, build_pmon_argv
 from smiquery.streams.argv import GpusArg, normalize_gpus
 from smiquery.streams.engine import Engine
-from smiquery.streams.threaded import ThreadDriver
+from smiquery.streams.sync import ThreadDriver
 
 __all__ = ["PmonStream", "stream"]
 
@@ -85,7 +85,7 @@ class PmonStream:
             except Exception:
                 log.exception("smiquery pmon on_event callback failed")
 
-    def __iter__(self) -> Iterator[PmonRow]:
+    def __iter__(self) -> Generator[PmonRow, None, None]:
         try:
             yield from self._driver.items()
         except BaseException as exc:
@@ -101,7 +101,7 @@ class PmonStream:
         """
         grouper = InstantGrouper()
         done = 0
-        rows = iter(self)
+        rows = self.__iter__()
         child = None
         try:
             for row in rows:
@@ -118,9 +118,7 @@ class PmonStream:
             if last is not None:
                 yield last
         finally:
-            close = getattr(rows, "close", None)
-            if close is not None:
-                close()
+            rows.close()
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop: the child is terminated and reaped. Idempotent, safe from any thread (a callback included)."""

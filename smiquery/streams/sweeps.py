@@ -13,7 +13,6 @@ group and track GPUs alike). :class:`Identity` follows the GPUs by UUID (by inde
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -182,8 +181,8 @@ class CsvRows:
         self.identity = Identity(stats, emit)
         self.parser = CsvParser(self.fields, strict=False, tz=tz)
         self.messages: deque[str] = deque(maxlen=20)
-        self._lock = threading.Lock()
-        self._latest: tuple[Sweep, float] | None = None
+        #: The newest sweep and its monotonic arrival time (one reference, swapped whole: any thread may read it).
+        self.newest: tuple[Sweep, float] | None = None
 
     def child_started(self) -> None:
         """A new child: a fresh parser; the GPU set is learnt anew (it may have changed)."""
@@ -245,26 +244,15 @@ class CsvRows:
             if sweep.damaged:
                 why += " (a row was dropped or nvidia-smi ended mid-sweep)"
             self._emit(StreamEvent("short_sweep", None, f"short sweep: {why}"))
-        with self._lock:
-            self._latest = (sweep, now)
+        self.newest = (sweep, now)
         return sweep
-
-    def latest(self) -> tuple[Sweep, float] | None:
-        """The newest sweep and its monotonic arrival time. Any thread."""
-        with self._lock:
-            return self._latest
 
 
 class CsvSource(LatestSweep):
     """What the thread and asyncio CSV streams share: checked arguments, counters, the rows' meaning, the engine.
 
-    The arguments are :func:`smiquery.stream`'s (``binary``: the located nvidia-smi; ``max_rows``: its
+    The arguments and errors are :func:`smiquery.stream`'s (``binary``: the located nvidia-smi; ``max_rows``: its
     ``max_samples``).
-
-    Raises:
-        InvalidFieldError: an unknown field.
-        InvalidGpuIdError: a malformed GPU id.
-        ValueError: a non-positive interval or timeout.
     """
 
     #: The error that ended the stream (it gave up), if any.
@@ -288,8 +276,6 @@ class CsvSource(LatestSweep):
         flds = resolve_fields(fields)
         if not any(f.name == "index" for f in flds):
             flds = (*resolve_fields(["index"]), *flds)  # sweeps are grouped by GPU index
-        if interval <= 0:
-            raise ValueError("interval must be positive")
         if startup_timeout <= 0:
             raise ValueError("startup_timeout must be positive")
         self.fields = flds
@@ -326,7 +312,5 @@ class CsvSource(LatestSweep):
 
     def latest(self) -> tuple[Sweep | None, float | None]:
         """The newest sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
-        got = self._rows.latest()
-        if got is None:
-            return None, None
-        return got[0], time.monotonic() - got[1]
+        got = self._rows.newest
+        return (None, None) if got is None else (got[0], time.monotonic() - got[1])

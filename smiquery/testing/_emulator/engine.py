@@ -462,7 +462,7 @@ class _Channel(Output):
 class InProcessLines:
     """The output of one in-process fake run, line by line (:meth:`InProcessRunner.lines`): a ``LineSource``.
 
-    It ends and fails like :class:`~smiquery.runner.lines.LineStream`; :meth:`terminate` (unless ``ignore-term``),
+    It ends and fails like :class:`~smiquery.runner.LineStream`; :meth:`terminate` (unless ``ignore-term``),
     :meth:`kill` and :meth:`close` end the engine's waits at once. ``pid`` is None; ``idle`` is the seconds the last
     :meth:`readline` waited; ``closed`` is True once the end was read, or after :meth:`close`.
     """
@@ -542,7 +542,7 @@ class InProcessLines:
                 self._messages.append(line)
 
     def _finish(self) -> None:
-        from smiquery.runner.lines import message_of
+        from smiquery.runner import message_of
 
         tail, self._buf = self._buf, b""
         self._add(tail)
