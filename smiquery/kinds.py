@@ -26,6 +26,7 @@ __all__ = [
     "Unit",
     "missing_reason",
     "missing_token",
+    "split_header_cell",
     "strip_unit",
     "to_number",
     "unit_info",
@@ -100,6 +101,15 @@ def missing_token(reason: str | None) -> str:
     """The cell nvidia-smi prints for a missing value with this reason (``[N/A]`` when unknown or None)."""
     r = reason or "not_available"
     return _TOKEN_FOR_REASON.get(r, r if r.startswith("[") else "[N/A]")
+
+
+_HEADER_UNIT = re.compile(r"^(.*?) \[([^\]]*)\]$")
+
+
+def split_header_cell(cell: str) -> tuple[str, str]:
+    """A csv header cell as (name, unit): ``"power.draw [W]"`` -> ``("power.draw", "W")``; no unit -> ``""``."""
+    m = _HEADER_UNIT.match(cell.strip())
+    return (m.group(1), m.group(2)) if m else (cell.strip(), "")
 
 
 def strip_unit(cell: str, unit: str) -> str:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from smiquery.errors import InfoRomWarning, InvalidFieldError, NvidiaSmiFailedError, ParseError, failure_from_exit
 from smiquery.fields import Field, FieldsArg, Kind, get_field, resolve_fields
-from smiquery.kinds import CONVERT_ERRORS, missing_reason, strip_unit
+from smiquery.kinds import CONVERT_ERRORS, missing_reason, split_header_cell, strip_unit
 from smiquery.sample import GpuSample, Schema, Value
 from smiquery.streams.argv import GpusArg, build_argv, normalize_gpus
 
@@ -37,7 +37,6 @@ __all__ = [
     "query_df",
 ]
 
-_HEADER_UNIT_RE = re.compile(r"^(.*?) \[([^\]]*)\]$")
 # Records of the fast path skip GpuSample.__init__ (the row's length is already checked): allocate, fill the slot.
 _alloc = object.__new__
 _fill = GpuSample._s.__set__  # type: ignore[attr-defined]
@@ -73,11 +72,6 @@ def bad_cell_reason(fld: Field, cell: str) -> str:
 def is_message(line: str) -> bool:
     """True for a line that is one of nvidia-smi's messages (an error, a warning, a notice), never a data row."""
     return line.lstrip().startswith(MESSAGE_PREFIXES)
-
-
-def _split_header_cell(cell: str) -> tuple[str, str]:
-    m = _HEADER_UNIT_RE.match(cell.strip())
-    return (m.group(1), m.group(2)) if m else (cell.strip(), "")
 
 
 class CsvParser:
@@ -132,7 +126,7 @@ class CsvParser:
         self._row = _row_converter(self._convs)
 
     def _try_header(self, line: str) -> bool:
-        cells = [_split_header_cell(c) for c in line.split(",")]
+        cells = [split_header_cell(c) for c in line.split(",")]
         try:
             fields = tuple(get_field(name, known=self._known) for name, _ in cells)
         except InvalidFieldError:

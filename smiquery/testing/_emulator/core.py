@@ -107,6 +107,12 @@ class Output:
     def line(self, text: str = "") -> None:
         self.raw(text.encode("utf-8") + b"\n")
 
+    def table(self, rows: Mapping[str, str]) -> None:
+        """Help text's two columns: each name, padded to the longest, then its text."""
+        width = max(len(name) for name in rows) + 2
+        for name, text in rows.items():
+            self.line(f"  {name:<{width}}{text}")
+
     def raw(self, data: bytes) -> None:
         self.stream.write(data)
 

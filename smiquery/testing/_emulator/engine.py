@@ -247,14 +247,10 @@ def _usage(out: Output) -> int:
     out.line("    nvidia-smi --help-query-gpu | --help-query-compute-apps | -L | --version | -h | --help")
     out.line()
     out.line("Faults (SMIQUERY_FAKE_FAULT or fault=; combine with commas; N counts data rows, across loop sweeps):")
-    width = max(len(spec) for spec in FAULT_HELP) + 2
-    for spec, text in FAULT_HELP.items():
-        out.line(f"  {spec:<{width}}{text}")
+    out.table(FAULT_HELP)
     out.line()
     out.line("Environment variables (read at every start; they override the settings baked into the script):")
-    width = max(len(name) for name in ENV_VARS) + 2
-    for name, text in ENV_VARS.items():
-        out.line(f"  {name:<{width}}{text}")
+    out.table(ENV_VARS)
     return 0
 
 

@@ -119,9 +119,7 @@ def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Outpu
         out.line("Usage: nvidia-smi pmon [-i ID] [-d SEC] [-c COUNT] [-s um] [-o DT]  (smiquery fake)")
         out.line()
         out.line("Environment variables of the pmon mode (read at every start):")
-        width = max(len(name) for name in PMON_ENV_VARS) + 2
-        for name, text in PMON_ENV_VARS.items():
-            out.line(f"  {name:<{width}}{text}")
+        out.table(PMON_ENV_VARS)
         return 0
     rec = load_recording(settings.recording)
     startup(faults, rec, out)

@@ -16,19 +16,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 from smiquery.errors import InvalidFieldError
 from smiquery.fields import Field, Kind, get_field
-from smiquery.kinds import missing_reason, strip_unit
+from smiquery.kinds import missing_reason, split_header_cell, strip_unit
 from smiquery.testing._emulator.core import FakeUsageError, MemoryState, is_number, read_bundled
 
 _DEFAULT_DRIVER = "590.48.01"
-
-# The fake starts on every call: it splits its header itself; the parser's module would import the runner too.
-_HEADER_UNIT = re.compile(r"^(.*?) \[([^\]]*)\]$")
-
-
-def split_header_cell(cell: str) -> tuple[str, str]:
-    """``"power.draw [W]"`` -> ``("power.draw", "W")``; a cell without a unit -> ``(cell, "")``."""
-    m = _HEADER_UNIT.match(cell.strip())
-    return (m.group(1), m.group(2)) if m else (cell.strip(), "")
 
 
 def is_token(cell: str) -> bool:
