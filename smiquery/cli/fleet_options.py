@@ -131,9 +131,9 @@ def read_source(
         return load(recording), label(recording)
     if recording:
         raise UsageError("give a recording (REC) or --prometheus, not both")
-    from smiquery.analysis import load_recording
     from smiquery.fleet.report import load_range, range_name
 
+    # the analysis (and pandas) is imported after the queries are sent: the import overlaps the server's answers
     df = load_range(
         prometheus,
         start,
@@ -145,4 +145,6 @@ def read_source(
         http_config=http_config,
         max_answer_bytes=None if max_answer is None else max_answer * 2**20,
     )
+    from smiquery.analysis import load_recording
+
     return load_recording(df, tz=tz), range_name(prometheus, df)

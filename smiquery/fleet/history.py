@@ -6,9 +6,11 @@ lookback carries a lost GPU's last value on), in chunks of at most 11,000 scrape
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
+import statistics
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -96,8 +98,6 @@ def estimate_step(
     series: Sequence[dict[str, str]] | None = None,
 ) -> float:
     """The scrape interval: the median time between raw samples of a few utilisation series."""
-    import numpy as np
-
     metric = naming.metric("utilization.gpu")
     if series is None:
         series = client.series([selector(metric, node)], start, end)
@@ -108,15 +108,15 @@ def estimate_step(
         exact = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
         for at in (end, min(end, start + window), (start + end) / 2):
             rows = client.query(f"{{{exact}}}[{int(window)}s]", at)
-            stamps = np.array([float(p[0]) for r in rows for p in r.get("values", [])])
+            stamps = sorted(float(p[0]) for r in rows for p in r.get("values", []))
             if len(stamps) >= 3:  # raw stamps, not counts: a window's left end counts in Prometheus 2, not 3
-                diffs.append(float(np.median(np.diff(np.sort(stamps)))))
+                diffs.append(statistics.median(b - a for a, b in itertools.pairwise(stamps)))
                 break
     if not diffs:
         raise PrometheusError(
             f"too few samples of {metric} between the times to tell the scrape interval; give a longer range"
         )
-    return round(float(np.median(diffs)), 3)
+    return round(float(statistics.median(diffs)), 3)
 
 
 def fleet_frame(
@@ -158,12 +158,6 @@ def fleet_frame(
         PrometheusError: no GPU series in the range (or none left after the filters).
         PrometheusUnreachableError, PrometheusQueryError: see :class:`PrometheusClient`.
     """
-    import numpy as np
-    import pandas as pd
-
-    from smiquery.fields import resolve_fields
-    from smiquery.frames import make_frame, string_dtype
-
     if not end > start:
         raise UsageError("--end must be after --start")
     for pattern, what in ((node, "--node"), (namespace, "--namespace"), (pod, "--pod")):
@@ -191,7 +185,15 @@ def fleet_frame(
     with ThreadPoolExecutor(max_workers=4) as pool:
         span = f"{int(end - start) + 1}s"
         info_futures = {n.name: pool.submit(info_labels, client, n, node, end, span) for n in found}
-        results = list(pool.map(run, jobs))
+        futures = [pool.submit(run, job) for job in jobs]
+        # imported while the server answers (pandas takes a third of a second to import)
+        import numpy as np
+        import pandas as pd
+
+        from smiquery.fields import resolve_fields
+        from smiquery.frames import make_frame, string_dtype
+
+        results = [fut.result() for fut in futures]
         infos = {name: fut.result() for name, fut in info_futures.items()}
 
     # GPU -> field -> list of (times, values); identity labels per GPU
