@@ -6,10 +6,20 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from smiquery.analysis.model import SEVERITY_ORDER, AlertSpan, Finding, HealthCount, Report, Severity, Stretch
+from smiquery.analysis.model import (
+    SEVERITY_ORDER,
+    AlertSpan,
+    Finding,
+    GpuName,
+    HealthCount,
+    Report,
+    Severity,
+    Stretch,
+)
 from smiquery.analysis.render import format_duration, gpu_list, gpu_name, time_text, value_text
 from smiquery.analysis.series import catalogue_field
 from smiquery.clock import seconds_between
+from smiquery.printable import printable
 
 if TYPE_CHECKING:
     from smiquery.alerts import Rule
@@ -211,26 +221,44 @@ def _memory_findings(gpus: list[GpuSeries], report: Report) -> list[Finding]:
 
 
 def _imbalance_findings(report: Report) -> list[Finding]:
-    """A GPU much less busy than the others: a straggler or an unbalanced split."""
-    means = {s.gpu: s.mean for s in report.stats if s.field == "utilization.gpu"}
-    if len(means) < 2:
-        return []
-    ordered = sorted(means.values())
-    median = ordered[len(ordered) // 2]
-    return _same_words(
-        [
+    """GPUs much less busy than those they work with: stragglers or an unbalanced split.
+
+    A fleet's GPUs are compared within their Slurm job, else their pod, else their node (never across unrelated
+    nodes); a recording's GPUs all together. One finding per group names all its stragglers.
+    """
+    groups: dict[str, dict[int, float]] = {}
+    for s in report.stats:
+        if s.field == "utilization.gpu" and s.gpu >= 0:
+            groups.setdefault(_peers(report.names.get(s.gpu)), {})[s.gpu] = s.mean
+    out: list[Finding] = []
+    for peers, means in sorted(groups.items()):
+        ordered = sorted(means.values())
+        median = ordered[len(ordered) // 2]
+        slow = sorted(g for g, m in means.items() if median >= 40 and m < median - 25)
+        if len(means) < 2 or not slow:
+            continue
+        averaged = ", ".join(f"{means[g]:.0f}%" for g in slow)
+        others = f"the other GPUs of {printable(peers)}" if peers else "the others"
+        out.append(
             Finding(
                 "imbalance",
                 "info",
-                (gpu,),
-                f"{gpu_name(gpu, report.names)} averaged {m:.0f}% utilization against {median:.0f}% on the others: "
-                "unbalanced work or a straggler; check its share of the data and its PCIe/NVLink link",
+                tuple(slow),
+                f"{gpu_list(slow, report.names)} averaged {averaged} utilization against {median:.0f}% on {others}: "
+                f"unbalanced work or a straggler; check {'their' if len(slow) > 1 else 'its'} share of the data and "
+                "PCIe/NVLink link",
             )
-            for gpu, m in sorted(means.items())
-            if median >= 40 and m < median - 25
-        ],
-        report,
-    )
+        )
+    return out
+
+
+def _peers(name: GpuName | None) -> str:
+    """Whom a GPU works with: its Slurm job, else its pod, else its node ("": a recording's GPUs, all together)."""
+    if name is None:
+        return ""
+    if name.job:
+        return f"Slurm job {name.job}"
+    return f"pod {name.pod}" if name.pod else name.node
 
 
 def _clock_findings(report: Report) -> list[Finding]:
