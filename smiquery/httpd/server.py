@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from smiquery._log import get_logger
+from smiquery._log import RateLimiter, get_logger
 from smiquery.errors import ListenError, PortInUseError
 
 if TYPE_CHECKING:
@@ -100,28 +100,6 @@ class _Conn:
     held: bytes | None = None  # a response to send once ``deadline`` passes (a shed request's 429)
 
 
-class _Throttle:
-    """One WARNING line per ``period`` for a repeating failure, saying how many were held back; the rest at DEBUG."""
-
-    def __init__(self, period: float = 60.0) -> None:
-        self.period = period
-        self.last = -period
-        self.held = 0
-        self.lock = threading.Lock()
-
-    def warn(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self.lock:
-            loud = now - self.last >= self.period
-            held, self.held = (self.held, 0) if loud else (0, self.held + 1)
-            if loud:
-                self.last = now
-        if loud:
-            tail = f" ({held} more like it held back in the last {self.period:g} s)" if held else ""
-            log.warning(msg + "%s; details at DEBUG", *args, tail)
-        log.debug(msg, *args, exc_info=True)
-
-
 class HttpServer:
     """Serve ``handler(request) -> Response`` on a listening socket until :meth:`shutdown`.
 
@@ -175,8 +153,7 @@ class HttpServer:
         self.failures = 0  # connections closed because handling them raised (each one contained)
         self.shed = 0  # requests answered 429: the verifier's queue was full
         self._checking = 0  # checks handed to the verifier and not yet back (the selector thread's count)
-        self._throttle = _Throttle()
-        self._handler_throttle = _Throttle()
+        self._limit = RateLimiter()  # one WARNING per message a minute
         _raise_fd_limit(max_connections + 256)
         sock.listen(backlog)
         sock.setblocking(False)
@@ -247,6 +224,14 @@ class HttpServer:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._sel.unregister(conn.sock)
 
+    def _warn(self, msg: str, *args: object) -> None:
+        """A repeating failure: one WARNING a minute saying how many were held back, every one at DEBUG."""
+        held = self._limit.take(msg)
+        if held is not None:
+            tail = f" ({held} more like it held back in the last {self._limit.period:g} s)" if held else ""
+            log.warning(msg + "%s; details at DEBUG", *args, tail)
+        log.debug(msg, *args, exc_info=True)
+
     def _guard(self, conn: _Conn | None, step: Callable[..., object], *args: object) -> None:
         """Run one step; a raise closes ``conn`` (only it) and is logged, throttled."""
         try:
@@ -254,7 +239,7 @@ class HttpServer:
         except Exception:
             self.failures += 1
             client = conn.client if conn is not None else "the listening socket"
-            self._throttle.warn("smiquery exporter: a connection failed and was closed (%s)", client)
+            self._warn("smiquery exporter: a connection failed and was closed (%s)", client)
             if conn is not None:
                 with contextlib.suppress(Exception):
                     self._close(conn)
@@ -543,7 +528,7 @@ class HttpServer:
                 except Exception:
                     # Not tied to one connection (a bug): say so, and keep serving the others.
                     self.failures += 1
-                    self._throttle.warn("smiquery exporter: the HTTP selector loop hit an error and goes on")
+                    self._warn("smiquery exporter: the HTTP selector loop hit an error and goes on")
                     self._stop.wait(0.01)
         finally:
             for conn in list(self._conns.values()):
@@ -561,7 +546,7 @@ class HttpServer:
             try:
                 data, close = self._respond(req)
             except Exception:
-                self._handler_throttle.warn("smiquery exporter: answering %s failed", conn.client)
+                self._warn("smiquery exporter: answering %s failed", conn.client)
                 data, close = self._error(500), True
             self._back.put((conn, self._start, (data, close)))
             self._wake()
@@ -580,7 +565,7 @@ class HttpServer:
             try:
                 allowed = self.auth.authorized(req.headers.get("authorization"))
             except Exception:
-                self._handler_throttle.warn("smiquery exporter: checking the password of %s failed", conn.client)
+                self._warn("smiquery exporter: checking the password of %s failed", conn.client)
                 allowed = False
             self._back.put((conn, self._checked, (req, allowed)))
             self._wake()
@@ -593,7 +578,7 @@ class HttpServer:
         try:
             resp = self.handler(req)
         except Exception:
-            self._handler_throttle.warn("smiquery exporter: handling %s %s failed", req.method, req.path)
+            self._warn("smiquery exporter: handling %s %s failed", req.method, req.path)
             resp = Response(500, b"internal error\n")
         return self._reply(req, resp)
 
