@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import importlib
+import json
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
@@ -14,7 +19,6 @@ from prometheus_client.metrics_core import Metric
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.attribution import check_labels
-from smiquery.exporter.build import revision
 from smiquery.exporter.detailswatch import details_health, fresh_details, mig_families
 from smiquery.exporter.families import (
     attribution_families,
@@ -57,7 +61,7 @@ if TYPE_CHECKING:
     from smiquery.sources.details import GpuDetails
     from smiquery.sources.xid import XidWatcher
 
-__all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector"]
+__all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector", "revision"]
 
 log = get_logger("smiquery.exporter")
 
@@ -648,3 +652,65 @@ class SmiCollector:
             names = ", ".join(f"GPU {i} ({u or 'uuid unknown'})" for i, u in lost)
             return False, f"lost: {names}"
         return True, "ok"
+
+
+_SHA = re.compile(r"[0-9a-f]{7,64}")
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@lru_cache(maxsize=1)
+def revision() -> str:
+    """The source revision smiquery was built from (``revision`` in ``smiquery_build_info``), or ``unknown``.
+
+    The first of: ``smiquery/_revision.py`` (``REVISION = "<commit>"``, written by a build), the commit pip recorded
+    installing from a git URL, the commit checked out (read from ``.git``, no git run).
+    """
+    return _baked() or _pip_recorded() or _git_checkout() or "unknown"
+
+
+def _baked() -> str | None:
+    try:
+        _revision = importlib.import_module("smiquery._revision")  # written by a build, absent in a checkout
+    except ImportError:
+        return None
+    value = str(getattr(_revision, "REVISION", "")).strip()
+    return value or None
+
+
+def _pip_recorded() -> str | None:
+    for info in sorted(_PACKAGE.parent.glob("smiquery-*.dist-info/direct_url.json")):
+        try:
+            commit = json.loads(info.read_text(encoding="utf-8")).get("vcs_info", {}).get("commit_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(commit, str) and _SHA.fullmatch(commit):
+            return commit
+    return None
+
+
+def _git_checkout() -> str | None:
+    git = _PACKAGE.parent / ".git"
+    try:
+        if git.is_file():  # a worktree: "gitdir: <path>"
+            git = Path(git.read_text(encoding="utf-8").split(":", 1)[1].strip())
+        head = (git / "HEAD").read_text(encoding="utf-8").strip()
+        if not head.startswith("ref: "):
+            return head if _SHA.fullmatch(head) else None
+        ref = head[5:]
+        common = git / "commondir"
+        roots = [git, (git / common.read_text(encoding="utf-8").strip()).resolve()] if common.is_file() else [git]
+        for root in roots:
+            loose = root / ref
+            if loose.is_file():
+                value = loose.read_text(encoding="utf-8").strip()
+                return value if _SHA.fullmatch(value) else None
+        for root in roots:
+            packed = root / "packed-refs"
+            if packed.is_file():
+                for line in packed.read_text(encoding="utf-8").splitlines():
+                    parts = line.split()
+                    if len(parts) == 2 and parts[1] == ref and _SHA.fullmatch(parts[0]):
+                        return parts[0]
+    except (OSError, IndexError):
+        return None
+    return None
