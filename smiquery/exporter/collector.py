@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,15 +36,7 @@ from smiquery.exporter.families import (
     workload_usage_families,
     xid_families,
 )
-from smiquery.exporter.naming import NVSMI_INFO_LABELS, MetricSpec, Naming, metric_specs, render
-from smiquery.exporter.state import (
-    PMON_LABELS,
-    SourceHealth,
-    TrackedGpu,
-    bare_uuid,
-    parse_labels,
-    source_health,
-)
+from smiquery.exporter.naming import NVSMI_INFO_LABELS, MetricSpec, Naming, bare_uuid, metric_specs, render
 from smiquery.kinds import to_number
 from smiquery.sample import bus_key
 from smiquery.sources.latest import Latest
@@ -61,7 +54,14 @@ if TYPE_CHECKING:
     from smiquery.sources.details import GpuDetails
     from smiquery.sources.xid import XidWatcher
 
-__all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector", "revision"]
+__all__ = [
+    "DEFAULT_EXPORTER_ALERTS",
+    "SmiCollector",
+    "SourceHealth",
+    "parse_labels",
+    "revision",
+    "source_health",
+]
 
 log = get_logger("smiquery.exporter")
 
@@ -69,6 +69,111 @@ log = get_logger("smiquery.exporter")
 #: smiquery alert rules the exporter evaluates on every nvidia-smi sample by default: the rule that counts samples,
 #: which PromQL cannot count whatever the scrape interval (the time-based rules stay in Prometheus).
 DEFAULT_EXPORTER_ALERTS: tuple[str, ...] = ("temperature.gpu > 85 for 3",)
+
+
+_LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class SourceHealth:
+    """What the collector needs to know about its source's state, read in one place.
+
+    The attributes are :class:`~smiquery.source.StreamStats`' (``lost`` is ``lost_gpus``, ``known`` is
+    ``known_gpus``), plus ``running``: whether the source's background thread is alive.
+    """
+
+    running: bool
+    state: str
+    last_error: str | None
+    last_error_type: str | None
+    next_retry_at: float | None
+    permanent: bool
+    lost: frozenset[int]
+    known: dict[int, str | None]
+    lost_uuids: dict[str, int | None]
+
+
+def source_health(source: SampleSource) -> SourceHealth:
+    """A source's state now; a source whose thread ended with an error reads as ``failed``."""
+    st = source.stats
+    running, error = bool(source.running), source.error
+    state: str = st.state
+    if not running:
+        state = "failed" if error is not None else (state if state in ("ended", "closed", "failed") else "closed")
+    elif state == "starting" and st.rows > 0:
+        state = "running"  # a source that does not keep state: rows flow, so it runs
+    last_type, last = st.last_error_type, st.last_error
+    if error is not None and not running:
+        last_type = type(error).__name__
+        last = str(error).splitlines()[0] if str(error) else last_type
+    if last_type is None and last is not None and st.errors:
+        last_type = max(st.errors, key=lambda k: st.errors[k])
+    return SourceHealth(
+        running=running,
+        state=state,
+        last_error=last,
+        last_error_type=last_type,
+        next_retry_at=st.next_retry_at,
+        permanent=st.permanent,
+        lost=frozenset(st.lost_gpus),
+        known=dict(st.known_gpus),
+        lost_uuids=dict(st.lost_uuids),
+    )
+
+
+@dataclass
+class TrackedGpu:
+    """A GPU the collector has seen, remembered until the exporter restarts."""
+
+    index: int | None
+    uuid: str | None
+    labels: dict[str, str]  # the naming's labels of its series
+    lost: bool = False
+    absent: int = 0  # sweeps in a row without this GPU
+
+
+def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, str]:
+    """Constant labels given as ``key=value`` strings (``["site=lab"]``) or a mapping, checked, as a dict.
+
+    Raises:
+        ValueError: a malformed item, an invalid or reserved label name, or a name given twice.
+    """
+    if items is None:
+        return {}
+    pairs: list[tuple[str, str]] = []
+    if isinstance(items, Mapping):
+        pairs = [(str(k), str(v)) for k, v in items.items()]
+    else:
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"label {item!r} is not key=value")
+            pairs.append((key.strip(), value))
+    out: dict[str, str] = {}
+    for key, value in pairs:
+        if not _LABEL_NAME_RE.fullmatch(key) or key.startswith("__"):
+            raise ValueError(
+                f"label name {key!r} is invalid: letters, digits and '_', not starting with a digit or '__'"
+            )
+        if key in RESERVED_LABELS:
+            raise ValueError(f"label name {key!r} is set by the exporter itself; pick another name")
+        if key in out:
+            raise ValueError(f"label {key!r} is given twice")
+        out[key] = value
+    return out
+
+
+#: Labels of the per-process series from nvidia-smi pmon (constant labels may not reuse them).
+PMON_LABELS: tuple[str, ...] = ("gpu", "uuid", "pid", "command", "user")
+
+# Labels the exporter sets itself (Hostname is not here: --label Hostname=... overrides the DCGM label).
+RESERVED_LABELS = frozenset(
+    {"gpu", "uuid", "name", "pci_bus_id", "value", "pid", "process_name", "type", "source"}
+    | {"UUID", "device", "modelName", "DCGM_FI_DRIVER_VERSION"}
+    # MIG instances (--details-interval) and Xid errors (--kernel-log)
+    | {"mig_uuid", "gpu_instance_id", "compute_instance_id", "profile", "GPU_I_ID", "GPU_I_PROFILE"}
+    | {"xid", "action", "path", "reason"}
+)
 
 
 class SmiCollector:

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.metrics_core import Metric
 
 from smiquery.attribution import STATES, Workload
-from smiquery.exporter.naming import NVSMI_WORDS, PMON_SERIES
-from smiquery.exporter.state import bare_uuid
+from smiquery.exporter.naming import NVSMI_WORDS, PMON_SERIES, bare_uuid
 from smiquery.kinds import to_number
 from smiquery.sources.xid import XID_CATALOGUE
 

@@ -33,6 +33,7 @@ __all__ = [
     "PMON_SERIES",
     "MetricSpec",
     "Naming",
+    "bare_uuid",
     "exporter_fields",
     "metric_specs",
     "render",
@@ -275,6 +276,13 @@ NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = (
     "clocks_event_reasons.sync_boost",
     "ecc.errors.uncorrected.aggregate.total",
 )
+
+
+def bare_uuid(uuid: str | None) -> str:
+    """The UUID without nvidia-smi's ``GPU-`` prefix ("" for None)."""
+    # nvidia_gpu_exporter labels GPUs by the UUID without nvidia-smi's "GPU-" prefix (its dashboard matches on it)
+    text = uuid or ""
+    return text[4:] if text.startswith("GPU-") else text
 
 
 def _nvsmi_spec(fld: Field) -> list[MetricSpec]:

@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator
-from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
+from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector, parse_labels
 from smiquery.exporter.detailswatch import details_poller, process_poller
 from smiquery.exporter.events import EventLog
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
-from smiquery.exporter.state import parse_labels
 from smiquery.fields import resolve_fields
 from smiquery.httpd.server import HttpServer, Request, Response, listen
 from smiquery.httpd.webconfig import WebConfig, load_web_config
