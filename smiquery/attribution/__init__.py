@@ -7,6 +7,7 @@ listing is counted by kind and logged once per change, and every change of a GPU
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -31,7 +32,9 @@ __all__ = [
     "View",
     "Words",
     "Workload",
+    "cgroup_paths",
     "check_labels",
+    "read_cgroup",
     "resolve_device",
 ]
 
@@ -194,6 +197,20 @@ def resolve_device(device_id: str, migs: Mapping[str, tuple[str, str]], gpus: It
     if device_id in set(gpus):
         return Resolved(device_id, "", "", replica)
     return Resolved(None, "", "", replica)
+
+
+def cgroup_paths(text: str) -> list[str]:
+    """The paths in the text of ``/proc/<pid>/cgroup`` (v1: one line per controller; v2: ``0::<path>``)."""
+    return [parts[2] for parts in (line.split(":", 2) for line in text.splitlines()) if len(parts) == 3]
+
+
+def read_cgroup(pid: int, proc: str = "/proc") -> str | None:
+    """The text of ``/proc/<pid>/cgroup`` (``proc``: the mount to read), or None for a process gone or not visible."""
+    try:
+        with open(os.path.join(proc, str(pid), "cgroup"), encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return None
 
 
 def _mig_listing(nvidia_smi: str | None) -> Callable[[], str]:

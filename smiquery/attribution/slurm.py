@@ -18,8 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from smiquery.attribution import Grant, Words, Workload
-from smiquery.attribution.cgroups import cgroup_paths, read_cgroup
+from smiquery.attribution import Grant, Words, Workload, cgroup_paths, read_cgroup
 from smiquery.errors import NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, SlurmError
 from smiquery.retry import one_line
 from smiquery.runner import Completed, SubprocessRunner, default_runner, find_nvidia_smi

@@ -177,26 +177,24 @@ RESERVED_LABELS = frozenset(
 
 
 class SmiCollector:
-    """A ``prometheus_client`` collector over the newest sweep of one background stream.
+    """A ``prometheus_client`` collector over the newest sweep of one background stream; never runs nvidia-smi.
 
-    :meth:`collect` reads :meth:`Stream.latest` and never runs nvidia-smi. Per-GPU series are served only while
-    the newest sweep is fresher than ``stale_after``; a missing value (any status token) leaves its series out
-    for that GPU, never 0. The health metrics are always there. :meth:`exposition`, the HTTP server's fast path,
-    renders the per-sweep text once per sweep.
+    Per-GPU series are served only while the newest sweep is fresher than ``stale_after``; a missing value (any
+    status token) leaves its series out for that GPU, never 0. The health metrics are always there.
+    :meth:`exposition`, the HTTP server's fast path, renders the per-sweep text once per sweep.
 
     Args:
         stream: a started :class:`~smiquery.source.SampleSource`; ``fields`` defaults to its ``fields``, and its
             ``interval`` (when it has one) sets the default ``stale_after``, ``max(3 * interval, 15)`` s.
-        processes: a :func:`~smiquery.exporter.detailswatch.process_poller`, for per-process GPU memory.
-        pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, for the busiest processes per GPU.
-        details: a :func:`~smiquery.exporter.detailswatch.details_poller`, for per-MIG-instance memory.
-        xid: a :class:`~smiquery.sources.xid.XidWatcher`, for ``smiquery_xid_errors_total``.
+        processes: a :func:`~smiquery.exporter.detailswatch.process_poller` (per-process GPU memory).
+        pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher` (the busiest processes per GPU).
+        details: a :func:`~smiquery.exporter.detailswatch.details_poller` (per-MIG-instance memory).
+        xid: a :class:`~smiquery.sources.xid.XidWatcher` (``smiquery_xid_errors_total``).
         hostname: the DCGM ``Hostname`` label (default: this host's name).
         alerts: fed every sample (``smiquery_alert_firing``).
         on_gpu_change: called ``(lost, index, uuid)`` when a GPU drops out or comes back.
         on_state: called ``(up, why)`` when fresh data stops or flows again.
-        attribution: which workload holds each GPU (:mod:`smiquery.attribution`): its series, the workload's labels
-            on GPUs one workload holds, and per-workload use when its backend ties processes to workloads.
+        attribution: which workload holds each GPU (:mod:`smiquery.attribution`).
         process_metrics: also prometheus_client's standard ``process_*`` metrics of this process.
     """
 

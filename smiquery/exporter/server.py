@@ -269,47 +269,15 @@ def serve(
         with smiquery.exporter.serve(port=9849, interval=5) as exp:
             exp.serve_forever()
 
-    Args:
-        port: TCP port (0: any free port; see :attr:`Exporter.port`).
-        bind: address to listen on; ``0.0.0.0`` or ``::`` listen on all interfaces.
-        interval: seconds between nvidia-smi samples.
-        fields: a preset or field list; the identity fields (index, uuid, name, pci.bus_id) are always added, and
-            the default ``health`` gets the naming's extras (:func:`~smiquery.exporter.naming.exporter_fields`).
-        gpus: only these GPUs.
-        labels: constant labels for every series (``["site=lab"]`` or a mapping).
-        naming: ``smiquery`` (native, base units), ``dcgm`` (the DCGM exporter's names, units and labels) or
-            ``nvidia_smi`` (nvidia_gpu_exporter's).
-        processes: also export per-process GPU memory, polled every ``processes_interval`` seconds.
-        processes_interval: seconds between process polls.
-        top_processes: also run ``nvidia-smi pmon`` (every ``interval`` seconds, rounded to 1..10) and export the
-            use and GPU memory of the ``top_processes`` busiest processes of each GPU, plus one ``command="other"``
-            series summing the rest; 0 runs no pmon. If pmon cannot run, one line is logged and the rest goes on.
-        top_processes_by: ``name`` (one series per process name: bounded) or ``pid`` (one series per process,
-            labelled ``pid`` and ``user``: every new pid is a new series).
-        tls_cert: PEM certificate: serve HTTPS.
-        tls_key: PEM private key for ``tls_cert``.
-        client_ca: PEM CA bundle: require client certificates signed by it.
-        web_config: a web configuration file (exporter-toolkit format: TLS, basic auth, headers), or a loaded
-            :class:`WebConfig`. Not together with ``tls_cert``.
-        nvidia_smi: path of the binary.
-        registry: a ``prometheus_client`` registry whose metrics are appended to ``/metrics`` (e.g. your own).
-        stale_after: seconds after which data counts as stale (default ``max(3 * interval, 15)``).
-        stall_timeout: seconds without output before nvidia-smi counts as hung (default ``max(3 * interval, 10)``).
-        alerts: smiquery alert rules evaluated on every nvidia-smi sample and exported as
-            ``smiquery_alert_firing`` (so "for 3 samples" counts samples whatever the scrape interval).
-        workers: HTTP worker threads.
-        max_connections: open client connections at most (the longest-waiting incomplete one makes room).
-        request_timeout: seconds a client has to send a whole request head (slow clients are cut off).
-        revive_after: seconds after which a stream that stopped for good (its thread ended with an error) is
-            replaced by a new one; meanwhile ``smiquery_next_attempt_timestamp_seconds`` says when.
-        attribution: which workload holds each GPU (:class:`~smiquery.attribution.Attribution`), started and
-            closed with the exporter.
-        details_interval: also run ``nvidia-smi -q -x`` every this many seconds, in its own thread, and export
-            per-MIG-instance memory; None (the default here; the CLI's is 60) for none.
-        kernel_log: also follow this kernel log (``/dev/kmsg``, or a plain file followed like ``tail -F``) and
-            count ``smiquery_xid_errors_total``; None (the default here; the CLI's is ``/dev/kmsg``) for none.
-        process_metrics: serve prometheus_client's standard ``process_*`` metrics of this process, unless
-            ``registry`` has them already.
+    The keywords are ``smiquery export``'s options of the same name (docs/exporter.md, Options). Besides them:
+    ``port=0`` takes any free port (:attr:`Exporter.port` says which); ``web_config`` may be a loaded
+    :class:`WebConfig` (not together with ``tls_cert``); ``registry`` is a ``prometheus_client`` registry whose
+    metrics are appended to ``/metrics``; ``workers`` HTTP worker threads serve; ``max_connections`` client
+    connections stay open at most (the longest-waiting incomplete one makes room); ``request_timeout`` is the
+    seconds a client has to send a request head; a stream that stopped for good is replaced after ``revive_after``
+    seconds; ``attribution`` (which workload holds each GPU) is started and closed with the exporter;
+    ``details_interval`` and ``kernel_log`` are None (off) by default here; ``process_metrics`` serves
+    prometheus_client's ``process_*`` metrics unless ``registry`` has them already.
 
     Raises:
         PortInUseError, ListenError: the port is taken, or the address cannot be listened on (nvidia-smi is not

@@ -91,7 +91,6 @@ class _Conn:
     close_after: bool = False  # close once ``out`` is written
     started: float = 0.0  # when the first byte of the current request arrived (0: idle)
     handshaking: bool = False
-    wait: int = selectors.EVENT_READ  # what the next step waits for
     busy: bool = False  # a worker computes its response
     watched: bool = False  # registered with the selector
     closed: bool = False
@@ -210,7 +209,6 @@ class HttpServer:
             conn.sock.close()
 
     def _watch(self, conn: _Conn, events: int) -> None:
-        conn.wait = events
         if conn.watched:
             if self._sel.get_key(conn.sock).events != events:
                 self._sel.modify(conn.sock, events, conn)
@@ -538,10 +536,7 @@ class HttpServer:
     # ----------------------------------------------------------------------------------------- workers
 
     def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
+        while (job := self._jobs.get()) is not None:
             conn, req = job
             try:
                 data, close = self._respond(req)
@@ -557,10 +552,7 @@ class HttpServer:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         assert self.auth is not None
-        while True:
-            job = self._checks.get()
-            if job is None:
-                return
+        while (job := self._checks.get()) is not None:
             conn, req = job
             try:
                 allowed = self.auth.authorized(req.headers.get("authorization"))
