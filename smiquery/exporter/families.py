@@ -69,8 +69,9 @@ def nvsmi_number(field: str, value: Value) -> float | None:
     words = NVSMI_WORDS.get(field)
     if words is not None:
         return words.get(text)
-    if text[:1] in "Pp" and text[1:].isdigit():
-        return float(text[1:])
+    pstate = pstate_number(text)
+    if pstate is not None:
+        return pstate
     try:
         return float(text)  # version-like numbers (inforom.ecc 7.16, compute_cap 9.0)
     except ValueError:
@@ -289,13 +290,9 @@ def xid_families(
 ) -> list[Metric]:
     """``smiquery_xid_errors_total`` (every event counts), ``..._rejected_lines_total`` and ``smiquery_xid_source_up``.
 
-    Args:
-        xid: the watcher following the kernel log (docs/exporter.md, "Xid errors", says what it counts).
-        gpus: PCI key -> ``{"gpu": ..., "uuid": ...}`` of the GPU at that address; None for an address no GPU
-            has (it fell off the bus before the exporter saw it): its events have ``gpu`` and ``uuid`` empty.
-        labels: the constant labels.
-        inventory_known: whether the GPUs have been listed yet; until then an event at an address no GPU is
-            known at is held back, so that its series does not change labels once the GPU is seen.
+    ``gpus``: PCI key -> ``{"gpu": ..., "uuid": ...}`` of the GPU there; None for an address no GPU has (it fell
+    off the bus before the exporter saw it): its events have ``gpu`` and ``uuid`` empty. Until ``inventory_known``
+    (the GPUs have been listed), such events are held back, so that their series do not change labels later.
     """
     doc = f"1 while the kernel log ({xid.path}) is read for Xid errors, else 0 (no permission, missing)."
     up = gauge("smiquery_xid_source_up", doc, ({**labels, "path": xid.path}, 1.0 if xid.up else 0.0))

@@ -121,14 +121,10 @@ PMON_METRICS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """How one nvidia-smi field becomes one metric family.
+    """How one nvidia-smi ``field`` becomes one metric family (``type`` gauge or counter, ``help`` its HELP).
 
     Attributes:
-        field: the nvidia-smi field name (``memory.used``).
-        name: the metric family name; for native counters without the ``_total`` the samples carry.
-        sample: the name on each sample line (``..._total`` for native counters).
-        type: ``gauge`` or ``counter``.
-        help: the HELP text.
+        name: the family name; for native counters without the ``_total`` that ``sample`` (each sample's name) has.
         scale: factor from nvidia-smi's unit to the metric's (MiB to bytes: 1048576).
         style: ``number``, ``bool`` (1/0), ``pstate`` (P3 -> 3), ``info`` (value as a label) or ``nvsmi``.
         naming: the naming whose labels the series carry (a DCGM naming's field without a DCGM name: native).

@@ -668,18 +668,14 @@ def listen(bind: str, port: int, *, port_option: str = "--port", bind_option: st
         sock.bind((bind.strip("[]"), port))
     except OSError as exc:
         sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            msg = f"port {port} on {bind} is in use; pick another with {port_option}"
-            raise PortInUseError(msg, port=port, bind=bind, option=port_option) from None
-        if exc.errno == errno.EACCES:
-            msg = f"no permission to listen on port {port} on {bind} (below 1024 needs root)"
-            msg += f"; pick another with {port_option}"
-            raise ListenError(msg, port=port, bind=bind, option=port_option) from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            msg = f"cannot listen on {bind}: the address is not on this machine; pick another with {bind_option}"
-            raise ListenError(msg, port=port, bind=bind, option=bind_option) from None
-        msg = f"cannot listen on {bind}:{port}: {exc.strerror or exc}"
-        raise ListenError(msg, port=port, bind=bind, option=port_option) from None
+        why, option = {
+            errno.EADDRINUSE: (f"port {port} on {bind} is in use", port_option),
+            errno.EACCES: (f"no permission to listen on port {port} on {bind} (below 1024 needs root)", port_option),
+            errno.EADDRNOTAVAIL: (f"cannot listen on {bind}: the address is not on this machine", bind_option),
+        }.get(exc.errno or 0, (f"cannot listen on {bind}:{port}: {exc.strerror or exc}", ""))
+        error = PortInUseError if exc.errno == errno.EADDRINUSE else ListenError
+        msg = f"{why}; pick another with {option}" if option else why
+        raise error(msg, port=port, bind=bind, option=option or port_option) from None
     return sock
 
 
