@@ -298,13 +298,9 @@ class PodDirectory:
 class KubernetesBackend:
     """Kubernetes for :class:`~smiquery.attribution.Attribution`: the kubelet's allocations, and pods by process.
 
-    Args:
-        socket_path: the kubelet's pod-resources socket.
-        resources: extended-resource patterns read (``fnmatch``; others are ignored).
-        timeout: each ``List`` call's deadline in seconds.
-        pods: this node's pods, for :meth:`owner` (per-pod use of shared GPUs); None: no process is tied to a pod.
-        lister: ``(socket, timeout) -> grants``; default: the gRPC call.
-        cgroup_of: pid -> its pod cgroup.
+    ``socket_path``: the kubelet's pod-resources socket, asked with a ``timeout`` per ``List`` (``lister``: the
+    gRPC call by default); ``resources``: the extended-resource patterns read (``fnmatch``); ``pods``: this node's
+    pods, for :meth:`owner` (None: no process is tied to a pod), found by ``cgroup_of`` (pid -> its pod cgroup).
     """
 
     name = "kubernetes"

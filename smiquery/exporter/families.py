@@ -170,7 +170,7 @@ def pmon_health(pmon: PmonWatcher, labels: Mapping[str, str]) -> list[Metric]:
         gauge("smiquery_process_up", up, (labels, 1.0 if pmon.fresh() is not None else 0.0)),
         gauge("smiquery_process_stream_info", info, ({**labels, **state}, 1.0)),
     ]
-    got, _ = pmon.latest()
+    got = pmon.poll.get().value
     if got is not None:
         doc = "Unix time of the newest nvidia-smi pmon instant."
         out.append(gauge("smiquery_process_last_sample_timestamp_seconds", doc, (labels, got.wall)))

@@ -320,12 +320,10 @@ _RULES: dict[str, _Rules] = {
 def metric_specs(
     fields: str | Sequence[str] | Sequence[Field] = "all", naming: Naming = "smiquery"
 ) -> list[MetricSpec]:
-    """The metric families the exporter makes from ``fields``, in field order (identity fields become labels).
+    """The metric families the exporter makes from ``fields`` (a preset, names or fields), in field order.
 
-    Args:
-        fields: a preset, a comma list, or a sequence of names or :class:`Field` objects.
-        naming: ``smiquery`` (base units, ``smiquery_*``), ``dcgm`` (the DCGM exporter's names and units) or
-            ``nvidia_smi`` (nvidia_gpu_exporter's ``nvidia_smi_*`` names).
+    Identity fields become labels. ``naming``: ``smiquery`` (base units, ``smiquery_*``), ``dcgm`` (the DCGM
+    exporter's names and units) or ``nvidia_smi`` (nvidia_gpu_exporter's ``nvidia_smi_*`` names).
 
     Raises:
         InvalidFieldError: an unknown field.

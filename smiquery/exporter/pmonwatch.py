@@ -212,11 +212,6 @@ class PmonWatcher:
             return "starting"
         return st if st in ("starting", "running", "retrying") else "failed"
 
-    def latest(self) -> tuple[ProcessInstant | None, float | None]:
-        """The newest instant and its age in seconds (Nones before the first)."""
-        snap = self.poll.get()
-        return snap.value, snap.age
-
     def fresh(self) -> ProcessInstant | None:
         """The newest instant when it is younger than ``stale_after`` and pmon still runs, else None."""
         got = self.poll.get().fresh(self.stale_after)

@@ -136,9 +136,8 @@ class Exporter:
     Attributes:
         collector: the :class:`SmiCollector` behind ``/metrics``; ``poller`` and ``pmon`` are its sources.
         stream: the background :class:`~smiquery.streams.sync.Stream` (a new one after a revival).
-        http: the :class:`~smiquery.httpd.server.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
-        port: the port listened on (useful with ``port=0``), on the address ``bind``.
-        url: the base URL (``http://127.0.0.1:9849``); metrics are at ``url + "/metrics"``.
+        http: the :class:`~smiquery.httpd.server.HttpServer`.
+        port: the port listened on (useful with ``port=0``), on the address ``bind``; ``url`` is the base URL.
         revivals: how many times a stream that stopped for good was replaced (after ``revive_after`` seconds).
     """
 
@@ -146,7 +145,6 @@ class Exporter:
         self,
         server: HttpServer,
         collector: SmiCollector,
-        tls: bool,
         parts: Sequence[_Part],
         make_stream: Callable[[], Any],
         revive_after: float,
@@ -160,7 +158,7 @@ class Exporter:
         self.revivals = 0
         host, port = server.sock.getsockname()[:2]
         self.bind, self.port = str(host), int(port)
-        self.url = f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in self.bind else host}:{port}"
+        self.url = f"{'https' if server.ssl_context else 'http'}://{f'[{host}]' if ':' in self.bind else host}:{port}"
         self._make_stream = make_stream
         self._parts = parts
         self._stopped = threading.Event()
@@ -261,8 +259,7 @@ def serve(
 ) -> Exporter:
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
-    Returns at once; the work happens in daemon threads (one selector thread and ``workers`` HTTP workers, however
-    many clients connect).
+    Returns at once; the work happens in daemon threads, however many clients connect.
 
     Example::
 
@@ -280,12 +277,10 @@ def serve(
     prometheus_client's ``process_*`` metrics unless ``registry`` has them already.
 
     Raises:
-        PortInUseError, ListenError: the port is taken, or the address cannot be listened on (nvidia-smi is not
-            started).
-        WebConfigError, InvalidFieldError, InvalidRuleError, InvalidGpuIdError, NvidiaSmiNotFoundError: what
-            their names say.
+        PortInUseError, ListenError: the port is taken, or the address unusable (nvidia-smi is not started).
         ValueError: a bad label, naming, interval, top_processes, details_interval, or TLS option.
-        OSError, ssl.SSLError: unreadable TLS files.
+        OSError: unreadable TLS files; WebConfigError, InvalidFieldError, InvalidRuleError, InvalidGpuIdError,
+            NvidiaSmiNotFoundError as their names say.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, not {naming!r}")
@@ -390,7 +385,7 @@ def serve(
         parts = [p for p in (poller, watcher, collector, attribution, xid, details) if p is not None]
         for part in (s, *parts):
             part.start()
-        exp = Exporter(http, collector, web.ssl_context is not None, parts, make_stream, revive_after)
+        exp = Exporter(http, collector, parts, make_stream, revive_after)
     except BaseException:
         sock.close()
         _close([p for p in (s, poller, watcher, collector, attribution, xid, details) if p is not None])

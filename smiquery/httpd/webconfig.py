@@ -199,7 +199,7 @@ def _pem(tls: dict[str, Any], cfg: Path, tmp: Path, file_key: str, inline_key: s
     if file_key in tls:
         if not isinstance(tls[file_key], str) or not tls[file_key]:
             raise WebConfigError(cfg, f"tls_server_config.{file_key} must be a file path")
-        return cfg.parent / tls[file_key]  # an absolute path stays itself
+        return cfg.parent / str(tls[file_key])  # an absolute path stays itself
     return None
 
 
