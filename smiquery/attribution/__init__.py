@@ -98,15 +98,11 @@ class Words:
 
 
 class Backend(Protocol):
-    """One scheduler's answers: what it allocated and, where it knows, whose a process is.
+    """One scheduler's answers: what it allocated and, where it knows (``processes``), whose a process is.
 
-    Attributes:
-        name: its word in series names (``kubernetes``: ``smiquery_kubernetes_attribution_up``).
-        workload: its word for a workload in the per-workload use series (``pod``: ``smiquery_pod_gpu_*``).
-        labels: the label names of a :class:`Workload` (``namespace``, ``pod``, ``container``).
-        other: the workload use no workload is found for counts under.
-        processes: whether :meth:`owner` can tell.
-        polls: background polls of its own (started and closed with the attribution).
+    ``name`` and ``workload`` are its words in series names (``smiquery_kubernetes_attribution_up``,
+    ``smiquery_pod_gpu_*``); ``labels`` name a :class:`Workload`'s values; use no workload is found for counts
+    under ``other``; ``polls`` are its own background polls (started and closed with the attribution).
     """
 
     name: str

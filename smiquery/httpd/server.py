@@ -1,12 +1,9 @@
 """A small HTTP/1.1 server that bad clients cannot starve or stop: one selector thread, a fixed pool of workers.
 
-The selector thread owns every socket: it accepts, runs TLS handshakes, reads request heads and writes responses,
-all without blocking, and enforces per-connection deadlines. Workers only compute the responses the selector
-thread should not (OpenMetrics, a slow extra registry): a slow reader costs a buffer, never a thread. When
-``max_connections`` sockets are open, the one that has waited longest makes room. With basic auth, credentials
-are settled before a request reaches a worker (a known answer at once, anything else by one verifier thread, at
-most ``auth_queue`` checks waiting: past that the request is answered 429 after ``shed_delay``), so guesses never
-hold a worker. A failure stays with its connection: every step on one runs under a guard that closes it alone.
+The selector thread owns every socket (accept, TLS handshake, reading heads, writing responses: never blocking,
+each with a deadline); workers only compute the responses it should not (OpenMetrics, a slow extra registry), so a
+slow reader costs a buffer, never a thread. Basic auth is settled before a worker sees a request (a known answer at
+once, the rest by one verifier thread), so guesses never hold a worker. A failure closes its connection alone.
 Request heads are parsed strictly (RFC 9112) and may carry no body. Threads: 1 + ``workers`` (+ 1 verifier).
 """
 
@@ -105,13 +102,12 @@ class HttpServer:
     Args:
         sock: a bound socket (not yet listening).
         handler: computes a response (a raise answers 500 and is logged at most once a minute).
+        max_connections: open sockets at most; past it the one that has waited longest makes room.
         request_timeout: seconds from a request's first byte (or a TLS connection's start) to its complete head.
         idle_timeout: seconds a keep-alive connection may sit without starting a request.
         write_timeout: seconds a client has to take one whole response.
-        inline: says which requests are cheap enough to answer in the selector thread itself; the rest go to
-            the workers.
-        web: TLS, allowed client certificates, response headers, and basic auth checked before ``handler`` sees a
-            request (401 for a refusal: a known credential at once, others by the verifier thread).
+        inline: says which requests are cheap enough to answer in the selector thread itself.
+        web: TLS, allowed client certificates, response headers, and basic auth (401 for a refusal).
         auth_queue: checks waiting for or running on the verifier at most; past it a request is answered 429
             (``Retry-After: 1``) after ``shed_delay`` seconds, and its connection closed.
     """
