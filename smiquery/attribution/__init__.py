@@ -7,6 +7,7 @@ listing is counted by kind and logged once per change, and every change of a GPU
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -31,7 +32,9 @@ __all__ = [
     "View",
     "Words",
     "Workload",
+    "cgroup_paths",
     "check_labels",
+    "read_cgroup",
     "resolve_device",
 ]
 
@@ -95,15 +98,11 @@ class Words:
 
 
 class Backend(Protocol):
-    """One scheduler's answers: what it allocated and, where it knows, whose a process is.
+    """One scheduler's answers: what it allocated and, where it knows (``processes``), whose a process is.
 
-    Attributes:
-        name: its word in series names (``kubernetes``: ``smiquery_kubernetes_attribution_up``).
-        workload: its word for a workload in the per-workload use series (``pod``: ``smiquery_pod_gpu_*``).
-        labels: the label names of a :class:`Workload` (``namespace``, ``pod``, ``container``).
-        other: the workload use no workload is found for counts under.
-        processes: whether :meth:`owner` can tell.
-        polls: background polls of its own (started and closed with the attribution).
+    ``name`` and ``workload`` are its words in series names (``smiquery_kubernetes_attribution_up``,
+    ``smiquery_pod_gpu_*``); ``labels`` name a :class:`Workload`'s values; use no workload is found for counts
+    under ``other``; ``polls`` are its own background polls (started and closed with the attribution).
     """
 
     name: str
@@ -194,6 +193,20 @@ def resolve_device(device_id: str, migs: Mapping[str, tuple[str, str]], gpus: It
     if device_id in set(gpus):
         return Resolved(device_id, "", "", replica)
     return Resolved(None, "", "", replica)
+
+
+def cgroup_paths(text: str) -> list[str]:
+    """The paths in the text of ``/proc/<pid>/cgroup`` (v1: one line per controller; v2: ``0::<path>``)."""
+    return [parts[2] for parts in (line.split(":", 2) for line in text.splitlines()) if len(parts) == 3]
+
+
+def read_cgroup(pid: int, proc: str = "/proc") -> str | None:
+    """The text of ``/proc/<pid>/cgroup`` (``proc``: the mount to read), or None for a process gone or not visible."""
+    try:
+        with open(os.path.join(proc, str(pid), "cgroup"), encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return None
 
 
 def _mig_listing(nvidia_smi: str | None) -> Callable[[], str]:

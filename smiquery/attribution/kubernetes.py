@@ -2,7 +2,7 @@
 
 The allocations come over the kubelet's unix socket (:mod:`.podresources`; the ``k8s`` extra). For per-pod use of
 shared GPUs (``--kubernetes-processes``) a process is tied to its container through ``/proc/<pid>/cgroup``
-(:mod:`.cgroups`) and this node's pods, listed from the API server on the standard library (:class:`PodDirectory`;
+(:func:`parse_cgroup`) and this node's pods, listed from the API server on the standard library (:class:`PodDirectory`;
 the exporter's ServiceAccount needs only list on pods).
 """
 
@@ -12,6 +12,7 @@ import fnmatch
 import http.client
 import json
 import os
+import re
 import socket
 import ssl
 import time
@@ -20,8 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from smiquery.attribution import FailureLog, Grant, Words, Workload
-from smiquery.attribution.cgroups import PodCgroup, pod_of_pid
+from smiquery.attribution import FailureLog, Grant, Words, Workload, cgroup_paths, read_cgroup
 from smiquery.attribution.podresources import DEFAULT_SOCKET, list_devices
 from smiquery.errors import KubernetesApiError
 from smiquery.retry import one_line
@@ -35,9 +35,12 @@ __all__ = [
     "SERVICE_ACCOUNT",
     "KubernetesBackend",
     "NodePods",
+    "PodCgroup",
     "PodDirectory",
     "get_node_pods",
     "node_name",
+    "parse_cgroup",
+    "pod_of_pid",
 ]
 
 #: The extended resources read by default (``fnmatch`` patterns).
@@ -52,6 +55,42 @@ OTHER = Workload(("", "other", ""))
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 #: The largest pod list read (bytes); a node's 110 pods are a few MB of JSON. A bigger answer is an error.
 MAX_POD_LIST_BYTES = 32 * 1024 * 1024
+
+_POD_RE = re.compile(r"pod([0-9a-fA-F]{8}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{4}[-_][0-9a-fA-F]{12})")
+_CTR_RE = re.compile(r"^(?:cri-containerd-|crio-|docker-)?([0-9a-f]{64})(?:\.scope)?$")
+
+
+@dataclass(frozen=True)
+class PodCgroup:
+    """A process's pod (UID with dashes, as the API writes it) and container (64-hex id, no runtime prefix)."""
+
+    pod_uid: str
+    container_id: str
+
+
+def parse_cgroup(text: str) -> PodCgroup | None:
+    """The pod and container in the text of ``/proc/<pid>/cgroup``, or None for a process outside any pod.
+
+    The kubelet's cgroup paths name the pod's UID and the container's id: with the systemd driver
+    ``/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid with _>.slice/<runtime>-<id>.scope``
+    (``cri-containerd``, ``crio`` or ``docker``), with cgroupfs ``/kubepods/burstable/pod<uid>/<id>``.
+    """
+    for path in cgroup_paths(text):
+        pod = _POD_RE.search(path)
+        if pod is None:
+            continue
+        segments = [s for s in path.split("/") if s]
+        ctr = _CTR_RE.match(segments[-1]) if segments else None
+        if ctr is None:
+            continue  # a pod's own cgroup (no container in it) or a runtime helper such as crio-conmon-<id>
+        return PodCgroup(pod.group(1).replace("_", "-").lower(), ctr.group(1))
+    return None
+
+
+def pod_of_pid(pid: int, proc: str = "/proc") -> PodCgroup | None:
+    """The pod and container of a host pid (the exporter needs ``hostPID``), or None (not in a pod, gone, not seen)."""
+    text = read_cgroup(pid, proc)
+    return None if text is None else parse_cgroup(text)
 
 
 def _words(socket_path: str) -> Words:
@@ -259,13 +298,9 @@ class PodDirectory:
 class KubernetesBackend:
     """Kubernetes for :class:`~smiquery.attribution.Attribution`: the kubelet's allocations, and pods by process.
 
-    Args:
-        socket_path: the kubelet's pod-resources socket.
-        resources: extended-resource patterns read (``fnmatch``; others are ignored).
-        timeout: each ``List`` call's deadline in seconds.
-        pods: this node's pods, for :meth:`owner` (per-pod use of shared GPUs); None: no process is tied to a pod.
-        lister: ``(socket, timeout) -> grants``; default: the gRPC call.
-        cgroup_of: pid -> its pod cgroup.
+    ``socket_path``: the kubelet's pod-resources socket, asked with a ``timeout`` per ``List`` (``lister``: the
+    gRPC call by default); ``resources``: the extended-resource patterns read (``fnmatch``); ``pods``: this node's
+    pods, for :meth:`owner` (None: no process is tied to a pod), found by ``cgroup_of`` (pid -> its pod cgroup).
     """
 
     name = "kubernetes"

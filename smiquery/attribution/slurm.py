@@ -18,8 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from smiquery.attribution import Grant, Words, Workload
-from smiquery.attribution.cgroups import cgroup_paths, read_cgroup
+from smiquery.attribution import Grant, Words, Workload, cgroup_paths, read_cgroup
 from smiquery.errors import NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, SlurmError
 from smiquery.retry import one_line
 from smiquery.runner import Completed, SubprocessRunner, default_runner, find_nvidia_smi
@@ -195,15 +194,10 @@ def _why(tool: str, done: Completed) -> SlurmError:
 class SlurmBackend:
     """Slurm for :class:`~smiquery.attribution.Attribution`: the node's running jobs, their GPUs, and jobs by process.
 
-    Args:
-        node: this node's Slurm name (default :func:`node_name`).
-        timeout: each command's deadline in seconds.
-        bin_dir: where squeue and scontrol are (default: PATH).
-        nvidia_smi: the binary read for minor numbers (``-q -x``).
-        processes: tie processes to jobs (cgroups) for per-job use and ``smiquery_gpu_unallocated_use``.
-        run: ``(argv, timeout) -> Completed`` for the Slurm commands; default: a subprocess.
-        minors: returns minor number -> GPU UUID; default: ``nvidia-smi -q -x``.
-        job_of: pid -> job id.
+    ``node``: this node's Slurm name (default :func:`node_name`); ``timeout``: each command's deadline;
+    ``bin_dir``: where squeue and scontrol are (default: PATH); ``processes``: tie processes to jobs (cgroups) for
+    per-job use and ``smiquery_gpu_unallocated_use``. Tests inject ``run`` (``(argv, timeout) -> Completed``),
+    ``minors`` (minor number -> GPU UUID; default: ``nvidia_smi -q -x``) and ``job_of`` (pid -> job id).
     """
 
     name = "slurm"
@@ -242,12 +236,9 @@ class SlurmBackend:
 
     # ------------------------------------------------------------------------------------------ Slurm
 
-    def _tool(self, tool: str) -> str:
-        return os.path.join(self.bin_dir, tool) if self.bin_dir else tool
-
     def _call(self, argv: list[str]) -> str:
         tool = argv[0]
-        argv = [self._tool(tool), *argv[1:]]
+        argv = [os.path.join(self.bin_dir, tool) if self.bin_dir else tool, *argv[1:]]
         try:
             done = self._run(argv, self.timeout)
         except NvidiaSmiNotFoundError:

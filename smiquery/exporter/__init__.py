@@ -13,7 +13,13 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "smiquery.exporter needs prometheus_client: pip install 'smiquery[export]' (the core does not)"
     ) from _exc
 
-from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
+from smiquery.exporter.collector import (
+    DEFAULT_EXPORTER_ALERTS,
+    SmiCollector,
+    SourceHealth,
+    parse_labels,
+    source_health,
+)
 from smiquery.exporter.events import EventLog, configure_logging
 from smiquery.exporter.naming import (
     DCGM_MAP,
@@ -27,7 +33,6 @@ from smiquery.exporter.naming import (
 )
 from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
 from smiquery.exporter.server import Exporter, serve
-from smiquery.exporter.state import SourceHealth, parse_labels, source_health
 from smiquery.httpd.webconfig import WebConfig, load_web_config
 
 __all__ = [

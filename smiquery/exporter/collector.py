@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+import json
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
@@ -14,7 +20,6 @@ from prometheus_client.metrics_core import Metric
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.attribution import check_labels
-from smiquery.exporter.build import revision
 from smiquery.exporter.detailswatch import details_health, fresh_details, mig_families
 from smiquery.exporter.families import (
     attribution_families,
@@ -31,15 +36,7 @@ from smiquery.exporter.families import (
     workload_usage_families,
     xid_families,
 )
-from smiquery.exporter.naming import NVSMI_INFO_LABELS, MetricSpec, Naming, metric_specs, render
-from smiquery.exporter.state import (
-    PMON_LABELS,
-    SourceHealth,
-    TrackedGpu,
-    bare_uuid,
-    parse_labels,
-    source_health,
-)
+from smiquery.exporter.naming import NVSMI_INFO_LABELS, MetricSpec, Naming, bare_uuid, metric_specs, render
 from smiquery.kinds import to_number
 from smiquery.sample import bus_key
 from smiquery.sources.latest import Latest
@@ -57,7 +54,14 @@ if TYPE_CHECKING:
     from smiquery.sources.details import GpuDetails
     from smiquery.sources.xid import XidWatcher
 
-__all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector"]
+__all__ = [
+    "DEFAULT_EXPORTER_ALERTS",
+    "SmiCollector",
+    "SourceHealth",
+    "parse_labels",
+    "revision",
+    "source_health",
+]
 
 log = get_logger("smiquery.exporter")
 
@@ -67,27 +71,130 @@ log = get_logger("smiquery.exporter")
 DEFAULT_EXPORTER_ALERTS: tuple[str, ...] = ("temperature.gpu > 85 for 3",)
 
 
-class SmiCollector:
-    """A ``prometheus_client`` collector over the newest sweep of one background stream.
+_LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
-    :meth:`collect` reads :meth:`Stream.latest` and never runs nvidia-smi. Per-GPU series are served only while
-    the newest sweep is fresher than ``stale_after``; a missing value (any status token) leaves its series out
-    for that GPU, never 0. The health metrics are always there. :meth:`exposition`, the HTTP server's fast path,
-    renders the per-sweep text once per sweep.
+
+@dataclass(frozen=True)
+class SourceHealth:
+    """What the collector needs to know about its source's state, read in one place.
+
+    The attributes are :class:`~smiquery.source.StreamStats`' (``lost`` is ``lost_gpus``, ``known`` is
+    ``known_gpus``), plus ``running``: whether the source's background thread is alive.
+    """
+
+    running: bool
+    state: str
+    last_error: str | None
+    last_error_type: str | None
+    next_retry_at: float | None
+    permanent: bool
+    lost: frozenset[int]
+    known: dict[int, str | None]
+    lost_uuids: dict[str, int | None]
+
+
+def source_health(source: SampleSource) -> SourceHealth:
+    """A source's state now; a source whose thread ended with an error reads as ``failed``."""
+    st = source.stats
+    running, error = bool(source.running), source.error
+    state: str = st.state
+    if not running:
+        state = "failed" if error is not None else (state if state in ("ended", "closed", "failed") else "closed")
+    elif state == "starting" and st.rows > 0:
+        state = "running"  # a source that does not keep state: rows flow, so it runs
+    last_type, last = st.last_error_type, st.last_error
+    if error is not None and not running:
+        last_type = type(error).__name__
+        last = str(error).splitlines()[0] if str(error) else last_type
+    if last_type is None and last is not None and st.errors:
+        last_type = max(st.errors, key=lambda k: st.errors[k])
+    return SourceHealth(
+        running=running,
+        state=state,
+        last_error=last,
+        last_error_type=last_type,
+        next_retry_at=st.next_retry_at,
+        permanent=st.permanent,
+        lost=frozenset(st.lost_gpus),
+        known=dict(st.known_gpus),
+        lost_uuids=dict(st.lost_uuids),
+    )
+
+
+@dataclass
+class TrackedGpu:
+    """A GPU the collector has seen, remembered until the exporter restarts."""
+
+    index: int | None
+    uuid: str | None
+    labels: dict[str, str]  # the naming's labels of its series
+    lost: bool = False
+    absent: int = 0  # sweeps in a row without this GPU
+
+
+def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, str]:
+    """Constant labels given as ``key=value`` strings (``["site=lab"]``) or a mapping, checked, as a dict.
+
+    Raises:
+        ValueError: a malformed item, an invalid or reserved label name, or a name given twice.
+    """
+    if items is None:
+        return {}
+    pairs: list[tuple[str, str]] = []
+    if isinstance(items, Mapping):
+        pairs = [(str(k), str(v)) for k, v in items.items()]
+    else:
+        for item in items:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"label {item!r} is not key=value")
+            pairs.append((key.strip(), value))
+    out: dict[str, str] = {}
+    for key, value in pairs:
+        if not _LABEL_NAME_RE.fullmatch(key) or key.startswith("__"):
+            raise ValueError(
+                f"label name {key!r} is invalid: letters, digits and '_', not starting with a digit or '__'"
+            )
+        if key in RESERVED_LABELS:
+            raise ValueError(f"label name {key!r} is set by the exporter itself; pick another name")
+        if key in out:
+            raise ValueError(f"label {key!r} is given twice")
+        out[key] = value
+    return out
+
+
+#: Labels of the per-process series from nvidia-smi pmon (constant labels may not reuse them).
+PMON_LABELS: tuple[str, ...] = ("gpu", "uuid", "pid", "command", "user")
+
+# Labels the exporter sets itself (Hostname is not here: --label Hostname=... overrides the DCGM label).
+RESERVED_LABELS = frozenset(
+    {"gpu", "uuid", "name", "pci_bus_id", "value", "pid", "process_name", "type", "source"}
+    | {"UUID", "device", "modelName", "DCGM_FI_DRIVER_VERSION"}
+    # MIG instances (--details-interval) and Xid errors (--kernel-log)
+    | {"mig_uuid", "gpu_instance_id", "compute_instance_id", "profile", "GPU_I_ID", "GPU_I_PROFILE"}
+    | {"xid", "action", "path", "reason"}
+)
+
+
+class SmiCollector:
+    """A ``prometheus_client`` collector over the newest sweep of one background stream; never runs nvidia-smi.
+
+    Per-GPU series are served only while the newest sweep is fresher than ``stale_after``; a missing value (any
+    status token) leaves its series out for that GPU, never 0. The health metrics are always there.
+    :meth:`exposition`, the HTTP server's fast path, renders the per-sweep text once per sweep.
 
     Args:
         stream: a started :class:`~smiquery.source.SampleSource`; ``fields`` defaults to its ``fields``, and its
             ``interval`` (when it has one) sets the default ``stale_after``, ``max(3 * interval, 15)`` s.
-        processes: a :func:`~smiquery.exporter.detailswatch.process_poller`, for per-process GPU memory.
-        pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher`, for the busiest processes per GPU.
-        details: a :func:`~smiquery.exporter.detailswatch.details_poller`, for per-MIG-instance memory.
-        xid: a :class:`~smiquery.sources.xid.XidWatcher`, for ``smiquery_xid_errors_total``.
+        processes: a :func:`~smiquery.exporter.detailswatch.process_poller` (per-process GPU memory).
+        pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher` (the busiest processes per GPU).
+        details: a :func:`~smiquery.exporter.detailswatch.details_poller` (per-MIG-instance memory).
+        xid: a :class:`~smiquery.sources.xid.XidWatcher` (``smiquery_xid_errors_total``).
         hostname: the DCGM ``Hostname`` label (default: this host's name).
         alerts: fed every sample (``smiquery_alert_firing``).
         on_gpu_change: called ``(lost, index, uuid)`` when a GPU drops out or comes back.
         on_state: called ``(up, why)`` when fresh data stops or flows again.
-        attribution: which workload holds each GPU (:mod:`smiquery.attribution`): its series, the workload's labels
-            on GPUs one workload holds, and per-workload use when its backend ties processes to workloads.
+        attribution: which workload holds each GPU (:mod:`smiquery.attribution`).
         process_metrics: also prometheus_client's standard ``process_*`` metrics of this process.
     """
 
@@ -648,3 +755,65 @@ class SmiCollector:
             names = ", ".join(f"GPU {i} ({u or 'uuid unknown'})" for i, u in lost)
             return False, f"lost: {names}"
         return True, "ok"
+
+
+_SHA = re.compile(r"[0-9a-f]{7,64}")
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+@lru_cache(maxsize=1)
+def revision() -> str:
+    """The source revision smiquery was built from (``revision`` in ``smiquery_build_info``), or ``unknown``.
+
+    The first of: ``smiquery/_revision.py`` (``REVISION = "<commit>"``, written by a build), the commit pip recorded
+    installing from a git URL, the commit checked out (read from ``.git``, no git run).
+    """
+    return _baked() or _pip_recorded() or _git_checkout() or "unknown"
+
+
+def _baked() -> str | None:
+    try:
+        _revision = importlib.import_module("smiquery._revision")  # written by a build, absent in a checkout
+    except ImportError:
+        return None
+    value = str(getattr(_revision, "REVISION", "")).strip()
+    return value or None
+
+
+def _pip_recorded() -> str | None:
+    for info in sorted(_PACKAGE.parent.glob("smiquery-*.dist-info/direct_url.json")):
+        try:
+            commit = json.loads(info.read_text(encoding="utf-8")).get("vcs_info", {}).get("commit_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(commit, str) and _SHA.fullmatch(commit):
+            return commit
+    return None
+
+
+def _git_checkout() -> str | None:
+    git = _PACKAGE.parent / ".git"
+    try:
+        if git.is_file():  # a worktree: "gitdir: <path>"
+            git = Path(git.read_text(encoding="utf-8").split(":", 1)[1].strip())
+        head = (git / "HEAD").read_text(encoding="utf-8").strip()
+        if not head.startswith("ref: "):
+            return head if _SHA.fullmatch(head) else None
+        ref = head[5:]
+        common = git / "commondir"
+        roots = [git, (git / common.read_text(encoding="utf-8").strip()).resolve()] if common.is_file() else [git]
+        for root in roots:
+            loose = root / ref
+            if loose.is_file():
+                value = loose.read_text(encoding="utf-8").strip()
+                return value if _SHA.fullmatch(value) else None
+        for root in roots:
+            packed = root / "packed-refs"
+            if packed.is_file():
+                for line in packed.read_text(encoding="utf-8").splitlines():
+                    parts = line.split()
+                    if len(parts) == 2 and parts[1] == ref and _SHA.fullmatch(parts[0]):
+                        return parts[0]
+    except (OSError, IndexError):
+        return None
+    return None

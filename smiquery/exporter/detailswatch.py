@@ -133,20 +133,13 @@ def mig_families(
             continue
         parent = dict(gpu_labels(gpu))
         for mig in gpu.mig_devices:
+            gi = "" if mig.gpu_instance_id is None else str(mig.gpu_instance_id)
+            ci = "" if mig.compute_instance_id is None else str(mig.compute_instance_id)
             if dcgm:
-                labels = {
-                    **parent,
-                    "GPU_I_ID": "" if mig.gpu_instance_id is None else str(mig.gpu_instance_id),
-                    "GPU_I_PROFILE": mig.profile or "",
-                }
+                labels = {**parent, "GPU_I_ID": gi, "GPU_I_PROFILE": mig.profile or ""}
             else:
-                labels = {
-                    **parent,
-                    "mig_uuid": mig.uuid or "",
-                    "gpu_instance_id": "" if mig.gpu_instance_id is None else str(mig.gpu_instance_id),
-                    "compute_instance_id": "" if mig.compute_instance_id is None else str(mig.compute_instance_id),
-                    "profile": mig.profile or "",
-                }
+                mig_labels = {"mig_uuid": mig.uuid or "", "gpu_instance_id": gi, "compute_instance_id": ci}
+                labels = {**parent, **mig_labels, "profile": mig.profile or ""}
             for fam, attr in fams:
                 value = getattr(mig, attr)
                 if value is not None:

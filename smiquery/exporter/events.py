@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
-from smiquery._log import get_logger
+from smiquery._log import RateLimiter, get_logger
 from smiquery.printable import printable
 
 __all__ = ["EventLog", "JsonFormatter", "RateLimitFilter", "configure_logging", "json_line"]
@@ -23,31 +23,6 @@ __all__ = ["EventLog", "JsonFormatter", "RateLimitFilter", "configure_logging", 
 log = get_logger("smiquery.exporter")
 
 LogFormat = Literal["text", "json"]
-
-
-class _Limiter:
-    """Token buckets by key: a burst of ``burst`` lines, then one per ``period`` seconds; counts what it holds back."""
-
-    def __init__(self, burst: int, period: float, clock: Callable[[], float]) -> None:
-        self.burst = float(burst)
-        self.period = period
-        self.clock = clock
-        self.suppressed = 0
-        self._buckets: dict[object, tuple[float, float, int]] = {}  # key -> (tokens, updated, held back)
-        self._lock = threading.Lock()
-
-    def take(self, key: object) -> int | None:
-        """None when ``key`` is over its rate (the line is held back), else how many were held back before it."""
-        now = self.clock()
-        with self._lock:
-            tokens, updated, held = self._buckets.get(key, (self.burst, now, 0))
-            tokens = min(self.burst, tokens + (now - updated) / self.period)
-            if tokens < 1.0:
-                self._buckets[key] = (tokens, now, held + 1)
-                self.suppressed += 1
-                return None
-            self._buckets[key] = (tokens - 1.0, now, 0)
-            return held
 
 
 def _held_note(held: int) -> str:
@@ -69,7 +44,7 @@ class EventLog:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.logger = logger
-        self._limit = _Limiter(burst, period, clock)
+        self._limit = RateLimiter(burst, period, clock)
         self._lock = threading.Lock()
         self._fault: tuple[str | None, str] | None = None  # the failure last announced, until data flows again
 
@@ -162,7 +137,7 @@ class RateLimitFilter(logging.Filter):
 
     def __init__(self, burst: int = 5, period: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self._limit = _Limiter(burst, period, clock)
+        self._limit = RateLimiter(burst, period, clock)
 
     def filter(self, record: logging.LogRecord) -> bool:
         """Whether ``record`` goes out (errors and worse always do)."""

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.metrics_core import Metric
 
 from smiquery.attribution import STATES, Workload
-from smiquery.exporter.naming import NVSMI_WORDS, PMON_SERIES
-from smiquery.exporter.state import bare_uuid
+from smiquery.exporter.naming import NVSMI_WORDS, PMON_SERIES, bare_uuid
 from smiquery.kinds import to_number
 from smiquery.sources.xid import XID_CATALOGUE
 
@@ -70,8 +69,9 @@ def nvsmi_number(field: str, value: Value) -> float | None:
     words = NVSMI_WORDS.get(field)
     if words is not None:
         return words.get(text)
-    if text[:1] in "Pp" and text[1:].isdigit():
-        return float(text[1:])
+    pstate = pstate_number(text)
+    if pstate is not None:
+        return pstate
     try:
         return float(text)  # version-like numbers (inforom.ecc 7.16, compute_cap 9.0)
     except ValueError:
@@ -170,7 +170,7 @@ def pmon_health(pmon: PmonWatcher, labels: Mapping[str, str]) -> list[Metric]:
         gauge("smiquery_process_up", up, (labels, 1.0 if pmon.fresh() is not None else 0.0)),
         gauge("smiquery_process_stream_info", info, ({**labels, **state}, 1.0)),
     ]
-    got, _ = pmon.latest()
+    got = pmon.poll.get().value
     if got is not None:
         doc = "Unix time of the newest nvidia-smi pmon instant."
         out.append(gauge("smiquery_process_last_sample_timestamp_seconds", doc, (labels, got.wall)))
@@ -290,13 +290,9 @@ def xid_families(
 ) -> list[Metric]:
     """``smiquery_xid_errors_total`` (every event counts), ``..._rejected_lines_total`` and ``smiquery_xid_source_up``.
 
-    Args:
-        xid: the watcher following the kernel log (docs/exporter.md, "Xid errors", says what it counts).
-        gpus: PCI key -> ``{"gpu": ..., "uuid": ...}`` of the GPU at that address; None for an address no GPU
-            has (it fell off the bus before the exporter saw it): its events have ``gpu`` and ``uuid`` empty.
-        labels: the constant labels.
-        inventory_known: whether the GPUs have been listed yet; until then an event at an address no GPU is
-            known at is held back, so that its series does not change labels once the GPU is seen.
+    ``gpus``: PCI key -> ``{"gpu": ..., "uuid": ...}`` of the GPU there; None for an address no GPU has (it fell
+    off the bus before the exporter saw it): its events have ``gpu`` and ``uuid`` empty. Until ``inventory_known``
+    (the GPUs have been listed), such events are held back, so that their series do not change labels later.
     """
     doc = f"1 while the kernel log ({xid.path}) is read for Xid errors, else 0 (no permission, missing)."
     up = gauge("smiquery_xid_source_up", doc, ({**labels, "path": xid.path}, 1.0 if xid.up else 0.0))

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Literal, cast
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString as _untyped_float_to_go
 
-from smiquery.fields import Field, Kind, resolve_fields
+from smiquery._log import get_logger
+from smiquery.errors import InvalidFieldError, NvidiaSmiFailedError
+from smiquery.fields import Field, Kind, help_query_gpu, resolve_fields
 from smiquery.kinds import UNITS, unit_info
 
 if TYPE_CHECKING:
@@ -31,11 +33,13 @@ __all__ = [
     "PMON_SERIES",
     "MetricSpec",
     "Naming",
+    "bare_uuid",
     "exporter_fields",
     "metric_specs",
     "render",
 ]
 
+log = get_logger("smiquery.exporter")
 _go_float = cast("Callable[[float], str]", _untyped_float_to_go)  # the text format's float spelling (+Inf, 1e+06)
 
 
@@ -117,14 +121,10 @@ PMON_METRICS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """How one nvidia-smi field becomes one metric family.
+    """How one nvidia-smi ``field`` becomes one metric family (``type`` gauge or counter, ``help`` its HELP).
 
     Attributes:
-        field: the nvidia-smi field name (``memory.used``).
-        name: the metric family name; for native counters without the ``_total`` the samples carry.
-        sample: the name on each sample line (``..._total`` for native counters).
-        type: ``gauge`` or ``counter``.
-        help: the HELP text.
+        name: the family name; for native counters without the ``_total`` that ``sample`` (each sample's name) has.
         scale: factor from nvidia-smi's unit to the metric's (MiB to bytes: 1048576).
         style: ``number``, ``bool`` (1/0), ``pstate`` (P3 -> 3), ``info`` (value as a label) or ``nvsmi``.
         naming: the naming whose labels the series carry (a DCGM naming's field without a DCGM name: native).
@@ -274,6 +274,13 @@ NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = (
 )
 
 
+def bare_uuid(uuid: str | None) -> str:
+    """The UUID without nvidia-smi's ``GPU-`` prefix ("" for None)."""
+    # nvidia_gpu_exporter labels GPUs by the UUID without nvidia-smi's "GPU-" prefix (its dashboard matches on it)
+    text = uuid or ""
+    return text[4:] if text.startswith("GPU-") else text
+
+
 def _nvsmi_spec(fld: Field) -> list[MetricSpec]:
     # nvidia-smi's CSV header gives averageLatency no unit, so nvidia_gpu_exporter adds no suffix nor conversion
     unit = "" if fld.name == "encoder.stats.averageLatency" else fld.unit
@@ -313,12 +320,10 @@ _RULES: dict[str, _Rules] = {
 def metric_specs(
     fields: str | Sequence[str] | Sequence[Field] = "all", naming: Naming = "smiquery"
 ) -> list[MetricSpec]:
-    """The metric families the exporter makes from ``fields``, in field order (identity fields become labels).
+    """The metric families the exporter makes from ``fields`` (a preset, names or fields), in field order.
 
-    Args:
-        fields: a preset, a comma list, or a sequence of names or :class:`Field` objects.
-        naming: ``smiquery`` (base units, ``smiquery_*``), ``dcgm`` (the DCGM exporter's names and units) or
-            ``nvidia_smi`` (nvidia_gpu_exporter's ``nvidia_smi_*`` names).
+    Identity fields become labels. ``naming``: ``smiquery`` (base units, ``smiquery_*``), ``dcgm`` (the DCGM
+    exporter's names and units) or ``nvidia_smi`` (nvidia_gpu_exporter's ``nvidia_smi_*`` names).
 
     Raises:
         InvalidFieldError: an unknown field.
@@ -371,20 +376,51 @@ def exporter_fields(
 ) -> list[str]:
     """The nvidia-smi fields an exporter queries, without repeats: the identity fields, the wanted ones, extras.
 
-    ``fields`` is a preset or field list (None: ``health``); ``supported`` asks ``nvidia_smi`` once for every field
-    this driver supplies. DCGM naming adds the driver version (a label); with the default fields, each naming
-    adds its extras (:data:`DCGM_DEFAULT_EXTRAS`, :data:`NVSMI_DEFAULT_EXTRAS`).
+    ``fields`` is a preset or field list (None: ``health``); ``supported`` asks ``nvidia_smi`` for every field this
+    driver lists and supplies on at least one GPU. DCGM naming adds the driver version (a label); with the default
+    fields, each naming adds its extras (:data:`DCGM_DEFAULT_EXTRAS`, :data:`NVSMI_DEFAULT_EXTRAS`).
 
     Raises:
         InvalidFieldError: an unknown field.
-        SmiqueryError: with ``supported``, nvidia-smi could not be asked.
+        SmiqueryError: with ``supported``, nvidia-smi could not be asked, failed, timed out or listed no known field.
     """
     if fields == "supported":
-        from smiquery.exporter.discovery import supported_fields
-
-        fields = supported_fields(nvidia_smi=nvidia_smi)
+        fields = _supported_fields(nvidia_smi)
     wanted = resolve_fields(fields if fields is not None else "health")
     rules = _RULES[naming]
     extras = rules.identity + (rules.extras if fields in (None, "health") else ())
     names = [*IDENTITY_FIELDS, *(f.name for f in wanted), *extras]
     return list(dict.fromkeys(names))
+
+
+def _supported_fields(nvidia_smi: str | os.PathLike[str] | None) -> list[str]:
+    """The catalogue fields this driver lists in ``--help-query-gpu`` and supplies on at least one GPU, in its order.
+
+    One ``--help-query-gpu`` and one query of every listed field, when the exporter starts: fields that are
+    ``[Not Supported]`` on every GPU are left out, so the loop does not carry columns that never have a value.
+    """
+    from smiquery.runner import default_runner, find_nvidia_smi
+    from smiquery.sources.query_gpu import query
+
+    binary = find_nvidia_smi(nvidia_smi)
+    listed: list[str] = []
+    unknown = 0
+    for entry in help_query_gpu(default_runner().run, binary, 30.0):
+        try:
+            listed.append(resolve_fields([entry.name])[0].name)
+        except InvalidFieldError:
+            unknown += 1  # a field newer than smiquery's catalogue: no unit or type to export it with
+    listed = list(dict.fromkeys(listed))
+    if not listed:
+        argv = [binary, "--help-query-gpu"]
+        raise NvidiaSmiFailedError(argv, 0, "", "nvidia-smi --help-query-gpu listed no field smiquery knows")
+    samples = query(listed, nvidia_smi=binary, timeout=30.0)
+    keep = [name for name in listed if not samples or any(s.missing.get(name) != "not_supported" for s in samples)]
+    log.info(
+        "smiquery exporter: --fields supported: %d fields (%d listed, %d not supported on any GPU, %d unknown)",
+        len(keep),
+        len(listed),
+        len(listed) - len(keep),
+        unknown,
+    )
+    return keep

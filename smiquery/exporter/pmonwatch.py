@@ -32,12 +32,10 @@ __all__ = ["TOP_PROCESSES_BY", "PmonWatcher", "ProcessInstant", "process_instant
 class ProcessInstant:
     """One pmon instant as the exporter serves it: at most ``top`` processes per GPU plus one ``other`` row.
 
-    Attributes:
-        rows: ``(row, user)`` pairs, busiest first per GPU, the ``other`` row (``pid`` None) last; ``user`` is
-            the owner's name from ``/proc`` (None when this host cannot see the process).
-        processes: GPU index -> how many processes pmon listed on it (0 for an idle GPU).
-        received: ``time.monotonic()`` when the instant was complete (``wall``: ``time.time()``).
-        by: ``pid`` or ``name`` (the processes of one name on one GPU summed, ``pid`` the lowest, ``user`` None).
+    ``rows``: ``(row, user)`` pairs, busiest first per GPU, the ``other`` row (``pid`` None) last; ``user``: the
+    owner's name from ``/proc`` (None when this host cannot see it). ``processes``: GPU index -> processes pmon
+    listed (0: idle). ``received``: ``time.monotonic()`` when it was complete (``wall``: ``time.time()``). ``by``:
+    ``pid`` or ``name`` (the processes of one name on one GPU summed, ``pid`` the lowest, ``user`` None).
     """
 
     rows: tuple[tuple[pmon.PmonRow, str | None], ...]
@@ -104,10 +102,7 @@ class PmonWatcher:
         by: ``name`` (one row per process name on a GPU: series stay bounded) or ``pid`` (one series per pid).
         interval: pmon's ``-d`` (whole seconds, 1..10).
         gpus: only these GPUs (pmon watches at most 4; without it nvidia-smi picks the first 4).
-        nvidia_smi: path of the binary.
-        stall_timeout: seconds without a pmon line before the child counts as hung.
         stale_after: seconds after which the newest instant is not served (default ``max(4 * interval, 10)``).
-        retry_after: seconds between attempts after an error that needs a person.
         user_of: pid -> user name; ``make_stream``: builds the pmon stream (tests inject both).
 
     Raises:
@@ -216,11 +211,6 @@ class PmonWatcher:
         if st == "running" and snap.value is None:
             return "starting"
         return st if st in ("starting", "running", "retrying") else "failed"
-
-    def latest(self) -> tuple[ProcessInstant | None, float | None]:
-        """The newest instant and its age in seconds (Nones before the first)."""
-        snap = self.poll.get()
-        return snap.value, snap.age
 
     def fresh(self) -> ProcessInstant | None:
         """The newest instant when it is younger than ``stale_after`` and pmon still runs, else None."""

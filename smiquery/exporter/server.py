@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator
-from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector
+from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector, parse_labels
 from smiquery.exporter.detailswatch import details_poller, process_poller
 from smiquery.exporter.events import EventLog
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
-from smiquery.exporter.state import parse_labels
 from smiquery.fields import resolve_fields
 from smiquery.httpd.server import HttpServer, Request, Response, listen
 from smiquery.httpd.webconfig import WebConfig, load_web_config
@@ -137,9 +136,8 @@ class Exporter:
     Attributes:
         collector: the :class:`SmiCollector` behind ``/metrics``; ``poller`` and ``pmon`` are its sources.
         stream: the background :class:`~smiquery.streams.sync.Stream` (a new one after a revival).
-        http: the :class:`~smiquery.httpd.server.HttpServer` (``open_connections``, ``evicted``, ``timed_out``).
-        port: the port listened on (useful with ``port=0``), on the address ``bind``.
-        url: the base URL (``http://127.0.0.1:9849``); metrics are at ``url + "/metrics"``.
+        http: the :class:`~smiquery.httpd.server.HttpServer`.
+        port: the port listened on (useful with ``port=0``), on the address ``bind``; ``url`` is the base URL.
         revivals: how many times a stream that stopped for good was replaced (after ``revive_after`` seconds).
     """
 
@@ -147,7 +145,6 @@ class Exporter:
         self,
         server: HttpServer,
         collector: SmiCollector,
-        tls: bool,
         parts: Sequence[_Part],
         make_stream: Callable[[], Any],
         revive_after: float,
@@ -161,7 +158,7 @@ class Exporter:
         self.revivals = 0
         host, port = server.sock.getsockname()[:2]
         self.bind, self.port = str(host), int(port)
-        self.url = f"{'https' if tls else 'http'}://{f'[{host}]' if ':' in self.bind else host}:{port}"
+        self.url = f"{'https' if server.ssl_context else 'http'}://{f'[{host}]' if ':' in self.bind else host}:{port}"
         self._make_stream = make_stream
         self._parts = parts
         self._stopped = threading.Event()
@@ -262,63 +259,28 @@ def serve(
 ) -> Exporter:
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
-    Returns at once; the work happens in daemon threads (one selector thread and ``workers`` HTTP workers, however
-    many clients connect).
+    Returns at once; the work happens in daemon threads, however many clients connect.
 
     Example::
 
         with smiquery.exporter.serve(port=9849, interval=5) as exp:
             exp.serve_forever()
 
-    Args:
-        port: TCP port (0: any free port; see :attr:`Exporter.port`).
-        bind: address to listen on; ``0.0.0.0`` or ``::`` listen on all interfaces.
-        interval: seconds between nvidia-smi samples.
-        fields: a preset or field list; the identity fields (index, uuid, name, pci.bus_id) are always added, and
-            the default ``health`` gets the naming's extras (:func:`~smiquery.exporter.naming.exporter_fields`).
-        gpus: only these GPUs.
-        labels: constant labels for every series (``["site=lab"]`` or a mapping).
-        naming: ``smiquery`` (native, base units), ``dcgm`` (the DCGM exporter's names, units and labels) or
-            ``nvidia_smi`` (nvidia_gpu_exporter's).
-        processes: also export per-process GPU memory, polled every ``processes_interval`` seconds.
-        processes_interval: seconds between process polls.
-        top_processes: also run ``nvidia-smi pmon`` (every ``interval`` seconds, rounded to 1..10) and export the
-            use and GPU memory of the ``top_processes`` busiest processes of each GPU, plus one ``command="other"``
-            series summing the rest; 0 runs no pmon. If pmon cannot run, one line is logged and the rest goes on.
-        top_processes_by: ``name`` (one series per process name: bounded) or ``pid`` (one series per process,
-            labelled ``pid`` and ``user``: every new pid is a new series).
-        tls_cert: PEM certificate: serve HTTPS.
-        tls_key: PEM private key for ``tls_cert``.
-        client_ca: PEM CA bundle: require client certificates signed by it.
-        web_config: a web configuration file (exporter-toolkit format: TLS, basic auth, headers), or a loaded
-            :class:`WebConfig`. Not together with ``tls_cert``.
-        nvidia_smi: path of the binary.
-        registry: a ``prometheus_client`` registry whose metrics are appended to ``/metrics`` (e.g. your own).
-        stale_after: seconds after which data counts as stale (default ``max(3 * interval, 15)``).
-        stall_timeout: seconds without output before nvidia-smi counts as hung (default ``max(3 * interval, 10)``).
-        alerts: smiquery alert rules evaluated on every nvidia-smi sample and exported as
-            ``smiquery_alert_firing`` (so "for 3 samples" counts samples whatever the scrape interval).
-        workers: HTTP worker threads.
-        max_connections: open client connections at most (the longest-waiting incomplete one makes room).
-        request_timeout: seconds a client has to send a whole request head (slow clients are cut off).
-        revive_after: seconds after which a stream that stopped for good (its thread ended with an error) is
-            replaced by a new one; meanwhile ``smiquery_next_attempt_timestamp_seconds`` says when.
-        attribution: which workload holds each GPU (:class:`~smiquery.attribution.Attribution`), started and
-            closed with the exporter.
-        details_interval: also run ``nvidia-smi -q -x`` every this many seconds, in its own thread, and export
-            per-MIG-instance memory; None (the default here; the CLI's is 60) for none.
-        kernel_log: also follow this kernel log (``/dev/kmsg``, or a plain file followed like ``tail -F``) and
-            count ``smiquery_xid_errors_total``; None (the default here; the CLI's is ``/dev/kmsg``) for none.
-        process_metrics: serve prometheus_client's standard ``process_*`` metrics of this process, unless
-            ``registry`` has them already.
+    The keywords are ``smiquery export``'s options of the same name (docs/exporter.md, Options). Besides them:
+    ``port=0`` takes any free port (:attr:`Exporter.port` says which); ``web_config`` may be a loaded
+    :class:`WebConfig` (not together with ``tls_cert``); ``registry`` is a ``prometheus_client`` registry whose
+    metrics are appended to ``/metrics``; ``workers`` HTTP worker threads serve; ``max_connections`` client
+    connections stay open at most (the longest-waiting incomplete one makes room); ``request_timeout`` is the
+    seconds a client has to send a request head; a stream that stopped for good is replaced after ``revive_after``
+    seconds; ``attribution`` (which workload holds each GPU) is started and closed with the exporter;
+    ``details_interval`` and ``kernel_log`` are None (off) by default here; ``process_metrics`` serves
+    prometheus_client's ``process_*`` metrics unless ``registry`` has them already.
 
     Raises:
-        PortInUseError, ListenError: the port is taken, or the address cannot be listened on (nvidia-smi is not
-            started).
-        WebConfigError, InvalidFieldError, InvalidRuleError, InvalidGpuIdError, NvidiaSmiNotFoundError: what
-            their names say.
+        PortInUseError, ListenError: the port is taken, or the address unusable (nvidia-smi is not started).
         ValueError: a bad label, naming, interval, top_processes, details_interval, or TLS option.
-        OSError, ssl.SSLError: unreadable TLS files.
+        OSError: unreadable TLS files; WebConfigError, InvalidFieldError, InvalidRuleError, InvalidGpuIdError,
+            NvidiaSmiNotFoundError as their names say.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, not {naming!r}")
@@ -423,7 +385,7 @@ def serve(
         parts = [p for p in (poller, watcher, collector, attribution, xid, details) if p is not None]
         for part in (s, *parts):
             part.start()
-        exp = Exporter(http, collector, web.ssl_context is not None, parts, make_stream, revive_after)
+        exp = Exporter(http, collector, parts, make_stream, revive_after)
     except BaseException:
         sock.close()
         _close([p for p in (s, poller, watcher, collector, attribution, xid, details) if p is not None])

@@ -1,12 +1,9 @@
 """A small HTTP/1.1 server that bad clients cannot starve or stop: one selector thread, a fixed pool of workers.
 
-The selector thread owns every socket: it accepts, runs TLS handshakes, reads request heads and writes responses,
-all without blocking, and enforces per-connection deadlines. Workers only compute the responses the selector
-thread should not (OpenMetrics, a slow extra registry): a slow reader costs a buffer, never a thread. When
-``max_connections`` sockets are open, the one that has waited longest makes room. With basic auth, credentials
-are settled before a request reaches a worker (a known answer at once, anything else by one verifier thread, at
-most ``auth_queue`` checks waiting: past that the request is answered 429 after ``shed_delay``), so guesses never
-hold a worker. A failure stays with its connection: every step on one runs under a guard that closes it alone.
+The selector thread owns every socket (accept, TLS handshake, reading heads, writing responses: never blocking,
+each with a deadline); workers only compute the responses it should not (OpenMetrics, a slow extra registry), so a
+slow reader costs a buffer, never a thread. Basic auth is settled before a worker sees a request (a known answer at
+once, the rest by one verifier thread), so guesses never hold a worker. A failure closes its connection alone.
 Request heads are parsed strictly (RFC 9112) and may carry no body. Threads: 1 + ``workers`` (+ 1 verifier).
 """
 
@@ -29,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from smiquery._log import get_logger
+from smiquery._log import RateLimiter, get_logger
 from smiquery.errors import ListenError, PortInUseError
 
 if TYPE_CHECKING:
@@ -91,7 +88,6 @@ class _Conn:
     close_after: bool = False  # close once ``out`` is written
     started: float = 0.0  # when the first byte of the current request arrived (0: idle)
     handshaking: bool = False
-    wait: int = selectors.EVENT_READ  # what the next step waits for
     busy: bool = False  # a worker computes its response
     watched: bool = False  # registered with the selector
     closed: bool = False
@@ -100,41 +96,18 @@ class _Conn:
     held: bytes | None = None  # a response to send once ``deadline`` passes (a shed request's 429)
 
 
-class _Throttle:
-    """One WARNING line per ``period`` for a repeating failure, saying how many were held back; the rest at DEBUG."""
-
-    def __init__(self, period: float = 60.0) -> None:
-        self.period = period
-        self.last = -period
-        self.held = 0
-        self.lock = threading.Lock()
-
-    def warn(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self.lock:
-            loud = now - self.last >= self.period
-            held, self.held = (self.held, 0) if loud else (0, self.held + 1)
-            if loud:
-                self.last = now
-        if loud:
-            tail = f" ({held} more like it held back in the last {self.period:g} s)" if held else ""
-            log.warning(msg + "%s; details at DEBUG", *args, tail)
-        log.debug(msg, *args, exc_info=True)
-
-
 class HttpServer:
     """Serve ``handler(request) -> Response`` on a listening socket until :meth:`shutdown`.
 
     Args:
         sock: a bound socket (not yet listening).
         handler: computes a response (a raise answers 500 and is logged at most once a minute).
+        max_connections: open sockets at most; past it the one that has waited longest makes room.
         request_timeout: seconds from a request's first byte (or a TLS connection's start) to its complete head.
         idle_timeout: seconds a keep-alive connection may sit without starting a request.
         write_timeout: seconds a client has to take one whole response.
-        inline: says which requests are cheap enough to answer in the selector thread itself; the rest go to
-            the workers.
-        web: TLS, allowed client certificates, response headers, and basic auth checked before ``handler`` sees a
-            request (401 for a refusal: a known credential at once, others by the verifier thread).
+        inline: says which requests are cheap enough to answer in the selector thread itself.
+        web: TLS, allowed client certificates, response headers, and basic auth (401 for a refusal).
         auth_queue: checks waiting for or running on the verifier at most; past it a request is answered 429
             (``Retry-After: 1``) after ``shed_delay`` seconds, and its connection closed.
     """
@@ -175,8 +148,7 @@ class HttpServer:
         self.failures = 0  # connections closed because handling them raised (each one contained)
         self.shed = 0  # requests answered 429: the verifier's queue was full
         self._checking = 0  # checks handed to the verifier and not yet back (the selector thread's count)
-        self._throttle = _Throttle()
-        self._handler_throttle = _Throttle()
+        self._limit = RateLimiter()  # one WARNING per message a minute
         _raise_fd_limit(max_connections + 256)
         sock.listen(backlog)
         sock.setblocking(False)
@@ -233,7 +205,6 @@ class HttpServer:
             conn.sock.close()
 
     def _watch(self, conn: _Conn, events: int) -> None:
-        conn.wait = events
         if conn.watched:
             if self._sel.get_key(conn.sock).events != events:
                 self._sel.modify(conn.sock, events, conn)
@@ -247,6 +218,14 @@ class HttpServer:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._sel.unregister(conn.sock)
 
+    def _warn(self, msg: str, *args: object) -> None:
+        """A repeating failure: one WARNING a minute saying how many were held back, every one at DEBUG."""
+        held = self._limit.take(msg)
+        if held is not None:
+            tail = f" ({held} more like it held back in the last {self._limit.period:g} s)" if held else ""
+            log.warning(msg + "%s; details at DEBUG", *args, tail)
+        log.debug(msg, *args, exc_info=True)
+
     def _guard(self, conn: _Conn | None, step: Callable[..., object], *args: object) -> None:
         """Run one step; a raise closes ``conn`` (only it) and is logged, throttled."""
         try:
@@ -254,7 +233,7 @@ class HttpServer:
         except Exception:
             self.failures += 1
             client = conn.client if conn is not None else "the listening socket"
-            self._throttle.warn("smiquery exporter: a connection failed and was closed (%s)", client)
+            self._warn("smiquery exporter: a connection failed and was closed (%s)", client)
             if conn is not None:
                 with contextlib.suppress(Exception):
                     self._close(conn)
@@ -543,7 +522,7 @@ class HttpServer:
                 except Exception:
                     # Not tied to one connection (a bug): say so, and keep serving the others.
                     self.failures += 1
-                    self._throttle.warn("smiquery exporter: the HTTP selector loop hit an error and goes on")
+                    self._warn("smiquery exporter: the HTTP selector loop hit an error and goes on")
                     self._stop.wait(0.01)
         finally:
             for conn in list(self._conns.values()):
@@ -553,15 +532,12 @@ class HttpServer:
     # ----------------------------------------------------------------------------------------- workers
 
     def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
+        while (job := self._jobs.get()) is not None:
             conn, req = job
             try:
                 data, close = self._respond(req)
             except Exception:
-                self._handler_throttle.warn("smiquery exporter: answering %s failed", conn.client)
+                self._warn("smiquery exporter: answering %s failed", conn.client)
                 data, close = self._error(500), True
             self._back.put((conn, self._start, (data, close)))
             self._wake()
@@ -572,15 +548,12 @@ class HttpServer:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         assert self.auth is not None
-        while True:
-            job = self._checks.get()
-            if job is None:
-                return
+        while (job := self._checks.get()) is not None:
             conn, req = job
             try:
                 allowed = self.auth.authorized(req.headers.get("authorization"))
             except Exception:
-                self._handler_throttle.warn("smiquery exporter: checking the password of %s failed", conn.client)
+                self._warn("smiquery exporter: checking the password of %s failed", conn.client)
                 allowed = False
             self._back.put((conn, self._checked, (req, allowed)))
             self._wake()
@@ -593,7 +566,7 @@ class HttpServer:
         try:
             resp = self.handler(req)
         except Exception:
-            self._handler_throttle.warn("smiquery exporter: handling %s %s failed", req.method, req.path)
+            self._warn("smiquery exporter: handling %s %s failed", req.method, req.path)
             resp = Response(500, b"internal error\n")
         return self._reply(req, resp)
 
@@ -691,18 +664,14 @@ def listen(bind: str, port: int, *, port_option: str = "--port", bind_option: st
         sock.bind((bind.strip("[]"), port))
     except OSError as exc:
         sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            msg = f"port {port} on {bind} is in use; pick another with {port_option}"
-            raise PortInUseError(msg, port=port, bind=bind, option=port_option) from None
-        if exc.errno == errno.EACCES:
-            msg = f"no permission to listen on port {port} on {bind} (below 1024 needs root)"
-            msg += f"; pick another with {port_option}"
-            raise ListenError(msg, port=port, bind=bind, option=port_option) from None
-        if exc.errno == errno.EADDRNOTAVAIL:
-            msg = f"cannot listen on {bind}: the address is not on this machine; pick another with {bind_option}"
-            raise ListenError(msg, port=port, bind=bind, option=bind_option) from None
-        msg = f"cannot listen on {bind}:{port}: {exc.strerror or exc}"
-        raise ListenError(msg, port=port, bind=bind, option=port_option) from None
+        why, option = {
+            errno.EADDRINUSE: (f"port {port} on {bind} is in use", port_option),
+            errno.EACCES: (f"no permission to listen on port {port} on {bind} (below 1024 needs root)", port_option),
+            errno.EADDRNOTAVAIL: (f"cannot listen on {bind}: the address is not on this machine", bind_option),
+        }.get(exc.errno or 0, (f"cannot listen on {bind}:{port}: {exc.strerror or exc}", ""))
+        error = PortInUseError if exc.errno == errno.EADDRINUSE else ListenError
+        msg = f"{why}; pick another with {option}" if option else why
+        raise error(msg, port=port, bind=bind, option=option or port_option) from None
     return sock
 
 

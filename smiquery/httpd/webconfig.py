@@ -185,14 +185,7 @@ class WebConfig:
         return any(str(entry[1]) in self.allowed_sans for entry in sans)
 
 
-def _path(base: Path, value: Any, what: str, cfg: Path) -> Path:
-    if not isinstance(value, str) or not value:
-        raise WebConfigError(cfg, f"{what} must be a file path")
-    p = Path(value)
-    return p if p.is_absolute() else base / p
-
-
-def _pem(tls: dict[str, Any], base: Path, cfg: Path, tmp: Path, file_key: str, inline_key: str) -> Path | None:
+def _pem(tls: dict[str, Any], cfg: Path, tmp: Path, file_key: str, inline_key: str) -> Path | None:
     """The PEM file for ``file_key`` (a path) or ``inline_key`` (the PEM text itself, written to ``tmp``)."""
     if file_key in tls and inline_key in tls:
         raise WebConfigError(cfg, f"give tls_server_config.{file_key} or .{inline_key}, not both")
@@ -204,7 +197,9 @@ def _pem(tls: dict[str, Any], base: Path, cfg: Path, tmp: Path, file_key: str, i
         out.write_text(text, encoding="utf-8")
         return out
     if file_key in tls:
-        return _path(base, tls[file_key], f"tls_server_config.{file_key}", cfg)
+        if not isinstance(tls[file_key], str) or not tls[file_key]:
+            raise WebConfigError(cfg, f"tls_server_config.{file_key} must be a file path")
+        return cfg.parent / str(tls[file_key])  # an absolute path stays itself
     return None
 
 
@@ -237,12 +232,11 @@ def _tls(tls: dict[str, Any], cfg: Path) -> tuple[ssl.SSLContext, frozenset[str]
         ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     else:
         ctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
-    base = cfg.parent
     with tempfile.TemporaryDirectory(prefix="smiquery-web-") as d:
         tmp = Path(d)
-        cert = _pem(tls, base, cfg, tmp, "cert_file", "cert")
-        key = _pem(tls, base, cfg, tmp, "key_file", "key")
-        ca = _pem(tls, base, cfg, tmp, "client_ca_file", "client_ca")
+        cert = _pem(tls, cfg, tmp, "cert_file", "cert")
+        key = _pem(tls, cfg, tmp, "key_file", "key")
+        ca = _pem(tls, cfg, tmp, "client_ca_file", "client_ca")
         if cert is None or key is None:
             raise WebConfigError(cfg, "tls_server_config needs cert_file and key_file (or cert and key)")
         try:

@@ -19,8 +19,14 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from smiquery.attribution import Attribution
-from smiquery.attribution.cgroups import PodCgroup, parse_cgroup, pod_of_pid
-from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory, get_node_pods
+from smiquery.attribution.kubernetes import (
+    KubernetesBackend,
+    PodCgroup,
+    PodDirectory,
+    get_node_pods,
+    parse_cgroup,
+    pod_of_pid,
+)
 from smiquery.errors import KubernetesApiError
 from smiquery.exporter.families import workload_usage_families
 from smiquery.exporter.pmonwatch import ProcessInstant

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from smiquery.cli._export_run import MODULES_ENV
-from smiquery.exporter import build
+from smiquery.exporter.collector import revision
 from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,18 +157,18 @@ def test_export_version() -> None:
 
 
 def test_build_info_names_the_revision(monkeypatch: pytest.MonkeyPatch) -> None:
-    build.revision.cache_clear()
+    revision.cache_clear()
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=False)
     if head.returncode == 0 and importlib.util.find_spec("smiquery._revision") is None:
-        assert build.revision() == head.stdout.strip()  # a checkout: its HEAD, read without running git
+        assert revision() == head.stdout.strip()  # a checkout: its HEAD, read without running git
     baked = types.ModuleType("smiquery._revision")
     baked.REVISION = "0123456789abcdef0123456789abcdef01234567"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "smiquery._revision", baked)
-    build.revision.cache_clear()
+    revision.cache_clear()
     try:
-        assert build.revision() == baked.REVISION  # type: ignore[attr-defined]  # what the build wrote wins
+        assert revision() == baked.REVISION  # type: ignore[attr-defined]  # what the build wrote wins
     finally:
-        build.revision.cache_clear()
+        revision.cache_clear()
 
 
 def test_build_info_revision_label_is_served(fake_smi: Any) -> None:
@@ -177,7 +177,7 @@ def test_build_info_revision_label_is_served(fake_smi: Any) -> None:
     with serve(port=0, interval=0.1, nvidia_smi=fake_smi(), kernel_log=None) as exp:
         fams = wait_for(lambda: _once_served(exp.url, {"smiquery_build_info"}), what="build info")
     (sample,) = fams["smiquery_build_info"].samples
-    assert sample.labels["revision"] == build.revision() and sample.labels["revision"]
+    assert sample.labels["revision"] == revision() and sample.labels["revision"]
 
 
 def test_dcgm_allocation_help_names_the_uuid_label_it_has() -> None:
