@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 from smiquery._log import get_logger
 from smiquery.errors import SmiqueryError, StreamEndedError
 from smiquery.fields import FieldsArg
-from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, RetryPolicy
+from smiquery.retry import RetryPolicy
 from smiquery.runner import TERM_GRACE, LineSource, Runner, default_runner, find_nvidia_smi
 from smiquery.sample import GpuSample
 from smiquery.source import StreamEvent, Sweep
@@ -37,9 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_HISTORY_SWEEPS",
-    "DEFAULT_PERMANENT_RETRY",
     "DEFAULT_STARTUP_TIMEOUT",
-    "FAIL_FAST_ATTEMPTS",
     "Stream",
     "ThreadDriver",
     "stream",
