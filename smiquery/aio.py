@@ -47,11 +47,19 @@ async def query(
 
 
 class AsyncStream(CsvSource):
-    """One long-lived nvidia-smi in loop mode, read without blocking the event loop (see :func:`stream`).
+    """One long-lived nvidia-smi in loop mode, read without blocking the event loop; ``stream`` is this class.
 
+    Example::
+
+        async with smiquery.aio.stream("health", interval=0.5) as s:
+            async for sweep in s.sweeps(count=10):
+                print(max(x.temperature_gpu or 0 for x in sweep))
+
+    The arguments and the errors raised before anything runs are :class:`smiquery.Stream`'s; ``sleep`` is the
+    coroutine that waits between restarts (tests inject one). Nothing runs until the stream is iterated.
     ``async for sample in s`` yields samples, :meth:`sweeps` whole sweeps; one iteration at a time (one child per
     stream). Leaving ``async with``, :meth:`aclose` or cancelling the iterating task reaps the child. As the sync
-    :class:`~smiquery.streams.sync.Stream`: :attr:`stats`, :meth:`latest`, :meth:`subscribe` (or ``on_event``).
+    stream: :attr:`stats`, :meth:`latest`, :meth:`subscribe` (or ``on_event``).
     """
 
     def __init__(
@@ -183,39 +191,5 @@ class AsyncStream(CsvSource):
         await self.aclose()
 
 
-def stream(
-    fields: FieldsArg = "default",
-    *,
-    interval: float = 1.0,
-    gpus: GpusArg = None,
-    nvidia_smi: str | os.PathLike[str] | None = None,
-    stall_timeout: float | None = None,
-    startup_timeout: float = 45.0,
-    retry: RetryPolicy | None = None,
-    on_event: Callable[[StreamEvent], None] | None = None,
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-    tz: tzinfo | None = None,
-) -> AsyncStream:
-    """Sample continuously from one nvidia-smi child in loop mode, in asyncio.
-
-    Example::
-
-        async with smiquery.aio.stream("health", interval=0.5) as s:
-            async for sweep in s.sweeps(count=10):
-                print(max(x.temperature_gpu or 0 for x in sweep))
-
-    The arguments and the errors raised before anything runs are :func:`smiquery.stream`'s; ``sleep`` is the
-    coroutine that waits between restarts (tests inject one). Nothing runs until the stream is iterated.
-    """
-    return AsyncStream(
-        fields,
-        interval=interval,
-        gpus=gpus,
-        nvidia_smi=nvidia_smi,
-        stall_timeout=stall_timeout,
-        startup_timeout=startup_timeout,
-        retry=retry,
-        on_event=on_event,
-        sleep=sleep,
-        tz=tz,
-    )
+#: ``smiquery.aio.stream(...)`` is ``AsyncStream(...)``.
+stream = AsyncStream

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ClockStep",
     "Localizer",
-    "clamped_steps",
     "elapsed",
     "later",
     "localize_by_order",
@@ -189,31 +188,23 @@ class ClockStep:
     seconds: float
 
 
-def clamped_steps(seconds: np.ndarray, cap: float | None = None, interval: float | None = None) -> np.ndarray:
-    """The steps between consecutive ``seconds`` (in the order taken), never negative: a step back counts 0.
-
-    A forward step longer than ``cap`` (the clock jumped, the stream stopped) counts ``interval`` (default ``cap``'s
-    third, the usual spacing); ``cap`` None: none is a gap.
-    """
-    import numpy as np
-
-    steps = np.diff(np.asarray(seconds, dtype="float64"))
-    steps = np.where(steps > 0, steps, 0.0)  # NaN (a missing time) counts nothing either
-    if cap is not None:
-        steps = np.where(steps > cap, interval if interval is not None else cap / 3.0, steps)
-    return np.asarray(steps, dtype="float64")
-
-
 def timeline(stamps: np.ndarray, cap: float | None = None, interval: float | None = None) -> np.ndarray:
-    """Seconds from the first of ``datetime64[ns]`` ``stamps``, each step clamped as :func:`clamped_steps` does."""
+    """Seconds from the first of ``datetime64[ns]`` ``stamps``, each step between rows clamped: never negative.
+
+    A step back (or from a missing time) counts 0; a forward step longer than ``cap`` (the clock jumped, the stream
+    stopped) counts ``interval`` (default ``cap``'s third, the usual spacing); ``cap`` None: none is a gap.
+    """
     import numpy as np
 
     ns = np.asarray(stamps, dtype="datetime64[ns]").astype("int64")
     if not len(ns):
         return np.zeros(0, dtype="float64")
-    seconds = (ns - ns[0]) / 1e9
+    steps = np.diff((ns - ns[0]) / 1e9)
+    steps = np.where(steps > 0, steps, 0.0)  # NaN (a missing time) counts nothing either
+    if cap is not None:
+        steps = np.where(steps > cap, interval if interval is not None else cap / 3.0, steps)
     out = np.zeros(len(ns), dtype="float64")
-    out[1:] = np.cumsum(clamped_steps(seconds, cap, interval))
+    out[1:] = np.cumsum(steps)
     return out
 
 

@@ -6,7 +6,6 @@ A live :class:`~smiquery.streams.sync.Stream` and a :class:`~smiquery.recordings
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -194,27 +193,14 @@ class SweepGrouper:
         self._damaged = False
         return sweep
 
-    @property
-    def pending(self) -> int:
-        """Samples waiting for their sweep to close."""
-        return len(self._current)
-
 
 class LatestSweep:
-    """What sources share: the newest sweep (published by the reading thread, read by any) and the event listeners."""
+    """What sources share: the event listeners, and the newest sweep (one reference, swapped whole: any thread)."""
 
-    _lock: threading.Lock
-    _latest: tuple[Sweep, float] | None
     stats: StreamStats
     on_event: Callable[[StreamEvent], None] | None = None
     _listeners: tuple[Callable[[StreamEvent], None], ...] = ()
-
-    def _publish(self, sweep: Sweep) -> None:
-        self.stats.sweeps += 1
-        if not sweep.complete:
-            self.stats.short_sweeps += 1
-        with self._lock:
-            self._latest = (sweep, time.monotonic())
+    _newest: tuple[Sweep, float] | None = None  # the sweep and its monotonic arrival time
 
     def subscribe(self, callback: Callable[[StreamEvent], None]) -> Callable[[], None]:
         """Call ``callback`` with every :class:`StreamEvent` from now on; returns a function that unsubscribes it.
@@ -237,30 +223,10 @@ class LatestSweep:
             except Exception:  # a monitor's callback must never break the source
                 get_logger().exception("smiquery: an event callback failed")
 
-    def _group(
-        self, samples: Iterable[GpuSample], grouper: SweepGrouper, count: int | None, *, flush: bool
-    ) -> Iterator[Sweep]:
-        """Group ``samples`` into sweeps, publishing each; stop after ``count``; ``flush`` yields a last partial one."""
-        done = 0
-        for sample in samples:
-            for sweep in grouper.feed(sample):
-                self._publish(sweep)
-                yield sweep
-                done += 1
-                if count is not None and done >= count:
-                    return
-        last = grouper.flush(cut=False) if flush else None
-        if last is not None:
-            self._publish(last)
-            yield last
-
     def latest(self) -> tuple[Sweep | None, float | None]:
-        """The newest complete sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
-        with self._lock:
-            got = self._latest
-        if got is None:
-            return None, None
-        return got[0], time.monotonic() - got[1]
+        """The newest sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""
+        got = self._newest
+        return (None, None) if got is None else (got[0], time.monotonic() - got[1])
 
 
 EventKind = Literal[

@@ -29,7 +29,7 @@ from smiquery.recordings.base import (
 )
 from smiquery.recordings.csvfile import CsvSource, CsvWriter, csv_header, read_csv, read_csv_recording
 from smiquery.recordings.jsonl import JsonlWriter, json_value, read_jsonl, sample_from_json, sample_to_json
-from smiquery.recordings.parquet import ParquetDataset, ParquetWriter, is_dataset, read_dataset, read_parquet
+from smiquery.recordings.parquet import ParquetDataset, is_dataset, read_dataset, read_parquet
 from smiquery.recordings.playback import Replay, replay
 from smiquery.recordings.recorder import Policy, TextRecorder, recorded_rules, recorded_zone
 
@@ -42,7 +42,6 @@ __all__ = [
     "JsonlWriter",
     "MissingReasons",
     "ParquetDataset",
-    "ParquetWriter",
     "Policy",
     "RecordingFormat",
     "Replay",

@@ -1,4 +1,4 @@
-"""Parquet recordings: one file (:class:`ParquetWriter`), or a dataset folder of closed parts (:class:`ParquetDataset`).
+"""Parquet recordings: a dataset folder of closed parts (:class:`ParquetDataset`); single files are read too.
 
 ``stream --output run.parquet`` writes a dataset (docs/recording.md): ``_smiquery.json`` (the metadata), closed
 ``part-000001.parquet`` files and ``_open.jsonl``, the journal of the part being recorded (a Parquet file is
@@ -8,7 +8,6 @@ crash while it closes leaves either the journal or the part, never both read.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -43,7 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ParquetDataset",
-    "ParquetWriter",
     "dataset_files",
     "is_dataset",
     "read_dataset",
@@ -72,73 +70,6 @@ def write_table(table: Any, attrs: Mapping[str, Any], missing: Mapping[str, Mapp
     attrs = {**attrs, "missing": {c: {str(k): v for k, v in m.items()} for c, m in missing.items()}}
     meta = {**(table.schema.metadata or {}), b"PANDAS_ATTRS": json.dumps(attrs).encode("utf-8")}
     pq.write_table(table.replace_schema_metadata(meta), path)
-
-
-class ParquetWriter:
-    """Records samples to one Parquet file, with the columns and ``df.attrs`` of :func:`~smiquery.frames.to_dataframe`.
-
-    It holds every row in memory and rewrites the file (aside, then renamed over it) every ``chunk_rows`` samples
-    or ``chunk_seconds`` seconds and on :meth:`close`: a crash loses at most the last chunk. For recordings left
-    running use :class:`ParquetDataset` (what ``stream --output x.parquet`` writes). Raises OSError at once when
-    the file cannot be written there, RuntimeError without pyarrow.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], *, chunk_rows: int = 10_000, chunk_seconds: float = 60.0) -> None:
-        self.path = Path(path)
-        self.chunk_rows = chunk_rows
-        self.chunk_seconds = chunk_seconds
-        self.rows = 0
-        self._pending: list[GpuSample] = []
-        self._table: Any = None
-        self._missing = MissingReasons()
-        self._attrs: dict[str, Any] = {}
-        self._since = time.monotonic()
-        self._closed = False
-        try:
-            import pyarrow  # noqa: F401
-        except ImportError as exc:
-            raise RuntimeError("writing Parquet needs pyarrow: pip install 'smiquery[parquet]'") from exc
-        # The file is first written after a chunk (up to a minute in): find out now that it cannot be.
-        if self.path.is_dir():
-            raise IsADirectoryError(errno.EISDIR, "is a directory", os.fspath(self.path))
-        probe = self._tmp_path()
-        probe.touch()
-        probe.unlink()
-
-    def write(self, sample: GpuSample) -> None:
-        """Buffer one sample; writes the file when a chunk is full."""
-        self._pending.append(sample)
-        if len(self._pending) >= self.chunk_rows or time.monotonic() - self._since >= self.chunk_seconds:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write every sample so far to the file (atomically)."""
-        import pyarrow as pa
-
-        self._since = time.monotonic()
-        if self._pending:
-            table, attrs, missing = samples_table(self._pending)
-            self._missing = MissingReasons.concat([(0, self._missing), (self.rows, missing)])
-            self._attrs = self._attrs or attrs
-            if self._table is not None:
-                table = pa.concat_tables([self._table, table.cast(self._table.schema)])
-            self._table = table
-            self.rows += len(self._pending)
-            self._pending = []
-        elif self._table is None or self.path.exists():
-            return
-        tmp = self._tmp_path()
-        write_table(self._table, self._attrs, self._missing, tmp)
-        os.replace(tmp, self.path)
-
-    def _tmp_path(self) -> Path:
-        return self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-
-    def close(self) -> None:
-        """Write the rest and finish. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self.flush()
 
 
 def read_parquet(path: str, *, error: type[RecordingError] = RecordingError) -> pd.DataFrame:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from datetime import datetime, timedelta, tzinfo
+from itertools import chain, islice
 
 from smiquery.clock import later, seconds_between
 from smiquery.errors import ParseError, ReplayError
@@ -44,9 +45,32 @@ MAX_GAP_SECONDS = 60.0
 
 
 class Replay(LatestSweep):
-    """A recording played back as a :class:`~smiquery.source.SampleSource`, like a live stream (see :func:`replay`).
+    """Play a recording back as samples, paced by its recorded timestamps: a ``SampleSource`` like a live stream.
 
-    Iterate it for samples, or call :meth:`sweeps`, or :meth:`start` it in the background and read :meth:`latest`.
+    ``for sweep in replay("run.csv", speed=0).sweeps(): ...``: iterate it for samples, or call :meth:`sweeps`, or
+    :meth:`start` it in the background and read :meth:`latest`. ``replay`` is this class.
+
+    Args:
+        path: a CSV in nvidia-smi's ``--format=csv`` format (with its header), a JSONL file, a Parquet file or
+            dataset folder as ``smiquery stream --output`` writes them; or several, or a glob (``"run*.csv"``): a
+            rotated set plays as one recording, its files in the order of their first timestamps.
+        speed: 2 plays twice as fast, 0 as fast as possible; gaps longer than :data:`MAX_GAP_SECONDS` (after
+            scaling) are skipped.
+        fields: only these fields (a preset, ``"a,b,c"`` or names); ``index`` is always kept. None: all.
+        loop: start again at the end, shifting the timestamps so that time keeps moving forward.
+        gpus: only these GPUs (indices, UUIDs or PCI bus ids).
+        sleep: how to wait; default an interruptible wait that :meth:`close` ends.
+        clock: monotonic seconds, for the pacing (tests inject one).
+        columns: a headerless CSV log's columns, in order (a CSV with a header must then have exactly these).
+        tz: the zone the recording was made in, as :func:`~smiquery.recordings.read_recording` takes it.
+
+    Raises:
+        ReplayError: the file is missing, empty, not a recording (no header and no ``columns``), holds no
+            readable row, or lacks a requested field. Unreadable lines are skipped and counted in
+            ``stats.dropped_rows``; :attr:`first_error` names the first.
+        InvalidFieldError: an unknown field name.
+        InvalidGpuIdError: a malformed GPU id.
+        InvalidTimeZoneError: an unknown zone name in ``tz``.
     """
 
     def __init__(
@@ -84,8 +108,6 @@ class Replay(LatestSweep):
         self._sleep = sleep if sleep is not None else self._stop.wait
         self._clock = clock
         self.stats = StreamStats()
-        self._lock = threading.Lock()
-        self._latest: tuple[Sweep, float] | None = None
         self._gen: Generator[GpuSample, None, None] | None = None
         #: The first line skipped as unreadable (a torn last line, garbage), with its line number.
         self.first_error: ParseError | None = None
@@ -271,7 +293,15 @@ class Replay(LatestSweep):
 
     def sweeps(self, count: int | None = None) -> Iterator[Sweep]:
         """Yield whole sweeps (one sample per GPU for one instant) as :meth:`Stream.sweeps` does; ``count`` at most."""
-        return self._group(self, SweepGrouper(self.gpu_count), count, flush=True)
+        grouper = SweepGrouper(self.gpu_count)
+        whole = (sweep for sample in self for sweep in grouper.feed(sample))
+        last = iter(lambda: grouper.flush(cut=False), None)  # the unfinished sweep at the end, if any
+        for sweep in islice(chain(whole, last), count):
+            self.stats.sweeps += 1
+            if not sweep.complete:
+                self.stats.short_sweeps += 1
+            self._newest = (sweep, time.monotonic())
+            yield sweep
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop: wake a paced wait and end the iteration (a background thread within ``timeout`` s). Any thread."""
@@ -327,40 +357,5 @@ class Replay(LatestSweep):
         return self._thread_error
 
 
-def replay(
-    path: Sources,
-    *,
-    speed: float = 1.0,
-    fields: str | Sequence[str] | None = None,
-    loop: bool = False,
-    gpus: GpusArg = None,
-    sleep: Callable[[float], object] | None = None,
-    columns: str | Sequence[str] | None = None,
-    tz: tzinfo | str | None = None,
-) -> Replay:
-    """Play a recording back as samples, paced by its recorded timestamps.
-
-    ``for sweep in replay("run.csv", speed=0).sweeps(): ...``; a :class:`Replay` also iterates samples.
-
-    Args:
-        path: a CSV in nvidia-smi's ``--format=csv`` format (with its header), a JSONL file, a Parquet file or
-            dataset folder as ``smiquery stream --output`` writes them; or several, or a glob (``"run*.csv"``): a
-            rotated set plays as one recording, its files in the order of their first timestamps.
-        speed: 2 plays twice as fast, 0 as fast as possible; gaps longer than :data:`MAX_GAP_SECONDS` (after
-            scaling) are skipped.
-        fields: only these fields (a preset, ``"a,b,c"`` or names); ``index`` is always kept. None: all.
-        loop: start again at the end, shifting the timestamps so that time keeps moving forward.
-        gpus: only these GPUs (indices, UUIDs or PCI bus ids).
-        sleep: how to wait; default an interruptible wait that :meth:`Replay.close` ends.
-        columns: a headerless CSV log's columns, in order (a CSV with a header must then have exactly these).
-        tz: the zone the recording was made in, as :func:`~smiquery.recordings.read_recording` takes it.
-
-    Raises:
-        ReplayError: the file is missing, empty, not a recording (no header and no ``columns``), holds no
-            readable row, or lacks a requested field. Unreadable lines are skipped and counted in
-            ``stats.dropped_rows``; :attr:`Replay.first_error` names the first.
-        InvalidFieldError: an unknown field name.
-        InvalidGpuIdError: a malformed GPU id.
-        InvalidTimeZoneError: an unknown zone name in ``tz``.
-    """
-    return Replay(path, speed=speed, fields=fields, loop=loop, gpus=gpus, sleep=sleep, columns=columns, tz=tz)
+#: ``replay(...)`` is ``Replay(...)``.
+replay = Replay

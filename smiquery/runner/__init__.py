@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -186,20 +186,8 @@ class LineSource(Protocol):
         """The child's process id (None without a process)."""
 
     @property
-    def returncode(self) -> int | None:
-        """The exit status, once the child is reaped."""
-
-    @property
     def idle(self) -> float:
         """Seconds the last :meth:`readline` waited for its line's data."""
-
-    @property
-    def stderr(self) -> str:
-        """What the child wrote to stderr so far."""
-
-    @property
-    def closed(self) -> bool:
-        """True once the child is reaped and everything is released."""
 
     def readline(self, timeout: float) -> str | None:
         """The next complete line, without its newline (blank lines skipped); None when none came in time.
@@ -326,9 +314,9 @@ class LineStream:
     this process.
     """
 
-    def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, pdeathsig: bool = True) -> None:
+    def __init__(self, argv: Sequence[str], *, pdeathsig: bool = True) -> None:
         self.argv = tuple(argv)
-        self._proc = spawn_loop_child(self.argv, env) if pdeathsig else popen(self.argv, env, pdeathsig=False)
+        self._proc = spawn_loop_child(self.argv) if pdeathsig else popen(self.argv)
         self._finalizer = weakref.finalize(self, terminate_and_reap, self._proc)
         self.pid = self._proc.pid
         self.idle = 0.0  #: seconds the last :meth:`readline` waited for its line's data
@@ -352,16 +340,6 @@ class LineStream:
         self._sel.register(self._wake_r, selectors.EVENT_READ)
         if self._pidwatch.fd is not None:
             self._sel.register(self._pidwatch.fd, selectors.EVENT_READ)
-
-    @property
-    def returncode(self) -> int | None:
-        """The child's exit status, once reaped."""
-        return self._proc.returncode
-
-    @property
-    def stderr(self) -> str:
-        """What the child has written to stderr so far (at most 64 KiB)."""
-        return decode(bytes(self._err))
 
     @property
     def closed(self) -> bool:
@@ -512,8 +490,8 @@ class _WholeOutput(LineStream):
     (helpers that still hold the pipes are then killed).
     """
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None, deadline: float) -> None:
-        super().__init__(argv, env=env, pdeathsig=False)
+    def __init__(self, argv: Sequence[str], deadline: float) -> None:
+        super().__init__(argv, pdeathsig=False)
         self.deadline = deadline
         self.out = bytearray()
         self.finished = False
@@ -535,16 +513,7 @@ class _WholeOutput(LineStream):
 
 
 class SubprocessRunner:
-    """Runs nvidia-smi as a real child process.
-
-    Args:
-        env: environment for the child (default: inherit).
-        pdeathsig: give loop children a parent-death signal on Linux (default True).
-    """
-
-    def __init__(self, env: Mapping[str, str] | None = None, *, pdeathsig: bool = True) -> None:
-        self.env = env
-        self.pdeathsig = pdeathsig
+    """Runs nvidia-smi as a real child process (loop children die with this process on Linux)."""
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
         """Run ``argv`` to completion.
@@ -561,7 +530,7 @@ class SubprocessRunner:
         grace = min(TERM_GRACE, timeout / 10)
         deadline = start + max(timeout - 2 * grace, 0.001)
         if os.name == "nt":  # pragma: no cover - no select() on pipes there
-            proc = popen(argv, self.env, pdeathsig=False)
+            proc = popen(argv)
             try:
                 raw_out, raw_err = proc.communicate(timeout=deadline - start)
             except subprocess.TimeoutExpired:
@@ -570,7 +539,7 @@ class SubprocessRunner:
                 terminate_and_reap(proc, grace)
             stdout, stderr = decode(raw_out), decode(raw_err)
         else:
-            child = _WholeOutput(argv, self.env, deadline)
+            child = _WholeOutput(argv, deadline)
             proc = child._proc
             try:
                 finished = child.read_to_end()
@@ -579,10 +548,10 @@ class SubprocessRunner:
                 child.close()
             if not finished:
                 raise no_answer(argv, timeout)
-            stdout, stderr = decode(bytes(child.out)), child.stderr
+            stdout, stderr = decode(bytes(child.out)), decode(bytes(child._err))
         rc = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         return Completed(tuple(argv), rc, stdout, stderr, time.monotonic() - start)
 
     def lines(self, argv: Sequence[str]) -> LineStream:
         """Start ``argv`` and return its output as a :class:`LineStream`."""
-        return LineStream(argv, env=self.env, pdeathsig=self.pdeathsig)
+        return LineStream(argv)

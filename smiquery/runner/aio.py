@@ -91,7 +91,7 @@ async def start_loop_child(argv: Sequence[str]) -> Popen:
     before passing the cancellation on; cancelled again meanwhile, the child is killed as soon as it exists.
     """
     if not can_trampoline():
-        return popen(argv, None, pdeathsig=False)
+        return popen(argv)
     loop = asyncio.get_running_loop()
     started: asyncio.Future[Popen] = loop.create_future()
 
@@ -105,7 +105,7 @@ async def start_loop_child(argv: Sequence[str]) -> Popen:
             started.set_result(result)
 
     # On the spawner thread; a closed loop raises there, and the spawner then kills the child.
-    submit_loop_child(argv, None, lambda result: loop.call_soon_threadsafe(settle, result))
+    submit_loop_child(argv, lambda result: loop.call_soon_threadsafe(settle, result))
     try:
         return await asyncio.shield(started)
     except asyncio.CancelledError:
@@ -248,7 +248,7 @@ async def run(argv: Sequence[str], timeout: float) -> Completed:
     """
     loop = asyncio.get_running_loop()
     start = loop.time()
-    child = AsyncLines(popen(argv, None, pdeathsig=False), argv)
+    child = AsyncLines(popen(argv), argv)
     lines: list[str] = []
     try:
         while (got := await child.readlines(start + timeout)) is not None:

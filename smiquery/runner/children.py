@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from smiquery.errors import (
@@ -124,7 +124,7 @@ _OWN_GROUP: dict[str, Any] = (
 )
 
 
-def popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) -> subprocess.Popen[bytes]:
+def popen(argv: Sequence[str], *, pdeathsig: bool = False) -> subprocess.Popen[bytes]:
     """Start ``argv`` in its own process group with piped output; translate exec failures. Runs on any thread."""
     argv = list(argv)
     status_r = status_w = -1
@@ -138,7 +138,6 @@ def popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) -
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=dict(env) if env is not None else None,
             pass_fds=(status_w,) if pdeathsig else (),
             **_OWN_GROUP,
         )
@@ -172,16 +171,16 @@ def popen(argv: Sequence[str], env: Mapping[str, str] | None, pdeathsig: bool) -
 SpawnDone = Callable[["subprocess.Popen[bytes] | BaseException"], object]
 
 # The one long-lived thread that forks loop children (a parent-death signal follows the forking thread).
-_JOBS: queue.SimpleQueue[tuple[Sequence[str], Mapping[str, str] | None, SpawnDone]] | None = None
+_JOBS: queue.SimpleQueue[tuple[Sequence[str], SpawnDone]] | None = None
 _SPAWNER_LOCK = threading.Lock()
 
 
-def _serve(jobs: queue.SimpleQueue[tuple[Sequence[str], Mapping[str, str] | None, SpawnDone]]) -> None:
+def _serve(jobs: queue.SimpleQueue[tuple[Sequence[str], SpawnDone]]) -> None:
     while True:
-        argv, env, done = jobs.get()
+        argv, done = jobs.get()
         result: subprocess.Popen[bytes] | BaseException
         try:
-            result = popen(argv, env, pdeathsig=True)
+            result = popen(argv, pdeathsig=True)
         except BaseException as exc:
             result = exc
         try:
@@ -191,7 +190,7 @@ def _serve(jobs: queue.SimpleQueue[tuple[Sequence[str], Mapping[str, str] | None
                 terminate_and_reap(result, 0.0)
 
 
-def submit_loop_child(argv: Sequence[str], env: Mapping[str, str] | None, done: SpawnDone) -> None:
+def submit_loop_child(argv: Sequence[str], done: SpawnDone) -> None:
     """Start a loop child with a parent-death signal without waiting for it: ``done`` gets the outcome.
 
     The spawner thread forks it (so it dies with this process, not with the calling thread), reads the
@@ -203,15 +202,15 @@ def submit_loop_child(argv: Sequence[str], env: Mapping[str, str] | None, done: 
         if _JOBS is None:
             _JOBS = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(_JOBS,), name="smiquery-spawner", daemon=True).start()
-        _JOBS.put((argv, env, done))
+        _JOBS.put((argv, done))
 
 
-def spawn_loop_child(argv: Sequence[str], env: Mapping[str, str] | None) -> subprocess.Popen[bytes]:
+def spawn_loop_child(argv: Sequence[str]) -> subprocess.Popen[bytes]:
     """Start a loop child that dies with this process (forked by the spawner thread where possible)."""
     if not can_trampoline():
-        return popen(argv, env, pdeathsig=False)
+        return popen(argv)
     out: queue.SimpleQueue[subprocess.Popen[bytes] | BaseException] = queue.SimpleQueue()
-    submit_loop_child(argv, env, out.put)
+    submit_loop_child(argv, out.put)
     result = out.get()
     if isinstance(result, BaseException):
         raise result

@@ -20,9 +20,25 @@ log = get_logger("smiquery")
 
 
 class PmonStream:
-    """One long-lived ``nvidia-smi pmon`` child (see :func:`stream`): iterate it for rows, :meth:`samples` for instants.
+    """Watch per-process GPU use with one supervised ``nvidia-smi pmon`` child; ``stream`` is this class.
 
-    The CSV stream's engine and guarantees (:class:`~smiquery.streams.sync.Stream`); counters in :attr:`stats`.
+    Example::
+
+        with smiquery.streams.pmon.stream(interval=1) as p:
+            for instant in p.samples(count=5):
+                for row in top_processes(instant, 3)[0]:
+                    print(row.pid, row.command, row.sm)
+
+    Iterate it for rows, :meth:`samples` for instants. ``gpus``: at most 4 (a pmon limit; None: the first 4);
+    ``interval``: seconds, 1..10; ``count``: stop after this many samples (the child exits by itself); ``select``:
+    ``u`` utilisation and/or ``m`` framebuffer memory; ``options``: ``D`` and/or ``T`` to stamp each line with the
+    date and time. The other arguments, the engine and its guarantees are the CSV stream's
+    (:class:`smiquery.Stream`); counters in :attr:`stats`. Nothing runs until it is iterated.
+
+    Raises:
+        InvalidGpuIdError: a malformed GPU id.
+        NvidiaSmiNotFoundError: no usable binary.
+        ValueError: an interval, count, select or options value pmon would reject, or a bad retry setting.
     """
 
     def __init__(
@@ -133,51 +149,5 @@ class PmonStream:
         self.close()
 
 
-def stream(
-    *,
-    gpus: GpusArg = None,
-    interval: int = 1,
-    count: int | None = None,
-    select: str = "um",
-    options: str = "DT",
-    nvidia_smi: str | os.PathLike[str] | None = None,
-    stall_timeout: float | None = None,
-    startup_timeout: float = 45.0,
-    retry: RetryPolicy | None = None,
-    on_event: Callable[[StreamEvent], None] | None = None,
-    runner: Runner | None = None,
-    sleep: Callable[[float], None] | None = None,
-) -> PmonStream:
-    """Watch per-process GPU use with one supervised ``nvidia-smi pmon`` child.
-
-    Example::
-
-        with smiquery.streams.pmon.stream(interval=1) as p:
-            for instant in p.samples(count=5):
-                for row in top_processes(instant, 3)[0]:
-                    print(row.pid, row.command, row.sm)
-
-    ``gpus``: at most 4 (a pmon limit; None: the first 4); ``interval``: seconds, 1..10; ``count``: stop after this
-    many samples (the child exits by itself); ``select``: ``u`` utilisation and/or ``m`` framebuffer memory;
-    ``options``: ``D`` and/or ``T`` to stamp each line with the date and time.
-    The other arguments mean what they mean for :func:`smiquery.stream`. Nothing runs until it is iterated.
-
-    Raises:
-        InvalidGpuIdError: a malformed GPU id.
-        NvidiaSmiNotFoundError: no usable binary.
-        ValueError: an interval, count, select or options value pmon would reject, or a bad retry setting.
-    """
-    return PmonStream(
-        gpus=gpus,
-        interval=interval,
-        count=count,
-        select=select,
-        options=options,
-        nvidia_smi=nvidia_smi,
-        stall_timeout=stall_timeout,
-        startup_timeout=startup_timeout,
-        retry=retry,
-        on_event=on_event,
-        runner=runner,
-        sleep=sleep,
-    )
+#: ``smiquery.streams.pmon.stream(...)`` is ``PmonStream(...)``.
+stream = PmonStream

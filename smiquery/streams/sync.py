@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 from smiquery._log import get_logger
 from smiquery.errors import SmiqueryError, StreamEndedError
 from smiquery.fields import FieldsArg
-from smiquery.retry import DEFAULT_PERMANENT_RETRY, FAIL_FAST_ATTEMPTS, RetryPolicy
+from smiquery.retry import RetryPolicy
 from smiquery.runner import TERM_GRACE, LineSource, Runner, default_runner, find_nvidia_smi
 from smiquery.sample import GpuSample
 from smiquery.source import StreamEvent, Sweep
@@ -37,9 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_HISTORY_SWEEPS",
-    "DEFAULT_PERMANENT_RETRY",
     "DEFAULT_STARTUP_TIMEOUT",
-    "FAIL_FAST_ATTEMPTS",
     "Stream",
     "ThreadDriver",
     "stream",
@@ -218,11 +216,42 @@ class ThreadDriver(Generic[Item]):
 
 
 class Stream(CsvSource):
-    """One long-lived nvidia-smi in loop mode (see :func:`stream`): a live :class:`~smiquery.source.SampleSource`.
+    """One long-lived nvidia-smi in loop mode (``-l`` for whole seconds, ``-lms`` below): a live ``SampleSource``.
+
+    Example::
+
+        with smiquery.stream("health", interval=0.5) as s:
+            for sweep in s.sweeps(count=10):
+                print(max(x.temperature_gpu or 0 for x in sweep))
 
     Iterate it for samples, or :meth:`sweeps` for whole instants; or :meth:`start` it in a background thread and
     read :meth:`latest` or :meth:`history` from any thread. Use it as a context manager (or :meth:`close` it).
     :attr:`stats` shows counters and the retry state; :meth:`subscribe` (or ``on_event``) hears every event.
+    Nothing runs until it is iterated or started. ``smiquery.stream`` is this class.
+
+    Args:
+        fields: a preset, ``"a,b,c"`` or a sequence of names (``index`` is added when absent).
+        interval: seconds between samples.
+        gpus: indices, UUIDs or PCI bus ids; None for all.
+        nvidia_smi: path of the binary.
+        max_samples: stop after this many samples (rows).
+        duration: stop after this many seconds (a deadline, whatever nvidia-smi does).
+        startup_timeout: seconds a freshly started nvidia-smi may take to print its first row.
+        stall_timeout: seconds without a data row, once rows flow, before the child counts as hung (default
+            ``max(3 * interval, 10)``).
+        retry: how to wait between starts and when to give up (default ``RetryPolicy()``: never give up;
+            ``RetryPolicy(fail_fast=True)`` for interactive use).
+        on_event: called with each :class:`~smiquery.source.StreamEvent` (see also :meth:`subscribe`).
+        runner: how to run nvidia-smi (tests inject one).
+        sleep: how to wait between attempts (tests inject one; default: a wait that ``close()`` cuts short).
+        tz: time zone of the timestamps.
+        history_sweeps: how many of the newest sweeps :meth:`history` keeps (0: none).
+
+    Raises:
+        InvalidFieldError: an unknown field, before anything runs.
+        InvalidGpuIdError: a malformed GPU id, before anything runs.
+        NvidiaSmiNotFoundError: no usable binary, before anything runs.
+        ValueError: a non-positive interval or timeout, a negative ``history_sweeps``.
     """
 
     def __init__(
@@ -390,70 +419,5 @@ class Stream(CsvSource):
             pass
 
 
-def stream(
-    fields: FieldsArg = "default",
-    *,
-    interval: float = 1.0,
-    gpus: GpusArg = None,
-    nvidia_smi: str | os.PathLike[str] | None = None,
-    max_samples: int | None = None,
-    duration: float | None = None,
-    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
-    stall_timeout: float | None = None,
-    retry: RetryPolicy | None = None,
-    on_event: Callable[[StreamEvent], None] | None = None,
-    runner: Runner | None = None,
-    sleep: Callable[[float], None] | None = None,
-    tz: tzinfo | None = None,
-    history_sweeps: int = DEFAULT_HISTORY_SWEEPS,
-) -> Stream:
-    """Sample continuously from ONE nvidia-smi child in loop mode (``-l`` for whole seconds, ``-lms`` below).
-
-    Example::
-
-        with smiquery.stream("health", interval=0.5) as s:
-            for sweep in s.sweeps(count=10):
-                print(max(x.temperature_gpu or 0 for x in sweep))
-
-    Args:
-        fields: a preset, ``"a,b,c"`` or a sequence of names (``index`` is added when absent).
-        interval: seconds between samples.
-        gpus: indices, UUIDs or PCI bus ids; None for all.
-        nvidia_smi: path of the binary.
-        max_samples: stop after this many samples (rows).
-        duration: stop after this many seconds (a deadline, whatever nvidia-smi does).
-        startup_timeout: seconds a freshly started nvidia-smi may take to print its first row.
-        stall_timeout: seconds without a data row, once rows flow, before the child counts as hung (default
-            ``max(3 * interval, 10)``).
-        retry: how to wait between starts and when to give up (default ``RetryPolicy()``: never give up;
-            ``RetryPolicy(fail_fast=True)`` for interactive use).
-        on_event: called with each :class:`~smiquery.source.StreamEvent` (see also :meth:`Stream.subscribe`).
-        runner: how to run nvidia-smi (tests inject one).
-        sleep: how to wait between attempts (tests inject one; default: a wait that ``close()`` cuts short).
-        tz: time zone of the timestamps.
-        history_sweeps: how many of the newest sweeps :meth:`Stream.history` keeps (0: none).
-
-    The :class:`Stream` does not start until it is iterated or :meth:`Stream.start` is called.
-
-    Raises:
-        InvalidFieldError: an unknown field, before anything runs.
-        InvalidGpuIdError: a malformed GPU id, before anything runs.
-        NvidiaSmiNotFoundError: no usable binary, before anything runs.
-        ValueError: a non-positive interval or timeout, a negative ``history_sweeps``.
-    """
-    return Stream(
-        fields,
-        interval=interval,
-        gpus=gpus,
-        nvidia_smi=nvidia_smi,
-        max_samples=max_samples,
-        duration=duration,
-        startup_timeout=startup_timeout,
-        stall_timeout=stall_timeout,
-        retry=retry,
-        on_event=on_event,
-        runner=runner,
-        sleep=sleep,
-        tz=tz,
-        history_sweeps=history_sweeps,
-    )
+#: ``smiquery.stream(...)`` is ``Stream(...)``.
+stream = Stream

@@ -21,13 +21,13 @@ from smiquery.fields import get_field
 from smiquery.recordings import (
     CsvWriter,
     JsonlWriter,
-    ParquetWriter,
     Replay,
     detect_format,
     missing_reasons,
     replay,
     sample_from_json,
 )
+from smiquery.recordings.parquet import samples_table, write_table
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import SweepGrouper
 from smiquery.sources.query_gpu import CsvParser
@@ -217,20 +217,12 @@ def test_jsonl_round_trip(tmp_path):
     assert again[0].timestamp == rows[0].timestamp
 
 
-def test_parquet_round_trip_and_chunked_rewrites(tmp_path):
+def test_parquet_file_round_trip(tmp_path):
     import pandas as pd
 
     rows = head(16)
     path = tmp_path / "rec.parquet"
-    w = ParquetWriter(path, chunk_rows=5)
-    for s in rows[:7]:
-        w.write(s)
-    mid = pd.read_parquet(path)  # a complete file after the first chunk, before close
-    assert len(mid) == 5
-    for s in rows[7:]:
-        w.write(s)
-    w.close()
-    w.close()
+    write_table(*samples_table(rows), path)  # one Parquet file, as each part of a dataset is written
     df = pd.read_parquet(path)
     assert len(df) == 16
     assert df.attrs["fields"][:3] == ["timestamp", "index", "name"]

@@ -213,7 +213,7 @@ def test_history_is_the_newest_sweeps_as_the_dataframe_query_df_gives(fake_inpro
     assert s.history(n=0).empty
     with pytest.raises(ValueError, match="0 or more"):
         s.history(n=-1)
-    assert DEFAULT_HISTORY_SWEEPS == stream.__kwdefaults__["history_sweeps"] == 3600
+    assert DEFAULT_HISTORY_SWEEPS == stream.__init__.__kwdefaults__["history_sweeps"] == 3600
 
 
 def test_a_background_stream_fills_its_history(fake_inproc):
