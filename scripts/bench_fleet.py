@@ -115,8 +115,17 @@ def bench_report(nodes: int, gpus: int, days: float, step: int) -> int:
                 from_rec = report(load_recording(tmp / "fleet.csv", tz="UTC"), name="fleet")
                 rec_t.append((time.perf_counter() - t, time.process_time() - c, 0.0))
             p, r = min(w for w, _, _ in prom_t), min(w for w, _, _ in rec_t)
-            # the fleet's report names GPUs by node; all else must be the recording's report
-            a, b = unnamed(from_prom.to_dict()), sorted_keys(from_rec.to_dict())
+            # the fleet's report names GPUs by node (and judges stragglers per node: the recording is told the nodes
+            # too); all else must be the recording's report
+            named = load_recording(tmp / "fleet.csv", tz="UTC")
+            named.attrs["gpu_names"] = fleet_frame(client, start, end).attrs["gpu_names"]
+            a, b = unnamed(from_prom.to_dict()), unnamed(report(named, name="fleet").to_dict())
+            plain = sorted_keys(from_rec.to_dict())
+            if any(a[k] != plain[k] for k in a if k != "findings"):
+                print(
+                    f"  DIFFERENT FROM THE UNNAMED RECORDING: {[k for k in a if k != 'findings' and a[k] != plain[k]]}"
+                )
+                return 1
             if a != b:
                 print(f"  DIFFERENT REPORTS: {[k for k in a if a[k] != b[k]]} (times {p:.2f} s vs {r:.2f} s)")
                 return 1

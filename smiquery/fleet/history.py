@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 from smiquery.errors import PrometheusError, UsageError
 from smiquery.fleet.client import PrometheusClient
 from smiquery.fleet.naming import (
+    EXTRA_FIELDS,
     FLEET_FIELDS,
     FleetNaming,
     GpuKey,
     check_regex,
     detect_namings,
     gpu_series,
+    held_metrics,
     info_labels,
     selector,
 )
@@ -151,7 +153,8 @@ def fleet_frame(
         uuids: only GPUs with these UUIDs (a Slurm job's: :func:`smiquery.fleet.slurm.job_range`).
         step: the scrape interval, which sizes the chunks (default: estimated from the data).
         max_points: scrape intervals per chunk (at most 11,000, as a range query could hold).
-        fields: nvidia-smi fields to read (each naming's metric for it; missing ones are left out).
+        fields: nvidia-smi fields to read (each naming's metric for it; missing ones are left out); the
+            :data:`~smiquery.fleet.naming.EXTRA_FIELDS` the server holds are read too.
 
     Raises:
         UsageError: ``end`` not after ``start``; a regex that does not compile.
@@ -172,7 +175,14 @@ def fleet_frame(
     per_query = max(2, min(max_points, _MAX_SAMPLES // max(1, len(series))))
     pieces = chunks(grid0, end, step, per_query)
 
-    jobs = [(n, fld, a, b) for n in found for fld in fields if fld in n.metrics for a, b in pieces]
+    held = held_metrics(client, [n.metric(f) for n in found for f in EXTRA_FIELDS], start, end, node)
+    fields = [*fields, *(f for f in EXTRA_FIELDS if f not in fields and any(n.metric(f) in held for n in found))]
+    reads: dict[str, tuple[FleetNaming, str]] = {}  # metric -> its first naming and field: each metric read once
+    for n in found:
+        for fld in fields:
+            if fld in n.metrics and (fld in FLEET_FIELDS or n.metric(fld) in held):
+                reads.setdefault(n.metric(fld), (n, fld))
+    jobs = [(n, fld, a, b) for n, fld in reads.values() for a, b in pieces]
 
     def run(job: tuple[FleetNaming, str, float, float]) -> list[dict[str, Any]]:
         # the raw samples: a range selector over the chunk, one millisecond more than the span (the window is open on
@@ -262,6 +272,8 @@ def fleet_frame(
         values = np.concatenate(value_parts[spec.name])
         if spec.kind.name == "FLOAT":
             columns.append(pd.array(values, dtype="Float64"))
+        elif spec.kind.is_bool:  # a flag written as 1/0
+            columns.append(pd.array(values, dtype="Float64").astype("boolean"))
         else:
             columns.append(pd.array(np.round(values), dtype="Float64").astype("Int64"))
     df = make_frame(cat, columns, {}, None)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from smiquery.fleet.client import PrometheusClient
 
 __all__ = [
+    "EXTRA_FIELDS",
     "FLEET_FIELDS",
     "JOB_LABELS",
     "NAMESPACE_LABELS",
@@ -29,6 +30,7 @@ __all__ = [
     "detect_namings",
     "first_label",
     "gpu_series",
+    "held_metrics",
     "info_labels",
     "naming_by_name",
     "selector",
@@ -46,6 +48,27 @@ FLEET_FIELDS: tuple[str, ...] = (
     "power.draw",
     "clocks.current.sm",
     "clocks_event_reasons.active",
+)
+
+
+#: Fields read back too where the server holds them: the slowdown reasons the built-in rules watch and the memory
+#: health a recording's report checks (ECC errors, retired pages, remapped rows). Their metrics are in
+#: nvidia-smi's units in every naming (the exporter writes flags as 1/0).
+EXTRA_FIELDS: tuple[str, ...] = (
+    "clocks_event_reasons.hw_thermal_slowdown",
+    "clocks_event_reasons.sw_thermal_slowdown",
+    "clocks_event_reasons.hw_power_brake_slowdown",
+    "ecc.errors.corrected.volatile.total",
+    "ecc.errors.uncorrected.volatile.total",
+    "ecc.errors.corrected.aggregate.total",
+    "ecc.errors.uncorrected.aggregate.total",
+    "retired_pages.single_bit_ecc.count",
+    "retired_pages.double_bit.count",
+    "retired_pages.pending",
+    "remapped_rows.correctable",
+    "remapped_rows.uncorrectable",
+    "remapped_rows.failure",
+    "remapped_rows.pending",
 )
 
 
@@ -87,8 +110,8 @@ class FleetNaming:
         return self.metrics[fld][1]
 
     def key(self, labels: Mapping[str, str], info: Mapping[str, Mapping[str, str]] | None = None) -> GpuKey:
-        """The GPU a series belongs to."""
-        uuid = labels.get(self.uuid_label, "")
+        """The GPU a series belongs to (a DCGM-named exporter's own metrics carry ``uuid``, not ``UUID``)."""
+        uuid = labels.get(self.uuid_label) or labels.get("uuid") or labels.get("UUID", "")
         gpu = labels.get(self.gpu_label, "") if self.gpu_label else ""
         if not gpu and info is not None:
             gpu = info.get(uuid, {}).get("index", "")
@@ -117,12 +140,38 @@ _METRICS = [
     smiquery_clocks_event_reasons_active_bitmask DCGM_FI_DEV_CLOCKS_EVENT_REASONS nvidia_smi_clocks_event_reasons_active
     """.strip().splitlines()
 ]
+# Per field of EXTRA_FIELDS, in its order: the sample names (counters with their _total) in smiquery and DCGM
+# naming ("=": the DCGM naming writes the slowdown reasons under smiquery's names, DCGM has only the bitmask);
+# nvidia_gpu_exporter's are nvidia_smi_ and the field's name.
+_EXTRA_METRICS = [
+    row.split()
+    for row in """
+    smiquery_clocks_event_reasons_hw_thermal_slowdown_active =
+    smiquery_clocks_event_reasons_sw_thermal_slowdown_active =
+    smiquery_clocks_event_reasons_hw_power_brake_slowdown_active =
+    smiquery_ecc_errors_corrected_volatile_total DCGM_FI_DEV_ECC_SBE_VOL_TOTAL
+    smiquery_ecc_errors_uncorrected_volatile_total DCGM_FI_DEV_ECC_DBE_VOL_TOTAL
+    smiquery_ecc_errors_corrected_aggregate_total DCGM_FI_DEV_ECC_SBE_AGG_TOTAL
+    smiquery_ecc_errors_uncorrected_aggregate_total DCGM_FI_DEV_ECC_DBE_AGG_TOTAL
+    smiquery_retired_pages_single_bit_ecc_total DCGM_FI_DEV_RETIRED_SBE
+    smiquery_retired_pages_double_bit_total DCGM_FI_DEV_RETIRED_DBE
+    smiquery_retired_pages_pending DCGM_FI_DEV_RETIRED_PENDING
+    smiquery_remapped_rows_correctable_total DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS
+    smiquery_remapped_rows_uncorrectable_total DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS
+    smiquery_remapped_rows_failure DCGM_FI_DEV_ROW_REMAP_FAILURE
+    smiquery_remapped_rows_pending DCGM_FI_DEV_ROW_REMAP_PENDING
+    """.strip().splitlines()
+]
 # From base units (ratio, bytes, hertz) to nvidia-smi's, per field; dcgm-exporter's metrics are in nvidia-smi's units.
 _FROM_BASE = (100.0, 100.0, 1 / _MiB, 1 / _MiB, 1.0, 1.0, 1e-6, 1.0)
 
 
 def _metrics(column: int, factors: Sequence[float] = _FROM_BASE) -> dict[str, tuple[str, float]]:
-    return {f: (row[column], k) for f, row, k in zip(FLEET_FIELDS, _METRICS, factors, strict=True)}
+    got = {f: (row[column], k) for f, row, k in zip(FLEET_FIELDS, _METRICS, factors, strict=True)}
+    for f, row in zip(EXTRA_FIELDS, _EXTRA_METRICS, strict=True):
+        name = "nvidia_smi_" + f.replace(".", "_") if column == 2 else row[0] if row[column] == "=" else row[column]
+        got[f] = (name, 1.0)
+    return got
 
 
 NAMINGS: tuple[FleetNaming, ...] = (
@@ -176,9 +225,7 @@ def detect_namings(
     if wanted:
         return [naming_by_name(n) for n in dict.fromkeys(wanted)]
     names = {n.metric("utilization.gpu"): n for n in NAMINGS}
-    pattern = "|".join(names)
-    on_node = "" if node is None else f",instance=~{json.dumps(node)}"
-    found = set(client.metric_names([f'{{__name__=~"{pattern}"{on_node}}}'], start, end))
+    found = held_metrics(client, names, start, end, node)
     out = [n for metric, n in names.items() if metric in found]
     if not out:
         where = "" if node is None else f" on instances matching {node!r}"
@@ -187,6 +234,15 @@ def detect_namings(
             "exporters' scrape jobs, the time range and --node"
         )
     return out
+
+
+def held_metrics(
+    client: PrometheusClient, names: Iterable[str], start: float, end: float, node: str | None = None
+) -> set[str]:
+    """Which of the metric ``names`` have series between ``start`` and ``end`` (on instances matching ``node``)."""
+    on_node = "" if node is None else f",instance=~{json.dumps(node)}"
+    pattern = "|".join(sorted(set(names)))
+    return set(client.metric_names([f'{{__name__=~"{pattern}"{on_node}}}'], start, end))
 
 
 def first_label(labels: Mapping[str, str], names: Iterable[str]) -> str:

@@ -213,9 +213,15 @@ def test_a_range_in_many_chunks_gives_the_same_frame(fleet):
 def test_the_report_from_prometheus_equals_the_report_of_the_recording(fleet):
     df = fleet_frame(PrometheusClient(fleet.url), fleet.start, fleet.end)
     named = report(df, name="x")
-    from_rec = report(load_recording(fleet.recording, tz="UTC"), name="x").to_dict()
-    # the same analysis: the same stalls, alerts, thresholds, energy and findings; only the names differ
-    assert unnamed(named.to_dict()) == sorted_keys(from_rec)
+    rec = load_recording(fleet.recording, tz="UTC")
+    from_rec = report(rec, name="x").to_dict()
+    # the same analysis: the same stalls, alerts, thresholds, energy and findings; only the names differ (the
+    # recording told which node each GPU is on, as the fleet knows it, so that stragglers are judged per node)
+    rec.attrs["gpu_names"] = df.attrs["gpu_names"]
+    assert unnamed(named.to_dict()) == unnamed(report(rec, name="x").to_dict())
+    assert {k: v for k, v in unnamed(named.to_dict()).items() if k != "findings"} == {
+        k: v for k, v in sorted_keys(from_rec).items() if k != "findings"
+    }
     bare = df.copy()
     bare.attrs = {k: v for k, v in df.attrs.items() if k != "gpu_names"}
     from_prom = report(bare, name="x").to_dict()  # without names, word for word the recording's report
@@ -238,8 +244,17 @@ def test_report_command_names_each_gpu_by_instance_and_uuid(fleet):
     doc = json.loads(out)
     rec = json.loads(smiquery("report", str(fleet.recording), "--tz", "UTC", "--format", "json").stdout)
     plain, want = unnamed(doc), sorted_keys(rec)
-    for key in ("stalls", "alerts", "energy_wh", "findings", "thresholds", "stats", "health"):
+    for key in ("stalls", "alerts", "energy_wh", "thresholds", "stats", "health"):
         assert plain[key] == want[key], key
+    # the same findings, but stragglers: the recording's GPUs all work together, the fleet's per node
+    assert [f for f in plain["findings"] if f["kind"] != "imbalance"] == [
+        f for f in want["findings"] if f["kind"] != "imbalance"
+    ]
+    assert any(f["kind"] == "imbalance" for f in doc["findings"])
+    for f in doc["findings"]:
+        if f["kind"] == "imbalance":
+            assert len({g["instance"] for g in f["gpus"]}) == 1, f
+            assert f"on the other GPUs of {f['gpus'][0].get('node', f['gpus'][0]['instance'])}" in f["verdict"], f
     order = sorted(fleet.gpus, key=lambda g: (g.instance, g.index))
     assert {int(k): (v["instance"], v["uuid"]) for k, v in doc["gpu_names"].items()} == {
         i: (g.instance, g.uuid) for i, g in enumerate(order)
