@@ -55,7 +55,7 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
     and ``TensorBoard`` record them), with TensorFlow's memory view; list ``GpuMonitor`` before the callbacks that
     read logs (it warns once otherwise). With ``log_every="batch"`` each batch's logs also get ``gpuN_util``,
     ``gpuN_temp``, ``gpuN_mem_used_mib`` and ``gpuN_power_w``. Alert handlers get the epoch, batch, step, learning
-    rate and phase at the sample's arrival (:class:`~smiquery.training.events.TrainingAlert`).
+    rate and phase at the sample's arrival (:class:`~smiquery.training.monitor.TrainingAlert`).
 
     Example::
 
