@@ -62,13 +62,10 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         monitor = GpuMonitor(record="run.csv", metrics_port=9400, handlers=[LogHandler(), WebhookHandler(url)])
         model.fit(x, y, epochs=10, callbacks=[monitor, keras.callbacks.CSVLogger("train.csv")])
 
-    Args:
-        fields: extra fields to summarise per epoch.
-        interval: seconds between samples.
-        framework_memory: read TensorFlow's per-GPU allocation and report the gap to the driver's figure.
-        batch_size: samples per step (default: ``fit``'s ``batch_size`` when it was given).
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``alerts``, ``handlers``,
-            ``log_every``, ``record``...); ValueError, InvalidFieldError or InvalidRuleError when one is invalid.
+    ``fields``, ``interval`` and ``**options`` are :func:`~smiquery.training.outputs.run_monitor`'s (``alerts``,
+    ``handlers``, ``log_every``, ``record``...; ValueError, InvalidFieldError or InvalidRuleError when one is
+    invalid); ``framework_memory``: read TensorFlow's per-GPU allocation and report the gap to the driver's figure;
+    ``batch_size``: samples per step (default: ``fit``'s ``batch_size`` when it was given).
     """
 
     # the batch hooks only touch memory, so Keras may dispatch them asynchronously
@@ -87,7 +84,6 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         framework = TensorFlowMemory() if framework_memory else None
         self.monitor = run_monitor(fields, interval, framework=framework, **options)
         self.monitor.context_extra = self._context
-        self.framework_memory = framework_memory
         self.batch_size = batch_size
         self._batch_size: int | None = batch_size
         self._steps0: int | None = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
@@ -25,22 +25,12 @@ __all__ = ["JobMetrics"]
 class JobMetrics:
     """The job's own metrics, served on ``metrics_port`` and/or pushed to ``pushgateway`` for each run (an output).
 
-    A failure to serve or push (the port taken, no ``prometheus_client``) is said once and training goes on.
-
-    Args:
-        metrics_port: serve them on this port (0: any free one, see :attr:`port`).
-        metrics_addr: the address to bind: 127.0.0.1 like the exporter's; ``0.0.0.0`` for a Prometheus on another
-            machine (then protect it with ``web_config``).
-        web_config: an exporter-toolkit web-config file (TLS, basic auth), as ``smiquery export --web-config``.
-        pushgateway: push them to this Pushgateway URL every ``push_interval`` seconds, grouped by ``run_id`` and
-            host; the group is deleted when the run closes.
-        push_interval: seconds between pushes.
-        job: the ``job`` label of pushed metrics.
-        run_id: the ``run`` label (default ``SMIQUERY_RUN_ID``, else a new random id).
-
-    Raises:
-        ValueError: ``metrics_port`` or ``pushgateway`` is invalid.
-        WebConfigError: the web-config file is.
+    ``metrics_port`` 0 binds any free port (:attr:`port`); ``metrics_addr`` defaults to 127.0.0.1 like the exporter,
+    ``web_config`` is an exporter-toolkit web-config file (TLS, basic auth) as ``smiquery export --web-config``.
+    Pushes go every ``push_interval`` seconds, with the ``job`` label, to this run's group (``run_id``: default
+    ``SMIQUERY_RUN_ID``, else a new random id; and the host), deleted when the run closes. A failure to serve or push
+    (the port taken, no ``prometheus_client``) is said once and training goes on. Raises ValueError for an invalid
+    ``metrics_port`` or ``pushgateway``, WebConfigError for an invalid web-config file.
     """
 
     fields: tuple[str, ...] = ()
@@ -97,7 +87,7 @@ class JobMetrics:
             return
         if self.pushgateway is not None:
             self._pusher = threading.Thread(
-                target=self._push_loop, args=(monitor,), name="smiquery-monitor-push", daemon=True
+                target=self._push_loop, args=(monitor, self.pushgateway), name="smiquery-monitor-push", daemon=True
             )
             self._pusher.start()
 
@@ -137,26 +127,14 @@ class JobMetrics:
         """The port actually bound while a run is served (for ``port=0``), else None."""
         return self._port
 
-    def push(self) -> None:
-        """Push the metrics to the Pushgateway now (replacing this run's group)."""
+    def _push_loop(self, monitor: RunMonitor, gateway: str) -> None:
         from prometheus_client import push_to_gateway
 
-        assert self.pushgateway is not None
-        push_to_gateway(
-            self.pushgateway, job=self.job, registry=self.registry, grouping_key=self.grouping_key, timeout=2.0
-        )
-
-    def delete(self) -> None:
-        """Delete this run's group from the Pushgateway (the run ended: its series must not outlive it)."""
-        from prometheus_client import delete_from_gateway
-
-        assert self.pushgateway is not None
-        delete_from_gateway(self.pushgateway, job=self.job, grouping_key=self.grouping_key, timeout=2.0)
-
-    def _push_loop(self, monitor: RunMonitor) -> None:
         while not self._stop.wait(self.push_interval):
-            try:
-                self.push()
+            try:  # replaces this run's group
+                push_to_gateway(
+                    gateway, job=self.job, registry=self.registry, grouping_key=self.grouping_key, timeout=2.0
+                )
             except Exception as exc:
                 monitor.say(f"pushing training metrics failed ({type(exc).__name__})", key="push-failed")
 
@@ -173,9 +151,11 @@ class JobMetrics:
         if self._pusher is not None:
             self._pusher.join(3.0)
             self._pusher = None
-        if self.pushgateway is not None:
+        if self.pushgateway is not None:  # the run ended: its series must not outlive it
+            from prometheus_client import delete_from_gateway
+
             try:
-                self.delete()
+                delete_from_gateway(self.pushgateway, job=self.job, grouping_key=self.grouping_key, timeout=2.0)
             except Exception as exc:
                 monitor.say(f"deleting the training metrics' group failed ({type(exc).__name__})", key="push-del")
         if self._http is not None:
@@ -192,7 +172,6 @@ class JobMetrics:
         if m is None:
             return
         t = m.totals
-        uuids = m.uuids()
         job = [self.run_id, self.host]
         for family, name, text, value in (
             (Counter, "steps", "Optimizer steps taken by the job.", t.steps),
@@ -204,53 +183,48 @@ class JobMetrics:
             if value is not None:
                 metric.add_metric(job, float(value))
             yield metric
+        uuids = sorted(m.uuids().items())
         info = Gauge(
             "smiquery_training_gpu_info",
             "1 for each GPU the job trains on: joins the job's series (by run) to the GPU's (by uuid).",
             labels=["run", "host", "uuid", "gpu"],
         )
-        labels = ["run", "host", "uuid"]
-        energy = Counter(
-            "smiquery_training_energy_joules", "Energy drawn by the GPU during training (power.draw).", labels=labels
-        )
-        memory = [
-            Gauge(f"smiquery_training_memory_{name}_bytes", text, labels=labels)
-            for name, text in (
-                ("used", "GPU memory held by the framework's live tensors."),
-                ("peak", "The framework's peak tensor memory on the GPU."),
-                ("reserved", "GPU memory reserved by the framework's allocator."),
-            )
-        ]
-        for idx, uuid in sorted(uuids.items()):
+        for idx, uuid in uuids:
             info.add_metric([*job, uuid, str(idx)], 1.0)
-            lv = [*job, uuid]
-            joules = t.joules.get(idx)
-            if joules is not None:  # no power.draw (N/A on this GPU): no series rather than a made-up 0
-                energy.add_metric(lv, joules)
-            view = t.memory.get(idx)
-            if view is not None:
-                for gauge, amount in zip(memory, (view.current, view.peak, view.reserved)):
-                    if amount is not None:
-                        gauge.add_metric(lv, amount)
-        yield from (info, energy, *memory)
-        if not m.process_share:
-            return
-        share = Gauge(
-            "smiquery_training_gpu_process_share",
-            "The job's part of the GPU's SM use in the newest nvidia-smi pmon sample (0..1).",
-            labels=labels,
-        )
-        others = Gauge(
-            "smiquery_training_gpu_other_processes",
-            "Processes other than the job's on the GPU in the newest nvidia-smi pmon sample.",
-            labels=labels,
-        )
-        shares = m.process_shares()
-        for idx, uuid in sorted(uuids.items()):
-            got = shares.get(idx)
-            if got is None:
-                continue  # no pmon sample of this GPU: no series rather than a made-up 0
-            if got.share is not None:
-                share.add_metric([*job, uuid], got.share)
-            others.add_metric([*job, uuid], float(len(got.other_pids)))
-        yield from (share, others)
+        yield info
+        # per GPU: (family, name, help, its value by nvidia-smi index: None for no series rather than a made-up 0)
+        per_gpu: list[tuple[Any, str, str, Callable[[int], Any]]] = [
+            (Counter, "energy_joules", "Energy drawn by the GPU during training (power.draw).", t.joules.get),
+            *(
+                (Gauge, f"memory_{name}_bytes", text, lambda i, attr=attr: getattr(t.memory.get(i), attr, None))
+                for name, attr, text in (
+                    ("used", "current", "GPU memory held by the framework's live tensors."),
+                    ("peak", "peak", "The framework's peak tensor memory on the GPU."),
+                    ("reserved", "reserved", "GPU memory reserved by the framework's allocator."),
+                )
+            ),
+        ]
+        if m.process_share:
+            shares = m.process_shares()
+            pmon = "in the newest nvidia-smi pmon sample"
+            per_gpu += [
+                (
+                    Gauge,
+                    "gpu_process_share",
+                    f"The job's part of the GPU's SM use {pmon} (0..1).",
+                    lambda i: getattr(shares.get(i), "share", None),
+                ),
+                (
+                    Gauge,
+                    "gpu_other_processes",
+                    f"Processes other than the job's on the GPU {pmon}.",
+                    lambda i: float(len(shares[i].other_pids)) if i in shares else None,
+                ),
+            ]
+        for family, name, text, value_of in per_gpu:
+            metric = family(f"smiquery_training_{name}", text, labels=["run", "host", "uuid"])
+            for idx, uuid in uuids:
+                value = value_of(idx)
+                if value is not None:
+                    metric.add_metric([*job, uuid], value)
+            yield metric

@@ -178,19 +178,11 @@ def run_monitor(
 ) -> RunMonitor:
     """A :class:`~smiquery.training.monitor.RunMonitor` with the outputs these keywords ask for (not started).
 
-    Args:
-        fields: extra fields to summarise per epoch.
-        interval: seconds between samples.
-        record: a :class:`Recording` of every sample to this file.
-        kernel_log: follow this kernel log (``/dev/kmsg``...): each Xid on a watched GPU becomes an alert
-            (a :class:`KernelLog`).
-        **options: :data:`METRICS_KEYWORDS` (``metrics_port=``, ``pushgateway=``...: the job's
-            :class:`~smiquery.training.metrics.JobMetrics`, served and/or pushed), and the monitor's own arguments
-            (``alerts``, ``handlers``, ``log_every``, ``nvidia_smi``, ``gpus``, ``framework``, ``process_share``...).
-
-    Raises:
-        ValueError, WebConfigError, InvalidFieldError, InvalidRuleError: an argument, the web-config file, a field
-            name or an alert expression is invalid.
+    ``record``: a :class:`Recording` of every sample to this file; ``kernel_log``: follow this kernel log
+    (``/dev/kmsg``...) for Xids on the watched GPUs (a :class:`KernelLog`); ``**options``: :data:`METRICS_KEYWORDS`
+    (the job's :class:`~smiquery.training.metrics.JobMetrics`, served and/or pushed) and the other arguments of
+    :class:`~smiquery.training.monitor.RunMonitor`. Raises ValueError, WebConfigError, InvalidFieldError or
+    InvalidRuleError for an invalid argument, web-config file, field name or alert expression.
     """
     outputs: list[Output] = [] if record is None else [Recording(record)]
     # made even when unused: a bad web-config file is a mistake to fix before training, not a warning after it
