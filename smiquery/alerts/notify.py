@@ -569,11 +569,8 @@ def take_snapshot(
     ``details.json`` (that XML parsed by :func:`smiquery.sources.details.parse_xml`), ``processes.csv`` (the compute
     processes) and ``samples.csv`` (the recent ``samples``, oldest first, as a recording ``smiquery report`` reads).
     Each nvidia-smi call is bounded by ``timeout`` and each file by ``max_bytes``; a call that fails leaves
-    ``<file>.error.txt`` saying why. ``runner`` runs nvidia-smi (default a real subprocess).
-
-    Raises:
-        OSError: the folder cannot be created or written (a full disk): nothing is left behind, no empty folder
-            and no truncated ``alert.json``.
+    ``<file>.error.txt`` saying why. ``runner`` runs nvidia-smi (default a real subprocess). Raises OSError when the
+    folder cannot be created or written (a full disk), leaving nothing behind (no empty folder, no cut ``alert.json``).
     """
     from smiquery.runner import default_runner, find_nvidia_smi  # subprocess, only once a snapshot is taken
 

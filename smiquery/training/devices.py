@@ -26,11 +26,9 @@ _FULL_UUID_RE = re.compile(r"GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{
 class VisibleDevices:
     """The GPUs a CUDA process can see, as ``CUDA_VISIBLE_DEVICES`` names them, in CUDA's order.
 
-    Attributes:
-        ids: indices (``"1"``) or UUIDs (``"GPU-8932f937-..."``, prefixes allowed as CUDA allows them), in the
-            order CUDA numbers them (``cuda:0`` is ``ids[0]``); None when the variable is unset (all GPUs).
-        note: why something could not be honoured (MIG instances, an invalid entry), or ``""``.
-        pci_order: ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: indices are nvidia-smi's on any host.
+    ``ids``: indices (``"1"``) or UUIDs (``"GPU-8932f937-..."``, prefixes allowed as CUDA allows them), ``cuda:0``
+    first; None when the variable is unset (all GPUs). ``note``: why something could not be honoured (MIG
+    instances, an invalid entry), or ``""``. ``pci_order``: ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (nvidia-smi's indices).
     """
 
     ids: tuple[str, ...] | None

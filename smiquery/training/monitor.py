@@ -18,6 +18,7 @@ import re
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -38,7 +39,7 @@ from smiquery.training.epochs import (
     summary_spec,
     throughput_values,
 )
-from smiquery.training.memory import FrameworkMemory, GapWatch, MemoryView, framework_values, gap_note, growth_event
+from smiquery.training.memory import FrameworkMemory, MemoryView, framework_values, gap_grew, gap_note, growth_event
 from smiquery.training.share import ShareTracker
 
 if TYPE_CHECKING:
@@ -330,7 +331,7 @@ class RunMonitor:
         self._energy.start(time.time())
         self._step_end: float | None = None
         self._waits = self._counts_samples = False
-        self._gaps = GapWatch()
+        self._gaps: dict[int, deque[float]] = {}  # each GPU's driver-vs-framework gap over the last epochs
         self._rejected: BaseException | None = None
         self._fields: list[str] = []
         self._share = ShareTracker(self.say, lambda: self._pos.epoch, self._watched_gpu) if self.process_share else None
@@ -774,7 +775,7 @@ class RunMonitor:
 
         When it grew for several epochs in a row it is said once and handed to the handlers as an alert event.
         """
-        history = self._gaps.grew(idx, gap)
+        history = gap_grew(self._gaps, idx, gap)
         if history is None or f"gap-{idx}" in self._said:
             return
         note = gap_note(idx, framework, view, history)

@@ -78,12 +78,8 @@ class Recording:
 class XidAlert(AlertEvent):
     """An Xid error on a GPU, as an alert event (always ``firing``: an Xid never clears).
 
-    Its ``rule`` reads ``Xid 79``; ``value`` is the GPU's PCI address as the kernel printed it.
-
-    Attributes:
-        xid: the code.
-        info: its catalogue entry (meaning, action, advice), None for a code the catalogue lacks.
-        xid_event: the kernel log's event (the driver's text, pid, process name).
+    Its ``rule`` reads ``Xid 79``; ``value`` is the GPU's PCI address as the kernel printed it; ``info`` the code's
+    catalogue entry (None for a code it lacks); ``xid_event`` the kernel log's event (driver text, pid, process).
     """
 
     xid: int = 0
