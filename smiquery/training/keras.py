@@ -6,6 +6,7 @@ this module (it imports Keras).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -202,14 +203,12 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         frame: FrameType | None = caller
         while frame is not None:
             if frame.f_code.co_name == "fit":
-                try:
+                with contextlib.suppress(Exception):
                     if frame.f_locals.get("self") is model:
                         fit = frame  # keep going: the outermost fit of this model wins
                         size = frame.f_locals.get("batch_size")
                         if self.batch_size is None and isinstance(size, int):
                             self._batch_size = size
-                except Exception:
-                    pass
             module = str(frame.f_globals.get("__name__", ""))
             if first_user is None and not module.startswith(_LIBRARY) and frame.f_code.co_name != "<module>":
                 first_user = frame  # a custom loop calling CallbackList.on_train_begin itself

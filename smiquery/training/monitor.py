@@ -119,10 +119,8 @@ class TrainingAlert:
         """The event where training was at ``pos``; ``extra`` may add the learning rate and the framework's step."""
         got: Mapping[str, Any] = {}
         if extra is not None:
-            try:
+            with contextlib.suppress(Exception):  # a half-built or torn-down model: context without these
                 got = extra()
-            except Exception:  # a half-built or torn-down model: context without these
-                pass
         return cls(event, pos.epoch, pos.batch, got.get("step", pos.step), got.get("learning_rate"), pos.phase)
 
     def context(self) -> dict[str, Any]:
@@ -166,10 +164,8 @@ class _HandlerWorker:
 
     def close(self) -> None:
         """End the thread after the queued events (waiting at most about three seconds)."""
-        try:
+        with contextlib.suppress(queue.Full):
             self._events.put(None, timeout=1.0)
-        except queue.Full:
-            pass
         if self._thread is not threading.current_thread():
             self._thread.join(2.0)
 
