@@ -6,6 +6,7 @@ Handlers never raise into the caller (a training loop, a stream consumer): failu
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -489,11 +490,9 @@ def _folder(directory: str | os.PathLike[str], event: AlertEvent) -> Path:
     slug = _SLUG_RE.sub("-", f"{event.rule.field.attr}-gpu{event.gpu if event.gpu is not None else 'x'}").strip("-")
     for n in range(1000):
         folder = root / f"{stamp}-{slug}" if n == 0 else root / f"{stamp}-{slug}-{n}"
-        try:
+        with contextlib.suppress(FileExistsError):
             folder.mkdir()
-        except FileExistsError:
-            continue
-        return folder
+            return folder
     raise FileExistsError(f"cannot create a new snapshot folder under {root}")
 
 

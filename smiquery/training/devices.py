@@ -46,12 +46,11 @@ class VisibleDevices:
         return self.ids is not None and not self.ids
 
     def stream_gpus(self) -> tuple[str, ...] | None:
-        """The ``-i`` ids for nvidia-smi, or None to query all GPUs (and filter with :meth:`selects`)."""
-        if self.ids is None or not self.ids:
-            return None
-        if all(i.isdigit() or _FULL_UUID_RE.fullmatch(i) for i in self.ids):
-            return self.ids
-        return None  # UUID prefixes: nvidia-smi wants whole UUIDs, so filter the rows instead
+        """The ``-i`` ids for nvidia-smi, or None to query all GPUs (and filter with :meth:`selects`).
+
+        UUID prefixes are filtered that way: nvidia-smi wants whole UUIDs.
+        """
+        return self.ids if self.ids and all(i.isdigit() or _FULL_UUID_RE.fullmatch(i) for i in self.ids) else None
 
     def selects(self, index: int | None, uuid: str | None) -> bool:
         """Whether an nvidia-smi GPU (by index and UUID) is one of the visible ones."""
