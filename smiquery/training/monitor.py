@@ -221,7 +221,7 @@ class RunMonitor:
     :meth:`start` runs ONE nvidia-smi and a reading thread that stamps each sweep with the training position at its
     arrival, sums it into that epoch, feeds the outputs and checks the alert rules (handlers run on their own
     thread). The training thread only moves the position (:meth:`step`, :meth:`begin_epoch`) and collects each
-    epoch's keys (:meth:`end_epoch`; docs/training.md lists them).
+    epoch's keys (:meth:`end_epoch`; the Training page of the docs lists them).
 
     Args:
         fields: extra fields to summarise per epoch (names or a comma list); ``interval``: seconds between samples.
