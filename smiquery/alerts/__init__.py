@@ -1,13 +1,25 @@
 """Alerts: rules over samples, where their events go, and the evidence saved when one fires.
 
-Modules :mod:`~smiquery.alerts.rules` (pure) and :mod:`~smiquery.alerts.notify` (the handlers, the snapshot;
-it imports rules). Every name below is imported from its module on first use: the CLI reads the rules for every
-duration option, and should not bring in the webhook's HTTP client and threads.
+Modules :mod:`~smiquery.alerts.rules` (pure) and :mod:`~smiquery.alerts.notify` (the handlers, the snapshot).
+The handlers' names are imported on first use: the CLI reads the rules for every duration option, and should not
+bring in the webhook's HTTP client and threads.
 """
 
 from __future__ import annotations
 
 import typing
+
+from smiquery.alerts.rules import (
+    BUILTIN_RULES,
+    STALL,
+    AlertEvaluator,
+    AlertEvent,
+    Rule,
+    StallRule,
+    arrival,
+    event_payload,
+    parse_duration,
+)
 
 if typing.TYPE_CHECKING:
     from smiquery.alerts.notify import (
@@ -21,30 +33,15 @@ if typing.TYPE_CHECKING:
         handler_from_spec,
         take_snapshot,
     )
-    from smiquery.alerts.rules import (
-        BUILTIN_RULES,
-        STALL,
-        AlertEvaluator,
-        AlertEvent,
-        Rule,
-        StallRule,
-        arrival,
-        event_payload,
-        parse_duration,
-    )
 
 
 def __getattr__(name: str) -> object:
-    # rules first: a name of the rules does not bring in the handlers
-    import importlib
+    if name not in __all__:
+        raise AttributeError(f"module 'smiquery.alerts' has no attribute {name!r}")
+    from smiquery.alerts import notify
 
-    if name in __all__:
-        for module in ("rules", "notify"):
-            found = getattr(importlib.import_module(f"smiquery.alerts.{module}"), name, None)
-            if found is not None:
-                globals()[name] = found
-                return found
-    raise AttributeError(f"module 'smiquery.alerts' has no attribute {name!r}")
+    found = globals()[name] = getattr(notify, name)
+    return found
 
 
 def __dir__() -> list[str]:

@@ -1,13 +1,12 @@
-"""Where alert events go: a log, a function, a webhook, a snapshot; and :class:`Notifier`, which dispatches them.
+"""Where alert events go (a log, a function, a webhook, a snapshot folder) and :class:`Notifier`, which dispatches them.
 
 Handlers never raise into the caller (a training loop, a stream consumer): failures are logged and counted.
-:func:`take_snapshot` writes the evidence folder (``nvidia-smi -q -x``, the processes, recent samples, the alert)
-that :class:`SnapshotHandler` (``--on-alert snapshot:DIR``) saves on its own thread.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -60,29 +59,17 @@ class AlertHandler(Protocol):
         """Handle one event."""
 
 
-def _context_text(context: Context) -> str:
-    shown = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in context.items())
-    return f" [{shown}]" if shown else ""
-
-
 class LogHandler:
     """Logs each event as one line to ``logger`` (default ``smiquery.alerts``): firing at WARNING, cleared at INFO."""
 
-    def __init__(
-        self,
-        logger: logging.Logger | str | None = None,
-        *,
-        firing_level: int = logging.WARNING,
-        cleared_level: int = logging.INFO,
-    ) -> None:
+    def __init__(self, logger: logging.Logger | str | None = None) -> None:
         self.logger = logger if isinstance(logger, logging.Logger) else logging.getLogger(logger or "smiquery.alerts")
-        self.firing_level = firing_level
-        self.cleared_level = cleared_level
 
     def __call__(self, event: AlertEvent, context: Context) -> None:
         """Log the event with its context."""
-        level = self.firing_level if event.state == "firing" else self.cleared_level
-        self.logger.log(level, "%s%s", event.message(), _context_text(context))
+        shown = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in context.items())
+        level = logging.WARNING if event.state == "firing" else logging.INFO
+        self.logger.log(level, "%s%s", event.message(), f" [{shown}]" if shown else "")
 
 
 class CallbackHandler:
@@ -330,12 +317,8 @@ class Notifier:
     ) -> list[AlertEvent]:
         """Evaluate one sample and dispatch (and return) the events it causes.
 
-        Args:
-            sample: one :class:`~smiquery.GpuSample`.
-            context: extra facts for the handlers, or a function computing them (called only when an event
-                happens).
-            now: for a live sample, ``time.monotonic()`` when it arrived (holds are measured on it); None for a
-                recording (by the samples' timestamps).
+        ``context``: extra facts for the handlers, or a function computing them (called only when an event happens);
+        ``now``: a live sample's arrival, ``time.monotonic()`` (holds are measured on it), None for a recording.
         """
         if self._observers:
             self.observe(sample)
@@ -507,11 +490,9 @@ def _folder(directory: str | os.PathLike[str], event: AlertEvent) -> Path:
     slug = _SLUG_RE.sub("-", f"{event.rule.field.attr}-gpu{event.gpu if event.gpu is not None else 'x'}").strip("-")
     for n in range(1000):
         folder = root / f"{stamp}-{slug}" if n == 0 else root / f"{stamp}-{slug}-{n}"
-        try:
+        with contextlib.suppress(FileExistsError):
             folder.mkdir()
-        except FileExistsError:
-            continue
-        return folder
+            return folder
     raise FileExistsError(f"cannot create a new snapshot folder under {root}")
 
 
@@ -587,11 +568,8 @@ def take_snapshot(
     ``details.json`` (that XML parsed by :func:`smiquery.sources.details.parse_xml`), ``processes.csv`` (the compute
     processes) and ``samples.csv`` (the recent ``samples``, oldest first, as a recording ``smiquery report`` reads).
     Each nvidia-smi call is bounded by ``timeout`` and each file by ``max_bytes``; a call that fails leaves
-    ``<file>.error.txt`` saying why. ``runner`` runs nvidia-smi (default a real subprocess).
-
-    Raises:
-        OSError: the folder cannot be created or written (a full disk): nothing is left behind, no empty folder
-            and no truncated ``alert.json``.
+    ``<file>.error.txt`` saying why. ``runner`` runs nvidia-smi (default a real subprocess). Raises OSError when the
+    folder cannot be created or written (a full disk), leaving nothing behind (no empty folder, no cut ``alert.json``).
     """
     from smiquery.runner import default_runner, find_nvidia_smi  # subprocess, only once a snapshot is taken
 

@@ -77,8 +77,7 @@ BUILTIN_RULES: tuple[str, ...] = (
 def parse_duration(text: str | float, *, what: str = "duration") -> float:
     """Seconds (always positive) from ``"250ms"``, ``"2s"``, ``"10m"``, ``"1h"``, ``"1d"`` or a number of seconds.
 
-    Raises:
-        ValueError: the text is not a positive duration; the message names it as ``what`` and shows accepted forms.
+    Raises ValueError, naming the text as ``what`` and showing the accepted forms, when it is not a positive duration.
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         seconds = float(text)
@@ -96,16 +95,11 @@ def _parse_threshold(text: str, fld: Field, op: str, expr: str) -> Value:
     word = text.strip().strip("'\"")
     kind = fld.kind
     if kind.is_bool:
-        low = word.lower()
-        if low in _TRUE_WORDS:
-            value: Value = True
-        elif low in _FALSE_WORDS:
-            value = False
-        else:
+        if word.lower() not in _TRUE_WORDS | _FALSE_WORDS:
             raise InvalidRuleError(expr, f"{fld.name} is {kind.value}; compare it with one of those words")
         if op not in ("==", "!="):
             raise InvalidRuleError(expr, f"{fld.name} is {kind.value}; use == or !=")
-        return value
+        return word.lower() in _TRUE_WORDS
     if kind.is_numeric:
         try:
             if kind in (Kind.HEX, Kind.BITMASK) and word.lower().startswith("0x"):
@@ -128,12 +122,8 @@ class Rule:
     ``for 3`` (or ``for 3 samples``) holds for three consecutive samples of a GPU; ``for 30s``, ``for 5m`` and
     ``for 1h`` hold for that long (see :class:`AlertEvaluator`). Without ``for`` one sample is enough. ``while`` adds
     conditions, without a hold, that the same sample must meet (``utilization.gpu < 20 for 30m while memory.used >
-    1024``: idle while a job holds memory).
-
-    Attributes:
-        threshold: the value compared against, typed for the field (number, bool or text).
-        hold_samples: consecutive samples needed to fire, when the hold is a count (else ``hold_seconds``).
-        when: the ``while`` conditions (rules without a hold), all of which must hold as well.
+    1024``: idle while a job holds memory). ``threshold`` is typed for the field (number, bool or text);
+    ``hold_samples`` is None when the hold is ``hold_seconds``; ``when`` holds the ``while`` conditions.
     """
 
     field: Field
@@ -148,8 +138,7 @@ class Rule:
     def parse(cls, text: str) -> Rule:
         """Parse an expression such as ``"temperature.gpu > 85 for 3"``; operators ``> >= < <= == !=`` (``=``: ``==``).
 
-        Raises:
-            InvalidRuleError: malformed expression, unknown field, or a value that does not fit the field.
+        Raises InvalidRuleError for a malformed expression, an unknown field, or a value that does not fit the field.
         """
         main, *extra = _WHILE_RE.split(text)
         if extra:
@@ -224,12 +213,9 @@ class Rule:
 class AlertEvent:
     """A rule that started firing or stopped firing on one GPU.
 
-    Attributes:
-        gpu: the GPU index (None when the samples carry no index); ``uuid`` when queried.
-        value: the value that decided the change.
-        since: when the condition started to hold (the first matching sample's time); ``at``: the event's sample.
-        duration: seconds the condition held as the evaluator measured them (live: on the monotonic clock, so not
-            always ``at - since``).
+    ``gpu`` is None when the samples carry no index; ``value`` decided the change; ``since`` is the first matching
+    sample's time, ``at`` the event's sample's; ``duration``: seconds the condition held as the evaluator measured
+    them (live: on the monotonic clock, so not always ``at - since``).
     """
 
     rule: Rule
@@ -286,9 +272,8 @@ def _jsonable(value: object) -> Any:
 def event_payload(event: AlertEvent, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The JSON body of an event (what a webhook posts, a snapshot's ``alert.json``), ``context`` where it happened.
 
-    Returns:
-        ``{"source": "smiquery", "host": ..., "message": ..., "event": event.to_dict(), "context": {...}}``,
-        with every value JSON-serialisable (NaN becomes null, datetimes ISO 8601).
+    ``{"source": "smiquery", "host", "message", "event": event.to_dict(), "context"}``, every value
+    JSON-serialisable (NaN becomes null, datetimes ISO 8601).
     """
     return {
         "source": "smiquery",
@@ -339,7 +324,7 @@ class AlertEvaluator:
             return []
         gpu = sample.index if "index" in sample else None
         uuid = sample.uuid if "uuid" in sample else None
-        key = _key(sample)
+        key = gpu if gpu is not None else uuid
         ts = sample.timestamp if "timestamp" in sample else None
         tick: datetime | float = now if now is not None else ts if ts is not None else self.clock()
         shown: datetime | float = ts if ts is not None else tick

@@ -26,11 +26,9 @@ _FULL_UUID_RE = re.compile(r"GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{
 class VisibleDevices:
     """The GPUs a CUDA process can see, as ``CUDA_VISIBLE_DEVICES`` names them, in CUDA's order.
 
-    Attributes:
-        ids: indices (``"1"``) or UUIDs (``"GPU-8932f937-..."``, prefixes allowed as CUDA allows them), in the
-            order CUDA numbers them (``cuda:0`` is ``ids[0]``); None when the variable is unset (all GPUs).
-        note: why something could not be honoured (MIG instances, an invalid entry), or ``""``.
-        pci_order: ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: indices are nvidia-smi's on any host.
+    ``ids``: indices (``"1"``) or UUIDs (``"GPU-8932f937-..."``, prefixes allowed as CUDA allows them), ``cuda:0``
+    first; None when the variable is unset (all GPUs). ``note``: why something could not be honoured (MIG
+    instances, an invalid entry), or ``""``. ``pci_order``: ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (nvidia-smi's indices).
     """
 
     ids: tuple[str, ...] | None
@@ -48,12 +46,11 @@ class VisibleDevices:
         return self.ids is not None and not self.ids
 
     def stream_gpus(self) -> tuple[str, ...] | None:
-        """The ``-i`` ids for nvidia-smi, or None to query all GPUs (and filter with :meth:`selects`)."""
-        if self.ids is None or not self.ids:
-            return None
-        if all(i.isdigit() or _FULL_UUID_RE.fullmatch(i) for i in self.ids):
-            return self.ids
-        return None  # UUID prefixes: nvidia-smi wants whole UUIDs, so filter the rows instead
+        """The ``-i`` ids for nvidia-smi, or None to query all GPUs (and filter with :meth:`selects`).
+
+        UUID prefixes are filtered that way: nvidia-smi wants whole UUIDs.
+        """
+        return self.ids if self.ids and all(i.isdigit() or _FULL_UUID_RE.fullmatch(i) for i in self.ids) else None
 
     def selects(self, index: int | None, uuid: str | None) -> bool:
         """Whether an nvidia-smi GPU (by index and UUID) is one of the visible ones."""

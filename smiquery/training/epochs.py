@@ -129,11 +129,8 @@ class EnergySplitter:
     sample's power stands for the interval since that GPU's previous sample, split between the owners of the marks
     inside it. At an epoch's end :meth:`tail` credits the newest power up to the end, so that the logged figure is
     whole; the next sample counts only what is left. A GPU's first sample's power is held back to the run's start
-    (:meth:`start`) or the end of the last epoch logged; :attr:`held` says for how long, per owner.
-
-    Args:
-        interval: the sampling interval: a step back in the timestamps counts 0, a jump over ``max(3 * interval,
-            5 s)`` counts one interval.
+    (:meth:`start`) or the end of the last epoch logged; :attr:`held` says for how long, per owner. A step back in
+    the timestamps counts 0, a jump over ``max(3 * interval, 5 s)`` counts one ``interval``.
     """
 
     __slots__ = ("began", "cap", "credited", "held", "interval", "last", "marks", "watts")

@@ -6,6 +6,7 @@ this module (it imports Keras).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -55,20 +56,17 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
     and ``TensorBoard`` record them), with TensorFlow's memory view; list ``GpuMonitor`` before the callbacks that
     read logs (it warns once otherwise). With ``log_every="batch"`` each batch's logs also get ``gpuN_util``,
     ``gpuN_temp``, ``gpuN_mem_used_mib`` and ``gpuN_power_w``. Alert handlers get the epoch, batch, step, learning
-    rate and phase at the sample's arrival (:class:`~smiquery.training.events.TrainingAlert`).
+    rate and phase at the sample's arrival (:class:`~smiquery.training.monitor.TrainingAlert`).
 
     Example::
 
         monitor = GpuMonitor(record="run.csv", metrics_port=9400, handlers=[LogHandler(), WebhookHandler(url)])
         model.fit(x, y, epochs=10, callbacks=[monitor, keras.callbacks.CSVLogger("train.csv")])
 
-    Args:
-        fields: extra fields to summarise per epoch.
-        interval: seconds between samples.
-        framework_memory: read TensorFlow's per-GPU allocation and report the gap to the driver's figure.
-        batch_size: samples per step (default: ``fit``'s ``batch_size`` when it was given).
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``alerts``, ``handlers``,
-            ``log_every``, ``record``...); ValueError, InvalidFieldError or InvalidRuleError when one is invalid.
+    ``fields``, ``interval`` and ``**options`` are :func:`~smiquery.training.outputs.run_monitor`'s (``alerts``,
+    ``handlers``, ``log_every``, ``record``...; ValueError, InvalidFieldError or InvalidRuleError when one is
+    invalid); ``framework_memory``: read TensorFlow's per-GPU allocation and report the gap to the driver's figure;
+    ``batch_size``: samples per step (default: ``fit``'s ``batch_size`` when it was given).
     """
 
     # the batch hooks only touch memory, so Keras may dispatch them asynchronously
@@ -87,7 +85,6 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         framework = TensorFlowMemory() if framework_memory else None
         self.monitor = run_monitor(fields, interval, framework=framework, **options)
         self.monitor.context_extra = self._context
-        self.framework_memory = framework_memory
         self.batch_size = batch_size
         self._batch_size: int | None = batch_size
         self._steps0: int | None = None
@@ -206,14 +203,12 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         frame: FrameType | None = caller
         while frame is not None:
             if frame.f_code.co_name == "fit":
-                try:
+                with contextlib.suppress(Exception):
                     if frame.f_locals.get("self") is model:
                         fit = frame  # keep going: the outermost fit of this model wins
                         size = frame.f_locals.get("batch_size")
                         if self.batch_size is None and isinstance(size, int):
                             self._batch_size = size
-                except Exception:
-                    pass
             module = str(frame.f_globals.get("__name__", ""))
             if first_user is None and not module.startswith(_LIBRARY) and frame.f_code.co_name != "<module>":
                 first_user = frame  # a custom loop calling CallbackList.on_train_begin itself

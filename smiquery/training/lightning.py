@@ -57,13 +57,10 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
         trainer = L.Trainer(max_epochs=10, callbacks=[GpuMonitor(record="run.csv", metrics_port=9400)])
         trainer.fit(model, train_loader)
 
-    Args:
-        fields: extra fields to summarise per epoch.
-        interval: seconds between samples.
-        prefix: put before every logged key (``"gpu/"`` groups them in TensorBoard).
-        framework_memory: read PyTorch's allocated, peak and reserved memory per device.
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor` (``alerts``, ``handlers``,
-            ``record``...; ``log_every="batch"`` also logs the newest sample at every step).
+    ``fields``, ``interval`` and ``**options`` are :func:`~smiquery.training.outputs.run_monitor`'s (``alerts``,
+    ``handlers``, ``record``...; ``log_every="batch"`` also logs the newest sample at every step); ``prefix`` goes
+    before every logged key (``"gpu/"`` groups them in TensorBoard); ``framework_memory``: read PyTorch's allocated,
+    peak and reserved memory per device.
     """
 
     def __init__(

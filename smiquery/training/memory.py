@@ -5,6 +5,7 @@ Read at each epoch's end: the per-GPU keys, the gap to the driver's figure and t
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -21,11 +22,11 @@ if TYPE_CHECKING:
 __all__ = [
     "GROWTH_RULE_TEXT",
     "FrameworkMemory",
-    "GapWatch",
     "MemoryView",
     "TensorFlowMemory",
     "TorchMemory",
     "framework_values",
+    "gap_grew",
     "gap_note",
     "growth_event",
     "torch_memory",
@@ -40,13 +41,10 @@ _NO_GAP = "the driver-vs-framework memory gap is not reported"
 
 @dataclass(frozen=True)
 class MemoryView:
-    """What a framework says about its memory on one CUDA device, in bytes (None where it does not say).
+    """What a framework says about its memory on CUDA device ``ordinal`` (``cuda:k``, TensorFlow's ``GPU:k``).
 
-    Attributes:
-        ordinal: the CUDA device ordinal (``cuda:k``, TensorFlow's ``GPU:k``).
-        current: bytes held by live tensors.
-        peak: the most ``current`` has been.
-        reserved: bytes held by the framework's caching allocator (tensors plus its free pool).
+    Bytes, None where it does not say: ``current`` held by live tensors, ``peak`` the most that has been,
+    ``reserved`` held by the framework's caching allocator (tensors plus its free pool).
     """
 
     ordinal: int
@@ -90,24 +88,14 @@ def gap_note(idx: int, framework: str, view: MemoryView, history: Sequence[float
     )
 
 
-class GapWatch:
-    """Each GPU's driver-vs-framework gap over the last epochs, to tell when it grew several epochs in a row."""
-
-    def __init__(self) -> None:
-        self._gaps: dict[int, deque[float]] = {}
-
-    def grew(self, idx: int, gap: float) -> list[float] | None:
-        """Add GPU ``idx``'s gap this epoch (MiB, NaN ignored); the history when it grew every epoch and enough."""
-        if math.isnan(gap):
-            return None
-        history = self._gaps.setdefault(idx, deque(maxlen=_GAP_EPOCHS + 1))
-        history.append(gap)
-        if len(history) <= _GAP_EPOCHS:
-            return None
-        steps = [b - a for a, b in zip(history, list(history)[1:])]
-        if all(d > 0 for d in steps) and history[-1] - history[0] >= _GAP_GROWTH_MIB:
-            return list(history)
+def gap_grew(gaps: dict[int, deque[float]], idx: int, gap: float) -> list[float] | None:
+    """Add GPU ``idx``'s gap this epoch (MiB, NaN ignored) to ``gaps``; its history when it grew every epoch, enough."""
+    if math.isnan(gap):
         return None
+    history = gaps.setdefault(idx, deque(maxlen=_GAP_EPOCHS + 1))
+    history.append(gap)
+    grew = len(history) > _GAP_EPOCHS and all(b > a for a, b in itertools.pairwise(history))
+    return list(history) if grew and history[-1] - history[0] >= _GAP_GROWTH_MIB else None
 
 
 def framework_values(
@@ -172,9 +160,9 @@ class TorchMemory:
         ]
 
 
-def torch_memory() -> FrameworkMemory:
-    """PyTorch's memory view, for ``framework=`` of :func:`watch` (torch is imported only when it is read)."""
-    return TorchMemory()
+#: PyTorch's memory view, for ``framework=`` of :func:`~smiquery.training.watch.watch` (torch is imported only when
+#: it is read).
+torch_memory = TorchMemory
 
 
 class TensorFlowMemory:

@@ -1,28 +1,31 @@
 """The framework-neutral training run monitor: one nvidia-smi beside a training loop, summarised per epoch.
 
-:class:`RunMonitor` owns the stream, the epochs, the alerts stamped with the training position and the energy;
-what a run feeds besides its logs are :class:`Output` objects passed in (see :mod:`smiquery.training.outputs`).
-The Keras and Lightning callbacks and :func:`~smiquery.training.watch.watch` only translate their hooks into
-:meth:`RunMonitor.begin_epoch`, :meth:`RunMonitor.step` and :meth:`RunMonitor.end_epoch`.
+:class:`RunMonitor` owns the stream, the epochs, the alerts stamped with the training position (its default rules:
+:data:`TRAINING_RULES`) and the energy. The Keras and Lightning callbacks and :func:`~smiquery.training.watch.watch`
+only translate their hooks into :meth:`RunMonitor.begin_epoch`, :meth:`RunMonitor.step` and
+:meth:`RunMonitor.end_epoch`; what a run feeds besides its logs are :class:`Output` objects passed in.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
+import queue
 import re
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
 
 from smiquery._log import get_logger
-from smiquery.alerts import AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
+from smiquery.alerts import BUILTIN_RULES, STALL, AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
 from smiquery.errors import InvalidArgumentError, InvalidFieldError
 from smiquery.fields import Field, resolve_fields
 from smiquery.kinds import to_number
@@ -36,8 +39,7 @@ from smiquery.training.epochs import (
     summary_spec,
     throughput_values,
 )
-from smiquery.training.events import TRAINING_RULES, HandlerWorker, Position, TrainingAlert
-from smiquery.training.memory import FrameworkMemory, GapWatch, MemoryView, framework_values, gap_note, growth_event
+from smiquery.training.memory import FrameworkMemory, MemoryView, framework_values, gap_grew, gap_note, growth_event
 from smiquery.training.share import ShareTracker
 
 if TYPE_CHECKING:
@@ -46,7 +48,18 @@ if TYPE_CHECKING:
     from smiquery.sources.latest import Latest
     from smiquery.sources.pmon import ProcessShare
 
-__all__ = ["OPEN_MONITORS", "MonitorView", "Output", "RunMonitor", "Totals"]
+__all__ = [
+    "OPEN_MONITORS",
+    "TRAINING_RULES",
+    "TRAINING_STALL_SECONDS",
+    "MonitorView",
+    "Output",
+    "Position",
+    "RunMonitor",
+    "Totals",
+    "TrainingAlert",
+    "stall_rule",
+]
 
 log = get_logger("smiquery.training.monitor")
 
@@ -54,6 +67,108 @@ log = get_logger("smiquery.training.monitor")
 _REJECTIONS = (InvalidArgumentError, InvalidFieldError)
 _REJECTED_RE = re.compile(r"""Field\s+["']([^"']+)["']\s+is not a valid field""", re.IGNORECASE)
 _ALWAYS = ("index", "uuid", "timestamp", *SUMMARY_FIELDS)
+_EVENT_QUEUE = 1000
+
+#: Seconds of ``smiquery report``'s stall condition after which the training monitor alerts: long enough to ignore a
+#: checkpoint or an evaluation pass, short enough to be useful during a run.
+TRAINING_STALL_SECONDS = 60.0
+
+
+def stall_rule(seconds: float = TRAINING_STALL_SECONDS) -> str:
+    """The stall alert: ``smiquery report``'s stall condition held for ``seconds``, as an expression."""
+    return f"utilization.gpu < {STALL.utilization:g} for {seconds:g}s while memory.used >= {STALL.busy_memory_mib:g}"
+
+
+#: The default rules of a training monitor: the built-in health rules, the fleet's 30-minute idle rule replaced by
+#: :func:`stall_rule`.
+TRAINING_RULES: tuple[str, ...] = (*(r for r in BUILTIN_RULES if not r.startswith("utilization.gpu <")), stall_rule())
+
+
+class Position(NamedTuple):
+    """Where training was at one moment.
+
+    ``epoch``: 0-based, None before the first; ``batch``: steps taken in it (the batch in progress), or None;
+    ``step``: steps since training began; ``phase``: ``"setup"``, ``"train"``, ``"validation"`` or ``"done"``.
+    """
+
+    epoch: int | None
+    batch: int | None
+    step: int
+    phase: str
+
+
+@dataclass(frozen=True)
+class TrainingAlert:
+    """An alert ``event`` with where training was when its sample arrived.
+
+    The fields of :class:`Position` (``step``: the framework's count where it has one) and the ``learning_rate``
+    then, if the adapter can read it.
+    """
+
+    event: AlertEvent
+    epoch: int | None
+    batch: int | None
+    step: int | None
+    learning_rate: float | None
+    phase: str
+
+    @classmethod
+    def at(
+        cls, event: AlertEvent, pos: Position, extra: Callable[[], Mapping[str, Any]] | None = None
+    ) -> TrainingAlert:
+        """The event where training was at ``pos``; ``extra`` may add the learning rate and the framework's step."""
+        got: Mapping[str, Any] = {}
+        if extra is not None:
+            with contextlib.suppress(Exception):  # a half-built or torn-down model: context without these
+                got = extra()
+        return cls(event, pos.epoch, pos.batch, got.get("step", pos.step), got.get("learning_rate"), pos.phase)
+
+    def context(self) -> dict[str, Any]:
+        """The context as handlers receive it."""
+        return {name: getattr(self, name) for name in ("epoch", "batch", "step", "learning_rate", "phase")}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The event and its context as one JSON-ready dict."""
+        return {**self.event.to_dict(), **self.context()}
+
+
+class _HandlerWorker:
+    """Alert handlers on their own thread behind a bounded queue, so that a slow webhook delays nothing.
+
+    ``notifier()`` gives the notifier whose handlers get each event (read at dispatch: a monitor may replace it).
+    """
+
+    def __init__(self, notifier: Callable[[], Notifier | None]) -> None:
+        self._notifier = notifier
+        self._events: queue.Queue[tuple[AlertEvent, dict[str, Any]] | None] = queue.Queue(_EVENT_QUEUE)
+        self._thread = threading.Thread(target=self._work, name="smiquery-monitor-handlers", daemon=True)
+        self.cpu = 0.0  # CPU seconds of the thread, once it ended
+        self._thread.start()
+
+    def put(self, event: AlertEvent, context: dict[str, Any]) -> bool:
+        """Queue one event for the handlers; False when the queue is full and the event is dropped."""
+        try:
+            self._events.put_nowait((event, context))
+        except queue.Full:
+            return False
+        return True
+
+    def _work(self) -> None:
+        try:
+            while (item := self._events.get()) is not None:
+                notifier = self._notifier()
+                if notifier is not None:
+                    notifier.dispatch(*item)
+        finally:
+            self.cpu = time.thread_time()
+
+    def close(self) -> None:
+        """End the thread after the queued events (waiting at most about three seconds)."""
+        with contextlib.suppress(queue.Full):
+            self._events.put(None, timeout=1.0)
+        if self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+
 
 SourceFactory = Callable[..., "SampleSource"]
 
@@ -106,24 +221,20 @@ class RunMonitor:
     :meth:`start` runs ONE nvidia-smi and a reading thread that stamps each sweep with the training position at its
     arrival, sums it into that epoch, feeds the outputs and checks the alert rules (handlers run on their own
     thread). The training thread only moves the position (:meth:`step`, :meth:`begin_epoch`) and collects each
-    epoch's keys (:meth:`end_epoch`): per GPU ``gpuN_util_mean``, ``_util_max``, ``_temp_max``, ``_mem_used_max_mib``,
-    ``_power_mean_w``, ``_energy_wh``, the extra fields, the framework's memory view and the process share; for the
-    job ``energy_wh``, ``steps_per_joule``, ``samples_per_joule``, ``data_wait_s``, ``data_wait_frac``.
+    epoch's keys (:meth:`end_epoch`; the Training page of the docs lists them).
 
     Args:
         fields: extra fields to summarise per epoch (names or a comma list); ``interval``: seconds between samples.
-        alerts: rules or ``--alert`` expressions; None for :data:`~smiquery.training.events.TRAINING_RULES`, ``()``
-            for none. A rule whose field the driver rejects is dropped with one warning.
+        alerts: rules or ``--alert`` expressions; None for :data:`TRAINING_RULES`, ``()`` for none. A rule whose
+            field the driver rejects is dropped with one warning.
         handlers: where alert events go (default: a :class:`~smiquery.alerts.LogHandler`).
         log_every: ``"epoch"``, or ``"batch"`` to offer the newest sample per step (:meth:`batch_values`).
-        gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` gives.
+        gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` (of ``env``) gives.
         framework: the framework's memory view, read at each epoch's end.
         first_sample_timeout: seconds the first epoch's end waits for nvidia-smi's first sample.
         source: ``(fields, interval=, gpus=, nvidia_smi=, on_event=) -> SampleSource``; default :func:`smiquery.stream`.
-        env: the environment whose ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` are read.
-        process_share: also run one ``nvidia-smi pmon`` for ``gpuN_share`` and ``gpuN_other_processes`` (see
-            :class:`~smiquery.training.share.ShareTracker`).
-        outputs: what the run feeds besides its logs (see :class:`Output`).
+        process_share: also run one ``nvidia-smi pmon`` for ``gpuN_share`` and ``gpuN_other_processes``.
+        outputs: what the run feeds besides its logs (:class:`Output`).
 
     Raises:
         ValueError, InvalidFieldError, InvalidRuleError: ``log_every``, ``interval``, a field or a rule is invalid.
@@ -172,7 +283,6 @@ class RunMonitor:
         #: optional function returning extra alert context (the learning rate), called on the reading thread
         self.context_extra: Callable[[], Mapping[str, Any]] | None = None
         self._said: set[str] = set()
-        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._closing = threading.Lock()
         self._summary = summary_spec(self.extra_fields)
@@ -205,17 +315,19 @@ class RunMonitor:
         self._stop = threading.Event()
         self._source: SampleSource | None = None
         self._reader: threading.Thread | None = None
-        self._worker: HandlerWorker | None = None
+        self._worker: _HandlerWorker | None = None
         self._notifier: Notifier | None = None
         self._opened: tuple[Output, ...] = ()
         self._devices = self._cuda = VisibleDevices(None)
         self._unsure = self._moved = False  # indices in CUDA's default order, checked by _order_check
         self._order_check: Latest[Any] | None = None
-        self._started_at = 0.0
-        self._epoch0 = (0.0, 0, 0, 0.0)  # the epoch's start: monotonic time, steps, samples, data wait
+        self._pid = os.getpid()  # only the process that started the run closes it (not a forked child)
+        self._started_at = time.monotonic()
+        self._epoch0 = (self._started_at, 0, 0, 0.0)  # the epoch's start: monotonic time, steps, samples, data wait
+        self._energy.start(time.time())
         self._step_end: float | None = None
         self._waits = self._counts_samples = False
-        self._gaps = GapWatch()
+        self._gaps: dict[int, deque[float]] = {}  # each GPU's driver-vs-framework gap over the last epochs
         self._rejected: BaseException | None = None
         self._fields: list[str] = []
         self._share = ShareTracker(self.say, lambda: self._pos.epoch, self._watched_gpu) if self.process_share else None
@@ -266,10 +378,6 @@ class RunMonitor:
         """
         self.close()
         self._reset()
-        self._pid = os.getpid()  # only the process that started the run closes it (not a forked child)
-        self._started_at = time.monotonic()
-        self._epoch0 = (self._started_at, 0, 0, 0.0)
-        self._energy.start(time.time())
         try:
             return self._start()
         finally:
@@ -278,12 +386,9 @@ class RunMonitor:
     def _start(self) -> RunMonitor:
         self._notifier = Notifier(self.rules, self.handlers) if self.rules else None
         self._cuda = visible_devices(self._env)
-        if self.gpus_override is not None:
-            self._devices = VisibleDevices(self.gpus_override)
-        else:
-            self._devices = self._cuda
-            if self._devices.note:
-                self.say(self._devices.note)
+        self._devices = self._cuda if self.gpus_override is None else VisibleDevices(self.gpus_override)
+        if self._devices.note:
+            self.say(self._devices.note)
         if self._devices.none:
             self.say("CUDA_VISIBLE_DEVICES hides every GPU: GPU monitoring is off")
             return self
@@ -298,7 +403,7 @@ class RunMonitor:
         for out in self.outputs:
             out.open(self)
         self._opened = self.outputs
-        self._worker = HandlerWorker(lambda: self._notifier)
+        self._worker = _HandlerWorker(lambda: self._notifier)
         self._reader = threading.Thread(target=self._read, name="smiquery-monitor-reader", daemon=True)
         self._reader.start()
         OPEN_MONITORS.add(self)
@@ -389,10 +494,7 @@ class RunMonitor:
     def _read(self) -> None:
         select = self._unsure or (self._devices.ids is not None and self._devices.stream_gpus() is None)
         try:
-            while not self._stop.is_set():
-                source = self._source
-                if source is None:
-                    return
+            while (source := self._source) is not None and not self._stop.is_set():
                 failure: BaseException | None = None
                 try:
                     for sweep in source.sweeps():
@@ -404,22 +506,17 @@ class RunMonitor:
                 rejected = self._rejected or (failure if isinstance(failure, _REJECTIONS) else None)
                 if self._stop.is_set():
                     return
-                if self._moved:
-                    self._moved = False
-                    self._source = self._open()
-                    continue
-                if rejected is not None:
+                if not self._moved and rejected is not None:
                     self._rejected = None
-                    try:
+                    with contextlib.suppress(Exception):
                         source.close(2.0)
-                    except Exception:
-                        log.debug("smiquery: closing the rejected stream failed", exc_info=True)
-                    if self._drop_rejected(rejected):
-                        self._source = self._open()
-                        continue
-                if failure is not None:
-                    self.say(f"GPU monitoring stopped: {failure}")
-                return
+                    self._moved = self._drop_rejected(rejected) or self._moved
+                if not self._moved:
+                    if failure is not None:
+                        self.say(f"GPU monitoring stopped: {failure}")
+                    return
+                self._moved = False
+                self._source = self._open()
         except Exception as exc:
             if not self._stop.is_set():
                 self.say(f"GPU monitoring stopped: {exc}")
@@ -577,11 +674,8 @@ class RunMonitor:
             held = self._energy.held.pop(epoch, 0.0) if epoch is not None else 0.0
             if not self.epochs:
                 held += self._energy.held.pop(None, 0.0)
-            setup = self._accs.pop(None, None)
-            if setup is not None and not self.epochs:
-                acc.merge(setup)  # samples before the first epoch began: setup of the first epoch
-            elif setup is not None:
-                self._accs[None] = setup
+            if not self.epochs and None in self._accs:
+                acc.merge(self._accs.pop(None))  # samples before the first epoch began: setup of the first epoch
             late = {k: self._accs.pop(k) for k in list(self._accs) if k is not None and epoch is not None and k < epoch}
             latest = dict(self._latest)
             fresh = now - max(self._last_t.values(), default=-math.inf) <= max(3 * self.interval, 5.0)
@@ -677,7 +771,7 @@ class RunMonitor:
 
         When it grew for several epochs in a row it is said once and handed to the handlers as an alert event.
         """
-        history = self._gaps.grew(idx, gap)
+        history = gap_grew(self._gaps, idx, gap)
         if history is None or f"gap-{idx}" in self._said:
             return
         note = gap_note(idx, framework, view, history)
@@ -757,10 +851,8 @@ OPEN_MONITORS: weakref.WeakSet[RunMonitor] = weakref.WeakSet()
 @atexit.register
 def _close_open_monitors() -> None:
     for monitor in list(OPEN_MONITORS):
-        try:
+        with contextlib.suppress(Exception):
             monitor.close(timeout=2.0)
-        except Exception:
-            pass
 
 
 if hasattr(os, "register_at_fork"):

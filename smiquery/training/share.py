@@ -111,15 +111,6 @@ def instant_shares(rows: Iterable[PmonRow], mine: Iterable[int]) -> dict[int, Pr
     return out
 
 
-def _pmon_unsupported(exc: BaseException) -> bool:
-    """True for pmon's "Not supported on the device(s)" (old GeForce drivers), whatever the exit status."""
-    from smiquery.errors import NotSupportedError, NvidiaSmiFailedError
-
-    return isinstance(exc, NotSupportedError) or (
-        isinstance(exc, NvidiaSmiFailedError) and "not supported on the device" in (exc.output or "").lower()
-    )
-
-
 class ShareTracker:
     """One pmon child and its reading thread: each instant summed into the epoch ``epoch_now()`` says it arrived in.
 
@@ -176,10 +167,15 @@ class ShareTracker:
             return dict(self._shares)
 
     def _event(self, event: StreamEvent) -> None:
+        from smiquery.errors import NotSupportedError, NvidiaSmiFailedError
+
         err = event.error
         if event.kind != "error" or err is None or self.off:
             return
-        if _pmon_unsupported(err):
+        # pmon's "Not supported on the device(s)" (old GeForce drivers), whatever the exit status
+        if isinstance(err, NotSupportedError) or (
+            isinstance(err, NvidiaSmiFailedError) and "not supported on the device" in (err.output or "").lower()
+        ):
             self.off = True
             self._say(
                 "per-process monitoring (nvidia-smi pmon) is not supported on this GPU or driver: the process share "

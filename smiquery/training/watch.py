@@ -82,13 +82,8 @@ def watch(
                     w.step(epoch=epoch, batch=i, samples=len(x))
         print(w.epochs[-1]["gpu0_util_mean"], w.epochs[-1]["samples_per_joule"])
 
-    Args:
-        fields: extra fields to summarise per epoch.
-        interval: seconds between samples.
-        on_epoch: called with ``(epoch, values)`` when an epoch is summarised (to log them).
-        **options: any other argument of :func:`~smiquery.training.outputs.run_monitor`.
-
-    Returns:
-        A context manager; leaving it summarises the last epoch and reaps nvidia-smi.
+    ``on_epoch`` is called with ``(epoch, values)`` when an epoch is summarised (to log them); the other arguments
+    are :func:`~smiquery.training.outputs.run_monitor`'s. Leaving the returned context summarises the last epoch and
+    reaps nvidia-smi.
     """
     return Watch(run_monitor(fields, interval, **options).start(), on_epoch)

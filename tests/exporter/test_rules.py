@@ -68,8 +68,8 @@ def training_names() -> set[str]:
     ``collect()`` writes them for a run with process shares on."""
     from types import SimpleNamespace
 
-    from smiquery.training.metrics import JobMetrics
     from smiquery.training.monitor import Totals
+    from smiquery.training.outputs import JobMetrics
 
     run = SimpleNamespace(totals=Totals(), uuids=dict, process_share=True, process_shares=dict)
     metrics = JobMetrics(run_id="scan")
@@ -77,7 +77,7 @@ def training_names() -> set[str]:
     names = set()
     for family in metrics.collect():
         names.add(family.name + ("_total" if family.type == "counter" else ""))
-    assert "smiquery_training_steps_total" in names, "scan of smiquery/training/metrics.py is broken"
+    assert "smiquery_training_steps_total" in names, "scan of smiquery/training/outputs.py is broken"
     return names
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from smiquery.training.metrics import JobMetrics
 from smiquery.training.monitor import RunMonitor
+from smiquery.training.outputs import JobMetrics
 from tests.exporter.test_rules import require_tool
 from tests.helpers import wait_for
 

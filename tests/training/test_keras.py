@@ -37,9 +37,9 @@ except ImportError:  # pragma: no cover - the keras extra is installed by `make 
     pytest.skip("keras is not installed: pip install 'smiquery[keras]'", allow_module_level=True)
 
 from smiquery.alerts import CallbackHandler
-from smiquery.training.events import TrainingAlert
 from smiquery.training.keras import GpuMonitor
 from smiquery.training.memory import MemoryView, TensorFlowMemory
+from smiquery.training.monitor import TrainingAlert
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,8 @@ from typing import Any
 
 import pytest
 
-from smiquery.training.metrics import JobMetrics
 from smiquery.training.monitor import RunMonitor
-from smiquery.training.outputs import run_monitor
+from smiquery.training.outputs import JobMetrics, run_monitor
 from smiquery.training.watch import watch
 from tests.helpers import wait_for
 from tests.leakcheck import no_leaks

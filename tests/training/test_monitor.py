@@ -27,9 +27,8 @@ from smiquery.sources.query_gpu import CsvParser
 from smiquery.testing import InProcessRunner, use_runner
 from smiquery.training.devices import visible_devices
 from smiquery.training.epochs import EpochAccumulator, summary_spec, throughput_values
-from smiquery.training.events import TRAINING_RULES, TRAINING_STALL_SECONDS, stall_rule
 from smiquery.training.memory import GROWTH_RULE_TEXT, MemoryView
-from smiquery.training.monitor import RunMonitor
+from smiquery.training.monitor import TRAINING_RULES, TRAINING_STALL_SECONDS, RunMonitor, stall_rule
 from smiquery.training.outputs import run_monitor
 from smiquery.training.watch import watch
 from tests.conftest import FIXTURES, MakeFake

@@ -14,7 +14,7 @@ import smiquery
 from smiquery.alerts import AlertEvent, event_payload
 from smiquery.sources.xid import XID_CATALOGUE
 from smiquery.training.monitor import RunMonitor
-from smiquery.training.xid import KernelLog, XidAlert
+from smiquery.training.outputs import KernelLog, XidAlert
 from tests.conftest import MakeFake
 from tests.helpers import wait_for
 from tests.leakcheck import no_leaks
