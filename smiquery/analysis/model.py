@@ -60,11 +60,8 @@ def _json(record: Any, gpu: dict[str, Any] | None = None, **digits: int) -> dict
 class GpuName:
     """Which GPU of which node a fleet report's GPU number (0..N-1) is; a recording's report has none.
 
-    Attributes:
-        node: the node as people call it (the ``node`` or ``Hostname`` label; else the instance).
-        instance: the scrape target (Prometheus' ``instance`` label).
-        gpu: the GPU's index on its node.
-        pod: ``namespace/pod`` that held it, where known ("" as uuid and job when not).
+    ``node``: the ``node`` or ``Hostname`` label, else the ``instance``; ``gpu``: its index there; the ``pod``
+    (``namespace/pod``) or Slurm ``job`` that held it ("" where not known, as ``uuid``).
     """
 
     node: str
@@ -88,12 +85,7 @@ class GpuName:
 
 @dataclass(frozen=True)
 class FieldStats:
-    """Statistics of the present values of one field (nvidia-smi name and unit) on one GPU (-1: all GPUs).
-
-    Attributes:
-        count: present values.
-        missing: samples where the value was missing (``[N/A]`` and the like).
-    """
+    """Statistics of the ``count`` present values of one field on one GPU (-1: all GPUs); ``missing``: the rest."""
 
     field: str
     unit: str
@@ -110,11 +102,8 @@ class FieldStats:
 class Stretch:
     """A continuous stretch of time during which a condition held on one GPU.
 
-    Attributes:
-        start: the first sample's time.
-        end: the end of the last sample (its time plus the sampling interval).
-        peak: the most extreme value of the watched field (max for ``>``, min for ``<``); ``mean`` its mean.
-        ongoing: the recording ended while it still held (its end is the recording's end, not its own).
+    It ends at its last sample's time plus the sampling interval; ``peak`` is the most extreme value of the watched
+    field (max for ``>``, min for ``<``), ``mean`` its mean; ``ongoing``: the recording ended while it still held.
     """
 
     gpu: int
@@ -133,12 +122,7 @@ class Stretch:
 
 @dataclass(frozen=True)
 class ThresholdTime:
-    """How long one GPU spent past one rule's threshold (ignoring the rule's hold): not whether the rule fired.
-
-    Attributes:
-        seconds: total time past the threshold, in ``stretches`` separate stretches (``longest`` seconds).
-        peak: the most extreme value seen while past it.
-    """
+    """How long one GPU spent past one rule's threshold (ignoring its hold), and the ``peak`` value there."""
 
     rule: str
     gpu: int
@@ -152,13 +136,9 @@ class ThresholdTime:
 class AlertSpan:
     """An alert that would have fired: the rule held for its hold on one GPU.
 
-    Attributes:
-        since: when the condition started to hold.
-        fired: when the hold was reached (when a live alert would have fired).
-        end: when the condition stopped holding (or the recording ended).
-        seconds: from ``since`` to ``end``.
-        peak: the most extreme value of the rule's field.
-        cleared: False when the recording ended while it was still firing (see :attr:`ongoing`).
+    The condition held from ``since`` to ``end`` (``seconds``), the hold was reached (a live alert fired) at
+    ``fired``; ``peak`` is the most extreme value of the rule's field, ``cleared`` False when the recording ended
+    while it still fired.
     """
 
     rule: str
@@ -215,11 +195,9 @@ class HealthCount:
 class Finding:
     """Something worth acting on, with a one-line verdict for people: what happened and what to check.
 
-    Attributes:
-        kind: ``stall``, ``stall_together``, ``hot``, ``warm``, ``throttle``, ``memory_full``, ``imbalance``,
-            ``ecc``, ``alert`` or ``clock`` (the recorded clock stepped back, or a zone's offset changed).
-        seconds: how long it lasted in all (per GPU where it concerns one GPU).
-        start: when it (first) started.
+    ``kind``: ``stall``, ``stall_together``, ``hot``, ``warm``, ``throttle``, ``memory_full``, ``imbalance``,
+    ``ecc``, ``retired_pages``, ``remapped_rows``, ``alert`` or ``clock``; ``seconds``: how long it lasted (per GPU
+    where it concerns one), from ``start``.
     """
 
     kind: str

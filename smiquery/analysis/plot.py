@@ -234,13 +234,10 @@ def plot_recording(
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
     Many GPUs get small multiples or heatmaps instead (``layout``). GPUs are named ``GPU <index>``; a fleet
-    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them.
-
-    Missing values and gaps in time show as breaks in the lines, never as zeros or straight joins; so does a step
-    back of the clock without a zone (in a zone the axis runs on instants, its ticks in local time). Long lines are
-    drawn at about one point per pixel, so that spikes and drops still show. Stalls
-    (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, a rule's firing alerts orange on its field's
-    panel; a field with no value says so. The x axis names the time zone (or says that the recording has none).
+    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them. Missing values, gaps in time and
+    a step back of a clock without a zone break the lines (in a zone the axis runs on instants, its ticks in local
+    time). Stalls (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, a rule's firing alerts orange on
+    its field's panel; a field with no value says so. The x axis names the time zone (or says there is none).
 
     Args:
         source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.recordings.read_csv`.
@@ -249,7 +246,7 @@ def plot_recording(
         rules: rules whose thresholds are drawn and whose alerts are shaded; default
             :data:`smiquery.analysis.DEFAULT_RULES`.
         gpus: only these GPUs: indices, UUIDs or PCI bus ids (as ``smiquery stream --id`` takes them).
-        title: the figure title (default: the file name and time span).
+        title: the figure title (default: ``name`` and the time span).
         width: figure width in inches.
         panel_height: height of one panel in inches.
         dpi: resolution in dots per inch.
@@ -258,9 +255,8 @@ def plot_recording(
         tz: the zone the recording was made in (default: as recorded; CSV carries none).
         shade: shade stalls and alerts.
         name: what to call the recording in the title (default: the file name).
-        layout: ``overlay`` (every GPU in one panel per field), ``multiples`` (one small panel per GPU per field),
-            ``heatmap`` (a row per GPU in one panel per field), or ``auto``: overlay up to :data:`OVERLAY_MAX_GPUS`
-            GPUs, small multiples up to :data:`MULTIPLES_MAX_GPUS`, heatmaps past that.
+        layout: see :data:`Layout`; ``auto`` overlays up to :data:`OVERLAY_MAX_GPUS` GPUs, draws small multiples up
+            to :data:`MULTIPLES_MAX_GPUS`, heatmaps past that.
 
     Returns:
         A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"`` (its band ``band-<index>``), each threshold
@@ -550,25 +546,17 @@ def _title_and_legend(fig: Figure, title: str, panels: Sequence[Any], handles: l
     from matplotlib.patches import Patch
 
     fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
-    if layout == "heatmap":
-        for gid, edge, text in (("stall", STALL_EDGE, "stall"), ("alert", ALERT_EDGE, "alert firing")):
-            if any(c.get_gid() == gid for ax in panels for c in ax.collections):
-                handles.append(Patch(facecolor="none", edgecolor=edge, label=text))
-        if handles:
-            fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=8, frameon=False)
-        return
-    if any(p.get_gid() == "stall" for ax in panels for p in ax.patches):
-        handles.append(Patch(color=STALL_SHADE, alpha=0.4, label="stall"))
-    if any(p.get_gid() == "alert" for ax in panels for p in ax.patches):
-        handles.append(Patch(color=ALERT_SHADE, alpha=0.6, label="alert firing"))
+    heat = layout == "heatmap"  # outlines (collections) there, shaded spans (patches) elsewhere
+    for gid, text, edge, shade, alpha in (
+        ("stall", "stall", STALL_EDGE, STALL_SHADE, 0.4),
+        ("alert", "alert firing", ALERT_EDGE, ALERT_SHADE, 0.6),
+    ):
+        if any(a.get_gid() == gid for ax in panels for a in (ax.collections if heat else ax.patches)):
+            style = {"facecolor": "none", "edgecolor": edge} if heat else {"color": shade, "alpha": alpha}
+            handles.append(Patch(label=text, **style))
     if handles:
-        fig.legend(
-            handles=handles,
-            loc="lower center",
-            ncols=_legend_columns(len(handles), fig.get_size_inches()[0]),
-            fontsize=8,
-            frameon=False,
-        )
+        columns = len(handles) if heat else _legend_columns(len(handles), fig.get_size_inches()[0])
+        fig.legend(handles=handles, loc="lower center", ncols=columns, fontsize=8, frameon=False)
 
 
 def save_plot(
