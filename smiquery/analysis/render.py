@@ -346,28 +346,45 @@ _THRESHOLDS_NOTE = "how long each rule's condition held, long enough to fire or 
 _ONGOING = " (ongoing at the end)"
 
 
+def _sections(report: Report, fmt: str) -> list[tuple[str, str, tuple[list[str], list[list[str]]], str]]:
+    """The tables a renderer shows, in order: (title, intro, (header, rows), what to say when there are no rows).
+
+    Text shows the statistics over all GPUs itself, after the energy line.
+    """
+    least = format_duration(report.min_stall)
+    stalls = f"Stalls (utilization.gpu < {report.stall_utilization:g}% for at least {least}, with memory held)"
+    if fmt == "markdown":
+        stalls = f"Stalls (utilization < {report.stall_utilization:g}% for at least {least})"
+    out = [
+        (stalls, "", _stall_table(report), _stall_note(report)),
+        (_THRESHOLDS_TITLE, _THRESHOLDS_NOTE, _threshold_table(report), _threshold_note(report)),
+    ]
+    if report.alerts:
+        head, rows = _alert_table(report)
+        if fmt == "markdown":
+            rows = [[g, f"`{r}`", *rest] for g, r, *rest in rows]
+        out.append(("Alerts the rules would have fired", "", (head, rows), ""))
+    if report.overall and fmt == "html":
+        out.append(("Statistics over all GPUs", "", _overall_rows(report), ""))
+    if report.overall and fmt != "text":
+        per_gpu = "Statistics per GPU" if fmt == "html" else "Statistics"
+        out.append((f"{per_gpu} (mean / p95 / max)", "", _gpu_stat_table(report), ""))
+    return out
+
+
 def report_text(report: Report) -> str:
     """The report as plain text for a terminal."""
     out = [_headline(report), *_notes(report), "", "Findings:"]
     out += [f"  [{f.severity}] {f.verdict}" for f in report.findings] or [f"  {_nothing_found(report)}"]
 
-    def section(title: str, table: tuple[list[str], list[list[str]]], note: str = "") -> None:
-        head, rows = table
+    for title, intro, (head, rows), note in _sections(report, "text"):
+        title += f" ({intro})" if intro else ""
         out.extend(["", f"{title}:", *(_table(head, rows, indent=2) if rows else [f"  {note}"])])
-
-    section(
-        f"Stalls (utilization.gpu < {report.stall_utilization:g}% for at least {format_duration(report.min_stall)}, "
-        "with memory held)",
-        _stall_table(report),
-        _stall_note(report),
-    )
-    section(f"{_THRESHOLDS_TITLE} ({_THRESHOLDS_NOTE})", _threshold_table(report), _threshold_note(report))
-    if report.alerts:
-        section("Alerts the rules would have fired", _alert_table(report))
     if report.energy_wh:
         out += ["", _energy_line(report)]
     if report.overall:
-        section("Statistics over all GPUs (per GPU: --format json or markdown)", _overall_rows(report))
+        head, rows = _overall_rows(report)
+        out += ["", "Statistics over all GPUs (per GPU: --format json or markdown):", *_table(head, rows, indent=2)]
     if report.constants:
         out += ["", f"Constant during the run: {_constants_text(report)}"]
     return "\n".join(out) + "\n"
@@ -393,22 +410,9 @@ def report_markdown(report: Report) -> str:
     out += ["## Findings", ""]
     out += [f"- **{f.severity}**: {f.verdict}" for f in report.findings] or [_sentence(_nothing_found(report))]
 
-    def section(title: str, table: tuple[list[str], list[list[str]]], note: str = "", intro: str = "") -> None:
-        head, rows = table
+    for title, intro, (head, rows), note in _sections(report, "markdown"):
         out.extend(["", f"## {title}", "", *([_sentence(intro), ""] if intro else [])])
         out.extend(_md_table(head, rows) if rows else [_sentence(note)])
-
-    section(
-        f"Stalls (utilization < {report.stall_utilization:g}% for at least {format_duration(report.min_stall)})",
-        _stall_table(report),
-        _stall_note(report),
-    )
-    section(_THRESHOLDS_TITLE, _threshold_table(report), _threshold_note(report), _THRESHOLDS_NOTE)
-    if report.alerts:
-        head, rows = _alert_table(report)
-        section("Alerts the rules would have fired", (head, [[g, f"`{r}`", *rest] for g, r, *rest in rows]))
-    if report.stats:
-        section("Statistics (mean / p95 / max)", _gpu_stat_table(report))
     if report.constants:
         out += ["", f"Constant during the run: {_constants_text(report)}"]
     return "\n".join(out) + "\n"
@@ -522,24 +526,9 @@ def report_html(report: Report, plot_png: bytes | None = None, plot_note: str | 
     else:
         out.append(_para(plot_note or "no plot"))
 
-    def section(title: str, table: tuple[list[str], list[list[str]]], note: str = "") -> None:
-        head, rows = table
-        out.extend([f"<h2>{title}</h2>", _html_table(head, rows) if rows else _para(note)])
-
-    section(
-        f"Stalls (utilization.gpu &lt; {report.stall_utilization:g}% for at least "
-        f"{escape(format_duration(report.min_stall))}, with memory held)",
-        _stall_table(report),
-        _stall_note(report),
-    )
-    out += [f"<h2>{_THRESHOLDS_TITLE}</h2>", _para(_THRESHOLDS_NOTE)]
-    head, rows = _threshold_table(report)
-    out.append(_html_table(head, rows) if rows else _para(_threshold_note(report)))
-    if report.alerts:
-        section("Alerts the rules would have fired", _alert_table(report))
-    if report.overall:
-        section("Statistics over all GPUs", _overall_rows(report))
-        section("Statistics per GPU (mean / p95 / max)", _gpu_stat_table(report))
+    for title, intro, (head, rows), note in _sections(report, "html"):
+        out.extend([f"<h2>{escape(title)}</h2>", *([_para(intro)] if intro else [])])
+        out.append(_html_table(head, rows) if rows else _para(note))
     if report.constants:
         out += ["<h2>Constant during the run</h2>", _para(_constants_text(report))]
     out.append("</body></html>")
