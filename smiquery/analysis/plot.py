@@ -415,7 +415,8 @@ def _draw_panel(scene: Scene, ax: Any, fld: Field, first: bool) -> list[Any]:
     spans = _shade(scene, ax, fld, first)
     has_values = any(bool(np.isfinite(v).any()) for v in scene.values[fld.name])
     marks = scene.thresholds[fld.name] if has_values else []
-    _draw_thresholds(ax, marks)
+    for value, _ in marks:  # dashed across the panel; _place_notes labels them
+        ax.axhline(value, color=THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
     _label_panel(ax, fld, has_values)
     _place_notes(ax, marks, spans, scene.x_range)
     return lines
@@ -457,12 +458,6 @@ def _shade(scene: Scene, ax: Any, fld: Field, first: bool) -> list[tuple[Any, st
         ax.axvspan(s0, e0, color=ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
         notes.append((s0, f"alert: {_gpu_names(who, n, scene.names)}"))
     return notes
-
-
-def _draw_thresholds(ax: Any, marks: Sequence[tuple[float, str]]) -> None:
-    """Dashed threshold lines across the panel (:func:`_place_notes` labels them)."""
-    for value, _ in marks:
-        ax.axhline(value, color=THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
 
 
 _NOTE_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}

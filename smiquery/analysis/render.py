@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from html import escape
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from smiquery.analysis.series import catalogue_field
 from smiquery.clock import seconds_between
@@ -21,7 +21,7 @@ from smiquery.fields import Field, Kind
 from smiquery.printable import printable
 
 if TYPE_CHECKING:
-    from smiquery.analysis.model import FieldStats, GpuName, Report, Stretch
+    from smiquery.analysis.model import FieldStats, GpuName, Report, Stretch, ThresholdTime
 
 __all__ = [
     "format_duration",
@@ -50,11 +50,6 @@ def format_duration(seconds: float) -> str:
 
 def _zone_name(ts: datetime) -> str:
     return "recorder's local time" if ts.tzinfo is None else str(ts.tzinfo)
-
-
-def _clock_text(ts: datetime) -> str:
-    """``"14:05:09"``: a time of day, in the recording's zone."""
-    return ts.strftime("%H:%M:%S")
 
 
 def _stamp(ts: datetime) -> str:
@@ -159,16 +154,16 @@ def _headline(report: Report) -> str:
             f"{report.source}: {gpus}, one sample each at {_stamp(report.start)} ({_zone_name(report.start)}): "
             "a single snapshot, so no durations, stalls or energy"
         )
-    end = _stamp(report.end) if report.end.date() != report.start.date() else _clock_text(report.end)
     return (
-        f"{report.source}: {gpus}, {report.sweeps} samples each, {_stamp(report.start)} to {end} "
-        f"({format_duration(report.duration)}, {_zone_name(report.start)}), every {report.interval:g} s"
+        f"{report.source}: {gpus}, {report.sweeps} samples each, {_stamp(report.start)} to "
+        f"{time_text(report, report.end)} ({format_duration(report.duration)}, {_zone_name(report.start)}), every "
+        f"{report.interval:g} s"
     )
 
 
 def time_text(report: Report, ts: datetime) -> str:
     """A time in a report's words: the time of day, with the date too when the report spans more than one day."""
-    return _stamp(ts) if report.start.date() != report.end.date() else _clock_text(ts)
+    return _stamp(ts) if report.start.date() != report.end.date() else ts.strftime("%H:%M:%S")
 
 
 def _notes(report: Report) -> list[str]:
@@ -309,25 +304,19 @@ def _threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
     conditions = [_threshold_of(r) for r in rules]
     # two rules of one threshold (other holds) keep their whole text, so their "fired" cells are told apart
     head = ["GPU", *(c if conditions.count(c) == 1 else r for c, r in zip(conditions, rules, strict=True))]
-    rows = []
-    for g in report.gpus:
-        cells = [gpu_name(g, report.names)]
-        any_time = False
-        for r in rules:
-            got = [t for t in report.thresholds if t.gpu == g and t.rule == r]
-            if got:
-                any_time = True
-                t = got[0]
-                n = t.stretches
-                fired = report.alerts_fired(r, g)
-                cells.append(
-                    f"{format_duration(t.seconds)} in {n} stretch{'es' if n != 1 else ''}, "
-                    + (f"fired {fired}x" if fired else "not fired")
-                )
-            else:
-                cells.append("-")
-        if any_time:
-            rows.append(cells)
+    past = {(t.gpu, t.rule): t for t in reversed(report.thresholds)}  # one per GPU and rule (the first, if more)
+
+    def cell(t: ThresholdTime | None, fired: int) -> str:
+        if t is None:
+            return "-"
+        done = f"fired {fired}x" if fired else "not fired"
+        return f"{format_duration(t.seconds)} in {t.stretches} stretch{'es' if t.stretches != 1 else ''}, {done}"
+
+    rows = [
+        [gpu_name(g, report.names), *(cell(past.get((g, r)), report.alerts_fired(r, g)) for r in rules)]
+        for g in report.gpus
+        if any((g, r) in past for r in rules)
+    ]
     return head, rows
 
 
@@ -420,18 +409,18 @@ def report_markdown(report: Report) -> str:
 
 def _constants_text(report: Report) -> str:
     """The fields that never changed during the run, with their values."""
-    return "; ".join(_constant_text(n, v, report.names) for n, v in report.constants.items())
-
-
-def _constant_text(name: str, per_gpu: dict[int, Any], names: Mapping[int, GpuName] | None = None) -> str:
-    """A field that never changed, with its value (per GPU when they differ; ``names``: a fleet's GPU names)."""
-    values = list(dict.fromkeys(per_gpu.values()))
-    fld = catalogue_field(name)
-    unit = f" {fld.unit}" if fld is not None and fld.unit and fld.unit != "%" else (fld.unit if fld else "")
-    num = _num if fld is None else functools.partial(_stat, fld=fld)
-    if len(values) == 1:
-        return f"{name} {num(values[0])}{unit}"
-    return f"{name} " + ", ".join(f"{gpu_name(g, names)}: {num(v)}{unit}" for g, v in per_gpu.items())
+    texts = []
+    for name, per_gpu in report.constants.items():
+        fld = catalogue_field(name)
+        unit = f" {fld.unit}" if fld is not None and fld.unit and fld.unit != "%" else (fld.unit if fld else "")
+        num = _num if fld is None else functools.partial(_stat, fld=fld)
+        if len(set(per_gpu.values())) == 1:
+            texts.append(f"{name} {num(next(iter(per_gpu.values())))}{unit}")
+        else:
+            texts.append(
+                f"{name} " + ", ".join(f"{gpu_name(g, report.names)}: {num(v)}{unit}" for g, v in per_gpu.items())
+            )
+    return "; ".join(texts)
 
 
 def _table(head: list[str], rows: list[list[str]], indent: int = 0) -> list[str]:
