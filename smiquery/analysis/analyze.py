@@ -422,16 +422,9 @@ def _alerts(
             pick_max = rule.op in (">", ">=")
             if thresholds is not None:
                 seconds = _run_seconds(g, firsts, lasts)
-                thresholds.append(
-                    ThresholdTime(
-                        str(rule),
-                        g.index,
-                        float(seconds.sum()),
-                        len(firsts),
-                        float(seconds.max()),
-                        None if values is None else _peak(values, firsts, lasts, pick_max),
-                    )
-                )
+                peak = None if values is None else _peak(values, firsts, lasts, pick_max)
+                total, longest = float(seconds.sum()), float(seconds.max())
+                thresholds.append(ThresholdTime(str(rule), g.index, total, len(firsts), longest, peak))
             # Only stretches long enough for the hold can have fired (a noisy field makes thousands of short ones).
             if rule.hold_seconds is not None:
                 long_enough = g.times[lasts] - g.times[firsts] >= rule.hold_seconds

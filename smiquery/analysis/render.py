@@ -6,7 +6,6 @@ Numbers are rounded to what their field's unit resolves, times shown in the reco
 from __future__ import annotations
 
 import base64
-import functools
 import json
 import math
 import re
@@ -412,14 +411,11 @@ def _constants_text(report: Report) -> str:
     texts = []
     for name, per_gpu in report.constants.items():
         fld = catalogue_field(name)
-        unit = f" {fld.unit}" if fld is not None and fld.unit and fld.unit != "%" else (fld.unit if fld else "")
-        num = _num if fld is None else functools.partial(_stat, fld=fld)
+        shown = {g: _num(v) if fld is None else value_text(v, fld) for g, v in per_gpu.items()}
         if len(set(per_gpu.values())) == 1:
-            texts.append(f"{name} {num(next(iter(per_gpu.values())))}{unit}")
+            texts.append(f"{name} {next(iter(shown.values()))}")
         else:
-            texts.append(
-                f"{name} " + ", ".join(f"{gpu_name(g, report.names)}: {num(v)}{unit}" for g, v in per_gpu.items())
-            )
+            texts.append(f"{name} " + ", ".join(f"{gpu_name(g, report.names)}: {t}" for g, t in shown.items()))
     return "; ".join(texts)
 
 
