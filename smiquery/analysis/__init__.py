@@ -18,7 +18,6 @@ from smiquery.analysis.model import (
     Report,
     Stretch,
     ThresholdTime,
-    use_html_renderer,
 )
 from smiquery.analysis.plot import (
     DEFAULT_PLOT_FIELDS,
@@ -32,7 +31,7 @@ from smiquery.analysis.plot import (
 )
 from smiquery.analysis.render import format_duration, report_html, report_json, report_markdown, report_text
 
-use_html_renderer(report_html)  # a Report shows itself in a notebook as this page (model cannot import it)
+Report.html_renderer = report_html  # a Report shows itself in a notebook as this page (model cannot import it)
 
 __all__ = [
     "DEFAULT_PLOT_FIELDS",

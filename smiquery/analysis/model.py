@@ -1,13 +1,13 @@
 """What the report of a recording holds: statistics, stretches, alerts, health counters and findings.
 
-Plain dataclasses with ``to_dict`` for JSON; a notebook shows a :class:`Report` through :func:`use_html_renderer`.
+Plain dataclasses with ``to_dict`` for JSON; a notebook shows a :class:`Report` through its ``html_renderer``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from smiquery.alerts.rules import STALL
 from smiquery.clock import seconds_between
@@ -30,7 +30,6 @@ __all__ = [
     "Severity",
     "Stretch",
     "ThresholdTime",
-    "use_html_renderer",
 ]
 
 Severity = Literal["critical", "warning", "info"]
@@ -212,16 +211,6 @@ class Finding:
         return _json(self, seconds=3)
 
 
-#: What :meth:`Report._repr_html_` draws with: the page lives above this module; :mod:`smiquery.analysis` sets it.
-_html_renderer: Callable[[Report], str] | None = None
-
-
-def use_html_renderer(render: Callable[[Report], str]) -> None:
-    """Make ``render`` what a notebook shows a :class:`Report` with (:meth:`Report._repr_html_`)."""
-    global _html_renderer
-    _html_renderer = render
-
-
 @dataclass
 class Report:
     """The analysis of one recording; the ``report_*`` functions of :mod:`smiquery.analysis` render it.
@@ -276,6 +265,9 @@ class Report:
     not_recorded: tuple[str, ...] = ()
     unchecked_rules: tuple[str, ...] = ()
     names: dict[int, GpuName] = field(default_factory=dict)
+    #: What a notebook shows a report with: :func:`~smiquery.analysis.report_html`, which lives above this module
+    #: (:mod:`smiquery.analysis` sets it).
+    html_renderer: ClassVar[Callable[[Report], str] | None] = None
 
     @property
     def duration(self) -> float:
@@ -296,7 +288,8 @@ class Report:
 
     def _repr_html_(self) -> str | None:
         """The report as :func:`~smiquery.analysis.report_html` draws it (no plot): how a notebook shows it."""
-        return None if _html_renderer is None else _html_renderer(self)
+        render = type(self).html_renderer
+        return None if render is None else render(self)
 
     def ref(self, gpu: int) -> dict[str, Any]:
         """How JSON names GPU ``gpu``: ``{"gpu": 3}`` in a recording's report; in a fleet's, its node and UUID too."""
