@@ -52,7 +52,11 @@ def load_recording(
         if "index" not in df.columns:
             df = df.assign(index=pd.Series(np.zeros(len(df), dtype=np.int64), index=df.index, dtype="Int64"))
         if tz is not None and "timestamp" in df.columns:
-            df = _in_zone(df, tz)
+            from smiquery.frames import set_zone
+            from smiquery.recordings import resolve_zone
+
+            df = df.copy(deep=False)
+            set_zone(df, resolve_zone(tz))  # naive times localized (a repeated hour by row order), aware converted
     else:
         from smiquery.recordings import read_recording
 
@@ -72,23 +76,6 @@ def load_recording(
     bad = df["index"].isna() | df["timestamp"].isna()
     if bad.any():
         df = df[~bad].reset_index(drop=True)
-    return df
-
-
-def _in_zone(df: pd.DataFrame, tz: tzinfo | str) -> pd.DataFrame:
-    """The frame with its timestamps in ``tz``: naive ones localized (a repeated hour by row order), aware converted."""
-    from smiquery.clock import localize_by_order
-    from smiquery.recordings import resolve_zone
-
-    zone = resolve_zone(tz)
-    if zone is None:
-        return df
-    df = df.copy(deep=False)
-    stamps = df["timestamp"]
-    if getattr(stamps.dt, "tz", None) is None:
-        df["timestamp"] = localize_by_order(stamps, zone).as_unit("ns").array
-    else:
-        df["timestamp"] = stamps.dt.tz_convert(zone)
     return df
 
 
