@@ -160,10 +160,8 @@ def _colour_range(fld: Field, cells: np.ndarray, scale: Scale | None) -> tuple[f
     finite = cells[np.isfinite(cells)]
     if fld.kind.is_bool:
         return 0.0, 1.0, ""
-    if scale is None and fld.unit == "%":
-        scale = (0.0, 100.0, "")
     if not len(finite):
-        return (scale[0], scale[1], scale[2]) if scale is not None else (0.0, 1.0, "")
+        return scale or (0.0, 1.0, "")
     low, high = float(finite.min()), float(finite.max())
     if scale is not None:
         vmin, vmax, source = scale
