@@ -82,8 +82,7 @@ def report(
     are those the rules would have fired live (honouring the hold). Missing values keep the state they follow.
 
     Args:
-        source: a recording path (CSV, JSONL, Parquet) or a DataFrame in the shape of
-            :func:`smiquery.recordings.read_csv`.
+        source: a recording or a DataFrame, as :func:`~smiquery.analysis.load_recording` takes it.
         rules: rules (or ``--alert`` expressions) whose thresholds are checked; default :data:`DEFAULT_RULES` and
             the ``--alert`` rules the recording was made with (``smiquery stream --alert ... --output`` records
             them beside it).
@@ -91,7 +90,7 @@ def report(
         min_stall: shortest stall reported, in seconds.
         busy_memory: memory used (MiB) from which a GPU counts as held by a job.
         name: what to call the recording in the report (default: the file name).
-        fields: the columns of a headerless CSV log (ignored when the file has a header).
+        fields: the columns of a headerless CSV log (see :func:`~smiquery.analysis.load_recording`).
         tz: the zone the recording was made in; default: timestamps as recorded (naive for CSV).
 
     Raises:
