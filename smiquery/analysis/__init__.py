@@ -8,7 +8,6 @@ shows it as that page. Plotting needs matplotlib; pandas, numpy and matplotlib a
 from __future__ import annotations
 
 from smiquery.analysis.analyze import DEFAULT_RULES, report, stalls_and_alerts
-from smiquery.analysis.htmlpage import report_html
 from smiquery.analysis.load import load_recording
 from smiquery.analysis.model import (
     AlertSpan,
@@ -19,7 +18,6 @@ from smiquery.analysis.model import (
     Report,
     Stretch,
     ThresholdTime,
-    use_html_renderer,
 )
 from smiquery.analysis.plot import (
     DEFAULT_PLOT_FIELDS,
@@ -31,9 +29,9 @@ from smiquery.analysis.plot import (
     plot_recording,
     save_plot,
 )
-from smiquery.analysis.render import format_duration, report_json, report_markdown, report_text
+from smiquery.analysis.render import format_duration, report_html, report_json, report_markdown, report_text
 
-use_html_renderer(report_html)  # a Report shows itself in a notebook as this page (model cannot import it)
+Report.html_renderer = report_html  # a Report shows itself in a notebook as this page (model cannot import it)
 
 __all__ = [
     "DEFAULT_PLOT_FIELDS",

@@ -82,8 +82,7 @@ def report(
     are those the rules would have fired live (honouring the hold). Missing values keep the state they follow.
 
     Args:
-        source: a recording path (CSV, JSONL, Parquet) or a DataFrame in the shape of
-            :func:`smiquery.recordings.read_csv`.
+        source: a recording or a DataFrame, as :func:`~smiquery.analysis.load_recording` takes it.
         rules: rules (or ``--alert`` expressions) whose thresholds are checked; default :data:`DEFAULT_RULES` and
             the ``--alert`` rules the recording was made with (``smiquery stream --alert ... --output`` records
             them beside it).
@@ -91,7 +90,7 @@ def report(
         min_stall: shortest stall reported, in seconds.
         busy_memory: memory used (MiB) from which a GPU counts as held by a job.
         name: what to call the recording in the report (default: the file name).
-        fields: the columns of a headerless CSV log (ignored when the file has a header).
+        fields: the columns of a headerless CSV log (see :func:`~smiquery.analysis.load_recording`).
         tz: the zone the recording was made in; default: timestamps as recorded (naive for CSV).
 
     Raises:
@@ -101,39 +100,38 @@ def report(
     df = load_recording(source, fields=fields, tz=tz)
     if df.empty:
         raise ReportError("the recording holds no samples")
-    skipped = df.attrs.get("skipped")
     label = name or (os.path.basename(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "recording")
     parsed = _parse_rules(rules, df)
     gpus, interval = split_gpus(df)
     stats, constants, overall = _stats(df, gpus)
+    sweeps = max(len(g.times) for g in gpus)
+    single = sweeps <= 1  # a single snapshot stands for no length of time: no energy, no interval
+    thresholds: list[ThresholdTime] = []  # the time past each rule's threshold, filled in by _alerts
     result = Report(
         source=label,
         gpus=tuple(g.index for g in gpus),
         start=min(g.stamp(0) for g in gpus),
         end=max(g.stamp(len(g.times) - 1) for g in gpus),
-        sweeps=max(len(g.times) for g in gpus),
-        interval=round(interval, 3),
+        sweeps=sweeps,
+        interval=0.0 if single else round(interval, 3),
         stats=stats,
         overall=overall,
         constants=constants,
+        alerts=_alerts(parsed, gpus, thresholds),
+        thresholds=thresholds,
+        stalls=_stalls(gpus, StallRule(stall_utilization, busy_memory, min_stall)),
         rules=tuple(str(r) for r in parsed),
         stall_utilization=stall_utilization,
         min_stall=min_stall,
-        skipped=skipped,
+        skipped=df.attrs.get("skipped"),
         skipped_files=tuple(df.attrs.get("skipped_files") or ()),
         health=_health(df, gpus),
-        energy_wh=_energy(df, gpus),
+        energy_wh={} if single else _energy(df, gpus),
         elapsed=max(float(g.times[-1]) for g in gpus) - min(float(g.times[0]) for g in gpus),
         names=_names(df, [g.index for g in gpus]),
     )
     result.not_recorded, result.unchecked_rules = _not_recorded(df, parsed)
-    if result.sweeps <= 1:  # a single snapshot stands for no length of time: no energy, no interval
-        result.energy_wh = {}
-        result.interval = 0.0
     result.clock_steps, result.zone_changes = _clock_changes(gpus)
-    # time past thresholds and the alerts the rules would have fired; then stalls (as stalls_and_alerts finds them)
-    result.alerts = _alerts(parsed, gpus, result.thresholds)
-    result.stalls = _stalls(gpus, StallRule(stall_utilization, busy_memory, min_stall))
     result.findings = findings(result, parsed, gpus)
     return result
 
@@ -423,16 +421,9 @@ def _alerts(
             pick_max = rule.op in (">", ">=")
             if thresholds is not None:
                 seconds = _run_seconds(g, firsts, lasts)
-                thresholds.append(
-                    ThresholdTime(
-                        str(rule),
-                        g.index,
-                        float(seconds.sum()),
-                        len(firsts),
-                        float(seconds.max()),
-                        None if values is None else _peak(values, firsts, lasts, pick_max),
-                    )
-                )
+                peak = None if values is None else _peak(values, firsts, lasts, pick_max)
+                total, longest = float(seconds.sum()), float(seconds.max())
+                thresholds.append(ThresholdTime(str(rule), g.index, total, len(firsts), longest, peak))
             # Only stretches long enough for the hold can have fired (a noisy field makes thousands of short ones).
             if rule.hold_seconds is not None:
                 long_enough = g.times[lasts] - g.times[firsts] >= rule.hold_seconds

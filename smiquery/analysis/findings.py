@@ -101,17 +101,11 @@ def _stall_findings(report: Report, n_gpus: int) -> list[Finding]:
                 f"stalled in overlapping stretches from {time_text(report, start)} over {format_duration(length)}, "
                 f"never all at once (at most {most} at a time)"
             )
-        out.append(
-            Finding(
-                "stall_together",
-                "warning",
-                tuple(gpus_in),
-                f"{who} {when} (utilization under {report.stall_utilization:g}%): a cause they share; check the "
-                "input pipeline, e.g. prefetching and TFRecord, or a checkpoint or evaluation pass",
-                length,
-                start,
-            )
+        verdict = (
+            f"{who} {when} (utilization under {report.stall_utilization:g}%): a cause they share; check the input "
+            "pipeline, e.g. prefetching and TFRecord, or a checkpoint or evaluation pass"
         )
+        out.append(Finding("stall_together", "warning", tuple(gpus_in), verdict, length, start))
     if alone:
         out.append(_alone_stalls(report, alone))
     return out
@@ -128,16 +122,12 @@ def _alone_stalls(report: Report, alone: dict[int, list[Stretch]]) -> Finding:
     else:
         spent = f"{gpu_list(sorted(alone), report.names)} each spent {_durations(totals)}"
     where = "" if len(alone) == 1 else f" on {gpu_name(longest.gpu, report.names)}"
-    return Finding(
-        "stall",
-        "warning",
-        tuple(sorted(alone)),
+    verdict = (
         f"{spent} under {report.stall_utilization:g}% utilization in {n} stretch{'es' if n != 1 else ''} "
         f"(longest {format_duration(longest.seconds)}{where} from {time_text(report, longest.start)}): check the "
-        "input pipeline, e.g. prefetching and TFRecord",
-        sum(totals),
-        min(s.start for s in every),
+        "input pipeline, e.g. prefetching and TFRecord"
     )
+    return Finding("stall", "warning", tuple(sorted(alone)), verdict, sum(totals), min(s.start for s in every))
 
 
 def _alert_findings(report: Report, rules: Sequence[Rule]) -> list[Finding]:
@@ -209,15 +199,11 @@ def _memory_findings(gpus: list[GpuSeries], report: Report) -> list[Finding]:
     lo, hi = min(full.values()), max(full.values())
     peak = f"{hi:.0%}" if f"{lo:.0%}" == f"{hi:.0%}" else f"{lo:.0%} to {hi:.0%}"
     many = len(full) > 1
-    return [
-        Finding(
-            "memory_full",
-            "warning",
-            tuple(sorted(full)),
-            f"{gpu_list(sorted(full), report.names)} peaked at {peak} of {'their' if many else 'its'} memory: an "
-            "out-of-memory error is one batch away; lower the batch size or check for tensors kept across steps",
-        )
-    ]
+    verdict = (
+        f"{gpu_list(sorted(full), report.names)} peaked at {peak} of {'their' if many else 'its'} memory: an "
+        "out-of-memory error is one batch away; lower the batch size or check for tensors kept across steps"
+    )
+    return [Finding("memory_full", "warning", tuple(sorted(full)), verdict)]
 
 
 def _imbalance_findings(report: Report) -> list[Finding]:
@@ -276,17 +262,11 @@ def _clock_findings(report: Report) -> list[Finding]:
         )
         out.append(Finding("clock", "info", report.gpus, text, first.seconds, first.at))
     for at, before, after in report.zone_changes:
-        out.append(
-            Finding(
-                "clock",
-                "info",
-                report.gpus,
-                f"The clocks changed from {before} to {after} at {time_text(report, at)} (daylight saving): times are "
-                "local wall-clock times, durations run on across the change",
-                0.0,
-                at,
-            )
+        text = (
+            f"The clocks changed from {before} to {after} at {time_text(report, at)} (daylight saving): times are "
+            "local wall-clock times, durations run on across the change"
         )
+        out.append(Finding("clock", "info", report.gpus, text, 0.0, at))
     return out
 
 

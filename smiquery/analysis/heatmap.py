@@ -8,7 +8,7 @@ events that a mean would blur still show. A field's colours span its physical ra
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from smiquery.analysis.series import text_size
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import numpy as np
     from matplotlib.figure import Figure
 
-    from smiquery.analysis.model import GpuName
+    from smiquery.analysis.series import Scene
     from smiquery.fields import Field
 
 __all__ = ["ALERT_EDGE", "STALL_EDGE", "Scale", "cell_means", "heatmap_figure", "no_values_note"]
@@ -64,36 +64,26 @@ def cell_means(
 
 
 def heatmap_figure(
-    figure: type[Figure],
-    flds: Sequence[Field],
-    gpus: Sequence[int],
-    xs: Sequence[np.ndarray],
-    values: dict[str, Sequence[np.ndarray]],
-    x_range: tuple[Any, Any],
-    marks: tuple[list[tuple[Any, Any, int]], dict[str, list[tuple[Any, Any, int]]]],
-    thresholds: dict[str, list[tuple[float, str]]],
-    size: tuple[float, float, int, int],
-    scales: dict[str, Scale] | None = None,
-    names: Mapping[int, GpuName] | None = None,
+    figure: type[Figure], scene: Scene, size: tuple[float, float, int], scales: dict[str, Scale]
 ) -> tuple[Figure, list[Any]]:
-    """One heatmap panel per field, sharing the time axis; returns the figure and its panels (top to bottom).
+    """One heatmap panel per field, a row per GPU, sharing the time axis; returns the figure and its panels.
 
-    ``gpus``, ``xs`` and ``values`` are per row, top to bottom; ``marks`` are (stalls, alerts by field name) as
-    (start, end, gpu); ``size`` is (width, panel height, dpi, most columns of cells). A field without a ``scales``
-    range is coloured on the range of its values. With ``names`` (a fleet's) the rows are labelled by node, with
-    white lines (``gid="node-boundary"``) between the nodes.
+    ``size`` is (width, panel height, dpi); ``scene.max_points`` the most columns of cells. A field without a
+    ``scales`` range is coloured on the range of its values. A fleet's rows are labelled by node, with white lines
+    (``gid="node-boundary"``) between the nodes.
     """
     import matplotlib.dates as mdates
     import numpy as np
     from matplotlib import colormaps
 
-    width, panel_height, dpi, columns = size
+    width, panel_height, dpi = size
+    flds, gpus, names, x_range = scene.flds, scene.gpus, scene.names, scene.x_range
     # no more columns than about half a GPU's samples: each cell then holds one sample or more, none is left empty
-    columns = max(1, min(columns, max(len(x) for x in xs) // 2))
+    columns = max(1, min(scene.max_points, max(len(x) for x in scene.xs) // 2))
     panels = []
     for fld in flds:
-        cells = cell_means(xs, values[fld.name], x_range, columns)
-        vmin, vmax, source = _colour_range(fld, cells, (scales or {}).get(fld.name))
+        cells = cell_means(scene.xs, scene.values[fld.name], x_range, columns)
+        vmin, vmax, source = _colour_range(fld, cells, scales.get(fld.name))
         panels.append((fld, cells, vmin, vmax, source, _bar_ticks(vmin, vmax)))
     # Placed by fixed margins in inches (constrained layout measures every tick of every colour bar). Right of the
     # panels: a gap, the colour bar, its ticks, their widest label and the bar's label.
@@ -112,7 +102,6 @@ def heatmap_figure(
             axes[-1].tick_params(labelbottom=False)
     lo, hi = (float(v) for v in mdates.date2num(list(x_range)))  # type: ignore[no-untyped-call]
     row_of = {g: r for r, g in enumerate(gpus)}
-    stalls, alerts = marks
     cmap = colormaps["viridis"].with_extremes(bad=_MISSING)
     nodes = [names[g].node if names and g in names else None for g in gpus]
     starts = [r for r in range(len(gpus)) if r == 0 or nodes[r] != nodes[r - 1]]
@@ -138,12 +127,12 @@ def heatmap_figure(
         bar_inches = pos.height * total
         fits = text_size(scale, _BAR_FONT)[0] / 72 <= bar_inches - 0.1
         bar.set_label(scale if fits else fld.unit, fontsize=_BAR_FONT, labelpad=4)
-        for value, _ in thresholds.get(fld.name, []):
+        for value, _ in scene.thresholds[fld.name]:
             if vmin <= value <= vmax:  # a white line under a dashed black one shows on any colour
                 bar.ax.axhline(value, color="#ffffff", linewidth=2.0)
                 bar.ax.axhline(value, color="#000000", linewidth=1.0, linestyle="--", gid="threshold")
-        _outline(ax, stalls, row_of, STALL_EDGE, "stall", 0.9)
-        _outline(ax, alerts.get(fld.name, []), row_of, ALERT_EDGE, "alert", 1.3)
+        _outline(ax, scene.stalls, row_of, STALL_EDGE, "stall", 0.9)
+        _outline(ax, scene.alerts.get(fld.name, []), row_of, ALERT_EDGE, "alert", 1.3)
         # a fixed place: placed around the ticks, a title is measured again on every draw
         name = f"{fld.name} [{fld.unit}]" if fld.unit else fld.name
         ax.set_title(f"{name}, colour: {source}" if source else name, loc="left", fontsize=10, y=1.0, pad=4)
@@ -171,10 +160,8 @@ def _colour_range(fld: Field, cells: np.ndarray, scale: Scale | None) -> tuple[f
     finite = cells[np.isfinite(cells)]
     if fld.kind.is_bool:
         return 0.0, 1.0, ""
-    if scale is None and fld.unit == "%":
-        scale = (0.0, 100.0, "")
     if not len(finite):
-        return (scale[0], scale[1], scale[2]) if scale is not None else (0.0, 1.0, "")
+        return scale or (0.0, 1.0, "")
     low, high = float(finite.min()), float(finite.max())
     if scale is not None:
         vmin, vmax, source = scale

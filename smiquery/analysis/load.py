@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone, tzinfo
 from typing import TYPE_CHECKING, Any, cast
 
@@ -51,7 +52,11 @@ def load_recording(
         if "index" not in df.columns:
             df = df.assign(index=pd.Series(np.zeros(len(df), dtype=np.int64), index=df.index, dtype="Int64"))
         if tz is not None and "timestamp" in df.columns:
-            df = _in_zone(df, tz)
+            from smiquery.frames import set_zone
+            from smiquery.recordings import resolve_zone
+
+            df = df.copy(deep=False)
+            set_zone(df, resolve_zone(tz))  # naive times localized (a repeated hour by row order), aware converted
     else:
         from smiquery.recordings import read_recording
 
@@ -74,52 +79,29 @@ def load_recording(
     return df
 
 
-def _in_zone(df: pd.DataFrame, tz: tzinfo | str) -> pd.DataFrame:
-    """The frame with its timestamps in ``tz``: naive ones localized (a repeated hour by row order), aware converted."""
-    from smiquery.clock import localize_by_order
-    from smiquery.recordings import resolve_zone
-
-    zone = resolve_zone(tz)
-    if zone is None:
-        return df
-    df = df.copy(deep=False)
-    stamps = df["timestamp"]
-    if getattr(stamps.dt, "tz", None) is None:
-        df["timestamp"] = localize_by_order(stamps, zone).as_unit("ns").array
-    else:
-        df["timestamp"] = stamps.dt.tz_convert(zone)
-    return df
-
-
+@dataclass(eq=False)
 class GpuSeries:
     """One GPU's samples: their row positions in the frame, times (s from the run's start) and durations.
 
-    The frame is not split or copied: columns are read through the row positions. Timestamps become
-    ``datetime`` objects only where a stretch starts or ends.
+    The frame is not split or copied: columns are read through the row positions (``rows``: a slice when the frame
+    holds the GPU's rows together). ``stamps`` are wall-clock (naive) or UTC (with ``zone``) datetime64; they
+    become ``datetime`` objects only where a stretch starts or ends. ``dur``: the time each sample stands for.
     """
 
-    def __init__(
-        self,
-        index: int,
-        df: pd.DataFrame,
-        floats: Callable[[str], np.ndarray],
-        rows: Any,
-        times: np.ndarray,
-        stamps: np.ndarray,
-        zone: Any,
-    ):
-        import numpy as np
+    index: int
+    df: pd.DataFrame
+    _floats: Callable[[str], np.ndarray]  # the whole frame's column as float64, converted once for every GPU
+    rows: Any
+    times: np.ndarray
+    stamps: np.ndarray
+    zone: Any
+    dur: np.ndarray
+    gap_limit: float
 
-        self.index = index
-        self.df = df
-        self._floats = floats  # the whole frame's column as float64, converted once for every GPU
-        self.rows = rows  # a slice (the frame holds this GPU's rows together) or an array of positions
-        self.columns = df.columns
-        self.times = times
-        self.stamps = stamps  # datetime64[ns] wall-clock (naive) or UTC (aware, with ``zone``)
-        self.zone = zone
-        self.dur: np.ndarray = np.array([])
-        self.gap_limit = 0.0
+    @property
+    def columns(self) -> pd.Index:
+        """The frame's columns."""
+        return self.df.columns
 
     def stamp(self, i: int) -> datetime:
         """The time of sample ``i`` as a ``datetime`` (aware when the recording names its zone)."""
@@ -149,23 +131,23 @@ def split_gpus(df: pd.DataFrame) -> tuple[list[GpuSeries], float]:
     stamps = axis_clock(df["timestamp"])  # wall-clock (naive) or UTC
     seconds = (stamps - stamps.min()).astype("int64") / 1e9
     floats = functools.cache(lambda column: as_float(df[column]))
-    gpus: list[GpuSeries] = []
+    parts = []
     intervals: list[float] = []
     for idx, rows in gpu_rows(df["index"].to_numpy(dtype="int64")):
         # along the GPU's rows in file order, a step back of the clock counts 0: no duration is ever negative
         own = stamps[rows]
         times = seconds[rows][0] + timeline(own) if len(own) else seconds[rows]
-        diffs = np.diff(times)
-        if len(diffs):
-            intervals.append(float(np.median(diffs)))
-        gpus.append(GpuSeries(idx, df, floats, rows, times, stamps[rows], zone))
+        if len(times) > 1:
+            intervals.append(float(np.median(np.diff(times))))
+        parts.append((idx, rows, times))
     interval = float(np.median(intervals)) if intervals else 1.0
     if not interval > 0:
         interval = 1.0
     gap_limit = max(3 * interval, 5.0)
-    for g in gpus:
-        nxt = np.diff(g.times, append=g.times[-1] + interval) if len(g.times) else np.array([])
+    gpus = []
+    for idx, rows, times in parts:
+        nxt = np.diff(times, append=times[-1] + interval) if len(times) else np.array([])
         # a sample stands for the time to the next one, except across a gap (the stream was stopped)
-        g.dur = np.where(nxt > gap_limit, interval, nxt)
-        g.gap_limit = gap_limit
+        dur = np.where(nxt > gap_limit, interval, nxt)
+        gpus.append(GpuSeries(idx, df, floats, rows, times, stamps[rows], zone, dur, gap_limit))
     return gpus, interval

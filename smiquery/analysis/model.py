@@ -1,13 +1,13 @@
 """What the report of a recording holds: statistics, stretches, alerts, health counters and findings.
 
-Plain dataclasses with ``to_dict`` for JSON; a notebook shows a :class:`Report` through :func:`use_html_renderer`.
+Plain dataclasses with ``to_dict`` for JSON; a notebook shows a :class:`Report` through its ``html_renderer``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from smiquery.alerts.rules import STALL
 from smiquery.clock import seconds_between
@@ -30,7 +30,6 @@ __all__ = [
     "Severity",
     "Stretch",
     "ThresholdTime",
-    "use_html_renderer",
 ]
 
 Severity = Literal["critical", "warning", "info"]
@@ -60,11 +59,8 @@ def _json(record: Any, gpu: dict[str, Any] | None = None, **digits: int) -> dict
 class GpuName:
     """Which GPU of which node a fleet report's GPU number (0..N-1) is; a recording's report has none.
 
-    Attributes:
-        node: the node as people call it (the ``node`` or ``Hostname`` label; else the instance).
-        instance: the scrape target (Prometheus' ``instance`` label).
-        gpu: the GPU's index on its node.
-        pod: ``namespace/pod`` that held it, where known ("" as uuid and job when not).
+    ``node``: the ``node`` or ``Hostname`` label, else the ``instance``; ``gpu``: its index there; the ``pod``
+    (``namespace/pod``) or Slurm ``job`` that held it ("" where not known, as ``uuid``).
     """
 
     node: str
@@ -88,12 +84,7 @@ class GpuName:
 
 @dataclass(frozen=True)
 class FieldStats:
-    """Statistics of the present values of one field (nvidia-smi name and unit) on one GPU (-1: all GPUs).
-
-    Attributes:
-        count: present values.
-        missing: samples where the value was missing (``[N/A]`` and the like).
-    """
+    """Statistics of the ``count`` present values of one field on one GPU (-1: all GPUs); ``missing``: the rest."""
 
     field: str
     unit: str
@@ -110,11 +101,8 @@ class FieldStats:
 class Stretch:
     """A continuous stretch of time during which a condition held on one GPU.
 
-    Attributes:
-        start: the first sample's time.
-        end: the end of the last sample (its time plus the sampling interval).
-        peak: the most extreme value of the watched field (max for ``>``, min for ``<``); ``mean`` its mean.
-        ongoing: the recording ended while it still held (its end is the recording's end, not its own).
+    It ends at its last sample's time plus the sampling interval; ``peak`` is the most extreme value of the watched
+    field (max for ``>``, min for ``<``), ``mean`` its mean; ``ongoing``: the recording ended while it still held.
     """
 
     gpu: int
@@ -133,12 +121,7 @@ class Stretch:
 
 @dataclass(frozen=True)
 class ThresholdTime:
-    """How long one GPU spent past one rule's threshold (ignoring the rule's hold): not whether the rule fired.
-
-    Attributes:
-        seconds: total time past the threshold, in ``stretches`` separate stretches (``longest`` seconds).
-        peak: the most extreme value seen while past it.
-    """
+    """How long one GPU spent past one rule's threshold (ignoring its hold), and the ``peak`` value there."""
 
     rule: str
     gpu: int
@@ -152,13 +135,9 @@ class ThresholdTime:
 class AlertSpan:
     """An alert that would have fired: the rule held for its hold on one GPU.
 
-    Attributes:
-        since: when the condition started to hold.
-        fired: when the hold was reached (when a live alert would have fired).
-        end: when the condition stopped holding (or the recording ended).
-        seconds: from ``since`` to ``end``.
-        peak: the most extreme value of the rule's field.
-        cleared: False when the recording ended while it was still firing (see :attr:`ongoing`).
+    The condition held from ``since`` to ``end`` (``seconds``), the hold was reached (a live alert fired) at
+    ``fired``; ``peak`` is the most extreme value of the rule's field, ``cleared`` False when the recording ended
+    while it still fired.
     """
 
     rule: str
@@ -215,11 +194,9 @@ class HealthCount:
 class Finding:
     """Something worth acting on, with a one-line verdict for people: what happened and what to check.
 
-    Attributes:
-        kind: ``stall``, ``stall_together``, ``hot``, ``warm``, ``throttle``, ``memory_full``, ``imbalance``,
-            ``ecc``, ``alert`` or ``clock`` (the recorded clock stepped back, or a zone's offset changed).
-        seconds: how long it lasted in all (per GPU where it concerns one GPU).
-        start: when it (first) started.
+    ``kind``: ``stall``, ``stall_together``, ``hot``, ``warm``, ``throttle``, ``memory_full``, ``imbalance``,
+    ``ecc``, ``retired_pages``, ``remapped_rows``, ``alert`` or ``clock``; ``seconds``: how long it lasted (per GPU
+    where it concerns one), from ``start``.
     """
 
     kind: str
@@ -232,16 +209,6 @@ class Finding:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
         return _json(self, seconds=3)
-
-
-#: What :meth:`Report._repr_html_` draws with: the page lives above this module; :mod:`smiquery.analysis` sets it.
-_html_renderer: Callable[[Report], str] | None = None
-
-
-def use_html_renderer(render: Callable[[Report], str]) -> None:
-    """Make ``render`` what a notebook shows a :class:`Report` with (:meth:`Report._repr_html_`)."""
-    global _html_renderer
-    _html_renderer = render
 
 
 @dataclass
@@ -298,6 +265,9 @@ class Report:
     not_recorded: tuple[str, ...] = ()
     unchecked_rules: tuple[str, ...] = ()
     names: dict[int, GpuName] = field(default_factory=dict)
+    #: What a notebook shows a report with: :func:`~smiquery.analysis.report_html`, which lives above this module
+    #: (:mod:`smiquery.analysis` sets it).
+    html_renderer: ClassVar[Callable[[Report], str] | None] = None
 
     @property
     def duration(self) -> float:
@@ -318,7 +288,8 @@ class Report:
 
     def _repr_html_(self) -> str | None:
         """The report as :func:`~smiquery.analysis.report_html` draws it (no plot): how a notebook shows it."""
-        return None if _html_renderer is None else _html_renderer(self)
+        render = type(self).html_renderer
+        return None if render is None else render(self)
 
     def ref(self, gpu: int) -> dict[str, Any]:
         """How JSON names GPU ``gpu``: ``{"gpu": 3}`` in a recording's report; in a fleet's, its node and UUID too."""

@@ -10,18 +10,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from smiquery.analysis.series import line_points, stack_labels, text_size
+from smiquery.analysis.render import gpu_name
+from smiquery.analysis.series import (
+    ALERT_SHADE,
+    GPU_COLOURS,
+    GRID,
+    STALL_SHADE,
+    THRESHOLD_COLOUR,
+    line_points,
+    merged,
+    stack_labels,
+    text_size,
+)
 
 if TYPE_CHECKING:
     import numpy as np
     from matplotlib.figure import Figure
 
+    from smiquery.analysis.series import Scene
     from smiquery.fields import Field
 
-__all__ = ["CELL_INCHES", "MultiplesData", "cell_of", "multiples_figure"]
+__all__ = ["CELL_INCHES", "cell_of", "multiples_figure"]
 
 #: The least width of a cell, in inches (a 12-inch figure holds 8 across).
 CELL_INCHES = 1.5
@@ -33,36 +44,7 @@ _HEAD, _GAP, _BELOW, _TOP, _BOTTOM, _LEFT, _RIGHT, _BETWEEN = 0.45, 0.3, 0.35, 0
 # A field's panel reaches this far past its cells on every side, so that lines along their outer edges are not clipped.
 _PAD = 0.1
 _POINT = 1 / 72  # inches
-_GRID = "#dddddd"
 _FRAME = "#000000"
-_STALL_SHADE = "#9e9e9e"
-_ALERT_SHADE = "#f4a582"
-_THRESHOLD_COLOUR = "#000000"
-
-
-@dataclass
-class MultiplesData:
-    """What the cells draw: per GPU (left to right, then down) its times (naive datetime64) and values per field.
-
-    Attributes:
-        stalls: per GPU position its stalls as (start, end) naive datetimes, merged.
-        alerts: per field name, per GPU position its firing alerts as (start, end), merged.
-        thresholds: per field name its rule thresholds as (value, label).
-        x_ticks: where the times are labelled (date numbers) and their labels.
-    """
-
-    flds: Sequence[Field]
-    gpus: Sequence[int]
-    titles: Sequence[str]
-    colours: Sequence[str]
-    xs: Sequence[np.ndarray]
-    values: dict[str, Sequence[np.ndarray]]
-    gap_limit: float
-    stalls: dict[int, list[tuple[Any, Any]]]
-    alerts: dict[str, dict[int, list[tuple[Any, Any]]]]
-    thresholds: dict[str, list[tuple[float, str]]]
-    x_range: tuple[Any, Any]
-    x_ticks: tuple[list[float], list[str]]
 
 
 class _Grid:
@@ -141,23 +123,23 @@ def cell_of(artist: Any) -> int | None:
 
 
 def multiples_figure(
-    figure: type[Figure], data: MultiplesData, width: float, panel_height: float, dpi: int, max_points: int
+    figure: type[Figure], scene: Scene, width: float, panel_height: float, dpi: int
 ) -> tuple[Figure, list[Any]]:
     """The figure (of class ``figure``): a titled panel of cells per field; returns it and the panels, top to bottom.
 
-    A row of cells is 0.6 of ``panel_height``; a cell's line has at most ``max_points`` (lowest and highest of each
-    stretch of samples past it).
+    A row of cells is 0.6 of ``panel_height``; a cell's line has at most ``scene.max_points`` (lowest and highest of
+    each stretch of samples past it). Each GPU's stalls and alerts are merged; every cell labels the same few times.
     """
     scales = []
-    for fld in data.flds:
-        marks = data.thresholds.get(fld.name, [])
-        lo, hi, has_values = _y_range(fld, data.values[fld.name], marks)
+    for fld in scene.flds:
+        lo, hi, has_values = _y_range(fld, scene.values[fld.name], scene.thresholds[fld.name])
         scales.append((lo, hi, has_values, *_y_ticks(fld, lo, hi)))
-    left, unit_at = _left([(fld, sc[4]) for fld, sc in zip(data.flds, scales, strict=True)])
-    grid = _Grid(len(data.gpus), len(data.flds), width, panel_height, left)
+    left, unit_at = _left([(fld, sc[4]) for fld, sc in zip(scene.flds, scales, strict=True)])
+    grid = _Grid(len(scene.gpus), len(scene.flds), width, panel_height, left)
     fig = figure(figsize=(width, grid.total), dpi=dpi)
+    x_ticks = _x_ticks(scene.x_range, scene.zone)
     axes = []
-    for b, fld in enumerate(data.flds):
+    for b, fld in enumerate(scene.flds):
         y0 = _TOP + b * grid.block  # inches from the top
         fig.text(0.01, 1 - (y0 + 0.13) / grid.total, f"{fld.name} [{fld.unit}]" if fld.unit else fld.name, ha="left",
                  va="center", fontsize=10, gid=f"field-{fld.name}")  # fmt: skip
@@ -171,17 +153,29 @@ def multiples_figure(
         ax.set_autoscale_on(False)
         ax.set_xlim(-_PAD, width - left - _RIGHT + _PAD)
         ax.set_ylim(-_PAD, height + _PAD)
-        _draw_field(ax, fld, data, grid, max_points, (b == len(data.flds) - 1, scales[b], unit_at))
+        _draw_field(ax, fld, scene, grid, x_ticks, (b == len(scene.flds) - 1, scales[b], unit_at))
         axes.append(ax)
     return fig, axes
+
+
+def _x_ticks(x_range: tuple[Any, Any], zone: Any) -> tuple[list[float], list[str]]:
+    """The same few times for every cell: where they are (date numbers) and their labels."""
+    import matplotlib.dates as mdates
+
+    x_start, x_end = x_range
+    locator = mdates.AutoDateLocator(minticks=3, maxticks=4, tz=zone)  # type: ignore[no-untyped-call]
+    lo, hi = mdates.date2num([x_start, x_end])  # type: ignore[no-untyped-call]
+    locs = [float(v) for v in locator.tick_values(x_start, x_end) if lo <= v <= hi]  # type: ignore[no-untyped-call]
+    formatter = mdates.ConciseDateFormatter(locator, tz=zone, show_offset=False)  # type: ignore[no-untyped-call]
+    return locs, list(formatter.format_ticks(locs))  # type: ignore[no-untyped-call]
 
 
 def _draw_field(
     ax: Any,
     fld: Field,
-    data: MultiplesData,
+    scene: Scene,
     grid: _Grid,
-    max_points: int,
+    ticks: tuple[list[float], list[str]],
     where: tuple[bool, tuple[float, float, bool, list[float], list[str]], float],
 ) -> None:
     """One field's cells: lines, shading, thresholds, titles, scales, grid and frames.
@@ -195,18 +189,18 @@ def _draw_field(
     from matplotlib.transforms import Affine2D
 
     last, (lo, hi, has_values, y_locs, y_labels), unit_at = where
-    n = len(data.gpus)
-    lines = data.values[fld.name]
-    marks = data.thresholds.get(fld.name, []) if has_values else []
-    x_lo, x_hi = (float(v) for v in mdates.date2num(list(data.x_range)))  # type: ignore[no-untyped-call]
+    n = len(scene.gpus)
+    lines = scene.values[fld.name]
+    marks = scene.thresholds[fld.name] if has_values else []
+    x_lo, x_hi = (float(v) for v in mdates.date2num(list(scene.x_range)))  # type: ignore[no-untyped-call]
     sx, sy = grid.cell_width / (x_hi - x_lo), grid.cell_height / (hi - lo)
     # the times labelled: those whose label stays over its own cell (none runs into the next cell's)
-    x_ticks = [(v, t) for v, t in zip(*data.x_ticks, strict=True)
+    x_ticks = [(v, t) for v, t in zip(*ticks, strict=True)
                if text_size(t, 7)[0] / 2 / 72 <= min(v - x_lo, x_hi - v) * sx + _BETWEEN / 2 - 0.01]  # fmt: skip
     x_locs = [v for v, _ in x_ticks]
     gridlines: list[list[tuple[float, float]]] = []
     frames: list[list[tuple[float, float]]] = []
-    for k, idx in enumerate(data.gpus):
+    for k, idx in enumerate(scene.gpus):
         ox, oy = grid.origin(k)
         w, h = grid.cell_width, grid.cell_height
         place = Affine2D().translate(-x_lo, -lo).scale(sx, sy).translate(ox, oy) + ax.transData
@@ -214,16 +208,18 @@ def _draw_field(
         gridlines += [[(ox, oy + (v - lo) * sy), (ox + w, oy + (v - lo) * sy)] for v in y_locs]
         frames.append([(ox, oy), (ox + w, oy), (ox + w, oy + h), (ox, oy + h), (ox, oy)])
         label = f"GPU {idx}"
-        x, y = line_points(data.xs[k], lines[k], data.gap_limit, max_points, envelope=True)
+        x, y = line_points(scene.xs[k], lines[k], scene.gap_limit, scene.max_points, envelope=True)
         days = mdates.date2num(x)  # type: ignore[no-untyped-call]
-        ax.plot(days, y, color=data.colours[k], linewidth=1.1, label=label, gid=f"gpu-{idx}", zorder=2, transform=place)
+        colour = GPU_COLOURS[k % len(GPU_COLOURS)]
+        ax.plot(days, y, color=colour, linewidth=1.1, label=label, gid=f"gpu-{idx}", zorder=2, transform=place)
         if not has_values or not np.isfinite(lines[k]).any():
             ax.text(ox + w / 2, oy + h / 2, "no values", ha="center", va="center", fontsize=8, color="#555555",
                     gid="no-data", label=label)  # fmt: skip
-        _cell_shading(ax, place, data, fld, k, (lo, hi), label)
+        _cell_shading(ax, place, scene, fld, idx, (lo, hi), label)
         first = k % grid.cols == 0
         _cell_thresholds(ax, place, marks, (x_lo, x_hi, lo, sy), (ox, oy, w, h), first, label)
-        ax.text(ox, oy + h + 2 * _POINT, data.titles[k], ha="left", va="bottom", fontsize=8, gid="title", label=label)
+        title = gpu_name(idx, scene.names)
+        ax.text(ox, oy + h + 2 * _POINT, title, ha="left", va="bottom", fontsize=8, gid="title", label=label)
         if first:
             for v, text in zip(y_locs, y_labels, strict=True):
                 ax.text(ox - 3 * _POINT, oy + (v - lo) * sy, text, ha="right", va="center", fontsize=7, gid="ytick")
@@ -233,24 +229,26 @@ def _draw_field(
         if last and k + grid.cols >= n:  # the bottom row
             for v, text in x_ticks:
                 ax.text(ox + (v - x_lo) * sx, oy - 3 * _POINT, text, ha="center", va="top", fontsize=7, gid="xtick")
-    ax.add_collection(LineCollection(gridlines, colors=_GRID, linewidths=0.6, zorder=0.5, gid="grid"))
+    ax.add_collection(LineCollection(gridlines, colors=GRID, linewidths=0.6, zorder=0.5, gid="grid"))
     ax.add_collection(LineCollection(frames, colors=_FRAME, linewidths=0.8, zorder=2.5, gid="frame"))
 
 
 def _cell_shading(
-    ax: Any, place: Any, data: MultiplesData, fld: Field, k: int, y_range: tuple[float, float], label: str
+    ax: Any, place: Any, scene: Scene, fld: Field, gpu: int, y_range: tuple[float, float], label: str
 ) -> None:
     """The GPU's stalls grey, its alerts of this field's rules orange, across the cell's height."""
     import matplotlib.dates as mdates
     from matplotlib.patches import Rectangle
 
     lo, hi = y_range
-    spans = [(s, e, _STALL_SHADE, 0.22, "stall") for s, e in data.stalls.get(k, [])]
-    spans += [(s, e, _ALERT_SHADE, 0.35, "alert") for s, e in data.alerts.get(fld.name, {}).get(k, [])]
-    for start, end, colour, alpha, gid in spans:
-        x0, x1 = (float(v) for v in mdates.date2num([start, end]))  # type: ignore[no-untyped-call]
-        ax.add_patch(Rectangle((x0, lo), x1 - x0, hi - lo, transform=place, color=colour, alpha=alpha, linewidth=0,
-                               gid=gid, label=label, zorder=0))  # fmt: skip
+    for spans, colour, alpha, gid in (
+        (scene.stalls, STALL_SHADE, 0.22, "stall"),
+        (scene.alerts.get(fld.name, []), ALERT_SHADE, 0.35, "alert"),
+    ):
+        for start, end, _ in merged((span for span in spans if span[2] == gpu), scene.slack):
+            x0, x1 = (float(v) for v in mdates.date2num([start, end]))  # type: ignore[no-untyped-call]
+            ax.add_patch(Rectangle((x0, lo), x1 - x0, hi - lo, transform=place, color=colour, alpha=alpha,
+                                   linewidth=0, gid=gid, label=label, zorder=0))  # fmt: skip
 
 
 def _cell_thresholds(
@@ -269,7 +267,7 @@ def _cell_thresholds(
     """
     x_lo, x_hi, lo, per_inch = scale
     for value, _ in marks:
-        ax.plot([x_lo, x_hi], [value, value], transform=place, color=_THRESHOLD_COLOUR, linestyle="--",
+        ax.plot([x_lo, x_hi], [value, value], transform=place, color=THRESHOLD_COLOUR, linestyle="--",
                 linewidth=0.9, gid="threshold", label=label, zorder=3)  # fmt: skip
     if not first or not marks:
         return
@@ -296,7 +294,7 @@ def _cell_thresholds(
             ha="left",
             va="top",
             fontsize=7,
-            color=_THRESHOLD_COLOUR,
+            color=THRESHOLD_COLOUR,
             bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
             zorder=4,
             label=label,

@@ -18,14 +18,21 @@ from smiquery.alerts import Rule
 from smiquery.analysis.analyze import DEFAULT_RULES, stalls_and_alerts
 from smiquery.analysis.heatmap import ALERT_EDGE, STALL_EDGE, heatmap_figure, no_values_note
 from smiquery.analysis.load import load_recording
-from smiquery.analysis.multiples import MultiplesData, cell_points, multiples_figure
+from smiquery.analysis.multiples import cell_points, multiples_figure
 from smiquery.analysis.render import gpu_name
 from smiquery.analysis.series import (
+    ALERT_SHADE,
+    GPU_COLOURS,
+    GRID,
+    STALL_SHADE,
+    THRESHOLD_COLOUR,
+    Scene,
     as_float,
     axis_clock,
     gpu_rows,
     line_band,
     line_points,
+    merged,
     stack_labels,
     text_size,
 )
@@ -52,18 +59,7 @@ __all__ = [
 #: The panels drawn when no fields are given (those the recording has).
 DEFAULT_PLOT_FIELDS: tuple[str, ...] = ("utilization.gpu", "temperature.gpu", "memory.used", "power.draw")
 
-# Eight colours with no look-alike pair (tab10 without its grey and olive); past eight GPUs the colours repeat
-# with another dash pattern, so 32 GPUs stay apart. Thresholds are black, shading pale.
-_GPU_COLOURS = (
-    "#1f77b4",
-    "#ff7f0e",
-    "#2ca02c",
-    "#d62728",
-    "#9467bd",
-    "#8c564b",
-    "#e377c2",
-    "#17becf",
-)
+# Past eight GPUs the colours repeat with another dash pattern, so 32 GPUs stay apart.
 _DASHES = ("-", "--", ":", "-.")
 
 #: How GPUs share panels: ``overlay`` (one panel per field, every GPU a line in it), ``multiples`` (one small panel
@@ -72,33 +68,11 @@ _DASHES = ("-", "--", ":", "-.")
 Layout = Literal["auto", "overlay", "multiples", "heatmap"]
 LAYOUTS: tuple[str, ...] = ("auto", "overlay", "multiples", "heatmap")
 #: ``layout="auto"`` overlays up to this many GPUs (the palette's distinct colours) and draws small multiples past it.
-OVERLAY_MAX_GPUS = len(_GPU_COLOURS)
+OVERLAY_MAX_GPUS = len(GPU_COLOURS)
 #: ``layout="auto"`` draws small multiples up to this many GPUs and heatmaps past it.
 MULTIPLES_MAX_GPUS = 16
-_THRESHOLD_COLOUR = "#000000"
-_GRID = "#dddddd"
-_STALL_SHADE = "#9e9e9e"
-_ALERT_SHADE = "#f4a582"
 # The kinds of field a panel can draw (booleans as 0 and 1).
 _DRAWABLE = (Kind.INT, Kind.FLOAT, Kind.ENABLED, Kind.YES_NO, Kind.ACTIVE)
-
-
-def _style(position: int) -> tuple[str, str]:
-    """(colour, line style) of the ``position``-th GPU drawn."""
-    colour = _GPU_COLOURS[position % len(_GPU_COLOURS)]
-    return colour, _DASHES[(position // len(_GPU_COLOURS)) % len(_DASHES)]
-
-
-def _merged(spans: Iterable[tuple[Any, Any, int]], slack: Any = None) -> list[tuple[Any, Any, list[int]]]:
-    """(start, end, gpu) spans that overlap, or lie within ``slack`` of each other, merged into (start, end, gpus)."""
-    out: list[tuple[Any, Any, list[int]]] = []
-    for start, end, gpu in sorted(spans, key=lambda s: s[0]):
-        if out and start <= (out[-1][1] if slack is None else out[-1][1] + slack):
-            s0, e0, gs = out[-1]
-            out[-1] = (s0, max(e0, end), sorted({*gs, gpu}))
-        else:
-            out.append((start, end, [gpu]))
-    return out
 
 
 def _selected(df: pd.DataFrame, gpus: Sequence[int | str] | str) -> pd.Series:
@@ -217,21 +191,15 @@ def _layout_of(layout: str, gpus: int) -> str:
 
 
 def _overlay(
-    figure: type[Figure],
-    flds: Sequence[Field],
-    groups: Sequence[tuple[int, Any]],
-    width: float,
-    height: float,
-    dpi: int,
+    figure: type[Figure], n: int, gpus: int, width: float, height: float, dpi: int
 ) -> tuple[Figure, list[Any]]:
     """One panel per field, every GPU drawn in it, all panels on one time axis.
 
     Placed by fixed margins in inches, as small multiples and heatmaps are: constrained layout measures every tick
     label of every panel on each draw.
     """
-    n = len(flds)
     # the legend: a GPU's line each, and the two kinds of shading
-    rows = math.ceil((len(groups) + 2) / _legend_columns(len(groups) + 2, width))
+    rows = math.ceil((gpus + 2) / _legend_columns(gpus + 2, width))
     top, head, left, right = 0.45, 0.35, 0.9, 0.25  # the title; a panel's title; values and unit; the last tick
     bottom = 0.8 + 0.2 * rows  # times, the zone, the legend's rows
     panel = max((height * n + 1.1 - top - bottom - head * n) / n, 0.6)  # the figure is ``height`` a panel + 1.1 in
@@ -266,13 +234,10 @@ def plot_recording(
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
     Many GPUs get small multiples or heatmaps instead (``layout``). GPUs are named ``GPU <index>``; a fleet
-    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them.
-
-    Missing values and gaps in time show as breaks in the lines, never as zeros or straight joins; so does a step
-    back of the clock without a zone (in a zone the axis runs on instants, its ticks in local time). Long lines are
-    drawn at about one point per pixel, so that spikes and drops still show. Stalls
-    (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, a rule's firing alerts orange on its field's
-    panel; a field with no value says so. The x axis names the time zone (or says that the recording has none).
+    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them. Missing values, gaps in time and
+    a step back of a clock without a zone break the lines (in a zone the axis runs on instants, its ticks in local
+    time). Stalls (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, a rule's firing alerts orange on
+    its field's panel; a field with no value says so. The x axis names the time zone (or says there is none).
 
     Args:
         source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.recordings.read_csv`.
@@ -281,7 +246,7 @@ def plot_recording(
         rules: rules whose thresholds are drawn and whose alerts are shaded; default
             :data:`smiquery.analysis.DEFAULT_RULES`.
         gpus: only these GPUs: indices, UUIDs or PCI bus ids (as ``smiquery stream --id`` takes them).
-        title: the figure title (default: the file name and time span).
+        title: the figure title (default: ``name`` and the time span).
         width: figure width in inches.
         panel_height: height of one panel in inches.
         dpi: resolution in dots per inch.
@@ -290,9 +255,8 @@ def plot_recording(
         tz: the zone the recording was made in (default: as recorded; CSV carries none).
         shade: shade stalls and alerts.
         name: what to call the recording in the title (default: the file name).
-        layout: ``overlay`` (every GPU in one panel per field), ``multiples`` (one small panel per GPU per field),
-            ``heatmap`` (a row per GPU in one panel per field), or ``auto``: overlay up to :data:`OVERLAY_MAX_GPUS`
-            GPUs, small multiples up to :data:`MULTIPLES_MAX_GPUS`, heatmaps past that.
+        layout: see :data:`Layout`; ``auto`` overlays up to :data:`OVERLAY_MAX_GPUS` GPUs, draws small multiples up
+            to :data:`MULTIPLES_MAX_GPUS`, heatmaps past that.
 
     Returns:
         A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"`` (its band ``band-<index>``), each threshold
@@ -325,39 +289,26 @@ def plot_recording(
         x_start, x_end = _naive(start), _naive(end)
         if x_end == x_start:
             x_end = x_start + (end - start) + np.timedelta64(1, "s")
-        zone = getattr(df["timestamp"].dt, "tz", None)
-        handles: list[Any] = []
         if chosen == "heatmap":
-            columns = max_points or max(200, round(width * dpi * 0.85))  # about one column a pixel of the panel
-            scene = _Scene(df, flds, groups, parsed, columns, shade)
-            fig, axes = heatmap_figure(
-                Figure,
-                flds,
-                [idx for idx, _ in groups],
-                [scene.xs[idx] for idx, _ in groups],
-                {f.name: [scene.values[f.name][rows] for _, rows in groups] for f in flds},
-                (x_start, x_end),
-                (scene.stalls, scene.alerts),
-                {f.name: _thresholds(parsed, f) for f in flds},
-                (width, panel_height, dpi, columns),
-                {f.name: sc for f in flds if (sc := _physical_scale(f, df)) is not None},
-                scene.names,
-            )
+            max_points = max_points or max(200, round(width * dpi * 0.85))  # about one column a pixel of the panel
         elif chosen == "multiples":
             max_points = max_points or cell_points(width, dpi, len(groups))
-            scene = _Scene(df, flds, groups, parsed, max_points, shade)
-            data = _multiples_data(scene, flds, groups, parsed, (x_start, x_end), zone)
-            fig, axes = multiples_figure(Figure, data, width, panel_height, dpi, max_points)
         else:
-            fig, axes = _overlay(Figure, flds, groups, width, panel_height, dpi)
             max_points = max_points or max(200, round(width * dpi))  # about a point per pixel of the width
-            scene = _Scene(df, flds, groups, parsed, max_points, shade)
-            scene.first_ax = axes[0]
+        scene = _scene(df, flds, groups, parsed, max_points, shade, (x_start, x_end))
+        handles: list[Any] = []
+        if chosen == "heatmap":
+            scales = {f.name: sc for f in flds if (sc := _physical_scale(f, df)) is not None}
+            fig, axes = heatmap_figure(Figure, scene, (width, panel_height, dpi), scales)
+        elif chosen == "multiples":
+            fig, axes = multiples_figure(Figure, scene, width, panel_height, dpi)
+        else:
+            fig, axes = _overlay(Figure, len(flds), len(groups), width, panel_height, dpi)
             for ax, fld in zip(axes, flds, strict=True):
-                lines = _draw_panel(scene, ax, fld, list(enumerate(groups)), (x_start, x_end))
+                lines = _draw_panel(scene, ax, fld, first=ax is axes[0])
                 if fld is flds[0]:
                     handles += lines
-        _time_axis(fig, axes, chosen, (x_start, x_end), zone)
+        _time_axis(fig, axes, chosen, scene)
         if title is None:
             if name is None:
                 name = os.path.basename(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else "recording"
@@ -408,115 +359,84 @@ def _prepare(
     return df, _resolve(fields, df)
 
 
-class _Scene:
-    """What the panels of one figure share: each GPU's times, each field's values, the spans to shade."""
-
-    def __init__(
-        self,
-        df: pd.DataFrame,
-        flds: Sequence[Field],
-        groups: Sequence[tuple[int, Any]],
-        rules: Sequence[Rule],
-        max_points: int,
-        shade: bool,
-    ) -> None:
-        import numpy as np
-
-        x_all = axis_clock(df["timestamp"])
-        self.n_gpus = len(groups)
-        self.xs = {idx: x_all[rows] for idx, rows in groups}
-        diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in self.xs.values() if len(x) > 1]
-        interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
-        if not interval > 0 or math.isnan(interval):
-            interval = 1.0
-        self.gap_limit = max(3 * interval, 5.0)
-        self.max_points = max_points
-        self.rules = rules
-        self.stalls: list[tuple[Any, Any, int]] = []  # (start, end, gpu)
-        self.alerts: dict[str, list[tuple[Any, Any, int]]] = {}  # by field
-        if shade:
-            found = stalls_and_alerts(df, rules=rules)
-            self.stalls = [(_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls]
-            for a in found.alerts:
-                rule = next(r for r in rules if str(r) == a.rule)
-                self.alerts.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
-        self.values = {f.name: as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
-        self.with_values = {name: bool(np.isfinite(v).any()) for name, v in self.values.items()}
-        # spans closer than half a percent of the run are drawn (and labelled) as one
-        self.slack = (df["timestamp"].max() - df["timestamp"].min()) / 200
-        names = df.attrs.get("gpu_names")  # a fleet frame's GpuName by GPU; none for a recording
-        self.names: dict[int, Any] = names if isinstance(names, dict) else {}
-        self.first_ax: Any = None
-
-
-def _multiples_data(
-    scene: _Scene,
+def _scene(
+    df: pd.DataFrame,
     flds: Sequence[Field],
     groups: Sequence[tuple[int, Any]],
     rules: Sequence[Rule],
+    max_points: int,
+    shade: bool,
     x_range: tuple[Any, Any],
-    zone: Any,
-) -> MultiplesData:
-    """What the small multiples draw: each GPU's own stalls and alerts, merged; the same few times on every cell."""
-    import matplotlib.dates as mdates
+) -> Scene:
+    """What every layout draws: each GPU's times and values, the thresholds, the stalls and alerts to shade."""
+    import numpy as np
 
-    x_start, x_end = x_range
-    locator = mdates.AutoDateLocator(minticks=3, maxticks=4, tz=zone)  # type: ignore[no-untyped-call]
-    lo, hi = mdates.date2num([x_start, x_end])  # type: ignore[no-untyped-call]
-    locs = [float(v) for v in locator.tick_values(x_start, x_end) if lo <= v <= hi]  # type: ignore[no-untyped-call]
-    formatter = mdates.ConciseDateFormatter(locator, tz=zone, show_offset=False)  # type: ignore[no-untyped-call]
-    labels = list(formatter.format_ticks(locs))  # type: ignore[no-untyped-call]
-
-    def own(spans: Iterable[tuple[Any, Any, int]], gpu: int) -> list[tuple[Any, Any]]:
-        return [(s, e) for s, e, _ in _merged((sp for sp in spans if sp[2] == gpu), scene.slack)]
-
-    return MultiplesData(
+    x_all = axis_clock(df["timestamp"])
+    xs = [x_all[rows] for _, rows in groups]
+    diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs if len(x) > 1]
+    interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
+    if not interval > 0 or math.isnan(interval):
+        interval = 1.0
+    stalls: list[tuple[Any, Any, int]] = []
+    alerts: dict[str, list[tuple[Any, Any, int]]] = {}  # by field
+    if shade:
+        found = stalls_and_alerts(df, rules=rules)
+        stalls = [(_naive(s.start), _naive(s.end), s.gpu) for s in found.stalls]
+        for a in found.alerts:
+            rule = next(r for r in rules if str(r) == a.rule)
+            alerts.setdefault(rule.field.name, []).append((_naive(a.fired), _naive(a.end), a.gpu))
+    columns = {f.name: as_float(df[f.attr]) for f in flds}  # each column converted once, not once a panel
+    names = df.attrs.get("gpu_names")  # a fleet frame's GpuName by GPU; none for a recording
+    return Scene(
         flds=flds,
         gpus=[idx for idx, _ in groups],
-        titles=[gpu_name(idx, scene.names) for idx, _ in groups],
-        colours=[_style(k)[0] for k in range(len(groups))],
-        xs=[scene.xs[idx] for idx, _ in groups],
-        values={f.name: [scene.values[f.name][rows] for _, rows in groups] for f in flds},
-        gap_limit=scene.gap_limit,
-        stalls={k: own(scene.stalls, idx) for k, (idx, _) in enumerate(groups)},
-        alerts={
-            name: {k: own(spans, idx) for k, (idx, _) in enumerate(groups)} for name, spans in scene.alerts.items()
-        },
+        xs=xs,
+        values={name: [column[rows] for _, rows in groups] for name, column in columns.items()},
         thresholds={f.name: _thresholds(rules, f) for f in flds},
+        stalls=stalls,
+        alerts=alerts,
         x_range=x_range,
-        x_ticks=(locs, labels),
+        zone=getattr(df["timestamp"].dt, "tz", None),
+        gap_limit=max(3 * interval, 5.0),
+        slack=(df["timestamp"].max() - df["timestamp"].min()) / 200,  # half a percent of the run
+        names=names if isinstance(names, dict) else {},
+        max_points=max_points,
     )
 
 
-def _draw_panel(
-    scene: _Scene, ax: Any, fld: Field, members: list[tuple[int, tuple[int, Any]]], x_range: tuple[Any, Any]
-) -> list[Any]:
-    """One overlaid panel: its GPUs' lines (returned, for the legend), shading, thresholds, title and scale."""
-    lines = _draw_lines(scene, ax, fld, members)
-    spans = _shade(scene, ax, fld, {idx for _, (idx, _) in members})
-    has_values = scene.with_values[fld.name]
-    marks = _thresholds(scene.rules, fld) if has_values else []
-    _draw_thresholds(ax, marks)
+def _draw_panel(scene: Scene, ax: Any, fld: Field, first: bool) -> list[Any]:
+    """One overlaid panel: the GPUs' lines (returned, for the legend), shading, thresholds, title and scale.
+
+    The ``first`` panel labels the stalls too.
+    """
+    import numpy as np
+
+    lines = _draw_lines(scene, ax, fld)
+    spans = _shade(scene, ax, fld, first)
+    has_values = any(bool(np.isfinite(v).any()) for v in scene.values[fld.name])
+    marks = scene.thresholds[fld.name] if has_values else []
+    for value, _ in marks:  # dashed across the panel; _place_notes labels them
+        ax.axhline(value, color=THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
     _label_panel(ax, fld, has_values)
-    _place_notes(ax, marks, spans, x_range)
+    _place_notes(ax, marks, spans, scene.x_range)
     return lines
 
 
-def _draw_lines(scene: _Scene, ax: Any, fld: Field, members: Sequence[tuple[int, tuple[int, Any]]]) -> list[Any]:
+def _draw_lines(scene: Scene, ax: Any, fld: Field) -> list[Any]:
     """A line per GPU, in a band from its lowest to highest values; a note instead when none of them has a value."""
     import numpy as np
 
     drawn = 0
     lines: list[Any] = []
-    y_all = scene.values[fld.name]
-    for pos, (idx, rows) in members:
-        x, y = line_points(scene.xs[idx], y_all[rows], scene.gap_limit, scene.max_points)
+    for pos, (idx, xs, ys) in enumerate(zip(scene.gpus, scene.xs, scene.values[fld.name], strict=True)):
+        x, y = line_points(xs, ys, scene.gap_limit, scene.max_points)
         drawn += int((~np.isnan(y)).sum())
-        colour, dash = _style(pos)
+        colour = GPU_COLOURS[pos % len(GPU_COLOURS)]
+        dash = _DASHES[(pos // len(GPU_COLOURS)) % len(_DASHES)]
         (line,) = ax.plot(x, y, color=colour, linestyle=dash, linewidth=1.1, label=gpu_name(idx, scene.names),
                           gid=f"gpu-{idx}", zorder=2)  # fmt: skip
         lines.append(line)
-        band = line_band(scene.xs[idx], y_all[rows], scene.gap_limit, scene.max_points)
+        band = line_band(xs, ys, scene.gap_limit, scene.max_points)
         if band is not None:  # the mean hides a pixel's extremes: a band from its lowest to highest value shows them
             xb, lo, hi = band
             ax.fill_between(xb, lo, hi, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
@@ -526,23 +446,18 @@ def _draw_lines(scene: _Scene, ax: Any, fld: Field, members: Sequence[tuple[int,
     return lines
 
 
-def _shade(scene: _Scene, ax: Any, fld: Field, here: set[int]) -> list[tuple[Any, str]]:
-    """Shade the GPUs' (``here``) stalls grey, a rule's firing alerts orange on its field's panel; their labels."""
+def _shade(scene: Scene, ax: Any, fld: Field, first: bool) -> list[tuple[Any, str]]:
+    """Shade the stalls grey, a rule's firing alerts orange on its field's panel; their labels."""
     notes: list[tuple[Any, str]] = []
-    for s0, e0, who in _merged((sp for sp in scene.stalls if sp[2] in here), scene.slack):
-        ax.axvspan(s0, e0, color=_STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
-        if ax is scene.first_ax:
-            notes.append((s0, f"stall: {_gpu_names(who, scene.n_gpus, scene.names)}"))
-    for s0, e0, who in _merged((sp for sp in scene.alerts.get(fld.name, []) if sp[2] in here), scene.slack):
-        ax.axvspan(s0, e0, color=_ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
-        notes.append((s0, f"alert: {_gpu_names(who, scene.n_gpus, scene.names)}"))
+    n = len(scene.gpus)
+    for s0, e0, who in merged(scene.stalls, scene.slack):
+        ax.axvspan(s0, e0, color=STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
+        if first:
+            notes.append((s0, f"stall: {_gpu_names(who, n, scene.names)}"))
+    for s0, e0, who in merged(scene.alerts.get(fld.name, []), scene.slack):
+        ax.axvspan(s0, e0, color=ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
+        notes.append((s0, f"alert: {_gpu_names(who, n, scene.names)}"))
     return notes
-
-
-def _draw_thresholds(ax: Any, marks: Sequence[tuple[float, str]]) -> None:
-    """Dashed threshold lines across the panel (:func:`_place_notes` labels them)."""
-    for value, _ in marks:
-        ax.axhline(value, color=_THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
 
 
 _NOTE_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
@@ -570,7 +485,7 @@ def _place_notes(
         w, h = text_size(text, 8)
         y = (value - y_lo) / (y_hi - y_lo) * height
         boxes.append((4, w + 2, h + 2, [y - 2, y + 2 + h + 2]))
-        notes.append((text, 8, {"color": _THRESHOLD_COLOUR, "bbox": _NOTE_BOX, "zorder": 4}))
+        notes.append((text, 8, {"color": THRESHOLD_COLOUR, "bbox": _NOTE_BOX, "zorder": 4}))
     for start, text in spans:
         w, h = text_size(text, 7.5)
         x = (float(mdates.date2num(start)) - x_lo) / (x_hi - x_lo) * width  # type: ignore[no-untyped-call]
@@ -597,17 +512,18 @@ def _label_panel(ax: Any, fld: Field, has_values: bool) -> None:
     elif fld.kind.is_bool and has_values:
         ax.set_ylim(-0.1, 1.1)
         ax.set_yticks([0, 1], ["no", "yes"])
-    ax.grid(True, color=_GRID, linewidth=0.6)
+    ax.grid(True, color=GRID, linewidth=0.6)
 
 
-def _time_axis(fig: Figure, panels: Sequence[Any], layout: str, x_range: tuple[Any, Any], zone: Any) -> None:
+def _time_axis(fig: Figure, panels: Sequence[Any], layout: str, scene: Scene) -> None:
     """The time axis under the bottom panel, labelled with the zone (small multiples: the zone under the figure)."""
     import matplotlib.dates as mdates
 
+    zone = scene.zone
     label = f"time ({zone})"
     if zone is None:
         label = "time (the recording's local clock; no zone recorded, pass --tz to name it)"
-    x_start, x_end = x_range
+    x_start, x_end = scene.x_range
     if layout == "multiples":
         inches = fig.get_size_inches()[1]
         fig.supxlabel(label, y=0.45 / inches, va="center", fontsize=9)
@@ -625,25 +541,17 @@ def _title_and_legend(fig: Figure, title: str, panels: Sequence[Any], handles: l
     from matplotlib.patches import Patch
 
     fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
-    if layout == "heatmap":
-        for gid, edge, text in (("stall", STALL_EDGE, "stall"), ("alert", ALERT_EDGE, "alert firing")):
-            if any(c.get_gid() == gid for ax in panels for c in ax.collections):
-                handles.append(Patch(facecolor="none", edgecolor=edge, label=text))
-        if handles:
-            fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=8, frameon=False)
-        return
-    if any(p.get_gid() == "stall" for ax in panels for p in ax.patches):
-        handles.append(Patch(color=_STALL_SHADE, alpha=0.4, label="stall"))
-    if any(p.get_gid() == "alert" for ax in panels for p in ax.patches):
-        handles.append(Patch(color=_ALERT_SHADE, alpha=0.6, label="alert firing"))
+    heat = layout == "heatmap"  # outlines (collections) there, shaded spans (patches) elsewhere
+    for gid, text, edge, shade, alpha in (
+        ("stall", "stall", STALL_EDGE, STALL_SHADE, 0.4),
+        ("alert", "alert firing", ALERT_EDGE, ALERT_SHADE, 0.6),
+    ):
+        if any(a.get_gid() == gid for ax in panels for a in (ax.collections if heat else ax.patches)):
+            style = {"facecolor": "none", "edgecolor": edge} if heat else {"color": shade, "alpha": alpha}
+            handles.append(Patch(label=text, **style))
     if handles:
-        fig.legend(
-            handles=handles,
-            loc="lower center",
-            ncols=_legend_columns(len(handles), fig.get_size_inches()[0]),
-            fontsize=8,
-            frameon=False,
-        )
+        columns = len(handles) if heat else _legend_columns(len(handles), fig.get_size_inches()[0])
+        fig.legend(handles=handles, loc="lower center", ncols=columns, fontsize=8, frameon=False)
 
 
 def save_plot(

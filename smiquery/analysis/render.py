@@ -1,17 +1,18 @@
-"""A report as text for a terminal, Markdown for a pull request or notebook, or JSON; and the words it uses.
+"""A report as text for a terminal, Markdown for a pull request or notebook, JSON, or one self-contained HTML page.
 
 Numbers are rounded to what their field's unit resolves, times shown in the recording's zone.
 """
 
 from __future__ import annotations
 
-import functools
+import base64
 import json
 import math
 import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from html import escape
+from typing import TYPE_CHECKING
 
 from smiquery.analysis.series import catalogue_field
 from smiquery.clock import seconds_between
@@ -19,34 +20,16 @@ from smiquery.fields import Field, Kind
 from smiquery.printable import printable
 
 if TYPE_CHECKING:
-    from smiquery.analysis.model import FieldStats, GpuName, Report, Stretch
+    from smiquery.analysis.model import FieldStats, GpuName, Report, Stretch, ThresholdTime
 
 __all__ = [
-    "ONGOING",
-    "THRESHOLDS_NOTE",
-    "THRESHOLDS_TITLE",
-    "alert_table",
-    "clock_text",
-    "constant_text",
-    "constants_text",
-    "energy_line",
     "format_duration",
     "gpu_list",
     "gpu_name",
-    "gpu_stat_table",
-    "headline",
-    "notes",
-    "nothing_found",
-    "overall_rows",
+    "report_html",
     "report_json",
     "report_markdown",
     "report_text",
-    "sentence",
-    "stall_note",
-    "stall_table",
-    "threshold_note",
-    "threshold_of",
-    "threshold_table",
     "time_text",
     "value_text",
 ]
@@ -66,11 +49,6 @@ def format_duration(seconds: float) -> str:
 
 def _zone_name(ts: datetime) -> str:
     return "recorder's local time" if ts.tzinfo is None else str(ts.tzinfo)
-
-
-def clock_text(ts: datetime) -> str:
-    """``"14:05:09"``: a time of day, in the recording's zone."""
-    return ts.strftime("%H:%M:%S")
 
 
 def _stamp(ts: datetime) -> str:
@@ -166,7 +144,7 @@ def report_json(report: Report, indent: int | None = 2) -> str:
     return json.dumps(report.to_dict(), indent=indent, default=str)
 
 
-def headline(report: Report) -> str:
+def _headline(report: Report) -> str:
     """The first line: the recording, its GPUs, its span (both dates when it crosses midnight), zone and interval."""
     n = len(report.gpus)
     gpus = f"{n} GPU{'s' if n != 1 else ''}"
@@ -175,19 +153,19 @@ def headline(report: Report) -> str:
             f"{report.source}: {gpus}, one sample each at {_stamp(report.start)} ({_zone_name(report.start)}): "
             "a single snapshot, so no durations, stalls or energy"
         )
-    end = _stamp(report.end) if report.end.date() != report.start.date() else clock_text(report.end)
     return (
-        f"{report.source}: {gpus}, {report.sweeps} samples each, {_stamp(report.start)} to {end} "
-        f"({format_duration(report.duration)}, {_zone_name(report.start)}), every {report.interval:g} s"
+        f"{report.source}: {gpus}, {report.sweeps} samples each, {_stamp(report.start)} to "
+        f"{time_text(report, report.end)} ({format_duration(report.duration)}, {_zone_name(report.start)}), every "
+        f"{report.interval:g} s"
     )
 
 
 def time_text(report: Report, ts: datetime) -> str:
     """A time in a report's words: the time of day, with the date too when the report spans more than one day."""
-    return _stamp(ts) if report.start.date() != report.end.date() else clock_text(ts)
+    return _stamp(ts) if report.start.date() != report.end.date() else ts.strftime("%H:%M:%S")
 
 
-def notes(report: Report) -> list[str]:
+def _notes(report: Report) -> list[str]:
     """Lines under the headline: files and lines skipped, fields the report needed but the recording lacks."""
     out = list(report.skipped_files)
     if report.skipped is not None:
@@ -201,7 +179,7 @@ def notes(report: Report) -> list[str]:
     return out
 
 
-def stall_note(report: Report) -> str:
+def _stall_note(report: Report) -> str:
     """What the stall section says when it found none: none, or that it could not look."""
     if "utilization.gpu" in report.not_recorded:
         return "not known: utilization.gpu was not recorded"
@@ -210,7 +188,7 @@ def stall_note(report: Report) -> str:
     return "none"
 
 
-def threshold_note(report: Report) -> str:
+def _threshold_note(report: Report) -> str:
     """What the thresholds section says when no GPU got past one: none, and which rules could not be checked."""
     unchecked = report.unchecked_rules
     if not unchecked:
@@ -219,7 +197,7 @@ def threshold_note(report: Report) -> str:
     return ("none; " if checked else "") + "not checked (field not recorded): " + ", ".join(unchecked)
 
 
-def nothing_found(report: Report) -> str:
+def _nothing_found(report: Report) -> str:
     """The findings section when there are none: what was checked and found clean, and what could not be checked."""
     clean = []
     if "utilization.gpu" not in report.not_recorded and report.sweeps > 1:
@@ -232,14 +210,14 @@ def nothing_found(report: Report) -> str:
     return text
 
 
-def alert_table(report: Report) -> tuple[list[str], list[list[str]]]:
+def _alert_table(report: Report) -> tuple[list[str], list[list[str]]]:
     """(header, rows): GPU, rule, when it fired, how long it held, peak: a row per alert the rules would have fired."""
     rows = [
         [
             str(a.gpu) if not report.names else gpu_name(a.gpu, report.names),
             a.rule,
             _stamp(a.fired),
-            format_duration(a.seconds) + (ONGOING if a.ongoing else ""),
+            format_duration(a.seconds) + (_ONGOING if a.ongoing else ""),
             _peak_text(a.peak, a.rule),
         ]
         for a in report.alerts
@@ -247,7 +225,7 @@ def alert_table(report: Report) -> tuple[list[str], list[list[str]]]:
     return ["GPU", "rule", "fired", "held", "peak"], rows
 
 
-def gpu_stat_table(report: Report) -> tuple[list[str], list[list[str]]]:
+def _gpu_stat_table(report: Report) -> tuple[list[str], list[list[str]]]:
     """Per field a row, per GPU a cell of mean / p95 / max."""
     by_key = {(s.field, s.gpu): s for s in report.stats}
     rows = []
@@ -264,7 +242,7 @@ def gpu_stat_table(report: Report) -> tuple[list[str], list[list[str]]]:
     return ["field", *[gpu_name(g, report.names) for g in report.gpus]], rows
 
 
-def stall_table(report: Report) -> tuple[list[str], list[list[str]]]:
+def _stall_table(report: Report) -> tuple[list[str], list[list[str]]]:
     """(header, rows): a row per stall, except that GPUs which stalled together (same start and length) share one."""
     rows: list[list[str]] = []
     groups: list[list[Stretch]] = []
@@ -284,12 +262,12 @@ def stall_table(report: Report) -> tuple[list[str], list[list[str]]]:
         who = gpu_list([x.gpu for x in group], report.names)
         if not report.names:
             who = who.removeprefix("GPUs ").removeprefix("GPU ")
-        length = format_duration(group[0].seconds) + (ONGOING if any(x.ongoing for x in group) else "")
+        length = format_duration(group[0].seconds) + (_ONGOING if any(x.ongoing for x in group) else "")
         rows.append([who, _stamp(group[0].start), length, f"{_num(mean)}%"])
     return ["GPU", "start", "length", "mean util"], rows
 
 
-def overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
+def _overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
     """(header, rows): per varying field its mean, p95, max over all GPUs, and the GPUs of highest and lowest mean."""
     per: dict[str, list[FieldStats]] = {}
     for s in report.stats:
@@ -316,38 +294,32 @@ def overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
+def _threshold_table(report: Report) -> tuple[list[str], list[list[str]]]:
     """(header, rows): per GPU that got past a threshold, the time past each rule's, and how often the rule fired.
 
     A column is headed by the rule's condition without its hold (the whole rule where two rules share a condition).
     """
     rules = list(dict.fromkeys(t.rule for t in report.thresholds))
-    conditions = [threshold_of(r) for r in rules]
+    conditions = [_threshold_of(r) for r in rules]
     # two rules of one threshold (other holds) keep their whole text, so their "fired" cells are told apart
     head = ["GPU", *(c if conditions.count(c) == 1 else r for c, r in zip(conditions, rules, strict=True))]
-    rows = []
-    for g in report.gpus:
-        cells = [gpu_name(g, report.names)]
-        any_time = False
-        for r in rules:
-            got = [t for t in report.thresholds if t.gpu == g and t.rule == r]
-            if got:
-                any_time = True
-                t = got[0]
-                n = t.stretches
-                fired = report.alerts_fired(r, g)
-                cells.append(
-                    f"{format_duration(t.seconds)} in {n} stretch{'es' if n != 1 else ''}, "
-                    + (f"fired {fired}x" if fired else "not fired")
-                )
-            else:
-                cells.append("-")
-        if any_time:
-            rows.append(cells)
+    past = {(t.gpu, t.rule): t for t in reversed(report.thresholds)}  # one per GPU and rule (the first, if more)
+
+    def cell(t: ThresholdTime | None, fired: int) -> str:
+        if t is None:
+            return "-"
+        done = f"fired {fired}x" if fired else "not fired"
+        return f"{format_duration(t.seconds)} in {t.stretches} stretch{'es' if t.stretches != 1 else ''}, {done}"
+
+    rows = [
+        [gpu_name(g, report.names), *(cell(past.get((g, r)), report.alerts_fired(r, g)) for r in rules)]
+        for g in report.gpus
+        if any((g, r) in past for r in rules)
+    ]
     return head, rows
 
 
-def threshold_of(rule: str) -> str:
+def _threshold_of(rule: str) -> str:
     """A rule's condition without its hold: what time past a threshold counts.
 
     ``"utilization.gpu < 20 for 30m while memory.used > 1024"`` -> ``"utilization.gpu < 20 while memory.used > 1024"``.
@@ -356,94 +328,95 @@ def threshold_of(rule: str) -> str:
 
 
 #: The heading of the time-past-thresholds section, and the line that says what it counts.
-THRESHOLDS_TITLE = "Time past thresholds"
-THRESHOLDS_NOTE = "how long each rule's condition held, long enough to fire or not; the firings are the alerts"
+_THRESHOLDS_TITLE = "Time past thresholds"
+_THRESHOLDS_NOTE = "how long each rule's condition held, long enough to fire or not; the firings are the alerts"
 #: What a stall's or alert's length says when the recording ended while it still held.
-ONGOING = " (ongoing at the end)"
+_ONGOING = " (ongoing at the end)"
+
+
+def _sections(report: Report, fmt: str) -> list[tuple[str, str, tuple[list[str], list[list[str]]], str]]:
+    """The tables a renderer shows, in order: (title, intro, (header, rows), what to say when there are no rows).
+
+    Text shows the statistics over all GPUs itself, after the energy line.
+    """
+    least = format_duration(report.min_stall)
+    stalls = f"Stalls (utilization.gpu < {report.stall_utilization:g}% for at least {least}, with memory held)"
+    if fmt == "markdown":
+        stalls = f"Stalls (utilization < {report.stall_utilization:g}% for at least {least})"
+    out = [
+        (stalls, "", _stall_table(report), _stall_note(report)),
+        (_THRESHOLDS_TITLE, _THRESHOLDS_NOTE, _threshold_table(report), _threshold_note(report)),
+    ]
+    if report.alerts:
+        head, rows = _alert_table(report)
+        if fmt == "markdown":
+            rows = [[g, f"`{r}`", *rest] for g, r, *rest in rows]
+        out.append(("Alerts the rules would have fired", "", (head, rows), ""))
+    if report.overall and fmt == "html":
+        out.append(("Statistics over all GPUs", "", _overall_rows(report), ""))
+    if report.overall and fmt != "text":
+        per_gpu = "Statistics per GPU" if fmt == "html" else "Statistics"
+        out.append((f"{per_gpu} (mean / p95 / max)", "", _gpu_stat_table(report), ""))
+    return out
 
 
 def report_text(report: Report) -> str:
     """The report as plain text for a terminal."""
-    out = [headline(report), *notes(report), "", "Findings:"]
-    out += [f"  [{f.severity}] {f.verdict}" for f in report.findings] or [f"  {nothing_found(report)}"]
+    out = [_headline(report), *_notes(report), "", "Findings:"]
+    out += [f"  [{f.severity}] {f.verdict}" for f in report.findings] or [f"  {_nothing_found(report)}"]
 
-    def section(title: str, table: tuple[list[str], list[list[str]]], note: str = "") -> None:
-        head, rows = table
+    for title, intro, (head, rows), note in _sections(report, "text"):
+        title += f" ({intro})" if intro else ""
         out.extend(["", f"{title}:", *(_table(head, rows, indent=2) if rows else [f"  {note}"])])
-
-    section(
-        f"Stalls (utilization.gpu < {report.stall_utilization:g}% for at least {format_duration(report.min_stall)}, "
-        "with memory held)",
-        stall_table(report),
-        stall_note(report),
-    )
-    section(f"{THRESHOLDS_TITLE} ({THRESHOLDS_NOTE})", threshold_table(report), threshold_note(report))
-    if report.alerts:
-        section("Alerts the rules would have fired", alert_table(report))
     if report.energy_wh:
-        out += ["", energy_line(report)]
+        out += ["", _energy_line(report)]
     if report.overall:
-        section("Statistics over all GPUs (per GPU: --format json or markdown)", overall_rows(report))
+        head, rows = _overall_rows(report)
+        out += ["", "Statistics over all GPUs (per GPU: --format json or markdown):", *_table(head, rows, indent=2)]
     if report.constants:
-        out += ["", f"Constant during the run: {constants_text(report)}"]
+        out += ["", f"Constant during the run: {_constants_text(report)}"]
     return "\n".join(out) + "\n"
 
 
-def energy_line(report: Report) -> str:
+def _energy_line(report: Report) -> str:
     """The energy the GPUs drew over the run, in all and per GPU."""
     total = sum(report.energy_wh.values())
     per = ", ".join(f"{gpu_name(g, report.names)}: {wh:.1f}" for g, wh in sorted(report.energy_wh.items()))
     return f"Energy (power.draw over the run): {total:.1f} Wh in all ({per} Wh)"
 
 
-def sentence(text: str) -> str:
+def _sentence(text: str) -> str:
     """``text`` as a sentence: its first letter capital, a full stop at the end."""
     return text[:1].upper() + text[1:] + "."
 
 
 def report_markdown(report: Report) -> str:
     """The report in Markdown (GitHub tables), for a pull request, an issue or a notebook."""
-    out = [f"# GPU report: {report.source}", "", headline(report).split(": ", 1)[1], *notes(report), ""]
+    out = [f"# GPU report: {report.source}", "", _headline(report).split(": ", 1)[1], *_notes(report), ""]
     if report.energy_wh:
-        out += [energy_line(report), ""]
+        out += [_energy_line(report), ""]
     out += ["## Findings", ""]
-    out += [f"- **{f.severity}**: {f.verdict}" for f in report.findings] or [sentence(nothing_found(report))]
+    out += [f"- **{f.severity}**: {f.verdict}" for f in report.findings] or [_sentence(_nothing_found(report))]
 
-    def section(title: str, table: tuple[list[str], list[list[str]]], note: str = "", intro: str = "") -> None:
-        head, rows = table
-        out.extend(["", f"## {title}", "", *([sentence(intro), ""] if intro else [])])
-        out.extend(_md_table(head, rows) if rows else [sentence(note)])
-
-    section(
-        f"Stalls (utilization < {report.stall_utilization:g}% for at least {format_duration(report.min_stall)})",
-        stall_table(report),
-        stall_note(report),
-    )
-    section(THRESHOLDS_TITLE, threshold_table(report), threshold_note(report), THRESHOLDS_NOTE)
-    if report.alerts:
-        head, rows = alert_table(report)
-        section("Alerts the rules would have fired", (head, [[g, f"`{r}`", *rest] for g, r, *rest in rows]))
-    if report.stats:
-        section("Statistics (mean / p95 / max)", gpu_stat_table(report))
+    for title, intro, (head, rows), note in _sections(report, "markdown"):
+        out.extend(["", f"## {title}", "", *([_sentence(intro), ""] if intro else [])])
+        out.extend(_md_table(head, rows) if rows else [_sentence(note)])
     if report.constants:
-        out += ["", f"Constant during the run: {constants_text(report)}"]
+        out += ["", f"Constant during the run: {_constants_text(report)}"]
     return "\n".join(out) + "\n"
 
 
-def constants_text(report: Report) -> str:
+def _constants_text(report: Report) -> str:
     """The fields that never changed during the run, with their values."""
-    return "; ".join(constant_text(n, v, report.names) for n, v in report.constants.items())
-
-
-def constant_text(name: str, per_gpu: dict[int, Any], names: Mapping[int, GpuName] | None = None) -> str:
-    """A field that never changed, with its value (per GPU when they differ; ``names``: a fleet's GPU names)."""
-    values = list(dict.fromkeys(per_gpu.values()))
-    fld = catalogue_field(name)
-    unit = f" {fld.unit}" if fld is not None and fld.unit and fld.unit != "%" else (fld.unit if fld else "")
-    num = _num if fld is None else functools.partial(_stat, fld=fld)
-    if len(values) == 1:
-        return f"{name} {num(values[0])}{unit}"
-    return f"{name} " + ", ".join(f"{gpu_name(g, names)}: {num(v)}{unit}" for g, v in per_gpu.items())
+    texts = []
+    for name, per_gpu in report.constants.items():
+        fld = catalogue_field(name)
+        shown = {g: _num(v) if fld is None else value_text(v, fld) for g, v in per_gpu.items()}
+        if len(set(per_gpu.values())) == 1:
+            texts.append(f"{name} {next(iter(shown.values()))}")
+        else:
+            texts.append(f"{name} " + ", ".join(f"{gpu_name(g, report.names)}: {t}" for g, t in shown.items()))
+    return "; ".join(texts)
 
 
 def _table(head: list[str], rows: list[list[str]], indent: int = 0) -> list[str]:
@@ -461,3 +434,87 @@ def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
     return [line(head), "|" + "|".join("---" for _ in head) + "|", *(line(r) for r in rows)]
+
+
+# No script, no outside request: images only as data: URIs, style only inline.
+_POLICY = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
+
+_STYLE = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; color: #1d1d1f;
+       margin: 0 auto; max-width: 1280px; padding: 16px 24px 48px; background: #fff; }
+h1 { font-size: 20px; margin: 8px 0 4px; }
+h2 { font-size: 16px; margin: 28px 0 8px; border-bottom: 1px solid #ddd; padding-bottom: 4px; }
+p.head { color: #444; margin: 0 0 4px; }
+p.note { color: #8a4b00; margin: 2px 0; }
+ul.findings { list-style: none; padding: 0; margin: 0; }
+ul.findings li { margin: 6px 0; padding: 6px 10px; border-left: 4px solid #999; background: #f7f7f7; }
+ul.findings li.critical { border-color: #c62828; background: #fdecea; }
+ul.findings li.warning { border-color: #ef6c00; background: #fff4e5; }
+ul.findings li.info { border-color: #1565c0; background: #e8f1fb; }
+.sev { font-weight: 600; text-transform: uppercase; font-size: 11px; margin-right: 6px; }
+table { border-collapse: collapse; margin: 4px 0; font-variant-numeric: tabular-nums; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; white-space: nowrap; }
+th { background: #f2f2f2; }
+td:first-child, th:first-child { text-align: left; }
+div.wide { overflow-x: auto; }
+figure { margin: 8px 0; }
+figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+"""
+
+
+def _html_table(head: list[str], rows: list[list[str]]) -> str:
+    cells = "".join(f"<th>{escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<div class="wide"><table><thead><tr>{cells}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def _para(text: str) -> str:
+    return f"<p>{escape(_sentence(text))}</p>"
+
+
+def report_html(report: Report, plot_png: bytes | None = None, plot_note: str | None = None) -> str:
+    """The report as one HTML page that needs nothing else: no network, no script, no file beside it.
+
+    ``plot_png``: the plot as PNG bytes (None: ``plot_note`` says why there is none, e.g. matplotlib is missing).
+    """
+    title = f"GPU report: {report.source}"
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{_POLICY}">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{escape(title)}</title>",
+        f"<style>{_STYLE}</style>",
+        "</head><body>",
+        f"<h1>{escape(title)}</h1>",
+        f'<p class="head">{escape(_headline(report).split(": ", 1)[1])}</p>',
+        *(f'<p class="note">{escape(n)}</p>' for n in _notes(report)),
+    ]
+    if report.energy_wh:
+        out.append(f'<p class="head">{escape(_energy_line(report))}</p>')
+    out.append("<h2>Findings</h2>")
+    if report.findings:
+        items = "".join(
+            f'<li class="{f.severity}"><span class="sev">{f.severity}</span>{escape(f.verdict)}</li>'
+            for f in report.findings
+        )
+        out.append(f'<ul class="findings">{items}</ul>')
+    else:
+        out.append(_para(_nothing_found(report)))
+    out.append("<h2>Plot</h2>")
+    if plot_png is not None:
+        data = base64.b64encode(plot_png).decode("ascii")
+        out.append(
+            f'<figure id="plot"><img alt="{escape(report.source)}: the recording over time" '
+            f'src="data:image/png;base64,{data}"></figure>'
+        )
+    else:
+        out.append(_para(plot_note or "no plot"))
+
+    for title, intro, (head, rows), note in _sections(report, "html"):
+        out.extend([f"<h2>{escape(title)}</h2>", *([_para(intro)] if intro else [])])
+        out.append(_html_table(head, rows) if rows else _para(note))
+    if report.constants:
+        out += ["<h2>Constant during the run</h2>", _para(_constants_text(report))]
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"

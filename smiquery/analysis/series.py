@@ -1,9 +1,10 @@
-"""Column helpers shared by the report and the plot: numbers, GPUs' rows, times, a line's points; text measures."""
+"""Helpers shared by the report and the plot: numbers, GPUs' rows, times, a line's points, text measures, the scene."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
@@ -15,17 +16,72 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = [
+    "ALERT_SHADE",
+    "GPU_COLOURS",
+    "GRID",
+    "STALL_SHADE",
+    "THRESHOLD_COLOUR",
+    "Scene",
     "as_float",
     "axis_clock",
     "catalogue_field",
     "gpu_rows",
     "line_band",
     "line_points",
+    "merged",
     "stack_labels",
     "text_size",
 ]
 
 _BY_ATTR: dict[str, Field] = {f.attr: f for f in CATALOGUE}
+
+#: Eight colours with no look-alike pair (tab10 without its grey and olive), the ``k``-th GPU drawn the ``k % 8``-th.
+GPU_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+STALL_SHADE = "#9e9e9e"
+ALERT_SHADE = "#f4a582"
+THRESHOLD_COLOUR = "#000000"
+GRID = "#dddddd"
+
+
+@dataclass
+class Scene:
+    """What every plot layout draws: per GPU (in index order) its times and each field's values; what to shade.
+
+    Attributes:
+        xs: per GPU its times as the axis holds them (:func:`axis_clock`).
+        values: per field name, per GPU its values (NaN where missing).
+        thresholds: per field name its rules' thresholds as (value, label).
+        stalls: (start, end, GPU index) on the axis's clock; ``alerts`` the same per field of a firing rule.
+        slack: spans closer than this are drawn (and labelled) as one.
+        names: a fleet frame's GPU names (:class:`~smiquery.analysis.model.GpuName`) by index; none for a recording.
+        max_points: most points of a line (a heatmap: most columns of cells).
+    """
+
+    flds: Sequence[Field]
+    gpus: list[int]
+    xs: list[np.ndarray]
+    values: dict[str, list[np.ndarray]]
+    thresholds: dict[str, list[tuple[float, str]]]
+    stalls: list[tuple[Any, Any, int]]
+    alerts: dict[str, list[tuple[Any, Any, int]]]
+    x_range: tuple[Any, Any]
+    zone: Any
+    gap_limit: float
+    slack: Any
+    names: dict[int, Any]
+    max_points: int
+
+
+def merged(spans: Iterable[tuple[Any, Any, int]], slack: Any) -> list[tuple[Any, Any, list[int]]]:
+    """(start, end, gpu) spans that overlap, or lie within ``slack`` of each other, merged into (start, end, gpus)."""
+    out: list[tuple[Any, Any, list[int]]] = []
+    for start, end, gpu in sorted(spans, key=lambda s: s[0]):
+        if out and start <= out[-1][1] + slack:
+            s0, e0, gs = out[-1]
+            out[-1] = (s0, max(e0, end), sorted({*gs, gpu}))
+        else:
+            out.append((start, end, [gpu]))
+    return out
 
 
 def catalogue_field(name: str) -> Field | None:
