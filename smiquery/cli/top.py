@@ -11,16 +11,15 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
 from smiquery.cli._boundary import boundary
 from smiquery.cli._common import app, settings_of
 from smiquery.cli._signals import Signals
-from smiquery.cli.fleet_options import MAX_ANSWER_HELP
+from smiquery.cli.analysis import MAX_ANSWER_HELP
 from smiquery.cli.keys import KeyReader, Viewport
 
 if TYPE_CHECKING:
@@ -32,22 +31,10 @@ __all__ = ["TOP_KEYS", "TopFormat", "TopSort", "render_screen", "top"]
 TOP_KEYS = {"u": "util", "m": "mem", "t": "temp", "p": "power", "i": "node", "n": "node"}
 
 
-class TopSort(str, Enum):
-    """``--sort``: by node, or by a value, largest first."""
-
-    node = "node"
-    util = "util"
-    mem = "mem"
-    temp = "temp"
-    power = "power"
-
-
-class TopFormat(str, Enum):
-    """``--format``: a screen for people, or every GPU as JSON or CSV."""
-
-    table = "table"
-    json = "json"
-    csv = "csv"
+#: ``--sort``: by node, or by a value, largest first.
+TopSort = Literal["node", "util", "mem", "temp", "power"]
+#: ``--format``: a screen for people, or every GPU as JSON or CSV.
+TopFormat = Literal["table", "json", "csv"]
 
 
 _EPILOG = """\b
@@ -143,7 +130,7 @@ def top(
             help="The Prometheus server (or Thanos, Mimir...) that scrapes the exporters, e.g. http://prom:9090.",
         ),
     ],
-    sort: Annotated[TopSort, typer.Option("--sort", "-s", case_sensitive=False, help="Order of rows.")] = TopSort.node,
+    sort: Annotated[TopSort, typer.Option("--sort", "-s", case_sensitive=False, help="Order of rows.")] = "node",
     node: Annotated[
         str | None, typer.Option("--node", metavar="REGEX", help="Only instances matching (anchored, as PromQL).")
     ] = None,
@@ -158,7 +145,7 @@ def top(
     once: Annotated[
         bool, typer.Option("--once", help="One screen, then exit (piped, or --format csv/json: always one).")
     ] = False,
-    fmt: Annotated[TopFormat, typer.Option("--format", "-F", case_sensitive=False, help="Output.")] = TopFormat.table,
+    fmt: Annotated[TopFormat, typer.Option("--format", "-F", case_sensitive=False, help="Output.")] = "table",
     interval: Annotated[
         float, typer.Option("--interval", min=0.5, metavar="SECONDS", help="Seconds between refreshes.")
     ] = 5.0,
@@ -210,8 +197,8 @@ def top(
         client = PrometheusClient(prometheus, config=config, timeout=timeout, max_answer_bytes=limit)
         when = parse_time(at, what="--at") if at is not None else None
         # only a terminal gets the live view: piped, or as csv/json, one document (a file of one CSV, not many)
-        live = not once and fmt is TopFormat.table and sys.stdout.isatty()
-        view = Viewport(TOP_KEYS, sort.value)
+        live = not once and fmt == "table" and sys.stdout.isatty()
+        view = Viewport(TOP_KEYS, sort)
         keys: queue.SimpleQueue[str] = queue.SimpleQueue()
         reader = KeyReader(keys.put) if live else contextlib.nullcontext()
         error = ""
@@ -230,9 +217,9 @@ def top(
                     filtered = filter_gpus(every, namespace=namespace, pod=pod, idle=idle)
                     while True:
                         gpus = sort_gpus(filtered, view.sort)
-                        if fmt is TopFormat.json:
+                        if fmt == "json":
                             sys.stdout.write(json.dumps([g.to_dict() for g in gpus], indent=None if live else 2) + "\n")
-                        elif fmt is TopFormat.csv:
+                        elif fmt == "csv":
                             sys.stdout.write(_csv(gpus))
                         else:
                             stamp = time.strftime("%H:%M:%S", time.localtime(when) if when else time.localtime())
