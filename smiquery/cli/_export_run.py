@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -140,30 +141,11 @@ def run_export(opts: ExportOptions) -> int:
             web = exporter_mod.load_web_config(opts.web_config_file)
         except SmiqueryError as exc:
             raise _invalid("--web-config-file", str(exc)) from None
+    served = inspect.signature(exporter_mod.serve).parameters  # the options of the same name go as they are
+    given = {name: value for name, value in dataclasses.asdict(opts).items() if name in served}
+    given.update(processes=processes, top_processes=top_processes, web_config=web, attribution=attribution)
     try:
-        exp = exporter_mod.serve(
-            port=opts.port,
-            bind=opts.bind,
-            interval=opts.interval,
-            fields=opts.fields,
-            gpus=opts.gpus,
-            labels=opts.labels,
-            naming=opts.naming,
-            processes=processes,
-            processes_interval=opts.processes_interval,
-            top_processes=top_processes,
-            top_processes_by=opts.top_processes_by,
-            tls_cert=opts.tls_cert,
-            tls_key=opts.tls_key,
-            client_ca=opts.client_ca,
-            nvidia_smi=opts.nvidia_smi,
-            stale_after=opts.stale_after,
-            web_config=web,
-            alerts=opts.alerts,
-            attribution=attribution,
-            details_interval=opts.details_interval,
-            kernel_log=opts.kernel_log,
-        )
+        exp = exporter_mod.serve(**given)
     except ListenError as exc:
         if exc.option == "--bind":
             raise _invalid("--bind", str(exc)) from None
