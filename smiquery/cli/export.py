@@ -7,7 +7,6 @@ process, the command hands its parsed options to :mod:`smiquery.cli._export_run`
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,7 +16,7 @@ import typer
 import smiquery.cli._export_run as export_run
 from smiquery.cli._boundary import boundary
 from smiquery.cli._common import app, seconds_option, settings_of, version_callback
-from smiquery.cli._export_run import ExportOptions, LogFormat, Naming, TopBy, hand_off, run_export
+from smiquery.cli._export_run import LogFormat, Naming, TopBy, hand_off, run_export
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError, SmiqueryError
 from smiquery.fields import resolve_fields
 from smiquery.streams.argv import normalize_gpus
@@ -222,8 +221,8 @@ def export(
 
         defaults = DEFAULT_EXPORTER_ALERTS if default_alerts else ()
         paths = ("tls_cert", "tls_key", "client_ca", "web_config_file")
-        given = {
-            **ctx.params,  # every option by name, as parsed
+        opts = {
+            **ctx.params,  # every option by name, as parsed (JSON-safe)
             **{name: str(ctx.params[name]) if ctx.params[name] else None for name in paths},
             "labels": labels,
             # the default rules first (the shipped Prometheus rules match their text), each rule once
@@ -233,7 +232,6 @@ def export(
             "kernel_log": kernel_log or None,
             "debug": settings.debug,
         }
-        opts = ExportOptions(**{f.name: given[f.name] for f in dataclasses.fields(ExportOptions)})
         if export_run.process_entry:
             hand_off(opts, sys.argv[1:])  # returns only when the process image cannot be replaced
         code = run_export(opts)
