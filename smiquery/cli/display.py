@@ -36,6 +36,7 @@ __all__ = [
     "render_table",
     "sample_rows",
     "sample_table",
+    "short_title",
     "show_cursor",
     "terminal_size",
     "terminal_width",
@@ -200,7 +201,7 @@ def sample_table(
     def table(keep: Sequence[int], short: bool) -> list[str]:
         return render_table(
             [[r[i] for i in keep] for r in rows],
-            [_short_title(fields[i]) if short else _title(fields[i]) for i in keep],
+            [short_title(fields[i]) if short else _title(fields[i]) for i in keep],
             right=[fields[i].kind.is_numeric for i in keep],
             styles=[[st[i] for i in keep] for st in styles],
             color=color,
@@ -368,25 +369,27 @@ def _wrap_last_column(lines: Sequence[str], cols: int) -> list[str]:
 
 # The live table keeps these longest, most useful last: index, utilization, memory, power, temperature.
 _KEEP_LONGEST = ("index", "utilization.gpu", "memory.used", "power.draw", "temperature.gpu", "memory.total")
-# Short titles for a narrow terminal (the unit follows): "temp C", "used MiB"; else the last part of the name.
+# Short titles, the unit following: a narrow table's ("temp C"), the live table's ("TEMP C"); else the name's last part.
 _SHORT = {
-    "index": "gpu",
-    "temperature.gpu": "temp",
-    "temperature.memory": "memtemp",
-    "utilization.gpu": "util",
-    "utilization.memory": "memutil",
-    "memory.used": "used",
-    "power.draw": "power",
-    "power.limit": "plimit",
-    "fan.speed": "fan",
-    "clocks.current.memory": "memclk",
-    "clocks.current.graphics": "gfxclk",
-    "pci.bus_id": "bus",
+    "index": ("gpu", "GPU"),
+    "temperature.gpu": ("temp", "TEMP"),
+    "temperature.memory": ("memtemp", "MTEMP"),
+    "utilization.gpu": ("util", "UTIL"),
+    "utilization.memory": ("memutil", "MUTIL"),
+    "memory.used": ("used", "MEM"),
+    "power.draw": ("power", "PWR"),
+    "power.limit": ("plimit", "PLIM"),
+    "fan.speed": ("fan", "FAN"),
+    "clocks.current.memory": ("memclk", "MEMCLK"),
+    "clocks.current.graphics": ("gfxclk", "GFXCLK"),
+    "pci.bus_id": ("bus", "BUS"),
 }
 
 
-def _short_title(fld: Field) -> str:
-    name = _SHORT.get(fld.name) or fld.name.rsplit(".", 1)[-1][:10]
+def short_title(fld: Field, live: bool = False) -> str:
+    """A field's short title with its unit: ``temp C`` (``TEMP C`` for the ``live`` table)."""
+    tail = fld.name.rsplit(".", 1)[-1][:10]
+    name = _SHORT.get(fld.name, (tail, tail.upper()))[live]
     return f"{name} {fld.unit}" if fld.unit else name
 
 

@@ -26,6 +26,7 @@ from smiquery.cli.display import (
     mark_style,
     paint,
     sample_rows,
+    short_title,
     show_cursor,
     terminal_size,
     wrap_parts,
@@ -41,21 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SORT_KEYS", "LiveTable", "process_label"]
 
-# Short column titles; any other field's is the last part of its name, upper-cased (NAME, UUID, TOTAL).
-_TITLES = {
-    "index": "GPU",
-    "pci.bus_id": "BUS",
-    "temperature.gpu": "TEMP",
-    "temperature.memory": "MTEMP",
-    "utilization.gpu": "UTIL",
-    "utilization.memory": "MUTIL",
-    "memory.used": "MEM",
-    "power.draw": "PWR",
-    "power.limit": "PLIM",
-    "fan.speed": "FAN",
-    "clocks.current.memory": "MEMCLK",
-    "clocks.current.graphics": "GFXCLK",
-}
 _BAR = 10
 _MIN_PROCS = 16  # the narrowest processes column; narrower, they go under their GPU
 _VENDOR = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO"}
@@ -107,8 +93,7 @@ def _columns(
     for i, f in enumerate(fields):
         if merged and f.name == "memory.total":
             continue
-        title = _TITLES.get(f.name) or f.name.rsplit(".", 1)[-1][:10].upper()
-        col = _Col(f.name, f"{title} {f.unit}" if f.unit else title, f.kind.is_numeric)
+        col = _Col(f.name, short_title(f, live=True), f.kind.is_numeric)
         col.cells = [row[i] for row in cells]
         col.styles = [st[i] for st in styles]
         if f.name == "name":
