@@ -23,12 +23,11 @@ from smiquery.errors import ListenError, SmiqueryError, UsageError
 
 if TYPE_CHECKING:
     from smiquery.attribution import Attribution
-    from smiquery.exporter import Exporter
 
 __all__ = ["MODULES_ENV", "LogFormat", "Naming", "TopBy", "hand_off", "process_entry", "run_export"]
 
 # The exporter's own choices, spelled here: the exporter needs prometheus_client, which `smiquery --help` must not
-# import (mypy checks them against `serve` and `configure_logging`, tests/cli/test_export.py that they are all).
+# import (tests/cli/test_export.py checks that they are the exporter's).
 Naming = Literal["smiquery", "dcgm", "nvidia_smi"]
 LogFormat = Literal["text", "json"]
 TopBy = Literal["name", "pid"]
@@ -93,6 +92,7 @@ def run_export(opts: dict[str, Any]) -> int:
         SmiqueryError: the port is taken, nvidia-smi is missing, ...
     """
     from smiquery import exporter as exporter_mod
+    from smiquery.exporter.events import json_line
 
     attribution = _attribution(opts)
     processes, top_processes = opts["processes"] or opts["slurm"], opts["top_processes"]
@@ -120,17 +120,12 @@ def run_export(opts: dict[str, Any]) -> int:
         raise
     except OSError as exc:  # unreadable or mismatched TLS files (ssl.SSLError is an OSError)
         raise _invalid("--tls-cert/--tls-key/--client-ca", f"cannot load them: {exc}") from None
-    return _serve_until_signal(exp, opts["bind"], opts["log_format"])
-
-
-def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> int:
-    """Serve until SIGTERM (exit 143) or SIGINT (exit 130); the stream is closed and nvidia-smi reaped either way."""
-    from smiquery.exporter.events import json_line
 
     def tell(text: str, level: int, event: str, **fields: Any) -> None:
-        say(json_line(text, level=level, event=event, **fields) if log_format == "json" else f"smiquery export: {text}")
+        as_json = opts["log_format"] == "json"
+        say(json_line(text, level=level, event=event, **fields) if as_json else f"smiquery export: {text}")
 
-    with Signals() as sigs:
+    with Signals() as sigs:  # the stream is closed and nvidia-smi reaped however serving ends
         try:
             tell(
                 f"serving {exp.url}/metrics (naming {exp.collector.naming}, every "
@@ -143,11 +138,10 @@ def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> i
             if modules:
                 with open(modules, "w", encoding="utf-8") as out:
                     out.write("".join(f"{name}\n" for name in sorted(sys.modules)))
-            if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
+            if opts["bind"] in _ALL_INTERFACES and not exp.url.startswith("https"):
                 tell("warning: listening on all interfaces without TLS", logging.WARNING, "no_tls_on_all_interfaces")
-            while not sigs.wake.wait(0.5):
-                if exp.stopped:
-                    break
+            while not sigs.wake.wait(0.5) and not exp.stopped:
+                pass
         except KeyboardInterrupt:
             sigs.signum = sigs.signum or signal.SIGINT
         finally:

@@ -246,7 +246,7 @@ def _bad(option: str, message: str) -> typer.BadParameter:
 def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
     """Every bad option is a usage error (exit 2) before anything runs; returns the labels and the alert rules.
 
-    The labels, rules and web config are each checked by the exporter's own parser.
+    The labels and rules are checked by the exporter's own parsers, the web config where it is loaded (run_export).
     """
     for name in ("interval", "processes_interval", "stale_after", "slurm_interval"):
         if p[name] is not None and p[name] <= 0:
@@ -270,7 +270,6 @@ def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
         raise _bad("--web-config-file", "give TLS either in --web-config-file or as --tls-cert/--tls-key")
     from smiquery import exporter as exporter_mod  # needs prometheus_client: after the checks that do not
     from smiquery.alerts import Rule
-    from smiquery.errors import WebConfigError
 
     if p["slurm"] and (p["kubernetes"] or p["kubernetes_processes"]):
         raise _bad("--slurm", "give either --kubernetes or --slurm, not both")
@@ -290,9 +289,4 @@ def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
                 Rule.parse(text)
         except SmiqueryError as exc:
             raise _bad("--alert", str(exc)) from None
-    if p["web_config_file"] is not None:
-        try:
-            exporter_mod.load_web_config(p["web_config_file"])
-        except WebConfigError as exc:
-            raise _bad("--web-config-file", str(exc)) from None
     return labels, rules

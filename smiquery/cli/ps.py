@@ -26,7 +26,7 @@ import typer
 from smiquery.cli._boundary import boundary, cli_text, quiet_stdout, say
 from smiquery.cli._common import FormatOpt, GpusOpt, app, settings_of
 from smiquery.cli._options import Settings, choose_format, gpu_ids_checked, is_tty, parse_gpus, parse_seconds
-from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
+from smiquery.cli._signals import END, Failure, Signals, SourceEvent, start_pump
 from smiquery.cli.keys import KEY_HELP, KeyReader, Viewport
 from smiquery.errors import NotSupportedError, NvidiaSmiFailedError, StreamEndedError, UsageError
 from smiquery.retry import RetryPolicy
@@ -526,7 +526,7 @@ def run_watch(
     shown = 0
     ended = 0
     live = view if isinstance(view, _Live) else None
-    reader = KeyReader(lambda key: items.put(Key(key))) if live is not None else contextlib.nullcontext()
+    reader = KeyReader(items.put) if live is not None else contextlib.nullcontext()
     with Signals() as sigs, reader:
         try:
             if live is not None:
@@ -543,9 +543,9 @@ def run_watch(
                     item = items.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if isinstance(item, Key):
+                if isinstance(item, str):  # a key typed
                     if live is not None:
-                        live.key(item.name)
+                        live.key(item)
                 elif isinstance(item, SourceEvent):
                     if item.event.kind == "error" and _unsupported(item.event.error):
                         failure = item.event.error  # pmon said so: restarting cannot help

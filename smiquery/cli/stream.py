@@ -33,7 +33,7 @@ from smiquery.cli._options import (
     parse_seconds,
     unknown_gpus,
 )
-from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
+from smiquery.cli._signals import END, Failure, Signals, SourceEvent, start_pump
 from smiquery.errors import KernelLogError, NoDevicesFoundError, RecordingError, SmiqueryError, UsageError
 from smiquery.fields import Field, get_field
 from smiquery.retry import RetryPolicy
@@ -199,7 +199,7 @@ class _Run:
 
         unsubscribe = self.source.subscribe(lambda ev: self.items.put(SourceEvent(ev)))
         deadline = time.monotonic() + stop_after if stop_after is not None else None
-        keys = KeyReader(lambda key: self.items.put(Key(key))) if self.live is not None else contextlib.nullcontext()
+        keys = KeyReader(self.items.put) if self.live is not None else contextlib.nullcontext()
         thread: threading.Thread | None = None
         stop = threading.Event()
         with Signals() as sigs, keys:
@@ -253,8 +253,8 @@ class _Run:
             if self.live is not None and time.monotonic() - self.last_draw >= 0.5:
                 self.draw(self.live)
             return True
-        if isinstance(item, Key):
-            if self.live is not None and self.live.view.key(item.name):
+        if isinstance(item, str):  # a key typed
+            if self.live is not None and self.live.view.key(item):
                 self.draw(self.live)
             return True
         if item is END:

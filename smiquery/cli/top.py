@@ -240,8 +240,8 @@ def top(
 
 
 def _show(gpus: Sequence[FleetGpu], title: str, total: int, error: str, view: Viewport, tty: bool) -> None:
-    """One screen: on a terminal drawn in place (cursor home, lines rewritten, the rest cleared), never scrolled."""
-    from smiquery.cli.display import clip, terminal_size
+    """One screen: on a terminal drawn in place, never scrolled (the cursor's line stays free)."""
+    from smiquery.cli.display import frame_text, terminal_size
 
     cols, lines = terminal_size()
     screen = render_screen(gpus, cols, lines - (1 if error else 0), title, total, view)
@@ -249,10 +249,8 @@ def _show(gpus: Sequence[FleetGpu], title: str, total: int, error: str, view: Vi
         screen.append(f"last error: {error}")
     if not tty:
         sys.stdout.write("\n".join(screen) + "\n")
-        return
-    if lines > 0:
-        screen = screen[: max(1, lines - 1)]  # the cursor's line stays free: the title never scrolls away
-    sys.stdout.write("\x1b[H" + "".join(clip(x, cols) + "\x1b[K\n" for x in screen) + "\x1b[J")
+    else:
+        sys.stdout.write(frame_text(screen[: max(1, lines - 1)] if lines > 0 else screen, cols, first=False))
 
 
 def _wait(keys: queue.SimpleQueue[str], view: Viewport, sigs: Signals, interval: float) -> bool:
