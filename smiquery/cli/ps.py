@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any, Literal, cast
@@ -110,8 +110,7 @@ def proc_info(processes: Mapping[int, str | None]) -> dict[int, ProcInfo]:
         for pid, before in first.items():
             after = _cpu_ticks(pid)
             if after is not None and elapsed > 0:
-                info = out[pid]
-                out[pid] = ProcInfo(info.user, info.command, round(100.0 * (after - before) / hz / elapsed, 1))
+                out[pid] = replace(out[pid], cpu_percent=round(100.0 * (after - before) / hz / elapsed, 1))
     return out
 
 
@@ -119,15 +118,14 @@ class ProcCache:
     """User and full command line of each pid from /proc, read once per process (a pid seen again is cached)."""
 
     def __init__(self) -> None:
-        self._known: dict[tuple[int, str | None], ProcInfo | None] = {}
+        self._known: dict[tuple[int, str | None], ProcInfo] = {}
 
-    def lookup(self, pid: int, name: str | None) -> tuple[str | None, str | None]:
-        """(user, command line) of ``pid``; None for what /proc cannot tell or when it is another process."""
+    def lookup(self, pid: int, name: str | None) -> ProcInfo:
+        """User and command line of ``pid``; None for what /proc cannot tell or when it is another process."""
         key = (pid, name)
         if key not in self._known:
-            self._known[key] = _identity(pid, name)
-        info = self._known[key]
-        return (info.user, info.command) if info is not None else (None, None)
+            self._known[key] = _identity(pid, name) or ProcInfo()
+        return self._known[key]
 
     def keep(self, pids: set[tuple[int, str | None]]) -> None:
         """Forget processes no longer listed (their pids may be reused)."""
@@ -248,30 +246,24 @@ def _records(instant: Sequence[PmonRow], sort: str, procs: ProcCache) -> list[di
     rows = sorted((r for r in instant if not r.idle), key=lambda r: (r.gpu if r.gpu is not None else -1, r.pid or 0))
     rows = sort_rows(rows, sort, descending=sort in _DESCENDING)
     stamp = _instant_time(instant)
-    seen: set[tuple[int, str | None]] = set()
     out: list[dict[str, object]] = []
     for r in rows:
-        user: str | None = None
-        command = r.command
-        if r.pid is not None:
-            seen.add((r.pid, r.command))
-            user, full = procs.lookup(r.pid, r.command)
-            command = full or r.command
+        info = procs.lookup(r.pid, r.command) if r.pid is not None else ProcInfo()
         out.append(
             {
                 "time": stamp,
                 "gpu_index": r.gpu,
                 "pid": r.pid,
                 "type": r.type,
-                "user": user,
+                "user": info.user,
                 "sm": r.sm,
                 "mem": r.mem,
                 "used_memory": r.fb,
                 "process_name": r.command,
-                "command": command,
+                "command": info.command or r.command,
             }
         )
-    procs.keep(seen)
+    procs.keep({(r.pid, r.command) for r in rows if r.pid is not None})
     return out
 
 
@@ -297,9 +289,10 @@ def _columns(table: bool) -> list[Column]:
     ]
 
 
-def _idle_gpus(instant: Sequence[PmonRow]) -> list[int]:
+def _idle_note(instant: Sequence[PmonRow]) -> str:
     busy = {r.gpu for r in instant if not r.idle}
-    return sorted({r.gpu for r in instant if r.idle and r.gpu is not None and r.gpu not in busy})
+    idle = sorted({r.gpu for r in instant if r.idle and r.gpu is not None and r.gpu not in busy})
+    return f" · idle GPU {', '.join(map(str, idle))}" if idle else ""
 
 
 class _Blocks:
@@ -316,9 +309,7 @@ class _Blocks:
 
         when = _instant_time(instant)
         if self.form == "table":
-            idle = _idle_gpus(instant)
-            note = f" · idle GPU {', '.join(map(str, idle))}" if idle else ""
-            text = f"# {when.isoformat(sep=' ')}{note}\n"
+            text = f"# {when.isoformat(sep=' ')}{_idle_note(instant)}\n"
             text += render(records, "table", columns=self.columns, empty="no processes") + "\n"
         elif self.form == "json":
             text = json.dumps([_json_ready(r) for r in records]) + "\n"  # one array per instant, one per line
@@ -363,9 +354,7 @@ class _Live:
     def show(self, instant: Sequence[PmonRow], records: list[dict[str, object]]) -> None:
         self._records = records
         self._waiting = False
-        idle = _idle_gpus(instant)
-        when = _instant_time(instant).strftime("%H:%M:%S")
-        self._after = [f"sampled {when}" + (f" · idle GPU {', '.join(map(str, idle))}" if idle else "")]
+        self._after = [f"sampled {_instant_time(instant).strftime('%H:%M:%S')}{_idle_note(instant)}"]
         self.draw()
 
     def key(self, key: str) -> None:

@@ -731,7 +731,7 @@ def _live_processes(
         by_gpu: dict[int, list[str]] = {}
         for p in procs:
             if p.gpu_index is not None:
-                user, _ = users.lookup(p.pid, p.process_name)
+                user = users.lookup(p.pid, p.process_name).user
                 by_gpu.setdefault(p.gpu_index, []).append(process_label(p, user))
         users.keep({(p.pid, p.process_name) for p in procs})
         return by_gpu
