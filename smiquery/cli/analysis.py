@@ -6,7 +6,6 @@ instead of a recording (the work is :mod:`smiquery.fleet`'s; :func:`read_source`
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from smiquery.cli._boundary import boundary
+from smiquery.cli._boundary import boundary, say
 from smiquery.cli._common import settings_of
 
 if TYPE_CHECKING:
@@ -185,12 +184,11 @@ def _load(recording: list[Path], fields: str | None, tz: str | None) -> pd.DataF
     names = ",".join(f.name for f in parse_fields(fields)) if fields is not None else None
     df = load_recording(recording, fields=names, tz=tz)
     skipped = df.attrs.get("skipped")
-    with contextlib.suppress(OSError, ValueError):
-        for note in df.attrs.get("skipped_files") or ():  # a rotated set's member without rows, or gone
-            print(f"smiquery: warning: {printable(note)}", file=sys.stderr, flush=True)
-        if isinstance(skipped, SkippedLines):
-            name = str(recording[0]) if len(recording) == 1 else _label(recording)
-            print(f"smiquery: warning: {skipped.message(name)}", file=sys.stderr, flush=True)
+    for note in df.attrs.get("skipped_files") or ():  # a rotated set's member without rows, or gone
+        say(f"smiquery: warning: {printable(note)}")
+    if isinstance(skipped, SkippedLines):
+        name = str(recording[0]) if len(recording) == 1 else _label(recording)
+        say(f"smiquery: warning: {skipped.message(name)}")
     return df
 
 
@@ -390,8 +388,7 @@ def _write_html(result: Report, df: pd.DataFrame, path: Path, rules: list[str] |
         note = None
     except ImportError as exc:
         png, note = None, str(exc)
-        with contextlib.suppress(OSError, ValueError):
-            print(f"smiquery: warning: the page has no plot: {exc}", file=sys.stderr, flush=True)
+        say(f"smiquery: warning: the page has no plot: {exc}")
     path.write_text(report_html(result, png, note), encoding="utf-8")
 
 
