@@ -144,8 +144,7 @@ MAX_ANSWER_HELP = (
     "larger one is an error, read no further."
 )
 MaxAnswerOpt = Annotated[
-    int | None,
-    typer.Option("--max-answer", metavar="MIB", min=1, rich_help_panel=_PANEL, help=MAX_ANSWER_HELP),
+    int | None, typer.Option("--max-answer", metavar="MIB", min=1, rich_help_panel=_PANEL, help=MAX_ANSWER_HELP)
 ]
 
 
@@ -348,11 +347,7 @@ def report(
             raise typer.BadParameter(str(exc)) from None
         df, name = read_source(recording or [], fields, ctx.params)
         result = analyze(
-            df,
-            rules=alert or None,
-            min_stall=stall_seconds,
-            stall_utilization=stall_utilization,
-            name=name,
+            df, rules=alert or None, min_stall=stall_seconds, stall_utilization=stall_utilization, name=name
         )
         if fmt == "summary":
             from smiquery.fleet.slurm import job_summary

@@ -101,8 +101,7 @@ def inspect_cmd(
     ctx: typer.Context,
     gpus: GpusOpt = None,
     fmt: Annotated[
-        Literal["text", "json"],
-        typer.Option("--format", "-o", help="text (a summary per GPU) or json (every value)."),
+        Literal["text", "json"], typer.Option("--format", "-o", help="text (a summary per GPU) or json (every value).")
     ] = "text",
     xml: Annotated[
         Path | None,

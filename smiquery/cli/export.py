@@ -53,8 +53,7 @@ def export(
     ctx: typer.Context,
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 9849,
     bind: Annotated[
-        str,
-        typer.Option(help="Address to listen on. 0.0.0.0 or :: (all interfaces) only when you say so."),
+        str, typer.Option(help="Address to listen on. 0.0.0.0 or :: (all interfaces) only when you say so.")
     ] = "127.0.0.1",
     interval: Annotated[float, seconds_option("--interval", "Seconds between nvidia-smi samples.")] = 5.0,
     fields: Annotated[
@@ -68,8 +67,7 @@ def export(
         str | None, typer.Option(help="Only these GPUs: indices, UUIDs or PCI bus ids, comma list.")
     ] = None,
     label: Annotated[
-        list[str] | None,
-        typer.Option("--label", help="Constant label key=value on every series (repeat for more)."),
+        list[str] | None, typer.Option("--label", help="Constant label key=value on every series (repeat for more).")
     ] = None,
     naming: Annotated[
         Naming,
@@ -106,8 +104,7 @@ def export(
     tls_key: Annotated[Path | None, _file("PEM private key of --tls-cert.")] = None,
     client_ca: Annotated[Path | None, _file("PEM CA bundle: require client certificates signed by it.")] = None,
     web_config_file: Annotated[
-        Path | None,
-        _file("Prometheus exporter-toolkit web config: tls_server_config and basic_auth_users (bcrypt)."),
+        Path | None, _file("Prometheus exporter-toolkit web config: tls_server_config and basic_auth_users (bcrypt).")
     ] = None,
     alert: Annotated[
         list[str] | None,

@@ -87,13 +87,7 @@ def fields_cmd(
         if table:
             for r in records:
                 r["shown"] = r["name"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else "")
-        sup = [
-            Column(
-                "supported",
-                style=lambda v: None if v else "firing",
-                table_text=lambda v: "yes" if v else "NO",
-            )
-        ]
+        sup = [Column("supported", style=lambda v: None if v else "firing", table_text=lambda v: "yes" if v else "NO")]
         columns = [
             Column("shown" if table else "name", "name"),
             Column("kind"),

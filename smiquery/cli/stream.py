@@ -417,8 +417,7 @@ def stream(
     ctx: typer.Context,
     fields: StreamFieldsOpt = None,
     interval: Annotated[
-        str,
-        typer.Option("--interval", "-l", metavar="DURATION", help="Time between samples: 1, 0.5, 250ms, 2s."),
+        str, typer.Option("--interval", "-l", metavar="DURATION", help="Time between samples: 1, 0.5, 250ms, 2s.")
     ] = "1",
     gpus: GpusOpt = None,
     fmt: StreamFormatOpt = None,
@@ -653,11 +652,7 @@ def _open_replay(
 
 
 def _open_live(
-    settings: Settings,
-    fields: str | None,
-    rule_fields: tuple[Field, ...],
-    ids: tuple[str, ...] | None,
-    seconds: float,
+    settings: Settings, fields: str | None, rule_fields: tuple[Field, ...], ids: tuple[str, ...] | None, seconds: float
 ) -> tuple[SampleSource, tuple[Field, ...], str]:
     """One long-lived nvidia-smi as a source (its restart backoff ends when it is closed), its fields, a title."""
     from smiquery.streams.sync import Stream

@@ -64,12 +64,7 @@ def _row(g: FleetGpu, with_name: bool, with_pod: bool) -> list[str]:
 
 
 def render_screen(
-    gpus: Sequence[FleetGpu],
-    cols: int,
-    lines: int,
-    title: str,
-    total: int | None = None,
-    view: Viewport | None = None,
+    gpus: Sequence[FleetGpu], cols: int, lines: int, title: str, total: int | None = None, view: Viewport | None = None
 ) -> list[str]:
     """One screen: ``title``, the table cut to ``lines`` and ``cols`` (0: no limit), and what was left out.
 
@@ -139,8 +134,7 @@ def top(
     ] = None,
     pod: Annotated[str | None, typer.Option("--pod", metavar="REGEX", help="Only GPUs of these pods.")] = None,
     idle: Annotated[
-        bool,
-        typer.Option("--idle", help="Only GPUs under 5% utilization for the last 30 min while holding memory."),
+        bool, typer.Option("--idle", help="Only GPUs under 5% utilization for the last 30 min while holding memory.")
     ] = False,
     once: Annotated[
         bool, typer.Option("--once", help="One screen, then exit (piped, or --format csv/json: always one).")
