@@ -71,6 +71,7 @@ _ERROR_REASONS = frozenset({"gpu_lost", "gpu_requires_reset", "unknown_error"})
 # Control characters a cell shows as ``?`` (as ps does): a newline or tab in a command line would break the table.
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_TOKEN_RE = re.compile(f"{_ANSI_RE.pattern}|.", re.DOTALL)  # a colour code, or one character
 CellState = Literal["firing", "pending", "ok"]
 # Narrow tables leave out the identity columns first, in this order (then see drop_order).
 _IDENTITY = ("uuid", "pci.bus_id", "serial", "vbios_version", "driver_version")
@@ -111,22 +112,14 @@ def clip(line: str, width: int) -> str:
         return line
     out: list[str] = []
     shown = 0
-    i = 0
-    coloured = False
-    while i < len(line) and shown < width - 1:
-        m = _ANSI_RE.match(line, i)
-        if m:
-            out.append(m.group(0))
-            coloured = True
-            i = m.end()
-            continue
-        out.append(line[i])
-        shown += 1
-        i += 1
-    out.append("…")
-    if coloured:
-        out.append(_RESET)
-    return "".join(out)
+    for token in _TOKEN_RE.findall(line):
+        if shown >= width - 1:
+            break
+        out.append(token)
+        if len(token) == 1:
+            shown += 1
+    coloured = any(len(token) > 1 for token in out)
+    return "".join(out) + "…" + (_RESET if coloured else "")
 
 
 def render_table(
