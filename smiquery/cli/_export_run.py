@@ -85,11 +85,8 @@ def run_export(opts: dict[str, Any]) -> int:
     """Serve until SIGTERM (returns 143) or SIGINT (130); errors propagate to the caller's boundary.
 
     ``opts``: the ``export`` command's parameters by name, checked, JSON-safe (paths as text), plus ``labels``,
-    ``alerts`` and ``debug``.
-
-    Raises:
-        UsageError: an address that cannot be listened on, unloadable TLS files, a missing k8s extra.
-        SmiqueryError: the port is taken, nvidia-smi is missing, ...
+    ``alerts`` and ``debug``. An address that cannot be listened on, unloadable TLS files or web config and a
+    missing k8s extra are UsageErrors.
     """
     from smiquery import exporter as exporter_mod
     from smiquery.exporter.events import json_line

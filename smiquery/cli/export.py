@@ -1,8 +1,7 @@
 """``smiquery export``: serve Prometheus metrics from one background nvidia-smi loop.
 
-Errors go through the one boundary (exit 1: the port is taken or the exporter cannot run; 2: a bad option, a
---bind address not on this machine included; 3: no nvidia-smi; 143/130 after SIGTERM/SIGINT). Run as its own
-process, the command hands its parsed options to :mod:`smiquery.cli._export_run` with ``os.execv``.
+Every bad option is a usage error (exit 2) before anything runs; run as its own process, the command hands its
+parsed options to :mod:`smiquery.cli._export_run` with ``os.execv``.
 """
 
 from __future__ import annotations
