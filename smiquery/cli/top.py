@@ -180,6 +180,7 @@ def top(
     while holding at least 1 GiB; LOST: reported in the last 30 minutes but not now.
     """
     with boundary(settings_of(ctx).debug):
+        from smiquery.errors import PrometheusError
         from smiquery.fleet import PrometheusClient, filter_gpus, load_http_config, parse_time, snapshot, sort_gpus
         from smiquery.fleet.client import DEFAULT_MAX_ANSWER_BYTES
         from smiquery.fleet.naming import check_regex
@@ -202,10 +203,8 @@ def top(
                     try:
                         every = snapshot(client, namings=naming, at=when, node=node)
                         error = ""
-                    except Exception as exc:
-                        from smiquery.errors import PrometheusError
-
-                        if not live or not isinstance(exc, PrometheusError):
+                    except PrometheusError as exc:
+                        if not live:
                             raise
                         every, error = [], str(exc)
                     filtered = filter_gpus(every, namespace=namespace, pod=pod, idle=idle)
