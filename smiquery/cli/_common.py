@@ -65,10 +65,7 @@ def settings_of(ctx: typer.Context) -> Settings:
 
 
 def seconds_option(what: str, help_text: str, *, off: bool = False) -> typer.models.OptionInfo:
-    """A typer option (for ``Annotated``) that takes a duration: 5, 0.5, 250ms, 2s, 1m; ``what`` names it.
-
-    With ``off``, ``0`` and ``off`` are 0.0.
-    """
+    """A typer option (for ``Annotated``) taking a duration: 5, 0.5, 250ms, 2s, 1m (``off``: 0 and off are 0.0)."""
 
     def parse(text: str | float) -> float:
         if isinstance(text, (int, float)):

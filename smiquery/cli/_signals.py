@@ -1,8 +1,7 @@
 """What the long-running commands (``stream``, ``ps --watch``, ``export``) share: signals and a reader thread.
 
-SIGINT and SIGTERM set one flag and give one exit code. A reader thread blocks on nvidia-smi and hands its items
-over through a queue (with the keys typed on a live view, as str), so the main thread stays free to redraw, keep
-time and react to signals.
+A reader thread blocks on nvidia-smi and hands its items over through a queue (with the keys typed on a live view,
+as str), so the main thread stays free to redraw, keep time and react to signals.
 """
 
 from __future__ import annotations

@@ -122,8 +122,7 @@ def _gpu_lines(
 ) -> tuple[str, list[list[str]], list[str]]:
     """The title line, each GPU's lines fitted to ``cols`` (0: any; processes after or under), the fields left out.
 
-    ``marks`` a state per row (``LOST``, ``stale 3s``: a state column when any has one); ``procs`` (None: not shown)
-    each GPU's processes; ``uuid`` keeps the UUID, otherwise shown only 200 columns wide or more.
+    ``marks``: a state per row (a state column when any); ``uuid`` keeps the UUID at under 200 columns.
     """
     columns = _columns(samples, fields, cells, styles, marks)
     if not (uuid or cols <= 0 or cols >= 200):
@@ -424,10 +423,7 @@ def _ranges(keys: Sequence[object]) -> str:
 
 
 def process_label(proc: GpuProcess, user: str | None) -> str:
-    """``user/command(memory)`` as gpustat shows a process (:data:`UNKNOWN_USER` for a user not known).
-
-    A newline or tab in the name the driver recorded becomes a space: one process is one line.
-    """
+    """``user/command(memory)`` as gpustat shows a process, on one line (:data:`UNKNOWN_USER`: a user not known)."""
     name = " ".join(proc.process_name.split()) or "?"
     command = os.path.basename(name.split(" ", 1)[0]) or name
     memory = f"{proc.used_memory}MiB" if proc.used_memory is not None else "n/a"

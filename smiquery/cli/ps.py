@@ -143,10 +143,10 @@ PsSort = Literal["sm", "mem", "fb", "pid", "gpu"]
 
 
 def _pmon_reason(exc: BaseException) -> str:
-    """What went wrong, in nvidia-smi's own words where it printed some.
+    """What went wrong, in nvidia-smi's own words: the first line of its output that is no header (``#``) or row.
 
-    pmon's rows hold no ``", "``, so the runner keeps them among the message lines it quotes; the message is the
-    first line that is neither a header (``#``) nor a row (rows start with blanks or digits).
+    (pmon's rows hold no ``", "``, so the runner keeps them among the lines it quotes; rows start with blanks or
+    digits.)
     """
     if isinstance(exc, StreamEndedError) and exc.returncode == 0 and not exc.output.strip():
         return "nvidia-smi pmon ended by itself"
@@ -188,8 +188,7 @@ def _final_error(exc: BaseException) -> BaseException:
 class _PmonLines:
     """A pmon child's lines; once it said pmon is unsupported, the end of its output is a NotSupportedError.
 
-    Some drivers print ``Not supported on the device(s)`` and may exit 0 or 255, which the stream would take
-    for a failure worth a restart; this makes it the error it is, whatever the exit status.
+    (Some drivers print ``Not supported on the device(s)`` and exit 0 or 255: no failure worth a restart.)
     """
 
     def __init__(self, inner: LineSource) -> None:
@@ -224,10 +223,7 @@ def _pmon_runner() -> Runner:
 
 
 def _event_line(event: StreamEvent) -> str | None:
-    """The line for a pmon restart (with the error behind it), recovery or dropped line.
-
-    "error" events are told by the restart that follows them, or by the command's error line.
-    """
+    """The line for a pmon restart (with the error behind it), recovery or dropped line; none for an error."""
     if event.kind == "restart":
         found = _DELAY.search(event.detail)
         when = f" in {float(found.group(1)):.1f} s" if found else ""
@@ -446,10 +442,9 @@ class _Merge:
 
 
 def _gpu_groups(ids: tuple[str, ...] | None, settings: Settings) -> list[tuple[str, ...] | None]:
-    """The GPUs of each pmon child: 4 at most each (pmon's limit), so that every GPU is watched.
+    """The GPUs of each pmon child, 4 at most (pmon's limit); [None] (pmon's default: all) for up to 4 GPUs.
 
-    Without ``--gpus``, the GPUs are listed first; on a machine with at most 4 (or when listing fails, which the
-    child then reports with its typed error) one child watches pmon's default, all of them.
+    Without ``--gpus`` the GPUs are listed first; when that fails, the one child reports it with its typed error.
     """
     if not ids:
         from smiquery.errors import SmiqueryError

@@ -99,10 +99,9 @@ class EventPrinter:
 
 
 class XidNotes:
-    """``--kernel-log``: among the stream's writers, it keeps each GPU's newest sample and turns Xids into lines.
+    """``--kernel-log``: a writer keeping each GPU's newest sample, that turns the kernel log's Xids into lines.
 
-    nvidia-smi never reports Xids; the kernel log says why a GPU fell off the bus. The follower's thread names the
-    GPU by the ``pci.bus_id`` of its last sample; ``note`` takes each line. Closing it stops the watcher.
+    nvidia-smi never reports Xids; an Xid names its GPU by the PCI address of a sample. Closing stops following.
     """
 
     def __init__(self, note: Callable[[str], None]) -> None:
@@ -315,7 +314,7 @@ class _Run:
             fired = self.take_sample(sample, now) or fired
         self.sweeps += 1
         if self.processes is not None:
-            self.processes.start()  # with the first sweep; once
+            self.processes.start()  # once, with the first sweep: its nvidia-smi calls do not slow the start
         if self.live is not None:
             self.live.update(sweep, now)
             if time.monotonic() - self.last_draw >= 0.1:
@@ -710,10 +709,7 @@ _LIVE_HEALTH = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pend
 def _live_processes(
     live: LiveTable, settings: Settings, ids: Sequence[str] | None, seconds: float
 ) -> Latest[dict[int, list[str]]]:
-    """The poller of the live table's processes: ``--query-compute-apps`` every 2 s (or the interval if longer).
-
-    It is started with the first sweep (its nvidia-smi calls do not slow the stream's start).
-    """
+    """The poller of the live table's processes: ``--query-compute-apps`` every 2 s (or the interval if longer)."""
     from smiquery.cli.gpuview import process_label
     from smiquery.cli.ps import ProcCache
     from smiquery.sources.apps import processes
