@@ -279,22 +279,19 @@ def render(
         raise ValueError(f"unknown format {fmt!r}; use table, csv, jsonl or json")
     if fmt == "table" and not records and empty:
         return empty + "\n"
+    to_json: Callable[[Any], dict[str, object]] = sample_to_json if columns is None else _plain_json
+    if fmt == "json":
+        return json.dumps([to_json(r) for r in records], indent=2) + "\n"
+    if fmt == "jsonl":
+        return "".join(json.dumps(to_json(r)) + "\n" for r in records)
     if columns is None:
         samples: list[GpuSample] = list(records)  # type: ignore[arg-type]
         if fields is None:
             fields = tuple(get_field(n) for n in samples[0].fields) if samples else ()
-        if fmt == "json":
-            return json.dumps([sample_to_json(s) for s in samples], indent=2) + "\n"
-        if fmt == "jsonl":
-            return "".join(json.dumps(sample_to_json(s), separators=(", ", ": ")) + "\n" for s in samples)
         if fmt == "csv":
             return "".join([header_line(fields) + "\n", *(format_row(s, fields, units=True) + "\n" for s in samples)])
         return "".join(line + "\n" for line in sample_table(samples, fields, color=color, width=width))
     plain: Sequence[Mapping[str, Any]] = records
-    if fmt == "json":
-        return json.dumps([_plain_json(r) for r in plain], indent=2) + "\n"
-    if fmt == "jsonl":
-        return "".join(json.dumps(_plain_json(r)) + "\n" for r in plain)
     if fmt == "csv":
         lines = [", ".join(c.heading for c in columns)]
         lines += [", ".join(_csv_cell(r.get(c.key), c.unit) for c in columns) for r in plain]
