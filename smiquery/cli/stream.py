@@ -541,8 +541,16 @@ def stream(
             raise UsageError("--tz goes with --replay: live samples carry this machine's own time zone")
         if replay is not None:
             source, flds, title = _open_replay(replay, fields, rule_fields, ids, speed=speed, loop=loop, tz=tz)
-        else:
-            source, flds, title = _open_live(settings, fields, rule_fields, ids, seconds)
+        else:  # one long-lived nvidia-smi (its restart backoff ends when it is closed)
+            from smiquery.streams.sync import Stream
+
+            names = [f.name for f in parse_fields(fields, rule_fields)]
+            stall = max(settings.timeout, 3 * seconds)
+            retry = RetryPolicy(fail_fast=True)
+            source = Stream(
+                names, interval=seconds, gpus=ids, nvidia_smi=settings.nvidia_smi, stall_timeout=stall, retry=retry
+            )
+            flds, title = source.fields, f"smiquery stream · every {seconds:g} s · {source.argv[0]}"
         run = _open_outputs(source, flds, fmt, title, rules, stale_after=max(5.0, 3 * seconds))
         run.exit_on_alert = exit_on_alert
         if output is not None:
@@ -648,24 +656,6 @@ def _open_replay(
         raise UsageError(str(exc)) from None
     title = f"smiquery stream · replay {path.name} at {speed:g}x" if speed else f"replay {path.name}"
     return replayed, replayed.fields, title
-
-
-def _open_live(
-    settings: Settings, fields: str | None, rule_fields: tuple[Field, ...], ids: tuple[str, ...] | None, seconds: float
-) -> tuple[SampleSource, tuple[Field, ...], str]:
-    """One long-lived nvidia-smi as a source (its restart backoff ends when it is closed), its fields, a title."""
-    from smiquery.streams.sync import Stream
-
-    flds = parse_fields(fields, rule_fields)
-    live_source = Stream(
-        [f.name for f in flds],
-        interval=seconds,
-        gpus=ids,
-        nvidia_smi=settings.nvidia_smi,
-        stall_timeout=max(settings.timeout, 3 * seconds),
-        retry=RetryPolicy(fail_fast=True),
-    )
-    return live_source, live_source.fields, f"smiquery stream · every {seconds:g} s · {live_source.argv[0]}"
 
 
 def _open_outputs(
