@@ -140,8 +140,7 @@ def _root(
     ctx: typer.Context,
     nvidia_smi: NvidiaSmiOpt = None,
     timeout: Annotated[
-        float,
-        typer.Option("--timeout", metavar="SECONDS", min=0.1, help="Seconds before an nvidia-smi call counts as hung."),
+        float, typer.Option(metavar="SECONDS", min=0.1, help="Seconds before an nvidia-smi call counts as hung.")
     ] = 10.0,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
     version: Annotated[

@@ -224,13 +224,12 @@ def plot(
         str | None,
         typer.Option("--gpus", "--id", "-i", metavar="0,5", help="Only these GPUs: indices, UUIDs or PCI bus ids."),
     ] = None,
-    width: Annotated[float, typer.Option("--width", min=4.0, help="Width in inches.")] = 12.0,
-    dpi: Annotated[int, typer.Option("--dpi", min=50, max=600, help="Resolution.")] = 100,
+    width: Annotated[float, typer.Option(min=4.0, help="Width in inches.")] = 12.0,
+    dpi: Annotated[int, typer.Option(min=50, max=600, help="Resolution.")] = 100,
     tz: TzOpt = None,
     layout: Annotated[
         PlotLayout,
         typer.Option(
-            "--layout",
             case_sensitive=False,
             help="overlay: every GPU a line in one panel per field (mean per pixel, min-max band); multiples: one "
             "small panel per GPU per field (same scales); heatmap: one panel per field, a row per GPU; auto: overlay "
@@ -287,17 +286,16 @@ def report(
     ] = "text",
     alert: AlertOpt = None,
     min_stall: Annotated[
-        str,
-        typer.Option("--min-stall", metavar="DURATION", help="Shortest stretch under 20% utilization called a stall."),
+        str, typer.Option(metavar="DURATION", help="Shortest stretch under 20% utilization called a stall.")
     ] = "30s",
     stall_utilization: Annotated[
-        float, typer.Option("--stall-utilization", min=0, max=100, help="Utilization (%) under which a GPU stalls.")
+        float, typer.Option(min=0, max=100, help="Utilization (%) under which a GPU stalls.")
     ] = 20.0,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", metavar="FILE", help="Write the report here, not stdout.")
     ] = None,
     fail_on: Annotated[
-        FailOn, typer.Option("--fail-on", help="Exit 6 when a finding of this severity (or worse) is found.")
+        FailOn, typer.Option(help="Exit 6 when a finding of this severity (or worse) is found.")
     ] = "never",
     fields: Annotated[
         str | None,
@@ -322,7 +320,6 @@ def report(
     html: Annotated[
         Path | None,
         typer.Option(
-            "--html",
             metavar="FILE",
             help="Also write one self-contained HTML page (findings, tables and the plot inlined; loads nothing "
             "from the network) to share in a ticket or a browser. The plot needs matplotlib.",

@@ -104,8 +104,7 @@ def inspect_cmd(
         Literal["text", "json"], typer.Option("--format", "-o", help="text (a summary per GPU) or json (every value).")
     ] = "text",
     xml: Annotated[
-        Path | None,
-        typer.Option("--xml", metavar="FILE", help="Read a saved `nvidia-smi -q -x` file instead of running it."),
+        Path | None, typer.Option(metavar="FILE", help="Read a saved `nvidia-smi -q -x` file instead of running it.")
     ] = None,
 ) -> None:
     """Details `--query-gpu` cannot give (runs `nvidia-smi -q -x`: 0.4-6 s on big servers).

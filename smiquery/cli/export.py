@@ -66,7 +66,7 @@ def export(
         str | None, typer.Option(help="Only these GPUs: indices, UUIDs or PCI bus ids, comma list.")
     ] = None,
     label: Annotated[
-        list[str] | None, typer.Option("--label", help="Constant label key=value on every series (repeat for more).")
+        list[str] | None, typer.Option(help="Constant label key=value on every series (repeat for more).")
     ] = None,
     naming: Annotated[
         Naming,
@@ -75,16 +75,13 @@ def export(
             help="smiquery: base units; dcgm: the DCGM exporter's names and labels; nvidia_smi: nvidia_gpu_exporter's.",
         ),
     ] = "smiquery",
-    processes: Annotated[
-        bool, typer.Option("--processes/--no-processes", help="Also export per-process GPU memory.")
-    ] = False,
+    processes: Annotated[bool, typer.Option(help="Also export per-process GPU memory.")] = False,
     processes_interval: Annotated[
         float, seconds_option("--processes-interval", "Seconds between process listings.")
     ] = 15.0,
     top_processes: Annotated[
         int,
         typer.Option(
-            "--top-processes",
             min=0,
             help="Also run nvidia-smi pmon and export the N busiest processes per GPU (SM and memory use, GPU "
             "memory; one 'other' series sums the rest). 0: off, no pmon at all.",
@@ -93,7 +90,6 @@ def export(
     top_processes_by: Annotated[
         TopBy,
         typer.Option(
-            "--top-processes-by",
             case_sensitive=False,
             help="Label --top-processes series by process name (bounded: the processes of one name are summed) or "
             "by pid (one series per process, with pid and user labels: every new pid is a new series).",
@@ -108,18 +104,16 @@ def export(
     alert: Annotated[
         list[str] | None,
         typer.Option(
-            "--alert",
             help="smiquery alert rule evaluated on every sample, exported as smiquery_alert_firing{alert=RULE} "
             "(repeat; 'none' for none), beside the default rule 'temperature.gpu > 85 for 3' that the shipped "
-            "GpuTemperatureCritical matches.",
+            "GpuTemperatureCritical matches."
         ),
     ] = None,
     default_alerts: Annotated[
         bool,
         typer.Option(
-            "--default-alerts/--no-default-alerts",
             help="Evaluate the default rule 'temperature.gpu > 85 for 3' whatever --alert says. Turning it off "
-            "silences GpuTemperatureCritical (SmiqueryDefaultAlertMissing says so).",
+            "silences GpuTemperatureCritical (SmiqueryDefaultAlertMissing says so)."
         ),
     ] = True,
     log_format: Annotated[
@@ -130,41 +124,35 @@ def export(
         seconds_option("--stale-after", "Seconds after which data counts as stale (default: max(3 x interval, 15))."),
     ] = None,
     nvidia_smi: Annotated[
-        str | None, typer.Option("--nvidia-smi", help="Path of nvidia-smi (default: the global option, PATH).")
+        str | None, typer.Option(help="Path of nvidia-smi (default: the global option, PATH).")
     ] = None,
     kubernetes: Annotated[
         bool,
         typer.Option(
-            "--kubernetes/--no-kubernetes",
             help="Say which pod holds each GPU (kubelet pod-resources API): smiquery_gpu_allocation_info, pod "
-            "labels on GPUs one container holds. Needs the k8s extra.",
+            "labels on GPUs one container holds. Needs the k8s extra."
         ),
     ] = False,
     pod_resources_socket: Annotated[
-        str, typer.Option("--pod-resources-socket", help="The kubelet's pod-resources socket (with --kubernetes).")
+        str, typer.Option(help="The kubelet's pod-resources socket (with --kubernetes).")
     ] = "/var/lib/kubelet/pod-resources/kubelet.sock",
     kubernetes_processes: Annotated[
         bool,
         typer.Option(
-            "--kubernetes-processes/--no-kubernetes-processes",
             help="Also per-pod use of shared GPUs (process cgroups + the pods of this node from the Kubernetes API; "
-            "implies --kubernetes, --processes and --top-processes 16 or more; needs hostPID and RBAC list pods).",
+            "implies --kubernetes, --processes and --top-processes 16 or more; needs hostPID and RBAC list pods)."
         ),
     ] = False,
     slurm: Annotated[
         bool,
         typer.Option(
-            "--slurm/--no-slurm",
             help="Say which Slurm job holds each GPU (squeue and scontrol, on their own thread): "
             "smiquery_gpu_allocation_info, slurm_* labels on GPUs one job holds, per-job use and "
-            "smiquery_gpu_unallocated_use from process cgroups (implies --processes).",
+            "smiquery_gpu_unallocated_use from process cgroups (implies --processes)."
         ),
     ] = False,
     slurm_node: Annotated[
-        str | None,
-        typer.Option(
-            "--slurm-node", help="This node's Slurm name (default: SLURMD_NODENAME, else the short host name)."
-        ),
+        str | None, typer.Option(help="This node's Slurm name (default: SLURMD_NODENAME, else the short host name).")
     ] = None,
     slurm_interval: Annotated[
         float,
@@ -174,9 +162,7 @@ def export(
             "slurmctld answers every node).",
         ),
     ] = 10.0,
-    slurm_bin_dir: Annotated[
-        str | None, typer.Option("--slurm-bin-dir", help="Where squeue and scontrol are (default: PATH).")
-    ] = None,
+    slurm_bin_dir: Annotated[str | None, typer.Option(help="Where squeue and scontrol are (default: PATH).")] = None,
     details_interval: Annotated[
         float,
         seconds_option(
@@ -189,9 +175,8 @@ def export(
     kernel_log: Annotated[
         str,
         typer.Option(
-            "--kernel-log",
             help="Kernel log to count Xid errors from (smiquery_xid_errors_total): /dev/kmsg (needs CAP_SYSLOG or "
-            "root) or a plain file followed like tail -F. '': off.",
+            "root) or a plain file followed like tail -F. '': off."
         ),
     ] = "/dev/kmsg",
     version: Annotated[

@@ -437,18 +437,16 @@ def stream(
     rotate: Annotated[
         str | None,
         typer.Option(
-            "--rotate",
             metavar="SIZE|DURATION",
             help="--output: start a new file at this size (100MB, 1GB) or after this long (1h, 1d is 24h).",
         ),
     ] = None,
     keep: Annotated[
-        int | None, typer.Option("--keep", min=1, metavar="N", help="--rotate: keep the N newest rotated files.")
+        int | None, typer.Option(min=1, metavar="N", help="--rotate: keep the N newest rotated files.")
     ] = None,
     flush_every: Annotated[
         str,
         typer.Option(
-            "--flush-every",
             metavar="DURATION",
             help="--output: fsync this often (what a machine crash can lose; a killed smiquery loses no row).",
         ),
@@ -460,21 +458,18 @@ def stream(
     replay: Annotated[
         Path | None,
         typer.Option(
-            "--replay",
             metavar="FILE",
             help="Play a recording (.csv, .jsonl, .parquet) instead of running nvidia-smi; a quoted glob "
             "('run*.csv') plays a rotated set as one.",
         ),
     ] = None,
     speed: Annotated[
-        float,
-        typer.Option("--speed", min=0.0, metavar="X", help="Replay speed: 2 is twice as fast, 0 as fast as possible."),
+        float, typer.Option(min=0.0, metavar="X", help="Replay speed: 2 is twice as fast, 0 as fast as possible.")
     ] = 1.0,
     loop: Annotated[bool, typer.Option("--loop", help="Replay: start again at the end.")] = False,
     tz: Annotated[
         str | None,
         typer.Option(
-            "--tz",
             metavar="ZONE",
             help="Replay: the zone the recording was made in (Europe/Berlin, UTC). Times recorded without a zone "
             "(nvidia-smi's CSV) are shown as recorded unless ZONE names it; ones with a zone are converted to ZONE.",
@@ -505,7 +500,6 @@ def stream(
     on_alert: Annotated[
         list[str] | None,
         typer.Option(
-            "--on-alert",
             metavar="SPEC",
             help="Also hand each alert event to: log, webhook:URL (a POST of JSON), or snapshot:DIR (a folder per "
             "firing with nvidia-smi -q -x, the processes, the last minutes of samples and the alert); repeatable.",

@@ -127,12 +127,12 @@ def top(
     ],
     sort: Annotated[TopSort, typer.Option("--sort", "-s", case_sensitive=False, help="Order of rows.")] = "node",
     node: Annotated[
-        str | None, typer.Option("--node", metavar="REGEX", help="Only instances matching (anchored, as PromQL).")
+        str | None, typer.Option(metavar="REGEX", help="Only instances matching (anchored, as PromQL).")
     ] = None,
     namespace: Annotated[
-        str | None, typer.Option("--namespace", metavar="REGEX", help="Only GPUs of pods in these namespaces.")
+        str | None, typer.Option(metavar="REGEX", help="Only GPUs of pods in these namespaces.")
     ] = None,
-    pod: Annotated[str | None, typer.Option("--pod", metavar="REGEX", help="Only GPUs of these pods.")] = None,
+    pod: Annotated[str | None, typer.Option(metavar="REGEX", help="Only GPUs of these pods.")] = None,
     idle: Annotated[
         bool, typer.Option("--idle", help="Only GPUs under 5% utilization for the last 30 min while holding memory.")
     ] = False,
@@ -140,19 +140,14 @@ def top(
         bool, typer.Option("--once", help="One screen, then exit (piped, or --format csv/json: always one).")
     ] = False,
     fmt: Annotated[TopFormat, typer.Option("--format", "-F", case_sensitive=False, help="Output.")] = "table",
-    interval: Annotated[
-        float, typer.Option("--interval", min=0.5, metavar="SECONDS", help="Seconds between refreshes.")
-    ] = 5.0,
+    interval: Annotated[float, typer.Option(min=0.5, metavar="SECONDS", help="Seconds between refreshes.")] = 5.0,
     naming: Annotated[
         list[str] | None,
-        typer.Option(
-            "--naming", metavar="NAME", help="Read only this naming: smiquery, dcgm, nvidia_smi (default: detected)."
-        ),
+        typer.Option(metavar="NAME", help="Read only this naming: smiquery, dcgm, nvidia_smi (default: detected)."),
     ] = None,
     http_config: Annotated[
         Path | None,
         typer.Option(
-            "--http-config",
             metavar="FILE",
             dir_okay=False,
             help="Credentials and TLS as promtool's --http.config.file: authorization (bearer), basic_auth, "
@@ -162,15 +157,12 @@ def top(
     timeout: Annotated[
         float,
         typer.Option(
-            "--timeout",
-            min=0.1,
-            metavar="SECONDS",
-            help="Seconds for each whole answer (connect, headers and body together).",
+            min=0.1, metavar="SECONDS", help="Seconds for each whole answer (connect, headers and body together)."
         ),
     ] = 10.0,
-    max_answer: Annotated[int | None, typer.Option("--max-answer", metavar="MIB", min=1, help=MAX_ANSWER_HELP)] = None,
+    max_answer: Annotated[int | None, typer.Option(metavar="MIB", min=1, help=MAX_ANSWER_HELP)] = None,
     at: Annotated[
-        str | None, typer.Option("--at", metavar="TIME", help="Look at a past moment (Unix seconds, RFC 3339).")
+        str | None, typer.Option(metavar="TIME", help="Look at a past moment (Unix seconds, RFC 3339).")
     ] = None,
 ) -> None:
     """Every GPU of the fleet from Prometheus: node, GPU, model, utilization, memory, temperature, power, alerts.
