@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from smiquery.analysis import Report
 
-__all__ = ["MAX_ANSWER_HELP", "FailOn", "PlotLayout", "ReportFormat", "check_zone", "read_source", "register"]
+__all__ = ["FailOn", "PlotLayout", "ReportFormat", "check_zone", "read_source", "register"]
 
 #: Output formats of ``smiquery report``.
 ReportFormat = Literal["text", "json", "markdown", "summary"]
@@ -89,40 +89,30 @@ TzOpt = Annotated[
 ]
 
 
-_PANEL = "Fleet (instead of REC)"
-
+# The fleet instead of a recording (top takes --namespace and --max-answer too).
 PrometheusOpt = Annotated[
     str | None,
     typer.Option(
         "--prometheus",
         "-p",
         metavar="URL",
-        rich_help_panel=_PANEL,
         help="Read a time range of the fleet from this Prometheus server instead of a recording (with --start).",
     ),
 ]
 StartOpt = Annotated[
-    str | None,
-    typer.Option("--start", metavar="TIME", rich_help_panel=_PANEL, help="Start: Unix seconds, RFC 3339 or now-6h."),
+    str | None, typer.Option("--start", metavar="TIME", help="Start: Unix seconds, RFC 3339 or now-6h.")
 ]
-EndOpt = Annotated[str | None, typer.Option("--end", metavar="TIME", rich_help_panel=_PANEL, help="End (default now).")]
-NodeOpt = Annotated[
-    str | None,
-    typer.Option("--node", metavar="REGEX", rich_help_panel=_PANEL, help="Only instances matching (anchored)."),
-]
+EndOpt = Annotated[str | None, typer.Option("--end", metavar="TIME", help="End (default now).")]
+NodeOpt = Annotated[str | None, typer.Option("--node", metavar="REGEX", help="Only instances matching (anchored).")]
 NamespaceOpt = Annotated[
-    str | None,
-    typer.Option("--namespace", metavar="REGEX", rich_help_panel=_PANEL, help="Only GPUs of pods in these namespaces."),
+    str | None, typer.Option("--namespace", metavar="REGEX", help="Only GPUs of pods in these namespaces.")
 ]
-PodOpt = Annotated[
-    str | None, typer.Option("--pod", metavar="REGEX", rich_help_panel=_PANEL, help="Only GPUs of these pods (a job).")
-]
+PodOpt = Annotated[str | None, typer.Option("--pod", metavar="REGEX", help="Only GPUs of these pods (a job).")]
 SlurmJobOpt = Annotated[
     str | None,
     typer.Option(
         "--slurm-job",
         metavar="ID",
-        rich_help_panel=_PANEL,
         help="Only the GPUs this Slurm job held, over the job's own time range (from `export --slurm`'s series; "
         "--start then only bounds the search, default 30 days back).",
     ),
@@ -133,18 +123,18 @@ HttpConfigOpt = Annotated[
         "--http-config",
         metavar="FILE",
         dir_okay=False,
-        rich_help_panel=_PANEL,
         help="Credentials and TLS for --prometheus, as promtool's --http.config.file.",
     ),
 ]
-
-#: Also the help of ``smiquery top --max-answer``.
-MAX_ANSWER_HELP = (
-    "Largest answer to read from --prometheus, in MiB (default 512, room for a range of thousands of GPUs); a "
-    "larger one is an error, read no further."
-)
 MaxAnswerOpt = Annotated[
-    int | None, typer.Option("--max-answer", metavar="MIB", min=1, rich_help_panel=_PANEL, help=MAX_ANSWER_HELP)
+    int | None,
+    typer.Option(
+        "--max-answer",
+        metavar="MIB",
+        min=1,
+        help="Largest answer to read from --prometheus, in MiB (default 512, room for a range of thousands of GPUs); "
+        "a larger one is an error, read no further.",
+    ),
 ]
 
 

@@ -19,7 +19,7 @@ import typer
 from smiquery.cli._boundary import boundary
 from smiquery.cli._common import app, settings_of
 from smiquery.cli._signals import Signals
-from smiquery.cli.analysis import MAX_ANSWER_HELP
+from smiquery.cli.analysis import MaxAnswerOpt, NamespaceOpt
 from smiquery.cli.keys import KeyReader, Viewport
 
 if TYPE_CHECKING:
@@ -129,9 +129,7 @@ def top(
     node: Annotated[
         str | None, typer.Option(metavar="REGEX", help="Only instances matching (anchored, as PromQL).")
     ] = None,
-    namespace: Annotated[
-        str | None, typer.Option(metavar="REGEX", help="Only GPUs of pods in these namespaces.")
-    ] = None,
+    namespace: NamespaceOpt = None,
     pod: Annotated[str | None, typer.Option(metavar="REGEX", help="Only GPUs of these pods.")] = None,
     idle: Annotated[
         bool, typer.Option("--idle", help="Only GPUs under 5% utilization for the last 30 min while holding memory.")
@@ -160,7 +158,7 @@ def top(
             min=0.1, metavar="SECONDS", help="Seconds for each whole answer (connect, headers and body together)."
         ),
     ] = 10.0,
-    max_answer: Annotated[int | None, typer.Option(metavar="MIB", min=1, help=MAX_ANSWER_HELP)] = None,
+    max_answer: MaxAnswerOpt = None,
     at: Annotated[
         str | None, typer.Option(metavar="TIME", help="Look at a past moment (Unix seconds, RFC 3339).")
     ] = None,
