@@ -89,7 +89,6 @@ NvidiaSmiOpt = Annotated[
         "--nvidia-smi",
         metavar="PATH",
         help="The nvidia-smi to run (default: $SMIQUERY_NVIDIA_SMI, then PATH, then the usual places).",
-        show_default=False,
     ),
 ]
 
@@ -101,7 +100,6 @@ def fields_option(more: str = "") -> Any:
         "-f",
         metavar="PRESET|a,b,c",
         help=f"A preset ({', '.join(PRESETS)}) or a comma list of nvidia-smi field names. [default: default]{more}",
-        show_default=False,
     )
 
 
@@ -114,15 +112,10 @@ GpusOpt = Annotated[
         "-i",
         metavar="0,1|UUID|BUS_ID",
         help="Only these GPUs: indices, UUIDs or PCI bus ids, comma separated. [default: all]",
-        show_default=False,
     ),
 ]
 _FORMAT = typer.Option(
-    "--format",
-    "-F",
-    help="Output format. [default: table on a terminal, csv otherwise]",
-    show_default=False,
-    case_sensitive=False,
+    "--format", "-F", help="Output format. [default: table on a terminal, csv otherwise]", case_sensitive=False
 )
 FormatOpt = Annotated[Format | None, _FORMAT]
 StreamFormatOpt = Annotated[StreamFormat | None, _FORMAT]

@@ -182,12 +182,7 @@ def export(
     version: Annotated[
         bool,
         typer.Option(
-            "--version",
-            "-V",
-            callback=version_callback,
-            is_eager=True,
-            help="Print smiquery's version and exit.",
-            show_default=False,
+            "--version", "-V", callback=version_callback, is_eager=True, help="Print smiquery's version and exit."
         ),
     ] = False,
 ) -> None:

@@ -609,7 +609,6 @@ def ps(
             metavar="DURATION",
             help="--watch: time between refreshes: 1, 2s, 5 (pmon refreshes every 1 to 10 whole seconds; a shorter "
             "or fractional one is rounded up, with a note). [default: 1]",
-            show_default=False,
         ),
     ] = None,
     duration: Annotated[
@@ -626,7 +625,6 @@ def ps(
             "-s",
             case_sensitive=False,
             help="--watch: order by sm, mem, fb (GPU memory; these busiest first), pid or gpu. [default: sm]",
-            show_default=False,
         ),
     ] = None,
 ) -> None:

@@ -355,7 +355,6 @@ KernelLogOpt = Annotated[
         help="Also follow the kernel log (/dev/kmsg, needs root or CAP_SYSLOG; or a file such as "
         "/var/log/kern.log) and print each NVIDIA Xid error logged from now on: the GPU, the code, what it means "
         "and what to do; only lines the kernel wrote count. Adds pci.bus_id to the queried fields.",
-        show_default=False,
     ),
 ]
 
