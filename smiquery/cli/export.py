@@ -47,7 +47,7 @@ Examples:
 """
 
 
-@app.command("export", epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@app.command("export", epilog=_EPILOG)
 def export(
     ctx: typer.Context,
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 9849,
