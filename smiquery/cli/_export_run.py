@@ -24,7 +24,7 @@ from smiquery.errors import ListenError, SmiqueryError, UsageError
 if TYPE_CHECKING:
     from smiquery.attribution import Attribution
 
-__all__ = ["MODULES_ENV", "LogFormat", "Naming", "TopBy", "hand_off", "process_entry", "run_export"]
+__all__ = ["MODULES_ENV", "LogFormat", "Naming", "TopBy", "hand_off", "invalid", "process_entry", "run_export"]
 
 # The exporter's own choices, spelled here: the exporter needs prometheus_client, which `smiquery --help` must not
 # import (tests/cli/test_export.py checks that they are the exporter's).
@@ -45,7 +45,7 @@ _ALL_INTERFACES = {"0.0.0.0", "::", "[::]"}
 process_entry = False
 
 
-def _invalid(option: str, message: str) -> UsageError:
+def invalid(option: str, message: str) -> UsageError:
     """A usage error worded as typer words its own (``Invalid value for '--bind': ...``), exit 2."""
     return UsageError(f"Invalid value for '{option}': {message}")
 
@@ -71,13 +71,13 @@ def _attribution(opts: dict[str, Any]) -> Attribution | None:
             from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
         except ImportError as exc:
             missing = f"needs the k8s extra ({exc.name} is missing): pip install 'smiquery[k8s]'"
-            raise _invalid("--kubernetes", missing) from None
+            raise invalid("--kubernetes", missing) from None
         pods = PodDirectory(max(opts["interval"], 15.0)) if opts["kubernetes_processes"] else None
         backend = KubernetesBackend(opts["pod_resources_socket"], pods=pods)
     try:
         check_labels(backend, opts["labels"])
     except ValueError as exc:
-        raise _invalid("--label", str(exc)) from None
+        raise invalid("--label", str(exc)) from None
     return Attribution(backend, interval=interval, nvidia_smi=opts["nvidia_smi"])
 
 
@@ -103,7 +103,7 @@ def run_export(opts: dict[str, Any]) -> int:
         try:
             web = exporter_mod.load_web_config(opts["web_config_file"])
         except SmiqueryError as exc:
-            raise _invalid("--web-config-file", str(exc)) from None
+            raise invalid("--web-config-file", str(exc)) from None
     served = inspect.signature(exporter_mod.serve).parameters  # the options of the same name go as they are
     given = {name: value for name, value in opts.items() if name in served}
     given.update(processes=processes, top_processes=top_processes, web_config=web, attribution=attribution)
@@ -111,12 +111,12 @@ def run_export(opts: dict[str, Any]) -> int:
         exp = exporter_mod.serve(**given)
     except ListenError as exc:
         if exc.option == "--bind":
-            raise _invalid("--bind", str(exc)) from None
+            raise invalid("--bind", str(exc)) from None
         raise
     except SmiqueryError:
         raise
     except OSError as exc:  # unreadable or mismatched TLS files (ssl.SSLError is an OSError)
-        raise _invalid("--tls-cert/--tls-key/--client-ca", f"cannot load them: {exc}") from None
+        raise invalid("--tls-cert/--tls-key/--client-ca", f"cannot load them: {exc}") from None
 
     def tell(text: str, level: int, event: str, **fields: Any) -> None:
         as_json = opts["log_format"] == "json"

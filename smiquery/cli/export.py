@@ -15,7 +15,7 @@ import typer
 import smiquery.cli._export_run as export_run
 from smiquery.cli._boundary import boundary
 from smiquery.cli._common import app, seconds_option, settings_of, version_callback
-from smiquery.cli._export_run import LogFormat, Naming, TopBy, hand_off, run_export
+from smiquery.cli._export_run import LogFormat, Naming, TopBy, hand_off, invalid, run_export
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError, SmiqueryError
 from smiquery.fields import resolve_fields
 from smiquery.streams.argv import normalize_gpus
@@ -215,10 +215,6 @@ def export(
         raise typer.Exit(code)
 
 
-def _bad(option: str, message: str) -> typer.BadParameter:
-    return typer.BadParameter(message, param_hint=f"'{option}'")
-
-
 def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
     """Every bad option is a usage error (exit 2) before anything runs; returns the labels and the alert rules.
 
@@ -226,37 +222,37 @@ def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
     """
     for name in ("interval", "processes_interval", "stale_after", "slurm_interval"):
         if p[name] is not None and p[name] <= 0:
-            raise _bad(f"--{name.replace('_', '-')}", "must be a positive number of seconds")
+            raise invalid(f"--{name.replace('_', '-')}", "must be a positive number of seconds")
     if not p["bind"].strip():
-        raise _bad("--bind", "must be an address such as 127.0.0.1")
+        raise invalid("--bind", "must be an address such as 127.0.0.1")
     try:
         if p["fields"] != "supported":
             resolve_fields(p["fields"])
     except InvalidFieldError as exc:
-        raise _bad("--fields", str(exc)) from None
+        raise invalid("--fields", str(exc)) from None
     try:
         normalize_gpus(p["gpus"])
     except InvalidGpuIdError as exc:
-        raise _bad("--gpus", str(exc)) from None
+        raise invalid("--gpus", str(exc)) from None
     if (p["tls_cert"] is None) != (p["tls_key"] is None):
-        raise _bad("--tls-cert/--tls-key", "HTTPS needs both --tls-cert and --tls-key")
+        raise invalid("--tls-cert/--tls-key", "HTTPS needs both --tls-cert and --tls-key")
     if p["client_ca"] is not None and p["tls_cert"] is None:
-        raise _bad("--client-ca", "client certificates need HTTPS: add --tls-cert and --tls-key")
+        raise invalid("--client-ca", "client certificates need HTTPS: add --tls-cert and --tls-key")
     if p["web_config_file"] is not None and p["tls_cert"] is not None:
-        raise _bad("--web-config-file", "give TLS either in --web-config-file or as --tls-cert/--tls-key")
+        raise invalid("--web-config-file", "give TLS either in --web-config-file or as --tls-cert/--tls-key")
     from smiquery import exporter as exporter_mod  # needs prometheus_client: after the checks that do not
     from smiquery.alerts import Rule
 
     if p["slurm"] and (p["kubernetes"] or p["kubernetes_processes"]):
-        raise _bad("--slurm", "give either --kubernetes or --slurm, not both")
+        raise invalid("--slurm", "give either --kubernetes or --slurm, not both")
     try:
         labels = exporter_mod.parse_labels(p["label"])
     except ValueError as exc:
-        raise _bad("--label", str(exc)) from None
+        raise invalid("--label", str(exc)) from None
     taken = sorted({"command", "user"} & set(labels)) if p["top_processes"] else []
     if taken:
         message = f"label name {taken[0]!r} is set by the exporter itself with --top-processes; pick another name"
-        raise _bad("--label", message)
+        raise invalid("--label", message)
     rules: list[str] | None = None
     if p["alert"]:
         rules = [] if [a.strip().lower() for a in p["alert"]] == ["none"] else list(p["alert"])
@@ -264,5 +260,5 @@ def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
             for text in rules:
                 Rule.parse(text)
         except SmiqueryError as exc:
-            raise _bad("--alert", str(exc)) from None
+            raise invalid("--alert", str(exc)) from None
     return labels, rules
