@@ -108,15 +108,6 @@ NamespaceOpt = Annotated[
     str | None, typer.Option("--namespace", metavar="REGEX", help="Only GPUs of pods in these namespaces.")
 ]
 PodOpt = Annotated[str | None, typer.Option("--pod", metavar="REGEX", help="Only GPUs of these pods (a job).")]
-SlurmJobOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--slurm-job",
-        metavar="ID",
-        help="Only the GPUs this Slurm job held, over the job's own time range (from `export --slurm`'s series; "
-        "--start then only bounds the search, default 30 days back).",
-    ),
-]
 HttpConfigOpt = Annotated[
     Path | None,
     typer.Option(
@@ -304,7 +295,15 @@ def report(
     node: NodeOpt = None,
     namespace: NamespaceOpt = None,
     pod: PodOpt = None,
-    slurm_job: SlurmJobOpt = None,
+    slurm_job: Annotated[
+        str | None,
+        typer.Option(
+            "--slurm-job",
+            metavar="ID",
+            help="Only the GPUs this Slurm job held, over the job's own time range (from `export --slurm`'s series; "
+            "--start then only bounds the search, default 30 days back).",
+        ),
+    ] = None,
     http_config: HttpConfigOpt = None,
     max_answer: MaxAnswerOpt = None,
     html: Annotated[

@@ -347,16 +347,6 @@ class _Run:
 
 # What names a GPU in an Xid line: the kernel log gives only the PCI address.
 _XID_FIELDS = ("index", "uuid", "pci.bus_id")
-KernelLogOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--kernel-log",
-        metavar="PATH",
-        help="Also follow the kernel log (/dev/kmsg, needs root or CAP_SYSLOG; or a file such as "
-        "/var/log/kern.log) and print each NVIDIA Xid error logged from now on: the GPU, the code, what it means "
-        "and what to do; only lines the kernel wrote count. Adds pci.bus_id to the queried fields.",
-    ),
-]
 
 
 _EPILOG = """\b
@@ -402,18 +392,15 @@ Examples:
 """
 
 
-StreamFieldsOpt = Annotated[
-    str | None,
-    fields_option(
-        " With --replay: fields the recording holds; for a headerless (noheader) CSV log, its columns in order."
-    ),
-]
-
-
 @app.command(epilog=_EPILOG)
 def stream(
     ctx: typer.Context,
-    fields: StreamFieldsOpt = None,
+    fields: Annotated[
+        str | None,
+        fields_option(
+            " With --replay: fields the recording holds; for a headerless (noheader) CSV log, its columns in order."
+        ),
+    ] = None,
     interval: Annotated[
         str, typer.Option("--interval", "-l", metavar="DURATION", help="Time between samples: 1, 0.5, 250ms, 2s.")
     ] = "1",
@@ -504,7 +491,15 @@ def stream(
             "firing with nvidia-smi -q -x, the processes, the last minutes of samples and the alert); repeatable.",
         ),
     ] = None,
-    kernel_log: KernelLogOpt = None,
+    kernel_log: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATH",
+            help="Also follow the kernel log (/dev/kmsg, needs root or CAP_SYSLOG; or a file such as "
+            "/var/log/kern.log) and print each NVIDIA Xid error logged from now on: the GPU, the code, what it means "
+            "and what to do; only lines the kernel wrote count. Adds pci.bus_id to the queried fields.",
+        ),
+    ] = None,
 ) -> None:
     """Watch the GPUs live: one long-lived nvidia-smi (or a recording).
 
