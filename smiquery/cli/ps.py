@@ -342,14 +342,12 @@ class _Live:
         self.columns = _columns(True)
         self._events: list[str] = []
         self._records: list[dict[str, object]] = []
-        self._after: list[str] = []
-        self._waiting = True
+        self._after: list[str] = []  # the line under the table (none before the first sample)
         self._started = False
         self.view = Viewport({}, "")
 
     def show(self, instant: Sequence[PmonRow], records: list[dict[str, object]]) -> None:
         self._records = records
-        self._waiting = False
         self._after = [f"sampled {_instant_time(instant).strftime('%H:%M:%S')}{_idle_note(instant)}"]
         self.draw()
 
@@ -362,7 +360,7 @@ class _Live:
         """The table with the rows that fit ``room`` lines, and a line saying which are shown of how many."""
         from smiquery.cli.display import render
 
-        if self._waiting:
+        if not self._after:
             return ["waiting for the first sample..."]
         view = self.view
         words = ("gpu_index", "pid", "user", "command")
