@@ -75,8 +75,7 @@ def parse_gpus(spec: str | None, what: str = "--gpus") -> tuple[str, ...] | None
 
 def is_tty(stream: IO[str]) -> bool:
     """Whether ``stream`` is a terminal."""
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty is not None and isatty())
+    return bool(getattr(stream, "isatty", lambda: False)())
 
 
 def choose_format(fmt: str | None, out: IO[str]) -> str:
