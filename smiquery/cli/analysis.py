@@ -395,9 +395,9 @@ def read_source(recording: list[Path], fields: str | None, params: Mapping[str, 
         return _load(recording, fields, tz), _label(recording)
     if recording:
         raise UsageError("give a recording (REC) or --prometheus, not both")
-    from smiquery.analysis import load_recording
     from smiquery.fleet.report import load_range, range_name
 
+    # the analysis (and pandas) is imported after the queries are sent: the import overlaps the server's answers
     max_answer = params["max_answer"]
     df = load_range(
         prometheus,
@@ -410,6 +410,8 @@ def read_source(recording: list[Path], fields: str | None, params: Mapping[str, 
         http_config=params["http_config"],
         max_answer_bytes=None if max_answer is None else max_answer * 2**20,
     )
+    from smiquery.analysis import load_recording
+
     return load_recording(df, tz=tz), range_name(prometheus, df)
 
 
