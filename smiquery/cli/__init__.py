@@ -30,9 +30,7 @@ def _command_rank(info: Any) -> int:
 @functools.cache
 def _load_app() -> Any:
     """The typer app with every command registered (imported on first use: the fast path needs none of it)."""
-    from smiquery.cli import details as _details  # noqa: F401
-    from smiquery.cli import doctor, export, fields, ps, stream  # noqa: F401  (@app.command registers them)
-    from smiquery.cli import top as _top  # noqa: F401
+    from smiquery.cli import details, doctor, export, fields, ps, stream, top  # noqa: F401  (@app.command registers them)
     from smiquery.cli._common import app
     from smiquery.cli.analysis import register as register_analysis
     from smiquery.cli.query import register as register_query

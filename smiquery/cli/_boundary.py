@@ -134,16 +134,10 @@ def boundary(debug: bool = False) -> Iterator[None]:
         if debug:
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         code = exit_code_for(exc)
-        bad_parameter = _typer_class("BadParameter")
-        if isinstance(exc, bad_parameter):
-            # "Invalid value for '--x': ..." names the option; without one, the message alone says it
-            named = getattr(exc, "param_hint", None) is not None or getattr(exc, "param", None) is not None
-            message = cli_text(exc.format_message() if named else getattr(exc, "message", str(exc)))  # type: ignore[attr-defined]
-        else:
-            message = cli_text(str(exc)) or type(exc).__name__
+        message = cli_text(str(exc)) or type(exc).__name__  # a command's BadParameter names no option: its text
         if isinstance(exc, ParseError):
             message += "; nvidia-smi printed output that does not fit the fields: run `smiquery doctor`"
-        if not isinstance(exc, (SmiqueryError, ImportError, OSError, *bad_parameter)):
+        if not isinstance(exc, (SmiqueryError, ImportError, OSError, *_typer_class("BadParameter"))):
             message = f"unexpected {type(exc).__name__}: {message} (run with --debug for the traceback)"
         say(f"smiquery: {'usage error' if code == ExitCode.USAGE else 'error'}: {message}")
         raise SystemExit(int(code)) from None

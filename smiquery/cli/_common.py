@@ -65,10 +65,7 @@ def settings_of(ctx: typer.Context) -> Settings:
 
 
 def seconds_option(what: str, help_text: str, *, off: bool = False) -> typer.models.OptionInfo:
-    """A typer option (for ``Annotated``) that takes a duration: 5, 0.5, 250ms, 2s, 1m; ``what`` names it.
-
-    With ``off``, ``0`` and ``off`` are 0.0.
-    """
+    """A typer option (for ``Annotated``) taking a duration: 5, 0.5, 250ms, 2s, 1m (``off``: 0 and off are 0.0)."""
 
     def parse(text: str | float) -> float:
         if isinstance(text, (int, float)):
@@ -92,7 +89,6 @@ NvidiaSmiOpt = Annotated[
         "--nvidia-smi",
         metavar="PATH",
         help="The nvidia-smi to run (default: $SMIQUERY_NVIDIA_SMI, then PATH, then the usual places).",
-        show_default=False,
     ),
 ]
 
@@ -104,7 +100,6 @@ def fields_option(more: str = "") -> Any:
         "-f",
         metavar="PRESET|a,b,c",
         help=f"A preset ({', '.join(PRESETS)}) or a comma list of nvidia-smi field names. [default: default]{more}",
-        show_default=False,
     )
 
 
@@ -117,15 +112,10 @@ GpusOpt = Annotated[
         "-i",
         metavar="0,1|UUID|BUS_ID",
         help="Only these GPUs: indices, UUIDs or PCI bus ids, comma separated. [default: all]",
-        show_default=False,
     ),
 ]
 _FORMAT = typer.Option(
-    "--format",
-    "-F",
-    help="Output format. [default: table on a terminal, csv otherwise]",
-    show_default=False,
-    case_sensitive=False,
+    "--format", "-F", help="Output format. [default: table on a terminal, csv otherwise]", case_sensitive=False
 )
 FormatOpt = Annotated[Format | None, _FORMAT]
 StreamFormatOpt = Annotated[StreamFormat | None, _FORMAT]
@@ -143,8 +133,7 @@ def _root(
     ctx: typer.Context,
     nvidia_smi: NvidiaSmiOpt = None,
     timeout: Annotated[
-        float,
-        typer.Option("--timeout", metavar="SECONDS", min=0.1, help="Seconds before an nvidia-smi call counts as hung."),
+        float, typer.Option(metavar="SECONDS", min=0.1, help="Seconds before an nvidia-smi call counts as hung.")
     ] = 10.0,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
     version: Annotated[

@@ -9,13 +9,12 @@ one option table; inside another program (typer's test runner) the command calls
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import inspect
 import json
 import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from smiquery.cli._boundary import ExitCode, boundary, say
@@ -24,12 +23,11 @@ from smiquery.errors import ListenError, SmiqueryError, UsageError
 
 if TYPE_CHECKING:
     from smiquery.attribution import Attribution
-    from smiquery.exporter import Exporter
 
-__all__ = ["MODULES_ENV", "ExportOptions", "LogFormat", "Naming", "TopBy", "hand_off", "process_entry", "run_export"]
+__all__ = ["MODULES_ENV", "LogFormat", "Naming", "TopBy", "hand_off", "invalid", "process_entry", "run_export"]
 
 # The exporter's own choices, spelled here: the exporter needs prometheus_client, which `smiquery --help` must not
-# import (mypy checks them against `serve` and `configure_logging`, tests/cli/test_export.py that they are all).
+# import (tests/cli/test_export.py checks that they are the exporter's).
 Naming = Literal["smiquery", "dcgm", "nvidia_smi"]
 LogFormat = Literal["text", "json"]
 TopBy = Literal["name", "pid"]
@@ -47,142 +45,84 @@ _ALL_INTERFACES = {"0.0.0.0", "::", "[::]"}
 process_entry = False
 
 
-@dataclass(frozen=True)
-class ExportOptions:
-    """``smiquery export``'s options (``--help`` documents each) after typer parsed and checked them, JSON-safe."""
-
-    port: int = 9849
-    bind: str = "127.0.0.1"
-    interval: float = 5.0
-    fields: str = "health"
-    gpus: str | None = None
-    labels: dict[str, str] = field(default_factory=dict)
-    naming: Naming = "smiquery"
-    processes: bool = False
-    processes_interval: float = 15.0
-    top_processes: int = 0
-    top_processes_by: TopBy = "name"
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    client_ca: str | None = None
-    web_config_file: str | None = None
-    alerts: list[str] = field(default_factory=list)
-    log_format: LogFormat = "text"
-    stale_after: float | None = None
-    nvidia_smi: str | None = None
-    kubernetes: bool = False
-    pod_resources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
-    kubernetes_processes: bool = False
-    slurm: bool = False
-    slurm_node: str | None = None
-    slurm_interval: float = 10.0
-    slurm_bin_dir: str | None = None
-    details_interval: float | None = 60.0
-    kernel_log: str | None = "/dev/kmsg"
-    debug: bool = False
-
-
-def _invalid(option: str, message: str) -> UsageError:
+def invalid(option: str, message: str) -> UsageError:
     """A usage error worded as typer words its own (``Invalid value for '--bind': ...``), exit 2."""
     return UsageError(f"Invalid value for '{option}': {message}")
 
 
-def _attribution(opts: ExportOptions) -> Attribution | None:
+def _attribution(opts: dict[str, Any]) -> Attribution | None:
     """The exporter's workload attribution (Kubernetes pods or Slurm jobs), or None.
 
     A missing k8s extra or a label that clashes with the backend's labels is a usage error.
     """
-    if not (opts.kubernetes or opts.kubernetes_processes or opts.slurm):
+    if not (opts["kubernetes"] or opts["kubernetes_processes"] or opts["slurm"]):
         return None
     from smiquery.attribution import Attribution, Backend, check_labels
 
     backend: Backend
-    interval = opts.interval
-    if opts.slurm:
+    interval = opts["interval"]
+    if opts["slurm"]:
         from smiquery.attribution.slurm import SlurmBackend
 
-        backend = SlurmBackend(opts.slurm_node, bin_dir=opts.slurm_bin_dir, nvidia_smi=opts.nvidia_smi)
-        interval = opts.slurm_interval
+        backend = SlurmBackend(opts["slurm_node"], bin_dir=opts["slurm_bin_dir"], nvidia_smi=opts["nvidia_smi"])
+        interval = opts["slurm_interval"]
     else:
         try:
             from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
         except ImportError as exc:
             missing = f"needs the k8s extra ({exc.name} is missing): pip install 'smiquery[k8s]'"
-            raise _invalid("--kubernetes", missing) from None
-        pods = PodDirectory(max(opts.interval, 15.0)) if opts.kubernetes_processes else None
-        backend = KubernetesBackend(opts.pod_resources_socket, pods=pods)
+            raise invalid("--kubernetes", missing) from None
+        pods = PodDirectory(max(opts["interval"], 15.0)) if opts["kubernetes_processes"] else None
+        backend = KubernetesBackend(opts["pod_resources_socket"], pods=pods)
     try:
-        check_labels(backend, opts.labels)
+        check_labels(backend, opts["labels"])
     except ValueError as exc:
-        raise _invalid("--label", str(exc)) from None
-    return Attribution(backend, interval=interval, nvidia_smi=opts.nvidia_smi)
+        raise invalid("--label", str(exc)) from None
+    return Attribution(backend, interval=interval, nvidia_smi=opts["nvidia_smi"])
 
 
-def run_export(opts: ExportOptions) -> int:
+def run_export(opts: dict[str, Any]) -> int:
     """Serve until SIGTERM (returns 143) or SIGINT (130); errors propagate to the caller's boundary.
 
-    Raises:
-        UsageError: an address that cannot be listened on, unloadable TLS files, a missing k8s extra.
-        SmiqueryError: the port is taken, nvidia-smi is missing, ...
+    ``opts``: the ``export`` command's parameters by name, checked, JSON-safe (paths as text), plus ``labels``,
+    ``alerts`` and ``debug``. An address that cannot be listened on, unloadable TLS files or web config and a
+    missing k8s extra are UsageErrors.
     """
     from smiquery import exporter as exporter_mod
+    from smiquery.exporter.events import json_line
 
     attribution = _attribution(opts)
-    processes, top_processes = opts.processes or opts.slurm, opts.top_processes
-    if opts.kubernetes_processes:
+    processes, top_processes = opts["processes"] or opts["slurm"], opts["top_processes"]
+    if opts["kubernetes_processes"]:
         processes, top_processes = True, max(top_processes, 16)
     configured = [h for h in logging.getLogger("smiquery").handlers if not isinstance(h, logging.NullHandler)]
     if not configured and not logging.getLogger().handlers:
-        exporter_mod.configure_logging(opts.log_format)
+        exporter_mod.configure_logging(opts["log_format"])
     web = None
-    if opts.web_config_file is not None:
+    if opts["web_config_file"] is not None:
         try:
-            web = exporter_mod.load_web_config(opts.web_config_file)
+            web = exporter_mod.load_web_config(opts["web_config_file"])
         except SmiqueryError as exc:
-            raise _invalid("--web-config-file", str(exc)) from None
+            raise invalid("--web-config-file", str(exc)) from None
+    served = inspect.signature(exporter_mod.serve).parameters  # the options of the same name go as they are
+    given = {name: value for name, value in opts.items() if name in served}
+    given.update(processes=processes, top_processes=top_processes, web_config=web, attribution=attribution)
     try:
-        exp = exporter_mod.serve(
-            port=opts.port,
-            bind=opts.bind,
-            interval=opts.interval,
-            fields=opts.fields,
-            gpus=opts.gpus,
-            labels=opts.labels,
-            naming=opts.naming,
-            processes=processes,
-            processes_interval=opts.processes_interval,
-            top_processes=top_processes,
-            top_processes_by=opts.top_processes_by,
-            tls_cert=opts.tls_cert,
-            tls_key=opts.tls_key,
-            client_ca=opts.client_ca,
-            nvidia_smi=opts.nvidia_smi,
-            stale_after=opts.stale_after,
-            web_config=web,
-            alerts=opts.alerts,
-            attribution=attribution,
-            details_interval=opts.details_interval,
-            kernel_log=opts.kernel_log,
-        )
+        exp = exporter_mod.serve(**given)
     except ListenError as exc:
         if exc.option == "--bind":
-            raise _invalid("--bind", str(exc)) from None
+            raise invalid("--bind", str(exc)) from None
         raise
     except SmiqueryError:
         raise
     except OSError as exc:  # unreadable or mismatched TLS files (ssl.SSLError is an OSError)
-        raise _invalid("--tls-cert/--tls-key/--client-ca", f"cannot load them: {exc}") from None
-    return _serve_until_signal(exp, opts.bind, opts.log_format)
-
-
-def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> int:
-    """Serve until SIGTERM (exit 143) or SIGINT (exit 130); the stream is closed and nvidia-smi reaped either way."""
-    from smiquery.exporter.events import json_line
+        raise invalid("--tls-cert/--tls-key/--client-ca", f"cannot load them: {exc}") from None
 
     def tell(text: str, level: int, event: str, **fields: Any) -> None:
-        say(json_line(text, level=level, event=event, **fields) if log_format == "json" else f"smiquery export: {text}")
+        as_json = opts["log_format"] == "json"
+        say(json_line(text, level=level, event=event, **fields) if as_json else f"smiquery export: {text}")
 
-    with Signals() as sigs:
+    with Signals() as sigs:  # the stream is closed and nvidia-smi reaped however serving ends
         try:
             tell(
                 f"serving {exp.url}/metrics (naming {exp.collector.naming}, every "
@@ -195,11 +135,10 @@ def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> i
             if modules:
                 with open(modules, "w", encoding="utf-8") as out:
                     out.write("".join(f"{name}\n" for name in sorted(sys.modules)))
-            if bind in _ALL_INTERFACES and not exp.url.startswith("https"):
+            if opts["bind"] in _ALL_INTERFACES and not exp.url.startswith("https"):
                 tell("warning: listening on all interfaces without TLS", logging.WARNING, "no_tls_on_all_interfaces")
-            while not sigs.wake.wait(0.5):
-                if exp.stopped:
-                    break
+            while not sigs.wake.wait(0.5) and not exp.stopped:
+                pass
         except KeyboardInterrupt:
             sigs.signum = sigs.signum or signal.SIGINT
         finally:
@@ -208,7 +147,7 @@ def _serve_until_signal(exp: Exporter, bind: str, log_format: str = "text") -> i
     return sigs.exit_code
 
 
-def hand_off(opts: ExportOptions, argv: list[str]) -> None:
+def hand_off(opts: dict[str, Any], argv: list[str]) -> None:
     """Replace this process with the lean exporter (``os.execv``); returns only when that cannot be done.
 
     ``argv`` (the command line after ``smiquery``) is shown after the module in ``ps``.
@@ -223,7 +162,7 @@ def hand_off(opts: ExportOptions, argv: list[str]) -> None:
     # this interpreter's flags (-X importtime, -W ..., -u), by the stdlib's own helper (multiprocessing uses it)
     flags = getattr(subprocess, "_args_from_interpreter_flags", None)
     new_argv = [exe, *(flags() if callable(flags) else []), "-m", "smiquery.cli._export_run", *argv]
-    env = {**os.environ, HANDOFF_ENV: json.dumps(dataclasses.asdict(opts))}
+    env = {**os.environ, HANDOFF_ENV: json.dumps(opts)}
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
@@ -239,9 +178,9 @@ def main() -> NoReturn:
     if text is None:
         say("smiquery: usage error: this module is started by `smiquery export`; run that (see `smiquery export -h`)")
         sys.exit(ExitCode.USAGE)
-    opts = ExportOptions(**json.loads(text))  # unknown keys are an error: both ends are one smiquery
+    opts = json.loads(text)
     try:
-        with boundary(opts.debug):
+        with boundary(opts["debug"]):
             sys.exit(run_export(opts))
     except KeyboardInterrupt:
         sys.exit(ExitCode.INTERRUPTED)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Literal
@@ -74,8 +75,7 @@ def parse_gpus(spec: str | None, what: str = "--gpus") -> tuple[str, ...] | None
 
 def is_tty(stream: IO[str]) -> bool:
     """Whether ``stream`` is a terminal."""
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty is not None and isatty())
+    return bool(getattr(stream, "isatty", lambda: False)())
 
 
 def choose_format(fmt: str | None, out: IO[str]) -> str:
@@ -85,12 +85,8 @@ def choose_format(fmt: str | None, out: IO[str]) -> str:
 
 def ranges(indices: Sequence[int]) -> str:
     """``0-3,5`` for [0, 1, 2, 3, 5]."""
-    runs: list[list[int]] = []
-    for i in sorted(set(indices)):
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
+    ordered = enumerate(sorted(set(indices)))
+    runs = [[i for _, i in run] for _, run in itertools.groupby(ordered, lambda pair: pair[1] - pair[0])]
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 

@@ -1,7 +1,7 @@
 """What the long-running commands (``stream``, ``ps --watch``, ``export``) share: signals and a reader thread.
 
-SIGINT and SIGTERM set one flag and give one exit code. A reader thread blocks on nvidia-smi and hands its items
-over through a queue, so the main thread stays free to redraw, keep time and react to signals.
+A reader thread blocks on nvidia-smi and hands its items over through a queue (with the keys typed on a live view,
+as str), so the main thread stays free to redraw, keep time and react to signals.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from smiquery.cli._boundary import ExitCode
 if TYPE_CHECKING:
     from smiquery.source import StreamEvent
 
-__all__ = ["END", "Failure", "Key", "Signals", "SourceEvent", "exit_code_of", "start_pump"]
+__all__ = ["END", "Failure", "Signals", "SourceEvent", "exit_code_of", "start_pump"]
 
 T = TypeVar("T")
 
@@ -78,12 +78,6 @@ class SourceEvent(NamedTuple):
     """A source event (restart, error, lost GPU, ...), heard on the source's thread."""
 
     event: StreamEvent
-
-
-class Key(NamedTuple):
-    """A key typed on a live view's terminal."""
-
-    name: str
 
 
 #: The source ended by itself.

@@ -1,65 +1,34 @@
 """The ``plot`` and ``report`` commands: a recorded run (CSV, JSONL, Parquet), or a range of the fleet, afterwards.
 
-:func:`register` adds them to the ``smiquery`` typer app.
+:func:`register` adds them to the ``smiquery`` typer app. With ``--prometheus`` they read a time range of the fleet
+instead of a recording (the work is :mod:`smiquery.fleet`'s; :func:`read_source` picks the source).
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from enum import Enum
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from smiquery.cli._boundary import boundary
+from smiquery.cli._boundary import boundary, say
 from smiquery.cli._common import settings_of
-from smiquery.cli.fleet_options import (
-    EndOpt,
-    HttpConfigOpt,
-    MaxAnswerOpt,
-    NamespaceOpt,
-    NodeOpt,
-    PodOpt,
-    PrometheusOpt,
-    SlurmJobOpt,
-    StartOpt,
-    read_source,
-)
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from smiquery.analysis import Report
 
-__all__ = ["FailOn", "PlotLayout", "ReportFormat", "check_zone", "register"]
+__all__ = ["FailOn", "PlotLayout", "ReportFormat", "check_zone", "read_source", "register"]
 
-
-class ReportFormat(str, Enum):
-    """Output formats of ``smiquery report``."""
-
-    text = "text"
-    json = "json"
-    markdown = "markdown"
-    summary = "summary"
-
-
-class PlotLayout(str, Enum):
-    """How ``smiquery plot`` puts GPUs in panels (see :func:`smiquery.analysis.plot_recording`)."""
-
-    auto = "auto"
-    overlay = "overlay"
-    multiples = "multiples"
-    heatmap = "heatmap"
-
-
-class FailOn(str, Enum):
-    """Which findings make ``smiquery report`` exit with code 6."""
-
-    never = "never"
-    warning = "warning"
-    critical = "critical"
+#: Output formats of ``smiquery report``.
+ReportFormat = Literal["text", "json", "markdown", "summary"]
+#: How ``smiquery plot`` puts GPUs in panels (see :func:`smiquery.analysis.plot_recording`).
+PlotLayout = Literal["auto", "overlay", "multiples", "heatmap"]
+#: Which findings make ``smiquery report`` exit with code 6.
+FailOn = Literal["never", "warning", "critical"]
 
 
 _PLOT_EPILOG = """\b
@@ -120,6 +89,46 @@ TzOpt = Annotated[
 ]
 
 
+# The fleet instead of a recording (top takes --namespace and --max-answer too).
+PrometheusOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--prometheus",
+        "-p",
+        metavar="URL",
+        help="Read a time range of the fleet from this Prometheus server instead of a recording (with --start).",
+    ),
+]
+StartOpt = Annotated[
+    str | None, typer.Option("--start", metavar="TIME", help="Start: Unix seconds, RFC 3339 or now-6h.")
+]
+EndOpt = Annotated[str | None, typer.Option("--end", metavar="TIME", help="End (default now).")]
+NodeOpt = Annotated[str | None, typer.Option("--node", metavar="REGEX", help="Only instances matching (anchored).")]
+NamespaceOpt = Annotated[
+    str | None, typer.Option("--namespace", metavar="REGEX", help="Only GPUs of pods in these namespaces.")
+]
+PodOpt = Annotated[str | None, typer.Option("--pod", metavar="REGEX", help="Only GPUs of these pods (a job).")]
+HttpConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--http-config",
+        metavar="FILE",
+        dir_okay=False,
+        help="Credentials and TLS for --prometheus, as promtool's --http.config.file.",
+    ),
+]
+MaxAnswerOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-answer",
+        metavar="MIB",
+        min=1,
+        help="Largest answer to read from --prometheus, in MiB (default 512, room for a range of thousands of GPUs); "
+        "a larger one is an error, read no further.",
+    ),
+]
+
+
 def check_zone(tz: str | None) -> None:
     """Fail at once, as a usage error (exit 2), on a ``--tz`` that names no IANA zone (UsageError)."""
     from smiquery.errors import InvalidTimeZoneError, UsageError
@@ -155,12 +164,11 @@ def _load(recording: list[Path], fields: str | None, tz: str | None) -> pd.DataF
     names = ",".join(f.name for f in parse_fields(fields)) if fields is not None else None
     df = load_recording(recording, fields=names, tz=tz)
     skipped = df.attrs.get("skipped")
-    with contextlib.suppress(OSError, ValueError):
-        for note in df.attrs.get("skipped_files") or ():  # a rotated set's member without rows, or gone
-            print(f"smiquery: warning: {printable(note)}", file=sys.stderr, flush=True)
-        if isinstance(skipped, SkippedLines):
-            name = str(recording[0]) if len(recording) == 1 else _label(recording)
-            print(f"smiquery: warning: {skipped.message(name)}", file=sys.stderr, flush=True)
+    for note in df.attrs.get("skipped_files") or ():  # a rotated set's member without rows, or gone
+        say(f"smiquery: warning: {printable(note)}")
+    if isinstance(skipped, SkippedLines):
+        name = str(recording[0]) if len(recording) == 1 else _label(recording)
+        say(f"smiquery: warning: {skipped.message(name)}")
     return df
 
 
@@ -197,19 +205,18 @@ def plot(
         str | None,
         typer.Option("--gpus", "--id", "-i", metavar="0,5", help="Only these GPUs: indices, UUIDs or PCI bus ids."),
     ] = None,
-    width: Annotated[float, typer.Option("--width", min=4.0, help="Width in inches.")] = 12.0,
-    dpi: Annotated[int, typer.Option("--dpi", min=50, max=600, help="Resolution.")] = 100,
+    width: Annotated[float, typer.Option(min=4.0, help="Width in inches.")] = 12.0,
+    dpi: Annotated[int, typer.Option(min=50, max=600, help="Resolution.")] = 100,
     tz: TzOpt = None,
     layout: Annotated[
         PlotLayout,
         typer.Option(
-            "--layout",
             case_sensitive=False,
             help="overlay: every GPU a line in one panel per field (mean per pixel, min-max band); multiples: one "
             "small panel per GPU per field (same scales); heatmap: one panel per field, a row per GPU; auto: overlay "
             "up to 8 GPUs, multiples up to 16, heatmap past that.",
         ),
-    ] = PlotLayout.auto,
+    ] = "auto",
     prometheus: PrometheusOpt = None,
     start: StartOpt = None,
     end: EndOpt = None,
@@ -229,10 +236,7 @@ def plot(
     with boundary(settings_of(ctx).debug):
         from smiquery.analysis import save_plot
 
-        fleet = (prometheus, start, end, node, namespace, pod, http_config, tz)
-        df, name = read_source(
-            recording or [], lambda rec: _load(rec, fields, tz), _label, *fleet, max_answer=max_answer
-        )
+        df, name = read_source(recording or [], fields, ctx.params)
         target = output if output is not None else _default_image(recording) if recording else Path("fleet.png")
         path = save_plot(
             df,
@@ -243,7 +247,7 @@ def plot(
             width=width,
             dpi=dpi,
             name=name,
-            layout=layout.value,
+            layout=layout,
         )
         typer.echo(f"wrote {path}")
 
@@ -260,21 +264,20 @@ def report(
             "advice, as the Slurm epilog appends to a job's output.",
             case_sensitive=False,
         ),
-    ] = ReportFormat.text,
+    ] = "text",
     alert: AlertOpt = None,
     min_stall: Annotated[
-        str,
-        typer.Option("--min-stall", metavar="DURATION", help="Shortest stretch under 20% utilization called a stall."),
+        str, typer.Option(metavar="DURATION", help="Shortest stretch under 20% utilization called a stall.")
     ] = "30s",
     stall_utilization: Annotated[
-        float, typer.Option("--stall-utilization", min=0, max=100, help="Utilization (%) under which a GPU stalls.")
+        float, typer.Option(min=0, max=100, help="Utilization (%) under which a GPU stalls.")
     ] = 20.0,
     output: Annotated[
         Path | None, typer.Option("--output", "-o", metavar="FILE", help="Write the report here, not stdout.")
     ] = None,
     fail_on: Annotated[
-        FailOn, typer.Option("--fail-on", help="Exit 6 when a finding of this severity (or worse) is found.")
-    ] = FailOn.never,
+        FailOn, typer.Option(help="Exit 6 when a finding of this severity (or worse) is found.")
+    ] = "never",
     fields: Annotated[
         str | None,
         typer.Option(
@@ -292,13 +295,20 @@ def report(
     node: NodeOpt = None,
     namespace: NamespaceOpt = None,
     pod: PodOpt = None,
-    slurm_job: SlurmJobOpt = None,
+    slurm_job: Annotated[
+        str | None,
+        typer.Option(
+            "--slurm-job",
+            metavar="ID",
+            help="Only the GPUs this Slurm job held, over the job's own time range (from `export --slurm`'s series; "
+            "--start then only bounds the search, default 30 days back).",
+        ),
+    ] = None,
     http_config: HttpConfigOpt = None,
     max_answer: MaxAnswerOpt = None,
     html: Annotated[
         Path | None,
         typer.Option(
-            "--html",
             metavar="FILE",
             help="Also write one self-contained HTML page (findings, tables and the plot inlined; loads nothing "
             "from the network) to share in a ticket or a browser. The plot needs matplotlib.",
@@ -321,33 +331,21 @@ def report(
             stall_seconds = parse_duration(min_stall, what="--min-stall")
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
-        fleet = (prometheus, start, end, node, namespace, pod, http_config, tz)
-        df, name = read_source(
-            recording or [],
-            lambda rec: _load(rec, fields, tz),
-            _label,
-            *fleet,
-            max_answer=max_answer,
-            slurm_job=slurm_job,
-        )
+        df, name = read_source(recording or [], fields, ctx.params)
         result = analyze(
-            df,
-            rules=alert or None,
-            min_stall=stall_seconds,
-            stall_utilization=stall_utilization,
-            name=name,
+            df, rules=alert or None, min_stall=stall_seconds, stall_utilization=stall_utilization, name=name
         )
-        if fmt is ReportFormat.summary:
+        if fmt == "summary":
             from smiquery.fleet.slurm import job_summary
 
             text = job_summary(result, df)
         else:
             renderers = {"json": lambda r: report_json(r) + "\n", "markdown": report_markdown, "text": report_text}
-            text = renderers[fmt.value](result)
-        if prometheus is not None and fmt is not ReportFormat.summary:
+            text = renderers[fmt](result)
+        if prometheus is not None and fmt != "summary":
             from smiquery.fleet.report import name_gpus
 
-            text = name_gpus(text, fmt.value, df)
+            text = name_gpus(text, fmt, df)
         if html is not None:
             _write_html(result, df, html, alert or None)
         if output is not None:
@@ -355,7 +353,7 @@ def report(
         else:
             sys.stdout.write(text)
             sys.stdout.flush()
-        limit = {FailOn.warning: 1, FailOn.critical: 0}.get(fail_on)
+        limit = {"warning": 1, "critical": 0}.get(fail_on)
         if limit is not None and any(SEVERITY_ORDER[f.severity] <= limit for f in result.findings):
             from smiquery.cli._boundary import ExitCode
 
@@ -371,9 +369,50 @@ def _write_html(result: Report, df: pd.DataFrame, path: Path, rules: list[str] |
         note = None
     except ImportError as exc:
         png, note = None, str(exc)
-        with contextlib.suppress(OSError, ValueError):
-            print(f"smiquery: warning: the page has no plot: {exc}", file=sys.stderr, flush=True)
+        say(f"smiquery: warning: the page has no plot: {exc}")
     path.write_text(report_html(result, png, note), encoding="utf-8")
+
+
+#: The fleet options that go with --prometheus alone (by parameter name; --tz goes with either).
+_FLEET_ONLY = ("start", "end", "node", "namespace", "pod", "slurm_job", "http_config", "max_answer")
+
+
+def read_source(recording: list[Path], fields: str | None, params: Mapping[str, Any]) -> tuple[pd.DataFrame, str]:
+    """The frame to analyse and its name: the recording, or the range from Prometheus.
+
+    ``params``: the command's parameters (``ctx.params``): ``--prometheus``, ``--tz`` and the fleet options.
+    Raises UsageError for neither or both of REC and --prometheus, and for fleet options without --prometheus.
+    """
+    from smiquery.errors import UsageError
+
+    prometheus, tz = params["prometheus"], params["tz"]
+    if prometheus is None:
+        if not recording:
+            raise UsageError("give a recording (REC) or --prometheus URL with --start")
+        given = ["--" + name.replace("_", "-") for name in _FLEET_ONLY if params.get(name) is not None]
+        if given:
+            raise UsageError(f"{given[0]} goes with --prometheus; a recording is read whole")
+        return _load(recording, fields, tz), _label(recording)
+    if recording:
+        raise UsageError("give a recording (REC) or --prometheus, not both")
+    from smiquery.fleet.report import load_range, range_name
+
+    # the analysis (and pandas) is imported after the queries are sent: the import overlaps the server's answers
+    max_answer = params["max_answer"]
+    df = load_range(
+        prometheus,
+        params["start"],
+        params["end"],
+        node=params["node"],
+        namespace=params["namespace"],
+        pod=params["pod"],
+        slurm_job=params.get("slurm_job"),
+        http_config=params["http_config"],
+        max_answer_bytes=None if max_answer is None else max_answer * 2**20,
+    )
+    from smiquery.analysis import load_recording
+
+    return load_recording(df, tz=tz), range_name(prometheus, df)
 
 
 def register(app: typer.Typer) -> None:

@@ -45,8 +45,7 @@ def render_details(gpus: list[GpuDetails]) -> str:
         if g.clock_event_reasons is None:
             lines.append(f"  clocks     {_why(g.missing, 'clock_event_reasons')}")
         else:
-            reasons = ", ".join(g.clock_event_reasons) if g.clock_event_reasons else "none active"
-            lines.append(f"  clocks     event reasons: {reasons}")
+            lines.append(f"  clocks     event reasons: {', '.join(g.clock_event_reasons) or 'none active'}")
         rp, rr = g.retired_pages, g.remapped_rows
         retired = (
             f"{rp.single_bit if rp.single_bit is not None else '-'} single-bit, "
@@ -62,8 +61,7 @@ def render_details(gpus: list[GpuDetails]) -> str:
             if rr is not None
             else _why(g.missing, "remapped_rows")
         )
-        lines.append(f"  retired    {retired}")
-        lines.append(f"  remapped   {remapped}")
+        lines += [f"  retired    {retired}", f"  remapped   {remapped}"]
         if g.mig_mode is not None:
             lines.append(f"  MIG        {g.mig_mode}, {len(g.mig_devices)} instance(s)")
         for d in g.mig_devices:
@@ -76,8 +74,7 @@ def render_details(gpus: list[GpuDetails]) -> str:
             lines.append(f"  processes  {_why(g.missing, 'processes')}")
         else:
             lines.append(f"  processes  {len(g.processes)}")
-            for p in g.processes:
-                lines.append(f"    pid {p.pid}  {p.type or '?'}  {_mib(p.used_memory)}  {p.name or '?'}")
+            lines += [f"    pid {p.pid}  {p.type or '?'}  {_mib(p.used_memory)}  {p.name or '?'}" for p in g.processes]
         extra = []
         if g.inforom:
             extra.append("inforom " + ", ".join(f"{k}={v}" for k, v in g.inforom.items()))
@@ -101,12 +98,10 @@ def inspect_cmd(
     ctx: typer.Context,
     gpus: GpusOpt = None,
     fmt: Annotated[
-        Literal["text", "json"],
-        typer.Option("--format", "-o", help="text (a summary per GPU) or json (every value)."),
+        Literal["text", "json"], typer.Option("--format", "-o", help="text (a summary per GPU) or json (every value).")
     ] = "text",
     xml: Annotated[
-        Path | None,
-        typer.Option("--xml", metavar="FILE", help="Read a saved `nvidia-smi -q -x` file instead of running it."),
+        Path | None, typer.Option(metavar="FILE", help="Read a saved `nvidia-smi -q -x` file instead of running it.")
     ] = None,
 ) -> None:
     """Details `--query-gpu` cannot give (runs `nvidia-smi -q -x`: 0.4-6 s on big servers).

@@ -36,6 +36,7 @@ __all__ = [
     "render_table",
     "sample_rows",
     "sample_table",
+    "short_title",
     "show_cursor",
     "terminal_size",
     "terminal_width",
@@ -70,6 +71,7 @@ _ERROR_REASONS = frozenset({"gpu_lost", "gpu_requires_reset", "unknown_error"})
 # Control characters a cell shows as ``?`` (as ps does): a newline or tab in a command line would break the table.
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_TOKEN_RE = re.compile(f"{_ANSI_RE.pattern}|.", re.DOTALL)  # a colour code, or one character
 CellState = Literal["firing", "pending", "ok"]
 # Narrow tables leave out the identity columns first, in this order (then see drop_order).
 _IDENTITY = ("uuid", "pci.bus_id", "serial", "vbios_version", "driver_version")
@@ -110,22 +112,14 @@ def clip(line: str, width: int) -> str:
         return line
     out: list[str] = []
     shown = 0
-    i = 0
-    coloured = False
-    while i < len(line) and shown < width - 1:
-        m = _ANSI_RE.match(line, i)
-        if m:
-            out.append(m.group(0))
-            coloured = True
-            i = m.end()
-            continue
-        out.append(line[i])
-        shown += 1
-        i += 1
-    out.append("…")
-    if coloured:
-        out.append(_RESET)
-    return "".join(out)
+    for token in _TOKEN_RE.findall(line):
+        if shown >= width - 1:
+            break
+        out.append(token)
+        if len(token) == 1:
+            shown += 1
+    coloured = any(len(token) > 1 for token in out)
+    return "".join(out) + "…" + (_RESET if coloured else "")
 
 
 def render_table(
@@ -200,7 +194,7 @@ def sample_table(
     def table(keep: Sequence[int], short: bool) -> list[str]:
         return render_table(
             [[r[i] for i in keep] for r in rows],
-            [_short_title(fields[i]) if short else _title(fields[i]) for i in keep],
+            [short_title(fields[i]) if short else _title(fields[i]) for i in keep],
             right=[fields[i].kind.is_numeric for i in keep],
             styles=[[st[i] for i in keep] for st in styles],
             color=color,
@@ -285,22 +279,19 @@ def render(
         raise ValueError(f"unknown format {fmt!r}; use table, csv, jsonl or json")
     if fmt == "table" and not records and empty:
         return empty + "\n"
+    to_json: Callable[[Any], dict[str, object]] = sample_to_json if columns is None else _plain_json
+    if fmt == "json":
+        return json.dumps([to_json(r) for r in records], indent=2) + "\n"
+    if fmt == "jsonl":
+        return "".join(json.dumps(to_json(r)) + "\n" for r in records)
     if columns is None:
         samples: list[GpuSample] = list(records)  # type: ignore[arg-type]
         if fields is None:
             fields = tuple(get_field(n) for n in samples[0].fields) if samples else ()
-        if fmt == "json":
-            return json.dumps([sample_to_json(s) for s in samples], indent=2) + "\n"
-        if fmt == "jsonl":
-            return "".join(json.dumps(sample_to_json(s), separators=(", ", ": ")) + "\n" for s in samples)
         if fmt == "csv":
             return "".join([header_line(fields) + "\n", *(format_row(s, fields, units=True) + "\n" for s in samples)])
         return "".join(line + "\n" for line in sample_table(samples, fields, color=color, width=width))
     plain: Sequence[Mapping[str, Any]] = records
-    if fmt == "json":
-        return json.dumps([_plain_json(r) for r in plain], indent=2) + "\n"
-    if fmt == "jsonl":
-        return "".join(json.dumps(_plain_json(r)) + "\n" for r in plain)
     if fmt == "csv":
         lines = [", ".join(c.heading for c in columns)]
         lines += [", ".join(_csv_cell(r.get(c.key), c.unit) for c in columns) for r in plain]
@@ -368,25 +359,27 @@ def _wrap_last_column(lines: Sequence[str], cols: int) -> list[str]:
 
 # The live table keeps these longest, most useful last: index, utilization, memory, power, temperature.
 _KEEP_LONGEST = ("index", "utilization.gpu", "memory.used", "power.draw", "temperature.gpu", "memory.total")
-# Short titles for a narrow terminal (the unit follows): "temp C", "used MiB"; else the last part of the name.
+# Short titles, the unit following: a narrow table's ("temp C"), the live table's ("TEMP C"); else the name's last part.
 _SHORT = {
-    "index": "gpu",
-    "temperature.gpu": "temp",
-    "temperature.memory": "memtemp",
-    "utilization.gpu": "util",
-    "utilization.memory": "memutil",
-    "memory.used": "used",
-    "power.draw": "power",
-    "power.limit": "plimit",
-    "fan.speed": "fan",
-    "clocks.current.memory": "memclk",
-    "clocks.current.graphics": "gfxclk",
-    "pci.bus_id": "bus",
+    "index": ("gpu", "GPU"),
+    "temperature.gpu": ("temp", "TEMP"),
+    "temperature.memory": ("memtemp", "MTEMP"),
+    "utilization.gpu": ("util", "UTIL"),
+    "utilization.memory": ("memutil", "MUTIL"),
+    "memory.used": ("used", "MEM"),
+    "power.draw": ("power", "PWR"),
+    "power.limit": ("plimit", "PLIM"),
+    "fan.speed": ("fan", "FAN"),
+    "clocks.current.memory": ("memclk", "MEMCLK"),
+    "clocks.current.graphics": ("gfxclk", "GFXCLK"),
+    "pci.bus_id": ("bus", "BUS"),
 }
 
 
-def _short_title(fld: Field) -> str:
-    name = _SHORT.get(fld.name) or fld.name.rsplit(".", 1)[-1][:10]
+def short_title(fld: Field, live: bool = False) -> str:
+    """A field's short title with its unit: ``temp C`` (``TEMP C`` for the ``live`` table)."""
+    tail = fld.name.rsplit(".", 1)[-1][:10]
+    name = _SHORT.get(fld.name, (tail, tail.upper()))[live]
     return f"{name} {fld.unit}" if fld.unit else name
 
 

@@ -91,12 +91,9 @@ def doctor(
                 lines.append(f"{mark}  {r.name}: {cli_text(r.diagnosis)}{fix}")
             failed = sum(1 for r in results if r.failed)
             warned = sum(1 for r in results if r.status == "warn")
-            summary = []
-            if failed:
-                summary.append(f"{failed} check{'s' if failed != 1 else ''} failed")
-            if warned:
-                summary.append(f"{warned} warning{'s' if warned != 1 else ''}")
-            lines.append(", ".join(summary) if summary else "all checks passed")
+            counts = [f"{failed} check{'s' if failed != 1 else ''} failed"] if failed else []
+            counts += [f"{warned} warning{'s' if warned != 1 else ''}"] if warned else []
+            lines.append(", ".join(counts) or "all checks passed")
             out.write("".join(line + "\n" for line in lines))
         out.flush()
         if code:

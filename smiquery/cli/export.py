@@ -1,13 +1,11 @@
 """``smiquery export``: serve Prometheus metrics from one background nvidia-smi loop.
 
-Errors go through the one boundary (exit 1: the port is taken or the exporter cannot run; 2: a bad option, a
---bind address not on this machine included; 3: no nvidia-smi; 143/130 after SIGTERM/SIGINT). Run as its own
-process, the command hands its parsed options to :mod:`smiquery.cli._export_run` with ``os.execv``.
+Every bad option is a usage error (exit 2) before anything runs; run as its own process, the command hands its
+parsed options to :mod:`smiquery.cli._export_run` with ``os.execv``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,7 +15,7 @@ import typer
 import smiquery.cli._export_run as export_run
 from smiquery.cli._boundary import boundary
 from smiquery.cli._common import app, seconds_option, settings_of, version_callback
-from smiquery.cli._export_run import ExportOptions, LogFormat, Naming, TopBy, hand_off, run_export
+from smiquery.cli._export_run import LogFormat, Naming, TopBy, hand_off, invalid, run_export
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError, SmiqueryError
 from smiquery.fields import resolve_fields
 from smiquery.streams.argv import normalize_gpus
@@ -49,13 +47,12 @@ Examples:
 """
 
 
-@app.command("export", epilog=_EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@app.command("export", epilog=_EPILOG)
 def export(
     ctx: typer.Context,
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free port).")] = 9849,
     bind: Annotated[
-        str,
-        typer.Option(help="Address to listen on. 0.0.0.0 or :: (all interfaces) only when you say so."),
+        str, typer.Option(help="Address to listen on. 0.0.0.0 or :: (all interfaces) only when you say so.")
     ] = "127.0.0.1",
     interval: Annotated[float, seconds_option("--interval", "Seconds between nvidia-smi samples.")] = 5.0,
     fields: Annotated[
@@ -69,8 +66,7 @@ def export(
         str | None, typer.Option(help="Only these GPUs: indices, UUIDs or PCI bus ids, comma list.")
     ] = None,
     label: Annotated[
-        list[str] | None,
-        typer.Option("--label", help="Constant label key=value on every series (repeat for more)."),
+        list[str] | None, typer.Option(help="Constant label key=value on every series (repeat for more).")
     ] = None,
     naming: Annotated[
         Naming,
@@ -79,16 +75,13 @@ def export(
             help="smiquery: base units; dcgm: the DCGM exporter's names and labels; nvidia_smi: nvidia_gpu_exporter's.",
         ),
     ] = "smiquery",
-    processes: Annotated[
-        bool, typer.Option("--processes/--no-processes", help="Also export per-process GPU memory.")
-    ] = False,
+    processes: Annotated[bool, typer.Option(help="Also export per-process GPU memory.")] = False,
     processes_interval: Annotated[
         float, seconds_option("--processes-interval", "Seconds between process listings.")
     ] = 15.0,
     top_processes: Annotated[
         int,
         typer.Option(
-            "--top-processes",
             min=0,
             help="Also run nvidia-smi pmon and export the N busiest processes per GPU (SM and memory use, GPU "
             "memory; one 'other' series sums the rest). 0: off, no pmon at all.",
@@ -97,7 +90,6 @@ def export(
     top_processes_by: Annotated[
         TopBy,
         typer.Option(
-            "--top-processes-by",
             case_sensitive=False,
             help="Label --top-processes series by process name (bounded: the processes of one name are summed) or "
             "by pid (one series per process, with pid and user labels: every new pid is a new series).",
@@ -107,24 +99,21 @@ def export(
     tls_key: Annotated[Path | None, _file("PEM private key of --tls-cert.")] = None,
     client_ca: Annotated[Path | None, _file("PEM CA bundle: require client certificates signed by it.")] = None,
     web_config_file: Annotated[
-        Path | None,
-        _file("Prometheus exporter-toolkit web config: tls_server_config and basic_auth_users (bcrypt)."),
+        Path | None, _file("Prometheus exporter-toolkit web config: tls_server_config and basic_auth_users (bcrypt).")
     ] = None,
     alert: Annotated[
         list[str] | None,
         typer.Option(
-            "--alert",
             help="smiquery alert rule evaluated on every sample, exported as smiquery_alert_firing{alert=RULE} "
             "(repeat; 'none' for none), beside the default rule 'temperature.gpu > 85 for 3' that the shipped "
-            "GpuTemperatureCritical matches.",
+            "GpuTemperatureCritical matches."
         ),
     ] = None,
     default_alerts: Annotated[
         bool,
         typer.Option(
-            "--default-alerts/--no-default-alerts",
             help="Evaluate the default rule 'temperature.gpu > 85 for 3' whatever --alert says. Turning it off "
-            "silences GpuTemperatureCritical (SmiqueryDefaultAlertMissing says so).",
+            "silences GpuTemperatureCritical (SmiqueryDefaultAlertMissing says so)."
         ),
     ] = True,
     log_format: Annotated[
@@ -135,41 +124,35 @@ def export(
         seconds_option("--stale-after", "Seconds after which data counts as stale (default: max(3 x interval, 15))."),
     ] = None,
     nvidia_smi: Annotated[
-        str | None, typer.Option("--nvidia-smi", help="Path of nvidia-smi (default: the global option, PATH).")
+        str | None, typer.Option(help="Path of nvidia-smi (default: the global option, PATH).")
     ] = None,
     kubernetes: Annotated[
         bool,
         typer.Option(
-            "--kubernetes/--no-kubernetes",
             help="Say which pod holds each GPU (kubelet pod-resources API): smiquery_gpu_allocation_info, pod "
-            "labels on GPUs one container holds. Needs the k8s extra.",
+            "labels on GPUs one container holds. Needs the k8s extra."
         ),
     ] = False,
     pod_resources_socket: Annotated[
-        str, typer.Option("--pod-resources-socket", help="The kubelet's pod-resources socket (with --kubernetes).")
+        str, typer.Option(help="The kubelet's pod-resources socket (with --kubernetes).")
     ] = "/var/lib/kubelet/pod-resources/kubelet.sock",
     kubernetes_processes: Annotated[
         bool,
         typer.Option(
-            "--kubernetes-processes/--no-kubernetes-processes",
             help="Also per-pod use of shared GPUs (process cgroups + the pods of this node from the Kubernetes API; "
-            "implies --kubernetes, --processes and --top-processes 16 or more; needs hostPID and RBAC list pods).",
+            "implies --kubernetes, --processes and --top-processes 16 or more; needs hostPID and RBAC list pods)."
         ),
     ] = False,
     slurm: Annotated[
         bool,
         typer.Option(
-            "--slurm/--no-slurm",
             help="Say which Slurm job holds each GPU (squeue and scontrol, on their own thread): "
             "smiquery_gpu_allocation_info, slurm_* labels on GPUs one job holds, per-job use and "
-            "smiquery_gpu_unallocated_use from process cgroups (implies --processes).",
+            "smiquery_gpu_unallocated_use from process cgroups (implies --processes)."
         ),
     ] = False,
     slurm_node: Annotated[
-        str | None,
-        typer.Option(
-            "--slurm-node", help="This node's Slurm name (default: SLURMD_NODENAME, else the short host name)."
-        ),
+        str | None, typer.Option(help="This node's Slurm name (default: SLURMD_NODENAME, else the short host name).")
     ] = None,
     slurm_interval: Annotated[
         float,
@@ -179,9 +162,7 @@ def export(
             "slurmctld answers every node).",
         ),
     ] = 10.0,
-    slurm_bin_dir: Annotated[
-        str | None, typer.Option("--slurm-bin-dir", help="Where squeue and scontrol are (default: PATH).")
-    ] = None,
+    slurm_bin_dir: Annotated[str | None, typer.Option(help="Where squeue and scontrol are (default: PATH).")] = None,
     details_interval: Annotated[
         float,
         seconds_option(
@@ -194,20 +175,14 @@ def export(
     kernel_log: Annotated[
         str,
         typer.Option(
-            "--kernel-log",
             help="Kernel log to count Xid errors from (smiquery_xid_errors_total): /dev/kmsg (needs CAP_SYSLOG or "
-            "root) or a plain file followed like tail -F. '': off.",
+            "root) or a plain file followed like tail -F. '': off."
         ),
     ] = "/dev/kmsg",
     version: Annotated[
         bool,
         typer.Option(
-            "--version",
-            "-V",
-            callback=version_callback,
-            is_eager=True,
-            help="Print smiquery's version and exit.",
-            show_default=False,
+            "--version", "-V", callback=version_callback, is_eager=True, help="Print smiquery's version and exit."
         ),
     ] = False,
 ) -> None:
@@ -222,8 +197,8 @@ def export(
 
         defaults = DEFAULT_EXPORTER_ALERTS if default_alerts else ()
         paths = ("tls_cert", "tls_key", "client_ca", "web_config_file")
-        given = {
-            **ctx.params,  # every option by name, as parsed
+        opts = {
+            **ctx.params,  # every option by name, as parsed (JSON-safe)
             **{name: str(ctx.params[name]) if ctx.params[name] else None for name in paths},
             "labels": labels,
             # the default rules first (the shipped Prometheus rules match their text), each rule once
@@ -233,7 +208,6 @@ def export(
             "kernel_log": kernel_log or None,
             "debug": settings.debug,
         }
-        opts = ExportOptions(**{f.name: given[f.name] for f in dataclasses.fields(ExportOptions)})
         if export_run.process_entry:
             hand_off(opts, sys.argv[1:])  # returns only when the process image cannot be replaced
         code = run_export(opts)
@@ -241,49 +215,44 @@ def export(
         raise typer.Exit(code)
 
 
-def _bad(option: str, message: str) -> typer.BadParameter:
-    return typer.BadParameter(message, param_hint=f"'{option}'")
-
-
 def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
     """Every bad option is a usage error (exit 2) before anything runs; returns the labels and the alert rules.
 
-    The labels, rules and web config are each checked by the exporter's own parser.
+    The labels and rules are checked by the exporter's own parsers, the web config where it is loaded (run_export).
     """
     for name in ("interval", "processes_interval", "stale_after", "slurm_interval"):
         if p[name] is not None and p[name] <= 0:
-            raise _bad(f"--{name.replace('_', '-')}", "must be a positive number of seconds")
+            raise invalid(f"--{name.replace('_', '-')}", "must be a positive number of seconds")
     if not p["bind"].strip():
-        raise _bad("--bind", "must be an address such as 127.0.0.1")
+        raise invalid("--bind", "must be an address such as 127.0.0.1")
     try:
         if p["fields"] != "supported":
             resolve_fields(p["fields"])
     except InvalidFieldError as exc:
-        raise _bad("--fields", str(exc)) from None
+        raise invalid("--fields", str(exc)) from None
     try:
         normalize_gpus(p["gpus"])
     except InvalidGpuIdError as exc:
-        raise _bad("--gpus", str(exc)) from None
+        raise invalid("--gpus", str(exc)) from None
     if (p["tls_cert"] is None) != (p["tls_key"] is None):
-        raise _bad("--tls-cert/--tls-key", "HTTPS needs both --tls-cert and --tls-key")
+        raise invalid("--tls-cert/--tls-key", "HTTPS needs both --tls-cert and --tls-key")
     if p["client_ca"] is not None and p["tls_cert"] is None:
-        raise _bad("--client-ca", "client certificates need HTTPS: add --tls-cert and --tls-key")
+        raise invalid("--client-ca", "client certificates need HTTPS: add --tls-cert and --tls-key")
     if p["web_config_file"] is not None and p["tls_cert"] is not None:
-        raise _bad("--web-config-file", "give TLS either in --web-config-file or as --tls-cert/--tls-key")
+        raise invalid("--web-config-file", "give TLS either in --web-config-file or as --tls-cert/--tls-key")
     from smiquery import exporter as exporter_mod  # needs prometheus_client: after the checks that do not
     from smiquery.alerts import Rule
-    from smiquery.errors import WebConfigError
 
     if p["slurm"] and (p["kubernetes"] or p["kubernetes_processes"]):
-        raise _bad("--slurm", "give either --kubernetes or --slurm, not both")
+        raise invalid("--slurm", "give either --kubernetes or --slurm, not both")
     try:
         labels = exporter_mod.parse_labels(p["label"])
     except ValueError as exc:
-        raise _bad("--label", str(exc)) from None
+        raise invalid("--label", str(exc)) from None
     taken = sorted({"command", "user"} & set(labels)) if p["top_processes"] else []
     if taken:
         message = f"label name {taken[0]!r} is set by the exporter itself with --top-processes; pick another name"
-        raise _bad("--label", message)
+        raise invalid("--label", message)
     rules: list[str] | None = None
     if p["alert"]:
         rules = [] if [a.strip().lower() for a in p["alert"]] == ["none"] else list(p["alert"])
@@ -291,10 +260,5 @@ def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
             for text in rules:
                 Rule.parse(text)
         except SmiqueryError as exc:
-            raise _bad("--alert", str(exc)) from None
-    if p["web_config_file"] is not None:
-        try:
-            exporter_mod.load_web_config(p["web_config_file"])
-        except WebConfigError as exc:
-            raise _bad("--web-config-file", str(exc)) from None
+            raise invalid("--alert", str(exc)) from None
     return labels, rules

@@ -61,25 +61,20 @@ def fields_cmd(
             from smiquery.runner import find_nvidia_smi
 
             driver = driver_fields(find_nvidia_smi(settings.nvidia_smi), settings.timeout)
-        records: list[dict[str, Any]] = []
-        for f in chosen:
-            rec: dict[str, Any] = {
-                "name": f.name,
-                "kind": f.kind.value,
-                "unit": f.unit,
-                "aliases": list(f.aliases),
-                "help": f.help,
-            }
-            if driver is not None:
-                rec["supported"] = any(n in driver for n in (f.name, *f.aliases))
-            records.append(rec)
-        if driver is not None and preset is None:
-            known = {n for f in CATALOGUE for n in (f.name, *f.aliases)}
-            for name, desc in driver.items():
-                if name not in known and name not in {r["name"] for r in records}:
-                    records.append(
-                        {"name": name, "kind": "string", "unit": "", "aliases": [], "help": desc, "supported": True}
-                    )
+        records: list[dict[str, Any]] = [
+            {"name": f.name, "kind": f.kind.value, "unit": f.unit, "aliases": list(f.aliases), "help": f.help}
+            for f in chosen
+        ]
+        if driver is not None:
+            for r in records:
+                r["supported"] = any(n in driver for n in (r["name"], *r["aliases"]))
+            if preset is None:  # and the driver's fields the catalogue lacks
+                known = {n for f in CATALOGUE for n in (f.name, *f.aliases)}
+                records += [
+                    {"name": name, "kind": "string", "unit": "", "aliases": [], "help": desc, "supported": True}
+                    for name, desc in driver.items()
+                    if name not in known
+                ]
         if search:
             word = search.lower()
             records = [r for r in records if word in r["name"].lower() or word in r["help"].lower()]
@@ -87,13 +82,7 @@ def fields_cmd(
         if table:
             for r in records:
                 r["shown"] = r["name"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else "")
-        sup = [
-            Column(
-                "supported",
-                style=lambda v: None if v else "firing",
-                table_text=lambda v: "yes" if v else "NO",
-            )
-        ]
+        sup = [Column("supported", style=lambda v: None if v else "firing", table_text=lambda v: "yes" if v else "NO")]
         columns = [
             Column("shown" if table else "name", "name"),
             Column("kind"),

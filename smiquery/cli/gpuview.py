@@ -26,6 +26,7 @@ from smiquery.cli.display import (
     mark_style,
     paint,
     sample_rows,
+    short_title,
     show_cursor,
     terminal_size,
     wrap_parts,
@@ -41,21 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SORT_KEYS", "LiveTable", "process_label"]
 
-# Short column titles; any other field's is the last part of its name, upper-cased (NAME, UUID, TOTAL).
-_TITLES = {
-    "index": "GPU",
-    "pci.bus_id": "BUS",
-    "temperature.gpu": "TEMP",
-    "temperature.memory": "MTEMP",
-    "utilization.gpu": "UTIL",
-    "utilization.memory": "MUTIL",
-    "memory.used": "MEM",
-    "power.draw": "PWR",
-    "power.limit": "PLIM",
-    "fan.speed": "FAN",
-    "clocks.current.memory": "MEMCLK",
-    "clocks.current.graphics": "GFXCLK",
-}
 _BAR = 10
 _MIN_PROCS = 16  # the narrowest processes column; narrower, they go under their GPU
 _VENDOR = {"NVIDIA", "TESLA", "GEFORCE", "QUADRO"}
@@ -89,7 +75,7 @@ class _Col:
 
     @property
     def width(self) -> int:
-        return max(len(self.title), *(len(c) for c in self.cells)) if self.cells else len(self.title)
+        return max([len(self.title), *map(len, self.cells)])
 
 
 def _columns(
@@ -107,8 +93,7 @@ def _columns(
     for i, f in enumerate(fields):
         if merged and f.name == "memory.total":
             continue
-        title = _TITLES.get(f.name) or f.name.rsplit(".", 1)[-1][:10].upper()
-        col = _Col(f.name, f"{title} {f.unit}" if f.unit else title, f.kind.is_numeric)
+        col = _Col(f.name, short_title(f, live=True), f.kind.is_numeric)
         col.cells = [row[i] for row in cells]
         col.styles = [st[i] for st in styles]
         if f.name == "name":
@@ -137,8 +122,7 @@ def _gpu_lines(
 ) -> tuple[str, list[list[str]], list[str]]:
     """The title line, each GPU's lines fitted to ``cols`` (0: any; processes after or under), the fields left out.
 
-    ``marks`` a state per row (``LOST``, ``stale 3s``: a state column when any has one); ``procs`` (None: not shown)
-    each GPU's processes; ``uuid`` keeps the UUID, otherwise shown only 200 columns wide or more.
+    ``marks``: a state per row (a state column when any); ``uuid`` keeps the UUID at under 200 columns.
     """
     columns = _columns(samples, fields, cells, styles, marks)
     if not (uuid or cols <= 0 or cols >= 200):
@@ -163,8 +147,7 @@ def _gpu_lines(
             out.append(paint(text.rjust(w) if c.right else text.ljust(w), st))
         return "  ".join(out)
 
-    titles = [c.title.rjust(w) if c.right else c.title.ljust(w) for c, w in zip(columns, widths)]
-    header = paint("  ".join(titles).rstrip(), "header")
+    header = paint(line([c.title for c in columns], [None] * len(columns)).rstrip(), "header")
     start = width(columns) + 2
     inline = cols <= 0 or cols - start >= _MIN_PROCS
     if procs is not None and any(procs) and inline:
@@ -211,14 +194,12 @@ def _summary_line(samples: Sequence[GpuSample], marks: Sequence[str]) -> str:
 class LiveTable:
     """The newest sample of each GPU, one line each, redrawn in place on a terminal (ANSI, no curses).
 
-    A frame is a title, a summary line, the GPU lines and a footer (which GPUs are shown of how many, sample age,
-    counters, alerts) that is always drawn: on a short terminal the processes go first, then GPU rows scroll
-    (:attr:`view` takes the keys); GPUs in trouble (lost, stale, past a firing rule) are never left out. A GPU that
-    stopped reporting keeps its last numbers, dimmed and marked ``stale`` after ``stale_after`` seconds.
-
-    Cells past the thresholds of the ``evaluator`` (``--alert``) and of the ``health`` rules are coloured (with
-    ``color``); ``size`` returns the terminal's (columns, lines). :attr:`show_processes` lists each GPU's processes;
-    :attr:`uuid` shows the UUID at any width.
+    Below the GPU lines a footer (GPUs shown of how many, sample age, counters, alerts) is always drawn: on a short
+    terminal the processes go first, then GPU rows scroll (:attr:`view` takes the keys); GPUs in trouble (lost,
+    stale, past a firing rule) are never left out. A GPU that stopped reporting keeps its last numbers, dimmed and
+    marked ``stale`` after ``stale_after`` seconds. Cells past the ``evaluator``'s (``--alert``) and the ``health``
+    rules' thresholds are coloured; ``size`` returns the terminal's (columns, lines). :attr:`show_processes` lists
+    each GPU's processes, :attr:`uuid` shows the UUID at any width.
     """
 
     def __init__(
@@ -254,22 +235,17 @@ class LiveTable:
         self._started = False
 
     def update(self, samples: Iterable[GpuSample], now: float | None = None) -> None:
-        """Take one sweep: the newest sample of each GPU is shown; a GPU missing from two sweeps is stale.
-
-        ``now`` is when it arrived (``time.monotonic()``), live; None: now, and the health rules' holds go by the
-        samples' timestamps (a recording).
-        """
+        """Take one sweep (``now``: its monotonic arrival, live; None for a recording, timed by its timestamps)."""
         arrived = time.monotonic() if now is None else now
         self._sweeps += 1
         for s in samples:
             key = s.index if "index" in s else (s.uuid if "uuid" in s else len(self._rows))
             self._rows[key] = s
             self._seen[key] = (self._sweeps, arrived)
-            ts = s.timestamp if "timestamp" in s else None
-            if ts is not None:
-                self._last_ts = ts
+            if "timestamp" in s and s.timestamp is not None:
+                self._last_ts = s.timestamp
             if self.health is not None:
-                self.health.update(s, now)  # None: a recording's holds go by its timestamps
+                self.health.update(s, now)
         self._received = arrived
 
     def set_processes(self, by_gpu: Mapping[int, Sequence[str]]) -> None:
@@ -300,32 +276,29 @@ class LiveTable:
 
     def _footer(self, stats: Mapping[str, object] | None, cols: int, now: float) -> list[str]:
         """The footer lines after the table: age and counters, errors, firing alerts, recent events."""
-        color = self.color
+        color, stats = self.color, stats or {}
         age = now - self._received if self._received is not None else None
         parts = [f"sample age {age:.1f} s" if age is not None else "no sample yet"]
         if self._last_ts is not None:
             parts.append(f"sampled {self._last_ts.strftime('%H:%M:%S')}")
-        for key in ("sweeps", "rows", "restarts", "dropped_rows"):
-            if stats is not None and key in stats:
-                parts.append(f"{key.replace('_', ' ')} {stats[key]}")
-        retry_at = stats.get("next_retry_at") if stats is not None else None
-        if stats is not None and stats.get("state") == "retrying" and isinstance(retry_at, (int, float)):
+        counters = ("sweeps", "rows", "restarts", "dropped_rows")
+        parts += [f"{key.replace('_', ' ')} {stats[key]}" for key in counters if key in stats]
+        retry_at = stats.get("next_retry_at")
+        if stats.get("state") == "retrying" and isinstance(retry_at, (int, float)):
             parts.append(f"retrying in {max(0.0, retry_at - time.time()):.0f} s")
-        lost = stats.get("lost_gpus") if stats is not None else None
+        lost = stats.get("lost_gpus")
         if lost:
             text = "LOST GPU " + ",".join(str(i) for i in sorted(lost))  # type: ignore[call-overload]
             parts.append(paint(text, "error", color))
         lines = wrap_parts(parts, cols)
-        last_error = stats.get("last_error") if stats is not None else None
+        last_error = stats.get("last_error")
         if last_error:
             lines.append(f"last error: {last_error}")
         firing = [pair for ev in (self.evaluator, self.health) if ev is not None for pair in ev.firing()]
         if firing:
             text = "; ".join(dict.fromkeys(f"GPU {g}: {r}" for r, g in firing))
             lines.append(f"{paint('FIRING', 'firing', color)} {text}")
-        for msg in self._events:
-            lines.append(paint(msg, "dim", color))
-        return lines
+        return lines + [paint(msg, "dim", color) for msg in self._events]
 
     def _words(self, key: object) -> str:
         """What the filter looks in: the index, name, UUID and processes of a GPU."""
@@ -402,10 +375,9 @@ class LiveTable:
         where = view.status("GPUs", len(shown), len(matching), len(keys))
         if len(shown) < len(matching):
             where = where.replace(" GPUs shown", f" GPUs shown ({_ranges(shown)})", 1) + " · PgDn/↓ for more"
-        if view.sort != "index":
-            where = " · ".join(x for x in (where, f"sorted by {view.sort}") if x)
-        if procs_cut:
-            where = " · ".join(x for x in (where, "processes not shown: terminal too short") if x)
+        sort = f"sorted by {view.sort}" if view.sort != "index" else ""
+        cut = "processes not shown: terminal too short" if procs_cut else ""
+        where = " · ".join(x for x in (where, sort, cut) if x)
         bottom = ["", *([self._paint(where, "pending")] if where else []), *footer]
         extra = [self._paint(x, "dim") for x in extra]
         lines = top + bottom + extra
@@ -451,10 +423,7 @@ def _ranges(keys: Sequence[object]) -> str:
 
 
 def process_label(proc: GpuProcess, user: str | None) -> str:
-    """``user/command(memory)`` as gpustat shows a process (:data:`UNKNOWN_USER` for a user not known).
-
-    A newline or tab in the name the driver recorded becomes a space: one process is one line.
-    """
+    """``user/command(memory)`` as gpustat shows a process, on one line (:data:`UNKNOWN_USER`: a user not known)."""
     name = " ".join(proc.process_name.split()) or "?"
     command = os.path.basename(name.split(" ", 1)[0]) or name
     memory = f"{proc.used_memory}MiB" if proc.used_memory is not None else "n/a"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import os
+import re
 import select
 import sys
 import threading
@@ -25,7 +26,12 @@ _SEQUENCES = {
     "\x1b[6~": "pgdn",
     **dict.fromkeys(("\x1b[H", "\x1bOH", "\x1b[1~", "\x1b[7~"), "home"),
     **dict.fromkeys(("\x1b[F", "\x1bOF", "\x1b[4~", "\x1b[8~"), "end"),
+    "\x1b": "esc",
+    **dict.fromkeys("\r\n", "enter"),
+    **dict.fromkeys("\x7f\x08", "backspace"),
 }
+# An escape sequence (up to its final letter or ~, to the end when it has none), or one character.
+_TOKEN = re.compile(r"\x1b[\[O].*?(?:[^\W\d_]|~|\Z)|.", re.DOTALL)
 
 
 def parse_keys(data: str) -> list[str]:
@@ -35,29 +41,10 @@ def parse_keys(data: str) -> list[str]:
     the character typed.
     """
     keys: list[str] = []
-    i = 0
-    while i < len(data):
-        ch = data[i]
-        if ch == "\x1b":
-            match = next((s for s in _SEQUENCES if data.startswith(s, i)), None)
-            if match is not None:
-                keys.append(_SEQUENCES[match])
-                i += len(match)
-                continue
-            if i + 1 < len(data) and data[i + 1] in "[O":
-                j = i + 2
-                while j < len(data) and not (data[j].isalpha() or data[j] == "~"):
-                    j += 1
-                i = j + 1  # an unknown sequence: skipped
-                continue
-            keys.append("esc")
-        elif ch in "\r\n":
-            keys.append("enter")
-        elif ch in "\x7f\x08":
-            keys.append("backspace")
-        elif ch >= " ":
-            keys.append(ch)
-        i += 1
+    for token in _TOKEN.findall(data):
+        name = _SEQUENCES.get(token)
+        if name is not None or (len(token) == 1 and token >= " "):
+            keys.append(name or token)
     return keys
 
 

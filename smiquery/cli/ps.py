@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any, Literal, cast
@@ -26,7 +26,7 @@ import typer
 from smiquery.cli._boundary import boundary, cli_text, quiet_stdout, say
 from smiquery.cli._common import FormatOpt, GpusOpt, app, settings_of
 from smiquery.cli._options import Settings, choose_format, gpu_ids_checked, is_tty, parse_gpus, parse_seconds
-from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
+from smiquery.cli._signals import END, Failure, Signals, SourceEvent, start_pump
 from smiquery.cli.keys import KEY_HELP, KeyReader, Viewport
 from smiquery.errors import NotSupportedError, NvidiaSmiFailedError, StreamEndedError, UsageError
 from smiquery.retry import RetryPolicy
@@ -110,8 +110,7 @@ def proc_info(processes: Mapping[int, str | None]) -> dict[int, ProcInfo]:
         for pid, before in first.items():
             after = _cpu_ticks(pid)
             if after is not None and elapsed > 0:
-                info = out[pid]
-                out[pid] = ProcInfo(info.user, info.command, round(100.0 * (after - before) / hz / elapsed, 1))
+                out[pid] = replace(out[pid], cpu_percent=round(100.0 * (after - before) / hz / elapsed, 1))
     return out
 
 
@@ -119,15 +118,14 @@ class ProcCache:
     """User and full command line of each pid from /proc, read once per process (a pid seen again is cached)."""
 
     def __init__(self) -> None:
-        self._known: dict[tuple[int, str | None], ProcInfo | None] = {}
+        self._known: dict[tuple[int, str | None], ProcInfo] = {}
 
-    def lookup(self, pid: int, name: str | None) -> tuple[str | None, str | None]:
-        """(user, command line) of ``pid``; None for what /proc cannot tell or when it is another process."""
+    def lookup(self, pid: int, name: str | None) -> ProcInfo:
+        """User and command line of ``pid``; None for what /proc cannot tell or when it is another process."""
         key = (pid, name)
         if key not in self._known:
-            self._known[key] = _identity(pid, name)
-        info = self._known[key]
-        return (info.user, info.command) if info is not None else (None, None)
+            self._known[key] = _identity(pid, name) or ProcInfo()
+        return self._known[key]
 
     def keep(self, pids: set[tuple[int, str | None]]) -> None:
         """Forget processes no longer listed (their pids may be reused)."""
@@ -145,10 +143,10 @@ PsSort = Literal["sm", "mem", "fb", "pid", "gpu"]
 
 
 def _pmon_reason(exc: BaseException) -> str:
-    """What went wrong, in nvidia-smi's own words where it printed some.
+    """What went wrong, in nvidia-smi's own words: the first line of its output that is no header (``#``) or row.
 
-    pmon's rows hold no ``", "``, so the runner keeps them among the message lines it quotes; the message is the
-    first line that is neither a header (``#``) nor a row (rows start with blanks or digits).
+    (pmon's rows hold no ``", "``, so the runner keeps them among the lines it quotes; rows start with blanks or
+    digits.)
     """
     if isinstance(exc, StreamEndedError) and exc.returncode == 0 and not exc.output.strip():
         return "nvidia-smi pmon ended by itself"
@@ -190,8 +188,7 @@ def _final_error(exc: BaseException) -> BaseException:
 class _PmonLines:
     """A pmon child's lines; once it said pmon is unsupported, the end of its output is a NotSupportedError.
 
-    Some drivers print ``Not supported on the device(s)`` and may exit 0 or 255, which the stream would take
-    for a failure worth a restart; this makes it the error it is, whatever the exit status.
+    (Some drivers print ``Not supported on the device(s)`` and exit 0 or 255: no failure worth a restart.)
     """
 
     def __init__(self, inner: LineSource) -> None:
@@ -226,10 +223,7 @@ def _pmon_runner() -> Runner:
 
 
 def _event_line(event: StreamEvent) -> str | None:
-    """The line for a pmon restart (with the error behind it), recovery or dropped line.
-
-    "error" events are told by the restart that follows them, or by the command's error line.
-    """
+    """The line for a pmon restart (with the error behind it), recovery or dropped line; none for an error."""
     if event.kind == "restart":
         found = _DELAY.search(event.detail)
         when = f" in {float(found.group(1)):.1f} s" if found else ""
@@ -248,30 +242,24 @@ def _records(instant: Sequence[PmonRow], sort: str, procs: ProcCache) -> list[di
     rows = sorted((r for r in instant if not r.idle), key=lambda r: (r.gpu if r.gpu is not None else -1, r.pid or 0))
     rows = sort_rows(rows, sort, descending=sort in _DESCENDING)
     stamp = _instant_time(instant)
-    seen: set[tuple[int, str | None]] = set()
     out: list[dict[str, object]] = []
     for r in rows:
-        user: str | None = None
-        command = r.command
-        if r.pid is not None:
-            seen.add((r.pid, r.command))
-            user, full = procs.lookup(r.pid, r.command)
-            command = full or r.command
+        info = procs.lookup(r.pid, r.command) if r.pid is not None else ProcInfo()
         out.append(
             {
                 "time": stamp,
                 "gpu_index": r.gpu,
                 "pid": r.pid,
                 "type": r.type,
-                "user": user,
+                "user": info.user,
                 "sm": r.sm,
                 "mem": r.mem,
                 "used_memory": r.fb,
                 "process_name": r.command,
-                "command": command,
+                "command": info.command or r.command,
             }
         )
-    procs.keep(seen)
+    procs.keep({(r.pid, r.command) for r in rows if r.pid is not None})
     return out
 
 
@@ -297,9 +285,10 @@ def _columns(table: bool) -> list[Column]:
     ]
 
 
-def _idle_gpus(instant: Sequence[PmonRow]) -> list[int]:
+def _idle_note(instant: Sequence[PmonRow]) -> str:
     busy = {r.gpu for r in instant if not r.idle}
-    return sorted({r.gpu for r in instant if r.idle and r.gpu is not None and r.gpu not in busy})
+    idle = sorted({r.gpu for r in instant if r.idle and r.gpu is not None and r.gpu not in busy})
+    return f" · idle GPU {', '.join(map(str, idle))}" if idle else ""
 
 
 class _Blocks:
@@ -316,9 +305,7 @@ class _Blocks:
 
         when = _instant_time(instant)
         if self.form == "table":
-            idle = _idle_gpus(instant)
-            note = f" · idle GPU {', '.join(map(str, idle))}" if idle else ""
-            text = f"# {when.isoformat(sep=' ')}{note}\n"
+            text = f"# {when.isoformat(sep=' ')}{_idle_note(instant)}\n"
             text += render(records, "table", columns=self.columns, empty="no processes") + "\n"
         elif self.form == "json":
             text = json.dumps([_json_ready(r) for r in records]) + "\n"  # one array per instant, one per line
@@ -355,17 +342,13 @@ class _Live:
         self.columns = _columns(True)
         self._events: list[str] = []
         self._records: list[dict[str, object]] = []
-        self._after: list[str] = []
-        self._waiting = True
+        self._after: list[str] = []  # the line under the table (none before the first sample)
         self._started = False
         self.view = Viewport({}, "")
 
     def show(self, instant: Sequence[PmonRow], records: list[dict[str, object]]) -> None:
         self._records = records
-        self._waiting = False
-        idle = _idle_gpus(instant)
-        when = _instant_time(instant).strftime("%H:%M:%S")
-        self._after = [f"sampled {when}" + (f" · idle GPU {', '.join(map(str, idle))}" if idle else "")]
+        self._after = [f"sampled {_instant_time(instant).strftime('%H:%M:%S')}{_idle_note(instant)}"]
         self.draw()
 
     def key(self, key: str) -> None:
@@ -377,7 +360,7 @@ class _Live:
         """The table with the rows that fit ``room`` lines, and a line saying which are shown of how many."""
         from smiquery.cli.display import render
 
-        if self._waiting:
+        if not self._after:
             return ["waiting for the first sample..."]
         view = self.view
         words = ("gpu_index", "pid", "user", "command")
@@ -457,10 +440,9 @@ class _Merge:
 
 
 def _gpu_groups(ids: tuple[str, ...] | None, settings: Settings) -> list[tuple[str, ...] | None]:
-    """The GPUs of each pmon child: 4 at most each (pmon's limit), so that every GPU is watched.
+    """The GPUs of each pmon child, 4 at most (pmon's limit); [None] (pmon's default: all) for up to 4 GPUs.
 
-    Without ``--gpus``, the GPUs are listed first; on a machine with at most 4 (or when listing fails, which the
-    child then reports with its typed error) one child watches pmon's default, all of them.
+    Without ``--gpus`` the GPUs are listed first; when that fails, the one child reports it with its typed error.
     """
     if not ids:
         from smiquery.errors import SmiqueryError
@@ -526,7 +508,7 @@ def run_watch(
     shown = 0
     ended = 0
     live = view if isinstance(view, _Live) else None
-    reader = KeyReader(lambda key: items.put(Key(key))) if live is not None else contextlib.nullcontext()
+    reader = KeyReader(items.put) if live is not None else contextlib.nullcontext()
     with Signals() as sigs, reader:
         try:
             if live is not None:
@@ -543,9 +525,9 @@ def run_watch(
                     item = items.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if isinstance(item, Key):
+                if isinstance(item, str):  # a key typed
                     if live is not None:
-                        live.key(item.name)
+                        live.key(item)
                 elif isinstance(item, SourceEvent):
                     if item.event.kind == "error" and _unsupported(item.event.error):
                         failure = item.event.error  # pmon said so: restarting cannot help
@@ -625,7 +607,6 @@ def ps(
             metavar="DURATION",
             help="--watch: time between refreshes: 1, 2s, 5 (pmon refreshes every 1 to 10 whole seconds; a shorter "
             "or fractional one is rounded up, with a note). [default: 1]",
-            show_default=False,
         ),
     ] = None,
     duration: Annotated[
@@ -642,7 +623,6 @@ def ps(
             "-s",
             case_sensitive=False,
             help="--watch: order by sm, mem, fb (GPU memory; these busiest first), pid or gpu. [default: sm]",
-            show_default=False,
         ),
     ] = None,
 ) -> None:

@@ -1,4 +1,7 @@
-"""``smiquery stream``: watch the GPUs live (one long-lived nvidia-smi, or a recording) and record it."""
+"""``smiquery stream``: watch the GPUs live (one long-lived nvidia-smi, or a recording) and record it (``--output``).
+
+``smiquery record``, the word users type first, is no command of its own: it says to use ``stream --output``.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +9,15 @@ import contextlib
 import dataclasses
 import functools
 import queue
+import re
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -28,22 +33,21 @@ from smiquery.cli._options import (
     parse_seconds,
     unknown_gpus,
 )
-from smiquery.cli._signals import END, Failure, Key, Signals, SourceEvent, start_pump
-from smiquery.cli.record import open_output, recording_options, reopen_on_hup
-from smiquery.errors import KernelLogError, NoDevicesFoundError, UsageError
+from smiquery.cli._signals import END, Failure, Signals, SourceEvent, start_pump
+from smiquery.errors import KernelLogError, NoDevicesFoundError, RecordingError, SmiqueryError, UsageError
 from smiquery.fields import Field, get_field
 from smiquery.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, Notifier, Rule
     from smiquery.cli.gpuview import LiveTable
-    from smiquery.recordings import SampleWriter
+    from smiquery.recordings import ParquetDataset, SampleWriter, TextRecorder
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
     from smiquery.sources.latest import Latest
     from smiquery.sources.xid import XidEvent, XidWatcher
 
-__all__ = ["EventPrinter", "XidNotes", "stream"]
+__all__ = ["EventPrinter", "XidNotes", "open_output", "parse_rotate", "recording_options", "reopen_on_hup", "stream"]
 
 
 class EventPrinter:
@@ -95,10 +99,9 @@ class EventPrinter:
 
 
 class XidNotes:
-    """``--kernel-log``: among the stream's writers, it keeps each GPU's newest sample and turns Xids into lines.
+    """``--kernel-log``: a writer keeping each GPU's newest sample, that turns the kernel log's Xids into lines.
 
-    nvidia-smi never reports Xids; the kernel log says why a GPU fell off the bus. The follower's thread names the
-    GPU by the ``pci.bus_id`` of its last sample; ``note`` takes each line. Closing it stops the watcher.
+    nvidia-smi never reports Xids; an Xid names its GPU by the PCI address of a sample. Closing stops following.
     """
 
     def __init__(self, note: Callable[[str], None]) -> None:
@@ -195,7 +198,7 @@ class _Run:
 
         unsubscribe = self.source.subscribe(lambda ev: self.items.put(SourceEvent(ev)))
         deadline = time.monotonic() + stop_after if stop_after is not None else None
-        keys = KeyReader(lambda key: self.items.put(Key(key))) if self.live is not None else contextlib.nullcontext()
+        keys = KeyReader(self.items.put) if self.live is not None else contextlib.nullcontext()
         thread: threading.Thread | None = None
         stop = threading.Event()
         with Signals() as sigs, keys:
@@ -249,8 +252,8 @@ class _Run:
             if self.live is not None and time.monotonic() - self.last_draw >= 0.5:
                 self.draw(self.live)
             return True
-        if isinstance(item, Key):
-            if self.live is not None and self.live.view.key(item.name):
+        if isinstance(item, str):  # a key typed
+            if self.live is not None and self.live.view.key(item):
                 self.draw(self.live)
             return True
         if item is END:
@@ -311,7 +314,7 @@ class _Run:
             fired = self.take_sample(sample, now) or fired
         self.sweeps += 1
         if self.processes is not None:
-            self.processes.start()  # with the first sweep; once
+            self.processes.start()  # once, with the first sweep: its nvidia-smi calls do not slow the start
         if self.live is not None:
             self.live.update(sweep, now)
             if time.monotonic() - self.last_draw >= 0.1:
@@ -344,17 +347,6 @@ class _Run:
 
 # What names a GPU in an Xid line: the kernel log gives only the PCI address.
 _XID_FIELDS = ("index", "uuid", "pci.bus_id")
-KernelLogOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--kernel-log",
-        metavar="PATH",
-        help="Also follow the kernel log (/dev/kmsg, needs root or CAP_SYSLOG; or a file such as "
-        "/var/log/kern.log) and print each NVIDIA Xid error logged from now on: the GPU, the code, what it means "
-        "and what to do; only lines the kernel wrote count. Adds pci.bus_id to the queried fields.",
-        show_default=False,
-    ),
-]
 
 
 _EPILOG = """\b
@@ -400,21 +392,17 @@ Examples:
 """
 
 
-StreamFieldsOpt = Annotated[
-    str | None,
-    fields_option(
-        " With --replay: fields the recording holds; for a headerless (noheader) CSV log, its columns in order."
-    ),
-]
-
-
 @app.command(epilog=_EPILOG)
 def stream(
     ctx: typer.Context,
-    fields: StreamFieldsOpt = None,
+    fields: Annotated[
+        str | None,
+        fields_option(
+            " With --replay: fields the recording holds; for a headerless (noheader) CSV log, its columns in order."
+        ),
+    ] = None,
     interval: Annotated[
-        str,
-        typer.Option("--interval", "-l", metavar="DURATION", help="Time between samples: 1, 0.5, 250ms, 2s."),
+        str, typer.Option("--interval", "-l", metavar="DURATION", help="Time between samples: 1, 0.5, 250ms, 2s.")
     ] = "1",
     gpus: GpusOpt = None,
     fmt: StreamFormatOpt = None,
@@ -435,18 +423,16 @@ def stream(
     rotate: Annotated[
         str | None,
         typer.Option(
-            "--rotate",
             metavar="SIZE|DURATION",
             help="--output: start a new file at this size (100MB, 1GB) or after this long (1h, 1d is 24h).",
         ),
     ] = None,
     keep: Annotated[
-        int | None, typer.Option("--keep", min=1, metavar="N", help="--rotate: keep the N newest rotated files.")
+        int | None, typer.Option(min=1, metavar="N", help="--rotate: keep the N newest rotated files.")
     ] = None,
     flush_every: Annotated[
         str,
         typer.Option(
-            "--flush-every",
             metavar="DURATION",
             help="--output: fsync this often (what a machine crash can lose; a killed smiquery loses no row).",
         ),
@@ -458,21 +444,18 @@ def stream(
     replay: Annotated[
         Path | None,
         typer.Option(
-            "--replay",
             metavar="FILE",
             help="Play a recording (.csv, .jsonl, .parquet) instead of running nvidia-smi; a quoted glob "
             "('run*.csv') plays a rotated set as one.",
         ),
     ] = None,
     speed: Annotated[
-        float,
-        typer.Option("--speed", min=0.0, metavar="X", help="Replay speed: 2 is twice as fast, 0 as fast as possible."),
+        float, typer.Option(min=0.0, metavar="X", help="Replay speed: 2 is twice as fast, 0 as fast as possible.")
     ] = 1.0,
     loop: Annotated[bool, typer.Option("--loop", help="Replay: start again at the end.")] = False,
     tz: Annotated[
         str | None,
         typer.Option(
-            "--tz",
             metavar="ZONE",
             help="Replay: the zone the recording was made in (Europe/Berlin, UTC). Times recorded without a zone "
             "(nvidia-smi's CSV) are shown as recorded unless ZONE names it; ones with a zone are converted to ZONE.",
@@ -503,13 +486,20 @@ def stream(
     on_alert: Annotated[
         list[str] | None,
         typer.Option(
-            "--on-alert",
             metavar="SPEC",
             help="Also hand each alert event to: log, webhook:URL (a POST of JSON), or snapshot:DIR (a folder per "
             "firing with nvidia-smi -q -x, the processes, the last minutes of samples and the alert); repeatable.",
         ),
     ] = None,
-    kernel_log: KernelLogOpt = None,
+    kernel_log: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATH",
+            help="Also follow the kernel log (/dev/kmsg, needs root or CAP_SYSLOG; or a file such as "
+            "/var/log/kern.log) and print each NVIDIA Xid error logged from now on: the GPU, the code, what it means "
+            "and what to do; only lines the kernel wrote count. Adds pci.bus_id to the queried fields.",
+        ),
+    ] = None,
 ) -> None:
     """Watch the GPUs live: one long-lived nvidia-smi (or a recording).
 
@@ -539,8 +529,16 @@ def stream(
             raise UsageError("--tz goes with --replay: live samples carry this machine's own time zone")
         if replay is not None:
             source, flds, title = _open_replay(replay, fields, rule_fields, ids, speed=speed, loop=loop, tz=tz)
-        else:
-            source, flds, title = _open_live(settings, fields, rule_fields, ids, seconds)
+        else:  # one long-lived nvidia-smi (its restart backoff ends when it is closed)
+            from smiquery.streams.sync import Stream
+
+            names = [f.name for f in parse_fields(fields, rule_fields)]
+            stall = max(settings.timeout, 3 * seconds)
+            retry = RetryPolicy(fail_fast=True)
+            source = Stream(
+                names, interval=seconds, gpus=ids, nvidia_smi=settings.nvidia_smi, stall_timeout=stall, retry=retry
+            )
+            flds, title = source.fields, f"smiquery stream · every {seconds:g} s · {source.argv[0]}"
         run = _open_outputs(source, flds, fmt, title, rules, stale_after=max(5.0, 3 * seconds))
         run.exit_on_alert = exit_on_alert
         if output is not None:
@@ -648,28 +646,6 @@ def _open_replay(
     return replayed, replayed.fields, title
 
 
-def _open_live(
-    settings: Settings,
-    fields: str | None,
-    rule_fields: tuple[Field, ...],
-    ids: tuple[str, ...] | None,
-    seconds: float,
-) -> tuple[SampleSource, tuple[Field, ...], str]:
-    """One long-lived nvidia-smi as a source (its restart backoff ends when it is closed), its fields, a title."""
-    from smiquery.streams.sync import Stream
-
-    flds = parse_fields(fields, rule_fields)
-    live_source = Stream(
-        [f.name for f in flds],
-        interval=seconds,
-        gpus=ids,
-        nvidia_smi=settings.nvidia_smi,
-        stall_timeout=max(settings.timeout, 3 * seconds),
-        retry=RetryPolicy(fail_fast=True),
-    )
-    return live_source, live_source.fields, f"smiquery stream · every {seconds:g} s · {live_source.argv[0]}"
-
-
 def _open_outputs(
     source: SampleSource,
     flds: tuple[Field, ...],
@@ -711,10 +687,7 @@ _LIVE_HEALTH = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pend
 def _live_processes(
     live: LiveTable, settings: Settings, ids: Sequence[str] | None, seconds: float
 ) -> Latest[dict[int, list[str]]]:
-    """The poller of the live table's processes: ``--query-compute-apps`` every 2 s (or the interval if longer).
-
-    It is started with the first sweep (its nvidia-smi calls do not slow the stream's start).
-    """
+    """The poller of the live table's processes: ``--query-compute-apps`` every 2 s (or the interval if longer)."""
     from smiquery.cli.gpuview import process_label
     from smiquery.cli.ps import ProcCache
     from smiquery.sources.apps import processes
@@ -727,7 +700,7 @@ def _live_processes(
         by_gpu: dict[int, list[str]] = {}
         for p in procs:
             if p.gpu_index is not None:
-                user, _ = users.lookup(p.pid, p.process_name)
+                user = users.lookup(p.pid, p.process_name).user
                 by_gpu.setdefault(p.gpu_index, []).append(process_label(p, user))
         users.keep({(p.pid, p.process_name) for p in procs})
         return by_gpu
@@ -735,3 +708,97 @@ def _live_processes(
     live.show_processes = True
     every = max(2.0, seconds)
     return Latest(labels, every, name="listing the live table's processes", on_value=live.set_processes)
+
+
+@app.command("record", hidden=True, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def record(ctx: typer.Context) -> None:
+    """Not a command: recording is ``smiquery stream --output FILE``; says so, with the arguments given."""
+    from smiquery.cli._boundary import boundary
+    from smiquery.printable import printable
+
+    args = [printable(a) for a in ctx.args]
+    has_output = any(a in ("-o", "--output") or a.startswith("--output=") for a in args)
+    command = " ".join(["smiquery stream", *([] if has_output else ["--output run.csv"]), *args])
+    with boundary(settings_of(ctx).debug):
+        raise UsageError(f"there is no `smiquery record`: record with `{command}`, then `smiquery report` the file")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_rotate(text: str) -> tuple[int | None, float | None]:
+    """``--rotate``: (bytes, None) for ``100MB`` (``64MiB``: 1024s), (None, seconds) for ``1h``; else UsageError."""
+    wrong = UsageError(f"--rotate {text!r}: give a size such as 100MB or 1GB, or a duration such as 1h or 30m")
+    if re.search(r"b\s*$", text, re.IGNORECASE) or re.search(r"\d\s*[kgt]i?\s*$", text, re.IGNORECASE):
+        m = _SIZE_RE.match(text)
+        if m is None or float(m.group(1)) <= 0:
+            raise wrong
+        power = " kmgt".index(m.group(2).lower() or " ")
+        return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power), None
+    try:
+        return None, parse_seconds(text, "--rotate")
+    except UsageError:
+        raise wrong from None
+
+
+def recording_options(
+    output: Path | None, *, force: bool, append: bool, rotate: str | None, keep: int | None, flush_every: str
+) -> dict[str, Any]:
+    """``open_recording``'s keyword arguments from ``--output``'s options; a UsageError before anything starts."""
+    given = (("--force", force), ("--append", append), ("--rotate", rotate), ("--keep", keep))
+    named = [n for n, value in given if value]  # --keep is at least 1
+    if output is None and named:
+        raise UsageError(f"{named[0]} goes with --output FILE")
+    if force and append:
+        raise UsageError("--force replaces the recording and --append continues it: pass one of them")
+    if keep is not None and rotate is None:
+        raise UsageError("--keep N keeps N rotated files: pass --rotate SIZE|DURATION too")
+    rotate_bytes, rotate_seconds = parse_rotate(rotate) if rotate is not None else (None, None)
+    text = flush_every.strip()
+    return {
+        "policy": "force" if force else "append" if append else "new",
+        "rotate_bytes": rotate_bytes,
+        "rotate_seconds": rotate_seconds,
+        "keep": keep,
+        "flush_every": 0.0 if text in ("0", "0s") or output is None else parse_seconds(text, "--flush-every"),
+    }
+
+
+def open_output(
+    output: Path, fields: Sequence[Field], options: Mapping[str, Any], say: Callable[[str], None], rules: Sequence[str]
+) -> TextRecorder | ParquetDataset:
+    """The recorder for ``--output``, every failure one line naming the file; ``rules`` are recorded beside it."""
+    from smiquery.recordings import open_recording
+
+    try:
+        return open_recording(output, fields, say=say, rules=rules, **options)
+    except (UsageError, RecordingError):
+        raise
+    except OSError as exc:
+        raise SmiqueryError(
+            f"cannot write {output}: {(exc.strerror or str(exc)).lower()}; choose another --output"
+        ) from None
+    except RuntimeError as exc:
+        raise SmiqueryError(str(exc)) from None
+
+
+@contextlib.contextmanager
+def reopen_on_hup(recorders: Sequence[object]) -> Iterator[None]:
+    """While inside, SIGHUP makes each recorder reopen its file before its next row (logrotate's create mode).
+
+    Outside the main thread (no handler can be set there) it does nothing.
+    """
+    targets = [r for r in recorders if callable(getattr(r, "reopen", None))]
+    if not targets or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGHUP"):
+        yield
+        return
+
+    def on_hup(signum: int, frame: object) -> None:
+        for r in targets:
+            r.reopen()  # type: ignore[attr-defined]
+
+    saved = signal.signal(signal.SIGHUP, on_hup)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, saved)

@@ -11,16 +11,15 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
 from smiquery.cli._boundary import boundary
 from smiquery.cli._common import app, settings_of
 from smiquery.cli._signals import Signals
-from smiquery.cli.fleet_options import MAX_ANSWER_HELP
+from smiquery.cli.analysis import MaxAnswerOpt, NamespaceOpt
 from smiquery.cli.keys import KeyReader, Viewport
 
 if TYPE_CHECKING:
@@ -32,22 +31,10 @@ __all__ = ["TOP_KEYS", "TopFormat", "TopSort", "render_screen", "top"]
 TOP_KEYS = {"u": "util", "m": "mem", "t": "temp", "p": "power", "i": "node", "n": "node"}
 
 
-class TopSort(str, Enum):
-    """``--sort``: by node, or by a value, largest first."""
-
-    node = "node"
-    util = "util"
-    mem = "mem"
-    temp = "temp"
-    power = "power"
-
-
-class TopFormat(str, Enum):
-    """``--format``: a screen for people, or every GPU as JSON or CSV."""
-
-    table = "table"
-    json = "json"
-    csv = "csv"
+#: ``--sort``: by node, or by a value, largest first.
+TopSort = Literal["node", "util", "mem", "temp", "power"]
+#: ``--format``: a screen for people, or every GPU as JSON or CSV.
+TopFormat = Literal["table", "json", "csv"]
 
 
 _EPILOG = """\b
@@ -77,12 +64,7 @@ def _row(g: FleetGpu, with_name: bool, with_pod: bool) -> list[str]:
 
 
 def render_screen(
-    gpus: Sequence[FleetGpu],
-    cols: int,
-    lines: int,
-    title: str,
-    total: int | None = None,
-    view: Viewport | None = None,
+    gpus: Sequence[FleetGpu], cols: int, lines: int, title: str, total: int | None = None, view: Viewport | None = None
 ) -> list[str]:
     """One screen: ``title``, the table cut to ``lines`` and ``cols`` (0: no limit), and what was left out.
 
@@ -143,35 +125,27 @@ def top(
             help="The Prometheus server (or Thanos, Mimir...) that scrapes the exporters, e.g. http://prom:9090.",
         ),
     ],
-    sort: Annotated[TopSort, typer.Option("--sort", "-s", case_sensitive=False, help="Order of rows.")] = TopSort.node,
+    sort: Annotated[TopSort, typer.Option("--sort", "-s", case_sensitive=False, help="Order of rows.")] = "node",
     node: Annotated[
-        str | None, typer.Option("--node", metavar="REGEX", help="Only instances matching (anchored, as PromQL).")
+        str | None, typer.Option(metavar="REGEX", help="Only instances matching (anchored, as PromQL).")
     ] = None,
-    namespace: Annotated[
-        str | None, typer.Option("--namespace", metavar="REGEX", help="Only GPUs of pods in these namespaces.")
-    ] = None,
-    pod: Annotated[str | None, typer.Option("--pod", metavar="REGEX", help="Only GPUs of these pods.")] = None,
+    namespace: NamespaceOpt = None,
+    pod: Annotated[str | None, typer.Option(metavar="REGEX", help="Only GPUs of these pods.")] = None,
     idle: Annotated[
-        bool,
-        typer.Option("--idle", help="Only GPUs under 5% utilization for the last 30 min while holding memory."),
+        bool, typer.Option("--idle", help="Only GPUs under 5% utilization for the last 30 min while holding memory.")
     ] = False,
     once: Annotated[
         bool, typer.Option("--once", help="One screen, then exit (piped, or --format csv/json: always one).")
     ] = False,
-    fmt: Annotated[TopFormat, typer.Option("--format", "-F", case_sensitive=False, help="Output.")] = TopFormat.table,
-    interval: Annotated[
-        float, typer.Option("--interval", min=0.5, metavar="SECONDS", help="Seconds between refreshes.")
-    ] = 5.0,
+    fmt: Annotated[TopFormat, typer.Option("--format", "-F", case_sensitive=False, help="Output.")] = "table",
+    interval: Annotated[float, typer.Option(min=0.5, metavar="SECONDS", help="Seconds between refreshes.")] = 5.0,
     naming: Annotated[
         list[str] | None,
-        typer.Option(
-            "--naming", metavar="NAME", help="Read only this naming: smiquery, dcgm, nvidia_smi (default: detected)."
-        ),
+        typer.Option(metavar="NAME", help="Read only this naming: smiquery, dcgm, nvidia_smi (default: detected)."),
     ] = None,
     http_config: Annotated[
         Path | None,
         typer.Option(
-            "--http-config",
             metavar="FILE",
             dir_okay=False,
             help="Credentials and TLS as promtool's --http.config.file: authorization (bearer), basic_auth, "
@@ -181,15 +155,12 @@ def top(
     timeout: Annotated[
         float,
         typer.Option(
-            "--timeout",
-            min=0.1,
-            metavar="SECONDS",
-            help="Seconds for each whole answer (connect, headers and body together).",
+            min=0.1, metavar="SECONDS", help="Seconds for each whole answer (connect, headers and body together)."
         ),
     ] = 10.0,
-    max_answer: Annotated[int | None, typer.Option("--max-answer", metavar="MIB", min=1, help=MAX_ANSWER_HELP)] = None,
+    max_answer: MaxAnswerOpt = None,
     at: Annotated[
-        str | None, typer.Option("--at", metavar="TIME", help="Look at a past moment (Unix seconds, RFC 3339).")
+        str | None, typer.Option(metavar="TIME", help="Look at a past moment (Unix seconds, RFC 3339).")
     ] = None,
 ) -> None:
     """Every GPU of the fleet from Prometheus: node, GPU, model, utilization, memory, temperature, power, alerts.
@@ -199,6 +170,7 @@ def top(
     while holding at least 1 GiB; LOST: reported in the last 30 minutes but not now.
     """
     with boundary(settings_of(ctx).debug):
+        from smiquery.errors import PrometheusError
         from smiquery.fleet import PrometheusClient, filter_gpus, load_http_config, parse_time, snapshot, sort_gpus
         from smiquery.fleet.client import DEFAULT_MAX_ANSWER_BYTES
         from smiquery.fleet.naming import check_regex
@@ -210,8 +182,8 @@ def top(
         client = PrometheusClient(prometheus, config=config, timeout=timeout, max_answer_bytes=limit)
         when = parse_time(at, what="--at") if at is not None else None
         # only a terminal gets the live view: piped, or as csv/json, one document (a file of one CSV, not many)
-        live = not once and fmt is TopFormat.table and sys.stdout.isatty()
-        view = Viewport(TOP_KEYS, sort.value)
+        live = not once and fmt == "table" and sys.stdout.isatty()
+        view = Viewport(TOP_KEYS, sort)
         keys: queue.SimpleQueue[str] = queue.SimpleQueue()
         reader = KeyReader(keys.put) if live else contextlib.nullcontext()
         error = ""
@@ -221,18 +193,16 @@ def top(
                     try:
                         every = snapshot(client, namings=naming, at=when, node=node)
                         error = ""
-                    except Exception as exc:
-                        from smiquery.errors import PrometheusError
-
-                        if not live or not isinstance(exc, PrometheusError):
+                    except PrometheusError as exc:
+                        if not live:
                             raise
                         every, error = [], str(exc)
                     filtered = filter_gpus(every, namespace=namespace, pod=pod, idle=idle)
                     while True:
                         gpus = sort_gpus(filtered, view.sort)
-                        if fmt is TopFormat.json:
+                        if fmt == "json":
                             sys.stdout.write(json.dumps([g.to_dict() for g in gpus], indent=None if live else 2) + "\n")
-                        elif fmt is TopFormat.csv:
+                        elif fmt == "csv":
                             sys.stdout.write(_csv(gpus))
                         else:
                             stamp = time.strftime("%H:%M:%S", time.localtime(when) if when else time.localtime())
@@ -253,8 +223,8 @@ def top(
 
 
 def _show(gpus: Sequence[FleetGpu], title: str, total: int, error: str, view: Viewport, tty: bool) -> None:
-    """One screen: on a terminal drawn in place (cursor home, lines rewritten, the rest cleared), never scrolled."""
-    from smiquery.cli.display import clip, terminal_size
+    """One screen: on a terminal drawn in place, never scrolled (the cursor's line stays free)."""
+    from smiquery.cli.display import frame_text, terminal_size
 
     cols, lines = terminal_size()
     screen = render_screen(gpus, cols, lines - (1 if error else 0), title, total, view)
@@ -262,10 +232,8 @@ def _show(gpus: Sequence[FleetGpu], title: str, total: int, error: str, view: Vi
         screen.append(f"last error: {error}")
     if not tty:
         sys.stdout.write("\n".join(screen) + "\n")
-        return
-    if lines > 0:
-        screen = screen[: max(1, lines - 1)]  # the cursor's line stays free: the title never scrolls away
-    sys.stdout.write("\x1b[H" + "".join(clip(x, cols) + "\x1b[K\n" for x in screen) + "\x1b[J")
+    else:
+        sys.stdout.write(frame_text(screen[: max(1, lines - 1)] if lines > 0 else screen, cols, first=False))
 
 
 def _wait(keys: queue.SimpleQueue[str], view: Viewport, sigs: Signals, interval: float) -> bool:

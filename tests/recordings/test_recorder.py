@@ -446,7 +446,7 @@ def test_a_csv_recording_knows_its_zone_across_a_dst_fall_back(tmp_path, monkeyp
     ],
 )
 def test_rotate_takes_a_size_or_a_duration(text, want):
-    from smiquery.cli.record import parse_rotate
+    from smiquery.cli.stream import parse_rotate
 
     assert parse_rotate(text) == want
 
