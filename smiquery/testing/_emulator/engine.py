@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
@@ -254,8 +253,14 @@ def _usage(out: Output) -> int:
     return 0
 
 
-def _run(argv: Sequence[str], settings: Settings) -> int:
-    """Run the fake with signal handling like a C program: quiet on SIGINT, SIGTERM and a closed pipe."""
+def main(argv: list[str] | None = None, settings: Mapping[str, Any] | None = None) -> int:
+    """Run the fake ``nvidia-smi`` with nvidia-smi's own arguments (``argv``; None: ``sys.argv[1:]``); its exit status.
+
+    Settings come from the ``SMIQUERY_FAKE_*`` variables (:data:`ENV_VARS`) over ``settings`` (what a script
+    written by :func:`fake_nvidia_smi` bakes in); without either it replays the bundled 8-GPU demo and fails in no
+    way. Exit 70 means the fake itself is misconfigured. Signals are handled like a C program's: quiet on SIGINT,
+    SIGTERM and a closed pipe.
+    """
     saved: dict[int, object] = {}
     for name in ("SIGINT", "SIGPIPE", "SIGTERM"):
         signum = getattr(signal, name, None)
@@ -264,7 +269,8 @@ def _run(argv: Sequence[str], settings: Settings) -> int:
                 saved[signum] = signal.signal(signum, signal.SIG_DFL)
     stream: BinaryIO = getattr(sys.stdout, "buffer", None) or sys.stdout  # type: ignore[assignment]
     try:
-        return execute(argv, settings, os.environ, Output(stream))
+        argv = sys.argv[1:] if argv is None else argv
+        return execute(argv, Settings(**(settings or {})), os.environ, Output(stream))
     except BrokenPipeError:
         # the reader went away: end quietly, and keep Python from complaining when it flushes at exit
         with contextlib.suppress(OSError, ValueError):
@@ -275,20 +281,6 @@ def _run(argv: Sequence[str], settings: Settings) -> int:
         for signum, handler in saved.items():
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(signum, handler)  # type: ignore[arg-type]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the fake ``nvidia-smi`` with nvidia-smi's own arguments (``argv``; None: ``sys.argv[1:]``); its exit status.
-
-    Settings come from the ``SMIQUERY_FAKE_*`` variables (:data:`ENV_VARS`); without them it replays the bundled
-    8-GPU demo and fails in no way. Exit 70 means the fake itself is misconfigured.
-    """
-    return _run(sys.argv[1:] if argv is None else argv, Settings())
-
-
-def main_with_settings(settings: Mapping[str, Any], argv: list[str] | None = None) -> int:
-    """Entry point of the scripts written by :func:`fake_nvidia_smi` (settings baked in)."""
-    return _run(sys.argv[1:] if argv is None else argv, Settings(**settings))
 
 
 def _abs(path: str | os.PathLike[str] | None) -> str | None:
@@ -343,8 +335,8 @@ def fake_nvidia_smi(
         _shebang(sys.executable)
         + '"""Fake nvidia-smi written by smiquery.testing.fake_nvidia_smi(): replays a recorded CSV."""\n'
         + f"import sys\n\nsys.path.append({package_parent!r})  # used where this interpreter has no smiquery\n"
-        + "from smiquery.testing._emulator.engine import main_with_settings\n\n"
-        + f"sys.exit(main_with_settings({settings!r}))\n"
+        + "from smiquery.testing._emulator.engine import main\n\n"
+        + f"sys.exit(main(settings={settings!r}))\n"
     )
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(script, encoding="utf-8")
@@ -363,10 +355,6 @@ def _decode(data: bytes) -> str:
 
 class _Stopped(BaseException):
     """Unwinds the engine thread when its source is terminated or killed (what the signal does to a process)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
 
 
 class _Channel(Output):
@@ -387,7 +375,7 @@ class _Channel(Output):
         try:
             code = execute(argv, settings, env, self)
         except _Stopped as stop:
-            code = -stop.signum  # what the signal leaves; output not yet flushed is lost, as in a killed process
+            code = -stop.args[0]  # what the signal leaves; output not yet flushed is lost, as in a killed process
         except Exception as exc:  # a bug in the fake: reported like a crashed interpreter, never swallowed
             self.error(f"smiquery-fake-nvidia-smi: internal error: {exc!r}")
             code = 1
@@ -458,19 +446,18 @@ class _Channel(Output):
 class InProcessLines:
     """The output of one in-process fake run, line by line (:meth:`InProcessRunner.lines`): a ``LineSource``.
 
-    It ends and fails like :class:`~smiquery.runner.LineStream`; :meth:`terminate` (unless ``ignore-term``),
-    :meth:`kill` and :meth:`close` end the engine's waits at once. ``pid`` is None; ``idle`` is the seconds the last
-    :meth:`readline` waited; ``closed`` is True once the end was read, or after :meth:`close`.
+    Lines are split, and the output ends and fails, as :class:`~smiquery.runner.LineStream` does; :meth:`terminate`
+    (unless ``ignore-term``), :meth:`kill` and :meth:`close` end the engine's waits at once. ``pid`` is None.
     """
 
     pid: int | None = None
 
     def __init__(self, argv: Sequence[str], channel: _Channel) -> None:
+        from smiquery.runner import LineSplitter
+
         self.argv = tuple(argv)
         self._ch = channel
-        self._buf = b""
-        self._lines: deque[str] = deque()
-        self._messages: deque[str] = deque(maxlen=20)  # recent non-CSV lines, for error messages
+        self._split = LineSplitter()
         self._ended: NvidiaSmiFailedError | None = None
         self._stopping = False
         self._interrupted = False
@@ -489,23 +476,21 @@ class InProcessLines:
         return _decode(bytes(self._ch.err))
 
     def readline(self, timeout: float) -> str | None:
-        """The next complete line; None if none came within ``timeout`` s or on :meth:`interrupt`.
-
-        Raises StreamEndedError at the end after exit 0 or a stop, else the exit's typed NvidiaSmiFailedError.
-        """
+        """The next complete line; None if none came within ``timeout`` s or on :meth:`interrupt`."""
         ch = self._ch
+        lines = self._split.lines
         deadline = time.monotonic() + max(timeout, 0.0)
         waited = 0.0
         with ch.cond:
             self._take()
-            if not self._lines and self._ended is not None:
+            if not lines and self._ended is not None:
                 raise self._ended
-            if not self._lines and self.closed:
+            if not lines and self.closed:
                 raise StreamEndedError(self.argv, 0, "", "the nvidia-smi stream was closed")
-            while not self._lines and not self._interrupted:
+            while not lines and not self._interrupted:
                 if ch.done:
                     self._finish()
-                    if not self._lines:
+                    if not lines:
                         assert self._ended is not None
                         raise self._ended
                     break
@@ -517,34 +502,24 @@ class InProcessLines:
                 waited += time.monotonic() - t0
                 self._take()
             self.idle = waited
-            if self._lines:
-                return self._lines.popleft()
+            if lines:
+                return lines.popleft()
             self._interrupted = False
             return None
 
     def _take(self) -> None:
         if self._ch.out:
-            *complete, self._buf = (self._buf + bytes(self._ch.out)).split(b"\n")
+            self._split.feed(bytes(self._ch.out))
             self._ch.out.clear()
             self._ch.cond.notify_all()  # room in the pipe again
-            for raw in complete:
-                self._add(raw)
-
-    def _add(self, raw: bytes) -> None:
-        line = _decode(raw).rstrip("\r")
-        if line.strip():
-            self._lines.append(line)
-            if ", " not in line:
-                self._messages.append(line)
 
     def _finish(self) -> None:
         from smiquery.runner import message_of
 
-        tail, self._buf = self._buf, b""
-        self._add(tail)
+        self._split.end()
         rc = self._ch.returncode
         assert rc is not None
-        output = message_of(list(self._messages), bytes(self._ch.err), rc)
+        output = message_of(list(self._split.messages), bytes(self._ch.err), rc)
         ended = failure_from_exit if rc != 0 and not self._stopping else StreamEndedError
         self._ended = ended(self.argv, rc, output)
         self.closed = True
