@@ -53,6 +53,16 @@ CHECK_NAMES = (
     "default fields supported",
 )
 
+# the checks that a broken nvidia-smi or driver leaves undone (reported as skipped)
+_NEED_DRIVER = (
+    "driver reachable",
+    "driver/library match",
+    "GPU count",
+    "persistence mode",
+    "MIG mode",
+    "memory and clock health",
+    "default fields supported",
+)
 _FIX_CONTAINER = "start the container with --gpus all (or set NVIDIA_DRIVER_CAPABILITIES=compute,utility)"
 _FIX_VISIBLE = "set NVIDIA_VISIBLE_DEVICES=all (or GPU indices/UUIDs), or start the container with --gpus all"
 _FIX_INSTALL = (
@@ -219,21 +229,14 @@ def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float 
     done = _Progress(in_container())
     _check_binary(done, nvidia_smi, timeout)
     samples, caught = _query_driver(done, timeout)
-    if samples is not None:
-        done.results += _gpu_checks(samples, done.version, caught)
-        if done.binary is not None:
-            done.results.append(_details_check(done.binary, timeout))
-    else:
-        present = {r.name for r in done.results}
-        names = ("driver reachable", "driver/library match", "GPU count", "persistence mode", "MIG mode")
-        for name in (*names, "memory and clock health"):
-            if name not in present:
-                done.results.append(CheckResult(name, "skip", done.broken or "nvidia-smi is not working"))
-    done.results += _container_checks(done.ctr, found=done.binary is not None, failure=done.failure)
     if samples is not None and done.binary is not None:
+        done.results += _gpu_checks(samples, done.version, caught)
+        done.results.append(_details_check(done.binary, timeout))
         done.results.append(_default_fields_check(done, done.binary, timeout))
-    else:
-        done.results.append(CheckResult("default fields supported", "skip", done.broken or "nvidia-smi is not working"))
+    done.results += _container_checks(done.ctr, found=done.binary is not None, failure=done.failure)
+    present = {r.name for r in done.results}
+    skipped = done.broken or "nvidia-smi is not working"
+    done.results += [CheckResult(name, "skip", skipped) for name in _NEED_DRIVER if name not in present]
     order = {name: i for i, name in enumerate(CHECK_NAMES)}
     return sorted(done.results, key=lambda r: order.get(r.name, len(order)))
 
