@@ -7,9 +7,8 @@ that runs nvidia-smi (CLI, exporter, monitor, callbacks) for the length of a ``w
 The emulator lives in the private :mod:`smiquery.testing._emulator` package.
 """
 
-from smiquery.testing._emulator.core import ENV_VARS
+from smiquery.testing._emulator.core import ENV_VARS, FAULT_HELP, FAULTS
 from smiquery.testing._emulator.engine import InProcessLines, InProcessRunner, fake_nvidia_smi, main, use_runner
-from smiquery.testing._emulator.faults import FAULT_HELP, FAULTS
 
 __all__ = [
     "ENV_VARS",

@@ -24,16 +24,20 @@ from smiquery.errors import NvidiaSmiFailedError, OutputTooLargeError, StreamEnd
 from smiquery.fields import CATALOGUE
 from smiquery.testing._emulator.core import (
     ENV_VARS,
+    FAULT_HELP,
     HELP_HINT,
     FakeExit,
     FakeUsageError,
+    Faults,
     MemoryState,
     Output,
     Settings,
+    check_settings,
     log_invocation,
+    parse_faults,
+    startup,
 )
-from smiquery.testing._emulator.faults import FAULT_HELP, Faults, check_settings, parse_faults, startup
-from smiquery.testing._emulator.query import parse_args, query_apps, query_gpu, select_gpus
+from smiquery.testing._emulator.modes import parse_args, query_apps, query_gpu, run_details, run_pmon, select_gpus
 from smiquery.testing._emulator.recording import (
     APP_ALIASES,
     APP_FIELDS,
@@ -78,12 +82,8 @@ def _dispatch(argv: Sequence[str], settings: Settings, faults: Faults, out: Outp
     if faults.flood:
         return _flood(argv, faults.flood_bytes, out)
     if {"-q", "--query", "-x", "--xml-format"} & set(argv) or (settings.xml and {"-L", "--list-gpus"} & set(argv)):
-        from smiquery.testing._emulator.details import run_details  # -q -x, and -L from an XML capture
-
         return run_details(argv, settings, faults, out)
     if tuple(argv[:1]) == ("pmon",):  # a tuple from the in-process runner, a list from the executable
-        from smiquery.testing._emulator.pmon import run_pmon
-
         return run_pmon(argv[1:], settings, faults, out)
     opts = parse_args(argv, out)
     rec = load_recording(settings.recording)
@@ -109,7 +109,7 @@ def _dispatch(argv: Sequence[str], settings: Settings, faults: Faults, out: Outp
     if opts.fmt is not None:
         out.line(f"Invalid combination of input arguments. {HELP_HINT}")
         return 2
-    startup(faults, rec, out)
+    startup(faults, rec.driver_version, out)
     if opts.action == "version":
         return _version(rec, out)
     selected = select_gpus(rec, opts.ids, out)
