@@ -1,9 +1,7 @@
-"""Xid errors: the NVIDIA driver's error events (``NVRM: Xid (PCI:0000:3b:00): 79, ...``), from the kernel log.
+"""Xid errors, the NVIDIA driver's error events (``NVRM: Xid (PCI:0000:3b:00): 79, ...``), from the kernel log.
 
-nvidia-smi never reports Xids. :func:`parse_line` reads one line of any kernel-log format and takes it only when the
-kernel wrote it (:func:`refusal` says why another is refused); :func:`follow` yields each event of ``/dev/kmsg`` or
-a plain file once; :class:`XidWatcher` is the one thread that follows a log and counts the events;
-:data:`XID_CATALOGUE` says what the common codes mean and what to do (from NVIDIA's public Xid catalogue).
+nvidia-smi never reports Xids. :func:`parse_line` reads one kernel-log line, :func:`follow` yields each event of a
+log once, :class:`XidWatcher` follows one on a thread and counts, :data:`XID_CATALOGUE` says what codes mean.
 """
 
 from __future__ import annotations
@@ -70,10 +68,10 @@ class XidInfo:
 
 def _catalogue() -> dict[int, XidInfo]:
     with open(os.path.join(os.path.dirname(__file__), "xid.csv"), encoding="utf-8", newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    return {
-        int(r["code"]): XidInfo(int(r["code"]), r["meaning"], cast(XidAction, r["action"]), r["advice"]) for r in rows
-    }
+        return {
+            int(r["code"]): XidInfo(int(r["code"]), r["meaning"], cast(XidAction, r["action"]), r["advice"])
+            for r in csv.DictReader(fh)
+        }
 
 
 #: The common Xid codes (NVIDIA's public "Xid Errors" catalogue, summarised; the data is ``xid.csv``).
@@ -220,18 +218,32 @@ _DEDUPE_KEEP = 4096  # lines remembered, to skip them when a followed file is re
 
 
 class XidFollower(Iterator[XidEvent]):
-    """An iterator of Xid events from a kernel log, open until :meth:`close` (see :func:`follow`)."""
+    """Follow a kernel log and yield each Xid event once, until :meth:`close` (from any thread).
+
+    Args:
+        path: ``/dev/kmsg`` (replays its ring buffer, then waits) or a plain file, followed like ``tail -F``.
+        after_seq: skip ``/dev/kmsg`` records up to this sequence number (resume after ``follower.last_seq``).
+        from_start: read a plain file from its beginning, replay ``/dev/kmsg`` (False: only what comes from now).
+        poll: seconds between checks for new data and for :meth:`close`.
+        on_reject: called on the reading thread with the reason and the line of each refused Xid line.
+
+    Raises:
+        KernelLogError: the log cannot be opened (no permission: run as root or with CAP_SYSLOG; missing).
+        UsageError: ``poll`` is not a positive number.
+    """
 
     def __init__(
         self,
-        path: str,
+        path: str | os.PathLike[str] = DEFAULT_KERNEL_LOG,
         *,
-        after_seq: int | None,
-        from_start: bool,
-        poll: float,
+        after_seq: int | None = None,
+        from_start: bool = True,
+        poll: float = 0.5,
         on_reject: Callable[[RejectReason, str], object] | None = None,
     ) -> None:
-        self.path = path
+        if not poll > 0:
+            raise UsageError(f"poll must be a positive number of seconds, not {poll!r}")
+        self.path = os.fspath(path)
         self.poll = poll
         self.on_reject = on_reject
         #: the highest ``/dev/kmsg`` sequence number handed out (pass it as ``after_seq`` to resume)
@@ -383,30 +395,8 @@ class XidFollower(Iterator[XidEvent]):
             self._close_fd()
 
 
-def follow(
-    path: str | os.PathLike[str] = DEFAULT_KERNEL_LOG,
-    *,
-    after_seq: int | None = None,
-    from_start: bool = True,
-    poll: float = 0.5,
-    on_reject: Callable[[RejectReason, str], object] | None = None,
-) -> XidFollower:
-    """Follow a kernel log and yield each Xid event once; ``close()`` the follower from any thread.
-
-    Args:
-        path: ``/dev/kmsg`` (replays its ring buffer, then waits) or a plain file, followed like ``tail -F``.
-        after_seq: skip ``/dev/kmsg`` records up to this sequence number (resume after ``follower.last_seq``).
-        from_start: read a plain file from its beginning, replay ``/dev/kmsg`` (False: only what comes from now).
-        poll: seconds between checks for new data and for :meth:`XidFollower.close`.
-        on_reject: called on the reading thread with the reason and the line of each refused Xid line.
-
-    Raises:
-        KernelLogError: the log cannot be opened (no permission: run as root or with CAP_SYSLOG; missing).
-        UsageError: ``poll`` is not a positive number.
-    """
-    if not poll > 0:
-        raise UsageError(f"poll must be a positive number of seconds, not {poll!r}")
-    return XidFollower(os.fspath(path), after_seq=after_seq, from_start=from_start, poll=poll, on_reject=on_reject)
+#: Follow a kernel log (:class:`XidFollower`).
+follow = XidFollower
 
 
 def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -> str:
