@@ -411,11 +411,6 @@ class FieldKind:
             return known.summary_digits
         return 0 if self.storage == "int" else 1
 
-    def to_base(self, value: Value, unit: str = "") -> float | None:
-        """The value in the unit's Prometheus base unit (MiB -> bytes, MHz -> Hz, % -> ratio); None for text."""
-        number = to_number(value)
-        return None if number is None else number * unit_info(unit).scale
-
 
 def to_number(value: Value) -> float | None:
     """Any parsed value as a float when it is a number or a bool (1/0); None for text, timestamps and None."""
