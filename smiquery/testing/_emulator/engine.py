@@ -482,30 +482,28 @@ class InProcessLines:
         deadline = time.monotonic() + max(timeout, 0.0)
         waited = 0.0
         with ch.cond:
-            self._take()
-            if not lines and self._ended is not None:
-                raise self._ended
-            if not lines and self.closed:
-                raise StreamEndedError(self.argv, 0, "", "the nvidia-smi stream was closed")
-            while not lines and not self._interrupted:
+            while True:
+                self._take()
+                if lines:
+                    break
+                if self._ended is not None:
+                    raise self._ended
+                if self.closed:
+                    raise StreamEndedError(self.argv, 0, "", "the nvidia-smi stream was closed")
+                if self._interrupted:
+                    self._interrupted = False
+                    break
                 if ch.done:
                     self._finish()
-                    if not lines:
-                        assert self._ended is not None
-                        raise self._ended
-                    break
+                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 t0 = time.monotonic()
                 ch.cond.wait(remaining)
                 waited += time.monotonic() - t0
-                self._take()
             self.idle = waited
-            if lines:
-                return lines.popleft()
-            self._interrupted = False
-            return None
+            return lines.popleft() if lines else None
 
     def _take(self) -> None:
         if self._ch.out:
