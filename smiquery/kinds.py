@@ -122,11 +122,9 @@ def strip_unit(cell: str, unit: str) -> str:
 class Unit:
     """One of nvidia-smi's units (``symbol``, ``"MiB"``).
 
-    Attributes:
-        digits: decimals nvidia-smi prints (and a table shows) for a decimal value; None: as many as it needs.
-        summary_digits: decimals a report gives a statistic (mean, p95, max) in this unit.
-        base: the Prometheus base unit a metric is exported in (``"bytes"``), empty for none.
-        scale: factor from this unit to ``base`` (MiB -> bytes: 1048576).
+    ``digits``: decimals nvidia-smi prints (and a table shows) for a decimal value (None: as many as it needs);
+    ``summary_digits``: decimals of a report's statistics in this unit; ``base``: the Prometheus base unit a metric
+    is exported in (``"bytes"``, empty for none), ``scale`` the factor to it (MiB -> bytes: 1048576).
     """
 
     symbol: str
