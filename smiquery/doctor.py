@@ -96,18 +96,13 @@ class CheckResult:
     fix: str = ""
     code: int = 0
 
-    @property
-    def failed(self) -> bool:
-        """True for a failure (what stops monitoring)."""
-        return self.status == "fail"
-
 
 def exit_code(results: Sequence[CheckResult], *, gate: bool = False) -> int:
     """The exit code for results: the first failure's code (3, 4, 5 or 1), else 1 for a warning, else 0.
 
     ``gate=True`` (health checks) counts failures only.
     """
-    failed = [r for r in results if r.failed]
+    failed = [r for r in results if r.status == "fail"]
     if failed:
         return failed[0].code or 1
     if not gate and any(r.status == "warn" for r in results):
@@ -391,8 +386,7 @@ def _gpu_checks(
         out.append(CheckResult("GPU count", "fail", "0 GPUs", "check `nvidia-smi -L` and NVIDIA_VISIBLE_DEVICES", 4))
     elif lost:
         said = f"{len(samples)} GPUs; GPU {_listed(lost)} is lost (fell off the bus)"
-        fix = "check `dmesg` for Xid 79; the GPU needs a reset or the machine a reboot"
-        out.append(CheckResult("GPU count", "fail", said, fix, 4))
+        out.append(CheckResult("GPU count", "fail", said, GpuLostError.hint, 4))
     else:
         plural = "s" if len(samples) != 1 else ""
         out.append(CheckResult("GPU count", "ok", f"{len(samples)} GPU{plural}: {', '.join(gpu_names)}"))
@@ -412,13 +406,9 @@ def _gpu_checks(
         out.append(CheckResult("persistence mode", "ok", "enabled"))
     mig = [(s.index, s.get("mig.mode.current")) for s in samples]
     on = [i for i, v in mig if v is True]
-    if all(v is None for _, v in mig):
-        out.append(CheckResult("MIG mode", "ok", "not supported or not reported (n/a)"))
-    elif on:
-        said = f"enabled on GPU {_listed(on)}: GPU utilization is n/a there; use MIG devices"
-        out.append(CheckResult("MIG mode", "ok", said))
-    else:
-        out.append(CheckResult("MIG mode", "ok", "disabled"))
+    said = f"enabled on GPU {_listed(on)}: GPU utilization is n/a there; use MIG devices" if on else "disabled"
+    reported = any(v is not None for _, v in mig)
+    out.append(CheckResult("MIG mode", "ok", said if reported else "not supported or not reported (n/a)"))
     return out
 
 
