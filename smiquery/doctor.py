@@ -96,13 +96,18 @@ class CheckResult:
     fix: str = ""
     code: int = 0
 
+    @property
+    def failed(self) -> bool:
+        """True for a failure (what stops monitoring)."""
+        return self.status == "fail"
+
 
 def exit_code(results: Sequence[CheckResult], *, gate: bool = False) -> int:
     """The exit code for results: the first failure's code (3, 4, 5 or 1), else 1 for a warning, else 0.
 
     ``gate=True`` (health checks) counts failures only.
     """
-    failed = [r for r in results if r.status == "fail"]
+    failed = [r for r in results if r.failed]
     if failed:
         return failed[0].code or 1
     if not gate and any(r.status == "warn" for r in results):

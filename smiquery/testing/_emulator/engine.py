@@ -618,13 +618,11 @@ class InProcessRunner:
     @property
     def reloads(self) -> int:
         """How many ``reenumerate`` reloads have struck: later calls serve the GPU set they left (settable, 0: undo)."""
-        with self._state.lock:
-            return self._state.value
+        return self._state.value
 
     @reloads.setter
     def reloads(self, value: int) -> None:
-        with self._state.lock:
-            self._state.value = value
+        self._state.value = value
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
         """Run the fake to completion; raises NvidiaSmiTimeoutError (its thread stopped) past ``timeout`` s."""

@@ -256,8 +256,7 @@ def load_apps(setting: str | None, rec: Recording) -> list[dict[str, str]]:
 
 def reloads_struck(state: str | MemoryState | None) -> int:
     if isinstance(state, MemoryState):
-        with state.lock:
-            return state.value
+        return state.value
     if state is None:
         raise FakeUsageError("fault 'reenumerate' needs a state file: set SMIQUERY_FAKE_STATE")
     try:
@@ -273,8 +272,7 @@ def reloads_struck(state: str | MemoryState | None) -> int:
 
 def record_reload(state: str | MemoryState | None, struck: int) -> None:
     if isinstance(state, MemoryState):
-        with state.lock:
-            state.value = struck
+        state.value = struck
         return
     assert state is not None
     tmp = f"{state}.{os.getpid()}.tmp"
