@@ -288,21 +288,20 @@ def _query_driver(done: _Progress, timeout: float) -> tuple[list[GpuSample] | No
                 samples = query(names[:3], nvidia_smi=done.binary, timeout=timeout)
         done.failure = None
         return samples, caught
-    except DriverVersionMismatchError as exc:
-        done.failure = exc
-        done.results.append(CheckResult("driver reachable", "ok", "the kernel module answers"))
-        done.fail("driver/library match", exc)
-        done.broken = "driver/library mismatch"
-    except NoDevicesFoundError as exc:
-        done.failure = exc
-        done.results.append(CheckResult("driver reachable", "ok", "the driver answers"))
-        done.results.append(CheckResult("driver/library match", "ok", "nvidia-smi talks to the driver"))
-        done.fail("GPU count", exc)
-        done.broken = "no GPU"
     except SmiqueryError as exc:
         done.failure = exc
-        done.fail("driver reachable", exc)
-        done.broken = "the driver is not reachable"
+        if isinstance(exc, DriverVersionMismatchError):
+            done.results.append(CheckResult("driver reachable", "ok", "the kernel module answers"))
+            done.fail("driver/library match", exc)
+            done.broken = "driver/library mismatch"
+        elif isinstance(exc, NoDevicesFoundError):
+            done.results.append(CheckResult("driver reachable", "ok", "the driver answers"))
+            done.results.append(CheckResult("driver/library match", "ok", "nvidia-smi talks to the driver"))
+            done.fail("GPU count", exc)
+            done.broken = "no GPU"
+        else:
+            done.fail("driver reachable", exc)
+            done.broken = "the driver is not reachable"
     return None, caught
 
 

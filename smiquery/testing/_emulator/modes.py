@@ -1,17 +1,10 @@
 """nvidia-smi's output modes in the fake: the CSV queries with the row-counting faults, ``pmon``, ``-q -x`` and ``-L``.
 
-``pmon``: the processes are the fake's compute apps (``SMIQUERY_FAKE_APPS`` / the bundled list) on the recording's
-GPUs, or those ``SMIQUERY_FAKE_PMON_PROCS`` lists (fixed SM/memory %, pids that can be the caller's own); an idle
-GPU prints one line of ``-``. ``SMIQUERY_FAKE_PMON=FILE`` replays a pmon capture instead: printed as is, then
-(without ``-c``) its data lines again every interval. Faults: the start-up ones, ``exit:``, ``hang``, the
-row-counting ones (N counts data lines), ``ignore-term``. The variables in :data:`PMON_ENV_VARS` (listed by
-``nvidia-smi pmon -h``) make processes end and pmon stall, counted in samples.
-
-``-q -x`` prints the ``SMIQUERY_FAKE_XML`` capture as it is, less the GPUs ``-i`` leaves out; without one a small
-XML is made from the recording's current sweep. ``-L`` lists its GPUs and their MIG devices (UUIDs made from the
-parent's, profiles from SM count and memory the A100 way). Faults: the start-up ones, ``exit:``, ``hang`` and
-``start-delay`` as in the CSV modes; ``truncated`` prints the first half of the XML, ``garbage`` random bytes
-instead (exit 0 both).
+``pmon`` shows the compute apps on the recording's GPUs (an idle GPU: one line of ``-``), or what
+:data:`PMON_ENV_VARS` set. ``-q -x`` prints the ``SMIQUERY_FAKE_XML`` capture less the GPUs ``-i`` leaves out, else a
+small XML made from the recording's current sweep; ``-L`` lists its GPUs and MIG devices. Both take the start-up
+faults, ``exit:``, ``hang`` and ``start-delay``; ``pmon`` the row-counting ones too (N counts its data lines),
+``-q -x`` ``truncated`` (half the XML) and ``garbage`` (random bytes).
 """
 
 from __future__ import annotations
