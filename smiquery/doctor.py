@@ -191,11 +191,7 @@ def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
 
 
 def driver_fields(binary: str, timeout: float) -> dict[str, str]:
-    """Field name (or alias) -> description, as ``binary --help-query-gpu`` lists them (``timeout`` seconds).
-
-    Raises:
-        NvidiaSmiFailedError: nvidia-smi failed, or listed no fields.
-    """
+    """Field name (or alias) -> description as ``binary --help-query-gpu`` lists them; raises as help_query_gpu does."""
     from smiquery.fields import help_query_gpu
     from smiquery.runner import default_runner
 

@@ -398,10 +398,8 @@ def _parse_root(text: str) -> ET.Element:
 def parse_xml(text: str | bytes, *, listing: str | None = None) -> list[GpuDetails]:
     """Parse ``nvidia-smi -q -x`` output into one record per GPU, in the order printed.
 
-    ``listing`` (``nvidia-smi -L`` output) gives the MIG devices their UUIDs and profiles.
-
-    Raises:
-        ParseError: not well-formed XML, not nvidia-smi's, or declaring entities.
+    ``listing`` (``nvidia-smi -L`` output) gives the MIG devices their UUIDs and profiles. Raises
+    ParseError for XML that is not well-formed, not nvidia-smi's, or declares entities.
     """
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="replace")

@@ -325,10 +325,8 @@ def top_processes(rows: Iterable[PmonRow], n: int, *, by: str = "sm") -> dict[in
 
     At most ``n + 1`` series per GPU (bounded cardinality for exporters). ``other`` (``pid`` None, ``command``
     ``"other"``) comes only when more than ``n`` processes ran; its metrics sum the known values (None when none).
-    An idle GPU gets an empty list; processes without a ``by`` value sort last, ties keep pmon's order.
-
-    Raises:
-        ValueError: ``n`` is negative or ``by`` is not a pmon metric.
+    An idle GPU gets an empty list; processes without a ``by`` value sort last, ties keep pmon's order. Raises
+    ValueError when ``n`` is negative or ``by`` is not a pmon metric.
     """
     if n < 0:
         raise ValueError("n must be >= 0")

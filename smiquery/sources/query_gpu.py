@@ -228,8 +228,7 @@ def parse_lines(
 ) -> list[GpuSample]:
     """Parse nvidia-smi CSV output (lines or one string) into records; ``fields`` is needed without a header.
 
-    Raises:
-        ParseError: a row does not fit (strict mode), or there is neither header nor ``fields``.
+    Raises ParseError for a row that does not fit (strict mode), or when there is neither header nor ``fields``.
     """
     if isinstance(lines, str):
         lines = lines.splitlines()

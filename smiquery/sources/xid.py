@@ -484,11 +484,7 @@ class XidWatcher:
             return dict(self._rejected)
 
     def start(self) -> XidWatcher:
-        """Start the thread (without ``retry``, open the log first, here). Returns self.
-
-        Raises:
-            KernelLogError: without ``retry``, the log cannot be opened.
-        """
+        """Start the thread (without ``retry``, open the log first, here: KernelLogError if it cannot). Returns self."""
         if self._thread is None:
             if self.retry is None:
                 self._follower = self._open(None, self.from_start)
