@@ -314,10 +314,8 @@ def fake_nvidia_smi(
     e.g. ``"hang-after:8,ignore-term"``; :data:`FAULT_HELP` has every one). ``start_delay``: seconds before any
     output; ``apps``: the compute-apps CSV (None: the bundled one, ``""``: no processes); ``log``: a file each
     invocation appends one JSON line to (``pid``, ``argv``, ``time``). The ``SMIQUERY_FAKE_*`` environment
-    variables (:data:`ENV_VARS`) override these settings when it runs.
-
-    Raises:
-        ValueError: ``fault`` names an unknown fault or ``start_delay`` is negative.
+    variables (:data:`ENV_VARS`) override these settings when it runs. Raises ValueError for an unknown fault or a
+    negative ``start_delay``.
     """
     check_settings(fault, start_delay)
     folder = pathlib.Path(directory)
@@ -569,10 +567,7 @@ class InProcessRunner:
     ``SMIQUERY_FAKE_*`` overrides (the process environment is not read). :attr:`calls` holds every call's argv;
     ``reenumerate`` reloads are counted in :attr:`reloads`. Output waits for the reader past 1 MiB unread, as a
     pipe does, and :meth:`run` fails past :data:`smiquery.runner.MAX_OUTPUT_BYTES` as the real runner does.
-    For code that takes no ``runner=``, see :func:`use_runner`.
-
-    Raises:
-        ValueError: ``fault`` names an unknown fault or ``start_delay`` is negative.
+    For code that takes no ``runner=``, see :func:`use_runner`. Raises as :func:`fake_nvidia_smi` does.
     """
 
     def __init__(
