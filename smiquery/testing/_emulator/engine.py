@@ -99,16 +99,14 @@ def _dispatch(argv: Sequence[str], settings: Settings, faults: Faults, out: Outp
         return _help_query_gpu(rec, out)
     if opts.action == "help-query-compute-apps":
         return _help_query_apps(out)
-    if opts.query_gpu is not None and opts.query_apps is not None:
+    queries = [q for q in (opts.query_gpu, opts.query_apps) if q is not None]
+    if len(queries) == 2 or (opts.fmt is not None and not queries):
         out.line(f"Invalid combination of input arguments. {HELP_HINT}")
         return 2
     if opts.query_gpu is not None:
         return query_gpu(opts, rec, settings, faults, out, reload)
     if opts.query_apps is not None:
         return query_apps(opts, rec, settings, faults, out, reload)
-    if opts.fmt is not None:
-        out.line(f"Invalid combination of input arguments. {HELP_HINT}")
-        return 2
     startup(faults, rec.driver_version, out)
     if opts.action == "version":
         return _version(rec, out)
