@@ -413,6 +413,13 @@ def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -
     return f"Xid {event.xid} on {who}{proc}: {info.meaning}; action {info.action}: {info.advice}"
 
 
+def _hand_on(listener: Callable[[_G], object], value: _G) -> None:
+    try:
+        listener(value)
+    except Exception:  # a listener's bug must not stop the following
+        log.exception("smiquery: an Xid listener failed")
+
+
 class XidWatcher:
     """A kernel log followed on a daemon thread: each new Xid event is counted by GPU and code, then handed on.
 
@@ -509,10 +516,7 @@ class XidWatcher:
                 self.other += self._series.popitem(last=False)[1][0]
             self.events += 1
         if self.on_event is not None:
-            try:
-                self.on_event(event)
-            except Exception:  # a listener's bug must not stop the counting
-                log.exception("smiquery: an Xid listener failed")
+            _hand_on(self.on_event, event)
 
     def _reject(self, reason: RejectReason, line: str) -> None:
         now = self.clock()
@@ -528,11 +532,8 @@ class XidWatcher:
         text = f"ignored a line that looks like an Xid but {_REFUSED[reason]} ({reason}): {shown}{more}"
         if self.on_refused is None:
             log.warning("smiquery: %s", text)
-            return
-        try:
-            self.on_refused(text)
-        except Exception:  # a listener's bug must not stop the following
-            log.exception("smiquery: an Xid listener failed")
+        else:
+            _hand_on(self.on_refused, text)
 
     def _report(self, exc: BaseException, opened: bool) -> None:
         if self.on_error is not None and not self._stop.is_set():
