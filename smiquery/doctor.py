@@ -69,12 +69,10 @@ _FIX_INSTALL = (
     "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI; in a container, start it with "
     "--gpus all"
 )
-_FIX_DRIVER = "check the driver with `lsmod | grep nvidia` and `dmesg`, or reinstall it"
 _FIX_NVML_INIT = (
     "NVML could not start: check that the driver is loaded (`lsmod | grep nvidia`), that /dev/nvidia* are "
     "readable by this user, and `dmesg` for Xid errors"
 )
-_FIX_HANG = "check `dmesg` for Xid errors and try `nvidia-smi` by hand; enable persistence mode if it is slow"
 
 
 @dataclass(frozen=True)
@@ -169,13 +167,14 @@ def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
     """A failed check for an error, with the one fix that matches its cause."""
     message = _message(exc)
     if isinstance(exc, NvidiaSmiTimeoutError):
-        return CheckResult(name, "fail", _one_line(str(exc)), _FIX_HANG, 5)
+        fix = "check `dmesg` for Xid errors and try `nvidia-smi` by hand; enable persistence mode if it is slow"
+        return CheckResult(name, "fail", _one_line(str(exc)), fix, 5)
     if isinstance(exc, ParseError):
         fix = "nvidia-smi printed output that does not fit the fields; look at plain `nvidia-smi` output"
     elif isinstance(exc, NvmlNotFoundError):
         fix = _FIX_CONTAINER if in_ctr else "reinstall the driver's utility libraries (libnvidia-ml.so)"
     elif isinstance(exc, DriverNotLoadedError):
-        fix = _FIX_DRIVER
+        fix = "check the driver with `lsmod | grep nvidia` and `dmesg`, or reinstall it"
     elif isinstance(exc, _CAUSE_ERRORS):
         # the typed error knows its cause whatever the text around it ("Failed to initialize NVML: Driver/library
         # version mismatch" wants a reboot, not NVML start-up advice)
