@@ -1,11 +1,9 @@
 """smiquery: typed, trustworthy NVIDIA GPU monitoring through nvidia-smi.
 
-The names here are the tasks: one snapshot (:func:`query`, :func:`query_df`), a supervised stream
-(:func:`stream`, :class:`Stream`), recordings (:func:`read_csv`, :func:`replay`), who holds each GPU
-(:func:`processes`), the ``-q -x`` details (:func:`details`) and a never-raising status dict
-(:func:`get_gpu_status`), with :class:`GpuSample` and :class:`RetryPolicy`. Every error is a
-:class:`SmiqueryError`; the whole tree lives in :mod:`smiquery.errors`. Everything else has one home in its
-module (``smiquery.fields``, ``smiquery.sources.apps``, ``smiquery.recordings``, ``smiquery.testing``...).
+The names here are the tasks: a snapshot (:func:`query`, :func:`query_df`), a stream (:func:`stream`,
+:class:`Stream`), recordings (:func:`read_csv`, :func:`replay`), :func:`processes`, :func:`details` and
+:func:`get_gpu_status`. Every error is a :class:`SmiqueryError` (the tree: :mod:`smiquery.errors`); everything
+else has one home in its module (``smiquery.fields``, ``smiquery.recordings``, ``smiquery.testing``...).
 """
 
 from __future__ import annotations

@@ -53,18 +53,26 @@ CHECK_NAMES = (
     "default fields supported",
 )
 
+# the checks that a broken nvidia-smi or driver leaves undone (reported as skipped)
+_NEED_DRIVER = (
+    "driver reachable",
+    "driver/library match",
+    "GPU count",
+    "persistence mode",
+    "MIG mode",
+    "memory and clock health",
+    "default fields supported",
+)
 _FIX_CONTAINER = "start the container with --gpus all (or set NVIDIA_DRIVER_CAPABILITIES=compute,utility)"
 _FIX_VISIBLE = "set NVIDIA_VISIBLE_DEVICES=all (or GPU indices/UUIDs), or start the container with --gpus all"
 _FIX_INSTALL = (
     "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI; in a container, start it with "
     "--gpus all"
 )
-_FIX_DRIVER = "check the driver with `lsmod | grep nvidia` and `dmesg`, or reinstall it"
 _FIX_NVML_INIT = (
     "NVML could not start: check that the driver is loaded (`lsmod | grep nvidia`), that /dev/nvidia* are "
     "readable by this user, and `dmesg` for Xid errors"
 )
-_FIX_HANG = "check `dmesg` for Xid errors and try `nvidia-smi` by hand; enable persistence mode if it is slow"
 
 
 @dataclass(frozen=True)
@@ -159,13 +167,14 @@ def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
     """A failed check for an error, with the one fix that matches its cause."""
     message = _message(exc)
     if isinstance(exc, NvidiaSmiTimeoutError):
-        return CheckResult(name, "fail", _one_line(str(exc)), _FIX_HANG, 5)
+        fix = "check `dmesg` for Xid errors and try `nvidia-smi` by hand; enable persistence mode if it is slow"
+        return CheckResult(name, "fail", _one_line(str(exc)), fix, 5)
     if isinstance(exc, ParseError):
         fix = "nvidia-smi printed output that does not fit the fields; look at plain `nvidia-smi` output"
     elif isinstance(exc, NvmlNotFoundError):
         fix = _FIX_CONTAINER if in_ctr else "reinstall the driver's utility libraries (libnvidia-ml.so)"
     elif isinstance(exc, DriverNotLoadedError):
-        fix = _FIX_DRIVER
+        fix = "check the driver with `lsmod | grep nvidia` and `dmesg`, or reinstall it"
     elif isinstance(exc, _CAUSE_ERRORS):
         # the typed error knows its cause whatever the text around it ("Failed to initialize NVML: Driver/library
         # version mismatch" wants a reboot, not NVML start-up advice)
@@ -181,11 +190,7 @@ def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
 
 
 def driver_fields(binary: str, timeout: float) -> dict[str, str]:
-    """Field name (or alias) -> description, as ``binary --help-query-gpu`` lists them (``timeout`` seconds).
-
-    Raises:
-        NvidiaSmiFailedError: nvidia-smi failed, or listed no fields.
-    """
+    """Field name (or alias) -> description as ``binary --help-query-gpu`` lists them; raises as help_query_gpu does."""
     from smiquery.fields import help_query_gpu
     from smiquery.runner import default_runner
 
@@ -219,21 +224,14 @@ def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float 
     done = _Progress(in_container())
     _check_binary(done, nvidia_smi, timeout)
     samples, caught = _query_driver(done, timeout)
-    if samples is not None:
-        done.results += _gpu_checks(samples, done.version, caught)
-        if done.binary is not None:
-            done.results.append(_details_check(done.binary, timeout))
-    else:
-        present = {r.name for r in done.results}
-        names = ("driver reachable", "driver/library match", "GPU count", "persistence mode", "MIG mode")
-        for name in (*names, "memory and clock health"):
-            if name not in present:
-                done.results.append(CheckResult(name, "skip", done.broken or "nvidia-smi is not working"))
-    done.results += _container_checks(done.ctr, found=done.binary is not None, failure=done.failure)
     if samples is not None and done.binary is not None:
+        done.results += _gpu_checks(samples, done.version, caught)
+        done.results.append(_details_check(done.binary, timeout))
         done.results.append(_default_fields_check(done, done.binary, timeout))
-    else:
-        done.results.append(CheckResult("default fields supported", "skip", done.broken or "nvidia-smi is not working"))
+    done.results += _container_checks(done.ctr, found=done.binary is not None, failure=done.failure)
+    present = {r.name for r in done.results}
+    skipped = done.broken or "nvidia-smi is not working"
+    done.results += [CheckResult(name, "skip", skipped) for name in _NEED_DRIVER if name not in present]
     order = {name: i for i, name in enumerate(CHECK_NAMES)}
     return sorted(done.results, key=lambda r: order.get(r.name, len(order)))
 
@@ -285,21 +283,20 @@ def _query_driver(done: _Progress, timeout: float) -> tuple[list[GpuSample] | No
                 samples = query(names[:3], nvidia_smi=done.binary, timeout=timeout)
         done.failure = None
         return samples, caught
-    except DriverVersionMismatchError as exc:
-        done.failure = exc
-        done.results.append(CheckResult("driver reachable", "ok", "the kernel module answers"))
-        done.fail("driver/library match", exc)
-        done.broken = "driver/library mismatch"
-    except NoDevicesFoundError as exc:
-        done.failure = exc
-        done.results.append(CheckResult("driver reachable", "ok", "the driver answers"))
-        done.results.append(CheckResult("driver/library match", "ok", "nvidia-smi talks to the driver"))
-        done.fail("GPU count", exc)
-        done.broken = "no GPU"
     except SmiqueryError as exc:
         done.failure = exc
-        done.fail("driver reachable", exc)
-        done.broken = "the driver is not reachable"
+        if isinstance(exc, DriverVersionMismatchError):
+            done.results.append(CheckResult("driver reachable", "ok", "the kernel module answers"))
+            done.fail("driver/library match", exc)
+            done.broken = "driver/library mismatch"
+        elif isinstance(exc, NoDevicesFoundError):
+            done.results.append(CheckResult("driver reachable", "ok", "the driver answers"))
+            done.results.append(CheckResult("driver/library match", "ok", "nvidia-smi talks to the driver"))
+            done.fail("GPU count", exc)
+            done.broken = "no GPU"
+        else:
+            done.fail("driver reachable", exc)
+            done.broken = "the driver is not reachable"
     return None, caught
 
 
@@ -388,8 +385,7 @@ def _gpu_checks(
         out.append(CheckResult("GPU count", "fail", "0 GPUs", "check `nvidia-smi -L` and NVIDIA_VISIBLE_DEVICES", 4))
     elif lost:
         said = f"{len(samples)} GPUs; GPU {_listed(lost)} is lost (fell off the bus)"
-        fix = "check `dmesg` for Xid 79; the GPU needs a reset or the machine a reboot"
-        out.append(CheckResult("GPU count", "fail", said, fix, 4))
+        out.append(CheckResult("GPU count", "fail", said, GpuLostError.hint, 4))
     else:
         plural = "s" if len(samples) != 1 else ""
         out.append(CheckResult("GPU count", "ok", f"{len(samples)} GPU{plural}: {', '.join(gpu_names)}"))
@@ -409,13 +405,9 @@ def _gpu_checks(
         out.append(CheckResult("persistence mode", "ok", "enabled"))
     mig = [(s.index, s.get("mig.mode.current")) for s in samples]
     on = [i for i, v in mig if v is True]
-    if all(v is None for _, v in mig):
-        out.append(CheckResult("MIG mode", "ok", "not supported or not reported (n/a)"))
-    elif on:
-        said = f"enabled on GPU {_listed(on)}: GPU utilization is n/a there; use MIG devices"
-        out.append(CheckResult("MIG mode", "ok", said))
-    else:
-        out.append(CheckResult("MIG mode", "ok", "disabled"))
+    said = f"enabled on GPU {_listed(on)}: GPU utilization is n/a there; use MIG devices" if on else "disabled"
+    reported = any(v is not None for _, v in mig)
+    out.append(CheckResult("MIG mode", "ok", said if reported else "not supported or not reported (n/a)"))
     return out
 
 

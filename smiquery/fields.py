@@ -164,8 +164,7 @@ def __getattr__(name: str) -> object:
 def get_field(name: str, *, known: Iterable[str] | None = None) -> Field:
     """Look a field up by canonical name or alias; ``known``: names this driver lists beyond the catalogue (strings).
 
-    Raises:
-        InvalidFieldError: the name is not a field; the message names the closest valid ones.
+    Raises InvalidFieldError when the name is not a field: its message names the closest valid ones.
     """
     index = _index()
     fld = index.get(name)
@@ -181,9 +180,7 @@ def resolve_fields(fields: FieldsArg = "default", *, known: Iterable[str] | None
 
     ``fields``: a preset (``"default"``, ``"health"``...; None: default), ``"a,b,c"``, or a sequence of names or
     fields (resolved ones pass through). ``known``: names this driver lists; also limits ``"all"`` to them.
-
-    Raises:
-        InvalidFieldError: a name is unknown or malformed.
+    Raises InvalidFieldError for a name that is unknown or malformed.
     """
     index = _index()
     fields = "default" if fields is None else fields
@@ -253,8 +250,7 @@ def parse_help_query_gpu(text: str) -> list[HelpEntry]:
 def help_query_gpu(run: Callable[[list[str], float], Any], binary: str, timeout: float) -> list[HelpEntry]:
     """The entries ``binary --help-query-gpu`` lists, run by ``run`` (a runner's ``run``) within ``timeout`` seconds.
 
-    Raises:
-        NvidiaSmiFailedError: nvidia-smi failed, or listed no fields.
+    Raises NvidiaSmiFailedError when nvidia-smi fails or lists no fields.
     """
     argv = [binary, "--help-query-gpu"]
     done = run(argv, timeout)

@@ -122,11 +122,9 @@ def strip_unit(cell: str, unit: str) -> str:
 class Unit:
     """One of nvidia-smi's units (``symbol``, ``"MiB"``).
 
-    Attributes:
-        digits: decimals nvidia-smi prints (and a table shows) for a decimal value; None: as many as it needs.
-        summary_digits: decimals a report gives a statistic (mean, p95, max) in this unit.
-        base: the Prometheus base unit a metric is exported in (``"bytes"``), empty for none.
-        scale: factor from this unit to ``base`` (MiB -> bytes: 1048576).
+    ``digits``: decimals nvidia-smi prints (and a table shows) for a decimal value (None: as many as it needs);
+    ``summary_digits``: decimals of a report's statistics in this unit; ``base``: the Prometheus base unit a metric
+    is exported in (``"bytes"``, empty for none), ``scale`` the factor to it (MiB -> bytes: 1048576).
     """
 
     symbol: str
@@ -410,11 +408,6 @@ class FieldKind:
         if known is not None:
             return known.summary_digits
         return 0 if self.storage == "int" else 1
-
-    def to_base(self, value: Value, unit: str = "") -> float | None:
-        """The value in the unit's Prometheus base unit (MiB -> bytes, MHz -> Hz, % -> ratio); None for text."""
-        number = to_number(value)
-        return None if number is None else number * unit_info(unit).scale
 
 
 def to_number(value: Value) -> float | None:

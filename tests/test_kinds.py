@@ -11,7 +11,7 @@ import pytest
 import smiquery
 from smiquery.cli.display import display_value
 from smiquery.fields import CATALOGUE, Field, get_field
-from smiquery.kinds import FIELD_KINDS, MISSING_REASONS, UNITS, FieldKind, Kind, unit_info
+from smiquery.kinds import FIELD_KINDS, MISSING_REASONS, UNITS, FieldKind, Kind, to_number, unit_info
 from smiquery.recordings import to_dataframe
 from smiquery.sample import Value
 from smiquery.sources.query_gpu import parse_lines
@@ -144,9 +144,10 @@ def test_summary_precision_follows_the_unit() -> None:
         ("name", "NVIDIA H100", None),
     ],
 )
-def test_to_base_scales_to_prometheus_base_units(name: str, value: Value, base: float | None) -> None:
-    fld = get_field(name)
-    got = fld.kind.ops.to_base(value, fld.unit)
+def test_values_scale_to_prometheus_base_units(name: str, value: Value, base: float | None) -> None:
+    # what the exporter computes: the number (bools as 1/0) times the unit's scale
+    number = to_number(value)
+    got = None if number is None else number * unit_info(get_field(name).unit).scale
     assert got == (pytest.approx(base) if base is not None else None)
 
 

@@ -13,6 +13,7 @@ from smiquery.streams.argv import GpusArg, normalize_gpus
 
 if TYPE_CHECKING:
     import os
+    from collections.abc import Mapping
 
     import pandas as pd
 
@@ -39,7 +40,7 @@ class GpuProcess:
 _APPS_FIELDS = "pid,process_name,gpu_uuid,used_memory"
 
 
-def _parse_apps(stdout: str) -> list[tuple[int, str, str, int | None, dict[str, str]]]:
+def _parse_apps(stdout: str, index_of: Mapping[str | None, int | None]) -> list[GpuProcess]:
     rows = []
     for lineno, line in enumerate(stdout.splitlines(), 1):
         line = line.rstrip("\r\n\t ")
@@ -65,7 +66,7 @@ def _parse_apps(stdout: str) -> list[tuple[int, str, str, int | None, dict[str, 
                 mem = int(mem_s.removesuffix(" MiB"))
             except ValueError:
                 raise ParseError(f"{mem_s!r} is not MiB", lineno=lineno, line=line, field="used_memory") from None
-        rows.append((pid, name, uuid.strip(), mem, missing))
+        rows.append(GpuProcess(pid, name, uuid.strip(), index_of.get(uuid.strip()), mem, missing))
     return rows
 
 
@@ -89,11 +90,7 @@ def processes(
     by_uuid = {s.uuid: s.index for s in gpu_rows}
     argv = [binary, "--query-compute-apps=" + _APPS_FIELDS, "--format=csv,noheader,nounits"]
     done = judge_exit(argv, runner.run(argv, timeout), "rows")
-    out = []
-    for pid, name, uuid, mem, missing in _parse_apps(done.stdout):
-        if ids and uuid not in by_uuid:
-            continue
-        out.append(GpuProcess(pid, name, uuid, by_uuid.get(uuid), mem, missing))
+    out = [p for p in _parse_apps(done.stdout, by_uuid) if not ids or p.gpu_uuid in by_uuid]
     out.sort(key=lambda p: (p.gpu_index if p.gpu_index is not None else 1 << 30, p.pid))
     return out
 
@@ -126,9 +123,7 @@ def processes_df(
         }
     )
     df.attrs["units"] = {"used_memory": "MiB"}
-    missing: dict[str, dict[int, str]] = {}
-    for i, p in enumerate(rows):
-        for column, reason in p.missing.items():
-            missing.setdefault(column, {})[i] = reason
-    df.attrs["missing"] = MissingReasons.from_dicts(missing)
+    # used_memory is the one value that can be missing
+    missing = {i: p.missing["used_memory"] for i, p in enumerate(rows) if "used_memory" in p.missing}
+    df.attrs["missing"] = MissingReasons.from_dicts({"used_memory": missing})
     return cast("pd.DataFrame", df)

@@ -1,15 +1,14 @@
 """``nvidia-smi -q -x``, typed: what the ``--query-gpu`` CSV cannot say (:func:`details`, :func:`parse_xml`).
 
-The XML's DTD version (v7 ... v13) selects where each value is read (the clock reasons were renamed in v12, remapped
-rows and MIG arrived in v11); a file naming no DTD or an unknown one is read by every known element name and warns
-once per name. A value the version lacks, an element missing from the file, or ``N/A`` is None with its reason in
-the record's ``missing`` mapping, never a zero. :mod:`xml.etree.ElementTree` never fetches external entities, and
-a document declaring entities of its own is refused before anything is expanded. ``-q -x`` takes 0.4-6 s on
-multi-GPU servers: keep it off any fast path.
+The XML's DTD version (v7 ... v13) selects where each value is read; a file naming no DTD or an unknown one is read
+by every known element name and warns once per name. A value the version lacks, a missing element or ``N/A`` is
+None with its reason in the record's ``missing`` mapping, never a zero. A document declaring entities is refused
+before anything is expanded. ``-q -x`` takes 0.4-6 s on multi-GPU servers: keep it off any fast path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import threading
@@ -372,34 +371,18 @@ def _gpu(index: int, gpu: ET.Element, reading: _Reading, driver: str | None) -> 
     )
 
 
-class _Refused(Exception):
-    pass
-
-
-def _refuse_dtd(text: str) -> None:
-    """Raise ParseError when the document declares an entity (nvidia-smi never does), wherever it stands.
-
-    An expat pass stops at the first entity declaration, before anything is expanded; element and attribute
-    declarations (older drivers inline their whole DTD) pass.
-    """
-
+def _parse_root(text: str) -> ET.Element:
+    # An expat pass stops at the first entity declaration (nvidia-smi never writes one), before anything is expanded;
+    # element and attribute declarations (older drivers inline their whole DTD) pass.
     def entity(*_args: object) -> None:
-        raise _Refused("the XML declares entities")
+        raise ParseError("the XML declares entities; refused (nvidia-smi never does)", lineno=1, line=text[:200])
 
     parser = expat.ParserCreate()
     parser.SetParamEntityParsing(expat.XML_PARAM_ENTITY_PARSING_NEVER)
     parser.EntityDeclHandler = entity
     parser.UnparsedEntityDeclHandler = entity
-    try:
+    with contextlib.suppress(expat.ExpatError):  # not well-formed: ElementTree says where
         parser.Parse(text, True)
-    except _Refused as exc:
-        raise ParseError(f"{exc}; refused (nvidia-smi never does)", lineno=1, line=text[:200]) from None
-    except expat.ExpatError:
-        pass  # not well-formed: ElementTree says where
-
-
-def _parse_root(text: str) -> ET.Element:
-    _refuse_dtd(text)
     try:
         root = ET.fromstring(text)
     except ET.ParseError as exc:
@@ -415,10 +398,8 @@ def _parse_root(text: str) -> ET.Element:
 def parse_xml(text: str | bytes, *, listing: str | None = None) -> list[GpuDetails]:
     """Parse ``nvidia-smi -q -x`` output into one record per GPU, in the order printed.
 
-    ``listing`` (``nvidia-smi -L`` output) gives the MIG devices their UUIDs and profiles.
-
-    Raises:
-        ParseError: not well-formed XML, not nvidia-smi's, or declaring entities.
+    ``listing`` (``nvidia-smi -L`` output) gives the MIG devices their UUIDs and profiles. Raises
+    ParseError for XML that is not well-formed, not nvidia-smi's, or declares entities.
     """
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="replace")

@@ -112,29 +112,24 @@ class Latest(Generic[T]):
 
     def poll(self) -> T | None:
         """Run one poll now, in the caller's thread. Returns the new value, or None when the poll failed."""
-        self._polls += 1
-        try:
-            value = self.fetch()
-        except self._errors as exc:
-            self._failed(exc)
-            return None
-        finally:
-            self._first.set()
-        self._took(value)
-        return value
+        return self._follow(lambda: (self.fetch(),))
 
-    def _follow(self, values: Callable[[], Iterable[T]]) -> None:
+    def _follow(self, values: Callable[[], Iterable[T]]) -> T | None:
+        """Take each value ``values()`` gives until it ends, fails or :meth:`close`; the last one (None: failed)."""
         self._polls += 1
+        value = None
         try:
             for value in values():
                 self._took(value)
                 self._first.set()
                 if self._stop.is_set():
-                    return
+                    break
         except self._errors as exc:
             self._failed(exc)
+            return None
         finally:
             self._first.set()
+        return value
 
     def _failed(self, exc: BaseException) -> None:
         self._failures[type(exc).__name__] += 1
@@ -174,13 +169,9 @@ class Latest(Generic[T]):
         return self
 
     def _run(self) -> None:
-        values = self._values
         while not self._stop.is_set():
             try:
-                if values is None:
-                    self.poll()
-                else:
-                    self._follow(values)
+                self._follow(self._values or (lambda: (self.fetch(),)))
             except BaseException:
                 log.exception("smiquery: %s stopped on an unexpected error", self.name)
                 raise

@@ -1,9 +1,8 @@
-"""Per-process GPU use from ``nvidia-smi pmon``: the fixed-width parser, its argv, instants, and summaries.
+"""Per-process GPU use from ``nvidia-smi pmon``: the parser, its argv, instants and summaries.
 
-``--query-compute-apps`` says which process holds GPU memory; ``pmon`` says which keeps the GPU busy. Its columns
-depend on the driver and the options, so the parser reads them from the header (``# gpu pid type sm mem ...
-command``); ``-`` means no value, and an idle GPU prints one line of them. The supervised stream of rows and
-instants is :func:`smiquery.streams.pmon.stream`.
+``pmon`` says which process keeps a GPU busy. Its columns depend on the driver and the options, so the parser reads
+them from the header; ``-`` means no value, and an idle GPU prints one line of them. The supervised stream is
+:func:`smiquery.streams.pmon.stream`.
 """
 
 from __future__ import annotations
@@ -202,11 +201,7 @@ class PmonParser:
 
 
 def parse_pmon(text: str | Iterable[str], *, strict: bool = True) -> list[PmonRow]:
-    """Parse a whole pmon capture (a string or lines) into its rows, idle GPUs' lines included.
-
-    Raises:
-        ParseError: in strict mode, a line that does not fit.
-    """
+    """Parse a whole pmon capture (a string or lines) into its rows, idle GPUs' lines included (strict: ParseError)."""
     lines = text.splitlines() if isinstance(text, str) else text
     return list(PmonParser(strict=strict).parse(lines))
 
@@ -255,11 +250,7 @@ def build_pmon_argv(
     select: str = "um",
     options: str = "DT",
 ) -> list[str]:
-    """The argument list for ``nvidia-smi pmon`` (``-i`` ids, ``-d`` interval, ``-c`` count, ``-s``, ``-o``).
-
-    Raises:
-        ValueError: an interval, count, select or options value pmon would reject.
-    """
+    """The argument list for ``nvidia-smi pmon``; ValueError for an interval, count, select or options it rejects."""
     if isinstance(interval, bool) or not isinstance(interval, int) or not 1 <= interval <= 10:
         raise ValueError("pmon interval must be a whole number of seconds from 1 to 10 (nvidia-smi pmon -d)")
     if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
@@ -313,7 +304,7 @@ class PmonRows:
         return rows
 
     def cut(self, out: list[PmonRow], now: float) -> None:
-        """Nothing to finish: :meth:`~smiquery.streams.pmon.PmonStream.samples` drops an instant cut by a restart."""
+        """Nothing to finish (a restart's cut instant is dropped by the stream)."""
 
     def last_message(self) -> str | None:
         """The newest notice pmon printed."""
@@ -334,10 +325,8 @@ def top_processes(rows: Iterable[PmonRow], n: int, *, by: str = "sm") -> dict[in
 
     At most ``n + 1`` series per GPU (bounded cardinality for exporters). ``other`` (``pid`` None, ``command``
     ``"other"``) comes only when more than ``n`` processes ran; its metrics sum the known values (None when none).
-    An idle GPU gets an empty list; processes without a ``by`` value sort last, ties keep pmon's order.
-
-    Raises:
-        ValueError: ``n`` is negative or ``by`` is not a pmon metric.
+    An idle GPU gets an empty list; processes without a ``by`` value sort last, ties keep pmon's order. Raises
+    ValueError when ``n`` is negative or ``by`` is not a pmon metric.
     """
     if n < 0:
         raise ValueError("n must be >= 0")
@@ -413,11 +402,7 @@ def process_share(rows: Iterable[PmonRow], pids: Collection[int]) -> dict[int, P
 
 
 def sort_rows(rows: Iterable[PmonRow], by: str = "sm", *, descending: bool = True) -> list[PmonRow]:
-    """Rows ordered by any :class:`PmonRow` field (``ps --watch``), largest first by default; None sorts last.
-
-    Raises:
-        ValueError: ``by`` is not a pmon column.
-    """
+    """Rows ordered by a :class:`PmonRow` field (ValueError for another), largest first by default; None sorts last."""
     if by not in PMON_COLUMNS:
         raise ValueError(f"by must be one of {', '.join(PMON_COLUMNS)}")
     items = list(rows)

@@ -78,15 +78,10 @@ class CsvParser:
     """Turns nvidia-smi CSV lines into :class:`GpuSample` records, one line at a time.
 
     Columns map by position. A header line (``name [unit]``) is recognised when it comes first; without one,
-    ``fields`` must be given. Values may carry units or not; notices and blank lines are skipped. A row that does
-    not fit raises :class:`ParseError` when ``strict``, else it is counted in :attr:`dropped` (the error in
-    :attr:`last_error`); no shifted or half-parsed row is ever returned.
-
-    Args:
-        fields: the queried fields in order (names, aliases or :class:`Field`); None to take them from a header.
-        strict: raise on bad rows (True) or drop and count them (False).
-        tz: time zone of the timestamps; default the host's local zone.
-        known: extra field names this driver lists (unknown to the catalogue; parsed as strings).
+    ``fields`` (names, aliases or :class:`Field`) must be given. Values may carry units or not; notices and blank
+    lines are skipped. A row that does not fit raises :class:`ParseError` when ``strict``, else it is counted in
+    :attr:`dropped` (the error in :attr:`last_error`); no shifted or half-parsed row is ever returned. ``tz``: the
+    timestamps' zone (default the host's); ``known``: field names this driver lists beyond the catalogue (strings).
     """
 
     def __init__(
@@ -233,8 +228,7 @@ def parse_lines(
 ) -> list[GpuSample]:
     """Parse nvidia-smi CSV output (lines or one string) into records; ``fields`` is needed without a header.
 
-    Raises:
-        ParseError: a row does not fit (strict mode), or there is neither header nor ``fields``.
+    Raises ParseError for a row that does not fit (strict mode), or when there is neither header nor ``fields``.
     """
     if isinstance(lines, str):
         lines = lines.splitlines()
@@ -322,10 +316,8 @@ def query(
         tz: time zone of the timestamps (default: the host's).
 
     Raises:
-        InvalidFieldError: an unknown field (raised before anything runs).
-        InvalidGpuIdError: a malformed GPU id (raised before anything runs).
-        NvidiaSmiNotFoundError: no usable binary.
-        NvidiaSmiTimeoutError: no answer within ``timeout``.
+        InvalidFieldError, InvalidGpuIdError: an unknown field or malformed GPU id (before anything runs).
+        NvidiaSmiNotFoundError, NvidiaSmiTimeoutError: no usable binary; no answer within ``timeout``.
         NvidiaSmiFailedError: a non-zero exit, as its typed subclass.
         ParseError: output that does not fit the fields.
     """

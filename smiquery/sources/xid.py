@@ -1,9 +1,7 @@
-"""Xid errors: the NVIDIA driver's error events (``NVRM: Xid (PCI:0000:3b:00): 79, ...``), from the kernel log.
+"""Xid errors, the NVIDIA driver's error events (``NVRM: Xid (PCI:0000:3b:00): 79, ...``), from the kernel log.
 
-nvidia-smi never reports Xids. :func:`parse_line` reads one line of any kernel-log format and takes it only when the
-kernel wrote it (:func:`refusal` says why another is refused); :func:`follow` yields each event of ``/dev/kmsg`` or
-a plain file once; :class:`XidWatcher` is the one thread that follows a log and counts the events;
-:data:`XID_CATALOGUE` says what the common codes mean and what to do (from NVIDIA's public Xid catalogue).
+nvidia-smi never reports Xids. :func:`parse_line` reads one kernel-log line, :func:`follow` yields each event of a
+log once, :class:`XidWatcher` follows one on a thread and counts, :data:`XID_CATALOGUE` says what codes mean.
 """
 
 from __future__ import annotations
@@ -70,10 +68,10 @@ class XidInfo:
 
 def _catalogue() -> dict[int, XidInfo]:
     with open(os.path.join(os.path.dirname(__file__), "xid.csv"), encoding="utf-8", newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    return {
-        int(r["code"]): XidInfo(int(r["code"]), r["meaning"], cast(XidAction, r["action"]), r["advice"]) for r in rows
-    }
+        return {
+            int(r["code"]): XidInfo(int(r["code"]), r["meaning"], cast(XidAction, r["action"]), r["advice"])
+            for r in csv.DictReader(fh)
+        }
 
 
 #: The common Xid codes (NVIDIA's public "Xid Errors" catalogue, summarised; the data is ``xid.csv``).
@@ -220,18 +218,32 @@ _DEDUPE_KEEP = 4096  # lines remembered, to skip them when a followed file is re
 
 
 class XidFollower(Iterator[XidEvent]):
-    """An iterator of Xid events from a kernel log, open until :meth:`close` (see :func:`follow`)."""
+    """Follow a kernel log and yield each Xid event once, until :meth:`close` (from any thread).
+
+    Args:
+        path: ``/dev/kmsg`` (replays its ring buffer, then waits) or a plain file, followed like ``tail -F``.
+        after_seq: skip ``/dev/kmsg`` records up to this sequence number (resume after ``follower.last_seq``).
+        from_start: read a plain file from its beginning, replay ``/dev/kmsg`` (False: only what comes from now).
+        poll: seconds between checks for new data and for :meth:`close`.
+        on_reject: called on the reading thread with the reason and the line of each refused Xid line.
+
+    Raises:
+        KernelLogError: the log cannot be opened (no permission: run as root or with CAP_SYSLOG; missing).
+        UsageError: ``poll`` is not a positive number.
+    """
 
     def __init__(
         self,
-        path: str,
+        path: str | os.PathLike[str] = DEFAULT_KERNEL_LOG,
         *,
-        after_seq: int | None,
-        from_start: bool,
-        poll: float,
+        after_seq: int | None = None,
+        from_start: bool = True,
+        poll: float = 0.5,
         on_reject: Callable[[RejectReason, str], object] | None = None,
     ) -> None:
-        self.path = path
+        if not poll > 0:
+            raise UsageError(f"poll must be a positive number of seconds, not {poll!r}")
+        self.path = os.fspath(path)
         self.poll = poll
         self.on_reject = on_reject
         #: the highest ``/dev/kmsg`` sequence number handed out (pass it as ``after_seq`` to resume)
@@ -383,30 +395,8 @@ class XidFollower(Iterator[XidEvent]):
             self._close_fd()
 
 
-def follow(
-    path: str | os.PathLike[str] = DEFAULT_KERNEL_LOG,
-    *,
-    after_seq: int | None = None,
-    from_start: bool = True,
-    poll: float = 0.5,
-    on_reject: Callable[[RejectReason, str], object] | None = None,
-) -> XidFollower:
-    """Follow a kernel log and yield each Xid event once; ``close()`` the follower from any thread.
-
-    Args:
-        path: ``/dev/kmsg`` (replays its ring buffer, then waits) or a plain file, followed like ``tail -F``.
-        after_seq: skip ``/dev/kmsg`` records up to this sequence number (resume after ``follower.last_seq``).
-        from_start: read a plain file from its beginning, replay ``/dev/kmsg`` (False: only what comes from now).
-        poll: seconds between checks for new data and for :meth:`XidFollower.close`.
-        on_reject: called on the reading thread with the reason and the line of each refused Xid line.
-
-    Raises:
-        KernelLogError: the log cannot be opened (no permission: run as root or with CAP_SYSLOG; missing).
-        UsageError: ``poll`` is not a positive number.
-    """
-    if not poll > 0:
-        raise UsageError(f"poll must be a positive number of seconds, not {poll!r}")
-    return XidFollower(os.fspath(path), after_seq=after_seq, from_start=from_start, poll=poll, on_reject=on_reject)
+#: Follow a kernel log (:class:`XidFollower`).
+follow = XidFollower
 
 
 def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -> str:
@@ -421,6 +411,13 @@ def describe(event: XidEvent, gpu: int | None = None, uuid: str | None = None) -
     if info is None:
         return f"Xid {event.xid} on {who}{proc}: {event.message} (not in smiquery's Xid catalogue: see NVIDIA's)"
     return f"Xid {event.xid} on {who}{proc}: {info.meaning}; action {info.action}: {info.advice}"
+
+
+def _hand_on(listener: Callable[[_G], object], value: _G) -> None:
+    try:
+        listener(value)
+    except Exception:  # a listener's bug must not stop the following
+        log.exception("smiquery: an Xid listener failed")
 
 
 class XidWatcher:
@@ -494,11 +491,7 @@ class XidWatcher:
             return dict(self._rejected)
 
     def start(self) -> XidWatcher:
-        """Start the thread (without ``retry``, open the log first, here). Returns self.
-
-        Raises:
-            KernelLogError: without ``retry``, the log cannot be opened.
-        """
+        """Start the thread (without ``retry``, open the log first, here: KernelLogError if it cannot). Returns self."""
         if self._thread is None:
             if self.retry is None:
                 self._follower = self._open(None, self.from_start)
@@ -523,10 +516,7 @@ class XidWatcher:
                 self.other += self._series.popitem(last=False)[1][0]
             self.events += 1
         if self.on_event is not None:
-            try:
-                self.on_event(event)
-            except Exception:  # a listener's bug must not stop the counting
-                log.exception("smiquery: an Xid listener failed")
+            _hand_on(self.on_event, event)
 
     def _reject(self, reason: RejectReason, line: str) -> None:
         now = self.clock()
@@ -542,11 +532,8 @@ class XidWatcher:
         text = f"ignored a line that looks like an Xid but {_REFUSED[reason]} ({reason}): {shown}{more}"
         if self.on_refused is None:
             log.warning("smiquery: %s", text)
-            return
-        try:
-            self.on_refused(text)
-        except Exception:  # a listener's bug must not stop the following
-            log.exception("smiquery: an Xid listener failed")
+        else:
+            _hand_on(self.on_refused, text)
 
     def _report(self, exc: BaseException, opened: bool) -> None:
         if self.on_error is not None and not self._stop.is_set():

@@ -1,15 +1,12 @@
 """A fake ``nvidia-smi`` for tests and demos: a real executable that replays a recorded CSV and fails on demand.
 
-:func:`fake_nvidia_smi` writes the executable; :func:`main` is its entry point (also ``python -m smiquery.testing``
-and the ``smiquery-fake-nvidia-smi`` console script). Real process, real pipes, real signals: no mocks.
+:func:`fake_nvidia_smi` writes the executable (entry point :func:`main`, also ``python -m smiquery.testing``);
 :class:`InProcessRunner` runs the same engine on a thread, and :func:`use_runner` makes it the runner of everything
-that runs nvidia-smi (CLI, exporter, monitor, callbacks) for the length of a ``with`` block.
-The emulator lives in the private :mod:`smiquery.testing._emulator` package.
+that runs nvidia-smi for the length of a ``with`` block. The emulator is the private ``_emulator`` package.
 """
 
-from smiquery.testing._emulator.core import ENV_VARS
+from smiquery.testing._emulator.core import ENV_VARS, FAULT_HELP, FAULTS
 from smiquery.testing._emulator.engine import InProcessLines, InProcessRunner, fake_nvidia_smi, main, use_runner
-from smiquery.testing._emulator.faults import FAULT_HELP, FAULTS
 
 __all__ = [
     "ENV_VARS",

@@ -402,7 +402,7 @@ def test_promtool_finds_nothing_wrong_with_the_process_series(exporter, fake_smi
 def test_the_fakes_pmon_help_lists_its_variables(fake_smi):
     import subprocess
 
-    from smiquery.testing._emulator.pmon import PMON_ENV_VARS
+    from smiquery.testing._emulator.modes import PMON_ENV_VARS
 
     done = subprocess.run([str(fake_smi()), "pmon", "-h"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
@@ -25,16 +24,20 @@ from smiquery.errors import NvidiaSmiFailedError, OutputTooLargeError, StreamEnd
 from smiquery.fields import CATALOGUE
 from smiquery.testing._emulator.core import (
     ENV_VARS,
+    FAULT_HELP,
     HELP_HINT,
     FakeExit,
     FakeUsageError,
+    Faults,
     MemoryState,
     Output,
     Settings,
+    check_settings,
     log_invocation,
+    parse_faults,
+    startup,
 )
-from smiquery.testing._emulator.faults import FAULT_HELP, Faults, check_settings, parse_faults, startup
-from smiquery.testing._emulator.query import parse_args, query_apps, query_gpu, select_gpus
+from smiquery.testing._emulator.modes import parse_args, query_apps, query_gpu, run_details, run_pmon, select_gpus
 from smiquery.testing._emulator.recording import (
     APP_ALIASES,
     APP_FIELDS,
@@ -79,12 +82,8 @@ def _dispatch(argv: Sequence[str], settings: Settings, faults: Faults, out: Outp
     if faults.flood:
         return _flood(argv, faults.flood_bytes, out)
     if {"-q", "--query", "-x", "--xml-format"} & set(argv) or (settings.xml and {"-L", "--list-gpus"} & set(argv)):
-        from smiquery.testing._emulator.details import run_details  # -q -x, and -L from an XML capture
-
         return run_details(argv, settings, faults, out)
     if tuple(argv[:1]) == ("pmon",):  # a tuple from the in-process runner, a list from the executable
-        from smiquery.testing._emulator.pmon import run_pmon
-
         return run_pmon(argv[1:], settings, faults, out)
     opts = parse_args(argv, out)
     rec = load_recording(settings.recording)
@@ -100,17 +99,15 @@ def _dispatch(argv: Sequence[str], settings: Settings, faults: Faults, out: Outp
         return _help_query_gpu(rec, out)
     if opts.action == "help-query-compute-apps":
         return _help_query_apps(out)
-    if opts.query_gpu is not None and opts.query_apps is not None:
+    queries = [q for q in (opts.query_gpu, opts.query_apps) if q is not None]
+    if len(queries) == 2 or (opts.fmt is not None and not queries):
         out.line(f"Invalid combination of input arguments. {HELP_HINT}")
         return 2
     if opts.query_gpu is not None:
         return query_gpu(opts, rec, settings, faults, out, reload)
     if opts.query_apps is not None:
         return query_apps(opts, rec, settings, faults, out, reload)
-    if opts.fmt is not None:
-        out.line(f"Invalid combination of input arguments. {HELP_HINT}")
-        return 2
-    startup(faults, rec, out)
+    startup(faults, rec.driver_version, out)
     if opts.action == "version":
         return _version(rec, out)
     selected = select_gpus(rec, opts.ids, out)
@@ -254,8 +251,14 @@ def _usage(out: Output) -> int:
     return 0
 
 
-def _run(argv: Sequence[str], settings: Settings) -> int:
-    """Run the fake with signal handling like a C program: quiet on SIGINT, SIGTERM and a closed pipe."""
+def main(argv: list[str] | None = None, settings: Mapping[str, Any] | None = None) -> int:
+    """Run the fake ``nvidia-smi`` with nvidia-smi's own arguments (``argv``; None: ``sys.argv[1:]``); its exit status.
+
+    Settings come from the ``SMIQUERY_FAKE_*`` variables (:data:`ENV_VARS`) over ``settings`` (what a script
+    written by :func:`fake_nvidia_smi` bakes in); without either it replays the bundled 8-GPU demo and fails in no
+    way. Exit 70 means the fake itself is misconfigured. Signals are handled like a C program's: quiet on SIGINT,
+    SIGTERM and a closed pipe.
+    """
     saved: dict[int, object] = {}
     for name in ("SIGINT", "SIGPIPE", "SIGTERM"):
         signum = getattr(signal, name, None)
@@ -264,7 +267,8 @@ def _run(argv: Sequence[str], settings: Settings) -> int:
                 saved[signum] = signal.signal(signum, signal.SIG_DFL)
     stream: BinaryIO = getattr(sys.stdout, "buffer", None) or sys.stdout  # type: ignore[assignment]
     try:
-        return execute(argv, settings, os.environ, Output(stream))
+        argv = sys.argv[1:] if argv is None else argv
+        return execute(argv, Settings(**(settings or {})), os.environ, Output(stream))
     except BrokenPipeError:
         # the reader went away: end quietly, and keep Python from complaining when it flushes at exit
         with contextlib.suppress(OSError, ValueError):
@@ -275,20 +279,6 @@ def _run(argv: Sequence[str], settings: Settings) -> int:
         for signum, handler in saved.items():
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(signum, handler)  # type: ignore[arg-type]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the fake ``nvidia-smi`` with nvidia-smi's own arguments (``argv``; None: ``sys.argv[1:]``); its exit status.
-
-    Settings come from the ``SMIQUERY_FAKE_*`` variables (:data:`ENV_VARS`); without them it replays the bundled
-    8-GPU demo and fails in no way. Exit 70 means the fake itself is misconfigured.
-    """
-    return _run(sys.argv[1:] if argv is None else argv, Settings())
-
-
-def main_with_settings(settings: Mapping[str, Any], argv: list[str] | None = None) -> int:
-    """Entry point of the scripts written by :func:`fake_nvidia_smi` (settings baked in)."""
-    return _run(sys.argv[1:] if argv is None else argv, Settings(**settings))
 
 
 def _abs(path: str | os.PathLike[str] | None) -> str | None:
@@ -322,10 +312,8 @@ def fake_nvidia_smi(
     e.g. ``"hang-after:8,ignore-term"``; :data:`FAULT_HELP` has every one). ``start_delay``: seconds before any
     output; ``apps``: the compute-apps CSV (None: the bundled one, ``""``: no processes); ``log``: a file each
     invocation appends one JSON line to (``pid``, ``argv``, ``time``). The ``SMIQUERY_FAKE_*`` environment
-    variables (:data:`ENV_VARS`) override these settings when it runs.
-
-    Raises:
-        ValueError: ``fault`` names an unknown fault or ``start_delay`` is negative.
+    variables (:data:`ENV_VARS`) override these settings when it runs. Raises ValueError for an unknown fault or a
+    negative ``start_delay``.
     """
     check_settings(fault, start_delay)
     folder = pathlib.Path(directory)
@@ -343,8 +331,8 @@ def fake_nvidia_smi(
         _shebang(sys.executable)
         + '"""Fake nvidia-smi written by smiquery.testing.fake_nvidia_smi(): replays a recorded CSV."""\n'
         + f"import sys\n\nsys.path.append({package_parent!r})  # used where this interpreter has no smiquery\n"
-        + "from smiquery.testing._emulator.engine import main_with_settings\n\n"
-        + f"sys.exit(main_with_settings({settings!r}))\n"
+        + "from smiquery.testing._emulator.engine import main\n\n"
+        + f"sys.exit(main(settings={settings!r}))\n"
     )
     folder.mkdir(parents=True, exist_ok=True)
     path.write_text(script, encoding="utf-8")
@@ -363,10 +351,6 @@ def _decode(data: bytes) -> str:
 
 class _Stopped(BaseException):
     """Unwinds the engine thread when its source is terminated or killed (what the signal does to a process)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
 
 
 class _Channel(Output):
@@ -387,7 +371,7 @@ class _Channel(Output):
         try:
             code = execute(argv, settings, env, self)
         except _Stopped as stop:
-            code = -stop.signum  # what the signal leaves; output not yet flushed is lost, as in a killed process
+            code = -stop.args[0]  # what the signal leaves; output not yet flushed is lost, as in a killed process
         except Exception as exc:  # a bug in the fake: reported like a crashed interpreter, never swallowed
             self.error(f"smiquery-fake-nvidia-smi: internal error: {exc!r}")
             code = 1
@@ -458,19 +442,18 @@ class _Channel(Output):
 class InProcessLines:
     """The output of one in-process fake run, line by line (:meth:`InProcessRunner.lines`): a ``LineSource``.
 
-    It ends and fails like :class:`~smiquery.runner.LineStream`; :meth:`terminate` (unless ``ignore-term``),
-    :meth:`kill` and :meth:`close` end the engine's waits at once. ``pid`` is None; ``idle`` is the seconds the last
-    :meth:`readline` waited; ``closed`` is True once the end was read, or after :meth:`close`.
+    Lines are split, and the output ends and fails, as :class:`~smiquery.runner.LineStream` does; :meth:`terminate`
+    (unless ``ignore-term``), :meth:`kill` and :meth:`close` end the engine's waits at once. ``pid`` is None.
     """
 
     pid: int | None = None
 
     def __init__(self, argv: Sequence[str], channel: _Channel) -> None:
+        from smiquery.runner import LineSplitter
+
         self.argv = tuple(argv)
         self._ch = channel
-        self._buf = b""
-        self._lines: deque[str] = deque()
-        self._messages: deque[str] = deque(maxlen=20)  # recent non-CSV lines, for error messages
+        self._split = LineSplitter()
         self._ended: NvidiaSmiFailedError | None = None
         self._stopping = False
         self._interrupted = False
@@ -489,62 +472,48 @@ class InProcessLines:
         return _decode(bytes(self._ch.err))
 
     def readline(self, timeout: float) -> str | None:
-        """The next complete line; None if none came within ``timeout`` s or on :meth:`interrupt`.
-
-        Raises StreamEndedError at the end after exit 0 or a stop, else the exit's typed NvidiaSmiFailedError.
-        """
+        """The next complete line; None if none came within ``timeout`` s or on :meth:`interrupt`."""
         ch = self._ch
+        lines = self._split.lines
         deadline = time.monotonic() + max(timeout, 0.0)
         waited = 0.0
         with ch.cond:
-            self._take()
-            if not self._lines and self._ended is not None:
-                raise self._ended
-            if not self._lines and self.closed:
-                raise StreamEndedError(self.argv, 0, "", "the nvidia-smi stream was closed")
-            while not self._lines and not self._interrupted:
+            while True:
+                self._take()
+                if lines:
+                    break
+                if self._ended is not None:
+                    raise self._ended
+                if self.closed:
+                    raise StreamEndedError(self.argv, 0, "", "the nvidia-smi stream was closed")
+                if self._interrupted:
+                    self._interrupted = False
+                    break
                 if ch.done:
                     self._finish()
-                    if not self._lines:
-                        assert self._ended is not None
-                        raise self._ended
-                    break
+                    continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 t0 = time.monotonic()
                 ch.cond.wait(remaining)
                 waited += time.monotonic() - t0
-                self._take()
             self.idle = waited
-            if self._lines:
-                return self._lines.popleft()
-            self._interrupted = False
-            return None
+            return lines.popleft() if lines else None
 
     def _take(self) -> None:
         if self._ch.out:
-            *complete, self._buf = (self._buf + bytes(self._ch.out)).split(b"\n")
+            self._split.feed(bytes(self._ch.out))
             self._ch.out.clear()
             self._ch.cond.notify_all()  # room in the pipe again
-            for raw in complete:
-                self._add(raw)
-
-    def _add(self, raw: bytes) -> None:
-        line = _decode(raw).rstrip("\r")
-        if line.strip():
-            self._lines.append(line)
-            if ", " not in line:
-                self._messages.append(line)
 
     def _finish(self) -> None:
         from smiquery.runner import message_of
 
-        tail, self._buf = self._buf, b""
-        self._add(tail)
+        self._split.end()
         rc = self._ch.returncode
         assert rc is not None
-        output = message_of(list(self._messages), bytes(self._ch.err), rc)
+        output = message_of(list(self._split.messages), bytes(self._ch.err), rc)
         ended = failure_from_exit if rc != 0 and not self._stopping else StreamEndedError
         self._ended = ended(self.argv, rc, output)
         self.closed = True
@@ -596,10 +565,7 @@ class InProcessRunner:
     ``SMIQUERY_FAKE_*`` overrides (the process environment is not read). :attr:`calls` holds every call's argv;
     ``reenumerate`` reloads are counted in :attr:`reloads`. Output waits for the reader past 1 MiB unread, as a
     pipe does, and :meth:`run` fails past :data:`smiquery.runner.MAX_OUTPUT_BYTES` as the real runner does.
-    For code that takes no ``runner=``, see :func:`use_runner`.
-
-    Raises:
-        ValueError: ``fault`` names an unknown fault or ``start_delay`` is negative.
+    For code that takes no ``runner=``, see :func:`use_runner`. Raises as :func:`fake_nvidia_smi` does.
     """
 
     def __init__(
@@ -645,13 +611,11 @@ class InProcessRunner:
     @property
     def reloads(self) -> int:
         """How many ``reenumerate`` reloads have struck: later calls serve the GPU set they left (settable, 0: undo)."""
-        with self._state.lock:
-            return self._state.value
+        return self._state.value
 
     @reloads.setter
     def reloads(self, value: int) -> None:
-        with self._state.lock:
-            self._state.value = value
+        self._state.value = value
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
         """Run the fake to completion; raises NvidiaSmiTimeoutError (its thread stopped) past ``timeout`` s."""

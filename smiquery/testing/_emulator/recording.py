@@ -48,39 +48,36 @@ class Sweeps:
     """
 
     def __init__(self, lines: Iterator[str], ncols: int, key: int | None) -> None:
-        self._lines = lines  # the body lines not read yet
-        self._ncols = ncols
-        self._key = key  # the column that tells GPUs apart: a key seen again starts the next sweep
-        self._sweeps: list[list[list[str]]] = []  # the sweeps read so far (the last one may be incomplete)
-        self._seen: set[str] = set()
-        self._done = False
+        self._rest = self._split(lines, ncols, key)  # the sweeps not read yet
+        self._sweeps: list[list[list[str]]] = []
         self._lock = threading.Lock()
 
-    def _read(self, n: int) -> None:
-        """Read lines until sweep ``n`` is complete (the next one has started) or the lines end."""
-        with self._lock:
-            while not self._done and len(self._sweeps) <= n + 1:
-                line = next(self._lines, None)
-                if line is None:
-                    self._done = True
-                    break
-                cells = line.rstrip("\r").split(", ")
-                if not line.strip() or len(cells) != self._ncols:
-                    continue  # notice lines (WARNING: ...) and damaged rows are not replayed
-                k = cells[self._key].strip() if self._key is not None else ""
-                if not self._sweeps or self._key is None or k in self._seen:
-                    self._sweeps.append([])
-                    self._seen = set()
-                self._sweeps[-1].append(cells)
-                self._seen.add(k)
+    @staticmethod
+    def _split(lines: Iterator[str], ncols: int, key: int | None) -> Iterator[list[list[str]]]:
+        """The complete sweeps: ``key`` is the column that tells GPUs apart (a key seen again starts the next)."""
+        sweep: list[list[str]] = []
+        seen: set[str] = set()
+        for line in lines:
+            cells = line.rstrip("\r").split(", ")
+            if not line.strip() or len(cells) != ncols:
+                continue  # notice lines (WARNING: ...) and damaged rows are not replayed
+            k = cells[key].strip() if key is not None else ""
+            if sweep and (key is None or k in seen):
+                yield sweep
+                sweep, seen = [], set()
+            sweep.append(cells)
+            seen.add(k)
+        if sweep:
+            yield sweep
 
     def has(self, n: int) -> bool:
         """Whether the recording has a sweep ``n`` (reads no further than its end)."""
-        self._read(n)
+        with self._lock:
+            self._sweeps += itertools.islice(self._rest, max(n + 1 - len(self._sweeps), 0))
         return 0 <= n < len(self._sweeps)
 
     def __len__(self) -> int:
-        self._read(sys.maxsize - 1)
+        self.has(sys.maxsize - 1)
         return len(self._sweeps)
 
     def __getitem__(self, n: int) -> list[list[str]]:
@@ -259,8 +256,7 @@ def load_apps(setting: str | None, rec: Recording) -> list[dict[str, str]]:
 
 def reloads_struck(state: str | MemoryState | None) -> int:
     if isinstance(state, MemoryState):
-        with state.lock:
-            return state.value
+        return state.value
     if state is None:
         raise FakeUsageError("fault 'reenumerate' needs a state file: set SMIQUERY_FAKE_STATE")
     try:
@@ -276,8 +272,7 @@ def reloads_struck(state: str | MemoryState | None) -> int:
 
 def record_reload(state: str | MemoryState | None, struck: int) -> None:
     if isinstance(state, MemoryState):
-        with state.lock:
-            state.value = struck
+        state.value = struck
         return
     assert state is not None
     tmp = f"{state}.{os.getpid()}.tmp"
