@@ -147,8 +147,8 @@ def snapshot(
         idle_minutes: the window over which ``idle`` (and ``lost``) are judged.
         idle_utilization: a GPU is idle when utilization.gpu stayed under this (percent) for the whole window...
         held_memory_mib: ...while it holds at least this much memory now.
-        stale_after: seconds; default three scrape intervals (per job, from its samples over the idle window), at
-            least 60.
+        stale_after: seconds; default three scrape intervals, at least 60 (the interval per job from its samples over
+            the idle window: one more query, asked only when some sample is over 60 s old).
 
     Raises:
         PrometheusUnreachableError, PrometheusQueryError, PrometheusError: see :class:`PrometheusClient`;
@@ -161,16 +161,15 @@ def snapshot(
     when = time.time() if at is None else at
     window = f"{max(1, round(idle_minutes * 60))}s"
     found = detect_namings(client, when - idle_minutes * 60, when, namings, node)
+    oldest = 60.0 if stale_after is None else stale_after
     queries: list[tuple[FleetNaming, str, str]] = []
-    counts: list[tuple[FleetNaming, str]] = []
     for n in found:
         sel = selector(n.metric("utilization.gpu"), node)
         for fld in _TOP_FIELDS:
             queries.append((n, fld, selector(n.metric(fld), node)))
         queries.append((n, "window", f"max_over_time({sel}[{window}])"))
-        queries.append((n, "seen", f"timestamp({sel})"))  # the newest sample's own time, not ``at``
-        if stale_after is None:  # samples per GPU over the window, the median per job: its scrape interval
-            counts.append((n, f"quantile by (job) (0.5, count_over_time({sel}[{window}]))"))
+        # the newest sample's own time (not ``at``), only where older than any limit: a healthy fleet's answer is empty
+        queries.append((n, "seen", f"timestamp({sel}) < {when - oldest:.3f}"))
     alert_sel = (
         'ALERTS{alertstate="firing"}' if node is None else selector("ALERTS", node)[:-1] + ',alertstate="firing"}'
     )
@@ -178,22 +177,23 @@ def snapshot(
         futures = [pool.submit(client.query, q, when) for _, _, q in queries]
         alerts_future = pool.submit(client.query, alert_sel, when)
         up_future = pool.submit(client.query, selector("up", node), when)
-        count_futures = [(n, pool.submit(client.query, q, when)) for n, q in counts]
         info_futures = {n.name: pool.submit(info_labels, client, n, node, when, "1h") for n in found}
         results = [f.result() for f in futures]
         alerts = alerts_future.result()
         infos = {k: f.result() for k, f in info_futures.items()}
         up_rows = up_future.result()
-        count_rows = [(n, s) for n, f in count_futures for s in f.result()]
     ups: dict[str, dict[str, float | None]] = {}  # instance -> job -> up
     for s in up_rows:
         labels = s.get("metric", {})
         ups.setdefault(labels.get("instance", ""), {})[labels.get("job", "")] = _number(s, 1.0)
     intervals: dict[tuple[str, str], float] = {}  # (naming, job) -> seconds between samples
-    for n, s in count_rows:
-        got = _number(s, 1.0)
-        if got:
-            intervals[(n.name, s.get("metric", {}).get("job", ""))] = idle_minutes * 60 / got
+    old = [n for (n, fld, _), result in zip(queries, results, strict=True) if fld == "seen" and result]
+    for n in old if stale_after is None else ():  # samples per GPU over the window, the median per job
+        sel = selector(n.metric("utilization.gpu"), node)
+        for s in client.query(f"quantile by (job) (0.5, count_over_time({sel}[{window}]))", when):
+            got = _number(s, 1.0)
+            if got:
+                intervals[(n.name, s.get("metric", {}).get("job", ""))] = idle_minutes * 60 / got
     idents: dict[GpuKey, dict[str, str]] = {}
     rows: dict[GpuKey, dict[str, float | None]] = {}
     jobs: dict[GpuKey, str] = {}
@@ -218,7 +218,7 @@ def snapshot(
         up = ups.get(key.instance, {})  # no ``up`` at all (federated, remote-written): judged by age only
         states = [up[job]] if job in up else list(up.values())
         down = bool(states) and all(v == 0 for v in states)
-        limit = stale_after if stale_after is not None else max(60.0, 3 * intervals.get((ident["naming"], job), 0))
+        limit = stale_after if stale_after is not None else max(oldest, 3 * intervals.get((ident["naming"], job), 0))
         seen = row.get("seen")
         stale = not down and seen is not None and when - seen > limit
         if down or stale:

@@ -3,7 +3,8 @@
 A small fleet of its own, backfilled (so no staleness markers, as after a Prometheus restart), four nodes of two
 GPUs at 15 s: one healthy with ``up`` 1, one whose samples stop 98 s before the moment looked at while its ``up``
 turned 0 (down), one whose samples stop 4 minutes before it and that has no ``up`` at all (stale: a federated or
-remote-written node), and one healthy without ``up``.
+remote-written node), one healthy without ``up``, and one scraped every 60 s by a job of its own whose newest sample
+is 100 s old (one scrape late: not stale, as its own interval says).
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ from tests.fleet.test_fleet import smiquery
 pytestmark = pytest.mark.xdist_group("liveness")
 
 STEP = 15
-SAMPLES = 160  # 40 minutes: past top's 30-minute window
-# instance -> (seconds before `at` of its last sample, its `up` after that: None for no `up` series at all)
+MINUTES = 40  # past top's 30-minute window
+# instance -> (job, seconds between samples, seconds before `at` of its last sample, its `up` after that: None for
+# no `up` series at all)
 NODES = {
-    "ok-0:9849": (0, 1),
-    "down-0:9849": (98, 0),
-    "stale-0:9849": (240, None),
-    "fresh-0:9849": (0, None),
+    "ok-0:9849": ("smiquery", STEP, 0, 1),
+    "down-0:9849": ("smiquery", STEP, 98, 0),
+    "stale-0:9849": ("smiquery", STEP, 240, None),
+    "fresh-0:9849": ("smiquery", STEP, 0, None),
+    "slow-0:9849": ("slow", 60, 100, None),
 }
 
 
@@ -41,23 +44,22 @@ class Live:
 
 
 def write(out: IO[str], at: int) -> None:
-    start = at - (SAMPLES - 1) * STEP
     gpus = [SimGpu(instance, "smiquery", i) for instance in NODES for i in range(2)]
     for col, fld in enumerate(FIELDS):
         name, factor = METRICS["smiquery"][fld]
         out.write(f"# TYPE {name} gauge\n")
         for g in gpus:
-            gone = NODES[g.instance][0]
-            labels = f'instance="{g.instance}",job="smiquery",gpu="{g.index}",uuid="{g.uuid}",name="{g.name}"'
-            for i in range(SAMPLES):
-                out.write(f"{name}{{{labels}}} {g.values(i, SAMPLES)[col] * factor!r} {start + i * STEP - gone}\n")
+            job, step, gone, _ = NODES[g.instance]
+            labels = f'instance="{g.instance}",job="{job}",gpu="{g.index}",uuid="{g.uuid}",name="{g.name}"'
+            n = MINUTES * 60 // step
+            for i in range(n):
+                t = at - gone - (n - 1 - i) * step
+                out.write(f"{name}{{{labels}}} {g.values(i, n)[col] * factor!r} {t}\n")
     out.write("# TYPE up gauge\n")
-    for instance, (gone, up) in NODES.items():
-        if up is None:
-            continue
-        for i in range(SAMPLES):
-            t = start + i * STEP
-            out.write(f'up{{instance="{instance}",job="smiquery"}} {1 if t <= at - gone else up} {t}\n')
+    for instance, (job, step, gone, up) in NODES.items():
+        n = MINUTES * 60 // step
+        for t in range(at - (n - 1) * step, at + 1, step) if up is not None else ():
+            out.write(f'up{{instance="{instance}",job="{job}"}} {1 if t <= at - gone else up} {t}\n')
     out.write("# EOF\n")
 
 
@@ -83,13 +85,19 @@ def states(rows: list[dict[str, Any]]) -> dict[str, set[str]]:
 
 
 VALUES = ("utilization.gpu", "memory.used", "memory.total", "temperature.gpu", "power.draw")
-EXPECTED = {"ok-0:9849": {"ok"}, "down-0:9849": {"down"}, "stale-0:9849": {"stale"}, "fresh-0:9849": {"ok"}}
+EXPECTED = {
+    "ok-0:9849": {"ok"},
+    "down-0:9849": {"down"},
+    "stale-0:9849": {"stale"},
+    "fresh-0:9849": {"ok"},
+    "slow-0:9849": {"ok"},
+}
 
 
 def test_down_and_stale_gpus_show_no_values(live):
     gpus = snapshot(PrometheusClient(live.url), at=live.at)
     rows = [g.to_dict() for g in gpus]
-    assert len(rows) == 8
+    assert len(rows) == 10
     assert states(rows) == EXPECTED
     for r in rows:
         gone = r["state"] in ("down", "stale")
@@ -100,6 +108,8 @@ def test_down_and_stale_gpus_show_no_values(live):
 
 
 def test_stale_after_moves_the_line(live):
+    slow = snapshot(PrometheusClient(live.url), at=live.at, node="slow-0:.*", stale_after=60)
+    assert {g.state for g in slow} == {"stale"}  # 100 s old: stale at 60 s, not at its job's 3 x 60 s
     lenient = snapshot(PrometheusClient(live.url), at=live.at, stale_after=300)
     assert states([g.to_dict() for g in lenient])["stale-0:9849"] == {"ok"}  # 240 s old, under 300
     strict = snapshot(PrometheusClient(live.url), at=live.at, node="fresh-0:.*", stale_after=1)
@@ -117,9 +127,9 @@ def test_top_command_counts_and_marks_them(live):
     assert states(rows) == EXPECTED
     assert all(r["utilization.gpu"] is None for r in rows if r["instance"] in ("down-0:9849", "stale-0:9849"))
     csv_states = [line.rsplit(",", 1)[1] for line in smiquery(*t, "--format", "csv").stdout.splitlines()[1:]]
-    assert sorted(csv_states) == ["down"] * 2 + ["ok"] * 4 + ["stale"] * 2
+    assert sorted(csv_states) == ["down"] * 2 + ["ok"] * 6 + ["stale"] * 2
     table = smiquery(*t).stdout.splitlines()
-    assert table[-1] == "8 GPUs, 0 idle, 0 lost, 2 down, 2 stale"
+    assert table[-1] == "10 GPUs, 0 idle, 0 lost, 2 down, 2 stale"
     down = [line for line in table if line.startswith("down-0:9849")]
     assert len(down) == 2 and all("DOWN" in line and "n/a" in line for line in down)
     assert sum("STALE" in line for line in table) == 2
