@@ -1,6 +1,6 @@
 """``smiquery top`` tells a node whose exporter is gone from a healthy one, when Prometheus kept its last samples.
 
-A small fleet of its own, backfilled (so no staleness markers, as after a Prometheus restart), four nodes of two
+A small fleet of its own, backfilled (so no staleness markers, as after a Prometheus restart), five nodes of two
 GPUs at 15 s: one healthy with ``up`` 1, one whose samples stop 98 s before the moment looked at while its ``up``
 turned 0 (down), one whose samples stop 4 minutes before it and that has no ``up`` at all (stale: a federated or
 remote-written node), one healthy without ``up``, and one scraped every 60 s by a job of its own whose newest sample
