@@ -58,7 +58,7 @@ def _row(g: FleetGpu, with_name: bool, with_pod: bool) -> list[str]:
     cells += [_num(g.utilization), mem, _num(g.temperature), _num(g.power)]
     if with_pod:
         cells.append(f"{g.namespace}/{g.pod}" if g.pod else "")
-    flags = [s for s in (("LOST" if g.lost else ""), ("IDLE" if g.idle else "")) if s]
+    flags = [] if g.state == "ok" else [g.state.upper()]
     cells.append(" ".join([*flags, *g.alerts]))
     return cells
 
@@ -68,8 +68,8 @@ def render_screen(
 ) -> list[str]:
     """One screen: ``title``, the table cut to ``lines`` and ``cols`` (0: no limit), and what was left out.
 
-    GPUs in trouble (lost, with an alert firing) are never the ones left out; the others scroll (``view``: None
-    for the first rows, no filter). ``total``: GPUs in the fleet before filters, for the footer.
+    GPUs in trouble (lost, down, stale, with an alert firing) are never the ones left out; the others scroll
+    (``view``: None for the first rows, no filter). ``total``: GPUs in the fleet before filters, for the footer.
     """
     from smiquery.cli.display import clip, render_table
 
@@ -78,7 +78,7 @@ def render_screen(
     with_pod = any(g.pod for g in gpus)
     # rows for the table: the title, the header, a line saying what is shown and the summary stay
     room = max(1, lines - 5) if lines > 0 else len(matching)
-    shown = view.window(matching, room, lambda g: g.lost or bool(g.alerts))
+    shown = view.window(matching, room, lambda g: g.state not in ("ok", "idle") or bool(g.alerts))
     table: list[str] = []
     for with_name in (True, False):
         titles = ["NODE", "GPU", *(["NAME"] if with_name else []), "UTIL %", "MEM MiB", "TEMP C", "PWR W"]
@@ -96,7 +96,8 @@ def render_screen(
     if where:
         out.append(where)
     summary = f"{len(gpus)} GPUs" + (f" of {total}" if total is not None and total != len(gpus) else "")
-    out.append(f"{summary}, {sum(g.idle for g in gpus)} idle, {sum(g.lost for g in gpus)} lost")
+    summary += f", {sum(g.idle for g in gpus)} idle, {sum(g.lost for g in gpus)} lost"
+    out.append(summary + "".join(f", {k} {s}" for s in ("down", "stale") if (k := sum(g.state == s for g in gpus))))
     return [clip(x, cols) for x in out] if cols > 0 else out
 
 
@@ -167,7 +168,8 @@ def top(
 
     Reads what `smiquery export`, dcgm-exporter or nvidia_gpu_exporter put in Prometheus (all three namings,
     detected). With Kubernetes attribution the pod shows too. IDLE: under 5% utilization for the last 30 minutes
-    while holding at least 1 GiB; LOST: reported in the last 30 minutes but not now.
+    while holding at least 1 GiB; LOST: reported in the last 30 minutes but not now; DOWN: its target's `up` is 0;
+    STALE: its newest sample is over 3 scrape intervals (at least 60 s) old. DOWN and STALE show no values.
     """
     with boundary(settings_of(ctx).debug):
         from smiquery.errors import PrometheusError

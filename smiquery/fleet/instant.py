@@ -19,6 +19,9 @@ _TOP_FIELDS = ("utilization.gpu", "memory.used", "memory.total", "temperature.gp
 # FleetGpu's values by the nvidia-smi field each holds
 _FIELD_OF = dict(zip(("utilization", "memory_used", "memory_total", "temperature", "power"), _TOP_FIELDS, strict=True))
 
+# FleetGpu's booleans: in to_dict() and the CSV as the one ``state``
+_FLAGS = ("idle", "lost", "down", "stale")
+
 
 @dataclass(frozen=True)
 class FleetGpu:
@@ -31,6 +34,8 @@ class FleetGpu:
         alerts: names of the alerts firing for it.
         idle: under the idle utilization for the whole window while holding memory.
         lost: it reported during the window but has no sample now.
+        down: its scrape target's ``up`` is 0 now; its values are None, whatever samples are left.
+        stale: its newest utilization sample is older than ``stale_after`` (no ``up`` says why); values None.
     """
 
     instance: str
@@ -48,6 +53,8 @@ class FleetGpu:
     alerts: tuple[str, ...] = ()
     idle: bool = False
     lost: bool = False
+    down: bool = False
+    stale: bool = False
 
     @property
     def key(self) -> GpuKey:
@@ -56,17 +63,17 @@ class FleetGpu:
 
     @property
     def state(self) -> str:
-        """``lost``, ``idle`` or ``ok``."""
-        return "lost" if self.lost else "idle" if self.idle else "ok"
+        """``down``, ``stale``, ``lost``, ``idle`` or ``ok``."""
+        return next((s for s in ("down", "stale", "lost", "idle") if getattr(self, s)), "ok")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, the values by their nvidia-smi names (percent, MiB, degrees C, watts), and ``state``."""
-        out = {_FIELD_OF.get(k, k): v for k, v in asdict(self).items() if k not in ("idle", "lost")}
+        out = {_FIELD_OF.get(k, k): v for k, v in asdict(self).items() if k not in _FLAGS}
         return {**out, "alerts": list(self.alerts), "state": self.state}
 
 
 #: The keys of :meth:`FleetGpu.to_dict`, in order (``smiquery top --format csv``'s columns).
-COLUMNS = (*(_FIELD_OF.get(f.name, f.name) for f in fields(FleetGpu) if f.name not in ("idle", "lost")), "state")
+COLUMNS = (*(_FIELD_OF.get(f.name, f.name) for f in fields(FleetGpu) if f.name not in _FLAGS), "state")
 
 #: ``--sort`` keys: the attribute, largest first (``node`` sorts by instance and GPU index).
 SORT_KEYS: dict[str, str] = {"util": "utilization", "mem": "memory_used", "temp": "temperature", "power": "power"}
@@ -123,10 +130,14 @@ def snapshot(
     idle_minutes: float = 30.0,
     idle_utilization: float = 5.0,
     held_memory_mib: float = STALL.busy_memory_mib,
+    stale_after: float | None = None,
 ) -> list[FleetGpu]:
     """Every GPU of the fleet at ``at`` (default now), each listed once, ordered by node.
 
-    The server's firing ``ALERTS`` are matched to GPUs by UUID, else by instance and GPU index.
+    The server's firing ``ALERTS`` are matched to GPUs by UUID, else by instance and GPU index. A GPU whose scrape
+    target's ``up`` is 0 (matched by instance, and job where that has one) is ``down``; one whose newest
+    utilization sample is older than ``stale_after`` is ``stale`` (a target gone without staleness markers, e.g.
+    across a server restart, keeps its last samples for the 5-minute lookback); neither shows values.
 
     Args:
         client: the server.
@@ -136,6 +147,8 @@ def snapshot(
         idle_minutes: the window over which ``idle`` (and ``lost``) are judged.
         idle_utilization: a GPU is idle when utilization.gpu stayed under this (percent) for the whole window...
         held_memory_mib: ...while it holds at least this much memory now.
+        stale_after: seconds; default three scrape intervals, at least 60 (the interval per job from its samples over
+            the idle window: one more query, asked only when some sample is over 60 s old).
 
     Raises:
         PrometheusUnreachableError, PrometheusQueryError, PrometheusError: see :class:`PrometheusClient`;
@@ -148,26 +161,47 @@ def snapshot(
     when = time.time() if at is None else at
     window = f"{max(1, round(idle_minutes * 60))}s"
     found = detect_namings(client, when - idle_minutes * 60, when, namings, node)
+    oldest = 60.0 if stale_after is None else stale_after
     queries: list[tuple[FleetNaming, str, str]] = []
     for n in found:
+        sel = selector(n.metric("utilization.gpu"), node)
         for fld in _TOP_FIELDS:
             queries.append((n, fld, selector(n.metric(fld), node)))
-        queries.append((n, "window", f"max_over_time({selector(n.metric('utilization.gpu'), node)}[{window}])"))
+        queries.append((n, "window", f"max_over_time({sel}[{window}])"))
+        # the newest sample's own time (not ``at``), only where older than any limit: a healthy fleet's answer is empty
+        queries.append((n, "seen", f"timestamp({sel}) < {when - oldest:.3f}"))
     alert_sel = (
         'ALERTS{alertstate="firing"}' if node is None else selector("ALERTS", node)[:-1] + ',alertstate="firing"}'
     )
     with ThreadPoolExecutor(max_workers=8) as pool:
         futures = [pool.submit(client.query, q, when) for _, _, q in queries]
         alerts_future = pool.submit(client.query, alert_sel, when)
+        up_future = pool.submit(client.query, selector("up", node), when)
         info_futures = {n.name: pool.submit(info_labels, client, n, node, when, "1h") for n in found}
         results = [f.result() for f in futures]
         alerts = alerts_future.result()
         infos = {k: f.result() for k, f in info_futures.items()}
+        up_rows = up_future.result()
+    ups: dict[str, dict[str, float | None]] = {}  # instance -> job -> up
+    for s in up_rows:
+        labels = s.get("metric", {})
+        ups.setdefault(labels.get("instance", ""), {})[labels.get("job", "")] = _number(s, 1.0)
+    intervals: dict[tuple[str, str], float] = {}  # (naming, job) -> seconds between samples
+    old = [n for (n, fld, _), result in zip(queries, results, strict=True) if fld == "seen" and result]
+    for n in old if stale_after is None else ():  # samples per GPU over the window, the median per job
+        sel = selector(n.metric("utilization.gpu"), node)
+        for s in client.query(f"quantile by (job) (0.5, count_over_time({sel}[{window}]))", when):
+            got = _number(s, 1.0)
+            if got:
+                intervals[(n.name, s.get("metric", {}).get("job", ""))] = idle_minutes * 60 / got
     idents: dict[GpuKey, dict[str, str]] = {}
     rows: dict[GpuKey, dict[str, float | None]] = {}
+    jobs: dict[GpuKey, str] = {}
     read = ((n, fld, result) for (n, fld, _), result in zip(queries, results, strict=True))
     for n, fld, key, sample in gpu_series(read, infos, idents):
-        rows.setdefault(key, {})[fld] = _number(sample, n.factor("utilization.gpu" if fld == "window" else fld))
+        factor = 1.0 if fld == "seen" else n.factor("utilization.gpu" if fld == "window" else fld)
+        rows.setdefault(key, {})[fld] = _number(sample, factor)
+        jobs.setdefault(key, sample.get("metric", {}).get("job", ""))
     firing: dict[GpuKey, list[str]] = {}
     by_uuid = {k.uuid: k for k in rows if k.uuid}
     by_index = {(k.instance, k.gpu): k for k in rows}
@@ -180,10 +214,19 @@ def snapshot(
     out: list[FleetGpu] = []
     for key, row in rows.items():
         ident = idents[key]
+        job = jobs.get(key, "")
+        up = ups.get(key.instance, {})  # no ``up`` at all (federated, remote-written): judged by age only
+        states = [up[job]] if job in up else list(up.values())
+        down = bool(states) and all(v == 0 for v in states)
+        limit = stale_after if stale_after is not None else max(oldest, 3 * intervals.get((ident["naming"], job), 0))
+        seen = row.get("seen")
+        stale = not down and seen is not None and when - seen > limit
+        if down or stale:
+            row = {}
         util = row.get("utilization.gpu")
         used = row.get("memory.used")
         peak = row.get("window")
-        lost = all(row.get(f) is None for f in _TOP_FIELDS)
+        lost = not (down or stale) and all(row.get(f) is None for f in _TOP_FIELDS)
         idle = (
             not lost and peak is not None and peak < idle_utilization and used is not None and used >= held_memory_mib
         )
@@ -204,6 +247,8 @@ def snapshot(
                 alerts=tuple(sorted(set(firing.get(key, ())))),
                 idle=idle,
                 lost=lost,
+                down=down,
+                stale=stale,
             )
         )
     return sort_gpus(out)
