@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,7 @@ from smiquery.errors import ListenError, PortInUseError
 if TYPE_CHECKING:
     from smiquery.httpd.webconfig import WebConfig
 
-__all__ = ["HttpServer", "Request", "Response", "listen"]
+__all__ = ["HttpServer", "Request", "Response", "listen", "route"]
 
 log = get_logger("smiquery.exporter")
 
@@ -71,6 +71,14 @@ class Response:
     body: bytes
     content_type: str = "text/plain; charset=utf-8"
     headers: dict[str, str] = field(default_factory=dict)
+
+
+def route(req: Request, pages: Mapping[str, Callable[[Request], Response]], missing: bytes) -> Response:
+    """``pages[req.path](req)`` (``/metrics`` and friends) for GET and HEAD; else 405, or 404 saying ``missing``."""
+    if req.method not in ("GET", "HEAD"):
+        return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
+    page = pages.get(req.path)
+    return page(req) if page is not None else Response(404, missing)
 
 
 _UNAUTHORIZED = Response(401, b"unauthorized\n", headers={"WWW-Authenticate": 'Basic realm="smiquery"'})
