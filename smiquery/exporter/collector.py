@@ -38,6 +38,7 @@ from smiquery.exporter.families import (
 )
 from smiquery.exporter.naming import NVSMI_INFO_LABELS, MetricSpec, Naming, bare_uuid, metric_specs, render
 from smiquery.kinds import to_number
+from smiquery.retry import one_line
 from smiquery.sample import bus_key
 from smiquery.sources.latest import Latest
 
@@ -105,7 +106,7 @@ def source_health(source: SampleSource) -> SourceHealth:
     last_type, last = st.last_error_type, st.last_error
     if error is not None and not running:
         last_type = type(error).__name__
-        last = str(error).splitlines()[0] if str(error) else last_type
+        last = one_line(error)
     if last_type is None and last is not None and st.errors:
         last_type = max(st.errors, key=lambda k: st.errors[k])
     return SourceHealth(
@@ -135,8 +136,7 @@ class TrackedGpu:
 def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, str]:
     """Constant labels given as ``key=value`` strings (``["site=lab"]``) or a mapping, checked, as a dict.
 
-    Raises:
-        ValueError: a malformed item, an invalid or reserved label name, or a name given twice.
+    Raises ValueError for a malformed item, an invalid or reserved label name, or a name given twice.
     """
     if items is None:
         return {}
@@ -179,23 +179,18 @@ RESERVED_LABELS = frozenset(
 class SmiCollector:
     """A ``prometheus_client`` collector over the newest sweep of one background stream; never runs nvidia-smi.
 
-    Per-GPU series are served only while the newest sweep is fresher than ``stale_after``; a missing value (any
-    status token) leaves its series out for that GPU, never 0. The health metrics are always there.
-    :meth:`exposition`, the HTTP server's fast path, renders the per-sweep text once per sweep.
+    Per-GPU series are served only while the newest sweep is fresher than ``stale_after`` (default: three of the
+    stream's intervals, at least 15 s); a missing value (any status token) leaves its series out for that GPU, never
+    0. The health metrics are always there. :meth:`exposition`, the HTTP server's fast path, renders the per-sweep
+    text once per sweep.
 
-    Args:
-        stream: a started :class:`~smiquery.source.SampleSource`; ``fields`` defaults to its ``fields``, and its
-            ``interval`` (when it has one) sets the default ``stale_after``, ``max(3 * interval, 15)`` s.
-        processes: a :func:`~smiquery.exporter.detailswatch.process_poller` (per-process GPU memory).
-        pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher` (the busiest processes per GPU).
-        details: a :func:`~smiquery.exporter.detailswatch.details_poller` (per-MIG-instance memory).
-        xid: a :class:`~smiquery.sources.xid.XidWatcher` (``smiquery_xid_errors_total``).
-        hostname: the DCGM ``Hostname`` label (default: this host's name).
-        alerts: fed every sample (``smiquery_alert_firing``).
-        on_gpu_change: called ``(lost, index, uuid)`` when a GPU drops out or comes back.
-        on_state: called ``(up, why)`` when fresh data stops or flows again.
-        attribution: which workload holds each GPU (:mod:`smiquery.attribution`).
-        process_metrics: also prometheus_client's standard ``process_*`` metrics of this process.
+    ``stream`` is a started :class:`~smiquery.source.SampleSource` (``fields`` defaults to its own). The other
+    sources are optional: ``processes`` (per-process memory) and ``details`` (MIG instances) from
+    :mod:`~smiquery.exporter.detailswatch`, ``pmon`` (:class:`~smiquery.exporter.pmonwatch.PmonWatcher`), ``xid``
+    (:class:`~smiquery.sources.xid.XidWatcher`) and ``attribution`` (:mod:`smiquery.attribution`). ``alerts`` is fed
+    every sample; ``on_gpu_change(lost, index, uuid)`` is called when a GPU drops out or comes back, ``on_state(up,
+    why)`` when fresh data stops or flows again. ``hostname`` is DCGM's ``Hostname`` label (default: this host's);
+    ``process_metrics`` adds prometheus_client's ``process_*`` metrics of this process.
     """
 
     def __init__(
@@ -389,8 +384,7 @@ class SmiCollector:
     ) -> tuple[dict[str, str], dict[str, str]]:
         """A GPU's labels: native, and the naming's (the native ones again unless the naming is ``dcgm``).
 
-        ``name`` and ``bus`` None (not known): the native labels leave them out; ``driver`` None: no
-        ``DCGM_FI_DRIVER_VERSION``.
+        Unknown (None) ``name`` and ``bus`` are left out of the native labels, ``driver`` out of DCGM's.
         """
         gpu = "" if idx is None else str(idx)
         native = {"gpu": gpu, "uuid": uuid or ""}
@@ -572,9 +566,8 @@ class SmiCollector:
                 "smiquery_gpu_lost",
                 "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), "
                 "else 0.",
+                *((gpu.labels, 1.0 if gpu.lost else 0.0) for gpu in self._gpus.values()),
             )
-            for gpu in self._gpus.values():
-                lost_fam.add_sample(lost_fam.name, gpu.labels, 1.0 if gpu.lost else 0.0)
             if lost_fam.samples:
                 out.append(lost_fam)
             if self.alerts is not None and self._gpus:
@@ -741,9 +734,8 @@ class SmiCollector:
                 why += f"; a new one starts in {max(0.0, self.revive_at - time.time()):.0f} s"
             return False, f"nvidia-smi stream stopped: {why}"
         if h.state == "retrying":
-            when = ""
-            if h.next_retry_at is not None:
-                when = f"; next attempt in {max(0.0, h.next_retry_at - time.time()):.0f} s"
+            left = None if h.next_retry_at is None else max(0.0, h.next_retry_at - time.time())
+            when = "" if left is None else f"; next attempt in {left:.0f} s"
             kind = "a permanent error (needs a person)" if h.permanent else "an error"
             return False, f"nvidia-smi is retrying after {kind}: {h.last_error_type or '?'}{when}{last}"
         if sweep is None or age is None:

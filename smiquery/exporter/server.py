@@ -24,7 +24,7 @@ from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
 from smiquery.fields import resolve_fields
 from smiquery.httpd.server import HttpServer, Request, Response, listen, route
 from smiquery.httpd.webconfig import WebConfig, load_web_config
-from smiquery.retry import RetryPolicy
+from smiquery.retry import RetryPolicy, one_line
 from smiquery.sources.xid import XidWatcher
 from smiquery.streams.argv import normalize_gpus
 from smiquery.streams.sync import stream
@@ -424,8 +424,7 @@ _XID_RETRY = 30.0  # seconds between attempts to open a kernel log that could no
 def _xid_failed(exc: BaseException, opened: bool) -> None:
     """The exporter's warning when reading the kernel log fails, or (once) when it cannot be opened."""
     if opened:
-        text = str(exc).splitlines()
-        log.warning("smiquery exporter: reading the kernel log failed: %s", text[0] if text else type(exc).__name__)
+        log.warning("smiquery exporter: reading the kernel log failed: %s", one_line(exc))
         return
     log.warning(
         "smiquery exporter: cannot read the kernel log (%s); smiquery_xid_source_up is 0 and Xid errors are not "
