@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 import json
 import re
@@ -40,6 +42,7 @@ from smiquery.exporter.naming import NVSMI_INFO_LABELS, MetricSpec, Naming, bare
 from smiquery.kinds import to_number
 from smiquery.retry import one_line
 from smiquery.sample import bus_key
+from smiquery.source import StreamStats
 from smiquery.sources.latest import Latest
 
 if TYPE_CHECKING:
@@ -75,23 +78,11 @@ DEFAULT_EXPORTER_ALERTS: tuple[str, ...] = ("temperature.gpu > 85 for 3",)
 _LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-@dataclass(frozen=True)
-class SourceHealth:
-    """What the collector needs to know about its source's state, read in one place.
+@dataclass
+class SourceHealth(StreamStats):
+    """A source's :class:`~smiquery.source.StreamStats` as read at one moment, and whether its thread is alive."""
 
-    The attributes are :class:`~smiquery.source.StreamStats`' (``lost`` is ``lost_gpus``, ``known`` is
-    ``known_gpus``), plus ``running``: whether the source's background thread is alive.
-    """
-
-    running: bool
-    state: str
-    last_error: str | None
-    last_error_type: str | None
-    next_retry_at: float | None
-    permanent: bool
-    lost: frozenset[int]
-    known: dict[int, str | None]
-    lost_uuids: dict[str, int | None]
+    running: bool = False
 
 
 def source_health(source: SampleSource) -> SourceHealth:
@@ -109,17 +100,10 @@ def source_health(source: SampleSource) -> SourceHealth:
         last = one_line(error)
     if last_type is None and last is not None and st.errors:
         last_type = max(st.errors, key=lambda k: st.errors[k])
-    return SourceHealth(
-        running=running,
-        state=state,
-        last_error=last,
-        last_error_type=last_type,
-        next_retry_at=st.next_retry_at,
-        permanent=st.permanent,
-        lost=frozenset(st.lost_gpus),
-        known=dict(st.known_gpus),
-        lost_uuids=dict(st.lost_uuids),
-    )
+    # the counters and sets copied as they are now
+    now = {f.name: copy.copy(getattr(st, f.name)) for f in dataclasses.fields(st)}
+    now.update(running=running, state=state, last_error=last, last_error_type=last_type)
+    return SourceHealth(**now)
 
 
 @dataclass
@@ -284,7 +268,7 @@ class SmiCollector:
                     arrived = time.monotonic() - (age or 0.0)
                 self._take(sweep, health, float(arrived))
                 self._gpu_version += 1
-            elif health.lost or health.lost_uuids:
+            elif health.lost_gpus or health.lost_uuids:
                 self._mark_lost(health, None)
                 self._gpu_version += 1
             up = self._is_up(sweep, age, health)
@@ -349,14 +333,14 @@ class SmiCollector:
             if uuid not in self._gpus:
                 self._gpus[uuid] = self._unseen_gpu(idx, uuid)
         named = set(health.lost_uuids.values())
-        for idx in health.lost:
+        for idx in health.lost_gpus:
             if idx in named:
                 continue
             candidates = [k for k, g in self._gpus.items() if g.index == idx and (present is None or k not in present)]
             if candidates:
                 lost_keys.update(candidates)
                 continue
-            known = health.known.get(idx)
+            known = health.known_gpus.get(idx)
             key = known or f"index:{idx}"
             if key not in self._gpus:
                 self._gpus[key] = self._unseen_gpu(idx, known)
