@@ -147,8 +147,6 @@ class HttpServer:
         self.auth_queue = auth_queue
         self.shed_delay = shed_delay
         self._extra = "".join(f"{k}: {v}\r\n" for k, v in (web.headers if web is not None else {}).items())
-        self.evicted = 0
-        self.timed_out = 0
         self.failures = 0  # connections closed because handling them raised (each one contained)
         self.shed = 0  # requests answered 429: the verifier's queue was full
         self._checking = 0  # checks handed to the verifier and not yet back (the selector thread's count)
@@ -246,7 +244,6 @@ class HttpServer:
         # The connection that has waited longest is the likeliest to be a slow attacker.
         victim = min((c for c in self._conns.values() if not c.busy), key=lambda c: c.deadline, default=None)
         if victim is not None:
-            self.evicted += 1
             self._close(victim)
 
     def _accept(self) -> None:
@@ -475,7 +472,6 @@ class HttpServer:
                 self._guard(conn, self._start, conn, data, True)
                 continue
             if conn.started and conn.buf and not conn.out and not conn.handshaking:
-                self.timed_out += 1
                 with contextlib.suppress(Exception):
                     conn.sock.send(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             self._close(conn)
