@@ -20,13 +20,12 @@ from smiquery._log import get_logger
 from smiquery.printable import printable
 from smiquery.retry import one_line
 from smiquery.sources.details import parse_list
-from smiquery.sources.latest import Latest
+from smiquery.sources.latest import FailureLog, Latest
 
 __all__ = [
     "STATES",
     "Attribution",
     "Backend",
-    "FailureLog",
     "Grant",
     "Resolved",
     "View",
@@ -34,6 +33,7 @@ __all__ = [
     "Workload",
     "cgroup_paths",
     "check_labels",
+    "failure_log",
     "read_cgroup",
     "resolve_device",
 ]
@@ -134,27 +134,12 @@ def check_labels(backend: Backend, labels: Iterable[str]) -> None:
         raise ValueError(f"label name {taken[0]!r} is set by the exporter itself with --{backend.name}; pick another")
 
 
-class FailureLog:
-    """Failed calls counted by kind; each change of error logged once (``failed``, with ``{why}``), recovery once."""
-
-    def __init__(self, failed: str, again: str) -> None:
-        self.failed_text = failed
-        self.again_text = again
-        self.errors: Counter[str] = Counter()
-        self._logged: str | None = None
-
-    def failed(self, kind: str, why: str) -> None:
-        """Count a failure of this kind; log it unless the last failure said the same."""
-        self.errors[kind] += 1
-        if why != self._logged:
-            log.warning("smiquery exporter: %s", self.failed_text.format(why=why))
-            self._logged = why
-
-    def worked(self) -> None:
-        """A call worked: say so once after failures."""
-        if self._logged is not None:
-            log.warning("smiquery exporter: %s", self.again_text)
-            self._logged = None
+def failure_log(failed: str, again: str) -> FailureLog:
+    """Failures said as the exporter's warnings: ``failed`` (with ``{why}``) at each change, ``again`` on recovery."""
+    return FailureLog(
+        lambda why: log.warning("smiquery exporter: %s", failed.format(why=why)),
+        lambda: log.warning("smiquery exporter: %s", again),
+    )
 
 
 @dataclass(frozen=True)
@@ -261,7 +246,7 @@ class Attribution:
     ) -> None:
         self.backend = backend
         self.last_duration = 0.0
-        self.failures = FailureLog(backend.words.failed, backend.words.again)
+        self.failures = failure_log(backend.words.failed, backend.words.again)
         self._latest = Latest(self._list, interval, name=f"{backend.name}-attribution")
         self._mig_listing = mig_listing or _mig_listing(nvidia_smi)
         self._migs: dict[str, tuple[str, str]] = {}

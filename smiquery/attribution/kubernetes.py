@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from smiquery.attribution import FailureLog, Grant, Words, Workload, cgroup_paths, read_cgroup
+from smiquery.attribution import Grant, Words, Workload, cgroup_paths, failure_log, read_cgroup
 from smiquery.attribution.podresources import DEFAULT_SOCKET, list_devices
 from smiquery.errors import KubernetesApiError
 from smiquery.retry import one_line
@@ -261,11 +261,14 @@ class PodDirectory:
         self.timeout = float(timeout)
         self.service_account = service_account
         self.max_bytes = max_bytes
-        self.up = False
-        self.failures = FailureLog(
-            f"listing the pods of node {self.node} failed: {{why}}", f"listing the pods of node {self.node} works again"
-        )
-        self.poll = Latest(self._list, interval, name="kubernetes-pods")
+        failed = f"listing the pods of node {self.node} failed: {{why}}"
+        self.failures = failure_log(failed, f"listing the pods of node {self.node} works again")
+        self.poll = Latest(self._list, interval, name="kubernetes-pods", failures=self.failures)
+
+    @property
+    def up(self) -> bool:
+        """Whether the newest listing worked."""
+        return self.poll.get().value is not None and self.failures.error is None
 
     @property
     def latest(self) -> NodePods:
@@ -278,19 +281,12 @@ class PodDirectory:
         return self.up
 
     def _list(self) -> NodePods:
-        try:
-            new = _node_pods(
-                get_node_pods(
-                    self.node, timeout=self.timeout, service_account=self.service_account, max_bytes=self.max_bytes
-                )
+        # a failure (the API server, RBAC or TLS) keeps the last listing; per-pod use goes to "other", said once
+        new = _node_pods(
+            get_node_pods(
+                self.node, timeout=self.timeout, service_account=self.service_account, max_bytes=self.max_bytes
             )
-        except (OSError, http.client.HTTPException, KubernetesApiError) as exc:
-            # the API server, RBAC or TLS: per-pod use goes to "other", said once
-            self.failures.failed(type(exc).__name__, one_line(exc))
-            self.up = False
-            return self.latest
-        self.failures.worked()
-        self.up = True
+        )
         old = self.poll.get().value
         return old if new == old else new  # the same object while nothing changed: the exporter's cache key
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 import json
 import re
@@ -38,7 +40,9 @@ from smiquery.exporter.families import (
 )
 from smiquery.exporter.naming import NVSMI_INFO_LABELS, MetricSpec, Naming, bare_uuid, metric_specs, render
 from smiquery.kinds import to_number
+from smiquery.retry import one_line
 from smiquery.sample import bus_key
+from smiquery.source import StreamStats
 from smiquery.sources.latest import Latest
 
 if TYPE_CHECKING:
@@ -74,23 +78,11 @@ DEFAULT_EXPORTER_ALERTS: tuple[str, ...] = ("temperature.gpu > 85 for 3",)
 _LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-@dataclass(frozen=True)
-class SourceHealth:
-    """What the collector needs to know about its source's state, read in one place.
+@dataclass
+class SourceHealth(StreamStats):
+    """A source's :class:`~smiquery.source.StreamStats` as read at one moment, and whether its thread is alive."""
 
-    The attributes are :class:`~smiquery.source.StreamStats`' (``lost`` is ``lost_gpus``, ``known`` is
-    ``known_gpus``), plus ``running``: whether the source's background thread is alive.
-    """
-
-    running: bool
-    state: str
-    last_error: str | None
-    last_error_type: str | None
-    next_retry_at: float | None
-    permanent: bool
-    lost: frozenset[int]
-    known: dict[int, str | None]
-    lost_uuids: dict[str, int | None]
+    running: bool = False
 
 
 def source_health(source: SampleSource) -> SourceHealth:
@@ -105,20 +97,13 @@ def source_health(source: SampleSource) -> SourceHealth:
     last_type, last = st.last_error_type, st.last_error
     if error is not None and not running:
         last_type = type(error).__name__
-        last = str(error).splitlines()[0] if str(error) else last_type
+        last = one_line(error)
     if last_type is None and last is not None and st.errors:
         last_type = max(st.errors, key=lambda k: st.errors[k])
-    return SourceHealth(
-        running=running,
-        state=state,
-        last_error=last,
-        last_error_type=last_type,
-        next_retry_at=st.next_retry_at,
-        permanent=st.permanent,
-        lost=frozenset(st.lost_gpus),
-        known=dict(st.known_gpus),
-        lost_uuids=dict(st.lost_uuids),
-    )
+    # the counters and sets copied as they are now
+    now = {f.name: copy.copy(getattr(st, f.name)) for f in dataclasses.fields(st)}
+    now.update(running=running, state=state, last_error=last, last_error_type=last_type)
+    return SourceHealth(**now)
 
 
 @dataclass
@@ -135,8 +120,7 @@ class TrackedGpu:
 def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, str]:
     """Constant labels given as ``key=value`` strings (``["site=lab"]``) or a mapping, checked, as a dict.
 
-    Raises:
-        ValueError: a malformed item, an invalid or reserved label name, or a name given twice.
+    Raises ValueError for a malformed item, an invalid or reserved label name, or a name given twice.
     """
     if items is None:
         return {}
@@ -179,23 +163,18 @@ RESERVED_LABELS = frozenset(
 class SmiCollector:
     """A ``prometheus_client`` collector over the newest sweep of one background stream; never runs nvidia-smi.
 
-    Per-GPU series are served only while the newest sweep is fresher than ``stale_after``; a missing value (any
-    status token) leaves its series out for that GPU, never 0. The health metrics are always there.
-    :meth:`exposition`, the HTTP server's fast path, renders the per-sweep text once per sweep.
+    Per-GPU series are served only while the newest sweep is fresher than ``stale_after`` (default: three of the
+    stream's intervals, at least 15 s); a missing value (any status token) leaves its series out for that GPU, never
+    0. The health metrics are always there. :meth:`exposition`, the HTTP server's fast path, renders the per-sweep
+    text once per sweep.
 
-    Args:
-        stream: a started :class:`~smiquery.source.SampleSource`; ``fields`` defaults to its ``fields``, and its
-            ``interval`` (when it has one) sets the default ``stale_after``, ``max(3 * interval, 15)`` s.
-        processes: a :func:`~smiquery.exporter.detailswatch.process_poller` (per-process GPU memory).
-        pmon: a :class:`~smiquery.exporter.pmonwatch.PmonWatcher` (the busiest processes per GPU).
-        details: a :func:`~smiquery.exporter.detailswatch.details_poller` (per-MIG-instance memory).
-        xid: a :class:`~smiquery.sources.xid.XidWatcher` (``smiquery_xid_errors_total``).
-        hostname: the DCGM ``Hostname`` label (default: this host's name).
-        alerts: fed every sample (``smiquery_alert_firing``).
-        on_gpu_change: called ``(lost, index, uuid)`` when a GPU drops out or comes back.
-        on_state: called ``(up, why)`` when fresh data stops or flows again.
-        attribution: which workload holds each GPU (:mod:`smiquery.attribution`).
-        process_metrics: also prometheus_client's standard ``process_*`` metrics of this process.
+    ``stream`` is a started :class:`~smiquery.source.SampleSource` (``fields`` defaults to its own). The other
+    sources are optional: ``processes`` (per-process memory) and ``details`` (MIG instances) from
+    :mod:`~smiquery.exporter.detailswatch`, ``pmon`` (:class:`~smiquery.exporter.pmonwatch.PmonWatcher`), ``xid``
+    (:class:`~smiquery.sources.xid.XidWatcher`) and ``attribution`` (:mod:`smiquery.attribution`). ``alerts`` is fed
+    every sample; ``on_gpu_change(lost, index, uuid)`` is called when a GPU drops out or comes back, ``on_state(up,
+    why)`` when fresh data stops or flows again. ``hostname`` is DCGM's ``Hostname`` label (default: this host's);
+    ``process_metrics`` adds prometheus_client's ``process_*`` metrics of this process.
     """
 
     def __init__(
@@ -289,7 +268,7 @@ class SmiCollector:
                     arrived = time.monotonic() - (age or 0.0)
                 self._take(sweep, health, float(arrived))
                 self._gpu_version += 1
-            elif health.lost or health.lost_uuids:
+            elif health.lost_gpus or health.lost_uuids:
                 self._mark_lost(health, None)
                 self._gpu_version += 1
             up = self._is_up(sweep, age, health)
@@ -354,14 +333,14 @@ class SmiCollector:
             if uuid not in self._gpus:
                 self._gpus[uuid] = self._unseen_gpu(idx, uuid)
         named = set(health.lost_uuids.values())
-        for idx in health.lost:
+        for idx in health.lost_gpus:
             if idx in named:
                 continue
             candidates = [k for k, g in self._gpus.items() if g.index == idx and (present is None or k not in present)]
             if candidates:
                 lost_keys.update(candidates)
                 continue
-            known = health.known.get(idx)
+            known = health.known_gpus.get(idx)
             key = known or f"index:{idx}"
             if key not in self._gpus:
                 self._gpus[key] = self._unseen_gpu(idx, known)
@@ -389,8 +368,7 @@ class SmiCollector:
     ) -> tuple[dict[str, str], dict[str, str]]:
         """A GPU's labels: native, and the naming's (the native ones again unless the naming is ``dcgm``).
 
-        ``name`` and ``bus`` None (not known): the native labels leave them out; ``driver`` None: no
-        ``DCGM_FI_DRIVER_VERSION``.
+        Unknown (None) ``name`` and ``bus`` are left out of the native labels, ``driver`` out of DCGM's.
         """
         gpu = "" if idx is None else str(idx)
         native = {"gpu": gpu, "uuid": uuid or ""}
@@ -572,9 +550,8 @@ class SmiCollector:
                 "smiquery_gpu_lost",
                 "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), "
                 "else 0.",
+                *((gpu.labels, 1.0 if gpu.lost else 0.0) for gpu in self._gpus.values()),
             )
-            for gpu in self._gpus.values():
-                lost_fam.add_sample(lost_fam.name, gpu.labels, 1.0 if gpu.lost else 0.0)
             if lost_fam.samples:
                 out.append(lost_fam)
             if self.alerts is not None and self._gpus:
@@ -741,9 +718,8 @@ class SmiCollector:
                 why += f"; a new one starts in {max(0.0, self.revive_at - time.time()):.0f} s"
             return False, f"nvidia-smi stream stopped: {why}"
         if h.state == "retrying":
-            when = ""
-            if h.next_retry_at is not None:
-                when = f"; next attempt in {max(0.0, h.next_retry_at - time.time()):.0f} s"
+            left = None if h.next_retry_at is None else max(0.0, h.next_retry_at - time.time())
+            when = "" if left is None else f"; next attempt in {left:.0f} s"
             kind = "a permanent error (needs a person)" if h.permanent else "an error"
             return False, f"nvidia-smi is retrying after {kind}: {h.last_error_type or '?'}{when}{last}"
         if sweep is None or age is None:

@@ -22,9 +22,9 @@ from smiquery.exporter.events import EventLog
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
 from smiquery.fields import resolve_fields
-from smiquery.httpd.server import HttpServer, Request, Response, listen
+from smiquery.httpd.server import HttpServer, Request, Response, listen, route
 from smiquery.httpd.webconfig import WebConfig, load_web_config
-from smiquery.retry import RetryPolicy
+from smiquery.retry import RetryPolicy, one_line
 from smiquery.sources.xid import XidWatcher
 from smiquery.streams.argv import normalize_gpus
 from smiquery.streams.sync import stream
@@ -72,6 +72,8 @@ class _Router:
     def __init__(self, collector: SmiCollector, registry: Any) -> None:
         self.collector = collector
         self.registry = registry
+        self.pages = {"/metrics": self._metrics, "/livez": lambda _: Response(200, b"ok\n"), "/": self._index}
+        self.pages |= {"/readyz": self._health, "/healthz": self._health, "/index.html": self._index}
 
     def collect(self) -> Iterator[Any]:
         yield from self.collector.collect()
@@ -95,27 +97,26 @@ class _Router:
         return self.registry is None and _negotiate(req.headers.get("accept", ""))[1] == CONTENT_TYPE
 
     def __call__(self, req: Request) -> Response:
-        if req.method not in ("GET", "HEAD"):
-            return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
-        if req.path == "/metrics":
-            # Negotiated as prometheus_client does (OpenMetrics when Accept asks for it); the classic text format
-            # comes from the collector's own fast renderer, which gives the same text.
-            encoder, content_type = _negotiate(req.headers.get("accept", ""))
-            body = self.collector.exposition() + self._extra() if content_type == CONTENT_TYPE else encoder(self)
-            headers = {"Vary": "Accept, Accept-Encoding"}
-            if _gzip_accepted(req.headers.get("accept-encoding", "")):
-                body = gzip.compress(body, compresslevel=6, mtime=0)
-                headers["Content-Encoding"] = "gzip"
-            return Response(200, bytes(body), content_type, headers)
-        if req.path == "/livez":
-            return Response(200, b"ok\n")
-        if req.path in ("/readyz", "/healthz"):
-            ok, why = self.collector.health()
-            return Response(200 if ok else 503, (why + "\n").encode())
-        if req.path in ("/", "/index.html"):
-            page = _INDEX.format(version=__version__, naming=self.collector.naming).encode()
-            return Response(200, page, "text/html; charset=utf-8")
-        return Response(404, b"not found: try /metrics, /livez, /readyz or /healthz\n")
+        return route(req, self.pages, b"not found: try /metrics, /livez, /readyz or /healthz\n")
+
+    def _metrics(self, req: Request) -> Response:
+        # Negotiated as prometheus_client does (OpenMetrics when Accept asks for it); the classic text format
+        # comes from the collector's own fast renderer, which gives the same text.
+        encoder, content_type = _negotiate(req.headers.get("accept", ""))
+        body = self.collector.exposition() + self._extra() if content_type == CONTENT_TYPE else encoder(self)
+        headers = {"Vary": "Accept, Accept-Encoding"}
+        if _gzip_accepted(req.headers.get("accept-encoding", "")):
+            body = gzip.compress(body, compresslevel=6, mtime=0)
+            headers["Content-Encoding"] = "gzip"
+        return Response(200, bytes(body), content_type, headers)
+
+    def _health(self, req: Request) -> Response:
+        ok, why = self.collector.health()
+        return Response(200 if ok else 503, (why + "\n").encode())
+
+    def _index(self, req: Request) -> Response:
+        page = _INDEX.format(version=__version__, naming=self.collector.naming).encode()
+        return Response(200, page, "text/html; charset=utf-8")
 
 
 def _tls_context(
@@ -423,8 +424,7 @@ _XID_RETRY = 30.0  # seconds between attempts to open a kernel log that could no
 def _xid_failed(exc: BaseException, opened: bool) -> None:
     """The exporter's warning when reading the kernel log fails, or (once) when it cannot be opened."""
     if opened:
-        text = str(exc).splitlines()
-        log.warning("smiquery exporter: reading the kernel log failed: %s", text[0] if text else type(exc).__name__)
+        log.warning("smiquery exporter: reading the kernel log failed: %s", one_line(exc))
         return
     log.warning(
         "smiquery exporter: cannot read the kernel log (%s); smiquery_xid_source_up is 0 and Xid errors are not "

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,7 @@ from smiquery.errors import ListenError, PortInUseError
 if TYPE_CHECKING:
     from smiquery.httpd.webconfig import WebConfig
 
-__all__ = ["HttpServer", "Request", "Response", "listen"]
+__all__ = ["HttpServer", "Request", "Response", "listen", "route"]
 
 log = get_logger("smiquery.exporter")
 
@@ -73,6 +73,14 @@ class Response:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+def route(req: Request, pages: Mapping[str, Callable[[Request], Response]], missing: bytes) -> Response:
+    """``pages[req.path](req)`` (``/metrics`` and friends) for GET and HEAD; else 405, or 404 saying ``missing``."""
+    if req.method not in ("GET", "HEAD"):
+        return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
+    page = pages.get(req.path)
+    return page(req) if page is not None else Response(404, missing)
+
+
 _UNAUTHORIZED = Response(401, b"unauthorized\n", headers={"WWW-Authenticate": 'Basic realm="smiquery"'})
 _TOO_MANY = Response(429, b"too many password checks waiting: retry later\n", headers={"Retry-After": "1"})
 
@@ -99,17 +107,13 @@ class _Conn:
 class HttpServer:
     """Serve ``handler(request) -> Response`` on a listening socket until :meth:`shutdown`.
 
-    Args:
-        sock: a bound socket (not yet listening).
-        handler: computes a response (a raise answers 500 and is logged at most once a minute).
-        max_connections: open sockets at most; past it the one that has waited longest makes room.
-        request_timeout: seconds from a request's first byte (or a TLS connection's start) to its complete head.
-        idle_timeout: seconds a keep-alive connection may sit without starting a request.
-        write_timeout: seconds a client has to take one whole response.
-        inline: says which requests are cheap enough to answer in the selector thread itself.
-        web: TLS, allowed client certificates, response headers, and basic auth (401 for a refusal).
-        auth_queue: checks waiting for or running on the verifier at most; past it a request is answered 429
-            (``Retry-After: 1``) after ``shed_delay`` seconds, and its connection closed.
+    ``sock`` is bound, not listening yet; a raise in ``handler`` answers 500 (logged at most once a minute);
+    ``inline`` says which requests are cheap enough to answer in the selector thread itself; ``web`` gives TLS,
+    allowed client certificates, response headers and basic auth (401 for a refusal). ``max_connections`` sockets
+    stay open at most (past it the one that has waited longest makes room); ``request_timeout`` is the seconds from
+    a request's first byte (or a TLS connection's start) to its complete head, ``idle_timeout`` those a keep-alive
+    connection may sit idle, ``write_timeout`` those a client has to take one response. Past ``auth_queue`` password
+    checks waiting or running, a request is answered 429 (``Retry-After: 1``) after ``shed_delay`` s and closed.
     """
 
     def __init__(
@@ -143,8 +147,6 @@ class HttpServer:
         self.auth_queue = auth_queue
         self.shed_delay = shed_delay
         self._extra = "".join(f"{k}: {v}\r\n" for k, v in (web.headers if web is not None else {}).items())
-        self.evicted = 0
-        self.timed_out = 0
         self.failures = 0  # connections closed because handling them raised (each one contained)
         self.shed = 0  # requests answered 429: the verifier's queue was full
         self._checking = 0  # checks handed to the verifier and not yet back (the selector thread's count)
@@ -242,7 +244,6 @@ class HttpServer:
         # The connection that has waited longest is the likeliest to be a slow attacker.
         victim = min((c for c in self._conns.values() if not c.busy), key=lambda c: c.deadline, default=None)
         if victim is not None:
-            self.evicted += 1
             self._close(victim)
 
     def _accept(self) -> None:
@@ -273,14 +274,12 @@ class HttpServer:
                     raw.close()
                     continue
                 conn = _Conn(sock, client, now + self.request_timeout, started=now, handshaking=True)
-                self._conns[sock] = conn
-                self._guard(conn, self._handshake, conn)
             else:
                 conn = _Conn(raw, client, now + self.idle_timeout)
-                self._conns[raw] = conn
-                # Under load the request is usually there by the time the connection is accepted: read it now
-                # and spare a trip through the selector.
-                self._guard(conn, self._readable, conn)
+            self._conns[conn.sock] = conn
+            # Under load the request is usually there by the time the connection is accepted: read it (or start the
+            # handshake) now and spare a trip through the selector.
+            self._guard(conn, self._event, conn)
 
     def _handshake(self, conn: _Conn) -> None:
         sock = conn.sock
@@ -334,9 +333,6 @@ class HttpServer:
             if not chunk:
                 conn.eof = True
                 return True
-            if not conn.buf and not conn.started:
-                conn.started = time.monotonic()
-                conn.deadline = conn.started + self.request_timeout
             conn.buf += chunk
             got += len(chunk)
             if not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
@@ -376,18 +372,14 @@ class HttpServer:
                 if conn.eof:
                     self._close(conn)
                     return
-                if conn.buf and not conn.started:
+                if conn.buf and not conn.started:  # a request's first bytes: its head is due within request_timeout
                     conn.started = time.monotonic()
                     conn.deadline = conn.started + self.request_timeout
                 self._watch(conn, selectors.EVENT_WRITE if conn.read_wants_write else selectors.EVENT_READ)
                 return
-            if error:
-                conn.buf.clear()
-                self._start(conn, self._error(error), True)
-                continue
-            assert head is not None
-            req, error = _parse(head, conn.client)
+            req, error = (None, error) if head is None else _parse(head, conn.client)
             if req is None:
+                conn.buf.clear()  # the connection closes after the error
                 self._start(conn, self._error(error), True)
                 continue
             known = True if self.auth is None else self.auth.verdict(req.headers.get("authorization"))
@@ -480,7 +472,6 @@ class HttpServer:
                 self._guard(conn, self._start, conn, data, True)
                 continue
             if conn.started and conn.buf and not conn.out and not conn.handshaking:
-                self.timed_out += 1
                 with contextlib.suppress(Exception):
                     conn.sock.send(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             self._close(conn)
@@ -501,11 +492,8 @@ class HttpServer:
         for conn in ready:
             if not conn.closed:
                 self._guard(conn, self._process, conn)
-        while True:
-            try:
-                conn, step, args = self._back.get_nowait()
-            except queue.Empty:
-                break
+        while not self._back.empty():  # this thread is its only reader
+            conn, step, args = self._back.get_nowait()
             self._guard(conn, self._resume, conn, step, *args)
         now = time.monotonic()
         if now >= next_sweep:
@@ -645,9 +633,7 @@ def _parse(head: bytes, client: str) -> tuple[Request | None, int]:
 def listen(bind: str, port: int, *, port_option: str = "--port", bind_option: str = "--bind") -> socket.socket:
     """A socket bound to ``bind`` (a name or an address, IPv6 in brackets or not) and ``port``, not listening yet.
 
-    Raises:
-        PortInUseError: the port is taken.
-        ListenError: the address cannot be listened on; the message names the option to change.
+    Raises PortInUseError for a taken port, else ListenError; the message names the option to change.
     """
     try:
         infos = socket.getaddrinfo(bind.strip("[]"), None, type=socket.SOCK_STREAM)

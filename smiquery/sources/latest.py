@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 from smiquery._log import get_logger
 from smiquery.retry import one_line
 
-__all__ = ["Latest", "Snapshot"]
+__all__ = ["FailureLog", "Latest", "Snapshot"]
 
 T = TypeVar("T")
 log = get_logger("smiquery.poll")  # not "smiquery": the exporter shows only errors of the stream supervisor's logger
@@ -42,6 +42,29 @@ class Snapshot(Generic[T]):
         return self.value if self.age is not None and self.age <= max_age else None
 
 
+class FailureLog:
+    """Failures counted by kind; each new error said by ``failed(why)``, the first success after it by ``again()``."""
+
+    def __init__(self, failed: Callable[[str], None], again: Callable[[], None]) -> None:
+        self._say_failed = failed
+        self._say_again = again
+        self.errors: Counter[str] = Counter()
+        self.error: str | None = None
+
+    def failed(self, kind: str, why: str) -> None:
+        """Count a failure of this kind; say it unless the last failure said the same."""
+        self.errors[kind] += 1
+        if why != self.error:
+            self._say_failed(why)
+        self.error = why
+
+    def worked(self) -> None:
+        """A call worked: say so once after failures."""
+        if self.error is not None:
+            self._say_again()
+        self.error = None
+
+
 class Latest(Generic[T]):
     """Runs ``fetch`` every ``interval`` seconds in a daemon thread; :meth:`get` returns the newest result.
 
@@ -50,8 +73,9 @@ class Latest(Generic[T]):
     :meth:`poll` (a bug is not a poll failure) and stop the thread after being logged.
 
     ``interval`` counts from the end of one poll to the start of the next; ``name`` names the thread and the log
-    lines; ``on_value`` is called on the thread with each new value; ``clock`` (monotonic) and ``wall`` (epoch
-    seconds) are injectable for tests.
+    lines; ``on_value`` is called on the thread with each new value; ``failures`` counts and says the failures in
+    other words than ``smiquery: <name> failed: <why>`` (WARNING) and ``... works again`` (INFO); ``clock``
+    (monotonic) and ``wall`` (epoch seconds) are injectable for tests.
     """
 
     def __init__(
@@ -62,6 +86,7 @@ class Latest(Generic[T]):
         name: str,
         errors: tuple[type[BaseException], ...] = (Exception,),
         on_value: Callable[[T], None] | None = None,
+        failures: FailureLog | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -75,9 +100,11 @@ class Latest(Generic[T]):
         self._clock = clock
         self._wall = wall
         self._value: tuple[T, float, float] | None = None
-        self._error: str | None = None
         self._polls = 0
-        self._failures: Counter[str] = Counter()
+        self.failures = failures or FailureLog(
+            lambda why: log.warning("smiquery: %s failed: %s", name, why),
+            lambda: log.info("smiquery: %s works again", name),
+        )
         self._stop = threading.Event()
         self._first = threading.Event()
         self._thread: threading.Thread | None = None
@@ -125,23 +152,14 @@ class Latest(Generic[T]):
                 if self._stop.is_set():
                     break
         except self._errors as exc:
-            self._failed(exc)
+            self.failures.failed(type(exc).__name__, one_line(exc))
             return None
         finally:
             self._first.set()
         return value
 
-    def _failed(self, exc: BaseException) -> None:
-        self._failures[type(exc).__name__] += 1
-        message = one_line(exc)
-        if message != self._error:
-            log.warning("smiquery: %s failed: %s", self.name, message)
-        self._error = message
-
     def _took(self, value: T) -> None:
-        if self._error is not None:
-            log.info("smiquery: %s works again", self.name)
-        self._error = None
+        self.failures.worked()
         self._value = (value, self._clock(), self._wall())
         if self._on_value is not None:
             self._on_value(value)
@@ -150,7 +168,7 @@ class Latest(Generic[T]):
         """The newest value, its age and time, and the last error; never waits on a poll."""
         got = self._value
         value, age, at = (None, None, None) if got is None else (got[0], self._clock() - got[1], got[2])
-        return Snapshot(value, age, at, self._error, self._polls, Counter(self._failures))
+        return Snapshot(value, age, at, self.failures.error, self._polls, Counter(self.failures.errors))
 
     def wait_first(self, timeout: float | None = None) -> bool:
         """Wait until the first poll has finished (success or failure); False if ``timeout`` ran out first."""

@@ -21,7 +21,7 @@ from smiquery.sources.xid import XidEvent, XidInfo, XidWatcher, describe, gpu_fo
 from smiquery.training.monitor import Output, RunMonitor, TrainingAlert
 
 if TYPE_CHECKING:
-    from smiquery.httpd.server import HttpServer, Request, Response
+    from smiquery.httpd.server import HttpServer, Request
     from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
 
@@ -155,31 +155,25 @@ class JobMetrics:
 
     def _serve(self, port: int, addr: str) -> None:
         """Serve /metrics with the shared HTTP server (TLS and basic auth from the web config)."""
-        from smiquery.httpd.server import HttpServer, listen
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        from smiquery.httpd.server import HttpServer, Response, listen, route
         from smiquery.httpd.webconfig import load_web_config
+
+        def metrics(req: Request) -> Response:
+            return Response(200, bytes(generate_latest(self.registry)), CONTENT_TYPE_LATEST)
 
         web = load_web_config(self.web_config) if self.web_config is not None else None
         sock = listen(addr, port, port_option="metrics_port", bind_option="metrics_addr")
         self._port = int(sock.getsockname()[1])
         self._http = HttpServer(
             sock,
-            self._answer,
-            web=web,  # basic auth is checked by the server before _answer sees a request
+            functools.partial(route, pages={"/metrics": metrics}, missing=b"the training metrics are at /metrics\n"),
+            web=web,  # basic auth is checked by the server before a request is routed
             workers=2,
             max_connections=64,
             server_header="smiquery-training",
         )
-
-    def _answer(self, req: Request) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        from smiquery.httpd.server import Response
-
-        if req.method not in ("GET", "HEAD"):
-            return Response(405, b"only GET and HEAD\n", headers={"Allow": "GET, HEAD"})
-        if req.path != "/metrics":
-            return Response(404, b"the training metrics are at /metrics\n")
-        return Response(200, bytes(generate_latest(self.registry)), CONTENT_TYPE_LATEST)
 
     @property
     def port(self) -> int | None:
