@@ -135,6 +135,11 @@ class Rule:
     when: tuple[Rule, ...] = ()
 
     @classmethod
+    def of(cls, rule: Rule | str) -> Rule:
+        """``rule`` itself, or parsed (see :meth:`parse`) when it is text."""
+        return rule if isinstance(rule, Rule) else cls.parse(rule)
+
+    @classmethod
     def parse(cls, text: str) -> Rule:
         """Parse an expression such as ``"temperature.gpu > 85 for 3"``; operators ``> >= < <= == !=`` (``=``: ``==``).
 
@@ -306,7 +311,7 @@ class AlertEvaluator:
     """
 
     def __init__(self, rules: Iterable[Rule | str], clock: Callable[[], float] = time.monotonic) -> None:
-        self.rules: tuple[Rule, ...] = tuple(r if isinstance(r, Rule) else Rule.parse(r) for r in rules)
+        self.rules: tuple[Rule, ...] = tuple(map(Rule.of, rules))
         self.clock = clock
         self._tracks: dict[tuple[int, object], _Track] = {}
 

@@ -56,8 +56,7 @@ def _numeric_fields(df: pd.DataFrame) -> list[Field]:
 def _parse_rules(rules: Iterable[Rule | str] | None, df: pd.DataFrame | None = None) -> tuple[Rule, ...]:
     """The rules given; by default the built-in ones and those the recording was made with (``attrs["rules"]``)."""
     chosen = [*DEFAULT_RULES, *(df.attrs.get("rules") or () if df is not None else ())] if rules is None else rules
-    parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in chosen]
-    return tuple({str(r): r for r in parsed}.values())
+    return tuple({str(r): r for r in map(Rule.of, chosen)}.values())
 
 
 def report(

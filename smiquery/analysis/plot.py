@@ -282,7 +282,7 @@ def plot_recording(
 
         _layout_of(layout, 0)  # a bad layout fails before the recording is read
         df, flds = _prepare(source, fields, gpus, tz)
-        parsed = [r if isinstance(r, Rule) else Rule.parse(r) for r in (DEFAULT_RULES if rules is None else rules)]
+        parsed = list(map(Rule.of, DEFAULT_RULES if rules is None else rules))
         groups = gpu_rows(df["index"].to_numpy(dtype="int64"))
         chosen = _layout_of(layout, len(groups))
         start, end = df["timestamp"].min(), df["timestamp"].max()

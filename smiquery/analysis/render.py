@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from smiquery.analysis.series import catalogue_field
 from smiquery.clock import seconds_between
 from smiquery.fields import Field, Kind
-from smiquery.printable import printable
+from smiquery.printable import printable, text_table
 
 if TYPE_CHECKING:
     from smiquery.analysis.model import FieldStats, GpuName, Report, Stretch, ThresholdTime
@@ -367,12 +367,12 @@ def report_text(report: Report) -> str:
 
     for title, intro, (head, rows), note in _sections(report, "text"):
         title += f" ({intro})" if intro else ""
-        out.extend(["", f"{title}:", *(_table(head, rows, indent=2) if rows else [f"  {note}"])])
+        out.extend(["", f"{title}:", *(_table(head, rows) if rows else [f"  {note}"])])
     if report.energy_wh:
         out += ["", _energy_line(report)]
     if report.overall:
         head, rows = _overall_rows(report)
-        out += ["", "Statistics over all GPUs (per GPU: --format json or markdown):", *_table(head, rows, indent=2)]
+        out += ["", "Statistics over all GPUs (per GPU: --format json or markdown):", *_table(head, rows)]
     if report.constants:
         out += ["", f"Constant during the run: {_constants_text(report)}"]
     return "\n".join(out) + "\n"
@@ -419,14 +419,9 @@ def _constants_text(report: Report) -> str:
     return "; ".join(texts)
 
 
-def _table(head: list[str], rows: list[list[str]], indent: int = 0) -> list[str]:
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    pad = " " * indent
-
-    def line(cells: list[str]) -> str:
-        return pad + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return [line(head).rstrip(), *(line(r).rstrip() for r in rows)]
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """Indented by two, the first column left-aligned and the others right."""
+    return ["  " + line for line in text_table(head, rows, [i > 0 for i in range(len(head))])]
 
 
 def _md_table(head: list[str], rows: list[list[str]]) -> list[str]:

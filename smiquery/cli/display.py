@@ -16,7 +16,7 @@ from typing import IO, Any, Literal
 
 from smiquery.cli._options import is_tty
 from smiquery.fields import Field, get_field
-from smiquery.printable import printable
+from smiquery.printable import text_table
 from smiquery.recordings import json_value, sample_to_json
 from smiquery.sample import GpuSample, Value
 from smiquery.sources.query_gpu import format_row, header_line
@@ -135,20 +135,8 @@ def render_table(
     ``right`` right-aligns columns (numbers); ``styles`` names each cell's style (:func:`paint`), used when
     ``color``. Control characters in cells and titles are shown escaped (:func:`smiquery.printable.printable`).
     """
-    rows = [[printable(cell) for cell in row] for row in rows]  # text from others never reaches the terminal raw
-    titles = [printable(t) for t in titles]
-    widths = [max(len(text) for text in column) for column in zip(titles, *rows)]
-    align = list(right) if right is not None else [False] * len(titles)
-
-    def fit(text: str, i: int) -> str:
-        return text.rjust(widths[i]) if align[i] else text.ljust(widths[i])
-
-    head = "  ".join(fit(t, i) for i, t in enumerate(titles)).rstrip()
-    lines = [paint(head, "header", color)]
-    for r, row in enumerate(rows):
-        cells = [paint(fit(cell, i), styles[r][i] if styles is not None else None, color) for i, cell in enumerate(row)]
-        lines.append("  ".join(cells).rstrip())
-    return lines
+    lines = text_table(titles, rows, right, (lambda text, r, i: paint(text, styles[r][i], color)) if styles else None)
+    return [paint(lines[0], "header", color), *lines[1:]]
 
 
 def sample_rows(

@@ -30,6 +30,7 @@ from smiquery.cli._signals import END, Failure, Signals, SourceEvent, start_pump
 from smiquery.cli.keys import KEY_HELP, KeyReader, Viewport
 from smiquery.errors import NotSupportedError, NvidiaSmiFailedError, StreamEndedError, UsageError
 from smiquery.retry import RetryPolicy
+from smiquery.sources.pmon import UNSUPPORTED_TEXT, pmon_unsupported, proc_stat
 
 if TYPE_CHECKING:
     from smiquery.cli.display import Column
@@ -52,14 +53,9 @@ class ProcInfo:
 
 
 def _cpu_ticks(pid: int) -> int | None:
+    stat = proc_stat(pid)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return None
-    # the command name in brackets may hold spaces: the fields after it start at the last ')'
-    fields = stat.rpartition(")")[2].split()
-    try:
-        return int(fields[11]) + int(fields[12])  # utime + stime
+        return int(stat[11]) + int(stat[12])  # utime + stime
     except (IndexError, ValueError):
         return None
 
@@ -134,7 +130,6 @@ class ProcCache:
 
 _MAX_GPUS = 4  # nvidia-smi pmon watches at most four devices
 _DESCENDING = frozenset({"sm", "mem", "fb"})  # busiest first; pid and gpu ascend
-_UNSUPPORTED = "not supported on the device"  # what pmon prints on GPUs/drivers without it (GeForce, R415)
 _DELAY = re.compile(r"\bin (\d+(?:\.\d+)?) s\b")
 
 
@@ -163,18 +158,12 @@ def _pmon_reason(exc: BaseException) -> str:
     return cli_text(text[0]) if text and text[0] else type(exc).__name__
 
 
-def _unsupported(exc: BaseException | None) -> bool:
-    if isinstance(exc, NotSupportedError):
-        return True
-    return isinstance(exc, NvidiaSmiFailedError) and _UNSUPPORTED in exc.output.lower()
-
-
 def _final_error(exc: BaseException) -> BaseException:
     """The error that ends the command, with pmon's own message (and, when pmon is unsupported, what to do)."""
     if not isinstance(exc, NvidiaSmiFailedError):
         return exc
     reason = _pmon_reason(exc)
-    if _unsupported(exc):
+    if pmon_unsupported(exc):
         return NotSupportedError(
             exc.argv,
             exc.returncode,
@@ -206,7 +195,7 @@ class _PmonLines:
             if self._said is not None and not isinstance(exc, NotSupportedError):
                 raise NotSupportedError(exc.argv, exc.returncode, exc.output or self._said) from exc
             raise
-        if line is not None and _UNSUPPORTED in line.lower():
+        if line is not None and UNSUPPORTED_TEXT in line.lower():
             self._said = line.strip()
         return line
 
@@ -529,7 +518,7 @@ def run_watch(
                     if live is not None:
                         live.key(item)
                 elif isinstance(item, SourceEvent):
-                    if item.event.kind == "error" and _unsupported(item.event.error):
+                    if item.event.kind == "error" and pmon_unsupported(item.event.error):
                         failure = item.event.error  # pmon said so: restarting cannot help
                         break
                     line = _event_line(item.event)

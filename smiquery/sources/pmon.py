@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from smiquery.errors import ParseError
+from smiquery.errors import NotSupportedError, NvidiaSmiFailedError, ParseError
 from smiquery.source import StreamEvent, StreamStats
 
 __all__ = [
     "PMON_COLUMNS",
+    "UNSUPPORTED_TEXT",
     "InstantGrouper",
     "PmonParser",
     "PmonRow",
@@ -26,6 +27,8 @@ __all__ = [
     "ProcessShare",
     "build_pmon_argv",
     "parse_pmon",
+    "pmon_unsupported",
+    "proc_stat",
     "process_share",
     "process_user",
     "sort_rows",
@@ -372,18 +375,22 @@ class ProcessShare:
         return bool(self.other_pids)
 
 
-def process_share(rows: Iterable[PmonRow], pids: Collection[int]) -> dict[int, ProcessShare]:
-    """Per GPU that one of ``pids`` runs on, the share of one instant's SM use that is theirs."""
+def process_share(rows: Iterable[PmonRow], pids: Collection[int], *, every: bool = False) -> dict[int, ProcessShare]:
+    """Per GPU that one of ``pids`` runs on, the share of one instant's SM use that is theirs.
+
+    ``every``: also the other GPUs of the instant, with share 0 when others keep them busy, None when idle.
+    """
     mine_ids = set(pids)
     by_gpu: dict[int, tuple[list[PmonRow], list[PmonRow]]] = {}
     for row in rows:
-        if row.gpu is None or row.pid is None:
+        if row.gpu is None:
             continue
         mine, others = by_gpu.setdefault(row.gpu, ([], []))
-        (mine if row.pid in mine_ids else others).append(row)
+        if row.pid is not None:
+            (mine if row.pid in mine_ids else others).append(row)
     out: dict[int, ProcessShare] = {}
     for gpu, (mine, others) in by_gpu.items():
-        if not mine:
+        if not (mine or every):
             continue
         m_sm = _sum(r.sm for r in mine)
         o_sm = _sum(r.sm for r in others)
@@ -408,6 +415,28 @@ def sort_rows(rows: Iterable[PmonRow], by: str = "sm", *, descending: bool = Tru
     items = list(rows)
     present = sorted((r for r in items if getattr(r, by) is not None), key=operator.attrgetter(by), reverse=descending)
     return present + [r for r in items if getattr(r, by) is None]
+
+
+#: What pmon prints on GPUs and drivers without it (GeForce, R415), whatever its exit status.
+UNSUPPORTED_TEXT = "not supported on the device"
+
+
+def pmon_unsupported(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (a pmon stream's error) says pmon is not supported on this GPU or driver."""
+    if isinstance(exc, NotSupportedError):
+        return True
+    return isinstance(exc, NvidiaSmiFailedError) and UNSUPPORTED_TEXT in exc.output.lower()
+
+
+def proc_stat(pid: int, root: str = "/proc") -> list[str]:
+    """The fields of ``ROOT/PID/stat`` after the command name (state, ppid, ...), empty when it cannot be read."""
+    try:
+        with open(f"{root}/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return []
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'
+    return text[text.rfind(b")") + 1 :].decode("ascii", "replace").split()
 
 
 def process_user(pid: int) -> str | None:

@@ -263,9 +263,7 @@ class RunMonitor:
             raise ValueError("interval must be positive")
         self.interval = float(interval)
         self.log_every = log_every
-        self.rules: tuple[Rule, ...] = tuple(
-            r if isinstance(r, Rule) else Rule.parse(r) for r in (TRAINING_RULES if alerts is None else alerts)
-        )
+        self.rules: tuple[Rule, ...] = tuple(map(Rule.of, TRAINING_RULES if alerts is None else alerts))
         self.handlers = tuple(handlers) if handlers is not None else (LogHandler(),)
         self.extra_fields: tuple[Field, ...] = resolve_fields(fields) if fields else ()
         self.nvidia_smi = nvidia_smi

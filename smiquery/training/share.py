@@ -1,8 +1,7 @@
 """The run's own share of each GPU: one ``nvidia-smi pmon`` beside the run, its instants summed per epoch.
 
-:func:`own_pids` tells the run's processes (this process and its descendants), :func:`instant_shares` splits a
-pmon instant's SM use between them and everyone else, and :class:`ShareTracker` owns the pmon child and its thread
-for a :class:`~smiquery.training.monitor.RunMonitor` with ``process_share=True``.
+:func:`own_pids` tells the run's processes (this process and its descendants) and :class:`ShareTracker` owns the
+pmon child and its thread for a :class:`~smiquery.training.monitor.RunMonitor` with ``process_share=True``.
 """
 
 from __future__ import annotations
@@ -15,30 +14,16 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from smiquery._log import get_logger
+from smiquery.sources.pmon import pmon_unsupported, proc_stat, process_share
 
 if TYPE_CHECKING:
     from smiquery.source import StreamEvent
     from smiquery.sources.pmon import PmonRow, ProcessShare
     from smiquery.streams.pmon import PmonStream
 
-__all__ = ["ShareTracker", "instant_shares", "own_pids"]
+__all__ = ["ShareTracker", "own_pids"]
 
 log = get_logger("smiquery.training.share")
-
-
-def _parent_pid(pid: int, root: str) -> int | None:
-    """The parent of ``pid`` from ``ROOT/PID/stat`` (None when it is gone or unreadable)."""
-    try:
-        with open(f"{root}/{pid}/stat", "rb") as f:
-            text = f.read()
-    except OSError:
-        return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'
-    tail = text[text.rfind(b")") + 2 :].split()
-    try:
-        return int(tail[1])
-    except (IndexError, ValueError):
-        return None
 
 
 def own_pids(pids: Iterable[int] | None = None, *, root: str = "/proc") -> frozenset[int]:
@@ -59,7 +44,8 @@ def own_pids(pids: Iterable[int] | None = None, *, root: str = "/proc") -> froze
         cur: int | None = pid
         while cur is not None and cur not in known and len(chain) < 4096:
             chain.append(cur)
-            cur = _parent_pid(cur, root)
+            stat = proc_stat(cur, root)
+            cur = int(stat[1]) if len(stat) > 1 and stat[1].isdigit() else None
         verdict = known.get(cur, False) if cur is not None else False
         for p in chain:
             known[p] = verdict
@@ -90,25 +76,6 @@ class _ShareAcc:
         self.mine += other.mine
         self.total += other.total
         self.others |= other.others
-
-
-def instant_shares(rows: Iterable[PmonRow], mine: Iterable[int]) -> dict[int, ProcessShare]:
-    """Per GPU of one pmon instant, the SM use of the pids ``mine`` against every other process.
-
-    :func:`smiquery.sources.pmon.process_share`, plus the GPUs without any of ``mine``: their share is 0 when
-    others keep them busy, None when they are idle.
-    """
-    from smiquery.sources.pmon import ProcessShare, process_share
-
-    rows = list(rows)
-    out = process_share(rows, set(mine))
-    for gpu in dict.fromkeys(r.gpu for r in rows if r.gpu is not None and r.gpu not in out):
-        on = [r for r in rows if r.gpu == gpu and r.pid is not None]
-        sm = [r.sm for r in on if r.sm is not None]
-        others_sm = sum(sm) if sm else None
-        pids = tuple(dict.fromkeys(r.pid for r in on if r.pid is not None))
-        out[gpu] = ProcessShare(gpu, None, others_sm, 0.0 if others_sm else None, None, None, pids)
-    return out
 
 
 class ShareTracker:
@@ -167,15 +134,10 @@ class ShareTracker:
             return dict(self._shares)
 
     def _event(self, event: StreamEvent) -> None:
-        from smiquery.errors import NotSupportedError, NvidiaSmiFailedError
-
         err = event.error
         if event.kind != "error" or err is None or self.off:
             return
-        # pmon's "Not supported on the device(s)" (old GeForce drivers), whatever the exit status
-        if isinstance(err, NotSupportedError) or (
-            isinstance(err, NvidiaSmiFailedError) and "not supported on the device" in (err.output or "").lower()
-        ):
+        if pmon_unsupported(err):
             self.off = True
             self._say(
                 "per-process monitoring (nvidia-smi pmon) is not supported on this GPU or driver: the process share "
@@ -208,7 +170,7 @@ class ShareTracker:
     def take(self, rows: Sequence[PmonRow]) -> None:
         """Sum one pmon instant into the epoch it arrived in; say once per GPU when another process is on it."""
         epoch = self._epoch_now()
-        shares = instant_shares(rows, own_pids({r.pid for r in rows if r.pid is not None}))
+        shares = process_share(rows, own_pids({r.pid for r in rows if r.pid is not None}), every=True)
         if self._watched is not None:
             shares = {g: v for g, v in shares.items() if self._watched(g)}
         with self._lock:

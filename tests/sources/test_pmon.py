@@ -166,6 +166,10 @@ def test_process_share_says_who_else_is_on_my_gpu() -> None:
     assert shares[1].mine_sm == 88 and shares[1].others_sm == 4
     assert shares[1].share == pytest.approx(88 / 92)
     assert process_share(rows, {424242}) == {}
+    every = process_share(rows, {7001}, every=True)  # also the GPUs none of mine is on
+    assert every[0] == shares[0] and every[1] == shares[1]
+    assert every[2].share is None and every[2].other_pids == ()  # idle
+    assert every[3].share == 0.0 and every[3].others_sm == 12 and every[3].mine_sm is None
 
 
 def test_sort_rows_puts_missing_values_last_in_both_directions() -> None:
