@@ -209,15 +209,8 @@ class ParquetDataset:
             self._take_over(policy)
         try:
             self.path.mkdir(exist_ok=True)
-            meta = read_meta(self.path / META)
-            had = list(meta.get("rules") or ())
-            merged = list(dict.fromkeys([*had, *rules]))
-            if not meta or merged != had:  # a new dataset, or this run adds rules to it
-                names = [f.name for f in self.fields]
-                meta = meta or {"format": "smiquery-parquet-dataset", "version": 1, "fields": names}
-                if merged:
-                    meta["rules"] = merged
-                write_meta(self.path / META, meta)
+            names = [f.name for f in self.fields]
+            write_meta(self.path / META, {"format": "smiquery-parquet-dataset", "version": 1, "fields": names}, rules)
         except OSError as exc:
             raise RecordingError(f"cannot write {self.path}: {(exc.strerror or str(exc)).lower()}") from None
         self._roll()  # a killed recorder's open part becomes its own part, before this run's rows
@@ -226,10 +219,7 @@ class ParquetDataset:
         """Record the zone of the first row's timestamp (see :func:`~smiquery.recordings.recorder.zone_name`)."""
         self._zone_due = False
         try:
-            meta = read_meta(self.path / META)
-            if meta and "tz" not in meta:
-                meta["tz"] = zone_name(sample)
-                write_meta(self.path / META, meta)
+            write_meta(self.path / META, {"tz": zone_name(sample)})
         except OSError as exc:
             self.say(f"smiquery: cannot write {self.path / META}: {exc}; the recording's time zone is not recorded")
 
