@@ -425,33 +425,28 @@ class ArrowCsvReader:
 
     def _convert(self, col: Any, fld: Field, unit: str) -> tuple[Any, _Why | None]:
         """One trimmed text column of a block -> (typed Arrow array, why cells are missing)."""
-        pa, pc = self.pa, self.pc
+        pc = self.pc
         kind = fld.kind
         # A cast that fails costs fifty times one that succeeds (Arrow builds the error), so the one-cast path
         # is taken only for a column that shows no unit and no status token.
         suffixed = bool(unit) and kind is not Kind.STR and pc.any(pc.ends_with(col, " " + unit)).as_py()
         if kind.is_numeric and not suffixed and not pc.any(pc.starts_with(col, "[")).as_py():
-            typed = fld.kind.ops.arrow_cast(col)
+            typed = kind.ops.arrow_cast(col)
             if typed is not None:
                 return typed, None
-        token = self._tokens(col)
-        reasons: _Why | None = None
-        if token is not None:
-            reasons = self._reasons(col, token)
-            col = self.pc.if_else(token, pa.scalar(None, pa.string()), col)
-        del token
+        col, reasons = self._tokens(col)
         if suffixed:
             # token cells are null by now: all() skips them
             has = pc.ends_with(col, " " + unit)
             stripped = pc.utf8_slice_codeunits(col, 0, -len(unit) - 1)
             col = stripped if pc.all(has).as_py() else pc.if_else(has, stripped, col)
-        typed = fld.kind.ops.arrow_cast(col)
+        typed = kind.ops.arrow_cast(col)
         if typed is None:
             typed = self._python_chunk(col, fld)
         return typed, reasons
 
-    def _tokens(self, col: Any) -> Any | None:
-        """Mask of the status-token cells (``[...]``, bare ``N/A``, empty), or None when there is none."""
+    def _tokens(self, col: Any) -> tuple[Any, _Why | None]:
+        """``col`` with its status-token cells (``[...]``, bare ``N/A``, empty) null, and why they are missing."""
         pa, pc = self.pa, self.pc
         token = None
         bracket = pc.starts_with(col, "[")
@@ -462,16 +457,12 @@ class ArrowCsvReader:
             bare = pc.is_in(col, value_set=pa.array(["N/A", ""]))
             token = bare if token is None else pc.or_(token, bare)
         if token is None or not pc.any(token).as_py():
-            return None
-        return token
-
-    def _reasons(self, col: Any, token: Any) -> _Why:
-        """Why the token cells of ``col`` are missing."""
-        pc = self.pc
+            return col, None
         rows = pc.indices_nonzero(token).to_numpy()
         encoded = pc.dictionary_encode(pc.filter(col, token))
         words = tuple(missing_reason(t) or t for t in encoded.dictionary.to_pylist())
-        return rows, encoded.indices.to_numpy(zero_copy_only=False), words
+        reasons = rows, encoded.indices.to_numpy(zero_copy_only=False), words
+        return pc.if_else(token, pa.scalar(None, pa.string()), col), reasons
 
     def _python_chunk(self, col: Any, fld: Field) -> Any:
         """Convert a column cell by cell with the parser's own converter (rare: odd values, or a bad one)."""
