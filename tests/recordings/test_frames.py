@@ -573,12 +573,12 @@ def test_read_recording_keeps_naive_csv_naive_in_every_format(tmp_path: Path) ->
 
 def test_read_recording_keeps_a_recorded_zone_and_converts_it(tmp_path: Path) -> None:
     from smiquery.recordings import read_recording, replay
-    from smiquery.recordings.parquet import samples_table, write_table
+    from smiquery.recordings.parquet import write_frame
 
     pytest.importorskip("pyarrow")
     path = tmp_path / "zoned.parquet"
-    write_table(
-        *samples_table(list(replay(DEMO, speed=0, tz="Europe/Berlin", fields="timestamp,index,power.draw"))), path
+    write_frame(
+        frames.to_dataframe(replay(DEMO, speed=0, tz="Europe/Berlin", fields="timestamp,index,power.draw")), path
     )
     kept = read_recording(path)
     assert str(kept["timestamp"].dtype) == "datetime64[ns, Europe/Berlin]"
