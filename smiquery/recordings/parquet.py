@@ -22,7 +22,7 @@ from smiquery.clock import Localizer
 from smiquery.errors import RecordingError, ReplayError, UsageError
 from smiquery.fields import Field
 from smiquery.frames import missing_reasons, to_dataframe
-from smiquery.recordings.base import concat_frames
+from smiquery.recordings.base import concat_frames, with_gpu0
 from smiquery.recordings.jsonl import read_jsonl, read_jsonl_samples, sample_from_json
 from smiquery.recordings.recorder import (
     FULL_DISK,
@@ -308,7 +308,7 @@ class ParquetDataset:
         import pyarrow.parquet as pq
 
         with open(journal, encoding="utf-8", errors="replace", newline="") as fh:
-            samples = list(read_jsonl_samples(fh, lambda err: None, None))
+            samples = list(with_gpu0(read_jsonl_samples(fh, lambda err: None, None)))  # as read_jsonl reads it
         if not samples:
             return
         df = to_dataframe(samples)
