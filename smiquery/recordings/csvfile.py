@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, tzinfo
-from functools import cached_property
+from functools import cached_property, reduce
 from itertools import accumulate, islice
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple, Union
@@ -56,8 +56,6 @@ __all__ = [
     "read_csv_recording",
     "read_csv_samples",
 ]
-
-_LINE_BREAK_RE = re.compile(r"\r\n|\r|\n")
 
 #: What :func:`smiquery.recordings.read_csv` accepts: a path, or an open binary or text file.
 CsvSource = Union[str, "os.PathLike[str]", IO[bytes], IO[str]]
@@ -126,15 +124,6 @@ class CsvLayout(NamedTuple):
             fits = len(cells) == ncols
             if not fits or self.header is None or [c.strip() for c in cells] != self.header:
                 yield lineno, line, fits
-
-    def locate(self, data: bytes, row: int) -> tuple[int, str]:
-        """The line number and text of data row ``row`` (0-based, in reading order)."""
-        rows = ((lineno, line) for lineno, line, fits in self.data_lines(data) if fits)
-        return next(islice(rows, row, None), (0, ""))
-
-    def first_misfit(self, data: bytes) -> tuple[int, str] | None:
-        """The line number and text of the first row of the wrong width, or None."""
-        return next(((lineno, line) for lineno, line, fits in self.data_lines(data) if not fits), None)
 
 
 def probe_layout(src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo) -> CsvLayout | None:
@@ -331,13 +320,15 @@ class ArrowCsvReader:
             return None
         data = self.src.data
         found: list[tuple[int, str, str]] = []
-        misfit = self.layout.first_misfit(data) if self.misfits else None
+        misfits = ((n, line) for n, line, fits in self.layout.data_lines(data) if not fits)
+        misfit = next(misfits, None) if self.misfits else None
         if misfit is not None:
             found.append((*misfit, f"expected {len(self.layout.fields)} columns, got {len(misfit[1].split(','))}"))
         starts = accumulate((b.rows + len(b.bad) for b in blocks), initial=0)  # rows as read before each block
         first = next(((start + b.bad[0], b.why) for start, b in zip(starts, blocks, strict=False) if b.bad), None)
         if first is not None:
-            found.append((*self.layout.locate(data, first[0]), first[1]))
+            rows = ((n, line) for n, line, fits in self.layout.data_lines(data) if fits)
+            found.append((*next(islice(rows, first[0], None), (0, "")), first[1]))
         lineno, line, reason = min(found) if found else (0, "", "")
         return SkippedLines(count, lineno, line[:80], reason)
 
@@ -374,7 +365,7 @@ class ArrowCsvReader:
                 same = eq if same is None else pc.and_(same, eq)
             keep = pc.invert(same)
         if len(columns) == 1:
-            notice = pc.or_(pc.starts_with(first, "WARNING:"), pc.starts_with(first, "ERROR:"))
+            notice = reduce(pc.or_, [pc.starts_with(first, prefix) for prefix in MESSAGE_PREFIXES])
             if pc.any(notice).as_py():
                 self.notices.extend(pc.filter(first, notice).to_pylist())
             odd = pc.or_(notice, pc.equal(pc.ascii_trim_whitespace(first), ""))
@@ -404,7 +395,10 @@ class ArrowCsvReader:
                     if raw.type == pa.string():
                         values, why = self._convert(pc.ascii_trim_whitespace(raw), fld, layout.units[i])
                     else:
-                        values, why = raw, self._nulls(raw)
+                        values, why = raw, None
+                        if raw.null_count:  # the reader typed this column: each null was [N/A]
+                            nulls = pc.indices_nonzero(pc.is_null(raw)).to_numpy()
+                            why = nulls, np.zeros(len(nulls), dtype=np.int16), ("not_available",)
                     del raw
                     parts.append(self._part(values, fld))
                     if why is not None:
@@ -429,41 +423,30 @@ class ArrowCsvReader:
         pa.default_memory_pool().release_unused()
         return _Block(parts, reasons, rows, sorted(bad), "" if first_why is None else first_why[1])
 
-    def _nulls(self, col: Any) -> _Why | None:
-        """The reasons for the nulls of a column the reader typed: each was ``[N/A]``."""
-        import numpy as np
-
-        if not col.null_count:
-            return None
-        rows = self.pc.indices_nonzero(self.pc.is_null(col)).to_numpy()
-        return rows, np.zeros(len(rows), dtype=np.int16), ("not_available",)
-
     def _convert(self, col: Any, fld: Field, unit: str) -> tuple[Any, _Why | None]:
         """One trimmed text column of a block -> (typed Arrow array, why cells are missing)."""
-        pa, pc = self.pa, self.pc
+        pc = self.pc
         kind = fld.kind
         # A cast that fails costs fifty times one that succeeds (Arrow builds the error), so the one-cast path
         # is taken only for a column that shows no unit and no status token.
         suffixed = bool(unit) and kind is not Kind.STR and pc.any(pc.ends_with(col, " " + unit)).as_py()
         if kind.is_numeric and not suffixed and not pc.any(pc.starts_with(col, "[")).as_py():
-            typed = fld.kind.ops.arrow_cast(col)
+            typed = kind.ops.arrow_cast(col)
             if typed is not None:
                 return typed, None
-        token = self._tokens(col)
-        reasons: _Why | None = None
-        if token is not None:
-            reasons = self._reasons(col, token)
-            col = self.pc.if_else(token, pa.scalar(None, pa.string()), col)
-        del token
+        col, reasons = self._tokens(col)
         if suffixed:
-            col = self._strip_unit(col, unit)
-        typed = fld.kind.ops.arrow_cast(col)
+            # token cells are null by now: all() skips them
+            has = pc.ends_with(col, " " + unit)
+            stripped = pc.utf8_slice_codeunits(col, 0, -len(unit) - 1)
+            col = stripped if pc.all(has).as_py() else pc.if_else(has, stripped, col)
+        typed = kind.ops.arrow_cast(col)
         if typed is None:
             typed = self._python_chunk(col, fld)
         return typed, reasons
 
-    def _tokens(self, col: Any) -> Any | None:
-        """Mask of the status-token cells (``[...]``, bare ``N/A``, empty), or None when there is none."""
+    def _tokens(self, col: Any) -> tuple[Any, _Why | None]:
+        """``col`` with its status-token cells (``[...]``, bare ``N/A``, empty) null, and why they are missing."""
         pa, pc = self.pa, self.pc
         token = None
         bracket = pc.starts_with(col, "[")
@@ -474,27 +457,12 @@ class ArrowCsvReader:
             bare = pc.is_in(col, value_set=pa.array(["N/A", ""]))
             token = bare if token is None else pc.or_(token, bare)
         if token is None or not pc.any(token).as_py():
-            return None
-        return token
-
-    def _reasons(self, col: Any, token: Any) -> _Why:
-        """Why the token cells of ``col`` are missing."""
-        pc = self.pc
+            return col, None
         rows = pc.indices_nonzero(token).to_numpy()
         encoded = pc.dictionary_encode(pc.filter(col, token))
         words = tuple(missing_reason(t) or t for t in encoded.dictionary.to_pylist())
-        return rows, encoded.indices.to_numpy(zero_copy_only=False), words
-
-    def _strip_unit(self, col: Any, unit: str) -> Any:
-        pc = self.pc
-        suffix = " " + unit
-        has = pc.ends_with(col, suffix)
-        if not pc.any(has).as_py():
-            return col
-        stripped = pc.utf8_slice_codeunits(col, 0, -len(suffix))
-        if pc.all(has).as_py():
-            return stripped  # every cell carries the unit (token cells are null by now and skipped)
-        return pc.if_else(has, stripped, col)
+        reasons = rows, encoded.indices.to_numpy(zero_copy_only=False), words
+        return pc.if_else(token, pa.scalar(None, pa.string()), col), reasons
 
     def _python_chunk(self, col: Any, fld: Field) -> Any:
         """Convert a column cell by cell with the parser's own converter (rare: odd values, or a bad one)."""
@@ -659,9 +627,7 @@ def _read_csv_python(
     src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo, out_tz: tzinfo | None
 ) -> pd.DataFrame:
     parser = CsvParser(fields, tz=tz, strict=False)
-    lines = _LINE_BREAK_RE.split(src.data.decode("utf-8", "replace"))
-    if lines and lines[-1] == "":
-        lines.pop()
+    lines = [_decode(raw) for raw in src.data.splitlines()]
     drops = Drops()
     samples: list[GpuSample] = []
     for sample in _parsed(parser, lines, drops):

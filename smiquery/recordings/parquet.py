@@ -8,11 +8,12 @@ crash while it closes leaves either the journal or the part, never both read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import tzinfo
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from smiquery.clock import Localizer
 from smiquery.errors import RecordingError, ReplayError, UsageError
 from smiquery.fields import Field
-from smiquery.frames import MissingReasons, missing_reasons, to_dataframe
-from smiquery.recordings.base import concat_frames
+from smiquery.frames import missing_reasons, to_dataframe
+from smiquery.recordings.base import concat_frames, with_gpu0
 from smiquery.recordings.jsonl import read_jsonl, read_jsonl_samples, sample_from_json
 from smiquery.recordings.recorder import (
     FULL_DISK,
@@ -47,29 +48,28 @@ __all__ = [
     "read_dataset",
     "read_parquet",
     "read_parquet_samples",
-    "samples_table",
-    "write_table",
+    "write_frame",
 ]
 
 
-def samples_table(samples: list[GpuSample]) -> tuple[Any, dict[str, Any], MissingReasons]:
-    """Samples as an Arrow table (the columns of :func:`to_dataframe`), its ``fields``/``units`` and missing reasons."""
+def write_frame(df: pd.DataFrame, path: Path, schema: Any = None) -> Any:
+    """Write a frame as :func:`to_dataframe` gives it to the Parquet file ``path``, with the attrs pandas restores.
+
+    Its columns take the types of ``schema`` where they fit them; returns the schema written, without metadata.
+    """
     import pyarrow as pa
-
-    df = to_dataframe(samples)
-    attrs = {"fields": df.attrs.get("fields"), "units": df.attrs.get("units")}
-    missing = missing_reasons(df)
-    df.attrs = {}
-    return pa.Table.from_pandas(df, preserve_index=False), attrs, missing
-
-
-def write_table(table: Any, attrs: Mapping[str, Any], missing: Mapping[str, Mapping[int, str]], path: Path) -> None:
-    """Write an Arrow ``table`` to ``path`` with ``attrs`` and the ``missing`` reasons as the attrs pandas restores."""
     import pyarrow.parquet as pq
 
-    attrs = {**attrs, "missing": {c: {str(k): v for k, v in m.items()} for c, m in missing.items()}}
+    missing = {c: {str(k): v for k, v in m.items()} for c, m in missing_reasons(df).items()}
+    attrs = {"fields": df.attrs.get("fields"), "units": df.attrs.get("units"), "missing": missing}
+    df.attrs = {}
+    table = pa.Table.from_pandas(df, preserve_index=False)
     meta = {**(table.schema.metadata or {}), b"PANDAS_ATTRS": json.dumps(attrs).encode("utf-8")}
-    pq.write_table(table.replace_schema_metadata(meta), path)
+    if schema is not None:
+        with contextlib.suppress(pa.ArrowInvalid, ValueError, TypeError):
+            table = table.cast(schema)  # other types than the first part: still a readable part
+    pq.write_table(table.replace_schema_metadata(meta), path)  # the cast dropped pandas' dtypes: put back
+    return table.schema.remove_metadata()
 
 
 def read_parquet(path: str, *, error: type[RecordingError] = RecordingError) -> pd.DataFrame:
@@ -209,15 +209,8 @@ class ParquetDataset:
             self._take_over(policy)
         try:
             self.path.mkdir(exist_ok=True)
-            meta = read_meta(self.path / META)
-            had = list(meta.get("rules") or ())
-            merged = list(dict.fromkeys([*had, *rules]))
-            if not meta or merged != had:  # a new dataset, or this run adds rules to it
-                names = [f.name for f in self.fields]
-                meta = meta or {"format": "smiquery-parquet-dataset", "version": 1, "fields": names}
-                if merged:
-                    meta["rules"] = merged
-                write_meta(self.path / META, meta)
+            names = [f.name for f in self.fields]
+            write_meta(self.path / META, {"format": "smiquery-parquet-dataset", "version": 1, "fields": names}, rules)
         except OSError as exc:
             raise RecordingError(f"cannot write {self.path}: {(exc.strerror or str(exc)).lower()}") from None
         self._roll()  # a killed recorder's open part becomes its own part, before this run's rows
@@ -226,10 +219,7 @@ class ParquetDataset:
         """Record the zone of the first row's timestamp (see :func:`~smiquery.recordings.recorder.zone_name`)."""
         self._zone_due = False
         try:
-            meta = read_meta(self.path / META)
-            if meta and "tz" not in meta:
-                meta["tz"] = zone_name(sample)
-                write_meta(self.path / META, meta)
+            write_meta(self.path / META, {"tz": zone_name(sample)})
         except OSError as exc:
             self.say(f"smiquery: cannot write {self.path / META}: {exc}; the recording's time zone is not recorded")
 
@@ -315,35 +305,29 @@ class ParquetDataset:
         prune_rotated(dataset_files(self.path)[0], self.keep, self.say)
 
     def _write_part(self, journal: Path, target: Path) -> None:
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
         with open(journal, encoding="utf-8", errors="replace", newline="") as fh:
-            samples = list(read_jsonl_samples(fh, lambda err: None, None))
+            samples = list(with_gpu0(read_jsonl_samples(fh, lambda err: None, None)))  # as read_jsonl reads it
         if not samples:
             return
-        table, attrs, missing = samples_table(samples)
+        df = to_dataframe(samples)
         del samples
         if self._schema is None:
             parts = dataset_files(self.path)[0]
             if parts:
                 self._schema = pq.read_schema(parts[0]).remove_metadata()
-        if self._schema is None:
-            self._schema = table.schema.remove_metadata()  # the first part: the types every later part takes
-        else:
-            try:
-                table = table.cast(self._schema)
-            except (pa.ArrowInvalid, ValueError, TypeError):
-                pass  # other types than the first part: still a readable part
         tmp = target.with_name(f".{target.name}.tmp")
         try:
-            write_table(table, attrs, missing, tmp)
+            schema = write_frame(df, tmp, self._schema)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp, target)
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
+        if self._schema is None:
+            self._schema = schema  # the first part: the types every later part takes
         dfd = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(dfd)

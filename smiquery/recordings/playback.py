@@ -153,33 +153,25 @@ class Replay(LatestSweep):
     ) -> Iterator[GpuSample]:
         drop = on_drop if on_drop is not None else self._on_drop
         zone = self.tz if self.tz is not None else recorded_zone(path)
+        files: list[tuple[str, RecordingFormat]]
         if is_dataset(path):
             parts, journals = dataset_files(path)
-            for part in parts:
-                yield from read_parquet_samples(os.fspath(part), zone)
-            for journal in journals:
-                yield from self._text_samples(os.fspath(journal), "jsonl", zone, drop)
-            return
-        kind = fmt or detect_format(path)
-        if kind == "parquet":
-            yield from read_parquet_samples(path, zone)
+            files = [(os.fspath(p), "parquet") for p in parts] + [(os.fspath(j), "jsonl") for j in journals]
         else:
-            yield from self._text_samples(path, kind, zone, drop)
-
-    def _text_samples(
-        self, path: str, kind: RecordingFormat, tz: tzinfo | None, on_drop: Callable[[ParseError], None]
-    ) -> Iterator[GpuSample]:
-        try:
-            fh = open(path, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115 - closed below
-        except OSError as exc:
-            raise ReplayError(f"cannot read recording {path}: {exc.strerror or exc}") from exc
-        try:
-            if kind == "jsonl":
-                yield from read_jsonl_samples(fh, on_drop, tz)
-            else:
-                yield from read_csv_samples(fh, path, on_drop, self._columns, tz)
-        finally:
-            fh.close()
+            files = [(path, fmt or detect_format(path))]
+        for name, kind in files:
+            if kind == "parquet":
+                yield from read_parquet_samples(name, zone)
+                continue
+            try:
+                fh = open(name, encoding="utf-8", errors="replace", newline="")  # noqa: SIM115 - closed below
+            except OSError as exc:
+                raise ReplayError(f"cannot read recording {name}: {exc.strerror or exc}") from exc
+            with fh:
+                if kind == "jsonl":
+                    yield from read_jsonl_samples(fh, drop, zone)
+                else:
+                    yield from read_csv_samples(fh, name, drop, self._columns, zone)
 
     def _peek(self) -> GpuSample | None:
         """The first sample, and the number of GPUs in the first sweep (into :attr:`gpu_count`)."""

@@ -62,8 +62,18 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta if isinstance(meta, dict) else {}
 
 
-def write_meta(path: Path, meta: dict[str, Any]) -> None:
-    """Write a metadata file atomically (aside, then renamed into place). Raises OSError."""
+def write_meta(path: Path, new: dict[str, Any], rules: Sequence[str] = ()) -> None:
+    """Add the keys of ``new`` a metadata file lacks, and ``rules`` to its rules, atomically. Raises OSError.
+
+    Written aside and renamed into place, and only when that changes it.
+    """
+    old = read_meta(path)
+    meta = {**new, **old}
+    merged = list(dict.fromkeys([*(meta.get("rules") or ()), *rules]))
+    if merged:
+        meta["rules"] = merged
+    if meta == old:
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         tmp.write_text(json.dumps(meta) + "\n", encoding="utf-8")
@@ -235,23 +245,16 @@ class TextRecorder:
         if self.size == 0:
             self._header()
         # an appended file keeps its zone (and adds this run's rules); a new one learns it from its first row
-        meta = self.path.with_name(self.path.name + META_SUFFIX)
-        self._meta_due = (self.kind == "csv" or bool(self.rules)) and (
-            not meta.exists() or not set(self.rules) <= set(read_meta(meta).get("rules") or ())
-        )
+        self._meta_due = self.kind == "csv" or bool(self.rules)
 
     def _write_meta(self, sample: GpuSample) -> None:
         """``run.csv.meta.json``: the zone the rows' wall-clock times are in (read back without ``--tz``), the rules."""
         self._meta_due = False
         target = self.path.with_name(self.path.name + META_SUFFIX)
-        meta = read_meta(target)
-        if not meta:
-            zone = zone_name(sample) if self.kind == "csv" else None  # JSONL rows carry their offsets
-            meta = {"format": "smiquery-csv-meta", "version": 1, "tz": zone, "fields": [f.name for f in self.fields]}
-        if self.rules:
-            meta["rules"] = list(dict.fromkeys([*(meta.get("rules") or ()), *self.rules]))
+        zone = zone_name(sample) if self.kind == "csv" else None  # JSONL rows carry their offsets
+        meta = {"format": "smiquery-csv-meta", "version": 1, "tz": zone, "fields": [f.name for f in self.fields]}
         try:
-            write_meta(target, meta)
+            write_meta(target, meta, self.rules)
         except OSError as exc:
             self.say(f"smiquery: cannot write {target}: {_why(exc)}; the recording's zone and rules are not recorded")
 
@@ -308,10 +311,9 @@ class TextRecorder:
         target = rotated_name(self.path, self._started)
         try:
             os.rename(self.path, target)
-            if self.kind == "csv":
-                meta = self.path.with_name(self.path.name + META_SUFFIX)
-                if meta.exists():
-                    os.replace(meta, target.with_name(target.name + META_SUFFIX))
+            meta = self.path.with_name(self.path.name + META_SUFFIX)
+            if meta.exists():  # the zone and rules go with their rows
+                os.replace(meta, target.with_name(target.name + META_SUFFIX))
         except FileNotFoundError:
             pass  # moved away already (by logrotate): start the new file all the same
         except OSError as exc:

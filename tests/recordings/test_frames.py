@@ -450,6 +450,15 @@ def test_fallback_without_pyarrow_skips_the_same_lines(monkeypatch: pytest.Monke
     assert found[:3] == found[3:]
 
 
+def test_one_column_output_sets_aside_every_nvidia_smi_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "index\n0\nNo devices were found\nWARNING: infoROM is corrupted at gpu 0000:01:00.0\n1\n"
+    fast = _read(text)
+    assert fast["index"].tolist() == [0, 1]
+    assert fast.attrs["notices"] == ["No devices were found", "WARNING: infoROM is corrupted at gpu 0000:01:00.0"]
+    _no_pyarrow(monkeypatch)
+    _same(_read(text), fast)
+
+
 def test_fallback_reads_headerless_files(monkeypatch: pytest.MonkeyPatch) -> None:
     body = "\n".join(ROWS) + "\n"
     fast = _read(body, list(KINDS))
@@ -564,12 +573,12 @@ def test_read_recording_keeps_naive_csv_naive_in_every_format(tmp_path: Path) ->
 
 def test_read_recording_keeps_a_recorded_zone_and_converts_it(tmp_path: Path) -> None:
     from smiquery.recordings import read_recording, replay
-    from smiquery.recordings.parquet import samples_table, write_table
+    from smiquery.recordings.parquet import write_frame
 
     pytest.importorskip("pyarrow")
     path = tmp_path / "zoned.parquet"
-    write_table(
-        *samples_table(list(replay(DEMO, speed=0, tz="Europe/Berlin", fields="timestamp,index,power.draw"))), path
+    write_frame(
+        frames.to_dataframe(replay(DEMO, speed=0, tz="Europe/Berlin", fields="timestamp,index,power.draw")), path
     )
     kept = read_recording(path)
     assert str(kept["timestamp"].dtype) == "datetime64[ns, Europe/Berlin]"

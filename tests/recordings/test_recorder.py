@@ -379,6 +379,29 @@ def test_parquet_memory_stays_flat_the_writer_holds_no_rows(tmp_path):
     assert len(read_recording(tmp_path / "b.parquet")) == 10_000
 
 
+def test_every_part_of_a_parquet_dataset_keeps_the_nullable_dtypes(tmp_path):
+    from smiquery.recordings.parquet import read_parquet
+
+    w = ParquetDataset(tmp_path / "run.parquet", FIELDS, part_rows=4)
+    for s in samples(6):  # 12 rows
+        w.write(s)
+    w.close()
+    parts = sorted((tmp_path / "run.parquet").glob("part-*.parquet"))
+    assert len(parts) == 3
+    for part in parts:
+        assert {str(t) for t in read_parquet(str(part)).dtypes[1:]} <= {"Int64", "Float64"}, part
+
+
+def test_a_single_gpu_dataset_is_gpu_0_in_its_parts_and_its_open_journal(tmp_path):
+    fields = resolve_fields("timestamp,power.draw")
+    w = ParquetDataset(tmp_path / "run.parquet", fields, part_rows=4)
+    for s in parse_lines([f"2026/01/01 00:00:{i:02d}.000, {100 + i}.50 W" for i in range(10)], fields):
+        w.write(s)
+    df = read_recording(tmp_path / "run.parquet")  # two parts and the open journal
+    assert df["index"].tolist() == [0] * 10
+    w.close()
+
+
 def test_a_parquet_dataset_records_its_zone(tmp_path):
     w = open_recording(tmp_path / "run.parquet", FIELDS)
     for s in parse_lines(["2026/01/01 00:00:00.000, 0, 5 %, 1.00 W"], FIELDS, tz=ZoneInfo("Europe/Berlin")):

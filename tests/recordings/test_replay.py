@@ -26,8 +26,9 @@ from smiquery.recordings import (
     missing_reasons,
     replay,
     sample_from_json,
+    to_dataframe,
 )
-from smiquery.recordings.parquet import samples_table, write_table
+from smiquery.recordings.parquet import write_frame
 from smiquery.sample import GpuSample, Schema
 from smiquery.source import SweepGrouper
 from smiquery.sources.query_gpu import CsvParser
@@ -222,7 +223,7 @@ def test_parquet_file_round_trip(tmp_path):
 
     rows = head(16)
     path = tmp_path / "rec.parquet"
-    write_table(*samples_table(rows), path)  # one Parquet file, as each part of a dataset is written
+    write_frame(to_dataframe(rows), path)  # one Parquet file, as each part of a dataset is written
     df = pd.read_parquet(path)
     assert len(df) == 16
     assert df.attrs["fields"][:3] == ["timestamp", "index", "name"]
