@@ -270,9 +270,19 @@ class PrometheusClient:
 
         Parsed without a Python object per sample; an answer of another shape is read as :meth:`query` reads it.
         """
+        return self.samples(self.query_raw(expr, at), expr)
+
+    def query_raw(self, expr: str, at: float | None = None) -> bytes:
+        """An instant query's successful answer as the server sent it, for :meth:`samples` to parse later."""
+        got = self._call("/api/v1/query", self._instant(expr, at), expr, decoded=False)
+        if not isinstance(got, (bytes, bytearray)):
+            raise PrometheusError(f"the query {expr!r} gave a {type(got).__name__}, not series")
+        return bytes(got)
+
+    def samples(self, raw: bytes, expr: str) -> list[tuple[dict[str, str], Any, Any]]:
+        """The series of an answer of :meth:`query_raw` as :meth:`query_samples` gives them."""
         import numpy as np
 
-        raw = bytes(self._call("/api/v1/query", self._instant(expr, at), expr, decoded=False))
         fast = _matrix(raw)
         if fast is not None:
             return fast

@@ -11,6 +11,7 @@ import json
 import math
 import re
 import statistics
+from collections import deque
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -43,6 +44,8 @@ __all__ = ["MAX_POINTS", "FleetGpuInfo", "chunks", "estimate_step", "fleet_frame
 MAX_POINTS = 11_000
 # Keep each chunk well under the server's default query.max-samples (50 million).
 _MAX_SAMPLES = 20_000_000
+# Answers fetched but not yet parsed, at most (estimated): 256 MiB of JSON.
+_AHEAD_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -184,26 +187,34 @@ def fleet_frame(
                 reads.setdefault(n.metric(fld), (n, fld))
     jobs = [(n, fld, a, b) for n, fld in reads.values() for a, b in pieces]
 
-    def run(job: tuple[FleetNaming, str, float, float]) -> list[dict[str, Any]]:
+    def expr(job: tuple[FleetNaming, str, float, float]) -> str:
         # the raw samples: a range selector over the chunk, one millisecond more than the span (the window is open on
         # the left in Prometheus 3); a sample on a boundary that a server gives twice is read once
         n, fld, a, b = job
-        width = max(1, round((b - a + step) * 1000) - 1)
-        got = client.query_samples(f"{selector(n.metric(fld), node)}[{width}ms]", b)
-        return [{"metric": labels, "times": times, "nums": nums} for labels, times, nums in got]
+        return f"{selector(n.metric(fld), node)}[{max(1, round((b - a + step) * 1000) - 1)}ms]"
 
+    # The answers are fetched ahead of their parsing, as many at once as fit _AHEAD_BYTES (a sample is about 22
+    # bytes of JSON): the server writes them while pandas and pyarrow are imported and the earlier ones parsed.
+    per_answer = 22 * max(1, len(series) // max(1, len(found))) * (min(per_query, (end - grid0) / step) + 1)
+    ahead = max(4, int(_AHEAD_BYTES // per_answer))
     with ThreadPoolExecutor(max_workers=4) as pool:
         span = f"{int(end - start) + 1}s"
         info_futures = {n.name: pool.submit(info_labels, client, n, node, end, span) for n in found}
-        futures = [pool.submit(run, job) for job in jobs]
-        # imported while the server answers (pandas takes a third of a second to import)
+        fetched = deque(pool.submit(client.query_raw, expr(job), job[3]) for job in jobs[:ahead])
+        # imported while the server answers (pandas takes a third of a second)
         import numpy as np
         import pandas as pd
 
         from smiquery.fields import resolve_fields
         from smiquery.frames import make_frame, string_dtype
 
-        results = [fut.result() for fut in futures]
+        results: list[list[dict[str, Any]]] = []
+        for i, job in enumerate(jobs):
+            series_of = client.samples(fetched.popleft().result(), expr(job))  # the answer's bytes go once parsed
+            if i + ahead < len(jobs):
+                nxt = jobs[i + ahead]
+                fetched.append(pool.submit(client.query_raw, expr(nxt), nxt[3]))
+            results.append([{"metric": labels, "times": t, "nums": v} for labels, t, v in series_of])
         infos = {name: fut.result() for name, fut in info_futures.items()}
 
     # GPU -> field -> list of (times, values); identity labels per GPU

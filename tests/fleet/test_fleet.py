@@ -191,23 +191,41 @@ class CountingClient(PrometheusClient):
     def __init__(self, url: str) -> None:
         super().__init__(url)
         self.ranges: list[tuple[float, float]] = []
+        self.unparsed = self.most_unparsed = 0  # answers fetched and not yet parsed
+        self._lock = threading.Lock()
 
-    def query_samples(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], Any, Any]]:
+    def query_raw(self, expr: str, at: float | None = None) -> bytes:
         width = int(re.search(r"\[(\d+)ms\]$", expr).group(1)) / 1000  # type: ignore[union-attr]
         assert at is not None
         self.ranges.append((at - width, at))
         assert width <= 100 * STEP  # at most 100 samples of each series per query
-        return super().query_samples(expr, at)
+        raw = super().query_raw(expr, at)
+        with self._lock:
+            self.unparsed += 1
+            self.most_unparsed = max(self.most_unparsed, self.unparsed)
+        return raw
+
+    def samples(self, raw: bytes, expr: str) -> list[tuple[dict[str, str], Any, Any]]:
+        with self._lock:
+            self.unparsed -= 1
+        return super().samples(raw, expr)
 
 
-def test_a_range_in_many_chunks_gives_the_same_frame(fleet):
+def test_a_range_in_many_chunks_gives_the_same_frame(fleet, monkeypatch):
     import pandas as pd
+
+    import smiquery.fleet.history
 
     whole = fleet_frame(PrometheusClient(fleet.url), fleet.start, fleet.end)
     counting = CountingClient(fleet.url)
     pieces = fleet_frame(counting, fleet.start, fleet.end, max_points=100)
     assert len(counting.ranges) > 3 * 6  # several chunks per field
     pd.testing.assert_frame_equal(whole, pieces)
+    # answers too big to hold many: at most four fetched and not yet parsed at any time (memory stays bounded)
+    monkeypatch.setattr(smiquery.fleet.history, "_AHEAD_BYTES", 1)
+    bounded = CountingClient(fleet.url)
+    pd.testing.assert_frame_equal(whole, fleet_frame(bounded, fleet.start, fleet.end, max_points=100))
+    assert 1 <= bounded.most_unparsed <= 4
 
 
 def test_the_report_from_prometheus_equals_the_report_of_the_recording(fleet):
