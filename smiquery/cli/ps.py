@@ -185,7 +185,7 @@ class _PmonLines:
         self._said: str | None = None
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)  # argv, pid, returncode, idle, stderr, closed, interrupt, kill, ...
+        return getattr(self._inner, name)  # argv, pid, idle, closed, interrupt, kill, ...
 
     def readline(self, timeout: float) -> str | None:
         """The next line (see :class:`~smiquery.runner.LineSource`)."""
