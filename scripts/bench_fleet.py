@@ -103,7 +103,7 @@ def bench_report(nodes: int, gpus: int, days: float, step: int) -> int:
         start, end = build(tmp, nodes, gpus, samples, step, True)
         with started(str(tool("prometheus")), tmp / "data", tmp / "prom.log") as server:
             client = PrometheusClient(server.url, timeout=300)
-            fleet_frame(client, start, end)  # warm-up: blocks into the page cache
+            warm = fleet_frame(client, start, end)  # warm-up: blocks into the page cache
             load_recording(tmp / "fleet.csv", tz="UTC")
             prom_t: list[tuple[float, float, float]] = []  # wall, CPU here, CPU of the server
             rec_t: list[tuple[float, float, float]] = []
@@ -118,7 +118,7 @@ def bench_report(nodes: int, gpus: int, days: float, step: int) -> int:
             # the fleet's report names GPUs by node (and judges stragglers per node: the recording is told the nodes
             # too); all else must be the recording's report
             named = load_recording(tmp / "fleet.csv", tz="UTC")
-            named.attrs["gpu_names"] = fleet_frame(client, start, end).attrs["gpu_names"]
+            named.attrs["gpu_names"] = warm.attrs["gpu_names"]
             a, b = unnamed(from_prom.to_dict()), unnamed(report(named, name="fleet").to_dict())
             plain = sorted_keys(from_rec.to_dict())
             if any(a[k] != plain[k] for k in a if k != "findings"):

@@ -169,8 +169,10 @@ _FROM_BASE = (100.0, 100.0, 1 / _MiB, 1 / _MiB, 1.0, 1.0, 1e-6, 1.0)
 def _metrics(column: int, factors: Sequence[float] = _FROM_BASE) -> dict[str, tuple[str, float]]:
     got = {f: (row[column], k) for f, row, k in zip(FLEET_FIELDS, _METRICS, factors, strict=True)}
     for f, row in zip(EXTRA_FIELDS, _EXTRA_METRICS, strict=True):
-        name = "nvidia_smi_" + f.replace(".", "_") if column == 2 else row[0] if row[column] == "=" else row[column]
-        got[f] = (name, 1.0)
+        if column == 2:
+            got[f] = ("nvidia_smi_" + f.replace(".", "_"), 1.0)
+        else:
+            got[f] = (row[0] if row[column] == "=" else row[column], 1.0)
     return got
 
 
