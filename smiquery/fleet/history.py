@@ -1,7 +1,9 @@
 """A time range of the fleet as the DataFrame a recording gives, for :func:`smiquery.analysis.report` and the plot.
 
 :func:`fleet_frame` reads the raw samples as scraped (instant queries of range selectors, ``metric[Nms]``: no
-lookback carries a lost GPU's last value on), in chunks of at most 11,000 scrape intervals.
+lookback carries a lost GPU's last value on), in chunks of at most 11,000 scrape intervals. A series that held one
+value over a chunk (memory size, health counters, an idle GPU's clocks) is not sent sample by sample: the server says
+so, and its samples take the times of its GPU's utilisation samples when it has as many of them.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import json
 import math
 import re
 import statistics
-from collections import deque
-from collections.abc import Collection, Sequence
+from collections import Counter, deque
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,6 +48,9 @@ MAX_POINTS = 11_000
 _MAX_SAMPLES = 20_000_000
 # Answers fetched but not yet parsed, at most (estimated): 256 MiB of JSON.
 _AHEAD_BYTES = 256 * 2**20
+# Read raw without asking first whether they held still: they change on a working GPU. The first one's samples
+# give the times of a GPU's steady series.
+_VARYING = ("utilization.gpu", "temperature.gpu", "power.draw")
 
 
 @dataclass(frozen=True)
@@ -187,11 +192,21 @@ def fleet_frame(
                 reads.setdefault(n.metric(fld), (n, fld))
     jobs = [(n, fld, a, b) for n, fld in reads.values() for a, b in pieces]
 
-    def expr(job: tuple[FleetNaming, str, float, float]) -> str:
-        # the raw samples: a range selector over the chunk, one millisecond more than the span (the window is open on
-        # the left in Prometheus 3); a sample on a boundary that a server gives twice is read once
+    def window(job: tuple[FleetNaming, str, float, float]) -> str:
+        # the chunk, one millisecond more than the span (the window is open on the left in Prometheus 3); a sample on
+        # a boundary that a server gives twice is read once
+        return f"[{max(1, round((job[3] - job[2] + step) * 1000) - 1)}ms]"
+
+    def expr(job: tuple[FleetNaming, str, float, float], skip: str = "") -> str:  # the raw samples
+        return f"{selector(job[0].metric(job[1]), node, skip)}{window(job)}"
+
+    def fetch(job: tuple[FleetNaming, str, float, float]) -> tuple[bytes | None, list[dict[str, Any]]]:
+        # the steady series (one value over the chunk) as their count and value; the others' raw samples
         n, fld, a, b = job
-        return f"{selector(n.metric(fld), node)}[{max(1, round((b - a + step) * 1000) - 1)}ms]"
+        if fld in _VARYING:
+            return client.query_raw(expr(job), b), []
+        steady, skip = _steady(client, n.metric(fld), n, node, window(job), min(b - a + step, 4 * step), b)
+        return (None if skip is None else client.query_raw(expr(job, skip), b)), steady
 
     # The answers are fetched ahead of their parsing, as many at once as fit _AHEAD_BYTES (a sample is about 22
     # bytes of JSON): the server writes them while pandas and pyarrow are imported and the earlier ones parsed.
@@ -200,7 +215,7 @@ def fleet_frame(
     with ThreadPoolExecutor(max_workers=4) as pool:
         span = f"{int(end - start) + 1}s"
         info_futures = {n.name: pool.submit(info_labels, client, n, node, end, span) for n in found}
-        fetched = deque(pool.submit(client.query_raw, expr(job), job[3]) for job in jobs[:ahead])
+        fetched = deque(pool.submit(fetch, job) for job in jobs[:ahead])
         # imported while the server answers (pandas takes a third of a second)
         import numpy as np
         import pandas as pd
@@ -210,21 +225,38 @@ def fleet_frame(
 
         results: list[list[dict[str, Any]]] = []
         for i, job in enumerate(jobs):
-            series_of = client.samples(fetched.popleft().result(), expr(job))  # the answer's bytes go once parsed
+            raw, steady = fetched.popleft().result()
+            series_of = [] if raw is None else client.samples(raw, expr(job))  # the answer's bytes go once parsed
+            del raw
             if i + ahead < len(jobs):
-                nxt = jobs[i + ahead]
-                fetched.append(pool.submit(client.query_raw, expr(nxt), nxt[3]))
-            results.append([{"metric": labels, "times": t, "nums": v} for labels, t, v in series_of])
+                fetched.append(pool.submit(fetch, jobs[i + ahead]))
+            parsed = [{"metric": labels, "times": t, "nums": v} for labels, t, v in series_of]
+            results.append([*parsed, *steady])
         infos = {name: fut.result() for name, fut in info_futures.items()}
 
-    # GPU -> field -> list of (times, values); identity labels per GPU
-    data: dict[GpuKey, dict[str, list[tuple[np.ndarray, np.ndarray]]]] = {}
+    # GPU -> field -> list of (chunk, times, values); identity labels per GPU
+    data: dict[GpuKey, dict[str, list[tuple[float, np.ndarray, np.ndarray]]]] = {}
     ident: dict[GpuKey, dict[str, str]] = {}
-    read = ((n, fld, result) for (n, fld, _, _), result in zip(jobs, results, strict=True))
+    held_still: list[tuple[FleetNaming, str, GpuKey, dict[str, Any]]] = []
+    read = ((n, fld, [s | {"at": a, "to": b} for s in result]) for (n, fld, a, b), result in zip(jobs, results))
     for n, fld, key, s in gpu_series(read, infos, ident):
-        nums = s["nums"] * n.factor(fld)
-        nums[~np.isfinite(nums)] = np.nan
-        data.setdefault(key, {}).setdefault(fld, []).append((s["times"], nums))
+        if "count" in s:
+            held_still.append((n, fld, key, s))
+        else:
+            data.setdefault(key, {}).setdefault(fld, []).append(
+                (s["at"], s["times"], _values(s["nums"], n.factor(fld)))
+            )
+    for n, fld, key, s in held_still:
+        ref = next((t for at, t, _ in data.get(key, {}).get(_VARYING[0], []) if at == s["at"]), None)
+        if ref is not None and len(ref) == s["count"]:  # scraped with the utilisation: the same times
+            data[key].setdefault(fld, []).append((s["at"], ref, np.full(len(ref), s["value"] * n.factor(fld))))
+            continue
+        # not scraped with every utilisation sample (rare): its own raw samples
+        name, uuid = _uuid_label(n, s["metric"])
+        job = (n, fld, s["at"], s["to"])
+        for labels, t, v in client.query_samples(expr(job, f"{name}={json.dumps(uuid)}"), s["to"]):
+            if labels.get("instance", "") == key.instance:
+                data.setdefault(key, {}).setdefault(fld, []).append((s["at"], t, _values(v, n.factor(fld))))
     keys = sorted(data, key=GpuKey.sort_key)
     for pattern, what in ((namespace, "namespace"), (pod, "pod")):
         if pattern is not None:
@@ -244,7 +276,7 @@ def fleet_frame(
     per_gpu: list[FleetGpuInfo] = []
     lengths: list[int] = []
     for i, key in enumerate(keys):
-        by_field = data[key]
+        by_field = {f: [(t, v) for _, t, v in sorted(got, key=lambda p: p[0])] for f, got in data[key].items()}
         parts = [p for got in by_field.values() for p in got]
         # one chunk whose fields were all scraped together (the usual case): their times are the rows
         same = len(parts) == len(by_field) and all(np.array_equal(t, parts[0][0]) for t, _ in parts)
@@ -295,6 +327,65 @@ def fleet_frame(
     df.attrs["gpu_names"] = _Fixed({g.index: g.gpu_name() for g in per_gpu})  # the report names GPUs by these
     df.attrs["step"] = step
     return df
+
+
+def _values(nums: np.ndarray, factor: float) -> np.ndarray:
+    import numpy as np
+
+    out = nums * factor
+    out[~np.isfinite(out)] = np.nan
+    return out
+
+
+def _uuid_label(naming: FleetNaming, labels: dict[str, str]) -> tuple[str, str]:
+    """The label that holds a series' UUID and its value, as :meth:`FleetNaming.key` finds it (``("", "")``: none)."""
+    for name in (naming.uuid_label, "uuid", "UUID"):
+        if labels.get(name):
+            return name, labels[name]
+    return "", ""
+
+
+def _steady(
+    client: PrometheusClient, metric: str, naming: FleetNaming, node: str | None, window: str, last: float, at: float
+) -> tuple[list[dict[str, Any]], str | None]:
+    """The series of ``metric`` that held one value over ``window`` (``[Nms]``) up to ``at``; a matcher for the rest.
+
+    Each steady series comes as ``{"metric": labels, "count": samples, "value": v}``; only a series that its UUID
+    label names alone counts. The matcher (``uuid!~"..."``, or "" for all) selects the other series, to be read
+    raw; it is None when there are none. ``last``: seconds before ``at`` where the series' value is looked for.
+    The server reads each steady series twice (its changes, then its count) and each other series once before it
+    sends it: both reads cost less than writing a series' samples as JSON.
+    """
+    raw = f"{selector(metric, node)}{window}"
+    value = f"max_over_time({selector(metric, node)}[{max(1, round(last * 1000))}ms])"
+    changes: dict[tuple[tuple[str, str], ...], float] = {}
+    values: dict[tuple[tuple[str, str], ...], float] = {}
+    for row in client.query(f'changes({raw}) or label_replace({value}, "smiquery_of", "value", "", "")', at):
+        labels = dict(row.get("metric", {}))
+        into = values if labels.pop("smiquery_of", "") else changes
+        into[tuple(sorted(labels.items()))] = float(row["value"][1])
+    owners = Counter(_uuid_label(naming, dict(series)) for series in changes)
+    held: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {}  # UUID label -> its value -> the series
+    for series, changed in changes.items():
+        name, uuid = _uuid_label(naming, dict(series))
+        if changed == 0 and series in values and name and owners[name, uuid] == 1:
+            held.setdefault(name, {})[uuid] = series
+    steady: list[dict[str, Any]] = []
+    for name, of in held.items():
+        only = f"{name}=~{_alternatives(of)}"
+        for row in client.query(f"count_over_time({selector(metric, node, only)}{window})", at):
+            series = of.get(row.get("metric", {}).get(name, ""))
+            if series is not None and tuple(sorted(row["metric"].items())) == series:
+                steady.append({"metric": dict(series), "count": int(float(row["value"][1])), "value": values[series]})
+    if len(steady) == len(changes):
+        return steady, None
+    kept = {name: {dict(s["metric"])[name] for s in steady if name in s["metric"]} for name in held}
+    return steady, ",".join(f"{name}!~{_alternatives(of)}" for name, of in kept.items() if of)
+
+
+def _alternatives(values: Iterable[str]) -> str:
+    """A PromQL string of a regex that matches exactly ``values``."""
+    return json.dumps("|".join(re.escape(v) for v in sorted(values)))
 
 
 class _Fixed(dict):  # type: ignore[type-arg]

@@ -191,11 +191,10 @@ def naming_by_name(name: str) -> FleetNaming:
     raise UsageError(f"--naming: {name!r} is not a naming; use {', '.join(n.name for n in NAMINGS)}")
 
 
-def selector(metric: str, node: str | None = None) -> str:
-    """``metric{instance=~"NODE"}`` (PromQL regexes are anchored), or the bare metric name."""
-    if node is None:
-        return metric
-    return f"{metric}{{instance=~{json.dumps(node)}}}"
+def selector(metric: str, node: str | None = None, matchers: str = "") -> str:
+    """``metric{instance=~"NODE",MATCHERS}`` (PromQL regexes are anchored), or the bare metric name."""
+    got = ",".join(m for m in ("" if node is None else f"instance=~{json.dumps(node)}", matchers) if m)
+    return f"{metric}{{{got}}}" if got else metric
 
 
 def check_regex(pattern: str | None, what: str) -> None:
