@@ -374,9 +374,9 @@ def _steady(
     for name, of in held.items():
         only = f"{name}=~{_alternatives(of)}"
         for row in client.query(f"count_over_time({selector(metric, node, only)}{window})", at):
-            series = of.get(row.get("metric", {}).get(name, ""))
-            if series is not None and tuple(sorted(row["metric"].items())) == series:
-                steady.append({"metric": dict(series), "count": int(float(row["value"][1])), "value": values[series]})
+            got = of.get(row.get("metric", {}).get(name, ""))
+            if got is not None and tuple(sorted(row["metric"].items())) == got:
+                steady.append({"metric": dict(got), "count": int(float(row["value"][1])), "value": values[got]})
     if len(steady) == len(changes):
         return steady, None
     kept = {name: {dict(s["metric"])[name] for s in steady if name in s["metric"]} for name in held}
