@@ -11,44 +11,6 @@ if TYPE_CHECKING:
     import os
     from collections.abc import Sequence
 
-__all__ = [
-    "DriverNotLoadedError",
-    "DriverVersionMismatchError",
-    "GpuLostError",
-    "InfoRomWarning",
-    "InsufficientPermissionsError",
-    "InvalidArgumentError",
-    "InvalidFieldError",
-    "InvalidGpuIdError",
-    "InvalidRuleError",
-    "InvalidTimeZoneError",
-    "KernelLogError",
-    "KubernetesApiError",
-    "ListenError",
-    "NoDevicesFoundError",
-    "NotSupportedError",
-    "NvidiaSmiFailedError",
-    "NvidiaSmiNotFoundError",
-    "NvidiaSmiTimeoutError",
-    "NvmlNotFoundError",
-    "OutputTooLargeError",
-    "ParseError",
-    "PortInUseError",
-    "PrometheusError",
-    "PrometheusQueryError",
-    "PrometheusUnreachableError",
-    "RecordingError",
-    "ReplayError",
-    "ReportError",
-    "ResourceLimitError",
-    "SlurmError",
-    "SmiqueryError",
-    "StreamEndedError",
-    "UsageError",
-    "WebConfigError",
-    "failure_from_exit",
-]
-
 _CONTAINER_HINT = (
     "in a container, start it with `--gpus all` (or set NVIDIA_DRIVER_CAPABILITIES=compute,utility "
     "with the NVIDIA runtime)"
@@ -417,3 +379,8 @@ def failure_from_exit(argv: Sequence[str], returncode: int, output: str) -> Nvid
         if fragment in low:
             return cls(argv, returncode, output)
     return _BY_CODE.get(returncode, NvidiaSmiFailedError)(argv, returncode, output)
+
+
+#: Every exception class above, and failure_from_exit.
+__all__ = [n for n, v in list(globals().items()) if isinstance(v, type) and issubclass(v, (SmiqueryError, Warning))]
+__all__ += ["failure_from_exit"]
