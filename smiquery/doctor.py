@@ -29,7 +29,7 @@ from smiquery.errors import (
 from smiquery.fields import PRESETS
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Iterable, Iterator, Sequence
 
     from smiquery.sample import GpuSample
 
@@ -134,18 +134,10 @@ def _parse_version(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        key = key.strip().lower()
-        value = value.strip()
-        if key.startswith("nvidia-smi version"):
-            out["nvidia-smi"] = value
-        elif key.startswith(("driver version", "kmd version")) and "deprecated" not in value.lower():
-            out.setdefault("driver", value)
-        elif key.startswith("nvml version"):
-            out["nvml"] = value
-        elif key.startswith(("cuda version", "cuda umd version")) and "deprecated" not in value.lower():
-            out.setdefault("cuda", value)
+        key = key.strip().lower().removesuffix(" version")
+        name = {"kmd": "driver", "cuda umd": "cuda"}.get(key, key)  # 610 on: the KMD and UMD versions count
+        if sep and name in ("nvidia-smi", "driver", "nvml", "cuda") and "deprecated" not in value.lower():
+            out.setdefault(name, value.strip())
     return out
 
 
@@ -364,80 +356,78 @@ def _default_fields_check(done: _Progress, binary: str, timeout: float) -> Check
 
 def _gpu_checks(
     samples: Sequence[GpuSample], version: dict[str, str], caught: Sequence[warnings.WarningMessage]
-) -> list[CheckResult]:
-    out: list[CheckResult] = []
+) -> Iterator[CheckResult]:
     drivers = sorted({str(s.get("driver_version")) for s in samples if s.get("driver_version") is not None})
     drv = version.get("driver") or (drivers[0] if drivers else "")
-    out.append(CheckResult("driver reachable", "ok", f"driver {', '.join(drivers) or drv or '(version unknown)'}"))
+    yield CheckResult("driver reachable", "ok", f"driver {', '.join(drivers) or drv or '(version unknown)'}")
     nvml = version.get("nvml", "")
     name = "driver/library match"
     if nvml and drv and nvml.split(".")[0] != drv.split(".")[0]:
         fix = "reboot (or reload the nvidia kernel modules) so the driver matches the library"
-        out.append(CheckResult(name, "fail", f"NVML {nvml} but driver {drv}", fix, 4))
+        yield CheckResult(name, "fail", f"NVML {nvml} but driver {drv}", fix, 4)
     elif nvml and drv:
-        out.append(CheckResult(name, "ok", f"NVML {nvml} matches driver {drv}"))
+        yield CheckResult(name, "ok", f"NVML {nvml} matches driver {drv}")
     else:
         # A mismatch makes every query fail; this one worked, so the two agree even without version numbers.
-        out.append(CheckResult(name, "ok", "nvidia-smi queries the driver (NVML version not shown)"))
+        yield CheckResult(name, "ok", "nvidia-smi queries the driver (NVML version not shown)")
     lost = [s.index for s in samples if s.gpu_lost]
     gpu_names = sorted({str(s.get("name")) for s in samples if s.get("name")})
     if not samples:
-        out.append(CheckResult("GPU count", "fail", "0 GPUs", "check `nvidia-smi -L` and NVIDIA_VISIBLE_DEVICES", 4))
+        yield CheckResult("GPU count", "fail", "0 GPUs", "check `nvidia-smi -L` and NVIDIA_VISIBLE_DEVICES", 4)
     elif lost:
         said = f"{len(samples)} GPUs; GPU {_listed(lost)} is lost (fell off the bus)"
-        out.append(CheckResult("GPU count", "fail", said, GpuLostError.hint, 4))
+        yield CheckResult("GPU count", "fail", said, GpuLostError.hint, 4)
     else:
         plural = "s" if len(samples) != 1 else ""
-        out.append(CheckResult("GPU count", "ok", f"{len(samples)} GPU{plural}: {', '.join(gpu_names)}"))
+        yield CheckResult("GPU count", "ok", f"{len(samples)} GPU{plural}: {', '.join(gpu_names)}")
     rom = [str(w.message) for w in caught if "infoROM" in str(w.message) or "exited 14" in str(w.message)]
     if rom:
         fix = "the GPU's infoROM is corrupted; values still read, but report it to the vendor (RMA)"
-        out.append(CheckResult("infoROM", "warn", _one_line(rom[0]), fix))
+        yield CheckResult("infoROM", "warn", _one_line(rom[0]), fix)
     pm = [(s.index, s.get("persistence_mode")) for s in samples]
     off = [i for i, v in pm if v is False]
     if all(v is None for _, v in pm):
-        out.append(CheckResult("persistence mode", "skip", "not reported by this driver (n/a)"))
+        yield CheckResult("persistence mode", "skip", "not reported by this driver (n/a)")
     elif off:
         said = f"disabled on GPU {_listed(off)}: every nvidia-smi call re-initialises the driver (slow)"
         fix = "run `sudo nvidia-smi -pm 1` or enable the nvidia-persistenced service"
-        out.append(CheckResult("persistence mode", "warn", said, fix))
+        yield CheckResult("persistence mode", "warn", said, fix)
     else:
-        out.append(CheckResult("persistence mode", "ok", "enabled"))
+        yield CheckResult("persistence mode", "ok", "enabled")
     mig = [(s.index, s.get("mig.mode.current")) for s in samples]
     on = [i for i, v in mig if v is True]
     said = f"enabled on GPU {_listed(on)}: GPU utilization is n/a there; use MIG devices" if on else "disabled"
     reported = any(v is not None for _, v in mig)
-    out.append(CheckResult("MIG mode", "ok", said if reported else "not supported or not reported (n/a)"))
-    return out
+    yield CheckResult("MIG mode", "ok", said if reported else "not supported or not reported (n/a)")
 
 
-def _container_checks(ctr: str | None, *, found: bool, failure: BaseException | None) -> list[CheckResult]:
+def _container_checks(ctr: str | None, *, found: bool, failure: BaseException | None) -> Iterator[CheckResult]:
     """The container set-up: a variable is a warning only when it may explain a failure seen above."""
     if ctr is None:
-        return [CheckResult("container", "ok", "not in a container")]
-    out = [CheckResult("container", "ok", f"in a container ({ctr})")]
+        yield CheckResult("container", "ok", "not in a container")
+        return
+    yield CheckResult("container", "ok", f"in a container ({ctr})")
     working = found and failure is None
     # nvidia-smi and libnvidia-ml come from the host only with the `utility` capability (NVIDIA-SMI.md section 7)
     missing_tool = "nvidia-smi" if not found else "libnvidia-ml.so" if isinstance(failure, NvmlNotFoundError) else ""
     caps = os.environ.get("NVIDIA_DRIVER_CAPABILITIES")
     name = "NVIDIA_DRIVER_CAPABILITIES"
     if caps is None and missing_tool:
-        out.append(CheckResult(name, "warn", f"unset: {missing_tool} is not mounted without it", _FIX_CONTAINER))
+        yield CheckResult(name, "warn", f"unset: {missing_tool} is not mounted without it", _FIX_CONTAINER)
     elif caps is None:
-        out.append(CheckResult(name, "ok", "unset (nvidia-smi is mounted anyway)"))
+        yield CheckResult(name, "ok", "unset (nvidia-smi is mounted anyway)")
     elif {w.strip().lower() for w in caps.split(",")} & {"utility", "all"}:
-        out.append(CheckResult(name, "ok", f"{caps} (includes utility)"))
+        yield CheckResult(name, "ok", f"{caps} (includes utility)")
     elif working or not missing_tool:
-        out.append(CheckResult(name, "ok", f"{caps} (lacks utility, but nvidia-smi and NVML are there)"))
+        yield CheckResult(name, "ok", f"{caps} (lacks utility, but nvidia-smi and NVML are there)")
     else:
-        out.append(CheckResult(name, "warn", f"{caps!r} lacks utility: {missing_tool} is not mounted", _FIX_CONTAINER))
+        yield CheckResult(name, "warn", f"{caps!r} lacks utility: {missing_tool} is not mounted", _FIX_CONTAINER)
     visible = os.environ.get("NVIDIA_VISIBLE_DEVICES")
     shown = "unset" if visible is None else repr(visible)
     name = "NVIDIA_VISIBLE_DEVICES"
     if (visible or "").strip().lower() not in ("", "void", "none"):
-        out.append(CheckResult(name, "ok", visible or ""))
+        yield CheckResult(name, "ok", visible or "")
     elif isinstance(failure, (NoDevicesFoundError, DriverNotLoadedError)):
-        out.append(CheckResult(name, "warn", f"{shown}: no GPU is passed in", _FIX_VISIBLE))
+        yield CheckResult(name, "warn", f"{shown}: no GPU is passed in", _FIX_VISIBLE)
     else:
-        out.append(CheckResult(name, "ok", f"{shown} (GPUs are reachable anyway)" if working else shown))
-    return out
+        yield CheckResult(name, "ok", f"{shown} (GPUs are reachable anyway)" if working else shown)

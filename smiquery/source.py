@@ -256,26 +256,16 @@ SourceState = Literal["starting", "running", "retrying", "ended", "closed", "fai
 class StreamStats:
     """Counters and retry state of a source, for monitors and exporters (read from any thread).
 
-    Attributes:
-        rows: samples delivered.
-        sweeps: sweeps published (complete or short).
-        short_sweeps: sweeps published without all known GPUs, or with a dropped row inside.
-        restarts: nvidia-smi children restarted after a failure.
-        starts: nvidia-smi children started in all.
-        dropped_rows: lines rejected by the parser (garbage, truncated, wrong column count).
-        errors: failures by error class name.
-        lost_gpus: indices currently lost: ``[GPU is lost]`` cells, nvidia-smi's message, or rows that stopped
-            (not an index another GPU took over after a restart: see ``lost_uuids``).
-        lost_uuids: UUIDs currently lost (when ``uuid`` is queried), with the index each had when last seen.
-        gpu_lost_events: how many times a GPU was found lost.
-        known_gpus: the GPU indices of the newest whole sweep, with their UUIDs when ``uuid`` is queried.
-        last_error: the newest failure, as one line.
-        last_error_type: its exception class name.
-        state: ``starting``, ``running``, ``retrying`` (waiting to start again), ``ended`` (a finite source is
-            done), ``closed`` or ``failed`` (gave up; ``error`` on the source says why).
-        attempt: failed starts in the current failure streak (0 while healthy).
-        next_retry_at: wall-clock time (``time.time()``) of the next start while retrying, else None.
-        permanent: True while the current failure is one that needs a person (driver mismatch, NVML missing...).
+    ``rows`` samples delivered, ``sweeps`` published (``short_sweeps`` of them without all known GPUs or with a
+    dropped row inside), ``starts`` of nvidia-smi children (``restarts`` after a failure), ``dropped_rows`` rejected
+    by the parser, ``errors`` by class name. ``lost_gpus``: indices currently lost (a ``[GPU is lost]`` cell,
+    nvidia-smi's message, or rows that stopped; not an index another GPU took after a restart: see ``lost_uuids``,
+    UUID -> the index it last had), found ``gpu_lost_events`` times; ``known_gpus``: the newest whole sweep's
+    indices -> UUIDs (when queried). ``last_error`` (one line) and ``last_error_type`` say the newest failure;
+    ``state`` is ``starting``, ``running``, ``retrying``, ``ended`` (a finite source is done), ``closed`` or
+    ``failed`` (gave up: the source's ``error`` says why). While failing: ``attempt`` (failed starts in the streak),
+    ``next_retry_at`` (``time.time()`` of the next start while retrying) and ``permanent`` (the failure needs a
+    person: driver mismatch, NVML missing...).
     """
 
     rows: int = 0
