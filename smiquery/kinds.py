@@ -25,7 +25,6 @@ __all__ = [
     "Kind",
     "Unit",
     "missing_reason",
-    "missing_token",
     "split_header_cell",
     "strip_unit",
     "to_number",
@@ -95,12 +94,6 @@ def missing_reason(cell: str) -> str | None:
     if reason is None and len(cell) >= 2 and cell[0] == "[" and cell[-1] == "]":
         return cell
     return reason
-
-
-def missing_token(reason: str | None) -> str:
-    """The cell nvidia-smi prints for a missing value with this reason (``[N/A]`` when unknown or None)."""
-    r = reason or "not_available"
-    return _TOKEN_FOR_REASON.get(r, r if r.startswith("[") else "[N/A]")
 
 
 _HEADER_UNIT = re.compile(r"^(.*?) \[([^\]]*)\]$")
@@ -204,7 +197,8 @@ class _Timestamp:
         prefix = v[:19]
         if prefix != self.prefix or self.base is None:
             if len(v) < 19 or v[4] != "/" or v[7] != "/" or v[10] != " " or v[13] != ":" or v[16] != ":":
-                return self._other(v)
+                dt = datetime.fromisoformat(v)  # recordings written by other tools may use ISO 8601
+                return self.localize(dt) if dt.tzinfo is None else dt
             self.base = self._second(v, prefix)
         ms = self._MILLIS.get(v[20:]) if len(v) == 23 and v[19] == "." else None
         if ms is not None:
@@ -234,13 +228,6 @@ class _Timestamp:
         self.prefix = prefix
         return base
 
-    def _other(self, v: str) -> datetime:
-        # Recordings written by other tools may use ISO 8601.
-        dt = datetime.fromisoformat(v)
-        if dt.tzinfo is None:
-            dt = self.localize(dt)
-        return dt
-
 
 #: Exceptions a converter raises for a cell that does not fit its kind.
 CONVERT_ERRORS = (ValueError, KeyError, TypeError, OverflowError, _NotAValue)
@@ -254,11 +241,9 @@ _DTYPES = {"int": "Int64", "float": "Float64", "bool": "boolean", "timestamp": "
 class FieldKind:
     """Everything smiquery does with one :class:`Kind`'s values, from the CSV cell to the table, frame and metric.
 
-    Attributes:
-        storage: how values are held: ``"int"``, ``"float"``, ``"bool"``, ``"timestamp"`` or ``"string"``.
-        words: for two-state kinds, nvidia-smi's words for True and False (``("Enabled", "Disabled")``).
-        metric: how the exporter shows it: ``"number"`` (a gauge in the unit's base unit), ``"bool"`` (1/0),
-            ``"bitmask"`` (the number), ``"info"`` (the text as a label of a gauge of 1) or ``"none"``.
+    ``storage`` says how values are held, ``words`` a two-state kind's words for True and False; ``metric`` how the
+    exporter shows it: a gauge in the unit's base unit, 1/0, the bitmask's number, the text as a label of a gauge of
+    1 (``info``), or not at all.
     """
 
     kind: Kind
@@ -321,10 +306,7 @@ class FieldKind:
         return str(value)
 
     def arrow_cast(self, col: Any) -> Any | None:
-        """A column of bare cells (a pyarrow string array; nulls for tokens) cast to this kind's Arrow type.
-
-        The vectorised :meth:`converter`: None when some cell would read otherwise cell by cell.
-        """
+        """The vectorised :meth:`converter` over bare cells (pyarrow strings, null tokens); None if one would differ."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -362,11 +344,12 @@ class FieldKind:
     def format(self, value: Value, unit: str = "", *, reason: str | None = None, suffix: str = "") -> str:
         """A value written as nvidia-smi prints it in CSV, so that :meth:`parse` gives it back.
 
-        None is written as the status token for ``reason``; ``unit`` decides a decimal's digits (``W``: two);
-        ``suffix`` is appended as nvidia-smi's default format does (``"MiB"``), never after a token.
+        None is the status token for ``reason``; ``unit`` decides a decimal's digits; ``suffix`` (``"MiB"``) follows
+        a value, never a token, as in nvidia-smi's default format.
         """
-        if value is None:
-            return missing_token(reason)
+        if value is None:  # the status token of the reason: a "[...]" reason is its own, [N/A] for any other
+            r = reason or "not_available"
+            return _TOKEN_FOR_REASON.get(r, r if r.startswith("[") else "[N/A]")
         storage = self.storage
         if self.words is not None:
             text = self.words[0] if value else self.words[1]
