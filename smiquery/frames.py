@@ -170,10 +170,7 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
 
 def missing_reasons(df: pd.DataFrame) -> MissingReasons:
     """column -> {row position -> reason} of a frame's missing cells (any reader's, :func:`to_dataframe`'s)."""
-    found = df.attrs.get("missing")
-    if isinstance(found, MissingReasons):
-        return found
-    return MissingReasons.from_dicts(found or {})
+    return MissingReasons.from_dicts(df.attrs.get("missing") or {})
 
 
 def int_array(values: Sequence[int | None]) -> Any:
@@ -223,10 +220,8 @@ def empty_array(fld: Field, tz: tzinfo | None) -> Any:
     """A column of no rows with the dtype ``fld`` gets (timestamps in ``tz``; naive for None)."""
     import pandas as pd
 
-    if fld.kind.ops.storage == "timestamp":
-        if tz is None:
-            return pd.DatetimeIndex([], dtype="datetime64[ns]").array
-        return pd.DatetimeIndex([], dtype=pd.DatetimeTZDtype("ns", tz)).array
+    if fld.kind.ops.storage == "timestamp" and tz is None:
+        return pd.DatetimeIndex([], dtype="datetime64[ns]").array
     return _python_array(fld, [], tz)
 
 
@@ -256,15 +251,12 @@ def make_frame(
 def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     """Put samples in a DataFrame, one row per sample and one nullable column per queried field.
 
-    Columns are named after :attr:`Field.attr` (``memory.used`` -> ``memory_used``) with dtypes from the
-    catalogue: ``Int64`` for integers, hex values and bitmasks, ``Float64`` for decimals, ``boolean`` for
-    Enabled/Disabled, Yes/No and Active/Not Active, ``string`` for text and versions, and ``datetime64[ns, tz]``
-    for ``timestamp`` (naive ``datetime64[ns]`` when every sample's timestamp is naive, as a replayed
-    nvidia-smi CSV's are). A missing value is ``<NA>`` (never 0). ``df.attrs`` carries ``"fields"`` (canonical
-    names), ``"units"`` (column -> unit, ``""`` when dimensionless) and ``"missing"`` (:class:`MissingReasons`).
-    Samples from different queries may be mixed: the columns are the union of their fields, in first-seen
-    order, and a field a sample did not query is ``<NA>`` without a reason. No samples give an empty frame.
-    Raises ValueError for a timestamp outside what ``datetime64[ns]`` holds (years 1677 to 2262).
+    Columns are named after :attr:`Field.attr` (``memory.used`` -> ``memory_used``) and typed by their kind
+    (:attr:`~smiquery.kinds.FieldKind.dtype`; timestamps stay naive when every sample's is, as a replayed CSV's
+    are). A missing value is ``<NA>`` (never 0). ``df.attrs`` carries ``"fields"`` (canonical names), ``"units"``
+    (column -> unit) and ``"missing"`` (:class:`MissingReasons`). Samples of different queries give the union of
+    their fields, in first-seen order (``<NA>`` without a reason where a sample lacks one). ValueError for a
+    timestamp outside ``datetime64[ns]`` (years 1677 to 2262).
     """
     rows = list(samples)
     if not rows:
@@ -281,19 +273,14 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     attr_of = {n: f.attr for n, f in zip(names, fields, strict=True)}
     missing: dict[str, dict[int, str]] = {}
     for i, s in enumerate(rows):
-        m = s.missing
-        if m:
-            for name, reason in m.items():
-                missing.setdefault(attr_of[name], {})[i] = reason
+        for name, reason in s.missing.items():
+            missing.setdefault(attr_of[name], {})[i] = reason
     columns = [_python_array(f, col) for f, col in zip(fields, columns_of, strict=True)]
     return make_frame(fields, columns, missing, None)
 
 
 def set_zone(df: pd.DataFrame, tz: tzinfo | None) -> None:
-    """Put the ``timestamp`` column in ``tz``, in place: naive times are localized, aware ones converted.
-
-    None leaves the column as it is.
-    """
+    """Put the ``timestamp`` column in ``tz`` (None: leave it), in place: naive times localized, aware converted."""
     if tz is None or "timestamp" not in df.columns:
         return
     stamps = df["timestamp"]
@@ -306,13 +293,10 @@ def set_zone(df: pd.DataFrame, tz: tzinfo | None) -> None:
 
 @dataclass(frozen=True)
 class SkippedLines:
-    """Lines of a recording that readers skipped: torn (a killed recorder's last line), garbled or not fitting.
+    """``count`` lines of a recording that readers skipped: torn (a killed recorder's last line), garbled or unfit.
 
-    Attributes:
-        count: how many lines were skipped.
-        first_lineno: the line number (1-based) of the first one.
-        first_line: that line's text (cut to 80 characters).
-        reason: what is wrong with that line (``field 'memory.used': '7.5' is not a valid integer``), or "".
+    The first of them is line ``first_lineno`` (from 1), ``first_line`` its text (80 characters at most) and
+    ``reason`` what is wrong with it (``field 'memory.used': '7.5' is not a valid integer``), or "".
     """
 
     count: int
