@@ -37,17 +37,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Field:
-    """One ``--query-gpu`` property.
+    """One ``--query-gpu`` property: its canonical ``name`` (as the CSV header prints it), ``aliases`` and ``unit``.
 
-    Attributes:
-        name: canonical name, as nvidia-smi prints it in the CSV header.
-        unit: physical unit of the value (``"MiB"``, ``"W"``, ``"C"``...), empty when dimensionless.
-        header_unit: unit nvidia-smi prints as ``name [unit]`` in the header (temperatures print none).
-        aliases: other names nvidia-smi accepts for it (``gpu_name`` for ``name``).
-        since: first driver branch known to list it.
-        attr: Python attribute and DataFrame column name (dots become underscores).
-        argv_name: the spelling sent in ``--query-gpu``: an older alias where every driver accepts it
-            (``clocks_throttle_reasons.active``), else ``name``.
+    ``header_unit`` is the unit the header prints as ``name [unit]`` (temperatures print none), ``since`` the first
+    driver branch known to list it, ``attr`` the Python attribute and DataFrame column name (dots become
+    underscores), ``argv_name`` the spelling sent in ``--query-gpu`` (an older alias every driver accepts, such as
+    ``clocks_throttle_reasons.active``, else ``name``).
     """
 
     name: str
@@ -230,20 +225,13 @@ def parse_help_query_gpu(text: str) -> list[HelpEntry]:
     An entry is a line starting with a double quote right after a blank line (``"name" or "alias"``); the lines
     below it, up to the next blank line, describe it. Headings and prose in between are skipped.
     """
-    lines = text.replace("\r", "").split("\n")
     entries: list[HelpEntry] = []
-    for i, line in enumerate(lines):
-        if not line.startswith('"') or (i > 0 and lines[i - 1].strip()):
-            continue
-        names = _HELP_NAME_RE.findall(line)
-        if not names:
-            continue
-        desc: list[str] = []
-        for follow in lines[i + 1 :]:
-            if not follow.strip():
-                break
-            desc.append(follow.strip())
-        entries.append(HelpEntry(names[0], tuple(names[1:]), " ".join(desc)))
+    for block in re.split(r"\n\s*\n", text.replace("\r", "")):
+        first, _, rest = block.strip("\n").partition("\n")
+        names = _HELP_NAME_RE.findall(first) if first.startswith('"') else []
+        if names:
+            desc = " ".join(line.strip() for line in rest.splitlines() if line.strip())
+            entries.append(HelpEntry(names[0], tuple(names[1:]), desc))
     return entries
 
 
