@@ -34,11 +34,10 @@ __all__ = [
 class Sweep(tuple[GpuSample, ...]):
     """All GPUs' samples for one instant (one iteration of nvidia-smi's loop), in nvidia-smi's order.
 
-    Attributes:
-        missing: indices of known GPUs absent from this sweep (a cut sweep, a dropped row, a GPU that dropped out).
-        damaged: True when a row inside this sweep was rejected by the parser or the child ended mid-sweep.
-        arrived: ``time.monotonic()`` when a live stream read the sweep's last row (None for a replay): hold alerts
-            and ages on this, never on nvidia-smi's wall-clock timestamps, which jump (DST, NTP steps).
+    ``missing``: indices of known GPUs absent from it (a cut sweep, a dropped row, a GPU that dropped out);
+    ``damaged``: a row inside it was rejected or the child ended mid-sweep; ``arrived``: ``time.monotonic()`` when a
+    live stream read its last row (None in a replay): hold alerts and ages on this, never on nvidia-smi's wall-clock
+    timestamps, which jump (DST, NTP steps).
     """
 
     missing: frozenset[int]
@@ -77,23 +76,16 @@ class SweepGrouper:
     the reader waited at least 90 % of the interval for it (``idle``) and its timestamp does not place it in the
     current instant, so a slow row or a wall-clock step never splits a sweep.
 
-    The known GPU set is learnt from the rows (or given as ``expected``), anew after :meth:`restart`. Once one whole
-    cycle has been seen, a sweep is published as soon as every known GPU has its row, else when the next begins.
-
-    Args:
-        expected: the GPU indices to expect (for ``-i 0,1``), or how many GPUs a whole sweep has; 0 to learn.
-        interval: seconds between instants, for the arrival hint; None (replays) to rely on index order alone.
+    The known GPU set is learnt from the rows anew after :meth:`restart`, unless ``expected`` gives the indices (for
+    ``-i 0,1``) or how many GPUs a whole sweep has. Once one whole cycle has been seen, a sweep is published as soon
+    as every known GPU has its row, else when the next begins. ``interval`` None (replays): index order alone.
     """
 
     def __init__(self, expected: int | Iterable[int] = 0, *, interval: float | None = None) -> None:
         self.interval = interval
         self._hint = interval is not None and interval >= 0.5
-        self._count = 0
-        self._expected: tuple[int, ...] = ()
-        if isinstance(expected, int):
-            self._count = expected
-        else:
-            self._expected = tuple(expected)
+        self._count = expected if isinstance(expected, int) else 0
+        self._expected: tuple[int, ...] = () if isinstance(expected, int) else tuple(expected)
         self.restart()
 
     def restart(self) -> None:
@@ -117,15 +109,11 @@ class SweepGrouper:
         idx = sample.index
         new = idx is None or idx in self._present or (self._last_index is not None and idx <= self._last_index)
         if not new and self._hint and idle is not None and self.interval is not None and idle >= 0.9 * self.interval:
-            new = True
-            ts = sample.timestamp
-            last = self._last_time
-            if ts is not None and last is not None:
-                try:
-                    close_in_time = abs((ts - last).total_seconds()) < 0.5 * self.interval
-                except TypeError:  # naive against aware: no hint
-                    close_in_time = False
-                new = not close_in_time
+            ts, last = sample.timestamp, self._last_time
+            try:  # unless its timestamp places it in the current instant
+                new = ts is None or last is None or abs((ts - last).total_seconds()) >= 0.5 * self.interval
+            except TypeError:  # naive against aware: no hint
+                new = True
         if not new:
             return None
         if not self._damaged:
