@@ -55,11 +55,10 @@ class AsyncStream(CsvSource):
             async for sweep in s.sweeps(count=10):
                 print(max(x.temperature_gpu or 0 for x in sweep))
 
-    The arguments and the errors raised before anything runs are :class:`smiquery.Stream`'s; ``sleep`` is the
-    coroutine that waits between restarts (tests inject one). Nothing runs until the stream is iterated.
-    ``async for sample in s`` yields samples, :meth:`sweeps` whole sweeps; one iteration at a time (one child per
-    stream). Leaving ``async with``, :meth:`aclose` or cancelling the iterating task reaps the child. As the sync
-    stream: :attr:`stats`, :meth:`latest`, :meth:`subscribe` (or ``on_event``).
+    The arguments, the attributes and the errors raised before anything runs are :class:`smiquery.Stream`'s;
+    ``sleep`` waits between restarts (tests inject one). Nothing runs until ``async for sample in s`` or
+    :meth:`sweeps` iterates it, one iteration at a time (one child per stream); leaving ``async with``,
+    :meth:`aclose` or cancelling the iterating task reaps the child.
     """
 
     def __init__(
@@ -154,11 +153,7 @@ class AsyncStream(CsvSource):
         return self._only(GpuSample, None)
 
     def sweeps(self, count: int | None = None) -> AsyncIterator[Sweep]:
-        """Yield whole sweeps (one sample per GPU for one instant), grouped as the sync stream groups them.
-
-        Args:
-            count: stop after this many sweeps.
-        """
+        """Yield whole sweeps (one sample per GPU for one instant), as the sync stream does; ``count``: stop after."""
         return self._only(Sweep, count)
 
     async def _only(self, kind: type[T], count: int | None) -> AsyncIterator[T]:

@@ -55,18 +55,20 @@ class Localizer:
             return naive.replace(fold=fold).astimezone()
         return naive.replace(tzinfo=self.tz, fold=fold)
 
-    def _zone_of(self, aware: datetime) -> datetime:
-        # back into the zone from the instant: the wall time that really existed then
-        return aware.astimezone() if self.tz is None else aware.astimezone(self.tz)
-
     def __call__(self, naive: datetime) -> datetime:
         """The instant of ``naive`` (a wall time, tzinfo ignored) for this row; remembers it for the next row."""
         naive = naive.replace(tzinfo=None, fold=0)
-        if self._fixed:
-            out = naive.replace(tzinfo=self.tz)
-            self.last = out
-            return out
-        return self._resolve(naive)
+        first = self._aware(naive, 0)
+        second = first if self._fixed else self._aware(naive, 1)
+        if first.utcoffset() == second.utcoffset():
+            out = first
+        else:
+            # back into the zone from the instant: the wall time that really existed then; a wall time the
+            # spring-forward skips does not come back from its instant: shifted forward
+            real = first.astimezone(_UTC).astimezone(self.tz)
+            out = real if real.replace(tzinfo=None, fold=0) != naive else self._pick(first, second)
+        self.last = out
+        return out
 
     def plain_hour(self, naive: datetime) -> bool:
         """True when the hour of ``naive`` holds no zone change, so a parser may reuse one offset for all its rows."""
@@ -76,18 +78,6 @@ class Localizer:
         end = start.replace(minute=59, second=59, microsecond=999999)
         offsets = {self._aware(t, fold).utcoffset() for t in (start, end) for fold in (0, 1)}
         return len(offsets) == 1
-
-    def _resolve(self, naive: datetime) -> datetime:
-        first = self._aware(naive, 0)
-        second = self._aware(naive, 1)
-        if first.utcoffset() == second.utcoffset():
-            out = first
-        else:
-            real = self._zone_of(first.astimezone(_UTC))
-            # a wall time the spring-forward skips does not come back from its instant: shifted forward
-            out = real if real.replace(tzinfo=None, fold=0) != naive else self._pick(first, second)
-        self.last = out
-        return out
 
     def _pick(self, first: datetime, second: datetime) -> datetime:
         """The fall-back's repeated hour: the first pass unless the order of the rows says the second."""
@@ -124,10 +114,8 @@ def to_zone(dt: datetime, tz: tzinfo) -> datetime:
 def seconds_between(start: datetime, end: datetime) -> float:
     """Seconds from ``start`` to ``end`` as they really passed (negative when ``end`` is earlier).
 
-    Aware times are taken by their instants, across any DST change between them; naive ones by their wall times.
-
-    Raises:
-        TypeError: one is naive and the other aware.
+    Aware times are taken by their instants, across any DST change between them; naive ones by their wall times;
+    TypeError when one is naive and the other aware.
     """
     if start.tzinfo is not None and end.tzinfo is not None:
         start, end = start.astimezone(_UTC), end.astimezone(_UTC)
@@ -140,12 +128,6 @@ def later(dt: datetime, delta: timedelta) -> datetime:
     if tz is None or isinstance(tz, timezone):
         return dt + delta
     return to_zone(dt.astimezone(_UTC) + delta, tz)
-
-
-def _ns(dt: datetime) -> int:
-    """UTC nanoseconds since the epoch of an aware datetime (exact to the microsecond)."""
-    delta = dt.astimezone(_UTC) - _EPOCH
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000
 
 
 def localize_by_order(naive: Any, tz: tzinfo) -> pd.DatetimeIndex:
@@ -174,7 +156,7 @@ def localize_by_order(naive: Any, tz: tzinfo) -> pd.DatetimeIndex:
         localizer.last = None if prev < 0 else _EPOCH + timedelta(microseconds=int(utc[prev]) // 1000)
         wall_ns = int(walls[i])
         wall = datetime(1970, 1, 1) + timedelta(microseconds=wall_ns // 1000)
-        utc[i] = _ns(localizer(wall)) + wall_ns % 1000
+        utc[i] = (localizer(wall) - _EPOCH) // timedelta(microseconds=1) * 1000 + wall_ns % 1000
         done = i
     return cast("pd.DatetimeIndex", pd.DatetimeIndex(pd.to_datetime(utc, unit="ns", utc=True)).tz_convert(tz))
 
