@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from smiquery.fields import Field
 
 __all__ = [
-    "EventKind",
     "LatestSweep",
     "SampleSource",
     "SourceState",
@@ -217,17 +216,13 @@ class LatestSweep:
         return (None, None) if got is None else (got[0], time.monotonic() - got[1])
 
 
-EventKind = Literal[
-    "restart", "error", "recovered", "dropped_row", "short_sweep", "gpu_lost", "gpu_back", "gpu_renumbered"
-]
-
-
 @dataclass(frozen=True)
 class StreamEvent:
     """Something that happened to a source (``kind``), the ``error`` behind it, and the ``gpu`` and ``uuid`` concerned.
 
-    ``detail`` is one line for people. ``restart``: a child is about to be started again; ``gpu_renumbered``: after a
-    restart a GPU delivers under another index; ``short_sweep``: a sweep without all known GPUs.
+    ``detail`` is one line for people. The kinds: ``restart`` (a child is about to be started again), ``error``,
+    ``recovered``, ``dropped_row``, ``short_sweep`` (a sweep without all known GPUs), ``gpu_lost``, ``gpu_back`` and
+    ``gpu_renumbered`` (after a restart a GPU delivers under another index).
     """
 
     kind: str
