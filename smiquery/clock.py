@@ -1,9 +1,8 @@
 """Time rules for nvidia-smi's timestamps: wall-clock stamps put in a zone by row order, and steps that never go back.
 
-nvidia-smi stamps rows with the host's local wall time and no zone, which repeats an hour when daylight saving ends,
-skips one when it starts, and steps with NTP or a VM resume. A repeated wall time is resolved by the *order* of the
-rows, a skipped one shifted forward; a duration is the time that really passed (through UTC: Python subtracts two
-aware times of one ``tzinfo`` as wall times); without a zone a step back counts 0.
+nvidia-smi's local wall time repeats an hour when daylight saving ends, skips one when it starts, and steps with NTP
+or a VM resume: a repeated wall time is resolved by the *order* of the rows, a skipped one shifted forward; a duration
+is the time that really passed (through UTC); without a zone a step back counts 0.
 """
 
 from __future__ import annotations

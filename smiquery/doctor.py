@@ -77,15 +77,11 @@ _FIX_NVML_INIT = (
 
 @dataclass(frozen=True)
 class CheckResult:
-    """The result of one doctor check.
+    """The result of one doctor check (``name``, one of :data:`CHECK_NAMES`): what was found (``diagnosis``, one line).
 
-    Attributes:
-        name: what was checked (one of :data:`CHECK_NAMES`).
-        status: ``ok``; ``warn`` (monitoring works, but something degrades it); ``fail`` (it stops monitoring);
-            ``skip`` (not applicable, or impossible after an earlier failure).
-        diagnosis: what was found, one line.
-        fix: what to do, for ``warn`` and ``fail`` ("" otherwise).
-        code: the exit code a failure stands for: 3 nvidia-smi missing, 4 driver, 5 timeout, 1 anything else.
+    ``status``: ``ok``; ``warn`` (monitoring works, but something degrades it); ``fail`` (it stops monitoring); ``skip``
+    (not applicable, or impossible after an earlier failure). ``fix``: what to do, for ``warn`` and ``fail``;
+    ``code``: the exit code a failure stands for: 3 nvidia-smi missing, 4 driver, 5 timeout, 1 anything else.
     """
 
     name: str
@@ -174,10 +170,9 @@ def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
     elif "Failed to initialize NVML" in message:
         fix = _FIX_NVML_INIT
     else:
-        hint = getattr(exc, "hint", "") or ""
-        if not hint or "smiquery doctor" in hint:
-            hint = "run plain `nvidia-smi` to see the whole message, and check `dmesg` for Xid errors"
-        fix = hint
+        fix = getattr(exc, "hint", "")
+        if not fix or "smiquery doctor" in fix:
+            fix = "run plain `nvidia-smi` to see the whole message, and check `dmesg` for Xid errors"
     return CheckResult(name, "fail", message, fix, exc.exit_status if isinstance(exc, SmiqueryError) else 1)
 
 

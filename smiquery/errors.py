@@ -20,9 +20,8 @@ _CONTAINER_HINT = (
 class SmiqueryError(Exception):
     """Base of every error smiquery raises.
 
-    Attributes:
-        retryable: whether a long-lived source retries it soon (else it waits for a person to fix the cause).
-        exit_status: the command line's exit code for it: 2 usage, 3 nvidia-smi missing, 4 driver, 5 timeout, else 1.
+    ``retryable``: a long-lived source retries it soon (else it waits for a person to fix the cause); ``exit_status``:
+    the command line's exit code for it: 2 usage, 3 nvidia-smi missing, 4 driver, 5 timeout, else 1.
     """
 
     retryable = False

@@ -173,7 +173,7 @@ def _major_minor(v: str) -> str:
 class _Timestamp:
     """Parses ``YYYY/MM/DD HH:MM:SS.mmm`` local time; caches the whole-second part, since rows share it."""
 
-    __slots__ = ("base", "hour", "hour_base", "localize", "prefix", "tz")
+    __slots__ = ("base", "hour", "hour_base", "localize", "prefix")
 
     # nvidia-smi prints milliseconds; adding a ready-made timedelta is ten times cheaper than replace().
     _MILLIS: ClassVar[dict[str, timedelta]] = {f"{i:03d}": timedelta(milliseconds=i) for i in range(1000)}
@@ -185,7 +185,6 @@ class _Timestamp:
     def __init__(self, tz: tzinfo | None) -> None:
         from smiquery.clock import Localizer
 
-        self.tz = tz
         # one converter reads one timeline in order: the repeated hour of a DST fall-back resolves by that order
         self.localize = Localizer(tz)
         self.prefix = ""

@@ -74,10 +74,7 @@ class RetryPolicy:
             raise ValueError("max_restarts must not be negative")
 
     def retrying(self, stats: StreamStats) -> Retrying:
-        """The policy as tenacity strategies (``stop``, ``wait``, ``retry``) for a source keeping ``stats``.
-
-        The engine asks them about each failure itself; nothing ever calls or sleeps through this ``Retrying``.
-        """
+        """The policy as tenacity strategies for a source keeping ``stats`` (asked, never run: nothing sleeps in it)."""
         return Retrying(
             stop=self._stop(stats), wait=self._wait(), retry=retry_if_exception_type(SmiqueryError), reraise=True
         )

@@ -99,10 +99,7 @@ class SweepGrouper:
         self._closed_early_at: int | None = None
 
     def boundary(self, sample: GpuSample, idle: float | None = None) -> Sweep | None:
-        """Close the current sweep if ``sample`` begins a new instant; returns the closed sweep, if any.
-
-        ``idle``: seconds the reader waited for this row (None when unknown, as in a replay).
-        """
+        """The current sweep, closed, if ``sample`` (waited for ``idle`` s; None: unknown) begins a new instant."""
         if not self._current:
             return None
         idx = sample.index
@@ -161,8 +158,7 @@ class SweepGrouper:
     def flush(self, *, cut: bool = True, absent: Collection[int] = ()) -> Sweep | None:
         """The unfinished sweep at the end of the input, if any.
 
-        ``cut``: the input ended abnormally (a crash, a kill), so the sweep is damaged unless every known GPU has its
-        row, apart from those in ``absent`` (known to be lost).
+        Damaged when ``cut`` (a crash, a kill) short of a known GPU's row, except those ``absent`` (known to be lost).
         """
         if not self._current:
             self._damaged = False
