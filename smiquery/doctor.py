@@ -53,16 +53,9 @@ CHECK_NAMES = (
     "default fields supported",
 )
 
-# the checks that a broken nvidia-smi or driver leaves undone (reported as skipped)
-_NEED_DRIVER = (
-    "driver reachable",
-    "driver/library match",
-    "GPU count",
-    "persistence mode",
-    "MIG mode",
-    "memory and clock health",
-    "default fields supported",
-)
+# the checks that a broken nvidia-smi or driver leaves undone (reported as skipped): all but the binary's, the
+# infoROM warning's and the container's
+_NEED_DRIVER = [n for n in CHECK_NAMES[1:] if n not in ("infoROM", "container") and not n.startswith("NVIDIA_")]
 _FIX_CONTAINER = "start the container with --gpus all (or set NVIDIA_DRIVER_CAPABILITIES=compute,utility)"
 _FIX_VISIBLE = "set NVIDIA_VISIBLE_DEVICES=all (or GPU indices/UUIDs), or start the container with --gpus all"
 _FIX_INSTALL = (

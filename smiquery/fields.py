@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -117,15 +118,12 @@ _PRESETS = {
 }
 # fields.csv's header_unit: empty when nvidia-smi prints the unit in the header, "-" when it prints none
 _HEADER_UNIT = {"": None, "-": ""}
-_by_name: dict[str, Field] | None = None
 _presets: dict[str, tuple[str, ...]] = {}  # PRESETS, once read
 
 
+@functools.cache  # two first calls at once build equal tables
 def _index() -> dict[str, Field]:
     """Name or alias -> field; reads ``fields.csv`` and publishes CATALOGUE and PRESETS on the first call."""
-    global _by_name
-    if _by_name is not None:
-        return _by_name
     with open(os.path.join(os.path.dirname(__file__), "fields.csv"), encoding="utf-8", newline="") as fh:
         catalogue = tuple(
             Field(
@@ -142,10 +140,10 @@ def _index() -> dict[str, Field]:
     index = {name: f for f in catalogue for name in (f.name, *f.aliases)}
     for f in catalogue:  # before the 535 branch the throttle reasons were canonical under their old name
         index.setdefault(_throttle_name(f.name), f)
-    _presets.update({name: tuple(names.split()) for name, names in _PRESETS.items()})
-    _presets["all"] = tuple(f.name for f in catalogue)
+    _presets.update(
+        {name: tuple(names.split()) for name, names in _PRESETS.items()}, all=tuple(f.name for f in catalogue)
+    )
     globals().update(CATALOGUE=catalogue, PRESETS=_presets)
-    _by_name = index  # last: a thread that sees it sees the whole table (two first calls at once build equal ones)
     return index
 
 
