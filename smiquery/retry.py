@@ -6,11 +6,11 @@ how long to wait before the next start and whether to give up.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter, wait_fixed, wait_random
-from tenacity.wait import wait_base
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
 
 from smiquery.errors import SmiqueryError
 from smiquery.source import StreamStats
@@ -80,17 +80,13 @@ class RetryPolicy:
         )
 
     def _wait(self) -> Callable[[RetryCallState], float]:
-        initial = self.backoff_initial
+        initial, permanent = self.backoff_initial, self.permanent_retry
         # tenacity's doubling starts at 1 s (its name for a first wait differs across versions): in units of it
         unit = wait_exponential_jitter(max=self.backoff_max / initial if initial else 0.0, jitter=float(self.jitter))
-        permanent = self.permanent_retry
-        slow: wait_base | None = None
-        if permanent is not None:
-            slow = wait_random(0.9 * permanent, 1.1 * permanent) if self.jitter else wait_fixed(permanent)
 
         def wait(state: RetryCallState) -> float:
-            if slow is not None and is_permanent(_failure(state)):
-                return slow(state)
+            if permanent is not None and is_permanent(_failure(state)):
+                return random.uniform(0.9 * permanent, 1.1 * permanent) if self.jitter else permanent
             return initial * unit(state)
 
         return wait
