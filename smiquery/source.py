@@ -118,14 +118,8 @@ class SweepGrouper:
 
     def add(self, sample: GpuSample) -> Sweep | None:
         """Add ``sample`` to the current sweep; returns the sweep if that made it whole."""
-        idx = sample.index
-        if (
-            not self._current
-            and idx is not None
-            and idx not in self.known
-            and self._closed_early_at is not None
-            and idx > self._closed_early_at
-        ):
+        idx, early = sample.index, self._closed_early_at
+        if not self._current and idx is not None and early is not None and idx > early and idx not in self.known:
             # A GPU never seen before, right after a sweep that looked whole: it belonged to that instant, which
             # was published too early. Flag this remainder instead of passing it off as an instant of its own.
             self._damaged = True
@@ -167,8 +161,7 @@ class SweepGrouper:
 
     def _close(self, *, cut: bool, absent: Collection[int] = ()) -> Sweep:
         missing = [k for k in self.known if k not in self._present]
-        unexplained = [k for k in missing if k not in absent]
-        damaged = self._damaged or (cut and (bool(unexplained) or not self.established))
+        damaged = self._damaged or (cut and (not self.established or any(k not in absent for k in missing)))
         sweep = Sweep(self._current, missing=missing, damaged=damaged)
         self._current = []
         self._present = set()
