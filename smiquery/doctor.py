@@ -212,8 +212,7 @@ def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float 
     present = {r.name for r in done.results}
     skipped = done.broken or "nvidia-smi is not working"
     done.results += [CheckResult(name, "skip", skipped) for name in _NEED_DRIVER if name not in present]
-    order = {name: i for i, name in enumerate(CHECK_NAMES)}
-    return sorted(done.results, key=lambda r: order.get(r.name, len(order)))
+    return sorted(done.results, key=lambda r: CHECK_NAMES.index(r.name))
 
 
 def _check_binary(done: _Progress, nvidia_smi: str | os.PathLike[str] | None, timeout: float) -> None:

@@ -314,24 +314,17 @@ class FieldKind:
             if kind is Kind.INT:
                 typed = pc.cast(col, pa.int64())
                 # Arrow's cast also reads "0x1F" as hex; Python's int(), and so the parser, rejects it.
-                if not pc.all(pc.ascii_is_decimal(col)).as_py() and (
-                    pc.any(pc.starts_with(col, "0x")).as_py() or pc.any(pc.starts_with(col, "0X")).as_py()
-                ):
-                    return None
-                return typed
+                decimal = pc.all(pc.ascii_is_decimal(col)).as_py()
+                return typed if decimal or not pc.any(pc.match_substring_regex(col, "^0[xX]")).as_py() else None
             if storage == "int":
                 # Arrow reads "0x1F" as hex but "10" as decimal; the parser reads hex and bitmask cells as hex.
-                if not pc.all(pc.starts_with(col, "0x")).as_py():
-                    return None
-                return pc.cast(col, pa.int64())
+                return pc.cast(col, pa.int64()) if pc.all(pc.starts_with(col, "0x")).as_py() else None
             if storage == "float":
                 return pc.cast(col, pa.float64())
             if self.words is not None:
                 yes, no = self.words
                 # equal() leaves missing cells null and all() skips them (is_in() would make them false).
-                if not pc.all(pc.or_(pc.equal(col, yes), pc.equal(col, no))).as_py():
-                    return None
-                return pc.equal(col, yes)
+                return pc.equal(col, yes) if pc.all(pc.or_(pc.equal(col, yes), pc.equal(col, no))).as_py() else None
             if storage == "timestamp":
                 return _arrow_timestamps(col)
             if kind is Kind.MAJOR_MINOR and not pc.all(pc.match_substring_regex(col, r"^\d+\.\d+$")).as_py():
