@@ -198,7 +198,17 @@ class _Timestamp:
             if len(v) < 19 or v[4] != "/" or v[7] != "/" or v[10] != " " or v[13] != ":" or v[16] != ":":
                 dt = datetime.fromisoformat(v)  # recordings written by other tools may use ISO 8601
                 return self.localize(dt) if dt.tzinfo is None else dt
-            self.base = self._second(v, prefix)
+            # a new whole second (nvidia-smi prints the host's local time with no zone)
+            into = self._MINSEC.get(v[14:19]) if v[:13] == self.hour else None
+            if into is not None and self.hour_base is not None:
+                self.base = self.localize.last = self.hour_base + into
+            else:
+                naive = datetime(int(v[0:4]), int(v[5:7]), int(v[8:10]), int(v[11:13]), int(v[14:16]), int(v[17:19]))
+                self.base = self.localize(naive)
+                plain = self.localize.plain_hour(naive)  # no zone change: the hour's rows reuse its start
+                self.hour = v[:13] if plain else ""
+                self.hour_base = self.base - timedelta(minutes=naive.minute, seconds=naive.second) if plain else None
+            self.prefix = prefix
         ms = self._MILLIS.get(v[20:]) if len(v) == 23 and v[19] == "." else None
         if ms is not None:
             return self.base + ms
@@ -208,24 +218,6 @@ class _Timestamp:
         if v[19] != "." or not frac.isdigit() or len(frac) > 6:
             raise ValueError("bad fraction of a second")
         return self.base.replace(microsecond=int(frac) * 10 ** (6 - len(frac)))
-
-    def _second(self, v: str, prefix: str) -> datetime:
-        """The instant of a new whole second (nvidia-smi prints the host's local time with no zone)."""
-        if self.hour_base is not None and v[:13] == self.hour:
-            into = self._MINSEC.get(v[14:19])
-            if into is not None:
-                base = self.hour_base + into
-                self.localize.last = base
-                self.prefix = prefix
-                return base
-        naive = datetime(int(v[0:4]), int(v[5:7]), int(v[8:10]), int(v[11:13]), int(v[14:16]), int(v[17:19]))
-        base = self.localize(naive)
-        if self.localize.plain_hour(naive):
-            self.hour, self.hour_base = v[:13], base - timedelta(minutes=naive.minute, seconds=naive.second)
-        else:
-            self.hour, self.hour_base = "", None
-        self.prefix = prefix
-        return base
 
 
 #: Exceptions a converter raises for a cell that does not fit its kind.
