@@ -317,8 +317,17 @@ class FieldKind:
                 yes, no = self.words
                 # equal() leaves missing cells null and all() skips them (is_in() would make them false).
                 return pc.equal(col, yes) if pc.all(pc.or_(pc.equal(col, yes), pc.equal(col, no))).as_py() else None
-            if storage == "timestamp":
-                return _arrow_timestamps(col)
+            if storage == "timestamp":  # YYYY/MM/DD HH:MM:SS[.ffffff]; anything else (ISO 8601...) cell by cell
+                lengths = pc.min_max(pc.binary_length(col)).as_py()
+                if lengths["min"] is None:
+                    return pc.cast(col, pa.timestamp("ns"))  # every cell missing
+                raw = col.cast(pa.binary())  # a zero-copy view, for byte slicing
+                slashes = (pc.all(pc.equal(pc.binary_slice(raw, at, at + 1), b"/")).as_py() for at in (4, 7))
+                if lengths["min"] < 19 or lengths["max"] > 26 or not all(slashes):
+                    return None
+                # Arrow's cast reads ISO 8601 (checking every other character); the date separators were checked above.
+                iso = pc.binary_replace_slice(pc.binary_replace_slice(col, 4, 5, "-"), 7, 8, "-")
+                return pc.cast(iso, pa.timestamp("ns"))
             if kind is Kind.MAJOR_MINOR and not pc.all(pc.match_substring_regex(col, r"^\d+\.\d+$")).as_py():
                 return None
         except pa.ArrowInvalid:
@@ -399,24 +408,3 @@ FIELD_KINDS: dict[Kind, FieldKind] = {
         FieldKind(Kind.MAJOR_MINOR, "string", metric="info"),
     )
 }
-
-
-def _arrow_timestamps(col: Any) -> Any | None:
-    """``YYYY/MM/DD HH:MM:SS[.ffffff]`` -> naive timestamp[ns]; None for anything else (ISO 8601...)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    lengths = pc.min_max(pc.binary_length(col)).as_py()
-    if lengths["min"] is None:
-        return pc.cast(col, pa.timestamp("ns"))  # every cell missing
-    if lengths["min"] < 19 or lengths["max"] > 26:
-        return None
-    raw = col.cast(pa.binary())  # a zero-copy view, for byte slicing
-    slash = pa.scalar(b"/", pa.binary())
-    for at in (4, 7):
-        if not pc.all(pc.equal(pc.binary_slice(raw, at, at + 1), slash)).as_py():
-            return None
-    del raw
-    # Arrow's cast reads ISO 8601 (checking every other character); the date separators were checked above.
-    iso = pc.binary_replace_slice(pc.binary_replace_slice(col, 4, 5, "-"), 7, 8, "-")
-    return pc.cast(iso, pa.timestamp("ns"))
