@@ -295,9 +295,9 @@ def _details_check(binary: str, timeout: float) -> CheckResult:
         return CheckResult(name, "warn", f"nvidia-smi -q -x failed: {_message(exc)}", fix)
     failed = [g.index for g in gpus if g.remapped_rows is not None and g.remapped_rows.failure]
     if failed:
-        said = f"row remapping failed on GPU {_listed(failed)}: its memory cannot be repaired"
+        why = f"row remapping failed on GPU {_listed(failed)}: its memory cannot be repaired"
         fix = "drain the GPU's jobs and have the GPU serviced (RMA); check `dmesg` for Xid 64"
-        return CheckResult(name, "fail", said, fix)
+        return CheckResult(name, "fail", why, fix)
     pending = [
         g.index
         for g in gpus

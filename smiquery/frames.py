@@ -184,9 +184,16 @@ def int_array(values: Sequence[int | None]) -> Any:
         return pd.array(values, dtype="UInt64")
 
 
-def _timestamp_array(values: Sequence[Value], tz: tzinfo | None) -> Any:
+def _python_array(fld: Field, values: Sequence[Any], tz: tzinfo | None = None) -> Any:
+    """A nullable pandas array for one column of Python values (None for missing)."""
     import pandas as pd
 
+    storage = fld.kind.ops.storage
+    if storage == "int":
+        return int_array(values)
+    if storage != "timestamp":
+        dtype: Any = string_dtype() if storage == "string" else fld.kind.ops.dtype
+        return pd.array(values, dtype=dtype)
     given = [v for v in values if isinstance(v, datetime)]
     if tz is None and given and all(v.tzinfo is None for v in given):
         # Recorded without a zone (a replayed nvidia-smi CSV): kept naive, as recorded.
@@ -199,21 +206,7 @@ def _timestamp_array(values: Sequence[Value], tz: tzinfo | None) -> Any:
         # the second pass of a fall-back's repeated hour carries a fixed offset beside its zone: the zone wins
         named = {z for z in zones if not isinstance(z, timezone)}
         tz = zones.pop() if len(zones) == 1 else named.pop() if len(named) == 1 else local_zone()
-    index = pd.to_datetime(stamps, utc=True).tz_convert(tz)
-    return index.as_unit("ns").array
-
-
-def _python_array(fld: Field, values: Sequence[Any], tz: tzinfo | None = None) -> Any:
-    """A nullable pandas array for one column of Python values (None for missing)."""
-    import pandas as pd
-
-    storage = fld.kind.ops.storage
-    if storage == "int":
-        return int_array(values)
-    if storage == "timestamp":
-        return _timestamp_array(values, tz)
-    dtype: Any = string_dtype() if storage == "string" else fld.kind.ops.dtype
-    return pd.array(values, dtype=dtype)
+    return pd.to_datetime(stamps, utc=True).tz_convert(tz).as_unit("ns").array
 
 
 def empty_array(fld: Field, tz: tzinfo | None) -> Any:
