@@ -262,8 +262,7 @@ class NvidiaSmiFailedError(SmiqueryError):
     @property
     def first_line(self) -> str:
         """The first line of nvidia-smi's message (CSV data rows it printed before failing are skipped)."""
-        lines = _message_lines(self.output)
-        return lines[0] if lines else ""
+        return next(iter(_message_lines(self.output)), "")
 
 
 class StreamEndedError(NvidiaSmiFailedError):

@@ -159,11 +159,9 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
         import numpy as np
         import pandas as pd
 
-        entry = self._columns.get(column)
-        words = entry[2] if entry is not None else ()
+        rows, reasons, words = self._columns.get(column, ((), (), ()))
         codes = np.full(length, -1, dtype=np.int16)
-        if entry is not None:
-            codes[np.asarray(entry[0], dtype=np.int64)] = np.asarray(entry[1], dtype=np.int16)
+        codes[np.asarray(rows, dtype=np.int64)] = np.asarray(reasons, dtype=np.int16)
         series: pd.Series = pd.Series(pd.Categorical.from_codes(codes, categories=pd.Index(list(words))), name=column)
         return series
 

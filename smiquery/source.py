@@ -191,9 +191,7 @@ class LatestSweep:
         return unsubscribe
 
     def _emit(self, event: StreamEvent) -> None:
-        for callback in (self.on_event, *self._listeners):
-            if callback is None:
-                continue
+        for callback in filter(None, (self.on_event, *self._listeners)):
             try:
                 callback(event)
             except Exception:  # a monitor's callback must never break the source
