@@ -194,12 +194,9 @@ def elapsed(since: datetime | float | None, now: datetime | float) -> float:
 
     Aware datetimes count the time that really passed (see :func:`seconds_between`), across a DST change too.
     """
-    if since is None:
-        return 0.0
     if isinstance(since, datetime) and isinstance(now, datetime):
-        if (since.tzinfo is None) != (now.tzinfo is None):
-            return 0.0
-        return max(0.0, seconds_between(since, now))
-    if isinstance(since, (int, float)) and isinstance(now, (int, float)):
+        if (since.tzinfo is None) == (now.tzinfo is None):
+            return max(0.0, seconds_between(since, now))
+    elif isinstance(since, (int, float)) and isinstance(now, (int, float)):
         return max(0.0, float(now) - float(since))
     return 0.0

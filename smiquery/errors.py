@@ -38,12 +38,10 @@ class InvalidFieldError(SmiqueryError, ValueError):
         self.suggestions = tuple(suggestions)
         if detail:
             msg = f"invalid field {field!r}: {detail}" if field else f"invalid fields: {detail}"
+        elif self.suggestions:
+            msg = f"unknown field {field!r}; did you mean " + ", ".join(map(repr, self.suggestions)) + "?"
         else:
-            msg = f"unknown field {field!r}"
-            if self.suggestions:
-                msg += "; did you mean " + ", ".join(repr(s) for s in self.suggestions) + "?"
-            else:
-                msg += "; run `smiquery fields` to list valid names"
+            msg = f"unknown field {field!r}; run `smiquery fields` to list valid names"
         super().__init__(msg)
 
 
