@@ -37,10 +37,7 @@ async def query(
     timeout: float = 10.0,
     tz: tzinfo | None = None,
 ) -> list[GpuSample]:
-    """Take one snapshot without blocking the event loop: one record per GPU.
-
-    The arguments, the records and the errors are :func:`smiquery.query`'s (without ``runner``).
-    """
+    """:func:`smiquery.query` (its arguments but ``runner``, its records and errors) without blocking the event loop."""
     flds = resolve_fields(fields)
     argv = build_argv(find_nvidia_smi(nvidia_smi), flds, normalize_gpus(gpus))
     return check_and_parse(argv, await run(argv, timeout), CsvParser(flds, tz=tz), flds)

@@ -90,10 +90,7 @@ class CheckResult:
 
 
 def exit_code(results: Sequence[CheckResult], *, gate: bool = False) -> int:
-    """The exit code for results: the first failure's code (3, 4, 5 or 1), else 1 for a warning, else 0.
-
-    ``gate=True`` (health checks) counts failures only.
-    """
+    """The exit code for results: the first failure's code (3, 4, 5 or 1), else 1 for a warning (not with ``gate``)."""
     failed = [r for r in results if r.failed]
     if failed:
         return failed[0].code or 1

@@ -366,10 +366,7 @@ def _message_lines(output: str) -> list[str]:
 
 
 def failure_from_exit(argv: Sequence[str], returncode: int, output: str) -> NvidiaSmiFailedError:
-    """The typed error for an nvidia-smi exit status and its output (stdout and stderr together).
-
-    The one place where exit codes and messages are interpreted; a plain NvidiaSmiFailedError when nothing fits.
-    """
+    """The typed error for nvidia-smi's exit status and output (stdout and stderr); NvidiaSmiFailedError if none fit."""
     low = "\n".join(_message_lines(output)).lower()
     for fragment, cls in _BY_MESSAGE:
         if fragment in low:

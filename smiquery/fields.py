@@ -155,10 +155,7 @@ def __getattr__(name: str) -> object:
 
 
 def get_field(name: str, *, known: Iterable[str] | None = None) -> Field:
-    """Look a field up by canonical name or alias; ``known``: names this driver lists beyond the catalogue (strings).
-
-    Raises InvalidFieldError when the name is not a field: its message names the closest valid ones.
-    """
+    """A field by name or alias (``known``: names this driver lists beyond the catalogue); else InvalidFieldError."""
     index = _index()
     fld = index.get(name)
     if fld is not None:
