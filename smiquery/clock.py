@@ -184,9 +184,7 @@ def timeline(stamps: np.ndarray, cap: float | None = None, interval: float | Non
     steps = np.where(steps > 0, steps, 0.0)  # NaN (a missing time) counts nothing either
     if cap is not None:
         steps = np.where(steps > cap, interval if interval is not None else cap / 3.0, steps)
-    out = np.zeros(len(ns), dtype="float64")
-    out[1:] = np.cumsum(steps)
-    return out
+    return np.concatenate(([0.0], np.cumsum(steps)))
 
 
 def elapsed(since: datetime | float | None, now: datetime | float) -> float:

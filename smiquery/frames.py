@@ -310,8 +310,5 @@ class SkippedLines:
     def unreadable(self) -> ParseError:
         """The error for a recording whose every row was skipped."""
         why = self.reason or "does not fit the header"
-        return ParseError(
-            f"no readable rows ({self.count} line(s) skipped, this one first): {why}",
-            lineno=self.first_lineno,
-            line=self.first_line,
-        )
+        message = f"no readable rows ({self.count} line(s) skipped, this one first): {why}"
+        return ParseError(message, lineno=self.first_lineno, line=self.first_line)
