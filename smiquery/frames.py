@@ -5,6 +5,7 @@ The recording readers (:mod:`smiquery.recordings`) build their frames with the s
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -66,10 +67,8 @@ def local_zone() -> tzinfo:
         link = os.path.realpath("/etc/localtime")
         name = link.split("zoneinfo/", 1)[1] if "zoneinfo/" in link else ""
     if name:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             return ZoneInfo(name)
-        except (ValueError, OSError):
-            pass
     # dateutil (a pandas dependency) follows the host's DST rules even when the zone has no name.
     local: tzinfo = importlib.import_module("dateutil.tz").tzlocal()
     return local

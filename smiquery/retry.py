@@ -63,15 +63,13 @@ class RetryPolicy:
     fail_fast: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("backoff_initial", "backoff_max", "healthy_after"):
-            if getattr(self, name) < 0:
+        for name in ("backoff_initial", "backoff_max", "healthy_after", "max_restarts"):
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must not be negative")
         if self.permanent_retry is not None and self.permanent_retry <= 0:
             raise ValueError("permanent_retry must be positive")
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        if self.max_restarts is not None and self.max_restarts < 0:
-            raise ValueError("max_restarts must not be negative")
 
     def retrying(self, stats: StreamStats) -> Retrying:
         """The policy as tenacity strategies for a source keeping ``stats`` (asked, never run: nothing sleeps in it)."""
