@@ -1,14 +1,14 @@
 """The ``--query-gpu`` field catalogue (names, aliases, units, value kinds, presets) and the one field resolver.
 
 The catalogue is data: ``fields.csv`` beside this module, one row per field ``nvidia-smi --help-query-gpu`` lists on
-drivers 465 to 610, read on first use. What a field's kind does with its cells lives in :mod:`smiquery.kinds`.
+drivers 465 to 610, read when this module is imported (``import smiquery`` alone does not). What a field's kind does
+with its cells lives in :mod:`smiquery.kinds`.
 """
 
 from __future__ import annotations
 
 import csv
 import difflib
-import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -91,11 +91,6 @@ def _throttle_name(name: str) -> str:
 #: What every call that takes fields accepts: a preset, ``"a,b,c"``, names, or fields already resolved.
 FieldsArg = str | Sequence[str | Field] | None
 
-#: Every field, in ``--help-query-gpu`` order (read from ``fields.csv`` on first use).
-CATALOGUE: tuple[Field, ...]
-#: Preset name -> its fields, in column order; ``all`` is the whole catalogue (built on first use).
-PRESETS: dict[str, tuple[str, ...]]
-
 _IDENTITY = "timestamp index uuid "
 _PRESETS = {
     "default": "timestamp index name uuid temperature.gpu utilization.gpu utilization.memory memory.used memory.total "
@@ -118,14 +113,11 @@ _PRESETS = {
 }
 # fields.csv's header_unit: empty when nvidia-smi prints the unit in the header, "-" when it prints none
 _HEADER_UNIT = {"": None, "-": ""}
-_presets: dict[str, tuple[str, ...]] = {}  # PRESETS, once read
 
 
-@functools.cache  # two first calls at once build equal tables
-def _index() -> dict[str, Field]:
-    """Name or alias -> field; reads ``fields.csv`` and publishes CATALOGUE and PRESETS on the first call."""
-    with open(os.path.join(os.path.dirname(__file__), "fields.csv"), encoding="utf-8", newline="") as fh:
-        catalogue = tuple(
+def _read(path: str) -> tuple[Field, ...]:
+    with open(path, encoding="utf-8", newline="") as fh:
+        return tuple(
             Field(
                 r["name"],
                 Kind(r["kind"]),
@@ -137,32 +129,25 @@ def _index() -> dict[str, Field]:
             )
             for r in csv.DictReader(fh)
         )
-    index = {name: f for f in catalogue for name in (f.name, *f.aliases)}
-    for f in catalogue:  # before the 535 branch the throttle reasons were canonical under their old name
-        index.setdefault(_throttle_name(f.name), f)
-    _presets.update(
-        {name: tuple(names.split()) for name, names in _PRESETS.items()}, all=tuple(f.name for f in catalogue)
-    )
-    globals().update(CATALOGUE=catalogue, PRESETS=_presets)
-    return index
 
 
-def __getattr__(name: str) -> object:
-    if name in ("CATALOGUE", "PRESETS"):
-        _index()
-        return globals()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: Every field, in ``--help-query-gpu`` order (the rows of ``fields.csv`` beside this module).
+CATALOGUE = _read(os.path.join(os.path.dirname(__file__), "fields.csv"))
+#: Preset name -> its fields, in column order; ``all`` is the whole catalogue.
+PRESETS = {name: tuple(names.split()) for name, names in _PRESETS.items()} | {"all": tuple(f.name for f in CATALOGUE)}
+# name or alias -> field; before the 535 branch the throttle reasons were canonical under their old name
+_BY_NAME = {name: f for f in CATALOGUE for name in (f.name, *f.aliases)}
+_BY_NAME |= {_throttle_name(f.name): f for f in CATALOGUE if _throttle_name(f.name) not in _BY_NAME}
 
 
 def get_field(name: str, *, known: Iterable[str] | None = None) -> Field:
     """A field by name or alias (``known``: names this driver lists beyond the catalogue); else InvalidFieldError."""
-    index = _index()
-    fld = index.get(name)
+    fld = _BY_NAME.get(name)
     if fld is not None:
         return fld
     if known is not None and name in set(known):
         return Field(name, Kind.STR, help="Listed by this driver's --help-query-gpu; not in smiquery's catalogue.")
-    raise InvalidFieldError(name, difflib.get_close_matches(name, list(index), n=3, cutoff=0.6))
+    raise InvalidFieldError(name, difflib.get_close_matches(name, list(_BY_NAME), n=3, cutoff=0.6))
 
 
 def resolve_fields(fields: FieldsArg = "default", *, known: Iterable[str] | None = None) -> tuple[Field, ...]:
@@ -172,14 +157,13 @@ def resolve_fields(fields: FieldsArg = "default", *, known: Iterable[str] | None
     fields (resolved ones pass through). ``known``: names this driver lists; also limits ``"all"`` to them.
     Raises InvalidFieldError for a name that is unknown or malformed.
     """
-    index = _index()
     fields = "default" if fields is None else fields
     names: Sequence[str | Field]
     if isinstance(fields, str):
-        if fields in _presets:
-            names = _presets[fields]
+        if fields in PRESETS:
+            names = PRESETS[fields]
             if fields == "all" and known is not None:
-                allowed = {index[n].name if n in index else n for n in known}
+                allowed = {_BY_NAME[n].name if n in _BY_NAME else n for n in known}
                 names = [n for n in names if n in allowed]
         else:
             names = [n.strip() for n in fields.split(",") if n.strip()]
