@@ -295,12 +295,7 @@ def _details_check(binary: str, timeout: float) -> CheckResult:
         why = f"row remapping failed on GPU {_listed(failed)}: its memory cannot be repaired"
         fix = "drain the GPU's jobs and have the GPU serviced (RMA); check `dmesg` for Xid 64"
         return CheckResult(name, "fail", why, fix)
-    pending = [
-        g.index
-        for g in gpus
-        if (g.remapped_rows is not None and g.remapped_rows.pending)
-        or (g.retired_pages is not None and g.retired_pages.pending)
-    ]
+    pending = [g.index for g in gpus if any(r is not None and r.pending for r in (g.remapped_rows, g.retired_pages))]
     slow = {g.index: [r for r in g.clock_event_reasons or () if r in _HW_SLOWDOWN] for g in gpus}
     slow = {i: r for i, r in slow.items() if r}
     said, fixes = [], []
