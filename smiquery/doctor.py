@@ -194,7 +194,7 @@ class _Progress:
 
 
 def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> list[CheckResult]:
-    """One result per check, in the order of :data:`CHECK_NAMES`, for an nvidia-smi (None: the one found); never raises.
+    """One result per check (:data:`CHECK_NAMES`' order) for an nvidia-smi (None: the one found); never raises.
 
     ``timeout``: seconds per nvidia-smi call.
     """

@@ -215,10 +215,7 @@ def parse_help_query_gpu(text: str) -> list[HelpEntry]:
 
 
 def help_query_gpu(run: Callable[[list[str], float], Any], binary: str, timeout: float) -> list[HelpEntry]:
-    """The entries ``binary --help-query-gpu`` lists, run by ``run`` (a runner's ``run``) within ``timeout`` seconds.
-
-    Raises NvidiaSmiFailedError when nvidia-smi fails or lists no fields.
-    """
+    """What ``binary --help-query-gpu`` lists (run by a runner's ``run``); NvidiaSmiFailedError on failure or none."""
     argv = [binary, "--help-query-gpu"]
     done = run(argv, timeout)
     if done.returncode != 0:
