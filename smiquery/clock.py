@@ -84,10 +84,9 @@ class Localizer:
         a, b = first.astimezone(_UTC), second.astimezone(_UTC)
         if b < a:  # a zone whose fold=1 is the earlier instant (none known, but cheap to honour)
             first, second, a, b = second, first, b, a
-        last = self.last
-        if last is None:
+        if self.last is None:
             return first
-        last = last.astimezone(_UTC)
+        last = self.last.astimezone(_UTC)
         if a >= last or b < last:
             return first
         return _stable(second) if (b - last) <= (last - a) else first

@@ -233,8 +233,7 @@ def _check_binary(done: _Progress, nvidia_smi: str | os.PathLike[str] | None, ti
             done.failure = failure_from_exit(argv, ran.returncode, ran.output)
     except SmiqueryError as exc:
         done.failure = exc
-    labels = {"nvidia-smi": "nvidia-smi", "driver": "driver", "cuda": "CUDA"}
-    parts = [f"{labels[k]} {v}" for k, v in done.version.items() if k in labels]
+    parts = [f"{k.replace('cuda', 'CUDA')} {v}" for k, v in done.version.items() if k != "nvml"]
     detail = binary + (f" ({', '.join(parts)})" if parts else " (`nvidia-smi --version` reported no version)")
     done.results.append(CheckResult("nvidia-smi found", "ok", detail))
     if isinstance(done.failure, (NvidiaSmiTimeoutError, NvidiaSmiNotFoundError)):
@@ -246,9 +245,8 @@ def _query_driver(done: _Progress, timeout: float) -> tuple[list[GpuSample] | No
     """2-6. driver, library match, GPUs, infoROM, persistence, MIG: one query (None when it failed)."""
     from smiquery.sources.query_gpu import query
 
-    caught: list[warnings.WarningMessage] = []
     if done.broken is not None or done.binary is None:
-        return None, caught
+        return None, []
     names = ["index", "name", "driver_version", "persistence_mode", "mig.mode.current"]
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -273,7 +271,7 @@ def _query_driver(done: _Progress, timeout: float) -> tuple[list[GpuSample] | No
         else:
             done.fail("driver reachable", exc)
             done.broken = "the driver is not reachable"
-    return None, caught
+    return None, []
 
 
 #: Clock event reasons that mean the hardware itself slows the GPU down (not an application's or the user's cap).

@@ -380,9 +380,8 @@ class FieldKind:
 
     def summary_digits(self, unit: str = "") -> int:
         """Decimals a report gives a statistic of this kind in ``unit``: the unit's, else 0 for integers."""
-        known = UNITS.get(unit)
-        if known is not None:
-            return known.summary_digits
+        if unit in UNITS:
+            return UNITS[unit].summary_digits
         return 0 if self.storage == "int" else 1
 
 
