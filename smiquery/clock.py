@@ -142,9 +142,7 @@ def localize_by_order(naive: Any, tz: tzinfo) -> pd.DatetimeIndex:
     if not len(special):
         return cast("pd.DatetimeIndex", plain)
     utc = plain.asi8.copy()  # UTC ns, NaT as the minimum int64
-    valid = ~plain.isna()
-    positions = np.arange(len(utc))
-    last_valid = np.maximum.accumulate(np.where(valid, positions, -1))
+    last_valid = np.maximum.accumulate(np.where(~plain.isna(), np.arange(len(utc)), -1))  # a row's last good row
     walls = index.asi8
     localizer = Localizer(tz)
     done = -1  # position of the last special row resolved

@@ -150,8 +150,7 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
 
     def count(self, column: str) -> int:
         """How many cells of ``column`` (``power_draw``) are missing with a known reason; 0 for none."""
-        entry = self._columns.get(column)
-        return 0 if entry is None else len(entry[0])
+        return len(self._columns[column][0]) if column in self._columns else 0
 
     def series(self, column: str, length: int) -> pd.Series:
         """One column's reasons: a categorical Series of ``length`` rows (as read), ``<NA>`` where not missing."""
