@@ -267,9 +267,8 @@ class FieldKind:
         """One CSV cell -> its value: None for a status token, the `` unit`` suffix stripped; else ValueError."""
         if missing_reason(cell) is not None:
             return None
-        text = strip_unit(cell, unit)
         try:
-            return self.converter(tz)(text)
+            return self.converter(tz)(strip_unit(cell, unit))
         except CONVERT_ERRORS as exc:
             raise ValueError(f"{cell!r} is not a valid {self.kind.value}") from exc
 

@@ -234,8 +234,7 @@ class StreamStats:
     indices -> UUIDs (when queried). ``last_error`` (one line) and ``last_error_type`` say the newest failure;
     ``state`` is ``starting``, ``running``, ``retrying``, ``ended`` (a finite source is done), ``closed`` or
     ``failed`` (gave up: the source's ``error`` says why). While failing: ``attempt`` (failed starts in the streak),
-    ``next_retry_at`` (``time.time()`` of the next start while retrying) and ``permanent`` (the failure needs a
-    person: driver mismatch, NVML missing...).
+    ``next_retry_at`` (the next start's ``time.time()``) and ``permanent`` (a failure that needs a person).
     """
 
     rows: int = 0
