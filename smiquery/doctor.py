@@ -62,10 +62,6 @@ _FIX_INSTALL = (
     "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI; in a container, start it with "
     "--gpus all"
 )
-_FIX_NVML_INIT = (
-    "NVML could not start: check that the driver is loaded (`lsmod | grep nvidia`), that /dev/nvidia* are "
-    "readable by this user, and `dmesg` for Xid errors"
-)
 
 
 @dataclass(frozen=True)
@@ -158,7 +154,10 @@ def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
         # version mismatch" wants a reboot, not NVML start-up advice)
         fix = exc.hint
     elif "Failed to initialize NVML" in message:
-        fix = _FIX_NVML_INIT
+        fix = (
+            "NVML could not start: check that the driver is loaded (`lsmod | grep nvidia`), that /dev/nvidia* are "
+            "readable by this user, and `dmesg` for Xid errors"
+        )
     else:
         fix = getattr(exc, "hint", "")
         if not fix or "smiquery doctor" in fix:
