@@ -172,9 +172,8 @@ class AsyncStream(CsvSource):
         self._engine.close()
         if self.stats.state != "failed":
             self.stats.state = "closed"
-        child = self._child
-        if child is not None:
-            await child.close()
+        if self._child is not None:  # no await between the check and the call: the reader cannot clear it
+            await self._child.close()
 
     async def __aenter__(self) -> AsyncStream:
         return self
