@@ -37,10 +37,7 @@ async def query(
     timeout: float = 10.0,
     tz: tzinfo | None = None,
 ) -> list[GpuSample]:
-    """Take one snapshot without blocking the event loop: one record per GPU.
-
-    The arguments, the records and the errors are :func:`smiquery.query`'s (without ``runner``).
-    """
+    """:func:`smiquery.query` (its arguments but ``runner``, its records and errors) without blocking the event loop."""
     flds = resolve_fields(fields)
     argv = build_argv(find_nvidia_smi(nvidia_smi), flds, normalize_gpus(gpus))
     return check_and_parse(argv, await run(argv, timeout), CsvParser(flds, tz=tz), flds)
@@ -55,11 +52,10 @@ class AsyncStream(CsvSource):
             async for sweep in s.sweeps(count=10):
                 print(max(x.temperature_gpu or 0 for x in sweep))
 
-    The arguments and the errors raised before anything runs are :class:`smiquery.Stream`'s; ``sleep`` is the
-    coroutine that waits between restarts (tests inject one). Nothing runs until the stream is iterated.
-    ``async for sample in s`` yields samples, :meth:`sweeps` whole sweeps; one iteration at a time (one child per
-    stream). Leaving ``async with``, :meth:`aclose` or cancelling the iterating task reaps the child. As the sync
-    stream: :attr:`stats`, :meth:`latest`, :meth:`subscribe` (or ``on_event``).
+    The arguments, the attributes and the errors raised before anything runs are :class:`smiquery.Stream`'s;
+    ``sleep`` waits between restarts (tests inject one). Nothing runs until ``async for sample in s`` or
+    :meth:`sweeps` iterates it, one iteration at a time (one child per stream); leaving ``async with``,
+    :meth:`aclose` or cancelling the iterating task reaps the child.
     """
 
     def __init__(
@@ -154,11 +150,7 @@ class AsyncStream(CsvSource):
         return self._only(GpuSample, None)
 
     def sweeps(self, count: int | None = None) -> AsyncIterator[Sweep]:
-        """Yield whole sweeps (one sample per GPU for one instant), grouped as the sync stream groups them.
-
-        Args:
-            count: stop after this many sweeps.
-        """
+        """Yield whole sweeps (one sample per GPU for one instant), as the sync stream does; ``count``: stop after."""
         return self._only(Sweep, count)
 
     async def _only(self, kind: type[T], count: int | None) -> AsyncIterator[T]:
@@ -180,9 +172,8 @@ class AsyncStream(CsvSource):
         self._engine.close()
         if self.stats.state != "failed":
             self.stats.state = "closed"
-        child = self._child
-        if child is not None:
-            await child.close()
+        if self._child is not None:  # no await between the check and the call: the reader cannot clear it
+            await self._child.close()
 
     async def __aenter__(self) -> AsyncStream:
         return self

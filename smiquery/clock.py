@@ -1,9 +1,8 @@
 """Time rules for nvidia-smi's timestamps: wall-clock stamps put in a zone by row order, and steps that never go back.
 
-nvidia-smi stamps rows with the host's local wall time and no zone, which repeats an hour when daylight saving ends,
-skips one when it starts, and steps with NTP or a VM resume. A repeated wall time is resolved by the *order* of the
-rows, a skipped one shifted forward; a duration is the time that really passed (through UTC: Python subtracts two
-aware times of one ``tzinfo`` as wall times); without a zone a step back counts 0.
+nvidia-smi's local wall time repeats an hour when daylight saving ends, skips one when it starts, and steps with NTP
+or a VM resume: a repeated wall time is resolved by the *order* of the rows, a skipped one shifted forward; a duration
+is the time that really passed (through UTC); without a zone a step back counts 0.
 """
 
 from __future__ import annotations
@@ -55,18 +54,20 @@ class Localizer:
             return naive.replace(fold=fold).astimezone()
         return naive.replace(tzinfo=self.tz, fold=fold)
 
-    def _zone_of(self, aware: datetime) -> datetime:
-        # back into the zone from the instant: the wall time that really existed then
-        return aware.astimezone() if self.tz is None else aware.astimezone(self.tz)
-
     def __call__(self, naive: datetime) -> datetime:
         """The instant of ``naive`` (a wall time, tzinfo ignored) for this row; remembers it for the next row."""
         naive = naive.replace(tzinfo=None, fold=0)
-        if self._fixed:
-            out = naive.replace(tzinfo=self.tz)
-            self.last = out
-            return out
-        return self._resolve(naive)
+        first = self._aware(naive, 0)
+        second = first if self._fixed else self._aware(naive, 1)
+        if first.utcoffset() == second.utcoffset():
+            out = first
+        else:
+            # back into the zone from the instant: the wall time that really existed then; a wall time the
+            # spring-forward skips does not come back from its instant: shifted forward
+            real = first.astimezone(_UTC).astimezone(self.tz)
+            out = real if real.replace(tzinfo=None, fold=0) != naive else self._pick(first, second)
+        self.last = out
+        return out
 
     def plain_hour(self, naive: datetime) -> bool:
         """True when the hour of ``naive`` holds no zone change, so a parser may reuse one offset for all its rows."""
@@ -77,28 +78,15 @@ class Localizer:
         offsets = {self._aware(t, fold).utcoffset() for t in (start, end) for fold in (0, 1)}
         return len(offsets) == 1
 
-    def _resolve(self, naive: datetime) -> datetime:
-        first = self._aware(naive, 0)
-        second = self._aware(naive, 1)
-        if first.utcoffset() == second.utcoffset():
-            out = first
-        else:
-            real = self._zone_of(first.astimezone(_UTC))
-            # a wall time the spring-forward skips does not come back from its instant: shifted forward
-            out = real if real.replace(tzinfo=None, fold=0) != naive else self._pick(first, second)
-        self.last = out
-        return out
-
     def _pick(self, first: datetime, second: datetime) -> datetime:
         """The fall-back's repeated hour: the first pass unless the order of the rows says the second."""
         # in UTC: aware datetimes of one zone compare by wall time, blind to the fold
         a, b = first.astimezone(_UTC), second.astimezone(_UTC)
         if b < a:  # a zone whose fold=1 is the earlier instant (none known, but cheap to honour)
             first, second, a, b = second, first, b, a
-        last = self.last
-        if last is None:
+        if self.last is None:
             return first
-        last = last.astimezone(_UTC)
+        last = self.last.astimezone(_UTC)
         if a >= last or b < last:
             return first
         return _stable(second) if (b - last) <= (last - a) else first
@@ -124,10 +112,8 @@ def to_zone(dt: datetime, tz: tzinfo) -> datetime:
 def seconds_between(start: datetime, end: datetime) -> float:
     """Seconds from ``start`` to ``end`` as they really passed (negative when ``end`` is earlier).
 
-    Aware times are taken by their instants, across any DST change between them; naive ones by their wall times.
-
-    Raises:
-        TypeError: one is naive and the other aware.
+    Aware times are taken by their instants, across any DST change between them; naive ones by their wall times;
+    TypeError when one is naive and the other aware.
     """
     if start.tzinfo is not None and end.tzinfo is not None:
         start, end = start.astimezone(_UTC), end.astimezone(_UTC)
@@ -140,12 +126,6 @@ def later(dt: datetime, delta: timedelta) -> datetime:
     if tz is None or isinstance(tz, timezone):
         return dt + delta
     return to_zone(dt.astimezone(_UTC) + delta, tz)
-
-
-def _ns(dt: datetime) -> int:
-    """UTC nanoseconds since the epoch of an aware datetime (exact to the microsecond)."""
-    delta = dt.astimezone(_UTC) - _EPOCH
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000
 
 
 def localize_by_order(naive: Any, tz: tzinfo) -> pd.DatetimeIndex:
@@ -162,9 +142,7 @@ def localize_by_order(naive: Any, tz: tzinfo) -> pd.DatetimeIndex:
     if not len(special):
         return cast("pd.DatetimeIndex", plain)
     utc = plain.asi8.copy()  # UTC ns, NaT as the minimum int64
-    valid = ~plain.isna()
-    positions = np.arange(len(utc))
-    last_valid = np.maximum.accumulate(np.where(valid, positions, -1))
+    last_valid = np.maximum.accumulate(np.where(~plain.isna(), np.arange(len(utc)), -1))  # a row's last good row
     walls = index.asi8
     localizer = Localizer(tz)
     done = -1  # position of the last special row resolved
@@ -174,7 +152,7 @@ def localize_by_order(naive: Any, tz: tzinfo) -> pd.DatetimeIndex:
         localizer.last = None if prev < 0 else _EPOCH + timedelta(microseconds=int(utc[prev]) // 1000)
         wall_ns = int(walls[i])
         wall = datetime(1970, 1, 1) + timedelta(microseconds=wall_ns // 1000)
-        utc[i] = _ns(localizer(wall)) + wall_ns % 1000
+        utc[i] = (localizer(wall) - _EPOCH) // timedelta(microseconds=1) * 1000 + wall_ns % 1000
         done = i
     return cast("pd.DatetimeIndex", pd.DatetimeIndex(pd.to_datetime(utc, unit="ns", utc=True)).tz_convert(tz))
 
@@ -203,9 +181,7 @@ def timeline(stamps: np.ndarray, cap: float | None = None, interval: float | Non
     steps = np.where(steps > 0, steps, 0.0)  # NaN (a missing time) counts nothing either
     if cap is not None:
         steps = np.where(steps > cap, interval if interval is not None else cap / 3.0, steps)
-    out = np.zeros(len(ns), dtype="float64")
-    out[1:] = np.cumsum(steps)
-    return out
+    return np.concatenate(([0.0], np.cumsum(steps)))
 
 
 def elapsed(since: datetime | float | None, now: datetime | float) -> float:
@@ -213,12 +189,9 @@ def elapsed(since: datetime | float | None, now: datetime | float) -> float:
 
     Aware datetimes count the time that really passed (see :func:`seconds_between`), across a DST change too.
     """
-    if since is None:
-        return 0.0
     if isinstance(since, datetime) and isinstance(now, datetime):
-        if (since.tzinfo is None) != (now.tzinfo is None):
-            return 0.0
-        return max(0.0, seconds_between(since, now))
-    if isinstance(since, (int, float)) and isinstance(now, (int, float)):
+        if (since.tzinfo is None) == (now.tzinfo is None):
+            return max(0.0, seconds_between(since, now))
+    elif isinstance(since, (int, float)) and isinstance(now, (int, float)):
         return max(0.0, float(now) - float(since))
     return 0.0

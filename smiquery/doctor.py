@@ -29,7 +29,7 @@ from smiquery.errors import (
 from smiquery.fields import PRESETS
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Iterable, Iterator, Sequence
 
     from smiquery.sample import GpuSample
 
@@ -53,39 +53,24 @@ CHECK_NAMES = (
     "default fields supported",
 )
 
-# the checks that a broken nvidia-smi or driver leaves undone (reported as skipped)
-_NEED_DRIVER = (
-    "driver reachable",
-    "driver/library match",
-    "GPU count",
-    "persistence mode",
-    "MIG mode",
-    "memory and clock health",
-    "default fields supported",
-)
+# the checks that a broken nvidia-smi or driver leaves undone (reported as skipped): all but the binary's, the
+# infoROM warning's and the container's
+_NEED_DRIVER = [n for n in CHECK_NAMES[1:] if n not in ("infoROM", "container") and not n.startswith("NVIDIA_")]
 _FIX_CONTAINER = "start the container with --gpus all (or set NVIDIA_DRIVER_CAPABILITIES=compute,utility)"
 _FIX_VISIBLE = "set NVIDIA_VISIBLE_DEVICES=all (or GPU indices/UUIDs), or start the container with --gpus all"
 _FIX_INSTALL = (
     "install the NVIDIA driver, or pass --nvidia-smi PATH / set SMIQUERY_NVIDIA_SMI; in a container, start it with "
     "--gpus all"
 )
-_FIX_NVML_INIT = (
-    "NVML could not start: check that the driver is loaded (`lsmod | grep nvidia`), that /dev/nvidia* are "
-    "readable by this user, and `dmesg` for Xid errors"
-)
 
 
 @dataclass(frozen=True)
 class CheckResult:
-    """The result of one doctor check.
+    """The result of one doctor check (``name``, one of :data:`CHECK_NAMES`): what was found (``diagnosis``, one line).
 
-    Attributes:
-        name: what was checked (one of :data:`CHECK_NAMES`).
-        status: ``ok``; ``warn`` (monitoring works, but something degrades it); ``fail`` (it stops monitoring);
-            ``skip`` (not applicable, or impossible after an earlier failure).
-        diagnosis: what was found, one line.
-        fix: what to do, for ``warn`` and ``fail`` ("" otherwise).
-        code: the exit code a failure stands for: 3 nvidia-smi missing, 4 driver, 5 timeout, 1 anything else.
+    ``status``: ``ok``; ``warn`` (monitoring works, but something degrades it); ``fail`` (it stops monitoring); ``skip``
+    (not applicable, or impossible after an earlier failure). ``fix``: what to do, for ``warn`` and ``fail``;
+    ``code``: the exit code a failure stands for: 3 nvidia-smi missing, 4 driver, 5 timeout, 1 anything else.
     """
 
     name: str
@@ -101,10 +86,7 @@ class CheckResult:
 
 
 def exit_code(results: Sequence[CheckResult], *, gate: bool = False) -> int:
-    """The exit code for results: the first failure's code (3, 4, 5 or 1), else 1 for a warning, else 0.
-
-    ``gate=True`` (health checks) counts failures only.
-    """
+    """The exit code for results: the first failure's code (3, 4, 5 or 1), else 1 for a warning (not with ``gate``)."""
     failed = [r for r in results if r.failed]
     if failed:
         return failed[0].code or 1
@@ -134,18 +116,10 @@ def _parse_version(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        key = key.strip().lower()
-        value = value.strip()
-        if key.startswith("nvidia-smi version"):
-            out["nvidia-smi"] = value
-        elif key.startswith(("driver version", "kmd version")) and "deprecated" not in value.lower():
-            out.setdefault("driver", value)
-        elif key.startswith("nvml version"):
-            out["nvml"] = value
-        elif key.startswith(("cuda version", "cuda umd version")) and "deprecated" not in value.lower():
-            out.setdefault("cuda", value)
+        key = key.strip().lower().removesuffix(" version")
+        name = {"kmd": "driver", "cuda umd": "cuda"}.get(key, key)  # 610 on: the KMD and UMD versions count
+        if sep and name in ("nvidia-smi", "driver", "nvml", "cuda") and "deprecated" not in value.lower():
+            out.setdefault(name, value.strip())
     return out
 
 
@@ -180,12 +154,14 @@ def _failure(name: str, exc: BaseException, *, in_ctr: bool) -> CheckResult:
         # version mismatch" wants a reboot, not NVML start-up advice)
         fix = exc.hint
     elif "Failed to initialize NVML" in message:
-        fix = _FIX_NVML_INIT
+        fix = (
+            "NVML could not start: check that the driver is loaded (`lsmod | grep nvidia`), that /dev/nvidia* are "
+            "readable by this user, and `dmesg` for Xid errors"
+        )
     else:
-        hint = getattr(exc, "hint", "") or ""
-        if not hint or "smiquery doctor" in hint:
-            hint = "run plain `nvidia-smi` to see the whole message, and check `dmesg` for Xid errors"
-        fix = hint
+        fix = getattr(exc, "hint", "")
+        if not fix or "smiquery doctor" in fix:
+            fix = "run plain `nvidia-smi` to see the whole message, and check `dmesg` for Xid errors"
     return CheckResult(name, "fail", message, fix, exc.exit_status if isinstance(exc, SmiqueryError) else 1)
 
 
@@ -217,7 +193,7 @@ class _Progress:
 
 
 def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float = 10.0) -> list[CheckResult]:
-    """One result per check, in the order of :data:`CHECK_NAMES`, for an nvidia-smi (None: the one found); never raises.
+    """One result per check (:data:`CHECK_NAMES`' order) for an nvidia-smi (None: the one found); never raises.
 
     ``timeout``: seconds per nvidia-smi call.
     """
@@ -232,8 +208,7 @@ def run_checks(nvidia_smi: str | os.PathLike[str] | None = None, timeout: float 
     present = {r.name for r in done.results}
     skipped = done.broken or "nvidia-smi is not working"
     done.results += [CheckResult(name, "skip", skipped) for name in _NEED_DRIVER if name not in present]
-    order = {name: i for i, name in enumerate(CHECK_NAMES)}
-    return sorted(done.results, key=lambda r: order.get(r.name, len(order)))
+    return sorted(done.results, key=lambda r: CHECK_NAMES.index(r.name))
 
 
 def _check_binary(done: _Progress, nvidia_smi: str | os.PathLike[str] | None, timeout: float) -> None:
@@ -257,8 +232,7 @@ def _check_binary(done: _Progress, nvidia_smi: str | os.PathLike[str] | None, ti
             done.failure = failure_from_exit(argv, ran.returncode, ran.output)
     except SmiqueryError as exc:
         done.failure = exc
-    labels = {"nvidia-smi": "nvidia-smi", "driver": "driver", "cuda": "CUDA"}
-    parts = [f"{labels[k]} {v}" for k, v in done.version.items() if k in labels]
+    parts = [f"{k.replace('cuda', 'CUDA')} {v}" for k, v in done.version.items() if k != "nvml"]
     detail = binary + (f" ({', '.join(parts)})" if parts else " (`nvidia-smi --version` reported no version)")
     done.results.append(CheckResult("nvidia-smi found", "ok", detail))
     if isinstance(done.failure, (NvidiaSmiTimeoutError, NvidiaSmiNotFoundError)):
@@ -270,9 +244,8 @@ def _query_driver(done: _Progress, timeout: float) -> tuple[list[GpuSample] | No
     """2-6. driver, library match, GPUs, infoROM, persistence, MIG: one query (None when it failed)."""
     from smiquery.sources.query_gpu import query
 
-    caught: list[warnings.WarningMessage] = []
     if done.broken is not None or done.binary is None:
-        return None, caught
+        return None, []
     names = ["index", "name", "driver_version", "persistence_mode", "mig.mode.current"]
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -297,7 +270,7 @@ def _query_driver(done: _Progress, timeout: float) -> tuple[list[GpuSample] | No
         else:
             done.fail("driver reachable", exc)
             done.broken = "the driver is not reachable"
-    return None, caught
+    return None, []
 
 
 #: Clock event reasons that mean the hardware itself slows the GPU down (not an application's or the user's cap).
@@ -316,18 +289,10 @@ def _details_check(binary: str, timeout: float) -> CheckResult:
         return CheckResult(name, "warn", f"nvidia-smi -q -x failed: {_message(exc)}", fix)
     failed = [g.index for g in gpus if g.remapped_rows is not None and g.remapped_rows.failure]
     if failed:
-        return CheckResult(
-            name,
-            "fail",
-            f"row remapping failed on GPU {_listed(failed)}: its memory cannot be repaired",
-            "drain the GPU's jobs and have the GPU serviced (RMA); check `dmesg` for Xid 64",
-        )
-    pending = [
-        g.index
-        for g in gpus
-        if (g.remapped_rows is not None and g.remapped_rows.pending)
-        or (g.retired_pages is not None and g.retired_pages.pending)
-    ]
+        why = f"row remapping failed on GPU {_listed(failed)}: its memory cannot be repaired"
+        fix = "drain the GPU's jobs and have the GPU serviced (RMA); check `dmesg` for Xid 64"
+        return CheckResult(name, "fail", why, fix)
+    pending = [g.index for g in gpus if any(r is not None and r.pending for r in (g.remapped_rows, g.retired_pages))]
     slow = {g.index: [r for r in g.clock_event_reasons or () if r in _HW_SLOWDOWN] for g in gpus}
     slow = {i: r for i, r in slow.items() if r}
     said, fixes = [], []
@@ -364,80 +329,78 @@ def _default_fields_check(done: _Progress, binary: str, timeout: float) -> Check
 
 def _gpu_checks(
     samples: Sequence[GpuSample], version: dict[str, str], caught: Sequence[warnings.WarningMessage]
-) -> list[CheckResult]:
-    out: list[CheckResult] = []
+) -> Iterator[CheckResult]:
     drivers = sorted({str(s.get("driver_version")) for s in samples if s.get("driver_version") is not None})
     drv = version.get("driver") or (drivers[0] if drivers else "")
-    out.append(CheckResult("driver reachable", "ok", f"driver {', '.join(drivers) or drv or '(version unknown)'}"))
+    yield CheckResult("driver reachable", "ok", f"driver {', '.join(drivers) or drv or '(version unknown)'}")
     nvml = version.get("nvml", "")
     name = "driver/library match"
     if nvml and drv and nvml.split(".")[0] != drv.split(".")[0]:
         fix = "reboot (or reload the nvidia kernel modules) so the driver matches the library"
-        out.append(CheckResult(name, "fail", f"NVML {nvml} but driver {drv}", fix, 4))
+        yield CheckResult(name, "fail", f"NVML {nvml} but driver {drv}", fix, 4)
     elif nvml and drv:
-        out.append(CheckResult(name, "ok", f"NVML {nvml} matches driver {drv}"))
+        yield CheckResult(name, "ok", f"NVML {nvml} matches driver {drv}")
     else:
         # A mismatch makes every query fail; this one worked, so the two agree even without version numbers.
-        out.append(CheckResult(name, "ok", "nvidia-smi queries the driver (NVML version not shown)"))
+        yield CheckResult(name, "ok", "nvidia-smi queries the driver (NVML version not shown)")
     lost = [s.index for s in samples if s.gpu_lost]
     gpu_names = sorted({str(s.get("name")) for s in samples if s.get("name")})
     if not samples:
-        out.append(CheckResult("GPU count", "fail", "0 GPUs", "check `nvidia-smi -L` and NVIDIA_VISIBLE_DEVICES", 4))
+        yield CheckResult("GPU count", "fail", "0 GPUs", "check `nvidia-smi -L` and NVIDIA_VISIBLE_DEVICES", 4)
     elif lost:
         said = f"{len(samples)} GPUs; GPU {_listed(lost)} is lost (fell off the bus)"
-        out.append(CheckResult("GPU count", "fail", said, GpuLostError.hint, 4))
+        yield CheckResult("GPU count", "fail", said, GpuLostError.hint, 4)
     else:
         plural = "s" if len(samples) != 1 else ""
-        out.append(CheckResult("GPU count", "ok", f"{len(samples)} GPU{plural}: {', '.join(gpu_names)}"))
+        yield CheckResult("GPU count", "ok", f"{len(samples)} GPU{plural}: {', '.join(gpu_names)}")
     rom = [str(w.message) for w in caught if "infoROM" in str(w.message) or "exited 14" in str(w.message)]
     if rom:
         fix = "the GPU's infoROM is corrupted; values still read, but report it to the vendor (RMA)"
-        out.append(CheckResult("infoROM", "warn", _one_line(rom[0]), fix))
+        yield CheckResult("infoROM", "warn", _one_line(rom[0]), fix)
     pm = [(s.index, s.get("persistence_mode")) for s in samples]
     off = [i for i, v in pm if v is False]
     if all(v is None for _, v in pm):
-        out.append(CheckResult("persistence mode", "skip", "not reported by this driver (n/a)"))
+        yield CheckResult("persistence mode", "skip", "not reported by this driver (n/a)")
     elif off:
         said = f"disabled on GPU {_listed(off)}: every nvidia-smi call re-initialises the driver (slow)"
         fix = "run `sudo nvidia-smi -pm 1` or enable the nvidia-persistenced service"
-        out.append(CheckResult("persistence mode", "warn", said, fix))
+        yield CheckResult("persistence mode", "warn", said, fix)
     else:
-        out.append(CheckResult("persistence mode", "ok", "enabled"))
+        yield CheckResult("persistence mode", "ok", "enabled")
     mig = [(s.index, s.get("mig.mode.current")) for s in samples]
     on = [i for i, v in mig if v is True]
     said = f"enabled on GPU {_listed(on)}: GPU utilization is n/a there; use MIG devices" if on else "disabled"
     reported = any(v is not None for _, v in mig)
-    out.append(CheckResult("MIG mode", "ok", said if reported else "not supported or not reported (n/a)"))
-    return out
+    yield CheckResult("MIG mode", "ok", said if reported else "not supported or not reported (n/a)")
 
 
-def _container_checks(ctr: str | None, *, found: bool, failure: BaseException | None) -> list[CheckResult]:
+def _container_checks(ctr: str | None, *, found: bool, failure: BaseException | None) -> Iterator[CheckResult]:
     """The container set-up: a variable is a warning only when it may explain a failure seen above."""
     if ctr is None:
-        return [CheckResult("container", "ok", "not in a container")]
-    out = [CheckResult("container", "ok", f"in a container ({ctr})")]
+        yield CheckResult("container", "ok", "not in a container")
+        return
+    yield CheckResult("container", "ok", f"in a container ({ctr})")
     working = found and failure is None
     # nvidia-smi and libnvidia-ml come from the host only with the `utility` capability (NVIDIA-SMI.md section 7)
     missing_tool = "nvidia-smi" if not found else "libnvidia-ml.so" if isinstance(failure, NvmlNotFoundError) else ""
     caps = os.environ.get("NVIDIA_DRIVER_CAPABILITIES")
     name = "NVIDIA_DRIVER_CAPABILITIES"
     if caps is None and missing_tool:
-        out.append(CheckResult(name, "warn", f"unset: {missing_tool} is not mounted without it", _FIX_CONTAINER))
+        yield CheckResult(name, "warn", f"unset: {missing_tool} is not mounted without it", _FIX_CONTAINER)
     elif caps is None:
-        out.append(CheckResult(name, "ok", "unset (nvidia-smi is mounted anyway)"))
+        yield CheckResult(name, "ok", "unset (nvidia-smi is mounted anyway)")
     elif {w.strip().lower() for w in caps.split(",")} & {"utility", "all"}:
-        out.append(CheckResult(name, "ok", f"{caps} (includes utility)"))
+        yield CheckResult(name, "ok", f"{caps} (includes utility)")
     elif working or not missing_tool:
-        out.append(CheckResult(name, "ok", f"{caps} (lacks utility, but nvidia-smi and NVML are there)"))
+        yield CheckResult(name, "ok", f"{caps} (lacks utility, but nvidia-smi and NVML are there)")
     else:
-        out.append(CheckResult(name, "warn", f"{caps!r} lacks utility: {missing_tool} is not mounted", _FIX_CONTAINER))
+        yield CheckResult(name, "warn", f"{caps!r} lacks utility: {missing_tool} is not mounted", _FIX_CONTAINER)
     visible = os.environ.get("NVIDIA_VISIBLE_DEVICES")
     shown = "unset" if visible is None else repr(visible)
     name = "NVIDIA_VISIBLE_DEVICES"
     if (visible or "").strip().lower() not in ("", "void", "none"):
-        out.append(CheckResult(name, "ok", visible or ""))
+        yield CheckResult(name, "ok", visible or "")
     elif isinstance(failure, (NoDevicesFoundError, DriverNotLoadedError)):
-        out.append(CheckResult(name, "warn", f"{shown}: no GPU is passed in", _FIX_VISIBLE))
+        yield CheckResult(name, "warn", f"{shown}: no GPU is passed in", _FIX_VISIBLE)
     else:
-        out.append(CheckResult(name, "ok", f"{shown} (GPUs are reachable anyway)" if working else shown))
-    return out
+        yield CheckResult(name, "ok", f"{shown} (GPUs are reachable anyway)" if working else shown)

@@ -11,44 +11,6 @@ if TYPE_CHECKING:
     import os
     from collections.abc import Sequence
 
-__all__ = [
-    "DriverNotLoadedError",
-    "DriverVersionMismatchError",
-    "GpuLostError",
-    "InfoRomWarning",
-    "InsufficientPermissionsError",
-    "InvalidArgumentError",
-    "InvalidFieldError",
-    "InvalidGpuIdError",
-    "InvalidRuleError",
-    "InvalidTimeZoneError",
-    "KernelLogError",
-    "KubernetesApiError",
-    "ListenError",
-    "NoDevicesFoundError",
-    "NotSupportedError",
-    "NvidiaSmiFailedError",
-    "NvidiaSmiNotFoundError",
-    "NvidiaSmiTimeoutError",
-    "NvmlNotFoundError",
-    "OutputTooLargeError",
-    "ParseError",
-    "PortInUseError",
-    "PrometheusError",
-    "PrometheusQueryError",
-    "PrometheusUnreachableError",
-    "RecordingError",
-    "ReplayError",
-    "ReportError",
-    "ResourceLimitError",
-    "SlurmError",
-    "SmiqueryError",
-    "StreamEndedError",
-    "UsageError",
-    "WebConfigError",
-    "failure_from_exit",
-]
-
 _CONTAINER_HINT = (
     "in a container, start it with `--gpus all` (or set NVIDIA_DRIVER_CAPABILITIES=compute,utility "
     "with the NVIDIA runtime)"
@@ -58,9 +20,8 @@ _CONTAINER_HINT = (
 class SmiqueryError(Exception):
     """Base of every error smiquery raises.
 
-    Attributes:
-        retryable: whether a long-lived source retries it soon (else it waits for a person to fix the cause).
-        exit_status: the command line's exit code for it: 2 usage, 3 nvidia-smi missing, 4 driver, 5 timeout, else 1.
+    ``retryable``: a long-lived source retries it soon (else it waits for a person to fix the cause); ``exit_status``:
+    the command line's exit code for it: 2 usage, 3 nvidia-smi missing, 4 driver, 5 timeout, else 1.
     """
 
     retryable = False
@@ -77,12 +38,10 @@ class InvalidFieldError(SmiqueryError, ValueError):
         self.suggestions = tuple(suggestions)
         if detail:
             msg = f"invalid field {field!r}: {detail}" if field else f"invalid fields: {detail}"
+        elif self.suggestions:
+            msg = f"unknown field {field!r}; did you mean " + ", ".join(map(repr, self.suggestions)) + "?"
         else:
-            msg = f"unknown field {field!r}"
-            if self.suggestions:
-                msg += "; did you mean " + ", ".join(repr(s) for s in self.suggestions) + "?"
-            else:
-                msg += "; run `smiquery fields` to list valid names"
+            msg = f"unknown field {field!r}; run `smiquery fields` to list valid names"
         super().__init__(msg)
 
 
@@ -301,8 +260,7 @@ class NvidiaSmiFailedError(SmiqueryError):
     @property
     def first_line(self) -> str:
         """The first line of nvidia-smi's message (CSV data rows it printed before failing are skipped)."""
-        lines = _message_lines(self.output)
-        return lines[0] if lines else ""
+        return next(iter(_message_lines(self.output)), "")
 
 
 class StreamEndedError(NvidiaSmiFailedError):
@@ -408,12 +366,14 @@ def _message_lines(output: str) -> list[str]:
 
 
 def failure_from_exit(argv: Sequence[str], returncode: int, output: str) -> NvidiaSmiFailedError:
-    """The typed error for an nvidia-smi exit status and its output (stdout and stderr together).
-
-    The one place where exit codes and messages are interpreted; a plain NvidiaSmiFailedError when nothing fits.
-    """
+    """The typed error for nvidia-smi's exit status and output (stdout and stderr); NvidiaSmiFailedError if none fit."""
     low = "\n".join(_message_lines(output)).lower()
     for fragment, cls in _BY_MESSAGE:
         if fragment in low:
             return cls(argv, returncode, output)
     return _BY_CODE.get(returncode, NvidiaSmiFailedError)(argv, returncode, output)
+
+
+#: Every exception class above, and failure_from_exit.
+__all__ = [n for n, v in list(globals().items()) if isinstance(v, type) and issubclass(v, (SmiqueryError, Warning))]
+__all__ += ["failure_from_exit"]

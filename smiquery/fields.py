@@ -1,7 +1,8 @@
 """The ``--query-gpu`` field catalogue (names, aliases, units, value kinds, presets) and the one field resolver.
 
 The catalogue is data: ``fields.csv`` beside this module, one row per field ``nvidia-smi --help-query-gpu`` lists on
-drivers 465 to 610, read on first use. What a field's kind does with its cells lives in :mod:`smiquery.kinds`.
+drivers 465 to 610, read when this module is imported (``import smiquery`` alone does not). What a field's kind does
+with its cells lives in :mod:`smiquery.kinds`.
 """
 
 from __future__ import annotations
@@ -37,17 +38,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Field:
-    """One ``--query-gpu`` property.
+    """One ``--query-gpu`` property: its canonical ``name`` (as the CSV header prints it), ``aliases`` and ``unit``.
 
-    Attributes:
-        name: canonical name, as nvidia-smi prints it in the CSV header.
-        unit: physical unit of the value (``"MiB"``, ``"W"``, ``"C"``...), empty when dimensionless.
-        header_unit: unit nvidia-smi prints as ``name [unit]`` in the header (temperatures print none).
-        aliases: other names nvidia-smi accepts for it (``gpu_name`` for ``name``).
-        since: first driver branch known to list it.
-        attr: Python attribute and DataFrame column name (dots become underscores).
-        argv_name: the spelling sent in ``--query-gpu``: an older alias where every driver accepts it
-            (``clocks_throttle_reasons.active``), else ``name``.
+    ``header_unit`` is the unit the header prints as ``name [unit]`` (temperatures print none), ``since`` the first
+    driver branch known to list it, ``attr`` the Python attribute and DataFrame column name (dots become
+    underscores), ``argv_name`` the spelling sent in ``--query-gpu`` (an older alias every driver accepts, such as
+    ``clocks_throttle_reasons.active``, else ``name``).
     """
 
     name: str
@@ -95,11 +91,6 @@ def _throttle_name(name: str) -> str:
 #: What every call that takes fields accepts: a preset, ``"a,b,c"``, names, or fields already resolved.
 FieldsArg = str | Sequence[str | Field] | None
 
-#: Every field, in ``--help-query-gpu`` order (read from ``fields.csv`` on first use).
-CATALOGUE: tuple[Field, ...]
-#: Preset name -> its fields, in column order; ``all`` is the whole catalogue (built on first use).
-PRESETS: dict[str, tuple[str, ...]]
-
 _IDENTITY = "timestamp index uuid "
 _PRESETS = {
     "default": "timestamp index name uuid temperature.gpu utilization.gpu utilization.memory memory.used memory.total "
@@ -122,17 +113,11 @@ _PRESETS = {
 }
 # fields.csv's header_unit: empty when nvidia-smi prints the unit in the header, "-" when it prints none
 _HEADER_UNIT = {"": None, "-": ""}
-_by_name: dict[str, Field] | None = None
-_presets: dict[str, tuple[str, ...]] = {}  # PRESETS, once read
 
 
-def _index() -> dict[str, Field]:
-    """Name or alias -> field; reads ``fields.csv`` and publishes CATALOGUE and PRESETS on the first call."""
-    global _by_name
-    if _by_name is not None:
-        return _by_name
-    with open(os.path.join(os.path.dirname(__file__), "fields.csv"), encoding="utf-8", newline="") as fh:
-        catalogue = tuple(
+def _read(path: str) -> tuple[Field, ...]:
+    with open(path, encoding="utf-8", newline="") as fh:
+        return tuple(
             Field(
                 r["name"],
                 Kind(r["kind"]),
@@ -144,35 +129,25 @@ def _index() -> dict[str, Field]:
             )
             for r in csv.DictReader(fh)
         )
-    index = {name: f for f in catalogue for name in (f.name, *f.aliases)}
-    for f in catalogue:  # before the 535 branch the throttle reasons were canonical under their old name
-        index.setdefault(_throttle_name(f.name), f)
-    _presets.update({name: tuple(names.split()) for name, names in _PRESETS.items()})
-    _presets["all"] = tuple(f.name for f in catalogue)
-    globals().update(CATALOGUE=catalogue, PRESETS=_presets)
-    _by_name = index  # last: a thread that sees it sees the whole table (two first calls at once build equal ones)
-    return index
 
 
-def __getattr__(name: str) -> object:
-    if name in ("CATALOGUE", "PRESETS"):
-        _index()
-        return globals()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: Every field, in ``--help-query-gpu`` order (the rows of ``fields.csv`` beside this module).
+CATALOGUE = _read(os.path.join(os.path.dirname(__file__), "fields.csv"))
+#: Preset name -> its fields, in column order; ``all`` is the whole catalogue.
+PRESETS = {name: tuple(names.split()) for name, names in _PRESETS.items()} | {"all": tuple(f.name for f in CATALOGUE)}
+# name or alias -> field; before the 535 branch the throttle reasons were canonical under their old name
+_BY_NAME = {name: f for f in CATALOGUE for name in (f.name, *f.aliases)}
+_BY_NAME |= {_throttle_name(f.name): f for f in CATALOGUE if _throttle_name(f.name) not in _BY_NAME}
 
 
 def get_field(name: str, *, known: Iterable[str] | None = None) -> Field:
-    """Look a field up by canonical name or alias; ``known``: names this driver lists beyond the catalogue (strings).
-
-    Raises InvalidFieldError when the name is not a field: its message names the closest valid ones.
-    """
-    index = _index()
-    fld = index.get(name)
+    """A field by name or alias (``known``: names this driver lists beyond the catalogue); else InvalidFieldError."""
+    fld = _BY_NAME.get(name)
     if fld is not None:
         return fld
     if known is not None and name in set(known):
         return Field(name, Kind.STR, help="Listed by this driver's --help-query-gpu; not in smiquery's catalogue.")
-    raise InvalidFieldError(name, difflib.get_close_matches(name, list(index), n=3, cutoff=0.6))
+    raise InvalidFieldError(name, difflib.get_close_matches(name, list(_BY_NAME), n=3, cutoff=0.6))
 
 
 def resolve_fields(fields: FieldsArg = "default", *, known: Iterable[str] | None = None) -> tuple[Field, ...]:
@@ -182,14 +157,13 @@ def resolve_fields(fields: FieldsArg = "default", *, known: Iterable[str] | None
     fields (resolved ones pass through). ``known``: names this driver lists; also limits ``"all"`` to them.
     Raises InvalidFieldError for a name that is unknown or malformed.
     """
-    index = _index()
     fields = "default" if fields is None else fields
     names: Sequence[str | Field]
     if isinstance(fields, str):
-        if fields in _presets:
-            names = _presets[fields]
+        if fields in PRESETS:
+            names = PRESETS[fields]
             if fields == "all" and known is not None:
-                allowed = {index[n].name if n in index else n for n in known}
+                allowed = {_BY_NAME[n].name if n in _BY_NAME else n for n in known}
                 names = [n for n in names if n in allowed]
         else:
             names = [n.strip() for n in fields.split(",") if n.strip()]
@@ -230,28 +204,18 @@ def parse_help_query_gpu(text: str) -> list[HelpEntry]:
     An entry is a line starting with a double quote right after a blank line (``"name" or "alias"``); the lines
     below it, up to the next blank line, describe it. Headings and prose in between are skipped.
     """
-    lines = text.replace("\r", "").split("\n")
     entries: list[HelpEntry] = []
-    for i, line in enumerate(lines):
-        if not line.startswith('"') or (i > 0 and lines[i - 1].strip()):
-            continue
-        names = _HELP_NAME_RE.findall(line)
-        if not names:
-            continue
-        desc: list[str] = []
-        for follow in lines[i + 1 :]:
-            if not follow.strip():
-                break
-            desc.append(follow.strip())
-        entries.append(HelpEntry(names[0], tuple(names[1:]), " ".join(desc)))
+    for block in re.split(r"\n\s*\n", text.replace("\r", "")):
+        first, _, rest = block.strip("\n").partition("\n")
+        names = _HELP_NAME_RE.findall(first) if first.startswith('"') else []
+        if names:
+            desc = " ".join(line.strip() for line in rest.splitlines() if line.strip())
+            entries.append(HelpEntry(names[0], tuple(names[1:]), desc))
     return entries
 
 
 def help_query_gpu(run: Callable[[list[str], float], Any], binary: str, timeout: float) -> list[HelpEntry]:
-    """The entries ``binary --help-query-gpu`` lists, run by ``run`` (a runner's ``run``) within ``timeout`` seconds.
-
-    Raises NvidiaSmiFailedError when nvidia-smi fails or lists no fields.
-    """
+    """What ``binary --help-query-gpu`` lists (run by a runner's ``run``); NvidiaSmiFailedError on failure or none."""
     argv = [binary, "--help-query-gpu"]
     done = run(argv, timeout)
     if done.returncode != 0:

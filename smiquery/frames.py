@@ -5,6 +5,7 @@ The recording readers (:mod:`smiquery.recordings`) build their frames with the s
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -66,10 +67,8 @@ def local_zone() -> tzinfo:
         link = os.path.realpath("/etc/localtime")
         name = link.split("zoneinfo/", 1)[1] if "zoneinfo/" in link else ""
     if name:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             return ZoneInfo(name)
-        except (ValueError, OSError):
-            pass
     # dateutil (a pandas dependency) follows the host's DST rules even when the zone has no name.
     local: tzinfo = importlib.import_module("dateutil.tz").tzlocal()
     return local
@@ -151,29 +150,23 @@ class MissingReasons(Mapping[str, Mapping[int, str]]):
 
     def count(self, column: str) -> int:
         """How many cells of ``column`` (``power_draw``) are missing with a known reason; 0 for none."""
-        entry = self._columns.get(column)
-        return 0 if entry is None else len(entry[0])
+        return len(self._columns[column][0]) if column in self._columns else 0
 
     def series(self, column: str, length: int) -> pd.Series:
         """One column's reasons: a categorical Series of ``length`` rows (as read), ``<NA>`` where not missing."""
         import numpy as np
         import pandas as pd
 
-        entry = self._columns.get(column)
-        words = entry[2] if entry is not None else ()
+        rows, reasons, words = self._columns.get(column, ((), (), ()))
         codes = np.full(length, -1, dtype=np.int16)
-        if entry is not None:
-            codes[np.asarray(entry[0], dtype=np.int64)] = np.asarray(entry[1], dtype=np.int16)
+        codes[np.asarray(rows, dtype=np.int64)] = np.asarray(reasons, dtype=np.int16)
         series: pd.Series = pd.Series(pd.Categorical.from_codes(codes, categories=pd.Index(list(words))), name=column)
         return series
 
 
 def missing_reasons(df: pd.DataFrame) -> MissingReasons:
     """column -> {row position -> reason} of a frame's missing cells (any reader's, :func:`to_dataframe`'s)."""
-    found = df.attrs.get("missing")
-    if isinstance(found, MissingReasons):
-        return found
-    return MissingReasons.from_dicts(found or {})
+    return MissingReasons.from_dicts(df.attrs.get("missing") or {})
 
 
 def int_array(values: Sequence[int | None]) -> Any:
@@ -187,9 +180,16 @@ def int_array(values: Sequence[int | None]) -> Any:
         return pd.array(values, dtype="UInt64")
 
 
-def _timestamp_array(values: Sequence[Value], tz: tzinfo | None) -> Any:
+def _python_array(fld: Field, values: Sequence[Any], tz: tzinfo | None = None) -> Any:
+    """A nullable pandas array for one column of Python values (None for missing)."""
     import pandas as pd
 
+    storage = fld.kind.ops.storage
+    if storage == "int":
+        return int_array(values)
+    if storage != "timestamp":
+        dtype: Any = string_dtype() if storage == "string" else fld.kind.ops.dtype
+        return pd.array(values, dtype=dtype)
     given = [v for v in values if isinstance(v, datetime)]
     if tz is None and given and all(v.tzinfo is None for v in given):
         # Recorded without a zone (a replayed nvidia-smi CSV): kept naive, as recorded.
@@ -202,31 +202,15 @@ def _timestamp_array(values: Sequence[Value], tz: tzinfo | None) -> Any:
         # the second pass of a fall-back's repeated hour carries a fixed offset beside its zone: the zone wins
         named = {z for z in zones if not isinstance(z, timezone)}
         tz = zones.pop() if len(zones) == 1 else named.pop() if len(named) == 1 else local_zone()
-    index = pd.to_datetime(stamps, utc=True).tz_convert(tz)
-    return index.as_unit("ns").array
-
-
-def _python_array(fld: Field, values: Sequence[Any], tz: tzinfo | None = None) -> Any:
-    """A nullable pandas array for one column of Python values (None for missing)."""
-    import pandas as pd
-
-    storage = fld.kind.ops.storage
-    if storage == "int":
-        return int_array(values)
-    if storage == "timestamp":
-        return _timestamp_array(values, tz)
-    dtype: Any = string_dtype() if storage == "string" else fld.kind.ops.dtype
-    return pd.array(values, dtype=dtype)
+    return pd.to_datetime(stamps, utc=True).tz_convert(tz).as_unit("ns").array
 
 
 def empty_array(fld: Field, tz: tzinfo | None) -> Any:
     """A column of no rows with the dtype ``fld`` gets (timestamps in ``tz``; naive for None)."""
     import pandas as pd
 
-    if fld.kind.ops.storage == "timestamp":
-        if tz is None:
-            return pd.DatetimeIndex([], dtype="datetime64[ns]").array
-        return pd.DatetimeIndex([], dtype=pd.DatetimeTZDtype("ns", tz)).array
+    if fld.kind.ops.storage == "timestamp" and tz is None:
+        return pd.DatetimeIndex([], dtype="datetime64[ns]").array
     return _python_array(fld, [], tz)
 
 
@@ -256,15 +240,12 @@ def make_frame(
 def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     """Put samples in a DataFrame, one row per sample and one nullable column per queried field.
 
-    Columns are named after :attr:`Field.attr` (``memory.used`` -> ``memory_used``) with dtypes from the
-    catalogue: ``Int64`` for integers, hex values and bitmasks, ``Float64`` for decimals, ``boolean`` for
-    Enabled/Disabled, Yes/No and Active/Not Active, ``string`` for text and versions, and ``datetime64[ns, tz]``
-    for ``timestamp`` (naive ``datetime64[ns]`` when every sample's timestamp is naive, as a replayed
-    nvidia-smi CSV's are). A missing value is ``<NA>`` (never 0). ``df.attrs`` carries ``"fields"`` (canonical
-    names), ``"units"`` (column -> unit, ``""`` when dimensionless) and ``"missing"`` (:class:`MissingReasons`).
-    Samples from different queries may be mixed: the columns are the union of their fields, in first-seen
-    order, and a field a sample did not query is ``<NA>`` without a reason. No samples give an empty frame.
-    Raises ValueError for a timestamp outside what ``datetime64[ns]`` holds (years 1677 to 2262).
+    Columns are named after :attr:`Field.attr` (``memory.used`` -> ``memory_used``) and typed by their kind
+    (:attr:`~smiquery.kinds.FieldKind.dtype`; timestamps stay naive when every sample's is, as a replayed CSV's
+    are). A missing value is ``<NA>`` (never 0). ``df.attrs`` carries ``"fields"`` (canonical names), ``"units"``
+    (column -> unit) and ``"missing"`` (:class:`MissingReasons`). Samples of different queries give the union of
+    their fields, in first-seen order (``<NA>`` without a reason where a sample lacks one). ValueError for a
+    timestamp outside ``datetime64[ns]`` (years 1677 to 2262).
     """
     rows = list(samples)
     if not rows:
@@ -281,19 +262,14 @@ def to_dataframe(samples: Iterable[GpuSample]) -> pd.DataFrame:
     attr_of = {n: f.attr for n, f in zip(names, fields, strict=True)}
     missing: dict[str, dict[int, str]] = {}
     for i, s in enumerate(rows):
-        m = s.missing
-        if m:
-            for name, reason in m.items():
-                missing.setdefault(attr_of[name], {})[i] = reason
+        for name, reason in s.missing.items():
+            missing.setdefault(attr_of[name], {})[i] = reason
     columns = [_python_array(f, col) for f, col in zip(fields, columns_of, strict=True)]
     return make_frame(fields, columns, missing, None)
 
 
 def set_zone(df: pd.DataFrame, tz: tzinfo | None) -> None:
-    """Put the ``timestamp`` column in ``tz``, in place: naive times are localized, aware ones converted.
-
-    None leaves the column as it is.
-    """
+    """Put the ``timestamp`` column in ``tz`` (None: leave it), in place: naive times localized, aware converted."""
     if tz is None or "timestamp" not in df.columns:
         return
     stamps = df["timestamp"]
@@ -306,13 +282,10 @@ def set_zone(df: pd.DataFrame, tz: tzinfo | None) -> None:
 
 @dataclass(frozen=True)
 class SkippedLines:
-    """Lines of a recording that readers skipped: torn (a killed recorder's last line), garbled or not fitting.
+    """``count`` lines of a recording that readers skipped: torn (a killed recorder's last line), garbled or unfit.
 
-    Attributes:
-        count: how many lines were skipped.
-        first_lineno: the line number (1-based) of the first one.
-        first_line: that line's text (cut to 80 characters).
-        reason: what is wrong with that line (``field 'memory.used': '7.5' is not a valid integer``), or "".
+    The first of them is line ``first_lineno`` (from 1), ``first_line`` its text (80 characters at most) and
+    ``reason`` what is wrong with it (``field 'memory.used': '7.5' is not a valid integer``), or "".
     """
 
     count: int
@@ -335,8 +308,5 @@ class SkippedLines:
     def unreadable(self) -> ParseError:
         """The error for a recording whose every row was skipped."""
         why = self.reason or "does not fit the header"
-        return ParseError(
-            f"no readable rows ({self.count} line(s) skipped, this one first): {why}",
-            lineno=self.first_lineno,
-            line=self.first_line,
-        )
+        message = f"no readable rows ({self.count} line(s) skipped, this one first): {why}"
+        return ParseError(message, lineno=self.first_lineno, line=self.first_line)

@@ -25,7 +25,6 @@ __all__ = [
     "Kind",
     "Unit",
     "missing_reason",
-    "missing_token",
     "split_header_cell",
     "strip_unit",
     "to_number",
@@ -95,12 +94,6 @@ def missing_reason(cell: str) -> str | None:
     if reason is None and len(cell) >= 2 and cell[0] == "[" and cell[-1] == "]":
         return cell
     return reason
-
-
-def missing_token(reason: str | None) -> str:
-    """The cell nvidia-smi prints for a missing value with this reason (``[N/A]`` when unknown or None)."""
-    r = reason or "not_available"
-    return _TOKEN_FOR_REASON.get(r, r if r.startswith("[") else "[N/A]")
 
 
 _HEADER_UNIT = re.compile(r"^(.*?) \[([^\]]*)\]$")
@@ -180,7 +173,7 @@ def _major_minor(v: str) -> str:
 class _Timestamp:
     """Parses ``YYYY/MM/DD HH:MM:SS.mmm`` local time; caches the whole-second part, since rows share it."""
 
-    __slots__ = ("base", "hour", "hour_base", "localize", "prefix", "tz")
+    __slots__ = ("base", "hour", "hour_base", "localize", "prefix")
 
     # nvidia-smi prints milliseconds; adding a ready-made timedelta is ten times cheaper than replace().
     _MILLIS: ClassVar[dict[str, timedelta]] = {f"{i:03d}": timedelta(milliseconds=i) for i in range(1000)}
@@ -192,7 +185,6 @@ class _Timestamp:
     def __init__(self, tz: tzinfo | None) -> None:
         from smiquery.clock import Localizer
 
-        self.tz = tz
         # one converter reads one timeline in order: the repeated hour of a DST fall-back resolves by that order
         self.localize = Localizer(tz)
         self.prefix = ""
@@ -204,8 +196,19 @@ class _Timestamp:
         prefix = v[:19]
         if prefix != self.prefix or self.base is None:
             if len(v) < 19 or v[4] != "/" or v[7] != "/" or v[10] != " " or v[13] != ":" or v[16] != ":":
-                return self._other(v)
-            self.base = self._second(v, prefix)
+                dt = datetime.fromisoformat(v)  # recordings written by other tools may use ISO 8601
+                return self.localize(dt) if dt.tzinfo is None else dt
+            # a new whole second (nvidia-smi prints the host's local time with no zone)
+            into = self._MINSEC.get(v[14:19]) if v[:13] == self.hour else None
+            if into is not None and self.hour_base is not None:
+                self.base = self.localize.last = self.hour_base + into
+            else:
+                naive = datetime(int(v[0:4]), int(v[5:7]), int(v[8:10]), int(v[11:13]), int(v[14:16]), int(v[17:19]))
+                self.base = self.localize(naive)
+                plain = self.localize.plain_hour(naive)  # no zone change: the hour's rows reuse its start
+                self.hour = v[:13] if plain else ""
+                self.hour_base = self.base - timedelta(minutes=naive.minute, seconds=naive.second) if plain else None
+            self.prefix = prefix
         ms = self._MILLIS.get(v[20:]) if len(v) == 23 and v[19] == "." else None
         if ms is not None:
             return self.base + ms
@@ -215,31 +218,6 @@ class _Timestamp:
         if v[19] != "." or not frac.isdigit() or len(frac) > 6:
             raise ValueError("bad fraction of a second")
         return self.base.replace(microsecond=int(frac) * 10 ** (6 - len(frac)))
-
-    def _second(self, v: str, prefix: str) -> datetime:
-        """The instant of a new whole second (nvidia-smi prints the host's local time with no zone)."""
-        if self.hour_base is not None and v[:13] == self.hour:
-            into = self._MINSEC.get(v[14:19])
-            if into is not None:
-                base = self.hour_base + into
-                self.localize.last = base
-                self.prefix = prefix
-                return base
-        naive = datetime(int(v[0:4]), int(v[5:7]), int(v[8:10]), int(v[11:13]), int(v[14:16]), int(v[17:19]))
-        base = self.localize(naive)
-        if self.localize.plain_hour(naive):
-            self.hour, self.hour_base = v[:13], base - timedelta(minutes=naive.minute, seconds=naive.second)
-        else:
-            self.hour, self.hour_base = "", None
-        self.prefix = prefix
-        return base
-
-    def _other(self, v: str) -> datetime:
-        # Recordings written by other tools may use ISO 8601.
-        dt = datetime.fromisoformat(v)
-        if dt.tzinfo is None:
-            dt = self.localize(dt)
-        return dt
 
 
 #: Exceptions a converter raises for a cell that does not fit its kind.
@@ -254,11 +232,9 @@ _DTYPES = {"int": "Int64", "float": "Float64", "bool": "boolean", "timestamp": "
 class FieldKind:
     """Everything smiquery does with one :class:`Kind`'s values, from the CSV cell to the table, frame and metric.
 
-    Attributes:
-        storage: how values are held: ``"int"``, ``"float"``, ``"bool"``, ``"timestamp"`` or ``"string"``.
-        words: for two-state kinds, nvidia-smi's words for True and False (``("Enabled", "Disabled")``).
-        metric: how the exporter shows it: ``"number"`` (a gauge in the unit's base unit), ``"bool"`` (1/0),
-            ``"bitmask"`` (the number), ``"info"`` (the text as a label of a gauge of 1) or ``"none"``.
+    ``storage`` says how values are held, ``words`` a two-state kind's words for True and False; ``metric`` how the
+    exporter shows it: a gauge in the unit's base unit, 1/0, the bitmask's number, the text as a label of a gauge of
+    1 (``info``), or not at all.
     """
 
     kind: Kind
@@ -291,9 +267,8 @@ class FieldKind:
         """One CSV cell -> its value: None for a status token, the `` unit`` suffix stripped; else ValueError."""
         if missing_reason(cell) is not None:
             return None
-        text = strip_unit(cell, unit)
         try:
-            return self.converter(tz)(text)
+            return self.converter(tz)(strip_unit(cell, unit))
         except CONVERT_ERRORS as exc:
             raise ValueError(f"{cell!r} is not a valid {self.kind.value}") from exc
 
@@ -321,10 +296,7 @@ class FieldKind:
         return str(value)
 
     def arrow_cast(self, col: Any) -> Any | None:
-        """A column of bare cells (a pyarrow string array; nulls for tokens) cast to this kind's Arrow type.
-
-        The vectorised :meth:`converter`: None when some cell would read otherwise cell by cell.
-        """
+        """The vectorised :meth:`converter` over bare cells (pyarrow strings, null tokens); None if one would differ."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -333,26 +305,28 @@ class FieldKind:
             if kind is Kind.INT:
                 typed = pc.cast(col, pa.int64())
                 # Arrow's cast also reads "0x1F" as hex; Python's int(), and so the parser, rejects it.
-                if not pc.all(pc.ascii_is_decimal(col)).as_py() and (
-                    pc.any(pc.starts_with(col, "0x")).as_py() or pc.any(pc.starts_with(col, "0X")).as_py()
-                ):
-                    return None
-                return typed
+                decimal = pc.all(pc.ascii_is_decimal(col)).as_py()
+                return typed if decimal or not pc.any(pc.match_substring_regex(col, "^0[xX]")).as_py() else None
             if storage == "int":
                 # Arrow reads "0x1F" as hex but "10" as decimal; the parser reads hex and bitmask cells as hex.
-                if not pc.all(pc.starts_with(col, "0x")).as_py():
-                    return None
-                return pc.cast(col, pa.int64())
+                return pc.cast(col, pa.int64()) if pc.all(pc.starts_with(col, "0x")).as_py() else None
             if storage == "float":
                 return pc.cast(col, pa.float64())
             if self.words is not None:
                 yes, no = self.words
                 # equal() leaves missing cells null and all() skips them (is_in() would make them false).
-                if not pc.all(pc.or_(pc.equal(col, yes), pc.equal(col, no))).as_py():
+                return pc.equal(col, yes) if pc.all(pc.or_(pc.equal(col, yes), pc.equal(col, no))).as_py() else None
+            if storage == "timestamp":  # YYYY/MM/DD HH:MM:SS[.ffffff]; anything else (ISO 8601...) cell by cell
+                lengths = pc.min_max(pc.binary_length(col)).as_py()
+                if lengths["min"] is None:
+                    return pc.cast(col, pa.timestamp("ns"))  # every cell missing
+                raw = col.cast(pa.binary())  # a zero-copy view, for byte slicing
+                slashes = (pc.all(pc.equal(pc.binary_slice(raw, at, at + 1), b"/")).as_py() for at in (4, 7))
+                if lengths["min"] < 19 or lengths["max"] > 26 or not all(slashes):
                     return None
-                return pc.equal(col, yes)
-            if storage == "timestamp":
-                return _arrow_timestamps(col)
+                # Arrow's cast reads ISO 8601 (checking every other character); the date separators were checked above.
+                iso = pc.binary_replace_slice(pc.binary_replace_slice(col, 4, 5, "-"), 7, 8, "-")
+                return pc.cast(iso, pa.timestamp("ns"))
             if kind is Kind.MAJOR_MINOR and not pc.all(pc.match_substring_regex(col, r"^\d+\.\d+$")).as_py():
                 return None
         except pa.ArrowInvalid:
@@ -362,11 +336,12 @@ class FieldKind:
     def format(self, value: Value, unit: str = "", *, reason: str | None = None, suffix: str = "") -> str:
         """A value written as nvidia-smi prints it in CSV, so that :meth:`parse` gives it back.
 
-        None is written as the status token for ``reason``; ``unit`` decides a decimal's digits (``W``: two);
-        ``suffix`` is appended as nvidia-smi's default format does (``"MiB"``), never after a token.
+        None is the status token for ``reason``; ``unit`` decides a decimal's digits; ``suffix`` (``"MiB"``) follows
+        a value, never a token, as in nvidia-smi's default format.
         """
-        if value is None:
-            return missing_token(reason)
+        if value is None:  # the status token of the reason: a "[...]" reason is its own, [N/A] for any other
+            r = reason or "not_available"
+            return _TOKEN_FOR_REASON.get(r, r if r.startswith("[") else "[N/A]")
         storage = self.storage
         if self.words is not None:
             text = self.words[0] if value else self.words[1]
@@ -404,9 +379,8 @@ class FieldKind:
 
     def summary_digits(self, unit: str = "") -> int:
         """Decimals a report gives a statistic of this kind in ``unit``: the unit's, else 0 for integers."""
-        known = UNITS.get(unit)
-        if known is not None:
-            return known.summary_digits
+        if unit in UNITS:
+            return UNITS[unit].summary_digits
         return 0 if self.storage == "int" else 1
 
 
@@ -432,24 +406,3 @@ FIELD_KINDS: dict[Kind, FieldKind] = {
         FieldKind(Kind.MAJOR_MINOR, "string", metric="info"),
     )
 }
-
-
-def _arrow_timestamps(col: Any) -> Any | None:
-    """``YYYY/MM/DD HH:MM:SS[.ffffff]`` -> naive timestamp[ns]; None for anything else (ISO 8601...)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    lengths = pc.min_max(pc.binary_length(col)).as_py()
-    if lengths["min"] is None:
-        return pc.cast(col, pa.timestamp("ns"))  # every cell missing
-    if lengths["min"] < 19 or lengths["max"] > 26:
-        return None
-    raw = col.cast(pa.binary())  # a zero-copy view, for byte slicing
-    slash = pa.scalar(b"/", pa.binary())
-    for at in (4, 7):
-        if not pc.all(pc.equal(pc.binary_slice(raw, at, at + 1), slash)).as_py():
-            return None
-    del raw
-    # Arrow's cast reads ISO 8601 (checking every other character); the date separators were checked above.
-    iso = pc.binary_replace_slice(pc.binary_replace_slice(col, 4, 5, "-"), 7, 8, "-")
-    return pc.cast(iso, pa.timestamp("ns"))

@@ -6,21 +6,11 @@ how long to wait before the next start and whether to give up.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_never,
-    wait_exponential_jitter,
-    wait_fixed,
-    wait_random,
-)
-from tenacity.stop import stop_base
-from tenacity.wait import wait_base
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential_jitter
 
 from smiquery.errors import SmiqueryError
 from smiquery.source import StreamStats
@@ -48,43 +38,19 @@ def _failure(state: RetryCallState) -> BaseException | None:
     return state.outcome.exception() if state.outcome is not None else None
 
 
-class _StopIf(stop_base):
-    """Stop when ``test`` says so."""
-
-    def __init__(self, test: Callable[[RetryCallState], bool]) -> None:
-        self.test = test
-
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        return self.test(retry_state)
-
-
-_stop_if_permanent = _StopIf(lambda state: is_permanent(_failure(state)))
-
-
 @dataclass(frozen=True)
 class RetryPolicy:
     """How a long-lived source waits between starts and when it gives up.
 
-    A transient fault (crash, hang, a child that ends) waits ``backoff_initial * 2 ** (attempt - 1)`` plus jitter,
-    capped at ``backoff_max``; a fault that needs a person (driver/library mismatch, NVML missing, no devices, a
-    rejected field, the binary gone) waits ``permanent_retry`` seconds, so the source recovers once it is fixed. Only
-    a failure after ``healthy_after`` seconds of good data starts a fresh streak (restarted at once).
-
-    Attributes:
-        backoff_initial: first delay after a transient failure, in seconds.
-        backoff_max: the longest delay after a transient failure.
-        jitter: add up to ``backoff_initial`` at random to transient delays and spread permanent ones by +-10 %
-            (so a fleet does not restart in step).
-        healthy_after: seconds of good data after which a failure starts a fresh streak.
-        permanent_retry: seconds between attempts while the failure needs a person; None ends the source at once
-            on such a failure (for a caller that retries in its own way, like the exporter's pmon watcher).
-        max_attempts: failed starts in one streak before giving up (None: never).
-        max_restarts: restarts in all before giving up (None: never).
-        fail_fast: until the first row, give up on a fault that needs a person at once and on a transient one
-            after :data:`FAIL_FAST_ATTEMPTS` starts.
-
-    Raises:
-        ValueError: a negative delay, a non-positive ``permanent_retry`` or ``max_attempts`` below 1.
+    A transient fault (crash, hang, a child that ends) waits ``backoff_initial * 2 ** (attempt - 1)``, capped at
+    ``backoff_max``; ``jitter`` adds up to ``backoff_initial`` at random (and spreads permanent waits by +-10 %), so a
+    fleet does not restart in step. A fault that needs a person (driver/library mismatch, NVML missing, no devices, a
+    rejected field, the binary gone) waits ``permanent_retry`` seconds, so the source recovers once it is fixed; None
+    ends the source at once on such a fault (for a caller that retries in its own way). Only a failure after
+    ``healthy_after`` seconds of good data starts a fresh streak (restarted at once). ``max_attempts`` (failed starts
+    in one streak) and ``max_restarts`` (in all) give up when reached (None: never). ``fail_fast``: until the first
+    row, give up on a fault that needs a person at once, on a transient one after :data:`FAIL_FAST_ATTEMPTS` starts.
+    ValueError for a negative delay or count, a non-positive ``permanent_retry`` or ``max_attempts`` below 1.
     """
 
     backoff_initial: float = 0.5
@@ -97,53 +63,43 @@ class RetryPolicy:
     fail_fast: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("backoff_initial", "backoff_max", "healthy_after"):
-            if getattr(self, name) < 0:
+        for name in ("backoff_initial", "backoff_max", "healthy_after", "max_restarts"):
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must not be negative")
         if self.permanent_retry is not None and self.permanent_retry <= 0:
             raise ValueError("permanent_retry must be positive")
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
-        if self.max_restarts is not None and self.max_restarts < 0:
-            raise ValueError("max_restarts must not be negative")
 
     def retrying(self, stats: StreamStats) -> Retrying:
-        """The policy as tenacity strategies (``stop``, ``wait``, ``retry``) for a source keeping ``stats``.
-
-        The engine asks them about each failure itself; nothing ever calls or sleeps through this ``Retrying``.
-        """
+        """The policy as tenacity strategies for a source keeping ``stats`` (asked, never run: nothing sleeps in it)."""
         return Retrying(
             stop=self._stop(stats), wait=self._wait(), retry=retry_if_exception_type(SmiqueryError), reraise=True
         )
 
     def _wait(self) -> Callable[[RetryCallState], float]:
-        initial = self.backoff_initial
+        initial, permanent = self.backoff_initial, self.permanent_retry
         # tenacity's doubling starts at 1 s (its name for a first wait differs across versions): in units of it
         unit = wait_exponential_jitter(max=self.backoff_max / initial if initial else 0.0, jitter=float(self.jitter))
-        permanent = self.permanent_retry
-        slow: wait_base | None = None
-        if permanent is not None:
-            slow = wait_random(0.9 * permanent, 1.1 * permanent) if self.jitter else wait_fixed(permanent)
 
         def wait(state: RetryCallState) -> float:
-            if slow is not None and is_permanent(_failure(state)):
-                return slow(state)
+            if permanent is not None and is_permanent(_failure(state)):
+                return random.uniform(0.9 * permanent, 1.1 * permanent) if self.jitter else permanent
             return initial * unit(state)
 
         return wait
 
-    def _stop(self, stats: StreamStats) -> stop_base:
-        stop: stop_base = stop_never
-        if self.max_attempts is not None:
-            stop = stop | stop_after_attempt(self.max_attempts)
-        if self.max_restarts is not None:
-            restarts = self.max_restarts
-            stop = stop | _StopIf(lambda _: stats.restarts >= restarts)
-        if self.permanent_retry is None:
-            stop = stop | _stop_if_permanent
-        if self.fail_fast:
-            before_rows = _StopIf(lambda _: stats.rows == 0)
-            stop = stop | before_rows & (_stop_if_permanent | stop_after_attempt(FAIL_FAST_ATTEMPTS))
+    def _stop(self, stats: StreamStats) -> Callable[[RetryCallState], bool]:
+        def stop(state: RetryCallState) -> bool:
+            permanent = is_permanent(_failure(state))
+            attempt = state.attempt_number
+            return (
+                (self.max_attempts is not None and attempt >= self.max_attempts)
+                or (self.max_restarts is not None and stats.restarts >= self.max_restarts)
+                or (self.permanent_retry is None and permanent)
+                or (self.fail_fast and stats.rows == 0 and (permanent or attempt >= FAIL_FAST_ATTEMPTS))
+            )
+
         return stop
 
     def _ask(self, error: BaseException | None, attempt: int, stats: StreamStats) -> tuple[Retrying, RetryCallState]:

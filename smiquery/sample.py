@@ -22,15 +22,11 @@ def bus_key(pci_bus_id: str) -> BusKey | None:
 
     The kernel log and nvidia-smi spell the same address differently: compare keys, not strings.
     """
-    parts = pci_bus_id.strip().split(".")[0].split(":")
-    try:
-        if len(parts) == 3:
-            return int(parts[0], 16), int(parts[1], 16), int(parts[2], 16)
-        if len(parts) == 2:
-            return 0, int(parts[0], 16), int(parts[1], 16)
+    try:  # [domain:]bus:device[.function]
+        *domain, bus, device = (int(part, 16) for part in pci_bus_id.strip().split(".")[0].split(":"))
     except ValueError:
         return None
-    return None
+    return (domain[0] if domain else 0, bus, device) if len(domain) <= 1 else None
 
 
 class Schema:

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from smiquery.fields import Field
 
 __all__ = [
-    "EventKind",
     "LatestSweep",
     "SampleSource",
     "SourceState",
@@ -34,11 +33,10 @@ __all__ = [
 class Sweep(tuple[GpuSample, ...]):
     """All GPUs' samples for one instant (one iteration of nvidia-smi's loop), in nvidia-smi's order.
 
-    Attributes:
-        missing: indices of known GPUs absent from this sweep (a cut sweep, a dropped row, a GPU that dropped out).
-        damaged: True when a row inside this sweep was rejected by the parser or the child ended mid-sweep.
-        arrived: ``time.monotonic()`` when a live stream read the sweep's last row (None for a replay): hold alerts
-            and ages on this, never on nvidia-smi's wall-clock timestamps, which jump (DST, NTP steps).
+    ``missing``: indices of known GPUs absent from it (a cut sweep, a dropped row, a GPU that dropped out);
+    ``damaged``: a row inside it was rejected or the child ended mid-sweep; ``arrived``: ``time.monotonic()`` when a
+    live stream read its last row (None in a replay): hold alerts and ages on this, never on nvidia-smi's wall-clock
+    timestamps, which jump (DST, NTP steps).
     """
 
     missing: frozenset[int]
@@ -77,23 +75,16 @@ class SweepGrouper:
     the reader waited at least 90 % of the interval for it (``idle``) and its timestamp does not place it in the
     current instant, so a slow row or a wall-clock step never splits a sweep.
 
-    The known GPU set is learnt from the rows (or given as ``expected``), anew after :meth:`restart`. Once one whole
-    cycle has been seen, a sweep is published as soon as every known GPU has its row, else when the next begins.
-
-    Args:
-        expected: the GPU indices to expect (for ``-i 0,1``), or how many GPUs a whole sweep has; 0 to learn.
-        interval: seconds between instants, for the arrival hint; None (replays) to rely on index order alone.
+    The known GPU set is learnt from the rows anew after :meth:`restart`, unless ``expected`` gives the indices (for
+    ``-i 0,1``) or how many GPUs a whole sweep has. Once one whole cycle has been seen, a sweep is published as soon
+    as every known GPU has its row, else when the next begins. ``interval`` None (replays): index order alone.
     """
 
     def __init__(self, expected: int | Iterable[int] = 0, *, interval: float | None = None) -> None:
         self.interval = interval
         self._hint = interval is not None and interval >= 0.5
-        self._count = 0
-        self._expected: tuple[int, ...] = ()
-        if isinstance(expected, int):
-            self._count = expected
-        else:
-            self._expected = tuple(expected)
+        self._count = expected if isinstance(expected, int) else 0
+        self._expected: tuple[int, ...] = () if isinstance(expected, int) else tuple(expected)
         self.restart()
 
     def restart(self) -> None:
@@ -108,24 +99,17 @@ class SweepGrouper:
         self._closed_early_at: int | None = None
 
     def boundary(self, sample: GpuSample, idle: float | None = None) -> Sweep | None:
-        """Close the current sweep if ``sample`` begins a new instant; returns the closed sweep, if any.
-
-        ``idle``: seconds the reader waited for this row (None when unknown, as in a replay).
-        """
+        """The current sweep, closed, if ``sample`` (waited for ``idle`` s; None: unknown) begins a new instant."""
         if not self._current:
             return None
         idx = sample.index
         new = idx is None or idx in self._present or (self._last_index is not None and idx <= self._last_index)
         if not new and self._hint and idle is not None and self.interval is not None and idle >= 0.9 * self.interval:
-            new = True
-            ts = sample.timestamp
-            last = self._last_time
-            if ts is not None and last is not None:
-                try:
-                    close_in_time = abs((ts - last).total_seconds()) < 0.5 * self.interval
-                except TypeError:  # naive against aware: no hint
-                    close_in_time = False
-                new = not close_in_time
+            ts, last = sample.timestamp, self._last_time
+            try:  # unless its timestamp places it in the current instant
+                new = ts is None or last is None or abs((ts - last).total_seconds()) >= 0.5 * self.interval
+            except TypeError:  # naive against aware: no hint
+                new = True
         if not new:
             return None
         if not self._damaged:
@@ -134,14 +118,8 @@ class SweepGrouper:
 
     def add(self, sample: GpuSample) -> Sweep | None:
         """Add ``sample`` to the current sweep; returns the sweep if that made it whole."""
-        idx = sample.index
-        if (
-            not self._current
-            and idx is not None
-            and idx not in self.known
-            and self._closed_early_at is not None
-            and idx > self._closed_early_at
-        ):
+        idx, early = sample.index, self._closed_early_at
+        if not self._current and idx is not None and early is not None and idx > early and idx not in self.known:
             # A GPU never seen before, right after a sweep that looked whole: it belonged to that instant, which
             # was published too early. Flag this remainder instead of passing it off as an instant of its own.
             self._damaged = True
@@ -174,8 +152,7 @@ class SweepGrouper:
     def flush(self, *, cut: bool = True, absent: Collection[int] = ()) -> Sweep | None:
         """The unfinished sweep at the end of the input, if any.
 
-        ``cut``: the input ended abnormally (a crash, a kill), so the sweep is damaged unless every known GPU has its
-        row, apart from those in ``absent`` (known to be lost).
+        Damaged when ``cut`` (a crash, a kill) short of a known GPU's row, except those ``absent`` (known to be lost).
         """
         if not self._current:
             self._damaged = False
@@ -184,8 +161,7 @@ class SweepGrouper:
 
     def _close(self, *, cut: bool, absent: Collection[int] = ()) -> Sweep:
         missing = [k for k in self.known if k not in self._present]
-        unexplained = [k for k in missing if k not in absent]
-        damaged = self._damaged or (cut and (bool(unexplained) or not self.established))
+        damaged = self._damaged or (cut and (not self.established or any(k not in absent for k in missing)))
         sweep = Sweep(self._current, missing=missing, damaged=damaged)
         self._current = []
         self._present = set()
@@ -215,9 +191,7 @@ class LatestSweep:
         return unsubscribe
 
     def _emit(self, event: StreamEvent) -> None:
-        for callback in (self.on_event, *self._listeners):
-            if callback is None:
-                continue
+        for callback in filter(None, (self.on_event, *self._listeners)):
             try:
                 callback(event)
             except Exception:  # a monitor's callback must never break the source
@@ -229,17 +203,13 @@ class LatestSweep:
         return (None, None) if got is None else (got[0], time.monotonic() - got[1])
 
 
-EventKind = Literal[
-    "restart", "error", "recovered", "dropped_row", "short_sweep", "gpu_lost", "gpu_back", "gpu_renumbered"
-]
-
-
 @dataclass(frozen=True)
 class StreamEvent:
     """Something that happened to a source (``kind``), the ``error`` behind it, and the ``gpu`` and ``uuid`` concerned.
 
-    ``detail`` is one line for people. ``restart``: a child is about to be started again; ``gpu_renumbered``: after a
-    restart a GPU delivers under another index; ``short_sweep``: a sweep without all known GPUs.
+    ``detail`` is one line for people. The kinds: ``restart`` (a child is about to be started again), ``error``,
+    ``recovered``, ``dropped_row``, ``short_sweep`` (a sweep without all known GPUs), ``gpu_lost``, ``gpu_back`` and
+    ``gpu_renumbered`` (after a restart a GPU delivers under another index).
     """
 
     kind: str
@@ -256,26 +226,15 @@ SourceState = Literal["starting", "running", "retrying", "ended", "closed", "fai
 class StreamStats:
     """Counters and retry state of a source, for monitors and exporters (read from any thread).
 
-    Attributes:
-        rows: samples delivered.
-        sweeps: sweeps published (complete or short).
-        short_sweeps: sweeps published without all known GPUs, or with a dropped row inside.
-        restarts: nvidia-smi children restarted after a failure.
-        starts: nvidia-smi children started in all.
-        dropped_rows: lines rejected by the parser (garbage, truncated, wrong column count).
-        errors: failures by error class name.
-        lost_gpus: indices currently lost: ``[GPU is lost]`` cells, nvidia-smi's message, or rows that stopped
-            (not an index another GPU took over after a restart: see ``lost_uuids``).
-        lost_uuids: UUIDs currently lost (when ``uuid`` is queried), with the index each had when last seen.
-        gpu_lost_events: how many times a GPU was found lost.
-        known_gpus: the GPU indices of the newest whole sweep, with their UUIDs when ``uuid`` is queried.
-        last_error: the newest failure, as one line.
-        last_error_type: its exception class name.
-        state: ``starting``, ``running``, ``retrying`` (waiting to start again), ``ended`` (a finite source is
-            done), ``closed`` or ``failed`` (gave up; ``error`` on the source says why).
-        attempt: failed starts in the current failure streak (0 while healthy).
-        next_retry_at: wall-clock time (``time.time()``) of the next start while retrying, else None.
-        permanent: True while the current failure is one that needs a person (driver mismatch, NVML missing...).
+    ``rows`` samples delivered, ``sweeps`` published (``short_sweeps`` of them without all known GPUs or with a
+    dropped row inside), ``starts`` of nvidia-smi children (``restarts`` after a failure), ``dropped_rows`` rejected
+    by the parser, ``errors`` by class name. ``lost_gpus``: indices currently lost (a ``[GPU is lost]`` cell,
+    nvidia-smi's message, or rows that stopped; not an index another GPU took after a restart: see ``lost_uuids``,
+    UUID -> the index it last had), found ``gpu_lost_events`` times; ``known_gpus``: the newest whole sweep's
+    indices -> UUIDs (when queried). ``last_error`` (one line) and ``last_error_type`` say the newest failure;
+    ``state`` is ``starting``, ``running``, ``retrying``, ``ended`` (a finite source is done), ``closed`` or
+    ``failed`` (gave up: the source's ``error`` says why). While failing: ``attempt`` (failed starts in the streak),
+    ``next_retry_at`` (the next start's ``time.time()``) and ``permanent`` (a failure that needs a person).
     """
 
     rows: int = 0
