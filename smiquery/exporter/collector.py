@@ -22,12 +22,14 @@ from prometheus_client.metrics_core import Metric
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.attribution import check_labels
-from smiquery.exporter.detailswatch import details_health, fresh_details, mig_families
 from smiquery.exporter.families import (
     attribution_families,
     counter,
+    details_health,
+    fresh_details,
     gauge,
     merge_families,
+    mig_families,
     nvsmi_number,
     nvsmi_process_families,
     pmon_families,
@@ -170,7 +172,7 @@ class SmiCollector:
 
     ``stream`` is a started :class:`~smiquery.source.SampleSource` (``fields`` defaults to its own). The other
     sources are optional: ``processes`` (per-process memory) and ``details`` (MIG instances) from
-    :mod:`~smiquery.exporter.detailswatch`, ``pmon`` (:class:`~smiquery.exporter.pmonwatch.PmonWatcher`), ``xid``
+    :mod:`~smiquery.exporter.server`'s pollers, ``pmon`` (:class:`~smiquery.exporter.pmonwatch.PmonWatcher`), ``xid``
     (:class:`~smiquery.sources.xid.XidWatcher`) and ``attribution`` (:mod:`smiquery.attribution`). ``alerts`` is fed
     every sample; ``on_gpu_change(lost, index, uuid)`` is called when a GPU drops out or comes back, ``on_state(up,
     why)`` when fresh data stops or flows again. ``hostname`` is DCGM's ``Hostname`` label (default: this host's);

@@ -1,4 +1,4 @@
-"""Metric families built from what the collector reads: processes, pmon instants, attribution, Xid counts, helpers."""
+"""Metric families from what the collector reads: processes, pmon, MIG instances, attribution, Xid; helpers."""
 
 from __future__ import annotations
 
@@ -18,13 +18,19 @@ if TYPE_CHECKING:
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
     from smiquery.sample import BusKey, Value
     from smiquery.sources.apps import GpuProcess
+    from smiquery.sources.details import GpuDetails
+    from smiquery.sources.latest import Latest
     from smiquery.sources.xid import XidWatcher
 
 __all__ = [
+    "DETAILS_TIMEOUT",
     "attribution_families",
     "counter",
+    "details_health",
+    "fresh_details",
     "gauge",
     "merge_families",
+    "mig_families",
     "nvsmi_number",
     "nvsmi_process_families",
     "pmon_families",
@@ -35,6 +41,9 @@ __all__ = [
     "workload_usage_families",
     "xid_families",
 ]
+
+#: Seconds one details poll may take (``-q -x`` and, with MIG, ``-L``).
+DETAILS_TIMEOUT = 45.0
 
 
 def gauge(name: str, doc: str, *samples: tuple[Mapping[str, str], float]) -> Metric:
@@ -361,3 +370,64 @@ def unallocated_use_families(
     for uuid, owner in sorted(found):
         fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **owner.labels(b.labels), **labels}, 1.0)
     return [fam] if fam.samples else []
+
+
+def _details_stale_after(poller: Latest[tuple[GpuDetails, ...]]) -> float:
+    return 3 * poller.interval + DETAILS_TIMEOUT  # three polls missed
+
+
+def fresh_details(poller: Latest[tuple[GpuDetails, ...]]) -> tuple[GpuDetails, ...] | None:
+    """The newest ``nvidia-smi -q -x`` details while fresh (three polls missed at most), else None."""
+    return poller.get().fresh(_details_stale_after(poller))
+
+
+def details_health(poller: Latest[tuple[GpuDetails, ...]], labels: Mapping[str, str]) -> list[Metric]:
+    """The details poll's health: whether its newest result is fresh, and when it was taken."""
+    stale = _details_stale_after(poller)
+    doc = f"1 when nvidia-smi -q -x answered within the last {stale:g} s (MIG series are served), else 0."
+    out = [gauge("smiquery_details_up", doc, (labels, 1.0 if fresh_details(poller) is not None else 0.0))]
+    wall = poller.get().at
+    if wall is not None:
+        doc = "Unix time of the newest nvidia-smi -q -x."
+        out.append(gauge("smiquery_details_last_success_timestamp_seconds", doc, (labels, wall)))
+    return out
+
+
+# The per-MIG-instance families: (native name, DCGM name, MigDevice attribute, help).
+_MIG_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("smiquery_mig_memory_used_bytes", "DCGM_FI_DEV_FB_USED", "memory_used", "Framebuffer memory used"),
+    ("smiquery_mig_memory_free_bytes", "DCGM_FI_DEV_FB_FREE", "memory_free", "Framebuffer memory free"),
+    ("smiquery_mig_memory_total_bytes", "DCGM_FI_DEV_FB_TOTAL", "memory_total", "Framebuffer memory"),
+)
+
+
+def mig_families(
+    details: tuple[GpuDetails, ...], *, dcgm: bool, gpu_labels: Callable[[GpuDetails], Mapping[str, str]]
+) -> list[Metric]:
+    """Per-MIG-instance memory (used, free, total) from one details poll; ``gpu_labels``: a parent GPU's labels.
+
+    Native naming: ``smiquery_mig_memory_{used,free,total}_bytes`` labelled with the parent GPU's labels plus
+    ``mig_uuid``, ``gpu_instance_id``, ``compute_instance_id`` and ``profile``. DCGM naming: dcgm-exporter's
+    ``DCGM_FI_DEV_FB_{USED,FREE,TOTAL}`` (MiB) with the parent GPU's labels plus ``GPU_I_ID`` and ``GPU_I_PROFILE``.
+    A value nvidia-smi did not give has no sample (never 0); nvidia-smi gives no utilisation per instance.
+    """
+    unit = "MiB" if dcgm else "bytes"
+    fams = [
+        (gauge(dcgm_name if dcgm else name, f"{text} of a MIG instance, in {unit} (nvidia-smi -q -x)."), attr)
+        for name, dcgm_name, attr, text in _MIG_METRICS
+    ]
+    for gpu in details:
+        parent = dict(gpu_labels(gpu)) if gpu.mig_devices else {}
+        for mig in gpu.mig_devices:
+            gi = "" if mig.gpu_instance_id is None else str(mig.gpu_instance_id)
+            ci = "" if mig.compute_instance_id is None else str(mig.compute_instance_id)
+            if dcgm:
+                labels = {**parent, "GPU_I_ID": gi, "GPU_I_PROFILE": mig.profile or ""}
+            else:
+                mig_labels = {"mig_uuid": mig.uuid or "", "gpu_instance_id": gi, "compute_instance_id": ci}
+                labels = {**parent, **mig_labels, "profile": mig.profile or ""}
+            for fam, attr in fams:
+                value = getattr(mig, attr)
+                if value is not None:
+                    fam.add_sample(fam.name, labels, float(value) * (1.0 if dcgm else 1048576.0))
+    return [fam for fam, _ in fams if fam.samples]

@@ -16,24 +16,29 @@ from typing import TYPE_CHECKING, Any, Protocol
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator
+from smiquery.errors import SmiqueryError
 from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector, parse_labels
-from smiquery.exporter.detailswatch import details_poller, process_poller
 from smiquery.exporter.events import EventLog
+from smiquery.exporter.families import DETAILS_TIMEOUT
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
 from smiquery.fields import resolve_fields
 from smiquery.httpd.server import HttpServer, Request, Response, listen, route
 from smiquery.httpd.webconfig import WebConfig, load_web_config
 from smiquery.retry import RetryPolicy, one_line
+from smiquery.sources.apps import GpuProcess, processes
+from smiquery.sources.details import GpuDetails, details
+from smiquery.sources.latest import Latest
 from smiquery.sources.xid import XidWatcher
 from smiquery.streams.argv import normalize_gpus
 from smiquery.streams.sync import stream
 
 if TYPE_CHECKING:
     from smiquery.attribution import Attribution
+    from smiquery.runner import Runner
     from smiquery.streams.argv import GpusArg
 
-__all__ = ["CONTENT_TYPE", "Exporter", "serve"]
+__all__ = ["CONTENT_TYPE", "Exporter", "details_poller", "process_poller", "serve"]
 
 log = get_logger("smiquery.exporter")
 
@@ -393,6 +398,43 @@ def serve(
         raise
     log.info("smiquery exporter: serving %s/metrics (naming %s)", exp.url, naming)
     return exp
+
+
+def process_poller(
+    interval: float, *, gpus: GpusArg = None, nvidia_smi: str | os.PathLike[str] | None = None
+) -> Latest[tuple[GpuProcess, ...]]:
+    """:func:`smiquery.processes` every ``interval`` seconds in a background :class:`Latest`; scrapes read the newest.
+
+    Each poll runs nvidia-smi twice (GPU list and compute apps, 10 s each); a failure is counted and logged, never
+    raised. Raises ValueError for an interval that is not positive, InvalidGpuIdError for a malformed GPU id.
+    """
+    ids = normalize_gpus(gpus) or None
+    return Latest(
+        lambda: tuple(processes(gpus=ids, nvidia_smi=nvidia_smi, timeout=10.0)),
+        interval,
+        name="listing processes",
+        errors=(SmiqueryError,),
+    )
+
+
+def details_poller(
+    interval: float,
+    *,
+    gpus: GpusArg = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    runner: Runner | None = None,
+) -> Latest[tuple[GpuDetails, ...]]:
+    """:func:`smiquery.details` every ``interval`` seconds, in a background :class:`Latest` (scrapes read its newest).
+
+    A poll may take :data:`~smiquery.exporter.families.DETAILS_TIMEOUT` seconds: a slow poll delays the next, it is
+    not cut short. ``runner``: how to run nvidia-smi (tests inject one). Raises as :func:`process_poller`.
+    """
+    ids = normalize_gpus(gpus) or None
+    return Latest(
+        lambda: tuple(details(ids, nvidia_smi=nvidia_smi, timeout=DETAILS_TIMEOUT, runner=runner)),
+        interval,
+        name="nvidia-smi -q -x",
+    )
 
 
 def _has_process_metrics(registry: Any) -> bool:
