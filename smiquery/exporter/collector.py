@@ -92,14 +92,13 @@ def source_health(source: SampleSource) -> SourceHealth:
     st = source.stats
     running, error = bool(source.running), source.error
     state: str = st.state
+    last_type, last = st.last_error_type, st.last_error
     if not running:
         state = "failed" if error is not None else (state if state in ("ended", "closed", "failed") else "closed")
+        if error is not None:
+            last_type, last = type(error).__name__, one_line(error)
     elif state == "starting" and st.rows > 0:
         state = "running"  # a source that does not keep state: rows flow, so it runs
-    last_type, last = st.last_error_type, st.last_error
-    if error is not None and not running:
-        last_type = type(error).__name__
-        last = one_line(error)
     if last_type is None and last is not None and st.errors:
         last_type = max(st.errors, key=lambda k: st.errors[k])
     # the counters and sets copied as they are now
@@ -746,16 +745,11 @@ def revision() -> str:
     The first of: ``smiquery/_revision.py`` (``REVISION = "<commit>"``, written by a build), the commit pip recorded
     installing from a git URL, the commit checked out (read from ``.git``, no git run).
     """
-    return _baked() or _pip_recorded() or _git_checkout() or "unknown"
-
-
-def _baked() -> str | None:
     try:
-        _revision = importlib.import_module("smiquery._revision")  # written by a build, absent in a checkout
-    except ImportError:
-        return None
-    value = str(getattr(_revision, "REVISION", "")).strip()
-    return value or None
+        baked = str(getattr(importlib.import_module("smiquery._revision"), "REVISION", "")).strip()
+    except ImportError:  # written by a build, absent in a checkout
+        baked = ""
+    return baked or _pip_recorded() or _git_checkout() or "unknown"
 
 
 def _pip_recorded() -> str | None:

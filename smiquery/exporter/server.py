@@ -11,7 +11,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from smiquery import __version__
 from smiquery._log import get_logger
@@ -140,7 +140,7 @@ class Exporter:
     """A running exporter, made by :func:`serve`: use it as a context manager or call :meth:`stop`.
 
     Attributes:
-        collector: the :class:`SmiCollector` behind ``/metrics``; ``poller`` and ``pmon`` are its sources.
+        collector: the :class:`SmiCollector` behind ``/metrics``; ``pmon`` is its pmon watcher.
         stream: the background :class:`~smiquery.streams.sync.Stream` (a new one after a revival).
         http: the :class:`~smiquery.httpd.server.HttpServer`.
         port: the port listened on (useful with ``port=0``), on the address ``bind``; ``url`` is the base URL.
@@ -151,14 +151,13 @@ class Exporter:
         self,
         server: HttpServer,
         collector: SmiCollector,
-        parts: Sequence[_Part],
+        parts: Sequence[Any],
         make_stream: Callable[[], Any],
         revive_after: float,
     ) -> None:
         self.http = server
         self.collector = collector
         self.stream = collector.stream
-        self.poller = collector.processes
         self.pmon = collector.pmon
         self.revive_after = revive_after
         self.revivals = 0
@@ -265,22 +264,18 @@ def serve(
 ) -> Exporter:
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
-    Returns at once; the work happens in daemon threads, however many clients connect.
-
-    Example::
+    Returns at once (the work happens in daemon threads)::
 
         with smiquery.exporter.serve(port=9849, interval=5) as exp:
             exp.serve_forever()
 
     The keywords are ``smiquery export``'s options of the same name (docs/exporter.md, Options). Besides them:
     ``port=0`` takes any free port (:attr:`Exporter.port` says which); ``web_config`` may be a loaded
-    :class:`WebConfig` (not together with ``tls_cert``); ``registry`` is a ``prometheus_client`` registry whose
-    metrics are appended to ``/metrics``; ``workers`` HTTP worker threads serve; ``max_connections`` client
-    connections stay open at most (the longest-waiting incomplete one makes room); ``request_timeout`` is the
-    seconds a client has to send a request head; a stream that stopped for good is replaced after ``revive_after``
-    seconds; ``attribution`` (which workload holds each GPU) is started and closed with the exporter;
-    ``details_interval`` and ``kernel_log`` are None (off) by default here; ``process_metrics`` serves
-    prometheus_client's ``process_*`` metrics unless ``registry`` has them already.
+    :class:`WebConfig`; ``registry``'s metrics are appended to ``/metrics``; ``workers``, ``max_connections`` and
+    ``request_timeout`` are :class:`~smiquery.httpd.server.HttpServer`'s; a stream that stopped for good is replaced
+    after ``revive_after`` seconds; ``attribution`` is started and closed with the exporter; ``details_interval``
+    and ``kernel_log`` are off (None) by default here; ``process_metrics`` serves prometheus_client's ``process_*``
+    metrics unless ``registry`` has them already.
 
     Raises:
         PortInUseError, ListenError: the port is taken, or the address unusable (nvidia-smi is not started).
@@ -447,13 +442,7 @@ def _has_process_metrics(registry: Any) -> bool:
         return False
 
 
-class _Part(Protocol):
-    def start(self) -> object: ...
-
-    def close(self) -> None: ...
-
-
-def _close(parts: Sequence[_Part]) -> None:
+def _close(parts: Sequence[Any]) -> None:
     """Close each part, in order, each even when one before it failed."""
     with contextlib.ExitStack() as stack:
         for part in reversed(parts):

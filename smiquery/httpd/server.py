@@ -39,6 +39,7 @@ log = get_logger("smiquery.exporter")
 _MAX_HEAD = 16384
 _READ = 65536
 _CHUNK = 65536
+_IDLE = 60.0  # seconds a keep-alive connection may sit idle
 _TURN = 64  # pipelined requests answered for one connection before the others get a turn
 _REASONS = {s.value: s.phrase for s in http.HTTPStatus} | {413: "Content Too Large"}  # RFC 9110's name
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -111,8 +112,8 @@ class HttpServer:
     ``inline`` says which requests are cheap enough to answer in the selector thread itself; ``web`` gives TLS,
     allowed client certificates, response headers and basic auth (401 for a refusal). ``max_connections`` sockets
     stay open at most (past it the one that has waited longest makes room); ``request_timeout`` is the seconds from
-    a request's first byte (or a TLS connection's start) to its complete head, ``idle_timeout`` those a keep-alive
-    connection may sit idle, ``write_timeout`` those a client has to take one response. Past ``auth_queue`` password
+    a request's first byte (or a TLS connection's start) to its complete head (an idle keep-alive connection closes
+    after 60 s), ``write_timeout`` those a client has to take one response. Past ``auth_queue`` password
     checks waiting or running, a request is answered 429 (``Retry-After: 1``) after ``shed_delay`` s and closed.
     """
 
@@ -125,9 +126,7 @@ class HttpServer:
         workers: int = 8,
         max_connections: int = 2048,
         request_timeout: float = 10.0,
-        idle_timeout: float = 60.0,
         write_timeout: float = 10.0,
-        backlog: int = 1024,
         server_header: str = "smiquery-exporter",
         inline: Callable[[Request], bool] | None = None,
         auth_queue: int = 16,
@@ -138,7 +137,6 @@ class HttpServer:
         self.ssl_context = web.ssl_context if web is not None else None
         self.max_connections = max_connections
         self.request_timeout = request_timeout
-        self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
         self.server_header = server_header
         self.inline = inline
@@ -152,7 +150,7 @@ class HttpServer:
         self._checking = 0  # checks handed to the verifier and not yet back (the selector thread's count)
         self._limit = RateLimiter()  # one WARNING per message a minute
         _raise_fd_limit(max_connections + 256)
-        sock.listen(backlog)
+        sock.listen(1024)
         sock.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._sel.register(sock, selectors.EVENT_READ, None)
@@ -192,8 +190,6 @@ class HttpServer:
     def alive(self) -> bool:
         """Whether the selector thread runs (it ends only at :meth:`shutdown`)."""
         return self._threads[0].is_alive()
-
-    # ----------------------------------------------------------------------------------------- selector
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -275,7 +271,7 @@ class HttpServer:
                     continue
                 conn = _Conn(sock, client, now + self.request_timeout, started=now, handshaking=True)
             else:
-                conn = _Conn(raw, client, now + self.idle_timeout)
+                conn = _Conn(raw, client, now + _IDLE)
             self._conns[conn.sock] = conn
             # Under load the request is usually there by the time the connection is accepted: read it (or start the
             # handshake) now and spare a trip through the selector.
@@ -302,8 +298,9 @@ class HttpServer:
             return
         conn.handshaking = False
         conn.started = 0.0
-        conn.deadline = time.monotonic() + self.idle_timeout
-        self._readable(conn)
+        conn.deadline = time.monotonic() + _IDLE
+        if self._read(conn):
+            self._process(conn)
 
     def _event(self, conn: _Conn) -> None:
         if conn.handshaking:
@@ -311,8 +308,8 @@ class HttpServer:
         elif conn.out:
             if self._flush(conn):
                 self._process(conn)
-        else:
-            self._readable(conn)
+        elif self._read(conn):
+            self._process(conn)
 
     def _read(self, conn: _Conn) -> bool:
         """Read what is there (up to a bound) into ``conn.buf``; False when the connection was closed."""
@@ -338,10 +335,6 @@ class HttpServer:
             if not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
                 return True
         return True
-
-    def _readable(self, conn: _Conn) -> None:
-        if self._read(conn):
-            self._process(conn)
 
     def _take(self, conn: _Conn) -> tuple[bytes | None, int]:
         """The next complete request head in the buffer: (head, 0), (None, 0) for "not yet", or (None, code)."""
@@ -462,7 +455,7 @@ class HttpServer:
         if conn.close_after or self._stop.is_set():
             self._close(conn)
             return False
-        conn.deadline = time.monotonic() + self.idle_timeout
+        conn.deadline = time.monotonic() + _IDLE
         return True
 
     def _expire(self, now: float) -> None:
@@ -517,8 +510,6 @@ class HttpServer:
                 with contextlib.suppress(Exception):
                     self._close(conn)
 
-    # ----------------------------------------------------------------------------------------- workers
-
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             conn, req = job
@@ -572,8 +563,6 @@ class HttpServer:
             f"{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n"
         ).encode("latin-1")
         return top if head else top + resp.body
-
-    # ----------------------------------------------------------------------------------------- control
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection and end all threads (idempotent)."""
