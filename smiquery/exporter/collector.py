@@ -31,7 +31,6 @@ from smiquery.exporter.families import (
     merge_families,
     mig_families,
     nvsmi_number,
-    nvsmi_process_families,
     pmon_families,
     pmon_health,
     process_families,
@@ -164,18 +163,15 @@ RESERVED_LABELS = frozenset(
 class SmiCollector:
     """A ``prometheus_client`` collector over the newest sweep of one background stream; never runs nvidia-smi.
 
-    Per-GPU series are served only while the newest sweep is fresher than ``stale_after`` (default: three of the
-    stream's intervals, at least 15 s); a missing value (any status token) leaves its series out for that GPU, never
-    0. The health metrics are always there. :meth:`exposition`, the HTTP server's fast path, renders the per-sweep
-    text once per sweep.
+    Per-GPU series are served while the newest sweep is younger than ``stale_after`` (default: three intervals, at
+    least 15 s); a missing value (a status token) leaves its series out for that GPU, never 0. The health metrics
+    are always there. :meth:`exposition` (the server's fast path) renders the per-sweep text once per sweep.
 
-    ``stream`` is a started :class:`~smiquery.source.SampleSource` (``fields`` defaults to its own). The other
-    sources are optional: ``processes`` (per-process memory) and ``details`` (MIG instances) from
-    :mod:`~smiquery.exporter.server`'s pollers, ``pmon`` (:class:`~smiquery.exporter.pmonwatch.PmonWatcher`), ``xid``
-    (:class:`~smiquery.sources.xid.XidWatcher`) and ``attribution`` (:mod:`smiquery.attribution`). ``alerts`` is fed
-    every sample; ``on_gpu_change(lost, index, uuid)`` is called when a GPU drops out or comes back, ``on_state(up,
-    why)`` when fresh data stops or flows again. ``hostname`` is DCGM's ``Hostname`` label (default: this host's);
-    ``process_metrics`` adds prometheus_client's ``process_*`` metrics of this process.
+    ``stream`` is a started :class:`~smiquery.source.SampleSource` (``fields`` defaults to its own). Optional
+    sources: ``processes`` and ``details`` (:func:`~smiquery.exporter.server.process_poller`, ``details_poller``),
+    ``pmon``, ``xid`` and ``attribution``. ``alerts`` is fed every sample; ``on_gpu_change(lost, index, uuid)`` is
+    called when a GPU drops out or comes back, ``on_state(up, why)`` when fresh data stops or flows again.
+    ``hostname`` is DCGM's ``Hostname`` label (default: this host's); ``process_metrics`` adds ``process_*``.
     """
 
     def __init__(
@@ -249,13 +245,10 @@ class SmiCollector:
         period = min(max(float(getattr(stream, "interval", 1.0)) / 4, 0.05), 1.0)
         self._watch = Latest(self.refresh, period, name="watching the stream")  # a raise is logged, not fatal
 
-    # ------------------------------------------------------------------------------------------ tracking
-
     def refresh(self) -> None:
         """Take in the newest sweep: remember its GPUs, find lost ones, feed the alert rules. Cheap; any thread.
 
-        The HTTP server calls it on every scrape and :meth:`start` every quarter interval, so no sweep is missed by
-        the alert rules and a lost GPU is noticed without a scrape.
+        Called on every scrape and, after :meth:`start`, every quarter interval (no sweep is missed by the rules).
         """
         with self._refresh_lock:
             sweep, age = self.stream.latest()
@@ -367,10 +360,7 @@ class SmiCollector:
     def _identity(
         self, idx: int | None, uuid: str | None, name: str | None, bus: str | None, driver: str | None
     ) -> tuple[dict[str, str], dict[str, str]]:
-        """A GPU's labels: native, and the naming's (the native ones again unless the naming is ``dcgm``).
-
-        Unknown (None) ``name`` and ``bus`` are left out of the native labels, ``driver`` out of DCGM's.
-        """
+        """A GPU's labels: native (without unknown ``name`` and ``bus``), and the naming's (DCGM's or native)."""
         gpu = "" if idx is None else str(idx)
         native = {"gpu": gpu, "uuid": uuid or ""}
         if name is not None and bus is not None:
@@ -416,8 +406,6 @@ class SmiCollector:
     def describe(self) -> list[Metric]:
         """Nothing: registering the collector must not collect (and so not touch the stream)."""
         return []
-
-    # ----------------------------------------------------------------------------------------- per sweep
 
     def _nvsmi_info(self, sweep: Sweep) -> Metric:
         fam = gauge("nvidia_smi_gpu_info", "A metric with a constant '1' value labeled by gpu uuid, name and more.")
@@ -473,9 +461,7 @@ class SmiCollector:
 
     def process_families(self, procs: Sequence[GpuProcess]) -> list[Metric]:
         """Per-process GPU memory: the non-empty families (nvidia_gpu_exporter's three in ``nvidia_smi`` naming)."""
-        if self.naming == "nvidia_smi":
-            return nvsmi_process_families(procs, self.labels)
-        return process_families(procs, self.labels)
+        return process_families(procs, self.labels, nvsmi=self.naming == "nvidia_smi")
 
     def pmon_families(self, instant: ProcessInstant) -> list[Metric]:
         """The busiest processes of each GPU from one pmon instant (:func:`~.families.pmon_families`)."""

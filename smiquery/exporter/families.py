@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -32,7 +33,6 @@ __all__ = [
     "merge_families",
     "mig_families",
     "nvsmi_number",
-    "nvsmi_process_families",
     "pmon_families",
     "pmon_health",
     "process_families",
@@ -94,54 +94,43 @@ def pstate_number(value: Value) -> float | None:
     return None
 
 
-def process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> list[Metric]:
-    """Per-process GPU memory (``smiquery_process_used_memory_bytes``), labelled pid, process_name, gpu, uuid."""
-    fam = gauge(
-        "smiquery_process_used_memory_bytes",
-        "GPU memory used by a compute process, in bytes (nvidia-smi --query-compute-apps used_memory).",
-    )
+def process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str], *, nvsmi: bool = False) -> list[Metric]:
+    """The non-empty per-process GPU memory families (``nvsmi``: nvidia_gpu_exporter's memory, info and count)."""
     # One series per (pid, GPU): a process listed twice on one GPU (one row per MIG instance) is summed, as
-    # Prometheus rejects a whole scrape that repeats a series.
-    total: dict[tuple[int, str, str, str], float] = {}
+    # Prometheus rejects a whole scrape that repeats a series. Its memory is None when no row gave one.
+    total: dict[tuple[str, str, str, str], float | None] = {}
     for p in procs:
-        if p.used_memory is None:
-            continue
-        key = (p.pid, p.process_name, "" if p.gpu_index is None else str(p.gpu_index), p.gpu_uuid)
-        total[key] = total.get(key, 0.0) + float(p.used_memory) * 1048576.0
-    for (pid, pname, gpu, uuid), used in total.items():
-        fam.add_sample(fam.name, {"pid": str(pid), "process_name": pname, "gpu": gpu, "uuid": uuid, **labels}, used)
-    return [fam] if fam.samples else []
-
-
-def nvsmi_process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> list[Metric]:
-    """The non-empty per-process families of nvidia_gpu_exporter's naming (memory, info, count per GPU)."""
-    used = gauge("nvidia_smi_compute_app_used_memory_bytes", "used_memory [MiB] of a compute process, in bytes.")
+        gpu = "" if p.gpu_index is None or nvsmi else str(p.gpu_index)
+        key = (str(p.pid), p.process_name, gpu, bare_uuid(p.gpu_uuid) if nvsmi else p.gpu_uuid)
+        mem = None if p.used_memory is None else float(p.used_memory) * 1048576.0
+        prev = total.get(key)
+        total[key] = mem if prev is None else prev + (mem or 0.0)
+    if not nvsmi:
+        doc = "GPU memory used by a compute process, in bytes (nvidia-smi --query-compute-apps used_memory)."
+        fam = gauge("smiquery_process_used_memory_bytes", doc)
+        for (pid, pname, gpu, uuid), used in total.items():
+            if used is not None:
+                fam.add_sample(fam.name, {"pid": pid, "process_name": pname, "gpu": gpu, "uuid": uuid, **labels}, used)
+        return [fam] if fam.samples else []
+    used_fam = gauge("nvidia_smi_compute_app_used_memory_bytes", "used_memory [MiB] of a compute process, in bytes.")
     info = gauge("nvidia_smi_compute_app_info", "A compute process on the GPU; always 1.")
     count = gauge("nvidia_smi_compute_apps", "Compute processes on the GPU.")
-    seen: dict[tuple[str, str, str], float | None] = {}
-    for p in procs:
-        key = (str(p.pid), p.process_name, bare_uuid(p.gpu_uuid))
-        mem = None if p.used_memory is None else float(p.used_memory) * 1048576.0
-        prev = seen.get(key)
-        seen[key] = mem if prev is None else prev + (mem or 0.0)  # one row per MIG instance: summed
-    for (pid, pname, uuid), mem in seen.items():
+    for (pid, pname, _, uuid), used in total.items():
         one = {"pid": pid, "process_name": pname, "uuid": uuid, **labels}
         info.add_sample(info.name, one, 1.0)
-        if mem is not None:
-            used.add_sample(used.name, one, mem)
-    for uuid, n in Counter(uuid for _, _, uuid in seen).items():
+        if used is not None:
+            used_fam.add_sample(used_fam.name, one, used)
+    for uuid, n in Counter(uuid for *_, uuid in total).items():
         count.add_sample(count.name, {"uuid": uuid, **labels}, float(n))
-    return [f for f in (used, info, count) if f.samples]
+    return [f for f in (used_fam, info, count) if f.samples]
 
 
 def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Mapping[str, str]) -> list[Metric]:
-    """The busiest processes of each GPU from one pmon instant: at most ``top + 1`` series per GPU.
+    """The busiest processes of each GPU from one pmon instant (``top + 1`` series per GPU), and the process counts.
 
-    Labelled ``gpu``, ``uuid`` (empty until the GPU stream has seen the GPU) and ``command`` (pmon's name, cut to
-    about 15 characters); the summed rest is ``command="other"``. An instant cut by pid (``by="pid"``) adds
-    ``pid`` (``"other"`` for the rest) and ``user`` (empty when this host cannot see the process); one cut by
-    name has neither, so its series are bounded by the names. A value pmon printed as ``-`` has no sample
-    (never 0). ``uuids``: GPU index -> UUID label value. Also ``smiquery_gpu_processes`` per GPU pmon watches.
+    Labelled ``gpu``, ``uuid`` (``uuids``: GPU index -> UUID; empty until the stream has seen the GPU) and
+    ``command`` (pmon's, ``other`` for the summed rest); an instant cut by pid adds ``pid`` and ``user`` (empty when
+    this host cannot see the process). A value pmon printed as ``-`` has no sample (never 0).
     """
     fams = {col: gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, text) in PMON_SERIES.items()}
     by_pid = instant.by == "pid"
@@ -202,9 +191,7 @@ def attribution_families(
     b = att.backend
     words = b.words
 
-    def gpu(uuid: str) -> dict[str, str]:
-        return _gpu(uuid, gpus, uuid_label)
-
+    gpu = functools.partial(_gpu, gpus=gpus, uuid_label=uuid_label)
     # the backends' help says how to join on the GPU's label: under DCGM naming that label is UUID
     info = gauge("smiquery_gpu_allocation_info", words.allocated.replace("on(uuid)", f"on({uuid_label})"))
     for uuid, holder, res, mig, profile in view.allocations:
@@ -240,11 +227,8 @@ def workload_usage_families(
 ) -> list[Metric]:
     """Per-workload use of each GPU: pmon SM and memory use (0-1) and GPU memory (compute apps), summed by workload.
 
-    Each process is tied to its workload by the backend (Kubernetes: its cgroup and the node's pods); what cannot
-    be tied (host processes, processes of another PID namespace, pods not listed yet, and pmon's own ``other`` row)
-    goes to the backend's ``other`` bucket per GPU, so the series of a GPU sum to what pmon saw on it. Series
-    (Kubernetes): ``smiquery_pod_gpu_utilization_ratio``, ``smiquery_pod_gpu_memory_utilization_ratio``,
-    ``smiquery_pod_gpu_memory_used_bytes``, labelled uuid, gpu and the workload's labels. Arguments as
+    The backend ties each process to its workload; what it cannot (host processes, pods not listed yet, pmon's
+    ``other`` row) goes to its ``other`` bucket, so a GPU's series sum to what pmon saw on it. Arguments as
     :func:`attribution_families`, with the newest pmon ``instant`` and compute-process list ``procs`` (or None).
     """
     b = att.backend
@@ -315,18 +299,9 @@ def xid_families(
             continue
         gpu = found or {}
         info = XID_CATALOGUE.get(code)
-        fam.add_sample(
-            fam.name + "_total",
-            {
-                **labels,
-                "gpu": gpu.get("gpu", ""),
-                "uuid": gpu.get("uuid", ""),
-                "pci_bus_id": bus,
-                "xid": str(code),
-                "action": info.action if info is not None else "unknown",
-            },
-            float(n),
-        )
+        action = info.action if info is not None else "unknown"
+        one = {"gpu": gpu.get("gpu", ""), "uuid": gpu.get("uuid", ""), "pci_bus_id": bus, "xid": str(code)}
+        fam.add_sample(fam.name + "_total", {**labels, **one, "action": action}, float(n))
     if xid.other:
         other = {"gpu": "", "uuid": "", "pci_bus_id": "other", "xid": "other", "action": "unknown"}
         fam.add_sample(fam.name + "_total", {**labels, **other}, float(xid.other))
