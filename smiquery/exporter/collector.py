@@ -279,10 +279,8 @@ class SmiCollector:
                 )
                 if not up and self._up is None and sweep is None and not late:
                     return  # a normal start: nothing to say until the first sample is late
-                if self._up is not None or not up:
-                    why = "ok" if up else self.health()[1]
-                    if self.on_state is not None and (self._up is not None or health.state != "starting"):
-                        self.on_state(up, why)
+                if self.on_state is not None and (self._up is not None or (not up and health.state != "starting")):
+                    self.on_state(up, "ok" if up else self.health()[1])
                 self._up = up
 
     def _take(self, sweep: Sweep, health: SourceHealth, arrived: float | None = None) -> None:
@@ -407,18 +405,6 @@ class SmiCollector:
         """Nothing: registering the collector must not collect (and so not touch the stream)."""
         return []
 
-    def _nvsmi_info(self, sweep: Sweep) -> Metric:
-        fam = gauge("nvidia_smi_gpu_info", "A metric with a constant '1' value labeled by gpu uuid, name and more.")
-        for s in sweep:
-            labels: dict[str, str] = {}
-            for field, label in NVSMI_INFO_LABELS.items():
-                if field in s:
-                    raw = s.raw.get(field)
-                    labels[label] = (raw if raw is not None else str(s.get(field) or "")).strip()
-            labels["uuid"] = bare_uuid(s.uuid)
-            fam.add_sample(fam.name, {**labels, **self.labels}, 1.0)
-        return fam
-
     def _number(self, spec: MetricSpec, value: Value, raw: Mapping[str, str]) -> tuple[float, dict[str, str]] | None:
         """A value as ``spec`` exports it, with the labels it adds; None for no sample."""
         if spec.style == "info":
@@ -456,7 +442,16 @@ class SmiCollector:
             if fam.samples:
                 out.append(fam)
         if self.naming == "nvidia_smi":
-            out.append(self._nvsmi_info(sweep))
+            doc = "A metric with a constant '1' value labeled by gpu uuid, name and more."
+            info = gauge("nvidia_smi_gpu_info", doc)
+            for s in sweep:
+                shown = {
+                    label: s.raw.get(field, str(s.get(field) or "")).strip()
+                    for field, label in NVSMI_INFO_LABELS.items()
+                    if field in s
+                }
+                info.add_sample(info.name, {**shown, "uuid": bare_uuid(s.uuid), **self.labels}, 1.0)
+            out.append(info)
         return out
 
     def process_families(self, procs: Sequence[GpuProcess]) -> list[Metric]:
@@ -565,12 +560,6 @@ class SmiCollector:
             known = bool(self._gpus) and (self.details is None or self.details.get().value is not None)
             out.extend(xid_families(self.xid, self._gpu_at_bus(), self.labels, inventory_known=known))
         return out
-
-    def _gpu_health_key(self) -> tuple[object, ...]:
-        """What :meth:`_gpu_health` depends on: it changes rarely, scrapes are frequent."""
-        details = () if self.details is None else (fresh_details(self.details) is not None, self.details.get().value)
-        xid = (self.xid.events, sum(self.xid.rejected().values()), self.xid.up) if self.xid is not None else ()
-        return (self._gpu_version, *details, *xid)
 
     def _health_tail(self, duration: float) -> list[Metric]:
         one = self._one
@@ -686,9 +675,12 @@ class SmiCollector:
         sweep, age = self.stream.latest()
         data = self._inputs(sweep, age)
         key = (*data, *(self.attribution.token if self.attribution else ()))
+        # the per-GPU health changes rarely, scrapes are frequent
+        details = () if self.details is None else (fresh_details(self.details) is not None, self.details.get().value)
+        xid = (self.xid.events, sum(self.xid.rejected().values()), self.xid.up) if self.xid is not None else ()
         with self._lock:
             body = self._cached("data", key, lambda: self._data_families(*data))
-            gpus = self._cached("gpus", self._gpu_health_key(), self._gpu_health)
+            gpus = self._cached("gpus", (self._gpu_version, *details, *xid), self._gpu_health)
         head = render(self._health_head(sweep, age)).encode()
         tail = render(self._health_tail(time.perf_counter() - t0)).encode()
         return body + head + gpus + tail

@@ -61,18 +61,8 @@ def _negotiate(accept: str) -> tuple[Callable[[Any], bytes], str]:
     return encoder, str(content_type)
 
 
-@functools.lru_cache(maxsize=64)
-def _gzip_accepted(accept_encoding: str) -> bool:
-    from prometheus_client.exposition import gzip_accepted
-
-    return bool(gzip_accepted(accept_encoding))
-
-
 class _Router:
-    """The exporter's pages (basic auth is the server's: a request that reaches this passed it).
-
-    Also the ``collect()`` source (the collector, then the user's registry) for prometheus_client's encoders.
-    """
+    """The exporter's pages, and the ``collect()`` source (collector, then registry) of prometheus_client's encoders."""
 
     def __init__(self, collector: SmiCollector, registry: Any) -> None:
         self.collector = collector
@@ -105,12 +95,14 @@ class _Router:
         return route(req, self.pages, b"not found: try /metrics, /livez, /readyz or /healthz\n")
 
     def _metrics(self, req: Request) -> Response:
+        from prometheus_client.exposition import gzip_accepted
+
         # Negotiated as prometheus_client does (OpenMetrics when Accept asks for it); the classic text format
         # comes from the collector's own fast renderer, which gives the same text.
         encoder, content_type = _negotiate(req.headers.get("accept", ""))
         body = self.collector.exposition() + self._extra() if content_type == CONTENT_TYPE else encoder(self)
         headers = {"Vary": "Accept, Accept-Encoding"}
-        if _gzip_accepted(req.headers.get("accept-encoding", "")):
+        if gzip_accepted(req.headers.get("accept-encoding", "")):
             body = gzip.compress(body, compresslevel=6, mtime=0)
             headers["Content-Encoding"] = "gzip"
         return Response(200, bytes(body), content_type, headers)
@@ -124,27 +116,11 @@ class _Router:
         return Response(200, page, "text/html; charset=utf-8")
 
 
-def _tls_context(
-    cert: str | os.PathLike[str], key: str | os.PathLike[str], client_ca: str | os.PathLike[str] | None
-) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(str(cert), str(key))
-    if client_ca is not None:
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        ctx.load_verify_locations(cafile=str(client_ca))
-    return ctx
-
-
 class Exporter:
     """A running exporter, made by :func:`serve`: use it as a context manager or call :meth:`stop`.
 
-    Attributes:
-        collector: the :class:`SmiCollector` behind ``/metrics``; ``pmon`` is its pmon watcher.
-        stream: the background :class:`~smiquery.streams.sync.Stream` (a new one after a revival).
-        http: the :class:`~smiquery.httpd.server.HttpServer`.
-        port: the port listened on (useful with ``port=0``), on the address ``bind``; ``url`` is the base URL.
-        revivals: how many times a stream that stopped for good was replaced (after ``revive_after`` seconds).
+    ``collector`` serves ``/metrics`` (``pmon`` is its pmon watcher) from ``stream`` (replaced after it stopped for
+    good); ``http`` is the server, listening on ``bind`` and ``port`` (useful with ``port=0``); ``url`` its base URL.
     """
 
     def __init__(
@@ -160,7 +136,6 @@ class Exporter:
         self.stream = collector.stream
         self.pmon = collector.pmon
         self.revive_after = revive_after
-        self.revivals = 0
         host, port = server.sock.getsockname()[:2]
         self.bind, self.port = str(host), int(port)
         self.url = f"{'https' if server.ssl_context else 'http'}://{f'[{host}]' if ':' in self.bind else host}:{port}"
@@ -199,7 +174,6 @@ class Exporter:
                 old, self.stream = self.stream, new
                 self.collector.stream = new
                 self.collector.revive_at = None
-                self.revivals += 1
             old.close()
 
     @property
@@ -306,7 +280,12 @@ def serve(
     normalize_gpus(gpus)
     web = load_web_config(web_config) if isinstance(web_config, (str, os.PathLike)) else web_config or WebConfig()
     if tls_cert is not None and tls_key is not None:
-        web.ssl_context = _tls_context(tls_cert, tls_key, client_ca)
+        web.ssl_context = ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(str(tls_cert), str(tls_key))
+        if client_ca is not None:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(cafile=str(client_ca))
     evaluator = AlertEvaluator(list(alerts)) if alerts else None
     # the stream also queries what the alert rules read, and the driver version (for smiquery_build_info)
     wanted = [*flds, *(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])]

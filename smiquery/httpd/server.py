@@ -1,10 +1,8 @@
 """A small HTTP/1.1 server that bad clients cannot starve or stop: one selector thread, a fixed pool of workers.
 
-The selector thread owns every socket (accept, TLS handshake, reading heads, writing responses: never blocking,
-each with a deadline); workers only compute the responses it should not (OpenMetrics, a slow extra registry), so a
-slow reader costs a buffer, never a thread. Basic auth is settled before a worker sees a request (a known answer at
-once, the rest by one verifier thread), so guesses never hold a worker. A failure closes its connection alone.
-Request heads are parsed strictly (RFC 9112) and may carry no body. Threads: 1 + ``workers`` (+ 1 verifier).
+The selector thread owns every socket (never blocking, each with a deadline), so a slow reader costs a buffer, never
+a thread; workers only compute the responses it should not, and a verifier thread checks passwords, so guesses
+never hold a worker. Heads are parsed strictly (RFC 9112) and may carry no body; a failure closes its connection.
 """
 
 from __future__ import annotations

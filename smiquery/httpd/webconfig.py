@@ -1,7 +1,6 @@
 """Web configuration in the Prometheus exporter-toolkit format (``--web-config-file``): TLS, basic auth, headers.
 
-Relative paths are relative to the file's folder. Every key either does what exporter-toolkit documents or makes
-loading fail with one line saying why; docs/exporter.md lists them.
+Relative paths are the file's folder's; a key does what exporter-toolkit documents or fails loading with one line.
 """
 
 from __future__ import annotations
