@@ -638,18 +638,14 @@ class SmiCollector:
 
     def _gpu_at_bus(self) -> Callable[[BusKey], Mapping[str, str] | None]:
         """PCI key -> the ``gpu`` and ``uuid`` of the GPU there: the GPUs seen in the CSV, then in the details."""
-        found: dict[BusKey, dict[str, str]] = {}
         details = self.details.get().value if self.details is not None else None
-        for d in details or ():
-            key = bus_key(d.pci_bus_id or "")
-            if key is not None:
-                found[key] = {"gpu": str(d.index), "uuid": d.uuid or ""}
         with self._refresh_lock:
-            gpus = list(self._gpus.values())
-        for g in gpus:
-            key = bus_key(g.labels.get("pci_bus_id", ""))
+            seen = [(g.labels.get("pci_bus_id", ""), g.index, g.uuid) for g in self._gpus.values()]
+        found: dict[BusKey, dict[str, str]] = {}
+        for bus, idx, uuid in [(d.pci_bus_id or "", d.index, d.uuid) for d in details or ()] + seen:
+            key = bus_key(bus)
             if key is not None:
-                found[key] = {"gpu": "" if g.index is None else str(g.index), "uuid": g.uuid or ""}
+                found[key] = {"gpu": "" if idx is None else str(idx), "uuid": uuid or ""}
         return found.get
 
     def collect(self) -> Iterator[Metric]:

@@ -139,12 +139,6 @@ class RateLimitFilter(logging.Filter):
         return True
 
 
-def _not_the_streams_echo(record: logging.LogRecord) -> bool:
-    # The stream supervisor (logger "smiquery") logs its restarts and failures itself; the exporter logs the same
-    # from the stream's events, once each, with the GPU and error type as fields. Its errors still go out.
-    return record.name != "smiquery" or record.levelno >= logging.ERROR
-
-
 class _TextFormatter(logging.Formatter):
     """Log lines as text, with control characters in any part (a process name, a label) shown escaped."""
 
@@ -188,7 +182,9 @@ def configure_logging(fmt: LogFormat = "text", level: int = logging.INFO) -> log
     The stream supervisor's own warnings are left out (the events say the same). Returns the handler installed.
     """
     handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(_not_the_streams_echo)
+    # The stream supervisor (logger "smiquery") logs its restarts and failures itself; the exporter logs the same
+    # from the stream's events, once each, with the GPU and error type as fields. Its errors still go out.
+    handler.addFilter(lambda record: record.name != "smiquery" or record.levelno >= logging.ERROR)
     handler.addFilter(RateLimitFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

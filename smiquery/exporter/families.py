@@ -233,14 +233,10 @@ def workload_usage_families(
     """
     b = att.backend
     by_index = {idx: uuid for uuid, idx in gpus.items() if idx is not None}
-    seen: dict[int, Workload] = {}
 
+    @functools.cache
     def holder(pid: int | None) -> Workload:
-        if pid is None:
-            return b.other
-        if pid not in seen:
-            seen[pid] = b.owner(pid) or b.other
-        return seen[pid]
+        return b.other if pid is None else b.owner(pid) or b.other
 
     sm: dict[tuple[str, Workload], float] = {}
     mem: dict[tuple[str, Workload], float] = {}

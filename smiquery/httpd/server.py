@@ -383,18 +383,18 @@ class HttpServer:
                     self._unwatch(conn)
                     return
                 self._checking += 1
-                self._park(conn)
-                self._checks.put((conn, req))
+                self._park(conn, req, self._checks)
                 return
             if not self._dispatch(conn, req, known):
                 return
         if not conn.closed and not conn.busy and not conn.out:
             self._ready.append(conn)  # more pipelined requests: after the other connections' turn
 
-    def _park(self, conn: _Conn) -> None:
-        """Stop reading ``conn`` while a thread works on its request (no deadline, no eviction meanwhile)."""
+    def _park(self, conn: _Conn, req: Request, jobs: queue.SimpleQueue[tuple[_Conn, Request] | None]) -> None:
+        """Hand ``req`` to a thread; ``conn`` is not read meanwhile (no deadline, no eviction)."""
         conn.busy = True
         self._unwatch(conn)
+        jobs.put((conn, req))
 
     def _dispatch(self, conn: _Conn, req: Request, allowed: bool) -> bool:
         """Answer ``req`` now (a refusal, or what ``inline`` calls cheap) or hand it to a worker (then False)."""
@@ -408,8 +408,7 @@ class HttpServer:
         if fast:
             self._start(conn, *self._respond(req))
             return True
-        self._park(conn)
-        self._jobs.put((conn, req))
+        self._park(conn, req, self._jobs)
         return False
 
     def _checked(self, conn: _Conn, req: Request, allowed: bool) -> bool:
