@@ -344,9 +344,8 @@ def _escape_label(value: str) -> str:
 def render(families: Iterable[Metric]) -> str:
     """Metric families in the Prometheus text format (0.0.4), as ``prometheus_client.generate_latest`` writes them.
 
-    The one difference: a counter whose samples carry the family's own name (the DCGM exporter's counters, such
-    as ``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL``) keeps that name on its HELP and TYPE lines, where ``generate_latest``
-    would append ``_total`` and so describe a metric that no sample has.
+    But a counter whose samples carry the family's own name (DCGM's ``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL``) keeps that
+    name on its HELP and TYPE lines, where ``generate_latest`` would describe a metric no sample has (``_total``).
     """
     out: list[str] = []
     for fam in families:

@@ -379,8 +379,7 @@ def process_poller(
 ) -> Latest[tuple[GpuProcess, ...]]:
     """:func:`smiquery.processes` every ``interval`` seconds in a background :class:`Latest`; scrapes read the newest.
 
-    Each poll runs nvidia-smi twice (GPU list and compute apps, 10 s each); a failure is counted and logged, never
-    raised. Raises ValueError for an interval that is not positive, InvalidGpuIdError for a malformed GPU id.
+    A failed poll is counted and logged, never raised. Raises ValueError (``interval``) and InvalidGpuIdError.
     """
     ids = normalize_gpus(gpus) or None
     return Latest(

@@ -50,10 +50,7 @@ _SINGLE = frozenset({"host", "content-length", "authorization", "transfer-encodi
 
 @dataclass
 class Request:
-    """One parsed request head.
-
-    ``path`` is without the query string, ``headers`` by lower-case name (repeats joined with ``", "``).
-    """
+    """One parsed request head: ``path`` without the query, ``headers`` by lower-case name (repeats joined)."""
 
     method: str
     path: str
