@@ -59,14 +59,7 @@ if TYPE_CHECKING:
     from smiquery.sources.details import GpuDetails
     from smiquery.sources.xid import XidWatcher
 
-__all__ = [
-    "DEFAULT_EXPORTER_ALERTS",
-    "SmiCollector",
-    "SourceHealth",
-    "parse_labels",
-    "revision",
-    "source_health",
-]
+__all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector", "SourceHealth", "parse_labels", "revision", "source_health"]
 
 log = get_logger("smiquery.exporter")
 

@@ -96,14 +96,9 @@ class EventLog:
         """Log a :class:`~smiquery.sources.xid.XidEvent` (WARNING), with what to do about it; all codes share a rate."""
         info = event.info
         what = f"{info.meaning}; {info.advice}" if info is not None else "see NVIDIA's Xid catalogue"
-        self.emit(
-            "xid",
-            logging.WARNING,
-            f"Xid {event.xid} on the GPU at PCI {event.pci_bus_id}: {what}",
-            xid=event.xid,
-            pci_bus_id=event.pci_bus_id,
-            action=info.action if info is not None else None,
-        )
+        text = f"Xid {event.xid} on the GPU at PCI {event.pci_bus_id}: {what}"
+        action = info.action if info is not None else None
+        self.emit("xid", logging.WARNING, text, xid=event.xid, pci_bus_id=event.pci_bus_id, action=action)
 
     def on_state(self, up: bool, why: str) -> None:
         """Log a change of ``smiquery_up`` (WARNING when data stops, INFO when it comes back), with one line why."""

@@ -401,11 +401,6 @@ def _supported_fields(nvidia_smi: str | os.PathLike[str] | None) -> list[str]:
         raise NvidiaSmiFailedError(argv, 0, "", "nvidia-smi --help-query-gpu listed no field smiquery knows")
     samples = query(listed, nvidia_smi=binary, timeout=30.0)
     keep = [name for name in listed if not samples or any(s.missing.get(name) != "not_supported" for s in samples)]
-    log.info(
-        "smiquery exporter: --fields supported: %d fields (%d listed, %d not supported on any GPU, %d unknown)",
-        len(keep),
-        len(listed),
-        len(listed) - len(keep),
-        unknown,
-    )
+    msg = "smiquery exporter: --fields supported: %d fields (%d listed, %d not supported on any GPU, %d unknown)"
+    log.info(msg, len(keep), len(listed), len(listed) - len(keep), unknown)
     return keep

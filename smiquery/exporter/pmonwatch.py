@@ -61,11 +61,7 @@ def _by_name(rows: tuple[pmon.PmonRow, ...]) -> tuple[pmon.PmonRow, ...]:
 
 
 def process_instant(
-    rows: Iterable[pmon.PmonRow],
-    top: int,
-    *,
-    user_of: Callable[[int], str | None] = pmon.process_user,
-    by: str = "pid",
+    rows: Iterable[pmon.PmonRow], top: int, *, user_of: Callable[[int], str | None] = pmon.process_user, by: str = "pid"
 ) -> ProcessInstant:
     """One pmon instant cut to what the exporter serves, stamped now: the ``top`` busiest (by SM) per GPU, ``other``.
 

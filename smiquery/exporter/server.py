@@ -154,12 +154,8 @@ class Exporter:
             if self.stream.running or err is None:
                 continue
             self.collector.revive_at = time.time() + self.revive_after
-            log.warning(
-                "smiquery exporter: the nvidia-smi stream stopped (%s: %s); starting a new one in %g s",
-                type(err).__name__,
-                (str(err).splitlines() or [""])[0],
-                self.revive_after,
-            )
+            msg = "smiquery exporter: the nvidia-smi stream stopped (%s: %s); starting a new one in %g s"
+            log.warning(msg, type(err).__name__, (str(err).splitlines() or [""])[0], self.revive_after)
             if self._stopped.wait(self.revive_after):
                 return
             with self._lock:

@@ -277,11 +277,8 @@ class HttpServer:
         assert isinstance(sock, ssl.SSLSocket)
         try:
             sock.do_handshake()
-        except ssl.SSLWantReadError:
-            self._watch(conn, selectors.EVENT_READ)
-            return
-        except ssl.SSLWantWriteError:
-            self._watch(conn, selectors.EVENT_WRITE)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as want:
+            self._watch(conn, selectors.EVENT_READ if isinstance(want, ssl.SSLWantReadError) else selectors.EVENT_WRITE)
             return
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.debug("smiquery exporter: TLS handshake with %s failed: %s", conn.client, exc)
@@ -435,11 +432,9 @@ class HttpServer:
                 conn.chunk = bytes(conn.out[:_CHUNK])
             try:
                 sent = sock.send(conn.chunk)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
-                self._watch(conn, selectors.EVENT_WRITE)
-                return False
-            except ssl.SSLWantReadError:
-                self._watch(conn, selectors.EVENT_READ)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError) as want:
+                read = isinstance(want, ssl.SSLWantReadError)  # TLS: writing needs the socket readable first
+                self._watch(conn, selectors.EVENT_READ if read else selectors.EVENT_WRITE)
                 return False
             except (OSError, ssl.SSLError, ValueError):
                 self._close(conn)
