@@ -519,16 +519,10 @@ class SmiCollector:
 
     def _gpu_health(self) -> list[Metric]:
         """The per-GPU health (lost GPUs, alert state; they change only when a sweep is taken in), details, Xid."""
-        out: list[Metric] = []
+        doc = "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), else 0."
         with self._refresh_lock:
-            lost_fam = gauge(
-                "smiquery_gpu_lost",
-                "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), "
-                "else 0.",
-                *((gpu.labels, 1.0 if gpu.lost else 0.0) for gpu in self._gpus.values()),
-            )
-            if lost_fam.samples:
-                out.append(lost_fam)
+            lost = ((gpu.labels, 1.0 if gpu.lost else 0.0) for gpu in self._gpus.values())
+            fams = [gauge("smiquery_gpu_lost", doc, *lost)]
             if self.alerts is not None and self._gpus:
                 firing = gauge(
                     "smiquery_alert_firing",
@@ -545,7 +539,8 @@ class SmiCollector:
                             on = ev is not None and ev.state(i, track) == "firing"
                             firing.add_sample(firing.name, labels, 1.0 if on else 0.0)
                         fired.add_sample(fired.name + "_total", labels, float(self._fired.get((i, key), 0)))
-                out += [f for f in (firing, fired) if f.samples]
+                fams += [firing, fired]
+        out = [f for f in fams if f.samples]
         if self.details is not None:
             out.extend(details_health(self.details, self.labels))
         if self.xid is not None:
@@ -579,12 +574,10 @@ class SmiCollector:
 
     def _inputs(self, sweep: Sweep | None, age: float | None) -> tuple[Any, ...]:
         """What the data families are built from: the sweep (None when stale), processes, pmon, details."""
-        procs = None
-        if self.processes is not None:
-            procs = self.processes.get().fresh(max(3 * self.processes.interval, self.stale_after))
+        procs = self.processes
         return (
             sweep if self._fresh(sweep, age) else None,
-            procs,
+            procs.get().fresh(max(3 * procs.interval, self.stale_after)) if procs is not None else None,
             self.pmon.fresh() if self.pmon is not None else None,
             fresh_details(self.details) if self.details is not None else None,
         )

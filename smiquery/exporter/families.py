@@ -148,15 +148,11 @@ def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Map
             value = getattr(row, col)
             if value is not None:
                 fam.add_sample(fam.name, one, value * 1048576.0 if col == "fb" else value / 100.0)
-    out = [f for f in fams.values() if f.samples]
-    count = gauge(
-        "smiquery_gpu_processes", "Processes nvidia-smi pmon listed on the GPU (all of them, not only the top)."
-    )
+    doc = "Processes nvidia-smi pmon listed on the GPU (all of them, not only the top)."
+    count = gauge("smiquery_gpu_processes", doc)
     for gpu, n in sorted(instant.processes.items()):
         count.add_sample(count.name, {"gpu": str(gpu), "uuid": uuids.get(gpu, ""), **labels}, float(n))
-    if count.samples:
-        out.append(count)
-    return out
+    return [f for f in (*fams.values(), count) if f.samples]
 
 
 def pmon_health(pmon: PmonWatcher, labels: Mapping[str, str]) -> list[Metric]:
@@ -198,10 +194,8 @@ def attribution_families(
         one = {**gpu(uuid), **holder.labels(b.labels), "resource": res, "mig_uuid": mig, "mig_profile": profile}
         info.add_sample(info.name, {**one, **labels}, 1.0)
     prefix = f"smiquery_{b.name}"
-    state = gauge(
-        f"{prefix}_gpu_attribution_state",
-        "The GPU's attribution state (1 for the current one): " + ", ".join(STATES) + ".",
-    )
+    doc = "The GPU's attribution state (1 for the current one): " + ", ".join(STATES) + "."
+    state = gauge(f"{prefix}_gpu_attribution_state", doc)
     for uuid, now in sorted(view.states.items()):
         for s in STATES:
             state.add_sample(state.name, {**gpu(uuid), "state": s, **labels}, 1.0 if s == now else 0.0)
@@ -285,10 +279,8 @@ def xid_families(
     """
     doc = f"1 while the kernel log ({xid.path}) is read for Xid errors, else 0 (no permission, missing)."
     up = gauge("smiquery_xid_source_up", doc, ({**labels, "path": xid.path}, 1.0 if xid.up else 0.0))
-    fam = counter(
-        "smiquery_xid_errors",
-        "Xid errors the NVIDIA driver logged in the kernel log, by GPU and code (every event counts).",
-    )
+    doc = "Xid errors the NVIDIA driver logged in the kernel log, by GPU and code (every event counts)."
+    fam = counter("smiquery_xid_errors", doc)
     for key, code, bus, n in xid.series():
         found = gpus(key)
         if found is None and not inventory_known:
@@ -334,10 +326,8 @@ def unallocated_use_families(
         owner = b.owner(p.pid)
         if owner is not None and owner != b.other and owner not in view.holders.get(p.gpu_uuid, ()):
             found.add((p.gpu_uuid, owner))
-    fam = gauge(
-        "smiquery_gpu_unallocated_use",
-        f"A {b.words.holder} running on a GPU the scheduler did not allocate to it (1): a finding.",
-    )
+    doc = f"A {b.words.holder} running on a GPU the scheduler did not allocate to it (1): a finding."
+    fam = gauge("smiquery_gpu_unallocated_use", doc)
     for uuid, owner in sorted(found):
         fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **owner.labels(b.labels), **labels}, 1.0)
     return [fam] if fam.samples else []

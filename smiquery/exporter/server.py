@@ -408,10 +408,8 @@ def details_poller(
 
 def _has_process_metrics(registry: Any) -> bool:
     """Whether the user's registry serves ``process_*`` already (prometheus_client's default registry does)."""
-    if registry is None:
-        return False
     try:
-        return registry.get_sample_value("process_start_time_seconds") is not None
+        return registry is not None and registry.get_sample_value("process_start_time_seconds") is not None
     except Exception:  # a registry-like object without get_sample_value, or a failing collector
         return False
 

@@ -258,13 +258,11 @@ class HttpServer:
             client = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             if self.ssl_context is not None:
                 try:
-                    sock: socket.socket = self.ssl_context.wrap_socket(
-                        raw, server_side=True, do_handshake_on_connect=False
-                    )
+                    tls = self.ssl_context.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
                 except (OSError, ssl.SSLError):
                     raw.close()
                     continue
-                conn = _Conn(sock, client, now + self.request_timeout, started=now, handshaking=True)
+                conn = _Conn(tls, client, now + self.request_timeout, started=now, handshaking=True)
             else:
                 conn = _Conn(raw, client, now + _IDLE)
             self._conns[conn.sock] = conn
