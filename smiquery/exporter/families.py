@@ -250,7 +250,7 @@ def workload_usage_families(
         key = (p.gpu_uuid, holder(p.pid))
         used[key] = used.get(key, 0.0) + float(p.used_memory) * 1048576.0
     whose = f"the {b.words.holder}'s processes"
-    out = []
+    fams = []
     for name, doc, values in (
         ("gpu_utilization_ratio", f"SM use of {whose} on the GPU (pmon sm), 0-1.", sm),
         ("gpu_memory_utilization_ratio", f"Memory-controller use of {whose} (pmon mem), 0-1.", mem),
@@ -259,9 +259,8 @@ def workload_usage_families(
         fam = gauge(f"smiquery_{b.workload}_{name}", f"{doc} {b.words.other}")
         for (uuid, h), value in sorted(values.items()):
             fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **h.labels(b.labels), **labels}, value)
-        if fam.samples:
-            out.append(fam)
-    return out
+        fams.append(fam)
+    return [f for f in fams if f.samples]
 
 
 def xid_families(

@@ -67,8 +67,10 @@ class _Router:
     def __init__(self, collector: SmiCollector, registry: Any) -> None:
         self.collector = collector
         self.registry = registry
-        self.pages = {"/metrics": self._metrics, "/livez": lambda _: Response(200, b"ok\n"), "/": self._index}
-        self.pages |= {"/readyz": self._health, "/healthz": self._health, "/index.html": self._index}
+        page = _INDEX.format(version=__version__, naming=collector.naming).encode()
+        index = Response(200, page, "text/html; charset=utf-8")
+        self.pages = {"/metrics": self._metrics, "/livez": lambda _: Response(200, b"ok\n"), "/": lambda _: index}
+        self.pages |= {"/readyz": self._health, "/healthz": self._health, "/index.html": lambda _: index}
 
     def collect(self) -> Iterator[Any]:
         yield from self.collector.collect()
@@ -110,10 +112,6 @@ class _Router:
     def _health(self, req: Request) -> Response:
         ok, why = self.collector.health()
         return Response(200 if ok else 503, (why + "\n").encode())
-
-    def _index(self, req: Request) -> Response:
-        page = _INDEX.format(version=__version__, naming=self.collector.naming).encode()
-        return Response(200, page, "text/html; charset=utf-8")
 
 
 class Exporter:
