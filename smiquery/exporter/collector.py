@@ -115,13 +115,11 @@ def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, s
 
     Raises ValueError for a malformed item, an invalid or reserved label name, or a name given twice.
     """
-    if items is None:
-        return {}
     pairs: list[tuple[str, str]] = []
     if isinstance(items, Mapping):
         pairs = [(str(k), str(v)) for k, v in items.items()]
     else:
-        for item in items:
+        for item in items or ():
             key, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"label {item!r} is not key=value")
