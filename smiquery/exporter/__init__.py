@@ -13,13 +13,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         "smiquery.exporter needs prometheus_client: pip install 'smiquery[export]' (the core does not)"
     ) from _exc
 
-from smiquery.exporter.collector import (
-    DEFAULT_EXPORTER_ALERTS,
-    SmiCollector,
-    SourceHealth,
-    parse_labels,
-    source_health,
-)
+from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector, SourceHealth, parse_labels, source_health
 from smiquery.exporter.events import EventLog, configure_logging
 from smiquery.exporter.naming import (
     DCGM_MAP,

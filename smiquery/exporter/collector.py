@@ -22,14 +22,15 @@ from prometheus_client.metrics_core import Metric
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.attribution import check_labels
-from smiquery.exporter.detailswatch import details_health, fresh_details, mig_families
 from smiquery.exporter.families import (
     attribution_families,
     counter,
+    details_health,
+    fresh_details,
     gauge,
     merge_families,
+    mig_families,
     nvsmi_number,
-    nvsmi_process_families,
     pmon_families,
     pmon_health,
     process_families,
@@ -58,14 +59,7 @@ if TYPE_CHECKING:
     from smiquery.sources.details import GpuDetails
     from smiquery.sources.xid import XidWatcher
 
-__all__ = [
-    "DEFAULT_EXPORTER_ALERTS",
-    "SmiCollector",
-    "SourceHealth",
-    "parse_labels",
-    "revision",
-    "source_health",
-]
+__all__ = ["DEFAULT_EXPORTER_ALERTS", "SmiCollector", "SourceHealth", "parse_labels", "revision", "source_health"]
 
 log = get_logger("smiquery.exporter")
 
@@ -90,14 +84,13 @@ def source_health(source: SampleSource) -> SourceHealth:
     st = source.stats
     running, error = bool(source.running), source.error
     state: str = st.state
+    last_type, last = st.last_error_type, st.last_error
     if not running:
         state = "failed" if error is not None else (state if state in ("ended", "closed", "failed") else "closed")
+        if error is not None:
+            last_type, last = type(error).__name__, one_line(error)
     elif state == "starting" and st.rows > 0:
         state = "running"  # a source that does not keep state: rows flow, so it runs
-    last_type, last = st.last_error_type, st.last_error
-    if error is not None and not running:
-        last_type = type(error).__name__
-        last = one_line(error)
     if last_type is None and last is not None and st.errors:
         last_type = max(st.errors, key=lambda k: st.errors[k])
     # the counters and sets copied as they are now
@@ -122,13 +115,11 @@ def parse_labels(items: Iterable[str] | Mapping[str, str] | None) -> dict[str, s
 
     Raises ValueError for a malformed item, an invalid or reserved label name, or a name given twice.
     """
-    if items is None:
-        return {}
     pairs: list[tuple[str, str]] = []
     if isinstance(items, Mapping):
         pairs = [(str(k), str(v)) for k, v in items.items()]
     else:
-        for item in items:
+        for item in items or ():
             key, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"label {item!r} is not key=value")
@@ -163,18 +154,15 @@ RESERVED_LABELS = frozenset(
 class SmiCollector:
     """A ``prometheus_client`` collector over the newest sweep of one background stream; never runs nvidia-smi.
 
-    Per-GPU series are served only while the newest sweep is fresher than ``stale_after`` (default: three of the
-    stream's intervals, at least 15 s); a missing value (any status token) leaves its series out for that GPU, never
-    0. The health metrics are always there. :meth:`exposition`, the HTTP server's fast path, renders the per-sweep
-    text once per sweep.
+    Per-GPU series are served while the newest sweep is younger than ``stale_after`` (default: three intervals, at
+    least 15 s); a missing value (a status token) leaves its series out for that GPU, never 0. The health metrics
+    are always there. :meth:`exposition` (the server's fast path) renders the per-sweep text once per sweep.
 
-    ``stream`` is a started :class:`~smiquery.source.SampleSource` (``fields`` defaults to its own). The other
-    sources are optional: ``processes`` (per-process memory) and ``details`` (MIG instances) from
-    :mod:`~smiquery.exporter.detailswatch`, ``pmon`` (:class:`~smiquery.exporter.pmonwatch.PmonWatcher`), ``xid``
-    (:class:`~smiquery.sources.xid.XidWatcher`) and ``attribution`` (:mod:`smiquery.attribution`). ``alerts`` is fed
-    every sample; ``on_gpu_change(lost, index, uuid)`` is called when a GPU drops out or comes back, ``on_state(up,
-    why)`` when fresh data stops or flows again. ``hostname`` is DCGM's ``Hostname`` label (default: this host's);
-    ``process_metrics`` adds prometheus_client's ``process_*`` metrics of this process.
+    ``stream`` is a started :class:`~smiquery.source.SampleSource` (``fields`` defaults to its own). Optional
+    sources: ``processes`` and ``details`` (:func:`~smiquery.exporter.server.process_poller`, ``details_poller``),
+    ``pmon``, ``xid`` and ``attribution``. ``alerts`` is fed every sample; ``on_gpu_change(lost, index, uuid)`` is
+    called when a GPU drops out or comes back, ``on_state(up, why)`` when fresh data stops or flows again.
+    ``hostname`` is DCGM's ``Hostname`` label (default: this host's); ``process_metrics`` adds ``process_*``.
     """
 
     def __init__(
@@ -248,13 +236,10 @@ class SmiCollector:
         period = min(max(float(getattr(stream, "interval", 1.0)) / 4, 0.05), 1.0)
         self._watch = Latest(self.refresh, period, name="watching the stream")  # a raise is logged, not fatal
 
-    # ------------------------------------------------------------------------------------------ tracking
-
     def refresh(self) -> None:
         """Take in the newest sweep: remember its GPUs, find lost ones, feed the alert rules. Cheap; any thread.
 
-        The HTTP server calls it on every scrape and :meth:`start` every quarter interval, so no sweep is missed by
-        the alert rules and a lost GPU is noticed without a scrape.
+        Called on every scrape and, after :meth:`start`, every quarter interval (no sweep is missed by the rules).
         """
         with self._refresh_lock:
             sweep, age = self.stream.latest()
@@ -285,10 +270,8 @@ class SmiCollector:
                 )
                 if not up and self._up is None and sweep is None and not late:
                     return  # a normal start: nothing to say until the first sample is late
-                if self._up is not None or not up:
-                    why = "ok" if up else self.health()[1]
-                    if self.on_state is not None and (self._up is not None or health.state != "starting"):
-                        self.on_state(up, why)
+                if self.on_state is not None and (self._up is not None or (not up and health.state != "starting")):
+                    self.on_state(up, "ok" if up else self.health()[1])
                 self._up = up
 
     def _take(self, sweep: Sweep, health: SourceHealth, arrived: float | None = None) -> None:
@@ -366,10 +349,7 @@ class SmiCollector:
     def _identity(
         self, idx: int | None, uuid: str | None, name: str | None, bus: str | None, driver: str | None
     ) -> tuple[dict[str, str], dict[str, str]]:
-        """A GPU's labels: native, and the naming's (the native ones again unless the naming is ``dcgm``).
-
-        Unknown (None) ``name`` and ``bus`` are left out of the native labels, ``driver`` out of DCGM's.
-        """
+        """A GPU's labels: native (without unknown ``name`` and ``bus``), and the naming's (DCGM's or native)."""
         gpu = "" if idx is None else str(idx)
         native = {"gpu": gpu, "uuid": uuid or ""}
         if name is not None and bus is not None:
@@ -416,20 +396,6 @@ class SmiCollector:
         """Nothing: registering the collector must not collect (and so not touch the stream)."""
         return []
 
-    # ----------------------------------------------------------------------------------------- per sweep
-
-    def _nvsmi_info(self, sweep: Sweep) -> Metric:
-        fam = gauge("nvidia_smi_gpu_info", "A metric with a constant '1' value labeled by gpu uuid, name and more.")
-        for s in sweep:
-            labels: dict[str, str] = {}
-            for field, label in NVSMI_INFO_LABELS.items():
-                if field in s:
-                    raw = s.raw.get(field)
-                    labels[label] = (raw if raw is not None else str(s.get(field) or "")).strip()
-            labels["uuid"] = bare_uuid(s.uuid)
-            fam.add_sample(fam.name, {**labels, **self.labels}, 1.0)
-        return fam
-
     def _number(self, spec: MetricSpec, value: Value, raw: Mapping[str, str]) -> tuple[float, dict[str, str]] | None:
         """A value as ``spec`` exports it, with the labels it adds; None for no sample."""
         if spec.style == "info":
@@ -467,14 +433,21 @@ class SmiCollector:
             if fam.samples:
                 out.append(fam)
         if self.naming == "nvidia_smi":
-            out.append(self._nvsmi_info(sweep))
+            doc = "A metric with a constant '1' value labeled by gpu uuid, name and more."
+            info = gauge("nvidia_smi_gpu_info", doc)
+            for s in sweep:
+                shown = {
+                    label: s.raw.get(field, str(s.get(field) or "")).strip()
+                    for field, label in NVSMI_INFO_LABELS.items()
+                    if field in s
+                }
+                info.add_sample(info.name, {**shown, "uuid": bare_uuid(s.uuid), **self.labels}, 1.0)
+            out.append(info)
         return out
 
     def process_families(self, procs: Sequence[GpuProcess]) -> list[Metric]:
         """Per-process GPU memory: the non-empty families (nvidia_gpu_exporter's three in ``nvidia_smi`` naming)."""
-        if self.naming == "nvidia_smi":
-            return nvsmi_process_families(procs, self.labels)
-        return process_families(procs, self.labels)
+        return process_families(procs, self.labels, nvsmi=self.naming == "nvidia_smi")
 
     def pmon_families(self, instant: ProcessInstant) -> list[Metric]:
         """The busiest processes of each GPU from one pmon instant (:func:`~.families.pmon_families`)."""
@@ -544,16 +517,10 @@ class SmiCollector:
 
     def _gpu_health(self) -> list[Metric]:
         """The per-GPU health (lost GPUs, alert state; they change only when a sweep is taken in), details, Xid."""
-        out: list[Metric] = []
+        doc = "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), else 0."
         with self._refresh_lock:
-            lost_fam = gauge(
-                "smiquery_gpu_lost",
-                "1 while a GPU seen since the exporter started is lost (nvidia-smi says so, or its rows stopped), "
-                "else 0.",
-                *((gpu.labels, 1.0 if gpu.lost else 0.0) for gpu in self._gpus.values()),
-            )
-            if lost_fam.samples:
-                out.append(lost_fam)
+            lost = ((gpu.labels, 1.0 if gpu.lost else 0.0) for gpu in self._gpus.values())
+            fams = [gauge("smiquery_gpu_lost", doc, *lost)]
             if self.alerts is not None and self._gpus:
                 firing = gauge(
                     "smiquery_alert_firing",
@@ -570,7 +537,8 @@ class SmiCollector:
                             on = ev is not None and ev.state(i, track) == "firing"
                             firing.add_sample(firing.name, labels, 1.0 if on else 0.0)
                         fired.add_sample(fired.name + "_total", labels, float(self._fired.get((i, key), 0)))
-                out += [f for f in (firing, fired) if f.samples]
+                fams += [firing, fired]
+        out = [f for f in fams if f.samples]
         if self.details is not None:
             out.extend(details_health(self.details, self.labels))
         if self.xid is not None:
@@ -578,12 +546,6 @@ class SmiCollector:
             known = bool(self._gpus) and (self.details is None or self.details.get().value is not None)
             out.extend(xid_families(self.xid, self._gpu_at_bus(), self.labels, inventory_known=known))
         return out
-
-    def _gpu_health_key(self) -> tuple[object, ...]:
-        """What :meth:`_gpu_health` depends on: it changes rarely, scrapes are frequent."""
-        details = () if self.details is None else (fresh_details(self.details) is not None, self.details.get().value)
-        xid = (self.xid.events, sum(self.xid.rejected().values()), self.xid.up) if self.xid is not None else ()
-        return (self._gpu_version, *details, *xid)
 
     def _health_tail(self, duration: float) -> list[Metric]:
         one = self._one
@@ -610,12 +572,10 @@ class SmiCollector:
 
     def _inputs(self, sweep: Sweep | None, age: float | None) -> tuple[Any, ...]:
         """What the data families are built from: the sweep (None when stale), processes, pmon, details."""
-        procs = None
-        if self.processes is not None:
-            procs = self.processes.get().fresh(max(3 * self.processes.interval, self.stale_after))
+        procs = self.processes
         return (
             sweep if self._fresh(sweep, age) else None,
-            procs,
+            procs.get().fresh(max(3 * procs.interval, self.stale_after)) if procs is not None else None,
             self.pmon.fresh() if self.pmon is not None else None,
             fresh_details(self.details) if self.details is not None else None,
         )
@@ -662,18 +622,14 @@ class SmiCollector:
 
     def _gpu_at_bus(self) -> Callable[[BusKey], Mapping[str, str] | None]:
         """PCI key -> the ``gpu`` and ``uuid`` of the GPU there: the GPUs seen in the CSV, then in the details."""
-        found: dict[BusKey, dict[str, str]] = {}
         details = self.details.get().value if self.details is not None else None
-        for d in details or ():
-            key = bus_key(d.pci_bus_id or "")
-            if key is not None:
-                found[key] = {"gpu": str(d.index), "uuid": d.uuid or ""}
         with self._refresh_lock:
-            gpus = list(self._gpus.values())
-        for g in gpus:
-            key = bus_key(g.labels.get("pci_bus_id", ""))
+            seen = [(g.labels.get("pci_bus_id", ""), g.index, g.uuid) for g in self._gpus.values()]
+        found: dict[BusKey, dict[str, str]] = {}
+        for bus, idx, uuid in [(d.pci_bus_id or "", d.index, d.uuid) for d in details or ()] + seen:
+            key = bus_key(bus)
             if key is not None:
-                found[key] = {"gpu": "" if g.index is None else str(g.index), "uuid": g.uuid or ""}
+                found[key] = {"gpu": "" if idx is None else str(idx), "uuid": uuid or ""}
         return found.get
 
     def collect(self) -> Iterator[Metric]:
@@ -699,9 +655,12 @@ class SmiCollector:
         sweep, age = self.stream.latest()
         data = self._inputs(sweep, age)
         key = (*data, *(self.attribution.token if self.attribution else ()))
+        # the per-GPU health changes rarely, scrapes are frequent
+        details = () if self.details is None else (fresh_details(self.details) is not None, self.details.get().value)
+        xid = (self.xid.events, sum(self.xid.rejected().values()), self.xid.up) if self.xid is not None else ()
         with self._lock:
             body = self._cached("data", key, lambda: self._data_families(*data))
-            gpus = self._cached("gpus", self._gpu_health_key(), self._gpu_health)
+            gpus = self._cached("gpus", (self._gpu_version, *details, *xid), self._gpu_health)
         head = render(self._health_head(sweep, age)).encode()
         tail = render(self._health_tail(time.perf_counter() - t0)).encode()
         return body + head + gpus + tail
@@ -744,16 +703,11 @@ def revision() -> str:
     The first of: ``smiquery/_revision.py`` (``REVISION = "<commit>"``, written by a build), the commit pip recorded
     installing from a git URL, the commit checked out (read from ``.git``, no git run).
     """
-    return _baked() or _pip_recorded() or _git_checkout() or "unknown"
-
-
-def _baked() -> str | None:
     try:
-        _revision = importlib.import_module("smiquery._revision")  # written by a build, absent in a checkout
-    except ImportError:
-        return None
-    value = str(getattr(_revision, "REVISION", "")).strip()
-    return value or None
+        baked = str(getattr(importlib.import_module("smiquery._revision"), "REVISION", "")).strip()
+    except ImportError:  # written by a build, absent in a checkout
+        baked = ""
+    return baked or _pip_recorded() or _git_checkout() or "unknown"
 
 
 def _pip_recorded() -> str | None:

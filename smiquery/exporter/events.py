@@ -1,9 +1,4 @@
-"""What the exporter says in its log: restarts, errors, recoveries and lost GPUs, one line each, rate-limited.
-
-:class:`EventLog` hears the stream's events and the collector's GPU changes and logs them at INFO or WARNING.
-Each kind of message is allowed a burst, then one a minute; what was held back is counted on the next line.
-:func:`configure_logging` sets up text or JSON lines (``--log-format json``) for a long-running service.
-"""
+"""What the exporter logs: restarts, errors, recoveries, lost GPUs and Xids, one rate-limited line each."""
 
 from __future__ import annotations
 
@@ -13,10 +8,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery._log import RateLimiter, get_logger
 from smiquery.printable import printable
+
+if TYPE_CHECKING:
+    from smiquery.source import StreamEvent
+    from smiquery.sources.xid import XidEvent
 
 __all__ = ["EventLog", "JsonFormatter", "RateLimitFilter", "configure_logging", "json_line"]
 
@@ -30,10 +29,7 @@ def _held_note(held: int) -> str:
 
 
 class EventLog:
-    """Logs source events and GPU changes to ``logger``, ``burst`` lines per kind and then one per ``period`` s.
-
-    ``clock``: a monotonic clock (tests inject one).
-    """
+    """Logs source events and GPU changes to ``logger``: ``burst`` lines per kind, then one per ``period`` s."""
 
     def __init__(
         self,
@@ -54,10 +50,7 @@ class EventLog:
         return self._limit.suppressed
 
     def emit(self, kind: str, level: int, message: str, **fields: Any) -> bool:
-        """Log one line unless ``kind`` (the rate-limit key) is over its rate; whether it was logged.
-
-        ``fields`` are structured extras for JSON logs.
-        """
+        """Log one line (``fields``: extras for JSON logs) unless ``kind`` is over its rate; whether it was logged."""
         held = self._limit.take(kind)
         if held is None:
             return False
@@ -66,11 +59,9 @@ class EventLog:
         self.logger.log(level, message, extra={"event": kind, "fields": {**fields, "suppressed": held}})
         return True
 
-    def on_stream_event(self, event: Any) -> None:
+    def on_stream_event(self, event: StreamEvent) -> None:
         """Log a :class:`~smiquery.source.StreamEvent` (restart, error, recovered, gpu_lost, gpu_back)."""
-        kind = str(getattr(event, "kind", ""))
-        detail = str(getattr(event, "detail", "") or "")
-        err = getattr(event, "error", None)
+        kind, detail, err = event.kind, event.detail or "", event.error
         etype = type(err).__name__ if err is not None else None
         if kind == "error":
             # the restart line that follows names the error and when the next attempt is: one line, not two
@@ -101,22 +92,13 @@ class EventLog:
         else:
             self.emit("gpu_back", logging.INFO, f"{who} is back", gpu=index, uuid=uuid)
 
-    def on_xid(self, event: Any) -> None:
-        """Log a :class:`~smiquery.sources.xid.XidEvent` (WARNING), with what to do about it.
-
-        All codes share one rate: a flood of lines of many codes is a few lines (the counts are in
-        ``smiquery_xid_errors_total``).
-        """
-        info = getattr(event, "info", None)
+    def on_xid(self, event: XidEvent) -> None:
+        """Log a :class:`~smiquery.sources.xid.XidEvent` (WARNING), with what to do about it; all codes share a rate."""
+        info = event.info
         what = f"{info.meaning}; {info.advice}" if info is not None else "see NVIDIA's Xid catalogue"
-        self.emit(
-            "xid",
-            logging.WARNING,
-            f"Xid {event.xid} on the GPU at PCI {event.pci_bus_id}: {what}",
-            xid=event.xid,
-            pci_bus_id=event.pci_bus_id,
-            action=info.action if info is not None else None,
-        )
+        text = f"Xid {event.xid} on the GPU at PCI {event.pci_bus_id}: {what}"
+        action = info.action if info is not None else None
+        self.emit("xid", logging.WARNING, text, xid=event.xid, pci_bus_id=event.pci_bus_id, action=action)
 
     def on_state(self, up: bool, why: str) -> None:
         """Log a change of ``smiquery_up`` (WARNING when data stops, INFO when it comes back), with one line why."""
@@ -131,8 +113,7 @@ class EventLog:
 class RateLimitFilter(logging.Filter):
     """Lets each message template through in a burst, then once per ``period`` seconds; counts what it drops.
 
-    Installed on the handler by :func:`configure_logging`, so that every smiquery log line is rate-limited, not
-    only the exporter's events. Arguments as :class:`EventLog`'s.
+    :func:`configure_logging` installs it, so that every smiquery log line is rate-limited, not only the events.
     """
 
     def __init__(self, burst: int = 5, period: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -151,12 +132,6 @@ class RateLimitFilter(logging.Filter):
             record.msg = record.getMessage() + _held_note(held)
             record.args = ()
         return True
-
-
-def _not_the_streams_echo(record: logging.LogRecord) -> bool:
-    # The stream supervisor (logger "smiquery") logs its restarts and failures itself; the exporter logs the same
-    # from the stream's events, once each, with the GPU and error type as fields. Its errors still go out.
-    return record.name != "smiquery" or record.levelno >= logging.ERROR
 
 
 class _TextFormatter(logging.Formatter):
@@ -189,10 +164,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def json_line(message: str, *, level: int = logging.INFO, event: str | None = None, **fields: Any) -> str:
-    """One line as :class:`JsonFormatter` writes it, for what the CLI prints itself (``serving ...``, warnings).
-
-    Under ``--log-format json`` every line on stderr is then JSON.
-    """
+    """One line as :class:`JsonFormatter` writes it, for what the CLI prints itself under ``--log-format json``."""
     record = logging.LogRecord("smiquery.exporter", level, __file__, 0, message, None, None)
     record.event = event
     record.fields = fields
@@ -200,13 +172,14 @@ def json_line(message: str, *, level: int = logging.INFO, event: str | None = No
 
 
 def configure_logging(fmt: LogFormat = "text", level: int = logging.INFO) -> logging.Handler:
-    """Send smiquery's log lines (``level`` and up) to stderr, as ``text`` or ``json`` lines, rate-limited.
+    """Send smiquery's log lines (``level`` and up) to stderr as ``text`` or ``json`` lines, rate-limited.
 
-    The stream supervisor's own warnings are left out: the exporter reports the same restarts and errors from the
-    stream's events, one line each. Returns the handler installed on the ``smiquery`` logger.
+    The stream supervisor's own warnings are left out (the events say the same). Returns the handler installed.
     """
     handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(_not_the_streams_echo)
+    # The stream supervisor (logger "smiquery") logs its restarts and failures itself; the exporter logs the same
+    # from the stream's events, once each, with the GPU and error type as fields. Its errors still go out.
+    handler.addFilter(lambda record: record.name != "smiquery" or record.levelno >= logging.ERROR)
     handler.addFilter(RateLimitFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

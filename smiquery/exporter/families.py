@@ -1,7 +1,8 @@
-"""Metric families built from what the collector reads: processes, pmon instants, attribution, Xid counts, helpers."""
+"""Metric families from what the collector reads: processes, pmon, MIG instances, attribution, Xid; helpers."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -18,15 +19,20 @@ if TYPE_CHECKING:
     from smiquery.exporter.pmonwatch import PmonWatcher, ProcessInstant
     from smiquery.sample import BusKey, Value
     from smiquery.sources.apps import GpuProcess
+    from smiquery.sources.details import GpuDetails
+    from smiquery.sources.latest import Latest
     from smiquery.sources.xid import XidWatcher
 
 __all__ = [
+    "DETAILS_TIMEOUT",
     "attribution_families",
     "counter",
+    "details_health",
+    "fresh_details",
     "gauge",
     "merge_families",
+    "mig_families",
     "nvsmi_number",
-    "nvsmi_process_families",
     "pmon_families",
     "pmon_health",
     "process_families",
@@ -35,6 +41,9 @@ __all__ = [
     "workload_usage_families",
     "xid_families",
 ]
+
+#: Seconds one details poll may take (``-q -x`` and, with MIG, ``-L``).
+DETAILS_TIMEOUT = 45.0
 
 
 def gauge(name: str, doc: str, *samples: tuple[Mapping[str, str], float]) -> Metric:
@@ -85,54 +94,43 @@ def pstate_number(value: Value) -> float | None:
     return None
 
 
-def process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> list[Metric]:
-    """Per-process GPU memory (``smiquery_process_used_memory_bytes``), labelled pid, process_name, gpu, uuid."""
-    fam = gauge(
-        "smiquery_process_used_memory_bytes",
-        "GPU memory used by a compute process, in bytes (nvidia-smi --query-compute-apps used_memory).",
-    )
+def process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str], *, nvsmi: bool = False) -> list[Metric]:
+    """The non-empty per-process GPU memory families (``nvsmi``: nvidia_gpu_exporter's memory, info and count)."""
     # One series per (pid, GPU): a process listed twice on one GPU (one row per MIG instance) is summed, as
-    # Prometheus rejects a whole scrape that repeats a series.
-    total: dict[tuple[int, str, str, str], float] = {}
+    # Prometheus rejects a whole scrape that repeats a series. Its memory is None when no row gave one.
+    total: dict[tuple[str, str, str, str], float | None] = {}
     for p in procs:
-        if p.used_memory is None:
-            continue
-        key = (p.pid, p.process_name, "" if p.gpu_index is None else str(p.gpu_index), p.gpu_uuid)
-        total[key] = total.get(key, 0.0) + float(p.used_memory) * 1048576.0
-    for (pid, pname, gpu, uuid), used in total.items():
-        fam.add_sample(fam.name, {"pid": str(pid), "process_name": pname, "gpu": gpu, "uuid": uuid, **labels}, used)
-    return [fam] if fam.samples else []
-
-
-def nvsmi_process_families(procs: Sequence[GpuProcess], labels: Mapping[str, str]) -> list[Metric]:
-    """The non-empty per-process families of nvidia_gpu_exporter's naming (memory, info, count per GPU)."""
-    used = gauge("nvidia_smi_compute_app_used_memory_bytes", "used_memory [MiB] of a compute process, in bytes.")
+        gpu = "" if p.gpu_index is None or nvsmi else str(p.gpu_index)
+        key = (str(p.pid), p.process_name, gpu, bare_uuid(p.gpu_uuid) if nvsmi else p.gpu_uuid)
+        mem = None if p.used_memory is None else float(p.used_memory) * 1048576.0
+        prev = total.get(key)
+        total[key] = mem if prev is None else prev + (mem or 0.0)
+    if not nvsmi:
+        doc = "GPU memory used by a compute process, in bytes (nvidia-smi --query-compute-apps used_memory)."
+        fam = gauge("smiquery_process_used_memory_bytes", doc)
+        for (pid, pname, gpu, uuid), used in total.items():
+            if used is not None:
+                fam.add_sample(fam.name, {"pid": pid, "process_name": pname, "gpu": gpu, "uuid": uuid, **labels}, used)
+        return [fam] if fam.samples else []
+    used_fam = gauge("nvidia_smi_compute_app_used_memory_bytes", "used_memory [MiB] of a compute process, in bytes.")
     info = gauge("nvidia_smi_compute_app_info", "A compute process on the GPU; always 1.")
     count = gauge("nvidia_smi_compute_apps", "Compute processes on the GPU.")
-    seen: dict[tuple[str, str, str], float | None] = {}
-    for p in procs:
-        key = (str(p.pid), p.process_name, bare_uuid(p.gpu_uuid))
-        mem = None if p.used_memory is None else float(p.used_memory) * 1048576.0
-        prev = seen.get(key)
-        seen[key] = mem if prev is None else prev + (mem or 0.0)  # one row per MIG instance: summed
-    for (pid, pname, uuid), mem in seen.items():
+    for (pid, pname, _, uuid), used in total.items():
         one = {"pid": pid, "process_name": pname, "uuid": uuid, **labels}
         info.add_sample(info.name, one, 1.0)
-        if mem is not None:
-            used.add_sample(used.name, one, mem)
-    for uuid, n in Counter(uuid for _, _, uuid in seen).items():
+        if used is not None:
+            used_fam.add_sample(used_fam.name, one, used)
+    for uuid, n in Counter(uuid for *_, uuid in total).items():
         count.add_sample(count.name, {"uuid": uuid, **labels}, float(n))
-    return [f for f in (used, info, count) if f.samples]
+    return [f for f in (used_fam, info, count) if f.samples]
 
 
 def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Mapping[str, str]) -> list[Metric]:
-    """The busiest processes of each GPU from one pmon instant: at most ``top + 1`` series per GPU.
+    """The busiest processes of each GPU from one pmon instant (``top + 1`` series per GPU), and the process counts.
 
-    Labelled ``gpu``, ``uuid`` (empty until the GPU stream has seen the GPU) and ``command`` (pmon's name, cut to
-    about 15 characters); the summed rest is ``command="other"``. An instant cut by pid (``by="pid"``) adds
-    ``pid`` (``"other"`` for the rest) and ``user`` (empty when this host cannot see the process); one cut by
-    name has neither, so its series are bounded by the names. A value pmon printed as ``-`` has no sample
-    (never 0). ``uuids``: GPU index -> UUID label value. Also ``smiquery_gpu_processes`` per GPU pmon watches.
+    Labelled ``gpu``, ``uuid`` (``uuids``: GPU index -> UUID; empty until the stream has seen the GPU) and
+    ``command`` (pmon's, ``other`` for the summed rest); an instant cut by pid adds ``pid`` and ``user`` (empty when
+    this host cannot see the process). A value pmon printed as ``-`` has no sample (never 0).
     """
     fams = {col: gauge(name, f"{text} (nvidia-smi pmon {col}).") for col, (name, text) in PMON_SERIES.items()}
     by_pid = instant.by == "pid"
@@ -150,15 +148,11 @@ def pmon_families(instant: ProcessInstant, uuids: Mapping[int, str], labels: Map
             value = getattr(row, col)
             if value is not None:
                 fam.add_sample(fam.name, one, value * 1048576.0 if col == "fb" else value / 100.0)
-    out = [f for f in fams.values() if f.samples]
-    count = gauge(
-        "smiquery_gpu_processes", "Processes nvidia-smi pmon listed on the GPU (all of them, not only the top)."
-    )
+    doc = "Processes nvidia-smi pmon listed on the GPU (all of them, not only the top)."
+    count = gauge("smiquery_gpu_processes", doc)
     for gpu, n in sorted(instant.processes.items()):
         count.add_sample(count.name, {"gpu": str(gpu), "uuid": uuids.get(gpu, ""), **labels}, float(n))
-    if count.samples:
-        out.append(count)
-    return out
+    return [f for f in (*fams.values(), count) if f.samples]
 
 
 def pmon_health(pmon: PmonWatcher, labels: Mapping[str, str]) -> list[Metric]:
@@ -193,19 +187,15 @@ def attribution_families(
     b = att.backend
     words = b.words
 
-    def gpu(uuid: str) -> dict[str, str]:
-        return _gpu(uuid, gpus, uuid_label)
-
+    gpu = functools.partial(_gpu, gpus=gpus, uuid_label=uuid_label)
     # the backends' help says how to join on the GPU's label: under DCGM naming that label is UUID
     info = gauge("smiquery_gpu_allocation_info", words.allocated.replace("on(uuid)", f"on({uuid_label})"))
     for uuid, holder, res, mig, profile in view.allocations:
         one = {**gpu(uuid), **holder.labels(b.labels), "resource": res, "mig_uuid": mig, "mig_profile": profile}
         info.add_sample(info.name, {**one, **labels}, 1.0)
     prefix = f"smiquery_{b.name}"
-    state = gauge(
-        f"{prefix}_gpu_attribution_state",
-        "The GPU's attribution state (1 for the current one): " + ", ".join(STATES) + ".",
-    )
+    doc = "The GPU's attribution state (1 for the current one): " + ", ".join(STATES) + "."
+    state = gauge(f"{prefix}_gpu_attribution_state", doc)
     for uuid, now in sorted(view.states.items()):
         for s in STATES:
             state.add_sample(state.name, {**gpu(uuid), "state": s, **labels}, 1.0 if s == now else 0.0)
@@ -231,23 +221,16 @@ def workload_usage_families(
 ) -> list[Metric]:
     """Per-workload use of each GPU: pmon SM and memory use (0-1) and GPU memory (compute apps), summed by workload.
 
-    Each process is tied to its workload by the backend (Kubernetes: its cgroup and the node's pods); what cannot
-    be tied (host processes, processes of another PID namespace, pods not listed yet, and pmon's own ``other`` row)
-    goes to the backend's ``other`` bucket per GPU, so the series of a GPU sum to what pmon saw on it. Series
-    (Kubernetes): ``smiquery_pod_gpu_utilization_ratio``, ``smiquery_pod_gpu_memory_utilization_ratio``,
-    ``smiquery_pod_gpu_memory_used_bytes``, labelled uuid, gpu and the workload's labels. Arguments as
+    The backend ties each process to its workload; what it cannot (host processes, pods not listed yet, pmon's
+    ``other`` row) goes to its ``other`` bucket, so a GPU's series sum to what pmon saw on it. Arguments as
     :func:`attribution_families`, with the newest pmon ``instant`` and compute-process list ``procs`` (or None).
     """
     b = att.backend
     by_index = {idx: uuid for uuid, idx in gpus.items() if idx is not None}
-    seen: dict[int, Workload] = {}
 
+    @functools.cache
     def holder(pid: int | None) -> Workload:
-        if pid is None:
-            return b.other
-        if pid not in seen:
-            seen[pid] = b.owner(pid) or b.other
-        return seen[pid]
+        return b.other if pid is None else b.owner(pid) or b.other
 
     sm: dict[tuple[str, Workload], float] = {}
     mem: dict[tuple[str, Workload], float] = {}
@@ -267,7 +250,7 @@ def workload_usage_families(
         key = (p.gpu_uuid, holder(p.pid))
         used[key] = used.get(key, 0.0) + float(p.used_memory) * 1048576.0
     whose = f"the {b.words.holder}'s processes"
-    out = []
+    fams = []
     for name, doc, values in (
         ("gpu_utilization_ratio", f"SM use of {whose} on the GPU (pmon sm), 0-1.", sm),
         ("gpu_memory_utilization_ratio", f"Memory-controller use of {whose} (pmon mem), 0-1.", mem),
@@ -276,9 +259,8 @@ def workload_usage_families(
         fam = gauge(f"smiquery_{b.workload}_{name}", f"{doc} {b.words.other}")
         for (uuid, h), value in sorted(values.items()):
             fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **h.labels(b.labels), **labels}, value)
-        if fam.samples:
-            out.append(fam)
-    return out
+        fams.append(fam)
+    return [f for f in fams if f.samples]
 
 
 def xid_families(
@@ -296,28 +278,17 @@ def xid_families(
     """
     doc = f"1 while the kernel log ({xid.path}) is read for Xid errors, else 0 (no permission, missing)."
     up = gauge("smiquery_xid_source_up", doc, ({**labels, "path": xid.path}, 1.0 if xid.up else 0.0))
-    fam = counter(
-        "smiquery_xid_errors",
-        "Xid errors the NVIDIA driver logged in the kernel log, by GPU and code (every event counts).",
-    )
+    doc = "Xid errors the NVIDIA driver logged in the kernel log, by GPU and code (every event counts)."
+    fam = counter("smiquery_xid_errors", doc)
     for key, code, bus, n in xid.series():
         found = gpus(key)
         if found is None and not inventory_known:
             continue
         gpu = found or {}
         info = XID_CATALOGUE.get(code)
-        fam.add_sample(
-            fam.name + "_total",
-            {
-                **labels,
-                "gpu": gpu.get("gpu", ""),
-                "uuid": gpu.get("uuid", ""),
-                "pci_bus_id": bus,
-                "xid": str(code),
-                "action": info.action if info is not None else "unknown",
-            },
-            float(n),
-        )
+        action = info.action if info is not None else "unknown"
+        one = {"gpu": gpu.get("gpu", ""), "uuid": gpu.get("uuid", ""), "pci_bus_id": bus, "xid": str(code)}
+        fam.add_sample(fam.name + "_total", {**labels, **one, "action": action}, float(n))
     if xid.other:
         other = {"gpu": "", "uuid": "", "pci_bus_id": "other", "xid": "other", "action": "unknown"}
         fam.add_sample(fam.name + "_total", {**labels, **other}, float(xid.other))
@@ -354,10 +325,69 @@ def unallocated_use_families(
         owner = b.owner(p.pid)
         if owner is not None and owner != b.other and owner not in view.holders.get(p.gpu_uuid, ()):
             found.add((p.gpu_uuid, owner))
-    fam = gauge(
-        "smiquery_gpu_unallocated_use",
-        f"A {b.words.holder} running on a GPU the scheduler did not allocate to it (1): a finding.",
-    )
+    doc = f"A {b.words.holder} running on a GPU the scheduler did not allocate to it (1): a finding."
+    fam = gauge("smiquery_gpu_unallocated_use", doc)
     for uuid, owner in sorted(found):
         fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **owner.labels(b.labels), **labels}, 1.0)
     return [fam] if fam.samples else []
+
+
+def _details_stale_after(poller: Latest[tuple[GpuDetails, ...]]) -> float:
+    return 3 * poller.interval + DETAILS_TIMEOUT  # three polls missed
+
+
+def fresh_details(poller: Latest[tuple[GpuDetails, ...]]) -> tuple[GpuDetails, ...] | None:
+    """The newest ``nvidia-smi -q -x`` details while fresh (three polls missed at most), else None."""
+    return poller.get().fresh(_details_stale_after(poller))
+
+
+def details_health(poller: Latest[tuple[GpuDetails, ...]], labels: Mapping[str, str]) -> list[Metric]:
+    """The details poll's health: whether its newest result is fresh, and when it was taken."""
+    stale = _details_stale_after(poller)
+    doc = f"1 when nvidia-smi -q -x answered within the last {stale:g} s (MIG series are served), else 0."
+    out = [gauge("smiquery_details_up", doc, (labels, 1.0 if fresh_details(poller) is not None else 0.0))]
+    wall = poller.get().at
+    if wall is not None:
+        doc = "Unix time of the newest nvidia-smi -q -x."
+        out.append(gauge("smiquery_details_last_success_timestamp_seconds", doc, (labels, wall)))
+    return out
+
+
+# The per-MIG-instance families: (native name, DCGM name, MigDevice attribute, help).
+_MIG_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("smiquery_mig_memory_used_bytes", "DCGM_FI_DEV_FB_USED", "memory_used", "Framebuffer memory used"),
+    ("smiquery_mig_memory_free_bytes", "DCGM_FI_DEV_FB_FREE", "memory_free", "Framebuffer memory free"),
+    ("smiquery_mig_memory_total_bytes", "DCGM_FI_DEV_FB_TOTAL", "memory_total", "Framebuffer memory"),
+)
+
+
+def mig_families(
+    details: tuple[GpuDetails, ...], *, dcgm: bool, gpu_labels: Callable[[GpuDetails], Mapping[str, str]]
+) -> list[Metric]:
+    """Per-MIG-instance memory (used, free, total) from one details poll; ``gpu_labels``: a parent GPU's labels.
+
+    Native naming: ``smiquery_mig_memory_{used,free,total}_bytes`` labelled with the parent GPU's labels plus
+    ``mig_uuid``, ``gpu_instance_id``, ``compute_instance_id`` and ``profile``. DCGM naming: dcgm-exporter's
+    ``DCGM_FI_DEV_FB_{USED,FREE,TOTAL}`` (MiB) with the parent GPU's labels plus ``GPU_I_ID`` and ``GPU_I_PROFILE``.
+    A value nvidia-smi did not give has no sample (never 0); nvidia-smi gives no utilisation per instance.
+    """
+    unit = "MiB" if dcgm else "bytes"
+    fams = [
+        (gauge(dcgm_name if dcgm else name, f"{text} of a MIG instance, in {unit} (nvidia-smi -q -x)."), attr)
+        for name, dcgm_name, attr, text in _MIG_METRICS
+    ]
+    for gpu in details:
+        parent = dict(gpu_labels(gpu)) if gpu.mig_devices else {}
+        for mig in gpu.mig_devices:
+            gi = "" if mig.gpu_instance_id is None else str(mig.gpu_instance_id)
+            ci = "" if mig.compute_instance_id is None else str(mig.compute_instance_id)
+            if dcgm:
+                labels = {**parent, "GPU_I_ID": gi, "GPU_I_PROFILE": mig.profile or ""}
+            else:
+                mig_labels = {"mig_uuid": mig.uuid or "", "gpu_instance_id": gi, "compute_instance_id": ci}
+                labels = {**parent, **mig_labels, "profile": mig.profile or ""}
+            for fam, attr in fams:
+                value = getattr(mig, attr)
+                if value is not None:
+                    fam.add_sample(fam.name, labels, float(value) * (1.0 if dcgm else 1048576.0))
+    return [fam for fam, _ in fams if fam.samples]

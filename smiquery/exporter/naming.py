@@ -123,11 +123,9 @@ PMON_METRICS: tuple[str, ...] = (
 class MetricSpec:
     """How one nvidia-smi ``field`` becomes one metric family (``type`` gauge or counter, ``help`` its HELP).
 
-    Attributes:
-        name: the family name; for native counters without the ``_total`` that ``sample`` (each sample's name) has.
-        scale: factor from nvidia-smi's unit to the metric's (MiB to bytes: 1048576).
-        style: ``number``, ``bool`` (1/0), ``pstate`` (P3 -> 3), ``info`` (value as a label) or ``nvsmi``.
-        naming: the naming whose labels the series carry (a DCGM naming's field without a DCGM name: native).
+    ``name`` is the family's (a native counter's without the ``_total`` its ``sample`` names have); ``scale`` turns
+    nvidia-smi's unit into the metric's; ``style``: ``number``, ``bool`` (1/0), ``pstate`` (P3 -> 3), ``info`` (the
+    value as a label) or ``nvsmi``; ``naming``: whose labels the series carry (native for a field DCGM lacks).
     """
 
     field: str
@@ -323,11 +321,7 @@ def metric_specs(
     """The metric families the exporter makes from ``fields`` (a preset, names or fields), in field order.
 
     Identity fields become labels. ``naming``: ``smiquery`` (base units, ``smiquery_*``), ``dcgm`` (the DCGM
-    exporter's names and units) or ``nvidia_smi`` (nvidia_gpu_exporter's ``nvidia_smi_*`` names).
-
-    Raises:
-        InvalidFieldError: an unknown field.
-        ValueError: an unknown naming.
+    exporter's names and units) or ``nvidia_smi`` (nvidia_gpu_exporter's). Raises InvalidFieldError, ValueError.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, not {naming!r}")
@@ -350,9 +344,8 @@ def _escape_label(value: str) -> str:
 def render(families: Iterable[Metric]) -> str:
     """Metric families in the Prometheus text format (0.0.4), as ``prometheus_client.generate_latest`` writes them.
 
-    The one difference: a counter whose samples carry the family's own name (the DCGM exporter's counters, such
-    as ``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL``) keeps that name on its HELP and TYPE lines, where ``generate_latest``
-    would append ``_total`` and so describe a metric that no sample has.
+    But a counter whose samples carry the family's own name (DCGM's ``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL``) keeps that
+    name on its HELP and TYPE lines, where ``generate_latest`` would describe a metric no sample has (``_total``).
     """
     out: list[str] = []
     for fam in families:
@@ -377,12 +370,8 @@ def exporter_fields(
     """The nvidia-smi fields an exporter queries, without repeats: the identity fields, the wanted ones, extras.
 
     ``fields`` is a preset or field list (None: ``health``); ``supported`` asks ``nvidia_smi`` for every field this
-    driver lists and supplies on at least one GPU. DCGM naming adds the driver version (a label); with the default
-    fields, each naming adds its extras (:data:`DCGM_DEFAULT_EXTRAS`, :data:`NVSMI_DEFAULT_EXTRAS`).
-
-    Raises:
-        InvalidFieldError: an unknown field.
-        SmiqueryError: with ``supported``, nvidia-smi could not be asked, failed, timed out or listed no known field.
+    driver lists and supplies on at least one GPU (a SmiqueryError when it cannot). DCGM naming adds the driver
+    version (a label); with the default fields each naming adds its extras. Raises InvalidFieldError.
     """
     if fields == "supported":
         fields = _supported_fields(nvidia_smi)
@@ -394,11 +383,7 @@ def exporter_fields(
 
 
 def _supported_fields(nvidia_smi: str | os.PathLike[str] | None) -> list[str]:
-    """The catalogue fields this driver lists in ``--help-query-gpu`` and supplies on at least one GPU, in its order.
-
-    One ``--help-query-gpu`` and one query of every listed field, when the exporter starts: fields that are
-    ``[Not Supported]`` on every GPU are left out, so the loop does not carry columns that never have a value.
-    """
+    """The catalogue fields this driver lists in ``--help-query-gpu`` and supplies on at least one GPU, in its order."""
     from smiquery.runner import default_runner, find_nvidia_smi
     from smiquery.sources.query_gpu import query
 
@@ -416,11 +401,6 @@ def _supported_fields(nvidia_smi: str | os.PathLike[str] | None) -> list[str]:
         raise NvidiaSmiFailedError(argv, 0, "", "nvidia-smi --help-query-gpu listed no field smiquery knows")
     samples = query(listed, nvidia_smi=binary, timeout=30.0)
     keep = [name for name in listed if not samples or any(s.missing.get(name) != "not_supported" for s in samples)]
-    log.info(
-        "smiquery exporter: --fields supported: %d fields (%d listed, %d not supported on any GPU, %d unknown)",
-        len(keep),
-        len(listed),
-        len(listed) - len(keep),
-        unknown,
-    )
+    msg = "smiquery exporter: --fields supported: %d fields (%d listed, %d not supported on any GPU, %d unknown)"
+    log.info(msg, len(keep), len(listed), len(listed) - len(keep), unknown)
     return keep

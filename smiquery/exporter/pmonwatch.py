@@ -1,8 +1,4 @@
-"""The exporter's per-process source: one supervised ``nvidia-smi pmon`` followed by a ``Latest``, top-N kept.
-
-:class:`PmonWatcher` keeps only the newest instant, already cut down to the ``top`` busiest processes of each GPU
-plus one ``other`` row (:func:`smiquery.sources.pmon.top_processes`), so a scrape builds a bounded set of series.
-"""
+"""The exporter's per-process source: ``nvidia-smi pmon``'s newest instant, cut to the busiest processes per GPU."""
 
 from __future__ import annotations
 
@@ -32,10 +28,9 @@ __all__ = ["TOP_PROCESSES_BY", "PmonWatcher", "ProcessInstant", "process_instant
 class ProcessInstant:
     """One pmon instant as the exporter serves it: at most ``top`` processes per GPU plus one ``other`` row.
 
-    ``rows``: ``(row, user)`` pairs, busiest first per GPU, the ``other`` row (``pid`` None) last; ``user``: the
-    owner's name from ``/proc`` (None when this host cannot see it). ``processes``: GPU index -> processes pmon
-    listed (0: idle). ``received``: ``time.monotonic()`` when it was complete (``wall``: ``time.time()``). ``by``:
-    ``pid`` or ``name`` (the processes of one name on one GPU summed, ``pid`` the lowest, ``user`` None).
+    ``rows``: ``(row, user)`` pairs, busiest first per GPU, ``other`` (``pid`` None) last; ``user`` is None where
+    this host cannot see the process. ``processes``: GPU index -> processes pmon listed. ``received``/``wall``: when
+    it was complete (monotonic/epoch). ``by="name"``: one row per name and GPU (the lowest pid, no user).
     """
 
     rows: tuple[tuple[pmon.PmonRow, str | None], ...]
@@ -66,11 +61,7 @@ def _by_name(rows: tuple[pmon.PmonRow, ...]) -> tuple[pmon.PmonRow, ...]:
 
 
 def process_instant(
-    rows: Iterable[pmon.PmonRow],
-    top: int,
-    *,
-    user_of: Callable[[int], str | None] = pmon.process_user,
-    by: str = "pid",
+    rows: Iterable[pmon.PmonRow], top: int, *, user_of: Callable[[int], str | None] = pmon.process_user, by: str = "pid"
 ) -> ProcessInstant:
     """One pmon instant cut to what the exporter serves, stamped now: the ``top`` busiest (by SM) per GPU, ``other``.
 
@@ -93,21 +84,12 @@ def process_instant(
 class PmonWatcher:
     """Follows ``nvidia-smi pmon`` in a background ``Latest`` and keeps its newest instant, cut to the top processes.
 
-    The stream is :func:`smiquery.streams.pmon.stream`. An error that needs a person (pmon not supported on this GPU
-    or driver, NVML missing...) ends it: one warning is logged, nothing is served, and a new stream is tried every
-    ``retry_after`` seconds (logged again only when the error changes). Every child is reaped by :meth:`close`.
-
-    Args:
-        top: processes kept per GPU (at least 1); the rest are summed into one ``other`` row.
-        by: ``name`` (one row per process name on a GPU: series stay bounded) or ``pid`` (one series per pid).
-        interval: pmon's ``-d`` (whole seconds, 1..10).
-        gpus: only these GPUs (pmon watches at most 4; without it nvidia-smi picks the first 4).
-        stale_after: seconds after which the newest instant is not served (default ``max(4 * interval, 10)``).
-        user_of: pid -> user name; ``make_stream``: builds the pmon stream (tests inject both).
-
-    Raises:
-        ValueError, NvidiaSmiNotFoundError, InvalidGpuIdError: ``top`` below 1 or an interval pmon rejects, no
-            usable binary, a malformed GPU id.
+    ``top`` processes per GPU are kept (at least 1), :func:`process_instant` cuts ``by`` name or pid; ``interval``
+    is pmon's ``-d`` (1..10 s); pmon watches at most 4 ``gpus``; the newest instant is served until ``stale_after``
+    seconds old (default ``max(4 * interval, 10)``). An error that needs a person (pmon or NVML unsupported) ends
+    the stream: one warning, nothing served, a new stream tried every ``retry_after`` seconds. :meth:`close` reaps
+    every child. ``user_of`` and ``make_stream`` are for tests. Raises ValueError (``top``, ``by``, ``interval``),
+    NvidiaSmiNotFoundError and InvalidGpuIdError at once.
     """
 
     def __init__(

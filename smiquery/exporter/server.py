@@ -11,29 +11,34 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from smiquery import __version__
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvaluator
+from smiquery.errors import SmiqueryError
 from smiquery.exporter.collector import DEFAULT_EXPORTER_ALERTS, SmiCollector, parse_labels
-from smiquery.exporter.detailswatch import details_poller, process_poller
 from smiquery.exporter.events import EventLog
+from smiquery.exporter.families import DETAILS_TIMEOUT
 from smiquery.exporter.naming import NAMINGS, Naming, exporter_fields
 from smiquery.exporter.pmonwatch import TOP_PROCESSES_BY, PmonWatcher
 from smiquery.fields import resolve_fields
 from smiquery.httpd.server import HttpServer, Request, Response, listen, route
 from smiquery.httpd.webconfig import WebConfig, load_web_config
 from smiquery.retry import RetryPolicy, one_line
+from smiquery.sources.apps import GpuProcess, processes
+from smiquery.sources.details import GpuDetails, details
+from smiquery.sources.latest import Latest
 from smiquery.sources.xid import XidWatcher
 from smiquery.streams.argv import normalize_gpus
 from smiquery.streams.sync import stream
 
 if TYPE_CHECKING:
     from smiquery.attribution import Attribution
+    from smiquery.runner import Runner
     from smiquery.streams.argv import GpusArg
 
-__all__ = ["CONTENT_TYPE", "Exporter", "serve"]
+__all__ = ["CONTENT_TYPE", "Exporter", "details_poller", "process_poller", "serve"]
 
 log = get_logger("smiquery.exporter")
 
@@ -56,24 +61,16 @@ def _negotiate(accept: str) -> tuple[Callable[[Any], bytes], str]:
     return encoder, str(content_type)
 
 
-@functools.lru_cache(maxsize=64)
-def _gzip_accepted(accept_encoding: str) -> bool:
-    from prometheus_client.exposition import gzip_accepted
-
-    return bool(gzip_accepted(accept_encoding))
-
-
 class _Router:
-    """The exporter's pages (basic auth is the server's: a request that reaches this passed it).
-
-    Also the ``collect()`` source (the collector, then the user's registry) for prometheus_client's encoders.
-    """
+    """The exporter's pages, and the ``collect()`` source (collector, then registry) of prometheus_client's encoders."""
 
     def __init__(self, collector: SmiCollector, registry: Any) -> None:
         self.collector = collector
         self.registry = registry
-        self.pages = {"/metrics": self._metrics, "/livez": lambda _: Response(200, b"ok\n"), "/": self._index}
-        self.pages |= {"/readyz": self._health, "/healthz": self._health, "/index.html": self._index}
+        page = _INDEX.format(version=__version__, naming=collector.naming).encode()
+        index = Response(200, page, "text/html; charset=utf-8")
+        self.pages = {"/metrics": self._metrics, "/livez": lambda _: Response(200, b"ok\n"), "/": lambda _: index}
+        self.pages |= {"/readyz": self._health, "/healthz": self._health, "/index.html": lambda _: index}
 
     def collect(self) -> Iterator[Any]:
         yield from self.collector.collect()
@@ -100,12 +97,14 @@ class _Router:
         return route(req, self.pages, b"not found: try /metrics, /livez, /readyz or /healthz\n")
 
     def _metrics(self, req: Request) -> Response:
+        from prometheus_client.exposition import gzip_accepted
+
         # Negotiated as prometheus_client does (OpenMetrics when Accept asks for it); the classic text format
         # comes from the collector's own fast renderer, which gives the same text.
         encoder, content_type = _negotiate(req.headers.get("accept", ""))
         body = self.collector.exposition() + self._extra() if content_type == CONTENT_TYPE else encoder(self)
         headers = {"Vary": "Accept, Accept-Encoding"}
-        if _gzip_accepted(req.headers.get("accept-encoding", "")):
+        if gzip_accepted(req.headers.get("accept-encoding", "")):
             body = gzip.compress(body, compresslevel=6, mtime=0)
             headers["Content-Encoding"] = "gzip"
         return Response(200, bytes(body), content_type, headers)
@@ -114,49 +113,27 @@ class _Router:
         ok, why = self.collector.health()
         return Response(200 if ok else 503, (why + "\n").encode())
 
-    def _index(self, req: Request) -> Response:
-        page = _INDEX.format(version=__version__, naming=self.collector.naming).encode()
-        return Response(200, page, "text/html; charset=utf-8")
-
-
-def _tls_context(
-    cert: str | os.PathLike[str], key: str | os.PathLike[str], client_ca: str | os.PathLike[str] | None
-) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(str(cert), str(key))
-    if client_ca is not None:
-        ctx.verify_mode = ssl.CERT_REQUIRED
-        ctx.load_verify_locations(cafile=str(client_ca))
-    return ctx
-
 
 class Exporter:
     """A running exporter, made by :func:`serve`: use it as a context manager or call :meth:`stop`.
 
-    Attributes:
-        collector: the :class:`SmiCollector` behind ``/metrics``; ``poller`` and ``pmon`` are its sources.
-        stream: the background :class:`~smiquery.streams.sync.Stream` (a new one after a revival).
-        http: the :class:`~smiquery.httpd.server.HttpServer`.
-        port: the port listened on (useful with ``port=0``), on the address ``bind``; ``url`` is the base URL.
-        revivals: how many times a stream that stopped for good was replaced (after ``revive_after`` seconds).
+    ``collector`` serves ``/metrics`` (``pmon`` is its pmon watcher) from ``stream`` (replaced after it stopped for
+    good); ``http`` is the server, listening on ``bind`` and ``port`` (useful with ``port=0``); ``url`` its base URL.
     """
 
     def __init__(
         self,
         server: HttpServer,
         collector: SmiCollector,
-        parts: Sequence[_Part],
+        parts: Sequence[Any],
         make_stream: Callable[[], Any],
         revive_after: float,
     ) -> None:
         self.http = server
         self.collector = collector
         self.stream = collector.stream
-        self.poller = collector.processes
         self.pmon = collector.pmon
         self.revive_after = revive_after
-        self.revivals = 0
         host, port = server.sock.getsockname()[:2]
         self.bind, self.port = str(host), int(port)
         self.url = f"{'https' if server.ssl_context else 'http'}://{f'[{host}]' if ':' in self.bind else host}:{port}"
@@ -175,12 +152,8 @@ class Exporter:
             if self.stream.running or err is None:
                 continue
             self.collector.revive_at = time.time() + self.revive_after
-            log.warning(
-                "smiquery exporter: the nvidia-smi stream stopped (%s: %s); starting a new one in %g s",
-                type(err).__name__,
-                (str(err).splitlines() or [""])[0],
-                self.revive_after,
-            )
+            msg = "smiquery exporter: the nvidia-smi stream stopped (%s: %s); starting a new one in %g s"
+            log.warning(msg, type(err).__name__, (str(err).splitlines() or [""])[0], self.revive_after)
             if self._stopped.wait(self.revive_after):
                 return
             with self._lock:
@@ -195,7 +168,6 @@ class Exporter:
                 old, self.stream = self.stream, new
                 self.collector.stream = new
                 self.collector.revive_at = None
-                self.revivals += 1
             old.close()
 
     @property
@@ -260,22 +232,18 @@ def serve(
 ) -> Exporter:
     """Start exporting: one background nvidia-smi loop, and an HTTP(S) server for ``/metrics`` and the probes.
 
-    Returns at once; the work happens in daemon threads, however many clients connect.
-
-    Example::
+    Returns at once (the work happens in daemon threads)::
 
         with smiquery.exporter.serve(port=9849, interval=5) as exp:
             exp.serve_forever()
 
     The keywords are ``smiquery export``'s options of the same name (docs/exporter.md, Options). Besides them:
     ``port=0`` takes any free port (:attr:`Exporter.port` says which); ``web_config`` may be a loaded
-    :class:`WebConfig` (not together with ``tls_cert``); ``registry`` is a ``prometheus_client`` registry whose
-    metrics are appended to ``/metrics``; ``workers`` HTTP worker threads serve; ``max_connections`` client
-    connections stay open at most (the longest-waiting incomplete one makes room); ``request_timeout`` is the
-    seconds a client has to send a request head; a stream that stopped for good is replaced after ``revive_after``
-    seconds; ``attribution`` (which workload holds each GPU) is started and closed with the exporter;
-    ``details_interval`` and ``kernel_log`` are None (off) by default here; ``process_metrics`` serves
-    prometheus_client's ``process_*`` metrics unless ``registry`` has them already.
+    :class:`WebConfig`; ``registry``'s metrics are appended to ``/metrics``; ``workers``, ``max_connections`` and
+    ``request_timeout`` are :class:`~smiquery.httpd.server.HttpServer`'s; a stream that stopped for good is replaced
+    after ``revive_after`` seconds; ``attribution`` is started and closed with the exporter; ``details_interval``
+    and ``kernel_log`` are off (None) by default here; ``process_metrics`` serves prometheus_client's ``process_*``
+    metrics unless ``registry`` has them already.
 
     Raises:
         PortInUseError, ListenError: the port is taken, or the address unusable (nvidia-smi is not started).
@@ -306,7 +274,12 @@ def serve(
     normalize_gpus(gpus)
     web = load_web_config(web_config) if isinstance(web_config, (str, os.PathLike)) else web_config or WebConfig()
     if tls_cert is not None and tls_key is not None:
-        web.ssl_context = _tls_context(tls_cert, tls_key, client_ca)
+        web.ssl_context = ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(str(tls_cert), str(tls_key))
+        if client_ca is not None:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+            ctx.load_verify_locations(cafile=str(client_ca))
     evaluator = AlertEvaluator(list(alerts)) if alerts else None
     # the stream also queries what the alert rules read, and the driver version (for smiquery_build_info)
     wanted = [*flds, *(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])]
@@ -395,23 +368,51 @@ def serve(
     return exp
 
 
+def process_poller(
+    interval: float, *, gpus: GpusArg = None, nvidia_smi: str | os.PathLike[str] | None = None
+) -> Latest[tuple[GpuProcess, ...]]:
+    """:func:`smiquery.processes` every ``interval`` seconds in a background :class:`Latest`; scrapes read the newest.
+
+    A failed poll is counted and logged, never raised. Raises ValueError (``interval``) and InvalidGpuIdError.
+    """
+    ids = normalize_gpus(gpus) or None
+    return Latest(
+        lambda: tuple(processes(gpus=ids, nvidia_smi=nvidia_smi, timeout=10.0)),
+        interval,
+        name="listing processes",
+        errors=(SmiqueryError,),
+    )
+
+
+def details_poller(
+    interval: float,
+    *,
+    gpus: GpusArg = None,
+    nvidia_smi: str | os.PathLike[str] | None = None,
+    runner: Runner | None = None,
+) -> Latest[tuple[GpuDetails, ...]]:
+    """:func:`smiquery.details` every ``interval`` seconds, in a background :class:`Latest` (scrapes read its newest).
+
+    A poll may take :data:`~smiquery.exporter.families.DETAILS_TIMEOUT` seconds: a slow poll delays the next, it is
+    not cut short. ``runner``: how to run nvidia-smi (tests inject one). Raises as :func:`process_poller`.
+    """
+    ids = normalize_gpus(gpus) or None
+    return Latest(
+        lambda: tuple(details(ids, nvidia_smi=nvidia_smi, timeout=DETAILS_TIMEOUT, runner=runner)),
+        interval,
+        name="nvidia-smi -q -x",
+    )
+
+
 def _has_process_metrics(registry: Any) -> bool:
     """Whether the user's registry serves ``process_*`` already (prometheus_client's default registry does)."""
-    if registry is None:
-        return False
     try:
-        return registry.get_sample_value("process_start_time_seconds") is not None
+        return registry is not None and registry.get_sample_value("process_start_time_seconds") is not None
     except Exception:  # a registry-like object without get_sample_value, or a failing collector
         return False
 
 
-class _Part(Protocol):
-    def start(self) -> object: ...
-
-    def close(self) -> None: ...
-
-
-def _close(parts: Sequence[_Part]) -> None:
+def _close(parts: Sequence[Any]) -> None:
     """Close each part, in order, each even when one before it failed."""
     with contextlib.ExitStack() as stack:
         for part in reversed(parts):

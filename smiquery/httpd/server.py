@@ -1,10 +1,8 @@
 """A small HTTP/1.1 server that bad clients cannot starve or stop: one selector thread, a fixed pool of workers.
 
-The selector thread owns every socket (accept, TLS handshake, reading heads, writing responses: never blocking,
-each with a deadline); workers only compute the responses it should not (OpenMetrics, a slow extra registry), so a
-slow reader costs a buffer, never a thread. Basic auth is settled before a worker sees a request (a known answer at
-once, the rest by one verifier thread), so guesses never hold a worker. A failure closes its connection alone.
-Request heads are parsed strictly (RFC 9112) and may carry no body. Threads: 1 + ``workers`` (+ 1 verifier).
+The selector thread owns every socket (never blocking, each with a deadline), so a slow reader costs a buffer, never
+a thread; workers only compute the responses it should not, and a verifier thread checks passwords, so guesses
+never hold a worker. Heads are parsed strictly (RFC 9112) and may carry no body; a failure closes its connection.
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ log = get_logger("smiquery.exporter")
 _MAX_HEAD = 16384
 _READ = 65536
 _CHUNK = 65536
+_IDLE = 60.0  # seconds a keep-alive connection may sit idle
 _TURN = 64  # pipelined requests answered for one connection before the others get a turn
 _REASONS = {s.value: s.phrase for s in http.HTTPStatus} | {413: "Content Too Large"}  # RFC 9110's name
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -51,10 +50,7 @@ _SINGLE = frozenset({"host", "content-length", "authorization", "transfer-encodi
 
 @dataclass
 class Request:
-    """One parsed request head.
-
-    ``path`` is without the query string, ``headers`` by lower-case name (repeats joined with ``", "``).
-    """
+    """One parsed request head: ``path`` without the query, ``headers`` by lower-case name (repeats joined)."""
 
     method: str
     path: str
@@ -111,8 +107,8 @@ class HttpServer:
     ``inline`` says which requests are cheap enough to answer in the selector thread itself; ``web`` gives TLS,
     allowed client certificates, response headers and basic auth (401 for a refusal). ``max_connections`` sockets
     stay open at most (past it the one that has waited longest makes room); ``request_timeout`` is the seconds from
-    a request's first byte (or a TLS connection's start) to its complete head, ``idle_timeout`` those a keep-alive
-    connection may sit idle, ``write_timeout`` those a client has to take one response. Past ``auth_queue`` password
+    a request's first byte (or a TLS connection's start) to its complete head (an idle keep-alive connection closes
+    after 60 s), ``write_timeout`` those a client has to take one response. Past ``auth_queue`` password
     checks waiting or running, a request is answered 429 (``Retry-After: 1``) after ``shed_delay`` s and closed.
     """
 
@@ -125,9 +121,7 @@ class HttpServer:
         workers: int = 8,
         max_connections: int = 2048,
         request_timeout: float = 10.0,
-        idle_timeout: float = 60.0,
         write_timeout: float = 10.0,
-        backlog: int = 1024,
         server_header: str = "smiquery-exporter",
         inline: Callable[[Request], bool] | None = None,
         auth_queue: int = 16,
@@ -138,7 +132,6 @@ class HttpServer:
         self.ssl_context = web.ssl_context if web is not None else None
         self.max_connections = max_connections
         self.request_timeout = request_timeout
-        self.idle_timeout = idle_timeout
         self.write_timeout = write_timeout
         self.server_header = server_header
         self.inline = inline
@@ -152,7 +145,7 @@ class HttpServer:
         self._checking = 0  # checks handed to the verifier and not yet back (the selector thread's count)
         self._limit = RateLimiter()  # one WARNING per message a minute
         _raise_fd_limit(max_connections + 256)
-        sock.listen(backlog)
+        sock.listen(1024)
         sock.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._sel.register(sock, selectors.EVENT_READ, None)
@@ -192,8 +185,6 @@ class HttpServer:
     def alive(self) -> bool:
         """Whether the selector thread runs (it ends only at :meth:`shutdown`)."""
         return self._threads[0].is_alive()
-
-    # ----------------------------------------------------------------------------------------- selector
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):
@@ -267,15 +258,13 @@ class HttpServer:
             client = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             if self.ssl_context is not None:
                 try:
-                    sock: socket.socket = self.ssl_context.wrap_socket(
-                        raw, server_side=True, do_handshake_on_connect=False
-                    )
+                    tls = self.ssl_context.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
                 except (OSError, ssl.SSLError):
                     raw.close()
                     continue
-                conn = _Conn(sock, client, now + self.request_timeout, started=now, handshaking=True)
+                conn = _Conn(tls, client, now + self.request_timeout, started=now, handshaking=True)
             else:
-                conn = _Conn(raw, client, now + self.idle_timeout)
+                conn = _Conn(raw, client, now + _IDLE)
             self._conns[conn.sock] = conn
             # Under load the request is usually there by the time the connection is accepted: read it (or start the
             # handshake) now and spare a trip through the selector.
@@ -286,11 +275,8 @@ class HttpServer:
         assert isinstance(sock, ssl.SSLSocket)
         try:
             sock.do_handshake()
-        except ssl.SSLWantReadError:
-            self._watch(conn, selectors.EVENT_READ)
-            return
-        except ssl.SSLWantWriteError:
-            self._watch(conn, selectors.EVENT_WRITE)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as want:
+            self._watch(conn, selectors.EVENT_READ if isinstance(want, ssl.SSLWantReadError) else selectors.EVENT_WRITE)
             return
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.debug("smiquery exporter: TLS handshake with %s failed: %s", conn.client, exc)
@@ -302,8 +288,9 @@ class HttpServer:
             return
         conn.handshaking = False
         conn.started = 0.0
-        conn.deadline = time.monotonic() + self.idle_timeout
-        self._readable(conn)
+        conn.deadline = time.monotonic() + _IDLE
+        if self._read(conn):
+            self._process(conn)
 
     def _event(self, conn: _Conn) -> None:
         if conn.handshaking:
@@ -311,8 +298,8 @@ class HttpServer:
         elif conn.out:
             if self._flush(conn):
                 self._process(conn)
-        else:
-            self._readable(conn)
+        elif self._read(conn):
+            self._process(conn)
 
     def _read(self, conn: _Conn) -> bool:
         """Read what is there (up to a bound) into ``conn.buf``; False when the connection was closed."""
@@ -338,10 +325,6 @@ class HttpServer:
             if not (isinstance(sock, ssl.SSLSocket) and sock.pending()):
                 return True
         return True
-
-    def _readable(self, conn: _Conn) -> None:
-        if self._read(conn):
-            self._process(conn)
 
     def _take(self, conn: _Conn) -> tuple[bytes | None, int]:
         """The next complete request head in the buffer: (head, 0), (None, 0) for "not yet", or (None, code)."""
@@ -392,18 +375,18 @@ class HttpServer:
                     self._unwatch(conn)
                     return
                 self._checking += 1
-                self._park(conn)
-                self._checks.put((conn, req))
+                self._park(conn, req, self._checks)
                 return
             if not self._dispatch(conn, req, known):
                 return
         if not conn.closed and not conn.busy and not conn.out:
             self._ready.append(conn)  # more pipelined requests: after the other connections' turn
 
-    def _park(self, conn: _Conn) -> None:
-        """Stop reading ``conn`` while a thread works on its request (no deadline, no eviction meanwhile)."""
+    def _park(self, conn: _Conn, req: Request, jobs: queue.SimpleQueue[tuple[_Conn, Request] | None]) -> None:
+        """Hand ``req`` to a thread; ``conn`` is not read meanwhile (no deadline, no eviction)."""
         conn.busy = True
         self._unwatch(conn)
+        jobs.put((conn, req))
 
     def _dispatch(self, conn: _Conn, req: Request, allowed: bool) -> bool:
         """Answer ``req`` now (a refusal, or what ``inline`` calls cheap) or hand it to a worker (then False)."""
@@ -417,8 +400,7 @@ class HttpServer:
         if fast:
             self._start(conn, *self._respond(req))
             return True
-        self._park(conn)
-        self._jobs.put((conn, req))
+        self._park(conn, req, self._jobs)
         return False
 
     def _checked(self, conn: _Conn, req: Request, allowed: bool) -> bool:
@@ -448,11 +430,9 @@ class HttpServer:
                 conn.chunk = bytes(conn.out[:_CHUNK])
             try:
                 sent = sock.send(conn.chunk)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
-                self._watch(conn, selectors.EVENT_WRITE)
-                return False
-            except ssl.SSLWantReadError:
-                self._watch(conn, selectors.EVENT_READ)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError) as want:
+                read = isinstance(want, ssl.SSLWantReadError)  # TLS: writing needs the socket readable first
+                self._watch(conn, selectors.EVENT_READ if read else selectors.EVENT_WRITE)
                 return False
             except (OSError, ssl.SSLError, ValueError):
                 self._close(conn)
@@ -462,7 +442,7 @@ class HttpServer:
         if conn.close_after or self._stop.is_set():
             self._close(conn)
             return False
-        conn.deadline = time.monotonic() + self.idle_timeout
+        conn.deadline = time.monotonic() + _IDLE
         return True
 
     def _expire(self, now: float) -> None:
@@ -517,8 +497,6 @@ class HttpServer:
                 with contextlib.suppress(Exception):
                     self._close(conn)
 
-    # ----------------------------------------------------------------------------------------- workers
-
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             conn, req = job
@@ -572,8 +550,6 @@ class HttpServer:
             f"{'Connection: close' + chr(13) + chr(10) if close else ''}\r\n"
         ).encode("latin-1")
         return top if head else top + resp.body
-
-    # ----------------------------------------------------------------------------------------- control
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection and end all threads (idempotent)."""

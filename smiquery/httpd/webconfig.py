@@ -1,7 +1,6 @@
 """Web configuration in the Prometheus exporter-toolkit format (``--web-config-file``): TLS, basic auth, headers.
 
-Relative paths are relative to the file's folder. Every key either does what exporter-toolkit documents or makes
-loading fail with one line saying why; docs/exporter.md lists them.
+Relative paths are the file's folder's; a key does what exporter-toolkit documents or fails loading with one line.
 """
 
 from __future__ import annotations
@@ -92,11 +91,8 @@ def _credentials(header: str | None) -> tuple[str, str] | None:
 class WebConfig:
     """TLS, basic-auth and response-header settings for the exporter's HTTP server.
 
-    Attributes:
-        ssl_context: the server TLS context, or None for plain HTTP.
-        users: user name -> bcrypt hash; empty for no authentication.
-        allowed_sans: client certificates must carry one of these subject alternative names (empty: any).
-        headers: headers added to every response (``http_server_config.headers``).
+    ``ssl_context`` is None for plain HTTP; ``users``: user name -> bcrypt hash (empty: no authentication); client
+    certificates must carry one of ``allowed_sans`` (empty: any); ``headers`` are added to every response.
     """
 
     ssl_context: ssl.SSLContext | None = None
@@ -144,23 +140,19 @@ class WebConfig:
     def authorized(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header value (None: absent) passes basic auth (always True without users).
 
-        A bcrypt check costs tens of milliseconds by design, so: a credential that passed once is remembered (as
-        a salted digest, never in clear); one that failed is refused at once for five minutes; an unknown user is
-        checked against a dummy hash of the same cost (the time does not tell whether a user exists); and one
-        check runs at a time in the process. This blocks for the check: :class:`~smiquery.httpd.server.HttpServer`
-        calls it on its verifier thread when :meth:`verdict` cannot answer.
+        Blocks for a bcrypt check (tens of ms, one at a time in the process) unless :meth:`verdict` can answer: a
+        credential that passed is remembered (as a salted digest), one that failed is refused for five minutes, and
+        an unknown user is checked against a dummy hash of the same cost (the time does not tell who exists).
         """
         known = self.verdict(header)
-        if known is not None:
-            return known
         cred = _credentials(header)
-        assert cred is not None  # verdict() answered False otherwise
+        if known is not None or cred is None:  # verdict() answered False for no credentials
+            return bool(known)
         user, password = cred
         import bcrypt
 
         with _BCRYPT:
             try:
-                # an unknown user is checked against a dummy hash of the same cost: both answers take as long
                 good = (
                     bcrypt.checkpw(password.encode(), self.users.get(user) or self._dummy_hash()) and user in self.users
                 )
@@ -295,9 +287,7 @@ def _http(http: Any, cfg: Path) -> dict[str, str]:
 def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
     """Read a web configuration file (exporter-toolkit YAML): the settings, the TLS context built.
 
-    Raises:
-        WebConfigError: the file is missing, not YAML, has unknown or unsupported keys, a bad hash, or unreadable
-            TLS files.
+    Raises WebConfigError for a missing file, bad YAML, unknown or unsupported keys, a bad hash or unreadable TLS files.
     """
     import yaml
 

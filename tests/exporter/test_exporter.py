@@ -47,7 +47,7 @@ from smiquery.exporter import (
     render,
     serve,
 )
-from smiquery.exporter.detailswatch import process_poller
+from smiquery.exporter.server import process_poller
 from smiquery.fields import CATALOGUE, Kind, resolve_fields
 from smiquery.retry import RetryPolicy
 from smiquery.runner import SubprocessRunner

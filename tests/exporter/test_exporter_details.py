@@ -20,7 +20,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from smiquery.exporter.detailswatch import details_poller, fresh_details
+from smiquery.exporter.families import fresh_details
+from smiquery.exporter.server import details_poller
 from smiquery.testing import InProcessRunner
 from tests.corpus import require_corpus
 from tests.helpers import wait_for
