@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Annotated, Any, Literal, cast
+from typing import IO, TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -30,11 +30,10 @@ from smiquery.cli._signals import END, Failure, Signals, SourceEvent, start_pump
 from smiquery.cli.keys import KEY_HELP, KeyReader, Viewport
 from smiquery.errors import NotSupportedError, NvidiaSmiFailedError, StreamEndedError, UsageError
 from smiquery.retry import RetryPolicy
-from smiquery.sources.pmon import UNSUPPORTED_TEXT, pmon_unsupported, proc_stat
+from smiquery.sources.pmon import pmon_unsupported, proc_stat
 
 if TYPE_CHECKING:
     from smiquery.cli.display import Column
-    from smiquery.runner import LineSource, Runner
     from smiquery.source import StreamEvent
     from smiquery.sources.pmon import PmonRow
 
@@ -172,43 +171,6 @@ def _final_error(exc: BaseException) -> BaseException:
             "`smiquery ps` without --watch still lists each process's GPU memory",
         )
     return type(exc)(exc.argv, exc.returncode, exc.output, f"{reason}; {exc.hint}")
-
-
-class _PmonLines:
-    """A pmon child's lines; once it said pmon is unsupported, the end of its output is a NotSupportedError.
-
-    (Some drivers print ``Not supported on the device(s)`` and exit 0 or 255: no failure worth a restart.)
-    """
-
-    def __init__(self, inner: LineSource) -> None:
-        self._inner = inner
-        self._said: str | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)  # argv, pid, idle, closed, interrupt, kill, ...
-
-    def readline(self, timeout: float) -> str | None:
-        """The next line (see :class:`~smiquery.runner.LineSource`)."""
-        try:
-            line = self._inner.readline(timeout)
-        except NvidiaSmiFailedError as exc:
-            if self._said is not None and not isinstance(exc, NotSupportedError):
-                raise NotSupportedError(exc.argv, exc.returncode, exc.output or self._said) from exc
-            raise
-        if line is not None and UNSUPPORTED_TEXT in line.lower():
-            self._said = line.strip()
-        return line
-
-
-def _pmon_runner() -> Runner:
-    """The real runner, with :class:`_PmonLines` around each pmon child."""
-    from smiquery.runner import SubprocessRunner
-
-    class PmonRunner(SubprocessRunner):
-        def lines(self, argv: Sequence[str]) -> LineSource:  # type: ignore[override]
-            return cast("LineSource", _PmonLines(super().lines(argv)))
-
-    return PmonRunner()
 
 
 def _event_line(event: StreamEvent) -> str | None:
@@ -479,7 +441,6 @@ def run_watch(
             # interactive: a fault before the first refresh ends the command with its typed error
             retry=RetryPolicy(fail_fast=True),
             on_event=lambda ev: items.put(SourceEvent(ev)),
-            runner=_pmon_runner(),
         )
         for group in _gpu_groups(ids, settings)
     ]
