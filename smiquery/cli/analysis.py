@@ -322,15 +322,12 @@ def report(
     the report and the plot as one page as well.
     """
     with boundary(settings_of(ctx).debug):
-        from smiquery.alerts import parse_duration
         from smiquery.analysis import report as analyze
         from smiquery.analysis import report_json, report_markdown, report_text
         from smiquery.analysis.model import SEVERITY_ORDER
+        from smiquery.cli._options import parse_seconds
 
-        try:
-            stall_seconds = parse_duration(min_stall, what="--min-stall")
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
+        stall_seconds = parse_seconds(min_stall, "--min-stall")
         df, name = read_source(recording or [], fields, ctx.params)
         result = analyze(
             df, rules=alert or None, min_stall=stall_seconds, stall_utilization=stall_utilization, name=name

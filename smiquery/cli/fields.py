@@ -45,7 +45,7 @@ def fields_cmd(
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
-        from smiquery.cli.display import Column, render, terminal_width, use_color
+        from smiquery.cli.display import Column, render, terminal_size, use_color
         from smiquery.fields import CATALOGUE
 
         form = choose_format(fmt, sys.stdout)
@@ -91,7 +91,7 @@ def fields_cmd(
             *(sup if driver is not None else []),
             Column("help"),
         ]
-        text = render(records, form, columns=columns, color=use_color(sys.stdout), width=terminal_width(sys.stdout))
+        text = render(records, form, columns=columns, color=use_color(sys.stdout), width=terminal_size(sys.stdout)[0])
         if table and driver is not None:
             lacking = sum(1 for r in records if not r.get("supported"))
             text += f"\n{lacking} of {len(records)} listed fields are not supported by this driver\n"
