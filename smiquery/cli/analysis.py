@@ -146,32 +146,6 @@ def _label(recordings: list[Path]) -> str:
     return first if len(recordings) == 1 else f"{first} (+{len(recordings) - 1} more)"
 
 
-def _default_image(recordings: list[Path]) -> Path:
-    """``plot``'s default output: the (first) recording's name with .png, without glob characters."""
-    first = recordings[0]
-    stem = first.stem.split("*")[0].split("?")[0].split("[")[0].rstrip(".-_") or "recording"
-    return first.with_name(stem + ".png")
-
-
-def _load(recording: list[Path], fields: str | None, tz: str | None) -> pd.DataFrame:
-    """Read the recording once; warn on stderr (a line each) about files of a set and lines that were skipped."""
-    from smiquery.analysis import load_recording
-    from smiquery.cli._options import parse_fields
-    from smiquery.printable import printable
-    from smiquery.recordings import SkippedLines
-
-    check_zone(tz)
-    names = ",".join(f.name for f in parse_fields(fields)) if fields is not None else None
-    df = load_recording(recording, fields=names, tz=tz)
-    skipped = df.attrs.get("skipped")
-    for note in df.attrs.get("skipped_files") or ():  # a rotated set's member without rows, or gone
-        say(f"smiquery: warning: {printable(note)}")
-    if isinstance(skipped, SkippedLines):
-        name = str(recording[0]) if len(recording) == 1 else _label(recording)
-        say(f"smiquery: warning: {skipped.message(name)}")
-    return df
-
-
 def _gpu_list(spec: str | None) -> list[int | str] | None:
     """GPU ids as ``stream --id`` takes them: indices, UUIDs or PCI bus ids, comma-separated."""
     if spec is None:
@@ -237,7 +211,10 @@ def plot(
         from smiquery.analysis import save_plot
 
         df, name = read_source(recording or [], fields, ctx.params)
-        target = output if output is not None else _default_image(recording) if recording else Path("fleet.png")
+        target = output or Path("fleet.png")
+        if output is None and recording:  # the (first) recording's name with .png, without glob characters
+            stem = recording[0].stem.split("*")[0].split("?")[0].split("[")[0].rstrip(".-_") or "recording"
+            target = recording[0].with_name(stem + ".png")
         path = save_plot(
             df,
             target,
@@ -389,7 +366,20 @@ def read_source(recording: list[Path], fields: str | None, params: Mapping[str, 
         given = ["--" + name.replace("_", "-") for name in _FLEET_ONLY if params.get(name) is not None]
         if given:
             raise UsageError(f"{given[0]} goes with --prometheus; a recording is read whole")
-        return _load(recording, fields, tz), _label(recording)
+        from smiquery.analysis import load_recording
+        from smiquery.cli._options import parse_fields
+        from smiquery.printable import printable
+        from smiquery.recordings import SkippedLines
+
+        check_zone(tz)
+        names = ",".join(f.name for f in parse_fields(fields)) if fields is not None else None
+        df = load_recording(recording, fields=names, tz=tz)
+        for note in df.attrs.get("skipped_files") or ():  # a rotated set's member without rows, or gone
+            say(f"smiquery: warning: {printable(note)}")
+        skipped, name = df.attrs.get("skipped"), _label(recording)  # lines that could not be read: one warning
+        if isinstance(skipped, SkippedLines):
+            say(f"smiquery: warning: {skipped.message(str(recording[0]) if len(recording) == 1 else name)}")
+        return df, name
     if recording:
         raise UsageError("give a recording (REC) or --prometheus, not both")
     from smiquery.fleet.report import load_range, range_name

@@ -164,15 +164,13 @@ def sample_rows(
 
 
 def sample_table(
-    samples: Sequence[GpuSample], fields: Sequence[Field] | None = None, *, color: bool = False, width: int = 0
+    samples: Sequence[GpuSample], fields: Sequence[Field], *, color: bool = False, width: int = 0
 ) -> list[str]:
     """A static table of samples: one row per sample, units in the titles, missing values marked.
 
     With a ``width`` (a terminal's) it is fitted: full titles, else short ones (``temp C``), else fields are left
     out (:func:`drop_order`) and a last line names them.
     """
-    if fields is None:
-        fields = tuple(get_field(n) for n in samples[0].fields) if samples else ()
     if width > 0 and not samples:
         return []
     rows, styles = sample_rows(samples, fields)

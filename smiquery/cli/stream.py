@@ -296,8 +296,19 @@ class _Run:
 
             now = arrival(sweep)
         fired = False
-        for sample in sweep:
-            fired = self.take_sample(sample, now) or fired
+        for sample in sweep:  # written everywhere, then its alerts evaluated (``now``: its arrival, live)
+            for w in self.writers:
+                w.write(sample)
+            if self.notifier is not None:
+                self.notifier.observe(sample)
+            for ev in self.evaluator.update(sample, now) if self.evaluator is not None else ():
+                if self.notifier is not None:
+                    self.notifier.dispatch(ev, {"source": "smiquery stream"})
+                if self.live is not None:
+                    self.live.note(ev)
+                if self.live is None or not self.events_in_footer:
+                    say(f"smiquery: {ev.message()}")
+                fired = fired or ev.state == "firing"
         self.sweeps += 1
         if self.processes is not None:
             self.processes.start()  # once, with the first sweep: its nvidia-smi calls do not slow the start
@@ -310,24 +321,6 @@ class _Run:
 
             sys.stdout.write("\n".join(sample_table(list(sweep), self.fields, color=use_color(sys.stdout))) + "\n\n")
             sys.stdout.flush()
-        return fired
-
-    def take_sample(self, sample: GpuSample, now: float | None) -> bool:
-        """Write one sample everywhere and evaluate the alerts (``now``: its arrival, live); True if one fired."""
-        for w in self.writers:
-            w.write(sample)
-        fired = False
-        if self.evaluator is not None:
-            if self.notifier is not None:
-                self.notifier.observe(sample)
-            for ev in self.evaluator.update(sample, now):
-                if self.notifier is not None:
-                    self.notifier.dispatch(ev, {"source": "smiquery stream"})
-                if self.live is not None:
-                    self.live.note(ev)
-                if self.live is None or not self.events_in_footer:
-                    say(f"smiquery: {ev.message()}")
-                fired = fired or ev.state == "firing"
         return fired
 
 
