@@ -113,8 +113,6 @@ def run_export(opts: dict[str, Any]) -> int:
         if exc.option == "--bind":
             raise invalid("--bind", str(exc)) from None
         raise
-    except SmiqueryError:
-        raise
     except OSError as exc:  # unreadable or mismatched TLS files (ssl.SSLError is an OSError)
         raise invalid("--tls-cert/--tls-key/--client-ca", f"cannot load them: {exc}") from None
 

@@ -144,23 +144,16 @@ def sample_rows(
     cell_state: Callable[[GpuSample, str], CellState] | None = None,
 ) -> tuple[list[list[str]], list[list[str | None]]]:
     """The display cells of each sample for ``fields``, and each cell's style (alert state or missing)."""
-    rows: list[list[str]] = []
-    styles: list[list[str | None]] = []
-    for s in samples:
-        missing = s.missing
-        row: list[str] = []
-        style: list[str | None] = []
-        for fld in fields:
-            value = s.get(fld.name)
-            row.append(display_value(fld, value, missing.get(fld.name)))
-            if value is None:
-                style.append("error" if missing.get(fld.name) in _ERROR_REASONS else "missing")
-            else:
-                state = cell_state(s, fld.name) if cell_state is not None else "ok"
-                style.append(state if state != "ok" else None)
-        rows.append(row)
-        styles.append(style)
-    return rows, styles
+
+    def cell(s: GpuSample, fld: Field) -> tuple[str, str | None]:
+        value, reason = s.get(fld.name), s.missing.get(fld.name)
+        if value is None:
+            return display_value(fld, value, reason), "error" if reason in _ERROR_REASONS else "missing"
+        state = cell_state(s, fld.name) if cell_state is not None else "ok"
+        return display_value(fld, value), None if state == "ok" else state
+
+    cells = [[cell(s, fld) for fld in fields] for s in samples]
+    return [[text for text, _ in row] for row in cells], [[style for _, style in row] for row in cells]
 
 
 def sample_table(

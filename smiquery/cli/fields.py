@@ -49,12 +49,9 @@ def fields_cmd(
         from smiquery.fields import CATALOGUE
 
         form = choose_format(fmt, sys.stdout)
-        if preset is not None:
-            if preset not in PRESETS:
-                raise UsageError(f"--preset: unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
-            chosen: list[Field] = list(resolve_fields(preset))
-        else:
-            chosen = list(CATALOGUE)
+        if preset is not None and preset not in PRESETS:
+            raise UsageError(f"--preset: unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        chosen: list[Field] = list(resolve_fields(preset) if preset is not None else CATALOGUE)
         driver: dict[str, str] | None = None
         if supported:  # names and aliases from --help-query-gpu, with their descriptions
             from smiquery.doctor import driver_fields

@@ -411,15 +411,14 @@ def _gpu_groups(ids: tuple[str, ...] | None, settings: Settings) -> list[tuple[s
 
 def run_watch(
     settings: Settings,
-    *,
     gpus: str | None,
     interval: int,
     count: int | None,
+    duration: float | None,
     sort: str,
     fmt: str | None,
-    duration: float | None = None,
 ) -> int:
-    """Run ``ps --watch`` until ``count`` refreshes (``interval`` s apart), ``duration``, a signal or a fault.
+    """Run ``ps --watch`` until ``count`` refreshes (``interval`` s apart), ``duration`` s, a signal or a fault.
 
     Returns the exit code (0, 130, 143). Raises the SmiqueryError when pmon is unsupported, or failed before the
     first refresh in a way a restart cannot fix; later failures are retried under the stream's policy.
@@ -584,15 +583,8 @@ def ps(
     settings = settings_of(ctx)
     with boundary(settings.debug):
         if watch:
-            code = run_watch(
-                settings,
-                gpus=gpus,
-                interval=pmon_interval(interval),
-                count=count,
-                duration=parse_seconds(duration, "--duration") if duration is not None else None,
-                sort=sort or "sm",
-                fmt=fmt,
-            )
+            stop_after = parse_seconds(duration, "--duration") if duration is not None else None
+            code = run_watch(settings, gpus, pmon_interval(interval), count, stop_after, sort or "sm", fmt)
             if code:
                 raise typer.Exit(code)
             return
