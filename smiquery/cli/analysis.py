@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from smiquery.cli._boundary import boundary, say
+from smiquery.cli._boundary import ExitCode, boundary, say
 from smiquery.cli._common import settings_of
 
 if TYPE_CHECKING:
@@ -329,8 +329,6 @@ def report(
             sys.stdout.flush()
         limit = {"warning": 1, "critical": 0}.get(fail_on)
         if limit is not None and any(SEVERITY_ORDER[f.severity] <= limit for f in result.findings):
-            from smiquery.cli._boundary import ExitCode
-
             raise typer.Exit(ExitCode.ALERT)
 
 

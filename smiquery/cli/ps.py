@@ -137,10 +137,9 @@ PsSort = Literal["sm", "mem", "fb", "pid", "gpu"]
 
 
 def _pmon_reason(exc: BaseException) -> str:
-    """What went wrong, in nvidia-smi's own words: the first line of its output that is no header (``#``) or row.
+    """What went wrong, in nvidia-smi's own words: its first output line that is no header (``#``) or row.
 
-    (pmon's rows hold no ``", "``, so the runner keeps them among the lines it quotes; rows start with blanks or
-    digits.)
+    (The runner keeps pmon's rows among the lines it quotes: they hold no ``", "``; they start with blanks or digits.)
     """
     if isinstance(exc, StreamEndedError) and exc.returncode == 0 and not exc.output.strip():
         return "nvidia-smi pmon ended by itself"
@@ -636,8 +635,7 @@ def ps(
 def pmon_interval(text: str | None) -> int:
     """``--interval`` as pmon takes it: whole seconds, 1 to 10 (shorter or fractional: rounded up, with a note).
 
-    Raises:
-        UsageError: not a duration, or longer than 10 s.
+    A UsageError for no duration or one over 10 s.
     """
     if text is None:
         return 1

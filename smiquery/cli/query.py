@@ -26,13 +26,9 @@ FAST_GLOBAL = {"--nvidia-smi": "nvidia_smi", "--timeout": "timeout"}
 FAST_GLOBAL_FLAGS = {"--debug": "debug"}
 #: Value options of ``query``.
 FAST_QUERY = {
-    "--fields": "fields",
-    "-f": "fields",
-    "--gpus": "gpus",
-    "--id": "gpus",
-    "-i": "gpus",
-    "--format": "fmt",
-    "-F": "fmt",
+    **dict.fromkeys(("--fields", "-f"), "fields"),
+    **dict.fromkeys(("--gpus", "--id", "-i"), "gpus"),
+    **dict.fromkeys(("--format", "-F"), "fmt"),
 }
 _FORMATS = get_args(Format)
 
