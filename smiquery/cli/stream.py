@@ -198,12 +198,11 @@ class _Run:
                     getattr(w, "header", lambda: None)()
                 thread = start_pump(self.source.sweeps, self.items, name="smiquery-pump", stop=stop)
                 if self.live is not None:
-                    self.live.redraw(self.stats())
+                    self.draw(self.live)
                 while self.step(sigs, deadline, count):
                     pass
             except BrokenPipeError:
                 quiet_stdout()
-                self.code = 0
             finally:
                 sigs.closing = True  # from here on a signal changes nothing: the outputs are finished first
                 stop.set()
@@ -219,12 +218,9 @@ class _Run:
             raise self.failure
         return self.code
 
-    def stats(self) -> dict[str, object]:
-        """The source's counters (a copy: its thread goes on) with this run's sweeps, for the live table's footer."""
-        return {**dataclasses.asdict(self.source.stats), "sweeps": self.sweeps}
-
     def draw(self, live: LiveTable) -> None:
-        live.redraw(self.stats())
+        """Redraw, the footer showing the source's counters (a copy: its thread goes on) and this run's sweeps."""
+        live.redraw({**dataclasses.asdict(self.source.stats), "sweeps": self.sweeps})
         self.last_draw = time.monotonic()
 
     def step(self, sigs: Signals, deadline: float | None, count: int | None) -> bool:
