@@ -129,8 +129,7 @@ def run_export(opts: dict[str, Any]) -> int:
                 "serving",
                 url=f"{exp.url}/metrics",
             )
-            modules = os.environ.get(MODULES_ENV)
-            if modules:
+            if modules := os.environ.get(MODULES_ENV):
                 with open(modules, "w", encoding="utf-8") as out:
                     out.write("".join(f"{name}\n" for name in sorted(sys.modules)))
             if opts["bind"] in _ALL_INTERFACES and not exp.url.startswith("https"):

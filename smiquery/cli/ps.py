@@ -117,10 +117,9 @@ class ProcCache:
 
     def lookup(self, pid: int, name: str | None) -> ProcInfo:
         """User and command line of ``pid``; None for what /proc cannot tell or when it is another process."""
-        key = (pid, name)
-        if key not in self._known:
-            self._known[key] = _identity(pid, name) or ProcInfo()
-        return self._known[key]
+        if (pid, name) not in self._known:
+            self._known[pid, name] = _identity(pid, name) or ProcInfo()
+        return self._known[pid, name]
 
     def keep(self, pids: set[tuple[int, str | None]]) -> None:
         """Forget processes no longer listed (their pids may be reused)."""
