@@ -77,37 +77,6 @@ class _Col:
         return max([len(self.title), *map(len, self.cells)])
 
 
-def _columns(
-    samples: Sequence[GpuSample],
-    fields: Sequence[Field],
-    cells: Sequence[Sequence[str]],
-    styles: Sequence[Sequence[str | None]],
-    marks: Sequence[str],
-) -> list[_Col]:
-    names = [f.name for f in fields]
-    merged = "memory.used" in names and "memory.total" in names
-    cols: list[_Col] = []
-    if any(marks):
-        styles_of = [("error" if m in ("LOST", "RESET") else "pending" if m else None) for m in marks]
-        cols.append(_Col("state", "STATE", False, list(marks), styles_of))
-    for i, f in enumerate(fields):
-        if merged and f.name == "memory.total":
-            continue
-        col = _Col(f.name, short_title(f, live=True), f.kind.is_numeric)
-        col.cells = [row[i] for row in cells]
-        col.styles = [st[i] for st in styles]
-        if f.name == "name":
-            col.cells = [_short_name(c) for c in col.cells]
-        if merged and f.name == "memory.used":
-            t = names.index("memory.total")
-            col.cells = [f"{row[i]}/{row[t]}" for row in cells]
-            col.styles = [st[i] or st[t] for st in styles]
-        cols.append(col)
-        if f.name == "utilization.gpu":
-            cols.append(_Col("bar", "", False, [_bar(s.get(f.name)) for s in samples], list(col.styles)))
-    return cols
-
-
 def _summary_line(samples: Sequence[GpuSample], marks: Sequence[str]) -> str:
     """``64 GPUs · 40 busy · 20 idle · 4 lost · mean util 63 % · hottest GPU 5 at 89 C``."""
     lost = sum(1 for m in marks if m in ("LOST", "RESET"))
@@ -312,6 +281,38 @@ class LiveTable:
             lines = (top + bottom + extra)[: max(1, limit)]
         return frame_text(lines, cols, first=not self._started)
 
+    def _columns(self, keys: Sequence[object], marks: Mapping[object, str]) -> list[_Col]:
+        """The columns of GPUs ``keys``: a state column when any has a mark, memory as used/total, a utilization bar."""
+        fields = self.fields
+        samples = [self._rows[k] for k in keys]
+        cells, styles = sample_rows(samples, fields, cell_state=self._cell_state)
+        for style, k in zip(styles, keys):
+            if marks[k].startswith("stale"):  # old numbers: dimmed, whatever they were
+                style[:] = ["dim"] * len(style)
+        states = [marks[k] for k in keys]
+        names = [f.name for f in fields]
+        merged = "memory.used" in names and "memory.total" in names
+        cols: list[_Col] = []
+        if any(states):
+            styles_of = [("error" if m in ("LOST", "RESET") else "pending" if m else None) for m in states]
+            cols.append(_Col("state", "STATE", False, states, styles_of))
+        for i, f in enumerate(fields):
+            if merged and f.name == "memory.total":
+                continue
+            col = _Col(f.name, short_title(f, live=True), f.kind.is_numeric)
+            col.cells = [row[i] for row in cells]
+            col.styles = [st[i] for st in styles]
+            if f.name == "name":
+                col.cells = [_short_name(c) for c in col.cells]
+            if merged and f.name == "memory.used":
+                t = names.index("memory.total")
+                col.cells = [f"{row[i]}/{row[t]}" for row in cells]
+                col.styles = [st[i] or st[t] for st in styles]
+            cols.append(col)
+            if f.name == "utilization.gpu":
+                cols.append(_Col("bar", "", False, [_bar(s.get(f.name)) for s in samples], list(col.styles)))
+        return cols
+
     def _gpu_lines(
         self, keys: Sequence[object], marks: Mapping[object, str], cols: int
     ) -> tuple[str, list[list[str]], list[str]]:
@@ -320,13 +321,8 @@ class LiveTable:
         A state column when any GPU has a mark; the UUID only at 200 columns or more, unless :attr:`uuid`.
         """
         fields, paint = self.fields, self._paint
-        samples = [self._rows[k] for k in keys]
-        cells, cell_styles = sample_rows(samples, fields, cell_state=self._cell_state)
-        for style, k in zip(cell_styles, keys):
-            if marks[k].startswith("stale"):  # old numbers: dimmed, whatever they were
-                style[:] = ["dim"] * len(style)
         procs = [self._procs.get(k, []) if isinstance(k, int) else [] for k in keys] if self.show_processes else None
-        columns = _columns(samples, fields, cells, cell_styles, [marks[k] for k in keys])
+        columns = self._columns(keys, marks)
         if not (self.uuid or cols <= 0 or cols >= 200):
             columns = [c for c in columns if c.name != "uuid"]
         hidden: list[str] = []
@@ -357,7 +353,7 @@ class LiveTable:
         if procs is not None and any(procs) and inline:
             header = f"{header}  {paint('PROCESSES', 'header')}"
         rows: list[list[str]] = []
-        for r in range(len(samples)):
+        for r in range(len(keys)):
             first = line([c.cells[r] for c in columns], [c.styles[r] for c in columns])
             labels = [printable(p) for p in procs[r]] if procs is not None and r < len(procs) else []
             if not labels:
