@@ -80,7 +80,6 @@ AlertOpt = Annotated[
 TzOpt = Annotated[
     str | None,
     typer.Option(
-        "--tz",
         metavar="ZONE",
         help="Time zone the recording was made in, an IANA name (Europe/Berlin, UTC). nvidia-smi writes local "
         "time without a zone: by default times are shown as recorded, marked as having no zone (never as UTC); "
@@ -99,19 +98,14 @@ PrometheusOpt = Annotated[
         help="Read a time range of the fleet from this Prometheus server instead of a recording (with --start).",
     ),
 ]
-StartOpt = Annotated[
-    str | None, typer.Option("--start", metavar="TIME", help="Start: Unix seconds, RFC 3339 or now-6h.")
-]
+StartOpt = Annotated[str | None, typer.Option(metavar="TIME", help="Start: Unix seconds, RFC 3339 or now-6h.")]
 EndOpt = Annotated[str | None, typer.Option("--end", metavar="TIME", help="End (default now).")]
 NodeOpt = Annotated[str | None, typer.Option("--node", metavar="REGEX", help="Only instances matching (anchored).")]
-NamespaceOpt = Annotated[
-    str | None, typer.Option("--namespace", metavar="REGEX", help="Only GPUs of pods in these namespaces.")
-]
+NamespaceOpt = Annotated[str | None, typer.Option(metavar="REGEX", help="Only GPUs of pods in these namespaces.")]
 PodOpt = Annotated[str | None, typer.Option("--pod", metavar="REGEX", help="Only GPUs of these pods (a job).")]
 HttpConfigOpt = Annotated[
     Path | None,
     typer.Option(
-        "--http-config",
         metavar="FILE",
         dir_okay=False,
         help="Credentials and TLS for --prometheus, as promtool's --http.config.file.",
@@ -120,7 +114,6 @@ HttpConfigOpt = Annotated[
 MaxAnswerOpt = Annotated[
     int | None,
     typer.Option(
-        "--max-answer",
         metavar="MIB",
         min=1,
         help="Largest answer to read from --prometheus, in MiB (default 512, room for a range of thousands of GPUs); "
@@ -275,7 +268,6 @@ def report(
     slurm_job: Annotated[
         str | None,
         typer.Option(
-            "--slurm-job",
             metavar="ID",
             help="Only the GPUs this Slurm job held, over the job's own time range (from `export --slurm`'s series; "
             "--start then only bounds the search, default 30 days back).",
