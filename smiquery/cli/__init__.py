@@ -61,12 +61,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
 
         _export_run.process_entry = True
     fast = parse_fast_query(args)
-    if fast is not None:
-        try:
-            sys.exit(run_fast_query(fast))
-        except BrokenPipeError:
-            quiet_stdout()
-            sys.exit(ExitCode.OK)
+    if fast is not None:  # its boundary ends a closed pipe (`| head`) quietly
+        sys.exit(run_fast_query(fast))
     import typer
 
     try:

@@ -31,20 +31,12 @@ class ExitCode(IntEnum):
     TERMINATED = 143
 
 
-# typer is imported only when an error needs it: the fast path of `query` runs without it.
-def _typer_class(name: str) -> tuple[type[BaseException], ...]:
-    typer = sys.modules.get("typer")
-    return (getattr(typer, name),) if typer is not None else ()
-
-
 def exit_code_for(exc: BaseException) -> ExitCode:
     """The documented exit code for the error that ended a command (an error's own ``exit_status``)."""
     if isinstance(exc, KeyboardInterrupt):
         return ExitCode.INTERRUPTED
     if isinstance(exc, SmiqueryError):
         return ExitCode(exc.exit_status)
-    if isinstance(exc, _typer_class("BadParameter")):
-        return ExitCode.USAGE
     return ExitCode.ERROR
 
 
@@ -129,15 +121,16 @@ def boundary(debug: bool = False) -> Iterator[None]:
         quiet_stdout()
         raise SystemExit(0) from None
     except Exception as exc:
-        if isinstance(exc, _typer_class("Exit")):
+        typer = sys.modules.get("typer")  # not imported here: the fast path of `query` runs without it
+        if typer is not None and isinstance(exc, typer.Exit):
             raise
         if debug:
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         code = exit_code_for(exc)
-        message = cli_text(str(exc)) or type(exc).__name__  # a command's BadParameter names no option: its text
+        message = cli_text(str(exc)) or type(exc).__name__
         if isinstance(exc, ParseError):
             message += "; nvidia-smi printed output that does not fit the fields: run `smiquery doctor`"
-        if not isinstance(exc, (SmiqueryError, ImportError, OSError, *_typer_class("BadParameter"))):
+        if not isinstance(exc, (SmiqueryError, ImportError, OSError)):
             message = f"unexpected {type(exc).__name__}: {message} (run with --debug for the traceback)"
         say(f"smiquery: {'usage error' if code == ExitCode.USAGE else 'error'}: {message}")
         raise SystemExit(int(code)) from None

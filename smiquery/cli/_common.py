@@ -83,16 +83,6 @@ def seconds_option(what: str, help_text: str, *, off: bool = False) -> typer.mod
     return option
 
 
-NvidiaSmiOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--nvidia-smi",
-        metavar="PATH",
-        help="The nvidia-smi to run (default: $SMIQUERY_NVIDIA_SMI, then PATH, then the usual places).",
-    ),
-]
-
-
 def fields_option(more: str = "") -> Any:
     """``--fields``, its help text followed by ``more``."""
     return typer.Option(
@@ -131,7 +121,13 @@ def version_callback(value: bool) -> None:
 @app.callback()
 def _root(
     ctx: typer.Context,
-    nvidia_smi: NvidiaSmiOpt = None,
+    nvidia_smi: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATH",
+            help="The nvidia-smi to run (default: $SMIQUERY_NVIDIA_SMI, then PATH, then the usual places).",
+        ),
+    ] = None,
     timeout: Annotated[
         float, typer.Option(metavar="SECONDS", min=0.1, help="Seconds before an nvidia-smi call counts as hung.")
     ] = 10.0,

@@ -113,8 +113,6 @@ def run_export(opts: dict[str, Any]) -> int:
         if exc.option == "--bind":
             raise invalid("--bind", str(exc)) from None
         raise
-    except SmiqueryError:
-        raise
     except OSError as exc:  # unreadable or mismatched TLS files (ssl.SSLError is an OSError)
         raise invalid("--tls-cert/--tls-key/--client-ca", f"cannot load them: {exc}") from None
 
@@ -131,8 +129,7 @@ def run_export(opts: dict[str, Any]) -> int:
                 "serving",
                 url=f"{exp.url}/metrics",
             )
-            modules = os.environ.get(MODULES_ENV)
-            if modules:
+            if modules := os.environ.get(MODULES_ENV):
                 with open(modules, "w", encoding="utf-8") as out:
                     out.write("".join(f"{name}\n" for name in sorted(sys.modules)))
             if opts["bind"] in _ALL_INTERFACES and not exp.url.startswith("https"):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from smiquery.cli._boundary import boundary, say
+from smiquery.cli._boundary import ExitCode, boundary, say
 from smiquery.cli._common import settings_of
 
 if TYPE_CHECKING:
@@ -80,7 +80,6 @@ AlertOpt = Annotated[
 TzOpt = Annotated[
     str | None,
     typer.Option(
-        "--tz",
         metavar="ZONE",
         help="Time zone the recording was made in, an IANA name (Europe/Berlin, UTC). nvidia-smi writes local "
         "time without a zone: by default times are shown as recorded, marked as having no zone (never as UTC); "
@@ -99,19 +98,14 @@ PrometheusOpt = Annotated[
         help="Read a time range of the fleet from this Prometheus server instead of a recording (with --start).",
     ),
 ]
-StartOpt = Annotated[
-    str | None, typer.Option("--start", metavar="TIME", help="Start: Unix seconds, RFC 3339 or now-6h.")
-]
+StartOpt = Annotated[str | None, typer.Option(metavar="TIME", help="Start: Unix seconds, RFC 3339 or now-6h.")]
 EndOpt = Annotated[str | None, typer.Option("--end", metavar="TIME", help="End (default now).")]
 NodeOpt = Annotated[str | None, typer.Option("--node", metavar="REGEX", help="Only instances matching (anchored).")]
-NamespaceOpt = Annotated[
-    str | None, typer.Option("--namespace", metavar="REGEX", help="Only GPUs of pods in these namespaces.")
-]
+NamespaceOpt = Annotated[str | None, typer.Option(metavar="REGEX", help="Only GPUs of pods in these namespaces.")]
 PodOpt = Annotated[str | None, typer.Option("--pod", metavar="REGEX", help="Only GPUs of these pods (a job).")]
 HttpConfigOpt = Annotated[
     Path | None,
     typer.Option(
-        "--http-config",
         metavar="FILE",
         dir_okay=False,
         help="Credentials and TLS for --prometheus, as promtool's --http.config.file.",
@@ -120,7 +114,6 @@ HttpConfigOpt = Annotated[
 MaxAnswerOpt = Annotated[
     int | None,
     typer.Option(
-        "--max-answer",
         metavar="MIB",
         min=1,
         help="Largest answer to read from --prometheus, in MiB (default 512, room for a range of thousands of GPUs); "
@@ -144,32 +137,6 @@ def _label(recordings: list[Path]) -> str:
     """How the report and the plot name the recording: ``run.csv``, ``run*.csv``, ``a.csv (+2 more)``."""
     first = recordings[0].name
     return first if len(recordings) == 1 else f"{first} (+{len(recordings) - 1} more)"
-
-
-def _default_image(recordings: list[Path]) -> Path:
-    """``plot``'s default output: the (first) recording's name with .png, without glob characters."""
-    first = recordings[0]
-    stem = first.stem.split("*")[0].split("?")[0].split("[")[0].rstrip(".-_") or "recording"
-    return first.with_name(stem + ".png")
-
-
-def _load(recording: list[Path], fields: str | None, tz: str | None) -> pd.DataFrame:
-    """Read the recording once; warn on stderr (a line each) about files of a set and lines that were skipped."""
-    from smiquery.analysis import load_recording
-    from smiquery.cli._options import parse_fields
-    from smiquery.printable import printable
-    from smiquery.recordings import SkippedLines
-
-    check_zone(tz)
-    names = ",".join(f.name for f in parse_fields(fields)) if fields is not None else None
-    df = load_recording(recording, fields=names, tz=tz)
-    skipped = df.attrs.get("skipped")
-    for note in df.attrs.get("skipped_files") or ():  # a rotated set's member without rows, or gone
-        say(f"smiquery: warning: {printable(note)}")
-    if isinstance(skipped, SkippedLines):
-        name = str(recording[0]) if len(recording) == 1 else _label(recording)
-        say(f"smiquery: warning: {skipped.message(name)}")
-    return df
 
 
 def _gpu_list(spec: str | None) -> list[int | str] | None:
@@ -237,7 +204,10 @@ def plot(
         from smiquery.analysis import save_plot
 
         df, name = read_source(recording or [], fields, ctx.params)
-        target = output if output is not None else _default_image(recording) if recording else Path("fleet.png")
+        target = output or Path("fleet.png")
+        if output is None and recording:  # the (first) recording's name with .png, without glob characters
+            stem = recording[0].stem.split("*")[0].split("?")[0].split("[")[0].rstrip(".-_") or "recording"
+            target = recording[0].with_name(stem + ".png")
         path = save_plot(
             df,
             target,
@@ -298,7 +268,6 @@ def report(
     slurm_job: Annotated[
         str | None,
         typer.Option(
-            "--slurm-job",
             metavar="ID",
             help="Only the GPUs this Slurm job held, over the job's own time range (from `export --slurm`'s series; "
             "--start then only bounds the search, default 30 days back).",
@@ -322,15 +291,12 @@ def report(
     the report and the plot as one page as well.
     """
     with boundary(settings_of(ctx).debug):
-        from smiquery.alerts import parse_duration
         from smiquery.analysis import report as analyze
         from smiquery.analysis import report_json, report_markdown, report_text
         from smiquery.analysis.model import SEVERITY_ORDER
+        from smiquery.cli._options import parse_seconds
 
-        try:
-            stall_seconds = parse_duration(min_stall, what="--min-stall")
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
+        stall_seconds = parse_seconds(min_stall, "--min-stall")
         df, name = read_source(recording or [], fields, ctx.params)
         result = analyze(
             df, rules=alert or None, min_stall=stall_seconds, stall_utilization=stall_utilization, name=name
@@ -355,8 +321,6 @@ def report(
             sys.stdout.flush()
         limit = {"warning": 1, "critical": 0}.get(fail_on)
         if limit is not None and any(SEVERITY_ORDER[f.severity] <= limit for f in result.findings):
-            from smiquery.cli._boundary import ExitCode
-
             raise typer.Exit(ExitCode.ALERT)
 
 
@@ -392,7 +356,20 @@ def read_source(recording: list[Path], fields: str | None, params: Mapping[str, 
         given = ["--" + name.replace("_", "-") for name in _FLEET_ONLY if params.get(name) is not None]
         if given:
             raise UsageError(f"{given[0]} goes with --prometheus; a recording is read whole")
-        return _load(recording, fields, tz), _label(recording)
+        from smiquery.analysis import load_recording
+        from smiquery.cli._options import parse_fields
+        from smiquery.printable import printable
+        from smiquery.recordings import SkippedLines
+
+        check_zone(tz)
+        names = ",".join(f.name for f in parse_fields(fields)) if fields is not None else None
+        df = load_recording(recording, fields=names, tz=tz)
+        for note in df.attrs.get("skipped_files") or ():  # a rotated set's member without rows, or gone
+            say(f"smiquery: warning: {printable(note)}")
+        skipped, name = df.attrs.get("skipped"), _label(recording)  # lines that could not be read: one warning
+        if isinstance(skipped, SkippedLines):
+            say(f"smiquery: warning: {skipped.message(str(recording[0]) if len(recording) == 1 else name)}")
+        return df, name
     if recording:
         raise UsageError("give a recording (REC) or --prometheus, not both")
     from smiquery.fleet.report import load_range, range_name

@@ -30,7 +30,6 @@ __all__ = [
     "drop_order",
     "frame_text",
     "hidden_note",
-    "mark_style",
     "paint",
     "render",
     "render_table",
@@ -39,7 +38,6 @@ __all__ = [
     "short_title",
     "show_cursor",
     "terminal_size",
-    "terminal_width",
     "use_color",
     "wrap_parts",
 ]
@@ -146,35 +144,26 @@ def sample_rows(
     cell_state: Callable[[GpuSample, str], CellState] | None = None,
 ) -> tuple[list[list[str]], list[list[str | None]]]:
     """The display cells of each sample for ``fields``, and each cell's style (alert state or missing)."""
-    rows: list[list[str]] = []
-    styles: list[list[str | None]] = []
-    for s in samples:
-        missing = s.missing
-        row: list[str] = []
-        style: list[str | None] = []
-        for fld in fields:
-            value = s.get(fld.name)
-            row.append(display_value(fld, value, missing.get(fld.name)))
-            if value is None:
-                style.append("error" if missing.get(fld.name) in _ERROR_REASONS else "missing")
-            else:
-                state = cell_state(s, fld.name) if cell_state is not None else "ok"
-                style.append(state if state != "ok" else None)
-        rows.append(row)
-        styles.append(style)
-    return rows, styles
+
+    def cell(s: GpuSample, fld: Field) -> tuple[str, str | None]:
+        value, reason = s.get(fld.name), s.missing.get(fld.name)
+        if value is None:
+            return display_value(fld, value, reason), "error" if reason in _ERROR_REASONS else "missing"
+        state = cell_state(s, fld.name) if cell_state is not None else "ok"
+        return display_value(fld, value), None if state == "ok" else state
+
+    cells = [[cell(s, fld) for fld in fields] for s in samples]
+    return [[text for text, _ in row] for row in cells], [[style for _, style in row] for row in cells]
 
 
 def sample_table(
-    samples: Sequence[GpuSample], fields: Sequence[Field] | None = None, *, color: bool = False, width: int = 0
+    samples: Sequence[GpuSample], fields: Sequence[Field], *, color: bool = False, width: int = 0
 ) -> list[str]:
     """A static table of samples: one row per sample, units in the titles, missing values marked.
 
     With a ``width`` (a terminal's) it is fitted: full titles, else short ones (``temp C``), else fields are left
     out (:func:`drop_order`) and a last line names them.
     """
-    if fields is None:
-        fields = tuple(get_field(n) for n in samples[0].fields) if samples else ()
     if width > 0 and not samples:
         return []
     rows, styles = sample_rows(samples, fields)
@@ -229,6 +218,13 @@ class Column:
         title = self.title or self.key
         return f"{title} [{self.unit}]" if self.unit else title
 
+    def cell(self, value: object) -> tuple[str, str | None]:
+        """A table cell's text and style (a newline in a command line must not break the table)."""
+        if value is None:
+            return self.missing, "missing"
+        text = self.table_text(value) if self.table_text is not None else str(value)
+        return _CONTROL_RE.sub("?", text), self.style(value) if self.style is not None else None
+
 
 def _plain_json(record: Mapping[str, object]) -> dict[str, object]:
     return {k: json_value(v) if not isinstance(v, (list, dict)) else v for k, v in record.items()}  # type: ignore[arg-type]
@@ -255,7 +251,7 @@ def render(
     empty: str = "",
     width: int = 0,
 ) -> str:
-    """Records as text, each line ending in a newline: ``table``, ``csv``, ``jsonl`` or ``json`` (else ValueError).
+    """Records as text, each line ending in a newline: ``table``, ``csv``, ``jsonl`` or ``json``.
 
     Samples (:class:`GpuSample`, with ``fields``, default the first sample's) render as nvidia-smi's CSV (read back
     by ``read_csv``), JSON keyed by field name (ISO times, null for missing, reasons under ``"_missing"``) or an
@@ -263,8 +259,6 @@ def render(
     there are no records (default: just the titles); with a ``width`` (a terminal's), samples are fitted and
     plain records wrap their last column.
     """
-    if fmt not in ("table", "csv", "jsonl", "json"):
-        raise ValueError(f"unknown format {fmt!r}; use table, csv, jsonl or json")
     if fmt == "table" and not records and empty:
         return empty + "\n"
     to_json: Callable[[Any], dict[str, object]] = sample_to_json if columns is None else _plain_json
@@ -284,22 +278,9 @@ def render(
         lines = [", ".join(c.heading for c in columns)]
         lines += [", ".join(_csv_cell(r.get(c.key), c.unit) for c in columns) for r in plain]
         return "".join(line + "\n" for line in lines)
-    rows: list[list[str]] = []
-    styles: list[list[str | None]] = []
-    for r in plain:
-        row: list[str] = []
-        style: list[str | None] = []
-        for c in columns:
-            value = r.get(c.key)
-            if value is None:
-                row.append(c.missing)
-                style.append("missing")
-                continue
-            text = c.table_text(value) if c.table_text is not None else str(value)
-            row.append(_CONTROL_RE.sub("?", text))  # a newline in a command line must not break the table
-            style.append(c.style(value) if c.style is not None else None)
-        rows.append(row)
-        styles.append(style)
+    cells = [[c.cell(r.get(c.key)) for c in columns] for r in plain]
+    rows = [[text for text, _ in row] for row in cells]
+    styles = [[style for _, style in row] for row in cells]
     titles, right = [c.heading for c in columns], [c.right for c in columns]
     lines = render_table(rows, titles, right=right, styles=styles, color=color)
     if width > 0 and any(_visible_len(x) > width for x in lines):  # wrapped as plain text: no colour then
@@ -401,28 +382,13 @@ def wrap_parts(parts: Sequence[str], cols: int, sep: str = " · ") -> list[str]:
     return lines
 
 
-def terminal_width(stream: IO[str]) -> int:
-    """The width of the terminal ``stream`` writes to, or 0 (any width) when it is no terminal."""
-    if not is_tty(stream):
-        return 0
+def terminal_size(stream: IO[str] | None = None) -> tuple[int, int]:
+    """(columns, lines) of the terminal ``stream`` (default: stdout) writes to, or (0, 0) when none (0: do not clip)."""
     try:
-        return os.get_terminal_size(stream.fileno()).columns
-    except (OSError, ValueError, AttributeError):
-        return 0
-
-
-def terminal_size() -> tuple[int, int]:
-    """(columns, lines) of the terminal, or (0, 0) when there is none (0: do not clip)."""
-    try:
-        size = os.get_terminal_size()
+        size = os.get_terminal_size(stream.fileno() if stream is not None else 1)
         return size.columns, size.lines
-    except OSError:
+    except (OSError, ValueError, AttributeError):
         return 0, 0
-
-
-def mark_style(mark: str) -> str | None:
-    """The style of a row's state mark: ``LOST`` and ``RESET`` an error, ``stale 3s`` pending, none unstyled."""
-    return "error" if mark in ("LOST", "RESET") else ("pending" if mark else None)
 
 
 def frame_text(lines: Sequence[str], cols: int, *, first: bool) -> str:

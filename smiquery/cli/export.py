@@ -218,11 +218,9 @@ def export(
 def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
     """Every bad option is a usage error (exit 2) before anything runs; returns the labels and the alert rules.
 
-    The labels and rules are checked by the exporter's own parsers, the web config where it is loaded (run_export).
+    The durations are checked by their parser (seconds_option), the labels and rules by the exporter's own
+    parsers, the web config where it is loaded (run_export).
     """
-    for name in ("interval", "processes_interval", "stale_after", "slurm_interval"):
-        if p[name] is not None and p[name] <= 0:
-            raise invalid(f"--{name.replace('_', '-')}", "must be a positive number of seconds")
     if not p["bind"].strip():
         raise invalid("--bind", "must be an address such as 127.0.0.1")
     try:

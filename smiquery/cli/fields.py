@@ -45,16 +45,13 @@ def fields_cmd(
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
-        from smiquery.cli.display import Column, render, terminal_width, use_color
+        from smiquery.cli.display import Column, render, terminal_size, use_color
         from smiquery.fields import CATALOGUE
 
         form = choose_format(fmt, sys.stdout)
-        if preset is not None:
-            if preset not in PRESETS:
-                raise UsageError(f"--preset: unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
-            chosen: list[Field] = list(resolve_fields(preset))
-        else:
-            chosen = list(CATALOGUE)
+        if preset is not None and preset not in PRESETS:
+            raise UsageError(f"--preset: unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        chosen: list[Field] = list(resolve_fields(preset) if preset is not None else CATALOGUE)
         driver: dict[str, str] | None = None
         if supported:  # names and aliases from --help-query-gpu, with their descriptions
             from smiquery.doctor import driver_fields
@@ -91,7 +88,7 @@ def fields_cmd(
             *(sup if driver is not None else []),
             Column("help"),
         ]
-        text = render(records, form, columns=columns, color=use_color(sys.stdout), width=terminal_width(sys.stdout))
+        text = render(records, form, columns=columns, color=use_color(sys.stdout), width=terminal_size(sys.stdout)[0])
         if table and driver is not None:
             lacking = sum(1 for r in records if not r.get("supported"))
             text += f"\n{lacking} of {len(records)} listed fields are not supported by this driver\n"

@@ -23,7 +23,6 @@ from smiquery.cli.display import (
     drop_order,
     frame_text,
     hidden_note,
-    mark_style,
     paint,
     sample_rows,
     short_title,
@@ -76,96 +75,6 @@ class _Col:
     @property
     def width(self) -> int:
         return max([len(self.title), *map(len, self.cells)])
-
-
-def _columns(
-    samples: Sequence[GpuSample],
-    fields: Sequence[Field],
-    cells: Sequence[Sequence[str]],
-    styles: Sequence[Sequence[str | None]],
-    marks: Sequence[str],
-) -> list[_Col]:
-    names = [f.name for f in fields]
-    merged = "memory.used" in names and "memory.total" in names
-    cols: list[_Col] = []
-    if any(marks):
-        cols.append(_Col("state", "STATE", False, list(marks), [mark_style(m) for m in marks]))
-    for i, f in enumerate(fields):
-        if merged and f.name == "memory.total":
-            continue
-        col = _Col(f.name, short_title(f, live=True), f.kind.is_numeric)
-        col.cells = [row[i] for row in cells]
-        col.styles = [st[i] for st in styles]
-        if f.name == "name":
-            col.cells = [_short_name(c) for c in col.cells]
-        if merged and f.name == "memory.used":
-            t = names.index("memory.total")
-            col.cells = [f"{row[i]}/{row[t]}" for row in cells]
-            col.styles = [st[i] or st[t] for st in styles]
-        cols.append(col)
-        if f.name == "utilization.gpu":
-            cols.append(_Col("bar", "", False, [_bar(s.get(f.name)) for s in samples], list(col.styles)))
-    return cols
-
-
-def _gpu_lines(
-    samples: Sequence[GpuSample],
-    fields: Sequence[Field],
-    cells: Sequence[Sequence[str]],
-    styles: Sequence[Sequence[str | None]],
-    cols: int,
-    *,
-    marks: Sequence[str],
-    procs: Sequence[Sequence[str]] | None = None,
-    uuid: bool = False,
-    paint: Callable[[str, str | None], str] = lambda text, style: text,
-) -> tuple[str, list[list[str]], list[str]]:
-    """The title line, each GPU's lines fitted to ``cols`` (0: any; processes after or under), the fields left out.
-
-    ``marks``: a state per row (a state column when any); ``uuid`` keeps the UUID at under 200 columns.
-    """
-    columns = _columns(samples, fields, cells, styles, marks)
-    if not (uuid or cols <= 0 or cols >= 200):
-        columns = [c for c in columns if c.name != "uuid"]
-    hidden: list[str] = []
-
-    def width(cs: Sequence[_Col]) -> int:
-        return sum(c.width for c in cs) + 2 * (len(cs) - 1)
-
-    for name in drop_order([c.name for c in columns], late=("bar", "name")):
-        if cols <= 0 or width(columns) <= cols or len(columns) <= 1:
-            break
-        columns = [c for c in columns if c.name != name]
-        if name != "bar":
-            hidden += [f.name for f in fields if f.name == name or (name == "memory.used" and f.name == "memory.total")]
-    widths = [c.width for c in columns]
-
-    def line(texts: Sequence[str], styles: Sequence[str | None]) -> str:
-        out = []
-        for c, w, text, st in zip(columns, widths, texts, styles):
-            text = printable(text)
-            out.append(paint(text.rjust(w) if c.right else text.ljust(w), st))
-        return "  ".join(out)
-
-    header = paint(line([c.title for c in columns], [None] * len(columns)).rstrip(), "header")
-    start = width(columns) + 2
-    inline = cols <= 0 or cols - start >= _MIN_PROCS
-    if procs is not None and any(procs) and inline:
-        header = f"{header}  {paint('PROCESSES', 'header')}"
-    rows: list[list[str]] = []
-    for r in range(len(samples)):
-        first = line([c.cells[r] for c in columns], [c.styles[r] for c in columns])
-        labels = [printable(p) for p in procs[r]] if procs is not None and r < len(procs) else []
-        if not labels:
-            rows.append([first.rstrip()])
-            continue
-        indent, room = (start, cols - start) if inline else (4, cols - 4)
-        packed = wrap_parts(labels, room if cols > 0 else 0, sep=" ") or [""]
-        if inline:
-            rows.append([f"{first}  {paint(packed[0], 'dim')}", *(" " * indent + paint(p, "dim") for p in packed[1:])])
-        else:
-            rows.append([first.rstrip(), *(" " * indent + paint(p, "dim") for p in packed)])
-    return header, rows, hidden
 
 
 def _summary_line(samples: Sequence[GpuSample], marks: Sequence[str]) -> str:
@@ -333,23 +242,7 @@ class LiveTable:
             head.append(_summary_line([self._rows[k] for k in keys], [marks[k] for k in keys]))
         view = self.view
         matching = self._ordered([k for k in keys if view.matches(self._words(k))])
-        samples = [self._rows[k] for k in matching]
-        cells, styles = sample_rows(samples, self.fields, cell_state=self._cell_state)
-        for style, k in zip(styles, matching):
-            if marks[k].startswith("stale"):  # old numbers: dimmed, whatever they were
-                style[:] = ["dim"] * len(style)
-        procs = [self._procs.get(k, []) if isinstance(k, int) else [] for k in matching]
-        header, gpu_rows, hidden = _gpu_lines(
-            samples,
-            self.fields,
-            cells,
-            styles,
-            cols,
-            marks=[marks[k] for k in matching],
-            procs=procs if self.show_processes else None,
-            uuid=self.uuid,
-            paint=self._paint,
-        )
+        header, gpu_rows, hidden = self._gpu_lines(matching, marks, cols)
         extra: list[str] = hidden_note(hidden, cols)
         keys_help = "keys ↑↓ PgUp PgDn Home End · sort u/m/t/p/i · / filter"
         extra += wrap_parts([MISSING_LEGEND, keys_help, "Ctrl-C to stop"], cols)
@@ -364,7 +257,7 @@ class LiveTable:
             rows = {k: r[:1] for k, r in rows.items()}
         shown = view.window(matching, room, lambda k: self._trouble(k, marks))
         top = list(head)
-        if samples:
+        if matching:
             top.append(header)
             for k in shown:
                 top += rows[k]
@@ -374,7 +267,9 @@ class LiveTable:
             top.append("waiting for the first sample...")
         where = view.status("GPUs", len(shown), len(matching), len(keys))
         if len(shown) < len(matching):
-            where = where.replace(" GPUs shown", f" GPUs shown ({_ranges(shown)})", 1) + " · PgDn/↓ for more"
+            ints = [k for k in shown if isinstance(k, int)]  # GPU 0-3,7 (other keys as they are)
+            named = ",".join([*([ranges(ints)] if ints else []), *(str(k) for k in shown if not isinstance(k, int))])
+            where = where.replace(" GPUs shown", f" GPUs shown (GPU {named})", 1) + " · PgDn/↓ for more"
         sort = f"sorted by {view.sort}" if view.sort != "index" else ""
         cut = "processes not shown: terminal too short" if procs_cut else ""
         where = " · ".join(x for x in (where, sort, cut) if x)
@@ -385,6 +280,90 @@ class LiveTable:
             top = top[: max(1, limit - len(bottom) - len(extra))]
             lines = (top + bottom + extra)[: max(1, limit)]
         return frame_text(lines, cols, first=not self._started)
+
+    def _columns(self, keys: Sequence[object], marks: Mapping[object, str]) -> list[_Col]:
+        """The columns of GPUs ``keys``: a state column when any has a mark, memory as used/total, a utilization bar."""
+        fields = self.fields
+        samples = [self._rows[k] for k in keys]
+        cells, styles = sample_rows(samples, fields, cell_state=self._cell_state)
+        for style, k in zip(styles, keys):
+            if marks[k].startswith("stale"):  # old numbers: dimmed, whatever they were
+                style[:] = ["dim"] * len(style)
+        states = [marks[k] for k in keys]
+        names = [f.name for f in fields]
+        merged = "memory.used" in names and "memory.total" in names
+        cols: list[_Col] = []
+        if any(states):
+            styles_of = [("error" if m in ("LOST", "RESET") else "pending" if m else None) for m in states]
+            cols.append(_Col("state", "STATE", False, states, styles_of))
+        for i, f in enumerate(fields):
+            if merged and f.name == "memory.total":
+                continue
+            col = _Col(f.name, short_title(f, live=True), f.kind.is_numeric)
+            col.cells = [row[i] for row in cells]
+            col.styles = [st[i] for st in styles]
+            if f.name == "name":
+                col.cells = [_short_name(c) for c in col.cells]
+            if merged and f.name == "memory.used":
+                t = names.index("memory.total")
+                col.cells = [f"{row[i]}/{row[t]}" for row in cells]
+                col.styles = [st[i] or st[t] for st in styles]
+            cols.append(col)
+            if f.name == "utilization.gpu":
+                cols.append(_Col("bar", "", False, [_bar(s.get(f.name)) for s in samples], list(col.styles)))
+        return cols
+
+    def _gpu_lines(
+        self, keys: Sequence[object], marks: Mapping[object, str], cols: int
+    ) -> tuple[str, list[list[str]], list[str]]:
+        """The title line, each GPU's lines fitted to ``cols`` (0: any; processes after or under), the fields left out.
+
+        A state column when any GPU has a mark; the UUID only at 200 columns or more, unless :attr:`uuid`.
+        """
+        fields, paint = self.fields, self._paint
+        procs = [self._procs.get(k, []) if isinstance(k, int) else [] for k in keys] if self.show_processes else None
+        columns = self._columns(keys, marks)
+        if not (self.uuid or cols <= 0 or cols >= 200):
+            columns = [c for c in columns if c.name != "uuid"]
+        hidden: list[str] = []
+
+        def width(cs: Sequence[_Col]) -> int:
+            return sum(c.width for c in cs) + 2 * (len(cs) - 1)
+
+        for name in drop_order([c.name for c in columns], late=("bar", "name")):
+            if cols <= 0 or width(columns) <= cols or len(columns) <= 1:
+                break
+            columns = [c for c in columns if c.name != name]
+            if name != "bar":
+                hidden += [
+                    f.name for f in fields if f.name == name or (name == "memory.used" and f.name == "memory.total")
+                ]
+        widths = [c.width for c in columns]
+
+        def line(texts: Sequence[str], styles: Sequence[str | None]) -> str:
+            out = []
+            for c, w, text, st in zip(columns, widths, texts, styles):
+                text = printable(text)
+                out.append(paint(text.rjust(w) if c.right else text.ljust(w), st))
+            return "  ".join(out)
+
+        header = paint(line([c.title for c in columns], [None] * len(columns)).rstrip(), "header")
+        start = width(columns) + 2
+        inline = cols <= 0 or cols - start >= _MIN_PROCS
+        if procs is not None and any(procs) and inline:
+            header = f"{header}  {paint('PROCESSES', 'header')}"
+        rows: list[list[str]] = []
+        for r in range(len(keys)):
+            first = line([c.cells[r] for c in columns], [c.styles[r] for c in columns])
+            labels = [printable(p) for p in procs[r]] if procs is not None and r < len(procs) else []
+            if not labels:
+                rows.append([first.rstrip()])
+                continue
+            indent, room = (start, cols - start) if inline else (4, cols - 4)
+            packed = [paint(p, "dim") for p in wrap_parts(labels, room if cols > 0 else 0, sep=" ") or [""]]
+            lead, under = ([f"{first}  {packed[0]}"], packed[1:]) if inline else ([first.rstrip()], packed)
+            rows.append([*lead, *(" " * indent + p for p in under)])
+        return header, rows, hidden
 
     def _paint(self, text: str, style: str | None) -> str:
         return paint(text, style, self.color and bool(text))
@@ -414,12 +393,6 @@ SORT_KEYS = {"u": "util", "m": "mem", "t": "temp", "p": "power", "i": "index"}
 
 def _sort_key(key: object) -> tuple[int, str]:
     return (0, f"{key:09d}") if isinstance(key, int) else (1, str(key))
-
-
-def _ranges(keys: Sequence[object]) -> str:
-    """``GPU 0-3,7,9-12`` for GPU indices (other keys are listed as they are)."""
-    ints = [k for k in keys if isinstance(k, int)]
-    return "GPU " + ",".join([*([ranges(ints)] if ints else []), *(str(k) for k in keys if not isinstance(k, int))])
 
 
 def process_label(proc: GpuProcess, user: str | None) -> str:

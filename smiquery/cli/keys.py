@@ -136,13 +136,10 @@ class Viewport:
                 return False
             self.offset = 0
             return True
-        moves = {"up": -1, "down": 1, "pgup": -max(1, self.page), "pgdn": max(1, self.page)}
+        far = 1 << 30  # End: clamped by the next frame
+        moves = {"up": -1, "down": 1, "pgup": -max(1, self.page), "pgdn": max(1, self.page), "home": -far, "end": far}
         if key in moves:
             self.offset = max(0, self.offset + moves[key])
-        elif key == "home":
-            self.offset = 0
-        elif key == "end":
-            self.offset = 1 << 30  # clamped by the next frame
         elif key == "/":
             self.typing, self.filter, self.offset = True, "", 0
         elif key == "esc" and self.filter:

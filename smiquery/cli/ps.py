@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Annotated, Any, Literal, cast
+from typing import IO, TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -30,11 +30,10 @@ from smiquery.cli._signals import END, Failure, Signals, SourceEvent, start_pump
 from smiquery.cli.keys import KEY_HELP, KeyReader, Viewport
 from smiquery.errors import NotSupportedError, NvidiaSmiFailedError, StreamEndedError, UsageError
 from smiquery.retry import RetryPolicy
-from smiquery.sources.pmon import UNSUPPORTED_TEXT, pmon_unsupported, proc_stat
+from smiquery.sources.pmon import pmon_unsupported, proc_stat
 
 if TYPE_CHECKING:
     from smiquery.cli.display import Column
-    from smiquery.runner import LineSource, Runner
     from smiquery.source import StreamEvent
     from smiquery.sources.pmon import PmonRow
 
@@ -118,10 +117,9 @@ class ProcCache:
 
     def lookup(self, pid: int, name: str | None) -> ProcInfo:
         """User and command line of ``pid``; None for what /proc cannot tell or when it is another process."""
-        key = (pid, name)
-        if key not in self._known:
-            self._known[key] = _identity(pid, name) or ProcInfo()
-        return self._known[key]
+        if (pid, name) not in self._known:
+            self._known[pid, name] = _identity(pid, name) or ProcInfo()
+        return self._known[pid, name]
 
     def keep(self, pids: set[tuple[int, str | None]]) -> None:
         """Forget processes no longer listed (their pids may be reused)."""
@@ -138,10 +136,9 @@ PsSort = Literal["sm", "mem", "fb", "pid", "gpu"]
 
 
 def _pmon_reason(exc: BaseException) -> str:
-    """What went wrong, in nvidia-smi's own words: the first line of its output that is no header (``#``) or row.
+    """What went wrong, in nvidia-smi's own words: its first output line that is no header (``#``) or row.
 
-    (pmon's rows hold no ``", "``, so the runner keeps them among the lines it quotes; rows start with blanks or
-    digits.)
+    (The runner keeps pmon's rows among the lines it quotes: they hold no ``", "``; they start with blanks or digits.)
     """
     if isinstance(exc, StreamEndedError) and exc.returncode == 0 and not exc.output.strip():
         return "nvidia-smi pmon ended by itself"
@@ -172,43 +169,6 @@ def _final_error(exc: BaseException) -> BaseException:
             "`smiquery ps` without --watch still lists each process's GPU memory",
         )
     return type(exc)(exc.argv, exc.returncode, exc.output, f"{reason}; {exc.hint}")
-
-
-class _PmonLines:
-    """A pmon child's lines; once it said pmon is unsupported, the end of its output is a NotSupportedError.
-
-    (Some drivers print ``Not supported on the device(s)`` and exit 0 or 255: no failure worth a restart.)
-    """
-
-    def __init__(self, inner: LineSource) -> None:
-        self._inner = inner
-        self._said: str | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)  # argv, pid, idle, closed, interrupt, kill, ...
-
-    def readline(self, timeout: float) -> str | None:
-        """The next line (see :class:`~smiquery.runner.LineSource`)."""
-        try:
-            line = self._inner.readline(timeout)
-        except NvidiaSmiFailedError as exc:
-            if self._said is not None and not isinstance(exc, NotSupportedError):
-                raise NotSupportedError(exc.argv, exc.returncode, exc.output or self._said) from exc
-            raise
-        if line is not None and UNSUPPORTED_TEXT in line.lower():
-            self._said = line.strip()
-        return line
-
-
-def _pmon_runner() -> Runner:
-    """The real runner, with :class:`_PmonLines` around each pmon child."""
-    from smiquery.runner import SubprocessRunner
-
-    class PmonRunner(SubprocessRunner):
-        def lines(self, argv: Sequence[str]) -> LineSource:  # type: ignore[override]
-            return cast("LineSource", _PmonLines(super().lines(argv)))
-
-    return PmonRunner()
 
 
 def _event_line(event: StreamEvent) -> str | None:
@@ -449,15 +409,14 @@ def _gpu_groups(ids: tuple[str, ...] | None, settings: Settings) -> list[tuple[s
 
 def run_watch(
     settings: Settings,
-    *,
     gpus: str | None,
     interval: int,
     count: int | None,
+    duration: float | None,
     sort: str,
     fmt: str | None,
-    duration: float | None = None,
 ) -> int:
-    """Run ``ps --watch`` until ``count`` refreshes (``interval`` s apart), ``duration``, a signal or a fault.
+    """Run ``ps --watch`` until ``count`` refreshes (``interval`` s apart), ``duration`` s, a signal or a fault.
 
     Returns the exit code (0, 130, 143). Raises the SmiqueryError when pmon is unsupported, or failed before the
     first refresh in a way a restart cannot fix; later failures are retried under the stream's policy.
@@ -479,7 +438,6 @@ def run_watch(
             # interactive: a fault before the first refresh ends the command with its typed error
             retry=RetryPolicy(fail_fast=True),
             on_event=lambda ev: items.put(SourceEvent(ev)),
-            runner=_pmon_runner(),
         )
         for group in _gpu_groups(ids, settings)
     ]
@@ -623,15 +581,8 @@ def ps(
     settings = settings_of(ctx)
     with boundary(settings.debug):
         if watch:
-            code = run_watch(
-                settings,
-                gpus=gpus,
-                interval=pmon_interval(interval),
-                count=count,
-                duration=parse_seconds(duration, "--duration") if duration is not None else None,
-                sort=sort or "sm",
-                fmt=fmt,
-            )
+            stop_after = parse_seconds(duration, "--duration") if duration is not None else None
+            code = run_watch(settings, gpus, pmon_interval(interval), count, stop_after, sort or "sm", fmt)
             if code:
                 raise typer.Exit(code)
             return
@@ -683,8 +634,7 @@ def ps(
 def pmon_interval(text: str | None) -> int:
     """``--interval`` as pmon takes it: whole seconds, 1 to 10 (shorter or fractional: rounded up, with a note).
 
-    Raises:
-        UsageError: not a duration, or longer than 10 s.
+    A UsageError for no duration or one over 10 s.
     """
     if text is None:
         return 1

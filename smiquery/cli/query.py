@@ -26,13 +26,9 @@ FAST_GLOBAL = {"--nvidia-smi": "nvidia_smi", "--timeout": "timeout"}
 FAST_GLOBAL_FLAGS = {"--debug": "debug"}
 #: Value options of ``query``.
 FAST_QUERY = {
-    "--fields": "fields",
-    "-f": "fields",
-    "--gpus": "gpus",
-    "--id": "gpus",
-    "-i": "gpus",
-    "--format": "fmt",
-    "-F": "fmt",
+    **dict.fromkeys(("--fields", "-f"), "fields"),
+    **dict.fromkeys(("--gpus", "--id", "-i"), "gpus"),
+    **dict.fromkeys(("--format", "-F"), "fmt"),
 }
 _FORMATS = get_args(Format)
 
@@ -43,12 +39,12 @@ def run_query(settings: Settings, fields: str | None, gpus: str | None, fmt: For
         flds = parse_fields(fields)
         ids = parse_gpus(gpus)
         form = choose_format(fmt, sys.stdout)
-        from smiquery.cli.display import render, terminal_width, use_color
+        from smiquery.cli.display import render, terminal_size, use_color
         from smiquery.sources.query_gpu import query
 
         with warnings_as_lines(), gpu_ids_checked(ids, settings):
             samples = query(flds, gpus=ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
-        text = render(samples, form, fields=flds, color=use_color(sys.stdout), width=terminal_width(sys.stdout))
+        text = render(samples, form, fields=flds, color=use_color(sys.stdout), width=terminal_size(sys.stdout)[0])
         sys.stdout.write(text)
         sys.stdout.flush()
 

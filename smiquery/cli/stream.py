@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -41,13 +41,13 @@ from smiquery.retry import RetryPolicy
 if TYPE_CHECKING:
     from smiquery.alerts import AlertEvaluator, Notifier, Rule
     from smiquery.cli.gpuview import LiveTable
-    from smiquery.recordings import ParquetDataset, SampleWriter, TextRecorder
+    from smiquery.recordings import SampleWriter
     from smiquery.sample import GpuSample
     from smiquery.source import SampleSource, StreamEvent, Sweep
     from smiquery.sources.latest import Latest
-    from smiquery.sources.xid import XidEvent, XidWatcher
+    from smiquery.sources.xid import XidEvent
 
-__all__ = ["EventPrinter", "XidNotes", "open_output", "parse_rotate", "recording_options", "reopen_on_hup", "stream"]
+__all__ = ["EventPrinter", "XidNotes", "parse_rotate", "recording_options", "reopen_on_hup", "stream"]
 
 
 class EventPrinter:
@@ -101,14 +101,23 @@ class EventPrinter:
 class XidNotes:
     """``--kernel-log``: a writer keeping each GPU's newest sample, that turns the kernel log's Xids into lines.
 
-    nvidia-smi never reports Xids; an Xid names its GPU by the PCI address of a sample. Closing stops following.
+    nvidia-smi never reports Xids; an Xid names its GPU by the PCI address of a sample. It follows ``path`` from its
+    end (KernelLogError when it cannot be opened) until closed.
     """
 
-    def __init__(self, note: Callable[[str], None]) -> None:
+    def __init__(self, note: Callable[[str], None], path: str) -> None:
+        from smiquery.sources.xid import XidWatcher
+
         self.note = note
         self._gpus: dict[str, GpuSample] = {}  # PCI address -> the newest sample from there
-        self._watcher: XidWatcher | None = None
         self._lock = threading.Lock()
+        self._watcher = XidWatcher(
+            path,
+            on_event=self._event,
+            on_error=self._failed,
+            from_start=False,
+            on_refused=lambda text: note(f"smiquery: {text}"),
+        ).start()
 
     def write(self, sample: GpuSample) -> None:
         """Remember the GPU at the sample's PCI address."""
@@ -127,23 +136,9 @@ class XidNotes:
     def _failed(self, exc: BaseException, _opened: bool) -> None:
         self.note(f"smiquery: reading the kernel log stopped ({exc}); the stream goes on without Xid errors")
 
-    def start(self, path: str) -> None:
-        """Follow ``path`` from its end (raises KernelLogError when it cannot be opened)."""
-        from smiquery.sources.xid import XidWatcher
-
-        self._watcher = XidWatcher(
-            path,
-            on_event=self._event,
-            on_error=self._failed,
-            from_start=False,
-            on_refused=lambda text: self.note(f"smiquery: {text}"),
-        ).start()
-
     def close(self) -> None:
         """Stop following."""
-        if self._watcher is not None:
-            self._watcher.close()
-            self._watcher = None
+        self._watcher.close()
 
 
 _TICK = 0.1  # seconds the main thread waits for a sweep before it looks at the clock, signals and the table
@@ -167,17 +162,13 @@ class _Run:
     check_error: Callable[[BaseException], BaseException | None] | None = None
     sweeps: int = 0
     last_draw: float = 0.0
-    #: where alert events also go (``--on-alert``), behind the evaluator
-    notifier: Notifier | None = None
+    notifier: Notifier | None = None  # --on-alert
     #: live: alert holds are timed by the sweeps' monotonic arrival, not the timestamps (a replay has only those)
     live_time: bool = False
-    #: polls the processes under each GPU for the live table
     processes: Latest[dict[int, list[str]]] | None = None
-    #: what the reader thread hands over: sweeps, source events, keys, the end
     items: queue.SimpleQueue[object] = field(default_factory=queue.SimpleQueue)
     code: int = 0
-    #: the failure to raise once the outputs are closed
-    failure: BaseException | None = None
+    failure: BaseException | None = None  # raised once the outputs are closed
 
     def __post_init__(self) -> None:
         self.events = EventPrinter(self.note)
@@ -204,17 +195,14 @@ class _Run:
         with Signals() as sigs, keys:
             try:
                 for w in self.writers:  # a recording has its header even if it ends before its first row
-                    header = getattr(w, "header", None)
-                    if header is not None:
-                        header()
+                    getattr(w, "header", lambda: None)()
                 thread = start_pump(self.source.sweeps, self.items, name="smiquery-pump", stop=stop)
                 if self.live is not None:
-                    self.live.redraw(self.stats())
+                    self.draw(self.live)
                 while self.step(sigs, deadline, count):
                     pass
             except BrokenPipeError:
                 quiet_stdout()
-                self.code = 0
             finally:
                 sigs.closing = True  # from here on a signal changes nothing: the outputs are finished first
                 stop.set()
@@ -230,22 +218,16 @@ class _Run:
             raise self.failure
         return self.code
 
-    def stats(self) -> dict[str, object]:
-        """The source's counters (a copy: its thread goes on) with this run's sweeps, for the live table's footer."""
-        return {**dataclasses.asdict(self.source.stats), "sweeps": self.sweeps}
-
     def draw(self, live: LiveTable) -> None:
-        live.redraw(self.stats())
+        """Redraw, the footer showing the source's counters (a copy: its thread goes on) and this run's sweeps."""
+        live.redraw({**dataclasses.asdict(self.source.stats), "sweeps": self.sweeps})
         self.last_draw = time.monotonic()
 
     def step(self, sigs: Signals, deadline: float | None, count: int | None) -> bool:
         """Take one item from the reader (or redraw while none comes); False when the loop ends."""
-        if sigs.signum is not None:
-            self.code = sigs.exit_code
-            return False
         wait = _TICK if deadline is None else min(_TICK, deadline - time.monotonic())
-        if wait <= 0:
-            return False
+        if sigs.signum is not None or wait <= 0:
+            return False  # pump() sets the signal's exit code
         try:
             item = self.items.get(timeout=wait)
         except queue.Empty:
@@ -310,8 +292,19 @@ class _Run:
 
             now = arrival(sweep)
         fired = False
-        for sample in sweep:
-            fired = self.take_sample(sample, now) or fired
+        for sample in sweep:  # written everywhere, then its alerts evaluated (``now``: its arrival, live)
+            for w in self.writers:
+                w.write(sample)
+            if self.notifier is not None:
+                self.notifier.observe(sample)
+            for ev in self.evaluator.update(sample, now) if self.evaluator is not None else ():
+                if self.notifier is not None:
+                    self.notifier.dispatch(ev, {"source": "smiquery stream"})
+                if self.live is not None:
+                    self.live.note(ev)
+                if self.live is None or not self.events_in_footer:
+                    say(f"smiquery: {ev.message()}")
+                fired = fired or ev.state == "firing"
         self.sweeps += 1
         if self.processes is not None:
             self.processes.start()  # once, with the first sweep: its nvidia-smi calls do not slow the start
@@ -325,28 +318,6 @@ class _Run:
             sys.stdout.write("\n".join(sample_table(list(sweep), self.fields, color=use_color(sys.stdout))) + "\n\n")
             sys.stdout.flush()
         return fired
-
-    def take_sample(self, sample: GpuSample, now: float | None) -> bool:
-        """Write one sample everywhere and evaluate the alerts (``now``: its arrival, live); True if one fired."""
-        for w in self.writers:
-            w.write(sample)
-        fired = False
-        if self.evaluator is not None:
-            if self.notifier is not None:
-                self.notifier.observe(sample)
-            for ev in self.evaluator.update(sample, now):
-                if self.notifier is not None:
-                    self.notifier.dispatch(ev, {"source": "smiquery stream"})
-                if self.live is not None:
-                    self.live.note(ev)
-                if self.live is None or not self.events_in_footer:
-                    say(f"smiquery: {ev.message()}")
-                fired = fired or ev.state == "firing"
-        return fired
-
-
-# What names a GPU in an Xid line: the kernel log gives only the PCI address.
-_XID_FIELDS = ("index", "uuid", "pci.bus_id")
 
 
 _EPILOG = """\b
@@ -520,7 +491,7 @@ def stream(
         if kernel_log and replay is not None:
             raise UsageError("--kernel-log goes with a live stream, not --replay: the kernel log is this machine's now")
         if kernel_log:  # the Xid lines name the GPU at the PCI address the kernel gives
-            rule_fields = (*rule_fields, *(get_field(n) for n in _XID_FIELDS))
+            rule_fields = (*rule_fields, *(get_field(n) for n in ("index", "uuid", "pci.bus_id")))
         ids = parse_gpus(gpus)
         record = recording_options(
             output, force=force, append=append, rotate=rotate, keep=keep, flush_every=flush_every
@@ -541,15 +512,22 @@ def stream(
             flds, title = source.fields, f"smiquery stream · every {seconds:g} s · {source.argv[0]}"
         run = _open_outputs(source, flds, fmt, title, rules, stale_after=max(5.0, 3 * seconds))
         run.exit_on_alert = exit_on_alert
-        if output is not None:
-            run.writers.insert(0, open_output(output, flds, record, run.note, [str(r) for r in rules]))
+        if output is not None:  # the recorder, every failure one line naming the file
+            from smiquery.recordings import open_recording
+
+            try:
+                recorder = open_recording(output, flds, say=run.note, rules=[str(r) for r in rules], **record)
+            except OSError as exc:
+                why = (exc.strerror or str(exc)).lower()
+                raise SmiqueryError(f"cannot write {output}: {why}; choose another --output") from None
+            except RuntimeError as exc:
+                raise SmiqueryError(str(exc)) from None
+            run.writers.insert(0, recorder)
         if run.live is not None and fields is not None and "uuid" in (f.strip() for f in fields.split(",")):
             run.live.uuid = True  # asked for: shown at any width
         if kernel_log:
-            notes = XidNotes(run.note)
             try:
-                notes.start(kernel_log)
-                run.writers.append(notes)  # closed with them
+                run.writers.append(XidNotes(run.note, kernel_log))  # closed with them
             except KernelLogError as exc:
                 run.note(f"smiquery: {exc}; the stream goes on without Xid errors")
         run.live_time = replay is None
@@ -602,7 +580,7 @@ def _open_replay(
 ) -> tuple[SampleSource, tuple[Field, ...], str]:
     """``--replay``: the recording as a source, its fields, and the live table's title."""
     from smiquery.cli.analysis import check_zone
-    from smiquery.errors import RecordingError, ReplayError
+    from smiquery.errors import ReplayError
     from smiquery.recordings import Replay, csv_header, detect_format
     from smiquery.recordings.recorder import META_SUFFIX, read_meta
 
@@ -616,9 +594,10 @@ def _open_replay(
                 "in order with --fields, e.g. --fields timestamp,index,utilization.gpu"
             )
         columns = [f.name for f in parse_fields(fields)]
+    common: dict[str, Any] = {"speed": speed, "gpus": ids, "loop": loop, "tz": tz}
     if wanted is None:
         # What `stream --output` recorded; else the default preset when the recording has it, else every column.
-        probe = Replay(path, speed=speed, gpus=ids, loop=loop, tz=tz)
+        probe = Replay(path, **common)
         have = {f.name for f in probe.recorded_fields}
         default = parse_fields("default", rule_fields)
         made = read_meta(f"{path}{META_SUFFIX}").get("fields")  # what `stream --output` recorded, if it made it
@@ -631,15 +610,7 @@ def _open_replay(
             if lacking:
                 raise ReplayError(f"recording {path} has no {', '.join(lacking)} for --alert")
     try:
-        replayed = Replay(
-            path,
-            speed=speed,
-            fields=[f.name for f in wanted] if wanted is not None else None,
-            gpus=ids,
-            loop=loop,
-            columns=columns,
-            tz=tz,
-        )
+        replayed = Replay(path, fields=[f.name for f in wanted] if wanted else None, columns=columns, **common)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     title = f"smiquery stream · replay {path.name} at {speed:g}x" if speed else f"replay {path.name}"
@@ -671,17 +642,15 @@ def _open_outputs(
     elif form == "jsonl":
         writers.append(JsonlWriter(out, flush=True))
     elif is_tty(out):
-        health = AlertEvaluator([Rule.parse(r) for r in (*BUILTIN_RULES, *_LIVE_HEALTH)])
+        # health colours without any --alert: the built-in rules, uncorrected ECC errors, pending pages
+        live_health = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pending == Yes")
+        health = AlertEvaluator([Rule.parse(r) for r in (*BUILTIN_RULES, *live_health)])
         live = LiveTable(
             out, flds, title=title, color=use_color(out), evaluator=evaluator, health=health, stale_after=stale_after
         )
     # stderr on the live table's terminal: a line there would tear the table, so events go to its footer
     in_footer = live is not None and is_tty(sys.stderr)
     return _Run(source, writers, live, form == "table" and live is None, flds, evaluator, events_in_footer=in_footer)
-
-
-# Health colours the live table shows without any --alert: the built-in rules, uncorrected ECC errors, pending pages.
-_LIVE_HEALTH = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pending == Yes")
 
 
 def _live_processes(
@@ -713,7 +682,6 @@ def _live_processes(
 @app.command("record", hidden=True, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def record(ctx: typer.Context) -> None:
     """Not a command: recording is ``smiquery stream --output FILE``; says so, with the arguments given."""
-    from smiquery.cli._boundary import boundary
     from smiquery.printable import printable
 
     args = [printable(a) for a in ctx.args]
@@ -762,24 +730,6 @@ def recording_options(
         "keep": keep,
         "flush_every": 0.0 if text in ("0", "0s") or output is None else parse_seconds(text, "--flush-every"),
     }
-
-
-def open_output(
-    output: Path, fields: Sequence[Field], options: Mapping[str, Any], say: Callable[[str], None], rules: Sequence[str]
-) -> TextRecorder | ParquetDataset:
-    """The recorder for ``--output``, every failure one line naming the file; ``rules`` are recorded beside it."""
-    from smiquery.recordings import open_recording
-
-    try:
-        return open_recording(output, fields, say=say, rules=rules, **options)
-    except (UsageError, RecordingError):
-        raise
-    except OSError as exc:
-        raise SmiqueryError(
-            f"cannot write {output}: {(exc.strerror or str(exc)).lower()}; choose another --output"
-        ) from None
-    except RuntimeError as exc:
-        raise SmiqueryError(str(exc)) from None
 
 
 @contextlib.contextmanager

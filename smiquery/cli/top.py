@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import io
 import json
 import queue
 import signal
@@ -101,16 +100,13 @@ def render_screen(
     return [clip(x, cols) for x in out] if cols > 0 else out
 
 
-def _csv(gpus: Sequence[FleetGpu]) -> str:
+def _write_csv(gpus: Sequence[FleetGpu]) -> None:
     from smiquery.fleet.instant import COLUMNS
 
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
+    w = csv.writer(sys.stdout, lineterminator="\n")
     w.writerow(COLUMNS)
-    for g in gpus:
-        d = g.to_dict()
+    for d in (g.to_dict() for g in gpus):
         w.writerow(["" if d[c] is None else (";".join(d[c]) if c == "alerts" else d[c]) for c in COLUMNS])
-    return buf.getvalue()
 
 
 @app.command(epilog=_EPILOG)
@@ -205,7 +201,7 @@ def top(
                         if fmt == "json":
                             sys.stdout.write(json.dumps([g.to_dict() for g in gpus], indent=None if live else 2) + "\n")
                         elif fmt == "csv":
-                            sys.stdout.write(_csv(gpus))
+                            _write_csv(gpus)
                         else:
                             stamp = time.strftime("%H:%M:%S", time.localtime(when) if when else time.localtime())
                             title = f"smiquery top  {client.url}  {stamp}" + ("  (idle only)" if idle else "")
@@ -241,14 +237,8 @@ def _show(gpus: Sequence[FleetGpu], title: str, total: int, error: str, view: Vi
 def _wait(keys: queue.SimpleQueue[str], view: Viewport, sigs: Signals, interval: float) -> bool:
     """Wait ``interval`` seconds for a key; True when one changed the view (redraw now), False when time is up."""
     end = time.monotonic() + interval
-    while sigs.signum is None:
-        left = end - time.monotonic()
-        if left <= 0:
-            return False
-        try:
-            key = keys.get(timeout=min(left, 0.1))
-        except queue.Empty:
-            continue
-        if view.key(key):
-            return True
+    while sigs.signum is None and (left := end - time.monotonic()) > 0:
+        with contextlib.suppress(queue.Empty):
+            if view.key(keys.get(timeout=min(left, 0.1))):
+                return True
     return False
