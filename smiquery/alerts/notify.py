@@ -11,12 +11,9 @@ import json
 import logging
 import os
 import re
-import shutil
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -24,8 +21,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from smiquery._log import get_logger
 from smiquery.alerts.rules import AlertEvaluator, AlertEvent, Rule, event_payload
-from smiquery.fields import resolve_fields
-from smiquery.sources.query_gpu import format_row, header_line
 
 if TYPE_CHECKING:
     from smiquery.runner import Runner
@@ -206,6 +201,9 @@ class WebhookHandler:
             self._post(body)
 
     def _post(self, body: bytes) -> None:
+        import urllib.error
+        import urllib.request
+
         request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
@@ -512,6 +510,9 @@ def _run(runner: Runner, argv: Sequence[str], timeout: float, out: Path, max_byt
 
 def _samples_csv(samples: Sequence[GpuSample], max_bytes: int) -> str:
     """The samples as an nvidia-smi CSV recording, newest rows kept when it would exceed ``max_bytes``."""
+    from smiquery.fields import resolve_fields
+    from smiquery.sources.query_gpu import format_row, header_line
+
     if not samples:
         return ""
     names = samples[-1].fields
@@ -571,6 +572,8 @@ def take_snapshot(
     ``<file>.error.txt`` saying why. ``runner`` runs nvidia-smi (default a real subprocess). Raises OSError when the
     folder cannot be created or written (a full disk), leaving nothing behind (no empty folder, no cut ``alert.json``).
     """
+    import shutil
+
     from smiquery.runner import default_runner, find_nvidia_smi  # subprocess, only once a snapshot is taken
 
     folder = _folder(directory, event)
