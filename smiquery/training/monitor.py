@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from smiquery._log import get_logger
 from smiquery.alerts import BUILTIN_RULES, STALL, AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
@@ -145,22 +145,22 @@ class Totals:
     memory: dict[int, MemoryView] = field(default_factory=dict)
 
 
-class Output(Protocol):
-    """What a run feeds besides its logs (a recording, the job's metrics, the kernel log's Xid alerts).
+class Output:
+    """What a run feeds besides its logs (a recording, the job's metrics, the kernel log's Xid alerts): a base class.
 
     Opened with each run, fed each sweep's samples of the watched GPUs on the reading thread, closed with the run;
     it says its failures through :meth:`RunMonitor.say`, never raises. ``fields``: what it needs streamed.
     """
 
-    fields: tuple[str, ...]
+    fields: tuple[str, ...] = ()
 
     def open(self, monitor: RunMonitor) -> None:
         """Start feeding ``monitor``'s run."""
 
     def take(self, samples: Sequence[GpuSample]) -> None:
-        """One sweep's samples of the watched GPUs."""
+        """One sweep's samples of the watched GPUs (by default ignored)."""
 
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         """Stop; idempotent."""
 
 
@@ -748,50 +748,42 @@ class RunMonitor:
         """
         began = time.monotonic()
         if self._pid != os.getpid():
-            # a forked child (a data-loader worker): let go of the parent's run, which closing would end under it
-            self._source = self._reader = self._worker = self._notifier = self._order_check = None
-            self._opened = ()
-            self._share = None
-            self._pid = os.getpid()
-            OPEN_MONITORS.discard(self)
+            self._reset()  # a forked child (a data-loader worker): let go of the parent's run, closing would end it
             return
         with self._closing:
             idle = not self._opened and all(x is None for x in (self._source, self._reader, self._worker))
             if idle and not (self._share is not None and self._share.open):
                 return  # nothing open: keep the last run's cost figures
-            self._close_locked(timeout)
+            self._stop.set()
+            self._pos = self._pos._replace(phase="done")
+            source, self._source = self._source, None
+            if source is not None:
+                try:
+                    source.close(timeout)
+                except Exception:
+                    log.exception("smiquery: stopping nvidia-smi failed")
+            check, self._order_check = self._order_check, None
+            if check is not None:
+                check.close(timeout)
+            if self._share is not None:
+                self._share.close(timeout)
+                self.cost["pmon_cpu"] = self._share.cpu
+            reader, self._reader = self._reader, None
+            if reader is not None and reader is not threading.current_thread():
+                reader.join(timeout)
+            worker, self._worker = self._worker, None
+            if worker is not None:  # the handlers finish the queued events, within about three seconds
+                with contextlib.suppress(queue.Full):
+                    self._events.put(None, timeout=1.0)
+                if worker is not threading.current_thread():
+                    worker.join(2.0)
+            opened, self._opened = self._opened, ()
+            for out in opened:
+                out.close(timeout)
+            if self._notifier is not None:
+                self._notifier.close(timeout=2.0)
+            OPEN_MONITORS.discard(self)
         self.cost["close"] = time.monotonic() - began
-
-    def _close_locked(self, timeout: float) -> None:
-        self._stop.set()
-        self._pos = self._pos._replace(phase="done")
-        source, self._source = self._source, None
-        if source is not None:
-            try:
-                source.close(timeout)
-            except Exception:
-                log.exception("smiquery: stopping nvidia-smi failed")
-        check, self._order_check = self._order_check, None
-        if check is not None:
-            check.close(timeout)
-        if self._share is not None:
-            self._share.close(timeout)
-            self.cost["pmon_cpu"] = self._share.cpu
-        reader, self._reader = self._reader, None
-        if reader is not None and reader is not threading.current_thread():
-            reader.join(timeout)
-        worker, self._worker = self._worker, None
-        if worker is not None:  # the handlers finish the queued events, within about three seconds
-            with contextlib.suppress(queue.Full):
-                self._events.put(None, timeout=1.0)
-            if worker is not threading.current_thread():
-                worker.join(2.0)
-        opened, self._opened = self._opened, ()
-        for out in opened:
-            out.close(timeout)
-        if self._notifier is not None:
-            self._notifier.close(timeout=2.0)
-        OPEN_MONITORS.discard(self)
 
     def __enter__(self) -> RunMonitor:
         return self.start() if self._source is None and not self.running else self

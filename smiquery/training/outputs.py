@@ -30,13 +30,11 @@ __all__ = ["METRICS_KEYWORDS", "JobMetrics", "KernelLog", "Recording", "XidAlert
 log = get_logger("smiquery.training.outputs")
 
 
-class Recording:
+class Recording(Output):
     """Every sample of the watched GPUs written to ``path`` (``.csv``, ``.jsonl``, ``.parquet``) for each run.
 
     ``smiquery report`` and ``smiquery plot`` read it. A failure is said once and the run goes on unrecorded.
     """
-
-    fields: tuple[str, ...] = ()
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = path
@@ -77,7 +75,7 @@ class Recording:
                 log.exception("smiquery: closing the recording failed")
 
 
-class JobMetrics:
+class JobMetrics(Output):
     """The job's own metrics, served on ``metrics_port`` and/or pushed to ``pushgateway`` for each run (an output).
 
     Computed from the monitor's :class:`~smiquery.training.monitor.Totals` at scrape (or push) time, so that a step
@@ -87,8 +85,6 @@ class JobMetrics:
     run closes. A failure to serve or push is said once and training goes on. Raises ValueError for an invalid
     ``metrics_port`` or ``pushgateway``, WebConfigError for an invalid web-config file.
     """
-
-    fields: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -146,9 +142,6 @@ class JobMetrics:
                 target=self._push_loop, args=(monitor, self.pushgateway), name="smiquery-monitor-push", daemon=True
             )
             self._pusher.start()
-
-    def take(self, samples: Sequence[GpuSample]) -> None:
-        """Nothing: the metrics read the run's counters when scraped or pushed."""
 
     def _serve(self, port: int) -> None:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -304,7 +297,7 @@ class XidAlert(AlertEvent):
         }
 
 
-class KernelLog:
+class KernelLog(Output):
     """The kernel log at ``path`` (``/dev/kmsg``, ``/var/log/kern.log``) followed from its end while a run goes on.
 
     Each Xid on a watched GPU becomes an :class:`XidAlert` that the run keeps and hands to the handlers like a fired
@@ -330,9 +323,6 @@ class KernelLog:
             self._watcher = XidWatcher(self.path, on_event=on_event, on_error=failed, from_start=False).start()
         except KernelLogError as exc:
             monitor.say(f"{exc}: Xid errors are not reported to this run")
-
-    def take(self, samples: Sequence[GpuSample]) -> None:
-        """Nothing: the watcher reads the run's newest samples when an Xid comes."""
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop following."""
