@@ -276,11 +276,6 @@ class Notifier:
         observers = (getattr(h, "observe", None) for h in self.handlers)
         self._observers: tuple[Callable[[Any], object], ...] = tuple(o for o in observers if callable(o))
 
-    @property
-    def rules(self) -> tuple[Rule, ...]:
-        """The rules evaluated."""
-        return self.evaluator.rules
-
     def evaluate(self, sample: Any, now: float | None = None) -> list[AlertEvent]:
         """Feed one sample (arrived at monotonic ``now``, see :meth:`update`); the events it caused, not dispatched."""
         try:
@@ -307,8 +302,7 @@ class Notifier:
         ``context``: facts for the handlers, or a function computing them (called only when an event happens);
         ``now``: a live sample's arrival, ``time.monotonic()``, None for a recording.
         """
-        if self._observers:
-            self.observe(sample)
+        self.observe(sample)
         events = self.evaluate(sample, now)
         if events:
             ctx: Context | None

@@ -65,8 +65,6 @@ class _Acc:
 class EpochAccumulator:
     """The running sums of one epoch for the ``summary`` triples: per GPU and field count/sum/max, joules, sweeps."""
 
-    __slots__ = ("accs", "joules", "summary", "sweeps")
-
     def __init__(self, summary: Sequence[tuple[str, str, str]]) -> None:
         self.summary = summary
         self.accs: dict[int, dict[str, _Acc]] = {}
@@ -128,8 +126,6 @@ class EnergySplitter:
     of the last epoch logged (:attr:`held`: for how long). A step back in the timestamps counts 0, a jump over
     ``max(3 * interval, 5 s)`` one ``interval``.
     """
-
-    __slots__ = ("began", "cap", "credited", "held", "interval", "last", "marks", "watts")
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
