@@ -260,7 +260,7 @@ class RunMonitor:
         self._reader: threading.Thread | None = None
         self._worker: threading.Thread | None = None  # the alert handlers', behind a bounded queue
         self._events: _Events = queue.Queue(_EVENT_QUEUE)
-        self._notifier: Notifier | None = None
+        self._notifier = Notifier(self.rules, self.handlers)
         self._opened: tuple[Output, ...] = ()
         self._devices = self._cuda = VisibleDevices(None)
         self._unsure = self._moved = False  # indices in CUDA's default order, checked by _order_check
@@ -323,7 +323,6 @@ class RunMonitor:
         self.close()
         self._reset()
         try:
-            self._notifier = Notifier(self.rules, self.handlers)
             self._cuda = visible_devices(self._env)
             self._devices = self._cuda if self.gpus_override is None else VisibleDevices(self.gpus_override)
             if self._devices.note:
@@ -504,8 +503,6 @@ class RunMonitor:
             self.cost["first_data"] = now - self._started_at
             self._first.set()
         notifier = self._notifier
-        if notifier is None:
-            return
         for s in chosen:
             notifier.observe(s)
             for event in notifier.evaluate(s, now):
@@ -526,9 +523,7 @@ class RunMonitor:
     def _dispatch(self, events: _Events, cost: dict[str, float]) -> None:
         try:
             while (item := events.get()) is not None:
-                notifier = self._notifier
-                if notifier is not None:
-                    notifier.dispatch(*item)
+                self._notifier.dispatch(*item)
         finally:
             cost["worker_cpu"] = time.thread_time()
 
@@ -780,8 +775,7 @@ class RunMonitor:
             opened, self._opened = self._opened, ()
             for out in opened:
                 out.close(timeout)
-            if self._notifier is not None:
-                self._notifier.close(timeout=2.0)
+            self._notifier.close(timeout=2.0)
             OPEN_MONITORS.discard(self)
         self.cost["close"] = time.monotonic() - began
 
