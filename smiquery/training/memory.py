@@ -152,8 +152,7 @@ class TorchMemory:
         ]
 
 
-#: PyTorch's memory view, for ``framework=`` of :func:`~smiquery.training.watch.watch` (torch is imported only when
-#: it is read).
+#: PyTorch's memory view, for ``framework=`` of :func:`~smiquery.training.watch.watch` (imports torch when read).
 torch_memory = TorchMemory
 
 

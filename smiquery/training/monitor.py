@@ -68,8 +68,7 @@ _ALWAYS = ("index", "uuid", "timestamp", *SUMMARY_FIELDS)
 _EVENT_QUEUE = 1000
 _Events = queue.Queue[tuple[AlertEvent, dict[str, Any]] | None]
 
-#: Seconds of ``smiquery report``'s stall condition after which the training monitor alerts: long enough to ignore a
-#: checkpoint or an evaluation pass, short enough to be useful during a run.
+#: Seconds of ``smiquery report``'s stall condition after which the training monitor alerts (beyond a checkpoint).
 TRAINING_STALL_SECONDS = 60.0
 
 
@@ -78,8 +77,7 @@ def stall_rule(seconds: float = TRAINING_STALL_SECONDS) -> str:
     return f"utilization.gpu < {STALL.utilization:g} for {seconds:g}s while memory.used >= {STALL.busy_memory_mib:g}"
 
 
-#: The default rules of a training monitor: the built-in health rules, the fleet's 30-minute idle rule replaced by
-#: :func:`stall_rule`.
+#: The default rules of a training monitor: the built-in health rules, the 30-minute idle rule as :func:`stall_rule`.
 TRAINING_RULES: tuple[str, ...] = (*(r for r in BUILTIN_RULES if not r.startswith("utilization.gpu <")), stall_rule())
 
 
@@ -235,8 +233,7 @@ class RunMonitor:
     def _reset(self) -> None:
         #: the alerts of the current (or last) run, with their training position
         self.alerts: list[TrainingAlert] = []
-        #: per epoch, the keys added to the logs (corrected by late sweeps); the first one's ``energy_held_back_s``:
-        #: how long nvidia-smi's first sample's power stands for the time before it
+        #: per epoch, the keys added to the logs (corrected by late sweeps, the first with ``energy_held_back_s``)
         self.epochs: list[dict[str, float]] = []
         #: counters of the run (steps, samples, data wait, energy): what the metrics report
         self.totals = Totals()
@@ -484,8 +481,7 @@ class RunMonitor:
             for s in chosen:
                 idx = s.index
                 assert idx is not None
-                # energy integrates over nvidia-smi's own timestamps (two sweeps delivered together are still an
-                # interval apart), the arrival without them
+                # energy integrates over nvidia-smi's own timestamps (sweeps delivered together are still apart)
                 ts = s.timestamp
                 wall = ts.timestamp() if ts is not None else now + self._wall_offset
                 self._last_t[idx] = now
@@ -552,8 +548,7 @@ class RunMonitor:
         with self._lock:
             self._energy.mark(time.time(), epoch)
         self._pos = Position(epoch, 0, self._pos.step, "train")
-        # the time up to the first step counts as data wait (the loader's first fetch); the gap since the
-        # previous epoch's last step (validation, checkpoints) does not
+        # the time up to the first step is data wait (the loader's first fetch), not the gap since the last epoch
         self._step_end = time.perf_counter()
 
     def step_begin(self) -> None:
