@@ -11,12 +11,9 @@ import json
 import logging
 import os
 import re
-import shutil
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -24,8 +21,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from smiquery._log import get_logger
 from smiquery.alerts.rules import AlertEvaluator, AlertEvent, Rule, event_payload
-from smiquery.fields import resolve_fields
-from smiquery.sources.query_gpu import format_row, header_line
 
 if TYPE_CHECKING:
     from smiquery.runner import Runner
@@ -50,10 +45,7 @@ Context = Mapping[str, Any]
 
 @runtime_checkable
 class AlertHandler(Protocol):
-    """Something that takes an alert event and the context it happened in (epoch, batch, ...).
-
-    A handler must not block for long and must not raise; :class:`Notifier` guards it anyway.
-    """
+    """Something that takes an alert event and its context (epoch, batch...); it should neither block nor raise."""
 
     def __call__(self, event: AlertEvent, context: Context) -> None:
         """Handle one event."""
@@ -73,10 +65,7 @@ class LogHandler:
 
 
 class CallbackHandler:
-    """Calls ``fn(event, context)`` for each event; an exception from ``fn`` is logged and counted, never raised.
-
-    ``fn`` runs in the thread that evaluated the sample, so it should return quickly.
-    """
+    """Calls ``fn(event, context)`` for each event (on the caller's thread); what it raises is logged and counted."""
 
     def __init__(self, fn: Callable[[AlertEvent, Context], object]) -> None:
         self.fn = fn
@@ -118,11 +107,11 @@ class _Outbox:
 class WebhookHandler:
     """POSTs each event as JSON (:func:`~smiquery.alerts.rules.event_payload`) from a background thread.
 
-    The caller only appends to a bounded queue, so a slow or dead endpoint never slows it down. No retries: a failed
-    POST is counted and logged once per failure streak. At most one POST per ``min_interval`` seconds; events that
-    arrive while ``queue_size`` are waiting are dropped and counted in :attr:`dropped`. ``timeout`` bounds one POST;
-    ``headers`` are extra HTTP headers (a token). Logs and ``repr`` show the URL's scheme and host only (for most
-    webhooks the URL is the secret). Raises ValueError for a URL that is not http(s) or a number out of range.
+    The caller only appends to a bounded queue (``queue_size``; more are dropped and counted in :attr:`dropped`). No
+    retries: a failed POST is counted and logged once per failure streak. At most one POST per ``min_interval``
+    seconds, each within ``timeout``; ``headers``: extra HTTP headers (a token). Logs and ``repr`` show the URL's
+    scheme and host only (the URL is often the secret). Raises ValueError for a URL that is not http(s) or a number
+    out of range.
     """
 
     def __init__(
@@ -206,6 +195,9 @@ class WebhookHandler:
             self._post(body)
 
     def _post(self, body: bytes) -> None:
+        import urllib.error
+        import urllib.request
+
         request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
@@ -265,15 +257,10 @@ class WebhookHandler:
 
 
 class Notifier:
-    """Evaluates alert rules over samples and hands each event to handlers.
+    """Evaluates alert rules (or ``--alert`` expressions) over samples and hands each event to ``handlers``.
 
-    ``rules`` are rules or ``--alert`` expressions; ``handlers`` default to a :class:`LogHandler`. A handler that
-    raises is logged and skipped. Use :meth:`update` for one call that does both, or :meth:`evaluate` and
-    :meth:`dispatch` when the context is only known later::
-
-        notifier = Notifier(["temperature.gpu > 85 for 3"], [LogHandler(), WebhookHandler(url)])
-        for sample in smiquery.stream("health"):
-            notifier.update(sample, now=time.monotonic())
+    ``handlers`` default to a :class:`LogHandler`; one that raises is logged and skipped. :meth:`update` does both
+    steps; :meth:`evaluate` and :meth:`dispatch` split them when the context is only known later.
     """
 
     def __init__(
@@ -288,11 +275,6 @@ class Notifier:
         self.handler_failures = 0
         observers = (getattr(h, "observe", None) for h in self.handlers)
         self._observers: tuple[Callable[[Any], object], ...] = tuple(o for o in observers if callable(o))
-
-    @property
-    def rules(self) -> tuple[Rule, ...]:
-        """The rules evaluated."""
-        return self.evaluator.rules
 
     def evaluate(self, sample: Any, now: float | None = None) -> list[AlertEvent]:
         """Feed one sample (arrived at monotonic ``now``, see :meth:`update`); the events it caused, not dispatched."""
@@ -317,11 +299,10 @@ class Notifier:
     ) -> list[AlertEvent]:
         """Evaluate one sample and dispatch (and return) the events it causes.
 
-        ``context``: extra facts for the handlers, or a function computing them (called only when an event happens);
-        ``now``: a live sample's arrival, ``time.monotonic()`` (holds are measured on it), None for a recording.
+        ``context``: facts for the handlers, or a function computing them (called only when an event happens);
+        ``now``: a live sample's arrival, ``time.monotonic()``, None for a recording.
         """
-        if self._observers:
-            self.observe(sample)
+        self.observe(sample)
         events = self.evaluate(sample, now)
         if events:
             ctx: Context | None
@@ -366,12 +347,11 @@ class Notifier:
 
 
 class SnapshotHandler:
-    """Saves the evidence when an alert fires: one timestamped folder per firing (:func:`take_snapshot`).
+    """Saves the evidence when an alert fires: one folder per firing (:func:`take_snapshot`), on a background thread.
 
-    Each snapshot is taken on a background thread, so the caller never waits; a rule that keeps firing on a GPU gets
-    one until it clears, and one asked for while another is being written is skipped (:attr:`skipped`). ``minutes``
-    of sample history are kept (at most ``max_rows``) and saved; ``timeout`` bounds each nvidia-smi call,
-    ``max_bytes`` each file, ``max_snapshots`` the folders this handler writes in all.
+    One asked for while another is being written is skipped (:attr:`skipped`). ``minutes`` of sample history are
+    kept (at most ``max_rows``) and saved; ``timeout`` bounds each nvidia-smi call, ``max_bytes`` each file,
+    ``max_snapshots`` the folders this handler writes in all.
     """
 
     def __init__(
@@ -497,7 +477,6 @@ def _folder(directory: str | os.PathLike[str], event: AlertEvent) -> Path:
 
 
 def _run(runner: Runner, argv: Sequence[str], timeout: float, out: Path, max_bytes: int) -> None:
-    """Save one nvidia-smi call's output; its failure (with stderr) goes to ``<name>.error.txt``."""
     error = out.with_name(out.name + ".error.txt")
     try:
         done = runner.run(argv, timeout)
@@ -511,7 +490,10 @@ def _run(runner: Runner, argv: Sequence[str], timeout: float, out: Path, max_byt
 
 
 def _samples_csv(samples: Sequence[GpuSample], max_bytes: int) -> str:
-    """The samples as an nvidia-smi CSV recording, newest rows kept when it would exceed ``max_bytes``."""
+    """The samples as a CSV recording, newest rows kept within ``max_bytes``."""
+    from smiquery.fields import resolve_fields
+    from smiquery.sources.query_gpu import format_row, header_line
+
     if not samples:
         return ""
     names = samples[-1].fields
@@ -531,7 +513,6 @@ def _samples_csv(samples: Sequence[GpuSample], max_bytes: int) -> str:
 
 
 def _details_json(folder: Path, max_bytes: int) -> None:
-    """``details.json``: the saved ``-q -x`` parsed (:func:`~smiquery.sources.details.parse_xml`), or why not."""
     import warnings
 
     from smiquery.errors import SmiqueryError
@@ -564,13 +545,14 @@ def take_snapshot(
 ) -> str:
     """Write one snapshot folder (``DIR/<time>-<field>-gpu<N>``) and return its path.
 
-    It holds ``alert.json`` (the event and its ``context``), ``nvidia-smi-q.xml`` (``nvidia-smi -q -x``),
-    ``details.json`` (that XML parsed by :func:`smiquery.sources.details.parse_xml`), ``processes.csv`` (the compute
-    processes) and ``samples.csv`` (the recent ``samples``, oldest first, as a recording ``smiquery report`` reads).
+    It holds ``alert.json`` (the event and its ``context``), ``nvidia-smi-q.xml``, ``details.json`` (that XML
+    parsed), ``processes.csv`` (the compute processes) and ``samples.csv`` (the recent ``samples`` as a recording).
     Each nvidia-smi call is bounded by ``timeout`` and each file by ``max_bytes``; a call that fails leaves
-    ``<file>.error.txt`` saying why. ``runner`` runs nvidia-smi (default a real subprocess). Raises OSError when the
-    folder cannot be created or written (a full disk), leaving nothing behind (no empty folder, no cut ``alert.json``).
+    ``<file>.error.txt`` saying why. Raises OSError when the folder cannot be written (a full disk), leaving nothing
+    behind.
     """
+    import shutil
+
     from smiquery.runner import default_runner, find_nvidia_smi  # subprocess, only once a snapshot is taken
 
     folder = _folder(directory, event)
@@ -603,10 +585,9 @@ HANDLER_SPECS: tuple[str, ...] = ("log", "webhook:URL", "snapshot:DIR")
 
 
 def handler_from_spec(spec: str, *, nvidia_smi: str | os.PathLike[str] | None = None) -> AlertHandler:
-    """An alert handler from an ``--on-alert`` spec (``nvidia_smi``: for a snapshot).
+    """An alert handler from an ``--on-alert`` spec: ``log``, ``webhook:URL`` or ``snapshot:DIR``.
 
-    ``log`` logs each event; ``webhook:URL`` posts it; ``snapshot:DIR`` saves the evidence into a new folder under
-    DIR for each firing. Raises ValueError (listing the kinds) for an unknown kind or a missing argument.
+    Raises ValueError (listing the kinds) for an unknown kind or a missing argument.
     """
     kind, _, arg = spec.partition(":")
     kind = kind.strip().lower()

@@ -120,10 +120,9 @@ class Rule:
     """One alert condition: ``FIELD OP VALUE [for HOLD] [while FIELD OP VALUE]...``.
 
     ``for 3`` (or ``for 3 samples``) holds for three consecutive samples of a GPU; ``for 30s``, ``for 5m`` and
-    ``for 1h`` hold for that long (see :class:`AlertEvaluator`). Without ``for`` one sample is enough. ``while`` adds
-    conditions, without a hold, that the same sample must meet (``utilization.gpu < 20 for 30m while memory.used >
-    1024``: idle while a job holds memory). ``threshold`` is typed for the field (number, bool or text);
-    ``hold_samples`` is None when the hold is ``hold_seconds``; ``when`` holds the ``while`` conditions.
+    ``for 1h`` hold for that long; without ``for`` one sample is enough. ``while`` adds conditions, without a hold,
+    that the same sample must meet (``when``). ``threshold`` is typed for the field; ``hold_samples`` is None when
+    the hold is ``hold_seconds``.
     """
 
     field: Field
@@ -218,9 +217,8 @@ class Rule:
 class AlertEvent:
     """A rule that started firing or stopped firing on one GPU.
 
-    ``gpu`` is None when the samples carry no index; ``value`` decided the change; ``since`` is the first matching
-    sample's time, ``at`` the event's sample's; ``duration``: seconds the condition held as the evaluator measured
-    them (live: on the monotonic clock, so not always ``at - since``).
+    ``value`` decided the change; ``since`` is the first matching sample's time, ``at`` the event's sample's;
+    ``duration``: seconds the condition held as the evaluator measured them (not always ``at - since``).
     """
 
     rule: Rule
@@ -277,8 +275,7 @@ def _jsonable(value: object) -> Any:
 def event_payload(event: AlertEvent, context: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The JSON body of an event (what a webhook posts, a snapshot's ``alert.json``), ``context`` where it happened.
 
-    ``{"source": "smiquery", "host", "message", "event": event.to_dict(), "context"}``, every value
-    JSON-serialisable (NaN becomes null, datetimes ISO 8601).
+    Every value is JSON-serialisable (NaN becomes null, datetimes ISO 8601).
     """
     return {
         "source": "smiquery",
@@ -299,15 +296,12 @@ class _Track:
 
 
 class AlertEvaluator:
-    """Tracks each rule on each GPU and reports state changes.
+    """Tracks each rule on each GPU: :meth:`update` returns an event when a rule starts firing and when it clears.
 
-    :meth:`update` returns an event when a rule starts firing (its condition held for the hold) and once more when
-    it clears; nothing while the state stays the same. A missing value neither fires nor clears.
-
-    How long a condition has held is summed step by step between its samples, on the first of: ``now`` (a live
-    sample's arrival on a monotonic clock, which DST, NTP steps and VM resumes do not move, unlike nvidia-smi's
-    wall-clock timestamps); the samples' timestamps (a recording: the time that really passed, a step back 0);
-    ``clock()``. Event times (``since``, ``at``) are the samples' timestamps when they have one, else the hold clock.
+    A missing value neither fires nor clears. How long a condition has held is summed between its samples on the
+    first of: ``now`` (a live sample's monotonic arrival, which DST, NTP steps and VM resumes do not move, unlike
+    nvidia-smi's timestamps); the samples' timestamps (a recording; a step back counts 0); ``clock()``. Event times
+    (``since``, ``at``) are the samples' timestamps when they have one, else the hold clock.
     """
 
     def __init__(self, rules: Iterable[Rule | str], clock: Callable[[], float] = time.monotonic) -> None:
@@ -321,15 +315,10 @@ class AlertEvaluator:
         return tuple({f.name: f for r in self.rules for f in r.fields}.values())
 
     def update(self, sample: GpuSample, now: float | None = None) -> list[AlertEvent]:
-        """Take one sample of one GPU that arrived at ``now`` (``time.monotonic()``; None for a recording).
-
-        Returns the events it caused (usually none).
-        """
+        """Take one sample of one GPU that arrived at ``now`` (monotonic; None for a recording): its events."""
         if not self.rules:
             return []
-        gpu = sample.index if "index" in sample else None
-        uuid = sample.uuid if "uuid" in sample else None
-        key = gpu if gpu is not None else uuid
+        gpu, uuid, key = _ids(sample)
         ts = sample.timestamp if "timestamp" in sample else None
         tick: datetime | float = now if now is not None else ts if ts is not None else self.clock()
         shown: datetime | float = ts if ts is not None else tick
@@ -379,15 +368,16 @@ class AlertEvaluator:
 
     def cell_state(self, sample: GpuSample, field_name: str) -> Literal["firing", "pending", "ok"]:
         """The worst state of the rules on ``field_name`` for this sample's GPU (for colouring a table cell)."""
-        key = _key(sample)
+        key = _ids(sample)[2]
         found = {self.state(i, key) for i, rule in enumerate(self.rules) if rule.field.name == field_name}
         return "firing" if "firing" in found else "pending" if "pending" in found else "ok"
 
 
-def _key(sample: GpuSample) -> object:
-    """A GPU's key in the evaluator's state: its index, else its UUID, else None."""
+def _ids(sample: GpuSample) -> tuple[int | None, str | None, object]:
+    """A sample's GPU index, UUID and key in the evaluator's state (the index, else the UUID)."""
     gpu = sample.index if "index" in sample else None
-    return gpu if gpu is not None else (sample.uuid if "uuid" in sample else None)
+    uuid = sample.uuid if "uuid" in sample else None
+    return gpu, uuid, gpu if gpu is not None else uuid
 
 
 def arrival(batch: object) -> float:
@@ -398,20 +388,16 @@ def arrival(batch: object) -> float:
 
 @dataclass(frozen=True)
 class StallRule:
-    """The stall definition: a GPU held by a job but given no work, for at least ``min_seconds``.
-
-    Held: ``busy_memory_mib`` used; no work: ``utilization.gpu`` under ``utilization`` percent.
-    """
+    """The stall definition: a GPU held (``busy_memory_mib`` used) but under ``utilization`` %, for ``min_seconds``."""
 
     utilization: float = 20.0
     busy_memory_mib: float = 1024.0
     min_seconds: float = 30.0
 
     def mask(self, utilization: np.ndarray, memory_used: np.ndarray | None = None) -> np.ndarray:
-        """Which samples show a stalled GPU: 1.0 stalled, 0.0 not, NaN where a deciding value is missing.
+        """Which samples (float64 arrays, NaN where missing) show a stalled GPU: 1.0 stalled, 0.0 not, NaN unknown.
 
-        ``utilization`` and ``memory_used`` are float64 arrays, NaN where missing; without ``memory_used``,
-        utilization alone decides.
+        Without ``memory_used``, utilization alone decides.
         """
         import numpy as np
 

@@ -1,8 +1,7 @@
 """Which GPUs a training process sees: ``CUDA_VISIBLE_DEVICES`` read the way CUDA reads it, mapped to nvidia-smi.
 
-CUDA numbers GPUs fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; nvidia-smi numbers them by PCI bus. The two
-agree on a host whose GPUs are all one model; on a mixed host :func:`order_check` finds the GPUs the job really
-runs on (its processes in ``--query-compute-apps``) or says that the mapping needs ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
+CUDA numbers GPUs fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, nvidia-smi by PCI bus: on a host that mixes
+models :func:`order_check` finds the GPUs the job really runs on.
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ _FULL_UUID_RE = re.compile(r"GPU-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{
 class VisibleDevices:
     """The GPUs a CUDA process can see, as ``CUDA_VISIBLE_DEVICES`` names them, in CUDA's order.
 
-    ``ids``: indices (``"1"``) or UUIDs (``"GPU-8932f937-..."``, prefixes allowed as CUDA allows them), ``cuda:0``
-    first; None when the variable is unset (all GPUs). ``note``: why something could not be honoured (MIG
-    instances, an invalid entry), or ``""``. ``pci_order``: ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (nvidia-smi's indices).
+    ``ids``: indices (``"1"``) or UUIDs (prefixes allowed), ``cuda:0`` first; None when the variable is unset (all
+    GPUs). ``note``: why something could not be honoured, or ``""``. ``pci_order``: ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
     """
 
     ids: tuple[str, ...] | None
@@ -46,10 +44,7 @@ class VisibleDevices:
         return self.ids is not None and not self.ids
 
     def stream_gpus(self) -> tuple[str, ...] | None:
-        """The ``-i`` ids for nvidia-smi, or None to query all GPUs (and filter with :meth:`selects`).
-
-        UUID prefixes are filtered that way: nvidia-smi wants whole UUIDs.
-        """
+        """The ``-i`` ids for nvidia-smi, or None to query all GPUs and filter with :meth:`selects` (UUID prefixes)."""
         return self.ids if self.ids and all(i.isdigit() or _FULL_UUID_RE.fullmatch(i) for i in self.ids) else None
 
     def selects(self, index: int | None, uuid: str | None) -> bool:
@@ -87,9 +82,8 @@ class VisibleDevices:
 def visible_devices(env: Mapping[str, str] | None = None) -> VisibleDevices:
     """Read ``CUDA_VISIBLE_DEVICES`` of ``env`` (default ``os.environ``) the way CUDA does.
 
-    Entries are indices or UUIDs (whole or a unique prefix); CUDA stops at the first invalid entry (``"0,2,-1,3"``
-    means 0 and 2), and ``""`` or ``-1`` hides every GPU. MIG instances (``MIG-...``) do not tell their parent GPU:
-    then every GPU is watched and :attr:`VisibleDevices.note` says why.
+    CUDA stops at the first invalid entry (``"0,2,-1,3"`` means 0 and 2); ``""`` or ``-1`` hides every GPU. MIG
+    instances do not tell their parent GPU: then every GPU is watched and :attr:`VisibleDevices.note` says why.
     """
     environ = os.environ if env is None else env
     raw = environ.get("CUDA_VISIBLE_DEVICES")
@@ -127,10 +121,9 @@ def order_check(
 ) -> Latest[tuple[VisibleDevices | None, str, bool]]:
     """A poller (not started), every ``interval`` s, of the GPUs a job whose ``cuda`` names indices really uses.
 
-    It looks at the GPUs' names and, on a host that mixes models, at the job's compute processes, until settled.
-    ``decided(watch, message, final)`` gets each answer on the poller's thread: the GPUs to watch instead (None: keep
-    the indices), what to say (``""``: nothing) and whether it is settled (not while the job has no process on a GPU
-    of a mixed host).
+    On a host that mixes models it looks for the job's compute processes. ``decided(watch, message, final)`` gets
+    each answer on the poller's thread: the GPUs to watch instead (None: keep the indices), what to say (``""``:
+    nothing) and whether it is settled.
     """
     from smiquery.sources.apps import processes
     from smiquery.sources.latest import Latest

@@ -63,12 +63,7 @@ class _Acc:
 
 
 class EpochAccumulator:
-    """The running sums of one epoch (constant memory): per GPU and field count/sum/max, joules, sweeps seen.
-
-    ``summary``: the (field, log key suffix, statistic) triples to keep.
-    """
-
-    __slots__ = ("accs", "joules", "summary", "sweeps")
+    """The running sums of one epoch for the ``summary`` triples: per GPU and field count/sum/max, joules, sweeps."""
 
     def __init__(self, summary: Sequence[tuple[str, str, str]]) -> None:
         self.summary = summary
@@ -125,15 +120,12 @@ Owner = int | None
 class EnergySplitter:
     """Per GPU, integrates ``power.draw`` over nvidia-smi's timestamps and splits each interval at epoch boundaries.
 
-    Times are wall-clock seconds (nvidia-smi's timestamps; the training side marks epochs with ``time.time()``). A
-    sample's power stands for the interval since that GPU's previous sample, split between the owners of the marks
-    inside it. At an epoch's end :meth:`tail` credits the newest power up to the end, so that the logged figure is
-    whole; the next sample counts only what is left. A GPU's first sample's power is held back to the run's start
-    (:meth:`start`) or the end of the last epoch logged; :attr:`held` says for how long, per owner. A step back in
-    the timestamps counts 0, a jump over ``max(3 * interval, 5 s)`` counts one ``interval``.
+    Times are wall-clock seconds. A sample's power stands for the interval since that GPU's previous sample, split
+    between the owners of the marks inside it. At an epoch's end :meth:`tail` credits the newest power up to the end;
+    the next sample counts only what is left. A GPU's first sample's power is held back to the run's start or the end
+    of the last epoch logged (:attr:`held`: for how long). A step back in the timestamps counts 0, a jump over
+    ``max(3 * interval, 5 s)`` one ``interval``.
     """
-
-    __slots__ = ("began", "cap", "credited", "held", "interval", "last", "marks", "watts")
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
@@ -173,7 +165,7 @@ class EnergySplitter:
     def sample(self, idx: int, wall: float, watts: float | None, default: Owner) -> list[tuple[Owner, float]]:
         """Energy of the interval ending at this sample of GPU ``idx`` (at ``wall``), as (owner, joules) parts.
 
-        ``watts`` None counts nothing; ``default`` owns the time before any mark (the epoch the sample arrived in).
+        ``default`` owns the time before any mark (the epoch the sample arrived in).
         """
         prev = self.last.get(idx)
         self.last[idx] = wall
@@ -236,10 +228,7 @@ def summary_spec(extra: Iterable[Field]) -> list[tuple[str, str, str]]:
 def throughput_values(
     energy_wh: float, steps: int, samples: int | None, seconds: float, data_wait: float | None
 ) -> dict[str, float]:
-    """The job-level keys of one epoch (``seconds`` is its wall time, ``energy_wh`` NaN when unknown).
-
-    ``energy_wh``, ``steps_per_joule``, and where known ``samples_per_joule``, ``data_wait_s``, ``data_wait_frac``.
-    """
+    """The job-level keys of one epoch (``seconds``: its wall time; ``energy_wh`` NaN when unknown)."""
     joules = energy_wh * 3600.0
     ok = joules > 0 and not math.isnan(joules)
     out = {"energy_wh": energy_wh, "steps_per_joule": steps / joules if ok else math.nan}

@@ -1,7 +1,6 @@
 """A Keras callback that watches the GPUs during ``model.fit``: :class:`GpuMonitor` (``pip install 'smiquery[keras]'``).
 
-It only maps Keras's hooks onto :class:`smiquery.training.monitor.RunMonitor`. ``import smiquery`` never imports
-this module (it imports Keras).
+It maps Keras's hooks onto :class:`smiquery.training.monitor.RunMonitor`; ``import smiquery`` never imports it.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ _DEFAULT_CALLBACKS = ("History", "ProgbarLogger")
 
 
 def _scalar(value: Any) -> float | None:
-    """A Python float from a Keras variable, tensor, schedule value or number; None when it cannot be read."""
+    """A float from a Keras variable, tensor or number; None when it cannot be read."""
     if value is None:
         return None
     try:
@@ -54,18 +53,10 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
 
     Each epoch's logs get the keys of :class:`~smiquery.training.monitor.RunMonitor` (so ``History``, ``CSVLogger``
     and ``TensorBoard`` record them), with TensorFlow's memory view; list ``GpuMonitor`` before the callbacks that
-    read logs (it warns once otherwise). With ``log_every="batch"`` each batch's logs also get ``gpuN_util``,
-    ``gpuN_temp``, ``gpuN_mem_used_mib`` and ``gpuN_power_w``. Alert handlers get the epoch, batch, step, learning
-    rate and phase at the sample's arrival (:class:`~smiquery.training.monitor.TrainingAlert`).
+    read logs (it warns once otherwise). With ``log_every="batch"`` each batch's logs also get the newest sample.
 
-    Example::
-
-        monitor = GpuMonitor(record="run.csv", metrics_port=9400, handlers=[LogHandler(), WebhookHandler(url)])
-        model.fit(x, y, epochs=10, callbacks=[monitor, keras.callbacks.CSVLogger("train.csv")])
-
-    ``fields``, ``interval`` and ``**options`` are :func:`~smiquery.training.outputs.run_monitor`'s (``alerts``,
-    ``handlers``, ``log_every``, ``record``...; ValueError, InvalidFieldError or InvalidRuleError when one is
-    invalid); ``framework_memory``: read TensorFlow's per-GPU allocation and report the gap to the driver's figure;
+    ``fields``, ``interval`` and ``**options`` are :func:`~smiquery.training.outputs.run_monitor`'s;
+    ``framework_memory``: read TensorFlow's per-GPU allocation and report the gap to the driver's figure;
     ``batch_size``: samples per step (default: ``fit``'s ``batch_size`` when it was given).
     """
 
@@ -90,9 +81,6 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
         self._steps0: int | None = None
         self._watchdog: threading.Thread | None = None
         self._stop = threading.Event()
-        if self.monitor.log_every == "batch":
-            # assigned per instance, so that epoch-only monitors keep the cheaper hook
-            self.on_train_batch_end = self._batch_end_logging  # type: ignore[method-assign]
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Start the background nvidia-smi and the threads that read and watch it."""
@@ -116,10 +104,7 @@ class GpuMonitor(keras.callbacks.Callback, MonitorView):  # type: ignore[misc]
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """A step is done: count it (and its samples)."""
         self.monitor.step(None, batch, samples=self._batch_size)
-
-    def _batch_end_logging(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self.monitor.step(None, batch, samples=self._batch_size)
-        if logs is not None:
+        if logs is not None and self.monitor.log_every == "batch":
             logs.update(self.monitor.batch_values())
 
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:

@@ -1,7 +1,7 @@
 """A PyTorch Lightning callback that watches the GPUs during ``trainer.fit``: :class:`GpuMonitor`.
 
-``pip install 'smiquery[lightning]'``. It only maps Lightning's hooks onto
-:class:`smiquery.training.monitor.RunMonitor`. ``import smiquery`` never imports this module (it imports Lightning).
+``pip install 'smiquery[lightning]'``. It maps Lightning's hooks onto :class:`smiquery.training.monitor.RunMonitor`;
+``import smiquery`` never imports it.
 """
 
 from __future__ import annotations
@@ -52,15 +52,9 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
     end of fit, on an exception and at teardown. Under DDP one monitor per host (local rank 0) watches every GPU of
     the host and counts the samples of all its ranks (each takes a batch of the same size per step).
 
-    Example::
-
-        trainer = L.Trainer(max_epochs=10, callbacks=[GpuMonitor(record="run.csv", metrics_port=9400)])
-        trainer.fit(model, train_loader)
-
-    ``fields``, ``interval`` and ``**options`` are :func:`~smiquery.training.outputs.run_monitor`'s (``alerts``,
-    ``handlers``, ``record``...; ``log_every="batch"`` also logs the newest sample at every step); ``prefix`` goes
-    before every logged key (``"gpu/"`` groups them in TensorBoard); ``framework_memory``: read PyTorch's allocated,
-    peak and reserved memory per device.
+    ``fields``, ``interval`` and ``**options`` are :func:`~smiquery.training.outputs.run_monitor`'s
+    (``log_every="batch"`` also logs the newest sample at every step); ``prefix`` goes before every logged key
+    (``"gpu/"`` groups them in TensorBoard); ``framework_memory``: read PyTorch's memory view per device.
     """
 
     def __init__(

@@ -1,7 +1,4 @@
-"""The framework's own view of its GPU memory (TensorFlow, PyTorch) beside the driver's ``memory.used``.
-
-Read at each epoch's end: the per-GPU keys, the gap to the driver's figure and the warning when it keeps growing.
-"""
+"""The framework's own view of its GPU memory (TensorFlow, PyTorch) beside the driver's ``memory.used``, per epoch."""
 
 from __future__ import annotations
 
@@ -41,10 +38,9 @@ _NO_GAP = "the driver-vs-framework memory gap is not reported"
 
 @dataclass(frozen=True)
 class MemoryView:
-    """What a framework says about its memory on CUDA device ``ordinal`` (``cuda:k``, TensorFlow's ``GPU:k``).
+    """What a framework says about its memory on CUDA device ``ordinal``, in bytes (None where it does not say).
 
-    Bytes, None where it does not say: ``current`` held by live tensors, ``peak`` the most that has been,
-    ``reserved`` held by the framework's caching allocator (tensors plus its free pool).
+    ``current``: held by live tensors; ``peak``: the most that has been; ``reserved``: its caching allocator's pool.
     """
 
     ordinal: int
@@ -66,10 +62,7 @@ class FrameworkMemory(Protocol):
 
 
 def gap_note(idx: int, framework: str, view: MemoryView, history: Sequence[float]) -> str:
-    """The warning for a driver-vs-framework gap on GPU ``idx`` that grew over ``history`` (MiB, oldest first).
-
-    With the allocator's reserved figure the gap is outside ``framework``'s pool; without it, its pool may be part.
-    """
+    """The warning for a driver-vs-framework gap on GPU ``idx`` that grew over ``history`` (MiB, oldest first)."""
     said = (
         f"by {history[-1]:.0f} MiB, and the difference grew for {len(history) - 1} epochs in a row "
         f"(+{history[-1] - history[0]:.0f} MiB)."
@@ -105,8 +98,7 @@ def framework_values(
 ) -> tuple[dict[str, float], dict[int, tuple[MemoryView, float]]]:
     """The epoch's framework-memory keys of the watched GPUs, and per GPU its view with the gap (MiB, maybe NaN).
 
-    ``latest`` is the newest sample per nvidia-smi index (the driver's ``memory.used``); ``nvsmi_index`` maps a CUDA
-    ordinal to it (None: not watched).
+    ``nvsmi_index`` maps a CUDA ordinal to its nvidia-smi index (None: not watched), ``latest`` its newest sample.
     """
     out: dict[str, float] = {}
     per_gpu: dict[int, tuple[MemoryView, float]] = {}
@@ -160,8 +152,7 @@ class TorchMemory:
         ]
 
 
-#: PyTorch's memory view, for ``framework=`` of :func:`~smiquery.training.watch.watch` (torch is imported only when
-#: it is read).
+#: PyTorch's memory view, for ``framework=`` of :func:`~smiquery.training.watch.watch` (imports torch when read).
 torch_memory = TorchMemory
 
 

@@ -1,9 +1,7 @@
-"""The framework-neutral training run monitor: one nvidia-smi beside a training loop, summarised per epoch.
+"""The framework-neutral training run monitor, :class:`RunMonitor`: one nvidia-smi beside a training loop.
 
-:class:`RunMonitor` owns the stream, the epochs, the alerts stamped with the training position (its default rules:
-:data:`TRAINING_RULES`) and the energy. The Keras and Lightning callbacks and :func:`~smiquery.training.watch.watch`
-only translate their hooks into :meth:`RunMonitor.begin_epoch`, :meth:`RunMonitor.step` and
-:meth:`RunMonitor.end_epoch`; what a run feeds besides its logs are :class:`Output` objects passed in.
+The Keras and Lightning callbacks and :func:`~smiquery.training.watch.watch` only translate their hooks into its
+:meth:`~RunMonitor.begin_epoch`, :meth:`~RunMonitor.step` and :meth:`~RunMonitor.end_epoch`.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from smiquery._log import get_logger
 from smiquery.alerts import BUILTIN_RULES, STALL, AlertEvent, AlertHandler, LogHandler, Notifier, Rule, arrival
@@ -68,9 +66,9 @@ _REJECTIONS = (InvalidArgumentError, InvalidFieldError)
 _REJECTED_RE = re.compile(r"""Field\s+["']([^"']+)["']\s+is not a valid field""", re.IGNORECASE)
 _ALWAYS = ("index", "uuid", "timestamp", *SUMMARY_FIELDS)
 _EVENT_QUEUE = 1000
+_Events = queue.Queue[tuple[AlertEvent, dict[str, Any]] | None]
 
-#: Seconds of ``smiquery report``'s stall condition after which the training monitor alerts: long enough to ignore a
-#: checkpoint or an evaluation pass, short enough to be useful during a run.
+#: Seconds of ``smiquery report``'s stall condition after which the training monitor alerts (beyond a checkpoint).
 TRAINING_STALL_SECONDS = 60.0
 
 
@@ -79,8 +77,7 @@ def stall_rule(seconds: float = TRAINING_STALL_SECONDS) -> str:
     return f"utilization.gpu < {STALL.utilization:g} for {seconds:g}s while memory.used >= {STALL.busy_memory_mib:g}"
 
 
-#: The default rules of a training monitor: the built-in health rules, the fleet's 30-minute idle rule replaced by
-#: :func:`stall_rule`.
+#: The default rules of a training monitor: the built-in health rules, the 30-minute idle rule as :func:`stall_rule`.
 TRAINING_RULES: tuple[str, ...] = (*(r for r in BUILTIN_RULES if not r.startswith("utilization.gpu <")), stall_rule())
 
 
@@ -99,10 +96,9 @@ class Position(NamedTuple):
 
 @dataclass(frozen=True)
 class TrainingAlert:
-    """An alert ``event`` with where training was when its sample arrived.
+    """An alert ``event`` with the :class:`Position` of training when its sample arrived.
 
-    The fields of :class:`Position` (``step``: the framework's count where it has one) and the ``learning_rate``
-    then, if the adapter can read it.
+    ``step``: the framework's count where it has one; ``learning_rate``: where the adapter can read it.
     """
 
     event: AlertEvent
@@ -125,49 +121,11 @@ class TrainingAlert:
 
     def context(self) -> dict[str, Any]:
         """The context as handlers receive it."""
-        return {name: getattr(self, name) for name in ("epoch", "batch", "step", "learning_rate", "phase")}
+        return {k: v for k, v in vars(self).items() if k != "event"}
 
     def to_dict(self) -> dict[str, Any]:
         """The event and its context as one JSON-ready dict."""
         return {**self.event.to_dict(), **self.context()}
-
-
-class _HandlerWorker:
-    """Alert handlers on their own thread behind a bounded queue, so that a slow webhook delays nothing.
-
-    ``notifier()`` gives the notifier whose handlers get each event (read at dispatch: a monitor may replace it).
-    """
-
-    def __init__(self, notifier: Callable[[], Notifier | None]) -> None:
-        self._notifier = notifier
-        self._events: queue.Queue[tuple[AlertEvent, dict[str, Any]] | None] = queue.Queue(_EVENT_QUEUE)
-        self._thread = threading.Thread(target=self._work, name="smiquery-monitor-handlers", daemon=True)
-        self.cpu = 0.0  # CPU seconds of the thread, once it ended
-        self._thread.start()
-
-    def put(self, event: AlertEvent, context: dict[str, Any]) -> bool:
-        """Queue one event for the handlers; False when the queue is full and the event is dropped."""
-        try:
-            self._events.put_nowait((event, context))
-        except queue.Full:
-            return False
-        return True
-
-    def _work(self) -> None:
-        try:
-            while (item := self._events.get()) is not None:
-                notifier = self._notifier()
-                if notifier is not None:
-                    notifier.dispatch(*item)
-        finally:
-            self.cpu = time.thread_time()
-
-    def close(self) -> None:
-        """End the thread after the queued events (waiting at most about three seconds)."""
-        with contextlib.suppress(queue.Full):
-            self._events.put(None, timeout=1.0)
-        if self._thread is not threading.current_thread():
-            self._thread.join(2.0)
 
 
 SourceFactory = Callable[..., "SampleSource"]
@@ -175,11 +133,7 @@ SourceFactory = Callable[..., "SampleSource"]
 
 @dataclass
 class Totals:
-    """Counters of a run, read by the job's metrics at scrape time (no per-step Prometheus cost).
-
-    ``samples`` counts where the adapter knows batch sizes, ``data_wait`` the seconds between steps; ``joules``
-    (since the run began) and ``memory`` (the newest framework view) are per nvidia-smi index.
-    """
+    """Counters of a run, read by the job's metrics at scrape time (``joules`` and ``memory`` by nvidia-smi index)."""
 
     steps: int = 0
     samples: int = 0
@@ -189,23 +143,22 @@ class Totals:
     memory: dict[int, MemoryView] = field(default_factory=dict)
 
 
-class Output(Protocol):
-    """What a run feeds besides its logs (a recording, the job's metrics, the kernel log's Xid alerts).
+class Output:
+    """What a run feeds besides its logs (a recording, the job's metrics, the kernel log's Xid alerts): a base class.
 
-    Opened with each run once its stream is, fed the watched GPUs' samples of every sweep on the reading thread,
-    closed with the run. It says its failures through :meth:`RunMonitor.say` and never raises into training.
-    ``fields``: what it needs streamed beyond the monitor's own.
+    Opened with each run, fed each sweep's samples of the watched GPUs on the reading thread, closed with the run;
+    it says its failures through :meth:`RunMonitor.say`, never raises. ``fields``: what it needs streamed.
     """
 
-    fields: tuple[str, ...]
+    fields: tuple[str, ...] = ()
 
     def open(self, monitor: RunMonitor) -> None:
         """Start feeding ``monitor``'s run."""
 
     def take(self, samples: Sequence[GpuSample]) -> None:
-        """One sweep's samples of the watched GPUs."""
+        """One sweep's samples of the watched GPUs (by default ignored)."""
 
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         """Stop; idempotent."""
 
 
@@ -219,25 +172,16 @@ class RunMonitor:
     """Watches the GPUs while a training run goes on, whatever the framework.
 
     :meth:`start` runs ONE nvidia-smi and a reading thread that stamps each sweep with the training position at its
-    arrival, sums it into that epoch, feeds the outputs and checks the alert rules (handlers run on their own
-    thread). The training thread only moves the position (:meth:`step`, :meth:`begin_epoch`) and collects each
-    epoch's keys (:meth:`end_epoch`; the Training page of the docs lists them).
+    arrival, sums it into that epoch, feeds the outputs and checks the alert rules. The training thread only moves
+    the position (:meth:`step`, :meth:`begin_epoch`) and collects each epoch's keys (:meth:`end_epoch`).
 
-    Args:
-        fields: extra fields to summarise per epoch (names or a comma list); ``interval``: seconds between samples.
-        alerts: rules or ``--alert`` expressions; None for :data:`TRAINING_RULES`, ``()`` for none. A rule whose
-            field the driver rejects is dropped with one warning.
-        handlers: where alert events go (default: a :class:`~smiquery.alerts.LogHandler`).
-        log_every: ``"epoch"``, or ``"batch"`` to offer the newest sample per step (:meth:`batch_values`).
-        gpus: nvidia-smi indices or UUIDs to watch instead of those ``CUDA_VISIBLE_DEVICES`` (of ``env``) gives.
-        framework: the framework's memory view, read at each epoch's end.
-        first_sample_timeout: seconds the first epoch's end waits for nvidia-smi's first sample.
-        source: ``(fields, interval=, gpus=, nvidia_smi=, on_event=) -> SampleSource``; default :func:`smiquery.stream`.
-        process_share: also run one ``nvidia-smi pmon`` for ``gpuN_share`` and ``gpuN_other_processes``.
-        outputs: what the run feeds besides its logs (:class:`Output`).
-
-    Raises:
-        ValueError, InvalidFieldError, InvalidRuleError: ``log_every``, ``interval``, a field or a rule is invalid.
+    ``fields``: extra fields to summarise per epoch; ``alerts``: rules, None for :data:`TRAINING_RULES`;
+    ``handlers``: default a :class:`~smiquery.alerts.LogHandler`; ``log_every="batch"`` also offers the newest sample
+    per step (:meth:`batch_values`); ``gpus``: nvidia-smi indices or UUIDs to watch instead of
+    ``CUDA_VISIBLE_DEVICES`` (of ``env``); ``framework``: its memory view, read at each epoch's end;
+    ``first_sample_timeout``: how long the first epoch's end waits for a sample; ``source``: ``(fields, interval=,
+    gpus=, nvidia_smi=, on_event=) -> SampleSource`` (default :func:`smiquery.stream`); ``process_share`` and
+    ``outputs``: see the Training page of the docs. Raises ValueError, InvalidFieldError or InvalidRuleError.
     """
 
     def __init__(
@@ -274,7 +218,7 @@ class RunMonitor:
         self._env = env
         self.process_share = bool(process_share)
         self.outputs: tuple[Output, ...] = tuple(outputs)
-        #: messages said once (monitoring unavailable, rules dropped, framework view missing, growing gap)
+        #: messages said once (:meth:`say`)
         self.notes: list[str] = []
         #: rules dropped because this driver lacks their field
         self.dropped_rules: list[Rule] = []
@@ -289,13 +233,11 @@ class RunMonitor:
     def _reset(self) -> None:
         #: the alerts of the current (or last) run, with their training position
         self.alerts: list[TrainingAlert] = []
-        #: per epoch, the keys added to the logs (corrected by late sweeps); the first epoch's record also has
-        #: ``energy_held_back_s``: how long nvidia-smi's first sample's power stands for the time before it
+        #: per epoch, the keys added to the logs (corrected by late sweeps, the first with ``energy_held_back_s``)
         self.epochs: list[dict[str, float]] = []
         #: counters of the run (steps, samples, data wait, energy): what the metrics report
         self.totals = Totals()
-        #: seconds spent: ``first_data`` (start to first sample), ``start``, ``close``, and the CPU time of the
-        #: ``reader``, ``worker`` and ``pmon`` threads
+        #: seconds spent: ``first_data`` (start to first sample), ``start``, ``close``, the threads' CPU (``*_cpu``)
         self.cost = dict.fromkeys(("start", "close", "reader_cpu", "worker_cpu", "pmon_cpu"), 0.0)
         self.cost["first_data"] = math.nan
         #: wall time of each :meth:`end_epoch` on the training thread, seconds
@@ -313,8 +255,9 @@ class RunMonitor:
         self._stop = threading.Event()
         self._source: SampleSource | None = None
         self._reader: threading.Thread | None = None
-        self._worker: _HandlerWorker | None = None
-        self._notifier: Notifier | None = None
+        self._worker: threading.Thread | None = None  # the alert handlers', behind a bounded queue
+        self._events: _Events = queue.Queue(_EVENT_QUEUE)
+        self._notifier = Notifier(self.rules, self.handlers)
         self._opened: tuple[Output, ...] = ()
         self._devices = self._cuda = VisibleDevices(None)
         self._unsure = self._moved = False  # indices in CUDA's default order, checked by _order_check
@@ -377,39 +320,38 @@ class RunMonitor:
         self.close()
         self._reset()
         try:
-            return self._start()
+            self._cuda = visible_devices(self._env)
+            self._devices = self._cuda if self.gpus_override is None else VisibleDevices(self.gpus_override)
+            if self._devices.note:
+                self.say(self._devices.note)
+            if self._devices.none:
+                self.say("CUDA_VISIBLE_DEVICES hides every GPU: GPU monitoring is off")
+                return self
+            self._unsure = self.gpus_override is None and self._devices.order_unsure
+            names = [*_ALWAYS, *(f.name for f in self.extra_fields), *(f.name for r in self.rules for f in r.fields)]
+            self._fields = list(dict.fromkeys(names + [name for out in self.outputs for name in out.fields]))
+            try:
+                self._source = self._open()
+            except Exception as exc:  # monitoring must never stop training
+                self.say(f"GPU monitoring is off: {exc}")
+                return self
+            for out in self.outputs:
+                out.open(self)
+            self._opened = self.outputs
+            self._worker = threading.Thread(
+                target=self._dispatch, args=(self._events, self.cost), name="smiquery-monitor-handlers", daemon=True
+            )
+            self._worker.start()
+            self._reader = threading.Thread(target=self._read, name="smiquery-monitor-reader", daemon=True)
+            self._reader.start()
+            OPEN_MONITORS.add(self)
+            if self._unsure:
+                self._order_check = order_check(self._cuda, self.nvidia_smi, self._order_known).start()
+            if self._share is not None:
+                self._share.start(interval=self.interval, gpus=self._devices.stream_gpus(), nvidia_smi=self.nvidia_smi)
+            return self
         finally:
             self.cost["start"] = time.monotonic() - self._started_at
-
-    def _start(self) -> RunMonitor:
-        self._notifier = Notifier(self.rules, self.handlers) if self.rules else None
-        self._cuda = visible_devices(self._env)
-        self._devices = self._cuda if self.gpus_override is None else VisibleDevices(self.gpus_override)
-        if self._devices.note:
-            self.say(self._devices.note)
-        if self._devices.none:
-            self.say("CUDA_VISIBLE_DEVICES hides every GPU: GPU monitoring is off")
-            return self
-        self._unsure = self.gpus_override is None and self._devices.order_unsure
-        names = [*_ALWAYS, *(f.name for f in self.extra_fields), *(f.name for r in self.rules for f in r.fields)]
-        self._fields = list(dict.fromkeys(names + [name for out in self.outputs for name in out.fields]))
-        try:
-            self._source = self._open()
-        except Exception as exc:  # monitoring must never stop training
-            self.say(f"GPU monitoring is off: {exc}")
-            return self
-        for out in self.outputs:
-            out.open(self)
-        self._opened = self.outputs
-        self._worker = _HandlerWorker(lambda: self._notifier)
-        self._reader = threading.Thread(target=self._read, name="smiquery-monitor-reader", daemon=True)
-        self._reader.start()
-        OPEN_MONITORS.add(self)
-        if self._unsure:
-            self._order_check = order_check(self._cuda, self.nvidia_smi, self._order_known).start()
-        if self._share is not None:
-            self._share.start(interval=self.interval, gpus=self._devices.stream_gpus(), nvidia_smi=self.nvidia_smi)
-        return self
 
     def _order_known(self, devices: VisibleDevices | None, message: str, final: bool) -> None:
         """What :func:`~smiquery.training.devices.order_check` found: the job's GPUs (until the keys are fixed)."""
@@ -486,7 +428,7 @@ class RunMonitor:
             f"({'; '.join(str(r) for r in dropped) or 'none'}) and kept watching the other fields",
             key=f"rejected-{what}",
         )
-        self._notifier = Notifier(self.rules, self.handlers) if self.rules else None
+        self._notifier = Notifier(self.rules, self.handlers)
         return True
 
     def _read(self) -> None:
@@ -539,8 +481,7 @@ class RunMonitor:
             for s in chosen:
                 idx = s.index
                 assert idx is not None
-                # energy integrates over nvidia-smi's own timestamps (two sweeps delivered together are still an
-                # interval apart), the arrival without them
+                # energy integrates over nvidia-smi's own timestamps (sweeps delivered together are still apart)
                 ts = s.timestamp
                 wall = ts.timestamp() if ts is not None else now + self._wall_offset
                 self._last_t[idx] = now
@@ -558,21 +499,29 @@ class RunMonitor:
             self.cost["first_data"] = now - self._started_at
             self._first.set()
         notifier = self._notifier
-        if notifier is None:
-            return
         for s in chosen:
             notifier.observe(s)
             for event in notifier.evaluate(s, now):
-                self._alert(event, pos)
+                self.alert(event, pos)
 
-    def _alert(self, event: AlertEvent, pos: Position, message: str | None = None) -> None:
-        """Keep ``event`` stamped with ``pos`` and queue it for the handlers (with ``message`` in its context)."""
-        alert = TrainingAlert.at(event, pos, self.context_extra)
+    def alert(self, event: AlertEvent, pos: Position | None = None, message: str | None = None) -> None:
+        """Keep ``event`` stamped with ``pos`` (default: now), queued for the handlers' thread (with ``message``)."""
+        alert = TrainingAlert.at(event, self._pos if pos is None else pos, self.context_extra)
         self.alerts.append(alert)
         context = alert.context() if message is None else {**alert.context(), "message": message}
-        worker = self._worker
-        if worker is not None and not worker.put(event, context):
+        if self._worker is None:
+            return
+        try:
+            self._events.put_nowait((event, context))
+        except queue.Full:
             self.say("alert handlers fall behind: events are being dropped", key="events-full")
+
+    def _dispatch(self, events: _Events, cost: dict[str, float]) -> None:
+        try:
+            while (item := events.get()) is not None:
+                self._notifier.dispatch(*item)
+        finally:
+            cost["worker_cpu"] = time.thread_time()
 
     def _credit(
         self, idx: int, parts: Sequence[tuple[int | None, float]], owner: int | None, acc: EpochAccumulator
@@ -599,8 +548,7 @@ class RunMonitor:
         with self._lock:
             self._energy.mark(time.time(), epoch)
         self._pos = Position(epoch, 0, self._pos.step, "train")
-        # the time up to the first step counts as data wait (the loader's first fetch); the gap since the
-        # previous epoch's last step (validation, checkpoints) does not
+        # the time up to the first step is data wait (the loader's first fetch), not the gap since the last epoch
         self._step_end = time.perf_counter()
 
     def step_begin(self) -> None:
@@ -776,9 +724,7 @@ class RunMonitor:
         self.say(note, key=f"gap-{idx}")
         newest = self.latest().get(idx)
         at = newest.timestamp if newest is not None and newest.timestamp is not None else datetime.now().astimezone()
-        if self._notifier is None and self.handlers:
-            self._notifier = Notifier((), self.handlers)
-        self._alert(growth_event(idx, self.uuids().get(idx), history, at), self._pos, note)
+        self.alert(growth_event(idx, self.uuids().get(idx), history, at), message=note)
 
     def uuids(self) -> dict[int, str]:
         """The UUID of each watched GPU seen so far (nvidia-smi index -> UUID)."""
@@ -792,48 +738,41 @@ class RunMonitor:
         """
         began = time.monotonic()
         if self._pid != os.getpid():
-            # a forked child (a data-loader worker): let go of the parent's run, which closing would end under it
-            self._source = self._reader = self._worker = self._notifier = self._order_check = None
-            self._opened = ()
-            self._share = None
-            self._pid = os.getpid()
-            OPEN_MONITORS.discard(self)
+            self._reset()  # a forked child (a data-loader worker): let go of the parent's run, closing would end it
             return
         with self._closing:
             idle = not self._opened and all(x is None for x in (self._source, self._reader, self._worker))
             if idle and not (self._share is not None and self._share.open):
                 return  # nothing open: keep the last run's cost figures
-            self._close_locked(timeout)
-        self.cost["close"] = time.monotonic() - began
-
-    def _close_locked(self, timeout: float) -> None:
-        self._stop.set()
-        self._pos = self._pos._replace(phase="done")
-        source, self._source = self._source, None
-        if source is not None:
-            try:
-                source.close(timeout)
-            except Exception:
-                log.exception("smiquery: stopping nvidia-smi failed")
-        check, self._order_check = self._order_check, None
-        if check is not None:
-            check.close(timeout)
-        if self._share is not None:
-            self._share.close(timeout)
-            self.cost["pmon_cpu"] = self._share.cpu
-        reader, self._reader = self._reader, None
-        if reader is not None and reader is not threading.current_thread():
-            reader.join(timeout)
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.close()
-            self.cost["worker_cpu"] = worker.cpu
-        opened, self._opened = self._opened, ()
-        for out in opened:
-            out.close(timeout)
-        if self._notifier is not None:
+            self._stop.set()
+            self._pos = self._pos._replace(phase="done")
+            source, self._source = self._source, None
+            if source is not None:
+                try:
+                    source.close(timeout)
+                except Exception:
+                    log.exception("smiquery: stopping nvidia-smi failed")
+            check, self._order_check = self._order_check, None
+            if check is not None:
+                check.close(timeout)
+            if self._share is not None:
+                self._share.close(timeout)
+                self.cost["pmon_cpu"] = self._share.cpu
+            reader, self._reader = self._reader, None
+            if reader is not None and reader is not threading.current_thread():
+                reader.join(timeout)
+            worker, self._worker = self._worker, None
+            if worker is not None:  # the handlers finish the queued events, within about three seconds
+                with contextlib.suppress(queue.Full):
+                    self._events.put(None, timeout=1.0)
+                if worker is not threading.current_thread():
+                    worker.join(2.0)
+            opened, self._opened = self._opened, ()
+            for out in opened:
+                out.close(timeout)
             self._notifier.close(timeout=2.0)
-        OPEN_MONITORS.discard(self)
+            OPEN_MONITORS.discard(self)
+        self.cost["close"] = time.monotonic() - began
 
     def __enter__(self) -> RunMonitor:
         return self.start() if self._source is None and not self.running else self
@@ -857,35 +796,23 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=OPEN_MONITORS.clear)
 
 
+def _view(name: str, doc: str) -> Any:
+    return property(lambda self: getattr(self.monitor, name), doc=doc)
+
+
 class MonitorView:
     """Read-only views of ``self.monitor``, the same in every framework's callback and in a plain loop's watch."""
 
     monitor: RunMonitor
-
-    @property
-    def alerts(self) -> list[TrainingAlert]:
-        """The alerts of the current (or last) run, with their training position."""
-        return self.monitor.alerts
-
-    @property
-    def epochs(self) -> list[dict[str, float]]:
-        """Per epoch, the numbers added to the framework's logs (or handed to ``on_epoch``)."""
-        return self.monitor.epochs
-
-    @property
-    def notes(self) -> list[str]:
-        """Messages said once (monitoring unavailable, rules dropped, framework view missing, growing gap)."""
-        return self.monitor.notes
-
-    @property
-    def cost(self) -> dict[str, float]:
-        """What monitoring cost in the last run (see :attr:`RunMonitor.cost`)."""
-        return self.monitor.cost
-
-    @property
-    def running(self) -> bool:
-        """True while the background nvidia-smi is being read."""
-        return self.monitor.running
+    alerts: list[TrainingAlert] = _view(
+        "alerts", "The alerts of the current (or last) run, with their training position."
+    )
+    epochs: list[dict[str, float]] = _view(
+        "epochs", "Per epoch, the numbers added to the logs (or given to ``on_epoch``)."
+    )
+    notes: list[str] = _view("notes", "Messages said once (monitoring unavailable, rules dropped, a growing gap...).")
+    cost: dict[str, float] = _view("cost", "What monitoring cost in the last run (see :attr:`RunMonitor.cost`).")
+    running: bool = _view("running", "True while the background nvidia-smi is being read.")
 
     def latest(self) -> dict[int, GpuSample]:
         """The newest sample of each watched GPU (by nvidia-smi index)."""

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
 from smiquery._log import get_logger
-from smiquery.alerts import AlertEvent, Notifier, Rule
+from smiquery.alerts import AlertEvent, Rule
 from smiquery.errors import KernelLogError
 from smiquery.fields import get_field
 from smiquery.sources.xid import XidEvent, XidInfo, XidWatcher, describe, gpu_for
-from smiquery.training.monitor import Output, RunMonitor, TrainingAlert
+from smiquery.training.monitor import Output, RunMonitor
 
 if TYPE_CHECKING:
     from smiquery.httpd.server import HttpServer, Request
@@ -30,13 +30,11 @@ __all__ = ["METRICS_KEYWORDS", "JobMetrics", "KernelLog", "Recording", "XidAlert
 log = get_logger("smiquery.training.outputs")
 
 
-class Recording:
+class Recording(Output):
     """Every sample of the watched GPUs written to ``path`` (``.csv``, ``.jsonl``, ``.parquet``) for each run.
 
     ``smiquery report`` and ``smiquery plot`` read it. A failure is said once and the run goes on unrecorded.
     """
-
-    fields: tuple[str, ...] = ()
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = path
@@ -77,22 +75,16 @@ class Recording:
                 log.exception("smiquery: closing the recording failed")
 
 
-class JobMetrics:
+class JobMetrics(Output):
     """The job's own metrics, served on ``metrics_port`` and/or pushed to ``pushgateway`` for each run (an output).
 
     Computed from the monitor's :class:`~smiquery.training.monitor.Totals` at scrape (or push) time, so that a step
-    costs nothing here. The job's counters are labelled ``{run, host}`` (one series per run, whatever the number of
-    GPUs); the per-GPU series carry ``{run, host, uuid}`` and join the GPUs through
-    ``smiquery_training_gpu_info{run, host, uuid, gpu} 1``.
-    ``metrics_port`` 0 binds any free port (:attr:`port`); ``metrics_addr`` defaults to 127.0.0.1 like the exporter,
-    ``web_config`` is an exporter-toolkit web-config file (TLS, basic auth) as ``smiquery export --web-config``.
-    Pushes go every ``push_interval`` seconds, with the ``job`` label, to this run's group (``run_id``: default
-    ``SMIQUERY_RUN_ID``, else a new random id; and the host), deleted when the run closes. A failure to serve or push
-    (the port taken, no ``prometheus_client``) is said once and training goes on. Raises ValueError for an invalid
+    costs nothing here; the series are listed on the Training page of the docs. ``metrics_port`` 0 binds any free
+    port (:attr:`port`); ``web_config``: as ``smiquery export --web-config``. Pushes go every ``push_interval``
+    seconds to this run's group (``run_id``, default ``SMIQUERY_RUN_ID`` else random; the host), deleted when the
+    run closes. A failure to serve or push is said once and training goes on. Raises ValueError for an invalid
     ``metrics_port`` or ``pushgateway``, WebConfigError for an invalid web-config file.
     """
-
-    fields: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -125,7 +117,8 @@ class JobMetrics:
         self.monitor: RunMonitor | None = None
         self.registry: Any = None
         self._http: HttpServer | None = None
-        self._port: int | None = None
+        #: the port actually bound while a run is served (for ``metrics_port=0``), else None
+        self.port: int | None = None
         self._stop = threading.Event()
         self._pusher: threading.Thread | None = None
 
@@ -139,7 +132,7 @@ class JobMetrics:
             self.registry.register(self)
             self._stop = threading.Event()
             if self.metrics_port is not None:
-                self._serve(self.metrics_port, self.metrics_addr)
+                self._serve(self.metrics_port)
         except Exception as exc:
             self.monitor = None
             monitor.say(f"the training metrics are off: {exc}")
@@ -150,11 +143,7 @@ class JobMetrics:
             )
             self._pusher.start()
 
-    def take(self, samples: Sequence[GpuSample]) -> None:
-        """Nothing: the metrics read the run's counters when scraped or pushed."""
-
-    def _serve(self, port: int, addr: str) -> None:
-        """Serve /metrics with the shared HTTP server (TLS and basic auth from the web config)."""
+    def _serve(self, port: int) -> None:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         from smiquery.httpd.server import HttpServer, Response, listen, route
@@ -164,8 +153,8 @@ class JobMetrics:
             return Response(200, bytes(generate_latest(self.registry)), CONTENT_TYPE_LATEST)
 
         web = load_web_config(self.web_config) if self.web_config is not None else None
-        sock = listen(addr, port, port_option="metrics_port", bind_option="metrics_addr")
-        self._port = int(sock.getsockname()[1])
+        sock = listen(self.metrics_addr, port, port_option="metrics_port", bind_option="metrics_addr")
+        self.port = int(sock.getsockname()[1])
         self._http = HttpServer(
             sock,
             functools.partial(route, pages={"/metrics": metrics}, missing=b"the training metrics are at /metrics\n"),
@@ -174,11 +163,6 @@ class JobMetrics:
             max_connections=64,
             server_header="smiquery-training",
         )
-
-    @property
-    def port(self) -> int | None:
-        """The port actually bound while a run is served (for ``port=0``), else None."""
-        return self._port
 
     def _push_loop(self, monitor: RunMonitor, gateway: str) -> None:
         from prometheus_client import push_to_gateway
@@ -214,7 +198,7 @@ class JobMetrics:
         if self._http is not None:
             self._http.shutdown()
             self._http = None
-        self._port = None
+        self.port = None
 
     def collect(self) -> Iterator[Any]:
         """The job's families over its run's totals, one series per watched GPU (by UUID): prometheus_client's."""
@@ -313,13 +297,12 @@ class XidAlert(AlertEvent):
         }
 
 
-class KernelLog:
+class KernelLog(Output):
     """The kernel log at ``path`` (``/dev/kmsg``, ``/var/log/kern.log``) followed from its end while a run goes on.
 
-    Each Xid on a watched GPU becomes an :class:`XidAlert` stamped with the training position, kept in
-    ``monitor.alerts`` and handed to the handlers like a fired rule, on the watcher's thread (Xids are rare, and a
-    GPU that fell off the bus may have stopped the sample thread). An Xid on another GPU is said once at INFO; an
-    unreadable log is said once and the run goes on.
+    Each Xid on a watched GPU becomes an :class:`XidAlert` that the run keeps and hands to the handlers like a fired
+    rule (:meth:`RunMonitor.alert`). An Xid on another GPU is said once at INFO; an unreadable log is said once and
+    the run goes on.
     """
 
     #: the PCI address names the GPU of an Xid
@@ -335,14 +318,11 @@ class KernelLog:
         def failed(exc: BaseException, _opened: bool) -> None:
             monitor.say(f"reading the kernel log stopped ({exc}): Xid errors are no longer reported to this run")
 
-        on_event = functools.partial(_alert, monitor, Notifier((), monitor.handlers))
+        on_event = functools.partial(_alert, monitor)
         try:
             self._watcher = XidWatcher(self.path, on_event=on_event, on_error=failed, from_start=False).start()
         except KernelLogError as exc:
             monitor.say(f"{exc}: Xid errors are not reported to this run")
-
-    def take(self, samples: Sequence[GpuSample]) -> None:
-        """Nothing: the watcher reads the run's newest samples when an Xid comes."""
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop following."""
@@ -351,7 +331,7 @@ class KernelLog:
             watcher.close(timeout)
 
 
-def _alert(monitor: RunMonitor, notifier: Notifier, event: XidEvent) -> None:
+def _alert(monitor: RunMonitor, event: XidEvent) -> None:
     """Alert ``monitor``'s run of ``event`` when it is on a GPU the run watches; else say it once per address."""
     found = gpu_for(event, monitor.latest().values())
     if found is None:
@@ -364,9 +344,7 @@ def _alert(monitor: RunMonitor, notifier: Notifier, event: XidEvent) -> None:
     alert = XidAlert(
         rule, found.index, found.uuid, event.pci_bus_id, "firing", at, at, 0.0, event.xid, event.info, event
     )
-    training = TrainingAlert.at(alert, monitor.position, monitor.context_extra)
-    monitor.alerts.append(training)
-    notifier.dispatch(alert, training.context())
+    monitor.alert(alert)
 
 
 #: The keywords of :func:`run_monitor` that go to the job's :class:`JobMetrics`.

@@ -1,8 +1,4 @@
-"""The run's own share of each GPU: one ``nvidia-smi pmon`` beside the run, its instants summed per epoch.
-
-:func:`own_pids` tells the run's processes (this process and its descendants) and :class:`ShareTracker` owns the
-pmon child and its thread for a :class:`~smiquery.training.monitor.RunMonitor` with ``process_share=True``.
-"""
+"""The run's own share of each GPU (``process_share=True``): one ``nvidia-smi pmon`` beside it, summed per epoch."""
 
 from __future__ import annotations
 
@@ -30,7 +26,6 @@ def own_pids(pids: Iterable[int] | None = None, *, root: str = "/proc") -> froze
     """The run's own processes among ``pids`` (default every process): this process and its descendants.
 
     Parent chains are read from ``ROOT/PID/stat``; without ``/proc`` (macOS, Windows) only this process counts.
-    pids are this PID namespace's: nvidia-smi in a container with its own PID namespace may report other numbers.
     """
     me = os.getpid()
     if not os.path.isdir(root):
@@ -81,9 +76,8 @@ class _ShareAcc:
 class ShareTracker:
     """One pmon child and its reading thread: each instant summed into the epoch ``epoch_now()`` says it arrived in.
 
-    Failures are said once through the monitor's ``say``, never raised: a failing or hung pmon never delays a
-    training step, and an unsupported one turns the share off (the keys stay NaN). ``watched(idx)``: whether a GPU is
-    one the run watches (None: every GPU).
+    Failures are said once through ``say``, never raised; an unsupported pmon turns the share off (the keys stay
+    NaN). ``watched(idx)``: whether the run watches a GPU (None: every GPU).
     """
 
     def __init__(
@@ -194,7 +188,7 @@ class ShareTracker:
     def epoch_values(self, epoch: int | None, order: Sequence[int], *, first: bool) -> dict[str, float]:
         """``gpuN_share`` and ``gpuN_other_processes`` of ``epoch`` for the GPUs in ``order`` (NaN without data).
 
-        ``first``: the run's first summarised epoch, which also counts the instants before it.
+        ``first``: the run's first summarised epoch, which also takes the instants before it.
         """
         with self._lock:
             accs = self._accs.pop(epoch, None) or {}

@@ -58,8 +58,7 @@ class Watch(MonitorView):
 
     def __exit__(self, *exc: object) -> None:
         try:
-            if self._epoch is not None:
-                self.end_epoch()
+            self.end_epoch()
         finally:
             self.monitor.close()
 
@@ -82,8 +81,8 @@ def watch(
                     w.step(epoch=epoch, batch=i, samples=len(x))
         print(w.epochs[-1]["gpu0_util_mean"], w.epochs[-1]["samples_per_joule"])
 
-    ``on_epoch`` is called with ``(epoch, values)`` when an epoch is summarised (to log them); the other arguments
-    are :func:`~smiquery.training.outputs.run_monitor`'s. Leaving the returned context summarises the last epoch and
-    reaps nvidia-smi.
+    ``on_epoch(epoch, values)`` is called when an epoch is summarised; the other arguments are
+    :func:`~smiquery.training.outputs.run_monitor`'s. Leaving the context summarises the last epoch and reaps
+    nvidia-smi.
     """
     return Watch(run_monitor(fields, interval, **options).start(), on_epoch)
