@@ -86,20 +86,6 @@ class ThreadDriver(Generic[Item]):
         for event in self.engine.take_events():
             self._emit(event)
 
-    def _pause(self, seconds: float) -> bool:
-        """Wait between attempts, cut short by a close or the end of ``duration``; False when the stream stops."""
-        engine = self.engine
-        if seconds <= 0:
-            pass  # a fresh streak starts at once
-        elif self._sleep is not None:
-            self._sleep(seconds)
-        else:
-            limit = seconds
-            if engine.duration is not None:
-                limit = min(seconds, max(engine.deadline() - time.monotonic(), 0.0))
-            self._wake.wait(limit)
-        return not engine.stopped(time.monotonic())
-
     def items(self) -> Generator[Item, None, None]:
         """Everything the engine makes, child after child, until closed, over, spent or given up (raises)."""
         engine = self.engine
@@ -118,8 +104,13 @@ class ThreadDriver(Generic[Item]):
                     if engine.closed:
                         return
                     yield item
-                if not engine.done and not self._pause(delay):
-                    return
+                if delay <= 0 or engine.done:
+                    continue  # a fresh streak starts at once
+                if self._sleep is not None:
+                    self._sleep(delay)
+                else:  # cut short by a close or the end of ``duration``
+                    end = engine.deadline() if engine.duration is not None else None
+                    self._wake.wait(delay if end is None else min(delay, max(end - time.monotonic(), 0.0)))
         finally:
             self._reader = None
             engine.finish()
@@ -288,8 +279,6 @@ class Stream(CsvSource):
             duration=duration,
             max_rows=max_samples,
         )
-        self.max_samples = max_samples
-        self.duration = duration
         self._driver: ThreadDriver[GpuSample | Sweep] = ThreadDriver(self._engine, runner, self._emit, sleep=sleep)
         self._thread: threading.Thread | None = None
         # Only a weak reference: an abandoned iterator must be collectable at once (no cycle), so that dropping it
