@@ -139,10 +139,7 @@ def _check_recorded(df: pd.DataFrame, wanted: Sequence[Field], path: str) -> Non
 
 
 def read_recording(
-    source: Sources,
-    *,
-    fields: str | Sequence[str] | None = None,
-    tz: tzinfo | str | None = None,
+    source: Sources, *, fields: str | Sequence[str] | None = None, tz: tzinfo | str | None = None
 ) -> pd.DataFrame:
     """Read any recording into a DataFrame with the columns of :func:`~smiquery.frames.to_dataframe`, a row per sample.
 

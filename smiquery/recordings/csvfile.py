@@ -567,10 +567,7 @@ def csv_header(path: str | os.PathLike[str]) -> tuple[str, ...] | None:
 
 
 def read_csv(
-    path_or_buffer: CsvSource,
-    fields: str | Sequence[str | Field] | None = None,
-    *,
-    tz: tzinfo | str | None = None,
+    path_or_buffer: CsvSource, fields: str | Sequence[str | Field] | None = None, *, tz: tzinfo | str | None = None
 ) -> pd.DataFrame:
     """Read a recorded ``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` file into a DataFrame.
 

@@ -59,11 +59,7 @@ def normalize_gpus(gpus: GpusArg) -> tuple[str, ...]:
 
 
 def build_argv(
-    binary: str,
-    fields: Sequence[Field],
-    gpus: Sequence[str] = (),
-    *,
-    interval: float | None = None,
+    binary: str, fields: Sequence[Field], gpus: Sequence[str] = (), *, interval: float | None = None
 ) -> list[str]:
     """The nvidia-smi argument list for a query (one-shot, or loop mode when ``interval`` is given).
 

@@ -35,13 +35,7 @@ if TYPE_CHECKING:
 
     import pandas as pd
 
-__all__ = [
-    "DEFAULT_HISTORY_SWEEPS",
-    "DEFAULT_STARTUP_TIMEOUT",
-    "Stream",
-    "ThreadDriver",
-    "stream",
-]
+__all__ = ["DEFAULT_HISTORY_SWEEPS", "DEFAULT_STARTUP_TIMEOUT", "Stream", "ThreadDriver", "stream"]
 
 log = get_logger("smiquery")
 
@@ -173,10 +167,7 @@ class ThreadDriver(Generic[Item]):
                 return
 
     def close(
-        self,
-        timeout: float,
-        thread: threading.Thread | None,
-        generator: Generator[Item, None, None] | None,
+        self, timeout: float, thread: threading.Thread | None, generator: Generator[Item, None, None] | None
     ) -> None:
         """Stop within ``timeout`` s (see ``Stream.close``): join the consuming ``thread``, close the ``generator``."""
         end = time.monotonic() + max(timeout, 0.0)
