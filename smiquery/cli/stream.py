@@ -667,9 +667,9 @@ def _open_outputs(
     live: LiveTable | None = None
     evaluator = AlertEvaluator(rules) if rules else None
     if form == "csv":
-        writers.append(CsvWriter(out, flds, flush=True))
+        writers.append(CsvWriter(out, flds))
     elif form == "jsonl":
-        writers.append(JsonlWriter(out, flush=True))
+        writers.append(JsonlWriter(out))
     elif is_tty(out):
         health = AlertEvaluator([Rule.parse(r) for r in (*BUILTIN_RULES, *_LIVE_HEALTH)])
         live = LiveTable(

@@ -189,20 +189,15 @@ class SampleWriter(Protocol):
 
 
 class LineWriter:
-    """Writes whole lines to the text stream ``out``, one write call each, flushed per line when ``flush``.
+    """Writes whole lines to the text stream ``out``, one write call and flush each; closes it if it ``owns`` it."""
 
-    It closes ``out`` on :meth:`close` when it ``owns`` it.
-    """
-
-    def __init__(self, out: IO[str], *, flush: bool = True, owns: bool = False) -> None:
+    def __init__(self, out: IO[str], *, owns: bool = False) -> None:
         self.out = out
-        self.flush = flush
         self.owns = owns
 
     def _line(self, text: str) -> None:
         self.out.write(text)
-        if self.flush:
-            self.out.flush()
+        self.out.flush()
 
     def close(self) -> None:
         """Flush (and close the file when it was opened for this writer)."""

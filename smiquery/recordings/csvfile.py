@@ -532,8 +532,8 @@ class ArrowCsvReader:
 class CsvWriter(LineWriter):
     """Writes samples (of ``fields``, in order) in nvidia-smi's ``--format=csv`` layout: header with units, rows."""
 
-    def __init__(self, out: IO[str], fields: Sequence[Field], *, flush: bool = True, owns: bool = False) -> None:
-        super().__init__(out, flush=flush, owns=owns)
+    def __init__(self, out: IO[str], fields: Sequence[Field], *, owns: bool = False) -> None:
+        super().__init__(out, owns=owns)
         self.fields = tuple(fields)
         self._header_done = False
 

@@ -166,11 +166,8 @@ class ParquetDataset:
 
     Takes :class:`~smiquery.recordings.recorder.TextRecorder`'s arguments (``rotate_bytes`` counts the journal's
     bytes, ``rotate_seconds`` defaults to an hour, ``keep`` counts parts), and closes a part at ``part_rows`` rows.
-
-    Raises:
-        UsageError: it exists and ``policy`` is ``"new"``, it is a file or another folder, or has other columns.
-        RecordingError: the folder cannot be made or written.
-        RuntimeError: pyarrow is not installed.
+    Raises UsageError (it exists and ``policy`` is ``"new"``, it is a file or another folder, or has other
+    columns), RecordingError (the folder cannot be made or written) or RuntimeError (no pyarrow).
     """
 
     def __init__(
@@ -215,14 +212,6 @@ class ParquetDataset:
             raise RecordingError(f"cannot write {self.path}: {(exc.strerror or str(exc)).lower()}") from None
         self._roll()  # a killed recorder's open part becomes its own part, before this run's rows
 
-    def _learn_zone(self, sample: GpuSample) -> None:
-        """Record the zone of the first row's timestamp (see :func:`~smiquery.recordings.recorder.zone_name`)."""
-        self._zone_due = False
-        try:
-            write_meta(self.path / META, {"tz": zone_name(sample)})
-        except OSError as exc:
-            self.say(f"smiquery: cannot write {self.path / META}: {exc}; the recording's time zone is not recorded")
-
     def _take_over(self, policy: Policy) -> None:
         if self.path.is_file():
             if policy == "append":
@@ -257,8 +246,12 @@ class ParquetDataset:
             self._reopen = False
             self.close_part()
         self._journal.write(sample)
-        if self._zone_due:
-            self._learn_zone(sample)
+        if self._zone_due:  # the zone of the first row's timestamp
+            self._zone_due = False
+            try:
+                write_meta(self.path / META, {"tz": zone_name(sample)})
+            except OSError as exc:
+                self.say(f"smiquery: cannot write {self.path / META}: {exc}; the recording's time zone is not recorded")
 
     def close_part(self) -> None:
         """Turn the journal into the next closed part (a full disk leaves the journal to a later try)."""

@@ -64,13 +64,10 @@ class Replay(LatestSweep):
         columns: a headerless CSV log's columns, in order (a CSV with a header must then have exactly these).
         tz: the zone the recording was made in, as :func:`~smiquery.recordings.read_recording` takes it.
 
-    Raises:
-        ReplayError: the file is missing, empty, not a recording (no header and no ``columns``), holds no
-            readable row, or lacks a requested field. Unreadable lines are skipped and counted in
-            ``stats.dropped_rows``; :attr:`first_error` names the first.
-        InvalidFieldError: an unknown field name.
-        InvalidGpuIdError: a malformed GPU id.
-        InvalidTimeZoneError: an unknown zone name in ``tz``.
+    Raises ReplayError when the file is missing, empty, not a recording (no header and no ``columns``), holds no
+    readable row, or lacks a requested field (unreadable lines are skipped and counted in ``stats.dropped_rows``;
+    :attr:`first_error` names the first); InvalidFieldError, InvalidGpuIdError, InvalidTimeZoneError for a bad
+    ``fields``, ``gpus`` or ``tz``.
     """
 
     def __init__(
@@ -114,8 +111,9 @@ class Replay(LatestSweep):
         #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
         self.gpu_count = 0
         self._peek_error: ParseError | None = None
-        if len(self.paths) > 1:
-            self.paths = self._time_ordered(self.paths)
+        if len(self.paths) > 1:  # a rotated set, in the order of its files' first timestamps, whatever their names
+            firsts = [next(iter(self._one_file(p, None, lambda err: None)), None) for p in self.paths]
+            self.paths = [self.paths[i] for i in time_order([s.timestamp if s is not None else None for s in firsts])]
         first = self._peek()
         if first is None and self._columns is not None:
             columns = ",".join(f.name for f in self._columns)
@@ -142,11 +140,6 @@ class Replay(LatestSweep):
     def _raw_samples(self) -> Generator[GpuSample, None, None]:
         fmt = self.format if len(self.paths) == 1 else None
         yield from with_gpu0(s for path in self.paths for s in self._one_file(path, fmt))
-
-    def _time_ordered(self, paths: list[str]) -> list[str]:
-        """Several files (a rotated set) in the order of their first timestamps, whatever their names."""
-        firsts = [next(iter(self._one_file(p, None, lambda err: None)), None) for p in paths]
-        return [paths[i] for i in time_order([s.timestamp if s is not None else None for s in firsts])]
 
     def _one_file(
         self, path: str, fmt: RecordingFormat | None, on_drop: Callable[[ParseError], None] | None = None
@@ -315,7 +308,8 @@ class Replay(LatestSweep):
         self.close()
 
     _thread: threading.Thread | None = None
-    _thread_error: BaseException | None = None
+    #: The error that ended a background replay, if any.
+    error: BaseException | None = None
 
     def start(self) -> Replay:
         """Play in a background thread, so that :meth:`latest` follows the recording. Returns self."""
@@ -329,7 +323,7 @@ class Replay(LatestSweep):
                     if self._stop.is_set():
                         break
             except BaseException as exc:  # kept for the owner; a background thread must not die silently
-                self._thread_error = exc
+                self.error = exc
                 self.stats.state = "failed"
                 return
             self.stats.state = "closed" if self._stop.is_set() else "ended"
@@ -342,11 +336,6 @@ class Replay(LatestSweep):
     def running(self) -> bool:
         """True while a background replay's thread is alive."""
         return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that ended a background replay, if any."""
-        return self._thread_error
 
 
 #: ``replay(...)`` is ``Replay(...)``.

@@ -33,12 +33,9 @@ class PmonStream:
     ``interval``: seconds, 1..10; ``count``: stop after this many samples (the child exits by itself); ``select``:
     ``u`` utilisation and/or ``m`` framebuffer memory; ``options``: ``D`` and/or ``T`` to stamp each line with the
     date and time. The other arguments, the engine and its guarantees are the CSV stream's
-    (:class:`smiquery.Stream`); counters in :attr:`stats`. Nothing runs until it is iterated.
-
-    Raises:
-        InvalidGpuIdError: a malformed GPU id.
-        NvidiaSmiNotFoundError: no usable binary.
-        ValueError: an interval, count, select or options value pmon would reject, or a bad retry setting.
+    (:class:`smiquery.Stream`); counters in :attr:`stats`. Nothing runs until it is iterated. Raises
+    InvalidGpuIdError, NvidiaSmiNotFoundError (no usable binary), or ValueError for an interval, count, select or
+    options value pmon would reject, or a bad retry setting.
     """
 
     def __init__(
@@ -138,8 +135,6 @@ class PmonStream:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop: the child is terminated and reaped. Idempotent, safe from any thread (a callback included)."""
-        if self.stats.state not in ("ended", "failed"):
-            self.stats.state = "closed"
         self._driver.close(timeout, None, None)
 
     def __enter__(self) -> PmonStream:

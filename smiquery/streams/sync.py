@@ -171,6 +171,8 @@ class ThreadDriver(Generic[Item]):
     ) -> None:
         """Stop within ``timeout`` s (see ``Stream.close``): join the consuming ``thread``, close the ``generator``."""
         end = time.monotonic() + max(timeout, 0.0)
+        if self.engine.stats.state not in ("failed", "ended"):
+            self.engine.stats.state = "closed"
         self.engine.close()
         self._wake.set()
         with self._lock:
@@ -378,8 +380,6 @@ class Stream(CsvSource):
 
         From the stream's own thread (a callback) it returns at once; the child is reaped when the callback returns.
         """
-        if self.stats.state not in ("failed", "ended"):
-            self.stats.state = "closed"
         gen = self._gen_ref() if self._gen_ref is not None else None
         self._driver.close(timeout, self._thread, gen)
 
