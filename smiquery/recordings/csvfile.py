@@ -132,8 +132,7 @@ def probe_layout(src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo
     Returns None when the input holds no non-blank line.
     """
     probe = CsvParser(fields, tz=tz)
-    lines = src.head.splitlines()
-    for n, raw in enumerate(lines, 1):
+    for n, raw in enumerate(src.head.splitlines(), 1):
         line = _decode(raw)
         if not line.rstrip("\r\n\t "):
             probe.feed(line)
@@ -143,9 +142,7 @@ def probe_layout(src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo
         if sample is None and len(probe.notices) == notices:
             return CsvLayout(probe.fields, probe.units, [c.strip() for c in line.split(",")], n)
         return CsvLayout(probe.fields, probe.units, None, 0)
-    if probe.fields:
-        return CsvLayout(probe.fields, probe.units, None, 0)
-    return None
+    return CsvLayout(probe.fields, probe.units, None, 0) if probe.fields else None
 
 
 class _BadCells(Exception):
@@ -162,10 +159,7 @@ _Why = tuple[Any, Any, tuple[str, ...]]
 
 
 class _Block(NamedTuple):
-    """One converted block: a part per column, the rows kept and the ones dropped (positions as read), and why.
-
-    ``reasons`` says why cells are missing (by column attr), ``why`` what is wrong with the first dropped row.
-    """
+    """A converted block: a part per column, why cells are missing (by attr), rows kept, rows dropped, and why."""
 
     parts: list[Any]
     reasons: dict[str, _Why]
@@ -198,17 +192,15 @@ class ArrowCsvReader:
 
     def read(self) -> pd.DataFrame:
         """The whole file as a frame; a numeric column meeting an odd cell is read again as text."""
-        pa = self.pa
+        pa, src = self.pa, self.src
         typed = self._typed_from_head()
-        clean: bytes | None = None
+        cleaned = False
         while True:
             try:
-                if clean is not None:
-                    return self._read(pa.BufferReader(clean), typed)
-                if self.src.path is None:
-                    return self._read(pa.BufferReader(self.src.data), typed)
+                if src.path is None:
+                    return self._read(pa.BufferReader(src.data), typed)
                 # Opened as a plain stream: given a path, pyarrow would also decompress ``.gz`` files by name.
-                with pa.input_stream(self.src.path, compression=None) as stream:
+                with pa.input_stream(src.path, compression=None) as stream:
                     return self._read(stream, typed)
             except pa.ArrowInvalid as exc:
                 message = str(exc)
@@ -221,9 +213,9 @@ class ArrowCsvReader:
                     else:
                         typed.discard(column)  # that column as text this time
                     continue
-                if "UTF8" in message and clean is None:
+                if "UTF8" in message and not cleaned:
                     # Undecodable bytes: read again with U+FFFD in their place, as the line parser would.
-                    clean = _decode(self.src.data).encode("utf-8")
+                    src.data, src.path, cleaned = _decode(src.data).encode("utf-8"), None, True
                     continue
                 raise ParseError(message, lineno=0, line="") from exc
 

@@ -124,11 +124,9 @@ class ThreadDriver(Generic[Item]):
                 child.terminate()
             engine.started(time.monotonic())
             yield from self._read(child)
-        except StreamEndedError as exc:
-            if self._finite and exc.returncode == 0 and not engine.closed:
-                return None  # a finite child finished its count
-            return engine.failed(exc, time.monotonic(), time.time())
         except SmiqueryError as exc:
+            if isinstance(exc, StreamEndedError) and self._finite and exc.returncode == 0 and not engine.closed:
+                return None  # a finite child finished its count
             return engine.failed(exc, time.monotonic(), time.time())
         finally:
             with self._lock:
@@ -231,11 +229,8 @@ class Stream(CsvSource):
         tz: time zone of the timestamps.
         history_sweeps: how many of the newest sweeps :meth:`history` keeps (0: none).
 
-    Raises:
-        InvalidFieldError: an unknown field, before anything runs.
-        InvalidGpuIdError: a malformed GPU id, before anything runs.
-        NvidiaSmiNotFoundError: no usable binary, before anything runs.
-        ValueError: a non-positive interval or timeout, a negative ``history_sweeps``.
+    Raises InvalidFieldError, InvalidGpuIdError or NvidiaSmiNotFoundError (no usable binary) before anything runs,
+    and ValueError for a non-positive interval or timeout or a negative ``history_sweeps``.
     """
 
     def __init__(
@@ -310,10 +305,9 @@ class Stream(CsvSource):
         return (item for item in self._generator() if isinstance(item, GpuSample))
 
     def sweeps(self, count: int | None = None) -> Iterator[Sweep]:
-        """Yield sweeps, one instant each (see :class:`~smiquery.source.SweepGrouper`), flagged when short.
+        """Yield sweeps (at most ``count``), one instant each (see :class:`~smiquery.source.SweepGrouper`).
 
-        Args:
-            count: stop after this many sweeps.
+        A short one is flagged.
         """
         return islice((item for item in self._generator() if isinstance(item, Sweep)), count)
 
@@ -347,10 +341,7 @@ class Stream(CsvSource):
         """The newest ``n`` (None: all kept) of the last ``history_sweeps`` sweeps read, as a DataFrame.
 
         One row per sample, oldest first, as :func:`smiquery.query_df` gives them (no rows before the first
-        sweep). Any thread, without blocking the stream.
-
-        Raises:
-            ValueError: a negative ``n``.
+        sweep). Any thread, without blocking the stream. Raises ValueError for a negative ``n``.
         """
         from smiquery.frames import empty_array, local_zone, make_frame, to_dataframe
 
