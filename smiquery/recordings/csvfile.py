@@ -536,12 +536,10 @@ class CsvWriter(LineWriter):
             self._line(header_line(self.fields) + "\n")
 
     def write(self, sample: GpuSample) -> None:
-        """Write one sample as one complete line (a single write call)."""
-        line = format_row(sample, self.fields, units=True) + "\n"
-        if not self._header_done:
-            self._header_done = True
-            line = header_line(self.fields) + "\n" + line
-        self._line(line)
+        """Write one sample as one complete line (a single write call; the header with the first)."""
+        head = "" if self._header_done else header_line(self.fields) + "\n"
+        self._header_done = True
+        self._line(head + format_row(sample, self.fields, units=True) + "\n")
 
 
 def csv_header(path: str | os.PathLike[str]) -> tuple[str, ...] | None:

@@ -56,21 +56,10 @@ class PmonStream:
     ) -> None:
         if startup_timeout <= 0:
             raise ValueError("startup_timeout must be positive")
-        self.gpus = normalize_gpus(gpus)
+        ids = normalize_gpus(gpus)
         runner = runner or default_runner()
-        self.argv = tuple(
-            build_pmon_argv(
-                find_nvidia_smi(nvidia_smi, runner=runner),
-                self.gpus,
-                interval=interval,
-                count=count,
-                select=select,
-                options=options,
-            )
-        )
-        self.count = count
-        self.stall_timeout = stall_timeout if stall_timeout is not None else max(3.0 * interval, 10.0)
-        self.startup_timeout = float(startup_timeout)
+        binary = find_nvidia_smi(nvidia_smi, runner=runner)
+        self.argv = tuple(build_pmon_argv(binary, ids, interval=interval, count=count, select=select, options=options))
         #: The :class:`~smiquery.retry.RetryPolicy` this stream runs under.
         self.retry_policy = retry if retry is not None else RetryPolicy()
         self.on_event = on_event
@@ -80,8 +69,8 @@ class PmonStream:
             PmonRows(self.stats, events.append),
             self.argv,
             self.retry_policy,
-            startup_timeout=self.startup_timeout,
-            stall_timeout=self.stall_timeout,
+            startup_timeout=startup_timeout,
+            stall_timeout=stall_timeout if stall_timeout is not None else max(3.0 * interval, 10.0),
             stats=self.stats,
             events=events,
         )
