@@ -575,10 +575,8 @@ def read_csv(
         tz: the zone the recording was made in (a ``tzinfo`` or an IANA name): timestamps become aware in it.
             Default: naive (``datetime64[ns]``), nvidia-smi's wall-clock time exactly as recorded.
 
-    Raises:
-        ParseError: there is neither a header nor ``fields``, or the header does not match ``fields``.
-        InvalidFieldError: a name in ``fields`` is unknown.
-        ValueError: an unknown time zone name.
+    Raises ParseError when there is neither a header nor ``fields``, or the header does not match ``fields``;
+    InvalidFieldError or ValueError for an unknown name in ``fields`` or ``tz``.
     """
     out_tz = resolve_zone(tz)
     # The parser needs a zone to read a timestamp; the wall-clock time it reads is what is kept.

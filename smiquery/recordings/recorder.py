@@ -269,7 +269,9 @@ class TextRecorder:
             self._reopen = False
             self._close_fd()
             self._open()
-        elif self._due():
+        elif (self.rotate_bytes is not None and self.size >= self.rotate_bytes) or (
+            self.rotate_seconds is not None and self.clock() - self._opened >= self.rotate_seconds
+        ):
             self._rotate()
         else:
             self._check_truncated()
@@ -300,11 +302,6 @@ class TextRecorder:
             self._dropping += 1
         if self._dirty and self.clock() - self._synced >= self.flush_every:
             self._sync()
-
-    def _due(self) -> bool:
-        if self.rotate_bytes is not None and self.size >= self.rotate_bytes:
-            return True
-        return self.rotate_seconds is not None and self.clock() - self._opened >= self.rotate_seconds
 
     def _rotate(self) -> None:
         self._sync()
