@@ -433,9 +433,7 @@ class ArrowCsvReader:
             stripped = pc.utf8_slice_codeunits(col, 0, -len(unit) - 1)
             col = stripped if pc.all(has).as_py() else pc.if_else(has, stripped, col)
         typed = kind.ops.arrow_cast(col)
-        if typed is None:
-            typed = self._python_chunk(col, fld)
-        return typed, reasons
+        return (self._python_chunk(col, fld) if typed is None else typed), reasons
 
     def _tokens(self, col: Any) -> tuple[Any, _Why | None]:
         """``col`` with its status-token cells (``[...]``, bare ``N/A``, empty) null, and why they are missing."""
