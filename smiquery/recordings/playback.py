@@ -7,6 +7,7 @@ projects and paces them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -291,12 +292,9 @@ class Replay(LatestSweep):
     def close(self, timeout: float = 5.0) -> None:
         """Stop: wake a paced wait and end the iteration (a background thread within ``timeout`` s). Any thread."""
         self._stop.set()
-        gen = self._gen
-        if gen is not None:
-            try:
-                gen.close()
-            except ValueError:
-                pass  # running in another thread: it sees the stop flag at its next sample
+        if self._gen is not None:
+            with contextlib.suppress(ValueError):  # running in another thread: it sees the stop flag next sample
+                self._gen.close()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)

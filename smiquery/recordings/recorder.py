@@ -6,6 +6,7 @@ with one ``write``; beside it, what both share: metadata files, target checks, r
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -343,10 +344,8 @@ class TextRecorder:
             if exc.errno not in FULL_DISK:
                 raise RecordingError(_cannot(self.path, exc, "check the disk and the file")) from None
             if done:
-                try:
+                with contextlib.suppress(OSError):
                     os.ftruncate(self._fd, start)  # no half line: the file stays readable
-                except OSError:
-                    pass
             if self._dropping == 0:
                 self.say(
                     f"smiquery: cannot write {self.path}: {_why(exc)}; rows are dropped until there is space again"

@@ -273,7 +273,6 @@ class CsvSource(LatestSweep):
         self.interval = float(interval)
         self.gpus = normalize_gpus(gpus)
         self.argv = tuple(build_argv(binary, flds, self.gpus, interval=self.interval))
-        self.startup_timeout = float(startup_timeout)
         self.stall_timeout = stall_timeout if stall_timeout is not None else max(3 * self.interval, 10.0)
         #: The :class:`~smiquery.retry.RetryPolicy` this stream runs under.
         self.retry_policy = retry if retry is not None else RetryPolicy()
@@ -293,7 +292,7 @@ class CsvSource(LatestSweep):
             self._rows,
             self.argv,
             self.retry_policy,
-            startup_timeout=self.startup_timeout,
+            startup_timeout=startup_timeout,
             stall_timeout=self.stall_timeout,
             duration=duration,
             max_rows=max_rows,

@@ -9,6 +9,7 @@ short sweep says so; a GPU whose rows stop, or that nvidia-smi reports lost, is 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
@@ -382,12 +383,9 @@ class Stream(CsvSource):
 
     def __del__(self) -> None:
         engine = getattr(self, "_engine", None)
-        if engine is None or engine.closed:
-            return
-        try:
-            self.close(timeout=1.0)
-        except Exception:
-            pass
+        if engine is not None and not engine.closed:
+            with contextlib.suppress(Exception):
+                self.close(timeout=1.0)
 
 
 #: ``smiquery.stream(...)`` is ``Stream(...)``.
