@@ -1,10 +1,7 @@
 """The stream supervisor: one long-lived nvidia-smi in loop mode, watched, restarted and parsed into sweeps.
 
-At most one child at any moment, reaped on every path (on Linux also when this process is killed). Only a parsed
-row proves the child alive: none within ``startup_timeout`` of a start, or ``stall_timeout`` of the last row, and
-it is killed and restarted. Every failure is retried under one :class:`~smiquery.retry.RetryPolicy` (backoff for
-transient faults, a slow cadence for those that need a person). ``duration`` and ``close()`` are deadlines. A
-short sweep says so; a GPU whose rows stop, or that nvidia-smi reports lost, is reported lost until it is back.
+At most one child at any moment, reaped on every path (on Linux also when this process is killed); the engine
+(:mod:`.engine`) says when a child is hung and how to retry. The guarantees are listed in docs/streams.md.
 """
 
 from __future__ import annotations
