@@ -638,9 +638,9 @@ def _open_outputs(
     live: LiveTable | None = None
     evaluator = AlertEvaluator(rules) if rules else None
     if form == "csv":
-        writers.append(CsvWriter(out, flds, flush=True))
+        writers.append(CsvWriter(out, flds))
     elif form == "jsonl":
-        writers.append(JsonlWriter(out, flush=True))
+        writers.append(JsonlWriter(out))
     elif is_tty(out):
         # health colours without any --alert: the built-in rules, uncorrected ECC errors, pending pages
         live_health = ("ecc.errors.uncorrected.volatile.total > 0", "retired_pages.pending == Yes")

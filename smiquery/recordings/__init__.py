@@ -13,7 +13,7 @@ from datetime import tzinfo
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from smiquery.errors import RecordingError
+from smiquery.errors import RecordingError, UsageError
 from smiquery.fields import Field, resolve_fields
 from smiquery.frames import MissingReasons, SkippedLines, missing_reasons, set_zone, to_dataframe
 from smiquery.recordings.base import (
@@ -106,15 +106,10 @@ def open_recording(
     """The recorder of ``smiquery stream --output PATH``, by suffix, with these arguments.
 
     A :class:`TextRecorder` for ``.csv`` and ``.jsonl``/``.ndjson``, a :class:`ParquetDataset` for
-    ``.parquet``/``.pq``. The ``rules`` come back in :func:`read_recording`'s ``attrs["rules"]``.
-
-    Raises:
-        UsageError: an unknown suffix, an existing recording under ``"new"``, other columns under ``"append"``.
-        RecordingError: it cannot be written there.
-        RuntimeError: Parquet without pyarrow.
+    ``.parquet``/``.pq``. The ``rules`` come back in :func:`read_recording`'s ``attrs["rules"]``. Raises UsageError
+    (an unknown suffix, an existing recording under ``"new"``, other columns under ``"append"``), RecordingError (it
+    cannot be written there) or RuntimeError (Parquet without pyarrow).
     """
-    from smiquery.errors import UsageError
-
     kind = _WRITTEN.get(Path(path).suffix.lower())
     if kind is None:
         raise UsageError(
@@ -127,22 +122,8 @@ def open_recording(
     return TextRecorder(path, fields, kind="csv" if kind == "csv" else "jsonl", **options)
 
 
-def _check_recorded(df: pd.DataFrame, wanted: Sequence[Field], path: str) -> None:
-    lacking = [f.name for f in wanted if f.attr not in df.columns]
-    if lacking:
-        recorded = df.attrs.get("fields")
-        held = recorded if isinstance(recorded, list) and len(recorded) == len(df.columns) else list(df.columns)
-        raise RecordingError(
-            f"--fields does not agree with {path}: it has no {', '.join(lacking)}; "
-            f"it records {', '.join(map(str, held))}"
-        )
-
-
 def read_recording(
-    source: Sources,
-    *,
-    fields: str | Sequence[str] | None = None,
-    tz: tzinfo | str | None = None,
+    source: Sources, *, fields: str | Sequence[str] | None = None, tz: tzinfo | str | None = None
 ) -> pd.DataFrame:
     """Read any recording into a DataFrame with the columns of :func:`~smiquery.frames.to_dataframe`, a row per sample.
 
@@ -162,11 +143,9 @@ def read_recording(
             localized to it, others converted. Default: the zone the recording names (``run.csv.meta.json``, a
             dataset's ``_smiquery.json``), else as recorded (naive for a plain nvidia-smi log, never assumed UTC).
 
-    Raises:
-        RecordingError: the file is missing, empty, not a recording (a headerless log without ``fields``), holds
-            no readable row (of several: none of them holds one), or lacks one of ``fields``.
-        InvalidFieldError: an unknown name in ``fields``.
-        InvalidTimeZoneError: an unknown time zone name.
+    Raises RecordingError when the file is missing, empty, not a recording (a headerless log without ``fields``),
+    holds no readable row (of several: none of them holds one), or lacks one of ``fields``; InvalidFieldError or
+    InvalidTimeZoneError for an unknown name in ``fields`` or ``tz``.
     """
     zone = resolve_zone(tz)
     wanted = resolve_fields(fields) if fields is not None else None
@@ -208,8 +187,14 @@ def _read_one(path: str, wanted: Sequence[Field] | None, zone: tzinfo | None) ->
         df.insert(at, "index", pd.Series(np.zeros(len(df), dtype=np.int64), index=df.index, dtype="Int64"))
         if isinstance(df.attrs.get("fields"), list):
             df.attrs["fields"] = [*df.attrs["fields"][:at], "index", *df.attrs["fields"][at:]]
-    if wanted is not None and not as_columns:
-        _check_recorded(df, wanted, path)
+    lacking = [f.name for f in wanted or () if f.attr not in df.columns]
+    if lacking and not as_columns:
+        recorded = df.attrs.get("fields")
+        held = recorded if isinstance(recorded, list) and len(recorded) == len(df.columns) else list(df.columns)
+        raise RecordingError(
+            f"--fields does not agree with {path}: it has no {', '.join(lacking)}; "
+            f"it records {', '.join(map(str, held))}"
+        )
     if as_columns:
         df.attrs["headerless"] = True
     return df

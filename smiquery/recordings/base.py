@@ -5,6 +5,7 @@ And sets: several files read as one recording (a rotated ``run*.csv``, a list of
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -189,20 +190,15 @@ class SampleWriter(Protocol):
 
 
 class LineWriter:
-    """Writes whole lines to the text stream ``out``, one write call each, flushed per line when ``flush``.
+    """Writes whole lines to the text stream ``out``, one write call and flush each; closes it if it ``owns`` it."""
 
-    It closes ``out`` on :meth:`close` when it ``owns`` it.
-    """
-
-    def __init__(self, out: IO[str], *, flush: bool = True, owns: bool = False) -> None:
+    def __init__(self, out: IO[str], *, owns: bool = False) -> None:
         self.out = out
-        self.flush = flush
         self.owns = owns
 
     def _line(self, text: str) -> None:
         self.out.write(text)
-        if self.flush:
-            self.out.flush()
+        self.out.flush()
 
     def close(self) -> None:
         """Flush (and close the file when it was opened for this writer)."""
@@ -322,11 +318,9 @@ def concat_frames(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
     for df in reversed(frames):
         if isinstance(u := df.attrs.get("units"), dict):
             units.update(u)
-    bare = []
-    for df in frames:
-        copy = df.copy(deep=False)
-        copy.attrs = {}
-        bare.append(copy)
+    bare = [df.copy(deep=False) for df in frames]
+    for df in bare:
+        df.attrs = {}
     out: pd.DataFrame = pd.concat(bare, ignore_index=True)
     fields = list(dict.fromkeys(f for df in frames for f in df.attrs.get("fields") or []))
     out.attrs = {**frames[0].attrs, "fields": fields, "units": units, "missing": missing}
@@ -335,8 +329,5 @@ def concat_frames(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
         out.attrs["rules"] = rules
     out.attrs.pop("skipped", None)
     if skips:
-        first = skips[0]
-        out.attrs["skipped"] = SkippedLines(
-            sum(s.count for s in skips), first.first_lineno, first.first_line, first.reason
-        )
+        out.attrs["skipped"] = dataclasses.replace(skips[0], count=sum(s.count for s in skips))
     return out

@@ -132,8 +132,7 @@ def probe_layout(src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo
     Returns None when the input holds no non-blank line.
     """
     probe = CsvParser(fields, tz=tz)
-    lines = src.head.splitlines()
-    for n, raw in enumerate(lines, 1):
+    for n, raw in enumerate(src.head.splitlines(), 1):
         line = _decode(raw)
         if not line.rstrip("\r\n\t "):
             probe.feed(line)
@@ -143,9 +142,7 @@ def probe_layout(src: CsvInput, fields: Sequence[str | Field] | None, tz: tzinfo
         if sample is None and len(probe.notices) == notices:
             return CsvLayout(probe.fields, probe.units, [c.strip() for c in line.split(",")], n)
         return CsvLayout(probe.fields, probe.units, None, 0)
-    if probe.fields:
-        return CsvLayout(probe.fields, probe.units, None, 0)
-    return None
+    return CsvLayout(probe.fields, probe.units, None, 0) if probe.fields else None
 
 
 class _BadCells(Exception):
@@ -162,10 +159,7 @@ _Why = tuple[Any, Any, tuple[str, ...]]
 
 
 class _Block(NamedTuple):
-    """One converted block: a part per column, the rows kept and the ones dropped (positions as read), and why.
-
-    ``reasons`` says why cells are missing (by column attr), ``why`` what is wrong with the first dropped row.
-    """
+    """A converted block: a part per column, why cells are missing (by attr), rows kept, rows dropped, and why."""
 
     parts: list[Any]
     reasons: dict[str, _Why]
@@ -198,17 +192,15 @@ class ArrowCsvReader:
 
     def read(self) -> pd.DataFrame:
         """The whole file as a frame; a numeric column meeting an odd cell is read again as text."""
-        pa = self.pa
+        pa, src = self.pa, self.src
         typed = self._typed_from_head()
-        clean: bytes | None = None
+        cleaned = False
         while True:
             try:
-                if clean is not None:
-                    return self._read(pa.BufferReader(clean), typed)
-                if self.src.path is None:
-                    return self._read(pa.BufferReader(self.src.data), typed)
+                if src.path is None:
+                    return self._read(pa.BufferReader(src.data), typed)
                 # Opened as a plain stream: given a path, pyarrow would also decompress ``.gz`` files by name.
-                with pa.input_stream(self.src.path, compression=None) as stream:
+                with pa.input_stream(src.path, compression=None) as stream:
                     return self._read(stream, typed)
             except pa.ArrowInvalid as exc:
                 message = str(exc)
@@ -221,9 +213,9 @@ class ArrowCsvReader:
                     else:
                         typed.discard(column)  # that column as text this time
                     continue
-                if "UTF8" in message and clean is None:
+                if "UTF8" in message and not cleaned:
                     # Undecodable bytes: read again with U+FFFD in their place, as the line parser would.
-                    clean = _decode(self.src.data).encode("utf-8")
+                    src.data, src.path, cleaned = _decode(src.data).encode("utf-8"), None, True
                     continue
                 raise ParseError(message, lineno=0, line="") from exc
 
@@ -441,9 +433,7 @@ class ArrowCsvReader:
             stripped = pc.utf8_slice_codeunits(col, 0, -len(unit) - 1)
             col = stripped if pc.all(has).as_py() else pc.if_else(has, stripped, col)
         typed = kind.ops.arrow_cast(col)
-        if typed is None:
-            typed = self._python_chunk(col, fld)
-        return typed, reasons
+        return (self._python_chunk(col, fld) if typed is None else typed), reasons
 
     def _tokens(self, col: Any) -> tuple[Any, _Why | None]:
         """``col`` with its status-token cells (``[...]``, bare ``N/A``, empty) null, and why they are missing."""
@@ -532,8 +522,8 @@ class ArrowCsvReader:
 class CsvWriter(LineWriter):
     """Writes samples (of ``fields``, in order) in nvidia-smi's ``--format=csv`` layout: header with units, rows."""
 
-    def __init__(self, out: IO[str], fields: Sequence[Field], *, flush: bool = True, owns: bool = False) -> None:
-        super().__init__(out, flush=flush, owns=owns)
+    def __init__(self, out: IO[str], fields: Sequence[Field], *, owns: bool = False) -> None:
+        super().__init__(out, owns=owns)
         self.fields = tuple(fields)
         self._header_done = False
 
@@ -544,12 +534,10 @@ class CsvWriter(LineWriter):
             self._line(header_line(self.fields) + "\n")
 
     def write(self, sample: GpuSample) -> None:
-        """Write one sample as one complete line (a single write call)."""
-        line = format_row(sample, self.fields, units=True) + "\n"
-        if not self._header_done:
-            self._header_done = True
-            line = header_line(self.fields) + "\n" + line
-        self._line(line)
+        """Write one sample as one complete line (a single write call; the header with the first)."""
+        head = "" if self._header_done else header_line(self.fields) + "\n"
+        self._header_done = True
+        self._line(head + format_row(sample, self.fields, units=True) + "\n")
 
 
 def csv_header(path: str | os.PathLike[str]) -> tuple[str, ...] | None:
@@ -567,10 +555,7 @@ def csv_header(path: str | os.PathLike[str]) -> tuple[str, ...] | None:
 
 
 def read_csv(
-    path_or_buffer: CsvSource,
-    fields: str | Sequence[str | Field] | None = None,
-    *,
-    tz: tzinfo | str | None = None,
+    path_or_buffer: CsvSource, fields: str | Sequence[str | Field] | None = None, *, tz: tzinfo | str | None = None
 ) -> pd.DataFrame:
     """Read a recorded ``nvidia-smi --query-gpu=... --format=csv[,noheader][,nounits]`` file into a DataFrame.
 
@@ -588,10 +573,8 @@ def read_csv(
         tz: the zone the recording was made in (a ``tzinfo`` or an IANA name): timestamps become aware in it.
             Default: naive (``datetime64[ns]``), nvidia-smi's wall-clock time exactly as recorded.
 
-    Raises:
-        ParseError: there is neither a header nor ``fields``, or the header does not match ``fields``.
-        InvalidFieldError: a name in ``fields`` is unknown.
-        ValueError: an unknown time zone name.
+    Raises ParseError when there is neither a header nor ``fields``, or the header does not match ``fields``;
+    InvalidFieldError or ValueError for an unknown name in ``fields`` or ``tz``.
     """
     out_tz = resolve_zone(tz)
     # The parser needs a zone to read a timestamp; the wall-clock time it reads is what is kept.

@@ -60,11 +60,8 @@ def sample_from_json(
     ``"_missing"`` object (default ``not_available``); other keys starting with ``_`` are skipped. ``lineno`` and
     ``line`` go into errors. ``tz``: the zone of a timestamp without an offset (one with is converted to it; None:
     as recorded); ``localizer``, a :class:`~smiquery.clock.Localizer` for ``tz`` shared by a recording's objects
-    read in order, resolves the hour a DST fall-back repeats by that order.
-
-    Raises:
-        ParseError: a value does not fit its field.
-        InvalidTimeZoneError: an unknown zone name.
+    read in order, resolves the hour a DST fall-back repeats by that order. Raises ParseError for a value that does
+    not fit its field, InvalidTimeZoneError for an unknown zone name.
     """
     zone = resolve_zone(tz)
     reasons = obj.get("_missing") or {}

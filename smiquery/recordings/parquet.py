@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import tzinfo
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -126,9 +127,8 @@ def is_dataset(path: str | os.PathLike[str]) -> bool:
     return os.path.isfile(os.path.join(path, META))
 
 
-def dataset_files(path: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]:
-    """(closed parts, journals still to read: a closing one whose part is missing, the open one), oldest first."""
-    root = Path(path)
+def _numbered(root: Path) -> tuple[dict[int, Path], dict[int, Path]]:
+    """A dataset folder's closed parts and closing journals, by number."""
     parts: dict[int, Path] = {}
     closing: dict[int, Path] = {}
     for p in root.iterdir():
@@ -136,6 +136,13 @@ def dataset_files(path: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]
             parts[int(m.group(1))] = p
         elif m := _CLOSING_RE.match(p.name):
             closing[int(m.group(1))] = p
+    return parts, closing
+
+
+def dataset_files(path: str | os.PathLike[str]) -> tuple[list[Path], list[Path]]:
+    """(closed parts, journals still to read: a closing one whose part is missing, the open one), oldest first."""
+    root = Path(path)
+    parts, closing = _numbered(root)
     journals = [closing[n] for n in sorted(closing) if n not in parts]
     if (root / JOURNAL).is_file():
         journals.append(root / JOURNAL)
@@ -166,11 +173,8 @@ class ParquetDataset:
 
     Takes :class:`~smiquery.recordings.recorder.TextRecorder`'s arguments (``rotate_bytes`` counts the journal's
     bytes, ``rotate_seconds`` defaults to an hour, ``keep`` counts parts), and closes a part at ``part_rows`` rows.
-
-    Raises:
-        UsageError: it exists and ``policy`` is ``"new"``, it is a file or another folder, or has other columns.
-        RecordingError: the folder cannot be made or written.
-        RuntimeError: pyarrow is not installed.
+    Raises UsageError (it exists and ``policy`` is ``"new"``, it is a file or another folder, or has other
+    columns), RecordingError (the folder cannot be made or written) or RuntimeError (no pyarrow).
     """
 
     def __init__(
@@ -215,14 +219,6 @@ class ParquetDataset:
             raise RecordingError(f"cannot write {self.path}: {(exc.strerror or str(exc)).lower()}") from None
         self._roll()  # a killed recorder's open part becomes its own part, before this run's rows
 
-    def _learn_zone(self, sample: GpuSample) -> None:
-        """Record the zone of the first row's timestamp (see :func:`~smiquery.recordings.recorder.zone_name`)."""
-        self._zone_due = False
-        try:
-            write_meta(self.path / META, {"tz": zone_name(sample)})
-        except OSError as exc:
-            self.say(f"smiquery: cannot write {self.path / META}: {exc}; the recording's time zone is not recorded")
-
     def _take_over(self, policy: Policy) -> None:
         if self.path.is_file():
             if policy == "append":
@@ -257,8 +253,12 @@ class ParquetDataset:
             self._reopen = False
             self.close_part()
         self._journal.write(sample)
-        if self._zone_due:
-            self._learn_zone(sample)
+        if self._zone_due:  # the zone of the first row's timestamp
+            self._zone_due = False
+            try:
+                write_meta(self.path / META, {"tz": zone_name(sample)})
+            except OSError as exc:
+                self.say(f"smiquery: cannot write {self.path / META}: {exc}; the recording's time zone is not recorded")
 
     def close_part(self) -> None:
         """Turn the journal into the next closed part (a full disk leaves the journal to a later try)."""
@@ -268,8 +268,7 @@ class ParquetDataset:
     def _roll(self) -> None:
         journal = self.path / JOURNAL
         if journal.exists() and journal.stat().st_size > 0:
-            found = (_PART_RE.match(p.name) or _CLOSING_RE.match(p.name) for p in self.path.iterdir())
-            number = max((int(m.group(1)) for m in found if m), default=0) + 1
+            number = max(chain(*_numbered(self.path)), default=0) + 1
             os.replace(journal, self.path / f"_closing-{number:06d}.jsonl")
         self._close_leftovers()
         self._journal = TextRecorder(
@@ -284,18 +283,12 @@ class ParquetDataset:
 
     def _close_leftovers(self) -> None:
         """Make parts of the closing journals (also a killed recorder's, on --append)."""
-        parts, journals = dataset_files(self.path)
-        done = {_PART_RE.match(p.name).group(1) for p in parts}  # type: ignore[union-attr]
-        for p in self.path.iterdir():
-            m = _CLOSING_RE.match(p.name)
-            if m and m.group(1) in done:
-                p.unlink()  # its part was renamed into place before the kill
-        for j in journals:
-            m = _CLOSING_RE.match(j.name)
-            if m is None:
-                continue
+        parts, closing = _numbered(self.path)
+        for n in closing.keys() & parts.keys():
+            closing.pop(n).unlink()  # its part was renamed into place before the kill
+        for n, j in sorted(closing.items()):
             try:
-                self._write_part(j, self.path / f"part-{m.group(1)}.parquet")
+                self._write_part(j, self.path / f"part-{n:06d}.parquet")
             except OSError as exc:
                 if exc.errno not in FULL_DISK:
                     raise RecordingError(f"cannot write {self.path}: {(exc.strerror or str(exc)).lower()}") from None

@@ -7,6 +7,7 @@ projects and paces them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -64,13 +65,10 @@ class Replay(LatestSweep):
         columns: a headerless CSV log's columns, in order (a CSV with a header must then have exactly these).
         tz: the zone the recording was made in, as :func:`~smiquery.recordings.read_recording` takes it.
 
-    Raises:
-        ReplayError: the file is missing, empty, not a recording (no header and no ``columns``), holds no
-            readable row, or lacks a requested field. Unreadable lines are skipped and counted in
-            ``stats.dropped_rows``; :attr:`first_error` names the first.
-        InvalidFieldError: an unknown field name.
-        InvalidGpuIdError: a malformed GPU id.
-        InvalidTimeZoneError: an unknown zone name in ``tz``.
+    Raises ReplayError when the file is missing, empty, not a recording (no header and no ``columns``), holds no
+    readable row, or lacks a requested field (unreadable lines are skipped and counted in ``stats.dropped_rows``;
+    :attr:`first_error` names the first); InvalidFieldError, InvalidGpuIdError, InvalidTimeZoneError for a bad
+    ``fields``, ``gpus`` or ``tz``.
     """
 
     def __init__(
@@ -114,8 +112,9 @@ class Replay(LatestSweep):
         #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
         self.gpu_count = 0
         self._peek_error: ParseError | None = None
-        if len(self.paths) > 1:
-            self.paths = self._time_ordered(self.paths)
+        if len(self.paths) > 1:  # a rotated set, in the order of its files' first timestamps, whatever their names
+            firsts = [next(iter(self._one_file(p, None, lambda err: None)), None) for p in self.paths]
+            self.paths = [self.paths[i] for i in time_order([s.timestamp if s is not None else None for s in firsts])]
         first = self._peek()
         if first is None and self._columns is not None:
             columns = ",".join(f.name for f in self._columns)
@@ -142,11 +141,6 @@ class Replay(LatestSweep):
     def _raw_samples(self) -> Generator[GpuSample, None, None]:
         fmt = self.format if len(self.paths) == 1 else None
         yield from with_gpu0(s for path in self.paths for s in self._one_file(path, fmt))
-
-    def _time_ordered(self, paths: list[str]) -> list[str]:
-        """Several files (a rotated set) in the order of their first timestamps, whatever their names."""
-        firsts = [next(iter(self._one_file(p, None, lambda err: None)), None) for p in paths]
-        return [paths[i] for i in time_order([s.timestamp if s is not None else None for s in firsts])]
 
     def _one_file(
         self, path: str, fmt: RecordingFormat | None, on_drop: Callable[[ParseError], None] | None = None
@@ -298,12 +292,9 @@ class Replay(LatestSweep):
     def close(self, timeout: float = 5.0) -> None:
         """Stop: wake a paced wait and end the iteration (a background thread within ``timeout`` s). Any thread."""
         self._stop.set()
-        gen = self._gen
-        if gen is not None:
-            try:
-                gen.close()
-            except ValueError:
-                pass  # running in another thread: it sees the stop flag at its next sample
+        if self._gen is not None:
+            with contextlib.suppress(ValueError):  # running in another thread: it sees the stop flag next sample
+                self._gen.close()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -315,7 +306,8 @@ class Replay(LatestSweep):
         self.close()
 
     _thread: threading.Thread | None = None
-    _thread_error: BaseException | None = None
+    #: The error that ended a background replay, if any.
+    error: BaseException | None = None
 
     def start(self) -> Replay:
         """Play in a background thread, so that :meth:`latest` follows the recording. Returns self."""
@@ -329,7 +321,7 @@ class Replay(LatestSweep):
                     if self._stop.is_set():
                         break
             except BaseException as exc:  # kept for the owner; a background thread must not die silently
-                self._thread_error = exc
+                self.error = exc
                 self.stats.state = "failed"
                 return
             self.stats.state = "closed" if self._stop.is_set() else "ended"
@@ -342,11 +334,6 @@ class Replay(LatestSweep):
     def running(self) -> bool:
         """True while a background replay's thread is alive."""
         return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error that ended a background replay, if any."""
-        return self._thread_error
 
 
 #: ``replay(...)`` is ``Replay(...)``.

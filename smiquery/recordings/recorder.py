@@ -6,6 +6,7 @@ with one ``write``; beside it, what both share: metadata files, target checks, r
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -187,11 +188,9 @@ class TextRecorder:
     the same ``fields``). A new file is started at ``rotate_bytes`` bytes or after ``rotate_seconds``, keeping
     ``keep`` rotated ones (None: all). ``flush_every``: seconds between ``fsync`` calls (0: every row). ``say``
     gets the one-line notices (full disk, truncation, recovery); ``clock`` gives monotonic seconds; ``rules`` (the
-    ``--alert`` rules) are recorded beside the file so that a report of it checks them too.
-
-    Raises:
-        UsageError: the file exists and ``policy`` is ``"new"``, or an appended file has other columns.
-        RecordingError: the file cannot be created or opened there.
+    ``--alert`` rules) are recorded beside the file so that a report of it checks them too. Raises UsageError (the
+    file exists and ``policy`` is ``"new"``, or an appended file has other columns) or RecordingError (it cannot be
+    created or opened there).
     """
 
     def __init__(
@@ -247,17 +246,6 @@ class TextRecorder:
         # an appended file keeps its zone (and adds this run's rules); a new one learns it from its first row
         self._meta_due = self.kind == "csv" or bool(self.rules)
 
-    def _write_meta(self, sample: GpuSample) -> None:
-        """``run.csv.meta.json``: the zone the rows' wall-clock times are in (read back without ``--tz``), the rules."""
-        self._meta_due = False
-        target = self.path.with_name(self.path.name + META_SUFFIX)
-        zone = zone_name(sample) if self.kind == "csv" else None  # JSONL rows carry their offsets
-        meta = {"format": "smiquery-csv-meta", "version": 1, "tz": zone, "fields": [f.name for f in self.fields]}
-        try:
-            write_meta(target, meta, self.rules)
-        except OSError as exc:
-            self.say(f"smiquery: cannot write {target}: {_why(exc)}; the recording's zone and rules are not recorded")
-
     def _header(self) -> None:
         if self.kind == "csv":
             self._put((header_line(self.fields) + "\n").encode("utf-8"))
@@ -282,7 +270,9 @@ class TextRecorder:
             self._reopen = False
             self._close_fd()
             self._open()
-        elif self._due():
+        elif (self.rotate_bytes is not None and self.size >= self.rotate_bytes) or (
+            self.rotate_seconds is not None and self.clock() - self._opened >= self.rotate_seconds
+        ):
             self._rotate()
         else:
             self._check_truncated()
@@ -292,18 +282,27 @@ class TextRecorder:
             line = json.dumps(sample_to_json(sample), separators=(", ", ": ")) + "\n"
         if self._put(line.encode("utf-8")):
             self.rows += 1
-            if self._meta_due:
-                self._write_meta(sample)
+            if self._meta_due:  # run.csv.meta.json: the zone of the rows' wall-clock times (JSONL's carry offsets)
+                self._meta_due = False
+                target = self.path.with_name(self.path.name + META_SUFFIX)
+                zone = zone_name(sample) if self.kind == "csv" else None
+                meta = {
+                    "format": "smiquery-csv-meta",
+                    "version": 1,
+                    "tz": zone,
+                    "fields": [f.name for f in self.fields],
+                }
+                try:
+                    write_meta(target, meta, self.rules)
+                except OSError as exc:
+                    self.say(
+                        f"smiquery: cannot write {target}: {_why(exc)}; the recording's zone and rules are not recorded"
+                    )
         else:
             self.dropped += 1
             self._dropping += 1
         if self._dirty and self.clock() - self._synced >= self.flush_every:
             self._sync()
-
-    def _due(self) -> bool:
-        if self.rotate_bytes is not None and self.size >= self.rotate_bytes:
-            return True
-        return self.rotate_seconds is not None and self.clock() - self._opened >= self.rotate_seconds
 
     def _rotate(self) -> None:
         self._sync()
@@ -345,10 +344,8 @@ class TextRecorder:
             if exc.errno not in FULL_DISK:
                 raise RecordingError(_cannot(self.path, exc, "check the disk and the file")) from None
             if done:
-                try:
+                with contextlib.suppress(OSError):
                     os.ftruncate(self._fd, start)  # no half line: the file stays readable
-                except OSError:
-                    pass
             if self._dropping == 0:
                 self.say(
                     f"smiquery: cannot write {self.path}: {_why(exc)}; rows are dropped until there is space again"

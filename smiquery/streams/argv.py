@@ -25,22 +25,13 @@ _BUS_RE = re.compile(r"([0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
 def normalize_gpus(gpus: GpusArg) -> tuple[str, ...]:
     """Validate GPU ids (one, a comma list or a sequence of indices, UUIDs or PCI bus ids; None: all) for ``-i``.
 
-    Raises:
-        InvalidGpuIdError: an id is none of the three forms.
+    Raises InvalidGpuIdError for an id that is none of the three forms.
     """
     if gpus is None:
         return ()
-    if isinstance(gpus, (int, str)):
-        items: list[int | str] = [gpus]
-    else:
-        items = list(gpus)
     out: list[str] = []
-    for item in items:
-        if isinstance(item, bool):
-            raise InvalidGpuIdError(item)
-        if isinstance(item, int):
-            if item < 0:
-                raise InvalidGpuIdError(item)
+    for item in [gpus] if isinstance(gpus, (int, str)) else list(gpus):
+        if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
             out.append(str(item))
             continue
         if not isinstance(item, str):
@@ -59,11 +50,7 @@ def normalize_gpus(gpus: GpusArg) -> tuple[str, ...]:
 
 
 def build_argv(
-    binary: str,
-    fields: Sequence[Field],
-    gpus: Sequence[str] = (),
-    *,
-    interval: float | None = None,
+    binary: str, fields: Sequence[Field], gpus: Sequence[str] = (), *, interval: float | None = None
 ) -> list[str]:
     """The nvidia-smi argument list for a query (one-shot, or loop mode when ``interval`` is given).
 

@@ -1,7 +1,7 @@
 """The engine of every supervised nvidia-smi source: lines and the time in; items, events and deadlines out.
 
-It does no I/O, reads no clock, starts no thread and calls no callback: every method takes the monotonic time
-(``now``) from its driver, and its events wait in :meth:`Engine.take_events`. A driver runs this loop::
+No I/O, clock, thread or callback: every method takes the monotonic ``now`` from its driver, and its events wait in
+:meth:`Engine.take_events`. A driver runs this loop::
 
     engine.begin(now)
     while not engine.done and engine.starting(now):
@@ -12,9 +12,8 @@ It does no I/O, reads no clock, starts no thread and calls no callback: every me
         on a typed error: got = engine.failed(exc, now, wall): None stops; else deliver the items, wait the delay
     engine.finish()
 
-It owns what must not differ between drivers: deadlines, counters and events, the rows' meaning (a :class:`Rows`)
-and the retry decision (the :class:`~smiquery.retry.RetryPolicy`'s tenacity strategies, one ``RetryCallState``
-per streak of failures).
+It owns what must not differ between drivers: deadlines, counters, events, the rows' meaning (a :class:`Rows`) and
+the retry decision (the :class:`~smiquery.retry.RetryPolicy`'s tenacity strategies, a ``RetryCallState`` a streak).
 """
 
 from __future__ import annotations
@@ -93,9 +92,6 @@ class Engine(Generic[Item]):
         self._healthy_since: float | None = None
         self._failing = False
 
-    def _emit(self, event: StreamEvent) -> None:
-        self.events.append(event)
-
     def take_events(self) -> list[StreamEvent]:
         """The events made since the last call, oldest first, for the driver to hand to the listeners."""
         events = self.events[:]
@@ -152,31 +148,27 @@ class Engine(Generic[Item]):
         """Take lines read at ``now`` (after waiting ``idle`` s for them); returns the items they make."""
         out: list[Item] = []
         n = self.rows.feed(lines, now, idle, out)
-        if n:
-            if not self._delivered:
-                self._delivered = True
-                self._first_row(now)
-            self._row_deadline = now + self.stall_timeout
-            self.stats.rows += n
-            if self._budget is not None:
-                self._budget -= n
-        return out
-
-    def _first_row(self, now: float) -> None:
-        """The child delivered its first row: running; after a long outage, say that data flows again."""
+        if not n:
+            return out
         stats = self.stats
-        # A single restart says enough on its own; after a longer outage (or one that needed a person) the return
-        # of data is news worth one line.
-        outage = self._failing and (stats.attempt >= 2 or stats.permanent)
-        stats.state = "running"
-        stats.attempt = 0
-        stats.next_retry_at = None
-        stats.permanent = False
-        self._healthy_since = now
-        self._failing = False
-        if outage:
-            self._emit(StreamEvent("recovered", None, f"{self.what} delivers rows again"))
-            log.warning("smiquery: %s delivers rows again", self.what)
+        if not self._delivered:  # the child's first row: running
+            self._delivered = True
+            # A single restart says enough on its own; the end of a longer outage (or of one that needed a
+            # person) is news worth one line.
+            if self._failing and (stats.attempt >= 2 or stats.permanent):
+                self.events.append(StreamEvent("recovered", None, f"{self.what} delivers rows again"))
+                log.warning("smiquery: %s delivers rows again", self.what)
+            stats.state = "running"
+            stats.attempt = 0
+            stats.next_retry_at = None
+            stats.permanent = False
+            self._healthy_since = now
+            self._failing = False
+        self._row_deadline = now + self.stall_timeout
+        stats.rows += n
+        if self._budget is not None:
+            self._budget -= n
+        return out
 
     def expired(self, now: float) -> SmiqueryError | None:
         """The deadline passed without a row: the timeout error to fail the hung child with (None: the stream's end)."""
@@ -202,10 +194,8 @@ class Engine(Generic[Item]):
     def failed(self, exc: SmiqueryError, now: float, wall: float) -> tuple[list[Item], float] | None:
         """The child failed (or could not start): what its cut output still makes, and the seconds to wait.
 
-        ``wall`` is ``time.time()`` (for ``next_retry_at``). Returns None when the stream was closed meanwhile.
-
-        Raises:
-            SmiqueryError: ``exc`` itself, when the policy gives up.
+        ``wall`` is ``time.time()`` (for ``next_retry_at``). None when the stream was closed meanwhile; raises
+        ``exc`` itself when the policy gives up.
         """
         if self.closed:
             return None
@@ -217,18 +207,15 @@ class Engine(Generic[Item]):
         stats.last_error_type = type(exc).__name__
         stats.permanent = is_permanent(exc)
         self._failing = True
-        self._emit(StreamEvent("error", exc, stats.last_error))
+        self.events.append(StreamEvent("error", exc, stats.last_error))
         since, self._healthy_since = self._healthy_since, None
-        if since is not None and now - since >= self.policy.healthy_after and not is_permanent(exc):
-            detail = f"restarting {self.what} now after: {one_line(exc)} (it had run well for a while)"
+        if since is not None and now - since >= self.policy.healthy_after and not stats.permanent:
+            detail = f"restarting {self.what} now after: {stats.last_error} (it had run well for a while)"
             log.warning("smiquery: %s", detail)
-            self._emit(StreamEvent("restart", exc, detail))
+            self.events.append(StreamEvent("restart", exc, detail))
             self._streak = None  # a fresh streak, restarted at once
             return out, 0.0
-        return out, self._decide(exc, now, wall)
-
-    def _decide(self, exc: SmiqueryError, now: float, wall: float) -> float:
-        """Ask the policy's tenacity strategies about this failure of the streak: the wait, or give up (raise)."""
+        # this failure of the streak to the policy's tenacity strategies: the wait, or give up (raise)
         retrying = self._retrying
         state = self._streak
         if state is None:
@@ -240,16 +227,15 @@ class Engine(Generic[Item]):
         state.outcome_timestamp = now
         if not retrying.retry(state) or retrying.stop(state):
             self._streak = None
-            self.stats.state = "failed"
+            stats.state = "failed"
             raise exc
         wait = float(retrying.wait(state))
         state.idle_for += wait
-        stats = self.stats
         stats.state = "retrying"
         stats.attempt = state.attempt_number
         stats.next_retry_at = wall + wait
-        slow = " (this needs a person: retrying slowly)" if is_permanent(exc) else ""
-        detail = f"restarting {self.what} in {wait:.1f} s after: {one_line(exc)}{slow}"
-        self._emit(StreamEvent("restart", exc, detail))
+        slow = " (this needs a person: retrying slowly)" if stats.permanent else ""
+        detail = f"restarting {self.what} in {wait:.1f} s after: {stats.last_error}{slow}"
+        self.events.append(StreamEvent("restart", exc, detail))
         log.warning("smiquery: %s", detail)
-        return wait
+        return out, wait

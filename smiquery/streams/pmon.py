@@ -33,12 +33,9 @@ class PmonStream:
     ``interval``: seconds, 1..10; ``count``: stop after this many samples (the child exits by itself); ``select``:
     ``u`` utilisation and/or ``m`` framebuffer memory; ``options``: ``D`` and/or ``T`` to stamp each line with the
     date and time. The other arguments, the engine and its guarantees are the CSV stream's
-    (:class:`smiquery.Stream`); counters in :attr:`stats`. Nothing runs until it is iterated.
-
-    Raises:
-        InvalidGpuIdError: a malformed GPU id.
-        NvidiaSmiNotFoundError: no usable binary.
-        ValueError: an interval, count, select or options value pmon would reject, or a bad retry setting.
+    (:class:`smiquery.Stream`); counters in :attr:`stats`. Nothing runs until it is iterated. Raises
+    InvalidGpuIdError, NvidiaSmiNotFoundError (no usable binary), or ValueError for an interval, count, select or
+    options value pmon would reject, or a bad retry setting.
     """
 
     def __init__(
@@ -59,21 +56,10 @@ class PmonStream:
     ) -> None:
         if startup_timeout <= 0:
             raise ValueError("startup_timeout must be positive")
-        self.gpus = normalize_gpus(gpus)
+        ids = normalize_gpus(gpus)
         runner = runner or default_runner()
-        self.argv = tuple(
-            build_pmon_argv(
-                find_nvidia_smi(nvidia_smi, runner=runner),
-                self.gpus,
-                interval=interval,
-                count=count,
-                select=select,
-                options=options,
-            )
-        )
-        self.count = count
-        self.stall_timeout = stall_timeout if stall_timeout is not None else max(3.0 * interval, 10.0)
-        self.startup_timeout = float(startup_timeout)
+        binary = find_nvidia_smi(nvidia_smi, runner=runner)
+        self.argv = tuple(build_pmon_argv(binary, ids, interval=interval, count=count, select=select, options=options))
         #: The :class:`~smiquery.retry.RetryPolicy` this stream runs under.
         self.retry_policy = retry if retry is not None else RetryPolicy()
         self.on_event = on_event
@@ -83,8 +69,8 @@ class PmonStream:
             PmonRows(self.stats, events.append),
             self.argv,
             self.retry_policy,
-            startup_timeout=self.startup_timeout,
-            stall_timeout=self.stall_timeout,
+            startup_timeout=startup_timeout,
+            stall_timeout=stall_timeout if stall_timeout is not None else max(3.0 * interval, 10.0),
             stats=self.stats,
             events=events,
         )
@@ -138,8 +124,6 @@ class PmonStream:
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop: the child is terminated and reaped. Idempotent, safe from any thread (a callback included)."""
-        if self.stats.state not in ("ended", "failed"):
-            self.stats.state = "closed"
         self._driver.close(timeout, None, None)
 
     def __enter__(self) -> PmonStream:

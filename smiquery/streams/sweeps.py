@@ -34,16 +34,6 @@ log = get_logger("smiquery")
 _LOST_MESSAGE = re.compile(r"device handle for GPU ([0-9A-Fa-f:.]+): GPU is lost", re.IGNORECASE)
 
 
-def _key(sample: GpuSample) -> str | None:
-    """A GPU's identity: its UUID when queried and known, else its index."""
-    if "uuid" in sample:
-        uuid = sample.uuid
-        if isinstance(uuid, str) and uuid:
-            return uuid
-    idx = sample.index if "index" in sample else None
-    return None if idx is None else f"#{idx}"
-
-
 class Identity:
     """Which GPUs are there and which are lost, by UUID (see the module docstring); kept in ``stats``."""
 
@@ -62,14 +52,19 @@ class Identity:
             self._said_lost.add(bus_key(found.group(1)))
 
     def _resolve(self, sample: GpuSample) -> str | None:
-        """The sample's identity; a lost GPU's row (``[GPU is lost]`` even in its UUID cell) keeps its UUID."""
-        key = _key(sample)
-        if key is not None and key[0] == "#" and "uuid" in sample:
-            idx = sample.index
+        """The GPU's identity: its UUID when queried and known, else ``#index``.
+
+        A lost GPU's row (``[GPU is lost]`` even in its UUID cell) keeps the UUID its index had.
+        """
+        uuid = sample.uuid if "uuid" in sample else None
+        if isinstance(uuid, str) and uuid:
+            return uuid
+        idx = sample.index if "index" in sample else None
+        if idx is not None and "uuid" in sample:
             for known, i in self.index_of.items():
                 if i == idx and known[0] != "#":
                     return known
-        return key
+        return None if idx is None else f"#{idx}"
 
     def row(self, sample: GpuSample) -> None:
         """A data row: ``[GPU is lost]`` cells mark it lost; values from a lost GPU mean it is back."""
@@ -78,11 +73,23 @@ class Identity:
         key = self._resolve(sample)
         if key is None:
             return
+        idx = sample.index
         if sample.gpu_lost:
             if key not in self.lost:
-                self._lose(key, sample.index, "fell off the bus")
-        elif key in self.lost:
-            self._back(key, sample.index)
+                self._lose(key, idx, "fell off the bus")
+            return
+        if key not in self.lost:
+            return
+        old = self.lost.pop(key)
+        if old is not None and old not in self.lost.values():
+            self.stats.lost_gpus.discard(old)
+        uuid = None if key[0] == "#" else key
+        if uuid is not None:
+            self.stats.lost_uuids.pop(uuid, None)
+        self.index_of[key] = idx
+        detail = f"GPU {idx} reports values again"
+        self._emit(StreamEvent("gpu_back", None, detail, idx, uuid))
+        log.warning("smiquery: %s", detail)
 
     def sweep(self, sweep: Sweep) -> None:
         """An undamaged sweep: the GPUs absent from it are lost; the known set follows it."""
@@ -114,9 +121,6 @@ class Identity:
                 log.warning("smiquery: %s", detail)
                 self._emit(StreamEvent("gpu_renumbered", None, detail, idx, key))
         self.index_of = {**{k: i for k, i in self.lost.items() if i not in present.values()}, **present}
-        self._publish(present, delivering)
-
-    def _publish(self, present: dict[str, int | None], delivering: set[int]) -> None:
         stats = self.stats
         stats.lost_gpus = {i for i in self.lost.values() if i is not None and i not in delivering}
         stats.lost_uuids = {k: i for k, i in self.lost.items() if k[0] != "#"}
@@ -138,19 +142,6 @@ class Identity:
         name = f"GPU {idx}" if uuid is None else f"GPU {idx} ({uuid})"
         detail = f"{name} is lost ({why})"
         self._emit(StreamEvent("gpu_lost", None, detail, idx, uuid))
-        log.warning("smiquery: %s", detail)
-
-    def _back(self, key: str, idx: int | None) -> None:
-        old = self.lost.pop(key, None)
-        stats = self.stats
-        if old is not None and old not in {i for i in self.lost.values()}:
-            stats.lost_gpus.discard(old)
-        uuid = None if key[0] == "#" else key
-        if uuid is not None:
-            stats.lost_uuids.pop(uuid, None)
-        self.index_of[key] = idx
-        detail = f"GPU {idx} reports values again"
-        self._emit(StreamEvent("gpu_back", None, detail, idx, uuid))
         log.warning("smiquery: %s", detail)
 
 
@@ -282,7 +273,6 @@ class CsvSource(LatestSweep):
         self.interval = float(interval)
         self.gpus = normalize_gpus(gpus)
         self.argv = tuple(build_argv(binary, flds, self.gpus, interval=self.interval))
-        self.startup_timeout = float(startup_timeout)
         self.stall_timeout = stall_timeout if stall_timeout is not None else max(3 * self.interval, 10.0)
         #: The :class:`~smiquery.retry.RetryPolicy` this stream runs under.
         self.retry_policy = retry if retry is not None else RetryPolicy()
@@ -302,7 +292,7 @@ class CsvSource(LatestSweep):
             self._rows,
             self.argv,
             self.retry_policy,
-            startup_timeout=self.startup_timeout,
+            startup_timeout=startup_timeout,
             stall_timeout=self.stall_timeout,
             duration=duration,
             max_rows=max_rows,

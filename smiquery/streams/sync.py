@@ -1,14 +1,12 @@
 """The stream supervisor: one long-lived nvidia-smi in loop mode, watched, restarted and parsed into sweeps.
 
-At most one child at any moment, reaped on every path (on Linux also when this process is killed). Only a parsed
-row proves the child alive: none within ``startup_timeout`` of a start, or ``stall_timeout`` of the last row, and
-it is killed and restarted. Every failure is retried under one :class:`~smiquery.retry.RetryPolicy` (backoff for
-transient faults, a slow cadence for those that need a person). ``duration`` and ``close()`` are deadlines. A
-short sweep says so; a GPU whose rows stop, or that nvidia-smi reports lost, is reported lost until it is back.
+At most one child at any moment, reaped on every path (on Linux also when this process is killed); the engine
+(:mod:`.engine`) says when a child is hung and how to retry. The guarantees are listed in docs/streams.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
@@ -35,13 +33,7 @@ if TYPE_CHECKING:
 
     import pandas as pd
 
-__all__ = [
-    "DEFAULT_HISTORY_SWEEPS",
-    "DEFAULT_STARTUP_TIMEOUT",
-    "Stream",
-    "ThreadDriver",
-    "stream",
-]
+__all__ = ["DEFAULT_HISTORY_SWEEPS", "DEFAULT_STARTUP_TIMEOUT", "Stream", "ThreadDriver", "stream"]
 
 log = get_logger("smiquery")
 
@@ -86,20 +78,6 @@ class ThreadDriver(Generic[Item]):
         for event in self.engine.take_events():
             self._emit(event)
 
-    def _pause(self, seconds: float) -> bool:
-        """Wait between attempts, cut short by a close or the end of ``duration``; False when the stream stops."""
-        engine = self.engine
-        if seconds <= 0:
-            pass  # a fresh streak starts at once
-        elif self._sleep is not None:
-            self._sleep(seconds)
-        else:
-            limit = seconds
-            if engine.duration is not None:
-                limit = min(seconds, max(engine.deadline() - time.monotonic(), 0.0))
-            self._wake.wait(limit)
-        return not engine.stopped(time.monotonic())
-
     def items(self) -> Generator[Item, None, None]:
         """Everything the engine makes, child after child, until closed, over, spent or given up (raises)."""
         engine = self.engine
@@ -118,8 +96,13 @@ class ThreadDriver(Generic[Item]):
                     if engine.closed:
                         return
                     yield item
-                if not engine.done and not self._pause(delay):
-                    return
+                if delay <= 0 or engine.done:
+                    continue  # a fresh streak starts at once
+                if self._sleep is not None:
+                    self._sleep(delay)
+                else:  # cut short by a close or the end of ``duration``
+                    end = engine.deadline() if engine.duration is not None else None
+                    self._wake.wait(delay if end is None else min(delay, max(end - time.monotonic(), 0.0)))
         finally:
             self._reader = None
             engine.finish()
@@ -139,11 +122,9 @@ class ThreadDriver(Generic[Item]):
                 child.terminate()
             engine.started(time.monotonic())
             yield from self._read(child)
-        except StreamEndedError as exc:
-            if self._finite and exc.returncode == 0 and not engine.closed:
-                return None  # a finite child finished its count
-            return engine.failed(exc, time.monotonic(), time.time())
         except SmiqueryError as exc:
+            if isinstance(exc, StreamEndedError) and self._finite and exc.returncode == 0 and not engine.closed:
+                return None  # a finite child finished its count
             return engine.failed(exc, time.monotonic(), time.time())
         finally:
             with self._lock:
@@ -182,13 +163,12 @@ class ThreadDriver(Generic[Item]):
                 return
 
     def close(
-        self,
-        timeout: float,
-        thread: threading.Thread | None,
-        generator: Generator[Item, None, None] | None,
+        self, timeout: float, thread: threading.Thread | None, generator: Generator[Item, None, None] | None
     ) -> None:
         """Stop within ``timeout`` s (see ``Stream.close``): join the consuming ``thread``, close the ``generator``."""
         end = time.monotonic() + max(timeout, 0.0)
+        if self.engine.stats.state not in ("failed", "ended"):
+            self.engine.stats.state = "closed"
         self.engine.close()
         self._wake.set()
         with self._lock:
@@ -247,11 +227,8 @@ class Stream(CsvSource):
         tz: time zone of the timestamps.
         history_sweeps: how many of the newest sweeps :meth:`history` keeps (0: none).
 
-    Raises:
-        InvalidFieldError: an unknown field, before anything runs.
-        InvalidGpuIdError: a malformed GPU id, before anything runs.
-        NvidiaSmiNotFoundError: no usable binary, before anything runs.
-        ValueError: a non-positive interval or timeout, a negative ``history_sweeps``.
+    Raises InvalidFieldError, InvalidGpuIdError or NvidiaSmiNotFoundError (no usable binary) before anything runs,
+    and ValueError for a non-positive interval or timeout or a negative ``history_sweeps``.
     """
 
     def __init__(
@@ -288,8 +265,6 @@ class Stream(CsvSource):
             duration=duration,
             max_rows=max_samples,
         )
-        self.max_samples = max_samples
-        self.duration = duration
         self._driver: ThreadDriver[GpuSample | Sweep] = ThreadDriver(self._engine, runner, self._emit, sleep=sleep)
         self._thread: threading.Thread | None = None
         # Only a weak reference: an abandoned iterator must be collectable at once (no cycle), so that dropping it
@@ -328,10 +303,9 @@ class Stream(CsvSource):
         return (item for item in self._generator() if isinstance(item, GpuSample))
 
     def sweeps(self, count: int | None = None) -> Iterator[Sweep]:
-        """Yield sweeps, one instant each (see :class:`~smiquery.source.SweepGrouper`), flagged when short.
+        """Yield sweeps (at most ``count``), one instant each (see :class:`~smiquery.source.SweepGrouper`).
 
-        Args:
-            count: stop after this many sweeps.
+        A short one is flagged.
         """
         return islice((item for item in self._generator() if isinstance(item, Sweep)), count)
 
@@ -365,10 +339,7 @@ class Stream(CsvSource):
         """The newest ``n`` (None: all kept) of the last ``history_sweeps`` sweeps read, as a DataFrame.
 
         One row per sample, oldest first, as :func:`smiquery.query_df` gives them (no rows before the first
-        sweep). Any thread, without blocking the stream.
-
-        Raises:
-            ValueError: a negative ``n``.
+        sweep). Any thread, without blocking the stream. Raises ValueError for a negative ``n``.
         """
         from smiquery.frames import empty_array, local_zone, make_frame, to_dataframe
 
@@ -398,8 +369,6 @@ class Stream(CsvSource):
 
         From the stream's own thread (a callback) it returns at once; the child is reaped when the callback returns.
         """
-        if self.stats.state not in ("failed", "ended"):
-            self.stats.state = "closed"
         gen = self._gen_ref() if self._gen_ref is not None else None
         self._driver.close(timeout, self._thread, gen)
 
@@ -411,12 +380,9 @@ class Stream(CsvSource):
 
     def __del__(self) -> None:
         engine = getattr(self, "_engine", None)
-        if engine is None or engine.closed:
-            return
-        try:
-            self.close(timeout=1.0)
-        except Exception:
-            pass
+        if engine is not None and not engine.closed:
+            with contextlib.suppress(Exception):
+                self.close(timeout=1.0)
 
 
 #: ``smiquery.stream(...)`` is ``Stream(...)``.
