@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from smiquery.errors import NvidiaSmiFailedError, OutputTooLargeError, StreamEndedError, failure_from_exit
+from smiquery.errors import NvidiaSmiFailedError, OutputTooLargeError, StreamEndedError
 from smiquery.fields import CATALOGUE
 from smiquery.testing._emulator.core import (
     ENV_VARS,
@@ -508,14 +508,10 @@ class InProcessLines:
             self._ch.cond.notify_all()  # room in the pipe again
 
     def _finish(self) -> None:
-        from smiquery.runner import message_of
-
         self._split.end()
         rc = self._ch.returncode
         assert rc is not None
-        output = message_of(list(self._split.messages), bytes(self._ch.err), rc)
-        ended = failure_from_exit if rc != 0 and not self._stopping else StreamEndedError
-        self._ended = ended(self.argv, rc, output)
+        self._ended = self._split.ended(self.argv, rc, bytes(self._ch.err), stopping=self._stopping)
         self.closed = True
         self._finalizer.detach()
 
