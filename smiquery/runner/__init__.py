@@ -20,10 +20,10 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from smiquery.errors import (
     NvidiaSmiFailedError,
@@ -60,10 +60,10 @@ __all__ = [
     "decode",
     "default_runner",
     "find_nvidia_smi",
-    "install_default",
     "live_children",
     "no_answer",
     "terminate_and_reap",
+    "use_runner",
 ]
 
 ENV_VAR = "SMIQUERY_NVIDIA_SMI"
@@ -223,7 +223,9 @@ class Runner(Protocol):
         """Start a long-running child and return its output lines."""
 
 
-# The runner used where none is passed. Only smiquery.testing.use_runner() changes it, for the length of a
+_R = TypeVar("_R", bound=Runner)
+
+# The runner used where none is passed. Only use_runner() (smiquery.testing's) changes it, for the length of a
 # `with` block in a test; no environment variable or configuration file can.
 _installed: Runner | None = None
 
@@ -234,11 +236,20 @@ def default_runner() -> Runner:
     return installed if installed is not None else SubprocessRunner()
 
 
-def install_default(runner: Runner | None) -> Runner | None:
-    """Make ``runner`` the default (None: back to :class:`SubprocessRunner`); returns the previous one."""
+@contextlib.contextmanager
+def use_runner(runner: _R) -> Iterator[_R]:
+    """Run every nvidia-smi call that gets no ``runner=`` through ``runner``, in every thread, inside the block.
+
+    For code that builds its own runner: the CLI, the exporter, ``GpuMonitor``, the Keras and Lightning callbacks
+    (not :mod:`smiquery.aio`, which starts its children with asyncio). On exit the previous default comes back
+    (blocks nest); the runner is not closed.
+    """
     global _installed
     previous, _installed = _installed, runner
-    return previous
+    try:
+        yield runner
+    finally:
+        _installed = previous
 
 
 #: A line longer than this is cut to its first 256 bytes (the parser rejects it) and the rest is skipped until its

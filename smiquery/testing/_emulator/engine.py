@@ -1,7 +1,7 @@
 """The fake's engine (argv in, exit status out; its human-readable answers) and the two ways it runs.
 
 As a real executable (the script :func:`fake_nvidia_smi` writes, and its entry points), or on a thread:
-:class:`InProcessRunner`, its line source, and :func:`use_runner`.
+:class:`InProcessRunner` and its line source.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from smiquery.errors import NvidiaSmiFailedError, OutputTooLargeError, StreamEndedError
 from smiquery.fields import CATALOGUE
@@ -50,7 +50,7 @@ from smiquery.testing._emulator.recording import (
 )
 
 if TYPE_CHECKING:
-    from smiquery.runner import Completed, Runner
+    from smiquery.runner import Completed
 
 _EX_SOFTWARE = 70  # misuse of the fake itself (bad fault spec, unreadable recording), never an nvidia-smi code
 # CUDA version reported by `nvidia-smi --version`, by driver branch (the newest CUDA each branch supports).
@@ -339,8 +339,6 @@ def fake_nvidia_smi(
     path.chmod(0o755)
     return path
 
-
-_R = TypeVar("_R", bound="Runner")
 
 _PIPE_BUFFER = 1 << 20  # unread output at which the in-process engine's flush waits, as a writer on a full pipe
 
@@ -662,20 +660,3 @@ class InProcessRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def use_runner(runner: _R) -> Iterator[_R]:
-    """Run every nvidia-smi call that gets no ``runner=`` through ``runner``, in every thread, inside the block.
-
-    For code that builds its own runner: the CLI, the exporter, ``GpuMonitor``, the Keras and Lightning callbacks
-    (not :mod:`smiquery.aio`, which starts its children with asyncio). On exit the previous default comes back
-    (blocks nest); the runner is not closed.
-    """
-    from smiquery.runner import install_default
-
-    previous = install_default(runner)
-    try:
-        yield runner
-    finally:
-        install_default(previous)
