@@ -126,34 +126,23 @@ class Output:
         """One line on stderr."""
         print(text, file=sys.stderr)
 
-    def begin(self, argv: Sequence[str], log: str | None, *, grandchild: bool, ignore_term: bool) -> None:
-        """What happens once the faults are known, before nvidia-smi's own work: grandchild, signals, ``log``."""
-        if grandchild:  # a child that holds stdout and stderr open for an hour (in the fake's process group)
+    def begin(self, faults: Faults) -> None:
+        """What ``grandchild`` and ``ignore-term`` do, before nvidia-smi's own work."""
+        if faults.grandchild:  # a child that holds stdout and stderr open for an hour (in the fake's process group)
             import shutil
 
             sleeper = shutil.which("sleep")
             cmd = [sleeper, "3600"] if sleeper else [sys.executable, "-c", "import time; time.sleep(3600)"]
             # posix_spawn leaves no Popen object behind to complain that its child outlived it
             os.posix_spawn(cmd[0], cmd, os.environ)
-        if ignore_term and hasattr(signal, "SIGTERM"):
+        if faults.ignore_term and hasattr(signal, "SIGTERM"):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # logged after SIGTERM is ignored: a test that sees the line may rely on it
-        if log:
-            log_invocation(log, argv)
 
 
 def hang(out: Output) -> NoReturn:
     out.flush()
     while True:
         out.sleep(3600)
-
-
-def log_invocation(path: str, argv: Sequence[str]) -> None:
-    import json
-
-    record = json.dumps({"pid": os.getpid(), "argv": list(argv), "time": time.time()}) + "\n"
-    with open(path, "ab", buffering=0) as file:  # one write on an O_APPEND descriptor: lines never interleave
-        file.write(record.encode("utf-8"))
 
 
 def usage_error(out: Output, hint: str = "") -> Callable[[str], NoReturn]:

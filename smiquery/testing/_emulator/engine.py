@@ -33,7 +33,6 @@ from smiquery.testing._emulator.core import (
     Output,
     Settings,
     check_settings,
-    log_invocation,
     parse_faults,
     startup,
 )
@@ -63,7 +62,9 @@ def execute(argv: Sequence[str], settings: Settings, env: Mapping[str, str], out
     try:
         settings = settings.with_env(env)
         faults = parse_faults(settings.fault)
-        out.begin(argv, settings.log, grandchild=faults.grandchild, ignore_term=faults.ignore_term)
+        out.begin(faults)
+        if settings.log:  # after SIGTERM is ignored: a test that sees the line may rely on it
+            _log(settings.log, argv)
         code = _dispatch(argv, settings, faults, out)
     except FakeExit as exc:
         code = exc.code
@@ -73,6 +74,14 @@ def execute(argv: Sequence[str], settings: Settings, env: Mapping[str, str], out
         return _EX_SOFTWARE
     out.flush()
     return code
+
+
+def _log(path: str, argv: Sequence[str]) -> None:
+    import json
+
+    record = json.dumps({"pid": os.getpid(), "argv": list(argv), "time": time.time()}) + "\n"
+    with open(path, "ab", buffering=0) as file:  # one write on an O_APPEND descriptor: lines never interleave
+        file.write(record.encode("utf-8"))
 
 
 def _dispatch(argv: Sequence[str], settings: Settings, faults: Faults, out: Output) -> int:
@@ -159,13 +168,9 @@ def _help_query_gpu(rec: Recording, out: Output) -> int:
             out.line(f"Section about {group} properties")
             out.line(f"Properties of the {group} group.")
         family = group
-        out.line()
-        out.line(" or ".join(f'"{n}"' for n in (fld.name, *fld.aliases)))
-        out.line(fld.help or "No description.")
+        _help_entry(out, (fld.name, *fld.aliases), fld.help or "No description.")
     for fld in rec.extra.values():
-        out.line()
-        out.line(f'"{fld.name}"')
-        out.line("Listed by the driver this recording comes from.")
+        _help_entry(out, (fld.name,), "Listed by the driver this recording comes from.")
     out.line()
     return 0
 
@@ -177,11 +182,15 @@ def _help_query_apps(out: Output) -> int:
     out.line("List of processes having compute context on the device.")
     aliases = {v: k for k, v in APP_ALIASES.items()}
     for name, text in APP_FIELDS.items():
-        out.line()
-        out.line(f'"{name}"' + (f' or "{aliases[name]}"' if name in aliases else ""))
-        out.line(text)
+        _help_entry(out, (name, aliases[name]) if name in aliases else (name,), text)
     out.line()
     return 0
+
+
+def _help_entry(out: Output, names: Sequence[str], text: str) -> None:
+    out.line()
+    out.line(" or ".join(f'"{n}"' for n in names))
+    out.line(text)
 
 
 def _cuda_version(rec: Recording) -> str:
@@ -399,6 +408,13 @@ class _Channel(Output):
         self.signal(signal.SIGKILL)
         self.join(2.0)
 
+    def take(self) -> bytes:
+        """The flushed output not read yet (call with ``cond`` held): the pipe has room again."""
+        data = bytes(self.out)
+        self.out.clear()
+        self.cond.notify_all()
+        return data
+
     # -- the engine's side: the Output it writes to
     def _check(self) -> None:
         if self.stop_signal is not None:
@@ -429,12 +445,10 @@ class _Channel(Output):
             self.err += (text + "\n").encode("utf-8")
             self.cond.notify_all()
 
-    def begin(self, argv: Sequence[str], log: str | None, *, grandchild: bool, ignore_term: bool) -> None:
+    def begin(self, faults: Faults) -> None:
         # `grandchild` needs a process: in-process it does nothing
         with self.cond:
-            self.ignore_term = ignore_term
-        if log:
-            log_invocation(log, argv)
+            self.ignore_term = faults.ignore_term
 
 
 class InProcessLines:
@@ -477,7 +491,7 @@ class InProcessLines:
         waited = 0.0
         with ch.cond:
             while True:
-                self._take()
+                self._split.feed(ch.take())
                 if lines:
                     break
                 if self._ended is not None:
@@ -488,7 +502,11 @@ class InProcessLines:
                     self._interrupted = False
                     break
                 if ch.done:
-                    self._finish()
+                    assert ch.returncode is not None
+                    self._split.end()
+                    self._ended = self._split.ended(self.argv, ch.returncode, bytes(ch.err), stopping=self._stopping)
+                    self.closed = True
+                    self._finalizer.detach()
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -498,20 +516,6 @@ class InProcessLines:
                 waited += time.monotonic() - t0
             self.idle = waited
             return lines.popleft() if lines else None
-
-    def _take(self) -> None:
-        if self._ch.out:
-            self._split.feed(bytes(self._ch.out))
-            self._ch.out.clear()
-            self._ch.cond.notify_all()  # room in the pipe again
-
-    def _finish(self) -> None:
-        self._split.end()
-        rc = self._ch.returncode
-        assert rc is not None
-        self._ended = self._split.ended(self.argv, rc, bytes(self._ch.err), stopping=self._stopping)
-        self.closed = True
-        self._finalizer.detach()
 
     def interrupt(self) -> None:
         """Make a :meth:`readline` blocked in another thread return None now. Any thread."""
@@ -620,9 +624,7 @@ class InProcessRunner:
         out = bytearray()
         with channel.cond:
             while True:
-                out += channel.out  # read as it comes, as the pipe is read
-                channel.out.clear()
-                channel.cond.notify_all()
+                out += channel.take()  # read as it comes, as the pipe is read
                 left = start + max(timeout, 0.0) - time.monotonic()
                 if channel.done or len(out) > MAX_OUTPUT_BYTES or left <= 0:
                     break

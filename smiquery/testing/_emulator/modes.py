@@ -193,12 +193,6 @@ class RowWriter:
         self.out.raw(data[: max(1, len(data) // 2)] if truncate else data + b"\n")
         self.rows += 1
 
-    def garbage(self) -> NoReturn:
-        """The ``garbage`` fault: 12 garbage lines after the header, exit 0."""
-        for _ in range(12):
-            self.out.raw(_garbage_line(self.rng, self.ncols) + b"\n")
-        raise FakeExit(0)
-
 
 def _garbage_line(rng: random.Random, ncols: int) -> bytes:
     """A line that can never pass for a row of ``ncols`` cells: random bytes, invalid UTF-8, wrong cell count."""
@@ -252,8 +246,10 @@ def _start(
     writer = RowWriter(out, faults, len(heads), opts.interval, reload)
     if "noheader" not in tokens:
         out.line(", ".join(heads))
-    if faults.garbage:
-        writer.garbage()
+    if faults.garbage:  # 12 garbage lines after the header, exit 0
+        for _ in range(12):
+            out.raw(_garbage_line(writer.rng, len(heads)) + b"\n")
+        raise FakeExit(0)
     return writer, selected, "nounits" not in tokens
 
 
