@@ -96,20 +96,12 @@ def _check_executable(path: str, origin: str) -> str:
     return str(p)
 
 
-# The last PATH search that found nvidia-smi: (PATH value, path). Searched again when PATH changes or the file is
-# no longer an executable file, so a remembered answer is never staler than one stat.
+# The last PATH search that found nvidia-smi: (PATH value, path), rechecked with one stat.
 _which_memo: tuple[str | None, str] | None = None
 
 
-def _which_cached() -> str | None:
-    global _which_memo
-    path_var = os.environ.get("PATH")
-    memo = _which_memo
-    if memo is not None and memo[0] == path_var and os.path.isfile(memo[1]) and os.access(memo[1], os.X_OK):
-        return memo[1]
-    found = shutil.which("nvidia-smi")
-    _which_memo = (path_var, found) if found else None
-    return found
+def _runnable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
 def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner: Runner | None = None) -> str:
@@ -122,6 +114,7 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner:
     Raises:
         NvidiaSmiNotFoundError: nothing usable was found; the message says what to do.
     """
+    global _which_memo
     locate = getattr(runner if runner is not None else _installed, "locate", None)
     if locate is not None:
         return str(locate(nvidia_smi))
@@ -135,13 +128,15 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner:
     env = os.environ.get(ENV_VAR)
     if env:
         return _check_executable(env, f"${ENV_VAR}")
-    found = _which_cached()
+    path_var, memo = os.environ.get("PATH"), _which_memo
+    if memo is not None and memo[0] == path_var and _runnable(memo[1]):
+        return memo[1]
+    found = shutil.which("nvidia-smi")
+    _which_memo = (path_var, found) if found else None
+    searched = usual_places()
+    found = found or next(filter(_runnable, searched), None)
     if found:
         return found
-    searched = usual_places()
-    for place in searched:
-        if os.path.isfile(place) and os.access(place, os.X_OK):
-            return place
     raise NvidiaSmiNotFoundError(searched=["PATH", *searched])
 
 

@@ -91,7 +91,7 @@ class AsyncLines:
         self.idle = 0.0  #: seconds the last :meth:`readlines` waited
         self.timed_out = False
         self._split = LineSplitter()
-        self._err = bytearray()
+        self.err = bytearray()  #: stderr so far (up to 64 KiB)
         self._eof = False
         self._waiter: asyncio.Future[None] | None = None
         self._loop = asyncio.get_running_loop()
@@ -100,11 +100,6 @@ class AsyncLines:
         os.set_blocking(self._errfd, False)
         self._loop.add_reader(self._errfd, self._drain_err)
         self._reading_err = True
-
-    @property
-    def stderr(self) -> str:
-        """What the child wrote to stderr so far (at most 64 KiB)."""
-        return decode(bytes(self._err))
 
     def _drain_err(self, chunks: int = 1) -> None:
         """Read up to ``chunks`` chunks of stderr (kept up to 64 KiB); stop reading it at its end."""
@@ -115,8 +110,8 @@ class AsyncLines:
             if not data:
                 self._stop_err()
                 return
-            if len(self._err) < MAX_ERR_BYTES:
-                self._err += data
+            if len(self.err) < MAX_ERR_BYTES:
+                self.err += data
 
     def _stop_err(self) -> None:
         if self._reading_err:
@@ -181,7 +176,7 @@ class AsyncLines:
         await self.close()
         rc = self.proc.returncode if self.proc.returncode is not None else -signal.SIGKILL
         if rc and check:
-            raise self._split.ended(self.argv, rc, bytes(self._err))
+            raise self._split.ended(self.argv, rc, bytes(self.err))
         return rc
 
     async def close(self) -> None:
@@ -216,4 +211,5 @@ async def run(argv: Sequence[str], timeout: float) -> Completed:
         rc = await child.finish(0.0, check=False)
     finally:
         await child.close()
-    return Completed(tuple(argv), rc, "".join(f"{line}\n" for line in lines), child.stderr, loop.time() - start)
+    stdout = "".join(f"{line}\n" for line in lines)
+    return Completed(tuple(argv), rc, stdout, decode(bytes(child.err)), loop.time() - start)

@@ -478,11 +478,6 @@ class InProcessLines:
         """The exit status once the engine has finished (negative: the signal that stopped it)."""
         return self._ch.returncode
 
-    @property
-    def stderr(self) -> str:
-        """What the fake wrote to stderr so far."""
-        return _decode(bytes(self._ch.err))
-
     def readline(self, timeout: float) -> str | None:
         """The next complete line; None if none came within ``timeout`` s or on :meth:`interrupt`."""
         ch = self._ch
