@@ -33,11 +33,7 @@ class FakeUsageError(Exception):
 
 
 class FakeExit(Exception):
-    """Ends the fake with an exit status from deep inside the output loop."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
+    """Ends the fake with an exit status (its one argument) from deep inside the output loop."""
 
 
 def is_number(text: str) -> bool:

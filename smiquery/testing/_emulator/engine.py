@@ -67,7 +67,7 @@ def execute(argv: Sequence[str], settings: Settings, env: Mapping[str, str], out
             _log(settings.log, argv)
         code = _dispatch(argv, settings, faults, out)
     except FakeExit as exc:
-        code = exc.code
+        code = exc.args[0]
     except FakeUsageError as exc:
         out.flush()
         out.error(f"smiquery-fake-nvidia-smi: {exc}")

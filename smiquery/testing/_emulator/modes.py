@@ -384,8 +384,7 @@ _MAX_GPUS = 4  # pmon watches at most four devices
 _JPG_OFA_FROM = 530  # the fake's first branch with jpg and ofa columns (seen on 590+, absent on R4xx)
 
 
-_OPTIONS = {"-i": "id", "-d": "delay", "-c": "count", "-s": "select", "-o": "options"}
-_OPTIONS |= {"--id": "id", "--delay": "delay", "--count": "count", "--select": "select", "--options": "options"}
+_OPTIONS = {opt: name for name in ("id", "delay", "count", "select", "options") for opt in (f"-{name[0]}", f"--{name}")}
 
 
 def _columns(branch: int, select: str, options: str) -> list[tuple[str, str]]:
