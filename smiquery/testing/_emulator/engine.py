@@ -44,6 +44,7 @@ from smiquery.testing._emulator.recording import (
     Reload,
     is_token,
     load_recording,
+    record_reload,
     relayout,
     reloads_struck,
 )
@@ -96,12 +97,12 @@ def _dispatch(argv: Sequence[str], settings: Settings, faults: Faults, out: Outp
         return run_pmon(argv[1:], settings, faults, out)
     opts = parse_args(argv, out)
     rec = load_recording(settings.recording)
-    reload = None
+    reload: Reload | None = None
     if faults.reloads:
         struck = reloads_struck(settings.state)
         rec = relayout(rec, [mode for _, mode in faults.reloads[:struck]])
         if struck < len(faults.reloads):
-            reload = Reload(settings.state, struck, faults.reloads[struck][0])
+            reload = (faults.reloads[struck][0], functools.partial(record_reload, settings.state, struck + 1))
     if opts.action == "help":
         return _usage(out)
     if opts.action == "help-query-gpu":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import itertools
 import os
@@ -254,6 +253,10 @@ def load_apps(setting: str | None, rec: Recording) -> list[dict[str, str]]:
     return apps
 
 
+#: The ``reenumerate`` reload due in this start: after so many rows, the call that records it.
+Reload = tuple[int, Callable[[], None]]
+
+
 def reloads_struck(state: str | MemoryState | None) -> int:
     if isinstance(state, MemoryState):
         return state.value
@@ -322,12 +325,3 @@ def _added_gpu(rec: Recording, rows: list[list[str]]) -> list[str]:
         if serials:
             row[at] = str(max(serials) + 1)
     return row
-
-
-@dataclasses.dataclass(frozen=True)
-class Reload:
-    """The ``reenumerate`` reload due in this start: after ``after`` rows, the count in ``state`` goes up."""
-
-    state: str | MemoryState | None
-    struck: int
-    after: int
