@@ -1,11 +1,10 @@
-"""Finding and running nvidia-smi: the only package that imports ``subprocess`` (:mod:`.aio` on an event loop).
+"""Finding and running nvidia-smi: one-shot runs (:class:`SubprocessRunner`), loop lines (:class:`LineStream`).
 
-One-shot runs (:class:`SubprocessRunner`) and a loop child's output lines (:class:`LineStream`).
-
-Every child runs from an argument list (never a shell), in its own process group, under a deadline. On every path
-(end, exception, timeout, early stop, ``KeyboardInterrupt``, garbage collection) the whole group, helpers that
-inherited the pipes included, is terminated, then killed, and the child reaped; on Linux a loop child also dies
-with this process however it dies. A forked copy of this process leaves the children alone.
+The only package that imports ``subprocess`` (:mod:`.aio`: on an event loop). Every child runs from an argument list
+(never a shell), in its own process group, under a deadline. On every path (end, exception, timeout, early stop,
+``KeyboardInterrupt``, garbage collection) the whole group, helpers that inherited the pipes included, is terminated,
+then killed, and the child reaped; on Linux a loop child also dies with this process however it dies. A forked copy
+of this process leaves the children alone.
 """
 
 from __future__ import annotations
