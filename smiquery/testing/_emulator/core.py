@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, BinaryIO, NoReturn
+from typing import Any, BinaryIO, NoReturn, Protocol
 
 #: Environment variables read by the fake at run time, and what they do.
 ENV_VARS: Mapping[str, str] = {
@@ -40,10 +40,10 @@ def is_number(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-class MemoryState:
-    """How many ``reenumerate`` reloads have struck, kept by an :class:`InProcessRunner` instead of a file."""
+class MemoryState(Protocol):
+    """What keeps the ``reenumerate`` count instead of a file: an :class:`InProcessRunner`."""
 
-    value = 0  # read and set whole, never updated in place: no lock needed
+    reloads: int  # read and set whole, never updated in place: no lock needed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,6 @@ from smiquery.testing._emulator.core import (
     FakeExit,
     FakeUsageError,
     Faults,
-    MemoryState,
     Output,
     Settings,
     check_settings,
@@ -580,7 +579,7 @@ class InProcessRunner:
         self.log = log
         self.env: dict[str, str] = dict(env or {})
         self.calls: list[tuple[str, ...]] = []
-        self._state = MemoryState()
+        self.reloads = 0  #: ``reenumerate`` reloads struck so far: later calls serve the GPU set they left (0: undone)
         self._channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
         self._serial = itertools.count(1)
 
@@ -594,22 +593,13 @@ class InProcessRunner:
             start_delay=float(self.start_delay),
             apps=path(self.apps),
             log=path(self.log),
-            state=self._state,
+            state=self,
         )
         self.calls.append(tuple(argv))
         channel = _Channel(tuple(argv[1:]), settings, dict(self.env), f"smiquery-fake-{next(self._serial)}")
         self._channels.add(channel)
         channel.thread.start()
         return channel
-
-    @property
-    def reloads(self) -> int:
-        """How many ``reenumerate`` reloads have struck: later calls serve the GPU set they left (settable, 0: undo)."""
-        return self._state.value
-
-    @reloads.setter
-    def reloads(self, value: int) -> None:
-        self._state.value = value
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
         """Run the fake to completion; raises NvidiaSmiTimeoutError (its thread stopped) past ``timeout`` s."""

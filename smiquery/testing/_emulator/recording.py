@@ -258,10 +258,10 @@ Reload = tuple[int, Callable[[], None]]
 
 
 def reloads_struck(state: str | MemoryState | None) -> int:
-    if isinstance(state, MemoryState):
-        return state.value
     if state is None:
         raise FakeUsageError("fault 'reenumerate' needs a state file: set SMIQUERY_FAKE_STATE")
+    if not isinstance(state, str):
+        return state.reloads
     try:
         text = pathlib.Path(state).read_text(encoding="utf-8").strip()
     except FileNotFoundError:
@@ -274,10 +274,10 @@ def reloads_struck(state: str | MemoryState | None) -> int:
 
 
 def record_reload(state: str | MemoryState | None, struck: int) -> None:
-    if isinstance(state, MemoryState):
-        state.value = struck
-        return
     assert state is not None
+    if not isinstance(state, str):
+        state.reloads = struck
+        return
     tmp = f"{state}.{os.getpid()}.tmp"
     pathlib.Path(tmp).write_text(f"{struck}\n", encoding="utf-8")
     os.replace(tmp, state)  # a start that reads it at the same moment sees the old count or the new one
