@@ -19,10 +19,10 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from smiquery.errors import (
     NvidiaSmiFailedError,
@@ -59,10 +59,10 @@ __all__ = [
     "decode",
     "default_runner",
     "find_nvidia_smi",
+    "install_default",
     "live_children",
     "no_answer",
     "terminate_and_reap",
-    "use_runner",
 ]
 
 ENV_VAR = "SMIQUERY_NVIDIA_SMI"
@@ -217,9 +217,7 @@ class Runner(Protocol):
         """Start a long-running child and return its output lines."""
 
 
-_R = TypeVar("_R", bound=Runner)
-
-# The runner used where none is passed. Only use_runner() (smiquery.testing's) changes it, for the length of a
+# The runner used where none is passed. Only smiquery.testing.use_runner() changes it, for the length of a
 # `with` block in a test; no environment variable or configuration file can.
 _installed: Runner | None = None
 
@@ -230,20 +228,11 @@ def default_runner() -> Runner:
     return installed if installed is not None else SubprocessRunner()
 
 
-@contextlib.contextmanager
-def use_runner(runner: _R) -> Iterator[_R]:
-    """Run every nvidia-smi call that gets no ``runner=`` through ``runner``, in every thread, inside the block.
-
-    For code that builds its own runner: the CLI, the exporter, ``GpuMonitor``, the Keras and Lightning callbacks
-    (not :mod:`smiquery.aio`, which starts its children with asyncio). On exit the previous default comes back
-    (blocks nest); the runner is not closed.
-    """
+def install_default(runner: Runner | None) -> Runner | None:
+    """Make ``runner`` the default (None: back to :class:`SubprocessRunner`); returns the previous one."""
     global _installed
     previous, _installed = _installed, runner
-    try:
-        yield runner
-    finally:
-        _installed = previous
+    return previous
 
 
 #: A line longer than this is cut to its first 256 bytes (the parser rejects it) and the rest is skipped until its

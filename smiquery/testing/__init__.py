@@ -5,9 +5,8 @@
 that runs nvidia-smi for the length of a ``with`` block. The emulator is the private ``_emulator`` package.
 """
 
-from smiquery.runner import use_runner
 from smiquery.testing._emulator.core import ENV_VARS, FAULT_HELP, FAULTS
-from smiquery.testing._emulator.engine import InProcessLines, InProcessRunner, fake_nvidia_smi, main
+from smiquery.testing._emulator.engine import InProcessLines, InProcessRunner, fake_nvidia_smi, main, use_runner
 
 __all__ = [
     "ENV_VARS",

@@ -1,7 +1,7 @@
 """The fake's engine (argv in, exit status out; its human-readable answers) and the two ways it runs.
 
 As a real executable (the script :func:`fake_nvidia_smi` writes, and its entry points), or on a thread:
-:class:`InProcessRunner` and its line source.
+:class:`InProcessRunner`, its line source, and :func:`use_runner`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, BinaryIO
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from smiquery.errors import NvidiaSmiFailedError, OutputTooLargeError, StreamEndedError
 from smiquery.fields import CATALOGUE
@@ -49,7 +49,7 @@ from smiquery.testing._emulator.recording import (
 )
 
 if TYPE_CHECKING:
-    from smiquery.runner import Completed
+    from smiquery.runner import Completed, Runner
 
 _EX_SOFTWARE = 70  # misuse of the fake itself (bad fault spec, unreadable recording), never an nvidia-smi code
 # CUDA version reported by `nvidia-smi --version`, by driver branch (the newest CUDA each branch supports).
@@ -348,6 +348,8 @@ def fake_nvidia_smi(
     path.chmod(0o755)
     return path
 
+
+_R = TypeVar("_R", bound="Runner")
 
 _PIPE_BUFFER = 1 << 20  # unread output at which the in-process engine's flush waits, as a writer on a full pipe
 
@@ -648,3 +650,20 @@ class InProcessRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def use_runner(runner: _R) -> Iterator[_R]:
+    """Run every nvidia-smi call that gets no ``runner=`` through ``runner``, in every thread, inside the block.
+
+    For code that builds its own runner: the CLI, the exporter, ``GpuMonitor``, the Keras and Lightning callbacks
+    (not :mod:`smiquery.aio`, which starts its children with asyncio). On exit the previous default comes back
+    (blocks nest); the runner is not closed.
+    """
+    from smiquery.runner import install_default
+
+    previous = install_default(runner)
+    try:
+        yield runner
+    finally:
+        install_default(previous)
