@@ -354,10 +354,6 @@ _R = TypeVar("_R", bound="Runner")
 _PIPE_BUFFER = 1 << 20  # unread output at which the in-process engine's flush waits, as a writer on a full pipe
 
 
-def _decode(data: bytes) -> str:
-    return data.decode("utf-8", "replace")
-
-
 class _Stopped(BaseException):
     """Unwinds the engine thread when its source is terminated or killed (what the signal does to a process)."""
 
@@ -605,7 +601,7 @@ class InProcessRunner:
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
         """Run the fake to completion; raises NvidiaSmiTimeoutError (its thread stopped) past ``timeout`` s."""
-        from smiquery.runner import MAX_OUTPUT_BYTES, Completed, no_answer
+        from smiquery.runner import MAX_OUTPUT_BYTES, Completed, decode, no_answer
 
         start = time.monotonic()
         channel = self._start(argv)
@@ -626,7 +622,7 @@ class InProcessRunner:
         channel.join(1.0)
         rc = channel.returncode
         assert rc is not None
-        return Completed(tuple(argv), rc, _decode(bytes(out)), _decode(bytes(channel.err)), time.monotonic() - start)
+        return Completed(tuple(argv), rc, decode(bytes(out)), decode(bytes(channel.err)), time.monotonic() - start)
 
     def lines(self, argv: Sequence[str]) -> InProcessLines:
         """Start the fake and return its output as it comes (for ``-l``/``-lms`` loops); close it when done."""
