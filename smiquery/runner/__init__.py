@@ -1,11 +1,10 @@
-"""Finding and running nvidia-smi: the only package that imports ``subprocess`` (:mod:`.aio` on an event loop).
+"""Finding and running nvidia-smi: one-shot runs (:class:`SubprocessRunner`), loop lines (:class:`LineStream`).
 
-One-shot runs (:class:`SubprocessRunner`) and a loop child's output lines (:class:`LineStream`).
-
-Every child runs from an argument list (never a shell), in its own process group, under a deadline. On every path
-(end, exception, timeout, early stop, ``KeyboardInterrupt``, garbage collection) the whole group, helpers that
-inherited the pipes included, is terminated, then killed, and the child reaped; on Linux a loop child also dies
-with this process however it dies. A forked copy of this process leaves the children alone.
+The only package that imports ``subprocess`` (:mod:`.aio`: on an event loop). Every child runs from an argument list
+(never a shell), in its own process group, under a deadline. On every path (end, exception, timeout, early stop,
+``KeyboardInterrupt``, garbage collection) the whole group, helpers that inherited the pipes included, is terminated,
+then killed, and the child reaped; on Linux a loop child also dies with this process however it dies. A forked copy
+of this process leaves the children alone.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from smiquery.errors import (
+    NvidiaSmiFailedError,
     NvidiaSmiNotFoundError,
     NvidiaSmiTimeoutError,
     OutputTooLargeError,
@@ -36,7 +36,6 @@ from smiquery.runner.children import (
     MAX_ERR_BYTES,
     PIPE_GRACE,
     TERM_GRACE,
-    PidWatch,
     exited,
     live_children,
     popen,
@@ -62,7 +61,6 @@ __all__ = [
     "find_nvidia_smi",
     "install_default",
     "live_children",
-    "message_of",
     "no_answer",
     "terminate_and_reap",
 ]
@@ -97,20 +95,12 @@ def _check_executable(path: str, origin: str) -> str:
     return str(p)
 
 
-# The last PATH search that found nvidia-smi: (PATH value, path). Searched again when PATH changes or the file is
-# no longer an executable file, so a remembered answer is never staler than one stat.
+# The last PATH search that found nvidia-smi: (PATH value, path), rechecked with one stat.
 _which_memo: tuple[str | None, str] | None = None
 
 
-def _which_cached() -> str | None:
-    global _which_memo
-    path_var = os.environ.get("PATH")
-    memo = _which_memo
-    if memo is not None and memo[0] == path_var and os.path.isfile(memo[1]) and os.access(memo[1], os.X_OK):
-        return memo[1]
-    found = shutil.which("nvidia-smi")
-    _which_memo = (path_var, found) if found else None
-    return found
+def _runnable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
 def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner: Runner | None = None) -> str:
@@ -123,6 +113,7 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner:
     Raises:
         NvidiaSmiNotFoundError: nothing usable was found; the message says what to do.
     """
+    global _which_memo
     locate = getattr(runner if runner is not None else _installed, "locate", None)
     if locate is not None:
         return str(locate(nvidia_smi))
@@ -136,13 +127,15 @@ def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner:
     env = os.environ.get(ENV_VAR)
     if env:
         return _check_executable(env, f"${ENV_VAR}")
-    found = _which_cached()
+    path_var, memo = os.environ.get("PATH"), _which_memo
+    if memo is not None and memo[0] == path_var and _runnable(memo[1]):
+        return memo[1]
+    found = shutil.which("nvidia-smi")
+    _which_memo = (path_var, found) if found else None
+    searched = usual_places()
+    found = found or next(filter(_runnable, searched), None)
     if found:
         return found
-    searched = usual_places()
-    for place in searched:
-        if os.path.isfile(place) and os.access(place, os.X_OK):
-            return place
     raise NvidiaSmiNotFoundError(searched=["PATH", *searched])
 
 
@@ -252,14 +245,6 @@ def decode(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
-def message_of(lines: Sequence[str], err: bytes, rc: int) -> str:
-    """What a failed child said: its message lines and stderr, or the signal that killed it."""
-    output = "\n".join(lines) + ("\n" + decode(err) if err else "")
-    if rc in (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT) and not output.strip():
-        output = f"killed by signal {-rc}"
-    return output
-
-
 class LineSplitter:
     """Cuts a child's stdout into lines: blank lines skipped, a CR stripped, over-long lines cut.
 
@@ -296,6 +281,13 @@ class LineSplitter:
             self._add(b"".join(self._partial))
         self._partial, self._partial_len = [], 0
 
+    def ended(self, argv: Sequence[str], rc: int, err: bytes, *, stopping: bool = False) -> NvidiaSmiFailedError:
+        """After :meth:`end`: a non-zero exit's typed error, else (or ``stopping``) a ``StreamEndedError``."""
+        output = "\n".join(self.messages) + ("\n" + decode(err) if err else "")
+        if rc in (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT) and not output.strip():
+            output = f"killed by signal {-rc}"
+        return (failure_from_exit if rc and not stopping else StreamEndedError)(argv, rc, output)
+
     def _add(self, raw: bytes) -> None:
         line = decode(raw).rstrip("\r")
         if line.strip():
@@ -330,7 +322,10 @@ class LineStream:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._pidwatch = PidWatch(self._proc.pid)
+        self._pidfd = -1  # readiness of the leader's exit, where the kernel has pidfds
+        if hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):
+                self._pidfd = os.pidfd_open(self.pid)
         self._exit_seen: float | None = None
         self._sel = selectors.DefaultSelector()
         for pipe in (self._proc.stdout, self._proc.stderr):
@@ -338,8 +333,8 @@ class LineStream:
             os.set_blocking(pipe.fileno(), False)
             self._sel.register(pipe, selectors.EVENT_READ)
         self._sel.register(self._wake_r, selectors.EVENT_READ)
-        if self._pidwatch.fd is not None:
-            self._sel.register(self._pidwatch.fd, selectors.EVENT_READ)
+        if self._pidfd >= 0:
+            self._sel.register(self._pidfd, selectors.EVENT_READ)
 
     @property
     def closed(self) -> bool:
@@ -374,7 +369,7 @@ class LineStream:
                     self._drain_now()
                     self._eof = True
                     continue
-            elif self._pidwatch.fd is None:
+            elif self._pidfd < 0:
                 remaining = min(remaining, 0.5)  # no pidfd: look at the leader now and then
             if remaining <= 0:
                 if looked:
@@ -389,7 +384,7 @@ class LineStream:
                 # Stopped past the deadline (SIGSTOP, a debugger), the wait returns empty-handed without looking
                 # again (PEP 475): look once more, so the rows printed meanwhile are read.
                 events = self._sel.select(0)
-            if not events and self._pidwatch.fd is None and self._exit_seen is None and exited(self._proc):
+            if not events and self._pidfd < 0 and self._exit_seen is None and exited(self._proc):
                 self._exit_seen = time.monotonic()
             for key, _ in events:
                 if key.fileobj is self._wake_r:
@@ -399,7 +394,7 @@ class LineStream:
                     self.idle = waited
                     if not lines:
                         return None
-                elif key.fileobj == self._pidwatch.fd:
+                elif key.fileobj == self._pidfd:
                     self._sel.unregister(key.fileobj)
                     self._exit_seen = self._exit_seen or time.monotonic()
                 elif self._read(key.fd) == b"":
@@ -436,11 +431,7 @@ class LineStream:
         self._release()
         rc = self._proc.returncode if self._proc.returncode is not None else -signal.SIGKILL
         self._split.end()
-        output = message_of(list(self._split.messages), bytes(self._err), rc)
-        if rc != 0 and not stopping:
-            self._ended = failure_from_exit(self.argv, rc, output)
-        else:
-            self._ended = StreamEndedError(self.argv, rc, output)
+        self._ended = self._split.ended(self.argv, rc, bytes(self._err), stopping=stopping)
         if not self._split.lines:
             raise self._ended
 
@@ -469,12 +460,11 @@ class LineStream:
     def _release(self) -> None:
         with contextlib.suppress(Exception):
             self._sel.close()
-        self._pidwatch.close()
         self._finalizer()
-        for fd in (self._wake_r, self._wake_w):
+        for fd in (self._wake_r, self._wake_w, self._pidfd):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._wake_r = self._wake_w = -1
+        self._wake_r = self._wake_w = self._pidfd = -1
 
     def __enter__(self) -> LineStream:
         return self

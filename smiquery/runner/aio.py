@@ -15,18 +15,17 @@ import signal
 import subprocess
 from collections.abc import Sequence
 
-from smiquery.errors import SmiqueryError, failure_from_exit
-from smiquery.runner import TERM_GRACE, Completed, LineSplitter, decode, message_of, no_answer
+from smiquery.errors import SmiqueryError
+from smiquery.runner import Completed, LineSplitter, decode, no_answer
 from smiquery.runner.children import (
     MAX_ERR_BYTES,
-    PidWatch,
-    can_trampoline,
+    exit_pauses,
     exited,
     live_children,
     popen,
     read_some,
     signal_group,
-    submit_loop_child,
+    spawn_loop_child,
     terminate_and_reap,
 )
 
@@ -41,83 +40,42 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 
 async def _wait_exit(proc: Popen, timeout: float) -> bool:
-    """Wait up to ``timeout`` s for the leader to exit (on a pidfd, else looking every 50 ms), without reaping it."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    watch = PidWatch(proc.pid)
-    try:
-        while not exited(proc):
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            waiter: asyncio.Future[None] = loop.create_future()
-            timer = loop.call_later(left if watch.fd is not None else min(left, 0.05), _wake, waiter)
-            if watch.fd is not None:
-                loop.add_reader(watch.fd, _wake, waiter)
-            try:
-                await waiter
-            finally:
-                timer.cancel()
-                if watch.fd is not None:
-                    loop.remove_reader(watch.fd)
-    finally:
-        watch.close()
-    return True
+    """Wait up to ``timeout`` s for the leader to exit, without reaping it."""
+    for pause in exit_pauses(proc, timeout):
+        await asyncio.sleep(pause)
+    return exited(proc)
 
 
-async def _reap(proc: Popen, grace: float = TERM_GRACE) -> None:
-    """SIGTERM to the group, SIGKILL after ``grace``, reap: shielded, so a cancelled caller leaves no process."""
-
-    async def stop() -> None:
-        try:
-            if not exited(proc):
-                signal_group(proc, signal.SIGTERM)
-                if not await _wait_exit(proc, grace):
-                    signal_group(proc, signal.SIGKILL)
-                    await _wait_exit(proc, grace)
-        finally:
-            terminate_and_reap(proc, 0.0)  # reaped now, or (cancelled, still alive) killed and reaped by a thread
-
-    await asyncio.shield(asyncio.ensure_future(stop()))
+async def _reap(proc: Popen) -> None:
+    """``terminate_and_reap`` on a worker thread, shielded: a cancelled caller leaves no process."""
+    await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, terminate_and_reap, proc))
 
 
 async def start_loop_child(argv: Sequence[str]) -> Popen:
     """Start a loop-mode child that dies with this process (Linux), without blocking the event loop.
 
-    The runner's spawner thread forks it through the parent-death trampoline: the kernel sends that signal when the
-    *forking thread* ends, and the spawner lasts as long as the process, so a loop in a worker thread that ends does
-    not kill another loop's children. Without a trampoline (not Linux, a frozen interpreter) the child starts as a
-    one-shot one does. Cancelled during the fork, it waits for the child (the trampoline's start-up) and reaps it
-    before passing the cancellation on; cancelled again meanwhile, the child is killed as soon as it exists.
+    :func:`~smiquery.runner.children.spawn_loop_child` on a worker thread: the runner's spawner thread forks it
+    through the parent-death trampoline (the kernel sends that signal when the *forking thread* ends, and the
+    spawner lasts as long as the process). Cancelled during the fork, it waits for the child and reaps it before
+    passing the cancellation on; cancelled again meanwhile, the child is killed as soon as it exists.
     """
-    if not can_trampoline():
-        return popen(argv)
-    loop = asyncio.get_running_loop()
-    started: asyncio.Future[Popen] = loop.create_future()
-
-    def settle(result: Popen | BaseException) -> None:  # on the loop
-        if started.cancelled():
-            if isinstance(result, subprocess.Popen):
-                terminate_and_reap(result, 0.0)
-        elif isinstance(result, BaseException):
-            started.set_exception(result)
-        else:
-            started.set_result(result)
-
-    # On the spawner thread; a closed loop raises there, and the spawner then kills the child.
-    submit_loop_child(argv, lambda result: loop.call_soon_threadsafe(settle, result))
+    started = asyncio.get_running_loop().run_in_executor(None, spawn_loop_child, argv)
     try:
         return await asyncio.shield(started)
     except asyncio.CancelledError:
         try:
             await _reap(await asyncio.shield(started))
         except asyncio.CancelledError:
-            if not started.cancel() and started.exception() is None:
-                terminate_and_reap(started.result(), 0.0)
+            started.add_done_callback(_kill_started)
             raise
         except SmiqueryError:
             pass  # it never started
         raise
+
+
+def _kill_started(started: asyncio.Future[Popen]) -> None:
+    if not started.cancelled() and started.exception() is None:
+        terminate_and_reap(started.result(), 0.0)
 
 
 class AsyncLines:
@@ -133,7 +91,7 @@ class AsyncLines:
         self.idle = 0.0  #: seconds the last :meth:`readlines` waited
         self.timed_out = False
         self._split = LineSplitter()
-        self._err = bytearray()
+        self.err = bytearray()  #: stderr so far (up to 64 KiB)
         self._eof = False
         self._waiter: asyncio.Future[None] | None = None
         self._loop = asyncio.get_running_loop()
@@ -142,11 +100,6 @@ class AsyncLines:
         os.set_blocking(self._errfd, False)
         self._loop.add_reader(self._errfd, self._drain_err)
         self._reading_err = True
-
-    @property
-    def stderr(self) -> str:
-        """What the child wrote to stderr so far (at most 64 KiB)."""
-        return decode(bytes(self._err))
 
     def _drain_err(self, chunks: int = 1) -> None:
         """Read up to ``chunks`` chunks of stderr (kept up to 64 KiB); stop reading it at its end."""
@@ -157,8 +110,8 @@ class AsyncLines:
             if not data:
                 self._stop_err()
                 return
-            if len(self._err) < MAX_ERR_BYTES:
-                self._err += data
+            if len(self.err) < MAX_ERR_BYTES:
+                self.err += data
 
     def _stop_err(self) -> None:
         if self._reading_err:
@@ -223,7 +176,7 @@ class AsyncLines:
         await self.close()
         rc = self.proc.returncode if self.proc.returncode is not None else -signal.SIGKILL
         if rc and check:
-            raise failure_from_exit(self.argv, rc, message_of(list(self._split.messages), bytes(self._err), rc))
+            raise self._split.ended(self.argv, rc, bytes(self.err))
         return rc
 
     async def close(self) -> None:
@@ -258,4 +211,5 @@ async def run(argv: Sequence[str], timeout: float) -> Completed:
         rc = await child.finish(0.0, check=False)
     finally:
         await child.close()
-    return Completed(tuple(argv), rc, "".join(f"{line}\n" for line in lines), child.stderr, loop.time() - start)
+    stdout = "".join(f"{line}\n" for line in lines)
+    return Completed(tuple(argv), rc, stdout, decode(bytes(child.err)), loop.time() - start)

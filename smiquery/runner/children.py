@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from smiquery.errors import (
@@ -25,16 +25,13 @@ __all__ = [
     "MAX_ERR_BYTES",
     "PIPE_GRACE",
     "TERM_GRACE",
-    "PidWatch",
-    "SpawnDone",
-    "can_trampoline",
+    "exit_pauses",
     "exited",
     "live_children",
     "popen",
     "read_some",
     "signal_group",
     "spawn_loop_child",
-    "submit_loop_child",
     "terminate_and_reap",
     "wait_exit",
 ]
@@ -111,11 +108,6 @@ _TRAMPOLINE = (
 )
 
 
-def can_trampoline() -> bool:
-    """True where loop children can get a parent-death signal (Linux, a real interpreter)."""
-    return _LINUX and bool(sys.executable) and not getattr(sys, "frozen", False)
-
-
 # Every child leads a process group of its own, so that the whole group (helpers included) can be signalled. A new
 # group, not a new session: on Linux setsid() also gives the child a scheduler autogroup of its own, which on a
 # busy machine makes a short nvidia-smi run slower and far more variable (scripts/bench_compat.py --child sh).
@@ -166,52 +158,34 @@ def popen(argv: Sequence[str], *, pdeathsig: bool = False) -> subprocess.Popen[b
     return proc
 
 
-#: Called on the spawner thread with the new child, or with the exception that kept it from starting. It must
-#: not block; if it raises, the child is killed and reaped.
-SpawnDone = Callable[["subprocess.Popen[bytes] | BaseException"], object]
-
-# The one long-lived thread that forks loop children (a parent-death signal follows the forking thread).
-_JOBS: queue.SimpleQueue[tuple[Sequence[str], SpawnDone]] | None = None
+# The one long-lived thread that forks loop children (a parent-death signal follows the forking thread), with the
+# queue of its jobs: an argument list and where to put the child or the exception that kept it from starting.
+_Done = queue.SimpleQueue["subprocess.Popen[bytes] | BaseException"]
+_JOBS: queue.SimpleQueue[tuple[Sequence[str], _Done]] | None = None
 _SPAWNER_LOCK = threading.Lock()
 
 
-def _serve(jobs: queue.SimpleQueue[tuple[Sequence[str], SpawnDone]]) -> None:
+def _serve(jobs: queue.SimpleQueue[tuple[Sequence[str], _Done]]) -> None:
     while True:
         argv, done = jobs.get()
-        result: subprocess.Popen[bytes] | BaseException
         try:
-            result = popen(argv, pdeathsig=True)
+            done.put(popen(argv, pdeathsig=True))
         except BaseException as exc:
-            result = exc
-        try:
-            done(result)
-        except BaseException:  # nobody took the child: it must not outlive the job, nor stop this thread
-            if isinstance(result, subprocess.Popen):
-                terminate_and_reap(result, 0.0)
+            done.put(exc)
 
 
-def submit_loop_child(argv: Sequence[str], done: SpawnDone) -> None:
-    """Start a loop child with a parent-death signal without waiting for it: ``done`` gets the outcome.
-
-    The spawner thread forks it (so it dies with this process, not with the calling thread), reads the
-    trampoline's exec report and then calls ``done`` there, with the child or the typed error. Only where
-    :func:`can_trampoline` is true.
-    """
+def spawn_loop_child(argv: Sequence[str]) -> subprocess.Popen[bytes]:
+    """Start a loop child that dies with this process (Linux, a real interpreter: forked by the spawner thread)."""
     global _JOBS
+    if not _LINUX or not sys.executable or getattr(sys, "frozen", False):
+        return popen(argv)
+    done: _Done = queue.SimpleQueue()
     with _SPAWNER_LOCK:
         if _JOBS is None:
             _JOBS = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(_JOBS,), name="smiquery-spawner", daemon=True).start()
         _JOBS.put((argv, done))
-
-
-def spawn_loop_child(argv: Sequence[str]) -> subprocess.Popen[bytes]:
-    """Start a loop child that dies with this process (forked by the spawner thread where possible)."""
-    if not can_trampoline():
-        return popen(argv)
-    out: queue.SimpleQueue[subprocess.Popen[bytes] | BaseException] = queue.SimpleQueue()
-    submit_loop_child(argv, out.put)
-    result = out.get()
+    result = done.get()
     if isinstance(result, BaseException):
         raise result
     return result
@@ -261,17 +235,20 @@ def exited(proc: subprocess.Popen[bytes]) -> bool:
     return info is not None
 
 
-def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for the leader to exit, without reaping it."""
+def exit_pauses(proc: subprocess.Popen[bytes], timeout: float) -> Iterator[float]:
+    """The pauses of a wait of up to ``timeout`` s for the leader's exit: from 1 ms, doubling up to 50 ms."""
     deadline = time.monotonic() + timeout
     delay = 0.001
-    while not exited(proc):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(delay, left))
+    while not exited(proc) and (left := deadline - time.monotonic()) > 0:
+        yield min(delay, left)
         delay = min(delay * 2, 0.05)
-    return True
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the leader to exit, without reaping it."""
+    for pause in exit_pauses(proc, timeout):
+        time.sleep(pause)
+    return exited(proc)
 
 
 def _reap_later(proc: subprocess.Popen[bytes]) -> None:
@@ -333,20 +310,3 @@ def read_some(fd: int) -> bytes | None:
         return None
     except OSError:
         return b""
-
-
-class PidWatch:
-    """Readiness of the leader's exit for a selector: a pidfd where the kernel has them."""
-
-    def __init__(self, pid: int) -> None:
-        self.fd: int | None = None
-        if hasattr(os, "pidfd_open"):
-            with contextlib.suppress(OSError):
-                self.fd = os.pidfd_open(pid)
-
-    def close(self) -> None:
-        """Release the pidfd. Idempotent."""
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = None

@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, BinaryIO, NoReturn
+from typing import Any, BinaryIO, NoReturn, Protocol
 
 #: Environment variables read by the fake at run time, and what they do.
 ENV_VARS: Mapping[str, str] = {
@@ -33,21 +33,17 @@ class FakeUsageError(Exception):
 
 
 class FakeExit(Exception):
-    """Ends the fake with an exit status from deep inside the output loop."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
+    """Ends the fake with an exit status (its one argument) from deep inside the output loop."""
 
 
 def is_number(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-class MemoryState:
-    """How many ``reenumerate`` reloads have struck, kept by an :class:`InProcessRunner` instead of a file."""
+class MemoryState(Protocol):
+    """What keeps the ``reenumerate`` count instead of a file: an :class:`InProcessRunner`."""
 
-    value = 0  # read and set whole, never updated in place: no lock needed
+    reloads: int  # read and set whole, never updated in place: no lock needed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,34 +122,23 @@ class Output:
         """One line on stderr."""
         print(text, file=sys.stderr)
 
-    def begin(self, argv: Sequence[str], log: str | None, *, grandchild: bool, ignore_term: bool) -> None:
-        """What happens once the faults are known, before nvidia-smi's own work: grandchild, signals, ``log``."""
-        if grandchild:  # a child that holds stdout and stderr open for an hour (in the fake's process group)
+    def begin(self, faults: Faults) -> None:
+        """What ``grandchild`` and ``ignore-term`` do, before nvidia-smi's own work."""
+        if faults.grandchild:  # a child that holds stdout and stderr open for an hour (in the fake's process group)
             import shutil
 
             sleeper = shutil.which("sleep")
             cmd = [sleeper, "3600"] if sleeper else [sys.executable, "-c", "import time; time.sleep(3600)"]
             # posix_spawn leaves no Popen object behind to complain that its child outlived it
             os.posix_spawn(cmd[0], cmd, os.environ)
-        if ignore_term and hasattr(signal, "SIGTERM"):
+        if faults.ignore_term and hasattr(signal, "SIGTERM"):
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        # logged after SIGTERM is ignored: a test that sees the line may rely on it
-        if log:
-            log_invocation(log, argv)
 
 
 def hang(out: Output) -> NoReturn:
     out.flush()
     while True:
         out.sleep(3600)
-
-
-def log_invocation(path: str, argv: Sequence[str]) -> None:
-    import json
-
-    record = json.dumps({"pid": os.getpid(), "argv": list(argv), "time": time.time()}) + "\n"
-    with open(path, "ab", buffering=0) as file:  # one write on an O_APPEND descriptor: lines never interleave
-        file.write(record.encode("utf-8"))
 
 
 def usage_error(out: Output, hint: str = "") -> Callable[[str], NoReturn]:

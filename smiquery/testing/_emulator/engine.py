@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
-from smiquery.errors import NvidiaSmiFailedError, OutputTooLargeError, StreamEndedError, failure_from_exit
+from smiquery.errors import NvidiaSmiFailedError, OutputTooLargeError, StreamEndedError
 from smiquery.fields import CATALOGUE
 from smiquery.testing._emulator.core import (
     ENV_VARS,
@@ -29,11 +29,9 @@ from smiquery.testing._emulator.core import (
     FakeExit,
     FakeUsageError,
     Faults,
-    MemoryState,
     Output,
     Settings,
     check_settings,
-    log_invocation,
     parse_faults,
     startup,
 )
@@ -45,6 +43,7 @@ from smiquery.testing._emulator.recording import (
     Reload,
     is_token,
     load_recording,
+    record_reload,
     relayout,
     reloads_struck,
 )
@@ -63,16 +62,26 @@ def execute(argv: Sequence[str], settings: Settings, env: Mapping[str, str], out
     try:
         settings = settings.with_env(env)
         faults = parse_faults(settings.fault)
-        out.begin(argv, settings.log, grandchild=faults.grandchild, ignore_term=faults.ignore_term)
+        out.begin(faults)
+        if settings.log:  # after SIGTERM is ignored: a test that sees the line may rely on it
+            _log(settings.log, argv)
         code = _dispatch(argv, settings, faults, out)
     except FakeExit as exc:
-        code = exc.code
+        code = exc.args[0]
     except FakeUsageError as exc:
         out.flush()
         out.error(f"smiquery-fake-nvidia-smi: {exc}")
         return _EX_SOFTWARE
     out.flush()
     return code
+
+
+def _log(path: str, argv: Sequence[str]) -> None:
+    import json
+
+    record = json.dumps({"pid": os.getpid(), "argv": list(argv), "time": time.time()}) + "\n"
+    with open(path, "ab", buffering=0) as file:  # one write on an O_APPEND descriptor: lines never interleave
+        file.write(record.encode("utf-8"))
 
 
 def _dispatch(argv: Sequence[str], settings: Settings, faults: Faults, out: Output) -> int:
@@ -87,12 +96,12 @@ def _dispatch(argv: Sequence[str], settings: Settings, faults: Faults, out: Outp
         return run_pmon(argv[1:], settings, faults, out)
     opts = parse_args(argv, out)
     rec = load_recording(settings.recording)
-    reload = None
+    reload: Reload | None = None
     if faults.reloads:
         struck = reloads_struck(settings.state)
         rec = relayout(rec, [mode for _, mode in faults.reloads[:struck]])
         if struck < len(faults.reloads):
-            reload = Reload(settings.state, struck, faults.reloads[struck][0])
+            reload = (faults.reloads[struck][0], functools.partial(record_reload, settings.state, struck + 1))
     if opts.action == "help":
         return _usage(out)
     if opts.action == "help-query-gpu":
@@ -159,13 +168,9 @@ def _help_query_gpu(rec: Recording, out: Output) -> int:
             out.line(f"Section about {group} properties")
             out.line(f"Properties of the {group} group.")
         family = group
-        out.line()
-        out.line(" or ".join(f'"{n}"' for n in (fld.name, *fld.aliases)))
-        out.line(fld.help or "No description.")
+        _help_entry(out, (fld.name, *fld.aliases), fld.help or "No description.")
     for fld in rec.extra.values():
-        out.line()
-        out.line(f'"{fld.name}"')
-        out.line("Listed by the driver this recording comes from.")
+        _help_entry(out, (fld.name,), "Listed by the driver this recording comes from.")
     out.line()
     return 0
 
@@ -177,11 +182,15 @@ def _help_query_apps(out: Output) -> int:
     out.line("List of processes having compute context on the device.")
     aliases = {v: k for k, v in APP_ALIASES.items()}
     for name, text in APP_FIELDS.items():
-        out.line()
-        out.line(f'"{name}"' + (f' or "{aliases[name]}"' if name in aliases else ""))
-        out.line(text)
+        _help_entry(out, (name, aliases[name]) if name in aliases else (name,), text)
     out.line()
     return 0
+
+
+def _help_entry(out: Output, names: Sequence[str], text: str) -> None:
+    out.line()
+    out.line(" or ".join(f'"{n}"' for n in names))
+    out.line(text)
 
 
 def _cuda_version(rec: Recording) -> str:
@@ -345,10 +354,6 @@ _R = TypeVar("_R", bound="Runner")
 _PIPE_BUFFER = 1 << 20  # unread output at which the in-process engine's flush waits, as a writer on a full pipe
 
 
-def _decode(data: bytes) -> str:
-    return data.decode("utf-8", "replace")
-
-
 class _Stopped(BaseException):
     """Unwinds the engine thread when its source is terminated or killed (what the signal does to a process)."""
 
@@ -401,6 +406,13 @@ class _Channel(Output):
         self.signal(signal.SIGKILL)
         self.join(2.0)
 
+    def take(self) -> bytes:
+        """The flushed output not read yet (call with ``cond`` held): the pipe has room again."""
+        data = bytes(self.out)
+        self.out.clear()
+        self.cond.notify_all()
+        return data
+
     # -- the engine's side: the Output it writes to
     def _check(self) -> None:
         if self.stop_signal is not None:
@@ -431,12 +443,10 @@ class _Channel(Output):
             self.err += (text + "\n").encode("utf-8")
             self.cond.notify_all()
 
-    def begin(self, argv: Sequence[str], log: str | None, *, grandchild: bool, ignore_term: bool) -> None:
+    def begin(self, faults: Faults) -> None:
         # `grandchild` needs a process: in-process it does nothing
         with self.cond:
-            self.ignore_term = ignore_term
-        if log:
-            log_invocation(log, argv)
+            self.ignore_term = faults.ignore_term
 
 
 class InProcessLines:
@@ -466,11 +476,6 @@ class InProcessLines:
         """The exit status once the engine has finished (negative: the signal that stopped it)."""
         return self._ch.returncode
 
-    @property
-    def stderr(self) -> str:
-        """What the fake wrote to stderr so far."""
-        return _decode(bytes(self._ch.err))
-
     def readline(self, timeout: float) -> str | None:
         """The next complete line; None if none came within ``timeout`` s or on :meth:`interrupt`."""
         ch = self._ch
@@ -479,7 +484,7 @@ class InProcessLines:
         waited = 0.0
         with ch.cond:
             while True:
-                self._take()
+                self._split.feed(ch.take())
                 if lines:
                     break
                 if self._ended is not None:
@@ -490,7 +495,11 @@ class InProcessLines:
                     self._interrupted = False
                     break
                 if ch.done:
-                    self._finish()
+                    assert ch.returncode is not None
+                    self._split.end()
+                    self._ended = self._split.ended(self.argv, ch.returncode, bytes(ch.err), stopping=self._stopping)
+                    self.closed = True
+                    self._finalizer.detach()
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -500,24 +509,6 @@ class InProcessLines:
                 waited += time.monotonic() - t0
             self.idle = waited
             return lines.popleft() if lines else None
-
-    def _take(self) -> None:
-        if self._ch.out:
-            self._split.feed(bytes(self._ch.out))
-            self._ch.out.clear()
-            self._ch.cond.notify_all()  # room in the pipe again
-
-    def _finish(self) -> None:
-        from smiquery.runner import message_of
-
-        self._split.end()
-        rc = self._ch.returncode
-        assert rc is not None
-        output = message_of(list(self._split.messages), bytes(self._ch.err), rc)
-        ended = failure_from_exit if rc != 0 and not self._stopping else StreamEndedError
-        self._ended = ended(self.argv, rc, output)
-        self.closed = True
-        self._finalizer.detach()
 
     def interrupt(self) -> None:
         """Make a :meth:`readline` blocked in another thread return None now. Any thread."""
@@ -586,7 +577,7 @@ class InProcessRunner:
         self.log = log
         self.env: dict[str, str] = dict(env or {})
         self.calls: list[tuple[str, ...]] = []
-        self._state = MemoryState()
+        self.reloads = 0  #: ``reenumerate`` reloads struck so far: later calls serve the GPU set they left (0: undone)
         self._channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
         self._serial = itertools.count(1)
 
@@ -600,7 +591,7 @@ class InProcessRunner:
             start_delay=float(self.start_delay),
             apps=path(self.apps),
             log=path(self.log),
-            state=self._state,
+            state=self,
         )
         self.calls.append(tuple(argv))
         channel = _Channel(tuple(argv[1:]), settings, dict(self.env), f"smiquery-fake-{next(self._serial)}")
@@ -608,27 +599,16 @@ class InProcessRunner:
         channel.thread.start()
         return channel
 
-    @property
-    def reloads(self) -> int:
-        """How many ``reenumerate`` reloads have struck: later calls serve the GPU set they left (settable, 0: undo)."""
-        return self._state.value
-
-    @reloads.setter
-    def reloads(self, value: int) -> None:
-        self._state.value = value
-
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
         """Run the fake to completion; raises NvidiaSmiTimeoutError (its thread stopped) past ``timeout`` s."""
-        from smiquery.runner import MAX_OUTPUT_BYTES, Completed, no_answer
+        from smiquery.runner import MAX_OUTPUT_BYTES, Completed, decode, no_answer
 
         start = time.monotonic()
         channel = self._start(argv)
         out = bytearray()
         with channel.cond:
             while True:
-                out += channel.out  # read as it comes, as the pipe is read
-                channel.out.clear()
-                channel.cond.notify_all()
+                out += channel.take()  # read as it comes, as the pipe is read
                 left = start + max(timeout, 0.0) - time.monotonic()
                 if channel.done or len(out) > MAX_OUTPUT_BYTES or left <= 0:
                     break
@@ -642,7 +622,7 @@ class InProcessRunner:
         channel.join(1.0)
         rc = channel.returncode
         assert rc is not None
-        return Completed(tuple(argv), rc, _decode(bytes(out)), _decode(bytes(channel.err)), time.monotonic() - start)
+        return Completed(tuple(argv), rc, decode(bytes(out)), decode(bytes(channel.err)), time.monotonic() - start)
 
     def lines(self, argv: Sequence[str]) -> InProcessLines:
         """Start the fake and return its output as it comes (for ``-l``/``-lms`` loops); close it when done."""

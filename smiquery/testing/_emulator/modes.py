@@ -51,7 +51,6 @@ from smiquery.testing._emulator.recording import (
     load_apps,
     load_recording,
     norm_bus_id,
-    record_reload,
     short_bus_id,
 )
 
@@ -179,8 +178,8 @@ class RowWriter:
                 self.out.line(text)
             self.out.flush()
             self.out.sleep(self.interval if self.interval is not None else 1.0)
-        if self.reload is not None and self.rows >= self.reload.after:
-            record_reload(self.reload.state, self.reload.struck + 1)
+        if self.reload is not None and self.rows >= self.reload[0]:
+            self.reload[1]()
             self._device_error(next_bus_id)
 
     def row(self, cells: list[str], *, bus_id: str = "", truncate: bool = False) -> None:
@@ -192,12 +191,6 @@ class RowWriter:
         data = ", ".join(cells).encode("utf-8")
         self.out.raw(data[: max(1, len(data) // 2)] if truncate else data + b"\n")
         self.rows += 1
-
-    def garbage(self) -> NoReturn:
-        """The ``garbage`` fault: 12 garbage lines after the header, exit 0."""
-        for _ in range(12):
-            self.out.raw(_garbage_line(self.rng, self.ncols) + b"\n")
-        raise FakeExit(0)
 
 
 def _garbage_line(rng: random.Random, ncols: int) -> bytes:
@@ -252,8 +245,10 @@ def _start(
     writer = RowWriter(out, faults, len(heads), opts.interval, reload)
     if "noheader" not in tokens:
         out.line(", ".join(heads))
-    if faults.garbage:
-        writer.garbage()
+    if faults.garbage:  # 12 garbage lines after the header, exit 0
+        for _ in range(12):
+            out.raw(_garbage_line(writer.rng, len(heads)) + b"\n")
+        raise FakeExit(0)
     return writer, selected, "nounits" not in tokens
 
 
@@ -263,10 +258,11 @@ def _invalid_field(out: Output, name: str) -> NoReturn:
     raise FakeExit(2)
 
 
-def _render(fld: Field, value: str | None, units: bool) -> str:
+def _render(value: str | None, unit: str | None) -> str:
+    """A cell: ``[N/A]`` for a column the data lack, ``unit`` appended to a value (none to a token)."""
     if value is None:
-        return fld.format(None)
-    return f"{value} {fld.header_unit}" if units and fld.header_unit and not is_token(value) else value
+        return "[N/A]"
+    return f"{value} {unit}" if unit and not is_token(value) else value
 
 
 def query_gpu(
@@ -306,14 +302,12 @@ def query_gpu(
             stamp = clock.text(now + timedelta(seconds=late, milliseconds=i), writer.rows) if live else None
             cells = []
             for fld in fields:
+                cell = _render(rec.cell(row, fld.name), fld.header_unit if units else None)
                 if lost and fld.name not in _SURVIVES_LOSS:
-                    cells.append("[GPU is lost]")
-                elif fld.name == "timestamp" and stamp is not None:
-                    cells.append(stamp)
-                elif fld.name == "timestamp":  # the recorded one, moved by clock steps
-                    cells.append(clock.recorded(_render(fld, rec.cell(row, fld.name), units), writer.rows))
-                else:
-                    cells.append(_render(fld, rec.cell(row, fld.name), units))
+                    cell = "[GPU is lost]"
+                elif fld.name == "timestamp":  # live, or the recorded one moved by clock steps
+                    cell = stamp if stamp is not None else clock.recorded(cell, writer.rows)
+                cells.append(cell)
             late += delay  # the slow row's timestamp was taken before its slow answer; the rows after it are late
             truncate = faults.truncated and i == len(rows) - 1
             writer.row(cells, bus_id=rec.cell(row, "pci.bus_id") or "", truncate=truncate)
@@ -351,15 +345,9 @@ def query_apps(
     while True:
         stamp = clock.text(clock.now(), writer.rows)
         for i, app in enumerate(apps):
-            cells = []
-            for n in names:
-                value = stamp if n == "timestamp" else app.get(n)
-                if value is None:
-                    cells.append("[N/A]")
-                elif units and n in APP_UNITS and not is_token(value):
-                    cells.append(f"{value} {APP_UNITS[n]}")
-                else:
-                    cells.append(value)
+            cells = [
+                _render(stamp if n == "timestamp" else app.get(n), APP_UNITS.get(n) if units else None) for n in names
+            ]
             writer.row(cells, bus_id=app.get("gpu_bus_id", ""), truncate=faults.truncated and i == len(apps) - 1)
         out.flush()
         if faults.truncated or opts.interval is None:
@@ -388,8 +376,7 @@ _MAX_GPUS = 4  # pmon watches at most four devices
 _JPG_OFA_FROM = 530  # the fake's first branch with jpg and ofa columns (seen on 590+, absent on R4xx)
 
 
-_OPTIONS = {"-i": "id", "-d": "delay", "-c": "count", "-s": "select", "-o": "options"}
-_OPTIONS |= {"--id": "id", "--delay": "delay", "--count": "count", "--select": "select", "--options": "options"}
+_OPTIONS = {opt: name for name in ("id", "delay", "count", "select", "options") for opt in (f"-{name[0]}", f"--{name}")}
 
 
 def _columns(branch: int, select: str, options: str) -> list[tuple[str, str]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import itertools
 import os
@@ -254,11 +253,15 @@ def load_apps(setting: str | None, rec: Recording) -> list[dict[str, str]]:
     return apps
 
 
+#: The ``reenumerate`` reload due in this start: after so many rows, the call that records it.
+Reload = tuple[int, Callable[[], None]]
+
+
 def reloads_struck(state: str | MemoryState | None) -> int:
-    if isinstance(state, MemoryState):
-        return state.value
     if state is None:
         raise FakeUsageError("fault 'reenumerate' needs a state file: set SMIQUERY_FAKE_STATE")
+    if not isinstance(state, str):
+        return state.reloads
     try:
         text = pathlib.Path(state).read_text(encoding="utf-8").strip()
     except FileNotFoundError:
@@ -271,10 +274,10 @@ def reloads_struck(state: str | MemoryState | None) -> int:
 
 
 def record_reload(state: str | MemoryState | None, struck: int) -> None:
-    if isinstance(state, MemoryState):
-        state.value = struck
-        return
     assert state is not None
+    if not isinstance(state, str):
+        state.reloads = struck
+        return
     tmp = f"{state}.{os.getpid()}.tmp"
     pathlib.Path(tmp).write_text(f"{struck}\n", encoding="utf-8")
     os.replace(tmp, state)  # a start that reads it at the same moment sees the old count or the new one
@@ -322,12 +325,3 @@ def _added_gpu(rec: Recording, rows: list[list[str]]) -> list[str]:
         if serials:
             row[at] = str(max(serials) + 1)
     return row
-
-
-@dataclasses.dataclass(frozen=True)
-class Reload:
-    """The ``reenumerate`` reload due in this start: after ``after`` rows, the count in ``state`` goes up."""
-
-    state: str | MemoryState | None
-    struck: int
-    after: int
