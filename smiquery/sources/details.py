@@ -223,18 +223,18 @@ class _Values:
 
     def flag(self, attr: str, path: str) -> bool | None:
         value = self.text(attr, path)
-        if value is None:
-            return None
-        if value.lower() in ("yes", "true", "active", "enabled"):
-            return True
-        if value.lower() in ("no", "false", "not active", "disabled"):
-            return False
-        self.missing[attr] = f"unreadable: {value!r}"
-        return None
+        flag = None if value is None else _FLAGS.get(value.lower())
+        if value is not None and flag is None:
+            self.missing[attr] = f"unreadable: {value!r}"
+        return flag
 
 
 # The XML prints nvidia-smi's status tokens without brackets (``N/A``, ``Not Supported``).
 _BARE = {token.strip("[]").lower(): reason for token, reason in MISSING_REASONS.items()}
+_FLAGS = {
+    **dict.fromkeys(("yes", "true", "active", "enabled"), True),
+    **dict.fromkeys(("no", "false", "not active", "disabled"), False),
+}
 
 
 def _section(gpu: ET.Element, tag: str, vals: _Values) -> _Values | None:
@@ -423,12 +423,9 @@ def parse_list(text: str) -> dict[str, list[tuple[int, str, str]]]:
     out: dict[str, list[tuple[int, str, str]]] = {}
     current: list[tuple[int, str, str]] | None = None
     for line in text.splitlines():
-        m = _L_GPU_RE.match(line)
-        if m:
+        if m := _L_GPU_RE.match(line):
             current = out.setdefault(m.group(3), [])
-            continue
-        m = _L_MIG_RE.match(line)
-        if m and current is not None:
+        elif (m := _L_MIG_RE.match(line)) and current is not None:
             current.append((int(m.group(2)), m.group(1), m.group(3)))
     return out
 
@@ -436,16 +433,15 @@ def parse_list(text: str) -> dict[str, list[tuple[int, str, str]]]:
 def _join_listing(gpus: list[GpuDetails], listing: Mapping[str, list[tuple[int, str, str]]]) -> list[GpuDetails]:
     out = []
     for gpu in gpus:
-        found = {index: (profile, uuid) for index, profile, uuid in listing.get(gpu.uuid or "", [])}
+        found: dict[int | None, tuple[str | None, str | None]] = {
+            i: (p, u) for i, p, u in listing.get(gpu.uuid or "", [])
+        }
         devices = []
         for dev in gpu.mig_devices:
-            hit = found.get(dev.index) if dev.index is not None else None
-            if hit is None:
-                missing = {**dev.missing, "profile": "not in nvidia-smi -L", "uuid": "not in nvidia-smi -L"}
-                devices.append(dataclasses.replace(dev, missing=missing))
-                continue
-            missing = {k: v for k, v in dev.missing.items() if k not in ("profile", "uuid")}
-            devices.append(dataclasses.replace(dev, profile=hit[0], uuid=hit[1], missing=missing))
+            profile, uuid = found.get(dev.index, (None, None))
+            why = {} if uuid else {"profile": "not in nvidia-smi -L", "uuid": "not in nvidia-smi -L"}
+            missing = {k: v for k, v in dev.missing.items() if k not in ("profile", "uuid")} | why
+            devices.append(dataclasses.replace(dev, profile=profile, uuid=uuid, missing=missing))
         out.append(dataclasses.replace(gpu, mig_devices=tuple(devices)))
     return out
 

@@ -1,7 +1,7 @@
 """Xid errors, the NVIDIA driver's error events (``NVRM: Xid (PCI:0000:3b:00): 79, ...``), from the kernel log.
 
-nvidia-smi never reports Xids. :func:`parse_line` reads one kernel-log line, :func:`follow` yields each event of a
-log once, :class:`XidWatcher` follows one on a thread and counts, :data:`XID_CATALOGUE` says what codes mean.
+nvidia-smi never reports them: :func:`parse_line` reads one line, :func:`follow` yields a log's events once each,
+:class:`XidWatcher` follows one on a thread and counts, :data:`XID_CATALOGUE` says what the codes mean.
 """
 
 from __future__ import annotations
@@ -220,16 +220,11 @@ _DEDUPE_KEEP = 4096  # lines remembered, to skip them when a followed file is re
 class XidFollower(Iterator[XidEvent]):
     """Follow a kernel log and yield each Xid event once, until :meth:`close` (from any thread).
 
-    Args:
-        path: ``/dev/kmsg`` (replays its ring buffer, then waits) or a plain file, followed like ``tail -F``.
-        after_seq: skip ``/dev/kmsg`` records up to this sequence number (resume after ``follower.last_seq``).
-        from_start: read a plain file from its beginning, replay ``/dev/kmsg`` (False: only what comes from now).
-        poll: seconds between checks for new data and for :meth:`close`.
-        on_reject: called on the reading thread with the reason and the line of each refused Xid line.
-
-    Raises:
-        KernelLogError: the log cannot be opened (no permission: run as root or with CAP_SYSLOG; missing).
-        UsageError: ``poll`` is not a positive number.
+    ``path`` is ``/dev/kmsg`` (its ring buffer replayed, then waited on) or a plain file, followed like ``tail -F``;
+    ``after_seq`` skips ``/dev/kmsg`` records up to it (resume after ``last_seq``); ``from_start=False`` reads only
+    what comes from now; ``poll``: seconds between checks for data and :meth:`close`; ``on_reject(reason, line)``
+    is called on the reading thread for each refused Xid line. Raises KernelLogError when the log cannot be opened
+    (no permission: run as root or with CAP_SYSLOG), UsageError for a ``poll`` that is not positive.
     """
 
     def __init__(
@@ -290,11 +285,9 @@ class XidFollower(Iterator[XidEvent]):
         self._fd = fd
         self._ino = (st.st_dev, st.st_ino)
         self._buf = b""
-        self._pos = 0
         self._pass.clear()
-        if not from_start:
-            # /dev/kmsg: SEEK_END skips the ring buffer's replay; a plain file: read on from its end
-            self._pos = os.lseek(fd, 0, os.SEEK_END)
+        # /dev/kmsg: SEEK_END skips the ring buffer's replay; a plain file: read on from its end
+        self._pos = 0 if from_start else os.lseek(fd, 0, os.SEEK_END)
         if not self._chardev:
             os.set_blocking(fd, True)
         return True
@@ -359,9 +352,8 @@ class XidFollower(Iterator[XidEvent]):
     def _fresh(self, event: XidEvent) -> bool:
         """Whether the event was not handed out before.
 
-        A ``/dev/kmsg`` record is known by its sequence number; any other line carries its own stamp, so it is known
-        by its text and how many times that text was read since the file was opened or truncated (the same text
-        twice in one reading is two events; read again after a rewrite, it is none).
+        A ``/dev/kmsg`` record is known by its sequence number, any other line by its text and how often that text
+        was read since the file was opened or truncated (twice in one reading: two events; read again: none).
         """
         if event.seq is not None:
             if event.seq <= self.last_seq:
@@ -423,16 +415,15 @@ def _hand_on(listener: Callable[[_G], object], value: _G) -> None:
 class XidWatcher:
     """A kernel log followed on a daemon thread: each new Xid event is counted by GPU and code, then handed on.
 
-    What it keeps is bounded: counts for the :attr:`MAX_SERIES` (bus, code) pairs with the newest events (an older
-    pair's count moves to :attr:`other`) and one count per refusal reason (:meth:`rejected`); refused lines are
-    noted at most once a minute (through ``on_refused``, default a WARNING log; ``clock`` times that minute).
-
-    ``path``, ``from_start`` and ``poll`` are :func:`follow`'s. ``on_event`` is called on the thread with each
-    counted event (what it raises is logged); ``on_error`` with a read failure and whether the log had been opened
-    (with ``retry``, also the first time it cannot be opened). ``retry``: seconds before the log is opened again
-    after it could not be or reading failed, resuming after the last event counted; None: :meth:`start` opens the
-    log, raising when it cannot, and a failure ends the following. :attr:`up` is True while the log is read
-    (``last_error``: the last failure, one line); :attr:`events` counts events, :attr:`attempts` opens tried.
+    Counts are kept for the :attr:`MAX_SERIES` (bus, code) pairs with the newest events (older pairs' counts move to
+    :attr:`other`) and per refusal reason (:meth:`rejected`); refused lines are noted at most once a minute (through
+    ``on_refused``, default a WARNING log; ``clock`` times that minute). ``path``, ``from_start`` and ``poll`` are
+    :func:`follow`'s; ``on_event`` is called on the thread with each counted event (what it raises is logged),
+    ``on_error`` with a read failure and whether the log had been opened. ``retry``: seconds before the log is opened
+    again after it could not be or reading failed, resuming after the last event counted (the first failure to open
+    goes to ``on_error``); None: :meth:`start` opens the log, raising when it cannot, and a failure ends the
+    following. :attr:`up`: the log is being read (``last_error``: the last failure); :attr:`events` counts events,
+    :attr:`attempts` opens tried.
     """
 
     #: (bus, code) pairs counted at most: the pair whose last event is the oldest gives its count to ``other``
