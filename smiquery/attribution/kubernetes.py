@@ -9,6 +9,7 @@ the exporter's ServiceAccount needs only list on pods).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import http.client
 import json
 import os
@@ -162,12 +163,9 @@ def get_node_pods(
     """``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`` from in the cluster: the decoded ``PodList``.
 
     HTTPS to ``KUBERNETES_SERVICE_HOST``:``KUBERNETES_SERVICE_PORT``, verified against the service account's
-    ``ca.crt`` only, its ``token`` the bearer; ``timeout`` bounds the whole call; an answer over ``max_bytes`` fails.
-
-    Raises:
-        KubernetesApiError: not in a pod, a refused request (401, 403...: the server's message), an answer too big
-            or not a PodList.
-        OSError: the server unreachable, the service account unreadable, a TLS failure, or ``TimeoutError``.
+    ``ca.crt`` only, its ``token`` the bearer; ``timeout`` bounds the whole call. Raises KubernetesApiError when not
+    in a pod, for a refused request (401, 403...: the server's message) and an answer over ``max_bytes`` or not a
+    PodList; OSError (``TimeoutError`` included) when the server, the service account or TLS fails.
     """
     deadline = time.monotonic() + timeout
     host, port = _api_address()
@@ -258,9 +256,9 @@ class PodDirectory:
         max_bytes: int = MAX_POD_LIST_BYTES,
     ) -> None:
         self.node = node or node_name()
-        self.timeout = float(timeout)
-        self.service_account = service_account
-        self.max_bytes = max_bytes
+        self._get = functools.partial(
+            get_node_pods, self.node, timeout=timeout, service_account=service_account, max_bytes=max_bytes
+        )
         failed = f"listing the pods of node {self.node} failed: {{why}}"
         self.failures = failure_log(failed, f"listing the pods of node {self.node} works again")
         self.poll = Latest(self._list, interval, name="kubernetes-pods", failures=self.failures)
@@ -282,11 +280,7 @@ class PodDirectory:
 
     def _list(self) -> NodePods:
         # a failure (the API server, RBAC or TLS) keeps the last listing; per-pod use goes to "other", said once
-        new = _node_pods(
-            get_node_pods(
-                self.node, timeout=self.timeout, service_account=self.service_account, max_bytes=self.max_bytes
-            )
-        )
+        new = _node_pods(self._get())
         old = self.poll.get().value
         return old if new == old else new  # the same object while nothing changed: the exporter's cache key
 

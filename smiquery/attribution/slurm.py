@@ -82,11 +82,7 @@ def _bounded(text: str) -> str:
 
 
 def expand_hostlist(expr: str) -> list[str]:
-    """Slurm's host list (``gpu[01-03,07],login1``) as names.
-
-    Raises:
-        ValueError: an unbalanced bracket or a bad range.
-    """
+    """Slurm's host list (``gpu[01-03,07],login1``) as names; ValueError for an unbalanced bracket or a bad range."""
     names: list[str] = []
     for part in filter(None, _TOP_COMMA_RE.split(expr)):
         m = re.fullmatch(r"([^\[\]]*)\[([^\[\]]*)\](.*)", part)
@@ -234,8 +230,6 @@ class SlurmBackend:
         self._by_minor: dict[int, str] = {}
         self._minors_at: float | None = None
 
-    # ------------------------------------------------------------------------------------------ Slurm
-
     def _call(self, argv: list[str]) -> str:
         tool = argv[0]
         argv = [os.path.join(self.bin_dir, tool) if self.bin_dir else tool, *argv[1:]]
@@ -272,39 +266,28 @@ class SlurmBackend:
         values = (job_id, user, account, partition, name)
         return SlurmJob(job_id, Workload(tuple(_bounded(v) for v in values)), tuple(parse_job(text, name, self.node)))
 
-    def list_jobs(self) -> list[SlurmJob]:
-        """The jobs running (or suspended) on this node now, with their GPUs. Raises :class:`SlurmError`."""
+    def refresh(self) -> list[Grant]:
+        """List the node's running (or suspended) jobs once: one grant per GPU a job holds.
+
+        The device id is the GPU's UUID, or ``IDX:k`` when no GPU has that position. Raises :class:`SlurmError`.
+        """
         out = self._call(["squeue", "-h", "-w", self.node, "-t", "R,S", "-o", "%A|%S|%u|%a|%P"])
         jobs: dict[tuple[str, str], SlurmJob] = {}
         for line in out.splitlines():
             parts = line.strip().split("|")
-            if len(parts) != 5 or not parts[0].isdigit():
-                continue
-            job_id, start, user, account, partition = (p if p != "(null)" else "" for p in parts)
-            key = (job_id, start)
-            job = self._known.get(key) or self._job(job_id, user, account, partition)
-            jobs[key] = job
+            if len(parts) == 5 and parts[0].isdigit():
+                job_id, start, user, account, partition = (p if p != "(null)" else "" for p in parts)
+                key = (job_id, start)
+                jobs[key] = self._known.get(key) or self._job(job_id, user, account, partition)
         self._known = jobs
         self._jobs = {j.job_id: j for j in jobs.values()}
-        return list(jobs.values())
-
-    # ------------------------------------------------------------------------------------------ Backend
-
-    def refresh(self) -> list[Grant]:
-        """List the node's jobs once; one grant per GPU a job holds (device id: the GPU's UUID, or ``IDX:k``)."""
-        jobs = self.list_jobs()
-        wanted = {i for j in jobs for i in j.indices}
         now = time.monotonic()
-        if any(self._gpu_at(i) is None for i in wanted) and (
+        if any(self._gpu_at(i) is None for j in jobs.values() for i in j.indices) and (
             self._minors_at is None or now - self._minors_at >= _MINORS_EVERY
         ):
             self._minors_at = now
             self._by_minor = self._minors()
-        grants = []
-        for job in jobs:
-            for i in job.indices:
-                grants.append(Grant(job.workload, RESOURCE, self._gpu_at(i) or f"IDX:{i}"))
-        return grants
+        return [Grant(j.workload, RESOURCE, self._gpu_at(i) or f"IDX:{i}") for j in jobs.values() for i in j.indices]
 
     def failure(self, exc: Exception) -> tuple[str, str]:
         """A failed listing: its kind (``not_found``, ``controller_unreachable``, ``auth``, ``timeout``...) and why."""

@@ -87,15 +87,6 @@ _CACHE_MAX = 4096
 _new_row = tuple.__new__  # PmonRow._make without its length check: the itemgetter always gives 14 cells
 
 
-def _header_names(line: str) -> list[str] | None:
-    """Column names when ``line`` is pmon's name header (``# gpu pid ...`` or ``#Date Time gpu ...``)."""
-    names = line.lstrip("#").split()
-    low = [n.lower() for n in names]
-    if "gpu" in low and "pid" in low and low[-1] == "command":
-        return low
-    return None
-
-
 class PmonParser:
     """Turns ``nvidia-smi pmon`` lines into :class:`PmonRow` records, one line at a time.
 
@@ -141,10 +132,9 @@ class PmonParser:
         """The line's row; None for a header, unit, blank, notice or dropped line (strict: ParseError instead)."""
         self.lineno += 1
         if not line or line[0] == "#":
-            if line:
-                names = _header_names(line)
-                if names is not None and names != list(self.columns):
-                    self._set_columns(names)
+            names = line.lstrip("#").lower().split()  # the name header: "# gpu pid ... command", "#Date Time gpu ..."
+            if "gpu" in names and "pid" in names and names[-1] == "command" and names != list(self.columns):
+                self._set_columns(names)
             return None
         n = self._n
         parts = line.split(None, n - 1) if n else line.split()
