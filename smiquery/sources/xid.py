@@ -21,7 +21,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal, TypeVar, cast
 
-from smiquery._log import get_logger
+from smiquery._log import RateLimiter, get_logger
 from smiquery.errors import KernelLogError, UsageError
 from smiquery.printable import printable
 from smiquery.retry import one_line
@@ -452,15 +452,13 @@ class XidWatcher:
         self.up = False
         self.last_error: str | None = None
         self.on_refused = on_refused
-        self.clock = clock
         self.events = 0
         self.other = 0
         self.attempts = 0
         # (bus key, code) -> [events, the bus id as the kernel printed it], least recently counted first
         self._series: OrderedDict[tuple[BusKey, int], tuple[int, str]] = OrderedDict()
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
-        self._refused_at: float | None = None  # when the last note about a refused line went out
-        self._refused_held = 0  # lines refused since then
+        self._notes = RateLimiter(1, self.REFUSED_EVERY, clock)  # notes about refused lines
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._follower: XidFollower | None = None
@@ -510,13 +508,11 @@ class XidWatcher:
             _hand_on(self.on_event, event)
 
     def _reject(self, reason: RejectReason, line: str) -> None:
-        now = self.clock()
         with self._lock:
             self._rejected[reason] += 1
-            if self._refused_at is not None and now - self._refused_at < self.REFUSED_EVERY:
-                self._refused_held += 1
-                return
-            held, self._refused_held, self._refused_at = self._refused_held, 0, now
+        held = self._notes.take(None)
+        if held is None:
+            return
         shown = line.rstrip("\r\n")
         shown = printable(shown if len(shown) <= 200 else shown[:200] + "...")
         more = f"; {held} more refused since the last note" if held else ""
