@@ -1,9 +1,7 @@
 """The Kubernetes backend: which pod holds each GPU (the kubelet's pod-resources ``List``), and whose a process is.
 
-The allocations come over the kubelet's unix socket (:mod:`.podresources`; the ``k8s`` extra). For per-pod use of
-shared GPUs (``--kubernetes-processes``) a process is tied to its container through ``/proc/<pid>/cgroup``
-(:func:`parse_cgroup`) and this node's pods, listed from the API server on the standard library (:class:`PodDirectory`;
-the exporter's ServiceAccount needs only list on pods).
+For per-pod use (``--kubernetes-processes``) a process is tied to its container by ``/proc/<pid>/cgroup``
+(:func:`parse_cgroup`) and this node's pods, listed from the API server (:class:`PodDirectory`): ``docs/kubernetes.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The Slurm backend: which job holds each GPU of this node (Slurm's own allocation), and whose a process is.
+"""The Slurm backend: which job holds each GPU of this node (``squeue``, ``scontrol -d show job``), whose a process is.
 
-Each refresh runs ``squeue -w NODE`` for the jobs running (or suspended) here and, for a job not seen before, its
-exact name (``squeue -j ID -o %j``) and ``scontrol -d show job ID``, whose ``Nodes=... GRES=gpu:2(IDX:0-1)`` lines
-say which GPUs it holds; a job's allocation is kept by (job id, start time). ``IDX`` is a position in the node's
-GRES list, ordered by minor number (``/dev/nvidia<minor>``, from ``nvidia-smi -q -x``; never nvidia-smi's index),
-assuming gres.conf lists all its GPUs. A process is tied to its job through ``/proc/<pid>/cgroup``.
+A job's GRES ``IDX`` positions are GPUs by minor number (``nvidia-smi -q -x``), never by nvidia-smi's index, and a
+process is tied to its job through ``/proc/<pid>/cgroup`` (``docs/slurm.md`` says how and what Slurm must allow).
 """
 
 from __future__ import annotations

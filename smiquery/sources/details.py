@@ -1,17 +1,15 @@
 """``nvidia-smi -q -x``, typed: what the ``--query-gpu`` CSV cannot say (:func:`details`, :func:`parse_xml`).
 
-The XML's DTD version (v7 ... v13) selects where each value is read; a file naming no DTD or an unknown one is read
-by every known element name and warns once per name. A value the version lacks, a missing element or ``N/A`` is
-None with its reason in the record's ``missing`` mapping, never a zero. A document declaring entities is refused
-before anything is expanded. ``-q -x`` takes 0.4-6 s on multi-GPU servers: keep it off any fast path.
+Each value is read where the XML's DTD version keeps it; one that is missing is None with its reason in the record's
+``missing`` mapping, never a zero. Slow (0.4-6 s on multi-GPU servers): keep it off any fast path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
-import threading
 import time
 import warnings
 import xml.etree.ElementTree as ET
@@ -156,8 +154,16 @@ class _Reading:
 
 _THROTTLE = "clocks_throttle_reasons"
 _EVENT = "clocks_event_reasons"
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
+
+
+@functools.cache
+def _warn_once(what: str) -> None:
+    warnings.warn(
+        f"nvidia-smi -q -x: {what} (known: v7-v13); values are read by element name and any not found are "
+        "None with a reason; check that smiquery is up to date",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _reading_for(text: str) -> _Reading:
@@ -167,18 +173,7 @@ def _reading_for(text: str) -> _Reading:
         # v12 covers both names: driver 535 prints the old one, 550 the new
         reasons = (_EVENT,) if version == 13 else (_EVENT, _THROTTLE) if version == 12 else (_THROTTLE,)
         return _Reading(version, reasons, version >= 11)
-    key = f"v{version}" if m else "none"
-    with _warned_lock:
-        first = key not in _warned
-        _warned.add(key)
-    if first:
-        what = f"DTD nvsmi_device_{key}.dtd is not one smiquery knows" if m else "the XML names no DTD version"
-        warnings.warn(
-            f"nvidia-smi -q -x: {what} (known: v7-v13); values are read by element name and any not found are "
-            "None with a reason; check that smiquery is up to date",
-            UserWarning,
-            stacklevel=3,
-        )
+    _warn_once(f"DTD nvsmi_device_v{version}.dtd is not one smiquery knows" if m else "the XML names no DTD version")
     return _Reading(version, (_EVENT, _THROTTLE), True)  # by name: every spelling, nothing assumed absent
 
 
