@@ -450,11 +450,9 @@ def details(
 ) -> list[GpuDetails]:
     """Run ``nvidia-smi -q -x`` once and return typed details per GPU, in nvidia-smi's order (slow: 0.4-6 s).
 
-    When a GPU has MIG enabled, ``nvidia-smi -L`` runs too, within the same ``timeout``, for the MIG UUIDs and
-    profiles. Never retries: a failure raises its typed error at once, like :func:`smiquery.query`.
-
-    The arguments are :func:`smiquery.query`'s (``timeout`` bounds the whole call), and so are the errors
-    (:class:`~smiquery.errors.ParseError`: XML that does not fit).
+    With MIG enabled, ``nvidia-smi -L`` runs too, within the same ``timeout``, for the MIG UUIDs and profiles. Never
+    retries. The arguments and errors are :func:`smiquery.query`'s (``timeout`` bounds the whole call; ParseError:
+    XML that does not fit).
     """
     deadline = time.monotonic() + timeout
     ids = normalize_gpus(gpus)
@@ -462,12 +460,10 @@ def details(
     binary = find_nvidia_smi(nvidia_smi, runner=run)
     argv = [binary, "-q", "-x"] + (["-i", ",".join(ids)] if ids else [])
     done = judge_exit(argv, run.run(argv, timeout), "details")
-    start = done.stdout.find("<?xml")
-    if start < 0:
-        start = done.stdout.find("<nvidia_smi_log")
-    if start < 0:
+    start = re.search(r"<\?xml|<nvidia_smi_log", done.stdout)
+    if start is None:
         raise failure_from_exit(argv, done.returncode or 1, done.output)
-    found = parse_xml(done.stdout[start:])
+    found = parse_xml(done.stdout[start.start() :])
     if any(g.mig_devices for g in found):
         left = deadline - time.monotonic()
         if left <= 0:
