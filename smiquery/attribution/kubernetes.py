@@ -92,23 +92,6 @@ def pod_of_pid(pid: int, proc: str = "/proc") -> PodCgroup | None:
     return None if text is None else parse_cgroup(text)
 
 
-def _words(socket_path: str) -> Words:
-    return Words(
-        failed=f"kubelet pod-resources at {socket_path}: {{why}}; GPU series go out without pod labels",
-        again=f"kubelet pod-resources answers again at {socket_path}",
-        unknown="the kubelet lists {resource} device {device!r}, which is no GPU of this node "
-        "(not a GPU UUID, a MIG UUID from nvidia-smi -L nor UUID::N)",
-        allocated="A device the kubelet allocated to a container (1); join with * on(uuid) group_left(pod, "
-        "namespace, container).",
-        unknown_help="A device id the kubelet allocated that names no GPU of this node (1).",
-        up="1 when the last kubelet pod-resources List worked; 0: GPU series carry no pod labels.",
-        took="Seconds the last List call took.",
-        errors="Failed List calls by error type.",
-        holder="container",
-        other='pod="other": what no container of this node could be found for.',
-    )
-
-
 def node_name() -> str:
     """This node's name: ``NODE_NAME`` (set it from ``spec.nodeName`` with the downward API), else the host name."""
     return os.environ.get("NODE_NAME") or socket.gethostname()
@@ -312,7 +295,20 @@ class KubernetesBackend:
         self.resources = tuple(resources)
         self.timeout = float(timeout)
         self.pods = pods
-        self.words = _words(socket_path)
+        self.words = Words(
+            failed=f"kubelet pod-resources at {socket_path}: {{why}}; GPU series go out without pod labels",
+            again=f"kubelet pod-resources answers again at {socket_path}",
+            unknown="the kubelet lists {resource} device {device!r}, which is no GPU of this node "
+            "(not a GPU UUID, a MIG UUID from nvidia-smi -L nor UUID::N)",
+            allocated="A device the kubelet allocated to a container (1); join with * on(uuid) group_left(pod, "
+            "namespace, container).",
+            unknown_help="A device id the kubelet allocated that names no GPU of this node (1).",
+            up="1 when the last kubelet pod-resources List worked; 0: GPU series carry no pod labels.",
+            took="Seconds the last List call took.",
+            errors="Failed List calls by error type.",
+            holder="container",
+            other='pod="other": what no container of this node could be found for.',
+        )
         self.processes = pods is not None
         self.polls: tuple[Latest[Any], ...] = (pods.poll,) if pods is not None else ()
         self._lister = lister

@@ -52,23 +52,6 @@ _TOP_COMMA_RE = re.compile(r",(?![^\[]*\])")  # a comma outside brackets
 _CGROUP_JOB_RE = re.compile(r"/(?:slurm[^/]*/uid_\d+|slurmstepd\.scope)/job_(\d+)(?:/|$)")
 
 
-def _words(node: str) -> Words:
-    return Words(
-        failed=f"Slurm attribution on node {node}: {{why}}; GPU series go out without job labels",
-        again=f"Slurm answers again for node {node}",
-        unknown="Slurm lists {resource} {device!r} for a job on this node, which is no GPU of this node "
-        "(its gres.conf lists more GPUs than nvidia-smi sees?)",
-        allocated="A GPU Slurm allocated to a running job (1); join with * on(uuid) group_left(slurm_job_id, "
-        "slurm_user, slurm_account, slurm_partition, slurm_job_name).",
-        unknown_help="A GPU index (IDX) Slurm allocated that names no GPU of this node (1).",
-        up="1 when the last Slurm listing (squeue, scontrol) worked; 0: GPU series carry no job labels.",
-        took="Seconds the last Slurm listing took.",
-        errors="Failed Slurm listings by error type.",
-        holder="job",
-        other='slurm_job_id="other": what no job of this node could be found for.',
-    )
-
-
 def node_name() -> str:
     """This node's Slurm name: ``SLURMD_NODENAME`` when set, else the short host name."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".", 1)[0]
@@ -215,7 +198,20 @@ class SlurmBackend:
         self.node = node or node_name()
         self.timeout = float(timeout)
         self.bin_dir = bin_dir
-        self.words = _words(self.node)
+        self.words = Words(
+            failed=f"Slurm attribution on node {self.node}: {{why}}; GPU series go out without job labels",
+            again=f"Slurm answers again for node {self.node}",
+            unknown="Slurm lists {resource} {device!r} for a job on this node, which is no GPU of this node "
+            "(its gres.conf lists more GPUs than nvidia-smi sees?)",
+            allocated="A GPU Slurm allocated to a running job (1); join with * on(uuid) group_left(slurm_job_id, "
+            "slurm_user, slurm_account, slurm_partition, slurm_job_name).",
+            unknown_help="A GPU index (IDX) Slurm allocated that names no GPU of this node (1).",
+            up="1 when the last Slurm listing (squeue, scontrol) worked; 0: GPU series carry no job labels.",
+            took="Seconds the last Slurm listing took.",
+            errors="Failed Slurm listings by error type.",
+            holder="job",
+            other='slurm_job_id="other": what no job of this node could be found for.',
+        )
         self.processes = processes
         self.polls: tuple[Latest[Any], ...] = ()
         self._run = run or SubprocessRunner().run
