@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, TypeVar, cast
 
 from smiquery._log import RateLimiter, get_logger
@@ -66,16 +67,11 @@ class XidInfo:
     advice: str
 
 
-def _catalogue() -> dict[int, XidInfo]:
-    with open(os.path.join(os.path.dirname(__file__), "xid.csv"), encoding="utf-8", newline="") as fh:
-        return {
-            int(r["code"]): XidInfo(int(r["code"]), r["meaning"], cast(XidAction, r["action"]), r["advice"])
-            for r in csv.DictReader(fh)
-        }
-
-
 #: The common Xid codes (NVIDIA's public "Xid Errors" catalogue, summarised; the data is ``xid.csv``).
-XID_CATALOGUE: dict[int, XidInfo] = _catalogue()
+XID_CATALOGUE: dict[int, XidInfo] = {
+    int(r["code"]): XidInfo(int(r["code"]), r["meaning"], cast(XidAction, r["action"]), r["advice"])
+    for r in csv.DictReader(Path(__file__).with_name("xid.csv").read_text(encoding="utf-8").splitlines())
+}
 
 
 @dataclass(frozen=True)
