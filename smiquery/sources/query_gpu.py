@@ -125,14 +125,12 @@ class CsvParser:
         try:
             fields = tuple(get_field(name, known=self._known) for name, _ in cells)
         except InvalidFieldError:
-            if self.fields:
+            # Without fields given, unknown names are still a header when every cell looks like a field name with
+            # an optional unit, and one has a unit.
+            looks = all(re.fullmatch(r"[A-Za-z][A-Za-z0-9_.]*", n) for n, _ in cells) and any(u for _, u in cells)
+            if self.fields or not looks:
                 return False
-            # No fields given and the first line is no header: unknown names in a header are still a header
-            # when every cell looks like a field name with an optional unit.
-            if all(re.fullmatch(r"[A-Za-z][A-Za-z0-9_.]*", n) for n, _ in cells) and any(u for _, u in cells):
-                fields = tuple(Field(n, Kind.STR) for n, _ in cells)
-            else:
-                return False
+            fields = tuple(Field(n, Kind.STR) for n, _ in cells)
         units = [u for _, u in cells]
         if self.fields:
             if tuple(f.name for f in fields) != tuple(f.name for f in self.fields):
