@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from smiquery._log import get_logger
 from smiquery.printable import printable
 from smiquery.retry import one_line
+from smiquery.runner import default_runner, find_nvidia_smi
 from smiquery.sources.details import parse_list
 from smiquery.sources.latest import FailureLog, Latest
 
@@ -61,12 +62,10 @@ class Workload:
 
 @dataclass(frozen=True)
 class Grant:
-    """One device a backend allocated to one workload.
+    """One device a backend allocated to a workload.
 
-    Attributes:
-        workload: who holds it.
-        resource: the extended resource (``nvidia.com/gpu``, ``nvidia.com/mig-1g.5gb``...).
-        device_id: the id the device plugin gave (a GPU UUID, a MIG UUID, ``UUID::N`` for a time-sliced replica).
+    ``resource``: ``nvidia.com/gpu``, ``nvidia.com/mig-1g.5gb``, ``gres/gpu``...; ``device_id``: a GPU UUID, a MIG
+    UUID, ``UUID::N`` for a time-sliced replica.
     """
 
     workload: Workload
@@ -124,11 +123,7 @@ class Backend(Protocol):
 
 
 def check_labels(backend: Backend, labels: Iterable[str]) -> None:
-    """Refuse constant labels that a workload's labels would overwrite.
-
-    Raises:
-        ValueError: a label named as one of the backend's (``pod``, ``namespace``, ``container``).
-    """
+    """Refuse (ValueError) constant labels that a workload's labels (``pod``, ``slurm_job_id``...) would overwrite."""
     taken = sorted(set(labels) & set(backend.labels))
     if taken:
         raise ValueError(f"label name {taken[0]!r} is set by the exporter itself with --{backend.name}; pick another")
@@ -158,10 +153,7 @@ class Resolved:
 def resolve_device(device_id: str, migs: Mapping[str, tuple[str, str]], gpus: Iterable[str]) -> Resolved:
     """Read one device-plugin id: a GPU UUID, a MIG UUID, the old ``MIG-GPU-<uuid>/<gi>/<ci>``, ``<id>::<n>``.
 
-    Args:
-        device_id: as the backend lists it.
-        migs: MIG UUID -> (parent GPU UUID, profile), from ``nvidia-smi -L``.
-        gpus: the UUIDs of this node's GPUs.
+    ``migs``: MIG UUID -> (parent GPU UUID, profile), from ``nvidia-smi -L``; ``gpus``: this node's GPU UUIDs.
     """
     replica = None
     m = _REPLICA_RE.match(device_id)
@@ -192,18 +184,6 @@ def read_cgroup(pid: int, proc: str = "/proc") -> str | None:
             return fh.read()
     except OSError:
         return None
-
-
-def _mig_listing(nvidia_smi: str | None) -> Callable[[], str]:
-    def run() -> str:
-        from smiquery.runner import default_runner, find_nvidia_smi
-
-        runner = default_runner()
-        argv = [find_nvidia_smi(nvidia_smi, runner=runner), "-L"]
-        done = runner.run(argv, 10.0)
-        return done.stdout if done.returncode == 0 else ""
-
-    return run
 
 
 @dataclass(frozen=True)
@@ -248,7 +228,8 @@ class Attribution:
         self.last_duration = 0.0
         self.failures = failure_log(backend.words.failed, backend.words.again)
         self._latest = Latest(self._list, interval, name=f"{backend.name}-attribution")
-        self._mig_listing = mig_listing or _mig_listing(nvidia_smi)
+        self._mig_listing = mig_listing or self._list_migs
+        self._nvidia_smi = nvidia_smi
         self._migs: dict[str, tuple[str, str]] = {}
         self._mig_listed_at: float | None = None
         self._state: dict[str, str] = {}  # uuid -> last logged state
@@ -257,21 +238,16 @@ class Attribution:
         self._view_key: tuple[object, frozenset[tuple[str, int | None]]] | None = None
         self._view: View | None = None
 
-    # ------------------------------------------------------------------------------------------ refreshing
-
     def _list(self) -> _Listing:
         t0 = time.perf_counter()
         try:
-            grants = tuple(self.backend.refresh())
+            new = _Listing(tuple(self.backend.refresh()), None)
+            self.failures.worked()
         except Exception as exc:  # whatever the backend's call raises: attribution is off, never silent
-            self.last_duration = time.perf_counter() - t0
             kind, why = self.backend.failure(exc)
             self.failures.failed(kind, why)
             new = _Listing((), f"{kind}: {why}")
-        else:
-            self.last_duration = time.perf_counter() - t0
-            self.failures.worked()
-            new = _Listing(grants, None)
+        self.last_duration = time.perf_counter() - t0
         old = self._listing()
         return old if new == old else new  # the same object while nothing changed: see token
 
@@ -309,7 +285,10 @@ class Attribution:
         for poll in (self._latest, *self.backend.polls):
             poll.close()
 
-    # ------------------------------------------------------------------------------------------ serving
+    def _list_migs(self) -> str:
+        runner = default_runner()
+        done = runner.run([find_nvidia_smi(self._nvidia_smi, runner=runner), "-L"], 10.0)
+        return done.stdout if done.returncode == 0 else ""
 
     def _migs_for(self, ids: Iterable[str]) -> dict[str, tuple[str, str]]:
         wanted = {(_REPLICA_RE.sub(r"\1", i)) for i in ids if i.startswith("MIG-")} - set(self._migs)

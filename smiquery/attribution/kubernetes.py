@@ -1,14 +1,13 @@
 """The Kubernetes backend: which pod holds each GPU (the kubelet's pod-resources ``List``), and whose a process is.
 
-The allocations come over the kubelet's unix socket (:mod:`.podresources`; the ``k8s`` extra). For per-pod use of
-shared GPUs (``--kubernetes-processes``) a process is tied to its container through ``/proc/<pid>/cgroup``
-(:func:`parse_cgroup`) and this node's pods, listed from the API server on the standard library (:class:`PodDirectory`;
-the exporter's ServiceAccount needs only list on pods).
+For per-pod use (``--kubernetes-processes``) a process is tied to its container by ``/proc/<pid>/cgroup``
+(:func:`parse_cgroup`) and this node's pods, listed from the API server (:class:`PodDirectory`): ``docs/kubernetes.md``.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import http.client
 import json
 import os
@@ -93,23 +92,6 @@ def pod_of_pid(pid: int, proc: str = "/proc") -> PodCgroup | None:
     return None if text is None else parse_cgroup(text)
 
 
-def _words(socket_path: str) -> Words:
-    return Words(
-        failed=f"kubelet pod-resources at {socket_path}: {{why}}; GPU series go out without pod labels",
-        again=f"kubelet pod-resources answers again at {socket_path}",
-        unknown="the kubelet lists {resource} device {device!r}, which is no GPU of this node "
-        "(not a GPU UUID, a MIG UUID from nvidia-smi -L nor UUID::N)",
-        allocated="A device the kubelet allocated to a container (1); join with * on(uuid) group_left(pod, "
-        "namespace, container).",
-        unknown_help="A device id the kubelet allocated that names no GPU of this node (1).",
-        up="1 when the last kubelet pod-resources List worked; 0: GPU series carry no pod labels.",
-        took="Seconds the last List call took.",
-        errors="Failed List calls by error type.",
-        holder="container",
-        other='pod="other": what no container of this node could be found for.',
-    )
-
-
 def node_name() -> str:
     """This node's name: ``NODE_NAME`` (set it from ``spec.nodeName`` with the downward API), else the host name."""
     return os.environ.get("NODE_NAME") or socket.gethostname()
@@ -162,12 +144,9 @@ def get_node_pods(
     """``GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`` from in the cluster: the decoded ``PodList``.
 
     HTTPS to ``KUBERNETES_SERVICE_HOST``:``KUBERNETES_SERVICE_PORT``, verified against the service account's
-    ``ca.crt`` only, its ``token`` the bearer; ``timeout`` bounds the whole call; an answer over ``max_bytes`` fails.
-
-    Raises:
-        KubernetesApiError: not in a pod, a refused request (401, 403...: the server's message), an answer too big
-            or not a PodList.
-        OSError: the server unreachable, the service account unreadable, a TLS failure, or ``TimeoutError``.
+    ``ca.crt`` only, its ``token`` the bearer; ``timeout`` bounds the whole call. Raises KubernetesApiError when not
+    in a pod, for a refused request (401, 403...: the server's message) and an answer over ``max_bytes`` or not a
+    PodList; OSError (``TimeoutError`` included) when the server, the service account or TLS fails.
     """
     deadline = time.monotonic() + timeout
     host, port = _api_address()
@@ -258,9 +237,9 @@ class PodDirectory:
         max_bytes: int = MAX_POD_LIST_BYTES,
     ) -> None:
         self.node = node or node_name()
-        self.timeout = float(timeout)
-        self.service_account = service_account
-        self.max_bytes = max_bytes
+        self._get = functools.partial(
+            get_node_pods, self.node, timeout=timeout, service_account=service_account, max_bytes=max_bytes
+        )
         failed = f"listing the pods of node {self.node} failed: {{why}}"
         self.failures = failure_log(failed, f"listing the pods of node {self.node} works again")
         self.poll = Latest(self._list, interval, name="kubernetes-pods", failures=self.failures)
@@ -282,11 +261,7 @@ class PodDirectory:
 
     def _list(self) -> NodePods:
         # a failure (the API server, RBAC or TLS) keeps the last listing; per-pod use goes to "other", said once
-        new = _node_pods(
-            get_node_pods(
-                self.node, timeout=self.timeout, service_account=self.service_account, max_bytes=self.max_bytes
-            )
-        )
+        new = _node_pods(self._get())
         old = self.poll.get().value
         return old if new == old else new  # the same object while nothing changed: the exporter's cache key
 
@@ -320,7 +295,20 @@ class KubernetesBackend:
         self.resources = tuple(resources)
         self.timeout = float(timeout)
         self.pods = pods
-        self.words = _words(socket_path)
+        self.words = Words(
+            failed=f"kubelet pod-resources at {socket_path}: {{why}}; GPU series go out without pod labels",
+            again=f"kubelet pod-resources answers again at {socket_path}",
+            unknown="the kubelet lists {resource} device {device!r}, which is no GPU of this node "
+            "(not a GPU UUID, a MIG UUID from nvidia-smi -L nor UUID::N)",
+            allocated="A device the kubelet allocated to a container (1); join with * on(uuid) group_left(pod, "
+            "namespace, container).",
+            unknown_help="A device id the kubelet allocated that names no GPU of this node (1).",
+            up="1 when the last kubelet pod-resources List worked; 0: GPU series carry no pod labels.",
+            took="Seconds the last List call took.",
+            errors="Failed List calls by error type.",
+            holder="container",
+            other='pod="other": what no container of this node could be found for.',
+        )
         self.processes = pods is not None
         self.polls: tuple[Latest[Any], ...] = (pods.poll,) if pods is not None else ()
         self._lister = lister

@@ -1,13 +1,14 @@
 """The kubelet's pod-resources API (v1 ``List``) over its unix socket, with ``grpcio``.
 
-The messages come from ``podresources.proto`` (beside this module), compiled below and loaded into a pool of its own
-(so no other ``v1`` package can clash), which works with any protobuf runtime from 4.21 on.
+The messages come from ``podresources.proto`` beside this module (compiled: ``podresources.pb``), loaded into a pool
+of its own (so no other ``v1`` package can clash), which works with any protobuf runtime from 4.21 on.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,20 +34,7 @@ DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST_METHOD = "/v1.PodResourcesLister/List"
 
 #: ``podresources.proto`` compiled (a serialized ``FileDescriptorProto``).
-FILE_DESCRIPTOR = (
-    b'\n\x12podresources.proto\x12\x02v1"\x19\n\x17ListPodResourcesRequ'
-    b"est\"C\n\x18ListPodResourcesResponse\x12'\n\rpod_resources"
-    b'\x18\x01 \x03(\x0b2\x10.v1.PodResources"[\n\x0cPodResources\x12\x0c\n\x04name'
-    b"\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12*\n\ncontainers\x18\x03 \x03(\x0b2\x16."
-    b'v1.ContainerResources"Z\n\x12ContainerResources\x12\x0c\n\x04n'
-    b"ame\x18\x01 \x01(\t\x12%\n\x07devices\x18\x02 \x03(\x0b2\x14.v1.ContainerDevices"
-    b'\x12\x0f\n\x07cpu_ids\x18\x03 \x03(\x03"a\n\x10ContainerDevices\x12\x15\n\rresourc'
-    b'e_name\x18\x01 \x01(\t\x12\x12\n\ndevice_ids\x18\x02 \x03(\t\x12"\n\x08topology\x18\x03 \x01'
-    b'(\x0b2\x10.v1.TopologyInfo"+\n\x0cTopologyInfo\x12\x1b\n\x05nodes\x18\x01 '
-    b'\x03(\x0b2\x0c.v1.NUMANode"\x16\n\x08NUMANode\x12\n\n\x02ID\x18\x01 \x01(\x032Y\n\x12Pod'
-    b"ResourcesLister\x12C\n\x04List\x12\x1b.v1.ListPodResourcesReq"
-    b'uest\x1a\x1c.v1.ListPodResourcesResponse"\x00b\x06proto3'
-)
+FILE_DESCRIPTOR = (Path(__file__).parent / "podresources.pb").read_bytes()
 
 _POOL = descriptor_pool.DescriptorPool()
 _POOL.AddSerializedFile(FILE_DESCRIPTOR)
@@ -66,11 +54,9 @@ ContainerDevices: Any = _message("ContainerDevices")
 def list_devices(socket_path: str, timeout: float) -> list[Grant]:
     """Call ``List`` once (``timeout``: its deadline, connecting included): one Grant per device id of any resource.
 
-    The workload of each is (namespace, pod, container), in the kubelet's order.
-
-    Raises:
-        PermissionError: the socket is there but this user may not connect to it (the kubelet's is root's alone).
-        grpc.RpcError: the socket is missing, nobody answers, the deadline passed or the kubelet refused.
+    The workloads are (namespace, pod, container), in the kubelet's order. Raises PermissionError when this user may
+    not connect to the socket (the kubelet's is root's alone), grpc.RpcError when the socket is missing, nobody
+    answers, the deadline passed or the kubelet refused.
     """
     try:
         with grpc.insecure_channel(f"unix://{socket_path}") as channel:

@@ -1,10 +1,7 @@
-"""The Slurm backend: which job holds each GPU of this node (Slurm's own allocation), and whose a process is.
+"""The Slurm backend: which job holds each GPU of this node (``squeue``, ``scontrol -d show job``), whose a process is.
 
-Each refresh runs ``squeue -w NODE`` for the jobs running (or suspended) here and, for a job not seen before, its
-exact name (``squeue -j ID -o %j``) and ``scontrol -d show job ID``, whose ``Nodes=... GRES=gpu:2(IDX:0-1)`` lines
-say which GPUs it holds; a job's allocation is kept by (job id, start time). ``IDX`` is a position in the node's
-GRES list, ordered by minor number (``/dev/nvidia<minor>``, from ``nvidia-smi -q -x``; never nvidia-smi's index),
-assuming gres.conf lists all its GPUs. A process is tied to its job through ``/proc/<pid>/cgroup``.
+A job's GRES ``IDX`` positions are GPUs by minor number (``nvidia-smi -q -x``), never by nvidia-smi's index, and a
+process is tied to its job through ``/proc/<pid>/cgroup`` (``docs/slurm.md`` says how and what Slurm must allow).
 """
 
 from __future__ import annotations
@@ -55,23 +52,6 @@ _TOP_COMMA_RE = re.compile(r",(?![^\[]*\])")  # a comma outside brackets
 _CGROUP_JOB_RE = re.compile(r"/(?:slurm[^/]*/uid_\d+|slurmstepd\.scope)/job_(\d+)(?:/|$)")
 
 
-def _words(node: str) -> Words:
-    return Words(
-        failed=f"Slurm attribution on node {node}: {{why}}; GPU series go out without job labels",
-        again=f"Slurm answers again for node {node}",
-        unknown="Slurm lists {resource} {device!r} for a job on this node, which is no GPU of this node "
-        "(its gres.conf lists more GPUs than nvidia-smi sees?)",
-        allocated="A GPU Slurm allocated to a running job (1); join with * on(uuid) group_left(slurm_job_id, "
-        "slurm_user, slurm_account, slurm_partition, slurm_job_name).",
-        unknown_help="A GPU index (IDX) Slurm allocated that names no GPU of this node (1).",
-        up="1 when the last Slurm listing (squeue, scontrol) worked; 0: GPU series carry no job labels.",
-        took="Seconds the last Slurm listing took.",
-        errors="Failed Slurm listings by error type.",
-        holder="job",
-        other='slurm_job_id="other": what no job of this node could be found for.',
-    )
-
-
 def node_name() -> str:
     """This node's Slurm name: ``SLURMD_NODENAME`` when set, else the short host name."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".", 1)[0]
@@ -82,11 +62,7 @@ def _bounded(text: str) -> str:
 
 
 def expand_hostlist(expr: str) -> list[str]:
-    """Slurm's host list (``gpu[01-03,07],login1``) as names.
-
-    Raises:
-        ValueError: an unbalanced bracket or a bad range.
-    """
+    """Slurm's host list (``gpu[01-03,07],login1``) as names; ValueError for an unbalanced bracket or a bad range."""
     names: list[str] = []
     for part in filter(None, _TOP_COMMA_RE.split(expr)):
         m = re.fullmatch(r"([^\[\]]*)\[([^\[\]]*)\](.*)", part)
@@ -222,7 +198,20 @@ class SlurmBackend:
         self.node = node or node_name()
         self.timeout = float(timeout)
         self.bin_dir = bin_dir
-        self.words = _words(self.node)
+        self.words = Words(
+            failed=f"Slurm attribution on node {self.node}: {{why}}; GPU series go out without job labels",
+            again=f"Slurm answers again for node {self.node}",
+            unknown="Slurm lists {resource} {device!r} for a job on this node, which is no GPU of this node "
+            "(its gres.conf lists more GPUs than nvidia-smi sees?)",
+            allocated="A GPU Slurm allocated to a running job (1); join with * on(uuid) group_left(slurm_job_id, "
+            "slurm_user, slurm_account, slurm_partition, slurm_job_name).",
+            unknown_help="A GPU index (IDX) Slurm allocated that names no GPU of this node (1).",
+            up="1 when the last Slurm listing (squeue, scontrol) worked; 0: GPU series carry no job labels.",
+            took="Seconds the last Slurm listing took.",
+            errors="Failed Slurm listings by error type.",
+            holder="job",
+            other='slurm_job_id="other": what no job of this node could be found for.',
+        )
         self.processes = processes
         self.polls: tuple[Latest[Any], ...] = ()
         self._run = run or SubprocessRunner().run
@@ -233,8 +222,6 @@ class SlurmBackend:
         self._jobs: dict[str, SlurmJob] = {}  # the newest listing's jobs by id
         self._by_minor: dict[int, str] = {}
         self._minors_at: float | None = None
-
-    # ------------------------------------------------------------------------------------------ Slurm
 
     def _call(self, argv: list[str]) -> str:
         tool = argv[0]
@@ -272,39 +259,28 @@ class SlurmBackend:
         values = (job_id, user, account, partition, name)
         return SlurmJob(job_id, Workload(tuple(_bounded(v) for v in values)), tuple(parse_job(text, name, self.node)))
 
-    def list_jobs(self) -> list[SlurmJob]:
-        """The jobs running (or suspended) on this node now, with their GPUs. Raises :class:`SlurmError`."""
+    def refresh(self) -> list[Grant]:
+        """List the node's running (or suspended) jobs once: one grant per GPU a job holds.
+
+        The device id is the GPU's UUID, or ``IDX:k`` when no GPU has that position. Raises :class:`SlurmError`.
+        """
         out = self._call(["squeue", "-h", "-w", self.node, "-t", "R,S", "-o", "%A|%S|%u|%a|%P"])
         jobs: dict[tuple[str, str], SlurmJob] = {}
         for line in out.splitlines():
             parts = line.strip().split("|")
-            if len(parts) != 5 or not parts[0].isdigit():
-                continue
-            job_id, start, user, account, partition = (p if p != "(null)" else "" for p in parts)
-            key = (job_id, start)
-            job = self._known.get(key) or self._job(job_id, user, account, partition)
-            jobs[key] = job
+            if len(parts) == 5 and parts[0].isdigit():
+                job_id, start, user, account, partition = (p if p != "(null)" else "" for p in parts)
+                key = (job_id, start)
+                jobs[key] = self._known.get(key) or self._job(job_id, user, account, partition)
         self._known = jobs
         self._jobs = {j.job_id: j for j in jobs.values()}
-        return list(jobs.values())
-
-    # ------------------------------------------------------------------------------------------ Backend
-
-    def refresh(self) -> list[Grant]:
-        """List the node's jobs once; one grant per GPU a job holds (device id: the GPU's UUID, or ``IDX:k``)."""
-        jobs = self.list_jobs()
-        wanted = {i for j in jobs for i in j.indices}
         now = time.monotonic()
-        if any(self._gpu_at(i) is None for i in wanted) and (
+        if any(self._gpu_at(i) is None for j in jobs.values() for i in j.indices) and (
             self._minors_at is None or now - self._minors_at >= _MINORS_EVERY
         ):
             self._minors_at = now
             self._by_minor = self._minors()
-        grants = []
-        for job in jobs:
-            for i in job.indices:
-                grants.append(Grant(job.workload, RESOURCE, self._gpu_at(i) or f"IDX:{i}"))
-        return grants
+        return [Grant(j.workload, RESOURCE, self._gpu_at(i) or f"IDX:{i}") for j in jobs.values() for i in j.indices]
 
     def failure(self, exc: Exception) -> tuple[str, str]:
         """A failed listing: its kind (``not_found``, ``controller_unreachable``, ``auth``, ``timeout``...) and why."""

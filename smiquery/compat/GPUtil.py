@@ -100,11 +100,9 @@ class GPU:
 def getGPUs() -> list[GPU]:
     """Query every GPU once: one :class:`GPU` each, in nvidia-smi's order.
 
-    Raises:
-        NvidiaSmiNotFoundError: no nvidia-smi (GPUtil returns ``[]``).
-        NvidiaSmiTimeoutError: no answer within :data:`TIMEOUT` seconds (GPUtil waits forever).
-        NvidiaSmiFailedError: nvidia-smi failed, as its typed subclass (GPUtil raises ``ValueError``).
-        ParseError: output that does not fit the twelve columns.
+    Raises NvidiaSmiNotFoundError (GPUtil returns ``[]``), NvidiaSmiTimeoutError after :data:`TIMEOUT` seconds
+    (GPUtil waits forever), NvidiaSmiFailedError as its typed subclass (GPUtil raises ``ValueError``), and
+    ParseError for output that does not fit the twelve columns.
     """
     argv = build_argv(find_nvidia_smi(), resolve_fields(_FIELDS))
     done = default_runner().run(argv, TIMEOUT)
@@ -200,11 +198,8 @@ def getFirstAvailable(
 ) -> list[int]:
     """A list of the one id :func:`getAvailable` finds, looking up to ``attempts`` times ``interval`` s apart.
 
-    ``verbose`` prints each attempt and the result, as GPUtil does.
-
-    Raises:
-        RuntimeError: no GPU was available in any attempt (GPUtil's message).
-        SmiqueryError: as :func:`getGPUs`.
+    ``verbose`` prints each attempt and the result, as GPUtil does. Raises RuntimeError (GPUtil's message) when no
+    GPU was available in any attempt, and as :func:`getGPUs`.
     """
     for i in range(attempts):
         if verbose:

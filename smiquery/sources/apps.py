@@ -50,23 +50,18 @@ def _parse_apps(stdout: str, index_of: Mapping[str | None, int | None]) -> list[
         if len(cells) < 4:
             raise ParseError("expected 4 columns (pid, process_name, gpu_uuid, used_memory)", lineno=lineno, line=line)
         # process_name is the only free-text column; nvidia-smi does not quote, so rejoin surplus cells into it.
-        pid_s, name, uuid, mem_s = cells[0], ", ".join(cells[1:-2]), cells[-2], cells[-1]
-        missing: dict[str, str] = {}
+        pid_s, name, uuid, mem_s = cells[0], ", ".join(cells[1:-2]), cells[-2].strip(), cells[-1]
         try:
             pid = int(pid_s)
         except ValueError:
             raise ParseError(f"{pid_s!r} is not a pid", lineno=lineno, line=line, field="pid") from None
-        mem: int | None
         reason = missing_reason(mem_s)
-        if reason is not None:
-            mem = None
-            missing["used_memory"] = reason
-        else:
-            try:
-                mem = int(mem_s.removesuffix(" MiB"))
-            except ValueError:
-                raise ParseError(f"{mem_s!r} is not MiB", lineno=lineno, line=line, field="used_memory") from None
-        rows.append(GpuProcess(pid, name, uuid.strip(), index_of.get(uuid.strip()), mem, missing))
+        try:
+            mem = None if reason is not None else int(mem_s.removesuffix(" MiB"))
+        except ValueError:
+            raise ParseError(f"{mem_s!r} is not MiB", lineno=lineno, line=line, field="used_memory") from None
+        missing = {"used_memory": reason} if reason is not None else {}
+        rows.append(GpuProcess(pid, name, uuid, index_of.get(uuid), mem, missing))
     return rows
 
 

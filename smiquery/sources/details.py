@@ -1,17 +1,15 @@
 """``nvidia-smi -q -x``, typed: what the ``--query-gpu`` CSV cannot say (:func:`details`, :func:`parse_xml`).
 
-The XML's DTD version (v7 ... v13) selects where each value is read; a file naming no DTD or an unknown one is read
-by every known element name and warns once per name. A value the version lacks, a missing element or ``N/A`` is
-None with its reason in the record's ``missing`` mapping, never a zero. A document declaring entities is refused
-before anything is expanded. ``-q -x`` takes 0.4-6 s on multi-GPU servers: keep it off any fast path.
+Each value is read where the XML's DTD version keeps it; one that is missing is None with its reason in the record's
+``missing`` mapping, never a zero. Slow (0.4-6 s on multi-GPU servers): keep it off any fast path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
-import threading
 import time
 import warnings
 import xml.etree.ElementTree as ET
@@ -156,8 +154,16 @@ class _Reading:
 
 _THROTTLE = "clocks_throttle_reasons"
 _EVENT = "clocks_event_reasons"
-_warned: set[str] = set()
-_warned_lock = threading.Lock()
+
+
+@functools.cache
+def _warn_once(what: str) -> None:
+    warnings.warn(
+        f"nvidia-smi -q -x: {what} (known: v7-v13); values are read by element name and any not found are "
+        "None with a reason; check that smiquery is up to date",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _reading_for(text: str) -> _Reading:
@@ -167,18 +173,7 @@ def _reading_for(text: str) -> _Reading:
         # v12 covers both names: driver 535 prints the old one, 550 the new
         reasons = (_EVENT,) if version == 13 else (_EVENT, _THROTTLE) if version == 12 else (_THROTTLE,)
         return _Reading(version, reasons, version >= 11)
-    key = f"v{version}" if m else "none"
-    with _warned_lock:
-        first = key not in _warned
-        _warned.add(key)
-    if first:
-        what = f"DTD nvsmi_device_{key}.dtd is not one smiquery knows" if m else "the XML names no DTD version"
-        warnings.warn(
-            f"nvidia-smi -q -x: {what} (known: v7-v13); values are read by element name and any not found are "
-            "None with a reason; check that smiquery is up to date",
-            UserWarning,
-            stacklevel=3,
-        )
+    _warn_once(f"DTD nvsmi_device_v{version}.dtd is not one smiquery knows" if m else "the XML names no DTD version")
     return _Reading(version, (_EVENT, _THROTTLE), True)  # by name: every spelling, nothing assumed absent
 
 
@@ -223,18 +218,18 @@ class _Values:
 
     def flag(self, attr: str, path: str) -> bool | None:
         value = self.text(attr, path)
-        if value is None:
-            return None
-        if value.lower() in ("yes", "true", "active", "enabled"):
-            return True
-        if value.lower() in ("no", "false", "not active", "disabled"):
-            return False
-        self.missing[attr] = f"unreadable: {value!r}"
-        return None
+        flag = None if value is None else _FLAGS.get(value.lower())
+        if value is not None and flag is None:
+            self.missing[attr] = f"unreadable: {value!r}"
+        return flag
 
 
 # The XML prints nvidia-smi's status tokens without brackets (``N/A``, ``Not Supported``).
 _BARE = {token.strip("[]").lower(): reason for token, reason in MISSING_REASONS.items()}
+_FLAGS = {
+    **dict.fromkeys(("yes", "true", "active", "enabled"), True),
+    **dict.fromkeys(("no", "false", "not active", "disabled"), False),
+}
 
 
 def _section(gpu: ET.Element, tag: str, vals: _Values) -> _Values | None:
@@ -423,12 +418,9 @@ def parse_list(text: str) -> dict[str, list[tuple[int, str, str]]]:
     out: dict[str, list[tuple[int, str, str]]] = {}
     current: list[tuple[int, str, str]] | None = None
     for line in text.splitlines():
-        m = _L_GPU_RE.match(line)
-        if m:
+        if m := _L_GPU_RE.match(line):
             current = out.setdefault(m.group(3), [])
-            continue
-        m = _L_MIG_RE.match(line)
-        if m and current is not None:
+        elif (m := _L_MIG_RE.match(line)) and current is not None:
             current.append((int(m.group(2)), m.group(1), m.group(3)))
     return out
 
@@ -436,16 +428,15 @@ def parse_list(text: str) -> dict[str, list[tuple[int, str, str]]]:
 def _join_listing(gpus: list[GpuDetails], listing: Mapping[str, list[tuple[int, str, str]]]) -> list[GpuDetails]:
     out = []
     for gpu in gpus:
-        found = {index: (profile, uuid) for index, profile, uuid in listing.get(gpu.uuid or "", [])}
+        found: dict[int | None, tuple[str | None, str | None]] = {
+            i: (p, u) for i, p, u in listing.get(gpu.uuid or "", [])
+        }
         devices = []
         for dev in gpu.mig_devices:
-            hit = found.get(dev.index) if dev.index is not None else None
-            if hit is None:
-                missing = {**dev.missing, "profile": "not in nvidia-smi -L", "uuid": "not in nvidia-smi -L"}
-                devices.append(dataclasses.replace(dev, missing=missing))
-                continue
-            missing = {k: v for k, v in dev.missing.items() if k not in ("profile", "uuid")}
-            devices.append(dataclasses.replace(dev, profile=hit[0], uuid=hit[1], missing=missing))
+            profile, uuid = found.get(dev.index, (None, None))
+            why = {} if uuid else {"profile": "not in nvidia-smi -L", "uuid": "not in nvidia-smi -L"}
+            missing = {k: v for k, v in dev.missing.items() if k not in ("profile", "uuid")} | why
+            devices.append(dataclasses.replace(dev, profile=profile, uuid=uuid, missing=missing))
         out.append(dataclasses.replace(gpu, mig_devices=tuple(devices)))
     return out
 
@@ -459,11 +450,9 @@ def details(
 ) -> list[GpuDetails]:
     """Run ``nvidia-smi -q -x`` once and return typed details per GPU, in nvidia-smi's order (slow: 0.4-6 s).
 
-    When a GPU has MIG enabled, ``nvidia-smi -L`` runs too, within the same ``timeout``, for the MIG UUIDs and
-    profiles. Never retries: a failure raises its typed error at once, like :func:`smiquery.query`.
-
-    The arguments are :func:`smiquery.query`'s (``timeout`` bounds the whole call), and so are the errors
-    (:class:`~smiquery.errors.ParseError`: XML that does not fit).
+    With MIG enabled, ``nvidia-smi -L`` runs too, within the same ``timeout``, for the MIG UUIDs and profiles. Never
+    retries. The arguments and errors are :func:`smiquery.query`'s (``timeout`` bounds the whole call; ParseError:
+    XML that does not fit).
     """
     deadline = time.monotonic() + timeout
     ids = normalize_gpus(gpus)
@@ -471,12 +460,10 @@ def details(
     binary = find_nvidia_smi(nvidia_smi, runner=run)
     argv = [binary, "-q", "-x"] + (["-i", ",".join(ids)] if ids else [])
     done = judge_exit(argv, run.run(argv, timeout), "details")
-    start = done.stdout.find("<?xml")
-    if start < 0:
-        start = done.stdout.find("<nvidia_smi_log")
-    if start < 0:
+    start = re.search(r"<\?xml|<nvidia_smi_log", done.stdout)
+    if start is None:
         raise failure_from_exit(argv, done.returncode or 1, done.output)
-    found = parse_xml(done.stdout[start:])
+    found = parse_xml(done.stdout[start.start() :])
     if any(g.mig_devices for g in found):
         left = deadline - time.monotonic()
         if left <= 0:

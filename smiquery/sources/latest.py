@@ -1,7 +1,7 @@
-"""``Latest[T]``: the one background poller. Calls a function on an interval and keeps its newest result.
+"""``Latest[T]``, the one background poller: calls a function on an interval and keeps its newest result.
 
-The function does the work and raises on failure; ``Latest`` owns the thread, the newest value, its age and the
-last error, and readers never wait on it. :meth:`Latest.following` keeps the newest value of a stream instead.
+``Latest`` owns the thread, the newest value, its age and the last error; readers never wait on it.
+:meth:`Latest.following` keeps the newest value of a stream instead.
 """
 
 from __future__ import annotations
@@ -66,15 +66,13 @@ class FailureLog:
 
 
 class Latest(Generic[T]):
-    """Runs ``fetch`` every ``interval`` seconds in a daemon thread; :meth:`get` returns the newest result.
+    """Runs ``fetch`` every ``interval`` seconds (from the end of one poll to the next) in a daemon thread.
 
-    A failing poll keeps the previous value (its age grows), records the error and is logged once per change of
-    message; the first success after a failure is logged too. Exceptions other than ``errors`` propagate out of
-    :meth:`poll` (a bug is not a poll failure) and stop the thread after being logged.
-
-    ``interval`` counts from the end of one poll to the start of the next; ``name`` names the thread and the log
-    lines; ``on_value`` is called on the thread with each new value; ``failures`` counts and says the failures in
-    other words than ``smiquery: <name> failed: <why>`` (WARNING) and ``... works again`` (INFO); ``clock``
+    :meth:`get` returns the newest result. A failing poll keeps the previous value (its age grows) and records the
+    error, logged once per change of message (``smiquery: <name> failed: <why>``, WARNING; ``failures`` says it in
+    other words), as is the first success after it (``... works again``, INFO). Exceptions other than ``errors``
+    propagate out of :meth:`poll` (a bug is not a poll failure) and stop the thread after being logged. ``name``
+    names the thread and the log lines; ``on_value`` is called on the thread with each new value; ``clock``
     (monotonic) and ``wall`` (epoch seconds) are injectable for tests.
     """
 
@@ -147,7 +145,10 @@ class Latest(Generic[T]):
         value = None
         try:
             for value in values():
-                self._took(value)
+                self.failures.worked()
+                self._value = (value, self._clock(), self._wall())
+                if self._on_value is not None:
+                    self._on_value(value)
                 self._first.set()
                 if self._stop.is_set():
                     break
@@ -157,12 +158,6 @@ class Latest(Generic[T]):
         finally:
             self._first.set()
         return value
-
-    def _took(self, value: T) -> None:
-        self.failures.worked()
-        self._value = (value, self._clock(), self._wall())
-        if self._on_value is not None:
-            self._on_value(value)
 
     def get(self) -> Snapshot[T]:
         """The newest value, its age and time, and the last error; never waits on a poll."""

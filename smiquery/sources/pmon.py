@@ -77,7 +77,6 @@ class PmonRow(NamedTuple):
 
 #: The columns :class:`PmonRow` knows, by their pmon header names.
 PMON_COLUMNS: tuple[str, ...] = PmonRow._fields
-_SLOT = {name: i for i, name in enumerate(PMON_COLUMNS)}
 _INT_COLUMNS = frozenset({"gpu", "pid", "sm", "mem", "enc", "dec", "jpg", "ofa", "fb", "ccpm"})
 _EMPTY = "-"
 # Cells of number columns seen often enough to be worth a dict lookup instead of int(): `-`, 0..100, and pids
@@ -85,15 +84,6 @@ _EMPTY = "-"
 _SEED_CELLS: dict[str, int | None] = {_EMPTY: None, **{str(i): i for i in range(101)}}
 _CACHE_MAX = 4096
 _new_row = tuple.__new__  # PmonRow._make without its length check: the itemgetter always gives 14 cells
-
-
-def _header_names(line: str) -> list[str] | None:
-    """Column names when ``line`` is pmon's name header (``# gpu pid ...`` or ``#Date Time gpu ...``)."""
-    names = line.lstrip("#").split()
-    low = [n.lower() for n in names]
-    if "gpu" in low and "pid" in low and low[-1] == "command":
-        return low
-    return None
 
 
 class PmonParser:
@@ -141,10 +131,9 @@ class PmonParser:
         """The line's row; None for a header, unit, blank, notice or dropped line (strict: ParseError instead)."""
         self.lineno += 1
         if not line or line[0] == "#":
-            if line:
-                names = _header_names(line)
-                if names is not None and names != list(self.columns):
-                    self._set_columns(names)
+            names = line.lstrip("#").lower().split()  # the name header: "# gpu pid ... command", "#Date Time gpu ..."
+            if "gpu" in names and "pid" in names and names[-1] == "command" and names != list(self.columns):
+                self._set_columns(names)
             return None
         n = self._n
         parts = line.split(None, n - 1) if n else line.split()
@@ -392,19 +381,11 @@ def process_share(rows: Iterable[PmonRow], pids: Collection[int], *, every: bool
     for gpu, (mine, others) in by_gpu.items():
         if not (mine or every):
             continue
-        m_sm = _sum(r.sm for r in mine)
-        o_sm = _sum(r.sm for r in others)
+        m_sm, o_sm = _sum(r.sm for r in mine), _sum(r.sm for r in others)
+        m_fb, o_fb = _sum(r.fb for r in mine), _sum(r.fb for r in others)
         total = (m_sm or 0) + (o_sm or 0)
-        share = None if (m_sm is None and o_sm is None) or total == 0 else (m_sm or 0) / total
-        out[gpu] = ProcessShare(
-            gpu=gpu,
-            mine_sm=m_sm,
-            others_sm=o_sm,
-            share=share,
-            mine_fb=_sum(r.fb for r in mine),
-            others_fb=_sum(r.fb for r in others),
-            other_pids=tuple(dict.fromkeys(r.pid for r in others if r.pid is not None)),
-        )
+        other_pids = tuple(dict.fromkeys(r.pid for r in others if r.pid is not None))
+        out[gpu] = ProcessShare(gpu, m_sm, o_sm, (m_sm or 0) / total if total else None, m_fb, o_fb, other_pids)
     return out
 
 

@@ -125,14 +125,12 @@ class CsvParser:
         try:
             fields = tuple(get_field(name, known=self._known) for name, _ in cells)
         except InvalidFieldError:
-            if self.fields:
+            # Without fields given, unknown names are still a header when every cell looks like a field name with
+            # an optional unit, and one has a unit.
+            looks = all(re.fullmatch(r"[A-Za-z][A-Za-z0-9_.]*", n) for n, _ in cells) and any(u for _, u in cells)
+            if self.fields or not looks:
                 return False
-            # No fields given and the first line is no header: unknown names in a header are still a header
-            # when every cell looks like a field name with an optional unit.
-            if all(re.fullmatch(r"[A-Za-z][A-Za-z0-9_.]*", n) for n, _ in cells) and any(u for _, u in cells):
-                fields = tuple(Field(n, Kind.STR) for n, _ in cells)
-            else:
-                return False
+            fields = tuple(Field(n, Kind.STR) for n, _ in cells)
         units = [u for _, u in cells]
         if self.fields:
             if tuple(f.name for f in fields) != tuple(f.name for f in self.fields):
@@ -251,13 +249,6 @@ def header_line(fields: Sequence[Field]) -> str:
 DEFAULT_TIMEOUT = 45.0
 
 
-def _messages_only(done: Completed, fields: Sequence[Field]) -> str:
-    """What nvidia-smi said, without the data rows it printed first (a one-column row is data, not a message)."""
-    probe = CsvParser(fields, strict=False)
-    said = [ln for ln in done.stdout.splitlines() if ln.strip() and (is_message(ln) or probe.feed(ln) is None)]
-    return "\n".join(said) + (("\n" + done.stderr) if done.stderr else "")
-
-
 def judge_exit(argv: Sequence[str], done: Completed, what: str) -> Completed:
     """A finished one-shot call's typed error when it failed; exit 14 (infoROM) warns and returns ``what``."""
     if done.returncode not in (0, 14):
@@ -281,7 +272,10 @@ def check_and_parse(
             if returncode == 0:
                 raise
     if not samples and returncode:  # exit 14 without rows is a failure too
-        raise failure_from_exit(argv, returncode, _messages_only(done, fields))
+        # what nvidia-smi said, without the data rows it printed first (a one-column row is data, not a message)
+        probe = CsvParser(fields, strict=False)
+        said = [ln for ln in done.stdout.splitlines() if ln.strip() and (is_message(ln) or probe.feed(ln) is None)]
+        raise failure_from_exit(argv, returncode, "\n".join(said) + (("\n" + done.stderr) if done.stderr else ""))
     if not samples:
         raise NvidiaSmiFailedError(
             argv,
@@ -307,19 +301,14 @@ def query(
 ) -> list[GpuSample]:
     """Take one snapshot: one record per GPU.
 
-    Args:
-        fields: a preset (``"default"``, ``"health"``, ...), ``"a,b,c"``, or a sequence of names or fields.
-        gpus: indices, UUIDs or PCI bus ids; None for all.
-        nvidia_smi: path of the binary (default: ``$SMIQUERY_NVIDIA_SMI``, PATH, the usual places).
-        timeout: seconds before the child is killed.
-        runner: how to run it (tests inject one).
-        tz: time zone of the timestamps (default: the host's).
+    ``fields``: a preset (``"default"``, ``"health"``, ...), ``"a,b,c"`` or a sequence of names or fields; ``gpus``:
+    indices, UUIDs or PCI bus ids (None: all); ``nvidia_smi``: the binary (default: ``$SMIQUERY_NVIDIA_SMI``, PATH,
+    the usual places); ``timeout``: seconds before the child is killed; ``runner``: how to run it (tests inject
+    one); ``tz``: the timestamps' zone (default: the host's).
 
-    Raises:
-        InvalidFieldError, InvalidGpuIdError: an unknown field or malformed GPU id (before anything runs).
-        NvidiaSmiNotFoundError, NvidiaSmiTimeoutError: no usable binary; no answer within ``timeout``.
-        NvidiaSmiFailedError: a non-zero exit, as its typed subclass.
-        ParseError: output that does not fit the fields.
+    Raises InvalidFieldError or InvalidGpuIdError before anything runs, NvidiaSmiNotFoundError (no usable binary),
+    NvidiaSmiTimeoutError (no answer within ``timeout``), NvidiaSmiFailedError (a non-zero exit, as its typed
+    subclass) and ParseError (output that does not fit the fields).
     """
     from smiquery.runner import default_runner, find_nvidia_smi  # here: the parser's users never load subprocess
 

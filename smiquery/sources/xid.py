@@ -1,7 +1,7 @@
 """Xid errors, the NVIDIA driver's error events (``NVRM: Xid (PCI:0000:3b:00): 79, ...``), from the kernel log.
 
-nvidia-smi never reports Xids. :func:`parse_line` reads one kernel-log line, :func:`follow` yields each event of a
-log once, :class:`XidWatcher` follows one on a thread and counts, :data:`XID_CATALOGUE` says what codes mean.
+nvidia-smi never reports them: :func:`parse_line` reads one line, :func:`follow` yields a log's events once each,
+:class:`XidWatcher` follows one on a thread and counts, :data:`XID_CATALOGUE` says what the codes mean.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, TypeVar, cast
 
-from smiquery._log import get_logger
+from smiquery._log import RateLimiter, get_logger
 from smiquery.errors import KernelLogError, UsageError
 from smiquery.printable import printable
 from smiquery.retry import one_line
@@ -66,16 +67,11 @@ class XidInfo:
     advice: str
 
 
-def _catalogue() -> dict[int, XidInfo]:
-    with open(os.path.join(os.path.dirname(__file__), "xid.csv"), encoding="utf-8", newline="") as fh:
-        return {
-            int(r["code"]): XidInfo(int(r["code"]), r["meaning"], cast(XidAction, r["action"]), r["advice"])
-            for r in csv.DictReader(fh)
-        }
-
-
 #: The common Xid codes (NVIDIA's public "Xid Errors" catalogue, summarised; the data is ``xid.csv``).
-XID_CATALOGUE: dict[int, XidInfo] = _catalogue()
+XID_CATALOGUE: dict[int, XidInfo] = {
+    int(r["code"]): XidInfo(int(r["code"]), r["meaning"], cast(XidAction, r["action"]), r["advice"])
+    for r in csv.DictReader(Path(__file__).with_name("xid.csv").read_text(encoding="utf-8").splitlines())
+}
 
 
 @dataclass(frozen=True)
@@ -220,16 +216,11 @@ _DEDUPE_KEEP = 4096  # lines remembered, to skip them when a followed file is re
 class XidFollower(Iterator[XidEvent]):
     """Follow a kernel log and yield each Xid event once, until :meth:`close` (from any thread).
 
-    Args:
-        path: ``/dev/kmsg`` (replays its ring buffer, then waits) or a plain file, followed like ``tail -F``.
-        after_seq: skip ``/dev/kmsg`` records up to this sequence number (resume after ``follower.last_seq``).
-        from_start: read a plain file from its beginning, replay ``/dev/kmsg`` (False: only what comes from now).
-        poll: seconds between checks for new data and for :meth:`close`.
-        on_reject: called on the reading thread with the reason and the line of each refused Xid line.
-
-    Raises:
-        KernelLogError: the log cannot be opened (no permission: run as root or with CAP_SYSLOG; missing).
-        UsageError: ``poll`` is not a positive number.
+    ``path`` is ``/dev/kmsg`` (its ring buffer replayed, then waited on) or a plain file, followed like ``tail -F``;
+    ``after_seq`` skips ``/dev/kmsg`` records up to it (resume after ``last_seq``); ``from_start=False`` reads only
+    what comes from now; ``poll``: seconds between checks for data and :meth:`close`; ``on_reject(reason, line)``
+    is called on the reading thread for each refused Xid line. Raises KernelLogError when the log cannot be opened
+    (no permission: run as root or with CAP_SYSLOG), UsageError for a ``poll`` that is not positive.
     """
 
     def __init__(
@@ -290,11 +281,9 @@ class XidFollower(Iterator[XidEvent]):
         self._fd = fd
         self._ino = (st.st_dev, st.st_ino)
         self._buf = b""
-        self._pos = 0
         self._pass.clear()
-        if not from_start:
-            # /dev/kmsg: SEEK_END skips the ring buffer's replay; a plain file: read on from its end
-            self._pos = os.lseek(fd, 0, os.SEEK_END)
+        # /dev/kmsg: SEEK_END skips the ring buffer's replay; a plain file: read on from its end
+        self._pos = 0 if from_start else os.lseek(fd, 0, os.SEEK_END)
         if not self._chardev:
             os.set_blocking(fd, True)
         return True
@@ -359,9 +348,8 @@ class XidFollower(Iterator[XidEvent]):
     def _fresh(self, event: XidEvent) -> bool:
         """Whether the event was not handed out before.
 
-        A ``/dev/kmsg`` record is known by its sequence number; any other line carries its own stamp, so it is known
-        by its text and how many times that text was read since the file was opened or truncated (the same text
-        twice in one reading is two events; read again after a rewrite, it is none).
+        A ``/dev/kmsg`` record is known by its sequence number, any other line by its text and how often that text
+        was read since the file was opened or truncated (twice in one reading: two events; read again: none).
         """
         if event.seq is not None:
             if event.seq <= self.last_seq:
@@ -423,16 +411,15 @@ def _hand_on(listener: Callable[[_G], object], value: _G) -> None:
 class XidWatcher:
     """A kernel log followed on a daemon thread: each new Xid event is counted by GPU and code, then handed on.
 
-    What it keeps is bounded: counts for the :attr:`MAX_SERIES` (bus, code) pairs with the newest events (an older
-    pair's count moves to :attr:`other`) and one count per refusal reason (:meth:`rejected`); refused lines are
-    noted at most once a minute (through ``on_refused``, default a WARNING log; ``clock`` times that minute).
-
-    ``path``, ``from_start`` and ``poll`` are :func:`follow`'s. ``on_event`` is called on the thread with each
-    counted event (what it raises is logged); ``on_error`` with a read failure and whether the log had been opened
-    (with ``retry``, also the first time it cannot be opened). ``retry``: seconds before the log is opened again
-    after it could not be or reading failed, resuming after the last event counted; None: :meth:`start` opens the
-    log, raising when it cannot, and a failure ends the following. :attr:`up` is True while the log is read
-    (``last_error``: the last failure, one line); :attr:`events` counts events, :attr:`attempts` opens tried.
+    Counts are kept for the :attr:`MAX_SERIES` (bus, code) pairs with the newest events (older pairs' counts move to
+    :attr:`other`) and per refusal reason (:meth:`rejected`); refused lines are noted at most once a minute (through
+    ``on_refused``, default a WARNING log; ``clock`` times that minute). ``path``, ``from_start`` and ``poll`` are
+    :func:`follow`'s; ``on_event`` is called on the thread with each counted event (what it raises is logged),
+    ``on_error`` with a read failure and whether the log had been opened. ``retry``: seconds before the log is opened
+    again after it could not be or reading failed, resuming after the last event counted (the first failure to open
+    goes to ``on_error``); None: :meth:`start` opens the log, raising when it cannot, and a failure ends the
+    following. :attr:`up`: the log is being read (``last_error``: the last failure); :attr:`events` counts events,
+    :attr:`attempts` opens tried.
     """
 
     #: (bus, code) pairs counted at most: the pair whose last event is the oldest gives its count to ``other``
@@ -461,15 +448,13 @@ class XidWatcher:
         self.up = False
         self.last_error: str | None = None
         self.on_refused = on_refused
-        self.clock = clock
         self.events = 0
         self.other = 0
         self.attempts = 0
         # (bus key, code) -> [events, the bus id as the kernel printed it], least recently counted first
         self._series: OrderedDict[tuple[BusKey, int], tuple[int, str]] = OrderedDict()
         self._rejected = dict.fromkeys(REJECT_REASONS, 0)
-        self._refused_at: float | None = None  # when the last note about a refused line went out
-        self._refused_held = 0  # lines refused since then
+        self._notes = RateLimiter(1, self.REFUSED_EVERY, clock)  # notes about refused lines
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._follower: XidFollower | None = None
@@ -519,13 +504,11 @@ class XidWatcher:
             _hand_on(self.on_event, event)
 
     def _reject(self, reason: RejectReason, line: str) -> None:
-        now = self.clock()
         with self._lock:
             self._rejected[reason] += 1
-            if self._refused_at is not None and now - self._refused_at < self.REFUSED_EVERY:
-                self._refused_held += 1
-                return
-            held, self._refused_held, self._refused_at = self._refused_held, 0, now
+        held = self._notes.take(None)
+        if held is None:
+            return
         shown = line.rstrip("\r\n")
         shown = printable(shown if len(shown) <= 200 else shown[:200] + "...")
         more = f"; {held} more refused since the last note" if held else ""

@@ -20,8 +20,8 @@ _UUID = re.compile(r"GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_warn_once(monkeypatch):
-    monkeypatch.setattr(details_module, "_warned", set())
+def _fresh_warn_once():
+    details_module._warn_once.cache_clear()
 
 
 def _corpus_xml() -> list[Path]:
