@@ -116,11 +116,14 @@ class GpuSeries:
         picked: np.ndarray = self._floats(column)[self.rows]
         return picked
 
-    def values(self, column: str) -> list[Any]:
-        """A column's values as Python objects (for text comparisons)."""
-        series = self.df[column]
-        picked = series.iloc[self.rows] if isinstance(self.rows, slice) else series.take(self.rows)
-        return picked.tolist()
+    def values(self, column: str) -> pd.Series:
+        """A column's values (for text comparisons)."""
+        picked: pd.Series = self.df[column].iloc[self.rows]
+        return picked
+
+    def seconds(self, first: Any, last: Any) -> Any:
+        """How long the stretches from samples ``first`` to ``last`` (positions or arrays of them) last."""
+        return self.times[last] - self.times[first] + self.dur[last]
 
 
 def split_gpus(df: pd.DataFrame) -> tuple[list[GpuSeries], float]:
