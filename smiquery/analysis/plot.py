@@ -11,6 +11,7 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -97,11 +98,7 @@ def _gpu_names(gpus: Sequence[int], total: int, names: dict[int, Any]) -> str:
 
 def _naive(ts: Any) -> Any:
     """A datetime as the plot's x axis holds it: the recorded wall clock, or UTC (instants) in a zone."""
-    if getattr(ts, "tzinfo", None) is None:
-        return ts
-    from datetime import timezone
-
-    return ts.astimezone(timezone.utc).replace(tzinfo=None)
+    return ts if ts.tzinfo is None else ts.astimezone(timezone.utc).replace(tzinfo=None)
 
 
 def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field]:
@@ -134,45 +131,32 @@ def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field
 
 
 def _thresholds(rules: Sequence[Rule], fld: Field) -> list[tuple[float, str]]:
-    out: dict[float, str] = {}
+    out: dict[float, list[str]] = {}
     for rule in rules:
-        if rule.field.name != fld.name or isinstance(rule.threshold, bool):
-            continue
-        if isinstance(rule.threshold, (int, float)):
-            text = str(rule)
+        value, text = rule.threshold, str(rule)
+        if rule.field.name == fld.name and isinstance(value, (int, float)) and not isinstance(value, bool):
             label = text[len(rule.field.name) :].strip() if text.startswith(rule.field.name) else text
-            value = float(rule.threshold)
-            out[value] = f"{out[value]}; {label}" if value in out else label
-    return sorted(out.items())
-
-
-# The heatmap's colour range of fields with a physical one: 0 to the recorded limit (the first of these columns with
-# a value), or fixed.
-_LIMITS: dict[str, tuple[str, ...]] = {
-    "memory.used": ("memory.total",),
-    "memory.free": ("memory.total",),
-    "memory.reserved": ("memory.total",),
-    "protected_memory.used": ("protected_memory.total",),
-    "protected_memory.free": ("protected_memory.total",),
-    "power.draw": ("power.limit", "enforced.power.limit"),
-    "power.draw.average": ("power.limit", "enforced.power.limit"),
-    "power.draw.instant": ("power.limit", "enforced.power.limit"),
-    "module.power.draw.average": ("module.power.limit", "module.enforced.power.limit"),
-    "module.power.draw.instant": ("module.power.limit", "module.enforced.power.limit"),
-}
-_FIXED: dict[str, tuple[float, float]] = {"temperature.gpu": (0.0, 100.0), "temperature.memory": (0.0, 100.0)}
+            out.setdefault(float(value), []).append(label)
+    return sorted((value, "; ".join(labels)) for value, labels in out.items())
 
 
 def _physical_scale(fld: Field, df: pd.DataFrame) -> tuple[float, float, str] | None:
-    """A field's physical range for a heatmap's colours: 0 to 100 %, 0 to its recorded limit, a fixed one; or None."""
+    """A field's physical range for a heatmap's colours: 0 to 100 %, 0 to 100 C, 0 to its recorded limit; or None.
+
+    The limit of memory used, free or reserved is the total, of a power draw the first power limit with a value.
+    """
     import numpy as np
 
     if fld.unit == "%":
         return 0.0, 100.0, ""
-    if fld.name in _FIXED:
-        lo, hi = _FIXED[fld.name]
-        return lo, hi, f"fixed {lo:g} to {hi:g}"
-    for name in _LIMITS.get(fld.name, ()):
+    if fld.name in ("temperature.gpu", "temperature.memory"):
+        return 0.0, 100.0, "fixed 0 to 100"
+    head, _, what = fld.name.rpartition(".")
+    module = "module." if head.startswith("module.") else ""
+    limits = [f"{head}.total"] if what in ("used", "free", "reserved") else []
+    if fld.name.startswith(f"{module}power.draw"):
+        limits = [f"{module}power.limit", f"{module}enforced.power.limit"]
+    for name in limits:
         limit = get_field(name)
         if limit.attr in df.columns:
             values = as_float(df[limit.attr])
@@ -233,44 +217,28 @@ def plot_recording(
 ) -> Figure:
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
-    Many GPUs get small multiples or heatmaps instead (``layout``). GPUs are named ``GPU <index>``; a fleet
-    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them. Missing values, gaps in time and
-    a step back of a clock without a zone break the lines (in a zone the axis runs on instants, its ticks in local
-    time). Stalls (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, a rule's firing alerts orange on
-    its field's panel; a field with no value says so. The x axis names the time zone (or says there is none).
+    ``source`` and ``tz`` are as :func:`~smiquery.analysis.load_recording` takes them. ``fields`` are the panels, as
+    names or a comma list (default :data:`DEFAULT_PLOT_FIELDS`, those present; for a headerless CSV log its columns
+    in order, of which the numeric ones are drawn). The ``rules``' thresholds are drawn and their alerts shaded
+    (default :data:`~smiquery.analysis.DEFAULT_RULES`); ``gpus`` picks GPUs by index, UUID or PCI bus id (as
+    ``stream --id``). The ``title`` defaults to ``name`` (default: the file name) and the time span; ``width`` and
+    ``panel_height`` are in inches. A line has at most ``max_points`` (default: one per pixel): a longer one is drawn
+    as the mean of each stretch of samples in a band of their lowest and highest (in small multiples as its lowest
+    and highest value). ``layout`` ``auto`` overlays up to :data:`OVERLAY_MAX_GPUS` GPUs, draws small multiples up
+    to :data:`MULTIPLES_MAX_GPUS` and heatmaps past that.
 
-    Args:
-        source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.recordings.read_csv`.
-        fields: fields to draw, as names or a comma list; default :data:`DEFAULT_PLOT_FIELDS` (those present). For
-            a headerless CSV log, its columns in order (the numeric ones are drawn).
-        rules: rules whose thresholds are drawn and whose alerts are shaded; default
-            :data:`smiquery.analysis.DEFAULT_RULES`.
-        gpus: only these GPUs: indices, UUIDs or PCI bus ids (as ``smiquery stream --id`` takes them).
-        title: the figure title (default: ``name`` and the time span).
-        width: figure width in inches.
-        panel_height: height of one panel in inches.
-        dpi: resolution in dots per inch.
-        max_points: most points per line; default one per pixel (a longer line is drawn as the mean of each stretch
-            of samples in a band of their lowest and highest; in small multiples as its lowest and highest value).
-        tz: the zone the recording was made in (default: as recorded; CSV carries none).
-        shade: shade stalls and alerts.
-        name: what to call the recording in the title (default: the file name).
-        layout: see :data:`Layout`; ``auto`` overlays up to :data:`OVERLAY_MAX_GPUS` GPUs, draws small multiples up
-            to :data:`MULTIPLES_MAX_GPUS`, heatmaps past that.
+    GPUs are named ``GPU <index>``; a fleet frame's by node, as its report names them. Missing values, gaps in time
+    and a step back of a clock without a zone break the lines (in a zone the axis runs on instants, its ticks in
+    local time). With ``shade``, stalls are shaded grey on every panel, a rule's firing alerts orange on its field's
+    panel. A field with no value says so; the x axis names the time zone (or says there is none).
 
-    Returns:
-        A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"`` (its band ``band-<index>``), each threshold
-        line ``gid="threshold"``, stall shading ``gid="stall"``, alert shading ``gid="alert"``, a no-data note
-        ``gid="no-data"``, a heatmap ``gid="heatmap-<field>"`` (its stall and alert outlines, one collection each per
-        panel, ``stall`` and ``alert``). Small multiples are one panel per field (``gid="multiples-<field>"``) with a
-        cell per GPU, whose artists carry the label ``GPU <index>`` (:mod:`smiquery.analysis.multiples`).
+    The figure's artists carry gids: ``gpu-<index>`` (a GPU's line), ``band-<index>``, ``threshold``, ``stall``,
+    ``alert``, ``no-data``, ``heatmap-<field>`` (its outlines one ``stall`` and one ``alert`` collection a panel)
+    and ``multiples-<field>`` (a panel of cells, see :mod:`smiquery.analysis.multiples`).
 
-    Raises:
-        ImportError: matplotlib is not installed.
-        ReportError: the recording cannot be read or lacks a requested field.
-        ValueError: ``layout`` is not one of :data:`LAYOUTS`.
-        InvalidFieldError: an unknown field name.
-        InvalidRuleError: a rule cannot be parsed.
+    Raises ImportError without matplotlib, ReportError when the recording cannot be read or lacks a requested field,
+    ValueError for a ``layout`` not in :data:`LAYOUTS`, InvalidFieldError for an unknown field and InvalidRuleError
+    for a rule that cannot be parsed.
     """
     try:
         import matplotlib  # noqa: F401
@@ -289,12 +257,9 @@ def plot_recording(
         x_start, x_end = _naive(start), _naive(end)
         if x_end == x_start:
             x_end = x_start + (end - start) + np.timedelta64(1, "s")
-        if chosen == "heatmap":
-            max_points = max_points or max(200, round(width * dpi * 0.85))  # about one column a pixel of the panel
-        elif chosen == "multiples":
-            max_points = max_points or cell_points(width, dpi, len(groups))
-        else:
-            max_points = max_points or max(200, round(width * dpi))  # about a point per pixel of the width
+        if not max_points:  # about a point a pixel across (a heatmap: a column a pixel of its panel)
+            pixels = round(width * dpi * (0.85 if chosen == "heatmap" else 1.0))
+            max_points = cell_points(width, dpi, len(groups)) if chosen == "multiples" else max(200, pixels)
         scene = _scene(df, flds, groups, parsed, max_points, shade, (x_start, x_end))
         handles: list[Any] = []
         if chosen == "heatmap":
@@ -325,19 +290,18 @@ _PNG: dict[str, Any] = {"pil_kwargs": {"compress_level": 3}}
 
 @contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a figure is built and drawn.
+    """Pause Python's cyclic garbage collector while a figure is built and drawn (unless paused already).
 
     A figure's tens of thousands of small objects trip the collector again and again, and each time it walks every
     object of the process (a third of the time of 64 small panels); the figure's cycles are collected later.
     """
-    if not gc.isenabled():  # paused already (another figure, or the caller): leave it as it is
-        yield
-        return
+    enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
 
 
 def _prepare(
@@ -407,30 +371,14 @@ def _scene(
 def _draw_panel(scene: Scene, ax: Any, fld: Field, first: bool) -> list[Any]:
     """One overlaid panel: the GPUs' lines (returned, for the legend), shading, thresholds, title and scale.
 
-    The ``first`` panel labels the stalls too.
+    A line per GPU lies in a band from its lowest to highest values (a note when no GPU has a value). Stalls are
+    shaded grey (labelled on the ``first`` panel), a rule's firing alerts orange on its field's panel.
     """
     import numpy as np
 
-    lines = _draw_lines(scene, ax, fld)
-    spans = _shade(scene, ax, fld, first)
-    has_values = any(bool(np.isfinite(v).any()) for v in scene.values[fld.name])
-    marks = scene.thresholds[fld.name] if has_values else []
-    for value, _ in marks:  # dashed across the panel; _place_notes labels them
-        ax.axhline(value, color=THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
-    _label_panel(ax, fld, has_values)
-    _place_notes(ax, marks, spans, scene.x_range)
-    return lines
-
-
-def _draw_lines(scene: Scene, ax: Any, fld: Field) -> list[Any]:
-    """A line per GPU, in a band from its lowest to highest values; a note instead when none of them has a value."""
-    import numpy as np
-
-    drawn = 0
     lines: list[Any] = []
     for pos, (idx, xs, ys) in enumerate(zip(scene.gpus, scene.xs, scene.values[fld.name], strict=True)):
         x, y = line_points(xs, ys, scene.gap_limit, scene.max_points)
-        drawn += int((~np.isnan(y)).sum())
         colour = GPU_COLOURS[pos % len(GPU_COLOURS)]
         dash = _DASHES[(pos // len(GPU_COLOURS)) % len(_DASHES)]
         (line,) = ax.plot(x, y, color=colour, linestyle=dash, linewidth=1.1, label=gpu_name(idx, scene.names),
@@ -440,24 +388,24 @@ def _draw_lines(scene: Scene, ax: Any, fld: Field) -> list[Any]:
         if band is not None:  # the mean hides a pixel's extremes: a band from its lowest to highest value shows them
             xb, lo, hi = band
             ax.fill_between(xb, lo, hi, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
-    if not drawn:
+    has_values = any(bool(np.isfinite(v).any()) for v in scene.values[fld.name])
+    if not has_values:
         no_values_note(ax, fld.name)
         ax.set_yticks([])
-    return lines
-
-
-def _shade(scene: Scene, ax: Any, fld: Field, first: bool) -> list[tuple[Any, str]]:
-    """Shade the stalls grey, a rule's firing alerts orange on its field's panel; their labels."""
-    notes: list[tuple[Any, str]] = []
-    n = len(scene.gpus)
+    spans: list[tuple[Any, str]] = []
     for s0, e0, who in merged(scene.stalls, scene.slack):
         ax.axvspan(s0, e0, color=STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
         if first:
-            notes.append((s0, f"stall: {_gpu_names(who, n, scene.names)}"))
+            spans.append((s0, f"stall: {_gpu_names(who, len(scene.gpus), scene.names)}"))
     for s0, e0, who in merged(scene.alerts.get(fld.name, []), scene.slack):
         ax.axvspan(s0, e0, color=ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
-        notes.append((s0, f"alert: {_gpu_names(who, n, scene.names)}"))
-    return notes
+        spans.append((s0, f"alert: {_gpu_names(who, len(scene.gpus), scene.names)}"))
+    marks = scene.thresholds[fld.name] if has_values else []
+    for value, _ in marks:  # dashed across the panel; _place_notes labels them
+        ax.axhline(value, color=THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
+    _label_panel(ax, fld, has_values)
+    _place_notes(ax, marks, spans, scene.x_range)
+    return lines
 
 
 _NOTE_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
