@@ -1,6 +1,6 @@
 """What happened in a recorded run: statistics, thresholds, alerts, stalls, health counters, energy, clock steps.
 
-Every duration runs along each GPU's own timeline (:func:`smiquery.analysis.load.split_gpus`).
+Every duration runs along each GPU's own timeline (:func:`smiquery.analysis.series.split_gpus`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any, cast
 from smiquery.alerts import BUILTIN_RULES, Rule
 from smiquery.alerts.rules import STALL, StallRule
 from smiquery.analysis.findings import findings
-from smiquery.analysis.load import GpuSeries, load_recording, split_gpus
 from smiquery.analysis.model import AlertSpan, FieldStats, GpuName, HealthCount, Periods, Report, Stretch, ThresholdTime
-from smiquery.analysis.series import catalogue_field
+from smiquery.analysis.series import GpuSeries, catalogue_field, load_recording, split_gpus
 from smiquery.clock import REPORTED_STEP_BACK, ClockStep, later
 from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from smiquery.alerts import Rule
 from smiquery.analysis.analyze import DEFAULT_RULES, stalls_and_alerts
 from smiquery.analysis.heatmap import ALERT_EDGE, STALL_EDGE, heatmap_figure, no_values_note
-from smiquery.analysis.load import load_recording
 from smiquery.analysis.multiples import cell_points, multiples_figure
 from smiquery.analysis.render import gpu_name
 from smiquery.analysis.series import (
@@ -33,6 +32,7 @@ from smiquery.analysis.series import (
     gpu_rows,
     line_band,
     line_points,
+    load_recording,
     merged,
     stack_labels,
     text_size,
