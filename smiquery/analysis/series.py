@@ -151,28 +151,23 @@ def line_points(
     if len(x) > max_points:
         # Means by default: in a panel of several GPUs a noisy line (or its envelope) covers the others, so the overlay
         # draws each bucket's extremes as a band (line_band); a panel of its own (small multiples) the envelope.
-        step = math.ceil(len(x) / max_points) if not envelope else math.ceil(2 * len(x) / max_points)
+        step = math.ceil((2 if envelope else 1) * len(x) / max_points)
         n = (len(x) // step) * step
         blocks = y[:n].reshape(-1, step)
         present = ~np.isnan(blocks)
-        counts = present.sum(axis=1)
         if envelope:
             lows = np.where(present, blocks, np.inf).argmin(axis=1)
             highs = np.where(present, blocks, -np.inf).argmax(axis=1)
             # each bucket's two extremes in time order: positions into the samples, then their values
-            base = np.arange(len(blocks)) * step
-            picks = np.stack((np.minimum(lows, highs), np.maximum(lows, highs)), axis=1) + base[:, None]
-            picks = picks.ravel()
+            picks = (np.sort(np.stack((lows, highs), axis=1), axis=1) + np.arange(0, n, step)[:, None]).ravel()
             values = y[picks]
-            values[np.repeat(counts == 0, 2)] = np.nan
-            x = np.concatenate((x[picks], x[n:]))
-            y = np.concatenate((values, y[n:]))
+            values[np.repeat(~present.any(axis=1), 2)] = np.nan
+            x, y = np.concatenate((x[picks], x[n:])), np.concatenate((values, y[n:]))
         else:
-            sums = np.where(present, blocks, 0.0).sum(axis=1)
+            counts = present.sum(axis=1)
             means = np.full(len(counts), np.nan)
-            np.divide(sums, counts, out=means, where=counts > 0)
-            x = np.concatenate((x[:n:step], x[n:]))
-            y = np.concatenate((means, y[n:]))
+            np.divide(np.where(present, blocks, 0.0).sum(axis=1), counts, out=means, where=counts > 0)
+            x, y = np.concatenate((x[:n:step], x[n:])), np.concatenate((means, y[n:]))
         # points now stand up to two buckets apart: only a longer pause in time is a gap
         gap_limit *= step
     x, (y,) = _broken(x, [y], gap_limit)
@@ -193,17 +188,9 @@ def line_band(
         return None
     step = math.ceil(len(x) / max_points)
     n = (len(x) // step) * step
-    blocks = y[:n].reshape(-1, step)
-    empty = np.isnan(blocks).all(axis=1)
-    lows = np.where(np.isnan(blocks), np.inf, blocks).min(axis=1)
-    highs = np.where(np.isnan(blocks), -np.inf, blocks).max(axis=1)
-    lows[empty] = np.nan
-    highs[empty] = np.nan
-    xb, (lo, hi) = _broken(
-        np.concatenate((x[:n:step], x[n:])),
-        [np.concatenate((lows, y[n:])), np.concatenate((highs, y[n:]))],
-        gap_limit * step,
-    )
+    blocks, rest = y[:n].reshape(-1, step), y[n:]
+    lows, highs = (np.concatenate((f.reduce(blocks, axis=1), rest)) for f in (np.fmin, np.fmax))  # NaN: all missing
+    xb, (lo, hi) = _broken(np.concatenate((x[:n:step], x[n:])), [lows, highs], gap_limit * step)
     return xb, lo, hi
 
 
