@@ -8,7 +8,6 @@ shows it as that page. Plotting needs matplotlib; pandas, numpy and matplotlib a
 from __future__ import annotations
 
 from smiquery.analysis.analyze import DEFAULT_RULES, report, stalls_and_alerts
-from smiquery.analysis.load import load_recording
 from smiquery.analysis.model import (
     AlertSpan,
     FieldStats,
@@ -30,6 +29,7 @@ from smiquery.analysis.plot import (
     save_plot,
 )
 from smiquery.analysis.render import format_duration, report_html, report_json, report_markdown, report_text
+from smiquery.analysis.series import load_recording
 
 Report.html_renderer = report_html  # a Report shows itself in a notebook as this page (model cannot import it)
 

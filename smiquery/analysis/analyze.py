@@ -1,6 +1,6 @@
 """What happened in a recorded run: statistics, thresholds, alerts, stalls, health counters, energy, clock steps.
 
-Every duration runs along each GPU's own timeline (:func:`smiquery.analysis.load.split_gpus`).
+Every duration runs along each GPU's own timeline (:func:`smiquery.analysis.series.split_gpus`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any, cast
 from smiquery.alerts import BUILTIN_RULES, Rule
 from smiquery.alerts.rules import STALL, StallRule
 from smiquery.analysis.findings import findings
-from smiquery.analysis.load import GpuSeries, load_recording, split_gpus
 from smiquery.analysis.model import AlertSpan, FieldStats, GpuName, HealthCount, Periods, Report, Stretch, ThresholdTime
-from smiquery.analysis.series import catalogue_field
+from smiquery.analysis.series import GpuSeries, catalogue_field, load_recording, split_gpus
 from smiquery.clock import REPORTED_STEP_BACK, ClockStep, later
 from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind
@@ -214,10 +213,8 @@ _HEALTH_PREFIXES = ("ecc.errors.", "retired_pages.", "remapped_rows.")
 
 def _names(df: pd.DataFrame, gpus: Sequence[int]) -> dict[int, GpuName]:
     """A fleet frame's GPU names (``attrs["gpu_names"]``, see :class:`GpuName`) of the GPUs in the report."""
-    got = df.attrs.get("gpu_names")
-    if not isinstance(got, dict):
-        return {}
-    return {g: got[g] for g in gpus if isinstance(got.get(g), GpuName)}
+    got = df.attrs.get("gpu_names") or {}
+    return {g: got[g] for g in gpus if g in got}
 
 
 def _health(df: pd.DataFrame, gpus: list[GpuSeries]) -> list[HealthCount]:
@@ -250,7 +247,7 @@ def _energy(df: pd.DataFrame, gpus: Sequence[GpuSeries]) -> dict[int, float]:
     for g in gpus:
         watts = g.floats("power_draw")
         ok = ~np.isnan(watts)
-        if ok.any() and len(g.dur) == len(watts):
+        if ok.any():
             out[g.index] = float(np.sum(watts[ok] * g.dur[ok])) / 3600.0
     return out
 
@@ -278,12 +275,8 @@ def _clock_changes(gpus: list[GpuSeries]) -> tuple[list[ClockStep], list[tuple[d
 
 
 def _offset_text(ts: datetime) -> str:
-    off = ts.utcoffset()
-    if off is None:
-        return "no zone"
-    minutes = int(off.total_seconds() // 60)
-    sign = "+" if minutes >= 0 else "-"
-    return f"UTC{sign}{abs(minutes) // 60:02d}:{abs(minutes) % 60:02d}"
+    offset = ts.strftime("%z")  # +0100
+    return f"UTC{offset[:3]}:{offset[3:5]}"
 
 
 _NUMPY_OPS = {">": "greater", ">=": "greater_equal", "<": "less", "<=": "less_equal", "==": "equal", "!=": "not_equal"}
@@ -298,35 +291,21 @@ def _condition_values(rule: Rule, g: GpuSeries) -> np.ndarray:
         col = cond.field.attr
         if col not in g.columns:
             return np.full(len(g.times), np.nan)
-        threshold = cond.threshold
-        op = _NUMPY_OPS.get(cond.op)
-        if (
-            op is not None
-            and isinstance(threshold, (int, float))
-            and (cond.field.kind.is_numeric or cond.field.kind.is_bool)
-        ):
+        kind = cond.field.kind
+        if isinstance(cond.threshold, (int, float)) and (kind.is_numeric or kind.is_bool):
             values = g.floats(col)
             with np.errstate(invalid="ignore"):
-                out = getattr(np, op)(values, float(threshold)).astype("float64")
+                out = getattr(np, _NUMPY_OPS[cond.op])(values, float(cond.threshold)).astype("float64")
             out[np.isnan(values)] = np.nan
-        else:
-            # text and other thresholds: the rule's own comparison, value by value
-            verdicts = [None if v is None or _isna(v) else cond.holds(v) for v in g.values(col)]
-            out = np.array([np.nan if h is None else float(h) for h in verdicts], dtype="float64")
+        else:  # text and other thresholds: the rule's own comparison, value by value (None: NaN)
+            column = g.values(col)
+            verdicts = [None if na else cond.holds(v) for v, na in zip(column.tolist(), column.isna(), strict=True)]
+            out = np.array(verdicts, dtype="float64")
         parts.append(out)
     result = parts[0]
     for p in parts[1:]:
         result = np.where((result == 0) | (p == 0), 0.0, np.where(np.isnan(result) | np.isnan(p), np.nan, 1.0))
     return result
-
-
-def _isna(v: object) -> bool:
-    try:
-        import pandas as pd
-
-        return bool(pd.isna(cast(Any, v)))
-    except (TypeError, ValueError):
-        return False
 
 
 def _runs(g: GpuSeries, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -356,13 +335,6 @@ def _runs(g: GpuSeries, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(starts), np.flatnonzero(ends)
 
 
-def _run_seconds(g: GpuSeries, firsts: np.ndarray, lasts: np.ndarray) -> np.ndarray:
-    """The length of each stretch: from its first sample to the end of its last."""
-    import numpy as np
-
-    return np.asarray(g.times[lasts] - g.times[firsts] + g.dur[lasts], dtype="float64")
-
-
 def _peak(values: np.ndarray, firsts: np.ndarray, lasts: np.ndarray, pick_max: bool) -> float | None:
     """The most extreme present value inside any of the stretches."""
     import numpy as np
@@ -380,7 +352,7 @@ def _peak(values: np.ndarray, firsts: np.ndarray, lasts: np.ndarray, pick_max: b
 def _stretch(g: GpuSeries, first: int, last: int, values: np.ndarray | None, pick_max: bool) -> Stretch:
     import numpy as np
 
-    seconds = float(g.times[last] - g.times[first] + g.dur[last])
+    seconds = float(g.seconds(first, last))
     end = later(g.stamp(last), timedelta(seconds=float(g.dur[last])))
     peak = mean = None
     if values is not None:
@@ -419,7 +391,7 @@ def _alerts(
             values = g.floats(col) if rule.field.kind.is_quantity else None
             pick_max = rule.op in (">", ">=")
             if thresholds is not None:
-                seconds = _run_seconds(g, firsts, lasts)
+                seconds = g.seconds(firsts, lasts)
                 peak = None if values is None else _peak(values, firsts, lasts, pick_max)
                 total, longest = float(seconds.sum()), float(seconds.max())
                 thresholds.append(ThresholdTime(str(rule), g.index, total, len(firsts), longest, peak))
@@ -447,7 +419,7 @@ def _stalls(gpus: list[GpuSeries], stall: StallRule) -> list[Stretch]:
         util = g.floats("utilization_gpu")
         cond = stall.mask(util, g.floats("memory_used") if "memory_used" in g.columns else None)
         firsts, lasts = _runs(g, cond)
-        long_enough = _run_seconds(g, firsts, lasts) >= stall.min_seconds
+        long_enough = g.seconds(firsts, lasts) >= stall.min_seconds
         for a, b in zip(firsts[long_enough].tolist(), lasts[long_enough].tolist(), strict=True):
             found.append(_stretch(g, a, b, util, pick_max=False))
     return found

@@ -23,7 +23,7 @@ from smiquery.printable import printable
 
 if TYPE_CHECKING:
     from smiquery.alerts import Rule
-    from smiquery.analysis.load import GpuSeries
+    from smiquery.analysis.series import GpuSeries
 
 __all__ = ["findings"]
 

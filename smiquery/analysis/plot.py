@@ -1,7 +1,8 @@
 """A recorded run as a picture: one panel per field, one line per GPU, alert thresholds, gaps where data is missing.
 
-Many GPUs get :mod:`smiquery.analysis.multiples` or :mod:`smiquery.analysis.heatmap`. Needs matplotlib
-(``pip install 'smiquery[plot]'``); built with the object API, nothing here touches pyplot's state or a display.
+Many GPUs get :mod:`smiquery.analysis.multiples` or heatmaps: a row per GPU, each cell the mean of its samples in a
+column of pixels, stalls and firing alerts outlined (so short events that a mean would blur still show). Needs
+matplotlib (``pip install 'smiquery[plot]'``); built with the object API, nothing here touches pyplot's state.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from smiquery.alerts import Rule
 from smiquery.analysis.analyze import DEFAULT_RULES, stalls_and_alerts
-from smiquery.analysis.heatmap import ALERT_EDGE, STALL_EDGE, heatmap_figure, no_values_note
-from smiquery.analysis.load import load_recording
 from smiquery.analysis.multiples import cell_points, multiples_figure
 from smiquery.analysis.render import gpu_name
 from smiquery.analysis.series import (
@@ -32,16 +32,19 @@ from smiquery.analysis.series import (
     gpu_rows,
     line_band,
     line_points,
+    load_recording,
     merged,
     stack_labels,
     text_size,
 )
 from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind, get_field, resolve_fields
+from smiquery.printable import printable
 
 if TYPE_CHECKING:
     from datetime import tzinfo
 
+    import numpy as np
     import pandas as pd
     from matplotlib.figure import Figure
 
@@ -97,11 +100,7 @@ def _gpu_names(gpus: Sequence[int], total: int, names: dict[int, Any]) -> str:
 
 def _naive(ts: Any) -> Any:
     """A datetime as the plot's x axis holds it: the recorded wall clock, or UTC (instants) in a zone."""
-    if getattr(ts, "tzinfo", None) is None:
-        return ts
-    from datetime import timezone
-
-    return ts.astimezone(timezone.utc).replace(tzinfo=None)
+    return ts if ts.tzinfo is None else ts.astimezone(timezone.utc).replace(tzinfo=None)
 
 
 def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field]:
@@ -134,45 +133,32 @@ def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field
 
 
 def _thresholds(rules: Sequence[Rule], fld: Field) -> list[tuple[float, str]]:
-    out: dict[float, str] = {}
+    out: dict[float, list[str]] = {}
     for rule in rules:
-        if rule.field.name != fld.name or isinstance(rule.threshold, bool):
-            continue
-        if isinstance(rule.threshold, (int, float)):
-            text = str(rule)
+        value, text = rule.threshold, str(rule)
+        if rule.field.name == fld.name and isinstance(value, (int, float)) and not isinstance(value, bool):
             label = text[len(rule.field.name) :].strip() if text.startswith(rule.field.name) else text
-            value = float(rule.threshold)
-            out[value] = f"{out[value]}; {label}" if value in out else label
-    return sorted(out.items())
-
-
-# The heatmap's colour range of fields with a physical one: 0 to the recorded limit (the first of these columns with
-# a value), or fixed.
-_LIMITS: dict[str, tuple[str, ...]] = {
-    "memory.used": ("memory.total",),
-    "memory.free": ("memory.total",),
-    "memory.reserved": ("memory.total",),
-    "protected_memory.used": ("protected_memory.total",),
-    "protected_memory.free": ("protected_memory.total",),
-    "power.draw": ("power.limit", "enforced.power.limit"),
-    "power.draw.average": ("power.limit", "enforced.power.limit"),
-    "power.draw.instant": ("power.limit", "enforced.power.limit"),
-    "module.power.draw.average": ("module.power.limit", "module.enforced.power.limit"),
-    "module.power.draw.instant": ("module.power.limit", "module.enforced.power.limit"),
-}
-_FIXED: dict[str, tuple[float, float]] = {"temperature.gpu": (0.0, 100.0), "temperature.memory": (0.0, 100.0)}
+            out.setdefault(float(value), []).append(label)
+    return sorted((value, "; ".join(labels)) for value, labels in out.items())
 
 
 def _physical_scale(fld: Field, df: pd.DataFrame) -> tuple[float, float, str] | None:
-    """A field's physical range for a heatmap's colours: 0 to 100 %, 0 to its recorded limit, a fixed one; or None."""
+    """A field's physical range for a heatmap's colours: 0 to 100 %, 0 to 100 C, 0 to its recorded limit; or None.
+
+    The limit of memory used, free or reserved is the total, of a power draw the first power limit with a value.
+    """
     import numpy as np
 
     if fld.unit == "%":
         return 0.0, 100.0, ""
-    if fld.name in _FIXED:
-        lo, hi = _FIXED[fld.name]
-        return lo, hi, f"fixed {lo:g} to {hi:g}"
-    for name in _LIMITS.get(fld.name, ()):
+    if fld.name in ("temperature.gpu", "temperature.memory"):
+        return 0.0, 100.0, "fixed 0 to 100"
+    head, _, what = fld.name.rpartition(".")
+    module = "module." if head.startswith("module.") else ""
+    limits = [f"{head}.total"] if what in ("used", "free", "reserved") else []
+    if fld.name.startswith(f"{module}power.draw"):
+        limits = [f"{module}power.limit", f"{module}enforced.power.limit"]
+    for name in limits:
         limit = get_field(name)
         if limit.attr in df.columns:
             values = as_float(df[limit.attr])
@@ -233,44 +219,28 @@ def plot_recording(
 ) -> Figure:
     """Draw a recording: one panel per field (shared time axis), one line per GPU, rule thresholds as dashed lines.
 
-    Many GPUs get small multiples or heatmaps instead (``layout``). GPUs are named ``GPU <index>``; a fleet
-    frame's (:func:`smiquery.fleet.fleet_frame`) by node, as its report names them. Missing values, gaps in time and
-    a step back of a clock without a zone break the lines (in a zone the axis runs on instants, its ticks in local
-    time). Stalls (:data:`smiquery.alerts.STALL`) are shaded grey on every panel, a rule's firing alerts orange on
-    its field's panel; a field with no value says so. The x axis names the time zone (or says there is none).
+    ``source`` and ``tz`` are as :func:`~smiquery.analysis.load_recording` takes them. ``fields`` are the panels, as
+    names or a comma list (default :data:`DEFAULT_PLOT_FIELDS`, those present; for a headerless CSV log its columns
+    in order, of which the numeric ones are drawn). The ``rules``' thresholds are drawn and their alerts shaded
+    (default :data:`~smiquery.analysis.DEFAULT_RULES`); ``gpus`` picks GPUs by index, UUID or PCI bus id (as
+    ``stream --id``). The ``title`` defaults to ``name`` (default: the file name) and the time span; ``width`` and
+    ``panel_height`` are in inches. A line has at most ``max_points`` (default: one per pixel): a longer one is drawn
+    as the mean of each stretch of samples in a band of their lowest and highest (in small multiples as its lowest
+    and highest value). ``layout`` ``auto`` overlays up to :data:`OVERLAY_MAX_GPUS` GPUs, draws small multiples up
+    to :data:`MULTIPLES_MAX_GPUS` and heatmaps past that.
 
-    Args:
-        source: a recording path (CSV, JSONL, Parquet) or a DataFrame shaped like :func:`smiquery.recordings.read_csv`.
-        fields: fields to draw, as names or a comma list; default :data:`DEFAULT_PLOT_FIELDS` (those present). For
-            a headerless CSV log, its columns in order (the numeric ones are drawn).
-        rules: rules whose thresholds are drawn and whose alerts are shaded; default
-            :data:`smiquery.analysis.DEFAULT_RULES`.
-        gpus: only these GPUs: indices, UUIDs or PCI bus ids (as ``smiquery stream --id`` takes them).
-        title: the figure title (default: ``name`` and the time span).
-        width: figure width in inches.
-        panel_height: height of one panel in inches.
-        dpi: resolution in dots per inch.
-        max_points: most points per line; default one per pixel (a longer line is drawn as the mean of each stretch
-            of samples in a band of their lowest and highest; in small multiples as its lowest and highest value).
-        tz: the zone the recording was made in (default: as recorded; CSV carries none).
-        shade: shade stalls and alerts.
-        name: what to call the recording in the title (default: the file name).
-        layout: see :data:`Layout`; ``auto`` overlays up to :data:`OVERLAY_MAX_GPUS` GPUs, draws small multiples up
-            to :data:`MULTIPLES_MAX_GPUS`, heatmaps past that.
+    GPUs are named ``GPU <index>``; a fleet frame's by node, as its report names them. Missing values, gaps in time
+    and a step back of a clock without a zone break the lines (in a zone the axis runs on instants, its ticks in
+    local time). With ``shade``, stalls are shaded grey on every panel, a rule's firing alerts orange on its field's
+    panel. A field with no value says so; the x axis names the time zone (or says there is none).
 
-    Returns:
-        A matplotlib ``Figure``; each GPU line has ``gid="gpu-<index>"`` (its band ``band-<index>``), each threshold
-        line ``gid="threshold"``, stall shading ``gid="stall"``, alert shading ``gid="alert"``, a no-data note
-        ``gid="no-data"``, a heatmap ``gid="heatmap-<field>"`` (its stall and alert outlines, one collection each per
-        panel, ``stall`` and ``alert``). Small multiples are one panel per field (``gid="multiples-<field>"``) with a
-        cell per GPU, whose artists carry the label ``GPU <index>`` (:mod:`smiquery.analysis.multiples`).
+    The figure's artists carry gids: ``gpu-<index>`` (a GPU's line), ``band-<index>``, ``threshold``, ``stall``,
+    ``alert``, ``no-data``, ``heatmap-<field>`` (its outlines one ``stall`` and one ``alert`` collection a panel)
+    and ``multiples-<field>`` (a panel of cells, see :mod:`smiquery.analysis.multiples`).
 
-    Raises:
-        ImportError: matplotlib is not installed.
-        ReportError: the recording cannot be read or lacks a requested field.
-        ValueError: ``layout`` is not one of :data:`LAYOUTS`.
-        InvalidFieldError: an unknown field name.
-        InvalidRuleError: a rule cannot be parsed.
+    Raises ImportError without matplotlib, ReportError when the recording cannot be read or lacks a requested field,
+    ValueError for a ``layout`` not in :data:`LAYOUTS`, InvalidFieldError for an unknown field and InvalidRuleError
+    for a rule that cannot be parsed.
     """
     try:
         import matplotlib  # noqa: F401
@@ -289,17 +259,14 @@ def plot_recording(
         x_start, x_end = _naive(start), _naive(end)
         if x_end == x_start:
             x_end = x_start + (end - start) + np.timedelta64(1, "s")
-        if chosen == "heatmap":
-            max_points = max_points or max(200, round(width * dpi * 0.85))  # about one column a pixel of the panel
-        elif chosen == "multiples":
-            max_points = max_points or cell_points(width, dpi, len(groups))
-        else:
-            max_points = max_points or max(200, round(width * dpi))  # about a point per pixel of the width
+        if not max_points:  # about a point a pixel across (a heatmap: a column a pixel of its panel)
+            pixels = round(width * dpi * (0.85 if chosen == "heatmap" else 1.0))
+            max_points = cell_points(width, dpi, len(groups)) if chosen == "multiples" else max(200, pixels)
         scene = _scene(df, flds, groups, parsed, max_points, shade, (x_start, x_end))
         handles: list[Any] = []
         if chosen == "heatmap":
             scales = {f.name: sc for f in flds if (sc := _physical_scale(f, df)) is not None}
-            fig, axes = heatmap_figure(Figure, scene, (width, panel_height, dpi), scales)
+            fig, axes = _heatmap_figure(Figure, scene, (width, panel_height, dpi), scales)
         elif chosen == "multiples":
             fig, axes = multiples_figure(Figure, scene, width, panel_height, dpi)
         else:
@@ -325,19 +292,18 @@ _PNG: dict[str, Any] = {"pil_kwargs": {"compress_level": 3}}
 
 @contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a figure is built and drawn.
+    """Pause Python's cyclic garbage collector while a figure is built and drawn (unless paused already).
 
     A figure's tens of thousands of small objects trip the collector again and again, and each time it walks every
     object of the process (a third of the time of 64 small panels); the figure's cycles are collected later.
     """
-    if not gc.isenabled():  # paused already (another figure, or the caller): leave it as it is
-        yield
-        return
+    enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
 
 
 def _prepare(
@@ -407,30 +373,14 @@ def _scene(
 def _draw_panel(scene: Scene, ax: Any, fld: Field, first: bool) -> list[Any]:
     """One overlaid panel: the GPUs' lines (returned, for the legend), shading, thresholds, title and scale.
 
-    The ``first`` panel labels the stalls too.
+    A line per GPU lies in a band from its lowest to highest values (a note when no GPU has a value). Stalls are
+    shaded grey (labelled on the ``first`` panel), a rule's firing alerts orange on its field's panel.
     """
     import numpy as np
 
-    lines = _draw_lines(scene, ax, fld)
-    spans = _shade(scene, ax, fld, first)
-    has_values = any(bool(np.isfinite(v).any()) for v in scene.values[fld.name])
-    marks = scene.thresholds[fld.name] if has_values else []
-    for value, _ in marks:  # dashed across the panel; _place_notes labels them
-        ax.axhline(value, color=THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
-    _label_panel(ax, fld, has_values)
-    _place_notes(ax, marks, spans, scene.x_range)
-    return lines
-
-
-def _draw_lines(scene: Scene, ax: Any, fld: Field) -> list[Any]:
-    """A line per GPU, in a band from its lowest to highest values; a note instead when none of them has a value."""
-    import numpy as np
-
-    drawn = 0
     lines: list[Any] = []
     for pos, (idx, xs, ys) in enumerate(zip(scene.gpus, scene.xs, scene.values[fld.name], strict=True)):
         x, y = line_points(xs, ys, scene.gap_limit, scene.max_points)
-        drawn += int((~np.isnan(y)).sum())
         colour = GPU_COLOURS[pos % len(GPU_COLOURS)]
         dash = _DASHES[(pos // len(GPU_COLOURS)) % len(_DASHES)]
         (line,) = ax.plot(x, y, color=colour, linestyle=dash, linewidth=1.1, label=gpu_name(idx, scene.names),
@@ -440,24 +390,24 @@ def _draw_lines(scene: Scene, ax: Any, fld: Field) -> list[Any]:
         if band is not None:  # the mean hides a pixel's extremes: a band from its lowest to highest value shows them
             xb, lo, hi = band
             ax.fill_between(xb, lo, hi, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
-    if not drawn:
-        no_values_note(ax, fld.name)
+    has_values = any(bool(np.isfinite(v).any()) for v in scene.values[fld.name])
+    if not has_values:
+        _no_values_note(ax, fld.name)
         ax.set_yticks([])
-    return lines
-
-
-def _shade(scene: Scene, ax: Any, fld: Field, first: bool) -> list[tuple[Any, str]]:
-    """Shade the stalls grey, a rule's firing alerts orange on its field's panel; their labels."""
-    notes: list[tuple[Any, str]] = []
-    n = len(scene.gpus)
+    spans: list[tuple[Any, str]] = []
     for s0, e0, who in merged(scene.stalls, scene.slack):
         ax.axvspan(s0, e0, color=STALL_SHADE, alpha=0.22, linewidth=0, gid="stall", zorder=0)
         if first:
-            notes.append((s0, f"stall: {_gpu_names(who, n, scene.names)}"))
+            spans.append((s0, f"stall: {_gpu_names(who, len(scene.gpus), scene.names)}"))
     for s0, e0, who in merged(scene.alerts.get(fld.name, []), scene.slack):
         ax.axvspan(s0, e0, color=ALERT_SHADE, alpha=0.35, linewidth=0, gid="alert", zorder=0)
-        notes.append((s0, f"alert: {_gpu_names(who, n, scene.names)}"))
-    return notes
+        spans.append((s0, f"alert: {_gpu_names(who, len(scene.gpus), scene.names)}"))
+    marks = scene.thresholds[fld.name] if has_values else []
+    for value, _ in marks:  # dashed across the panel; _place_notes labels them
+        ax.axhline(value, color=THRESHOLD_COLOUR, linestyle="--", linewidth=0.9, gid="threshold", zorder=3)
+    _label_panel(ax, fld, has_values)
+    _place_notes(ax, marks, spans, scene.x_range)
+    return lines
 
 
 _NOTE_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
@@ -543,8 +493,8 @@ def _title_and_legend(fig: Figure, title: str, panels: Sequence[Any], handles: l
     fig.suptitle(title, x=0.01, y=1 - 0.22 / fig.get_size_inches()[1], ha="left", va="center", fontsize=11)
     heat = layout == "heatmap"  # outlines (collections) there, shaded spans (patches) elsewhere
     for gid, text, edge, shade, alpha in (
-        ("stall", "stall", STALL_EDGE, STALL_SHADE, 0.4),
-        ("alert", "alert firing", ALERT_EDGE, ALERT_SHADE, 0.6),
+        ("stall", "stall", _STALL_EDGE, STALL_SHADE, 0.4),
+        ("alert", "alert firing", _ALERT_EDGE, ALERT_SHADE, 0.6),
     ):
         if any(a.get_gid() == gid for ax in panels for a in (ax.collections if heat else ax.patches)):
             style = {"facecolor": "none", "edgecolor": edge} if heat else {"color": shade, "alpha": alpha}
@@ -583,3 +533,210 @@ def plot_png(
         fig = plot_recording(source, fields, **options)
         fig.savefig(buf, format="png", dpi=fig.dpi, **_PNG)
     return buf.getvalue()
+
+
+#: A field's physical colour range: (lowest, highest, where it comes from, e.g. ``"0 to memory.total"``).
+_Scale = tuple[float, float, str]
+
+#: The outline of a stall on a GPU's row, and of a firing alert.
+_STALL_EDGE = "#000000"
+_ALERT_EDGE = "#e6550d"
+_MISSING = "#e8e8e8"
+_BAR_FONT = 8  # the colour bars' ticks and labels
+# Height of one GPU's row (inches) and the least height of a panel.
+_ROW_INCHES = 0.055
+_MIN_PANEL = 1.6
+
+
+def cell_means(
+    xs: Sequence[np.ndarray], ys: Sequence[np.ndarray], x_range: tuple[Any, Any], columns: int
+) -> np.ndarray:
+    """A (GPUs, columns) array: per GPU the mean of its values in each of ``columns`` equal spans of time, NaN if none.
+
+    ``xs`` and ``ys``: per GPU its times (on the plot's axis) and values (NaN where missing).
+    """
+    import numpy as np
+
+    lo, hi = (int(np.asarray(v, dtype="datetime64[ns]").astype("int64")) for v in x_range)
+    span = max(int(hi - lo), 1)
+    at_cells: list[np.ndarray] = [np.zeros(0, dtype="int64")]
+    weights: list[np.ndarray] = [np.zeros(0)]
+    for row, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        ok = ~np.isnan(y)
+        at = (x[ok].astype("datetime64[ns]").astype("int64") - lo) * columns // span
+        at_cells.append(row * columns + np.clip(at, 0, columns - 1))
+        weights.append(y[ok])
+    # one count over all GPUs: a count per GPU would sweep every GPU's cells each time
+    cells = np.concatenate(at_cells)
+    sums = np.bincount(cells, weights=np.concatenate(weights), minlength=len(xs) * columns)
+    counts = np.bincount(cells, minlength=len(xs) * columns)
+    means = np.full(len(sums), np.nan)
+    np.divide(sums, counts, out=means, where=counts > 0)
+    return means.reshape(len(xs), columns)
+
+
+def _heatmap_figure(
+    figure: type[Figure], scene: Scene, size: tuple[float, float, int], scales: dict[str, _Scale]
+) -> tuple[Figure, list[Any]]:
+    """One heatmap panel per field, a row per GPU, sharing the time axis; returns the figure and its panels.
+
+    ``size`` is (width, panel height, dpi); ``scene.max_points`` the most columns of cells. A field without a
+    ``scales`` range is coloured on the range of its values. A fleet's rows are labelled by node, with white lines
+    (``gid="node-boundary"``) between the nodes.
+    """
+    import matplotlib.dates as mdates
+    import numpy as np
+    from matplotlib import colormaps
+
+    width, panel_height, dpi = size
+    flds, gpus, names, x_range = scene.flds, scene.gpus, scene.names, scene.x_range
+    # no more columns than about half a GPU's samples: each cell then holds one sample or more, none is left empty
+    columns = max(1, min(scene.max_points, max(len(x) for x in scene.xs) // 2))
+    panels = []
+    for fld in flds:
+        cells = cell_means(scene.xs, scene.values[fld.name], x_range, columns)
+        vmin, vmax, source = _colour_range(fld, cells, scales.get(fld.name))
+        panels.append((fld, cells, vmin, vmax, source, _bar_ticks(vmin, vmax)))
+    # Placed by fixed margins in inches (constrained layout measures every tick of every colour bar). Right of the
+    # panels: a gap, the colour bar, its ticks, their widest label and the bar's label.
+    height = max(panel_height, _MIN_PANEL, len(gpus) * _ROW_INCHES + 0.6)
+    widest = max(text_size(t, _BAR_FONT)[0] for *_, (_, labels) in panels for t in labels)
+    top, head, gap, bottom, left, bar_width = 0.45, 0.3, 0.3, 0.95, 0.75, 0.15
+    right = 0.1 + bar_width + (7 + widest + 5 + text_size("0", _BAR_FONT)[1]) / 72 + 0.12
+    total = top + len(flds) * (head + height) + (len(flds) - 1) * gap + bottom
+    fig = figure(figsize=(width, total), dpi=dpi)
+    axes: list[Any] = []
+    for k in range(len(flds)):
+        y = total - top - head - height - k * (head + height + gap)  # the panel's foot, inches from the bottom
+        box = (left / width, y / total, (width - left - right) / width, height / total)
+        axes.append(fig.add_axes(box, sharex=axes[0] if axes else None))
+        if k < len(flds) - 1:
+            axes[-1].tick_params(labelbottom=False)
+    lo, hi = (float(v) for v in mdates.date2num(list(x_range)))  # type: ignore[no-untyped-call]
+    row_of = {g: r for r, g in enumerate(gpus)}
+    cmap = colormaps["viridis"].with_extremes(bad=_MISSING)
+    nodes = [names[g].node if names and g in names else None for g in gpus]
+    starts = [r for r in range(len(gpus)) if r == 0 or nodes[r] != nodes[r - 1]]
+    # at most about 16 labels: of GPUs, or of the nodes (at their first row) in a fleet
+    rows = starts if names else range(len(gpus))
+    shown = rows[:: max(1, len(rows) // 16)]
+    for ax, (fld, cells, vmin, vmax, source, (locs, labels)) in zip(axes, panels, strict=True):
+        image = ax.imshow(
+            np.ma.masked_invalid(cells),
+            aspect="auto",
+            interpolation="nearest",
+            cmap=cmap,
+            vmin=vmin,
+            vmax=vmax,
+            extent=(lo, hi, len(gpus) - 0.5, -0.5),
+            gid=f"heatmap-{fld.name}",
+        )
+        pos = ax.get_position()
+        bar = fig.colorbar(image, cax=fig.add_axes((pos.x1 + 0.1 / width, pos.y0, bar_width / width, pos.height)))
+        # plain numbers, fixed: a scalar formatter would write 40,000 to 40,001 as "+4e4" and offsets
+        bar.set_ticks(locs, labels=labels, fontsize=_BAR_FONT)
+        scale = f"{_number(vmin)} to {_number(vmax)} {fld.unit}".rstrip()
+        bar_inches = pos.height * total
+        fits = text_size(scale, _BAR_FONT)[0] / 72 <= bar_inches - 0.1
+        bar.set_label(scale if fits else fld.unit, fontsize=_BAR_FONT, labelpad=4)
+        for value, _ in scene.thresholds[fld.name]:
+            if vmin <= value <= vmax:  # a white line under a dashed black one shows on any colour
+                bar.ax.axhline(value, color="#ffffff", linewidth=2.0)
+                bar.ax.axhline(value, color="#000000", linewidth=1.0, linestyle="--", gid="threshold")
+        _outline(ax, scene.stalls, row_of, _STALL_EDGE, "stall", 0.9)
+        _outline(ax, scene.alerts.get(fld.name, []), row_of, _ALERT_EDGE, "alert", 1.3)
+        # a fixed place: placed around the ticks, a title is measured again on every draw
+        name = f"{fld.name} [{fld.unit}]" if fld.unit else fld.name
+        ax.set_title(f"{name}, colour: {source}" if source else name, loc="left", fontsize=10, y=1.0, pad=4)
+        ax.set_yticks(shown, [printable(nodes[r] or "") if names else str(gpus[r]) for r in shown], fontsize=7)
+        ax.set_ylabel("node" if names else "GPU")
+        if names and len(starts) > 1:
+            ax.hlines([r - 0.5 for r in starts[1:]], lo, hi, colors="#ffffff", linewidths=1.0, gid="node-boundary")
+        if not np.isfinite(cells).any():
+            _no_values_note(ax, fld.name)
+    return fig, axes
+
+
+def _no_values_note(ax: Any, name: str) -> None:
+    """The note across a panel (``gid="no-data"``) whose field ``name`` has no value in any sample."""
+    note = f"no values: {name} was missing ([N/A] or not supported) in every sample"
+    ax.text(
+        0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=9, color="#555555", gid="no-data"
+    )
+
+
+def _colour_range(fld: Field, cells: np.ndarray, scale: _Scale | None) -> tuple[float, float, str]:
+    """The field's colour range, widened to the values, and where it comes from (for the panel's title, or "")."""
+    import numpy as np
+
+    finite = cells[np.isfinite(cells)]
+    if fld.kind.is_bool:
+        return 0.0, 1.0, ""
+    if not len(finite):
+        return scale or (0.0, 1.0, "")
+    low, high = float(finite.min()), float(finite.max())
+    if scale is not None:
+        vmin, vmax, source = scale
+        if low < vmin or high > vmax:
+            source = f"{source}, widened to the values" if source else "widened to the values"
+        return min(vmin, low), max(vmax, high), source
+    if high == low:
+        pad = max(abs(low) * 0.05, 1.0)
+        return low - pad, high + pad, "around the one value"
+    return low, high, "the values' range"
+
+
+def _number(value: float) -> str:
+    """A plain number for a colour bar: 81,559, 0.5, -20; never an offset or a power of ten."""
+    if float(value).is_integer() and abs(value) < 1e15:
+        return f"{int(value):,}"
+    digits = max(0, 3 - math.floor(math.log10(abs(value)))) if value else 0
+    return f"{value:,.{digits}f}".rstrip("0").rstrip(".")
+
+
+def _bar_ticks(vmin: float, vmax: float) -> tuple[list[float], list[str]]:
+    """About five round values inside the colour range, and their labels."""
+    from matplotlib.ticker import MaxNLocator
+
+    locs = [float(v) for v in MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]).tick_values(vmin, vmax)]
+    locs = [v for v in locs if vmin - 1e-9 * abs(vmax - vmin) <= v <= vmax + 1e-9 * abs(vmax - vmin)]
+    return locs, [_number(0.0 if abs(v) < 1e-12 * max(abs(vmin), abs(vmax), 1) else v) for v in locs]
+
+
+def _outline(
+    ax: Any, spans: Sequence[tuple[Any, Any, int]], row_of: dict[int, int], edge: str, gid: str, lw: float
+) -> None:
+    """Each (start, end, gpu) span as an outline around its stretch of the GPU's row.
+
+    Spans of neighbouring rows within a hundredth of the run of each other share one outline (64 GPUs stalling at
+    once are one box).
+    """
+    import matplotlib.dates as mdates
+    import numpy as np
+    from matplotlib.collections import PolyCollection
+
+    lo, hi = ax.get_xlim()
+    slack = (hi - lo) / 100
+    kept = [(start, end, row_of[gpu]) for start, end, gpu in spans if gpu in row_of]
+    if not kept:
+        return
+    # the times of all spans converted at once: a conversion per span costs more than the rest of the outline
+    times = np.array([t for start, end, _ in kept for t in (start, end)], dtype="datetime64[ns]")
+    nums = mdates.date2num(times).reshape(-1, 2)  # type: ignore[no-untyped-call]
+    placed = [(float(s0), float(e0), row) for (s0, e0), (_, _, row) in zip(nums, kept, strict=True)]
+    boxes: list[list[float]] = []  # [start, end, first row, last row]
+    ending: dict[int, list[list[float]]] = {}  # the boxes whose last row is the key
+    for s0, e0, row in sorted(placed, key=lambda p: (p[2], p[0])):
+        above = ending.get(row - 1, [])
+        near = next((b for b in above if abs(b[0] - s0) <= slack and abs(b[1] - e0) <= slack), None)
+        if near is None:
+            near = [s0, e0, row, row]
+            boxes.append(near)
+        else:
+            above.remove(near)
+            near[0], near[1], near[3] = min(near[0], s0), max(near[1], e0), row
+        ending.setdefault(row, []).append(near)
+    if boxes:  # one artist for all: a patch each costs milliseconds to add and to draw
+        verts = [[(s0, a - 0.5), (e0, a - 0.5), (e0, b + 0.5), (s0, b + 0.5)] for s0, e0, a, b in boxes]
+        ax.add_collection(PolyCollection(verts, facecolors="none", edgecolors=edge, linewidths=lw, gid=gid, zorder=3),
+                          autolim=False)  # fmt: skip

@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - the plot extra is installed by `make t
     pytest.skip("matplotlib is not installed: pip install 'smiquery[plot]'", allow_module_level=True)
 
 from smiquery.analysis import MULTIPLES_MAX_GPUS, plot_recording
-from smiquery.analysis.heatmap import cell_means
+from smiquery.analysis.plot import cell_means
 from tests.analysis.test_plot import colour_pixels, panel_pixels
 
 
