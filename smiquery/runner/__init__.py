@@ -170,14 +170,8 @@ class LineSource(Protocol):
     """
 
     argv: tuple[str, ...]
-
-    @property
-    def pid(self) -> int | None:
-        """The child's process id (None without a process)."""
-
-    @property
-    def idle(self) -> float:
-        """Seconds the last :meth:`readline` waited for its line's data."""
+    pid: int | None  #: the child's process id (None without a process)
+    idle: float  #: seconds the last :meth:`readline` waited for its line's data
 
     def readline(self, timeout: float) -> str | None:
         """The next complete line, without its newline (blank lines skipped); None when none came in time.
@@ -301,7 +295,7 @@ class LineStream:
         self.argv = tuple(argv)
         self._proc = spawn_loop_child(self.argv) if pdeathsig else popen(self.argv)
         self._finalizer = weakref.finalize(self, terminate_and_reap, self._proc)
-        self.pid = self._proc.pid
+        self.pid: int | None = self._proc.pid
         self.idle = 0.0  #: seconds the last :meth:`readline` waited for its line's data
         self._split = LineSplitter()
         self._err = bytearray()

@@ -532,12 +532,11 @@ def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Outpu
 
 
 _GPU_RE = re.compile(r"[ \t]*<gpu id=\"[^\"]*\">.*?</gpu>[ \t]*\n?", re.DOTALL)
-_TAG = r"<{0}>\s*([^<]*?)\s*</{0}>"
 _SM_PER_SLICE = 14  # A100: 7 slices of 14 SMs (H100: 16; the fake names profiles the A100 way)
 
 
 def _tag(block: str, name: str) -> str:
-    m = re.search(_TAG.format(name), block)
+    m = re.search(rf"<{name}>\s*([^<]*?)\s*</{name}>", block)
     return m.group(1) if m else ""
 
 
