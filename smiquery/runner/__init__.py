@@ -104,14 +104,11 @@ def _runnable(path: str) -> bool:
 
 
 def find_nvidia_smi(nvidia_smi: str | os.PathLike[str] | None = None, *, runner: Runner | None = None) -> str:
-    """Locate the nvidia-smi binary: the path to run.
+    """The path of the nvidia-smi binary to run; raises NvidiaSmiNotFoundError (saying what to do) if none is usable.
 
     Order: ``nvidia_smi`` (a path, or a bare name looked up on PATH), ``$SMIQUERY_NVIDIA_SMI``, ``PATH`` (a hit
     is remembered while ``PATH`` keeps its value and the file stays executable), then :func:`usual_places`. A
     runner with a ``locate`` method (``runner``, else the default runner) names the binary itself.
-
-    Raises:
-        NvidiaSmiNotFoundError: nothing usable was found; the message says what to do.
     """
     global _which_memo
     locate = getattr(runner if runner is not None else _installed, "locate", None)
@@ -173,21 +170,13 @@ class LineSource(Protocol):
     """
 
     argv: tuple[str, ...]
-
-    @property
-    def pid(self) -> int | None:
-        """The child's process id (None without a process)."""
-
-    @property
-    def idle(self) -> float:
-        """Seconds the last :meth:`readline` waited for its line's data."""
+    pid: int | None  #: the child's process id (None without a process)
+    idle: float  #: seconds the last :meth:`readline` waited for its line's data
 
     def readline(self, timeout: float) -> str | None:
         """The next complete line, without its newline (blank lines skipped); None when none came in time.
 
-        Raises:
-            StreamEndedError: the output ended and the child exited 0.
-            NvidiaSmiFailedError: the output ended and the child exited non-zero (its typed subclass).
+        Once the output has ended, raises StreamEndedError (exit 0) or the exit's typed NvidiaSmiFailedError.
         """
 
     def interrupt(self) -> None:
@@ -217,8 +206,7 @@ class Runner(Protocol):
         """Start a long-running child and return its output lines."""
 
 
-# The runner used where none is passed. Only smiquery.testing.use_runner() changes it, for the length of a
-# `with` block in a test; no environment variable or configuration file can.
+# The runner used where none is passed: only smiquery.testing.use_runner() changes it (no variable or file can).
 _installed: Runner | None = None
 
 
@@ -246,10 +234,9 @@ def decode(data: bytes) -> str:
 
 
 class LineSplitter:
-    """Cuts a child's stdout into lines: blank lines skipped, a CR stripped, over-long lines cut.
+    """Cuts a child's stdout into :attr:`lines` (blank lines skipped, a CR stripped, over-long lines cut).
 
-    :attr:`lines` holds the complete lines not taken yet; :attr:`messages` the last 20 lines that are no CSV row,
-    for error messages.
+    :attr:`messages` keeps the last 20 lines that are no CSV row, for error messages.
     """
 
     def __init__(self) -> None:
@@ -299,18 +286,16 @@ class LineSplitter:
 class LineStream:
     """The output lines of one long-running nvidia-smi child (``-l``/``-lms`` loop mode): a ``LineSource``.
 
-    It never kills the child for being slow. When the output ends, or the leader exits (helpers holding the
-    pipes are killed after ``PIPE_GRACE``), the child is reaped and, after the last line, exit 0 raises
-    :class:`~smiquery.errors.StreamEndedError`, another the typed :class:`~smiquery.errors.NvidiaSmiFailedError`.
-    A context manager; it also closes itself when garbage-collected. ``pdeathsig``: on Linux the child dies with
-    this process.
+    It never kills the child for being slow. When the output ends, or the leader exits (helpers holding the pipes
+    are killed after ``PIPE_GRACE``), the child is reaped and after the last line its exit raises as ``readline``
+    says. A context manager, closed when garbage-collected too. ``pdeathsig``: on Linux the child dies with us.
     """
 
     def __init__(self, argv: Sequence[str], *, pdeathsig: bool = True) -> None:
         self.argv = tuple(argv)
         self._proc = spawn_loop_child(self.argv) if pdeathsig else popen(self.argv)
         self._finalizer = weakref.finalize(self, terminate_and_reap, self._proc)
-        self.pid = self._proc.pid
+        self.pid: int | None = self._proc.pid
         self.idle = 0.0  #: seconds the last :meth:`readline` waited for its line's data
         self._split = LineSplitter()
         self._err = bytearray()
@@ -474,11 +459,7 @@ class LineStream:
 
 
 class _WholeOutput(LineStream):
-    """A one-shot child read by :class:`LineStream`'s loop, its stdout kept whole (up to :data:`MAX_OUTPUT_BYTES`).
-
-    The output ends when both pipes close and the leader has exited, or :data:`PIPE_GRACE` after the leader exited
-    (helpers that still hold the pipes are then killed).
-    """
+    """A one-shot child read by :class:`LineStream`'s loop, its stdout kept whole (up to :data:`MAX_OUTPUT_BYTES`)."""
 
     def __init__(self, argv: Sequence[str], deadline: float) -> None:
         super().__init__(argv, pdeathsig=False)
@@ -506,15 +487,11 @@ class SubprocessRunner:
     """Runs nvidia-smi as a real child process (loop children die with this process on Linux)."""
 
     def run(self, argv: Sequence[str], timeout: float) -> Completed:
-        """Run ``argv`` to completion.
+        """Run ``argv`` to completion within about ``timeout`` seconds, killing and reaping included.
 
-        The whole call, killing included, takes at most about ``timeout`` seconds: the child is terminated
-        shortly before the deadline so that reaping fits inside it. A child that exited while a helper it
-        started still holds its output pipe is complete: its output is returned and the helper killed.
-
-        Raises:
-            NvidiaSmiNotFoundError: the binary does not exist or cannot be executed.
-            NvidiaSmiTimeoutError: it did not finish in time (it was killed).
+        A child that exited while a helper it started still holds its output pipe is complete: its output is
+        returned and the helper killed. Raises NvidiaSmiNotFoundError (the binary cannot be executed) or
+        NvidiaSmiTimeoutError (no answer in time; it was killed).
         """
         start = time.monotonic()
         grace = min(TERM_GRACE, timeout / 10)

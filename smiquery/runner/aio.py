@@ -1,10 +1,7 @@
 """Children on an asyncio event loop: one-shot runs and loop-mode lines, without blocking the loop.
 
-The children are :mod:`smiquery.runner.children`'s, with its guarantees: an argument list, a process group of their
-own, terminated, killed if need be and reaped on every path (cancellation and ``asyncio.wait_for`` included), and on
-Linux a loop child dies with this process however it dies (see :func:`start_loop_child`). stdout is read only while
-a read waits, so a slow consumer holds the child back as the thread reader does; past a read's deadline the child
-is killed, and what that silence means is the stream engine's business (:mod:`smiquery.streams.engine`).
+The children are :mod:`smiquery.runner.children`'s, with its guarantees (reaped on cancellation too). stdout is read
+only while a read waits, so a slow consumer holds the child back; past a read's deadline the child is killed.
 """
 
 from __future__ import annotations
@@ -52,12 +49,10 @@ async def _reap(proc: Popen) -> None:
 
 
 async def start_loop_child(argv: Sequence[str]) -> Popen:
-    """Start a loop-mode child that dies with this process (Linux), without blocking the event loop.
+    """:func:`~smiquery.runner.children.spawn_loop_child` on a worker thread, without blocking the event loop.
 
-    :func:`~smiquery.runner.children.spawn_loop_child` on a worker thread: the runner's spawner thread forks it
-    through the parent-death trampoline (the kernel sends that signal when the *forking thread* ends, and the
-    spawner lasts as long as the process). Cancelled during the fork, it waits for the child and reaps it before
-    passing the cancellation on; cancelled again meanwhile, the child is killed as soon as it exists.
+    Cancelled during the fork, it waits for the child and reaps it before passing the cancellation on; cancelled
+    again meanwhile, the child is killed as soon as it exists.
     """
     started = asyncio.get_running_loop().run_in_executor(None, spawn_loop_child, argv)
     try:
@@ -169,8 +164,7 @@ class AsyncLines:
     async def finish(self, timeout: float, *, check: bool = True) -> int:
         """After the end of output: wait up to ``timeout`` s for the exit (then kill), reap; the exit status.
 
-        Raises:
-            NvidiaSmiFailedError: with ``check``, a non-zero exit (its typed subclass).
+        With ``check``, a non-zero exit raises its typed NvidiaSmiFailedError.
         """
         await _wait_exit(self.proc, timeout)
         await self.close()
@@ -195,9 +189,7 @@ class AsyncLines:
 async def run(argv: Sequence[str], timeout: float) -> Completed:
     """Run a one-shot child to completion within ``timeout`` seconds, without blocking the event loop.
 
-    Raises:
-        NvidiaSmiNotFoundError: the binary does not exist or cannot be executed.
-        NvidiaSmiTimeoutError: it did not finish in time (it was killed and reaped).
+    Raises NvidiaSmiNotFoundError (it cannot be executed) or NvidiaSmiTimeoutError (no answer in time; reaped).
     """
     loop = asyncio.get_running_loop()
     start = loop.time()

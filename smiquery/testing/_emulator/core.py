@@ -26,6 +26,8 @@ ENV_VARS: Mapping[str, str] = {
     "SMIQUERY_FAKE_XML": "nvidia-smi -q -x capture that -q -x and -L answer from (empty: made from the recording)",
 }
 HELP_HINT = "Please run 'nvidia-smi -h' for help."
+# The bytes of garbage (with NUL) and flood output: no NUL, comma or line break (str.splitlines() knows eight)
+NOISE = bytes(b for b in range(1, 256) if b not in b"\n\r\x0b\x0c\x1c\x1d\x1e\x85,")
 
 
 class FakeUsageError(Exception):

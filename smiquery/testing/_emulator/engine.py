@@ -1,8 +1,4 @@
-"""The fake's engine (argv in, exit status out; its human-readable answers) and the two ways it runs.
-
-As a real executable (the script :func:`fake_nvidia_smi` writes, and its entry points), or on a thread:
-:class:`InProcessRunner`, its line source, and :func:`use_runner`.
-"""
+"""The fake's engine (argv in, exit status out; its human-readable answers), run as an executable or on a thread."""
 
 from __future__ import annotations
 
@@ -26,6 +22,7 @@ from smiquery.testing._emulator.core import (
     ENV_VARS,
     FAULT_HELP,
     HELP_HINT,
+    NOISE,
     FakeExit,
     FakeUsageError,
     Faults,
@@ -64,7 +61,11 @@ def execute(argv: Sequence[str], settings: Settings, env: Mapping[str, str], out
         faults = parse_faults(settings.fault)
         out.begin(faults)
         if settings.log:  # after SIGTERM is ignored: a test that sees the line may rely on it
-            _log(settings.log, argv)
+            import json
+
+            record = json.dumps({"pid": os.getpid(), "argv": list(argv), "time": time.time()}) + "\n"
+            with open(settings.log, "ab", buffering=0) as file:  # one write on O_APPEND: lines never interleave
+                file.write(record.encode("utf-8"))
         code = _dispatch(argv, settings, faults, out)
     except FakeExit as exc:
         code = exc.args[0]
@@ -74,14 +75,6 @@ def execute(argv: Sequence[str], settings: Settings, env: Mapping[str, str], out
         return _EX_SOFTWARE
     out.flush()
     return code
-
-
-def _log(path: str, argv: Sequence[str]) -> None:
-    import json
-
-    record = json.dumps({"pid": os.getpid(), "argv": list(argv), "time": time.time()}) + "\n"
-    with open(path, "ab", buffering=0) as file:  # one write on an O_APPEND descriptor: lines never interleave
-        file.write(record.encode("utf-8"))
 
 
 def _dispatch(argv: Sequence[str], settings: Settings, faults: Faults, out: Output) -> int:
@@ -133,9 +126,8 @@ def _flood_block() -> bytes:
     """64 KiB of noise with no line break, comma or NUL: what a wrong binary could print."""
     import random
 
-    alphabet = bytes(b for b in range(1, 256) if b not in b"\n\r\x0b\x0c\x1c\x1d\x1e\x85,")
     rng = random.Random(20261025)
-    return bytes(rng.choice(alphabet) for _ in range(1 << 16))
+    return bytes(rng.choice(NOISE) for _ in range(1 << 16))
 
 
 def _flood(argv: Sequence[str], total: int | None, out: Output) -> int:
@@ -549,14 +541,12 @@ class InProcessLines:
 class InProcessRunner:
     """A runner that serves the fake ``nvidia-smi`` on worker threads: the executable's engine, output and exits.
 
-    Waits (hangs, start delays, loop intervals) are real and cut short by ``terminate``, ``kill`` and ``close``;
-    ``argv[0]`` is ignored and ``grandchild`` does nothing (keep the executable for tests of pipes, signals and
-    reaping). ``recording``, ``fault``, ``start_delay``, ``apps`` and ``log`` are :func:`fake_nvidia_smi`'s, as
-    attributes that may change between calls (``fault = None`` simulates a fix); ``env`` holds the
-    ``SMIQUERY_FAKE_*`` overrides (the process environment is not read). :attr:`calls` holds every call's argv;
-    ``reenumerate`` reloads are counted in :attr:`reloads`. Output waits for the reader past 1 MiB unread, as a
-    pipe does, and :meth:`run` fails past :data:`smiquery.runner.MAX_OUTPUT_BYTES` as the real runner does.
-    For code that takes no ``runner=``, see :func:`use_runner`. Raises as :func:`fake_nvidia_smi` does.
+    Waits are real and cut short by ``terminate``, ``kill`` and ``close``; ``argv[0]`` is ignored and ``grandchild``
+    does nothing (keep the executable for tests of pipes, signals and reaping). ``recording``, ``fault``,
+    ``start_delay``, ``apps`` and ``log`` are :func:`fake_nvidia_smi`'s, as attributes that may change between calls;
+    ``env`` holds the ``SMIQUERY_FAKE_*`` overrides (the process environment is not read). :attr:`calls` holds every
+    call's argv. Output waits for the reader past 1 MiB unread, as a pipe does, and :meth:`run` fails past
+    :data:`smiquery.runner.MAX_OUTPUT_BYTES`. Raises as :func:`fake_nvidia_smi` does.
     """
 
     def __init__(

@@ -1,10 +1,7 @@
 """nvidia-smi's output modes in the fake: the CSV queries with the row-counting faults, ``pmon``, ``-q -x`` and ``-L``.
 
-``pmon`` shows the compute apps on the recording's GPUs (an idle GPU: one line of ``-``), or what
-:data:`PMON_ENV_VARS` set. ``-q -x`` prints the ``SMIQUERY_FAKE_XML`` capture less the GPUs ``-i`` leaves out, else a
-small XML made from the recording's current sweep; ``-L`` lists its GPUs and MIG devices. Both take the start-up
-faults, ``exit:``, ``hang`` and ``start-delay``; ``pmon`` the row-counting ones too (N counts its data lines),
-``-q -x`` ``truncated`` (half the XML) and ``garbage`` (random bytes).
+``pmon`` shows the compute apps on the recording's GPUs, or what :data:`PMON_ENV_VARS` set; ``-q -x`` the
+``SMIQUERY_FAKE_XML`` capture, else a small XML made from the recording's sweep; ``-L`` lists its GPUs and MIG devices.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from smiquery.testing._emulator.core import (
     HANDLE_ERROR,
     HELP_HINT,
     INFOROM_WARNING,
+    NOISE,
     NOTICE_BATCH,
     ArgReader,
     FakeExit,
@@ -195,9 +193,7 @@ class RowWriter:
 
 def _garbage_line(rng: random.Random, ncols: int) -> bytes:
     """A line that can never pass for a row of ``ncols`` cells: random bytes, invalid UTF-8, wrong cell count."""
-    # no separators and nothing any reader could take for a line break (str.splitlines() knows eight of them)
-    alphabet = bytes(b for b in range(256) if b not in b"\n\r\x0b\x0c\x1c\x1d\x1e\x85,")
-    noise = bytes(rng.choice(alphabet) for _ in range(rng.randint(8, 60)))
+    noise = bytes(rng.choice(b"\0" + NOISE) for _ in range(rng.randint(8, 60)))
     cells = ncols + 1 + rng.randint(0, 3)
     return b"\xff\xfe" + noise + b", \xc3(" * (cells - 1)
 
@@ -403,11 +399,6 @@ def _widths(names: Sequence[str], *, header: bool = False) -> list[int]:
     return [fixed.get(n, 7) for n in names]
 
 
-def _line(cells: Sequence[str], widths: Sequence[int]) -> str:
-    body = "".join(c.rjust(w) for c, w in zip(cells[:-1], widths))
-    return f"{body}    {cells[-1][:15]:<15}"
-
-
 def _ends(text: str, fail: Callable[[str], NoReturn]) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
@@ -531,7 +522,8 @@ def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Outpu
                     "fb": app["used_gpu_memory"] if app.get("used_gpu_memory", "").isdigit() else "-",
                     "command": app.get("process_name", "-").rsplit("/", 1)[-1] if app else "-",
                 }
-                data(_line([values.get(name, "-") for name in names], widths))
+                cells = [values.get(name, "-") for name in names]
+                data("".join(c.rjust(w) for c, w in zip(cells[:-1], widths)) + f"    {cells[-1][:15]:<15}")
         out.flush()
         n += 1
         if count is None or n < count:
@@ -540,12 +532,11 @@ def run_pmon(argv: Sequence[str], settings: Settings, faults: Faults, out: Outpu
 
 
 _GPU_RE = re.compile(r"[ \t]*<gpu id=\"[^\"]*\">.*?</gpu>[ \t]*\n?", re.DOTALL)
-_TAG = r"<{0}>\s*([^<]*?)\s*</{0}>"
 _SM_PER_SLICE = 14  # A100: 7 slices of 14 SMs (H100: 16; the fake names profiles the A100 way)
 
 
 def _tag(block: str, name: str) -> str:
-    m = re.search(_TAG.format(name), block)
+    m = re.search(rf"<{name}>\s*([^<]*?)\s*</{name}>", block)
     return m.group(1) if m else ""
 
 
