@@ -37,7 +37,7 @@ from smiquery.training.epochs import (
     summary_spec,
     throughput_values,
 )
-from smiquery.training.memory import FrameworkMemory, MemoryView, framework_values, gap_grew, gap_note, growth_event
+from smiquery.training.memory import FrameworkMemory, MemoryView, gap_event, gap_grew
 from smiquery.training.share import ShareTracker
 
 if TYPE_CHECKING:
@@ -700,16 +700,15 @@ class RunMonitor:
             self.framework = None
             return {}
         known = {idx: s.uuid for idx, s in latest.items()}
-        order = self._order
-
-        def nvsmi_index(ordinal: int) -> int | None:
-            idx = self._cuda.nvsmi_index(ordinal, known)
-            return None if idx is None or (order is not None and idx not in order) else idx
-
-        out, per_gpu = framework_values(views, latest, nvsmi_index)
-        for idx, (view, gap) in per_gpu.items():
+        out: dict[str, float] = {}
+        for view in views:
+            idx = self._cuda.nvsmi_index(view.ordinal, known)
+            if idx is None or (self._order is not None and idx not in self._order):
+                continue
+            keys = view.values(idx, to_number(latest[idx].get("memory.used")) if idx in latest else None)
+            out.update(keys)
             self.totals.memory[idx] = view
-            self.watch_gap(idx, gap, view, fw.name)
+            self.watch_gap(idx, keys[f"gpu{idx}_mem_gap_mib"], view, fw.name)
         return out
 
     def watch_gap(self, idx: int, gap: float, view: MemoryView, framework: str) -> None:
@@ -720,11 +719,11 @@ class RunMonitor:
         history = gap_grew(self._gaps, idx, gap)
         if history is None or f"gap-{idx}" in self._said:
             return
-        note = gap_note(idx, framework, view, history)
-        self.say(note, key=f"gap-{idx}")
         newest = self.latest().get(idx)
         at = newest.timestamp if newest is not None and newest.timestamp is not None else datetime.now().astimezone()
-        self.alert(growth_event(idx, self.uuids().get(idx), history, at), message=note)
+        note, event = gap_event(idx, self.uuids().get(idx), framework, view, history, at)
+        self.say(note, key=f"gap-{idx}")
+        self.alert(event, message=note)
 
     def uuids(self) -> dict[int, str]:
         """The UUID of each watched GPU seen so far (nvidia-smi index -> UUID)."""
