@@ -128,7 +128,7 @@ def order_check(
     from smiquery.sources.apps import processes
     from smiquery.sources.latest import Latest
     from smiquery.sources.query_gpu import query
-    from smiquery.training.share import own_pids
+    from smiquery.training.epochs import own_pids
 
     def look() -> tuple[VisibleDevices | None, str, bool]:
         rows = query(["index", "uuid", "name"], nvidia_smi=nvidia_smi)

@@ -34,11 +34,11 @@ from smiquery.training.epochs import (
     SUMMARY_FIELDS,
     EnergySplitter,
     EpochAccumulator,
+    ShareTracker,
     summary_spec,
     throughput_values,
 )
 from smiquery.training.memory import FrameworkMemory, MemoryView, gap_event, gap_grew
-from smiquery.training.share import ShareTracker
 
 if TYPE_CHECKING:
     from smiquery.sample import GpuSample
@@ -107,17 +107,6 @@ class TrainingAlert:
     step: int | None
     learning_rate: float | None
     phase: str
-
-    @classmethod
-    def at(
-        cls, event: AlertEvent, pos: Position, extra: Callable[[], Mapping[str, Any]] | None = None
-    ) -> TrainingAlert:
-        """The event where training was at ``pos``; ``extra`` may add the learning rate and the framework's step."""
-        got: Mapping[str, Any] = {}
-        if extra is not None:
-            with contextlib.suppress(Exception):  # a half-built or torn-down model: context without these
-                got = extra()
-        return cls(event, pos.epoch, pos.batch, got.get("step", pos.step), got.get("learning_rate"), pos.phase)
 
     def context(self) -> dict[str, Any]:
         """The context as handlers receive it."""
@@ -506,7 +495,14 @@ class RunMonitor:
 
     def alert(self, event: AlertEvent, pos: Position | None = None, message: str | None = None) -> None:
         """Keep ``event`` stamped with ``pos`` (default: now), queued for the handlers' thread (with ``message``)."""
-        alert = TrainingAlert.at(event, self._pos if pos is None else pos, self.context_extra)
+        pos = self._pos if pos is None else pos
+        got: Mapping[str, Any] = {}
+        if self.context_extra is not None:
+            with contextlib.suppress(Exception):  # a half-built or torn-down model: context without these
+                got = self.context_extra()
+        alert = TrainingAlert(
+            event, pos.epoch, pos.batch, got.get("step", pos.step), got.get("learning_rate"), pos.phase
+        )
         self.alerts.append(alert)
         context = alert.context() if message is None else {**alert.context(), "message": message}
         if self._worker is None:
