@@ -136,23 +136,19 @@ class EnergySplitter:
     between the owners of the marks inside it. At an epoch's end :meth:`tail` credits the newest power up to the end;
     the next sample counts only what is left. A GPU's first sample's power is held back to the run's start or the end
     of the last epoch logged (:attr:`held`: for how long). A step back in the timestamps counts 0, a jump over
-    ``max(3 * interval, 5 s)`` one ``interval``.
+    ``max(3 * interval, 5 s)`` one ``interval``. ``began``: the run's start, which each GPU's first sample stands for.
     """
 
-    def __init__(self, interval: float) -> None:
+    def __init__(self, interval: float, began: float | None = None) -> None:
         self.interval = interval
         self.cap = max(3.0 * interval, 5.0)
         self.last: dict[int, float] = {}
         self.watts: dict[int, float] = {}
         self.credited: dict[int, float] = {}
         self.marks: list[tuple[float, Owner]] = []
-        self.began: float | None = None
+        self.began = began
         #: seconds of a first sample's power held back, per owner (the longest of the GPUs)
         self.held: dict[Owner, float] = {}
-
-    def start(self, wall: float) -> None:
-        """The run began at ``wall``: each GPU's first sample stands for the time since then."""
-        self.began = wall
 
     def mark(self, wall: float, owner: Owner) -> None:
         """From ``wall`` on, energy belongs to ``owner`` (an epoch, None for the setup, :data:`BETWEEN`)."""

@@ -236,7 +236,6 @@ class RunMonitor:
         self._done_epochs: dict[int, EpochAccumulator] = {}
         self._latest: dict[int, GpuSample] = {}
         self._last_t: dict[int, float] = {}
-        self._energy = EnergySplitter(self.interval)  # split at epoch boundaries
         self._wall_offset = time.time() - time.monotonic()  # arrival (monotonic) -> wall, for untimed samples
         self._batch_values: dict[str, float] = {}
         self._order: list[int] | None = None
@@ -254,7 +253,7 @@ class RunMonitor:
         self._pid = os.getpid()  # only the process that started the run closes it (not a forked child)
         self._started_at = time.monotonic()
         self._epoch0 = (self._started_at, 0, 0, 0.0)  # the epoch's start: monotonic time, steps, samples, data wait
-        self._energy.start(time.time())
+        self._energy = EnergySplitter(self.interval, time.time())  # split at epoch boundaries
         self._step_end: float | None = None
         self._waits = self._counts_samples = False
         self._gaps: dict[int, deque[float]] = {}  # each GPU's driver-vs-framework gap over the last epochs
