@@ -240,9 +240,8 @@ class WebhookHandler:
             thread.join(limit)
         with self._cond:
             left = len(box.queue)
-            if left:
-                box.queue.clear()
-                self.dropped += left
+            box.queue.clear()
+            self.dropped += left
             if thread is not None and thread.is_alive():
                 msg = "smiquery webhook %s did not answer within %.1f s at close: %d event(s) dropped"
                 log.warning(msg, self.shown, limit, left)

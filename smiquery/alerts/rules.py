@@ -235,8 +235,7 @@ class AlertEvent:
         unit = self.rule.field.unit
         shown = "n/a" if self.value is None else f"{self.value}{' ' + unit if unit else ''}"
         gpu = f"GPU {self.gpu}" if self.gpu is not None else f"GPU {self.uuid or '?'}"
-        when = self.at.strftime("%Y-%m-%d %H:%M:%S") if isinstance(self.at, datetime) else ""
-        at = f" at {when}" if when else ""
+        at = f" at {self.at:%Y-%m-%d %H:%M:%S}" if isinstance(self.at, datetime) else ""
         return f"ALERT {self.state} {gpu}: {self.rule} (value {shown}, held {self.duration:.1f} s{at})"
 
     def to_dict(self) -> dict[str, object]:

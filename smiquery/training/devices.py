@@ -1,8 +1,4 @@
-"""Which GPUs a training process sees: ``CUDA_VISIBLE_DEVICES`` read the way CUDA reads it, mapped to nvidia-smi.
-
-CUDA numbers GPUs fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, nvidia-smi by PCI bus: on a host that mixes
-models :func:`order_check` finds the GPUs the job really runs on.
-"""
+"""Which GPUs a training process sees: ``CUDA_VISIBLE_DEVICES`` read the way CUDA reads it, mapped to nvidia-smi."""
 
 from __future__ import annotations
 
@@ -128,7 +124,7 @@ def order_check(
     from smiquery.sources.apps import processes
     from smiquery.sources.latest import Latest
     from smiquery.sources.query_gpu import query
-    from smiquery.training.share import own_pids
+    from smiquery.training.epochs import own_pids
 
     def look() -> tuple[VisibleDevices | None, str, bool]:
         rows = query(["index", "uuid", "name"], nvidia_smi=nvidia_smi)

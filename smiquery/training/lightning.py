@@ -117,8 +117,7 @@ class GpuMonitor(Callback, MonitorView):  # type: ignore[misc]
         n = _batch_size(batch)
         samples = n * self._ranks_here if n is not None else None
         self.monitor.step(None, batch_idx, samples=samples, step=int(trainer.global_step))
-        if self.monitor.log_every == "batch":
-            self._log(trainer, self.monitor.batch_values())
+        self._log(trainer, self.monitor.batch_values())  # empty unless log_every="batch"
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         """Validation starts (alerts say phase ``validation``)."""

@@ -5,16 +5,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from smiquery.alerts import AlertEvent, Rule
-from smiquery.kinds import to_number
-
-if TYPE_CHECKING:
-    from smiquery.sample import GpuSample
 
 __all__ = [
     "GROWTH_RULE_TEXT",
@@ -22,10 +18,8 @@ __all__ = [
     "MemoryView",
     "TensorFlowMemory",
     "TorchMemory",
-    "framework_values",
+    "gap_event",
     "gap_grew",
-    "gap_note",
-    "growth_event",
     "torch_memory",
 ]
 
@@ -34,6 +28,8 @@ _GAP_GROWTH_MIB = 256.0
 _GAP_EPOCHS = 3
 _MIB = 2.0**20
 _NO_GAP = "the driver-vs-framework memory gap is not reported"
+#: The ``text`` of the rule a growing memory gap is reported under (the alert's name for handlers).
+GROWTH_RULE_TEXT = "memory gap grew epoch over epoch"
 
 
 @dataclass(frozen=True)
@@ -48,6 +44,14 @@ class MemoryView:
     peak: float | None = None
     reserved: float | None = None
 
+    def values(self, idx: int, used_mib: float | None) -> dict[str, float]:
+        """GPU ``idx``'s epoch keys: this view in MiB and ``gpuN_mem_gap_mib``, the driver's ``used_mib`` beyond it."""
+        mine = {"": self.current, "_peak": self.peak, "_reserved": self.reserved}
+        out = {f"gpu{idx}_mem_framework{k}_mib": v / _MIB for k, v in mine.items() if v is not None}
+        top = max((v for v in mine.values() if v is not None), default=None)
+        out[f"gpu{idx}_mem_gap_mib"] = math.nan if used_mib is None or top is None else used_mib - top / _MIB
+        return out
+
 
 class FrameworkMemory(Protocol):
     """A framework's view of its GPU memory (TensorFlow, PyTorch), read at each epoch's end."""
@@ -61,24 +65,30 @@ class FrameworkMemory(Protocol):
         """The view of every device the framework uses."""
 
 
-def gap_note(idx: int, framework: str, view: MemoryView, history: Sequence[float]) -> str:
-    """The warning for a driver-vs-framework gap on GPU ``idx`` that grew over ``history`` (MiB, oldest first)."""
+def gap_event(
+    idx: int, uuid: str | None, framework: str, view: MemoryView, history: Sequence[float], at: datetime
+) -> tuple[str, AlertEvent]:
+    """The warning and the alert event (``at`` a time) for GPU ``idx``'s gap that grew over ``history`` (MiB)."""
+    rule = replace(Rule.parse(f"memory.used > {max(0, int(history[0]))}"), text=GROWTH_RULE_TEXT)
+    event = AlertEvent(rule, idx, uuid, round(history[-1], 1), "firing", at, at, 0.0)
     said = (
         f"by {history[-1]:.0f} MiB, and the difference grew for {len(history) - 1} epochs in a row "
         f"(+{history[-1] - history[0]:.0f} MiB)."
     )
     if view.reserved is not None:
-        return (
+        note = (
             f"the memory the driver reports used on GPU {idx} exceeds what {framework}'s allocator reserves {said} "
             f"That memory is outside {framework}'s pool: another process, a leaked CUDA context or a library "
             "allocating on its own; check `smiquery ps`"
         )
-    basis = "peak allocation" if view.peak else "allocation"
-    return (
-        f"the memory the driver reports used on GPU {idx} exceeds {framework}'s {basis} {said} {framework} does not "
-        "report its allocator's reserved pool, so part of this may be its own pool growing; the rest is another "
-        "process, a leaked context or a library allocating on its own; check `smiquery ps`"
-    )
+    else:
+        note = (
+            f"the memory the driver reports used on GPU {idx} exceeds {framework}'s "
+            f"{'peak allocation' if view.peak else 'allocation'} {said} {framework} does not report its allocator's "
+            "reserved pool, so part of this may be its own pool growing; the rest is another process, a leaked "
+            "context or a library allocating on its own; check `smiquery ps`"
+        )
+    return note, event
 
 
 def gap_grew(gaps: dict[int, deque[float]], idx: int, gap: float) -> list[float] | None:
@@ -89,36 +99,6 @@ def gap_grew(gaps: dict[int, deque[float]], idx: int, gap: float) -> list[float]
     history.append(gap)
     grew = len(history) > _GAP_EPOCHS and all(b > a for a, b in itertools.pairwise(history))
     return list(history) if grew and history[-1] - history[0] >= _GAP_GROWTH_MIB else None
-
-
-def framework_values(
-    views: Sequence[MemoryView],
-    latest: Mapping[int, GpuSample],
-    nvsmi_index: Callable[[int], int | None],
-) -> tuple[dict[str, float], dict[int, tuple[MemoryView, float]]]:
-    """The epoch's framework-memory keys of the watched GPUs, and per GPU its view with the gap (MiB, maybe NaN).
-
-    ``nvsmi_index`` maps a CUDA ordinal to its nvidia-smi index (None: not watched), ``latest`` its newest sample.
-    """
-    out: dict[str, float] = {}
-    per_gpu: dict[int, tuple[MemoryView, float]] = {}
-    for view in views:
-        idx = nvsmi_index(view.ordinal)
-        if idx is None:
-            continue
-        if view.current is not None:
-            out[f"gpu{idx}_mem_framework_mib"] = view.current / _MIB
-        if view.peak is not None:
-            out[f"gpu{idx}_mem_framework_peak_mib"] = view.peak / _MIB
-        if view.reserved is not None:
-            out[f"gpu{idx}_mem_framework_reserved_mib"] = view.reserved / _MIB
-        s = latest.get(idx)
-        used = to_number(s.get("memory.used")) if s is not None else None
-        mine = max((x for x in (view.current, view.peak, view.reserved) if x is not None), default=None)
-        gap = math.nan if used is None or mine is None else used - mine / _MIB
-        out[f"gpu{idx}_mem_gap_mib"] = gap
-        per_gpu[idx] = (view, gap)
-    return out, per_gpu
 
 
 class TorchMemory:
@@ -201,13 +181,3 @@ class TensorFlowMemory:
             peak = info.get("peak")
             out.append(MemoryView(k, float(info.get("current", 0)), float(peak) if peak else None, None))
         return out
-
-
-#: The ``text`` of the rule a growing memory gap is reported under (the alert's name for handlers).
-GROWTH_RULE_TEXT = "memory gap grew epoch over epoch"
-
-
-def growth_event(idx: int, uuid: str | None, history: Sequence[float], at: datetime) -> AlertEvent:
-    """A growing driver-vs-framework gap on GPU ``idx`` as an alert event ``at`` a time, for the handlers."""
-    rule = replace(Rule.parse(f"memory.used > {max(0, int(history[0]))}"), text=GROWTH_RULE_TEXT)
-    return AlertEvent(rule, idx, uuid, round(history[-1], 1), "firing", at, at, 0.0)

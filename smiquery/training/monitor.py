@@ -34,11 +34,11 @@ from smiquery.training.epochs import (
     SUMMARY_FIELDS,
     EnergySplitter,
     EpochAccumulator,
+    ShareTracker,
     summary_spec,
     throughput_values,
 )
-from smiquery.training.memory import FrameworkMemory, MemoryView, framework_values, gap_grew, gap_note, growth_event
-from smiquery.training.share import ShareTracker
+from smiquery.training.memory import FrameworkMemory, MemoryView, gap_event, gap_grew
 
 if TYPE_CHECKING:
     from smiquery.sample import GpuSample
@@ -107,17 +107,6 @@ class TrainingAlert:
     step: int | None
     learning_rate: float | None
     phase: str
-
-    @classmethod
-    def at(
-        cls, event: AlertEvent, pos: Position, extra: Callable[[], Mapping[str, Any]] | None = None
-    ) -> TrainingAlert:
-        """The event where training was at ``pos``; ``extra`` may add the learning rate and the framework's step."""
-        got: Mapping[str, Any] = {}
-        if extra is not None:
-            with contextlib.suppress(Exception):  # a half-built or torn-down model: context without these
-                got = extra()
-        return cls(event, pos.epoch, pos.batch, got.get("step", pos.step), got.get("learning_rate"), pos.phase)
 
     def context(self) -> dict[str, Any]:
         """The context as handlers receive it."""
@@ -247,7 +236,6 @@ class RunMonitor:
         self._done_epochs: dict[int, EpochAccumulator] = {}
         self._latest: dict[int, GpuSample] = {}
         self._last_t: dict[int, float] = {}
-        self._energy = EnergySplitter(self.interval)  # split at epoch boundaries
         self._wall_offset = time.time() - time.monotonic()  # arrival (monotonic) -> wall, for untimed samples
         self._batch_values: dict[str, float] = {}
         self._order: list[int] | None = None
@@ -265,7 +253,7 @@ class RunMonitor:
         self._pid = os.getpid()  # only the process that started the run closes it (not a forked child)
         self._started_at = time.monotonic()
         self._epoch0 = (self._started_at, 0, 0, 0.0)  # the epoch's start: monotonic time, steps, samples, data wait
-        self._energy.start(time.time())
+        self._energy = EnergySplitter(self.interval, time.time())  # split at epoch boundaries
         self._step_end: float | None = None
         self._waits = self._counts_samples = False
         self._gaps: dict[int, deque[float]] = {}  # each GPU's driver-vs-framework gap over the last epochs
@@ -506,7 +494,14 @@ class RunMonitor:
 
     def alert(self, event: AlertEvent, pos: Position | None = None, message: str | None = None) -> None:
         """Keep ``event`` stamped with ``pos`` (default: now), queued for the handlers' thread (with ``message``)."""
-        alert = TrainingAlert.at(event, self._pos if pos is None else pos, self.context_extra)
+        pos = self._pos if pos is None else pos
+        got: Mapping[str, Any] = {}
+        if self.context_extra is not None:
+            with contextlib.suppress(Exception):  # a half-built or torn-down model: context without these
+                got = self.context_extra()
+        alert = TrainingAlert(
+            event, pos.epoch, pos.batch, got.get("step", pos.step), got.get("learning_rate"), pos.phase
+        )
         self.alerts.append(alert)
         context = alert.context() if message is None else {**alert.context(), "message": message}
         if self._worker is None:
@@ -700,16 +695,15 @@ class RunMonitor:
             self.framework = None
             return {}
         known = {idx: s.uuid for idx, s in latest.items()}
-        order = self._order
-
-        def nvsmi_index(ordinal: int) -> int | None:
-            idx = self._cuda.nvsmi_index(ordinal, known)
-            return None if idx is None or (order is not None and idx not in order) else idx
-
-        out, per_gpu = framework_values(views, latest, nvsmi_index)
-        for idx, (view, gap) in per_gpu.items():
+        out: dict[str, float] = {}
+        for view in views:
+            idx = self._cuda.nvsmi_index(view.ordinal, known)
+            if idx is None or (self._order is not None and idx not in self._order):
+                continue
+            keys = view.values(idx, to_number(latest[idx].get("memory.used")) if idx in latest else None)
+            out.update(keys)
             self.totals.memory[idx] = view
-            self.watch_gap(idx, gap, view, fw.name)
+            self.watch_gap(idx, keys[f"gpu{idx}_mem_gap_mib"], view, fw.name)
         return out
 
     def watch_gap(self, idx: int, gap: float, view: MemoryView, framework: str) -> None:
@@ -720,11 +714,11 @@ class RunMonitor:
         history = gap_grew(self._gaps, idx, gap)
         if history is None or f"gap-{idx}" in self._said:
             return
-        note = gap_note(idx, framework, view, history)
-        self.say(note, key=f"gap-{idx}")
         newest = self.latest().get(idx)
         at = newest.timestamp if newest is not None and newest.timestamp is not None else datetime.now().astimezone()
-        self.alert(growth_event(idx, self.uuids().get(idx), history, at), message=note)
+        note, event = gap_event(idx, self.uuids().get(idx), framework, view, history, at)
+        self.say(note, key=f"gap-{idx}")
+        self.alert(event, message=note)
 
     def uuids(self) -> dict[int, str]:
         """The UUID of each watched GPU seen so far (nvidia-smi index -> UUID)."""

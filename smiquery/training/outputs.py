@@ -16,7 +16,7 @@ from uuid import uuid4
 from smiquery._log import get_logger
 from smiquery.alerts import AlertEvent, Rule
 from smiquery.errors import KernelLogError
-from smiquery.fields import get_field
+from smiquery.fields import get_field, resolve_fields
 from smiquery.sources.xid import XidEvent, XidInfo, XidWatcher, describe, gpu_for
 from smiquery.training.monitor import Output, RunMonitor
 
@@ -45,7 +45,6 @@ class Recording(Output):
         """Open the file with the fields the run streams."""
         self._monitor = monitor
         try:
-            from smiquery.fields import resolve_fields
             from smiquery.recordings import open_recorder
 
             self._writer = open_recorder(self.path, resolve_fields(monitor.stream_fields))
@@ -318,7 +317,20 @@ class KernelLog(Output):
         def failed(exc: BaseException, _opened: bool) -> None:
             monitor.say(f"reading the kernel log stopped ({exc}): Xid errors are no longer reported to this run")
 
-        on_event = functools.partial(_alert, monitor)
+        def on_event(event: XidEvent) -> None:  # an Xid on another GPU is said once per address
+            found = gpu_for(event, monitor.latest().values())
+            if found is None:
+                monitor.say(
+                    f"{describe(event)} (not a GPU this run watches)", logging.INFO, key=f"xid-other-{event.pci_bus_id}"
+                )
+                return
+            rule = Rule(get_field("pci.bus_id"), "==", event.pci_bus_id, text=f"Xid {event.xid}")
+            at = datetime.now().astimezone()
+            alert = XidAlert(
+                rule, found.index, found.uuid, event.pci_bus_id, "firing", at, at, 0.0, event.xid, event.info, event
+            )
+            monitor.alert(alert)
+
         try:
             self._watcher = XidWatcher(self.path, on_event=on_event, on_error=failed, from_start=False).start()
         except KernelLogError as exc:
@@ -329,22 +341,6 @@ class KernelLog(Output):
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             watcher.close(timeout)
-
-
-def _alert(monitor: RunMonitor, event: XidEvent) -> None:
-    """Alert ``monitor``'s run of ``event`` when it is on a GPU the run watches; else say it once per address."""
-    found = gpu_for(event, monitor.latest().values())
-    if found is None:
-        monitor.say(
-            f"{describe(event)} (not a GPU this run watches)", logging.INFO, key=f"xid-other-{event.pci_bus_id}"
-        )
-        return
-    rule = Rule(get_field("pci.bus_id"), "==", event.pci_bus_id, text=f"Xid {event.xid}")
-    at = datetime.now().astimezone()
-    alert = XidAlert(
-        rule, found.index, found.uuid, event.pci_bus_id, "firing", at, at, 0.0, event.xid, event.info, event
-    )
-    monitor.alert(alert)
 
 
 #: The keywords of :func:`run_monitor` that go to the job's :class:`JobMetrics`.

@@ -72,15 +72,8 @@ def watch(
 ) -> Watch:
     """Monitor a hand-written training loop (any framework) with one nvidia-smi; started at once.
 
-    Example::
-
-        with watch(record="run.csv", framework=torch_memory()) as w:
-            for epoch in range(epochs):
-                for i, (x, y) in enumerate(w.batches(loader)):  # fetch time counts as data wait
-                    train_step(x, y)
-                    w.step(epoch=epoch, batch=i, samples=len(x))
-        print(w.epochs[-1]["gpu0_util_mean"], w.epochs[-1]["samples_per_joule"])
-
+    Use it as ``with watch(...) as w:``, fetch batches through ``w.batches(loader)`` (that time is data wait) and call
+    ``w.step(epoch=, batch=, samples=)`` after each step (the Training page of the docs has an example).
     ``on_epoch(epoch, values)`` is called when an epoch is summarised; the other arguments are
     :func:`~smiquery.training.outputs.run_monitor`'s. Leaving the context summarises the last epoch and reaps
     nvidia-smi.

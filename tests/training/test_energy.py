@@ -140,8 +140,7 @@ def test_each_epochs_energy_is_within_5_percent_of_the_hand_integral(inproc, tmp
 
 
 def test_the_first_sample_holds_its_power_back_to_the_runs_start():
-    e = EnergySplitter(1.0)
-    e.start(100.0)
+    e = EnergySplitter(1.0, 100.0)
     e.mark(100.1, 0)
     # nvidia-smi's first sample comes 0.5 s after the run began: its power stands for the time before it
     assert e.sample(0, 100.5, 200.0, 0) == [(None, pytest.approx(20.0)), (0, pytest.approx(80.0))]

@@ -15,9 +15,9 @@ from collections.abc import Callable
 import psutil
 import pytest
 
+from smiquery.training.epochs import own_pids
 from smiquery.training.monitor import RunMonitor
 from smiquery.training.outputs import JobMetrics
-from smiquery.training.share import own_pids
 from smiquery.training.watch import watch
 from tests.conftest import MakeFake
 from tests.helpers import wait_for
