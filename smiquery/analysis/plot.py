@@ -29,13 +29,14 @@ from smiquery.analysis.series import (
     Scene,
     as_float,
     axis_clock,
+    draw_notes,
     gpu_rows,
     line_band,
     line_points,
     load_recording,
     merged,
-    stack_labels,
     text_size,
+    threshold_notes,
 )
 from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind, get_field, resolve_fields
@@ -410,9 +411,6 @@ def _draw_panel(scene: Scene, ax: Any, fld: Field, first: bool) -> list[Any]:
     return lines
 
 
-_NOTE_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
-
-
 def _place_notes(
     ax: Any, marks: Sequence[tuple[float, str]], spans: Sequence[tuple[Any, str]], x_range: tuple[Any, Any]
 ) -> None:
@@ -429,23 +427,13 @@ def _place_notes(
     width, height = pos.width * fig_w * 72, pos.height * fig_h * 72  # the panel in points
     y_lo, y_hi = ax.get_ylim()  # the panel's scale (autoscaled now, from its lines and thresholds)
     x_lo, x_hi = (float(v) for v in mdates.date2num(list(x_range)))  # type: ignore[no-untyped-call]
-    notes: list[tuple[str, float, dict[str, Any]]] = []
-    boxes: list[tuple[float, float, float, list[float]]] = []
-    for value, text in marks:
-        w, h = text_size(text, 8)
-        y = (value - y_lo) / (y_hi - y_lo) * height
-        boxes.append((4, w + 2, h + 2, [y - 2, y + 2 + h + 2]))
-        notes.append((text, 8, {"color": THRESHOLD_COLOUR, "bbox": _NOTE_BOX, "zorder": 4}))
+    notes, boxes = threshold_notes(marks, 8, lambda v: (v - y_lo) / (y_hi - y_lo) * height)
     for start, text in spans:
         w, h = text_size(text, 7.5)
         x = (float(mdates.date2num(start)) - x_lo) / (x_hi - x_lo) * width  # type: ignore[no-untyped-call]
         boxes.append((x + 3, w, h, [height - 3]))
         notes.append((text, 7.5, {"color": "#333333", "zorder": 5}))
-    for (text, size, style), at in zip(notes, stack_labels(boxes, (0, 0, width, height)), strict=True):
-        if at is None:
-            continue
-        note = ax.annotate(text, xy=(0, 0), xycoords="axes fraction", xytext=(at[0] + 1, at[1] - 1),
-                           textcoords="offset points", ha="left", va="top", fontsize=size, **style)  # fmt: skip
+    for note in draw_notes(ax, notes, boxes, (0, 0, width, height), xy=(0, 0), xycoords="axes fraction"):
         note.set_in_layout(False)  # it lies inside the panel: no margin for it
         note.set_clip_on(False)
 

@@ -34,6 +34,7 @@ __all__ = [
     "as_float",
     "axis_clock",
     "catalogue_field",
+    "draw_notes",
     "gpu_rows",
     "line_band",
     "line_points",
@@ -42,6 +43,7 @@ __all__ = [
     "split_gpus",
     "stack_labels",
     "text_size",
+    "threshold_notes",
 ]
 
 _BY_ATTR: dict[str, Field] = {f.attr: f for f in CATALOGUE}
@@ -211,6 +213,11 @@ def _broken(x: np.ndarray, ys: list[np.ndarray], gap_limit: float) -> tuple[np.n
     return x, ys
 
 
+#: A label's box for :func:`stack_labels`; a note: its text, font size and the rest of its style (:func:`draw_notes`).
+Box = tuple[float, float, float, Sequence[float]]
+Note = tuple[str, float, dict[str, Any]]
+
+
 def text_size(text: str, fontsize: float) -> tuple[float, float]:
     """(width, height) in points of one line of ``text`` in matplotlib's default font, measured without a renderer.
 
@@ -223,9 +230,7 @@ def text_size(text: str, fontsize: float) -> tuple[float, float]:
     return float(width), 1.2 * fontsize
 
 
-def stack_labels(
-    boxes: Sequence[tuple[float, float, float, Sequence[float]]], area: tuple[float, float, float, float]
-) -> list[tuple[float, float] | None]:
+def stack_labels(boxes: Sequence[Box], area: tuple[float, float, float, float]) -> list[tuple[float, float] | None]:
     """Where each label goes, (left, top), so that no two overlap and each stays inside ``area``; None if none fits.
 
     ``boxes``: per label, in the order of priority, (left, width, height, the tops it would rather have, best first);
@@ -251,6 +256,43 @@ def stack_labels(
         if top is not None:
             placed.append((x0, top - height, x1, top))
         out.append(None if top is None else (x0, top))
+    return out
+
+
+_PLACED = {"textcoords": "offset points", "ha": "left", "va": "top"}
+_NOTE_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
+
+
+def threshold_notes(
+    marks: Sequence[tuple[float, str]],
+    size: float,
+    y_of: Callable[[float], float],
+    room: float = math.inf,
+    **style: Any,
+) -> tuple[list[Note], list[Box]]:
+    """Threshold lines' labels and their boxes for :func:`stack_labels`, at the panel's left edge under the line.
+
+    ``y_of(value)``: the line's height in points up the panel; a label wider than ``room`` points is cut short.
+    """
+    notes: list[Note] = []
+    boxes: list[Box] = []
+    for value, text in marks:
+        width, height = text_size(text, size)
+        while width > room and len(text) > 1:
+            text = text[: max(1, int(len(text) * room / width) - 1)].rstrip() + "…"
+            width, height = text_size(text, size)
+        y = y_of(value)
+        notes.append((text, size, {"color": THRESHOLD_COLOUR, "bbox": _NOTE_BOX, "zorder": 4, **style}))
+        boxes.append((4.0, width + 2, height + 2, [y - 2, y + 2 + height + 2]))
+    return notes, boxes
+
+
+def draw_notes(ax: Any, notes: Sequence[Note], boxes: Sequence[Box], area: Any, **at: Any) -> list[Any]:
+    """The notes annotated where :func:`stack_labels` finds them room, in points from ``at``'s ``xy``; none else."""
+    out = []
+    for (text, size, style), to in zip(notes, stack_labels(boxes, area), strict=True):
+        if to is not None:
+            out.append(ax.annotate(text, xytext=(to[0] + 1, to[1] - 1), fontsize=size, **_PLACED, **at, **style))
     return out
 
 
