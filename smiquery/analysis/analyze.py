@@ -71,29 +71,19 @@ def report(
 ) -> Report:
     """Analyse a recorded run: the :class:`Report`.
 
-    A *stall* is a stretch of at least ``min_stall`` seconds during which a GPU's ``utilization.gpu`` stayed under
-    ``stall_utilization`` percent while its ``memory.used`` was at least ``busy_memory`` MiB (a job held the GPU
-    but gave it no work). Without ``memory.used`` in the recording, utilization alone decides. Stalls that
-    overlap on several GPUs are reported together as well, since they point at a shared cause.
+    ``source``, ``fields`` and ``tz`` are as :func:`~smiquery.analysis.load_recording` takes them; ``name`` is what
+    the report calls the recording (default: the file name). A *stall* is a stretch of at least ``min_stall`` seconds
+    during which a GPU's ``utilization.gpu`` stayed under ``stall_utilization`` percent while its ``memory.used`` was
+    at least ``busy_memory`` MiB (a job held the GPU but gave it no work; without ``memory.used``, utilization alone
+    decides). Stalls that overlap on several GPUs are reported together as well, since they point at a shared cause.
 
-    Time past a threshold counts every sample for which a rule's condition held (ignoring its hold); the alerts
-    are those the rules would have fired live (honouring the hold). Missing values keep the state they follow.
+    The ``rules`` (or ``--alert`` expressions; default :data:`DEFAULT_RULES` and the rules the recording was made
+    with, which ``stream --alert ... --output`` records beside it) are checked: time past a threshold counts every
+    sample for which a rule's condition held (ignoring its hold); the alerts are those the rules would have fired
+    live (honouring the hold). Missing values keep the state they follow.
 
-    Args:
-        source: a recording or a DataFrame, as :func:`~smiquery.analysis.load_recording` takes it.
-        rules: rules (or ``--alert`` expressions) whose thresholds are checked; default :data:`DEFAULT_RULES` and
-            the ``--alert`` rules the recording was made with (``smiquery stream --alert ... --output`` records
-            them beside it).
-        stall_utilization: utilization (percent) under which a GPU is stalled.
-        min_stall: shortest stall reported, in seconds.
-        busy_memory: memory used (MiB) from which a GPU counts as held by a job.
-        name: what to call the recording in the report (default: the file name).
-        fields: the columns of a headerless CSV log (see :func:`~smiquery.analysis.load_recording`).
-        tz: the zone the recording was made in; default: timestamps as recorded (naive for CSV).
-
-    Raises:
-        ReportError: the recording cannot be read or holds no samples.
-        InvalidRuleError: a rule cannot be parsed.
+    Raises ReportError when the recording cannot be read or holds no samples, InvalidRuleError for a rule that
+    cannot be parsed.
     """
     df = load_recording(source, fields=fields, tz=tz)
     if df.empty:

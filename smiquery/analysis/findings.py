@@ -225,16 +225,12 @@ def _imbalance_findings(report: Report) -> list[Finding]:
             continue
         averaged = ", ".join(f"{means[g]:.0f}%" for g in slow)
         others = f"the other GPUs of {printable(peers)}" if peers else "the others"
-        out.append(
-            Finding(
-                "imbalance",
-                "info",
-                tuple(slow),
-                f"{gpu_list(slow, report.names)} averaged {averaged} utilization against {median:.0f}% on {others}: "
-                f"unbalanced work or a straggler; check {'their' if len(slow) > 1 else 'its'} share of the data and "
-                "PCIe/NVLink link",
-            )
+        verdict = (
+            f"{gpu_list(slow, report.names)} averaged {averaged} utilization against {median:.0f}% on {others}: "
+            f"unbalanced work or a straggler; check {'their' if len(slow) > 1 else 'its'} share of the data and "
+            "PCIe/NVLink link"
         )
+        out.append(Finding("imbalance", "info", tuple(slow), verdict))
     return out
 
 

@@ -60,14 +60,11 @@ GRID = "#dddddd"
 class Scene:
     """What every plot layout draws: per GPU (in index order) its times and each field's values; what to shade.
 
-    Attributes:
-        xs: per GPU its times as the axis holds them (:func:`axis_clock`).
-        values: per field name, per GPU its values (NaN where missing).
-        thresholds: per field name its rules' thresholds as (value, label).
-        stalls: (start, end, GPU index) on the axis's clock; ``alerts`` the same per field of a firing rule.
-        slack: spans closer than this are drawn (and labelled) as one.
-        names: a fleet frame's GPU names (:class:`~smiquery.analysis.model.GpuName`) by index; none for a recording.
-        max_points: most points of a line (a heatmap: most columns of cells).
+    ``xs``: per GPU its times on the axis's clock (:func:`axis_clock`); ``values``: per field name, per GPU its values
+    (NaN where missing); ``thresholds``: per field name its rules' thresholds as (value, label); ``stalls``: (start,
+    end, GPU index) on the axis's clock, ``alerts`` the same per field of a firing rule; spans closer than ``slack``
+    are drawn (and labelled) as one; ``names``: a fleet frame's :class:`~smiquery.analysis.model.GpuName` by index;
+    ``max_points``: the most points of a line (a heatmap: the most columns of cells).
     """
 
     flds: Sequence[Field]
@@ -304,21 +301,16 @@ def load_recording(
 ) -> pd.DataFrame:
     """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`, one row per sample.
 
-    Files are read by :func:`smiquery.recordings.read_recording` (unreadable lines skipped and described in
+    ``source``: a path (``.csv``, ``.jsonl``, ``.parquet`` file or dataset folder; other names are sniffed), several
+    paths or a glob (``"run*.csv"``: a rotated set, read as one recording in time order), or a DataFrame. Files are
+    read by :func:`smiquery.recordings.read_recording` (unreadable lines skipped and described in
     ``attrs["skipped"]``; a log without ``index`` is GPU 0); rows without a timestamp or GPU index are dropped.
+    ``fields``: the columns of a headerless CSV log, in order (of another recording, each must be one of its
+    columns). ``tz``: the zone the recording was made in (e.g. ``"Europe/Berlin"``): naive timestamps are localized
+    to it, aware ones converted; default: as recorded (naive for nvidia-smi's CSV, never assumed to be UTC).
 
-    Args:
-        source: a path (``.csv``, ``.jsonl``, ``.parquet`` file or dataset folder; other names are sniffed), several
-            paths or a glob (``"run*.csv"``: a rotated set, read as one recording in time order), or a DataFrame.
-        fields: the columns of a headerless CSV log, in order; for a recording with a header (or JSONL, Parquet)
-            each must be one of its columns.
-        tz: the zone the recording was made in (e.g. ``"Europe/Berlin"``): naive timestamps are localized to it,
-            aware ones converted. Default: as recorded (naive for nvidia-smi's CSV, never assumed to be UTC).
-
-    Raises:
-        ReportError: the file is missing, unreadable, holds no readable row, has no ``timestamp``, or its
-            columns do not agree with ``fields``.
-        InvalidTimeZoneError: an unknown zone name in ``tz``.
+    Raises ReportError when the file is missing, unreadable, holds no readable row, has no ``timestamp`` or its
+    columns do not agree with ``fields``; InvalidTimeZoneError for an unknown zone in ``tz``.
     """
     import numpy as np
     import pandas as pd
