@@ -377,8 +377,7 @@ def _alerts(
             firsts, lasts = _runs(g, cond)
             if not len(firsts):
                 continue
-            col = rule.field.attr
-            values = g.floats(col) if rule.field.kind.is_quantity else None
+            values = g.floats(rule.field.attr) if rule.field.kind.is_quantity else None
             pick_max = rule.op in (">", ">=")
             if thresholds is not None:
                 seconds = g.seconds(firsts, lasts)
@@ -395,8 +394,9 @@ def _alerts(
                 if at is None:
                     continue
                 s = _stretch(g, a, b, values, pick_max)
-                still = b == len(g.times) - 1
-                alerts.append(AlertSpan(str(rule), g.index, s.start, g.stamp(at), s.end, s.seconds, s.peak, not still))
+                alerts.append(
+                    AlertSpan(str(rule), g.index, s.start, g.stamp(at), s.end, s.seconds, s.peak, not s.ongoing)
+                )
     return alerts
 
 

@@ -301,11 +301,10 @@ def _health_verdict(h: HealthCount, report: Report) -> str:
             f"{where} has {h.field} = yes: reset the GPU (or reboot) so the pending retirement/remapping takes effect"
         )
     count = int(h.max)
-    what = h.field
     if h.grew:
-        text = f"{where}'s {what} grew from {int(h.first)} to {count} during the run"
+        text = f"{where}'s {h.field} grew from {int(h.first)} to {count} during the run"
     else:
-        text = f"{where} has {what} = {count}" + (" (lifetime count)" if ".aggregate." in what else "")
+        text = f"{where} has {h.field} = {count}" + (" (lifetime count)" if ".aggregate." in h.field else "")
     if h.severity == "critical":
         advice = "uncorrectable memory errors: results may be wrong; drain it and have it checked"
     else:

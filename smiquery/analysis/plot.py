@@ -340,10 +340,8 @@ def _scene(
 
     x_all = axis_clock(df["timestamp"])
     xs = [x_all[rows] for _, rows in groups]
-    diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs if len(x) > 1]
-    interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
-    if not interval > 0 or math.isnan(interval):
-        interval = 1.0
+    diffs = sorted(float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs if len(x) > 1)
+    interval = diffs[len(diffs) // 2] if diffs else 0.0
     stalls: list[tuple[Any, Any, int]] = []
     alerts: dict[str, list[tuple[Any, Any, int]]] = {}  # by field
     if shade:
@@ -364,7 +362,7 @@ def _scene(
         alerts=alerts,
         x_range=x_range,
         zone=getattr(df["timestamp"].dt, "tz", None),
-        gap_limit=max(3 * interval, 5.0),
+        gap_limit=max(5.0, 3 * interval),  # 5.0 first: a NaN or negative interval gives 5 s
         slack=(df["timestamp"].max() - df["timestamp"].min()) / 200,  # half a percent of the run
         names=names if isinstance(names, dict) else {},
         max_points=max_points,

@@ -249,12 +249,9 @@ def _stall_table(report: Report) -> tuple[list[str], list[list[str]]]:
     rows: list[list[str]] = []
     groups: list[list[Stretch]] = []
     for st in sorted(report.stalls, key=lambda x: (x.start, x.gpu)):
-        last = groups[-1][0] if groups else None
-        if (
-            last is not None
-            and abs(seconds_between(last.start, st.start)) <= 2 * report.interval
-            and abs(st.seconds - last.seconds) <= 2 * report.interval
-        ):
+        first = groups[-1][0] if groups else st
+        together = abs(seconds_between(first.start, st.start)) <= 2 * report.interval
+        if groups and together and abs(st.seconds - first.seconds) <= 2 * report.interval:
             groups[-1].append(st)
         else:
             groups.append([st])
