@@ -31,7 +31,6 @@ from smiquery.analysis.series import (
     axis_clock,
     draw_notes,
     gpu_rows,
-    line_band,
     line_points,
     load_recording,
     merged,
@@ -379,16 +378,14 @@ def _draw_panel(scene: Scene, ax: Any, fld: Field, first: bool) -> list[Any]:
 
     lines: list[Any] = []
     for pos, (idx, xs, ys) in enumerate(zip(scene.gpus, scene.xs, scene.values[fld.name], strict=True)):
-        x, y = line_points(xs, ys, scene.gap_limit, scene.max_points)
+        x, y, *band = line_points(xs, ys, scene.gap_limit, scene.max_points, band=True)
         colour = GPU_COLOURS[pos % len(GPU_COLOURS)]
         dash = _DASHES[(pos // len(GPU_COLOURS)) % len(_DASHES)]
         (line,) = ax.plot(x, y, color=colour, linestyle=dash, linewidth=1.1, label=gpu_name(idx, scene.names),
                           gid=f"gpu-{idx}", zorder=2)  # fmt: skip
         lines.append(line)
-        band = line_band(xs, ys, scene.gap_limit, scene.max_points)
-        if band is not None:  # the mean hides a pixel's extremes: a band from its lowest to highest value shows them
-            xb, lo, hi = band
-            ax.fill_between(xb, lo, hi, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
+        if band:  # the mean hides a pixel's extremes: a band from its lowest to highest value shows them
+            ax.fill_between(x, *band, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
     has_values = any(bool(np.isfinite(v).any()) for v in scene.values[fld.name])
     if not has_values:
         _no_values_note(ax, fld.name)

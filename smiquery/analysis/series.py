@@ -36,7 +36,6 @@ __all__ = [
     "catalogue_field",
     "draw_notes",
     "gpu_rows",
-    "line_band",
     "line_points",
     "load_recording",
     "merged",
@@ -138,18 +137,21 @@ def axis_clock(stamps: pd.Series) -> np.ndarray:
 
 
 def line_points(
-    x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int, envelope: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-    """x (naive datetime64) and y (float, NaN where missing or across a gap in time) for one GPU's line.
+    x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int, envelope: bool = False, band: bool = False
+) -> tuple[np.ndarray, ...]:
+    """(x, y): x (naive datetime64) and y (float, NaN where missing or across a gap in time) for one GPU's line.
 
     Past ``max_points`` samples, each bucket of samples (about a pixel wide) becomes its mean, or with ``envelope``
     its lowest and highest value at their own times (two points a bucket), so that a one-sample spike still shows.
+    With ``band``, a line of means comes as (x, y, lows, highs): each bucket's lowest and highest value, drawn as a
+    band around it so that what the mean hides (a memory drop to 1 MiB every ten minutes of a 34-hour run) shows.
     """
     import numpy as np
 
+    extremes: list[np.ndarray] = []
     if len(x) > max_points:
         # Means by default: in a panel of several GPUs a noisy line (or its envelope) covers the others, so the overlay
-        # draws each bucket's extremes as a band (line_band); a panel of its own (small multiples) the envelope.
+        # draws each bucket's extremes as a band; a panel of its own (small multiples) the envelope.
         step = math.ceil((2 if envelope else 1) * len(x) / max_points)
         n = (len(x) // step) * step
         blocks = y[:n].reshape(-1, step)
@@ -166,31 +168,13 @@ def line_points(
             counts = present.sum(axis=1)
             means = np.full(len(counts), np.nan)
             np.divide(np.where(present, blocks, 0.0).sum(axis=1), counts, out=means, where=counts > 0)
+            if band:  # NaN where all are missing
+                extremes = [np.concatenate((f.reduce(blocks, axis=1), y[n:])) for f in (np.fmin, np.fmax)]
             x, y = np.concatenate((x[:n:step], x[n:])), np.concatenate((means, y[n:]))
         # points now stand up to two buckets apart: only a longer pause in time is a gap
         gap_limit *= step
-    x, (y,) = _broken(x, [y], gap_limit)
-    return x, y
-
-
-def line_band(
-    x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The lowest and highest value of each bucket :func:`line_points` averages: (x, lows, highs); None if it draws all.
-
-    Drawn as a band around the mean line, so that what the mean hides (a memory drop to 1 MiB every ten minutes
-    of a 34-hour run, a one-sample spike) still shows.
-    """
-    import numpy as np
-
-    if len(x) <= max_points:
-        return None
-    step = math.ceil(len(x) / max_points)
-    n = (len(x) // step) * step
-    blocks, rest = y[:n].reshape(-1, step), y[n:]
-    lows, highs = (np.concatenate((f.reduce(blocks, axis=1), rest)) for f in (np.fmin, np.fmax))  # NaN: all missing
-    xb, (lo, hi) = _broken(np.concatenate((x[:n:step], x[n:])), [lows, highs], gap_limit * step)
-    return xb, lo, hi
+    x, (y, *extremes) = _broken(x, [y, *extremes], gap_limit)
+    return x, y, *extremes
 
 
 def _broken(x: np.ndarray, ys: list[np.ndarray], gap_limit: float) -> tuple[np.ndarray, list[np.ndarray]]:
