@@ -279,7 +279,7 @@ def _condition_values(rule: Rule, g: GpuSeries) -> np.ndarray:
     parts: list[np.ndarray] = []
     for cond in (rule, *rule.when):
         col = cond.field.attr
-        if col not in g.columns:
+        if col not in g.df.columns:
             return np.full(len(g.times), np.nan)
         kind = cond.field.kind
         if isinstance(cond.threshold, (int, float)) and (kind.is_numeric or kind.is_bool):
@@ -288,7 +288,7 @@ def _condition_values(rule: Rule, g: GpuSeries) -> np.ndarray:
                 out = getattr(np, _NUMPY_OPS[cond.op])(values, float(cond.threshold)).astype("float64")
             out[np.isnan(values)] = np.nan
         else:  # text and other thresholds: the rule's own comparison, value by value (None: NaN)
-            column = g.values(col)
+            column = g.df[col].iloc[g.rows]
             verdicts = [None if na else cond.holds(v) for v, na in zip(column.tolist(), column.isna(), strict=True)]
             out = np.array(verdicts, dtype="float64")
         parts.append(out)
@@ -404,10 +404,10 @@ def _stalls(gpus: list[GpuSeries], stall: StallRule) -> list[Stretch]:
     """Stretches of at least ``stall.min_seconds`` under the stall utilization (while memory was held), per GPU."""
     found: list[Stretch] = []
     for g in gpus:
-        if "utilization_gpu" not in g.columns:
+        if "utilization_gpu" not in g.df.columns:
             break
         util = g.floats("utilization_gpu")
-        cond = stall.mask(util, g.floats("memory_used") if "memory_used" in g.columns else None)
+        cond = stall.mask(util, g.floats("memory_used") if "memory_used" in g.df.columns else None)
         firsts, lasts = _runs(g, cond)
         long_enough = g.seconds(firsts, lasts) >= stall.min_seconds
         for a, b in zip(firsts[long_enough].tolist(), lasts[long_enough].tolist(), strict=True):

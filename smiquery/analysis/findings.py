@@ -186,7 +186,7 @@ def _memory_findings(gpus: list[GpuSeries], report: Report) -> list[Finding]:
     """GPUs whose memory was at least 97% full at some point: an out-of-memory error is one batch away."""
     import numpy as np
 
-    if "memory_used" not in gpus[0].columns or "memory_total" not in gpus[0].columns:
+    if "memory_used" not in gpus[0].df.columns or "memory_total" not in gpus[0].df.columns:
         return []
     full: dict[int, float] = {}
     for g in gpus:

@@ -453,16 +453,12 @@ def _time_axis(fig: Figure, panels: Sequence[Any], layout: str, scene: Scene) ->
     import matplotlib.dates as mdates
 
     zone = scene.zone
-    label = f"time ({zone})"
-    if zone is None:
-        label = "time (the recording's local clock; no zone recorded, pass --tz to name it)"
-    x_start, x_end = scene.x_range
+    label = f"time ({zone})" if zone else "time (the recording's local clock; no zone recorded, pass --tz to name it)"
     if layout == "multiples":
-        inches = fig.get_size_inches()[1]
-        fig.supxlabel(label, y=0.45 / inches, va="center", fontsize=9)
+        fig.supxlabel(label, y=0.45 / fig.get_size_inches()[1], va="center", fontsize=9)
         return
     last = panels[-1]
-    last.set_xlim(x_start, x_end)
+    last.set_xlim(*scene.x_range)
     locator = mdates.AutoDateLocator(tz=zone)  # type: ignore[no-untyped-call]
     last.xaxis.set_major_locator(locator)
     last.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=zone))  # type: ignore[no-untyped-call]

@@ -350,11 +350,6 @@ class GpuSeries:
     dur: np.ndarray
     gap_limit: float
 
-    @property
-    def columns(self) -> pd.Index:
-        """The frame's columns."""
-        return self.df.columns
-
     def stamp(self, i: int) -> datetime:
         """The time of sample ``i`` as a ``datetime`` (aware when the recording names its zone)."""
         import pandas as pd
@@ -366,11 +361,6 @@ class GpuSeries:
     def floats(self, column: str) -> np.ndarray:
         """A numeric column as float64, NaN where missing."""
         picked: np.ndarray = self._floats(column)[self.rows]
-        return picked
-
-    def values(self, column: str) -> pd.Series:
-        """A column's values (for text comparisons)."""
-        picked: pd.Series = self.df[column].iloc[self.rows]
         return picked
 
     def seconds(self, first: Any, last: Any) -> Any:
