@@ -248,19 +248,16 @@ def _clock_changes(gpus: list[GpuSeries]) -> tuple[list[ClockStep], list[tuple[d
 
     g = max(gpus, key=lambda g: len(g.times))
     ns = np.asarray(g.stamps, dtype="datetime64[ns]").astype("int64")
-    steps: list[ClockStep] = []
-    if len(ns) > 1:
-        for i in np.flatnonzero(np.diff(ns) < -REPORTED_STEP_BACK * 1e9).tolist():
-            steps.append(ClockStep(g.stamp(i), g.stamp(i + 1), (int(ns[i]) - int(ns[i + 1])) / 1e9))
+    back = np.flatnonzero(np.diff(ns) < -REPORTED_STEP_BACK * 1e9).tolist()
+    steps = [ClockStep(g.stamp(i), g.stamp(i + 1), (int(ns[i]) - int(ns[i + 1])) / 1e9) for i in back]
     changes: list[tuple[datetime, str, str]] = []
-    if g.zone is not None and len(ns) > 1:
+    if g.zone is not None:
         import pandas as pd
 
         local = pd.DatetimeIndex(ns.astype("datetime64[ns]")).tz_localize("UTC").tz_convert(g.zone)
-        wall = local.tz_localize(None).asi8
         # where the wall clock moved otherwise than the instants, the zone's offset changed
-        for i in np.flatnonzero(np.diff(wall) != np.diff(ns)).tolist():
-            changes.append((g.stamp(i + 1), _offset_text(g.stamp(i)), _offset_text(g.stamp(i + 1))))
+        moved = np.flatnonzero(np.diff(local.tz_localize(None).asi8) != np.diff(ns)).tolist()
+        changes = [(g.stamp(i + 1), _offset_text(g.stamp(i)), _offset_text(g.stamp(i + 1))) for i in moved]
     return steps, changes
 
 
@@ -305,10 +302,7 @@ def _runs(g: GpuSeries, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     import numpy as np
 
-    n = len(cond)
-    none = np.zeros(0, dtype=np.int64)
-    if n == 0:
-        return none, none
+    n = len(cond)  # never 0: a GPU has a sample or more
     gap = np.zeros(n, dtype=bool)
     gap[1:] = np.diff(g.times) > g.gap_limit
     gap[0] = True
@@ -318,8 +312,6 @@ def _runs(g: GpuSeries, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     known = ~np.isnan(state)
     last_known = np.maximum.accumulate(np.where(known, np.arange(n), 0))
     held = state[last_known] > 0  # NaNs take the state they follow
-    if not held.any():
-        return none, none
     starts = held & (gap | ~np.concatenate(([False], held[:-1])))
     ends = held & np.concatenate((gap[1:] | ~held[1:], [True]))
     return np.flatnonzero(starts), np.flatnonzero(ends)
