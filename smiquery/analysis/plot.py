@@ -179,11 +179,7 @@ def _layout_of(layout: str, gpus: int) -> str:
 def _overlay(
     figure: type[Figure], n: int, gpus: int, width: float, height: float, dpi: int
 ) -> tuple[Figure, list[Any]]:
-    """One panel per field, every GPU drawn in it, all panels on one time axis.
-
-    Placed by fixed margins in inches, as small multiples and heatmaps are: constrained layout measures every tick
-    label of every panel on each draw.
-    """
+    """One panel per field holding every GPU, on one time axis, by fixed margins in inches (as heatmaps are)."""
     # the legend: a GPU's line each, and the two kinds of shading
     rows = math.ceil((gpus + 2) / _legend_columns(gpus + 2, width))
     top, head, left, right = 0.45, 0.35, 0.9, 0.25  # the title; a panel's title; values and unit; the last tick
@@ -489,10 +485,9 @@ def save_plot(
     fields: str | Sequence[str] | None = None,
     **options: Any,
 ) -> Path:
-    """Draw a recording (:func:`plot_recording`, which takes ``options``) and write it to ``output``.
+    """Draw a recording (:func:`plot_recording`, which takes ``options``) and write it to ``output``: the path.
 
-    The format follows the suffix (png, svg, pdf). Returns the path written; raises what :func:`plot_recording`
-    raises, and OSError when the image cannot be written.
+    The format follows the suffix (png, svg, pdf); raises what :func:`plot_recording` raises, and OSError.
     """
     path = Path(output)
     with _collector_paused():  # once for drawing and writing: resumed in between, it would walk the figure
@@ -715,7 +710,7 @@ def _outline(
             above.remove(near)
             near[0], near[1], near[3] = min(near[0], s0), max(near[1], e0), row
         ending.setdefault(row, []).append(near)
-    if boxes:  # one artist for all: a patch each costs milliseconds to add and to draw
-        verts = [[(s0, a - 0.5), (e0, a - 0.5), (e0, b + 0.5), (s0, b + 0.5)] for s0, e0, a, b in boxes]
-        ax.add_collection(PolyCollection(verts, facecolors="none", edgecolors=edge, linewidths=lw, gid=gid, zorder=3),
-                          autolim=False)  # fmt: skip
+    # one artist for all: a patch each costs milliseconds to add and to draw
+    verts = [[(s0, a - 0.5), (e0, a - 0.5), (e0, b + 0.5), (s0, b + 0.5)] for s0, e0, a, b in boxes]
+    ax.add_collection(PolyCollection(verts, facecolors="none", edgecolors=edge, linewidths=lw, gid=gid, zorder=3),
+                      autolim=False)  # fmt: skip
