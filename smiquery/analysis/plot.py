@@ -135,18 +135,14 @@ def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field
 def _thresholds(rules: Sequence[Rule], fld: Field) -> list[tuple[float, str]]:
     out: dict[float, list[str]] = {}
     for rule in rules:
-        value, text = rule.threshold, str(rule)
+        value = rule.threshold
         if rule.field.name == fld.name and isinstance(value, (int, float)) and not isinstance(value, bool):
-            label = text[len(rule.field.name) :].strip() if text.startswith(rule.field.name) else text
-            out.setdefault(float(value), []).append(label)
+            out.setdefault(float(value), []).append(str(rule).removeprefix(rule.field.name).strip())
     return sorted((value, "; ".join(labels)) for value, labels in out.items())
 
 
 def _physical_scale(fld: Field, df: pd.DataFrame) -> tuple[float, float, str] | None:
-    """A field's physical range for a heatmap's colours: 0 to 100 %, 0 to 100 C, 0 to its recorded limit; or None.
-
-    The limit of memory used, free or reserved is the total, of a power draw the first power limit with a value.
-    """
+    """A field's physical range for a heatmap's colours: 0 to 100 %, 0 to 100 C, 0 to its recorded limit; or None."""
     import numpy as np
 
     if fld.unit == "%":
@@ -377,9 +373,8 @@ def _draw_panel(scene: Scene, ax: Any, fld: Field, first: bool) -> list[Any]:
         x, y, *band = line_points(xs, ys, scene.gap_limit, scene.max_points, band=True)
         colour = GPU_COLOURS[pos % len(GPU_COLOURS)]
         dash = _DASHES[(pos // len(GPU_COLOURS)) % len(_DASHES)]
-        (line,) = ax.plot(x, y, color=colour, linestyle=dash, linewidth=1.1, label=gpu_name(idx, scene.names),
-                          gid=f"gpu-{idx}", zorder=2)  # fmt: skip
-        lines.append(line)
+        lines += ax.plot(x, y, color=colour, linestyle=dash, linewidth=1.1, label=gpu_name(idx, scene.names),
+                         gid=f"gpu-{idx}", zorder=2)  # fmt: skip
         if band:  # the mean hides a pixel's extremes: a band from its lowest to highest value shows them
             ax.fill_between(x, *band, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
     has_values = any(bool(np.isfinite(v).any()) for v in scene.values[fld.name])

@@ -116,9 +116,7 @@ def gpu_rows(index: np.ndarray) -> list[tuple[int, Any]]:
 
     if len(index) > 1 and not bool((index[1:] >= index[:-1]).all()):
         order = np.argsort(index, kind="stable")  # file order within each GPU
-        ordered = index[order]
-        bounds = np.flatnonzero(np.diff(ordered)) + 1
-        parts = np.split(order, bounds)
+        parts = np.split(order, np.flatnonzero(np.diff(index[order])) + 1)
         return [(int(index[p[0]]), p) for p in parts]
     edges = [0, *(np.flatnonzero(np.diff(index)) + 1).tolist(), len(index)]
     return [(int(index[a]), slice(a, b)) for a, b in pairwise(edges)]
@@ -200,10 +198,7 @@ Note = tuple[str, float, dict[str, Any]]
 
 
 def text_size(text: str, fontsize: float) -> tuple[float, float]:
-    """(width, height) in points of one line of ``text`` in matplotlib's default font, measured without a renderer.
-
-    The height is that of a text box (the font's line height).
-    """
+    """(width, height) in points of one line of ``text`` in matplotlib's default font (height: its line height)."""
     from matplotlib.font_manager import FontProperties
     from matplotlib.textpath import text_to_path
 
@@ -385,9 +380,8 @@ def split_gpus(df: pd.DataFrame) -> tuple[list[GpuSeries], float]:
         if len(times) > 1:
             intervals.append(float(np.median(np.diff(times))))
         parts.append((idx, rows, times))
-    interval = float(np.median(intervals)) if intervals else 1.0
-    if not interval > 0:
-        interval = 1.0
+    median = float(np.median(intervals)) if intervals else 1.0
+    interval = median if median > 0 else 1.0  # never 0 or NaN
     gap_limit = max(3 * interval, 5.0)
     gpus = []
     for idx, rows, times in parts:
