@@ -71,29 +71,19 @@ def report(
 ) -> Report:
     """Analyse a recorded run: the :class:`Report`.
 
-    A *stall* is a stretch of at least ``min_stall`` seconds during which a GPU's ``utilization.gpu`` stayed under
-    ``stall_utilization`` percent while its ``memory.used`` was at least ``busy_memory`` MiB (a job held the GPU
-    but gave it no work). Without ``memory.used`` in the recording, utilization alone decides. Stalls that
-    overlap on several GPUs are reported together as well, since they point at a shared cause.
+    ``source``, ``fields`` and ``tz`` are as :func:`~smiquery.analysis.load_recording` takes them; ``name`` is what
+    the report calls the recording (default: the file name). A *stall* is a stretch of at least ``min_stall`` seconds
+    during which a GPU's ``utilization.gpu`` stayed under ``stall_utilization`` percent while its ``memory.used`` was
+    at least ``busy_memory`` MiB (a job held the GPU but gave it no work; without ``memory.used``, utilization alone
+    decides). Stalls that overlap on several GPUs are reported together as well, since they point at a shared cause.
 
-    Time past a threshold counts every sample for which a rule's condition held (ignoring its hold); the alerts
-    are those the rules would have fired live (honouring the hold). Missing values keep the state they follow.
+    The ``rules`` (or ``--alert`` expressions; default :data:`DEFAULT_RULES` and the rules the recording was made
+    with, which ``stream --alert ... --output`` records beside it) are checked: time past a threshold counts every
+    sample for which a rule's condition held (ignoring its hold); the alerts are those the rules would have fired
+    live (honouring the hold). Missing values keep the state they follow.
 
-    Args:
-        source: a recording or a DataFrame, as :func:`~smiquery.analysis.load_recording` takes it.
-        rules: rules (or ``--alert`` expressions) whose thresholds are checked; default :data:`DEFAULT_RULES` and
-            the ``--alert`` rules the recording was made with (``smiquery stream --alert ... --output`` records
-            them beside it).
-        stall_utilization: utilization (percent) under which a GPU is stalled.
-        min_stall: shortest stall reported, in seconds.
-        busy_memory: memory used (MiB) from which a GPU counts as held by a job.
-        name: what to call the recording in the report (default: the file name).
-        fields: the columns of a headerless CSV log (see :func:`~smiquery.analysis.load_recording`).
-        tz: the zone the recording was made in; default: timestamps as recorded (naive for CSV).
-
-    Raises:
-        ReportError: the recording cannot be read or holds no samples.
-        InvalidRuleError: a rule cannot be parsed.
+    Raises ReportError when the recording cannot be read or holds no samples, InvalidRuleError for a rule that
+    cannot be parsed.
     """
     df = load_recording(source, fields=fields, tz=tz)
     if df.empty:
@@ -258,19 +248,16 @@ def _clock_changes(gpus: list[GpuSeries]) -> tuple[list[ClockStep], list[tuple[d
 
     g = max(gpus, key=lambda g: len(g.times))
     ns = np.asarray(g.stamps, dtype="datetime64[ns]").astype("int64")
-    steps: list[ClockStep] = []
-    if len(ns) > 1:
-        for i in np.flatnonzero(np.diff(ns) < -REPORTED_STEP_BACK * 1e9).tolist():
-            steps.append(ClockStep(g.stamp(i), g.stamp(i + 1), (int(ns[i]) - int(ns[i + 1])) / 1e9))
+    back = np.flatnonzero(np.diff(ns) < -REPORTED_STEP_BACK * 1e9).tolist()
+    steps = [ClockStep(g.stamp(i), g.stamp(i + 1), (int(ns[i]) - int(ns[i + 1])) / 1e9) for i in back]
     changes: list[tuple[datetime, str, str]] = []
-    if g.zone is not None and len(ns) > 1:
+    if g.zone is not None:
         import pandas as pd
 
         local = pd.DatetimeIndex(ns.astype("datetime64[ns]")).tz_localize("UTC").tz_convert(g.zone)
-        wall = local.tz_localize(None).asi8
         # where the wall clock moved otherwise than the instants, the zone's offset changed
-        for i in np.flatnonzero(np.diff(wall) != np.diff(ns)).tolist():
-            changes.append((g.stamp(i + 1), _offset_text(g.stamp(i)), _offset_text(g.stamp(i + 1))))
+        moved = np.flatnonzero(np.diff(local.tz_localize(None).asi8) != np.diff(ns)).tolist()
+        changes = [(g.stamp(i + 1), _offset_text(g.stamp(i)), _offset_text(g.stamp(i + 1))) for i in moved]
     return steps, changes
 
 
@@ -289,7 +276,7 @@ def _condition_values(rule: Rule, g: GpuSeries) -> np.ndarray:
     parts: list[np.ndarray] = []
     for cond in (rule, *rule.when):
         col = cond.field.attr
-        if col not in g.columns:
+        if col not in g.df.columns:
             return np.full(len(g.times), np.nan)
         kind = cond.field.kind
         if isinstance(cond.threshold, (int, float)) and (kind.is_numeric or kind.is_bool):
@@ -298,7 +285,7 @@ def _condition_values(rule: Rule, g: GpuSeries) -> np.ndarray:
                 out = getattr(np, _NUMPY_OPS[cond.op])(values, float(cond.threshold)).astype("float64")
             out[np.isnan(values)] = np.nan
         else:  # text and other thresholds: the rule's own comparison, value by value (None: NaN)
-            column = g.values(col)
+            column = g.df[col].iloc[g.rows]
             verdicts = [None if na else cond.holds(v) for v, na in zip(column.tolist(), column.isna(), strict=True)]
             out = np.array(verdicts, dtype="float64")
         parts.append(out)
@@ -315,10 +302,7 @@ def _runs(g: GpuSeries, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """
     import numpy as np
 
-    n = len(cond)
-    none = np.zeros(0, dtype=np.int64)
-    if n == 0:
-        return none, none
+    n = len(cond)  # never 0: a GPU has a sample or more
     gap = np.zeros(n, dtype=bool)
     gap[1:] = np.diff(g.times) > g.gap_limit
     gap[0] = True
@@ -328,8 +312,6 @@ def _runs(g: GpuSeries, cond: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     known = ~np.isnan(state)
     last_known = np.maximum.accumulate(np.where(known, np.arange(n), 0))
     held = state[last_known] > 0  # NaNs take the state they follow
-    if not held.any():
-        return none, none
     starts = held & (gap | ~np.concatenate(([False], held[:-1])))
     ends = held & np.concatenate((gap[1:] | ~held[1:], [True]))
     return np.flatnonzero(starts), np.flatnonzero(ends)
@@ -387,8 +369,7 @@ def _alerts(
             firsts, lasts = _runs(g, cond)
             if not len(firsts):
                 continue
-            col = rule.field.attr
-            values = g.floats(col) if rule.field.kind.is_quantity else None
+            values = g.floats(rule.field.attr) if rule.field.kind.is_quantity else None
             pick_max = rule.op in (">", ">=")
             if thresholds is not None:
                 seconds = g.seconds(firsts, lasts)
@@ -405,8 +386,9 @@ def _alerts(
                 if at is None:
                     continue
                 s = _stretch(g, a, b, values, pick_max)
-                still = b == len(g.times) - 1
-                alerts.append(AlertSpan(str(rule), g.index, s.start, g.stamp(at), s.end, s.seconds, s.peak, not still))
+                alerts.append(
+                    AlertSpan(str(rule), g.index, s.start, g.stamp(at), s.end, s.seconds, s.peak, not s.ongoing)
+                )
     return alerts
 
 
@@ -414,10 +396,10 @@ def _stalls(gpus: list[GpuSeries], stall: StallRule) -> list[Stretch]:
     """Stretches of at least ``stall.min_seconds`` under the stall utilization (while memory was held), per GPU."""
     found: list[Stretch] = []
     for g in gpus:
-        if "utilization_gpu" not in g.columns:
+        if "utilization_gpu" not in g.df.columns:
             break
         util = g.floats("utilization_gpu")
-        cond = stall.mask(util, g.floats("memory_used") if "memory_used" in g.columns else None)
+        cond = stall.mask(util, g.floats("memory_used") if "memory_used" in g.df.columns else None)
         firsts, lasts = _runs(g, cond)
         long_enough = g.seconds(firsts, lasts) >= stall.min_seconds
         for a, b in zip(firsts[long_enough].tolist(), lasts[long_enough].tolist(), strict=True):

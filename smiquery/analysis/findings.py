@@ -186,7 +186,7 @@ def _memory_findings(gpus: list[GpuSeries], report: Report) -> list[Finding]:
     """GPUs whose memory was at least 97% full at some point: an out-of-memory error is one batch away."""
     import numpy as np
 
-    if "memory_used" not in gpus[0].columns or "memory_total" not in gpus[0].columns:
+    if "memory_used" not in gpus[0].df.columns or "memory_total" not in gpus[0].df.columns:
         return []
     full: dict[int, float] = {}
     for g in gpus:
@@ -225,16 +225,12 @@ def _imbalance_findings(report: Report) -> list[Finding]:
             continue
         averaged = ", ".join(f"{means[g]:.0f}%" for g in slow)
         others = f"the other GPUs of {printable(peers)}" if peers else "the others"
-        out.append(
-            Finding(
-                "imbalance",
-                "info",
-                tuple(slow),
-                f"{gpu_list(slow, report.names)} averaged {averaged} utilization against {median:.0f}% on {others}: "
-                f"unbalanced work or a straggler; check {'their' if len(slow) > 1 else 'its'} share of the data and "
-                "PCIe/NVLink link",
-            )
+        verdict = (
+            f"{gpu_list(slow, report.names)} averaged {averaged} utilization against {median:.0f}% on {others}: "
+            f"unbalanced work or a straggler; check {'their' if len(slow) > 1 else 'its'} share of the data and "
+            "PCIe/NVLink link"
         )
+        out.append(Finding("imbalance", "info", tuple(slow), verdict))
     return out
 
 
@@ -305,11 +301,10 @@ def _health_verdict(h: HealthCount, report: Report) -> str:
             f"{where} has {h.field} = yes: reset the GPU (or reboot) so the pending retirement/remapping takes effect"
         )
     count = int(h.max)
-    what = h.field
     if h.grew:
-        text = f"{where}'s {what} grew from {int(h.first)} to {count} during the run"
+        text = f"{where}'s {h.field} grew from {int(h.first)} to {count} during the run"
     else:
-        text = f"{where} has {what} = {count}" + (" (lifetime count)" if ".aggregate." in what else "")
+        text = f"{where} has {h.field} = {count}" + (" (lifetime count)" if ".aggregate." in h.field else "")
     if h.severity == "critical":
         advice = "uncorrectable memory errors: results may be wrong; drain it and have it checked"
     else:

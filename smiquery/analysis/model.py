@@ -72,14 +72,9 @@ class GpuName:
 
     def to_dict(self, index: int) -> dict[str, Any]:
         """JSON-ready: ``index`` (the report's number), ``instance``, ``gpu`` (on its node), ``uuid``, what is known."""
-        out: dict[str, Any] = {"index": index, "instance": self.instance, "gpu": self.gpu, "uuid": self.uuid}
-        if self.node != self.instance:
-            out["node"] = self.node
-        if self.pod:
-            out["pod"] = self.pod
-        if self.job:
-            out["job"] = self.job
-        return out
+        out = {"index": index, "instance": self.instance, "gpu": self.gpu, "uuid": self.uuid}
+        known = {"node": "" if self.node == self.instance else self.node, "pod": self.pod, "job": self.job}
+        return out | {k: v for k, v in known.items() if v}
 
 
 @dataclass(frozen=True)
@@ -215,28 +210,21 @@ class Finding:
 class Report:
     """The analysis of one recording; the ``report_*`` functions of :mod:`smiquery.analysis` render it.
 
-    Attributes:
-        sweeps: samples per GPU (the most any GPU has).
-        interval: the median seconds between two samples of one GPU.
-        stats: per field and GPU statistics of the fields that vary; ``overall`` the same over all GPUs.
-        skipped_files: files of a set skipped, one line each with why (no rows yet, gone since listed).
-        health: memory-health counters (ECC, retired pages, remapped rows) that were non-zero, per GPU.
-        constants: fields that never changed, with their value per GPU.
-        thresholds: time past each rule's threshold, per GPU that got past it, whether or not the rule fired
-            (:attr:`alerts` are the firings).
-        stalls: stretches of at least ``min_stall`` seconds under ``stall_utilization`` while memory was held.
-        findings: what to act on, most severe first.
-        clock_steps: where the recorded clock stepped back (a DST fall-back read without a zone, an NTP step);
-            every duration skips such a step.
-        zone_changes: where the UTC offset changed in a recording read in its zone (``tz=``): (time, offset
-            before, offset after).
-        elapsed: seconds the run lasted along its timeline (steps back skipped); None: ``end - start``.
-        not_recorded: fields the stall check or a rule needs that the recording lacks (or holds no value of):
-            what they decide is not known, and the report says so rather than "none".
-        unchecked_rules: the rules (texts) that watch such a field.
-        names: per GPU number, which GPU of which node it is (a fleet's report; empty for a recording, whose GPUs
-            are named by their index). In JSON every GPU reference then carries ``instance``, ``gpu`` (the index on
-            its node) and ``uuid`` (and ``index``, the report's number, which ``energy_wh`` and ``gpus`` use).
+    ``sweeps``: samples per GPU (the most any GPU has); ``interval``: the median seconds between two samples of one
+    GPU; ``stats``: per field and GPU statistics of the fields that vary, ``overall`` the same over all GPUs;
+    ``constants``: the fields that never changed, with their value per GPU. ``thresholds``: the time past each
+    rule's threshold per GPU that got past it, fired or not (:attr:`alerts` are the firings); ``stalls``: stretches
+    of at least ``min_stall`` seconds under ``stall_utilization`` while memory was held; ``health``: the non-zero
+    memory-health counters (ECC, retired pages, remapped rows) per GPU; ``findings``: what to act on, most severe
+    first; ``skipped_files``: the files of a set skipped, one line each with why.
+
+    ``clock_steps``: where the recorded clock stepped back (every duration skips such a step); ``zone_changes``:
+    (time, offset before, offset after) where the UTC offset changed in a recording read in its zone; ``elapsed``:
+    seconds along the timeline (None: ``end - start``). ``not_recorded``: the fields the stall check or a rule needs
+    that the recording lacks (what they decide is reported as not known), ``unchecked_rules`` the rules watching
+    them. ``names``: per GPU number its :class:`GpuName` in a fleet's report (empty for a recording); in JSON every
+    GPU reference then carries ``instance``, ``gpu`` (its index on its node), ``uuid`` and ``index`` (the report's
+    number, which ``energy_wh`` and ``gpus`` use).
     """
 
     source: str

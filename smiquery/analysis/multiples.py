@@ -19,10 +19,11 @@ from smiquery.analysis.series import (
     GRID,
     STALL_SHADE,
     THRESHOLD_COLOUR,
+    draw_notes,
     line_points,
     merged,
-    stack_labels,
     text_size,
+    threshold_notes,
 )
 
 if TYPE_CHECKING:
@@ -216,8 +217,13 @@ def _draw_field(
             ax.text(ox + w / 2, oy + h / 2, "no values", ha="center", va="center", fontsize=8, color="#555555",
                     gid="no-data", label=label)  # fmt: skip
         _cell_shading(ax, place, scene, fld, idx, (lo, hi), label)
+        for value, _ in marks:
+            ax.plot([x_lo, x_hi], [value, value], transform=place, color=THRESHOLD_COLOUR, linestyle="--",
+                    linewidth=0.9, gid="threshold", label=label, zorder=3)  # fmt: skip
         first = k % grid.cols == 0
-        _cell_thresholds(ax, place, marks, (x_lo, x_hi, lo, sy), (ox, oy, w, h), first, label)
+        if first:  # the thresholds labelled inside the cell, cut short to fit
+            notes, boxes = threshold_notes(marks, 7, lambda v: (v - lo) * sy * 72, w * 72 - 8, label=label)
+            draw_notes(ax, notes, boxes, (0, 0, w * 72, h * 72), xy=(ox, oy), xycoords="data")
         title = gpu_name(idx, scene.names)
         ax.text(ox, oy + h + 2 * _POINT, title, ha="left", va="bottom", fontsize=8, gid="title", label=label)
         if first:
@@ -249,53 +255,3 @@ def _cell_shading(
             x0, x1 = (float(v) for v in mdates.date2num([start, end]))  # type: ignore[no-untyped-call]
             ax.add_patch(Rectangle((x0, lo), x1 - x0, hi - lo, transform=place, color=colour, alpha=alpha,
                                    linewidth=0, gid=gid, label=label, zorder=0))  # fmt: skip
-
-
-def _cell_thresholds(
-    ax: Any,
-    place: Any,
-    marks: Sequence[tuple[float, str]],
-    scale: tuple[float, float, float, float],
-    box: tuple[float, float, float, float],
-    first: bool,
-    label: str,
-) -> None:
-    """Dashed threshold lines across the cell, labelled in the first column (inside the cell, cut short to fit).
-
-    ``scale``: the cell's first and last time (date numbers), its lowest value and inches per unit of value;
-    ``box``: the cell's corner and size in inches.
-    """
-    x_lo, x_hi, lo, per_inch = scale
-    for value, _ in marks:
-        ax.plot([x_lo, x_hi], [value, value], transform=place, color=THRESHOLD_COLOUR, linestyle="--",
-                linewidth=0.9, gid="threshold", label=label, zorder=3)  # fmt: skip
-    if not first or not marks:
-        return
-    ox, oy, w, h = box
-    room = w * 72 - 8  # points a label may take
-    texts, boxes = [], []
-    for value, text in marks:
-        width, height = text_size(text, 7)
-        while width > room and len(text) > 1:
-            text = text[: max(1, int(len(text) * room / width) - 1)].rstrip() + "…"
-            width, height = text_size(text, 7)
-        y = (value - lo) * per_inch * 72
-        texts.append(text)
-        boxes.append((4.0, width + 2, height + 2, [y - 2, y + height + 4]))
-    for text, at in zip(texts, stack_labels(boxes, (0, 0, w * 72, h * 72)), strict=True):
-        if at is None:
-            continue
-        ax.annotate(
-            text,
-            xy=(ox, oy),
-            xycoords="data",
-            xytext=(at[0] + 1, at[1] - 1),
-            textcoords="offset points",
-            ha="left",
-            va="top",
-            fontsize=7,
-            color=THRESHOLD_COLOUR,
-            bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
-            zorder=4,
-            label=label,
-        )

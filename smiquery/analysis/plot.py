@@ -29,13 +29,13 @@ from smiquery.analysis.series import (
     Scene,
     as_float,
     axis_clock,
+    draw_notes,
     gpu_rows,
-    line_band,
     line_points,
     load_recording,
     merged,
-    stack_labels,
     text_size,
+    threshold_notes,
 )
 from smiquery.errors import ReportError
 from smiquery.fields import Field, Kind, get_field, resolve_fields
@@ -135,18 +135,14 @@ def _resolve(fields: str | Sequence[str] | None, df: pd.DataFrame) -> list[Field
 def _thresholds(rules: Sequence[Rule], fld: Field) -> list[tuple[float, str]]:
     out: dict[float, list[str]] = {}
     for rule in rules:
-        value, text = rule.threshold, str(rule)
+        value = rule.threshold
         if rule.field.name == fld.name and isinstance(value, (int, float)) and not isinstance(value, bool):
-            label = text[len(rule.field.name) :].strip() if text.startswith(rule.field.name) else text
-            out.setdefault(float(value), []).append(label)
+            out.setdefault(float(value), []).append(str(rule).removeprefix(rule.field.name).strip())
     return sorted((value, "; ".join(labels)) for value, labels in out.items())
 
 
 def _physical_scale(fld: Field, df: pd.DataFrame) -> tuple[float, float, str] | None:
-    """A field's physical range for a heatmap's colours: 0 to 100 %, 0 to 100 C, 0 to its recorded limit; or None.
-
-    The limit of memory used, free or reserved is the total, of a power draw the first power limit with a value.
-    """
+    """A field's physical range for a heatmap's colours: 0 to 100 %, 0 to 100 C, 0 to its recorded limit; or None."""
     import numpy as np
 
     if fld.unit == "%":
@@ -179,11 +175,7 @@ def _layout_of(layout: str, gpus: int) -> str:
 def _overlay(
     figure: type[Figure], n: int, gpus: int, width: float, height: float, dpi: int
 ) -> tuple[Figure, list[Any]]:
-    """One panel per field, every GPU drawn in it, all panels on one time axis.
-
-    Placed by fixed margins in inches, as small multiples and heatmaps are: constrained layout measures every tick
-    label of every panel on each draw.
-    """
+    """One panel per field holding every GPU, on one time axis, by fixed margins in inches (as heatmaps are)."""
     # the legend: a GPU's line each, and the two kinds of shading
     rows = math.ceil((gpus + 2) / _legend_columns(gpus + 2, width))
     top, head, left, right = 0.45, 0.35, 0.9, 0.25  # the title; a panel's title; values and unit; the last tick
@@ -339,10 +331,8 @@ def _scene(
 
     x_all = axis_clock(df["timestamp"])
     xs = [x_all[rows] for _, rows in groups]
-    diffs = [float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs if len(x) > 1]
-    interval = float(sorted(diffs)[len(diffs) // 2]) if diffs else 1.0
-    if not interval > 0 or math.isnan(interval):
-        interval = 1.0
+    diffs = sorted(float(np.median(np.diff(x).astype("int64"))) / 1e9 for x in xs if len(x) > 1)
+    interval = diffs[len(diffs) // 2] if diffs else 0.0
     stalls: list[tuple[Any, Any, int]] = []
     alerts: dict[str, list[tuple[Any, Any, int]]] = {}  # by field
     if shade:
@@ -363,7 +353,7 @@ def _scene(
         alerts=alerts,
         x_range=x_range,
         zone=getattr(df["timestamp"].dt, "tz", None),
-        gap_limit=max(3 * interval, 5.0),
+        gap_limit=max(5.0, 3 * interval),  # 5.0 first: a NaN or negative interval gives 5 s
         slack=(df["timestamp"].max() - df["timestamp"].min()) / 200,  # half a percent of the run
         names=names if isinstance(names, dict) else {},
         max_points=max_points,
@@ -380,16 +370,13 @@ def _draw_panel(scene: Scene, ax: Any, fld: Field, first: bool) -> list[Any]:
 
     lines: list[Any] = []
     for pos, (idx, xs, ys) in enumerate(zip(scene.gpus, scene.xs, scene.values[fld.name], strict=True)):
-        x, y = line_points(xs, ys, scene.gap_limit, scene.max_points)
+        x, y, *band = line_points(xs, ys, scene.gap_limit, scene.max_points, band=True)
         colour = GPU_COLOURS[pos % len(GPU_COLOURS)]
         dash = _DASHES[(pos // len(GPU_COLOURS)) % len(_DASHES)]
-        (line,) = ax.plot(x, y, color=colour, linestyle=dash, linewidth=1.1, label=gpu_name(idx, scene.names),
-                          gid=f"gpu-{idx}", zorder=2)  # fmt: skip
-        lines.append(line)
-        band = line_band(xs, ys, scene.gap_limit, scene.max_points)
-        if band is not None:  # the mean hides a pixel's extremes: a band from its lowest to highest value shows them
-            xb, lo, hi = band
-            ax.fill_between(xb, lo, hi, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
+        lines += ax.plot(x, y, color=colour, linestyle=dash, linewidth=1.1, label=gpu_name(idx, scene.names),
+                         gid=f"gpu-{idx}", zorder=2)  # fmt: skip
+        if band:  # the mean hides a pixel's extremes: a band from its lowest to highest value shows them
+            ax.fill_between(x, *band, color=colour, alpha=0.22, linewidth=0.5, gid=f"band-{idx}", zorder=1.5)
     has_values = any(bool(np.isfinite(v).any()) for v in scene.values[fld.name])
     if not has_values:
         _no_values_note(ax, fld.name)
@@ -410,9 +397,6 @@ def _draw_panel(scene: Scene, ax: Any, fld: Field, first: bool) -> list[Any]:
     return lines
 
 
-_NOTE_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
-
-
 def _place_notes(
     ax: Any, marks: Sequence[tuple[float, str]], spans: Sequence[tuple[Any, str]], x_range: tuple[Any, Any]
 ) -> None:
@@ -429,23 +413,13 @@ def _place_notes(
     width, height = pos.width * fig_w * 72, pos.height * fig_h * 72  # the panel in points
     y_lo, y_hi = ax.get_ylim()  # the panel's scale (autoscaled now, from its lines and thresholds)
     x_lo, x_hi = (float(v) for v in mdates.date2num(list(x_range)))  # type: ignore[no-untyped-call]
-    notes: list[tuple[str, float, dict[str, Any]]] = []
-    boxes: list[tuple[float, float, float, list[float]]] = []
-    for value, text in marks:
-        w, h = text_size(text, 8)
-        y = (value - y_lo) / (y_hi - y_lo) * height
-        boxes.append((4, w + 2, h + 2, [y - 2, y + 2 + h + 2]))
-        notes.append((text, 8, {"color": THRESHOLD_COLOUR, "bbox": _NOTE_BOX, "zorder": 4}))
+    notes, boxes = threshold_notes(marks, 8, lambda v: (v - y_lo) / (y_hi - y_lo) * height)
     for start, text in spans:
         w, h = text_size(text, 7.5)
         x = (float(mdates.date2num(start)) - x_lo) / (x_hi - x_lo) * width  # type: ignore[no-untyped-call]
         boxes.append((x + 3, w, h, [height - 3]))
         notes.append((text, 7.5, {"color": "#333333", "zorder": 5}))
-    for (text, size, style), at in zip(notes, stack_labels(boxes, (0, 0, width, height)), strict=True):
-        if at is None:
-            continue
-        note = ax.annotate(text, xy=(0, 0), xycoords="axes fraction", xytext=(at[0] + 1, at[1] - 1),
-                           textcoords="offset points", ha="left", va="top", fontsize=size, **style)  # fmt: skip
+    for note in draw_notes(ax, notes, boxes, (0, 0, width, height), xy=(0, 0), xycoords="axes fraction"):
         note.set_in_layout(False)  # it lies inside the panel: no margin for it
         note.set_clip_on(False)
 
@@ -470,16 +444,12 @@ def _time_axis(fig: Figure, panels: Sequence[Any], layout: str, scene: Scene) ->
     import matplotlib.dates as mdates
 
     zone = scene.zone
-    label = f"time ({zone})"
-    if zone is None:
-        label = "time (the recording's local clock; no zone recorded, pass --tz to name it)"
-    x_start, x_end = scene.x_range
+    label = f"time ({zone})" if zone else "time (the recording's local clock; no zone recorded, pass --tz to name it)"
     if layout == "multiples":
-        inches = fig.get_size_inches()[1]
-        fig.supxlabel(label, y=0.45 / inches, va="center", fontsize=9)
+        fig.supxlabel(label, y=0.45 / fig.get_size_inches()[1], va="center", fontsize=9)
         return
     last = panels[-1]
-    last.set_xlim(x_start, x_end)
+    last.set_xlim(*scene.x_range)
     locator = mdates.AutoDateLocator(tz=zone)  # type: ignore[no-untyped-call]
     last.xaxis.set_major_locator(locator)
     last.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=zone))  # type: ignore[no-untyped-call]
@@ -510,10 +480,9 @@ def save_plot(
     fields: str | Sequence[str] | None = None,
     **options: Any,
 ) -> Path:
-    """Draw a recording (:func:`plot_recording`, which takes ``options``) and write it to ``output``.
+    """Draw a recording (:func:`plot_recording`, which takes ``options``) and write it to ``output``: the path.
 
-    The format follows the suffix (png, svg, pdf). Returns the path written; raises what :func:`plot_recording`
-    raises, and OSError when the image cannot be written.
+    The format follows the suffix (png, svg, pdf); raises what :func:`plot_recording` raises, and OSError.
     """
     path = Path(output)
     with _collector_paused():  # once for drawing and writing: resumed in between, it would walk the figure
@@ -736,7 +705,7 @@ def _outline(
             above.remove(near)
             near[0], near[1], near[3] = min(near[0], s0), max(near[1], e0), row
         ending.setdefault(row, []).append(near)
-    if boxes:  # one artist for all: a patch each costs milliseconds to add and to draw
-        verts = [[(s0, a - 0.5), (e0, a - 0.5), (e0, b + 0.5), (s0, b + 0.5)] for s0, e0, a, b in boxes]
-        ax.add_collection(PolyCollection(verts, facecolors="none", edgecolors=edge, linewidths=lw, gid=gid, zorder=3),
-                          autolim=False)  # fmt: skip
+    # one artist for all: a patch each costs milliseconds to add and to draw
+    verts = [[(s0, a - 0.5), (e0, a - 0.5), (e0, b + 0.5), (s0, b + 0.5)] for s0, e0, a, b in boxes]
+    ax.add_collection(PolyCollection(verts, facecolors="none", edgecolors=edge, linewidths=lw, gid=gid, zorder=3),
+                      autolim=False)  # fmt: skip

@@ -229,17 +229,19 @@ def _gpu_stat_table(report: Report) -> tuple[list[str], list[list[str]]]:
     """Per field a row, per GPU a cell of mean / p95 / max."""
     by_key = {(s.field, s.gpu): s for s in report.stats}
     rows = []
-    for name in dict.fromkeys(s.field for s in report.stats):
-        unit = next(s.unit for s in report.stats if s.field == name)
-        fld = _stat_field(name, unit)
-        cells = [f"{name} [{unit}]" if unit else name]
-        for g in report.gpus:
-            st = by_key.get((name, g))
-            cells.append(
-                "n/a" if st is None else f"{_stat(st.mean, fld)} / {_stat(st.p95, fld)} / {_stat(st.max, fld)}"
-            )
-        rows.append(cells)
+    for o in report.overall:  # the fields of report.stats, in their order
+        fld = _stat_field(o.field, o.unit)
+        cells = [by_key.get((o.field, g)) for g in report.gpus]
+        rows.append([_field_head(o), *("n/a" if s is None else " / ".join(_mean_p95_max(s, fld)) for s in cells)])
     return ["field", *[gpu_name(g, report.names) for g in report.gpus]], rows
+
+
+def _field_head(stats: FieldStats) -> str:
+    return f"{stats.field} [{stats.unit}]" if stats.unit else stats.field
+
+
+def _mean_p95_max(stats: FieldStats, fld: Field) -> list[str]:
+    return [_stat(v, fld) for v in (stats.mean, stats.p95, stats.max)]
 
 
 def _stall_table(report: Report) -> tuple[list[str], list[list[str]]]:
@@ -247,12 +249,9 @@ def _stall_table(report: Report) -> tuple[list[str], list[list[str]]]:
     rows: list[list[str]] = []
     groups: list[list[Stretch]] = []
     for st in sorted(report.stalls, key=lambda x: (x.start, x.gpu)):
-        last = groups[-1][0] if groups else None
-        if (
-            last is not None
-            and abs(seconds_between(last.start, st.start)) <= 2 * report.interval
-            and abs(st.seconds - last.seconds) <= 2 * report.interval
-        ):
+        first = groups[-1][0] if groups else st
+        together = abs(seconds_between(first.start, st.start)) <= 2 * report.interval
+        if groups and together and abs(st.seconds - first.seconds) <= 2 * report.interval:
             groups[-1].append(st)
         else:
             groups.append([st])
@@ -269,28 +268,16 @@ def _stall_table(report: Report) -> tuple[list[str], list[list[str]]]:
 
 def _overall_rows(report: Report) -> tuple[list[str], list[list[str]]]:
     """(header, rows): per varying field its mean, p95, max over all GPUs, and the GPUs of highest and lowest mean."""
-    per: dict[str, list[FieldStats]] = {}
-    for s in report.stats:
-        per.setdefault(s.field, []).append(s)
     any_missing = any(o.missing for o in report.overall)
     head = ["field", "mean", "p95", "max", "highest mean", "lowest mean"] + (["missing"] if any_missing else [])
     rows = []
     for o in report.overall:
         fld = _stat_field(o.field, o.unit)
-        gpus = per.get(o.field, [])
-        hi = max(gpus, key=lambda s: s.mean)
-        lo = min(gpus, key=lambda s: s.mean)
-        row = [
-            f"{o.field} [{o.unit}]" if o.unit else o.field,
-            _stat(o.mean, fld),
-            _stat(o.p95, fld),
-            _stat(o.max, fld),
-            f"{gpu_name(hi.gpu, report.names)}: {_stat(hi.mean, fld)}",
-            f"{gpu_name(lo.gpu, report.names)}: {_stat(lo.mean, fld)}",
-        ]
-        if any_missing:
-            row.append(str(o.missing))
-        rows.append(row)
+        gpus = [s for s in report.stats if s.field == o.field]
+        ends = (max(gpus, key=lambda s: s.mean), min(gpus, key=lambda s: s.mean))
+        row = [_field_head(o), *_mean_p95_max(o, fld)]
+        row += [f"{gpu_name(s.gpu, report.names)}: {_stat(s.mean, fld)}" for s in ends]
+        rows.append(row + ([str(o.missing)] if any_missing else []))
     return head, rows
 
 

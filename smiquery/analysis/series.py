@@ -34,14 +34,15 @@ __all__ = [
     "as_float",
     "axis_clock",
     "catalogue_field",
+    "draw_notes",
     "gpu_rows",
-    "line_band",
     "line_points",
     "load_recording",
     "merged",
     "split_gpus",
     "stack_labels",
     "text_size",
+    "threshold_notes",
 ]
 
 _BY_ATTR: dict[str, Field] = {f.attr: f for f in CATALOGUE}
@@ -58,14 +59,11 @@ GRID = "#dddddd"
 class Scene:
     """What every plot layout draws: per GPU (in index order) its times and each field's values; what to shade.
 
-    Attributes:
-        xs: per GPU its times as the axis holds them (:func:`axis_clock`).
-        values: per field name, per GPU its values (NaN where missing).
-        thresholds: per field name its rules' thresholds as (value, label).
-        stalls: (start, end, GPU index) on the axis's clock; ``alerts`` the same per field of a firing rule.
-        slack: spans closer than this are drawn (and labelled) as one.
-        names: a fleet frame's GPU names (:class:`~smiquery.analysis.model.GpuName`) by index; none for a recording.
-        max_points: most points of a line (a heatmap: most columns of cells).
+    ``xs``: per GPU its times on the axis's clock (:func:`axis_clock`); ``values``: per field name, per GPU its values
+    (NaN where missing); ``thresholds``: per field name its rules' thresholds as (value, label); ``stalls``: (start,
+    end, GPU index) on the axis's clock, ``alerts`` the same per field of a firing rule; spans closer than ``slack``
+    are drawn (and labelled) as one; ``names``: a fleet frame's :class:`~smiquery.analysis.model.GpuName` by index;
+    ``max_points``: the most points of a line (a heatmap: the most columns of cells).
     """
 
     flds: Sequence[Field]
@@ -118,9 +116,7 @@ def gpu_rows(index: np.ndarray) -> list[tuple[int, Any]]:
 
     if len(index) > 1 and not bool((index[1:] >= index[:-1]).all()):
         order = np.argsort(index, kind="stable")  # file order within each GPU
-        ordered = index[order]
-        bounds = np.flatnonzero(np.diff(ordered)) + 1
-        parts = np.split(order, bounds)
+        parts = np.split(order, np.flatnonzero(np.diff(index[order])) + 1)
         return [(int(index[p[0]]), p) for p in parts]
     edges = [0, *(np.flatnonzero(np.diff(index)) + 1).tolist(), len(index)]
     return [(int(index[a]), slice(a, b)) for a, b in pairwise(edges)]
@@ -139,18 +135,21 @@ def axis_clock(stamps: pd.Series) -> np.ndarray:
 
 
 def line_points(
-    x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int, envelope: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-    """x (naive datetime64) and y (float, NaN where missing or across a gap in time) for one GPU's line.
+    x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int, envelope: bool = False, band: bool = False
+) -> tuple[np.ndarray, ...]:
+    """(x, y): x (naive datetime64) and y (float, NaN where missing or across a gap in time) for one GPU's line.
 
     Past ``max_points`` samples, each bucket of samples (about a pixel wide) becomes its mean, or with ``envelope``
     its lowest and highest value at their own times (two points a bucket), so that a one-sample spike still shows.
+    With ``band``, a line of means comes as (x, y, lows, highs): each bucket's lowest and highest value, drawn as a
+    band around it so that what the mean hides (a memory drop to 1 MiB every ten minutes of a 34-hour run) shows.
     """
     import numpy as np
 
+    extremes: list[np.ndarray] = []
     if len(x) > max_points:
         # Means by default: in a panel of several GPUs a noisy line (or its envelope) covers the others, so the overlay
-        # draws each bucket's extremes as a band (line_band); a panel of its own (small multiples) the envelope.
+        # draws each bucket's extremes as a band; a panel of its own (small multiples) the envelope.
         step = math.ceil((2 if envelope else 1) * len(x) / max_points)
         n = (len(x) // step) * step
         blocks = y[:n].reshape(-1, step)
@@ -167,31 +166,13 @@ def line_points(
             counts = present.sum(axis=1)
             means = np.full(len(counts), np.nan)
             np.divide(np.where(present, blocks, 0.0).sum(axis=1), counts, out=means, where=counts > 0)
+            if band:  # NaN where all are missing
+                extremes = [np.concatenate((f.reduce(blocks, axis=1), y[n:])) for f in (np.fmin, np.fmax)]
             x, y = np.concatenate((x[:n:step], x[n:])), np.concatenate((means, y[n:]))
         # points now stand up to two buckets apart: only a longer pause in time is a gap
         gap_limit *= step
-    x, (y,) = _broken(x, [y], gap_limit)
-    return x, y
-
-
-def line_band(
-    x: np.ndarray, y: np.ndarray, gap_limit: float, max_points: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The lowest and highest value of each bucket :func:`line_points` averages: (x, lows, highs); None if it draws all.
-
-    Drawn as a band around the mean line, so that what the mean hides (a memory drop to 1 MiB every ten minutes
-    of a 34-hour run, a one-sample spike) still shows.
-    """
-    import numpy as np
-
-    if len(x) <= max_points:
-        return None
-    step = math.ceil(len(x) / max_points)
-    n = (len(x) // step) * step
-    blocks, rest = y[:n].reshape(-1, step), y[n:]
-    lows, highs = (np.concatenate((f.reduce(blocks, axis=1), rest)) for f in (np.fmin, np.fmax))  # NaN: all missing
-    xb, (lo, hi) = _broken(np.concatenate((x[:n:step], x[n:])), [lows, highs], gap_limit * step)
-    return xb, lo, hi
+    x, (y, *extremes) = _broken(x, [y, *extremes], gap_limit)
+    return x, y, *extremes
 
 
 def _broken(x: np.ndarray, ys: list[np.ndarray], gap_limit: float) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -211,11 +192,13 @@ def _broken(x: np.ndarray, ys: list[np.ndarray], gap_limit: float) -> tuple[np.n
     return x, ys
 
 
-def text_size(text: str, fontsize: float) -> tuple[float, float]:
-    """(width, height) in points of one line of ``text`` in matplotlib's default font, measured without a renderer.
+#: A label's box for :func:`stack_labels`; a note: its text, font size and the rest of its style (:func:`draw_notes`).
+Box = tuple[float, float, float, Sequence[float]]
+Note = tuple[str, float, dict[str, Any]]
 
-    The height is that of a text box (the font's line height).
-    """
+
+def text_size(text: str, fontsize: float) -> tuple[float, float]:
+    """(width, height) in points of one line of ``text`` in matplotlib's default font (height: its line height)."""
     from matplotlib.font_manager import FontProperties
     from matplotlib.textpath import text_to_path
 
@@ -223,9 +206,7 @@ def text_size(text: str, fontsize: float) -> tuple[float, float]:
     return float(width), 1.2 * fontsize
 
 
-def stack_labels(
-    boxes: Sequence[tuple[float, float, float, Sequence[float]]], area: tuple[float, float, float, float]
-) -> list[tuple[float, float] | None]:
+def stack_labels(boxes: Sequence[Box], area: tuple[float, float, float, float]) -> list[tuple[float, float] | None]:
     """Where each label goes, (left, top), so that no two overlap and each stays inside ``area``; None if none fits.
 
     ``boxes``: per label, in the order of priority, (left, width, height, the tops it would rather have, best first);
@@ -254,6 +235,43 @@ def stack_labels(
     return out
 
 
+_PLACED = {"textcoords": "offset points", "ha": "left", "va": "top"}
+_NOTE_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
+
+
+def threshold_notes(
+    marks: Sequence[tuple[float, str]],
+    size: float,
+    y_of: Callable[[float], float],
+    room: float = math.inf,
+    **style: Any,
+) -> tuple[list[Note], list[Box]]:
+    """Threshold lines' labels and their boxes for :func:`stack_labels`, at the panel's left edge under the line.
+
+    ``y_of(value)``: the line's height in points up the panel; a label wider than ``room`` points is cut short.
+    """
+    notes: list[Note] = []
+    boxes: list[Box] = []
+    for value, text in marks:
+        width, height = text_size(text, size)
+        while width > room and len(text) > 1:
+            text = text[: max(1, int(len(text) * room / width) - 1)].rstrip() + "…"
+            width, height = text_size(text, size)
+        y = y_of(value)
+        notes.append((text, size, {"color": THRESHOLD_COLOUR, "bbox": _NOTE_BOX, "zorder": 4, **style}))
+        boxes.append((4.0, width + 2, height + 2, [y - 2, y + 2 + height + 2]))
+    return notes, boxes
+
+
+def draw_notes(ax: Any, notes: Sequence[Note], boxes: Sequence[Box], area: Any, **at: Any) -> list[Any]:
+    """The notes annotated where :func:`stack_labels` finds them room, in points from ``at``'s ``xy``; none else."""
+    out = []
+    for (text, size, style), to in zip(notes, stack_labels(boxes, area), strict=True):
+        if to is not None:
+            out.append(ax.annotate(text, xytext=(to[0] + 1, to[1] - 1), fontsize=size, **_PLACED, **at, **style))
+    return out
+
+
 def load_recording(
     source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | pd.DataFrame,
     *,
@@ -262,21 +280,16 @@ def load_recording(
 ) -> pd.DataFrame:
     """A recording as a DataFrame with the columns of :func:`smiquery.frames.to_dataframe`, one row per sample.
 
-    Files are read by :func:`smiquery.recordings.read_recording` (unreadable lines skipped and described in
+    ``source``: a path (``.csv``, ``.jsonl``, ``.parquet`` file or dataset folder; other names are sniffed), several
+    paths or a glob (``"run*.csv"``: a rotated set, read as one recording in time order), or a DataFrame. Files are
+    read by :func:`smiquery.recordings.read_recording` (unreadable lines skipped and described in
     ``attrs["skipped"]``; a log without ``index`` is GPU 0); rows without a timestamp or GPU index are dropped.
+    ``fields``: the columns of a headerless CSV log, in order (of another recording, each must be one of its
+    columns). ``tz``: the zone the recording was made in (e.g. ``"Europe/Berlin"``): naive timestamps are localized
+    to it, aware ones converted; default: as recorded (naive for nvidia-smi's CSV, never assumed to be UTC).
 
-    Args:
-        source: a path (``.csv``, ``.jsonl``, ``.parquet`` file or dataset folder; other names are sniffed), several
-            paths or a glob (``"run*.csv"``: a rotated set, read as one recording in time order), or a DataFrame.
-        fields: the columns of a headerless CSV log, in order; for a recording with a header (or JSONL, Parquet)
-            each must be one of its columns.
-        tz: the zone the recording was made in (e.g. ``"Europe/Berlin"``): naive timestamps are localized to it,
-            aware ones converted. Default: as recorded (naive for nvidia-smi's CSV, never assumed to be UTC).
-
-    Raises:
-        ReportError: the file is missing, unreadable, holds no readable row, has no ``timestamp``, or its
-            columns do not agree with ``fields``.
-        InvalidTimeZoneError: an unknown zone name in ``tz``.
+    Raises ReportError when the file is missing, unreadable, holds no readable row, has no ``timestamp`` or its
+    columns do not agree with ``fields``; InvalidTimeZoneError for an unknown zone in ``tz``.
     """
     import numpy as np
     import pandas as pd
@@ -332,11 +345,6 @@ class GpuSeries:
     dur: np.ndarray
     gap_limit: float
 
-    @property
-    def columns(self) -> pd.Index:
-        """The frame's columns."""
-        return self.df.columns
-
     def stamp(self, i: int) -> datetime:
         """The time of sample ``i`` as a ``datetime`` (aware when the recording names its zone)."""
         import pandas as pd
@@ -348,11 +356,6 @@ class GpuSeries:
     def floats(self, column: str) -> np.ndarray:
         """A numeric column as float64, NaN where missing."""
         picked: np.ndarray = self._floats(column)[self.rows]
-        return picked
-
-    def values(self, column: str) -> pd.Series:
-        """A column's values (for text comparisons)."""
-        picked: pd.Series = self.df[column].iloc[self.rows]
         return picked
 
     def seconds(self, first: Any, last: Any) -> Any:
@@ -377,9 +380,8 @@ def split_gpus(df: pd.DataFrame) -> tuple[list[GpuSeries], float]:
         if len(times) > 1:
             intervals.append(float(np.median(np.diff(times))))
         parts.append((idx, rows, times))
-    interval = float(np.median(intervals)) if intervals else 1.0
-    if not interval > 0:
-        interval = 1.0
+    median = float(np.median(intervals)) if intervals else 1.0
+    interval = median if median > 0 else 1.0  # never 0 or NaN
     gap_limit = max(3 * interval, 5.0)
     gpus = []
     for idx, rows, times in parts:
