@@ -96,28 +96,20 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
             raise UsageError(f"{source}: {name} must be a mapping")
         return got
 
-    token: str | None = None
+    def secret(where: dict[str, Any], key: str, default: str | None = None) -> str | None:
+        # ``key``, or read from the file ``key_file`` names
+        if f"{key}_file" in where:
+            return _read(where[f"{key}_file"], source, f"{key}_file ").strip()
+        return str(where[key]) if key in where else default
+
     auth = section("authorization")
-    if auth:
-        kind = str(auth.get("type", "Bearer"))
-        if kind.lower() != "bearer":
-            raise UsageError(f"{source}: authorization type {kind!r} is not supported; use Bearer or basic_auth")
-        if "credentials_file" in auth:
-            token = _read(auth["credentials_file"], source, "credentials_file ").strip()
-        elif "credentials" in auth:
-            token = str(auth["credentials"])
-    if "bearer_token_file" in doc:
-        token = _read(doc["bearer_token_file"], source, "bearer_token_file ").strip()
-    elif "bearer_token" in doc:
-        token = str(doc["bearer_token"])
+    kind = str(auth.get("type", "Bearer"))
+    if auth and kind.lower() != "bearer":
+        raise UsageError(f"{source}: authorization type {kind!r} is not supported; use Bearer or basic_auth")
+    token = secret(doc, "bearer_token", secret(auth, "credentials"))
     basic = section("basic_auth")
-    user = password = None
-    if basic:
-        user = str(basic.get("username", ""))
-        if "password_file" in basic:
-            password = _read(basic["password_file"], source, "password_file ").strip()
-        else:
-            password = str(basic.get("password", ""))
+    user = str(basic.get("username", "")) if basic else None
+    password = secret(basic, "password", "") if basic else None
     if token is not None and user is not None:
         raise UsageError(f"{source}: give a bearer token or basic_auth, not both")
     tls = section("tls_config")
@@ -265,13 +257,6 @@ class PrometheusClient:
         data = self._call("/api/v1/label/__name__/values", params, " or ".join(matchers), post=False)
         return [str(n) for n in data] if isinstance(data, list) else []
 
-    def query_samples(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], Any, Any]]:
-        """An instant query of a range selector (``metric[7d]``): per series its labels, times and values as arrays.
-
-        Parsed without a Python object per sample; an answer of another shape is read as :meth:`query` reads it.
-        """
-        return self.samples(self.query_raw(expr, at), expr)
-
     def query_raw(self, expr: str, at: float | None = None) -> bytes:
         """An instant query's successful answer as the server sent it, for :meth:`samples` to parse later."""
         got = self._call("/api/v1/query", self._instant(expr, at), expr, decoded=False)
@@ -280,7 +265,11 @@ class PrometheusClient:
         return bytes(got)
 
     def samples(self, raw: bytes, expr: str) -> list[tuple[dict[str, str], Any, Any]]:
-        """The series of an answer of :meth:`query_raw` as :meth:`query_samples` gives them."""
+        """The series of a :meth:`query_raw` answer of a range selector (``metric[7d]``): labels, times, values.
+
+        The times and values are arrays, parsed without a Python object per sample; an answer of another shape is
+        read as :meth:`query` reads it.
+        """
         import numpy as np
 
         fast = _matrix(raw)

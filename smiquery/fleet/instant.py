@@ -223,32 +223,14 @@ def snapshot(
         stale = not down and seen is not None and when - seen > limit
         if down or stale:
             row = {}
-        util = row.get("utilization.gpu")
-        used = row.get("memory.used")
+        values: dict[str, Any] = {attr: row.get(f) for attr, f in _FIELD_OF.items()}
+        lost = not (down or stale) and all(v is None for v in values.values())
         peak = row.get("window")
-        lost = not (down or stale) and all(row.get(f) is None for f in _TOP_FIELDS)
+        used = values["memory_used"]
         idle = (
             not lost and peak is not None and peak < idle_utilization and used is not None and used >= held_memory_mib
         )
-        out.append(
-            FleetGpu(
-                instance=key.instance,
-                gpu=key.gpu,
-                uuid=key.uuid,
-                name=ident["name"],
-                naming=ident["naming"],
-                utilization=util,
-                memory_used=used,
-                memory_total=row.get("memory.total"),
-                temperature=row.get("temperature.gpu"),
-                power=row.get("power.draw"),
-                namespace=ident["namespace"],
-                pod=ident["pod"],
-                alerts=tuple(sorted(set(firing.get(key, ())))),
-                idle=idle,
-                lost=lost,
-                down=down,
-                stale=stale,
-            )
-        )
+        values |= asdict(key) | {k: ident[k] for k in ("name", "naming", "namespace", "pod")}
+        alerting = tuple(sorted(set(firing.get(key, ()))))
+        out.append(FleetGpu(**values, alerts=alerting, idle=idle, lost=lost, down=down, stale=stale))
     return sort_gpus(out)

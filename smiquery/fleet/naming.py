@@ -19,16 +19,11 @@ if TYPE_CHECKING:
 __all__ = [
     "EXTRA_FIELDS",
     "FLEET_FIELDS",
-    "JOB_LABELS",
-    "NAMESPACE_LABELS",
     "NAMINGS",
-    "NODE_LABELS",
-    "POD_LABELS",
     "FleetNaming",
     "GpuKey",
     "check_regex",
     "detect_namings",
-    "first_label",
     "gpu_series",
     "held_metrics",
     "info_labels",
@@ -109,9 +104,13 @@ class FleetNaming:
         """What to multiply the metric's values by to get nvidia-smi's unit."""
         return self.metrics[fld][1]
 
+    def uuid_of(self, labels: Mapping[str, str]) -> tuple[str, str]:
+        """The label holding a series' UUID, and its value: the naming's, else ``uuid`` or ``UUID`` (else ``""``)."""
+        return next(((x, labels[x]) for x in (self.uuid_label, "uuid", "UUID") if labels.get(x)), ("", ""))
+
     def key(self, labels: Mapping[str, str], info: Mapping[str, Mapping[str, str]] | None = None) -> GpuKey:
-        """The GPU a series belongs to (a DCGM-named exporter's own metrics carry ``uuid``, not ``UUID``)."""
-        uuid = labels.get(self.uuid_label) or labels.get("uuid") or labels.get("UUID", "")
+        """The GPU a series belongs to."""
+        uuid = self.uuid_of(labels)[1]
         gpu = labels.get(self.gpu_label, "") if self.gpu_label else ""
         if not gpu and info is not None:
             gpu = info.get(uuid, {}).get("index", "")
@@ -246,21 +245,15 @@ def held_metrics(
     return set(client.metric_names([f'{{__name__=~"{pattern}"{on_node}}}'], start, end))
 
 
-def first_label(labels: Mapping[str, str], names: Iterable[str]) -> str:
-    """The first of ``names`` that is set in ``labels`` (``exported_pod`` before ``pod``: the exporter's own)."""
-    for n in names:
-        v = labels.get(n)
-        if v:
-            return v
-    return ""
-
-
-POD_LABELS = ("exported_pod", "pod")
-NAMESPACE_LABELS = ("exported_namespace", "namespace")
-#: Where a node's own name sits, when it is not the scrape target's address (dcgm-exporter's ``Hostname``).
-NODE_LABELS = ("exported_node", "node", "Hostname")
-#: Where a Slurm job id sits, where an exporter labels it (dcgm-exporter's HPC job mapping: ``hpc_job``).
-JOB_LABELS = ("slurm_job_id", "slurm_job", "hpc_job")
+# Where each identity of a GPU sits, the first set one wins: the exporter's own labels before the scrape's; a node's
+# own name where it is not the target's address (dcgm-exporter's ``Hostname``); a Slurm job id where an exporter
+# labels it (dcgm-exporter's HPC job mapping: ``hpc_job``).
+_IDENT_LABELS = {
+    "node": ("exported_node", "node", "Hostname"),
+    "job": ("slurm_job_id", "slurm_job", "hpc_job"),
+    "namespace": ("exported_namespace", "namespace"),
+    "pod": ("exported_pod", "pod"),
+}
 
 
 def info_labels(
@@ -282,7 +275,7 @@ def gpu_series(
 
     A GPU exported twice (its UUID under another key: a second exporter) is read once, under the first naming
     that gave it. ``idents`` gathers what each GPU is: its ``naming``, ``name`` (model), ``namespace``, ``pod``,
-    ``node`` (:data:`NODE_LABELS`) and ``job`` (:data:`JOB_LABELS`), the first found of each. ``infos`` holds
+    ``node`` and ``job`` (a Slurm job id), the first found of each. ``infos`` holds
     :func:`info_labels` by naming.
     """
     owners: dict[str, GpuKey] = {}
@@ -293,12 +286,8 @@ def gpu_series(
             key = n.key(labels, info)
             if key.uuid and owners.setdefault(key.uuid, key) != key:
                 continue
-            got = idents.setdefault(
-                key, {"naming": n.name, "name": "", "namespace": "", "pod": "", "node": "", "job": ""}
-            )
+            got = idents.setdefault(key, {"naming": n.name, "name": "", **dict.fromkeys(_IDENT_LABELS, "")})
             got["name"] = got["name"] or n.model(labels, info)
-            got["node"] = got["node"] or first_label(labels, NODE_LABELS)
-            got["job"] = got["job"] or first_label(labels, JOB_LABELS)
-            got["namespace"] = got["namespace"] or first_label(labels, NAMESPACE_LABELS)
-            got["pod"] = got["pod"] or first_label(labels, POD_LABELS)
+            for what, names in _IDENT_LABELS.items():
+                got[what] = got[what] or next((labels[x] for x in names if labels.get(x)), "")
             yield n, fld, key, series
