@@ -2,8 +2,6 @@
 
 Every failure is one typed error: :class:`~smiquery.errors.PrometheusUnreachableError` (refused, unknown host, TLS,
 timeout, credentials refused) or :class:`~smiquery.errors.PrometheusQueryError` (query rejected, answer too big).
-The server is not trusted with the client's memory, time or credentials: an answer is capped in size, has one
-deadline as a whole, and is followed through redirects only within its origin.
 """
 
 from __future__ import annotations
@@ -363,21 +361,17 @@ class PrometheusClient:
         """The body, read a chunk at a time and given up as soon as it passes ``max_answer_bytes``."""
         limit = self.max_answer_bytes
         declared = str(headers.get("Content-Length") or "").strip() if headers is not None else ""
-        if declared.isdigit() and int(declared) > limit:
-            raise self._too_big(f"announces {int(declared):,} bytes")
+        how = f"announces {int(declared):,} bytes" if declared.isdigit() and int(declared) > limit else ""
         got = bytearray()
-        while True:
+        while not how:
             # read1: at most one read of the socket, so the deadline's cut is seen at once
             piece = body.read1(_CHUNK)
             if not piece:
                 return got
             got += piece
-            if len(got) > limit:
-                raise self._too_big(f"sent more than {limit:,} bytes")
-
-    def _too_big(self, how: str) -> PrometheusQueryError:
-        return PrometheusQueryError(
-            f"the answer of Prometheus at {self.url} {how}, over the limit of {_mib(self.max_answer_bytes)}; raise "
+            how = f"sent more than {limit:,} bytes" if len(got) > limit else ""
+        raise PrometheusQueryError(
+            f"the answer of Prometheus at {self.url} {how}, over the limit of {limit / 2**20:g} MiB; raise "
             "--max-answer (max_answer_bytes=) or narrow the query (--node, a shorter range)"
         )
 
@@ -408,16 +402,11 @@ class PrometheusClient:
 # one deadline per answer, a capped body, redirects kept within the origin
 
 _CHUNK = 1 << 16
-#: What a redirect may not leave: scheme, host and port.
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _MAX_REDIRECTS = 5
 
 
-def _mib(size: int) -> str:
-    return f"{size / 2**20:g} MiB"
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
+def _origin(url: str) -> tuple[str, str, int | None]:  # what a redirect may not leave: scheme, host and port
     parts = urllib.parse.urlsplit(url)
     scheme = parts.scheme.lower()
     try:
@@ -451,10 +440,7 @@ class _Deadline:
         return left
 
     def watch(self, connection: http.client.HTTPConnection | socket.socket) -> None:
-        """Cut ``connection`` (or the socket) at the deadline, at once if it has passed.
-
-        Watch the connection while it connects and its socket once connected (urllib takes ``.sock`` off it).
-        """
+        """Cut ``connection`` (while it connects) or its socket (urllib takes ``.sock`` off it) at the deadline."""
         with self._lock:
             self._connections.append(connection)
             if self.expired:

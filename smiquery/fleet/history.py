@@ -75,10 +75,6 @@ class FleetGpuInfo:
         held = f"{self.namespace}/{self.pod}" if self.namespace and self.pod else self.pod
         return GpuName(self.node or self.instance, self.instance, self.gpu, self.uuid, held, self.job)
 
-    def label(self) -> str:
-        """``instance/gpu`` with the UUID, as the report names the GPU."""
-        return f"{self.instance} GPU {self.gpu or '?'} ({self.uuid or 'no uuid'})"
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (all but ``index``)."""
         return {k: v for k, v in asdict(self).items() if k != "index"} | {"node": self.node or self.instance}
@@ -292,8 +288,9 @@ def fleet_frame(
                 col[np.searchsorted(times, t[keep])] = v[keep]
             value_parts[f].append(col)
         per_gpu.append(FleetGpuInfo(i, key.instance, key.gpu, key.uuid, **ident[key]))
-    seconds = np.concatenate(stamp_parts)
-    stamps = pd.to_datetime(np.round(seconds * 1000).astype(np.int64), unit="ms", utc=True).as_unit("ns")
+    stamps = pd.to_datetime(np.round(np.concatenate(stamp_parts) * 1000).astype(np.int64), unit="ms", utc=True).as_unit(
+        "ns"
+    )
     text = string_dtype()
     rows_of = np.repeat(np.arange(len(keys)), [len(t) for t in stamp_parts])
 
@@ -316,9 +313,8 @@ def fleet_frame(
                 pd.array(np.round(values), dtype="Float64").astype("boolean" if spec.kind.is_bool else "Int64")
             )
     df = make_frame(cat, columns, {}, None)
-    df["instance"] = per_row([k.instance for k in keys])
-    df["namespace"] = per_row([g.namespace for g in per_gpu])
-    df["pod"] = per_row([g.pod for g in per_gpu])
+    for what in ("instance", "namespace", "pod"):
+        df[what] = per_row([getattr(g, what) for g in per_gpu])
     df.attrs["gpus"] = _Fixed({g.index: g for g in per_gpu})
     df.attrs["gpu_names"] = _Fixed({g.index: g.gpu_name() for g in per_gpu})  # the report names GPUs by these
     df.attrs["step"] = step

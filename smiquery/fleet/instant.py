@@ -57,11 +57,6 @@ class FleetGpu:
     stale: bool = False
 
     @property
-    def key(self) -> GpuKey:
-        """Its identity in the fleet."""
-        return GpuKey(self.instance, self.gpu, self.uuid)
-
-    @property
     def state(self) -> str:
         """``down``, ``stale``, ``lost``, ``idle`` or ``ok``."""
         return next((s for s in ("down", "stale", "lost", "idle") if getattr(self, s)), "ok")
@@ -81,7 +76,7 @@ SORT_KEYS: dict[str, str] = {"util": "utilization", "mem": "memory_used", "temp"
 
 def sort_gpus(gpus: Sequence[FleetGpu], by: str = "node") -> list[FleetGpu]:
     """GPUs by node (instance, index), or by a value largest first (no value last, then by node)."""
-    ordered = sorted(gpus, key=lambda g: g.key.sort_key())
+    ordered = sorted(gpus, key=lambda g: GpuKey(g.instance, g.gpu, g.uuid).sort_key())
     if by == "node":
         return ordered
     attr = SORT_KEYS[by]
@@ -102,15 +97,9 @@ def filter_gpus(
     idle: bool = False,
 ) -> list[FleetGpu]:
     """The GPUs whose instance, namespace and pod match the (anchored) regexes; with ``idle`` only idle ones."""
-    checks: list[tuple[re.Pattern[str], str]] = []
-    for pattern, attr in ((node, "instance"), (namespace, "namespace"), (pod, "pod")):
-        if pattern is not None:
-            checks.append((re.compile(pattern), attr))
-
-    def keep(g: FleetGpu) -> bool:
-        return (g.idle or not idle) and all(rx.fullmatch(getattr(g, attr)) is not None for rx, attr in checks)
-
-    return [g for g in gpus if keep(g)]
+    wanted = ((node, "instance"), (namespace, "namespace"), (pod, "pod"))
+    checks = [(re.compile(pattern), attr) for pattern, attr in wanted if pattern is not None]
+    return [g for g in gpus if (g.idle or not idle) and all(rx.fullmatch(getattr(g, a)) for rx, a in checks)]
 
 
 def _number(sample: dict[str, Any], factor: float) -> float | None:
@@ -170,18 +159,12 @@ def snapshot(
         queries.append((n, "window", f"max_over_time({sel}[{window}])"))
         # the newest sample's own time (not ``at``), only where older than any limit: a healthy fleet's answer is empty
         queries.append((n, "seen", f"timestamp({sel}) < {when - oldest:.3f}"))
-    alert_sel = (
-        'ALERTS{alertstate="firing"}' if node is None else selector("ALERTS", node)[:-1] + ',alertstate="firing"}'
-    )
+    asked = [*(q for _, _, q in queries), selector("ALERTS", node, 'alertstate="firing"'), selector("up", node)]
     with ThreadPoolExecutor(max_workers=8) as pool:
-        futures = [pool.submit(client.query, q, when) for _, _, q in queries]
-        alerts_future = pool.submit(client.query, alert_sel, when)
-        up_future = pool.submit(client.query, selector("up", node), when)
+        futures = [pool.submit(client.query, q, when) for q in asked]
         info_futures = {n.name: pool.submit(info_labels, client, n, node, when, "1h") for n in found}
-        results = [f.result() for f in futures]
-        alerts = alerts_future.result()
+        *results, alerts, up_rows = [f.result() for f in futures]
         infos = {k: f.result() for k, f in info_futures.items()}
-        up_rows = up_future.result()
     ups: dict[str, dict[str, float | None]] = {}  # instance -> job -> up
     for s in up_rows:
         labels = s.get("metric", {})
