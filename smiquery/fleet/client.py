@@ -60,10 +60,8 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
 
     Understood keys: ``authorization: {type: Bearer, credentials | credentials_file}``, ``bearer_token``,
     ``bearer_token_file``, ``basic_auth: {username, password | password_file}`` and
-    ``tls_config: {ca_file, cert_file, key_file, insecure_skip_verify}``.
-
-    Raises:
-        UsageError: the file is unreadable, not YAML/JSON, or holds an unknown key or a wrong type.
+    ``tls_config: {ca_file, cert_file, key_file, insecure_skip_verify}``. UsageError for a file that is unreadable,
+    not YAML/JSON, or holds an unknown key or a wrong type.
     """
     where = os.fspath(path)
     text = _read(where, "--http-config")
@@ -125,8 +123,7 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
 def parse_time(text: str | float, *, now: float | None = None, what: str = "time") -> float:
     """Unix seconds of a time as the Prometheus HTTP API takes it: Unix seconds or RFC 3339; also ``now-2h``.
 
-    Raises:
-        UsageError: anything else, or an RFC 3339 time without a zone.
+    UsageError for anything else, or an RFC 3339 time without a zone.
     """
     if isinstance(text, (int, float)):
         return float(text)
@@ -174,9 +171,8 @@ class PrometheusClient:
         max_answer_bytes: the largest answer read; one over it (announced or seen while reading, in chunks) is a
             :class:`~smiquery.errors.PrometheusQueryError` naming the limit.
 
-    Redirects are followed only within the URL's origin (scheme, host and port), at most 5, with the same
-    method, body and headers; one to another origin is a :class:`~smiquery.errors.PrometheusError`, so the
-    credentials never leave the server given.
+    Redirects are followed (at most 5) only within the URL's origin, so the credentials never leave the server
+    given; one to another origin is a :class:`~smiquery.errors.PrometheusError`.
 
     Raises:
         UsageError: a URL that is not http(s), a timeout or size limit that is not positive.
@@ -233,13 +229,7 @@ class PrometheusClient:
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
         """A range query: one element per series, ``{"metric": labels, "values": [[t, "v"], ...]}``."""
-        params = {
-            "query": expr,
-            "start": _fmt(start),
-            "end": _fmt(end),
-            "step": _fmt(step),
-            "timeout": f"{self.timeout:g}s",
-        }
+        params = {**self._instant(expr, None), "start": _fmt(start), "end": _fmt(end), "step": _fmt(step)}
         data = self._call("/api/v1/query_range", params, expr)
         result = data.get("result") if isinstance(data, dict) else None
         return result if isinstance(result, list) else []

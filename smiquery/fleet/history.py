@@ -1,9 +1,7 @@
 """A time range of the fleet as the DataFrame a recording gives, for :func:`smiquery.analysis.report` and the plot.
 
-:func:`fleet_frame` reads the raw samples as scraped (instant queries of range selectors, ``metric[Nms]``: no
-lookback carries a lost GPU's last value on), in chunks of at most 11,000 scrape intervals. A series that held one
-value over a chunk (memory size, health counters, an idle GPU's clocks) is not sent sample by sample: the server says
-so, and its samples take the times of its GPU's utilisation samples when it has as many of them.
+:func:`fleet_frame` reads the raw samples as scraped (range selectors, ``metric[Nms]``: no lookback carries a lost
+GPU's last value on), in chunks; a series that held one value over a chunk comes as its count and value.
 """
 
 from __future__ import annotations
@@ -337,8 +335,6 @@ def _steady(
     Each steady series comes as ``{"metric": labels, "count": samples, "value": v}``; only a series that its UUID
     label names alone counts. The matcher (``uuid!~"..."``, or "" for all) selects the other series, to be read
     raw; it is None when there are none. ``last``: seconds before ``at`` where the series' value is looked for.
-    The server reads each steady series twice (its changes, then its count) and each other series once before it
-    sends it: both reads cost less than writing a series' samples as JSON.
     """
     raw = f"{selector(metric, node)}{window}"
     value = f"max_over_time({selector(metric, node)}[{max(1, round(last * 1000))}ms])"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
@@ -144,8 +145,6 @@ def snapshot(
             no GPU metric at all.
         UsageError: ``node`` is not a regex.
     """
-    import time
-
     check_regex(node, "--node")
     when = time.time() if at is None else at
     window = f"{max(1, round(idle_minutes * 60))}s"

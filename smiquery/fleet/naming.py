@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -198,12 +199,8 @@ def selector(metric: str, node: str | None = None, matchers: str = "") -> str:
 
 def check_regex(pattern: str | None, what: str) -> None:
     """Fail as a usage error on a regex Python cannot compile (PromQL's RE2 is close to Python's ``re``)."""
-    import re
-
-    if pattern is None:
-        return
     try:
-        re.compile(pattern)
+        re.compile(pattern or "")
     except re.error as exc:
         raise UsageError(f"{what}: {pattern!r} is not a regular expression: {exc}") from None
 
