@@ -160,8 +160,7 @@ def fleet_frame(
 
     Raises:
         UsageError: ``end`` not after ``start``; a regex that does not compile.
-        PrometheusError: no GPU series in the range (or none left after the filters).
-        PrometheusUnreachableError, PrometheusQueryError: see :class:`PrometheusClient`.
+        PrometheusError: no GPU series in the range (or none left after the filters); the client's errors.
     """
     if not end > start:
         raise UsageError("--end must be after --start")
@@ -249,13 +248,12 @@ def fleet_frame(
         for labels, t, v in client.samples(client.query_raw(own, s["to"]), own):
             if labels.get("instance", "") == key.instance:
                 data[key][fld].append((s["at"], t, _values(v, n.factor(fld))))
-    keys = sorted(data, key=GpuKey.sort_key)
-    for pattern, what in ((namespace, "namespace"), (pod, "pod")):
-        if pattern is not None:
-            rx = re.compile(pattern)
-            keys = [k for k in keys if rx.fullmatch(ident[k][what]) is not None]
-    if uuids is not None:
-        keys = [k for k in keys if k.uuid in uuids]
+    checks = [(re.compile(p), what) for p, what in ((namespace, "namespace"), (pod, "pod")) if p is not None]
+    keys = [
+        k
+        for k in sorted(data, key=GpuKey.sort_key)
+        if (uuids is None or k.uuid in uuids) and all(rx.fullmatch(ident[k][what]) for rx, what in checks)
+    ]
     if not keys:
         raise PrometheusError(
             "no GPU series in Prometheus for that range and those filters; check --start/--end, --node, "

@@ -141,8 +141,7 @@ def snapshot(
             the idle window: one more query, asked only when some sample is over 60 s old).
 
     Raises:
-        PrometheusUnreachableError, PrometheusQueryError, PrometheusError: see :class:`PrometheusClient`;
-            no GPU metric at all.
+        PrometheusError: no GPU metric at all; the client's errors (see :class:`PrometheusClient`).
         UsageError: ``node`` is not a regex.
     """
     check_regex(node, "--node")

@@ -47,25 +47,32 @@ FLEET_FIELDS: tuple[str, ...] = (
 )
 
 
+# Per field read back too: its sample names (counters with their _total) in smiquery and DCGM naming ("=": the DCGM
+# naming writes the slowdown reasons under smiquery's names, DCGM has only the bitmask); nvidia_gpu_exporter's are
+# nvidia_smi_ and the field's name.
+_EXTRA_METRICS = [
+    row.split()
+    for row in """
+    clocks_event_reasons.hw_thermal_slowdown smiquery_clocks_event_reasons_hw_thermal_slowdown_active =
+    clocks_event_reasons.sw_thermal_slowdown smiquery_clocks_event_reasons_sw_thermal_slowdown_active =
+    clocks_event_reasons.hw_power_brake_slowdown smiquery_clocks_event_reasons_hw_power_brake_slowdown_active =
+    ecc.errors.corrected.volatile.total smiquery_ecc_errors_corrected_volatile_total DCGM_FI_DEV_ECC_SBE_VOL_TOTAL
+    ecc.errors.uncorrected.volatile.total smiquery_ecc_errors_uncorrected_volatile_total DCGM_FI_DEV_ECC_DBE_VOL_TOTAL
+    ecc.errors.corrected.aggregate.total smiquery_ecc_errors_corrected_aggregate_total DCGM_FI_DEV_ECC_SBE_AGG_TOTAL
+    ecc.errors.uncorrected.aggregate.total smiquery_ecc_errors_uncorrected_aggregate_total DCGM_FI_DEV_ECC_DBE_AGG_TOTAL
+    retired_pages.single_bit_ecc.count smiquery_retired_pages_single_bit_ecc_total DCGM_FI_DEV_RETIRED_SBE
+    retired_pages.double_bit.count smiquery_retired_pages_double_bit_total DCGM_FI_DEV_RETIRED_DBE
+    retired_pages.pending smiquery_retired_pages_pending DCGM_FI_DEV_RETIRED_PENDING
+    remapped_rows.correctable smiquery_remapped_rows_correctable_total DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS
+    remapped_rows.uncorrectable smiquery_remapped_rows_uncorrectable_total DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS
+    remapped_rows.failure smiquery_remapped_rows_failure DCGM_FI_DEV_ROW_REMAP_FAILURE
+    remapped_rows.pending smiquery_remapped_rows_pending DCGM_FI_DEV_ROW_REMAP_PENDING
+    """.strip().splitlines()
+]
 #: Fields read back too where the server holds them: the slowdown reasons the built-in rules watch and the memory
 #: health a recording's report checks (ECC errors, retired pages, remapped rows). Their metrics are in
 #: nvidia-smi's units in every naming (the exporter writes flags as 1/0).
-EXTRA_FIELDS: tuple[str, ...] = (
-    "clocks_event_reasons.hw_thermal_slowdown",
-    "clocks_event_reasons.sw_thermal_slowdown",
-    "clocks_event_reasons.hw_power_brake_slowdown",
-    "ecc.errors.corrected.volatile.total",
-    "ecc.errors.uncorrected.volatile.total",
-    "ecc.errors.corrected.aggregate.total",
-    "ecc.errors.uncorrected.aggregate.total",
-    "retired_pages.single_bit_ecc.count",
-    "retired_pages.double_bit.count",
-    "retired_pages.pending",
-    "remapped_rows.correctable",
-    "remapped_rows.uncorrectable",
-    "remapped_rows.failure",
-    "remapped_rows.pending",
-)
+EXTRA_FIELDS: tuple[str, ...] = tuple(row[0] for row in _EXTRA_METRICS)
 
 
 @dataclass(frozen=True)
@@ -140,39 +147,14 @@ _METRICS = [
     smiquery_clocks_event_reasons_active_bitmask DCGM_FI_DEV_CLOCKS_EVENT_REASONS nvidia_smi_clocks_event_reasons_active
     """.strip().splitlines()
 ]
-# Per field of EXTRA_FIELDS, in its order: the sample names (counters with their _total) in smiquery and DCGM
-# naming ("=": the DCGM naming writes the slowdown reasons under smiquery's names, DCGM has only the bitmask);
-# nvidia_gpu_exporter's are nvidia_smi_ and the field's name.
-_EXTRA_METRICS = [
-    row.split()
-    for row in """
-    smiquery_clocks_event_reasons_hw_thermal_slowdown_active =
-    smiquery_clocks_event_reasons_sw_thermal_slowdown_active =
-    smiquery_clocks_event_reasons_hw_power_brake_slowdown_active =
-    smiquery_ecc_errors_corrected_volatile_total DCGM_FI_DEV_ECC_SBE_VOL_TOTAL
-    smiquery_ecc_errors_uncorrected_volatile_total DCGM_FI_DEV_ECC_DBE_VOL_TOTAL
-    smiquery_ecc_errors_corrected_aggregate_total DCGM_FI_DEV_ECC_SBE_AGG_TOTAL
-    smiquery_ecc_errors_uncorrected_aggregate_total DCGM_FI_DEV_ECC_DBE_AGG_TOTAL
-    smiquery_retired_pages_single_bit_ecc_total DCGM_FI_DEV_RETIRED_SBE
-    smiquery_retired_pages_double_bit_total DCGM_FI_DEV_RETIRED_DBE
-    smiquery_retired_pages_pending DCGM_FI_DEV_RETIRED_PENDING
-    smiquery_remapped_rows_correctable_total DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS
-    smiquery_remapped_rows_uncorrectable_total DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS
-    smiquery_remapped_rows_failure DCGM_FI_DEV_ROW_REMAP_FAILURE
-    smiquery_remapped_rows_pending DCGM_FI_DEV_ROW_REMAP_PENDING
-    """.strip().splitlines()
-]
 # From base units (ratio, bytes, hertz) to nvidia-smi's, per field; dcgm-exporter's metrics are in nvidia-smi's units.
 _FROM_BASE = (100.0, 100.0, 1 / _MiB, 1 / _MiB, 1.0, 1.0, 1e-6, 1.0)
 
 
 def _metrics(column: int, factors: Sequence[float] = _FROM_BASE) -> dict[str, tuple[str, float]]:
     got = {f: (row[column], k) for f, row, k in zip(FLEET_FIELDS, _METRICS, factors, strict=True)}
-    for f, row in zip(EXTRA_FIELDS, _EXTRA_METRICS, strict=True):
-        if column == 2:
-            got[f] = ("nvidia_smi_" + f.replace(".", "_"), 1.0)
-        else:
-            got[f] = (row[0] if row[column] == "=" else row[column], 1.0)
+    for f, ours, dcgm in _EXTRA_METRICS:
+        got[f] = ((ours, ours if dcgm == "=" else dcgm, "nvidia_smi_" + f.replace(".", "_"))[column], 1.0)
     return got
 
 
@@ -215,9 +197,7 @@ def detect_namings(
     """The namings whose utilisation metric has series between ``start`` and ``end`` (a mixed fleet has several).
 
     ``wanted`` namings (``--naming``) are not looked up; ``node``: only instances matching this regex count.
-
-    Raises:
-        PrometheusError: no naming's series are there.
+    PrometheusError when no naming's series are there.
     """
     if wanted:
         return [naming_by_name(n) for n in dict.fromkeys(wanted)]

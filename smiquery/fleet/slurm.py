@@ -60,11 +60,8 @@ class SlurmJob:
 def job_range(client: PrometheusClient, job_id: str, start: float, end: float) -> SlurmJob:
     """The GPUs job ``job_id`` held and its time range, from the raw samples of :data:`ALLOCATION_METRIC`.
 
-    Only samples between ``start`` and ``end`` (Unix seconds) are searched.
-
-    Raises:
-        UsageError: an empty job id, ``end`` not after ``start``.
-        PrometheusError: no allocation series names the job in that time.
+    Only samples between ``start`` and ``end`` (Unix seconds) are searched. UsageError for an empty job id or
+    ``end`` not after ``start``; PrometheusError when no allocation series names the job in that time.
     """
     if not job_id:
         raise UsageError("--slurm-job needs a job id, e.g. --slurm-job 4242")
