@@ -6,6 +6,7 @@ timeout, credentials refused) or :class:`~smiquery.errors.PrometheusQueryError` 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
@@ -450,11 +451,9 @@ class _Deadline:
 def _cut(connection: http.client.HTTPConnection | socket.socket) -> None:
     sock = connection if isinstance(connection, socket.socket) else connection.sock
     if sock is not None:
-        try:
+        with contextlib.suppress(OSError):
             # the plain socket's shutdown, also under TLS: it ends a read blocked in another thread at once
             socket.socket.shutdown(sock, socket.SHUT_RDWR)
-        except OSError:
-            pass
 
 
 def _deadline_connection(base: type[http.client.HTTPConnection], deadline: _Deadline) -> Any:

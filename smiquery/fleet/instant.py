@@ -81,12 +81,7 @@ def sort_gpus(gpus: Sequence[FleetGpu], by: str = "node") -> list[FleetGpu]:
     if by == "node":
         return ordered
     attr = SORT_KEYS[by]
-
-    def value(g: FleetGpu) -> float:
-        v = getattr(g, attr)
-        return -math.inf if v is None else float(v)
-
-    return sorted(ordered, key=value, reverse=True)
+    return sorted(ordered, key=lambda g: -math.inf if getattr(g, attr) is None else getattr(g, attr), reverse=True)
 
 
 def filter_gpus(
@@ -124,10 +119,9 @@ def snapshot(
 ) -> list[FleetGpu]:
     """Every GPU of the fleet at ``at`` (default now), each listed once, ordered by node.
 
-    The server's firing ``ALERTS`` are matched to GPUs by UUID, else by instance and GPU index. A GPU whose scrape
-    target's ``up`` is 0 (matched by instance, and job where that has one) is ``down``; one whose newest
-    utilization sample is older than ``stale_after`` is ``stale`` (a target gone without staleness markers, e.g.
-    across a server restart, keeps its last samples for the 5-minute lookback); neither shows values.
+    The server's firing ``ALERTS`` are matched to GPUs by UUID, else by instance and GPU index; ``up`` by instance,
+    and job where that has one (see :class:`FleetGpu` for ``down`` and ``stale``: a target gone without staleness
+    markers, e.g. across a server restart, keeps its last samples for the 5-minute lookback).
 
     Args:
         client: the server.
@@ -184,12 +178,11 @@ def snapshot(
         rows.setdefault(key, {})[fld] = _number(sample, factor)
         jobs.setdefault(key, sample.get("metric", {}).get("job", ""))
     firing: dict[GpuKey, list[str]] = {}
-    by_uuid = {k.uuid: k for k in rows if k.uuid}
-    by_index = {(k.instance, k.gpu): k for k in rows}
+    targets: dict[Any, GpuKey] = {(k.instance, k.gpu): k for k in rows} | {k.uuid: k for k in rows if k.uuid}
     for a in alerts:
         labels = a.get("metric", {})
         uuid = labels.get("uuid") or labels.get("UUID") or ""
-        target = by_uuid.get(uuid) if uuid else by_index.get((labels.get("instance", ""), labels.get("gpu", "")))
+        target = targets.get(uuid) if uuid else targets.get((labels.get("instance", ""), labels.get("gpu", "")))
         if target is not None:
             firing.setdefault(target, []).append(labels.get("alertname", "alert"))
     out: list[FleetGpu] = []

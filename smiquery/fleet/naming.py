@@ -32,8 +32,6 @@ __all__ = [
     "selector",
 ]
 
-_MiB = 1048576.0
-
 #: The nvidia-smi fields the fleet view reads (what the report and the plot need), in the order of a recording.
 FLEET_FIELDS: tuple[str, ...] = (
     "utilization.gpu",
@@ -148,7 +146,7 @@ _METRICS = [
     """.strip().splitlines()
 ]
 # From base units (ratio, bytes, hertz) to nvidia-smi's, per field; dcgm-exporter's metrics are in nvidia-smi's units.
-_FROM_BASE = (100.0, 100.0, 1 / _MiB, 1 / _MiB, 1.0, 1.0, 1e-6, 1.0)
+_FROM_BASE = (100.0, 100.0, 2**-20, 2**-20, 1.0, 1.0, 1e-6, 1.0)
 
 
 def _metrics(column: int, factors: Sequence[float] = _FROM_BASE) -> dict[str, tuple[str, float]]:

@@ -105,10 +105,6 @@ def _host(instance: str) -> str:
     return head if sep and port.isdigit() else instance
 
 
-def _gib(mib: float) -> str:
-    return f"{mib / 1024:.1f}"
-
-
 def job_summary(report: Report, df: pd.DataFrame) -> str:
     """A few lines for a job's output: per GPU utilization, memory, energy and stalls, then one line of advice.
 
@@ -121,8 +117,7 @@ def job_summary(report: Report, df: pd.DataFrame) -> str:
     names = gpu_names(df)
     job = df.attrs.get("slurm_job")
     title = job.title() if isinstance(job, SlurmJob) else printable(report.source)
-    minutes = report.duration / 60
-    out = [f"GPU summary of {title}: {len(report.gpus)} GPU(s), {minutes:.1f} min"]
+    out = [f"GPU summary of {title}: {len(report.gpus)} GPU(s), {report.duration / 60:.1f} min"]
     stats = {(s.field, s.gpu): s for s in report.stats}
     column = next((c for c in ("utilization_gpu", "utilization.gpu") if c in df.columns), None)
     idle: dict[int, float] = {}
@@ -140,8 +135,8 @@ def job_summary(report: Report, df: pd.DataFrame) -> str:
         used_max = _most(report, stats, "memory.used", gpu)
         total_max = _most(report, stats, "memory.total", gpu)
         if used_max is not None:
-            of = f" of {_gib(total_max)}" if total_max else ""
-            parts.append(f"memory peak {_gib(used_max)}{of} GiB,")
+            of = f" of {total_max / 1024:.1f}" if total_max else ""
+            parts.append(f"memory peak {used_max / 1024:.1f}{of} GiB,")
         if gpu in report.energy_wh:
             parts.append(f"energy {report.energy_wh[gpu]:.1f} Wh,")
         stalled = sum(s.seconds for s in report.stalls if s.gpu == gpu)
