@@ -2,12 +2,11 @@
 
 Every failure is one typed error: :class:`~smiquery.errors.PrometheusUnreachableError` (refused, unknown host, TLS,
 timeout, credentials refused) or :class:`~smiquery.errors.PrometheusQueryError` (query rejected, answer too big).
-The server is not trusted with the client's memory, time or credentials: an answer is capped in size, has one
-deadline as a whole, and is followed through redirects only within its origin.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
@@ -62,10 +61,8 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
 
     Understood keys: ``authorization: {type: Bearer, credentials | credentials_file}``, ``bearer_token``,
     ``bearer_token_file``, ``basic_auth: {username, password | password_file}`` and
-    ``tls_config: {ca_file, cert_file, key_file, insecure_skip_verify}``.
-
-    Raises:
-        UsageError: the file is unreadable, not YAML/JSON, or holds an unknown key or a wrong type.
+    ``tls_config: {ca_file, cert_file, key_file, insecure_skip_verify}``. UsageError for a file that is unreadable,
+    not YAML/JSON, or holds an unknown key or a wrong type.
     """
     where = os.fspath(path)
     text = _read(where, "--http-config")
@@ -96,28 +93,20 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
             raise UsageError(f"{source}: {name} must be a mapping")
         return got
 
-    token: str | None = None
+    def secret(where: dict[str, Any], key: str, default: str | None = None) -> str | None:
+        # ``key``, or read from the file ``key_file`` names
+        if f"{key}_file" in where:
+            return _read(where[f"{key}_file"], source, f"{key}_file ").strip()
+        return str(where[key]) if key in where else default
+
     auth = section("authorization")
-    if auth:
-        kind = str(auth.get("type", "Bearer"))
-        if kind.lower() != "bearer":
-            raise UsageError(f"{source}: authorization type {kind!r} is not supported; use Bearer or basic_auth")
-        if "credentials_file" in auth:
-            token = _read(auth["credentials_file"], source, "credentials_file ").strip()
-        elif "credentials" in auth:
-            token = str(auth["credentials"])
-    if "bearer_token_file" in doc:
-        token = _read(doc["bearer_token_file"], source, "bearer_token_file ").strip()
-    elif "bearer_token" in doc:
-        token = str(doc["bearer_token"])
+    kind = str(auth.get("type", "Bearer"))
+    if auth and kind.lower() != "bearer":
+        raise UsageError(f"{source}: authorization type {kind!r} is not supported; use Bearer or basic_auth")
+    token = secret(doc, "bearer_token", secret(auth, "credentials"))
     basic = section("basic_auth")
-    user = password = None
-    if basic:
-        user = str(basic.get("username", ""))
-        if "password_file" in basic:
-            password = _read(basic["password_file"], source, "password_file ").strip()
-        else:
-            password = str(basic.get("password", ""))
+    user = str(basic.get("username", "")) if basic else None
+    password = secret(basic, "password", "") if basic else None
     if token is not None and user is not None:
         raise UsageError(f"{source}: give a bearer token or basic_auth, not both")
     tls = section("tls_config")
@@ -135,8 +124,7 @@ def load_http_config(path: str | os.PathLike[str]) -> HttpConfig:
 def parse_time(text: str | float, *, now: float | None = None, what: str = "time") -> float:
     """Unix seconds of a time as the Prometheus HTTP API takes it: Unix seconds or RFC 3339; also ``now-2h``.
 
-    Raises:
-        UsageError: anything else, or an RFC 3339 time without a zone.
+    UsageError for anything else, or an RFC 3339 time without a zone.
     """
     if isinstance(text, (int, float)):
         return float(text)
@@ -184,9 +172,8 @@ class PrometheusClient:
         max_answer_bytes: the largest answer read; one over it (announced or seen while reading, in chunks) is a
             :class:`~smiquery.errors.PrometheusQueryError` naming the limit.
 
-    Redirects are followed only within the URL's origin (scheme, host and port), at most 5, with the same
-    method, body and headers; one to another origin is a :class:`~smiquery.errors.PrometheusError`, so the
-    credentials never leave the server given.
+    Redirects are followed (at most 5) only within the URL's origin, so the credentials never leave the server
+    given; one to another origin is a :class:`~smiquery.errors.PrometheusError`.
 
     Raises:
         UsageError: a URL that is not http(s), a timeout or size limit that is not positive.
@@ -243,13 +230,7 @@ class PrometheusClient:
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
         """A range query: one element per series, ``{"metric": labels, "values": [[t, "v"], ...]}``."""
-        params = {
-            "query": expr,
-            "start": _fmt(start),
-            "end": _fmt(end),
-            "step": _fmt(step),
-            "timeout": f"{self.timeout:g}s",
-        }
+        params = {**self._instant(expr, None), "start": _fmt(start), "end": _fmt(end), "step": _fmt(step)}
         data = self._call("/api/v1/query_range", params, expr)
         result = data.get("result") if isinstance(data, dict) else None
         return result if isinstance(result, list) else []
@@ -265,13 +246,6 @@ class PrometheusClient:
         data = self._call("/api/v1/label/__name__/values", params, " or ".join(matchers), post=False)
         return [str(n) for n in data] if isinstance(data, list) else []
 
-    def query_samples(self, expr: str, at: float | None = None) -> list[tuple[dict[str, str], Any, Any]]:
-        """An instant query of a range selector (``metric[7d]``): per series its labels, times and values as arrays.
-
-        Parsed without a Python object per sample; an answer of another shape is read as :meth:`query` reads it.
-        """
-        return self.samples(self.query_raw(expr, at), expr)
-
     def query_raw(self, expr: str, at: float | None = None) -> bytes:
         """An instant query's successful answer as the server sent it, for :meth:`samples` to parse later."""
         got = self._call("/api/v1/query", self._instant(expr, at), expr, decoded=False)
@@ -280,7 +254,11 @@ class PrometheusClient:
         return bytes(got)
 
     def samples(self, raw: bytes, expr: str) -> list[tuple[dict[str, str], Any, Any]]:
-        """The series of an answer of :meth:`query_raw` as :meth:`query_samples` gives them."""
+        """The series of a :meth:`query_raw` answer of a range selector (``metric[7d]``): labels, times, values.
+
+        The times and values are arrays, parsed without a Python object per sample; an answer of another shape is
+        read as :meth:`query` reads it.
+        """
         import numpy as np
 
         fast = _matrix(raw)
@@ -374,21 +352,17 @@ class PrometheusClient:
         """The body, read a chunk at a time and given up as soon as it passes ``max_answer_bytes``."""
         limit = self.max_answer_bytes
         declared = str(headers.get("Content-Length") or "").strip() if headers is not None else ""
-        if declared.isdigit() and int(declared) > limit:
-            raise self._too_big(f"announces {int(declared):,} bytes")
+        how = f"announces {int(declared):,} bytes" if declared.isdigit() and int(declared) > limit else ""
         got = bytearray()
-        while True:
+        while not how:
             # read1: at most one read of the socket, so the deadline's cut is seen at once
             piece = body.read1(_CHUNK)
             if not piece:
                 return got
             got += piece
-            if len(got) > limit:
-                raise self._too_big(f"sent more than {limit:,} bytes")
-
-    def _too_big(self, how: str) -> PrometheusQueryError:
-        return PrometheusQueryError(
-            f"the answer of Prometheus at {self.url} {how}, over the limit of {_mib(self.max_answer_bytes)}; raise "
+            how = f"sent more than {limit:,} bytes" if len(got) > limit else ""
+        raise PrometheusQueryError(
+            f"the answer of Prometheus at {self.url} {how}, over the limit of {limit / 2**20:g} MiB; raise "
             "--max-answer (max_answer_bytes=) or narrow the query (--node, a shorter range)"
         )
 
@@ -419,16 +393,11 @@ class PrometheusClient:
 # one deadline per answer, a capped body, redirects kept within the origin
 
 _CHUNK = 1 << 16
-#: What a redirect may not leave: scheme, host and port.
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _MAX_REDIRECTS = 5
 
 
-def _mib(size: int) -> str:
-    return f"{size / 2**20:g} MiB"
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
+def _origin(url: str) -> tuple[str, str, int | None]:  # what a redirect may not leave: scheme, host and port
     parts = urllib.parse.urlsplit(url)
     scheme = parts.scheme.lower()
     try:
@@ -462,10 +431,7 @@ class _Deadline:
         return left
 
     def watch(self, connection: http.client.HTTPConnection | socket.socket) -> None:
-        """Cut ``connection`` (or the socket) at the deadline, at once if it has passed.
-
-        Watch the connection while it connects and its socket once connected (urllib takes ``.sock`` off it).
-        """
+        """Cut ``connection`` (while it connects) or its socket (urllib takes ``.sock`` off it) at the deadline."""
         with self._lock:
             self._connections.append(connection)
             if self.expired:
@@ -485,11 +451,9 @@ class _Deadline:
 def _cut(connection: http.client.HTTPConnection | socket.socket) -> None:
     sock = connection if isinstance(connection, socket.socket) else connection.sock
     if sock is not None:
-        try:
+        with contextlib.suppress(OSError):
             # the plain socket's shutdown, also under TLS: it ends a read blocked in another thread at once
             socket.socket.shutdown(sock, socket.SHUT_RDWR)
-        except OSError:
-            pass
 
 
 def _deadline_connection(base: type[http.client.HTTPConnection], deadline: _Deadline) -> Any:

@@ -1,9 +1,7 @@
 """A time range of the fleet as the DataFrame a recording gives, for :func:`smiquery.analysis.report` and the plot.
 
-:func:`fleet_frame` reads the raw samples as scraped (instant queries of range selectors, ``metric[Nms]``: no
-lookback carries a lost GPU's last value on), in chunks of at most 11,000 scrape intervals. A series that held one
-value over a chunk (memory size, health counters, an idle GPU's clocks) is not sent sample by sample: the server says
-so, and its samples take the times of its GPU's utilisation samples when it has as many of them.
+:func:`fleet_frame` reads the raw samples as scraped (range selectors, ``metric[Nms]``: no lookback carries a lost
+GPU's last value on), in chunks; a series that held one value over a chunk comes as its count and value.
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import json
 import math
 import re
 import statistics
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -74,10 +72,6 @@ class FleetGpuInfo:
 
         held = f"{self.namespace}/{self.pod}" if self.namespace and self.pod else self.pod
         return GpuName(self.node or self.instance, self.instance, self.gpu, self.uuid, held, self.job)
-
-    def label(self) -> str:
-        """``instance/gpu`` with the UUID, as the report names the GPU."""
-        return f"{self.instance} GPU {self.gpu or '?'} ({self.uuid or 'no uuid'})"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (all but ``index``)."""
@@ -166,8 +160,7 @@ def fleet_frame(
 
     Raises:
         UsageError: ``end`` not after ``start``; a regex that does not compile.
-        PrometheusError: no GPU series in the range (or none left after the filters).
-        PrometheusUnreachableError, PrometheusQueryError: see :class:`PrometheusClient`.
+        PrometheusError: no GPU series in the range (or none left after the filters); the client's errors.
     """
     if not end > start:
         raise UsageError("--end must be after --start")
@@ -235,7 +228,7 @@ def fleet_frame(
         infos = {name: fut.result() for name, fut in info_futures.items()}
 
     # GPU -> field -> list of (chunk, times, values); identity labels per GPU
-    data: dict[GpuKey, dict[str, list[tuple[float, np.ndarray, np.ndarray]]]] = {}
+    data: dict[GpuKey, dict[str, list[tuple[float, np.ndarray, np.ndarray]]]] = defaultdict(lambda: defaultdict(list))
     ident: dict[GpuKey, dict[str, str]] = {}
     held_still: list[tuple[FleetNaming, str, GpuKey, dict[str, Any]]] = []
     read = ((n, fld, [s | {"at": a, "to": b} for s in result]) for (n, fld, a, b), result in zip(jobs, results))
@@ -243,27 +236,24 @@ def fleet_frame(
         if "count" in s:
             held_still.append((n, fld, key, s))
         else:
-            data.setdefault(key, {}).setdefault(fld, []).append(
-                (s["at"], s["times"], _values(s["nums"], n.factor(fld)))
-            )
+            data[key][fld].append((s["at"], s["times"], _values(s["nums"], n.factor(fld))))
     for n, fld, key, s in held_still:
         ref = next((t for at, t, _ in data.get(key, {}).get(_VARYING[0], []) if at == s["at"]), None)
         if ref is not None and len(ref) == s["count"]:  # scraped with the utilisation: the same times
-            data[key].setdefault(fld, []).append((s["at"], ref, np.full(len(ref), s["value"] * n.factor(fld))))
+            data[key][fld].append((s["at"], ref, np.full(len(ref), s["value"] * n.factor(fld))))
             continue
         # not scraped with every utilisation sample (rare): its own raw samples
-        name, uuid = _uuid_label(n, s["metric"])
-        job = (n, fld, s["at"], s["to"])
-        for labels, t, v in client.query_samples(expr(job, f"{name}={json.dumps(uuid)}"), s["to"]):
+        name, uuid = n.uuid_of(s["metric"])
+        own = expr((n, fld, s["at"], s["to"]), f"{name}={json.dumps(uuid)}")
+        for labels, t, v in client.samples(client.query_raw(own, s["to"]), own):
             if labels.get("instance", "") == key.instance:
-                data.setdefault(key, {}).setdefault(fld, []).append((s["at"], t, _values(v, n.factor(fld))))
-    keys = sorted(data, key=GpuKey.sort_key)
-    for pattern, what in ((namespace, "namespace"), (pod, "pod")):
-        if pattern is not None:
-            rx = re.compile(pattern)
-            keys = [k for k in keys if rx.fullmatch(ident[k][what]) is not None]
-    if uuids is not None:
-        keys = [k for k in keys if k.uuid in uuids]
+                data[key][fld].append((s["at"], t, _values(v, n.factor(fld))))
+    checks = [(re.compile(p), what) for p, what in ((namespace, "namespace"), (pod, "pod")) if p is not None]
+    keys = [
+        k
+        for k in sorted(data, key=GpuKey.sort_key)
+        if (uuids is None or k.uuid in uuids) and all(rx.fullmatch(ident[k][what]) for rx, what in checks)
+    ]
     if not keys:
         raise PrometheusError(
             "no GPU series in Prometheus for that range and those filters; check --start/--end, --node, "
@@ -274,7 +264,6 @@ def fleet_frame(
     stamp_parts: list[np.ndarray] = []
     value_parts: dict[str, list[np.ndarray]] = {f: [] for f in present}
     per_gpu: list[FleetGpuInfo] = []
-    lengths: list[int] = []
     for i, key in enumerate(keys):
         by_field = {f: [(t, v) for _, t, v in sorted(got, key=lambda p: p[0])] for f, got in data[key].items()}
         parts = [p for got in by_field.values() for p in got]
@@ -284,7 +273,6 @@ def fleet_frame(
         inside = (times >= grid0 - step) & (times <= end)
         times = times[inside]
         stamp_parts.append(times)
-        lengths.append(len(times))
         for f in present:
             got = by_field.get(f, [])
             if same and got:
@@ -296,10 +284,11 @@ def fleet_frame(
                 col[np.searchsorted(times, t[keep])] = v[keep]
             value_parts[f].append(col)
         per_gpu.append(FleetGpuInfo(i, key.instance, key.gpu, key.uuid, **ident[key]))
-    seconds = np.concatenate(stamp_parts)
-    stamps = pd.to_datetime(np.round(seconds * 1000).astype(np.int64), unit="ms", utc=True).as_unit("ns")
+    stamps = pd.to_datetime(np.round(np.concatenate(stamp_parts) * 1000).astype(np.int64), unit="ms", utc=True).as_unit(
+        "ns"
+    )
     text = string_dtype()
-    rows_of = np.repeat(np.arange(len(keys)), lengths)
+    rows_of = np.repeat(np.arange(len(keys)), [len(t) for t in stamp_parts])
 
     def per_row(per_gpu_values: list[Any]) -> Any:
         # one string per GPU, taken for each of its rows (not a Python string per row to convert)
@@ -315,14 +304,13 @@ def fleet_frame(
         values = np.concatenate(value_parts[spec.name])
         if spec.kind.name == "FLOAT":
             columns.append(pd.array(values, dtype="Float64"))
-        elif spec.kind.is_bool:  # a flag written as 1/0
-            columns.append(pd.array(values, dtype="Float64").astype("boolean"))
-        else:
-            columns.append(pd.array(np.round(values), dtype="Float64").astype("Int64"))
+        else:  # whole numbers, or flags written as 1/0
+            columns.append(
+                pd.array(np.round(values), dtype="Float64").astype("boolean" if spec.kind.is_bool else "Int64")
+            )
     df = make_frame(cat, columns, {}, None)
-    df["instance"] = per_row([k.instance for k in keys])
-    df["namespace"] = per_row([g.namespace for g in per_gpu])
-    df["pod"] = per_row([g.pod for g in per_gpu])
+    for what in ("instance", "namespace", "pod"):
+        df[what] = per_row([getattr(g, what) for g in per_gpu])
     df.attrs["gpus"] = _Fixed({g.index: g for g in per_gpu})
     df.attrs["gpu_names"] = _Fixed({g.index: g.gpu_name() for g in per_gpu})  # the report names GPUs by these
     df.attrs["step"] = step
@@ -337,14 +325,6 @@ def _values(nums: np.ndarray, factor: float) -> np.ndarray:
     return out
 
 
-def _uuid_label(naming: FleetNaming, labels: dict[str, str]) -> tuple[str, str]:
-    """The label that holds a series' UUID and its value, as :meth:`FleetNaming.key` finds it (``("", "")``: none)."""
-    for name in (naming.uuid_label, "uuid", "UUID"):
-        if labels.get(name):
-            return name, labels[name]
-    return "", ""
-
-
 def _steady(
     client: PrometheusClient, metric: str, naming: FleetNaming, node: str | None, window: str, last: float, at: float
 ) -> tuple[list[dict[str, Any]], str | None]:
@@ -353,8 +333,6 @@ def _steady(
     Each steady series comes as ``{"metric": labels, "count": samples, "value": v}``; only a series that its UUID
     label names alone counts. The matcher (``uuid!~"..."``, or "" for all) selects the other series, to be read
     raw; it is None when there are none. ``last``: seconds before ``at`` where the series' value is looked for.
-    The server reads each steady series twice (its changes, then its count) and each other series once before it
-    sends it: both reads cost less than writing a series' samples as JSON.
     """
     raw = f"{selector(metric, node)}{window}"
     value = f"max_over_time({selector(metric, node)}[{max(1, round(last * 1000))}ms])"
@@ -364,10 +342,10 @@ def _steady(
         labels = dict(row.get("metric", {}))
         into = values if labels.pop("smiquery_of", "") else changes
         into[tuple(sorted(labels.items()))] = float(row["value"][1])
-    owners = Counter(_uuid_label(naming, dict(series)) for series in changes)
+    owners = Counter(naming.uuid_of(dict(series)) for series in changes)
     held: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {}  # UUID label -> its value -> the series
     for series, changed in changes.items():
-        name, uuid = _uuid_label(naming, dict(series))
+        name, uuid = naming.uuid_of(dict(series))
         if changed == 0 and series in values and name and owners[name, uuid] == 1:
             held.setdefault(name, {})[uuid] = series
     steady: list[dict[str, Any]] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
@@ -57,11 +58,6 @@ class FleetGpu:
     stale: bool = False
 
     @property
-    def key(self) -> GpuKey:
-        """Its identity in the fleet."""
-        return GpuKey(self.instance, self.gpu, self.uuid)
-
-    @property
     def state(self) -> str:
         """``down``, ``stale``, ``lost``, ``idle`` or ``ok``."""
         return next((s for s in ("down", "stale", "lost", "idle") if getattr(self, s)), "ok")
@@ -81,16 +77,11 @@ SORT_KEYS: dict[str, str] = {"util": "utilization", "mem": "memory_used", "temp"
 
 def sort_gpus(gpus: Sequence[FleetGpu], by: str = "node") -> list[FleetGpu]:
     """GPUs by node (instance, index), or by a value largest first (no value last, then by node)."""
-    ordered = sorted(gpus, key=lambda g: g.key.sort_key())
+    ordered = sorted(gpus, key=lambda g: GpuKey(g.instance, g.gpu, g.uuid).sort_key())
     if by == "node":
         return ordered
     attr = SORT_KEYS[by]
-
-    def value(g: FleetGpu) -> float:
-        v = getattr(g, attr)
-        return -math.inf if v is None else float(v)
-
-    return sorted(ordered, key=value, reverse=True)
+    return sorted(ordered, key=lambda g: -math.inf if getattr(g, attr) is None else getattr(g, attr), reverse=True)
 
 
 def filter_gpus(
@@ -102,15 +93,9 @@ def filter_gpus(
     idle: bool = False,
 ) -> list[FleetGpu]:
     """The GPUs whose instance, namespace and pod match the (anchored) regexes; with ``idle`` only idle ones."""
-    checks: list[tuple[re.Pattern[str], str]] = []
-    for pattern, attr in ((node, "instance"), (namespace, "namespace"), (pod, "pod")):
-        if pattern is not None:
-            checks.append((re.compile(pattern), attr))
-
-    def keep(g: FleetGpu) -> bool:
-        return (g.idle or not idle) and all(rx.fullmatch(getattr(g, attr)) is not None for rx, attr in checks)
-
-    return [g for g in gpus if keep(g)]
+    wanted = ((node, "instance"), (namespace, "namespace"), (pod, "pod"))
+    checks = [(re.compile(pattern), attr) for pattern, attr in wanted if pattern is not None]
+    return [g for g in gpus if (g.idle or not idle) and all(rx.fullmatch(getattr(g, a)) for rx, a in checks)]
 
 
 def _number(sample: dict[str, Any], factor: float) -> float | None:
@@ -134,10 +119,9 @@ def snapshot(
 ) -> list[FleetGpu]:
     """Every GPU of the fleet at ``at`` (default now), each listed once, ordered by node.
 
-    The server's firing ``ALERTS`` are matched to GPUs by UUID, else by instance and GPU index. A GPU whose scrape
-    target's ``up`` is 0 (matched by instance, and job where that has one) is ``down``; one whose newest
-    utilization sample is older than ``stale_after`` is ``stale`` (a target gone without staleness markers, e.g.
-    across a server restart, keeps its last samples for the 5-minute lookback); neither shows values.
+    The server's firing ``ALERTS`` are matched to GPUs by UUID, else by instance and GPU index; ``up`` by instance,
+    and job where that has one (see :class:`FleetGpu` for ``down`` and ``stale``: a target gone without staleness
+    markers, e.g. across a server restart, keeps its last samples for the 5-minute lookback).
 
     Args:
         client: the server.
@@ -151,12 +135,9 @@ def snapshot(
             the idle window: one more query, asked only when some sample is over 60 s old).
 
     Raises:
-        PrometheusUnreachableError, PrometheusQueryError, PrometheusError: see :class:`PrometheusClient`;
-            no GPU metric at all.
+        PrometheusError: no GPU metric at all; the client's errors (see :class:`PrometheusClient`).
         UsageError: ``node`` is not a regex.
     """
-    import time
-
     check_regex(node, "--node")
     when = time.time() if at is None else at
     window = f"{max(1, round(idle_minutes * 60))}s"
@@ -170,18 +151,12 @@ def snapshot(
         queries.append((n, "window", f"max_over_time({sel}[{window}])"))
         # the newest sample's own time (not ``at``), only where older than any limit: a healthy fleet's answer is empty
         queries.append((n, "seen", f"timestamp({sel}) < {when - oldest:.3f}"))
-    alert_sel = (
-        'ALERTS{alertstate="firing"}' if node is None else selector("ALERTS", node)[:-1] + ',alertstate="firing"}'
-    )
+    asked = [*(q for _, _, q in queries), selector("ALERTS", node, 'alertstate="firing"'), selector("up", node)]
     with ThreadPoolExecutor(max_workers=8) as pool:
-        futures = [pool.submit(client.query, q, when) for _, _, q in queries]
-        alerts_future = pool.submit(client.query, alert_sel, when)
-        up_future = pool.submit(client.query, selector("up", node), when)
+        futures = [pool.submit(client.query, q, when) for q in asked]
         info_futures = {n.name: pool.submit(info_labels, client, n, node, when, "1h") for n in found}
-        results = [f.result() for f in futures]
-        alerts = alerts_future.result()
+        *results, alerts, up_rows = [f.result() for f in futures]
         infos = {k: f.result() for k, f in info_futures.items()}
-        up_rows = up_future.result()
     ups: dict[str, dict[str, float | None]] = {}  # instance -> job -> up
     for s in up_rows:
         labels = s.get("metric", {})
@@ -203,12 +178,11 @@ def snapshot(
         rows.setdefault(key, {})[fld] = _number(sample, factor)
         jobs.setdefault(key, sample.get("metric", {}).get("job", ""))
     firing: dict[GpuKey, list[str]] = {}
-    by_uuid = {k.uuid: k for k in rows if k.uuid}
-    by_index = {(k.instance, k.gpu): k for k in rows}
+    targets: dict[Any, GpuKey] = {(k.instance, k.gpu): k for k in rows} | {k.uuid: k for k in rows if k.uuid}
     for a in alerts:
         labels = a.get("metric", {})
         uuid = labels.get("uuid") or labels.get("UUID") or ""
-        target = by_uuid.get(uuid) if uuid else by_index.get((labels.get("instance", ""), labels.get("gpu", "")))
+        target = targets.get(uuid) if uuid else targets.get((labels.get("instance", ""), labels.get("gpu", "")))
         if target is not None:
             firing.setdefault(target, []).append(labels.get("alertname", "alert"))
     out: list[FleetGpu] = []
@@ -223,32 +197,14 @@ def snapshot(
         stale = not down and seen is not None and when - seen > limit
         if down or stale:
             row = {}
-        util = row.get("utilization.gpu")
-        used = row.get("memory.used")
+        values: dict[str, Any] = {attr: row.get(f) for attr, f in _FIELD_OF.items()}
+        lost = not (down or stale) and all(v is None for v in values.values())
         peak = row.get("window")
-        lost = not (down or stale) and all(row.get(f) is None for f in _TOP_FIELDS)
+        used = values["memory_used"]
         idle = (
             not lost and peak is not None and peak < idle_utilization and used is not None and used >= held_memory_mib
         )
-        out.append(
-            FleetGpu(
-                instance=key.instance,
-                gpu=key.gpu,
-                uuid=key.uuid,
-                name=ident["name"],
-                naming=ident["naming"],
-                utilization=util,
-                memory_used=used,
-                memory_total=row.get("memory.total"),
-                temperature=row.get("temperature.gpu"),
-                power=row.get("power.draw"),
-                namespace=ident["namespace"],
-                pod=ident["pod"],
-                alerts=tuple(sorted(set(firing.get(key, ())))),
-                idle=idle,
-                lost=lost,
-                down=down,
-                stale=stale,
-            )
-        )
+        values |= asdict(key) | {k: ident[k] for k in ("name", "naming", "namespace", "pod")}
+        alerting = tuple(sorted(set(firing.get(key, ()))))
+        out.append(FleetGpu(**values, alerts=alerting, idle=idle, lost=lost, down=down, stale=stale))
     return sort_gpus(out)

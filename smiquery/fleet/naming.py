@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,24 +20,17 @@ if TYPE_CHECKING:
 __all__ = [
     "EXTRA_FIELDS",
     "FLEET_FIELDS",
-    "JOB_LABELS",
-    "NAMESPACE_LABELS",
     "NAMINGS",
-    "NODE_LABELS",
-    "POD_LABELS",
     "FleetNaming",
     "GpuKey",
     "check_regex",
     "detect_namings",
-    "first_label",
     "gpu_series",
     "held_metrics",
     "info_labels",
     "naming_by_name",
     "selector",
 ]
-
-_MiB = 1048576.0
 
 #: The nvidia-smi fields the fleet view reads (what the report and the plot need), in the order of a recording.
 FLEET_FIELDS: tuple[str, ...] = (
@@ -51,25 +45,32 @@ FLEET_FIELDS: tuple[str, ...] = (
 )
 
 
+# Per field read back too: its sample names (counters with their _total) in smiquery and DCGM naming ("=": the DCGM
+# naming writes the slowdown reasons under smiquery's names, DCGM has only the bitmask); nvidia_gpu_exporter's are
+# nvidia_smi_ and the field's name.
+_EXTRA_METRICS = [
+    row.split()
+    for row in """
+    clocks_event_reasons.hw_thermal_slowdown smiquery_clocks_event_reasons_hw_thermal_slowdown_active =
+    clocks_event_reasons.sw_thermal_slowdown smiquery_clocks_event_reasons_sw_thermal_slowdown_active =
+    clocks_event_reasons.hw_power_brake_slowdown smiquery_clocks_event_reasons_hw_power_brake_slowdown_active =
+    ecc.errors.corrected.volatile.total smiquery_ecc_errors_corrected_volatile_total DCGM_FI_DEV_ECC_SBE_VOL_TOTAL
+    ecc.errors.uncorrected.volatile.total smiquery_ecc_errors_uncorrected_volatile_total DCGM_FI_DEV_ECC_DBE_VOL_TOTAL
+    ecc.errors.corrected.aggregate.total smiquery_ecc_errors_corrected_aggregate_total DCGM_FI_DEV_ECC_SBE_AGG_TOTAL
+    ecc.errors.uncorrected.aggregate.total smiquery_ecc_errors_uncorrected_aggregate_total DCGM_FI_DEV_ECC_DBE_AGG_TOTAL
+    retired_pages.single_bit_ecc.count smiquery_retired_pages_single_bit_ecc_total DCGM_FI_DEV_RETIRED_SBE
+    retired_pages.double_bit.count smiquery_retired_pages_double_bit_total DCGM_FI_DEV_RETIRED_DBE
+    retired_pages.pending smiquery_retired_pages_pending DCGM_FI_DEV_RETIRED_PENDING
+    remapped_rows.correctable smiquery_remapped_rows_correctable_total DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS
+    remapped_rows.uncorrectable smiquery_remapped_rows_uncorrectable_total DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS
+    remapped_rows.failure smiquery_remapped_rows_failure DCGM_FI_DEV_ROW_REMAP_FAILURE
+    remapped_rows.pending smiquery_remapped_rows_pending DCGM_FI_DEV_ROW_REMAP_PENDING
+    """.strip().splitlines()
+]
 #: Fields read back too where the server holds them: the slowdown reasons the built-in rules watch and the memory
 #: health a recording's report checks (ECC errors, retired pages, remapped rows). Their metrics are in
 #: nvidia-smi's units in every naming (the exporter writes flags as 1/0).
-EXTRA_FIELDS: tuple[str, ...] = (
-    "clocks_event_reasons.hw_thermal_slowdown",
-    "clocks_event_reasons.sw_thermal_slowdown",
-    "clocks_event_reasons.hw_power_brake_slowdown",
-    "ecc.errors.corrected.volatile.total",
-    "ecc.errors.uncorrected.volatile.total",
-    "ecc.errors.corrected.aggregate.total",
-    "ecc.errors.uncorrected.aggregate.total",
-    "retired_pages.single_bit_ecc.count",
-    "retired_pages.double_bit.count",
-    "retired_pages.pending",
-    "remapped_rows.correctable",
-    "remapped_rows.uncorrectable",
-    "remapped_rows.failure",
-    "remapped_rows.pending",
-)
+EXTRA_FIELDS: tuple[str, ...] = tuple(row[0] for row in _EXTRA_METRICS)
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,13 @@ class FleetNaming:
         """What to multiply the metric's values by to get nvidia-smi's unit."""
         return self.metrics[fld][1]
 
+    def uuid_of(self, labels: Mapping[str, str]) -> tuple[str, str]:
+        """The label holding a series' UUID, and its value: the naming's, else ``uuid`` or ``UUID`` (else ``""``)."""
+        return next(((x, labels[x]) for x in (self.uuid_label, "uuid", "UUID") if labels.get(x)), ("", ""))
+
     def key(self, labels: Mapping[str, str], info: Mapping[str, Mapping[str, str]] | None = None) -> GpuKey:
-        """The GPU a series belongs to (a DCGM-named exporter's own metrics carry ``uuid``, not ``UUID``)."""
-        uuid = labels.get(self.uuid_label) or labels.get("uuid") or labels.get("UUID", "")
+        """The GPU a series belongs to."""
+        uuid = self.uuid_of(labels)[1]
         gpu = labels.get(self.gpu_label, "") if self.gpu_label else ""
         if not gpu and info is not None:
             gpu = info.get(uuid, {}).get("index", "")
@@ -140,39 +145,14 @@ _METRICS = [
     smiquery_clocks_event_reasons_active_bitmask DCGM_FI_DEV_CLOCKS_EVENT_REASONS nvidia_smi_clocks_event_reasons_active
     """.strip().splitlines()
 ]
-# Per field of EXTRA_FIELDS, in its order: the sample names (counters with their _total) in smiquery and DCGM
-# naming ("=": the DCGM naming writes the slowdown reasons under smiquery's names, DCGM has only the bitmask);
-# nvidia_gpu_exporter's are nvidia_smi_ and the field's name.
-_EXTRA_METRICS = [
-    row.split()
-    for row in """
-    smiquery_clocks_event_reasons_hw_thermal_slowdown_active =
-    smiquery_clocks_event_reasons_sw_thermal_slowdown_active =
-    smiquery_clocks_event_reasons_hw_power_brake_slowdown_active =
-    smiquery_ecc_errors_corrected_volatile_total DCGM_FI_DEV_ECC_SBE_VOL_TOTAL
-    smiquery_ecc_errors_uncorrected_volatile_total DCGM_FI_DEV_ECC_DBE_VOL_TOTAL
-    smiquery_ecc_errors_corrected_aggregate_total DCGM_FI_DEV_ECC_SBE_AGG_TOTAL
-    smiquery_ecc_errors_uncorrected_aggregate_total DCGM_FI_DEV_ECC_DBE_AGG_TOTAL
-    smiquery_retired_pages_single_bit_ecc_total DCGM_FI_DEV_RETIRED_SBE
-    smiquery_retired_pages_double_bit_total DCGM_FI_DEV_RETIRED_DBE
-    smiquery_retired_pages_pending DCGM_FI_DEV_RETIRED_PENDING
-    smiquery_remapped_rows_correctable_total DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS
-    smiquery_remapped_rows_uncorrectable_total DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS
-    smiquery_remapped_rows_failure DCGM_FI_DEV_ROW_REMAP_FAILURE
-    smiquery_remapped_rows_pending DCGM_FI_DEV_ROW_REMAP_PENDING
-    """.strip().splitlines()
-]
 # From base units (ratio, bytes, hertz) to nvidia-smi's, per field; dcgm-exporter's metrics are in nvidia-smi's units.
-_FROM_BASE = (100.0, 100.0, 1 / _MiB, 1 / _MiB, 1.0, 1.0, 1e-6, 1.0)
+_FROM_BASE = (100.0, 100.0, 2**-20, 2**-20, 1.0, 1.0, 1e-6, 1.0)
 
 
 def _metrics(column: int, factors: Sequence[float] = _FROM_BASE) -> dict[str, tuple[str, float]]:
     got = {f: (row[column], k) for f, row, k in zip(FLEET_FIELDS, _METRICS, factors, strict=True)}
-    for f, row in zip(EXTRA_FIELDS, _EXTRA_METRICS, strict=True):
-        if column == 2:
-            got[f] = ("nvidia_smi_" + f.replace(".", "_"), 1.0)
-        else:
-            got[f] = (row[0] if row[column] == "=" else row[column], 1.0)
+    for f, ours, dcgm in _EXTRA_METRICS:
+        got[f] = ((ours, ours if dcgm == "=" else dcgm, "nvidia_smi_" + f.replace(".", "_"))[column], 1.0)
     return got
 
 
@@ -199,12 +179,8 @@ def selector(metric: str, node: str | None = None, matchers: str = "") -> str:
 
 def check_regex(pattern: str | None, what: str) -> None:
     """Fail as a usage error on a regex Python cannot compile (PromQL's RE2 is close to Python's ``re``)."""
-    import re
-
-    if pattern is None:
-        return
     try:
-        re.compile(pattern)
+        re.compile(pattern or "")
     except re.error as exc:
         raise UsageError(f"{what}: {pattern!r} is not a regular expression: {exc}") from None
 
@@ -219,9 +195,7 @@ def detect_namings(
     """The namings whose utilisation metric has series between ``start`` and ``end`` (a mixed fleet has several).
 
     ``wanted`` namings (``--naming``) are not looked up; ``node``: only instances matching this regex count.
-
-    Raises:
-        PrometheusError: no naming's series are there.
+    PrometheusError when no naming's series are there.
     """
     if wanted:
         return [naming_by_name(n) for n in dict.fromkeys(wanted)]
@@ -246,21 +220,15 @@ def held_metrics(
     return set(client.metric_names([f'{{__name__=~"{pattern}"{on_node}}}'], start, end))
 
 
-def first_label(labels: Mapping[str, str], names: Iterable[str]) -> str:
-    """The first of ``names`` that is set in ``labels`` (``exported_pod`` before ``pod``: the exporter's own)."""
-    for n in names:
-        v = labels.get(n)
-        if v:
-            return v
-    return ""
-
-
-POD_LABELS = ("exported_pod", "pod")
-NAMESPACE_LABELS = ("exported_namespace", "namespace")
-#: Where a node's own name sits, when it is not the scrape target's address (dcgm-exporter's ``Hostname``).
-NODE_LABELS = ("exported_node", "node", "Hostname")
-#: Where a Slurm job id sits, where an exporter labels it (dcgm-exporter's HPC job mapping: ``hpc_job``).
-JOB_LABELS = ("slurm_job_id", "slurm_job", "hpc_job")
+# Where each identity of a GPU sits, the first set one wins: the exporter's own labels before the scrape's; a node's
+# own name where it is not the target's address (dcgm-exporter's ``Hostname``); a Slurm job id where an exporter
+# labels it (dcgm-exporter's HPC job mapping: ``hpc_job``).
+_IDENT_LABELS = {
+    "node": ("exported_node", "node", "Hostname"),
+    "job": ("slurm_job_id", "slurm_job", "hpc_job"),
+    "namespace": ("exported_namespace", "namespace"),
+    "pod": ("exported_pod", "pod"),
+}
 
 
 def info_labels(
@@ -282,7 +250,7 @@ def gpu_series(
 
     A GPU exported twice (its UUID under another key: a second exporter) is read once, under the first naming
     that gave it. ``idents`` gathers what each GPU is: its ``naming``, ``name`` (model), ``namespace``, ``pod``,
-    ``node`` (:data:`NODE_LABELS`) and ``job`` (:data:`JOB_LABELS`), the first found of each. ``infos`` holds
+    ``node`` and ``job`` (a Slurm job id), the first found of each. ``infos`` holds
     :func:`info_labels` by naming.
     """
     owners: dict[str, GpuKey] = {}
@@ -293,12 +261,8 @@ def gpu_series(
             key = n.key(labels, info)
             if key.uuid and owners.setdefault(key.uuid, key) != key:
                 continue
-            got = idents.setdefault(
-                key, {"naming": n.name, "name": "", "namespace": "", "pod": "", "node": "", "job": ""}
-            )
+            got = idents.setdefault(key, {"naming": n.name, "name": "", **dict.fromkeys(_IDENT_LABELS, "")})
             got["name"] = got["name"] or n.model(labels, info)
-            got["node"] = got["node"] or first_label(labels, NODE_LABELS)
-            got["job"] = got["job"] or first_label(labels, JOB_LABELS)
-            got["namespace"] = got["namespace"] or first_label(labels, NAMESPACE_LABELS)
-            got["pod"] = got["pod"] or first_label(labels, POD_LABELS)
+            for what, names in _IDENT_LABELS.items():
+                got[what] = got[what] or next((labels[x] for x in names if labels.get(x)), "")
             yield n, fld, key, series

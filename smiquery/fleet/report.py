@@ -46,38 +46,14 @@ def load_range(
     limit = DEFAULT_MAX_ANSWER_BYTES if max_answer_bytes is None else max_answer_bytes
     client = PrometheusClient(url, config=config, timeout=timeout, max_answer_bytes=limit)
     t1 = parse_time(end if end is not None else "now", what="--end")
-    if slurm_job is not None:
-        return _job_frame(client, slurm_job, start, t1, node=node, namespace=namespace, pod=pod)
-    t0 = parse_time(start or "", what="--start")
-    return fleet_frame(client, t0, t1, node=node, namespace=namespace, pod=pod)
-
-
-def _job_frame(
-    client: PrometheusClient,
-    job_id: str,
-    start: str | None,
-    end: float,
-    *,
-    node: str | None,
-    namespace: str | None,
-    pod: str | None,
-) -> pd.DataFrame:
-    """The frame of the GPUs Slurm job ``job_id`` held over its own time range."""
-    t0 = parse_time(start, what="--start") if start is not None else end - JOB_LOOKBACK
-    job = job_range(client, job_id, t0, end)
-    step = job.step
-    last = job.end if job.end > job.start else job.start + (step or 1.0)
+    if slurm_job is None:
+        return fleet_frame(client, parse_time(start or "", what="--start"), t1, node=node, namespace=namespace, pod=pod)
+    t0 = parse_time(start, what="--start") if start is not None else t1 - JOB_LOOKBACK
+    job = job_range(client, slurm_job, t0, t1)
+    last = job.end if job.end > job.start else job.start + (job.step or 1.0)
+    node = node if node is not None else host_pattern(job.gpus)
     uuids = {g.uuid for g in job.gpus}
-    df = fleet_frame(
-        client,
-        job.start,
-        last,
-        node=node if node is not None else host_pattern(job.gpus),
-        namespace=namespace,
-        pod=pod,
-        uuids=uuids,
-        step=step,
-    )
+    df = fleet_frame(client, job.start, last, node=node, namespace=namespace, pod=pod, uuids=uuids, step=job.step)
     df.attrs["slurm_job"] = job
     return df
 
@@ -108,7 +84,10 @@ def name_gpus(text: str, fmt: str, df: pd.DataFrame) -> str:
         lines = ["", "## GPUs", "", "| GPU | instance | index | UUID | model | namespace/pod |", "|---" * 6 + "|"]
         lines += [f"| {i} | {g.instance} | {g.gpu} | {g.uuid} | {g.name} | {pod} |" for i, g, pod in rows]
     elif fmt == "text":
-        lines = ["", "GPUs:", *(f"  {i:>3}  {g.label()}  {g.name}{'  ' + pod if pod else ''}" for i, g, pod in rows)]
+        lines = ["", "GPUs:"]
+        for i, g, pod in rows:
+            gpu = f"{g.instance} GPU {g.gpu or '?'} ({g.uuid or 'no uuid'})"
+            lines.append(f"  {i:>3}  {gpu}  {g.name}{'  ' + pod if pod else ''}")
     else:
         return text
     return text.rstrip("\n") + "\n" + "\n".join(lines) + "\n"

@@ -6,8 +6,11 @@ first sample to its last (see docs/slurm.md).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -57,14 +60,9 @@ class SlurmJob:
 def job_range(client: PrometheusClient, job_id: str, start: float, end: float) -> SlurmJob:
     """The GPUs job ``job_id`` held and its time range, from the raw samples of :data:`ALLOCATION_METRIC`.
 
-    Only samples between ``start`` and ``end`` (Unix seconds) are searched.
-
-    Raises:
-        UsageError: an empty job id, ``end`` not after ``start``.
-        PrometheusError: no allocation series names the job in that time.
+    Only samples between ``start`` and ``end`` (Unix seconds) are searched. UsageError for an empty job id or
+    ``end`` not after ``start``; PrometheusError when no allocation series names the job in that time.
     """
-    import numpy as np
-
     if not job_id:
         raise UsageError("--slurm-job needs a job id, e.g. --slurm-job 4242")
     if not end > start:
@@ -76,30 +74,28 @@ def job_range(client: PrometheusClient, job_id: str, start: float, end: float) -
     gpus: set[GpuKey] = set()
     labels: dict[str, str] = {}
     for r in rows:
-        times = np.sort(np.array([float(p[0]) for p in r.get("values", [])]))
-        if not len(times):
+        times = sorted(float(p[0]) for p in r.get("values", []))
+        if not times:
             continue
         metric = r.get("metric", {})
         gpus.add(GpuKey(metric.get("instance", ""), metric.get("gpu", ""), metric.get("uuid", "")))
         for k in ("slurm_user", "slurm_account", "slurm_partition", "slurm_job_name"):
             labels.setdefault(k, metric.get(k, ""))
-        stamps += [float(times[0]), float(times[-1])]
+        stamps += [times[0], times[-1]]
         if len(times) > 1:
-            steps.append(float(np.median(np.diff(times))))
+            steps.append(statistics.median(b - a for a, b in itertools.pairwise(times)))
     if not stamps:
         raise PrometheusError(
             f"no GPU of Slurm job {printable(job_id)} in Prometheus at {client.url} for that time "
             f"({ALLOCATION_METRIC}); check the job id, --start (the search goes back 30 days by default) and that "
             "the nodes' exporters run with --slurm"
         )
-    step = round(float(np.median(steps)), 3) if steps else None
+    step = round(statistics.median(steps), 3) if steps else None
     return SlurmJob(job_id, min(stamps), max(stamps), step, tuple(sorted(gpus, key=GpuKey.sort_key)), labels)
 
 
 def host_pattern(gpus: tuple[GpuKey, ...]) -> str:
     """A ``--node`` regex for the job's hosts on any port (its GPUs' other exporters, dcgm-exporter, match too)."""
-    import re
-
     hosts = sorted({_host(g.instance) for g in gpus})
     return "(?:" + "|".join(re.escape(h) for h in hosts) + ")(?::[0-9]+)?"
 
@@ -107,10 +103,6 @@ def host_pattern(gpus: tuple[GpuKey, ...]) -> str:
 def _host(instance: str) -> str:
     head, sep, port = instance.rpartition(":")
     return head if sep and port.isdigit() else instance
-
-
-def _gib(mib: float) -> str:
-    return f"{mib / 1024:.1f}"
 
 
 def job_summary(report: Report, df: pd.DataFrame) -> str:
@@ -125,8 +117,7 @@ def job_summary(report: Report, df: pd.DataFrame) -> str:
     names = gpu_names(df)
     job = df.attrs.get("slurm_job")
     title = job.title() if isinstance(job, SlurmJob) else printable(report.source)
-    minutes = report.duration / 60
-    out = [f"GPU summary of {title}: {len(report.gpus)} GPU(s), {minutes:.1f} min"]
+    out = [f"GPU summary of {title}: {len(report.gpus)} GPU(s), {report.duration / 60:.1f} min"]
     stats = {(s.field, s.gpu): s for s in report.stats}
     column = next((c for c in ("utilization_gpu", "utilization.gpu") if c in df.columns), None)
     idle: dict[int, float] = {}
@@ -144,8 +135,8 @@ def job_summary(report: Report, df: pd.DataFrame) -> str:
         used_max = _most(report, stats, "memory.used", gpu)
         total_max = _most(report, stats, "memory.total", gpu)
         if used_max is not None:
-            of = f" of {_gib(total_max)}" if total_max else ""
-            parts.append(f"memory peak {_gib(used_max)}{of} GiB,")
+            of = f" of {total_max / 1024:.1f}" if total_max else ""
+            parts.append(f"memory peak {used_max / 1024:.1f}{of} GiB,")
         if gpu in report.energy_wh:
             parts.append(f"energy {report.energy_wh[gpu]:.1f} Wh,")
         stalled = sum(s.seconds for s in report.stalls if s.gpu == gpu)
@@ -158,9 +149,7 @@ def job_summary(report: Report, df: pd.DataFrame) -> str:
 def _most(report: Report, stats: dict[tuple[str, int], FieldStats], fld: str, gpu: int) -> float | None:
     """The highest value of ``fld`` on ``gpu``: its statistics' maximum, or the value it kept."""
     stat = stats.get((fld, gpu))
-    if stat is not None:
-        return stat.max
-    value = report.constants.get(fld, {}).get(gpu)
+    value = stat.max if stat is not None else report.constants.get(fld, {}).get(gpu)
     try:
         return None if value is None else float(value)
     except (TypeError, ValueError):
