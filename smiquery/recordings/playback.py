@@ -305,10 +305,6 @@ class Replay(LatestSweep):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    _thread: threading.Thread | None = None
-    #: The error that ended a background replay, if any.
-    error: BaseException | None = None
-
     def start(self) -> Replay:
         """Play in a background thread, so that :meth:`latest` follows the recording. Returns self."""
         if self._thread is not None:
@@ -329,11 +325,6 @@ class Replay(LatestSweep):
         self._thread = threading.Thread(target=run, name="smiquery-replay", daemon=True)
         self._thread.start()
         return self
-
-    @property
-    def running(self) -> bool:
-        """True while a background replay's thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
 
 
 #: ``replay(...)`` is ``Replay(...)``.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator, Iterator
 
-from smiquery._log import get_logger
 from smiquery.retry import RetryPolicy
 from smiquery.runner import Runner, default_runner, find_nvidia_smi
 from smiquery.source import StreamEvent, StreamStats
@@ -16,10 +15,8 @@ from smiquery.streams.sync import ThreadDriver
 
 __all__ = ["PmonStream", "stream"]
 
-log = get_logger("smiquery")
 
-
-class PmonStream:
+class PmonStream(ThreadDriver[PmonRow]):
     """Watch per-process GPU use with one supervised ``nvidia-smi pmon`` child; ``stream`` is this class.
 
     Example::
@@ -74,27 +71,10 @@ class PmonStream:
             stats=self.stats,
             events=events,
         )
-        self._driver: ThreadDriver[PmonRow] = ThreadDriver(
-            self._engine, runner, self._emit, sleep=sleep, finite=count is not None
-        )
-        #: The error that ended the stream (it gave up), if any.
-        self.error: BaseException | None = None
-
-    def _emit(self, event: StreamEvent) -> None:
-        if self.on_event is not None:
-            try:
-                self.on_event(event)
-            except Exception:
-                log.exception("smiquery pmon on_event callback failed")
+        super().__init__(runner, sleep, finite=count is not None)
 
     def __iter__(self) -> Generator[PmonRow, None, None]:
-        try:
-            yield from self._driver.items()
-        except BaseException as exc:
-            if not isinstance(exc, GeneratorExit):
-                self.stats.state = "failed"
-                self.error = exc
-            raise
+        return self._items()
 
     def samples(self, count: int | None = None) -> Iterator[tuple[PmonRow, ...]]:
         """Yield one tuple of rows per instant (see :class:`InstantGrouper`), at most ``count``.
@@ -121,16 +101,6 @@ class PmonStream:
                 yield last
         finally:
             rows.close()
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop: the child is terminated and reaped. Idempotent, safe from any thread (a callback included)."""
-        self._driver.close(timeout, None, None)
-
-    def __enter__(self) -> PmonStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 #: ``smiquery.streams.pmon.stream(...)`` is ``PmonStream(...)``.

@@ -246,9 +246,6 @@ class CsvSource(LatestSweep):
     ``max_samples``).
     """
 
-    #: The error that ended the stream (it gave up), if any.
-    error: BaseException | None = None
-
     def __init__(
         self,
         fields: FieldsArg,
