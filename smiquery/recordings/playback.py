@@ -111,14 +111,14 @@ class Replay(LatestSweep):
         self.first_error: ParseError | None = None
         #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
         self.gpu_count = 0
-        self._peek_error: ParseError | None = None
         if len(self.paths) > 1:  # a rotated set, in the order of its files' first timestamps, whatever their names
             firsts = [next(iter(self._one_file(p, None, lambda err: None)), None) for p in self.paths]
             self.paths = [self.paths[i] for i in time_order([s.timestamp if s is not None else None for s in firsts])]
-        first = self._peek()
+        dropped: list[ParseError] = []
+        first = self._peek(dropped.append)
         if first is None and self._columns is not None:
             columns = ",".join(f.name for f in self._columns)
-            why = f" ({self._peek_error})" if self._peek_error is not None else ""
+            why = f" ({dropped[0]})" if dropped else ""
             raise ReplayError(
                 f"recording {self.path}: no row fits the columns {columns}; give the log's columns, in order{why}"
             )
@@ -138,9 +138,9 @@ class Replay(LatestSweep):
         self.stats.dropped_rows += 1
         self.stats.last_error = str(err)
 
-    def _raw_samples(self) -> Generator[GpuSample, None, None]:
+    def _raw_samples(self, on_drop: Callable[[ParseError], None] | None = None) -> Generator[GpuSample, None, None]:
         fmt = self.format if len(self.paths) == 1 else None
-        yield from with_gpu0(s for path in self.paths for s in self._one_file(path, fmt))
+        yield from with_gpu0(s for path in self.paths for s in self._one_file(path, fmt, on_drop))
 
     def _one_file(
         self, path: str, fmt: RecordingFormat | None, on_drop: Callable[[ParseError], None] | None = None
@@ -167,13 +167,12 @@ class Replay(LatestSweep):
                 else:
                     yield from read_csv_samples(fh, name, drop, self._columns, zone)
 
-    def _peek(self) -> GpuSample | None:
+    def _peek(self, on_drop: Callable[[ParseError], None]) -> GpuSample | None:
         """The first sample, and the number of GPUs in the first sweep (into :attr:`gpu_count`)."""
-        gen = self._raw_samples()
-        try:
-            first: GpuSample | None = None
-            seen: set[object] = set()
-            for sample in gen:
+        first: GpuSample | None = None
+        seen: set[object] = set()
+        with contextlib.closing(self._raw_samples(on_drop)) as samples:
+            for sample in samples:
                 if first is None:
                     first = sample
                 if not self._select(sample):
@@ -182,14 +181,8 @@ class Replay(LatestSweep):
                 if idx is None or idx in seen or len(seen) >= 4096:
                     break
                 seen.add(idx)
-            self.gpu_count = len(seen)
-            return first
-        finally:
-            gen.close()
-            self._peek_error = self.first_error
-            self.stats.dropped_rows = 0
-            self.stats.last_error = None
-            self.first_error = None
+        self.gpu_count = len(seen)
+        return first
 
     def _select(self, sample: GpuSample) -> bool:
         if not self.gpus:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Generator, Iterator
+from itertools import islice
 
 from smiquery.retry import RetryPolicy
 from smiquery.runner import Runner, default_runner, find_nvidia_smi
@@ -81,26 +83,22 @@ class PmonStream(ThreadDriver[PmonRow]):
 
         Each is yielded when the next begins (the last at the end); an instant cut by a restart is dropped.
         """
+        return islice(self._instants(), count)
+
+    def _instants(self) -> Generator[tuple[PmonRow, ...], None, None]:
         grouper = InstantGrouper()
-        done = 0
-        rows = self.__iter__()
-        child = None
-        try:
+        child = self.stats.starts
+        with contextlib.closing(self._items()) as rows:
             for row in rows:
-                if child is not None and self.stats.starts != child:
+                if self.stats.starts != child:
                     grouper.discard()  # cut short by a restart: possibly incomplete, so not an instant
-                child = self.stats.starts
+                    child = self.stats.starts
                 sample = grouper.feed(row)
                 if sample is not None:
                     yield sample
-                    done += 1
-                    if count is not None and done >= count:
-                        return
-            last = grouper.flush()
-            if last is not None:
-                yield last
-        finally:
-            rows.close()
+        last = grouper.flush()
+        if last is not None:
+            yield last
 
 
 #: ``smiquery.streams.pmon.stream(...)`` is ``PmonStream(...)``.
