@@ -114,7 +114,7 @@ class AsyncStream(CsvSource):
                             await child.finish(self.stall_timeout)  # a non-zero exit raises its typed error
                             raise StreamEndedError(self.argv, 0, "", "nvidia-smi ended its loop; restarting")
                         items = engine.feed(lines, clock(), child.idle)
-                        self._tell()
+                        self._emit(engine.take_events())
                         if items:
                             yield items
                         if engine.done:
@@ -122,7 +122,7 @@ class AsyncStream(CsvSource):
                 except SmiqueryError as exc:
                     got = engine.failed(exc, clock(), time.time())
                 finally:
-                    self._tell()
+                    self._emit(engine.take_events())
                     self._child = None
                     if child is not None:
                         await child.close()
@@ -141,10 +141,6 @@ class AsyncStream(CsvSource):
         finally:
             engine.finish()
             self._busy = False
-
-    def _tell(self) -> None:
-        for event in self._engine.take_events():
-            self._emit(event)
 
     def __aiter__(self) -> AsyncIterator[GpuSample]:
         return self._only(GpuSample, None)

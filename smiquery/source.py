@@ -193,12 +193,13 @@ class BaseSource:
 
         return unsubscribe
 
-    def _emit(self, event: StreamEvent) -> None:
-        for callback in filter(None, (self.on_event, *self._listeners)):
-            try:
-                callback(event)
-            except Exception:  # a monitor's callback must never break the source
-                get_logger().exception("smiquery: an event callback failed")
+    def _emit(self, events: Iterable[StreamEvent]) -> None:
+        for event in events:
+            for callback in filter(None, (self.on_event, *self._listeners)):
+                try:
+                    callback(event)
+                except Exception:  # a monitor's callback must never break the source
+                    get_logger().exception("smiquery: an event callback failed")
 
     @property
     def running(self) -> bool:

@@ -71,10 +71,6 @@ class ThreadDriver(BaseSource, Generic[Item]):
         self._no_child.set()
         self._reader: int | None = None  # the thread reading a child now
 
-    def _tell(self) -> None:
-        for event in self._engine.take_events():
-            self._emit(event)
-
     def _items(self) -> Generator[Item, None, None]:
         """Everything the engine makes, child after child, until closed, over, spent or given up (raises)."""
         engine = self._engine
@@ -85,7 +81,7 @@ class ThreadDriver(BaseSource, Generic[Item]):
                 try:
                     got = yield from self._child()
                 finally:
-                    self._tell()
+                    self._emit(engine.take_events())
                 if got is None:
                     return
                 cut, delay = got
@@ -156,7 +152,7 @@ class ThreadDriver(BaseSource, Generic[Item]):
                     raise hung
                 continue
             items = engine.feed((line,), clock(), child.idle)
-            self._tell()
+            self._emit(engine.take_events())
             for item in items:
                 if engine.stopped(clock() if timed else 0.0):
                     return  # nothing is delivered after close()
