@@ -138,14 +138,13 @@ class Replay(LatestSweep):
         self.stats.dropped_rows += 1
         self.stats.last_error = str(err)
 
-    def _raw_samples(self, on_drop: Callable[[ParseError], None] | None = None) -> Generator[GpuSample, None, None]:
+    def _raw_samples(self, on_drop: Callable[[ParseError], None]) -> Generator[GpuSample, None, None]:
         fmt = self.format if len(self.paths) == 1 else None
         yield from with_gpu0(s for path in self.paths for s in self._one_file(path, fmt, on_drop))
 
     def _one_file(
-        self, path: str, fmt: RecordingFormat | None, on_drop: Callable[[ParseError], None] | None = None
+        self, path: str, fmt: RecordingFormat | None, on_drop: Callable[[ParseError], None]
     ) -> Iterator[GpuSample]:
-        drop = on_drop if on_drop is not None else self._on_drop
         zone = self.tz if self.tz is not None else recorded_zone(path)
         files: list[tuple[str, RecordingFormat]]
         if is_dataset(path):
@@ -163,9 +162,9 @@ class Replay(LatestSweep):
                 raise ReplayError(f"cannot read recording {name}: {exc.strerror or exc}") from exc
             with fh:
                 if kind == "jsonl":
-                    yield from read_jsonl_samples(fh, drop, zone)
+                    yield from read_jsonl_samples(fh, on_drop, zone)
                 else:
-                    yield from read_csv_samples(fh, name, drop, self._columns, zone)
+                    yield from read_csv_samples(fh, name, on_drop, self._columns, zone)
 
     def _peek(self, on_drop: Callable[[ParseError], None]) -> GpuSample | None:
         """The first sample, and the number of GPUs in the first sweep (into :attr:`gpu_count`)."""
@@ -223,7 +222,7 @@ class Replay(LatestSweep):
             last_ts: datetime | None = None
             second_ts: datetime | None = None
             got = 0
-            for sample in self._raw_samples():
+            for sample in self._raw_samples(self._on_drop):
                 if self._stop.is_set():
                     return
                 if not self._select(sample):
