@@ -106,7 +106,6 @@ class Replay(LatestSweep):
         self._sleep = sleep if sleep is not None else self._stop.wait
         self._clock = clock
         self.stats = StreamStats()
-        self._gen: Generator[GpuSample, None, None] | None = None
         #: The first line skipped as unreadable (a torn last line, garbage), with its line number.
         self.first_error: ParseError | None = None
         #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
@@ -131,6 +130,7 @@ class Replay(LatestSweep):
         self.fields: tuple[Field, ...] = self._wanted if self._wanted is not None else self.recorded_fields
         self._positions: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._projected(first)  # a recording that lacks a wanted field fails here
+        self._gen = self._samples()
 
     def _on_drop(self, err: ParseError) -> None:
         if self.first_error is None:
@@ -265,8 +265,6 @@ class Replay(LatestSweep):
         return self
 
     def __next__(self) -> GpuSample:
-        if self._gen is None:
-            self._gen = self._samples()
         return next(self._gen)
 
     def sweeps(self, count: int | None = None) -> Iterator[Sweep]:
@@ -284,9 +282,8 @@ class Replay(LatestSweep):
     def close(self, timeout: float = 5.0) -> None:
         """Stop: wake a paced wait and end the iteration (a background thread within ``timeout`` s). Any thread."""
         self._stop.set()
-        if self._gen is not None:
-            with contextlib.suppress(ValueError):  # running in another thread: it sees the stop flag next sample
-                self._gen.close()
+        with contextlib.suppress(ValueError):  # running in another thread: it sees the stop flag next sample
+            self._gen.close()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
