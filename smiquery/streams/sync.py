@@ -106,59 +106,52 @@ class ThreadDriver(BaseSource, Generic[Item]):
             engine.finish()
 
     def _child(self) -> Generator[Item, None, tuple[list[Item], float] | None]:
-        """Start one child and read it to its end; returns what :meth:`Engine.failed` says (nothing: no failure)."""
+        """Start one child and read it to its end; returns what :meth:`Engine.failed` says (None: the stream ends)."""
         engine = self._engine
+        clock = time.monotonic
+        timed = engine.duration is not None
         try:
             child = self._runner.lines(engine.argv)
         except SmiqueryError as exc:
-            return engine.failed(exc, time.monotonic(), time.time())
+            return engine.failed(exc, clock(), time.time())
         with self._lock:
             self.child = child
             self._no_child.clear()
         try:
             if engine.closed:
                 child.terminate()
-            engine.started(time.monotonic())
-            yield from self._read(child)
+            engine.started(clock())
+            while not engine.done:
+                now = clock()
+                if engine.stopped(now):
+                    return None
+                # At the deadline this still looks at the pipe once: after a pause (SIGSTOP, a debugger) the rows
+                # the child printed meanwhile are read before anyone calls it hung.
+                line = child.readline(max(engine.deadline() - now, 0.0))
+                if line is None:
+                    now = clock()
+                    if now >= engine.deadline():
+                        hung = engine.expired(now)
+                        if hung is None:
+                            return None
+                        raise hung
+                    continue
+                items = engine.feed((line,), clock(), child.idle)
+                self._emit(engine.take_events())
+                for item in items:
+                    if engine.stopped(clock() if timed else 0.0):
+                        return None  # nothing is delivered after close()
+                    yield item
         except SmiqueryError as exc:
             if isinstance(exc, StreamEndedError) and self._finite and exc.returncode == 0 and not engine.closed:
                 return None  # a finite child finished its count
-            return engine.failed(exc, time.monotonic(), time.time())
+            return engine.failed(exc, clock(), time.time())
         finally:
             with self._lock:
                 self.child = None
             child.close()
             self._no_child.set()
-        return [], 0.0
-
-    def _read(self, child: LineSource) -> Generator[Item, None, None]:
-        """Read one child until it fails (raises), the stream stops or the budget is spent (returns)."""
-        engine = self._engine
-        clock = time.monotonic
-        timed = engine.duration is not None
-        while True:
-            now = clock()
-            if engine.stopped(now):
-                return
-            # At the deadline this still looks at the pipe once: after a pause (SIGSTOP, a debugger) the rows
-            # the child printed meanwhile are read before anyone calls it hung.
-            line = child.readline(max(engine.deadline() - now, 0.0))
-            if line is None:
-                now = clock()
-                if now >= engine.deadline():
-                    hung = engine.expired(now)
-                    if hung is None:
-                        return
-                    raise hung
-                continue
-            items = engine.feed((line,), clock(), child.idle)
-            self._emit(engine.take_events())
-            for item in items:
-                if engine.stopped(clock() if timed else 0.0):
-                    return  # nothing is delivered after close()
-                yield item
-            if engine.done:
-                return
+        return None
 
     @property
     def child_pid(self) -> int | None:
