@@ -103,7 +103,7 @@ class AsyncStream(CsvSource):
                     child = AsyncLines(await start_loop_child(self.argv), self.argv)
                     self._child = child
                     engine.started(clock())
-                    while not engine.stopped(0.0):
+                    while not engine.done and not engine.stopped(0.0):
                         lines = await child.readlines(engine.deadline())
                         if lines is None:
                             if child.timed_out:
@@ -117,8 +117,6 @@ class AsyncStream(CsvSource):
                         self._emit(engine.take_events())
                         if items:
                             yield items
-                        if engine.done:
-                            return
                 except SmiqueryError as exc:
                     got = engine.failed(exc, clock(), time.time())
                 finally:

@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_HISTORY_SWEEPS", "DEFAULT_STARTUP_TIMEOUT", "Stream", "ThreadDriver", "stream"]
 
-log = get_logger("smiquery")
-
 #: Seconds a fresh nvidia-smi may take to print its first row (cold starts take 15-30 s on large hosts).
 DEFAULT_STARTUP_TIMEOUT = 45.0
 
@@ -322,7 +320,7 @@ class Stream(CsvSource, ThreadDriver[GpuSample | Sweep]):
             except BaseException as exc:  # kept for the owner; a background thread must not die silently
                 self.error = exc
                 if not self._engine.closed:
-                    log.error("smiquery stream stopped: %s", exc)
+                    get_logger("smiquery").error("smiquery stream stopped: %s", exc)
             finally:
                 ready.set()
 
