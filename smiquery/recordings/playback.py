@@ -296,24 +296,22 @@ class Replay(LatestSweep):
 
     def start(self) -> Replay:
         """Play in a background thread, so that :meth:`latest` follows the recording. Returns self."""
-        if self._thread is not None:
-            return self
-
-        def run() -> None:
-            self.stats.state = "running"
-            try:
-                for _ in self.sweeps():
-                    if self._stop.is_set():
-                        break
-            except BaseException as exc:  # kept for the owner; a background thread must not die silently
-                self.error = exc
-                self.stats.state = "failed"
-                return
-            self.stats.state = "closed" if self._stop.is_set() else "ended"
-
-        self._thread = threading.Thread(target=run, name="smiquery-replay", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._play, name="smiquery-replay", daemon=True)
+            self._thread.start()
         return self
+
+    def _play(self) -> None:
+        self.stats.state = "running"
+        try:
+            for _ in self.sweeps():
+                if self._stop.is_set():
+                    break
+        except BaseException as exc:  # kept for the owner; a background thread must not die silently
+            self.error = exc
+            self.stats.state = "failed"
+            return
+        self.stats.state = "closed" if self._stop.is_set() else "ended"
 
 
 #: ``replay(...)`` is ``Replay(...)``.
