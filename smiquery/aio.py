@@ -103,7 +103,7 @@ class AsyncStream(CsvSource):
                     child = AsyncLines(await start_loop_child(self.argv), self.argv)
                     self._child = child
                     engine.started(clock())
-                    while not engine.stopped(0.0):
+                    while not engine.done and not engine.stopped(0.0):
                         lines = await child.readlines(engine.deadline())
                         if lines is None:
                             if child.timed_out:
@@ -114,15 +114,13 @@ class AsyncStream(CsvSource):
                             await child.finish(self.stall_timeout)  # a non-zero exit raises its typed error
                             raise StreamEndedError(self.argv, 0, "", "nvidia-smi ended its loop; restarting")
                         items = engine.feed(lines, clock(), child.idle)
-                        self._tell()
+                        self._emit(engine.take_events())
                         if items:
                             yield items
-                        if engine.done:
-                            return
                 except SmiqueryError as exc:
                     got = engine.failed(exc, clock(), time.time())
                 finally:
-                    self._tell()
+                    self._emit(engine.take_events())
                     self._child = None
                     if child is not None:
                         await child.close()
@@ -141,10 +139,6 @@ class AsyncStream(CsvSource):
         finally:
             engine.finish()
             self._busy = False
-
-    def _tell(self) -> None:
-        for event in self._engine.take_events():
-            self._emit(event)
 
     def __aiter__(self) -> AsyncIterator[GpuSample]:
         return self._only(GpuSample, None)

@@ -6,6 +6,7 @@ A live :class:`~smiquery.streams.sync.Stream` and a :class:`~smiquery.recordings
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from smiquery.fields import Field
 
 __all__ = [
+    "BaseSource",
     "LatestSweep",
     "SampleSource",
     "SourceState",
@@ -170,13 +172,14 @@ class SweepGrouper:
         return sweep
 
 
-class LatestSweep:
-    """What sources share: the event listeners, and the newest sweep (one reference, swapped whole: any thread)."""
+class BaseSource:
+    """What every source shares: the event listeners, the error that ended it and its background thread."""
 
-    stats: StreamStats
     on_event: Callable[[StreamEvent], None] | None = None
+    #: The error that ended the source (it gave up, or its background thread failed), if any.
+    error: BaseException | None = None
     _listeners: tuple[Callable[[StreamEvent], None], ...] = ()
-    _newest: tuple[Sweep, float] | None = None  # the sweep and its monotonic arrival time
+    _thread: threading.Thread | None = None
 
     def subscribe(self, callback: Callable[[StreamEvent], None]) -> Callable[[], None]:
         """Call ``callback`` with every :class:`StreamEvent` from now on; returns a function that unsubscribes it.
@@ -190,12 +193,25 @@ class LatestSweep:
 
         return unsubscribe
 
-    def _emit(self, event: StreamEvent) -> None:
-        for callback in filter(None, (self.on_event, *self._listeners)):
-            try:
-                callback(event)
-            except Exception:  # a monitor's callback must never break the source
-                get_logger().exception("smiquery: an event callback failed")
+    def _emit(self, events: Iterable[StreamEvent]) -> None:
+        for event in events:
+            for callback in filter(None, (self.on_event, *self._listeners)):
+                try:
+                    callback(event)
+                except Exception:  # a monitor's callback must never break the source
+                    get_logger().exception("smiquery: an event callback failed")
+
+    @property
+    def running(self) -> bool:
+        """True while a background consumer thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+
+class LatestSweep(BaseSource):
+    """A source of sweeps: the newest one (one reference, swapped whole: any thread reads it)."""
+
+    stats: StreamStats
+    _newest: tuple[Sweep, float] | None = None  # the sweep and its monotonic arrival time
 
     def latest(self) -> tuple[Sweep | None, float | None]:
         """The newest sweep and its age in seconds, without blocking; ``(None, None)`` before the first."""

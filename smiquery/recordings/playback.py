@@ -106,19 +106,18 @@ class Replay(LatestSweep):
         self._sleep = sleep if sleep is not None else self._stop.wait
         self._clock = clock
         self.stats = StreamStats()
-        self._gen: Generator[GpuSample, None, None] | None = None
         #: The first line skipped as unreadable (a torn last line, garbage), with its line number.
         self.first_error: ParseError | None = None
         #: GPUs per sweep, from the first sweep of the recording (0 when it has no ``index`` column).
         self.gpu_count = 0
-        self._peek_error: ParseError | None = None
         if len(self.paths) > 1:  # a rotated set, in the order of its files' first timestamps, whatever their names
             firsts = [next(iter(self._one_file(p, None, lambda err: None)), None) for p in self.paths]
             self.paths = [self.paths[i] for i in time_order([s.timestamp if s is not None else None for s in firsts])]
-        first = self._peek()
+        dropped: list[ParseError] = []
+        first = self._peek(dropped.append)
         if first is None and self._columns is not None:
             columns = ",".join(f.name for f in self._columns)
-            why = f" ({self._peek_error})" if self._peek_error is not None else ""
+            why = f" ({dropped[0]})" if dropped else ""
             raise ReplayError(
                 f"recording {self.path}: no row fits the columns {columns}; give the log's columns, in order{why}"
             )
@@ -131,6 +130,7 @@ class Replay(LatestSweep):
         self.fields: tuple[Field, ...] = self._wanted if self._wanted is not None else self.recorded_fields
         self._positions: dict[tuple[str, ...], tuple[int, ...]] = {}
         self._projected(first)  # a recording that lacks a wanted field fails here
+        self._gen = self._samples()
 
     def _on_drop(self, err: ParseError) -> None:
         if self.first_error is None:
@@ -138,14 +138,13 @@ class Replay(LatestSweep):
         self.stats.dropped_rows += 1
         self.stats.last_error = str(err)
 
-    def _raw_samples(self) -> Generator[GpuSample, None, None]:
+    def _raw_samples(self, on_drop: Callable[[ParseError], None]) -> Generator[GpuSample, None, None]:
         fmt = self.format if len(self.paths) == 1 else None
-        yield from with_gpu0(s for path in self.paths for s in self._one_file(path, fmt))
+        yield from with_gpu0(s for path in self.paths for s in self._one_file(path, fmt, on_drop))
 
     def _one_file(
-        self, path: str, fmt: RecordingFormat | None, on_drop: Callable[[ParseError], None] | None = None
+        self, path: str, fmt: RecordingFormat | None, on_drop: Callable[[ParseError], None]
     ) -> Iterator[GpuSample]:
-        drop = on_drop if on_drop is not None else self._on_drop
         zone = self.tz if self.tz is not None else recorded_zone(path)
         files: list[tuple[str, RecordingFormat]]
         if is_dataset(path):
@@ -163,17 +162,16 @@ class Replay(LatestSweep):
                 raise ReplayError(f"cannot read recording {name}: {exc.strerror or exc}") from exc
             with fh:
                 if kind == "jsonl":
-                    yield from read_jsonl_samples(fh, drop, zone)
+                    yield from read_jsonl_samples(fh, on_drop, zone)
                 else:
-                    yield from read_csv_samples(fh, name, drop, self._columns, zone)
+                    yield from read_csv_samples(fh, name, on_drop, self._columns, zone)
 
-    def _peek(self) -> GpuSample | None:
+    def _peek(self, on_drop: Callable[[ParseError], None]) -> GpuSample | None:
         """The first sample, and the number of GPUs in the first sweep (into :attr:`gpu_count`)."""
-        gen = self._raw_samples()
-        try:
-            first: GpuSample | None = None
-            seen: set[object] = set()
-            for sample in gen:
+        first: GpuSample | None = None
+        seen: set[object] = set()
+        with contextlib.closing(self._raw_samples(on_drop)) as samples:
+            for sample in samples:
                 if first is None:
                     first = sample
                 if not self._select(sample):
@@ -182,14 +180,8 @@ class Replay(LatestSweep):
                 if idx is None or idx in seen or len(seen) >= 4096:
                     break
                 seen.add(idx)
-            self.gpu_count = len(seen)
-            return first
-        finally:
-            gen.close()
-            self._peek_error = self.first_error
-            self.stats.dropped_rows = 0
-            self.stats.last_error = None
-            self.first_error = None
+        self.gpu_count = len(seen)
+        return first
 
     def _select(self, sample: GpuSample) -> bool:
         if not self.gpus:
@@ -230,7 +222,7 @@ class Replay(LatestSweep):
             last_ts: datetime | None = None
             second_ts: datetime | None = None
             got = 0
-            for sample in self._raw_samples():
+            for sample in self._raw_samples(self._on_drop):
                 if self._stop.is_set():
                     return
                 if not self._select(sample):
@@ -273,8 +265,6 @@ class Replay(LatestSweep):
         return self
 
     def __next__(self) -> GpuSample:
-        if self._gen is None:
-            self._gen = self._samples()
         return next(self._gen)
 
     def sweeps(self, count: int | None = None) -> Iterator[Sweep]:
@@ -292,9 +282,8 @@ class Replay(LatestSweep):
     def close(self, timeout: float = 5.0) -> None:
         """Stop: wake a paced wait and end the iteration (a background thread within ``timeout`` s). Any thread."""
         self._stop.set()
-        if self._gen is not None:
-            with contextlib.suppress(ValueError):  # running in another thread: it sees the stop flag next sample
-                self._gen.close()
+        with contextlib.suppress(ValueError):  # running in another thread: it sees the stop flag next sample
+            self._gen.close()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -305,35 +294,24 @@ class Replay(LatestSweep):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    _thread: threading.Thread | None = None
-    #: The error that ended a background replay, if any.
-    error: BaseException | None = None
-
     def start(self) -> Replay:
         """Play in a background thread, so that :meth:`latest` follows the recording. Returns self."""
-        if self._thread is not None:
-            return self
-
-        def run() -> None:
-            self.stats.state = "running"
-            try:
-                for _ in self.sweeps():
-                    if self._stop.is_set():
-                        break
-            except BaseException as exc:  # kept for the owner; a background thread must not die silently
-                self.error = exc
-                self.stats.state = "failed"
-                return
-            self.stats.state = "closed" if self._stop.is_set() else "ended"
-
-        self._thread = threading.Thread(target=run, name="smiquery-replay", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._play, name="smiquery-replay", daemon=True)
+            self._thread.start()
         return self
 
-    @property
-    def running(self) -> bool:
-        """True while a background replay's thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
+    def _play(self) -> None:
+        self.stats.state = "running"
+        try:
+            for _ in self.sweeps():
+                if self._stop.is_set():
+                    break
+        except BaseException as exc:  # kept for the owner; a background thread must not die silently
+            self.error = exc
+            self.stats.state = "failed"
+            return
+        self.stats.state = "closed" if self._stop.is_set() else "ended"
 
 
 #: ``replay(...)`` is ``Replay(...)``.

@@ -32,8 +32,7 @@ def normalize_gpus(gpus: GpusArg) -> tuple[str, ...]:
     out: list[str] = []
     for item in [gpus] if isinstance(gpus, (int, str)) else list(gpus):
         if isinstance(item, int) and not isinstance(item, bool) and item >= 0:
-            out.append(str(item))
-            continue
+            item = str(item)
         if not isinstance(item, str):
             raise InvalidGpuIdError(item)
         for part in item.split(","):

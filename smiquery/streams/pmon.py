@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Generator, Iterator
+from itertools import islice
 
-from smiquery._log import get_logger
 from smiquery.retry import RetryPolicy
 from smiquery.runner import Runner, default_runner, find_nvidia_smi
 from smiquery.source import StreamEvent, StreamStats
@@ -16,10 +17,8 @@ from smiquery.streams.sync import ThreadDriver
 
 __all__ = ["PmonStream", "stream"]
 
-log = get_logger("smiquery")
 
-
-class PmonStream:
+class PmonStream(ThreadDriver[PmonRow]):
     """Watch per-process GPU use with one supervised ``nvidia-smi pmon`` child; ``stream`` is this class.
 
     Example::
@@ -74,63 +73,32 @@ class PmonStream:
             stats=self.stats,
             events=events,
         )
-        self._driver: ThreadDriver[PmonRow] = ThreadDriver(
-            self._engine, runner, self._emit, sleep=sleep, finite=count is not None
-        )
-        #: The error that ended the stream (it gave up), if any.
-        self.error: BaseException | None = None
-
-    def _emit(self, event: StreamEvent) -> None:
-        if self.on_event is not None:
-            try:
-                self.on_event(event)
-            except Exception:
-                log.exception("smiquery pmon on_event callback failed")
+        super().__init__(runner, sleep, finite=count is not None)
 
     def __iter__(self) -> Generator[PmonRow, None, None]:
-        try:
-            yield from self._driver.items()
-        except BaseException as exc:
-            if not isinstance(exc, GeneratorExit):
-                self.stats.state = "failed"
-                self.error = exc
-            raise
+        return self._items()
 
     def samples(self, count: int | None = None) -> Iterator[tuple[PmonRow, ...]]:
         """Yield one tuple of rows per instant (see :class:`InstantGrouper`), at most ``count``.
 
         Each is yielded when the next begins (the last at the end); an instant cut by a restart is dropped.
         """
+        return islice(self._instants(), count)
+
+    def _instants(self) -> Generator[tuple[PmonRow, ...], None, None]:
         grouper = InstantGrouper()
-        done = 0
-        rows = self.__iter__()
-        child = None
-        try:
+        child = self.stats.starts
+        with contextlib.closing(self._items()) as rows:
             for row in rows:
-                if child is not None and self.stats.starts != child:
+                if self.stats.starts != child:
                     grouper.discard()  # cut short by a restart: possibly incomplete, so not an instant
-                child = self.stats.starts
+                    child = self.stats.starts
                 sample = grouper.feed(row)
                 if sample is not None:
                     yield sample
-                    done += 1
-                    if count is not None and done >= count:
-                        return
-            last = grouper.flush()
-            if last is not None:
-                yield last
-        finally:
-            rows.close()
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop: the child is terminated and reaped. Idempotent, safe from any thread (a callback included)."""
-        self._driver.close(timeout, None, None)
-
-    def __enter__(self) -> PmonStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        last = grouper.flush()
+        if last is not None:
+            yield last
 
 
 #: ``smiquery.streams.pmon.stream(...)`` is ``PmonStream(...)``.

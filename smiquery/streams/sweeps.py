@@ -84,8 +84,7 @@ class Identity:
         if old is not None and old not in self.lost.values():
             self.stats.lost_gpus.discard(old)
         uuid = None if key[0] == "#" else key
-        if uuid is not None:
-            self.stats.lost_uuids.pop(uuid, None)
+        self.stats.lost_uuids.pop(key, None)  # held by UUID only
         self.index_of[key] = idx
         detail = f"GPU {idx} reports values again"
         self._emit(StreamEvent("gpu_back", None, detail, idx, uuid))
@@ -95,17 +94,15 @@ class Identity:
         """An undamaged sweep: the GPUs absent from it are lost; the known set follows it."""
         present: dict[str, int | None] = {}
         delivering: set[int] = set()
-        buses = "pci.bus_id" in sweep[0] if sweep else False
         for s in sweep:
             key = self._resolve(s)
             if key is not None:
                 present[key] = s.index
                 if not s.gpu_lost and s.index is not None:
                     delivering.add(s.index)
-                if buses:
-                    bus = s["pci.bus_id"]
-                    if isinstance(bus, str) and bus:
-                        self._bus[bus_key(bus)] = key
+                bus = s.get("pci.bus_id")
+                if isinstance(bus, str) and bus:
+                    self._bus[bus_key(bus)] = key
         if present == self.index_of and not self.lost and not self._said_lost:
             return  # the same GPUs as last time: nothing to say or publish
         said = {self._bus[b] for b in self._said_lost if b in self._bus}
@@ -245,9 +242,6 @@ class CsvSource(LatestSweep):
     The arguments and errors are :func:`smiquery.stream`'s (``binary``: the located nvidia-smi; ``max_rows``: its
     ``max_samples``).
     """
-
-    #: The error that ended the stream (it gave up), if any.
-    error: BaseException | None = None
 
     def __init__(
         self,

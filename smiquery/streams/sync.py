@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from datetime import tzinfo
 from itertools import islice
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from smiquery._log import get_logger
 from smiquery.errors import SmiqueryError, StreamEndedError
@@ -23,7 +23,7 @@ from smiquery.fields import FieldsArg
 from smiquery.retry import RetryPolicy
 from smiquery.runner import TERM_GRACE, LineSource, Runner, default_runner, find_nvidia_smi
 from smiquery.sample import GpuSample
-from smiquery.source import StreamEvent, Sweep
+from smiquery.source import BaseSource, StreamEvent, StreamStats, Sweep
 from smiquery.streams.argv import GpusArg
 from smiquery.streams.engine import Engine
 from smiquery.streams.sweeps import CsvSource
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_HISTORY_SWEEPS", "DEFAULT_STARTUP_TIMEOUT", "Stream", "ThreadDriver", "stream"]
 
-log = get_logger("smiquery")
-
 #: Seconds a fresh nvidia-smi may take to print its first row (cold starts take 15-30 s on large hosts).
 DEFAULT_STARTUP_TIMEOUT = 45.0
 
@@ -44,27 +42,24 @@ DEFAULT_STARTUP_TIMEOUT = 45.0
 DEFAULT_HISTORY_SWEEPS = 3600
 
 Item = TypeVar("Item")
+Driver = TypeVar("Driver", bound="ThreadDriver[Any]")
 
 
-class ThreadDriver(Generic[Item]):
-    """The engine's thread driver (the CSV and pmon streams'): its children one at a time, on the calling thread.
+class ThreadDriver(BaseSource, Generic[Item]):
+    """The base of the CSV and pmon streams: the engine's children one at a time, read on the consuming thread.
 
-    ``emit`` hands the engine's events to the listeners; ``sleep`` (None: a wait that :meth:`close` cuts short)
-    waits between attempts; ``finite``: the child ends by itself when done (``pmon -c N``), so exit 0 ends the stream.
+    ``sleep`` (None: a wait that :meth:`close` cuts short) waits between attempts; ``finite``: the child ends by
+    itself when done (``pmon -c N``), so exit 0 ends the stream.
     """
 
-    def __init__(
-        self,
-        engine: Engine[Item],
-        runner: Runner,
-        emit: Callable[[StreamEvent], None],
-        *,
-        sleep: Callable[[float], None] | None = None,
-        finite: bool = False,
-    ) -> None:
-        self.engine = engine
+    stats: StreamStats
+    _engine: Engine[Item]
+    # Only a weak reference: an abandoned iterator must be collectable at once (no cycle), so that dropping it
+    # closes the generator and reaps the child immediately.
+    _gen_ref: weakref.ref[Generator[Item, None, None]] | None = None
+
+    def __init__(self, runner: Runner, sleep: Callable[[float], None] | None, *, finite: bool = False) -> None:
         self._runner = runner
-        self._emit = emit
         self._sleep = sleep
         self._finite = finite
         self._lock = threading.Lock()
@@ -74,13 +69,9 @@ class ThreadDriver(Generic[Item]):
         self._no_child.set()
         self._reader: int | None = None  # the thread reading a child now
 
-    def _tell(self) -> None:
-        for event in self.engine.take_events():
-            self._emit(event)
-
-    def items(self) -> Generator[Item, None, None]:
+    def _items(self) -> Generator[Item, None, None]:
         """Everything the engine makes, child after child, until closed, over, spent or given up (raises)."""
-        engine = self.engine
+        engine = self._engine
         engine.begin(time.monotonic())
         self._reader = threading.get_ident()
         try:
@@ -88,7 +79,7 @@ class ThreadDriver(Generic[Item]):
                 try:
                     got = yield from self._child()
                 finally:
-                    self._tell()
+                    self._emit(engine.take_events())
                 if got is None:
                     return
                 cut, delay = got
@@ -103,73 +94,78 @@ class ThreadDriver(Generic[Item]):
                 else:  # cut short by a close or the end of ``duration``
                     end = engine.deadline() if engine.duration is not None else None
                     self._wake.wait(delay if end is None else min(delay, max(end - time.monotonic(), 0.0)))
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit):
+                self.stats.state = "failed"
+                self.error = exc
+            raise
         finally:
             self._reader = None
             engine.finish()
 
     def _child(self) -> Generator[Item, None, tuple[list[Item], float] | None]:
-        """Start one child and read it to its end; returns what :meth:`Engine.failed` says (nothing: no failure)."""
-        engine = self.engine
+        """Start one child and read it to its end; returns what :meth:`Engine.failed` says (None: the stream ends)."""
+        engine = self._engine
+        clock = time.monotonic
+        timed = engine.duration is not None
         try:
             child = self._runner.lines(engine.argv)
         except SmiqueryError as exc:
-            return engine.failed(exc, time.monotonic(), time.time())
+            return engine.failed(exc, clock(), time.time())
         with self._lock:
             self.child = child
             self._no_child.clear()
         try:
             if engine.closed:
                 child.terminate()
-            engine.started(time.monotonic())
-            yield from self._read(child)
+            engine.started(clock())
+            while not engine.done:
+                now = clock()
+                if engine.stopped(now):
+                    return None
+                # At the deadline this still looks at the pipe once: after a pause (SIGSTOP, a debugger) the rows
+                # the child printed meanwhile are read before anyone calls it hung.
+                line = child.readline(max(engine.deadline() - now, 0.0))
+                if line is None:
+                    now = clock()
+                    if now >= engine.deadline():
+                        hung = engine.expired(now)
+                        if hung is None:
+                            return None
+                        raise hung
+                    continue
+                items = engine.feed((line,), clock(), child.idle)
+                self._emit(engine.take_events())
+                for item in items:
+                    if engine.stopped(clock() if timed else 0.0):
+                        return None  # nothing is delivered after close()
+                    yield item
         except SmiqueryError as exc:
             if isinstance(exc, StreamEndedError) and self._finite and exc.returncode == 0 and not engine.closed:
                 return None  # a finite child finished its count
-            return engine.failed(exc, time.monotonic(), time.time())
+            return engine.failed(exc, clock(), time.time())
         finally:
             with self._lock:
                 self.child = None
             child.close()
             self._no_child.set()
-        return [], 0.0
+        return None
 
-    def _read(self, child: LineSource) -> Generator[Item, None, None]:
-        """Read one child until it fails (raises), the stream stops or the budget is spent (returns)."""
-        engine = self.engine
-        clock = time.monotonic
-        timed = engine.duration is not None
-        while True:
-            now = clock()
-            if engine.stopped(now):
-                return
-            # At the deadline this still looks at the pipe once: after a pause (SIGSTOP, a debugger) the rows
-            # the child printed meanwhile are read before anyone calls it hung.
-            line = child.readline(max(engine.deadline() - now, 0.0))
-            if line is None:
-                now = clock()
-                if now >= engine.deadline():
-                    hung = engine.expired(now)
-                    if hung is None:
-                        return
-                    raise hung
-                continue
-            items = engine.feed((line,), clock(), child.idle)
-            self._tell()
-            for item in items:
-                if engine.stopped(clock() if timed else 0.0):
-                    return  # nothing is delivered after close()
-                yield item
-            if engine.done:
-                return
+    @property
+    def child_pid(self) -> int | None:
+        """The pid of the nvidia-smi child running now, if any."""
+        child = self.child
+        return child.pid if child is not None else None
 
-    def close(
-        self, timeout: float, thread: threading.Thread | None, generator: Generator[Item, None, None] | None
-    ) -> None:
-        """Stop within ``timeout`` s (see ``Stream.close``): join the consuming ``thread``, close the ``generator``."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop within ``timeout`` seconds: nothing is delivered after it, the child is reaped. Any thread.
+
+        From the stream's own thread (a callback) it returns at once; the child is reaped when the callback returns.
+        """
         end = time.monotonic() + max(timeout, 0.0)
-        if self.engine.stats.state not in ("failed", "ended"):
-            self.engine.stats.state = "closed"
-        self.engine.close()
+        if self.stats.state not in ("failed", "ended"):
+            self.stats.state = "closed"
+        self._engine.close()
         self._wake.set()
         with self._lock:
             child = self.child
@@ -178,12 +174,14 @@ class ThreadDriver(Generic[Item]):
             child.terminate()
         if self._reader == threading.get_ident():
             return  # inside the reading thread (a callback): it stops at its next step and reaps the child
+        thread = self._thread
         if thread is not None:
             thread.join(min(TERM_GRACE, max(end - time.monotonic(), 0)))
             if thread.is_alive() and child is not None:
                 child.kill()
             thread.join(max(end - time.monotonic(), 0))
             return
+        generator = self._gen_ref() if self._gen_ref is not None else None
         if generator is not None:
             try:
                 generator.close()
@@ -194,8 +192,14 @@ class ThreadDriver(Generic[Item]):
             child.kill()
             self._no_child.wait(max(end - time.monotonic(), 0))
 
+    def __enter__(self: Driver) -> Driver:
+        return self
 
-class Stream(CsvSource):
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Stream(CsvSource, ThreadDriver[GpuSample | Sweep]):
     """One long-lived nvidia-smi in loop mode (``-l`` for whole seconds, ``-lms`` below): a live ``SampleSource``.
 
     Example::
@@ -265,27 +269,17 @@ class Stream(CsvSource):
             duration=duration,
             max_rows=max_samples,
         )
-        self._driver: ThreadDriver[GpuSample | Sweep] = ThreadDriver(self._engine, runner, self._emit, sleep=sleep)
-        self._thread: threading.Thread | None = None
-        # Only a weak reference: an abandoned iterator must be collectable at once (no cycle), so that dropping it
-        # closes the generator and reaps the child immediately.
-        self._gen_ref: weakref.ref[Generator[GpuSample | Sweep, None, None]] | None = None
+        ThreadDriver.__init__(self, runner, sleep)
         self._history: deque[Sweep] = deque(maxlen=history_sweeps)
         self._history_lock = threading.Lock()
         self._tz = tz
 
     def _items(self) -> Generator[GpuSample | Sweep, None, None]:
-        try:
-            for item in self._driver.items():
-                if isinstance(item, Sweep):
-                    with self._history_lock:
-                        self._history.append(item)
-                yield item
-        except BaseException as exc:
-            if not isinstance(exc, GeneratorExit):
-                self.stats.state = "failed"
-                self.error = exc
-            raise
+        for item in super()._items():
+            if isinstance(item, Sweep):
+                with self._history_lock:
+                    self._history.append(item)
+            yield item
 
     def _generator(self) -> Generator[GpuSample | Sweep, None, None]:
         if self._thread is not None and threading.current_thread() is not self._thread:
@@ -326,7 +320,7 @@ class Stream(CsvSource):
             except BaseException as exc:  # kept for the owner; a background thread must not die silently
                 self.error = exc
                 if not self._engine.closed:
-                    log.error("smiquery stream stopped: %s", exc)
+                    get_logger("smiquery").error("smiquery stream stopped: %s", exc)
             finally:
                 ready.set()
 
@@ -352,31 +346,6 @@ class Stream(CsvSource):
         if samples:
             return to_dataframe(samples)
         return make_frame(self.fields, [empty_array(f, self._tz or local_zone()) for f in self.fields], {}, None)
-
-    @property
-    def running(self) -> bool:
-        """True while a background stream's thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def child_pid(self) -> int | None:
-        """The pid of the nvidia-smi child running now, if any."""
-        child = self._driver.child
-        return child.pid if child is not None else None
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop within ``timeout`` seconds: nothing is delivered after it, the child is reaped. Any thread.
-
-        From the stream's own thread (a callback) it returns at once; the child is reaped when the callback returns.
-        """
-        gen = self._gen_ref() if self._gen_ref is not None else None
-        self._driver.close(timeout, self._thread, gen)
-
-    def __enter__(self) -> Stream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __del__(self) -> None:
         engine = getattr(self, "_engine", None)
