@@ -178,7 +178,7 @@ import smiquery.runner, smiquery.runner.children, smiquery.sources.query_gpu
 from smiquery.sources.query_gpu import query
 from smiquery.errors import ResourceLimitError, NvidiaSmiNotFoundError
 from smiquery.fields import resolve_fields
-resolve_fields(["index"])  # the catalogue is read on first use: before the descriptors run out
+resolve_fields(["index"])  # the catalogue is read before the descriptors run out
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 held = []
 try:
