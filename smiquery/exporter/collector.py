@@ -35,8 +35,7 @@ from smiquery.exporter.families import (
     pmon_health,
     process_families,
     pstate_number,
-    unallocated_use_families,
-    workload_usage_families,
+    workload_families,
     xid_families,
 )
 from smiquery.exporter.naming import NVSMI_INFO_LABELS, MetricSpec, Naming, bare_uuid, metric_specs, render
@@ -602,10 +601,8 @@ class SmiCollector:
             if att is not None:  # stale data: the GPUs of the last fresh sweep keep their state
                 uuid_label = "UUID" if self.naming == "dcgm" else "uuid"
                 fams += attribution_families(att, self._att_gpus, uuid_label, self.labels)
-                if att.backend.processes and (instant is not None or procs is not None):
-                    fams += workload_usage_families(att, self._att_gpus, instant, procs, uuid_label, self.labels)
-                if att.backend.processes and procs is not None:
-                    fams += unallocated_use_families(att, self._att_gpus, procs, uuid_label, self.labels)
+                if att.backend.processes:
+                    fams += workload_families(att, self._att_gpus, instant, procs, uuid_label, self.labels)
         except Exception:  # a bug must not take /metrics down: the health metrics still go out
             self.render_errors += 1
             log.exception("smiquery exporter: building the GPU metrics failed")

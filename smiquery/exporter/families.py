@@ -37,8 +37,7 @@ __all__ = [
     "pmon_health",
     "process_families",
     "pstate_number",
-    "unallocated_use_families",
-    "workload_usage_families",
+    "workload_families",
     "xid_families",
 ]
 
@@ -211,7 +210,7 @@ def attribution_families(
     return [f for f in (info, state, unknown) if f.samples] + [up, took] + ([errs] if errs.samples else [])
 
 
-def workload_usage_families(
+def workload_families(
     att: Attribution,
     gpus: Mapping[str, int | None],
     instant: ProcessInstant | None,
@@ -219,10 +218,12 @@ def workload_usage_families(
     uuid_label: str,
     labels: Mapping[str, str],
 ) -> list[Metric]:
-    """Per-workload use of each GPU: pmon SM and memory use (0-1) and GPU memory (compute apps), summed by workload.
+    """Per-workload use of each GPU, and ``smiquery_gpu_unallocated_use``: a process on a GPU not given its workload.
 
-    The backend ties each process to its workload; what it cannot (host processes, pods not listed yet, pmon's
-    ``other`` row) goes to its ``other`` bucket, so a GPU's series sum to what pmon saw on it. Arguments as
+    Use: pmon SM and memory use (0-1) and GPU memory (compute apps), summed by workload. The backend ties each
+    process to its workload; what it cannot (host processes, pods not listed yet, pmon's ``other`` row) goes to its
+    ``other`` bucket, so a GPU's series sum to what pmon saw on it. The findings come only while the listing works
+    (never from a stale or failed one), only for processes tied to a workload it listed. Arguments as
     :func:`attribution_families`, with the newest pmon ``instant`` and compute-process list ``procs`` (or None).
     """
     b = att.backend
@@ -244,19 +245,26 @@ def workload_usage_families(
         if row.mem is not None:
             mem[key] = mem.get(key, 0.0) + row.mem / 100.0
     used: dict[tuple[str, Workload], float] = {}
+    found: dict[tuple[str, Workload], float] = {}
+    held = att.view(gpus).holders if att.up else None  # no findings from a stale or failed listing
     for p in procs or ():
-        if p.used_memory is None or p.gpu_uuid not in gpus:
+        if p.gpu_uuid not in gpus:
             continue
         key = (p.gpu_uuid, holder(p.pid))
-        used[key] = used.get(key, 0.0) + float(p.used_memory) * 1048576.0
-    whose = f"the {b.words.holder}'s processes"
+        if p.used_memory is not None:
+            used[key] = used.get(key, 0.0) + float(p.used_memory) * 1048576.0
+        if held is not None and key[1] != b.other and key[1] not in held.get(p.gpu_uuid, ()):
+            found[key] = 1.0
+    whose, other, pre = f"the {b.words.holder}'s processes", b.words.other, f"smiquery_{b.workload}_gpu"
+    finding = f"A {b.words.holder} running on a GPU the scheduler did not allocate to it (1): a finding."
     fams = []
     for name, doc, values in (
-        ("gpu_utilization_ratio", f"SM use of {whose} on the GPU (pmon sm), 0-1.", sm),
-        ("gpu_memory_utilization_ratio", f"Memory-controller use of {whose} (pmon mem), 0-1.", mem),
-        ("gpu_memory_used_bytes", f"GPU memory used by {whose}, in bytes.", used),
+        (f"{pre}_utilization_ratio", f"SM use of {whose} on the GPU (pmon sm), 0-1. {other}", sm),
+        (f"{pre}_memory_utilization_ratio", f"Memory-controller use of {whose} (pmon mem), 0-1. {other}", mem),
+        (f"{pre}_memory_used_bytes", f"GPU memory used by {whose}, in bytes. {other}", used),
+        ("smiquery_gpu_unallocated_use", finding, found),
     ):
-        fam = gauge(f"smiquery_{b.workload}_{name}", f"{doc} {b.words.other}")
+        fam = gauge(name, doc)
         for (uuid, h), value in sorted(values.items()):
             fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **h.labels(b.labels), **labels}, value)
         fams.append(fam)
@@ -300,36 +308,6 @@ def xid_families(
     for reason, n in xid.rejected().items():
         rejected.add_sample(rejected.name + "_total", {**labels, "reason": reason}, float(n))
     return [up, fam, rejected] if fam.samples else [up, rejected]
-
-
-def unallocated_use_families(
-    att: Attribution,
-    gpus: Mapping[str, int | None],
-    procs: Sequence[GpuProcess],
-    uuid_label: str,
-    labels: Mapping[str, str],
-) -> list[Metric]:
-    """``smiquery_gpu_unallocated_use``: a workload's process on a GPU the scheduler did not give that workload.
-
-    Only while the listing works (never from a stale or failed one) and only for processes the backend ties to a
-    workload it listed; labelled uuid, gpu and the workload's labels.
-    """
-    if not att.up:
-        return []
-    b = att.backend
-    view = att.view(gpus)
-    found: set[tuple[str, Workload]] = set()
-    for p in procs:
-        if p.gpu_uuid not in gpus or p.pid is None:
-            continue
-        owner = b.owner(p.pid)
-        if owner is not None and owner != b.other and owner not in view.holders.get(p.gpu_uuid, ()):
-            found.add((p.gpu_uuid, owner))
-    doc = f"A {b.words.holder} running on a GPU the scheduler did not allocate to it (1): a finding."
-    fam = gauge("smiquery_gpu_unallocated_use", doc)
-    for uuid, owner in sorted(found):
-        fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **owner.labels(b.labels), **labels}, 1.0)
-    return [fam] if fam.samples else []
 
 
 def _details_stale_after(poller: Latest[tuple[GpuDetails, ...]]) -> float:

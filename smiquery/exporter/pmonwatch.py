@@ -29,13 +29,12 @@ class ProcessInstant:
     """One pmon instant as the exporter serves it: at most ``top`` processes per GPU plus one ``other`` row.
 
     ``rows``: ``(row, user)`` pairs, busiest first per GPU, ``other`` (``pid`` None) last; ``user`` is None where
-    this host cannot see the process. ``processes``: GPU index -> processes pmon listed. ``received``/``wall``: when
-    it was complete (monotonic/epoch). ``by="name"``: one row per name and GPU (the lowest pid, no user).
+    this host cannot see the process. ``processes``: GPU index -> processes pmon listed. ``wall``: when it was
+    complete (epoch). ``by="name"``: one row per name and GPU (the lowest pid, no user).
     """
 
     rows: tuple[tuple[pmon.PmonRow, str | None], ...]
     processes: dict[int, int]
-    received: float
     wall: float
     by: str = "pid"
 
@@ -78,7 +77,7 @@ def process_instant(
     pairs = tuple(
         (row, None if row.pid is None or named else user_of(row.pid)) for gpu in sorted(kept) for row in kept[gpu]
     )
-    return ProcessInstant(pairs, counts, time.monotonic(), time.time(), by)
+    return ProcessInstant(pairs, counts, time.time(), by)
 
 
 class PmonWatcher:
