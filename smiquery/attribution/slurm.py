@@ -57,10 +57,6 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".", 1)[0]
 
 
-def _bounded(text: str) -> str:
-    return text if len(text) <= MAX_LABEL_CHARS else text[: MAX_LABEL_CHARS - 1] + "…"
-
-
 def expand_hostlist(expr: str) -> list[str]:
     """Slurm's host list (``gpu[01-03,07],login1``) as names; ValueError for an unbalanced bracket or a bad range."""
     names: list[str] = []
@@ -257,7 +253,8 @@ class SlurmBackend:
         name = self._call(["squeue", "-h", "-j", job_id, "-o", "%j"]).removesuffix("\n")
         text = self._call(["scontrol", "-d", "show", "job", job_id])
         values = (job_id, user, account, partition, name)
-        return SlurmJob(job_id, Workload(tuple(_bounded(v) for v in values)), tuple(parse_job(text, name, self.node)))
+        cut = tuple(v if len(v) <= MAX_LABEL_CHARS else v[: MAX_LABEL_CHARS - 1] + "…" for v in values)
+        return SlurmJob(job_id, Workload(cut), tuple(parse_job(text, name, self.node)))
 
     def refresh(self) -> list[Grant]:
         """List the node's running (or suspended) jobs once: one grant per GPU a job holds.

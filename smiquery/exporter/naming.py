@@ -235,17 +235,11 @@ NVSMI_WORDS: dict[str, dict[str, float]] = {
 }
 #: Fields that become labels of ``nvidia_smi_gpu_info`` in nvidia_smi naming, with their label names.
 NVSMI_INFO_LABELS: dict[str, str] = {
-    "uuid": "uuid",
-    "index": "index",
-    "name": "name",
-    "pci.bus_id": "pci_bus_id",
-    "driver_version": "driver_version",
-    "vbios_version": "vbios_version",
-    "serial": "serial",
-    "compute_cap": "compute_cap",
-    "pci.sub_device_id": "pci_sub_device_id",
-    "driver_model.current": "driver_model_current",
-    "driver_model.pending": "driver_model_pending",
+    field: field.replace(".", "_")
+    for field in (
+        *("uuid", "index", "name", "pci.bus_id", "driver_version", "vbios_version", "serial", "compute_cap"),
+        *("pci.sub_device_id", "driver_model.current", "driver_model.pending"),
+    )
 }
 #: With nvidia_smi naming and the default fields: what nvidia_gpu_exporter's dashboard (Grafana 14574) reads.
 NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = (

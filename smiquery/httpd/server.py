@@ -109,7 +109,7 @@ class HttpServer:
     stay open at most (past it the one that has waited longest makes room); ``request_timeout`` is the seconds from
     a request's first byte (or a TLS connection's start) to its complete head (an idle keep-alive connection closes
     after 60 s), ``write_timeout`` those a client has to take one response. Past ``auth_queue`` password
-    checks waiting or running, a request is answered 429 (``Retry-After: 1``) after ``shed_delay`` s and closed.
+    checks waiting or running, a request is answered 429 (``Retry-After: 1``) a second later and closed.
     """
 
     def __init__(
@@ -125,7 +125,6 @@ class HttpServer:
         server_header: str = "smiquery-exporter",
         inline: Callable[[Request], bool] | None = None,
         auth_queue: int = 16,
-        shed_delay: float = 1.0,
     ) -> None:
         self.sock = sock
         self.handler = handler
@@ -138,7 +137,6 @@ class HttpServer:
         self.peer_check = web.peer_allowed if web is not None and web.allowed_sans else None
         self.auth = web if web is not None and web.users else None
         self.auth_queue = auth_queue
-        self.shed_delay = shed_delay
         self._extra = "".join(f"{k}: {v}\r\n" for k, v in (web.headers if web is not None else {}).items())
         self.failures = 0  # connections closed because handling them raised (each one contained)
         self.shed = 0  # requests answered 429: the verifier's queue was full
@@ -371,7 +369,7 @@ class HttpServer:
                     self.shed += 1
                     conn.held = self._encode(_TOO_MANY, True, req.method == "HEAD")
                     conn.buf.clear()
-                    conn.deadline = time.monotonic() + self.shed_delay
+                    conn.deadline = time.monotonic() + 1.0  # retrying at once cannot flood the server
                     self._unwatch(conn)
                     return
                 self._checking += 1
