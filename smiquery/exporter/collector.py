@@ -729,18 +729,12 @@ def _git_checkout() -> str | None:
         ref = head[5:]
         common = git / "commondir"
         roots = [git, (git / common.read_text(encoding="utf-8").strip()).resolve()] if common.is_file() else [git]
-        for root in roots:
-            loose = root / ref
-            if loose.is_file():
-                value = loose.read_text(encoding="utf-8").strip()
-                return value if _SHA.fullmatch(value) else None
-        for root in roots:
-            packed = root / "packed-refs"
-            if packed.is_file():
-                for line in packed.read_text(encoding="utf-8").splitlines():
-                    parts = line.split()
-                    if len(parts) == 2 and parts[1] == ref and _SHA.fullmatch(parts[0]):
-                        return parts[0]
+        loose = next((root / ref for root in roots if (root / ref).is_file()), None)
+        if loose is not None:
+            value = loose.read_text(encoding="utf-8").strip()
+            return value if _SHA.fullmatch(value) else None
+        packed = [root / "packed-refs" for root in roots if (root / "packed-refs").is_file()]
+        lines = [line.split() for path in packed for line in path.read_text(encoding="utf-8").splitlines()]
+        return next((p[0] for p in lines if len(p) == 2 and p[1] == ref and _SHA.fullmatch(p[0])), None)
     except (OSError, IndexError):
         return None
-    return None

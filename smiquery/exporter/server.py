@@ -177,15 +177,11 @@ class Exporter:
 
     def stop(self) -> None:
         """Stop serving, close the stream (nvidia-smi is reaped) and the other parts. Idempotent; any thread."""
-        with self._lock:
+        with self._lock, contextlib.ExitStack() as after:  # each step even when one before it failed
             if not self._stopped.is_set():
-                try:
-                    self.http.shutdown()
-                finally:
-                    try:
-                        _close([self.stream, *self._parts])  # the pmon child is reaped here too
-                    finally:
-                        self._stopped.set()
+                after.callback(self._stopped.set)
+                after.callback(_close, [self.stream, *self._parts])  # the pmon child is reaped here too
+                self.http.shutdown()
 
     def serve_forever(self, poll: float = 0.5) -> None:
         """Block until :meth:`stop` is called, checking every ``poll`` seconds (so signal handlers run promptly)."""
@@ -245,11 +241,9 @@ def serve(
     and ``kernel_log`` are off (None) by default here; ``process_metrics`` serves prometheus_client's ``process_*``
     metrics unless ``registry`` has them already.
 
-    Raises:
-        PortInUseError, ListenError: the port is taken, or the address unusable (nvidia-smi is not started).
-        ValueError: a bad label, naming, interval, top_processes, details_interval, or TLS option.
-        OSError: unreadable TLS files; WebConfigError, InvalidFieldError, InvalidRuleError, InvalidGpuIdError,
-            NvidiaSmiNotFoundError as their names say.
+    Raises PortInUseError or ListenError (the port is taken or the address unusable: nvidia-smi is not started),
+    ValueError (a bad label, naming, interval, top_processes, details_interval or TLS option), OSError (unreadable
+    TLS files), WebConfigError, InvalidFieldError, InvalidRuleError, InvalidGpuIdError, NvidiaSmiNotFoundError.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, not {naming!r}")

@@ -220,9 +220,7 @@ def _tls(tls: dict[str, Any], cfg: Path) -> tuple[ssl.SSLContext, frozenset[str]
             ctx.set_ciphers(":".join(_CIPHERS[str(s)] for s in suites))
         except ssl.SSLError:
             raise WebConfigError(cfg, "tls_server_config.cipher_suites: this OpenSSL offers none of them") from None
-    if tls.get("prefer_server_cipher_suites", True):  # Go's default
-        ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
-    else:
+    if not tls.get("prefer_server_cipher_suites", True):  # Python's default and Go's: the server's order
         ctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
     with tempfile.TemporaryDirectory(prefix="smiquery-web-") as d:
         tmp = Path(d)
