@@ -1,7 +1,7 @@
 """The kubelet's pod-resources API (v1 ``List``) over its unix socket, with ``grpcio``.
 
-The messages come from ``podresources.proto`` beside this module (compiled: ``podresources.pb``), loaded into a pool
-of its own (so no other ``v1`` package can clash), which works with any protobuf runtime from 4.21 on.
+The messages come from ``podresources.pb`` (``podresources.proto`` compiled), loaded into a pool of their own (no
+other ``v1`` package can clash); any protobuf runtime from 4.21 on.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Per-process GPU use from ``nvidia-smi pmon``: the parser, its argv, instants and summaries.
+"""Which process keeps a GPU busy, from ``nvidia-smi pmon``: the parser, its argv, instants and summaries.
 
-``pmon`` says which process keeps a GPU busy. Its columns depend on the driver and the options, so the parser reads
-them from the header; ``-`` means no value, and an idle GPU prints one line of them. The supervised stream is
+The parser reads the columns (they depend on the driver and options) from each header; the supervised stream is
 :func:`smiquery.streams.pmon.stream`.
 """
 

@@ -1,7 +1,7 @@
-"""Xid errors, the NVIDIA driver's error events (``NVRM: Xid (PCI:0000:3b:00): 79, ...``), from the kernel log.
+"""Xid errors, the driver's error events (``NVRM: Xid (PCI:0000:3b:00): 79, ...``) nvidia-smi never reports.
 
-nvidia-smi never reports them: :func:`parse_line` reads one line, :func:`follow` yields a log's events once each,
-:class:`XidWatcher` follows one on a thread and counts, :data:`XID_CATALOGUE` says what the codes mean.
+:func:`parse_line` reads one kernel-log line, :func:`follow` yields a log's events once each, :class:`XidWatcher`
+follows one on a thread and counts, :data:`XID_CATALOGUE` says what the codes mean.
 """
 
 from __future__ import annotations
