@@ -279,26 +279,23 @@ def serve(
     wanted = [*flds, *(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])]
     stream_fields = list(dict.fromkeys(f.name for f in wanted))
 
+    events = EventLog()
+    make_stream = functools.partial(
+        stream,
+        stream_fields,
+        interval=interval,
+        gpus=gpus,
+        nvidia_smi=nvidia_smi,
+        stall_timeout=stall_timeout,
+        # an exporter never gives up; faults that need a person are retried every 30 s
+        retry=RetryPolicy(max_attempts=None, backoff_max=30.0),
+        on_event=events.on_stream_event,
+    )
     sock = listen(bind, port)  # fail on a taken port before nvidia-smi starts
     s = poller = watcher = details = xid = collector = None
-    events = EventLog()
     try:
-
-        def make_stream() -> Any:
-            return stream(
-                stream_fields,
-                interval=interval,
-                gpus=gpus,
-                nvidia_smi=nvidia_smi,
-                stall_timeout=stall_timeout,
-                # an exporter never gives up; faults that need a person are retried every 30 s
-                retry=RetryPolicy(max_attempts=None, backoff_max=30.0),
-                on_event=events.on_stream_event,
-            )
-
         s = make_stream()
-        if processes:
-            poller = process_poller(processes_interval, gpus=gpus, nvidia_smi=nvidia_smi)
+        poller = process_poller(processes_interval, gpus=gpus, nvidia_smi=nvidia_smi) if processes else None
         if top_processes:
             pmon_interval = min(10, max(1, round(interval)))  # pmon takes whole seconds, 1 to 10
             watcher = PmonWatcher(
@@ -311,8 +308,7 @@ def serve(
                 # the newest instant is one interval old when it is complete: never staler than two intervals
                 stale_after=max(stale_after, 2.0 * pmon_interval + 1.0) if stale_after is not None else None,
             )
-        if details_interval is not None:
-            details = details_poller(details_interval, gpus=gpus, nvidia_smi=nvidia_smi)
+        details = details_poller(details_interval, gpus=gpus, nvidia_smi=nvidia_smi) if details_interval else None
         if kernel_log is not None:
             xid = XidWatcher(
                 kernel_log,

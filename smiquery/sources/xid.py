@@ -447,7 +447,7 @@ class XidWatcher:
         self.poll = poll
         self.up = False
         self.last_error: str | None = None
-        self.on_refused = on_refused
+        self.on_refused = on_refused or (lambda text: log.warning("smiquery: %s", text))
         self.events = 0
         self.other = 0
         self.attempts = 0
@@ -513,10 +513,7 @@ class XidWatcher:
         shown = printable(shown if len(shown) <= 200 else shown[:200] + "...")
         more = f"; {held} more refused since the last note" if held else ""
         text = f"ignored a line that looks like an Xid but {_REFUSED[reason]} ({reason}): {shown}{more}"
-        if self.on_refused is None:
-            log.warning("smiquery: %s", text)
-        else:
-            _hand_on(self.on_refused, text)
+        _hand_on(self.on_refused, text)
 
     def _report(self, exc: BaseException, opened: bool) -> None:
         if self.on_error is not None and not self._stop.is_set():
