@@ -247,10 +247,8 @@ class SmiCollector:
                 self._last_sweep = sweep
                 self._down_sweep = None  # a new sample: recovery may be announced
                 # when it arrived, on the monotonic clock: alert holds never subtract wall-clock timestamps
-                arrived = getattr(sweep, "arrived", None)
-                if not isinstance(arrived, (int, float)):
-                    arrived = time.monotonic() - (age or 0.0)
-                self._take(sweep, health, float(arrived))
+                arrived = sweep.arrived if sweep.arrived is not None else time.monotonic() - (age or 0.0)
+                self._take(sweep, health, arrived)
                 self._gpu_version += 1
             elif health.lost_gpus or health.lost_uuids:
                 self._mark_lost(health, None)
@@ -273,7 +271,7 @@ class SmiCollector:
                     self.on_state(up, "ok" if up else self.health()[1])
                 self._up = up
 
-    def _take(self, sweep: Sweep, health: SourceHealth, arrived: float | None = None) -> None:
+    def _take(self, sweep: Sweep, health: SourceHealth, arrived: float) -> None:
         present: set[str] = set()
         reported: set[str] = set()
         for s in sweep:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter
@@ -119,21 +120,18 @@ class PmonWatcher:
         self._user_of = user_of
         self._lock = threading.Lock()
         self._closed = False
-
-        def default_stream() -> PmonStream:
-            return stream(
-                gpus=gpus,
-                interval=interval,
-                select="um",
-                options="DT",  # a new time stamp cuts an instant even when the set of processes changes
-                nvidia_smi=nvidia_smi,
-                stall_timeout=stall_timeout,
-                # a permanent error is raised here, logged once and opened again every retry_after by the Latest
-                retry=RetryPolicy(max_restarts=None, backoff_max=30.0, permanent_retry=None),
-                on_event=self._on_event,
-            )
-
-        self._make = make_stream or default_stream
+        self._make = make_stream or functools.partial(
+            stream,
+            gpus=gpus,
+            interval=interval,
+            select="um",
+            options="DT",  # a new time stamp cuts an instant even when the set of processes changes
+            nvidia_smi=nvidia_smi,
+            stall_timeout=stall_timeout,
+            # a permanent error is raised here, logged once and opened again every retry_after by the Latest
+            retry=RetryPolicy(max_restarts=None, backoff_max=30.0, permanent_retry=None),
+            on_event=self._on_event,
+        )
         # made here, so that a bad interval, GPU id or binary fails the exporter's start, not a thread
         self._stream: PmonStream | None = self._make()
         self._made: PmonStream | None = self._stream

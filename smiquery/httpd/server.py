@@ -244,8 +244,7 @@ class HttpServer:
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     log.warning("smiquery exporter: cannot accept connections: %s", exc.strerror)
-                    if self._conns:
-                        self._evict_one()
+                    self._evict_one()
                 return
             if len(self._conns) >= self.max_connections:
                 self._evict_one()

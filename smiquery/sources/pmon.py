@@ -184,11 +184,7 @@ class PmonParser:
 
     def parse(self, lines: Iterable[str]) -> Iterator[PmonRow]:
         """Parse every line, yielding the rows."""
-        feed = self.feed
-        for line in lines:
-            row = feed(line)
-            if row is not None:
-                yield row
+        return (row for row in map(self.feed, lines) if row is not None)
 
 
 def parse_pmon(text: str | Iterable[str], *, strict: bool = True) -> list[PmonRow]:

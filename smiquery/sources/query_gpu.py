@@ -210,11 +210,7 @@ class CsvParser:
 
     def parse(self, lines: Iterable[str]) -> Iterator[GpuSample]:
         """Parse every line, yielding the records."""
-        feed = self.feed
-        for line in lines:
-            sample = feed(line)
-            if sample is not None:
-                yield sample
+        return (sample for sample in map(self.feed, lines) if sample is not None)
 
 
 def parse_lines(
