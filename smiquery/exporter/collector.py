@@ -24,7 +24,6 @@ from smiquery._log import get_logger
 from smiquery.attribution import check_labels
 from smiquery.exporter.families import (
     attribution_families,
-    counter,
     details_health,
     fresh_details,
     gauge,
@@ -500,8 +499,8 @@ class SmiCollector:
             ("smiquery_sweeps", "Complete sweeps (one row per GPU) received.", st.sweeps),
             ("smiquery_dropped_rows", "Rows of nvidia-smi output rejected by the parser.", st.dropped_rows),
         ):
-            out.append(one(counter(name, doc), float(n)))
-        errors = counter("smiquery_nvidia_smi_errors", "nvidia-smi failures, by error type and source.")
+            out.append(one(Metric(name, doc, "counter"), float(n)))
+        errors = Metric("smiquery_nvidia_smi_errors", "nvidia-smi failures, by error type and source.", "counter")
         for source, failures in (
             ("stream", st.errors),
             ("processes", self.processes.get().failures if self.processes is not None else None),
@@ -524,7 +523,8 @@ class SmiCollector:
                     "1 while a smiquery alert rule, evaluated on every nvidia-smi sample, fires on the GPU, else 0; "
                     "absent while the GPU is lost or the data stale (unknown).",
                 )
-                fired = counter("smiquery_alert_fired", "Times a smiquery alert rule started firing on the GPU.")
+                doc = "Times a smiquery alert rule started firing on the GPU."
+                fired = Metric("smiquery_alert_fired", doc, "counter")
                 for i, rule in enumerate(self.alerts.rules):
                     for key, gpu in self._gpus.items():
                         labels = {**gpu.labels, "alert": str(rule)}
@@ -559,7 +559,7 @@ class SmiCollector:
             out.extend(pmon_health(self.pmon, self.labels))
         if self.render_errors:
             doc = "Scrapes whose GPU metrics could not be built (a bug)."
-            out.append(one(counter("smiquery_collection_errors", doc), float(self.render_errors)))
+            out.append(one(Metric("smiquery_collection_errors", doc, "counter"), float(self.render_errors)))
         doc = "Time spent building this scrape's metrics."
         out.append(one(gauge("smiquery_collection_duration_seconds", doc), duration))
         for fam in self._process_collector.collect() if self._process_collector is not None else ():

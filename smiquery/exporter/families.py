@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DETAILS_TIMEOUT",
     "attribution_families",
-    "counter",
     "details_health",
     "fresh_details",
     "gauge",
@@ -51,11 +50,6 @@ def gauge(name: str, doc: str, *samples: tuple[Mapping[str, str], float]) -> Met
     for labels, value in samples:
         fam.add_sample(name, dict(labels), value)
     return fam
-
-
-def counter(name: str, doc: str) -> Metric:
-    """An empty counter family (samples are named ``name + "_total"``)."""
-    return Metric(name, doc, "counter")
 
 
 def merge_families(fams: Sequence[Metric]) -> list[Metric]:
@@ -204,7 +198,7 @@ def attribution_families(
         unknown.add_sample(unknown.name, {**one, **labels}, 1.0)
     up = gauge(f"{prefix}_attribution_up", words.up, (labels, 1.0 if att.up else 0.0))
     took = gauge(f"{prefix}_attribution_refresh_seconds", words.took, (labels, att.last_duration))
-    errs = counter(f"{prefix}_attribution_errors", words.errors)
+    errs = Metric(f"{prefix}_attribution_errors", words.errors, "counter")
     for kind, n in sorted(att.errors.items()):
         errs.add_sample(errs.name + "_total", {"type": kind, **labels}, float(n))
     return [f for f in (info, state, unknown) if f.samples] + [up, took] + ([errs] if errs.samples else [])
@@ -287,7 +281,7 @@ def xid_families(
     doc = f"1 while the kernel log ({xid.path}) is read for Xid errors, else 0 (no permission, missing)."
     up = gauge("smiquery_xid_source_up", doc, ({**labels, "path": xid.path}, 1.0 if xid.up else 0.0))
     doc = "Xid errors the NVIDIA driver logged in the kernel log, by GPU and code (every event counts)."
-    fam = counter("smiquery_xid_errors", doc)
+    fam = Metric("smiquery_xid_errors", doc, "counter")
     for key, code, bus, n in xid.series():
         found = gpus(key)
         if found is None and not inventory_known:
@@ -300,10 +294,11 @@ def xid_families(
     if xid.other:
         other = {"gpu": "", "uuid": "", "pci_bus_id": "other", "xid": "other", "action": "unknown"}
         fam.add_sample(fam.name + "_total", {**labels, **other}, float(xid.other))
-    rejected = counter(
+    rejected = Metric(
         "smiquery_xid_rejected_lines",
         "Kernel-log lines that look like an Xid but were not counted: not_kernel (not written by the kernel), "
         "unknown_format (no kernel-log line format), malformed (the bus id or code does not parse).",
+        "counter",
     )
     for reason, n in xid.rejected().items():
         rejected.add_sample(rejected.name + "_total", {**labels, "reason": reason}, float(n))
