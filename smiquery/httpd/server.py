@@ -140,7 +140,7 @@ class HttpServer:
         self._extra = "".join(f"{k}: {v}\r\n" for k, v in (web.headers if web is not None else {}).items())
         self.failures = 0  # connections closed because handling them raised (each one contained)
         self.shed = 0  # requests answered 429: the verifier's queue was full
-        self._checking = 0  # checks handed to the verifier and not yet back (the selector thread's count)
+        self.pending_checks = 0  # password checks handed to the verifier, not answered yet (the selector's count)
         self._limit = RateLimiter()  # one WARNING per message a minute
         _raise_fd_limit(max_connections + 256)
         sock.listen(1024)
@@ -173,11 +173,6 @@ class HttpServer:
     def open_connections(self) -> int:
         """Client sockets open now."""
         return len(self._conns)
-
-    @property
-    def pending_checks(self) -> int:
-        """Password checks handed to the verifier thread and not answered yet (running or waiting)."""
-        return self._checking
 
     @property
     def alive(self) -> bool:
@@ -364,14 +359,14 @@ class HttpServer:
                 continue
             known = True if self.auth is None else self.auth.verdict(req.headers.get("authorization"))
             if known is None:
-                if self._checking >= self.auth_queue:
+                if self.pending_checks >= self.auth_queue:
                     self.shed += 1
                     conn.held = self._encode(_TOO_MANY, True, req.method == "HEAD")
                     conn.buf.clear()
                     conn.deadline = time.monotonic() + 1.0  # retrying at once cannot flood the server
                     self._unwatch(conn)
                     return
-                self._checking += 1
+                self.pending_checks += 1
                 self._park(conn, req, self._checks)
                 return
             if not self._dispatch(conn, req, known):
@@ -401,7 +396,7 @@ class HttpServer:
         return False
 
     def _checked(self, conn: _Conn, req: Request, allowed: bool) -> bool:
-        self._checking -= 1
+        self.pending_checks -= 1
         return self._dispatch(conn, req, allowed)
 
     def _resume(self, conn: _Conn, step: Callable[..., bool | None], *args: object) -> None:
