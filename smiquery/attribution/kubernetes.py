@@ -192,9 +192,8 @@ def get_node_pods(
         conn.close()
     if resp.status != 200:
         hint = "; the exporter's ServiceAccount needs list on pods" if resp.status in (401, 403) else ""
-        raise KubernetesApiError(
-            f"the API server answered {resp.status} {resp.reason}: {_status_message(bytes(body))}{hint}", resp.status
-        )
+        why = f"the API server answered {resp.status} {resp.reason}: {_status_message(bytes(body))}{hint}"
+        raise KubernetesApiError(why, resp.status)
     try:
         doc = json.loads(body)
     except ValueError as exc:

@@ -225,15 +225,12 @@ class SlurmBackend:
         try:
             done = self._run(argv, self.timeout)
         except NvidiaSmiNotFoundError:
-            raise SlurmError(
-                f"{tool} not found{' in ' + self.bin_dir if self.bin_dir else ' on PATH'}: install Slurm's client "
-                "commands (Debian: slurm-client) or pass --slurm-bin-dir",
-                "not_found",
-            ) from None
+            where = f"in {self.bin_dir}" if self.bin_dir else "on PATH"
+            fix = "install Slurm's client commands (Debian: slurm-client) or pass --slurm-bin-dir"
+            raise SlurmError(f"{tool} not found {where}: {fix}", "not_found") from None
         except NvidiaSmiTimeoutError:
-            raise SlurmError(
-                f"{tool} did not answer within {self.timeout:g} s: slurmctld is overloaded or unreachable", "timeout"
-            ) from None
+            why = f"{tool} did not answer within {self.timeout:g} s: slurmctld is overloaded or unreachable"
+            raise SlurmError(why, "timeout") from None
         if done.returncode != 0:
             raise _why(tool, done)
         return done.stdout

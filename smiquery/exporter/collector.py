@@ -202,9 +202,8 @@ class SmiCollector:
         if pmon is not None:
             taken = sorted(set(self.labels) & set(PMON_LABELS))
             if taken:
-                raise ValueError(
-                    f"label name {taken[0]!r} is set by the exporter itself with top processes; pick another name"
-                )
+                msg = f"label name {taken[0]!r} is set by the exporter itself with top processes; pick another name"
+                raise ValueError(msg)
         interval = getattr(stream, "interval", 0.0)  # a live stream's; a replay has none
         self.stale_after = float(stale_after) if stale_after is not None else max(3 * interval, 15.0)
         self.hostname = self.labels.get("Hostname") or hostname or socket.gethostname()
@@ -441,10 +440,6 @@ class SmiCollector:
             out.append(info)
         return out
 
-    def process_families(self, procs: Sequence[GpuProcess]) -> list[Metric]:
-        """Per-process GPU memory: the non-empty families (nvidia_gpu_exporter's three in ``nvidia_smi`` naming)."""
-        return process_families(procs, self.labels, nvsmi=self.naming == "nvidia_smi")
-
     def pmon_families(self, instant: ProcessInstant) -> list[Metric]:
         """The busiest processes of each GPU from one pmon instant (:func:`~.families.pmon_families`)."""
         with self._refresh_lock:
@@ -592,7 +587,7 @@ class SmiCollector:
                 # its own cadence: served while the newest -q -x is fresh, whatever the CSV's age
                 fams.extend(mig_families(details, dcgm=self.naming == "dcgm", gpu_labels=self._details_labels))
             if procs is not None:
-                fams.extend(self.process_families(procs))
+                fams.extend(process_families(procs, self.labels, nvsmi=self.naming == "nvidia_smi"))
             if instant is not None:
                 fams.extend(self.pmon_families(instant))
             att = self.attribution

@@ -466,9 +466,8 @@ def details(
     if any(g.mig_devices for g in found):
         left = deadline - time.monotonic()
         if left <= 0:
-            raise NvidiaSmiTimeoutError(
-                f"nvidia-smi -q -x used the whole {timeout:g} s; raise the timeout", argv=argv, timeout=timeout
-            )
+            msg = f"nvidia-smi -q -x used the whole {timeout:g} s; raise the timeout"
+            raise NvidiaSmiTimeoutError(msg, argv=argv, timeout=timeout)
         largv = [binary, "-L"]
         listed = run.run(largv, left)
         if listed.returncode != 0:
