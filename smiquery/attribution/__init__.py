@@ -321,13 +321,8 @@ class Attribution:
         for uuid, state in sorted(view.states.items()):
             if self._state.get(uuid) != state:
                 holders = printable(", ".join("/".join(h.values) for h in view.holders.get(uuid, ())))
-                log.info(
-                    "smiquery exporter: GPU %s (%s) attribution: %s%s",
-                    gpus.get(uuid, "?"),
-                    uuid,
-                    state,
-                    f" ({holders})" if holders else "",
-                )
+                msg = "smiquery exporter: GPU %s (%s) attribution: %s%s"
+                log.info(msg, gpus.get(uuid, "?"), uuid, state, f" ({holders})" if holders else "")
                 self._state[uuid] = state
         unknown = frozenset((g.resource, g.device_id) for g in view.unknown)
         for res, dev in sorted(unknown - self._unknown_logged):

@@ -152,14 +152,11 @@ def _why(tool: str, done: Completed) -> SlurmError:
     text = text or f"exit status {done.returncode}"
     low = text.lower()
     if "munge" in low or "authentication" in low or "credential" in low:
-        return SlurmError(
-            f"{tool}: {text}: munge authentication failed; start munged and give every host the same munge.key", "auth"
-        )
+        fix = "munge authentication failed; start munged and give every host the same munge.key"
+        return SlurmError(f"{tool}: {text}: {fix}", "auth")
     if "unable to contact slurm controller" in low or "connection refused" in low or "connect failure" in low:
-        return SlurmError(
-            f"{tool}: {text}: slurmctld does not answer; start it, or check SlurmctldHost in slurm.conf (SLURM_CONF)",
-            "controller_unreachable",
-        )
+        fix = "slurmctld does not answer; start it, or check SlurmctldHost in slurm.conf (SLURM_CONF)"
+        return SlurmError(f"{tool}: {text}: {fix}", "controller_unreachable")
     return SlurmError(f"{tool}: {text}", "failed")
 
 

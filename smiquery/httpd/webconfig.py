@@ -235,11 +235,8 @@ def _tls(tls: dict[str, Any], cfg: Path) -> tuple[ssl.SSLContext, frozenset[str]
             raise WebConfigError(cfg, f"cannot load the certificate and key ({exc})") from None
         auth = str(tls.get("client_auth_type") or ("RequireAndVerifyClientCert" if ca is not None else "NoClientCert"))
         if auth in _UNVERIFIED_AUTH:
-            raise WebConfigError(
-                cfg,
-                f"client_auth_type {auth} (a certificate taken without verifying it) is not supported; "
-                "use RequireAndVerifyClientCert with client_ca_file",
-            )
+            why = f"client_auth_type {auth} (a certificate taken without verifying it) is not supported"
+            raise WebConfigError(cfg, f"{why}; use RequireAndVerifyClientCert with client_ca_file")
         if auth not in _CLIENT_AUTH:
             raise WebConfigError(cfg, f"client_auth_type {auth!r} is not one of {', '.join(_CLIENT_AUTH)}")
         ctx.verify_mode = _CLIENT_AUTH[auth]

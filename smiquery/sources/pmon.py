@@ -139,9 +139,8 @@ class PmonParser:
         if not parts:
             return None
         if not n:
-            return self._notice_or_reject(
-                line, "a pmon row before any header line; pass columns= for headerless output"
-            )
+            msg = "a pmon row before any header line; pass columns= for headerless output"
+            return self._notice_or_reject(line, msg)
         if len(parts) != n:
             return self._notice_or_reject(line, f"expected {n} columns, got {len(parts)}")
         cells = self._cells
