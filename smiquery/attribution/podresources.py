@@ -71,14 +71,13 @@ def list_devices(socket_path: str, timeout: float) -> list[Grant]:
         if denied is not None:
             raise PermissionError(denied) from None
         raise
-    out: list[Grant] = []
-    for pod in answer.pod_resources:
-        for ctr in pod.containers:
-            for dev in ctr.devices:
-                for dev_id in dev.device_ids:
-                    holder = Workload((pod.namespace, pod.name, ctr.name))
-                    out.append(Grant(holder, dev.resource_name, dev_id))
-    return out
+    return [
+        Grant(Workload((pod.namespace, pod.name, ctr.name)), dev.resource_name, dev_id)
+        for pod in answer.pod_resources
+        for ctr in pod.containers
+        for dev in ctr.devices
+        for dev_id in dev.device_ids
+    ]
 
 
 def _denied(socket_path: str) -> str | None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 import re
 import socket
-import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from smiquery._log import RateLimiter
 from smiquery.attribution import Grant, Words, Workload, cgroup_paths, read_cgroup
 from smiquery.errors import NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, SlurmError
 from smiquery.retry import one_line
@@ -214,7 +214,7 @@ class SlurmBackend:
         self._known: dict[tuple[str, str], SlurmJob] = {}  # (job id, start time) -> job
         self._jobs: dict[str, SlurmJob] = {}  # the newest listing's jobs by id
         self._by_minor: dict[int, str] = {}
-        self._minors_at: float | None = None
+        self._minors_reads = RateLimiter(1, _MINORS_EVERY)
 
     def _call(self, argv: list[str]) -> str:
         tool = argv[0]
@@ -265,11 +265,8 @@ class SlurmBackend:
                 jobs[key] = self._known.get(key) or self._job(job_id, user, account, partition)
         self._known = jobs
         self._jobs = {j.job_id: j for j in jobs.values()}
-        now = time.monotonic()
-        if any(self._gpu_at(i) is None for j in jobs.values() for i in j.indices) and (
-            self._minors_at is None or now - self._minors_at >= _MINORS_EVERY
-        ):
-            self._minors_at = now
+        unknown = any(self._gpu_at(i) is None for j in jobs.values() for i in j.indices)
+        if unknown and self._minors_reads.take(None) is not None:
             self._by_minor = self._minors()
         return [Grant(j.workload, RESOURCE, self._gpu_at(i) or f"IDX:{i}") for j in jobs.values() for i in j.indices]
 
