@@ -308,8 +308,7 @@ class SmiCollector:
         # says nothing about which GPU is gone.
         for uuid, idx in health.lost_uuids.items():
             lost_keys.add(uuid)
-            if uuid not in self._gpus:
-                self._gpus[uuid] = self._unseen_gpu(idx, uuid)
+            self._gpus.setdefault(uuid, self._unseen_gpu(idx, uuid))
         named = set(health.lost_uuids.values())
         for idx in health.lost_gpus:
             if idx in named:
@@ -320,8 +319,7 @@ class SmiCollector:
                 continue
             known = health.known_gpus.get(idx)
             key = known or f"index:{idx}"
-            if key not in self._gpus:
-                self._gpus[key] = self._unseen_gpu(idx, known)
+            self._gpus.setdefault(key, self._unseen_gpu(idx, known))
             lost_keys.add(key)
         for key, gpu in self._gpus.items():
             if present is None:

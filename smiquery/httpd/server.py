@@ -287,10 +287,7 @@ class HttpServer:
     def _event(self, conn: _Conn) -> None:
         if conn.handshaking:
             self._handshake(conn)
-        elif conn.out:
-            if self._flush(conn):
-                self._process(conn)
-        elif self._read(conn):
+        elif self._flush(conn) if conn.out else self._read(conn):  # a response under way, or a request
             self._process(conn)
 
     def _read(self, conn: _Conn) -> bool:
