@@ -51,11 +51,10 @@ def _by_name(rows: tuple[pmon.PmonRow, ...]) -> tuple[pmon.PmonRow, ...]:
     for row in rows:
         if not row.idle:
             groups.setdefault((row.gpu, row.command or ""), []).append(row)
+    cols = ("sm", "mem", "enc", "dec", "jpg", "ofa", "fb", "ccpm")
     for members in groups.values():
-        totals = {}
-        for col in ("sm", "mem", "enc", "dec", "jpg", "ofa", "fb", "ccpm"):
-            known = [v for v in (getattr(r, col) for r in members) if v is not None]
-            totals[col] = sum(known) if known else None
+        known = {col: [v for r in members if (v := getattr(r, col)) is not None] for col in cols}
+        totals = {col: sum(values) if values else None for col, values in known.items()}
         out.append(min(members, key=lambda r: r.pid or 0)._replace(**totals))
     return tuple(out)
 
