@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.metrics_core import Metric
 
 from smiquery.attribution import STATES, Workload
-from smiquery.exporter.naming import NVSMI_WORDS, PMON_SERIES, bare_uuid
+from smiquery.exporter.naming import MIG_SERIES, NVSMI_WORDS, PMON_SERIES, bare_uuid
 from smiquery.kinds import to_number
 from smiquery.sources.xid import XID_CATALOGUE
 
@@ -178,11 +178,10 @@ def attribution_families(
     """
     view = att.view(gpus)
     b = att.backend
-    words = b.words
 
     gpu = functools.partial(_gpu, gpus=gpus, uuid_label=uuid_label)
     # the backends' help says how to join on the GPU's label: under DCGM naming that label is UUID
-    info = gauge("smiquery_gpu_allocation_info", words.allocated.replace("on(uuid)", f"on({uuid_label})"))
+    info = gauge("smiquery_gpu_allocation_info", b.words.allocated.replace("on(uuid)", f"on({uuid_label})"))
     for uuid, holder, res, mig, profile in view.allocations:
         one = {**gpu(uuid), **holder.labels(b.labels), "resource": res, "mig_uuid": mig, "mig_profile": profile}
         info.add_sample(info.name, {**one, **labels}, 1.0)
@@ -192,13 +191,13 @@ def attribution_families(
     for uuid, now in sorted(view.states.items()):
         for s in STATES:
             state.add_sample(state.name, {**gpu(uuid), "state": s, **labels}, 1.0 if s == now else 0.0)
-    unknown = gauge(f"{prefix}_unknown_device_info", words.unknown_help)
+    unknown = gauge(f"{prefix}_unknown_device_info", b.words.unknown_help)
     for g in sorted(set(view.unknown), key=lambda g: (g.workload, g.device_id)):
         one = {"device_id": g.device_id, "resource": g.resource, **g.workload.labels(b.labels)}
         unknown.add_sample(unknown.name, {**one, **labels}, 1.0)
-    up = gauge(f"{prefix}_attribution_up", words.up, (labels, 1.0 if att.up else 0.0))
-    took = gauge(f"{prefix}_attribution_refresh_seconds", words.took, (labels, att.last_duration))
-    errs = Metric(f"{prefix}_attribution_errors", words.errors, "counter")
+    up = gauge(f"{prefix}_attribution_up", b.words.up, (labels, 1.0 if att.up else 0.0))
+    took = gauge(f"{prefix}_attribution_refresh_seconds", b.words.took, (labels, att.last_duration))
+    errs = Metric(f"{prefix}_attribution_errors", b.words.errors, "counter")
     for kind, n in sorted(att.errors.items()):
         errs.add_sample(errs.name + "_total", {"type": kind, **labels}, float(n))
     return [f for f in (info, state, unknown) if f.samples] + [up, took] + ([errs] if errs.samples else [])
@@ -326,14 +325,6 @@ def details_health(poller: Latest[tuple[GpuDetails, ...]], labels: Mapping[str, 
     return out
 
 
-# The per-MIG-instance families: (native name, DCGM name, MigDevice attribute, help).
-_MIG_METRICS: tuple[tuple[str, str, str, str], ...] = (
-    ("smiquery_mig_memory_used_bytes", "DCGM_FI_DEV_FB_USED", "memory_used", "Framebuffer memory used"),
-    ("smiquery_mig_memory_free_bytes", "DCGM_FI_DEV_FB_FREE", "memory_free", "Framebuffer memory free"),
-    ("smiquery_mig_memory_total_bytes", "DCGM_FI_DEV_FB_TOTAL", "memory_total", "Framebuffer memory"),
-)
-
-
 def mig_families(
     details: tuple[GpuDetails, ...], *, dcgm: bool, gpu_labels: Callable[[GpuDetails], Mapping[str, str]]
 ) -> list[Metric]:
@@ -347,7 +338,7 @@ def mig_families(
     unit = "MiB" if dcgm else "bytes"
     fams = [
         (gauge(dcgm_name if dcgm else name, f"{text} of a MIG instance, in {unit} (nvidia-smi -q -x)."), attr)
-        for name, dcgm_name, attr, text in _MIG_METRICS
+        for name, dcgm_name, attr, text in MIG_SERIES
     ]
     for gpu in details:
         parent = dict(gpu_labels(gpu)) if gpu.mig_devices else {}
