@@ -1,8 +1,7 @@
 """Attribution: which workload holds each GPU, and which workload a GPU process belongs to.
 
-A :class:`Backend` (:mod:`.kubernetes`, :mod:`.slurm`) asks one scheduler what it allocated and, where it can, whose
-a process is; :class:`Attribution` polls it in the background and says each GPU's state and holders. A failed
-listing is counted by kind and logged once per change, and every change of a GPU's state is logged once.
+A :class:`Backend` (:mod:`.kubernetes`, :mod:`.slurm`) asks one scheduler; :class:`Attribution` polls it in the
+background and says each GPU's state and holders (failures counted by kind; each change logged once).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from smiquery._log import get_logger
+from smiquery._log import RateLimiter, get_logger
 from smiquery.printable import printable
 from smiquery.retry import one_line
 from smiquery.runner import default_runner, find_nvidia_smi
@@ -231,7 +230,7 @@ class Attribution:
         self._mig_listing = mig_listing or self._list_migs
         self._nvidia_smi = nvidia_smi
         self._migs: dict[str, tuple[str, str]] = {}
-        self._mig_listed_at: float | None = None
+        self._mig_listings = RateLimiter(1, _MIG_LISTING_EVERY)
         self._state: dict[str, str] = {}  # uuid -> last logged state
         self._unknown_logged: frozenset[tuple[str, str]] = frozenset()
         self._lock = threading.Lock()
@@ -292,9 +291,7 @@ class Attribution:
 
     def _migs_for(self, ids: Iterable[str]) -> dict[str, tuple[str, str]]:
         wanted = {(_REPLICA_RE.sub(r"\1", i)) for i in ids if i.startswith("MIG-")} - set(self._migs)
-        now = time.monotonic()
-        if wanted and (self._mig_listed_at is None or now - self._mig_listed_at >= _MIG_LISTING_EVERY):
-            self._mig_listed_at = now
+        if wanted and self._mig_listings.take(None) is not None:
             try:
                 listing = parse_list(self._mig_listing())
             except Exception as exc:  # no listing: MIG ids stay unknown and say so
@@ -321,13 +318,8 @@ class Attribution:
         for uuid, state in sorted(view.states.items()):
             if self._state.get(uuid) != state:
                 holders = printable(", ".join("/".join(h.values) for h in view.holders.get(uuid, ())))
-                log.info(
-                    "smiquery exporter: GPU %s (%s) attribution: %s%s",
-                    gpus.get(uuid, "?"),
-                    uuid,
-                    state,
-                    f" ({holders})" if holders else "",
-                )
+                msg = "smiquery exporter: GPU %s (%s) attribution: %s%s"
+                log.info(msg, gpus.get(uuid, "?"), uuid, state, f" ({holders})" if holders else "")
                 self._state[uuid] = state
         unknown = frozenset((g.resource, g.device_id) for g in view.unknown)
         for res, dev in sorted(unknown - self._unknown_logged):

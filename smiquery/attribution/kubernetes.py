@@ -167,11 +167,8 @@ def get_node_pods(
         sock = conn.sock  # kept: getresponse() may hand the socket to the response and forget it
         assert sock is not None
         sock.settimeout(left())
-        conn.request(
-            "GET",
-            f"/api/v1/pods?{query}",
-            headers={"Authorization": f"Bearer {token}", "Accept": "application/json", "User-Agent": "smiquery"},
-        )
+        headers = {"Authorization": f"Bearer {token}", "Accept": "application/json", "User-Agent": "smiquery"}
+        conn.request("GET", f"/api/v1/pods?{query}", headers=headers)
         resp = conn.getresponse()
         size = resp.getheader("Content-Length")
         if resp.status == 200 and size is not None and size.isdigit() and int(size) > max_bytes:
@@ -192,9 +189,8 @@ def get_node_pods(
         conn.close()
     if resp.status != 200:
         hint = "; the exporter's ServiceAccount needs list on pods" if resp.status in (401, 403) else ""
-        raise KubernetesApiError(
-            f"the API server answered {resp.status} {resp.reason}: {_status_message(bytes(body))}{hint}", resp.status
-        )
+        why = f"the API server answered {resp.status} {resp.reason}: {_status_message(bytes(body))}{hint}"
+        raise KubernetesApiError(why, resp.status)
     try:
         doc = json.loads(body)
     except ValueError as exc:

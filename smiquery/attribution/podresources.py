@@ -1,7 +1,7 @@
 """The kubelet's pod-resources API (v1 ``List``) over its unix socket, with ``grpcio``.
 
-The messages come from ``podresources.proto`` beside this module (compiled: ``podresources.pb``), loaded into a pool
-of its own (so no other ``v1`` package can clash), which works with any protobuf runtime from 4.21 on.
+The messages come from ``podresources.pb`` (``podresources.proto`` compiled), loaded into a pool of their own (no
+other ``v1`` package can clash); any protobuf runtime from 4.21 on.
 """
 
 from __future__ import annotations
@@ -71,14 +71,13 @@ def list_devices(socket_path: str, timeout: float) -> list[Grant]:
         if denied is not None:
             raise PermissionError(denied) from None
         raise
-    out: list[Grant] = []
-    for pod in answer.pod_resources:
-        for ctr in pod.containers:
-            for dev in ctr.devices:
-                for dev_id in dev.device_ids:
-                    holder = Workload((pod.namespace, pod.name, ctr.name))
-                    out.append(Grant(holder, dev.resource_name, dev_id))
-    return out
+    return [
+        Grant(Workload((pod.namespace, pod.name, ctr.name)), dev.resource_name, dev_id)
+        for pod in answer.pod_resources
+        for ctr in pod.containers
+        for dev in ctr.devices
+        for dev_id in dev.device_ids
+    ]
 
 
 def _denied(socket_path: str) -> str | None:

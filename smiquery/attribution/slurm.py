@@ -9,12 +9,12 @@ from __future__ import annotations
 import os
 import re
 import socket
-import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from smiquery._log import RateLimiter
 from smiquery.attribution import Grant, Words, Workload, cgroup_paths, read_cgroup
 from smiquery.errors import NvidiaSmiNotFoundError, NvidiaSmiTimeoutError, SlurmError
 from smiquery.retry import one_line
@@ -55,10 +55,6 @@ _CGROUP_JOB_RE = re.compile(r"/(?:slurm[^/]*/uid_\d+|slurmstepd\.scope)/job_(\d+
 def node_name() -> str:
     """This node's Slurm name: ``SLURMD_NODENAME`` when set, else the short host name."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".", 1)[0]
-
-
-def _bounded(text: str) -> str:
-    return text if len(text) <= MAX_LABEL_CHARS else text[: MAX_LABEL_CHARS - 1] + "…"
 
 
 def expand_hostlist(expr: str) -> list[str]:
@@ -156,14 +152,11 @@ def _why(tool: str, done: Completed) -> SlurmError:
     text = text or f"exit status {done.returncode}"
     low = text.lower()
     if "munge" in low or "authentication" in low or "credential" in low:
-        return SlurmError(
-            f"{tool}: {text}: munge authentication failed; start munged and give every host the same munge.key", "auth"
-        )
+        fix = "munge authentication failed; start munged and give every host the same munge.key"
+        return SlurmError(f"{tool}: {text}: {fix}", "auth")
     if "unable to contact slurm controller" in low or "connection refused" in low or "connect failure" in low:
-        return SlurmError(
-            f"{tool}: {text}: slurmctld does not answer; start it, or check SlurmctldHost in slurm.conf (SLURM_CONF)",
-            "controller_unreachable",
-        )
+        fix = "slurmctld does not answer; start it, or check SlurmctldHost in slurm.conf (SLURM_CONF)"
+        return SlurmError(f"{tool}: {text}: {fix}", "controller_unreachable")
     return SlurmError(f"{tool}: {text}", "failed")
 
 
@@ -221,7 +214,7 @@ class SlurmBackend:
         self._known: dict[tuple[str, str], SlurmJob] = {}  # (job id, start time) -> job
         self._jobs: dict[str, SlurmJob] = {}  # the newest listing's jobs by id
         self._by_minor: dict[int, str] = {}
-        self._minors_at: float | None = None
+        self._minors_reads = RateLimiter(1, _MINORS_EVERY)
 
     def _call(self, argv: list[str]) -> str:
         tool = argv[0]
@@ -229,15 +222,12 @@ class SlurmBackend:
         try:
             done = self._run(argv, self.timeout)
         except NvidiaSmiNotFoundError:
-            raise SlurmError(
-                f"{tool} not found{' in ' + self.bin_dir if self.bin_dir else ' on PATH'}: install Slurm's client "
-                "commands (Debian: slurm-client) or pass --slurm-bin-dir",
-                "not_found",
-            ) from None
+            where = f"in {self.bin_dir}" if self.bin_dir else "on PATH"
+            fix = "install Slurm's client commands (Debian: slurm-client) or pass --slurm-bin-dir"
+            raise SlurmError(f"{tool} not found {where}: {fix}", "not_found") from None
         except NvidiaSmiTimeoutError:
-            raise SlurmError(
-                f"{tool} did not answer within {self.timeout:g} s: slurmctld is overloaded or unreachable", "timeout"
-            ) from None
+            why = f"{tool} did not answer within {self.timeout:g} s: slurmctld is overloaded or unreachable"
+            raise SlurmError(why, "timeout") from None
         if done.returncode != 0:
             raise _why(tool, done)
         return done.stdout
@@ -257,7 +247,8 @@ class SlurmBackend:
         name = self._call(["squeue", "-h", "-j", job_id, "-o", "%j"]).removesuffix("\n")
         text = self._call(["scontrol", "-d", "show", "job", job_id])
         values = (job_id, user, account, partition, name)
-        return SlurmJob(job_id, Workload(tuple(_bounded(v) for v in values)), tuple(parse_job(text, name, self.node)))
+        cut = tuple(v if len(v) <= MAX_LABEL_CHARS else v[: MAX_LABEL_CHARS - 1] + "…" for v in values)
+        return SlurmJob(job_id, Workload(cut), tuple(parse_job(text, name, self.node)))
 
     def refresh(self) -> list[Grant]:
         """List the node's running (or suspended) jobs once: one grant per GPU a job holds.
@@ -274,11 +265,8 @@ class SlurmBackend:
                 jobs[key] = self._known.get(key) or self._job(job_id, user, account, partition)
         self._known = jobs
         self._jobs = {j.job_id: j for j in jobs.values()}
-        now = time.monotonic()
-        if any(self._gpu_at(i) is None for j in jobs.values() for i in j.indices) and (
-            self._minors_at is None or now - self._minors_at >= _MINORS_EVERY
-        ):
-            self._minors_at = now
+        unknown = any(self._gpu_at(i) is None for j in jobs.values() for i in j.indices)
+        if unknown and self._minors_reads.take(None) is not None:
             self._by_minor = self._minors()
         return [Grant(j.workload, RESOURCE, self._gpu_at(i) or f"IDX:{i}") for j in jobs.values() for i in j.indices]
 

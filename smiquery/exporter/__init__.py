@@ -1,7 +1,6 @@
-"""Prometheus exporter: metric families from the newest sweep of ONE background stream, served over HTTP(S).
+"""Prometheus exporter: :class:`SmiCollector` (families of ONE background stream's newest sweep) and :func:`serve`.
 
-:class:`SmiCollector` turns the newest sweep of a background :func:`~smiquery.stream` into metric families (a
-scrape never starts nvidia-smi), and :func:`serve` publishes them. Needs ``pip install 'smiquery[export]'``.
+A scrape never starts nvidia-smi; :func:`serve` publishes over HTTP(S). Needs ``pip install 'smiquery[export]'``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from smiquery._log import get_logger
 from smiquery.attribution import check_labels
 from smiquery.exporter.families import (
     attribution_families,
-    counter,
     details_health,
     fresh_details,
     gauge,
@@ -35,8 +34,7 @@ from smiquery.exporter.families import (
     pmon_health,
     process_families,
     pstate_number,
-    unallocated_use_families,
-    workload_usage_families,
+    workload_families,
     xid_families,
 )
 from smiquery.exporter.naming import NVSMI_INFO_LABELS, MetricSpec, Naming, bare_uuid, metric_specs, render
@@ -204,9 +202,8 @@ class SmiCollector:
         if pmon is not None:
             taken = sorted(set(self.labels) & set(PMON_LABELS))
             if taken:
-                raise ValueError(
-                    f"label name {taken[0]!r} is set by the exporter itself with top processes; pick another name"
-                )
+                msg = f"label name {taken[0]!r} is set by the exporter itself with top processes; pick another name"
+                raise ValueError(msg)
         interval = getattr(stream, "interval", 0.0)  # a live stream's; a replay has none
         self.stale_after = float(stale_after) if stale_after is not None else max(3 * interval, 15.0)
         self.hostname = self.labels.get("Hostname") or hostname or socket.gethostname()
@@ -248,10 +245,8 @@ class SmiCollector:
                 self._last_sweep = sweep
                 self._down_sweep = None  # a new sample: recovery may be announced
                 # when it arrived, on the monotonic clock: alert holds never subtract wall-clock timestamps
-                arrived = getattr(sweep, "arrived", None)
-                if not isinstance(arrived, (int, float)):
-                    arrived = time.monotonic() - (age or 0.0)
-                self._take(sweep, health, float(arrived))
+                arrived = sweep.arrived if sweep.arrived is not None else time.monotonic() - (age or 0.0)
+                self._take(sweep, health, arrived)
                 self._gpu_version += 1
             elif health.lost_gpus or health.lost_uuids:
                 self._mark_lost(health, None)
@@ -274,7 +269,7 @@ class SmiCollector:
                     self.on_state(up, "ok" if up else self.health()[1])
                 self._up = up
 
-    def _take(self, sweep: Sweep, health: SourceHealth, arrived: float | None = None) -> None:
+    def _take(self, sweep: Sweep, health: SourceHealth, arrived: float) -> None:
         present: set[str] = set()
         reported: set[str] = set()
         for s in sweep:
@@ -313,8 +308,7 @@ class SmiCollector:
         # says nothing about which GPU is gone.
         for uuid, idx in health.lost_uuids.items():
             lost_keys.add(uuid)
-            if uuid not in self._gpus:
-                self._gpus[uuid] = self._unseen_gpu(idx, uuid)
+            self._gpus.setdefault(uuid, self._unseen_gpu(idx, uuid))
         named = set(health.lost_uuids.values())
         for idx in health.lost_gpus:
             if idx in named:
@@ -325,8 +319,7 @@ class SmiCollector:
                 continue
             known = health.known_gpus.get(idx)
             key = known or f"index:{idx}"
-            if key not in self._gpus:
-                self._gpus[key] = self._unseen_gpu(idx, known)
+            self._gpus.setdefault(key, self._unseen_gpu(idx, known))
             lost_keys.add(key)
         for key, gpu in self._gpus.items():
             if present is None:
@@ -445,10 +438,6 @@ class SmiCollector:
             out.append(info)
         return out
 
-    def process_families(self, procs: Sequence[GpuProcess]) -> list[Metric]:
-        """Per-process GPU memory: the non-empty families (nvidia_gpu_exporter's three in ``nvidia_smi`` naming)."""
-        return process_families(procs, self.labels, nvsmi=self.naming == "nvidia_smi")
-
     def pmon_families(self, instant: ProcessInstant) -> list[Metric]:
         """The busiest processes of each GPU from one pmon instant (:func:`~.families.pmon_families`)."""
         with self._refresh_lock:
@@ -503,8 +492,8 @@ class SmiCollector:
             ("smiquery_sweeps", "Complete sweeps (one row per GPU) received.", st.sweeps),
             ("smiquery_dropped_rows", "Rows of nvidia-smi output rejected by the parser.", st.dropped_rows),
         ):
-            out.append(one(counter(name, doc), float(n)))
-        errors = counter("smiquery_nvidia_smi_errors", "nvidia-smi failures, by error type and source.")
+            out.append(one(Metric(name, doc, "counter"), float(n)))
+        errors = Metric("smiquery_nvidia_smi_errors", "nvidia-smi failures, by error type and source.", "counter")
         for source, failures in (
             ("stream", st.errors),
             ("processes", self.processes.get().failures if self.processes is not None else None),
@@ -527,7 +516,8 @@ class SmiCollector:
                     "1 while a smiquery alert rule, evaluated on every nvidia-smi sample, fires on the GPU, else 0; "
                     "absent while the GPU is lost or the data stale (unknown).",
                 )
-                fired = counter("smiquery_alert_fired", "Times a smiquery alert rule started firing on the GPU.")
+                doc = "Times a smiquery alert rule started firing on the GPU."
+                fired = Metric("smiquery_alert_fired", doc, "counter")
                 for i, rule in enumerate(self.alerts.rules):
                     for key, gpu in self._gpus.items():
                         labels = {**gpu.labels, "alert": str(rule)}
@@ -562,7 +552,7 @@ class SmiCollector:
             out.extend(pmon_health(self.pmon, self.labels))
         if self.render_errors:
             doc = "Scrapes whose GPU metrics could not be built (a bug)."
-            out.append(one(counter("smiquery_collection_errors", doc), float(self.render_errors)))
+            out.append(one(Metric("smiquery_collection_errors", doc, "counter"), float(self.render_errors)))
         doc = "Time spent building this scrape's metrics."
         out.append(one(gauge("smiquery_collection_duration_seconds", doc), duration))
         for fam in self._process_collector.collect() if self._process_collector is not None else ():
@@ -595,17 +585,15 @@ class SmiCollector:
                 # its own cadence: served while the newest -q -x is fresh, whatever the CSV's age
                 fams.extend(mig_families(details, dcgm=self.naming == "dcgm", gpu_labels=self._details_labels))
             if procs is not None:
-                fams.extend(self.process_families(procs))
+                fams.extend(process_families(procs, self.labels, nvsmi=self.naming == "nvidia_smi"))
             if instant is not None:
                 fams.extend(self.pmon_families(instant))
             att = self.attribution
             if att is not None:  # stale data: the GPUs of the last fresh sweep keep their state
                 uuid_label = "UUID" if self.naming == "dcgm" else "uuid"
                 fams += attribution_families(att, self._att_gpus, uuid_label, self.labels)
-                if att.backend.processes and (instant is not None or procs is not None):
-                    fams += workload_usage_families(att, self._att_gpus, instant, procs, uuid_label, self.labels)
-                if att.backend.processes and procs is not None:
-                    fams += unallocated_use_families(att, self._att_gpus, procs, uuid_label, self.labels)
+                if att.backend.processes:
+                    fams += workload_families(att, self._att_gpus, instant, procs, uuid_label, self.labels)
         except Exception:  # a bug must not take /metrics down: the health metrics still go out
             self.render_errors += 1
             log.exception("smiquery exporter: building the GPU metrics failed")
@@ -732,18 +720,12 @@ def _git_checkout() -> str | None:
         ref = head[5:]
         common = git / "commondir"
         roots = [git, (git / common.read_text(encoding="utf-8").strip()).resolve()] if common.is_file() else [git]
-        for root in roots:
-            loose = root / ref
-            if loose.is_file():
-                value = loose.read_text(encoding="utf-8").strip()
-                return value if _SHA.fullmatch(value) else None
-        for root in roots:
-            packed = root / "packed-refs"
-            if packed.is_file():
-                for line in packed.read_text(encoding="utf-8").splitlines():
-                    parts = line.split()
-                    if len(parts) == 2 and parts[1] == ref and _SHA.fullmatch(parts[0]):
-                        return parts[0]
+        loose = next((root / ref for root in roots if (root / ref).is_file()), None)
+        if loose is not None:
+            value = loose.read_text(encoding="utf-8").strip()
+            return value if _SHA.fullmatch(value) else None
+        packed = [root / "packed-refs" for root in roots if (root / "packed-refs").is_file()]
+        lines = [line.split() for path in packed for line in path.read_text(encoding="utf-8").splitlines()]
+        return next((p[0] for p in lines if len(p) == 2 and p[1] == ref and _SHA.fullmatch(p[0])), None)
     except (OSError, IndexError):
         return None
-    return None

@@ -44,11 +44,6 @@ class EventLog:
         self._lock = threading.Lock()
         self._fault: tuple[str | None, str] | None = None  # the failure last announced, until data flows again
 
-    @property
-    def suppressed(self) -> int:
-        """Lines held back so far."""
-        return self._limit.suppressed
-
     def emit(self, kind: str, level: int, message: str, **fields: Any) -> bool:
         """Log one line (``fields``: extras for JSON logs) unless ``kind`` is over its rate; whether it was logged."""
         held = self._limit.take(kind)

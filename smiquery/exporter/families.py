@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.metrics_core import Metric
 
 from smiquery.attribution import STATES, Workload
-from smiquery.exporter.naming import NVSMI_WORDS, PMON_SERIES, bare_uuid
+from smiquery.exporter.naming import MIG_SERIES, NVSMI_WORDS, PMON_SERIES, bare_uuid
 from smiquery.kinds import to_number
 from smiquery.sources.xid import XID_CATALOGUE
 
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 __all__ = [
     "DETAILS_TIMEOUT",
     "attribution_families",
-    "counter",
     "details_health",
     "fresh_details",
     "gauge",
@@ -37,8 +36,7 @@ __all__ = [
     "pmon_health",
     "process_families",
     "pstate_number",
-    "unallocated_use_families",
-    "workload_usage_families",
+    "workload_families",
     "xid_families",
 ]
 
@@ -52,11 +50,6 @@ def gauge(name: str, doc: str, *samples: tuple[Mapping[str, str], float]) -> Met
     for labels, value in samples:
         fam.add_sample(name, dict(labels), value)
     return fam
-
-
-def counter(name: str, doc: str) -> Metric:
-    """An empty counter family (samples are named ``name + "_total"``)."""
-    return Metric(name, doc, "counter")
 
 
 def merge_families(fams: Sequence[Metric]) -> list[Metric]:
@@ -185,11 +178,10 @@ def attribution_families(
     """
     view = att.view(gpus)
     b = att.backend
-    words = b.words
 
     gpu = functools.partial(_gpu, gpus=gpus, uuid_label=uuid_label)
     # the backends' help says how to join on the GPU's label: under DCGM naming that label is UUID
-    info = gauge("smiquery_gpu_allocation_info", words.allocated.replace("on(uuid)", f"on({uuid_label})"))
+    info = gauge("smiquery_gpu_allocation_info", b.words.allocated.replace("on(uuid)", f"on({uuid_label})"))
     for uuid, holder, res, mig, profile in view.allocations:
         one = {**gpu(uuid), **holder.labels(b.labels), "resource": res, "mig_uuid": mig, "mig_profile": profile}
         info.add_sample(info.name, {**one, **labels}, 1.0)
@@ -199,19 +191,19 @@ def attribution_families(
     for uuid, now in sorted(view.states.items()):
         for s in STATES:
             state.add_sample(state.name, {**gpu(uuid), "state": s, **labels}, 1.0 if s == now else 0.0)
-    unknown = gauge(f"{prefix}_unknown_device_info", words.unknown_help)
+    unknown = gauge(f"{prefix}_unknown_device_info", b.words.unknown_help)
     for g in sorted(set(view.unknown), key=lambda g: (g.workload, g.device_id)):
         one = {"device_id": g.device_id, "resource": g.resource, **g.workload.labels(b.labels)}
         unknown.add_sample(unknown.name, {**one, **labels}, 1.0)
-    up = gauge(f"{prefix}_attribution_up", words.up, (labels, 1.0 if att.up else 0.0))
-    took = gauge(f"{prefix}_attribution_refresh_seconds", words.took, (labels, att.last_duration))
-    errs = counter(f"{prefix}_attribution_errors", words.errors)
+    up = gauge(f"{prefix}_attribution_up", b.words.up, (labels, 1.0 if att.up else 0.0))
+    took = gauge(f"{prefix}_attribution_refresh_seconds", b.words.took, (labels, att.last_duration))
+    errs = Metric(f"{prefix}_attribution_errors", b.words.errors, "counter")
     for kind, n in sorted(att.errors.items()):
         errs.add_sample(errs.name + "_total", {"type": kind, **labels}, float(n))
     return [f for f in (info, state, unknown) if f.samples] + [up, took] + ([errs] if errs.samples else [])
 
 
-def workload_usage_families(
+def workload_families(
     att: Attribution,
     gpus: Mapping[str, int | None],
     instant: ProcessInstant | None,
@@ -219,10 +211,12 @@ def workload_usage_families(
     uuid_label: str,
     labels: Mapping[str, str],
 ) -> list[Metric]:
-    """Per-workload use of each GPU: pmon SM and memory use (0-1) and GPU memory (compute apps), summed by workload.
+    """Per-workload use of each GPU, and ``smiquery_gpu_unallocated_use``: a process on a GPU not given its workload.
 
-    The backend ties each process to its workload; what it cannot (host processes, pods not listed yet, pmon's
-    ``other`` row) goes to its ``other`` bucket, so a GPU's series sum to what pmon saw on it. Arguments as
+    Use: pmon SM and memory use (0-1) and GPU memory (compute apps), summed by workload. The backend ties each
+    process to its workload; what it cannot (host processes, pods not listed yet, pmon's ``other`` row) goes to its
+    ``other`` bucket, so a GPU's series sum to what pmon saw on it. The findings come only while the listing works
+    (never from a stale or failed one), only for processes tied to a workload it listed. Arguments as
     :func:`attribution_families`, with the newest pmon ``instant`` and compute-process list ``procs`` (or None).
     """
     b = att.backend
@@ -244,19 +238,26 @@ def workload_usage_families(
         if row.mem is not None:
             mem[key] = mem.get(key, 0.0) + row.mem / 100.0
     used: dict[tuple[str, Workload], float] = {}
+    found: dict[tuple[str, Workload], float] = {}
+    held = att.view(gpus).holders if att.up else None  # no findings from a stale or failed listing
     for p in procs or ():
-        if p.used_memory is None or p.gpu_uuid not in gpus:
+        if p.gpu_uuid not in gpus:
             continue
         key = (p.gpu_uuid, holder(p.pid))
-        used[key] = used.get(key, 0.0) + float(p.used_memory) * 1048576.0
-    whose = f"the {b.words.holder}'s processes"
+        if p.used_memory is not None:
+            used[key] = used.get(key, 0.0) + float(p.used_memory) * 1048576.0
+        if held is not None and key[1] != b.other and key[1] not in held.get(p.gpu_uuid, ()):
+            found[key] = 1.0
+    whose, other, pre = f"the {b.words.holder}'s processes", b.words.other, f"smiquery_{b.workload}_gpu"
+    finding = f"A {b.words.holder} running on a GPU the scheduler did not allocate to it (1): a finding."
     fams = []
     for name, doc, values in (
-        ("gpu_utilization_ratio", f"SM use of {whose} on the GPU (pmon sm), 0-1.", sm),
-        ("gpu_memory_utilization_ratio", f"Memory-controller use of {whose} (pmon mem), 0-1.", mem),
-        ("gpu_memory_used_bytes", f"GPU memory used by {whose}, in bytes.", used),
+        (f"{pre}_utilization_ratio", f"SM use of {whose} on the GPU (pmon sm), 0-1. {other}", sm),
+        (f"{pre}_memory_utilization_ratio", f"Memory-controller use of {whose} (pmon mem), 0-1. {other}", mem),
+        (f"{pre}_memory_used_bytes", f"GPU memory used by {whose}, in bytes. {other}", used),
+        ("smiquery_gpu_unallocated_use", finding, found),
     ):
-        fam = gauge(f"smiquery_{b.workload}_{name}", f"{doc} {b.words.other}")
+        fam = gauge(name, doc)
         for (uuid, h), value in sorted(values.items()):
             fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **h.labels(b.labels), **labels}, value)
         fams.append(fam)
@@ -279,7 +280,7 @@ def xid_families(
     doc = f"1 while the kernel log ({xid.path}) is read for Xid errors, else 0 (no permission, missing)."
     up = gauge("smiquery_xid_source_up", doc, ({**labels, "path": xid.path}, 1.0 if xid.up else 0.0))
     doc = "Xid errors the NVIDIA driver logged in the kernel log, by GPU and code (every event counts)."
-    fam = counter("smiquery_xid_errors", doc)
+    fam = Metric("smiquery_xid_errors", doc, "counter")
     for key, code, bus, n in xid.series():
         found = gpus(key)
         if found is None and not inventory_known:
@@ -292,44 +293,15 @@ def xid_families(
     if xid.other:
         other = {"gpu": "", "uuid": "", "pci_bus_id": "other", "xid": "other", "action": "unknown"}
         fam.add_sample(fam.name + "_total", {**labels, **other}, float(xid.other))
-    rejected = counter(
+    rejected = Metric(
         "smiquery_xid_rejected_lines",
         "Kernel-log lines that look like an Xid but were not counted: not_kernel (not written by the kernel), "
         "unknown_format (no kernel-log line format), malformed (the bus id or code does not parse).",
+        "counter",
     )
     for reason, n in xid.rejected().items():
         rejected.add_sample(rejected.name + "_total", {**labels, "reason": reason}, float(n))
     return [up, fam, rejected] if fam.samples else [up, rejected]
-
-
-def unallocated_use_families(
-    att: Attribution,
-    gpus: Mapping[str, int | None],
-    procs: Sequence[GpuProcess],
-    uuid_label: str,
-    labels: Mapping[str, str],
-) -> list[Metric]:
-    """``smiquery_gpu_unallocated_use``: a workload's process on a GPU the scheduler did not give that workload.
-
-    Only while the listing works (never from a stale or failed one) and only for processes the backend ties to a
-    workload it listed; labelled uuid, gpu and the workload's labels.
-    """
-    if not att.up:
-        return []
-    b = att.backend
-    view = att.view(gpus)
-    found: set[tuple[str, Workload]] = set()
-    for p in procs:
-        if p.gpu_uuid not in gpus or p.pid is None:
-            continue
-        owner = b.owner(p.pid)
-        if owner is not None and owner != b.other and owner not in view.holders.get(p.gpu_uuid, ()):
-            found.add((p.gpu_uuid, owner))
-    doc = f"A {b.words.holder} running on a GPU the scheduler did not allocate to it (1): a finding."
-    fam = gauge("smiquery_gpu_unallocated_use", doc)
-    for uuid, owner in sorted(found):
-        fam.add_sample(fam.name, {**_gpu(uuid, gpus, uuid_label), **owner.labels(b.labels), **labels}, 1.0)
-    return [fam] if fam.samples else []
 
 
 def _details_stale_after(poller: Latest[tuple[GpuDetails, ...]]) -> float:
@@ -353,14 +325,6 @@ def details_health(poller: Latest[tuple[GpuDetails, ...]], labels: Mapping[str, 
     return out
 
 
-# The per-MIG-instance families: (native name, DCGM name, MigDevice attribute, help).
-_MIG_METRICS: tuple[tuple[str, str, str, str], ...] = (
-    ("smiquery_mig_memory_used_bytes", "DCGM_FI_DEV_FB_USED", "memory_used", "Framebuffer memory used"),
-    ("smiquery_mig_memory_free_bytes", "DCGM_FI_DEV_FB_FREE", "memory_free", "Framebuffer memory free"),
-    ("smiquery_mig_memory_total_bytes", "DCGM_FI_DEV_FB_TOTAL", "memory_total", "Framebuffer memory"),
-)
-
-
 def mig_families(
     details: tuple[GpuDetails, ...], *, dcgm: bool, gpu_labels: Callable[[GpuDetails], Mapping[str, str]]
 ) -> list[Metric]:
@@ -374,7 +338,7 @@ def mig_families(
     unit = "MiB" if dcgm else "bytes"
     fams = [
         (gauge(dcgm_name if dcgm else name, f"{text} of a MIG instance, in {unit} (nvidia-smi -q -x)."), attr)
-        for name, dcgm_name, attr, text in _MIG_METRICS
+        for name, dcgm_name, attr, text in MIG_SERIES
     ]
     for gpu in details:
         parent = dict(gpu_labels(gpu)) if gpu.mig_devices else {}

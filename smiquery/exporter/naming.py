@@ -25,6 +25,7 @@ __all__ = [
     "DCGM_MAP",
     "HEALTH_METRICS",
     "IDENTITY_FIELDS",
+    "MIG_SERIES",
     "NAMINGS",
     "NVSMI_DEFAULT_EXTRAS",
     "NVSMI_INFO_LABELS",
@@ -64,6 +65,12 @@ DCGM_DEFAULT_EXTRAS: tuple[str, ...] = (
     "remapped_rows.failure",
 )
 
+#: The per-MIG-instance families (``--details-interval``): (native name, DCGM name, MigDevice attribute, help).
+MIG_SERIES: tuple[tuple[str, str, str, str], ...] = (
+    ("smiquery_mig_memory_used_bytes", "DCGM_FI_DEV_FB_USED", "memory_used", "Framebuffer memory used"),
+    ("smiquery_mig_memory_free_bytes", "DCGM_FI_DEV_FB_FREE", "memory_free", "Framebuffer memory free"),
+    ("smiquery_mig_memory_total_bytes", "DCGM_FI_DEV_FB_TOTAL", "memory_total", "Framebuffer memory"),
+)
 #: The exporter's own metrics (sample names), served in both namings whatever the fields.
 HEALTH_METRICS: tuple[str, ...] = (
     "smiquery_up",
@@ -86,9 +93,7 @@ HEALTH_METRICS: tuple[str, ...] = (
     "smiquery_alert_fired_total",
     "smiquery_details_up",
     "smiquery_details_last_success_timestamp_seconds",
-    "smiquery_mig_memory_used_bytes",
-    "smiquery_mig_memory_free_bytes",
-    "smiquery_mig_memory_total_bytes",
+    *(name for name, *_ in MIG_SERIES),
     "smiquery_xid_source_up",
     "smiquery_xid_errors_total",
     "smiquery_xid_rejected_lines_total",
@@ -235,17 +240,11 @@ NVSMI_WORDS: dict[str, dict[str, float]] = {
 }
 #: Fields that become labels of ``nvidia_smi_gpu_info`` in nvidia_smi naming, with their label names.
 NVSMI_INFO_LABELS: dict[str, str] = {
-    "uuid": "uuid",
-    "index": "index",
-    "name": "name",
-    "pci.bus_id": "pci_bus_id",
-    "driver_version": "driver_version",
-    "vbios_version": "vbios_version",
-    "serial": "serial",
-    "compute_cap": "compute_cap",
-    "pci.sub_device_id": "pci_sub_device_id",
-    "driver_model.current": "driver_model_current",
-    "driver_model.pending": "driver_model_pending",
+    field: field.replace(".", "_")
+    for field in (
+        *("uuid", "index", "name", "pci.bus_id", "driver_version", "vbios_version", "serial", "compute_cap"),
+        *("pci.sub_device_id", "driver_model.current", "driver_model.pending"),
+    )
 }
 #: With nvidia_smi naming and the default fields: what nvidia_gpu_exporter's dashboard (Grafana 14574) reads.
 NVSMI_DEFAULT_EXTRAS: tuple[str, ...] = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import Counter
@@ -29,13 +30,12 @@ class ProcessInstant:
     """One pmon instant as the exporter serves it: at most ``top`` processes per GPU plus one ``other`` row.
 
     ``rows``: ``(row, user)`` pairs, busiest first per GPU, ``other`` (``pid`` None) last; ``user`` is None where
-    this host cannot see the process. ``processes``: GPU index -> processes pmon listed. ``received``/``wall``: when
-    it was complete (monotonic/epoch). ``by="name"``: one row per name and GPU (the lowest pid, no user).
+    this host cannot see the process. ``processes``: GPU index -> processes pmon listed. ``wall``: when it was
+    complete (epoch). ``by="name"``: one row per name and GPU (the lowest pid, no user).
     """
 
     rows: tuple[tuple[pmon.PmonRow, str | None], ...]
     processes: dict[int, int]
-    received: float
     wall: float
     by: str = "pid"
 
@@ -51,11 +51,10 @@ def _by_name(rows: tuple[pmon.PmonRow, ...]) -> tuple[pmon.PmonRow, ...]:
     for row in rows:
         if not row.idle:
             groups.setdefault((row.gpu, row.command or ""), []).append(row)
+    cols = ("sm", "mem", "enc", "dec", "jpg", "ofa", "fb", "ccpm")
     for members in groups.values():
-        totals = {}
-        for col in ("sm", "mem", "enc", "dec", "jpg", "ofa", "fb", "ccpm"):
-            known = [v for v in (getattr(r, col) for r in members) if v is not None]
-            totals[col] = sum(known) if known else None
+        known = {col: [v for r in members if (v := getattr(r, col)) is not None] for col in cols}
+        totals = {col: sum(values) if values else None for col, values in known.items()}
         out.append(min(members, key=lambda r: r.pid or 0)._replace(**totals))
     return tuple(out)
 
@@ -78,7 +77,7 @@ def process_instant(
     pairs = tuple(
         (row, None if row.pid is None or named else user_of(row.pid)) for gpu in sorted(kept) for row in kept[gpu]
     )
-    return ProcessInstant(pairs, counts, time.monotonic(), time.time(), by)
+    return ProcessInstant(pairs, counts, time.time(), by)
 
 
 class PmonWatcher:
@@ -120,21 +119,18 @@ class PmonWatcher:
         self._user_of = user_of
         self._lock = threading.Lock()
         self._closed = False
-
-        def default_stream() -> PmonStream:
-            return stream(
-                gpus=gpus,
-                interval=interval,
-                select="um",
-                options="DT",  # a new time stamp cuts an instant even when the set of processes changes
-                nvidia_smi=nvidia_smi,
-                stall_timeout=stall_timeout,
-                # a permanent error is raised here, logged once and opened again every retry_after by the Latest
-                retry=RetryPolicy(max_restarts=None, backoff_max=30.0, permanent_retry=None),
-                on_event=self._on_event,
-            )
-
-        self._make = make_stream or default_stream
+        self._make = make_stream or functools.partial(
+            stream,
+            gpus=gpus,
+            interval=interval,
+            select="um",
+            options="DT",  # a new time stamp cuts an instant even when the set of processes changes
+            nvidia_smi=nvidia_smi,
+            stall_timeout=stall_timeout,
+            # a permanent error is raised here, logged once and opened again every retry_after by the Latest
+            retry=RetryPolicy(max_restarts=None, backoff_max=30.0, permanent_retry=None),
+            on_event=self._on_event,
+        )
         # made here, so that a bad interval, GPU id or binary fails the exporter's start, not a thread
         self._stream: PmonStream | None = self._make()
         self._made: PmonStream | None = self._stream

@@ -177,15 +177,11 @@ class Exporter:
 
     def stop(self) -> None:
         """Stop serving, close the stream (nvidia-smi is reaped) and the other parts. Idempotent; any thread."""
-        with self._lock:
+        with self._lock, contextlib.ExitStack() as after:  # each step even when one before it failed
             if not self._stopped.is_set():
-                try:
-                    self.http.shutdown()
-                finally:
-                    try:
-                        _close([self.stream, *self._parts])  # the pmon child is reaped here too
-                    finally:
-                        self._stopped.set()
+                after.callback(self._stopped.set)
+                after.callback(_close, [self.stream, *self._parts])  # the pmon child is reaped here too
+                self.http.shutdown()
 
     def serve_forever(self, poll: float = 0.5) -> None:
         """Block until :meth:`stop` is called, checking every ``poll`` seconds (so signal handlers run promptly)."""
@@ -245,11 +241,9 @@ def serve(
     and ``kernel_log`` are off (None) by default here; ``process_metrics`` serves prometheus_client's ``process_*``
     metrics unless ``registry`` has them already.
 
-    Raises:
-        PortInUseError, ListenError: the port is taken, or the address unusable (nvidia-smi is not started).
-        ValueError: a bad label, naming, interval, top_processes, details_interval, or TLS option.
-        OSError: unreadable TLS files; WebConfigError, InvalidFieldError, InvalidRuleError, InvalidGpuIdError,
-            NvidiaSmiNotFoundError as their names say.
+    Raises PortInUseError or ListenError (the port is taken or the address unusable: nvidia-smi is not started),
+    ValueError (a bad label, naming, interval, top_processes, details_interval or TLS option), OSError (unreadable
+    TLS files), WebConfigError, InvalidFieldError, InvalidRuleError, InvalidGpuIdError, NvidiaSmiNotFoundError.
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming must be one of {', '.join(NAMINGS)}, not {naming!r}")
@@ -285,26 +279,23 @@ def serve(
     wanted = [*flds, *(evaluator.fields if evaluator is not None else ()), *resolve_fields(["driver_version"])]
     stream_fields = list(dict.fromkeys(f.name for f in wanted))
 
+    events = EventLog()
+    make_stream = functools.partial(
+        stream,
+        stream_fields,
+        interval=interval,
+        gpus=gpus,
+        nvidia_smi=nvidia_smi,
+        stall_timeout=stall_timeout,
+        # an exporter never gives up; faults that need a person are retried every 30 s
+        retry=RetryPolicy(max_attempts=None, backoff_max=30.0),
+        on_event=events.on_stream_event,
+    )
     sock = listen(bind, port)  # fail on a taken port before nvidia-smi starts
     s = poller = watcher = details = xid = collector = None
-    events = EventLog()
     try:
-
-        def make_stream() -> Any:
-            return stream(
-                stream_fields,
-                interval=interval,
-                gpus=gpus,
-                nvidia_smi=nvidia_smi,
-                stall_timeout=stall_timeout,
-                # an exporter never gives up; faults that need a person are retried every 30 s
-                retry=RetryPolicy(max_attempts=None, backoff_max=30.0),
-                on_event=events.on_stream_event,
-            )
-
         s = make_stream()
-        if processes:
-            poller = process_poller(processes_interval, gpus=gpus, nvidia_smi=nvidia_smi)
+        poller = process_poller(processes_interval, gpus=gpus, nvidia_smi=nvidia_smi) if processes else None
         if top_processes:
             pmon_interval = min(10, max(1, round(interval)))  # pmon takes whole seconds, 1 to 10
             watcher = PmonWatcher(
@@ -317,8 +308,7 @@ def serve(
                 # the newest instant is one interval old when it is complete: never staler than two intervals
                 stale_after=max(stale_after, 2.0 * pmon_interval + 1.0) if stale_after is not None else None,
             )
-        if details_interval is not None:
-            details = details_poller(details_interval, gpus=gpus, nvidia_smi=nvidia_smi)
+        details = details_poller(details_interval, gpus=gpus, nvidia_smi=nvidia_smi) if details_interval else None
         if kernel_log is not None:
             xid = XidWatcher(
                 kernel_log,

@@ -109,7 +109,7 @@ class HttpServer:
     stay open at most (past it the one that has waited longest makes room); ``request_timeout`` is the seconds from
     a request's first byte (or a TLS connection's start) to its complete head (an idle keep-alive connection closes
     after 60 s), ``write_timeout`` those a client has to take one response. Past ``auth_queue`` password
-    checks waiting or running, a request is answered 429 (``Retry-After: 1``) after ``shed_delay`` s and closed.
+    checks waiting or running, a request is answered 429 (``Retry-After: 1``) a second later and closed.
     """
 
     def __init__(
@@ -125,7 +125,6 @@ class HttpServer:
         server_header: str = "smiquery-exporter",
         inline: Callable[[Request], bool] | None = None,
         auth_queue: int = 16,
-        shed_delay: float = 1.0,
     ) -> None:
         self.sock = sock
         self.handler = handler
@@ -138,11 +137,10 @@ class HttpServer:
         self.peer_check = web.peer_allowed if web is not None and web.allowed_sans else None
         self.auth = web if web is not None and web.users else None
         self.auth_queue = auth_queue
-        self.shed_delay = shed_delay
         self._extra = "".join(f"{k}: {v}\r\n" for k, v in (web.headers if web is not None else {}).items())
         self.failures = 0  # connections closed because handling them raised (each one contained)
         self.shed = 0  # requests answered 429: the verifier's queue was full
-        self._checking = 0  # checks handed to the verifier and not yet back (the selector thread's count)
+        self.pending_checks = 0  # password checks handed to the verifier, not answered yet (the selector's count)
         self._limit = RateLimiter()  # one WARNING per message a minute
         _raise_fd_limit(max_connections + 256)
         sock.listen(1024)
@@ -175,11 +173,6 @@ class HttpServer:
     def open_connections(self) -> int:
         """Client sockets open now."""
         return len(self._conns)
-
-    @property
-    def pending_checks(self) -> int:
-        """Password checks handed to the verifier thread and not answered yet (running or waiting)."""
-        return self._checking
 
     @property
     def alive(self) -> bool:
@@ -246,8 +239,7 @@ class HttpServer:
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     log.warning("smiquery exporter: cannot accept connections: %s", exc.strerror)
-                    if self._conns:
-                        self._evict_one()
+                    self._evict_one()
                 return
             if len(self._conns) >= self.max_connections:
                 self._evict_one()
@@ -295,10 +287,7 @@ class HttpServer:
     def _event(self, conn: _Conn) -> None:
         if conn.handshaking:
             self._handshake(conn)
-        elif conn.out:
-            if self._flush(conn):
-                self._process(conn)
-        elif self._read(conn):
+        elif self._flush(conn) if conn.out else self._read(conn):  # a response under way, or a request
             self._process(conn)
 
     def _read(self, conn: _Conn) -> bool:
@@ -367,14 +356,14 @@ class HttpServer:
                 continue
             known = True if self.auth is None else self.auth.verdict(req.headers.get("authorization"))
             if known is None:
-                if self._checking >= self.auth_queue:
+                if self.pending_checks >= self.auth_queue:
                     self.shed += 1
                     conn.held = self._encode(_TOO_MANY, True, req.method == "HEAD")
                     conn.buf.clear()
-                    conn.deadline = time.monotonic() + self.shed_delay
+                    conn.deadline = time.monotonic() + 1.0  # retrying at once cannot flood the server
                     self._unwatch(conn)
                     return
-                self._checking += 1
+                self.pending_checks += 1
                 self._park(conn, req, self._checks)
                 return
             if not self._dispatch(conn, req, known):
@@ -404,7 +393,7 @@ class HttpServer:
         return False
 
     def _checked(self, conn: _Conn, req: Request, allowed: bool) -> bool:
-        self._checking -= 1
+        self.pending_checks -= 1
         return self._dispatch(conn, req, allowed)
 
     def _resume(self, conn: _Conn, step: Callable[..., bool | None], *args: object) -> None:

@@ -220,9 +220,7 @@ def _tls(tls: dict[str, Any], cfg: Path) -> tuple[ssl.SSLContext, frozenset[str]
             ctx.set_ciphers(":".join(_CIPHERS[str(s)] for s in suites))
         except ssl.SSLError:
             raise WebConfigError(cfg, "tls_server_config.cipher_suites: this OpenSSL offers none of them") from None
-    if tls.get("prefer_server_cipher_suites", True):  # Go's default
-        ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
-    else:
+    if not tls.get("prefer_server_cipher_suites", True):  # Python's default and Go's: the server's order
         ctx.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
     with tempfile.TemporaryDirectory(prefix="smiquery-web-") as d:
         tmp = Path(d)
@@ -237,11 +235,8 @@ def _tls(tls: dict[str, Any], cfg: Path) -> tuple[ssl.SSLContext, frozenset[str]
             raise WebConfigError(cfg, f"cannot load the certificate and key ({exc})") from None
         auth = str(tls.get("client_auth_type") or ("RequireAndVerifyClientCert" if ca is not None else "NoClientCert"))
         if auth in _UNVERIFIED_AUTH:
-            raise WebConfigError(
-                cfg,
-                f"client_auth_type {auth} (a certificate taken without verifying it) is not supported; "
-                "use RequireAndVerifyClientCert with client_ca_file",
-            )
+            why = f"client_auth_type {auth} (a certificate taken without verifying it) is not supported"
+            raise WebConfigError(cfg, f"{why}; use RequireAndVerifyClientCert with client_ca_file")
         if auth not in _CLIENT_AUTH:
             raise WebConfigError(cfg, f"client_auth_type {auth!r} is not one of {', '.join(_CLIENT_AUTH)}")
         ctx.verify_mode = _CLIENT_AUTH[auth]

@@ -1,5 +1,4 @@
-"""nvidia-smi's surfaces, one module each: a pure parser, a one-shot call and a stream or follower.
+"""nvidia-smi's surfaces, one module each (``query_gpu``, ``apps``, ``pmon``, ``details``, ``xid``), and ``latest``.
 
-``query_gpu`` (``--query-gpu``), ``apps`` (``--query-compute-apps``), ``pmon``, ``details`` (``-q -x``) and ``xid``
-(the kernel log), plus :class:`~smiquery.sources.latest.Latest`, the one background poller any of them runs under.
+Each has a pure parser, a one-shot call and a stream or follower; ``Latest`` is the background poller they run under.
 """

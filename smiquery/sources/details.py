@@ -1,7 +1,6 @@
-"""``nvidia-smi -q -x``, typed: what the ``--query-gpu`` CSV cannot say (:func:`details`, :func:`parse_xml`).
+"""``nvidia-smi -q -x``, typed: what the CSV cannot say (:func:`details`, :func:`parse_xml`); slow (0.4-6 s).
 
-Each value is read where the XML's DTD version keeps it; one that is missing is None with its reason in the record's
-``missing`` mapping, never a zero. Slow (0.4-6 s on multi-GPU servers): keep it off any fast path.
+Each value is read where the XML's DTD version keeps it; a missing one is None with its reason in ``missing``.
 """
 
 from __future__ import annotations
@@ -467,9 +466,8 @@ def details(
     if any(g.mig_devices for g in found):
         left = deadline - time.monotonic()
         if left <= 0:
-            raise NvidiaSmiTimeoutError(
-                f"nvidia-smi -q -x used the whole {timeout:g} s; raise the timeout", argv=argv, timeout=timeout
-            )
+            msg = f"nvidia-smi -q -x used the whole {timeout:g} s; raise the timeout"
+            raise NvidiaSmiTimeoutError(msg, argv=argv, timeout=timeout)
         largv = [binary, "-L"]
         listed = run.run(largv, left)
         if listed.returncode != 0:

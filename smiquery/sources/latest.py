@@ -1,7 +1,6 @@
-"""``Latest[T]``, the one background poller: calls a function on an interval and keeps its newest result.
+"""``Latest[T]``, the one background poller: the newest result of a function called on an interval, or of a stream.
 
-``Latest`` owns the thread, the newest value, its age and the last error; readers never wait on it.
-:meth:`Latest.following` keeps the newest value of a stream instead.
+It owns the thread, the newest value, its age and the last error; readers never wait on it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Per-process GPU use from ``nvidia-smi pmon``: the parser, its argv, instants and summaries.
+"""Which process keeps a GPU busy, from ``nvidia-smi pmon``: the parser, its argv, instants and summaries.
 
-``pmon`` says which process keeps a GPU busy. Its columns depend on the driver and the options, so the parser reads
-them from the header; ``-`` means no value, and an idle GPU prints one line of them. The supervised stream is
+The parser reads the columns (they depend on the driver and options) from each header; the supervised stream is
 :func:`smiquery.streams.pmon.stream`.
 """
 
@@ -140,9 +139,8 @@ class PmonParser:
         if not parts:
             return None
         if not n:
-            return self._notice_or_reject(
-                line, "a pmon row before any header line; pass columns= for headerless output"
-            )
+            msg = "a pmon row before any header line; pass columns= for headerless output"
+            return self._notice_or_reject(line, msg)
         if len(parts) != n:
             return self._notice_or_reject(line, f"expected {n} columns, got {len(parts)}")
         cells = self._cells
@@ -185,11 +183,7 @@ class PmonParser:
 
     def parse(self, lines: Iterable[str]) -> Iterator[PmonRow]:
         """Parse every line, yielding the rows."""
-        feed = self.feed
-        for line in lines:
-            row = feed(line)
-            if row is not None:
-                yield row
+        return (row for row in map(self.feed, lines) if row is not None)
 
 
 def parse_pmon(text: str | Iterable[str], *, strict: bool = True) -> list[PmonRow]:

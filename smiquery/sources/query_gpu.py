@@ -134,11 +134,8 @@ class CsvParser:
         units = [u for _, u in cells]
         if self.fields:
             if tuple(f.name for f in fields) != tuple(f.name for f in self.fields):
-                raise ParseError(
-                    f"header does not match the requested fields ({', '.join(f.name for f in self.fields)})",
-                    lineno=self.lineno,
-                    line=line,
-                )
+                msg = f"header does not match the requested fields ({', '.join(f.name for f in self.fields)})"
+                raise ParseError(msg, lineno=self.lineno, line=line)
             units = [u or f.header_unit or "" for u, f in zip(units, self.fields, strict=True)]
         self._set_fields(fields, units)
         self._header = line
@@ -154,11 +151,8 @@ class CsvParser:
             if self._try_header(line):
                 return None
             if not self.fields:
-                raise ParseError(
-                    "no header line and no fields given; pass fields= for noheader output",
-                    lineno=self.lineno,
-                    line=line,
-                )
+                msg = "no header line and no fields given; pass fields= for noheader output"
+                raise ParseError(msg, lineno=self.lineno, line=line)
         if line == self._header:
             return None  # a restarted stream without noheader prints its header again
         cells = line.split(", ")
@@ -210,11 +204,7 @@ class CsvParser:
 
     def parse(self, lines: Iterable[str]) -> Iterator[GpuSample]:
         """Parse every line, yielding the records."""
-        feed = self.feed
-        for line in lines:
-            sample = feed(line)
-            if sample is not None:
-                yield sample
+        return (sample for sample in map(self.feed, lines) if sample is not None)
 
 
 def parse_lines(
@@ -277,12 +267,9 @@ def check_and_parse(
         said = [ln for ln in done.stdout.splitlines() if ln.strip() and (is_message(ln) or probe.feed(ln) is None)]
         raise failure_from_exit(argv, returncode, "\n".join(said) + (("\n" + done.stderr) if done.stderr else ""))
     if not samples:
+        hint = "run plain `nvidia-smi` to see what it prints, or `smiquery doctor`"
         raise NvidiaSmiFailedError(
-            argv,
-            returncode,
-            done.output,
-            "nvidia-smi exited 0 but printed no GPU rows; run plain `nvidia-smi` to see what it prints, "
-            "or `smiquery doctor`",
+            argv, returncode, done.output, f"nvidia-smi exited 0 but printed no GPU rows; {hint}"
         )
     if returncode == 14:
         notice = parser.notices[0] if parser.notices else "infoROM warning"

@@ -1,7 +1,7 @@
-"""Xid errors, the NVIDIA driver's error events (``NVRM: Xid (PCI:0000:3b:00): 79, ...``), from the kernel log.
+"""Xid errors, the driver's error events (``NVRM: Xid (PCI:0000:3b:00): 79, ...``) nvidia-smi never reports.
 
-nvidia-smi never reports them: :func:`parse_line` reads one line, :func:`follow` yields a log's events once each,
-:class:`XidWatcher` follows one on a thread and counts, :data:`XID_CATALOGUE` says what the codes mean.
+:func:`parse_line` reads one kernel-log line, :func:`follow` yields a log's events once each, :class:`XidWatcher`
+follows one on a thread and counts, :data:`XID_CATALOGUE` says what the codes mean.
 """
 
 from __future__ import annotations
@@ -447,7 +447,7 @@ class XidWatcher:
         self.poll = poll
         self.up = False
         self.last_error: str | None = None
-        self.on_refused = on_refused
+        self.on_refused = on_refused or (lambda text: log.warning("smiquery: %s", text))
         self.events = 0
         self.other = 0
         self.attempts = 0
@@ -513,10 +513,7 @@ class XidWatcher:
         shown = printable(shown if len(shown) <= 200 else shown[:200] + "...")
         more = f"; {held} more refused since the last note" if held else ""
         text = f"ignored a line that looks like an Xid but {_REFUSED[reason]} ({reason}): {shown}{more}"
-        if self.on_refused is None:
-            log.warning("smiquery: %s", text)
-        else:
-            _hand_on(self.on_refused, text)
+        _hand_on(self.on_refused, text)
 
     def _report(self, exc: BaseException, opened: bool) -> None:
         if self.on_error is not None and not self._stop.is_set():

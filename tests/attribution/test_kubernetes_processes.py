@@ -28,7 +28,7 @@ from smiquery.attribution.kubernetes import (
     pod_of_pid,
 )
 from smiquery.errors import KubernetesApiError
-from smiquery.exporter.families import workload_usage_families
+from smiquery.exporter.families import workload_families
 from smiquery.exporter.pmonwatch import ProcessInstant
 from smiquery.sources.apps import GpuProcess
 from smiquery.sources.pmon import PmonRow
@@ -269,13 +269,13 @@ def test_shared_gpu_use_is_split_by_pod_and_sums_to_the_device(api: _ApiServer, 
         (PmonRow(1, 303, "C", 5, 1), None),
         (PmonRow(1, None, None, 3, 2, command="other"), None),  # pmon's own rest row
     )
-    instant = ProcessInstant(rows, {1: 4}, 0.0, 0.0)
+    instant = ProcessInstant(rows, {1: 4}, 0.0)
     procs = [
         GpuProcess(pid=101, process_name="python", gpu_uuid=GPU1, gpu_index=1, used_memory=1024),
         GpuProcess(pid=202, process_name="python", gpu_uuid=GPU1, gpu_index=1, used_memory=512),
     ]
     backend = KubernetesBackend(pods=pods, cgroup_of=lambda pid: pod_of_pid(pid, str(proc)))
-    fams = workload_usage_families(Attribution(backend), {GPU1: 1}, instant, procs, "uuid", {})
+    fams = workload_families(Attribution(backend), {GPU1: 1}, instant, procs, "uuid", {})
     got = {
         f.name: {(s.labels["namespace"], s.labels["pod"], s.labels["container"]): s.value for s in f.samples}
         for f in fams

@@ -21,7 +21,7 @@ from smiquery.attribution.slurm import (
     minor_numbers,
     parse_job,
 )
-from smiquery.exporter.families import attribution_families, unallocated_use_families
+from smiquery.exporter.families import attribution_families, workload_families
 from smiquery.exporter.naming import render
 from smiquery.runner import Completed
 from smiquery.sources.apps import GpuProcess
@@ -220,9 +220,9 @@ def test_a_process_on_a_gpu_its_job_was_not_given_is_a_finding() -> None:
         GpuProcess(4103, "python", B, 1, 500),  # not a job: not a finding
         GpuProcess(4104, "python", B, 1, 500),  # a job newer than the listing: not yet known
     ]
-    fams = samples(unallocated_use_families(att, GPUS, procs, "uuid", {}))
+    fams = samples(workload_families(att, GPUS, None, procs, "uuid", {}))
     found = {(s["uuid"], s["gpu"], s["slurm_job_id"], s["slurm_user"]) for s, _ in fams["smiquery_gpu_unallocated_use"]}
     assert found == {(A, "0", "4343", "bob"), (C, "2", "4242", "alice")}
     fake.down = "squeue: error: Unable to contact slurm controller (connect failure)\n"
-    att.refresh()
-    assert unallocated_use_families(att, GPUS, procs, "uuid", {}) == []  # never from a failed listing
+    att.refresh()  # never from a failed listing
+    assert "smiquery_gpu_unallocated_use" not in samples(workload_families(att, GPUS, None, procs, "uuid", {}))

@@ -988,16 +988,16 @@ def test_docs_list_every_native_metric_and_health_metric():
 
 
 def test_a_process_listed_twice_on_one_gpu_is_one_series():
+    from smiquery.exporter.families import process_families
     from smiquery.sources.apps import GpuProcess
 
-    col = SmiCollector(FrozenSource(), fields=list(CATALOGUE))
     rows = [
         GpuProcess(7, "train.py", "GPU-a", 0, 100),
         GpuProcess(7, "train.py", "GPU-a", 0, 28),
         GpuProcess(7, "train.py", "GPU-b", 1, 5),
         GpuProcess(8, "idle.py", "GPU-b", 1, None),
     ]
-    (fam,) = col.process_families(rows)
+    (fam,) = process_families(rows, {})
     got = {(s.labels["pid"], s.labels["gpu"]): s.value for s in fam.samples}
     assert got == {("7", "0"): 128 * MiB, ("7", "1"): 5 * MiB}
 

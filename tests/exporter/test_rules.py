@@ -85,7 +85,7 @@ def kubernetes_names() -> set[str]:
     """The series of ``--kubernetes`` and ``--kubernetes-processes`` (smiquery/attribution/), as they come out."""
     from smiquery.attribution import Attribution, Grant, Workload
     from smiquery.attribution.kubernetes import KubernetesBackend, PodDirectory
-    from smiquery.exporter.families import attribution_families, workload_usage_families
+    from smiquery.exporter.families import attribution_families, workload_families
     from smiquery.exporter.pmonwatch import ProcessInstant
     from smiquery.sources.apps import GpuProcess
     from smiquery.sources.pmon import PmonRow
@@ -109,10 +109,10 @@ def kubernetes_names() -> set[str]:
     att = Attribution(backend, mig_listing=str)
     att.refresh()
     att.refresh()
-    instant = ProcessInstant(((PmonRow(0, 7, "C", 40, 20), None),), {0: 1}, 0.0, 0.0)
+    instant = ProcessInstant(((PmonRow(0, 7, "C", 40, 20), None),), {0: 1}, 0.0)
     procs = [GpuProcess(pid=7, process_name="python", gpu_uuid=gpu, gpu_index=0, used_memory=1024)]
     fams = attribution_families(att, {gpu: 0}, "uuid", {})
-    fams += workload_usage_families(att, {gpu: 0}, instant, procs, "uuid", {})
+    fams += workload_families(att, {gpu: 0}, instant, procs, "uuid", {})
     names = {s.name for f in fams for s in f.samples}
     assert {"smiquery_gpu_allocation_info", "smiquery_pod_gpu_utilization_ratio"} <= names, "not every series"
     return names

@@ -574,7 +574,7 @@ def test_password_guesses_never_hold_the_workers_that_serve_a_known_credential(m
         ]
         for t in attackers:
             t.start()
-        # one guess is in bcrypt (blocked), 3 wait behind it, the other 16 were answered 429 (after shed_delay)
+        # one guess is in bcrypt (blocked), 3 wait behind it, the other 16 were answered 429 (a second later)
         _wait(lambda: blocked.began == 1 and server.pending_checks == 4 and len(answers) == 16, "attackers queued")
         assert answers == [429] * 16
         for _ in range(20):  # before: each waited behind the guesses holding both workers (here: forever)
@@ -598,12 +598,12 @@ def _server_threads() -> list[int]:
 
 
 def test_a_shed_guess_waits_for_its_429_without_a_thread(auth_web, monkeypatch):
-    """Past the queue a guesser is answered 429 after ``shed_delay``: retrying at once cannot flood the server."""
+    """Past the queue a guesser is answered 429 a second later: retrying at once cannot flood the server."""
     import bcrypt
 
     blocked = _Blocked()
     monkeypatch.setattr(bcrypt, "checkpw", blocked)
-    with running(auth_web, auth_queue=1, shed_delay=1.0) as server:
+    with running(auth_web, auth_queue=1) as server:
         port = port_of(server)
         first = threading.Thread(target=_get, args=(port, _auth("prometheus", "first guess"), 120))
         first.start()
