@@ -11,10 +11,10 @@ import warnings
 from collections.abc import Iterator
 from enum import IntEnum
 
-from smiquery.errors import ParseError, SmiqueryError
+from smiquery.errors import ParseError, SmiqueryError, UsageError
 from smiquery.printable import printable
 
-__all__ = ["ExitCode", "boundary", "cli_text", "exit_code_for", "quiet_stdout", "say", "warnings_as_lines"]
+__all__ = ["ExitCode", "as_usage", "boundary", "cli_text", "exit_code_for", "quiet_stdout", "say", "warnings_as_lines"]
 
 
 class ExitCode(IntEnum):
@@ -95,6 +95,15 @@ def warnings_as_lines() -> Iterator[None]:
     for w in caught:
         if not issubclass(w.category, ResourceWarning):
             say(f"smiquery: warning: {cli_text(str(w.message))}")
+
+
+@contextlib.contextmanager
+def as_usage(message: str, *errors: type[Exception]) -> Iterator[None]:
+    """An error of these types raised inside becomes a UsageError (exit 2): ``message`` with its text for ``{}``."""
+    try:
+        yield
+    except errors as exc:
+        raise UsageError(message.format(exc)) from None
 
 
 def quiet_stdout() -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from smiquery.cli._boundary import ExitCode, boundary, say
+from smiquery.cli._boundary import ExitCode, as_usage, boundary, say
 from smiquery.cli._common import settings_of
 
 if TYPE_CHECKING:
@@ -124,19 +124,11 @@ MaxAnswerOpt = Annotated[
 
 def check_zone(tz: str | None) -> None:
     """Fail at once, as a usage error (exit 2), on a ``--tz`` that names no IANA zone (UsageError)."""
-    from smiquery.errors import InvalidTimeZoneError, UsageError
+    from smiquery.errors import InvalidTimeZoneError
     from smiquery.recordings import resolve_zone
 
-    try:
+    with as_usage("--tz: {}", InvalidTimeZoneError):
         resolve_zone(tz)
-    except InvalidTimeZoneError as exc:
-        raise UsageError(f"--tz: {exc}") from None
-
-
-def _label(recordings: list[Path]) -> str:
-    """How the report and the plot name the recording: ``run.csv``, ``run*.csv``, ``a.csv (+2 more)``."""
-    first = recordings[0].name
-    return first if len(recordings) == 1 else f"{first} (+{len(recordings) - 1} more)"
 
 
 def _gpu_list(spec: str | None) -> list[int | str] | None:
@@ -366,7 +358,9 @@ def read_source(recording: list[Path], fields: str | None, params: Mapping[str, 
         df = load_recording(recording, fields=names, tz=tz)
         for note in df.attrs.get("skipped_files") or ():  # a rotated set's member without rows, or gone
             say(f"smiquery: warning: {printable(note)}")
-        skipped, name = df.attrs.get("skipped"), _label(recording)  # lines that could not be read: one warning
+        # how the report and the plot name it: run.csv, run*.csv, a.csv (+2 more)
+        name = recording[0].name + (f" (+{len(recording) - 1} more)" if len(recording) > 1 else "")
+        skipped = df.attrs.get("skipped")  # lines that could not be read: one warning
         if isinstance(skipped, SkippedLines):
             say(f"smiquery: warning: {skipped.message(str(recording[0]) if len(recording) == 1 else name)}")
         return df, name

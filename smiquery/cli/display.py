@@ -57,6 +57,7 @@ UNKNOWN_USER = "?"
 
 _RESET = "\x1b[0m"
 _STYLES = {
+    "ok": "\x1b[32m",
     "firing": "\x1b[1;31m",
     "pending": "\x1b[33m",
     "missing": "\x1b[2m",
@@ -83,7 +84,7 @@ def use_color(stream: IO[str]) -> bool:
 
 
 def paint(text: str, style: str | None, color: bool) -> str:
-    """``text`` in a style's colours (firing, pending, missing, header, dim, error) when ``color`` and ``style``."""
+    """``text`` in a style's colours (ok, firing, pending, missing, header, dim, error) when ``color`` and ``style``."""
     return f"{_STYLES[style]}{text}{_RESET}" if color and style else text
 
 
@@ -290,10 +291,7 @@ def render(
 
 def hidden_note(hidden: Sequence[str], cols: int) -> list[str]:
     """``hidden (terminal too narrow): uuid, name``, wrapped to ``cols``; nothing when nothing is hidden."""
-    if not hidden:
-        return []
-    words = ["hidden", "(terminal", "too", "narrow):", *(f"{h}," for h in hidden[:-1]), hidden[-1]]
-    return wrap_parts(words, cols, sep=" ")
+    return wrap_parts(f"hidden (terminal too narrow): {', '.join(hidden)}".split(" "), cols, sep=" ") if hidden else []
 
 
 def _wrap_last_column(lines: Sequence[str], cols: int) -> list[str]:

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Annotated, Literal
+from typing import IO, TYPE_CHECKING, Annotated, Literal, NamedTuple
 
 import typer
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from smiquery.source import StreamEvent
     from smiquery.sources.pmon import PmonRow
 
-__all__ = ["ProcCache", "ProcInfo", "PsSort", "matches_process", "pmon_interval", "proc_info", "ps", "run_watch"]
+__all__ = ["ProcCache", "ProcInfo", "PsSort", "pmon_interval", "proc_info", "ps", "run_watch"]
 
 _CPU_WINDOW = 0.1  # seconds between the two reads of a process's CPU time
 
@@ -59,19 +59,6 @@ def _cpu_ticks(pid: int) -> int | None:
         return None
 
 
-def matches_process(name: str | None, proc: Path, argv: Sequence[str]) -> bool:
-    """Whether /proc/PID is the process nvidia-smi named (in a container, PIDs are the host's)."""
-    if not name:
-        return True
-    want = os.path.basename(name.split()[0]) if name.split() else name
-    try:
-        comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
-    except OSError:
-        comm = ""
-    seen = {comm, *(os.path.basename(a) for a in argv[:2])}
-    return any(want == s or (len(comm) == 15 and want.startswith(s)) for s in seen if s)
-
-
 def _identity(pid: int, name: str | None) -> ProcInfo | None:
     """User and command line of ``pid``, or None when /proc cannot tell or it is another process than ``name``."""
     from smiquery.sources.pmon import process_user
@@ -82,8 +69,15 @@ def _identity(pid: int, name: str | None) -> ProcInfo | None:
     except OSError:
         return None
     argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
-    if not matches_process(name, proc, argv):
-        return None  # another PID namespace: this pid is someone else here
+    if name:  # in a container, PIDs are the host's: this pid may be someone else here
+        want = os.path.basename(name.split()[0]) if name.split() else name
+        try:
+            comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            comm = ""
+        seen = {comm, *(os.path.basename(a) for a in argv[:2])}
+        if not any(want == s or (len(comm) == 15 and want.startswith(s)) for s in seen if s):
+            return None
     return ProcInfo(process_user(pid), " ".join(argv) or None)
 
 
@@ -266,12 +260,6 @@ class _Blocks:
         self.out.write(text)
         self.out.flush()
 
-    def note(self, line: str) -> None:
-        say(line)
-
-    def close(self) -> None:
-        """Nothing to restore."""
-
 
 def _json_ready(record: dict[str, object]) -> dict[str, object]:
     when = record.get("time")
@@ -299,11 +287,6 @@ class _Live:
         self._records = records
         self._after = [f"sampled {_instant_time(instant).strftime('%H:%M:%S')}{_idle_note(instant)}"]
         self.draw()
-
-    def key(self, key: str) -> None:
-        """Scroll or filter the processes (arrows, PgUp/PgDn, Home/End, ``/``)."""
-        if self.view.key(key):
-            self.draw()
 
     def _body(self, room: int) -> list[str]:
         """The table with the rows that fit ``room`` lines, and a line saying which are shown of how many."""
@@ -351,8 +334,7 @@ class _Live:
             show_cursor(self.out)
 
 
-@dataclass(frozen=True)
-class _Instant:
+class _Instant(NamedTuple):
     """One instant of the pmon child watching group ``group`` of the GPUs."""
 
     group: int
@@ -472,16 +454,16 @@ def run_watch(
                     item = items.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if isinstance(item, str):  # a key typed
-                    if live is not None:
-                        live.key(item)
+                if isinstance(item, str):  # a key typed: scroll or filter
+                    if live is not None and live.view.key(item):
+                        live.draw()
                 elif isinstance(item, SourceEvent):
                     if item.event.kind == "error" and pmon_unsupported(item.event.error):
                         failure = item.event.error  # pmon said so: restarting cannot help
                         break
                     line = _event_line(item.event)
                     if line is not None:
-                        view.note(line)
+                        (say if live is None else live.note)(line)
                 elif isinstance(item, Failure):
                     failure = item.exc
                     break
@@ -505,7 +487,8 @@ def run_watch(
                     src.close()  # each reaps its own child
             for thread in threads:
                 thread.join(max(10.0, 2.0 * interval))
-            view.close()
+            if live is not None:
+                live.close()
             code = sigs.exit_code
     if failure is not None and code == 0:
         with gpu_ids_checked(ids, settings):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from smiquery.cli._boundary import ExitCode, boundary, cli_text, quiet_stdout, say
+from smiquery.cli._boundary import ExitCode, as_usage, boundary, cli_text, quiet_stdout, say
 from smiquery.cli._common import GpusOpt, StreamFormatOpt, app, fields_option, settings_of
 from smiquery.cli._options import (
     Settings,
@@ -538,10 +538,8 @@ def stream(
 
             if run.evaluator is None:
                 raise UsageError("--on-alert needs at least one --alert rule")
-            try:
+            with as_usage("--on-alert: {}", ValueError):
                 handlers = [handler_from_spec(spec, nvidia_smi=settings.nvidia_smi) for spec in on_alert]
-            except ValueError as exc:
-                raise UsageError(f"--on-alert: {exc}") from None
             run.notifier = Notifier(run.evaluator, handlers)
         if ids and replay is None:
             # a live source retries "No devices were found" forever: asked once, the answer is kept
@@ -558,10 +556,8 @@ def _rules(alerts: Sequence[str]) -> tuple[list[Rule], tuple[Field, ...]]:
     from smiquery.alerts import Rule
     from smiquery.errors import InvalidRuleError
 
-    try:
+    with as_usage("--alert: {}", InvalidRuleError):
         rules = [Rule.parse(a) for a in alerts]
-    except InvalidRuleError as exc:
-        raise UsageError(f"--alert: {exc}") from None
     needed = [f for r in rules for f in r.fields]  # `while` fields too
     if any(r.hold_seconds is not None for r in rules):
         needed.insert(0, get_field("timestamp"))  # `for 5m` is measured by the samples' own timestamps
@@ -609,10 +605,8 @@ def _open_replay(
             lacking = [f.name for f in rule_fields if f.name not in have]
             if lacking:
                 raise ReplayError(f"recording {path} has no {', '.join(lacking)} for --alert")
-    try:
+    with as_usage("{}", ValueError):
         replayed = Replay(path, fields=[f.name for f in wanted] if wanted else None, columns=columns, **common)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
     title = f"smiquery stream · replay {path.name} at {speed:g}x" if speed else f"replay {path.name}"
     return replayed, replayed.fields, title
 
