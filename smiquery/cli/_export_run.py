@@ -147,22 +147,19 @@ def hand_off(opts: dict[str, Any], argv: list[str]) -> None:
     """
     if os.environ.get(EXEC_ENV, "1") == "0":
         return
-    exe = sys.executable
-    if not exe or not os.access(exe, os.X_OK):
-        return
     import subprocess
 
     # this interpreter's flags (-X importtime, -W ..., -u), by the stdlib's own helper (multiprocessing uses it)
     flags = getattr(subprocess, "_args_from_interpreter_flags", None)
-    new_argv = [exe, *(flags() if callable(flags) else []), "-m", "smiquery.cli._export_run", *argv]
+    new_argv = [sys.executable, *(flags() if callable(flags) else []), "-m", "smiquery.cli._export_run", *argv]
     env = {**os.environ, HANDOFF_ENV: json.dumps(opts)}
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     try:
-        os.execve(exe, new_argv, env)
+        os.execve(sys.executable, new_argv, env)
     except OSError:
-        return  # run in this process instead
+        return  # no interpreter to run (none known, not executable): serve in this process instead
 
 
 def main() -> NoReturn:

@@ -19,8 +19,6 @@ from smiquery.cli._common import settings_of
 if TYPE_CHECKING:
     import pandas as pd
 
-    from smiquery.analysis import Report
-
 __all__ = ["FailOn", "PlotLayout", "ReportFormat", "check_zone", "read_source", "register"]
 
 #: Output formats of ``smiquery report``.
@@ -106,9 +104,7 @@ PodOpt = Annotated[str | None, typer.Option("--pod", metavar="REGEX", help="Only
 HttpConfigOpt = Annotated[
     Path | None,
     typer.Option(
-        metavar="FILE",
-        dir_okay=False,
-        help="Credentials and TLS for --prometheus, as promtool's --http.config.file.",
+        metavar="FILE", dir_okay=False, help="Credentials and TLS for --prometheus, as promtool's --http.config.file."
     ),
 ]
 MaxAnswerOpt = Annotated[
@@ -304,8 +300,16 @@ def report(
             from smiquery.fleet.report import name_gpus
 
             text = name_gpus(text, fmt, df)
-        if html is not None:
-            _write_html(result, df, html, alert or None)
+        if html is not None:  # the report's page with the plot inlined; without matplotlib it says how to get one
+            from smiquery.analysis import plot_png, report_html
+
+            try:
+                png: bytes | None = plot_png(df, rules=alert or None, name=result.source)
+                note = None
+            except ImportError as exc:
+                png, note = None, str(exc)
+                say(f"smiquery: warning: the page has no plot: {exc}")
+            html.write_text(report_html(result, png, note), encoding="utf-8")
         if output is not None:
             output.write_text(text, encoding="utf-8")
         else:
@@ -314,19 +318,6 @@ def report(
         limit = {"warning": 1, "critical": 0}.get(fail_on)
         if limit is not None and any(SEVERITY_ORDER[f.severity] <= limit for f in result.findings):
             raise typer.Exit(ExitCode.ALERT)
-
-
-def _write_html(result: Report, df: pd.DataFrame, path: Path, rules: list[str] | None) -> None:
-    """The report's page with the plot inlined; without matplotlib, the page says how to get the plot."""
-    from smiquery.analysis import plot_png, report_html
-
-    try:
-        png: bytes | None = plot_png(df, rules=rules, name=result.source)
-        note = None
-    except ImportError as exc:
-        png, note = None, str(exc)
-        say(f"smiquery: warning: the page has no plot: {exc}")
-    path.write_text(report_html(result, png, note), encoding="utf-8")
 
 
 #: The fleet options that go with --prometheus alone (by parameter name; --tz goes with either).

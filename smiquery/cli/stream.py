@@ -685,22 +685,19 @@ def record(ctx: typer.Context) -> None:
         raise UsageError(f"there is no `smiquery record`: record with `{command}`, then `smiquery report` the file")
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-
-
 def parse_rotate(text: str) -> tuple[int | None, float | None]:
     """``--rotate``: (bytes, None) for ``100MB`` (``64MiB``: 1024s), (None, seconds) for ``1h``; else UsageError."""
     wrong = UsageError(f"--rotate {text!r}: give a size such as 100MB or 1GB, or a duration such as 1h or 30m")
-    if re.search(r"b\s*$", text, re.IGNORECASE) or re.search(r"\d\s*[kgt]i?\s*$", text, re.IGNORECASE):
-        m = _SIZE_RE.match(text)
-        if m is None or float(m.group(1)) <= 0:
-            raise wrong
-        power = " kmgt".index(m.group(2).lower() or " ")
-        return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power), None
-    try:
-        return None, parse_seconds(text, "--rotate")
-    except UsageError:
-        raise wrong from None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", text, re.IGNORECASE)
+    if m is None or not (m.group(4) or m.group(2).lower() in ("k", "g", "t")):  # no size: 10m is ten minutes
+        try:
+            return None, parse_seconds(text, "--rotate")
+        except UsageError:
+            raise wrong from None
+    if float(m.group(1)) <= 0:
+        raise wrong
+    power = " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power), None
 
 
 def recording_options(
