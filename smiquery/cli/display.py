@@ -78,9 +78,7 @@ _IDENTITY = ("uuid", "pci.bus_id", "serial", "vbios_version", "driver_version")
 
 def use_color(stream: IO[str]) -> bool:
     """Whether to colour output on ``stream``: a terminal, ``NO_COLOR`` unset and ``TERM`` not ``dumb``."""
-    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
-        return False
-    return is_tty(stream)
+    return not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb" and is_tty(stream)
 
 
 def paint(text: str, style: str | None, color: bool) -> str:

@@ -91,5 +91,4 @@ def doctor(
             lines.append(", ".join(counts) or "all checks passed")
             out.write("".join(line + "\n" for line in lines))
         out.flush()
-        if code:
-            raise typer.Exit(code)
+        raise typer.Exit(code)

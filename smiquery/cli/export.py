@@ -210,9 +210,7 @@ def export(
         }
         if export_run.process_entry:
             hand_off(opts, sys.argv[1:])  # returns only when the process image cannot be replaced
-        code = run_export(opts)
-    if code:
-        raise typer.Exit(code)
+        raise typer.Exit(run_export(opts))
 
 
 def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:

@@ -184,7 +184,7 @@ def _records(instant: Sequence[PmonRow], sort: str, procs: ProcCache) -> list[di
 
     rows = sorted((r for r in instant if not r.idle), key=lambda r: (r.gpu if r.gpu is not None else -1, r.pid or 0))
     rows = sort_rows(rows, sort, descending=sort in _DESCENDING)
-    stamp = _instant_time(instant)
+    stamp = _instant_time(instant).isoformat()  # as CSV and JSON show it (a table shows no time column)
     out: list[dict[str, object]] = []
     for r in rows:
         info = procs.lookup(r.pid, r.command) if r.pid is not None else ProcInfo()
@@ -251,9 +251,9 @@ class _Blocks:
             text = f"# {when.isoformat(sep=' ')}{_idle_note(instant)}\n"
             text += render(records, "table", columns=self.columns, empty="no processes") + "\n"
         elif self.form == "json":
-            text = json.dumps([_json_ready(r) for r in records]) + "\n"  # one array per instant, one per line
+            text = json.dumps(records) + "\n"  # one array per instant, one per line
         else:
-            text = render([_json_ready(r) for r in records], self.form, columns=self.columns)
+            text = render(records, self.form, columns=self.columns)
             if self.form == "csv":
                 text = text.partition("\n")[2] if self._header_done else text
                 self._header_done = True
@@ -261,21 +261,15 @@ class _Blocks:
         self.out.flush()
 
 
-def _json_ready(record: dict[str, object]) -> dict[str, object]:
-    when = record.get("time")
-    return {**record, "time": when.isoformat() if isinstance(when, datetime) else when}
-
-
 class _Live:
     """A terminal: the table redrawn in place every interval (cursor home, lines rewritten, the rest cleared)."""
 
-    def __init__(self, out: IO[str], title: str, *, events_here: bool) -> None:
+    def __init__(self, out: IO[str], title: str) -> None:
         from smiquery.cli.display import use_color
 
         self.out = out
         self.title = title
         self.color = use_color(out)
-        self.events_here = events_here
         self.columns = _columns(True)
         self._events: list[str] = []
         self._records: list[dict[str, object]] = []
@@ -305,9 +299,7 @@ class _Live:
         return [*table, "", *([where] if where else []), *self._after]
 
     def note(self, line: str) -> None:
-        if not self.events_here:
-            say(line)
-            return
+        """A notice for the legend (stderr is this terminal: a line there would tear the table)."""
         self._events.append(line.removeprefix("smiquery: "))
         del self._events[:-4]
         self.draw()
@@ -427,7 +419,7 @@ def run_watch(
     if is_tty(out) and form == "table":
         children = f" · {len(sources)} pmon children" if len(sources) > 1 else ""
         title = f"smiquery ps --watch · every {interval} s · sorted by {sort}{children} · {sources[0].argv[0]}"
-        view = _Live(out, title, events_here=is_tty(sys.stderr))
+        view = _Live(out, title)
     else:
         view = _Blocks(out, form)
     procs = ProcCache()
@@ -437,6 +429,7 @@ def run_watch(
     shown = 0
     ended = 0
     live = view if isinstance(view, _Live) else None
+    note = live.note if live is not None and is_tty(sys.stderr) else say
     reader = KeyReader(items.put) if live is not None else contextlib.nullcontext()
     with Signals() as sigs, reader:
         try:
@@ -463,7 +456,7 @@ def run_watch(
                         break
                     line = _event_line(item.event)
                     if line is not None:
-                        (say if live is None else live.note)(line)
+                        note(line)
                 elif isinstance(item, Failure):
                     failure = item.exc
                     break
@@ -565,10 +558,7 @@ def ps(
     with boundary(settings.debug):
         if watch:
             stop_after = parse_seconds(duration, "--duration") if duration is not None else None
-            code = run_watch(settings, gpus, pmon_interval(interval), count, stop_after, sort or "sm", fmt)
-            if code:
-                raise typer.Exit(code)
-            return
+            raise typer.Exit(run_watch(settings, gpus, pmon_interval(interval), count, stop_after, sort or "sm", fmt))
         options = (("--interval", interval), ("--duration", duration), ("--count", count), ("--sort", sort))
         given = [name for name, value in options if value]
         if given:
@@ -585,19 +575,19 @@ def ps(
         records: list[dict[str, object]] = []
         for p in procs:
             extra = info.get(p.pid, ProcInfo()) if p.pid is not None else ProcInfo()
-            rec: dict[str, object] = {
-                "gpu_index": p.gpu_index,
-                "gpu_uuid": p.gpu_uuid,
-                "pid": p.pid,
-                "user": extra.user,
-                "cpu_percent": extra.cpu_percent,
-                "used_memory": p.used_memory,
-                "process_name": p.process_name,
-                "command": extra.command,
-            }
-            if p.missing:
-                rec["_missing"] = dict(p.missing)
-            records.append(rec)
+            records.append(
+                {
+                    "gpu_index": p.gpu_index,
+                    "gpu_uuid": p.gpu_uuid,
+                    "pid": p.pid,
+                    "user": extra.user,
+                    "cpu_percent": extra.cpu_percent,
+                    "used_memory": p.used_memory,
+                    "process_name": p.process_name,
+                    "command": extra.command,
+                    **({"_missing": dict(p.missing)} if p.missing else {}),
+                }
+            )
         table = form == "table"
         columns = [
             Column("gpu_index", "gpu" if table else "gpu_index", right=True),

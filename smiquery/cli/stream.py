@@ -546,9 +546,7 @@ def stream(
             wrong = functools.cache(lambda: unknown_gpus(ids, settings))
             run.check_error = lambda exc: wrong() if isinstance(exc, NoDevicesFoundError) else None
         with gpu_ids_checked(ids if replay is None else None, settings), reopen_on_hup(run.writers):
-            code = run.pump(count=count, stop_after=stop_after, interval=seconds)
-        if code:
-            raise typer.Exit(code)
+            raise typer.Exit(run.pump(count=count, stop_after=stop_after, interval=seconds))
 
 
 def _rules(alerts: Sequence[str]) -> tuple[list[Rule], tuple[Field, ...]]:

@@ -216,8 +216,7 @@ def top(
             finally:
                 with contextlib.suppress(OSError):
                     sys.stdout.flush()
-        if sigs.signum is not None:
-            raise typer.Exit(sigs.exit_code)
+        raise typer.Exit(sigs.exit_code)
 
 
 def _show(gpus: Sequence[FleetGpu], title: str, total: int, error: str, view: Viewport, tty: bool) -> None:

@@ -354,7 +354,7 @@ def test_64_processes_at_80x24_keep_the_footer_say_what_is_shown_and_scroll(monk
 
     monkeypatch.setattr(display, "terminal_size", lambda: (80, 24))
     out = io.StringIO()
-    live = _Live(out, "smiquery ps --watch", events_here=True)
+    live = _Live(out, "smiquery ps --watch")
     records = [
         {"gpu_index": i % 8, "pid": 1000 + i, "user": None, "sm": 50, "mem": 10, "used_memory": 100, "command": "x"}
         for i in range(64)
