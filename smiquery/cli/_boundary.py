@@ -116,10 +116,7 @@ def quiet_stdout() -> None:
 
 @contextlib.contextmanager
 def boundary(debug: bool = False) -> Iterator[None]:
-    """The one place where errors raised inside (a command's body) become one line on stderr and an exit code.
-
-    With ``debug`` the traceback comes first.
-    """
+    """The one place where errors raised inside become a line on stderr and an exit code (``debug``: traceback too)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)

@@ -141,10 +141,7 @@ def run_export(opts: dict[str, Any]) -> int:
 
 
 def hand_off(opts: dict[str, Any], argv: list[str]) -> None:
-    """Replace this process with the lean exporter (``os.execv``); returns only when that cannot be done.
-
-    ``argv`` (the command line after ``smiquery``) is shown after the module in ``ps``.
-    """
+    """Replace this process with the lean exporter (``os.execv``; ``ps`` shows ``argv``); returns only if it cannot."""
     if os.environ.get(EXEC_ENV, "1") == "0":
         return
     import subprocess

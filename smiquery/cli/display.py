@@ -87,10 +87,7 @@ def paint(text: str, style: str | None, color: bool) -> str:
 
 
 def display_value(fld: Field, value: Value, reason: str | None = None) -> str:
-    """A value as a table shows it: nvidia-smi's spelling without units; missing as ``n/a`` (or its reason).
-
-    Decimals are rounded to the unit's precision (watts: two, as nvidia-smi prints them).
-    """
+    """A value as a table shows it (:meth:`Field.display`: no unit, rounded); missing as ``n/a`` (or its reason)."""
     return fld.display(value, missing=_MISSING_MARKS.get(reason or "not_available", "n/a"))
 
 

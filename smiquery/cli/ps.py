@@ -605,10 +605,7 @@ def ps(
 
 
 def pmon_interval(text: str | None) -> int:
-    """``--interval`` as pmon takes it: whole seconds, 1 to 10 (shorter or fractional: rounded up, with a note).
-
-    A UsageError for no duration or one over 10 s.
-    """
+    """``--interval`` as pmon takes it: whole seconds 1 to 10 (else rounded up, with a note); UsageError past 10 s."""
     if text is None:
         return 1
     seconds = parse_seconds(text, "--interval")
