@@ -11,10 +11,10 @@ import warnings
 from collections.abc import Iterator
 from enum import IntEnum
 
-from smiquery.errors import ParseError, SmiqueryError
+from smiquery.errors import ParseError, SmiqueryError, UsageError
 from smiquery.printable import printable
 
-__all__ = ["ExitCode", "boundary", "cli_text", "exit_code_for", "quiet_stdout", "say", "warnings_as_lines"]
+__all__ = ["ExitCode", "as_usage", "boundary", "cli_text", "exit_code_for", "quiet_stdout", "say", "warnings_as_lines"]
 
 
 class ExitCode(IntEnum):
@@ -97,6 +97,15 @@ def warnings_as_lines() -> Iterator[None]:
             say(f"smiquery: warning: {cli_text(str(w.message))}")
 
 
+@contextlib.contextmanager
+def as_usage(message: str, *errors: type[Exception]) -> Iterator[None]:
+    """An error of these types raised inside becomes a UsageError (exit 2): ``message`` with its text for ``{}``."""
+    try:
+        yield
+    except errors as exc:
+        raise UsageError(message.format(exc)) from None
+
+
 def quiet_stdout() -> None:
     """Point stdout at /dev/null after the reader went away (``| head``), so the flush at exit cannot fail."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
@@ -107,10 +116,7 @@ def quiet_stdout() -> None:
 
 @contextlib.contextmanager
 def boundary(debug: bool = False) -> Iterator[None]:
-    """The one place where errors raised inside (a command's body) become one line on stderr and an exit code.
-
-    With ``debug`` the traceback comes first.
-    """
+    """The one place where errors raised inside become a line on stderr and an exit code (``debug``: traceback too)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)

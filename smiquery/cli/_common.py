@@ -144,13 +144,10 @@ def _root(
     """
     ctx.obj = Settings(nvidia_smi=nvidia_smi, timeout=timeout, debug=debug)
     # library log lines go to stderr only with --debug (commands print their own one-line events)
+    handler = logging.StreamHandler(sys.stderr) if debug else logging.NullHandler()
+    handler.setFormatter(logging.Formatter("smiquery: debug: %(message)s"))
     logger = logging.getLogger("smiquery")
     logger.propagate = False
-    logger.handlers.clear()
+    logger.handlers[:] = [handler]
     if debug:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("smiquery: debug: %(message)s"))
-        logger.addHandler(handler)
         logger.setLevel(logging.DEBUG)
-    else:
-        logger.addHandler(logging.NullHandler())

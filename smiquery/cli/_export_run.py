@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
-from smiquery.cli._boundary import ExitCode, boundary, say
+from smiquery.cli._boundary import ExitCode, as_usage, boundary, say
 from smiquery.cli._signals import Signals
 from smiquery.errors import ListenError, SmiqueryError, UsageError
 
@@ -74,10 +74,8 @@ def _attribution(opts: dict[str, Any]) -> Attribution | None:
             raise invalid("--kubernetes", missing) from None
         pods = PodDirectory(max(opts["interval"], 15.0)) if opts["kubernetes_processes"] else None
         backend = KubernetesBackend(opts["pod_resources_socket"], pods=pods)
-    try:
+    with as_usage("Invalid value for '--label': {}", ValueError):
         check_labels(backend, opts["labels"])
-    except ValueError as exc:
-        raise invalid("--label", str(exc)) from None
     return Attribution(backend, interval=interval, nvidia_smi=opts["nvidia_smi"])
 
 
@@ -100,10 +98,8 @@ def run_export(opts: dict[str, Any]) -> int:
         exporter_mod.configure_logging(opts["log_format"])
     web = None
     if opts["web_config_file"] is not None:
-        try:
+        with as_usage("Invalid value for '--web-config-file': {}", SmiqueryError):
             web = exporter_mod.load_web_config(opts["web_config_file"])
-        except SmiqueryError as exc:
-            raise invalid("--web-config-file", str(exc)) from None
     served = inspect.signature(exporter_mod.serve).parameters  # the options of the same name go as they are
     given = {name: value for name, value in opts.items() if name in served}
     given.update(processes=processes, top_processes=top_processes, web_config=web, attribution=attribution)
@@ -145,28 +141,22 @@ def run_export(opts: dict[str, Any]) -> int:
 
 
 def hand_off(opts: dict[str, Any], argv: list[str]) -> None:
-    """Replace this process with the lean exporter (``os.execv``); returns only when that cannot be done.
-
-    ``argv`` (the command line after ``smiquery``) is shown after the module in ``ps``.
-    """
+    """Replace this process with the lean exporter (``os.execv``; ``ps`` shows ``argv``); returns only if it cannot."""
     if os.environ.get(EXEC_ENV, "1") == "0":
-        return
-    exe = sys.executable
-    if not exe or not os.access(exe, os.X_OK):
         return
     import subprocess
 
     # this interpreter's flags (-X importtime, -W ..., -u), by the stdlib's own helper (multiprocessing uses it)
     flags = getattr(subprocess, "_args_from_interpreter_flags", None)
-    new_argv = [exe, *(flags() if callable(flags) else []), "-m", "smiquery.cli._export_run", *argv]
+    new_argv = [sys.executable, *(flags() if callable(flags) else []), "-m", "smiquery.cli._export_run", *argv]
     env = {**os.environ, HANDOFF_ENV: json.dumps(opts)}
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     try:
-        os.execve(exe, new_argv, env)
+        os.execve(sys.executable, new_argv, env)
     except OSError:
-        return  # run in this process instead
+        return  # no interpreter to run (none known, not executable): serve in this process instead
 
 
 def main() -> NoReturn:

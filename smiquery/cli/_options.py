@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Literal
 
+from smiquery.cli._boundary import as_usage
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError, NoDevicesFoundError, UsageError
 from smiquery.fields import PRESETS, Field, resolve_fields
 
@@ -45,32 +46,26 @@ def parse_seconds(text: str, what: str) -> float:
     """Positive seconds from ``1``, ``0.5``, ``250ms``, ``2s``, ``10m``, ``1h``; else a UsageError naming ``what``."""
     from smiquery.alerts import parse_duration
 
-    try:
+    with as_usage("{}", ValueError):
         return parse_duration(text, what=what)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
 
 
 def parse_fields(spec: str | None, extra: Sequence[Field] = ()) -> tuple[Field, ...]:
     """The fields of ``--fields`` (a preset or a comma list; None: default), then ``extra`` ones not named."""
-    try:
+    with as_usage(f"--fields: {{}}; presets: {', '.join(PRESETS)}", InvalidFieldError):
         flds = resolve_fields(spec or "default")
-    except InvalidFieldError as exc:
-        raise UsageError(f"--fields: {exc}; presets: {', '.join(PRESETS)}") from None
     names = {f.name for f in flds}
     return (*flds, *(f for f in extra if f.name not in names))
 
 
-def parse_gpus(spec: str | None, what: str = "--gpus") -> tuple[str, ...] | None:
+def parse_gpus(spec: str | None) -> tuple[str, ...] | None:
     """GPU ids (indices, UUIDs or PCI bus ids, comma separated) as strings, None for all; else a UsageError."""
     from smiquery.streams.argv import normalize_gpus
 
     if spec is None:
         return None
-    try:
+    with as_usage("--gpus: {}", InvalidGpuIdError):
         return normalize_gpus(spec)
-    except InvalidGpuIdError as exc:
-        raise UsageError(f"{what}: {exc}") from None
 
 
 def is_tty(stream: IO[str]) -> bool:

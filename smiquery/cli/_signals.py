@@ -56,10 +56,9 @@ class Signals:
         return exit_code_of(self.signum) if self.signum is not None else ExitCode.OK
 
     def __enter__(self) -> Signals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                with contextlib.suppress(ValueError, OSError):
-                    self._saved[sig] = signal.signal(sig, self._handler)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError, OSError):  # ValueError: not the main thread
+                self._saved[sig] = signal.signal(sig, self._handler)
         return self
 
     def __exit__(self, *exc: object) -> None:

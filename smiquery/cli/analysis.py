@@ -13,13 +13,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from smiquery.cli._boundary import ExitCode, boundary, say
+from smiquery.cli._boundary import ExitCode, as_usage, boundary, say
 from smiquery.cli._common import settings_of
 
 if TYPE_CHECKING:
     import pandas as pd
-
-    from smiquery.analysis import Report
 
 __all__ = ["FailOn", "PlotLayout", "ReportFormat", "check_zone", "read_source", "register"]
 
@@ -106,9 +104,7 @@ PodOpt = Annotated[str | None, typer.Option("--pod", metavar="REGEX", help="Only
 HttpConfigOpt = Annotated[
     Path | None,
     typer.Option(
-        metavar="FILE",
-        dir_okay=False,
-        help="Credentials and TLS for --prometheus, as promtool's --http.config.file.",
+        metavar="FILE", dir_okay=False, help="Credentials and TLS for --prometheus, as promtool's --http.config.file."
     ),
 ]
 MaxAnswerOpt = Annotated[
@@ -124,19 +120,11 @@ MaxAnswerOpt = Annotated[
 
 def check_zone(tz: str | None) -> None:
     """Fail at once, as a usage error (exit 2), on a ``--tz`` that names no IANA zone (UsageError)."""
-    from smiquery.errors import InvalidTimeZoneError, UsageError
+    from smiquery.errors import InvalidTimeZoneError
     from smiquery.recordings import resolve_zone
 
-    try:
+    with as_usage("--tz: {}", InvalidTimeZoneError):
         resolve_zone(tz)
-    except InvalidTimeZoneError as exc:
-        raise UsageError(f"--tz: {exc}") from None
-
-
-def _label(recordings: list[Path]) -> str:
-    """How the report and the plot name the recording: ``run.csv``, ``run*.csv``, ``a.csv (+2 more)``."""
-    first = recordings[0].name
-    return first if len(recordings) == 1 else f"{first} (+{len(recordings) - 1} more)"
 
 
 def _gpu_list(spec: str | None) -> list[int | str] | None:
@@ -312,8 +300,16 @@ def report(
             from smiquery.fleet.report import name_gpus
 
             text = name_gpus(text, fmt, df)
-        if html is not None:
-            _write_html(result, df, html, alert or None)
+        if html is not None:  # the report's page with the plot inlined; without matplotlib it says how to get one
+            from smiquery.analysis import plot_png, report_html
+
+            try:
+                png: bytes | None = plot_png(df, rules=alert or None, name=result.source)
+                note = None
+            except ImportError as exc:
+                png, note = None, str(exc)
+                say(f"smiquery: warning: the page has no plot: {exc}")
+            html.write_text(report_html(result, png, note), encoding="utf-8")
         if output is not None:
             output.write_text(text, encoding="utf-8")
         else:
@@ -322,19 +318,6 @@ def report(
         limit = {"warning": 1, "critical": 0}.get(fail_on)
         if limit is not None and any(SEVERITY_ORDER[f.severity] <= limit for f in result.findings):
             raise typer.Exit(ExitCode.ALERT)
-
-
-def _write_html(result: Report, df: pd.DataFrame, path: Path, rules: list[str] | None) -> None:
-    """The report's page with the plot inlined; without matplotlib, the page says how to get the plot."""
-    from smiquery.analysis import plot_png, report_html
-
-    try:
-        png: bytes | None = plot_png(df, rules=rules, name=result.source)
-        note = None
-    except ImportError as exc:
-        png, note = None, str(exc)
-        say(f"smiquery: warning: the page has no plot: {exc}")
-    path.write_text(report_html(result, png, note), encoding="utf-8")
 
 
 #: The fleet options that go with --prometheus alone (by parameter name; --tz goes with either).
@@ -366,7 +349,9 @@ def read_source(recording: list[Path], fields: str | None, params: Mapping[str, 
         df = load_recording(recording, fields=names, tz=tz)
         for note in df.attrs.get("skipped_files") or ():  # a rotated set's member without rows, or gone
             say(f"smiquery: warning: {printable(note)}")
-        skipped, name = df.attrs.get("skipped"), _label(recording)  # lines that could not be read: one warning
+        # how the report and the plot name it: run.csv, run*.csv, a.csv (+2 more)
+        name = recording[0].name + (f" (+{len(recording) - 1} more)" if len(recording) > 1 else "")
+        skipped = df.attrs.get("skipped")  # lines that could not be read: one warning
         if isinstance(skipped, SkippedLines):
             say(f"smiquery: warning: {skipped.message(str(recording[0]) if len(recording) == 1 else name)}")
         return df, name

@@ -118,13 +118,11 @@ def inspect_cmd(
         with warnings_as_lines():
             if xml is not None:
                 try:
-                    text = xml.read_bytes()
+                    found = parse_xml(xml.read_bytes())
                 except OSError as exc:
                     raise RecordingError(f"cannot read {xml}: {exc.strerror or exc}; give a saved -q -x file") from None
-                found = parse_xml(text)
             else:
-                ids = parse_gpus(gpus)
-                found = details(ids, nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
+                found = details(parse_gpus(gpus), nvidia_smi=settings.nvidia_smi, timeout=settings.timeout)
         if fmt == "json":
             sys.stdout.write(json.dumps([g.to_dict() for g in found], indent=2) + "\n")
         else:

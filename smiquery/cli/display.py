@@ -57,6 +57,7 @@ UNKNOWN_USER = "?"
 
 _RESET = "\x1b[0m"
 _STYLES = {
+    "ok": "\x1b[32m",
     "firing": "\x1b[1;31m",
     "pending": "\x1b[33m",
     "missing": "\x1b[2m",
@@ -77,21 +78,16 @@ _IDENTITY = ("uuid", "pci.bus_id", "serial", "vbios_version", "driver_version")
 
 def use_color(stream: IO[str]) -> bool:
     """Whether to colour output on ``stream``: a terminal, ``NO_COLOR`` unset and ``TERM`` not ``dumb``."""
-    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
-        return False
-    return is_tty(stream)
+    return not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb" and is_tty(stream)
 
 
 def paint(text: str, style: str | None, color: bool) -> str:
-    """``text`` in a style's colours (firing, pending, missing, header, dim, error) when ``color`` and ``style``."""
+    """``text`` in a style's colours (ok, firing, pending, missing, header, dim, error) when ``color`` and ``style``."""
     return f"{_STYLES[style]}{text}{_RESET}" if color and style else text
 
 
 def display_value(fld: Field, value: Value, reason: str | None = None) -> str:
-    """A value as a table shows it: nvidia-smi's spelling without units; missing as ``n/a`` (or its reason).
-
-    Decimals are rounded to the unit's precision (watts: two, as nvidia-smi prints them).
-    """
+    """A value as a table shows it (:meth:`Field.display`: no unit, rounded); missing as ``n/a`` (or its reason)."""
     return fld.display(value, missing=_MISSING_MARKS.get(reason or "not_available", "n/a"))
 
 
@@ -290,10 +286,7 @@ def render(
 
 def hidden_note(hidden: Sequence[str], cols: int) -> list[str]:
     """``hidden (terminal too narrow): uuid, name``, wrapped to ``cols``; nothing when nothing is hidden."""
-    if not hidden:
-        return []
-    words = ["hidden", "(terminal", "too", "narrow):", *(f"{h}," for h in hidden[:-1]), hidden[-1]]
-    return wrap_parts(words, cols, sep=" ")
+    return wrap_parts(f"hidden (terminal too narrow): {', '.join(hidden)}".split(" "), cols, sep=" ") if hidden else []
 
 
 def _wrap_last_column(lines: Sequence[str], cols: int) -> list[str]:

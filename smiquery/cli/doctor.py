@@ -13,12 +13,7 @@ from smiquery.cli._common import app, settings_of
 
 __all__ = ["doctor"]
 
-_MARKS = {
-    "ok": ("ok", "\x1b[32m"),
-    "warn": ("WARN", "\x1b[33m"),
-    "fail": ("FAIL", "\x1b[1;31m"),
-    "skip": ("skip", "\x1b[2m"),
-}
+_MARKS = {"ok": ("ok", "ok"), "warn": ("WARN", "pending"), "fail": ("FAIL", "firing"), "skip": ("skip", "dim")}
 
 
 @app.command(
@@ -56,7 +51,7 @@ def doctor(
     """
     settings = settings_of(ctx)
     with boundary(settings.debug):
-        from smiquery.cli.display import use_color
+        from smiquery.cli.display import paint, use_color
         from smiquery.doctor import exit_code, run_checks
 
         results = run_checks(settings.nvidia_smi, settings.timeout)
@@ -83,7 +78,7 @@ def doctor(
             printed: set[str] = set()
             for r in results:
                 word, style = _MARKS[r.status]
-                mark = f"{style}{word:<4}\x1b[0m" if color else f"{word:<4}"
+                mark = paint(f"{word:<4}", style, color)
                 fix = ""
                 if r.fix and r.status in ("warn", "fail"):
                     fix = " -> fix: " + (cli_text(r.fix) if r.fix not in printed else "as above")
@@ -96,5 +91,4 @@ def doctor(
             lines.append(", ".join(counts) or "all checks passed")
             out.write("".join(line + "\n" for line in lines))
         out.flush()
-        if code:
-            raise typer.Exit(code)
+        raise typer.Exit(code)

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 
 import smiquery.cli._export_run as export_run
-from smiquery.cli._boundary import boundary
+from smiquery.cli._boundary import as_usage, boundary
 from smiquery.cli._common import app, seconds_option, settings_of, version_callback
 from smiquery.cli._export_run import LogFormat, Naming, TopBy, hand_off, invalid, run_export
 from smiquery.errors import InvalidFieldError, InvalidGpuIdError, SmiqueryError
@@ -210,9 +210,7 @@ def export(
         }
         if export_run.process_entry:
             hand_off(opts, sys.argv[1:])  # returns only when the process image cannot be replaced
-        code = run_export(opts)
-    if code:
-        raise typer.Exit(code)
+        raise typer.Exit(run_export(opts))
 
 
 def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
@@ -223,15 +221,11 @@ def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
     """
     if not p["bind"].strip():
         raise invalid("--bind", "must be an address such as 127.0.0.1")
-    try:
+    with as_usage("Invalid value for '--fields': {}", InvalidFieldError):
         if p["fields"] != "supported":
             resolve_fields(p["fields"])
-    except InvalidFieldError as exc:
-        raise invalid("--fields", str(exc)) from None
-    try:
+    with as_usage("Invalid value for '--gpus': {}", InvalidGpuIdError):
         normalize_gpus(p["gpus"])
-    except InvalidGpuIdError as exc:
-        raise invalid("--gpus", str(exc)) from None
     if (p["tls_cert"] is None) != (p["tls_key"] is None):
         raise invalid("--tls-cert/--tls-key", "HTTPS needs both --tls-cert and --tls-key")
     if p["client_ca"] is not None and p["tls_cert"] is None:
@@ -243,10 +237,8 @@ def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
 
     if p["slurm"] and (p["kubernetes"] or p["kubernetes_processes"]):
         raise invalid("--slurm", "give either --kubernetes or --slurm, not both")
-    try:
+    with as_usage("Invalid value for '--label': {}", ValueError):
         labels = exporter_mod.parse_labels(p["label"])
-    except ValueError as exc:
-        raise invalid("--label", str(exc)) from None
     taken = sorted({"command", "user"} & set(labels)) if p["top_processes"] else []
     if taken:
         message = f"label name {taken[0]!r} is set by the exporter itself with --top-processes; pick another name"
@@ -254,9 +246,7 @@ def _checked(p: dict[str, Any]) -> tuple[dict[str, str], list[str] | None]:
     rules: list[str] | None = None
     if p["alert"]:
         rules = [] if [a.strip().lower() for a in p["alert"]] == ["none"] else list(p["alert"])
-        try:
+        with as_usage("Invalid value for '--alert': {}", SmiqueryError):
             for text in rules:
                 Rule.parse(text)
-        except SmiqueryError as exc:
-            raise invalid("--alert", str(exc)) from None
     return labels, rules

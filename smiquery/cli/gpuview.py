@@ -234,7 +234,7 @@ class LiveTable:
         cols, lines_avail = self._size()
         now = time.monotonic()
         lost: Collection[object] = stats.get("lost_gpus") or () if stats is not None else ()  # type: ignore[assignment]
-        keys = sorted(self._rows, key=_sort_key)
+        keys = sorted(self._rows, key=lambda k: (0, f"{k:09d}") if isinstance(k, int) else (1, str(k)))
         marks = {k: self._mark(k, self._rows[k], lost, now) for k in keys}
         footer = self._footer(stats, cols, now)
         head = [self._paint(self.title, "header")] if self.title else []
@@ -389,10 +389,6 @@ class LiveTable:
 _SORT_FIELDS = {"util": "utilization.gpu", "mem": "memory.used", "temp": "temperature.gpu", "power": "power.draw"}
 #: The sort keys of the live table.
 SORT_KEYS = {"u": "util", "m": "mem", "t": "temp", "p": "power", "i": "index"}
-
-
-def _sort_key(key: object) -> tuple[int, str]:
-    return (0, f"{key:09d}") if isinstance(key, int) else (1, str(key))
 
 
 def process_label(proc: GpuProcess, user: str | None) -> str:

@@ -10,7 +10,7 @@ import select
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["KEY_HELP", "KeyReader", "Viewport", "parse_keys"]
 
@@ -49,15 +49,14 @@ def parse_keys(data: str) -> list[str]:
 
 
 class KeyReader:
-    """Hands each key (:func:`parse_keys`) typed on ``stream`` (default stdin) to ``on_key``, from a thread.
+    """Hands each key (:func:`parse_keys`) typed on stdin to ``on_key``, from a thread.
 
     A context manager: the terminal is in cbreak mode (Ctrl-C still sends SIGINT) until it is left; nothing
-    happens when ``stream`` is no terminal (a pipe).
+    happens when stdin is no terminal (a pipe).
     """
 
-    def __init__(self, on_key: Callable[[str], None], stream: IO[str] | None = None) -> None:
+    def __init__(self, on_key: Callable[[str], None]) -> None:
         self.on_key = on_key
-        self.stream = stream if stream is not None else sys.stdin
         self._saved: list[Any] | None = None
         self._fd = -1
         self._stop = threading.Event()
@@ -68,7 +67,7 @@ class KeyReader:
             import termios
             import tty
 
-            fd = self.stream.fileno()
+            fd = sys.stdin.fileno()
             if not os.isatty(fd):
                 return self
             self._saved = termios.tcgetattr(fd)

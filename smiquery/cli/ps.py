@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Annotated, Literal
+from typing import IO, TYPE_CHECKING, Annotated, Literal, NamedTuple
 
 import typer
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from smiquery.source import StreamEvent
     from smiquery.sources.pmon import PmonRow
 
-__all__ = ["ProcCache", "ProcInfo", "PsSort", "matches_process", "pmon_interval", "proc_info", "ps", "run_watch"]
+__all__ = ["ProcCache", "ProcInfo", "PsSort", "pmon_interval", "proc_info", "ps", "run_watch"]
 
 _CPU_WINDOW = 0.1  # seconds between the two reads of a process's CPU time
 
@@ -59,19 +59,6 @@ def _cpu_ticks(pid: int) -> int | None:
         return None
 
 
-def matches_process(name: str | None, proc: Path, argv: Sequence[str]) -> bool:
-    """Whether /proc/PID is the process nvidia-smi named (in a container, PIDs are the host's)."""
-    if not name:
-        return True
-    want = os.path.basename(name.split()[0]) if name.split() else name
-    try:
-        comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
-    except OSError:
-        comm = ""
-    seen = {comm, *(os.path.basename(a) for a in argv[:2])}
-    return any(want == s or (len(comm) == 15 and want.startswith(s)) for s in seen if s)
-
-
 def _identity(pid: int, name: str | None) -> ProcInfo | None:
     """User and command line of ``pid``, or None when /proc cannot tell or it is another process than ``name``."""
     from smiquery.sources.pmon import process_user
@@ -82,8 +69,15 @@ def _identity(pid: int, name: str | None) -> ProcInfo | None:
     except OSError:
         return None
     argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
-    if not matches_process(name, proc, argv):
-        return None  # another PID namespace: this pid is someone else here
+    if name:  # in a container, PIDs are the host's: this pid may be someone else here
+        want = os.path.basename(name.split()[0]) if name.split() else name
+        try:
+            comm = (proc / "comm").read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            comm = ""
+        seen = {comm, *(os.path.basename(a) for a in argv[:2])}
+        if not any(want == s or (len(comm) == 15 and want.startswith(s)) for s in seen if s):
+            return None
     return ProcInfo(process_user(pid), " ".join(argv) or None)
 
 
@@ -190,7 +184,7 @@ def _records(instant: Sequence[PmonRow], sort: str, procs: ProcCache) -> list[di
 
     rows = sorted((r for r in instant if not r.idle), key=lambda r: (r.gpu if r.gpu is not None else -1, r.pid or 0))
     rows = sort_rows(rows, sort, descending=sort in _DESCENDING)
-    stamp = _instant_time(instant)
+    stamp = _instant_time(instant).isoformat()  # as CSV and JSON show it (a table shows no time column)
     out: list[dict[str, object]] = []
     for r in rows:
         info = procs.lookup(r.pid, r.command) if r.pid is not None else ProcInfo()
@@ -257,37 +251,25 @@ class _Blocks:
             text = f"# {when.isoformat(sep=' ')}{_idle_note(instant)}\n"
             text += render(records, "table", columns=self.columns, empty="no processes") + "\n"
         elif self.form == "json":
-            text = json.dumps([_json_ready(r) for r in records]) + "\n"  # one array per instant, one per line
+            text = json.dumps(records) + "\n"  # one array per instant, one per line
         else:
-            text = render([_json_ready(r) for r in records], self.form, columns=self.columns)
+            text = render(records, self.form, columns=self.columns)
             if self.form == "csv":
                 text = text.partition("\n")[2] if self._header_done else text
                 self._header_done = True
         self.out.write(text)
         self.out.flush()
 
-    def note(self, line: str) -> None:
-        say(line)
-
-    def close(self) -> None:
-        """Nothing to restore."""
-
-
-def _json_ready(record: dict[str, object]) -> dict[str, object]:
-    when = record.get("time")
-    return {**record, "time": when.isoformat() if isinstance(when, datetime) else when}
-
 
 class _Live:
     """A terminal: the table redrawn in place every interval (cursor home, lines rewritten, the rest cleared)."""
 
-    def __init__(self, out: IO[str], title: str, *, events_here: bool) -> None:
+    def __init__(self, out: IO[str], title: str) -> None:
         from smiquery.cli.display import use_color
 
         self.out = out
         self.title = title
         self.color = use_color(out)
-        self.events_here = events_here
         self.columns = _columns(True)
         self._events: list[str] = []
         self._records: list[dict[str, object]] = []
@@ -299,11 +281,6 @@ class _Live:
         self._records = records
         self._after = [f"sampled {_instant_time(instant).strftime('%H:%M:%S')}{_idle_note(instant)}"]
         self.draw()
-
-    def key(self, key: str) -> None:
-        """Scroll or filter the processes (arrows, PgUp/PgDn, Home/End, ``/``)."""
-        if self.view.key(key):
-            self.draw()
 
     def _body(self, room: int) -> list[str]:
         """The table with the rows that fit ``room`` lines, and a line saying which are shown of how many."""
@@ -322,9 +299,7 @@ class _Live:
         return [*table, "", *([where] if where else []), *self._after]
 
     def note(self, line: str) -> None:
-        if not self.events_here:
-            say(line)
-            return
+        """A notice for the legend (stderr is this terminal: a line there would tear the table)."""
         self._events.append(line.removeprefix("smiquery: "))
         del self._events[:-4]
         self.draw()
@@ -351,8 +326,7 @@ class _Live:
             show_cursor(self.out)
 
 
-@dataclass(frozen=True)
-class _Instant:
+class _Instant(NamedTuple):
     """One instant of the pmon child watching group ``group`` of the GPUs."""
 
     group: int
@@ -445,7 +419,7 @@ def run_watch(
     if is_tty(out) and form == "table":
         children = f" · {len(sources)} pmon children" if len(sources) > 1 else ""
         title = f"smiquery ps --watch · every {interval} s · sorted by {sort}{children} · {sources[0].argv[0]}"
-        view = _Live(out, title, events_here=is_tty(sys.stderr))
+        view = _Live(out, title)
     else:
         view = _Blocks(out, form)
     procs = ProcCache()
@@ -455,6 +429,7 @@ def run_watch(
     shown = 0
     ended = 0
     live = view if isinstance(view, _Live) else None
+    note = live.note if live is not None and is_tty(sys.stderr) else say
     reader = KeyReader(items.put) if live is not None else contextlib.nullcontext()
     with Signals() as sigs, reader:
         try:
@@ -472,16 +447,16 @@ def run_watch(
                     item = items.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if isinstance(item, str):  # a key typed
-                    if live is not None:
-                        live.key(item)
+                if isinstance(item, str):  # a key typed: scroll or filter
+                    if live is not None and live.view.key(item):
+                        live.draw()
                 elif isinstance(item, SourceEvent):
                     if item.event.kind == "error" and pmon_unsupported(item.event.error):
                         failure = item.event.error  # pmon said so: restarting cannot help
                         break
                     line = _event_line(item.event)
                     if line is not None:
-                        view.note(line)
+                        note(line)
                 elif isinstance(item, Failure):
                     failure = item.exc
                     break
@@ -505,7 +480,8 @@ def run_watch(
                     src.close()  # each reaps its own child
             for thread in threads:
                 thread.join(max(10.0, 2.0 * interval))
-            view.close()
+            if live is not None:
+                live.close()
             code = sigs.exit_code
     if failure is not None and code == 0:
         with gpu_ids_checked(ids, settings):
@@ -582,10 +558,7 @@ def ps(
     with boundary(settings.debug):
         if watch:
             stop_after = parse_seconds(duration, "--duration") if duration is not None else None
-            code = run_watch(settings, gpus, pmon_interval(interval), count, stop_after, sort or "sm", fmt)
-            if code:
-                raise typer.Exit(code)
-            return
+            raise typer.Exit(run_watch(settings, gpus, pmon_interval(interval), count, stop_after, sort or "sm", fmt))
         options = (("--interval", interval), ("--duration", duration), ("--count", count), ("--sort", sort))
         given = [name for name, value in options if value]
         if given:
@@ -602,19 +575,19 @@ def ps(
         records: list[dict[str, object]] = []
         for p in procs:
             extra = info.get(p.pid, ProcInfo()) if p.pid is not None else ProcInfo()
-            rec: dict[str, object] = {
-                "gpu_index": p.gpu_index,
-                "gpu_uuid": p.gpu_uuid,
-                "pid": p.pid,
-                "user": extra.user,
-                "cpu_percent": extra.cpu_percent,
-                "used_memory": p.used_memory,
-                "process_name": p.process_name,
-                "command": extra.command,
-            }
-            if p.missing:
-                rec["_missing"] = dict(p.missing)
-            records.append(rec)
+            records.append(
+                {
+                    "gpu_index": p.gpu_index,
+                    "gpu_uuid": p.gpu_uuid,
+                    "pid": p.pid,
+                    "user": extra.user,
+                    "cpu_percent": extra.cpu_percent,
+                    "used_memory": p.used_memory,
+                    "process_name": p.process_name,
+                    "command": extra.command,
+                    **({"_missing": dict(p.missing)} if p.missing else {}),
+                }
+            )
         table = form == "table"
         columns = [
             Column("gpu_index", "gpu" if table else "gpu_index", right=True),
@@ -632,10 +605,7 @@ def ps(
 
 
 def pmon_interval(text: str | None) -> int:
-    """``--interval`` as pmon takes it: whole seconds, 1 to 10 (shorter or fractional: rounded up, with a note).
-
-    A UsageError for no duration or one over 10 s.
-    """
+    """``--interval`` as pmon takes it: whole seconds 1 to 10 (else rounded up, with a note); UsageError past 10 s."""
     if text is None:
         return 1
     seconds = parse_seconds(text, "--interval")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from smiquery.cli._boundary import ExitCode, boundary, cli_text, quiet_stdout, say
+from smiquery.cli._boundary import ExitCode, as_usage, boundary, cli_text, quiet_stdout, say
 from smiquery.cli._common import GpusOpt, StreamFormatOpt, app, fields_option, settings_of
 from smiquery.cli._options import (
     Settings,
@@ -538,19 +538,15 @@ def stream(
 
             if run.evaluator is None:
                 raise UsageError("--on-alert needs at least one --alert rule")
-            try:
+            with as_usage("--on-alert: {}", ValueError):
                 handlers = [handler_from_spec(spec, nvidia_smi=settings.nvidia_smi) for spec in on_alert]
-            except ValueError as exc:
-                raise UsageError(f"--on-alert: {exc}") from None
             run.notifier = Notifier(run.evaluator, handlers)
         if ids and replay is None:
             # a live source retries "No devices were found" forever: asked once, the answer is kept
             wrong = functools.cache(lambda: unknown_gpus(ids, settings))
             run.check_error = lambda exc: wrong() if isinstance(exc, NoDevicesFoundError) else None
         with gpu_ids_checked(ids if replay is None else None, settings), reopen_on_hup(run.writers):
-            code = run.pump(count=count, stop_after=stop_after, interval=seconds)
-        if code:
-            raise typer.Exit(code)
+            raise typer.Exit(run.pump(count=count, stop_after=stop_after, interval=seconds))
 
 
 def _rules(alerts: Sequence[str]) -> tuple[list[Rule], tuple[Field, ...]]:
@@ -558,10 +554,8 @@ def _rules(alerts: Sequence[str]) -> tuple[list[Rule], tuple[Field, ...]]:
     from smiquery.alerts import Rule
     from smiquery.errors import InvalidRuleError
 
-    try:
+    with as_usage("--alert: {}", InvalidRuleError):
         rules = [Rule.parse(a) for a in alerts]
-    except InvalidRuleError as exc:
-        raise UsageError(f"--alert: {exc}") from None
     needed = [f for r in rules for f in r.fields]  # `while` fields too
     if any(r.hold_seconds is not None for r in rules):
         needed.insert(0, get_field("timestamp"))  # `for 5m` is measured by the samples' own timestamps
@@ -609,10 +603,8 @@ def _open_replay(
             lacking = [f.name for f in rule_fields if f.name not in have]
             if lacking:
                 raise ReplayError(f"recording {path} has no {', '.join(lacking)} for --alert")
-    try:
+    with as_usage("{}", ValueError):
         replayed = Replay(path, fields=[f.name for f in wanted] if wanted else None, columns=columns, **common)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
     title = f"smiquery stream · replay {path.name} at {speed:g}x" if speed else f"replay {path.name}"
     return replayed, replayed.fields, title
 
@@ -691,22 +683,19 @@ def record(ctx: typer.Context) -> None:
         raise UsageError(f"there is no `smiquery record`: record with `{command}`, then `smiquery report` the file")
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
-
-
 def parse_rotate(text: str) -> tuple[int | None, float | None]:
     """``--rotate``: (bytes, None) for ``100MB`` (``64MiB``: 1024s), (None, seconds) for ``1h``; else UsageError."""
     wrong = UsageError(f"--rotate {text!r}: give a size such as 100MB or 1GB, or a duration such as 1h or 30m")
-    if re.search(r"b\s*$", text, re.IGNORECASE) or re.search(r"\d\s*[kgt]i?\s*$", text, re.IGNORECASE):
-        m = _SIZE_RE.match(text)
-        if m is None or float(m.group(1)) <= 0:
-            raise wrong
-        power = " kmgt".index(m.group(2).lower() or " ")
-        return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power), None
-    try:
-        return None, parse_seconds(text, "--rotate")
-    except UsageError:
-        raise wrong from None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", text, re.IGNORECASE)
+    if m is None or not (m.group(4) or m.group(2).lower() in ("k", "g", "t")):  # no size: 10m is ten minutes
+        try:
+            return None, parse_seconds(text, "--rotate")
+        except UsageError:
+            raise wrong from None
+    if float(m.group(1)) <= 0:
+        raise wrong
+    power = " kmgt".index(m.group(2).lower() or " ")
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power), None
 
 
 def recording_options(

@@ -45,12 +45,12 @@ Examples:
 """
 
 
-def _num(v: float | None, digits: int = 0) -> str:
-    return "n/a" if v is None else f"{v:.{digits}f}"
+def _num(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.0f}"
 
 
 def _row(g: FleetGpu, with_name: bool, with_pod: bool) -> list[str]:
-    mem = "n/a" if g.memory_used is None else f"{g.memory_used:.0f}/{_num(g.memory_total)}"
+    mem = "n/a" if g.memory_used is None else f"{_num(g.memory_used)}/{_num(g.memory_total)}"
     cells = [g.instance, g.gpu or "?"]
     if with_name:
         cells.append(g.name)
@@ -216,8 +216,7 @@ def top(
             finally:
                 with contextlib.suppress(OSError):
                     sys.stdout.flush()
-        if sigs.signum is not None:
-            raise typer.Exit(sigs.exit_code)
+        raise typer.Exit(sigs.exit_code)
 
 
 def _show(gpus: Sequence[FleetGpu], title: str, total: int, error: str, view: Viewport, tty: bool) -> None:
