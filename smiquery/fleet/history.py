@@ -284,9 +284,8 @@ def fleet_frame(
                 col[np.searchsorted(times, t[keep])] = v[keep]
             value_parts[f].append(col)
         per_gpu.append(FleetGpuInfo(i, key.instance, key.gpu, key.uuid, **ident[key]))
-    stamps = pd.to_datetime(np.round(np.concatenate(stamp_parts) * 1000).astype(np.int64), unit="ms", utc=True).as_unit(
-        "ns"
-    )
+    millis = np.round(np.concatenate(stamp_parts) * 1000).astype(np.int64)
+    stamps = pd.to_datetime(millis, unit="ms", utc=True).as_unit("ns")
     text = string_dtype()
     rows_of = np.repeat(np.arange(len(keys)), [len(t) for t in stamp_parts])
 
@@ -349,16 +348,18 @@ def _steady(
         if changed == 0 and series in values and name and owners[name, uuid] == 1:
             held.setdefault(name, {})[uuid] = series
     steady: list[dict[str, Any]] = []
+    skipped: dict[str, list[str]] = {}  # UUID label -> the values of the steady series, left out of the raw read
     for name, of in held.items():
         only = f"{name}=~{_alternatives(of)}"
         for row in client.query(f"count_over_time({selector(metric, node, only)}{window})", at):
-            got = of.get(row.get("metric", {}).get(name, ""))
+            uuid = row.get("metric", {}).get(name, "")
+            got = of.get(uuid)
             if got is not None and tuple(sorted(row["metric"].items())) == got:
                 steady.append({"metric": dict(got), "count": int(float(row["value"][1])), "value": values[got]})
+                skipped.setdefault(name, []).append(uuid)
     if len(steady) == len(changes):
         return steady, None
-    kept = {name: {dict(s["metric"])[name] for s in steady if name in s["metric"]} for name in held}
-    return steady, ",".join(f"{name}!~{_alternatives(of)}" for name, of in kept.items() if of)
+    return steady, ",".join(f"{name}!~{_alternatives(of)}" for name, of in skipped.items())
 
 
 def _alternatives(values: Iterable[str]) -> str:
